@@ -1,0 +1,412 @@
+#include "engine/config.h"
+
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <stdexcept>
+
+#include "engine/safetensors.h"
+
+namespace hypic::engine {
+
+namespace {
+
+using nlohmann::json;
+
+constexpr std::string_view kSupportedTypes = "qwen3_next, qwen3_5, qwen3_5_text, qwen3_5_moe, qwen3_5_moe_text";
+
+bool is_qwen35_moe(std::string_view t) { return t == "qwen3_5_moe" || t == "qwen3_5_moe_text"; }
+bool is_qwen35_dense(std::string_view t) { return t == "qwen3_5" || t == "qwen3_5_text"; }
+bool is_nested(std::string_view t) { return t == "qwen3_5" || t == "qwen3_5_moe"; }
+
+std::invalid_argument field_error(std::string_view origin, std::string_view field, const std::string& what) {
+  return std::invalid_argument(std::string(origin) + ": field '" + std::string(field) + "' " + what);
+}
+
+/// Reads `key` from `obj` as T; absent or null -> `fallback`; wrong JSON type -> invalid_argument.
+template <typename T>
+T get_or(const json& obj, std::string_view origin, const char* key, T fallback) {
+  auto it = obj.find(key);
+  if (it == obj.end() || it->is_null()) return fallback;
+  try {
+    return it->get<T>();
+  } catch (const json::exception&) {
+    throw field_error(origin, key, "has the wrong type (value " + it->dump() + ")");
+  }
+}
+
+template <typename T>
+T get_required(const json& obj, std::string_view origin, const char* key) {
+  auto it = obj.find(key);
+  if (it == obj.end() || it->is_null()) throw field_error(origin, key, "is missing");
+  return get_or<T>(obj, origin, key, T{});
+}
+
+void require_positive(std::string_view origin, const char* field, int64_t v) {
+  if (v <= 0) throw field_error(origin, field, "must be > 0, got " + std::to_string(v));
+}
+
+void require_multiple(std::string_view origin, const char* field, int64_t v, const char* of_field, int64_t of) {
+  if (v % of != 0)
+    throw field_error(origin, field, std::to_string(v) + " is not a multiple of " + of_field + " " + std::to_string(of));
+}
+
+std::string read_file_text(const std::filesystem::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  if (!in) throw std::runtime_error("cannot open config file " + p.string());
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  if (!in.good() && !in.eof()) throw std::runtime_error("error reading config file " + p.string());
+  return ss.str();
+}
+
+/// Reads RoPE settings: transformers 5.x `rope_parameters`, else legacy top-level fields.
+void parse_rope(const json& t, std::string_view origin, ModelConfig& c) {
+  c.rope_theta = get_or<double>(t, origin, "rope_theta", 10000.0);
+  c.partial_rotary_factor = get_or<double>(t, origin, "partial_rotary_factor", 0.25);
+  auto check_type = [&](const json& obj, const char* field) {
+    std::string type = get_or<std::string>(obj, origin, "rope_type", get_or<std::string>(obj, origin, "type", "default"));
+    if (type != "default")
+      throw field_error(origin, field, "has rope_type '" + type + "'; only the default (unscaled) RoPE is supported");
+  };
+  if (auto it = t.find("rope_parameters"); it != t.end() && !it->is_null()) {
+    if (!it->is_object()) throw field_error(origin, "rope_parameters", "must be an object, got " + it->dump());
+    check_type(*it, "rope_parameters");
+    c.rope_theta = get_or<double>(*it, origin, "rope_theta", c.rope_theta);
+    c.partial_rotary_factor = get_or<double>(*it, origin, "partial_rotary_factor", c.partial_rotary_factor);
+  }
+  if (auto it = t.find("rope_scaling"); it != t.end() && !it->is_null()) {
+    if (!it->is_object()) throw field_error(origin, "rope_scaling", "must be an object, got " + it->dump());
+    check_type(*it, "rope_scaling");
+  }
+}
+
+}  // namespace
+
+std::string_view layer_type_name(LayerType t) {
+  return t == LayerType::Linear ? "linear_attention" : "full_attention";
+}
+
+LayerType parse_layer_type(std::string_view name) {
+  // "mamba" / "attention" are the legacy names transformers remaps (remap_legacy_layer_types).
+  if (name == "linear_attention" || name == "mamba") return LayerType::Linear;
+  if (name == "full_attention" || name == "attention") return LayerType::FullAttention;
+  throw std::invalid_argument("unknown layer type '" + std::string(name) +
+                              "' (expected linear_attention or full_attention)");
+}
+
+bool ModelConfig::is_moe_layer(int i) const {
+  if (i < 0 || i >= num_hidden_layers)
+    throw std::out_of_range("layer index " + std::to_string(i) + " out of range [0, " +
+                            std::to_string(num_hidden_layers) + ")");
+  if (num_experts <= 0) return false;
+  if (std::find(mlp_only_layers.begin(), mlp_only_layers.end(), i) != mlp_only_layers.end()) return false;
+  return (i + 1) % decoder_sparse_step == 0;
+}
+
+int64_t ModelConfig::conv_dim() const { return 2 * linear_q_dim() + linear_v_dim(); }
+
+int ModelConfig::rotary_dim() const { return static_cast<int>(head_dim * partial_rotary_factor); }
+
+int ModelConfig::num_linear_layers() const {
+  return static_cast<int>(std::count(layer_types.begin(), layer_types.end(), LayerType::Linear));
+}
+
+int ModelConfig::num_attention_layers() const {
+  return static_cast<int>(std::count(layer_types.begin(), layer_types.end(), LayerType::FullAttention));
+}
+
+namespace {
+int index_among(const std::vector<LayerType>& types, int layer, LayerType want) {
+  if (layer < 0 || layer >= static_cast<int>(types.size()))
+    throw std::out_of_range("layer index " + std::to_string(layer) + " out of range [0, " +
+                            std::to_string(types.size()) + ")");
+  if (types[layer] != want)
+    throw std::invalid_argument("layer " + std::to_string(layer) + " is " + std::string(layer_type_name(types[layer])) +
+                                ", not " + std::string(layer_type_name(want)));
+  return static_cast<int>(std::count(types.begin(), types.begin() + layer, want));
+}
+}  // namespace
+
+int ModelConfig::linear_index(int layer) const { return index_among(layer_types, layer, LayerType::Linear); }
+int ModelConfig::attention_index(int layer) const {
+  return index_among(layer_types, layer, LayerType::FullAttention);
+}
+
+int64_t ModelConfig::linear_state_bytes() const {
+  const int64_t ssm = int64_t(linear_num_value_heads) * linear_key_head_dim * linear_value_head_dim;
+  const int64_t conv = int64_t(linear_conv_kernel_dim - 1) * conv_dim();
+  return (ssm + conv) * int64_t(sizeof(float));
+}
+
+int64_t ModelConfig::kv_bytes_per_token() const {
+  return int64_t(num_attention_layers()) * 2 * num_key_value_heads * head_dim * int64_t(sizeof(float));
+}
+
+void ModelConfig::validate() const {
+  const std::string origin = "config (" + model_type + ")";
+  require_positive(origin, "vocab_size", vocab_size);
+  require_positive(origin, "hidden_size", hidden_size);
+  require_positive(origin, "num_hidden_layers", num_hidden_layers);
+  if (static_cast<int>(layer_types.size()) != num_hidden_layers)
+    throw field_error(origin, "layer_types", "has " + std::to_string(layer_types.size()) + " entries but num_hidden_layers is " +
+                                                 std::to_string(num_hidden_layers));
+  if (!(rms_norm_eps > 0)) throw field_error(origin, "rms_norm_eps", "must be > 0");
+  if (num_attention_layers() > 0) {
+    require_positive(origin, "num_attention_heads", num_attention_heads);
+    require_positive(origin, "num_key_value_heads", num_key_value_heads);
+    require_positive(origin, "head_dim", head_dim);
+    require_multiple(origin, "num_attention_heads", num_attention_heads, "num_key_value_heads", num_key_value_heads);
+    if (!(rope_theta > 0)) throw field_error(origin, "rope_theta", "must be > 0");
+    if (!(partial_rotary_factor > 0 && partial_rotary_factor <= 1))
+      throw field_error(origin, "partial_rotary_factor", "must be in (0, 1]");
+    if (rotary_dim() % 2 != 0 || rotary_dim() == 0)
+      throw field_error(origin, "partial_rotary_factor",
+                        "gives rotary_dim " + std::to_string(rotary_dim()) + ", which must be even and > 0");
+  }
+  if (num_linear_layers() > 0) {
+    require_positive(origin, "linear_num_key_heads", linear_num_key_heads);
+    require_positive(origin, "linear_num_value_heads", linear_num_value_heads);
+    require_positive(origin, "linear_key_head_dim", linear_key_head_dim);
+    require_positive(origin, "linear_value_head_dim", linear_value_head_dim);
+    require_positive(origin, "linear_conv_kernel_dim", linear_conv_kernel_dim);
+    require_multiple(origin, "linear_num_value_heads", linear_num_value_heads, "linear_num_key_heads",
+                     linear_num_key_heads);
+  }
+  if (decoder_sparse_step <= 0)
+    throw field_error(origin, "decoder_sparse_step", "must be > 0, got " + std::to_string(decoder_sparse_step));
+  for (int l : mlp_only_layers)
+    if (l < 0 || l >= num_hidden_layers)
+      throw field_error(origin, "mlp_only_layers", "contains layer " + std::to_string(l) + " outside [0, " +
+                                                       std::to_string(num_hidden_layers) + ")");
+  bool any_moe = false, any_dense = false;
+  for (int i = 0; i < num_hidden_layers; ++i) (is_moe_layer(i) ? any_moe : any_dense) = true;
+  if (any_moe) {
+    require_positive(origin, "num_experts_per_tok", num_experts_per_tok);
+    require_positive(origin, "moe_intermediate_size", moe_intermediate_size);
+    if (num_experts_per_tok > num_experts)
+      throw field_error(origin, "num_experts_per_tok", std::to_string(num_experts_per_tok) + " exceeds num_experts " +
+                                                           std::to_string(num_experts));
+    if (shared_expert_intermediate_size < 0)
+      throw field_error(origin, "shared_expert_intermediate_size", "must be >= 0");
+  }
+  if (any_dense) require_positive(origin, "intermediate_size", intermediate_size);
+}
+
+ModelConfig parse_config(std::string_view json_text, std::string_view origin) {
+  json root;
+  try {
+    root = json::parse(json_text);
+  } catch (const json::parse_error& e) {
+    throw std::runtime_error(std::string(origin) + ": not valid JSON: " + e.what());
+  }
+  if (!root.is_object()) throw std::runtime_error(std::string(origin) + ": top level is not a JSON object");
+
+  ModelConfig c;
+  c.model_type = get_required<std::string>(root, origin, "model_type");
+  const bool known = c.model_type == "qwen3_next" || is_qwen35_dense(c.model_type) || is_qwen35_moe(c.model_type);
+  if (!known)
+    throw std::invalid_argument(std::string(origin) + ": unknown model_type '" + c.model_type +
+                                "' (supported: " + std::string(kSupportedTypes) + ")");
+
+  // Nested Qwen3.5 configs keep the language model's fields in text_config.
+  const json* t = &root;
+  std::string text_origin(origin);
+  if (is_nested(c.model_type)) {
+    auto it = root.find("text_config");
+    if (it == root.end() || !it->is_object())
+      throw field_error(origin, "text_config", "is missing or not an object (required for model_type " + c.model_type + ")");
+    t = &*it;
+    text_origin += " text_config";
+    const std::string want = c.model_type + "_text";
+    const std::string inner = get_or<std::string>(*t, text_origin, "model_type", want);
+    if (inner != want)
+      throw field_error(text_origin, "model_type", "is '" + inner + "', expected '" + want + "'");
+  }
+  const std::string_view o = text_origin;
+
+  c.vocab_size = get_required<int64_t>(*t, o, "vocab_size");
+  c.hidden_size = get_required<int64_t>(*t, o, "hidden_size");
+  c.num_hidden_layers = get_required<int>(*t, o, "num_hidden_layers");
+  c.rms_norm_eps = get_or<double>(*t, o, "rms_norm_eps", 1e-6);
+  c.max_position_embeddings = get_or<int64_t>(*t, o, "max_position_embeddings", 0);
+
+  const std::string act = get_or<std::string>(*t, o, "hidden_act", "silu");
+  if (act != "silu") throw field_error(o, "hidden_act", "is '" + act + "'; only silu is supported");
+  if (get_or<bool>(*t, o, "attention_bias", false))
+    throw field_error(o, "attention_bias", "is true; attention projections with bias are not supported");
+
+  c.num_attention_heads = get_required<int>(*t, o, "num_attention_heads");
+  c.num_key_value_heads = get_or<int>(*t, o, "num_key_value_heads", c.num_attention_heads);
+  c.head_dim = get_or<int>(*t, o, "head_dim", 0);
+  if (c.head_dim == 0 && c.num_attention_heads > 0) c.head_dim = static_cast<int>(c.hidden_size / c.num_attention_heads);
+  // Qwen3NextAttention always gates its output; Qwen3.5 reads attn_output_gate (default true).
+  c.attn_output_gate = c.model_type == "qwen3_next" || get_or<bool>(*t, o, "attn_output_gate", true);
+  parse_rope(*t, o, c);
+
+  c.linear_num_key_heads = get_required<int>(*t, o, "linear_num_key_heads");
+  c.linear_num_value_heads = get_required<int>(*t, o, "linear_num_value_heads");
+  c.linear_key_head_dim = get_required<int>(*t, o, "linear_key_head_dim");
+  c.linear_value_head_dim = get_required<int>(*t, o, "linear_value_head_dim");
+  c.linear_conv_kernel_dim = get_or<int>(*t, o, "linear_conv_kernel_dim", 4);
+
+  c.intermediate_size = get_or<int64_t>(*t, o, "intermediate_size", 0);
+  if (is_qwen35_dense(c.model_type)) {
+    if (get_or<int>(*t, o, "num_experts", 0) != 0)
+      throw field_error(o, "num_experts", "is set but model_type " + c.model_type + " is the dense Qwen3.5");
+  } else {
+    c.num_experts = get_required<int>(*t, o, "num_experts");
+    c.num_experts_per_tok = get_required<int>(*t, o, "num_experts_per_tok");
+    c.moe_intermediate_size = get_required<int64_t>(*t, o, "moe_intermediate_size");
+    c.shared_expert_intermediate_size = get_or<int64_t>(*t, o, "shared_expert_intermediate_size", 0);
+    if (c.model_type == "qwen3_next") {
+      c.norm_topk_prob = get_or<bool>(*t, o, "norm_topk_prob", true);
+      c.decoder_sparse_step = get_or<int>(*t, o, "decoder_sparse_step", 1);
+      c.mlp_only_layers = get_or<std::vector<int>>(*t, o, "mlp_only_layers", {});
+    } else {
+      // Qwen3.5-MoE: every layer is sparse and the router always renormalises (Qwen3VLMoeTextTopKRouter).
+      c.norm_topk_prob = true;
+      c.decoder_sparse_step = 1;
+    }
+  }
+
+  // tie_word_embeddings: nested configs carry it at the top level (Qwen3_5Config); fall back to text_config.
+  c.tie_word_embeddings = get_or<bool>(*t, o, "tie_word_embeddings", false);
+  if (is_nested(c.model_type)) c.tie_word_embeddings = get_or<bool>(root, origin, "tie_word_embeddings", c.tie_word_embeddings);
+
+  if (auto it = t->find("layer_types"); it != t->end() && !it->is_null()) {
+    if (!it->is_array()) throw field_error(o, "layer_types", "must be a list of strings, got " + it->dump());
+    for (const auto& e : *it) {
+      if (!e.is_string()) throw field_error(o, "layer_types", "contains a non-string entry " + e.dump());
+      try {
+        c.layer_types.push_back(parse_layer_type(e.get<std::string>()));
+      } catch (const std::invalid_argument& err) {
+        throw field_error(o, "layer_types", err.what());
+      }
+    }
+  } else {
+    const int interval = get_or<int>(*t, o, "full_attention_interval", 4);
+    if (interval <= 0) throw field_error(o, "full_attention_interval", "must be > 0, got " + std::to_string(interval));
+    for (int i = 0; i < c.num_hidden_layers; ++i)
+      c.layer_types.push_back((i + 1) % interval == 0 ? LayerType::FullAttention : LayerType::Linear);
+  }
+  c.validate();
+  return c;
+}
+
+ModelConfig load_config(const std::filesystem::path& path) {
+  std::filesystem::path file = path;
+  const bool is_dir = std::filesystem::is_directory(path);
+  if (is_dir) file = path / "config.json";
+  if (!std::filesystem::exists(file)) throw std::runtime_error("config file not found: " + file.string());
+  ModelConfig c = parse_config(read_file_text(file), file.string());
+  if (is_dir && has_safetensors(path)) c.weights_digest = weights_identity(path);
+  return c;
+}
+
+std::string config_to_json(const ModelConfig& c) {
+  json t;
+  t["vocab_size"] = c.vocab_size;
+  t["hidden_size"] = c.hidden_size;
+  t["num_hidden_layers"] = c.num_hidden_layers;
+  json lt = json::array();
+  for (auto x : c.layer_types) lt.push_back(std::string(layer_type_name(x)));
+  t["layer_types"] = lt;
+  t["rms_norm_eps"] = c.rms_norm_eps;
+  if (c.max_position_embeddings > 0) t["max_position_embeddings"] = c.max_position_embeddings;
+  t["hidden_act"] = "silu";
+  t["attention_bias"] = false;
+  t["num_attention_heads"] = c.num_attention_heads;
+  t["num_key_value_heads"] = c.num_key_value_heads;
+  t["head_dim"] = c.head_dim;
+  t["rope_parameters"] = {{"rope_type", "default"},
+                          {"rope_theta", c.rope_theta},
+                          {"partial_rotary_factor", c.partial_rotary_factor}};
+  if (c.model_type != "qwen3_next") t["attn_output_gate"] = c.attn_output_gate;
+  t["linear_num_key_heads"] = c.linear_num_key_heads;
+  t["linear_num_value_heads"] = c.linear_num_value_heads;
+  t["linear_key_head_dim"] = c.linear_key_head_dim;
+  t["linear_value_head_dim"] = c.linear_value_head_dim;
+  t["linear_conv_kernel_dim"] = c.linear_conv_kernel_dim;
+  if (c.intermediate_size > 0) t["intermediate_size"] = c.intermediate_size;
+  if (c.num_experts > 0) {
+    t["num_experts"] = c.num_experts;
+    t["num_experts_per_tok"] = c.num_experts_per_tok;
+    t["moe_intermediate_size"] = c.moe_intermediate_size;
+    t["shared_expert_intermediate_size"] = c.shared_expert_intermediate_size;
+    if (c.model_type == "qwen3_next") {
+      t["norm_topk_prob"] = c.norm_topk_prob;
+      t["decoder_sparse_step"] = c.decoder_sparse_step;
+      t["mlp_only_layers"] = c.mlp_only_layers;
+    }
+  }
+  t["tie_word_embeddings"] = c.tie_word_embeddings;
+
+  json root;
+  if (is_nested(c.model_type)) {
+    t["model_type"] = c.model_type + "_text";
+    root["model_type"] = c.model_type;
+    root["architectures"] = {c.model_type == "qwen3_5" ? "Qwen3_5ForConditionalGeneration"
+                                                        : "Qwen3_5MoeForConditionalGeneration"};
+    root["tie_word_embeddings"] = c.tie_word_embeddings;
+    root["text_config"] = t;
+  } else {
+    root = t;
+    root["model_type"] = c.model_type;
+    const char* arch = c.model_type == "qwen3_next"      ? "Qwen3NextForCausalLM"
+                       : c.model_type == "qwen3_5_text" ? "Qwen3_5ForCausalLM"
+                                                        : "Qwen3_5MoeForCausalLM";
+    root["architectures"] = {arch};
+  }
+  return root.dump(2) + "\n";
+}
+
+std::string ModelConfig::fingerprint() const {
+  // Canonical text of every field that changes the math, then the weights identity. %.17g keeps
+  // doubles exact; the order is fixed, so the digest is stable across runs and machines.
+  std::string s = "hypic-config-v1|" + model_type;
+  char buf[64];
+  auto add_i = [&](const char* k, int64_t v) { s += "|" + std::string(k) + "=" + std::to_string(v); };
+  auto add_d = [&](const char* k, double v) {
+    std::snprintf(buf, sizeof buf, "%.17g", v);
+    s += "|" + std::string(k) + "=" + buf;
+  };
+  add_i("vocab", vocab_size);
+  add_i("hidden", hidden_size);
+  add_i("layers", num_hidden_layers);
+  s += "|types=";
+  for (auto t : layer_types) s += t == LayerType::Linear ? 'L' : 'F';
+  add_d("eps", rms_norm_eps);
+  add_i("nh", num_attention_heads);
+  add_i("nkv", num_key_value_heads);
+  add_i("hd", head_dim);
+  add_d("theta", rope_theta);
+  add_d("prf", partial_rotary_factor);
+  add_i("gate", attn_output_gate);
+  add_i("lnk", linear_num_key_heads);
+  add_i("lnv", linear_num_value_heads);
+  add_i("ldk", linear_key_head_dim);
+  add_i("ldv", linear_value_head_dim);
+  add_i("lK", linear_conv_kernel_dim);
+  add_i("inter", intermediate_size);
+  add_i("E", num_experts);
+  add_i("topk", num_experts_per_tok);
+  add_i("moeI", moe_intermediate_size);
+  add_i("sharedI", shared_expert_intermediate_size);
+  add_i("normtopk", norm_topk_prob);
+  add_i("step", decoder_sparse_step);
+  s += "|mlp_only=";
+  for (int l : mlp_only_layers) s += std::to_string(l) + ",";
+  add_i("tie", tie_word_embeddings);
+  s += "|weights=" + weights_digest;
+  const XXH128_hash_t h = XXH3_128bits(s.data(), s.size());
+  std::snprintf(buf, sizeof buf, "%016llx%016llx", static_cast<unsigned long long>(h.high64),
+                static_cast<unsigned long long>(h.low64));
+  return buf;
+}
+
+}  // namespace hypic::engine

@@ -1,0 +1,115 @@
+// Model weights in ONE internal fp32 layout, whatever layout the checkpoint used:
+//  - transformers 5.17 save_pretrained (fused experts `mlp.experts.gate_up_proj` [E,2I,H] and
+//    `mlp.experts.down_proj` [E,H,I]; `model.` prefix),
+//  - released checkpoints (per-expert `mlp.experts.{e}.{gate,up,down}_proj.weight`; Qwen3.5's
+//    `model.language_model.` prefix; Qwen3-Next's grouped `in_proj_qkvz` / `in_proj_ba`).
+// `mtp.*` and `model.visual.*` tensors are ignored. All matrices are row-major [out][in] like
+// torch.nn.Linear.weight, so y = W x is a GEMM with W's rows as outputs.
+#pragma once
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "engine/config.h"
+
+namespace hypic::engine {
+
+/// Owning dense fp32 tensor, row-major, with its shape.
+struct Tensor {
+  std::vector<int64_t> shape;
+  std::vector<float> data;
+
+  int64_t numel() const;                 ///< product of shape (1 for a scalar, 0 if empty shape list is {0})
+  bool empty() const { return data.empty(); }
+  float* ptr() { return data.data(); }
+  const float* ptr() const { return data.data(); }
+  /// Shape as text, e.g. "[8192, 2048]".
+  std::string shape_str() const;
+};
+
+/// One Gated DeltaNet layer (`linear_attn.*`). nk/nv heads, dk/dv dims, H hidden, K conv kernel.
+struct LinearAttnWeights {
+  Tensor in_proj_qkv;  ///< [conv_dim, H], rows [Q all nk heads (nk*dk) | K all heads (nk*dk) | V all nv heads (nv*dv)]
+  Tensor in_proj_z;    ///< [nv*dv, H], rows grouped by value head
+  Tensor in_proj_b;    ///< [nv, H]  beta = sigmoid(b)
+  Tensor in_proj_a;    ///< [nv, H]  g = -exp(A_log) * softplus(a + dt_bias)
+  Tensor conv1d;       ///< [conv_dim, K]  (checkpoint [conv_dim, 1, K]); w[c][K-1] multiplies the current token
+  Tensor A_log;        ///< [nv]
+  Tensor dt_bias;      ///< [nv]
+  Tensor norm;         ///< [dv]  gated RMSNorm weight, applied as w (NOT 1 + w)
+  Tensor out_proj;     ///< [H, nv*dv]
+};
+
+/// One gated full-attention layer (`self_attn.*`). nh query heads, nkv KV heads, hd head dim.
+struct AttentionWeights {
+  Tensor q_proj;  ///< [2*nh*hd, H] when attn_output_gate (per head: hd query rows, then hd gate rows, as HF),
+                  ///< else [nh*hd, H]
+  Tensor k_proj;  ///< [nkv*hd, H]
+  Tensor v_proj;  ///< [nkv*hd, H]
+  Tensor o_proj;  ///< [H, nh*hd]
+  Tensor q_norm;  ///< [hd] zero-centred (applied as 1 + w)
+  Tensor k_norm;  ///< [hd] zero-centred (applied as 1 + w)
+};
+
+/// Dense SwiGLU MLP: down(silu(gate x) * up x). I = its intermediate width.
+struct MlpWeights {
+  Tensor gate_proj;  ///< [I, H]
+  Tensor up_proj;    ///< [I, H]
+  Tensor down_proj;  ///< [H, I]
+};
+
+/// Sparse MoE block (Qwen3NextSparseMoeBlock): softmax router, top-k routed experts, plus a shared
+/// expert gated by sigmoid(shared_expert_gate x). E experts of width I, shared width Is.
+struct MoeWeights {
+  Tensor router;              ///< [E, H]  (checkpoint `mlp.gate.weight`)
+  Tensor experts_gate_up;     ///< [E, 2I, H]  per expert: I gate rows first, then I up rows
+  Tensor experts_down;        ///< [E, H, I]
+  MlpWeights shared_expert;   ///< gate/up [Is, H], down [H, Is]; all empty when Is == 0
+  Tensor shared_expert_gate;  ///< [1, H]; empty when Is == 0
+};
+
+/// One decoder layer. Exactly one of {linear, attention} is filled (by `type`), and exactly one of
+/// {moe, mlp} (by `is_moe`).
+struct LayerWeights {
+  LayerType type = LayerType::Linear;
+  bool is_moe = false;
+  Tensor input_layernorm;           ///< [H] zero-centred (1 + w)
+  Tensor post_attention_layernorm;  ///< [H] zero-centred (1 + w)
+  LinearAttnWeights linear;
+  AttentionWeights attention;
+  MoeWeights moe;
+  MlpWeights mlp;
+};
+
+/// All weights of a model, fp32, in the internal layout above.
+struct ModelWeights {
+  Tensor embed;       ///< [V, H]  (`model.embed_tokens.weight`)
+  Tensor final_norm;  ///< [H] zero-centred (1 + w)  (`model.norm.weight`)
+  Tensor lm_head;     ///< [V, H]; EMPTY when tie_word_embeddings (use output_embedding())
+  bool tied = false;  ///< lm_head is embed
+  std::vector<LayerWeights> layers;
+
+  /// The LM-head matrix [V, H]: lm_head, or embed when tied.
+  const Tensor& output_embedding() const { return tied ? embed : lm_head; }
+  /// Number of scalar parameters held (embed counted once when tied).
+  int64_t parameter_count() const;
+};
+
+/// Loads and normalises every tensor of the checkpoint in `dir` (model.safetensors or a sharded
+/// model.safetensors.index.json), converting bf16/f16/f32 to fp32. Detects the layout by the tensor
+/// names present. Throws std::runtime_error naming the tensor and the expected and found shapes when
+/// a tensor is missing or mis-shaped, and naming the file for unreadable / corrupt safetensors.
+/// Unused tensors other than `mtp.*` / `model.visual.*` are an error too (they signal a config that
+/// does not match the checkpoint).
+ModelWeights load_weights(const ModelConfig& cfg, const std::filesystem::path& dir);
+
+/// Number of parameters the config implies (total, and active per token: embeddings, attention,
+/// norms, router, shared expert, top-k routed experts, LM head; embed counted once when tied).
+struct ParameterCounts {
+  int64_t total = 0;
+  int64_t active_per_token = 0;
+};
+ParameterCounts count_parameters(const ModelConfig& cfg);
+
+}  // namespace hypic::engine
