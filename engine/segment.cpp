@@ -1,0 +1,380 @@
+#include "engine/segment.h"
+
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "engine/config.h"
+
+namespace hypic::engine {
+namespace {
+
+constexpr char kMagic[8] = {'H', 'Y', 'P', 'I', 'C', 'S', 'E', 'G'};
+constexpr uint32_t kMaxHeaderBytes = 1u << 30;
+constexpr uint64_t kMaxEntryBytes = 1ull << 38;  // 256 GiB: anything above is a corrupt header
+
+template <typename T>
+void put(std::string& out, T v) {
+  out.append(reinterpret_cast<const char*>(&v), sizeof(T));
+}
+
+struct HeaderCursor {
+  std::string_view b;
+  size_t off = 0;
+  template <typename T>
+  T get(const char* field) {
+    if (b.size() - off < sizeof(T))
+      throw EntryError(std::string("segment entry header truncated while reading ") + field);
+    T v;
+    std::memcpy(&v, b.data() + off, sizeof(T));
+    off += sizeof(T);
+    return v;
+  }
+};
+
+std::string_view as_bytes(const std::vector<float>& v) {
+  return {reinterpret_cast<const char*>(v.data()), v.size() * sizeof(float)};
+}
+std::span<char> as_mut_bytes(std::vector<float>& v) {
+  return {reinterpret_cast<char*>(v.data()), v.size() * sizeof(float)};
+}
+
+size_t state_floats(const EntryGeometry& g) { return static_cast<size_t>(g.linear_heads) * g.d_k * g.d_v; }
+size_t conv_floats(const EntryGeometry& g) { return static_cast<size_t>(g.conv_rows) * g.conv_dim; }
+size_t kv_floats(const EntryGeometry& g, int n) { return static_cast<size_t>(n) * g.kv_heads * g.head_dim; }
+
+std::string build_header(const SegmentEntry& e) {
+  std::string h;
+  put<uint32_t>(h, e.format_version);
+  put<uint32_t>(h, static_cast<uint32_t>(e.model_fingerprint.size()));
+  h += e.model_fingerprint;
+  put<int32_t>(h, e.seam_width);
+  put<uint32_t>(h, static_cast<uint32_t>(e.token_ids.size()));
+  h.append(reinterpret_cast<const char*>(e.token_ids.data()), e.token_ids.size() * sizeof(int32_t));
+  const EntryGeometry& g = e.geometry;
+  for (int v : {g.linear_heads, g.d_k, g.d_v, g.conv_dim, g.conv_rows, g.kv_heads, g.head_dim, g.num_linear,
+                g.num_attention})
+    put<uint32_t>(h, static_cast<uint32_t>(v));
+  for (const auto& l : e.linear) {
+    put<uint8_t>(h, static_cast<uint8_t>(l.seam_transition.kind));
+    put<uint8_t>(h, static_cast<uint8_t>(l.interior_transition.kind));
+  }
+  return h;
+}
+
+XXH3_state_t* new_hash() {
+  XXH3_state_t* s = XXH3_createState();
+  if (!s) throw std::bad_alloc();
+  XXH3_64bits_reset(s);
+  return s;
+}
+
+}  // namespace
+
+// ---- digest ------------------------------------------------------------------------------------------
+
+std::string to_hex(const SegmentDigest& d) {
+  static const char* hex = "0123456789abcdef";
+  std::string s(32, '0');
+  for (int i = 0; i < 16; ++i) {
+    s[2 * i] = hex[d[i] >> 4];
+    s[2 * i + 1] = hex[d[i] & 15];
+  }
+  return s;
+}
+
+SegmentDigest digest_from_hex(std::string_view hex) {
+  if (hex.size() != 32) throw std::invalid_argument("segment digest must be 32 hex digits, got " + std::to_string(hex.size()) + " characters");
+  auto val = [&](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    throw std::invalid_argument(std::string("segment digest: not a hex digit: '") + c + "'");
+  };
+  SegmentDigest d{};
+  for (int i = 0; i < 16; ++i) d[i] = static_cast<uint8_t>(val(hex[2 * i]) * 16 + val(hex[2 * i + 1]));
+  return d;
+}
+
+SegmentDigest segment_digest(std::string_view model_fingerprint, uint32_t format_version, int seam_width,
+                             std::span<const int32_t> ids) {
+  std::string buf;
+  put<uint32_t>(buf, static_cast<uint32_t>(model_fingerprint.size()));
+  buf += model_fingerprint;
+  put<uint32_t>(buf, format_version);
+  put<int32_t>(buf, seam_width);
+  put<uint64_t>(buf, ids.size());
+  buf.append(reinterpret_cast<const char*>(ids.data()), ids.size() * sizeof(int32_t));
+  const XXH128_hash_t h = XXH3_128bits(buf.data(), buf.size());
+  XXH128_canonical_t c;
+  XXH128_canonicalFromHash(&c, h);
+  SegmentDigest d;
+  std::memcpy(d.data(), c.digest, 16);
+  return d;
+}
+
+// ---- entry -------------------------------------------------------------------------------------------
+
+EntryGeometry EntryGeometry::of(const ModelConfig& cfg) {
+  EntryGeometry g;
+  g.linear_heads = cfg.linear_num_value_heads;
+  g.d_k = cfg.linear_key_head_dim;
+  g.d_v = cfg.linear_value_head_dim;
+  g.conv_dim = static_cast<int>(cfg.conv_dim());
+  g.conv_rows = cfg.linear_conv_kernel_dim - 1;
+  g.kv_heads = cfg.num_key_value_heads;
+  g.head_dim = cfg.head_dim;
+  g.num_linear = cfg.num_linear_layers();
+  g.num_attention = cfg.num_attention_layers();
+  return g;
+}
+
+int SegmentEntry::seam_tokens() const { return std::min(std::max(seam_width, 0), num_tokens()); }
+
+SegmentDigest SegmentEntry::digest() const {
+  return segment_digest(model_fingerprint, format_version, seam_width, token_ids);
+}
+
+size_t SegmentEntry::byte_size() const {
+  size_t n = sizeof(kMagic) + 4 + build_header(*this).size() + 8 + 8;
+  for (const auto& l : linear)
+    n += (l.seam_transition.data.size() + l.seam_state.size() + l.interior_transition.data.size() +
+          l.interior_state.size() + l.conv_tail.size()) * sizeof(float);
+  for (const auto& a : attention) n += (a.k.size() + a.v.size()) * sizeof(float);
+  return n;
+}
+
+TransitionOperator SegmentEntry::whole_transition(int l) const {
+  return linear.at(l).seam_transition.then(linear.at(l).interior_transition);
+}
+
+std::vector<float> SegmentEntry::whole_state(int l) const {
+  const LinearLayerEntry& e = linear.at(l);
+  std::vector<float> s = e.seam_state;
+  compose_state(s, e.interior_transition, e.interior_state, geometry.d_v);
+  return s;
+}
+
+void SegmentEntry::check_consistent() const {
+  const EntryGeometry& g = geometry;
+  auto bad = [](const std::string& what) { throw EntryError("segment entry inconsistent: " + what); };
+  if (static_cast<int>(linear.size()) != g.num_linear || static_cast<int>(attention.size()) != g.num_attention)
+    bad("layer counts " + std::to_string(linear.size()) + "/" + std::to_string(attention.size()) + " vs geometry " +
+        std::to_string(g.num_linear) + "/" + std::to_string(g.num_attention));
+  for (size_t i = 0; i < linear.size(); ++i) {
+    const auto& l = linear[i];
+    const std::string at = " of linear layer " + std::to_string(i);
+    for (const TransitionOperator* t : {&l.seam_transition, &l.interior_transition})
+      if (t->heads != g.linear_heads || t->d_k != g.d_k || t->data.size() != size_t(t->heads) * t->per_head())
+        bad("transition" + at + " has heads " + std::to_string(t->heads) + ", d_k " + std::to_string(t->d_k));
+    if (l.seam_state.size() != state_floats(g) || l.interior_state.size() != state_floats(g))
+      bad("state size" + at);
+    if (l.conv_tail.size() != conv_floats(g)) bad("conv tail size" + at);
+  }
+  for (size_t i = 0; i < attention.size(); ++i)
+    if (attention[i].k.size() != kv_floats(g, num_tokens()) || attention[i].v.size() != kv_floats(g, num_tokens()))
+      bad("K/V size of attention layer " + std::to_string(i) + " for " + std::to_string(num_tokens()) + " tokens");
+}
+
+void SegmentEntry::check_compatible(std::string_view fingerprint, const EntryGeometry& g, int w) const {
+  if (format_version != kSegmentFormatVersion)
+    throw EntryError("segment entry has format version " + std::to_string(format_version) + ", this build reads " +
+                     std::to_string(kSegmentFormatVersion));
+  if (model_fingerprint != fingerprint)
+    throw EntryError("segment entry was made for model " + model_fingerprint + ", not " + std::string(fingerprint));
+  if (!(geometry == g)) throw EntryError("segment entry geometry does not match the model's");
+  if (w >= 0 && seam_width != w)
+    throw EntryError("segment entry was made with seam width " + std::to_string(seam_width) + ", request uses " +
+                     std::to_string(w));
+}
+
+// ---- streaming writer ----------------------------------------------------------------------------------
+
+EntryWriter::EntryWriter(const SegmentEntry& e, size_t chunk_bytes) : chunk_(chunk_bytes) {
+  if (chunk_bytes == 0) throw std::invalid_argument("EntryWriter: chunk_bytes must be positive");
+  e.check_consistent();
+  const std::string header = build_header(e);
+  head_.append(kMagic, sizeof(kMagic));
+  put<uint32_t>(head_, static_cast<uint32_t>(header.size()));
+  head_ += header;
+  put<uint64_t>(head_, XXH3_64bits(header.data(), header.size()));
+  parts_.push_back(head_);
+  for (const auto& l : e.linear) {
+    parts_.push_back(as_bytes(l.seam_transition.data));
+    parts_.push_back(as_bytes(l.seam_state));
+    parts_.push_back(as_bytes(l.interior_transition.data));
+    parts_.push_back(as_bytes(l.interior_state));
+    parts_.push_back(as_bytes(l.conv_tail));
+  }
+  for (const auto& a : e.attention) {
+    parts_.push_back(as_bytes(a.k));
+    parts_.push_back(as_bytes(a.v));
+  }
+  for (auto p : parts_) total_ += p.size();
+  total_ += 8;
+  tail_.resize(8);
+  hash_ = new_hash();
+}
+
+EntryWriter::~EntryWriter() { XXH3_freeState(static_cast<XXH3_state_t*>(hash_)); }
+
+std::string_view EntryWriter::next() {
+  for (;;) {
+    if (part_ == parts_.size()) {
+      if (tail_added_) return {};
+      const uint64_t h = XXH3_64bits_digest(static_cast<XXH3_state_t*>(hash_));
+      std::memcpy(tail_.data(), &h, 8);
+      parts_.push_back(tail_);
+      tail_added_ = true;
+    }
+    if (offset_ < parts_[part_].size()) break;
+    ++part_;
+    offset_ = 0;
+  }
+  const std::string_view p = parts_[part_];
+  const std::string_view chunk = p.substr(offset_, std::min(chunk_, p.size() - offset_));
+  offset_ += chunk.size();
+  if (!tail_added_) XXH3_64bits_update(static_cast<XXH3_state_t*>(hash_), chunk.data(), chunk.size());
+  return chunk;
+}
+
+std::string serialize_entry(const SegmentEntry& entry) {
+  EntryWriter w(entry, 1u << 30);
+  std::string out;
+  out.reserve(w.total_bytes());
+  for (std::string_view c = w.next(); !c.empty(); c = w.next()) out += c;
+  return out;
+}
+
+// ---- streaming reader ----------------------------------------------------------------------------------
+
+EntryReader::EntryReader() : hash_(new_hash()) {}
+EntryReader::~EntryReader() { XXH3_freeState(static_cast<XXH3_state_t*>(hash_)); }
+
+void EntryReader::parse_header() {
+  const std::string_view header(head_.data() + 12, head_.size() - 20);
+  uint64_t want;
+  std::memcpy(&want, head_.data() + head_.size() - 8, 8);
+  if (XXH3_64bits(header.data(), header.size()) != want) throw EntryError("segment entry header checksum mismatch");
+  HeaderCursor c{header};
+  SegmentEntry& e = entry_;
+  e.format_version = c.get<uint32_t>("version");
+  if (e.format_version != kSegmentFormatVersion)
+    throw EntryError("segment entry format version " + std::to_string(e.format_version) + " (this build reads " +
+                     std::to_string(kSegmentFormatVersion) + ")");
+  const uint32_t fp_len = c.get<uint32_t>("fingerprint length");
+  if (header.size() - c.off < fp_len) throw EntryError("segment entry header truncated in the fingerprint");
+  e.model_fingerprint.assign(header.substr(c.off, fp_len));
+  c.off += fp_len;
+  e.seam_width = c.get<int32_t>("seam width");
+  const uint32_t n = c.get<uint32_t>("token count");
+  if (header.size() - c.off < uint64_t(n) * 4) throw EntryError("segment entry header truncated in the token ids");
+  e.token_ids.resize(n);
+  std::memcpy(e.token_ids.data(), header.data() + c.off, size_t(n) * 4);
+  c.off += size_t(n) * 4;
+  EntryGeometry& g = e.geometry;
+  for (int* f : {&g.linear_heads, &g.d_k, &g.d_v, &g.conv_dim, &g.conv_rows, &g.kv_heads, &g.head_dim,
+                 &g.num_linear, &g.num_attention}) {
+    const uint32_t v = c.get<uint32_t>("geometry");
+    if (v > (1u << 20)) throw EntryError("segment entry geometry value " + std::to_string(v) + " out of range");
+    *f = static_cast<int>(v);
+  }
+  uint64_t total = 0;
+  e.linear.resize(g.num_linear);
+  for (auto& l : e.linear) {
+    for (TransitionOperator* t : {&l.seam_transition, &l.interior_transition}) {
+      const uint8_t kind = c.get<uint8_t>("transition kind");
+      if (kind < 1 || kind > 3) throw EntryError("segment entry: unknown transition kind " + std::to_string(kind));
+      t->kind = static_cast<TransitionKind>(kind);
+      t->heads = g.linear_heads;
+      t->d_k = g.d_k;
+      total += uint64_t(g.linear_heads) * t->per_head() * 4;
+    }
+    total += (2 * state_floats(g) + conv_floats(g)) * 4;
+  }
+  total += uint64_t(g.num_attention) * 2 * kv_floats(g, n) * 4;
+  if (c.off != header.size()) throw EntryError("segment entry header has trailing bytes");
+  if (total > kMaxEntryBytes) throw EntryError("segment entry announces " + std::to_string(total) + " bytes");
+  for (auto& l : e.linear) {
+    l.seam_transition.data.resize(size_t(g.linear_heads) * l.seam_transition.per_head());
+    l.seam_state.resize(state_floats(g));
+    l.interior_transition.data.resize(size_t(g.linear_heads) * l.interior_transition.per_head());
+    l.interior_state.resize(state_floats(g));
+    l.conv_tail.resize(conv_floats(g));
+    for (auto* v : {&l.seam_transition.data, &l.seam_state, &l.interior_transition.data, &l.interior_state,
+                    &l.conv_tail})
+      parts_.push_back(as_mut_bytes(*v));
+  }
+  e.attention.resize(g.num_attention);
+  for (auto& a : e.attention) {
+    a.k.resize(kv_floats(g, n));
+    a.v.resize(kv_floats(g, n));
+    parts_.push_back(as_mut_bytes(a.k));
+    parts_.push_back(as_mut_bytes(a.v));
+  }
+  header_done_ = true;
+}
+
+void EntryReader::feed(std::string_view chunk) {
+  received_ += chunk.size();
+  auto* h = static_cast<XXH3_state_t*>(hash_);
+  while (!chunk.empty()) {
+    if (!header_done_) {
+      const size_t take = std::min(head_need_ - head_.size(), chunk.size());
+      head_.append(chunk.substr(0, take));
+      XXH3_64bits_update(h, chunk.data(), take);
+      chunk.remove_prefix(take);
+      if (head_.size() == 12 && head_need_ == 12) {
+        if (std::memcmp(head_.data(), kMagic, sizeof(kMagic)) != 0)
+          throw EntryError("not a segment entry (bad magic bytes)");
+        uint32_t len;
+        std::memcpy(&len, head_.data() + 8, 4);
+        if (len > kMaxHeaderBytes) throw EntryError("segment entry header length " + std::to_string(len) + " out of range");
+        head_need_ = 12 + size_t(len) + 8;
+      }
+      if (head_.size() == head_need_ && head_need_ > 12) parse_header();
+      continue;
+    }
+    while (part_ < parts_.size() && offset_ == parts_[part_].size()) {
+      ++part_;
+      offset_ = 0;
+    }
+    if (part_ < parts_.size()) {
+      const size_t take = std::min(parts_[part_].size() - offset_, chunk.size());
+      std::memcpy(parts_[part_].data() + offset_, chunk.data(), take);
+      XXH3_64bits_update(h, chunk.data(), take);
+      offset_ += take;
+      chunk.remove_prefix(take);
+      continue;
+    }
+    const size_t take = std::min<size_t>(8 - tail_got_, chunk.size());
+    if (take == 0) throw EntryError("segment entry has " + std::to_string(chunk.size()) + " bytes past its end");
+    std::memcpy(tail_ + tail_got_, chunk.data(), take);
+    tail_got_ += take;
+    chunk.remove_prefix(take);
+  }
+}
+
+SegmentEntry EntryReader::finish() {
+  while (header_done_ && part_ < parts_.size() && offset_ == parts_[part_].size()) {
+    ++part_;
+    offset_ = 0;
+  }
+  if (!header_done_ || part_ < parts_.size() || tail_got_ < 8)
+    throw EntryError("segment entry truncated: got " + std::to_string(received_) + " bytes");
+  uint64_t want;
+  std::memcpy(&want, tail_, 8);
+  if (XXH3_64bits_digest(static_cast<XXH3_state_t*>(hash_)) != want)
+    throw EntryError("segment entry checksum mismatch (corrupt data)");
+  entry_.check_consistent();
+  return std::move(entry_);
+}
+
+SegmentEntry deserialize_entry(std::string_view bytes) {
+  EntryReader r;
+  r.feed(bytes);
+  return r.finish();
+}
+
+}  // namespace hypic::engine

@@ -1,0 +1,164 @@
+// A segment's cache entry (DESIGN.md 3.2), its digest, and its versioned binary serialisation.
+//
+// An entry is computed once by a standalone prefill of the segment at position 0 and holds:
+//  - per linear layer: (T, S) of the seam part (first s = min(w, n) tokens) and (T, S) of the interior
+//    (the remaining n - s tokens), fp32, plus the conv tail (last K-1 pre-conv inputs);
+//  - per full-attention layer: K and V of every token, K rotated for local positions 0..n-1;
+//  - the token ids (to verify a digest hit) and what it was made under (model fingerprint, w, version).
+// States are [H_v][d_k][d_v] and transitions [H_v][d_k][d_k], left-multiplied (kernels/cpu/gated_delta.h).
+//
+// Wire format (all little-endian), version kSegmentFormatVersion:
+//   "HYPICSEG" | u32 header_len | header (header_len bytes) | u64 XXH3-64 of header | tensor blobs |
+//   u64 XXH3-64 of everything before (the header has its own checksum so a corrupt header is rejected
+//   before any tensor is allocated)
+//   header: u32 version, u32 fingerprint_len, fingerprint, i32 seam_width, u32 n_tokens, i32 ids[n],
+//           u32 H_v, d_k, d_v, conv_dim, conv_rows, H_kv, head_dim, n_linear, n_attention,
+//           per linear layer: u8 seam transition kind, u8 interior transition kind
+//   blobs, per linear layer: T_seam, S_seam, T_int, S_int, conv_tail; per attention layer: K, V (fp32).
+// EntryWriter / EntryReader stream it in chunks straight from / into the tensors (no whole-entry buffer).
+#pragma once
+#include <array>
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "engine/transition.h"
+
+namespace hypic::engine {
+
+struct ModelConfig;
+
+/// Version of the entry format and of the digest; bump when either changes.
+inline constexpr uint32_t kSegmentFormatVersion = 1;
+
+/// 128-bit content address of a segment entry.
+using SegmentDigest = std::array<uint8_t, 16>;
+
+/// 32 lowercase hex digits.
+std::string to_hex(const SegmentDigest& d);
+/// Inverse of to_hex; throws std::invalid_argument on anything but 32 hex digits.
+SegmentDigest digest_from_hex(std::string_view hex);
+
+/// XXH3-128 over (model fingerprint, format version, seam width w, token ids as int32 LE) (DESIGN.md section 4).
+SegmentDigest segment_digest(std::string_view model_fingerprint, uint32_t format_version, int seam_width,
+                             std::span<const int32_t> ids);
+
+/// Raised when entry bytes are corrupt, truncated, of another format version, or made for another model / w.
+class EntryError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+/// Per linear layer: seam and interior (T, S), and the conv tail [conv_rows][conv_dim].
+struct LinearLayerEntry {
+  TransitionOperator seam_transition;      ///< [H_v][d_k][d_k] (identity when the seam is empty)
+  std::vector<float> seam_state;           ///< S(seam|0) [H_v][d_k][d_v]
+  TransitionOperator interior_transition;  ///< identity when the interior is empty
+  std::vector<float> interior_state;       ///< S(interior|0) [H_v][d_k][d_v]
+  std::vector<float> conv_tail;            ///< [K-1][conv_dim], last pre-conv inputs of the standalone prefill
+};
+
+/// Per full-attention layer: K (rotated at local positions 0..n-1) and V, each [n][H_kv][head_dim] fp32.
+struct AttentionLayerEntry {
+  std::vector<float> k, v;
+};
+
+/// Geometry of an entry; must match the model it is used with.
+struct EntryGeometry {
+  int linear_heads = 0;  ///< H_v
+  int d_k = 0, d_v = 0;
+  int conv_dim = 0, conv_rows = 0;  ///< conv tail is [conv_rows = K-1][conv_dim]
+  int kv_heads = 0, head_dim = 0;
+  int num_linear = 0, num_attention = 0;
+  bool operator==(const EntryGeometry&) const = default;
+  /// The geometry a model of this config produces.
+  static EntryGeometry of(const ModelConfig& cfg);
+};
+
+/// One segment's cache entry (DESIGN.md 3.2). Immutable once built; shared between requests.
+struct SegmentEntry {
+  uint32_t format_version = kSegmentFormatVersion;
+  std::string model_fingerprint;
+  int seam_width = 0;               ///< w it was made under
+  std::vector<int32_t> token_ids;   ///< n tokens
+  EntryGeometry geometry;
+  std::vector<LinearLayerEntry> linear;
+  std::vector<AttentionLayerEntry> attention;
+
+  int num_tokens() const { return static_cast<int>(token_ids.size()); }
+  /// Tokens in the seam part: min(w, n).
+  int seam_tokens() const;
+  SegmentDigest digest() const;
+  /// Serialised size in bytes.
+  size_t byte_size() const;
+  /// T_C of the whole segment for linear layer l: T_int T_seam.
+  TransitionOperator whole_transition(int l) const;
+  /// S(C|0) of the whole segment for linear layer l: T_int S_seam + S_int.
+  std::vector<float> whole_state(int l) const;
+  /// Checks internal consistency (every tensor's size vs the geometry); throws EntryError naming the tensor.
+  void check_consistent() const;
+  /// Checks the entry can be used with this model and seam width: fingerprint, geometry, w (w < 0 skips the
+  /// w check). Throws EntryError naming what differs.
+  void check_compatible(std::string_view model_fingerprint, const EntryGeometry& geometry, int seam_width) const;
+};
+
+/// Whole entry to bytes (the wire format above).
+std::string serialize_entry(const SegmentEntry& entry);
+/// Whole entry from bytes; throws EntryError on any corruption, truncation or version mismatch.
+SegmentEntry deserialize_entry(std::string_view bytes);
+
+/// Streams an entry's bytes in chunks of at most `chunk_bytes` without assembling the whole entry:
+/// `next()` returns views into the header buffer or straight into the entry's tensors; valid until the next call.
+class EntryWriter {
+ public:
+  /// The entry must outlive the writer. Throws std::invalid_argument if chunk_bytes == 0.
+  EntryWriter(const SegmentEntry& entry, size_t chunk_bytes);
+  /// Next chunk, or an empty view when done.
+  std::string_view next();
+  size_t total_bytes() const { return total_; }
+
+ private:
+  std::string head_;    // magic + header_len + header + header checksum
+  std::string tail_;    // whole-entry checksum, filled in when the tensors have been walked
+  std::vector<std::string_view> parts_;
+  size_t part_ = 0, offset_ = 0, chunk_, total_ = 0;
+  bool tail_added_ = false;
+  void* hash_ = nullptr;  // XXH3_state_t*
+ public:
+  ~EntryWriter();
+  EntryWriter(const EntryWriter&) = delete;
+  EntryWriter& operator=(const EntryWriter&) = delete;
+};
+
+/// Rebuilds an entry from chunks as they arrive, copying each byte once, straight into the tensors.
+/// feed() throws EntryError as soon as the header is invalid or more bytes arrive than the header announced;
+/// finish() verifies the checksum and returns the entry.
+class EntryReader {
+ public:
+  EntryReader();
+  ~EntryReader();
+  EntryReader(const EntryReader&) = delete;
+  EntryReader& operator=(const EntryReader&) = delete;
+  void feed(std::string_view chunk);
+  /// Throws EntryError if bytes are missing or the checksum differs.
+  SegmentEntry finish();
+  size_t bytes_received() const { return received_; }
+
+ private:
+  void parse_header();
+  std::string head_;
+  size_t head_need_ = 12;  // magic + header_len, then header + header checksum
+  bool header_done_ = false;
+  SegmentEntry entry_;
+  std::vector<std::span<char>> parts_;
+  size_t part_ = 0, offset_ = 0, received_ = 0;
+  char tail_[8] = {};
+  size_t tail_got_ = 0;
+  void* hash_ = nullptr;
+};
+
+}  // namespace hypic::engine
