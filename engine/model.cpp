@@ -1,0 +1,461 @@
+// CPU fp32 forward pass of Qwen3-Next / Qwen3.5. Layer math: research/hybrid_models.md 1.4-1.7 and the
+// HF transformers 5.17 classes named at each block. Projections over a span run as GEMMs (OpenBLAS).
+#include "engine/model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <stdexcept>
+#include <string>
+
+#include "kernels/cpu/attention.h"
+#include "kernels/cpu/gated_delta.h"
+#include "kernels/cpu/ops.h"
+
+namespace hypic::engine {
+
+namespace cpu = hypic::kernels::cpu;
+
+namespace {
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+// Throws unless `t` has exactly `shape`.
+void expect_shape(const Tensor& t, const std::vector<int64_t>& shape, const std::string& name) {
+  if (t.shape != shape || static_cast<int64_t>(t.data.size()) != t.numel()) {
+    throw std::invalid_argument("Model: tensor " + name + " has shape " + shape_text(t.shape) + " (" +
+                                std::to_string(t.data.size()) + " values), expected " + shape_text(shape));
+  }
+}
+
+}  // namespace
+
+/// Work buffers of one forward call, reused across layers.
+struct Model::Scratch {
+  std::vector<float> a, b, c, d, e, f, g, h;
+};
+
+size_t ModelState::byte_size() const {
+  size_t n = 0;
+  for (const auto& l : linear) n += (l.ssm.size() + l.conv.size()) * sizeof(float);
+  for (const auto& a : attention) n += (a.k.size() + a.v.size()) * sizeof(float);
+  return n;
+}
+
+Model Model::load(const std::filesystem::path& dir) {
+  ModelConfig cfg = load_config(dir);
+  ModelWeights w = load_weights(cfg, dir);
+  return Model(std::move(cfg), std::move(w));
+}
+
+Model::Model(ModelConfig config, ModelWeights weights) : config_(std::move(config)), weights_(std::move(weights)) {
+  const ModelConfig& c = config_;
+  c.validate();
+  const int64_t H = c.hidden_size, V = c.vocab_size;
+  expect_shape(weights_.embed, {V, H}, "embed");
+  expect_shape(weights_.final_norm, {H}, "final_norm");
+  if (weights_.tied != c.tie_word_embeddings) {
+    throw std::invalid_argument(std::string("Model: weights tied=") + (weights_.tied ? "true" : "false") +
+                                " but config tie_word_embeddings=" + (c.tie_word_embeddings ? "true" : "false"));
+  }
+  if (!weights_.tied) expect_shape(weights_.lm_head, {V, H}, "lm_head");
+  if (static_cast<int>(weights_.layers.size()) != c.num_hidden_layers) {
+    throw std::invalid_argument("Model: " + std::to_string(weights_.layers.size()) + " layers of weights, config has " +
+                                std::to_string(c.num_hidden_layers));
+  }
+  const int64_t nv = c.linear_num_value_heads, dv = c.linear_value_head_dim, K = c.linear_conv_kernel_dim;
+  const int64_t nh = c.num_attention_heads, nkv = c.num_key_value_heads, hd = c.head_dim;
+  for (int i = 0; i < c.num_hidden_layers; ++i) {
+    const LayerWeights& lw = weights_.layers[i];
+    const std::string p = "layers." + std::to_string(i) + ".";
+    if (lw.type != c.layer_types[i] || lw.is_moe != c.is_moe_layer(i)) {
+      throw std::invalid_argument("Model: " + p + " weights do not match the config's layer type / MoE flag");
+    }
+    expect_shape(lw.input_layernorm, {H}, p + "input_layernorm");
+    expect_shape(lw.post_attention_layernorm, {H}, p + "post_attention_layernorm");
+    if (lw.type == LayerType::Linear) {
+      const LinearAttnWeights& l = lw.linear;
+      expect_shape(l.in_proj_qkv, {c.conv_dim(), H}, p + "linear_attn.in_proj_qkv");
+      expect_shape(l.in_proj_z, {nv * dv, H}, p + "linear_attn.in_proj_z");
+      expect_shape(l.in_proj_b, {nv, H}, p + "linear_attn.in_proj_b");
+      expect_shape(l.in_proj_a, {nv, H}, p + "linear_attn.in_proj_a");
+      expect_shape(l.conv1d, {c.conv_dim(), K}, p + "linear_attn.conv1d");
+      expect_shape(l.A_log, {nv}, p + "linear_attn.A_log");
+      expect_shape(l.dt_bias, {nv}, p + "linear_attn.dt_bias");
+      expect_shape(l.norm, {dv}, p + "linear_attn.norm");
+      expect_shape(l.out_proj, {H, nv * dv}, p + "linear_attn.out_proj");
+    } else {
+      const AttentionWeights& a = lw.attention;
+      expect_shape(a.q_proj, {(c.attn_output_gate ? 2 : 1) * nh * hd, H}, p + "self_attn.q_proj");
+      expect_shape(a.k_proj, {nkv * hd, H}, p + "self_attn.k_proj");
+      expect_shape(a.v_proj, {nkv * hd, H}, p + "self_attn.v_proj");
+      expect_shape(a.o_proj, {H, nh * hd}, p + "self_attn.o_proj");
+      expect_shape(a.q_norm, {hd}, p + "self_attn.q_norm");
+      expect_shape(a.k_norm, {hd}, p + "self_attn.k_norm");
+    }
+    if (lw.is_moe) {
+      const MoeWeights& m = lw.moe;
+      const int64_t E = c.num_experts, I = c.moe_intermediate_size, Is = c.shared_expert_intermediate_size;
+      expect_shape(m.router, {E, H}, p + "mlp.gate");
+      expect_shape(m.experts_gate_up, {E, 2 * I, H}, p + "mlp.experts.gate_up_proj");
+      expect_shape(m.experts_down, {E, H, I}, p + "mlp.experts.down_proj");
+      if (Is > 0) {
+        expect_shape(m.shared_expert.gate_proj, {Is, H}, p + "mlp.shared_expert.gate_proj");
+        expect_shape(m.shared_expert.up_proj, {Is, H}, p + "mlp.shared_expert.up_proj");
+        expect_shape(m.shared_expert.down_proj, {H, Is}, p + "mlp.shared_expert.down_proj");
+        expect_shape(m.shared_expert_gate, {1, H}, p + "mlp.shared_expert_gate");
+      }
+    } else {
+      const int64_t I = c.intermediate_size;
+      expect_shape(lw.mlp.gate_proj, {I, H}, p + "mlp.gate_proj");
+      expect_shape(lw.mlp.up_proj, {I, H}, p + "mlp.up_proj");
+      expect_shape(lw.mlp.down_proj, {H, I}, p + "mlp.down_proj");
+    }
+  }
+  if (c.num_attention_layers() > 0) inv_freq_ = cpu::rope_inv_freq(c.rope_theta, c.rotary_dim());
+  // Qwen3.5-MoE's router (Qwen3VLMoeTextTopKRouter) always renormalises; Qwen3-Next only if norm_topk_prob.
+  renormalize_topk_ = c.norm_topk_prob || c.model_type.rfind("qwen3_5_moe", 0) == 0;
+}
+
+ModelState Model::initial_state() const {
+  const ModelConfig& c = config_;
+  ModelState s;
+  s.linear.resize(c.num_linear_layers());
+  for (auto& l : s.linear) {
+    l.ssm.assign(static_cast<size_t>(c.linear_num_value_heads) * c.linear_key_head_dim * c.linear_value_head_dim,
+                 0.0f);
+    l.conv.assign(static_cast<size_t>(c.linear_conv_kernel_dim - 1) * c.conv_dim(), 0.0f);
+  }
+  s.attention.resize(c.num_attention_layers());
+  return s;
+}
+
+void Model::validate_state(const ModelState& s) const {
+  const ModelConfig& c = config_;
+  if (static_cast<int>(s.linear.size()) != c.num_linear_layers() ||
+      static_cast<int>(s.attention.size()) != c.num_attention_layers()) {
+    throw std::invalid_argument("ModelState: " + std::to_string(s.linear.size()) + " linear / " +
+                                std::to_string(s.attention.size()) + " attention layer states, model has " +
+                                std::to_string(c.num_linear_layers()) + " / " +
+                                std::to_string(c.num_attention_layers()));
+  }
+  const size_t ssm = static_cast<size_t>(c.linear_num_value_heads) * c.linear_key_head_dim * c.linear_value_head_dim;
+  const size_t conv = static_cast<size_t>(c.linear_conv_kernel_dim - 1) * c.conv_dim();
+  for (size_t i = 0; i < s.linear.size(); ++i) {
+    if (s.linear[i].ssm.size() != ssm || s.linear[i].conv.size() != conv) {
+      throw std::invalid_argument("ModelState: linear layer state " + std::to_string(i) + " has ssm " +
+                                  std::to_string(s.linear[i].ssm.size()) + " / conv " +
+                                  std::to_string(s.linear[i].conv.size()) + " values, expected " +
+                                  std::to_string(ssm) + " / " + std::to_string(conv));
+    }
+  }
+  const size_t row = static_cast<size_t>(c.num_key_value_heads) * c.head_dim;
+  for (size_t i = 0; i < s.attention.size(); ++i) {
+    const auto& a = s.attention[i];
+    if (a.n_tokens < 0 || a.k.size() != static_cast<size_t>(a.n_tokens) * row || a.v.size() != a.k.size()) {
+      throw std::invalid_argument("ModelState: attention layer state " + std::to_string(i) + " has n_tokens " +
+                                  std::to_string(a.n_tokens) + " but K/V hold " + std::to_string(a.k.size()) +
+                                  " / " + std::to_string(a.v.size()) + " values (" + std::to_string(row) +
+                                  " per token)");
+    }
+  }
+}
+
+PrefillResult Model::prefill(ModelState& state, std::span<const int32_t> ids, int64_t start_position,
+                             const PrefillOptions& options) const {
+  return forward(state, ids, start_position, options, LinearMode::Chunked);
+}
+
+std::vector<float> Model::decode(ModelState& state, int32_t id, int64_t position) const {
+  const int32_t ids[1] = {id};
+  return forward(state, ids, position, PrefillOptions{}, LinearMode::Recurrent).logits;
+}
+
+void Model::rope_rotate(float* k, int64_t n_tokens, int heads, int64_t position_delta) const {
+  if (inv_freq_.empty()) throw std::invalid_argument("rope_rotate: the model has no attention layers");
+  if (n_tokens < 0 || heads < 0) {
+    throw std::invalid_argument("rope_rotate: negative n_tokens " + std::to_string(n_tokens) + " or heads " +
+                                std::to_string(heads));
+  }
+  cpu::apply_rope_uniform(k, n_tokens, heads, config_.head_dim, inv_freq_, position_delta);
+}
+
+PrefillResult Model::forward(ModelState& state, std::span<const int32_t> ids, int64_t start_position,
+                             const PrefillOptions& options, LinearMode mode) const {
+  const ModelConfig& c = config_;
+  const int64_t T = static_cast<int64_t>(ids.size());
+  if (T == 0) throw std::invalid_argument("prefill: empty token span");
+  if (start_position < 0) {
+    throw std::invalid_argument("prefill: start_position " + std::to_string(start_position) + " is negative");
+  }
+  for (int64_t t = 0; t < T; ++t) {
+    if (ids[t] < 0 || ids[t] >= c.vocab_size) {
+      throw std::invalid_argument("prefill: token id " + std::to_string(ids[t]) + " at span index " +
+                                  std::to_string(t) + " is outside [0, " + std::to_string(c.vocab_size) + ")");
+    }
+  }
+  validate_state(state);
+
+  const int64_t H = c.hidden_size;
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  std::vector<float> x(static_cast<size_t>(T) * H), hn(x.size()), mix(x.size());
+  for (int64_t t = 0; t < T; ++t) {
+    const float* row = weights_.embed.ptr() + static_cast<size_t>(ids[t]) * H;
+    std::copy(row, row + H, x.data() + static_cast<size_t>(t) * H);
+  }
+  PrefillResult result;
+  if (options.capture_transitions) result.transitions.resize(state.linear.size());
+  Scratch scratch;
+
+  // Decoder layer (Qwen3NextDecoderLayer / Qwen3_5DecoderLayer): x += mixer(norm(x)); x += ffn(norm(x)).
+  for (int i = 0; i < c.num_hidden_layers; ++i) {
+    const LayerWeights& lw = weights_.layers[i];
+    cpu::rms_norm_zero_centred(T, H, x.data(), lw.input_layernorm.ptr(), eps, hn.data());
+    if (lw.type == LayerType::Linear) {
+      const int li = c.linear_index(i);
+      linear_layer(lw, state.linear[li], hn.data(), T, mode,
+                   options.capture_transitions ? &result.transitions[li] : nullptr, scratch, mix.data());
+    } else {
+      attention_layer(lw, state.attention[c.attention_index(i)], hn.data(), T, start_position, scratch, mix.data());
+    }
+    for (size_t j = 0; j < x.size(); ++j) x[j] += mix[j];
+    cpu::rms_norm_zero_centred(T, H, x.data(), lw.post_attention_layernorm.ptr(), eps, hn.data());
+    if (lw.is_moe) {
+      moe_block(lw.moe, hn.data(), T, scratch, mix.data());
+    } else {
+      mlp_block(lw.mlp, c.intermediate_size, hn.data(), T, scratch, mix.data());
+    }
+    for (size_t j = 0; j < x.size(); ++j) x[j] += mix[j];
+  }
+  state.num_tokens += T;
+
+  // Final norm and LM head, only on the rows whose logits are wanted.
+  const int64_t first = options.all_logits ? 0 : T - 1;
+  const int64_t rows = T - first;
+  cpu::rms_norm_zero_centred(rows, H, x.data() + static_cast<size_t>(first) * H, weights_.final_norm.ptr(), eps,
+                             hn.data());
+  result.logits.resize(static_cast<size_t>(rows) * c.vocab_size);
+  cpu::linear(rows, H, c.vocab_size, hn.data(), weights_.output_embedding().ptr(), result.logits.data());
+  return result;
+}
+
+// Gated DeltaNet (Qwen3_5GatedDeltaNet.forward; Qwen3NextGatedDeltaNet after its projections are regrouped
+// at load): projections, causal conv1d + SiLU, gates, q/k l2norm, gated delta rule, gated RMSNorm, out_proj.
+void Model::linear_layer(const LayerWeights& lw, LinearLayerState& st, const float* x, int64_t T, LinearMode mode,
+                         std::vector<float>* transition, Scratch& s, float* out) const {
+  const ModelConfig& c = config_;
+  const LinearAttnWeights& w = lw.linear;
+  const int64_t H = c.hidden_size, C = c.conv_dim();
+  const int nk = c.linear_num_key_heads, nv = c.linear_num_value_heads;
+  const int dk = c.linear_key_head_dim, dv = c.linear_value_head_dim;
+  const int64_t qd = int64_t(nk) * dk, vd = int64_t(nv) * dv;
+
+  std::vector<float>& qkv = s.a;  // [T][C] pre-conv
+  std::vector<float>& conv = s.b;  // [T][C] post-conv
+  std::vector<float>& z = s.c;     // [T][nv*dv]
+  std::vector<float>& gates = s.d;  // [T][nv] beta, then [T][nv] g
+  std::vector<float>& qk = s.e;    // [T][nk*dk] q then [T][nk*dk] k (contiguous copies)
+  std::vector<float>& v = s.f;     // [T][nv*dv]
+  std::vector<float>& o = s.g;     // [T][nv*dv]
+  qkv.resize(static_cast<size_t>(T) * C);
+  conv.resize(qkv.size());
+  z.resize(static_cast<size_t>(T) * vd);
+  gates.resize(static_cast<size_t>(T) * nv * 2);
+  qk.resize(static_cast<size_t>(T) * qd * 2);
+  v.resize(static_cast<size_t>(T) * vd);
+  o.resize(static_cast<size_t>(T) * vd);
+  float* beta = gates.data();
+  float* g = gates.data() + static_cast<size_t>(T) * nv;
+
+  cpu::linear(T, H, C, x, w.in_proj_qkv.ptr(), qkv.data());
+  cpu::linear(T, H, vd, x, w.in_proj_z.ptr(), z.data());
+  cpu::linear(T, H, nv, x, w.in_proj_b.ptr(), beta);
+  cpu::linear(T, H, nv, x, w.in_proj_a.ptr(), g);
+  cpu::causal_conv1d_silu(static_cast<int>(T), static_cast<int>(C), c.linear_conv_kernel_dim, qkv.data(),
+                          w.conv1d.ptr(), st.conv.data(), conv.data());
+
+  // beta = sigmoid(b); g = -exp(A_log) * softplus(a + dt_bias) (fp32, softplus threshold 20).
+  for (int64_t t = 0; t < T; ++t) {
+    for (int h = 0; h < nv; ++h) {
+      const size_t i = static_cast<size_t>(t) * nv + h;
+      beta[i] = cpu::sigmoid(beta[i]);
+      g[i] = -std::exp(w.A_log.data[h]) * cpu::softplus(g[i] + w.dt_bias.data[h]);
+    }
+  }
+  // Split [Q | K | V] channels; l2-normalise q and k per head (eps 1e-6 inside the rsqrt of the sum), q *= dk^-1/2.
+  float* q = qk.data();
+  float* k = qk.data() + static_cast<size_t>(T) * qd;
+  for (int64_t t = 0; t < T; ++t) {
+    const float* row = conv.data() + static_cast<size_t>(t) * C;
+    std::copy(row, row + qd, q + static_cast<size_t>(t) * qd);
+    std::copy(row + qd, row + 2 * qd, k + static_cast<size_t>(t) * qd);
+    std::copy(row + 2 * qd, row + 2 * qd + vd, v.data() + static_cast<size_t>(t) * vd);
+  }
+  cpu::l2_normalize_rows(T * nk, dk, q, 1e-6f);
+  cpu::l2_normalize_rows(T * nk, dk, k, 1e-6f);
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(dk)));
+  for (size_t i = 0; i < static_cast<size_t>(T) * qd; ++i) q[i] *= scale;
+
+  const cpu::GatedDeltaShape shape{static_cast<int>(T), nk, nv, dk, dv};
+  const cpu::GatedDeltaInputs in{q, k, v.data(), g, beta};
+  float* tr = nullptr;
+  if (transition) {
+    transition->resize(static_cast<size_t>(nv) * dk * dk);
+    tr = transition->data();
+  }
+  if (mode == LinearMode::Chunked) {
+    cpu::gated_delta_chunked(shape, in, st.ssm.data(), o.data(), tr, 64);
+  } else {
+    cpu::gated_delta_recurrent(shape, in, st.ssm.data(), o.data(), tr);
+  }
+  // Gated RMSNorm per value head over dv (weight w, not 1 + w), times silu(z); then out_proj.
+  cpu::rms_norm_gated(T * nv, dv, o.data(), z.data(), w.norm.ptr(), static_cast<float>(c.rms_norm_eps), o.data());
+  cpu::linear(T, vd, H, o.data(), w.out_proj.ptr(), out);
+}
+
+// Gated full attention (Qwen3NextAttention / Qwen3_5Attention, eager): q_proj split per head into
+// query | gate, zero-centred q/k norms, partial NeoX RoPE, causal GQA over cache + span, * sigmoid(gate), o_proj.
+void Model::attention_layer(const LayerWeights& lw, AttentionLayerState& st, const float* x, int64_t T,
+                            int64_t start_position, Scratch& s, float* out) const {
+  const ModelConfig& c = config_;
+  const AttentionWeights& w = lw.attention;
+  const int64_t H = c.hidden_size;
+  const int nh = c.num_attention_heads, nkv = c.num_key_value_heads, hd = c.head_dim;
+  const int64_t qrow = int64_t(nh) * hd, kvrow = int64_t(nkv) * hd;
+  const int64_t qproj = (c.attn_output_gate ? 2 : 1) * qrow;
+  const float eps = static_cast<float>(c.rms_norm_eps);
+
+  std::vector<float>& qg = s.a;    // [T][nh][2*hd] (query | gate per head) or [T][nh][hd]
+  std::vector<float>& q = s.b;     // [T][nh][hd]
+  std::vector<float>& gate = s.c;  // [T][nh][hd]
+  std::vector<float>& kv = s.d;    // [T][nkv][hd] k then [T][nkv][hd] v
+  std::vector<float>& attn = s.e;  // [T][nh][hd]
+  qg.resize(static_cast<size_t>(T) * qproj);
+  q.resize(static_cast<size_t>(T) * qrow);
+  gate.resize(q.size());
+  kv.resize(static_cast<size_t>(T) * kvrow * 2);
+  attn.resize(q.size());
+  float* k = kv.data();
+  float* v = kv.data() + static_cast<size_t>(T) * kvrow;
+
+  cpu::linear(T, H, qproj, x, w.q_proj.ptr(), qg.data());
+  cpu::linear(T, H, kvrow, x, w.k_proj.ptr(), k);
+  cpu::linear(T, H, kvrow, x, w.v_proj.ptr(), v);
+  if (c.attn_output_gate) {
+    for (int64_t r = 0; r < T * nh; ++r) {
+      const float* src = qg.data() + static_cast<size_t>(r) * 2 * hd;
+      std::copy(src, src + hd, q.data() + static_cast<size_t>(r) * hd);
+      std::copy(src + hd, src + 2 * hd, gate.data() + static_cast<size_t>(r) * hd);
+    }
+  } else {
+    std::copy(qg.begin(), qg.end(), q.begin());
+  }
+  cpu::rms_norm_zero_centred(T * nh, hd, q.data(), w.q_norm.ptr(), eps, q.data());
+  cpu::rms_norm_zero_centred(T * nkv, hd, k, w.k_norm.ptr(), eps, k);
+  cpu::apply_rope(q.data(), T, nh, hd, inv_freq_, start_position);
+  cpu::apply_rope(k, T, nkv, hd, inv_freq_, start_position);
+
+  st.k.insert(st.k.end(), k, k + static_cast<size_t>(T) * kvrow);
+  st.v.insert(st.v.end(), v, v + static_cast<size_t>(T) * kvrow);
+  st.n_tokens += T;
+
+  const cpu::AttentionShape shape{T, st.n_tokens, nh, nkv, hd};
+  cpu::attention_causal(shape, q.data(), st.k.data(), st.v.data(),
+                        static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd))), attn.data());
+  if (c.attn_output_gate) {
+    for (size_t i = 0; i < attn.size(); ++i) attn[i] *= cpu::sigmoid(gate[i]);
+  }
+  cpu::linear(T, qrow, H, attn.data(), w.o_proj.ptr(), out);
+}
+
+// SwiGLU MLP (Qwen3NextMLP / Qwen3_5MLP): down(silu(gate x) * up x).
+void Model::mlp_block(const MlpWeights& w, int64_t width, const float* x, int64_t T, Scratch& s, float* out) const {
+  const int64_t H = config_.hidden_size;
+  std::vector<float>& gu = s.h;  // [T][width] gate then [T][width] up
+  gu.resize(static_cast<size_t>(T) * width * 2);
+  float* gate = gu.data();
+  float* up = gu.data() + static_cast<size_t>(T) * width;
+  cpu::linear(T, H, width, x, w.gate_proj.ptr(), gate);
+  cpu::linear(T, H, width, x, w.up_proj.ptr(), up);
+  for (size_t i = 0; i < static_cast<size_t>(T) * width; ++i) gate[i] = cpu::silu(gate[i]) * up[i];
+  cpu::linear(T, width, H, gate, w.down_proj.ptr(), out);
+}
+
+// Sparse MoE (Qwen3NextSparseMoeBlock with eager experts): softmax router over all experts (fp32), top-k,
+// optional renormalisation; tokens grouped per expert and run as GEMMs; routed outputs accumulated in
+// ascending expert order (as HF's index_add_ loop), then the sigmoid-gated shared expert added.
+void Model::moe_block(const MoeWeights& w, const float* x, int64_t T, Scratch& s, float* out) const {
+  const ModelConfig& c = config_;
+  const int64_t H = c.hidden_size, I = c.moe_intermediate_size, Is = c.shared_expert_intermediate_size;
+  const int E = c.num_experts, topk = c.num_experts_per_tok;
+
+  std::vector<float> probs(static_cast<size_t>(T) * E);
+  cpu::linear(T, H, E, x, w.router.ptr(), probs.data());
+  cpu::softmax_rows(T, E, probs.data(), E);
+
+  // Per expert: the tokens routed to it and their weights, in token order.
+  std::vector<std::vector<std::pair<int64_t, float>>> routed(E);
+  std::vector<int> order(E);
+  for (int64_t t = 0; t < T; ++t) {
+    const float* p = probs.data() + static_cast<size_t>(t) * E;
+    std::iota(order.begin(), order.end(), 0);
+    std::partial_sort(order.begin(), order.begin() + topk, order.end(),
+                      [p](int a, int b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
+    float sum = 0.0f;
+    for (int j = 0; j < topk; ++j) sum += p[order[j]];
+    for (int j = 0; j < topk; ++j) {
+      const float wt = renormalize_topk_ ? p[order[j]] / sum : p[order[j]];
+      routed[order[j]].emplace_back(t, wt);
+    }
+  }
+
+  std::fill(out, out + static_cast<size_t>(T) * H, 0.0f);
+  std::vector<float>& xe = s.a;   // [n_e][H] gathered inputs
+  std::vector<float>& gu = s.b;   // [n_e][2I]
+  std::vector<float>& act = s.c;  // [n_e][I]
+  std::vector<float>& ye = s.d;   // [n_e][H]
+  for (int e = 0; e < E; ++e) {
+    const auto& list = routed[e];
+    if (list.empty()) continue;
+    const int64_t n = static_cast<int64_t>(list.size());
+    xe.resize(static_cast<size_t>(n) * H);
+    gu.resize(static_cast<size_t>(n) * 2 * I);
+    act.resize(static_cast<size_t>(n) * I);
+    ye.resize(static_cast<size_t>(n) * H);
+    for (int64_t r = 0; r < n; ++r) {
+      const float* src = x + static_cast<size_t>(list[r].first) * H;
+      std::copy(src, src + H, xe.data() + static_cast<size_t>(r) * H);
+    }
+    cpu::linear(n, H, 2 * I, xe.data(), w.experts_gate_up.ptr() + static_cast<size_t>(e) * 2 * I * H, gu.data());
+    for (int64_t r = 0; r < n; ++r) {
+      const float* row = gu.data() + static_cast<size_t>(r) * 2 * I;
+      float* a = act.data() + static_cast<size_t>(r) * I;
+      for (int64_t j = 0; j < I; ++j) a[j] = cpu::silu(row[j]) * row[I + j];
+    }
+    cpu::linear(n, I, H, act.data(), w.experts_down.ptr() + static_cast<size_t>(e) * H * I, ye.data());
+    for (int64_t r = 0; r < n; ++r) {
+      float* dst = out + static_cast<size_t>(list[r].first) * H;
+      const float* src = ye.data() + static_cast<size_t>(r) * H;
+      const float wt = list[r].second;
+      for (int64_t j = 0; j < H; ++j) dst[j] += src[j] * wt;
+    }
+  }
+
+  if (Is > 0) {
+    std::vector<float> shared(static_cast<size_t>(T) * H), sgate(static_cast<size_t>(T));
+    mlp_block(w.shared_expert, Is, x, T, s, shared.data());
+    cpu::linear(T, H, 1, x, w.shared_expert_gate.ptr(), sgate.data());
+    for (int64_t t = 0; t < T; ++t) {
+      const float gt = cpu::sigmoid(sgate[t]);
+      float* dst = out + static_cast<size_t>(t) * H;
+      const float* src = shared.data() + static_cast<size_t>(t) * H;
+      for (int64_t j = 0; j < H; ++j) dst[j] += gt * src[j];
+    }
+  }
+}
+
+}  // namespace hypic::engine

@@ -1,0 +1,120 @@
+// The CPU fp32 forward pass of Qwen3-Next and Qwen3.5 (dense and MoE) with an incremental API that is
+// explicit about state, so segment entries and splicing (engine/segment.h, engine/splice.h) can be built
+// on it. The math reproduces Hugging Face transformers 5.17 run in fp32 with its pure-torch fallbacks
+// (Qwen3NextForCausalLM / Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM; research/hybrid_models.md 1.4-1.7).
+//
+// State conventions (shared with kernels/cpu/gated_delta.h):
+//  - a linear (Gated DeltaNet) layer's recurrent state is [H_v][d_k][d_v] fp32, S_t = T_t S_{t-1} + u_t,
+//    T_t = e^{g_t}(I - b_t k_t k_t^T) left-multiplying; a span transition T_C is [H_v][d_k][d_k];
+//  - its conv state holds the last K-1 pre-convolution inputs (the conv tail), [K-1][conv_dim],
+//    oldest first, zeros at a sequence start;
+//  - a full-attention layer's KV cache holds K and V of every token seen, [n][H_kv][head_dim], with K
+//    already RoPE-rotated at the position that token had when it was computed.
+// Linear layers and attention layers are indexed among their own type (ModelConfig::linear_index /
+// attention_index).
+#pragma once
+#include <cstdint>
+#include <filesystem>
+#include <span>
+#include <vector>
+
+#include "engine/config.h"
+#include "engine/weights.h"
+
+namespace hypic::engine {
+
+/// Recurrent state of one Gated DeltaNet layer.
+struct LinearLayerState {
+  std::vector<float> ssm;   ///< [H_v][d_k][d_v] fp32
+  std::vector<float> conv;  ///< [K-1][conv_dim] fp32, the last K-1 pre-conv inputs (oldest first)
+};
+
+/// KV cache of one full-attention layer.
+struct AttentionLayerState {
+  std::vector<float> k;  ///< [n_tokens][H_kv][head_dim], RoPE-rotated at each token's own position
+  std::vector<float> v;  ///< [n_tokens][H_kv][head_dim]
+  int64_t n_tokens = 0;
+};
+
+/// Everything the model carries between spans.
+struct ModelState {
+  std::vector<LinearLayerState> linear;        ///< one per linear layer, in layer order
+  std::vector<AttentionLayerState> attention;  ///< one per full-attention layer, in layer order
+  int64_t num_tokens = 0;                      ///< tokens consumed so far (prefill/decode add T)
+  /// Bytes held by the tensors (ssm, conv, K, V).
+  size_t byte_size() const;
+};
+
+/// Options of one prefill call.
+struct PrefillOptions {
+  bool all_logits = false;           ///< logits for every position of the span, else only the last
+  bool capture_transitions = false;  ///< return each linear layer's span transition T_span
+};
+
+/// Result of one prefill call.
+struct PrefillResult {
+  std::vector<float> logits;                     ///< [T][V] (all_logits) or [1][V], fp32
+  std::vector<std::vector<float>> transitions;   ///< per linear layer [H_v][d_k][d_k] if captured, else empty
+};
+
+/// A loaded model: configuration plus fp32 weights. Immutable after construction; all methods are const
+/// and safe to call from several threads at once on different states.
+class Model {
+ public:
+  /// Loads config.json and the safetensors weights of `dir` (load_config + load_weights).
+  /// Throws whatever those throw (std::runtime_error / std::invalid_argument naming the file or tensor).
+  static Model load(const std::filesystem::path& dir);
+
+  /// Takes ownership of a configuration and matching weights. Validates the config and the shape of every
+  /// tensor the forward pass reads; throws std::invalid_argument naming the tensor and both shapes.
+  Model(ModelConfig config, ModelWeights weights);
+
+  const ModelConfig& config() const { return config_; }
+  const ModelWeights& weights() const { return weights_; }
+
+  /// Zero linear and conv states, empty KV caches, num_tokens = 0.
+  ModelState initial_state() const;
+
+  /// Runs a span of tokens from `state` with RoPE positions start_position .. start_position + T - 1.
+  /// Linear layers continue from their recurrent and conv states with the chunked gated delta rule
+  /// (chunk 64); attention layers append the span's K/V to their caches and attend to every cached token
+  /// plus causally within the span. `state` is updated in place (num_tokens and every n_tokens grow by T).
+  /// start_position is free (a splice places spans at arbitrary positions; it need not equal
+  /// state.num_tokens) but must be >= 0.
+  /// Throws std::invalid_argument for an empty span, a token id outside [0, vocab_size), a negative
+  /// start_position, or a state whose shapes do not match the model; the state is left untouched then.
+  PrefillResult prefill(ModelState& state, std::span<const int32_t> ids, int64_t start_position,
+                        const PrefillOptions& options = {}) const;
+
+  /// One decode step at `position` with the literal (token-by-token) recurrence in the linear layers.
+  /// Returns the next-token logits [V]. Same validation and state update as prefill with T = 1.
+  std::vector<float> decode(ModelState& state, int32_t id, int64_t position) const;
+
+  /// Rotates already-rotated keys k [n_tokens][heads][head_dim] by position_delta more positions in place
+  /// (partial NeoX RoPE on the first rotary_dim dims; R(p + d) = R(d) R(p)), e.g. to move cached K from
+  /// local to real positions. position_delta may be negative.
+  void rope_rotate(float* k, int64_t n_tokens, int heads, int64_t position_delta) const;
+
+  /// Checks that `state` has the layer counts and tensor sizes of this model; throws std::invalid_argument
+  /// naming the layer and the sizes otherwise.
+  void validate_state(const ModelState& state) const;
+
+ private:
+  enum class LinearMode { Chunked, Recurrent };
+  struct Scratch;
+  PrefillResult forward(ModelState& state, std::span<const int32_t> ids, int64_t start_position,
+                        const PrefillOptions& options, LinearMode mode) const;
+  void linear_layer(const LayerWeights& lw, LinearLayerState& st, const float* x, int64_t T, LinearMode mode,
+                    std::vector<float>* transition, Scratch& s, float* out) const;
+  void attention_layer(const LayerWeights& lw, AttentionLayerState& st, const float* x, int64_t T,
+                       int64_t start_position, Scratch& s, float* out) const;
+  void moe_block(const MoeWeights& w, const float* x, int64_t T, Scratch& s, float* out) const;
+  void mlp_block(const MlpWeights& w, int64_t width, const float* x, int64_t T, Scratch& s, float* out) const;
+
+  ModelConfig config_;
+  ModelWeights weights_;
+  std::vector<float> inv_freq_;  ///< RoPE inverse frequencies over rotary_dim
+  bool renormalize_topk_ = true;
+};
+
+}  // namespace hypic::engine
