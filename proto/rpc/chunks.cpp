@@ -1,0 +1,50 @@
+#include "proto/rpc/chunks.h"
+
+#include <fmt/format.h>
+#include <xxhash.h>
+
+#include "proto/rpc/status.h"
+
+namespace hypic::rpc {
+
+uint64_t checksum64(std::string_view bytes) { return XXH3_64bits(bytes.data(), bytes.size()); }
+
+void ChunkAssembler::begin(uint64_t total_bytes, uint64_t checksum, std::string what) {
+  if (total_bytes > kMaxPayloadBytes) {
+    throw invalid_argument("total_bytes", fmt::format("{} bytes announced for {}, the limit is {}", total_bytes,
+                                                      what, kMaxPayloadBytes));
+  }
+  started_ = true;
+  total_ = total_bytes;
+  checksum_ = checksum;
+  what_ = std::move(what);
+  bytes_.clear();
+  bytes_.reserve(total_bytes);
+}
+
+void ChunkAssembler::append(std::string_view chunk) {
+  if (!started_) throw invalid_argument("data", fmt::format("data chunk before the header of {}", what_));
+  if (bytes_.size() + chunk.size() > total_) {
+    throw RpcError(grpc::StatusCode::DATA_LOSS,
+                   fmt::format("{}: chunks exceed the announced {} bytes", what_, total_));
+  }
+  bytes_.append(chunk);
+}
+
+std::string ChunkAssembler::finish() {
+  if (!started_) throw invalid_argument("header", "stream ended without a header");
+  if (bytes_.size() != total_) {
+    throw RpcError(grpc::StatusCode::DATA_LOSS,
+                   fmt::format("{}: received {} of {} bytes", what_, bytes_.size(), total_));
+  }
+  const uint64_t got = checksum64(bytes_);
+  if (got != checksum_) {
+    throw RpcError(grpc::StatusCode::DATA_LOSS,
+                   fmt::format("{}: XXH3-64 checksum {:016x} does not match the announced {:016x}", what_, got,
+                               checksum_));
+  }
+  started_ = false;
+  return std::move(bytes_);
+}
+
+}  // namespace hypic::rpc

@@ -1,0 +1,52 @@
+// Chunked transfer of large byte payloads (serialized segment entries, MBs) over gRPC streams:
+// a header message carrying the total size and an XXH3-64 checksum, then the bytes in chunks.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+namespace hypic::rpc {
+
+/// Default chunk size of streamed payloads: 1 MiB, well under gRPC's 4 MiB message limit.
+inline constexpr size_t kChunkBytes = size_t{1} << 20;
+/// Largest payload accepted by any hypic stream (a guard against absurd headers): 16 GiB.
+inline constexpr uint64_t kMaxPayloadBytes = uint64_t{16} << 30;
+
+/// XXH3-64 (seed 0) of `bytes`: the integrity checksum of every stored or streamed entry.
+uint64_t checksum64(std::string_view bytes);
+
+/// Reassembles a chunked payload announced by a header (total_bytes, checksum).
+/// Throws RpcError(DATA_LOSS) when chunks overflow the announced size or when finish() finds the
+/// size or checksum wrong, and RpcError(INVALID_ARGUMENT) for a header above kMaxPayloadBytes.
+class ChunkAssembler {
+ public:
+  ChunkAssembler() = default;
+  /// Starts a payload; `what` names it in error messages (e.g. "entry 3 of request ab12").
+  void begin(uint64_t total_bytes, uint64_t checksum, std::string what);
+  bool started() const { return started_; }
+  void append(std::string_view chunk);
+  /// Verifies size and checksum and hands over the bytes.
+  std::string finish();
+
+ private:
+  bool started_ = false;
+  uint64_t total_ = 0;
+  uint64_t checksum_ = 0;
+  std::string what_;
+  std::string bytes_;
+};
+
+/// Writes `bytes` as consecutive data messages: for each chunk, `set_data(msg, chunk)` fills a
+/// fresh message and `write(msg)` sends it (returns false when the stream broke). Returns false
+/// as soon as a write fails. An empty payload writes nothing.
+template <class Msg, class SetData, class Write>
+bool write_chunks(std::string_view bytes, size_t chunk_bytes, SetData&& set_data, Write&& write) {
+  for (size_t off = 0; off < bytes.size(); off += chunk_bytes) {
+    Msg msg;
+    set_data(msg, bytes.substr(off, chunk_bytes));
+    if (!write(msg)) return false;
+  }
+  return true;
+}
+
+}  // namespace hypic::rpc

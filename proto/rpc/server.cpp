@@ -1,0 +1,204 @@
+#include "proto/rpc/server.h"
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include <fmt/format.h>
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <spdlog/sinks/stdout_sinks.h>
+#include <spdlog/spdlog.h>
+
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "proto/rpc/status.h"
+
+namespace hypic::rpc {
+
+void add_server_flags(CLI::App& app, ServerFlags& flags) {
+  app.add_option("--listen", flags.listen, "host:port to listen on (port 0 picks a free port)")
+      ->capture_default_str();
+  app.add_option("--port-file", flags.port_file, "write the bound port to this file once serving");
+  app.add_option("--log-level", flags.log_level, "trace|debug|info|warn|error|critical|off")->capture_default_str();
+  app.add_option("--drain-seconds", flags.drain_seconds, "grace period for in-flight calls after SIGTERM")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--parent-pid", flags.parent_pid, "exit when this process disappears (used by launchers)");
+}
+
+void setup_logging(const std::string& role, const std::string& level) {
+  const auto lvl = spdlog::level::from_str(level);
+  if (lvl == spdlog::level::off && level != "off") {
+    throw std::invalid_argument(fmt::format("--log-level: unknown level \"{}\"", level));
+  }
+  auto logger = std::make_shared<spdlog::logger>(role, std::make_shared<spdlog::sinks::stderr_sink_mt>());
+  logger->set_pattern("[%Y-%m-%d %H:%M:%S.%e] [%n] [%l] %v");
+  logger->set_level(lvl);
+  logger->flush_on(spdlog::level::info);
+  spdlog::set_default_logger(logger);
+}
+
+namespace {
+sigset_t termination_set() {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGINT);
+  sigaddset(&set, SIGTERM);
+  sigaddset(&set, SIGHUP);
+  return set;
+}
+}  // namespace
+
+void block_termination_signals() {
+  sigset_t set = termination_set();
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+}
+
+Lifecycle::Call::~Call() {
+  if (!l_) return;
+  std::lock_guard<std::mutex> lock(l_->mu_);
+  if (--l_->active_ == 0) l_->idle_.notify_all();
+}
+
+Lifecycle::Call Lifecycle::enter() {
+  if (draining_.load()) throw unavailable(fmt::format("{} is shutting down", role_));
+  std::lock_guard<std::mutex> lock(mu_);
+  ++active_;
+  return Call(this);
+}
+
+bool Lifecycle::wait_idle(std::chrono::steady_clock::time_point deadline) {
+  std::unique_lock<std::mutex> lock(mu_);
+  return idle_.wait_until(lock, deadline, [&] { return active_ == 0; });
+}
+
+size_t Lifecycle::active() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return active_;
+}
+
+namespace {
+void apply_common_args(grpc::ChannelArguments& args) {
+  args.SetMaxReceiveMessageSize(64 << 20);
+  args.SetMaxSendMessageSize(64 << 20);
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 10000);
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 5000);
+}
+
+void write_port_file(const std::string& path, int port) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp);
+    out << port << "\n";
+    if (!out) throw std::runtime_error(fmt::format("--port-file: cannot write {}", tmp));
+  }
+  std::filesystem::rename(tmp, path);
+}
+
+// Waits for a termination signal (or the parent's death). Returns the signal number, 0 for a
+// vanished parent.
+int wait_for_termination(int parent_pid) {
+  const sigset_t set = termination_set();
+  for (;;) {
+    timespec ts{0, 200 * 1000 * 1000};
+    const int sig = sigtimedwait(&set, nullptr, &ts);
+    if (sig > 0) return sig;
+    if (parent_pid > 0 && (getppid() != parent_pid) && kill(parent_pid, 0) != 0) return 0;
+  }
+}
+}  // namespace
+
+int run_server(const ServerFlags& flags, Lifecycle& lifecycle, ServerSpec spec) {
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(flags.listen, grpc::InsecureServerCredentials(), &port);
+  builder.SetMaxReceiveMessageSize(64 << 20);
+  builder.SetMaxSendMessageSize(64 << 20);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 5000);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
+  for (grpc::Service* s : spec.services) builder.RegisterService(s);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (!server || port == 0) {
+    throw std::runtime_error(fmt::format("--listen: cannot listen on {} (address in use or invalid?)", flags.listen));
+  }
+  if (spec.on_bound) spec.on_bound(port);
+  auto* health = server->GetHealthCheckService();
+  for (const auto& name : spec.health_names) health->SetServingStatus(name, true);
+  health->SetServingStatus(true);
+  if (!flags.port_file.empty()) write_port_file(flags.port_file, port);
+  spdlog::info("{} serving on {} (port {})", spec.role, flags.listen, port);
+
+  const int sig = wait_for_termination(flags.parent_pid);
+  if (sig == 0) {
+    spdlog::warn("parent process {} vanished: shutting down", flags.parent_pid);
+  } else {
+    spdlog::info("signal {} received: draining (up to {:.1f} s, a second signal stops at once)", sig,
+                 flags.drain_seconds);
+  }
+  lifecycle.begin_drain();
+  health->SetServingStatus(false);
+  if (spec.on_drain) spec.on_drain();
+
+  // Wait for in-flight calls, polling for a second signal.
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::milliseconds(static_cast<int64_t>(flags.drain_seconds * 1000));
+  const sigset_t set = termination_set();
+  while (sig != 0 && std::chrono::steady_clock::now() < deadline) {
+    if (lifecycle.wait_idle(std::min(deadline, std::chrono::steady_clock::now() + std::chrono::milliseconds(100)))) {
+      break;
+    }
+    timespec ts{0, 0};
+    if (sigtimedwait(&set, nullptr, &ts) > 0) {
+      spdlog::warn("second signal: stopping without waiting for {} in-flight calls", lifecycle.active());
+      break;
+    }
+  }
+  if (lifecycle.active() > 0) spdlog::warn("cancelling {} in-flight calls", lifecycle.active());
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
+  server->Wait();
+  spdlog::info("{} stopped", spec.role);
+  return 0;
+}
+
+std::shared_ptr<grpc::Channel> make_channel(const std::string& target) {
+  grpc::ChannelArguments args;
+  apply_common_args(args);
+  return grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+}
+
+int check_health(const std::string& target, const std::string& service, std::chrono::milliseconds timeout,
+                 std::string* error) {
+  auto stub = grpc::health::v1::Health::NewStub(make_channel(target));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + timeout);
+  grpc::health::v1::HealthCheckRequest req;
+  req.set_service(service);
+  grpc::health::v1::HealthCheckResponse resp;
+  const grpc::Status st = stub->Check(&ctx, req, &resp);
+  if (!st.ok()) {
+    if (error) *error = describe(st);
+    return -1;
+  }
+  return static_cast<int>(resp.status());
+}
+
+std::string advertised_host(const std::string& listen) {
+  std::string host = listen;
+  if (!listen.empty() && listen.front() == '[') {
+    host = listen.substr(0, listen.find(']') + 1);
+  } else if (auto colon = listen.rfind(':'); colon != std::string::npos) {
+    host = listen.substr(0, colon);
+  }
+  if (host.empty() || host == "0.0.0.0" || host == "[::]" || host == "localhost") return "127.0.0.1";
+  return host;
+}
+
+}  // namespace hypic::rpc

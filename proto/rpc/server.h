@@ -1,0 +1,114 @@
+// Lifecycle shared by every hypic service: common flags, logging, a gRPC server with the standard
+// health service (grpc.health.v1) and server reflection, and a graceful drain on SIGINT/SIGTERM.
+//
+// Drain sequence: the first SIGINT/SIGTERM flips health to NOT_SERVING and makes
+// Lifecycle::enter() refuse new calls (services answer UNAVAILABLE "<role> is shutting down");
+// in-flight calls get up to --drain-seconds to finish; then the server shuts down, cancelling
+// what is left. A second signal skips the wait.
+#pragma once
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <grpcpp/grpcpp.h>
+
+namespace hypic::rpc {
+
+/// Flags every service takes.
+struct ServerFlags {
+  std::string listen = "127.0.0.1:0";  ///< host:port to bind; port 0 picks a free one
+  std::string port_file;               ///< if set, the bound port is written there once serving
+  std::string log_level = "info";      ///< trace, debug, info, warn, error, critical, off
+  double drain_seconds = 10.0;         ///< how long in-flight calls may finish after SIGTERM
+  int parent_pid = 0;                  ///< if > 0, shut down when this process disappears
+};
+
+/// Registers --listen, --port-file, --log-level, --drain-seconds, --parent-pid on `app`.
+void add_server_flags(CLI::App& app, ServerFlags& flags);
+
+/// Configures spdlog: pattern "[time] [role] [level] message" on stderr; throws
+/// std::invalid_argument for an unknown level name.
+void setup_logging(const std::string& role, const std::string& level);
+
+/// Blocks SIGINT, SIGTERM and SIGHUP in the calling thread (and every thread created after) and
+/// ignores SIGPIPE. Call first thing in main(), before gRPC starts threads; run_server() then
+/// receives the signals with sigwait.
+void block_termination_signals();
+
+/// In-flight call accounting and the draining flag.
+class Lifecycle {
+ public:
+  /// RAII registration of one in-flight call.
+  class Call {
+   public:
+    explicit Call(Lifecycle* l) : l_(l) {}
+    Call(Call&& o) noexcept : l_(o.l_) { o.l_ = nullptr; }
+    Call(const Call&) = delete;
+    Call& operator=(const Call&) = delete;
+    Call& operator=(Call&&) = delete;
+    ~Call();
+
+   private:
+    Lifecycle* l_;
+  };
+
+  explicit Lifecycle(std::string role) : role_(std::move(role)) {}
+  /// Registers a call; throws RpcError(UNAVAILABLE, "<role> is shutting down") once draining.
+  Call enter();
+  bool draining() const { return draining_.load(); }
+  void begin_drain() { draining_.store(true); }
+  /// Waits until no call is in flight or `deadline`; true if idle.
+  bool wait_idle(std::chrono::steady_clock::time_point deadline);
+  size_t active() const;
+  const std::string& role() const { return role_; }
+
+ private:
+  std::string role_;
+  std::atomic<bool> draining_{false};
+  mutable std::mutex mu_;
+  std::condition_variable idle_;
+  size_t active_ = 0;
+};
+
+/// What run_server() needs to know about the service it hosts.
+struct ServerSpec {
+  std::string role;                          ///< "router", "scatter", "combine", "segment-cache"
+  std::vector<grpc::Service*> services;      ///< registered in order
+  std::vector<std::string> health_names;     ///< fully qualified service names reported SERVING
+  /// Called once the port is known (before health turns SERVING), e.g. to learn the own address.
+  std::function<void(int port)> on_bound;
+  /// Called when the drain begins (after health went NOT_SERVING), e.g. to stop background work.
+  std::function<void()> on_drain;
+};
+
+/// Builds and starts the server on flags.listen with health checking and reflection enabled,
+/// writes the port file, marks the services SERVING, then blocks until a termination signal (or
+/// the parent process vanishes) and drains as described above. Returns the process exit status
+/// (0 after a clean drain). Throws std::runtime_error if the address cannot be bound.
+int run_server(const ServerFlags& flags, Lifecycle& lifecycle, ServerSpec spec);
+
+/// gRPC channel to host:port with the channel arguments hypic uses (large messages allowed,
+/// keepalive so that a vanished peer is noticed within seconds).
+std::shared_ptr<grpc::Channel> make_channel(const std::string& target);
+
+/// Health status of `service` ("" for the whole server) at `target`, as the grpc.health.v1 enum
+/// value (1 = SERVING); -1 when the call failed (the status is written to *error if given).
+int check_health(const std::string& target, const std::string& service, std::chrono::milliseconds timeout,
+                 std::string* error = nullptr);
+
+/// Host part of a listen address ("127.0.0.1:0" -> "127.0.0.1", "[::1]:5" -> "[::1]",
+/// "0.0.0.0:7" -> "127.0.0.1" since a wildcard is not reachable as such).
+std::string advertised_host(const std::string& listen);
+
+/// Milliseconds between two steady-clock time points, as double.
+inline double ms_between(std::chrono::steady_clock::time_point a, std::chrono::steady_clock::time_point b) {
+  return std::chrono::duration<double, std::milli>(b - a).count();
+}
+
+}  // namespace hypic::rpc
