@@ -190,6 +190,17 @@ int check_health(const std::string& target, const std::string& service, std::chr
   return static_cast<int>(resp.status());
 }
 
+std::unique_ptr<grpc::ClientContext> make_client_context(const grpc::ServerContextBase* parent,
+                                                         std::optional<std::chrono::milliseconds> timeout) {
+  auto ctx = parent ? grpc::ClientContext::FromServerContext(*parent) : std::make_unique<grpc::ClientContext>();
+  if (timeout) {
+    auto deadline = std::chrono::system_clock::now() + *timeout;
+    if (parent && parent->deadline() < deadline) deadline = parent->deadline();
+    ctx->set_deadline(deadline);
+  }
+  return ctx;
+}
+
 std::string advertised_host(const std::string& listen) {
   std::string host = listen;
   if (!listen.empty() && listen.front() == '[') {

@@ -106,6 +106,12 @@ int check_health(const std::string& target, const std::string& service, std::chr
 /// "0.0.0.0:7" -> "127.0.0.1" since a wildcard is not reachable as such).
 std::string advertised_host(const std::string& listen);
 
+/// A client context for a call made while serving `parent` (may be null): with a parent, the
+/// parent's deadline and cancellation propagate to the call (gRPC propagation defaults); with
+/// `timeout`, the deadline is additionally capped at now + timeout.
+std::unique_ptr<grpc::ClientContext> make_client_context(const grpc::ServerContextBase* parent,
+                                                         std::optional<std::chrono::milliseconds> timeout = {});
+
 /// Milliseconds between two steady-clock time points, as double.
 inline double ms_between(std::chrono::steady_clock::time_point a, std::chrono::steady_clock::time_point b) {
   return std::chrono::duration<double, std::milli>(b - a).count();

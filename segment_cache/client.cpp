@@ -1,0 +1,164 @@
+#include "segment_cache/client.h"
+
+#include <future>
+
+#include <fmt/format.h>
+
+#include "proto/rpc/server.h"
+#include "proto/rpc/status.h"
+
+namespace hypic::cache {
+
+namespace v1 = hypic::v1;
+
+SegmentCacheClient::SegmentCacheClient(std::vector<std::string> replicas, Options options)
+    : replicas_(std::move(replicas)), opt_(options) {
+  if (replicas_.empty()) return;
+  ring_.emplace(replicas_, opt_.vnodes);
+  for (const auto& r : replicas_) stubs_.push_back(v1::SegmentCache::NewStub(rpc::make_channel(r)));
+}
+
+std::string SegmentCacheClient::owner(const rpc::Digest& digest) const {
+  return ring_ ? replicas_[ring_->owner(digest)] : std::string();
+}
+
+v1::SegmentCache::Stub& SegmentCacheClient::stub_for(const rpc::Digest& digest) const {
+  if (!ring_) throw rpc::unavailable("no segment cache replica is configured");
+  return *stubs_[ring_->owner(digest)];
+}
+
+BatchLookup SegmentCacheClient::lookup(std::span<const CacheKey> keys, uint32_t lease_ms,
+                                       const grpc::ServerContextBase* parent) const {
+  BatchLookup out;
+  out.results.resize(keys.size());
+  if (keys.empty()) return out;
+  if (!ring_) {
+    out.all_reachable = false;
+    out.error = "no segment cache replica is configured";
+    return out;
+  }
+  // Group key positions by owner.
+  std::vector<std::vector<size_t>> by_replica(replicas_.size());
+  for (size_t i = 0; i < keys.size(); ++i) by_replica[ring_->owner(keys[i].digest)].push_back(i);
+
+  std::vector<std::future<grpc::Status>> calls(replicas_.size());
+  std::vector<v1::LookupResponse> responses(replicas_.size());
+  std::vector<std::unique_ptr<grpc::ClientContext>> contexts(replicas_.size());
+  for (size_t r = 0; r < replicas_.size(); ++r) {
+    if (by_replica[r].empty()) continue;
+    v1::LookupRequest req;
+    req.set_lease_ms(lease_ms);
+    for (size_t i : by_replica[r]) {
+      auto* k = req.add_keys();
+      k->set_digest(rpc::digest_bytes(keys[i].digest));
+      k->mutable_token_ids()->Add(keys[i].token_ids.begin(), keys[i].token_ids.end());
+    }
+    contexts[r] = rpc::make_client_context(parent, opt_.timeout);
+    calls[r] = std::async(std::launch::async, [this, r, req = std::move(req), ctx = contexts[r].get(), &responses] {
+      return stubs_[r]->Lookup(ctx, req, &responses[r]);
+    });
+  }
+  for (size_t r = 0; r < replicas_.size(); ++r) {
+    if (by_replica[r].empty()) continue;
+    const grpc::Status st = calls[r].get();
+    if (!st.ok() || responses[r].results_size() != static_cast<int>(by_replica[r].size())) {
+      out.all_reachable = false;
+      if (out.error.empty()) {
+        out.error = st.ok() ? fmt::format("segment cache {} answered {} results for {} keys", replicas_[r],
+                                          responses[r].results_size(), by_replica[r].size())
+                            : fmt::format("segment cache {}: {}", replicas_[r], rpc::describe(st));
+      }
+      continue;
+    }
+    for (size_t j = 0; j < by_replica[r].size(); ++j) {
+      const auto& res = responses[r].results(static_cast<int>(j));
+      out.results[by_replica[r][j]] = CacheLookup{res.hit(), static_cast<int>(res.tier()), res.size_bytes()};
+    }
+  }
+  return out;
+}
+
+std::optional<std::pair<std::string, std::vector<int32_t>>> SegmentCacheClient::fetch(
+    const rpc::Digest& digest, std::span<const int32_t> ids, bool check_ids,
+    const grpc::ServerContextBase* parent) const {
+  auto& stub = stub_for(digest);
+  auto ctx = rpc::make_client_context(parent, opt_.timeout);
+  v1::GetRequest req;
+  req.set_digest(rpc::digest_bytes(digest));
+  req.mutable_token_ids()->Add(ids.begin(), ids.end());
+  req.set_skip_token_check(!check_ids);
+  auto reader = stub.Get(ctx.get(), req);
+  v1::GetResponse msg;
+  rpc::ChunkAssembler assembler;
+  std::vector<int32_t> stored_ids;
+  const std::string what = fmt::format("segment entry {} from {}", rpc::digest_hex(digest), owner(digest));
+  while (reader->Read(&msg)) {
+    if (msg.has_info()) {
+      assembler.begin(msg.info().total_bytes(), msg.info().checksum(), what);
+      stored_ids.assign(msg.info().token_ids().begin(), msg.info().token_ids().end());
+    } else {
+      assembler.append(msg.data());
+    }
+  }
+  const grpc::Status st = reader->Finish();
+  if (st.error_code() == grpc::StatusCode::NOT_FOUND) return std::nullopt;
+  if (!st.ok()) rpc::throw_status(st, what);
+  return std::make_pair(assembler.finish(), std::move(stored_ids));
+}
+
+std::optional<std::string> SegmentCacheClient::get(const CacheKey& key, const grpc::ServerContextBase* parent) const {
+  auto got = fetch(key.digest, key.token_ids, true, parent);
+  if (!got) return std::nullopt;
+  return std::move(got->first);
+}
+
+std::optional<std::pair<std::string, std::vector<int32_t>>> SegmentCacheClient::get_unchecked(
+    const rpc::Digest& digest) const {
+  return fetch(digest, {}, false, nullptr);
+}
+
+bool SegmentCacheClient::put(const CacheKey& key, std::string_view bytes) const {
+  auto& stub = stub_for(key.digest);
+  auto ctx = rpc::make_client_context(nullptr, opt_.timeout);
+  v1::PutResponse resp;
+  auto writer = stub.Put(ctx.get(), &resp);
+  v1::PutRequest head;
+  auto* h = head.mutable_header();
+  h->mutable_key()->set_digest(rpc::digest_bytes(key.digest));
+  h->mutable_key()->mutable_token_ids()->Add(key.token_ids.begin(), key.token_ids.end());
+  h->set_total_bytes(bytes.size());
+  h->set_checksum(rpc::checksum64(bytes));
+  if (writer->Write(head)) {
+    rpc::write_chunks<v1::PutRequest>(
+        bytes, opt_.chunk_bytes, [](v1::PutRequest& m, std::string_view c) { m.set_data(std::string(c)); },
+        [&](const v1::PutRequest& m) { return writer->Write(m); });
+  }
+  writer->WritesDone();
+  const grpc::Status st = writer->Finish();
+  if (!st.ok()) rpc::throw_status(st, fmt::format("put {} to {}", rpc::digest_hex(key.digest), owner(key.digest)));
+  return resp.replaced();
+}
+
+bool SegmentCacheClient::erase(const rpc::Digest& digest) const {
+  auto& stub = stub_for(digest);
+  auto ctx = rpc::make_client_context(nullptr, opt_.timeout);
+  v1::DeleteRequest req;
+  req.set_digest(rpc::digest_bytes(digest));
+  v1::DeleteResponse resp;
+  const grpc::Status st = stub.Delete(ctx.get(), req, &resp);
+  if (!st.ok()) rpc::throw_status(st, fmt::format("delete {} at {}", rpc::digest_hex(digest), owner(digest)));
+  return resp.deleted();
+}
+
+v1::CacheStats SegmentCacheClient::stats(size_t replica) const {
+  if (replica >= stubs_.size()) {
+    throw std::out_of_range(fmt::format("replica {}: only {} configured", replica, stubs_.size()));
+  }
+  auto ctx = rpc::make_client_context(nullptr, opt_.timeout);
+  v1::CacheStats out;
+  const grpc::Status st = stubs_[replica]->Stats(ctx.get(), v1::StatsRequest{}, &out);
+  if (!st.ok()) rpc::throw_status(st, fmt::format("stats of {}", replicas_[replica]));
+  return out;
+}
+
+}  // namespace hypic::cache

@@ -1,0 +1,88 @@
+// Client library of the segment cache service: batch lookup, chunked get/put, delete and stats,
+// with the key space sharded over several replicas by consistent hashing (segment_cache/ring.h).
+// Each key lives on exactly one replica; a replica that cannot be reached makes its keys misses
+// (lookup) or fails the call with UNAVAILABLE (get/put) — callers then compute instead.
+// Thread-safe; channels are created once per replica and shared.
+#pragma once
+#include <chrono>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+
+#include "hypic/v1/segment_cache.grpc.pb.h"
+#include "proto/rpc/chunks.h"
+#include "segment_cache/ring.h"
+
+namespace hypic::cache {
+
+/// A segment key as the services handle it: digest plus the token ids that verify a hit.
+struct CacheKey {
+  rpc::Digest digest{};
+  std::span<const int32_t> token_ids;
+};
+
+struct CacheLookup {
+  bool hit = false;
+  int tier = 0;           ///< hypic.v1.CacheTier
+  uint64_t size_bytes = 0;
+};
+
+struct BatchLookup {
+  std::vector<CacheLookup> results;  ///< one per key, in order
+  bool all_reachable = true;         ///< false if some replica failed (its keys count as misses)
+  std::string error;                 ///< the first failure, for logs and reports
+};
+
+class SegmentCacheClient {
+ public:
+  struct Options {
+    int vnodes = 160;                                   ///< ring points per replica
+    std::chrono::milliseconds timeout{5000};            ///< per call, capped by the parent deadline
+    size_t chunk_bytes = rpc::kChunkBytes;
+  };
+
+  /// `replicas`: host:port of every replica (may be empty: a client with no cache, every lookup
+  /// misses and get/put fail with UNAVAILABLE).
+  explicit SegmentCacheClient(std::vector<std::string> replicas, Options options);
+  explicit SegmentCacheClient(std::vector<std::string> replicas) : SegmentCacheClient(std::move(replicas), Options{}) {}
+
+  bool enabled() const { return ring_.has_value(); }
+  const std::vector<std::string>& replicas() const { return replicas_; }
+  /// Address of the replica that owns `digest` (empty without replicas).
+  std::string owner(const rpc::Digest& digest) const;
+
+  /// One Lookup RPC per replica that owns some of the keys, all in parallel; hits are leased for
+  /// lease_ms. `parent` (may be null) propagates the serving call's deadline and cancellation.
+  BatchLookup lookup(std::span<const CacheKey> keys, uint32_t lease_ms,
+                     const grpc::ServerContextBase* parent = nullptr) const;
+
+  /// Fetches an entry and verifies its checksum end to end. nullopt when the replica says
+  /// NOT_FOUND; throws rpc::RpcError with the replica's code otherwise (UNAVAILABLE, DATA_LOSS
+  /// for an entry the cache found corrupt, DEADLINE_EXCEEDED...).
+  std::optional<std::string> get(const CacheKey& key, const grpc::ServerContextBase* parent = nullptr) const;
+  /// Fetch without the token-id check (administration): returns the bytes and the stored ids.
+  std::optional<std::pair<std::string, std::vector<int32_t>>> get_unchecked(const rpc::Digest& digest) const;
+
+  /// Stores an entry (chunked). Throws rpc::RpcError on failure. Returns true if it replaced one.
+  bool put(const CacheKey& key, std::string_view bytes) const;
+  /// Removes an entry; false if the owner did not have it. Throws rpc::RpcError on failure.
+  bool erase(const rpc::Digest& digest) const;
+  /// Stats of one replica. Throws rpc::RpcError on failure.
+  hypic::v1::CacheStats stats(size_t replica) const;
+
+ private:
+  hypic::v1::SegmentCache::Stub& stub_for(const rpc::Digest& digest) const;
+  std::optional<std::pair<std::string, std::vector<int32_t>>> fetch(const rpc::Digest& digest,
+                                                                     std::span<const int32_t> ids, bool check_ids,
+                                                                     const grpc::ServerContextBase* parent) const;
+
+  std::vector<std::string> replicas_;
+  Options opt_;
+  std::optional<HashRing> ring_;
+  std::vector<std::unique_ptr<hypic::v1::SegmentCache::Stub>> stubs_;
+};
+
+}  // namespace hypic::cache

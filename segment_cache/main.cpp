@@ -1,0 +1,46 @@
+// hypic-segment-cache: the segment cache service (hypic.v1.SegmentCache).
+#include <CLI/CLI.hpp>
+#include <spdlog/spdlog.h>
+
+#include "proto/rpc/chunks.h"
+#include "proto/rpc/server.h"
+#include "segment_cache/service.h"
+
+int main(int argc, char** argv) {
+  hypic::rpc::block_termination_signals();
+  CLI::App app{"hypic segment cache: content-addressed store of serialized segment entries"};
+  hypic::rpc::ServerFlags server;
+  server.listen = "127.0.0.1:50051";
+  hypic::rpc::add_server_flags(app, server);
+  hypic::cache::StoreOptions store;
+  std::string disk_dir;
+  size_t chunk_bytes = hypic::rpc::kChunkBytes;
+  uint32_t max_lease_ms = 60000;
+  app.add_option("--memory-bytes", store.memory_budget_bytes, "memory-tier budget (e.g. 2GiB, 512MB)")
+      ->transform(CLI::AsSizeValue(false))
+      ->capture_default_str();
+  app.add_option("--disk-dir", disk_dir, "enable the disk tier in this directory (entries survive restarts)");
+  app.add_option("--disk-bytes", store.disk_budget_bytes, "disk-tier budget")
+      ->transform(CLI::AsSizeValue(false))
+      ->capture_default_str();
+  app.add_option("--chunk-bytes", chunk_bytes, "size of streamed chunks")
+      ->transform(CLI::AsSizeValue(false))
+      ->check(CLI::Range(size_t{4096}, size_t{4} << 20))
+      ->capture_default_str();
+  app.add_option("--max-lease-ms", max_lease_ms, "longest lease a Lookup may ask for")->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+  try {
+    hypic::rpc::setup_logging("segment-cache", server.log_level);
+    store.disk_dir = disk_dir;
+    hypic::cache::SegmentStore st(store);
+    hypic::rpc::Lifecycle life("segment cache");
+    hypic::cache::SegmentCacheService svc(st, life, chunk_bytes, max_lease_ms);
+    spdlog::info("memory budget {} bytes{}", store.memory_budget_bytes,
+                 disk_dir.empty() ? std::string(", no disk tier")
+                                  : fmt::format(", disk tier {} ({} bytes)", disk_dir, store.disk_budget_bytes));
+    return hypic::rpc::run_server(server, life, {"segment-cache", {&svc}, {"hypic.v1.SegmentCache"}, {}, {}});
+  } catch (const std::exception& e) {
+    spdlog::critical("{}", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,436 @@
+#include "segment_cache/store.h"
+
+#include <algorithm>
+#include <cstring>
+#include <fstream>
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include "proto/rpc/chunks.h"
+
+namespace hypic::cache {
+
+namespace {
+// Disk-tier file layout (native little-endian): magic "HYPSEG01", u64 checksum, u64 payload size,
+// u32 number of token ids, i32 ids[n], payload bytes. File name: <digest hex>.entry.
+constexpr char kMagic[8] = {'H', 'Y', 'P', 'S', 'E', 'G', '0', '1'};
+constexpr uint64_t kFixedHeader = sizeof(kMagic) + 8 + 8 + 4;
+constexpr std::string_view kSuffix = ".entry";
+
+struct DiskHeader {
+  uint64_t checksum = 0;
+  uint64_t size = 0;
+  std::vector<int32_t> ids;
+};
+
+// Reads the header of an entry file; throws std::runtime_error naming the file on any problem.
+DiskHeader read_header(std::ifstream& in, const std::filesystem::path& path) {
+  char magic[8];
+  DiskHeader h;
+  uint32_t n = 0;
+  in.read(magic, sizeof magic);
+  in.read(reinterpret_cast<char*>(&h.checksum), 8);
+  in.read(reinterpret_cast<char*>(&h.size), 8);
+  in.read(reinterpret_cast<char*>(&n), 4);
+  if (!in || std::memcmp(magic, kMagic, sizeof magic) != 0) {
+    throw std::runtime_error(fmt::format("{}: not a segment entry file (bad magic or truncated header)", path.string()));
+  }
+  std::error_code ec;
+  const auto file_size = std::filesystem::file_size(path, ec);
+  if (ec || kFixedHeader + uint64_t{n} * 4 + h.size != file_size) {
+    throw std::runtime_error(fmt::format("{}: file has {} bytes, header announces {} ids and {} payload bytes",
+                                         path.string(), ec ? 0 : file_size, n, h.size));
+  }
+  h.ids.resize(n);
+  in.read(reinterpret_cast<char*>(h.ids.data()), std::streamsize(n) * 4);
+  if (!in) throw std::runtime_error(fmt::format("{}: truncated token ids", path.string()));
+  return h;
+}
+
+bool same_ids(std::span<const int32_t> a, const std::vector<int32_t>& b) {
+  return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin());
+}
+
+std::string fmt_bytes(uint64_t b) { return fmt::format("{} bytes", b); }
+}  // namespace
+
+size_t SegmentStore::DigestHash::operator()(const Digest& d) const noexcept {
+  size_t h;
+  std::memcpy(&h, d.data(), sizeof h);  // the digest is already a uniform hash
+  return h;
+}
+
+SegmentStore::Handle::Handle(SegmentStore* s, Digest d, uint64_t gen, std::shared_ptr<const std::string> b,
+                             uint64_t c, Tier t, std::vector<int32_t> ids)
+    : store_(s), digest_(d), generation_(gen), bytes_(std::move(b)), checksum_(c), tier_(t), ids_(std::move(ids)) {}
+
+SegmentStore::Handle::Handle(Handle&& o) noexcept
+    : store_(o.store_), digest_(o.digest_), generation_(o.generation_), bytes_(std::move(o.bytes_)),
+      checksum_(o.checksum_), tier_(o.tier_), ids_(std::move(o.ids_)) {
+  o.store_ = nullptr;
+}
+
+SegmentStore::Handle::~Handle() {
+  if (store_) store_->unpin(digest_, generation_);
+}
+
+SegmentStore::SegmentStore(StoreOptions options) : opt_(std::move(options)) {
+  if (opt_.memory_budget_bytes == 0) throw std::invalid_argument("memory_budget_bytes: must be > 0");
+  counters_.memory_budget_bytes = opt_.memory_budget_bytes;
+  if (!opt_.disk_dir.empty()) {
+    std::error_code ec;
+    std::filesystem::create_directories(opt_.disk_dir, ec);
+    if (ec) throw std::runtime_error(fmt::format("disk_dir: cannot create {}: {}", opt_.disk_dir.string(), ec.message()));
+    counters_.disk_budget_bytes = opt_.disk_budget_bytes;
+    index_disk_dir();
+  }
+}
+
+SegmentStore::~SegmentStore() = default;
+
+std::chrono::steady_clock::time_point SegmentStore::now() const {
+  return opt_.clock ? opt_.clock() : std::chrono::steady_clock::now();
+}
+
+bool SegmentStore::evictable(const Entry& e) const { return e.pins == 0 && e.lease_until <= now(); }
+
+std::filesystem::path SegmentStore::file_of(const Digest& d) const {
+  return opt_.disk_dir / (rpc::digest_hex(d) + std::string(kSuffix));
+}
+
+void SegmentStore::index_disk_dir() {
+  struct Found {
+    Digest d;
+    DiskHeader h;
+    std::filesystem::file_time_type mtime;
+  };
+  std::vector<Found> found;
+  for (const auto& de : std::filesystem::directory_iterator(opt_.disk_dir)) {
+    const auto path = de.path();
+    const std::string name = path.filename().string();
+    if (!de.is_regular_file() || name.size() != 32 + kSuffix.size() || !name.ends_with(kSuffix)) continue;
+    try {
+      const Digest d = rpc::digest_from_hex(std::string_view(name).substr(0, 32));
+      std::ifstream in(path, std::ios::binary);
+      found.push_back({d, read_header(in, path), de.last_write_time()});
+    } catch (const std::exception& e) {
+      spdlog::warn("disk tier: deleting unreadable entry file: {}", e.what());
+      std::filesystem::remove(path);
+      ++counters_.corruptions;
+    }
+  }
+  std::sort(found.begin(), found.end(), [](const Found& a, const Found& b) { return a.mtime > b.mtime; });
+  for (auto& f : found) {
+    Entry e;
+    e.ids = std::move(f.h.ids);
+    e.checksum = f.h.checksum;
+    e.size = f.h.size;
+    e.tier = Tier::Disk;
+    e.generation = next_generation_++;
+    disk_lru_.push_back(f.d);  // newest first
+    e.lru = std::prev(disk_lru_.end());
+    disk_bytes_ += e.size;
+    map_.emplace(f.d, std::move(e));
+  }
+  // A smaller budget than last time: drop the oldest.
+  while (disk_bytes_ > opt_.disk_budget_bytes && !disk_lru_.empty()) {
+    drop(map_.find(disk_lru_.back()));
+    ++counters_.evictions;
+  }
+  if (!found.empty()) spdlog::info("disk tier: indexed {} entries ({} bytes) in {}", map_.size(), disk_bytes_,
+                                   opt_.disk_dir.string());
+}
+
+void SegmentStore::write_disk_file(const Digest& d, const Entry& e, const std::string& bytes) const {
+  const auto path = file_of(d);
+  const auto tmp = path.string() + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    const uint32_t n = static_cast<uint32_t>(e.ids.size());
+    out.write(kMagic, sizeof kMagic);
+    out.write(reinterpret_cast<const char*>(&e.checksum), 8);
+    out.write(reinterpret_cast<const char*>(&e.size), 8);
+    out.write(reinterpret_cast<const char*>(&n), 4);
+    out.write(reinterpret_cast<const char*>(e.ids.data()), std::streamsize(n) * 4);
+    out.write(bytes.data(), std::streamsize(bytes.size()));
+    out.flush();
+    if (!out) {
+      std::filesystem::remove(tmp);
+      throw std::runtime_error(fmt::format("cannot write {} (disk full?)", tmp));
+    }
+  }
+  std::filesystem::rename(tmp, path);
+}
+
+std::shared_ptr<const std::string> SegmentStore::read_disk_file(const Digest& d, const Entry& e) const {
+  const auto path = file_of(d);
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::runtime_error(fmt::format("{}: cannot open", path.string()));
+  const DiskHeader h = read_header(in, path);
+  if (h.checksum != e.checksum || h.size != e.size || h.ids != e.ids) {
+    throw std::runtime_error(fmt::format("{}: header does not match the index (checksum, size or token ids)",
+                                         path.string()));
+  }
+  auto bytes = std::make_shared<std::string>(h.size, '\0');
+  in.read(bytes->data(), std::streamsize(h.size));
+  if (!in) throw std::runtime_error(fmt::format("{}: truncated payload", path.string()));
+  const uint64_t got = rpc::checksum64(*bytes);
+  if (got != e.checksum) {
+    throw std::runtime_error(fmt::format("{}: XXH3-64 checksum {:016x} != stored {:016x}", path.string(), got,
+                                         e.checksum));
+  }
+  return bytes;
+}
+
+void SegmentStore::drop(Map::iterator it) {
+  Entry& e = it->second;
+  if (e.tier == Tier::Memory) {
+    mem_lru_.erase(e.lru);
+    mem_bytes_ -= e.size;
+  } else if (e.tier == Tier::Disk) {
+    disk_lru_.erase(e.lru);
+    disk_bytes_ -= e.size;
+    std::error_code ec;
+    std::filesystem::remove(file_of(it->first), ec);
+  }
+  map_.erase(it);
+}
+
+void SegmentStore::touch(Entry& e, const Digest& d) {
+  auto& lru = e.tier == Tier::Memory ? mem_lru_ : disk_lru_;
+  lru.erase(e.lru);
+  lru.push_front(d);
+  e.lru = lru.begin();
+}
+
+void SegmentStore::unpin(const Digest& d, uint64_t generation) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = map_.find(d);
+  if (it != map_.end() && it->second.generation == generation && it->second.pins > 0) --it->second.pins;
+}
+
+namespace {
+// Victims (least recently used first) whose sizes free at least `need` bytes, or {} if the
+// evictable entries are not enough.
+template <class IsEvictable, class SizeOf>
+std::vector<Digest> pick_victims(const std::list<Digest>& lru, uint64_t used, uint64_t budget, uint64_t need,
+                                 IsEvictable&& evictable, SizeOf&& size_of) {
+  std::vector<Digest> victims;
+  if (need > budget) return victims;
+  uint64_t after = used;
+  for (auto rit = lru.rbegin(); rit != lru.rend() && after + need > budget; ++rit) {
+    if (!evictable(*rit)) continue;
+    victims.push_back(*rit);
+    after -= size_of(*rit);
+  }
+  if (after + need > budget) victims.clear();
+  return victims;
+}
+}  // namespace
+
+bool SegmentStore::make_memory_room(uint64_t need) {
+  if (need > opt_.memory_budget_bytes) return false;
+  if (mem_bytes_ + need <= opt_.memory_budget_bytes) return true;
+  auto victims = pick_victims(
+      mem_lru_, mem_bytes_, opt_.memory_budget_bytes, need, [&](const Digest& d) { return evictable(map_.at(d)); },
+      [&](const Digest& d) { return map_.at(d).size; });
+  if (victims.empty()) return false;
+  for (const Digest& d : victims) spill(map_.find(d));
+  return true;
+}
+
+bool SegmentStore::make_disk_room(uint64_t need) {
+  if (opt_.disk_dir.empty() || need > opt_.disk_budget_bytes) return false;
+  if (disk_bytes_ + need <= opt_.disk_budget_bytes) return true;
+  auto victims = pick_victims(
+      disk_lru_, disk_bytes_, opt_.disk_budget_bytes, need, [&](const Digest& d) { return evictable(map_.at(d)); },
+      [&](const Digest& d) { return map_.at(d).size; });
+  if (victims.empty()) return false;
+  for (const Digest& d : victims) {
+    drop(map_.find(d));
+    ++counters_.evictions;
+  }
+  return true;
+}
+
+void SegmentStore::spill(Map::iterator it) {
+  Entry& e = it->second;
+  const Digest d = it->first;
+  std::shared_ptr<const std::string> bytes = std::move(e.bytes);
+  mem_lru_.erase(e.lru);
+  mem_bytes_ -= e.size;
+  e.tier = Tier::None;
+  if (make_disk_room(e.size)) {
+    try {
+      write_disk_file(d, e, *bytes);
+      e.tier = Tier::Disk;
+      disk_lru_.push_front(d);
+      e.lru = disk_lru_.begin();
+      disk_bytes_ += e.size;
+      ++counters_.spills;
+      return;
+    } catch (const std::exception& ex) {
+      spdlog::warn("disk tier: spilling {} failed, dropping it: {}", rpc::digest_hex(d), ex.what());
+    }
+  }
+  map_.erase(it);
+  ++counters_.evictions;
+}
+
+SegmentStore::LookupResult SegmentStore::lookup(const Digest& digest, std::span<const int32_t> token_ids,
+                                                std::chrono::milliseconds lease) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++counters_.lookups;
+  auto it = map_.find(digest);
+  if (it == map_.end()) {
+    ++counters_.misses;
+    return {};
+  }
+  Entry& e = it->second;
+  if (!same_ids(token_ids, e.ids)) {
+    ++counters_.collisions;
+    ++counters_.misses;
+    return {};
+  }
+  ++counters_.hits;
+  if (lease.count() > 0) e.lease_until = std::max(e.lease_until, now() + lease);
+  return {true, e.tier, e.size};
+}
+
+std::optional<SegmentStore::Handle> SegmentStore::get(const Digest& digest,
+                                                      std::optional<std::span<const int32_t>> token_ids) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++counters_.lookups;
+  auto it = map_.find(digest);
+  if (it == map_.end()) {
+    ++counters_.misses;
+    return std::nullopt;
+  }
+  Entry& e = it->second;
+  if (token_ids && !same_ids(*token_ids, e.ids)) {
+    ++counters_.collisions;
+    ++counters_.misses;
+    return std::nullopt;
+  }
+  const Tier read_from = e.tier;
+  std::shared_ptr<const std::string> bytes;
+  try {
+    if (e.tier == Tier::Memory) {
+      const uint64_t got = rpc::checksum64(*e.bytes);
+      if (got != e.checksum) {
+        throw std::runtime_error(fmt::format("memory copy: XXH3-64 checksum {:016x} != stored {:016x}", got, e.checksum));
+      }
+      bytes = e.bytes;
+    } else {
+      bytes = read_disk_file(digest, e);
+    }
+  } catch (const std::exception& ex) {
+    ++counters_.corruptions;
+    ++counters_.misses;
+    drop(it);
+    spdlog::error("entry {} is corrupt and was dropped: {}", rpc::digest_hex(digest), ex.what());
+    throw rpc::RpcError(grpc::StatusCode::DATA_LOSS,
+                        fmt::format("segment entry {} failed its integrity check and was dropped: {}",
+                                    rpc::digest_hex(digest), ex.what()));
+  }
+  if (e.tier == Tier::Disk) {
+    // Promote to memory (exclusive tiers: the disk copy goes away) when it fits. Pin the entry
+    // first so that making room cannot pick it.
+    ++e.pins;
+    const bool fits = make_memory_room(e.size);
+    --e.pins;
+    if (fits) {
+      disk_lru_.erase(e.lru);
+      disk_bytes_ -= e.size;
+      std::error_code ec;
+      std::filesystem::remove(file_of(digest), ec);
+      e.tier = Tier::Memory;
+      e.bytes = bytes;
+      mem_lru_.push_front(digest);
+      e.lru = mem_lru_.begin();
+      mem_bytes_ += e.size;
+      ++counters_.promotions;
+    }
+  }
+  touch(e, digest);
+  ++counters_.hits;
+  ++e.pins;
+  return Handle(this, digest, e.generation, std::move(bytes), e.checksum, read_from, e.ids);
+}
+
+bool SegmentStore::put(const Digest& digest, std::vector<int32_t> token_ids, std::string bytes, uint64_t checksum) {
+  const uint64_t got = rpc::checksum64(bytes);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (got != checksum) {
+    ++counters_.rejected_puts;
+    throw rpc::RpcError(grpc::StatusCode::DATA_LOSS,
+                        fmt::format("put {}: XXH3-64 checksum of the {} bytes is {:016x}, the header says {:016x}",
+                                    rpc::digest_hex(digest), bytes.size(), got, checksum));
+  }
+  ++counters_.puts;
+  bool replaced = false;
+  if (auto it = map_.find(digest); it != map_.end()) {
+    drop(it);
+    replaced = true;
+  }
+  Entry e;
+  e.ids = std::move(token_ids);
+  e.checksum = checksum;
+  e.size = bytes.size();
+  e.generation = next_generation_++;
+  if (make_memory_room(e.size)) {
+    e.tier = Tier::Memory;
+    e.bytes = std::make_shared<const std::string>(std::move(bytes));
+    mem_lru_.push_front(digest);
+    e.lru = mem_lru_.begin();
+    mem_bytes_ += e.size;
+    map_.emplace(digest, std::move(e));
+    return replaced;
+  }
+  if (make_disk_room(e.size)) {
+    try {
+      write_disk_file(digest, e, bytes);
+      e.tier = Tier::Disk;
+      disk_lru_.push_front(digest);
+      e.lru = disk_lru_.begin();
+      disk_bytes_ += e.size;
+      map_.emplace(digest, std::move(e));
+      return replaced;
+    } catch (const std::exception& ex) {
+      ++counters_.rejected_puts;
+      throw rpc::RpcError(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                          fmt::format("put {}: {}", rpc::digest_hex(digest), ex.what()));
+    }
+  }
+  ++counters_.rejected_puts;
+  throw rpc::RpcError(
+      grpc::StatusCode::RESOURCE_EXHAUSTED,
+      fmt::format("put {}: an entry of {} does not fit (memory {} of {} used{}; the rest is pinned or leased)",
+                  rpc::digest_hex(digest), fmt_bytes(e.size), fmt_bytes(mem_bytes_), fmt_bytes(opt_.memory_budget_bytes),
+                  opt_.disk_dir.empty() ? std::string(", no disk tier")
+                                        : fmt::format(", disk {} of {} used", fmt_bytes(disk_bytes_),
+                                                      fmt_bytes(opt_.disk_budget_bytes))));
+}
+
+bool SegmentStore::erase(const Digest& digest) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = map_.find(digest);
+  if (it == map_.end()) return false;
+  drop(it);
+  return true;
+}
+
+StoreStats SegmentStore::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  StoreStats s = counters_;
+  s.memory_entries = mem_lru_.size();
+  s.memory_bytes = mem_bytes_;
+  s.disk_entries = disk_lru_.size();
+  s.disk_bytes = disk_bytes_;
+  s.pinned_entries = static_cast<uint64_t>(
+      std::count_if(map_.begin(), map_.end(), [](const auto& kv) { return kv.second.pins > 0; }));
+  return s;
+}
+
+}  // namespace hypic::cache

@@ -1,0 +1,158 @@
+// The segment cache's store: serialized segment entries (opaque bytes) keyed by their 128-bit
+// digest, in a host-memory tier with a byte budget and LRU eviction, and optionally a local-disk
+// tier that memory evictions spill to (its own byte budget, LRU). Thread-safe (one mutex; disk
+// I/O happens under it, so a disk read of one entry delays other calls by its duration).
+//
+// Invariants:
+// - Every entry carries its token ids and an XXH3-64 checksum of its bytes. Lookups and reads
+//   that give token ids only hit when the stored ids are equal (a digest collision is a miss and
+//   is counted in `collisions`).
+// - Every read verifies the checksum (memory and disk). A mismatch drops the entry, counts a
+//   corruption and throws RpcError(DATA_LOSS).
+// - Entries that are pinned (a Handle is alive) or leased (lookup with a lease, until it expires)
+//   are never evicted. Erasing or replacing a pinned entry is allowed: the handle keeps the bytes
+//   it holds alive.
+#pragma once
+#include <chrono>
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "proto/rpc/status.h"
+
+namespace hypic::cache {
+
+using Digest = rpc::Digest;
+
+enum class Tier { None = 0, Memory = 1, Disk = 2 };  ///< same numbering as hypic.v1.CacheTier
+
+struct StoreOptions {
+  uint64_t memory_budget_bytes = uint64_t{1} << 30;  ///< bytes of entry payload held in memory
+  std::filesystem::path disk_dir;                     ///< empty: no disk tier
+  uint64_t disk_budget_bytes = uint64_t{8} << 30;     ///< bytes of entry payload on disk
+  /// Clock for leases (tests inject a fake one); defaults to steady_clock::now.
+  std::function<std::chrono::steady_clock::time_point()> clock;
+};
+
+/// Counters and sizes (field meanings as in hypic.v1.CacheStats).
+struct StoreStats {
+  uint64_t memory_entries = 0, memory_bytes = 0, memory_budget_bytes = 0;
+  uint64_t disk_entries = 0, disk_bytes = 0, disk_budget_bytes = 0;
+  uint64_t lookups = 0, hits = 0, misses = 0, evictions = 0, spills = 0, promotions = 0;
+  uint64_t puts = 0, rejected_puts = 0, corruptions = 0, collisions = 0, pinned_entries = 0;
+};
+
+class SegmentStore {
+ public:
+  /// A pinned entry: its bytes stay valid, and the entry is not evicted, while the handle lives.
+  class Handle {
+   public:
+    Handle(Handle&&) noexcept;
+    Handle& operator=(Handle&&) = delete;
+    Handle(const Handle&) = delete;
+    ~Handle();
+    const std::string& bytes() const { return *bytes_; }
+    uint64_t checksum() const { return checksum_; }
+    Tier tier() const { return tier_; }  ///< the tier the entry was read from
+    const std::vector<int32_t>& token_ids() const { return ids_; }
+
+   private:
+    friend class SegmentStore;
+    Handle(SegmentStore* s, Digest d, uint64_t gen, std::shared_ptr<const std::string> b, uint64_t c, Tier t,
+           std::vector<int32_t> ids);
+    SegmentStore* store_;
+    Digest digest_;
+    uint64_t generation_;
+    std::shared_ptr<const std::string> bytes_;
+    uint64_t checksum_;
+    Tier tier_;
+    std::vector<int32_t> ids_;
+  };
+
+  struct LookupResult {
+    bool hit = false;
+    Tier tier = Tier::None;
+    uint64_t size_bytes = 0;
+  };
+
+  /// Creates the store; with a disk tier, creates disk_dir if needed and indexes the entry files
+  /// already there (entries survive a restart; unreadable files are deleted and counted as
+  /// corruptions). Throws std::invalid_argument for a zero memory budget, std::runtime_error if
+  /// disk_dir cannot be created.
+  explicit SegmentStore(StoreOptions options);
+  ~SegmentStore();
+  SegmentStore(const SegmentStore&) = delete;
+  SegmentStore& operator=(const SegmentStore&) = delete;
+
+  /// Is the entry present (with these token ids)? On a hit, leases it for `lease` (0: no lease).
+  /// Does not change LRU order and reads no payload.
+  LookupResult lookup(const Digest& digest, std::span<const int32_t> token_ids, std::chrono::milliseconds lease);
+
+  /// Reads and pins an entry, verifying its checksum. `token_ids` == nullopt skips the id check
+  /// (administration). Returns nullopt on a miss or an id mismatch. A disk hit is promoted to
+  /// memory when it fits. Throws RpcError(DATA_LOSS) if the bytes fail their checksum (the entry
+  /// is dropped).
+  std::optional<Handle> get(const Digest& digest, std::optional<std::span<const int32_t>> token_ids);
+
+  /// Stores (or replaces) an entry. `checksum` must be XXH3-64 of `bytes` (else DATA_LOSS, nothing
+  /// stored). Makes room by evicting least recently used unpinned, unleased entries (memory
+  /// evictions spill to disk when there is a disk tier). An entry larger than the memory budget
+  /// goes straight to disk if it fits there. Throws RpcError(RESOURCE_EXHAUSTED) when it cannot
+  /// fit. Returns true if an entry with this digest was replaced.
+  bool put(const Digest& digest, std::vector<int32_t> token_ids, std::string bytes, uint64_t checksum);
+
+  /// Removes an entry from every tier; false if absent.
+  bool erase(const Digest& digest);
+
+  StoreStats stats() const;
+
+ private:
+  struct Entry {
+    std::vector<int32_t> ids;
+    uint64_t checksum = 0;
+    uint64_t size = 0;
+    Tier tier = Tier::None;
+    std::shared_ptr<const std::string> bytes;  // memory tier only
+    std::list<Digest>::iterator lru;           // in the list of its tier
+    uint32_t pins = 0;
+    std::chrono::steady_clock::time_point lease_until{};
+    uint64_t generation = 0;
+  };
+  struct DigestHash {
+    size_t operator()(const Digest& d) const noexcept;
+  };
+  using Map = std::unordered_map<Digest, Entry, DigestHash>;
+
+  std::chrono::steady_clock::time_point now() const;
+  bool evictable(const Entry& e) const;
+  std::filesystem::path file_of(const Digest& d) const;
+  void unpin(const Digest& d, uint64_t generation);
+  void drop(Map::iterator it);
+  void touch(Entry& e, const Digest& d);
+  // Frees memory until `need` more bytes fit; false if pinned/leased entries prevent it.
+  bool make_memory_room(uint64_t need);
+  bool make_disk_room(uint64_t need);
+  // Moves a memory entry to disk (or drops it when it cannot be written or does not fit).
+  void spill(Map::iterator it);
+  void write_disk_file(const Digest& d, const Entry& e, const std::string& bytes) const;
+  std::shared_ptr<const std::string> read_disk_file(const Digest& d, const Entry& e) const;
+  void index_disk_dir();
+
+  StoreOptions opt_;
+  mutable std::mutex mu_;
+  Map map_;
+  std::list<Digest> mem_lru_, disk_lru_;  // front = most recently used
+  uint64_t mem_bytes_ = 0, disk_bytes_ = 0;
+  uint64_t next_generation_ = 1;
+  StoreStats counters_;
+};
+
+}  // namespace hypic::cache

@@ -1,0 +1,269 @@
+// Segment cache store: LRU under a byte budget, pins and leases, disk tier (spill, promotion,
+// restart), integrity checks, token-id verification, concurrency.
+#include <catch2/catch.hpp>
+
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <thread>
+
+#include "proto/rpc/chunks.h"
+#include "segment_cache/store.h"
+
+using hypic::cache::SegmentStore;
+using hypic::cache::StoreOptions;
+using hypic::cache::Tier;
+using hypic::rpc::Digest;
+using hypic::rpc::RpcError;
+
+namespace {
+Digest digest_of(uint8_t n) {
+  Digest d{};
+  for (size_t i = 0; i < d.size(); ++i) d[i] = static_cast<uint8_t>(n * 31 + i * 7 + 1);
+  return d;
+}
+std::vector<int32_t> ids_of(uint8_t n) { return {int32_t(n), int32_t(n) + 1000, 7}; }
+// Payload of entry n: `size` bytes, distinct per n.
+std::string bytes_of(uint8_t n, size_t size) {
+  std::string s(size, '\0');
+  for (size_t i = 0; i < size; ++i) s[i] = static_cast<char>((n * 131 + i * 17) & 0xff);
+  return s;
+}
+void put(SegmentStore& st, uint8_t n, size_t size) {
+  auto b = bytes_of(n, size);
+  const uint64_t c = hypic::rpc::checksum64(b);
+  st.put(digest_of(n), ids_of(n), std::move(b), c);
+}
+bool present(SegmentStore& st, uint8_t n) {
+  const auto ids = ids_of(n);
+  return st.lookup(digest_of(n), ids, std::chrono::milliseconds(0)).hit;
+}
+struct TempDir {
+  std::filesystem::path path;
+  TempDir() {
+    path = std::filesystem::temp_directory_path() /
+           ("hypic-store-test-" + std::to_string(std::random_device{}()) + "-" + std::to_string(::getpid()));
+    std::filesystem::create_directories(path);
+  }
+  ~TempDir() { std::filesystem::remove_all(path); }
+};
+grpc::StatusCode code_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const RpcError& e) {
+    return e.code();
+  }
+  return grpc::StatusCode::OK;
+}
+}  // namespace
+
+TEST_CASE("put then get returns the same bytes, verifies ids and checksums", "[segment_store]") {
+  SegmentStore st(StoreOptions{.memory_budget_bytes = 1000});
+  put(st, 1, 100);
+  const auto ids = ids_of(1);
+  auto h = st.get(digest_of(1), std::span<const int32_t>(ids));
+  REQUIRE(h);
+  CHECK(h->bytes() == bytes_of(1, 100));
+  CHECK(h->tier() == Tier::Memory);
+  CHECK(h->checksum() == hypic::rpc::checksum64(bytes_of(1, 100)));
+
+  // Same digest, other token ids: a collision is a miss, never the other segment's entry.
+  const std::vector<int32_t> other = {1, 2, 3};
+  CHECK_FALSE(st.get(digest_of(1), std::span<const int32_t>(other)));
+  CHECK_FALSE(st.lookup(digest_of(1), other, std::chrono::milliseconds(0)).hit);
+  CHECK(st.stats().collisions == 2);
+  CHECK_FALSE(st.get(digest_of(2), std::span<const int32_t>(ids)));  // absent
+
+  // A put whose checksum does not match its bytes is refused and stores nothing.
+  CHECK(code_of([&] { st.put(digest_of(3), ids_of(3), bytes_of(3, 10), 12345); }) == grpc::StatusCode::DATA_LOSS);
+  CHECK_FALSE(present(st, 3));
+  CHECK(st.stats().rejected_puts == 1);
+}
+
+TEST_CASE("LRU eviction under the memory budget follows recency of use", "[segment_store]") {
+  SegmentStore st(StoreOptions{.memory_budget_bytes = 300});
+  put(st, 1, 100);
+  put(st, 2, 100);
+  put(st, 3, 100);
+  const auto ids1 = ids_of(1);
+  REQUIRE(st.get(digest_of(1), std::span<const int32_t>(ids1)));  // 1 becomes most recent; 2 is LRU
+  put(st, 4, 100);
+  CHECK(present(st, 1));
+  CHECK_FALSE(present(st, 2));
+  CHECK(present(st, 3));
+  CHECK(present(st, 4));
+  put(st, 5, 150);  // needs two evictions: 3 then 1
+  CHECK_FALSE(present(st, 3));
+  CHECK_FALSE(present(st, 1));
+  CHECK(present(st, 4));
+  const auto s = st.stats();
+  CHECK(s.evictions == 3);
+  CHECK(s.memory_bytes == 250);
+  CHECK(s.memory_entries == 2);
+}
+
+TEST_CASE("pinned and leased entries are not evicted", "[segment_store]") {
+  auto fake_now = std::chrono::steady_clock::time_point{} + std::chrono::hours(1);
+  SegmentStore st(StoreOptions{.memory_budget_bytes = 200, .clock = [&] { return fake_now; }});
+  put(st, 1, 100);
+  put(st, 2, 100);
+  {
+    const auto ids1 = ids_of(1), ids2 = ids_of(2);
+    auto h1 = st.get(digest_of(1), std::span<const int32_t>(ids1));
+    REQUIRE(st.get(digest_of(2), std::span<const int32_t>(ids2)));  // 1 is now LRU, but pinned
+    CHECK(st.stats().pinned_entries == 1);
+    put(st, 3, 100);
+    CHECK(present(st, 1));
+    CHECK_FALSE(present(st, 2));
+    // Both remaining entries pinned: nothing can make room.
+    const auto ids3 = ids_of(3);
+    auto h3 = st.get(digest_of(3), std::span<const int32_t>(ids3));
+    CHECK(code_of([&] { put(st, 4, 100); }) == grpc::StatusCode::RESOURCE_EXHAUSTED);
+    CHECK(st.stats().rejected_puts == 1);
+  }
+  CHECK(st.stats().pinned_entries == 0);
+
+  // Leases: 1 is LRU; a lookup leases it for 10 s, so 3 goes instead.
+  const auto ids1 = ids_of(1);
+  REQUIRE(st.lookup(digest_of(1), ids1, std::chrono::seconds(10)).hit);
+  put(st, 5, 100);
+  CHECK(present(st, 1));
+  CHECK_FALSE(present(st, 3));
+  // Once the lease expires, 1 is the LRU entry again and is evicted.
+  fake_now += std::chrono::seconds(11);
+  put(st, 6, 100);
+  CHECK_FALSE(present(st, 1));
+  CHECK(present(st, 5));
+}
+
+TEST_CASE("too large entries are refused without a disk tier", "[segment_store]") {
+  SegmentStore st(StoreOptions{.memory_budget_bytes = 100});
+  CHECK(code_of([&] { put(st, 1, 101); }) == grpc::StatusCode::RESOURCE_EXHAUSTED);
+  CHECK(st.stats().memory_entries == 0);
+}
+
+TEST_CASE("replacing an entry keeps the bytes a reader holds", "[segment_store]") {
+  SegmentStore st(StoreOptions{.memory_budget_bytes = 1000});
+  put(st, 1, 100);
+  const auto ids = ids_of(1);
+  auto old = st.get(digest_of(1), std::span<const int32_t>(ids));
+  std::string fresh(50, 'x');
+  const uint64_t c = hypic::rpc::checksum64(fresh);
+  CHECK(st.put(digest_of(1), ids_of(1), fresh, c));
+  CHECK(old->bytes() == bytes_of(1, 100));
+  CHECK(st.get(digest_of(1), std::span<const int32_t>(ids))->bytes() == fresh);
+  CHECK(st.erase(digest_of(1)));
+  CHECK_FALSE(st.erase(digest_of(1)));
+  CHECK(old->bytes() == bytes_of(1, 100));
+}
+
+TEST_CASE("disk tier: spill, promotion, corruption, restart", "[segment_store]") {
+  TempDir dir;
+  StoreOptions opt{.memory_budget_bytes = 200, .disk_dir = dir.path, .disk_budget_bytes = 250};
+  {
+    SegmentStore st(opt);
+    put(st, 1, 100);
+    put(st, 2, 100);
+    put(st, 3, 100);  // 1 spills to disk
+    auto s = st.stats();
+    CHECK(s.spills == 1);
+    CHECK(s.disk_entries == 1);
+    CHECK(s.memory_entries == 2);
+    const auto f1 = dir.path / (hypic::rpc::digest_hex(digest_of(1)) + ".entry");
+    CHECK(std::filesystem::exists(f1));
+    CHECK(st.lookup(digest_of(1), ids_of(1), std::chrono::milliseconds(0)).tier == Tier::Disk);
+
+    // A disk hit is served from disk and promoted; 2 (LRU in memory) spills in its place.
+    const auto ids1 = ids_of(1);
+    {
+      auto h = st.get(digest_of(1), std::span<const int32_t>(ids1));
+      REQUIRE(h);
+      CHECK(h->tier() == Tier::Disk);
+      CHECK(h->bytes() == bytes_of(1, 100));
+    }
+    s = st.stats();
+    CHECK(s.promotions == 1);
+    CHECK(s.spills == 2);
+    CHECK_FALSE(std::filesystem::exists(f1));
+    CHECK(st.lookup(digest_of(2), ids_of(2), std::chrono::milliseconds(0)).tier == Tier::Disk);
+
+    // Fill the disk past its 250-byte budget: the LRU disk entry is evicted.
+    put(st, 4, 100);  // 3 spills (disk: 2, 3)
+    put(st, 5, 100);  // 1 spills, disk needs room: 2 is evicted
+    CHECK_FALSE(present(st, 2));
+    CHECK(st.lookup(digest_of(1), ids_of(1), std::chrono::milliseconds(0)).tier == Tier::Disk);
+    CHECK(st.stats().disk_bytes <= 250);
+  }
+  {
+    // Restart on the same directory: the disk entries are still there.
+    SegmentStore st(opt);
+    CHECK(st.stats().disk_entries == 2);
+    CHECK(present(st, 3));
+    CHECK(present(st, 1));
+    // Flip one payload byte of 3's file: the read detects it, drops the entry and the file.
+    const auto f3 = dir.path / (hypic::rpc::digest_hex(digest_of(3)) + ".entry");
+    {
+      std::fstream f(f3, std::ios::in | std::ios::out | std::ios::binary);
+      f.seekp(-10, std::ios::end);
+      char c = 0;
+      f.seekg(-10, std::ios::end);
+      f.get(c);
+      f.seekp(-10, std::ios::end);
+      f.put(static_cast<char>(c ^ 0x01));
+    }
+    const auto ids3 = ids_of(3);
+    CHECK(code_of([&] { st.get(digest_of(3), std::span<const int32_t>(ids3)); }) == grpc::StatusCode::DATA_LOSS);
+    CHECK(st.stats().corruptions == 1);
+    CHECK_FALSE(present(st, 3));
+    CHECK_FALSE(std::filesystem::exists(f3));
+    // An unreadable file is deleted when a store indexes the directory.
+    std::ofstream(dir.path / (hypic::rpc::digest_hex(digest_of(9)) + ".entry")) << "garbage";
+  }
+  SegmentStore st(opt);
+  CHECK(st.stats().corruptions == 1);
+  CHECK(st.stats().disk_entries == 1);
+  CHECK(present(st, 1));
+}
+
+TEST_CASE("an entry larger than memory goes straight to disk", "[segment_store]") {
+  TempDir dir;
+  SegmentStore st(StoreOptions{.memory_budget_bytes = 100, .disk_dir = dir.path, .disk_budget_bytes = 1000});
+  put(st, 1, 500);
+  const auto ids = ids_of(1);
+  auto h = st.get(digest_of(1), std::span<const int32_t>(ids));
+  REQUIRE(h);
+  CHECK(h->bytes() == bytes_of(1, 500));
+  CHECK(h->tier() == Tier::Disk);
+  CHECK(st.stats().promotions == 0);  // cannot fit in memory: served from disk
+}
+
+TEST_CASE("concurrent puts and gets keep the budget and never return wrong bytes", "[segment_store]") {
+  SegmentStore st(StoreOptions{.memory_budget_bytes = 2000});
+  std::atomic<int> wrong{0}, hits{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937 rng(t);
+      for (int i = 0; i < 2000; ++i) {
+        const uint8_t n = static_cast<uint8_t>(rng() % 40);
+        const size_t size = 50 + n;  // size determined by n, so a reader knows what to expect
+        if (rng() % 3 == 0) {
+          put(st, n, size);
+        } else {
+          const auto ids = ids_of(n);
+          auto h = st.get(digest_of(n), std::span<const int32_t>(ids));
+          if (h) {
+            ++hits;
+            if (h->bytes() != bytes_of(n, size)) ++wrong;
+          }
+        }
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  CHECK(wrong == 0);
+  CHECK(hits > 0);
+  const auto s = st.stats();
+  CHECK(s.memory_bytes <= 2000);
+  CHECK(s.pinned_entries == 0);
+}
