@@ -26,7 +26,9 @@ std::string shape_text(const std::vector<int64_t>& shape) {
 
 // Throws unless `t` has exactly `shape`.
 void expect_shape(const Tensor& t, const std::vector<int64_t>& shape, const std::string& name) {
-  if (t.shape != shape || static_cast<int64_t>(t.data.size()) != t.numel()) {
+  int64_t numel = 1;
+  for (int64_t d : shape) numel *= d;
+  if (t.shape != shape || static_cast<int64_t>(t.data.size()) != numel) {
     throw std::invalid_argument("Model: tensor " + name + " has shape " + shape_text(t.shape) + " (" +
                                 std::to_string(t.data.size()) + " values), expected " + shape_text(shape));
   }
