@@ -1,0 +1,301 @@
+#include "engine/splice.h"
+
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+namespace hypic::engine {
+namespace {
+
+// Appends an entry's K/V rows [from, n) to the running attention states, K re-rotated from local position
+// `from + i` to real position `base + from + i` (RoPE composes: R(p + d) = R(d) R(p), DESIGN.md 3.3).
+void append_entry_kv(const Model& model, ModelState& state, const SegmentEntry& e, int from, int64_t base) {
+  const EntryGeometry& g = e.geometry;
+  const size_t row = static_cast<size_t>(g.kv_heads) * g.head_dim;
+  const int count = e.num_tokens() - from;
+  if (count <= 0) return;
+  std::vector<float> k(static_cast<size_t>(count) * row);
+  for (size_t a = 0; a < e.attention.size(); ++a) {
+    AttentionLayerState& dst = state.attention[a];
+    std::memcpy(k.data(), e.attention[a].k.data() + from * row, k.size() * sizeof(float));
+    if (base != 0) model.rope_rotate(k.data(), count, g.kv_heads, base);
+    dst.k.insert(dst.k.end(), k.begin(), k.end());
+    dst.v.insert(dst.v.end(), e.attention[a].v.begin() + from * row, e.attention[a].v.end());
+    dst.n_tokens += count;
+  }
+}
+
+// Folds a segment part into every linear layer: S <- T S + S_seg (or S + S_seg for naive), conv <- tail.
+void fold_linear(ModelState& state, const SegmentEntry& e, SpliceMode mode, bool interior_only) {
+  for (size_t l = 0; l < e.linear.size(); ++l) {
+    LinearLayerState& dst = state.linear[l];
+    if (interior_only) {
+      compose_state(dst.ssm, e.linear[l].interior_transition, e.linear[l].interior_state, e.geometry.d_v);
+    } else if (mode == SpliceMode::Naive) {
+      const std::vector<float> s = e.whole_state(static_cast<int>(l));
+      for (size_t i = 0; i < s.size(); ++i) dst.ssm[i] += s[i];
+    } else {
+      compose_state(dst.ssm, e.whole_transition(static_cast<int>(l)), e.whole_state(static_cast<int>(l)),
+                    e.geometry.d_v);
+    }
+    dst.conv = e.linear[l].conv_tail;
+  }
+}
+
+SegmentDigest chain_digest(const SegmentDigest& prev, std::span<const int32_t> ids) {
+  XXH3_state_t* s = XXH3_createState();
+  XXH3_128bits_reset(s);
+  XXH3_128bits_update(s, prev.data(), prev.size());
+  XXH3_128bits_update(s, ids.data(), ids.size() * sizeof(int32_t));
+  const XXH128_hash_t h = XXH3_128bits_digest(s);
+  XXH3_freeState(s);
+  XXH128_canonical_t c;
+  XXH128_canonicalFromHash(&c, h);
+  SegmentDigest d;
+  std::memcpy(d.data(), c.digest, 16);
+  return d;
+}
+
+}  // namespace
+
+const char* splice_mode_name(SpliceMode mode) {
+  switch (mode) {
+    case SpliceMode::Full: return "full";
+    case SpliceMode::Prefix: return "prefix";
+    case SpliceMode::Naive: return "naive";
+    case SpliceMode::Transition: return "transition";
+    case SpliceMode::Hypic: return "hypic";
+  }
+  return "unknown";
+}
+
+SpliceMode parse_splice_mode(std::string_view name) {
+  for (SpliceMode m : {SpliceMode::Full, SpliceMode::Prefix, SpliceMode::Naive, SpliceMode::Transition,
+                       SpliceMode::Hypic})
+    if (name == splice_mode_name(m)) return m;
+  throw std::invalid_argument("unknown splice mode '" + std::string(name) +
+                              "' (expected full, prefix, naive, transition or hypic)");
+}
+
+// ---- entries -------------------------------------------------------------------------------------------
+
+SegmentEntry build_segment_entry(const Model& model, std::span<const int32_t> ids, int seam_width) {
+  if (ids.empty()) throw std::invalid_argument("build_segment_entry: the segment has no tokens");
+  if (seam_width < 0) throw std::invalid_argument("build_segment_entry: seam width must be >= 0, got " +
+                                                  std::to_string(seam_width));
+  const ModelConfig& cfg = model.config();
+  SegmentEntry e;
+  e.model_fingerprint = cfg.fingerprint();
+  e.seam_width = seam_width;
+  e.token_ids.assign(ids.begin(), ids.end());
+  e.geometry = EntryGeometry::of(cfg);
+  const EntryGeometry& g = e.geometry;
+  const int n = e.num_tokens(), s = e.seam_tokens();
+
+  ModelState st = model.initial_state();
+  e.linear.resize(g.num_linear);
+  PrefillOptions opt;
+  opt.capture_transitions = true;
+  for (auto& l : e.linear) {
+    l.seam_transition = TransitionOperator::identity(TransitionKind::Dense, g.linear_heads, g.d_k);
+    l.interior_transition = l.seam_transition;
+  }
+  if (s > 0) {
+    PrefillResult r = model.prefill(st, ids.subspan(0, s), 0, opt);
+    for (int l = 0; l < g.num_linear; ++l)
+      e.linear[l].seam_transition = TransitionOperator::dense(g.linear_heads, g.d_k, std::move(r.transitions[l]));
+  }
+  for (int l = 0; l < g.num_linear; ++l) e.linear[l].seam_state = st.linear[l].ssm;
+  if (n > s) {
+    PrefillResult r = model.prefill(st, ids.subspan(s), s, opt);
+    for (int l = 0; l < g.num_linear; ++l) {
+      LinearLayerEntry& le = e.linear[l];
+      le.interior_transition = TransitionOperator::dense(g.linear_heads, g.d_k, std::move(r.transitions[l]));
+      std::vector<float> carried = le.seam_state;  // T_int S(seam|0)
+      le.interior_transition.apply(carried, g.d_v);
+      le.interior_state = st.linear[l].ssm;
+      for (size_t i = 0; i < carried.size(); ++i) le.interior_state[i] -= carried[i];
+    }
+  } else {
+    for (auto& l : e.linear) l.interior_state.assign(l.seam_state.size(), 0.0f);
+  }
+  for (int l = 0; l < g.num_linear; ++l) e.linear[l].conv_tail = st.linear[l].conv;
+  e.attention.resize(g.num_attention);
+  for (int a = 0; a < g.num_attention; ++a) {
+    e.attention[a].k = std::move(st.attention[a].k);
+    e.attention[a].v = std::move(st.attention[a].v);
+  }
+  e.check_consistent();
+  return e;
+}
+
+// ---- prefix cache --------------------------------------------------------------------------------------
+
+size_t PrefixStateCache::Hash::operator()(const SegmentDigest& d) const {
+  size_t h;
+  std::memcpy(&h, d.data(), sizeof(h));
+  return h;
+}
+
+size_t model_state_bytes(const ModelState& state) {
+  size_t n = 0;
+  for (const auto& l : state.linear) n += (l.ssm.size() + l.conv.size()) * sizeof(float);
+  for (const auto& a : state.attention) n += (a.k.size() + a.v.size()) * sizeof(float);
+  return n;
+}
+
+std::shared_ptr<const ModelState> PrefixStateCache::get(const SegmentDigest& chain) {
+  std::lock_guard lock(mu_);
+  auto it = index_.find(chain);
+  if (it == index_.end()) return nullptr;
+  lru_.splice(lru_.begin(), lru_, it->second);
+  return it->second->state;
+}
+
+void PrefixStateCache::put(const SegmentDigest& chain, const ModelState& state) {
+  const size_t bytes = model_state_bytes(state);
+  if (bytes > budget_) return;
+  auto copy = std::make_shared<const ModelState>(state);
+  std::lock_guard lock(mu_);
+  if (auto it = index_.find(chain); it != index_.end()) {
+    used_ -= it->second->bytes;
+    lru_.erase(it->second);
+    index_.erase(it);
+  }
+  while (used_ + bytes > budget_ && !lru_.empty()) {
+    used_ -= lru_.back().bytes;
+    index_.erase(lru_.back().key);
+    lru_.pop_back();
+  }
+  lru_.push_front(Item{chain, std::move(copy), bytes});
+  index_[chain] = lru_.begin();
+  used_ += bytes;
+}
+
+size_t PrefixStateCache::bytes() const {
+  std::lock_guard lock(mu_);
+  return used_;
+}
+size_t PrefixStateCache::entries() const {
+  std::lock_guard lock(mu_);
+  return lru_.size();
+}
+
+// ---- splice --------------------------------------------------------------------------------------------
+
+SpliceResult splice(const Model& model, const SpliceRequest& req) {
+  if (req.segments.empty()) throw std::invalid_argument("splice: the segment list is empty");
+  if (req.query.empty()) throw std::invalid_argument("splice: the query has no tokens");
+  if (req.seam_width < 0) throw std::invalid_argument("splice: seam width must be >= 0, got " + std::to_string(req.seam_width));
+  const ModelConfig& cfg = model.config();
+  const bool cached_mode = req.mode == SpliceMode::Naive || req.mode == SpliceMode::Transition ||
+                           req.mode == SpliceMode::Hypic;
+  const std::string fingerprint = cached_mode ? cfg.fingerprint() : std::string();
+  const EntryGeometry geometry = EntryGeometry::of(cfg);
+  for (size_t i = 0; i < req.segments.size(); ++i) {
+    const SpliceSegment& seg = req.segments[i];
+    const std::string which = "segment " + std::to_string(i);
+    if (seg.ids.empty() && !(seg.entry && seg.entry->num_tokens() > 0))
+      throw std::invalid_argument("splice: " + which + " has no tokens");
+    if (!cached_mode) continue;
+    if (!seg.entry) throw std::invalid_argument("splice: " + which + " has no entry (required by mode " +
+                                                splice_mode_name(req.mode) + ")");
+    seg.entry->check_compatible(fingerprint, geometry, req.mode == SpliceMode::Hypic ? req.seam_width : -1);
+    if (!seg.ids.empty() && seg.ids != seg.entry->token_ids)
+      throw std::invalid_argument("splice: " + which + "'s token ids differ from its entry's");
+  }
+  auto ids_of = [&](size_t i) -> const std::vector<int32_t>& {
+    return req.segments[i].ids.empty() ? req.segments[i].entry->token_ids : req.segments[i].ids;
+  };
+
+  SpliceResult out;
+  out.state = model.initial_state();
+  ModelState& st = out.state;
+  int64_t pos = 0;
+  size_t first = 0;
+
+  if (req.mode == SpliceMode::Full) {
+    std::vector<int32_t> all;
+    for (size_t i = 0; i < req.segments.size(); ++i) all.insert(all.end(), ids_of(i).begin(), ids_of(i).end());
+    pos = static_cast<int64_t>(all.size());
+    all.insert(all.end(), req.query.begin(), req.query.end());
+    PrefillOptions opt;
+    opt.all_logits = req.all_query_logits;
+    PrefillResult r = model.prefill(st, all, 0, opt);
+    out.computed_tokens = static_cast<int64_t>(all.size());
+    out.num_tokens = out.computed_tokens;
+    const size_t V = static_cast<size_t>(cfg.vocab_size);
+    if (req.all_query_logits)  // keep the query positions only
+      out.logits.assign(r.logits.begin() + pos * V, r.logits.end());
+    else
+      out.logits = std::move(r.logits);
+    return out;
+  }
+
+  if (req.mode == SpliceMode::Prefix) {
+    SegmentDigest chain{};
+    std::vector<SegmentDigest> chains;
+    for (size_t i = 0; i < req.segments.size(); ++i) chains.push_back(chain = chain_digest(chain, ids_of(i)));
+    size_t reused = 0;
+    if (req.prefix_cache) {
+      for (size_t i = req.segments.size(); i > 0; --i) {
+        if (auto hit = req.prefix_cache->get(chains[i - 1])) {
+          st = *hit;
+          reused = i;
+          break;
+        }
+      }
+    }
+    for (size_t i = 0; i < reused; ++i) pos += static_cast<int64_t>(ids_of(i).size());
+    for (size_t i = reused; i < req.segments.size(); ++i) {
+      model.prefill(st, ids_of(i), pos, {});
+      pos += static_cast<int64_t>(ids_of(i).size());
+      out.computed_tokens += static_cast<int64_t>(ids_of(i).size());
+      if (req.prefix_cache) req.prefix_cache->put(chains[i], st);
+    }
+    out.prefix_segments_reused = static_cast<int>(reused);
+    first = req.segments.size();
+  } else {
+    // The first segment sits at position 0, where its standalone prefill is exact: use its entry whole.
+    const SegmentEntry& e0 = *req.segments[0].entry;
+    fold_linear(st, e0, SpliceMode::Transition, false);
+    append_entry_kv(model, st, e0, 0, 0);
+    pos = e0.num_tokens();
+    st.num_tokens = pos;
+    first = 1;
+  }
+
+  for (size_t i = first; i < req.segments.size(); ++i) {
+    const SegmentEntry& e = *req.segments[i].entry;
+    const int n = e.num_tokens();
+    if (req.mode == SpliceMode::Hypic) {
+      const int s = std::min(req.seam_width, n);
+      if (s > 0) {  // the seam, recomputed in context through every layer
+        model.prefill(st, std::span<const int32_t>(e.token_ids).subspan(0, s), pos, {});
+        out.computed_tokens += s;
+      }
+      if (n > s) {
+        fold_linear(st, e, req.mode, true);
+        append_entry_kv(model, st, e, s, pos);
+      }
+    } else {  // naive / transition: whole segment from the cache, no seam
+      fold_linear(st, e, req.mode, false);
+      append_entry_kv(model, st, e, 0, pos);
+    }
+    pos += n;
+    st.num_tokens = pos;
+  }
+
+  PrefillOptions opt;
+  opt.all_logits = req.all_query_logits;
+  PrefillResult r = model.prefill(st, req.query, pos, opt);
+  out.computed_tokens += static_cast<int64_t>(req.query.size());
+  out.logits = std::move(r.logits);
+  out.num_tokens = pos + static_cast<int64_t>(req.query.size());
+  return out;
+}
+
+}  // namespace hypic::engine

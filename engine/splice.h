@@ -1,0 +1,103 @@
+// Building segment entries and splicing them into a prompt (DESIGN.md 3.2-3.4): the combine step.
+#pragma once
+#include <cstdint>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "engine/model.h"
+#include "engine/segment.h"
+
+namespace hypic::engine {
+
+/// Standalone prefill of one segment at position 0 into its cache entry (DESIGN.md 3.2): the seam part
+/// (first min(w, n) tokens) and the interior are run as two spans of one prefill; each span's T comes from the
+/// chunked pass (capture_transitions), S(seam|0) is the state after the seam, and
+/// S(interior|0) = S_end - T_int S(seam|0) (the affine map of the interior, exact in exact arithmetic).
+/// K is kept at local positions 0..n-1. Throws std::invalid_argument for an empty segment or w < 0.
+SegmentEntry build_segment_entry(const Model& model, std::span<const int32_t> ids, int seam_width);
+
+/// How a prompt of segments is assembled (DESIGN.md 3.4).
+enum class SpliceMode {
+  Full,        ///< one in-context prefill of the whole prompt, no cache (the quality reference)
+  Prefix,      ///< reuse the longest cached chain of whole segments from the start, compute the rest in context
+  Naive,       ///< S <- S + S(C|0): no transition, no seam (the strawman)
+  Transition,  ///< exact composition S <- T_C S + S(C|0), seam w = 0
+  Hypic,       ///< composition plus seam windows recomputed in context (the default)
+};
+/// "full" | "prefix" | "naive" | "transition" | "hypic".
+const char* splice_mode_name(SpliceMode mode);
+/// Inverse of splice_mode_name; throws std::invalid_argument naming the unknown mode and the valid ones.
+SpliceMode parse_splice_mode(std::string_view name);
+
+/// One segment of a request: its token ids, and its entry (required by naive / transition / hypic; ignored by
+/// full and prefix, which compute in context).
+struct SpliceSegment {
+  std::vector<int32_t> ids;
+  std::shared_ptr<const SegmentEntry> entry;
+};
+
+/// Running model states checkpointed at segment ends, keyed by the digest of the whole token chain so far:
+/// classic prefix caching for hybrid models (what SGLang and vLLM offer). Byte budget with LRU eviction;
+/// thread-safe.
+class PrefixStateCache {
+ public:
+  explicit PrefixStateCache(size_t budget_bytes) : budget_(budget_bytes) {}
+  /// A copy of the state stored under `chain`, or nullptr.
+  std::shared_ptr<const ModelState> get(const SegmentDigest& chain);
+  /// Stores a copy (evicting least recently used states to stay within budget; a state larger than the
+  /// budget is not stored).
+  void put(const SegmentDigest& chain, const ModelState& state);
+  size_t bytes() const;
+  size_t entries() const;
+
+ private:
+  struct Item {
+    SegmentDigest key;
+    std::shared_ptr<const ModelState> state;
+    size_t bytes;
+  };
+  size_t budget_, used_ = 0;
+  std::list<Item> lru_;  // front = most recent
+  struct Hash {
+    size_t operator()(const SegmentDigest& d) const;
+  };
+  std::unordered_map<SegmentDigest, std::list<Item>::iterator, Hash> index_;
+  mutable std::mutex mu_;
+};
+
+/// Bytes of a model state (linear states, conv states, KV).
+size_t model_state_bytes(const ModelState& state);
+
+/// A prompt to splice: segments in order, then the query (never cached).
+struct SpliceRequest {
+  std::vector<SpliceSegment> segments;
+  std::vector<int32_t> query;
+  SpliceMode mode = SpliceMode::Hypic;
+  int seam_width = 8;                 ///< w (hypic mode); entries must have been made with the same w
+  bool all_query_logits = false;      ///< logits for every query position (evaluation), else the last only
+  PrefixStateCache* prefix_cache = nullptr;  ///< prefix mode: where checkpoints are looked up and stored
+};
+
+/// The assembled model state and the query logits.
+struct SpliceResult {
+  ModelState state;            ///< ready for Model::decode at position `num_tokens`
+  std::vector<float> logits;   ///< [Tq][V] if all_query_logits, else [1][V] (the next-token logits)
+  int64_t num_tokens = 0;      ///< prompt length (segments + query), the next decode position
+  int64_t computed_tokens = 0; ///< tokens run through the model here (seams + query; everything for full)
+  int prefix_segments_reused = 0;  ///< prefix mode: segments restored from the prefix cache
+};
+
+/// Splices a prompt (DESIGN.md 3.3) in the requested mode. The first segment's entry is used whole (exact at
+/// position 0); each later segment's seam (first w tokens) is recomputed in context through every layer, its
+/// interior composed (S <- T_int S + S_int, conv state <- conv tail) and its interior K re-rotated to real
+/// positions; segments of at most w tokens are recomputed whole; then the query runs in context.
+/// Throws std::invalid_argument (no segments, empty segment, empty query, missing entry for a cached mode,
+/// token ids differing from the entry's) and EntryError (entry from another model or another w).
+SpliceResult splice(const Model& model, const SpliceRequest& request);
+
+}  // namespace hypic::engine

@@ -1,0 +1,238 @@
+// Segment entries and splicing (DESIGN.md 3.2-3.4) on the HF fixture models (tests/fixtures).
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <map>
+#include <memory>
+#include <random>
+
+#include "engine/splice.h"
+
+using namespace hypic::engine;
+
+namespace {
+
+const Model& fixture_model(const std::string& name) {
+  static std::map<std::string, std::unique_ptr<Model>> cache;
+  auto& m = cache[name];
+  if (!m) m = std::make_unique<Model>(Model::load(std::string(HYPIC_SOURCE_DIR) + "/tests/fixtures/" + name));
+  return *m;
+}
+
+// The fixture with every linear layer's decay slowed (A_log = log 0.02, so e^g ~ 0.97 per token): the HF
+// fixtures' random A_log forget within a token or two, which would hide composition errors behind decay.
+const Model& slow_decay_model(const std::string& name) {
+  static std::map<std::string, std::unique_ptr<Model>> cache;
+  auto& m = cache[name];
+  if (!m) {
+    const std::string dir = std::string(HYPIC_SOURCE_DIR) + "/tests/fixtures/" + name;
+    ModelConfig cfg = load_config(dir);
+    ModelWeights w = load_weights(cfg, dir);
+    for (auto& layer : w.layers)
+      if (layer.type == LayerType::Linear)
+        for (auto& a : layer.linear.A_log.data) a = std::log(0.02f);
+    m = std::make_unique<Model>(std::move(cfg), std::move(w));
+  }
+  return *m;
+}
+
+std::vector<int32_t> random_ids(int n, uint32_t seed, int vocab) {
+  std::mt19937 rng(seed);
+  std::vector<int32_t> ids(n);
+  for (auto& x : ids) x = static_cast<int32_t>(rng() % vocab);
+  return ids;
+}
+
+double max_abs(const std::vector<float>& x) {
+  double m = 0;
+  for (float v : x) m = std::max(m, double(std::fabs(v)));
+  return m;
+}
+
+// max |a - b| / max |b|
+double scaled_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  REQUIRE(a.size() == b.size());
+  double m = 0;
+  for (size_t i = 0; i < a.size(); ++i) m = std::max(m, double(std::fabs(a[i] - b[i])));
+  return m / std::max(max_abs(b), 1e-30);
+}
+
+double rel_l2(const std::vector<float>& a, const std::vector<float>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) { num += (a[i] - b[i]) * double(a[i] - b[i]); den += double(b[i]) * b[i]; }
+  return std::sqrt(num / std::max(den, 1e-300));
+}
+
+SpliceRequest make_request(const Model& m, const std::vector<std::vector<int32_t>>& segs,
+                           const std::vector<int32_t>& query, SpliceMode mode, int w) {
+  SpliceRequest req;
+  for (const auto& ids : segs)
+    req.segments.push_back({ids, std::make_shared<const SegmentEntry>(build_segment_entry(m, ids, w))});
+  req.query = query;
+  req.mode = mode;
+  req.seam_width = w;
+  req.all_query_logits = true;
+  return req;
+}
+
+const char* kModels[] = {"qwen3_next_moe", "qwen3_5_dense", "qwen3_5_moe"};
+
+}  // namespace
+
+TEST_CASE("one segment plus a query: hypic, transition and naive equal full; prefix equals full", "[splice]") {
+  for (const char* name : kModels) {
+    DYNAMIC_SECTION(name) {
+      const Model& m = fixture_model(name);
+      const int V = static_cast<int>(m.config().vocab_size);
+      const auto seg = random_ids(83, 1, V), query = random_ids(9, 2, V);
+      const SpliceResult full = splice(m, make_request(m, {seg}, query, SpliceMode::Full, 8));
+      REQUIRE(full.logits.size() == query.size() * size_t(V));
+      for (SpliceMode mode : {SpliceMode::Hypic, SpliceMode::Transition, SpliceMode::Naive, SpliceMode::Prefix}) {
+        const SpliceResult r = splice(m, make_request(m, {seg}, query, mode, 8));
+        INFO(splice_mode_name(mode));
+        CHECK(r.num_tokens == 92);
+        // fp32: the only difference is where the chunked scan's chunk boundaries fall.
+        CHECK(scaled_diff(r.logits, full.logits) < 1e-5);
+        for (size_t l = 0; l < r.state.linear.size(); ++l) CHECK(rel_l2(r.state.linear[l].ssm, full.state.linear[l].ssm) < 1e-5);
+      }
+    }
+  }
+}
+
+TEST_CASE("prefix mode equals full, cold and with a warm prefix cache", "[splice]") {
+  const Model& m = fixture_model("qwen3_5_moe");
+  const int V = static_cast<int>(m.config().vocab_size);
+  const std::vector<std::vector<int32_t>> segs = {random_ids(40, 3, V), random_ids(70, 4, V), random_ids(5, 5, V)};
+  const auto query = random_ids(6, 6, V);
+  const SpliceResult full = splice(m, make_request(m, segs, query, SpliceMode::Full, 8));
+  PrefixStateCache cache(size_t(1) << 30);
+  SpliceRequest req = make_request(m, segs, query, SpliceMode::Prefix, 8);
+  req.prefix_cache = &cache;
+  const SpliceResult cold = splice(m, req);
+  CHECK(cold.prefix_segments_reused == 0);
+  // Tolerances below: fp32, chunk boundaries of the gated-delta scan differ between one span and several.
+  CHECK(cache.entries() == 3);
+  const SpliceResult warm = splice(m, req);
+  CHECK(warm.prefix_segments_reused == 3);
+  CHECK(warm.computed_tokens == 6);
+  CHECK(scaled_diff(cold.logits, full.logits) < 5e-5);
+  CHECK(scaled_diff(warm.logits, full.logits) < 5e-5);
+  // A different last segment reuses the first two only.
+  SpliceRequest other = req;
+  other.segments[2].ids = random_ids(7, 9, V);
+  CHECK(splice(m, other).prefix_segments_reused == 2);
+}
+
+TEST_CASE("an entry loaded from bytes splices exactly like a freshly computed one (hit == miss)", "[splice]") {
+  const Model& m = fixture_model("qwen3_next_moe");
+  const int V = static_cast<int>(m.config().vocab_size);
+  const std::vector<std::vector<int32_t>> segs = {random_ids(30, 7, V), random_ids(75, 8, V), random_ids(20, 9, V)};
+  const auto query = random_ids(5, 10, V);
+  SpliceRequest fresh = make_request(m, segs, query, SpliceMode::Hypic, 8);
+  SpliceRequest loaded = fresh;
+  for (auto& s : loaded.segments)
+    s.entry = std::make_shared<const SegmentEntry>(deserialize_entry(serialize_entry(*s.entry)));
+  const SpliceResult a = splice(m, fresh), b = splice(m, loaded);
+  CHECK(a.logits == b.logits);  // bitwise
+  for (size_t l = 0; l < a.state.linear.size(); ++l) CHECK(a.state.linear[l].ssm == b.state.linear[l].ssm);
+  // And a rebuilt entry is bitwise identical to the first build (deterministic standalone prefill).
+  CHECK(serialize_entry(build_segment_entry(m, segs[1], 8)) == serialize_entry(*fresh.segments[1].entry));
+}
+
+TEST_CASE("entries reused at other positions and in another order: layer 0 composes exactly", "[splice]") {
+  // Layer 0 is a linear layer whose inputs (embeddings) do not depend on context, so with a seam window covering
+  // the conv kernel (w >= K-1) the hypic state at layer 0 must equal full recomputation for any order and position
+  // (HYPIC paper section 3.1: the tuple is exact at layer 0). Naive addition must be far off.
+  for (const char* name : kModels) {
+    DYNAMIC_SECTION(name) {
+      const Model& m = slow_decay_model(name);
+      REQUIRE(m.config().layer_types[0] == LayerType::Linear);
+      const int V = static_cast<int>(m.config().vocab_size);
+      const auto A = random_ids(50, 11, V), B = random_ids(90, 12, V), C = random_ids(3, 13, V);
+      const auto query = random_ids(4, 14, V);
+      for (const auto& order : {std::vector<std::vector<int32_t>>{A, B, C}, std::vector<std::vector<int32_t>>{C, B, A},
+                                std::vector<std::vector<int32_t>>{B, A}}) {
+        const SpliceResult full = splice(m, make_request(m, order, query, SpliceMode::Full, 8));
+        const SpliceResult hyp = splice(m, make_request(m, order, query, SpliceMode::Hypic, 8));
+        const SpliceResult naive = splice(m, make_request(m, order, query, SpliceMode::Naive, 8));
+        const double e_h = rel_l2(hyp.state.linear[0].ssm, full.state.linear[0].ssm);
+        const double e_n = rel_l2(naive.state.linear[0].ssm, full.state.linear[0].ssm);
+        CHECK(e_h < 1e-5);
+        CHECK(e_n > 1e-1);
+        CHECK(hyp.num_tokens == full.num_tokens);
+      }
+    }
+  }
+}
+
+TEST_CASE("a seam window covering every segment recomputes the whole prompt: hypic equals full", "[splice]") {
+  const Model& m = fixture_model("qwen3_5_dense");
+  const int V = static_cast<int>(m.config().vocab_size);
+  const std::vector<std::vector<int32_t>> segs = {random_ids(20, 15, V), random_ids(30, 16, V)};
+  const auto query = random_ids(3, 17, V);
+  const SpliceResult full = splice(m, make_request(m, segs, query, SpliceMode::Full, 8));
+  const SpliceResult hyp = splice(m, make_request(m, segs, query, SpliceMode::Hypic, 64));
+  CHECK(hyp.computed_tokens == 30 + 3);
+  CHECK(scaled_diff(hyp.logits, full.logits) < 1e-5);
+}
+
+TEST_CASE("rope_rotate re-rotates K: R(d) R(p) = R(p + d), matching the RoPE formula", "[splice]") {
+  const Model& m = fixture_model("qwen3_5_moe");
+  const ModelConfig& c = m.config();
+  const int heads = c.num_key_value_heads, hd = c.head_dim, rot = c.rotary_dim();
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd;
+  std::vector<float> x(size_t(heads) * hd);
+  for (auto& v : x) v = nd(rng);
+  for (int64_t p : {int64_t(0), int64_t(1), int64_t(37), int64_t(1000)}) {
+    std::vector<float> want = x;  // NeoX rotate-half on the first rot dims, inv_freq_i = theta^(-2i/rot)
+    for (int h = 0; h < heads; ++h)
+      for (int i = 0; i < rot / 2; ++i) {
+        const double ang = double(p) * std::pow(c.rope_theta, -2.0 * i / rot);
+        const double a = x[h * hd + i], b = x[h * hd + i + rot / 2];
+        want[h * hd + i] = static_cast<float>(a * std::cos(ang) - b * std::sin(ang));
+        want[h * hd + i + rot / 2] = static_cast<float>(b * std::cos(ang) + a * std::sin(ang));
+      }
+    std::vector<float> once = x, twice = x;
+    m.rope_rotate(once.data(), 1, heads, p);
+    m.rope_rotate(twice.data(), 1, heads, p / 2);
+    m.rope_rotate(twice.data(), 1, heads, p - p / 2);
+    for (size_t i = 0; i < x.size(); ++i) {
+      CHECK(once[i] == Approx(want[i]).margin(1e-4));
+      CHECK(twice[i] == Approx(want[i]).margin(1e-4));
+    }
+  }
+}
+
+TEST_CASE("bad splice input is a clear error", "[splice]") {
+  const Model& m = fixture_model("qwen3_5_dense");
+  const Model& other = fixture_model("qwen3_5_moe");
+  const int V = static_cast<int>(m.config().vocab_size);
+  const auto seg = random_ids(20, 18, V), query = random_ids(3, 19, V);
+  SpliceRequest ok = make_request(m, {seg, seg}, query, SpliceMode::Hypic, 8);
+
+  SpliceRequest empty = ok;
+  empty.segments.clear();
+  CHECK_THROWS_WITH(splice(m, empty), Catch::Contains("segment list is empty"));
+  SpliceRequest noquery = ok;
+  noquery.query.clear();
+  CHECK_THROWS_WITH(splice(m, noquery), Catch::Contains("query has no tokens"));
+  SpliceRequest wrong_w = ok;
+  wrong_w.seam_width = 4;
+  CHECK_THROWS_WITH(splice(m, wrong_w), Catch::Contains("seam width 8"));
+  SpliceRequest foreign = ok;
+  foreign.segments[1].entry = std::make_shared<const SegmentEntry>(build_segment_entry(other, seg, 8));
+  CHECK_THROWS_AS(splice(m, foreign), EntryError);
+  SpliceRequest missing = ok;
+  missing.segments[1].entry.reset();
+  CHECK_THROWS_WITH(splice(m, missing), Catch::Contains("has no entry"));
+  SpliceRequest mismatch = ok;
+  mismatch.segments[1].ids = random_ids(20, 99, V);
+  CHECK_THROWS_WITH(splice(m, mismatch), Catch::Contains("differ from its entry"));
+  CHECK_THROWS_WITH(parse_splice_mode("fast"), Catch::Contains("unknown splice mode 'fast'"));
+  CHECK_THROWS_AS(build_segment_entry(m, std::vector<int32_t>{}, 8), std::invalid_argument);
+  const std::string bytes = serialize_entry(*ok.segments[0].entry);
+  CHECK_THROWS_AS(deserialize_entry(std::string_view(bytes).substr(0, bytes.size() - 3)), EntryError);
+  // Nothing was lost: the good request still works after the failures.
+  CHECK_NOTHROW(splice(m, ok));
+}
