@@ -52,7 +52,8 @@ void require_positive(std::string_view origin, const char* field, int64_t v) {
 
 void require_multiple(std::string_view origin, const char* field, int64_t v, const char* of_field, int64_t of) {
   if (v % of != 0)
-    throw field_error(origin, field, std::to_string(v) + " is not a multiple of " + of_field + " " + std::to_string(of));
+    throw field_error(origin, field,
+                      std::to_string(v) + " is not a multiple of " + of_field + " " + std::to_string(of));
 }
 
 std::string read_file_text(const std::filesystem::path& p) {
@@ -69,7 +70,8 @@ void parse_rope(const json& t, std::string_view origin, ModelConfig& c) {
   c.rope_theta = get_or<double>(t, origin, "rope_theta", 10000.0);
   c.partial_rotary_factor = get_or<double>(t, origin, "partial_rotary_factor", 0.25);
   auto check_type = [&](const json& obj, const char* field) {
-    std::string type = get_or<std::string>(obj, origin, "rope_type", get_or<std::string>(obj, origin, "type", "default"));
+    std::string type =
+        get_or<std::string>(obj, origin, "rope_type", get_or<std::string>(obj, origin, "type", "default"));
     if (type != "default")
       throw field_error(origin, field, "has rope_type '" + type + "'; only the default (unscaled) RoPE is supported");
   };
@@ -87,9 +89,7 @@ void parse_rope(const json& t, std::string_view origin, ModelConfig& c) {
 
 }  // namespace
 
-std::string_view layer_type_name(LayerType t) {
-  return t == LayerType::Linear ? "linear_attention" : "full_attention";
-}
+std::string_view layer_type_name(LayerType t) { return t == LayerType::Linear ? "linear_attention" : "full_attention"; }
 
 LayerType parse_layer_type(std::string_view name) {
   // "mamba" / "attention" are the legacy names transformers remaps (remap_legacy_layer_types).
@@ -133,9 +133,7 @@ int index_among(const std::vector<LayerType>& types, int layer, LayerType want) 
 }  // namespace
 
 int ModelConfig::linear_index(int layer) const { return index_among(layer_types, layer, LayerType::Linear); }
-int ModelConfig::attention_index(int layer) const {
-  return index_among(layer_types, layer, LayerType::FullAttention);
-}
+int ModelConfig::attention_index(int layer) const { return index_among(layer_types, layer, LayerType::FullAttention); }
 
 int64_t ModelConfig::linear_state_bytes() const {
   const int64_t ssm = int64_t(linear_num_value_heads) * linear_key_head_dim * linear_value_head_dim;
@@ -153,8 +151,9 @@ void ModelConfig::validate() const {
   require_positive(origin, "hidden_size", hidden_size);
   require_positive(origin, "num_hidden_layers", num_hidden_layers);
   if (static_cast<int>(layer_types.size()) != num_hidden_layers)
-    throw field_error(origin, "layer_types", "has " + std::to_string(layer_types.size()) + " entries but num_hidden_layers is " +
-                                                 std::to_string(num_hidden_layers));
+    throw field_error(origin, "layer_types",
+                      "has " + std::to_string(layer_types.size()) + " entries but num_hidden_layers is " +
+                          std::to_string(num_hidden_layers));
   if (!(rms_norm_eps > 0)) throw field_error(origin, "rms_norm_eps", "must be > 0");
   if (num_attention_layers() > 0) {
     require_positive(origin, "num_attention_heads", num_attention_heads);
@@ -181,16 +180,17 @@ void ModelConfig::validate() const {
     throw field_error(origin, "decoder_sparse_step", "must be > 0, got " + std::to_string(decoder_sparse_step));
   for (int l : mlp_only_layers)
     if (l < 0 || l >= num_hidden_layers)
-      throw field_error(origin, "mlp_only_layers", "contains layer " + std::to_string(l) + " outside [0, " +
-                                                       std::to_string(num_hidden_layers) + ")");
+      throw field_error(
+          origin, "mlp_only_layers",
+          "contains layer " + std::to_string(l) + " outside [0, " + std::to_string(num_hidden_layers) + ")");
   bool any_moe = false, any_dense = false;
   for (int i = 0; i < num_hidden_layers; ++i) (is_moe_layer(i) ? any_moe : any_dense) = true;
   if (any_moe) {
     require_positive(origin, "num_experts_per_tok", num_experts_per_tok);
     require_positive(origin, "moe_intermediate_size", moe_intermediate_size);
     if (num_experts_per_tok > num_experts)
-      throw field_error(origin, "num_experts_per_tok", std::to_string(num_experts_per_tok) + " exceeds num_experts " +
-                                                           std::to_string(num_experts));
+      throw field_error(origin, "num_experts_per_tok",
+                        std::to_string(num_experts_per_tok) + " exceeds num_experts " + std::to_string(num_experts));
     if (shared_expert_intermediate_size < 0)
       throw field_error(origin, "shared_expert_intermediate_size", "must be >= 0");
   }
@@ -219,13 +219,13 @@ ModelConfig parse_config(std::string_view json_text, std::string_view origin) {
   if (is_nested(c.model_type)) {
     auto it = root.find("text_config");
     if (it == root.end() || !it->is_object())
-      throw field_error(origin, "text_config", "is missing or not an object (required for model_type " + c.model_type + ")");
+      throw field_error(origin, "text_config",
+                        "is missing or not an object (required for model_type " + c.model_type + ")");
     t = &*it;
     text_origin += " text_config";
     const std::string want = c.model_type + "_text";
     const std::string inner = get_or<std::string>(*t, text_origin, "model_type", want);
-    if (inner != want)
-      throw field_error(text_origin, "model_type", "is '" + inner + "', expected '" + want + "'");
+    if (inner != want) throw field_error(text_origin, "model_type", "is '" + inner + "', expected '" + want + "'");
   }
   const std::string_view o = text_origin;
 
@@ -243,7 +243,8 @@ ModelConfig parse_config(std::string_view json_text, std::string_view origin) {
   c.num_attention_heads = get_required<int>(*t, o, "num_attention_heads");
   c.num_key_value_heads = get_or<int>(*t, o, "num_key_value_heads", c.num_attention_heads);
   c.head_dim = get_or<int>(*t, o, "head_dim", 0);
-  if (c.head_dim == 0 && c.num_attention_heads > 0) c.head_dim = static_cast<int>(c.hidden_size / c.num_attention_heads);
+  if (c.head_dim == 0 && c.num_attention_heads > 0)
+    c.head_dim = static_cast<int>(c.hidden_size / c.num_attention_heads);
   // Qwen3NextAttention always gates its output; Qwen3.5 reads attn_output_gate (default true).
   c.attn_output_gate = c.model_type == "qwen3_next" || get_or<bool>(*t, o, "attn_output_gate", true);
   parse_rope(*t, o, c);
@@ -276,7 +277,8 @@ ModelConfig parse_config(std::string_view json_text, std::string_view origin) {
 
   // tie_word_embeddings: nested configs carry it at the top level (Qwen3_5Config); fall back to text_config.
   c.tie_word_embeddings = get_or<bool>(*t, o, "tie_word_embeddings", false);
-  if (is_nested(c.model_type)) c.tie_word_embeddings = get_or<bool>(root, origin, "tie_word_embeddings", c.tie_word_embeddings);
+  if (is_nested(c.model_type))
+    c.tie_word_embeddings = get_or<bool>(root, origin, "tie_word_embeddings", c.tie_word_embeddings);
 
   if (auto it = t->find("layer_types"); it != t->end() && !it->is_null()) {
     if (!it->is_array()) throw field_error(o, "layer_types", "must be a list of strings, got " + it->dump());
@@ -323,9 +325,8 @@ std::string config_to_json(const ModelConfig& c) {
   t["num_attention_heads"] = c.num_attention_heads;
   t["num_key_value_heads"] = c.num_key_value_heads;
   t["head_dim"] = c.head_dim;
-  t["rope_parameters"] = {{"rope_type", "default"},
-                          {"rope_theta", c.rope_theta},
-                          {"partial_rotary_factor", c.partial_rotary_factor}};
+  t["rope_parameters"] = {
+      {"rope_type", "default"}, {"rope_theta", c.rope_theta}, {"partial_rotary_factor", c.partial_rotary_factor}};
   if (c.model_type != "qwen3_next") t["attn_output_gate"] = c.attn_output_gate;
   t["linear_num_key_heads"] = c.linear_num_key_heads;
   t["linear_num_value_heads"] = c.linear_num_value_heads;
@@ -351,13 +352,13 @@ std::string config_to_json(const ModelConfig& c) {
     t["model_type"] = c.model_type + "_text";
     root["model_type"] = c.model_type;
     root["architectures"] = {c.model_type == "qwen3_5" ? "Qwen3_5ForConditionalGeneration"
-                                                        : "Qwen3_5MoeForConditionalGeneration"};
+                                                       : "Qwen3_5MoeForConditionalGeneration"};
     root["tie_word_embeddings"] = c.tie_word_embeddings;
     root["text_config"] = t;
   } else {
     root = t;
     root["model_type"] = c.model_type;
-    const char* arch = c.model_type == "qwen3_next"      ? "Qwen3NextForCausalLM"
+    const char* arch = c.model_type == "qwen3_next"     ? "Qwen3NextForCausalLM"
                        : c.model_type == "qwen3_5_text" ? "Qwen3_5ForCausalLM"
                                                         : "Qwen3_5MoeForCausalLM";
     root["architectures"] = {arch};

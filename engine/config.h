@@ -25,38 +25,38 @@ LayerType parse_layer_type(std::string_view name);
 struct ModelConfig {
   std::string model_type;  ///< "qwen3_next" | "qwen3_5" | "qwen3_5_text" | "qwen3_5_moe" | "qwen3_5_moe_text"
   int64_t vocab_size = 0;
-  int64_t hidden_size = 0;          ///< H
+  int64_t hidden_size = 0;  ///< H
   int num_hidden_layers = 0;
-  std::vector<LayerType> layer_types;  ///< one per layer (explicit, or derived from full_attention_interval)
-  double rms_norm_eps = 1e-6;       ///< every RMSNorm, including the gated norm of the linear layers
+  std::vector<LayerType> layer_types;   ///< one per layer (explicit, or derived from full_attention_interval)
+  double rms_norm_eps = 1e-6;           ///< every RMSNorm, including the gated norm of the linear layers
   int64_t max_position_embeddings = 0;  ///< informational (RoPE is computed for any position)
 
   // Gated full attention (Qwen3NextAttention / Qwen3_5Attention).
-  int num_attention_heads = 0;      ///< nh, query heads
-  int num_key_value_heads = 0;      ///< nkv (GQA: query head i reads KV head i / (nh / nkv))
-  int head_dim = 0;                 ///< hd
-  double rope_theta = 10000.0;      ///< RoPE base
+  int num_attention_heads = 0;          ///< nh, query heads
+  int num_key_value_heads = 0;          ///< nkv (GQA: query head i reads KV head i / (nh / nkv))
+  int head_dim = 0;                     ///< hd
+  double rope_theta = 10000.0;          ///< RoPE base
   double partial_rotary_factor = 0.25;  ///< rotary_dim() = int(head_dim * factor), NeoX halves
-  bool attn_output_gate = true;     ///< q_proj emits query and gate per head; output *= sigmoid(gate)
+  bool attn_output_gate = true;         ///< q_proj emits query and gate per head; output *= sigmoid(gate)
 
   // Gated DeltaNet (Qwen3NextGatedDeltaNet / Qwen3_5GatedDeltaNet).
-  int linear_num_key_heads = 0;     ///< nk (q and k heads)
-  int linear_num_value_heads = 0;   ///< nv (a multiple of nk; value head j reads key head j / (nv/nk))
-  int linear_key_head_dim = 0;      ///< dk
-  int linear_value_head_dim = 0;    ///< dv
-  int linear_conv_kernel_dim = 4;   ///< K of the depthwise causal conv1d
+  int linear_num_key_heads = 0;    ///< nk (q and k heads)
+  int linear_num_value_heads = 0;  ///< nv (a multiple of nk; value head j reads key head j / (nv/nk))
+  int linear_key_head_dim = 0;     ///< dk
+  int linear_value_head_dim = 0;   ///< dv
+  int linear_conv_kernel_dim = 4;  ///< K of the depthwise causal conv1d
 
   // MLP / MoE (Qwen3NextSparseMoeBlock, Qwen3NextMLP).
-  int64_t intermediate_size = 0;    ///< dense MLP width (Qwen3.5 dense; Qwen3-Next mlp_only_layers)
-  int num_experts = 0;              ///< E; 0 = dense model
-  int num_experts_per_tok = 0;      ///< top-k
+  int64_t intermediate_size = 0;                ///< dense MLP width (Qwen3.5 dense; Qwen3-Next mlp_only_layers)
+  int num_experts = 0;                          ///< E; 0 = dense model
+  int num_experts_per_tok = 0;                  ///< top-k
   int64_t moe_intermediate_size = 0;            ///< I of each routed expert
   int64_t shared_expert_intermediate_size = 0;  ///< width of the shared expert (0 = none)
-  bool norm_topk_prob = true;       ///< renormalise the top-k probabilities (Qwen3.5-MoE: always true)
-  int decoder_sparse_step = 1;      ///< Qwen3-Next: layer i is MoE iff (i+1) % step == 0 (and below)
-  std::vector<int> mlp_only_layers; ///< Qwen3-Next: layers forced to the dense MLP
+  bool norm_topk_prob = true;                   ///< renormalise the top-k probabilities (Qwen3.5-MoE: always true)
+  int decoder_sparse_step = 1;                  ///< Qwen3-Next: layer i is MoE iff (i+1) % step == 0 (and below)
+  std::vector<int> mlp_only_layers;             ///< Qwen3-Next: layers forced to the dense MLP
 
-  bool tie_word_embeddings = false; ///< lm_head shares embed_tokens
+  bool tie_word_embeddings = false;  ///< lm_head shares embed_tokens
 
   /// Hex digest identifying the weights (see weights_identity() in engine/safetensors.h); set by
   /// load_config() when it is given a checkpoint directory holding safetensors files, else empty.
@@ -69,8 +69,8 @@ struct ModelConfig {
   bool is_moe_layer(int i) const;
   /// Channels of the depthwise conv: 2*nk*dk + nv*dv ([Q | K | V]).
   int64_t conv_dim() const;
-  int64_t linear_q_dim() const { return int64_t(linear_num_key_heads) * linear_key_head_dim; }   ///< nk*dk
-  int64_t linear_v_dim() const { return int64_t(linear_num_value_heads) * linear_value_head_dim; } ///< nv*dv
+  int64_t linear_q_dim() const { return int64_t(linear_num_key_heads) * linear_key_head_dim; }      ///< nk*dk
+  int64_t linear_v_dim() const { return int64_t(linear_num_value_heads) * linear_value_head_dim; }  ///< nv*dv
   int rotary_dim() const;  ///< int(head_dim * partial_rotary_factor)
   int num_linear_layers() const;
   int num_attention_layers() const;

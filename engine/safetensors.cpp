@@ -18,7 +18,8 @@
 #include <sstream>
 #include <stdexcept>
 
-static_assert(std::endian::native == std::endian::little, "safetensors data is little-endian; big-endian hosts unsupported");
+static_assert(std::endian::native == std::endian::little,
+              "safetensors data is little-endian; big-endian hosts unsupported");
 
 namespace hypic::engine {
 
@@ -32,9 +33,9 @@ struct DTypeRow {
   size_t size;
 };
 constexpr DTypeRow kDTypes[] = {
-    {DType::F64, "F64", 8},   {DType::F32, "F32", 4},    {DType::F16, "F16", 2},           {DType::BF16, "BF16", 2},
-    {DType::I64, "I64", 8},   {DType::I32, "I32", 4},    {DType::I16, "I16", 2},           {DType::I8, "I8", 1},
-    {DType::U8, "U8", 1},     {DType::BOOL, "BOOL", 1}, {DType::F8_E4M3, "F8_E4M3", 1}, {DType::F8_E5M2, "F8_E5M2", 1},
+    {DType::F64, "F64", 8}, {DType::F32, "F32", 4},   {DType::F16, "F16", 2},         {DType::BF16, "BF16", 2},
+    {DType::I64, "I64", 8}, {DType::I32, "I32", 4},   {DType::I16, "I16", 2},         {DType::I8, "I8", 1},
+    {DType::U8, "U8", 1},   {DType::BOOL, "BOOL", 1}, {DType::F8_E4M3, "F8_E4M3", 1}, {DType::F8_E5M2, "F8_E5M2", 1},
 };
 
 std::string shape_to_string(const std::vector<int64_t>& shape) {
@@ -117,7 +118,7 @@ uint16_t f32_to_f16(float x) {
   const uint32_t u = std::bit_cast<uint32_t>(x);
   const uint16_t sign = uint16_t((u >> 16) & 0x8000u);
   const uint32_t abs = u & 0x7fffffffu;
-  if (abs > 0x7f800000u) return uint16_t(sign | 0x7e00u);  // NaN
+  if (abs > 0x7f800000u) return uint16_t(sign | 0x7e00u);   // NaN
   if (abs >= 0x477ff000u) return uint16_t(sign | 0x7c00u);  // >= 65520 rounds to Inf (and Inf itself)
   const int exp = int(abs >> 23) - 127;
   if (exp >= -14) {
@@ -131,7 +132,7 @@ uint16_t f32_to_f16(float x) {
   if (exp < -25) return sign;  // below half the smallest subnormal: 0
   // Subnormal half: value / 2^-24, rounded to nearest even.
   const uint32_t m = (abs & 0x7fffffu) | 0x800000u;  // 24-bit significand, value = m * 2^(exp-23)
-  const int shift = -exp - 1;                         // to units of 2^-24: m >> (-(exp - 23) - 24) = m >> (-exp - 1)
+  const int shift = -exp - 1;                        // to units of 2^-24: m >> (-(exp - 23) - 24) = m >> (-exp - 1)
   uint32_t h = m >> shift;
   const uint32_t rest = m & ((1u << shift) - 1u);
   const uint32_t half = 1u << (shift - 1);
@@ -197,7 +198,9 @@ SafetensorsFile SafetensorsFile::open(const std::filesystem::path& path) {
   }
   ::close(fd);
 
-  if (f.size_ < 8) throw file_error(path, "truncated: " + std::to_string(f.size_) + " bytes, the 8-byte header size prefix is missing");
+  if (f.size_ < 8)
+    throw file_error(path,
+                     "truncated: " + std::to_string(f.size_) + " bytes, the 8-byte header size prefix is missing");
   uint64_t n = 0;
   std::memcpy(&n, f.map_, 8);
   if (n > f.size_ - 8)
@@ -261,17 +264,19 @@ SafetensorsFile SafetensorsFile::open(const std::filesystem::path& path) {
   // The entries must tile the data buffer exactly (as the reference implementation requires).
   std::vector<const TensorInfo*> order;
   for (const auto& t : f.tensors_) order.push_back(&t);
-  std::sort(order.begin(), order.end(), [](auto* a, auto* b) { return a->begin < b->begin || (a->begin == b->begin && a->end < b->end); });
+  std::sort(order.begin(), order.end(),
+            [](auto* a, auto* b) { return a->begin < b->begin || (a->begin == b->begin && a->end < b->end); });
   uint64_t pos = 0;
   for (const auto* t : order) {
     if (t->begin != pos)
-      throw file_error(path, "tensor '" + t->name + "' starts at data offset " + std::to_string(t->begin) + ", expected " +
-                                 std::to_string(pos) + (t->begin < pos ? " (overlaps the previous tensor)" : " (hole in the buffer)"));
+      throw file_error(path, "tensor '" + t->name + "' starts at data offset " + std::to_string(t->begin) +
+                                 ", expected " + std::to_string(pos) +
+                                 (t->begin < pos ? " (overlaps the previous tensor)" : " (hole in the buffer)"));
     pos = t->end;
   }
   if (pos > f.data_size())
-    throw file_error(path, "truncated: data buffer is " + std::to_string(f.data_size()) + " bytes but the tensors need " +
-                               std::to_string(pos));
+    throw file_error(path, "truncated: data buffer is " + std::to_string(f.data_size()) +
+                               " bytes but the tensors need " + std::to_string(pos));
   if (pos < f.data_size())
     throw file_error(path, "data buffer is " + std::to_string(f.data_size()) + " bytes but the tensors cover only " +
                                std::to_string(pos) + " (trailing garbage)");
@@ -374,12 +379,22 @@ std::vector<int64_t> SafetensorsFile::read_i64(const TensorInfo& t) const {
     }
   };
   switch (t.dtype) {
-    case DType::I64: widen(int64_t{}); break;
-    case DType::I32: widen(int32_t{}); break;
-    case DType::I16: widen(int16_t{}); break;
-    case DType::I8: widen(int8_t{}); break;
+    case DType::I64:
+      widen(int64_t{});
+      break;
+    case DType::I32:
+      widen(int32_t{});
+      break;
+    case DType::I16:
+      widen(int16_t{});
+      break;
+    case DType::I8:
+      widen(int8_t{});
+      break;
     case DType::U8:
-    case DType::BOOL: widen(uint8_t{}); break;
+    case DType::BOOL:
+      widen(uint8_t{});
+      break;
     default:
       throw file_error(path_, "tensor '" + t.name + "' has dtype " + std::string(dtype_name(t.dtype)) +
                                   ", which is not an integer type");
@@ -390,7 +405,8 @@ std::vector<int64_t> SafetensorsFile::read_i64(const TensorInfo& t) const {
 // ---- Checkpoint --------------------------------------------------------------------------------
 
 bool has_safetensors(const std::filesystem::path& dir) {
-  return std::filesystem::exists(dir / "model.safetensors") || std::filesystem::exists(dir / "model.safetensors.index.json");
+  return std::filesystem::exists(dir / "model.safetensors") ||
+         std::filesystem::exists(dir / "model.safetensors.index.json");
 }
 
 Checkpoint Checkpoint::open(const std::filesystem::path& dir) {
@@ -407,10 +423,12 @@ Checkpoint Checkpoint::open(const std::filesystem::path& dir) {
       throw std::runtime_error(index_path.string() + ": not valid JSON: " + e.what());
     }
     auto wm = idx.find("weight_map");
-    if (wm == idx.end() || !wm->is_object()) throw std::runtime_error(index_path.string() + ": missing object 'weight_map'");
+    if (wm == idx.end() || !wm->is_object())
+      throw std::runtime_error(index_path.string() + ": missing object 'weight_map'");
     std::map<std::string, size_t> shard_of_file;
     for (auto it = wm->begin(); it != wm->end(); ++it) {
-      if (!it->is_string()) throw std::runtime_error(index_path.string() + ": weight_map entry '" + it.key() + "' is not a string");
+      if (!it->is_string())
+        throw std::runtime_error(index_path.string() + ": weight_map entry '" + it.key() + "' is not a string");
       const std::string shard = it->get<std::string>();
       if (shard.find('/') != std::string::npos || shard == "..")
         throw std::runtime_error(index_path.string() + ": shard name '" + shard + "' must be a plain file name");
@@ -457,7 +475,8 @@ const TensorInfo* Checkpoint::find(std::string_view name) const {
 
 const SafetensorsFile& Checkpoint::file_of(std::string_view name) const {
   auto it = where_.find(name);
-  if (it == where_.end()) throw std::runtime_error("checkpoint " + dir_.string() + " has no tensor '" + std::string(name) + "'");
+  if (it == where_.end())
+    throw std::runtime_error("checkpoint " + dir_.string() + " has no tensor '" + std::string(name) + "'");
   return files_[it->second];
 }
 
@@ -479,7 +498,8 @@ std::string weights_identity(const std::filesystem::path& dir) {
     const auto data = f->data();
     const uint64_t n = data.size();
     for (uint64_t i = 0; i <= kSamples; ++i) {
-      const uint64_t start = i == kSamples ? (n > kBlock ? n - kBlock : 0) : (n > kBlock ? (n - kBlock) / kSamples * i : 0);
+      const uint64_t start =
+          i == kSamples ? (n > kBlock ? n - kBlock : 0) : (n > kBlock ? (n - kBlock) / kSamples * i : 0);
       const uint64_t len = std::min(kBlock, n - start);
       XXH3_128bits_update(st, data.data() + start, len);
     }
@@ -499,7 +519,9 @@ void SafetensorsWriter::add(std::string name, DType dtype, std::vector<int64_t> 
   for (const auto& e : entries_)
     if (e.name == name) throw std::invalid_argument("safetensors writer: duplicate tensor '" + name + "'");
   for (int64_t d : shape)
-    if (d < 0) throw std::invalid_argument("safetensors writer: tensor '" + name + "' has negative dimension in " + shape_to_string(shape));
+    if (d < 0)
+      throw std::invalid_argument("safetensors writer: tensor '" + name + "' has negative dimension in " +
+                                  shape_to_string(shape));
   entries_.push_back({std::move(name), dtype, std::move(shape), std::move(fill)});
 }
 
@@ -508,28 +530,32 @@ void check_value_count(const std::string& name, const std::vector<int64_t>& shap
   int64_t n = 1;
   for (int64_t d : shape) n *= d;
   if (n != int64_t(count))
-    throw std::invalid_argument("safetensors writer: tensor '" + name + "' shape " + shape_to_string(shape) + " needs " +
-                                std::to_string(n) + " values, got " + std::to_string(count));
+    throw std::invalid_argument("safetensors writer: tensor '" + name + "' shape " + shape_to_string(shape) +
+                                " needs " + std::to_string(n) + " values, got " + std::to_string(count));
 }
 }  // namespace
 
-void SafetensorsWriter::add_f32(std::string name, std::vector<int64_t> shape, std::span<const float> values, DType store) {
+void SafetensorsWriter::add_f32(std::string name, std::vector<int64_t> shape, std::span<const float> values,
+                                DType store) {
   check_value_count(name, shape, values.size());
   if (store != DType::F32 && store != DType::F16 && store != DType::BF16)
-    throw std::invalid_argument("safetensors writer: tensor '" + name + "' cannot be stored as " + std::string(dtype_name(store)));
+    throw std::invalid_argument("safetensors writer: tensor '" + name + "' cannot be stored as " +
+                                std::string(dtype_name(store)));
   std::vector<float> copy(values.begin(), values.end());
   add(std::move(name), store, std::move(shape),
       [v = std::move(copy), store](uint8_t* dst) { convert_from_f32(v.data(), v.size(), store, dst); });
 }
 
-void SafetensorsWriter::add_int(std::string name, std::vector<int64_t> shape, std::span<const int64_t> values, DType store) {
+void SafetensorsWriter::add_int(std::string name, std::vector<int64_t> shape, std::span<const int64_t> values,
+                                DType store) {
   check_value_count(name, shape, values.size());
   if (store != DType::I64 && store != DType::I32)
     throw std::invalid_argument("safetensors writer: tensor '" + name + "' integer store must be I64 or I32");
   if (store == DType::I32)
     for (int64_t v : values)
       if (v < std::numeric_limits<int32_t>::min() || v > std::numeric_limits<int32_t>::max())
-        throw std::invalid_argument("safetensors writer: tensor '" + name + "' value " + std::to_string(v) + " does not fit I32");
+        throw std::invalid_argument("safetensors writer: tensor '" + name + "' value " + std::to_string(v) +
+                                    " does not fit I32");
   std::vector<int64_t> copy(values.begin(), values.end());
   add(std::move(name), store, std::move(shape), [v = std::move(copy), store](uint8_t* dst) {
     for (size_t i = 0; i < v.size(); ++i) {
@@ -543,7 +569,9 @@ void SafetensorsWriter::add_int(std::string name, std::vector<int64_t> shape, st
   });
 }
 
-void SafetensorsWriter::set_metadata(std::string key, std::string value) { metadata_[std::move(key)] = std::move(value); }
+void SafetensorsWriter::set_metadata(std::string key, std::string value) {
+  metadata_[std::move(key)] = std::move(value);
+}
 
 void SafetensorsWriter::write(const std::filesystem::path& path) const {
   json h = json::object();

@@ -24,7 +24,7 @@ enum class DType { F64, F32, F16, BF16, I64, I32, I16, I8, U8, BOOL, F8_E4M3, F8
 std::string_view dtype_name(DType d);  ///< "F32", "BF16", ... (the format's spelling)
 /// Inverse of dtype_name; throws std::invalid_argument naming the unknown string.
 DType parse_dtype(std::string_view name);
-size_t dtype_size(DType d);            ///< bytes per element
+size_t dtype_size(DType d);  ///< bytes per element
 
 // ---- scalar conversions (IEEE 754 bit patterns) ----
 /// bfloat16 -> fp32: the 16 bits are the high half of the fp32 pattern (exact).

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "engine/config.h"
+#include "engine/safetensors.h"
 
 namespace hypic::engine {
 
@@ -20,7 +21,7 @@ struct Tensor {
   std::vector<int64_t> shape;
   std::vector<float> data;
 
-  int64_t numel() const;                 ///< product of shape (1 for a scalar, 0 if empty shape list is {0})
+  int64_t numel() const;  ///< product of shape (1 for a scalar, 0 if empty shape list is {0})
   bool empty() const { return data.empty(); }
   float* ptr() { return data.data(); }
   const float* ptr() const { return data.data(); }
@@ -103,6 +104,39 @@ struct ModelWeights {
 /// Unused tensors other than `mtp.*` / `model.visual.*` are an error too (they signal a config that
 /// does not match the checkpoint).
 ModelWeights load_weights(const ModelConfig& cfg, const std::filesystem::path& dir);
+
+/// What a checkpoint tensor is, which decides how `init` draws it (write_random_checkpoint).
+enum class TensorRole {
+  Matrix,           ///< projection / embedding: N(0, std)
+  ZeroCentredNorm,  ///< RMSNorm weight applied as 1 + w: N(0, 0.05)
+  GatedNorm,        ///< gated RMSNorm weight applied as w: 1 + N(0, 0.05)
+  ALog,             ///< log(U(1, 16)) (decay rates A in [1, 16])
+  DtBias,           ///< ones (HF init)
+  Conv,             ///< depthwise conv taps: U(-1/sqrt(K), 1/sqrt(K)) (PyTorch's default for Conv1d)
+};
+
+/// One tensor of a checkpoint: name, shape, role.
+struct CheckpointTensorSpec {
+  std::string name;
+  std::vector<int64_t> shape;
+  TensorRole role = TensorRole::Matrix;
+};
+
+/// The tensors transformers 5.17 `save_pretrained` writes for this config, in order: prefix `model.`
+/// (`model.language_model.` for the nested types qwen3_5 / qwen3_5_moe), MoE experts per expert
+/// (`mlp.experts.{e}.{gate,up,down}_proj.weight`), Qwen3-Next's grouped `in_proj_qkvz` / `in_proj_ba`,
+/// Qwen3.5's flat `in_proj_qkv` / `in_proj_z` / `in_proj_b` / `in_proj_a`, conv1d [conv_dim, 1, K],
+/// `lm_head.weight` unless tied. load_weights accepts exactly this layout (among others).
+std::vector<CheckpointTensorSpec> hf_checkpoint_layout(const ModelConfig& cfg);
+
+/// Writes a deterministic random checkpoint to `dir` (created if needed): config.json
+/// (config_to_json) and model.safetensors in the hf_checkpoint_layout, values stored as `dtype`
+/// (F32 or BF16; F16 also accepted). Matrices are N(0, std) (HF's initializer_range is 0.02); other roles
+/// as TensorRole says. Value j of a tensor depends only on (seed, tensor name, j): the same arguments give
+/// the same bytes on any thread count. Memory: one tensor at a time. Throws std::invalid_argument for a
+/// bad dtype or std, std::runtime_error for I/O errors.
+void write_random_checkpoint(const ModelConfig& cfg, uint64_t seed, const std::filesystem::path& dir,
+                             DType dtype = DType::BF16, double std = 0.02);
 
 /// Number of parameters the config implies (total, and active per token: embeddings, attention,
 /// norms, router, shared expert, top-k routed experts, LM head; embed counted once when tied).
