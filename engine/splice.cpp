@@ -217,25 +217,14 @@ SpliceResult splice(const Model& model, const SpliceRequest& req) {
   int64_t pos = 0;
   size_t first = 0;
 
-  if (req.mode == SpliceMode::Full) {
+  if (req.mode == SpliceMode::Full) {  // every segment in context, as one span, then the query
     std::vector<int32_t> all;
     for (size_t i = 0; i < req.segments.size(); ++i) all.insert(all.end(), ids_of(i).begin(), ids_of(i).end());
+    model.prefill(st, all, 0, {});
     pos = static_cast<int64_t>(all.size());
-    all.insert(all.end(), req.query.begin(), req.query.end());
-    PrefillOptions opt;
-    opt.all_logits = req.all_query_logits;
-    PrefillResult r = model.prefill(st, all, 0, opt);
-    out.computed_tokens = static_cast<int64_t>(all.size());
-    out.num_tokens = out.computed_tokens;
-    const size_t V = static_cast<size_t>(cfg.vocab_size);
-    if (req.all_query_logits)  // keep the query positions only
-      out.logits.assign(r.logits.begin() + pos * V, r.logits.end());
-    else
-      out.logits = std::move(r.logits);
-    return out;
-  }
-
-  if (req.mode == SpliceMode::Prefix) {
+    out.computed_tokens = pos;
+    first = req.segments.size();
+  } else if (req.mode == SpliceMode::Prefix) {
     SegmentDigest chain{};
     std::vector<SegmentDigest> chains;
     for (size_t i = 0; i < req.segments.size(); ++i) chains.push_back(chain = chain_digest(chain, ids_of(i)));
@@ -289,6 +278,8 @@ SpliceResult splice(const Model& model, const SpliceRequest& req) {
     st.num_tokens = pos;
   }
 
+  if (req.keep_context_state)
+    for (const auto& l : st.linear) out.context_states.push_back(l.ssm);
   PrefillOptions opt;
   opt.all_logits = req.all_query_logits;
   PrefillResult r = model.prefill(st, req.query, pos, opt);

@@ -80,6 +80,7 @@ struct SpliceRequest {
   SpliceMode mode = SpliceMode::Hypic;
   int seam_width = 8;                 ///< w (hypic mode); entries must have been made with the same w
   bool all_query_logits = false;      ///< logits for every query position (evaluation), else the last only
+  bool keep_context_state = false;    ///< copy each linear layer's state as it stands after the last segment
   PrefixStateCache* prefix_cache = nullptr;  ///< prefix mode: where checkpoints are looked up and stored
 };
 
@@ -90,6 +91,9 @@ struct SpliceResult {
   int64_t num_tokens = 0;      ///< prompt length (segments + query), the next decode position
   int64_t computed_tokens = 0; ///< tokens run through the model here (seams + query; everything for full)
   int prefix_segments_reused = 0;  ///< prefix mode: segments restored from the prefix cache
+  /// keep_context_state: per linear layer, S [H_v][d_k][d_v] after the last segment, before the query (the state
+  /// composition produces; the query's own tokens then move every mode's state the same way).
+  std::vector<std::vector<float>> context_states;
 };
 
 /// Splices a prompt (DESIGN.md 3.3) in the requested mode. The first segment's entry is used whole (exact at
