@@ -1,0 +1,124 @@
+#include "router/admission.h"
+
+#include <cmath>
+
+#include <fmt/format.h>
+
+#include "engine/sampling.h"
+#include "engine/tokenizer.h"
+#include "proto/rpc/status.h"
+
+namespace hypic::router {
+
+namespace v1 = hypic::v1;
+using rpc::invalid_argument;
+using rpc::resource_exhausted;
+
+namespace {
+void check_segment(const v1::Segment& seg, const std::string& field, int64_t vocab_size) {
+  switch (seg.content_case()) {
+    case v1::Segment::kText: {
+      if (seg.text().empty()) throw invalid_argument(field + ".text", "must not be empty");
+      if (auto bad = engine::find_invalid_utf8(seg.text())) {
+        throw invalid_argument(field + ".text", fmt::format("invalid UTF-8 at byte {} (byte 0x{:02x})", *bad,
+                                                            static_cast<unsigned char>(seg.text()[*bad])));
+      }
+      break;
+    }
+    case v1::Segment::kTokens: {
+      const auto& ids = seg.tokens().ids();
+      if (ids.empty()) throw invalid_argument(field + ".tokens.ids", "must not be empty");
+      for (int i = 0; i < ids.size(); ++i) {
+        if (ids[i] < 0 || ids[i] >= vocab_size) {
+          throw invalid_argument(fmt::format("{}.tokens.ids[{}]", field, i),
+                                 fmt::format("{} is outside the vocabulary [0, {})", ids[i], vocab_size));
+        }
+      }
+      break;
+    }
+    default:
+      throw invalid_argument(field, "neither text nor tokens is set");
+  }
+}
+}  // namespace
+
+RequestOptions validate_request(const v1::GenerateRequest& req, const RouterLimits& limits, int64_t vocab_size) {
+  rpc::validate_request_id(req.request_id());
+  if (req.segments().empty()) throw invalid_argument("segments", "at least one segment is required");
+  if (uint32_t(req.segments_size()) > limits.max_segments) {
+    throw resource_exhausted(fmt::format("segments: {} segments exceed the limit of {} (--max-segments)",
+                                         req.segments_size(), limits.max_segments));
+  }
+  for (int i = 0; i < req.segments_size(); ++i) check_segment(req.segments(i), fmt::format("segments[{}]", i), vocab_size);
+  if (!req.has_query() || req.query().content_case() == v1::Segment::CONTENT_NOT_SET) {
+    throw invalid_argument("query", "must not be empty");
+  }
+  check_segment(req.query(), "query", vocab_size);
+
+  RequestOptions o;
+  const auto& c = req.cache();
+  try {
+    o.mode = engine::parse_splice_mode(c.mode().empty() ? "hypic" : c.mode());
+  } catch (const std::invalid_argument& e) {
+    throw invalid_argument("cache.mode", e.what());
+  }
+  o.seam_width = c.has_seam_width() ? c.seam_width() : limits.default_seam_width;
+  if (o.seam_width < 0 || o.seam_width > limits.max_seam_width) {
+    throw invalid_argument("cache.seam_width", fmt::format("must be in [0, {}] (--max-seam-width), got {}",
+                                                           limits.max_seam_width, o.seam_width));
+  }
+  o.entry_seam_width = o.mode == engine::SpliceMode::Hypic ? o.seam_width : 0;
+  o.uses_entries = o.mode != engine::SpliceMode::Full && o.mode != engine::SpliceMode::Prefix;
+  o.cache_segments = c.has_cache_segments() ? c.cache_segments() : true;
+
+  const auto& s = req.sampling();
+  o.max_tokens = s.has_max_tokens() ? s.max_tokens() : limits.default_max_tokens;
+  if (o.max_tokens < 1) throw invalid_argument("sampling.max_tokens", fmt::format("must be >= 1, got {}", o.max_tokens));
+  if (uint32_t(o.max_tokens) > limits.max_new_tokens) {
+    throw resource_exhausted(fmt::format("sampling.max_tokens: {} exceeds the limit of {} (--max-new-tokens)",
+                                         o.max_tokens, limits.max_new_tokens));
+  }
+  o.temperature = s.temperature();
+  o.top_k = s.top_k();
+  o.top_p = s.has_top_p() ? s.top_p() : 1.0f;
+  if (s.has_seed()) o.seed = s.seed();
+  o.stop_token_ids.assign(s.stop_token_ids().begin(), s.stop_token_ids().end());
+  try {
+    engine::SamplingConfig{o.temperature, o.top_k, o.top_p, 0, o.stop_token_ids}.validate();
+  } catch (const std::invalid_argument& e) {
+    throw invalid_argument("sampling", e.what());
+  }
+  for (int i = 0; i < s.stop_size(); ++i) {
+    const std::string field = fmt::format("sampling.stop[{}]", i);
+    if (s.stop(i).empty()) throw invalid_argument(field, "must not be empty");
+    if (auto bad = engine::find_invalid_utf8(s.stop(i))) {
+      throw invalid_argument(field, fmt::format("invalid UTF-8 at byte {}", *bad));
+    }
+    o.stop.push_back(s.stop(i));
+  }
+  o.ignore_eos = s.ignore_eos();
+  return o;
+}
+
+void check_token_limits(std::span<const size_t> segment_tokens, size_t query_tokens, const RouterLimits& limits) {
+  size_t total = query_tokens;
+  for (size_t i = 0; i < segment_tokens.size(); ++i) {
+    if (segment_tokens[i] == 0) {
+      throw invalid_argument(fmt::format("segments[{}]", i), "the text tokenises to no tokens");
+    }
+    if (segment_tokens[i] > limits.max_segment_tokens) {
+      throw resource_exhausted(fmt::format("segments[{}]: {} tokens exceed the limit of {} per segment "
+                                           "(--max-segment-tokens)",
+                                           i, segment_tokens[i], limits.max_segment_tokens));
+    }
+    total += segment_tokens[i];
+  }
+  if (query_tokens == 0) throw invalid_argument("query", "the text tokenises to no tokens");
+  if (total > limits.max_prompt_tokens) {
+    throw resource_exhausted(fmt::format("prompt: {} tokens (segments + query) exceed the limit of {} "
+                                         "(--max-prompt-tokens)",
+                                         total, limits.max_prompt_tokens));
+  }
+}
+
+}  // namespace hypic::router

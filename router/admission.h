@@ -1,0 +1,58 @@
+// Validation and admission limits of Router.Generate requests (everything the router can check
+// before and right after tokenising). Errors are rpc::RpcError: INVALID_ARGUMENT naming the
+// field ("segments[2].text: invalid UTF-8 at byte 17"), RESOURCE_EXHAUSTED naming the limit and
+// the flag that sets it.
+#pragma once
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "engine/splice.h"
+#include "hypic/v1/router.pb.h"
+
+namespace hypic::router {
+
+/// Admission limits and defaults (router flags).
+struct RouterLimits {
+  uint32_t max_concurrent_requests = 64;  ///< --max-concurrent-requests
+  uint32_t max_segments = 256;            ///< --max-segments
+  uint32_t max_segment_tokens = 32768;    ///< --max-segment-tokens
+  uint32_t max_prompt_tokens = 262144;    ///< --max-prompt-tokens (segments + query)
+  uint32_t max_new_tokens = 4096;         ///< --max-new-tokens (upper bound of sampling.max_tokens)
+  int max_seam_width = 256;               ///< --max-seam-width
+  int default_seam_width = 8;             ///< --seam-width
+  int default_max_tokens = 128;           ///< --default-max-tokens
+};
+
+/// The request's options with defaults applied.
+struct RequestOptions {
+  engine::SpliceMode mode = engine::SpliceMode::Hypic;
+  int seam_width = 8;       ///< w as requested (or the default)
+  int entry_seam_width = 8; ///< w the entries are built and hashed with: w in hypic mode, 0 otherwise
+  bool cache_segments = true;
+  /// Whether segments go through entries (lookup, scatter, splice): false for full and prefix,
+  /// which compute segments in context on the combine worker.
+  bool uses_entries = true;
+  int max_tokens = 128;
+  float temperature = 0.0f;
+  int top_k = 0;
+  float top_p = 1.0f;
+  std::optional<uint64_t> seed;
+  std::vector<std::string> stop;
+  std::vector<int32_t> stop_token_ids;
+  bool ignore_eos = false;
+};
+
+/// Checks the request's structure and options (not the token counts): request_id, at least one
+/// segment and at most max_segments (RESOURCE_EXHAUSTED), each segment and the query non-empty,
+/// text valid UTF-8, token ids within [0, vocab_size), sampling and cache options in range.
+/// Returns the options with defaults applied.
+RequestOptions validate_request(const hypic::v1::GenerateRequest& req, const RouterLimits& limits, int64_t vocab_size);
+
+/// Token-count limits after tokenisation: each segment <= max_segment_tokens and the whole prompt
+/// <= max_prompt_tokens (RESOURCE_EXHAUSTED); an empty tokenisation is INVALID_ARGUMENT.
+void check_token_limits(std::span<const size_t> segment_tokens, size_t query_tokens, const RouterLimits& limits);
+
+}  // namespace hypic::router
