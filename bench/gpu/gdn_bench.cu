@@ -1,0 +1,348 @@
+// Benchmark of the CUDA gated-delta kernels on Qwen3.5-35B-A3B linear-attention shapes
+// (16 key heads, 32 value heads, d_k = d_v = 128, bf16 activations): chunked prefill with and
+// without the segment transition T_C, the decode step, composition of 16 cached segments over
+// 30 layers x 32 heads (own kernel vs cuBLAS), the causal conv1d, and the H200 ceilings measured
+// in the same run (device-to-device copy bandwidth; bf16 tensor-core rate through cuBLAS).
+// Prints a human table and writes JSON (--json PATH). --dump DIR writes the 4k-token inputs and
+// our outputs as raw files for tools/bench_fla_reference.py to check against PyTorch / fla.
+//
+// Usage: gdn_bench [--json out.json] [--dump dir] [--reps N]
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/gated_delta.h"
+
+namespace gpu = hypic::kernels::cuda;
+using gpu::bf16;
+using gpu::check_cuda;
+using nlohmann::json;
+
+namespace {
+
+constexpr int HK = 16, HV = 32, D = 128;
+
+__device__ __forceinline__ float hash_uniform(uint64_t i, uint32_t seed) {  // [0, 1)
+  uint64_t x = i * 0x9E3779B97F4A7C15ull + seed * 0xBF58476D1CE4E5B9ull;
+  x ^= x >> 31;
+  x *= 0x94D049BB133111EBull;
+  x ^= x >> 29;
+  return float(x >> 40) * (1.0f / 16777216.0f);
+}
+
+__global__ void fill_bf16(bf16* p, size_t n, uint32_t seed) {  // unit variance, uniform
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    p[i] = __float2bfloat16_rn((hash_uniform(i, seed) * 2.f - 1.f) * 1.7320508f);
+}
+__global__ void fill_gates(float* g, float* beta, size_t n, uint32_t seed) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    const float u = hash_uniform(i, seed), w = hash_uniform(i, seed + 1);
+    g[i] = u < 0.01f ? -0.5f * w : -0.01f * w;  // slow decays: T_C over 4k tokens stays well above underflow
+    beta[i] = 0.05f + 0.9f * hash_uniform(i, seed + 2);
+  }
+}
+__global__ void fill_f32(float* p, size_t n, uint32_t seed, float amp) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    p[i] = (hash_uniform(i, seed) * 2.f - 1.f) * amp;
+}
+
+template <class T>
+T* dalloc(size_t n) {
+  void* p = nullptr;
+  check_cuda(cudaMalloc(&p, n * sizeof(T)), "cudaMalloc(" + std::to_string(n * sizeof(T)) + " bytes)");
+  return static_cast<T*>(p);
+}
+
+/// Random Gated DeltaNet inputs for T tokens: q, k [T][HK][D], v [T][HV][D] bf16; g, beta [T][HV].
+struct GdnInputs {
+  bf16 *q, *k, *v;
+  float *g, *beta;
+  GdnInputs(size_t T, uint32_t seed)
+      : q(dalloc<bf16>(T * HK * D)), k(dalloc<bf16>(T * HK * D)), v(dalloc<bf16>(T * HV * D)),
+        g(dalloc<float>(T * HV)), beta(dalloc<float>(T * HV)) {
+    fill_bf16<<<2048, 256>>>(q, T * HK * D, seed);
+    fill_bf16<<<2048, 256>>>(k, T * HK * D, seed + 1);
+    fill_bf16<<<2048, 256>>>(v, T * HV * D, seed + 2);
+    fill_gates<<<2048, 256>>>(g, beta, T * HV, seed + 3);
+    check_cuda(cudaDeviceSynchronize(), "input fill");
+  }
+  GdnInputs(const GdnInputs&) = delete;
+  GdnInputs& operator=(const GdnInputs&) = delete;
+  ~GdnInputs() {
+    for (void* p : std::initializer_list<void*>{q, k, v, g, beta}) cudaFree(p);
+  }
+};
+
+/// Median time in ms of `fn` over `reps` runs after `warm` warm-ups, CUDA events around each run.
+double time_ms(const std::function<void()>& fn, int reps, int warm = 3) {
+  for (int i = 0; i < warm; ++i) fn();
+  check_cuda(cudaDeviceSynchronize(), "warm-up");
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  std::vector<float> t(reps);
+  for (int i = 0; i < reps; ++i) {
+    cudaEventRecord(a);
+    fn();
+    cudaEventRecord(b);
+    check_cuda(cudaEventSynchronize(b), "timed run");
+    cudaEventElapsedTime(&t[i], a, b);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  std::sort(t.begin(), t.end());
+  return t[reps / 2];
+}
+
+template <class T>
+void dump(const std::string& path, const T* dev, size_t n) {
+  std::vector<T> h(n);
+  check_cuda(cudaMemcpy(h.data(), dev, n * sizeof(T), cudaMemcpyDeviceToHost), "dump copy");
+  std::ofstream f(path, std::ios::binary);
+  f.write(reinterpret_cast<const char*>(h.data()), std::streamsize(n * sizeof(T)));
+  if (!f) throw std::runtime_error("cannot write " + path);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+  std::string json_path, dump_dir;
+  int reps = 20;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--json" && i + 1 < argc) json_path = argv[++i];
+    else if (a == "--dump" && i + 1 < argc) dump_dir = argv[++i];
+    else if (a == "--reps" && i + 1 < argc) reps = std::stoi(argv[++i]);
+    else {
+      std::fprintf(stderr, "usage: gdn_bench [--json out.json] [--dump dir] [--reps N]\n");
+      return 2;
+    }
+  }
+  cudaDeviceProp prop{};
+  check_cuda(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
+  json J;
+  J["device"] = prop.name;
+  J["sms"] = prop.multiProcessorCount;
+  J["shapes"] = {{"num_k_heads", HK}, {"num_v_heads", HV}, {"d_k", D}, {"d_v", D}, {"chunk", gpu::kGdnChunk}};
+  J["reps"] = reps;
+
+  cublasHandle_t blas;
+  if (cublasCreate(&blas) != CUBLAS_STATUS_SUCCESS) throw std::runtime_error("cublasCreate failed");
+
+  // ---- ceilings measured here: copy bandwidth and bf16 tensor-core GEMM rate -----------------
+  {
+    const size_t n = size_t(1) << 30;  // 1 GiB each way
+    auto* a = dalloc<unsigned char>(n);
+    auto* b = dalloc<unsigned char>(n);
+    cudaMemset(a, 1, n);
+    const double ms = time_ms([&] { cudaMemcpyAsync(b, a, n, cudaMemcpyDeviceToDevice); }, 10);
+    J["ceiling"]["copy_GBps"] = 2.0 * n / (ms * 1e-3) / 1e9;
+    cudaFree(a);
+    cudaFree(b);
+    const int m = 8192;
+    auto* x = dalloc<bf16>(size_t(m) * m);
+    auto* y = dalloc<bf16>(size_t(m) * m);
+    auto* z = dalloc<bf16>(size_t(m) * m);
+    fill_bf16<<<1024, 256>>>(x, size_t(m) * m, 1);
+    fill_bf16<<<1024, 256>>>(y, size_t(m) * m, 2);
+    const float one = 1.f, zero = 0.f;
+    const double gms = time_ms(
+        [&] {
+          cublasGemmEx(blas, CUBLAS_OP_N, CUBLAS_OP_N, m, m, m, &one, x, CUDA_R_16BF, m, y, CUDA_R_16BF, m, &zero, z,
+                       CUDA_R_16BF, m, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+        },
+        10);
+    J["ceiling"]["bf16_gemm_TFLOPs"] = 2.0 * m * double(m) * m / (gms * 1e-3) / 1e12;
+    cudaFree(x);
+    cudaFree(y);
+    cudaFree(z);
+  }
+  const double peak_tf = J["ceiling"]["bf16_gemm_TFLOPs"], peak_bw = J["ceiling"]["copy_GBps"];
+
+  // ---- chunked prefill ------------------------------------------------------------------------
+  struct Case {
+    const char* name;
+    int nseq, len;
+  };
+  const Case cases[] = {{"1x4k", 1, 4096}, {"1x16k", 1, 16384}, {"1x32k", 1, 32768}, {"16x2k", 16, 2048}};
+  const size_t maxT = 32768;
+  GdnInputs in(maxT, 11);
+  bf16 *q = in.q, *k = in.k, *v = in.v;
+  float *g = in.g, *beta = in.beta;
+  auto* out = dalloc<bf16>(maxT * HV * D);
+  auto* fin = dalloc<float>(size_t(16) * HV * D * D);
+  auto* tr = dalloc<float>(size_t(16) * HV * D * D);
+  gpu::GdnWorkspace ws;
+  std::printf("device %s, %d SMs; measured ceilings: copy %.0f GB/s, bf16 GEMM %.0f TFLOP/s\n\n", prop.name,
+              prop.multiProcessorCount, peak_bw, peak_tf);
+  std::printf("%-7s %10s %10s %8s %10s %10s %9s %9s %9s\n", "shape", "no T_C ms", "T_C ms", "T_C +%", "WY+scan ms",
+              "TFLOP/s", "%peak", "GB/s", "%copy");
+  for (const Case& c : cases) {
+    std::vector<int> cu(c.nseq + 1);
+    for (int s = 0; s <= c.nseq; ++s) cu[s] = s * c.len;
+    const int T = c.nseq * c.len;
+    gpu::GdnPrefillArgs a;
+    a.num_seqs = c.nseq;
+    a.cu_seqlens_host = cu.data();
+    a.num_k_heads = HK;
+    a.num_v_heads = HV;
+    a.q = q;
+    a.k = k;
+    a.v = v;
+    a.g = g;
+    a.beta = beta;
+    a.final_state = fin;
+    a.out = out;
+    const double t_plain = time_ms([&] { gpu::gdn_prefill(a, ws); }, reps);
+    a.transition = tr;
+    const double t_tc = time_ms([&] { gpu::gdn_prefill(a, ws); }, reps);
+    a.out = nullptr;
+    a.transition = nullptr;
+    const double t_noout = time_ms([&] { gpu::gdn_prefill(a, ws); }, reps);
+    a.out = out;
+    // Nominal FLOPs per (chunk, v-head), C = 64: K K^T 2C^2D, W and U 4C^2D, scan 4CD^2,
+    // output (Q K^T, P V) 4C^2D + Q h 2CD^2; T_C adds 4CD^2 (triangular savings not counted).
+    const double chunks = double(T) / gpu::kGdnChunk * HV, Cc = gpu::kGdnChunk;
+    const double flops = chunks * (10 * Cc * Cc * D + 6 * Cc * D * D);
+    const double flops_tc = flops + chunks * 4 * Cc * D * D;
+    // Compulsory bytes: q, k, v in, out, g and beta, final state (and T_C) out.
+    const double bytes = double(T) * (2.0 * HK * D * 2 + HV * D * 2 * 2 + HV * 8) + double(c.nseq) * HV * D * D * 4;
+    const double bytes_tc = bytes + double(c.nseq) * HV * D * D * 4;
+    const double tflops = flops / (t_plain * 1e-3) / 1e12, gbps = bytes / (t_plain * 1e-3) / 1e9;
+    std::printf("%-7s %10.3f %10.3f %7.1f%% %10.3f %10.1f %8.1f%% %9.0f %8.1f%%\n", c.name, t_plain, t_tc,
+                100.0 * (t_tc / t_plain - 1.0), t_noout, tflops, 100.0 * tflops / peak_tf, gbps, 100.0 * gbps / peak_bw);
+    J["prefill"].push_back({{"shape", c.name},
+                            {"num_seqs", c.nseq},
+                            {"seq_len", c.len},
+                            {"tokens", T},
+                            {"ms_without_tc", t_plain},
+                            {"ms_with_tc", t_tc},
+                            {"tc_overhead_pct", 100.0 * (t_tc / t_plain - 1.0)},
+                            {"ms_wy_plus_scan_no_output", t_noout},
+                            {"nominal_gflop", flops / 1e9},
+                            {"nominal_gflop_with_tc", flops_tc / 1e9},
+                            {"compulsory_MB", bytes / 1e6},
+                            {"TFLOPs", tflops},
+                            {"TFLOPs_with_tc", flops_tc / (t_tc * 1e-3) / 1e12},
+                            {"GBps", gbps},
+                            {"GBps_with_tc", bytes_tc / (t_tc * 1e-3) / 1e9}});
+    if (!dump_dir.empty() && c.nseq == 1 && c.len == 4096) {
+      a.transition = tr;
+      gpu::gdn_prefill(a, ws);
+      check_cuda(cudaDeviceSynchronize(), "dump run");
+      dump(dump_dir + "/q.bin", q, size_t(T) * HK * D);
+      dump(dump_dir + "/k.bin", k, size_t(T) * HK * D);
+      dump(dump_dir + "/v.bin", v, size_t(T) * HV * D);
+      dump(dump_dir + "/g.bin", g, size_t(T) * HV);
+      dump(dump_dir + "/beta.bin", beta, size_t(T) * HV);
+      dump(dump_dir + "/out.bin", out, size_t(T) * HV * D);
+      dump(dump_dir + "/final.bin", fin, size_t(HV) * D * D);
+      dump(dump_dir + "/tc.bin", tr, size_t(HV) * D * D);
+    }
+  }
+  J["workspace_bytes"] = ws.bytes();
+  cudaFree(out);
+  cudaFree(fin);
+  cudaFree(tr);
+
+  // ---- composition: 30 layers x 32 heads, fold 16 segments -------------------------------------
+  {
+    const int batch = 30 * HV, nseg = 16;
+    const size_t mat = size_t(D) * D;
+    auto* T = dalloc<float>(size_t(nseg) * batch * mat);
+    auto* S = dalloc<float>(size_t(nseg) * batch * mat);
+    auto* R0 = dalloc<float>(batch * mat);
+    auto* R = dalloc<float>(batch * mat);
+    auto* R2 = dalloc<float>(batch * mat);
+    auto* scratch = dalloc<float>(batch * mat);
+    fill_f32<<<4096, 256>>>(T, size_t(nseg) * batch * mat, 21, 1.5f / std::sqrt(float(D)));
+    fill_f32<<<4096, 256>>>(S, size_t(nseg) * batch * mat, 22, 1.f);
+    fill_f32<<<4096, 256>>>(R0, batch * mat, 23, 1.f);
+    auto reset = [&](float* r) { cudaMemcpyAsync(r, R0, batch * mat * 4, cudaMemcpyDeviceToDevice); };
+    const double t_reset = time_ms([&] { reset(R); }, reps);
+    const double t_own = time_ms([&] { reset(R); gpu::compose_fold(batch, nseg, R, T, S); }, reps) - t_reset;
+    const double t_blas =
+        time_ms([&] { reset(R2); gpu::compose_fold_cublas(blas, batch, nseg, R2, T, S, scratch); }, reps) - t_reset;
+    check_cuda(cudaDeviceSynchronize(), "compose");
+    std::vector<float> h1(batch * mat), h2(batch * mat);
+    cudaMemcpy(h1.data(), R, h1.size() * 4, cudaMemcpyDeviceToHost);
+    cudaMemcpy(h2.data(), R2, h2.size() * 4, cudaMemcpyDeviceToHost);
+    double num = 0, den = 0;
+    for (size_t i = 0; i < h1.size(); ++i) {
+      num += (double(h1[i]) - h2[i]) * (double(h1[i]) - h2[i]);
+      den += double(h2[i]) * h2[i];
+    }
+    const double flop = 2.0 * D * D * D * batch * nseg;
+    std::printf("\ncomposition, %d (layer, head) pairs x %d segments, fp32: own kernel %.3f ms (%.3f ms/segment, "
+                "%.1f TFLOP/s), cuBLAS %.3f ms (%.3f ms/segment, %.1f TFLOP/s); rel diff %.2e\n",
+                batch, nseg, t_own, t_own / nseg, flop / (t_own * 1e-3) / 1e12, t_blas, t_blas / nseg,
+                flop / (t_blas * 1e-3) / 1e12, std::sqrt(num / den));
+    J["composition"] = {{"pairs", batch},
+                        {"segments", nseg},
+                        {"own_ms_total", t_own},
+                        {"own_ms_per_segment", t_own / nseg},
+                        {"own_TFLOPs", flop / (t_own * 1e-3) / 1e12},
+                        {"cublas_ms_total", t_blas},
+                        {"cublas_ms_per_segment", t_blas / nseg},
+                        {"cublas_TFLOPs", flop / (t_blas * 1e-3) / 1e12},
+                        {"own_vs_cublas_rel_diff", std::sqrt(num / den)}};
+    for (float* p : {T, S, R0, R, R2, scratch}) cudaFree(p);
+  }
+
+  // ---- decode step and conv1d ------------------------------------------------------------------
+  {
+    const int B = 64;
+    GdnInputs din(B, 31);
+    auto* st = dalloc<float>(size_t(B) * HV * D * D);
+    auto* o = dalloc<bf16>(B * HV * D);
+    fill_f32<<<2048, 256>>>(st, size_t(B) * HV * D * D, 35, 0.1f);
+    const double t = time_ms(
+        [&] {
+          gpu::gdn_decode(B, HK, HV, din.q, din.k, din.v, din.g, din.beta, true, 1.f / std::sqrt(float(D)), st, o);
+        },
+        reps);
+    const double bytes = 2.0 * B * HV * D * D * 4;
+    std::printf("decode step, %d requests x %d heads (one layer): %.3f ms, %.0f GB/s of state traffic\n", B, HV, t,
+                bytes / (t * 1e-3) / 1e9);
+    J["decode"] = {{"batch", B}, {"ms", t}, {"state_GBps", bytes / (t * 1e-3) / 1e9}};
+    cudaFree(st);
+    cudaFree(o);
+
+    const int T = 32768, Cch = 2 * HK * D + HV * D, K = 4;
+    auto* x = dalloc<bf16>(size_t(T) * Cch);
+    auto* y = dalloc<bf16>(size_t(T) * Cch);
+    auto* w = dalloc<bf16>(size_t(Cch) * K);
+    auto* cs = dalloc<bf16>(size_t(K - 1) * Cch);
+    int* cu = dalloc<int>(2);
+    const int cuh[2] = {0, T};
+    cudaMemcpy(cu, cuh, sizeof(cuh), cudaMemcpyHostToDevice);
+    fill_bf16<<<2048, 256>>>(x, size_t(T) * Cch, 41);
+    fill_bf16<<<64, 256>>>(w, size_t(Cch) * K, 42);
+    cudaMemset(cs, 0, size_t(K - 1) * Cch * 2);
+    const double tc = time_ms([&] { gpu::conv1d_silu_prefill(1, cu, T, Cch, K, x, w, cs, y); }, reps);
+    const double cb = 2.0 * T * Cch * 2;
+    std::printf("conv1d+SiLU prefill, 32k tokens x %d channels: %.3f ms, %.0f GB/s\n", Cch, tc, cb / (tc * 1e-3) / 1e9);
+    J["conv_prefill"] = {{"tokens", T}, {"channels", Cch}, {"ms", tc}, {"GBps", cb / (tc * 1e-3) / 1e9}};
+    for (void* p : std::initializer_list<void*>{x, y, w, cs, cu}) cudaFree(p);
+  }
+  cublasDestroy(blas);
+  if (!json_path.empty()) {
+    std::ofstream f(json_path);
+    f << J.dump(2) << "\n";
+  }
+  return 0;
+} catch (const std::exception& e) {
+  std::fprintf(stderr, "gdn_bench: %s\n", e.what());
+  return 1;
+}

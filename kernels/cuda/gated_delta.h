@@ -1,0 +1,120 @@
+// CUDA kernels for the linear-attention path of Gated DeltaNet models (Qwen3-Next, Qwen3.5):
+// chunked gated delta rule prefill with the segment transition T_C, the recurrent decode step,
+// composition of cached (T, S) pairs, and the depthwise causal conv1d + SiLU in front of it.
+//
+// Conventions are those of kernels/cpu/gated_delta.h (the reference these kernels are tested
+// against): one head's state S is d_k x d_v fp32 row-major ([d_k][d_v]), S_t = T_t S_{t-1} + u_t
+// with T_t = e^{g_t}(I - b_t k_t k_t^T), u_t = b_t k_t v_t^T, o_t = S_t^T q_t (updated state).
+// A transition T is d_k x d_k fp32 row-major. Value head j reads key head j / (H_v / H_k) (GVA).
+// These kernels support d_k = d_v = 128 only (Qwen3-Next and Qwen3.5 head size); other sizes throw.
+//
+// All pointers are device pointers unless named *_host; every call is asynchronous on `stream`
+// and throws std::invalid_argument for bad shapes and std::runtime_error for CUDA errors.
+// Source of the chunked algorithm: DESIGN.md 3.1 and research/hybrid_models.md 5.2 / 5.4
+// (UT transform, W = T_A diag(b e^G) K, U = T_A diag(b) V, chunk transition T = gamma I - K~^T W).
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace hypic::kernels::cuda {
+
+using bf16 = __nv_bfloat16;
+
+/// Head size the GPU gated-delta kernels are built for (d_k = d_v).
+inline constexpr int kGdnHeadDim = 128;
+/// Chunk length of the chunked prefill.
+inline constexpr int kGdnChunk = 64;
+
+/// Inputs and outputs of one chunked prefill launch over `num_seqs` independent sequences
+/// (segments) packed back to back along the token axis ("varlen"); T = cu_seqlens_host[num_seqs].
+struct GdnPrefillArgs {
+  int num_seqs = 0;
+  const int* cu_seqlens_host = nullptr;  ///< HOST [num_seqs + 1], 0 = first, non-decreasing (lengths may be 0)
+  int num_k_heads = 0;                   ///< H_k
+  int num_v_heads = 0;                   ///< H_v, a multiple of H_k
+  const bf16* q = nullptr;               ///< [T][H_k][128] raw (l2-normalised in-kernel when l2norm_qk)
+  const bf16* k = nullptr;               ///< [T][H_k][128]
+  const bf16* v = nullptr;               ///< [T][H_v][128]
+  const float* g = nullptr;              ///< [T][H_v] log decay (<= 0), post softplus/exp (HF `g`)
+  const float* beta = nullptr;           ///< [T][H_v] write strength, post sigmoid
+  bool l2norm_qk = true;                 ///< q, k <- x * rsqrt(sum x^2 + 1e-6) in fp32 (HF use_qk_l2norm_in_kernel)
+  float scale = 0.08838834764831845f;    ///< q multiplier after the l2 norm (d_k^-1/2)
+  const float* initial_state = nullptr;  ///< [num_seqs][H_v][128][128] or nullptr (zero state)
+  float* final_state = nullptr;          ///< [num_seqs][H_v][128][128] or nullptr; may alias initial_state
+  float* transition = nullptr;           ///< [num_seqs][H_v][128][128] T_C or nullptr (not computed)
+  bf16* out = nullptr;                   ///< [T][H_v][128] o_t = S_t^T q_t, bf16; nullptr = not computed
+};
+
+/// Device scratch of the chunked prefill (per-chunk WY factors, chunk-entry states, the chunk
+/// table). Grows on demand and is reused across calls; not thread-safe; one per stream.
+class GdnWorkspace {
+ public:
+  GdnWorkspace() = default;
+  GdnWorkspace(const GdnWorkspace&) = delete;
+  GdnWorkspace& operator=(const GdnWorkspace&) = delete;
+  ~GdnWorkspace();
+  /// Bytes currently held on the device.
+  size_t bytes() const { return bytes_; }
+
+ private:
+  friend void gdn_prefill(const GdnPrefillArgs&, GdnWorkspace&, cudaStream_t);
+  void reserve(size_t chunk_heads, int num_chunks, int num_seqs);
+  void* mem_ = nullptr;
+  size_t bytes_ = 0;
+  size_t chunk_heads_cap_ = 0;
+  int chunks_cap_ = 0;
+  int seqs_cap_ = 0;
+  std::vector<int> host_table_;
+};
+
+/// Chunked gated delta rule prefill (chunk 64) over a varlen batch: per sequence and value head,
+/// the outputs, the final state and optionally the sequence's cumulative transition
+/// T_C = T_{t_n} ... T_{t_1}, all from one pass (the state scan carries T alongside S).
+/// Numerics: bf16 operands on tensor cores with fp32 accumulation; the running state and T stay
+/// fp32, the per-chunk factors (W, U, K~) and the chunk-entry state fed to the tensor cores are
+/// bf16 (as in flash-linear-attention). A sequence of length 0 yields final = initial, T_C = I.
+/// Throws std::invalid_argument on null required pointers, bad head counts or bad cu_seqlens.
+void gdn_prefill(const GdnPrefillArgs& args, GdnWorkspace& ws, cudaStream_t stream = nullptr);
+
+/// One recurrent decode step for `batch` requests (one token each), in place on fp32 states.
+///   q, k: [batch][H_k][128] bf16 raw; v: [batch][H_v][128] bf16; g, beta: [batch][H_v] fp32
+///   state: [batch][H_v][128][128] fp32, updated in place; out: [batch][H_v][128] bf16 (nullable).
+/// Same math as gdn_prefill for T = 1 (HF torch_recurrent_gated_delta_rule), fp32 throughout.
+void gdn_decode(int batch, int num_k_heads, int num_v_heads, const bf16* q, const bf16* k, const bf16* v,
+                const float* g, const float* beta, bool l2norm_qk, float scale, float* state, bf16* out,
+                cudaStream_t stream = nullptr);
+
+/// Composition (DESIGN.md 3.1): folds `num_segments` cached (T, S) pairs into running states,
+///   running[b] <- T[i][b] running[b] + S[i][b],  for i = 0 .. num_segments-1, every b < batch,
+/// where b enumerates (layer, head) pairs. running: [batch][128][128] fp32 in/out;
+/// transitions, states: [num_segments][batch][128][128] fp32. fp32 FMA arithmetic throughout.
+/// This is hypic's own kernel: it keeps each running column block on chip across all segments.
+void compose_fold(int batch, int num_segments, float* running, const float* transitions, const float* states,
+                  cudaStream_t stream = nullptr);
+
+/// Same contract as compose_fold, through cuBLAS: one strided-batched SGEMM (fp32, no TF32) per
+/// segment, plus a device copy of S[i] into a scratch buffer the GEMM accumulates into.
+///   scratch: [batch][128][128] fp32 device buffer. `cublas_handle` is a cublasHandle_t.
+void compose_fold_cublas(void* cublas_handle, int batch, int num_segments, float* running,
+                         const float* transitions, const float* states, float* scratch,
+                         cudaStream_t stream = nullptr);
+
+/// Depthwise causal conv1d + SiLU over a varlen batch (PyTorch cross-correlation convention, as
+/// kernels/cpu causal_conv1d_silu): y[t][c] = silu(sum_j w[c][j] x[c, t-(K-1)+j]), fp32 accumulation.
+///   cu_seqlens: DEVICE int32 [num_seqs + 1]; x, y: [T][channels] bf16; weight: [channels][kernel] bf16
+///   conv_state: [num_seqs][kernel-1][channels] bf16 in/out, or nullptr (zero history, no tail out):
+///     on entry the K-1 inputs preceding each sequence; on exit the conv tail (last K-1 inputs of
+///     state ++ x). channels must be a multiple of 8; 2 <= kernel <= 8.
+void conv1d_silu_prefill(int num_seqs, const int* cu_seqlens, int total_tokens, int channels, int kernel,
+                         const bf16* x, const bf16* weight, bf16* conv_state, bf16* y,
+                         cudaStream_t stream = nullptr);
+
+/// Decode step of the conv: x, y: [batch][channels]; conv_state [batch][kernel-1][channels] in place.
+void conv1d_silu_decode(int batch, int channels, int kernel, const bf16* x, const bf16* weight, bf16* conv_state,
+                        bf16* y, cudaStream_t stream = nullptr);
+
+}  // namespace hypic::kernels::cuda

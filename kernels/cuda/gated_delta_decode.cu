@@ -1,0 +1,215 @@
+// Recurrent gated delta rule decode step and the composition of cached (T, S) pairs
+// (see gated_delta.h for the contracts).
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/gated_delta.h"
+
+namespace hypic::kernels::cuda {
+namespace {
+
+constexpr int D = kGdnHeadDim;
+
+__device__ __forceinline__ float block_sum128(float x, float* red) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  const int warp = threadIdx.x >> 5;
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) red[warp] = x;
+  __syncthreads();
+  return (red[0] + red[1]) + (red[2] + red[3]);
+}
+
+// One block per (request, value head); thread j owns column j of the 128 x 128 state:
+// S <- e^g S; d = b (v - S^T k); S <- S + k d^T; o = S^T q.
+__global__ void __launch_bounds__(D) gdn_decode_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
+                                                       const bf16* __restrict__ v, const float* __restrict__ g,
+                                                       const float* __restrict__ beta, int Hk, int Hv, bool l2norm,
+                                                       float scale, float* __restrict__ state,
+                                                       bf16* __restrict__ out) {
+  __shared__ float sq[D], sk[D], red[4];
+  const int b = blockIdx.x, h = blockIdx.y, j = threadIdx.x;
+  const int kh = h / (Hv / Hk);
+  float qj = __bfloat162float(q[(size_t(b) * Hk + kh) * D + j]);
+  float kj = __bfloat162float(k[(size_t(b) * Hk + kh) * D + j]);
+  if (l2norm) {
+    const float rq = rsqrtf(block_sum128(qj * qj, red) + 1e-6f);
+    const float rk = rsqrtf(block_sum128(kj * kj, red) + 1e-6f);
+    qj *= rq;
+    kj *= rk;
+  }
+  sq[j] = qj * scale;
+  sk[j] = kj;
+  __syncthreads();
+  const size_t hv = size_t(b) * Hv + h;
+  const float decay = expf(g[hv]), bt = beta[hv];
+  float* S = state + hv * D * D + j;
+  // Two passes over the column (the second read hits L1/L2): registers would not hold it spill-free.
+  float kv = 0.f;
+#pragma unroll 16
+  for (int i = 0; i < D; ++i) kv = fmaf(S[size_t(i) * D] * decay, sk[i], kv);
+  const float delta = bt * (__bfloat162float(v[hv * D + j]) - kv);
+  float o = 0.f;
+#pragma unroll 16
+  for (int i = 0; i < D; ++i) {
+    const float s = fmaf(sk[i], delta, S[size_t(i) * D] * decay);
+    o = fmaf(s, sq[i], o);
+    S[size_t(i) * D] = s;
+  }
+  if (out) out[hv * D + j] = __float2bfloat16_rn(o);
+}
+
+// Composition: one block per (batch entry, 64-column half of the running state). The block keeps
+// its 128 x 64 running block in shared memory across all segments and, per segment, computes
+// R <- T R + S with T staged in shared memory. Thread (rg, cg) owns rows rg + 16 r (r < 8) and
+// columns 4 cg .. 4 cg + 3.
+constexpr int kCompBN = 64;
+constexpr int kCompLdT = D + 4;
+constexpr int kCompLdR = kCompBN + 4;
+constexpr int kCompSmem = (D * kCompLdT + D * kCompLdR) * 4;
+
+__global__ void __launch_bounds__(256) compose_fold_kernel(int batch, int num_segments, float* running,
+                                                           const float* __restrict__ transitions,
+                                                           const float* __restrict__ states) {
+  extern __shared__ __align__(16) float csm[];
+  float* sT = csm;
+  float* sR = csm + D * kCompLdT;
+  const int b = blockIdx.x, c0 = blockIdx.y * kCompBN, tid = threadIdx.x;
+  const int rg = tid >> 4, cg = tid & 15;
+  float* R = running + size_t(b) * D * D + c0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int p = tid + 256 * i, row = p >> 4, col = (p & 15) * 4;
+    *reinterpret_cast<float4*>(sR + row * kCompLdR + col) = *reinterpret_cast<const float4*>(R + row * D + col);
+  }
+  float acc[8][4];
+  for (int seg = 0; seg < num_segments; ++seg) {
+    const size_t off = (size_t(seg) * batch + b) * D * D;
+    const float* T = transitions + off;
+    const float* S = states + off + c0;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const int p = tid + 256 * i, row = p >> 5, col = (p & 31) * 4;
+      *reinterpret_cast<float4*>(sT + row * kCompLdT + col) = __ldg(reinterpret_cast<const float4*>(T + row * D + col));
+    }
+#pragma unroll
+    for (int r = 0; r < 8; ++r) {
+      const float4 sv = __ldg(reinterpret_cast<const float4*>(S + (rg + 16 * r) * D + 4 * cg));
+      acc[r][0] = sv.x;
+      acc[r][1] = sv.y;
+      acc[r][2] = sv.z;
+      acc[r][3] = sv.w;
+    }
+    __syncthreads();
+#pragma unroll 2
+    for (int kk = 0; kk < D; kk += 4) {
+      float4 rr[4];
+#pragma unroll
+      for (int m = 0; m < 4; ++m) rr[m] = *reinterpret_cast<const float4*>(sR + (kk + m) * kCompLdR + 4 * cg);
+#pragma unroll
+      for (int r = 0; r < 8; ++r) {
+        const float4 t = *reinterpret_cast<const float4*>(sT + (rg + 16 * r) * kCompLdT + kk);
+        const float tv[4] = {t.x, t.y, t.z, t.w};
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+          acc[r][0] = fmaf(tv[m], rr[m].x, acc[r][0]);
+          acc[r][1] = fmaf(tv[m], rr[m].y, acc[r][1]);
+          acc[r][2] = fmaf(tv[m], rr[m].z, acc[r][2]);
+          acc[r][3] = fmaf(tv[m], rr[m].w, acc[r][3]);
+        }
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < 8; ++r)
+      *reinterpret_cast<float4*>(sR + (rg + 16 * r) * kCompLdR + 4 * cg) =
+          make_float4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int p = tid + 256 * i, row = p >> 4, col = (p & 15) * 4;
+    *reinterpret_cast<float4*>(R + row * D + col) = *reinterpret_cast<const float4*>(sR + row * kCompLdR + col);
+  }
+}
+
+void check_heads(int num_k_heads, int num_v_heads, const char* fn) {
+  if (num_k_heads < 1 || num_v_heads < 1 || num_v_heads % num_k_heads != 0 || num_v_heads > 65535)
+    throw std::invalid_argument(std::string(fn) + ": num_v_heads (" + std::to_string(num_v_heads) +
+                                ") must be a positive multiple of num_k_heads (" + std::to_string(num_k_heads) + ")");
+}
+
+void check_compose(int batch, int num_segments, const void* running, const void* t, const void* s, const char* fn) {
+  if (batch < 1 || num_segments < 0)
+    throw std::invalid_argument(std::string(fn) + ": batch must be >= 1 and num_segments >= 0, got " +
+                                std::to_string(batch) + ", " + std::to_string(num_segments));
+  if (!running || (num_segments > 0 && (!t || !s)))
+    throw std::invalid_argument(std::string(fn) + ": running, transitions and states must be non-null");
+}
+
+}  // namespace
+
+void gdn_decode(int batch, int num_k_heads, int num_v_heads, const bf16* q, const bf16* k, const bf16* v,
+                const float* g, const float* beta, bool l2norm_qk, float scale, float* state, bf16* out,
+                cudaStream_t stream) {
+  check_heads(num_k_heads, num_v_heads, "gdn_decode");
+  if (batch < 0 || batch > (1 << 30)) throw std::invalid_argument("gdn_decode: bad batch " + std::to_string(batch));
+  if (batch == 0) return;
+  if (!q || !k || !v || !g || !beta || !state)
+    throw std::invalid_argument("gdn_decode: q, k, v, g, beta and state must be non-null");
+  gdn_decode_kernel<<<dim3(batch, num_v_heads), D, 0, stream>>>(q, k, v, g, beta, num_k_heads, num_v_heads,
+                                                                 l2norm_qk, scale, state, out);
+  check_cuda(cudaGetLastError(), "gdn_decode_kernel launch");
+}
+
+void compose_fold(int batch, int num_segments, float* running, const float* transitions, const float* states,
+                  cudaStream_t stream) {
+  check_compose(batch, num_segments, running, transitions, states, "compose_fold");
+  if (num_segments == 0) return;
+  static bool configured = false;
+  if (!configured) {
+    check_cuda(cudaFuncSetAttribute(compose_fold_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kCompSmem),
+               "cudaFuncSetAttribute(compose_fold_kernel)");
+    configured = true;
+  }
+  compose_fold_kernel<<<dim3(batch, D / kCompBN), 256, kCompSmem, stream>>>(batch, num_segments, running,
+                                                                            transitions, states);
+  check_cuda(cudaGetLastError(), "compose_fold_kernel launch");
+}
+
+void compose_fold_cublas(void* cublas_handle, int batch, int num_segments, float* running, const float* transitions,
+                         const float* states, float* scratch, cudaStream_t stream) {
+  check_compose(batch, num_segments, running, transitions, states, "compose_fold_cublas");
+  if (!cublas_handle || !scratch)
+    throw std::invalid_argument("compose_fold_cublas: cublas_handle and scratch must be non-null");
+  auto h = static_cast<cublasHandle_t>(cublas_handle);
+  if (cublasSetStream(h, stream) != CUBLAS_STATUS_SUCCESS)
+    throw std::runtime_error("compose_fold_cublas: cublasSetStream failed");
+  const size_t mat = size_t(D) * D;
+  float* cur = running;
+  float* nxt = scratch;
+  const float one = 1.f;
+  for (int i = 0; i < num_segments; ++i) {
+    check_cuda(cudaMemcpyAsync(nxt, states + i * batch * mat, batch * mat * sizeof(float), cudaMemcpyDeviceToDevice,
+                               stream),
+               "compose_fold_cublas: copy of S");
+    // Row-major nxt = T cur + nxt is column-major nxt^T = cur^T T^T + nxt^T.
+    const cublasStatus_t st = cublasSgemmStridedBatched(h, CUBLAS_OP_N, CUBLAS_OP_N, D, D, D, &one, cur, D, mat,
+                                                        transitions + i * batch * mat, D, mat, &one, nxt, D, mat,
+                                                        batch);
+    if (st != CUBLAS_STATUS_SUCCESS)
+      throw std::runtime_error("compose_fold_cublas: cublasSgemmStridedBatched failed, status " +
+                               std::to_string(static_cast<int>(st)));
+    std::swap(cur, nxt);
+  }
+  if (cur != running)
+    check_cuda(cudaMemcpyAsync(running, cur, batch * mat * sizeof(float), cudaMemcpyDeviceToDevice, stream),
+               "compose_fold_cublas: copy back");
+}
+
+}  // namespace hypic::kernels::cuda

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Builds and runs the GPU tests (tests/gpu, Catch2) on a host with an NVIDIA GPU. They are not part
+# of the default ctest, which runs on machines without a GPU.
+#
+#   scripts/test_gpu.sh                 configure + build into build-gpu/ (BUILD_DIR overrides), run tests
+#   scripts/test_gpu.sh --bin DIR       run prebuilt binaries from DIR (test_gpu_gated_delta, gdn_bench)
+#   ... --bench OUTDIR                  also run bench/gpu/gdn_bench and tools/bench_fla_reference.py,
+#                                       writing gdn_h200.json / gdn_h200.md and logs into OUTDIR
+#   ... --fla-path DIR                  a flash-linear-attention checkout for the reference (optional)
+# Extra arguments after -- go to the Catch2 test binary (e.g. -- "[conv]").
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BIN="" BENCH_OUT="" FLA_PATH="" CATCH_ARGS=()
+while (($#)); do
+  case "$1" in
+    --bin) BIN="$2"; shift 2 ;;
+    --bench) BENCH_OUT="$2"; shift 2 ;;
+    --fla-path) FLA_PATH="$2"; shift 2 ;;
+    --) shift; CATCH_ARGS=("$@"); break ;;
+    *) echo "unknown argument $1" >&2; exit 2 ;;
+  esac
+done
+if [[ -z "$BIN" ]]; then
+  BUILD_DIR=${BUILD_DIR:-build-gpu}
+  cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DHYPIC_WITH_CUDA=ON >/dev/null
+  cmake --build "$BUILD_DIR" --target test_gpu_gated_delta gdn_bench -j "${JOBS:-$(nproc)}"
+  BIN="$BUILD_DIR/bin"
+fi
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader || true
+status=0
+"$BIN/test_gpu_gated_delta" --durations yes "${CATCH_ARGS[@]}" || status=$?
+if [[ -n "$BENCH_OUT" ]]; then
+  mkdir -p "$BENCH_OUT"
+  dump=$(mktemp -d)
+  "$BIN/gdn_bench" --json "$BENCH_OUT/gdn_ours.json" --dump "$dump" | tee "$BENCH_OUT/gdn_bench.log" || status=$?
+  fla=()
+  [[ -n "$FLA_PATH" ]] && fla=(--fla-path "$FLA_PATH")
+  PYTHONUNBUFFERED=1 python3 tools/bench_fla_reference.py --ours "$BENCH_OUT/gdn_ours.json" --dump "$dump" \
+    --out-json "$BENCH_OUT/gdn_h200.json" --out-md "$BENCH_OUT/gdn_h200.md" "${fla[@]}" \
+    2>&1 | tee "$BENCH_OUT/reference.log" || status=$?
+  rm -rf "$dump"
+fi
+exit $status

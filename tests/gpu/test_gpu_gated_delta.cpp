@@ -1,0 +1,413 @@
+// GPU kernels of kernels/cuda against the CPU reference of kernels/cpu (fp32 throughout), on
+// random inputs. Needs an NVIDIA GPU; run through scripts/test_gpu.sh (not part of the default
+// ctest, which runs on machines without one).
+//
+// Stated tolerances (relative Frobenius error ||gpu - cpu|| / ||cpu|| per sequence and head):
+//   chunked prefill (bf16 operands on tensor cores, fp32 state): outputs, final state and T_C <= 2e-2
+//     (reference fed the kernel's bf16-rounded normalised q, k; errors seen on an H200: <= 5e-3)
+//   decode step (fp32 arithmetic, bf16 output):                  state <= 1e-5, outputs <= 1e-2
+//   composition (fp32 FMA / cuBLAS SGEMM without TF32):          <= 1e-5 (reference in double)
+//   conv1d + SiLU (fp32 accumulation, bf16 output):               |d| <= 8e-3 |ref| + 1e-3; conv tail exact
+#include <catch2/catch.hpp>
+#include <cublas_v2.h>
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "kernels/cpu/gated_delta.h"
+#include "kernels/cuda/gated_delta.h"
+#include "tests/gpu/gpu_util.h"
+
+using namespace hypic::gputest;
+namespace gpu = hypic::kernels::cuda;
+namespace cpu = hypic::kernels::cpu;
+using bf16 = __nv_bfloat16;
+
+namespace {
+
+constexpr int D = 128;
+
+void require_gpu() {
+  if (!cuda_device_present()) FAIL("no CUDA device: the GPU tests need an NVIDIA GPU (scripts/test_gpu.sh)");
+}
+
+// q/k rows of one token and key head, l2-normalised in fp32 as HF l2norm (eps inside the rsqrt of
+// the sum), times mul. With round_bf16 the result is rounded to bf16 once, as the prefill kernel
+// does before its tensor-core products: a single token's output is (q.k) b v, whose relative error
+// under bf16 q, k is unbounded when q.k nearly cancels, so the prefill reference mirrors that rounding.
+void normalise(const float* x, float mul, float* y, bool round_bf16 = false) {
+  double ss = 0;
+  for (int d = 0; d < D; ++d) ss += double(x[d]) * x[d];
+  const float r = mul / std::sqrt(float(ss) + 1e-6f);
+  for (int d = 0; d < D; ++d) y[d] = round_bf16 ? bf16_to_float(float_to_bf16(x[d] * r)) : x[d] * r;
+}
+
+struct PrefillCase {
+  int hk, hv;
+  std::vector<int> lens;
+  bool with_initial;
+};
+
+void run_prefill_case(const PrefillCase& pc, uint32_t seed) {
+  std::mt19937 rng(seed);
+  const int n = static_cast<int>(pc.lens.size());
+  std::vector<int> cu(n + 1, 0);
+  for (int s = 0; s < n; ++s) cu[s + 1] = cu[s] + pc.lens[s];
+  const int T = cu[n];
+  const float scale = 1.0f / std::sqrt(float(D));
+  std::vector<float> qf, kf, vf;
+  auto qh = random_bf16(rng, size_t(T) * pc.hk * D, 1.0f, qf);
+  auto kh = random_bf16(rng, size_t(T) * pc.hk * D, 1.0f, kf);
+  auto vh = random_bf16(rng, size_t(T) * pc.hv * D, 1.0f, vf);
+  auto g = random_log_decay(rng, size_t(T) * pc.hv);
+  auto beta = random_beta(rng, size_t(T) * pc.hv);
+  const size_t state_elems = size_t(n) * pc.hv * D * D;
+  std::vector<float> init(state_elems, 0.f);
+  if (pc.with_initial) {
+    std::normal_distribution<float> d(0.f, 0.3f);
+    for (auto& x : init) x = d(rng);
+  }
+
+  DeviceBuffer<bf16> dq(qh), dk(kh), dv(vh);
+  DeviceBuffer<float> dg(g), db(beta), dinit(init);
+  DeviceBuffer<float> dfinal(state_elems), dtrans(state_elems), dfinal2(state_elems);
+  DeviceBuffer<bf16> dout(size_t(T) * pc.hv * D), dout2(size_t(T) * pc.hv * D);
+  dfinal.poison();
+  dtrans.poison();
+  dout.poison();
+  dfinal2.poison();
+  dout2.poison();
+
+  gpu::GdnWorkspace ws;
+  gpu::GdnPrefillArgs a;
+  a.num_seqs = n;
+  a.cu_seqlens_host = cu.data();
+  a.num_k_heads = pc.hk;
+  a.num_v_heads = pc.hv;
+  a.q = dq.get();
+  a.k = dk.get();
+  a.v = dv.get();
+  a.g = dg.get();
+  a.beta = db.get();
+  a.scale = scale;
+  a.initial_state = pc.with_initial ? dinit.get() : nullptr;
+  a.final_state = dfinal.get();
+  a.transition = dtrans.get();
+  a.out = dout.get();
+  gpu::gdn_prefill(a, ws);
+  // Same call without T_C: the S columns must not change at all.
+  a.transition = nullptr;
+  a.final_state = dfinal2.get();
+  a.out = dout2.get();
+  gpu::gdn_prefill(a, ws);
+  check_cuda(cudaDeviceSynchronize(), "prefill");
+  const auto out = dout.download(), out2 = dout2.download();
+  const auto fin = dfinal.download(), fin2 = dfinal2.download(), tr = dtrans.download();
+  CHECK(std::memcmp(out.data(), out2.data(), out.size() * sizeof(bf16)) == 0);
+  CHECK(std::memcmp(fin.data(), fin2.data(), fin.size() * sizeof(float)) == 0);
+
+  double worst_o = 0, worst_s = 0, worst_t = 0;
+  for (int s = 0; s < n; ++s) {
+    const int L = pc.lens[s], t0 = cu[s];
+    std::vector<float> q(size_t(L) * pc.hk * D), k(q.size()), v(size_t(L) * pc.hv * D), gs(size_t(L) * pc.hv),
+        bs(gs.size());
+    for (int t = 0; t < L; ++t)
+      for (int h = 0; h < pc.hk; ++h) {
+        const size_t src = (size_t(t0 + t) * pc.hk + h) * D, dst = (size_t(t) * pc.hk + h) * D;
+        normalise(&qf[src], scale, &q[dst], true);
+        normalise(&kf[src], 1.0f, &k[dst], true);
+      }
+    std::copy(vf.begin() + size_t(t0) * pc.hv * D, vf.begin() + size_t(t0 + L) * pc.hv * D, v.begin());
+    std::copy(g.begin() + size_t(t0) * pc.hv, g.begin() + size_t(t0 + L) * pc.hv, gs.begin());
+    std::copy(beta.begin() + size_t(t0) * pc.hv, beta.begin() + size_t(t0 + L) * pc.hv, bs.begin());
+    std::vector<float> state(init.begin() + size_t(s) * pc.hv * D * D, init.begin() + size_t(s + 1) * pc.hv * D * D);
+    std::vector<float> ref_out(size_t(L) * pc.hv * D), ref_tr(size_t(pc.hv) * D * D);
+    cpu::GatedDeltaShape shape{L, pc.hk, pc.hv, D, D};
+    cpu::GatedDeltaInputs in{q.data(), k.data(), v.data(), gs.data(), bs.data()};
+    cpu::gated_delta_recurrent(shape, in, state.data(), ref_out.data(), ref_tr.data());
+
+    for (int h = 0; h < pc.hv; ++h) {
+      const size_t off = (size_t(s) * pc.hv + h) * D * D;
+      const double es = rel_err(&fin[off], &state[size_t(h) * D * D], size_t(D) * D);
+      const double et = rel_err(&tr[off], &ref_tr[size_t(h) * D * D], size_t(D) * D);
+      std::vector<float> go(size_t(L) * D), ro(size_t(L) * D);
+      for (int t = 0; t < L; ++t)
+        for (int d = 0; d < D; ++d) {
+          go[size_t(t) * D + d] = bf16_to_float(out[(size_t(t0 + t) * pc.hv + h) * D + d]);
+          ro[size_t(t) * D + d] = ref_out[(size_t(t) * pc.hv + h) * D + d];
+        }
+      const double eo = L ? rel_err(go.data(), ro.data(), go.size()) : 0.0;
+      INFO("seq " << s << " (len " << L << ") head " << h << ": out " << eo << " state " << es << " T_C " << et);
+      CHECK(eo <= 2e-2);
+      CHECK(es <= 2e-2);
+      CHECK(et <= 2e-2);
+      double tn = 0;  // T_C must be far from underflow for the comparison to mean anything
+      for (size_t i = 0; i < size_t(D) * D; ++i) tn += double(ref_tr[size_t(h) * D * D + i]) * ref_tr[size_t(h) * D * D + i];
+      CHECK(std::sqrt(tn) > 1e-6);
+      if (L == 0) {  // nothing to do: exact pass-through and identity
+        CHECK(std::equal(fin.begin() + off, fin.begin() + off + D * D, state.begin() + size_t(h) * D * D));
+        for (int i = 0; i < D; ++i)
+          for (int j = 0; j < D; ++j) CHECK(tr[off + size_t(i) * D + j] == (i == j ? 1.f : 0.f));
+      }
+      worst_o = std::max(worst_o, eo);
+      worst_s = std::max(worst_s, es);
+      worst_t = std::max(worst_t, et);
+    }
+  }
+  WARN("prefill H_k=" << pc.hk << " H_v=" << pc.hv << " initial=" << pc.with_initial << ": worst rel err out "
+                      << worst_o << ", state " << worst_s << ", T_C " << worst_t);
+}
+
+}  // namespace
+
+TEST_CASE("gdn_prefill matches the CPU recurrence: ragged lengths, GVA 1 and 2, T_C in the same pass",
+          "[gpu][gated_delta]") {
+  require_gpu();
+  // lengths: 1, exact chunk, chunk + 1, not a multiple of 64, an empty sequence, several chunks.
+  const std::vector<int> lens = {1, 64, 65, 200, 0, 127, 3, 300};
+  SECTION("GVA ratio 1, zero initial state") { run_prefill_case({2, 2, lens, false}, 11); }
+  SECTION("GVA ratio 2, zero initial state") { run_prefill_case({2, 4, lens, false}, 12); }
+  SECTION("GVA ratio 2, random initial state") { run_prefill_case({2, 4, lens, true}, 13); }
+  SECTION("GVA ratio 1, one long sequence with initial state") { run_prefill_case({1, 1, {1000}, true}, 14); }
+}
+
+TEST_CASE("gdn_prefill splits: running two halves through initial_state equals one pass", "[gpu][gated_delta]") {
+  require_gpu();
+  // Composition law on the GPU outputs: S(C1 C2 | P) = T_C2 S(C1 | P) + S(C2 | 0), and the two-pass
+  // final state equals the one-pass one (both within bf16 rounding).
+  std::mt19937 rng(21);
+  const int hk = 2, hv = 4, L1 = 150, L2 = 97, L = L1 + L2;
+  std::vector<float> tmp;
+  auto qh = random_bf16(rng, size_t(L) * hk * D, 1.f, tmp);
+  auto kh = random_bf16(rng, size_t(L) * hk * D, 1.f, tmp);
+  auto vh = random_bf16(rng, size_t(L) * hv * D, 1.f, tmp);
+  auto g = random_log_decay(rng, size_t(L) * hv);
+  auto beta = random_beta(rng, size_t(L) * hv);
+  const size_t se = size_t(hv) * D * D;
+  std::vector<float> p(se);
+  std::normal_distribution<float> nd(0.f, 0.5f);
+  for (auto& x : p) x = nd(rng);
+  DeviceBuffer<bf16> dq(qh), dk(kh), dv(vh);
+  DeviceBuffer<float> dg(g), db(beta), dp(p), dfull(se), d2(2 * se), dt2(2 * se);
+  gpu::GdnWorkspace ws;
+  gpu::GdnPrefillArgs a;
+  a.num_k_heads = hk;
+  a.num_v_heads = hv;
+  a.q = dq.get();
+  a.k = dk.get();
+  a.v = dv.get();
+  a.g = dg.get();
+  a.beta = db.get();
+  // One pass from P.
+  const int cu_full[2] = {0, L};
+  a.num_seqs = 1;
+  a.cu_seqlens_host = cu_full;
+  a.initial_state = dp.get();
+  a.final_state = dfull.get();
+  gpu::gdn_prefill(a, ws);
+  // Both halves from a zero state in one varlen launch, with T_C.
+  const int cu_split[3] = {0, L1, L};
+  a.num_seqs = 2;
+  a.cu_seqlens_host = cu_split;
+  a.initial_state = nullptr;
+  a.final_state = d2.get();
+  a.transition = dt2.get();
+  gpu::gdn_prefill(a, ws);
+  check_cuda(cudaDeviceSynchronize(), "prefill");
+  const auto full = dfull.download(), halves = d2.download(), trs = dt2.download();
+  // Fold on the host in double: S = T2 (T1 P + S1) + S2.
+  double worst = 0;
+  for (int h = 0; h < hv; ++h) {
+    const size_t o = size_t(h) * D * D;
+    std::vector<double> s1(D * D), s2(D * D);
+    for (int i = 0; i < D; ++i)
+      for (int j = 0; j < D; ++j) {
+        double acc = halves[o + i * D + j];
+        for (int m = 0; m < D; ++m) acc += double(trs[o + i * D + m]) * p[o + m * D + j];
+        s1[i * D + j] = acc;
+      }
+    std::vector<float> folded(D * D);
+    for (int i = 0; i < D; ++i)
+      for (int j = 0; j < D; ++j) {
+        double acc = halves[se + o + i * D + j];
+        for (int m = 0; m < D; ++m) acc += double(trs[se + o + i * D + m]) * s1[m * D + j];
+        folded[i * D + j] = static_cast<float>(acc);
+      }
+    const double e = rel_err(folded.data(), &full[o], D * D);
+    INFO("head " << h << " rel err " << e);
+    CHECK(e <= 2e-2);
+    worst = std::max(worst, e);
+  }
+  WARN("composition of GPU (T_C, S) halves vs one pass: worst rel err " << worst);
+}
+
+TEST_CASE("gdn_decode matches the CPU recurrence for one token per request", "[gpu][gated_delta]") {
+  require_gpu();
+  std::mt19937 rng(31);
+  for (int ratio : {1, 2}) {
+    const int batch = 5, hk = 2, hv = hk * ratio;
+    const float scale = 1.0f / std::sqrt(float(D));
+    std::vector<float> qf, kf, vf;
+    auto qh = random_bf16(rng, size_t(batch) * hk * D, 1.f, qf);
+    auto kh = random_bf16(rng, size_t(batch) * hk * D, 1.f, kf);
+    auto vh = random_bf16(rng, size_t(batch) * hv * D, 1.f, vf);
+    auto g = random_log_decay(rng, size_t(batch) * hv);
+    auto beta = random_beta(rng, size_t(batch) * hv);
+    std::vector<float> st(size_t(batch) * hv * D * D);
+    std::normal_distribution<float> nd(0.f, 0.5f);
+    for (auto& x : st) x = nd(rng);
+    DeviceBuffer<bf16> dq(qh), dk(kh), dv(vh), dout(size_t(batch) * hv * D);
+    DeviceBuffer<float> dg(g), db(beta), dst(st);
+    dout.poison();
+    gpu::gdn_decode(batch, hk, hv, dq.get(), dk.get(), dv.get(), dg.get(), db.get(), true, scale, dst.get(),
+                    dout.get());
+    check_cuda(cudaDeviceSynchronize(), "decode");
+    const auto gst = dst.download();
+    const auto gout = dout.download();
+    for (int b = 0; b < batch; ++b) {
+      std::vector<float> q(size_t(hk) * D), k(q.size());
+      for (int h = 0; h < hk; ++h) {
+        normalise(&qf[(size_t(b) * hk + h) * D], scale, &q[size_t(h) * D]);
+        normalise(&kf[(size_t(b) * hk + h) * D], 1.f, &k[size_t(h) * D]);
+      }
+      std::vector<float> state(st.begin() + size_t(b) * hv * D * D, st.begin() + size_t(b + 1) * hv * D * D);
+      std::vector<float> ro(size_t(hv) * D);
+      cpu::GatedDeltaShape shape{1, hk, hv, D, D};
+      cpu::GatedDeltaInputs in{q.data(), k.data(), &vf[size_t(b) * hv * D], &g[size_t(b) * hv], &beta[size_t(b) * hv]};
+      cpu::gated_delta_recurrent(shape, in, state.data(), ro.data(), nullptr);
+      std::vector<float> go(ro.size());
+      for (size_t i = 0; i < go.size(); ++i) go[i] = bf16_to_float(gout[size_t(b) * hv * D + i]);
+      const double es = rel_err(&gst[size_t(b) * hv * D * D], state.data(), state.size());
+      const double eo = rel_err(go.data(), ro.data(), ro.size());
+      INFO("ratio " << ratio << " request " << b << ": state " << es << " out " << eo);
+      CHECK(es <= 1e-5);
+      CHECK(eo <= 1e-2);
+    }
+  }
+}
+
+TEST_CASE("composition folds (T, S) pairs like the double-precision left fold", "[gpu][compose]") {
+  require_gpu();
+  std::mt19937 rng(41);
+  const int batch = 6, nseg = 5;
+  const size_t mat = size_t(D) * D;
+  std::normal_distribution<float> nt(0.f, 1.0f / std::sqrt(float(D))), ns(0.f, 1.f);
+  std::vector<float> T(size_t(nseg) * batch * mat), S(T.size()), R(size_t(batch) * mat);
+  for (auto& x : T) x = nt(rng);
+  for (auto& x : S) x = ns(rng);
+  for (auto& x : R) x = ns(rng);
+  std::vector<double> ref(R.begin(), R.end()), nxt(mat);
+  for (int i = 0; i < nseg; ++i)
+    for (int b = 0; b < batch; ++b) {
+      const float* t = &T[(size_t(i) * batch + b) * mat];
+      const float* s = &S[(size_t(i) * batch + b) * mat];
+      double* r = &ref[size_t(b) * mat];
+      for (int row = 0; row < D; ++row)
+        for (int col = 0; col < D; ++col) {
+          double acc = s[row * D + col];
+          for (int m = 0; m < D; ++m) acc += double(t[row * D + m]) * r[m * D + col];
+          nxt[row * D + col] = acc;
+        }
+      std::copy(nxt.begin(), nxt.end(), r);
+    }
+  std::vector<float> reff(ref.begin(), ref.end());
+  DeviceBuffer<float> dT(T), dS(S), dR1(R), dR2(R), scratch(R.size());
+  gpu::compose_fold(batch, nseg, dR1.get(), dT.get(), dS.get());
+  cublasHandle_t h;
+  REQUIRE(cublasCreate(&h) == CUBLAS_STATUS_SUCCESS);
+  gpu::compose_fold_cublas(h, batch, nseg, dR2.get(), dT.get(), dS.get(), scratch.get());
+  check_cuda(cudaDeviceSynchronize(), "compose");
+  cublasDestroy(h);
+  const auto r1 = dR1.download(), r2 = dR2.download();
+  for (int b = 0; b < batch; ++b) {
+    const double e1 = rel_err(&r1[b * mat], &reff[b * mat], mat);
+    const double e2 = rel_err(&r2[b * mat], &reff[b * mat], mat);
+    INFO("batch entry " << b << ": own kernel " << e1 << ", cuBLAS " << e2);
+    CHECK(e1 <= 1e-5);
+    CHECK(e2 <= 1e-5);
+  }
+}
+
+namespace {
+void check_conv_against_cpu(const std::vector<int>& lens, bool with_state, uint32_t seed) {
+  std::mt19937 rng(seed);
+  const int C = 64, K = 4, n = static_cast<int>(lens.size());
+  std::vector<int> cu(n + 1, 0);
+  for (int s = 0; s < n; ++s) cu[s + 1] = cu[s] + lens[s];
+  const int T = cu[n];
+  std::vector<float> xf, wf, sf;
+  auto xh = random_bf16(rng, size_t(T) * C, 1.f, xf);
+  auto wh = random_bf16(rng, size_t(C) * K, 0.5f, wf);
+  auto sh = random_bf16(rng, size_t(n) * (K - 1) * C, 1.f, sf);
+  DeviceBuffer<int> dcu(cu);
+  DeviceBuffer<bf16> dx(xh), dw(wh), dstate(sh), dy(size_t(T) * C);
+  dy.poison();
+  gpu::conv1d_silu_prefill(n, dcu.get(), T, C, K, dx.get(), dw.get(), with_state ? dstate.get() : nullptr, dy.get());
+  check_cuda(cudaDeviceSynchronize(), "conv prefill");
+  const auto y = dy.download();
+  const auto tail = dstate.download();
+  for (int s = 0; s < n; ++s) {
+    std::vector<float> st(size_t(K - 1) * C, 0.f);
+    if (with_state) std::copy(sf.begin() + size_t(s) * (K - 1) * C, sf.begin() + size_t(s + 1) * (K - 1) * C, st.begin());
+    std::vector<float> ry(size_t(lens[s]) * C);
+    cpu::causal_conv1d_silu(lens[s], C, K, &xf[size_t(cu[s]) * C], wf.data(), st.data(), ry.data());
+    int bad = 0;
+    for (size_t i = 0; i < ry.size(); ++i) {
+      const float gv = bf16_to_float(y[size_t(cu[s]) * C + i]);
+      if (!(std::fabs(gv - ry[i]) <= 8e-3f * std::fabs(ry[i]) + 1e-3f)) ++bad;
+    }
+    INFO("sequence " << s << " (len " << lens[s] << ")");
+    CHECK(bad == 0);
+    if (with_state)
+      for (size_t i = 0; i < st.size(); ++i) CHECK(bf16_to_float(tail[size_t(s) * (K - 1) * C + i]) == st[i]);
+  }
+}
+}  // namespace
+
+TEST_CASE("conv1d_silu_prefill matches the CPU conv over ragged sequences with conv state", "[gpu][conv]") {
+  require_gpu();
+  // lengths shorter than, equal to and longer than K - 1 = 3, and an empty sequence.
+  SECTION("with initial conv state and tail") { check_conv_against_cpu({1, 2, 0, 3, 5, 40}, true, 51); }
+  SECTION("zero history") { check_conv_against_cpu({7, 1, 33}, false, 52); }
+}
+
+TEST_CASE("conv1d_silu_decode matches the CPU conv for one token", "[gpu][conv]") {
+  require_gpu();
+  std::mt19937 rng(61);
+  const int B = 3, C = 64, K = 4;
+  std::vector<float> xf, wf, sf;
+  auto xh = random_bf16(rng, size_t(B) * C, 1.f, xf);
+  auto wh = random_bf16(rng, size_t(C) * K, 0.5f, wf);
+  auto sh = random_bf16(rng, size_t(B) * (K - 1) * C, 1.f, sf);
+  DeviceBuffer<bf16> dx(xh), dw(wh), dstate(sh), dy(size_t(B) * C);
+  gpu::conv1d_silu_decode(B, C, K, dx.get(), dw.get(), dstate.get(), dy.get());
+  check_cuda(cudaDeviceSynchronize(), "conv decode");
+  const auto y = dy.download(), st = dstate.download();
+  for (int b = 0; b < B; ++b) {
+    std::vector<float> state(sf.begin() + size_t(b) * (K - 1) * C, sf.begin() + size_t(b + 1) * (K - 1) * C);
+    std::vector<float> ry(C);
+    cpu::causal_conv1d_silu(1, C, K, &xf[size_t(b) * C], wf.data(), state.data(), ry.data());
+    for (int c = 0; c < C; ++c) {
+      CHECK(std::fabs(bf16_to_float(y[b * C + c]) - ry[c]) <= 8e-3f * std::fabs(ry[c]) + 1e-3f);
+      for (int j = 0; j < K - 1; ++j) CHECK(bf16_to_float(st[(size_t(b) * (K - 1) + j) * C + c]) == state[j * C + c]);
+    }
+  }
+}
+
+TEST_CASE("GPU kernels reject bad shapes with invalid_argument", "[gpu][errors]") {
+  gpu::GdnWorkspace ws;
+  gpu::GdnPrefillArgs a;
+  const int cu[3] = {0, 10, 5};
+  a.num_seqs = 2;
+  a.cu_seqlens_host = cu;
+  a.num_k_heads = 3;
+  a.num_v_heads = 4;  // not a multiple of 3
+  CHECK_THROWS_AS(gpu::gdn_prefill(a, ws), std::invalid_argument);
+  a.num_k_heads = 2;  // heads fine now, but cu_seqlens decreases
+  CHECK_THROWS_AS(gpu::gdn_prefill(a, ws), std::invalid_argument);
+  CHECK_THROWS_AS(gpu::conv1d_silu_decode(1, 12, 4, nullptr, nullptr, nullptr, nullptr), std::invalid_argument);
+  CHECK_THROWS_AS(gpu::conv1d_silu_decode(1, 16, 9, nullptr, nullptr, nullptr, nullptr), std::invalid_argument);
+  CHECK_THROWS_AS(gpu::compose_fold(0, 1, nullptr, nullptr, nullptr), std::invalid_argument);
+}
