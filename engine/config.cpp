@@ -242,9 +242,8 @@ ModelConfig parse_config(std::string_view json_text, std::string_view origin) {
 
   c.num_attention_heads = get_required<int>(*t, o, "num_attention_heads");
   c.num_key_value_heads = get_or<int>(*t, o, "num_key_value_heads", c.num_attention_heads);
-  c.head_dim = get_or<int>(*t, o, "head_dim", 0);
-  if (c.head_dim == 0 && c.num_attention_heads > 0)
-    c.head_dim = static_cast<int>(c.hidden_size / c.num_attention_heads);
+  // Qwen3NextConfig / Qwen3_5TextConfig declare head_dim with default 256 (not hidden / heads).
+  c.head_dim = get_or<int>(*t, o, "head_dim", 256);
   // Qwen3NextAttention always gates its output; Qwen3.5 reads attn_output_gate (default true).
   c.attn_output_gate = c.model_type == "qwen3_next" || get_or<bool>(*t, o, "attn_output_gate", true);
   parse_rope(*t, o, c);

@@ -147,6 +147,10 @@ TEST_CASE("Qwen3-Next-80B-A3B architecture numbers", "[config]") {
   CHECK(n.active_per_token - embeddings < 3'300'000'000LL);
   // KV: 12 layers * 2 * 2 heads * 256 * 4 B = 48 KiB per token (fp32).
   CHECK(c.kv_bytes_per_token() == 12 * 2 * 2 * 256 * 4);
+  // Without head_dim the HF default 256 applies (Qwen3NextConfig), not hidden / heads = 128.
+  std::string no_hd = kQwen3Next80B;
+  no_hd.erase(no_hd.find("\"head_dim\": 256,"), std::string("\"head_dim\": 256,").size());
+  CHECK(parse_config(no_hd).head_dim == 256);
 }
 
 TEST_CASE("config errors name the file and the field", "[config]") {
