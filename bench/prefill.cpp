@@ -4,6 +4,8 @@
 // time; unless --no-transitions, it also times the same prefill with capture_transitions (the per-linear-layer
 // span transitions a segment entry needs) to show their overhead.
 // Output: one JSON object on stdout; a human-readable table on stderr.
+// If OpenBLAS picked a weaker kernel set than the CPU supports, the program re-executes itself with
+// OPENBLAS_CORETYPE set (kernels/cpu/blas_env.h); set OPENBLAS_CORETYPE yourself to choose.
 #include <cblas.h>
 
 #include <CLI/CLI.hpp>
@@ -18,6 +20,7 @@
 #include <vector>
 
 #include "engine/model.h"
+#include "kernels/cpu/blas_env.h"
 
 using hypic::engine::Model;
 using hypic::engine::PrefillOptions;
@@ -61,6 +64,7 @@ std::vector<int64_t> parse_lengths(const std::string& text) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  hypic::kernels::cpu::reexec_with_recommended_blas_core(argv);
   CLI::App app{"CPU prefill throughput of a hypic model (tokens/s)"};
   std::string model_dir, tokens = "512,2048";
   int repeats = 3, threads = 0;
@@ -95,13 +99,16 @@ int main(int argc, char** argv) {
     out["vocab_size"] = c.vocab_size;
     out["parameters"] = model.weights().parameter_count();
     out["blas_threads"] = openblas_get_num_threads();
+    out["blas_core"] = hypic::kernels::cpu::blas_core_name();
     out["load_seconds"] = load_s;
     out["repeats"] = repeats;
     out["results"] = nlohmann::json::array();
 
-    std::fprintf(stderr, "model %s (%s, %d layers: %d linear / %d attention, hidden %lld), %d BLAS threads\n",
+    std::fprintf(stderr,
+                 "model %s (%s, %d layers: %d linear / %d attention, hidden %lld), %d BLAS threads, %s kernels\n",
                  model_dir.c_str(), c.model_type.c_str(), c.num_hidden_layers, c.num_linear_layers(),
-                 c.num_attention_layers(), static_cast<long long>(c.hidden_size), openblas_get_num_threads());
+                 c.num_attention_layers(), static_cast<long long>(c.hidden_size), openblas_get_num_threads(),
+                 hypic::kernels::cpu::blas_core_name().c_str());
     std::fprintf(stderr, "%8s %10s %10s %12s %14s %10s\n", "tokens", "best_s", "median_s", "tokens/s",
                  "tok/s (+T_C)", "T_C cost");
     std::mt19937 rng(seed);
