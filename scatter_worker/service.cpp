@@ -1,0 +1,233 @@
+#include "scatter_worker/service.h"
+
+#include <deque>
+#include <thread>
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include "engine/segment.h"
+#include "proto/rpc/chunks.h"
+#include "proto/rpc/status.h"
+
+namespace hypic::worker {
+
+namespace v1 = hypic::v1;
+
+v1::CombineWorker::Stub& CombineStubs::get(const std::string& address) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto& stub = stubs_[address];
+  if (!stub) stub = v1::CombineWorker::NewStub(rpc::make_channel(address));
+  return *stub;
+}
+
+grpc::Status deliver_entry(v1::CombineWorker::Stub& stub, grpc::ClientContext& ctx, const v1::EntryHeader& header,
+                           std::string_view bytes, size_t chunk_bytes, bool* duplicate) {
+  v1::DeliverEntryResponse resp;
+  auto writer = stub.DeliverEntry(&ctx, &resp);
+  v1::EntryChunk head;
+  *head.mutable_header() = header;
+  if (writer->Write(head)) {
+    rpc::write_chunks<v1::EntryChunk>(
+        bytes, chunk_bytes, [](v1::EntryChunk& m, std::string_view c) { m.set_data(std::string(c)); },
+        [&](const v1::EntryChunk& m) { return writer->Write(m); });
+  }
+  writer->WritesDone();
+  const grpc::Status st = writer->Finish();
+  if (duplicate) *duplicate = resp.duplicate();
+  return st;
+}
+
+namespace {
+// Shared between the Prefill handler, the engine threads and the delivery thread of one call.
+struct PrefillCall {
+  struct Event {
+    enum Kind { Computed, Delivered, Failed } kind;
+    uint32_t position;  // in the request's segment list
+    BuildResult built;
+    double transfer_ms = 0;
+    grpc::Status status;
+  };
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<Event> events;
+  std::deque<std::pair<uint32_t, BuildResult>> to_deliver;
+  bool stop_delivery = false;
+  grpc::ClientContext* delivering = nullptr;  // the delivery in flight, to abort it on failure
+  std::shared_ptr<std::atomic<bool>> cancel = std::make_shared<std::atomic<bool>>(false);
+
+  void push(Event e) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      events.push_back(std::move(e));
+    }
+    cv.notify_all();
+  }
+};
+}  // namespace
+
+grpc::Status ScatterService::Prefill(grpc::ServerContext* ctx, const v1::PrefillRequest* req,
+                                     grpc::ServerWriter<v1::PrefillEvent>* writer) {
+  return rpc::handle_errors([&]() -> grpc::Status {
+    auto life_call = life_.enter();
+    rpc::validate_request_id(req->request_id());
+    const std::string& rid = req->request_id();
+    if (req->segments().empty()) throw rpc::invalid_argument("segments", "at least one segment is required");
+    if (req->seam_width() < 0) {
+      throw rpc::invalid_argument("seam_width", fmt::format("must be >= 0, got {}", req->seam_width()));
+    }
+    if (req->combine_address().empty()) throw rpc::invalid_argument("combine_address", "must not be empty");
+    const int n = req->segments_size();
+    const int64_t vocab = model_.config().vocab_size;
+    std::vector<rpc::Digest> digests(static_cast<size_t>(n));
+    std::vector<std::vector<int32_t>> ids(static_cast<size_t>(n));
+    for (int i = 0; i < n; ++i) {
+      const auto& key = req->segments(i).key();
+      const std::string field = fmt::format("segments[{}].key", i);
+      digests[size_t(i)] = rpc::parse_digest(key.digest(), field + ".digest");
+      ids[size_t(i)].assign(key.token_ids().begin(), key.token_ids().end());
+      if (ids[size_t(i)].empty()) throw rpc::invalid_argument(field + ".token_ids", "must not be empty");
+      for (size_t j = 0; j < ids[size_t(i)].size(); ++j) {
+        if (ids[size_t(i)][j] < 0 || ids[size_t(i)][j] >= vocab) {
+          throw rpc::invalid_argument(fmt::format("{}.token_ids[{}]", field, j),
+                                      fmt::format("{} is outside the vocabulary [0, {})", ids[size_t(i)][j], vocab));
+        }
+      }
+      if (engine::segment_digest(fingerprint_, engine::kSegmentFormatVersion, req->seam_width(), ids[size_t(i)]) !=
+          digests[size_t(i)]) {
+        throw rpc::invalid_argument(field + ".digest",
+                                    fmt::format("does not match the token ids under this worker's model (fingerprint "
+                                                "{}, format {}, w {}): do router and worker serve the same model?",
+                                                fingerprint_, engine::kSegmentFormatVersion, req->seam_width()));
+      }
+    }
+    spdlog::info("[req {}] prefill of {} segments for {}", rid, n, req->combine_address());
+
+    auto call = std::make_shared<PrefillCall>();
+    for (int i = 0; i < n; ++i) {
+      builder_.submit(ids[size_t(i)], req->seam_width(), call->cancel, [call, i](BuildResult r) {
+        call->push({PrefillCall::Event::Computed, uint32_t(i), std::move(r)});
+      });
+    }
+    // Delivery thread: streams built entries to the combine worker in the order they were built.
+    auto& stub = combines_.get(req->combine_address());
+    std::thread delivery([&, call] {
+      for (;;) {
+        std::pair<uint32_t, BuildResult> item;
+        {
+          std::unique_lock<std::mutex> lock(call->mu);
+          call->cv.wait(lock, [&] { return call->stop_delivery || !call->to_deliver.empty(); });
+          if (call->stop_delivery) return;
+          item = std::move(call->to_deliver.front());
+          call->to_deliver.pop_front();
+        }
+        const int i = int(item.first);
+        v1::EntryHeader h;
+        h.set_request_id(rid);
+        h.set_index(req->segments(i).index());
+        h.set_digest(rpc::digest_bytes(digests[size_t(i)]));
+        h.set_total_bytes(item.second.bytes->size());
+        h.set_checksum(rpc::checksum64(*item.second.bytes));
+        h.set_built_by(address_);
+        h.set_compute_ms(item.second.compute_ms);
+        const auto t0 = std::chrono::steady_clock::now();
+        bool duplicate = false;
+        auto cctx = rpc::make_client_context(ctx);  // the router's deadline and cancellation propagate
+        {
+          std::lock_guard<std::mutex> lock(call->mu);
+          if (call->stop_delivery) return;
+          call->delivering = cctx.get();
+        }
+        const grpc::Status st = deliver_entry(stub, *cctx, h, *item.second.bytes, chunk_bytes_, &duplicate);
+        {
+          std::lock_guard<std::mutex> lock(call->mu);
+          call->delivering = nullptr;
+        }
+        PrefillCall::Event e{st.ok() ? PrefillCall::Event::Delivered : PrefillCall::Event::Failed, item.first, {}};
+        e.transfer_ms = rpc::ms_between(t0, std::chrono::steady_clock::now());
+        e.status = st.ok() ? st
+                           : grpc::Status(st.error_code(), fmt::format("delivering segment {} to combine worker {}: {}",
+                                                                       req->segments(i).index(),
+                                                                       req->combine_address(), st.error_message()));
+        call->push(std::move(e));
+        if (!st.ok()) return;
+      }
+    });
+    auto finish = [&](grpc::Status st) {
+      call->cancel->store(true);
+      {
+        std::lock_guard<std::mutex> lock(call->mu);
+        call->stop_delivery = true;
+        if (call->delivering && !st.ok()) call->delivering->TryCancel();
+      }
+      call->cv.notify_all();
+      delivery.join();
+      return st;
+    };
+
+    int delivered = 0;
+    while (delivered < n) {
+      PrefillCall::Event e;
+      {
+        std::unique_lock<std::mutex> lock(call->mu);
+        if (!call->cv.wait_for(lock, std::chrono::milliseconds(100), [&] { return !call->events.empty(); })) {
+          if (ctx->IsCancelled()) {
+            lock.unlock();
+            spdlog::info("[req {}] prefill cancelled by the caller", rid);
+            return finish(grpc::Status(grpc::StatusCode::CANCELLED, "prefill cancelled by the caller"));
+          }
+          continue;
+        }
+        e = std::move(call->events.front());
+        call->events.pop_front();
+      }
+      const uint32_t index = req->segments(int(e.position)).index();
+      v1::PrefillEvent out;
+      out.set_index(index);
+      if (e.kind == PrefillCall::Event::Computed) {
+        if (e.built.cancelled) return finish(grpc::Status(grpc::StatusCode::CANCELLED, "worker shutting down"));
+        if (!e.built.error.empty()) {
+          spdlog::error("[req {}] segment {}: prefill failed: {}", rid, index, e.built.error);
+          return finish(grpc::Status(grpc::StatusCode::INTERNAL,
+                                     fmt::format("segment {}: prefill failed: {}", index, e.built.error)));
+        }
+        spdlog::debug("[req {}] segment {} built: {} tokens, {:.1f} ms (queued {:.1f} ms), {} bytes", rid, index,
+                      e.built.entry->num_tokens(), e.built.compute_ms, e.built.queue_ms, e.built.bytes->size());
+        auto* c = out.mutable_computed();
+        c->set_queue_ms(e.built.queue_ms);
+        c->set_compute_ms(e.built.compute_ms);
+        c->set_entry_bytes(e.built.bytes->size());
+        if (req->cache_segments()) putter_.enqueue(digests[e.position], ids[e.position], e.built.bytes, rid);
+        {
+          std::lock_guard<std::mutex> lock(call->mu);
+          call->to_deliver.emplace_back(e.position, std::move(e.built));
+        }
+        call->cv.notify_all();
+      } else if (e.kind == PrefillCall::Event::Delivered) {
+        out.mutable_delivered()->set_transfer_ms(e.transfer_ms);
+        ++delivered;
+      } else {
+        spdlog::warn("[req {}] {}", rid, rpc::describe(e.status));
+        return finish(e.status);
+      }
+      if (!writer->Write(out)) {
+        return finish(grpc::Status(grpc::StatusCode::CANCELLED, "the router went away"));
+      }
+    }
+    spdlog::info("[req {}] {} segments built and delivered", rid, n);
+    return finish(grpc::Status::OK);
+  });
+}
+
+grpc::Status ScatterService::GetWorkerInfo(grpc::ServerContext*, const v1::WorkerInfoRequest*, v1::WorkerInfo* resp) {
+  resp->set_role("scatter");
+  resp->set_model_fingerprint(fingerprint_);
+  resp->set_entry_format_version(engine::kSegmentFormatVersion);
+  resp->set_address(address_);
+  resp->set_compute_threads(uint32_t(builder_.threads()));
+  resp->set_queued_tokens(builder_.queued_tokens());
+  resp->set_active_requests(uint32_t(life_.active()));
+  return grpc::Status::OK;
+}
+
+}  // namespace hypic::worker

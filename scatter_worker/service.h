@@ -1,0 +1,62 @@
+// hypic.v1.ScatterWorker: standalone prefill of cold segments, each entry streamed to the combine
+// worker as soon as it is built (overlapping the next build) and put in the segment cache in the
+// background (semantics in scatter.proto).
+#pragma once
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "engine/model.h"
+#include "hypic/v1/combine.grpc.pb.h"
+#include "hypic/v1/scatter.grpc.pb.h"
+#include "proto/rpc/server.h"
+#include "scatter_worker/entry_builder.h"
+#include "segment_cache/async_put.h"
+
+namespace hypic::worker {
+
+/// Stubs of combine workers by address, created on first use and shared.
+class CombineStubs {
+ public:
+  hypic::v1::CombineWorker::Stub& get(const std::string& address);
+
+ private:
+  std::mutex mu_;
+  std::map<std::string, std::unique_ptr<hypic::v1::CombineWorker::Stub>> stubs_;
+};
+
+/// Streams one serialized entry to a combine worker (CombineWorker.DeliverEntry) on `ctx`: a
+/// header, then chunks. Returns the call's status; *duplicate tells whether the combine worker
+/// already had the segment.
+grpc::Status deliver_entry(hypic::v1::CombineWorker::Stub& stub, grpc::ClientContext& ctx,
+                           const hypic::v1::EntryHeader& header, std::string_view bytes, size_t chunk_bytes,
+                           bool* duplicate);
+
+class ScatterService final : public hypic::v1::ScatterWorker::Service {
+ public:
+  /// The referenced objects must outlive the service. `address` is what this worker reports as
+  /// built_by (filled in once the port is known).
+  ScatterService(const engine::Model& model, EntryBuilder& builder, cache::AsyncCachePutter& putter,
+                 rpc::Lifecycle& life, size_t chunk_bytes)
+      : model_(model), fingerprint_(model.config().fingerprint()), builder_(builder), putter_(putter), life_(life),
+        chunk_bytes_(chunk_bytes) {}
+  void set_address(std::string address) { address_ = std::move(address); }
+
+  grpc::Status Prefill(grpc::ServerContext* ctx, const hypic::v1::PrefillRequest* req,
+                       grpc::ServerWriter<hypic::v1::PrefillEvent>* writer) override;
+  grpc::Status GetWorkerInfo(grpc::ServerContext* ctx, const hypic::v1::WorkerInfoRequest* req,
+                             hypic::v1::WorkerInfo* resp) override;
+
+ private:
+  const engine::Model& model_;
+  std::string fingerprint_;
+  EntryBuilder& builder_;
+  cache::AsyncCachePutter& putter_;
+  rpc::Lifecycle& life_;
+  size_t chunk_bytes_;
+  std::string address_;
+  CombineStubs combines_;
+};
+
+}  // namespace hypic::worker

@@ -1,0 +1,81 @@
+#include "segment_cache/async_put.h"
+
+#include <spdlog/spdlog.h>
+
+namespace hypic::cache {
+
+AsyncCachePutter::AsyncCachePutter(const SegmentCacheClient& client, uint64_t max_queued_bytes)
+    : client_(client), max_bytes_(max_queued_bytes), thread_([this] { run(); }) {}
+
+AsyncCachePutter::~AsyncCachePutter() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
+bool AsyncCachePutter::enqueue(const rpc::Digest& digest, std::vector<int32_t> token_ids,
+                               std::shared_ptr<const std::string> bytes, std::string request_id) {
+  if (!client_.enabled()) return false;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (queued_bytes_ + bytes->size() > max_bytes_) {
+    ++counters_.dropped;
+    spdlog::warn("[req {}] cache put of {} dropped: {} bytes already queued (limit {})", request_id,
+                 rpc::digest_hex(digest), queued_bytes_, max_bytes_);
+    return false;
+  }
+  queued_bytes_ += bytes->size();
+  queue_.push_back({digest, std::move(token_ids), std::move(bytes), std::move(request_id)});
+  cv_.notify_all();
+  return true;
+}
+
+void AsyncCachePutter::wait_idle() {
+  std::unique_lock<std::mutex> lock(mu_);
+  idle_cv_.wait(lock, [&] { return queue_.empty() && !busy_; });
+}
+
+AsyncCachePutter::Counters AsyncCachePutter::counters() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return counters_;
+}
+
+void AsyncCachePutter::run() {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+    if (queue_.empty()) return;  // stop_ and nothing left
+    Item item = std::move(queue_.front());
+    queue_.pop_front();
+    busy_ = true;
+    lock.unlock();
+    bool ok = false;
+    std::string error;
+    try {
+      client_.put(CacheKey{item.digest, item.ids}, *item.bytes);
+      ok = true;
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    lock.lock();
+    queued_bytes_ -= item.bytes->size();
+    busy_ = false;
+    if (ok) {
+      ++counters_.stored;
+      last_failed_ = false;
+      spdlog::debug("[req {}] stored {} in the segment cache ({} bytes)", item.request_id, rpc::digest_hex(item.digest),
+                    item.bytes->size());
+    } else {
+      ++counters_.failed;
+      spdlog::log(last_failed_ ? spdlog::level::debug : spdlog::level::warn,
+                  "[req {}] cache put of {} failed (entry not cached): {}", item.request_id,
+                  rpc::digest_hex(item.digest), error);
+      last_failed_ = true;
+    }
+    if (queue_.empty()) idle_cv_.notify_all();
+  }
+}
+
+}  // namespace hypic::cache

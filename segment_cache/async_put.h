@@ -1,0 +1,59 @@
+// Puts entries into the segment cache off the critical path: callers hand over serialized
+// entries and return at once; one background thread sends them in order. The queue is bounded in
+// bytes; when it is full (the cache is slow or down) new entries are dropped, since the cache is
+// an optimisation and a dropped put only costs a later recompute. Failures are logged (the first
+// in a row at warn level, the rest at debug) and counted.
+#pragma once
+#include <condition_variable>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "segment_cache/client.h"
+
+namespace hypic::cache {
+
+class AsyncCachePutter {
+ public:
+  /// `client` must outlive the putter. `max_queued_bytes` bounds the bytes waiting to be sent.
+  AsyncCachePutter(const SegmentCacheClient& client, uint64_t max_queued_bytes);
+  /// Stops after the entries already queued were attempted (each bounded by the client timeout).
+  ~AsyncCachePutter();
+  AsyncCachePutter(const AsyncCachePutter&) = delete;
+  AsyncCachePutter& operator=(const AsyncCachePutter&) = delete;
+
+  /// Queues a put; returns false (and drops it) when the queue is full or the client has no replica.
+  bool enqueue(const rpc::Digest& digest, std::vector<int32_t> token_ids, std::shared_ptr<const std::string> bytes,
+               std::string request_id);
+  /// Blocks until the queue is empty and the put in flight finished (tests, shutdown).
+  void wait_idle();
+
+  struct Counters {
+    uint64_t stored = 0, failed = 0, dropped = 0;
+  };
+  Counters counters() const;
+
+ private:
+  struct Item {
+    rpc::Digest digest;
+    std::vector<int32_t> ids;
+    std::shared_ptr<const std::string> bytes;
+    std::string request_id;
+  };
+  void run();
+
+  const SegmentCacheClient& client_;
+  uint64_t max_bytes_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_, idle_cv_;
+  std::deque<Item> queue_;
+  uint64_t queued_bytes_ = 0;
+  bool busy_ = false, stop_ = false, last_failed_ = false;
+  Counters counters_;
+  std::thread thread_;
+};
+
+}  // namespace hypic::cache
