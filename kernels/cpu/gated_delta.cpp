@@ -9,6 +9,8 @@
 //   T'    = (gamma I - K~^T W) T = gamma T - K~^T (W T)     (the chunk's transition applied to the running one)
 // The last line is the same chunk map as S' with the write term dropped, so T_C comes out of the same pass,
 // sharing A, the triangular solve and K~; it costs two extra L x d_k x d_k GEMMs per chunk and head.
+// Values that would be subnormal (|x| < FLT_MIN: decays e^G, and S and T after each chunk) are set to 0
+// (see flush_subnormals): a deviation below 1.2e-38 that keeps the GEMMs at full speed.
 #include "kernels/cpu/gated_delta.h"
 
 #include "kernels/cpu/ops.h"
@@ -16,6 +18,7 @@
 #include <cblas.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <stdexcept>
 #include <string>
@@ -23,6 +26,8 @@
 
 namespace hypic::kernels::cpu {
 namespace {
+
+constexpr float kMinNormalLog = -87.33654f;  // log(FLT_MIN)
 
 void check_inputs(const char* fn, const GatedDeltaShape& s, const GatedDeltaInputs& in, const float* state) {
   const std::string name(fn);
@@ -46,10 +51,67 @@ void set_identity(float* t, int n) {
   for (int i = 0; i < n; ++i) t[static_cast<size_t>(i) * n + i] = 1.0f;
 }
 
-void init_transitions(const GatedDeltaShape& s, float* transition) {
-  if (!transition) return;
-  for (int h = 0; h < s.num_v_heads; ++h) set_identity(transition + static_cast<size_t>(h) * s.d_k * s.d_k, s.d_k);
+// e^x, with results below the smallest normal float returned as 0 rather than as a subnormal.
+inline float exp_normal(float x) { return x < kMinNormalLog ? 0.0f : std::exp(x); }
+
+// Sets entries smaller in magnitude than the smallest normal float to 0 (x86 arithmetic on subnormals is
+// ~100x slower; the change is below 1.2e-38).
+void flush_subnormals(float* x, size_t n) {
+  for (size_t i = 0; i < n; ++i) x[i] = std::abs(x[i]) < FLT_MIN ? 0.0f : x[i];
 }
+
+// The running span transitions of all heads, kept as T_h = 2^{e_h} M_h with max |M_h| near 1. A span
+// transition decays like e^{sum g} and falls far below FLT_MIN over long spans (g = -0.05 over 2048 tokens
+// gives e^-102); updating it in place drove the GEMMs into subnormals and made capturing T_C ten times
+// slower than the state update. The update is linear in T, so it runs on M, and a power-of-two rescale
+// (exact) keeps M normal; finish() writes T = 2^e M, flushing what would be subnormal to 0.
+class ScaledTransitions {
+ public:
+  ScaledTransitions(float* data, int heads, int d_k)
+      : data_(data), n_(static_cast<size_t>(d_k) * d_k), exponent_(heads, 0), zero_(heads, false) {
+    if (!data_) return;
+    for (int h = 0; h < heads; ++h) set_identity(head(h), d_k);
+  }
+  bool active() const { return data_ != nullptr; }
+  float* head(int h) { return data_ + static_cast<size_t>(h) * n_; }
+  /// True once head h's transition is exactly 0 (it stays 0: the update is linear); skip its work.
+  bool is_zero(int h) const { return zero_[h]; }
+  /// Call after each update of head(h): flushes subnormals and rescales M by a power of two when
+  /// max |M| < 2^-16.
+  void renormalize(int h) {
+    float* m = head(h);
+    flush_subnormals(m, n_);
+    float mx = 0.0f;
+    for (size_t i = 0; i < n_; ++i) mx = std::max(mx, std::abs(m[i]));
+    if (mx == 0.0f) {
+      zero_[h] = true;
+      return;
+    }
+    if (mx >= kLow) return;
+    int ex = 0;
+    std::frexp(mx, &ex);  // mx = f 2^ex, f in [0.5, 1)
+    for (size_t i = 0; i < n_; ++i) m[i] = std::ldexp(m[i], -ex);
+    exponent_[h] += ex;
+  }
+  /// Writes the true transitions T = 2^e M into the buffer.
+  void finish() {
+    if (!data_) return;
+    for (size_t h = 0; h < exponent_.size(); ++h) {
+      if (exponent_[h] == 0) continue;
+      float* m = head(static_cast<int>(h));
+      const int e = static_cast<int>(std::max<int64_t>(exponent_[h], -1000));
+      for (size_t i = 0; i < n_; ++i) m[i] = std::ldexp(m[i], e);
+      flush_subnormals(m, n_);
+    }
+  }
+
+ private:
+  static constexpr float kLow = 1.0f / 65536.0f;
+  float* data_;
+  size_t n_;
+  std::vector<int64_t> exponent_;
+  std::vector<bool> zero_;
+};
 
 }  // namespace
 
@@ -57,7 +119,7 @@ void gated_delta_chunked(const GatedDeltaShape& shape, const GatedDeltaInputs& i
                          float* transition, int chunk) {
   check_inputs("gated_delta_chunked", shape, in, state);
   if (chunk <= 0) throw std::invalid_argument("gated_delta_chunked: chunk " + std::to_string(chunk) + " <= 0");
-  init_transitions(shape, transition);
+  ScaledTransitions trans(transition, shape.num_v_heads, shape.d_k);
   const int T = shape.num_tokens;
   if (T == 0) return;
   const int Hk = shape.num_k_heads, Hv = shape.num_v_heads, dk = shape.d_k, dv = shape.d_v;
@@ -91,7 +153,7 @@ void gated_delta_chunked(const GatedDeltaShape& shape, const GatedDeltaInputs& i
           const size_t ti = static_cast<size_t>(c0 + i) * Hv + h;
           acc += in.g[ti];
           G[i] = acc;
-          eG[i] = std::exp(acc);
+          eG[i] = exp_normal(acc);
           b[i] = in.beta[ti];
         }
         const float gamma = eG[L - 1];
@@ -99,7 +161,7 @@ void gated_delta_chunked(const GatedDeltaShape& shape, const GatedDeltaInputs& i
         // A (strictly lower; the unit diagonal is implied by the solve) and the decayed scores P (lower).
         for (int i = 0; i < L; ++i) {
           for (int j = 0; j <= i; ++j) {
-            const float d = std::exp(G[i] - G[j]);
+            const float d = exp_normal(G[i] - G[j]);
             A[static_cast<size_t>(i) * L + j] = b[i] * gram[static_cast<size_t>(i) * L + j] * d;
             P[static_cast<size_t>(i) * L + j] = qk[static_cast<size_t>(i) * L + j] * d;
           }
@@ -136,28 +198,31 @@ void gated_delta_chunked(const GatedDeltaShape& shape, const GatedDeltaInputs& i
 
         // K~ rows e^{G_L - G_j} k_j.
         for (int i = 0; i < L; ++i) {
-          const float s = std::exp(G[L - 1] - G[i]);
+          const float s = exp_normal(G[L - 1] - G[i]);
           const float* ki = Kc.data() + static_cast<size_t>(i) * dk;
           float* kd = Kd.data() + static_cast<size_t>(i) * dk;
           for (int e = 0; e < dk; ++e) kd[e] = s * ki[e];
         }
-        if (transition) {
-          float* Tm = transition + static_cast<size_t>(h) * dk * dk;
+        if (trans.active() && !trans.is_zero(h)) {
+          float* Tm = trans.head(h);
           cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, L, dk, dk, 1.0f, W, ldx, Tm, dk, 0.0f, WT.data(),
                       dk);
           cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, dk, dk, L, -1.0f, Kd.data(), dk, WT.data(), dk, gamma,
                       Tm, dk);
+          trans.renormalize(h);
         }
         cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, dk, dv, L, 1.0f, Kd.data(), dk, U, ldx, gamma, S, dv);
+        flush_subnormals(S, static_cast<size_t>(dk) * dv);
       }
     }
   }
+  trans.finish();
 }
 
 void gated_delta_recurrent(const GatedDeltaShape& shape, const GatedDeltaInputs& in, float* state, float* out,
                            float* transition) {
   check_inputs("gated_delta_recurrent", shape, in, state);
-  init_transitions(shape, transition);
+  ScaledTransitions trans(transition, shape.num_v_heads, shape.d_k);
   const int T = shape.num_tokens;
   const int Hk = shape.num_k_heads, Hv = shape.num_v_heads, dk = shape.d_k, dv = shape.d_v;
   const int ratio = Hv / Hk;
@@ -168,7 +233,7 @@ void gated_delta_recurrent(const GatedDeltaShape& shape, const GatedDeltaInputs&
       const float* q = in.q + (static_cast<size_t>(t) * Hk + h / ratio) * dk;
       const float* k = in.k + (static_cast<size_t>(t) * Hk + h / ratio) * dk;
       const float* v = in.v + th * dv;
-      const float decay = std::exp(in.g[th]);
+      const float decay = exp_normal(in.g[th]);
       const float b = in.beta[th];
       float* S = state + static_cast<size_t>(h) * dk * dv;
       // S <- e^g S; delta = b (v - S^T k); S <- S + k delta^T; o = S^T q.
@@ -191,9 +256,9 @@ void gated_delta_recurrent(const GatedDeltaShape& shape, const GatedDeltaInputs&
           for (int e = 0; e < dv; ++e) o[e] += Si[e] * q[i];
         }
       }
-      if (transition) {
+      if (trans.active() && !trans.is_zero(h)) {
         // T <- e^g (I - b k k^T) T = e^g (T - b k (k^T T)).
-        float* Tm = transition + static_cast<size_t>(h) * dk * dk;
+        float* Tm = trans.head(h);
         for (int e = 0; e < dk; ++e) kT[e] = 0.0f;
         for (int i = 0; i < dk; ++i) {
           const float* Ti = Tm + static_cast<size_t>(i) * dk;
@@ -204,9 +269,11 @@ void gated_delta_recurrent(const GatedDeltaShape& shape, const GatedDeltaInputs&
           const float s = b * k[i];
           for (int e = 0; e < dk; ++e) Ti[e] = decay * (Ti[e] - s * kT[e]);
         }
+        trans.renormalize(h);
       }
     }
   }
+  trans.finish();
 }
 
 void causal_conv1d_silu(int num_tokens, int channels, int kernel, const float* x, const float* weight,

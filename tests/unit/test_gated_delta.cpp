@@ -164,6 +164,26 @@ TEST_CASE("chunk size does not change the chunked result", "[gated_delta]") {
   CHECK(max_abs_diff(T64, T7) <= 5e-5 * max_abs(T64));
 }
 
+TEST_CASE("tiny span transitions keep their relative precision", "[gated_delta]") {
+  // g = -0.35 over 200 tokens: T_C ~ e^-70 ~ 1e-30 (and smaller along contracted directions), far below
+  // where an in-place fp32 update would pass through subnormals.
+  Problem p = make_problem(200, 1, 2, 16, 8, 21u);
+  for (auto& g : p.g) g = -0.35f;
+  std::vector<double> S_ref(p.state0.begin(), p.state0.end()), T_ref;
+  reference(p, S_ref, T_ref);
+  REQUIRE(max_abs(T_ref) < 1e-28);
+  REQUIRE(max_abs(T_ref) > 1e-36);
+  std::vector<float> S1 = p.state0, S2 = p.state0, Tc(p.transition_size()), Tr(p.transition_size());
+  cpu::gated_delta_chunked(p.shape, p.inputs(), S1.data(), nullptr, Tc.data(), 64);
+  cpu::gated_delta_recurrent(p.shape, p.inputs(), S2.data(), nullptr, Tr.data());
+  CHECK(max_abs_diff(Tc, T_ref) <= 5e-5 * max_abs(T_ref));
+  CHECK(max_abs_diff(Tr, T_ref) <= 2e-5 * max_abs(T_ref));
+  // Decay so strong that T_C underflows fp32 entirely: exactly zero, not subnormal garbage.
+  for (auto& g : p.g) g = -5.0f;
+  cpu::gated_delta_chunked(p.shape, p.inputs(), S1.data(), nullptr, Tc.data(), 64);
+  CHECK(max_abs(Tc) == 0.0);
+}
+
 TEST_CASE("span transition composes: S_final = T_C S_0 + S(C|0)", "[gated_delta]") {
   for (int ratio : {1, 2}) {
     const Problem p = make_problem(130, 2, 2 * ratio, 16, 12, 31u + ratio);
