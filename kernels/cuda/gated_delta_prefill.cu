@@ -295,7 +295,7 @@ __global__ void __launch_bounds__(kThreads) gdn_wy_kernel(const bf16* __restrict
 // 8 warps: warp w works on row group wr = w % 4 and column half wc = w / 4 of the block, so each
 // chunk's W and K~ are loaded once for 64 columns (the scan is bound by latency and L2 traffic).
 // W, K~ and G are double-buffered in shared memory through cp.async; each thread reads its own
-// U fragment straight from global memory, issued at the top of the step. At under 113 KB of
+// U fragment straight from global memory into registers, one chunk ahead. At under 113 KB of
 // shared memory and 128 registers, two blocks fit on one SM.
 constexpr int kScanThreads = 256;
 constexpr int kScanStage = 2 * C * LD * 2 + C * 4;  // W, K~, G
@@ -341,6 +341,17 @@ __global__ void __launch_bounds__(kScanThreads, 2) gdn_scan_kernel(int Hv, const
         acc[mt][nt][e] = val;
       }
 
+  // U fragment of S blocks: rows 16 wr + gi (+8), columns 32 wc + 8 nt + cc, read from global.
+  auto load_u = [&](__nv_bfloat162 (&dst)[4][2], size_t slot) {
+    const bf16* U = ws.U + slot * kWElems + cb * BV + 32 * wc + cc;
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      dst[nt][0] = *reinterpret_cast<const __nv_bfloat162*>(U + (16 * wr + gi) * D + 8 * nt);
+      dst[nt][1] = *reinterpret_cast<const __nv_bfloat162*>(U + (16 * wr + gi + 8) * D + 8 * nt);
+    }
+  };
+  __nv_bfloat162 u_next[4][2] = {};
+  if (is_s && nc > 0) load_u(u_next, size_t(c_begin) * Hv + h);
   if (nc > 0) scan_issue(smem, ws, size_t(c_begin) * Hv + h, tid);
   cp_async_commit();
   if (nc > 1) scan_issue(smem + kScanStage, ws, size_t(c_begin + 1) * Hv + h, tid);
@@ -352,17 +363,12 @@ __global__ void __launch_bounds__(kScanThreads, 2) gdn_scan_kernel(int Hv, const
     const bf16* sW = reinterpret_cast<const bf16*>(st);
     const bf16* sKt = sW + C * LD;
     const float* sG = reinterpret_cast<const float*>(sKt + C * LD);
-    // This thread's U fragment (rows 16 wr + gi (+8), columns 32 wc + 8 nt + cc), in flight
-    // while the step waits for its W / K~ stage and writes h.
+    // This thread's U fragment of chunk c was loaded during step c - 1; start chunk c + 1's now,
+    // so its memory latency hides behind this step.
     __nv_bfloat162 u[4][2];
-    if (is_s) {
-      const bf16* U = ws.U + slot * kWElems + cb * BV + 32 * wc + cc;
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
-        u[nt][0] = *reinterpret_cast<const __nv_bfloat162*>(U + (16 * wr + gi) * D + 8 * nt);
-        u[nt][1] = *reinterpret_cast<const __nv_bfloat162*>(U + (16 * wr + gi + 8) * D + 8 * nt);
-      }
-    }
+    for (int nt = 0; nt < 4; ++nt) u[nt][0] = u_next[nt][0], u[nt][1] = u_next[nt][1];
+    if (is_s && c + 1 < nc) load_u(u_next, slot + Hv);
     cp_async_wait<1>();
     __syncthreads();
 
