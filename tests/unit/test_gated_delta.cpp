@@ -204,7 +204,7 @@ TEST_CASE("span transition composes: S_final = T_C S_0 + S(C|0)", "[gated_delta]
   }
 }
 
-TEST_CASE("two chunked spans equal one span; transitions compose as T2 T1", "[gated_delta]") {
+TEST_CASE("two chunked spans equal one span, and their transitions compose as T2 T1", "[gated_delta]") {
   const Problem p = make_problem(100, 2, 4, 16, 8, 5u);
   const auto& s = p.shape;
   std::vector<float> S_one = p.state0, T_one(p.transition_size());
