@@ -1,0 +1,73 @@
+// hypic-combine-worker: gathers segment entries, splices, decodes (hypic.v1.CombineWorker).
+#include <CLI/CLI.hpp>
+#include <spdlog/spdlog.h>
+
+#include "combine_worker/service.h"
+#include "proto/rpc/chunks.h"
+#include "proto/rpc/server.h"
+
+int main(int argc, char** argv) {
+  hypic::rpc::block_termination_signals();
+  CLI::App app{"hypic combine worker: gathers segment entries, splices them with the query, decodes"};
+  hypic::rpc::ServerFlags server;
+  server.listen = "127.0.0.1:50071";
+  hypic::rpc::add_server_flags(app, server);
+  std::string model_dir, tokenizer_path;
+  std::vector<std::string> caches;
+  int threads = 1;
+  uint64_t memory_tier_bytes = uint64_t{1} << 30, prefix_cache_bytes = uint64_t{1} << 30;
+  uint64_t put_queue_bytes = uint64_t{1} << 30;
+  hypic::combine::CombineOptions opt;
+  int gather_timeout_s = 300;
+  app.add_option("--model", model_dir, "checkpoint directory (config.json + safetensors)")->required()
+      ->check(CLI::ExistingDirectory);
+  app.add_option("--tokenizer", tokenizer_path, "tokenizer.json (detokenises the output, stop strings)")->required()
+      ->check(CLI::ExistingFile);
+  app.add_option("--cache", caches, "segment cache replica host:port (repeat for several; none: no caching)");
+  app.add_option("--compute-threads", threads, "engine threads for segments prefilled here")->capture_default_str();
+  app.add_option("--memory-tier-bytes", memory_tier_bytes, "own memory tier of segment entries (0 disables)")
+      ->transform(CLI::AsSizeValue(false))
+      ->capture_default_str();
+  app.add_option("--prefix-cache-bytes", prefix_cache_bytes, "prefix-mode state checkpoints")
+      ->transform(CLI::AsSizeValue(false))
+      ->capture_default_str();
+  app.add_option("--put-queue-bytes", put_queue_bytes, "bytes of cache puts that may wait; more are dropped")
+      ->transform(CLI::AsSizeValue(false))
+      ->capture_default_str();
+  app.add_option("--chunk-bytes", opt.chunk_bytes, "size of streamed chunks")
+      ->transform(CLI::AsSizeValue(false))
+      ->check(CLI::Range(size_t{4096}, size_t{4} << 20))
+      ->capture_default_str();
+  app.add_option("--gather-timeout-seconds", gather_timeout_s, "longest wait for a request's segment entries")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--fetch-parallelism", opt.fetch_parallelism, "parallel segment-cache fetches per request")
+      ->check(CLI::Range(1, 64))
+      ->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+  try {
+    hypic::rpc::setup_logging("combine", server.log_level);
+    opt.gather_timeout = std::chrono::seconds(gather_timeout_s);
+    const auto model = hypic::engine::Model::load(model_dir);
+    const auto tokenizer = hypic::engine::Tokenizer::load(tokenizer_path);
+    spdlog::info("model {} loaded (fingerprint {}), tokenizer {}", model_dir, model.config().fingerprint(),
+                 tokenizer_path);
+    hypic::cache::SegmentCacheClient cache(caches);
+    hypic::cache::AsyncCachePutter putter(cache, put_queue_bytes);
+    hypic::worker::EntryBuilder builder(model, threads);
+    hypic::combine::EntryMemoryTier tier(memory_tier_bytes);
+    hypic::engine::PrefixStateCache prefix(prefix_cache_bytes);
+    hypic::rpc::Lifecycle life("combine worker");
+    hypic::combine::CombineService svc({model, tokenizer, cache, putter, builder, tier, prefix, life}, opt);
+    return hypic::rpc::run_server(
+        server, life,
+        {"combine",
+         {&svc},
+         {"hypic.v1.CombineWorker"},
+         [&](int port) { svc.set_address(hypic::rpc::advertised_host(server.listen) + ":" + std::to_string(port)); },
+         {}});
+  } catch (const std::exception& e) {
+    spdlog::critical("{}", e.what());
+    return 1;
+  }
+}
