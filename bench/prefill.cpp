@@ -1,8 +1,8 @@
 // hypic-bench-prefill: CPU prefill throughput (tokens/s) of a model directory at given prompt lengths.
 // For every length T it runs Model::prefill of T deterministic pseudo-random token ids from the initial state
 // at position 0 (logits of the last position only), `repeats` times, and reports the best and median wall
-// time; unless --no-transitions, it also times the same prefill with capture_transitions (the per-linear-layer
-// span transitions a segment entry needs) to show their overhead.
+// time (after one untimed warm-up prefill); unless --no-transitions, it also times the same prefill with
+// capture_transitions (the per-linear-layer span transitions a segment entry needs) to show their overhead.
 // Output: one JSON object on stdout; a human-readable table on stderr.
 // If OpenBLAS picked a weaker kernel set than the CPU supports, the program re-executes itself with
 // OPENBLAS_CORETYPE set (kernels/cpu/blas_env.h); set OPENBLAS_CORETYPE yourself to choose.
@@ -112,6 +112,11 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "%8s %10s %10s %12s %14s %10s\n", "tokens", "best_s", "median_s", "tokens/s",
                  "tok/s (+T_C)", "T_C cost");
     std::mt19937 rng(seed);
+    {  // Warm-up (not timed): first-touch page faults, BLAS thread start-up.
+      auto state = model.initial_state();
+      const std::vector<int32_t> warm(static_cast<size_t>(std::min<int64_t>(64, lengths.front())), 0);
+      model.prefill(state, warm, 0);
+    }
     for (int64_t T : lengths) {
       std::uniform_int_distribution<int32_t> dist(0, static_cast<int32_t>(c.vocab_size - 1));
       std::vector<int32_t> ids(static_cast<size_t>(T));

@@ -28,6 +28,9 @@ namespace hypic::kernels::cpu {
 namespace {
 
 constexpr float kMinNormalLog = -87.33654f;  // log(FLT_MIN)
+// Chunks whose cumulative log decay stays above this use e^{G_i} e^{-G_j} for the pairwise decays:
+// e^{-G_j} <= e^{60} ~ 1e26 and e^{G_i} >= e^{-60} ~ 1e-26 keep both factors normal and finite.
+constexpr float kFactoredDecayLimit = -60.0f;
 
 void check_inputs(const char* fn, const GatedDeltaShape& s, const GatedDeltaInputs& in, const float* state) {
   const std::string name(fn);
@@ -129,7 +132,7 @@ void gated_delta_chunked(const GatedDeltaShape& shape, const GatedDeltaInputs& i
 
   std::vector<float> Kc(static_cast<size_t>(C) * dk), Qc(Kc.size()), Kd(Kc.size()), Qd(Kc.size()), WT(Kc.size());
   std::vector<float> gram(static_cast<size_t>(C) * C), qk(gram.size()), A(gram.size()), P(gram.size());
-  std::vector<float> X(static_cast<size_t>(C) * ldx), G(C), eG(C), b(C);
+  std::vector<float> X(static_cast<size_t>(C) * ldx), G(C), eG(C), eNegG(C), b(C);
 
   for (int kh = 0; kh < Hk; ++kh) {
     for (int c0 = 0; c0 < T; c0 += C) {
@@ -159,9 +162,14 @@ void gated_delta_chunked(const GatedDeltaShape& shape, const GatedDeltaInputs& i
         const float gamma = eG[L - 1];
 
         // A (strictly lower; the unit diagonal is implied by the solve) and the decayed scores P (lower).
+        // e^{G_i - G_j} as e^{G_i} e^{-G_j} (2L exponentials instead of L^2/2) while e^{-G_j} <= e^{-G_L}
+        // stays far from overflow; otherwise one exponential per pair.
+        const bool factored = G[L - 1] > kFactoredDecayLimit;
+        if (factored)
+          for (int j = 0; j < L; ++j) eNegG[j] = std::exp(-G[j]);
         for (int i = 0; i < L; ++i) {
           for (int j = 0; j <= i; ++j) {
-            const float d = exp_normal(G[i] - G[j]);
+            const float d = factored ? eG[i] * eNegG[j] : exp_normal(G[i] - G[j]);
             A[static_cast<size_t>(i) * L + j] = b[i] * gram[static_cast<size_t>(i) * L + j] * d;
             P[static_cast<size_t>(i) * L + j] = qk[static_cast<size_t>(i) * L + j] * d;
           }
