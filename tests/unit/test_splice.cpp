@@ -79,7 +79,7 @@ const char* kModels[] = {"qwen3_next_moe", "qwen3_5_dense", "qwen3_5_moe"};
 
 }  // namespace
 
-TEST_CASE("one segment plus a query: hypic, transition and naive equal full; prefix equals full", "[splice]") {
+TEST_CASE("one segment plus a query: hypic, transition, naive and prefix equal full", "[splice]") {
   for (const char* name : kModels) {
     DYNAMIC_SECTION(name) {
       const Model& m = fixture_model(name);
