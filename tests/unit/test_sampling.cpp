@@ -57,7 +57,7 @@ TEST_CASE("a draw follows the documented generator contract", "[sampling]") {
   }
 }
 
-TEST_CASE("same seed, same tokens; other seed, other tokens", "[sampling]") {
+TEST_CASE("same seed gives the same tokens, another seed other tokens", "[sampling]") {
   std::vector<float> logits(64);
   for (size_t i = 0; i < logits.size(); ++i) logits[i] = float(std::sin(double(i)));
   auto run = [&](uint64_t seed) {

@@ -120,7 +120,7 @@ int64_t file_parameter_count(const fs::path& dir) {
 
 }  // namespace
 
-TEST_CASE("fixtures load; parameter counts match the config formula and the files", "[weights]") {
+TEST_CASE("fixtures load and parameter counts match the config formula and the files", "[weights]") {
   for (const char* name : {"qwen3_next_moe", "qwen3_5_dense", "qwen3_5_moe"}) {
     INFO(name);
     const ModelConfig cfg = load_config(kFixtures / name);
