@@ -176,7 +176,12 @@ std::shared_ptr<grpc::Channel> make_channel(const std::string& target) {
 
 int check_health(const std::string& target, const std::string& service, std::chrono::milliseconds timeout,
                  std::string* error) {
-  auto stub = grpc::health::v1::Health::NewStub(make_channel(target));
+  return check_health(make_channel(target), service, timeout, error);
+}
+
+int check_health(const std::shared_ptr<grpc::Channel>& channel, const std::string& service,
+                 std::chrono::milliseconds timeout, std::string* error) {
+  auto stub = grpc::health::v1::Health::NewStub(channel);
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + timeout);
   grpc::health::v1::HealthCheckRequest req;

@@ -101,6 +101,9 @@ std::shared_ptr<grpc::Channel> make_channel(const std::string& target);
 /// value (1 = SERVING); -1 when the call failed (the status is written to *error if given).
 int check_health(const std::string& target, const std::string& service, std::chrono::milliseconds timeout,
                  std::string* error = nullptr);
+/// Same on an existing channel.
+int check_health(const std::shared_ptr<grpc::Channel>& channel, const std::string& service,
+                 std::chrono::milliseconds timeout, std::string* error = nullptr);
 
 /// Host part of a listen address ("127.0.0.1:0" -> "127.0.0.1", "[::1]:5" -> "[::1]",
 /// "0.0.0.0:7" -> "127.0.0.1" since a wildcard is not reachable as such).

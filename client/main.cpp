@@ -1,0 +1,311 @@
+// hypic-client: command-line client of a hypic cluster.
+//
+//   hypic-client generate --router HOST:PORT --segment-file a.txt --segment-file b.txt --query "..." [--json]
+//   hypic-client health --target HOST:PORT [--service hypic.v1.Router] [--wait-seconds 30]
+//   hypic-client info --router HOST:PORT
+//   hypic-client cache-stats|cache-get|cache-put|cache-delete --cache HOST:PORT ...
+//
+// Exit status: 0 success; 1 bad usage or local error (unreadable file...); 2 the RPC failed (the
+// gRPC code and message go to stderr, and with --json also to stdout as {"error": {...}}).
+#include <chrono>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+#include <thread>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <google/protobuf/util/json_util.h>
+#include <nlohmann/json.hpp>
+
+#include "hypic/v1/router.grpc.pb.h"
+#include "proto/rpc/server.h"
+#include "proto/rpc/status.h"
+#include "segment_cache/client.h"
+
+namespace v1 = hypic::v1;
+using nlohmann::json;
+
+namespace {
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::runtime_error(fmt::format("cannot read {}", path));
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+void write_file(const std::string& path, std::string_view bytes) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(bytes.data(), std::streamsize(bytes.size()));
+  if (!out) throw std::runtime_error(fmt::format("cannot write {}", path));
+}
+
+json proto_json(const google::protobuf::Message& m) {
+  std::string s;
+  google::protobuf::util::JsonPrintOptions o;
+  o.preserve_proto_field_names = true;
+  o.always_print_primitive_fields = true;
+  (void)google::protobuf::util::MessageToJsonString(m, &s, o);
+  return json::parse(s);
+}
+
+std::vector<int32_t> parse_ids(const std::string& text, const std::string& what) {
+  std::vector<int32_t> ids;
+  std::string item;
+  std::istringstream ss(text);
+  while (std::getline(ss, item, ',')) {
+    if (item.find_first_not_of(" \n\t") == std::string::npos) continue;
+    try {
+      ids.push_back(std::stoi(item));
+    } catch (const std::exception&) {
+      throw std::invalid_argument(fmt::format("{}: \"{}\" is not an integer", what, item));
+    }
+  }
+  return ids;
+}
+
+// Segment from a JSON value: "text", {"text": ...}, {"tokens": [...]} or {"file": path}.
+void segment_from_json(const json& j, v1::Segment* seg, const std::string& what) {
+  if (j.is_string()) {
+    seg->set_text(j.get<std::string>());
+  } else if (j.is_object() && j.contains("text")) {
+    seg->set_text(j.at("text").get<std::string>());
+  } else if (j.is_object() && j.contains("tokens")) {
+    for (const auto& t : j.at("tokens")) seg->mutable_tokens()->add_ids(t.get<int32_t>());
+  } else if (j.is_object() && j.contains("file")) {
+    seg->set_text(read_file(j.at("file").get<std::string>()));
+  } else {
+    throw std::invalid_argument(fmt::format("{}: expected a string or an object with text, tokens or file", what));
+  }
+}
+
+int rpc_failed(const grpc::Status& st, bool as_json) {
+  std::cerr << "error: " << hypic::rpc::describe(st) << "\n";
+  if (as_json) {
+    std::cout << json{{"error", {{"code", std::string(hypic::rpc::code_name(st.error_code()))},
+                                 {"message", st.error_message()}}}}
+                     .dump()
+              << std::endl;
+  }
+  return 2;
+}
+
+const char* source_name(int s) {
+  switch (s) {
+    case v1::SEGMENT_SOURCE_COMBINE_MEMORY: return "combine-memory";
+    case v1::SEGMENT_SOURCE_CACHE: return "cache";
+    case v1::SEGMENT_SOURCE_SCATTER: return "scatter";
+    case v1::SEGMENT_SOURCE_COMBINE_COMPUTED: return "combine-computed";
+    case v1::SEGMENT_SOURCE_IN_CONTEXT: return "in-context";
+    default: return "?";
+  }
+}
+
+void print_report_table(const v1::GenerateReport& r, std::ostream& os) {
+  os << fmt::format("\n--- request {} | mode {} w={} | {} prompt tokens ({} query) | {} generated ({}) | seed {}\n",
+                    r.request_id(), r.mode(), r.seam_width(), r.prompt_tokens(), r.query_tokens(),
+                    r.completion_tokens(), v1::FinishReason_Name(r.finish_reason()), r.seed());
+  os << fmt::format("{:>4} {:>7} {:>5} {:<17} {:<22} {:>8} {:>10}  {}\n", "seg", "tokens", "hit", "source", "built by",
+                    "ms", "bytes", "note");
+  for (const auto& s : r.segments()) {
+    os << fmt::format("{:>4} {:>7} {:>5} {:<17} {:<22} {:>8.1f} {:>10}  {}\n", s.index(), s.num_tokens(),
+                      s.cache_hit() ? "hit" : "miss", source_name(s.source()), s.built_by(), s.compute_ms(),
+                      s.entry_bytes(), s.note());
+  }
+  const auto& t = r.ttft();
+  os << fmt::format("TTFT {:.1f} ms = router {:.1f} + lookup {:.1f} + scatter {:.1f} + transfer {:.1f} + splice {:.1f} "
+                    "+ first decode {:.1f}\n",
+                    t.total_ms(), t.router_ms(), t.lookup_ms(), t.scatter_ms(), t.transfer_ms(), t.splice_ms(),
+                    t.first_decode_ms());
+  os << fmt::format("decode {:.1f} ms, total {:.1f} ms, combine {}, cache {}, schedule {}, scatter failures {}\n",
+                    r.decode_ms(), r.total_ms(), r.combine_worker(), r.cache_available() ? "available" : "unavailable",
+                    r.schedule_policy(), r.scatter_failures());
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"hypic client: send prompts to a hypic cluster, check health, inspect the segment cache"};
+  app.require_subcommand(1);
+
+  // ---- generate ----
+  auto* gen = app.add_subcommand("generate", "send segments and a query; stream the answer and print the report");
+  std::string router = "127.0.0.1:50050", segments_json, query, query_file, mode, request_id;
+  std::vector<std::string> seg_texts, seg_files, stops;
+  std::vector<int32_t> stop_ids;
+  int max_tokens = 0, top_k = 0, seam_width = 0;
+  float temperature = 0.0f, top_p = 1.0f;
+  uint64_t seed = 0;
+  double timeout_s = 0;
+  bool as_json = false, quiet = false, no_cache_write = false, ignore_eos = false;
+  gen->add_option("--router", router, "router host:port")->capture_default_str();
+  gen->add_option("--segments-json", segments_json,
+                  "JSON file: an array of segments (\"text\", {\"text\":..}, {\"tokens\":[..]}, {\"file\":path}) or "
+                  "{\"segments\": [...], \"query\": ...}");
+  gen->add_option("--segment", seg_texts, "segment text (repeat; after --segments-json ones)");
+  gen->add_option("--segment-file", seg_files, "file whose bytes are one segment (repeat; after --segment ones)");
+  auto* q_opt = gen->add_option("--query", query, "query text");
+  gen->add_option("--query-file", query_file, "file holding the query")->excludes(q_opt);
+  auto* mt_opt = gen->add_option("--max-tokens", max_tokens, "tokens to generate (default: the router's)");
+  gen->add_option("--temperature", temperature, "0 = greedy")->capture_default_str();
+  gen->add_option("--top-k", top_k, "0 = off")->capture_default_str();
+  auto* tp_opt = gen->add_option("--top-p", top_p, "nucleus sampling, (0, 1]");
+  auto* seed_opt = gen->add_option("--seed", seed, "random seed (default: chosen by the router)");
+  gen->add_option("--stop", stops, "stop string (repeat)");
+  gen->add_option("--stop-token-id", stop_ids, "stop token id (repeat)");
+  gen->add_flag("--ignore-eos", ignore_eos, "do not stop at the end-of-text tokens");
+  gen->add_option("--mode", mode, "hypic | transition | naive | prefix | full");
+  auto* sw_opt = gen->add_option("--seam-width", seam_width, "seam window w (default: the router's)");
+  gen->add_flag("--no-cache-write", no_cache_write, "do not store this request's segments in the cache");
+  gen->add_option("--request-id", request_id, "request id (default: made up by the router)");
+  gen->add_option("--timeout-seconds", timeout_s, "deadline of the call (0: none)");
+  gen->add_flag("--json", as_json, "print one JSON object {text, token_ids, report} instead of streaming");
+  gen->add_flag("--quiet", quiet, "do not stream the text (the report is still printed)");
+
+  // ---- health ----
+  auto* health = app.add_subcommand("health", "check (or wait for) a service's gRPC health status");
+  std::string target, service;
+  double wait_s = 0;
+  health->add_option("--target", target, "host:port")->required();
+  health->add_option("--service", service, "service name (default: the whole server)");
+  health->add_option("--wait-seconds", wait_s, "keep checking until SERVING or this long has passed");
+
+  // ---- info ----
+  auto* info = app.add_subcommand("info", "print the router's server info as JSON");
+  info->add_option("--router", router, "router host:port")->capture_default_str();
+
+  // ---- cache administration ----
+  std::string cache_addr, digest_hex, path, ids_text;
+  auto* cstats = app.add_subcommand("cache-stats", "print a cache replica's stats as JSON");
+  auto* cget = app.add_subcommand("cache-get", "fetch an entry's bytes (no token check); prints its token ids");
+  auto* cput = app.add_subcommand("cache-put", "store bytes as an entry");
+  auto* cdel = app.add_subcommand("cache-delete", "remove an entry");
+  for (auto* sc : {cstats, cget, cput, cdel}) sc->add_option("--cache", cache_addr, "cache host:port")->required();
+  for (auto* sc : {cget, cput, cdel}) sc->add_option("--digest", digest_hex, "32 hex digits")->required();
+  cget->add_option("--out", path, "file to write the bytes to")->required();
+  cput->add_option("--in", path, "file holding the bytes")->required()->check(CLI::ExistingFile);
+  cput->add_option("--token-ids", ids_text, "comma-separated token ids of the segment")->required();
+
+  CLI11_PARSE(app, argc, argv);
+
+  try {
+    if (*health) {
+      const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(int64_t(wait_s * 1000));
+      std::string err;
+      for (;;) {
+        const int st = hypic::rpc::check_health(target, service, std::chrono::milliseconds(1000), &err);
+        if (st == 1) {
+          std::cout << "SERVING\n";
+          return 0;
+        }
+        if (st >= 0) err = fmt::format("status {}", st == 2 ? "NOT_SERVING" : st == 3 ? "SERVICE_UNKNOWN" : "UNKNOWN");
+        if (std::chrono::steady_clock::now() >= until) break;
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      }
+      std::cerr << fmt::format("{} ({}) is not serving: {}\n", target, service.empty() ? "server" : service, err);
+      return 1;
+    }
+    if (*info) {
+      auto stub = v1::Router::NewStub(hypic::rpc::make_channel(router));
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+      v1::ServerInfo out;
+      const grpc::Status st = stub->GetServerInfo(&ctx, v1::GetServerInfoRequest{}, &out);
+      if (!st.ok()) return rpc_failed(st, false);
+      std::cout << proto_json(out).dump(2) << std::endl;
+      return 0;
+    }
+    if (*cstats || *cget || *cput || *cdel) {
+      hypic::cache::SegmentCacheClient cache({cache_addr});
+      try {
+        if (*cstats) {
+          std::cout << proto_json(cache.stats(0)).dump(2) << std::endl;
+          return 0;
+        }
+        const auto digest = hypic::rpc::digest_from_hex(digest_hex);
+        if (*cget) {
+          auto got = cache.get_unchecked(digest);
+          if (!got) return rpc_failed(grpc::Status(grpc::StatusCode::NOT_FOUND, "no such entry"), false);
+          write_file(path, got->first);
+          std::cout << json{{"bytes", got->first.size()}, {"token_ids", got->second}}.dump() << std::endl;
+          return 0;
+        }
+        if (*cput) {
+          const auto ids = parse_ids(ids_text, "--token-ids");
+          const bool replaced = cache.put(hypic::cache::CacheKey{digest, ids}, read_file(path));
+          std::cout << json{{"replaced", replaced}}.dump() << std::endl;
+          return 0;
+        }
+        std::cout << json{{"deleted", cache.erase(digest)}}.dump() << std::endl;
+        return 0;
+      } catch (const hypic::rpc::RpcError& e) {
+        return rpc_failed(e.status(), false);
+      }
+    }
+
+    // ---- generate ----
+    v1::GenerateRequest req;
+    req.set_request_id(request_id);
+    if (!segments_json.empty()) {
+      const json j = json::parse(read_file(segments_json));
+      const json& list = j.is_object() ? j.at("segments") : j;
+      for (size_t i = 0; i < list.size(); ++i) segment_from_json(list[i], req.add_segments(), fmt::format("segments[{}]", i));
+      if (j.is_object() && j.contains("query")) segment_from_json(j.at("query"), req.mutable_query(), "query");
+    }
+    for (const auto& t : seg_texts) req.add_segments()->set_text(t);
+    for (const auto& f : seg_files) req.add_segments()->set_text(read_file(f));
+    if (*q_opt) req.mutable_query()->set_text(query);
+    if (!query_file.empty()) req.mutable_query()->set_text(read_file(query_file));
+    auto* s = req.mutable_sampling();
+    if (*mt_opt) s->set_max_tokens(max_tokens);
+    s->set_temperature(temperature);
+    s->set_top_k(top_k);
+    if (*tp_opt) s->set_top_p(top_p);
+    if (*seed_opt) s->set_seed(seed);
+    for (const auto& st : stops) s->add_stop(st);
+    for (int32_t id : stop_ids) s->add_stop_token_ids(id);
+    s->set_ignore_eos(ignore_eos);
+    auto* c = req.mutable_cache();
+    c->set_mode(mode);
+    if (*sw_opt) c->set_seam_width(seam_width);
+    if (no_cache_write) c->set_cache_segments(false);
+
+    auto stub = v1::Router::NewStub(hypic::rpc::make_channel(router));
+    grpc::ClientContext ctx;
+    if (timeout_s > 0) {
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(int64_t(timeout_s * 1000)));
+    }
+    auto reader = stub->Generate(&ctx, req);
+    v1::GenerateResponse resp;
+    std::string text;
+    std::vector<int32_t> ids;
+    std::optional<v1::GenerateReport> report;
+    while (reader->Read(&resp)) {
+      if (resp.has_delta()) {
+        text += resp.delta().text();
+        ids.insert(ids.end(), resp.delta().token_ids().begin(), resp.delta().token_ids().end());
+        if (!as_json && !quiet) std::cout << resp.delta().text() << std::flush;
+      } else if (resp.has_report()) {
+        report = resp.report();
+      }
+    }
+    const grpc::Status st = reader->Finish();
+    if (!st.ok()) {
+      if (!as_json && !quiet && !text.empty()) std::cout << std::endl;
+      return rpc_failed(st, as_json);
+    }
+    if (as_json) {
+      std::cout << json{{"text", text}, {"token_ids", ids}, {"report", report ? proto_json(*report) : json()}}.dump()
+                << std::endl;
+    } else {
+      if (!quiet) std::cout << std::endl;
+      if (report) print_report_table(*report, std::cerr);
+    }
+    return 0;
+  } catch (const std::exception& e) {
+    std::cerr << "error: " << e.what() << "\n";
+    return 1;
+  }
+}

@@ -1,0 +1,72 @@
+// hypic-router: the public API of a hypic cluster (hypic.v1.Router).
+#include <CLI/CLI.hpp>
+#include <spdlog/spdlog.h>
+
+#include "engine/config.h"
+#include "engine/tokenizer.h"
+#include "proto/rpc/server.h"
+#include "router/service.h"
+
+int main(int argc, char** argv) {
+  hypic::rpc::block_termination_signals();
+  CLI::App app{"hypic router: tokenises, looks segments up, schedules cold ones, relays the combine worker's tokens"};
+  hypic::rpc::ServerFlags server;
+  server.listen = "127.0.0.1:50050";
+  hypic::rpc::add_server_flags(app, server);
+  std::string model_dir, tokenizer_path, policy = "lpt";
+  hypic::router::RouterConfig cfg;
+  auto& l = cfg.limits;
+  int lookup_timeout_ms = 500, health_interval_ms = 1000, default_deadline_s = 600;
+  app.add_option("--model", model_dir, "checkpoint directory (its config.json and weights headers give the "
+                                       "fingerprint; weights are not loaded)")
+      ->required()
+      ->check(CLI::ExistingDirectory);
+  app.add_option("--tokenizer", tokenizer_path, "tokenizer.json")->required()->check(CLI::ExistingFile);
+  app.add_option("--scatter", cfg.scatter_workers, "scatter worker host:port (repeat; none: combine workers prefill)");
+  app.add_option("--combine", cfg.combine_workers, "combine worker host:port (repeat)")->required();
+  app.add_option("--cache", cfg.cache_replicas, "segment cache replica host:port (repeat; none: no caching)");
+  app.add_option("--schedule", policy, "cold-segment assignment: lpt | round-robin")->capture_default_str();
+  app.add_option("--max-concurrent-requests", l.max_concurrent_requests, "admission limit")->capture_default_str();
+  app.add_option("--max-segments", l.max_segments, "admission limit: segments per request")->capture_default_str();
+  app.add_option("--max-segment-tokens", l.max_segment_tokens, "admission limit: tokens per segment")->capture_default_str();
+  app.add_option("--max-prompt-tokens", l.max_prompt_tokens, "admission limit: segments + query tokens")->capture_default_str();
+  app.add_option("--max-new-tokens", l.max_new_tokens, "admission limit: sampling.max_tokens")->capture_default_str();
+  app.add_option("--max-seam-width", l.max_seam_width, "largest seam width a request may ask for")->capture_default_str();
+  app.add_option("--seam-width", l.default_seam_width, "default seam width w")->capture_default_str();
+  app.add_option("--default-max-tokens", l.default_max_tokens, "max_tokens when a request sets none")->capture_default_str();
+  app.add_option("--lookup-timeout-ms", lookup_timeout_ms, "budget of the batch cache lookup")->capture_default_str();
+  app.add_option("--lease-ms", cfg.lease_ms, "how long lookup hits stay pinned in the cache")->capture_default_str();
+  app.add_option("--max-scatter-attempts", cfg.max_scatter_attempts,
+                 "assignments per segment before the combine worker prefills it")
+      ->capture_default_str();
+  app.add_option("--default-deadline-seconds", default_deadline_s, "deadline of requests that carry none")
+      ->capture_default_str();
+  app.add_option("--health-interval-ms", health_interval_ms, "worker health probing period")->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+  try {
+    hypic::rpc::setup_logging("router", server.log_level);
+    cfg.policy = hypic::router::parse_schedule_policy(policy);
+    cfg.lookup_timeout = std::chrono::milliseconds(lookup_timeout_ms);
+    cfg.health_interval = std::chrono::milliseconds(health_interval_ms);
+    cfg.default_deadline = std::chrono::seconds(default_deadline_s);
+    const auto config = hypic::engine::load_config(model_dir);
+    const auto tokenizer = hypic::engine::Tokenizer::load(tokenizer_path);
+    hypic::router::RouterModel model{config.fingerprint(), config.vocab_size, {}};
+    for (const char* eos : {"<|endoftext|>", "<|im_end|>"}) {
+      if (const int32_t id = tokenizer.token_to_id(eos); id >= 0) model.eos_ids.push_back(id);
+    }
+    if (tokenizer.vocab_size() > size_t(config.vocab_size)) {
+      throw std::invalid_argument(fmt::format("--tokenizer: its {} ids do not fit the model's vocabulary of {}",
+                                              tokenizer.vocab_size(), config.vocab_size));
+    }
+    spdlog::info("model fingerprint {}, {} scatter workers, {} combine workers, {} cache replicas, schedule {}",
+                 model.fingerprint, cfg.scatter_workers.size(), cfg.combine_workers.size(), cfg.cache_replicas.size(),
+                 policy);
+    hypic::rpc::Lifecycle life("router");
+    hypic::router::RouterService svc(tokenizer, model, cfg, life);
+    return hypic::rpc::run_server(server, life, {"router", {&svc}, {"hypic.v1.Router"}, {}, {}});
+  } catch (const std::exception& e) {
+    spdlog::critical("{}", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,555 @@
+#include "router/service.h"
+
+#include <algorithm>
+#include <map>
+#include <optional>
+#include <random>
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include "engine/segment.h"
+#include "proto/rpc/status.h"
+
+namespace hypic::router {
+
+namespace v1 = hypic::v1;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+constexpr uint32_t kLocal = UINT32_MAX;  // SegState::worker of a segment the combine worker prefills
+
+// Health + identity of one worker: SERVING and the same model fingerprint as the router.
+template <class Service>
+bool probe(const std::shared_ptr<grpc::Channel>& channel, const std::string& address, const std::string& fingerprint,
+           std::atomic<bool>& mismatch) {
+  if (rpc::check_health(channel, Service::service_full_name(), std::chrono::milliseconds(500)) != 1) return false;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
+  v1::WorkerInfo info;
+  if (!Service::NewStub(channel)->GetWorkerInfo(&ctx, v1::WorkerInfoRequest{}, &info).ok()) return false;
+  const bool bad = info.model_fingerprint() != fingerprint;
+  if (bad && !mismatch.exchange(true)) {
+    spdlog::error("worker {} serves model {} but the router's model is {}: not using it", address,
+                  info.model_fingerprint(), fingerprint);
+  }
+  if (!bad) mismatch.store(false);
+  return !bad;
+}
+}  // namespace
+
+RouterService::RouterService(const engine::Tokenizer& tokenizer, RouterModel model, RouterConfig config,
+                             rpc::Lifecycle& life)
+    : tokenizer_(tokenizer), model_(std::move(model)), cfg_(std::move(config)), life_(life),
+      cache_(cfg_.cache_replicas, cache::SegmentCacheClient::Options{160, cfg_.lookup_timeout, rpc::kChunkBytes}) {
+  if (cfg_.combine_workers.empty()) throw std::invalid_argument("--combine: at least one combine worker is required");
+  if (cfg_.max_scatter_attempts < 1) throw std::invalid_argument("--max-scatter-attempts: must be >= 1");
+  for (const auto& a : cfg_.scatter_workers) {
+    auto w = std::make_unique<Worker>();
+    w->address = a;
+    w->channel = rpc::make_channel(a);
+    w->scatter = v1::ScatterWorker::NewStub(w->channel);
+    scatter_.push_back(std::move(w));
+  }
+  for (const auto& a : cfg_.combine_workers) {
+    auto w = std::make_unique<Worker>();
+    w->address = a;
+    w->channel = rpc::make_channel(a);
+    w->combine = v1::CombineWorker::NewStub(w->channel);
+    combine_.push_back(std::move(w));
+  }
+  if (!scatter_.empty()) scheduler_ = std::make_unique<ScatterScheduler>(scatter_.size(), cfg_.policy);
+  probe_workers();
+  prober_ = std::thread([this] {
+    std::unique_lock<std::mutex> lock(probe_mu_);
+    while (!probe_cv_.wait_for(lock, cfg_.health_interval, [&] { return stop_probe_; })) {
+      lock.unlock();
+      probe_workers();
+      lock.lock();
+    }
+  });
+}
+
+RouterService::~RouterService() {
+  {
+    std::lock_guard<std::mutex> lock(probe_mu_);
+    stop_probe_ = true;
+  }
+  probe_cv_.notify_all();
+  prober_.join();
+}
+
+void RouterService::set_scatter_available(size_t worker, bool available) {
+  Worker& w = *scatter_[worker];
+  if (w.available.exchange(available) != available) {
+    spdlog::log(available ? spdlog::level::info : spdlog::level::warn, "scatter worker {} is {}", w.address,
+                available ? "available" : "out of rotation");
+  }
+  scheduler_->set_available(worker, available);
+}
+
+void RouterService::probe_workers() {
+  for (size_t i = 0; i < scatter_.size(); ++i) {
+    set_scatter_available(i, probe<v1::ScatterWorker>(scatter_[i]->channel, scatter_[i]->address, model_.fingerprint,
+                                                       scatter_[i]->model_mismatch));
+  }
+  for (auto& w : combine_) {
+    const bool ok = probe<v1::CombineWorker>(w->channel, w->address, model_.fingerprint, w->model_mismatch);
+    if (w->available.exchange(ok) != ok) {
+      spdlog::log(ok ? spdlog::level::info : spdlog::level::warn, "combine worker {} is {}", w->address,
+                  ok ? "available" : "out of rotation");
+    }
+  }
+}
+
+RouterService::Worker* RouterService::pick_combine() {
+  Worker* best = nullptr;
+  const size_t n = combine_.size();
+  const size_t start = combine_turn_++ % n;  // rotate among equally loaded workers
+  for (size_t k = 0; k < n; ++k) {
+    Worker* w = combine_[(start + k) % n].get();
+    if (w->available.load() && (!best || w->active.load() < best->active.load())) best = w;
+  }
+  return best;
+}
+
+// ---------------------------------------------------------------------------------------------
+// One Generate call.
+class GenerateCall {
+ public:
+  GenerateCall(RouterService& svc, grpc::ServerContext* ctx, const v1::GenerateRequest& req,
+               grpc::ServerWriter<v1::GenerateResponse>* writer)
+      : svc_(svc), ctx_(ctx), req_(req), writer_(writer) {}
+  ~GenerateCall() { stop_scatter(); }
+  grpc::Status run();
+
+ private:
+  struct SegState {
+    std::vector<int32_t> ids;
+    rpc::Digest digest{};
+    bool hit = false;
+    uint32_t worker = kLocal;   // current scatter assignee
+    bool load_pending = false;  // its tokens count in the assignee's queued work
+    bool delivered = false;
+    uint32_t attempts = 0;
+  };
+
+  void tokenise();
+  void launch_locked(size_t worker, const std::vector<uint32_t>& segments);
+  void on_event(size_t worker, const v1::PrefillEvent& ev);
+  void on_failure(size_t worker, const std::vector<uint32_t>& segments, const grpc::Status& st);
+  void compute_locally(const std::vector<uint32_t>& segments, const std::string& reason);
+  void release_load_locked(SegState& s);
+  void stop_scatter();
+  std::unique_ptr<grpc::ClientContext> child_context() const {
+    return rpc::make_client_context(ctx_, std::chrono::milliseconds(svc_.cfg_.default_deadline));
+  }
+
+  RouterService& svc_;
+  grpc::ServerContext* ctx_;
+  const v1::GenerateRequest& req_;
+  grpc::ServerWriter<v1::GenerateResponse>* writer_;
+  std::string rid_;
+  RequestOptions opts_;
+  std::vector<int32_t> query_;
+  RouterService::Worker* combine_ = nullptr;
+
+  std::mutex mu_;
+  std::vector<SegState> segs_;
+  std::vector<std::thread> threads_;
+  std::vector<std::unique_ptr<grpc::ClientContext>> scatter_ctxs_;
+  std::vector<bool> failed_;  // scatter workers that failed during this request
+  bool stopping_ = false;
+  grpc::Status fatal_;
+  uint32_t scatter_failures_ = 0;
+  std::optional<Clock::time_point> last_computed_;
+  grpc::ClientContext* combine_ctx_ = nullptr;
+};
+
+void GenerateCall::tokenise() {
+  auto encode = [&](const v1::Segment& seg, const std::string& field) {
+    if (seg.content_case() == v1::Segment::kTokens) return std::vector<int32_t>(seg.tokens().ids().begin(), seg.tokens().ids().end());
+    try {
+      return svc_.tokenizer_.encode(seg.text(), /*add_special_tokens=*/false);
+    } catch (const std::invalid_argument& e) {
+      throw rpc::invalid_argument(field + ".text", e.what());
+    }
+  };
+  segs_.resize(size_t(req_.segments_size()));
+  std::vector<size_t> counts;
+  for (int i = 0; i < req_.segments_size(); ++i) {
+    segs_[size_t(i)].ids = encode(req_.segments(i), fmt::format("segments[{}]", i));
+    counts.push_back(segs_[size_t(i)].ids.size());
+  }
+  query_ = encode(req_.query(), "query");
+  check_token_limits(counts, query_.size(), svc_.cfg_.limits);
+  for (auto& s : segs_) {
+    s.digest = engine::segment_digest(svc_.model_.fingerprint, engine::kSegmentFormatVersion, opts_.entry_seam_width, s.ids);
+  }
+}
+
+void GenerateCall::release_load_locked(SegState& s) {
+  if (s.load_pending && s.worker != kLocal) svc_.scheduler_->complete(s.worker, int64_t(s.ids.size()));
+  s.load_pending = false;
+}
+
+void GenerateCall::launch_locked(size_t worker, const std::vector<uint32_t>& segments) {
+  v1::PrefillRequest preq;
+  preq.set_request_id(rid_);
+  preq.set_seam_width(opts_.entry_seam_width);
+  preq.set_combine_address(combine_->address);
+  preq.set_cache_segments(opts_.cache_segments);
+  for (uint32_t i : segments) {
+    auto* ps = preq.add_segments();
+    ps->set_index(i);
+    ps->mutable_key()->set_digest(rpc::digest_bytes(segs_[i].digest));
+    ps->mutable_key()->mutable_token_ids()->Add(segs_[i].ids.begin(), segs_[i].ids.end());
+  }
+  scatter_ctxs_.push_back(child_context());
+  grpc::ClientContext* cctx = scatter_ctxs_.back().get();
+  threads_.emplace_back([this, worker, segments, preq = std::move(preq), cctx] {
+    auto reader = svc_.scatter_[worker]->scatter->Prefill(cctx, preq);
+    v1::PrefillEvent ev;
+    while (reader->Read(&ev)) on_event(worker, ev);
+    const grpc::Status st = reader->Finish();
+    if (!st.ok()) on_failure(worker, segments, st);
+  });
+}
+
+void GenerateCall::on_event(size_t worker, const v1::PrefillEvent& ev) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (ev.index() >= segs_.size()) return;
+  SegState& s = segs_[ev.index()];
+  if (ev.has_computed() && s.worker == worker) {
+    release_load_locked(s);
+    last_computed_ = Clock::now();
+  } else if (ev.has_delivered()) {
+    s.delivered = true;
+  }
+}
+
+void GenerateCall::on_failure(size_t worker, const std::vector<uint32_t>& segments, const grpc::Status& st) {
+  std::vector<uint32_t> local;
+  std::string reason;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (uint32_t i : segments) {
+      if (segs_[i].worker == worker) release_load_locked(segs_[i]);
+    }
+    if (stopping_ || ctx_->IsCancelled() || st.error_code() == grpc::StatusCode::CANCELLED ||
+        st.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
+      return;
+    }
+    ++scatter_failures_;
+    failed_[worker] = true;
+    const std::string& addr = svc_.scatter_[worker]->address;
+    if (st.error_code() == grpc::StatusCode::UNAVAILABLE) svc_.set_scatter_available(worker, false);
+    std::vector<ScatterJob> jobs;
+    for (uint32_t i : segments) {
+      SegState& s = segs_[i];
+      if (s.worker != worker || s.delivered) continue;
+      if (s.attempts >= uint32_t(svc_.cfg_.max_scatter_attempts)) {
+        local.push_back(i);
+      } else {
+        jobs.push_back({i, int64_t(s.ids.size())});
+      }
+    }
+    const auto assigned = jobs.empty() ? std::vector<Assignment>{} : svc_.scheduler_->assign(jobs, failed_);
+    if (assigned.empty()) {
+      for (const auto& j : jobs) local.push_back(j.segment);
+    }
+    std::map<size_t, std::vector<uint32_t>> by_worker;
+    for (const auto& a : assigned) {
+      SegState& s = segs_[a.segment];
+      s.worker = uint32_t(a.worker);
+      s.load_pending = true;
+      ++s.attempts;
+      by_worker[a.worker].push_back(a.segment);
+    }
+    for (const auto& [w, segs] : by_worker) launch_locked(w, segs);
+    for (uint32_t i : local) segs_[i].worker = kLocal;
+    spdlog::warn("[req {}] scatter worker {} failed ({}); segments reassigned: {} to other scatter workers, {} to "
+                 "the combine worker",
+                 rid_, addr, rpc::describe(st), assigned.size(), local.size());
+    reason = fmt::format("scatter worker {} failed ({})", addr, rpc::describe(st));
+  }
+  if (!local.empty()) compute_locally(local, reason + "; no other scatter worker left: prefilled by the combine worker");
+}
+
+void GenerateCall::compute_locally(const std::vector<uint32_t>& segments, const std::string& reason) {
+  v1::ComputeLocallyRequest creq;
+  creq.set_request_id(rid_);
+  creq.mutable_indices()->Add(segments.begin(), segments.end());
+  creq.set_reason(reason);
+  auto cctx = child_context();
+  v1::ComputeLocallyResponse resp;
+  const grpc::Status st = combine_->combine->ComputeLocally(cctx.get(), creq, &resp);
+  if (st.ok()) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (stopping_) return;
+  fatal_ = grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                        fmt::format("{}; and combine worker {} could not take the segments over: {}", reason,
+                                    combine_->address, rpc::describe(st)));
+  if (combine_ctx_) combine_ctx_->TryCancel();
+}
+
+void GenerateCall::stop_scatter() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+    for (auto& c : scatter_ctxs_) c->TryCancel();
+  }
+  for (;;) {
+    std::vector<std::thread> joinable;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      joinable.swap(threads_);
+    }
+    if (joinable.empty()) break;
+    for (auto& t : joinable) t.join();
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& s : segs_) release_load_locked(s);
+}
+
+grpc::Status GenerateCall::run() {
+  const auto t0 = Clock::now();
+  opts_ = validate_request(req_, svc_.cfg_.limits, svc_.model_.vocab_size);
+  rid_ = req_.request_id().empty() ? rpc::make_request_id() : req_.request_id();
+  tokenise();
+  const size_t n = segs_.size();
+  size_t prompt_tokens = query_.size();
+  for (const auto& s : segs_) prompt_tokens += s.ids.size();
+
+  // ---- lookup ----
+  const auto t_lookup0 = Clock::now();
+  bool cache_available = svc_.cache_.enabled();
+  if (opts_.uses_entries && svc_.cache_.enabled()) {
+    std::vector<cache::CacheKey> keys;
+    for (const auto& s : segs_) keys.push_back({s.digest, s.ids});
+    const auto res = svc_.cache_.lookup(keys, svc_.cfg_.lease_ms, ctx_);
+    cache_available = res.all_reachable;
+    if (!res.all_reachable) spdlog::warn("[req {}] segment cache lookup failed, computing: {}", rid_, res.error);
+    for (size_t i = 0; i < n; ++i) segs_[i].hit = res.results[i].hit;
+  }
+  const auto t_lookup1 = Clock::now();
+
+  // ---- plan ----
+  combine_ = svc_.pick_combine();
+  if (!combine_) {
+    throw rpc::unavailable(fmt::format("no combine worker is available ({} configured, none healthy)",
+                                       svc_.combine_.size()));
+  }
+  ++combine_->active;
+  struct ActiveGuard {
+    RouterService::Worker* w;
+    ~ActiveGuard() { --w->active; }
+  } active_guard{combine_};
+
+  std::vector<ScatterJob> jobs;
+  if (opts_.uses_entries) {
+    for (size_t i = 0; i < n; ++i)
+      if (!segs_[i].hit) jobs.push_back({uint32_t(i), int64_t(segs_[i].ids.size())});
+  }
+  std::vector<Assignment> assigned;
+  if (!jobs.empty() && svc_.scheduler_) assigned = svc_.scheduler_->assign(jobs);
+  failed_.assign(svc_.scatter_.size(), false);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& a : assigned) {
+      segs_[a.segment].worker = uint32_t(a.worker);
+      segs_[a.segment].load_pending = true;
+      segs_[a.segment].attempts = 1;
+    }
+  }
+  v1::CombineRequest creq;
+  creq.set_request_id(rid_);
+  for (size_t i = 0; i < n; ++i) {
+    auto* ps = creq.add_segments();
+    ps->set_index(uint32_t(i));
+    ps->mutable_key()->set_digest(rpc::digest_bytes(segs_[i].digest));
+    ps->mutable_key()->mutable_token_ids()->Add(segs_[i].ids.begin(), segs_[i].ids.end());
+    if (!opts_.uses_entries || segs_[i].hit) {
+      ps->set_source(v1::PlannedSegment::WARM);
+    } else if (segs_[i].worker != kLocal) {
+      ps->set_source(v1::PlannedSegment::REMOTE);
+    } else {
+      ps->set_source(v1::PlannedSegment::LOCAL);
+      ps->set_reason("no scatter worker available: prefilled by the combine worker");
+    }
+  }
+  creq.mutable_query_ids()->Add(query_.begin(), query_.end());
+  auto* sp = creq.mutable_sampling();
+  sp->set_max_tokens(opts_.max_tokens);
+  sp->set_temperature(opts_.temperature);
+  sp->set_top_k(opts_.top_k);
+  sp->set_top_p(opts_.top_p);
+  const uint64_t seed = opts_.seed ? *opts_.seed : (uint64_t(std::random_device{}()) << 32 | std::random_device{}());
+  sp->set_seed(seed);
+  for (const auto& s : opts_.stop) sp->add_stop(s);
+  sp->mutable_stop_token_ids()->Add(opts_.stop_token_ids.begin(), opts_.stop_token_ids.end());
+  if (!opts_.ignore_eos) sp->mutable_stop_token_ids()->Add(svc_.model_.eos_ids.begin(), svc_.model_.eos_ids.end());
+  creq.set_mode(engine::splice_mode_name(opts_.mode));
+  creq.set_seam_width(opts_.seam_width);
+  creq.set_cache_segments(opts_.cache_segments);
+
+  // ---- combine + scatter ----
+  auto cctx = child_context();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    combine_ctx_ = cctx.get();
+  }
+  auto reader = combine_->combine->Combine(cctx.get(), creq);
+  v1::CombineEvent ev;
+  auto combine_error = [&](const grpc::Status& st) {
+    if (ctx_->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "request cancelled by the client");
+    if (st.error_code() == grpc::StatusCode::UNAVAILABLE) combine_->available.store(false);
+    return grpc::Status(st.error_code(), fmt::format("combine worker {}: {}", combine_->address, st.error_message()));
+  };
+  if (!reader->Read(&ev) || !ev.has_started()) {
+    const grpc::Status st = reader->Finish();
+    return combine_error(st.ok() ? grpc::Status(grpc::StatusCode::INTERNAL, "stream did not start with Started") : st);
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::map<size_t, std::vector<uint32_t>> by_worker;
+    for (const auto& a : assigned) by_worker[a.worker].push_back(a.segment);
+    for (const auto& [w, segs] : by_worker) launch_locked(w, segs);
+  }
+  const auto t_dispatch = Clock::now();
+  std::optional<Clock::time_point> t_ready, t_spliced, t_first, t_last;
+  std::optional<v1::CombineReport> creport;
+  bool client_gone = false;
+  uint32_t completion = 0;
+  while (reader->Read(&ev)) {
+    if (ev.has_entries_ready()) {
+      t_ready = Clock::now();
+    } else if (ev.has_splice_done()) {
+      t_spliced = Clock::now();
+    } else if (ev.has_delta()) {
+      v1::GenerateResponse out;
+      *out.mutable_delta() = ev.delta();
+      completion += uint32_t(ev.delta().token_ids_size());
+      if (!writer_->Write(out)) {
+        client_gone = true;
+        cctx->TryCancel();
+        break;
+      }
+      if (!t_first && ev.delta().token_ids_size() > 0) t_first = Clock::now();
+      t_last = Clock::now();
+    } else if (ev.has_report()) {
+      creport = ev.report();
+    }
+  }
+  const grpc::Status st = reader->Finish();
+  stop_scatter();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    combine_ctx_ = nullptr;
+    if (!fatal_.ok()) return fatal_;
+  }
+  if (client_gone || ctx_->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "request cancelled by the client");
+  if (!st.ok()) return combine_error(st);
+  if (!creport || !t_ready || !t_spliced || !t_first) {
+    return grpc::Status(grpc::StatusCode::INTERNAL,
+                        fmt::format("combine worker {} ended the stream without a complete report", combine_->address));
+  }
+
+  // ---- report ----
+  v1::GenerateResponse out;
+  auto* rep = out.mutable_report();
+  rep->set_request_id(rid_);
+  for (size_t i = 0; i < n; ++i) {
+    auto* sr = rep->add_segments();
+    if (int(i) < creport->segments_size()) *sr = creport->segments(int(i));
+    sr->set_index(uint32_t(i));
+    sr->set_num_tokens(uint32_t(segs_[i].ids.size()));
+    sr->set_digest_hex(rpc::digest_hex(segs_[i].digest));
+    sr->set_cache_hit(segs_[i].hit);
+    sr->set_attempts(segs_[i].attempts);
+  }
+  // TTFT phases, consecutive on this clock (see TtftBreakdown in common.proto).
+  const auto scatter_end = std::min(*t_ready, std::max(t_dispatch, last_computed_.value_or(t_dispatch)));
+  auto* tt = rep->mutable_ttft();
+  tt->set_router_ms(rpc::ms_between(t0, t_lookup0) + rpc::ms_between(t_lookup1, t_dispatch));
+  tt->set_lookup_ms(rpc::ms_between(t_lookup0, t_lookup1));
+  tt->set_scatter_ms(rpc::ms_between(t_dispatch, scatter_end));
+  tt->set_transfer_ms(rpc::ms_between(scatter_end, *t_ready));
+  tt->set_splice_ms(rpc::ms_between(*t_ready, *t_spliced));
+  tt->set_first_decode_ms(rpc::ms_between(*t_spliced, *t_first));
+  tt->set_total_ms(rpc::ms_between(t0, *t_first));
+  rep->set_prompt_tokens(uint32_t(prompt_tokens));
+  rep->set_query_tokens(uint32_t(query_.size()));
+  rep->set_completion_tokens(creport->completion_tokens());
+  rep->set_finish_reason(creport->finish_reason());
+  rep->set_mode(engine::splice_mode_name(opts_.mode));
+  rep->set_seam_width(opts_.seam_width);
+  rep->set_seed(seed);
+  rep->set_combine_worker(combine_->address);
+  rep->set_cache_available(cache_available);
+  rep->set_scatter_failures(scatter_failures_);
+  rep->set_total_ms(rpc::ms_between(t0, Clock::now()));
+  rep->set_decode_ms(creport->decode_ms());
+  rep->set_schedule_policy(svc_.scheduler_ ? schedule_policy_name(svc_.scheduler_->policy()) : "none");
+  size_t hits = 0;
+  for (const auto& s : segs_) hits += s.hit;
+  spdlog::info("[req {}] {} segments ({} hits, {} cold), {} prompt tokens, ttft {:.1f} ms, {} tokens, combine {}",
+               rid_, n, hits, jobs.size(), prompt_tokens, tt->total_ms(), completion, combine_->address);
+  if (!writer_->Write(out)) return grpc::Status(grpc::StatusCode::CANCELLED, "request cancelled by the client");
+  return grpc::Status::OK;
+}
+
+grpc::Status RouterService::Generate(grpc::ServerContext* ctx, const v1::GenerateRequest* req,
+                                     grpc::ServerWriter<v1::GenerateResponse>* writer) {
+  return rpc::handle_errors([&]() -> grpc::Status {
+    auto call = life_.enter();
+    const uint32_t active = ++active_requests_;
+    struct Release {
+      std::atomic<uint32_t>& n;
+      ~Release() { --n; }
+    } release{active_requests_};
+    if (active > cfg_.limits.max_concurrent_requests) {
+      throw rpc::resource_exhausted(fmt::format("the router is at its limit of {} concurrent requests "
+                                                "(--max-concurrent-requests); retry later",
+                                                cfg_.limits.max_concurrent_requests));
+    }
+    GenerateCall g(*this, ctx, *req, writer);
+    try {
+      return g.run();
+    } catch (const rpc::RpcError& e) {
+      spdlog::info("[req {}] rejected: {}: {}", req->request_id().empty() ? "-" : req->request_id(),
+                   rpc::code_name(e.code()), e.what());
+      throw;
+    }
+  });
+}
+
+grpc::Status RouterService::GetServerInfo(grpc::ServerContext*, const v1::GetServerInfoRequest*, v1::ServerInfo* resp) {
+  resp->set_model_fingerprint(model_.fingerprint);
+  resp->set_entry_format_version(engine::kSegmentFormatVersion);
+  resp->set_default_seam_width(cfg_.limits.default_seam_width);
+  resp->set_schedule_policy(schedule_policy_name(cfg_.policy));
+  for (size_t i = 0; i < scatter_.size(); ++i) {
+    auto* w = resp->add_scatter_workers();
+    w->set_address(scatter_[i]->address);
+    w->set_available(scatter_[i]->available.load());
+    w->set_queued_tokens(scheduler_->queued_tokens(i));
+  }
+  for (const auto& c : combine_) {
+    auto* w = resp->add_combine_workers();
+    w->set_address(c->address);
+    w->set_available(c->available.load());
+    w->set_active_requests(c->active.load());
+  }
+  for (const auto& r : cfg_.cache_replicas) resp->add_cache_replicas(r);
+  resp->set_active_requests(active_requests_.load());
+  const auto& l = cfg_.limits;
+  resp->set_max_concurrent_requests(l.max_concurrent_requests);
+  resp->set_max_segments(l.max_segments);
+  resp->set_max_segment_tokens(l.max_segment_tokens);
+  resp->set_max_prompt_tokens(l.max_prompt_tokens);
+  resp->set_max_new_tokens(l.max_new_tokens);
+  return grpc::Status::OK;
+}
+
+}  // namespace hypic::router

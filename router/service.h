@@ -1,0 +1,91 @@
+// hypic.v1.Router: the public API (semantics and fault handling in router.proto). Tokenises each
+// segment on its own, hashes it, asks the segment cache which segments are warm (one batch
+// lookup), assigns the cold ones to scatter workers (router/scheduler.h), sends the plan to a
+// combine worker and relays its token stream and report.
+#pragma once
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "engine/tokenizer.h"
+#include "hypic/v1/combine.grpc.pb.h"
+#include "hypic/v1/router.grpc.pb.h"
+#include "hypic/v1/scatter.grpc.pb.h"
+#include "proto/rpc/server.h"
+#include "router/admission.h"
+#include "router/scheduler.h"
+#include "segment_cache/client.h"
+
+namespace hypic::router {
+
+struct RouterConfig {
+  RouterLimits limits;
+  std::vector<std::string> scatter_workers;  ///< host:port
+  std::vector<std::string> combine_workers;  ///< host:port, at least one
+  std::vector<std::string> cache_replicas;   ///< host:port (none: no caching)
+  SchedulePolicy policy = SchedulePolicy::Lpt;
+  std::chrono::milliseconds lookup_timeout{500};   ///< batch lookup budget; past it, all segments are cold
+  uint32_t lease_ms = 30000;                       ///< lookup hits stay pinned this long
+  int max_scatter_attempts = 3;                    ///< per segment; then the combine worker prefills it
+  std::chrono::seconds default_deadline{600};      ///< for requests that carry no deadline
+  std::chrono::milliseconds health_interval{1000}; ///< worker health probing period
+};
+
+/// The model facts the router needs (it does not load weights).
+struct RouterModel {
+  std::string fingerprint;        ///< ModelConfig::fingerprint() of the served checkpoint
+  int64_t vocab_size = 0;         ///< valid token ids are [0, vocab_size)
+  std::vector<int32_t> eos_ids;   ///< end-of-text ids that stop decoding unless ignore_eos
+};
+
+class RouterService final : public hypic::v1::Router::Service {
+ public:
+  /// Throws std::invalid_argument for a configuration without combine workers.
+  RouterService(const engine::Tokenizer& tokenizer, RouterModel model, RouterConfig config, rpc::Lifecycle& life);
+  /// Stops the health prober.
+  ~RouterService() override;
+
+  grpc::Status Generate(grpc::ServerContext* ctx, const hypic::v1::GenerateRequest* req,
+                        grpc::ServerWriter<hypic::v1::GenerateResponse>* writer) override;
+  grpc::Status GetServerInfo(grpc::ServerContext* ctx, const hypic::v1::GetServerInfoRequest* req,
+                             hypic::v1::ServerInfo* resp) override;
+
+  /// A worker known to the router.
+  struct Worker {
+    std::string address;
+    std::shared_ptr<grpc::Channel> channel;
+    std::unique_ptr<hypic::v1::ScatterWorker::Stub> scatter;  // scatter workers only
+    std::unique_ptr<hypic::v1::CombineWorker::Stub> combine;  // combine workers only
+    std::atomic<bool> available{false};
+    std::atomic<bool> model_mismatch{false};
+    std::atomic<uint32_t> active{0};
+  };
+
+ private:
+  friend class GenerateCall;
+  void probe_workers();
+  void set_scatter_available(size_t worker, bool available);
+  /// The combine worker with the fewest active requests among the available ones (nullptr if none).
+  Worker* pick_combine();
+
+  const engine::Tokenizer& tokenizer_;
+  RouterModel model_;
+  RouterConfig cfg_;
+  rpc::Lifecycle& life_;
+  cache::SegmentCacheClient cache_;
+  std::vector<std::unique_ptr<Worker>> scatter_, combine_;
+  std::unique_ptr<ScatterScheduler> scheduler_;  // null without scatter workers
+  std::atomic<uint32_t> active_requests_{0};
+  std::atomic<size_t> combine_turn_{0};
+
+  std::mutex probe_mu_;
+  std::condition_variable probe_cv_;
+  bool stop_probe_ = false;
+  std::thread prober_;
+};
+
+}  // namespace hypic::router
