@@ -16,7 +16,6 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <stdexcept>
-#include <unordered_map>
 #include <unordered_set>
 
 #include "engine/tokenizer.h"
@@ -76,12 +75,69 @@ std::string byte_level_map(std::string_view bytes) {
 }
 
 // ------------------------------------------------------------------------------------------------
-// Transparent string hashing for unordered_map<std::string, ...>::find(std::string_view).
-struct SvHash {
-  using is_transparent = void;
-  size_t operator()(std::string_view s) const { return XXH3_64bits(s.data(), s.size()); }
+/// Open-addressing map byte string -> id, keys kept in one arena (a vocab of 150k tokens is a
+/// few MB and one probe sequence per lookup). insert_or_assign overwrites an existing key.
+class FlatStrMap {
+ public:
+  void reserve(size_t n) {
+    size_t cap = 16;
+    while (cap < 2 * n) cap <<= 1;
+    if (cap > slots_.size()) rehash(cap);
+  }
+  void insert_or_assign(std::string_view key, int32_t value) {
+    if (2 * (size_ + 1) > slots_.size()) rehash(std::max<size_t>(16, slots_.size() * 2));
+    const uint64_t h = XXH3_64bits(key.data(), key.size());
+    for (size_t i = h & mask_;; i = (i + 1) & mask_) {
+      Slot& s = slots_[i];
+      if (s.len == kEmpty) {
+        s = {h, static_cast<uint32_t>(arena_.size()), static_cast<uint32_t>(key.size()), value};
+        arena_.append(key);
+        ++size_;
+        return;
+      }
+      if (s.hash == h && s.len == key.size() && std::memcmp(arena_.data() + s.off, key.data(), key.size()) == 0) {
+        s.value = value;
+        return;
+      }
+    }
+  }
+  /// The id of `key`, or -1.
+  int32_t find(std::string_view key) const {
+    if (size_ == 0) return -1;
+    const uint64_t h = XXH3_64bits(key.data(), key.size());
+    for (size_t i = h & mask_;; i = (i + 1) & mask_) {
+      const Slot& s = slots_[i];
+      if (s.len == kEmpty) return -1;
+      if (s.hash == h && s.len == key.size() && std::memcmp(arena_.data() + s.off, key.data(), key.size()) == 0) {
+        return s.value;
+      }
+    }
+  }
+  size_t size() const { return size_; }
+
+ private:
+  static constexpr uint32_t kEmpty = ~uint32_t{0};
+  struct Slot {
+    uint64_t hash = 0;
+    uint32_t off = 0, len = kEmpty;
+    int32_t value = -1;
+  };
+  void rehash(size_t cap) {
+    std::vector<Slot> old(cap);
+    old.swap(slots_);
+    mask_ = cap - 1;
+    for (const Slot& s : old) {
+      if (s.len == kEmpty) continue;
+      size_t i = s.hash & mask_;
+      while (slots_[i].len != kEmpty) i = (i + 1) & mask_;
+      slots_[i] = s;
+    }
+  }
+  std::vector<Slot> slots_;
+  size_t mask_ = 0;
+  size_t size_ = 0;
+  std::string arena_;
 };
-using StrMap = std::unordered_map<std::string, int32_t, SvHash, std::equal_to<>>;
 
 /// Open-addressing map (id_a, id_b) -> (rank, merged id) for BPE merges.
 class PairMap {
@@ -303,8 +359,8 @@ struct Impl {
   std::shared_ptr<const Regex> bl_regex;  // ByteLevel use_regex
 
   // BPE model. In byte-level mode vocab keys are the raw bytes a token stands for.
-  StrMap vocab;
-  StrMap vocab_unmappable;  // byte-level mode: tokens with characters outside the byte alphabet
+  FlatStrMap vocab;
+  FlatStrMap vocab_unmappable;  // byte-level mode: tokens with characters outside the byte alphabet
   PairMap merges;
   size_t num_merges = 0;
   std::array<int32_t, 256> byte_id{};  // byte-level: id of each single byte (-1 if absent)
@@ -317,7 +373,7 @@ struct Impl {
 
   // added tokens
   std::vector<AddedToken> added;
-  StrMap added_by_content;
+  FlatStrMap added_by_content;
   AddedMatcher raw_matcher, norm_matcher;
 
   // post-processor (single sequence)
@@ -340,15 +396,10 @@ struct Impl {
   /// Model id of a token string as written in the file, -1 if absent.
   int32_t model_token_to_id(std::string_view token) const {
     if (byte_level) {
-      if (auto raw = byte_level_unmap(token)) {
-        auto it = vocab.find(*raw);
-        return it == vocab.end() ? -1 : it->second;
-      }
-      auto it = vocab_unmappable.find(token);
-      return it == vocab_unmappable.end() ? -1 : it->second;
+      if (auto raw = byte_level_unmap(token)) return vocab.find(*raw);
+      return vocab_unmappable.find(token);
     }
-    auto it = vocab.find(token);
-    return it == vocab.end() ? -1 : it->second;
+    return vocab.find(token);
   }
 };
 
@@ -623,8 +674,7 @@ void initial_symbols_general(const Impl& im, std::string_view w, Scratch& sc) {
     unit.append(w.data() + i, len);
     if (last) unit += im.eow_suffix;
     i += len;
-    int32_t id = -1;
-    if (auto it = im.vocab.find(unit); it != im.vocab.end()) id = it->second;
+    const int32_t id = im.vocab.find(unit);
     if (id >= 0) {
       if (pending_unk >= 0) { push_sym(sc, pending_unk); pending_unk = -1; }
       push_sym(sc, id);
@@ -661,8 +711,8 @@ void bpe_word(const Impl& im, std::string_view w, Scratch& sc, std::vector<int32
     return;
   }
   if (im.ignore_merges) {
-    if (auto it = im.vocab.find(w); it != im.vocab.end()) {
-      out.push_back(it->second);
+    if (const int32_t id = im.vocab.find(w); id >= 0) {
+      out.push_back(id);
       return;
     }
   }
@@ -960,13 +1010,176 @@ void parse_post_processor(const json& j, const std::string& where, Impl& im) {
   im.suffix_ids.insert(im.suffix_ids.end(), suf.begin(), suf.end());
 }
 
+/// model.vocab and model.merges of tokenizer.json, captured while parsing (they are 99% of a
+/// large file; a DOM of them costs more than the rest of loading).
+struct ModelArrays {
+  bool have_vocab = false;
+  std::vector<std::pair<std::string, int64_t>> vocab;  // in file order
+  bool have_merges = false;
+  std::vector<std::pair<std::string, std::string>> merges;  // [a, b] form
+  std::vector<std::string> merge_lines;                      // "a b" form
+};
+
+/// SAX handler: builds a DOM of the document except model.vocab / model.merges, which go
+/// straight into ModelArrays. Content errors inside those two stop the parse with `error` set.
+class LoaderSax : public nlohmann::json_sax<json> {
+ public:
+  json root;
+  ModelArrays arrays;
+  std::string error;  // content error (the JSON itself may be fine)
+
+  bool null() override { return value(nullptr, "null"); }
+  bool boolean(bool v) override { return value(v, "a boolean"); }
+  bool number_integer(number_integer_t v) override { return mode_ == Mode::Vocab ? vocab_id(v) : value(v, "a number"); }
+  bool number_unsigned(number_unsigned_t v) override {
+    return mode_ == Mode::Vocab ? vocab_id(v > static_cast<number_unsigned_t>(INT64_MAX) ? -1 : static_cast<int64_t>(v))
+                                : value(v, "a number");
+  }
+  bool number_float(number_float_t v, const string_t&) override { return value(v, "a number"); }
+  bool binary(binary_t& v) override { return value(json::binary(std::move(v)), "binary data"); }
+  bool string(string_t& v) override {
+    if (mode_ == Mode::Merges) {
+      if (depth_ == 1) {
+        if (!arrays.merges.empty()) return fail(merge_where() + ": merges mix \"a b\" strings and [a, b] pairs");
+        arrays.merge_lines.push_back(std::move(v));
+        return true;
+      }
+      if (pair_len_ >= 2) return fail(merge_where() + ": expected \"a b\" or [a, b]");
+      (pair_len_ == 0 ? pair_.first : pair_.second) = std::move(v);
+      ++pair_len_;
+      return true;
+    }
+    return value(std::move(v), "a string");
+  }
+  bool start_object(std::size_t) override {
+    if (mode_ == Mode::None && at_model_field("vocab")) {
+      mode_ = Mode::Vocab;
+      arrays.have_vocab = true;
+      return true;
+    }
+    if (mode_ != Mode::None) return value(json::object(), "an object");
+    stack_.push_back(handle(json::object()));
+    keys_.resize(stack_.size() - 1);
+    return true;
+  }
+  bool key(string_t& k) override {
+    if (mode_ == Mode::Vocab) {
+      key_ = std::move(k);
+      return true;
+    }
+    const size_t level = stack_.size() - 1;
+    if (keys_.size() <= level) keys_.resize(level + 1);
+    keys_[level] = k;
+    object_element_ = &(*stack_.back())[k];
+    return true;
+  }
+  bool end_object() override {
+    if (mode_ == Mode::Vocab) {
+      mode_ = Mode::None;
+      return true;
+    }
+    stack_.pop_back();
+    keys_.resize(std::min(keys_.size(), stack_.size()));
+    return true;
+  }
+  bool start_array(std::size_t) override {
+    if (mode_ == Mode::None && at_model_field("merges")) {
+      mode_ = Mode::Merges;
+      depth_ = 1;
+      arrays.have_merges = true;
+      return true;
+    }
+    if (mode_ == Mode::Merges && depth_ == 1) {
+      if (!arrays.merge_lines.empty()) return fail(merge_where() + ": merges mix \"a b\" strings and [a, b] pairs");
+      depth_ = 2;
+      pair_len_ = 0;
+      return true;
+    }
+    if (mode_ != Mode::None) return value(json::array(), "an array");
+    stack_.push_back(handle(json::array()));
+    keys_.resize(stack_.size() - 1);
+    return true;
+  }
+  bool end_array() override {
+    if (mode_ == Mode::Merges) {
+      if (depth_ == 2) {
+        if (pair_len_ != 2) return fail(merge_where() + ": expected \"a b\" or [a, b]");
+        arrays.merges.push_back(std::move(pair_));
+        pair_ = {};
+        depth_ = 1;
+      } else {
+        mode_ = Mode::None;
+      }
+      return true;
+    }
+    stack_.pop_back();
+    keys_.resize(std::min(keys_.size(), stack_.size()));
+    return true;
+  }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& ex) override {
+    parse_message_ = ex.what();
+    return false;
+  }
+  const std::string& parse_message() const { return parse_message_; }
+
+ private:
+  enum class Mode { None, Vocab, Merges };
+
+  bool at_model_field(const char* name) const {
+    return stack_.size() == 2 && keys_.size() == 2 && keys_[0] == "model" && keys_[1] == name && stack_[0]->is_object() &&
+           stack_[1]->is_object();
+  }
+  json* handle(json v) {
+    if (stack_.empty()) {
+      root = std::move(v);
+      return &root;
+    }
+    if (stack_.back()->is_array()) {
+      stack_.back()->push_back(std::move(v));
+      return &stack_.back()->back();
+    }
+    *object_element_ = std::move(v);
+    return object_element_;
+  }
+  template <class V>
+  bool value(V&& v, const char* what) {
+    if (mode_ == Mode::Vocab) return fail("model.vocab['" + key_ + "']: expected a non-negative integer id, got " + what);
+    if (mode_ == Mode::Merges) return fail(merge_where() + ": expected \"a b\" or [a, b], got " + what);
+    handle(json(std::forward<V>(v)));
+    return true;
+  }
+  bool vocab_id(int64_t id) {
+    if (id < 0 || id >= INT32_MAX) return fail("model.vocab['" + key_ + "']: expected a non-negative integer id");
+    arrays.vocab.emplace_back(std::move(key_), id);
+    return true;
+  }
+  std::string merge_where() const {
+    return "model.merges[" + std::to_string(arrays.merges.size() + arrays.merge_lines.size()) + "]";
+  }
+  bool fail(std::string msg) {
+    error = "tokenizer.json: " + std::move(msg);
+    return false;
+  }
+
+  std::vector<json*> stack_;
+  std::vector<std::string> keys_;  // last key seen at each open object level
+  json* object_element_ = nullptr;
+  Mode mode_ = Mode::None;
+  int depth_ = 0;
+  std::string key_;
+  std::pair<std::string, std::string> pair_;
+  int pair_len_ = 0;
+  std::string parse_message_;
+};
+
 /// Internal vocab key of a token string (raw bytes in byte-level mode).
 std::optional<std::string> internal_key(const Impl& im, const std::string& token) {
   if (!im.byte_level) return token;
   return byte_level_unmap(token);
 }
 
-void parse_model(const json& m, Impl& im, std::vector<std::pair<int32_t, std::string>>& id_tokens) {
+void parse_model(const json& m, const ModelArrays& arrays, Impl& im,
+                 std::vector<std::pair<int32_t, std::string>>& id_tokens) {
   const std::string where = "model";
   if (!m.is_object()) bad(where, "expected an object");
   if (m.contains("type") && !(m["type"].is_string() && m["type"].get<std::string>() == "BPE")) {
@@ -986,58 +1199,47 @@ void parse_model(const json& m, Impl& im, std::vector<std::pair<int32_t, std::st
   if (im.byte_level && (!im.cont_prefix.empty() || !im.eow_suffix.empty())) {
     bad(where, "continuing_subword_prefix / end_of_word_suffix together with a ByteLevel pre-tokenizer is not supported");
   }
-  const json& vocab = m.value("vocab", json());
-  if (!vocab.is_object()) bad(where + ".vocab", "expected an object token -> id");
-  im.vocab.reserve(vocab.size());
-  // Token strings as written in the file -> id, for resolving merges (views into the DOM).
-  std::unordered_map<std::string_view, int32_t, SvHash, std::equal_to<>> by_str;
-  by_str.reserve(vocab.size());
-  for (auto it = vocab.begin(); it != vocab.end(); ++it) {
-    if (!it.value().is_number_integer() || it.value().get<int64_t>() < 0 || it.value().get<int64_t>() >= INT32_MAX) {
-      bad(where + ".vocab['" + it.key() + "']", "expected a non-negative integer id");
-    }
-    const auto id = it.value().get<int32_t>();
-    id_tokens.emplace_back(id, it.key());
-    by_str.emplace(std::string_view(it.key()), id);
-    if (auto key = internal_key(im, it.key())) im.vocab.emplace(std::move(*key), id);
-    else im.vocab_unmappable.emplace(it.key(), id);
+  if (!arrays.have_vocab) bad(where + ".vocab", "expected an object token -> id");
+  if (!arrays.have_merges) bad(where + ".merges", "expected an array");
+  im.vocab.reserve(arrays.vocab.size());
+  // Token strings as written in the file -> id, for resolving merges.
+  FlatStrMap by_str;
+  by_str.reserve(arrays.vocab.size());
+  for (const auto& [token, id64] : arrays.vocab) {
+    const auto id = static_cast<int32_t>(id64);
+    id_tokens.emplace_back(id, token);
+    by_str.insert_or_assign(token, id);
+    if (auto key = internal_key(im, token)) im.vocab.insert_or_assign(*key, id);
+    else im.vocab_unmappable.insert_or_assign(token, id);
   }
-  const json& merges = m.value("merges", json());
-  if (!merges.is_array()) bad(where + ".merges", "expected an array");
-  im.merges.reserve(merges.size());
+  const size_t n_merges = arrays.merges.size() + arrays.merge_lines.size();
+  im.merges.reserve(n_merges);
   const size_t plen = im.cont_prefix.size();
-  const auto lookup = [&](std::string_view t) {
-    const auto it = by_str.find(t);
-    return it == by_str.end() ? -1 : it->second;
-  };
   uint32_t rank = 0;
   std::string merged;
-  for (size_t i = 0; i < merges.size(); ++i) {
-    const json& e = merges[i];
+  for (size_t i = 0; i < n_merges; ++i) {
     const auto at = [&] { return where + ".merges[" + std::to_string(i) + "]"; };
     std::string_view a, b;
-    if (e.is_string()) {
-      const std::string& s = e.get_ref<const std::string&>();
-      if (s.rfind("#version", 0) == 0) continue;  // HF skips a "#version" header line
-      const size_t sp = s.find(' ');
-      if (sp == std::string::npos || s.find(' ', sp + 1) != std::string::npos) {
-        bad(at(), "expected \"a b\" with exactly one space, got '" + s + "'");
-      }
-      a = std::string_view(s).substr(0, sp);
-      b = std::string_view(s).substr(sp + 1);
-    } else if (e.is_array() && e.size() == 2 && e[0].is_string() && e[1].is_string()) {
-      a = e[0].get_ref<const std::string&>();
-      b = e[1].get_ref<const std::string&>();
+    if (arrays.merge_lines.empty()) {
+      a = arrays.merges[i].first;
+      b = arrays.merges[i].second;
     } else {
-      bad(at(), "expected \"a b\" or [a, b]");
+      const std::string& line = arrays.merge_lines[i];
+      if (line.rfind("#version", 0) == 0) continue;  // HF skips a "#version" header line
+      const size_t sp = line.find(' ');
+      if (sp == std::string::npos || line.find(' ', sp + 1) != std::string::npos) {
+        bad(at(), "expected \"a b\" with exactly one space, got '" + line + "'");
+      }
+      a = std::string_view(line).substr(0, sp);
+      b = std::string_view(line).substr(sp + 1);
     }
-    const int32_t ia = lookup(a), ib = lookup(b);
+    const int32_t ia = by_str.find(a), ib = by_str.find(b);
     if (ia < 0) bad(at(), "token '" + std::string(a) + "' is not in the vocab");
     if (ib < 0) bad(at(), "token '" + std::string(b) + "' is not in the vocab");
     if (b.size() < plen) bad(at(), "token '" + std::string(b) + "' is shorter than continuing_subword_prefix");
     merged.assign(a);
     merged.append(b.substr(plen));
-    const int32_t im_id = lookup(merged);
+    const int32_t im_id = by_str.find(merged);
     if (im_id < 0) bad(at(), "merged token '" + merged + "' is not in the vocab");
     im.merges.insert_or_assign(static_cast<uint32_t>(ia), static_cast<uint32_t>(ib), rank, im_id);
     ++rank;
@@ -1051,10 +1253,7 @@ void parse_model(const json& m, Impl& im, std::vector<std::pair<int32_t, std::st
     char name[8];
     std::snprintf(name, sizeof name, "<0x%02X>", b);
     im.fallback_id[b] = im.model_token_to_id(name);
-    if (im.byte_level) {
-      auto it = im.vocab.find(std::string(1, static_cast<char>(b)));
-      if (it != im.vocab.end()) im.byte_id[b] = it->second;
-    }
+    if (im.byte_level) im.byte_id[b] = im.vocab.find(std::string(1, static_cast<char>(b)));
   }
   if (!im.unk_token.empty()) im.unk_id = im.model_token_to_id(im.unk_token);
   im.fast_bytes = im.byte_level &&
@@ -1087,7 +1286,7 @@ void parse_added_tokens(const json& list, Impl& im, std::vector<std::pair<int32_
     if (t.content.empty()) continue;  // HF ignores empty added tokens
     if (find_invalid_utf8(t.content)) bad(where + ".content", "invalid UTF-8");
     int64_t expect;
-    if (auto it = im.added_by_content.find(t.content); it != im.added_by_content.end()) expect = it->second;
+    if (const int32_t prev = im.added_by_content.find(t.content); prev >= 0) expect = prev;
     else if (int32_t mid = im.model_token_to_id(t.content); mid >= 0) expect = mid;
     else expect = next_id++;
     if (expect != t.id) {
@@ -1104,7 +1303,7 @@ void parse_added_tokens(const json& list, Impl& im, std::vector<std::pair<int32_
       }
       t.pattern = cur;
     }
-    im.added_by_content[t.content] = t.id;
+    im.added_by_content.insert_or_assign(t.content, t.id);
     // HF decodes a normalized added token through its normalised form (simple_id_to_token).
     id_tokens.emplace_back(t.id, t.normalized ? t.pattern : t.content);
     im.added.push_back(std::move(t));
@@ -1148,7 +1347,7 @@ void build_id_tables(Impl& im, std::vector<std::pair<int32_t, std::string>>& id_
   for (int32_t id : im.suffix_ids) if (!im.valid_id(id)) bad("post_processor", "special token id " + std::to_string(id) + " is not in the vocabulary");
 }
 
-std::shared_ptr<const Impl> build_impl(const json& root) {
+std::shared_ptr<const Impl> build_impl(const json& root, const ModelArrays& arrays) {
   if (!root.is_object()) bad("(root)", "expected a JSON object");
   auto im = std::make_shared<Impl>();
   for (const char* key : {"truncation", "padding"}) {
@@ -1158,7 +1357,7 @@ std::shared_ptr<const Impl> build_impl(const json& root) {
   parse_pre_tokenizer(root.value("pre_tokenizer", json()), "pre_tokenizer", *im);
   std::vector<std::pair<int32_t, std::string>> id_tokens;
   if (!root.contains("model")) bad("model", "missing");
-  parse_model(root["model"], *im, id_tokens);
+  parse_model(root["model"], arrays, *im, id_tokens);
   const size_t model_vocab_len = id_tokens.size();
   parse_added_tokens(root.value("added_tokens", json()), *im, id_tokens, model_vocab_len);
   parse_decoder(root.value("decoder", json()), "decoder", *im);
@@ -1175,13 +1374,12 @@ using tokenizer_detail::Impl;
 Tokenizer::Tokenizer(std::shared_ptr<const Impl> impl) : impl_(std::move(impl)) {}
 
 Tokenizer Tokenizer::from_json_string(std::string_view json_text) {
-  nlohmann::json root;
-  try {
-    root = nlohmann::json::parse(json_text.begin(), json_text.end());
-  } catch (const nlohmann::json::parse_error& e) {
-    throw std::runtime_error(std::string("tokenizer.json: not valid JSON: ") + e.what());
+  tokenizer_detail::LoaderSax sax;
+  if (!nlohmann::json::sax_parse(json_text.begin(), json_text.end(), &sax)) {
+    if (!sax.error.empty()) throw std::invalid_argument(sax.error);
+    throw std::runtime_error("tokenizer.json: not valid JSON: " + sax.parse_message());
   }
-  return Tokenizer(tokenizer_detail::build_impl(root));
+  return Tokenizer(tokenizer_detail::build_impl(sax.root, sax.arrays));
 }
 
 Tokenizer Tokenizer::load(const std::filesystem::path& tokenizer_json) {
@@ -1257,7 +1455,7 @@ std::string Tokenizer::decode(std::span<const int32_t> ids, bool skip_special_to
 
 int32_t Tokenizer::token_to_id(std::string_view token) const {
   const Impl& im = *impl_;
-  if (auto it = im.added_by_content.find(token); it != im.added_by_content.end()) return it->second;
+  if (const int32_t id = im.added_by_content.find(token); id >= 0) return id;
   if (find_invalid_utf8(token)) return -1;
   return im.model_token_to_id(token);
 }

@@ -439,6 +439,11 @@ TEST_CASE("load rejects unsupported or inconsistent tokenizer.json content", "[t
   expect_error({{"model", {{"type", "WordPiece"}}}}, "model.type");
   expect_error({{"model", {{"merges", {"l ##zz"}}}}}, "##zz");
   expect_error({{"model", {{"merges", {"a b c"}}}}}, "exactly one space");
+  expect_error({{"model", {{"merges", json::array({json::array({"l"})})}}}}, "model.merges[0]");
+  expect_error({{"model", {{"merges", json::array({"l ##o", json::array({"n", "##e"})})}}}}, "mix");
+  expect_error({{"model", {{"vocab", {{"a", "x"}}}}}}, "model.vocab['a']");
+  expect_error({{"model", {{"vocab", {{"a", -3}}}}}}, "non-negative integer");
+  expect_error({{"model", {{"vocab", json::array({1, 2})}}}}, "model.vocab");
   expect_error({{"truncation", {{"max_length", 512}}}}, "truncation");
   expect_error({{"decoder", {{"type", "WordPiece"}}}}, "decoder.type");
   expect_error({{"post_processor", {{"type", "TemplateProcessing"}, {"single", json::array({{{"SpecialToken", {{"id", "[X]"}}}}})},
