@@ -240,6 +240,7 @@ grpc::Status CombineService::Combine(grpc::ServerContext* ctx, const v1::Combine
                             fmt::format("request_id: {} is already active on this combine worker", p->id));
       }
     }
+    std::vector<size_t> warm;  // declared before the fetchers that read it (joined in cleanup)
     std::vector<std::thread> fetchers;
     auto cleanup = [&] {
       p->cancel->store(true);
@@ -263,7 +264,6 @@ grpc::Status CombineService::Combine(grpc::ServerContext* ctx, const v1::Combine
 
     // ---- gather ----
     if (uses_entries) {
-      std::vector<size_t> warm;
       for (size_t i = 0; i < p->slots.size(); ++i) {
         if (p->slots[i].planned == v1::PlannedSegment::LOCAL) build_locally(p, i, req->segments(int(i)).reason());
         if (p->slots[i].planned == v1::PlannedSegment::WARM) warm.push_back(i);

@@ -197,12 +197,15 @@ grpc::Status ScatterService::Prefill(grpc::ServerContext* ctx, const v1::Prefill
         c->set_queue_ms(e.built.queue_ms);
         c->set_compute_ms(e.built.compute_ms);
         c->set_entry_bytes(e.built.bytes->size());
+        // Tell the router first (its clock marks the end of this segment's compute), then deliver.
+        if (!writer->Write(out)) return finish(grpc::Status(grpc::StatusCode::CANCELLED, "the router went away"));
         if (req->cache_segments()) putter_.enqueue(digests[e.position], ids[e.position], e.built.bytes, rid);
         {
           std::lock_guard<std::mutex> lock(call->mu);
           call->to_deliver.emplace_back(e.position, std::move(e.built));
         }
         call->cv.notify_all();
+        continue;
       } else if (e.kind == PrefillCall::Event::Delivered) {
         out.mutable_delivered()->set_transfer_ms(e.transfer_ms);
         ++delivered;
