@@ -3,10 +3,12 @@
 #include <spdlog/spdlog.h>
 
 #include "combine_worker/service.h"
+#include "kernels/cpu/blas_env.h"
 #include "proto/rpc/chunks.h"
 #include "proto/rpc/server.h"
 
 int main(int argc, char** argv) {
+  hypic::kernels::cpu::reexec_with_recommended_blas_core(argv);  // before OpenBLAS is used
   hypic::rpc::block_termination_signals();
   CLI::App app{"hypic combine worker: gathers segment entries, splices them with the query, decodes"};
   hypic::rpc::ServerFlags server;

@@ -333,7 +333,10 @@ grpc::Status CombineService::Combine(grpc::ServerContext* ctx, const v1::Combine
         send(dev);
         break;
       }
-      const auto r = stop_matcher.push(detok.push(tok));
+      // Ids of the model's padded vocabulary beyond the tokenizer's (e.g. 151669..151935 for Qwen3)
+      // have no text: they are returned as ids only.
+      const bool has_text = size_t(tok) < d_.tokenizer.vocab_size();
+      const auto r = stop_matcher.push(has_text ? detok.push(tok) : std::string());
       dev.mutable_delta()->set_text(r.text);
       send(dev);
       if (r.stopped) {

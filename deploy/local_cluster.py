@@ -143,8 +143,13 @@ class LocalCluster:
         return str(path)
 
     def _common(self, role: str) -> list[str]:
-        # Short drain so that teardown is quick; the services' default is 10 s.
-        return ["--log-level", self.log_level, "--drain-seconds", "3"] + self.extra.get(role, [])
+        extra = self.extra.get(role, [])
+        given = {a.split("=")[0] for a in extra if a.startswith("--")}
+        flags = [] if "--log-level" in given else ["--log-level", self.log_level]
+        # Short drain so that teardown is quick (the services' default is 10 s), unless set explicitly.
+        if "--drain-seconds" not in given:
+            flags += ["--drain-seconds", "3"]
+        return flags + extra
 
     def _start(self, svc: Service) -> Service:
         self.services[svc.name] = svc

@@ -3,11 +3,13 @@
 #include <spdlog/spdlog.h>
 
 #include "engine/model.h"
+#include "kernels/cpu/blas_env.h"
 #include "proto/rpc/chunks.h"
 #include "proto/rpc/server.h"
 #include "scatter_worker/service.h"
 
 int main(int argc, char** argv) {
+  hypic::kernels::cpu::reexec_with_recommended_blas_core(argv);  // before OpenBLAS is used
   hypic::rpc::block_termination_signals();
   CLI::App app{"hypic scatter worker: prefills cold segments standalone and streams their entries"};
   hypic::rpc::ServerFlags server;

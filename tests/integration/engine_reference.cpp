@@ -15,11 +15,18 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include <spdlog/sinks/stdout_sinks.h>
+#include <spdlog/spdlog.h>
+
 #include "engine/model.h"
 #include "engine/splice.h"
 #include "engine/tokenizer.h"
+#include "kernels/cpu/blas_env.h"
 
 int main(int argc, char** argv) {
+  hypic::kernels::cpu::reexec_with_recommended_blas_core(argv);  // the same GEMM kernels as the workers
+  // stdout carries the JSON result only.
+  spdlog::set_default_logger(std::make_shared<spdlog::logger>("reference", std::make_shared<spdlog::sinks::stderr_sink_mt>()));
   CLI::App app{"engine-only reference generation for the cluster integration tests"};
   std::string model_dir, tokenizer_path, request_path;
   app.add_option("--model", model_dir, "checkpoint directory")->required()->check(CLI::ExistingDirectory);

@@ -1,0 +1,417 @@
+#!/usr/bin/env python3
+"""Cluster integration tests: real services on loopback, started by deploy/local_cluster.py, driven
+with hypic-client, compared with hypic-engine-reference (the engine alone).
+
+Run one class per CTest test:  python3 tests/integration/test_cluster.py CacheReuseTest
+Environment: HYPIC_BIN_DIR (the built binaries), HYPIC_TOKENIZER (else scripts/fetch_tokenizer.sh).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cluster_test_support import (BIN_DIR, SOURCE_DIR, ClusterTestCase, Env, processes_mentioning,  # noqa: E402
+                                  words)
+
+SEGMENTS = [words(100 + i, 170 + 15 * i) for i in range(6)]  # about 200-300 tokens each
+
+
+def sources(report: dict) -> list[str]:
+    return [s["source"] for s in report["segments"]]
+
+
+class CacheReuseTest(ClusterTestCase):
+    """Cold request, the same again (all hits, lower TTFT, same tokens), then the same segments in
+    another order with another query (hits too). The combine worker's own memory tier is off, so
+    warm entries travel from the segment cache service."""
+    extra_args = {"combine": ["--memory-tier-bytes", "0"]}
+
+    def test_cold_then_warm_then_reordered(self):
+        segs = SEGMENTS[:4]
+        query = "Which city is mentioned first, and why?"
+        cold = self.generate(segs, query, request_id="cold-1")
+        rep = self.ok(cold)
+        self.assertEqual(rep["request_id"], "cold-1")
+        self.assertEqual([s["cache_hit"] for s in rep["segments"]], [False] * 4)
+        self.assertEqual(sources(rep), ["SEGMENT_SOURCE_SCATTER"] * 4)
+        # LPT over two idle workers with four similar segments: both workers get work.
+        self.assertEqual(len({s["built_by"] for s in rep["segments"]}),  2)
+        self.assertTrue(rep["cache_available"])
+        self.assertEqual(cold["token_ids"], self.reference(segs, query))
+        # TTFT phases add up to the total.
+        t = rep["ttft"]
+        parts = sum(t[k] for k in ("router_ms", "lookup_ms", "scatter_ms", "transfer_ms", "splice_ms",
+                                   "first_decode_ms"))
+        self.assertAlmostEqual(parts, t["total_ms"], delta=0.01)
+        self.assertGreater(t["scatter_ms"], 0)
+
+        self.wait_cache_entries(4)
+        warm = self.generate(segs, query)
+        wrep = self.ok(warm)
+        self.assertEqual([s["cache_hit"] for s in wrep["segments"]], [True] * 4)
+        self.assertEqual(sources(wrep), ["SEGMENT_SOURCE_CACHE"] * 4)
+        self.assertEqual(warm["token_ids"], cold["token_ids"])
+        self.assertEqual(wrep["ttft"]["scatter_ms"], 0)
+        self.assertLess(wrep["ttft"]["total_ms"], t["total_ms"])
+
+        reordered = [segs[2], segs[0], segs[3], segs[1]]
+        query2 = "Summarise the letters in one sentence."
+        again = self.generate(reordered, query2)
+        arep = self.ok(again)
+        self.assertEqual([s["cache_hit"] for s in arep["segments"]], [True] * 4)
+        self.assertEqual(sources(arep), ["SEGMENT_SOURCE_CACHE"] * 4)
+        self.assertEqual(again["token_ids"], self.reference(reordered, query2))
+        self.assertNotEqual(again["token_ids"], cold["token_ids"])  # the comparison can tell prompts apart
+        stats = self.cache_stats()
+        self.assertEqual(int(stats["entries"]), 4)
+        self.assertEqual(int(stats["corruptions"]), 0)
+
+    def test_modes_match_the_engine(self):
+        """Every splice mode through the cluster gives the engine's tokens."""
+        segs = [SEGMENTS[4], SEGMENTS[5]]
+        query = "And then?"
+        for mode in ("transition", "naive", "full", "prefix"):
+            with self.subTest(mode=mode):
+                r = self.generate(segs, query, "--mode", mode, max_tokens=6)
+                rep = self.ok(r)
+                self.assertEqual(rep["mode"], mode)
+                self.assertEqual(r["token_ids"], self.reference(segs, query, max_tokens=6, mode=mode))
+
+
+class ReplicatedCacheTest(ClusterTestCase):
+    """Two cache replicas: entries are sharded by consistent hashing and found again."""
+    cache_replicas = 2
+    extra_args = {"combine": ["--memory-tier-bytes", "0"]}
+
+    def test_sharded_entries_hit(self):
+        segs = SEGMENTS
+        first = self.generate(segs, "Question one?")
+        self.ok(first)
+        self.wait_cache_entries(len(segs))
+        per_replica = [int(self.cache_stats(f"cache-{i}")["entries"]) for i in range(2)]
+        self.assertEqual(sum(per_replica), len(segs))
+        self.assertTrue(all(n > 0 for n in per_replica), f"all entries on one replica: {per_replica}")
+        second = self.generate(segs, "Question one?")
+        rep = self.ok(second)
+        self.assertEqual(sources(rep), ["SEGMENT_SOURCE_CACHE"] * len(segs))
+        self.assertEqual(second["token_ids"], first["token_ids"])
+
+
+class ConcurrencyTest(ClusterTestCase):
+    """8 concurrent requests with overlapping segments all give what the engine gives for each alone."""
+
+    def test_eight_concurrent_requests(self):
+        requests = []
+        for i in range(8):
+            picks = [SEGMENTS[(i + k) % 6] for k in range(3)]  # each segment shared by 4 requests
+            requests.append((picks, f"Question number {i}: what happens next?"))
+        expected = [self.reference(s, q, max_tokens=10) for s, q in requests]
+        with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
+            results = list(pool.map(lambda sq: self.generate(sq[0], sq[1], max_tokens=10), requests))
+        for i, (res, exp) in enumerate(zip(results, expected)):
+            with self.subTest(request=i):
+                self.ok(res)
+                self.assertEqual(res["token_ids"], exp)
+        # Every segment was needed by several requests; at least some were found warm.
+        all_sources = [s for r in results for s in sources(r["report"])]
+        self.assertTrue(set(all_sources) <= {"SEGMENT_SOURCE_SCATTER", "SEGMENT_SOURCE_CACHE",
+                                             "SEGMENT_SOURCE_COMBINE_MEMORY"})
+
+
+class ScatterFailureTest(ClusterTestCase):
+    """A scatter worker killed mid-request: its segments are reassigned and the request completes;
+    with no scatter worker left the combine worker prefills. Each build waits 400 ms first
+    (--inject-delay-ms) so the kill lands while the worker holds work."""
+    extra_args = {"scatter": ["--inject-delay-ms", "400"], "router": ["--health-interval-ms", "200"]}
+
+    def wait_log(self, name: str, text: str, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if text in self.cluster.services[name].log_path.read_text(errors="replace"):
+                return
+            time.sleep(0.02)
+        self.fail(f"{name} never logged {text!r}")
+
+    def test_kill_scatter_worker_mid_request(self):
+        segs = SEGMENTS[:4]
+        query = "Who wrote the letter?"
+        expected = self.reference(segs, query)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+            fut = pool.submit(self.generate, segs, query)
+            self.wait_log("scatter-0", "prefill of")
+            self.cluster.kill("scatter-0")
+            res = fut.result()
+        rep = self.ok(res)
+        self.assertEqual(res["token_ids"], expected)
+        self.assertEqual(rep["scatter_failures"], 1)
+        survivor = self.cluster.address("scatter-1")
+        self.assertEqual({s["built_by"] for s in rep["segments"]}, {survivor})
+        self.assertEqual(sorted(s["attempts"] for s in rep["segments"]), [1, 1, 2, 2])
+
+        # The cluster keeps serving (the dead worker is out of rotation).
+        segs2 = SEGMENTS[4:]
+        res2 = self.generate(segs2, query)
+        rep2 = self.ok(res2)
+        self.assertEqual({s["built_by"] for s in rep2["segments"]}, {survivor})
+        self.assertEqual(res2["token_ids"], self.reference(segs2, query))
+
+        # No scatter worker left: the combine worker prefills the cold segments itself.
+        self.cluster.kill("scatter-1")
+        self.cluster.wait_exit("scatter-1")
+        segs3 = [words(900, 120), words(901, 90)]
+        res3 = self.generate(segs3, query)
+        rep3 = self.ok(res3)
+        self.assertEqual(sources(rep3), ["SEGMENT_SOURCE_COMBINE_COMPUTED"] * 2)
+        self.assertEqual(res3["token_ids"], self.reference(segs3, query))
+
+
+class CacheDownTest(ClusterTestCase):
+    """With the segment cache stopped, requests still complete by computing."""
+
+    def test_requests_complete_without_cache(self):
+        segs = SEGMENTS[:3]
+        query = "Is the river cold?"
+        self.ok(self.generate(segs, query))
+        self.wait_cache_entries(3)
+        self.cluster.kill("cache-0", signal.SIGTERM)
+        self.cluster.wait_exit("cache-0")
+        # New segments: cold, computed by the scatter workers, puts dropped.
+        segs2 = SEGMENTS[3:]
+        res = self.generate(segs2, query)
+        rep = self.ok(res)
+        self.assertFalse(rep["cache_available"])
+        self.assertEqual(sources(rep), ["SEGMENT_SOURCE_SCATTER"] * 3)
+        self.assertEqual(res["token_ids"], self.reference(segs2, query))
+        # Earlier segments: the lookup fails, so they count as cold too (or come from the combine
+        # worker's memory tier); the answer is the same.
+        res = self.generate(segs, query)
+        self.ok(res)
+        self.assertEqual(res["token_ids"], self.reference(segs, query))
+
+
+class CorruptEntryTest(ClusterTestCase):
+    """A corrupt cache entry is detected, dropped and recomputed: (a) bytes the engine rejects
+    (EntryError, with a valid transport checksum) and (b) a bit flipped in the disk tier (the
+    cache's XXH3 check). Entries live on disk only (--memory-bytes 1) and the combine worker has
+    no memory tier, so every warm read goes through the cache's disk tier."""
+    extra_args = {"combine": ["--memory-tier-bytes", "0"]}
+
+    @classmethod
+    def setUpClass(cls) -> None:
+        cls.disk = tempfile.TemporaryDirectory(prefix="hypic-it-disk-")
+        cls.extra_args = dict(cls.extra_args, cache=["--memory-bytes", "1", "--disk-dir", cls.disk.name])
+        super().setUpClass()
+
+    @classmethod
+    def tearDownClass(cls) -> None:
+        super().tearDownClass()
+        cls.disk.cleanup()
+
+    def test_engine_rejected_entry_is_dropped_and_recomputed(self):
+        segs = SEGMENTS[:2]
+        query = "What was in the garden?"
+        first = self.generate(segs, query)
+        rep = self.ok(first)
+        self.wait_cache_entries(2)
+        digest = rep["segments"][0]["digest_hex"]
+        with tempfile.TemporaryDirectory() as d:
+            entry = Path(d) / "entry"
+            got = self.client("cache-get", "--cache", self.cluster.address("cache-0"), "--digest", digest, "--out",
+                              str(entry))
+            self.assertEqual(got.returncode, 0, got.stderr)
+            import json
+            ids = json.loads(got.stdout)["token_ids"]
+            data = entry.read_bytes()
+            entry.write_bytes(data[: len(data) // 2])  # truncated by a buggy writer
+            put = self.client("cache-put", "--cache", self.cluster.address("cache-0"), "--digest", digest,
+                              "--token-ids", ",".join(map(str, ids)), "--in", str(entry))
+            self.assertEqual(put.returncode, 0, put.stderr)
+        second = self.generate(segs, query)
+        rep2 = self.ok(second)
+        self.assertTrue(rep2["segments"][0]["cache_hit"])
+        self.assertEqual(rep2["segments"][0]["source"], "SEGMENT_SOURCE_COMBINE_COMPUTED")
+        self.assertIn("corrupt", rep2["segments"][0]["note"])
+        self.assertEqual(rep2["segments"][1]["source"], "SEGMENT_SOURCE_CACHE")
+        self.assertEqual(second["token_ids"], first["token_ids"])
+        # The recomputed entry was stored again: the next request reads it from the cache.
+        deadline = time.monotonic() + 20
+        while True:
+            third = self.generate(segs, query)
+            rep3 = self.ok(third)
+            if rep3["segments"][0]["source"] == "SEGMENT_SOURCE_CACHE" or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        self.assertEqual(rep3["segments"][0]["source"], "SEGMENT_SOURCE_CACHE")
+        self.assertEqual(third["token_ids"], first["token_ids"])
+
+    def test_disk_bit_flip_is_detected_by_the_cache(self):
+        segs = [SEGMENTS[4]]
+        query = "Where is the music?"
+        first = self.generate(segs, query)
+        rep = self.ok(first)
+        before = int(self.cache_stats()["corruptions"])
+        digest = rep["segments"][0]["digest_hex"]
+        path = Path(self.disk.name) / f"{digest}.entry"
+        deadline = time.monotonic() + 20
+        while not path.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        data = bytearray(path.read_bytes())
+        data[-100] ^= 0x10
+        path.write_bytes(bytes(data))
+        second = self.generate(segs, query)
+        rep2 = self.ok(second)
+        self.assertTrue(rep2["segments"][0]["cache_hit"])
+        self.assertEqual(rep2["segments"][0]["source"], "SEGMENT_SOURCE_COMBINE_COMPUTED")
+        self.assertIn("integrity", rep2["segments"][0]["note"])
+        self.assertEqual(second["token_ids"], first["token_ids"])
+        self.assertEqual(int(self.cache_stats()["corruptions"]), before + 1)
+
+
+class BadInputTest(ClusterTestCase):
+    """Bad requests get the right gRPC code and a message naming the problem; no service goes down."""
+    scatter_workers = 1
+    # Each cold segment takes at least 1.5 s (--inject-delay-ms): a window in which a request is
+    # surely in flight.
+    extra_args = {"router": ["--max-segment-tokens", "64", "--max-concurrent-requests", "1", "--drain-seconds", "30"],
+                  "scatter": ["--inject-delay-ms", "1500"]}
+
+    def expect_error(self, code: str, fragment: str, segments, query, *extra, max_tokens: int = 12):
+        r = self.generate(segments, query, *extra, max_tokens=max_tokens)
+        self.assertEqual(r["rc"], 2, f"expected an error, got {r}")
+        self.assertEqual(r["error"]["code"], code, r["error"])
+        self.assertIn(fragment, r["error"]["message"])
+
+    def test_bad_inputs(self):
+        short = [words(1, 20)]
+        self.expect_error("INVALID_ARGUMENT", "segments: at least one segment", [], "q?")
+        self.expect_error("INVALID_ARGUMENT", "query", short, "")
+        self.expect_error("RESOURCE_EXHAUSTED", "segments[1]: ", [short[0], words(2, 200)], "q?")
+        self.expect_error("INVALID_ARGUMENT", "cache.mode", short, "q?", "--mode", "psychic")
+        self.expect_error("INVALID_ARGUMENT", "sampling.max_tokens: must be >= 1, got -4", short, "q?",
+                          max_tokens=-4)
+        # Invalid UTF-8 can only travel in a file (JSON cannot hold it).
+        with tempfile.NamedTemporaryFile("wb", delete=False) as f:
+            f.write(b"valid start \xff\xfe then garbage")
+            bad = f.name
+        try:
+            r = subprocess.run([str(BIN_DIR / "hypic-client"), "generate", "--router", self.cluster.router_address,
+                                "--segment-file", bad, "--query", "q?", "--json"], capture_output=True, text=True)
+        finally:
+            os.unlink(bad)
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("INVALID_ARGUMENT: segments[0].text: invalid UTF-8 at byte 12", r.stderr)
+        # Still serving.
+        self.ok(self.generate(short, "Fine?", max_tokens=3))
+
+    def start_slow_request(self, pool, segment: str):
+        """Submits a cold request and returns once the combine worker has it (it then waits >= 1.5 s
+        for its segment)."""
+        combine_log = self.cluster.services["combine"].log_path
+        started = combine_log.read_text().count("] combine: ")
+        fut = pool.submit(self.generate, [segment], "Long answer please.")
+        deadline = time.monotonic() + 30
+        while combine_log.read_text().count("] combine: ") == started:
+            self.assertLess(time.monotonic(), deadline, "the slow request never reached the combine worker")
+            time.sleep(0.02)
+        return fut
+
+    def test_concurrency_limit_then_shutdown(self):
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+            slow = self.start_slow_request(pool, words(3, 20))
+            self.expect_error("RESOURCE_EXHAUSTED", "--max-concurrent-requests", [words(3, 20)], "Another?")
+            self.ok(slow.result())
+
+        # Shutdown: while a request is in flight the router drains (up to --drain-seconds 30); new
+        # requests get UNAVAILABLE.
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+            slow = self.start_slow_request(pool, words(4, 20))
+            self.cluster.kill("router", signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                h = self.client("health", "--target", self.cluster.router_address, "--service", "hypic.v1.Router")
+                if "NOT_SERVING" in h.stderr:
+                    break
+                time.sleep(0.02)
+            self.expect_error("UNAVAILABLE", "router is shutting down", [words(5, 20)], "After shutdown?")
+            finished = slow.result()
+        # The request in flight was allowed to finish within the drain period.
+        self.ok(finished)
+        self.assertEqual(self.cluster.wait_exit("router"), 0)
+
+
+class LauncherTest(unittest.TestCase):
+    """deploy/local_cluster.py leaves no process behind: normal exit, Ctrl-C, and its own SIGKILL."""
+
+    @classmethod
+    def setUpClass(cls) -> None:
+        Env.ensure()
+
+    def launch(self, work: str, *command: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, str(SOURCE_DIR / "deploy" / "local_cluster.py"), "--bin-dir",
+                                 str(BIN_DIR), "--model", Env.model, "--tokenizer", Env.tokenizer, "--work-dir", work,
+                                 "--scatter-workers", "1", "--", *command],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+    def wait_ready(self, work: str, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if (Path(work) / "router.port").exists():
+                return
+            time.sleep(0.05)
+        self.fail("the cluster did not come up")
+
+    def assert_gone(self, work: str, timeout: float = 15) -> None:
+        deadline = time.monotonic() + timeout
+        while processes_mentioning(work) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.assertEqual(processes_mentioning(work), [])
+
+    def test_run_command_then_exit(self):
+        with tempfile.TemporaryDirectory() as work:
+            p = self.launch(work, str(BIN_DIR / "hypic-client"), "generate", "--router", "{router}", "--segment",
+                            words(5, 40), "--query", "Done?", "--max-tokens", "3", "--quiet")
+            _, err = p.communicate(timeout=120)
+            self.assertEqual(p.returncode, 0, err)
+            self.assertIn("TTFT", err)
+            self.assert_gone(work)
+
+    def test_ctrl_c(self):
+        with tempfile.TemporaryDirectory() as work:
+            p = self.launch(work, "sleep", "600")
+            self.wait_ready(work)
+            p.send_signal(signal.SIGINT)
+            p.communicate(timeout=60)
+            self.assertEqual(p.returncode, 130)
+            self.assert_gone(work)
+
+    def test_launcher_killed(self):
+        with tempfile.TemporaryDirectory() as work:
+            p = self.launch(work, "sleep", "600")
+            self.wait_ready(work)
+            self.assertGreaterEqual(len(processes_mentioning(work)), 4)
+            os.killpg(p.pid, signal.SIGKILL)  # the launcher and the `sleep` it runs, not the services
+            p.communicate(timeout=30)
+            self.assert_gone(work)
+
+    def test_failed_start_cleans_up(self):
+        with tempfile.TemporaryDirectory() as work:
+            bad_model = Path(work) / "not-a-model"
+            bad_model.mkdir()
+            p = subprocess.run([sys.executable, str(SOURCE_DIR / "deploy" / "local_cluster.py"), "--bin-dir",
+                                str(BIN_DIR), "--model", str(bad_model), "--tokenizer", Env.tokenizer, "--work-dir",
+                                work, "--", "true"], capture_output=True, text=True, timeout=120)
+            self.assertEqual(p.returncode, 1)
+            self.assertIn("scatter-0 exited", p.stderr)
+            self.assert_gone(work)
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
