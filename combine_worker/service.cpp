@@ -183,6 +183,13 @@ void check_ids(std::span<const int32_t> ids, const std::string& field, int64_t v
 
 grpc::Status CombineService::Combine(grpc::ServerContext* ctx, const v1::CombineRequest* req,
                                      grpc::ServerWriter<v1::CombineEvent>* writer) {
+  const grpc::Status st = run_combine(ctx, req, writer);
+  if (!st.ok()) spdlog::warn("[req {}] combine ended: {}", req->request_id(), rpc::describe(st));
+  return st;
+}
+
+grpc::Status CombineService::run_combine(grpc::ServerContext* ctx, const v1::CombineRequest* req,
+                                         grpc::ServerWriter<v1::CombineEvent>* writer) {
   return rpc::handle_errors([&]() -> grpc::Status {
     auto life_call = d_.life.enter();
     const auto t_start = Clock::now();
@@ -396,7 +403,7 @@ grpc::Status CombineService::Combine(grpc::ServerContext* ctx, const v1::Combine
 grpc::Status CombineService::DeliverEntry(grpc::ServerContext*, grpc::ServerReader<v1::EntryChunk>* reader,
                                           v1::DeliverEntryResponse* resp) {
   return rpc::handle_errors([&]() -> grpc::Status {
-    auto life_call = d_.life.enter();
+    // Not refused while draining: it serves a request already in flight (unknown ids get NOT_FOUND).
     v1::EntryChunk msg;
     if (!reader->Read(&msg) || !msg.has_header()) {
       throw rpc::invalid_argument("header", "the first message of a delivery must be its header");
@@ -440,7 +447,7 @@ grpc::Status CombineService::DeliverEntry(grpc::ServerContext*, grpc::ServerRead
 grpc::Status CombineService::ComputeLocally(grpc::ServerContext*, const v1::ComputeLocallyRequest* req,
                                             v1::ComputeLocallyResponse*) {
   return rpc::handle_errors([&]() -> grpc::Status {
-    auto life_call = d_.life.enter();
+    // Not refused while draining: it serves a request already in flight (unknown ids get NOT_FOUND).
     auto p = find(req->request_id());
     for (int j = 0; j < req->indices_size(); ++j) {
       if (req->indices(j) >= p->slots.size()) {

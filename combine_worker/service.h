@@ -59,6 +59,8 @@ class CombineService final : public hypic::v1::CombineWorker::Service {
   struct Pending;  // one active request (defined in service.cpp)
 
  private:
+  grpc::Status run_combine(grpc::ServerContext* ctx, const hypic::v1::CombineRequest* req,
+                           grpc::ServerWriter<hypic::v1::CombineEvent>* writer);
   std::shared_ptr<Pending> find(const std::string& request_id);
   void build_locally(const std::shared_ptr<Pending>& p, size_t slot, std::string note);
   void fetch_warm(const std::shared_ptr<Pending>& p, size_t slot, const grpc::ServerContextBase* ctx);

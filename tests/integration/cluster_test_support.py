@@ -118,7 +118,8 @@ class ClusterTestCase(unittest.TestCase):
 
     # ---- requests ----
     def generate(self, segments: list[str], query: str, *extra: str, max_tokens: int = 12,
-                 router: str | None = None, request_id: str = "", timeout: float = 120) -> dict:
+                 router: str | None = None, request_id: str = "", timeout: float = 120,
+                 deadline_s: float = 100) -> dict:
         """Runs hypic-client generate --json (greedy, no EOS stop); returns the parsed JSON plus "rc"."""
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
             json.dump({"segments": segments, "query": query}, f)
@@ -126,7 +127,7 @@ class ClusterTestCase(unittest.TestCase):
         try:
             argv = [str(BIN_DIR / "hypic-client"), "generate", "--router", router or self.cluster.router_address,
                     "--segments-json", path, "--max-tokens", str(max_tokens), "--ignore-eos", "--json",
-                    "--timeout-seconds", "100"]
+                    "--timeout-seconds", str(deadline_s)]
             if request_id:
                 argv += ["--request-id", request_id]
             r = subprocess.run(argv + list(extra), capture_output=True, text=True, timeout=timeout)

@@ -311,6 +311,22 @@ class BadInputTest(ClusterTestCase):
         # Still serving.
         self.ok(self.generate(short, "Fine?", max_tokens=3))
 
+    def test_deadline_and_cancellation_propagate(self):
+        """A client deadline shorter than the scatter work cancels the request in every service."""
+        r = self.generate([words(6, 20)], "Too slow?", request_id="late-1", deadline_s=0.5)
+        self.assertEqual(r["rc"], 2)
+        self.assertEqual(r["error"]["code"], "DEADLINE_EXCEEDED")
+        deadline = time.monotonic() + 10
+        logs = {}
+        while time.monotonic() < deadline:
+            logs = {n: self.cluster.services[n].log_path.read_text() for n in ("scatter-0", "combine")}
+            if ("[req late-1] prefill cancelled" in logs["scatter-0"] and
+                    "[req late-1] combine ended: " in logs["combine"]):
+                break
+            time.sleep(0.05)
+        self.assertIn("[req late-1] prefill cancelled", logs["scatter-0"])
+        self.assertRegex(logs["combine"], r"\[req late-1\] combine ended: (CANCELLED|DEADLINE_EXCEEDED)")
+
     def start_slow_request(self, pool, segment: str):
         """Submits a cold request and returns once the combine worker has it (it then waits >= 1.5 s
         for its segment)."""
@@ -323,12 +339,14 @@ class BadInputTest(ClusterTestCase):
             time.sleep(0.02)
         return fut
 
-    def test_concurrency_limit_then_shutdown(self):
+    def test_concurrency_limit(self):
         with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
             slow = self.start_slow_request(pool, words(3, 20))
             self.expect_error("RESOURCE_EXHAUSTED", "--max-concurrent-requests", [words(3, 20)], "Another?")
             self.ok(slow.result())
 
+    def test_shutdown_refuses_new_requests(self):
+        """Runs last (unittest orders tests by name): it stops the router."""
         # Shutdown: while a request is in flight the router drains (up to --drain-seconds 30); new
         # requests get UNAVAILABLE.
         with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
