@@ -15,6 +15,7 @@
 #include "engine/model.h"
 #include "engine/splice.h"
 #include "engine/tokenizer.h"
+#include "kernels/cpu/blas_env.h"
 
 using namespace hypic::engine;
 using Clock = std::chrono::steady_clock;
@@ -80,6 +81,7 @@ std::vector<int32_t> greedy(const Model& model, ModelState state, const std::vec
 }  // namespace
 
 int main(int argc, char** argv) {
+  hypic::kernels::cpu::reexec_with_recommended_blas_core(argv);  // before OpenBLAS is used
   CLI::App app{"hypic-eval: compare the splice modes (full, prefix, naive, transition, hypic) on one prompt"};
   std::string model_dir, tokenizer_path, query_text, query_ids_text, modes_text = "full,prefix,naive,transition,hypic";
   std::vector<std::string> segment_files, segment_texts, token_files;

@@ -12,6 +12,7 @@
 //       greedy continuation (prefill, then token-by-token decode); prints the new ids as a JSON array
 //
 // Errors (unreadable or inconsistent checkpoint, bad ids) go to stderr with exit status 1.
+#include "kernels/cpu/blas_env.h"
 #include "engine/model.h"
 
 #include <CLI/CLI.hpp>
@@ -204,6 +205,7 @@ int run_generate(const std::string& model, const std::vector<int32_t>& ids, int 
 }  // namespace
 
 int main(int argc, char** argv) {
+  hypic::kernels::cpu::reexec_with_recommended_blas_core(argv);  // before OpenBLAS is used
   CLI::App app{"Make, inspect and run hybrid-model checkpoints (Qwen3-Next, Qwen3.5) on the CPU"};
   app.require_subcommand(1);
 
