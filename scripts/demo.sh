@@ -1,0 +1,344 @@
+#!/usr/bin/env bash
+# The main job: one command that shows a hypic cluster answering a multi-document prompt twice, cold then
+# warm, and what the segment cache saved.
+#
+#   scripts/demo.sh                     install what is missing, build, fetch the Qwen3 tokenizer, make the
+#                                       demo model, start the cluster, send the prompt twice, shut down
+#   scripts/demo.sh --doc a.txt --doc b.md --query "What do these have in common?"
+#   scripts/demo.sh --model /path/to/Qwen3-Next-checkpoint     a real checkpoint (config.json + safetensors)
+#   scripts/demo.sh --smoke --skip-setup --skip-build --bin-dir build/bin     the CI smoke version
+#
+# Steps: scripts/setup.sh (Debian packages), cmake build of the demo's binaries into $BUILD_DIR (default
+# build/, the same tree as scripts/build.sh and scripts/test.sh), scripts/fetch_tokenizer.sh (the real Qwen3
+# tokenizer), `hypic-model init --config deploy/models/demo.json --seed 1` once into the cache directory
+# ($HYPIC_CACHE_DIR, else ${XDG_CACHE_HOME:-~/.cache}/hypic), then deploy/local_cluster.py starts the
+# segment cache, the scatter workers, one combine worker and the router on loopback and runs this script's
+# request phase against it. Each document is one segment; the query is computed in context after them.
+#
+# Exit status: 0 when both runs succeeded and the second found every segment in the cache with the same
+# output (greedy decoding); 1 otherwise, with the reason on stderr; 2 for bad usage. No process of the
+# cluster outlives the script, whether it ends normally, fails or is interrupted (Ctrl-C, SIGTERM).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+SELF="$ROOT/scripts/demo.sh"
+NEEDED_BINS=(hypic-segment-cache hypic-scatter-worker hypic-combine-worker hypic-router hypic-client hypic-model)
+
+die() { echo "demo.sh: error: $*" >&2; exit 1; }
+say() { echo "$*"; }
+rule() {
+  local t="== $* "
+  printf '%s%s\n' "$t" "$(printf '=%.0s' $(seq 1 $((100 - ${#t} > 3 ? 100 - ${#t} : 3))))"
+}
+
+usage() {
+  cat <<'EOF'
+Usage: scripts/demo.sh [options]
+
+Starts a local hypic cluster (segment cache, router, scatter workers, one combine worker), sends a prompt
+made of documents plus a question twice (first every segment is cold, then every segment is warm), prints
+the generated text, the per-segment hit/miss table and the TTFT breakdown of both runs, compares them and
+shuts the cluster down.
+
+Options:
+  --model DIR           checkpoint directory (config.json + *.safetensors) of a Qwen3-Next / Qwen3.5 model.
+                        Default: the demo model, a small Qwen3-Next-architecture checkpoint with RANDOM
+                        weights made by `hypic-model init` (its text is meaningless).
+  --tokenizer FILE      tokenizer.json matching the model. Default: the real Qwen3 tokenizer
+                        (scripts/fetch_tokenizer.sh).
+  --doc FILE            a document, sent as one segment (repeat). Default: license texts from
+                        /usr/share/common-licenses (Apache-2.0, BSD, Artistic, CC0-1.0).
+  --query TEXT          the question after the documents.
+  --scatter-workers N   scatter workers to start (default 2; 0 lets the combine worker prefill).
+  --max-tokens N        tokens to generate per run (default 32).
+  --smoke               tiny and fast (two trimmed documents, 4 tokens): the CI version.
+  --skip-setup          do not run scripts/setup.sh (packages already installed).
+  --skip-build          do not build; use the binaries in --bin-dir.
+  --build-dir DIR       build tree (default $BUILD_DIR or build).
+  --bin-dir DIR         where the binaries are (default <build dir>/bin).
+  --keep-logs           keep the services' logs (their path is printed).
+  -h, --help            this help.
+
+Environment: OPENBLAS_NUM_THREADS defaults to 1 here (several single-threaded services share the host;
+on two cores that was faster than two BLAS threads per process). OPENBLAS_CORETYPE is left to the
+services, which re-execute themselves with a better OpenBLAS kernel set when the library's own pick is
+weak (kernels/cpu/blas_env.h); set it yourself to override.
+EOF
+}
+
+# ---------------------------------------------------------------------------------------------------------
+# Request phase: run by deploy/local_cluster.py once the cluster is up (router address in $HYPIC_ROUTER).
+# Sends the request twice and keeps each run's report in RUNDIR/run<i>.report.
+# ---------------------------------------------------------------------------------------------------------
+if [[ "${1:-}" == "--request-phase" ]]; then
+  RUNDIR="$2"
+  CLIENT="$3"
+  MAX_TOKENS="$4"
+  [[ -n "${HYPIC_ROUTER:-}" ]] || die "request phase: HYPIC_ROUTER is not set (run through the launcher)"
+  for run in 1 2; do
+    if [[ $run == 1 ]]; then
+      rule "run 1 of 2: a new prompt, every segment cold (computed by the scatter workers)"
+    else
+      rule "run 2 of 2: the same prompt again, every segment warm (from the cache)"
+    fi
+    say "generated text:"
+    # The text streams to stdout; the report table (stderr) is printed after it and kept for the comparison.
+    if ! "$CLIENT" generate --router "$HYPIC_ROUTER" --segments-json "$RUNDIR/request.json" \
+        --max-tokens "$MAX_TOKENS" --seed 1 --request-id "demo-run-$run" --timeout-seconds 600 \
+        2>"$RUNDIR/run$run.report" | tee "$RUNDIR/run$run.text"; then
+      cat "$RUNDIR/run$run.report" >&2
+      die "run $run failed (the client's message is above)"
+    fi
+    cat "$RUNDIR/run$run.report"
+    echo
+  done
+  exit 0
+fi
+
+# ---------------------------------------------------------------------------------------------------------
+# Options
+# ---------------------------------------------------------------------------------------------------------
+MODEL="" TOKENIZER="" QUERY="" SCATTER=2 MAX_TOKENS="" SMOKE=0 SKIP_SETUP=0 SKIP_BUILD=0 KEEP_LOGS=0
+BUILD_DIR="${BUILD_DIR:-build}" BIN_DIR=""
+DOCS=()
+need_value() { [[ $# -ge 2 && -n "$2" ]] || { echo "demo.sh: $1 needs a value (see --help)" >&2; exit 2; }; }
+while (($#)); do
+  case "$1" in
+    --model) need_value "$@"; MODEL="$2"; shift 2 ;;
+    --tokenizer) need_value "$@"; TOKENIZER="$2"; shift 2 ;;
+    --doc) need_value "$@"; DOCS+=("$2"); shift 2 ;;
+    --query) need_value "$@"; QUERY="$2"; shift 2 ;;
+    --scatter-workers) need_value "$@"; SCATTER="$2"; shift 2 ;;
+    --max-tokens) need_value "$@"; MAX_TOKENS="$2"; shift 2 ;;
+    --smoke) SMOKE=1; shift ;;
+    --skip-setup) SKIP_SETUP=1; shift ;;
+    --skip-build) SKIP_BUILD=1; shift ;;
+    --build-dir) need_value "$@"; BUILD_DIR="$2"; shift 2 ;;
+    --bin-dir) need_value "$@"; BIN_DIR="$2"; shift 2 ;;
+    --keep-logs) KEEP_LOGS=1; shift ;;
+    -h|--help) usage; exit 0 ;;
+    *) echo "demo.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
+  esac
+done
+[[ "$SCATTER" =~ ^[0-9]+$ ]] && ((SCATTER <= 64)) \
+  || { echo "demo.sh: --scatter-workers must be an integer in [0, 64], got '$SCATTER'" >&2; exit 2; }
+if [[ -z "$MAX_TOKENS" ]]; then
+  MAX_TOKENS=$((SMOKE ? 4 : 32))
+fi
+[[ "$MAX_TOKENS" =~ ^[0-9]+$ ]] && ((MAX_TOKENS >= 1 && MAX_TOKENS <= 4096)) \
+  || { echo "demo.sh: --max-tokens must be an integer in [1, 4096], got '$MAX_TOKENS'" >&2; exit 2; }
+[[ "$BUILD_DIR" = /* ]] || BUILD_DIR="$ROOT/$BUILD_DIR"
+BIN_DIR="${BIN_DIR:-$BUILD_DIR/bin}"
+[[ "$BIN_DIR" = /* ]] || BIN_DIR="$PWD/$BIN_DIR"
+if [[ -n "$MODEL" ]]; then
+  [[ -d "$MODEL" ]] || die "--model $MODEL: no such directory"
+  [[ -f "$MODEL/config.json" ]] || die "--model $MODEL: no config.json in it (expected a Hugging Face checkpoint directory)"
+  ls "$MODEL"/*.safetensors >/dev/null 2>&1 || die "--model $MODEL: no *.safetensors weights in it"
+  MODEL="$(cd "$MODEL" && pwd)"
+fi
+if [[ -n "$TOKENIZER" ]]; then
+  [[ -f "$TOKENIZER" ]] || die "--tokenizer $TOKENIZER: no such file"
+  TOKENIZER="$(cd "$(dirname "$TOKENIZER")" && pwd)/$(basename "$TOKENIZER")"
+fi
+for d in ${DOCS[@]+"${DOCS[@]}"}; do
+  [[ -f "$d" && -r "$d" ]] || die "--doc $d: not a readable file"
+  [[ -s "$d" ]] || die "--doc $d: the file is empty (a segment needs at least one token)"
+done
+command -v python3 >/dev/null 2>&1 || die "python3 not found (the local launcher needs it; run scripts/setup.sh)"
+
+CACHE_ROOT="${HYPIC_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/hypic}"
+export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-1}"
+
+# ---------------------------------------------------------------------------------------------------------
+# 1. packages, 2. build
+# ---------------------------------------------------------------------------------------------------------
+cd "$ROOT"
+if ((!SKIP_SETUP)); then
+  rule "setup: Debian packages (scripts/setup.sh)"
+  ./scripts/setup.sh || die "scripts/setup.sh failed (see above); it needs root or sudo to install packages"
+fi
+if ((!SKIP_BUILD)); then
+  rule "build: ${NEEDED_BINS[*]} into $BUILD_DIR"
+  # The same configuration as scripts/build.sh; only the demo's targets (scripts/test.sh builds the rest).
+  cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null \
+    || die "cmake configure failed (missing packages? run without --skip-setup)"
+  cmake --build "$BUILD_DIR" -j "${JOBS:-$(nproc)}" --target "${NEEDED_BINS[@]}" || die "the build failed (see above)"
+fi
+for b in "${NEEDED_BINS[@]}"; do
+  [[ -x "$BIN_DIR/$b" ]] || die "$BIN_DIR/$b not found: build first (scripts/build.sh) or run without --skip-build"
+done
+
+# ---------------------------------------------------------------------------------------------------------
+# 3. tokenizer, 4. model
+# ---------------------------------------------------------------------------------------------------------
+if [[ -z "$TOKENIZER" ]]; then
+  TOKENIZER="$(./scripts/fetch_tokenizer.sh)" || die "could not obtain the Qwen3 tokenizer (see above); pass --tokenizer FILE"
+fi
+DEMO_MODEL=0
+if [[ -z "$MODEL" ]]; then
+  DEMO_MODEL=1
+  CONFIG="$ROOT/deploy/models/demo.json"
+  [[ -f "$CONFIG" ]] || die "$CONFIG is missing"
+  MODEL="$CACHE_ROOT/models/demo-seed1"
+  # The stamp ties the checkpoint to the config it was made from and the size of its weights file.
+  stamp_of() { echo "config $(sha256sum "$CONFIG" | cut -d' ' -f1) seed 1 weights $(stat -c %s "$1/model.safetensors" 2>/dev/null || echo none)"; }
+  if [[ ! -f "$MODEL/.demo-stamp" || "$(cat "$MODEL/.demo-stamp")" != "$(stamp_of "$MODEL")" ]]; then
+    rule "model: making the demo model (hypic-model init --config deploy/models/demo.json --seed 1)"
+    mkdir -p "$CACHE_ROOT/models" || die "cannot create $CACHE_ROOT/models"
+    tmp_model="$(mktemp -d "$CACHE_ROOT/models/.demo.XXXXXX")"
+    rm -rf "$tmp_model/m"
+    "$BIN_DIR/hypic-model" init --config "$CONFIG" --seed 1 --out "$tmp_model/m" \
+      || { rm -rf "$tmp_model"; die "hypic-model init failed"; }
+    stamp_of "$tmp_model/m" > "$tmp_model/m/.demo-stamp"
+    rm -rf "$MODEL"
+    # Another demo may have finished first; either copy is the same deterministic checkpoint.
+    mv -T "$tmp_model/m" "$MODEL" 2>/dev/null || true
+    rm -rf "$tmp_model"
+    [[ -f "$MODEL/.demo-stamp" ]] || die "could not place the demo model in $MODEL"
+  fi
+fi
+
+# ---------------------------------------------------------------------------------------------------------
+# 5. the prompt
+# ---------------------------------------------------------------------------------------------------------
+RUNDIR="$(mktemp -d "${TMPDIR:-/tmp}/hypic-demo.XXXXXX")"
+LAUNCHER_PID=""
+cleanup() {
+  local rc=$?
+  trap - EXIT INT TERM HUP
+  if [[ -n "$LAUNCHER_PID" ]] && kill -0 "$LAUNCHER_PID" 2>/dev/null; then
+    kill -TERM "$LAUNCHER_PID" 2>/dev/null || true  # the launcher stops every service it started
+    wait "$LAUNCHER_PID" 2>/dev/null || true
+  fi
+  if ((KEEP_LOGS)) || ((rc != 0)); then
+    [[ -d "$RUNDIR/cluster/logs" ]] && echo "demo.sh: service logs kept in $RUNDIR/cluster/logs" >&2
+  else
+    rm -rf "$RUNDIR"
+  fi
+  exit "$rc"
+}
+trap cleanup EXIT
+INTERRUPTED=0
+trap 'INTERRUPTED=1; echo "demo.sh: interrupted, stopping the cluster" >&2; exit 130' INT TERM HUP
+
+if ((${#DOCS[@]} == 0)); then
+  LICENSES=/usr/share/common-licenses
+  if ((SMOKE)); then
+    # Two short documents (about 300 tokens each) keep the CI run within seconds.
+    for name in Apache-2.0 BSD; do
+      [[ -f "$LICENSES/$name" ]] || die "$LICENSES/$name not found (Debian's base-files provides it); pass --doc FILE"
+      head -c 1400 "$LICENSES/$name" > "$RUNDIR/$name.txt"
+      DOCS+=("$RUNDIR/$name.txt")
+    done
+  else
+    for name in Apache-2.0 BSD Artistic CC0-1.0; do
+      [[ -f "$LICENSES/$name" ]] || die "$LICENSES/$name not found (Debian's base-files provides it); pass --doc FILE"
+      DOCS+=("$LICENSES/$name")
+    done
+  fi
+fi
+if [[ -z "$QUERY" ]]; then
+  QUERY="Which of these licenses require keeping the copyright notice when the work is redistributed, and which let you waive all rights?"
+fi
+python3 - "$RUNDIR/request.json" "$QUERY" "${DOCS[@]}" <<'EOF' || die "could not write the request"
+import json, os, sys
+out, query, docs = sys.argv[1], sys.argv[2], sys.argv[3:]
+with open(out, "w") as f:
+    json.dump({"segments": [{"file": os.path.abspath(d)} for d in docs], "query": query}, f)
+EOF
+
+model_summary() {  # "qwen3_5_text, hidden 256, 8 layers (6 linear attention)" from config.json
+  python3 - "$1/config.json" <<'PY' || echo "?"
+import json, sys
+c = json.load(open(sys.argv[1]))
+c = c.get("text_config", c)
+types = c.get("layer_types") or []
+lin = sum(1 for t in types if t == "linear_attention")
+extra = f" ({lin} linear attention)" if types else ""
+print(f"{c.get('model_type', '?')}, hidden {c.get('hidden_size', '?')}, {c.get('num_hidden_layers', '?')} layers{extra}")
+PY
+}
+
+rule "hypic demo"
+if ((DEMO_MODEL)); then
+  say "model      $MODEL"
+  say "           the demo model: $(model_summary "$MODEL") (deploy/models/demo.json), RANDOM WEIGHTS."
+  say "           Its text is meaningless; the point is the cache: what is computed, where, and how long it takes."
+  say "           For real answers pass a real checkpoint: scripts/demo.sh --model DIR [--tokenizer DIR/tokenizer.json]"
+  say "           (a Hugging Face Qwen3-Next / Qwen3.5 directory with config.json and *.safetensors)."
+else
+  say "model      $MODEL"
+  say "           $(model_summary "$MODEL")"
+fi
+say "tokenizer  $TOKENIZER"
+say "documents  ${#DOCS[@]}, one segment each:"
+for d in "${DOCS[@]}"; do say "           $(printf '%8d bytes  %s' "$(stat -c %s "$d")" "$d")"; done
+say "query      $QUERY"
+say "cluster    segment cache, router, $SCATTER scatter worker(s), 1 combine worker on 127.0.0.1 (deploy/local_cluster.py)"
+say "decoding   greedy, at most $MAX_TOKENS tokens; OPENBLAS_NUM_THREADS=$OPENBLAS_NUM_THREADS"
+say "starting the cluster (each service loads the model)..."
+
+# ---------------------------------------------------------------------------------------------------------
+# 6. cluster + requests. The launcher runs in the background so that this script's traps can stop it;
+# it tears every service down when the request phase ends, fails, or it receives SIGTERM/SIGINT.
+# ---------------------------------------------------------------------------------------------------------
+python3 "$ROOT/deploy/local_cluster.py" --bin-dir "$BIN_DIR" --model "$MODEL" --tokenizer "$TOKENIZER" \
+  --scatter-workers "$SCATTER" --work-dir "$RUNDIR/cluster" --log-level warn \
+  -- "$SELF" --request-phase "$RUNDIR" "$BIN_DIR/hypic-client" "$MAX_TOKENS" &
+LAUNCHER_PID=$!
+launcher_rc=0
+wait "$LAUNCHER_PID" || launcher_rc=$?
+LAUNCHER_PID=""
+if ((launcher_rc == 130 || INTERRUPTED)); then
+  echo "demo.sh: interrupted; the cluster is stopped" >&2
+  exit 130
+fi
+((launcher_rc == 0)) || die "the cluster run failed (status $launcher_rc); service logs: $RUNDIR/cluster/logs"
+
+# No service may outlive the launcher: each one has the work directory in its command line.
+left=()
+for p in /proc/[0-9]*; do
+  cmd="$(tr '\0' ' ' < "$p/cmdline" 2>/dev/null || true)"
+  [[ "$cmd" == *"$RUNDIR/cluster/"* && "${p#/proc/}" != "$$" ]] && left+=("${p#/proc/}")
+done
+((${#left[@]} == 0)) || die "processes left behind by the cluster: ${left[*]}"
+
+# ---------------------------------------------------------------------------------------------------------
+# 7. comparison (parsed from the client's report tables)
+# ---------------------------------------------------------------------------------------------------------
+ttft_of() {
+  sed -n 's/^TTFT \([0-9.]*\) ms = .*/\1/p' "$RUNDIR/run$1.report" | tail -n1
+}
+count_of() {  # hit|miss
+  awk -v w="$2" '$1 ~ /^[0-9]+$/ && $2 ~ /^[0-9]+$/ && $3 == w {n++} END {print n + 0}' "$RUNDIR/run$1.report"
+}
+cold=$(ttft_of 1) warm=$(ttft_of 2)
+[[ -n "$cold" && -n "$warm" ]] || die "no TTFT line in the client's report (see the output above)"
+nseg=${#DOCS[@]}
+hits1=$(count_of 1 hit) hits2=$(count_of 2 hit)
+rule "comparison"
+python3 - "$cold" "$warm" "$nseg" "$hits1" "$hits2" <<'EOF'
+import sys
+cold, warm = float(sys.argv[1]), float(sys.argv[2])
+n, h1, h2 = (int(x) for x in sys.argv[3:6])
+print(f"run 1 (cold): {h1}/{n} segments found in the cache, TTFT {cold:9.1f} ms")
+print(f"run 2 (warm): {h2}/{n} segments found in the cache, TTFT {warm:9.1f} ms")
+if warm > 0:
+    print(f"time to first token {cold / warm:.1f}x shorter with the segments cached ({cold - warm:.1f} ms saved)")
+EOF
+status=0
+if ((hits2 != nseg)); then
+  echo "demo.sh: error: run 2 found only $hits2 of $nseg segments in the cache" >&2
+  status=1
+fi
+if cmp -s "$RUNDIR/run1.text" "$RUNDIR/run2.text"; then
+  say "both runs generated the same text: a cached segment gives the same result as a computed one."
+else
+  echo "demo.sh: error: the two runs generated different text although decoding is greedy" >&2
+  status=1
+fi
+if ((DEMO_MODEL)); then
+  say "(random weights: the text itself means nothing. Real model: scripts/demo.sh --model DIR --tokenizer FILE)"
+fi
+say "the cluster is shut down; no process is left."
+exit $status
