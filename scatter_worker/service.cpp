@@ -145,10 +145,13 @@ grpc::Status ScatterService::Prefill(grpc::ServerContext* ctx, const v1::Prefill
         }
         PrefillCall::Event e{st.ok() ? PrefillCall::Event::Delivered : PrefillCall::Event::Failed, item.first, {}};
         e.transfer_ms = rpc::ms_between(t0, std::chrono::steady_clock::now());
+        // A failed delivery is reported as ABORTED (the underlying code is in the message), so the
+        // router does not mistake the combine worker's failure for this worker's.
         e.status = st.ok() ? st
-                           : grpc::Status(st.error_code(), fmt::format("delivering segment {} to combine worker {}: {}",
-                                                                       req->segments(i).index(),
-                                                                       req->combine_address(), st.error_message()));
+                           : grpc::Status(grpc::StatusCode::ABORTED,
+                                          fmt::format("delivering segment {} to combine worker {}: {}",
+                                                      req->segments(i).index(), req->combine_address(),
+                                                      rpc::describe(st)));
         call->push(std::move(e));
         if (!st.ok()) return;
       }
