@@ -61,13 +61,15 @@ int main(int argc, char** argv) {
     hypic::engine::PrefixStateCache prefix(prefix_cache_bytes);
     hypic::rpc::Lifecycle life("combine worker");
     hypic::combine::CombineService svc({model, tokenizer, cache, putter, builder, tier, prefix, life}, opt);
-    return hypic::rpc::run_server(
+    const int status = hypic::rpc::run_server(
         server, life,
         {"combine",
          {&svc},
          {"hypic.v1.CombineWorker"},
          [&](int port) { svc.set_address(hypic::rpc::advertised_host(server.listen) + ":" + std::to_string(port)); },
          {}});
+    builder.stop();  // build callbacks use the service: finish them before it goes away
+    return status;
   } catch (const std::exception& e) {
     spdlog::critical("{}", e.what());
     return 1;

@@ -13,13 +13,17 @@ EntryBuilder::EntryBuilder(const engine::Model& model, int threads, std::chrono:
   for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { run(); });
 }
 
-EntryBuilder::~EntryBuilder() {
+EntryBuilder::~EntryBuilder() { stop(); }
+
+void EntryBuilder::stop() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
   }
   cv_.notify_all();
-  for (auto& t : threads_) t.join();
+  for (auto& t : threads_) {
+    if (t.joinable()) t.join();
+  }
 }
 
 void EntryBuilder::submit(std::vector<int32_t> ids, int seam_width, std::shared_ptr<const std::atomic<bool>> cancel,

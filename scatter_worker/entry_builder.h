@@ -36,8 +36,11 @@ class EntryBuilder {
   /// `model` must outlive the builder. `threads` >= 1 engine threads. `inject_delay` (testing
   /// only) sleeps that long before each build, to widen fault-injection windows.
   EntryBuilder(const engine::Model& model, int threads, std::chrono::milliseconds inject_delay = {});
-  /// Finishes the build in progress; queued builds are reported cancelled.
+  /// Calls stop().
   ~EntryBuilder();
+  /// Finishes the builds in progress, reports the queued ones cancelled and joins the engine
+  /// threads (their callbacks run before this returns). Idempotent; submit() must not follow.
+  void stop();
   EntryBuilder(const EntryBuilder&) = delete;
   EntryBuilder& operator=(const EntryBuilder&) = delete;
 

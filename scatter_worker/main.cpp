@@ -44,13 +44,15 @@ int main(int argc, char** argv) {
     hypic::worker::EntryBuilder builder(model, threads, std::chrono::milliseconds(inject_delay_ms));
     hypic::rpc::Lifecycle life("scatter worker");
     hypic::worker::ScatterService svc(model, builder, putter, life, chunk_bytes);
-    return hypic::rpc::run_server(
+    const int status = hypic::rpc::run_server(
         server, life,
         {"scatter",
          {&svc},
          {"hypic.v1.ScatterWorker"},
          [&](int port) { svc.set_address(hypic::rpc::advertised_host(server.listen) + ":" + std::to_string(port)); },
          {}});
+    builder.stop();  // build callbacks use the service: finish them before it goes away
+    return status;
   } catch (const std::exception& e) {
     spdlog::critical("{}", e.what());
     return 1;

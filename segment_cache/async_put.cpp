@@ -11,6 +11,10 @@ AsyncCachePutter::~AsyncCachePutter() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
+    if (!queue_.empty()) spdlog::info("shutting down: {} queued cache puts dropped", queue_.size());
+    counters_.dropped += queue_.size();
+    for (const auto& item : queue_) queued_bytes_ -= item.bytes->size();  // the put in flight stays counted
+    queue_.clear();
   }
   cv_.notify_all();
   thread_.join();

@@ -20,7 +20,8 @@ class AsyncCachePutter {
  public:
   /// `client` must outlive the putter. `max_queued_bytes` bounds the bytes waiting to be sent.
   AsyncCachePutter(const SegmentCacheClient& client, uint64_t max_queued_bytes);
-  /// Stops after the entries already queued were attempted (each bounded by the client timeout).
+  /// Waits for the put in flight (bounded by the client timeout); entries still queued are dropped
+  /// (the cache is an optimisation, and a shutdown must not wait on a slow or dead cache).
   ~AsyncCachePutter();
   AsyncCachePutter(const AsyncCachePutter&) = delete;
   AsyncCachePutter& operator=(const AsyncCachePutter&) = delete;
