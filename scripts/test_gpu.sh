@@ -3,19 +3,23 @@
 # of the default ctest, which runs on machines without a GPU.
 #
 #   scripts/test_gpu.sh                 configure + build into build-gpu/ (BUILD_DIR overrides), run tests
-#   scripts/test_gpu.sh --bin DIR       run prebuilt binaries from DIR (test_gpu_gated_delta, gdn_bench)
-#   ... --bench OUTDIR                  also run bench/gpu/gdn_bench and tools/bench_fla_reference.py,
-#                                       writing gdn_h200.json / gdn_h200.md and logs into OUTDIR
+#   scripts/test_gpu.sh --bin DIR       run prebuilt binaries from DIR (test_gpu_gated_delta, gdn_bench,
+#                                       libhypic_gdn_capi.so)
+#   ... --bench OUTDIR                  also run bench/gpu/gdn_bench and tools/bench_fla_reference.py
+#                                       (ours and fla interleaved in one process), writing gdn_h200.json /
+#                                       gdn_h200.md and logs into OUTDIR
 #   ... --fla-path DIR                  a flash-linear-attention checkout for the reference (optional)
+#   ... --bench-args "ARGS"             extra arguments for bench_fla_reference.py (--layouts, --profile, --rounds N)
 # Extra arguments after -- go to the Catch2 test binary (e.g. -- "[conv]").
 set -euo pipefail
 cd "$(dirname "$0")/.."
-BIN="" BENCH_OUT="" FLA_PATH="" CATCH_ARGS=()
+BIN="" BENCH_OUT="" FLA_PATH="" BENCH_ARGS="" CATCH_ARGS=()
 while (($#)); do
   case "$1" in
     --bin) BIN="$2"; shift 2 ;;
     --bench) BENCH_OUT="$2"; shift 2 ;;
     --fla-path) FLA_PATH="$2"; shift 2 ;;
+    --bench-args) BENCH_ARGS="$2"; shift 2 ;;
     --) shift; CATCH_ARGS=("$@"); break ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
@@ -23,7 +27,7 @@ done
 if [[ -z "$BIN" ]]; then
   BUILD_DIR=${BUILD_DIR:-build-gpu}
   cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DHYPIC_WITH_CUDA=ON >/dev/null
-  cmake --build "$BUILD_DIR" --target test_gpu_gated_delta gdn_bench -j "${JOBS:-$(nproc)}"
+  cmake --build "$BUILD_DIR" --target test_gpu_gated_delta gdn_bench hypic_gdn_capi -j "${JOBS:-$(nproc)}"
   BIN="$BUILD_DIR/bin"
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader || true
@@ -31,13 +35,12 @@ status=0
 "$BIN/test_gpu_gated_delta" --durations yes "${CATCH_ARGS[@]}" || status=$?
 if [[ -n "$BENCH_OUT" ]]; then
   mkdir -p "$BENCH_OUT"
-  dump=$(mktemp -d)
-  "$BIN/gdn_bench" --json "$BENCH_OUT/gdn_ours.json" --dump "$dump" | tee "$BENCH_OUT/gdn_bench.log" || status=$?
+  "$BIN/gdn_bench" --json "$BENCH_OUT/gdn_ours.json" | tee "$BENCH_OUT/gdn_bench.log" || status=$?
   fla=()
   [[ -n "$FLA_PATH" ]] && fla=(--fla-path "$FLA_PATH")
-  PYTHONUNBUFFERED=1 python3 tools/bench_fla_reference.py --ours "$BENCH_OUT/gdn_ours.json" --dump "$dump" \
-    --out-json "$BENCH_OUT/gdn_h200.json" --out-md "$BENCH_OUT/gdn_h200.md" "${fla[@]}" \
-    2>&1 | tee "$BENCH_OUT/reference.log" || status=$?
-  rm -rf "$dump"
+  # shellcheck disable=SC2086
+  PYTHONUNBUFFERED=1 python3 tools/bench_fla_reference.py --ours-lib "$(cd "$BIN" && pwd)/libhypic_gdn_capi.so" \
+    --ours-json "$BENCH_OUT/gdn_ours.json" --out-json "$BENCH_OUT/gdn_h200.json" --out-md "$BENCH_OUT/gdn_h200.md" \
+    "${fla[@]}" $BENCH_ARGS 2>&1 | tee "$BENCH_OUT/reference.log" || status=$?
 fi
 exit $status

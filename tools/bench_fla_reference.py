@@ -1,24 +1,33 @@
 #!/usr/bin/env python3
-"""Reference side of the GPU gated-delta benchmark (bench/gpu/gdn_bench.cu).
+"""Interleaved prefill benchmark: hypic's CUDA gated-delta kernels against flash-linear-attention.
 
-On the same shapes as gdn_bench (Qwen3.5-35B-A3B linear attention: 16 key heads, 32 value heads,
-d_k = d_v = 128, bf16; 1x4k, 1x16k, 1x32k tokens and 16 segments of 2k) it times
-  * a PyTorch reference: the chunked gated delta rule in fp32 (chunk 64, UT transform through
-    torch.linalg.solve_triangular, a Python loop over chunks), written here from the math of
-    research/hybrid_models.md 5.2 / 5.4;
-  * flash-linear-attention's chunk_gated_delta_rule when `fla` is importable (never vendored in
-    this repository; pass --fla-path to a checkout), and the reference system's way of getting
-    T_C with it: a second run from S0 = I with v = 0;
-checks gdn_bench's 4k-token outputs (--dump DIR) against the fp32 reference (and fla against the
-same reference), then merges gdn_bench's JSON (--ours) into one JSON and a Markdown table.
+On Qwen3.5-35B-A3B's linear-attention shapes (16 key heads, 32 value heads, d_k = d_v = 128, bf16;
+1x4k, 1x16k, 1x32k tokens and 16 segments of 2k) this script, in ONE process:
+  * calls our prefill through the C entry points of bench/gpu/gdn_capi.cu (ctypes,
+    --ours-lib build/bin/libhypic_gdn_capi.so) and flash-linear-attention's chunk_gated_delta_rule
+    (when importable; never vendored here, pass --fla-path to a checkout) on the same torch tensors
+    and the same CUDA stream;
+  * warms both up, then times them in interleaved rounds (A/B/C/D, the order reversed every other
+    round): ours without T_C, fla, ours with T_C in the same pass, and fla's second pass that gives
+    T_C the reference system's way (from S0 = I with v = 0). Each sample is one call between two CUDA
+    events, synchronised (so a launch-bound call shows its host overhead). Reported per variant: the
+    median and min of all samples; per round: the ratio of the round medians; and the ratios' spread;
+  * checks ours (and fla) at 4k tokens and on 16 ragged segments against an fp32 PyTorch reference
+    (the chunked gated delta rule written here from research/hybrid_models.md 5.2 / 5.4), and times
+    that reference;
+  * optionally (--layouts) sweeps our scan's block layouts, and (--profile) prints per-kernel GPU
+    times of ours and fla from torch.profiler;
+then merges gdn_bench's JSON (--ours-json: ceilings, composition, decode, conv) into one JSON and a
+Markdown table.
 
-Usage: bench_fla_reference.py --ours ours.json --dump DIR --out-json res.json --out-md res.md
-                              [--fla-path DIR] [--reps N]
+Usage: bench_fla_reference.py --ours-lib LIB --ours-json ours.json --out-json res.json --out-md res.md
+                              [--fla-path DIR] [--rounds N] [--reps N] [--layouts] [--profile]
 """
 import argparse
+import ctypes
 import json
 import math
-import os
+import statistics
 import sys
 import time
 
@@ -93,21 +102,21 @@ def reference_tc(k, g, beta, num_seqs):
     return tc
 
 
-def cuda_time_ms(fn, reps, warm=2):
+def event_time_ms(fn):
+    a = torch.cuda.Event(enable_timing=True)
+    b = torch.cuda.Event(enable_timing=True)
+    a.record()
+    fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b)
+
+
+def median_time_ms(fn, reps, warm=2):
     for _ in range(warm):
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a = torch.cuda.Event(enable_timing=True)
-        b = torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
+    return statistics.median(event_time_ms(fn) for _ in range(reps))
 
 
 def rel(a, b):
@@ -122,24 +131,71 @@ def make_inputs(T, seed):
     v = torch.randn(T, HV, D, device="cuda", generator=gen).bfloat16()
     u = torch.rand(T, HV, device="cuda", generator=gen)
     w = torch.rand(T, HV, device="cuda", generator=gen)
-    g = torch.where(u < 0.01, -0.5 * w, -0.01 * w)  # as gdn_bench's inputs
+    g = torch.where(u < 0.01, -0.5 * w, -0.01 * w)  # as gdn_bench's inputs: slow decays, 1% strong
     beta = 0.05 + 0.9 * torch.rand(T, HV, device="cuda", generator=gen)
     return q, k, v, g, beta
 
 
+class Ours:
+    """hypic's gdn_prefill through bench/gpu/gdn_capi.cu, on torch tensors and torch's current stream."""
+
+    def __init__(self, path):
+        self.lib = ctypes.CDLL(path)
+        self.lib.hypic_gdn_workspace_create.restype = ctypes.c_void_p
+        self.lib.hypic_gdn_workspace_destroy.argtypes = [ctypes.c_void_p]
+        p = ctypes.c_void_p
+        self.lib.hypic_gdn_prefill.argtypes = [p, ctypes.c_int, p, ctypes.c_int, ctypes.c_int, p, p, p, p, p,
+                                               ctypes.c_int, ctypes.c_float, p, p, p, p, ctypes.c_int, p,
+                                               ctypes.c_char_p, ctypes.c_int]
+        self.lib.hypic_gdn_prefill.restype = ctypes.c_int
+        self.ws = ctypes.c_void_p(self.lib.hypic_gdn_workspace_create())
+        self.err = ctypes.create_string_buffer(512)
+
+    def prefill(self, cu_host, q, k, v, g, beta, scale, final=None, tc=None, out=None, initial=None, layout=0):
+        """cu_host: ctypes int array of num_seqs + 1 offsets; tensors as in gated_delta.h (contiguous)."""
+        ptr = lambda t: ctypes.c_void_p(t.data_ptr()) if t is not None else None  # noqa: E731
+        rc = self.lib.hypic_gdn_prefill(
+            self.ws, len(cu_host) - 1, ctypes.cast(cu_host, ctypes.c_void_p), HK, HV, ptr(q), ptr(k), ptr(v), ptr(g),
+            ptr(beta), 1, scale, ptr(initial), ptr(final), ptr(tc), ptr(out), layout,
+            ctypes.c_void_p(torch.cuda.current_stream().cuda_stream), self.err, len(self.err))
+        if rc != 0:
+            raise RuntimeError("hypic_gdn_prefill: " + self.err.value.decode())
+
+
+def cu_array(nseq, L):
+    return (ctypes.c_int * (nseq + 1))(*[s * L for s in range(nseq + 1)])
+
+
+def case_tensors(nseq, L, seed):
+    """Inputs of nseq segments of L tokens, their offsets (host ctypes array for ours, device tensor or
+    None for fla) and output buffers: (q, k, v, g, beta, cu, cu_dev, out, final, tc)."""
+    T = nseq * L
+    q, k, v, g, beta = make_inputs(T, seed)
+    cu_dev = torch.arange(0, nseq + 1, device="cuda", dtype=torch.long) * L if nseq > 1 else None
+    o = torch.empty(T, HV, D, device="cuda", dtype=torch.bfloat16)
+    s = torch.empty(nseq, HV, D, D, device="cuda")
+    t = torch.empty(nseq, HV, D, D, device="cuda")
+    return q, k, v, g, beta, cu_array(nseq, L), cu_dev, o, s, t
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--ours", required=True)
-    ap.add_argument("--dump")
+    ap.add_argument("--ours-lib", required=True)
+    ap.add_argument("--ours-json", required=True)
     ap.add_argument("--out-json", required=True)
     ap.add_argument("--out-md", required=True)
     ap.add_argument("--fla-path")
-    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--layouts", action="store_true")
+    ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
-    with open(args.ours) as f:
-        ours = json.load(f)
-    res = {"ours": ours, "torch_version": torch.__version__, "reference": {}, "fla": {}, "checks": {}}
+    with open(args.ours_json) as f:
+        ours_json = json.load(f)
+    res = {"ours": ours_json, "torch_version": torch.__version__, "reference": {}, "fla": {}, "checks": {},
+           "interleaved": {}, "method": {"rounds": args.rounds, "reps_per_round": args.reps}}
+    ours = Ours(args.ours_lib)
 
     chunk_gdr = None
     if args.fla_path:
@@ -148,123 +204,197 @@ def main():
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as chunk_gdr  # noqa: F811
         import fla
         res["fla"]["version"] = getattr(fla, "__version__", "?")
-    except Exception as e:  # not installed: the reference alone is reported
+    except Exception as e:  # not installed: ours and the reference alone are reported
         res["fla"]["error"] = f"not importable: {type(e).__name__}: {e}"
         chunk_gdr = None
     scale = D ** -0.5
 
-    def fla_run(q, k, v, g, beta, nseq, L, initial=None):
-        cu = None
-        if nseq > 1:
-            cu = torch.arange(0, nseq + 1, device="cuda", dtype=torch.long) * L
+    def fla_run(q, k, v, g, beta, cu_dev, initial=None):
         o, s = chunk_gdr(q[None], k[None], v[None], g[None], beta[None], scale=scale, initial_state=initial,
-                         output_final_state=True, cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
+                         output_final_state=True, cu_seqlens=cu_dev, use_qk_l2norm_in_kernel=True)
         return o[0], s
 
-    # ---- correctness of our 4k outputs against the fp32 reference (and fla against it) ----------
-    if args.dump and os.path.exists(os.path.join(args.dump, "q.bin")):
-        T = 4096
-        ld = lambda name, dt, shape: torch.from_numpy(  # noqa: E731
-            __import__("numpy").fromfile(os.path.join(args.dump, name), dtype=dt)).reshape(shape)
-        import numpy as np
-        q = ld("q.bin", np.int16, (T, HK, D)).cuda().view(torch.bfloat16)
-        k = ld("k.bin", np.int16, (T, HK, D)).cuda().view(torch.bfloat16)
-        v = ld("v.bin", np.int16, (T, HV, D)).cuda().view(torch.bfloat16)
-        g = ld("g.bin", np.float32, (T, HV)).cuda()
-        beta = ld("beta.bin", np.float32, (T, HV)).cuda()
-        o_ours = ld("out.bin", np.int16, (T, HV, D)).cuda().view(torch.bfloat16).float()
-        s_ours = ld("final.bin", np.float32, (1, HV, D, D)).cuda()
-        t_ours = ld("tc.bin", np.float32, (1, HV, D, D)).cuda()
-        o_ref, s_ref = reference_chunked(q, k, v, g, beta, scale, 1)
-        t_ref = reference_tc(k, g, beta, 1)
-        chk = {"ours_out_rel": rel(o_ours, o_ref), "ours_state_rel": rel(s_ours, s_ref), "ours_tc_rel": rel(t_ours, t_ref),
+    # ---- correctness against the fp32 reference: 1x4k and 16 ragged-free segments of 256 ---------
+    for name, nseq, L in [("1x4k", 1, 4096), ("16x256", 16, 256)]:
+        q, k, v, g, beta, cu, cu_dev, o, s, t = case_tensors(nseq, L, 99 + nseq * L)
+        ours.prefill(cu, q, k, v, g, beta, scale, final=s, tc=t, out=o)
+        torch.cuda.synchronize()
+        o_ref, s_ref = reference_chunked(q, k, v, g, beta, scale, nseq)
+        t_ref = reference_tc(k, g, beta, nseq)
+        chk = {"ours_out_rel": rel(o.float(), o_ref), "ours_state_rel": rel(s, s_ref), "ours_tc_rel": rel(t, t_ref),
                "ref_tc_frobenius_norm": float(t_ref.norm())}
         # T_C applied to a random prefix state reproduces the state from that prefix (composition law).
-        p = torch.randn(1, HV, D, D, device="cuda") * 0.3
-        _, s_from_p = reference_chunked(q, k, v, g, beta, scale, 1, initial=p, with_output=False)
-        chk["ours_composition_rel"] = rel(t_ours @ p + s_ours, s_from_p)
+        p = torch.randn(nseq, HV, D, D, device="cuda") * 0.3
+        _, s_from_p = reference_chunked(q, k, v, g, beta, scale, nseq, initial=p, with_output=False)
+        chk["ours_composition_rel"] = rel(t @ p + s, s_from_p)
         if chunk_gdr is not None:
             try:
-                o_f, s_f = fla_run(q, k, v, g, beta, 1, T)
-                eye = torch.eye(D, device="cuda").expand(1, HV, D, D).contiguous()
-                _, t_f = fla_run(q, k, torch.zeros_like(v), g, beta, 1, T, initial=eye)
+                o_f, s_f = fla_run(q, k, v, g, beta, cu_dev)
+                eye = torch.eye(D, device="cuda").expand(nseq, HV, D, D).contiguous()
+                _, t_f = fla_run(q, k, torch.zeros_like(v), g, beta, cu_dev, initial=eye)
                 chk.update({"fla_out_rel": rel(o_f.float(), o_ref), "fla_state_rel": rel(s_f, s_ref),
-                            "fla_tc_rel": rel(t_f, t_ref), "ours_vs_fla_out_rel": rel(o_ours, o_f.float())})
+                            "fla_tc_rel": rel(t_f, t_ref), "ours_vs_fla_out_rel": rel(o.float(), o_f.float())})
             except Exception as e:
                 chk["fla_error"] = f"{type(e).__name__}: {e}"
-        res["checks"] = chk
-        print("4k correctness vs fp32 reference:", json.dumps(chk, indent=1))
-        del q, k, v, g, beta, o_ours, s_ours, t_ours, o_ref, s_ref, t_ref
+        res["checks"][name] = chk
+        print(f"{name} correctness vs fp32 reference:", json.dumps(chk), flush=True)
+        del q, k, v, g, beta, o, s, t, o_ref, s_ref, t_ref
         torch.cuda.empty_cache()
 
-    # ---- timings --------------------------------------------------------------------------------
+    # ---- interleaved timings ----------------------------------------------------------------------
     for name, nseq, L in CASES:
-        T = nseq * L
-        q, k, v, g, beta = make_inputs(T, 1234 + T)
-        ref_reps = 3
-        t_ref = cuda_time_ms(lambda: reference_chunked(q, k, v, g, beta, scale, nseq), ref_reps, warm=1)
-        t_ref_tc = cuda_time_ms(lambda: reference_tc(k, g, beta, nseq), ref_reps, warm=1)
-        res["reference"][name] = {"ms": t_ref, "ms_tc_second_pass": t_ref_tc}
+        q, k, v, g, beta, cu, cu_dev, o, s, t = case_tensors(nseq, L, 1234 + nseq * L)
+        variants = {
+            "ours": lambda: ours.prefill(cu, q, k, v, g, beta, scale, final=s, out=o),
+            "ours_tc": lambda: ours.prefill(cu, q, k, v, g, beta, scale, final=s, tc=t, out=o),
+        }
         if chunk_gdr is not None:
+            eye = torch.eye(D, device="cuda").expand(nseq, HV, D, D).contiguous()
+            v0 = torch.zeros_like(v)
+            variants["fla"] = lambda: fla_run(q, k, v, g, beta, cu_dev)
+            variants["fla_tc2"] = lambda: fla_run(q, k, v0, g, beta, cu_dev, initial=eye)
+        order = [x for x in ("ours", "fla", "ours_tc", "fla_tc2") if x in variants]
+        try:
+            for x in order:  # warm-up (fla: Triton compile and autotune on its first calls)
+                for _ in range(5):
+                    variants[x]()
+            torch.cuda.synchronize()
+            samples = {x: [] for x in order}
+            rounds = []
+            for r in range(args.rounds):
+                med = {}
+                for x in (order if r % 2 == 0 else order[::-1]):
+                    ts = [event_time_ms(variants[x]) for _ in range(args.reps)]
+                    samples[x] += ts
+                    med[x] = statistics.median(ts)
+                rnd = {"median_ms": med, "tc_overhead": med["ours_tc"] / med["ours"]}
+                if "fla" in med:
+                    rnd["fla_over_ours"] = med["fla"] / med["ours"]
+                    rnd["fla_plus_2nd_pass_over_ours_tc"] = (med["fla"] + med["fla_tc2"]) / med["ours_tc"]
+                rounds.append(rnd)
+            entry = {x: {"median_ms": statistics.median(samples[x]), "min_ms": min(samples[x]),
+                         "max_ms": max(samples[x])} for x in order}
+            entry["rounds"] = rounds
+            for key in ("fla_over_ours", "tc_overhead", "fla_plus_2nd_pass_over_ours_tc"):
+                vals = [rd[key] for rd in rounds if key in rd]
+                if vals:
+                    entry[key] = {"median": statistics.median(vals), "min": min(vals), "max": max(vals),
+                                  "per_round": vals}
+            res["interleaved"][name] = entry
+        except Exception as e:
+            res["interleaved"][name] = {"error": f"{type(e).__name__}: {e}"}
+            print(name, "timing failed:", res["interleaved"][name]["error"], flush=True)
+            raise
+        line = f"{name}: ours {entry['ours']['median_ms']:.3f} (min {entry['ours']['min_ms']:.3f}) ms, " \
+               f"ours+T_C {entry['ours_tc']['median_ms']:.3f} ms (x{entry['tc_overhead']['median']:.3f}, " \
+               f"rounds {entry['tc_overhead']['min']:.3f}..{entry['tc_overhead']['max']:.3f})"
+        if "fla" in entry:
+            line += f", fla {entry['fla']['median_ms']:.3f} (min {entry['fla']['min_ms']:.3f}) ms, " \
+                    f"fla/ours x{entry['fla_over_ours']['median']:.2f} " \
+                    f"(rounds {entry['fla_over_ours']['min']:.2f}..{entry['fla_over_ours']['max']:.2f})"
+        print(line, flush=True)
+
+        if args.layouts:  # our scan's block layouts, interleaved, 3 rounds
+            lay = {}
+            for rnd in range(3):
+                for layout in (1, 2):
+                    for tc_on in (False, True):
+                        fn = lambda: ours.prefill(cu, q, k, v, g, beta, scale, final=s, tc=t if tc_on else None,  # noqa: E731
+                                                  out=o, layout=layout)
+                        lay.setdefault(f"layout{layout}_{'tc' if tc_on else 'notc'}", []).append(
+                            median_time_ms(fn, args.reps, warm=1))
+            res["interleaved"][name]["layouts"] = {x: statistics.median(vals) for x, vals in lay.items()}
+            print(f"{name} layouts:", {x: round(val, 3) for x, val in res["interleaved"][name]["layouts"].items()},
+                  flush=True)
+
+        if args.profile and name in ("1x32k", "16x2k"):
             try:
-                eye = torch.eye(D, device="cuda").expand(nseq, HV, D, D).contiguous()
-                v0 = torch.zeros_like(v)
-                t_f = cuda_time_ms(lambda: fla_run(q, k, v, g, beta, nseq, L), args.reps, warm=3)
-                t_f2 = cuda_time_ms(lambda: fla_run(q, k, v0, g, beta, nseq, L, initial=eye), args.reps, warm=3)
-                res["fla"][name] = {"ms": t_f, "ms_tc_second_pass": t_f2, "tc_overhead_pct": 100.0 * t_f2 / t_f}
+                from torch.profiler import ProfilerActivity, profile
+                prof_out = {}
+                for x in order:
+                    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                        for _ in range(3):
+                            variants[x]()
+                        torch.cuda.synchronize()
+                    per = {}
+                    for ev in prof.events():
+                        if str(getattr(ev, "device_type", "")).endswith("CUDA"):
+                            per[ev.name[:60]] = per.get(ev.name[:60], 0.0) + ev.time_range.elapsed_us() / 3000.0
+                    prof_out[x] = dict(sorted(per.items(), key=lambda kv: -kv[1]))
+                    print(f"{name} {x} per-call kernel ms:", {kk: round(vv, 4) for kk, vv in prof_out[x].items()},
+                          flush=True)
+                res["interleaved"][name]["profile_ms_per_call"] = prof_out
             except Exception as e:
-                res["fla"][name] = {"error": f"{type(e).__name__}: {e}"}
-        print(name, res["reference"][name], res["fla"].get(name))
-        del q, k, v, g, beta
+                print("profile failed:", type(e).__name__, e, flush=True)
+
+        t_ref = median_time_ms(lambda: reference_chunked(q, k, v, g, beta, scale, nseq), 2, warm=1)
+        res["reference"][name] = {"ms": t_ref}
+        del q, k, v, g, beta, o, s, t, variants
         torch.cuda.empty_cache()
 
-    # ---- merged table ---------------------------------------------------------------------------
-    ceil = ours.get("ceiling", {})
+    # ---- merged table -----------------------------------------------------------------------------
+    ceil = ours_json.get("ceiling", {})
+    peak_tf, peak_bw = ceil.get("bf16_gemm_TFLOPs", float("nan")), ceil.get("copy_GBps", float("nan"))
+    n_r, n_s = args.rounds, args.reps
     lines = [
-        f"# Gated delta rule on {ours.get('device', '?')} (Qwen3.5-35B-A3B linear attention: 16 key heads, "
+        f"# Gated delta rule on {ours_json.get('device', '?')} (Qwen3.5-35B-A3B linear attention: 16 key heads, "
         f"32 value heads, d_k = d_v = 128, bf16 in, fp32 state)",
         "",
-        f"Measured ceilings in the same run: copy {ceil.get('copy_GBps', float('nan')):.0f} GB/s, "
-        f"bf16 GEMM {ceil.get('bf16_gemm_TFLOPs', float('nan')):.0f} TFLOP/s. Times are medians of CUDA-event "
-        f"timings, one layer, ms.",
+        f"Measured ceilings in the same run: copy {peak_bw:.0f} GB/s, bf16 GEMM {peak_tf:.0f} TFLOP/s. "
+        f"One layer, ms. Ours and fla ran interleaved in one process on the same inputs and stream: after "
+        f"warm-up, {n_r} rounds of {n_s} synchronised calls per variant (order reversed every other round); "
+        f"median / min over all {n_r * n_s} calls; ratios are of round medians (median, min..max over rounds).",
         "",
-        "| shape | ours, no T_C | ours, T_C in pass | T_C overhead | fla | fla + T_C 2nd pass | fla T_C overhead "
-        "| PyTorch fp32 ref | ours vs fla | ours TFLOP/s | ours GB/s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| shape | ours no T_C: median / min | ours T_C in pass: median / min | T_C overhead (rounds) "
+        "| fla: median / min | fla / ours (rounds) | fla + T_C 2nd pass | PyTorch fp32 ref | ours TFLOP/s | ours GB/s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for p in ours.get("prefill", []):
-        name = p["shape"]
-        f = res["fla"].get(name, {})
-        r = res["reference"].get(name, {})
-        fms = f.get("ms")
-        f2 = f.get("ms_tc_second_pass")
-        lines.append(
-            f"| {name} | {p['ms_without_tc']:.3f} | {p['ms_with_tc']:.3f} | {p['tc_overhead_pct']:.1f}% | "
-            + (f"{fms:.3f} | {fms + f2:.3f} | {100 * f2 / fms:.1f}% | " if fms else "n/a | n/a | n/a | ")
-            + f"{r.get('ms', float('nan')):.1f} | "
-            + (f"{fms / p['ms_without_tc']:.2f}x | " if fms else "n/a | ")
-            + f"{p['TFLOPs']:.1f} ({100 * p['TFLOPs'] / ceil.get('bf16_gemm_TFLOPs', 1):.1f}%) | "
-            f"{p['GBps']:.0f} ({100 * p['GBps'] / ceil.get('copy_GBps', 1):.1f}%) |")
-        if fms:
-            res["fla"][name]["ours_speedup_no_tc"] = fms / p["ms_without_tc"]
-            res["fla"][name]["ours_with_tc_vs_fla_plus_second_pass"] = (fms + f2) / p["ms_with_tc"]
-    comp = ours.get("composition", {})
+    prefill_by_shape = {p["shape"]: p for p in ours_json.get("prefill", [])}
+    for name, nseq, L in CASES:
+        e = res["interleaved"].get(name, {})
+        if "ours" not in e:
+            continue
+        T = nseq * L
+        chunks, Cc = T / CHUNK * HV, CHUNK
+        flops = chunks * (10 * Cc * Cc * D + 6 * Cc * D * D)
+        byts = T * (2.0 * HK * D * 2 + HV * D * 2 * 2 + HV * 8) + nseq * HV * D * D * 4
+        om = e["ours"]["median_ms"]
+        tf, bw = flops / (om * 1e-3) / 1e12, byts / (om * 1e-3) / 1e9
+        e["ours_TFLOPs"], e["ours_GBps"] = tf, bw
+        tco = e["tc_overhead"]
+        row = (f"| {name} | {om:.3f} / {e['ours']['min_ms']:.3f} | {e['ours_tc']['median_ms']:.3f} / "
+               f"{e['ours_tc']['min_ms']:.3f} | {100 * (tco['median'] - 1):+.1f}% ({100 * (tco['min'] - 1):+.1f}.."
+               f"{100 * (tco['max'] - 1):+.1f}%) | ")
+        if "fla" in e:
+            fo = e["fla_over_ours"]
+            row += (f"{e['fla']['median_ms']:.3f} / {e['fla']['min_ms']:.3f} | {fo['median']:.2f}x "
+                    f"({fo['min']:.2f}..{fo['max']:.2f}) | {e['fla']['median_ms'] + e['fla_tc2']['median_ms']:.3f} | ")
+        else:
+            row += "n/a | n/a | n/a | "
+        row += (f"{res['reference'].get(name, {}).get('ms', float('nan')):.1f} | {tf:.1f} ({100 * tf / peak_tf:.1f}%) | "
+                f"{bw:.0f} ({100 * bw / peak_bw:.1f}%) |")
+        lines.append(row)
+    if prefill_by_shape:
+        lines += ["", "gdn_bench (C++, same run, no fla in the process; median of its own calls, ms): " + ", ".join(
+            f"{p['shape']} {p['ms_without_tc']:.3f} / {p['ms_with_tc']:.3f} with T_C" for p in prefill_by_shape.values())
+            + "."]
+    comp = ours_json.get("composition", {})
     if comp:
         lines += ["", f"Composition, {comp['pairs']} (layer, head) pairs (30 layers x 32 heads) folding "
                   f"{comp['segments']} segments, fp32: own kernel {comp['own_ms_per_segment']:.3f} ms/segment "
                   f"({comp['own_TFLOPs']:.1f} TFLOP/s), cuBLAS strided-batched SGEMM {comp['cublas_ms_per_segment']:.3f} "
                   f"ms/segment ({comp['cublas_TFLOPs']:.1f} TFLOP/s)."]
-    if "decode" in ours:
-        lines.append(f"Decode step, {ours['decode']['batch']} requests x 32 heads: {ours['decode']['ms']:.3f} ms "
-                     f"({ours['decode']['state_GBps']:.0f} GB/s of state traffic).")
-    if "conv_prefill" in ours:
-        c = ours["conv_prefill"]
+    if "decode" in ours_json:
+        lines.append(f"Decode step, {ours_json['decode']['batch']} requests x 32 heads: {ours_json['decode']['ms']:.3f} ms "
+                     f"({ours_json['decode']['state_GBps']:.0f} GB/s of state traffic).")
+    if "conv_prefill" in ours_json:
+        c = ours_json["conv_prefill"]
         lines.append(f"Conv1d + SiLU prefill, {c['tokens']} tokens x {c['channels']} channels: {c['ms']:.3f} ms "
                      f"({c['GBps']:.0f} GB/s).")
-    if res["checks"]:
-        lines += ["", "4k-token check against the fp32 PyTorch reference (relative Frobenius error): "
-                  + ", ".join(f"{k_} {v_:.2e}" if isinstance(v_, float) else f"{k_} {v_}"
-                              for k_, v_ in res["checks"].items()) + "."]
+    for name, chk in res["checks"].items():
+        lines += ["", f"{name} check against the fp32 PyTorch reference (relative Frobenius error): "
+                  + ", ".join(f"{k_} {v_:.2e}" if isinstance(v_, float) else f"{k_} {v_}" for k_, v_ in chk.items())
+                  + "."]
     if "error" in res["fla"]:
         lines += ["", f"flash-linear-attention: {res['fla']['error']}"]
     elif "version" in res["fla"]:

@@ -3,10 +3,10 @@
 // without the segment transition T_C, the decode step, composition of 16 cached segments over
 // 30 layers x 32 heads (own kernel vs cuBLAS), the causal conv1d, and the H200 ceilings measured
 // in the same run (device-to-device copy bandwidth; bf16 tensor-core rate through cuBLAS).
-// Prints a human table and writes JSON (--json PATH). --dump DIR writes the 4k-token inputs and
-// our outputs as raw files for tools/bench_fla_reference.py to check against PyTorch / fla.
+// Prints a human table and writes JSON (--json PATH) that tools/bench_fla_reference.py merges with
+// its interleaved comparison against flash-linear-attention.
 //
-// Usage: gdn_bench [--json out.json] [--dump dir] [--reps N]
+// Usage: gdn_bench [--json out.json] [--reps N]
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
@@ -105,27 +105,17 @@ double time_ms(const std::function<void()>& fn, int reps, int warm = 3) {
   return t[reps / 2];
 }
 
-template <class T>
-void dump(const std::string& path, const T* dev, size_t n) {
-  std::vector<T> h(n);
-  check_cuda(cudaMemcpy(h.data(), dev, n * sizeof(T), cudaMemcpyDeviceToHost), "dump copy");
-  std::ofstream f(path, std::ios::binary);
-  f.write(reinterpret_cast<const char*>(h.data()), std::streamsize(n * sizeof(T)));
-  if (!f) throw std::runtime_error("cannot write " + path);
-}
-
 }  // namespace
 
 int main(int argc, char** argv) try {
-  std::string json_path, dump_dir;
+  std::string json_path;
   int reps = 20;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--json" && i + 1 < argc) json_path = argv[++i];
-    else if (a == "--dump" && i + 1 < argc) dump_dir = argv[++i];
     else if (a == "--reps" && i + 1 < argc) reps = std::stoi(argv[++i]);
     else {
-      std::fprintf(stderr, "usage: gdn_bench [--json out.json] [--dump dir] [--reps N]\n");
+      std::fprintf(stderr, "usage: gdn_bench [--json out.json] [--reps N]\n");
       return 2;
     }
   }
@@ -237,19 +227,6 @@ int main(int argc, char** argv) try {
                             {"TFLOPs_with_tc", flops_tc / (t_tc * 1e-3) / 1e12},
                             {"GBps", gbps},
                             {"GBps_with_tc", bytes_tc / (t_tc * 1e-3) / 1e9}});
-    if (!dump_dir.empty() && c.nseq == 1 && c.len == 4096) {
-      a.transition = tr;
-      gpu::gdn_prefill(a, ws);
-      check_cuda(cudaDeviceSynchronize(), "dump run");
-      dump(dump_dir + "/q.bin", q, size_t(T) * HK * D);
-      dump(dump_dir + "/k.bin", k, size_t(T) * HK * D);
-      dump(dump_dir + "/v.bin", v, size_t(T) * HV * D);
-      dump(dump_dir + "/g.bin", g, size_t(T) * HV);
-      dump(dump_dir + "/beta.bin", beta, size_t(T) * HV);
-      dump(dump_dir + "/out.bin", out, size_t(T) * HV * D);
-      dump(dump_dir + "/final.bin", fin, size_t(HV) * D * D);
-      dump(dump_dir + "/tc.bin", tr, size_t(HV) * D * D);
-    }
   }
   J["workspace_bytes"] = ws.bytes();
   cudaFree(out);

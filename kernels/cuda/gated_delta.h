@@ -47,10 +47,14 @@ struct GdnPrefillArgs {
   float* final_state = nullptr;          ///< [num_seqs][H_v][128][128] or nullptr; may alias initial_state
   float* transition = nullptr;           ///< [num_seqs][H_v][128][128] T_C or nullptr (not computed)
   bf16* out = nullptr;                   ///< [T][H_v][128] o_t = S_t^T q_t, bf16; nullptr = not computed
+  /// Block layout of the state scan, for benchmarks and tests (results are bitwise identical in
+  /// every layout): 0 = chosen by occupancy; 1 = S and T columns in separate blocks; 2 = each block
+  /// carries 64 columns of both S and T (same as 1 without T_C).
+  int scan_layout = 0;
 };
 
-/// Device scratch of the chunked prefill (per-chunk WY factors, chunk-entry states, the chunk
-/// table). Grows on demand and is reused across calls; not thread-safe; one per stream.
+/// Device scratch of the chunked prefill (per-chunk WY factors W and U^T, the intra-chunk output
+/// matrix P, per-token factors, the chunk table: about 41 KB per chunk and value head). Grows on demand and is reused across calls; not thread-safe; one per stream.
 class GdnWorkspace {
  public:
   GdnWorkspace() = default;
@@ -73,11 +77,13 @@ class GdnWorkspace {
 
 /// Chunked gated delta rule prefill (chunk 64) over a varlen batch: per sequence and value head,
 /// the outputs, the final state and optionally the sequence's cumulative transition
-/// T_C = T_{t_n} ... T_{t_1}, all from one pass (the state scan carries T alongside S).
+/// T_C = T_{t_n} ... T_{t_1}, all from one pass (the state scan carries T alongside S, and the
+/// outputs are computed inside the scan). Two launches: the per-chunk factors, then the scan.
 /// Numerics: bf16 operands on tensor cores with fp32 accumulation; the running state and T stay
-/// fp32, the per-chunk factors (W, U, K~) and the chunk-entry state fed to the tensor cores are
-/// bf16 (as in flash-linear-attention). A sequence of length 0 yields final = initial, T_C = I.
-/// Throws std::invalid_argument on null required pointers, bad head counts or bad cu_seqlens.
+/// fp32, the per-chunk factors (W, U, P) and the state fed to the tensor cores are bf16 (as in
+/// flash-linear-attention). A sequence of length 0 yields final = initial, T_C = I.
+/// Throws std::invalid_argument on null required pointers, bad head counts, bad cu_seqlens or a
+/// scan_layout outside [0, 3].
 void gdn_prefill(const GdnPrefillArgs& args, GdnWorkspace& ws, cudaStream_t stream = nullptr);
 
 /// One recurrent decode step for `batch` requests (one token each), in place on fp32 states.

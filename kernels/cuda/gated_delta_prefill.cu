@@ -1,18 +1,24 @@
 // Chunked gated delta rule prefill with the segment transition T_C (see gated_delta.h).
 //
-// Three launches, chunk C = 64, head size 128, per (chunk, value head) unless stated:
-//  1. gdn_wy_kernel: l2-normalise k (fp32, rounded to bf16 once), G = in-chunk cumsum of g,
-//     A_ij = b_i e^{G_i - G_j} k_i.k_j (j < i), X = (I + A)^{-1} by column-parallel forward
-//     substitution in fp32, then on tensor cores W = X diag(b e^G) K, U = X diag(b) V;
-//     also K~_j = e^{G_C - G_j} k_j. Stored bf16 in the workspace.
-//  2. gdn_scan_kernel, per (sequence, value head, 64-column block of [S | T]): the sequential
-//     chunk scan. The running block h stays fp32 in tensor-core accumulators; per chunk
-//       v_new = U - W h          (for T columns U = 0, h starts at I)
-//       h     = gamma h + K~^T v_new,   gamma = e^{G_C}
+// Two launches, chunk C = 64, head size 128:
+//  1. gdn_wy_kernel, per (chunk, value head), all chunks in parallel: l2-normalise q and k (fp32,
+//     rounded to bf16 once), G = in-chunk cumsum of g, A_ij = b_i e^{G_i - G_j} k_i.k_j (j < i),
+//     X = (I + A)^{-1} by column-parallel forward substitution in fp32, then on tensor cores
+//       W = X diag(b e^G) K,  U = X diag(b) V  (stored transposed, U^T),
+//       P_ij = e^{G_i - G_j} q_i.k_j for j <= i (the causal intra-chunk part of the outputs),
+//     and the per-token factors kf_t = |k_t|^-1 e^{G_C - G_t}, qf_t = scale |q_t|^-1 e^{G_t}.
+//  2. gdn_scan_kernel, the sequential chunk scan with the outputs fused in (no per-chunk states go
+//     through device memory). Each recurrence warp owns 16 columns of [S | T] (S: the state, T: the
+//     transition, started from I) and keeps the transposed block h^T (16 x 128, fp32) in its
+//     tensor-core accumulators for the whole sequence, so the recurrence needs no exchange between
+//     warps. Per chunk, with raw bf16 q, k from the inputs:
+//       v_new^T = U^T - h^T W^T                      (T columns: U = 0)
+//       h^T     = gamma h^T + v_new^T diag(kf) K,     gamma = e^{G_C}
+//       o^T     = (h^T Q^T) diag(qf) + v_new^T P^T   (S columns only, by an output warp one chunk
+//                                                     behind, from bf16 fragments of h^T, v_new^T)
 //     which is S_C = T_chunk S_0 + K~^T U with T_chunk = gamma I - K~^T W (hybrid_models.md 5.4),
-//     so the T columns accumulate T_C = T_n ... T_1 in the same pass, on blocks that run beside
-//     the S blocks. S blocks also store the chunk-entry state (bf16) and v_new for step 3.
-//  3. gdn_output_kernel: o_i = e^{G_i} q_i^T h_c + sum_{j<=i} e^{G_i - G_j} (q_i.k_j) v_new_j.
+//     so T columns accumulate T_C = T_n ... T_1 in the same pass. The warps of a block share the
+//     chunk's tiles, staged in shared memory through cp.async (layouts: see section 2 below).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -31,14 +37,14 @@ using namespace detail;
 constexpr int D = kGdnHeadDim;  // 128
 constexpr int C = kGdnChunk;    // 64
 constexpr int LD = D + 8;       // padded row of a [*][128] bf16 tile
-constexpr int BV = 64;          // columns of [S | T] per scan block
-constexpr int LDV = BV + 8;     // padded row of a [*][64] bf16 tile
+constexpr int LDP = C + 8;      // padded row of a [*][64] bf16 tile
 constexpr int kThreads = 128;
 
 // Workspace layout per (chunk, value head), in elements.
-constexpr size_t kWElems = size_t(C) * D;  // W, U (later v_new), K~: [64][128] bf16 each
-constexpr size_t kHElems = size_t(D) * D;  // chunk-entry state, [128][128] bf16
-constexpr size_t kPerChunkHeadBytes = 3 * kWElems * 2 + kHElems * 2 + C * sizeof(float);
+constexpr size_t kWElems = size_t(C) * D;  // W [64][128] and U^T [128][64], bf16
+constexpr size_t kPElems = size_t(C) * C;  // P [64][64] bf16
+constexpr int kScal = 3 * C;               // kf[64], qf[64], G[64] fp32
+constexpr size_t kPerChunkHeadBytes = 2 * kWElems * 2 + kPElems * 2 + kScal * sizeof(float);
 
 struct ChunkInfo {
   int seq, t0, len, pad;
@@ -46,21 +52,20 @@ struct ChunkInfo {
 
 struct WsView {
   bf16* W;
-  bf16* U;
-  bf16* Kt;
-  bf16* H;
-  float* G;
+  bf16* UT;
+  bf16* P;
+  float* scal;
   const ChunkInfo* chunks;
   const int* seq_chunk_start;
 };
 
-// Loads 64 rows of 128 bf16 (row r at src + r * row_stride, rows >= len zero) into a [64][LD]
-// tile; optionally l2-normalises each row in fp32 (x * rsqrt(sum x^2 + 1e-6)) and multiplies by
-// `mul` before the single rounding to bf16. 128 threads, two per row.
-__device__ __forceinline__ void load_rows(bf16* s, const bf16* src, size_t row_stride, int len, bool norm, float mul,
-                                          int tid) {
+// 64 rows of 128 bf16 (row r at src + r * row_stride, rows >= len zero) by 128 threads, two per
+// row (row tid / 2, half tid & 1): load_raw fetches the thread's 128 bytes into registers (so that
+// several tiles' loads are in flight together), finish_rows optionally l2-normalises each row in
+// fp32 (x * rsqrt(sum x^2 + 1e-6)), multiplies by `mul`, rounds to bf16 once and writes the
+// [64][LD] tile. finish_rows returns the row's factor (mul * rsqrt(...), or mul without the norm).
+__device__ __forceinline__ void load_raw(uint4 (&raw)[8], const bf16* src, size_t row_stride, int len, int tid) {
   const int r = tid >> 1, half = tid & 1;
-  uint4 raw[8];
   if (r < len) {
     const uint4* p = reinterpret_cast<const uint4*>(src + size_t(r) * row_stride + half * 64);
 #pragma unroll
@@ -69,6 +74,10 @@ __device__ __forceinline__ void load_rows(bf16* s, const bf16* src, size_t row_s
 #pragma unroll
     for (int i = 0; i < 8; ++i) raw[i] = make_uint4(0, 0, 0, 0);
   }
+}
+
+__device__ __forceinline__ float finish_rows(bf16* s, const uint4 (&raw)[8], bool norm, float mul, int tid) {
+  const int r = tid >> 1, half = tid & 1;
   float f = mul;
   if (norm) {
     float ss = 0.f;
@@ -98,6 +107,7 @@ __device__ __forceinline__ void load_rows(bf16* s, const bf16* src, size_t row_s
     }
     d[i] = o;
   }
+  return f;
 }
 
 // Copies a [64][LD] bf16 tile to a dense [64][128] global block (16-byte stores).
@@ -106,26 +116,6 @@ __device__ __forceinline__ void store_tile(bf16* dst, const bf16* s, int tid) {
   for (int i = 0; i < 8; ++i) {
     const int p = tid + i * kThreads, row = p >> 4, col = (p & 15) * 8;
     *reinterpret_cast<uint4*>(dst + row * D + col) = *reinterpret_cast<const uint4*>(s + row * LD + col);
-  }
-}
-
-// cp.async of a dense [ROWS][128] bf16 global block into a [ROWS][LD] shared tile by NT threads.
-template <int ROWS, int NT>
-__device__ __forceinline__ void cp_async_tile(bf16* s, const bf16* g, int tid) {
-#pragma unroll
-  for (int i = 0; i < ROWS * 16 / NT; ++i) {
-    const int p = tid + i * NT, row = p >> 4, col = (p & 15) * 8;
-    cp_async16(s + row * LD + col, g + row * D + col);
-  }
-}
-
-// Writes a warp's 16 x 128 accumulator block (rows m0..m0+15) into a [*][LD] bf16 tile.
-__device__ __forceinline__ void acc_to_tile(bf16* s, const float (&acc)[16][4], int m0, int lane) {
-  const int g = lane >> 2, c = (lane & 3) * 2;
-#pragma unroll
-  for (int n = 0; n < 16; ++n) {
-    *reinterpret_cast<uint32_t*>(s + (m0 + g) * LD + n * 8 + c) = pack_bf16(acc[n][0], acc[n][1]);
-    *reinterpret_cast<uint32_t*>(s + (m0 + g + 8) * LD + n * 8 + c) = pack_bf16(acc[n][2], acc[n][3]);
   }
 }
 
@@ -170,30 +160,53 @@ __device__ __forceinline__ void causal_xyt(float (&acc)[8][4], const bf16* sX, c
 }
 
 // ---------------------------------------------------------------------------------------------
-// 1. WY factors per (chunk, value head).
-constexpr int kWySmem = 3 * C * LD * 2 + 2 * C * (C + 8) * 2 + 2 * C * 4;
+// 1. WY factors, P and the token factors per (chunk, value head).
+// Shared memory: sK, sV [64][LD] bf16; a 17 KB region R used in turn as sQ ([64][LD] bf16), the
+// fp32 matrix A ([64][68]), the W stage ([64][LD] bf16) and the U^T stage ([128][68] bf16);
+// sXb, sXbg [64][72] bf16; G, b, |k|^-1, scale |q|^-1 [64] fp32 each.
+constexpr int kRegion = C * 68 * 4;
+constexpr int kWySmem = 2 * C * LD * 2 + kRegion + 2 * C * LDP * 2 + 4 * C * 4;
+static_assert(C * LD * 2 <= kRegion && D * 68 * 2 <= kRegion, "region R too small");
 
-__global__ void __launch_bounds__(kThreads) gdn_wy_kernel(const bf16* __restrict__ k, const bf16* __restrict__ v,
-                                                          const float* __restrict__ g,
+__global__ void __launch_bounds__(kThreads) gdn_wy_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
+                                                          const bf16* __restrict__ v, const float* __restrict__ g,
                                                           const float* __restrict__ beta, int Hk, int Hv,
-                                                          bool l2norm, WsView ws) {
+                                                          bool l2norm, float scale, WsView ws) {
   extern __shared__ __align__(16) unsigned char smem[];
   bf16* sK = reinterpret_cast<bf16*>(smem);
   bf16* sV = sK + C * LD;
-  float* sA = reinterpret_cast<float*>(sV + C * LD);  // [64][68] fp32, later a [64][LD] bf16 stage
-  bf16* sStage = reinterpret_cast<bf16*>(sA);
-  bf16* sXb = reinterpret_cast<bf16*>(sA + C * 68);  // [64][72]
-  bf16* sXbg = sXb + C * (C + 8);
-  float* sG = reinterpret_cast<float*>(sXbg + C * (C + 8));
+  unsigned char* region = reinterpret_cast<unsigned char*>(sV + C * LD);
+  bf16* sQ = reinterpret_cast<bf16*>(region);
+  float* sA = reinterpret_cast<float*>(region);
+  bf16* sStage = reinterpret_cast<bf16*>(region);
+  bf16* sXb = reinterpret_cast<bf16*>(region + kRegion);  // [64][72]
+  bf16* sXbg = sXb + C * LDP;
+  float* sG = reinterpret_cast<float*>(sXbg + C * LDP);
   float* sB = sG + C;
+  float* sFk = sB + C;
+  float* sFq = sFk + C;
 
-  const int chunk = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  // Value heads vary fastest, so the heads that share a key head (GVA) read its q, k rows from L2.
+  const int h = blockIdx.x % Hv, chunk = blockIdx.x / Hv;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int gi = lane >> 2, cc = (lane & 3) * 2;
   const ChunkInfo ci = ws.chunks[chunk];
   const int kh = h / (Hv / Hk);
   const size_t slot = size_t(chunk) * Hv + h;
 
-  load_rows(sK, k + (size_t(ci.t0) * Hk + kh) * D, size_t(Hk) * D, ci.len, l2norm, 1.f, tid);
-  load_rows(sV, v + (size_t(ci.t0) * Hv + h) * D, size_t(Hv) * D, ci.len, false, 1.f, tid);
+  {
+    uint4 rk[8], rq[8], rv[8];  // all three tiles in flight before the first use
+    load_raw(rk, k + (size_t(ci.t0) * Hk + kh) * D, size_t(Hk) * D, ci.len, tid);
+    load_raw(rq, q ? q + (size_t(ci.t0) * Hk + kh) * D : k, size_t(Hk) * D, q ? ci.len : 0, tid);
+    load_raw(rv, v + (size_t(ci.t0) * Hv + h) * D, size_t(Hv) * D, ci.len, tid);
+    const float fk = finish_rows(sK, rk, l2norm, 1.f, tid);
+    const float fq = q ? finish_rows(sQ, rq, l2norm, scale, tid) : 0.f;
+    finish_rows(sV, rv, false, 1.f, tid);
+    if ((tid & 1) == 0) {
+      sFk[tid >> 1] = fk;
+      sFq[tid >> 1] = fq;
+    }
+  }
   if (warp == 0) {  // inclusive cumsum of g over the chunk, two tokens per lane
     const int r0 = 2 * lane;
     float g0 = 0.f, g1 = 0.f;
@@ -212,11 +225,33 @@ __global__ void __launch_bounds__(kThreads) gdn_wy_kernel(const bf16* __restrict
   }
   __syncthreads();
 
+  // P = (Q K^T) masked causally (j <= i) and decayed by e^{G_i - G_j}, straight to the workspace
+  // (zeros above the diagonal: the scan reads whole 16 x 16 diagonal blocks). Skipped without q
+  // (no outputs requested).
+  if (q) {
+    float acc[8][4] = {};
+    causal_xyt(acc, sQ, sK, warp, lane);
+    bf16* P = ws.P + slot * kPElems;
+    const int i0 = 16 * warp + gi, i1 = i0 + 8;
+    const float G0 = sG[i0], G1 = sG[i1];
+#pragma unroll
+    for (int t = 0; t < 8; ++t) {
+      const int j = 8 * t + cc;
+      const float Gj0 = sG[j], Gj1 = sG[j + 1];
+      const float p00 = j <= i0 ? acc[t][0] * __expf(G0 - Gj0) : 0.f;
+      const float p01 = j + 1 <= i0 ? acc[t][1] * __expf(G0 - Gj1) : 0.f;
+      const float p10 = j <= i1 ? acc[t][2] * __expf(G1 - Gj0) : 0.f;
+      const float p11 = j + 1 <= i1 ? acc[t][3] * __expf(G1 - Gj1) : 0.f;
+      *reinterpret_cast<uint32_t*>(P + i0 * C + j) = pack_bf16(p00, p01);
+      *reinterpret_cast<uint32_t*>(P + i1 * C + j) = pack_bf16(p10, p11);
+    }
+  }
+  __syncthreads();  // region R (sQ) is reused for A below
+
   // A = K K^T (strictly lower part), scaled by b_i e^{G_i - G_j}.
   {
     float acc[8][4] = {};
     causal_xyt(acc, sK, sK, warp, lane);
-    const int gi = lane >> 2, cc = (lane & 3) * 2;
 #pragma unroll
     for (int t = 0; t < 8; ++t) {
 #pragma unroll
@@ -253,323 +288,460 @@ __global__ void __launch_bounds__(kThreads) gdn_wy_kernel(const bf16* __restrict
     const float bc = sB[c], bgc = sB[c] * __expf(sG[c]);
 #pragma unroll
     for (int i = 0; i < C; ++i) {
-      sXb[i * (C + 8) + c] = __float2bfloat16_rn(x[i] * bc);
-      sXbg[i * (C + 8) + c] = __float2bfloat16_rn(x[i] * bgc);
+      sXb[i * LDP + c] = __float2bfloat16_rn(x[i] * bc);
+      sXbg[i * LDP + c] = __float2bfloat16_rn(x[i] * bgc);
     }
   } else {
-    // K~_j = e^{G_C - G_j} k_j and the cumulative gates, straight to the workspace.
-    const int j = tid - C;
-    const float f = __expf(sG[C - 1] - sG[j]);
-    bf16* dst = ws.Kt + slot * kWElems + j * D;
-#pragma unroll
-    for (int i = 0; i < D / 8; ++i) {
-      uint4 o = *reinterpret_cast<const uint4*>(sK + j * LD + 8 * i);
-      __nv_bfloat162* h2 = reinterpret_cast<__nv_bfloat162*>(&o);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float2 xv = __bfloat1622float2(h2[e]);
-        h2[e] = __floats2bfloat162_rn(xv.x * f, xv.y * f);
-      }
-      *reinterpret_cast<uint4*>(dst + 8 * i) = o;
-    }
-    ws.G[slot * C + j] = sG[j];
+    // Token factors for the scan: kf_t = |k_t|^-1 e^{G_C - G_t}, qf_t = scale |q_t|^-1 e^{G_t}, G_t
+    // (zero past the chunk's end, where the raw rows the scan reads are zero-filled anyway).
+    const int t = tid - C;
+    const bool in = t < ci.len;
+    float* sc = ws.scal + slot * kScal;
+    sc[t] = in ? sFk[t] * __expf(sG[C - 1] - sG[t]) : 0.f;
+    sc[C + t] = in ? sFq[t] * __expf(sG[t]) : 0.f;
+    sc[2 * C + t] = sG[t];
   }
   __syncthreads();
 
   // W = Xbg K and U = Xb V (X is lower triangular: k-steps past the warp's rows are zero).
-#pragma unroll
-  for (int pass = 0; pass < 2; ++pass) {
-    const bf16* sX = pass == 0 ? sXbg : sXb;
-    const bf16* sR = pass == 0 ? sK : sV;
+  {
     float acc[16][4] = {};
-    mma_rows16<C / 16, 8>(acc, sX, C + 8, 16 * warp, sR, LD, 0, lane, warp + 1);
-    acc_to_tile(sStage, acc, 16 * warp, lane);
-    __syncthreads();
-    store_tile((pass == 0 ? ws.W : ws.U) + slot * kWElems, sStage, tid);
-    __syncthreads();
-  }
-}
-
-// ---------------------------------------------------------------------------------------------
-// 2. Sequential scan over chunks, per (sequence, value head, 64-column block of [S | T]).
-// 8 warps: warp w works on row group wr = w % 4 and column half wc = w / 4 of the block, so each
-// chunk's W and K~ are loaded once for 64 columns (the scan is bound by latency and L2 traffic).
-// W, K~ and G are double-buffered in shared memory through cp.async; each thread reads its own
-// U fragment straight from global memory into registers, one chunk ahead. At under 113 KB of
-// shared memory and 128 registers, two blocks fit on one SM.
-constexpr int kScanThreads = 256;
-constexpr int kScanStage = 2 * C * LD * 2 + C * 4;  // W, K~, G
-constexpr int kScanSmem = 2 * kScanStage + D * LDV * 2 + C * LDV * 2;
-
-__device__ __forceinline__ void scan_issue(unsigned char* stage, const WsView& ws, size_t slot, int tid) {
-  bf16* sW = reinterpret_cast<bf16*>(stage);
-  bf16* sKt = sW + C * LD;
-  float* sG = reinterpret_cast<float*>(sKt + C * LD);
-  cp_async_tile<C, kScanThreads>(sW, ws.W + slot * kWElems, tid);
-  cp_async_tile<C, kScanThreads>(sKt, ws.Kt + slot * kWElems, tid);
-  if (tid < C / 4) cp_async16(sG + 4 * tid, ws.G + slot * C + 4 * tid);
-}
-
-__global__ void __launch_bounds__(kScanThreads, 2) gdn_scan_kernel(int Hv, const float* initial_state, float* final_state,
-                                                                float* transition, bool store_for_out, WsView ws) {
-  extern __shared__ __align__(16) unsigned char smem[];
-  bf16* sH = reinterpret_cast<bf16*>(smem + 2 * kScanStage);  // [128][LDV] bf16 h (entry state)
-  bf16* sVn = sH + D * LDV;                                     // [64][LDV] bf16 v_new
-
-  const int blk = blockIdx.x, h = blockIdx.y, seq = blockIdx.z;
-  const bool is_s = blk < D / BV;
-  const int cb = is_s ? blk : blk - D / BV;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wr = warp & 3, wc = warp >> 2;
-  const int gi = lane >> 2, cc = (lane & 3) * 2;
-  const int c_begin = ws.seq_chunk_start[seq], nc = ws.seq_chunk_start[seq + 1] - c_begin;
-  const size_t head = size_t(seq) * Hv + h;
-
-  // Running block: rows 32 wr + 16 mt + (gi, gi + 8), columns 32 wc + 8 nt + cc (+1) of the block.
-  float acc[2][4][4];
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int row = 32 * wr + 16 * mt + gi + (e >= 2 ? 8 : 0), col = cb * BV + 32 * wc + 8 * nt + cc + (e & 1);
-        float val;
-        if (is_s)
-          val = initial_state ? initial_state[head * D * D + size_t(row) * D + col] : 0.f;
-        else
-          val = row == col ? 1.f : 0.f;
-        acc[mt][nt][e] = val;
-      }
-
-  // U fragment of S blocks: rows 16 wr + gi (+8), columns 32 wc + 8 nt + cc, read from global.
-  auto load_u = [&](__nv_bfloat162 (&dst)[4][2], size_t slot) {
-    const bf16* U = ws.U + slot * kWElems + cb * BV + 32 * wc + cc;
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
-      dst[nt][0] = *reinterpret_cast<const __nv_bfloat162*>(U + (16 * wr + gi) * D + 8 * nt);
-      dst[nt][1] = *reinterpret_cast<const __nv_bfloat162*>(U + (16 * wr + gi + 8) * D + 8 * nt);
-    }
-  };
-  __nv_bfloat162 u_next[4][2] = {};
-  if (is_s && nc > 0) load_u(u_next, size_t(c_begin) * Hv + h);
-  if (nc > 0) scan_issue(smem, ws, size_t(c_begin) * Hv + h, tid);
-  cp_async_commit();
-  if (nc > 1) scan_issue(smem + kScanStage, ws, size_t(c_begin + 1) * Hv + h, tid);
-  cp_async_commit();
-
-  for (int c = 0; c < nc; ++c) {
-    const size_t slot = size_t(c_begin + c) * Hv + h;
-    unsigned char* st = smem + (c & 1) * kScanStage;
-    const bf16* sW = reinterpret_cast<const bf16*>(st);
-    const bf16* sKt = sW + C * LD;
-    const float* sG = reinterpret_cast<const float*>(sKt + C * LD);
-    // This thread's U fragment of chunk c was loaded during step c - 1; start chunk c + 1's now,
-    // so its memory latency hides behind this step.
-    __nv_bfloat162 u[4][2];
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt) u[nt][0] = u_next[nt][0], u[nt][1] = u_next[nt][1];
-    if (is_s && c + 1 < nc) load_u(u_next, slot + Hv);
-    cp_async_wait<1>();
-    __syncthreads();
-
-    // h (bf16) for the tensor cores and, for S blocks, the chunk-entry state of the output pass.
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
-        const int row = 32 * wr + 16 * mt + gi, col = 32 * wc + 8 * nt + cc;
-        *reinterpret_cast<uint32_t*>(sH + row * LDV + col) = pack_bf16(acc[mt][nt][0], acc[mt][nt][1]);
-        *reinterpret_cast<uint32_t*>(sH + (row + 8) * LDV + col) = pack_bf16(acc[mt][nt][2], acc[mt][nt][3]);
-      }
-    __syncthreads();
-    if (is_s && store_for_out) {
-      bf16* dst = ws.H + slot * kHElems + cb * BV;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int p = tid + i * kScanThreads, row = p >> 3, col = (p & 7) * 8;
-        *reinterpret_cast<uint4*>(dst + row * D + col) = *reinterpret_cast<const uint4*>(sH + row * LDV + col);
-      }
-    }
-
-    // v_new = U - W h for chunk rows 16 wr .. + 15, columns 32 wc .. + 31 (as -(W h - U)).
-    float vn[4][4];
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
-      if (is_s) {
-        const float2 u0 = __bfloat1622float2(u[nt][0]);
-        const float2 u1 = __bfloat1622float2(u[nt][1]);
-        vn[nt][0] = -u0.x;
-        vn[nt][1] = -u0.y;
-        vn[nt][2] = -u1.x;
-        vn[nt][3] = -u1.y;
-      } else {
-        vn[nt][0] = vn[nt][1] = vn[nt][2] = vn[nt][3] = 0.f;
-      }
-    }
-    mma_rows16<D / 16, 2>(vn, sW, LD, 16 * wr, sH, LDV, 32 * wc, lane);
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
-      const int row = 16 * wr + gi, col = 32 * wc + 8 * nt + cc;
-      *reinterpret_cast<uint32_t*>(sVn + row * LDV + col) = pack_bf16(-vn[nt][0], -vn[nt][1]);
-      *reinterpret_cast<uint32_t*>(sVn + (row + 8) * LDV + col) = pack_bf16(-vn[nt][2], -vn[nt][3]);
-    }
-    __syncthreads();
-    if (is_s && store_for_out) {
-      bf16* dst = ws.U + slot * kWElems + cb * BV;
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const int p = tid + i * kScanThreads, row = p >> 3, col = (p & 7) * 8;
-        *reinterpret_cast<uint4*>(dst + row * D + col) = *reinterpret_cast<const uint4*>(sVn + row * LDV + col);
-      }
-    }
-
-    // h = gamma h + K~^T v_new.
-    const float gamma = __expf(sG[C - 1]);
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[mt][nt][e] *= gamma;
-#pragma unroll
-    for (int ks = 0; ks < C / 16; ++ks) {
-      uint32_t b[2][4];
-#pragma unroll
-      for (int np = 0; np < 2; ++np) load_b_kn(b[np], sVn, LDV, 16 * ks, 32 * wc + 16 * np, lane);
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt) {
-        uint32_t a[4];
-        load_a_trans(a, sKt, LD, 32 * wr + 16 * mt, 16 * ks, lane);
-#pragma unroll
-        for (int np = 0; np < 2; ++np) {
-          mma_bf16(acc[mt][2 * np], a, b[np][0], b[np][1]);
-          mma_bf16(acc[mt][2 * np + 1], a, b[np][2], b[np][3]);
-        }
-      }
-    }
-    __syncthreads();
-    if (c + 2 < nc) scan_issue(st, ws, slot + 2 * size_t(Hv), tid);
-    cp_async_commit();
-  }
-  cp_async_wait<0>();
-
-  float* dst = is_s ? final_state : transition;
-  if (dst) {
-    dst += head * D * D + cb * BV;
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
-        const int row = 32 * wr + 16 * mt + gi, col = 32 * wc + 8 * nt + cc;
-        *reinterpret_cast<float2*>(dst + size_t(row) * D + col) = make_float2(acc[mt][nt][0], acc[mt][nt][1]);
-        *reinterpret_cast<float2*>(dst + size_t(row + 8) * D + col) = make_float2(acc[mt][nt][2], acc[mt][nt][3]);
-      }
-  }
-}
-
-// ---------------------------------------------------------------------------------------------
-// 3. Outputs per (chunk, value head).
-constexpr int kOutSmem = 3 * C * LD * 2 + D * LD * 2 + C * 4;
-
-__global__ void __launch_bounds__(kThreads) gdn_output_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
-                                                              int Hk, int Hv, bool l2norm, float scale,
-                                                              bf16* __restrict__ out, WsView ws) {
-  extern __shared__ __align__(16) unsigned char smem[];
-  bf16* sQ = reinterpret_cast<bf16*>(smem);
-  bf16* sK = sQ + C * LD;
-  bf16* sVn = sK + C * LD;
-  bf16* sH = sVn + C * LD;  // [128][LD]
-  float* sG = reinterpret_cast<float*>(sH + D * LD);
-
-  const int chunk = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int gi = lane >> 2, cc = (lane & 3) * 2;
-  const ChunkInfo ci = ws.chunks[chunk];
-  const int kh = h / (Hv / Hk);
-  const size_t slot = size_t(chunk) * Hv + h;
-
-  {
-    cp_async_tile<D, kThreads>(sH, ws.H + slot * kHElems, tid);
-    cp_async_tile<C, kThreads>(sVn, ws.U + slot * kWElems, tid);
-    if (tid < C / 4) cp_async16(sG + 4 * tid, ws.G + slot * C + 4 * tid);
-    cp_async_commit();
-  }
-  load_rows(sQ, q + (size_t(ci.t0) * Hk + kh) * D, size_t(Hk) * D, ci.len, l2norm, scale, tid);
-  load_rows(sK, k + (size_t(ci.t0) * Hk + kh) * D, size_t(Hk) * D, ci.len, l2norm, 1.f, tid);
-  cp_async_wait<0>();
-  __syncthreads();
-
-  // P = (Q K^T) masked causally (j <= i) and decayed by e^{G_i - G_j}, as bf16 A fragments.
-  uint32_t pa[4][4];
-  {
-    float s[8][4] = {};
-    causal_xyt(s, sQ, sK, warp, lane);
-    const int i0 = 16 * warp + gi, i1 = i0 + 8;
-    const float G0 = sG[i0], G1 = sG[i1];
-#pragma unroll
-    for (int t = 0; t < 8; ++t) {
-      const int j = 8 * t + cc;
-      const float Gj0 = sG[j], Gj1 = sG[j + 1];
-      s[t][0] = j <= i0 ? s[t][0] * __expf(G0 - Gj0) : 0.f;
-      s[t][1] = j + 1 <= i0 ? s[t][1] * __expf(G0 - Gj1) : 0.f;
-      s[t][2] = j <= i1 ? s[t][2] * __expf(G1 - Gj0) : 0.f;
-      s[t][3] = j + 1 <= i1 ? s[t][3] * __expf(G1 - Gj1) : 0.f;
-    }
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks) {
-      pa[ks][0] = pack_bf16(s[2 * ks][0], s[2 * ks][1]);
-      pa[ks][1] = pack_bf16(s[2 * ks][2], s[2 * ks][3]);
-      pa[ks][2] = pack_bf16(s[2 * ks + 1][0], s[2 * ks + 1][1]);
-      pa[ks][3] = pack_bf16(s[2 * ks + 1][2], s[2 * ks + 1][3]);
-    }
-  }
-
-  // O = diag(e^G) Q h_c + P V_new.
-  float o[16][4] = {};
-  mma_rows16<D / 16, 8>(o, sQ, LD, 16 * warp, sH, LD, 0, lane);
-  {
-    const float e0 = __expf(sG[16 * warp + gi]), e1 = __expf(sG[16 * warp + gi + 8]);
+    mma_rows16<C / 16, 8>(acc, sXbg, LDP, 16 * warp, sK, LD, 0, lane, warp + 1);
 #pragma unroll
     for (int n = 0; n < 16; ++n) {
-      o[n][0] *= e0;
-      o[n][1] *= e0;
-      o[n][2] *= e1;
-      o[n][3] *= e1;
+      *reinterpret_cast<uint32_t*>(sStage + (16 * warp + gi) * LD + n * 8 + cc) = pack_bf16(acc[n][0], acc[n][1]);
+      *reinterpret_cast<uint32_t*>(sStage + (16 * warp + gi + 8) * LD + n * 8 + cc) = pack_bf16(acc[n][2], acc[n][3]);
+    }
+    __syncthreads();
+    store_tile(ws.W + slot * kWElems, sStage, tid);
+    __syncthreads();
+  }
+  {
+    float acc[16][4] = {};
+    mma_rows16<C / 16, 8>(acc, sXb, LDP, 16 * warp, sV, LD, 0, lane, warp + 1);
+    bf16* sUT = sStage;  // [128][68]: U^T, row = value column
+    const int t0 = 16 * warp + gi;
+#pragma unroll
+    for (int n = 0; n < 16; ++n) {
+      const int col = 8 * n + cc;
+      sUT[col * 68 + t0] = __float2bfloat16_rn(acc[n][0]);
+      sUT[(col + 1) * 68 + t0] = __float2bfloat16_rn(acc[n][1]);
+      sUT[col * 68 + t0 + 8] = __float2bfloat16_rn(acc[n][2]);
+      sUT[(col + 1) * 68 + t0 + 8] = __float2bfloat16_rn(acc[n][3]);
+    }
+    __syncthreads();
+    bf16* UT = ws.UT + slot * kWElems;
+#pragma unroll
+    for (int i = 0; i < D * C / 4 / kThreads; ++i) {  // 8-byte pieces
+      const int p = tid + i * kThreads, row = p >> 4, c4 = (p & 15) * 4;
+      *reinterpret_cast<uint2*>(UT + row * C + c4) = *reinterpret_cast<const uint2*>(sUT + row * 68 + c4);
     }
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 2. Sequential scan over chunks with fused outputs.
+// A column block is 64 columns (four 16-column groups) of S or of T for one (sequence, value
+// head). Warps have one of three roles for one group: S recurrence, T recurrence (they keep h^T of
+// their group in accumulators and run v_new and the state update) and output (o^T of an S group,
+// one chunk behind its recurrence warp, from the bf16 fragments of h^T and v_new^T that the
+// recurrence warp leaves in shared memory). Output warps also stage the tiles, so the recurrence
+// warps, which carry the sequential dependency, do nothing else. Block layouts (ScanParams):
+//   separate: S blocks of 4 S-recurrence (+ 4 output) warps, T blocks of T-recurrence warps (8 when
+//             S blocks have 8 warps, one T block per head; else 4);
+//   mixed:    blocks of 4 S-recurrence (+ 4 output) + 4 T-recurrence warps sharing the staged tiles.
+// Shared memory: ring A (2 slots: W, K, U^T of the block's columns, kf, G) for the recurrence
+// warps, ring B (3 slots: Q, P, qf) for the output warps, the h^T / v_new^T fragment exchange
+// (double-buffered) and one output staging tile per output warp.
+constexpr int kGroupsPerBlock = 4;
+constexpr int kRingA = 2, kRingB = 3;
+constexpr int kStageA = 2 * C * LD * 2 + kGroupsPerBlock * 16 * LDP * 2 + 2 * C * 4;  // W, K, U^T, kf, G
+constexpr int kStageB = C * LD * 2 + C * LDP * 2 + C * 4;                             // Q, P, qf
+constexpr int kExchUint4 = 12 * 32;  // per group and buffer: 8 k-steps of h^T, 4 of v_new^T, per lane
+constexpr int kExchBytes = 2 * kGroupsPerBlock * kExchUint4 * 16;
+constexpr int kOutLd = 24;  // staging row: 16 columns + 8 pad (48 bytes: conflict-free, 16-byte aligned)
+constexpr int kOutStageBytes = kGroupsPerBlock * C * kOutLd * 2;
+constexpr int kScanSmem = kRingA * kStageA + kRingB * kStageB + kExchBytes + kOutStageBytes;
+constexpr int kScanMaxThreads = 3 * kGroupsPerBlock * 32;
+constexpr int kPrefetchAhead = 4;  // chunks ahead that the L2 prefetch runs
+static_assert(kScanSmem <= 227 * 1024, "scan shared memory over the per-block limit");
+
+enum ScanRole { kRecS, kRecT, kOut };
+
+struct ScanParams {
+  int Hk, Hv;
+  bool mixed;     // block layout (see above)
+  bool with_t;    // T_C requested
+  bool with_out;  // outputs requested (output warps exist)
+  int s_blocks;   // separate layout: blocks per head carrying S columns (the rest carry T)
+  const bf16* q;  // raw inputs
+  const bf16* k;
+  const float* initial_state;
+  float* final_state;
+  float* transition;
+  bf16* out;
+  WsView ws;
+};
+
+// Role, 16-column group (0..7) and column block (0..1) of warp w in block b.
+__device__ __forceinline__ void scan_role(const ScanParams& p, int b, int w, ScanRole& role, int& group, int& cb) {
+  const int nout = p.with_out ? 4 : 0;
+  if (p.mixed) {
+    cb = b;
+    if (w < 4) role = kRecS, group = 4 * cb + w;
+    else if (w < 4 + nout) role = kOut, group = 4 * cb + w - 4;
+    else role = kRecT, group = 4 * cb + w - 4 - nout;
+  } else if (b < p.s_blocks) {
+    cb = b;
+    role = w < 4 ? kRecS : kOut;
+    group = 4 * cb + (w & 3);
+  } else {  // T block: all warps T recurrence; 8 warps cover both column blocks
+    role = kRecT;
+    cb = (b - p.s_blocks) + (w >> 2);
+    group = 4 * cb + (w & 3);
+  }
+}
+
+__device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
+               "r"(valid ? 16 : 0));
+}
+
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
+}
+
+// Rows t < len of a raw [T][H][128] bf16 input (row stride `stride` elements) into a [64][LD] tile;
+// rows >= len are zero-filled.
+__device__ __forceinline__ void cp_async_rows(bf16* s, const bf16* g, size_t stride, int len, int tid, int nthreads) {
+  for (int p = tid; p < C * 16; p += nthreads) {
+    const int row = p >> 4, col = (p & 15) * 8;
+    const bool valid = row < len;
+    cp_async16_zfill(s + row * LD + col, g + (valid ? size_t(row) * stride + col : 0), valid);
+  }
+}
+
+// A dense [rows][cols] bf16 global block (row stride gstride) into a [rows][ld] shared tile.
+__device__ __forceinline__ void cp_async_dense(bf16* s, int ld, const bf16* g, int gstride, int rows, int cols,
+                                               int tid, int nthreads) {
+  const int per_row = cols / 8;
+  for (int p = tid; p < rows * per_row; p += nthreads) {
+    const int row = p / per_row, col = (p % per_row) * 8;
+    cp_async16(s + row * ld + col, g + row * gstride + col);
+  }
+}
+
+struct StageA {
+  bf16 *W, *K, *UT;  // W, K [64][LD]; U^T [64 block columns][LDP]
+  float *kf, *G;
+};
+struct StageB {
+  bf16 *Q, *P;  // Q [64][LD], P [64][LDP]
+  float* qf;
+};
+
+__device__ __forceinline__ StageA stage_a(unsigned char* smem, int i) {
+  unsigned char* b = smem + i * kStageA;
+  StageA s;
+  s.W = reinterpret_cast<bf16*>(b);
+  s.K = s.W + C * LD;
+  s.UT = s.K + C * LD;
+  s.kf = reinterpret_cast<float*>(s.UT + kGroupsPerBlock * 16 * LDP);
+  s.G = s.kf + C;
+  return s;
+}
+
+__device__ __forceinline__ StageB stage_b(unsigned char* smem, int i) {
+  unsigned char* b = smem + kRingA * kStageA + i * kStageB;
+  StageB s;
+  s.Q = reinterpret_cast<bf16*>(b);
+  s.P = s.Q + C * LD;
+  s.qf = reinterpret_cast<float*>(s.P + C * LDP);
+  return s;
+}
+
+// Stages chunk `chunk` (tokens t0 .. t0 + len - 1) for value head h / key head kh: ring A (U^T only
+// for blocks with S columns, the 64 columns of column block s_cb) and, for blocks with output warps,
+// ring B.
+__device__ __forceinline__ void scan_issue(unsigned char* smem, const ScanParams& p, int chunk, int t0, int len, int h,
+                                           int kh, bool block_s, int s_cb, bool block_out, int tid, int nthreads) {
+  const size_t slot = size_t(chunk) * p.Hv + h;
+  const StageA a = stage_a(smem, (chunk & 1));
+  const size_t stride = size_t(p.Hk) * D, base = (size_t(t0) * p.Hk + kh) * D;
+  cp_async_dense(a.W, LD, p.ws.W + slot * kWElems, D, C, D, tid, nthreads);
+  cp_async_rows(a.K, p.k + base, stride, len, tid, nthreads);
+  if (block_s) cp_async_dense(a.UT, LDP, p.ws.UT + slot * kWElems + s_cb * 64 * C, C, 64, C, tid, nthreads);
+  const float* sc = p.ws.scal + slot * kScal;
+  for (int i = tid; i < 2 * C / 4; i += nthreads)  // kf (scal[0..63]) and G (scal[128..191])
+    cp_async16(a.kf + 4 * i, sc + (i < C / 4 ? 4 * i : C + 4 * i));
+  if (block_out) {
+    const StageB b = stage_b(smem, chunk % kRingB);
+    cp_async_rows(b.Q, p.q + base, stride, len, tid, nthreads);
+    cp_async_dense(b.P, LDP, p.ws.P + slot * kPElems, C, C, C, tid, nthreads);
+    for (int i = tid; i < C / 4; i += nthreads) cp_async16(b.qf + 4 * i, sc + C + 4 * i);
+  }
+}
+
+// L2 prefetch of what scan_issue will stage for `chunk`.
+__device__ __forceinline__ void scan_prefetch(const ScanParams& p, int chunk, int t0, int len, int h, int kh,
+                                              bool block_s, int s_cb, bool block_out, int tid, int nthreads) {
+  const size_t slot = size_t(chunk) * p.Hv + h;
+  const size_t stride = size_t(p.Hk) * D, base = (size_t(t0) * p.Hk + kh) * D;
+  // 128-byte lines: W 128, K rows 128, U^T (64 columns) 64, Q rows 128, P 64, scal 6.
+  for (int i = tid; i < 518; i += nthreads) {
+    const void* a;
+    if (i < 128) a = p.ws.W + slot * kWElems + i * 64;
+    else if (i < 256) a = p.k + base + size_t(min((i - 128) >> 1, len - 1)) * stride + ((i - 128) & 1) * 64;
+    else if (i < 262) a = p.ws.scal + slot * kScal + (i - 256) * 32;
+    else if (i < 326) {
+      if (!block_s) continue;
+      a = p.ws.UT + slot * kWElems + s_cb * 64 * C + (i - 262) * 64;
+    } else if (!block_out) break;
+    else if (i < 454) a = p.q + base + size_t(min((i - 326) >> 1, len - 1)) * stride + ((i - 326) & 1) * 64;
+    else a = p.ws.P + slot * kPElems + (i - 454) * 64;
+    prefetch_l2(a);
+  }
+}
+
+// bf16 A fragment (16 x 16, k-step of two n-tiles) from the C fragments lo (n-tile 2s) and hi
+// (2s + 1) of a 16 x 8n accumulator, each column scaled: lo's columns by fa, hi's by fb.
+__device__ __forceinline__ void pack_a(uint32_t (&a)[4], const float (&lo)[4], const float (&hi)[4],
+                                       float2 fa = make_float2(1.f, 1.f), float2 fb = make_float2(1.f, 1.f)) {
+  a[0] = pack_bf16(lo[0] * fa.x, lo[1] * fa.y);
+  a[1] = pack_bf16(lo[2] * fa.x, lo[3] * fa.y);
+  a[2] = pack_bf16(hi[0] * fb.x, hi[1] * fb.y);
+  a[3] = pack_bf16(hi[2] * fb.x, hi[3] * fb.y);
+}
+
+// c0 += a b(n-tile 0), c1 += a b(n-tile 1) for the B fragments bb of two n-tiles (load_b_*).
+__device__ __forceinline__ void mma_x2(float (&c0)[4], float (&c1)[4], const uint32_t (&a)[4],
+                                       const uint32_t (&bb)[4]) {
+  mma_bf16(c0, a, bb[0], bb[1]);
+  mma_bf16(c1, a, bb[2], bb[3]);
+}
+
+__global__ void __launch_bounds__(kScanMaxThreads, 1) gdn_scan_kernel(ScanParams p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int b = blockIdx.x, h = blockIdx.y, seq = blockIdx.z;
+  const int tid = threadIdx.x, nwarps = blockDim.x >> 5, lane = tid & 31, warp = tid >> 5;
+  const int gi = lane >> 2, cc = (lane & 3) * 2;
+  const int kh = h / (p.Hv / p.Hk);
+  const WsView& ws = p.ws;
+  const int c_begin = ws.seq_chunk_start[seq], nc = ws.seq_chunk_start[seq + 1] - c_begin;
+  const size_t head = size_t(seq) * p.Hv + h;
+  // Chunk c of the sequence covers tokens seq_t0 + 64 c .. min(+64, seq_end) - 1.
+  int seq_t0 = 0, seq_end = 0;
+  if (nc > 0) {
+    seq_t0 = ws.chunks[c_begin].t0;
+    const ChunkInfo last = ws.chunks[c_begin + nc - 1];
+    seq_end = last.t0 + last.len;
+  }
+  auto chunk_t0 = [&](int c) { return seq_t0 + C * c; };
+  auto chunk_len = [&](int c) { return min(C, seq_end - (seq_t0 + C * c)); };
+
+  ScanRole role;
+  int group, cb;
+  scan_role(p, b, warp, role, group, cb);
+  bool block_s = false, block_out = false;
+  int s_cb = 0, first_out = nwarps;
+  for (int w = 0; w < nwarps; ++w) {
+    ScanRole r;
+    int g, c2;
+    scan_role(p, b, w, r, g, c2);
+    if (r == kRecS) block_s = true, s_cb = c2;
+    if (r == kOut && !block_out) block_out = true, first_out = w;
+  }
+  // Output warps stage the tiles where they exist; otherwise every warp does.
+  const bool issuer = block_out ? role == kOut : true;
+  const int itid = block_out ? tid - 32 * first_out : tid;
+  const int nissue = block_out ? 32 * kGroupsPerBlock : blockDim.x;
+  const int col0 = 16 * group;  // the warp's first column of S (or T)
+  const int gl = group & 3;     // group within its column block
+  uint4* exch = reinterpret_cast<uint4*>(smem + kRingA * kStageA + kRingB * kStageB);
+
+  auto issue = [&](int c) {
+    scan_issue(smem, p, c_begin + c, chunk_t0(c), chunk_len(c), h, kh, block_s, s_cb, block_out, itid, nissue);
+  };
+  if (issuer && nc > 0) issue(0);
+  cp_async_commit();
+
+  // Recurrence warps: acc[n][e] = h^T[col0 + gi (+8 for e >= 2)][d], d = 8n + cc + (e & 1), i.e.
+  // S[d][col] (or T[d][col]).
+  float acc[16][4];
+  if (role != kOut) {
 #pragma unroll
-  for (int ks = 0; ks < 4; ++ks) {
-    if (ks <= warp) {
+    for (int n = 0; n < 16; ++n)
 #pragma unroll
-      for (int np = 0; np < 8; ++np) {
-        uint32_t b[4];
-        load_b_kn(b, sVn, LD, 16 * ks, 16 * np, lane);
-        mma_bf16(o[2 * np], pa[ks], b[0], b[1]);
-        mma_bf16(o[2 * np + 1], pa[ks], b[2], b[3]);
+      for (int e = 0; e < 4; ++e) {
+        const int d = 8 * n + cc + (e & 1), col = col0 + gi + (e >= 2 ? 8 : 0);
+        float val;
+        if (role == kRecS)
+          val = p.initial_state ? p.initial_state[head * D * D + size_t(d) * D + col] : 0.f;
+        else
+          val = d == col ? 1.f : 0.f;
+        acc[n][e] = val;
       }
+  }
+
+  const int steps = nc + (block_out ? 1 : 0);  // output warps trail by one chunk
+  for (int c = 0; c < steps; ++c) {
+    cp_async_wait<0>();
+    __syncthreads();  // chunk c staged; every warp is done with the slots and exchange buffer it reuses
+    if (issuer && c + 1 < nc) issue(c + 1);
+    cp_async_commit();
+    if (issuer && c + kPrefetchAhead < nc) {
+      const int cn = c + kPrefetchAhead;
+      scan_prefetch(p, c_begin + cn, chunk_t0(cn), chunk_len(cn), h, kh, block_s, s_cb, block_out, itid, nissue);
+    }
+
+    if (role != kOut && c < nc) {
+      const StageA st = stage_a(smem, (c_begin + c) & 1);
+      uint4* ex = exch + ((c & 1) * kGroupsPerBlock + gl) * kExchUint4 + lane;
+      const bool share = role == kRecS && block_out;
+      // vn = -(v_new^T) = h^T W^T - U^T, C fragments over t = 8j + cc (+1), rows col0 + gi (+8).
+      float vn[8][4];
+      if (role == kRecS) {
+        const bf16* ut = st.UT + (16 * gl + gi) * LDP + cc;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const float2 u0 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(ut + 8 * j));
+          const float2 u1 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(ut + 8 * LDP + 8 * j));
+          vn[j][0] = -u0.x;
+          vn[j][1] = -u0.y;
+          vn[j][2] = -u1.x;
+          vn[j][3] = -u1.y;
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) vn[j][0] = vn[j][1] = vn[j][2] = vn[j][3] = 0.f;
+      }
+#pragma unroll
+      for (int s = 0; s < D / 16; ++s) {
+        uint32_t a[4];
+        pack_a(a, acc[2 * s], acc[2 * s + 1]);
+        if (share) ex[s * 32] = make_uint4(a[0], a[1], a[2], a[3]);
+#pragma unroll
+        for (int jp = 0; jp < 4; ++jp) {
+          uint32_t bb[4];
+          load_b_nk(bb, st.W, LD, 16 * s, 16 * jp, lane);
+          mma_x2(vn[2 * jp], vn[2 * jp + 1], a, bb);
+        }
+      }
+      if (share) {  // v_new^T = -vn as bf16 A fragments for the output warp
+#pragma unroll
+        for (int s = 0; s < C / 16; ++s) {
+          uint32_t a[4];
+          pack_a(a, vn[2 * s], vn[2 * s + 1], make_float2(-1.f, -1.f), make_float2(-1.f, -1.f));
+          ex[(8 + s) * 32] = make_uint4(a[0], a[1], a[2], a[3]);
+        }
+      }
+      // h^T = gamma h^T + v_new^T diag(kf) K.
+      const float gamma = __expf(st.G[C - 1]);
+#pragma unroll
+      for (int n = 0; n < 16; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[n][e] *= gamma;
+#pragma unroll
+      for (int s = 0; s < C / 16; ++s) {
+        const float2 fa = *reinterpret_cast<const float2*>(st.kf + 16 * s + cc);
+        const float2 fb = *reinterpret_cast<const float2*>(st.kf + 16 * s + 8 + cc);
+        uint32_t a[4];  // v_new^T diag(kf) = -vn diag(kf)
+        pack_a(a, vn[2 * s], vn[2 * s + 1], make_float2(-fa.x, -fa.y), make_float2(-fb.x, -fb.y));
+#pragma unroll
+        for (int np = 0; np < 8; ++np) {
+          uint32_t bb[4];
+          load_b_kn(bb, st.K, LD, 16 * s, 16 * np, lane);
+          mma_x2(acc[2 * np], acc[2 * np + 1], a, bb);
+        }
+      }
+    } else if (role == kOut && c >= 1) {
+      // Chunk c - 1: o^T = (h^T Q^T) diag(qf) + v_new^T P^T, bf16 rows of out through the staging tile.
+      const int co = c - 1;
+      const StageB st = stage_b(smem, (c_begin + co) % kRingB);
+      const uint4* ex = exch + ((co & 1) * kGroupsPerBlock + gl) * kExchUint4 + lane;
+      float o[8][4] = {};
+#pragma unroll
+      for (int s = 0; s < D / 16; ++s) {
+        const uint4 av = ex[s * 32];
+        const uint32_t a[4] = {av.x, av.y, av.z, av.w};
+#pragma unroll
+        for (int jp = 0; jp < 4; ++jp) {
+          uint32_t bb[4];
+          load_b_nk(bb, st.Q, LD, 16 * s, 16 * jp, lane);
+          mma_x2(o[2 * jp], o[2 * jp + 1], a, bb);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float2 f = *reinterpret_cast<const float2*>(st.qf + 8 * j + cc);
+        o[j][0] *= f.x;
+        o[j][1] *= f.y;
+        o[j][2] *= f.x;
+        o[j][3] *= f.y;
+      }
+#pragma unroll
+      for (int s = 0; s < C / 16; ++s) {
+        const uint4 av = ex[(8 + s) * 32];
+        const uint32_t a[4] = {av.x, av.y, av.z, av.w};
+#pragma unroll
+        for (int jp = 0; jp < 4; ++jp) {
+          if (jp >= s) {  // P is lower triangular
+            uint32_t bb[4];
+            load_b_nk(bb, st.P, LDP, 16 * s, 16 * jp, lane);
+            mma_x2(o[2 * jp], o[2 * jp + 1], a, bb);
+          }
+        }
+      }
+      bf16* sOut = reinterpret_cast<bf16*>(smem + kRingA * kStageA + kRingB * kStageB + kExchBytes) + gl * C * kOutLd;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int t = 8 * j + cc;
+        sOut[t * kOutLd + gi] = __float2bfloat16_rn(o[j][0]);
+        sOut[(t + 1) * kOutLd + gi] = __float2bfloat16_rn(o[j][1]);
+        sOut[t * kOutLd + gi + 8] = __float2bfloat16_rn(o[j][2]);
+        sOut[(t + 1) * kOutLd + gi + 8] = __float2bfloat16_rn(o[j][3]);
+      }
+      __syncwarp();
+      const int t0 = chunk_t0(co), len = chunk_len(co);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int pidx = lane + 32 * i, t = pidx >> 1, half = pidx & 1;
+        if (t < len)
+          *reinterpret_cast<uint4*>(p.out + (size_t(t0 + t) * p.Hv + h) * D + col0 + 8 * half) =
+              *reinterpret_cast<const uint4*>(sOut + t * kOutLd + 8 * half);
+      }
+      __syncwarp();
     }
   }
-  __syncwarp();
-  acc_to_tile(sQ, o, 16 * warp, lane);  // the warp's own rows of sQ, read only by this warp
-  __syncwarp();
+  cp_async_wait<0>();
+
+  if (role != kOut) {
+    float* dst = role == kRecS ? p.final_state : p.transition;
+    if (dst) {
+      dst += head * D * D;
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const int p = lane + 32 * i, row = 16 * warp + (p >> 4), col = (p & 15) * 8;
-    if (row < ci.len)
-      *reinterpret_cast<uint4*>(out + (size_t(ci.t0 + row) * Hv + h) * D + col) =
-          *reinterpret_cast<const uint4*>(sQ + row * LD + col);
+      for (int n = 0; n < 16; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int d = 8 * n + cc + (e & 1), col = col0 + gi + (e >= 2 ? 8 : 0);
+          dst[size_t(d) * D + col] = acc[n][e];
+        }
+    }
   }
 }
 
 bool smem_configured = false;
+int num_sms = 0;
 
-void configure_smem() {
+void configure() {
   if (smem_configured) return;
   check_cuda(cudaFuncSetAttribute(gdn_wy_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kWySmem),
              "cudaFuncSetAttribute(gdn_wy_kernel)");
   check_cuda(cudaFuncSetAttribute(gdn_scan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kScanSmem),
              "cudaFuncSetAttribute(gdn_scan_kernel)");
-  check_cuda(cudaFuncSetAttribute(gdn_output_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kOutSmem),
-             "cudaFuncSetAttribute(gdn_output_kernel)");
+  int dev = 0;
+  check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
+  check_cuda(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute(SMs)");
   smem_configured = true;
 }
 
@@ -601,6 +773,8 @@ void gdn_prefill(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t stream)
     throw std::invalid_argument("gdn_prefill: num_v_heads (" + std::to_string(a.num_v_heads) +
                                 ") must be a positive multiple of num_k_heads (" + std::to_string(a.num_k_heads) +
                                 ")");
+  if (a.scan_layout < 0 || a.scan_layout > 2)
+    throw std::invalid_argument("gdn_prefill: scan_layout must be in [0, 2], got " + std::to_string(a.scan_layout));
   if (a.cu_seqlens_host[0] != 0) throw std::invalid_argument("gdn_prefill: cu_seqlens_host[0] must be 0");
   std::vector<ChunkInfo> chunks;
   std::vector<int> seq_start(a.num_seqs + 1);
@@ -619,18 +793,17 @@ void gdn_prefill(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t stream)
     throw std::invalid_argument("gdn_prefill: k, v, g and beta must be non-null");
   if (a.out && total_tokens > 0 && !a.q) throw std::invalid_argument("gdn_prefill: q is null but out is requested");
 
-  configure_smem();
+  configure();
   const size_t chunk_heads = size_t(nchunks) * a.num_v_heads;
   ws.reserve(chunk_heads, nchunks, a.num_seqs);
   auto* base = static_cast<unsigned char*>(ws.mem_);
   WsView v{};
   const size_t cap = ws.chunk_heads_cap_;
   v.W = reinterpret_cast<bf16*>(base);
-  v.U = v.W + cap * kWElems;
-  v.Kt = v.U + cap * kWElems;
-  v.H = v.Kt + cap * kWElems;
-  v.G = reinterpret_cast<float*>(v.H + cap * kHElems);
-  auto* chunk_dev = reinterpret_cast<ChunkInfo*>(v.G + cap * C);
+  v.UT = v.W + cap * kWElems;
+  v.P = v.UT + cap * kWElems;
+  v.scal = reinterpret_cast<float*>(v.P + cap * kPElems);
+  auto* chunk_dev = reinterpret_cast<ChunkInfo*>(v.scal + cap * kScal);
   auto* start_dev = reinterpret_cast<int*>(chunk_dev + ws.chunks_cap_);
   v.chunks = chunk_dev;
   v.seq_chunk_start = start_dev;
@@ -644,19 +817,36 @@ void gdn_prefill(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t stream)
              "cudaMemcpyAsync(sequence chunk offsets)");
 
   if (nchunks > 0) {
-    gdn_wy_kernel<<<dim3(nchunks, a.num_v_heads), kThreads, kWySmem, stream>>>(
-        a.k, a.v, a.g, a.beta, a.num_k_heads, a.num_v_heads, a.l2norm_qk, v);
+    gdn_wy_kernel<<<unsigned(nchunks) * unsigned(a.num_v_heads), kThreads, kWySmem, stream>>>(
+        a.out ? a.q : nullptr, a.k, a.v, a.g, a.beta, a.num_k_heads, a.num_v_heads, a.l2norm_qk, a.scale, v);
     check_cuda(cudaGetLastError(), "gdn_wy_kernel launch");
   }
-  const int nblk = D / BV + (a.transition ? D / BV : 0);
-  gdn_scan_kernel<<<dim3(nblk, a.num_v_heads, a.num_seqs), kScanThreads, kScanSmem, stream>>>(
-      a.num_v_heads, a.initial_state, a.final_state, a.transition, a.out != nullptr, v);
+
+  // Scan layout (one block per SM: the staged tiles take most of its shared memory). With few
+  // (sequence, head) pairs, S and T columns go to separate blocks, so T blocks run on otherwise idle
+  // SMs; with many, each block carries 64 columns of both S and T (mixed), sharing staged tiles.
+  ScanParams sp{};
+  sp.Hk = a.num_k_heads;
+  sp.Hv = a.num_v_heads;
+  sp.with_t = a.transition != nullptr;
+  sp.with_out = a.out != nullptr;
+  sp.q = a.q;
+  sp.k = a.k;
+  sp.initial_state = a.initial_state;
+  sp.final_state = a.final_state;
+  sp.transition = a.transition;
+  sp.out = a.out;
+  sp.ws = v;
+  const long pairs = long(a.num_seqs) * a.num_v_heads;
+  sp.s_blocks = 2;
+  const int t_blocks = sp.with_t ? (sp.with_out ? 1 : 2) : 0;  // T blocks have as many warps as S blocks
+  int layout = a.scan_layout;
+  if (layout == 0) layout = pairs * (sp.s_blocks + t_blocks) <= num_sms ? 1 : 2;
+  sp.mixed = layout == 2 && sp.with_t;
+  const int warps = 4 * (1 + (sp.with_out ? 1 : 0) + (sp.mixed ? 1 : 0));
+  const int blocks_per_head = sp.mixed ? 2 : sp.s_blocks + t_blocks;
+  gdn_scan_kernel<<<dim3(blocks_per_head, a.num_v_heads, a.num_seqs), warps * 32, kScanSmem, stream>>>(sp);
   check_cuda(cudaGetLastError(), "gdn_scan_kernel launch");
-  if (a.out && nchunks > 0) {
-    gdn_output_kernel<<<dim3(nchunks, a.num_v_heads), kThreads, kOutSmem, stream>>>(
-        a.q, a.k, a.num_k_heads, a.num_v_heads, a.l2norm_qk, a.scale, a.out, v);
-    check_cuda(cudaGetLastError(), "gdn_output_kernel launch");
-  }
 }
 
 }  // namespace hypic::kernels::cuda

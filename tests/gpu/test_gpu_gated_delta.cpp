@@ -107,6 +107,24 @@ void run_prefill_case(const PrefillCase& pc, uint32_t seed) {
   const auto fin = dfinal.download(), fin2 = dfinal2.download(), tr = dtrans.download();
   CHECK(std::memcmp(out.data(), out2.data(), out.size() * sizeof(bf16)) == 0);
   CHECK(std::memcmp(fin.data(), fin2.data(), fin.size() * sizeof(float)) == 0);
+  // Every scan block layout computes the same function, bit for bit (the default here is layout 1).
+  for (int layout : {1, 2}) {
+    DeviceBuffer<float> f3(state_elems), t3(state_elems);
+    DeviceBuffer<bf16> o3(size_t(T) * pc.hv * D);
+    f3.poison();
+    t3.poison();
+    o3.poison();
+    a.final_state = f3.get();
+    a.transition = t3.get();
+    a.out = o3.get();
+    a.scan_layout = layout;
+    gpu::gdn_prefill(a, ws);
+    check_cuda(cudaDeviceSynchronize(), "prefill, forced scan layout");
+    INFO("scan_layout " << layout);
+    CHECK(std::memcmp(o3.download().data(), out.data(), out.size() * sizeof(bf16)) == 0);
+    CHECK(std::memcmp(f3.download().data(), fin.data(), fin.size() * sizeof(float)) == 0);
+    CHECK(std::memcmp(t3.download().data(), tr.data(), tr.size() * sizeof(float)) == 0);
+  }
 
   double worst_o = 0, worst_s = 0, worst_t = 0;
   for (int s = 0; s < n; ++s) {
@@ -406,6 +424,10 @@ TEST_CASE("GPU kernels reject bad shapes with invalid_argument", "[gpu][errors]"
   a.num_v_heads = 4;  // not a multiple of 3
   CHECK_THROWS_AS(gpu::gdn_prefill(a, ws), std::invalid_argument);
   a.num_k_heads = 2;  // heads fine now, but cu_seqlens decreases
+  CHECK_THROWS_AS(gpu::gdn_prefill(a, ws), std::invalid_argument);
+  const int cu_ok[3] = {0, 0, 0};
+  a.cu_seqlens_host = cu_ok;
+  a.scan_layout = 3;  // no such layout
   CHECK_THROWS_AS(gpu::gdn_prefill(a, ws), std::invalid_argument);
   CHECK_THROWS_AS(gpu::conv1d_silu_decode(1, 12, 4, nullptr, nullptr, nullptr, nullptr), std::invalid_argument);
   CHECK_THROWS_AS(gpu::conv1d_silu_decode(1, 16, 9, nullptr, nullptr, nullptr, nullptr), std::invalid_argument);
