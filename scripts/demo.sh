@@ -8,10 +8,10 @@
 #   scripts/demo.sh --model /path/to/Qwen3-Next-checkpoint     a real checkpoint (config.json + safetensors)
 #   scripts/demo.sh --smoke --skip-setup --skip-build --bin-dir build/bin     the CI smoke version
 #
-# Steps: scripts/setup.sh (Debian packages), cmake build of the demo's binaries into $BUILD_DIR (default
-# build/, the same tree as scripts/build.sh and scripts/test.sh), scripts/fetch_tokenizer.sh (the real Qwen3
-# tokenizer), `hypic-model init --config deploy/models/demo.json --seed 1` once into the cache directory
-# ($HYPIC_CACHE_DIR, else ${XDG_CACHE_HOME:-~/.cache}/hypic), then deploy/local_cluster.py starts the
+# Steps: scripts/setup.sh (Debian packages); a cmake build of the demo's binaries into $BUILD_DIR (default
+# build/, the same tree as scripts/build.sh and scripts/test.sh); scripts/fetch_tokenizer.sh (the real Qwen3
+# tokenizer); scripts/make_demo_model.sh (`hypic-model init --config deploy/models/demo.json --seed 1`, made
+# once into $HYPIC_CACHE_DIR, else ${XDG_CACHE_HOME:-~/.cache}/hypic); then deploy/local_cluster.py starts the
 # segment cache, the scatter workers, one combine worker and the router on loopback and runs this script's
 # request phase against it. Each document is one segment; the query is computed in context after them.
 #
@@ -177,25 +177,7 @@ fi
 DEMO_MODEL=0
 if [[ -z "$MODEL" ]]; then
   DEMO_MODEL=1
-  CONFIG="$ROOT/deploy/models/demo.json"
-  [[ -f "$CONFIG" ]] || die "$CONFIG is missing"
-  MODEL="$CACHE_ROOT/models/demo-seed1"
-  # The stamp ties the checkpoint to the config it was made from and the size of its weights file.
-  stamp_of() { echo "config $(sha256sum "$CONFIG" | cut -d' ' -f1) seed 1 weights $(stat -c %s "$1/model.safetensors" 2>/dev/null || echo none)"; }
-  if [[ ! -f "$MODEL/.demo-stamp" || "$(cat "$MODEL/.demo-stamp")" != "$(stamp_of "$MODEL")" ]]; then
-    rule "model: making the demo model (hypic-model init --config deploy/models/demo.json --seed 1)"
-    mkdir -p "$CACHE_ROOT/models" || die "cannot create $CACHE_ROOT/models"
-    tmp_model="$(mktemp -d "$CACHE_ROOT/models/.demo.XXXXXX")"
-    rm -rf "$tmp_model/m"
-    "$BIN_DIR/hypic-model" init --config "$CONFIG" --seed 1 --out "$tmp_model/m" \
-      || { rm -rf "$tmp_model"; die "hypic-model init failed"; }
-    stamp_of "$tmp_model/m" > "$tmp_model/m/.demo-stamp"
-    rm -rf "$MODEL"
-    # Another demo may have finished first; either copy is the same deterministic checkpoint.
-    mv -T "$tmp_model/m" "$MODEL" 2>/dev/null || true
-    rm -rf "$tmp_model"
-    [[ -f "$MODEL/.demo-stamp" ]] || die "could not place the demo model in $MODEL"
-  fi
+  MODEL="$(./scripts/make_demo_model.sh "$BIN_DIR")" || die "could not make the demo model (see above)"
 fi
 
 # ---------------------------------------------------------------------------------------------------------

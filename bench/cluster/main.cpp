@@ -1,0 +1,809 @@
+// hypic-bench-cluster: end-to-end benchmark of a hypic cluster driven through its gRPC API.
+//
+// It starts local clusters through deploy/local_cluster.py (or drives one already running, --router) and
+// measures, all in one run and on prompts from one seeded workload generator (bench/cluster/workload.h):
+//   modes     the same prompts under `full`, `prefix` (warm: same order, and reordered) and `hypic` (warm,
+//             reordered; cold; and a warm/cold mix at a hit ratio): client TTFT and end-to-end latency
+//             p50/p90/p99, plus the router's TTFT split;
+//   scaling   all-cold prompts on clusters with 1, 2, 4... scatter workers (the same prompts each time);
+//   schedule  LPT vs round-robin (router --schedule) on deliberately uneven segment lengths: segment i is
+//             long when i % W == 0, so round-robin stacks every long segment on one worker;
+//   load      open-loop Poisson arrivals at fixed rates with a warm/cold mix; the highest rate whose p90
+//             TTFT stays under an SLO.
+// Every request decodes exactly --max-tokens tokens (greedy, ignore_eos), so end-to-end latencies compare.
+// Each labelled row checks what it claims: a "cold" request must reuse no segment, a "warm" one all of them
+// (mismatches are counted in the output and make the exit status 3).
+//
+// Output: JSON (--out-json), a Markdown table on stdout (also --out-md). Exit status: 0 ok, 1 a cluster or
+// request failure, 2 bad usage, 3 measurements done but some row's expectation did not hold.
+#include <sched.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <ctime>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <sstream>
+#include <thread>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "bench/cluster/cluster_process.h"
+#include "bench/cluster/runner.h"
+#include "bench/cluster/stats.h"
+#include "bench/cluster/workload.h"
+#include "engine/config.h"
+#include "engine/tokenizer.h"
+#include "kernels/cpu/blas_env.h"
+#include "proto/rpc/server.h"
+#include "proto/rpc/status.h"
+
+namespace fs = std::filesystem;
+namespace v1 = hypic::v1;
+using nlohmann::json;
+using namespace hypic::bench;
+
+namespace {
+
+struct Options {
+  // cluster
+  fs::path bin_dir, launcher = "deploy/local_cluster.py", model, tokenizer, work_dir;
+  std::string python = "python3", router, scenarios = "modes,scaling,schedule,load";
+  std::vector<std::string> launcher_args;
+  double ready_timeout_s = 300, request_timeout_s = 600;
+  int scatter_workers = 2;
+  std::string worker_counts = "1,2,4";
+  // workload
+  uint64_t seed = 1;
+  std::vector<fs::path> corpus;
+  int query_tokens = 16, max_tokens = 8;
+  // modes
+  int prompts = 6, segments = 4;
+  std::string segment_tokens = "512";
+  double hit_ratio = 0.5;
+  // scaling
+  int scaling_requests = 4, scaling_segments = 8;
+  std::string scaling_segment_tokens = "256";
+  // schedule
+  int schedule_requests = 4, long_tokens = 1024, short_tokens = 128;
+  // load
+  std::string rates = "0.5,1,2,4";
+  int load_requests = 16, load_segments = 4, load_pool = 16;
+  std::string load_segment_tokens = "256";
+  double load_hit_ratio = 0.5, slo_ms = 1000;
+  bool all_rates = false;
+  // output
+  fs::path out_json, out_md;
+};
+
+/// Requests of one labelled row and what they should have reused.
+struct Row {
+  std::string name, mode;
+  std::vector<RequestResult> results;
+  std::vector<int> expected_reused;  // per request; -1 = not checked
+  json extra = json::object();
+
+  void add(RequestResult r, int expect) {
+    results.push_back(std::move(r));
+    expected_reused.push_back(expect);
+  }
+  int mismatches() const {
+    int m = 0;
+    for (size_t i = 0; i < results.size(); ++i) {
+      if (results[i].ok && expected_reused[i] >= 0 && int(results[i].reused) != expected_reused[i]) ++m;
+    }
+    return m;
+  }
+  int errors() const {
+    return int(std::count_if(results.begin(), results.end(), [](const RequestResult& r) { return !r.ok; }));
+  }
+  std::vector<double> ok_values(double RequestResult::*field) const {
+    std::vector<double> v;
+    for (const auto& r : results)
+      if (r.ok) v.push_back(r.*field);
+    return v;
+  }
+  Summary ttft() const { return summarize(ok_values(&RequestResult::client_ttft_ms)); }
+  Summary e2e() const { return summarize(ok_values(&RequestResult::client_e2e_ms)); }
+  /// Mean of a router TTFT phase over the successful requests.
+  double server_mean(double (v1::TtftBreakdown::*phase)() const) const {
+    double sum = 0;
+    int n = 0;
+    for (const auto& r : results) {
+      if (!r.ok) continue;
+      sum += (r.report.ttft().*phase)();
+      ++n;
+    }
+    return n ? sum / n : 0.0;
+  }
+  std::string reuse_text() const {
+    uint64_t reused = 0, segs = 0;
+    for (const auto& r : results) {
+      if (!r.ok) continue;
+      reused += r.reused;
+      segs += uint64_t(r.report.segments_size());
+    }
+    return fmt::format("{}/{}", reused, segs);
+  }
+
+  json to_json() const {
+    json j = {{"name", name},
+              {"mode", mode},
+              {"requests", results.size()},
+              {"errors", errors()},
+              {"expectation_mismatches", mismatches()},
+              {"ttft_ms", hypic::bench::to_json(ttft())},
+              {"e2e_ms", hypic::bench::to_json(e2e())}};
+    json errs = json::array();
+    uint64_t reused = 0, segs = 0, tokens = 0;
+    int ok = 0;
+    for (const auto& r : results) {
+      if (!r.ok) {
+        if (errs.size() < 3) errs.push_back(r.error);
+        continue;
+      }
+      ++ok;
+      reused += r.reused;
+      segs += uint64_t(r.report.segments_size());
+      tokens += r.report.prompt_tokens();
+    }
+    j["error_examples"] = errs;
+    j["segments"] = segs;
+    j["segments_reused"] = reused;
+    j["prompt_tokens_mean"] = ok ? double(tokens) / ok : 0.0;
+    j["server_ttft_ms_mean"] = {{"router", server_mean(&v1::TtftBreakdown::router_ms)},
+                                {"lookup", server_mean(&v1::TtftBreakdown::lookup_ms)},
+                                {"scatter", server_mean(&v1::TtftBreakdown::scatter_ms)},
+                                {"transfer", server_mean(&v1::TtftBreakdown::transfer_ms)},
+                                {"splice", server_mean(&v1::TtftBreakdown::splice_ms)},
+                                {"first_decode", server_mean(&v1::TtftBreakdown::first_decode_ms)},
+                                {"total", server_mean(&v1::TtftBreakdown::total_ms)}};
+    j.update(extra);
+    return j;
+  }
+};
+
+/// Everything the scenarios share.
+class Bench {
+ public:
+  Bench(Options opt, const hypic::engine::Tokenizer& tok, SegmentSource source)
+      : opt_(std::move(opt)), tok_(tok), src_(std::move(source)) {}
+
+  json run_modes();
+  json run_scaling();
+  json run_schedule();
+  json run_load();
+
+  std::vector<std::string> notes;
+  std::string fingerprint;
+  int mismatches = 0;
+  std::atomic<bool> request_failures{false};
+
+ private:
+  /// A cluster to measure on: a fresh local one, or the external --router.
+  struct Target {
+    std::unique_ptr<LaunchedCluster> local;
+    std::string address;
+    std::unique_ptr<v1::Router::Stub> stub;
+    v1::ServerInfo info;
+  };
+  Target cluster(int scatter_workers, std::vector<std::string> launcher_args, const std::string& tag);
+  std::vector<int32_t> fresh_segment(const LengthSpec& len) { return src_.fresh(src_.draw_length(len)); }
+  Prompt fresh_prompt(int n, const LengthSpec& len) {
+    Prompt p;
+    for (int i = 0; i < n; ++i) p.segments.push_back(fresh_segment(len));
+    p.query = src_.fresh(opt_.query_tokens);
+    return p;
+  }
+  RequestResult send(Target& t, const Prompt& p, const std::string& mode, const std::string& id) {
+    RequestOptions ro;
+    ro.mode = mode;
+    ro.max_tokens = opt_.max_tokens;
+    ro.timeout_s = opt_.request_timeout_s;
+    ro.request_id = id;
+    RequestResult r = run_request(*t.stub, p, ro);
+    if (!r.ok) {
+      request_failures = true;
+      std::cerr << fmt::format("request {} ({}) failed: {}\n", id, mode, r.error);
+    }
+    return r;
+  }
+  /// Untimed requests that take first-use costs (connections, allocations) out of the measurements.
+  void warm_up(Target& t, const std::vector<std::string>& modes, const LengthSpec& len, int n) {
+    for (const auto& m : modes) send(t, fresh_prompt(n, len), m, fmt::format("warmup-{}-{}", m, warmups_++));
+  }
+  json finish_rows(const std::vector<Row>& rows) {
+    json out = json::array();
+    for (const auto& r : rows) {
+      mismatches += r.mismatches();
+      out.push_back(r.to_json());
+    }
+    return out;
+  }
+  std::string run_id(const std::string& what) { return fmt::format("bench-{}-{}", what, ids_++); }
+
+  Options opt_;
+  const hypic::engine::Tokenizer& tok_;
+  SegmentSource src_;
+  int warmups_ = 0, ids_ = 0;
+};
+
+Bench::Target Bench::cluster(int scatter_workers, std::vector<std::string> launcher_args, const std::string& tag) {
+  Target t;
+  if (!opt_.router.empty()) {
+    t.address = opt_.router;
+  } else {
+    ClusterSpec spec;
+    spec.python = opt_.python;
+    spec.launcher = opt_.launcher;
+    spec.bin_dir = opt_.bin_dir;
+    spec.model = opt_.model;
+    spec.tokenizer = opt_.tokenizer;
+    spec.scatter_workers = scatter_workers;
+    spec.launcher_args = opt_.launcher_args;
+    spec.launcher_args.insert(spec.launcher_args.end(), launcher_args.begin(), launcher_args.end());
+    spec.work_dir = opt_.work_dir / tag;
+    spec.ready_timeout_s = opt_.ready_timeout_s;
+    std::cerr << fmt::format("[bench] starting a cluster: {} scatter worker(s) {}\n", scatter_workers,
+                             fmt::join(launcher_args, " "));
+    t.local = std::make_unique<LaunchedCluster>(spec);
+    t.address = t.local->router();
+  }
+  t.stub = v1::Router::NewStub(hypic::rpc::make_channel(t.address));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  const grpc::Status st = t.stub->GetServerInfo(&ctx, v1::GetServerInfoRequest{}, &t.info);
+  if (!st.ok()) throw std::runtime_error(fmt::format("GetServerInfo at {}: {}", t.address, hypic::rpc::describe(st)));
+  fingerprint = t.info.model_fingerprint();
+  return t;
+}
+
+json Bench::run_modes() {
+  const LengthSpec len = parse_length_spec(opt_.segment_tokens, "--segment-tokens");
+  Target t = cluster(opt_.scatter_workers, {}, "modes");
+  std::cerr << fmt::format("[bench] modes: {} prompts of {} segments\n", opt_.prompts, opt_.segments);
+  warm_up(t, {"hypic", "prefix", "full"}, len, opt_.segments);
+  const int n = opt_.segments;
+  const int k = int(std::lround(opt_.hit_ratio * n));
+  std::vector<Row> rows = {{"full", "full"},
+                           {"prefix, warm, same order", "prefix"},
+                           {"prefix, warm, reordered", "prefix"},
+                           {"hypic, warm, reordered", "hypic"},
+                           {"hypic, cold", "hypic"},
+                           {fmt::format("hypic, mixed ({}/{} warm)", k, n), "hypic"},
+                           {"prefix, cold", "prefix"}};
+  enum { kFull, kPrefixSame, kPrefixReordered, kHypicWarm, kHypicCold, kHypicMixed, kPrefixCold };
+  for (int i = 0; i < opt_.prompts; ++i) {
+    // A: the prompt as first seen; B: the same segments in another order with another query (what a
+    // RAG system sends when retrieval ranks the same documents differently); C: k of A's segments and
+    // n - k new ones.
+    Prompt a = fresh_prompt(n, len);
+    const std::vector<int32_t> q2 = src_.fresh(opt_.query_tokens);
+    Prompt b{a.segments, q2};
+    for (int tries = 0; tries < 16 && n > 1 && b.segments == a.segments; ++tries) shuffle(b.segments, src_.rng());
+    Prompt c{a.segments, q2};
+    shuffle(c.segments, src_.rng());
+    c.segments.resize(size_t(k));
+    for (int j = k; j < n; ++j) c.segments.push_back(fresh_segment(len));
+    shuffle(c.segments, src_.rng());
+    Prompt a2{a.segments, q2};
+    int common_head = 0;
+    while (common_head < n && b.segments[size_t(common_head)] == a.segments[size_t(common_head)]) ++common_head;
+
+    // Order matters: hypic cold must see A's segments first; the prefix rows need A's chain checkpointed.
+    rows[kHypicCold].add(send(t, a, "hypic", run_id("hypic-cold")), 0);
+    rows[kHypicWarm].add(send(t, b, "hypic", run_id("hypic-warm")), n);
+    rows[kHypicMixed].add(send(t, c, "hypic", run_id("hypic-mixed")), k);
+    rows[kPrefixCold].add(send(t, a, "prefix", run_id("prefix-cold")), 0);
+    rows[kPrefixSame].add(send(t, a2, "prefix", run_id("prefix-same")), n);
+    rows[kPrefixReordered].add(send(t, b, "prefix", run_id("prefix-reordered")), common_head);
+    rows[kFull].add(send(t, b, "full", run_id("full")), 0);
+    std::cerr << fmt::format("[bench] modes: prompt {}/{} done\n", i + 1, opt_.prompts);
+  }
+  return {{"scatter_workers", t.info.scatter_workers_size()},
+          {"prompts", opt_.prompts},
+          {"segments_per_prompt", n},
+          {"segment_tokens", opt_.segment_tokens},
+          {"query_tokens", opt_.query_tokens},
+          {"hit_ratio", opt_.hit_ratio},
+          {"rows", finish_rows(rows)}};
+}
+
+json Bench::run_scaling() {
+  const LengthSpec len = parse_length_spec(opt_.scaling_segment_tokens, "--scaling-segment-tokens");
+  std::vector<int> counts;
+  for (double c : parse_positive_list(opt_.worker_counts, "--worker-counts")) {
+    if (c != std::floor(c)) throw std::invalid_argument(fmt::format("--worker-counts: {} is not an integer", c));
+    counts.push_back(int(c));
+  }
+  std::vector<Prompt> prompts;  // the same all-cold prompts for every worker count (each cluster starts empty)
+  for (int i = 0; i < opt_.scaling_requests; ++i) prompts.push_back(fresh_prompt(opt_.scaling_segments, len));
+  std::vector<Row> rows;
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  for (int w : counts) {
+    Target t = cluster(w, {}, fmt::format("scaling-{}", w));
+    warm_up(t, {"hypic"}, len, opt_.scaling_segments);
+    Row row{fmt::format("{} scatter worker{}", w, w == 1 ? "" : "s"), "hypic"};
+    for (size_t i = 0; i < prompts.size(); ++i) row.add(send(t, prompts[i], "hypic", run_id("scaling")), 0);
+    row.extra = {{"scatter_workers", w}, {"cpu_cores", cores}};
+    rows.push_back(std::move(row));
+    std::cerr << fmt::format("[bench] scaling: {} workers done\n", w);
+  }
+  const int max_w = *std::max_element(counts.begin(), counts.end());
+  if (unsigned(max_w) + 1 > cores) {
+    notes.push_back(fmt::format(
+        "scaling: this host has {} CPU core(s) for up to {} scatter workers plus the combine worker, router and "
+        "cache, so the scatter workers share cores: the rows measure the cluster's coordination overhead, not "
+        "parallel speedup (which needs a core or GPU per worker).",
+        cores, max_w));
+  }
+  return {{"segments_per_prompt", opt_.scaling_segments},
+          {"segment_tokens", opt_.scaling_segment_tokens},
+          {"cpu_cores", cores},
+          {"rows", finish_rows(rows)}};
+}
+
+/// The most tokens any one worker built for a request (its share of the cold work), from the report.
+int64_t max_worker_tokens(const RequestResult& r) {
+  std::map<std::string, int64_t> per;
+  for (const auto& s : r.report.segments()) per[s.built_by()] += s.num_tokens();
+  int64_t m = 0;
+  for (const auto& [w, n] : per) m = std::max(m, n);
+  return m;
+}
+
+json Bench::run_schedule() {
+  const int w = opt_.scatter_workers;
+  if (w < 2) throw std::invalid_argument("--scatter-workers must be >= 2 for the schedule scenario");
+  const int n = 2 * w;
+  std::vector<Prompt> prompts;
+  for (int i = 0; i < opt_.schedule_requests; ++i) {
+    Prompt p;
+    for (int j = 0; j < n; ++j) p.segments.push_back(src_.fresh(j % w == 0 ? opt_.long_tokens : opt_.short_tokens));
+    p.query = src_.fresh(opt_.query_tokens);
+    prompts.push_back(std::move(p));
+  }
+  std::vector<Row> rows;
+  for (const std::string policy : {"lpt", "round-robin"}) {
+    Target t = cluster(w, {"--router-arg=--schedule=" + policy}, "schedule-" + policy);
+    if (t.info.schedule_policy() != policy) {
+      throw std::runtime_error(fmt::format("the router reports schedule policy '{}', expected '{}'",
+                                           t.info.schedule_policy(), policy));
+    }
+    warm_up(t, {"hypic"}, LengthSpec{opt_.short_tokens, opt_.short_tokens}, n);
+    Row row{policy, "hypic"};
+    std::vector<double> max_tokens;
+    for (const auto& p : prompts) {
+      row.add(send(t, p, "hypic", run_id("schedule")), 0);
+      if (row.results.back().ok) max_tokens.push_back(double(max_worker_tokens(row.results.back())));
+    }
+    row.extra = {{"policy", policy}, {"max_worker_tokens", to_json(summarize(max_tokens))}};
+    rows.push_back(std::move(row));
+    std::cerr << fmt::format("[bench] schedule: {} done\n", policy);
+  }
+  return {{"scatter_workers", w},
+          {"segments_per_prompt", n},
+          {"long_tokens", opt_.long_tokens},
+          {"short_tokens", opt_.short_tokens},
+          {"pattern", fmt::format("segment i has {} tokens when i % {} == 0, else {}", opt_.long_tokens, w,
+                                  opt_.short_tokens)},
+          {"ideal_max_worker_tokens", opt_.long_tokens + opt_.short_tokens},
+          {"rows", finish_rows(rows)}};
+}
+
+json Bench::run_load() {
+  const LengthSpec len = parse_length_spec(opt_.load_segment_tokens, "--load-segment-tokens");
+  const std::vector<double> rates = [&] {
+    auto r = parse_positive_list(opt_.rates, "--rates");
+    std::sort(r.begin(), r.end());
+    return r;
+  }();
+  const int n = opt_.load_segments;
+  if (opt_.load_pool < n) throw std::invalid_argument("--load-pool must be >= --load-segments");
+  Target t = cluster(opt_.scatter_workers, {}, "load");
+  // The warm pool: sent once (untimed) so that it is cached.
+  std::vector<std::vector<int32_t>> pool;
+  for (int i = 0; i < opt_.load_pool; ++i) pool.push_back(fresh_segment(len));
+  for (int i = 0; i < opt_.load_pool; i += n) {
+    Prompt p{{pool.begin() + i, pool.begin() + std::min(opt_.load_pool, i + n)}, src_.fresh(opt_.query_tokens)};
+    send(t, p, "hypic", fmt::format("warmup-pool-{}", i));
+  }
+  std::vector<Row> rows;
+  std::optional<double> best;
+  bool all_passed_so_far = true;
+  for (double rate : rates) {
+    std::vector<Prompt> prompts;
+    std::vector<int> expect;
+    for (int i = 0; i < opt_.load_requests; ++i) {
+      Prompt p;
+      std::vector<size_t> idx(pool.size());
+      for (size_t j = 0; j < idx.size(); ++j) idx[j] = j;
+      shuffle(idx, src_.rng());
+      int warm = 0;
+      for (int j = 0; j < n; ++j) {
+        if (uniform_unit(src_.rng()) < opt_.load_hit_ratio) {
+          p.segments.push_back(pool[idx[size_t(warm++)]]);
+        } else {
+          p.segments.push_back(fresh_segment(len));
+        }
+      }
+      p.query = src_.fresh(opt_.query_tokens);
+      prompts.push_back(std::move(p));
+      expect.push_back(warm);
+    }
+    const std::vector<double> arrivals = poisson_arrivals(rate, opt_.load_requests, src_.rng());
+    std::vector<RequestResult> results(prompts.size());
+    std::vector<double> done_at(prompts.size(), 0);
+    std::vector<std::thread> threads;
+    const auto start = std::chrono::steady_clock::now();
+    std::cerr << fmt::format("[bench] load: {} requests at {} req/s (Poisson)\n", prompts.size(), rate);
+    std::vector<std::string> ids;
+    for (size_t i = 0; i < prompts.size(); ++i) ids.push_back(run_id("load"));
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      std::this_thread::sleep_until(start + std::chrono::microseconds(int64_t(arrivals[i] * 1e6)));
+      threads.emplace_back([&, i] {
+        results[i] = send(t, prompts[i], "hypic", ids[i]);
+        done_at[i] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      });
+    }
+    for (auto& th : threads) th.join();
+    Row row{fmt::format("{:g} req/s", rate), "hypic"};
+    for (size_t i = 0; i < results.size(); ++i) row.add(std::move(results[i]), expect[i]);
+    const double span = *std::max_element(done_at.begin(), done_at.end());
+    const Summary ttft = row.ttft();
+    const bool pass = row.errors() == 0 && ttft.n > 0 && ttft.p90 <= opt_.slo_ms;
+    row.extra = {{"offered_rate", rate},
+                 {"achieved_rate", span > 0 ? double(row.results.size() - size_t(row.errors())) / span : 0.0},
+                 {"duration_s", span},
+                 {"meets_slo", pass}};
+    rows.push_back(std::move(row));
+    if (pass && all_passed_so_far) best = rate;
+    all_passed_so_far = all_passed_so_far && pass;
+    if (!pass && !opt_.all_rates) {
+      std::cerr << fmt::format("[bench] load: p90 TTFT {:.0f} ms > SLO {:.0f} ms (or errors) at {} req/s; higher rates "
+                               "skipped\n",
+                               ttft.p90, opt_.slo_ms, rate);
+      break;
+    }
+  }
+  return {{"scatter_workers", t.info.scatter_workers_size()},
+          {"segments_per_request", n},
+          {"segment_tokens", opt_.load_segment_tokens},
+          {"hit_ratio", opt_.load_hit_ratio},
+          {"warm_pool_segments", opt_.load_pool},
+          {"requests_per_rate", opt_.load_requests},
+          {"arrivals", "Poisson (exponential gaps), open loop: a request is sent at its arrival time whatever is pending"},
+          {"slo_p90_ttft_ms", opt_.slo_ms},
+          {"max_rate_meeting_slo", best ? json(*best) : json(nullptr)},
+          {"rows", finish_rows(rows)}};
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Output
+// ---------------------------------------------------------------------------------------------------------
+
+std::string ms(double v) { return fmt::format("{:.0f}", v); }
+
+std::string markdown(const json& j) {
+  std::ostringstream o;
+  o << fmt::format("# hypic cluster benchmark\n\n");
+  o << fmt::format("- date (UTC): {}\n- host: {} ({} CPU cores), services' OpenBLAS kernels: {}, "
+                   "OPENBLAS_NUM_THREADS={}\n",
+                   j["date_utc"].get<std::string>(), j["host"]["cpu"].get<std::string>(), j["host"]["cores"].get<int>(),
+                   j["host"]["openblas_core"].get<std::string>(), j["host"]["openblas_num_threads"].get<std::string>());
+  o << fmt::format("- host load average (1 min) at start / end: {:.2f} / {:.2f}; wall time {:.0f} s\n",
+                   j["host"]["loadavg_1min_at_start"].get<double>(), j["host"]["loadavg_1min_at_end"].get<double>(),
+                   j["wall_seconds"].get<double>());
+  o << fmt::format("- model: {} ({}), fingerprint {}\n", j["model"]["dir"].get<std::string>(),
+                   j["model"]["summary"].get<std::string>(), j["model"]["fingerprint"].get<std::string>());
+  o << fmt::format("- workload: {}; seed {}; queries of {} tokens; {} generated tokens per request (greedy)\n",
+                   j["workload"]["source"].get<std::string>(), j["workload"]["seed"].get<uint64_t>(),
+                   j["workload"]["query_tokens"].get<int>(), j["workload"]["max_tokens"].get<int>());
+  o << "- TTFT and E2E are measured by the client (call start to first token / to end of stream), in ms; "
+       "the split is the router's mean per phase.\n";
+  const auto& sc = j["scenarios"];
+  auto split = [](const json& r) {
+    const auto& s = r["server_ttft_ms_mean"];
+    return fmt::format("{} / {} / {} / {} / {} / {}", ms(s["router"]), ms(s["lookup"]), ms(s["scatter"]),
+                       ms(s["transfer"]), ms(s["splice"]), ms(s["first_decode"]));
+  };
+  auto lat = [](const json& r, const char* key) {
+    const auto& s = r[key];
+    return fmt::format("{} | {} | {}", ms(s["p50"]), ms(s["p90"]), ms(s["p99"]));
+  };
+  auto reuse = [](const json& r) {
+    std::string s = fmt::format("{}/{}", r["segments_reused"].get<uint64_t>(), r["segments"].get<uint64_t>());
+    if (r["errors"].get<int>() > 0) s += fmt::format(", {} errors", r["errors"].get<int>());
+    if (r["expectation_mismatches"].get<int>() > 0) s += fmt::format(", {} UNEXPECTED", r["expectation_mismatches"].get<int>());
+    return s;
+  };
+  if (sc.contains("modes")) {
+    const auto& m = sc["modes"];
+    o << fmt::format("\n## Modes on the same prompts ({} scatter workers; {} prompts of {} segments x {} tokens)\n\n",
+                     m["scatter_workers"].get<int>(), m["prompts"].get<int>(), m["segments_per_prompt"].get<int>(),
+                     m["segment_tokens"].get<std::string>());
+    o << "| mode | n | TTFT p50 | p90 | p99 | E2E p50 | p90 | p99 | reused segments | split: router / lookup / scatter / "
+         "transfer / splice / first decode |\n|---|---|---|---|---|---|---|---|---|---|\n";
+    for (const auto& r : m["rows"]) {
+      o << fmt::format("| {} | {} | {} | {} | {} | {} |\n", r["name"].get<std::string>(), r["ttft_ms"]["n"].get<int>(),
+                       lat(r, "ttft_ms"), lat(r, "e2e_ms"), reuse(r), split(r));
+    }
+    o << "\n`reordered`: the segments of the cold prompt in another order with another query (the prompt `full` "
+         "also runs); `same order`: the cold prompt's segments in the same order with another query.\n";
+  }
+  if (sc.contains("scaling")) {
+    const auto& s = sc["scaling"];
+    o << fmt::format("\n## Cold-path scaling ({} cold segments x {} tokens per prompt, the same prompts each time)\n\n",
+                     s["segments_per_prompt"].get<int>(), s["segment_tokens"].get<std::string>());
+    o << "| scatter workers | n | TTFT p50 | p90 | p99 | E2E p50 | p90 | p99 | scatter phase (mean) | reused segments |\n"
+         "|---|---|---|---|---|---|---|---|---|---|\n";
+    for (const auto& r : s["rows"]) {
+      o << fmt::format("| {} | {} | {} | {} | {} | {} |\n", r["scatter_workers"].get<int>(), r["ttft_ms"]["n"].get<int>(),
+                       lat(r, "ttft_ms"), lat(r, "e2e_ms"), ms(r["server_ttft_ms_mean"]["scatter"]), reuse(r));
+    }
+  }
+  if (sc.contains("schedule")) {
+    const auto& s = sc["schedule"];
+    o << fmt::format("\n## LPT vs round-robin on uneven segments ({} scatter workers; {})\n\n",
+                     s["scatter_workers"].get<int>(), s["pattern"].get<std::string>());
+    o << "| policy | n | TTFT p50 | p90 | p99 | E2E p50 | p90 | p99 | scatter phase (mean) | busiest worker's tokens "
+         "(mean) |\n|---|---|---|---|---|---|---|---|---|---|\n";
+    for (const auto& r : s["rows"]) {
+      o << fmt::format("| {} | {} | {} | {} | {} | {:.0f} |\n", r["policy"].get<std::string>(),
+                       r["ttft_ms"]["n"].get<int>(), lat(r, "ttft_ms"), lat(r, "e2e_ms"),
+                       ms(r["server_ttft_ms_mean"]["scatter"]), r["max_worker_tokens"]["mean"].get<double>());
+    }
+    o << fmt::format("\nA balanced split gives the busiest worker {} tokens.\n", s["ideal_max_worker_tokens"].get<int>());
+  }
+  if (sc.contains("load")) {
+    const auto& l = sc["load"];
+    o << fmt::format("\n## Sustained load ({} scatter workers; {} requests per rate, {} segments x {} tokens, "
+                     "each warm with probability {:g}; open-loop Poisson arrivals)\n\n",
+                     l["scatter_workers"].get<int>(), l["requests_per_rate"].get<int>(),
+                     l["segments_per_request"].get<int>(), l["segment_tokens"].get<std::string>(),
+                     l["hit_ratio"].get<double>());
+    o << fmt::format("| offered req/s | achieved req/s | n | TTFT p50 | p90 | p99 | E2E p50 | p90 | p99 | reused "
+                     "segments | p90 TTFT <= {} ms |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
+                     ms(l["slo_p90_ttft_ms"]));
+    for (const auto& r : l["rows"]) {
+      o << fmt::format("| {:g} | {:.2f} | {} | {} | {} | {} | {} |\n", r["offered_rate"].get<double>(),
+                       r["achieved_rate"].get<double>(), r["ttft_ms"]["n"].get<int>(), lat(r, "ttft_ms"),
+                       lat(r, "e2e_ms"), reuse(r), r["meets_slo"].get<bool>() ? "yes" : "no");
+    }
+    o << fmt::format("\nHighest offered rate meeting the SLO (p90 TTFT <= {} ms, no errors): {}\n",
+                     ms(l["slo_p90_ttft_ms"]),
+                     l["max_rate_meeting_slo"].is_null() ? std::string("none of the rates tried")
+                                                         : fmt::format("{:g} req/s", l["max_rate_meeting_slo"].get<double>()));
+  }
+  if (!j["notes"].empty()) {
+    o << "\n## Notes\n\n";
+    for (const auto& n : j["notes"]) o << "- " << n.get<std::string>() << "\n";
+  }
+  return o.str();
+}
+
+std::string cpu_model() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("model name", 0) == 0) {
+      const auto p = line.find(':');
+      if (p != std::string::npos) return line.substr(line.find_first_not_of(' ', p + 1));
+    }
+  }
+  return "unknown CPU";
+}
+
+/// The 1-minute load average of the host (other work competing for its cores), -1 if unknown.
+double load_average() {
+  double l[1];
+  return getloadavg(l, 1) == 1 ? l[0] : -1.0;
+}
+
+std::string utc_now() {
+  const std::time_t t = std::time(nullptr);
+  std::tm tm{};
+  gmtime_r(&t, &tm);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return buf;
+}
+
+std::string model_summary(const hypic::engine::ModelConfig& c) {
+  return fmt::format("{}, hidden {}, {} layers ({} linear attention, {} full attention), vocabulary {}", c.model_type,
+                     c.hidden_size, c.num_hidden_layers, c.num_linear_layers(), c.num_attention_layers(), c.vocab_size);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  install_termination_handler();
+  CLI::App app{"hypic-bench-cluster: TTFT and latency of a hypic cluster by mode, scatter-worker count, schedule "
+               "policy and load, measured through its gRPC API"};
+  Options o;
+  std::string self_dir = fs::canonical("/proc/self/exe").parent_path().string();
+  o.bin_dir = self_dir;
+  app.add_option("--model", o.model, "checkpoint directory served by the clusters")->required()->check(CLI::ExistingDirectory);
+  app.add_option("--tokenizer", o.tokenizer, "tokenizer.json")->required()->check(CLI::ExistingFile);
+  app.add_option("--bin-dir", o.bin_dir, "where the hypic-* service binaries are (default: next to this binary)")
+      ->check(CLI::ExistingDirectory);
+  app.add_option("--launcher", o.launcher, "the local launcher")->capture_default_str();
+  app.add_option("--python", o.python, "Python interpreter for the launcher")->capture_default_str();
+  app.add_option("--launcher-arg", o.launcher_args,
+                 "extra launcher flag for every cluster (repeat), e.g. --launcher-arg=--scatter-arg=--compute-threads=2");
+  app.add_option("--router", o.router,
+                 "measure an already running cluster at host:port instead of starting local ones (the scaling and "
+                 "schedule scenarios, which restart clusters, are then skipped)");
+  app.add_option("--work-dir", o.work_dir, "cluster logs (default: a new directory under /tmp, removed on success)");
+  app.add_option("--scenarios", o.scenarios, "comma-separated subset of modes,scaling,schedule,load")->capture_default_str();
+  app.add_option("--scatter-workers", o.scatter_workers, "scatter workers for the modes, schedule and load scenarios")
+      ->check(CLI::Range(1, 1024))
+      ->capture_default_str();
+  app.add_option("--worker-counts", o.worker_counts, "scatter-worker counts of the scaling scenario")->capture_default_str();
+  app.add_option("--ready-timeout-s", o.ready_timeout_s, "longest wait for a cluster to start")->capture_default_str();
+  app.add_option("--request-timeout-s", o.request_timeout_s, "deadline of each request")->capture_default_str();
+  app.add_option("--seed", o.seed, "workload seed")->capture_default_str();
+  app.add_option("--corpus", o.corpus, "text file(s) to cut segments from (repeat); default: random token ids")
+      ->check(CLI::ExistingFile);
+  app.add_option("--query-tokens", o.query_tokens, "tokens per query")->check(CLI::Range(1, 1 << 20))->capture_default_str();
+  app.add_option("--max-tokens", o.max_tokens, "tokens decoded per request")->check(CLI::Range(1, 4096))->capture_default_str();
+  app.add_option("--prompts", o.prompts, "modes: prompts per mode")->check(CLI::Range(1, 100000))->capture_default_str();
+  app.add_option("--segments", o.segments, "modes: segments per prompt")->check(CLI::Range(1, 4096))->capture_default_str();
+  app.add_option("--segment-tokens", o.segment_tokens, "modes: tokens per segment, N or MIN:MAX")->capture_default_str();
+  app.add_option("--hit-ratio", o.hit_ratio, "modes: warm fraction of the mixed row")->check(CLI::Range(0.0, 1.0))
+      ->capture_default_str();
+  app.add_option("--scaling-requests", o.scaling_requests, "scaling: prompts per worker count")
+      ->check(CLI::Range(1, 100000))->capture_default_str();
+  app.add_option("--scaling-segments", o.scaling_segments, "scaling: cold segments per prompt")
+      ->check(CLI::Range(1, 4096))->capture_default_str();
+  app.add_option("--scaling-segment-tokens", o.scaling_segment_tokens, "scaling: tokens per segment, N or MIN:MAX")
+      ->capture_default_str();
+  app.add_option("--schedule-requests", o.schedule_requests, "schedule: prompts per policy")
+      ->check(CLI::Range(1, 100000))->capture_default_str();
+  app.add_option("--long-tokens", o.long_tokens, "schedule: tokens of the long segments")->check(CLI::Range(1, 1 << 20))
+      ->capture_default_str();
+  app.add_option("--short-tokens", o.short_tokens, "schedule: tokens of the short segments")->check(CLI::Range(1, 1 << 20))
+      ->capture_default_str();
+  app.add_option("--rates", o.rates, "load: offered request rates (req/s), comma-separated")->capture_default_str();
+  app.add_option("--load-requests", o.load_requests, "load: requests per rate")->check(CLI::Range(1, 100000))
+      ->capture_default_str();
+  app.add_option("--load-segments", o.load_segments, "load: segments per request")->check(CLI::Range(1, 4096))
+      ->capture_default_str();
+  app.add_option("--load-segment-tokens", o.load_segment_tokens, "load: tokens per segment, N or MIN:MAX")
+      ->capture_default_str();
+  app.add_option("--load-hit-ratio", o.load_hit_ratio, "load: probability that a segment is warm")
+      ->check(CLI::Range(0.0, 1.0))->capture_default_str();
+  app.add_option("--load-pool", o.load_pool, "load: warm segments cached before the load")->check(CLI::Range(1, 100000))
+      ->capture_default_str();
+  app.add_option("--slo-ms", o.slo_ms, "load: p90 TTFT objective")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_flag("--all-rates", o.all_rates, "load: keep going after a rate misses the SLO");
+  app.add_option("--out-json", o.out_json, "write the results as JSON here");
+  app.add_option("--out-md", o.out_md, "write the Markdown tables here (they are printed on stdout too)");
+  CLI11_PARSE(app, argc, argv);
+
+  bool own_work_dir = false;
+  try {
+    std::set<std::string> wanted;
+    {
+      std::stringstream ss(o.scenarios);
+      std::string s;
+      while (std::getline(ss, s, ',')) {
+        if (s != "modes" && s != "scaling" && s != "schedule" && s != "load") {
+          throw std::invalid_argument(fmt::format("--scenarios: unknown scenario '{}' (modes, scaling, schedule, load)", s));
+        }
+        wanted.insert(s);
+      }
+      if (wanted.empty()) throw std::invalid_argument("--scenarios: empty");
+    }
+    // Validate size flags before any cluster starts.
+    parse_length_spec(o.segment_tokens, "--segment-tokens");
+    parse_length_spec(o.scaling_segment_tokens, "--scaling-segment-tokens");
+    parse_length_spec(o.load_segment_tokens, "--load-segment-tokens");
+    parse_positive_list(o.rates, "--rates");
+    parse_positive_list(o.worker_counts, "--worker-counts");
+    if (o.router.empty() && !fs::is_regular_file(o.launcher)) {
+      throw std::invalid_argument(fmt::format("--launcher {}: no such file (run from the repository root or pass "
+                                              "--launcher)",
+                                              o.launcher.string()));
+    }
+    if (o.work_dir.empty()) {
+      char tmpl[] = "/tmp/hypic-bench-cluster.XXXXXX";
+      if (!mkdtemp(tmpl)) throw std::runtime_error("cannot create a work directory under /tmp");
+      o.work_dir = tmpl;
+      own_work_dir = true;
+    }
+    // Several single-threaded services share the host: one BLAS thread each unless the user says otherwise.
+    setenv("OPENBLAS_NUM_THREADS", "1", 0);
+    const char* core_env = std::getenv("OPENBLAS_CORETYPE");
+    const std::string rec = hypic::kernels::cpu::recommended_blas_core();
+    const std::string services_core =
+        core_env ? std::string(core_env) + " (OPENBLAS_CORETYPE)"
+                 : (rec.empty() ? hypic::kernels::cpu::blas_core_name() : rec + " (services re-exec with it)");
+
+    const auto config = hypic::engine::load_config(o.model);
+    const auto tokenizer = hypic::engine::Tokenizer::load(o.tokenizer);
+    SegmentSource source = o.corpus.empty() ? SegmentSource::random_ids(tokenizer, o.seed)
+                                            : SegmentSource::corpus(tokenizer, o.corpus, o.seed);
+    const std::string source_description = source.description();
+    Bench bench(o, tokenizer, std::move(source));
+    if (!o.router.empty()) {
+      for (const char* s : {"scaling", "schedule"}) {
+        if (wanted.erase(s)) bench.notes.push_back(fmt::format("{}: skipped (it restarts clusters; --router given)", s));
+      }
+    }
+
+    std::string command;
+    for (int i = 0; i < argc; ++i) command += (i ? " " : "") + std::string(argv[i]);
+    json out = {{"benchmark", "hypic-bench-cluster"},
+                {"date_utc", utc_now()},
+                {"command", command},
+                {"host",
+                 {{"cpu", cpu_model()},
+                  {"cores", std::max(1u, std::thread::hardware_concurrency())},
+                  {"openblas_core", services_core},
+                  {"openblas_num_threads", std::string(std::getenv("OPENBLAS_NUM_THREADS"))},
+                  {"loadavg_1min_at_start", load_average()}}},
+                {"model", {{"dir", o.model.string()}, {"summary", model_summary(config)}}},
+                {"workload",
+                 {{"source", source_description}, {"seed", o.seed}, {"query_tokens", o.query_tokens}, {"max_tokens", o.max_tokens}}},
+                {"scenarios", json::object()}};
+    const auto t0 = std::chrono::steady_clock::now();
+    for (const char* s : {"modes", "scaling", "schedule", "load"}) {
+      if (!wanted.count(s)) continue;
+      const std::string name = s;
+      json r = name == "modes"     ? bench.run_modes()
+               : name == "scaling" ? bench.run_scaling()
+               : name == "schedule" ? bench.run_schedule()
+                                    : bench.run_load();
+      out["scenarios"][name] = std::move(r);
+    }
+    out["host"]["loadavg_1min_at_end"] = load_average();
+    out["wall_seconds"] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    out["model"]["fingerprint"] = bench.fingerprint;
+    out["workload"]["source"] = source_description;
+    out["notes"] = bench.notes;
+    out["expectation_mismatches"] = bench.mismatches;
+
+    const std::string md = markdown(out);
+    std::cout << md << std::flush;
+    if (!o.out_json.empty()) {
+      std::ofstream f(o.out_json);
+      f << out.dump(2) << "\n";
+      if (!f) throw std::runtime_error(fmt::format("cannot write {}", o.out_json.string()));
+    }
+    if (!o.out_md.empty()) {
+      std::ofstream f(o.out_md);
+      f << md;
+      if (!f) throw std::runtime_error(fmt::format("cannot write {}", o.out_md.string()));
+    }
+    if (bench.request_failures) {
+      std::cerr << fmt::format("hypic-bench-cluster: some requests failed; cluster logs kept in {}\n", o.work_dir.string());
+      return 1;
+    }
+    if (bench.mismatches > 0) {
+      std::cerr << fmt::format("hypic-bench-cluster: {} request(s) reused a different number of segments than their "
+                               "row claims (see UNEXPECTED in the tables); logs in {}\n",
+                               bench.mismatches, o.work_dir.string());
+      return 3;
+    }
+    if (own_work_dir) fs::remove_all(o.work_dir);
+    return 0;
+  } catch (const std::invalid_argument& e) {
+    std::cerr << "hypic-bench-cluster: " << e.what() << "\n";
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << "hypic-bench-cluster: " << e.what() << "\n";
+    if (!o.work_dir.empty()) std::cerr << "cluster logs: " << o.work_dir.string() << "\n";
+    return 1;
+  }
+}

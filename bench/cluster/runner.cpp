@@ -1,0 +1,81 @@
+#include "bench/cluster/runner.h"
+
+#include <chrono>
+
+#include <fmt/format.h>
+
+#include "proto/rpc/status.h"
+
+namespace hypic::bench {
+
+namespace v1 = hypic::v1;
+using Clock = std::chrono::steady_clock;
+
+int64_t Prompt::tokens() const {
+  int64_t n = int64_t(query.size());
+  for (const auto& s : segments) n += int64_t(s.size());
+  return n;
+}
+
+RequestResult run_request(v1::Router::Stub& stub, const Prompt& prompt, const RequestOptions& options) {
+  v1::GenerateRequest req;
+  req.set_request_id(options.request_id);
+  for (const auto& seg : prompt.segments) {
+    auto* ids = req.add_segments()->mutable_tokens();
+    ids->mutable_ids()->Add(seg.begin(), seg.end());
+  }
+  req.mutable_query()->mutable_tokens()->mutable_ids()->Add(prompt.query.begin(), prompt.query.end());
+  auto* s = req.mutable_sampling();
+  s->set_max_tokens(options.max_tokens);
+  s->set_temperature(0.0f);
+  s->set_seed(1);
+  s->set_ignore_eos(true);
+  req.mutable_cache()->set_mode(options.mode);
+
+  RequestResult r;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(int64_t(options.timeout_s * 1000)));
+  const auto t0 = Clock::now();
+  auto reader = stub.Generate(&ctx, req);
+  v1::GenerateResponse resp;
+  bool have_report = false;
+  while (reader->Read(&resp)) {
+    if (resp.has_delta()) {
+      if (r.completion_tokens == 0 && resp.delta().token_ids_size() > 0) {
+        r.client_ttft_ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+      }
+      r.completion_tokens += uint32_t(resp.delta().token_ids_size());
+    } else if (resp.has_report()) {
+      r.report = resp.report();
+      have_report = true;
+    }
+  }
+  const grpc::Status st = reader->Finish();
+  r.client_e2e_ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+  if (!st.ok()) {
+    r.error = rpc::describe(st);
+    return r;
+  }
+  if (!have_report) {
+    r.error = "the stream ended without a report";
+    return r;
+  }
+  if (r.completion_tokens == 0) {
+    r.error = "no token was generated";
+    return r;
+  }
+  for (const auto& seg : r.report.segments()) {
+    r.hits += seg.cache_hit() ? 1 : 0;
+    r.reused += seg.source() == v1::SEGMENT_SOURCE_COMBINE_MEMORY || seg.source() == v1::SEGMENT_SOURCE_CACHE ? 1 : 0;
+  }
+  r.ok = true;
+  return r;
+}
+
+nlohmann::json ttft_json(const v1::TtftBreakdown& t) {
+  return {{"router", t.router_ms()},     {"lookup", t.lookup_ms()}, {"scatter", t.scatter_ms()},
+          {"transfer", t.transfer_ms()}, {"splice", t.splice_ms()}, {"first_decode", t.first_decode_ms()},
+          {"total", t.total_ms()}};
+}
+
+}  // namespace hypic::bench
