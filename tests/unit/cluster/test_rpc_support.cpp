@@ -1,0 +1,110 @@
+// Shared service helpers: chunked payload reassembly, digest encoding, request ids, error mapping.
+#include <catch2/catch.hpp>
+
+#include <xxhash.h>
+
+#include "proto/rpc/chunks.h"
+#include "proto/rpc/status.h"
+
+using namespace hypic::rpc;
+
+namespace {
+grpc::StatusCode code_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const RpcError& e) {
+    return e.code();
+  }
+  return grpc::StatusCode::OK;
+}
+}  // namespace
+
+TEST_CASE("chunked payloads are reassembled and verified", "[rpc]") {
+  std::string payload(3000, '\0');
+  for (size_t i = 0; i < payload.size(); ++i) payload[i] = char(i * 7);
+  const uint64_t sum = XXH3_64bits(payload.data(), payload.size());
+  CHECK(checksum64(payload) == sum);
+
+  // write_chunks splits into ceil(3000 / 1024) = 3 messages that concatenate to the payload.
+  std::vector<std::string> sent;
+  CHECK(write_chunks<std::string>(
+      payload, 1024, [](std::string& m, std::string_view c) { m = std::string(c); },
+      [&](const std::string& m) {
+        sent.push_back(m);
+        return true;
+      }));
+  REQUIRE(sent.size() == 3);
+  CHECK(sent[2].size() == 3000 - 2048);
+  ChunkAssembler a;
+  a.begin(payload.size(), sum, "test payload");
+  for (const auto& c : sent) a.append(c);
+  CHECK(a.finish() == payload);
+
+  // A failed write stops the loop.
+  int writes = 0;
+  CHECK_FALSE(write_chunks<std::string>(
+      payload, 1024, [](std::string& m, std::string_view c) { m = std::string(c); },
+      [&](const std::string&) { return ++writes < 2; }));
+  CHECK(writes == 2);
+
+  ChunkAssembler over;
+  over.begin(10, 0, "short");
+  CHECK(code_of([&] { over.append(std::string(11, 'x')); }) == grpc::StatusCode::DATA_LOSS);
+  ChunkAssembler missing;
+  missing.begin(10, 0, "missing");
+  missing.append("12345");
+  CHECK(code_of([&] { missing.finish(); }) == grpc::StatusCode::DATA_LOSS);
+  ChunkAssembler bad_sum;
+  bad_sum.begin(payload.size(), sum ^ 1, "flipped");
+  bad_sum.append(payload);
+  try {
+    bad_sum.finish();
+    FAIL("no error");
+  } catch (const RpcError& e) {
+    CHECK(e.code() == grpc::StatusCode::DATA_LOSS);
+    CHECK_THAT(e.what(), Catch::Contains("flipped") && Catch::Contains("checksum"));
+  }
+  ChunkAssembler no_header;
+  CHECK(code_of([&] { no_header.append("x"); }) == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK(code_of([&] { ChunkAssembler().begin(kMaxPayloadBytes + 1, 0, "huge"); }) ==
+        grpc::StatusCode::INVALID_ARGUMENT);
+}
+
+TEST_CASE("digests: 16 raw bytes, 32 hex digits", "[rpc]") {
+  Digest d{};
+  for (size_t i = 0; i < d.size(); ++i) d[i] = uint8_t(i * 17);
+  const std::string hex = digest_hex(d);
+  CHECK(hex == "00112233445566778899aabbccddeeff");
+  CHECK(digest_from_hex(hex) == d);
+  CHECK(digest_from_hex("00112233445566778899AABBCCDDEEFF") == d);
+  CHECK(parse_digest(digest_bytes(d), "key.digest") == d);
+  try {
+    parse_digest("short", "keys[3].digest");
+    FAIL("no error");
+  } catch (const RpcError& e) {
+    CHECK(e.code() == grpc::StatusCode::INVALID_ARGUMENT);
+    CHECK(std::string(e.what()) == "keys[3].digest: a segment digest has 16 bytes, got 5");
+  }
+  CHECK_THROWS_AS(digest_from_hex("xyz"), std::invalid_argument);
+  CHECK_THROWS_AS(digest_from_hex(std::string(31, '0') + "g"), std::invalid_argument);
+}
+
+TEST_CASE("request ids and error mapping", "[rpc]") {
+  CHECK_NOTHROW(validate_request_id(""));
+  CHECK_NOTHROW(validate_request_id("demo-run-1"));
+  CHECK(code_of([] { validate_request_id("a b"); }) == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK(code_of([] { validate_request_id(std::string(65, 'a')); }) == grpc::StatusCode::INVALID_ARGUMENT);
+  const std::string id = make_request_id();
+  CHECK(id.size() == 16);
+  CHECK_NOTHROW(validate_request_id(id));
+
+  CHECK(handle_errors([]() -> grpc::Status { throw invalid_argument("f", "bad"); }).error_message() == "f: bad");
+  CHECK(handle_errors([]() -> grpc::Status { throw std::invalid_argument("x"); }).error_code() ==
+        grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK(handle_errors([]() -> grpc::Status { throw std::runtime_error("boom"); }).error_code() ==
+        grpc::StatusCode::INTERNAL);
+  CHECK(handle_errors([]() -> grpc::Status { throw resource_exhausted("full"); }).error_code() ==
+        grpc::StatusCode::RESOURCE_EXHAUSTED);
+  CHECK(describe(grpc::Status(grpc::StatusCode::UNAVAILABLE, "gone")) == "UNAVAILABLE: gone");
+  CHECK(code_name(grpc::StatusCode::DATA_LOSS) == "DATA_LOSS");
+}
