@@ -2,6 +2,7 @@
 //
 //   hypic-client generate --router HOST:PORT --segment-file a.txt --segment-file b.txt --query "..." [--json]
 //   hypic-client health --target HOST:PORT [--service hypic.v1.Router] [--wait-seconds 30]
+//   hypic-client services --target HOST:PORT      (server reflection: the services it exposes)
 //   hypic-client info --router HOST:PORT
 //   hypic-client cache-stats|cache-get|cache-put|cache-delete --cache HOST:PORT ...
 //
@@ -19,6 +20,7 @@
 #include <nlohmann/json.hpp>
 
 #include "hypic/v1/router.grpc.pb.h"
+#include "proto/rpc/reflection_client.h"
 #include "proto/rpc/server.h"
 #include "proto/rpc/status.h"
 #include "segment_cache/client.h"
@@ -172,6 +174,10 @@ int main(int argc, char** argv) {
   health->add_option("--service", service, "service name (default: the whole server)");
   health->add_option("--wait-seconds", wait_s, "keep checking until SERVING or this long has passed");
 
+  // ---- services ----
+  auto* services = app.add_subcommand("services", "list the services a server exposes (gRPC server reflection)");
+  services->add_option("--target", target, "host:port")->required();
+
   // ---- info ----
   auto* info = app.add_subcommand("info", "print the router's server info as JSON");
   info->add_option("--router", router, "router host:port")->capture_default_str();
@@ -206,6 +212,16 @@ int main(int argc, char** argv) {
       }
       std::cerr << fmt::format("{} ({}) is not serving: {}\n", target, service.empty() ? "server" : service, err);
       return 1;
+    }
+    if (*services) {
+      try {
+        for (const auto& name : hypic::rpc::list_services(hypic::rpc::make_channel(target), std::chrono::seconds(5))) {
+          std::cout << name << "\n";
+        }
+      } catch (const hypic::rpc::RpcError& e) {
+        return rpc_failed(e.status(), false);
+      }
+      return 0;
     }
     if (*info) {
       auto stub = v1::Router::NewStub(hypic::rpc::make_channel(router));

@@ -105,6 +105,26 @@ class ReplicatedCacheTest(ClusterTestCase):
         self.assertEqual(second["token_ids"], first["token_ids"])
 
 
+    def test_every_service_serves_health_and_reflection(self):
+        expected = {"cache-0": "hypic.v1.SegmentCache", "cache-1": "hypic.v1.SegmentCache",
+                    "scatter-0": "hypic.v1.ScatterWorker", "scatter-1": "hypic.v1.ScatterWorker",
+                    "combine": "hypic.v1.CombineWorker", "router": "hypic.v1.Router"}
+        self.assertEqual(set(expected), set(self.cluster.services))
+        for name, service in expected.items():
+            with self.subTest(service=name):
+                address = self.cluster.address(name)
+                listed = self.client("services", "--target", address)
+                self.assertEqual(listed.returncode, 0, listed.stderr)
+                self.assertEqual(set(listed.stdout.split()), {service, "grpc.health.v1.Health",
+                                                              "grpc.reflection.v1alpha.ServerReflection"})
+                for svc in (service, ""):
+                    h = self.client("health", "--target", address, "--service", svc)
+                    self.assertEqual(h.returncode, 0, h.stderr)
+                h = self.client("health", "--target", address, "--service", "hypic.v1.NoSuchService")
+                self.assertEqual(h.returncode, 1)
+                self.assertIn("NOT_FOUND", h.stderr)
+
+
 class ConcurrencyTest(ClusterTestCase):
     """8 concurrent requests with overlapping segments all give what the engine gives for each alone."""
 
