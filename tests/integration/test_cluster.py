@@ -42,8 +42,14 @@ class CacheReuseTest(ClusterTestCase):
         self.assertEqual(rep["request_id"], "cold-1")
         self.assertEqual([s["cache_hit"] for s in rep["segments"]], [False] * 4)
         self.assertEqual(sources(rep), ["SEGMENT_SOURCE_SCATTER"] * 4)
-        # LPT over two idle workers with four similar segments: both workers get work.
-        self.assertEqual(len({s["built_by"] for s in rep["segments"]}),  2)
+        # LPT over two idle workers: longest first, each to the less loaded worker (ties: lower index).
+        load = [0, 0]
+        expected_worker = {}
+        for s in sorted(rep["segments"], key=lambda s: (-s["num_tokens"], s["index"])):
+            w = 0 if load[0] <= load[1] else 1
+            load[w] += s["num_tokens"]
+            expected_worker[s["index"]] = self.cluster.address(f"scatter-{w}")
+        self.assertEqual([s["built_by"] for s in rep["segments"]], [expected_worker[i] for i in range(4)])
         self.assertTrue(rep["cache_available"])
         self.assertEqual(cold["token_ids"], self.reference(segs, query))
         # TTFT phases add up to the total.
@@ -87,14 +93,19 @@ class CacheReuseTest(ClusterTestCase):
 
 
 class ReplicatedCacheTest(ClusterTestCase):
-    """Two cache replicas: entries are sharded by consistent hashing and found again."""
+    """Two cache replicas: entries are sharded by consistent hashing and found again. The router
+    schedules round-robin here."""
     cache_replicas = 2
-    extra_args = {"combine": ["--memory-tier-bytes", "0"]}
+    extra_args = {"combine": ["--memory-tier-bytes", "0"], "router": ["--schedule", "round-robin"]}
 
     def test_sharded_entries_hit(self):
         segs = SEGMENTS
         first = self.generate(segs, "Question one?")
-        self.ok(first)
+        rep = self.ok(first)
+        self.assertEqual(rep["schedule_policy"], "round-robin")
+        # The first cold request of the router: segments alternate between the two workers.
+        a, b = self.cluster.address("scatter-0"), self.cluster.address("scatter-1")
+        self.assertEqual([s["built_by"] for s in rep["segments"]], [a, b, a, b, a, b])
         self.wait_cache_entries(len(segs))
         per_replica = [int(self.cache_stats(f"cache-{i}")["entries"]) for i in range(2)]
         self.assertEqual(sum(per_replica), len(segs))
