@@ -50,21 +50,23 @@ def main() -> int:
         g = [f"set terminal pngcairo size {900 * cols},{560 * rows} font 'Sans,10'",
              f"set output {q(str(out))}",
              f"set multiplot layout {rows},{cols} title {q('hypic cluster benchmark, ' + data['date_utc'][:10] + ', ' + data['host']['cpu'] + ' (' + str(data['host']['cores']) + ' cores)')}",
-             "set grid ytics", "set key top left", "set style fill solid 0.8 border -1"]
+             "set grid ytics", "set key top center horizontal", "set style fill solid 0.8 border -1"]
         if "modes" in sc:
             m = sc["modes"]
             write_rows(d / "modes.dat", [[r["name"], r["ttft_ms"]["p50"], r["ttft_ms"]["p90"]] for r in m["rows"]])
             g += ["set style data histogram", "set style histogram clustered gap 1", "set boxwidth 0.9",
-                  "set logscale y", "set ylabel 'TTFT (ms, log scale)'", "set xtics rotate by -25 noenhanced",
+                  "set logscale y", "set ylabel 'TTFT (ms, log scale)'",
+                  f"set yrange [{0.5 * min(r['ttft_ms']['p50'] for r in m['rows']):.3g}:{4 * max(r['ttft_ms']['p90'] for r in m['rows']):.3g}]", "set xtics rotate by -25 noenhanced",
                   f"set title {q('TTFT per mode, same prompts (' + str(m['scatter_workers']) + ' scatter workers)')}",
                   f"plot {q(str(d / 'modes.dat'))} using 2:xtic(1) title 'p50', '' using 3 title 'p90'",
-                  "unset logscale y", "set xtics norotate"]
+                  "unset logscale y", "set xtics norotate", "set autoscale y"]
         if "scaling" in sc:
             s = sc["scaling"]
             write_rows(d / "scaling.dat", [[str(r["scatter_workers"]), r["ttft_ms"]["p50"], r["ttft_ms"]["p90"],
                                             r["server_ttft_ms_mean"]["scatter"]] for r in s["rows"]])
             g += ["set style data histogram", "set style histogram clustered gap 1", "set boxwidth 0.9",
-                  "set ylabel 'ms'", "set xlabel 'scatter workers'", "set yrange [0:*]",
+                  "set ylabel 'ms'", "set xlabel 'scatter workers'",
+                  f"set yrange [0:{1.3 * max(r['ttft_ms']['p90'] for r in s['rows']):.0f}]",
                   f"set title {q('all-cold TTFT vs scatter workers (' + str(s['segments_per_prompt']) + ' segments x ' + str(s['segment_tokens']) + ' tokens)')}",
                   f"plot {q(str(d / 'scaling.dat'))} using 2:xtic(1) title 'TTFT p50', '' using 3 title 'TTFT p90', "
                   "'' using 4 title 'scatter phase (mean)'", "unset xlabel", "set autoscale y"]
@@ -73,7 +75,7 @@ def main() -> int:
             write_rows(d / "schedule.dat", [[r["policy"], r["ttft_ms"]["p50"], r["ttft_ms"]["p90"],
                                              r["server_ttft_ms_mean"]["scatter"]] for r in s["rows"]])
             g += ["set style data histogram", "set style histogram clustered gap 1", "set boxwidth 0.9",
-                  "set ylabel 'ms'", "set yrange [0:*]",
+                  "set ylabel 'ms'", f"set yrange [0:{1.3 * max(r['ttft_ms']['p90'] for r in s['rows']):.0f}]",
                   f"set title {q('LPT vs round-robin, uneven segments (' + str(s['long_tokens']) + '/' + str(s['short_tokens']) + ' tokens, ' + str(s['scatter_workers']) + ' workers)')}",
                   f"plot {q(str(d / 'schedule.dat'))} using 2:xtic(1) title 'TTFT p50', '' using 3 title 'TTFT p90', "
                   "'' using 4 title 'scatter phase (mean)'", "set autoscale y"]

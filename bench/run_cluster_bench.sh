@@ -55,17 +55,21 @@ if ((QUICK)); then
          --rates 1,4 --load-requests 6 --load-segments 2 --load-segment-tokens 64 --load-pool 4 --max-tokens 4)
 else
   # Sized to finish in about 10 minutes on 2 CPU cores with the demo model.
-  SIZES=(--prompts 6 --segments 4 --segment-tokens 512 --query-tokens 16 --max-tokens 8 --hit-ratio 0.5
-         --worker-counts 1,2,4 --scaling-requests 4 --scaling-segments 8 --scaling-segment-tokens 256
-         --schedule-requests 4 --long-tokens 1024 --short-tokens 128
-         --rates 0.5,1,2,4 --load-requests 16 --load-segments 4 --load-segment-tokens 256 --load-hit-ratio 0.5
+  SIZES=(--prompts 10 --segments 4 --segment-tokens 512 --query-tokens 16 --max-tokens 8 --hit-ratio 0.5
+         --worker-counts 1,2,4 --scaling-requests 6 --scaling-segments 8 --scaling-segment-tokens 256
+         --schedule-requests 6 --long-tokens 1024 --short-tokens 128
+         --rates 0.5,1,2,4,8 --load-requests 20 --load-segments 4 --load-segment-tokens 256 --load-hit-ratio 0.5
          --load-pool 16 --slo-ms 1500)
 fi
+COMMIT="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+# Uncommitted changes to what the CPU cluster is built from would make the numbers unreproducible: say so.
+git diff --quiet HEAD -- CMakeLists.txt engine kernels/cpu proto segment_cache router scatter_worker combine_worker \
+  client deploy bench/cluster 2>/dev/null || COMMIT="$COMMIT (plus uncommitted changes to the cluster's sources)"
 mkdir -p "$(dirname "$OUT")"
 echo "run_cluster_bench.sh: $(date -u +%Y-%m-%dT%H:%M:%SZ), model $MODEL" >&2
 "$BIN/hypic-bench-cluster" --model "$MODEL" --tokenizer "$TOKENIZER" --bin-dir "$BIN" \
   --launcher deploy/local_cluster.py ${CORPUS[@]+"${CORPUS[@]}"} "${SIZES[@]}" ${EXTRA[@]+"${EXTRA[@]}"} \
-  --out-json "$OUT.json" --out-md "$OUT.md"
+  --note "commit measured: $COMMIT; made by bench/run_cluster_bench.sh" --out-json "$OUT.json" --out-md "$OUT.md"
 if command -v gnuplot >/dev/null 2>&1; then
   python3 bench/plot_cluster.py "$OUT.json" "$OUT.png"
 else

@@ -687,6 +687,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--slo-ms", o.slo_ms, "load: p90 TTFT objective")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_flag("--all-rates", o.all_rates, "load: keep going after a rate misses the SLO");
+  std::vector<std::string> user_notes;
+  app.add_option("--note", user_notes, "a line for the report's notes (repeat), e.g. the commit measured");
   app.add_option("--out-json", o.out_json, "write the results as JSON here");
   app.add_option("--out-md", o.out_md, "write the Markdown tables here (they are printed on stdout too)");
   CLI11_PARSE(app, argc, argv);
@@ -771,7 +773,9 @@ int main(int argc, char** argv) {
     out["wall_seconds"] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     out["model"]["fingerprint"] = bench.fingerprint;
     out["workload"]["source"] = source_description;
-    out["notes"] = bench.notes;
+    std::vector<std::string> notes = user_notes;
+    notes.insert(notes.end(), bench.notes.begin(), bench.notes.end());
+    out["notes"] = notes;
     out["expectation_mismatches"] = bench.mismatches;
 
     const std::string md = markdown(out);
