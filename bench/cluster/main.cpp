@@ -343,9 +343,10 @@ json Bench::run_scaling() {
   if (unsigned(max_w) + 1 > cores) {
     notes.push_back(fmt::format(
         "scaling: this host has {} CPU core(s) for up to {} scatter workers plus the combine worker, router and "
-        "cache, so the scatter workers share cores: the rows measure the cluster's coordination overhead, not "
-        "parallel speedup (which needs a core or GPU per worker).",
-        cores, max_w));
+        "cache. At most {} scatter workers compute in parallel; rows with more workers than cores share them, so "
+        "their differences reflect the cluster's coordination overhead and its share of a contended CPU, not "
+        "parallel speedup (which needs a core or a GPU per worker).",
+        cores, max_w, cores));
   }
   return {{"segments_per_prompt", opt_.scaling_segments},
           {"segment_tokens", opt_.scaling_segment_tokens},
@@ -770,6 +771,13 @@ int main(int argc, char** argv) {
       out["scenarios"][name] = std::move(r);
     }
     out["host"]["loadavg_1min_at_end"] = load_average();
+    const double busy = out["host"]["loadavg_1min_at_start"].get<double>();
+    if (busy > 0.5 * std::max(1u, std::thread::hardware_concurrency())) {
+      bench.notes.push_back(fmt::format("the host was already busy when the benchmark started (1-minute load average "
+                                        "{:.1f} on {} cores, before any cluster ran): absolute times are noisy; "
+                                        "compare rows within a scenario.",
+                                        busy, std::max(1u, std::thread::hardware_concurrency())));
+    }
     out["wall_seconds"] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     out["model"]["fingerprint"] = bench.fingerprint;
     out["workload"]["source"] = source_description;
