@@ -77,9 +77,9 @@ if [[ "${1:-}" == "--request-phase" ]]; then
   [[ -n "${HYPIC_ROUTER:-}" ]] || die "request phase: HYPIC_ROUTER is not set (run through the launcher)"
   for run in 1 2; do
     if [[ $run == 1 ]]; then
-      rule "run 1 of 2: a new prompt, every segment cold (computed by the scatter workers)"
+      rule "run 1 of 2: a new prompt, every segment cold (computed for this request)"
     else
-      rule "run 2 of 2: the same prompt again, every segment warm (from the cache)"
+      rule "run 2 of 2: the same prompt again, every segment warm (reused from the cache)"
     fi
     say "generated text:"
     # The text streams to stdout; the report table (stderr) is printed after it and kept for the comparison.
@@ -140,9 +140,11 @@ if [[ -n "$TOKENIZER" ]]; then
   [[ -f "$TOKENIZER" ]] || die "--tokenizer $TOKENIZER: no such file"
   TOKENIZER="$(cd "$(dirname "$TOKENIZER")" && pwd)/$(basename "$TOKENIZER")"
 fi
-for d in ${DOCS[@]+"${DOCS[@]}"}; do
+for i in ${DOCS[@]+"${!DOCS[@]}"}; do
+  d="${DOCS[$i]}"
   [[ -f "$d" && -r "$d" ]] || die "--doc $d: not a readable file"
   [[ -s "$d" ]] || die "--doc $d: the file is empty (a segment needs at least one token)"
+  DOCS[$i]="$(cd "$(dirname "$d")" && pwd)/$(basename "$d")"  # the script changes directory below
 done
 command -v python3 >/dev/null 2>&1 || die "python3 not found (the local launcher needs it; run scripts/setup.sh)"
 
