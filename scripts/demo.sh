@@ -260,7 +260,7 @@ for d in "${DOCS[@]}"; do say "           $(printf '%8d bytes  %s' "$(stat -c %s
 say "query      $QUERY"
 say "cluster    segment cache, router, $SCATTER scatter worker(s), 1 combine worker on 127.0.0.1 (deploy/local_cluster.py)"
 say "decoding   greedy, at most $MAX_TOKENS tokens; OPENBLAS_NUM_THREADS=$OPENBLAS_NUM_THREADS"
-say "starting the cluster (each service loads the model)..."
+say "starting the cluster (each service loads the model; their logs are kept only on failure or with --keep-logs)..."
 
 # ---------------------------------------------------------------------------------------------------------
 # 6. cluster + requests. The launcher runs in the background so that this script's traps can stop it;
