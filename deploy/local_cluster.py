@@ -71,8 +71,12 @@ class Service:
         argv = self.argv + ["--listen", "127.0.0.1:0", "--port-file", str(self.port_file),
                             "--parent-pid", str(os.getpid())]
         try:
+            # Several services share this host: one OpenBLAS thread each unless the user chose otherwise
+            # (N services x N cores threads oversubscribe the CPU and slow every GEMM).
+            env = dict(os.environ)
+            env.setdefault("OPENBLAS_NUM_THREADS", "1")
             self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True, preexec_fn=_die_with_parent)
+                                         start_new_session=True, preexec_fn=_die_with_parent, env=env)
         finally:
             log.close()
 
@@ -296,7 +300,8 @@ def main() -> int:
                     child.wait()
                     raise ClusterError(f"service(s) died: {', '.join(cluster.dead_services())}")
                 time.sleep(0.1)
-            return child.returncode
+            # A command killed by a signal reports -signal; exit like a shell would (128 + signal).
+            return child.returncode if child.returncode >= 0 else 128 - child.returncode
         print("Ctrl-C to stop", file=sys.stderr)
         while not stop_signal:
             dead = cluster.dead_services()

@@ -248,6 +248,7 @@ PrefillResult Model::forward(ModelState& state, std::span<const int32_t> ids, in
   state.num_tokens += T;
 
   // Final norm and LM head, only on the rows whose logits are wanted.
+  if (options.skip_logits) return result;
   const int64_t first = options.all_logits ? 0 : T - 1;
   const int64_t rows = T - first;
   cpu::rms_norm_zero_centred(rows, H, x.data() + static_cast<size_t>(first) * H, weights_.final_norm.ptr(), eps,

@@ -49,11 +49,12 @@ struct ModelState {
 struct PrefillOptions {
   bool all_logits = false;           ///< logits for every position of the span, else only the last
   bool capture_transitions = false;  ///< return each linear layer's span transition T_span
+  bool skip_logits = false;          ///< no final norm / LM head: logits stays empty (seams, entry builds)
 };
 
 /// Result of one prefill call.
 struct PrefillResult {
-  std::vector<float> logits;                     ///< [T][V] (all_logits) or [1][V], fp32
+  std::vector<float> logits;                     ///< [T][V] (all_logits) or [1][V], fp32; empty if skip_logits
   std::vector<std::vector<float>> transitions;   ///< per linear layer [H_v][d_k][d_k] if captured, else empty
 };
 

@@ -99,6 +99,7 @@ SegmentEntry build_segment_entry(const Model& model, std::span<const int32_t> id
   e.linear.resize(g.num_linear);
   PrefillOptions opt;
   opt.capture_transitions = true;
+  opt.skip_logits = true;
   for (auto& l : e.linear) {
     l.seam_transition = TransitionOperator::identity(TransitionKind::Dense, g.linear_heads, g.d_k);
     l.interior_transition = l.seam_transition;
@@ -211,6 +212,8 @@ SpliceResult splice(const Model& model, const SpliceRequest& req) {
     return req.segments[i].ids.empty() ? req.segments[i].entry->token_ids : req.segments[i].ids;
   };
 
+  PrefillOptions no_logits;  // segments and seams only move the state; the query's logits are the output
+  no_logits.skip_logits = true;
   SpliceResult out;
   out.state = model.initial_state();
   ModelState& st = out.state;
@@ -220,7 +223,7 @@ SpliceResult splice(const Model& model, const SpliceRequest& req) {
   if (req.mode == SpliceMode::Full) {  // every segment in context, as one span, then the query
     std::vector<int32_t> all;
     for (size_t i = 0; i < req.segments.size(); ++i) all.insert(all.end(), ids_of(i).begin(), ids_of(i).end());
-    model.prefill(st, all, 0, {});
+    model.prefill(st, all, 0, no_logits);
     pos = static_cast<int64_t>(all.size());
     out.computed_tokens = pos;
     first = req.segments.size();
@@ -240,7 +243,7 @@ SpliceResult splice(const Model& model, const SpliceRequest& req) {
     }
     for (size_t i = 0; i < reused; ++i) pos += static_cast<int64_t>(ids_of(i).size());
     for (size_t i = reused; i < req.segments.size(); ++i) {
-      model.prefill(st, ids_of(i), pos, {});
+      model.prefill(st, ids_of(i), pos, no_logits);
       pos += static_cast<int64_t>(ids_of(i).size());
       out.computed_tokens += static_cast<int64_t>(ids_of(i).size());
       if (req.prefix_cache) req.prefix_cache->put(chains[i], st);
@@ -263,7 +266,7 @@ SpliceResult splice(const Model& model, const SpliceRequest& req) {
     if (req.mode == SpliceMode::Hypic) {
       const int s = std::min(req.seam_width, n);
       if (s > 0) {  // the seam, recomputed in context through every layer
-        model.prefill(st, std::span<const int32_t>(e.token_ids).subspan(0, s), pos, {});
+        model.prefill(st, std::span<const int32_t>(e.token_ids).subspan(0, s), pos, no_logits);
         out.computed_tokens += s;
       }
       if (n > s) {

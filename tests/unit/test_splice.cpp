@@ -236,3 +236,21 @@ TEST_CASE("bad splice input is a clear error", "[splice]") {
   // Nothing was lost: the good request still works after the failures.
   CHECK_NOTHROW(splice(m, ok));
 }
+
+TEST_CASE("prefill with skip_logits moves the state exactly like a prefill with logits", "[splice]") {
+  const Model& m = fixture_model("qwen3_next_moe");
+  const auto ids = random_ids(70, 21, static_cast<int>(m.config().vocab_size));
+  ModelState a = m.initial_state(), b = m.initial_state();
+  PrefillOptions skip;
+  skip.skip_logits = true;
+  const PrefillResult ra = m.prefill(a, ids, 0, {});
+  const PrefillResult rb = m.prefill(b, ids, 0, skip);
+  CHECK(ra.logits.size() == size_t(m.config().vocab_size));
+  CHECK(rb.logits.empty());
+  for (size_t l = 0; l < a.linear.size(); ++l) {
+    CHECK(a.linear[l].ssm == b.linear[l].ssm);
+    CHECK(a.linear[l].conv == b.linear[l].conv);
+  }
+  for (size_t i = 0; i < a.attention.size(); ++i) CHECK(a.attention[i].k == b.attention[i].k);
+  CHECK(a.num_tokens == b.num_tokens);
+}
