@@ -143,7 +143,7 @@ class LocalCluster:
     def binary(self, name: str) -> str:
         path = self.bin_dir / name
         if not path.exists():
-            raise ClusterError(f"{path} not found (build it first)")
+            raise ClusterError(f"{path} not found: pass --bin-dir, or build with scripts/build.sh")
         return str(path)
 
     def _common(self, role: str) -> list[str]:
@@ -255,7 +255,9 @@ class LocalCluster:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--bin-dir", default="build/bin", help="where the hypic binaries are (default build/bin)")
+    default_bin = Path(__file__).resolve().parent.parent / "build" / "bin"
+    p.add_argument("--bin-dir", default=str(default_bin),
+                   help=f"where the hypic binaries are (default {default_bin}, i.e. build/bin of this checkout)")
     p.add_argument("--model", required=True, help="checkpoint directory")
     p.add_argument("--tokenizer", required=True, help="tokenizer.json")
     p.add_argument("--scatter-workers", type=int, default=2)

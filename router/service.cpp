@@ -483,7 +483,7 @@ grpc::Status GenerateCall::run() {
   rep->set_completion_tokens(creport->completion_tokens());
   rep->set_finish_reason(creport->finish_reason());
   rep->set_mode(engine::splice_mode_name(opts_.mode));
-  rep->set_seam_width(opts_.seam_width);
+  rep->set_seam_width(opts_.entry_seam_width);  // the w actually used: 0 outside hypic mode
   rep->set_seed(seed);
   rep->set_combine_worker(combine_->address);
   rep->set_cache_available(cache_available);
