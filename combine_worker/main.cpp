@@ -43,6 +43,10 @@ int main(int argc, char** argv) {
   app.add_option("--gather-timeout-seconds", gather_timeout_s, "longest wait for a request's segment entries")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
+  app.add_option("--max-concurrent-compute", opt.max_concurrent_compute,
+                 "splices and decode steps running at once over all requests, FIFO (0: no limit)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   app.add_option("--fetch-parallelism", opt.fetch_parallelism, "parallel segment-cache fetches per request")
       ->check(CLI::Range(1, 64))
       ->capture_default_str();

@@ -65,9 +65,61 @@ struct CombineService::Pending {
   }
 };
 
+namespace {
+// Releases a compute slot taken with ComputeSlots::acquire when the scope ends (also on exceptions).
+// (No-op without a limit.)
+struct SlotGuard {
+  explicit SlotGuard(ComputeSlots* s) : slots(s) {}
+  ~SlotGuard() {
+    if (slots) slots->release();
+  }
+  ComputeSlots* slots;
+};
+}  // namespace
+
+ComputeSlots::ComputeSlots(int slots) : slots_(std::max(1, slots)), free_(std::max(1, slots)) {}
+
+bool ComputeSlots::acquire(const std::function<bool()>& cancelled) {
+  std::unique_lock<std::mutex> lock(mu_);
+  const uint64_t ticket = next_ticket_++;
+  while (!(serving_ == ticket && free_ > 0)) {
+    if (cancelled && cancelled()) {
+      // Give up the place in line: later tickets must not wait for this one.
+      if (serving_ == ticket) {
+        ++serving_;
+      } else {
+        abandoned_.insert(ticket);
+      }
+      skip_abandoned();
+      cv_.notify_all();
+      return false;
+    }
+    cv_.wait_for(lock, std::chrono::milliseconds(50));
+  }
+  --free_;
+  ++serving_;
+  skip_abandoned();
+  cv_.notify_all();
+  return true;
+}
+
+void ComputeSlots::skip_abandoned() {
+  while (abandoned_.erase(serving_) > 0) ++serving_;
+}
+
+void ComputeSlots::release() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++free_;
+  }
+  cv_.notify_all();
+}
+
 CombineService::CombineService(CombineDeps deps, CombineOptions options)
     : d_(deps), opt_(options), fingerprint_(deps.model.config().fingerprint()),
-      geometry_(engine::EntryGeometry::of(deps.model.config())) {}
+      geometry_(engine::EntryGeometry::of(deps.model.config())) {
+  if (opt_.max_concurrent_compute > 0) compute_ = std::make_unique<ComputeSlots>(opt_.max_concurrent_compute);
+}
 
 CombineService::~CombineService() = default;
 
@@ -311,10 +363,16 @@ grpc::Status CombineService::run_combine(grpc::ServerContext* ctx, const v1::Com
     for (auto& s : p->slots) sreq.segments.push_back({s.ids, s.entry});
     const auto t_splice = Clock::now();
     engine::SpliceResult sres;
-    try {
-      sres = engine::splice(d_.model, sreq);
-    } catch (const std::exception& e) {
-      throw rpc::RpcError(grpc::StatusCode::INTERNAL, fmt::format("splice failed: {}", e.what()));
+    const auto cancelled = [ctx] { return ctx->IsCancelled(); };
+    {
+      if (compute_ && !compute_->acquire(cancelled))
+        throw rpc::RpcError(grpc::StatusCode::CANCELLED, "request cancelled by the router");
+      SlotGuard slot(compute_.get());
+      try {
+        sres = engine::splice(d_.model, sreq);
+      } catch (const std::exception& e) {
+        throw rpc::RpcError(grpc::StatusCode::INTERNAL, fmt::format("splice failed: {}", e.what()));
+      }
     }
     const double splice_ms = rpc::ms_between(t_splice, Clock::now());
     ev.mutable_splice_done()->set_splice_ms(splice_ms);
@@ -350,7 +408,12 @@ grpc::Status CombineService::run_combine(grpc::ServerContext* ctx, const v1::Com
         finish = v1::FINISH_REASON_STOP_STRING;
         break;
       }
-      if (step + 1 < max_tokens) logits = d_.model.decode(sres.state, tok, position++);
+      if (step + 1 < max_tokens) {
+        if (compute_ && !compute_->acquire(cancelled))
+          throw rpc::RpcError(grpc::StatusCode::CANCELLED, "request cancelled by the router");
+        SlotGuard slot(compute_.get());
+        logits = d_.model.decode(sres.state, tok, position++);
+      }
     }
     if (finish != v1::FINISH_REASON_STOP_STRING) {
       auto r = stop_matcher.push(detok.flush());

@@ -90,7 +90,7 @@ void validate_request_id(std::string_view id) {
   for (size_t i = 0; i < id.size(); ++i) {
     const unsigned char c = static_cast<unsigned char>(id[i]);
     if (c <= 0x20 || c >= 0x7f) {
-      throw invalid_argument("request_id", fmt::format("character {} (byte 0x{:02x}) is not printable ASCII", i, c));
+      throw invalid_argument("request_id", fmt::format("character {} (byte 0x{:02x}) is not a visible ASCII character (0x21..0x7e; no spaces)", i, c));
     }
   }
 }
