@@ -222,6 +222,18 @@ class LocalCluster:
         """Services that exited although nobody stopped them."""
         return [n for n, s in self.services.items() if not s.alive() and n not in self.expected_down]
 
+    def fatal_dead_services(self) -> list[str]:
+        """Dead services the cluster cannot serve without: the router and the combine worker. A scatter worker or
+        a cache replica dying is a fault the cluster handles (segments are rebuilt on another scatter worker or by
+        the combine worker; requests are computed without the cache), so the launcher reports it and goes on."""
+        return [n for n in self.dead_services() if n in ("router", "combine")]
+
+    def describe_exit(self, name: str) -> str:
+        rc = self.services[name].proc.returncode if self.services[name].proc else None
+        if rc is None:
+            return f"{name} is running"
+        return f"{name} exited with status {rc}" if rc >= 0 else f"{name} was killed by signal {-rc}"
+
     def stop(self) -> None:
         """SIGTERM to every process group (router first), SIGKILL to what is left after the grace period."""
         order = sorted(self.services.values(), key=lambda s: {"router": 0, "combine": 1}.get(s.name, 2))
@@ -292,24 +304,35 @@ def main() -> int:
             argv = [a.replace("{router}", cluster.router_address) for a in command]
             env = dict(os.environ, HYPIC_ROUTER=cluster.router_address)
             child = subprocess.Popen(argv, env=env)
+            reported: set[str] = set()
             while child.poll() is None:
                 if stop_signal:
                     child.terminate()
                     child.wait()
                     return 130
-                if cluster.dead_services():
+                for n in cluster.dead_services():
+                    if n not in reported:
+                        reported.add(n)
+                        print(f"local_cluster: {cluster.describe_exit(n)}; the cluster keeps serving without it"
+                              if n not in cluster.fatal_dead_services() else
+                              f"local_cluster: {cluster.describe_exit(n)}", file=sys.stderr)
+                if cluster.fatal_dead_services():
                     child.terminate()
                     child.wait()
-                    raise ClusterError(f"service(s) died: {', '.join(cluster.dead_services())}")
+                    raise ClusterError("the cluster cannot serve any more: " +
+                                       "; ".join(cluster.describe_exit(n) for n in cluster.fatal_dead_services()))
                 time.sleep(0.1)
             # A command killed by a signal reports -signal; exit like a shell would (128 + signal).
             return child.returncode if child.returncode >= 0 else 128 - child.returncode
         print("Ctrl-C to stop", file=sys.stderr)
+        reported_dead: set[str] = set()
         while not stop_signal:
-            dead = cluster.dead_services()
-            if dead:
-                for n in dead:
-                    print(f"{n} died:\n{cluster.services[n].log_tail()}", file=sys.stderr)
+            for n in cluster.dead_services():
+                if n not in reported_dead:
+                    reported_dead.add(n)
+                    print(f"local_cluster: {cluster.describe_exit(n)}:\n{cluster.services[n].log_tail()}",
+                          file=sys.stderr)
+            if cluster.fatal_dead_services():
                 return 1
             time.sleep(0.2)
         return 0
