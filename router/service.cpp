@@ -23,9 +23,9 @@ constexpr uint32_t kLocal = UINT32_MAX;  // SegState::worker of a segment the co
 template <class Service>
 bool probe(const std::shared_ptr<grpc::Channel>& channel, const std::string& address, const std::string& fingerprint,
            std::atomic<bool>& mismatch) {
-  if (rpc::check_health(channel, Service::service_full_name(), std::chrono::milliseconds(500)) != 1) return false;
+  if (rpc::check_health(channel, Service::service_full_name(), std::chrono::milliseconds(1500)) != 1) return false;
   grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(1500));
   v1::WorkerInfo info;
   if (!Service::NewStub(channel)->GetWorkerInfo(&ctx, v1::WorkerInfoRequest{}, &info).ok()) return false;
   const bool bad = info.model_fingerprint() != fingerprint;
@@ -89,12 +89,22 @@ void RouterService::set_scatter_available(size_t worker, bool available) {
 }
 
 void RouterService::probe_workers() {
+  // A worker leaves the rotation after two failed probes in a row (one slow answer on a loaded host is not a
+  // fault; a call that fails with UNAVAILABLE takes it out at once), and comes back after one good probe.
+  // Before its first good probe a worker is out of rotation.
+  auto verdict = [](Worker& w, bool ok) {
+    w.failed_probes = ok ? 0 : w.failed_probes + 1;
+    return ok || (w.available.load() && w.failed_probes < 2);
+  };
   for (size_t i = 0; i < scatter_.size(); ++i) {
-    set_scatter_available(i, probe<v1::ScatterWorker>(scatter_[i]->channel, scatter_[i]->address, model_.fingerprint,
-                                                       scatter_[i]->model_mismatch));
+    const bool ok = probe<v1::ScatterWorker>(scatter_[i]->channel, scatter_[i]->address, model_.fingerprint,
+                                             scatter_[i]->model_mismatch);
+    set_scatter_available(i, verdict(*scatter_[i], ok) && !scatter_[i]->model_mismatch.load());
   }
   for (auto& w : combine_) {
-    const bool ok = probe<v1::CombineWorker>(w->channel, w->address, model_.fingerprint, w->model_mismatch);
+    const bool ok = verdict(*w, probe<v1::CombineWorker>(w->channel, w->address, model_.fingerprint,
+                                                         w->model_mismatch)) &&
+                    !w->model_mismatch.load();
     if (w->available.exchange(ok) != ok) {
       spdlog::log(ok ? spdlog::level::info : spdlog::level::warn, "combine worker {} is {}", w->address,
                   ok ? "available" : "out of rotation");

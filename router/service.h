@@ -63,6 +63,7 @@ class RouterService final : public hypic::v1::Router::Service {
     std::atomic<bool> available{false};
     std::atomic<bool> model_mismatch{false};
     std::atomic<uint32_t> active{0};
+    int failed_probes = 0;  ///< consecutive failed health probes (prober thread only)
   };
 
  private:

@@ -108,8 +108,10 @@ class ReplicatedCacheTest(ClusterTestCase):
         self.assertEqual([s["built_by"] for s in rep["segments"]], [a, b, a, b, a, b])
         self.wait_cache_entries(len(segs))
         per_replica = [int(self.cache_stats(f"cache-{i}")["entries"]) for i in range(2)]
+        # Each entry lives on exactly one replica. (Which one depends on the replicas' ports, random here: with 6
+        # keys and 2 replicas all of them land on one replica about 3% of the time, so no assertion on the split;
+        # the hash ring's spread is tested in tests/unit/cluster/test_hash_ring.cpp.)
         self.assertEqual(sum(per_replica), len(segs))
-        self.assertTrue(all(n > 0 for n in per_replica), f"all entries on one replica: {per_replica}")
         second = self.generate(segs, "Question one?")
         rep = self.ok(second)
         self.assertEqual(sources(rep), ["SEGMENT_SOURCE_CACHE"] * len(segs))
