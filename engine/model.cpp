@@ -181,12 +181,21 @@ void Model::validate_state(const ModelState& s) const {
 
 PrefillResult Model::prefill(ModelState& state, std::span<const int32_t> ids, int64_t start_position,
                              const PrefillOptions& options) const {
-  return forward(state, ids, start_position, options, LinearMode::Chunked);
+  const SpanSpec span{ids, start_position};
+  return forward(state, std::span<const SpanSpec>(&span, 1), nullptr, options, LinearMode::Chunked);
+}
+
+PrefillResult Model::prefill_spans(ModelState& state, std::span<const SpanSpec> spans,
+                                   const SpanLayerHook& after_mixer, const PrefillOptions& options) const {
+  if (options.capture_transitions && spans.size() != 1)
+    throw std::invalid_argument("prefill_spans: capture_transitions needs exactly one span");
+  return forward(state, spans, after_mixer ? &after_mixer : nullptr, options, LinearMode::Chunked);
 }
 
 std::vector<float> Model::decode(ModelState& state, int32_t id, int64_t position) const {
   const int32_t ids[1] = {id};
-  return forward(state, ids, position, PrefillOptions{}, LinearMode::Recurrent).logits;
+  const SpanSpec span{ids, position};
+  return forward(state, std::span<const SpanSpec>(&span, 1), nullptr, PrefillOptions{}, LinearMode::Recurrent).logits;
 }
 
 void Model::rope_rotate(float* k, int64_t n_tokens, int heads, int64_t position_delta) const {
@@ -198,29 +207,40 @@ void Model::rope_rotate(float* k, int64_t n_tokens, int heads, int64_t position_
   cpu::apply_rope_uniform(k, n_tokens, heads, config_.head_dim, inv_freq_, position_delta);
 }
 
-PrefillResult Model::forward(ModelState& state, std::span<const int32_t> ids, int64_t start_position,
+PrefillResult Model::forward(ModelState& state, std::span<const SpanSpec> spans, const SpanLayerHook* after_mixer,
                              const PrefillOptions& options, LinearMode mode) const {
   const ModelConfig& c = config_;
-  const int64_t T = static_cast<int64_t>(ids.size());
-  if (T == 0) throw std::invalid_argument("prefill: empty token span");
-  if (start_position < 0) {
-    throw std::invalid_argument("prefill: start_position " + std::to_string(start_position) + " is negative");
-  }
-  for (int64_t t = 0; t < T; ++t) {
-    if (ids[t] < 0 || ids[t] >= c.vocab_size) {
-      throw std::invalid_argument("prefill: token id " + std::to_string(ids[t]) + " at span index " +
-                                  std::to_string(t) + " is outside [0, " + std::to_string(c.vocab_size) + ")");
+  if (spans.empty()) throw std::invalid_argument("prefill: no spans");
+  // Row offsets of each span in the concatenated activations.
+  std::vector<int64_t> offset(spans.size() + 1, 0);
+  for (size_t si = 0; si < spans.size(); ++si) {
+    const SpanSpec& sp = spans[si];
+    const std::string where = spans.size() > 1 ? " (span " + std::to_string(si) + ")" : std::string();
+    if (sp.ids.empty()) throw std::invalid_argument("prefill: empty token span" + where);
+    if (sp.start_position < 0) {
+      throw std::invalid_argument("prefill: start_position " + std::to_string(sp.start_position) + " is negative" +
+                                  where);
     }
+    for (size_t t = 0; t < sp.ids.size(); ++t) {
+      if (sp.ids[t] < 0 || sp.ids[t] >= c.vocab_size) {
+        throw std::invalid_argument("prefill: token id " + std::to_string(sp.ids[t]) + " at span index " +
+                                    std::to_string(t) + where + " is outside [0, " + std::to_string(c.vocab_size) +
+                                    ")");
+      }
+    }
+    offset[si + 1] = offset[si] + static_cast<int64_t>(sp.ids.size());
   }
+  const int64_t T = offset.back();
   validate_state(state);
 
   const int64_t H = c.hidden_size;
   const float eps = static_cast<float>(c.rms_norm_eps);
   std::vector<float> x(static_cast<size_t>(T) * H), hn(x.size()), mix(x.size());
-  for (int64_t t = 0; t < T; ++t) {
-    const float* row = weights_.embed.ptr() + static_cast<size_t>(ids[t]) * H;
-    std::copy(row, row + H, x.data() + static_cast<size_t>(t) * H);
-  }
+  for (size_t si = 0; si < spans.size(); ++si)
+    for (size_t t = 0; t < spans[si].ids.size(); ++t) {
+      const float* row = weights_.embed.ptr() + static_cast<size_t>(spans[si].ids[t]) * H;
+      std::copy(row, row + H, x.data() + static_cast<size_t>(offset[si] + static_cast<int64_t>(t)) * H);
+    }
   PrefillResult result;
   if (options.capture_transitions) result.transitions.resize(state.linear.size());
   Scratch scratch;
@@ -229,12 +249,18 @@ PrefillResult Model::forward(ModelState& state, std::span<const int32_t> ids, in
   for (int i = 0; i < c.num_hidden_layers; ++i) {
     const LayerWeights& lw = weights_.layers[i];
     cpu::rms_norm_zero_centred(T, H, x.data(), lw.input_layernorm.ptr(), eps, hn.data());
-    if (lw.type == LayerType::Linear) {
-      const int li = c.linear_index(i);
-      linear_layer(lw, state.linear[li], hn.data(), T, mode,
-                   options.capture_transitions ? &result.transitions[li] : nullptr, scratch, mix.data());
-    } else {
-      attention_layer(lw, state.attention[c.attention_index(i)], hn.data(), T, start_position, scratch, mix.data());
+    for (size_t si = 0; si < spans.size(); ++si) {  // token mixers: span by span, on the running state
+      const size_t r0 = static_cast<size_t>(offset[si]) * H;
+      const int64_t Ts = offset[si + 1] - offset[si];
+      if (lw.type == LayerType::Linear) {
+        const int li = c.linear_index(i);
+        linear_layer(lw, state.linear[li], hn.data() + r0, Ts, mode,
+                     options.capture_transitions ? &result.transitions[li] : nullptr, scratch, mix.data() + r0);
+      } else {
+        attention_layer(lw, state.attention[c.attention_index(i)], hn.data() + r0, Ts, spans[si].start_position,
+                        scratch, mix.data() + r0);
+      }
+      if (after_mixer) (*after_mixer)(si, i, state);
     }
     for (size_t j = 0; j < x.size(); ++j) x[j] += mix[j];
     cpu::rms_norm_zero_centred(T, H, x.data(), lw.post_attention_layernorm.ptr(), eps, hn.data());
@@ -247,9 +273,9 @@ PrefillResult Model::forward(ModelState& state, std::span<const int32_t> ids, in
   }
   state.num_tokens += T;
 
-  // Final norm and LM head, only on the rows whose logits are wanted.
+  // Final norm and LM head, only on the last span's rows whose logits are wanted.
   if (options.skip_logits) return result;
-  const int64_t first = options.all_logits ? 0 : T - 1;
+  const int64_t first = options.all_logits ? offset[spans.size() - 1] : T - 1;
   const int64_t rows = T - first;
   cpu::rms_norm_zero_centred(rows, H, x.data() + static_cast<size_t>(first) * H, weights_.final_norm.ptr(), eps,
                              hn.data());

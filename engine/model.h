@@ -14,6 +14,7 @@
 // attention_index).
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <filesystem>
 #include <span>
 #include <vector>
@@ -58,6 +59,17 @@ struct PrefillResult {
   std::vector<std::vector<float>> transitions;   ///< per linear layer [H_v][d_k][d_k] if captured, else empty
 };
 
+/// One span of a multi-span prefill: token ids and the RoPE position of its first token.
+struct SpanSpec {
+  std::span<const int32_t> ids;
+  int64_t start_position = 0;
+};
+
+/// Called by Model::prefill_spans after span `span`'s token mixer at decoder layer `layer` (0-based over all
+/// layers): it may edit that layer's state (ModelState::linear[linear_index] or attention[attention_index]) before
+/// the next span's mixer runs at the same layer.
+using SpanLayerHook = std::function<void(size_t span, int layer, ModelState& state)>;
+
 /// A loaded model: configuration plus fp32 weights. Immutable after construction; all methods are const
 /// and safe to call from several threads at once on different states.
 class Model {
@@ -87,6 +99,16 @@ class Model {
   PrefillResult prefill(ModelState& state, std::span<const int32_t> ids, int64_t start_position,
                         const PrefillOptions& options = {}) const;
 
+  /// Several spans as one pass, layer by layer (how a splice runs all its seam windows and the query at once):
+  /// at each decoder layer the spans' token mixers run in order on the running state, with `after_mixer` called
+  /// after each span's mixer; the token-wise parts (norms, MLP / MoE) run over all spans' tokens together, so
+  /// the weights are read once per layer instead of once per span. Equals prefilling the spans one after another
+  /// with the hook's edits applied between them, provided the hook at layer l only edits layer l's state.
+  /// Logits, options and errors as prefill(), for the LAST span's tokens. state.num_tokens grows by the spans'
+  /// tokens (edits by the hook are the caller's to count).
+  PrefillResult prefill_spans(ModelState& state, std::span<const SpanSpec> spans, const SpanLayerHook& after_mixer,
+                              const PrefillOptions& options = {}) const;
+
   /// One decode step at `position` with the literal (token-by-token) recurrence in the linear layers.
   /// Returns the next-token logits [V]. Same validation and state update as prefill with T = 1.
   std::vector<float> decode(ModelState& state, int32_t id, int64_t position) const;
@@ -103,7 +125,7 @@ class Model {
  private:
   enum class LinearMode { Chunked, Recurrent };
   struct Scratch;
-  PrefillResult forward(ModelState& state, std::span<const int32_t> ids, int64_t start_position,
+  PrefillResult forward(ModelState& state, std::span<const SpanSpec> spans, const SpanLayerHook* after_mixer,
                         const PrefillOptions& options, LinearMode mode) const;
   void linear_layer(const LayerWeights& lw, LinearLayerState& st, const float* x, int64_t T, LinearMode mode,
                     std::vector<float>* transition, Scratch& s, float* out) const;

@@ -10,22 +10,24 @@
 namespace hypic::engine {
 namespace {
 
-// Appends an entry's K/V rows [from, n) to the running attention states, K re-rotated from local position
+// Appends an entry's K/V rows [from, n) to attention layer a's (or every layer's) running state, K re-rotated from local position
 // `from + i` to real position `base + from + i` (RoPE composes: R(p + d) = R(d) R(p), DESIGN.md 3.3).
-void append_entry_kv(const Model& model, ModelState& state, const SegmentEntry& e, int from, int64_t base) {
+void append_entry_kv_layer(const Model& model, ModelState& state, const SegmentEntry& e, size_t a, int from,
+                           int64_t base) {
   const EntryGeometry& g = e.geometry;
   const size_t row = static_cast<size_t>(g.kv_heads) * g.head_dim;
   const int count = e.num_tokens() - from;
   if (count <= 0) return;
-  std::vector<float> k(static_cast<size_t>(count) * row);
-  for (size_t a = 0; a < e.attention.size(); ++a) {
-    AttentionLayerState& dst = state.attention[a];
-    std::memcpy(k.data(), e.attention[a].k.data() + from * row, k.size() * sizeof(float));
-    if (base != 0) model.rope_rotate(k.data(), count, g.kv_heads, base);
-    dst.k.insert(dst.k.end(), k.begin(), k.end());
-    dst.v.insert(dst.v.end(), e.attention[a].v.begin() + from * row, e.attention[a].v.end());
-    dst.n_tokens += count;
-  }
+  AttentionLayerState& dst = state.attention[a];
+  const size_t old = dst.k.size();
+  dst.k.insert(dst.k.end(), e.attention[a].k.begin() + from * row, e.attention[a].k.end());
+  if (base != 0) model.rope_rotate(dst.k.data() + old, count, g.kv_heads, base);
+  dst.v.insert(dst.v.end(), e.attention[a].v.begin() + from * row, e.attention[a].v.end());
+  dst.n_tokens += count;
+}
+
+void append_entry_kv(const Model& model, ModelState& state, const SegmentEntry& e, int from, int64_t base) {
+  for (size_t a = 0; a < e.attention.size(); ++a) append_entry_kv_layer(model, state, e, a, from, base);
 }
 
 // Folds a segment part into every linear layer: S <- T S + S_seg (or S + S_seg for naive), conv <- tail.
@@ -260,35 +262,81 @@ SpliceResult splice(const Model& model, const SpliceRequest& req) {
     first = 1;
   }
 
+  PrefillOptions opt;
+  opt.all_logits = req.all_query_logits;
+  if (req.mode != SpliceMode::Hypic) {
+    for (size_t i = first; i < req.segments.size(); ++i) {  // naive / transition: whole segments, no seam
+      const SegmentEntry& e = *req.segments[i].entry;
+      fold_linear(st, e, req.mode, false);
+      append_entry_kv(model, st, e, 0, pos);
+      pos += e.num_tokens();
+      st.num_tokens = pos;
+    }
+    if (req.keep_context_state)
+      for (const auto& l : st.linear) out.context_states.push_back(l.ssm);
+    PrefillResult r = model.prefill(st, req.query, pos, opt);
+    out.computed_tokens += static_cast<int64_t>(req.query.size());
+    out.logits = std::move(r.logits);
+    out.num_tokens = pos + static_cast<int64_t>(req.query.size());
+    return out;
+  }
+
+  // Hypic: every seam window and the query run as one layer-by-layer pass (Model::prefill_spans), so the weights
+  // are read once per layer rather than once per seam. After a seam's mixer at layer l, its segment's interior is
+  // folded into layer l's state (S <- T_int S + S_int and the conv tail, or the interior's re-rotated K and V).
+  // A segment without a seam (w = 0) is folded after the previous span, or up front when no span precedes it.
+  struct Fold {
+    const SegmentEntry* entry;
+    int from;      // first interior token
+    int64_t base;  // real position of the segment's first token
+  };
+  std::vector<SpanSpec> spans;
+  std::vector<std::vector<Fold>> folds_after;  // per span
+  std::vector<Fold> folds_upfront;
   for (size_t i = first; i < req.segments.size(); ++i) {
     const SegmentEntry& e = *req.segments[i].entry;
     const int n = e.num_tokens();
-    if (req.mode == SpliceMode::Hypic) {
-      const int s = std::min(req.seam_width, n);
-      if (s > 0) {  // the seam, recomputed in context through every layer
-        model.prefill(st, std::span<const int32_t>(e.token_ids).subspan(0, s), pos, no_logits);
-        out.computed_tokens += s;
-      }
-      if (n > s) {
-        fold_linear(st, e, req.mode, true);
-        append_entry_kv(model, st, e, s, pos);
-      }
-    } else {  // naive / transition: whole segment from the cache, no seam
-      fold_linear(st, e, req.mode, false);
-      append_entry_kv(model, st, e, 0, pos);
+    const int s = std::min(req.seam_width, n);
+    if (s > 0) {
+      spans.push_back({std::span<const int32_t>(e.token_ids).subspan(0, s), pos});
+      folds_after.emplace_back();
+      out.computed_tokens += s;
     }
+    if (n > s) (spans.empty() ? folds_upfront : folds_after.back()).push_back({&e, s, pos});
     pos += n;
-    st.num_tokens = pos;
   }
+  const size_t query_span = spans.size();
+  spans.push_back({req.query, pos});
+  folds_after.emplace_back();
 
-  if (req.keep_context_state)
-    for (const auto& l : st.linear) out.context_states.push_back(l.ssm);
-  PrefillOptions opt;
-  opt.all_logits = req.all_query_logits;
-  PrefillResult r = model.prefill(st, req.query, pos, opt);
+  const ModelConfig& c = cfg;
+  auto apply_fold = [&](const Fold& f, int layer) {
+    if (c.layer_types[layer] == LayerType::Linear) {
+      const int li = c.linear_index(layer);
+      compose_state(st.linear[li].ssm, f.entry->linear[li].interior_transition, f.entry->linear[li].interior_state,
+                    f.entry->geometry.d_v);
+      st.linear[li].conv = f.entry->linear[li].conv_tail;
+    } else {
+      append_entry_kv_layer(model, st, *f.entry, c.attention_index(layer), f.from, f.base);
+    }
+  };
+  for (const Fold& f : folds_upfront)
+    for (int layer = 0; layer < c.num_hidden_layers; ++layer) apply_fold(f, layer);
+  if (req.keep_context_state) out.context_states.resize(st.linear.size());
+  if (req.keep_context_state && query_span == 0)
+    for (size_t l = 0; l < st.linear.size(); ++l) out.context_states[l] = st.linear[l].ssm;
+  const SpanLayerHook hook = [&](size_t span, int layer, ModelState&) {
+    for (const Fold& f : folds_after[span]) apply_fold(f, layer);
+    if (req.keep_context_state && span + 1 == query_span && c.layer_types[layer] == LayerType::Linear) {
+      const int li = c.linear_index(layer);
+      out.context_states[li] = st.linear[li].ssm;
+    }
+  };
+  PrefillResult r = model.prefill_spans(st, spans, hook, opt);
   out.computed_tokens += static_cast<int64_t>(req.query.size());
   out.logits = std::move(r.logits);
   out.num_tokens = pos + static_cast<int64_t>(req.query.size());
+  st.num_tokens = out.num_tokens;
   return out;
 }
 
