@@ -30,21 +30,30 @@ void append_entry_kv(const Model& model, ModelState& state, const SegmentEntry& 
   for (size_t a = 0; a < e.attention.size(); ++a) append_entry_kv_layer(model, state, e, a, from, base);
 }
 
-// Folds a segment part into every linear layer: S <- T S + S_seg (or S + S_seg for naive), conv <- tail.
-void fold_linear(ModelState& state, const SegmentEntry& e, SpliceMode mode, bool interior_only) {
+// Folds a whole segment into every linear layer: S <- T_C S + S(C|0) (transition) or S <- S + S(C|0) (naive);
+// conv state <- the segment's conv tail.
+void fold_linear(ModelState& state, const SegmentEntry& e, SpliceMode mode) {
   for (size_t l = 0; l < e.linear.size(); ++l) {
     LinearLayerState& dst = state.linear[l];
-    if (interior_only) {
-      compose_state(dst.ssm, e.linear[l].interior_transition, e.linear[l].interior_state, e.geometry.d_v);
-    } else if (mode == SpliceMode::Naive) {
-      const std::vector<float> s = e.whole_state(static_cast<int>(l));
-      for (size_t i = 0; i < s.size(); ++i) dst.ssm[i] += s[i];
+    const std::vector<float> whole = e.whole_state(static_cast<int>(l));
+    if (mode == SpliceMode::Naive) {
+      for (size_t i = 0; i < whole.size(); ++i) dst.ssm[i] += whole[i];
     } else {
-      compose_state(dst.ssm, e.whole_transition(static_cast<int>(l)), e.whole_state(static_cast<int>(l)),
-                    e.geometry.d_v);
+      compose_state(dst.ssm, e.whole_transition(static_cast<int>(l)), whole, e.geometry.d_v);
     }
     dst.conv = e.linear[l].conv_tail;
   }
+}
+
+// Installs the first segment at position 0, where its standalone prefill is exact: S = S(C|0) (the running state
+// is zero, so T_C is not needed), conv state = its tail, K/V as stored.
+void install_first(const Model& model, ModelState& state, const SegmentEntry& e) {
+  for (size_t l = 0; l < e.linear.size(); ++l) {
+    state.linear[l].ssm = e.whole_state(static_cast<int>(l));
+    state.linear[l].conv = e.linear[l].conv_tail;
+  }
+  append_entry_kv(model, state, e, 0, 0);
+  state.num_tokens = e.num_tokens();
 }
 
 SegmentDigest chain_digest(const SegmentDigest& prev, std::span<const int32_t> ids) {
@@ -254,11 +263,8 @@ SpliceResult splice(const Model& model, const SpliceRequest& req) {
     first = req.segments.size();
   } else {
     // The first segment sits at position 0, where its standalone prefill is exact: use its entry whole.
-    const SegmentEntry& e0 = *req.segments[0].entry;
-    fold_linear(st, e0, SpliceMode::Transition, false);
-    append_entry_kv(model, st, e0, 0, 0);
-    pos = e0.num_tokens();
-    st.num_tokens = pos;
+    install_first(model, st, *req.segments[0].entry);
+    pos = st.num_tokens;
     first = 1;
   }
 
@@ -267,7 +273,7 @@ SpliceResult splice(const Model& model, const SpliceRequest& req) {
   if (req.mode != SpliceMode::Hypic) {
     for (size_t i = first; i < req.segments.size(); ++i) {  // naive / transition: whole segments, no seam
       const SegmentEntry& e = *req.segments[i].entry;
-      fold_linear(st, e, req.mode, false);
+      fold_linear(st, e, req.mode);
       append_entry_kv(model, st, e, 0, pos);
       pos += e.num_tokens();
       st.num_tokens = pos;
