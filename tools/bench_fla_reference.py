@@ -145,18 +145,19 @@ class Ours:
         self.lib.hypic_gdn_workspace_destroy.argtypes = [ctypes.c_void_p]
         p = ctypes.c_void_p
         self.lib.hypic_gdn_prefill.argtypes = [p, ctypes.c_int, p, ctypes.c_int, ctypes.c_int, p, p, p, p, p,
-                                               ctypes.c_int, ctypes.c_float, p, p, p, p, ctypes.c_int, p,
+                                               ctypes.c_int, ctypes.c_float, p, p, p, p, ctypes.c_int, ctypes.c_int, p,
                                                ctypes.c_char_p, ctypes.c_int]
         self.lib.hypic_gdn_prefill.restype = ctypes.c_int
         self.ws = ctypes.c_void_p(self.lib.hypic_gdn_workspace_create())
         self.err = ctypes.create_string_buffer(512)
 
-    def prefill(self, cu_host, q, k, v, g, beta, scale, final=None, tc=None, out=None, initial=None, layout=0):
+    def prefill(self, cu_host, q, k, v, g, beta, scale, final=None, tc=None, out=None, initial=None, layout=0,
+                parts=0):
         """cu_host: ctypes int array of num_seqs + 1 offsets; tensors as in gated_delta.h (contiguous)."""
         ptr = lambda t: ctypes.c_void_p(t.data_ptr()) if t is not None else None  # noqa: E731
         rc = self.lib.hypic_gdn_prefill(
             self.ws, len(cu_host) - 1, ctypes.cast(cu_host, ctypes.c_void_p), HK, HV, ptr(q), ptr(k), ptr(v), ptr(g),
-            ptr(beta), 1, scale, ptr(initial), ptr(final), ptr(tc), ptr(out), layout,
+            ptr(beta), 1, scale, ptr(initial), ptr(final), ptr(tc), ptr(out), layout, parts,
             ctypes.c_void_p(torch.cuda.current_stream().cuda_stream), self.err, len(self.err))
         if rc != 0:
             raise RuntimeError("hypic_gdn_prefill: " + self.err.value.decode())
@@ -247,13 +248,34 @@ def main():
         variants = {
             "ours": lambda: ours.prefill(cu, q, k, v, g, beta, scale, final=s, out=o),
             "ours_tc": lambda: ours.prefill(cu, q, k, v, g, beta, scale, final=s, tc=t, out=o),
+            # the whole-sequence scan (no sequence-parallel parts), for the split's gain
+            "ours_whole": lambda: ours.prefill(cu, q, k, v, g, beta, scale, final=s, out=o, parts=1),
         }
         if chunk_gdr is not None:
             eye = torch.eye(D, device="cuda").expand(nseq, HV, D, D).contiguous()
             v0 = torch.zeros_like(v)
             variants["fla"] = lambda: fla_run(q, k, v, g, beta, cu_dev)
             variants["fla_tc2"] = lambda: fla_run(q, k, v0, g, beta, cu_dev, initial=eye)
-        order = [x for x in ("ours", "fla", "ours_tc", "fla_tc2") if x in variants]
+            # fla without its Python/launch overhead: the same call (equal lengths as a [nseq, L]
+            # batch, no cu_seqlens) captured once in a CUDA graph and replayed.
+            try:
+                qb, kb, vb = q.view(nseq, L, HK, D), k.view(nseq, L, HK, D), v.view(nseq, L, HV, D)
+                gb, bb = g.view(nseq, L, HV), beta.view(nseq, L, HV)
+                fb = lambda: chunk_gdr(qb, kb, vb, gb, bb, scale=scale, output_final_state=True,  # noqa: E731
+                                       use_qk_l2norm_in_kernel=True)
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for _ in range(3):
+                        fb()
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    graph_out = fb()  # noqa: F841 (kept alive with the graph)
+                variants["fla_graph"] = graph.replay
+            except Exception as e:
+                print(name, "fla CUDA graph capture failed:", type(e).__name__, e, flush=True)
+        order = [x for x in ("ours", "fla", "ours_tc", "fla_tc2", "ours_whole", "fla_graph") if x in variants]
         try:
             for x in order:  # warm-up (fla: Triton compile and autotune on its first calls)
                 for _ in range(5):
@@ -267,7 +289,10 @@ def main():
                     ts = [event_time_ms(variants[x]) for _ in range(args.reps)]
                     samples[x] += ts
                     med[x] = statistics.median(ts)
-                rnd = {"median_ms": med, "tc_overhead": med["ours_tc"] / med["ours"]}
+                rnd = {"median_ms": med, "tc_overhead": med["ours_tc"] / med["ours"],
+                       "whole_over_ours": med["ours_whole"] / med["ours"]}
+                if "fla_graph" in med:
+                    rnd["fla_graph_over_ours"] = med["fla_graph"] / med["ours"]
                 if "fla" in med:
                     rnd["fla_over_ours"] = med["fla"] / med["ours"]
                     rnd["fla_plus_2nd_pass_over_ours_tc"] = (med["fla"] + med["fla_tc2"]) / med["ours_tc"]
@@ -275,7 +300,8 @@ def main():
             entry = {x: {"median_ms": statistics.median(samples[x]), "min_ms": min(samples[x]),
                          "max_ms": max(samples[x])} for x in order}
             entry["rounds"] = rounds
-            for key in ("fla_over_ours", "tc_overhead", "fla_plus_2nd_pass_over_ours_tc"):
+            for key in ("fla_over_ours", "tc_overhead", "fla_plus_2nd_pass_over_ours_tc", "whole_over_ours",
+                        "fla_graph_over_ours"):
                 vals = [rd[key] for rd in rounds if key in rd]
                 if vals:
                     entry[key] = {"median": statistics.median(vals), "min": min(vals), "max": max(vals),
@@ -307,25 +333,29 @@ def main():
             print(f"{name} layouts:", {x: round(val, 3) for x, val in res["interleaved"][name]["layouts"].items()},
                   flush=True)
 
-        if args.profile and name in ("1x32k", "16x2k"):
-            try:
-                from torch.profiler import ProfilerActivity, profile
-                prof_out = {}
-                for x in order:
-                    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                        for _ in range(3):
-                            variants[x]()
-                        torch.cuda.synchronize()
-                    per = {}
-                    for ev in prof.events():
-                        if str(getattr(ev, "device_type", "")).endswith("CUDA"):
-                            per[ev.name[:60]] = per.get(ev.name[:60], 0.0) + ev.time_range.elapsed_us() / 3000.0
-                    prof_out[x] = dict(sorted(per.items(), key=lambda kv: -kv[1]))
-                    print(f"{name} {x} per-call kernel ms:", {kk: round(vv, 4) for kk, vv in prof_out[x].items()},
-                          flush=True)
-                res["interleaved"][name]["profile_ms_per_call"] = prof_out
-            except Exception as e:
-                print("profile failed:", type(e).__name__, e, flush=True)
+        try:  # GPU kernel time per call (torch.profiler), every variant
+            from torch.profiler import ProfilerActivity, profile
+            prof_out = {}
+            for x in order:
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(3):
+                        variants[x]()
+                    torch.cuda.synchronize()
+                per = {}
+                for ev in prof.events():
+                    if str(getattr(ev, "device_type", "")).endswith("CUDA"):
+                        per[ev.name[:60]] = per.get(ev.name[:60], 0.0) + ev.time_range.elapsed_us() / 3000.0
+                prof_out[x] = dict(sorted(per.items(), key=lambda kv: -kv[1]))
+                if args.profile:
+                    print(f"{name} {x} per-call kernel ms:",
+                          {kk: round(vv, 4) for kk, vv in prof_out[x].items()}, flush=True)
+            res["interleaved"][name]["profile_ms_per_call"] = prof_out
+            ksum = {x: sum(vv for kk, vv in per_x.items() if not kk.startswith("Memcpy") and
+                           not kk.startswith("Memset")) for x, per_x in prof_out.items()}
+            res["interleaved"][name]["kernel_ms_per_call"] = ksum
+            print(f"{name} kernel ms per call:", {x: round(vv, 3) for x, vv in ksum.items()}, flush=True)
+        except Exception as e:
+            print("profile failed:", type(e).__name__, e, flush=True)
 
         t_ref = median_time_ms(lambda: reference_chunked(q, k, v, g, beta, scale, nseq), 2, warm=1)
         res["reference"][name] = {"ms": t_ref}
@@ -346,8 +376,10 @@ def main():
         f"median / min over all {n_r * n_s} calls; ratios are of round medians (median, min..max over rounds).",
         "",
         "| shape | ours no T_C: median / min | ours T_C in pass: median / min | T_C overhead (rounds) "
-        "| fla: median / min | fla / ours (rounds) | fla + T_C 2nd pass | PyTorch fp32 ref | ours TFLOP/s | ours GB/s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| ours whole-sequence scan (rounds) | fla: median / min | fla / ours (rounds) | fla CUDA graph: median "
+        "| fla graph / ours (rounds) | GPU kernel ms ours / fla | fla + T_C 2nd pass | PyTorch fp32 ref "
+        "| ours TFLOP/s | ours GB/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     prefill_by_shape = {p["shape"]: p for p in ours_json.get("prefill", [])}
     for name, nseq, L in CASES:
@@ -365,12 +397,22 @@ def main():
         row = (f"| {name} | {om:.3f} / {e['ours']['min_ms']:.3f} | {e['ours_tc']['median_ms']:.3f} / "
                f"{e['ours_tc']['min_ms']:.3f} | {100 * (tco['median'] - 1):+.1f}% ({100 * (tco['min'] - 1):+.1f}.."
                f"{100 * (tco['max'] - 1):+.1f}%) | ")
+        wo = e["whole_over_ours"]
+        row += f"{e['ours_whole']['median_ms']:.3f} ({wo['median']:.2f}x, {wo['min']:.2f}..{wo['max']:.2f}) | "
+        ks = e.get("kernel_ms_per_call", {})
         if "fla" in e:
             fo = e["fla_over_ours"]
             row += (f"{e['fla']['median_ms']:.3f} / {e['fla']['min_ms']:.3f} | {fo['median']:.2f}x "
-                    f"({fo['min']:.2f}..{fo['max']:.2f}) | {e['fla']['median_ms'] + e['fla_tc2']['median_ms']:.3f} | ")
+                    f"({fo['min']:.2f}..{fo['max']:.2f}) | ")
+            if "fla_graph" in e:
+                fg = e["fla_graph_over_ours"]
+                row += f"{e['fla_graph']['median_ms']:.3f} | {fg['median']:.2f}x ({fg['min']:.2f}..{fg['max']:.2f}) | "
+            else:
+                row += "n/a | n/a | "
+            row += (f"{ks.get('ours', float('nan')):.3f} / {ks.get('fla', float('nan')):.3f} | "
+                    f"{e['fla']['median_ms'] + e['fla_tc2']['median_ms']:.3f} | ")
         else:
-            row += "n/a | n/a | n/a | "
+            row += f"n/a | n/a | n/a | n/a | {ks.get('ours', float('nan')):.3f} / n/a | n/a | "
         row += (f"{res['reference'].get(name, {}).get('ms', float('nan')):.1f} | {tf:.1f} ({100 * tf / peak_tf:.1f}%) | "
                 f"{bw:.0f} ({100 * bw / peak_bw:.1f}%) |")
         lines.append(row)

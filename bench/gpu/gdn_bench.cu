@@ -176,8 +176,8 @@ int main(int argc, char** argv) try {
   gpu::GdnWorkspace ws;
   std::printf("device %s, %d SMs; measured ceilings: copy %.0f GB/s, bf16 GEMM %.0f TFLOP/s\n\n", prop.name,
               prop.multiProcessorCount, peak_bw, peak_tf);
-  std::printf("%-7s %10s %10s %8s %10s %10s %9s %9s %9s\n", "shape", "no T_C ms", "T_C ms", "T_C +%", "WY+scan ms",
-              "TFLOP/s", "%peak", "GB/s", "%copy");
+  std::printf("%-7s %6s %10s %10s %8s %10s %10s %10s %9s %9s %9s\n", "shape", "parts", "no T_C ms", "T_C ms",
+              "T_C +%", "whole ms", "no-out ms", "TFLOP/s", "%peak", "GB/s", "%copy");
   for (const Case& c : cases) {
     std::vector<int> cu(c.nseq + 1);
     for (int s = 0; s <= c.nseq; ++s) cu[s] = s * c.len;
@@ -194,7 +194,11 @@ int main(int argc, char** argv) try {
     a.beta = beta;
     a.final_state = fin;
     a.out = out;
+    const int parts = gpu::gdn_scan_parts(a)[0];
     const double t_plain = time_ms([&] { gpu::gdn_prefill(a, ws); }, reps);
+    a.seq_parts = 1;  // the whole-sequence scan, for the sequence-parallel split's gain
+    const double t_whole = time_ms([&] { gpu::gdn_prefill(a, ws); }, reps);
+    a.seq_parts = 0;
     a.transition = tr;
     const double t_tc = time_ms([&] { gpu::gdn_prefill(a, ws); }, reps);
     a.out = nullptr;
@@ -210,13 +214,16 @@ int main(int argc, char** argv) try {
     const double bytes = double(T) * (2.0 * HK * D * 2 + HV * D * 2 * 2 + HV * 8) + double(c.nseq) * HV * D * D * 4;
     const double bytes_tc = bytes + double(c.nseq) * HV * D * D * 4;
     const double tflops = flops / (t_plain * 1e-3) / 1e12, gbps = bytes / (t_plain * 1e-3) / 1e9;
-    std::printf("%-7s %10.3f %10.3f %7.1f%% %10.3f %10.1f %8.1f%% %9.0f %8.1f%%\n", c.name, t_plain, t_tc,
-                100.0 * (t_tc / t_plain - 1.0), t_noout, tflops, 100.0 * tflops / peak_tf, gbps, 100.0 * gbps / peak_bw);
+    std::printf("%-7s %6d %10.3f %10.3f %7.1f%% %10.3f %10.3f %10.1f %8.1f%% %9.0f %8.1f%%\n", c.name, parts, t_plain,
+                t_tc, 100.0 * (t_tc / t_plain - 1.0), t_whole, t_noout, tflops, 100.0 * tflops / peak_tf, gbps,
+                100.0 * gbps / peak_bw);
     J["prefill"].push_back({{"shape", c.name},
                             {"num_seqs", c.nseq},
                             {"seq_len", c.len},
                             {"tokens", T},
+                            {"scan_parts", parts},
                             {"ms_without_tc", t_plain},
+                            {"ms_whole_sequence_scan", t_whole},
                             {"ms_with_tc", t_tc},
                             {"tc_overhead_pct", 100.0 * (t_tc / t_plain - 1.0)},
                             {"ms_wy_plus_scan_no_output", t_noout},

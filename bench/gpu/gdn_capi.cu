@@ -24,7 +24,7 @@ void hypic_gdn_workspace_destroy(void* ws) { delete static_cast<gpu::GdnWorkspac
 int hypic_gdn_prefill(void* ws, int num_seqs, const int* cu_seqlens_host, int num_k_heads, int num_v_heads,
                       const void* q, const void* k, const void* v, const float* g, const float* beta, int l2norm_qk,
                       float scale, const float* initial_state, float* final_state, float* transition, void* out,
-                      int scan_layout, void* stream, char* err, int err_len) {
+                      int scan_layout, int seq_parts, void* stream, char* err, int err_len) {
   try {
     gpu::GdnPrefillArgs a;
     a.num_seqs = num_seqs;
@@ -43,6 +43,7 @@ int hypic_gdn_prefill(void* ws, int num_seqs, const int* cu_seqlens_host, int nu
     a.transition = transition;
     a.out = static_cast<gpu::bf16*>(out);
     a.scan_layout = scan_layout;
+    a.seq_parts = seq_parts;
     gpu::gdn_prefill(a, *static_cast<gpu::GdnWorkspace*>(ws), static_cast<cudaStream_t>(stream));
     return 0;
   } catch (const std::exception& e) {

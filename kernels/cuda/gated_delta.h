@@ -49,12 +49,21 @@ struct GdnPrefillArgs {
   bf16* out = nullptr;                   ///< [T][H_v][128] o_t = S_t^T q_t, bf16; nullptr = not computed
   /// Block layout of the state scan, for benchmarks and tests (results are bitwise identical in
   /// every layout): 0 = chosen by occupancy; 1 = S and T columns in separate blocks; 2 = each block
-  /// carries 64 columns of both S and T (same as 1 without T_C).
+  /// carries 64 columns of both S and T (same as 1 without T_C). Applies to unsplit scans.
   int scan_layout = 0;
+  /// Sequence-parallel scan (DESIGN.md 3.1 composition law): a long sequence is cut at chunk
+  /// boundaries into P parts whose (T, S(part|0)) pairs are scanned in parallel and composed, so
+  /// that a few long sequences fill the GPU. 0 = chosen by occupancy (only sequences of at least
+  /// 16 P chunks, only when the unsplit scan leaves SMs idle); 1 = never; P >= 2 = every sequence
+  /// of at least P chunks in P parts (tests, benchmarks). Results agree with the unsplit scan
+  /// within bf16 rounding, not bit for bit (the state fed to the tensor cores is rounded per part).
+  int seq_parts = 0;
 };
 
 /// Device scratch of the chunked prefill (per-chunk WY factors W and U^T, the intra-chunk output
-/// matrix P, per-token factors, the chunk table: about 41 KB per chunk and value head). Grows on demand and is reused across calls; not thread-safe; one per stream.
+/// matrix P, per-token factors, the chunk table: about 41 KB per chunk and value head; for a
+/// sequence scanned in P parts also 3 P H_v x 64 KB of part states). Grows on demand and is reused
+/// across calls; not thread-safe; one per stream.
 class GdnWorkspace {
  public:
   GdnWorkspace() = default;
@@ -62,17 +71,21 @@ class GdnWorkspace {
   GdnWorkspace& operator=(const GdnWorkspace&) = delete;
   ~GdnWorkspace();
   /// Bytes currently held on the device.
-  size_t bytes() const { return bytes_; }
+  size_t bytes() const { return bytes_ + split_bytes_ + job_bytes_; }
 
  private:
   friend void gdn_prefill(const GdnPrefillArgs&, GdnWorkspace&, cudaStream_t);
   void reserve(size_t chunk_heads, int num_chunks, int num_seqs);
+  void reserve_split(size_t state_bytes, size_t job_bytes);
   void* mem_ = nullptr;
   size_t bytes_ = 0;
   size_t chunk_heads_cap_ = 0;
   int chunks_cap_ = 0;
   int seqs_cap_ = 0;
-  std::vector<int> host_table_;
+  void* split_mem_ = nullptr;  // per-part (T, S) and initial states of split sequences
+  size_t split_bytes_ = 0;
+  void* job_mem_ = nullptr;  // scan job tables of the (up to two) scan launches
+  size_t job_bytes_ = 0;
 };
 
 /// Chunked gated delta rule prefill (chunk 64) over a varlen batch: per sequence and value head,
@@ -82,9 +95,21 @@ class GdnWorkspace {
 /// Numerics: bf16 operands on tensor cores with fp32 accumulation; the running state and T stay
 /// fp32, the per-chunk factors (W, U, P) and the state fed to the tensor cores are bf16 (as in
 /// flash-linear-attention). A sequence of length 0 yields final = initial, T_C = I.
-/// Throws std::invalid_argument on null required pointers, bad head counts, bad cu_seqlens or a
-/// scan_layout outside [0, 3].
+/// Long sequences may be scanned in parts (see GdnPrefillArgs::seq_parts): then a first scan
+/// launch runs part 0 from the initial state and the middle parts from zero with their T, the
+/// parts' initial states are composed (compose_fold), and a second launch reruns parts 1.. from
+/// their true initial states for the outputs (only the last part, or none, without outputs).
+/// Throws std::invalid_argument on null required pointers, bad head counts, bad cu_seqlens, a
+/// scan_layout outside [0, 2] or a negative seq_parts.
 void gdn_prefill(const GdnPrefillArgs& args, GdnWorkspace& ws, cudaStream_t stream = nullptr);
+
+/// How gdn_prefill will scan each sequence of `a`: the number of parts (1 = whole; see
+/// GdnPrefillArgs::seq_parts). With seq_parts = 0 a sequence of n >= 48 chunks is cut into
+/// min(P, n / 16) parts, where P is how many parts of every such sequence fit in one wave of
+/// two blocks per value head over the GPU's SMs (plus one with outputs, as part 0 runs once);
+/// P < 3 with outputs (2 without) means no cut. Queries the current device's SM count.
+/// Throws std::invalid_argument on a negative seq_parts or a missing cu_seqlens_host.
+std::vector<int> gdn_scan_parts(const GdnPrefillArgs& a);
 
 /// One recurrent decode step for `batch` requests (one token each), in place on fp32 states.
 ///   q, k: [batch][H_k][128] bf16 raw; v: [batch][H_v][128] bf16; g, beta: [batch][H_v] fp32
@@ -97,7 +122,8 @@ void gdn_decode(int batch, int num_k_heads, int num_v_heads, const bf16* q, cons
 /// Composition (DESIGN.md 3.1): folds `num_segments` cached (T, S) pairs into running states,
 ///   running[b] <- T[i][b] running[b] + S[i][b],  for i = 0 .. num_segments-1, every b < batch,
 /// where b enumerates (layer, head) pairs. running: [batch][128][128] fp32 in/out;
-/// transitions, states: [num_segments][batch][128][128] fp32. fp32 FMA arithmetic throughout.
+/// transitions, states: [num_segments][batch][128][128] fp32; states may be nullptr (S = 0: a
+/// product of transitions). fp32 FMA arithmetic throughout.
 /// This is hypic's own kernel: it keeps each running column block on chip across all segments.
 void compose_fold(int batch, int num_segments, float* running, const float* transitions, const float* states,
                   cudaStream_t stream = nullptr);

@@ -91,7 +91,6 @@ __global__ void __launch_bounds__(256) compose_fold_kernel(int batch, int num_se
   for (int seg = 0; seg < num_segments; ++seg) {
     const size_t off = (size_t(seg) * batch + b) * D * D;
     const float* T = transitions + off;
-    const float* S = states + off + c0;
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
       const int p = tid + 256 * i, row = p >> 5, col = (p & 31) * 4;
@@ -99,7 +98,8 @@ __global__ void __launch_bounds__(256) compose_fold_kernel(int batch, int num_se
     }
 #pragma unroll
     for (int r = 0; r < 8; ++r) {
-      const float4 sv = __ldg(reinterpret_cast<const float4*>(S + (rg + 16 * r) * D + 4 * cg));
+      const float4 sv = states ? __ldg(reinterpret_cast<const float4*>(states + off + c0 + (rg + 16 * r) * D + 4 * cg))
+                               : make_float4(0.f, 0.f, 0.f, 0.f);
       acc[r][0] = sv.x;
       acc[r][1] = sv.y;
       acc[r][2] = sv.z;
@@ -148,8 +148,9 @@ void check_compose(int batch, int num_segments, const void* running, const void*
   if (batch < 1 || num_segments < 0)
     throw std::invalid_argument(std::string(fn) + ": batch must be >= 1 and num_segments >= 0, got " +
                                 std::to_string(batch) + ", " + std::to_string(num_segments));
-  if (!running || (num_segments > 0 && (!t || !s)))
-    throw std::invalid_argument(std::string(fn) + ": running, transitions and states must be non-null");
+  if (!running || (num_segments > 0 && !t))
+    throw std::invalid_argument(std::string(fn) + ": running and transitions must be non-null");
+  (void)s;  // states may be null: S = 0
 }
 
 }  // namespace
@@ -195,9 +196,12 @@ void compose_fold_cublas(void* cublas_handle, int batch, int num_segments, float
   float* nxt = scratch;
   const float one = 1.f;
   for (int i = 0; i < num_segments; ++i) {
-    check_cuda(cudaMemcpyAsync(nxt, states + i * batch * mat, batch * mat * sizeof(float), cudaMemcpyDeviceToDevice,
-                               stream),
-               "compose_fold_cublas: copy of S");
+    if (states)
+      check_cuda(cudaMemcpyAsync(nxt, states + i * batch * mat, batch * mat * sizeof(float), cudaMemcpyDeviceToDevice,
+                                 stream),
+                 "compose_fold_cublas: copy of S");
+    else
+      check_cuda(cudaMemsetAsync(nxt, 0, batch * mat * sizeof(float), stream), "compose_fold_cublas: zero S");
     // Row-major nxt = T cur + nxt is column-major nxt^T = cur^T T^T + nxt^T.
     const cublasStatus_t st = cublasSgemmStridedBatched(h, CUBLAS_OP_N, CUBLAS_OP_N, D, D, D, &one, cur, D, mat,
                                                         transitions + i * batch * mat, D, mat, &one, nxt, D, mat,

@@ -3,7 +3,8 @@
 // Two launches, chunk C = 64, head size 128:
 //  1. gdn_wy_kernel, per (chunk, value head), all chunks in parallel: l2-normalise q and k (fp32,
 //     rounded to bf16 once), G = in-chunk cumsum of g, A_ij = b_i e^{G_i - G_j} k_i.k_j (j < i),
-//     X = (I + A)^{-1} by column-parallel forward substitution in fp32, then on tensor cores
+//     X = (I + A)^{-1} blockwise in fp32 (16 x 16 diagonal blocks by forward substitution, then
+//     block rows I = 1..3 as X_IJ = -X_II sum_K A_IK X_KJ), then on tensor cores
 //       W = X diag(b e^G) K,  U = X diag(b) V  (stored transposed, U^T),
 //       P_ij = e^{G_i - G_j} q_i.k_j for j <= i (the causal intra-chunk part of the outputs),
 //     and the per-token factors kf_t = |k_t|^-1 e^{G_C - G_t}, qf_t = scale |q_t|^-1 e^{G_t}.
@@ -56,7 +57,6 @@ struct WsView {
   bf16* P;
   float* scal;
   const ChunkInfo* chunks;
-  const int* seq_chunk_start;
 };
 
 // 64 rows of 128 bf16 (row r at src + r * row_stride, rows >= len zero) by 128 threads, two per
@@ -110,6 +110,21 @@ __device__ __forceinline__ float finish_rows(bf16* s, const uint4 (&raw)[8], boo
   return f;
 }
 
+__device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
+               "r"(valid ? 16 : 0));
+}
+
+// Rows t < len of a raw [T][H][128] bf16 input (row stride `stride` elements) into a [64][LD] tile;
+// rows >= len are zero-filled.
+__device__ __forceinline__ void cp_async_rows(bf16* s, const bf16* g, size_t stride, int len, int tid, int nthreads) {
+  for (int p = tid; p < C * 16; p += nthreads) {
+    const int row = p >> 4, col = (p & 15) * 8;
+    const bool valid = row < len;
+    cp_async16_zfill(s + row * LD + col, g + (valid ? size_t(row) * stride + col : 0), valid);
+  }
+}
+
 // Copies a [64][LD] bf16 tile to a dense [64][128] global block (16-byte stores).
 __device__ __forceinline__ void store_tile(bf16* dst, const bf16* s, int tid) {
 #pragma unroll
@@ -161,12 +176,14 @@ __device__ __forceinline__ void causal_xyt(float (&acc)[8][4], const bf16* sX, c
 
 // ---------------------------------------------------------------------------------------------
 // 1. WY factors, P and the token factors per (chunk, value head).
-// Shared memory: sK, sV [64][LD] bf16; a 17 KB region R used in turn as sQ ([64][LD] bf16), the
-// fp32 matrix A ([64][68]), the W stage ([64][LD] bf16) and the U^T stage ([128][68] bf16);
-// sXb, sXbg [64][72] bf16; G, b, |k|^-1, scale |q|^-1 [64] fp32 each.
+// Shared memory (54 KB: four blocks per SM): sK [64][LD] bf16, later the W and U^T stages; a 17 KB
+// region R used in turn as sQ ([64][LD] bf16), the fp32 matrix A / X ([64][68]), then V ([64][LD]
+// bf16, loaded by cp.async while W is computed); sXb, sXbg [64][72] bf16 (sXb first holds the
+// inverse's M blocks); G, b, |k|^-1, scale |q|^-1 [64] fp32 each.
 constexpr int kRegion = C * 68 * 4;
-constexpr int kWySmem = 2 * C * LD * 2 + kRegion + 2 * C * LDP * 2 + 4 * C * 4;
-static_assert(C * LD * 2 <= kRegion && D * 68 * 2 <= kRegion, "region R too small");
+constexpr int kWySmem = C * LD * 2 + kRegion + 2 * C * LDP * 2 + 4 * C * 4;
+static_assert(C * LD * 2 <= kRegion && D * 68 * 2 <= C * LD * 2, "region R or the U^T stage too small");
+static_assert(kWySmem <= 56 * 1024, "the WY kernel should fit four blocks per SM");
 
 __global__ void __launch_bounds__(kThreads) gdn_wy_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                                           const bf16* __restrict__ v, const float* __restrict__ g,
@@ -174,11 +191,11 @@ __global__ void __launch_bounds__(kThreads) gdn_wy_kernel(const bf16* __restrict
                                                           bool l2norm, float scale, WsView ws) {
   extern __shared__ __align__(16) unsigned char smem[];
   bf16* sK = reinterpret_cast<bf16*>(smem);
-  bf16* sV = sK + C * LD;
-  unsigned char* region = reinterpret_cast<unsigned char*>(sV + C * LD);
+  unsigned char* region = reinterpret_cast<unsigned char*>(sK + C * LD);
   bf16* sQ = reinterpret_cast<bf16*>(region);
   float* sA = reinterpret_cast<float*>(region);
-  bf16* sStage = reinterpret_cast<bf16*>(region);
+  bf16* sV = reinterpret_cast<bf16*>(region);
+  bf16* sStage = sK;  // W and U^T stages, once K is no longer read
   bf16* sXb = reinterpret_cast<bf16*>(region + kRegion);  // [64][72]
   bf16* sXbg = sXb + C * LDP;
   float* sG = reinterpret_cast<float*>(sXbg + C * LDP);
@@ -195,13 +212,11 @@ __global__ void __launch_bounds__(kThreads) gdn_wy_kernel(const bf16* __restrict
   const size_t slot = size_t(chunk) * Hv + h;
 
   {
-    uint4 rk[8], rq[8], rv[8];  // all three tiles in flight before the first use
+    uint4 rk[8], rq[8];  // both tiles in flight before the first use
     load_raw(rk, k + (size_t(ci.t0) * Hk + kh) * D, size_t(Hk) * D, ci.len, tid);
     load_raw(rq, q ? q + (size_t(ci.t0) * Hk + kh) * D : k, size_t(Hk) * D, q ? ci.len : 0, tid);
-    load_raw(rv, v + (size_t(ci.t0) * Hv + h) * D, size_t(Hv) * D, ci.len, tid);
     const float fk = finish_rows(sK, rk, l2norm, 1.f, tid);
     const float fq = q ? finish_rows(sQ, rq, l2norm, scale, tid) : 0.f;
-    finish_rows(sV, rv, false, 1.f, tid);
     if ((tid & 1) == 0) {
       sFk[tid >> 1] = fk;
       sFq[tid >> 1] = fq;
@@ -265,60 +280,125 @@ __global__ void __launch_bounds__(kThreads) gdn_wy_kernel(const bf16* __restrict
   }
   __syncthreads();
 
-  if (tid < C) {
-    // Column tid of X = (I + A)^{-1}: x_i = [i == c] - sum_{j<i} A_ij x_j (A is zero on and above
-    // the diagonal, so the unrolled sums may run over whole float4 groups).
-    const int c = tid;
-    float x[C];
+  // X = (I + A)^{-1} in 16 x 16 blocks (A is strictly lower triangular, so X is unit lower
+  // triangular): the diagonal blocks X_II = (I + A_II)^{-1} by forward substitution (one column per
+  // thread, depth 16), then block rows I = 1, 2, 3 in turn,
+  //   X_IJ = -X_II M_IJ,  M_IJ = sum_{K=J}^{I-1} A_IK X_KJ  (J < I),
+  // all in fp32. X overwrites A block by block (row I of A is read only while row I is computed).
+  // Meanwhile threads 64.. write the token factors for the scan: kf_t = |k_t|^-1 e^{G_C - G_t},
+  // qf_t = scale |q_t|^-1 e^{G_t}, G_t (zero past the chunk's end, where the raw rows the scan
+  // reads are zero-filled anyway).
+  {
+    float x[16];
+    const int blk = (tid >> 4) & 3, c = tid & 15;
+    if (tid < C) {
+      const float* Ab = sA + (16 * blk) * 68 + 16 * blk;
 #pragma unroll
-    for (int i = 0; i < C; ++i) x[i] = 0.f;
+      for (int r = 0; r < 16; ++r) {
+        float s0 = r == c ? 1.f : 0.f, s1 = 0.f;
 #pragma unroll
-    for (int i = 0; i < C; ++i) {
-      float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-#pragma unroll
-      for (int j4 = 0; j4 < (i + 3) / 4; ++j4) {
-        const float4 a = *reinterpret_cast<const float4*>(sA + i * 68 + 4 * j4);
-        s0 = fmaf(a.x, x[4 * j4], s0);
-        s1 = fmaf(a.y, x[4 * j4 + 1], s1);
-        s2 = fmaf(a.z, x[4 * j4 + 2], s2);
-        s3 = fmaf(a.w, x[4 * j4 + 3], s3);
+        for (int jj = 0; jj + 1 < r; jj += 2) {
+          s0 = fmaf(-Ab[r * 68 + jj], x[jj], s0);
+          s1 = fmaf(-Ab[r * 68 + jj + 1], x[jj + 1], s1);
+        }
+        if (r & 1) s0 = fmaf(-Ab[r * 68 + r - 1], x[r - 1], s0);
+        x[r] = s0 + s1;
       }
-      x[i] = (i == c ? 1.f : 0.f) - ((s0 + s1) + (s2 + s3));
+    } else {
+      const int t = tid - C;
+      const bool in = t < ci.len;
+      float* sc = ws.scal + slot * kScal;
+      sc[t] = in ? sFk[t] * __expf(sG[C - 1] - sG[t]) : 0.f;
+      sc[C + t] = in ? sFq[t] * __expf(sG[t]) : 0.f;
+      sc[2 * C + t] = sG[t];
     }
-    const float bc = sB[c], bgc = sB[c] * __expf(sG[c]);
+    __syncthreads();
+    if (tid < C) {
+      float* Xb = sA + (16 * blk) * 68 + 16 * blk + c;
 #pragma unroll
-    for (int i = 0; i < C; ++i) {
-      sXb[i * LDP + c] = __float2bfloat16_rn(x[i] * bc);
-      sXbg[i * LDP + c] = __float2bfloat16_rn(x[i] * bgc);
+      for (int r = 0; r < 16; ++r) Xb[r * 68] = x[r];
     }
-  } else {
-    // Token factors for the scan: kf_t = |k_t|^-1 e^{G_C - G_t}, qf_t = scale |q_t|^-1 e^{G_t}, G_t
-    // (zero past the chunk's end, where the raw rows the scan reads are zero-filled anyway).
-    const int t = tid - C;
-    const bool in = t < ci.len;
-    float* sc = ws.scal + slot * kScal;
-    sc[t] = in ? sFk[t] * __expf(sG[C - 1] - sG[t]) : 0.f;
-    sc[C + t] = in ? sFq[t] * __expf(sG[t]) : 0.f;
-    sc[2 * C + t] = sG[t];
+    __syncthreads();
+  }
+  {
+    float* sM = reinterpret_cast<float*>(sXb);  // M_IJ scratch [3][16][18] fp32 (sXb is written later)
+    const int r = tid >> 3, c2 = (tid & 7) * 2;
+#pragma unroll
+    for (int I = 1; I < 4; ++I) {
+#pragma unroll
+      for (int J = 0; J < I; ++J) {
+        float m0 = 0.f, m1 = 0.f;
+        const float* arow = sA + (16 * I + r) * 68;
+#pragma unroll
+        for (int K = J; K < I; ++K)
+#pragma unroll
+          for (int m4 = 0; m4 < 4; ++m4) {
+            const float4 av = *reinterpret_cast<const float4*>(arow + 16 * K + 4 * m4);
+            const float aa[4] = {av.x, av.y, av.z, av.w};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const float2 xv = *reinterpret_cast<const float2*>(sA + (16 * K + 4 * m4 + e) * 68 + 16 * J + c2);
+              m0 = fmaf(aa[e], xv.x, m0);
+              m1 = fmaf(aa[e], xv.y, m1);
+            }
+          }
+        *reinterpret_cast<float2*>(sM + (J * 16 + r) * 18 + c2) = make_float2(m0, m1);
+      }
+      __syncthreads();
+#pragma unroll
+      for (int J = 0; J < I; ++J) {
+        float x0 = 0.f, x1 = 0.f;
+        const float* xrow = sA + (16 * I + r) * 68 + 16 * I;  // X_II row r (unit lower triangular)
+#pragma unroll
+        for (int m4 = 0; m4 < 4; ++m4) {
+          const float4 xv = *reinterpret_cast<const float4*>(xrow + 4 * m4);
+          const float xx[4] = {xv.x, xv.y, xv.z, xv.w};
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float2 mv = *reinterpret_cast<const float2*>(sM + (J * 16 + 4 * m4 + e) * 18 + c2);
+            x0 = fmaf(xx[e], mv.x, x0);
+            x1 = fmaf(xx[e], mv.y, x1);
+          }
+        }
+        *reinterpret_cast<float2*>(sA + (16 * I + r) * 68 + 16 * J + c2) = make_float2(-x0, -x1);
+      }
+      __syncthreads();
+    }
+  }
+  // X diag(b) and X diag(b e^G) as bf16 tiles for the tensor cores (X is zero above the diagonal).
+  {
+    const int cidx = tid & (C - 1);
+    const float bc = sB[cidx], bgc = sB[cidx] * __expf(sG[cidx]);
+#pragma unroll 8
+    for (int i = tid >> 6; i < C; i += 2) {
+      const float xv = sA[i * 68 + cidx];
+      sXb[i * LDP + cidx] = __float2bfloat16_rn(xv * bc);
+      sXbg[i * LDP + cidx] = __float2bfloat16_rn(xv * bgc);
+    }
   }
   __syncthreads();
 
+  // V into region R (X is in sXb / sXbg now), in flight while W = Xbg K is computed and stored.
+  cp_async_rows(sV, v + (size_t(ci.t0) * Hv + h) * D, size_t(Hv) * D, ci.len, tid, kThreads);
+  cp_async_commit();
   // W = Xbg K and U = Xb V (X is lower triangular: k-steps past the warp's rows are zero).
   {
     float acc[16][4] = {};
     mma_rows16<C / 16, 8>(acc, sXbg, LDP, 16 * warp, sK, LD, 0, lane, warp + 1);
+    __syncthreads();  // every warp is done with K: its tile becomes the W stage
 #pragma unroll
     for (int n = 0; n < 16; ++n) {
       *reinterpret_cast<uint32_t*>(sStage + (16 * warp + gi) * LD + n * 8 + cc) = pack_bf16(acc[n][0], acc[n][1]);
       *reinterpret_cast<uint32_t*>(sStage + (16 * warp + gi + 8) * LD + n * 8 + cc) = pack_bf16(acc[n][2], acc[n][3]);
     }
-    __syncthreads();
+    cp_async_wait<0>();
+    __syncthreads();  // W staged, V landed
     store_tile(ws.W + slot * kWElems, sStage, tid);
-    __syncthreads();
   }
   {
     float acc[16][4] = {};
     mma_rows16<C / 16, 8>(acc, sXb, LDP, 16 * warp, sV, LD, 0, lane, warp + 1);
+    __syncthreads();  // the W stage is stored: it becomes the U^T stage
     bf16* sUT = sStage;  // [128][68]: U^T, row = value column
     const int t0 = 16 * warp + gi;
 #pragma unroll
@@ -368,18 +448,27 @@ static_assert(kScanSmem <= 227 * 1024, "scan shared memory over the per-block li
 
 enum ScanRole { kRecS, kRecT, kOut };
 
+// One scan job (blockIdx.z): chunks [c_begin, c_begin + nc) of one sequence (all of it, or one
+// part of a split sequence), scanned from `init` (or zero). The state pointers address the job's
+// [H_v][128][128] fp32 block; null = not read (zero start) / not written.
+struct ScanJob {
+  int c_begin, nc;
+  int out;  // 1: the job's outputs are computed (needs output warps in the launch)
+  int pad;
+  const float* init;
+  float* final_state;
+  float* transition;
+};
+
 struct ScanParams {
   int Hk, Hv;
   bool mixed;     // block layout (see above)
-  bool with_t;    // T_C requested
-  bool with_out;  // outputs requested (output warps exist)
+  bool with_out;  // the launch has output warps
   int s_blocks;   // separate layout: blocks per head carrying S columns (the rest carry T)
   const bf16* q;  // raw inputs
   const bf16* k;
-  const float* initial_state;
-  float* final_state;
-  float* transition;
   bf16* out;
+  const ScanJob* jobs;
   WsView ws;
 };
 
@@ -402,23 +491,8 @@ __device__ __forceinline__ void scan_role(const ScanParams& p, int b, int w, Sca
   }
 }
 
-__device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
-               "r"(valid ? 16 : 0));
-}
-
 __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
-}
-
-// Rows t < len of a raw [T][H][128] bf16 input (row stride `stride` elements) into a [64][LD] tile;
-// rows >= len are zero-filled.
-__device__ __forceinline__ void cp_async_rows(bf16* s, const bf16* g, size_t stride, int len, int tid, int nthreads) {
-  for (int p = tid; p < C * 16; p += nthreads) {
-    const int row = p >> 4, col = (p & 15) * 8;
-    const bool valid = row < len;
-    cp_async16_zfill(s + row * LD + col, g + (valid ? size_t(row) * stride + col : 0), valid);
-  }
 }
 
 // A dense [rows][cols] bf16 global block (row stride gstride) into a [rows][ld] shared tile.
@@ -522,14 +596,16 @@ __device__ __forceinline__ void mma_x2(float (&c0)[4], float (&c1)[4], const uin
 
 __global__ void __launch_bounds__(kScanMaxThreads, 1) gdn_scan_kernel(ScanParams p) {
   extern __shared__ __align__(16) unsigned char smem[];
-  const int b = blockIdx.x, h = blockIdx.y, seq = blockIdx.z;
+  const int b = blockIdx.x, h = blockIdx.y;
   const int tid = threadIdx.x, nwarps = blockDim.x >> 5, lane = tid & 31, warp = tid >> 5;
   const int gi = lane >> 2, cc = (lane & 3) * 2;
   const int kh = h / (p.Hv / p.Hk);
   const WsView& ws = p.ws;
-  const int c_begin = ws.seq_chunk_start[seq], nc = ws.seq_chunk_start[seq + 1] - c_begin;
-  const size_t head = size_t(seq) * p.Hv + h;
-  // Chunk c of the sequence covers tokens seq_t0 + 64 c .. min(+64, seq_end) - 1.
+  const ScanJob job = p.jobs[blockIdx.z];
+  const int c_begin = job.c_begin, nc = job.nc;
+  const size_t head_off = size_t(h) * D * D;
+  const bool job_out = p.with_out && job.out;
+  // Chunk c of the job covers tokens seq_t0 + 64 c .. min(+64, seq_end) - 1.
   int seq_t0 = 0, seq_end = 0;
   if (nc > 0) {
     seq_t0 = ws.chunks[c_begin].t0;
@@ -542,19 +618,25 @@ __global__ void __launch_bounds__(kScanMaxThreads, 1) gdn_scan_kernel(ScanParams
   ScanRole role;
   int group, cb;
   scan_role(p, b, warp, role, group, cb);
-  bool block_s = false, block_out = false;
+  bool block_s = false, has_out_warps = false, block_t = false;
   int s_cb = 0, first_out = nwarps;
   for (int w = 0; w < nwarps; ++w) {
     ScanRole r;
     int g, c2;
     scan_role(p, b, w, r, g, c2);
     if (r == kRecS) block_s = true, s_cb = c2;
-    if (r == kOut && !block_out) block_out = true, first_out = w;
+    if (r == kRecT) block_t = true;
+    if (r == kOut && !has_out_warps) has_out_warps = true, first_out = w;
   }
+  // A block of T columns only, for a job that wants no T: nothing to do.
+  if (!block_s && block_t && !job.transition) return;
+  const bool block_out = has_out_warps && job_out;  // ring B staged, outputs computed
   // Output warps stage the tiles where they exist; otherwise every warp does.
-  const bool issuer = block_out ? role == kOut : true;
-  const int itid = block_out ? tid - 32 * first_out : tid;
-  const int nissue = block_out ? 32 * kGroupsPerBlock : blockDim.x;
+  const bool issuer = has_out_warps ? role == kOut : true;
+  const int itid = has_out_warps ? tid - 32 * first_out : tid;
+  const int nissue = has_out_warps ? 32 * kGroupsPerBlock : blockDim.x;
+  // T warps of a job that wants no T only keep the barriers.
+  const bool rec_active = role == kRecS || (role == kRecT && job.transition);
   const int col0 = 16 * group;  // the warp's first column of S (or T)
   const int gl = group & 3;     // group within its column block
   uint4* exch = reinterpret_cast<uint4*>(smem + kRingA * kStageA + kRingB * kStageB);
@@ -576,7 +658,7 @@ __global__ void __launch_bounds__(kScanMaxThreads, 1) gdn_scan_kernel(ScanParams
         const int d = 8 * n + cc + (e & 1), col = col0 + gi + (e >= 2 ? 8 : 0);
         float val;
         if (role == kRecS)
-          val = p.initial_state ? p.initial_state[head * D * D + size_t(d) * D + col] : 0.f;
+          val = job.init ? job.init[head_off + size_t(d) * D + col] : 0.f;
         else
           val = d == col ? 1.f : 0.f;
         acc[n][e] = val;
@@ -594,7 +676,7 @@ __global__ void __launch_bounds__(kScanMaxThreads, 1) gdn_scan_kernel(ScanParams
       scan_prefetch(p, c_begin + cn, chunk_t0(cn), chunk_len(cn), h, kh, block_s, s_cb, block_out, itid, nissue);
     }
 
-    if (role != kOut && c < nc) {
+    if (rec_active && c < nc) {
       const StageA st = stage_a(smem, (c_begin + c) & 1);
       uint4* ex = exch + ((c & 1) * kGroupsPerBlock + gl) * kExchUint4 + lane;
       const bool share = role == kRecS && block_out;
@@ -654,7 +736,7 @@ __global__ void __launch_bounds__(kScanMaxThreads, 1) gdn_scan_kernel(ScanParams
           mma_x2(acc[2 * np], acc[2 * np + 1], a, bb);
         }
       }
-    } else if (role == kOut && c >= 1) {
+    } else if (role == kOut && block_out && c >= 1) {
       // Chunk c - 1: o^T = (h^T Q^T) diag(qf) + v_new^T P^T, bf16 rows of out through the staging tile.
       const int co = c - 1;
       const StageB st = stage_b(smem, (c_begin + co) % kRingB);
@@ -715,10 +797,10 @@ __global__ void __launch_bounds__(kScanMaxThreads, 1) gdn_scan_kernel(ScanParams
   }
   cp_async_wait<0>();
 
-  if (role != kOut) {
-    float* dst = role == kRecS ? p.final_state : p.transition;
+  if (rec_active) {
+    float* dst = role == kRecS ? job.final_state : job.transition;
     if (dst) {
-      dst += head * D * D;
+      dst += head_off;
 #pragma unroll
       for (int n = 0; n < 16; ++n)
 #pragma unroll
@@ -749,6 +831,26 @@ void configure() {
 
 GdnWorkspace::~GdnWorkspace() {
   if (mem_) cudaFree(mem_);
+  if (split_mem_) cudaFree(split_mem_);
+  if (job_mem_) cudaFree(job_mem_);
+}
+
+void GdnWorkspace::reserve_split(size_t state_bytes, size_t job_bytes) {
+  // Callers on this stream may still be reading the old buffers: cudaFree waits for the device.
+  if (state_bytes > split_bytes_) {
+    if (split_mem_) check_cuda(cudaFree(split_mem_), "cudaFree(GdnWorkspace split states)");
+    split_mem_ = nullptr;
+    check_cuda(cudaMalloc(&split_mem_, state_bytes),
+               "cudaMalloc(GdnWorkspace split states, " + std::to_string(state_bytes) + " bytes)");
+    split_bytes_ = state_bytes;
+  }
+  if (job_bytes > job_bytes_ || !job_mem_) {
+    job_bytes = std::max<size_t>(job_bytes, 4096);
+    if (job_mem_) check_cuda(cudaFree(job_mem_), "cudaFree(GdnWorkspace scan jobs)");
+    job_mem_ = nullptr;
+    check_cuda(cudaMalloc(&job_mem_, job_bytes), "cudaMalloc(GdnWorkspace scan jobs)");
+    job_bytes_ = job_bytes;
+  }
 }
 
 void GdnWorkspace::reserve(size_t chunk_heads, int num_chunks, int num_seqs) {
@@ -760,9 +862,38 @@ void GdnWorkspace::reserve(size_t chunk_heads, int num_chunks, int num_seqs) {
     check_cuda(cudaFree(mem_), "cudaFree(GdnWorkspace)");
     mem_ = nullptr;
   }
-  bytes_ = chunk_heads_cap_ * kPerChunkHeadBytes + size_t(chunks_cap_) * sizeof(ChunkInfo) +
-           size_t(seqs_cap_ + 1) * sizeof(int) + 1024;
+  bytes_ = chunk_heads_cap_ * kPerChunkHeadBytes + size_t(chunks_cap_) * sizeof(ChunkInfo) + 1024;
   check_cuda(cudaMalloc(&mem_, bytes_), "cudaMalloc(GdnWorkspace, " + std::to_string(bytes_) + " bytes)");
+}
+
+std::vector<int> gdn_scan_parts(const GdnPrefillArgs& a) {
+  constexpr int kMinPartChunks = 16;
+  if (a.seq_parts < 0) throw std::invalid_argument("gdn_prefill: seq_parts must be >= 0, got " + std::to_string(a.seq_parts));
+  if (a.num_seqs < 1 || !a.cu_seqlens_host) throw std::invalid_argument("gdn_scan_parts: no sequences");
+  std::vector<int> parts(a.num_seqs, 1), nc(a.num_seqs);
+  for (int s = 0; s < a.num_seqs; ++s) nc[s] = std::max(0, (a.cu_seqlens_host[s + 1] - a.cu_seqlens_host[s] + C - 1) / C);
+  const bool with_out = a.out != nullptr;
+  if (a.seq_parts >= 2) {
+    for (int s = 0; s < a.num_seqs; ++s) parts[s] = nc[s] >= a.seq_parts ? a.seq_parts : 1;
+  } else if (a.seq_parts == 0) {
+    configure();
+    int n_long = 0;
+    for (int s = 0; s < a.num_seqs; ++s) n_long += nc[s] >= 3 * kMinPartChunks;
+    if (n_long > 0) {
+      // Blocks of one part of every long sequence (two per value head), and how many such parts
+      // run in one wave; with outputs part 0 runs once, the other parts twice.
+      const long per_part = 2L * a.num_v_heads * n_long;
+      const long fit = num_sms / per_part;
+      const long P = with_out ? fit + 1 : fit;
+      if (P >= (with_out ? 3 : 2))
+        for (int s = 0; s < a.num_seqs; ++s)
+          if (nc[s] >= 3 * kMinPartChunks) parts[s] = static_cast<int>(std::min<long>(P, nc[s] / kMinPartChunks));
+    }
+  }
+  long jobs1 = 0;  // blocks along z of the first scan launch (at most 65535)
+  for (int s = 0; s < a.num_seqs; ++s) jobs1 += parts[s] > 1 ? (with_out ? parts[s] - 1 : parts[s]) : 1;
+  if (jobs1 > 65535) std::fill(parts.begin(), parts.end(), 1);
+  return parts;
 }
 
 void gdn_prefill(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t stream) {
@@ -776,6 +907,7 @@ void gdn_prefill(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t stream)
   if (a.scan_layout < 0 || a.scan_layout > 2)
     throw std::invalid_argument("gdn_prefill: scan_layout must be in [0, 2], got " + std::to_string(a.scan_layout));
   if (a.cu_seqlens_host[0] != 0) throw std::invalid_argument("gdn_prefill: cu_seqlens_host[0] must be 0");
+  if (a.seq_parts < 0) throw std::invalid_argument("gdn_prefill: seq_parts must be >= 0, got " + std::to_string(a.seq_parts));
   std::vector<ChunkInfo> chunks;
   std::vector<int> seq_start(a.num_seqs + 1);
   for (int s = 0; s < a.num_seqs; ++s) {
@@ -804,17 +936,12 @@ void gdn_prefill(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t stream)
   v.P = v.UT + cap * kWElems;
   v.scal = reinterpret_cast<float*>(v.P + cap * kPElems);
   auto* chunk_dev = reinterpret_cast<ChunkInfo*>(v.scal + cap * kScal);
-  auto* start_dev = reinterpret_cast<int*>(chunk_dev + ws.chunks_cap_);
   v.chunks = chunk_dev;
-  v.seq_chunk_start = start_dev;
   // Pageable host memory: cudaMemcpyAsync stages the data before returning, so locals are safe.
   if (nchunks > 0)
     check_cuda(cudaMemcpyAsync(chunk_dev, chunks.data(), chunks.size() * sizeof(ChunkInfo), cudaMemcpyHostToDevice,
                                stream),
                "cudaMemcpyAsync(chunk table)");
-  check_cuda(cudaMemcpyAsync(start_dev, seq_start.data(), seq_start.size() * sizeof(int), cudaMemcpyHostToDevice,
-                             stream),
-             "cudaMemcpyAsync(sequence chunk offsets)");
 
   if (nchunks > 0) {
     gdn_wy_kernel<<<unsigned(nchunks) * unsigned(a.num_v_heads), kThreads, kWySmem, stream>>>(
@@ -822,31 +949,149 @@ void gdn_prefill(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t stream)
     check_cuda(cudaGetLastError(), "gdn_wy_kernel launch");
   }
 
-  // Scan layout (one block per SM: the staged tiles take most of its shared memory). With few
-  // (sequence, head) pairs, S and T columns go to separate blocks, so T blocks run on otherwise idle
-  // SMs; with many, each block carries 64 columns of both S and T (mixed), sharing staged tiles.
+  // Scan plan. Each job of a launch gets blocks_per_head x H_v blocks (one block per SM: the staged
+  // tiles take most of its shared memory). A sequence of n chunks scanned whole takes n chunk
+  // steps; cut into P parts it takes about 2n/P (n/P for the parts' (T, S(part|0)) pairs, then n/P
+  // to rerun parts 1.. from their composed initial states for the outputs) or n/P + a composition
+  // without outputs. Long sequences are cut when the whole-sequence scan would leave SMs idle.
+  const bool with_t = a.transition != nullptr, with_out = a.out != nullptr;
+  const size_t state_elems = size_t(a.num_v_heads) * D * D;  // one job's [H_v][128][128]
+  const std::vector<int> parts = gdn_scan_parts(a);
+  int n_split = 0, max_parts = 1;
+  for (int s = 0; s < a.num_seqs; ++s)
+    if (parts[s] > 1) ++n_split, max_parts = std::max(max_parts, parts[s]);
+
+  auto seq_ptr = [&](const float* base_ptr, int s) { return base_ptr ? base_ptr + size_t(s) * state_elems : nullptr; };
+  auto seq_mut = [&](float* base_ptr, int s) { return base_ptr ? base_ptr + size_t(s) * state_elems : nullptr; };
+  // Split buffers per split sequence: F[p] (final state of part p from its start state), Tp[p]
+  // (transition of part p), I[p] (true initial state of part p), p < max_parts, each [H_v][128][128].
+  std::vector<ScanJob> jobs1, jobs2;
+  struct SplitSeq {
+    int seq, P;
+    float *F, *Tp, *I;
+  };
+  std::vector<SplitSeq> splits;
+  const size_t per_split = 3 * size_t(max_parts) * state_elems;
+  ws.reserve_split(size_t(n_split) * per_split * sizeof(float), 2 * (size_t(a.num_seqs) + size_t(n_split) * max_parts) *
+                                                                    sizeof(ScanJob));
+  {
+    float* sbase = static_cast<float*>(ws.split_mem_);
+    for (int s = 0, k = 0; s < a.num_seqs; ++s) {
+      if (parts[s] == 1) continue;
+      float* b0 = sbase + size_t(k++) * per_split;
+      splits.push_back({s, parts[s], b0, b0 + size_t(max_parts) * state_elems, b0 + 2 * size_t(max_parts) * state_elems});
+    }
+  }
+  auto part_range = [&](int s, int P, int p, int& c0, int& n) {
+    const int nc_s = seq_start[s + 1] - seq_start[s];
+    const int lo = int(long(nc_s) * p / P), hi = int(long(nc_s) * (p + 1) / P);
+    c0 = seq_start[s] + lo;
+    n = hi - lo;
+  };
+  // Launch 1: parts of split sequences first (they carry the critical path), then whole sequences.
+  for (const SplitSeq& sp : splits) {
+    const int s = sp.seq, P = sp.P;
+    const int last1 = with_out ? P - 2 : P - 1;  // without outputs every part runs here
+    for (int pp = 0; pp <= last1; ++pp) {
+      ScanJob j{};
+      part_range(s, P, pp, j.c_begin, j.nc);
+      j.out = pp == 0 && with_out;
+      j.init = pp == 0 ? seq_ptr(a.initial_state, s) : nullptr;
+      j.final_state = sp.F + size_t(pp) * state_elems;
+      j.transition = (pp > 0 || with_t) ? sp.Tp + size_t(pp) * state_elems : nullptr;
+      jobs1.push_back(j);
+    }
+  }
+  for (int s = 0; s < a.num_seqs; ++s) {
+    if (parts[s] > 1) continue;
+    ScanJob j{};
+    j.c_begin = seq_start[s];
+    j.nc = seq_start[s + 1] - seq_start[s];
+    j.out = with_out;
+    j.init = seq_ptr(a.initial_state, s);
+    j.final_state = seq_mut(a.final_state, s);
+    j.transition = seq_mut(a.transition, s);
+    jobs1.push_back(j);
+  }
+  // Launch 2 (with outputs): parts 1 .. P-1 from their composed initial states.
+  if (with_out)
+    for (const SplitSeq& sp : splits)
+      for (int pp = 1; pp < sp.P; ++pp) {
+        ScanJob j{};
+        part_range(sp.seq, sp.P, pp, j.c_begin, j.nc);
+        j.out = 1;
+        j.init = sp.I + size_t(pp) * state_elems;
+        j.final_state = pp == sp.P - 1 ? seq_mut(a.final_state, sp.seq) : nullptr;
+        j.transition = (pp == sp.P - 1 && with_t) ? sp.Tp + size_t(pp) * state_elems : nullptr;
+        jobs2.push_back(j);
+      }
+  auto* jobs_dev = static_cast<ScanJob*>(ws.job_mem_);
+  std::vector<ScanJob> all_jobs(jobs1);
+  all_jobs.insert(all_jobs.end(), jobs2.begin(), jobs2.end());
+  check_cuda(cudaMemcpyAsync(jobs_dev, all_jobs.data(), all_jobs.size() * sizeof(ScanJob), cudaMemcpyHostToDevice,
+                             stream),
+             "cudaMemcpyAsync(scan jobs)");
+
   ScanParams sp{};
   sp.Hk = a.num_k_heads;
   sp.Hv = a.num_v_heads;
-  sp.with_t = a.transition != nullptr;
-  sp.with_out = a.out != nullptr;
   sp.q = a.q;
   sp.k = a.k;
-  sp.initial_state = a.initial_state;
-  sp.final_state = a.final_state;
-  sp.transition = a.transition;
   sp.out = a.out;
   sp.ws = v;
-  const long pairs = long(a.num_seqs) * a.num_v_heads;
   sp.s_blocks = 2;
-  const int t_blocks = sp.with_t ? (sp.with_out ? 1 : 2) : 0;  // T blocks have as many warps as S blocks
-  int layout = a.scan_layout;
-  if (layout == 0) layout = pairs * (sp.s_blocks + t_blocks) <= num_sms ? 1 : 2;
-  sp.mixed = layout == 2 && sp.with_t;
-  const int warps = 4 * (1 + (sp.with_out ? 1 : 0) + (sp.mixed ? 1 : 0));
-  const int blocks_per_head = sp.mixed ? 2 : sp.s_blocks + t_blocks;
-  gdn_scan_kernel<<<dim3(blocks_per_head, a.num_v_heads, a.num_seqs), warps * 32, kScanSmem, stream>>>(sp);
-  check_cuda(cudaGetLastError(), "gdn_scan_kernel launch");
+  auto launch = [&](const ScanJob* jobs, int njobs, bool need_t, bool mixed_forced) {
+    if (njobs == 0) return;
+    // Layout: with few (job, head) pairs S and T columns go to separate blocks, so T blocks run on
+    // otherwise idle SMs; with many, each block carries 64 columns of both S and T (mixed), sharing
+    // the staged tiles.
+    sp.with_out = with_out;
+    sp.jobs = jobs;
+    const long pairs = long(njobs) * a.num_v_heads;
+    const int t_blocks = need_t ? (with_out ? 1 : 2) : 0;  // T blocks have as many warps as S blocks
+    int layout = mixed_forced ? 2 : a.scan_layout;
+    if (layout == 0) layout = pairs * (sp.s_blocks + t_blocks) <= num_sms ? 1 : 2;
+    sp.mixed = layout == 2 && need_t;
+    const int warps = 4 * (1 + (with_out ? 1 : 0) + (sp.mixed ? 1 : 0));
+    const int blocks_per_head = sp.mixed ? 2 : sp.s_blocks + t_blocks;
+    gdn_scan_kernel<<<dim3(blocks_per_head, a.num_v_heads, njobs), warps * 32, kScanSmem, stream>>>(sp);
+    check_cuda(cudaGetLastError(), "gdn_scan_kernel launch");
+  };
+  // Launch 1 needs T warps for the middle parts of split sequences (mixed blocks keep it at two
+  // blocks per job and head).
+  launch(jobs_dev, static_cast<int>(jobs1.size()), with_t || n_split > 0, n_split > 0);
+
+  // Initial states of the parts: I[1] = F[0]; I[p+1] = T[p] I[p] + F[p] (composition law,
+  // DESIGN.md 3.1). Without outputs the chain runs to the end: final = T[P-1] I[P-1] + F[P-1].
+  const size_t state_bytes = state_elems * sizeof(float);
+  for (const SplitSeq& q : splits) {
+    float* prev = q.F;  // I[1] = F[0]
+    for (int pp = 1; pp < q.P; ++pp) {
+      float* dst = q.I + size_t(pp) * state_elems;
+      check_cuda(cudaMemcpyAsync(dst, prev, state_bytes, cudaMemcpyDeviceToDevice, stream), "copy of a part state");
+      if (pp > 1)
+        compose_fold(a.num_v_heads, 1, dst, q.Tp + size_t(pp - 1) * state_elems, q.F + size_t(pp - 1) * state_elems,
+                     stream);
+      prev = dst;
+    }
+    if (!with_out) {
+      float* fin = seq_mut(a.final_state, q.seq);
+      if (fin) {
+        check_cuda(cudaMemcpyAsync(fin, prev, state_bytes, cudaMemcpyDeviceToDevice, stream), "copy of the final state");
+        compose_fold(a.num_v_heads, 1, fin, q.Tp + size_t(q.P - 1) * state_elems, q.F + size_t(q.P - 1) * state_elems,
+                     stream);
+      }
+    }
+  }
+  launch(jobs_dev + jobs1.size(), static_cast<int>(jobs2.size()), with_t, with_t);
+
+  // T_C of a split sequence: T[P-1] ... T[1] T[0].
+  if (with_t)
+    for (const SplitSeq& q : splits) {
+      float* dst = seq_mut(a.transition, q.seq);
+      check_cuda(cudaMemcpyAsync(dst, q.Tp, state_bytes, cudaMemcpyDeviceToDevice, stream), "copy of T[0]");
+      compose_fold(a.num_v_heads, q.P - 1, dst, q.Tp + state_elems, nullptr, stream);
+    }
 }
 
 }  // namespace hypic::kernels::cuda

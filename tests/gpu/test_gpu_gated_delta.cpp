@@ -48,6 +48,11 @@ struct PrefillCase {
   int hk, hv;
   std::vector<int> lens;
   bool with_initial;
+  int seq_parts = 1;           // GdnPrefillArgs::seq_parts (1: whole-sequence scan)
+  bool with_out = true;        // outputs requested
+  std::vector<int> expect_parts = {};  // if set: gdn_scan_parts must plan exactly these
+  float decay_scale = 1.f;     // g multiplier: < 1 keeps T_C of long sequences far from zero, so
+                               // that composition errors of split scans cannot hide
 };
 
 void run_prefill_case(const PrefillCase& pc, uint32_t seed) {
@@ -62,6 +67,7 @@ void run_prefill_case(const PrefillCase& pc, uint32_t seed) {
   auto kh = random_bf16(rng, size_t(T) * pc.hk * D, 1.0f, kf);
   auto vh = random_bf16(rng, size_t(T) * pc.hv * D, 1.0f, vf);
   auto g = random_log_decay(rng, size_t(T) * pc.hv);
+  for (auto& x : g) x *= pc.decay_scale;
   auto beta = random_beta(rng, size_t(T) * pc.hv);
   const size_t state_elems = size_t(n) * pc.hv * D * D;
   std::vector<float> init(state_elems, 0.f);
@@ -95,17 +101,19 @@ void run_prefill_case(const PrefillCase& pc, uint32_t seed) {
   a.initial_state = pc.with_initial ? dinit.get() : nullptr;
   a.final_state = dfinal.get();
   a.transition = dtrans.get();
-  a.out = dout.get();
+  a.out = pc.with_out ? dout.get() : nullptr;
+  a.seq_parts = pc.seq_parts;
+  if (!pc.expect_parts.empty()) CHECK(gpu::gdn_scan_parts(a) == pc.expect_parts);
   gpu::gdn_prefill(a, ws);
   // Same call without T_C: the S columns must not change at all.
   a.transition = nullptr;
   a.final_state = dfinal2.get();
-  a.out = dout2.get();
+  a.out = pc.with_out ? dout2.get() : nullptr;
   gpu::gdn_prefill(a, ws);
   check_cuda(cudaDeviceSynchronize(), "prefill");
   const auto out = dout.download(), out2 = dout2.download();
   const auto fin = dfinal.download(), fin2 = dfinal2.download(), tr = dtrans.download();
-  CHECK(std::memcmp(out.data(), out2.data(), out.size() * sizeof(bf16)) == 0);
+  if (pc.with_out) CHECK(std::memcmp(out.data(), out2.data(), out.size() * sizeof(bf16)) == 0);
   CHECK(std::memcmp(fin.data(), fin2.data(), fin.size() * sizeof(float)) == 0);
   // Every scan block layout computes the same function, bit for bit (the default here is layout 1).
   for (int layout : {1, 2}) {
@@ -116,12 +124,12 @@ void run_prefill_case(const PrefillCase& pc, uint32_t seed) {
     o3.poison();
     a.final_state = f3.get();
     a.transition = t3.get();
-    a.out = o3.get();
+    a.out = pc.with_out ? o3.get() : nullptr;
     a.scan_layout = layout;
     gpu::gdn_prefill(a, ws);
     check_cuda(cudaDeviceSynchronize(), "prefill, forced scan layout");
     INFO("scan_layout " << layout);
-    CHECK(std::memcmp(o3.download().data(), out.data(), out.size() * sizeof(bf16)) == 0);
+    if (pc.with_out) CHECK(std::memcmp(o3.download().data(), out.data(), out.size() * sizeof(bf16)) == 0);
     CHECK(std::memcmp(f3.download().data(), fin.data(), fin.size() * sizeof(float)) == 0);
     CHECK(std::memcmp(t3.download().data(), tr.data(), tr.size() * sizeof(float)) == 0);
   }
@@ -156,7 +164,7 @@ void run_prefill_case(const PrefillCase& pc, uint32_t seed) {
           go[size_t(t) * D + d] = bf16_to_float(out[(size_t(t0 + t) * pc.hv + h) * D + d]);
           ro[size_t(t) * D + d] = ref_out[(size_t(t) * pc.hv + h) * D + d];
         }
-      const double eo = L ? rel_err(go.data(), ro.data(), go.size()) : 0.0;
+      const double eo = L && pc.with_out ? rel_err(go.data(), ro.data(), go.size()) : 0.0;
       INFO("seq " << s << " (len " << L << ") head " << h << ": out " << eo << " state " << es << " T_C " << et);
       CHECK(eo <= 2e-2);
       CHECK(es <= 2e-2);
@@ -174,7 +182,8 @@ void run_prefill_case(const PrefillCase& pc, uint32_t seed) {
       worst_t = std::max(worst_t, et);
     }
   }
-  WARN("prefill H_k=" << pc.hk << " H_v=" << pc.hv << " initial=" << pc.with_initial << ": worst rel err out "
+  WARN("prefill H_k=" << pc.hk << " H_v=" << pc.hv << " initial=" << pc.with_initial << " seq_parts=" << pc.seq_parts
+                      << " outputs=" << pc.with_out << ": worst rel err out "
                       << worst_o << ", state " << worst_s << ", T_C " << worst_t);
 }
 
@@ -189,6 +198,28 @@ TEST_CASE("gdn_prefill matches the CPU recurrence: ragged lengths, GVA 1 and 2, 
   SECTION("GVA ratio 2, zero initial state") { run_prefill_case({2, 4, lens, false}, 12); }
   SECTION("GVA ratio 2, random initial state") { run_prefill_case({2, 4, lens, true}, 13); }
   SECTION("GVA ratio 1, one long sequence with initial state") { run_prefill_case({1, 1, {1000}, true}, 14); }
+}
+
+TEST_CASE("gdn_prefill sequence-parallel scan (parts composed through T) matches the CPU recurrence",
+          "[gpu][gated_delta]") {
+  require_gpu();
+  // Sequences with fewer chunks than parts stay whole; parts of 1..3 chunks, ragged last chunks.
+  const std::vector<int> lens = {1, 64, 65, 200, 0, 127, 3, 300, 1000};
+  for (int P : {2, 3, 4}) {
+    for (bool out : {true, false}) {
+      DYNAMIC_SECTION("forced " << P << " parts, outputs " << out) {
+        std::vector<int> expect;
+        for (int L : lens) expect.push_back((L + 63) / 64 >= P ? P : 1);
+        PrefillCase pc{2, 4, lens, true, P, out, expect, 0.05f};
+        run_prefill_case(pc, 30 + P * 2 + out);
+      }
+    }
+  }
+  SECTION("forced 5 parts, GVA ratio 1, zero initial state") { run_prefill_case({1, 1, {1000, 333}, false, 5, true, {5, 5}, 0.05f}, 41); }
+  // Chosen by occupancy: one sequence of 50 chunks on any GPU with >= 4 SMs is cut into 3 parts
+  // (min(P, 50 / 16)); 47 chunks stay whole.
+  SECTION("automatic, with outputs") { run_prefill_case({1, 1, {3200}, true, 0, true, {3}, 0.05f}, 42); }
+  SECTION("automatic, without outputs") { run_prefill_case({1, 2, {3200, 3000}, true, 0, false, {3, 1}, 0.05f}, 43); }
 }
 
 TEST_CASE("gdn_prefill splits: running two halves through initial_state equals one pass", "[gpu][gated_delta]") {
