@@ -59,43 +59,40 @@ struct WsView {
   const ChunkInfo* chunks;
 };
 
-// 64 rows of 128 bf16 (row r at src + r * row_stride, rows >= len zero) by 128 threads, two per
-// row (row tid / 2, half tid & 1): load_raw fetches the thread's 128 bytes into registers (so that
-// several tiles' loads are in flight together), finish_rows optionally l2-normalises each row in
-// fp32 (x * rsqrt(sum x^2 + 1e-6)), multiplies by `mul`, rounds to bf16 once and writes the
-// [64][LD] tile. finish_rows returns the row's factor (mul * rsqrt(...), or mul without the norm).
+// 64 rows of 128 bf16 (row r at src + r * row_stride, rows >= len zero) by 128 threads: thread t
+// holds the 16-byte piece t % 16 of rows t / 16 + 8 i (i < 8), so each load instruction of a warp
+// reads two whole 256-byte rows. load_raw fetches the pieces into registers (so that several
+// tiles' loads are in flight together); finish_rows optionally l2-normalises each row in fp32
+// (x * rsqrt(sum x^2 + 1e-6), the sum over the 16 lanes of a row), multiplies by `mul`, rounds to
+// bf16 once, writes the [64][LD] tile and the rows' factors (mul * rsqrt(...), or mul) to f[64].
 __device__ __forceinline__ void load_raw(uint4 (&raw)[8], const bf16* src, size_t row_stride, int len, int tid) {
-  const int r = tid >> 1, half = tid & 1;
-  if (r < len) {
-    const uint4* p = reinterpret_cast<const uint4*>(src + size_t(r) * row_stride + half * 64);
+  const int r0 = tid >> 4, piece = tid & 15;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) raw[i] = p[i];
-  } else {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) raw[i] = make_uint4(0, 0, 0, 0);
+  for (int i = 0; i < 8; ++i) {
+    const int r = r0 + 8 * i;
+    raw[i] = r < len ? *reinterpret_cast<const uint4*>(src + size_t(r) * row_stride + piece * 8)
+                     : make_uint4(0, 0, 0, 0);
   }
 }
 
-__device__ __forceinline__ float finish_rows(bf16* s, const uint4 (&raw)[8], bool norm, float mul, int tid) {
-  const int r = tid >> 1, half = tid & 1;
-  float f = mul;
-  if (norm) {
-    float ss = 0.f;
+__device__ __forceinline__ void finish_rows(bf16* s, const uint4 (&raw)[8], bool norm, float mul, int tid,
+                                            float* f_out) {
+  const int r0 = tid >> 4, piece = tid & 15;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
+  for (int i = 0; i < 8; ++i) {
+    float f = mul;
+    if (norm) {
       const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&raw[i]);
+      float ss = 0.f;
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const float2 x = __bfloat1622float2(h2[e]);
         ss += x.x * x.x + x.y * x.y;
       }
-    }
-    ss += __shfl_xor_sync(0xffffffffu, ss, 1);
-    f = mul * rsqrtf(ss + 1e-6f);
-  }
-  uint4* d = reinterpret_cast<uint4*>(s + r * LD + half * 64);
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
+      for (int o = 1; o < 16; o <<= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+      f = mul * rsqrtf(ss + 1e-6f);
+    }
     uint4 o = raw[i];
     if (norm || mul != 1.f) {
       __nv_bfloat162* h2 = reinterpret_cast<__nv_bfloat162*>(&o);
@@ -105,9 +102,10 @@ __device__ __forceinline__ float finish_rows(bf16* s, const uint4 (&raw)[8], boo
         h2[e] = __floats2bfloat162_rn(x.x * f, x.y * f);
       }
     }
-    d[i] = o;
+    const int r = r0 + 8 * i;
+    *reinterpret_cast<uint4*>(s + r * LD + piece * 8) = o;
+    if (piece == 0) f_out[r] = f;
   }
-  return f;
 }
 
 __device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, bool valid) {
@@ -215,12 +213,9 @@ __global__ void __launch_bounds__(kThreads) gdn_wy_kernel(const bf16* __restrict
     uint4 rk[8], rq[8];  // both tiles in flight before the first use
     load_raw(rk, k + (size_t(ci.t0) * Hk + kh) * D, size_t(Hk) * D, ci.len, tid);
     load_raw(rq, q ? q + (size_t(ci.t0) * Hk + kh) * D : k, size_t(Hk) * D, q ? ci.len : 0, tid);
-    const float fk = finish_rows(sK, rk, l2norm, 1.f, tid);
-    const float fq = q ? finish_rows(sQ, rq, l2norm, scale, tid) : 0.f;
-    if ((tid & 1) == 0) {
-      sFk[tid >> 1] = fk;
-      sFq[tid >> 1] = fq;
-    }
+    finish_rows(sK, rk, l2norm, 1.f, tid, sFk);
+    if (q) finish_rows(sQ, rq, l2norm, scale, tid, sFq);
+    else if (tid < C) sFq[tid] = 0.f;
   }
   if (warp == 0) {  // inclusive cumsum of g over the chunk, two tokens per lane
     const int r0 = 2 * lane;
@@ -321,33 +316,44 @@ __global__ void __launch_bounds__(kThreads) gdn_wy_kernel(const bf16* __restrict
     __syncthreads();
   }
   {
-    float* sM = reinterpret_cast<float*>(sXb);  // M_IJ scratch [3][16][18] fp32 (sXb is written later)
-    const int r = tid >> 3, c2 = (tid & 7) * 2;
+    // Warp J computes block column J (J < I) of block row I; lane: row r = lane / 2, columns
+    // c8 .. c8 + 7 with c8 = 8 (lane % 2), so each shared-memory load feeds 8 FMAs. A_IJ is still
+    // read by warps J' < J (term K = J of their M), so X_IJ is written after a block barrier.
+    float* sM = reinterpret_cast<float*>(sXb);  // M_IJ scratch [3][16][20] fp32 (sXb is written later)
+    const int J = warp, r = lane >> 1, c8 = (lane & 1) * 8;
 #pragma unroll
     for (int I = 1; I < 4; ++I) {
-#pragma unroll
-      for (int J = 0; J < I; ++J) {
-        float m0 = 0.f, m1 = 0.f;
+      float x[8] = {};
+      if (J < I) {
+        float m[8] = {};
         const float* arow = sA + (16 * I + r) * 68;
 #pragma unroll
-        for (int K = J; K < I; ++K)
+        for (int K = 0; K < 3; ++K) {
+          if (K < J || K >= I) continue;
 #pragma unroll
           for (int m4 = 0; m4 < 4; ++m4) {
             const float4 av = *reinterpret_cast<const float4*>(arow + 16 * K + 4 * m4);
             const float aa[4] = {av.x, av.y, av.z, av.w};
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-              const float2 xv = *reinterpret_cast<const float2*>(sA + (16 * K + 4 * m4 + e) * 68 + 16 * J + c2);
-              m0 = fmaf(aa[e], xv.x, m0);
-              m1 = fmaf(aa[e], xv.y, m1);
+              const float* xr = sA + (16 * K + 4 * m4 + e) * 68 + 16 * J + c8;
+              const float4 x0 = *reinterpret_cast<const float4*>(xr);
+              const float4 x1 = *reinterpret_cast<const float4*>(xr + 4);
+              m[0] = fmaf(aa[e], x0.x, m[0]);
+              m[1] = fmaf(aa[e], x0.y, m[1]);
+              m[2] = fmaf(aa[e], x0.z, m[2]);
+              m[3] = fmaf(aa[e], x0.w, m[3]);
+              m[4] = fmaf(aa[e], x1.x, m[4]);
+              m[5] = fmaf(aa[e], x1.y, m[5]);
+              m[6] = fmaf(aa[e], x1.z, m[6]);
+              m[7] = fmaf(aa[e], x1.w, m[7]);
             }
           }
-        *reinterpret_cast<float2*>(sM + (J * 16 + r) * 18 + c2) = make_float2(m0, m1);
-      }
-      __syncthreads();
-#pragma unroll
-      for (int J = 0; J < I; ++J) {
-        float x0 = 0.f, x1 = 0.f;
+        }
+        float* mrow = sM + (J * 16 + r) * 20 + c8;
+        *reinterpret_cast<float4*>(mrow) = make_float4(m[0], m[1], m[2], m[3]);
+        *reinterpret_cast<float4*>(mrow + 4) = make_float4(m[4], m[5], m[6], m[7]);
+        __syncwarp();  // M_IJ is read by warp J alone
         const float* xrow = sA + (16 * I + r) * 68 + 16 * I;  // X_II row r (unit lower triangular)
 #pragma unroll
         for (int m4 = 0; m4 < 4; ++m4) {
@@ -355,14 +361,27 @@ __global__ void __launch_bounds__(kThreads) gdn_wy_kernel(const bf16* __restrict
           const float xx[4] = {xv.x, xv.y, xv.z, xv.w};
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const float2 mv = *reinterpret_cast<const float2*>(sM + (J * 16 + 4 * m4 + e) * 18 + c2);
-            x0 = fmaf(xx[e], mv.x, x0);
-            x1 = fmaf(xx[e], mv.y, x1);
+            const float* mr = sM + (J * 16 + 4 * m4 + e) * 20 + c8;
+            const float4 m0 = *reinterpret_cast<const float4*>(mr);
+            const float4 m1 = *reinterpret_cast<const float4*>(mr + 4);
+            x[0] = fmaf(xx[e], m0.x, x[0]);
+            x[1] = fmaf(xx[e], m0.y, x[1]);
+            x[2] = fmaf(xx[e], m0.z, x[2]);
+            x[3] = fmaf(xx[e], m0.w, x[3]);
+            x[4] = fmaf(xx[e], m1.x, x[4]);
+            x[5] = fmaf(xx[e], m1.y, x[5]);
+            x[6] = fmaf(xx[e], m1.z, x[6]);
+            x[7] = fmaf(xx[e], m1.w, x[7]);
           }
         }
-        *reinterpret_cast<float2*>(sA + (16 * I + r) * 68 + 16 * J + c2) = make_float2(-x0, -x1);
       }
-      __syncthreads();
+      __syncthreads();  // every warp is done reading row I of A
+      if (J < I) {
+        float* dst = sA + (16 * I + r) * 68 + 16 * J + c8;
+        *reinterpret_cast<float4*>(dst) = make_float4(-x[0], -x[1], -x[2], -x[3]);
+        *reinterpret_cast<float4*>(dst + 4) = make_float4(-x[4], -x[5], -x[6], -x[7]);
+      }
+      __syncthreads();  // X_IJ visible to the next block row
     }
   }
   // X diag(b) and X diag(b e^G) as bf16 tiles for the tensor cores (X is zero above the diagonal).
