@@ -23,6 +23,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -241,7 +242,7 @@ __global__ void __launch_bounds__(kThreads) gdn_wy_kernel(const bf16* __restrict
   if (q) {
     float acc[8][4] = {};
     causal_xyt(acc, sQ, sK, warp, lane);
-    bf16* P = ws.P + slot * kPElems;
+    bf16* sP = sXbg;  // P staged as [64][LDP] bf16 (sXbg is written later), stored coalesced below
     const int i0 = 16 * warp + gi, i1 = i0 + 8;
     const float G0 = sG[i0], G1 = sG[i1];
 #pragma unroll
@@ -252,11 +253,19 @@ __global__ void __launch_bounds__(kThreads) gdn_wy_kernel(const bf16* __restrict
       const float p01 = j + 1 <= i0 ? acc[t][1] * __expf(G0 - Gj1) : 0.f;
       const float p10 = j <= i1 ? acc[t][2] * __expf(G1 - Gj0) : 0.f;
       const float p11 = j + 1 <= i1 ? acc[t][3] * __expf(G1 - Gj1) : 0.f;
-      *reinterpret_cast<uint32_t*>(P + i0 * C + j) = pack_bf16(p00, p01);
-      *reinterpret_cast<uint32_t*>(P + i1 * C + j) = pack_bf16(p10, p11);
+      *reinterpret_cast<uint32_t*>(sP + i0 * LDP + j) = pack_bf16(p00, p01);
+      *reinterpret_cast<uint32_t*>(sP + i1 * LDP + j) = pack_bf16(p10, p11);
     }
   }
   __syncthreads();  // region R (sQ) is reused for A below
+  if (q) {
+    bf16* P = ws.P + slot * kPElems;
+#pragma unroll
+    for (int i = 0; i < C * C / 8 / kThreads; ++i) {
+      const int p = tid + i * kThreads, row = p >> 3, col = (p & 7) * 8;
+      *reinterpret_cast<uint4*>(P + row * C + col) = *reinterpret_cast<const uint4*>(sXbg + row * LDP + col);
+    }
+  }
 
   // A = K K^T (strictly lower part), scaled by b_i e^{G_i - G_j}.
   {
@@ -475,6 +484,7 @@ struct ScanJob {
   int out;  // 1: the job's outputs are computed (needs output warps in the launch)
   int pad;
   const float* init;
+  const float* init_t;  // T columns start from this transition (a prefix's T) instead of I
   float* final_state;
   float* transition;
 };
@@ -679,7 +689,7 @@ __global__ void __launch_bounds__(kScanMaxThreads, 1) gdn_scan_kernel(ScanParams
         if (role == kRecS)
           val = job.init ? job.init[head_off + size_t(d) * D + col] : 0.f;
         else
-          val = d == col ? 1.f : 0.f;
+          val = job.init_t ? job.init_t[head_off + size_t(d) * D + col] : (d == col ? 1.f : 0.f);
         acc[n][e] = val;
       }
   }
@@ -881,7 +891,7 @@ void GdnWorkspace::reserve(size_t chunk_heads, int num_chunks, int num_seqs) {
     check_cuda(cudaFree(mem_), "cudaFree(GdnWorkspace)");
     mem_ = nullptr;
   }
-  bytes_ = chunk_heads_cap_ * kPerChunkHeadBytes + size_t(chunks_cap_) * sizeof(ChunkInfo) + 1024;
+  bytes_ = chunk_heads_cap_ * kPerChunkHeadBytes + 1024;
   check_cuda(cudaMalloc(&mem_, bytes_), "cudaMalloc(GdnWorkspace, " + std::to_string(bytes_) + " bytes)");
 }
 
@@ -954,19 +964,6 @@ void gdn_prefill(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t stream)
   v.UT = v.W + cap * kWElems;
   v.P = v.UT + cap * kWElems;
   v.scal = reinterpret_cast<float*>(v.P + cap * kPElems);
-  auto* chunk_dev = reinterpret_cast<ChunkInfo*>(v.scal + cap * kScal);
-  v.chunks = chunk_dev;
-  // Pageable host memory: cudaMemcpyAsync stages the data before returning, so locals are safe.
-  if (nchunks > 0)
-    check_cuda(cudaMemcpyAsync(chunk_dev, chunks.data(), chunks.size() * sizeof(ChunkInfo), cudaMemcpyHostToDevice,
-                               stream),
-               "cudaMemcpyAsync(chunk table)");
-
-  if (nchunks > 0) {
-    gdn_wy_kernel<<<unsigned(nchunks) * unsigned(a.num_v_heads), kThreads, kWySmem, stream>>>(
-        a.out ? a.q : nullptr, a.k, a.v, a.g, a.beta, a.num_k_heads, a.num_v_heads, a.l2norm_qk, a.scale, v);
-    check_cuda(cudaGetLastError(), "gdn_wy_kernel launch");
-  }
 
   // Scan plan. Each job of a launch gets blocks_per_head x H_v blocks (one block per SM: the staged
   // tiles take most of its shared memory). A sequence of n chunks scanned whole takes n chunk
@@ -991,8 +988,9 @@ void gdn_prefill(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t stream)
   };
   std::vector<SplitSeq> splits;
   const size_t per_split = 3 * size_t(max_parts) * state_elems;
-  ws.reserve_split(size_t(n_split) * per_split * sizeof(float), 2 * (size_t(a.num_seqs) + size_t(n_split) * max_parts) *
-                                                                    sizeof(ScanJob));
+  const size_t max_jobs = 2 * (size_t(a.num_seqs) + size_t(n_split) * max_parts);
+  const size_t chunk_table_bytes = (size_t(nchunks) * sizeof(ChunkInfo) + 15) / 16 * 16;
+  ws.reserve_split(size_t(n_split) * per_split * sizeof(float), chunk_table_bytes + max_jobs * sizeof(ScanJob));
   {
     float* sbase = static_cast<float*>(ws.split_mem_);
     for (int s = 0, k = 0; s < a.num_seqs; ++s) {
@@ -1039,17 +1037,32 @@ void gdn_prefill(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t stream)
         ScanJob j{};
         part_range(sp.seq, sp.P, pp, j.c_begin, j.nc);
         j.out = 1;
-        j.init = sp.I + size_t(pp) * state_elems;
+        j.init = pp == 1 ? sp.F : sp.I + size_t(pp) * state_elems;  // I[1] = F[0]
         j.final_state = pp == sp.P - 1 ? seq_mut(a.final_state, sp.seq) : nullptr;
-        j.transition = (pp == sp.P - 1 && with_t) ? sp.Tp + size_t(pp) * state_elems : nullptr;
+        if (pp == sp.P - 1 && with_t) {  // T_C = T[P-1] (T[P-2] ... T[0]), the prefix in I[0]
+          j.init_t = sp.P == 2 ? sp.Tp : sp.I;
+          j.transition = seq_mut(a.transition, sp.seq);
+        }
         jobs2.push_back(j);
       }
-  auto* jobs_dev = static_cast<ScanJob*>(ws.job_mem_);
-  std::vector<ScanJob> all_jobs(jobs1);
-  all_jobs.insert(all_jobs.end(), jobs2.begin(), jobs2.end());
-  check_cuda(cudaMemcpyAsync(jobs_dev, all_jobs.data(), all_jobs.size() * sizeof(ScanJob), cudaMemcpyHostToDevice,
-                             stream),
-             "cudaMemcpyAsync(scan jobs)");
+  // One host-to-device copy of the chunk table and the scan jobs (pageable memory: cudaMemcpyAsync
+  // stages it before returning, so the locals may go).
+  std::vector<unsigned char> table(chunk_table_bytes + (jobs1.size() + jobs2.size()) * sizeof(ScanJob));
+  if (nchunks > 0) std::memcpy(table.data(), chunks.data(), nchunks * sizeof(ChunkInfo));
+  std::memcpy(table.data() + chunk_table_bytes, jobs1.data(), jobs1.size() * sizeof(ScanJob));
+  if (!jobs2.empty())
+    std::memcpy(table.data() + chunk_table_bytes + jobs1.size() * sizeof(ScanJob), jobs2.data(),
+                jobs2.size() * sizeof(ScanJob));
+  auto* table_dev = static_cast<unsigned char*>(ws.job_mem_);
+  check_cuda(cudaMemcpyAsync(table_dev, table.data(), table.size(), cudaMemcpyHostToDevice, stream),
+             "cudaMemcpyAsync(chunk table and scan jobs)");
+  v.chunks = reinterpret_cast<const ChunkInfo*>(table_dev);
+  auto* jobs_dev = reinterpret_cast<const ScanJob*>(table_dev + chunk_table_bytes);
+  if (nchunks > 0) {
+    gdn_wy_kernel<<<unsigned(nchunks) * unsigned(a.num_v_heads), kThreads, kWySmem, stream>>>(
+        a.out ? a.q : nullptr, a.k, a.v, a.g, a.beta, a.num_k_heads, a.num_v_heads, a.l2norm_qk, a.scale, v);
+    check_cuda(cudaGetLastError(), "gdn_wy_kernel launch");
+  }
 
   ScanParams sp{};
   sp.Hk = a.num_k_heads;
@@ -1082,16 +1095,21 @@ void gdn_prefill(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t stream)
 
   // Initial states of the parts: I[1] = F[0]; I[p+1] = T[p] I[p] + F[p] (composition law,
   // DESIGN.md 3.1). Without outputs the chain runs to the end: final = T[P-1] I[P-1] + F[P-1].
+  // With outputs and T_C, I[0] receives the prefix transition T[P-2] ... T[0] that the last part's
+  // T columns start from.
   const size_t state_bytes = state_elems * sizeof(float);
   for (const SplitSeq& q : splits) {
-    float* prev = q.F;  // I[1] = F[0]
-    for (int pp = 1; pp < q.P; ++pp) {
+    const float* prev = q.F;  // I[1] = F[0]
+    for (int pp = 2; pp < q.P; ++pp) {
       float* dst = q.I + size_t(pp) * state_elems;
       check_cuda(cudaMemcpyAsync(dst, prev, state_bytes, cudaMemcpyDeviceToDevice, stream), "copy of a part state");
-      if (pp > 1)
-        compose_fold(a.num_v_heads, 1, dst, q.Tp + size_t(pp - 1) * state_elems, q.F + size_t(pp - 1) * state_elems,
-                     stream);
+      compose_fold(a.num_v_heads, 1, dst, q.Tp + size_t(pp - 1) * state_elems, q.F + size_t(pp - 1) * state_elems,
+                   stream);
       prev = dst;
+    }
+    if (with_out && with_t && q.P > 2) {
+      check_cuda(cudaMemcpyAsync(q.I, q.Tp, state_bytes, cudaMemcpyDeviceToDevice, stream), "copy of T[0]");
+      compose_fold(a.num_v_heads, q.P - 2, q.I, q.Tp + state_elems, nullptr, stream);
     }
     if (!with_out) {
       float* fin = seq_mut(a.final_state, q.seq);
@@ -1104,8 +1122,8 @@ void gdn_prefill(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t stream)
   }
   launch(jobs_dev + jobs1.size(), static_cast<int>(jobs2.size()), with_t, with_t);
 
-  // T_C of a split sequence: T[P-1] ... T[1] T[0].
-  if (with_t)
+  // T_C of a split sequence without outputs: T[P-1] ... T[1] T[0].
+  if (with_t && !with_out)
     for (const SplitSeq& q : splits) {
       float* dst = seq_mut(a.transition, q.seq);
       check_cuda(cudaMemcpyAsync(dst, q.Tp, state_bytes, cudaMemcpyDeviceToDevice, stream), "copy of T[0]");
