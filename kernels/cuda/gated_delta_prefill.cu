@@ -1,6 +1,6 @@
 // Chunked gated delta rule prefill with the segment transition T_C (see gated_delta.h).
 //
-// Two launches, chunk C = 64, head size 128:
+// Chunk C = 64, head size 128; the WY launch, then one or two scan launches:
 //  1. gdn_wy_kernel, per (chunk, value head), all chunks in parallel: l2-normalise q and k (fp32,
 //     rounded to bf16 once), G = in-chunk cumsum of g, A_ij = b_i e^{G_i - G_j} k_i.k_j (j < i),
 //     X = (I + A)^{-1} blockwise in fp32 (16 x 16 diagonal blocks by forward substitution, then
@@ -20,6 +20,13 @@
 //     which is S_C = T_chunk S_0 + K~^T U with T_chunk = gamma I - K~^T W (hybrid_models.md 5.4),
 //     so T columns accumulate T_C = T_n ... T_1 in the same pass. The warps of a block share the
 //     chunk's tiles, staged in shared memory through cp.async (layouts: see section 2 below).
+//  3. Sequence-parallel scan (host side, gdn_prefill): a sequence is a chain of 2 blocks per value
+//     head, so a few long sequences leave most SMs idle. Such a sequence is cut at chunk boundaries
+//     into P parts; scan launch 1 runs part 0 from the initial state (with outputs) and parts
+//     1 .. P-2 from zero with their T; compose_fold gives every part's true initial state
+//     I_{p+1} = T_p I_p + S(p|0) (DESIGN.md 3.1); scan launch 2 reruns parts 1 .. P-1 from I_p for
+//     their outputs (without outputs all parts run in launch 1 and the chain gives the final
+//     state). About 2n/P chunk steps instead of n: P = 3 for 32 value heads on 132 SMs.
 #include <cuda_runtime.h>
 
 #include <algorithm>

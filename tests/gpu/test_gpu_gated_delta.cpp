@@ -4,7 +4,7 @@
 //
 // Stated tolerances (relative Frobenius error ||gpu - cpu|| / ||cpu|| per sequence and head):
 //   chunked prefill (bf16 operands on tensor cores, fp32 state): outputs, final state and T_C <= 2e-2
-//     (reference fed the kernel's bf16-rounded normalised q, k; errors seen on an H200: <= 5e-3)
+//     (reference fed the kernel's bf16-rounded normalised q, k; errors seen on an H200: outputs and states <= 5e-3, T_C <= 1.3e-2)
 //   decode step (fp32 arithmetic, bf16 output):                  state <= 1e-5, outputs <= 1e-2
 //   composition (fp32 FMA / cuBLAS SGEMM without TF32):          <= 1e-5 (reference in double)
 //   conv1d + SiLU (fp32 accumulation, bf16 output):               |d| <= 8e-3 |ref| + 1e-3; conv tail exact
