@@ -251,6 +251,21 @@ def main():
             # the whole-sequence scan (no sequence-parallel parts), for the split's gain
             "ours_whole": lambda: ours.prefill(cu, q, k, v, g, beta, scale, final=s, out=o, parts=1),
         }
+        # Ours captured in a CUDA graph (a warm-up call builds the workspace's plan; the captured
+        # call only launches kernels), to compare with fla's graph without host overhead on either side.
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    variants["ours"]()
+            torch.cuda.current_stream().wait_stream(side)
+            ours_graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(ours_graph):
+                variants["ours"]()
+            variants["ours_graph"] = ours_graph.replay
+        except Exception as e:
+            print(name, "ours CUDA graph capture failed:", type(e).__name__, e, flush=True)
         if chunk_gdr is not None:
             eye = torch.eye(D, device="cuda").expand(nseq, HV, D, D).contiguous()
             v0 = torch.zeros_like(v)
@@ -275,7 +290,8 @@ def main():
                 variants["fla_graph"] = graph.replay
             except Exception as e:
                 print(name, "fla CUDA graph capture failed:", type(e).__name__, e, flush=True)
-        order = [x for x in ("ours", "fla", "ours_tc", "fla_tc2", "ours_whole", "fla_graph") if x in variants]
+        order = [x for x in ("ours", "fla", "ours_tc", "fla_tc2", "ours_whole", "fla_graph", "ours_graph")
+                 if x in variants]
         try:
             for x in order:  # warm-up (fla: Triton compile and autotune on its first calls)
                 for _ in range(5):
@@ -293,6 +309,8 @@ def main():
                        "whole_over_ours": med["ours_whole"] / med["ours"]}
                 if "fla_graph" in med:
                     rnd["fla_graph_over_ours"] = med["fla_graph"] / med["ours"]
+                    if "ours_graph" in med:
+                        rnd["fla_graph_over_ours_graph"] = med["fla_graph"] / med["ours_graph"]
                 if "fla" in med:
                     rnd["fla_over_ours"] = med["fla"] / med["ours"]
                     rnd["fla_plus_2nd_pass_over_ours_tc"] = (med["fla"] + med["fla_tc2"]) / med["ours_tc"]
@@ -301,7 +319,7 @@ def main():
                          "max_ms": max(samples[x])} for x in order}
             entry["rounds"] = rounds
             for key in ("fla_over_ours", "tc_overhead", "fla_plus_2nd_pass_over_ours_tc", "whole_over_ours",
-                        "fla_graph_over_ours"):
+                        "fla_graph_over_ours", "fla_graph_over_ours_graph"):
                 vals = [rd[key] for rd in rounds if key in rd]
                 if vals:
                     entry[key] = {"median": statistics.median(vals), "min": min(vals), "max": max(vals),
@@ -318,6 +336,9 @@ def main():
             line += f", fla {entry['fla']['median_ms']:.3f} (min {entry['fla']['min_ms']:.3f}) ms, " \
                     f"fla/ours x{entry['fla_over_ours']['median']:.2f} " \
                     f"(rounds {entry['fla_over_ours']['min']:.2f}..{entry['fla_over_ours']['max']:.2f})"
+        if "ours_graph" in entry and "fla_graph" in entry:
+            line += (f", CUDA graphs: ours {entry['ours_graph']['median_ms']:.3f} ms, fla "
+                     f"{entry['fla_graph']['median_ms']:.3f} ms (fla/ours x{entry['fla_graph_over_ours_graph']['median']:.2f})")
         print(line, flush=True)
 
         if args.layouts:  # our scan's block layouts, interleaved, 3 rounds
@@ -376,8 +397,8 @@ def main():
         f"median / min over all {n_r * n_s} calls; ratios are of round medians (median, min..max over rounds).",
         "",
         "| shape | ours no T_C: median / min | ours T_C in pass: median / min | T_C overhead (rounds) "
-        "| ours whole-sequence scan (rounds) | fla: median / min | fla / ours (rounds) | fla CUDA graph: median "
-        "| fla graph / ours (rounds) | GPU kernel ms ours / fla | fla + T_C 2nd pass | PyTorch fp32 ref "
+        "| ours whole-sequence scan (rounds) | fla: median / min | fla / ours (rounds) | CUDA graphs: ours / fla "
+        "median | fla graph / ours graph (rounds) | GPU kernel ms ours / fla | fla + T_C 2nd pass | PyTorch fp32 ref "
         "| ours TFLOP/s | ours GB/s |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -404,9 +425,10 @@ def main():
             fo = e["fla_over_ours"]
             row += (f"{e['fla']['median_ms']:.3f} / {e['fla']['min_ms']:.3f} | {fo['median']:.2f}x "
                     f"({fo['min']:.2f}..{fo['max']:.2f}) | ")
-            if "fla_graph" in e:
-                fg = e["fla_graph_over_ours"]
-                row += f"{e['fla_graph']['median_ms']:.3f} | {fg['median']:.2f}x ({fg['min']:.2f}..{fg['max']:.2f}) | "
+            if "fla_graph" in e and "ours_graph" in e:
+                fg = e["fla_graph_over_ours_graph"]
+                row += (f"{e['ours_graph']['median_ms']:.3f} / {e['fla_graph']['median_ms']:.3f} | {fg['median']:.2f}x "
+                        f"({fg['min']:.2f}..{fg['max']:.2f}) | ")
             else:
                 row += "n/a | n/a | "
             row += (f"{ks.get('ours', float('nan')):.3f} / {ks.get('fla', float('nan')):.3f} | "

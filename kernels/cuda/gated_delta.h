@@ -18,6 +18,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 namespace hypic::kernels::cuda {
@@ -60,18 +61,26 @@ struct GdnPrefillArgs {
   int seq_parts = 0;
 };
 
+struct GdnPlan;
+
 /// Device scratch of the chunked prefill (per-chunk WY factors W and U^T, the intra-chunk output
-/// matrix P, per-token factors, the chunk table: about 41 KB per chunk and value head; for a
-/// sequence scanned in P parts also 3 P H_v x 64 KB of part states). Grows on demand and is reused
-/// across calls; not thread-safe; one per stream.
+/// matrix P, per-token factors: about 41 KB per chunk and value head; for a sequence scanned in P
+/// parts also 3 P H_v x 64 KB of part states) and its plan: the chunk table and scan jobs on the
+/// device, built from cu_seqlens, the head counts and which outputs are requested. The plan is kept
+/// while those stay the same (every layer of a forward pass), so such calls copy nothing from the
+/// host and can be captured in a CUDA graph after a first, uncaptured call; a graph must be replayed
+/// while its workspace still holds that plan (one workspace per captured shape). Grows on demand
+/// and is reused across calls; not thread-safe; one per stream.
 class GdnWorkspace {
  public:
-  GdnWorkspace() = default;
+  GdnWorkspace();
   GdnWorkspace(const GdnWorkspace&) = delete;
   GdnWorkspace& operator=(const GdnWorkspace&) = delete;
   ~GdnWorkspace();
   /// Bytes currently held on the device.
   size_t bytes() const { return bytes_ + split_bytes_ + job_bytes_; }
+  /// How many times a plan was built (and copied to the device) so far.
+  long plans_built() const { return plans_built_; }
 
  private:
   friend void gdn_prefill(const GdnPrefillArgs&, GdnWorkspace&, cudaStream_t);
@@ -84,14 +93,17 @@ class GdnWorkspace {
   int seqs_cap_ = 0;
   void* split_mem_ = nullptr;  // per-part (T, S) and initial states of split sequences
   size_t split_bytes_ = 0;
-  void* job_mem_ = nullptr;  // scan job tables of the (up to two) scan launches
+  void* job_mem_ = nullptr;  // chunk table and the scan jobs of the (up to two) scan launches
   size_t job_bytes_ = 0;
+  std::unique_ptr<GdnPlan> plan_;
+  long plans_built_ = 0;
 };
 
 /// Chunked gated delta rule prefill (chunk 64) over a varlen batch: per sequence and value head,
 /// the outputs, the final state and optionally the sequence's cumulative transition
 /// T_C = T_{t_n} ... T_{t_1}, all from one pass (the state scan carries T alongside S, and the
-/// outputs are computed inside the scan). Two launches: the per-chunk factors, then the scan.
+/// outputs are computed inside the scan). Launches: the per-chunk factors, then one scan launch
+/// (two for sequences scanned in parts, with compose_fold between them).
 /// Numerics: bf16 operands on tensor cores with fp32 accumulation; the running state and T stay
 /// fp32, the per-chunk factors (W, U, P) and the state fed to the tensor cores are bf16 (as in
 /// flash-linear-attention). A sequence of length 0 yields final = initial, T_C = I.

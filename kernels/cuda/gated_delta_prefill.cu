@@ -483,17 +483,20 @@ static_assert(kScanSmem <= 227 * 1024, "scan shared memory over the per-block li
 
 enum ScanRole { kRecS, kRecT, kOut };
 
-// One scan job (blockIdx.z): chunks [c_begin, c_begin + nc) of one sequence (all of it, or one
-// part of a split sequence), scanned from `init` (or zero). The state pointers address the job's
-// [H_v][128][128] fp32 block; null = not read (zero start) / not written.
+// One scan job (blockIdx.z): chunks [c_begin, c_begin + nc) of sequence `seq` (all of it, or one
+// part of a split sequence). Jobs hold no pointers, so that a plan (the job table on the device)
+// serves every layer of a forward pass: each state is a reference resolved against the launch's
+// pointers, kRefNone (zero start / not written), kRefUser (the caller's [num_seqs][H_v][128][128]
+// buffer at `seq`) or a slot >= 0 of the workspace's split-state arena ([slot][H_v][128][128]).
+constexpr int kRefNone = -1, kRefUser = -2;
 struct ScanJob {
   int c_begin, nc;
   int out;  // 1: the job's outputs are computed (needs output warps in the launch)
-  int pad;
-  const float* init;
-  const float* init_t;  // T columns start from this transition (a prefix's T) instead of I
-  float* final_state;
-  float* transition;
+  int seq;
+  int init;         // S columns start from this state (kRefNone: zero)
+  int init_t;       // T columns start from this transition (a prefix's T; kRefNone: I)
+  int final_state;  // S columns end here
+  int transition;   // T columns end here (kRefNone: the job wants no T)
 };
 
 struct ScanParams {
@@ -504,9 +507,21 @@ struct ScanParams {
   const bf16* q;  // raw inputs
   const bf16* k;
   bf16* out;
+  const float* user_init;  // the caller's state buffers (each may be null)
+  float* user_final;
+  float* user_transition;
+  float* split;  // split-state arena
   const ScanJob* jobs;
   WsView ws;
 };
+
+// Address of a job's [H_v][128][128] state reference (see ScanJob), or null.
+__host__ __device__ __forceinline__ float* state_ref(int ref, int seq, const float* user, float* split, int Hv) {
+  const size_t elems = size_t(Hv) * kGdnHeadDim * kGdnHeadDim;
+  if (ref == kRefUser) return user ? const_cast<float*>(user) + size_t(seq) * elems : nullptr;
+  if (ref >= 0) return split + size_t(ref) * elems;
+  return nullptr;
+}
 
 // Role, 16-column group (0..7) and column block (0..1) of warp w in block b.
 __device__ __forceinline__ void scan_role(const ScanParams& p, int b, int w, ScanRole& role, int& group, int& cb) {
@@ -639,6 +654,10 @@ __global__ void __launch_bounds__(kScanMaxThreads, 1) gdn_scan_kernel(ScanParams
   const WsView& ws = p.ws;
   const ScanJob job = p.jobs[blockIdx.z];
   const int c_begin = job.c_begin, nc = job.nc;
+  const float* j_init = state_ref(job.init, job.seq, p.user_init, p.split, p.Hv);
+  const float* j_init_t = state_ref(job.init_t, job.seq, p.user_transition, p.split, p.Hv);
+  float* j_final = state_ref(job.final_state, job.seq, p.user_final, p.split, p.Hv);
+  float* j_trans = state_ref(job.transition, job.seq, p.user_transition, p.split, p.Hv);
   const size_t head_off = size_t(h) * D * D;
   const bool job_out = p.with_out && job.out;
   // Chunk c of the job covers tokens seq_t0 + 64 c .. min(+64, seq_end) - 1.
@@ -665,14 +684,14 @@ __global__ void __launch_bounds__(kScanMaxThreads, 1) gdn_scan_kernel(ScanParams
     if (r == kOut && !has_out_warps) has_out_warps = true, first_out = w;
   }
   // A block of T columns only, for a job that wants no T: nothing to do.
-  if (!block_s && block_t && !job.transition) return;
+  if (!block_s && block_t && !j_trans) return;
   const bool block_out = has_out_warps && job_out;  // ring B staged, outputs computed
   // Output warps stage the tiles where they exist; otherwise every warp does.
   const bool issuer = has_out_warps ? role == kOut : true;
   const int itid = has_out_warps ? tid - 32 * first_out : tid;
   const int nissue = has_out_warps ? 32 * kGroupsPerBlock : blockDim.x;
   // T warps of a job that wants no T only keep the barriers.
-  const bool rec_active = role == kRecS || (role == kRecT && job.transition);
+  const bool rec_active = role == kRecS || (role == kRecT && j_trans);
   const int col0 = 16 * group;  // the warp's first column of S (or T)
   const int gl = group & 3;     // group within its column block
   uint4* exch = reinterpret_cast<uint4*>(smem + kRingA * kStageA + kRingB * kStageB);
@@ -694,9 +713,9 @@ __global__ void __launch_bounds__(kScanMaxThreads, 1) gdn_scan_kernel(ScanParams
         const int d = 8 * n + cc + (e & 1), col = col0 + gi + (e >= 2 ? 8 : 0);
         float val;
         if (role == kRecS)
-          val = job.init ? job.init[head_off + size_t(d) * D + col] : 0.f;
+          val = j_init ? j_init[head_off + size_t(d) * D + col] : 0.f;
         else
-          val = job.init_t ? job.init_t[head_off + size_t(d) * D + col] : (d == col ? 1.f : 0.f);
+          val = j_init_t ? j_init_t[head_off + size_t(d) * D + col] : (d == col ? 1.f : 0.f);
         acc[n][e] = val;
       }
   }
@@ -834,7 +853,7 @@ __global__ void __launch_bounds__(kScanMaxThreads, 1) gdn_scan_kernel(ScanParams
   cp_async_wait<0>();
 
   if (rec_active) {
-    float* dst = role == kRecS ? job.final_state : job.transition;
+    float* dst = role == kRecS ? j_final : j_trans;
     if (dst) {
       dst += head_off;
 #pragma unroll
@@ -864,6 +883,8 @@ void configure() {
 }
 
 }  // namespace
+
+GdnWorkspace::GdnWorkspace() = default;
 
 GdnWorkspace::~GdnWorkspace() {
   if (mem_) cudaFree(mem_);
@@ -932,6 +953,114 @@ std::vector<int> gdn_scan_parts(const GdnPrefillArgs& a) {
   return parts;
 }
 
+// The scan plan of one call shape (see GdnWorkspace): chunk table and scan jobs (on the device in
+// ws.job_mem_), the launch layouts and the split sequences' state slots.
+struct GdnPlan {
+  std::vector<int> key;  // cu_seqlens, head counts, requested outputs, seq_parts, scan_layout
+  int nchunks = 0, njobs1 = 0, njobs2 = 0, n_split = 0;
+  size_t chunk_table_bytes = 0;
+  struct Split {
+    int seq, P;
+    int F, Tp, I;  // first slots of F[p] (final state of part p from its start), Tp[p] (its T), I[p]
+  };
+  std::vector<Split> splits;
+};
+
+namespace {
+
+std::vector<int> plan_key(const GdnPrefillArgs& a) {
+  std::vector<int> key(a.cu_seqlens_host, a.cu_seqlens_host + a.num_seqs + 1);
+  key.insert(key.end(), {a.num_seqs, a.num_k_heads, a.num_v_heads, a.out != nullptr, a.transition != nullptr,
+                         a.seq_parts, a.scan_layout});
+  return key;
+}
+
+// Builds the plan for `a`: the chunk table and scan jobs as one host table (copied to the device by
+// the caller) and the bytes of split-state arena they need.
+void build_plan(const GdnPrefillArgs& a, GdnPlan& plan, std::vector<unsigned char>& table,
+                size_t& split_bytes) {
+  std::vector<ChunkInfo> chunks;
+  std::vector<int> seq_start(a.num_seqs + 1);
+  for (int s = 0; s < a.num_seqs; ++s) {
+    const int t0 = a.cu_seqlens_host[s], t1 = a.cu_seqlens_host[s + 1];
+    seq_start[s] = static_cast<int>(chunks.size());
+    for (int t = t0; t < t1; t += C) chunks.push_back({s, t, std::min(C, t1 - t), 0});
+  }
+  seq_start[a.num_seqs] = static_cast<int>(chunks.size());
+  plan.nchunks = static_cast<int>(chunks.size());
+  const bool with_t = a.transition != nullptr, with_out = a.out != nullptr;
+  const std::vector<int> parts = gdn_scan_parts(a);
+  int max_parts = 1;
+  plan.n_split = 0;
+  plan.splits.clear();
+  for (int s = 0; s < a.num_seqs; ++s)
+    if (parts[s] > 1) {
+      max_parts = std::max(max_parts, parts[s]);
+      ++plan.n_split;
+    }
+  for (int s = 0, k = 0; s < a.num_seqs; ++s) {
+    if (parts[s] == 1) continue;
+    const int b0 = 3 * max_parts * k++;
+    plan.splits.push_back({s, parts[s], b0, b0 + max_parts, b0 + 2 * max_parts});
+  }
+  split_bytes = size_t(3) * max_parts * plan.n_split * size_t(a.num_v_heads) * D * D * sizeof(float);
+  auto part_range = [&](int s, int P, int p, int& c0, int& n) {
+    const int nc_s = seq_start[s + 1] - seq_start[s];
+    const int lo = int(long(nc_s) * p / P), hi = int(long(nc_s) * (p + 1) / P);
+    c0 = seq_start[s] + lo;
+    n = hi - lo;
+  };
+  std::vector<ScanJob> jobs1, jobs2;
+  // Launch 1: parts of split sequences first (they carry the critical path), then whole sequences.
+  for (const GdnPlan::Split& sp : plan.splits) {
+    const int last1 = with_out ? sp.P - 2 : sp.P - 1;  // without outputs every part runs here
+    for (int pp = 0; pp <= last1; ++pp) {
+      ScanJob j{};
+      part_range(sp.seq, sp.P, pp, j.c_begin, j.nc);
+      j.seq = sp.seq;
+      j.out = pp == 0 && with_out;
+      j.init = pp == 0 ? kRefUser : kRefNone;
+      j.init_t = kRefNone;
+      j.final_state = sp.F + pp;
+      j.transition = (pp > 0 || with_t) ? sp.Tp + pp : kRefNone;
+      jobs1.push_back(j);
+    }
+  }
+  for (int s = 0; s < a.num_seqs; ++s) {
+    if (parts[s] > 1) continue;
+    jobs1.push_back({seq_start[s], seq_start[s + 1] - seq_start[s], with_out, s, kRefUser, kRefNone, kRefUser,
+                     kRefUser});
+  }
+  // Launch 2 (with outputs): parts 1 .. P-1 from their composed initial states I[1] = F[0], I[p].
+  if (with_out)
+    for (const GdnPlan::Split& sp : plan.splits)
+      for (int pp = 1; pp < sp.P; ++pp) {
+        ScanJob j{};
+        part_range(sp.seq, sp.P, pp, j.c_begin, j.nc);
+        j.seq = sp.seq;
+        j.out = 1;
+        j.init = pp == 1 ? sp.F : sp.I + pp;
+        j.final_state = pp == sp.P - 1 ? kRefUser : kRefNone;
+        // T_C = T[P-1] (T[P-2] ... T[0]): the last part's T columns start from the prefix in I[0].
+        const bool last_t = pp == sp.P - 1 && with_t;
+        j.init_t = last_t ? (sp.P == 2 ? sp.Tp : sp.I) : kRefNone;
+        j.transition = last_t ? kRefUser : kRefNone;
+        jobs2.push_back(j);
+      }
+  plan.njobs1 = static_cast<int>(jobs1.size());
+  plan.njobs2 = static_cast<int>(jobs2.size());
+  plan.chunk_table_bytes = (chunks.size() * sizeof(ChunkInfo) + 15) / 16 * 16;
+  table.assign(plan.chunk_table_bytes + (jobs1.size() + jobs2.size()) * sizeof(ScanJob), 0);
+  if (!chunks.empty()) std::memcpy(table.data(), chunks.data(), chunks.size() * sizeof(ChunkInfo));
+  std::memcpy(table.data() + plan.chunk_table_bytes, jobs1.data(), jobs1.size() * sizeof(ScanJob));
+  if (!jobs2.empty())
+    std::memcpy(table.data() + plan.chunk_table_bytes + jobs1.size() * sizeof(ScanJob), jobs2.data(),
+                jobs2.size() * sizeof(ScanJob));
+  plan.key = plan_key(a);
+}
+
+}  // namespace
+
 void gdn_prefill(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t stream) {
   if (a.num_seqs < 1 || a.num_seqs > 65535)
     throw std::invalid_argument("gdn_prefill: num_seqs must be in [1, 65535], got " + std::to_string(a.num_seqs));
@@ -944,26 +1073,33 @@ void gdn_prefill(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t stream)
     throw std::invalid_argument("gdn_prefill: scan_layout must be in [0, 2], got " + std::to_string(a.scan_layout));
   if (a.cu_seqlens_host[0] != 0) throw std::invalid_argument("gdn_prefill: cu_seqlens_host[0] must be 0");
   if (a.seq_parts < 0) throw std::invalid_argument("gdn_prefill: seq_parts must be >= 0, got " + std::to_string(a.seq_parts));
-  std::vector<ChunkInfo> chunks;
-  std::vector<int> seq_start(a.num_seqs + 1);
-  for (int s = 0; s < a.num_seqs; ++s) {
-    const int t0 = a.cu_seqlens_host[s], t1 = a.cu_seqlens_host[s + 1];
-    if (t1 < t0)
+  for (int s = 0; s < a.num_seqs; ++s)
+    if (a.cu_seqlens_host[s + 1] < a.cu_seqlens_host[s])
       throw std::invalid_argument("gdn_prefill: cu_seqlens_host decreases at sequence " + std::to_string(s) + " (" +
-                                  std::to_string(t0) + " > " + std::to_string(t1) + ")");
-    seq_start[s] = static_cast<int>(chunks.size());
-    for (int t = t0; t < t1; t += C) chunks.push_back({s, t, std::min(C, t1 - t), 0});
-  }
-  seq_start[a.num_seqs] = static_cast<int>(chunks.size());
+                                  std::to_string(a.cu_seqlens_host[s]) + " > " +
+                                  std::to_string(a.cu_seqlens_host[s + 1]) + ")");
   const int total_tokens = a.cu_seqlens_host[a.num_seqs];
-  const int nchunks = static_cast<int>(chunks.size());
   if (total_tokens > 0 && (!a.k || !a.v || !a.g || !a.beta))
     throw std::invalid_argument("gdn_prefill: k, v, g and beta must be non-null");
   if (a.out && total_tokens > 0 && !a.q) throw std::invalid_argument("gdn_prefill: q is null but out is requested");
 
   configure();
-  const size_t chunk_heads = size_t(nchunks) * a.num_v_heads;
-  ws.reserve(chunk_heads, nchunks, a.num_seqs);
+  const bool with_t = a.transition != nullptr, with_out = a.out != nullptr;
+  // The plan: reused while cu_seqlens, head counts and requested outputs stay the same.
+  if (!ws.plan_ || ws.plan_->key != plan_key(a)) {
+    auto plan = std::make_unique<GdnPlan>();
+    std::vector<unsigned char> table;
+    size_t split_bytes = 0;
+    build_plan(a, *plan, table, split_bytes);
+    ws.reserve_split(split_bytes, table.size());
+    check_cuda(cudaMemcpyAsync(ws.job_mem_, table.data(), table.size(), cudaMemcpyHostToDevice, stream),
+               "cudaMemcpyAsync(chunk table and scan jobs)");
+    ws.plan_ = std::move(plan);
+    ++ws.plans_built_;
+  }
+  const GdnPlan& plan = *ws.plan_;
+  const int nchunks = plan.nchunks;
+  ws.reserve(size_t(nchunks) * a.num_v_heads, nchunks, a.num_seqs);
   auto* base = static_cast<unsigned char*>(ws.mem_);
   WsView v{};
   const size_t cap = ws.chunk_heads_cap_;
@@ -971,100 +1107,10 @@ void gdn_prefill(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t stream)
   v.UT = v.W + cap * kWElems;
   v.P = v.UT + cap * kWElems;
   v.scal = reinterpret_cast<float*>(v.P + cap * kPElems);
-
-  // Scan plan. Each job of a launch gets blocks_per_head x H_v blocks (one block per SM: the staged
-  // tiles take most of its shared memory). A sequence of n chunks scanned whole takes n chunk
-  // steps; cut into P parts it takes about 2n/P (n/P for the parts' (T, S(part|0)) pairs, then n/P
-  // to rerun parts 1.. from their composed initial states for the outputs) or n/P + a composition
-  // without outputs. Long sequences are cut when the whole-sequence scan would leave SMs idle.
-  const bool with_t = a.transition != nullptr, with_out = a.out != nullptr;
-  const size_t state_elems = size_t(a.num_v_heads) * D * D;  // one job's [H_v][128][128]
-  const std::vector<int> parts = gdn_scan_parts(a);
-  int n_split = 0, max_parts = 1;
-  for (int s = 0; s < a.num_seqs; ++s)
-    if (parts[s] > 1) ++n_split, max_parts = std::max(max_parts, parts[s]);
-
-  auto seq_ptr = [&](const float* base_ptr, int s) { return base_ptr ? base_ptr + size_t(s) * state_elems : nullptr; };
-  auto seq_mut = [&](float* base_ptr, int s) { return base_ptr ? base_ptr + size_t(s) * state_elems : nullptr; };
-  // Split buffers per split sequence: F[p] (final state of part p from its start state), Tp[p]
-  // (transition of part p), I[p] (true initial state of part p), p < max_parts, each [H_v][128][128].
-  std::vector<ScanJob> jobs1, jobs2;
-  struct SplitSeq {
-    int seq, P;
-    float *F, *Tp, *I;
-  };
-  std::vector<SplitSeq> splits;
-  const size_t per_split = 3 * size_t(max_parts) * state_elems;
-  const size_t max_jobs = 2 * (size_t(a.num_seqs) + size_t(n_split) * max_parts);
-  const size_t chunk_table_bytes = (size_t(nchunks) * sizeof(ChunkInfo) + 15) / 16 * 16;
-  ws.reserve_split(size_t(n_split) * per_split * sizeof(float), chunk_table_bytes + max_jobs * sizeof(ScanJob));
-  {
-    float* sbase = static_cast<float*>(ws.split_mem_);
-    for (int s = 0, k = 0; s < a.num_seqs; ++s) {
-      if (parts[s] == 1) continue;
-      float* b0 = sbase + size_t(k++) * per_split;
-      splits.push_back({s, parts[s], b0, b0 + size_t(max_parts) * state_elems, b0 + 2 * size_t(max_parts) * state_elems});
-    }
-  }
-  auto part_range = [&](int s, int P, int p, int& c0, int& n) {
-    const int nc_s = seq_start[s + 1] - seq_start[s];
-    const int lo = int(long(nc_s) * p / P), hi = int(long(nc_s) * (p + 1) / P);
-    c0 = seq_start[s] + lo;
-    n = hi - lo;
-  };
-  // Launch 1: parts of split sequences first (they carry the critical path), then whole sequences.
-  for (const SplitSeq& sp : splits) {
-    const int s = sp.seq, P = sp.P;
-    const int last1 = with_out ? P - 2 : P - 1;  // without outputs every part runs here
-    for (int pp = 0; pp <= last1; ++pp) {
-      ScanJob j{};
-      part_range(s, P, pp, j.c_begin, j.nc);
-      j.out = pp == 0 && with_out;
-      j.init = pp == 0 ? seq_ptr(a.initial_state, s) : nullptr;
-      j.final_state = sp.F + size_t(pp) * state_elems;
-      j.transition = (pp > 0 || with_t) ? sp.Tp + size_t(pp) * state_elems : nullptr;
-      jobs1.push_back(j);
-    }
-  }
-  for (int s = 0; s < a.num_seqs; ++s) {
-    if (parts[s] > 1) continue;
-    ScanJob j{};
-    j.c_begin = seq_start[s];
-    j.nc = seq_start[s + 1] - seq_start[s];
-    j.out = with_out;
-    j.init = seq_ptr(a.initial_state, s);
-    j.final_state = seq_mut(a.final_state, s);
-    j.transition = seq_mut(a.transition, s);
-    jobs1.push_back(j);
-  }
-  // Launch 2 (with outputs): parts 1 .. P-1 from their composed initial states.
-  if (with_out)
-    for (const SplitSeq& sp : splits)
-      for (int pp = 1; pp < sp.P; ++pp) {
-        ScanJob j{};
-        part_range(sp.seq, sp.P, pp, j.c_begin, j.nc);
-        j.out = 1;
-        j.init = pp == 1 ? sp.F : sp.I + size_t(pp) * state_elems;  // I[1] = F[0]
-        j.final_state = pp == sp.P - 1 ? seq_mut(a.final_state, sp.seq) : nullptr;
-        if (pp == sp.P - 1 && with_t) {  // T_C = T[P-1] (T[P-2] ... T[0]), the prefix in I[0]
-          j.init_t = sp.P == 2 ? sp.Tp : sp.I;
-          j.transition = seq_mut(a.transition, sp.seq);
-        }
-        jobs2.push_back(j);
-      }
-  // One host-to-device copy of the chunk table and the scan jobs (pageable memory: cudaMemcpyAsync
-  // stages it before returning, so the locals may go).
-  std::vector<unsigned char> table(chunk_table_bytes + (jobs1.size() + jobs2.size()) * sizeof(ScanJob));
-  if (nchunks > 0) std::memcpy(table.data(), chunks.data(), nchunks * sizeof(ChunkInfo));
-  std::memcpy(table.data() + chunk_table_bytes, jobs1.data(), jobs1.size() * sizeof(ScanJob));
-  if (!jobs2.empty())
-    std::memcpy(table.data() + chunk_table_bytes + jobs1.size() * sizeof(ScanJob), jobs2.data(),
-                jobs2.size() * sizeof(ScanJob));
   auto* table_dev = static_cast<unsigned char*>(ws.job_mem_);
-  check_cuda(cudaMemcpyAsync(table_dev, table.data(), table.size(), cudaMemcpyHostToDevice, stream),
-             "cudaMemcpyAsync(chunk table and scan jobs)");
   v.chunks = reinterpret_cast<const ChunkInfo*>(table_dev);
-  auto* jobs_dev = reinterpret_cast<const ScanJob*>(table_dev + chunk_table_bytes);
+  const auto* jobs_dev = reinterpret_cast<const ScanJob*>(table_dev + plan.chunk_table_bytes);
+  auto* split = static_cast<float*>(ws.split_mem_);
   if (nchunks > 0) {
     gdn_wy_kernel<<<unsigned(nchunks) * unsigned(a.num_v_heads), kThreads, kWySmem, stream>>>(
         a.out ? a.q : nullptr, a.k, a.v, a.g, a.beta, a.num_k_heads, a.num_v_heads, a.l2norm_qk, a.scale, v);
@@ -1077,6 +1123,10 @@ void gdn_prefill(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t stream)
   sp.q = a.q;
   sp.k = a.k;
   sp.out = a.out;
+  sp.user_init = a.initial_state;
+  sp.user_final = a.final_state;
+  sp.user_transition = a.transition;
+  sp.split = split;
   sp.ws = v;
   sp.s_blocks = 2;
   auto launch = [&](const ScanJob* jobs, int njobs, bool need_t, bool mixed_forced) {
@@ -1098,44 +1148,42 @@ void gdn_prefill(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t stream)
   };
   // Launch 1 needs T warps for the middle parts of split sequences (mixed blocks keep it at two
   // blocks per job and head).
-  launch(jobs_dev, static_cast<int>(jobs1.size()), with_t || n_split > 0, n_split > 0);
+  launch(jobs_dev, plan.njobs1, with_t || plan.n_split > 0, plan.n_split > 0);
 
   // Initial states of the parts: I[1] = F[0]; I[p+1] = T[p] I[p] + F[p] (composition law,
   // DESIGN.md 3.1). Without outputs the chain runs to the end: final = T[P-1] I[P-1] + F[P-1].
   // With outputs and T_C, I[0] receives the prefix transition T[P-2] ... T[0] that the last part's
   // T columns start from.
-  const size_t state_bytes = state_elems * sizeof(float);
-  for (const SplitSeq& q : splits) {
-    const float* prev = q.F;  // I[1] = F[0]
+  const int Hv = a.num_v_heads;
+  const size_t state_bytes = size_t(Hv) * D * D * sizeof(float);
+  auto slot = [&](int i) { return state_ref(i, 0, nullptr, split, Hv); };
+  for (const GdnPlan::Split& q : plan.splits) {
+    const float* prev = slot(q.F);  // I[1] = F[0]
     for (int pp = 2; pp < q.P; ++pp) {
-      float* dst = q.I + size_t(pp) * state_elems;
+      float* dst = slot(q.I + pp);
       check_cuda(cudaMemcpyAsync(dst, prev, state_bytes, cudaMemcpyDeviceToDevice, stream), "copy of a part state");
-      compose_fold(a.num_v_heads, 1, dst, q.Tp + size_t(pp - 1) * state_elems, q.F + size_t(pp - 1) * state_elems,
-                   stream);
+      compose_fold(Hv, 1, dst, slot(q.Tp + pp - 1), slot(q.F + pp - 1), stream);
       prev = dst;
     }
     if (with_out && with_t && q.P > 2) {
-      check_cuda(cudaMemcpyAsync(q.I, q.Tp, state_bytes, cudaMemcpyDeviceToDevice, stream), "copy of T[0]");
-      compose_fold(a.num_v_heads, q.P - 2, q.I, q.Tp + state_elems, nullptr, stream);
+      check_cuda(cudaMemcpyAsync(slot(q.I), slot(q.Tp), state_bytes, cudaMemcpyDeviceToDevice, stream),
+                 "copy of T[0]");
+      compose_fold(Hv, q.P - 2, slot(q.I), slot(q.Tp + 1), nullptr, stream);
     }
     if (!with_out) {
-      float* fin = seq_mut(a.final_state, q.seq);
+      float* fin = state_ref(kRefUser, q.seq, a.final_state, split, Hv);
       if (fin) {
         check_cuda(cudaMemcpyAsync(fin, prev, state_bytes, cudaMemcpyDeviceToDevice, stream), "copy of the final state");
-        compose_fold(a.num_v_heads, 1, fin, q.Tp + size_t(q.P - 1) * state_elems, q.F + size_t(q.P - 1) * state_elems,
-                     stream);
+        compose_fold(Hv, 1, fin, slot(q.Tp + q.P - 1), slot(q.F + q.P - 1), stream);
+      }
+      float* tc = state_ref(kRefUser, q.seq, a.transition, split, Hv);
+      if (tc) {  // T_C = T[P-1] ... T[1] T[0]
+        check_cuda(cudaMemcpyAsync(tc, slot(q.Tp), state_bytes, cudaMemcpyDeviceToDevice, stream), "copy of T[0]");
+        compose_fold(Hv, q.P - 1, tc, slot(q.Tp + 1), nullptr, stream);
       }
     }
   }
-  launch(jobs_dev + jobs1.size(), static_cast<int>(jobs2.size()), with_t, with_t);
-
-  // T_C of a split sequence without outputs: T[P-1] ... T[1] T[0].
-  if (with_t && !with_out)
-    for (const SplitSeq& q : splits) {
-      float* dst = seq_mut(a.transition, q.seq);
-      check_cuda(cudaMemcpyAsync(dst, q.Tp, state_bytes, cudaMemcpyDeviceToDevice, stream), "copy of T[0]");
-      compose_fold(a.num_v_heads, q.P - 1, dst, q.Tp + state_elems, nullptr, stream);
-    }
+  launch(jobs_dev + plan.njobs1, plan.njobs2, with_t, with_t);
 }
 
 }  // namespace hypic::kernels::cuda

@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -220,6 +221,119 @@ TEST_CASE("gdn_prefill sequence-parallel scan (parts composed through T) matches
   // (min(P, 50 / 16)); 47 chunks stay whole.
   SECTION("automatic, with outputs") { run_prefill_case({1, 1, {3200}, true, 0, true, {3}, 0.05f}, 42); }
   SECTION("automatic, without outputs") { run_prefill_case({1, 2, {3200, 3000}, true, 0, false, {3, 1}, 0.05f}, 43); }
+}
+
+TEST_CASE("gdn_prefill keeps its plan across calls of one shape and replays from a CUDA graph",
+          "[gpu][gated_delta]") {
+  require_gpu();
+  // Two "layers" of one shape (a split sequence and a whole one, with outputs, initial states and
+  // T_C): the second call reuses the plan (no host-to-device copy) and gives, bit for bit, what a
+  // fresh workspace gives; a graph captured after a warm-up call and replayed on new inputs in the
+  // same buffers gives what an eager call gives on those inputs.
+  std::mt19937 rng(61);
+  const int hk = 1, hv = 2;
+  const std::vector<int> cu = {0, 700, 900};  // 11 chunks (3 parts) and 4 chunks (whole)
+  const int T = cu.back(), n = 2;
+  const size_t se = size_t(n) * hv * D * D;
+  struct Layer {
+    DeviceBuffer<bf16> q, k, v;
+    DeviceBuffer<float> g, b, init;
+  };
+  auto make_layer = [&]() {
+    std::vector<float> tmp;
+    auto qh = random_bf16(rng, size_t(T) * hk * D, 1.f, tmp);
+    auto kh = random_bf16(rng, size_t(T) * hk * D, 1.f, tmp);
+    auto vh = random_bf16(rng, size_t(T) * hv * D, 1.f, tmp);
+    auto g = random_log_decay(rng, size_t(T) * hv);
+    for (auto& x : g) x *= 0.05f;
+    auto beta = random_beta(rng, size_t(T) * hv);
+    std::vector<float> init(se);
+    std::normal_distribution<float> nd(0.f, 0.3f);
+    for (auto& x : init) x = nd(rng);
+    return Layer{DeviceBuffer<bf16>(qh), DeviceBuffer<bf16>(kh), DeviceBuffer<bf16>(vh),
+                 DeviceBuffer<float>(g),  DeviceBuffer<float>(beta), DeviceBuffer<float>(init)};
+  };
+  Layer l0 = make_layer(), l1 = make_layer();
+  DeviceBuffer<float> fin(se), tr(se), fin_ref(se), tr_ref(se);
+  DeviceBuffer<bf16> out(size_t(T) * hv * D), out_ref(size_t(T) * hv * D);
+  auto args = [&](const Layer& l, float* f, float* t, bf16* o) {
+    gpu::GdnPrefillArgs a;
+    a.num_seqs = n;
+    a.cu_seqlens_host = cu.data();
+    a.num_k_heads = hk;
+    a.num_v_heads = hv;
+    a.q = l.q.get();
+    a.k = l.k.get();
+    a.v = l.v.get();
+    a.g = l.g.get();
+    a.beta = l.b.get();
+    a.initial_state = l.init.get();
+    a.final_state = f;
+    a.transition = t;
+    a.out = o;
+    a.seq_parts = 3;
+    return a;
+  };
+  auto same = [](const auto& x, const auto& y) {
+    return x.size() == y.size() && std::memcmp(x.data(), y.data(), x.size() * sizeof(x[0])) == 0;
+  };
+  gpu::GdnWorkspace ws;
+  REQUIRE(gpu::gdn_scan_parts(args(l0, fin.get(), tr.get(), out.get())) == std::vector<int>({3, 1}));
+  gpu::gdn_prefill(args(l0, fin.get(), tr.get(), out.get()), ws);
+  gpu::gdn_prefill(args(l1, fin.get(), tr.get(), out.get()), ws);  // layer 1 on the kept plan
+  CHECK(ws.plans_built() == 1);
+  {
+    gpu::GdnWorkspace fresh;
+    gpu::gdn_prefill(args(l1, fin_ref.get(), tr_ref.get(), out_ref.get()), fresh);
+    check_cuda(cudaDeviceSynchronize(), "prefill");
+    CHECK(same(fin.download(), fin_ref.download()));
+    CHECK(same(tr.download(), tr_ref.download()));
+    CHECK(same(out.download(), out_ref.download()));
+  }
+  // Another shape rebuilds the plan; coming back rebuilds it again.
+  const std::vector<int> cu2 = {0, 300, 900};
+  auto a2 = args(l0, fin.get(), tr.get(), out.get());
+  a2.cu_seqlens_host = cu2.data();
+  gpu::gdn_prefill(a2, ws);
+  CHECK(ws.plans_built() == 2);
+  auto a3 = args(l0, fin.get(), nullptr, out.get());  // no T_C: another plan too
+  gpu::gdn_prefill(a3, ws);
+  CHECK(ws.plans_built() == 3);
+
+  // CUDA graph: warm up (builds the plan), capture, then replay on layer 1's inputs copied into
+  // layer 0's buffers.
+  cudaStream_t st;
+  check_cuda(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "cudaStreamCreate");
+  gpu::gdn_prefill(args(l0, fin.get(), tr.get(), out.get()), ws, st);
+  check_cuda(cudaStreamSynchronize(st), "warm-up");
+  const long built = ws.plans_built();
+  cudaGraph_t graph;
+  check_cuda(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), "begin capture");
+  gpu::gdn_prefill(args(l0, fin.get(), tr.get(), out.get()), ws, st);
+  check_cuda(cudaStreamEndCapture(st, &graph), "end capture");
+  CHECK(ws.plans_built() == built);
+  cudaGraphExec_t exec;
+  check_cuda(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+  auto copy = [&](auto& dst, const auto& src) {
+    check_cuda(cudaMemcpy(dst.get(), src.get(), src.size() * sizeof(*src.get()), cudaMemcpyDeviceToDevice), "copy");
+  };
+  copy(l0.q, l1.q);
+  copy(l0.k, l1.k);
+  copy(l0.v, l1.v);
+  copy(l0.g, l1.g);
+  copy(l0.b, l1.b);
+  copy(l0.init, l1.init);
+  fin.poison();
+  tr.poison();
+  out.poison();
+  check_cuda(cudaGraphLaunch(exec, st), "graph launch");
+  check_cuda(cudaStreamSynchronize(st), "graph replay");
+  CHECK(same(fin.download(), fin_ref.download()));
+  CHECK(same(tr.download(), tr_ref.download()));
+  CHECK(same(out.download(), out_ref.download()));
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(st);
 }
 
 TEST_CASE("gdn_prefill splits: running two halves through initial_state equals one pass", "[gpu][gated_delta]") {
