@@ -151,6 +151,13 @@ class Ours:
         self.ws = ctypes.c_void_p(self.lib.hypic_gdn_workspace_create())
         self.err = ctypes.create_string_buffer(512)
 
+    def close(self):
+        """Frees the workspace (device memory); the object is unusable afterwards."""
+        if self.ws:
+            torch.cuda.synchronize()
+            self.lib.hypic_gdn_workspace_destroy(self.ws)
+            self.ws = None
+
     def prefill(self, cu_host, q, k, v, g, beta, scale, final=None, tc=None, out=None, initial=None, layout=0,
                 parts=0):
         """cu_host: ctypes int array of num_seqs + 1 offsets; tensors as in gated_delta.h (contiguous)."""
@@ -251,18 +258,21 @@ def main():
             # the whole-sequence scan (no sequence-parallel parts), for the split's gain
             "ours_whole": lambda: ours.prefill(cu, q, k, v, g, beta, scale, final=s, out=o, parts=1),
         }
-        # Ours captured in a CUDA graph (a warm-up call builds the workspace's plan; the captured
-        # call only launches kernels), to compare with fla's graph without host overhead on either side.
+        # Ours captured in a CUDA graph (a warm-up call builds the plan; the captured call only
+        # launches kernels), to compare with fla's graph without host overhead on either side. The
+        # graph gets a workspace of its own: the other variants change the shared one's plan.
         try:
+            graph_ws = Ours(args.ours_lib)
+            fg = lambda: graph_ws.prefill(cu, q, k, v, g, beta, scale, final=s, out=o)  # noqa: E731
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(2):
-                    variants["ours"]()
+                    fg()
             torch.cuda.current_stream().wait_stream(side)
             ours_graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(ours_graph):
-                variants["ours"]()
+                fg()
             variants["ours_graph"] = ours_graph.replay
         except Exception as e:
             print(name, "ours CUDA graph capture failed:", type(e).__name__, e, flush=True)
@@ -381,6 +391,11 @@ def main():
         t_ref = median_time_ms(lambda: reference_chunked(q, k, v, g, beta, scale, nseq), 2, warm=1)
         res["reference"][name] = {"ms": t_ref}
         del q, k, v, g, beta, o, s, t, variants
+        if "graph_ws" in locals():
+            if "ours_graph" in locals():
+                del ours_graph
+            graph_ws.close()
+            del graph_ws
         torch.cuda.empty_cache()
 
     # ---- merged table -----------------------------------------------------------------------------
