@@ -64,30 +64,34 @@ __global__ void __launch_bounds__(D) gdn_decode_kernel(const bf16* __restrict__ 
   if (out) out[hv * D + j] = __float2bfloat16_rn(o);
 }
 
-// Composition: one block per (batch entry, 64-column half of the running state). The block keeps
-// its 128 x 64 running block in shared memory across all segments and, per segment, computes
-// R <- T R + S with T staged in shared memory. Thread (rg, cg) owns rows rg + 16 r (r < 8) and
-// columns 4 cg .. 4 cg + 3.
-constexpr int kCompBN = 64;
+// Composition: one block per (batch entry, BN-column block of the running state). The block keeps
+// its 128 x BN running block in shared memory across all segments and, per segment, computes
+// R <- T R + S with T staged in shared memory. Thread (rg, cg) of the 256 owns columns
+// 4 cg .. 4 cg + 3 and rows rg + RG r (r < 128 / RG), with BN / 4 column groups and RG = 1024 / BN
+// row groups. BN = 64 for large batches; 32 or 16 spread a small batch over more SMs.
 constexpr int kCompLdT = D + 4;
-constexpr int kCompLdR = kCompBN + 4;
-constexpr int kCompSmem = (D * kCompLdT + D * kCompLdR) * 4;
+template <int BN>
+constexpr int comp_smem() {
+  return (D * kCompLdT + D * (BN + 4)) * 4;
+}
 
+template <int BN>
 __global__ void __launch_bounds__(256) compose_fold_kernel(int batch, int num_segments, float* running,
                                                            const float* __restrict__ transitions,
                                                            const float* __restrict__ states) {
+  constexpr int CG = BN / 4, RG = 256 / CG, RPT = D / RG, LDR = BN + 4;
   extern __shared__ __align__(16) float csm[];
   float* sT = csm;
   float* sR = csm + D * kCompLdT;
-  const int b = blockIdx.x, c0 = blockIdx.y * kCompBN, tid = threadIdx.x;
-  const int rg = tid >> 4, cg = tid & 15;
+  const int b = blockIdx.x, c0 = blockIdx.y * BN, tid = threadIdx.x;
+  const int rg = tid / CG, cg = tid % CG;
   float* R = running + size_t(b) * D * D + c0;
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const int p = tid + 256 * i, row = p >> 4, col = (p & 15) * 4;
-    *reinterpret_cast<float4*>(sR + row * kCompLdR + col) = *reinterpret_cast<const float4*>(R + row * D + col);
+  for (int i = 0; i < D * CG / 256; ++i) {
+    const int p = tid + 256 * i, row = p / CG, col = (p % CG) * 4;
+    *reinterpret_cast<float4*>(sR + row * LDR + col) = *reinterpret_cast<const float4*>(R + row * D + col);
   }
-  float acc[8][4];
+  float acc[RPT][4];
   for (int seg = 0; seg < num_segments; ++seg) {
     const size_t off = (size_t(seg) * batch + b) * D * D;
     const float* T = transitions + off;
@@ -97,8 +101,8 @@ __global__ void __launch_bounds__(256) compose_fold_kernel(int batch, int num_se
       *reinterpret_cast<float4*>(sT + row * kCompLdT + col) = __ldg(reinterpret_cast<const float4*>(T + row * D + col));
     }
 #pragma unroll
-    for (int r = 0; r < 8; ++r) {
-      const float4 sv = states ? __ldg(reinterpret_cast<const float4*>(states + off + c0 + (rg + 16 * r) * D + 4 * cg))
+    for (int r = 0; r < RPT; ++r) {
+      const float4 sv = states ? __ldg(reinterpret_cast<const float4*>(states + off + c0 + (rg + RG * r) * D + 4 * cg))
                                : make_float4(0.f, 0.f, 0.f, 0.f);
       acc[r][0] = sv.x;
       acc[r][1] = sv.y;
@@ -110,10 +114,10 @@ __global__ void __launch_bounds__(256) compose_fold_kernel(int batch, int num_se
     for (int kk = 0; kk < D; kk += 4) {
       float4 rr[4];
 #pragma unroll
-      for (int m = 0; m < 4; ++m) rr[m] = *reinterpret_cast<const float4*>(sR + (kk + m) * kCompLdR + 4 * cg);
+      for (int m = 0; m < 4; ++m) rr[m] = *reinterpret_cast<const float4*>(sR + (kk + m) * LDR + 4 * cg);
 #pragma unroll
-      for (int r = 0; r < 8; ++r) {
-        const float4 t = *reinterpret_cast<const float4*>(sT + (rg + 16 * r) * kCompLdT + kk);
+      for (int r = 0; r < RPT; ++r) {
+        const float4 t = *reinterpret_cast<const float4*>(sT + (rg + RG * r) * kCompLdT + kk);
         const float tv[4] = {t.x, t.y, t.z, t.w};
 #pragma unroll
         for (int m = 0; m < 4; ++m) {
@@ -126,16 +130,41 @@ __global__ void __launch_bounds__(256) compose_fold_kernel(int batch, int num_se
     }
     __syncthreads();
 #pragma unroll
-    for (int r = 0; r < 8; ++r)
-      *reinterpret_cast<float4*>(sR + (rg + 16 * r) * kCompLdR + 4 * cg) =
+    for (int r = 0; r < RPT; ++r)
+      *reinterpret_cast<float4*>(sR + (rg + RG * r) * LDR + 4 * cg) =
           make_float4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
   }
   __syncthreads();
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const int p = tid + 256 * i, row = p >> 4, col = (p & 15) * 4;
-    *reinterpret_cast<float4*>(R + row * D + col) = *reinterpret_cast<const float4*>(sR + row * kCompLdR + col);
+  for (int i = 0; i < D * CG / 256; ++i) {
+    const int p = tid + 256 * i, row = p / CG, col = (p % CG) * 4;
+    *reinterpret_cast<float4*>(R + row * D + col) = *reinterpret_cast<const float4*>(sR + row * LDR + col);
   }
+}
+
+template <int BN>
+void launch_compose(int batch, int num_segments, float* running, const float* transitions, const float* states,
+                    cudaStream_t stream) {
+  static bool configured = false;
+  if (!configured) {
+    check_cuda(cudaFuncSetAttribute(compose_fold_kernel<BN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    comp_smem<BN>()),
+               "cudaFuncSetAttribute(compose_fold_kernel)");
+    configured = true;
+  }
+  compose_fold_kernel<BN><<<dim3(batch, D / BN), 256, comp_smem<BN>(), stream>>>(batch, num_segments, running,
+                                                                                 transitions, states);
+  check_cuda(cudaGetLastError(), "compose_fold_kernel launch");
+}
+
+int device_sms() {
+  static int sms = 0;
+  if (sms == 0) {
+    int dev = 0;
+    check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
+    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute(SMs)");
+  }
+  return sms;
 }
 
 void check_heads(int num_k_heads, int num_v_heads, const char* fn) {
@@ -172,15 +201,15 @@ void compose_fold(int batch, int num_segments, float* running, const float* tran
                   cudaStream_t stream) {
   check_compose(batch, num_segments, running, transitions, states, "compose_fold");
   if (num_segments == 0) return;
-  static bool configured = false;
-  if (!configured) {
-    check_cuda(cudaFuncSetAttribute(compose_fold_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kCompSmem),
-               "cudaFuncSetAttribute(compose_fold_kernel)");
-    configured = true;
-  }
-  compose_fold_kernel<<<dim3(batch, D / kCompBN), 256, kCompSmem, stream>>>(batch, num_segments, running,
-                                                                            transitions, states);
-  check_cuda(cudaGetLastError(), "compose_fold_kernel launch");
+  // Column blocks of 64 when the batch alone fills the GPU; narrower ones for small batches (the
+  // fold of a split sequence's parts: one layer's heads).
+  const int sms = device_sms();
+  if (long(batch) * 2 >= sms)
+    launch_compose<64>(batch, num_segments, running, transitions, states, stream);
+  else if (long(batch) * 4 >= sms)
+    launch_compose<32>(batch, num_segments, running, transitions, states, stream);
+  else
+    launch_compose<16>(batch, num_segments, running, transitions, states, stream);
 }
 
 void compose_fold_cublas(void* cublas_handle, int batch, int num_segments, float* running, const float* transitions,
