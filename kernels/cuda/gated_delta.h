@@ -54,23 +54,28 @@ struct GdnPrefillArgs {
   int scan_layout = 0;
   /// Sequence-parallel scan (DESIGN.md 3.1 composition law): a long sequence is cut at chunk
   /// boundaries into P parts whose (T, S(part|0)) pairs are scanned in parallel and composed, so
-  /// that a few long sequences fill the GPU. 0 = chosen by occupancy (only sequences of at least
-  /// 16 P chunks, only when the unsplit scan leaves SMs idle); 1 = never; P >= 2 = every sequence
-  /// of at least P chunks in P parts (tests, benchmarks). Results agree with the unsplit scan
-  /// within bf16 rounding, not bit for bit (the state fed to the tensor cores is rounded per part).
+  /// that a few long sequences fill the GPU. 0 = chosen by occupancy (see gdn_scan_parts: sequences
+  /// of at least 48 chunks, parts of at least 16, when one part of each such sequence per SM pair
+  /// leaves room); 1 = never; P >= 2 = every sequence of at least P chunks in P parts (tests,
+  /// benchmarks). Every setting falls back to whole sequences when the first scan launch would
+  /// need more than 65535 jobs. Results agree with the unsplit scan within bf16 rounding, not bit
+  /// for bit (the state fed to the tensor cores is rounded per part).
   int seq_parts = 0;
 };
 
 struct GdnPlan;
 
 /// Device scratch of the chunked prefill (per-chunk WY factors W and U^T, the intra-chunk output
-/// matrix P, per-token factors: about 41 KB per chunk and value head; for a sequence scanned in P
-/// parts also 3 P H_v x 64 KB of part states) and its plan: the chunk table and scan jobs on the
-/// device, built from cu_seqlens, the head counts and which outputs are requested. The plan is kept
-/// while those stay the same (every layer of a forward pass), so such calls copy nothing from the
-/// host and can be captured in a CUDA graph after a first, uncaptured call; a graph must be replayed
-/// while its workspace still holds that plan (one workspace per captured shape). Grows on demand
-/// and is reused across calls; not thread-safe; one per stream.
+/// matrix P, per-token factors: about 41 KB per chunk and value head; when sequences are scanned in
+/// parts also 3 max(P) H_v x 64 KB of part states per split sequence) and its plan: the chunk
+/// table and scan jobs on the device, built from cu_seqlens, the head counts, which outputs are
+/// requested and seq_parts. The plan is kept while those stay the same (every layer of a forward
+/// pass), so such calls copy nothing from the host and can be captured in a CUDA graph after a
+/// first, uncaptured call of that shape (capturing a call of a new shape throws
+/// std::invalid_argument). A captured graph reads this workspace's buffers and plan: between the
+/// capture and its last replay, no call of any other shape may use the workspace (keep one
+/// workspace per captured shape). Grows on demand and is reused across calls; not thread-safe;
+/// one per stream.
 class GdnWorkspace {
  public:
   GdnWorkspace();
@@ -84,13 +89,11 @@ class GdnWorkspace {
 
  private:
   friend void gdn_prefill(const GdnPrefillArgs&, GdnWorkspace&, cudaStream_t);
-  void reserve(size_t chunk_heads, int num_chunks, int num_seqs);
+  void reserve(size_t chunk_heads);
   void reserve_split(size_t state_bytes, size_t job_bytes);
   void* mem_ = nullptr;
   size_t bytes_ = 0;
   size_t chunk_heads_cap_ = 0;
-  int chunks_cap_ = 0;
-  int seqs_cap_ = 0;
   void* split_mem_ = nullptr;  // per-part (T, S) and initial states of split sequences
   size_t split_bytes_ = 0;
   void* job_mem_ = nullptr;  // chunk table and the scan jobs of the (up to two) scan launches
@@ -103,24 +106,29 @@ class GdnWorkspace {
 /// the outputs, the final state and optionally the sequence's cumulative transition
 /// T_C = T_{t_n} ... T_{t_1}, all from one pass (the state scan carries T alongside S, and the
 /// outputs are computed inside the scan). Launches: the per-chunk factors, then one scan launch
-/// (two for sequences scanned in parts, with compose_fold between them).
+/// (two with outputs when sequences are scanned in parts, with compose_fold between them).
 /// Numerics: bf16 operands on tensor cores with fp32 accumulation; the running state and T stay
 /// fp32, the per-chunk factors (W, U, P) and the state fed to the tensor cores are bf16 (as in
 /// flash-linear-attention). A sequence of length 0 yields final = initial, T_C = I.
-/// Long sequences may be scanned in parts (see GdnPrefillArgs::seq_parts): then a first scan
-/// launch runs part 0 from the initial state and the middle parts from zero with their T, the
-/// parts' initial states are composed (compose_fold), and a second launch reruns parts 1.. from
-/// their true initial states for the outputs (only the last part, or none, without outputs).
-/// Throws std::invalid_argument on null required pointers, bad head counts, bad cu_seqlens, a
-/// scan_layout outside [0, 2] or a negative seq_parts.
+/// Long sequences may be scanned in parts (see GdnPrefillArgs::seq_parts): with outputs, a first
+/// scan launch runs part 0 from the initial state and the middle parts from zero with their T,
+/// the parts' initial states are composed (compose_fold), and a second launch reruns parts 1..
+/// from their true initial states for the outputs; without outputs every part runs in the first
+/// launch and compose_fold gives the final state and T_C. All pointers must be 16-byte aligned.
+/// Throws std::invalid_argument on null required or misaligned pointers, bad head counts, bad
+/// cu_seqlens, a scan_layout outside [0, 2], a negative seq_parts, or a new call shape during CUDA
+/// graph capture; std::runtime_error on CUDA errors (an out-of-memory workspace leaves no plan
+/// behind: the next call rebuilds it).
 void gdn_prefill(const GdnPrefillArgs& args, GdnWorkspace& ws, cudaStream_t stream = nullptr);
 
 /// How gdn_prefill will scan each sequence of `a`: the number of parts (1 = whole; see
 /// GdnPrefillArgs::seq_parts). With seq_parts = 0 a sequence of n >= 48 chunks is cut into
 /// min(P, n / 16) parts, where P is how many parts of every such sequence fit in one wave of
 /// two blocks per value head over the GPU's SMs (plus one with outputs, as part 0 runs once);
-/// P < 3 with outputs (2 without) means no cut. Queries the current device's SM count.
-/// Throws std::invalid_argument on a negative seq_parts or a missing cu_seqlens_host.
+/// P < 3 with outputs (2 without) means no cut. Short sequences are not counted (they run beside
+/// the parts in the first launch). Queries the current device's SM count.
+/// Throws std::invalid_argument on the shape errors gdn_prefill rejects (head counts, num_seqs,
+/// cu_seqlens, seq_parts, scan_layout).
 std::vector<int> gdn_scan_parts(const GdnPrefillArgs& a);
 
 /// One recurrent decode step for `batch` requests (one token each), in place on fp32 states.

@@ -145,26 +145,25 @@ __global__ void __launch_bounds__(256) compose_fold_kernel(int batch, int num_se
 template <int BN>
 void launch_compose(int batch, int num_segments, float* running, const float* transitions, const float* states,
                     cudaStream_t stream) {
-  static bool configured = false;
-  if (!configured) {
+  static DeviceOnce once;  // the shared-memory opt-in is per device
+  once.run(current_device(), [](int) {
     check_cuda(cudaFuncSetAttribute(compose_fold_kernel<BN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     comp_smem<BN>()),
                "cudaFuncSetAttribute(compose_fold_kernel)");
-    configured = true;
-  }
+    return 0;
+  });
   compose_fold_kernel<BN><<<dim3(batch, D / BN), 256, comp_smem<BN>(), stream>>>(batch, num_segments, running,
                                                                                  transitions, states);
   check_cuda(cudaGetLastError(), "compose_fold_kernel launch");
 }
 
 int device_sms() {
-  static int sms = 0;
-  if (sms == 0) {
-    int dev = 0;
-    check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
-    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute(SMs)");
-  }
-  return sms;
+  static DeviceOnce once;
+  return once.run(current_device(), [](int d) {
+    int sms = 0;
+    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, d), "cudaDeviceGetAttribute(SMs)");
+    return sms;
+  });
 }
 
 void check_heads(int num_k_heads, int num_v_heads, const char* fn) {

@@ -31,8 +31,10 @@
 
 #include <algorithm>
 #include <cstring>
+#include <mutex>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/gated_delta.h"
@@ -296,9 +298,10 @@ __global__ void __launch_bounds__(kThreads) gdn_wy_kernel(const bf16* __restrict
   // thread, depth 16), then block rows I = 1, 2, 3 in turn,
   //   X_IJ = -X_II M_IJ,  M_IJ = sum_{K=J}^{I-1} A_IK X_KJ  (J < I),
   // all in fp32. X overwrites A block by block (row I of A is read only while row I is computed).
-  // Meanwhile threads 64.. write the token factors for the scan: kf_t = |k_t|^-1 e^{G_C - G_t},
-  // qf_t = scale |q_t|^-1 e^{G_t}, G_t (zero past the chunk's end, where the raw rows the scan
-  // reads are zero-filled anyway).
+  // Meanwhile threads 64.. write the token factors for the scan: kf_t = |k_t|^-1 e^{G_C - G_t} and
+  // qf_t = scale |q_t|^-1 e^{G_t} (both zero past the chunk's end, where the raw rows the scan reads
+  // are zero-filled anyway), and G_t (past the end it stays G_{len-1}, as the cumsum of g = 0: the
+  // scan's chunk decay e^{G_63} needs exactly that).
   {
     float x[16];
     const int blk = (tid >> 4) & 3, c = tid & 15;
@@ -867,19 +870,20 @@ __global__ void __launch_bounds__(kScanMaxThreads, 1) gdn_scan_kernel(ScanParams
   }
 }
 
-bool smem_configured = false;
-int num_sms = 0;
-
-void configure() {
-  if (smem_configured) return;
-  check_cuda(cudaFuncSetAttribute(gdn_wy_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kWySmem),
-             "cudaFuncSetAttribute(gdn_wy_kernel)");
-  check_cuda(cudaFuncSetAttribute(gdn_scan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kScanSmem),
-             "cudaFuncSetAttribute(gdn_scan_kernel)");
-  int dev = 0;
-  check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
-  check_cuda(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute(SMs)");
-  smem_configured = true;
+// Once per device (the shared-memory opt-in is a per-device function attribute): returns the
+// current device's SM count.
+int configure() {
+  const int dev = current_device();
+  static DeviceOnce once;
+  return once.run(dev, [](int d) {
+    check_cuda(cudaFuncSetAttribute(gdn_wy_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kWySmem),
+               "cudaFuncSetAttribute(gdn_wy_kernel)");
+    check_cuda(cudaFuncSetAttribute(gdn_scan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kScanSmem),
+               "cudaFuncSetAttribute(gdn_scan_kernel)");
+    int sms = 0;
+    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, d), "cudaDeviceGetAttribute(SMs)");
+    return sms;
+  });
 }
 
 }  // namespace
@@ -897,6 +901,7 @@ void GdnWorkspace::reserve_split(size_t state_bytes, size_t job_bytes) {
   if (state_bytes > split_bytes_) {
     if (split_mem_) check_cuda(cudaFree(split_mem_), "cudaFree(GdnWorkspace split states)");
     split_mem_ = nullptr;
+    split_bytes_ = 0;
     check_cuda(cudaMalloc(&split_mem_, state_bytes),
                "cudaMalloc(GdnWorkspace split states, " + std::to_string(state_bytes) + " bytes)");
     split_bytes_ = state_bytes;
@@ -905,35 +910,60 @@ void GdnWorkspace::reserve_split(size_t state_bytes, size_t job_bytes) {
     job_bytes = std::max<size_t>(job_bytes, 4096);
     if (job_mem_) check_cuda(cudaFree(job_mem_), "cudaFree(GdnWorkspace scan jobs)");
     job_mem_ = nullptr;
+    job_bytes_ = 0;
     check_cuda(cudaMalloc(&job_mem_, job_bytes), "cudaMalloc(GdnWorkspace scan jobs)");
     job_bytes_ = job_bytes;
   }
 }
 
-void GdnWorkspace::reserve(size_t chunk_heads, int num_chunks, int num_seqs) {
-  if (chunk_heads <= chunk_heads_cap_ && num_chunks <= chunks_cap_ && num_seqs <= seqs_cap_ && mem_) return;
+void GdnWorkspace::reserve(size_t chunk_heads) {
+  if (chunk_heads <= chunk_heads_cap_ && mem_) return;
   chunk_heads_cap_ = std::max(chunk_heads, chunk_heads_cap_);
-  chunks_cap_ = std::max(num_chunks, chunks_cap_);
-  seqs_cap_ = std::max(num_seqs, seqs_cap_);
   if (mem_) {
     check_cuda(cudaFree(mem_), "cudaFree(GdnWorkspace)");
     mem_ = nullptr;
+    bytes_ = 0;
   }
-  bytes_ = chunk_heads_cap_ * kPerChunkHeadBytes + 1024;
-  check_cuda(cudaMalloc(&mem_, bytes_), "cudaMalloc(GdnWorkspace, " + std::to_string(bytes_) + " bytes)");
+  const size_t bytes = chunk_heads_cap_ * kPerChunkHeadBytes;
+  check_cuda(cudaMalloc(&mem_, bytes), "cudaMalloc(GdnWorkspace, " + std::to_string(bytes) + " bytes)");
+  bytes_ = bytes;
 }
+
+namespace {
+
+// Checks what gdn_prefill and gdn_scan_parts need of `a`; `fn` names the caller in the messages.
+void validate_shape(const GdnPrefillArgs& a, const char* fn) {
+  const std::string f(fn);
+  if (a.num_seqs < 1 || a.num_seqs > 65535)
+    throw std::invalid_argument(f + ": num_seqs must be in [1, 65535], got " + std::to_string(a.num_seqs));
+  if (!a.cu_seqlens_host) throw std::invalid_argument(f + ": cu_seqlens_host is null");
+  if (a.num_k_heads < 1 || a.num_v_heads < 1 || a.num_v_heads % a.num_k_heads != 0 || a.num_v_heads > 65535)
+    throw std::invalid_argument(f + ": num_v_heads (" + std::to_string(a.num_v_heads) +
+                                ") must be a positive multiple of num_k_heads (" + std::to_string(a.num_k_heads) +
+                                "), at most 65535");
+  if (a.scan_layout < 0 || a.scan_layout > 2)
+    throw std::invalid_argument(f + ": scan_layout must be in [0, 2], got " + std::to_string(a.scan_layout));
+  if (a.seq_parts < 0) throw std::invalid_argument(f + ": seq_parts must be >= 0, got " + std::to_string(a.seq_parts));
+  if (a.cu_seqlens_host[0] != 0) throw std::invalid_argument(f + ": cu_seqlens_host[0] must be 0");
+  for (int s = 0; s < a.num_seqs; ++s)
+    if (a.cu_seqlens_host[s + 1] < a.cu_seqlens_host[s])
+      throw std::invalid_argument(f + ": cu_seqlens_host decreases at sequence " + std::to_string(s) + " (" +
+                                  std::to_string(a.cu_seqlens_host[s]) + " > " +
+                                  std::to_string(a.cu_seqlens_host[s + 1]) + ")");
+}
+
+}  // namespace
 
 std::vector<int> gdn_scan_parts(const GdnPrefillArgs& a) {
   constexpr int kMinPartChunks = 16;
-  if (a.seq_parts < 0) throw std::invalid_argument("gdn_prefill: seq_parts must be >= 0, got " + std::to_string(a.seq_parts));
-  if (a.num_seqs < 1 || !a.cu_seqlens_host) throw std::invalid_argument("gdn_scan_parts: no sequences");
+  validate_shape(a, "gdn_scan_parts");
   std::vector<int> parts(a.num_seqs, 1), nc(a.num_seqs);
   for (int s = 0; s < a.num_seqs; ++s) nc[s] = std::max(0, (a.cu_seqlens_host[s + 1] - a.cu_seqlens_host[s] + C - 1) / C);
   const bool with_out = a.out != nullptr;
   if (a.seq_parts >= 2) {
     for (int s = 0; s < a.num_seqs; ++s) parts[s] = nc[s] >= a.seq_parts ? a.seq_parts : 1;
   } else if (a.seq_parts == 0) {
-    configure();
+    const int num_sms = configure();
     int n_long = 0;
     for (int s = 0; s < a.num_seqs; ++s) n_long += nc[s] >= 3 * kMinPartChunks;
     if (n_long > 0) {
@@ -956,7 +986,8 @@ std::vector<int> gdn_scan_parts(const GdnPrefillArgs& a) {
 // The scan plan of one call shape (see GdnWorkspace): chunk table and scan jobs (on the device in
 // ws.job_mem_), the launch layouts and the split sequences' state slots.
 struct GdnPlan {
-  std::vector<int> key;  // cu_seqlens, head counts, requested outputs, seq_parts, scan_layout
+  std::vector<int> key;  // cu_seqlens, head counts, requested outputs, seq_parts
+  bool t_in_launch1 = false;  // some job of launch 1 carries T columns
   int nchunks = 0, njobs1 = 0, njobs2 = 0, n_split = 0;
   size_t chunk_table_bytes = 0;
   struct Split {
@@ -971,7 +1002,7 @@ namespace {
 std::vector<int> plan_key(const GdnPrefillArgs& a) {
   std::vector<int> key(a.cu_seqlens_host, a.cu_seqlens_host + a.num_seqs + 1);
   key.insert(key.end(), {a.num_seqs, a.num_k_heads, a.num_v_heads, a.out != nullptr, a.transition != nullptr,
-                         a.seq_parts, a.scan_layout});
+                         a.seq_parts});
   return key;
 }
 
@@ -1023,6 +1054,7 @@ void build_plan(const GdnPrefillArgs& a, GdnPlan& plan, std::vector<unsigned cha
       j.init_t = kRefNone;
       j.final_state = sp.F + pp;
       j.transition = (pp > 0 || with_t) ? sp.Tp + pp : kRefNone;
+      plan.t_in_launch1 |= j.transition != kRefNone;
       jobs1.push_back(j);
     }
   }
@@ -1062,35 +1094,35 @@ void build_plan(const GdnPrefillArgs& a, GdnPlan& plan, std::vector<unsigned cha
 }  // namespace
 
 void gdn_prefill(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t stream) {
-  if (a.num_seqs < 1 || a.num_seqs > 65535)
-    throw std::invalid_argument("gdn_prefill: num_seqs must be in [1, 65535], got " + std::to_string(a.num_seqs));
-  if (!a.cu_seqlens_host) throw std::invalid_argument("gdn_prefill: cu_seqlens_host is null");
-  if (a.num_k_heads < 1 || a.num_v_heads < 1 || a.num_v_heads % a.num_k_heads != 0 || a.num_v_heads > 65535)
-    throw std::invalid_argument("gdn_prefill: num_v_heads (" + std::to_string(a.num_v_heads) +
-                                ") must be a positive multiple of num_k_heads (" + std::to_string(a.num_k_heads) +
-                                ")");
-  if (a.scan_layout < 0 || a.scan_layout > 2)
-    throw std::invalid_argument("gdn_prefill: scan_layout must be in [0, 2], got " + std::to_string(a.scan_layout));
-  if (a.cu_seqlens_host[0] != 0) throw std::invalid_argument("gdn_prefill: cu_seqlens_host[0] must be 0");
-  if (a.seq_parts < 0) throw std::invalid_argument("gdn_prefill: seq_parts must be >= 0, got " + std::to_string(a.seq_parts));
-  for (int s = 0; s < a.num_seqs; ++s)
-    if (a.cu_seqlens_host[s + 1] < a.cu_seqlens_host[s])
-      throw std::invalid_argument("gdn_prefill: cu_seqlens_host decreases at sequence " + std::to_string(s) + " (" +
-                                  std::to_string(a.cu_seqlens_host[s]) + " > " +
-                                  std::to_string(a.cu_seqlens_host[s + 1]) + ")");
+  validate_shape(a, "gdn_prefill");
   const int total_tokens = a.cu_seqlens_host[a.num_seqs];
-  if (total_tokens > 0 && (!a.k || !a.v || !a.g || !a.beta))
-    throw std::invalid_argument("gdn_prefill: k, v, g and beta must be non-null");
+  if (total_tokens > 0)
+    for (const auto& [ptr, name] : {std::pair<const void*, const char*>{a.k, "k"}, {a.v, "v"}, {a.g, "g"},
+                                    {a.beta, "beta"}})
+      if (!ptr) throw std::invalid_argument(std::string("gdn_prefill: ") + name + " is null");
   if (a.out && total_tokens > 0 && !a.q) throw std::invalid_argument("gdn_prefill: q is null but out is requested");
+  // 16-byte vector accesses: q, k, v rows (uint4, cp.async), out rows, states (float4 in compose_fold).
+  for (const auto& [ptr, name] :
+       {std::pair<const void*, const char*>{a.q, "q"}, {a.k, "k"}, {a.v, "v"}, {a.out, "out"},
+        {a.initial_state, "initial_state"}, {a.final_state, "final_state"}, {a.transition, "transition"}})
+    if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0)
+      throw std::invalid_argument(std::string("gdn_prefill: ") + name + " must be 16-byte aligned");
 
-  configure();
+  const int num_sms = configure();
   const bool with_t = a.transition != nullptr, with_out = a.out != nullptr;
   // The plan: reused while cu_seqlens, head counts and requested outputs stay the same.
   if (!ws.plan_ || ws.plan_->key != plan_key(a)) {
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    check_cuda(cudaStreamIsCapturing(stream, &capturing), "cudaStreamIsCapturing");
+    if (capturing != cudaStreamCaptureStatusNone)
+      throw std::invalid_argument(
+          "gdn_prefill: a new call shape (cu_seqlens, heads, requested outputs, seq_parts) during CUDA graph "
+          "capture: make one uncaptured call of this shape on this workspace first");
     auto plan = std::make_unique<GdnPlan>();
     std::vector<unsigned char> table;
     size_t split_bytes = 0;
     build_plan(a, *plan, table, split_bytes);
+    ws.plan_.reset();  // a failed allocation or copy below must not leave a plan over freed buffers
     ws.reserve_split(split_bytes, table.size());
     check_cuda(cudaMemcpyAsync(ws.job_mem_, table.data(), table.size(), cudaMemcpyHostToDevice, stream),
                "cudaMemcpyAsync(chunk table and scan jobs)");
@@ -1099,7 +1131,7 @@ void gdn_prefill(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t stream)
   }
   const GdnPlan& plan = *ws.plan_;
   const int nchunks = plan.nchunks;
-  ws.reserve(size_t(nchunks) * a.num_v_heads, nchunks, a.num_seqs);
+  ws.reserve(size_t(nchunks) * a.num_v_heads);
   auto* base = static_cast<unsigned char*>(ws.mem_);
   WsView v{};
   const size_t cap = ws.chunk_heads_cap_;
@@ -1146,9 +1178,9 @@ void gdn_prefill(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t stream)
     gdn_scan_kernel<<<dim3(blocks_per_head, a.num_v_heads, njobs), warps * 32, kScanSmem, stream>>>(sp);
     check_cuda(cudaGetLastError(), "gdn_scan_kernel launch");
   };
-  // Launch 1 needs T warps for the middle parts of split sequences (mixed blocks keep it at two
-  // blocks per job and head).
-  launch(jobs_dev, plan.njobs1, with_t || plan.n_split > 0, plan.n_split > 0);
+  // Launch 1 needs T warps for the middle parts of split sequences (mixed blocks keep those at
+  // two blocks per job and head).
+  launch(jobs_dev, plan.njobs1, with_t || plan.t_in_launch1, plan.t_in_launch1);
 
   // Initial states of the parts: I[1] = F[0]; I[p+1] = T[p] I[p] + F[p] (composition law,
   // DESIGN.md 3.1). Without outputs the chain runs to the end: final = T[P-1] I[P-1] + F[P-1].

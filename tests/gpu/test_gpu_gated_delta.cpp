@@ -333,6 +333,53 @@ TEST_CASE("gdn_prefill keeps its plan across calls of one shape and replays from
   CHECK(same(out.download(), out_ref.download()));
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
+
+  SECTION("without outputs, and with the final state written over the initial state") {
+    // Without outputs the split sequence's final state and T_C come from compose_fold after the
+    // scan; final_state aliasing initial_state (documented as allowed) must give the same bits.
+    gpu::GdnWorkspace ws2, ws3;
+    gpu::GdnPrefillArgs e = args(l1, fin_ref.get(), tr_ref.get(), nullptr);
+    gpu::gdn_prefill(e, ws2);  // reference: separate buffers (l1 keeps its initial state)
+    DeviceBuffer<float> state(se);
+    copy(state, l1.init);
+    gpu::GdnPrefillArgs al = args(l1, state.get(), tr.get(), nullptr);
+    al.initial_state = state.get();
+    gpu::gdn_prefill(al, ws3);
+    check_cuda(cudaDeviceSynchronize(), "aliased prefill");
+    CHECK(same(state.download(), fin_ref.download()));
+    CHECK(same(tr.download(), tr_ref.download()));
+    // The same in a graph: capture on a warm workspace, replay over fresh copies of the state.
+    copy(state, l1.init);
+    gpu::gdn_prefill(al, ws3, st);
+    check_cuda(cudaStreamSynchronize(st), "warm-up");
+    copy(state, l1.init);
+    cudaGraph_t g2;
+    check_cuda(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), "begin capture");
+    gpu::gdn_prefill(al, ws3, st);
+    check_cuda(cudaStreamEndCapture(st, &g2), "end capture");
+    cudaGraphExec_t x2;
+    check_cuda(cudaGraphInstantiate(&x2, g2, 0), "instantiate");
+    copy(state, l1.init);
+    tr.poison();
+    check_cuda(cudaGraphLaunch(x2, st), "graph launch");
+    check_cuda(cudaStreamSynchronize(st), "graph replay");
+    CHECK(same(state.download(), fin_ref.download()));
+    CHECK(same(tr.download(), tr_ref.download()));
+    cudaGraphExecDestroy(x2);
+    cudaGraphDestroy(g2);
+  }
+  SECTION("with outputs, the final state written over the initial state") {
+    gpu::GdnWorkspace ws2;
+    DeviceBuffer<float> state(se);
+    copy(state, l1.init);
+    gpu::GdnPrefillArgs al = args(l1, state.get(), tr.get(), out.get());
+    al.initial_state = state.get();
+    gpu::gdn_prefill(al, ws2);
+    check_cuda(cudaDeviceSynchronize(), "aliased prefill");
+    CHECK(same(state.download(), fin_ref.download()));
+    CHECK(same(tr.download(), tr_ref.download()));
+    CHECK(same(out.download(), out_ref.download()));
+  }
   cudaStreamDestroy(st);
 }
 
@@ -570,6 +617,7 @@ TEST_CASE("conv1d_silu_decode matches the CPU conv for one token", "[gpu][conv]"
 }
 
 TEST_CASE("GPU kernels reject bad shapes with invalid_argument", "[gpu][errors]") {
+  require_gpu();
   gpu::GdnWorkspace ws;
   gpu::GdnPrefillArgs a;
   const int cu[3] = {0, 10, 5};
@@ -584,6 +632,37 @@ TEST_CASE("GPU kernels reject bad shapes with invalid_argument", "[gpu][errors]"
   a.cu_seqlens_host = cu_ok;
   a.scan_layout = 3;  // no such layout
   CHECK_THROWS_AS(gpu::gdn_prefill(a, ws), std::invalid_argument);
+  a.scan_layout = 0;
+  a.seq_parts = -1;
+  CHECK_THROWS_AS(gpu::gdn_prefill(a, ws), std::invalid_argument);
+  CHECK_THROWS_AS(gpu::gdn_scan_parts(a), std::invalid_argument);
+  a.seq_parts = 0;
+  a.num_v_heads = 0;  // gdn_scan_parts checks heads too (no division by zero)
+  const int cu_long[2] = {0, 4096};
+  a.num_seqs = 1;
+  a.cu_seqlens_host = cu_long;
+  CHECK_THROWS_AS(gpu::gdn_scan_parts(a), std::invalid_argument);
+  a.num_v_heads = 2;
+  // Null and misaligned pointers are named before anything is launched.
+  DeviceBuffer<bf16> qkv(size_t(4096) * 2 * D + 8);
+  DeviceBuffer<float> gb(4096 * 2);
+  a.q = a.k = a.v = qkv.get();
+  a.g = a.beta = gb.get();
+  a.v = nullptr;
+  CHECK_THROWS_WITH(gpu::gdn_prefill(a, ws), Catch::Contains("v is null"));
+  a.v = qkv.get() + 1;  // 2-byte aligned
+  CHECK_THROWS_WITH(gpu::gdn_prefill(a, ws), Catch::Contains("v must be 16-byte aligned"));
+  a.v = qkv.get();
+  // A new call shape cannot be planned inside a CUDA graph capture.
+  cudaStream_t st;
+  check_cuda(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "cudaStreamCreate");
+  check_cuda(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), "begin capture");
+  CHECK_THROWS_WITH(gpu::gdn_prefill(a, ws, st), Catch::Contains("during CUDA graph capture"));
+  cudaGraph_t graph = nullptr;
+  cudaStreamEndCapture(st, &graph);
+  if (graph) cudaGraphDestroy(graph);
+  cudaStreamDestroy(st);
+  (void)cudaGetLastError();
   CHECK_THROWS_AS(gpu::conv1d_silu_decode(1, 12, 4, nullptr, nullptr, nullptr, nullptr), std::invalid_argument);
   CHECK_THROWS_AS(gpu::conv1d_silu_decode(1, 16, 9, nullptr, nullptr, nullptr, nullptr), std::invalid_argument);
   CHECK_THROWS_AS(gpu::compose_fold(0, 1, nullptr, nullptr, nullptr), std::invalid_argument);
