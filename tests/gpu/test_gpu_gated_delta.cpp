@@ -304,6 +304,7 @@ TEST_CASE("gdn_prefill keeps its plan across calls of one shape and replays from
   // layer 0's buffers.
   cudaStream_t st;
   check_cuda(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "cudaStreamCreate");
+  check_cuda(cudaDeviceSynchronize(), "eager calls");
   gpu::gdn_prefill(args(l0, fin.get(), tr.get(), out.get()), ws, st);
   check_cuda(cudaStreamSynchronize(st), "warm-up");
   const long built = ws.plans_built();
@@ -326,6 +327,9 @@ TEST_CASE("gdn_prefill keeps its plan across calls of one shape and replays from
   fin.poison();
   tr.poison();
   out.poison();
+  // cudaMemset / cudaMemcpy run on the legacy default stream, which a non-blocking stream does not
+  // wait for: finish them before the replay.
+  check_cuda(cudaDeviceSynchronize(), "poison and copies");
   check_cuda(cudaGraphLaunch(exec, st), "graph launch");
   check_cuda(cudaStreamSynchronize(st), "graph replay");
   CHECK(same(fin.download(), fin_ref.download()));
@@ -350,9 +354,9 @@ TEST_CASE("gdn_prefill keeps its plan across calls of one shape and replays from
     CHECK(same(tr.download(), tr_ref.download()));
     // The same in a graph: capture on a warm workspace, replay over fresh copies of the state.
     copy(state, l1.init);
+    check_cuda(cudaDeviceSynchronize(), "copy");
     gpu::gdn_prefill(al, ws3, st);
     check_cuda(cudaStreamSynchronize(st), "warm-up");
-    copy(state, l1.init);
     cudaGraph_t g2;
     check_cuda(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), "begin capture");
     gpu::gdn_prefill(al, ws3, st);
@@ -361,6 +365,7 @@ TEST_CASE("gdn_prefill keeps its plan across calls of one shape and replays from
     check_cuda(cudaGraphInstantiate(&x2, g2, 0), "instantiate");
     copy(state, l1.init);
     tr.poison();
+    check_cuda(cudaDeviceSynchronize(), "poison and copies");
     check_cuda(cudaGraphLaunch(x2, st), "graph launch");
     check_cuda(cudaStreamSynchronize(st), "graph replay");
     CHECK(same(state.download(), fin_ref.download()));
