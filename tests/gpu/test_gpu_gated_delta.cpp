@@ -388,6 +388,61 @@ TEST_CASE("gdn_prefill keeps its plan across calls of one shape and replays from
   cudaStreamDestroy(st);
 }
 
+TEST_CASE("gdn_prefill and compose_fold run on every visible device", "[gpu][gated_delta][devices]") {
+  // The shared-memory opt-ins and SM counts are per device: a process that uses a second GPU after
+  // the first must get the same results there (same model of GPU) rather than a launch error.
+  require_gpu();
+  int ndev = 0;
+  check_cuda(cudaGetDeviceCount(&ndev), "cudaGetDeviceCount");
+  std::mt19937 rng(71);
+  const int hk = 1, hv = 2, L = 1000;
+  std::vector<float> tmp;
+  const auto qh = random_bf16(rng, size_t(L) * hk * D, 1.f, tmp);
+  const auto kh = random_bf16(rng, size_t(L) * hk * D, 1.f, tmp);
+  const auto vh = random_bf16(rng, size_t(L) * hv * D, 1.f, tmp);
+  auto g = random_log_decay(rng, size_t(L) * hv);
+  for (auto& x : g) x *= 0.05f;
+  const auto beta = random_beta(rng, size_t(L) * hv);
+  const int cu[2] = {0, L};
+  std::vector<float> fin0, tr0;
+  std::vector<bf16> out0;
+  for (int dev = 0; dev < ndev; ++dev) {
+    check_cuda(cudaSetDevice(dev), "cudaSetDevice");
+    INFO("device " << dev << " of " << ndev);
+    DeviceBuffer<bf16> q(qh), k(kh), v(vh), out(size_t(L) * hv * D);
+    DeviceBuffer<float> dg(g), db(beta), fin(size_t(hv) * D * D), tr(size_t(hv) * D * D);
+    gpu::GdnWorkspace ws;
+    gpu::GdnPrefillArgs a;
+    a.num_seqs = 1;
+    a.cu_seqlens_host = cu;
+    a.num_k_heads = hk;
+    a.num_v_heads = hv;
+    a.q = q.get();
+    a.k = k.get();
+    a.v = v.get();
+    a.g = dg.get();
+    a.beta = db.get();
+    a.final_state = fin.get();
+    a.transition = tr.get();
+    a.out = out.get();
+    a.seq_parts = 3;  // two scan launches and compose_fold in between
+    REQUIRE_NOTHROW(gpu::gdn_prefill(a, ws));
+    check_cuda(cudaDeviceSynchronize(), "prefill");
+    if (dev == 0) {
+      fin0 = fin.download();
+      tr0 = tr.download();
+      out0 = out.download();
+    } else {
+      CHECK(fin.download() == fin0);
+      CHECK(tr.download() == tr0);
+      const auto o = out.download();
+      CHECK(std::memcmp(o.data(), out0.data(), o.size() * sizeof(bf16)) == 0);
+    }
+  }
+  check_cuda(cudaSetDevice(0), "cudaSetDevice(0)");
+  if (ndev < 2) WARN("one visible device: the per-device setup was exercised on device 0 only");
+}
+
 TEST_CASE("gdn_prefill splits: running two halves through initial_state equals one pass", "[gpu][gated_delta]") {
   require_gpu();
   // Composition law on the GPU outputs: S(C1 C2 | P) = T_C2 S(C1 | P) + S(C2 | 0), and the two-pass
