@@ -465,6 +465,12 @@ def main():
         lines += ["", "gdn_bench (C++, same run, no fla in the process; median of its own calls, ms): " + ", ".join(
             f"{p['shape']} {p['ms_without_tc']:.3f} / {p['ms_with_tc']:.3f} with T_C" for p in prefill_by_shape.values())
             + "."]
+    gates = [p for p in prefill_by_shape.values() if "ms_gates_fused" in p]
+    if gates:
+        lines += ["", "Gates (gdn_bench, same run): a separate gdn_gates kernel + prefill vs the gates fused into the "
+                  "prefill, ms: " + ", ".join(
+                      f"{p['shape']} {p['ms_gates_separate_kernel_plus_prefill']:.3f} vs {p['ms_gates_fused']:.3f}"
+                      for p in gates) + "."]
     comp = ours_json.get("composition", {})
     if comp:
         lines += ["", f"Composition, {comp['pairs']} (layer, head) pairs (30 layers x 32 heads) folding "

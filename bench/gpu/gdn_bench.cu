@@ -173,7 +173,20 @@ int main(int argc, char** argv) try {
   auto* out = dalloc<bf16>(maxT * HV * D);
   auto* fin = dalloc<float>(size_t(16) * HV * D * D);
   auto* tr = dalloc<float>(size_t(16) * HV * D * D);
-  gpu::GdnWorkspace ws;
+  // Raw gate inputs (HF a, b) for the fused-gate variant, and g / beta outputs of gdn_gates.
+  auto* gate_a = dalloc<bf16>(maxT * HV);
+  auto* gate_b = dalloc<bf16>(maxT * HV);
+  auto* g2 = dalloc<float>(maxT * HV);
+  auto* beta2 = dalloc<float>(maxT * HV);
+  fill_bf16<<<2048, 256>>>(gate_a, maxT * HV, 21);
+  fill_bf16<<<2048, 256>>>(gate_b, maxT * HV, 22);
+  std::vector<float> A_log_h(HV), dt_bias_h(HV);
+  for (int h = 0; h < HV; ++h) A_log_h[h] = std::log(0.01f + 0.002f * h), dt_bias_h[h] = -1.f + 0.05f * h;
+  auto* A_log = dalloc<float>(HV);
+  auto* dt_bias = dalloc<float>(HV);
+  check_cuda(cudaMemcpy(A_log, A_log_h.data(), HV * sizeof(float), cudaMemcpyHostToDevice), "A_log");
+  check_cuda(cudaMemcpy(dt_bias, dt_bias_h.data(), HV * sizeof(float), cudaMemcpyHostToDevice), "dt_bias");
+  gpu::GdnWorkspace ws, ws_gates;
   std::printf("device %s, %d SMs; measured ceilings: copy %.0f GB/s, bf16 GEMM %.0f TFLOP/s\n\n", prop.name,
               prop.multiProcessorCount, peak_bw, peak_tf);
   std::printf("%-7s %6s %10s %10s %8s %10s %10s %10s %9s %9s %9s\n", "shape", "parts", "no T_C ms", "T_C ms",
@@ -205,6 +218,22 @@ int main(int argc, char** argv) try {
     a.transition = nullptr;
     const double t_noout = time_ms([&] { gpu::gdn_prefill(a, ws); }, reps);
     a.out = out;
+    // Gates: a separate gdn_gates kernel before the prefill, against the gates fused into it.
+    gpu::GdnPrefillArgs ag = a;
+    ag.g = g2;
+    ag.beta = beta2;
+    const double t_gates_sep = time_ms(
+        [&] {
+          gpu::gdn_gates(T, HV, gate_a, gate_b, A_log, dt_bias, g2, beta2);
+          gpu::gdn_prefill(ag, ws_gates);
+        },
+        reps);
+    ag.g = ag.beta = nullptr;
+    ag.gate_a = gate_a;
+    ag.gate_b = gate_b;
+    ag.A_log = A_log;
+    ag.dt_bias = dt_bias;
+    const double t_gates_fused = time_ms([&] { gpu::gdn_prefill(ag, ws_gates); }, reps);
     // Nominal FLOPs per (chunk, v-head), C = 64: K K^T 2C^2D, W and U 4C^2D, scan 4CD^2,
     // output (Q K^T, P V) 4C^2D + Q h 2CD^2; T_C adds 4CD^2 (triangular savings not counted).
     const double chunks = double(T) / gpu::kGdnChunk * HV, Cc = gpu::kGdnChunk;
@@ -217,6 +246,8 @@ int main(int argc, char** argv) try {
     std::printf("%-7s %6d %10.3f %10.3f %7.1f%% %10.3f %10.3f %10.1f %8.1f%% %9.0f %8.1f%%\n", c.name, parts, t_plain,
                 t_tc, 100.0 * (t_tc / t_plain - 1.0), t_whole, t_noout, tflops, 100.0 * tflops / peak_tf, gbps,
                 100.0 * gbps / peak_bw);
+    std::printf("        gates: gdn_gates + prefill %.3f ms, fused into the prefill %.3f ms (%.2fx)\n", t_gates_sep,
+                t_gates_fused, t_gates_sep / t_gates_fused);
     J["prefill"].push_back({{"shape", c.name},
                             {"num_seqs", c.nseq},
                             {"seq_len", c.len},
@@ -227,6 +258,8 @@ int main(int argc, char** argv) try {
                             {"ms_with_tc", t_tc},
                             {"tc_overhead_pct", 100.0 * (t_tc / t_plain - 1.0)},
                             {"ms_wy_plus_scan_no_output", t_noout},
+                            {"ms_gates_separate_kernel_plus_prefill", t_gates_sep},
+                            {"ms_gates_fused", t_gates_fused},
                             {"nominal_gflop", flops / 1e9},
                             {"nominal_gflop_with_tc", flops_tc / 1e9},
                             {"compulsory_MB", bytes / 1e6},
@@ -239,6 +272,7 @@ int main(int argc, char** argv) try {
   cudaFree(out);
   cudaFree(fin);
   cudaFree(tr);
+  for (void* p : std::initializer_list<void*>{gate_a, gate_b, g2, beta2, A_log, dt_bias}) cudaFree(p);
 
   // ---- composition: 30 layers x 32 heads, fold 16 segments -------------------------------------
   {

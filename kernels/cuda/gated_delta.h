@@ -42,6 +42,14 @@ struct GdnPrefillArgs {
   const bf16* v = nullptr;               ///< [T][H_v][128]
   const float* g = nullptr;              ///< [T][H_v] log decay (<= 0), post softplus/exp (HF `g`)
   const float* beta = nullptr;           ///< [T][H_v] write strength, post sigmoid
+  /// Gates fused into the prefill instead of g and beta (HF Qwen3NextGatedDeltaNet / Qwen3.5):
+  /// g_t = -exp(A_log[h]) softplus(a_t + dt_bias[h]) (softplus threshold 20), beta_t = sigmoid(b_t),
+  /// fp32, per token and value head (gdn_gates computes the same values as a separate kernel).
+  /// Give either g and beta, or all four of these.
+  const bf16* gate_a = nullptr;          ///< [T][H_v] HF `a` (in_proj_a output), bf16
+  const bf16* gate_b = nullptr;          ///< [T][H_v] HF `b` (in_proj_b output), bf16
+  const float* A_log = nullptr;          ///< [H_v]
+  const float* dt_bias = nullptr;        ///< [H_v]
   bool l2norm_qk = true;                 ///< q, k <- x * rsqrt(sum x^2 + 1e-6) in fp32 (HF use_qk_l2norm_in_kernel)
   float scale = 0.08838834764831845f;    ///< q multiplier after the l2 norm (d_k^-1/2)
   const float* initial_state = nullptr;  ///< [num_seqs][H_v][128][128] or nullptr (zero state)
@@ -130,6 +138,14 @@ void gdn_prefill(const GdnPrefillArgs& args, GdnWorkspace& ws, cudaStream_t stre
 /// Throws std::invalid_argument on the shape errors gdn_prefill rejects (head counts, num_seqs,
 /// cu_seqlens, seq_parts, scan_layout).
 std::vector<int> gdn_scan_parts(const GdnPrefillArgs& a);
+
+/// Gated DeltaNet gates as a separate kernel (for the decode step, or when the prefill does not
+/// fuse them): g[t][h] = -exp(A_log[h]) softplus(a[t][h] + dt_bias[h]) (softplus threshold 20) and
+/// beta[t][h] = sigmoid(b[t][h]), fp32 (HF Qwen3NextGatedDeltaNet). a, b: [tokens][H_v] bf16;
+/// A_log, dt_bias: [H_v] fp32; g, beta: [tokens][H_v] fp32 out. Throws std::invalid_argument on
+/// null pointers or non-positive H_v.
+void gdn_gates(int tokens, int num_v_heads, const bf16* a, const bf16* b, const float* A_log, const float* dt_bias,
+               float* g, float* beta, cudaStream_t stream = nullptr);
 
 /// One recurrent decode step for `batch` requests (one token each), in place on fp32 states.
 ///   q, k: [batch][H_k][128] bf16 raw; v: [batch][H_v][128] bf16; g, beta: [batch][H_v] fp32

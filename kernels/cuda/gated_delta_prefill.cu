@@ -193,10 +193,27 @@ constexpr int kWySmem = C * LD * 2 + kRegion + 2 * C * LDP * 2 + 4 * C * 4;
 static_assert(C * LD * 2 <= kRegion && D * 68 * 2 <= C * LD * 2, "region R or the U^T stage too small");
 static_assert(kWySmem <= 56 * 1024, "the WY kernel should fit four blocks per SM");
 
+// Fused gates (GdnPrefillArgs::gate_a ..): the log decay and the write strength of token row i.
+struct GateInputs {
+  const bf16* a;
+  const bf16* b;
+  const float* A_log;
+  const float* dt_bias;
+};
+
+__device__ __forceinline__ float gate_log_decay(const GateInputs& gi, size_t i, int h) {
+  const float x = __bfloat162float(gi.a[i]) + gi.dt_bias[h];
+  return -expf(gi.A_log[h]) * (x > 20.f ? x : log1pf(expf(x)));
+}
+
+__device__ __forceinline__ float gate_beta(const GateInputs& gi, size_t i) {
+  return 1.f / (1.f + expf(-__bfloat162float(gi.b[i])));
+}
+
 __global__ void __launch_bounds__(kThreads) gdn_wy_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                                           const bf16* __restrict__ v, const float* __restrict__ g,
-                                                          const float* __restrict__ beta, int Hk, int Hv,
-                                                          bool l2norm, float scale, WsView ws) {
+                                                          const float* __restrict__ beta, GateInputs gates, int Hk,
+                                                          int Hv, bool l2norm, float scale, WsView ws) {
   extern __shared__ __align__(16) unsigned char smem[];
   bf16* sK = reinterpret_cast<bf16*>(smem);
   unsigned char* region = reinterpret_cast<unsigned char*>(sK + C * LD);
@@ -230,8 +247,9 @@ __global__ void __launch_bounds__(kThreads) gdn_wy_kernel(const bf16* __restrict
   if (warp == 0) {  // inclusive cumsum of g over the chunk, two tokens per lane
     const int r0 = 2 * lane;
     float g0 = 0.f, g1 = 0.f;
-    if (r0 < ci.len) g0 = g[size_t(ci.t0 + r0) * Hv + h];
-    if (r0 + 1 < ci.len) g1 = g[size_t(ci.t0 + r0 + 1) * Hv + h];
+    const size_t i0 = size_t(ci.t0 + r0) * Hv + h;
+    if (r0 < ci.len) g0 = gates.a ? gate_log_decay(gates, i0, h) : g[i0];
+    if (r0 + 1 < ci.len) g1 = gates.a ? gate_log_decay(gates, i0 + Hv, h) : g[i0 + Hv];
     float s = g0 + g1;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
@@ -241,7 +259,10 @@ __global__ void __launch_bounds__(kThreads) gdn_wy_kernel(const bf16* __restrict
     sG[r0] = s - g1;
     sG[r0 + 1] = s;
   } else if (warp == 1) {
-    for (int r = lane; r < C; r += 32) sB[r] = r < ci.len ? beta[size_t(ci.t0 + r) * Hv + h] : 0.f;
+    for (int r = lane; r < C; r += 32) {
+      const size_t i = size_t(ci.t0 + r) * Hv + h;
+      sB[r] = r < ci.len ? (gates.a ? gate_beta(gates, i) : beta[i]) : 0.f;
+    }
   }
   __syncthreads();
 
@@ -888,6 +909,33 @@ int configure() {
 
 }  // namespace
 
+namespace {
+
+__global__ void gdn_gates_kernel(long n, int Hv, GateInputs gates, float* __restrict__ g, float* __restrict__ beta) {
+  for (long i = blockIdx.x * long(blockDim.x) + threadIdx.x; i < n; i += long(gridDim.x) * blockDim.x) {
+    const int h = static_cast<int>(i % Hv);
+    g[i] = gate_log_decay(gates, size_t(i), h);
+    beta[i] = gate_beta(gates, size_t(i));
+  }
+}
+
+}  // namespace
+
+void gdn_gates(int tokens, int num_v_heads, const bf16* a, const bf16* b, const float* A_log, const float* dt_bias,
+               float* g, float* beta, cudaStream_t stream) {
+  if (tokens < 0 || num_v_heads < 1)
+    throw std::invalid_argument("gdn_gates: tokens must be >= 0 and num_v_heads >= 1, got " + std::to_string(tokens) +
+                                ", " + std::to_string(num_v_heads));
+  if (tokens == 0) return;
+  for (const auto& [ptr, name] : {std::pair<const void*, const char*>{a, "a"}, {b, "b"}, {A_log, "A_log"},
+                                  {dt_bias, "dt_bias"}, {g, "g"}, {beta, "beta"}})
+    if (!ptr) throw std::invalid_argument(std::string("gdn_gates: ") + name + " is null");
+  const long n = long(tokens) * num_v_heads;
+  const int blocks = static_cast<int>(std::min<long>((n + 255) / 256, 65535));
+  gdn_gates_kernel<<<blocks, 256, 0, stream>>>(n, num_v_heads, GateInputs{a, b, A_log, dt_bias}, g, beta);
+  check_cuda(cudaGetLastError(), "gdn_gates_kernel launch");
+}
+
 GdnWorkspace::GdnWorkspace() = default;
 
 GdnWorkspace::~GdnWorkspace() {
@@ -1096,10 +1144,21 @@ void build_plan(const GdnPrefillArgs& a, GdnPlan& plan, std::vector<unsigned cha
 void gdn_prefill(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t stream) {
   validate_shape(a, "gdn_prefill");
   const int total_tokens = a.cu_seqlens_host[a.num_seqs];
-  if (total_tokens > 0)
-    for (const auto& [ptr, name] : {std::pair<const void*, const char*>{a.k, "k"}, {a.v, "v"}, {a.g, "g"},
-                                    {a.beta, "beta"}})
+  const bool fused_gates = a.gate_a || a.gate_b || a.A_log || a.dt_bias;
+  if (fused_gates && (a.g || a.beta))
+    throw std::invalid_argument("gdn_prefill: give either g and beta or the fused gate inputs, not both");
+  if (total_tokens > 0) {
+    for (const auto& [ptr, name] : {std::pair<const void*, const char*>{a.k, "k"}, {a.v, "v"}})
       if (!ptr) throw std::invalid_argument(std::string("gdn_prefill: ") + name + " is null");
+    if (fused_gates) {
+      for (const auto& [ptr, name] : {std::pair<const void*, const char*>{a.gate_a, "gate_a"}, {a.gate_b, "gate_b"},
+                                      {a.A_log, "A_log"}, {a.dt_bias, "dt_bias"}})
+        if (!ptr) throw std::invalid_argument(std::string("gdn_prefill: ") + name + " is null (fused gates)");
+    } else {
+      for (const auto& [ptr, name] : {std::pair<const void*, const char*>{a.g, "g"}, {a.beta, "beta"}})
+        if (!ptr) throw std::invalid_argument(std::string("gdn_prefill: ") + name + " is null");
+    }
+  }
   if (a.out && total_tokens > 0 && !a.q) throw std::invalid_argument("gdn_prefill: q is null but out is requested");
   // 16-byte vector accesses: q, k, v rows (uint4, cp.async), out rows, states (float4 in compose_fold).
   for (const auto& [ptr, name] :
@@ -1145,7 +1204,8 @@ void gdn_prefill(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t stream)
   auto* split = static_cast<float*>(ws.split_mem_);
   if (nchunks > 0) {
     gdn_wy_kernel<<<unsigned(nchunks) * unsigned(a.num_v_heads), kThreads, kWySmem, stream>>>(
-        a.out ? a.q : nullptr, a.k, a.v, a.g, a.beta, a.num_k_heads, a.num_v_heads, a.l2norm_qk, a.scale, v);
+        a.out ? a.q : nullptr, a.k, a.v, a.g, a.beta, GateInputs{a.gate_a, a.gate_b, a.A_log, a.dt_bias},
+        a.num_k_heads, a.num_v_heads, a.l2norm_qk, a.scale, v);
     check_cuda(cudaGetLastError(), "gdn_wy_kernel launch");
   }
 

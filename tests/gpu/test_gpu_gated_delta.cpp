@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "kernels/cpu/gated_delta.h"
+#include "kernels/cpu/ops.h"
 #include "kernels/cuda/gated_delta.h"
 #include "tests/gpu/gpu_util.h"
 
@@ -441,6 +442,95 @@ TEST_CASE("gdn_prefill and compose_fold run on every visible device", "[gpu][gat
   }
   check_cuda(cudaSetDevice(0), "cudaSetDevice(0)");
   if (ndev < 2) WARN("one visible device: the per-device setup was exercised on device 0 only");
+}
+
+TEST_CASE("fused gates: gdn_gates matches the HF formula, and the prefill with fused gates equals the unfused one",
+          "[gpu][gated_delta][gates]") {
+  require_gpu();
+  std::mt19937 rng(81);
+  const int hk = 2, hv = 4;
+  const std::vector<int> cu = {0, 130, 130, 3300};  // a split sequence (auto, 50 chunks) and an empty one
+  const int T = cu.back(), n = 3;
+  std::vector<float> tmp, af, bf;
+  const auto qh = random_bf16(rng, size_t(T) * hk * D, 1.f, tmp);
+  const auto kh = random_bf16(rng, size_t(T) * hk * D, 1.f, tmp);
+  const auto vh = random_bf16(rng, size_t(T) * hv * D, 1.f, tmp);
+  auto ah = random_bf16(rng, size_t(T) * hv, 3.f, af);  // a + dt_bias spans the softplus threshold (20)
+  const auto bh = random_bf16(rng, size_t(T) * hv, 3.f, bf);
+  for (size_t i = 0; i < ah.size(); i += 97) {  // a few a = 24: the linear branch of softplus
+    ah[i] = float_to_bf16(24.f);
+    af[i] = 24.f;
+  }
+  std::uniform_real_distribution<float> u(0.005f, 0.05f);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<float> A_log(hv), dt_bias(hv);
+  for (int h = 0; h < hv; ++h) A_log[h] = std::log(u(rng)), dt_bias[h] = nd(rng);
+  // The HF formula on the host, fp32 (kernels/cpu/ops.h).
+  std::vector<float> g_ref(size_t(T) * hv), b_ref(g_ref.size());
+  for (int t = 0; t < T; ++t)
+    for (int h = 0; h < hv; ++h) {
+      const size_t i = size_t(t) * hv + h;
+      g_ref[i] = -std::exp(A_log[h]) * cpu::softplus(af[i] + dt_bias[h]);
+      b_ref[i] = cpu::sigmoid(bf[i]);
+    }
+  DeviceBuffer<bf16> q(qh), k(kh), v(vh), a_d(ah), b_d(bh);
+  DeviceBuffer<float> alog(A_log), dtb(dt_bias), g(g_ref.size()), beta(g_ref.size());
+  gpu::gdn_gates(T, hv, a_d.get(), b_d.get(), alog.get(), dtb.get(), g.get(), beta.get());
+  check_cuda(cudaDeviceSynchronize(), "gates");
+  const auto gd = g.download(), bd = beta.download();
+  double worst = 0;
+  for (size_t i = 0; i < gd.size(); ++i) {
+    const double eg = std::abs(gd[i] - g_ref[i]) / (std::abs(g_ref[i]) + 1e-30);
+    const double eb = std::abs(bd[i] - b_ref[i]) / (std::abs(b_ref[i]) + 1e-30);
+    worst = std::max({worst, eg, eb});
+  }
+  INFO("worst relative gate difference " << worst);
+  CHECK(worst <= 4e-6);  // device expf / log1pf vs the host libm: a few ulp
+
+  const size_t se = size_t(n) * hv * D * D;
+  DeviceBuffer<float> f1(se), f2(se), t1(se), t2(se);
+  DeviceBuffer<bf16> o1(size_t(T) * hv * D), o2(size_t(T) * hv * D);
+  gpu::GdnPrefillArgs a;
+  a.num_seqs = n;
+  a.cu_seqlens_host = cu.data();
+  a.num_k_heads = hk;
+  a.num_v_heads = hv;
+  a.q = q.get();
+  a.k = k.get();
+  a.v = v.get();
+  a.g = g.get();
+  a.beta = beta.get();
+  a.final_state = f1.get();
+  a.transition = t1.get();
+  a.out = o1.get();
+  gpu::GdnWorkspace ws;
+  gpu::gdn_prefill(a, ws);
+  gpu::GdnPrefillArgs fused = a;
+  fused.g = nullptr;
+  fused.beta = nullptr;
+  fused.gate_a = a_d.get();
+  fused.gate_b = b_d.get();
+  fused.A_log = alog.get();
+  fused.dt_bias = dtb.get();
+  fused.final_state = f2.get();
+  fused.transition = t2.get();
+  fused.out = o2.get();
+  gpu::gdn_prefill(fused, ws);
+  check_cuda(cudaDeviceSynchronize(), "prefill");
+  // Same device functions compute the gates in both paths: bit for bit.
+  CHECK(f1.download() == f2.download());
+  CHECK(t1.download() == t2.download());
+  const auto x1 = o1.download(), x2 = o2.download();
+  CHECK(std::memcmp(x1.data(), x2.data(), x1.size() * sizeof(bf16)) == 0);
+  // Both gate forms at once, or a missing gate input, are named errors.
+  gpu::GdnPrefillArgs both = fused;
+  both.g = g.get();
+  CHECK_THROWS_WITH(gpu::gdn_prefill(both, ws), Catch::Contains("not both"));
+  gpu::GdnPrefillArgs missing = fused;
+  missing.dt_bias = nullptr;
+  CHECK_THROWS_WITH(gpu::gdn_prefill(missing, ws), Catch::Contains("dt_bias is null"));
+  CHECK_THROWS_AS(gpu::gdn_gates(T, 0, a_d.get(), b_d.get(), alog.get(), dtb.get(), g.get(), beta.get()),
+                  std::invalid_argument);
 }
 
 TEST_CASE("gdn_prefill splits: running two halves through initial_state equals one pass", "[gpu][gated_delta]") {
