@@ -46,6 +46,25 @@ void normalise(const float* x, float mul, float* y, bool round_bf16 = false) {
   for (int d = 0; d < D; ++d) y[d] = round_bf16 ? bf16_to_float(float_to_bf16(x[d] * r)) : x[d] * r;
 }
 
+// GdnPrefillArgs for n sequences (cu: host offsets) with explicit g and beta.
+gpu::GdnPrefillArgs make_args(int n, const int* cu, int hk, int hv, const bf16* q, const bf16* k, const bf16* v,
+                              const float* g, const float* beta, float* final_state, float* transition, bf16* out) {
+  gpu::GdnPrefillArgs a;
+  a.num_seqs = n;
+  a.cu_seqlens_host = cu;
+  a.num_k_heads = hk;
+  a.num_v_heads = hv;
+  a.q = q;
+  a.k = k;
+  a.v = v;
+  a.g = g;
+  a.beta = beta;
+  a.final_state = final_state;
+  a.transition = transition;
+  a.out = out;
+  return a;
+}
+
 struct PrefillCase {
   int hk, hv;
   std::vector<int> lens;
@@ -258,20 +277,9 @@ TEST_CASE("gdn_prefill keeps its plan across calls of one shape and replays from
   DeviceBuffer<float> fin(se), tr(se), fin_ref(se), tr_ref(se);
   DeviceBuffer<bf16> out(size_t(T) * hv * D), out_ref(size_t(T) * hv * D);
   auto args = [&](const Layer& l, float* f, float* t, bf16* o) {
-    gpu::GdnPrefillArgs a;
-    a.num_seqs = n;
-    a.cu_seqlens_host = cu.data();
-    a.num_k_heads = hk;
-    a.num_v_heads = hv;
-    a.q = l.q.get();
-    a.k = l.k.get();
-    a.v = l.v.get();
-    a.g = l.g.get();
-    a.beta = l.b.get();
+    gpu::GdnPrefillArgs a =
+        make_args(n, cu.data(), hk, hv, l.q.get(), l.k.get(), l.v.get(), l.g.get(), l.b.get(), f, t, o);
     a.initial_state = l.init.get();
-    a.final_state = f;
-    a.transition = t;
-    a.out = o;
     a.seq_parts = 3;
     return a;
   };
@@ -413,19 +421,8 @@ TEST_CASE("gdn_prefill and compose_fold run on every visible device", "[gpu][gat
     DeviceBuffer<bf16> q(qh), k(kh), v(vh), out(size_t(L) * hv * D);
     DeviceBuffer<float> dg(g), db(beta), fin(size_t(hv) * D * D), tr(size_t(hv) * D * D);
     gpu::GdnWorkspace ws;
-    gpu::GdnPrefillArgs a;
-    a.num_seqs = 1;
-    a.cu_seqlens_host = cu;
-    a.num_k_heads = hk;
-    a.num_v_heads = hv;
-    a.q = q.get();
-    a.k = k.get();
-    a.v = v.get();
-    a.g = dg.get();
-    a.beta = db.get();
-    a.final_state = fin.get();
-    a.transition = tr.get();
-    a.out = out.get();
+    gpu::GdnPrefillArgs a = make_args(1, cu, hk, hv, q.get(), k.get(), v.get(), dg.get(), db.get(), fin.get(),
+                                      tr.get(), out.get());
     a.seq_parts = 3;  // two scan launches and compose_fold in between
     REQUIRE_NOTHROW(gpu::gdn_prefill(a, ws));
     check_cuda(cudaDeviceSynchronize(), "prefill");
@@ -490,19 +487,8 @@ TEST_CASE("fused gates: gdn_gates matches the HF formula, and the prefill with f
   const size_t se = size_t(n) * hv * D * D;
   DeviceBuffer<float> f1(se), f2(se), t1(se), t2(se);
   DeviceBuffer<bf16> o1(size_t(T) * hv * D), o2(size_t(T) * hv * D);
-  gpu::GdnPrefillArgs a;
-  a.num_seqs = n;
-  a.cu_seqlens_host = cu.data();
-  a.num_k_heads = hk;
-  a.num_v_heads = hv;
-  a.q = q.get();
-  a.k = k.get();
-  a.v = v.get();
-  a.g = g.get();
-  a.beta = beta.get();
-  a.final_state = f1.get();
-  a.transition = t1.get();
-  a.out = o1.get();
+  gpu::GdnPrefillArgs a = make_args(n, cu.data(), hk, hv, q.get(), k.get(), v.get(), g.get(), beta.get(), f1.get(),
+                                    t1.get(), o1.get());
   gpu::GdnWorkspace ws;
   gpu::gdn_prefill(a, ws);
   gpu::GdnPrefillArgs fused = a;
