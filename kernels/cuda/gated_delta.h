@@ -83,7 +83,8 @@ struct GdnPlan;
 /// std::invalid_argument). A captured graph reads this workspace's buffers and plan: between the
 /// capture and its last replay, no call of any other shape may use the workspace (keep one
 /// workspace per captured shape). Grows on demand and is reused across calls; not thread-safe;
-/// one per stream.
+/// one per stream (it owns one more stream and two events: the transition folds of split sequences
+/// run there, forked from and joined back into the caller's stream within each call).
 class GdnWorkspace {
  public:
   GdnWorkspace();
@@ -108,6 +109,10 @@ class GdnWorkspace {
   size_t job_bytes_ = 0;
   std::unique_ptr<GdnPlan> plan_;
   long plans_built_ = 0;
+  // A second stream for the transition folds of split sequences, which run beside the state folds.
+  void ensure_side_stream();
+  cudaStream_t side_ = nullptr;
+  cudaEvent_t fork_ = nullptr, join_ = nullptr;
 };
 
 /// Chunked gated delta rule prefill (chunk 64) over a varlen batch: per sequence and value head,

@@ -938,7 +938,17 @@ void gdn_gates(int tokens, int num_v_heads, const bf16* a, const bf16* b, const 
 
 GdnWorkspace::GdnWorkspace() = default;
 
+void GdnWorkspace::ensure_side_stream() {
+  if (side_) return;
+  check_cuda(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags(GdnWorkspace)");
+  check_cuda(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming), "cudaEventCreate(GdnWorkspace fork)");
+  check_cuda(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming), "cudaEventCreate(GdnWorkspace join)");
+}
+
 GdnWorkspace::~GdnWorkspace() {
+  if (side_) cudaStreamDestroy(side_);
+  if (fork_) cudaEventDestroy(fork_);
+  if (join_) cudaEventDestroy(join_);
   if (mem_) cudaFree(mem_);
   if (split_mem_) cudaFree(split_mem_);
   if (job_mem_) cudaFree(job_mem_);
@@ -1249,6 +1259,16 @@ void gdn_prefill(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t stream)
   const int Hv = a.num_v_heads;
   const size_t state_bytes = size_t(Hv) * D * D * sizeof(float);
   auto slot = [&](int i) { return state_ref(i, 0, nullptr, split, Hv); };
+  // The transition folds (T prefix, or T_C without outputs) run on a side stream beside the state
+  // folds: fork after launch 1, join before launch 2 (or the end). Capturable in a CUDA graph.
+  const bool t_chain = with_t && !plan.splits.empty();
+  cudaStream_t ts = stream;
+  if (t_chain) {
+    ws.ensure_side_stream();
+    check_cuda(cudaEventRecord(ws.fork_, stream), "cudaEventRecord(fork)");
+    check_cuda(cudaStreamWaitEvent(ws.side_, ws.fork_, 0), "cudaStreamWaitEvent(fork)");
+    ts = ws.side_;
+  }
   for (const GdnPlan::Split& q : plan.splits) {
     const float* prev = slot(q.F);  // I[1] = F[0]
     for (int pp = 2; pp < q.P; ++pp) {
@@ -1258,9 +1278,8 @@ void gdn_prefill(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t stream)
       prev = dst;
     }
     if (with_out && with_t && q.P > 2) {
-      check_cuda(cudaMemcpyAsync(slot(q.I), slot(q.Tp), state_bytes, cudaMemcpyDeviceToDevice, stream),
-                 "copy of T[0]");
-      compose_fold(Hv, q.P - 2, slot(q.I), slot(q.Tp + 1), nullptr, stream);
+      check_cuda(cudaMemcpyAsync(slot(q.I), slot(q.Tp), state_bytes, cudaMemcpyDeviceToDevice, ts), "copy of T[0]");
+      compose_fold(Hv, q.P - 2, slot(q.I), slot(q.Tp + 1), nullptr, ts);
     }
     if (!with_out) {
       float* fin = state_ref(kRefUser, q.seq, a.final_state, split, Hv);
@@ -1270,10 +1289,14 @@ void gdn_prefill(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t stream)
       }
       float* tc = state_ref(kRefUser, q.seq, a.transition, split, Hv);
       if (tc) {  // T_C = T[P-1] ... T[1] T[0]
-        check_cuda(cudaMemcpyAsync(tc, slot(q.Tp), state_bytes, cudaMemcpyDeviceToDevice, stream), "copy of T[0]");
-        compose_fold(Hv, q.P - 1, tc, slot(q.Tp + 1), nullptr, stream);
+        check_cuda(cudaMemcpyAsync(tc, slot(q.Tp), state_bytes, cudaMemcpyDeviceToDevice, ts), "copy of T[0]");
+        compose_fold(Hv, q.P - 1, tc, slot(q.Tp + 1), nullptr, ts);
       }
     }
+  }
+  if (t_chain) {
+    check_cuda(cudaEventRecord(ws.join_, ts), "cudaEventRecord(join)");
+    check_cuda(cudaStreamWaitEvent(stream, ws.join_, 0), "cudaStreamWaitEvent(join)");
   }
   launch(jobs_dev + plan.njobs1, plan.njobs2, with_t, with_t);
 }
