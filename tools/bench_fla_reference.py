@@ -478,8 +478,13 @@ def main():
                   f"({comp['own_TFLOPs']:.1f} TFLOP/s), cuBLAS strided-batched SGEMM {comp['cublas_ms_per_segment']:.3f} "
                   f"ms/segment ({comp['cublas_TFLOPs']:.1f} TFLOP/s)."]
     if "decode" in ours_json:
-        lines.append(f"Decode step, {ours_json['decode']['batch']} requests x 32 heads: {ours_json['decode']['ms']:.3f} ms "
-                     f"({ours_json['decode']['state_GBps']:.0f} GB/s of state traffic).")
+        dec = ours_json["decode"]
+        line = (f"Decode step, {dec['batch']} requests x 32 heads: {dec['ms']:.3f} ms "
+                f"({dec['state_GBps']:.0f} GB/s of state traffic)")
+        if "ms_gates_fused" in dec:
+            line += (f"; with its gates: gdn_gates + decode {dec['ms_gates_separate_kernel_plus_decode']:.3f} ms, "
+                     f"fused {dec['ms_gates_fused']:.3f} ms")
+        lines.append(line + ".")
     if "conv_prefill" in ours_json:
         c = ours_json["conv_prefill"]
         lines.append(f"Conv1d + SiLU prefill, {c['tokens']} tokens x {c['channels']} channels: {c['ms']:.3f} ms "

@@ -272,7 +272,6 @@ int main(int argc, char** argv) try {
   cudaFree(out);
   cudaFree(fin);
   cudaFree(tr);
-  for (void* p : std::initializer_list<void*>{gate_a, gate_b, g2, beta2, A_log, dt_bias}) cudaFree(p);
 
   // ---- composition: 30 layers x 32 heads, fold 16 segments -------------------------------------
   {
@@ -333,9 +332,26 @@ int main(int argc, char** argv) try {
     const double bytes = 2.0 * B * HV * D * D * 4;
     std::printf("decode step, %d requests x %d heads (one layer): %.3f ms, %.0f GB/s of state traffic\n", B, HV, t,
                 bytes / (t * 1e-3) / 1e9);
-    J["decode"] = {{"batch", B}, {"ms", t}, {"state_GBps", bytes / (t * 1e-3) / 1e9}};
+    // Gates: gdn_gates + gdn_decode against gdn_decode_gated (one launch fewer per layer and token).
+    const float sc = 1.f / std::sqrt(float(D));
+    const double t_sep = time_ms(
+        [&] {
+          gpu::gdn_gates(B, HV, gate_a, gate_b, A_log, dt_bias, g2, beta2);
+          gpu::gdn_decode(B, HK, HV, din.q, din.k, din.v, g2, beta2, true, sc, st, o);
+        },
+        reps);
+    const double t_fused = time_ms(
+        [&] { gpu::gdn_decode_gated(B, HK, HV, din.q, din.k, din.v, gate_a, gate_b, A_log, dt_bias, true, sc, st, o); },
+        reps);
+    std::printf("        gates: gdn_gates + decode %.3f ms, fused into the decode step %.3f ms\n", t_sep, t_fused);
+    J["decode"] = {{"batch", B},
+                   {"ms", t},
+                   {"state_GBps", bytes / (t * 1e-3) / 1e9},
+                   {"ms_gates_separate_kernel_plus_decode", t_sep},
+                   {"ms_gates_fused", t_fused}};
     cudaFree(st);
     cudaFree(o);
+    for (void* p : std::initializer_list<void*>{gate_a, gate_b, g2, beta2, A_log, dt_bias}) cudaFree(p);
 
     const int T = 32768, Cch = 2 * HK * D + HV * D, K = 4;
     auto* x = dalloc<bf16>(size_t(T) * Cch);

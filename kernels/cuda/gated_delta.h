@@ -160,6 +160,13 @@ void gdn_decode(int batch, int num_k_heads, int num_v_heads, const bf16* q, cons
                 const float* g, const float* beta, bool l2norm_qk, float scale, float* state, bf16* out,
                 cudaStream_t stream = nullptr);
 
+/// gdn_decode with the gates fused in (as GdnPrefillArgs::gate_a ..): g and beta of each request and
+/// value head computed from gate_a, gate_b [batch][H_v] bf16 and A_log, dt_bias [H_v] fp32, bit for
+/// bit as gdn_gates would, without its launch. Throws std::invalid_argument on null inputs.
+void gdn_decode_gated(int batch, int num_k_heads, int num_v_heads, const bf16* q, const bf16* k, const bf16* v,
+                      const bf16* gate_a, const bf16* gate_b, const float* A_log, const float* dt_bias,
+                      bool l2norm_qk, float scale, float* state, bf16* out, cudaStream_t stream = nullptr);
+
 /// Composition (DESIGN.md 3.1): folds `num_segments` cached (T, S) pairs into running states,
 ///   running[b] <- T[i][b] running[b] + S[i][b],  for i = 0 .. num_segments-1, every b < batch,
 /// where b enumerates (layer, head) pairs. running: [batch][128][128] fp32 in/out;

@@ -9,9 +9,12 @@
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/gated_delta.h"
+#include "kernels/cuda/gates.cuh"
 
 namespace hypic::kernels::cuda {
 namespace {
+
+using detail::GateInputs;
 
 constexpr int D = kGdnHeadDim;
 
@@ -29,8 +32,8 @@ __device__ __forceinline__ float block_sum128(float x, float* red) {
 // S <- e^g S; d = b (v - S^T k); S <- S + k d^T; o = S^T q.
 __global__ void __launch_bounds__(D) gdn_decode_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                                        const bf16* __restrict__ v, const float* __restrict__ g,
-                                                       const float* __restrict__ beta, int Hk, int Hv, bool l2norm,
-                                                       float scale, float* __restrict__ state,
+                                                       const float* __restrict__ beta, GateInputs gates, int Hk,
+                                                       int Hv, bool l2norm, float scale, float* __restrict__ state,
                                                        bf16* __restrict__ out) {
   __shared__ float sq[D], sk[D], red[4];
   const int b = blockIdx.x, h = blockIdx.y, j = threadIdx.x;
@@ -47,7 +50,8 @@ __global__ void __launch_bounds__(D) gdn_decode_kernel(const bf16* __restrict__ 
   sk[j] = kj;
   __syncthreads();
   const size_t hv = size_t(b) * Hv + h;
-  const float decay = expf(g[hv]), bt = beta[hv];
+  const float decay = expf(gates.a ? detail::gate_log_decay(gates, hv, h) : g[hv]);
+  const float bt = gates.a ? detail::gate_beta(gates, hv) : beta[hv];
   float* S = state + hv * D * D + j;
   // Two passes over the column (the second read hits L1/L2): registers would not hold it spill-free.
   float kv = 0.f;
@@ -191,8 +195,24 @@ void gdn_decode(int batch, int num_k_heads, int num_v_heads, const bf16* q, cons
   if (batch == 0) return;
   if (!q || !k || !v || !g || !beta || !state)
     throw std::invalid_argument("gdn_decode: q, k, v, g, beta and state must be non-null");
-  gdn_decode_kernel<<<dim3(batch, num_v_heads), D, 0, stream>>>(q, k, v, g, beta, num_k_heads, num_v_heads,
-                                                                 l2norm_qk, scale, state, out);
+  gdn_decode_kernel<<<dim3(batch, num_v_heads), D, 0, stream>>>(q, k, v, g, beta, GateInputs{}, num_k_heads,
+                                                                 num_v_heads, l2norm_qk, scale, state, out);
+  check_cuda(cudaGetLastError(), "gdn_decode_kernel launch");
+}
+
+void gdn_decode_gated(int batch, int num_k_heads, int num_v_heads, const bf16* q, const bf16* k, const bf16* v,
+                      const bf16* gate_a, const bf16* gate_b, const float* A_log, const float* dt_bias,
+                      bool l2norm_qk, float scale, float* state, bf16* out, cudaStream_t stream) {
+  check_heads(num_k_heads, num_v_heads, "gdn_decode_gated");
+  if (batch < 0 || batch > (1 << 30))
+    throw std::invalid_argument("gdn_decode_gated: bad batch " + std::to_string(batch));
+  if (batch == 0) return;
+  for (const auto& [ptr, name] : {std::pair<const void*, const char*>{q, "q"}, {k, "k"}, {v, "v"}, {gate_a, "gate_a"},
+                                  {gate_b, "gate_b"}, {A_log, "A_log"}, {dt_bias, "dt_bias"}, {state, "state"}})
+    if (!ptr) throw std::invalid_argument(std::string("gdn_decode_gated: ") + name + " is null");
+  gdn_decode_kernel<<<dim3(batch, num_v_heads), D, 0, stream>>>(
+      q, k, v, nullptr, nullptr, GateInputs{gate_a, gate_b, A_log, dt_bias}, num_k_heads, num_v_heads, l2norm_qk,
+      scale, state, out);
   check_cuda(cudaGetLastError(), "gdn_decode_kernel launch");
 }
 

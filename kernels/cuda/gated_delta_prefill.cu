@@ -38,6 +38,7 @@
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/gated_delta.h"
+#include "kernels/cuda/gates.cuh"
 #include "kernels/cuda/mma.cuh"
 
 namespace hypic::kernels::cuda {
@@ -192,23 +193,6 @@ constexpr int kRegion = C * 68 * 4;
 constexpr int kWySmem = C * LD * 2 + kRegion + 2 * C * LDP * 2 + 4 * C * 4;
 static_assert(C * LD * 2 <= kRegion && D * 68 * 2 <= C * LD * 2, "region R or the U^T stage too small");
 static_assert(kWySmem <= 56 * 1024, "the WY kernel should fit four blocks per SM");
-
-// Fused gates (GdnPrefillArgs::gate_a ..): the log decay and the write strength of token row i.
-struct GateInputs {
-  const bf16* a;
-  const bf16* b;
-  const float* A_log;
-  const float* dt_bias;
-};
-
-__device__ __forceinline__ float gate_log_decay(const GateInputs& gi, size_t i, int h) {
-  const float x = __bfloat162float(gi.a[i]) + gi.dt_bias[h];
-  return -expf(gi.A_log[h]) * (x > 20.f ? x : log1pf(expf(x)));
-}
-
-__device__ __forceinline__ float gate_beta(const GateInputs& gi, size_t i) {
-  return 1.f / (1.f + expf(-__bfloat162float(gi.b[i])));
-}
 
 __global__ void __launch_bounds__(kThreads) gdn_wy_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                                           const bf16* __restrict__ v, const float* __restrict__ g,
@@ -1016,7 +1000,8 @@ std::vector<int> gdn_scan_parts(const GdnPrefillArgs& a) {
   constexpr int kMinPartChunks = 16;
   validate_shape(a, "gdn_scan_parts");
   std::vector<int> parts(a.num_seqs, 1), nc(a.num_seqs);
-  for (int s = 0; s < a.num_seqs; ++s) nc[s] = std::max(0, (a.cu_seqlens_host[s + 1] - a.cu_seqlens_host[s] + C - 1) / C);
+  for (int s = 0; s < a.num_seqs; ++s)
+    nc[s] = std::max(0, (a.cu_seqlens_host[s + 1] - a.cu_seqlens_host[s] + C - 1) / C);
   const bool with_out = a.out != nullptr;
   if (a.seq_parts >= 2) {
     for (int s = 0; s < a.num_seqs; ++s) parts[s] = nc[s] >= a.seq_parts ? a.seq_parts : 1;
@@ -1284,7 +1269,8 @@ void gdn_prefill(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t stream)
     if (!with_out) {
       float* fin = state_ref(kRefUser, q.seq, a.final_state, split, Hv);
       if (fin) {
-        check_cuda(cudaMemcpyAsync(fin, prev, state_bytes, cudaMemcpyDeviceToDevice, stream), "copy of the final state");
+        check_cuda(cudaMemcpyAsync(fin, prev, state_bytes, cudaMemcpyDeviceToDevice, stream),
+                   "copy of the final state");
         compose_fold(Hv, 1, fin, slot(q.Tp + q.P - 1), slot(q.F + q.P - 1), stream);
       }
       float* tc = state_ref(kRefUser, q.seq, a.transition, split, Hv);

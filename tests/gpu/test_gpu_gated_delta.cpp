@@ -4,7 +4,8 @@
 //
 // Stated tolerances (relative Frobenius error ||gpu - cpu|| / ||cpu|| per sequence and head):
 //   chunked prefill (bf16 operands on tensor cores, fp32 state): outputs, final state and T_C <= 2e-2
-//     (reference fed the kernel's bf16-rounded normalised q, k; errors seen on an H200: outputs and states <= 5e-3, T_C <= 1.3e-2)
+//     (reference fed the kernel's bf16-rounded normalised q, k; errors seen on an H200: outputs and
+//     states <= 5e-3, T_C <= 1.3e-2)
 //   decode step (fp32 arithmetic, bf16 output):                  state <= 1e-5, outputs <= 1e-2
 //   composition (fp32 FMA / cuBLAS SGEMM without TF32):          <= 1e-5 (reference in double)
 //   conv1d + SiLU (fp32 accumulation, bf16 output):               |d| <= 8e-3 |ref| + 1e-3; conv tail exact
@@ -236,7 +237,9 @@ TEST_CASE("gdn_prefill sequence-parallel scan (parts composed through T) matches
       }
     }
   }
-  SECTION("forced 5 parts, GVA ratio 1, zero initial state") { run_prefill_case({1, 1, {1000, 333}, false, 5, true, {5, 5}, 0.05f}, 41); }
+  SECTION("forced 5 parts, GVA ratio 1, zero initial state") {
+    run_prefill_case({1, 1, {1000, 333}, false, 5, true, {5, 5}, 0.05f}, 41);
+  }
   // Chosen by occupancy: one sequence of 50 chunks on any GPU with >= 4 SMs is cut into 3 parts
   // (min(P, 50 / 16)); 47 chunks stay whole.
   SECTION("automatic, with outputs") { run_prefill_case({1, 1, {3200}, true, 0, true, {3}, 0.05f}, 42); }
@@ -508,6 +511,30 @@ TEST_CASE("fused gates: gdn_gates matches the HF formula, and the prefill with f
   CHECK(t1.download() == t2.download());
   const auto x1 = o1.download(), x2 = o2.download();
   CHECK(std::memcmp(x1.data(), x2.data(), x1.size() * sizeof(bf16)) == 0);
+  // Decode step: gates fused into it give what gdn_gates + gdn_decode give, bit for bit (the first
+  // 8 tokens serve as 8 requests; states start from the prefill's final states, replicated).
+  {
+    const int B = 8;
+    std::vector<float> st_h(size_t(B) * hv * D * D);
+    const auto f = f1.download();
+    const size_t per_req = size_t(hv) * D * D;
+    for (int r = 0; r < B; ++r) std::copy(f.begin(), f.begin() + per_req, st_h.begin() + r * per_req);
+    DeviceBuffer<float> s1(st_h), s2(st_h), gb_g(size_t(B) * hv), gb_b(size_t(B) * hv);
+    DeviceBuffer<bf16> d1(size_t(B) * hv * D), d2(size_t(B) * hv * D);
+    const float sc = 1.f / std::sqrt(float(D));
+    gpu::gdn_gates(B, hv, a_d.get(), b_d.get(), alog.get(), dtb.get(), gb_g.get(), gb_b.get());
+    gpu::gdn_decode(B, hk, hv, q.get(), k.get(), v.get(), gb_g.get(), gb_b.get(), true, sc, s1.get(), d1.get());
+    gpu::gdn_decode_gated(B, hk, hv, q.get(), k.get(), v.get(), a_d.get(), b_d.get(), alog.get(), dtb.get(), true, sc,
+                          s2.get(), d2.get());
+    check_cuda(cudaDeviceSynchronize(), "decode");
+    CHECK(s1.download() == s2.download());
+    const auto y1 = d1.download(), y2 = d2.download();
+    CHECK(std::memcmp(y1.data(), y2.data(), y1.size() * sizeof(bf16)) == 0);
+    CHECK(s1.download() != st_h);  // the step did change the states
+    CHECK_THROWS_AS(gpu::gdn_decode_gated(B, hk, hv, q.get(), k.get(), v.get(), nullptr, b_d.get(), alog.get(),
+                                          dtb.get(), true, sc, s2.get(), d2.get()),
+                    std::invalid_argument);
+  }
   // Both gate forms at once, or a missing gate input, are named errors.
   gpu::GdnPrefillArgs both = fused;
   both.g = g.get();

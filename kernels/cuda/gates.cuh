@@ -1,0 +1,30 @@
+// Gated DeltaNet gates on the device (HF Qwen3NextGatedDeltaNet): shared by the prefill's WY
+// kernel, the decode step and gdn_gates, so that fused and separate gates give the same bits.
+#pragma once
+#include <cuda_bf16.h>
+
+#include <cstddef>
+
+namespace hypic::kernels::cuda::detail {
+
+/// Raw gate inputs: a, b [tokens][H_v] bf16 (in_proj_a / in_proj_b outputs), A_log, dt_bias [H_v].
+/// a == nullptr means "not fused" (the caller passes g and beta instead).
+struct GateInputs {
+  const __nv_bfloat16* a;
+  const __nv_bfloat16* b;
+  const float* A_log;
+  const float* dt_bias;
+};
+
+/// g = -exp(A_log[h]) softplus(a[i] + dt_bias[h]) in fp32, softplus threshold 20 (torch default).
+__device__ __forceinline__ float gate_log_decay(const GateInputs& gi, size_t i, int h) {
+  const float x = __bfloat162float(gi.a[i]) + gi.dt_bias[h];
+  return -expf(gi.A_log[h]) * (x > 20.f ? x : log1pf(expf(x)));
+}
+
+/// beta = sigmoid(b[i]) in fp32.
+__device__ __forceinline__ float gate_beta(const GateInputs& gi, size_t i) {
+  return 1.f / (1.f + expf(-__bfloat162float(gi.b[i])));
+}
+
+}  // namespace hypic::kernels::cuda::detail
