@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Builds hypic, then runs every scenario of hypic-bench-cluster on local clusters of the demo model and
-# writes bench/results/cluster_cpu.{json,md,png} (override the stem with --out STEM).
+# writes bench/results/cluster_cpu.{json,md,png} (override the stem with --out STEM; a plain run overwrites the committed results).
 #
-#   bench/run_cluster_bench.sh                       the committed CPU run (about 10 minutes on 2 cores)
-#   bench/run_cluster_bench.sh --quick               a small run (about 1 minute) to check the harness
+#   bench/run_cluster_bench.sh                       the committed CPU run (about 3 minutes on 2 cores, build not counted)
+#   bench/run_cluster_bench.sh --quick               a small run (under a minute) to check the harness
 #   bench/run_cluster_bench.sh --model DIR --tokenizer FILE --out /tmp/mine -- --prompts 20 --rates 1,2,4,8
 #
 # Options: --build-dir DIR (default $BUILD_DIR or build), --skip-build, --model DIR (default: the demo
@@ -28,7 +28,7 @@ while (($#)); do
     --out) OUT="$2"; shift 2 ;;
     --quick) QUICK=1; shift ;;
     --) shift; EXTRA=("$@"); break ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "run_cluster_bench.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done

@@ -10,18 +10,24 @@
 #                                       gdn_h200.md and logs into OUTDIR
 #   ... --fla-path DIR                  a flash-linear-attention checkout for the reference (optional)
 #   ... --bench-args "ARGS"             extra arguments for bench_fla_reference.py (--layouts, --profile, --rounds N)
+#   ... -h | --help                     this text
 # Extra arguments after -- go to the Catch2 test binary (e.g. -- "[conv]").
+# Needs the CUDA toolkit (nvcc; kernels built for sm_90, Hopper) and an NVIDIA GPU of that architecture;
+# --bench also needs Python 3 with PyTorch (and, for the fla columns, a flash-linear-attention checkout).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
 BIN="" BENCH_OUT="" FLA_PATH="" BENCH_ARGS="" CATCH_ARGS=()
+need_value() { [[ $# -ge 2 && -n "$2" ]] || { echo "test_gpu.sh: $1 needs a value (see --help)" >&2; exit 2; }; }
 while (($#)); do
   case "$1" in
-    --bin) BIN="$2"; shift 2 ;;
-    --bench) BENCH_OUT="$2"; shift 2 ;;
-    --fla-path) FLA_PATH="$2"; shift 2 ;;
-    --bench-args) BENCH_ARGS="$2"; shift 2 ;;
+    -h|--help) usage; exit 0 ;;
+    --bin) need_value "$@"; BIN="$2"; shift 2 ;;
+    --bench) need_value "$@"; BENCH_OUT="$2"; shift 2 ;;
+    --fla-path) need_value "$@"; FLA_PATH="$2"; shift 2 ;;
+    --bench-args) need_value "$@"; BENCH_ARGS="$2"; shift 2 ;;
     --) shift; CATCH_ARGS=("$@"); break ;;
-    *) echo "unknown argument $1" >&2; exit 2 ;;
+    *) echo "test_gpu.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
 if [[ -z "$BIN" ]]; then

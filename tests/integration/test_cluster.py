@@ -65,8 +65,9 @@ class CacheReuseTest(ClusterTestCase):
         self.assertEqual([s["cache_hit"] for s in wrep["segments"]], [True] * 4)
         self.assertEqual(sources(wrep), ["SEGMENT_SOURCE_CACHE"] * 4)
         self.assertEqual(warm["token_ids"], cold["token_ids"])
+        # No prefill work on the warm request (speed itself is measured by the benchmarks: with this
+        # tiny model cold and warm TTFT differ by a few ms, which load on a shared machine can flip).
         self.assertEqual(wrep["ttft"]["scatter_ms"], 0)
-        self.assertLess(wrep["ttft"]["total_ms"], t["total_ms"])
 
         reordered = [segs[2], segs[0], segs[3], segs[1]]
         query2 = "Summarise the letters in one sentence."
