@@ -127,7 +127,8 @@ class GdnWorkspace {
 /// scan launch runs part 0 from the initial state and the middle parts from zero with their T,
 /// the parts' initial states are composed (compose_fold), and a second launch reruns parts 1..
 /// from their true initial states for the outputs; without outputs every part runs in the first
-/// launch and compose_fold gives the final state and T_C. All pointers must be 16-byte aligned.
+/// launch and compose_fold gives the final state and T_C. q, k, v, out and the state pointers must
+/// be 16-byte aligned.
 /// Throws std::invalid_argument on null required or misaligned pointers, bad head counts, bad
 /// cu_seqlens, a scan_layout outside [0, 2], a negative seq_parts, or a new call shape during CUDA
 /// graph capture; std::runtime_error on CUDA errors (an out-of-memory workspace leaves no plan
