@@ -119,6 +119,21 @@ def median_time_ms(fn, reps, warm=2):
     return statistics.median(event_time_ms(fn) for _ in range(reps))
 
 
+def capture_graph(fn, warm):
+    """fn captured once in a CUDA graph after `warm` calls on a side stream (Triton compiles and
+    autotunes, our workspace builds its plan); returns (graph, fn's result at capture), to keep alive."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warm):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 def rel(a, b):
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
@@ -266,16 +281,8 @@ def main():
         # graph gets a workspace of its own: the other variants change the shared one's plan.
         try:
             graph_ws = Ours(args.ours_lib)
-            fg = lambda: graph_ws.prefill(cu, q, k, v, g, beta, scale, final=s, out=o)  # noqa: E731
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    fg()
-            torch.cuda.current_stream().wait_stream(side)
-            ours_graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(ours_graph):
-                fg()
+            ours_graph, _ = capture_graph(
+                lambda: graph_ws.prefill(cu, q, k, v, g, beta, scale, final=s, out=o), warm=2)
             variants["ours_graph"] = ours_graph.replay
         except Exception as e:
             print(name, "ours CUDA graph capture failed:", type(e).__name__, e, flush=True)
@@ -291,15 +298,7 @@ def main():
                 gb, bb = g.view(nseq, L, HV), beta.view(nseq, L, HV)
                 fb = lambda: chunk_gdr(qb, kb, vb, gb, bb, scale=scale, output_final_state=True,  # noqa: E731
                                        use_qk_l2norm_in_kernel=True)
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    for _ in range(3):
-                        fb()
-                torch.cuda.current_stream().wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    graph_out = fb()  # noqa: F841 (kept alive with the graph)
+                graph, graph_out = capture_graph(fb, warm=3)  # noqa: F841 (graph_out lives with the graph)
                 variants["fla_graph"] = graph.replay
             except Exception as e:
                 print(name, "fla CUDA graph capture failed:", type(e).__name__, e, flush=True)

@@ -183,6 +183,20 @@ __device__ __forceinline__ void causal_xyt(float (&acc)[8][4], const bf16* sX, c
   }
 }
 
+// acc[c] += a * row[c] for c < 8 (row: 8 consecutive fp32 in shared memory, 16-byte aligned).
+__device__ __forceinline__ void fma8(float (&acc)[8], float a, const float* row) {
+  const float4 r0 = *reinterpret_cast<const float4*>(row);
+  const float4 r1 = *reinterpret_cast<const float4*>(row + 4);
+  acc[0] = fmaf(a, r0.x, acc[0]);
+  acc[1] = fmaf(a, r0.y, acc[1]);
+  acc[2] = fmaf(a, r0.z, acc[2]);
+  acc[3] = fmaf(a, r0.w, acc[3]);
+  acc[4] = fmaf(a, r1.x, acc[4]);
+  acc[5] = fmaf(a, r1.y, acc[5]);
+  acc[6] = fmaf(a, r1.z, acc[6]);
+  acc[7] = fmaf(a, r1.w, acc[7]);
+}
+
 // ---------------------------------------------------------------------------------------------
 // 1. WY factors, P and the token factors per (chunk, value head).
 // Shared memory (54 KB: four blocks per SM): sK [64][LD] bf16, later the W and U^T stages; a 17 KB
@@ -360,17 +374,7 @@ __global__ void __launch_bounds__(kThreads) gdn_wy_kernel(const bf16* __restrict
             const float aa[4] = {av.x, av.y, av.z, av.w};
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-              const float* xr = sA + (16 * K + 4 * m4 + e) * 68 + 16 * J + c8;
-              const float4 x0 = *reinterpret_cast<const float4*>(xr);
-              const float4 x1 = *reinterpret_cast<const float4*>(xr + 4);
-              m[0] = fmaf(aa[e], x0.x, m[0]);
-              m[1] = fmaf(aa[e], x0.y, m[1]);
-              m[2] = fmaf(aa[e], x0.z, m[2]);
-              m[3] = fmaf(aa[e], x0.w, m[3]);
-              m[4] = fmaf(aa[e], x1.x, m[4]);
-              m[5] = fmaf(aa[e], x1.y, m[5]);
-              m[6] = fmaf(aa[e], x1.z, m[6]);
-              m[7] = fmaf(aa[e], x1.w, m[7]);
+              fma8(m, aa[e], sA + (16 * K + 4 * m4 + e) * 68 + 16 * J + c8);
             }
           }
         }
@@ -385,17 +389,7 @@ __global__ void __launch_bounds__(kThreads) gdn_wy_kernel(const bf16* __restrict
           const float xx[4] = {xv.x, xv.y, xv.z, xv.w};
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const float* mr = sM + (J * 16 + 4 * m4 + e) * 20 + c8;
-            const float4 m0 = *reinterpret_cast<const float4*>(mr);
-            const float4 m1 = *reinterpret_cast<const float4*>(mr + 4);
-            x[0] = fmaf(xx[e], m0.x, x[0]);
-            x[1] = fmaf(xx[e], m0.y, x[1]);
-            x[2] = fmaf(xx[e], m0.z, x[2]);
-            x[3] = fmaf(xx[e], m0.w, x[3]);
-            x[4] = fmaf(xx[e], m1.x, x[4]);
-            x[5] = fmaf(xx[e], m1.y, x[5]);
-            x[6] = fmaf(xx[e], m1.z, x[6]);
-            x[7] = fmaf(xx[e], m1.w, x[7]);
+            fma8(x, xx[e], sM + (J * 16 + 4 * m4 + e) * 20 + c8);
           }
         }
       }

@@ -47,6 +47,33 @@ void normalise(const float* x, float mul, float* y, bool round_bf16 = false) {
   for (int d = 0; d < D; ++d) y[d] = round_bf16 ? bf16_to_float(float_to_bf16(x[d] * r)) : x[d] * r;
 }
 
+// One CUDA graph captured from `fn` on stream `st` (warm the workspace before: a new call shape
+// cannot be planned during capture); replay() first finishes work on the legacy default stream
+// (cudaMemset / cudaMemcpy of the test), which a non-blocking stream does not wait for.
+struct CapturedGraph {
+  cudaStream_t st;
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  template <class F>
+  CapturedGraph(cudaStream_t s, F&& fn) : st(s) {
+    check_cuda(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), "begin capture");
+    fn();
+    check_cuda(cudaStreamEndCapture(st, &graph), "end capture");
+    check_cuda(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+  }
+  CapturedGraph(const CapturedGraph&) = delete;
+  CapturedGraph& operator=(const CapturedGraph&) = delete;
+  ~CapturedGraph() {
+    if (exec) cudaGraphExecDestroy(exec);
+    if (graph) cudaGraphDestroy(graph);
+  }
+  void replay() {
+    check_cuda(cudaDeviceSynchronize(), "default-stream work before the replay");
+    check_cuda(cudaGraphLaunch(exec, st), "graph launch");
+    check_cuda(cudaStreamSynchronize(st), "graph replay");
+  }
+};
+
 // GdnPrefillArgs for n sequences (cu: host offsets) with explicit g and beta.
 gpu::GdnPrefillArgs make_args(int n, const int* cu, int hk, int hv, const bf16* q, const bf16* k, const bf16* v,
                               const float* g, const float* beta, float* final_state, float* transition, bf16* out) {
@@ -320,13 +347,8 @@ TEST_CASE("gdn_prefill keeps its plan across calls of one shape and replays from
   gpu::gdn_prefill(args(l0, fin.get(), tr.get(), out.get()), ws, st);
   check_cuda(cudaStreamSynchronize(st), "warm-up");
   const long built = ws.plans_built();
-  cudaGraph_t graph;
-  check_cuda(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), "begin capture");
-  gpu::gdn_prefill(args(l0, fin.get(), tr.get(), out.get()), ws, st);
-  check_cuda(cudaStreamEndCapture(st, &graph), "end capture");
+  CapturedGraph graph(st, [&] { gpu::gdn_prefill(args(l0, fin.get(), tr.get(), out.get()), ws, st); });
   CHECK(ws.plans_built() == built);
-  cudaGraphExec_t exec;
-  check_cuda(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
   auto copy = [&](auto& dst, const auto& src) {
     check_cuda(cudaMemcpy(dst.get(), src.get(), src.size() * sizeof(*src.get()), cudaMemcpyDeviceToDevice), "copy");
   };
@@ -339,16 +361,10 @@ TEST_CASE("gdn_prefill keeps its plan across calls of one shape and replays from
   fin.poison();
   tr.poison();
   out.poison();
-  // cudaMemset / cudaMemcpy run on the legacy default stream, which a non-blocking stream does not
-  // wait for: finish them before the replay.
-  check_cuda(cudaDeviceSynchronize(), "poison and copies");
-  check_cuda(cudaGraphLaunch(exec, st), "graph launch");
-  check_cuda(cudaStreamSynchronize(st), "graph replay");
+  graph.replay();
   CHECK(same(fin.download(), fin_ref.download()));
   CHECK(same(tr.download(), tr_ref.download()));
   CHECK(same(out.download(), out_ref.download()));
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
 
   SECTION("without outputs, and with the final state written over the initial state") {
     // Without outputs the split sequence's final state and T_C come from compose_fold after the
@@ -369,21 +385,12 @@ TEST_CASE("gdn_prefill keeps its plan across calls of one shape and replays from
     check_cuda(cudaDeviceSynchronize(), "copy");
     gpu::gdn_prefill(al, ws3, st);
     check_cuda(cudaStreamSynchronize(st), "warm-up");
-    cudaGraph_t g2;
-    check_cuda(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), "begin capture");
-    gpu::gdn_prefill(al, ws3, st);
-    check_cuda(cudaStreamEndCapture(st, &g2), "end capture");
-    cudaGraphExec_t x2;
-    check_cuda(cudaGraphInstantiate(&x2, g2, 0), "instantiate");
+    CapturedGraph g2(st, [&] { gpu::gdn_prefill(al, ws3, st); });
     copy(state, l1.init);
     tr.poison();
-    check_cuda(cudaDeviceSynchronize(), "poison and copies");
-    check_cuda(cudaGraphLaunch(x2, st), "graph launch");
-    check_cuda(cudaStreamSynchronize(st), "graph replay");
+    g2.replay();
     CHECK(same(state.download(), fin_ref.download()));
     CHECK(same(tr.download(), tr_ref.download()));
-    cudaGraphExecDestroy(x2);
-    cudaGraphDestroy(g2);
   }
   SECTION("with outputs, the final state written over the initial state") {
     gpu::GdnWorkspace ws2;
