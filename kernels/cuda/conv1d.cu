@@ -72,11 +72,12 @@ __global__ void conv_tail_kernel(int num_seqs, const int* __restrict__ cu, int c
 }
 
 __global__ void conv_decode_kernel(int batch, int channels, int K, const bf16* __restrict__ x,
-                                   const bf16* __restrict__ w, bf16* state, bf16* __restrict__ y) {
+                                   const bf16* __restrict__ w, bf16* state, bf16* __restrict__ y,
+                                   const int* __restrict__ slots) {
   const long long idx = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
   if (idx >= static_cast<long long>(batch) * channels) return;
   const int b = static_cast<int>(idx / channels), c = static_cast<int>(idx % channels);
-  bf16* st = state + size_t(b) * (K - 1) * channels + c;
+  bf16* st = state + size_t(slots ? slots[b] : b) * (K - 1) * channels + c;
   float z[kMaxKernel];
   for (int j = 0; j < K - 1; ++j) z[j] = __bfloat162float(st[size_t(j) * channels]);
   const bf16 xin = x[idx];
@@ -122,7 +123,7 @@ void conv1d_silu_prefill(int num_seqs, const int* cu_seqlens, int total_tokens, 
 }
 
 void conv1d_silu_decode(int batch, int channels, int kernel, const bf16* x, const bf16* weight, bf16* conv_state,
-                        bf16* y, cudaStream_t stream) {
+                        bf16* y, cudaStream_t stream, const int* state_slots) {
   check_conv(channels, kernel, "conv1d_silu_decode");
   if (batch < 0) throw std::invalid_argument("conv1d_silu_decode: negative batch " + std::to_string(batch));
   if (batch == 0) return;
@@ -130,7 +131,7 @@ void conv1d_silu_decode(int batch, int channels, int kernel, const bf16* x, cons
     throw std::invalid_argument("conv1d_silu_decode: x, weight, conv_state and y must be non-null");
   const long long work = static_cast<long long>(batch) * channels;
   conv_decode_kernel<<<static_cast<int>((work + 255) / 256), 256, 0, stream>>>(batch, channels, kernel, x, weight,
-                                                                              conv_state, y);
+                                                                              conv_state, y, state_slots);
   check_cuda(cudaGetLastError(), "conv_decode_kernel launch");
 }
 

@@ -156,17 +156,20 @@ void gdn_gates(int tokens, int num_v_heads, const bf16* a, const bf16* b, const 
 /// One recurrent decode step for `batch` requests (one token each), in place on fp32 states.
 ///   q, k: [batch][H_k][128] bf16 raw; v: [batch][H_v][128] bf16; g, beta: [batch][H_v] fp32
 ///   state: [batch][H_v][128][128] fp32, updated in place; out: [batch][H_v][128] bf16 (nullable).
+///   state_slots: nullptr, or DEVICE int32 [batch]: request b's state is state[state_slots[b]] of a larger
+///   slot pool [slots][H_v][128][128] (an engine's per-sequence state slots; slots distinct).
 /// Same math as gdn_prefill for T = 1 (HF torch_recurrent_gated_delta_rule), fp32 throughout.
 void gdn_decode(int batch, int num_k_heads, int num_v_heads, const bf16* q, const bf16* k, const bf16* v,
                 const float* g, const float* beta, bool l2norm_qk, float scale, float* state, bf16* out,
-                cudaStream_t stream = nullptr);
+                cudaStream_t stream = nullptr, const int* state_slots = nullptr);
 
 /// gdn_decode with the gates fused in (as GdnPrefillArgs::gate_a ..): g and beta of each request and
 /// value head computed from gate_a, gate_b [batch][H_v] bf16 and A_log, dt_bias [H_v] fp32, bit for
 /// bit as gdn_gates would, without its launch. Throws std::invalid_argument on null inputs.
 void gdn_decode_gated(int batch, int num_k_heads, int num_v_heads, const bf16* q, const bf16* k, const bf16* v,
                       const bf16* gate_a, const bf16* gate_b, const float* A_log, const float* dt_bias,
-                      bool l2norm_qk, float scale, float* state, bf16* out, cudaStream_t stream = nullptr);
+                      bool l2norm_qk, float scale, float* state, bf16* out, cudaStream_t stream = nullptr,
+                      const int* state_slots = nullptr);
 
 /// Composition (DESIGN.md 3.1): folds `num_segments` cached (T, S) pairs into running states,
 ///   running[b] <- T[i][b] running[b] + S[i][b],  for i = 0 .. num_segments-1, every b < batch,
@@ -194,8 +197,9 @@ void conv1d_silu_prefill(int num_seqs, const int* cu_seqlens, int total_tokens, 
                          const bf16* x, const bf16* weight, bf16* conv_state, bf16* y,
                          cudaStream_t stream = nullptr);
 
-/// Decode step of the conv: x, y: [batch][channels]; conv_state [batch][kernel-1][channels] in place.
+/// Decode step of the conv: x, y: [batch][channels]; conv_state [batch][kernel-1][channels] in place, or with
+/// state_slots (DEVICE int32 [batch], distinct) request b's state is conv_state[state_slots[b]] of a slot pool.
 void conv1d_silu_decode(int batch, int channels, int kernel, const bf16* x, const bf16* weight, bf16* conv_state,
-                        bf16* y, cudaStream_t stream = nullptr);
+                        bf16* y, cudaStream_t stream = nullptr, const int* state_slots = nullptr);
 
 }  // namespace hypic::kernels::cuda

@@ -34,7 +34,7 @@ __global__ void __launch_bounds__(D) gdn_decode_kernel(const bf16* __restrict__ 
                                                        const bf16* __restrict__ v, const float* __restrict__ g,
                                                        const float* __restrict__ beta, GateInputs gates, int Hk,
                                                        int Hv, bool l2norm, float scale, float* __restrict__ state,
-                                                       bf16* __restrict__ out) {
+                                                       bf16* __restrict__ out, const int* __restrict__ slots) {
   __shared__ float sq[D], sk[D], red[4];
   const int b = blockIdx.x, h = blockIdx.y, j = threadIdx.x;
   const int kh = h / (Hv / Hk);
@@ -52,7 +52,7 @@ __global__ void __launch_bounds__(D) gdn_decode_kernel(const bf16* __restrict__ 
   const size_t hv = size_t(b) * Hv + h;
   const float decay = expf(gates.a ? detail::gate_log_decay(gates, hv, h) : g[hv]);
   const float bt = gates.a ? detail::gate_beta(gates, hv) : beta[hv];
-  float* S = state + hv * D * D + j;
+  float* S = state + ((slots ? size_t(slots[b]) * Hv + h : hv) * D) * D + j;
   // Two passes over the column (the second read hits L1/L2): registers would not hold it spill-free.
   float kv = 0.f;
 #pragma unroll 16
@@ -189,20 +189,22 @@ void check_compose(int batch, int num_segments, const void* running, const void*
 
 void gdn_decode(int batch, int num_k_heads, int num_v_heads, const bf16* q, const bf16* k, const bf16* v,
                 const float* g, const float* beta, bool l2norm_qk, float scale, float* state, bf16* out,
-                cudaStream_t stream) {
+                cudaStream_t stream, const int* state_slots) {
   check_heads(num_k_heads, num_v_heads, "gdn_decode");
   if (batch < 0 || batch > (1 << 30)) throw std::invalid_argument("gdn_decode: bad batch " + std::to_string(batch));
   if (batch == 0) return;
   if (!q || !k || !v || !g || !beta || !state)
     throw std::invalid_argument("gdn_decode: q, k, v, g, beta and state must be non-null");
   gdn_decode_kernel<<<dim3(batch, num_v_heads), D, 0, stream>>>(q, k, v, g, beta, GateInputs{}, num_k_heads,
-                                                                 num_v_heads, l2norm_qk, scale, state, out);
+                                                                 num_v_heads, l2norm_qk, scale, state, out,
+                                                                 state_slots);
   check_cuda(cudaGetLastError(), "gdn_decode_kernel launch");
 }
 
 void gdn_decode_gated(int batch, int num_k_heads, int num_v_heads, const bf16* q, const bf16* k, const bf16* v,
                       const bf16* gate_a, const bf16* gate_b, const float* A_log, const float* dt_bias,
-                      bool l2norm_qk, float scale, float* state, bf16* out, cudaStream_t stream) {
+                      bool l2norm_qk, float scale, float* state, bf16* out, cudaStream_t stream,
+                      const int* state_slots) {
   check_heads(num_k_heads, num_v_heads, "gdn_decode_gated");
   if (batch < 0 || batch > (1 << 30))
     throw std::invalid_argument("gdn_decode_gated: bad batch " + std::to_string(batch));
@@ -212,7 +214,7 @@ void gdn_decode_gated(int batch, int num_k_heads, int num_v_heads, const bf16* q
     if (!ptr) throw std::invalid_argument(std::string("gdn_decode_gated: ") + name + " is null");
   gdn_decode_kernel<<<dim3(batch, num_v_heads), D, 0, stream>>>(
       q, k, v, nullptr, nullptr, GateInputs{gate_a, gate_b, A_log, dt_bias}, num_k_heads, num_v_heads, l2norm_qk,
-      scale, state, out);
+      scale, state, out, state_slots);
   check_cuda(cudaGetLastError(), "gdn_decode_kernel launch");
 }
 

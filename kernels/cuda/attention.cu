@@ -1,0 +1,1018 @@
+// Gated full attention of Qwen3-Next / Qwen3.5 over a paged KV pool (see attention.h): the prepare step
+// (q/k norm + partial RoPE + pool write), kv_import (K re-rotated by a position delta), the varlen causal
+// prefill (FlashAttention-2 style, mma.sync m16n8k16 bf16 with fp32 accumulation) and the flash-decoding
+// decode step (KV split over blocks, partials in a workspace, combine kernel).
+//
+// Fragment conventions: kernels/cuda/mma.cuh. Per warp, 16 query rows; lane l holds rows g = l / 4 and
+// g + 8, columns c2 = (l % 4) * 2 and c2 + 1 of every 8-column accumulator tile. The softmax runs in the
+// log2 domain: scores are multiplied by scale * log2(e) and exponentiated with ex2.approx (m and the
+// workspace partials are in that domain too).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "kernels/cuda/attention.h"
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/mma.cuh"
+
+namespace hypic::kernels::cuda {
+namespace {
+
+using namespace detail;
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr int kBN = kKvPageTokens;  // KV tile = one page: one block-table lookup per tile
+static_assert(kBN == 64, "the kernels assume 64-slot KV tiles");
+
+// Prefill: 8 warps x 16 query rows = 128-row query tile of one head per block; Q, then K and V double
+// buffered, in shared memory (row stride HD + 8 elements: 16-byte aligned rows, conflict-free ldmatrix).
+template <int HD>
+struct PrefillCfg {
+  static constexpr int kWarps = 8;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kBM = 16 * kWarps;
+  static constexpr int kLd = HD + 8;
+  static constexpr int kMinBlocks = HD == 256 ? 1 : 2;
+  static constexpr int kQkUnroll = HD == 128 ? 4 : HD / 16;  // hd 128: keeps 2 blocks/SM within 128 registers
+  static constexpr int kSmem = (kBM + 4 * kBN) * kLd * 2;
+};
+static_assert(PrefillCfg<256>::kSmem <= 227 * 1024, "prefill smem");
+
+// Decode: 4 warps; warp w takes slots 16w .. 16w+15 of each 64-slot tile; 16 tile rows = query heads.
+// K/V tiles in a 3-stage cp.async ring (two tiles in flight while one is consumed: decode is bound by
+// the HBM stream of K and V).
+template <int HD>
+struct DecodeCfg {
+  static constexpr int kWarps = 4;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kLd = HD + 8;
+  static constexpr int kStages = 3;
+  static constexpr int kSmem = (16 + 2 * kStages * kBN) * kLd * 2;
+  // cross-warp combine staging (O [4][16][HD] fp32, m and l [4][16]) reuses the K/V buffers
+  static_assert(kWarps * 16 * HD * 4 + 2 * kWarps * 16 * 4 <= 2 * kStages * kBN * kLd * 2, "decode staging");
+};
+static_assert(DecodeCfg<256>::kSmem <= 227 * 1024, "decode smem");
+constexpr int kMinTilesPerChunk = 2;  // decode chunks of at least 128 slots
+
+struct AttnParams {
+  const int* q_start;
+  const int* slot0;
+  const int* block_table;
+  int max_pages;
+  int num_heads;
+  int num_kv_heads;
+  int ratio;  // num_heads / num_kv_heads
+  const bf16* q;
+  const bf16* k_pool;
+  const bf16* v_pool;
+  float scale_log2;
+  const bf16* gate;
+  long gate_ts;
+  int gate_hs;
+  bf16* out;
+  // decode only
+  int chunk_len;
+  int head_blocks;
+  float* ws_acc;  // [batch][num_heads][nsplit][HD]
+  float* ws_ml;   // [batch][num_heads][nsplit][2] (m in the log2 domain, l)
+};
+
+__device__ __forceinline__ float fast_exp2(float x) {  // 2^x; -inf -> +0
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ float sigmoidf_(float x) { return 1.f / (1.f + __expf(-x)); }
+
+// K and V of KV tile `tile` (slots tile*64 .. +63) into shared memory; slots beyond last_slot are
+// zero-filled (never attended, but P = 0 times uninitialised pool memory could be NaN).
+template <int HD, int NT>
+__device__ __forceinline__ void load_kv_tile(bf16* sK, bf16* sV, const AttnParams& p, const int* bt, int tile,
+                                             int last_slot, int kvh, int tid) {
+  constexpr int kChunks = HD / 8;  // 16-byte chunks per row
+  constexpr int kLd = HD + 8;
+  static_assert(NT % kChunks == 0 && (kBN * kChunks) % NT == 0, "tile chunks per thread");
+  constexpr int kRowStep = NT / kChunks;  // rows covered by one pass of the block
+  const int r0 = tid / kChunks, ch = tid % kChunks;
+  const int slot_base = tile * kBN;
+  const size_t off0 = ((static_cast<size_t>(bt[tile]) * kBN + r0) * p.num_kv_heads + kvh) * HD + ch * 8;
+  const size_t step = static_cast<size_t>(kRowStep) * p.num_kv_heads * HD;
+  const bf16* gk = p.k_pool + off0;
+  const bf16* gv = p.v_pool + off0;
+  bf16* dk = sK + r0 * kLd + ch * 8;
+  bf16* dv = sV + r0 * kLd + ch * 8;
+#pragma unroll
+  for (int i = 0; i < kBN / kRowStep; ++i) {
+    if (slot_base + r0 + i * kRowStep <= last_slot) {
+      cp_async16(dk + i * kRowStep * kLd, gk + i * step);
+      cp_async16(dv + i * kRowStep * kLd, gv + i * step);
+    } else {
+      *reinterpret_cast<uint4*>(dk + i * kRowStep * kLd) = make_uint4(0, 0, 0, 0);
+      *reinterpret_cast<uint4*>(dv + i * kRowStep * kLd) = make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
+// One KV tile of online softmax for one warp's 16 rows x 16 * NP slots (NP pairs of 8-column tiles).
+// s: raw q.k accumulators in (overwritten); pa: P (unnormalised) out, rounded to bf16 as the A fragments of
+// the P.V product (mma.cuh layout: S accumulator tiles 2kk, 2kk+1 are the k-halves of A tile kk). lim0 / lim1: last visible slot of rows g / g+8;
+// slot_of(nt, e) = n0 + nt * 8 + c2 + (e & 1). m, l: running max (log2 domain) and thread-partial sums.
+template <int NT8, int ND8>
+__device__ __forceinline__ void online_softmax(float (&s)[NT8][4], uint32_t (&pa)[NT8 / 2][4], float (&o)[ND8][4],
+                                               float (&m)[2], float (&l)[2], float scale_log2, bool need_mask, int n0,
+                                               int c2, int lim0, int lim1) {
+#pragma unroll
+  for (int nt = 0; nt < NT8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float v = s[nt][e] * scale_log2;
+      if (need_mask) {
+        const int slot = n0 + nt * 8 + c2 + (e & 1);
+        if (slot > ((e < 2) ? lim0 : lim1)) v = -INFINITY;
+      }
+      s[nt][e] = v;
+    }
+  float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int nt = 0; nt < NT8; ++nt) {
+    mx[0] = fmaxf(mx[0], fmaxf(s[nt][0], s[nt][1]));
+    mx[1] = fmaxf(mx[1], fmaxf(s[nt][2], s[nt][3]));
+  }
+  float alpha[2], mu[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+    const float mn = fmaxf(m[r], mx[r]);
+    mu[r] = mn == -INFINITY ? 0.f : mn;  // a row with nothing visible yet: p = 0, alpha = 0, no NaN
+    alpha[r] = fast_exp2(m[r] - mu[r]);
+    m[r] = mn;
+  }
+  float sum[2] = {0.f, 0.f};
+#pragma unroll
+  for (int nt = 0; nt < NT8; ++nt) {
+    s[nt][0] = fast_exp2(s[nt][0] - mu[0]);
+    s[nt][1] = fast_exp2(s[nt][1] - mu[0]);
+    s[nt][2] = fast_exp2(s[nt][2] - mu[1]);
+    s[nt][3] = fast_exp2(s[nt][3] - mu[1]);
+    sum[0] += s[nt][0] + s[nt][1];
+    sum[1] += s[nt][2] + s[nt][3];
+  }
+#pragma unroll
+  for (int kk = 0; kk < NT8 / 2; ++kk) {  // P as bf16 A fragments (rows g / g+8, 16 slots per kk)
+    pa[kk][0] = pack_bf16(s[2 * kk][0], s[2 * kk][1]);
+    pa[kk][1] = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
+    pa[kk][2] = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+    pa[kk][3] = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+  }
+  l[0] = l[0] * alpha[0] + sum[0];
+  l[1] = l[1] * alpha[1] + sum[1];
+#pragma unroll
+  for (int dt = 0; dt < ND8; ++dt) {
+    o[dt][0] *= alpha[0];
+    o[dt][1] *= alpha[0];
+    o[dt][2] *= alpha[1];
+    o[dt][3] *= alpha[1];
+  }
+}
+
+// o += P V for one warp: P = pa (16 rows x 16 * NK slots, bf16 A fragments), V rows v_row0 .. of the
+// tile in shared memory.
+template <int NK, int HD>
+__device__ __forceinline__ void pv_product(const uint32_t (&pa)[NK][4], float (&o)[HD / 8][4], const bf16* sV,
+                                           int v_row0, int lane) {
+  constexpr int kLd = HD + 8;
+#pragma unroll
+  for (int kk = 0; kk < NK; ++kk) {
+    const uint32_t(&a)[4] = pa[kk];
+#pragma unroll
+    for (int dp = 0; dp < HD / 16; ++dp) {
+      uint32_t b[4];
+      load_b_kn(b, sV, kLd, v_row0 + kk * 16, dp * 16, lane);
+      mma_bf16(o[2 * dp], a, b[0], b[1]);
+      mma_bf16(o[2 * dp + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Prefill. Grid (num_heads, num_groups, query tiles); blockIdx.z counts query tiles from the LAST one, so
+// the tiles with the most KV work are dispatched first.
+template <int HD>
+__global__ void __launch_bounds__(PrefillCfg<HD>::kThreads, PrefillCfg<HD>::kMinBlocks)
+    attn_prefill_kernel(const AttnParams p) {
+  using C = PrefillCfg<HD>;
+  constexpr int kLd = C::kLd, kBM = C::kBM, NT = C::kThreads;
+  constexpr int kChunks = HD / 8;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  bf16* sQ = reinterpret_cast<bf16*>(smem_raw);
+  bf16* sK0 = sQ + kBM * kLd;          // K buffers 0, 1
+  bf16* sV0 = sK0 + 2 * kBN * kLd;     // V buffers 0, 1
+
+  const int h = blockIdx.x, grp = blockIdx.y;
+  const int tile_q = static_cast<int>(gridDim.z - 1 - blockIdx.z);
+  const int qs = p.q_start[grp];
+  const int len = p.q_start[grp + 1] - qs;
+  const int m0 = tile_q * kBM;
+  if (m0 >= len) return;
+  const int s0 = p.slot0[grp];
+  const int rows = min(kBM, len - m0);
+  const int last_slot = s0 + m0 + rows - 1;  // last slot any row of this tile sees
+  const int n_tiles = last_slot / kBN + 1;
+  const int kvh = h / p.ratio;
+  const int* bt = p.block_table + static_cast<size_t>(grp) * p.max_pages;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+
+  // Q tile (rows past the group: zeros), then KV tile 0: one commit group.
+  {
+    constexpr int kRowStep = NT / kChunks;
+    const int r0 = tid / kChunks, ch = tid % kChunks;
+    const bf16* src = p.q + (static_cast<size_t>(qs + m0 + r0) * p.num_heads + h) * HD + ch * 8;
+    const size_t step = static_cast<size_t>(kRowStep) * p.num_heads * HD;
+#pragma unroll
+    for (int i = 0; i < kBM / kRowStep; ++i) {
+      bf16* dst = sQ + (r0 + i * kRowStep) * kLd + ch * 8;
+      if (r0 + i * kRowStep < rows)
+        cp_async16(dst, src + i * step);
+      else
+        *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+    }
+  }
+  load_kv_tile<HD, NT>(sK0, sV0, p, bt, 0, last_slot, kvh, tid);
+  cp_async_commit();
+
+  float o[HD / 8][4];
+#pragma unroll
+  for (int dt = 0; dt < HD / 8; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  const int g = lane >> 2, c2 = (lane & 3) * 2;
+  const int wq0 = m0 + warp * 16;  // group-local query index of the warp's row 0
+  const bool warp_active = wq0 < len;
+  const int wlim_lo = s0 + wq0;    // last visible slot of the warp's row 0
+  const int wlim_hi = wlim_lo + 15;
+  const int lim0 = wlim_lo + g, lim1 = lim0 + 8;
+
+  for (int j = 0; j < n_tiles; ++j) {
+    const int buf = j & 1;
+    if (j + 1 < n_tiles)
+      load_kv_tile<HD, NT>(sK0 + (buf ^ 1) * kBN * kLd, sV0 + (buf ^ 1) * kBN * kLd, p, bt, j + 1, last_slot, kvh,
+                           tid);
+    cp_async_commit();  // possibly empty group
+    cp_async_wait<1>();  // tile j (and Q) landed
+    __syncthreads();
+    const int n0 = j * kBN;
+    if (warp_active && n0 <= wlim_hi) {  // else every slot of the tile is above this warp's diagonal
+      const bf16* sK = sK0 + buf * kBN * kLd;
+      const bf16* sV = sV0 + buf * kBN * kLd;
+      float s[8][4];
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll(C::kQkUnroll)
+      for (int kk = 0; kk < HD / 16; ++kk) {
+        uint32_t a[4];
+        load_a(a, sQ, kLd, warp * 16, kk * 16, lane);
+#pragma unroll
+        for (int np = 0; np < 4; ++np) {
+          uint32_t b[4];
+          load_b_nk(b, sK, kLd, kk * 16, np * 16, lane);
+          mma_bf16(s[2 * np], a, b[0], b[1]);
+          mma_bf16(s[2 * np + 1], a, b[2], b[3]);
+        }
+      }
+      uint32_t pa[4][4];
+      online_softmax<8, HD / 8>(s, pa, o, m, l, p.scale_log2, n0 + kBN - 1 > wlim_lo, n0, c2, lim0, lim1);
+      pv_product<4, HD>(pa, o, sV, 0, lane);
+    }
+    __syncthreads();  // buffer `buf` is refilled by the next iteration's prefetch
+  }
+  cp_async_wait<0>();
+
+  if (!warp_active) return;
+  float inv[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    inv[r] = 1.f / l[r];
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int qi = wq0 + g + r * 8;
+    if (qi >= len) continue;
+    const size_t t = static_cast<size_t>(qs + qi);
+    bf16* orow = p.out + (t * p.num_heads + h) * HD;
+    const bf16* grow = p.gate ? p.gate + static_cast<long>(t) * p.gate_ts + static_cast<long>(h) * p.gate_hs : nullptr;
+#pragma unroll
+    for (int dt = 0; dt < HD / 8; ++dt) {
+      const int d = dt * 8 + c2;
+      float v0 = o[dt][2 * r] * inv[r], v1 = o[dt][2 * r + 1] * inv[r];
+      if (grow) {
+        v0 *= sigmoidf_(__bfloat162float(grow[d]));
+        v1 *= sigmoidf_(__bfloat162float(grow[d + 1]));
+      }
+      *reinterpret_cast<__nv_bfloat162*>(orow + d) = __floats2bfloat162_rn(v0, v1);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Decode. Grid (nsplit, num_kv_heads * head_blocks, batch): one block per (request, KV head, block of up to
+// 16 query heads of that KV head, KV chunk). Chunk c covers slots [c * chunk_len, (c+1) * chunk_len), the
+// last chunk up to the request's KV length (whatever max_kv said).
+template <int HD>
+__global__ void __launch_bounds__(DecodeCfg<HD>::kThreads) attn_decode_kernel(const AttnParams p) {
+  using C = DecodeCfg<HD>;
+  constexpr int kLd = C::kLd, NT = C::kThreads;
+  constexpr int kChunks = HD / 8;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  bf16* sQ = reinterpret_cast<bf16*>(smem_raw);
+  constexpr int S = C::kStages;
+  bf16* sK0 = sQ + 16 * kLd;        // K stages 0 .. S-1
+  bf16* sV0 = sK0 + S * kBN * kLd;  // V stages 0 .. S-1
+
+  const int c = blockIdx.x, nsplit = gridDim.x;
+  const int kvh = blockIdx.y / p.head_blocks, hb = blockIdx.y % p.head_blocks;
+  const int b = blockIdx.z;
+  const int t = p.q_start[b];
+  const int kv_len = p.slot0[b] + 1;
+  const int start = c * p.chunk_len;
+  if (start >= kv_len) return;
+  const int end = (c == nsplit - 1) ? kv_len : min(start + p.chunk_len, kv_len);
+  const int last_slot = end - 1;
+  const int h0 = kvh * p.ratio + hb * 16;
+  const int nrows = min(16, p.ratio - hb * 16);
+  const int* bt = p.block_table + static_cast<size_t>(b) * p.max_pages;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+
+  for (int idx = tid; idx < 16 * kChunks; idx += NT) {
+    const int r = idx / kChunks, ch = idx % kChunks;
+    bf16* dst = sQ + r * kLd + ch * 8;
+    if (r < nrows)
+      cp_async16(dst, p.q + (static_cast<size_t>(t) * p.num_heads + h0 + r) * HD + ch * 8);
+    else
+      *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+  }
+  const int j0 = start / kBN;
+  const int n_tiles = last_slot / kBN - j0 + 1;
+  // Prologue: tiles 0 .. S-2 (with Q in the first group); one commit group per tile, empty ones included,
+  // so that before iteration j's wait exactly j + S groups exist and wait<S-1> means tile j landed.
+#pragma unroll
+  for (int st = 0; st < S - 1; ++st) {
+    if (st < n_tiles) load_kv_tile<HD, NT>(sK0 + st * kBN * kLd, sV0 + st * kBN * kLd, p, bt, j0 + st, last_slot, kvh, tid);
+    cp_async_commit();
+  }
+
+  float o[HD / 8][4];
+#pragma unroll
+  for (int dt = 0; dt < HD / 8; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  const int g = lane >> 2, c2 = (lane & 3) * 2;
+
+  for (int j = 0; j < n_tiles; ++j) {
+    const int buf = j % S;
+    if (j + S - 1 < n_tiles) {
+      const int nb = (j + S - 1) % S;  // the stage consumed in iteration j - 1 (freed by its trailing barrier)
+      load_kv_tile<HD, NT>(sK0 + nb * kBN * kLd, sV0 + nb * kBN * kLd, p, bt, j0 + j + S - 1, last_slot, kvh, tid);
+    }
+    cp_async_commit();
+    cp_async_wait<S - 1>();
+    __syncthreads();
+    const int n0 = (j0 + j) * kBN + warp * 16;  // the warp's first slot
+    if (n0 <= last_slot) {
+      const bf16* sK = sK0 + buf * kBN * kLd;
+      const bf16* sV = sV0 + buf * kBN * kLd;
+      float s[2][4] = {};
+#pragma unroll
+      for (int kk = 0; kk < HD / 16; ++kk) {
+        uint32_t a[4], bb[4];
+        load_a(a, sQ, kLd, 0, kk * 16, lane);
+        load_b_nk(bb, sK, kLd, kk * 16, warp * 16, lane);
+        mma_bf16(s[0], a, bb[0], bb[1]);
+        mma_bf16(s[1], a, bb[2], bb[3]);
+      }
+      uint32_t pa[1][4];
+      online_softmax<2, HD / 8>(s, pa, o, m, l, p.scale_log2, n0 + 15 > last_slot, n0, c2, last_slot, last_slot);
+      pv_product<1, HD>(pa, o, sV, warp * 16, lane);
+    }
+    __syncthreads();
+  }
+  cp_async_wait<0>();
+
+  // Combine the 4 warps (each saw a quarter of every tile) through shared memory (the K/V buffers).
+  float* sO = reinterpret_cast<float*>(sK0);  // [4][16][HD]
+  float* sM = sO + 4 * 16 * HD;               // [4][16]
+  float* sL = sM + 4 * 16;                    // [4][16]
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+  }
+#pragma unroll
+  for (int dt = 0; dt < HD / 8; ++dt) {
+    const int d = dt * 8 + c2;
+    *reinterpret_cast<float2*>(sO + (warp * 16 + g) * HD + d) = make_float2(o[dt][0], o[dt][1]);
+    *reinterpret_cast<float2*>(sO + (warp * 16 + g + 8) * HD + d) = make_float2(o[dt][2], o[dt][3]);
+  }
+  if ((lane & 3) == 0) {
+    sM[warp * 16 + g] = m[0];
+    sM[warp * 16 + g + 8] = m[1];
+    sL[warp * 16 + g] = l[0];
+    sL[warp * 16 + g + 8] = l[1];
+  }
+  __syncthreads();
+  for (int idx = tid; idx < nrows * HD; idx += NT) {
+    const int r = idx / HD, d = idx % HD;
+    float M = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < 4; ++w) M = fmaxf(M, sM[w * 16 + r]);  // finite: warp 0 sees slot `start`
+    float L = 0.f, acc = 0.f;
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      const float wt = fast_exp2(sM[w * 16 + r] - M);
+      L += wt * sL[w * 16 + r];
+      acc += wt * sO[(w * 16 + r) * HD + d];
+    }
+    const int h = h0 + r;
+    if (nsplit == 1) {
+      float v = acc / L;
+      if (p.gate) v *= sigmoidf_(__bfloat162float(p.gate[static_cast<long>(t) * p.gate_ts + static_cast<long>(h) * p.gate_hs + d]));
+      p.out[(static_cast<size_t>(t) * p.num_heads + h) * HD + d] = __float2bfloat16_rn(v);
+    } else {
+      const size_t e = (static_cast<size_t>(b) * p.num_heads + h) * nsplit + c;
+      p.ws_acc[e * HD + d] = acc;
+      if (d == 0) {
+        p.ws_ml[2 * e] = M;
+        p.ws_ml[2 * e + 1] = L;
+      }
+    }
+  }
+}
+
+// Grid (num_heads, batch), HD threads: out = sum_c 2^(m_c - M) acc_c / sum_c 2^(m_c - M) l_c over the
+// request's non-empty chunks.
+template <int HD>
+__global__ void __launch_bounds__(HD) attn_decode_combine_kernel(const AttnParams p, int nsplit) {
+  const int h = blockIdx.x, b = blockIdx.y, d = threadIdx.x;
+  const int t = p.q_start[b];
+  const int kv_len = p.slot0[b] + 1;
+  const int nvalid = min(nsplit, static_cast<int>((static_cast<long>(kv_len) + p.chunk_len - 1) / p.chunk_len));
+  const size_t e0 = (static_cast<size_t>(b) * p.num_heads + h) * nsplit;
+  float M = -INFINITY;
+  for (int c = 0; c < nvalid; ++c) M = fmaxf(M, p.ws_ml[2 * (e0 + c)]);
+  float L = 0.f, acc = 0.f;
+  for (int c = 0; c < nvalid; ++c) {
+    const float wt = fast_exp2(p.ws_ml[2 * (e0 + c)] - M);
+    L += wt * p.ws_ml[2 * (e0 + c) + 1];
+    acc += wt * p.ws_acc[(e0 + c) * HD + d];
+  }
+  float v = acc / L;
+  if (p.gate) v *= sigmoidf_(__bfloat162float(p.gate[static_cast<long>(t) * p.gate_ts + static_cast<long>(h) * p.gate_hs + d]));
+  p.out[(static_cast<size_t>(t) * p.num_heads + h) * HD + d] = __float2bfloat16_rn(v);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Row helpers of prepare / import: one warp per head row of HD elements, lane holds E = HD / 32 consecutive
+// elements, loaded and stored as one E*2-byte vector when the address allows.
+template <int E>
+struct VecOf;
+template <>
+struct VecOf<2> {
+  using T = unsigned int;
+};
+template <>
+struct VecOf<4> {
+  using T = uint2;
+};
+template <>
+struct VecOf<8> {
+  using T = uint4;
+};
+
+template <int E>
+__device__ __forceinline__ bool vec_ok(const void* p) {
+  return (reinterpret_cast<uintptr_t>(p) & (2 * E - 1)) == 0;
+}
+
+template <int E>
+__device__ __forceinline__ void load_lane(const bf16* src, float (&x)[E]) {  // src: the lane's first element
+  using V = typename VecOf<E>::T;
+  if (vec_ok<E>(src)) {
+    const V raw = *reinterpret_cast<const V*>(src);
+    const bf16* pv = reinterpret_cast<const bf16*>(&raw);
+#pragma unroll
+    for (int e = 0; e < E; ++e) x[e] = __bfloat162float(pv[e]);
+  } else {
+#pragma unroll
+    for (int e = 0; e < E; ++e) x[e] = __bfloat162float(src[e]);
+  }
+}
+
+template <int E>
+__device__ __forceinline__ void store_lane(bf16* dst, const float (&x)[E]) {
+  using V = typename VecOf<E>::T;
+  if (vec_ok<E>(dst)) {
+    V raw;
+    bf16* pv = reinterpret_cast<bf16*>(&raw);
+#pragma unroll
+    for (int e = 0; e < E; ++e) pv[e] = __float2bfloat16_rn(x[e]);
+    *reinterpret_cast<V*>(dst) = raw;
+  } else {
+#pragma unroll
+    for (int e = 0; e < E; ++e) dst[e] = __float2bfloat16_rn(x[e]);
+  }
+}
+
+template <int E>
+__device__ __forceinline__ void copy_lane(const bf16* src, bf16* dst) {  // bit-exact copy of E elements
+  using V = typename VecOf<E>::T;
+  if (vec_ok<E>(src) && vec_ok<E>(dst)) {
+    *reinterpret_cast<V*>(dst) = *reinterpret_cast<const V*>(src);
+  } else {
+#pragma unroll
+    for (int e = 0; e < E; ++e) dst[e] = src[e];
+  }
+}
+
+// NeoX rotate_half RoPE of one head row held by the warp (x: the lane's E values, elements lane*E ..),
+// by angle pos * inv_freq[i] (the product rounded to fp32), in fp32 without contraction (as the CPU
+// reference). sx: the warp's HD-float staging row.
+template <int HD>
+__device__ __forceinline__ void rope_lane(float (&x)[HD / 32], float* sx, int lane, int rot, float pos,
+                                          const float* __restrict__ inv_freq) {
+  constexpr int E = HD / 32;
+  const int half = rot / 2;
+  __syncwarp();
+#pragma unroll
+  for (int e = 0; e < E; ++e) sx[lane * E + e] = x[e];
+  __syncwarp();
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    const int jd = lane * E + e;
+    if (jd < rot) {
+      const int i = jd < half ? jd : jd - half;
+      const float ang = __fmul_rn(pos, inv_freq[i]);
+      const float cs = cosf(ang), sn = sinf(ang);
+      if (jd < half)
+        x[e] = __fsub_rn(__fmul_rn(x[e], cs), __fmul_rn(sx[jd + half], sn));
+      else
+        x[e] = __fadd_rn(__fmul_rn(x[e], cs), __fmul_rn(sx[jd - half], sn));
+    }
+  }
+}
+
+struct PrepareParams {
+  int T, num_heads, num_kv_heads, rot;
+  int q_head_stride;  // (output_gate ? 2 : 1) * HD
+  const bf16* qg;
+  const bf16* k;
+  const bf16* v;
+  long kv_in_stride;
+  const bf16* q_norm;
+  const bf16* k_norm;
+  float eps;
+  const int* positions;
+  const float* inv_freq;
+  const int* kv_rows;
+  bf16* q_out;
+  bf16* k_pool;
+  bf16* v_pool;
+};
+
+constexpr int kRowWarps = 8;  // warps per block of the row kernels
+
+template <int HD>
+__global__ void __launch_bounds__(32 * kRowWarps, 4) attn_prepare_kernel(const PrepareParams p) {
+  constexpr int E = HD / 32;
+  __shared__ float sx[kRowWarps][HD];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int heads = p.num_heads + p.num_kv_heads;
+  const long total = static_cast<long>(p.T) * heads;
+  for (long w = static_cast<long>(blockIdx.x) * kRowWarps + warp; w < total;
+       w += static_cast<long>(gridDim.x) * kRowWarps) {
+    const int t = static_cast<int>(w / heads), hh = static_cast<int>(w % heads);
+    const bf16* src;
+    const bf16* wn;
+    bf16* dst;
+    if (hh < p.num_heads) {
+      src = p.qg + (static_cast<size_t>(t) * p.num_heads + hh) * p.q_head_stride;
+      wn = p.q_norm;
+      dst = p.q_out + (static_cast<size_t>(t) * p.num_heads + hh) * HD;
+    } else {
+      const int kh = hh - p.num_heads;
+      const size_t row = static_cast<size_t>(p.kv_rows[t]);
+      src = p.k + static_cast<long>(t) * p.kv_in_stride + static_cast<long>(kh) * HD;
+      wn = p.k_norm;
+      dst = p.k_pool + (row * p.num_kv_heads + kh) * HD;
+      copy_lane<E>(p.v + static_cast<long>(t) * p.kv_in_stride + static_cast<long>(kh) * HD + lane * E,
+                   p.v_pool + (row * p.num_kv_heads + kh) * HD + lane * E);
+    }
+    float x[E], wv[E];
+    load_lane<E>(src + lane * E, x);
+    load_lane<E>(wn + lane * E, wv);
+    float ss = 0.f;
+#pragma unroll
+    for (int e = 0; e < E; ++e) ss = fmaf(x[e], x[e], ss);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+    const float inv = 1.0f / sqrtf(ss / static_cast<float>(HD) + p.eps);
+#pragma unroll
+    for (int e = 0; e < E; ++e)  // (x * inv) * (1 + w), rounded to bf16 (HF casts the norm output)
+      x[e] = __bfloat162float(__float2bfloat16_rn(__fmul_rn(__fmul_rn(x[e], inv), 1.0f + wv[e])));
+    if (p.rot > 0) rope_lane<HD>(x, sx[warp], lane, p.rot, static_cast<float>(p.positions[t]), p.inv_freq);
+    store_lane<E>(dst + lane * E, x);
+  }
+}
+
+struct ImportParams {
+  int n, num_kv_heads, rot;
+  const bf16* const* k_src;
+  const bf16* const* v_src;
+  const int* deltas;
+  const float* inv_freq;
+  const int* kv_rows;
+  bf16* k_pool;
+  bf16* v_pool;
+};
+
+template <int HD>
+__global__ void __launch_bounds__(32 * kRowWarps, 4) kv_import_kernel(const ImportParams p) {
+  constexpr int E = HD / 32;
+  __shared__ float sx[kRowWarps][HD];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const long total = static_cast<long>(p.n) * p.num_kv_heads;
+  for (long w = static_cast<long>(blockIdx.x) * kRowWarps + warp; w < total;
+       w += static_cast<long>(gridDim.x) * kRowWarps) {
+    const int i = static_cast<int>(w / p.num_kv_heads), kh = static_cast<int>(w % p.num_kv_heads);
+    const size_t row = static_cast<size_t>(p.kv_rows[i]);
+    const size_t off = (row * p.num_kv_heads + kh) * HD + lane * E;
+    const bf16* ks = p.k_src[i] + static_cast<size_t>(kh) * HD + lane * E;
+    copy_lane<E>(p.v_src[i] + static_cast<size_t>(kh) * HD + lane * E, p.v_pool + off);
+    const int delta = p.deltas[i];
+    if (delta == 0 || p.rot == 0) {  // warp-uniform
+      copy_lane<E>(ks, p.k_pool + off);
+      continue;
+    }
+    float x[E];
+    load_lane<E>(ks, x);
+    rope_lane<HD>(x, sx[warp], lane, p.rot, static_cast<float>(delta), p.inv_freq);
+    store_lane<E>(p.k_pool + off, x);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Host side.
+
+[[noreturn]] void bad(const std::string& fn, const std::string& what) { throw std::invalid_argument(fn + ": " + what); }
+
+void check_head_dim(const char* fn, int head_dim) {
+  if (head_dim != 64 && head_dim != 128 && head_dim != 256)
+    bad(fn, "head_dim " + std::to_string(head_dim) + " is not supported (64, 128 or 256)");
+}
+
+void check_heads(const char* fn, int num_heads, int num_kv_heads) {
+  if (num_heads <= 0 || num_kv_heads <= 0 || num_heads % num_kv_heads != 0)
+    bad(fn, "num_heads " + std::to_string(num_heads) + " must be a positive multiple of num_kv_heads " +
+                std::to_string(num_kv_heads));
+}
+
+void check_rot(const char* fn, int rotary_dim, int head_dim, const float* inv_freq) {
+  if (rotary_dim < 0 || rotary_dim % 2 != 0 || rotary_dim > head_dim)
+    bad(fn, "rotary_dim " + std::to_string(rotary_dim) + " must be even and in [0, head_dim " +
+                std::to_string(head_dim) + "]");
+  if (rotary_dim > 0 && !inv_freq) bad(fn, "inv_freq is null (rotary_dim " + std::to_string(rotary_dim) + ")");
+}
+
+void check_ptr(const char* fn, const void* ptr, const char* name) {
+  if (!ptr) bad(fn, std::string(name) + " is null");
+}
+
+void check_aligned16(const char* fn, const void* ptr, const char* name) {
+  check_ptr(fn, ptr, name);
+  if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) bad(fn, std::string(name) + " is not 16-byte aligned");
+}
+
+int sm_count() {
+  static DeviceOnce once;
+  return once.run(current_device(), [](int d) {
+    int sms = 0;
+    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, d), "cudaDeviceGetAttribute(SMs)");
+    return sms;
+  });
+}
+
+template <int HD>
+void prefill_setup() {
+  static DeviceOnce once;
+  once.run(current_device(), [](int) {
+    check_cuda(cudaFuncSetAttribute(attn_prefill_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    PrefillCfg<HD>::kSmem),
+               "cudaFuncSetAttribute(attn_prefill_kernel<" + std::to_string(HD) + ">)");
+    return 0;
+  });
+}
+
+// Sets the decode kernel's shared-memory limit; returns its resident blocks per SM.
+template <int HD>
+int decode_setup() {
+  static DeviceOnce once;
+  return once.run(current_device(), [](int) {
+    check_cuda(cudaFuncSetAttribute(attn_decode_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    DecodeCfg<HD>::kSmem),
+               "cudaFuncSetAttribute(attn_decode_kernel<" + std::to_string(HD) + ">)");
+    int blocks = 0;
+    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, attn_decode_kernel<HD>,
+                                                             DecodeCfg<HD>::kThreads, DecodeCfg<HD>::kSmem),
+               "cudaOccupancyMaxActiveBlocksPerMultiprocessor(attn_decode_kernel)");
+    return std::max(blocks, 1);
+  });
+}
+
+int decode_blocks_per_sm(int head_dim) {
+  switch (head_dim) {
+    case 64: return decode_setup<64>();
+    case 128: return decode_setup<128>();
+    default: return decode_setup<256>();
+  }
+}
+
+struct DecodeSplit {
+  int nsplit;
+  int chunk_len;
+};
+
+long ceil_div(long a, long b) { return (a + b - 1) / b; }
+
+// Splits aimed at two waves of resident blocks; chunks of whole pages, at least kMinTilesPerChunk pages.
+long max_splits(int batch, long units_per_request, int max_kv, int sms, int blocks_per_sm) {
+  const long tiles = ceil_div(std::max(max_kv, 1), kBN);
+  const long units = static_cast<long>(batch) * units_per_request;
+  const long want = ceil_div(2L * sms * blocks_per_sm, units);
+  return std::max(1L, std::min(want, ceil_div(tiles, kMinTilesPerChunk)));
+}
+
+DecodeSplit plan_decode(int batch, long units_per_request, int max_kv, int sms, int blocks_per_sm) {
+  const long tiles = ceil_div(std::max(max_kv, 1), kBN);
+  const long ns0 = max_splits(batch, units_per_request, max_kv, sms, blocks_per_sm);
+  const long tpc = ceil_div(tiles, ns0);
+  return {static_cast<int>(ceil_div(tiles, tpc)), static_cast<int>(tpc * kBN)};
+}
+
+size_t decode_ws_bytes(long entries, int head_dim) {
+  return static_cast<size_t>(entries) * (head_dim + 2) * sizeof(float);
+}
+
+void check_groups(const char* fn, const AttnGroups& g) {
+  if (g.num_groups < 0) bad(fn, "num_groups " + std::to_string(g.num_groups) + " is negative");
+  if (g.num_groups > 65535) bad(fn, "num_groups " + std::to_string(g.num_groups) + " exceeds 65535");
+  if (g.num_groups == 0) return;
+  check_ptr(fn, g.q_start, "q_start");
+  check_ptr(fn, g.slot0, "slot0");
+  check_ptr(fn, g.block_table, "block_table");
+  if (g.max_pages <= 0) bad(fn, "max_pages " + std::to_string(g.max_pages) + " must be positive");
+  if (g.total_q < 0) bad(fn, "total_q " + std::to_string(g.total_q) + " is negative");
+  if (g.max_q < 0) bad(fn, "max_q " + std::to_string(g.max_q) + " is negative");
+  if (g.total_q > 0 && g.max_q == 0) bad(fn, "max_q 0 with total_q " + std::to_string(g.total_q));
+}
+
+void check_attn_args(const char* fn, const AttnGroups& g, int num_heads, int num_kv_heads, int head_dim,
+                     const bf16* q, const bf16* k_pool, const bf16* v_pool, bf16* out) {
+  check_groups(fn, g);
+  check_heads(fn, num_heads, num_kv_heads);
+  check_head_dim(fn, head_dim);
+  check_aligned16(fn, q, "q");
+  check_aligned16(fn, k_pool, "k_pool");
+  check_aligned16(fn, v_pool, "v_pool");
+  check_aligned16(fn, out, "out");
+}
+
+AttnParams make_params(const AttnGroups& g, int num_heads, int num_kv_heads, const bf16* q, const bf16* k_pool,
+                       const bf16* v_pool, float scale, const bf16* gate, long gate_ts, int gate_hs, bf16* out) {
+  AttnParams p{};
+  p.q_start = g.q_start;
+  p.slot0 = g.slot0;
+  p.block_table = g.block_table;
+  p.max_pages = g.max_pages;
+  p.num_heads = num_heads;
+  p.num_kv_heads = num_kv_heads;
+  p.ratio = num_heads / num_kv_heads;
+  p.q = q;
+  p.k_pool = k_pool;
+  p.v_pool = v_pool;
+  p.scale_log2 = scale * kLog2e;
+  p.gate = gate;
+  p.gate_ts = gate_ts;
+  p.gate_hs = gate_hs;
+  p.out = out;
+  return p;
+}
+
+template <int HD>
+void launch_prefill(const AttnParams& p, int num_groups, int max_q, cudaStream_t stream) {
+  using C = PrefillCfg<HD>;
+  prefill_setup<HD>();
+  const dim3 grid(p.num_heads, num_groups, static_cast<unsigned>(ceil_div(max_q, C::kBM)));
+  attn_prefill_kernel<HD><<<grid, C::kThreads, C::kSmem, stream>>>(p);
+  check_cuda(cudaGetLastError(), "attn_prefill_kernel<" + std::to_string(HD) + "> launch");
+}
+
+template <int HD>
+void launch_decode(const AttnParams& p, int batch, int nsplit, cudaStream_t stream) {
+  using C = DecodeCfg<HD>;
+  decode_setup<HD>();
+  const dim3 grid(nsplit, p.num_kv_heads * p.head_blocks, batch);
+  attn_decode_kernel<HD><<<grid, C::kThreads, C::kSmem, stream>>>(p);
+  check_cuda(cudaGetLastError(), "attn_decode_kernel<" + std::to_string(HD) + "> launch");
+  if (nsplit > 1) {
+    attn_decode_combine_kernel<HD><<<dim3(p.num_heads, batch), HD, 0, stream>>>(p, nsplit);
+    check_cuda(cudaGetLastError(), "attn_decode_combine_kernel<" + std::to_string(HD) + "> launch");
+  }
+}
+
+int row_grid(long warps) {
+  const long blocks = ceil_div(warps, kRowWarps);
+  return static_cast<int>(std::min(blocks, 16L * sm_count()));
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------------------
+
+void attention_prefill(const AttnGroups& g, int num_heads, int num_kv_heads, int head_dim, const bf16* q,
+                       const bf16* k_pool, const bf16* v_pool, float scale, const bf16* gate, long gate_token_stride,
+                       int gate_head_stride, bf16* out, cudaStream_t stream) {
+  const char* fn = "attention_prefill";
+  check_attn_args(fn, g, num_heads, num_kv_heads, head_dim, q, k_pool, v_pool, out);
+  if (g.max_q > 65535L * PrefillCfg<64>::kBM) bad(fn, "max_q " + std::to_string(g.max_q) + " exceeds 65535 * 128");
+  if (g.num_groups == 0 || g.total_q == 0) return;
+  const AttnParams p =
+      make_params(g, num_heads, num_kv_heads, q, k_pool, v_pool, scale, gate, gate_token_stride, gate_head_stride, out);
+  switch (head_dim) {
+    case 64: launch_prefill<64>(p, g.num_groups, g.max_q, stream); break;
+    case 128: launch_prefill<128>(p, g.num_groups, g.max_q, stream); break;
+    default: launch_prefill<256>(p, g.num_groups, g.max_q, stream); break;
+  }
+}
+
+AttnDecodeWorkspace::~AttnDecodeWorkspace() {
+  if (mem_) cudaFree(mem_);
+}
+
+void AttnDecodeWorkspace::ensure(size_t bytes, cudaStream_t stream) {
+  if (bytes <= bytes_) return;
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  check_cuda(cudaStreamIsCapturing(stream, &capturing), "cudaStreamIsCapturing");
+  if (capturing != cudaStreamCaptureStatusNone)
+    throw std::invalid_argument("attention_decode: the workspace would grow from " + std::to_string(bytes_) + " to " +
+                                std::to_string(bytes) +
+                                " bytes during CUDA graph capture: call AttnDecodeWorkspace::reserve first");
+  if (mem_) {
+    check_cuda(cudaDeviceSynchronize(), "AttnDecodeWorkspace: synchronise before freeing the old buffer");
+    check_cuda(cudaFree(mem_), "cudaFree(AttnDecodeWorkspace)");
+    mem_ = nullptr;
+    bytes_ = 0;
+  }
+  check_cuda(cudaMalloc(&mem_, bytes), "cudaMalloc(AttnDecodeWorkspace, " + std::to_string(bytes) + " bytes)");
+  bytes_ = bytes;
+}
+
+void AttnDecodeWorkspace::reserve(int max_batch, int num_heads, int head_dim, int max_kv) {
+  const char* fn = "AttnDecodeWorkspace::reserve";
+  if (max_batch <= 0) bad(fn, "max_batch " + std::to_string(max_batch) + " must be positive");
+  if (num_heads <= 0) bad(fn, "num_heads " + std::to_string(num_heads) + " must be positive");
+  if (max_kv <= 0) bad(fn, "max_kv " + std::to_string(max_kv) + " must be positive");
+  check_head_dim(fn, head_dim);
+  const int sms = sm_count(), bps = decode_blocks_per_sm(head_dim);
+  // Upper bound over every batch <= max_batch, KV head count and max_kv' <= max_kv (splits do not grow
+  // with more units per request or a shorter max_kv).
+  long entries = 0;
+  for (int b = 1; b <= max_batch; ++b) {
+    const long ns = max_splits(b, 1, max_kv, sms, bps);
+    if (ns > 1) entries = std::max(entries, static_cast<long>(b) * num_heads * ns);
+  }
+  if (entries > 0) ensure(decode_ws_bytes(entries, head_dim), nullptr);
+}
+
+void attention_decode(const AttnGroups& g, int num_heads, int num_kv_heads, int head_dim, const bf16* q,
+                      const bf16* k_pool, const bf16* v_pool, float scale, const bf16* gate, long gate_token_stride,
+                      int gate_head_stride, bf16* out, AttnDecodeWorkspace& ws, cudaStream_t stream) {
+  const char* fn = "attention_decode";
+  check_attn_args(fn, g, num_heads, num_kv_heads, head_dim, q, k_pool, v_pool, out);
+  if (g.num_groups == 0) return;
+  if (g.max_q != 1) bad(fn, "max_q " + std::to_string(g.max_q) + " must be 1 (one query per group)");
+  if (g.total_q != g.num_groups)
+    bad(fn, "total_q " + std::to_string(g.total_q) + " must equal num_groups " + std::to_string(g.num_groups));
+  if (g.max_kv <= 0) bad(fn, "max_kv " + std::to_string(g.max_kv) + " must be positive");
+  AttnParams p =
+      make_params(g, num_heads, num_kv_heads, q, k_pool, v_pool, scale, gate, gate_token_stride, gate_head_stride, out);
+  p.head_blocks = static_cast<int>(ceil_div(p.ratio, 16));
+  if (static_cast<long>(num_kv_heads) * p.head_blocks > 65535)
+    bad(fn, "num_kv_heads " + std::to_string(num_kv_heads) + " too large");
+  const int sms = sm_count(), bps = decode_blocks_per_sm(head_dim);
+  const DecodeSplit sp =
+      plan_decode(g.num_groups, static_cast<long>(num_kv_heads) * p.head_blocks, g.max_kv, sms, bps);
+  p.chunk_len = sp.chunk_len;
+  if (sp.nsplit > 1) {
+    const long entries = static_cast<long>(g.num_groups) * num_heads * sp.nsplit;
+    ws.ensure(decode_ws_bytes(entries, head_dim), stream);
+    p.ws_acc = static_cast<float*>(ws.mem_);
+    p.ws_ml = p.ws_acc + static_cast<size_t>(entries) * head_dim;
+  }
+  switch (head_dim) {
+    case 64: launch_decode<64>(p, g.num_groups, sp.nsplit, stream); break;
+    case 128: launch_decode<128>(p, g.num_groups, sp.nsplit, stream); break;
+    default: launch_decode<256>(p, g.num_groups, sp.nsplit, stream); break;
+  }
+}
+
+void attention_prepare(int T, int num_heads, int num_kv_heads, int head_dim, int rotary_dim, bool output_gate,
+                       const bf16* qg, const bf16* k, const bf16* v, long kv_in_stride, const bf16* q_norm,
+                       const bf16* k_norm, float eps, const int* positions, const float* inv_freq, const int* kv_rows,
+                       bf16* q_out, bf16* k_pool, bf16* v_pool, cudaStream_t stream) {
+  const char* fn = "attention_prepare";
+  if (T < 0) bad(fn, "T " + std::to_string(T) + " is negative");
+  check_heads(fn, num_heads, num_kv_heads);
+  check_head_dim(fn, head_dim);
+  check_rot(fn, rotary_dim, head_dim, inv_freq);
+  if (kv_in_stride < static_cast<long>(num_kv_heads) * head_dim)
+    bad(fn, "kv_in_stride " + std::to_string(kv_in_stride) + " is smaller than num_kv_heads * head_dim");
+  if (T == 0) return;
+  check_ptr(fn, qg, "qg");
+  check_ptr(fn, k, "k");
+  check_ptr(fn, v, "v");
+  check_ptr(fn, q_norm, "q_norm");
+  check_ptr(fn, k_norm, "k_norm");
+  if (rotary_dim > 0) check_ptr(fn, positions, "positions");
+  check_ptr(fn, kv_rows, "kv_rows");
+  check_ptr(fn, q_out, "q_out");
+  check_ptr(fn, k_pool, "k_pool");
+  check_ptr(fn, v_pool, "v_pool");
+  PrepareParams p{};
+  p.T = T;
+  p.num_heads = num_heads;
+  p.num_kv_heads = num_kv_heads;
+  p.rot = rotary_dim;
+  p.q_head_stride = (output_gate ? 2 : 1) * head_dim;
+  p.qg = qg;
+  p.k = k;
+  p.v = v;
+  p.kv_in_stride = kv_in_stride;
+  p.q_norm = q_norm;
+  p.k_norm = k_norm;
+  p.eps = eps;
+  p.positions = positions;
+  p.inv_freq = inv_freq;
+  p.kv_rows = kv_rows;
+  p.q_out = q_out;
+  p.k_pool = k_pool;
+  p.v_pool = v_pool;
+  const int grid = row_grid(static_cast<long>(T) * (num_heads + num_kv_heads));
+  switch (head_dim) {
+    case 64: attn_prepare_kernel<64><<<grid, 32 * kRowWarps, 0, stream>>>(p); break;
+    case 128: attn_prepare_kernel<128><<<grid, 32 * kRowWarps, 0, stream>>>(p); break;
+    default: attn_prepare_kernel<256><<<grid, 32 * kRowWarps, 0, stream>>>(p); break;
+  }
+  check_cuda(cudaGetLastError(), "attn_prepare_kernel launch");
+}
+
+void kv_import(int n, int num_kv_heads, int head_dim, int rotary_dim, const bf16* const* k_src,
+               const bf16* const* v_src, const int* deltas, const float* inv_freq, const int* kv_rows, bf16* k_pool,
+               bf16* v_pool, cudaStream_t stream) {
+  const char* fn = "kv_import";
+  if (n < 0) bad(fn, "n " + std::to_string(n) + " is negative");
+  if (num_kv_heads <= 0) bad(fn, "num_kv_heads " + std::to_string(num_kv_heads) + " must be positive");
+  check_head_dim(fn, head_dim);
+  check_rot(fn, rotary_dim, head_dim, inv_freq);
+  if (n == 0) return;
+  check_ptr(fn, k_src, "k_src");
+  check_ptr(fn, v_src, "v_src");
+  check_ptr(fn, deltas, "deltas");
+  check_ptr(fn, kv_rows, "kv_rows");
+  check_ptr(fn, k_pool, "k_pool");
+  check_ptr(fn, v_pool, "v_pool");
+  ImportParams p{};
+  p.n = n;
+  p.num_kv_heads = num_kv_heads;
+  p.rot = rotary_dim;
+  p.k_src = k_src;
+  p.v_src = v_src;
+  p.deltas = deltas;
+  p.inv_freq = inv_freq;
+  p.kv_rows = kv_rows;
+  p.k_pool = k_pool;
+  p.v_pool = v_pool;
+  const int grid = row_grid(static_cast<long>(n) * num_kv_heads);
+  switch (head_dim) {
+    case 64: kv_import_kernel<64><<<grid, 32 * kRowWarps, 0, stream>>>(p); break;
+    case 128: kv_import_kernel<128><<<grid, 32 * kRowWarps, 0, stream>>>(p); break;
+    default: kv_import_kernel<256><<<grid, 32 * kRowWarps, 0, stream>>>(p); break;
+  }
+  check_cuda(cudaGetLastError(), "kv_import_kernel launch");
+}
+
+}  // namespace hypic::kernels::cuda

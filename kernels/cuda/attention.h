@@ -1,0 +1,141 @@
+// CUDA kernels of the gated full-attention layers of Qwen3-Next / Qwen3.5 (HF Qwen3NextAttention,
+// Qwen3_5Attention) over a paged KV pool:
+//   attention_prepare  q/k zero-centred RMSNorm + partial NeoX RoPE, K/V written into the pool;
+//   kv_import          cached segment K/V copied into the pool, K re-rotated by a position delta;
+//   attention_prefill  varlen causal-by-slot attention (FlashAttention-2 style, mma.sync bf16), gate fused;
+//   attention_decode   one query per request, flash-decoding (KV split over blocks + combine), gate fused.
+// CPU references: kernels/cpu/attention.h (attention_causal), kernels/cpu/ops.h (rms_norm_zero_centred,
+// apply_rope, apply_rope_uniform).
+//
+// Conventions shared by every function here:
+//  - all pointers are DEVICE pointers unless named *_host; bf16 = __nv_bfloat16, row-major;
+//  - head_dim is 64, 128 or 256 (anything else throws std::invalid_argument naming the value);
+//  - GQA: query head h reads KV head h / (num_heads / num_kv_heads);
+//  - every call is asynchronous on `stream`, never synchronises the host, and throws
+//    std::invalid_argument (naming the bad value) on bad shapes or null / misaligned pointers and
+//    std::runtime_error on CUDA errors (launch errors via cudaGetLastError).
+//  - attention_prepare, kv_import and attention_prefill allocate nothing and can be captured in a
+//    CUDA graph; attention_decode likewise once its workspace is reserved (AttnDecodeWorkspace).
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+
+namespace hypic::kernels::cuda {
+
+using bf16 = __nv_bfloat16;
+
+/// Tokens per KV page. One attention layer's pool is K and V, each [num_pages][64][H_kv][head_dim]
+/// bf16; pool row r = page * 64 + offset addresses one token's [H_kv][head_dim] (element offset
+/// (r * H_kv + kv_head) * head_dim). The token at slot s of a sequence (its index in the sequence's
+/// KV order) lives at pool row block_table[s / 64] * 64 + s % 64. K is stored RoPE-rotated at the
+/// token's real position.
+inline constexpr int kKvPageTokens = 64;
+
+/// A varlen batch of query groups. Query i of group g (0 <= i < len(g)) attends to the KV slots
+/// 0 ..= slot0[g] + i of its sequence (causal by slot); all those slots' K/V must be in the pool.
+/// Several groups may share one sequence (the same block-table rows repeated): that is how a splice
+/// runs several seam windows of one prompt in one call.
+struct AttnGroups {
+  int num_groups = 0;               ///< host; >= 0 (0: nothing to do)
+  const int* q_start = nullptr;     ///< DEVICE int32 [num_groups + 1]: rows of q of group g are q_start[g] .. q_start[g+1]-1
+  const int* slot0 = nullptr;       ///< DEVICE int32 [num_groups]: KV slot of the group's first query (>= 0)
+  const int* block_table = nullptr; ///< DEVICE int32 [num_groups][max_pages]: page ids of the group's sequence
+  int max_pages = 0;                ///< host; row stride of block_table (>= 1)
+  int total_q = 0;                  ///< host copy of q_start[num_groups]
+  int max_q = 0;                    ///< host: longest group (upper bound of len(g))
+  int max_kv = 0;                   ///< host: upper bound of slot0[g] + len(g) (the KV length); used by decode
+};
+
+/// Varlen causal attention over the paged pool (FlashAttention-2 style: 128-query tiles of one head
+/// per block, 64-slot KV tiles = one page each, cp.async double buffering, tiles above the causal
+/// diagonal skipped, query tiles nearest the diagonal's far end launched first).
+///   q:   [total_q][num_heads][head_dim] bf16, normed and rotated (attention_prepare's q_out);
+///   k_pool, v_pool: the layer's pool (see kKvPageTokens), K rotated at real positions;
+///   scale: multiplies q.k (head_dim^-1/2);
+///   gate: nullptr (no output gate) or the gate element of token 0, head 0: the gate of (t, h, d) is
+///     gate[t * gate_token_stride + h * gate_head_stride + d] (for HF q_proj output [T][nh][2 hd] with
+///     the gate after the query of each head: gate = qg + head_dim, token stride nh * 2 hd, head
+///     stride 2 hd);
+///   out: [total_q][num_heads][head_dim] bf16: out = attn * sigmoid(gate) (sigmoid and product in fp32
+///     on the fp32 attention value, rounded to bf16 once), or attn without a gate.
+/// Numerics: fp32 scores, fp32 online softmax (exp2 of log2e-scaled scores), P rounded to bf16 for the
+/// P.V tensor-core product, fp32 accumulators. Requires q, k_pool, v_pool, out 16-byte aligned;
+/// num_groups <= 65535 and max_q <= 65535 * 128. Allocates nothing (graph capturable).
+void attention_prefill(const AttnGroups& g, int num_heads, int num_kv_heads, int head_dim, const bf16* q,
+                       const bf16* k_pool, const bf16* v_pool, float scale, const bf16* gate, long gate_token_stride,
+                       int gate_head_stride, bf16* out, cudaStream_t stream = nullptr);
+
+/// Device scratch of attention_decode: per (request, query head, KV chunk) the partial (m, l) and the
+/// fp32 accumulator [head_dim]. Grows on demand (a growth synchronises the device before freeing the
+/// old buffer) and is reused across calls; not thread-safe (one per stream). A captured graph reads
+/// its buffer: between a capture and the graph's last replay the workspace must not grow.
+class AttnDecodeWorkspace {
+ public:
+  AttnDecodeWorkspace() = default;
+  AttnDecodeWorkspace(const AttnDecodeWorkspace&) = delete;
+  AttnDecodeWorkspace& operator=(const AttnDecodeWorkspace&) = delete;
+  ~AttnDecodeWorkspace();
+  /// Sizes the scratch for every attention_decode call on the current device with at most
+  /// max_batch requests, num_heads query heads (any num_kv_heads dividing it), this head_dim and
+  /// AttnGroups::max_kv <= max_kv, so that such calls allocate nothing (and can be captured).
+  /// Throws std::invalid_argument on non-positive sizes or an unsupported head_dim.
+  void reserve(int max_batch, int num_heads, int head_dim, int max_kv);
+  /// Bytes held on the device.
+  size_t bytes() const { return bytes_; }
+
+ private:
+  friend void attention_decode(const AttnGroups&, int, int, int, const bf16*, const bf16*, const bf16*, float,
+                               const bf16*, long, int, bf16*, AttnDecodeWorkspace&, cudaStream_t);
+  void ensure(size_t bytes, cudaStream_t stream);
+  void* mem_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+/// Decode attention: every group holds exactly one query (g.max_q == 1, total_q == num_groups; the
+/// query row of request b is q_start[b], its KV length slot0[b] + 1). Flash-decoding: each request's
+/// KV range is cut into chunks of whole pages (the split count chosen from the batch size, g.max_kv
+/// and the SM count; a KV length beyond g.max_kv is still computed correctly, by the last chunk),
+/// one block per (request, KV head, chunk) with the query heads of that KV head packed into the
+/// 16 tile rows (GQA ratio up to 16 per block; larger ratios take several blocks), partial (m, l,
+/// acc) in `ws`, then a combine kernel (skipped when one chunk suffices: the block writes `out`).
+/// Arguments and numerics as attention_prefill (fp32 softmax, gate fused). g.max_kv >= 1 required.
+/// Throws std::invalid_argument as attention_prefill, when g.max_q != 1 or total_q != num_groups,
+/// num_groups > 65535, or when `ws` would have to grow while `stream` is capturing.
+void attention_decode(const AttnGroups& g, int num_heads, int num_kv_heads, int head_dim, const bf16* q,
+                      const bf16* k_pool, const bf16* v_pool, float scale, const bf16* gate, long gate_token_stride,
+                      int gate_head_stride, bf16* out, AttnDecodeWorkspace& ws, cudaStream_t stream = nullptr);
+
+/// Between the projections and attention (HF Qwen3NextAttention.forward), for T tokens:
+///   qg: q_proj output [T][num_heads][(output_gate ? 2 : 1) * head_dim] bf16 (per head: head_dim query
+///       values, then head_dim gate values when output_gate; the gate is left in qg for attention);
+///   k, v: k_proj / v_proj outputs: row t at k + t * kv_in_stride (elements), [num_kv_heads][head_dim];
+///   q_norm, k_norm: [head_dim] bf16 zero-centred RMSNorm weights: y = x * rsqrt(mean(x^2) + eps) * (1 + w)
+///       per head over head_dim in fp32, rounded to bf16 (as HF Qwen3NextRMSNorm);
+///   then partial NeoX RoPE of the first rotary_dim dims of each q and k head, from the bf16 normed values:
+///       pairs (i, i + rotary_dim/2), angle = float(positions[t]) * inv_freq[i] (fp32), cosf / sinf,
+///       x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin in fp32 (kernels/cpu apply_rope), rounded to bf16
+///       once; dims >= rotary_dim pass through;
+///   positions: DEVICE int32 [T]; inv_freq: DEVICE fp32 [rotary_dim / 2] (may be null if rotary_dim == 0);
+///   kv_rows: DEVICE int32 [T] destination pool rows;
+///   q_out: [T][num_heads][head_dim] bf16 (normed, rotated); K (normed, rotated) and V (copied) to
+///       k_pool / v_pool rows kv_rows[t].
+/// rotary_dim: even, 0 <= rotary_dim <= head_dim. 16-byte vector loads where pointers and strides allow.
+void attention_prepare(int T, int num_heads, int num_kv_heads, int head_dim, int rotary_dim, bool output_gate,
+                       const bf16* qg, const bf16* k, const bf16* v, long kv_in_stride, const bf16* q_norm,
+                       const bf16* k_norm, float eps, const int* positions, const float* inv_freq, const int* kv_rows,
+                       bf16* q_out, bf16* k_pool, bf16* v_pool, cudaStream_t stream = nullptr);
+
+/// Copies n cached K/V rows into the pool, re-rotating K by a position delta (R(p + d) = R(d) R(p)):
+/// for i < n, k_src[i] / v_src[i] (DEVICE array of device pointers) point at one token's
+/// [num_kv_heads][head_dim] bf16 row; K is rotated on its first rotary_dim dims by angle
+/// float(deltas[i]) * inv_freq[j] (x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin, fp32, rounded to bf16
+/// once; kernels/cpu apply_rope_uniform), V copied; both written to pool row kv_rows[i].
+/// deltas: DEVICE int32 [n] (0 or negative allowed; delta 0 copies K bit for bit); kv_rows: DEVICE int32
+/// [n]. rotary_dim even, 0 <= rotary_dim <= head_dim. 16-byte vectorised where every pointer allows.
+void kv_import(int n, int num_kv_heads, int head_dim, int rotary_dim, const bf16* const* k_src,
+               const bf16* const* v_src, const int* deltas, const float* inv_freq, const int* kv_rows, bf16* k_pool,
+               bf16* v_pool, cudaStream_t stream = nullptr);
+
+}  // namespace hypic::kernels::cuda

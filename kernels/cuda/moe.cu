@@ -1,0 +1,850 @@
+// Sparse MoE block and dense SwiGLU MLP on the GPU (see moe.h for the contract and pipeline).
+//
+// Routing is a stable counting sort on the device: the route kernel writes, per chunk of 32
+// tokens, how many of its (token, slot) pairs go to each expert (chunk_counts[e][chunk]);
+// chunk_scan turns that into per-expert exclusive prefixes over the chunks and the expert
+// counts; offsets_kernel prefix-sums the counts over experts and writes the m-tile schedule of the
+// grouped GEMM; scatter gives each pair its position offsets[e] + (earlier chunks) + (earlier
+// tokens of the chunk routed to e, by popcount of a per-expert token bitmask). Positions are thus
+// in ascending token order within each expert, deterministic and independent of thread timing.
+//
+// Grouped GEMM (GroupedGemm::Own): one launch per GEMM over all experts; block x = global m-tile
+// (an upper bound of the tile count is launched, blocks past the device's num_tiles exit), block
+// y = n-tile. mma.sync m16n8k16 bf16 with fp32 accumulators, ldmatrix from padded smem, cp.async
+// multi-stage pipeline. Rows past an expert's count and weight rows past N are loaded from a
+// clamped (valid) address and never stored, so no zero fill is needed (GEMM rows/columns are
+// independent). gate_up tiles interleave gate and up rows so that every warp holds the gate and
+// up accumulators of the same intermediate columns: B tile row r, with w = r % WN and
+// grp = r / WN, is the gate row j (w < WN/2) or the up row I + j (w >= WN/2) of column
+// j = n0 + grp * WN/2 + w % (WN/2); the warp's n8-fragments ni < NI/2 are then gate columns and
+// ni + NI/2 the matching up columns, and SwiGLU runs in the epilogue.
+#include "kernels/cuda/moe.h"
+
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/mma.cuh"
+
+namespace hypic::kernels::cuda {
+
+namespace {
+
+using detail::cp_async16;
+using detail::cp_async_commit;
+using detail::cp_async_wait;
+using detail::load_a;
+using detail::load_b_nk;
+using detail::mma_bf16;
+using detail::pack_bf16;
+
+constexpr unsigned kFull = 0xffffffffu;
+constexpr int kChunk = 32;       // tokens per routing chunk (one bit each in the scatter bitmask)
+constexpr int kMaxE = 512;
+constexpr int kMaxTopk = 16;
+constexpr int kRouteThreads = 256;  // 8 warps, 4 tokens each = one chunk
+
+__device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
+__device__ __forceinline__ float round_bf16(float x) { return __bfloat162float(__float2bfloat16(x)); }
+
+// ---------------------------------------------------------------------------------------------
+// Routing
+// ---------------------------------------------------------------------------------------------
+
+// One block per chunk of 32 tokens, one warp per token (4 tokens per warp). Expert e of a token
+// sits in lane e % 32, register e / 32.
+__global__ void __launch_bounds__(kRouteThreads) route_kernel(int T, int E, int k, bool renorm, const float* logits,
+                                                              const bf16* x, int H, const bf16* sgate_w,
+                                                              float* sgate_out, int* topk_e, float* topk_w,
+                                                              int* chunk_counts, int nch) {
+  __shared__ int hist[kMaxE];
+  for (int i = threadIdx.x; i < E; i += blockDim.x) hist[i] = 0;
+  __syncthreads();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int q = 0; q < kChunk / (kRouteThreads / 32); ++q) {
+    const int t = blockIdx.x * kChunk + warp * (kChunk / (kRouteThreads / 32)) + q;
+    if (t >= T) break;  // warp-uniform
+    const float* lg = logits + size_t(t) * E;
+    float v[kMaxE / 32];
+    float m = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < kMaxE / 32; ++i) {
+      const int e = i * 32 + lane;
+      v[i] = e < E ? lg[e] : -INFINITY;
+      m = fmaxf(m, v[i]);
+    }
+#pragma unroll
+    for (int off = 16; off; off >>= 1) m = fmaxf(m, __shfl_xor_sync(kFull, m, off));
+    float s = 0.f;
+#pragma unroll
+    for (int i = 0; i < kMaxE / 32; ++i) {
+      const int e = i * 32 + lane;
+      v[i] = e < E ? expf(v[i] - m) : 0.f;
+      s += v[i];
+    }
+#pragma unroll
+    for (int off = 16; off; off >>= 1) s += __shfl_xor_sync(kFull, s, off);
+#pragma unroll
+    for (int i = 0; i < kMaxE / 32; ++i) v[i] = v[i] / s;  // probabilities >= 0; -1 marks "taken"
+
+    int my_e = 0;
+    float my_p = 0.f;
+    for (int r = 0; r < k; ++r) {
+      float bv = -2.f;
+      int bi = INT_MAX;
+#pragma unroll
+      for (int i = 0; i < kMaxE / 32; ++i) {
+        const int e = i * 32 + lane;
+        if (e < E && v[i] > bv) bv = v[i], bi = e;  // ascending e: strict > keeps the lower index
+      }
+#pragma unroll
+      for (int off = 16; off; off >>= 1) {
+        const float ov = __shfl_xor_sync(kFull, bv, off);
+        const int oi = __shfl_xor_sync(kFull, bi, off);
+        if (ov > bv || (ov == bv && oi < bi)) bv = ov, bi = oi;
+      }
+      if (lane == r) my_e = bi, my_p = bv;
+#pragma unroll
+      for (int i = 0; i < kMaxE / 32; ++i)
+        if (i * 32 + lane == bi) v[i] = -1.f;
+    }
+    // Renormalisation sum in selection order (as the CPU reference), then the slots ordered by expert.
+    float sum = 0.f;
+    for (int r = 0; r < k; ++r) sum += __shfl_sync(kFull, my_p, r);
+    const float wgt = renorm ? my_p / sum : my_p;
+    int rank = 0;
+    for (int r = 0; r < k; ++r) rank += (__shfl_sync(kFull, my_e, r) < my_e) ? 1 : 0;
+    if (lane < k) {
+      topk_e[size_t(t) * k + rank] = my_e;
+      topk_w[size_t(t) * k + rank] = wgt;
+      atomicAdd(&hist[my_e], 1);
+    }
+    if (sgate_out) {
+      float d = 0.f;
+      if (sgate_w) {
+        const bf16* xr = x + size_t(t) * H;
+        for (int h = lane * 8; h < H; h += 256) {
+          const uint4 xv = *reinterpret_cast<const uint4*>(xr + h);
+          const uint4 wv = *reinterpret_cast<const uint4*>(sgate_w + h);
+          const __nv_bfloat162* xp = reinterpret_cast<const __nv_bfloat162*>(&xv);
+          const __nv_bfloat162* wp = reinterpret_cast<const __nv_bfloat162*>(&wv);
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const float2 a = __bfloat1622float2(xp[j]), b = __bfloat1622float2(wp[j]);
+            d = fmaf(a.x, b.x, d);
+            d = fmaf(a.y, b.y, d);
+          }
+        }
+#pragma unroll
+        for (int off = 16; off; off >>= 1) d += __shfl_xor_sync(kFull, d, off);
+      }
+      if (lane == 0) sgate_out[t] = sgate_w ? 1.0f / (1.0f + expf(-d)) : 1.0f;
+    }
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x) chunk_counts[size_t(e) * nch + blockIdx.x] = hist[e];
+}
+
+// One warp per expert: chunk_counts[e][*] -> exclusive prefix over the chunks (in place), counts[e].
+__global__ void __launch_bounds__(256) chunk_scan_kernel(int E, int nch, int* chunk_counts, int* counts) {
+  const int e = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+  if (e >= E) return;
+  int* row = chunk_counts + size_t(e) * nch;
+  const int per = (nch + 31) / 32, c0 = min(lane * per, nch), c1 = min(c0 + per, nch);
+  int s = 0;
+  for (int c = c0; c < c1; ++c) s += row[c];
+  int incl = s;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const int o = __shfl_up_sync(kFull, incl, off);
+    if (lane >= off) incl += o;
+  }
+  int base = incl - s;
+  for (int c = c0; c < c1; ++c) {
+    const int v = row[c];
+    row[c] = base;
+    base += v;
+  }
+  if (lane == 31) counts[e] = incl;
+}
+
+// One block of 512 threads: offsets[E + 1] (exclusive prefix of counts), the tile schedule
+// tiles[i] = (expert, first row) for tiles of bm rows, and num_tiles.
+__global__ void __launch_bounds__(kMaxE) offsets_kernel(int E, int bm, const int* counts, int* offsets, int2* tiles,
+                                                        int* num_tiles) {
+  __shared__ int sc[kMaxE], st[kMaxE];
+  const int e = threadIdx.x;
+  const int c = e < E ? counts[e] : 0;
+  const int nt = (c + bm - 1) / bm;
+  sc[e] = c;
+  st[e] = nt;
+  __syncthreads();
+  for (int off = 1; off < kMaxE; off <<= 1) {
+    const int a = e >= off ? sc[e - off] : 0, b = e >= off ? st[e - off] : 0;
+    __syncthreads();
+    sc[e] += a;
+    st[e] += b;
+    __syncthreads();
+  }
+  if (e < E) {
+    offsets[e] = sc[e] - c;
+    const int tb = st[e] - nt;
+    for (int i = 0; i < nt; ++i) tiles[tb + i] = make_int2(e, i * bm);
+  }
+  if (e == E - 1) {
+    offsets[E] = sc[e];
+    *num_tiles = st[e];
+  }
+}
+
+// One block per chunk: each (token, slot) pair's position in the expert-sorted order.
+__global__ void __launch_bounds__(256) scatter_kernel(int T, int E, int k, int nch, const int* topk_e,
+                                                      const int* chunk_base, const int* offsets, int* sorted_tok,
+                                                      int* pos_of) {
+  __shared__ unsigned mask[kMaxE];
+  for (int i = threadIdx.x; i < E; i += blockDim.x) mask[i] = 0u;
+  __syncthreads();
+  const int t0 = blockIdx.x * kChunk;
+  const int n = min(kChunk, T - t0) * k;
+  const int* te = topk_e + size_t(t0) * k;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) atomicOr(&mask[te[i]], 1u << (i / k));
+  __syncthreads();
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    const int e = te[i], tl = i / k;
+    const int rank = chunk_base[size_t(e) * nch + blockIdx.x] + __popc(mask[e] & ((1u << tl) - 1u));
+    const int pos = offsets[e] + rank;
+    sorted_tok[pos] = t0 + tl;
+    pos_of[size_t(t0) * k + i] = pos;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Grouped GEMM (Own)
+// ---------------------------------------------------------------------------------------------
+
+template <int BM_, int BN_, int BK_, int WM_, int WN_, int STAGES_, int MINB_>
+struct TileCfg {
+  static constexpr int BM = BM_, BN = BN_, BK = BK_, WM = WM_, WN = WN_, STAGES = STAGES_, MINB = MINB_;
+  static constexpr int WARPS_M = BM / WM, WARPS_N = BN / WN, THREADS = 32 * WARPS_M * WARPS_N;
+  static constexpr int MI = WM / 16, NI = WN / 8;
+  static constexpr int LDS = BK + 8;  // padded row (elements): 16-byte rows, conflict-free ldmatrix
+  static constexpr int A_ELEMS = BM * LDS, B_ELEMS = BN * LDS, STAGE = A_ELEMS + B_ELEMS;
+  static constexpr int SMEM = STAGES * STAGE * 2;
+  static constexpr int KCH = BK / 8;  // 16-byte chunks per row of a stage
+  static constexpr int A_CH = BM * KCH, B_CH = BN * KCH;
+  static constexpr int A_IT = (A_CH + THREADS - 1) / THREADS, B_IT = B_CH / THREADS;
+  static_assert(BM % WM == 0 && BN % WN == 0 && WM % 16 == 0 && WN % 16 == 0 && BK % 16 == 0, "tile shape");
+  static_assert(B_CH % THREADS == 0, "B chunks per thread");
+  static_assert((LDS * 2) % 16 == 0, "16-byte smem rows");
+};
+// Prefill tiles: 128 x 128 x 32, 8 warps of 64 x 32, 4 stages (80 KiB smem, 2 blocks per SM).
+using BigCfg = TileCfg<128, 128, 32, 64, 32, 4, 2>;
+// Decode tiles: 16 x 64 x 32, 4 warps of 16 x 16, 8 stages (50 KiB smem).
+using SmallCfg = TileCfg<16, 64, 32, 16, 16, 8, 4>;
+
+struct GroupedArgs {
+  const bf16* A;          // gate_up: x [T][K] (rows gathered through a_rows); down: act [P][K]
+  const int* a_rows;      // gate_up: sorted_tok [P]; down: unused (identity)
+  const bf16* B;          // [E][.][K]: gate_up [E][2N][K], down [E][N][K]
+  size_t b_expert_stride;  // elements per expert of B
+  bf16* out;              // gate_up: act [P][N]; down: y [P][N]
+  int K, N;               // gate_up: K = H, N = I; down: K = I, N = H
+  const int2* tiles;
+  const int* num_tiles;
+  const int* offsets;     // [E + 1]
+};
+
+template <class C, bool GATE_UP>
+__global__ void __launch_bounds__(C::THREADS, C::MINB) grouped_gemm_kernel(GroupedArgs a) {
+  if (int(blockIdx.x) >= *a.num_tiles) return;
+  const int2 tile = a.tiles[blockIdx.x];
+  const int e = tile.x, m0 = tile.y;
+  const int seg = a.offsets[e], cnt = a.offsets[e + 1] - seg;
+  const int K = a.K, N = a.N;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  bf16* smem = reinterpret_cast<bf16*>(smem_raw);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wm = warp / C::WARPS_N, wn = warp % C::WARPS_N;
+  const bf16* Bexp = a.B + size_t(e) * a.b_expert_stride;
+  constexpr int COLS = GATE_UP ? C::BN / 2 : C::BN;  // output columns per block
+  constexpr int HALF = C::WN / 2;
+  const int n0 = blockIdx.y * COLS;
+
+  // Per-thread source addresses (fixed over k) of the 16-byte chunks it copies.
+  const bf16* a_src[C::A_IT];
+  int a_dst[C::A_IT];
+  bool a_on[C::A_IT];
+#pragma unroll
+  for (int i = 0; i < C::A_IT; ++i) {
+    const int c = tid + i * C::THREADS;
+    a_on[i] = (C::A_CH % C::THREADS == 0) || c < C::A_CH;
+    a_src[i] = a.A;
+    a_dst[i] = 0;
+    if (a_on[i]) {
+      const int r = c / C::KCH, kc = (c % C::KCH) * 8;
+      const int m = m0 + r;
+      const int row = seg + (m < cnt ? m : m0);  // rows past the count: a valid row, never stored
+      const int src_row = GATE_UP ? a.a_rows[row] : row;
+      a_src[i] = a.A + size_t(src_row) * K + kc;
+      a_dst[i] = r * C::LDS + kc;
+    }
+  }
+  const bf16* b_src[C::B_IT];
+  int b_dst[C::B_IT];
+#pragma unroll
+  for (int i = 0; i < C::B_IT; ++i) {
+    const int c = tid + i * C::THREADS;
+    const int r = c / C::KCH, kc = (c % C::KCH) * 8;
+    int wrow;
+    if (GATE_UP) {
+      const int grp = r / C::WN, w = r % C::WN;
+      const int j = n0 + grp * HALF + (w % HALF);
+      wrow = j < N ? (w < HALF ? j : N + j) : 0;
+    } else {
+      const int n = n0 + r;
+      wrow = n < N ? n : 0;
+    }
+    b_src[i] = Bexp + size_t(wrow) * K + kc;
+    b_dst[i] = C::A_ELEMS + r * C::LDS + kc;
+  }
+  auto load_stage = [&](int stage, int kt) {
+    bf16* st = smem + stage * C::STAGE;
+    const int ko = kt * C::BK;
+#pragma unroll
+    for (int i = 0; i < C::A_IT; ++i)
+      if (a_on[i]) cp_async16(st + a_dst[i], a_src[i] + ko);
+#pragma unroll
+    for (int i = 0; i < C::B_IT; ++i) cp_async16(st + b_dst[i], b_src[i] + ko);
+  };
+
+  float acc[C::MI][C::NI][4];
+#pragma unroll
+  for (int mi = 0; mi < C::MI; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < C::NI; ++ni)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) acc[mi][ni][q] = 0.f;
+
+  const int KT = K / C::BK;
+#pragma unroll
+  for (int s = 0; s < C::STAGES - 1; ++s) {
+    if (s < KT) load_stage(s, s);
+    cp_async_commit();
+  }
+  for (int kt = 0; kt < KT; ++kt) {
+    cp_async_wait<C::STAGES - 2>();  // stage kt has landed (this thread's copies) ...
+    __syncthreads();                 // ... everyone's, and stage kt-1 is free for reuse
+    const int nk = kt + C::STAGES - 1;
+    if (nk < KT) load_stage(nk % C::STAGES, nk);
+    cp_async_commit();
+    const bf16* sA = smem + (kt % C::STAGES) * C::STAGE;
+    const bf16* sB = sA + C::A_ELEMS;
+#pragma unroll
+    for (int kk = 0; kk < C::BK; kk += 16) {
+      uint32_t af[C::MI][4];
+#pragma unroll
+      for (int mi = 0; mi < C::MI; ++mi) load_a(af[mi], sA, C::LDS, wm * C::WM + mi * 16, kk, lane);
+#pragma unroll
+      for (int nj = 0; nj < C::NI / 2; ++nj) {
+        uint32_t bfr[4];
+        load_b_nk(bfr, sB, C::LDS, kk, wn * C::WN + nj * 16, lane);
+#pragma unroll
+        for (int mi = 0; mi < C::MI; ++mi) {
+          mma_bf16(acc[mi][2 * nj], af[mi], bfr[0], bfr[1]);
+          mma_bf16(acc[mi][2 * nj + 1], af[mi], bfr[2], bfr[3]);
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+
+  // Epilogue: accumulator (row g [+8], cols c, c+1) of each m16n8 fragment.
+  const int g = lane >> 2, c2 = (lane & 3) * 2;
+#pragma unroll
+  for (int mi = 0; mi < C::MI; ++mi) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int m = m0 + wm * C::WM + mi * 16 + g + h * 8;
+      if (m >= cnt) continue;
+      bf16* orow = a.out + size_t(seg + m) * N;
+      if (GATE_UP) {
+#pragma unroll
+        for (int ni = 0; ni < C::NI / 2; ++ni) {
+          const int j = n0 + wn * HALF + ni * 8 + c2;
+          if (j >= N) continue;
+          const float g0 = round_bf16(acc[mi][ni][2 * h]), g1 = round_bf16(acc[mi][ni][2 * h + 1]);
+          const float u0 = round_bf16(acc[mi][ni + C::NI / 2][2 * h]);
+          const float u1 = round_bf16(acc[mi][ni + C::NI / 2][2 * h + 1]);
+          *reinterpret_cast<uint32_t*>(orow + j) = pack_bf16(silu_f(g0) * u0, silu_f(g1) * u1);
+        }
+      } else {
+#pragma unroll
+        for (int ni = 0; ni < C::NI; ++ni) {
+          const int n = n0 + wn * C::WN + ni * 8 + c2;
+          if (n >= N) continue;
+          *reinterpret_cast<uint32_t*>(orow + n) = pack_bf16(acc[mi][ni][2 * h], acc[mi][ni][2 * h + 1]);
+        }
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Elementwise: SwiGLU, gather, combine
+// ---------------------------------------------------------------------------------------------
+
+// 8 columns per thread: act[t][j..j+7] from gu[t][j..] (gate) and gu[t][I + j..] (up).
+__global__ void silu_mul_kernel(int T, int I, const bf16* gu, bf16* act) {
+  const int per_row = I / 8;
+  const size_t total = size_t(T) * per_row;
+  for (size_t idx = blockIdx.x * size_t(blockDim.x) + threadIdx.x; idx < total;
+       idx += size_t(gridDim.x) * blockDim.x) {
+    const size_t t = idx / per_row;
+    const int j = int(idx % per_row) * 8;
+    const uint4 gv = *reinterpret_cast<const uint4*>(gu + t * 2 * I + j);
+    const uint4 uv = *reinterpret_cast<const uint4*>(gu + t * 2 * I + I + j);
+    const __nv_bfloat162* gp = reinterpret_cast<const __nv_bfloat162*>(&gv);
+    const __nv_bfloat162* up = reinterpret_cast<const __nv_bfloat162*>(&uv);
+    uint4 ov;
+    uint32_t* op = reinterpret_cast<uint32_t*>(&ov);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const float2 gf = __bfloat1622float2(gp[q]), uf = __bfloat1622float2(up[q]);
+      op[q] = pack_bf16(silu_f(gf.x) * uf.x, silu_f(gf.y) * uf.y);
+    }
+    *reinterpret_cast<uint4*>(act + t * I + j) = ov;
+  }
+}
+
+// xs[p][:] = x[sorted_tok[p]][:] (Cublas path), 8 bf16 per thread.
+__global__ void gather_rows_kernel(int P, int H, const int* sorted_tok, const bf16* x, bf16* xs) {
+  const int p = blockIdx.x;
+  const bf16* src = x + size_t(sorted_tok[p]) * H;
+  bf16* dst = xs + size_t(p) * H;
+  for (int j = threadIdx.x * 8; j < H; j += blockDim.x * 8)
+    *reinterpret_cast<uint4*>(dst + j) = *reinterpret_cast<const uint4*>(src + j);
+}
+
+// out[t][j] += sum_s w[t][s] y[pos[t][s]][j] (slots in ascending expert order) + sg[t] shared[t][j].
+__global__ void __launch_bounds__(128) combine_kernel(int H, int k, const int* pos_of, const float* topk_w,
+                                                      const bf16* y, const float* sgate, const float* shared,
+                                                      float* out) {
+  __shared__ int sp[kMaxTopk];
+  __shared__ float sw[kMaxTopk];
+  const int t = blockIdx.x;
+  if (threadIdx.x < k) {
+    sp[threadIdx.x] = pos_of[size_t(t) * k + threadIdx.x];
+    sw[threadIdx.x] = topk_w[size_t(t) * k + threadIdx.x];
+  }
+  __syncthreads();
+  const float sg = shared ? sgate[t] : 0.f;
+  for (int j = threadIdx.x * 4; j < H; j += blockDim.x * 4) {
+    float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+    for (int s = 0; s < k; ++s) {
+      const uint2 raw = *reinterpret_cast<const uint2*>(y + size_t(sp[s]) * H + j);
+      const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+      const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+      const float w = sw[s];
+      a0 += w * lo.x;
+      a1 += w * lo.y;
+      a2 += w * hi.x;
+      a3 += w * hi.y;
+    }
+    if (shared) {
+      const float4 sh = *reinterpret_cast<const float4*>(shared + size_t(t) * H + j);
+      a0 += sg * sh.x;
+      a1 += sg * sh.y;
+      a2 += sg * sh.z;
+      a3 += sg * sh.w;
+    }
+    float4* o = reinterpret_cast<float4*>(out + size_t(t) * H + j);
+    float4 ov = *o;
+    ov.x += a0;
+    ov.y += a1;
+    ov.z += a2;
+    ov.w += a3;
+    *o = ov;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host side
+// ---------------------------------------------------------------------------------------------
+
+[[noreturn]] void bad_arg(const char* fn, const std::string& what) {
+  throw std::invalid_argument(std::string(fn) + ": " + what);
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+void validate_view(const char* fn, const MoeWeightsView& w) {
+  if (w.E < 1 || w.E > kMaxE) bad_arg(fn, "E = " + std::to_string(w.E) + " outside [1, 512]");
+  if (w.topk < 1 || w.topk > kMaxTopk || w.topk > w.E)
+    bad_arg(fn, "topk = " + std::to_string(w.topk) + " outside [1, min(16, E = " + std::to_string(w.E) + ")]");
+  if (w.H <= 0 || w.H % 64) bad_arg(fn, "H = " + std::to_string(w.H) + " is not a positive multiple of 64");
+  if (w.I <= 0 || w.I % 32) bad_arg(fn, "I = " + std::to_string(w.I) + " is not a positive multiple of 32");
+  if (w.Is < 0 || w.Is % 32) bad_arg(fn, "Is = " + std::to_string(w.Is) + " is not a non-negative multiple of 32");
+  if (!w.router || !w.experts_gate_up || !w.experts_down) bad_arg(fn, "null router or expert weights");
+  if (w.Is > 0 && (!w.shared_gate_up || !w.shared_down)) bad_arg(fn, "Is > 0 but null shared expert weights");
+  if (!aligned16(w.router) || !aligned16(w.experts_gate_up) || !aligned16(w.experts_down) ||
+      !aligned16(w.shared_gate_up) || !aligned16(w.shared_down) || !aligned16(w.shared_gate))
+    bad_arg(fn, "weights must be 16-byte aligned");
+}
+
+size_t max_tiles(size_t P, int E, int bm) { return P / bm + std::min<size_t>(size_t(E), P); }
+
+int setup_device(int dev) {
+  (void)dev;
+  check_cuda(cudaFuncSetAttribute(grouped_gemm_kernel<BigCfg, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  BigCfg::SMEM),
+             "cudaFuncSetAttribute(grouped_gemm big)");
+  check_cuda(cudaFuncSetAttribute(grouped_gemm_kernel<BigCfg, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  BigCfg::SMEM),
+             "cudaFuncSetAttribute(grouped_gemm big)");
+  check_cuda(cudaFuncSetAttribute(grouped_gemm_kernel<SmallCfg, true>,
+                                  cudaFuncAttributeMaxDynamicSharedMemorySize, SmallCfg::SMEM),
+             "cudaFuncSetAttribute(grouped_gemm small)");
+  check_cuda(cudaFuncSetAttribute(grouped_gemm_kernel<SmallCfg, false>,
+                                  cudaFuncAttributeMaxDynamicSharedMemorySize, SmallCfg::SMEM),
+             "cudaFuncSetAttribute(grouped_gemm small)");
+  return 0;
+}
+DeviceOnce g_setup;
+
+template <class C>
+void launch_grouped(const MoeWeightsView& w, size_t P, const bf16* x, MoeWorkspace& ws, cudaStream_t stream) {
+  const unsigned grid_m = unsigned(max_tiles(P, w.E, C::BM));
+  GroupedArgs g1{};
+  g1.A = x;
+  g1.a_rows = static_cast<const int*>(ws.sorted_tok.p);
+  g1.B = w.experts_gate_up;
+  g1.b_expert_stride = size_t(2) * w.I * w.H;
+  g1.out = static_cast<bf16*>(ws.act.p);
+  g1.K = w.H;
+  g1.N = w.I;
+  g1.tiles = static_cast<const int2*>(ws.tiles.p);
+  g1.num_tiles = static_cast<const int*>(ws.num_tiles.p);
+  g1.offsets = static_cast<const int*>(ws.offsets.p);
+  const dim3 grid1(grid_m, unsigned((w.I + C::BN / 2 - 1) / (C::BN / 2)));
+  grouped_gemm_kernel<C, true><<<grid1, C::THREADS, C::SMEM, stream>>>(g1);
+  check_cuda(cudaGetLastError(), "moe_forward: grouped gate_up GEMM launch");
+  GroupedArgs g2 = g1;
+  g2.A = static_cast<const bf16*>(ws.act.p);
+  g2.a_rows = nullptr;
+  g2.B = w.experts_down;
+  g2.b_expert_stride = size_t(w.H) * w.I;
+  g2.out = static_cast<bf16*>(ws.y.p);
+  g2.K = w.I;
+  g2.N = w.H;
+  const dim3 grid2(grid_m, unsigned((w.H + C::BN - 1) / C::BN));
+  grouped_gemm_kernel<C, false><<<grid2, C::THREADS, C::SMEM, stream>>>(g2);
+  check_cuda(cudaGetLastError(), "moe_forward: grouped down GEMM launch");
+}
+
+void check_cublas(cublasStatus_t s, const std::string& what) {
+  if (s != CUBLAS_STATUS_SUCCESS) throw std::runtime_error(what + ": " + cublasGetStatusName(s));
+}
+
+void launch_cublas_grouped(const MoeWeightsView& w, int T, size_t P, const bf16* x, MoeWorkspace& ws,
+                           cudaStream_t stream) {
+  const int E = w.E, H = w.H, I = w.I;
+  ws.grow(ws.xs, P * H * sizeof(bf16), "xs");
+  ws.grow(ws.gu, P * 2 * I * sizeof(bf16), "gu");
+  ws.grow(ws.ptrs, size_t(6) * E * sizeof(void*), "ptrs");
+  const size_t host_bytes = size_t(E) * sizeof(int) + size_t(6) * E * sizeof(void*);
+  if (ws.host_pinned_bytes < host_bytes) {
+    if (ws.host_pinned) cudaFreeHost(ws.host_pinned);
+    ws.host_pinned = nullptr;
+    ws.host_pinned_bytes = 0;
+    check_cuda(cudaMallocHost(&ws.host_pinned, host_bytes), "moe_forward: cudaMallocHost");
+    ws.host_pinned_bytes = host_bytes;
+  }
+  if (!ws.cublas) {
+    cublasHandle_t h = nullptr;
+    check_cublas(cublasCreate(&h), "moe_forward: cublasCreate");
+    ws.cublas = h;
+  }
+  cublasHandle_t h = static_cast<cublasHandle_t>(ws.cublas);
+  check_cublas(cublasSetStream(h, stream), "moe_forward: cublasSetStream");
+  check_cublas(cublasSetMathMode(h, CUBLAS_DEFAULT_MATH), "moe_forward: cublasSetMathMode");
+
+  int* counts_h = static_cast<int*>(ws.host_pinned);
+  const void** ptr_h = reinterpret_cast<const void**>(static_cast<char*>(ws.host_pinned) + size_t(E) * sizeof(int));
+  check_cuda(cudaMemcpyAsync(counts_h, ws.counts.p, size_t(E) * sizeof(int), cudaMemcpyDeviceToHost, stream),
+             "moe_forward: counts to host");
+  check_cuda(cudaStreamSynchronize(stream), "moe_forward: stream sync for the counts");
+
+  gather_rows_kernel<<<unsigned(P), 128, 0, stream>>>(int(P), H, static_cast<const int*>(ws.sorted_tok.p), x,
+                                                       static_cast<bf16*>(ws.xs.p));
+  check_cuda(cudaGetLastError(), "moe_forward: gather launch");
+
+  // Groups = non-empty experts, one problem each. Column-major view (see gemm.cu):
+  //   gate_up: gu_e^T (2I x c) = W_e (2I x H) xs_e^T (H x c): A = W_e^T stored (H x 2I, ld H), op T;
+  //            B = xs_e^T (H x c, ld H), op N; C = gu_e^T (2I x c, ld 2I).
+  //   down:    y_e^T (H x c) = D_e (H x I) act_e^T (I x c): A = D_e^T stored (I x H, ld I), op T;
+  //            B = act_e^T (I x c, ld I), op N; C = y_e^T (H x c, ld H).
+  std::vector<int> m1, n1, k1, lda1, ldb1, ldc1, m2, k2, lda2, ldb2, ldc2, gsize;
+  std::vector<float> alpha, beta;
+  std::vector<cublasOperation_t> ta, tb;
+  const bf16* xs = static_cast<const bf16*>(ws.xs.p);
+  bf16* gu = static_cast<bf16*>(ws.gu.p);
+  bf16* act = static_cast<bf16*>(ws.act.p);
+  bf16* y = static_cast<bf16*>(ws.y.p);
+  int G = 0;
+  size_t off = 0;
+  std::vector<const void*> A1, B1, A2, B2;
+  std::vector<void*> C1, C2;
+  for (int e = 0; e < E; ++e) {
+    const int c = counts_h[e];
+    if (c > 0) {
+      m1.push_back(2 * I), n1.push_back(c), k1.push_back(H), lda1.push_back(H), ldb1.push_back(H),
+          ldc1.push_back(2 * I);
+      m2.push_back(H), k2.push_back(I), lda2.push_back(I), ldb2.push_back(I), ldc2.push_back(H);
+      A1.push_back(w.experts_gate_up + size_t(e) * 2 * I * H);
+      B1.push_back(xs + off * H);
+      C1.push_back(gu + off * 2 * I);
+      A2.push_back(w.experts_down + size_t(e) * H * I);
+      B2.push_back(act + off * I);
+      C2.push_back(y + off * H);
+      ++G;
+    }
+    off += size_t(c);
+  }
+  if (off != P) throw std::runtime_error("moe_forward (Cublas): expert counts sum to " + std::to_string(off));
+  if (G == 0) return;
+  gsize.assign(G, 1);
+  alpha.assign(G, 1.0f);
+  beta.assign(G, 0.0f);
+  ta.assign(G, CUBLAS_OP_T);
+  tb.assign(G, CUBLAS_OP_N);
+  for (int i = 0; i < G; ++i) {
+    ptr_h[0 * G + i] = A1[i];
+    ptr_h[1 * G + i] = B1[i];
+    ptr_h[2 * G + i] = C1[i];
+    ptr_h[3 * G + i] = A2[i];
+    ptr_h[4 * G + i] = B2[i];
+    ptr_h[5 * G + i] = C2[i];
+  }
+  void** ptr_d = static_cast<void**>(ws.ptrs.p);
+  check_cuda(cudaMemcpyAsync(ptr_d, ptr_h, size_t(6) * G * sizeof(void*), cudaMemcpyHostToDevice, stream),
+             "moe_forward: pointer arrays to the device");
+  check_cublas(cublasGemmGroupedBatchedEx(h, ta.data(), tb.data(), m1.data(), n1.data(), k1.data(), alpha.data(),
+                                          const_cast<const void* const*>(ptr_d + 0 * G), CUDA_R_16BF, lda1.data(),
+                                          const_cast<const void* const*>(ptr_d + 1 * G), CUDA_R_16BF, ldb1.data(),
+                                          beta.data(), ptr_d + 2 * G, CUDA_R_16BF, ldc1.data(), G, gsize.data(),
+                                          CUBLAS_COMPUTE_32F),
+               "moe_forward: cublasGemmGroupedBatchedEx (gate_up)");
+  silu_mul(int(P), I, gu, act, stream);
+  check_cublas(cublasGemmGroupedBatchedEx(h, ta.data(), tb.data(), m2.data(), n1.data(), k2.data(), alpha.data(),
+                                          const_cast<const void* const*>(ptr_d + 3 * G), CUDA_R_16BF, lda2.data(),
+                                          const_cast<const void* const*>(ptr_d + 4 * G), CUDA_R_16BF, ldb2.data(),
+                                          beta.data(), ptr_d + 5 * G, CUDA_R_16BF, ldc2.data(), G, gsize.data(),
+                                          CUBLAS_COMPUTE_32F),
+               "moe_forward: cublasGemmGroupedBatchedEx (down)");
+  // The pinned staging is rewritten by the next call only after its own stream sync, which
+  // follows this call's pointer upload on the same stream.
+  (void)T;
+}
+
+struct CaptureFlag {
+  MoeWorkspace& ws;
+  CaptureFlag(MoeWorkspace& w, cudaStream_t s) : ws(w) {
+    cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(s, &st) != cudaSuccess) {
+      (void)cudaGetLastError();
+      st = cudaStreamCaptureStatusActive;  // unknown: behave as if capturing (no allocation)
+    }
+    ws.capturing = st != cudaStreamCaptureStatusNone;
+  }
+  ~CaptureFlag() { ws.capturing = false; }
+};
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// MoeWorkspace
+// ---------------------------------------------------------------------------------------------
+
+MoeWorkspace::~MoeWorkspace() {
+  for (Buf* b : {&logits, &topk_e, &topk_w, &sgate, &chunk_counts, &counts, &offsets, &tiles, &num_tiles,
+                 &sorted_tok, &pos_of, &act, &y, &s_gu, &s_act, &s_out, &mlp_gu, &mlp_act, &xs, &gu, &ptrs})
+    if (b->p) cudaFree(b->p);
+  if (host_pinned) cudaFreeHost(host_pinned);
+  if (cublas) cublasDestroy(static_cast<cublasHandle_t>(cublas));
+}
+
+size_t MoeWorkspace::bytes() const {
+  size_t s = 0;
+  for (const Buf* b : {&logits, &topk_e, &topk_w, &sgate, &chunk_counts, &counts, &offsets, &tiles, &num_tiles,
+                       &sorted_tok, &pos_of, &act, &y, &s_gu, &s_act, &s_out, &mlp_gu, &mlp_act, &xs, &gu, &ptrs})
+    s += b->bytes;
+  return s;
+}
+
+void MoeWorkspace::grow(Buf& b, size_t bytes, const char* name) {
+  if (bytes <= b.bytes) return;
+  if (capturing)
+    throw std::invalid_argument(std::string("MoeWorkspace: buffer '") + name + "' must grow to " +
+                                std::to_string(bytes) +
+                                " bytes during CUDA graph capture; run the shape once uncaptured (or reserve) first");
+  if (b.p) cudaFree(b.p);
+  b.p = nullptr;
+  b.bytes = 0;
+  check_cuda(cudaMalloc(&b.p, bytes), std::string("MoeWorkspace: cudaMalloc(") + name + ", " +
+                                          std::to_string(bytes) + " bytes)");
+  b.bytes = bytes;
+}
+
+void MoeWorkspace::reserve(int max_tokens, const MoeWeightsView& w) {
+  validate_view("MoeWorkspace::reserve", w);
+  if (max_tokens < 0) bad_arg("MoeWorkspace::reserve", "max_tokens = " + std::to_string(max_tokens));
+  const size_t T = size_t(std::max(max_tokens, 1)), E = size_t(w.E), k = size_t(w.topk), P = T * k;
+  const size_t nch = (T + kChunk - 1) / kChunk;
+  grow(logits, T * E * sizeof(float), "logits");
+  grow(topk_e, P * sizeof(int), "topk_e");
+  grow(topk_w, P * sizeof(float), "topk_w");
+  grow(sgate, T * sizeof(float), "sgate");
+  grow(chunk_counts, E * nch * sizeof(int), "chunk_counts");
+  grow(counts, E * sizeof(int), "counts");
+  grow(offsets, (E + 1) * sizeof(int), "offsets");
+  grow(tiles, max_tiles(P, w.E, SmallCfg::BM) * sizeof(int2), "tiles");  // the smaller BM bounds both
+  grow(num_tiles, sizeof(int), "num_tiles");
+  grow(sorted_tok, P * sizeof(int), "sorted_tok");
+  grow(pos_of, P * sizeof(int), "pos_of");
+  grow(act, P * size_t(w.I) * sizeof(bf16), "act");
+  grow(y, P * size_t(w.H) * sizeof(bf16), "y");
+  if (w.Is > 0) {
+    grow(s_gu, T * 2 * size_t(w.Is) * sizeof(bf16), "s_gu");
+    grow(s_act, T * size_t(w.Is) * sizeof(bf16), "s_act");
+    grow(s_out, T * size_t(w.H) * sizeof(float), "s_out");
+  }
+}
+
+void MoeWorkspace::reserve_mlp(int max_tokens, int H, int I) {
+  if (max_tokens < 0) bad_arg("MoeWorkspace::reserve_mlp", "max_tokens = " + std::to_string(max_tokens));
+  if (H <= 0 || H % 64) bad_arg("MoeWorkspace::reserve_mlp", "H = " + std::to_string(H) + " is not a positive multiple of 64");
+  if (I <= 0 || I % 32) bad_arg("MoeWorkspace::reserve_mlp", "I = " + std::to_string(I) + " is not a positive multiple of 32");
+  const size_t T = size_t(std::max(max_tokens, 1));
+  grow(mlp_gu, T * 2 * size_t(I) * sizeof(bf16), "mlp_gu");
+  grow(mlp_act, T * size_t(I) * sizeof(bf16), "mlp_act");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Entry points
+// ---------------------------------------------------------------------------------------------
+
+void silu_mul(int T, int I, const bf16* gu, bf16* act, cudaStream_t stream) {
+  if (T < 0) bad_arg("silu_mul", "T = " + std::to_string(T));
+  if (I <= 0 || I % 8) bad_arg("silu_mul", "I = " + std::to_string(I) + " is not a positive multiple of 8");
+  if (T == 0) return;
+  if (!gu || !act) bad_arg("silu_mul", "null pointer");
+  if (!aligned16(gu) || !aligned16(act)) bad_arg("silu_mul", "pointers must be 16-byte aligned");
+  const size_t total = size_t(T) * (I / 8);
+  const unsigned blocks = unsigned(std::min<size_t>((total + 255) / 256, 65535 * 4));
+  silu_mul_kernel<<<blocks, 256, 0, stream>>>(T, I, gu, act);
+  check_cuda(cudaGetLastError(), "silu_mul launch");
+}
+
+void moe_forward(int T, const bf16* x, const MoeWeightsView& w, float* out, MoeWorkspace& ws, GemmRunner& gemm,
+                 GroupedGemm impl, cudaStream_t stream) {
+  constexpr const char* fn = "moe_forward";
+  if (T < 0) bad_arg(fn, "T = " + std::to_string(T));
+  validate_view(fn, w);
+  if (T == 0) return;
+  if (!x || !out) bad_arg(fn, "null x or out");
+  if (!aligned16(x) || !aligned16(out)) bad_arg(fn, "x and out must be 16-byte aligned");
+  if (size_t(T) * w.topk > size_t(INT_MAX) / 2) bad_arg(fn, "T * topk too large");
+  const int E = w.E, H = w.H, k = w.topk;
+  const size_t P = size_t(T) * k;
+  const int nch = (T + kChunk - 1) / kChunk;
+
+  g_setup.run(current_device(), setup_device);
+  {
+    CaptureFlag cap(ws, stream);
+    ws.reserve(T, w);
+  }
+  int bm;
+  switch (impl) {
+    case GroupedGemm::OwnSmallM: bm = SmallCfg::BM; break;
+    case GroupedGemm::OwnLargeM: bm = BigCfg::BM; break;
+    case GroupedGemm::Own: bm = (P <= size_t(16) * std::min<size_t>(size_t(E), P)) ? SmallCfg::BM : BigCfg::BM; break;
+    case GroupedGemm::Cublas: bm = BigCfg::BM; break;
+    default: bad_arg(fn, "unknown GroupedGemm value");
+  }
+
+  float* logits = static_cast<float*>(ws.logits.p);
+  int* topk_e = static_cast<int*>(ws.topk_e.p);
+  float* topk_w = static_cast<float*>(ws.topk_w.p);
+  float* sgate = static_cast<float*>(ws.sgate.p);
+  int* chunk_counts = static_cast<int*>(ws.chunk_counts.p);
+  int* counts = static_cast<int*>(ws.counts.p);
+  int* offsets = static_cast<int*>(ws.offsets.p);
+  int* sorted_tok = static_cast<int*>(ws.sorted_tok.p);
+  int* pos_of = static_cast<int*>(ws.pos_of.p);
+
+  // 1. router logits (fp32 output).
+  gemm.linear(T, E, H, x, H, w.router, logits, CUDA_R_32F, E, 0.0f, stream);
+  // 2. softmax, top-k, shared gate, chunk histograms.
+  route_kernel<<<nch, kRouteThreads, 0, stream>>>(T, E, k, w.renormalize, logits, x, H, w.shared_gate,
+                                                  w.Is > 0 ? sgate : nullptr, topk_e, topk_w, chunk_counts, nch);
+  check_cuda(cudaGetLastError(), "moe_forward: route launch");
+  // 3. counting sort by expert and the tile schedule.
+  chunk_scan_kernel<<<(E + 7) / 8, 256, 0, stream>>>(E, nch, chunk_counts, counts);
+  check_cuda(cudaGetLastError(), "moe_forward: chunk_scan launch");
+  offsets_kernel<<<1, kMaxE, 0, stream>>>(E, bm, counts, offsets, static_cast<int2*>(ws.tiles.p),
+                                          static_cast<int*>(ws.num_tiles.p));
+  check_cuda(cudaGetLastError(), "moe_forward: offsets launch");
+  scatter_kernel<<<nch, 256, 0, stream>>>(T, E, k, nch, topk_e, chunk_counts, offsets, sorted_tok, pos_of);
+  check_cuda(cudaGetLastError(), "moe_forward: scatter launch");
+  // 4-5. routed experts.
+  if (impl == GroupedGemm::Cublas) {
+    launch_cublas_grouped(w, T, P, x, ws, stream);
+  } else if (bm == SmallCfg::BM) {
+    launch_grouped<SmallCfg>(w, P, x, ws, stream);
+  } else {
+    launch_grouped<BigCfg>(w, P, x, ws, stream);
+  }
+  // 6. shared expert.
+  const float* shared = nullptr;
+  if (w.Is > 0) {
+    const int Is = w.Is;
+    bf16* s_gu = static_cast<bf16*>(ws.s_gu.p);
+    bf16* s_act = static_cast<bf16*>(ws.s_act.p);
+    float* s_out = static_cast<float*>(ws.s_out.p);
+    gemm.linear(T, 2 * Is, H, x, H, w.shared_gate_up, s_gu, CUDA_R_16BF, 2 * Is, 0.0f, stream);
+    silu_mul(T, Is, s_gu, s_act, stream);
+    gemm.linear(T, H, Is, s_act, Is, w.shared_down, s_out, CUDA_R_32F, H, 0.0f, stream);
+    shared = s_out;
+  }
+  // 7. deterministic combine into out.
+  combine_kernel<<<T, 128, 0, stream>>>(H, k, pos_of, topk_w, static_cast<const bf16*>(ws.y.p), sgate, shared, out);
+  check_cuda(cudaGetLastError(), "moe_forward: combine launch");
+}
+
+void mlp_forward(int T, const bf16* x, int H, int I, const bf16* gate_up, const bf16* down, float* out,
+                 MoeWorkspace& ws, GemmRunner& gemm, cudaStream_t stream) {
+  constexpr const char* fn = "mlp_forward";
+  if (T < 0) bad_arg(fn, "T = " + std::to_string(T));
+  if (H <= 0 || H % 64) bad_arg(fn, "H = " + std::to_string(H) + " is not a positive multiple of 64");
+  if (I <= 0 || I % 32) bad_arg(fn, "I = " + std::to_string(I) + " is not a positive multiple of 32");
+  if (T == 0) return;
+  if (!x || !gate_up || !down || !out) bad_arg(fn, "null pointer");
+  {
+    CaptureFlag cap(ws, stream);
+    ws.reserve_mlp(T, H, I);
+  }
+  bf16* gu = static_cast<bf16*>(ws.mlp_gu.p);
+  bf16* act = static_cast<bf16*>(ws.mlp_act.p);
+  gemm.linear(T, 2 * I, H, x, H, gate_up, gu, CUDA_R_16BF, 2 * I, 0.0f, stream);
+  silu_mul(T, I, gu, act, stream);
+  gemm.linear(T, H, I, act, I, down, out, CUDA_R_32F, H, 1.0f, stream);
+}
+
+}  // namespace hypic::kernels::cuda

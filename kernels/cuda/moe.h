@@ -1,0 +1,122 @@
+// Sparse MoE block (Qwen3NextSparseMoeBlock / Qwen3_5MoeSparseMoeBlock) and the dense SwiGLU MLP
+// (Qwen3NextMLP) on the GPU, bf16 weights and activations, fp32 accumulation and fp32 output.
+// Reference: engine/model.cpp Model::moe_block / Model::mlp_block (CPU fp32, matches HF).
+//
+// All pointers are DEVICE pointers; matrices are row-major; every call is asynchronous on
+// `stream`. Supported sizes: H a multiple of 64, I and Is multiples of 32, 1 <= topk <= 16,
+// topk <= E <= 512, T >= 0 (T = 0 is a no-op); x and the weights 16-byte aligned, out 16-byte
+// aligned. Anything else throws std::invalid_argument naming the value.
+//
+// moe_forward pipeline (all on the device; with GroupedGemm::Own no host synchronisation):
+//   1. router logits [T][E] = x W_router^T, fp32 output (GemmRunner)
+//   2. route: per token softmax over E (fp32), top-k (ties: lower expert first), optional
+//      renormalisation; the k (expert, weight) pairs stored in ascending expert order; the shared
+//      expert gate sigmoid(x . shared_gate) (fp32); per-chunk (32 tokens) expert histograms
+//   3. stable counting sort of the (token, slot) pairs by expert: per-expert prefix over chunks,
+//      expert offsets by a prefix sum over E, the m-tile schedule of the grouped GEMM, and each
+//      pair's position in the expert-sorted order (tokens ascending within an expert)
+//   4. grouped GEMM gate_up on the gathered rows, SwiGLU fused in the epilogue:
+//      act[p][j] = bf16( silu(bf16(g)) * bf16(u) ) (fp32 math on the bf16-rounded GEMM outputs)
+//   5. grouped GEMM down: y[p][H] bf16 = act[p] D_e^T
+//   6. shared expert (when Is > 0): GemmRunner gate_up (bf16), silu_mul, down (fp32 [T][H])
+//   7. combine (deterministic gather, no atomics): out[t] += sum over the token's k experts in
+//      ascending expert order of w * y[pos] (fp32), + sigmoid gate * shared[t]
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/cuda/gemm.h"
+
+namespace hypic::kernels::cuda {
+
+/// The weights of one MoE layer, all bf16 row-major on the device (views, not owned).
+struct MoeWeightsView {
+  int E = 0;                 ///< number of routed experts, topk <= E <= 512
+  int H = 0;                 ///< hidden size, multiple of 64
+  int I = 0;                 ///< routed expert intermediate size, multiple of 32
+  int topk = 0;              ///< experts per token, 1..16
+  bool renormalize = true;   ///< HF norm_topk_prob: top-k weights /= their sum
+  const bf16* router = nullptr;           ///< [E][H]
+  const bf16* experts_gate_up = nullptr;  ///< [E][2I][H]: per expert I gate rows, then I up rows
+  const bf16* experts_down = nullptr;     ///< [E][H][I]
+  int Is = 0;                             ///< shared expert width (multiple of 32), 0 = no shared expert
+  const bf16* shared_gate_up = nullptr;   ///< [2Is][H]: gate rows then up rows
+  const bf16* shared_down = nullptr;      ///< [H][Is]
+  const bf16* shared_gate = nullptr;      ///< [1][H] (shared_expert_gate)
+};
+
+/// Which grouped GEMM moe_forward runs for the routed experts.
+enum class GroupedGemm {
+  Own,         ///< hypic's mma.sync kernels; tile size chosen from T * topk / E (capturable)
+  Cublas,      ///< cublasGemmGroupedBatchedEx (host sync for the per-expert counts; NOT capturable)
+  OwnSmallM,   ///< Own with the decode tiles (16 rows x 64 columns) forced (tests, benchmarks)
+  OwnLargeM,   ///< Own with the prefill tiles (128 x 128) forced (tests, benchmarks)
+};
+
+/// Device scratch of moe_forward / mlp_forward, grown on demand and then reused: after
+/// reserve(max_tokens, view) (or one call with that many tokens and those sizes) calls with
+/// T <= max_tokens allocate nothing, so they can be captured in a CUDA graph (GroupedGemm::Own).
+/// A captured graph reads this workspace's buffers: keep it alive and do not grow it (no larger
+/// T or other sizes) between the capture and the last replay. The Cublas path also holds a cuBLAS
+/// handle, pinned host staging and gathered-input buffers ([T*topk][H] and [T*topk][2I] bf16),
+/// allocated on its first use. One workspace per stream; not thread-safe.
+class MoeWorkspace {
+ public:
+  MoeWorkspace() = default;
+  MoeWorkspace(const MoeWorkspace&) = delete;
+  MoeWorkspace& operator=(const MoeWorkspace&) = delete;
+  ~MoeWorkspace();
+  /// Makes room for moe_forward (GroupedGemm::Own*) with up to max_tokens tokens of a layer
+  /// shaped like `w` (validated as moe_forward does). Throws std::invalid_argument on bad sizes or
+  /// when moe_forward finds that it must grow while its stream is being captured,
+  /// std::runtime_error when cudaMalloc fails.
+  void reserve(int max_tokens, const MoeWeightsView& w);
+  /// Same for mlp_forward alone: T <= max_tokens, hidden H, intermediate I.
+  void reserve_mlp(int max_tokens, int H, int I);
+  /// Bytes held on the device.
+  size_t bytes() const;
+
+  // Implementation detail (used by moe.cu): growable device buffers.
+  struct Buf {
+    void* p = nullptr;
+    size_t bytes = 0;
+  };
+  void grow(Buf& b, size_t bytes, const char* name);
+  Buf logits, topk_e, topk_w, sgate, chunk_counts, counts, offsets, tiles, num_tiles, sorted_tok, pos_of, act, y,
+      s_gu, s_act, s_out, mlp_gu, mlp_act;
+  // Cublas path only.
+  Buf xs, gu, ptrs;
+  bool capturing = false;  // set by moe_forward / mlp_forward: growth then throws
+  void* host_pinned = nullptr;
+  size_t host_pinned_bytes = 0;
+  void* cublas = nullptr;  // cublasHandle_t
+};
+
+/// out[t][:] += MoE(x[t]) for t < T (see the pipeline above). x: [T][H] bf16 (the normed
+/// hidden state); out: [T][H] fp32, ACCUMULATED. Routed results are bit-identical from run to
+/// run (no float atomics) and, for GroupedGemm::Own, a token's routed output does not depend on
+/// the other tokens of the batch (rows of a GEMM tile are independent and the k order is fixed).
+/// With Own / OwnSmallM / OwnLargeM the call never synchronises with the host and is capturable
+/// in a CUDA graph for a fixed T after a first uncaptured call (which plans the GemmRunner
+/// shapes and grows the workspace). Cublas copies the per-expert counts to the host and waits.
+/// Throws std::invalid_argument on bad sizes (see the top of the file) or null pointers,
+/// std::runtime_error on CUDA / cuBLAS errors.
+void moe_forward(int T, const bf16* x, const MoeWeightsView& w, float* out, MoeWorkspace& ws, GemmRunner& gemm,
+                 GroupedGemm impl, cudaStream_t stream);
+
+/// Dense SwiGLU MLP (HF Qwen3NextMLP): out[T][H] (fp32) += down(silu(gate) * up) with
+/// gate_up = x gate_up^T computed in bf16 (gate_up: [2I][H], gate rows then up rows),
+/// act = bf16(silu(g) * u) in fp32 math, down: [H][I], the down GEMM accumulating into out
+/// (GemmRunner, beta = 1). H a multiple of 64, I a multiple of 32. Capturable after a first call.
+void mlp_forward(int T, const bf16* x, int H, int I, const bf16* gate_up, const bf16* down, float* out,
+                 MoeWorkspace& ws, GemmRunner& gemm, cudaStream_t stream);
+
+/// act[t][j] = bf16( silu(gu[t][j]) * gu[t][I + j] ) for t < T, j < I (fp32 math on the bf16
+/// values). gu: [T][2I] bf16 (row stride 2I); act: [T][I] bf16. I a multiple of 8 (throws
+/// std::invalid_argument otherwise), pointers 16-byte aligned.
+void silu_mul(int T, int I, const bf16* gu, bf16* act, cudaStream_t stream);
+
+}  // namespace hypic::kernels::cuda

@@ -1,0 +1,364 @@
+// Elementwise building blocks of the CUDA forward pass (contracts in ops.h).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/ops.h"
+
+namespace hypic::kernels::cuda {
+namespace {
+
+constexpr int D = 128;  // state head size of the affine chain
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+__device__ __forceinline__ float silu_f(float x) { return x / (1.f + expf(-x)); }
+
+int blocks_for(long work, int threads) {
+  return static_cast<int>(std::min<long>((work + threads - 1) / threads, 1L << 20));
+}
+
+void need(bool ok, const std::string& what) {
+  if (!ok) throw std::invalid_argument(what);
+}
+
+__global__ void embed_gather_kernel(int T, int H, const int32_t* __restrict__ ids, const bf16* __restrict__ embed,
+                                    float* __restrict__ x) {
+  const long total = long(T) * (H / 2);
+  for (long i = blockIdx.x * long(blockDim.x) + threadIdx.x; i < total; i += long(gridDim.x) * blockDim.x) {
+    const long t = i / (H / 2), c = (i % (H / 2)) * 2;
+    const __nv_bfloat162 v = *reinterpret_cast<const __nv_bfloat162*>(embed + long(ids[t]) * H + c);
+    *reinterpret_cast<float2*>(x + t * H + c) = __bfloat1622float2(v);
+  }
+}
+
+// One warp per row.
+__global__ void rms_norm_residual_kernel(int rows, int dim, const float* __restrict__ x, long ldx,
+                                         const int* __restrict__ rows_index, const bf16* __restrict__ w, float eps,
+                                         bf16* __restrict__ y) {
+  const int r = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
+  if (r >= rows) return;
+  const float* xr = x + long(rows_index ? rows_index[r] : r) * ldx;
+  float ss = 0.f;
+  for (int c = lane * 4; c < dim; c += 128) {
+    const float4 v = *reinterpret_cast<const float4*>(xr + c);
+    ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+  }
+  const float inv = rsqrtf(warp_sum(ss) / dim + eps);
+  bf16* yr = y + long(r) * dim;
+  for (int c = lane * 4; c < dim; c += 128) {
+    const float4 v = *reinterpret_cast<const float4*>(xr + c);
+    const __nv_bfloat162 w01 = *reinterpret_cast<const __nv_bfloat162*>(w + c);
+    const __nv_bfloat162 w23 = *reinterpret_cast<const __nv_bfloat162*>(w + c + 2);
+    const float2 a = __bfloat1622float2(w01), b = __bfloat1622float2(w23);
+    *reinterpret_cast<__nv_bfloat162*>(yr + c) = __floats2bfloat162_rn(v.x * inv * (1.f + a.x), v.y * inv * (1.f + a.y));
+    *reinterpret_cast<__nv_bfloat162*>(yr + c + 2) =
+        __floats2bfloat162_rn(v.z * inv * (1.f + b.x), v.w * inv * (1.f + b.y));
+  }
+}
+
+__global__ void rms_norm_gated_kernel(int rows, int dim, const bf16* x, const bf16* __restrict__ z,
+                                      const bf16* __restrict__ w, float eps, bf16* y) {
+  const int r = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
+  if (r >= rows) return;
+  const bf16* xr = x + long(r) * dim;
+  float ss = 0.f;
+  for (int c = lane * 2; c < dim; c += 64) {
+    const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(xr + c));
+    ss += v.x * v.x + v.y * v.y;
+  }
+  const float inv = rsqrtf(warp_sum(ss) / dim + eps);
+  const bf16* zr = z + long(r) * dim;
+  bf16* yr = y + long(r) * dim;
+  for (int c = lane * 2; c < dim; c += 64) {
+    const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(xr + c));
+    const float2 g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(zr + c));
+    const float2 ww = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(w + c));
+    *reinterpret_cast<__nv_bfloat162*>(yr + c) =
+        __floats2bfloat162_rn(v.x * inv * ww.x * silu_f(g.x), v.y * inv * ww.y * silu_f(g.y));
+  }
+}
+
+__global__ void split_qkv_kernel(int T, int qd, int vd, const bf16* __restrict__ src, bf16* __restrict__ q,
+                                 bf16* __restrict__ k, bf16* __restrict__ v) {
+  const int C = 2 * qd + vd, C8 = C / 8;
+  const long total = long(T) * C8;
+  for (long i = blockIdx.x * long(blockDim.x) + threadIdx.x; i < total; i += long(gridDim.x) * blockDim.x) {
+    const long t = i / C8;
+    const int c = int(i % C8) * 8;
+    const uint4 val = *reinterpret_cast<const uint4*>(src + t * C + c);
+    bf16* dst = c < qd ? q + t * qd + c : c < 2 * qd ? k + t * qd + (c - qd) : v + t * vd + (c - 2 * qd);
+    *reinterpret_cast<uint4*>(dst) = val;
+  }
+}
+
+// Affine chain: one block per (chain, head, BN-column block); the 128 x BN running block stays in shared memory
+// across the chain's steps. Thread (rg, cg) owns columns 4 cg .. 4 cg + 3 of rows rg + RG r.
+constexpr int kBN = 32, kLdT = D + 4, kLdR = kBN + 4;
+constexpr int kChainSmem = (D * kLdT + D * kLdR) * 4;
+
+__global__ void __launch_bounds__(256) affine_chain_kernel(int heads, int steps_per_chain,
+                                                           const AffineStep* __restrict__ steps,
+                                                           const float* const* __restrict__ init,
+                                                           float* const* __restrict__ final_states) {
+  constexpr int CG = kBN / 4, RG = 256 / CG, RPT = D / RG;
+  extern __shared__ __align__(16) float chain_smem[];
+  float* sT = chain_smem;
+  float* sR = chain_smem + D * kLdT;
+  const int c = blockIdx.x, h = blockIdx.y, c0 = blockIdx.z * kBN, tid = threadIdx.x;
+  const int rg = tid / CG, cg = tid % CG;
+  const size_t head_off = size_t(h) * D * D + c0;
+  const float* R0 = init ? init[c] : nullptr;
+  for (int i = tid; i < D * CG; i += 256) {
+    const int row = i / CG, col = (i % CG) * 4;
+    const float4 v = R0 ? *reinterpret_cast<const float4*>(R0 + head_off + size_t(row) * D + col)
+                        : make_float4(0.f, 0.f, 0.f, 0.f);
+    *reinterpret_cast<float4*>(sR + row * kLdR + col) = v;
+  }
+  __syncthreads();
+  for (int s = 0; s < steps_per_chain; ++s) {
+    const AffineStep st = steps[size_t(c) * steps_per_chain + s];
+    float acc[RPT][4];
+#pragma unroll
+    for (int r = 0; r < RPT; ++r) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = 0.f;
+    if (st.T) {
+      const float* T = st.T + size_t(h) * D * D;
+      for (int i = tid; i < D * D / 4; i += 256) {
+        const int row = i >> 5, col = (i & 31) * 4;
+        *reinterpret_cast<float4*>(sT + row * kLdT + col) = __ldg(reinterpret_cast<const float4*>(T + row * D + col));
+      }
+      __syncthreads();
+#pragma unroll 2
+      for (int kk = 0; kk < D; kk += 4) {
+        float4 rr[4];
+#pragma unroll
+        for (int m = 0; m < 4; ++m) rr[m] = *reinterpret_cast<const float4*>(sR + (kk + m) * kLdR + 4 * cg);
+#pragma unroll
+        for (int r = 0; r < RPT; ++r) {
+          const float4 t = *reinterpret_cast<const float4*>(sT + (rg + RG * r) * kLdT + kk);
+          const float tv[4] = {t.x, t.y, t.z, t.w};
+#pragma unroll
+          for (int m = 0; m < 4; ++m) {
+            acc[r][0] = fmaf(tv[m], rr[m].x, acc[r][0]);
+            acc[r][1] = fmaf(tv[m], rr[m].y, acc[r][1]);
+            acc[r][2] = fmaf(tv[m], rr[m].z, acc[r][2]);
+            acc[r][3] = fmaf(tv[m], rr[m].w, acc[r][3]);
+          }
+        }
+      }
+    } else {
+#pragma unroll
+      for (int r = 0; r < RPT; ++r) {
+        const float4 v = *reinterpret_cast<const float4*>(sR + (rg + RG * r) * kLdR + 4 * cg);
+        acc[r][0] = v.x, acc[r][1] = v.y, acc[r][2] = v.z, acc[r][3] = v.w;
+      }
+    }
+    __syncthreads();  // every thread has read sR (and sT) before it is overwritten
+#pragma unroll
+    for (int r = 0; r < RPT; ++r) {
+      const int row = rg + RG * r;
+      float4 sv = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (st.S) sv = __ldg(reinterpret_cast<const float4*>(st.S + head_off + size_t(row) * D + 4 * cg));
+      const float4 o = make_float4(fmaf(st.alpha, acc[r][0], sv.x), fmaf(st.alpha, acc[r][1], sv.y),
+                                   fmaf(st.alpha, acc[r][2], sv.z), fmaf(st.alpha, acc[r][3], sv.w));
+      *reinterpret_cast<float4*>(sR + row * kLdR + 4 * cg) = o;
+      if (st.out) *reinterpret_cast<float4*>(st.out + head_off + size_t(row) * D + 4 * cg) = o;
+    }
+    __syncthreads();
+  }
+  float* F = final_states ? final_states[c] : nullptr;
+  if (F) {
+    for (int i = tid; i < D * CG; i += 256) {
+      const int row = i / CG, col = (i % CG) * 4;
+      *reinterpret_cast<float4*>(F + head_off + size_t(row) * D + col) =
+          *reinterpret_cast<const float4*>(sR + row * kLdR + col);
+    }
+  }
+}
+
+__global__ void fp32_to_bf16_kernel(long n, const float* __restrict__ x, bf16* __restrict__ y) {
+  for (long i = blockIdx.x * long(blockDim.x) + threadIdx.x; i < n; i += long(gridDim.x) * blockDim.x)
+    y[i] = __float2bfloat16_rn(x[i]);
+}
+__global__ void bf16_to_fp32_kernel(long n, const bf16* __restrict__ x, float* __restrict__ y) {
+  for (long i = blockIdx.x * long(blockDim.x) + threadIdx.x; i < n; i += long(gridDim.x) * blockDim.x)
+    y[i] = __bfloat162float(x[i]);
+}
+
+__global__ void gather_rows_kernel(int n, int row_elems, const bf16* __restrict__ src, const int* __restrict__ rows,
+                                   bf16* __restrict__ dst) {
+  if (row_elems % 8 == 0) {
+    const int R8 = row_elems / 8;
+    const long total = long(n) * R8;
+    for (long i = blockIdx.x * long(blockDim.x) + threadIdx.x; i < total; i += long(gridDim.x) * blockDim.x) {
+      const long r = i / R8, c = (i % R8) * 8;
+      *reinterpret_cast<uint4*>(dst + r * row_elems + c) =
+          *reinterpret_cast<const uint4*>(src + long(rows[r]) * row_elems + c);
+    }
+  } else {
+    const int R2 = row_elems / 2;
+    const long total = long(n) * R2;
+    for (long i = blockIdx.x * long(blockDim.x) + threadIdx.x; i < total; i += long(gridDim.x) * blockDim.x) {
+      const long r = i / R2, c = (i % R2) * 2;
+      *reinterpret_cast<__nv_bfloat162*>(dst + r * row_elems + c) =
+          *reinterpret_cast<const __nv_bfloat162*>(src + long(rows[r]) * row_elems + c);
+    }
+  }
+}
+
+// One block per copy descriptor (grid-strided over descriptors when there are many).
+__global__ void batched_copy_kernel(int n, const CopyDesc* __restrict__ descs) {
+  for (int d = blockIdx.x; d < n; d += gridDim.x) {
+    const CopyDesc c = descs[d];
+    const bool fast = ((reinterpret_cast<uintptr_t>(c.src) | reinterpret_cast<uintptr_t>(c.dst) | uintptr_t(c.bytes)) &
+                       15) == 0;
+    if (fast) {
+      const uint4* s = static_cast<const uint4*>(c.src);
+      uint4* t = static_cast<uint4*>(c.dst);
+      for (long i = threadIdx.x; i < c.bytes / 16; i += blockDim.x) t[i] = s[i];
+    } else {
+      const uint32_t* s = static_cast<const uint32_t*>(c.src);
+      uint32_t* t = static_cast<uint32_t*>(c.dst);
+      for (long i = threadIdx.x; i < c.bytes / 4; i += blockDim.x) t[i] = s[i];
+    }
+  }
+}
+
+__device__ __forceinline__ uint64_t splitmix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+__global__ void fill_random_kernel(long n, RandomFill kind, float a, float b, uint64_t seed, uint64_t stream_id,
+                                   bf16* __restrict__ yb, float* __restrict__ yf) {
+  const uint64_t base = splitmix64(seed ^ splitmix64(stream_id + 0x632BE59BD9B4E019ull));
+  for (long i = blockIdx.x * long(blockDim.x) + threadIdx.x; i < n; i += long(gridDim.x) * blockDim.x) {
+    const uint64_t r = splitmix64(base + uint64_t(i));
+    const float u1 = (float((r >> 40) & 0xFFFFFF) + 0.5f) * (1.f / 16777216.f);  // (0, 1)
+    const float u2 = float((r >> 16) & 0xFFFFFF) * (1.f / 16777216.f);          // [0, 1)
+    float v;
+    switch (kind) {
+      case RandomFill::Normal: v = a + b * sqrtf(-2.f * logf(u1)) * cospif(2.f * u2); break;
+      case RandomFill::Uniform: v = (a - b) + 2.f * b * u2; break;
+      case RandomFill::LogUniform: v = logf(a + (b - a) * u2); break;
+      default: v = a; break;
+    }
+    if (yb) yb[i] = __float2bfloat16_rn(v);
+    else yf[i] = v;
+  }
+}
+
+}  // namespace
+
+void embed_gather(int T, int H, const int32_t* ids, const bf16* embed, float* x, cudaStream_t stream) {
+  need(T >= 0 && H > 0 && H % 2 == 0, "embed_gather: T must be >= 0 and H a positive even number, got T=" +
+                                          std::to_string(T) + " H=" + std::to_string(H));
+  if (T == 0) return;
+  need(ids && embed && x, "embed_gather: null pointer");
+  embed_gather_kernel<<<blocks_for(long(T) * H / 2, 256), 256, 0, stream>>>(T, H, ids, embed, x);
+  check_cuda(cudaGetLastError(), "embed_gather launch");
+}
+
+void rms_norm_residual(int rows, int dim, const float* x, long ldx, const int* rows_index, const bf16* w, float eps,
+                       bf16* y, cudaStream_t stream) {
+  need(rows >= 0 && dim > 0 && dim % 4 == 0 && ldx >= dim && ldx % 4 == 0,
+       "rms_norm_residual: need rows >= 0, dim a positive multiple of 4 and ldx >= dim (multiple of 4); got rows=" +
+           std::to_string(rows) + " dim=" + std::to_string(dim) + " ldx=" + std::to_string(ldx));
+  if (rows == 0) return;
+  need(x && w && y, "rms_norm_residual: null pointer");
+  rms_norm_residual_kernel<<<(rows + 3) / 4, 128, 0, stream>>>(rows, dim, x, ldx, rows_index, w, eps, y);
+  check_cuda(cudaGetLastError(), "rms_norm_residual launch");
+}
+
+void rms_norm_gated(int rows, int dim, const bf16* x, const bf16* z, const bf16* w, float eps, bf16* y,
+                    cudaStream_t stream) {
+  need(rows >= 0 && dim > 0 && dim % 2 == 0,
+       "rms_norm_gated: need rows >= 0 and dim a positive even number; got rows=" + std::to_string(rows) +
+           " dim=" + std::to_string(dim));
+  if (rows == 0) return;
+  need(x && z && w && y, "rms_norm_gated: null pointer");
+  rms_norm_gated_kernel<<<(rows + 3) / 4, 128, 0, stream>>>(rows, dim, x, z, w, eps, y);
+  check_cuda(cudaGetLastError(), "rms_norm_gated launch");
+}
+
+void split_qkv(int T, int q_dim, int v_dim, const bf16* conv_out, bf16* q, bf16* k, bf16* v, cudaStream_t stream) {
+  need(T >= 0 && q_dim > 0 && v_dim > 0 && q_dim % 8 == 0 && v_dim % 8 == 0,
+       "split_qkv: q_dim and v_dim must be positive multiples of 8, got " + std::to_string(q_dim) + ", " +
+           std::to_string(v_dim));
+  if (T == 0) return;
+  need(conv_out && q && k && v, "split_qkv: null pointer");
+  split_qkv_kernel<<<blocks_for(long(T) * (2 * q_dim + v_dim) / 8, 256), 256, 0, stream>>>(T, q_dim, v_dim, conv_out,
+                                                                                          q, k, v);
+  check_cuda(cudaGetLastError(), "split_qkv launch");
+}
+
+void affine_chain(int num_chains, int heads, int steps_per_chain, const AffineStep* steps, const float* const* init,
+                  float* const* final_states, cudaStream_t stream) {
+  need(num_chains >= 0 && heads > 0 && heads <= 65535 && steps_per_chain >= 0 && num_chains <= (1 << 30),
+       "affine_chain: bad sizes num_chains=" + std::to_string(num_chains) + " heads=" + std::to_string(heads) +
+           " steps=" + std::to_string(steps_per_chain));
+  if (num_chains == 0) return;
+  need(steps || steps_per_chain == 0, "affine_chain: steps is null");
+  static DeviceOnce once;
+  once.run(current_device(), [](int) {
+    check_cuda(cudaFuncSetAttribute(affine_chain_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kChainSmem),
+               "affine_chain smem opt-in");
+    return 0;
+  });
+  dim3 grid(num_chains, heads, D / kBN);
+  affine_chain_kernel<<<grid, 256, kChainSmem, stream>>>(heads, steps_per_chain, steps, init, final_states);
+  check_cuda(cudaGetLastError(), "affine_chain launch");
+}
+
+void fp32_to_bf16(long n, const float* x, bf16* y, cudaStream_t stream) {
+  need(n >= 0, "fp32_to_bf16: negative n");
+  if (n == 0) return;
+  need(x && y, "fp32_to_bf16: null pointer");
+  fp32_to_bf16_kernel<<<blocks_for(n, 256), 256, 0, stream>>>(n, x, y);
+  check_cuda(cudaGetLastError(), "fp32_to_bf16 launch");
+}
+
+void bf16_to_fp32(long n, const bf16* x, float* y, cudaStream_t stream) {
+  need(n >= 0, "bf16_to_fp32: negative n");
+  if (n == 0) return;
+  need(x && y, "bf16_to_fp32: null pointer");
+  bf16_to_fp32_kernel<<<blocks_for(n, 256), 256, 0, stream>>>(n, x, y);
+  check_cuda(cudaGetLastError(), "bf16_to_fp32 launch");
+}
+
+void batched_copy(int n, const CopyDesc* descs, cudaStream_t stream) {
+  need(n >= 0, "batched_copy: negative n");
+  if (n == 0) return;
+  need(descs != nullptr, "batched_copy: descs is null");
+  batched_copy_kernel<<<std::min(n, 65535), 256, 0, stream>>>(n, descs);
+  check_cuda(cudaGetLastError(), "batched_copy launch");
+}
+
+void gather_rows(int n, int row_elems, const bf16* src, const int* src_rows, bf16* dst, cudaStream_t stream) {
+  need(n >= 0 && row_elems > 0 && row_elems % 2 == 0,
+       "gather_rows: row_elems must be a positive even number, got " + std::to_string(row_elems));
+  if (n == 0) return;
+  need(src && src_rows && dst, "gather_rows: null pointer");
+  gather_rows_kernel<<<blocks_for(long(n) * row_elems / 2, 256), 256, 0, stream>>>(n, row_elems, src, src_rows, dst);
+  check_cuda(cudaGetLastError(), "gather_rows launch");
+}
+
+void fill_random(long n, RandomFill kind, float a, float b, uint64_t seed, uint64_t stream_id, bf16* y_bf16,
+                 float* y_fp32, cudaStream_t stream) {
+  need(n >= 0, "fill_random: negative n");
+  need((y_bf16 == nullptr) != (y_fp32 == nullptr), "fill_random: give exactly one of y_bf16 and y_fp32");
+  if (n == 0) return;
+  fill_random_kernel<<<blocks_for(n, 256), 256, 0, stream>>>(n, kind, a, b, seed, stream_id, y_bf16, y_fp32);
+  check_cuda(cudaGetLastError(), "fill_random launch");
+}
+
+}  // namespace hypic::kernels::cuda

@@ -1,0 +1,90 @@
+// Elementwise and small building blocks of the CUDA hybrid forward pass (engine/cuda): embedding gather, the
+// RMSNorm flavours of Qwen3-Next / Qwen3.5, the split of the Gated DeltaNet conv output into q / k / v, the
+// affine chain that folds cached (T, S) pairs into running states, dtype conversions, and seeded random fills
+// for benchmark-only weights. CPU references: kernels/cpu/ops.h (same formulas in fp32).
+//
+// All pointers are DEVICE pointers unless named *_host; every call is asynchronous on `stream`, allocates nothing
+// (CUDA-graph capturable) and throws std::invalid_argument on bad sizes / null pointers, std::runtime_error on
+// CUDA launch errors. Activations are bf16, the residual stream fp32, norms computed in fp32.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace hypic::kernels::cuda {
+
+using bf16 = __nv_bfloat16;
+
+/// x[t][:] = float(embed[ids[t]][:]) for t < T. ids: [T] int32 in [0, vocab) (checked on the host by the caller);
+/// embed: [vocab][H] bf16; x: [T][H] fp32 (the residual stream).
+void embed_gather(int T, int H, const int32_t* ids, const bf16* embed, float* x, cudaStream_t stream = nullptr);
+
+/// Zero-centred RMSNorm (HF Qwen3NextRMSNorm / Qwen3_5RMSNorm): y = x * rsqrt(mean(x^2) + eps) * (1 + w), fp32
+/// math, rounded to bf16 once. x: fp32 rows of `dim` with row stride ldx; row r of the output reads input row
+/// rows_index[r] when rows_index != nullptr (e.g. only each sequence's last token before the LM head), else r.
+/// w: [dim] bf16; y: [rows][dim] bf16.
+void rms_norm_residual(int rows, int dim, const float* x, long ldx, const int* rows_index, const bf16* w, float eps,
+                       bf16* y, cudaStream_t stream = nullptr);
+
+/// Gated RMSNorm of the Gated DeltaNet output (HF Qwen3NextRMSNormGated): per row of `dim` (one value head of
+/// one token), y = (x * rsqrt(mean(x^2) + eps)) * w * silu(z) (plain weight w), fp32 math, bf16 out.
+/// x, z, y: [rows][dim] bf16 (y may alias x); w: [dim] bf16.
+void rms_norm_gated(int rows, int dim, const bf16* x, const bf16* z, const bf16* w, float eps, bf16* y,
+                    cudaStream_t stream = nullptr);
+
+/// Splits the conv output [T][q_dim | q_dim | v_dim] (the Gated DeltaNet's [Q | K | V] channels) into
+/// contiguous q [T][q_dim], k [T][q_dim], v [T][v_dim], bf16. q_dim and v_dim multiples of 8.
+void split_qkv(int T, int q_dim, int v_dim, const bf16* conv_out, bf16* q, bf16* k, bf16* v,
+               cudaStream_t stream = nullptr);
+
+/// One step of an affine chain: R <- alpha (T R) + S; T == nullptr means the identity, S == nullptr zero; then
+/// if out != nullptr, out <- R. Every pointer addresses `heads` blocks [heads][128][128] fp32 (head h at
+/// h * 128 * 128); so does every init / final pointer.
+struct AffineStep {
+  const float* T = nullptr;
+  const float* S = nullptr;
+  float* out = nullptr;
+  float alpha = 1.f;
+};
+
+/// Folds cached segments into running states (DESIGN.md 3.1 composition law S <- T_C S + S(C|0)), for
+/// `num_chains` independent chains (e.g. the linear layers of a splice, or the segments of an entry build) of
+/// `steps_per_chain` steps each, over `heads` heads of 128 x 128 fp32 states: R = init[c] (nullptr entry: zero),
+/// then steps[c * steps_per_chain + i] for i in order, then final[c] <- R (nullptr entry / array: not written).
+/// steps, init, final: DEVICE arrays. fp32 FMA throughout (no tensor cores, no TF32). init may alias final.
+void affine_chain(int num_chains, int heads, int steps_per_chain, const AffineStep* steps, const float* const* init,
+                  float* const* final_states, cudaStream_t stream = nullptr);
+
+/// y[i] = bf16(x[i]) (round to nearest even), n elements.
+void fp32_to_bf16(long n, const float* x, bf16* y, cudaStream_t stream = nullptr);
+/// y[i] = float(x[i]), n elements (exact).
+void bf16_to_fp32(long n, const bf16* x, float* y, cudaStream_t stream = nullptr);
+
+/// Gathers `n` rows of `row_elems` bf16 elements: dst[i] = src[src_rows[i]] (both row-major, src_rows DEVICE
+/// int32 [n]). row_elems even (16-byte copies when it is a multiple of 8).
+void gather_rows(int n, int row_elems, const bf16* src, const int* src_rows, bf16* dst, cudaStream_t stream = nullptr);
+
+/// One copy of a batched_copy: `bytes` from src to dst (device memory; both 16-byte aligned and bytes a multiple
+/// of 16 for the fast path, else 4-byte aligned and a multiple of 4).
+struct CopyDesc {
+  const void* src = nullptr;
+  void* dst = nullptr;
+  long bytes = 0;
+};
+
+/// Runs `n` device-to-device copies described by the DEVICE array descs in one launch (many small copies of
+/// states, conv tails and KV pages without one cudaMemcpyAsync each). Copies must not overlap each other.
+void batched_copy(int n, const CopyDesc* descs, cudaStream_t stream = nullptr);
+
+/// How fill_random draws values (the roles of engine/weights.h TensorRole, for benchmark-only weights made on
+/// the device): Normal N(mean, std), Uniform U(lo = mean - std, hi = mean + std), LogUniform log U(mean, std)
+/// (A_log: log of U(1, 16)), Constant (mean).
+enum class RandomFill { Normal, Uniform, LogUniform, Constant };
+
+/// Deterministic pseudo-random fill: element j depends only on (seed, stream_id, j), so the same arguments give
+/// the same bits on any GPU. bf16 or fp32 destination (exactly one non-null).
+void fill_random(long n, RandomFill kind, float a, float b, uint64_t seed, uint64_t stream_id, bf16* y_bf16,
+                 float* y_fp32, cudaStream_t stream = nullptr);
+
+}  // namespace hypic::kernels::cuda

@@ -1,0 +1,910 @@
+// GPU attention kernels of kernels/cuda/attention.h against the CPU fp32 reference of kernels/cpu
+// (attention_causal on gathered K/V, rms_norm_zero_centred, apply_rope, apply_rope_uniform), on random
+// bf16 inputs (the reference sees the same bf16-rounded values), KV pages handed out in a shuffled
+// order and every unwritten pool row poisoned with NaN. Needs an NVIDIA GPU (scripts/test_gpu.sh).
+//
+// Every case prints one line per checked unit (group / request / row set) with its error, so a single
+// run tells which case fails and by how much. Stated tolerances:
+//   attention_prefill / attention_decode (bf16 q, K, V and output, bf16 P on the tensor cores, fp32
+//     softmax and accumulators): per group, max |gpu - ref| / max |ref| <= 1e-2 (expected ~3e-3), no NaN;
+//   CUDA-graph replays: bit for bit equal to the eager call;
+//   attention_prepare (norm rounded to bf16, then RoPE in fp32 rounded once, as the reference does):
+//     per head row max |gpu - ref| <= 2^-6 max |ref row| (about 2 bf16 ulps of the row's largest value;
+//     differences come from the fp32 sum of squares vs the reference's double one and cosf/sinf vs libm)
+//     and >= 95% of elements bitwise equal; V copied bit for bit; no other pool row written;
+//   kv_import: same K tolerance against apply_rope_uniform, delta 0 and V bit for bit;
+//   kv_import(delta) after attention_prepare(p) vs attention_prepare(p + delta): per row
+//     max |d| <= 2^-6 max |ref row| (two bf16 roundings and fp32 angles; positions < 5000).
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <numeric>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/cpu/attention.h"
+#include "kernels/cpu/ops.h"
+#include "kernels/cuda/attention.h"
+#include "tests/gpu/gpu_util.h"
+
+using namespace hypic::gputest;
+namespace gpu = hypic::kernels::cuda;
+namespace cpu = hypic::kernels::cpu;
+using bf16 = __nv_bfloat16;
+
+namespace {
+
+constexpr int kPage = gpu::kKvPageTokens;
+
+void require_gpu() {
+  if (!cuda_device_present()) FAIL("no CUDA device: the GPU tests need an NVIDIA GPU (scripts/test_gpu.sh)");
+}
+
+float bfr(float x) { return bf16_to_float(float_to_bf16(x)); }
+
+bf16 nan_bf16() {
+  const uint16_t b = 0xFFFF;
+  bf16 x;
+  std::memcpy(&x, &b, 2);
+  return x;
+}
+
+uint16_t bits(bf16 x) {
+  uint16_t b;
+  std::memcpy(&b, &x, 2);
+  return b;
+}
+
+// A paged KV pool on the host: pages handed out from a shuffled list, unwritten rows NaN.
+struct HostPool {
+  int hkv, hd, pages;
+  std::vector<bf16> k, v;
+  std::vector<int> order;
+  size_t next = 0;
+  HostPool(int pages_, int hkv_, int hd_, std::mt19937& rng)
+      : hkv(hkv_), hd(hd_), pages(pages_), k(size_t(pages_) * kPage * hkv_ * hd_, nan_bf16()), v(k.size(), nan_bf16()),
+        order(pages_) {
+    std::iota(order.begin(), order.end(), 0);
+    std::shuffle(order.begin(), order.end(), rng);
+  }
+  size_t row_elems() const { return size_t(hkv) * hd; }
+  std::vector<int> take(int slots) {
+    const size_t n = (slots + kPage - 1) / kPage;
+    if (next + n > order.size()) throw std::logic_error("HostPool: out of pages");
+    std::vector<int> p(order.begin() + next, order.begin() + next + n);
+    next += n;
+    return p;
+  }
+};
+
+// One sequence's KV: kv_len slots of random K/V written into the pool at its (shuffled) pages; k, v keep
+// the exact values as fp32 [kv_len][hkv][hd].
+struct Seq {
+  int kv_len = 0;
+  std::vector<int> pages;
+  std::vector<float> k, v;
+};
+
+Seq make_seq(HostPool& pool, int kv_len, std::mt19937& rng) {
+  Seq s;
+  s.kv_len = kv_len;
+  s.pages = pool.take(kv_len);
+  const size_t row = pool.row_elems();
+  const auto kb = random_bf16(rng, size_t(kv_len) * row, 1.0f, s.k);
+  const auto vb = random_bf16(rng, size_t(kv_len) * row, 1.0f, s.v);
+  for (int slot = 0; slot < kv_len; ++slot) {
+    const size_t r = size_t(s.pages[slot / kPage]) * kPage + slot % kPage;
+    std::copy(kb.begin() + slot * row, kb.begin() + (slot + 1) * row, pool.k.begin() + r * row);
+    std::copy(vb.begin() + slot * row, vb.begin() + (slot + 1) * row, pool.v.begin() + r * row);
+  }
+  return s;
+}
+
+struct GroupSpec {
+  int seq, slot0, len;
+};
+
+struct AttnCase {
+  std::string name;
+  int hd, nh, nkv;
+  std::vector<int> seq_kv;  // KV length of each sequence
+  std::vector<GroupSpec> groups;
+  bool gate = true;
+  bool decode = false;
+  int max_kv_override = 0;  // decode: the max_kv passed (0: the true bound)
+};
+
+// Device copies of one case's inputs.
+struct AttnSetup {
+  int G = 0, total_q = 0, max_q = 0, max_kv = 0, max_pages = 0;
+  std::vector<int> q_start;
+  std::vector<float> qf, gf;  // [total_q][nh][hd] query and gate values
+  std::optional<DeviceBuffer<bf16>> dk, dv, dq, dqg, dout;
+  std::optional<DeviceBuffer<int>> dqs, ds0, dbt;
+  gpu::AttnGroups groups() const {
+    gpu::AttnGroups g;
+    g.num_groups = G;
+    g.q_start = dqs->get();
+    g.slot0 = ds0->get();
+    g.block_table = dbt->get();
+    g.max_pages = max_pages;
+    g.total_q = total_q;
+    g.max_q = max_q;
+    g.max_kv = max_kv;
+    return g;
+  }
+};
+
+// Builds the pool, the sequences and the queries of `c`; the gate lives in an HF-layout q_proj output
+// qg [total_q][nh][2 hd] (query, then gate per head) and is passed as qg + hd with strides (nh 2 hd, 2 hd).
+void build_case(const AttnCase& c, std::mt19937& rng, std::vector<Seq>& seqs, AttnSetup& s) {
+  int pages = 5;  // a few spare pages so the shuffle leaves holes
+  for (int kv : c.seq_kv) pages += (kv + kPage - 1) / kPage;
+  HostPool pool(pages, c.nkv, c.hd, rng);
+  for (int kv : c.seq_kv) seqs.push_back(make_seq(pool, kv, rng));
+  s.G = static_cast<int>(c.groups.size());
+  s.q_start.assign(s.G + 1, 0);
+  std::vector<int> slot0(s.G);
+  for (int g = 0; g < s.G; ++g) {
+    const auto& gs = c.groups[g];
+    if (gs.slot0 + gs.len > c.seq_kv[gs.seq]) throw std::logic_error("group beyond its sequence");
+    s.q_start[g + 1] = s.q_start[g] + gs.len;
+    slot0[g] = gs.slot0;
+    s.max_q = std::max(s.max_q, gs.len);
+    s.max_kv = std::max(s.max_kv, gs.slot0 + gs.len);
+  }
+  s.total_q = s.q_start[s.G];
+  for (const auto& sq : seqs) s.max_pages = std::max(s.max_pages, static_cast<int>(sq.pages.size()));
+  std::vector<int> bt(size_t(s.G) * s.max_pages, -1);  // padding never read
+  for (int g = 0; g < s.G; ++g) {
+    const auto& pg = seqs[c.groups[g].seq].pages;
+    std::copy(pg.begin(), pg.end(), bt.begin() + size_t(g) * s.max_pages);
+  }
+  const size_t qe = size_t(s.total_q) * c.nh * c.hd;
+  const auto qb = random_bf16(rng, qe, 1.0f, s.qf);
+  const auto gb = random_bf16(rng, qe, 2.0f, s.gf);
+  std::vector<bf16> qg(2 * qe);
+  for (size_t r = 0; r < size_t(s.total_q) * c.nh; ++r)
+    for (int d = 0; d < c.hd; ++d) {
+      qg[r * 2 * c.hd + d] = qb[r * c.hd + d];
+      qg[r * 2 * c.hd + c.hd + d] = gb[r * c.hd + d];
+    }
+  s.dk.emplace(pool.k);
+  s.dv.emplace(pool.v);
+  s.dq.emplace(qb);
+  s.dqg.emplace(qg);
+  s.dout.emplace(qe);
+  s.dout->poison();
+  s.dqs.emplace(s.q_start);
+  s.ds0.emplace(slot0);
+  s.dbt.emplace(bt);
+}
+
+void run_attention(const AttnCase& c, AttnSetup& s, gpu::AttnDecodeWorkspace* ws, cudaStream_t st = nullptr) {
+  gpu::AttnGroups g = s.groups();
+  if (c.max_kv_override) g.max_kv = c.max_kv_override;
+  const float scale = 1.0f / std::sqrt(float(c.hd));
+  const bf16* gate = c.gate ? s.dqg->get() + c.hd : nullptr;
+  const long gts = long(c.nh) * 2 * c.hd;
+  const int ghs = 2 * c.hd;
+  if (c.decode)
+    gpu::attention_decode(g, c.nh, c.nkv, c.hd, s.dq->get(), s.dk->get(), s.dv->get(), scale, gate, gts, ghs,
+                          s.dout->get(), *ws, st);
+  else
+    gpu::attention_prefill(g, c.nh, c.nkv, c.hd, s.dq->get(), s.dk->get(), s.dv->get(), scale, gate, gts, ghs,
+                           s.dout->get(), st);
+}
+
+// Compares every group of `c` against attention_causal; prints one line per group.
+void check_against_cpu(const AttnCase& c, const std::vector<Seq>& seqs, const AttnSetup& s,
+                       const std::vector<bf16>& out) {
+  const size_t qrow = size_t(c.nh) * c.hd, kvrow = size_t(c.nkv) * c.hd;
+  const float scale = 1.0f / std::sqrt(float(c.hd));
+  double worst = 0;
+  int worst_g = -1;
+  for (int g = 0; g < s.G; ++g) {
+    const auto& gs = c.groups[g];
+    const int q0 = s.q_start[g], keys = gs.slot0 + gs.len;
+    std::vector<float> ref(size_t(gs.len) * qrow);
+    cpu::AttentionShape shape;
+    shape.num_queries = gs.len;
+    shape.num_keys = keys;
+    shape.num_heads = c.nh;
+    shape.num_kv_heads = c.nkv;
+    shape.head_dim = c.hd;
+    cpu::attention_causal(shape, s.qf.data() + size_t(q0) * qrow, seqs[gs.seq].k.data(), seqs[gs.seq].v.data(),
+                          scale, ref.data());
+    (void)kvrow;
+    double max_ref = 0, max_d = 0, num = 0, den = 0;
+    size_t nonfinite = 0;
+    for (size_t i = 0; i < ref.size(); ++i) {
+      if (c.gate) ref[i] *= cpu::sigmoid(s.gf[size_t(q0) * qrow + i]);
+      const float o = bf16_to_float(out[size_t(q0) * qrow + i]);
+      if (!std::isfinite(o)) {
+        ++nonfinite;
+        continue;
+      }
+      const double d = std::fabs(double(o) - ref[i]);
+      max_d = std::max(max_d, d);
+      max_ref = std::max(max_ref, double(std::fabs(ref[i])));
+      num += d * d;
+      den += double(ref[i]) * ref[i];
+    }
+    const double rel = nonfinite ? INFINITY : max_d / std::max(max_ref, 1e-30);
+    std::printf("  [%s] group %d (seq %d, slot0 %d, len %d): max|d|/max|ref| = %.3e, rel fro = %.3e%s\n",
+                c.name.c_str(), g, gs.seq, gs.slot0, gs.len, rel, std::sqrt(num / std::max(den, 1e-30)),
+                nonfinite ? " NON-FINITE OUTPUTS" : "");
+    INFO(c.name << ": group " << g << " (seq " << gs.seq << ", slot0 " << gs.slot0 << ", len " << gs.len
+                << "): max|d| " << max_d << " max|ref| " << max_ref << " non-finite " << nonfinite);
+    CHECK(nonfinite == 0);
+    CHECK(rel <= 1e-2);
+    if (rel > worst) worst = rel, worst_g = g;
+  }
+  std::printf("[%s] worst group %d: %.3e (tolerance 1e-2)\n", c.name.c_str(), worst_g, worst);
+  std::fflush(stdout);
+}
+
+void run_attention_case(const AttnCase& c, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<Seq> seqs;
+  AttnSetup s;
+  build_case(c, rng, seqs, s);
+  gpu::AttnDecodeWorkspace ws;
+  run_attention(c, s, &ws);
+  check_cuda(cudaDeviceSynchronize(), c.name);
+  check_against_cpu(c, seqs, s, s.dout->download());
+}
+
+// Groups of the listed (len, slot0), each on its own sequence of KV length slot0 + len.
+AttnCase own_sequences(std::string name, int hd, int nh, int nkv, const std::vector<std::pair<int, int>>& len_slot0,
+                       bool gate) {
+  AttnCase c{std::move(name), hd, nh, nkv, {}, {}, gate};
+  for (const auto& [len, s0] : len_slot0) {
+    c.groups.push_back({static_cast<int>(c.seq_kv.size()), s0, len});
+    c.seq_kv.push_back(s0 + len);
+  }
+  return c;
+}
+
+AttnCase decode_case(std::string name, int hd, int nh, int nkv, const std::vector<int>& contexts, bool gate) {
+  AttnCase c{std::move(name), hd, nh, nkv, {}, {}, gate, true};
+  for (int ctx : contexts) {
+    c.groups.push_back({static_cast<int>(c.seq_kv.size()), ctx - 1, 1});
+    c.seq_kv.push_back(ctx);
+  }
+  return c;
+}
+
+// One CUDA graph captured from fn on a non-blocking stream.
+struct Graph {
+  cudaStream_t st = nullptr;
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  Graph() { check_cuda(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "cudaStreamCreate"); }
+  template <class F>
+  void capture(F&& fn) {
+    check_cuda(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), "begin capture");
+    fn();
+    check_cuda(cudaStreamEndCapture(st, &graph), "end capture");
+    check_cuda(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+  }
+  void replay() {
+    check_cuda(cudaDeviceSynchronize(), "before replay");
+    check_cuda(cudaGraphLaunch(exec, st), "graph launch");
+    check_cuda(cudaStreamSynchronize(st), "graph replay");
+  }
+  ~Graph() {
+    if (exec) cudaGraphExecDestroy(exec);
+    if (graph) cudaGraphDestroy(graph);
+    if (st) cudaStreamDestroy(st);
+  }
+};
+
+}  // namespace
+
+// -------------------------------------------------------------------------------------------------------
+TEST_CASE("attention_prefill matches attention_causal: head sizes 64/128/256, GQA 1/4/8, ragged groups",
+          "[gpu][attention]") {
+  require_gpu();
+  // (len, slot0): lengths {1, 3, 64, 65, 200, 1000}, context before the span, nothing tile-aligned.
+  const std::vector<std::pair<int, int>> a = {{1, 0}, {3, 5}, {64, 130}, {65, 63}, {200, 64}, {1000, 1000}};
+  const std::vector<std::pair<int, int>> b = {{1, 77}, {3, 0}, {64, 64}, {65, 1}, {200, 333}, {1000, 129}};
+  SECTION("hd 64, MHA 4/4, no gate") { run_attention_case(own_sequences("prefill hd64 4/4", 64, 4, 4, a, false), 101); }
+  SECTION("hd 64, GQA 8 (8/1), gate") { run_attention_case(own_sequences("prefill hd64 8/1 gate", 64, 8, 1, b, true), 102); }
+  SECTION("hd 128, GQA 4 (8/2), gate") { run_attention_case(own_sequences("prefill hd128 8/2 gate", 128, 8, 2, a, true), 103); }
+  SECTION("hd 128, MHA 2/2, no gate") { run_attention_case(own_sequences("prefill hd128 2/2", 128, 2, 2, b, false), 104); }
+  SECTION("hd 256, GQA 8 (16/2), gate") {
+    run_attention_case(own_sequences("prefill hd256 16/2 gate", 256, 16, 2, a, true), 105);
+  }
+  SECTION("hd 256, GQA 8 (16/2), no gate") {
+    run_attention_case(own_sequences("prefill hd256 16/2", 256, 16, 2, b, false), 106);
+  }
+  SECTION("hd 256, MHA 2/2, gate") { run_attention_case(own_sequences("prefill hd256 2/2 gate", 256, 2, 2, b, true), 107); }
+  SECTION("hd 256, GQA 4 (4/1), no gate, one group at slot0 0") {
+    run_attention_case(own_sequences("prefill hd256 4/1 causal", 256, 4, 1, {{777, 0}}, false), 108);
+  }
+}
+
+TEST_CASE("attention_prefill: several groups share one sequence's block table (seam windows of a splice)",
+          "[gpu][attention]") {
+  require_gpu();
+  for (int hd : {128, 256}) {
+    AttnCase c{"splice hd" + std::to_string(hd) + " 16/2 gate", hd, 16, 2, {1500, 700, 64}, {}, true};
+    // Windows of sequence 0 interleaved with windows of sequences 1 and 2, in no particular order.
+    c.groups = {{0, 0, 200}, {1, 0, 1}, {0, 300, 8}, {1, 650, 50}, {0, 777, 65}, {2, 0, 64}, {0, 1400, 100},
+                {0, 64, 8},  {2, 63, 1}, {0, 1499, 1}};
+    DYNAMIC_SECTION("head_dim " << hd) { run_attention_case(c, 200 + hd); }
+  }
+}
+
+TEST_CASE("attention_prefill: a long causal span, spot-checked rows against a double-precision reference",
+          "[gpu][attention]") {
+  require_gpu();
+  // One group of 8192 queries at slot0 0 (64 query tiles, 128 KV tiles), hd 256, 16/2 heads.
+  const int T = 8192, hd = 256, nh = 16, nkv = 2;
+  AttnCase c = own_sequences("prefill long 8192", hd, nh, nkv, {{T, 0}}, true);
+  std::mt19937 rng(300);
+  std::vector<Seq> seqs;
+  AttnSetup s;
+  build_case(c, rng, seqs, s);
+  run_attention(c, s, nullptr);
+  check_cuda(cudaDeviceSynchronize(), "long prefill");
+  const auto out = s.dout->download();
+  std::vector<int> rows = {0, 1, 63, 64, 127, 128, 129, 4095, 4096, 8190, 8191};
+  std::uniform_int_distribution<int> u(0, T - 1);
+  for (int i = 0; i < 12; ++i) rows.push_back(u(rng));
+  const float scale = 1.0f / std::sqrt(float(hd));
+  double worst = 0;
+  for (int i : rows) {
+    double max_d = 0, max_ref = 0;
+    size_t nonfinite = 0;
+    for (int h = 0; h < nh; ++h) {
+      const int kvh = h / (nh / nkv);
+      const float* q = s.qf.data() + (size_t(i) * nh + h) * hd;
+      std::vector<double> sc(i + 1);
+      double mx = -INFINITY;
+      for (int j = 0; j <= i; ++j) {
+        const float* k = seqs[0].k.data() + (size_t(j) * nkv + kvh) * hd;
+        double dot = 0;
+        for (int d = 0; d < hd; ++d) dot += double(q[d]) * k[d];
+        sc[j] = dot * scale;
+        mx = std::max(mx, sc[j]);
+      }
+      double l = 0;
+      for (auto& x : sc) l += (x = std::exp(x - mx));
+      for (int d = 0; d < hd; ++d) {
+        double acc = 0;
+        for (int j = 0; j <= i; ++j) acc += sc[j] * seqs[0].v[(size_t(j) * nkv + kvh) * hd + d];
+        const size_t idx = (size_t(i) * nh + h) * hd + d;
+        const double ref = acc / l / (1.0 + std::exp(-double(s.gf[idx])));
+        const float o = bf16_to_float(out[idx]);
+        if (!std::isfinite(o)) ++nonfinite;
+        max_d = std::max(max_d, std::fabs(o - ref));
+        max_ref = std::max(max_ref, std::fabs(ref));
+      }
+    }
+    const double rel = nonfinite ? INFINITY : max_d / max_ref;
+    std::printf("  [prefill long 8192] row %d (all heads): max|d|/max|ref| = %.3e\n", i, rel);
+    INFO("row " << i << " max|d| " << max_d << " max|ref| " << max_ref << " non-finite " << nonfinite);
+    CHECK(rel <= 1e-2);
+    worst = std::max(worst, rel);
+  }
+  // Rows that were not spot-checked must all be written (finite).
+  size_t nonfinite = 0;
+  for (const auto& x : out) nonfinite += !std::isfinite(bf16_to_float(x));
+  CHECK(nonfinite == 0);
+  std::printf("[prefill long 8192] worst spot-checked row: %.3e (tolerance 1e-2), non-finite outputs %zu\n", worst,
+              nonfinite);
+}
+
+TEST_CASE("attention_decode matches attention_causal: batches 1/5/33, contexts 1 .. 20000", "[gpu][attention]") {
+  require_gpu();
+  const std::vector<int> mixed = {1, 63, 64, 1000, 20000};
+  SECTION("batch 1, context 20000, hd 256 16/2, gate") {
+    run_attention_case(decode_case("decode b1 hd256 16/2 gate", 256, 16, 2, {20000}, true), 401);
+  }
+  SECTION("batch 5, mixed contexts, hd 64 4/4, no gate") {
+    run_attention_case(decode_case("decode b5 hd64 4/4", 64, 4, 4, mixed, false), 402);
+  }
+  SECTION("batch 5, mixed contexts, hd 128 8/2, gate") {
+    run_attention_case(decode_case("decode b5 hd128 8/2 gate", 128, 8, 2, mixed, true), 403);
+  }
+  SECTION("batch 5, mixed contexts, hd 256 16/2, gate") {
+    run_attention_case(decode_case("decode b5 hd256 16/2 gate", 256, 16, 2, {20000, 1, 1000, 64, 63}, true), 404);
+  }
+  SECTION("batch 33, mixed contexts, hd 256 16/2, gate") {
+    std::vector<int> ctx;
+    for (int i = 0; i < 33; ++i) ctx.push_back(mixed[(i * 3) % 5] + (i % 7));  // 1 .. 20006, mixed order
+    run_attention_case(decode_case("decode b33 hd256 16/2 gate", 256, 16, 2, ctx, true), 405);
+  }
+  SECTION("batch 5, GQA 32 (32/1: two head blocks per KV head), hd 64, gate") {
+    run_attention_case(decode_case("decode b5 hd64 32/1 gate", 64, 32, 1, mixed, true), 406);
+  }
+  SECTION("batch 5, hd 128 8/2, max_kv understated (64): the last chunk covers the rest") {
+    AttnCase c = decode_case("decode b5 hd128 max_kv 64", 128, 8, 2, mixed, true);
+    c.max_kv_override = 64;
+    run_attention_case(c, 407);
+  }
+}
+
+TEST_CASE("attention_prefill and attention_decode replay from CUDA graphs bit for bit", "[gpu][attention]") {
+  require_gpu();
+  SECTION("prefill") {
+    AttnCase c = own_sequences("graph prefill hd256", 256, 16, 2, {{200, 70}, {3, 0}, {65, 1000}}, true);
+    std::mt19937 rng(501);
+    std::vector<Seq> seqs;
+    AttnSetup s;
+    build_case(c, rng, seqs, s);
+    run_attention(c, s, nullptr);
+    check_cuda(cudaDeviceSynchronize(), "eager prefill");
+    const auto eager = s.dout->download();
+    s.dout->poison();
+    Graph gr;
+    gr.capture([&] { run_attention(c, s, nullptr, gr.st); });
+    gr.replay();
+    const auto replayed = s.dout->download();
+    CHECK(std::memcmp(eager.data(), replayed.data(), eager.size() * sizeof(bf16)) == 0);
+    check_against_cpu(c, seqs, s, replayed);
+  }
+  SECTION("decode, reserved workspace; growth during capture throws") {
+    AttnCase c = decode_case("graph decode hd256", 256, 16, 2, {5000, 1, 130, 20000}, true);
+    std::mt19937 rng(502);
+    std::vector<Seq> seqs;
+    AttnSetup s;
+    build_case(c, rng, seqs, s);
+    gpu::AttnDecodeWorkspace ws;
+    ws.reserve(4, 16, 256, 20000);
+    const size_t reserved = ws.bytes();
+    run_attention(c, s, &ws);
+    check_cuda(cudaDeviceSynchronize(), "eager decode");
+    CHECK(ws.bytes() == reserved);  // the reserve sufficed: nothing allocated
+    const auto eager = s.dout->download();
+    s.dout->poison();
+    Graph gr;
+    gr.capture([&] { run_attention(c, s, &ws, gr.st); });
+    gr.replay();
+    const auto replayed = s.dout->download();
+    CHECK(std::memcmp(eager.data(), replayed.data(), eager.size() * sizeof(bf16)) == 0);
+    check_against_cpu(c, seqs, s, replayed);
+    // A fresh (empty) workspace would have to allocate inside the capture.
+    gpu::AttnDecodeWorkspace empty;
+    cudaStream_t st;
+    check_cuda(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "cudaStreamCreate");
+    check_cuda(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), "begin capture");
+    CHECK_THROWS_WITH(run_attention(c, s, &empty, st), Catch::Contains("during CUDA graph capture"));
+    cudaGraph_t graph = nullptr;
+    cudaStreamEndCapture(st, &graph);
+    if (graph) cudaGraphDestroy(graph);
+    cudaStreamDestroy(st);
+    (void)cudaGetLastError();
+  }
+}
+
+// -------------------------------------------------------------------------------------------------------
+namespace {
+
+// Per head row comparison of a bf16 result against its reference (both as fp32 values).
+struct RowStats {
+  double worst = 0;  // max over rows of max|d| / max|ref row|
+  size_t equal = 0, total = 0, nonfinite = 0;
+  void add(const float* got, const float* ref, int n) {
+    double md = 0, mr = 0;
+    for (int i = 0; i < n; ++i) {
+      if (!std::isfinite(got[i])) ++nonfinite;
+      md = std::max(md, double(std::fabs(got[i] - ref[i])));
+      mr = std::max(mr, double(std::fabs(ref[i])));
+      equal += got[i] == ref[i];
+    }
+    total += n;
+    worst = std::max(worst, nonfinite ? INFINITY : md / std::max(mr, 1e-30));
+  }
+  double equal_fraction() const { return total ? double(equal) / total : 1.0; }
+};
+
+// The reference of one q or k head row: zero-centred RMSNorm (fp32) rounded to bf16, then RoPE at `pos`
+// in fp32 rounded to bf16.
+void prepare_ref(const float* x, const std::vector<float>& w, int hd, float eps, const std::vector<float>& inv_freq,
+                 int pos, float* y) {
+  cpu::rms_norm_zero_centred(1, hd, x, w.data(), eps, y);
+  for (int d = 0; d < hd; ++d) y[d] = bfr(y[d]);
+  if (!inv_freq.empty()) {
+    cpu::apply_rope(y, 1, 1, hd, inv_freq, pos);
+    for (int d = 0; d < hd; ++d) y[d] = bfr(y[d]);
+  }
+}
+
+struct PrepareCase {
+  std::string name;
+  int T, nh, nkv, hd, rot;
+  bool gate;
+  int stride_extra;  // kv_in_stride = 2 * nkv * hd + stride_extra (k and v interleaved in one buffer)
+  int max_pos;
+};
+
+void run_prepare_case(const PrepareCase& c, uint32_t seed) {
+  std::mt19937 rng(seed);
+  const float eps = 1e-6f;
+  const int qhs = (c.gate ? 2 : 1) * c.hd;
+  const long kvs = 2L * c.nkv * c.hd + c.stride_extra;
+  std::vector<float> qgf, kvf, qwf, kwf;
+  const auto qg = random_bf16(rng, size_t(c.T) * c.nh * qhs, 1.5f, qgf);
+  const auto kv = random_bf16(rng, size_t(c.T) * kvs + 8, 1.5f, kvf);
+  const auto qw = random_bf16(rng, c.hd, 0.3f, qwf);
+  const auto kw = random_bf16(rng, c.hd, 0.3f, kwf);
+  std::uniform_int_distribution<int> upos(0, c.max_pos - 1);
+  std::vector<int> pos(c.T);
+  for (auto& p : pos) p = upos(rng);
+  pos[0] = 0;
+  const auto inv = c.rot ? cpu::rope_inv_freq(1e7, c.rot) : std::vector<float>{};
+  const int pages = (c.T + kPage - 1) / kPage + 2;
+  std::vector<int> rows(size_t(pages) * kPage);
+  std::iota(rows.begin(), rows.end(), 0);
+  std::shuffle(rows.begin(), rows.end(), rng);
+  rows.resize(c.T);
+  const size_t pool_elems = size_t(pages) * kPage * c.nkv * c.hd;
+
+  DeviceBuffer<bf16> dqg(qg), dkv(kv), dqw(qw), dkw(kw), dq(size_t(c.T) * c.nh * c.hd), dk(pool_elems),
+      dv(pool_elems);
+  DeviceBuffer<int> dpos(pos), drows(rows);
+  DeviceBuffer<float> dinv(inv.empty() ? std::vector<float>{0.f} : inv);
+  dq.poison();
+  dk.poison();
+  dv.poison();
+  gpu::attention_prepare(c.T, c.nh, c.nkv, c.hd, c.rot, c.gate, dqg.get(), dkv.get(), dkv.get() + c.nkv * c.hd, kvs,
+                         dqw.get(), dkw.get(), eps, dpos.get(), c.rot ? dinv.get() : nullptr, drows.get(), dq.get(),
+                         dk.get(), dv.get());
+  check_cuda(cudaDeviceSynchronize(), c.name);
+  const auto q = dq.download(), k = dk.download(), v = dv.download();
+
+  RowStats qs, ks;
+  size_t v_mismatch = 0, stray = 0;
+  std::vector<float> y(c.hd), got(c.hd);
+  std::vector<char> written(size_t(pages) * kPage, 0);
+  for (int t = 0; t < c.T; ++t) {
+    written[rows[t]] = 1;
+    for (int h = 0; h < c.nh; ++h) {
+      prepare_ref(&qgf[(size_t(t) * c.nh + h) * qhs], qwf, c.hd, eps, inv, pos[t], y.data());
+      for (int d = 0; d < c.hd; ++d) got[d] = bf16_to_float(q[(size_t(t) * c.nh + h) * c.hd + d]);
+      qs.add(got.data(), y.data(), c.hd);
+    }
+    for (int h = 0; h < c.nkv; ++h) {
+      prepare_ref(&kvf[size_t(t) * kvs + size_t(h) * c.hd], kwf, c.hd, eps, inv, pos[t], y.data());
+      const size_t dst = (size_t(rows[t]) * c.nkv + h) * c.hd;
+      for (int d = 0; d < c.hd; ++d) got[d] = bf16_to_float(k[dst + d]);
+      ks.add(got.data(), y.data(), c.hd);
+      for (int d = 0; d < c.hd; ++d)
+        v_mismatch += bits(v[dst + d]) != bits(kv[size_t(t) * kvs + size_t(c.nkv + h) * c.hd + d]);
+    }
+  }
+  for (size_t r = 0; r < written.size(); ++r)
+    if (!written[r])
+      for (size_t e = 0; e < size_t(c.nkv) * c.hd; ++e)
+        stray += bits(k[r * c.nkv * c.hd + e]) != 0xFFFF || bits(v[r * c.nkv * c.hd + e]) != 0xFFFF;
+  std::printf("[%s] q: worst row max|d|/max|ref| %.3e, bitwise equal %.4f; k: %.3e, %.4f; v mismatches %zu; "
+              "stray pool writes %zu\n",
+              c.name.c_str(), qs.worst, qs.equal_fraction(), ks.worst, ks.equal_fraction(), v_mismatch, stray);
+  std::fflush(stdout);
+  INFO(c.name);
+  CHECK(qs.nonfinite == 0);
+  CHECK(ks.nonfinite == 0);
+  CHECK(qs.worst <= 1.0 / 64);
+  CHECK(ks.worst <= 1.0 / 64);
+  CHECK(qs.equal_fraction() >= 0.95);
+  CHECK(ks.equal_fraction() >= 0.95);
+  CHECK(v_mismatch == 0);
+  CHECK(stray == 0);
+}
+
+}  // namespace
+
+TEST_CASE("attention_prepare matches zero-centred RMSNorm + partial NeoX RoPE and writes the pool rows",
+          "[gpu][attention]") {
+  require_gpu();
+  SECTION("hd 256, 16/2 heads, rotary 64 (Qwen3-Next), output gate, aligned stride") {
+    run_prepare_case({"prepare hd256 rot64 gate", 37, 16, 2, 256, 64, true, 0, 200000}, 601);
+  }
+  SECTION("hd 128, 8/2 heads, full rotary, no gate, stride +8") {
+    run_prepare_case({"prepare hd128 rot128", 70, 8, 2, 128, 128, false, 8, 40000}, 602);
+  }
+  SECTION("hd 64, 4/4 heads, rotary 32, gate, odd stride (scalar loads)") {
+    run_prepare_case({"prepare hd64 rot32 odd stride", 65, 4, 4, 64, 32, true, 1, 5000}, 603);
+  }
+  SECTION("hd 128, 4/1 heads, no rotary") { run_prepare_case({"prepare hd128 rot0", 9, 4, 1, 128, 0, true, 0, 10}, 604); }
+}
+
+namespace {
+
+void run_import_case(const std::string& name, int n, int nkv, int hd, int rot, bool misaligned, uint32_t seed) {
+  std::mt19937 rng(seed);
+  const size_t row = size_t(nkv) * hd;
+  std::vector<float> kf, vf;
+  const auto kh = random_bf16(rng, size_t(n) * row + 8, 1.0f, kf);
+  const auto vh = random_bf16(rng, size_t(n) * row + 8, 1.0f, vf);
+  const size_t base = misaligned ? 1 : 0;  // 2-byte aligned rows: the scalar path
+  std::vector<int> src(n), deltas(n);
+  std::iota(src.begin(), src.end(), 0);
+  std::shuffle(src.begin(), src.end(), rng);
+  std::uniform_int_distribution<int> ud(-5000, 5000);
+  for (int i = 0; i < n; ++i) deltas[i] = i % 5 == 0 ? 0 : ud(rng);
+  const int pages = (n + kPage - 1) / kPage + 1;
+  std::vector<int> rows(size_t(pages) * kPage);
+  std::iota(rows.begin(), rows.end(), 0);
+  std::shuffle(rows.begin(), rows.end(), rng);
+  rows.resize(n);
+  const auto inv = rot ? cpu::rope_inv_freq(1e7, rot) : std::vector<float>{};
+
+  DeviceBuffer<bf16> dks(kh), dvs(vh), dk(size_t(pages) * kPage * row), dv(dk.size());
+  dk.poison();
+  dv.poison();
+  std::vector<const bf16*> kp(n), vp(n);
+  for (int i = 0; i < n; ++i) {
+    kp[i] = dks.get() + base + size_t(src[i]) * row;
+    vp[i] = dvs.get() + base + size_t(src[i]) * row;
+  }
+  DeviceBuffer<const bf16*> dkp(kp), dvp(vp);
+  DeviceBuffer<int> ddel(deltas), drows(rows);
+  DeviceBuffer<float> dinv(inv.empty() ? std::vector<float>{0.f} : inv);
+  gpu::kv_import(n, nkv, hd, rot, dkp.get(), dvp.get(), ddel.get(), rot ? dinv.get() : nullptr, drows.get(), dk.get(),
+                 dv.get());
+  check_cuda(cudaDeviceSynchronize(), name);
+  const auto k = dk.download(), v = dv.download();
+  RowStats ks;
+  size_t v_mismatch = 0, zero_delta_mismatch = 0;
+  std::vector<float> y(row), got(row);
+  for (int i = 0; i < n; ++i) {
+    const size_t s = base + size_t(src[i]) * row, dst = size_t(rows[i]) * row;
+    std::copy(kf.begin() + s, kf.begin() + s + row, y.begin());
+    if (rot) cpu::apply_rope_uniform(y.data(), 1, nkv, hd, inv, deltas[i]);
+    for (size_t e = 0; e < row; ++e) {
+      y[e] = bfr(y[e]);
+      got[e] = bf16_to_float(k[dst + e]);
+      v_mismatch += bits(v[dst + e]) != bits(vh[s + e]);
+      if (deltas[i] == 0) zero_delta_mismatch += bits(k[dst + e]) != bits(kh[s + e]);
+    }
+    for (int h = 0; h < nkv; ++h) ks.add(got.data() + h * hd, y.data() + h * hd, hd);
+  }
+  std::printf("[%s] k: worst row max|d|/max|ref| %.3e, bitwise equal %.4f; delta-0 mismatches %zu; v mismatches %zu\n",
+              name.c_str(), ks.worst, ks.equal_fraction(), zero_delta_mismatch, v_mismatch);
+  std::fflush(stdout);
+  INFO(name);
+  CHECK(ks.nonfinite == 0);
+  CHECK(ks.worst <= 1.0 / 64);
+  CHECK(ks.equal_fraction() >= 0.95);
+  CHECK(zero_delta_mismatch == 0);
+  CHECK(v_mismatch == 0);
+}
+
+}  // namespace
+
+TEST_CASE("kv_import re-rotates cached K by position deltas like apply_rope_uniform", "[gpu][attention]") {
+  require_gpu();
+  SECTION("hd 256, 2 KV heads, rotary 64") { run_import_case("import hd256 rot64", 300, 2, 256, 64, false, 701); }
+  SECTION("hd 128, 2 KV heads, full rotary, misaligned sources") {
+    run_import_case("import hd128 rot128 misaligned", 130, 2, 128, 128, true, 702);
+  }
+  SECTION("hd 64, 4 KV heads, rotary 32") { run_import_case("import hd64 rot32", 65, 4, 64, 32, false, 703); }
+  SECTION("hd 256, no rotary (plain copy)") { run_import_case("import hd256 rot0", 17, 2, 256, 0, false, 704); }
+}
+
+TEST_CASE("kv_import(delta) after attention_prepare at p equals attention_prepare at p + delta", "[gpu][attention]") {
+  require_gpu();
+  for (int hd : {64, 256}) {
+    DYNAMIC_SECTION("head_dim " << hd) {
+      std::mt19937 rng(800 + hd);
+      const int T = 150, nh = 4, nkv = 2, rot = hd / 4;
+      const float eps = 1e-6f;
+      const size_t row = size_t(nkv) * hd;
+      std::vector<float> tmp;
+      const auto qg = random_bf16(rng, size_t(T) * nh * hd, 1.f, tmp);
+      const auto k = random_bf16(rng, size_t(T) * row, 1.f, tmp);
+      const auto v = random_bf16(rng, size_t(T) * row, 1.f, tmp);
+      const auto qw = random_bf16(rng, hd, 0.3f, tmp), kw = random_bf16(rng, hd, 0.3f, tmp);
+      std::uniform_int_distribution<int> up(0, 2999), ud(-2000, 2000);
+      std::vector<int> p(T), d(T), pd(T), rows(T);
+      for (int t = 0; t < T; ++t) {
+        p[t] = up(rng);
+        d[t] = std::max(ud(rng), -p[t]);
+        pd[t] = p[t] + d[t];
+        rows[t] = t;
+      }
+      const auto inv = cpu::rope_inv_freq(1e7, rot);
+      DeviceBuffer<bf16> dqg(qg), dk(k), dv(v), dqw(qw), dkw(kw), dq(qg.size());
+      DeviceBuffer<bf16> poolA_k(size_t(T + 64) * row), poolA_v(poolA_k.size()), poolB_k(poolA_k.size()),
+          poolB_v(poolA_k.size()), poolC_k(poolA_k.size()), poolC_v(poolA_k.size());
+      DeviceBuffer<int> dp(p), dd(d), dpd(pd), drows(rows);
+      DeviceBuffer<float> dinv(inv);
+      gpu::attention_prepare(T, nh, nkv, hd, rot, false, dqg.get(), dk.get(), dv.get(), long(row), dqw.get(),
+                             dkw.get(), eps, dp.get(), dinv.get(), drows.get(), dq.get(), poolA_k.get(),
+                             poolA_v.get());
+      gpu::attention_prepare(T, nh, nkv, hd, rot, false, dqg.get(), dk.get(), dv.get(), long(row), dqw.get(),
+                             dkw.get(), eps, dpd.get(), dinv.get(), drows.get(), dq.get(), poolC_k.get(),
+                             poolC_v.get());
+      std::vector<const bf16*> kp(T), vp(T);
+      for (int t = 0; t < T; ++t) {
+        kp[t] = poolA_k.get() + size_t(t) * row;
+        vp[t] = poolA_v.get() + size_t(t) * row;
+      }
+      DeviceBuffer<const bf16*> dkp(kp), dvp(vp);
+      gpu::kv_import(T, nkv, hd, rot, dkp.get(), dvp.get(), dd.get(), dinv.get(), drows.get(), poolB_k.get(),
+                     poolB_v.get());
+      check_cuda(cudaDeviceSynchronize(), "prepare / import composition");
+      const auto B = poolB_k.download(), C = poolC_k.download(), BV = poolB_v.download(), CV = poolC_v.download();
+      RowStats st;
+      std::vector<float> b(hd), c(hd);
+      size_t v_mismatch = 0;
+      for (size_t r = 0; r < size_t(T) * nkv; ++r) {
+        for (int e = 0; e < hd; ++e) {
+          b[e] = bf16_to_float(B[r * hd + e]);
+          c[e] = bf16_to_float(C[r * hd + e]);
+          v_mismatch += bits(BV[r * hd + e]) != bits(CV[r * hd + e]);
+        }
+        st.add(b.data(), c.data(), hd);
+      }
+      std::printf("[compose hd%d] kv_import(delta) o prepare(p) vs prepare(p + delta): worst row max|d|/max|ref| "
+                  "%.3e, bitwise equal %.4f, v mismatches %zu\n",
+                  hd, st.worst, st.equal_fraction(), v_mismatch);
+      CHECK(st.nonfinite == 0);
+      CHECK(st.worst <= 1.0 / 64);
+      CHECK(v_mismatch == 0);
+    }
+  }
+}
+
+TEST_CASE("attention kernels reject bad arguments with invalid_argument naming the value", "[gpu][attention]") {
+  require_gpu();
+  DeviceBuffer<bf16> buf(4096);
+  DeviceBuffer<int> ibuf(64);
+  check_cuda(cudaMemset(ibuf.get(), 0, 64 * sizeof(int)), "memset");
+  gpu::AttnGroups g;
+  g.num_groups = 1;
+  g.q_start = ibuf.get();
+  g.slot0 = ibuf.get();
+  g.block_table = ibuf.get();
+  g.max_pages = 1;
+  g.total_q = 1;
+  g.max_q = 1;
+  g.max_kv = 1;
+  bf16* p = buf.get();
+  gpu::AttnDecodeWorkspace ws;
+  using Catch::Contains;
+  CHECK_THROWS_WITH(gpu::attention_prefill(g, 4, 4, 96, p, p, p, 1.f, nullptr, 0, 0, p), Contains("head_dim 96"));
+  CHECK_THROWS_WITH(gpu::attention_decode(g, 4, 4, 96, p, p, p, 1.f, nullptr, 0, 0, p, ws), Contains("head_dim 96"));
+  CHECK_THROWS_WITH(gpu::attention_prefill(g, 6, 4, 64, p, p, p, 1.f, nullptr, 0, 0, p), Contains("num_heads 6"));
+  CHECK_THROWS_WITH(gpu::attention_prefill(g, 4, 4, 64, nullptr, p, p, 1.f, nullptr, 0, 0, p), Contains("q is null"));
+  CHECK_THROWS_WITH(gpu::attention_prefill(g, 4, 4, 64, p, p, p, 1.f, nullptr, 0, 0, p + 1),
+                    Contains("out is not 16-byte aligned"));
+  gpu::AttnGroups neg = g;
+  neg.num_groups = -1;
+  CHECK_THROWS_WITH(gpu::attention_prefill(neg, 4, 4, 64, p, p, p, 1.f, nullptr, 0, 0, p), Contains("num_groups -1"));
+  gpu::AttnGroups two = g;
+  two.max_q = 2;
+  two.total_q = 2;
+  CHECK_THROWS_WITH(gpu::attention_decode(two, 4, 4, 64, p, p, p, 1.f, nullptr, 0, 0, p, ws), Contains("max_q 2"));
+  CHECK_THROWS_WITH(gpu::attention_prepare(1, 4, 4, 64, 3, false, p, p, p, 256, p, p, 1e-6f, ibuf.get(), nullptr,
+                                           ibuf.get(), p, p, p),
+                    Contains("rotary_dim 3"));
+  CHECK_THROWS_WITH(gpu::attention_prepare(1, 4, 4, 80, 0, false, p, p, p, 512, p, p, 1e-6f, ibuf.get(), nullptr,
+                                           ibuf.get(), p, p, p),
+                    Contains("head_dim 80"));
+  CHECK_THROWS_WITH(gpu::kv_import(1, 2, 256, 300, nullptr, nullptr, nullptr, nullptr, nullptr, p, p),
+                    Contains("rotary_dim 300"));
+  CHECK_THROWS_WITH(gpu::kv_import(1, 2, 256, 64, nullptr, nullptr, ibuf.get(), nullptr, ibuf.get(), p, p),
+                    Contains("inv_freq is null"));
+  CHECK_THROWS_WITH(ws.reserve(0, 16, 256, 100), Contains("max_batch 0"));
+  check_cuda(cudaDeviceSynchronize(), "nothing was launched");
+}
+
+// -------------------------------------------------------------------------------------------------------
+// Benchmark (hidden: run with the tag "[.bench]" or "[attention_bench]"): 32k causal prefill and decode
+// at batch 1/16/64 with 32k contexts, head_dim 256, 16 query / 2 KV heads (Qwen3-Next, Qwen3.5-35B-A3B).
+TEST_CASE("attention benchmark: 32k causal prefill and 32k-context decode, hd 256, 16/2 heads",
+          "[.bench][attention_bench]") {
+  require_gpu();
+  const int hd = 256, nh = 16, nkv = 2;
+  const float scale = 1.0f / std::sqrt(float(hd));
+  cudaEvent_t e0, e1;
+  check_cuda(cudaEventCreate(&e0), "event");
+  check_cuda(cudaEventCreate(&e1), "event");
+  auto time_ms = [&](int reps, auto&& fn) {
+    fn();
+    fn();
+    check_cuda(cudaDeviceSynchronize(), "warm-up");
+    check_cuda(cudaEventRecord(e0), "record");
+    for (int i = 0; i < reps; ++i) fn();
+    check_cuda(cudaEventRecord(e1), "record");
+    check_cuda(cudaEventSynchronize(e1), "sync");
+    float ms = 0;
+    check_cuda(cudaEventElapsedTime(&ms, e0, e1), "elapsed");
+    return double(ms) / reps;
+  };
+  {  // prefill: one sequence of 32768 tokens at slot0 0 (pages contiguous; values: a byte pattern)
+    const int T = 32768, pages = T / kPage;
+    DeviceBuffer<bf16> q(size_t(T) * nh * hd), qg(size_t(T) * nh * 2 * hd), k(size_t(T) * nkv * hd),
+        v(k.size()), out(q.size());
+    check_cuda(cudaMemset(q.get(), 0x3C, q.size() * 2), "memset");
+    check_cuda(cudaMemset(qg.get(), 0x3D, qg.size() * 2), "memset");
+    check_cuda(cudaMemset(k.get(), 0x3B, k.size() * 2), "memset");
+    check_cuda(cudaMemset(v.get(), 0x3C, v.size() * 2), "memset");
+    std::vector<int> bt(pages);
+    std::iota(bt.begin(), bt.end(), 0);
+    DeviceBuffer<int> dqs(std::vector<int>{0, T}), ds0(std::vector<int>{0}), dbt(bt);
+    gpu::AttnGroups g;
+    g.num_groups = 1;
+    g.q_start = dqs.get();
+    g.slot0 = ds0.get();
+    g.block_table = dbt.get();
+    g.max_pages = pages;
+    g.total_q = g.max_q = g.max_kv = T;
+    const double flops = 4.0 * double(T) * T / 2 * nh * hd;
+    for (bool gate : {false, true}) {
+      const double ms = time_ms(5, [&] {
+        gpu::attention_prefill(g, nh, nkv, hd, q.get(), k.get(), v.get(), scale, gate ? qg.get() + hd : nullptr,
+                               long(nh) * 2 * hd, 2 * hd, out.get());
+      });
+      std::printf("attention_prefill T=%d causal hd=%d heads %d/%d gate=%d: %.3f ms, %.1f TFLOP/s\n", T, hd, nh, nkv,
+                  gate, ms, flops / ms * 1e-9);
+    }
+    // Splice-like shape: 8 windows of 8 queries at the end of a 32k context.
+    {
+      std::vector<int> qs(9), s0(8);
+      for (int i = 0; i < 8; ++i) qs[i + 1] = qs[i] + 8, s0[i] = T - 8 * (8 - i) * 50;
+      std::vector<int> bt8;
+      for (int i = 0; i < 8; ++i) bt8.insert(bt8.end(), bt.begin(), bt.end());
+      DeviceBuffer<int> dqs8(qs), ds08(s0), dbt8(bt8);
+      gpu::AttnGroups g8 = g;
+      g8.num_groups = 8;
+      g8.q_start = dqs8.get();
+      g8.slot0 = ds08.get();
+      g8.block_table = dbt8.get();
+      g8.total_q = 64;
+      g8.max_q = 8;
+      const double ms = time_ms(20, [&] {
+        gpu::attention_prefill(g8, nh, nkv, hd, q.get(), k.get(), v.get(), scale, qg.get() + hd, long(nh) * 2 * hd,
+                               2 * hd, out.get());
+      });
+      std::printf("attention_prefill 8 seam windows x 8 queries over ~32k slots: %.3f ms\n", ms);
+    }
+  }
+  {  // decode: batch 1 / 16 / 64 requests with 32768-slot contexts
+    const int ctx = 32768, per = ctx / kPage, max_b = 64;
+    DeviceBuffer<bf16> k(size_t(max_b) * ctx * nkv * hd), v(k.size()), q(size_t(max_b) * nh * hd),
+        qg(size_t(max_b) * nh * 2 * hd), out(q.size());
+    check_cuda(cudaMemset(k.get(), 0x3B, k.size() * 2), "memset");
+    check_cuda(cudaMemset(v.get(), 0x3C, v.size() * 2), "memset");
+    check_cuda(cudaMemset(q.get(), 0x3C, q.size() * 2), "memset");
+    check_cuda(cudaMemset(qg.get(), 0x3D, qg.size() * 2), "memset");
+    std::vector<int> bt(size_t(max_b) * per), qs(max_b + 1), s0(max_b, ctx - 1);
+    std::iota(bt.begin(), bt.end(), 0);
+    std::iota(qs.begin(), qs.end(), 0);
+    DeviceBuffer<int> dbt(bt), dqs(qs), ds0(s0);
+    gpu::AttnDecodeWorkspace ws;
+    ws.reserve(max_b, nh, hd, ctx);
+    for (int b : {1, 16, 64}) {
+      gpu::AttnGroups g;
+      g.num_groups = b;
+      g.q_start = dqs.get();
+      g.slot0 = ds0.get();
+      g.block_table = dbt.get();
+      g.max_pages = per;
+      g.total_q = b;
+      g.max_q = 1;
+      g.max_kv = ctx;
+      const double ms = time_ms(20, [&] {
+        gpu::attention_decode(g, nh, nkv, hd, q.get(), k.get(), v.get(), scale, qg.get() + hd, long(nh) * 2 * hd,
+                              2 * hd, out.get(), ws);
+      });
+      const double bytes = double(b) * ctx * nkv * hd * 2 * 2;
+      const double flops = 4.0 * b * ctx * nh * hd;
+      std::printf("attention_decode batch %d ctx %d hd=%d heads %d/%d: %.3f ms, KV read %.0f GB/s, %.2f TFLOP/s\n", b,
+                  ctx, hd, nh, nkv, ms, bytes / ms * 1e-6, flops / ms * 1e-9);
+    }
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+}

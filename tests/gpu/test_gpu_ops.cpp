@@ -1,0 +1,261 @@
+// kernels/cuda/ops.h against the CPU reference (kernels/cpu/ops.h, or plain loops in double) on random inputs
+// with ragged sizes. Needs an NVIDIA GPU (scripts/test_gpu.sh).
+// Stated tolerances: norms (fp32 math, one bf16 rounding) |d| <= 1e-2 |ref| + 1e-3; affine chain (fp32 FMA)
+// relative Frobenius <= 1e-5 against double; copies, gathers, splits and conversions exact.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <vector>
+
+#include "kernels/cpu/ops.h"
+#include "kernels/cuda/ops.h"
+#include "tests/gpu/gpu_util.h"
+
+using namespace hypic::gputest;
+namespace gpu = hypic::kernels::cuda;
+namespace cpu = hypic::kernels::cpu;
+using bf16 = __nv_bfloat16;
+
+namespace {
+
+void require_gpu() {
+  if (!cuda_device_present()) FAIL("no CUDA device: the GPU tests need an NVIDIA GPU (scripts/test_gpu.sh)");
+}
+
+std::vector<float> to_float(const std::vector<bf16>& v) {
+  std::vector<float> f(v.size());
+  for (size_t i = 0; i < v.size(); ++i) f[i] = bf16_to_float(v[i]);
+  return f;
+}
+
+void check_close(const std::vector<float>& got, const std::vector<float>& ref, double rtol, double atol,
+                 const char* what) {
+  REQUIRE(got.size() == ref.size());
+  size_t bad = 0;
+  double worst = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double d = std::fabs(double(got[i]) - ref[i]);
+    worst = std::max(worst, d / (std::fabs(ref[i]) + atol / rtol));
+    if (!(d <= rtol * std::fabs(ref[i]) + atol)) ++bad;
+  }
+  std::printf("[ops] %s: %zu values, worst |d| / (|ref| + atol/rtol) = %.3e, %zu outside\n", what, ref.size(), worst,
+              bad);
+  CHECK(bad == 0);
+}
+
+}  // namespace
+
+TEST_CASE("rms_norm_residual equals the zero-centred RMSNorm, with and without a row index", "[ops]") {
+  require_gpu();
+  std::mt19937 rng(1);
+  for (int dim : {64, 256, 2048}) {
+    const int rows = 37;
+    std::normal_distribution<float> d(0.f, 2.f);
+    std::vector<float> x(size_t(rows) * dim);
+    for (auto& v : x) v = d(rng);
+    std::vector<float> wf;
+    const auto w = random_bf16(rng, dim, 0.1f, wf);
+    std::vector<float> ref(x.size());
+    cpu::rms_norm_zero_centred(rows, dim, x.data(), wf.data(), 1e-6f, ref.data());
+    DeviceBuffer<float> dx(x);
+    DeviceBuffer<bf16> dw(w), dy(size_t(rows) * dim);
+    gpu::rms_norm_residual(rows, dim, dx.get(), dim, nullptr, dw.get(), 1e-6f, dy.get());
+    check_close(to_float(dy.download()), ref, 1e-2, 1e-3, "rms_norm_residual");
+    // Rows picked by an index: rows 5, 0, 36.
+    const std::vector<int> idx{5, 0, 36};
+    DeviceBuffer<int> di(idx);
+    DeviceBuffer<bf16> dz(idx.size() * dim);
+    gpu::rms_norm_residual(3, dim, dx.get(), dim, di.get(), dw.get(), 1e-6f, dz.get());
+    std::vector<float> ref3;
+    for (int r : idx) ref3.insert(ref3.end(), ref.begin() + size_t(r) * dim, ref.begin() + size_t(r + 1) * dim);
+    check_close(to_float(dz.download()), ref3, 1e-2, 1e-3, "rms_norm_residual (row index)");
+  }
+}
+
+TEST_CASE("rms_norm_gated equals the gated RMSNorm of the delta-rule output", "[ops]") {
+  require_gpu();
+  std::mt19937 rng(2);
+  const int rows = 123, dim = 128;
+  std::vector<float> xf, zf, wf;
+  const auto x = random_bf16(rng, size_t(rows) * dim, 1.f, xf);
+  const auto z = random_bf16(rng, size_t(rows) * dim, 1.f, zf);
+  const auto w = random_bf16(rng, dim, 1.f, wf);
+  std::vector<float> ref(xf.size());
+  cpu::rms_norm_gated(rows, dim, xf.data(), zf.data(), wf.data(), 1e-6f, ref.data());
+  DeviceBuffer<bf16> dx(x), dz(z), dw(w);
+  gpu::rms_norm_gated(rows, dim, dx.get(), dz.get(), dw.get(), 1e-6f, dx.get());  // in place
+  check_close(to_float(dx.download()), ref, 1e-2, 1e-3, "rms_norm_gated");
+}
+
+TEST_CASE("affine_chain folds (T, S) steps like the plain matrix products", "[ops]") {
+  require_gpu();
+  std::mt19937 rng(3);
+  const int heads = 3, chains = 2, steps = 4, D = 128;
+  const size_t M = size_t(D) * D * heads;
+  std::normal_distribution<float> d(0.f, 1.f / D);
+  auto rnd = [&](size_t n) {
+    std::vector<float> v(n);
+    for (auto& x : v) x = d(rng);
+    return v;
+  };
+  // Per chain: init, steps with T (every other one null = identity), S (one null), alpha; out on step 1.
+  std::vector<std::vector<float>> Ts, Ss, inits;
+  std::vector<DeviceBuffer<float>> dT, dS, dinit, dout, dfin;
+  std::vector<gpu::AffineStep> table;
+  std::vector<const float*> init_ptr;
+  std::vector<float*> fin_ptr;
+  for (int c = 0; c < chains; ++c) {
+    inits.push_back(rnd(M));
+    dinit.emplace_back(inits.back());
+    init_ptr.push_back(c == 1 ? nullptr : dinit.back().get());  // chain 1 starts from zero
+    dout.emplace_back(M);
+    dfin.emplace_back(M);
+    fin_ptr.push_back(dfin.back().get());
+    for (int s = 0; s < steps; ++s) {
+      Ts.push_back(rnd(M));
+      Ss.push_back(rnd(M));
+      for (size_t i = 0; i < M; i += D + 1) Ts.back()[i % M] += 1.f;  // near-identity keeps the norms O(1)
+      dT.emplace_back(Ts.back());
+      dS.emplace_back(Ss.back());
+      gpu::AffineStep st;
+      st.T = s == 2 ? nullptr : dT.back().get();
+      st.S = s == 3 ? nullptr : dS.back().get();
+      st.alpha = s == 1 ? -0.5f : 1.f;
+      st.out = s == 1 ? dout.back().get() : nullptr;
+      table.push_back(st);
+    }
+  }
+  std::vector<unsigned char> raw(table.size() * sizeof(gpu::AffineStep));
+  std::memcpy(raw.data(), table.data(), raw.size());
+  DeviceBuffer<unsigned char> dtable(raw);
+  DeviceBuffer<const float*> dinitp(init_ptr);
+  DeviceBuffer<float*> dfinp(fin_ptr);
+  gpu::affine_chain(chains, heads, steps, reinterpret_cast<const gpu::AffineStep*>(dtable.get()), dinitp.get(),
+                    dfinp.get());
+  for (int c = 0; c < chains; ++c) {
+    std::vector<double> R(M, 0.0), out1;
+    if (c != 1)
+      for (size_t i = 0; i < M; ++i) R[i] = inits[c][i];
+    for (int s = 0; s < steps; ++s) {
+      const auto& T = Ts[size_t(c) * steps + s];
+      const auto& S = Ss[size_t(c) * steps + s];
+      const double alpha = s == 1 ? -0.5 : 1.0;
+      std::vector<double> nR(M);
+      for (int h = 0; h < heads; ++h)
+        for (int i = 0; i < D; ++i)
+          for (int j = 0; j < D; ++j) {
+            double acc = 0;
+            if (s == 2) acc = R[size_t(h) * D * D + size_t(i) * D + j];
+            else
+              for (int k = 0; k < D; ++k)
+                acc += double(T[size_t(h) * D * D + size_t(i) * D + k]) * R[size_t(h) * D * D + size_t(k) * D + j];
+            const size_t o = size_t(h) * D * D + size_t(i) * D + j;
+            nR[o] = alpha * acc + (s == 3 ? 0.0 : double(S[o]));
+          }
+      R = nR;
+      if (s == 1) out1 = R;
+    }
+    auto err = [](const std::vector<float>& g, const std::vector<double>& r) {
+      double n = 0, dd = 0;
+      for (size_t i = 0; i < r.size(); ++i) n += (g[i] - r[i]) * (g[i] - r[i]), dd += r[i] * r[i];
+      return std::sqrt(n / dd);
+    };
+    const double ef = err(dfin[c].download(), R), eo = err(dout[c].download(), out1);
+    std::printf("[ops] affine_chain chain %d: final %.3e, step-1 output %.3e\n", c, ef, eo);
+    CHECK(ef <= 1e-5);
+    CHECK(eo <= 1e-5);
+  }
+}
+
+TEST_CASE("split_qkv, gather_rows, batched_copy, embed_gather and conversions are exact", "[ops]") {
+  require_gpu();
+  std::mt19937 rng(4);
+  const int T = 29, qd = 256, vd = 512, C = 2 * qd + vd;
+  std::vector<float> f;
+  const auto src = random_bf16(rng, size_t(T) * C, 1.f, f);
+  DeviceBuffer<bf16> dsrc(src), dq(size_t(T) * qd), dk(size_t(T) * qd), dv(size_t(T) * vd);
+  gpu::split_qkv(T, qd, vd, dsrc.get(), dq.get(), dk.get(), dv.get());
+  const auto q = to_float(dq.download()), k = to_float(dk.download()), v = to_float(dv.download());
+  bool ok = true;
+  for (int t = 0; t < T; ++t) {
+    for (int c = 0; c < qd; ++c) ok &= q[size_t(t) * qd + c] == f[size_t(t) * C + c];
+    for (int c = 0; c < qd; ++c) ok &= k[size_t(t) * qd + c] == f[size_t(t) * C + qd + c];
+    for (int c = 0; c < vd; ++c) ok &= v[size_t(t) * vd + c] == f[size_t(t) * C + 2 * qd + c];
+  }
+  CHECK(ok);
+  for (int width : {C, 6}) {  // 16-byte and 4-byte paths
+    const std::vector<int> rows{3, 0, 28, 3};
+    DeviceBuffer<int> dr(rows);
+    DeviceBuffer<bf16> dst(rows.size() * width);
+    gpu::gather_rows(int(rows.size()), width, dsrc.get(), dr.get(), dst.get());
+    const auto g = to_float(dst.download());
+    bool gok = true;
+    for (size_t i = 0; i < rows.size(); ++i)
+      for (int c = 0; c < width; ++c) gok &= g[i * width + c] == f[size_t(rows[i]) * width + c];
+    CHECK(gok);
+  }
+  // batched_copy: an aligned and an unaligned (4-byte) copy.
+  DeviceBuffer<float> a(std::vector<float>(1000, 0.f)), b(1000);
+  std::vector<float> av(1000);
+  for (size_t i = 0; i < av.size(); ++i) av[i] = float(i);
+  a.upload(av);
+  b.poison(0);
+  std::vector<gpu::CopyDesc> descs{{a.get(), b.get(), 400 * 4}, {a.get() + 401, b.get() + 601, 13 * 4}};
+  std::vector<unsigned char> raw(descs.size() * sizeof(gpu::CopyDesc));
+  std::memcpy(raw.data(), descs.data(), raw.size());
+  DeviceBuffer<unsigned char> dd(raw);
+  gpu::batched_copy(2, reinterpret_cast<const gpu::CopyDesc*>(dd.get()));
+  const auto bv = b.download();
+  bool cok = true;
+  for (int i = 0; i < 400; ++i) cok &= bv[i] == float(i);
+  for (int i = 0; i < 13; ++i) cok &= bv[601 + i] == float(401 + i);
+  cok &= bv[400] == 0.f && bv[600] == 0.f && bv[614] == 0.f;
+  CHECK(cok);
+  // embed_gather.
+  const int V = 50, H = 64;
+  std::vector<float> ef;
+  const auto emb = random_bf16(rng, size_t(V) * H, 1.f, ef);
+  const std::vector<int32_t> ids{49, 0, 7, 7};
+  DeviceBuffer<bf16> demb(emb);
+  DeviceBuffer<int32_t> dids(ids);
+  DeviceBuffer<float> dx(ids.size() * H);
+  gpu::embed_gather(int(ids.size()), H, dids.get(), demb.get(), dx.get());
+  const auto x = dx.download();
+  bool eok = true;
+  for (size_t t = 0; t < ids.size(); ++t)
+    for (int c = 0; c < H; ++c) eok &= x[t * H + c] == ef[size_t(ids[t]) * H + c];
+  CHECK(eok);
+  // fp32 <-> bf16.
+  DeviceBuffer<float> back(f.size());
+  gpu::bf16_to_fp32(long(f.size()), dsrc.get(), back.get());
+  CHECK(back.download() == f);
+  DeviceBuffer<bf16> again(f.size());
+  gpu::fp32_to_bf16(long(f.size()), back.get(), again.get());
+  CHECK(to_float(again.download()) == f);
+}
+
+TEST_CASE("fill_random is deterministic and has the requested moments", "[ops]") {
+  require_gpu();
+  const long n = 1 << 20;
+  DeviceBuffer<float> a(n), b(n), c(n);
+  gpu::fill_random(n, gpu::RandomFill::Normal, 0.f, 0.02f, 42, 7, nullptr, a.get());
+  gpu::fill_random(n, gpu::RandomFill::Normal, 0.f, 0.02f, 42, 7, nullptr, b.get());
+  gpu::fill_random(n, gpu::RandomFill::Normal, 0.f, 0.02f, 42, 8, nullptr, c.get());
+  const auto av = a.download(), bv = b.download(), cv = c.download();
+  CHECK(av == bv);
+  CHECK(av != cv);
+  double m = 0, s = 0;
+  for (float x : av) m += x, s += double(x) * x;
+  m /= n;
+  s = std::sqrt(s / n - m * m);
+  std::printf("[ops] fill_random normal(0, 0.02): mean %.2e std %.5f\n", m, s);
+  CHECK(std::fabs(m) < 1e-4);
+  CHECK(std::fabs(s - 0.02) < 2e-4);
+  gpu::fill_random(n, gpu::RandomFill::LogUniform, 1.f, 16.f, 1, 1, nullptr, a.get());
+  const auto lv = a.download();
+  const auto [lo, hi] = std::minmax_element(lv.begin(), lv.end());
+  CHECK(*lo >= 0.f);
+  CHECK(*hi <= std::log(16.f) + 1e-6f);
+}
