@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
+#include "engine/backend.h"
 #include "engine/sampling.h"
 #include "engine/segment.h"
 #include "proto/rpc/chunks.h"
@@ -116,7 +117,8 @@ void ComputeSlots::release() {
 }
 
 CombineService::CombineService(CombineDeps deps, CombineOptions options)
-    : d_(deps), opt_(options), fingerprint_(deps.model.config().fingerprint()),
+    : d_(deps), opt_(options),
+      fingerprint_(engine::model_fingerprint(deps.model.config(), engine::backend_numerics(engine::BackendKind::Cpu))),
       geometry_(engine::EntryGeometry::of(deps.model.config())) {
   if (opt_.max_concurrent_compute > 0) compute_ = std::make_unique<ComputeSlots>(opt_.max_concurrent_compute);
 }
@@ -179,7 +181,7 @@ void CombineService::fetch_warm(const std::shared_ptr<Pending>& p, size_t slot, 
       try {
         auto entry = std::make_shared<const engine::SegmentEntry>(engine::deserialize_entry(*bytes));
         if (entry->token_ids != ids) throw engine::EntryError("its token ids differ from the segment's");
-        entry->check_compatible(fingerprint_, geometry_, p->entry_seam_width);
+        entry->check_compatible(fingerprint_, geometry_, p->entry_seam_width, engine::backend_numerics(engine::BackendKind::Cpu));
         d_.memory_tier.put(digest, entry);
         p->fill(slot, entry, v1::SEGMENT_SOURCE_CACHE, "", 0, bytes->size());
         return;
@@ -494,7 +496,7 @@ grpc::Status CombineService::DeliverEntry(grpc::ServerContext*, grpc::ServerRead
     try {
       entry = std::make_shared<const engine::SegmentEntry>(engine::deserialize_entry(bytes));
       if (entry->token_ids != slot.ids) throw engine::EntryError("its token ids differ from the segment's");
-      entry->check_compatible(fingerprint_, geometry_, p->entry_seam_width);
+      entry->check_compatible(fingerprint_, geometry_, p->entry_seam_width, engine::backend_numerics(engine::BackendKind::Cpu));
     } catch (const engine::EntryError& e) {
       spdlog::error("[req {}] rejected {}: {}", p->id, what, e.what());
       throw rpc::RpcError(grpc::StatusCode::DATA_LOSS, fmt::format("{} rejected by the engine: {}", what, e.what()));
@@ -534,6 +536,8 @@ grpc::Status CombineService::GetWorkerInfo(grpc::ServerContext*, const v1::Worke
   resp->set_compute_threads(uint32_t(d_.builder.threads()));
   resp->set_queued_tokens(d_.builder.queued_tokens());
   resp->set_active_requests(uint32_t(d_.life.active()));
+  resp->set_numerics(engine::backend_numerics(engine::BackendKind::Cpu));
+  resp->set_device("cpu");
   return grpc::Status::OK;
 }
 

@@ -49,6 +49,8 @@ std::string build_header(const SegmentEntry& e) {
   put<uint32_t>(h, e.format_version);
   put<uint32_t>(h, static_cast<uint32_t>(e.model_fingerprint.size()));
   h += e.model_fingerprint;
+  put<uint32_t>(h, static_cast<uint32_t>(e.numerics.size()));
+  h += e.numerics;
   put<int32_t>(h, e.seam_width);
   put<uint32_t>(h, static_cast<uint32_t>(e.token_ids.size()));
   h.append(reinterpret_cast<const char*>(e.token_ids.data()), e.token_ids.size() * sizeof(int32_t));
@@ -177,12 +179,19 @@ void SegmentEntry::check_consistent() const {
       bad("K/V size of attention layer " + std::to_string(i) + " for " + std::to_string(num_tokens()) + " tokens");
 }
 
-void SegmentEntry::check_compatible(std::string_view fingerprint, const EntryGeometry& g, int w) const {
+void SegmentEntry::check_compatible(std::string_view fingerprint, const EntryGeometry& g, int w,
+                                    std::string_view want_numerics) const {
   if (format_version != kSegmentFormatVersion)
     throw EntryError("segment entry has format version " + std::to_string(format_version) + ", this build reads " +
                      std::to_string(kSegmentFormatVersion));
+  if (!want_numerics.empty() && numerics != want_numerics)
+    throw EntryError("segment entry was made by numerics " + (numerics.empty() ? std::string("(none)") : numerics) +
+                     ", this backend computes " + std::string(want_numerics) +
+                     ": an entry is never spliced by another numerics");
   if (model_fingerprint != fingerprint)
-    throw EntryError("segment entry was made for model " + model_fingerprint + ", not " + std::string(fingerprint));
+    throw EntryError("segment entry was made for model " + model_fingerprint + " (numerics " +
+                     (numerics.empty() ? std::string("(none)") : numerics) + "), not " + std::string(fingerprint) +
+                     (want_numerics.empty() ? std::string() : " (numerics " + std::string(want_numerics) + ")"));
   if (!(geometry == g)) throw EntryError("segment entry geometry does not match the model's");
   if (w >= 0 && seam_width != w)
     throw EntryError("segment entry was made with seam width " + std::to_string(seam_width) + ", request uses " +
@@ -267,6 +276,10 @@ void EntryReader::parse_header() {
   if (header.size() - c.off < fp_len) throw EntryError("segment entry header truncated in the fingerprint");
   e.model_fingerprint.assign(header.substr(c.off, fp_len));
   c.off += fp_len;
+  const uint32_t num_len = c.get<uint32_t>("numerics length");
+  if (header.size() - c.off < num_len) throw EntryError("segment entry header truncated in the numerics");
+  e.numerics.assign(header.substr(c.off, num_len));
+  c.off += num_len;
   e.seam_width = c.get<int32_t>("seam width");
   const uint32_t n = c.get<uint32_t>("token count");
   if (header.size() - c.off < uint64_t(n) * 4) throw EntryError("segment entry header truncated in the token ids");

@@ -4,14 +4,16 @@
 //  - per linear layer: (T, S) of the seam part (first s = min(w, n) tokens) and (T, S) of the interior
 //    (the remaining n - s tokens), fp32, plus the conv tail (last K-1 pre-conv inputs);
 //  - per full-attention layer: K and V of every token, K rotated for local positions 0..n-1;
-//  - the token ids (to verify a digest hit) and what it was made under (model fingerprint, w, version).
+//  - the token ids (to verify a digest hit) and what it was made under (model fingerprint, numerics, w,
+//    version). The fingerprint is the backend's (engine/backend.h model_fingerprint: config + numerics), so an
+//    entry made by one numerics ("cuda-bf16") is never spliced by another ("cpu-fp32").
 // States are [H_v][d_k][d_v] and transitions [H_v][d_k][d_k], left-multiplied (kernels/cpu/gated_delta.h).
 //
 // Wire format (all little-endian), version kSegmentFormatVersion:
 //   "HYPICSEG" | u32 header_len | header (header_len bytes) | u64 XXH3-64 of header | tensor blobs |
 //   u64 XXH3-64 of everything before (the header has its own checksum so a corrupt header is rejected
 //   before any tensor is allocated)
-//   header: u32 version, u32 fingerprint_len, fingerprint, i32 seam_width, u32 n_tokens, i32 ids[n],
+//   header: u32 version, u32 fingerprint_len, fingerprint, u32 numerics_len, numerics, i32 seam_width, u32 n_tokens, i32 ids[n],
 //           u32 H_v, d_k, d_v, conv_dim, conv_rows, H_kv, head_dim, n_linear, n_attention,
 //           per linear layer: u8 seam transition kind, u8 interior transition kind
 //   blobs, per linear layer: T_seam, S_seam, T_int, S_int, conv_tail; per attention layer: K, V (fp32).
@@ -32,8 +34,9 @@ namespace hypic::engine {
 
 struct ModelConfig;
 
-/// Version of the entry format and of the digest; bump when either changes.
-inline constexpr uint32_t kSegmentFormatVersion = 1;
+/// Version of the entry format and of the digest; bump when either changes. 2: the header carries the numerics
+/// and the fingerprint is the backend's (config + numerics).
+inline constexpr uint32_t kSegmentFormatVersion = 2;
 
 /// 128-bit content address of a segment entry.
 using SegmentDigest = std::array<uint8_t, 16>;
@@ -82,7 +85,8 @@ struct EntryGeometry {
 /// One segment's cache entry (DESIGN.md 3.2). Immutable once built; shared between requests.
 struct SegmentEntry {
   uint32_t format_version = kSegmentFormatVersion;
-  std::string model_fingerprint;
+  std::string model_fingerprint;   ///< Backend::fingerprint() of the backend that made it
+  std::string numerics;            ///< backend_numerics of its maker: "cpu-fp32" | "cuda-bf16"
   int seam_width = 0;               ///< w it was made under
   std::vector<int32_t> token_ids;   ///< n tokens
   EntryGeometry geometry;
@@ -101,9 +105,11 @@ struct SegmentEntry {
   std::vector<float> whole_state(int l) const;
   /// Checks internal consistency (every tensor's size vs the geometry); throws EntryError naming the tensor.
   void check_consistent() const;
-  /// Checks the entry can be used with this model and seam width: fingerprint, geometry, w (w < 0 skips the
-  /// w check). Throws EntryError naming what differs.
-  void check_compatible(std::string_view model_fingerprint, const EntryGeometry& geometry, int seam_width) const;
+  /// Checks the entry can be used with this model, numerics and seam width: format version, numerics (when
+  /// `numerics` is not empty), fingerprint, geometry, w (w < 0 skips the w check). Throws EntryError naming what
+  /// differs (both numerics when they differ).
+  void check_compatible(std::string_view model_fingerprint, const EntryGeometry& geometry, int seam_width,
+                        std::string_view numerics = {}) const;
 };
 
 /// Whole entry to bytes (the wire format above).

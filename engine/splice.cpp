@@ -1,5 +1,7 @@
 #include "engine/splice.h"
 
+#include "engine/backend.h"
+
 #include <xxhash.h>
 
 #include <algorithm>
@@ -99,7 +101,8 @@ SegmentEntry build_segment_entry(const Model& model, std::span<const int32_t> id
                                                   std::to_string(seam_width));
   const ModelConfig& cfg = model.config();
   SegmentEntry e;
-  e.model_fingerprint = cfg.fingerprint();
+  e.numerics = backend_numerics(BackendKind::Cpu);  // this file is the CPU backend's forward pass
+  e.model_fingerprint = model_fingerprint(cfg, e.numerics);
   e.seam_width = seam_width;
   e.token_ids.assign(ids.begin(), ids.end());
   e.geometry = EntryGeometry::of(cfg);
@@ -205,7 +208,8 @@ SpliceResult splice(const Model& model, const SpliceRequest& req) {
   const ModelConfig& cfg = model.config();
   const bool cached_mode = req.mode == SpliceMode::Naive || req.mode == SpliceMode::Transition ||
                            req.mode == SpliceMode::Hypic;
-  const std::string fingerprint = cached_mode ? cfg.fingerprint() : std::string();
+  const char* numerics = backend_numerics(BackendKind::Cpu);
+  const std::string fingerprint = cached_mode ? model_fingerprint(cfg, numerics) : std::string();
   const EntryGeometry geometry = EntryGeometry::of(cfg);
   for (size_t i = 0; i < req.segments.size(); ++i) {
     const SpliceSegment& seg = req.segments[i];
@@ -215,7 +219,7 @@ SpliceResult splice(const Model& model, const SpliceRequest& req) {
     if (!cached_mode) continue;
     if (!seg.entry) throw std::invalid_argument("splice: " + which + " has no entry (required by mode " +
                                                 splice_mode_name(req.mode) + ")");
-    seg.entry->check_compatible(fingerprint, geometry, req.mode == SpliceMode::Hypic ? req.seam_width : -1);
+    seg.entry->check_compatible(fingerprint, geometry, req.mode == SpliceMode::Hypic ? req.seam_width : -1, numerics);
     if (!seg.ids.empty() && seg.ids != seg.entry->token_ids)
       throw std::invalid_argument("splice: " + which + "'s token ids differ from its entry's");
   }

@@ -18,7 +18,8 @@ namespace hypic::engine {
 /// (first min(w, n) tokens) and the interior are run as two spans of one prefill; each span's T comes from the
 /// chunked pass (capture_transitions), S(seam|0) is the state after the seam, and
 /// S(interior|0) = S_end - T_int S(seam|0) (the affine map of the interior, exact in exact arithmetic).
-/// K is kept at local positions 0..n-1. Throws std::invalid_argument for an empty segment or w < 0.
+/// K is kept at local positions 0..n-1. The entry is stamped with the CPU backend's numerics ("cpu-fp32") and
+/// fingerprint (model_fingerprint, engine/backend.h). Throws std::invalid_argument for an empty segment or w < 0.
 SegmentEntry build_segment_entry(const Model& model, std::span<const int32_t> ids, int seam_width);
 
 /// How a prompt of segments is assembled (DESIGN.md 3.4).
@@ -101,7 +102,7 @@ struct SpliceResult {
 /// interior composed (S <- T_int S + S_int, conv state <- conv tail) and its interior K re-rotated to real
 /// positions; segments of at most w tokens are recomputed whole; then the query runs in context.
 /// Throws std::invalid_argument (no segments, empty segment, empty query, missing entry for a cached mode,
-/// token ids differing from the entry's) and EntryError (entry from another model or another w).
+/// token ids differing from the entry's) and EntryError (entry from another model, numerics (CPU: "cpu-fp32") or w).
 SpliceResult splice(const Model& model, const SpliceRequest& request);
 
 }  // namespace hypic::engine

@@ -13,7 +13,7 @@ int main(int argc, char** argv) {
   hypic::rpc::ServerFlags server;
   server.listen = "127.0.0.1:50050";
   hypic::rpc::add_server_flags(app, server);
-  std::string model_dir, tokenizer_path, policy = "lpt";
+  std::string model_dir, tokenizer_path, policy = "lpt", numerics = "auto";
   hypic::router::RouterConfig cfg;
   auto& l = cfg.limits;
   int lookup_timeout_ms = 500, health_interval_ms = 1000, default_deadline_s = 600;
@@ -22,6 +22,11 @@ int main(int argc, char** argv) {
       ->required()
       ->check(CLI::ExistingDirectory);
   app.add_option("--tokenizer", tokenizer_path, "tokenizer.json")->required()->check(CLI::ExistingFile);
+  app.add_option("--numerics", numerics,
+                 "the workers' numerics, part of every digest: auto (learned from the first worker that answers; "
+                 "workers of other numerics are refused) | cpu-fp32 | cuda-bf16")
+      ->check(CLI::IsMember({"auto", "cpu-fp32", "cuda-bf16"}))
+      ->capture_default_str();
   app.add_option("--scatter", cfg.scatter_workers, "scatter worker host:port (repeat; none: combine workers prefill)");
   app.add_option("--combine", cfg.combine_workers, "combine worker host:port (repeat)")->required();
   app.add_option("--cache", cfg.cache_replicas, "segment cache replica host:port (repeat; none: no caching)");
@@ -51,7 +56,7 @@ int main(int argc, char** argv) {
     cfg.default_deadline = std::chrono::seconds(default_deadline_s);
     const auto config = hypic::engine::load_config(model_dir);
     const auto tokenizer = hypic::engine::Tokenizer::load(tokenizer_path);
-    hypic::router::RouterModel model{config.fingerprint(), config.vocab_size, {}};
+    hypic::router::RouterModel model{config, config.vocab_size, {}, numerics == "auto" ? "" : numerics};
     for (const char* eos : {"<|endoftext|>", "<|im_end|>"}) {
       if (const int32_t id = tokenizer.token_to_id(eos); id >= 0) model.eos_ids.push_back(id);
     }
@@ -59,8 +64,9 @@ int main(int argc, char** argv) {
       throw std::invalid_argument(fmt::format("--tokenizer: its {} ids do not fit the model's vocabulary of {}",
                                               tokenizer.vocab_size(), config.vocab_size));
     }
-    spdlog::info("model fingerprint {}, {} scatter workers, {} combine workers, {} cache replicas, schedule {}",
-                 model.fingerprint, cfg.scatter_workers.size(), cfg.combine_workers.size(), cfg.cache_replicas.size(),
+    spdlog::info("model config fingerprint {}, numerics {}, {} scatter workers, {} combine workers, {} cache "
+                 "replicas, schedule {}",
+                 config.fingerprint(), numerics, cfg.scatter_workers.size(), cfg.combine_workers.size(), cfg.cache_replicas.size(),
                  policy);
     hypic::rpc::Lifecycle life("router");
     hypic::router::RouterService svc(tokenizer, model, cfg, life);

@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
+#include "engine/backend.h"
 #include "engine/segment.h"
 #include "proto/rpc/status.h"
 
@@ -19,23 +20,6 @@ using Clock = std::chrono::steady_clock;
 namespace {
 constexpr uint32_t kLocal = UINT32_MAX;  // SegState::worker of a segment the combine worker prefills
 
-// Health + identity of one worker: SERVING and the same model fingerprint as the router.
-template <class Service>
-bool probe(const std::shared_ptr<grpc::Channel>& channel, const std::string& address, const std::string& fingerprint,
-           std::atomic<bool>& mismatch) {
-  if (rpc::check_health(channel, Service::service_full_name(), std::chrono::milliseconds(1500)) != 1) return false;
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(1500));
-  v1::WorkerInfo info;
-  if (!Service::NewStub(channel)->GetWorkerInfo(&ctx, v1::WorkerInfoRequest{}, &info).ok()) return false;
-  const bool bad = info.model_fingerprint() != fingerprint;
-  if (bad && !mismatch.exchange(true)) {
-    spdlog::error("worker {} serves model {} but the router's model is {}: not using it", address,
-                  info.model_fingerprint(), fingerprint);
-  }
-  if (!bad) mismatch.store(false);
-  return !bad;
-}
 }  // namespace
 
 RouterService::RouterService(const engine::Tokenizer& tokenizer, RouterModel model, RouterConfig config,
@@ -59,6 +43,11 @@ RouterService::RouterService(const engine::Tokenizer& tokenizer, RouterModel mod
     combine_.push_back(std::move(w));
   }
   if (!scatter_.empty()) scheduler_ = std::make_unique<ScatterScheduler>(scatter_.size(), cfg_.policy);
+  if (!model_.numerics.empty()) {
+    numerics_ = model_.numerics;
+    fingerprint_ = engine::model_fingerprint(model_.config, numerics_);
+    numerics_from_ = "--numerics";
+  }
   probe_workers();
   prober_ = std::thread([this] {
     std::unique_lock<std::mutex> lock(probe_mu_);
@@ -88,6 +77,47 @@ void RouterService::set_scatter_available(size_t worker, bool available) {
   scheduler_->set_available(worker, available);
 }
 
+std::pair<std::string, std::string> RouterService::numerics_and_fingerprint() const {
+  std::lock_guard<std::mutex> lock(numerics_mu_);
+  return {numerics_, fingerprint_};
+}
+
+template <class Service>
+bool RouterService::probe(Worker& w) {
+  if (rpc::check_health(w.channel, Service::service_full_name(), std::chrono::milliseconds(1500)) != 1) return false;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(1500));
+  v1::WorkerInfo info;
+  if (!Service::NewStub(w.channel)->GetWorkerInfo(&ctx, v1::WorkerInfoRequest{}, &info).ok()) return false;
+  {
+    std::lock_guard<std::mutex> lock(w.info_mu);
+    w.numerics = info.numerics();
+    w.device = info.device();
+  }
+  // Same model: the worker's fingerprint is the backend fingerprint of the router's config under its numerics.
+  std::string why;
+  if (info.model_fingerprint() != engine::model_fingerprint(model_.config, info.numerics())) {
+    why = fmt::format("serves model {} (numerics '{}'), not the router's model (config {})", info.model_fingerprint(),
+                      info.numerics(), model_.config.fingerprint());
+  } else {
+    std::lock_guard<std::mutex> lock(numerics_mu_);
+    if (numerics_.empty()) {
+      numerics_ = info.numerics();
+      fingerprint_ = info.model_fingerprint();
+      numerics_from_ = "worker " + w.address;
+      spdlog::info("cluster numerics {} (fingerprint {}), learned from worker {}", numerics_, fingerprint_, w.address);
+    } else if (info.numerics() != numerics_) {
+      why = fmt::format("computes numerics {} but the cluster's are {} (from {}): entries of mixed numerics are "
+                        "never spliced together",
+                        info.numerics(), numerics_, numerics_from_);
+    }
+  }
+  const bool bad = !why.empty();
+  if (bad && !w.model_mismatch.exchange(true)) spdlog::error("worker {} {}: not using it", w.address, why);
+  if (!bad) w.model_mismatch.store(false);
+  return !bad;
+}
+
 void RouterService::probe_workers() {
   // A worker leaves the rotation after two failed probes in a row (one slow answer on a loaded host is not a
   // fault; a call that fails with UNAVAILABLE takes it out at once), and comes back after one good probe.
@@ -97,13 +127,11 @@ void RouterService::probe_workers() {
     return ok || (w.available.load() && w.failed_probes < 2);
   };
   for (size_t i = 0; i < scatter_.size(); ++i) {
-    const bool ok = probe<v1::ScatterWorker>(scatter_[i]->channel, scatter_[i]->address, model_.fingerprint,
-                                             scatter_[i]->model_mismatch);
+    const bool ok = probe<v1::ScatterWorker>(*scatter_[i]);
     set_scatter_available(i, verdict(*scatter_[i], ok) && !scatter_[i]->model_mismatch.load());
   }
   for (auto& w : combine_) {
-    const bool ok = verdict(*w, probe<v1::CombineWorker>(w->channel, w->address, model_.fingerprint,
-                                                         w->model_mismatch)) &&
+    const bool ok = verdict(*w, probe<v1::CombineWorker>(*w)) &&
                     !w->model_mismatch.load();
     if (w->available.exchange(ok) != ok) {
       spdlog::log(ok ? spdlog::level::info : spdlog::level::warn, "combine worker {} is {}", w->address,
@@ -193,8 +221,11 @@ void GenerateCall::tokenise() {
   }
   query_ = encode(req_.query(), "query");
   check_token_limits(counts, query_.size(), svc_.cfg_.limits);
+  const std::string fingerprint = svc_.numerics_and_fingerprint().second;
+  if (fingerprint.empty())
+    throw rpc::unavailable("no worker has reported its numerics yet (--numerics auto): none is reachable");
   for (auto& s : segs_) {
-    s.digest = engine::segment_digest(svc_.model_.fingerprint, engine::kSegmentFormatVersion, opts_.entry_seam_width, s.ids);
+    s.digest = engine::segment_digest(fingerprint, engine::kSegmentFormatVersion, opts_.entry_seam_width, s.ids);
   }
 }
 
@@ -500,6 +531,8 @@ grpc::Status GenerateCall::run() {
   rep->set_scatter_failures(scatter_failures_);
   rep->set_total_ms(rpc::ms_between(t0, Clock::now()));
   rep->set_decode_ms(creport->decode_ms());
+  rep->set_combine_device(creport->device());
+  rep->set_numerics(creport->numerics());
   rep->set_schedule_policy(svc_.scheduler_ ? schedule_policy_name(svc_.scheduler_->policy()) : "none");
   size_t hits = 0;
   for (const auto& s : segs_) hits += s.hit;
@@ -535,7 +568,14 @@ grpc::Status RouterService::Generate(grpc::ServerContext* ctx, const v1::Generat
 }
 
 grpc::Status RouterService::GetServerInfo(grpc::ServerContext*, const v1::GetServerInfoRequest*, v1::ServerInfo* resp) {
-  resp->set_model_fingerprint(model_.fingerprint);
+  const auto [numerics, fingerprint] = numerics_and_fingerprint();
+  resp->set_model_fingerprint(fingerprint);
+  resp->set_numerics(numerics);
+  auto identity = [](Worker& w, v1::WorkerStatus* st) {
+    std::lock_guard<std::mutex> lock(w.info_mu);
+    st->set_numerics(w.numerics);
+    st->set_device(w.device);
+  };
   resp->set_entry_format_version(engine::kSegmentFormatVersion);
   resp->set_default_seam_width(cfg_.limits.default_seam_width);
   resp->set_schedule_policy(schedule_policy_name(cfg_.policy));
@@ -544,12 +584,14 @@ grpc::Status RouterService::GetServerInfo(grpc::ServerContext*, const v1::GetSer
     w->set_address(scatter_[i]->address);
     w->set_available(scatter_[i]->available.load());
     w->set_queued_tokens(scheduler_->queued_tokens(i));
+    identity(*scatter_[i], w);
   }
   for (const auto& c : combine_) {
     auto* w = resp->add_combine_workers();
     w->set_address(c->address);
     w->set_available(c->available.load());
     w->set_active_requests(c->active.load());
+    identity(*c, w);
   }
   for (const auto& r : cfg_.cache_replicas) resp->add_cache_replicas(r);
   resp->set_active_requests(active_requests_.load());

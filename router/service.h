@@ -11,6 +11,7 @@
 #include <thread>
 #include <vector>
 
+#include "engine/config.h"
 #include "engine/tokenizer.h"
 #include "hypic/v1/combine.grpc.pb.h"
 #include "hypic/v1/router.grpc.pb.h"
@@ -37,9 +38,13 @@ struct RouterConfig {
 
 /// The model facts the router needs (it does not load weights).
 struct RouterModel {
-  std::string fingerprint;        ///< ModelConfig::fingerprint() of the served checkpoint
+  engine::ModelConfig config;     ///< of the served checkpoint (config.json + the weights' identity)
   int64_t vocab_size = 0;         ///< valid token ids are [0, vocab_size)
   std::vector<int32_t> eos_ids;   ///< end-of-text ids that stop decoding unless ignore_eos
+  /// The workers' numerics ("cpu-fp32", "cuda-bf16"): digests are made under
+  /// engine::model_fingerprint(config, numerics). Empty = learn it from the first worker whose identity probe
+  /// matches the model (--numerics auto); either way a worker of other numerics is not used (logged).
+  std::string numerics;
 };
 
 class RouterService final : public hypic::v1::Router::Service {
@@ -54,6 +59,9 @@ class RouterService final : public hypic::v1::Router::Service {
   grpc::Status GetServerInfo(grpc::ServerContext* ctx, const hypic::v1::GetServerInfoRequest* req,
                              hypic::v1::ServerInfo* resp) override;
 
+  /// The cluster's numerics and backend fingerprint (what digests are made under); both empty while unknown.
+  std::pair<std::string, std::string> numerics_and_fingerprint() const;
+
   /// A worker known to the router.
   struct Worker {
     std::string address;
@@ -62,6 +70,8 @@ class RouterService final : public hypic::v1::Router::Service {
     std::unique_ptr<hypic::v1::CombineWorker::Stub> combine;  // combine workers only
     std::atomic<bool> available{false};
     std::atomic<bool> model_mismatch{false};
+    std::mutex info_mu;
+    std::string numerics, device;  ///< from its last identity probe (info_mu)
     std::atomic<uint32_t> active{0};
     int failed_probes = 0;  ///< consecutive failed health probes (prober thread only)
   };
@@ -69,6 +79,10 @@ class RouterService final : public hypic::v1::Router::Service {
  private:
   friend class GenerateCall;
   void probe_workers();
+  /// Health and identity of one worker: SERVING, the router's model, the cluster's numerics (adopted from it in
+  /// auto mode when none is known yet). Logs each refusal once.
+  template <class Service>
+  bool probe(Worker& w);
   void set_scatter_available(size_t worker, bool available);
   /// The combine worker with the fewest active requests among the available ones (nullptr if none).
   Worker* pick_combine();
@@ -82,6 +96,9 @@ class RouterService final : public hypic::v1::Router::Service {
   std::unique_ptr<ScatterScheduler> scheduler_;  // null without scatter workers
   std::atomic<uint32_t> active_requests_{0};
   std::atomic<size_t> combine_turn_{0};
+  mutable std::mutex numerics_mu_;
+  std::string numerics_, fingerprint_;  ///< numerics_mu_; empty until known
+  std::string numerics_from_;           ///< "--numerics" or the worker it was learned from
 
   std::mutex probe_mu_;
   std::condition_variable probe_cv_;

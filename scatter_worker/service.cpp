@@ -233,6 +233,8 @@ grpc::Status ScatterService::GetWorkerInfo(grpc::ServerContext*, const v1::Worke
   resp->set_compute_threads(uint32_t(builder_.threads()));
   resp->set_queued_tokens(builder_.queued_tokens());
   resp->set_active_requests(uint32_t(life_.active()));
+  resp->set_numerics(engine::backend_numerics(engine::BackendKind::Cpu));
+  resp->set_device("cpu");
   return grpc::Status::OK;
 }
 

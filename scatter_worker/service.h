@@ -7,6 +7,7 @@
 #include <mutex>
 #include <string>
 
+#include "engine/backend.h"
 #include "engine/model.h"
 #include "hypic/v1/combine.grpc.pb.h"
 #include "hypic/v1/scatter.grpc.pb.h"
@@ -39,7 +40,8 @@ class ScatterService final : public hypic::v1::ScatterWorker::Service {
   /// built_by (filled in once the port is known).
   ScatterService(const engine::Model& model, EntryBuilder& builder, cache::AsyncCachePutter& putter,
                  rpc::Lifecycle& life, size_t chunk_bytes)
-      : model_(model), fingerprint_(model.config().fingerprint()), builder_(builder), putter_(putter), life_(life),
+      : model_(model),
+        fingerprint_(engine::model_fingerprint(model.config(), engine::backend_numerics(engine::BackendKind::Cpu))), builder_(builder), putter_(putter), life_(life),
         chunk_bytes_(chunk_bytes) {}
   void set_address(std::string address) { address_ = std::move(address); }
 

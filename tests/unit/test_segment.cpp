@@ -15,6 +15,7 @@ SegmentEntry random_entry(int n, int w, uint32_t seed) {
   std::normal_distribution<float> nd(0.f, 1.f);
   SegmentEntry e;
   e.model_fingerprint = "0123456789abcdef0123456789abcdef";
+  e.numerics = "cpu-fp32";
   e.seam_width = w;
   for (int i = 0; i < n; ++i) e.token_ids.push_back(static_cast<int32_t>(rng() % 1000));
   e.geometry = EntryGeometry{4, 3, 5, 22, 3, 2, 6, 3, 1};
@@ -46,6 +47,8 @@ SegmentEntry random_entry(int n, int w, uint32_t seed) {
 
 void require_equal(const SegmentEntry& a, const SegmentEntry& b) {
   REQUIRE(a.model_fingerprint == b.model_fingerprint);
+  REQUIRE(a.numerics == b.numerics);
+  REQUIRE(a.format_version == b.format_version);
   REQUIRE(a.seam_width == b.seam_width);
   REQUIRE(a.token_ids == b.token_ids);
   REQUIRE(a.geometry == b.geometry);
@@ -116,6 +119,13 @@ TEST_CASE("corrupt, truncated or foreign entry bytes are clear errors", "[segmen
   CHECK_NOTHROW(ok.check_compatible(e.model_fingerprint, e.geometry, 4));
   CHECK_THROWS_WITH(ok.check_compatible("ffff", e.geometry, 4), Catch::Contains("made for model"));
   CHECK_THROWS_WITH(ok.check_compatible(e.model_fingerprint, e.geometry, 8), Catch::Contains("seam width 4"));
+  CHECK_NOTHROW(ok.check_compatible(e.model_fingerprint, e.geometry, 4, "cpu-fp32"));
+  CHECK_THROWS_WITH(ok.check_compatible(e.model_fingerprint, e.geometry, 4, "cuda-bf16"),
+                    Catch::Contains("made by numerics cpu-fp32") && Catch::Contains("computes cuda-bf16"));
+  CHECK_THROWS_WITH(ok.check_compatible("ffff", e.geometry, 4, "cpu-fp32"), Catch::Contains("numerics cpu-fp32"));
+  SegmentEntry v1 = ok;
+  v1.format_version = 1;
+  CHECK_THROWS_WITH(v1.check_compatible(e.model_fingerprint, e.geometry, 4), Catch::Contains("format version 1"));
   EntryGeometry other = e.geometry;
   other.d_v = 7;
   CHECK_THROWS_WITH(ok.check_compatible(e.model_fingerprint, other, 4), Catch::Contains("geometry"));

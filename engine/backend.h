@@ -1,0 +1,208 @@
+// One engine interface, two backends (DESIGN.md section 4, "engine"): the CPU fp32 backend (development, CI,
+// the numerical reference; engine/cpu) and the CUDA bf16 backend (serving; engine/cuda). The services call
+// only this interface; which backend runs is a DeviceSpec ("cpu", "cuda", "cuda:N").
+//
+// What lives where:
+//  - a Sequence (one request's running state: linear states, conv states, KV cache) lives where the backend
+//    computes: host memory for the CPU backend, device memory for CUDA;
+//  - a ResidentEntry (a segment's cache entry, DESIGN.md 3.2) likewise; it crosses to the host only at the wire
+//    and the cache (ResidentEntry::host(), Backend::import_entry);
+//  - logits come back to the host as fp32 (sampling runs on the host).
+// A splice is data (SplicePlan: which entries, which segments, which mode), executed by Backend::splice; the
+// request path is plan, then execute, inside one backend.
+//
+// Numerics and fingerprints: entries made by one numerics (e.g. "cuda-bf16") are never spliced by another
+// ("cpu-fp32"). Backend::fingerprint() = model_fingerprint(config, numerics) is what entries, digests and worker
+// identities carry, so a mismatch is an EntryError naming both.
+//
+// Threading: a Backend is driven by ONE thread, its engine loop (engine/engine_loop.h); the CPU backend is also
+// safe to call from several threads at once, the CUDA backend is not.
+#pragma once
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "engine/config.h"
+#include "engine/model.h"
+#include "engine/segment.h"
+#include "engine/splice.h"
+
+namespace hypic::engine {
+
+/// Which implementation computes.
+enum class BackendKind { Cpu, Cuda };
+
+/// A compute device: "cpu", "cuda" (= "cuda:0") or "cuda:N".
+struct DeviceSpec {
+  BackendKind kind = BackendKind::Cpu;
+  int index = 0;  ///< CUDA device ordinal (0 for cpu)
+  /// Parses the spellings above; throws std::invalid_argument naming the text and the accepted forms.
+  static DeviceSpec parse(std::string_view text);
+  /// "cpu" or "cuda:N".
+  std::string name() const;
+  bool operator==(const DeviceSpec&) const = default;
+};
+
+/// Numerics tag of a backend: "cpu-fp32" or "cuda-bf16" (goes into the fingerprint and the entry header).
+const char* backend_numerics(BackendKind kind);
+
+/// The fingerprint entries are made and checked under: XXH3-128 hex over (ModelConfig::fingerprint(), numerics).
+std::string model_fingerprint(const ModelConfig& config, std::string_view numerics);
+
+/// One request's running model state, resident where its backend computes. Made by Backend::splice, advanced by
+/// Backend::decode, released by destruction (returns its KV pages / memory to the backend's pools). Must not
+/// outlive its backend.
+class Sequence {
+ public:
+  virtual ~Sequence() = default;
+  /// Tokens consumed so far: the position of the next decode step.
+  virtual int64_t num_tokens() const = 0;
+  /// Bytes it holds (linear and conv states, KV cache), wherever they live.
+  virtual size_t bytes() const = 0;
+  /// A host copy in the CPU layout (engine/model.h ModelState: fp32, K rotated at real positions), for tests
+  /// and evaluation. Costs a device-to-host copy on CUDA.
+  virtual ModelState to_host() const = 0;
+};
+
+/// A segment's cache entry resident where a backend computes (host for CPU; device for CUDA: per linear layer
+/// the fp32 (T, S) pairs and the conv tail, per attention layer K and V in bf16).
+class ResidentEntry {
+ public:
+  virtual ~ResidentEntry() = default;
+  /// Fingerprint (model + numerics), w, token ids and geometry; the tensors may be absent (CUDA keeps them on the
+  /// device): use host() for them.
+  virtual const SegmentEntry& header() const = 0;
+  /// The whole entry in host memory (fp32 tensors, the wire format's content). CPU: the entry itself. CUDA: a
+  /// device-to-host copy made on the first call and kept.
+  virtual std::shared_ptr<const SegmentEntry> host() const = 0;
+  /// Bytes held where it is resident.
+  virtual size_t resident_bytes() const = 0;
+  int num_tokens() const { return header().num_tokens(); }
+};
+
+/// One segment of a splice plan: its token ids (full and prefix modes compute them), and its entry (required by
+/// naive / transition / hypic; made by this backend or imported into it).
+struct PlanSegment {
+  std::vector<int32_t> ids;
+  std::shared_ptr<const ResidentEntry> entry;
+};
+
+/// A prompt to assemble (DESIGN.md 3.3-3.4): segments in order, then the query (never cached).
+struct SplicePlan {
+  std::vector<PlanSegment> segments;
+  std::vector<int32_t> query;
+  SpliceMode mode = SpliceMode::Hypic;
+  int seam_width = 8;               ///< w (hypic); entries must have been made with the same w
+  bool all_query_logits = false;    ///< logits for every query position (evaluation), else the last only
+  bool keep_context_state = false;  ///< return each linear layer's S after the last segment (evaluation)
+  bool use_prefix_cache = true;     ///< prefix mode: look up / store running states in the backend's prefix cache
+};
+
+/// What a splice returns.
+struct SpliceOutput {
+  std::unique_ptr<Sequence> sequence;  ///< ready for decode at position num_tokens
+  std::vector<float> logits;           ///< [Tq][V] if all_query_logits else [1][V], fp32, host
+  int64_t num_tokens = 0;              ///< prompt length (segments + query)
+  int64_t computed_tokens = 0;         ///< tokens run through the model (seams + query; all for full)
+  int prefix_segments_reused = 0;      ///< prefix mode: segments restored from the prefix cache
+  std::vector<std::vector<float>> context_states;  ///< keep_context_state: per linear layer [H_v][d_k][d_v], host
+};
+
+/// Memory a backend holds, by pool (bytes). Budgets of 0 mean unbounded.
+struct BackendMemory {
+  size_t weights = 0;
+  size_t kv_used = 0, kv_budget = 0;        ///< KV cache pool (pages of all sequences)
+  size_t entries_used = 0;                  ///< resident entries made or imported and still referenced
+  size_t workspace = 0;                     ///< scratch of the forward pass
+};
+
+/// Options of make_backend.
+struct BackendOptions {
+  size_t prefix_cache_bytes = size_t(1) << 30;  ///< prefix-mode state checkpoints (host on CPU, device on CUDA)
+  /// CUDA: KV cache pool for all sequences, bytes (0 = 40% of the device memory free after the weights).
+  size_t kv_pool_bytes = 0;
+  /// CUDA: the most tokens one forward pass carries (longer prefills run in chunks); sizes the activations.
+  int64_t max_batch_tokens = 16384;
+  /// CUDA: the most sequences alive at once (each holds one linear-state slot: n_linear * H_v * 64 KiB fp32).
+  int max_sequences = 64;
+  /// Benchmark only: ignore the checkpoint's safetensors and make seeded random weights from config.json on
+  /// the device (logged and reported as benchmark-only; text is meaningless). 0 = load the real weights.
+  /// Not supported by the CPU backend (make_backend throws; write a random checkpoint with `hypic-model init`).
+  uint64_t random_weights_seed = 0;
+  /// Benchmark only: build_entries skips the segment transitions T_C (and what only they need), so that a
+  /// benchmark can time an entry build without T_C against one with it. Entries made so have NO valid T_C and
+  /// must not be spliced, exported or cached. Default false (every entry carries its T_C).
+  bool benchmark_skip_transitions = false;
+  /// CPU: threads that run the independent items of one call in parallel (the segments of build_entries, the
+  /// sequences of decode); 1 = the calling thread alone. Results do not depend on it. Ignored by CUDA.
+  int cpu_threads = 1;
+};
+
+/// The engine interface (see the header comment). Errors: std::invalid_argument for bad requests (empty
+/// segment, id out of range, missing entry), EntryError for entries of another model / numerics / w,
+/// ResourceExhausted when a memory budget would be exceeded (naming the budget).
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual const ModelConfig& config() const = 0;
+  virtual DeviceSpec device() const = 0;
+  /// "cpu-fp32" | "cuda-bf16".
+  virtual std::string_view numerics() const = 0;
+  /// model_fingerprint(config(), numerics()), computed once.
+  virtual const std::string& fingerprint() const = 0;
+
+  /// Standalone prefills of several segments at position 0 into their entries (DESIGN.md 3.2), as one varlen
+  /// pass where the backend can (T_C from the same pass). Each entry is resident here; host() gives the wire
+  /// form. Throws std::invalid_argument for an empty segment, an id out of range or w < 0.
+  virtual std::vector<std::shared_ptr<const ResidentEntry>> build_entries(
+      std::span<const std::vector<int32_t>> segments, int seam_width) = 0;
+
+  /// Makes a host entry (received over the wire or from the cache) resident here. Throws EntryError if it was
+  /// made under another fingerprint or geometry, or is inconsistent.
+  virtual std::shared_ptr<const ResidentEntry> import_entry(std::shared_ptr<const SegmentEntry> entry) = 0;
+
+  /// Assembles the prompt (DESIGN.md 3.3) and runs the query: the sequence plus the query logits.
+  virtual SpliceOutput splice(const SplicePlan& plan) = 0;
+
+  /// One decode step for a batch of sequences (continuous batching): sequence b consumes tokens[b] at position
+  /// sequences[b]->num_tokens() and advances by one. logits becomes [B][V] fp32 (host). The sequences must be
+  /// this backend's and distinct. Throws std::invalid_argument (sizes differ, id out of range).
+  virtual void decode(std::span<Sequence* const> sequences, std::span<const int32_t> tokens,
+                      std::vector<float>& logits) = 0;
+
+  virtual BackendMemory memory() const = 0;
+};
+
+/// Raised when a request needs more memory than a budget allows; the message names the budget and the sizes.
+class ResourceExhausted : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+/// The one token-id check of every service and backend: throws std::invalid_argument "`what`: must not be empty"
+/// or "`what`[j]: ID is outside the vocabulary [0, vocab_size)".
+void check_token_ids(std::span<const int32_t> ids, int64_t vocab_size, const std::string& what);
+
+/// True when this build has the CUDA backend and a CUDA device is visible.
+bool cuda_available();
+
+/// The default device: "cuda:0" when cuda_available(), else "cpu".
+DeviceSpec default_device();
+
+/// Loads the model in `model_dir` onto `device`. Throws std::invalid_argument for a device this build or machine
+/// lacks (naming it; "this build has no CUDA backend" without HYPIC_WITH_CUDA), for options the backend does not
+/// support (cpu_threads < 1; random_weights_seed on the CPU), and whatever loading throws (engine/weights.h).
+std::unique_ptr<Backend> make_backend(const DeviceSpec& device, const std::filesystem::path& model_dir,
+                                      const BackendOptions& options = {});
+
+/// The CUDA backend's factory (engine/cuda, library hypic_engine_cuda, built only with HYPIC_WITH_CUDA); called by
+/// make_backend for BackendKind::Cuda. Same contract as make_backend.
+std::unique_ptr<Backend> make_cuda_backend(const DeviceSpec& device, const std::filesystem::path& model_dir,
+                                           const BackendOptions& options);
+
+}  // namespace hypic::engine

@@ -1,0 +1,397 @@
+#include "engine/engine_loop.h"
+
+#include <optional>
+#include <stdexcept>
+#include <utility>
+
+namespace hypic::engine {
+namespace {
+
+double ms_between(std::chrono::steady_clock::time_point a, std::chrono::steady_clock::time_point b) {
+  return std::chrono::duration<double, std::milli>(b - a).count();
+}
+
+std::string message_of(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& ex) {
+    return ex.what();
+  } catch (...) {
+    return "unknown error";
+  }
+}
+
+}  // namespace
+
+EngineErrorKind classify_engine_error(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const EntryError&) {
+    return EngineErrorKind::Entry;
+  } catch (const ResourceExhausted&) {
+    return EngineErrorKind::ResourceExhausted;
+  } catch (const std::invalid_argument&) {
+    return EngineErrorKind::InvalidArgument;
+  } catch (...) {
+    return EngineErrorKind::Internal;
+  }
+}
+
+EngineLoop::EngineLoop(Backend& backend, EngineLoopOptions options) : backend_(backend), options_(options) {
+  if (options_.max_build_tokens < 1)
+    throw std::invalid_argument("engine loop: max_build_tokens must be >= 1, got " +
+                                std::to_string(options_.max_build_tokens));
+  thread_ = std::thread([this] { run(); });
+}
+
+EngineLoop::~EngineLoop() { stop(); }
+
+void EngineLoop::stop() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+void EngineLoop::submit_build(std::vector<int32_t> ids, int seam_width, CancelFlag cancel,
+                              std::function<void(BuildOutcome)> done) {
+  const int64_t n = int64_t(ids.size());
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!stop_) {
+      queued_tokens_ += n;
+      builds_.push_back({std::move(ids), seam_width, std::move(cancel), std::move(done), Clock::now()});
+      cv_.notify_all();
+      return;
+    }
+  }
+  BuildOutcome r;
+  r.cancelled = true;
+  done(std::move(r));
+}
+
+void EngineLoop::submit_splice(SpliceJob job, CancelFlag cancel, std::function<void(SpliceOutcome)> done) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!stop_) {
+      splices_.push_back({std::move(job), std::move(cancel), std::move(done), nullptr, Clock::now()});
+      cv_.notify_all();
+      return;
+    }
+  }
+  SpliceOutcome r;
+  r.cancelled = true;
+  r.error = "engine loop stopped";
+  done(std::move(r));
+}
+
+void EngineLoop::submit_generate(GenerateJob job) {
+  auto gen = std::make_shared<GenerateJob>(std::move(job));
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!stop_) {
+      SpliceTask t;
+      t.job = std::move(gen->splice);
+      t.cancel = gen->cancel;
+      t.gen = gen;
+      t.queued_at = Clock::now();
+      splices_.push_back(std::move(t));
+      cv_.notify_all();
+      return;
+    }
+  }
+  GenerateEnd end;
+  end.reason = GenerateEndReason::Cancelled;
+  end.error = "engine loop stopped";
+  if (gen->on_end) gen->on_end(end);
+}
+
+void EngineLoop::run() {
+  for (;;) {
+    std::vector<BuildJob> batch;
+    std::optional<SpliceTask> splice;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return stop_ || !builds_.empty() || !splices_.empty() || !active_.empty(); });
+      if (stop_) break;
+      // One unit of non-decode work per iteration, alternating between the queues when both wait.
+      const bool take_build = !builds_.empty() && (builds_turn_ || splices_.empty());
+      if (take_build) {
+        // Every queued build of the first one's seam width, FIFO, up to the token budget (the first always goes).
+        const int w = builds_.front().seam_width;
+        int64_t tokens = 0;
+        for (auto it = builds_.begin(); it != builds_.end();) {
+          const int64_t n = int64_t(it->ids.size());
+          if (it->seam_width != w) {
+            ++it;
+            continue;
+          }
+          if (!batch.empty() && tokens + n > options_.max_build_tokens) break;
+          tokens += n;
+          batch.push_back(std::move(*it));
+          it = builds_.erase(it);
+        }
+        builds_turn_ = false;
+      } else if (!splices_.empty()) {
+        splice = std::move(splices_.front());
+        splices_.pop_front();
+        builds_turn_ = true;
+      }
+    }
+    if (!active_.empty()) decode_step();
+    if (!batch.empty()) run_builds(std::move(batch));
+    if (splice) run_splice(std::move(*splice));
+  }
+  // Stopping: the work in progress has finished; report the rest.
+  std::deque<BuildJob> builds;
+  std::deque<SpliceTask> splices;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    builds.swap(builds_);
+    splices.swap(splices_);
+  }
+  for (auto& b : builds) {
+    queued_tokens_ -= int64_t(b.ids.size());
+    BuildOutcome r;
+    r.cancelled = true;
+    r.queue_ms = ms_between(b.queued_at, Clock::now());
+    b.done(std::move(r));
+  }
+  for (auto& s : splices) {
+    if (s.gen) {
+      GenerateEnd end;
+      end.reason = GenerateEndReason::Cancelled;
+      end.error = "engine loop stopped";
+      if (s.gen->on_end) s.gen->on_end(end);
+    } else {
+      SpliceOutcome r;
+      r.cancelled = true;
+      r.error = "engine loop stopped";
+      s.done(std::move(r));
+    }
+  }
+  for (auto& a : active_) {
+    GenerateEnd end;
+    end.reason = GenerateEndReason::Cancelled;
+    end.tokens = a.produced;
+    end.error = "engine loop stopped";
+    if (a.gen->on_end) a.gen->on_end(end);
+  }
+  active_.clear();
+  active_count_ = 0;
+}
+
+void EngineLoop::run_builds(std::vector<BuildJob> batch) {
+  const auto started = Clock::now();
+  std::vector<size_t> run;  // indices of the jobs still wanted
+  for (size_t i = 0; i < batch.size(); ++i) {
+    if (is_cancelled(batch[i].cancel)) continue;
+    if (options_.inject_delay.count() > 0) std::this_thread::sleep_for(options_.inject_delay);
+    if (!is_cancelled(batch[i].cancel)) run.push_back(i);
+  }
+  std::vector<BuildOutcome> out(batch.size());
+  for (size_t i = 0; i < batch.size(); ++i) {
+    out[i].queue_ms = ms_between(batch[i].queued_at, started);
+    out[i].cancelled = true;
+  }
+  // Jobs whose ids the backend would refuse fail alone, not their batch.
+  std::vector<size_t> good;
+  for (size_t i : run) {
+    out[i].cancelled = false;
+    try {
+      check_token_ids(batch[i].ids, backend_.config().vocab_size, "token ids");
+      if (batch[i].seam_width < 0)
+        throw std::invalid_argument("seam width must be >= 0, got " + std::to_string(batch[i].seam_width));
+      good.push_back(i);
+    } catch (...) {
+      out[i].error_kind = classify_engine_error(std::current_exception());
+      out[i].error = message_of(std::current_exception());
+    }
+  }
+  if (!good.empty()) {
+    std::vector<std::vector<int32_t>> segs;
+    int64_t tokens = 0;
+    for (size_t i : good) {
+      segs.push_back(batch[i].ids);
+      tokens += int64_t(batch[i].ids.size());
+    }
+    const auto t0 = Clock::now();
+    std::vector<std::shared_ptr<const ResidentEntry>> entries;
+    std::exception_ptr failed;
+    try {
+      entries = backend_.build_entries(segs, batch[good.front()].seam_width);
+      if (entries.size() != segs.size()) throw std::logic_error("build_entries returned a wrong number of entries");
+      build_batches_++;
+    } catch (...) {
+      failed = std::current_exception();
+    }
+    const double batch_ms = ms_between(t0, Clock::now());
+    for (size_t k = 0; k < good.size(); ++k) {
+      BuildOutcome& r = out[good[k]];
+      r.batch_ms = batch_ms;
+      r.batch_segments = int(good.size());
+      if (failed) {
+        r.error_kind = classify_engine_error(failed);
+        r.error = message_of(failed);
+        continue;
+      }
+      const auto s0 = Clock::now();
+      try {
+        r.host = entries[k]->host();
+        r.bytes = std::make_shared<const std::string>(serialize_entry(*r.host));
+        r.entry = std::move(entries[k]);
+      } catch (...) {
+        r.error_kind = classify_engine_error(std::current_exception());
+        r.error = message_of(std::current_exception());
+        r.host.reset();
+      }
+      r.compute_ms = batch_ms * double(segs[k].size()) / double(tokens) + ms_between(s0, Clock::now());
+    }
+  }
+  for (size_t i = 0; i < batch.size(); ++i) {
+    queued_tokens_ -= int64_t(batch[i].ids.size());
+    batch[i].done(std::move(out[i]));
+  }
+}
+
+void EngineLoop::run_splice(SpliceTask task) {
+  const auto t0 = Clock::now();
+  SpliceOutcome r;
+  r.info.queue_ms = ms_between(task.queued_at, t0);
+  auto fail_gen = [&](GenerateEndReason reason, EngineErrorKind kind, std::string msg) {
+    GenerateEnd end;
+    end.reason = reason;
+    end.error_kind = kind;
+    end.error = std::move(msg);
+    if (task.gen->on_end) task.gen->on_end(end);
+  };
+  if (is_cancelled(task.cancel)) {
+    if (task.gen) return fail_gen(GenerateEndReason::Cancelled, EngineErrorKind::None, "cancelled by the caller");
+    r.cancelled = true;
+    r.error = "cancelled by the caller";
+    return task.done(std::move(r));
+  }
+  std::unique_ptr<Sampler> sampler;
+  try {
+    if (task.gen) {
+      if (task.gen->max_tokens < 1)
+        throw std::invalid_argument("max_tokens must be >= 1, got " + std::to_string(task.gen->max_tokens));
+      sampler = std::make_unique<Sampler>(task.gen->sampling);
+    }
+    SplicePlan& plan = task.job.plan;
+    const auto& hosts = task.job.host_entries;
+    if (!hosts.empty() && hosts.size() != plan.segments.size())
+      throw std::invalid_argument("splice job: " + std::to_string(hosts.size()) + " host entries for " +
+                                  std::to_string(plan.segments.size()) + " segments");
+    for (size_t i = 0; i < hosts.size(); ++i)
+      if (!plan.segments[i].entry && hosts[i]) plan.segments[i].entry = backend_.import_entry(hosts[i]);
+    r.output = backend_.splice(plan);
+  } catch (...) {
+    const auto kind = classify_engine_error(std::current_exception());
+    std::string msg = message_of(std::current_exception());
+    if (task.gen) return fail_gen(GenerateEndReason::Failed, kind, std::move(msg));
+    r.error_kind = kind;
+    r.error = std::move(msg);
+    return task.done(std::move(r));
+  }
+  r.info.splice_ms = ms_between(t0, Clock::now());
+  r.info.num_tokens = r.output.num_tokens;
+  r.info.computed_tokens = r.output.computed_tokens;
+  r.info.prefix_segments_reused = r.output.prefix_segments_reused;
+  if (!task.gen) return task.done(std::move(r));
+
+  if (task.gen->on_spliced) task.gen->on_spliced(r.info);
+  Active a;
+  a.gen = task.gen;
+  a.sequence = std::move(r.output.sequence);
+  a.sampler = std::move(sampler);
+  const size_t vocab = size_t(backend_.config().vocab_size);
+  const std::vector<float>& logits = r.output.logits;
+  const int32_t first = a.sampler->sample(std::span<const float>(logits).subspan(logits.size() - vocab, vocab));
+  if (is_cancelled(a.gen->cancel)) {
+    GenerateEnd end;
+    end.reason = GenerateEndReason::Cancelled;
+    end.error = "cancelled by the caller";
+    if (a.gen->on_end) a.gen->on_end(end);
+    return;
+  }
+  if (!emit(a, first)) {
+    active_.push_back(std::move(a));
+    active_count_ = int(active_.size());
+  }
+}
+
+bool EngineLoop::emit(Active& a, int32_t token) {
+  ++a.produced;
+  if (a.gen->on_token) a.gen->on_token(token);
+  GenerateEnd end;
+  end.tokens = a.produced;
+  if (a.sampler->is_stop_token(token)) {
+    end.reason = GenerateEndReason::StopToken;
+  } else if (a.produced >= a.gen->max_tokens) {
+    end.reason = GenerateEndReason::Length;
+  } else {
+    a.next_token = token;
+    return false;
+  }
+  if (a.gen->on_end) a.gen->on_end(end);
+  return true;
+}
+
+void EngineLoop::decode_step() {
+  // Cancelled sequences leave the batch before the step.
+  for (size_t i = 0; i < active_.size();) {
+    if (is_cancelled(active_[i].gen->cancel)) {
+      GenerateEnd end;
+      end.reason = GenerateEndReason::Cancelled;
+      end.tokens = active_[i].produced;
+      end.error = "cancelled by the caller";
+      if (active_[i].gen->on_end) active_[i].gen->on_end(end);
+      active_.erase(active_.begin() + ptrdiff_t(i));
+    } else {
+      ++i;
+    }
+  }
+  active_count_ = int(active_.size());
+  if (active_.empty()) return;
+  std::vector<Sequence*> seqs;
+  std::vector<int32_t> tokens;
+  for (auto& a : active_) {
+    seqs.push_back(a.sequence.get());
+    tokens.push_back(a.next_token);
+  }
+  std::vector<float> logits;
+  try {
+    backend_.decode(seqs, tokens, logits);
+  } catch (...) {
+    const auto kind = classify_engine_error(std::current_exception());
+    const std::string msg = "decode failed: " + message_of(std::current_exception());
+    for (auto& a : active_) {
+      GenerateEnd end;
+      end.reason = GenerateEndReason::Failed;
+      end.tokens = a.produced;
+      end.error_kind = kind;
+      end.error = msg;
+      if (a.gen->on_end) a.gen->on_end(end);
+    }
+    active_.clear();
+    active_count_ = 0;
+    return;
+  }
+  decode_iterations_++;
+  decode_steps_ += active_.size();
+  const size_t vocab = size_t(backend_.config().vocab_size);
+  std::vector<Active> still;
+  still.reserve(active_.size());
+  for (size_t b = 0; b < active_.size(); ++b) {
+    Active& a = active_[b];
+    const int32_t tok = a.sampler->sample(std::span<const float>(logits).subspan(b * vocab, vocab));
+    if (!emit(a, tok)) still.push_back(std::move(a));
+  }
+  active_ = std::move(still);
+  active_count_ = int(active_.size());
+}
+
+}  // namespace hypic::engine

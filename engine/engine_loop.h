@@ -1,0 +1,205 @@
+// The engine loop (DESIGN.md section 4, "engine"): ONE thread owns a Backend and runs all of its work; gRPC
+// handlers only enqueue and wait for callbacks (the pattern of TensorRT-LLM's executor, llama.cpp server's slots,
+// vLLM's scheduler). Used by scatter workers (entry builds) and combine workers (builds, splices, decoding).
+//
+// Three kinds of work:
+//  - entry builds: every queued build (same seam width, FIFO) up to a token budget goes into ONE
+//    Backend::build_entries call (a varlen pass on CUDA); each build's entry is then serialized for the wire;
+//  - splices: a plan is executed (Backend::splice), optionally followed by decoding;
+//  - decoding (continuous batching): every active sequence is stepped together in one Backend::decode call per
+//    iteration; a sequence joins the batch after its splice and leaves when it reaches max_tokens, samples a stop
+//    token, or its cancel flag is set. The loop samples (engine/sampling.h, one Sampler per request), so a handler
+//    only receives token ids.
+// Fairness: each iteration runs one decode step of the whole batch, then one queued unit of other work (a build
+// batch or a splice, alternating when both wait), so neither a long splice nor a long decode starves the other.
+//
+// Callbacks run on the loop thread: they must be quick and must not call back into the loop's waiting
+// operations (push into a queue and notify). Every job gets exactly one final callback (done / on_end).
+#pragma once
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "engine/backend.h"
+#include "engine/sampling.h"
+
+namespace hypic::engine {
+
+/// Set to true to cancel a job: a queued job is skipped, a decoding sequence leaves the batch at the next step.
+using CancelFlag = std::shared_ptr<const std::atomic<bool>>;
+
+/// How a job failed, for the services' status codes.
+enum class EngineErrorKind {
+  None,
+  InvalidArgument,    ///< std::invalid_argument: a bad request (INVALID_ARGUMENT)
+  Entry,              ///< EntryError: an entry of another model / numerics / w, or corrupt (DATA_LOSS / INVALID_ARGUMENT)
+  ResourceExhausted,  ///< ResourceExhausted: a memory budget (RESOURCE_EXHAUSTED)
+  Internal,           ///< anything else (INTERNAL)
+};
+
+/// Outcome of one entry build.
+struct BuildOutcome {
+  std::shared_ptr<const ResidentEntry> entry;   ///< resident on the loop's backend; null if cancelled or failed
+  std::shared_ptr<const SegmentEntry> host;     ///< entry->host(), taken on the loop thread
+  std::shared_ptr<const std::string> bytes;     ///< serialize_entry(*host) (the wire and cache form)
+  double queue_ms = 0;     ///< from submit_build to the start of its batch
+  /// Its share of the batch: batch_ms * its tokens / the batch's tokens, plus its own serialization.
+  double compute_ms = 0;
+  double batch_ms = 0;     ///< the whole Backend::build_entries call it was part of
+  int batch_segments = 0;  ///< segments in that call
+  bool cancelled = false;  ///< skipped: its cancel flag was set, or the loop stopped, before its batch started
+  EngineErrorKind error_kind = EngineErrorKind::None;
+  std::string error;       ///< non-empty if the build failed (the exception's message)
+};
+
+/// A splice to run: the plan, plus host entries for the segments whose plan entry is null (imported into the
+/// backend on the loop thread first, Backend::import_entry; their EntryError fails the job).
+struct SpliceJob {
+  SplicePlan plan;
+  std::vector<std::shared_ptr<const SegmentEntry>> host_entries;  ///< empty, or one per plan segment (null = none)
+};
+
+/// What a splice reports.
+struct SpliceInfo {
+  double queue_ms = 0;   ///< waiting in the splice queue
+  double splice_ms = 0;  ///< entry imports + Backend::splice
+  int64_t num_tokens = 0, computed_tokens = 0;
+  int prefix_segments_reused = 0;
+};
+
+/// Outcome of submit_splice: the SpliceOutput (its sequence belongs to the loop's backend: with a backend that is
+/// not thread-safe, use it only through this loop or after stop()).
+struct SpliceOutcome {
+  SpliceOutput output;
+  SpliceInfo info;
+  bool cancelled = false;
+  EngineErrorKind error_kind = EngineErrorKind::None;
+  std::string error;
+};
+
+/// Why a generation ended.
+enum class GenerateEndReason { Length, StopToken, Cancelled, Failed };
+
+/// The final callback of a generation.
+struct GenerateEnd {
+  GenerateEndReason reason = GenerateEndReason::Length;
+  int tokens = 0;  ///< tokens produced (on_token calls)
+  EngineErrorKind error_kind = EngineErrorKind::None;
+  std::string error;  ///< Failed: the message; Cancelled: who cancelled (caller or loop stop)
+};
+
+/// A generation: splice, then sample and decode in the shared batch.
+struct GenerateJob {
+  SpliceJob splice;
+  SamplingConfig sampling;  ///< validated by Sampler's constructor (a bad one fails the job)
+  int max_tokens = 1;       ///< >= 1 tokens to produce (the first comes from the splice's logits)
+  CancelFlag cancel;
+  std::function<void(const SpliceInfo&)> on_spliced;  ///< optional: after the splice, before the first token
+  std::function<void(int32_t token)> on_token;        ///< each sampled token, in order (a stop token included)
+  std::function<void(const GenerateEnd&)> on_end;     ///< exactly once, last
+};
+
+/// Options of the loop.
+struct EngineLoopOptions {
+  /// Most tokens of one build_entries call (a single longer segment still runs, alone). >= 1.
+  int64_t max_build_tokens = 16384;
+  /// TESTING ONLY: sleep this long before each build (per segment), to widen fault-injection windows.
+  std::chrono::milliseconds inject_delay{0};
+};
+
+class EngineLoop {
+ public:
+  /// Starts the loop thread. `backend` must outlive the loop; nothing else may call it while the loop runs.
+  /// Throws std::invalid_argument for max_build_tokens < 1.
+  EngineLoop(Backend& backend, EngineLoopOptions options = {});
+  /// Calls stop().
+  ~EngineLoop();
+  EngineLoop(const EngineLoop&) = delete;
+  EngineLoop& operator=(const EngineLoop&) = delete;
+
+  /// Finishes the work in progress (the current build batch, splice or decode step), then reports every queued
+  /// build and splice cancelled and ends every decoding sequence (GenerateEndReason::Cancelled, "engine loop
+  /// stopped"), and joins the thread (all callbacks have run when it returns). Idempotent. Jobs submitted after it
+  /// are reported cancelled at once, on the caller's thread.
+  void stop();
+
+  /// The backend's immutable facts (config, device, numerics, fingerprint) are safe to read from any thread.
+  const Backend& backend() const { return backend_; }
+
+  /// Queues a standalone build of `ids` (entry made with seam width `seam_width`); `done` runs on the loop thread.
+  void submit_build(std::vector<int32_t> ids, int seam_width, CancelFlag cancel,
+                    std::function<void(BuildOutcome)> done);
+  /// Queues a splice whose result (sequence included) is handed to `done` (evaluation, tests).
+  void submit_splice(SpliceJob job, CancelFlag cancel, std::function<void(SpliceOutcome)> done);
+  /// Queues a generation (splice, then decoding in the batch). Callbacks as GenerateJob says.
+  void submit_generate(GenerateJob job);
+
+  /// Tokens of builds queued or being computed (what a worker reports for LPT scheduling).
+  int64_t queued_tokens() const { return queued_tokens_.load(); }
+  /// Sequences decoding now.
+  int active_sequences() const { return active_count_.load(); }
+  /// Decode iterations run and sequence-steps in them (mean batch = steps / iterations).
+  uint64_t decode_iterations() const { return decode_iterations_.load(); }
+  uint64_t decode_steps() const { return decode_steps_.load(); }
+  /// Backend::build_entries calls made.
+  uint64_t build_batches() const { return build_batches_.load(); }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  struct BuildJob {
+    std::vector<int32_t> ids;
+    int seam_width;
+    CancelFlag cancel;
+    std::function<void(BuildOutcome)> done;
+    Clock::time_point queued_at;
+  };
+  struct SpliceTask {  // a plain splice (done set) or a generation (gen set)
+    SpliceJob job;
+    CancelFlag cancel;
+    std::function<void(SpliceOutcome)> done;
+    std::shared_ptr<GenerateJob> gen;
+    Clock::time_point queued_at;
+  };
+  struct Active {
+    std::shared_ptr<GenerateJob> gen;
+    std::unique_ptr<Sequence> sequence;
+    std::unique_ptr<Sampler> sampler;
+    int32_t next_token = 0;  // sampled, not yet consumed by decode
+    int produced = 0;
+  };
+
+  void run();
+  void run_builds(std::vector<BuildJob> batch);
+  void run_splice(SpliceTask task);
+  void decode_step();
+  /// Delivers a sampled token; true if the sequence ends here (stop token or max_tokens).
+  bool emit(Active& a, int32_t token);
+  static bool is_cancelled(const CancelFlag& c) { return c && c->load(); }
+
+  Backend& backend_;
+  EngineLoopOptions options_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<BuildJob> builds_;
+  std::deque<SpliceTask> splices_;
+  bool stop_ = false;
+  bool builds_turn_ = true;  // alternation between the two queues
+  std::vector<Active> active_;  // loop thread only
+  std::atomic<int64_t> queued_tokens_{0};
+  std::atomic<int> active_count_{0};
+  std::atomic<uint64_t> decode_iterations_{0}, decode_steps_{0}, build_batches_{0};
+  std::thread thread_;
+};
+
+/// The EngineErrorKind of an exception.
+EngineErrorKind classify_engine_error(const std::exception_ptr& e);
+
+}  // namespace hypic::engine

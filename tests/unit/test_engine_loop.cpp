@@ -1,0 +1,431 @@
+// The engine interface's CPU backend (engine/cpu_backend.h: a wrapper, bit for bit the reference engine) and the
+// engine loop (engine/engine_loop.h): batched decode equals decoding alone, builds in one batch equal
+// build_segment_entry, cancellation, stop with queued work, failures reported per job.
+#include <catch2/catch.hpp>
+
+#include <condition_variable>
+#include <future>
+#include <thread>
+#include <map>
+#include <mutex>
+#include <random>
+
+#include "engine/backend.h"
+#include "engine/cpu_backend.h"
+#include "engine/engine_loop.h"
+
+using namespace hypic::engine;
+
+namespace {
+
+const std::string kFixture = std::string(HYPIC_SOURCE_DIR) + "/tests/fixtures/qwen3_next_moe";
+
+CpuBackend& fixture_backend() {
+  static std::unique_ptr<CpuBackend> b = CpuBackend::load(kFixture);
+  return *b;
+}
+
+std::vector<int32_t> random_ids(int n, uint32_t seed, int vocab) {
+  std::mt19937 rng(seed);
+  std::vector<int32_t> ids(n);
+  for (auto& x : ids) x = static_cast<int32_t>(rng() % vocab);
+  return ids;
+}
+
+// Collects a generation's callbacks (they run on the loop thread).
+struct Stream {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<int32_t> tokens;
+  bool spliced = false, ended = false;
+  GenerateEnd end;
+  void wait() {
+    std::unique_lock<std::mutex> lock(mu);
+    REQUIRE(cv.wait_for(lock, std::chrono::seconds(120), [&] { return ended; }));
+  }
+  GenerateJob job(SpliceJob splice, SamplingConfig sampling, int max_tokens, CancelFlag cancel = nullptr) {
+    GenerateJob g;
+    g.splice = std::move(splice);
+    g.sampling = std::move(sampling);
+    g.max_tokens = max_tokens;
+    g.cancel = std::move(cancel);
+    g.on_spliced = [this](const SpliceInfo&) {
+      std::lock_guard<std::mutex> lock(mu);
+      spliced = true;
+    };
+    g.on_token = [this](int32_t t) {
+      std::lock_guard<std::mutex> lock(mu);
+      tokens.push_back(t);
+      cv.notify_all();
+    };
+    g.on_end = [this](const GenerateEnd& e) {
+      std::lock_guard<std::mutex> lock(mu);
+      end = e;
+      ended = true;
+      cv.notify_all();
+    };
+    return g;
+  }
+};
+
+// A request of `n_seg` random segments (entries built by the reference builder) and a query.
+struct Prompt {
+  std::vector<std::vector<int32_t>> segments;
+  std::vector<std::shared_ptr<const SegmentEntry>> entries;
+  std::vector<int32_t> query;
+};
+
+Prompt make_prompt(const CpuBackend& b, uint32_t seed, int n_seg, int w) {
+  Prompt p;
+  const int vocab = int(b.config().vocab_size);
+  for (int i = 0; i < n_seg; ++i) {
+    p.segments.push_back(random_ids(7 + 5 * i + int(seed % 5), seed * 31 + uint32_t(i), vocab));
+    p.entries.push_back(std::make_shared<const SegmentEntry>(build_segment_entry(b.model(), p.segments.back(), w)));
+  }
+  p.query = random_ids(3, seed + 1000, vocab);
+  return p;
+}
+
+SpliceJob splice_job(const Prompt& p, SpliceMode mode, int w) {
+  SpliceJob j;
+  j.plan.mode = mode;
+  j.plan.seam_width = w;
+  j.plan.query = p.query;
+  for (size_t i = 0; i < p.segments.size(); ++i) j.plan.segments.push_back({p.segments[i], nullptr});
+  j.host_entries = p.entries;
+  return j;
+}
+
+// What the reference engine generates alone: splice(), then Model::decode, sampled by a Sampler of its own.
+std::vector<int32_t> reference_tokens(const CpuBackend& b, const Prompt& p, SpliceMode mode, int w,
+                                      const SamplingConfig& sc, int max_tokens) {
+  SpliceRequest req;
+  req.mode = mode;
+  req.seam_width = w;
+  req.query = p.query;
+  for (size_t i = 0; i < p.segments.size(); ++i) req.segments.push_back({p.segments[i], p.entries[i]});
+  SpliceResult r = splice(b.model(), req);
+  Sampler sampler(sc);
+  std::vector<int32_t> out;
+  std::vector<float> logits = r.logits;
+  int64_t pos = r.num_tokens;
+  for (int i = 0; i < max_tokens; ++i) {
+    const int32_t t = sampler.sample(logits);
+    out.push_back(t);
+    if (sampler.is_stop_token(t)) break;
+    if (i + 1 < max_tokens) logits = b.model().decode(r.state, t, pos++);
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("device specs parse, print and refuse bad spellings", "[backend]") {
+  CHECK(DeviceSpec::parse("cpu") == DeviceSpec{BackendKind::Cpu, 0});
+  CHECK(DeviceSpec::parse("cuda") == DeviceSpec{BackendKind::Cuda, 0});
+  CHECK(DeviceSpec::parse("cuda:3") == DeviceSpec{BackendKind::Cuda, 3});
+  CHECK(DeviceSpec::parse("cuda:3").name() == "cuda:3");
+  CHECK(DeviceSpec::parse("cuda").name() == "cuda:0");
+  CHECK(DeviceSpec::parse("cpu").name() == "cpu");
+  for (const char* bad : {"", "gpu", "cuda:", "cuda:-1", "cuda:1x", "CPU", "cuda:0:1"})
+    CHECK_THROWS_WITH(DeviceSpec::parse(bad), Catch::Contains("expected cpu, cuda or cuda:N"));
+  CHECK(std::string(backend_numerics(BackendKind::Cpu)) == "cpu-fp32");
+  CHECK(std::string(backend_numerics(BackendKind::Cuda)) == "cuda-bf16");
+#if !(defined(HYPIC_WITH_CUDA) && HYPIC_WITH_CUDA)
+  CHECK_FALSE(cuda_available());
+  CHECK(default_device() == DeviceSpec{});
+  CHECK_THROWS_WITH(make_backend(DeviceSpec::parse("cuda:0"), kFixture), Catch::Contains("no CUDA backend"));
+#endif
+}
+
+TEST_CASE("the CPU backend's fingerprint covers config and numerics; entries carry both", "[backend]") {
+  CpuBackend& b = fixture_backend();
+  const ModelConfig& cfg = b.config();
+  CHECK(b.numerics() == "cpu-fp32");
+  CHECK(b.fingerprint() == model_fingerprint(cfg, "cpu-fp32"));
+  CHECK(b.fingerprint() != model_fingerprint(cfg, "cuda-bf16"));
+  CHECK(b.fingerprint() != cfg.fingerprint());
+  CHECK(b.fingerprint().size() == 32);
+  CHECK(b.device().name() == "cpu");
+
+  const auto ids = random_ids(12, 5, int(cfg.vocab_size));
+  const auto built = b.build_entries(std::vector<std::vector<int32_t>>{ids}, 4);
+  REQUIRE(built.size() == 1);
+  const SegmentEntry& e = built[0]->header();
+  CHECK(e.numerics == "cpu-fp32");
+  CHECK(e.model_fingerprint == b.fingerprint());
+  CHECK(e.format_version == kSegmentFormatVersion);
+  // Bit for bit the reference builder.
+  CHECK(serialize_entry(e) == serialize_entry(build_segment_entry(b.model(), ids, 4)));
+  // Round trip keeps the numerics; an entry of other numerics is refused, naming both.
+  const SegmentEntry back = deserialize_entry(serialize_entry(e));
+  CHECK(back.numerics == "cpu-fp32");
+  auto other = std::make_shared<SegmentEntry>(back);
+  other->numerics = "cuda-bf16";
+  other->model_fingerprint = model_fingerprint(cfg, "cuda-bf16");
+  CHECK_THROWS_AS(b.import_entry(other), EntryError);
+  CHECK_THROWS_WITH(b.import_entry(other), Catch::Contains("cuda-bf16") && Catch::Contains("cpu-fp32"));
+  CHECK_NOTHROW(b.import_entry(std::make_shared<const SegmentEntry>(back)));
+  CHECK_THROWS_WITH(b.build_entries(std::vector<std::vector<int32_t>>{{1, 2}, {}}, 4),
+                    Catch::Contains("segment 1") && Catch::Contains("empty"));
+  CHECK_THROWS_WITH(b.build_entries(std::vector<std::vector<int32_t>>{{int32_t(cfg.vocab_size)}}, 4),
+                    Catch::Contains("outside the vocabulary"));
+  CHECK_THROWS_WITH(CpuBackend::load(kFixture, BackendOptions{.random_weights_seed = 7}),
+                    Catch::Contains("hypic-model init"));
+}
+
+TEST_CASE("the CPU backend's splice and batched decode equal splice() and Model::decode bit for bit", "[backend]") {
+  CpuBackend& b = fixture_backend();
+  const int vocab = int(b.config().vocab_size);
+  for (SpliceMode mode : {SpliceMode::Hypic, SpliceMode::Transition, SpliceMode::Full}) {
+    std::vector<Prompt> prompts;
+    std::vector<std::unique_ptr<Sequence>> seqs;
+    std::vector<SpliceResult> refs;
+    for (uint32_t s = 0; s < 3; ++s) {
+      prompts.push_back(make_prompt(b, 10 + s, 3, 4));
+      const Prompt& p = prompts.back();
+      SplicePlan plan;
+      plan.mode = mode;
+      plan.seam_width = 4;
+      plan.query = p.query;
+      for (size_t i = 0; i < p.segments.size(); ++i)
+        plan.segments.push_back({p.segments[i], b.import_entry(p.entries[i])});
+      SpliceOutput out = b.splice(plan);
+      SpliceRequest req;
+      req.mode = mode;
+      req.seam_width = 4;
+      req.query = p.query;
+      for (size_t i = 0; i < p.segments.size(); ++i) req.segments.push_back({p.segments[i], p.entries[i]});
+      refs.push_back(splice(b.model(), req));
+      CHECK(out.logits == refs.back().logits);
+      CHECK(out.num_tokens == refs.back().num_tokens);
+      CHECK(out.sequence->num_tokens() == refs.back().num_tokens);
+      seqs.push_back(std::move(out.sequence));
+    }
+    for (int step = 0; step < 3; ++step) {
+      std::vector<Sequence*> batch;
+      std::vector<int32_t> toks;
+      for (size_t k = 0; k < seqs.size(); ++k) {
+        batch.push_back(seqs[k].get());
+        toks.push_back(int32_t((k * 7919 + size_t(step) * 104729) % size_t(vocab)));
+      }
+      std::vector<float> logits;
+      b.decode(batch, toks, logits);
+      REQUIRE(logits.size() == seqs.size() * size_t(vocab));
+      for (size_t k = 0; k < seqs.size(); ++k) {
+        const std::vector<float> want = b.model().decode(refs[k].state, toks[k], refs[k].num_tokens + step);
+        CHECK(std::equal(want.begin(), want.end(), logits.begin() + ptrdiff_t(k * size_t(vocab))));
+      }
+    }
+    CHECK(b.memory().kv_used > 0);
+    // Errors: sizes, duplicates, ids.
+    std::vector<float> logits;
+    std::vector<Sequence*> two = {seqs[0].get(), seqs[0].get()};
+    CHECK_THROWS_WITH(b.decode(two, std::vector<int32_t>{1, 2}, logits), Catch::Contains("twice"));
+    std::vector<Sequence*> one = {seqs[0].get()};
+    CHECK_THROWS_WITH(b.decode(one, std::vector<int32_t>{1, 2}, logits), Catch::Contains("1 sequences but 2 tokens"));
+    CHECK_THROWS_WITH(b.decode(one, std::vector<int32_t>{vocab}, logits), Catch::Contains("outside the vocabulary"));
+  }
+}
+
+TEST_CASE("engine loop: N sequences decoded in one batch get exactly the tokens each gets alone", "[engine_loop]") {
+  CpuBackend& b = fixture_backend();
+  const int n = 5, w = 4, max_tokens = 12;
+  std::vector<Prompt> prompts;
+  std::vector<SamplingConfig> samplings;
+  for (int k = 0; k < n; ++k) {
+    prompts.push_back(make_prompt(b, 100 + uint32_t(k), 1 + k % 3, w));
+    SamplingConfig sc;
+    if (k % 2 == 1) {  // some sample, some are greedy: each request's sampler is its own
+      sc.temperature = 0.8f;
+      sc.top_k = 50;
+      sc.seed = 1234 + uint64_t(k);
+    }
+    samplings.push_back(sc);
+  }
+  EngineLoop loop(b);
+  std::vector<std::unique_ptr<Stream>> streams;
+  for (int k = 0; k < n; ++k) {
+    streams.push_back(std::make_unique<Stream>());
+    loop.submit_generate(streams.back()->job(splice_job(prompts[k], SpliceMode::Hypic, w), samplings[k], max_tokens));
+  }
+  for (auto& s : streams) s->wait();
+  for (int k = 0; k < n; ++k) {
+    INFO("sequence " << k);
+    CHECK(streams[k]->spliced);
+    CHECK(streams[k]->end.reason == GenerateEndReason::Length);
+    CHECK(streams[k]->end.tokens == max_tokens);
+    CHECK(streams[k]->tokens == reference_tokens(b, prompts[k], SpliceMode::Hypic, w, samplings[k], max_tokens));
+  }
+  // The sequences were stepped together: more sequence-steps than iterations.
+  CHECK(loop.decode_steps() == uint64_t(n * (max_tokens - 1)));
+  CHECK(loop.decode_iterations() < loop.decode_steps());
+  CHECK(loop.active_sequences() == 0);
+}
+
+TEST_CASE("engine loop: builds batch into one call, equal the reference builder, fail alone", "[engine_loop]") {
+  CpuBackend& b = fixture_backend();
+  const int vocab = int(b.config().vocab_size);
+  EngineLoopOptions opt;
+  opt.inject_delay = std::chrono::milliseconds(0);
+  EngineLoop loop(b, opt);
+  std::mutex mu;
+  std::condition_variable cv;
+  std::map<int, BuildOutcome> got;
+  std::vector<std::vector<int32_t>> ids;
+  // Hold the loop thread inside a splice callback until every build is queued, so they batch together.
+  Stream blocker;
+  std::promise<void> release;
+  std::shared_future<void> released = release.get_future().share();
+  GenerateJob hold = blocker.job(splice_job(make_prompt(b, 7, 2, 4), SpliceMode::Hypic, 4), {}, 3);
+  std::promise<void> entered;
+  hold.on_spliced = [released, &entered](const SpliceInfo&) {
+    entered.set_value();
+    released.wait();
+  };
+  loop.submit_generate(std::move(hold));
+  entered.get_future().wait();
+  for (int k = 0; k < 5; ++k) {
+    ids.push_back(random_ids(5 + 3 * k, 50 + uint32_t(k), vocab));
+    if (k == 2) ids.back()[1] = vocab + 5;  // out of range: this one fails, the others build
+    loop.submit_build(ids.back(), 4, nullptr, [&, k](BuildOutcome r) {
+      std::lock_guard<std::mutex> lock(mu);
+      got[k] = std::move(r);
+      cv.notify_all();
+    });
+  }
+  CHECK(loop.queued_tokens() > 0);
+  release.set_value();
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    REQUIRE(cv.wait_for(lock, std::chrono::seconds(120), [&] { return got.size() == 5; }));
+  }
+  blocker.wait();
+  CHECK(loop.queued_tokens() == 0);
+  for (int k = 0; k < 5; ++k) {
+    INFO("build " << k);
+    const BuildOutcome& r = got[k];
+    CHECK_FALSE(r.cancelled);
+    if (k == 2) {
+      CHECK(r.entry == nullptr);
+      CHECK(r.error_kind == EngineErrorKind::InvalidArgument);
+      CHECK_THAT(r.error, Catch::Contains("outside the vocabulary"));
+      continue;
+    }
+    REQUIRE(r.error.empty());
+    REQUIRE(r.entry);
+    CHECK(*r.bytes == serialize_entry(build_segment_entry(b.model(), ids[size_t(k)], 4)));
+    CHECK(r.host == r.entry->host());
+    CHECK(r.compute_ms <= r.batch_ms + 1000);
+  }
+  // The four good builds (queued together behind the splice) ran as one build_entries call.
+  CHECK(got[0].batch_segments == 4);
+  CHECK(loop.build_batches() == 1);
+}
+
+TEST_CASE("engine loop: cancellation of queued builds and of decoding sequences", "[engine_loop]") {
+  CpuBackend& b = fixture_backend();
+  EngineLoop loop(b);
+  // A queued build whose flag is set is skipped.
+  auto cancelled = std::make_shared<std::atomic<bool>>(true);
+  std::promise<BuildOutcome> built;
+  loop.submit_build({1, 2, 3}, 4, cancelled, [&](BuildOutcome r) { built.set_value(std::move(r)); });
+  const BuildOutcome r = built.get_future().get();
+  CHECK(r.cancelled);
+  CHECK(r.entry == nullptr);
+
+  // A long generation cancelled after a few tokens leaves the batch; another one keeps going to its end.
+  auto flag = std::make_shared<std::atomic<bool>>(false);
+  Stream cancel_me, keep;
+  const Prompt p = make_prompt(b, 3, 2, 4);
+  loop.submit_generate(cancel_me.job(splice_job(p, SpliceMode::Hypic, 4), {}, 100000, flag));
+  loop.submit_generate(keep.job(splice_job(p, SpliceMode::Hypic, 4), {}, 20));
+  {
+    std::unique_lock<std::mutex> lock(cancel_me.mu);
+    REQUIRE(cancel_me.cv.wait_for(lock, std::chrono::seconds(60), [&] { return cancel_me.tokens.size() >= 3; }));
+  }
+  flag->store(true);
+  cancel_me.wait();
+  keep.wait();
+  CHECK(cancel_me.end.reason == GenerateEndReason::Cancelled);
+  CHECK(cancel_me.end.tokens < 100000);
+  CHECK(keep.end.reason == GenerateEndReason::Length);
+  CHECK(keep.tokens == reference_tokens(b, p, SpliceMode::Hypic, 4, {}, 20));
+  // The cancelled one's tokens are a prefix of the same greedy continuation.
+  const auto ref = reference_tokens(b, p, SpliceMode::Hypic, 4, {}, int(cancel_me.tokens.size()));
+  CHECK(cancel_me.tokens == ref);
+}
+
+TEST_CASE("engine loop: a failing splice reports its error; stop finishes in-flight work, cancels the rest",
+          "[engine_loop]") {
+  CpuBackend& b = fixture_backend();
+  const int vocab = int(b.config().vocab_size);
+  {
+    EngineLoop loop(b);
+    Stream s;
+    SpliceJob j;
+    j.plan.mode = SpliceMode::Hypic;
+    j.plan.query = {1, 2};
+    j.plan.segments.push_back({{3, 4, 5}, nullptr});  // no entry for a cached mode
+    loop.submit_generate(s.job(std::move(j), {}, 4));
+    s.wait();
+    CHECK(s.end.reason == GenerateEndReason::Failed);
+    CHECK(s.end.error_kind == EngineErrorKind::InvalidArgument);
+    CHECK_THAT(s.end.error, Catch::Contains("has no entry"));
+    // An entry of other numerics fails the job as an entry error.
+    const Prompt p = make_prompt(b, 9, 2, 4);
+    SpliceJob bad = splice_job(p, SpliceMode::Hypic, 4);
+    auto other = std::make_shared<SegmentEntry>(*p.entries[1]);
+    other->numerics = "cuda-bf16";
+    bad.host_entries[1] = other;
+    Stream s2;
+    loop.submit_generate(s2.job(std::move(bad), {}, 4));
+    s2.wait();
+    CHECK(s2.end.reason == GenerateEndReason::Failed);
+    CHECK(s2.end.error_kind == EngineErrorKind::Entry);
+    CHECK_THAT(s2.end.error, Catch::Contains("cuda-bf16"));
+  }
+  // Stop with queued work: the splice in progress (held in its callback while stop() is called) completes and
+  // emits its first token, then its sequence ends cancelled; the queued builds are reported cancelled; work
+  // submitted afterwards is cancelled at once.
+  auto loop = std::make_unique<EngineLoop>(b);
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<BuildOutcome> got(4);
+  int done = 0;
+  Stream gen;
+  std::promise<void> entered, release;
+  std::shared_future<void> released = release.get_future().share();
+  GenerateJob hold = gen.job(splice_job(make_prompt(b, 11, 1, 4), SpliceMode::Hypic, 4), {}, 100000);
+  hold.on_spliced = [released, &entered](const SpliceInfo&) {
+    entered.set_value();
+    released.wait();
+  };
+  loop->submit_generate(std::move(hold));
+  entered.get_future().wait();
+  for (int k = 0; k < 4; ++k) {
+    loop->submit_build(random_ids(6, 70 + uint32_t(k), vocab), 4, nullptr, [&, k](BuildOutcome r) {
+      std::lock_guard<std::mutex> lock(mu);
+      got[size_t(k)] = std::move(r);
+      ++done;
+      cv.notify_all();
+    });
+  }
+  std::thread stopper([&] { loop->stop(); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // stop() is waiting for the splice
+  release.set_value();
+  stopper.join();
+  CHECK(done == 4);
+  CHECK(gen.ended);
+  CHECK(gen.tokens.size() == 1);
+  CHECK(gen.end.reason == GenerateEndReason::Cancelled);
+  for (int k = 0; k < 4; ++k) CHECK(got[size_t(k)].cancelled);
+  CHECK(loop->queued_tokens() == 0);
+  std::promise<BuildOutcome> late;
+  loop->submit_build({1, 2}, 4, nullptr, [&](BuildOutcome r) { late.set_value(std::move(r)); });
+  CHECK(late.get_future().get().cancelled);
+  Stream late_gen;
+  loop->submit_generate(late_gen.job(splice_job(make_prompt(b, 12, 1, 4), SpliceMode::Hypic, 4), {}, 2));
+  CHECK(late_gen.ended);
+  CHECK(late_gen.end.reason == GenerateEndReason::Cancelled);
+}
