@@ -1,0 +1,1527 @@
+// The CUDA backend (contracts in cuda_backend.h and engine/backend.h).
+//
+// A request's path: splice() turns the plan into "items" (folds of cached entries and spans of tokens to run in
+// context), apply_folds() folds entries into the sequence's state slot, and run_pass() runs one forward pass over
+// up to max_batch_tokens tokens of spans: per linear layer the spans form "runs" (consecutive spans with no fold
+// between them); the runs' initial states come from the affine chain (DESIGN.md 3.1 composition law):
+//   init[0] = slot state, init[r] = fold_r(T_{run r-1} init[r-1] + S(run r-1|0)),
+// with (T, S(.|0)) of each run from a first zero-start prefill (phase A), then the outputs from a second prefill
+// from the true initial states (phase C). Attention layers run every span of the pass in one call, with the
+// folded entries' K (re-rotated to real positions) and V imported into the sequence's KV pages first.
+#include "engine/cuda/cuda_backend.h"
+
+#include <cuda_runtime_api.h>
+#include <spdlog/spdlog.h>
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <list>
+#include <mutex>
+#include <numeric>
+#include <stdexcept>
+#include <unordered_map>
+
+#include "engine/cuda/cuda_weights.h"
+#include "engine/cuda/device_memory.h"
+#include "engine/safetensors.h"
+#include "kernels/cpu/ops.h"
+#include "kernels/cuda/attention.h"
+#include "kernels/cuda/gated_delta.h"
+#include "kernels/cuda/gemm.h"
+#include "kernels/cuda/moe.h"
+#include "kernels/cuda/ops.h"
+
+namespace hypic::engine::cuda {
+namespace {
+
+namespace kc = hypic::kernels::cuda;
+constexpr int D = kc::kGdnHeadDim;
+constexpr int kPage = kc::kKvPageTokens;
+constexpr size_t kStateFloats = size_t(D) * D;
+
+std::string mib(size_t bytes) { return std::to_string(bytes >> 20) + " MiB"; }
+
+// Small host tables of one pass, uploaded to the device in one copy. add() returns an offset; dev() resolves it
+// after upload().
+class Tables {
+ public:
+  template <class T>
+  size_t add(const std::vector<T>& v) {
+    return add_bytes(v.data(), v.size() * sizeof(T));
+  }
+  size_t add_bytes(const void* p, size_t n) {
+    const size_t off = (host_.size() + 15) / 16 * 16;
+    host_.resize(off + std::max<size_t>(n, 1));
+    if (n) std::memcpy(host_.data() + off, p, n);
+    return off;
+  }
+  void upload(DeviceMemory& dev, cudaStream_t stream) {
+    ensure_capacity(dev, host_.size(), "pass tables");
+    base_ = dev.bytes_ptr();
+    if (!host_.empty())
+      check_cuda(cudaMemcpyAsync(base_, host_.data(), host_.size(), cudaMemcpyHostToDevice, stream), "table upload");
+  }
+  template <class T>
+  T* dev(size_t off) const {
+    return reinterpret_cast<T*>(base_ + off);
+  }
+  void clear() {
+    host_.clear();
+    base_ = nullptr;
+  }
+
+ private:
+  std::vector<uint8_t> host_;
+  char* base_ = nullptr;
+};
+
+class CudaBackend;
+
+// ---- entries ---------------------------------------------------------------------------------------------------
+
+// A segment entry on the device: per linear layer T_seam, S_seam, T_int, S_int ([H_v][128][128] fp32 each) and the
+// conv tail [K-1][C] bf16; per attention layer K and V [n][H_kv][hd] bf16 (K rotated at local positions).
+class CudaEntry final : public ResidentEntry {
+ public:
+  CudaEntry(const CudaBackend& b, SegmentEntry header, cudaStream_t stream);
+  const SegmentEntry& header() const override { return header_; }
+  std::shared_ptr<const SegmentEntry> host() const override;
+  size_t resident_bytes() const override { return mem_.size(); }
+
+  float* T_seam(int l) const { return lin(l, 0); }
+  float* S_seam(int l) const { return lin(l, 1); }
+  float* T_int(int l) const { return lin(l, 2); }
+  float* S_int(int l) const { return lin(l, 3); }
+  kc::bf16* conv(int l) const { return reinterpret_cast<kc::bf16*>(mem_.bytes_ptr(l * lin_stride_ + 4 * state_bytes_)); }
+  kc::bf16* K(int a) const { return reinterpret_cast<kc::bf16*>(mem_.bytes_ptr(kv_off_ + size_t(a) * 2 * kv_bytes_)); }
+  kc::bf16* V(int a) const {
+    return reinterpret_cast<kc::bf16*>(mem_.bytes_ptr(kv_off_ + size_t(a) * 2 * kv_bytes_ + kv_bytes_));
+  }
+  int n() const { return header_.num_tokens(); }
+  size_t state_bytes() const { return state_bytes_; }
+  size_t conv_bytes() const { return conv_bytes_; }
+  size_t kv_bytes() const { return kv_bytes_; }
+  int device() const { return device_; }
+  bool no_transitions = false;  ///< made with BackendOptions::benchmark_skip_transitions: not spliceable
+
+ private:
+  float* lin(int l, int k) const {
+    return reinterpret_cast<float*>(mem_.bytes_ptr(l * lin_stride_ + size_t(k) * state_bytes_));
+  }
+  SegmentEntry header_;
+  size_t state_bytes_ = 0, conv_bytes_ = 0, lin_stride_ = 0, kv_bytes_ = 0, kv_off_ = 0;
+  int device_ = 0;
+  DeviceMemory mem_;
+  mutable std::mutex mu_;
+  mutable std::shared_ptr<const SegmentEntry> host_;
+};
+
+// ---- sequences -------------------------------------------------------------------------------------------------
+
+class CudaSequence final : public Sequence {
+ public:
+  CudaSequence(CudaBackend& b, int slot) : b_(&b), slot_(slot) {}
+  ~CudaSequence() override;
+  int64_t num_tokens() const override { return n_; }
+  size_t bytes() const override;
+  ModelState to_host() const override;
+
+  CudaBackend* b_;
+  int slot_;
+  std::vector<int> pages_;
+  int64_t n_ = 0;
+};
+
+// One fold of a cached entry into a running state (DESIGN.md 3.3).
+struct Fold {
+  enum Kind { Install, Transition, Interior, Naive } kind;
+  const CudaEntry* e;
+  int64_t base;  // real position of the entry's first token
+  int from() const { return kind == Interior ? e->header().seam_tokens() : 0; }
+  int steps() const { return kind == Install || kind == Transition ? 2 : 1; }
+};
+
+struct Span {
+  std::span<const int32_t> ids;
+  int64_t position;
+};
+
+// What to run after folding: a span, preceded by folds.
+struct Item {
+  std::vector<Fold> folds;
+  Span span;
+};
+
+struct Run {
+  std::vector<Fold> folds_before;  // empty for run 0 (folded before the pass)
+  std::vector<Span> spans;
+};
+
+// ---- the backend ---------------------------------------------------------------------------------------------
+
+class CudaBackend final : public Backend {
+ public:
+  CudaBackend(const DeviceSpec& dev, ModelConfig cfg, const ModelWeights* weights, const BackendOptions& opt);
+  ~CudaBackend() override;
+
+  const ModelConfig& config() const override { return cfg_; }
+  DeviceSpec device() const override { return dev_; }
+  std::string_view numerics() const override { return backend_numerics(BackendKind::Cuda); }
+  const std::string& fingerprint() const override { return fingerprint_; }
+  std::vector<std::shared_ptr<const ResidentEntry>> build_entries(std::span<const std::vector<int32_t>> segments,
+                                                                  int seam_width) override;
+  std::shared_ptr<const ResidentEntry> import_entry(std::shared_ptr<const SegmentEntry> entry) override;
+  SpliceOutput splice(const SplicePlan& plan) override;
+  void decode(std::span<Sequence* const> sequences, std::span<const int32_t> tokens,
+              std::vector<float>& logits) override;
+  BackendMemory memory() const override;
+
+  // Used by entries and sequences.
+  void release(int slot, const std::vector<int>& pages);
+  ModelState download_state(const CudaSequence& s) const;
+  size_t sequence_state_bytes() const { return size_t(n_lin_) * (state_layer_bytes_ + conv_layer_bytes_); }
+  size_t page_bytes() const { return size_t(n_attn_) * 2 * kPage * kv_row_; }
+  cudaStream_t stream() const { return stream_; }
+  const EntryGeometry& geometry() const { return geom_; }
+  int n_lin() const { return n_lin_; }
+  int n_attn() const { return n_attn_; }
+  size_t kv_row_bytes() const { return kv_row_; }
+  void set_device() const { check_cuda(cudaSetDevice(dev_.index), "cudaSetDevice(" + dev_.name() + ")"); }
+
+ private:
+  struct Checkpoint {
+    DeviceMemory mem;
+    int64_t n = 0;
+  };
+  void check_supported() const;
+  void allocate_pools();
+  std::unique_ptr<CudaSequence> new_sequence();
+  void ensure_pages(CudaSequence& s, int64_t tokens);
+  int page_row(const CudaSequence& s, int64_t slot) const {
+    return s.pages_[size_t(slot / kPage)] * kPage + int(slot % kPage);
+  }
+  float* ssm(int l, int slot) const { return ssm_pool_[l].as<float>() + size_t(slot) * cfg_.linear_num_value_heads * kStateFloats; }
+  kc::bf16* convs(int l, int slot) const {
+    return reinterpret_cast<kc::bf16*>(conv_pool_[l].bytes_ptr(size_t(slot) * conv_layer_bytes_));
+  }
+  void check_ids(std::span<const int32_t> ids, const std::string& where) const;
+  void check_entry(const PlanSegment& s, size_t i, const SplicePlan& plan) const;
+
+  // Forward passes.
+  void apply_folds(CudaSequence& s, const std::vector<Fold>& folds);
+  std::vector<float> run_pass(CudaSequence& s, const std::vector<Run>& runs, bool want_logits, bool all_logits);
+  void execute(CudaSequence& s, const std::vector<Item>& items, bool all_logits, std::vector<float>& logits,
+               bool keep_context, std::vector<std::vector<float>>* context);
+  void build_batch(std::span<const std::vector<int32_t>> segments, int w,
+                   std::vector<std::shared_ptr<CudaEntry>>& out);
+  void linear_gemms(const DevLinear& L, int T);
+  void linear_finish(const DevLinear& L, int T);
+  void attention_gemms(const DevAttention& A, int T);
+  void ffn(const DevLayer& L, int T);
+  kc::MoeWeightsView moe_view(const DevLayer& L) const;
+  void lm_head(int rows, const int* rows_index, std::vector<float>& logits);
+  void snapshot_linear(const CudaSequence& s, std::vector<std::vector<float>>& out) const;
+  std::vector<float> fetch_logits(int rows);
+
+  // Prefix checkpoints (prefix mode): running states at segment ends, keyed by the chain digest.
+  std::shared_ptr<Checkpoint> save_checkpoint(const CudaSequence& s);
+  void restore_checkpoint(CudaSequence& s, const Checkpoint& c);
+
+  ModelConfig cfg_;
+  DeviceSpec dev_;
+  BackendOptions opt_;
+  std::string fingerprint_;
+  EntryGeometry geom_;
+  int n_lin_ = 0, n_attn_ = 0;
+  int nk_ = 0, nv_ = 0, C_ = 0, K_ = 0, qd_ = 0, vd_ = 0, nh_ = 0, nkv_ = 0, hd_ = 0, H_ = 0;
+  size_t state_layer_bytes_ = 0, conv_layer_bytes_ = 0, kv_row_ = 0;
+  float eps_ = 1e-6f, attn_scale_ = 1.f, gdn_scale_ = 1.f;
+  bool renorm_topk_ = true;
+  cudaStream_t stream_ = nullptr;
+  DeviceWeights w_;
+  kc::GemmRunner gemm_;
+  kc::MoeWorkspace moe_ws_;
+  kc::GdnWorkspace ws_a_, ws_c_, ws_seam_, ws_pieces_;
+  kc::AttnDecodeWorkspace attn_ws_;
+  // Pools.
+  std::vector<DeviceMemory> ssm_pool_, conv_pool_, k_pool_, v_pool_;
+  std::vector<int> free_slots_, free_pages_;  // guarded by pool_mu_ (sequences may be released on any thread)
+  mutable std::mutex pool_mu_;
+  int num_pages_ = 0;
+  DeviceMemory inv_freq_;
+  // Activations for max_batch_tokens tokens.
+  int64_t Tmax_ = 0;
+  DeviceMemory act_;
+  int32_t* d_ids_ = nullptr;
+  float* x_ = nullptr;
+  kc::bf16 *hn_ = nullptr, *qkv_ = nullptr, *conv_out_ = nullptr, *q_ = nullptr, *k_ = nullptr, *v_ = nullptr,
+           *z_ = nullptr, *ga_ = nullptr, *gb_ = nullptr, *o_ = nullptr, *qg_ = nullptr, *kv_ = nullptr,
+           *aq_ = nullptr, *ao_ = nullptr;
+  DeviceMemory logits_dev_;
+  DeviceMemory tables_dev_;
+  DeviceMemory run_scratch_;  // per-run states of a pass
+  std::vector<float> logits_host_;
+  // Prefix cache.
+  struct PrefixItem {
+    SegmentDigest key;
+    std::shared_ptr<Checkpoint> cp;
+  };
+  std::list<PrefixItem> prefix_lru_;
+  size_t prefix_bytes_ = 0;
+  std::vector<std::vector<int>> live_pages_unused_;
+};
+
+// ---- entry / sequence methods ----------------------------------------------------------------------------------
+
+CudaEntry::CudaEntry(const CudaBackend& b, SegmentEntry header, cudaStream_t stream) : header_(std::move(header)) {
+  const EntryGeometry& g = b.geometry();
+  state_bytes_ = size_t(g.linear_heads) * kStateFloats * sizeof(float);
+  conv_bytes_ = size_t(g.conv_rows) * g.conv_dim * 2;
+  lin_stride_ = (4 * state_bytes_ + conv_bytes_ + 255) / 256 * 256;
+  kv_bytes_ = (size_t(n()) * b.kv_row_bytes() + 255) / 256 * 256;
+  kv_off_ = size_t(g.num_linear) * lin_stride_;
+  const size_t total = kv_off_ + size_t(g.num_attention) * 2 * kv_bytes_;
+  device_ = b.device().index;
+  mem_ = DeviceMemory(total, "segment entry (" + std::to_string(n()) + " tokens)", stream, /*stream_ordered=*/true);
+}
+
+std::shared_ptr<const SegmentEntry> CudaEntry::host() const {
+  std::lock_guard lock(mu_);
+  if (host_) return host_;
+  check_cuda(cudaSetDevice(device_), "cudaSetDevice");
+  auto e = std::make_shared<SegmentEntry>(header_);
+  const EntryGeometry& g = header_.geometry;
+  const size_t sf = state_bytes_ / sizeof(float);
+  auto get_f32 = [&](const float* src) {
+    std::vector<float> v(sf);
+    check_cuda(cudaMemcpy(v.data(), src, state_bytes_, cudaMemcpyDeviceToHost), "entry download");
+    return v;
+  };
+  auto get_bf16 = [&](const kc::bf16* src, size_t count) {
+    std::vector<uint16_t> raw(count);
+    if (count) check_cuda(cudaMemcpy(raw.data(), src, count * 2, cudaMemcpyDeviceToHost), "entry download");
+    std::vector<float> v(count);
+    for (size_t i = 0; i < count; ++i) v[i] = bf16_to_f32(raw[i]);
+    return v;
+  };
+  e->linear.resize(g.num_linear);
+  for (int l = 0; l < g.num_linear; ++l) {
+    LinearLayerEntry& L = e->linear[l];
+    L.seam_transition = TransitionOperator::dense(g.linear_heads, g.d_k, get_f32(T_seam(l)));
+    L.seam_state = get_f32(S_seam(l));
+    L.interior_transition = TransitionOperator::dense(g.linear_heads, g.d_k, get_f32(T_int(l)));
+    L.interior_state = get_f32(S_int(l));
+    L.conv_tail = get_bf16(conv(l), size_t(g.conv_rows) * g.conv_dim);
+  }
+  e->attention.resize(g.num_attention);
+  const size_t kvn = size_t(n()) * g.kv_heads * g.head_dim;
+  for (int a = 0; a < g.num_attention; ++a) {
+    e->attention[a].k = get_bf16(K(a), kvn);
+    e->attention[a].v = get_bf16(V(a), kvn);
+  }
+  e->check_consistent();
+  host_ = e;
+  return host_;
+}
+
+CudaSequence::~CudaSequence() { b_->release(slot_, pages_); }
+
+size_t CudaSequence::bytes() const { return b_->sequence_state_bytes() + pages_.size() * b_->page_bytes(); }
+
+ModelState CudaSequence::to_host() const { return b_->download_state(*this); }
+
+// ---- construction ----------------------------------------------------------------------------------------------
+
+CudaBackend::CudaBackend(const DeviceSpec& dev, ModelConfig cfg, const ModelWeights* weights,
+                         const BackendOptions& opt)
+    : cfg_(std::move(cfg)), dev_(dev), opt_(opt) {
+  cfg_.validate();
+  check_supported();
+  int count = 0;
+  check_cuda(cudaGetDeviceCount(&count), "cudaGetDeviceCount");
+  if (dev_.index < 0 || dev_.index >= count)
+    throw std::invalid_argument("device " + dev_.name() + " does not exist (" + std::to_string(count) +
+                                " CUDA device(s) visible)");
+  set_device();
+  check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+  fingerprint_ = model_fingerprint(cfg_, numerics());
+  geom_ = EntryGeometry::of(cfg_);
+  n_lin_ = cfg_.num_linear_layers();
+  n_attn_ = cfg_.num_attention_layers();
+  nk_ = cfg_.linear_num_key_heads, nv_ = cfg_.linear_num_value_heads, K_ = cfg_.linear_conv_kernel_dim;
+  C_ = int(cfg_.conv_dim()), qd_ = int(cfg_.linear_q_dim()), vd_ = int(cfg_.linear_v_dim());
+  nh_ = cfg_.num_attention_heads, nkv_ = cfg_.num_key_value_heads, hd_ = cfg_.head_dim, H_ = int(cfg_.hidden_size);
+  state_layer_bytes_ = size_t(nv_) * kStateFloats * sizeof(float);
+  conv_layer_bytes_ = size_t(K_ - 1) * C_ * 2;
+  kv_row_ = size_t(nkv_) * hd_ * 2;
+  eps_ = float(cfg_.rms_norm_eps);
+  attn_scale_ = float(1.0 / std::sqrt(double(hd_)));
+  gdn_scale_ = float(1.0 / std::sqrt(double(cfg_.linear_key_head_dim)));
+  renorm_topk_ = cfg_.norm_topk_prob || cfg_.model_type.rfind("qwen3_5_moe", 0) == 0;
+  if (weights) {
+    w_ = DeviceWeights::upload(cfg_, *weights);
+  } else {
+    if (opt_.random_weights_seed == 0)
+      throw std::invalid_argument("cuda backend: no weights given and random_weights_seed is 0");
+    spdlog::warn("cuda backend: BENCHMARK-ONLY random weights (seed {}) made on {} from the config alone: the model's "
+                 "text is meaningless",
+                 opt_.random_weights_seed, dev_.name());
+    w_ = DeviceWeights::random(cfg_, opt_.random_weights_seed);
+  }
+  allocate_pools();
+  spdlog::info("cuda backend on {}: weights {}, {} state slots ({} each), {} KV pages of {} tokens ({}), activations "
+               "for {} tokens ({})",
+               dev_.name(), mib(w_.bytes()), opt_.max_sequences, mib(sequence_state_bytes()), num_pages_, kPage,
+               mib(size_t(num_pages_) * page_bytes()), Tmax_, mib(act_.size()));
+}
+
+CudaBackend::~CudaBackend() {
+  if (stream_) {
+    cudaSetDevice(dev_.index);
+    cudaStreamSynchronize(stream_);
+    prefix_lru_.clear();
+    cudaStreamSynchronize(stream_);
+    cudaStreamDestroy(stream_);
+  }
+}
+
+void CudaBackend::check_supported() const {
+  const ModelConfig& c = cfg_;
+  auto bad = [&](const std::string& what) {
+    throw std::invalid_argument("cuda backend: " + what + " is not supported (model_type " + c.model_type + ")");
+  };
+  if (c.num_linear_layers() > 0 && (c.linear_key_head_dim != D || c.linear_value_head_dim != D))
+    bad("linear_key_head_dim " + std::to_string(c.linear_key_head_dim) + " / linear_value_head_dim " +
+        std::to_string(c.linear_value_head_dim) + " (the GPU gated-delta kernels need 128 / 128)");
+  if (c.num_attention_layers() > 0 && c.head_dim != 64 && c.head_dim != 128 && c.head_dim != 256)
+    bad("attention head_dim " + std::to_string(c.head_dim) + " (64, 128 or 256)");
+  if (c.hidden_size % 64 != 0) bad("hidden_size " + std::to_string(c.hidden_size) + " (a multiple of 64)");
+  if (c.is_moe() && c.moe_intermediate_size % 32 != 0)
+    bad("moe_intermediate_size " + std::to_string(c.moe_intermediate_size) + " (a multiple of 32)");
+  if (c.is_moe() && c.shared_expert_intermediate_size % 32 != 0)
+    bad("shared_expert_intermediate_size " + std::to_string(c.shared_expert_intermediate_size) + " (a multiple of 32)");
+  if (c.conv_dim() % 8 != 0) bad("conv_dim " + std::to_string(c.conv_dim()) + " (a multiple of 8)");
+  if (c.num_attention_layers() > 0 && c.rotary_dim() % 2 != 0) bad("odd rotary_dim");
+  if (c.vocab_size > (int64_t(1) << 31) - 1) bad("vocab_size above 2^31");
+}
+
+void CudaBackend::allocate_pools() {
+  if (opt_.max_sequences < 1) throw std::invalid_argument("max_sequences must be >= 1");
+  if (opt_.max_batch_tokens < 64) throw std::invalid_argument("max_batch_tokens must be >= 64");
+  const int S = opt_.max_sequences;
+  for (int l = 0; l < n_lin_; ++l) {
+    ssm_pool_.emplace_back(size_t(S) * state_layer_bytes_, "linear state slots");
+    conv_pool_.emplace_back(size_t(S) * conv_layer_bytes_, "conv state slots");
+  }
+  for (int s = S - 1; s >= 0; --s) free_slots_.push_back(s);
+  // Activations.
+  Tmax_ = opt_.max_batch_tokens;
+  const size_t T = size_t(Tmax_);
+  Layout lay;
+  const size_t o_ids = lay.add(T * 4), o_x = lay.add(T * H_ * 4), o_hn = lay.add(T * H_ * 2);
+  size_t o_qkv = 0, o_conv = 0, o_q = 0, o_k = 0, o_v = 0, o_z = 0, o_a = 0, o_b = 0, o_o = 0;
+  if (n_lin_) {
+    o_qkv = lay.add(T * C_ * 2), o_conv = lay.add(T * C_ * 2), o_q = lay.add(T * qd_ * 2), o_k = lay.add(T * qd_ * 2);
+    o_v = lay.add(T * vd_ * 2), o_z = lay.add(T * vd_ * 2), o_a = lay.add(T * nv_ * 2), o_b = lay.add(T * nv_ * 2);
+    o_o = lay.add(T * vd_ * 2);
+  }
+  size_t o_qg = 0, o_kv = 0, o_aq = 0, o_ao = 0;
+  if (n_attn_) {
+    o_qg = lay.add(T * (cfg_.attn_output_gate ? 2 : 1) * nh_ * hd_ * 2), o_kv = lay.add(T * 2 * nkv_ * hd_ * 2);
+    o_aq = lay.add(T * nh_ * hd_ * 2), o_ao = lay.add(T * nh_ * hd_ * 2);
+  }
+  act_ = DeviceMemory(lay.total(), "activations (--max-batch-tokens " + std::to_string(Tmax_) + ")");
+  auto bp = [&](size_t off) { return reinterpret_cast<kc::bf16*>(act_.bytes_ptr(off)); };
+  d_ids_ = reinterpret_cast<int32_t*>(act_.bytes_ptr(o_ids));
+  x_ = reinterpret_cast<float*>(act_.bytes_ptr(o_x));
+  hn_ = bp(o_hn);
+  if (n_lin_) qkv_ = bp(o_qkv), conv_out_ = bp(o_conv), q_ = bp(o_q), k_ = bp(o_k), v_ = bp(o_v), z_ = bp(o_z),
+              ga_ = bp(o_a), gb_ = bp(o_b), o_ = bp(o_o);
+  if (n_attn_) qg_ = bp(o_qg), kv_ = bp(o_kv), aq_ = bp(o_aq), ao_ = bp(o_ao);
+  if (n_attn_) {
+    const std::vector<float> inv = kernels::cpu::rope_inv_freq(cfg_.rope_theta, cfg_.rotary_dim());
+    inv_freq_ = DeviceMemory(inv.size() * 4, "rope inverse frequencies");
+    check_cuda(cudaMemcpy(inv_freq_.as(), inv.data(), inv.size() * 4, cudaMemcpyHostToDevice), "inv_freq upload");
+  }
+  // Workspaces sized once for the largest pass so that later passes allocate nothing.
+  for (const DevLayer& L : w_.layers)
+    if (L.is_moe) {
+      moe_ws_.reserve(int(Tmax_), moe_view(L));
+      break;
+    }
+  if (cfg_.intermediate_size > 0) moe_ws_.reserve_mlp(int(Tmax_), H_, int(cfg_.intermediate_size));
+  // KV pool: what the budget allows, else 40% of what is free now.
+  if (n_attn_) {
+    size_t budget = opt_.kv_pool_bytes;
+    if (!budget) {
+      size_t free = 0, total = 0;
+      check_cuda(cudaMemGetInfo(&free, &total), "cudaMemGetInfo");
+      budget = free / 10 * 4;
+    }
+    num_pages_ = int(std::min<size_t>(budget / page_bytes(), size_t(1) << 30));
+    if (num_pages_ < 1)
+      throw ResourceExhausted("KV pool budget (--kv-pool-bytes) of " + std::to_string(budget) +
+                              " bytes holds no page of " + std::to_string(page_bytes()) + " bytes");
+    for (int a = 0; a < n_attn_; ++a) {
+      k_pool_.emplace_back(size_t(num_pages_) * kPage * kv_row_, "KV pool (K)");
+      v_pool_.emplace_back(size_t(num_pages_) * kPage * kv_row_, "KV pool (V)");
+    }
+    for (int p = num_pages_ - 1; p >= 0; --p) free_pages_.push_back(p);
+  }
+}
+
+std::unique_ptr<CudaSequence> CudaBackend::new_sequence() {
+  std::unique_lock lock(pool_mu_);
+  if (free_slots_.empty())
+    throw ResourceExhausted("all " + std::to_string(opt_.max_sequences) +
+                            " sequence slots of the cuda backend are in use (--max-sequences)");
+  const int slot = free_slots_.back();
+  free_slots_.pop_back();
+  lock.unlock();
+  auto s = std::make_unique<CudaSequence>(*this, slot);
+  for (int l = 0; l < n_lin_; ++l) {
+    check_cuda(cudaMemsetAsync(ssm(l, slot), 0, state_layer_bytes_, stream_), "zero state slot");
+    check_cuda(cudaMemsetAsync(convs(l, slot), 0, conv_layer_bytes_, stream_), "zero conv slot");
+  }
+  return s;
+}
+
+void CudaBackend::ensure_pages(CudaSequence& s, int64_t tokens) {
+  if (!n_attn_) return;
+  const size_t need = size_t((tokens + kPage - 1) / kPage);
+  if (need <= s.pages_.size()) return;
+  std::lock_guard lock(pool_mu_);
+  const size_t more = need - s.pages_.size();
+  if (more > free_pages_.size())
+    throw ResourceExhausted("KV pool exhausted (--kv-pool-bytes): " + std::to_string(tokens) + " tokens need " +
+                            std::to_string(need) + " pages of " + std::to_string(kPage) + " tokens, " +
+                            std::to_string(free_pages_.size() + s.pages_.size()) + " available to this request of " +
+                            std::to_string(num_pages_));
+  for (size_t i = 0; i < more; ++i) {
+    s.pages_.push_back(free_pages_.back());
+    free_pages_.pop_back();
+  }
+}
+
+void CudaBackend::release(int slot, const std::vector<int>& pages) {
+  std::lock_guard lock(pool_mu_);
+  free_slots_.push_back(slot);
+  free_pages_.insert(free_pages_.end(), pages.begin(), pages.end());
+}
+
+BackendMemory CudaBackend::memory() const {
+  BackendMemory m;
+  m.weights = w_.bytes();
+  m.kv_budget = size_t(num_pages_) * page_bytes();
+  {
+    std::lock_guard lock(pool_mu_);
+    m.kv_used = size_t(num_pages_ - int(free_pages_.size())) * page_bytes();
+  }
+  m.workspace = act_.size() + moe_ws_.bytes() + ws_a_.bytes() + ws_c_.bytes() + ws_seam_.bytes() + ws_pieces_.bytes() +
+                attn_ws_.bytes() + run_scratch_.size() + tables_dev_.size() + logits_dev_.size();
+  for (const auto& p : prefix_lru_) m.entries_used += p.cp->mem.size();
+  return m;
+}
+
+void CudaBackend::check_ids(std::span<const int32_t> ids, const std::string& where) const {
+  for (size_t t = 0; t < ids.size(); ++t)
+    if (ids[t] < 0 || ids[t] >= cfg_.vocab_size)
+      throw std::invalid_argument("token id " + std::to_string(ids[t]) + " at index " + std::to_string(t) + " of " +
+                                  where + " is outside [0, " + std::to_string(cfg_.vocab_size) + ")");
+}
+
+// ---- layer pieces ----------------------------------------------------------------------------------------------
+
+void CudaBackend::linear_gemms(const DevLinear& L, int T) {
+  gemm_.linear(T, C_, H_, hn_, H_, L.in_proj_qkv, qkv_, CUDA_R_16BF, C_, 0.f, stream_);
+  gemm_.linear(T, vd_, H_, hn_, H_, L.in_proj_z, z_, CUDA_R_16BF, vd_, 0.f, stream_);
+  gemm_.linear(T, nv_, H_, hn_, H_, L.in_proj_b, gb_, CUDA_R_16BF, nv_, 0.f, stream_);
+  gemm_.linear(T, nv_, H_, hn_, H_, L.in_proj_a, ga_, CUDA_R_16BF, nv_, 0.f, stream_);
+}
+
+// Gated RMSNorm of the delta-rule output times silu(z), then out_proj added into the residual stream.
+void CudaBackend::linear_finish(const DevLinear& L, int T) {
+  kc::rms_norm_gated(T * nv_, D, o_, z_, L.norm, eps_, o_, stream_);
+  gemm_.linear(T, H_, vd_, o_, vd_, L.out_proj, x_, CUDA_R_32F, H_, 1.f, stream_);
+}
+
+void CudaBackend::attention_gemms(const DevAttention& A, int T) {
+  const int qrows = (cfg_.attn_output_gate ? 2 : 1) * nh_ * hd_;
+  gemm_.linear(T, qrows, H_, hn_, H_, A.q_proj, qg_, CUDA_R_16BF, qrows, 0.f, stream_);
+  gemm_.linear(T, 2 * nkv_ * hd_, H_, hn_, H_, A.kv_proj, kv_, CUDA_R_16BF, 2 * nkv_ * hd_, 0.f, stream_);
+}
+
+void CudaBackend::ffn(const DevLayer& L, int T) {
+  kc::rms_norm_residual(T, H_, x_, H_, nullptr, L.post_attention_layernorm, eps_, hn_, stream_);
+  if (L.is_moe) {
+    kc::moe_forward(T, hn_, moe_view(L), x_, moe_ws_, gemm_, kc::GroupedGemm::Own, stream_);
+  } else {
+    kc::mlp_forward(T, hn_, H_, int(cfg_.intermediate_size), L.ffn.gate_up, L.ffn.down, x_, moe_ws_, gemm_, stream_);
+  }
+}
+
+kc::MoeWeightsView CudaBackend::moe_view(const DevLayer& L) const {
+  kc::MoeWeightsView v;
+  v.E = cfg_.num_experts, v.H = H_, v.I = int(cfg_.moe_intermediate_size), v.topk = cfg_.num_experts_per_tok;
+  v.renormalize = renorm_topk_;
+  v.router = L.ffn.router, v.experts_gate_up = L.ffn.experts_gate_up, v.experts_down = L.ffn.experts_down;
+  v.Is = int(cfg_.shared_expert_intermediate_size);
+  v.shared_gate_up = L.ffn.shared_gate_up, v.shared_down = L.ffn.shared_down, v.shared_gate = L.ffn.shared_gate;
+  return v;
+}
+
+void CudaBackend::lm_head(int rows, const int* rows_index, std::vector<float>& logits) {
+  const size_t V = size_t(cfg_.vocab_size);
+  ensure_capacity(logits_dev_, size_t(rows) * V * 4, "logits");
+  kc::rms_norm_residual(rows, H_, x_, H_, rows_index, w_.final_norm, eps_, hn_, stream_);
+  gemm_.linear(rows, int(V), H_, hn_, H_, w_.lm_head, logits_dev_.as(), CUDA_R_32F, long(V), 0.f, stream_);
+  logits.resize(size_t(rows) * V);
+  check_cuda(cudaMemcpyAsync(logits.data(), logits_dev_.as(), logits.size() * 4, cudaMemcpyDeviceToHost, stream_),
+             "logits download");
+}
+
+// ---- folds -----------------------------------------------------------------------------------------------------
+
+// Appends fold f's affine steps for linear layer l (DESIGN.md 3.3): Install S = S(C|0); Transition S <- T_C S + S(C|0)
+// as (T_seam, S_seam) then (T_int, S_int); Interior S <- T_int S + S_int; Naive S <- S + S(C|0) (S(C|0) precomputed
+// in `naive_whole` at [fold index][layer]).
+void fold_steps(const Fold& f, int l, std::vector<kc::AffineStep>& out, const float* naive_whole) {
+  switch (f.kind) {
+    case Fold::Install:
+      out.push_back({nullptr, f.e->S_seam(l), nullptr, 0.f});
+      out.push_back({f.e->T_int(l), f.e->S_int(l), nullptr, 1.f});
+      break;
+    case Fold::Transition:
+      out.push_back({f.e->T_seam(l), f.e->S_seam(l), nullptr, 1.f});
+      out.push_back({f.e->T_int(l), f.e->S_int(l), nullptr, 1.f});
+      break;
+    case Fold::Interior: out.push_back({f.e->T_int(l), f.e->S_int(l), nullptr, 1.f}); break;
+    case Fold::Naive: out.push_back({nullptr, naive_whole, nullptr, 1.f}); break;
+  }
+}
+
+// KV rows a fold brings in, per attention layer: the entry's rows [from, n) at real positions base + from ...
+struct KvRows {
+  std::vector<const kc::bf16*> k, v;  // [n_attn][rows]
+  std::vector<int> deltas, dst;        // [rows]
+};
+
+void CudaBackend::apply_folds(CudaSequence& s, const std::vector<Fold>& folds) {
+  if (folds.empty()) return;
+  Tables tb;
+  // Naive folds need S(C|0) of each entry: a chain per (fold, layer) from zero.
+  DeviceMemory whole;
+  std::vector<int> naive_index(folds.size(), -1);
+  int n_naive = 0;
+  for (size_t i = 0; i < folds.size(); ++i)
+    if (folds[i].kind == Fold::Naive) naive_index[i] = n_naive++;
+  if (n_naive && n_lin_) {
+    whole = DeviceMemory(size_t(n_naive) * n_lin_ * state_layer_bytes_, "naive-mode segment states", stream_, true);
+    std::vector<kc::AffineStep> st;
+    std::vector<float*> fin;
+    for (size_t i = 0; i < folds.size(); ++i) {
+      if (naive_index[i] < 0) continue;
+      for (int l = 0; l < n_lin_; ++l) {
+        st.push_back({nullptr, folds[i].e->S_seam(l), nullptr, 0.f});
+        st.push_back({folds[i].e->T_int(l), folds[i].e->S_int(l), nullptr, 1.f});
+        fin.push_back(reinterpret_cast<float*>(whole.bytes_ptr((size_t(naive_index[i]) * n_lin_ + l) * state_layer_bytes_)));
+      }
+    }
+    Tables t0;
+    const size_t o_st = t0.add(st), o_fin = t0.add(fin);
+    DeviceMemory dev;
+    t0.upload(dev, stream_);
+    kc::affine_chain(n_naive * n_lin_, nv_, 2, t0.dev<kc::AffineStep>(o_st), nullptr, t0.dev<float*>(o_fin), stream_);
+    check_cuda(cudaStreamSynchronize(stream_), "naive states");
+  }
+  // Linear layers: one chain per layer from the slot state back into it; conv state <- the last fold's tail.
+  std::vector<kc::AffineStep> steps;
+  std::vector<const float*> init;
+  std::vector<float*> fin;
+  std::vector<kc::CopyDesc> copies;
+  int steps_per_chain = 0;
+  for (const Fold& f : folds) steps_per_chain += f.steps();
+  for (int l = 0; l < n_lin_; ++l) {
+    for (size_t i = 0; i < folds.size(); ++i) {
+      const float* nw = naive_index[i] >= 0 ? reinterpret_cast<const float*>(whole.bytes_ptr(
+                                                  (size_t(naive_index[i]) * n_lin_ + l) * state_layer_bytes_))
+                                            : nullptr;
+      fold_steps(folds[i], l, steps, nw);
+    }
+    init.push_back(ssm(l, s.slot_));
+    fin.push_back(ssm(l, s.slot_));
+    copies.push_back({folds.back().e->conv(l), convs(l, s.slot_), long(conv_layer_bytes_)});
+  }
+  // Attention layers: K/V rows of every fold.
+  KvRows kv;
+  kv.k.resize(n_attn_), kv.v.resize(n_attn_);
+  std::vector<std::vector<const kc::bf16*>> kp(n_attn_), vp(n_attn_);
+  int64_t top = s.n_;
+  for (const Fold& f : folds) top = std::max<int64_t>(top, f.base + f.e->n());
+  ensure_pages(s, top);
+  for (const Fold& f : folds) {
+    for (int j = f.from(); j < f.e->n(); ++j) {
+      kv.deltas.push_back(int(f.base));
+      kv.dst.push_back(page_row(s, f.base + j));
+      for (int a = 0; a < n_attn_; ++a) {
+        kp[a].push_back(f.e->K(a) + size_t(j) * nkv_ * hd_);
+        vp[a].push_back(f.e->V(a) + size_t(j) * nkv_ * hd_);
+      }
+    }
+  }
+  const size_t o_steps = tb.add(steps), o_init = tb.add(init), o_fin = tb.add(fin), o_cp = tb.add(copies);
+  const size_t o_delta = tb.add(kv.deltas), o_dst = tb.add(kv.dst);
+  std::vector<size_t> o_k(n_attn_), o_v(n_attn_);
+  for (int a = 0; a < n_attn_; ++a) o_k[a] = tb.add(kp[a]), o_v[a] = tb.add(vp[a]);
+  tb.upload(tables_dev_, stream_);
+  kc::affine_chain(n_lin_, nv_, steps_per_chain, tb.dev<kc::AffineStep>(o_steps), tb.dev<const float*>(o_init),
+                   tb.dev<float*>(o_fin), stream_);
+  if (n_lin_) kc::batched_copy(int(copies.size()), tb.dev<kc::CopyDesc>(o_cp), stream_);
+  const int rows = int(kv.dst.size());
+  for (int a = 0; a < n_attn_ && rows; ++a)
+    kc::kv_import(rows, nkv_, hd_, cfg_.rotary_dim(), tb.dev<const kc::bf16*>(o_k[a]), tb.dev<const kc::bf16*>(o_v[a]),
+                  tb.dev<int>(o_delta), inv_freq_.as<float>(), tb.dev<int>(o_dst), k_pool_[a].as<kc::bf16>(),
+                  v_pool_[a].as<kc::bf16>(), stream_);
+  for (const Fold& f : folds) s.n_ = std::max<int64_t>(s.n_, f.base + f.e->n());
+  check_cuda(cudaStreamSynchronize(stream_), "apply_folds");
+}
+
+// ---- one forward pass over runs of spans ----------------------------------------------------------------------
+
+std::vector<float> CudaBackend::run_pass(CudaSequence& s, const std::vector<Run>& runs, bool want_logits,
+                                         bool all_logits) {
+  const int R = int(runs.size());
+  // Tokens, positions, KV rows, attention groups, run boundaries.
+  std::vector<int32_t> ids, pos, rows;
+  std::vector<int> q_start{0}, slot0, run_cu{0};
+  int max_q = 0;
+  int64_t top = s.n_;
+  for (const Run& r : runs) {
+    for (const Span& sp : r.spans) top = std::max<int64_t>(top, sp.position + int64_t(sp.ids.size()));
+    for (const Fold& f : r.folds_before) top = std::max<int64_t>(top, f.base + f.e->n());
+  }
+  ensure_pages(s, top);
+  for (const Run& r : runs) {
+    for (const Span& sp : r.spans) {
+      for (size_t t = 0; t < sp.ids.size(); ++t) {
+        ids.push_back(sp.ids[t]);
+        pos.push_back(int32_t(sp.position + int64_t(t)));
+        rows.push_back(page_row(s, sp.position + int64_t(t)));
+      }
+      q_start.push_back(int(ids.size()));
+      slot0.push_back(int(sp.position));
+      max_q = std::max(max_q, int(sp.ids.size()));
+    }
+    run_cu.push_back(int(ids.size()));
+  }
+  const int T = int(ids.size());
+  const int G = int(slot0.size());
+  if (T > Tmax_) throw std::logic_error("run_pass: more tokens than max_batch_tokens");
+  const int max_pages = std::max<int>(1, int(s.pages_.size()));
+  std::vector<int> bt;
+  for (int g = 0; g < G; ++g) {
+    bt.insert(bt.end(), s.pages_.begin(), s.pages_.end());
+    bt.resize(size_t(g + 1) * max_pages, 0);
+  }
+  // Linear layers: chain steps, conv initial states, run states.
+  const bool chain = R > 1;
+  const size_t S1 = state_layer_bytes_;
+  Layout rl;
+  const size_t o_init = rl.add(R * S1), o_fin = rl.add(R * S1), o_tz = rl.add(std::max(R - 1, 0) * S1),
+               o_sz = rl.add(std::max(R - 1, 0) * S1), o_cs = rl.add(R * conv_layer_bytes_);
+  if (n_lin_) ensure_capacity(run_scratch_, rl.total(), "per-run states of a pass");
+  auto rs_f = [&](size_t off, int i) { return reinterpret_cast<float*>(run_scratch_.bytes_ptr(off + i * S1)); };
+  kc::bf16* conv_states = n_lin_ ? reinterpret_cast<kc::bf16*>(run_scratch_.bytes_ptr(o_cs)) : nullptr;
+  std::vector<kc::AffineStep> steps;
+  std::vector<const float*> chain_init;
+  std::vector<kc::CopyDesc> conv_in, conv_out_copy, fin_copy;
+  int steps_per_chain = 0;
+  if (chain) {
+    steps_per_chain = 1;
+    for (int r = 1; r < R; ++r) {
+      steps_per_chain += 1;
+      for (const Fold& f : runs[r].folds_before) steps_per_chain += f.steps();
+      if (runs[r].folds_before.empty()) throw std::logic_error("run_pass: a run after the first has no fold");
+    }
+  }
+  for (int l = 0; l < n_lin_; ++l) {
+    if (chain) {
+      steps.push_back({nullptr, nullptr, rs_f(o_init, 0), 1.f});
+      for (int r = 1; r < R; ++r) {
+        steps.push_back({rs_f(o_tz, r - 1), rs_f(o_sz, r - 1), nullptr, 1.f});
+        for (const Fold& f : runs[r].folds_before) fold_steps(f, l, steps, nullptr);
+        steps.back().out = rs_f(o_init, r);
+      }
+      chain_init.push_back(ssm(l, s.slot_));
+      fin_copy.push_back({rs_f(o_fin, R - 1), ssm(l, s.slot_), long(S1)});
+    }
+    for (int r = 0; r < R; ++r) {
+      const void* src = r == 0 ? static_cast<const void*>(convs(l, s.slot_))
+                               : static_cast<const void*>(runs[r].folds_before.back().e->conv(l));
+      conv_in.push_back({src, reinterpret_cast<char*>(conv_states) + size_t(r) * conv_layer_bytes_, long(conv_layer_bytes_)});
+    }
+    conv_out_copy.push_back(
+        {reinterpret_cast<char*>(conv_states) + size_t(R - 1) * conv_layer_bytes_, convs(l, s.slot_), long(conv_layer_bytes_)});
+  }
+  for (const Run& r : runs)
+    for (const Fold& f : r.folds_before)
+      if (f.kind == Fold::Naive) throw std::logic_error("run_pass: naive folds go through apply_folds");
+  // KV rows of the folds inside the pass.
+  std::vector<std::vector<const kc::bf16*>> kp(n_attn_), vp(n_attn_);
+  std::vector<int> kv_delta, kv_dst;
+  for (const Run& r : runs)
+    for (const Fold& f : r.folds_before)
+      for (int j = f.from(); j < f.e->n(); ++j) {
+        kv_delta.push_back(int(f.base));
+        kv_dst.push_back(page_row(s, f.base + j));
+        for (int a = 0; a < n_attn_; ++a) {
+          kp[a].push_back(f.e->K(a) + size_t(j) * nkv_ * hd_);
+          vp[a].push_back(f.e->V(a) + size_t(j) * nkv_ * hd_);
+        }
+      }
+  // Logit rows: the last span's tokens (all_logits) or its last token.
+  std::vector<int> logit_rows;
+  if (want_logits) {
+    const int last_start = q_start[G - 1];
+    for (int t = all_logits ? last_start : T - 1; t < T; ++t) logit_rows.push_back(t);
+  }
+  Tables tb;
+  const size_t t_ids = tb.add(ids), t_pos = tb.add(pos), t_rows = tb.add(rows), t_qs = tb.add(q_start),
+               t_s0 = tb.add(slot0), t_bt = tb.add(bt), t_cu = tb.add(run_cu), t_steps = tb.add(steps),
+               t_cinit = tb.add(chain_init), t_cin = tb.add(conv_in), t_cout = tb.add(conv_out_copy),
+               t_fin = tb.add(fin_copy), t_kd = tb.add(kv_delta), t_kdst = tb.add(kv_dst), t_lr = tb.add(logit_rows);
+  std::vector<size_t> t_k(n_attn_), t_v(n_attn_);
+  for (int a = 0; a < n_attn_; ++a) t_k[a] = tb.add(kp[a]), t_v[a] = tb.add(vp[a]);
+  tb.upload(tables_dev_, stream_);
+  check_cuda(cudaMemcpyAsync(d_ids_, tb.dev<int32_t>(t_ids), size_t(T) * 4, cudaMemcpyDeviceToDevice, stream_), "ids");
+
+  kc::AttnGroups groups;
+  groups.num_groups = G;
+  groups.q_start = tb.dev<int>(t_qs);
+  groups.slot0 = tb.dev<int>(t_s0);
+  groups.block_table = tb.dev<int>(t_bt);
+  groups.max_pages = max_pages;
+  groups.total_q = T;
+  groups.max_q = max_q;
+  groups.max_kv = int(top);
+  const int import_rows = int(kv_dst.size());
+
+  kc::embed_gather(T, H_, d_ids_, w_.embed, x_, stream_);
+  for (int i = 0; i < cfg_.num_hidden_layers; ++i) {
+    const DevLayer& L = w_.layers[i];
+    kc::rms_norm_residual(T, H_, x_, H_, nullptr, L.input_layernorm, eps_, hn_, stream_);
+    if (L.type == LayerType::Linear) {
+      const int l = cfg_.linear_index(i);
+      linear_gemms(L.linear, T);
+      kc::batched_copy(R, tb.dev<kc::CopyDesc>(t_cin) + size_t(l) * R, stream_);
+      kc::conv1d_silu_prefill(R, tb.dev<int>(t_cu), T, C_, K_, qkv_, L.linear.conv1d, conv_states, conv_out_, stream_);
+      kc::batched_copy(1, tb.dev<kc::CopyDesc>(t_cout) + l, stream_);
+      kc::split_qkv(T, qd_, vd_, conv_out_, q_, k_, v_, stream_);
+      kc::GdnPrefillArgs g;
+      g.num_k_heads = nk_, g.num_v_heads = nv_, g.q = q_, g.k = k_, g.v = v_;
+      g.gate_a = ga_, g.gate_b = gb_, g.A_log = L.linear.A_log, g.dt_bias = L.linear.dt_bias;
+      g.l2norm_qk = true, g.scale = gdn_scale_;
+      if (chain) {
+        kc::GdnPrefillArgs a = g;  // phase A: runs 0..R-2 from zero: (T, S(run|0))
+        a.num_seqs = R - 1, a.cu_seqlens_host = run_cu.data();
+        a.final_state = rs_f(o_sz, 0), a.transition = rs_f(o_tz, 0), a.out = nullptr;
+        kc::gdn_prefill(a, ws_a_, stream_);
+        kc::affine_chain(1, nv_, steps_per_chain, tb.dev<kc::AffineStep>(t_steps) + size_t(l) * steps_per_chain,
+                         tb.dev<const float*>(t_cinit) + l, nullptr, stream_);
+        g.initial_state = rs_f(o_init, 0), g.final_state = rs_f(o_fin, 0);
+      } else {
+        g.initial_state = ssm(l, s.slot_), g.final_state = ssm(l, s.slot_);
+      }
+      g.num_seqs = R, g.cu_seqlens_host = run_cu.data(), g.out = o_;
+      kc::gdn_prefill(g, ws_c_, stream_);
+      if (chain) kc::batched_copy(1, tb.dev<kc::CopyDesc>(t_fin) + l, stream_);
+      linear_finish(L.linear, T);
+    } else {
+      const int a = cfg_.attention_index(i);
+      attention_gemms(L.attention, T);
+      if (import_rows)
+        kc::kv_import(import_rows, nkv_, hd_, cfg_.rotary_dim(), tb.dev<const kc::bf16*>(t_k[a]),
+                      tb.dev<const kc::bf16*>(t_v[a]), tb.dev<int>(t_kd), inv_freq_.as<float>(), tb.dev<int>(t_kdst),
+                      k_pool_[a].as<kc::bf16>(), v_pool_[a].as<kc::bf16>(), stream_);
+      kc::attention_prepare(T, nh_, nkv_, hd_, cfg_.rotary_dim(), cfg_.attn_output_gate, qg_, kv_, kv_ + nkv_ * hd_,
+                            2 * nkv_ * hd_, L.attention.q_norm, L.attention.k_norm, eps_, tb.dev<int>(t_pos),
+                            inv_freq_.as<float>(), tb.dev<int>(t_rows), aq_, k_pool_[a].as<kc::bf16>(),
+                            v_pool_[a].as<kc::bf16>(), stream_);
+      const bool gate = cfg_.attn_output_gate;
+      kc::attention_prefill(groups, nh_, nkv_, hd_, aq_, k_pool_[a].as<kc::bf16>(), v_pool_[a].as<kc::bf16>(),
+                            attn_scale_, gate ? qg_ + hd_ : nullptr, gate ? long(2) * nh_ * hd_ : 0, gate ? 2 * hd_ : 0,
+                            ao_, stream_);
+      gemm_.linear(T, H_, nh_ * hd_, ao_, nh_ * hd_, L.attention.o_proj, x_, CUDA_R_32F, H_, 1.f, stream_);
+    }
+    ffn(L, T);
+  }
+  for (const Run& r : runs)
+    for (const Fold& f : r.folds_before) s.n_ = std::max<int64_t>(s.n_, f.base + f.e->n());
+  s.n_ = std::max<int64_t>(s.n_, top);
+  std::vector<float> logits;
+  if (want_logits) lm_head(int(logit_rows.size()), tb.dev<int>(t_lr), logits);
+  check_cuda(cudaStreamSynchronize(stream_), "forward pass");
+  return logits;
+}
+
+void CudaBackend::snapshot_linear(const CudaSequence& s, std::vector<std::vector<float>>& out) const {
+  out.assign(n_lin_, std::vector<float>(state_layer_bytes_ / 4));
+  for (int l = 0; l < n_lin_; ++l)
+    check_cuda(cudaMemcpyAsync(out[l].data(), ssm(l, s.slot_), state_layer_bytes_, cudaMemcpyDeviceToHost, stream_),
+               "state snapshot");
+  check_cuda(cudaStreamSynchronize(stream_), "state snapshot");
+}
+
+// Packs items into passes of at most max_batch_tokens tokens and runs them. A span longer than the room left is cut;
+// its rest continues in the next pass from the slot state. Folds before the first span of a pass are applied
+// before it (apply_folds); later folds go between the pass's runs.
+void CudaBackend::execute(CudaSequence& s, const std::vector<Item>& items_in, bool all_logits,
+                          std::vector<float>& logits, bool keep_context, std::vector<std::vector<float>>* context) {
+  std::vector<Item> items = items_in;
+  const size_t n = items.size();
+  std::vector<Run> runs;
+  int64_t used = 0;
+  auto flush = [&](bool last) {
+    if (runs.empty()) return;
+    std::vector<float> lg = run_pass(s, runs, last, all_logits);
+    if (last) logits = std::move(lg);
+    runs.clear();
+    used = 0;
+  };
+  for (size_t i = 0; i < n; ++i) {
+    Item it = items[i];
+    const bool is_last = i + 1 == n;
+    if (is_last && keep_context) {  // the state after every segment: flush, fold, snapshot, then the query alone
+      flush(false);
+      apply_folds(s, it.folds);
+      it.folds.clear();
+      snapshot_linear(s, *context);
+    }
+    while (true) {
+      const int64_t len = int64_t(it.span.ids.size());
+      if (!it.folds.empty() && runs.empty()) {  // folds at the start of a pass: into the slot before it
+        apply_folds(s, it.folds);
+        it.folds.clear();
+      }
+      const int64_t room = Tmax_ - used;
+      if (len <= room) {
+        if (runs.empty() || !it.folds.empty()) runs.push_back(Run{it.folds, {}});
+        runs.back().spans.push_back(it.span);
+        used += len;
+        break;
+      }
+      if (room > 0 && it.folds.empty()) {  // cut the span: the head fills this pass
+        if (runs.empty()) runs.push_back(Run{});
+        runs.back().spans.push_back({it.span.ids.subspan(0, size_t(room)), it.span.position});
+        it.span = {it.span.ids.subspan(size_t(room)), it.span.position + room};
+      }
+      flush(false);
+    }
+  }
+  flush(true);
+}
+
+// ---- checkpoints (prefix mode) ---------------------------------------------------------------------------------
+
+std::shared_ptr<CudaBackend::Checkpoint> CudaBackend::save_checkpoint(const CudaSequence& s) {
+  auto cp = std::make_shared<Checkpoint>();
+  cp->n = s.n_;
+  const size_t lin = size_t(n_lin_) * (state_layer_bytes_ + conv_layer_bytes_);
+  const size_t kv = size_t(n_attn_) * 2 * size_t(s.n_) * kv_row_;
+  cp->mem = DeviceMemory(lin + kv, "prefix checkpoint", stream_, true);
+  std::vector<kc::CopyDesc> c;
+  char* p = cp->mem.bytes_ptr();
+  for (int l = 0; l < n_lin_; ++l) {
+    c.push_back({ssm(l, s.slot_), p, long(state_layer_bytes_)}), p += state_layer_bytes_;
+    c.push_back({convs(l, s.slot_), p, long(conv_layer_bytes_)}), p += conv_layer_bytes_;
+  }
+  for (int a = 0; a < n_attn_; ++a)
+    for (int kvi = 0; kvi < 2; ++kvi)
+      for (int64_t t = 0; t < s.n_; t += kPage) {
+        const int64_t cnt = std::min<int64_t>(kPage, s.n_ - t);
+        const char* src = (kvi ? v_pool_[a] : k_pool_[a]).bytes_ptr(size_t(page_row(s, t)) * kv_row_);
+        c.push_back({src, p, long(cnt * kv_row_)}), p += cnt * kv_row_;
+      }
+  Tables tb;
+  const size_t o = tb.add(c);
+  tb.upload(tables_dev_, stream_);
+  kc::batched_copy(int(c.size()), tb.dev<kc::CopyDesc>(o), stream_);
+  check_cuda(cudaStreamSynchronize(stream_), "prefix checkpoint");
+  return cp;
+}
+
+void CudaBackend::restore_checkpoint(CudaSequence& s, const Checkpoint& cp) {
+  ensure_pages(s, cp.n);
+  std::vector<kc::CopyDesc> c;
+  const char* p = cp.mem.bytes_ptr();
+  for (int l = 0; l < n_lin_; ++l) {
+    c.push_back({p, ssm(l, s.slot_), long(state_layer_bytes_)}), p += state_layer_bytes_;
+    c.push_back({p, convs(l, s.slot_), long(conv_layer_bytes_)}), p += conv_layer_bytes_;
+  }
+  for (int a = 0; a < n_attn_; ++a)
+    for (int kvi = 0; kvi < 2; ++kvi)
+      for (int64_t t = 0; t < cp.n; t += kPage) {
+        const int64_t cnt = std::min<int64_t>(kPage, cp.n - t);
+        char* dst = (kvi ? v_pool_[a] : k_pool_[a]).bytes_ptr(size_t(page_row(s, t)) * kv_row_);
+        c.push_back({p, dst, long(cnt * kv_row_)}), p += cnt * kv_row_;
+      }
+  Tables tb;
+  const size_t o = tb.add(c);
+  tb.upload(tables_dev_, stream_);
+  kc::batched_copy(int(c.size()), tb.dev<kc::CopyDesc>(o), stream_);
+  check_cuda(cudaStreamSynchronize(stream_), "prefix restore");
+  s.n_ = cp.n;
+}
+
+SegmentDigest chain_digest(const SegmentDigest& prev, std::span<const int32_t> ids) {
+  XXH3_state_t* st = XXH3_createState();
+  XXH3_128bits_reset(st);
+  XXH3_128bits_update(st, prev.data(), prev.size());
+  XXH3_128bits_update(st, ids.data(), ids.size() * sizeof(int32_t));
+  const XXH128_hash_t h = XXH3_128bits_digest(st);
+  XXH3_freeState(st);
+  XXH128_canonical_t c;
+  XXH128_canonicalFromHash(&c, h);
+  SegmentDigest d;
+  std::memcpy(d.data(), c.digest, 16);
+  return d;
+}
+
+// ---- splice ----------------------------------------------------------------------------------------------------
+
+void CudaBackend::check_entry(const PlanSegment& seg, size_t i, const SplicePlan& plan) const {
+  const std::string which = "segment " + std::to_string(i);
+  if (!seg.entry)
+    throw std::invalid_argument("splice: " + which + " has no entry (required by mode " + splice_mode_name(plan.mode) +
+                                ")");
+  const auto* ce = dynamic_cast<const CudaEntry*>(seg.entry.get());
+  if (!ce) throw EntryError("splice: " + which + "'s entry is not resident on this backend (import it first)");
+  if (ce->no_transitions)
+    throw EntryError("splice: " + which + "'s entry was built with benchmark_skip_transitions (no T_C)");
+  if (ce->device() != dev_.index)
+    throw EntryError("splice: " + which + "'s entry lives on cuda:" + std::to_string(ce->device()) + ", not " +
+                     dev_.name());
+  ce->header().check_compatible(fingerprint_, geom_, plan.mode == SpliceMode::Hypic ? plan.seam_width : -1, numerics());
+  if (!seg.ids.empty() && seg.ids != ce->header().token_ids)
+    throw std::invalid_argument("splice: " + which + "'s token ids differ from its entry's");
+}
+
+SpliceOutput CudaBackend::splice(const SplicePlan& plan) {
+  set_device();
+  if (plan.segments.empty()) throw std::invalid_argument("splice: the segment list is empty");
+  if (plan.query.empty()) throw std::invalid_argument("splice: the query has no tokens");
+  if (plan.all_query_logits && int64_t(plan.query.size()) > Tmax_)
+    throw std::invalid_argument("splice: all_query_logits needs a query of at most max_batch_tokens (" +
+                                std::to_string(Tmax_) + ") tokens, got " + std::to_string(plan.query.size()));
+  if (plan.seam_width < 0)
+    throw std::invalid_argument("splice: seam width must be >= 0, got " + std::to_string(plan.seam_width));
+  const bool cached = plan.mode == SpliceMode::Naive || plan.mode == SpliceMode::Transition ||
+                      plan.mode == SpliceMode::Hypic;
+  check_ids(plan.query, "the query");
+  for (size_t i = 0; i < plan.segments.size(); ++i) {
+    const PlanSegment& seg = plan.segments[i];
+    if (cached) check_entry(seg, i, plan);
+    else if (seg.ids.empty() && !(seg.entry && seg.entry->num_tokens() > 0))
+      throw std::invalid_argument("splice: segment " + std::to_string(i) + " has no tokens");
+    if (!seg.ids.empty()) check_ids(seg.ids, "segment " + std::to_string(i));
+  }
+  auto ids_of = [&](size_t i) -> const std::vector<int32_t>& {
+    return plan.segments[i].ids.empty() ? plan.segments[i].entry->header().token_ids : plan.segments[i].ids;
+  };
+  auto entry_of = [&](size_t i) { return static_cast<const CudaEntry*>(plan.segments[i].entry.get()); };
+
+  SpliceOutput out;
+  auto seq = new_sequence();
+  std::vector<Item> items;
+  int64_t pos = 0;
+  std::vector<int32_t> all;  // full mode: every segment's ids then the query, as one span
+  if (plan.mode == SpliceMode::Full) {  // every segment in context as one span, then the query
+    for (size_t i = 0; i < plan.segments.size(); ++i) all.insert(all.end(), ids_of(i).begin(), ids_of(i).end());
+    pos = int64_t(all.size());
+    out.computed_tokens = pos;
+    items.push_back({{}, {std::span<const int32_t>(all), 0}});
+  } else if (plan.mode == SpliceMode::Prefix) {
+    SegmentDigest chain{};
+    std::vector<SegmentDigest> chains;
+    for (size_t i = 0; i < plan.segments.size(); ++i) chains.push_back(chain = chain_digest(chain, ids_of(i)));
+    size_t reused = 0;
+    if (plan.use_prefix_cache) {
+      for (size_t i = plan.segments.size(); i > 0 && !reused; --i)
+        for (auto it = prefix_lru_.begin(); it != prefix_lru_.end(); ++it)
+          if (it->key == chains[i - 1]) {
+            restore_checkpoint(*seq, *it->cp);
+            prefix_lru_.splice(prefix_lru_.begin(), prefix_lru_, it);
+            reused = i;
+            break;
+          }
+    }
+    for (size_t i = 0; i < reused; ++i) pos += int64_t(ids_of(i).size());
+    std::vector<float> unused;
+    for (size_t i = reused; i < plan.segments.size(); ++i) {  // each segment in context, checkpointed at its end
+      execute(*seq, {Item{{}, {std::span<const int32_t>(ids_of(i)), pos}}}, false, unused, false, nullptr);
+      pos += int64_t(ids_of(i).size());
+      out.computed_tokens += int64_t(ids_of(i).size());
+      if (plan.use_prefix_cache && opt_.prefix_cache_bytes) {
+        auto cp = save_checkpoint(*seq);
+        if (cp->mem.size() <= opt_.prefix_cache_bytes) {
+          for (auto it = prefix_lru_.begin(); it != prefix_lru_.end(); ++it)
+            if (it->key == chains[i]) {
+              prefix_bytes_ -= it->cp->mem.size();
+              prefix_lru_.erase(it);
+              break;
+            }
+          while (prefix_bytes_ + cp->mem.size() > opt_.prefix_cache_bytes && !prefix_lru_.empty()) {
+            prefix_bytes_ -= prefix_lru_.back().cp->mem.size();
+            prefix_lru_.pop_back();
+          }
+          prefix_bytes_ += cp->mem.size();
+          prefix_lru_.push_front({chains[i], std::move(cp)});
+        }
+      }
+    }
+    out.prefix_segments_reused = int(reused);
+    items.push_back({{}, {std::span<const int32_t>(plan.query), pos}});
+  } else if (plan.mode == SpliceMode::Naive || plan.mode == SpliceMode::Transition) {
+    std::vector<Fold> folds{{Fold::Install, entry_of(0), 0}};
+    pos = entry_of(0)->n();
+    for (size_t i = 1; i < plan.segments.size(); ++i) {
+      folds.push_back({plan.mode == SpliceMode::Naive ? Fold::Naive : Fold::Transition, entry_of(i), pos});
+      pos += entry_of(i)->n();
+    }
+    items.push_back({std::move(folds), {std::span<const int32_t>(plan.query), pos}});
+  } else {  // hypic: seams in context, interiors folded (DESIGN.md 3.3)
+    std::vector<Fold> pending{{Fold::Install, entry_of(0), 0}};
+    pos = entry_of(0)->n();
+    for (size_t i = 1; i < plan.segments.size(); ++i) {
+      const CudaEntry* e = entry_of(i);
+      const int n = e->n(), sw = std::min(plan.seam_width, n);
+      if (sw > 0) {
+        items.push_back({std::move(pending), {std::span<const int32_t>(e->header().token_ids).subspan(0, size_t(sw)), pos}});
+        pending.clear();
+        out.computed_tokens += sw;
+      }
+      if (n > sw) pending.push_back({Fold::Interior, e, pos});
+      pos += n;
+    }
+    items.push_back({std::move(pending), {std::span<const int32_t>(plan.query), pos}});
+  }
+  if (plan.mode == SpliceMode::Full) items.push_back({{}, {std::span<const int32_t>(plan.query), pos}});
+  out.computed_tokens += int64_t(plan.query.size());
+  execute(*seq, items, plan.all_query_logits, out.logits, plan.keep_context_state, &out.context_states);
+  out.num_tokens = pos + int64_t(plan.query.size());
+  seq->n_ = out.num_tokens;
+  out.sequence = std::move(seq);
+  return out;
+}
+
+// ---- decode ----------------------------------------------------------------------------------------------------
+
+void CudaBackend::decode(std::span<Sequence* const> sequences, std::span<const int32_t> tokens,
+                         std::vector<float>& logits) {
+  set_device();
+  if (sequences.size() != tokens.size())
+    throw std::invalid_argument("decode: " + std::to_string(sequences.size()) + " sequences but " +
+                                std::to_string(tokens.size()) + " tokens");
+  const int B = int(sequences.size());
+  if (B == 0) {
+    logits.clear();
+    return;
+  }
+  if (B > Tmax_) throw std::invalid_argument("decode: batch of " + std::to_string(B) + " above max_batch_tokens");
+  check_ids(tokens, "the decode batch");
+  std::vector<CudaSequence*> seqs(B);
+  for (int b = 0; b < B; ++b) {
+    seqs[b] = dynamic_cast<CudaSequence*>(sequences[b]);
+    if (!seqs[b] || seqs[b]->b_ != this) throw std::invalid_argument("decode: sequence " + std::to_string(b) + " is not this backend's");
+    for (int c = 0; c < b; ++c)
+      if (seqs[c] == seqs[b]) throw std::invalid_argument("decode: sequence " + std::to_string(b) + " appears twice");
+  }
+  for (auto* s : seqs) ensure_pages(*s, s->n_ + 1);
+  std::vector<int32_t> pos(B), rows(B), slots(B), qs(B + 1);
+  int max_pages = 1, max_kv = 1;
+  for (int b = 0; b < B; ++b) max_pages = std::max<int>(max_pages, int(seqs[b]->pages_.size()));
+  std::vector<int> bt(size_t(B) * max_pages, 0);
+  for (int b = 0; b < B; ++b) {
+    const CudaSequence& s = *seqs[b];
+    pos[b] = int32_t(s.n_);
+    rows[b] = n_attn_ ? page_row(s, s.n_) : 0;
+    slots[b] = s.slot_;
+    qs[b] = b;
+    std::copy(s.pages_.begin(), s.pages_.end(), bt.begin() + size_t(b) * max_pages);
+    max_kv = std::max<int>(max_kv, int(s.n_ + 1));
+  }
+  qs[B] = B;
+  std::vector<int> all_rows(B);
+  std::iota(all_rows.begin(), all_rows.end(), 0);
+  Tables tb;
+  const size_t t_ids = tb.add(std::vector<int32_t>(tokens.begin(), tokens.end())), t_pos = tb.add(pos),
+               t_rows = tb.add(rows), t_slots = tb.add(slots), t_qs = tb.add(qs), t_bt = tb.add(bt),
+               t_lr = tb.add(all_rows);
+  tb.upload(tables_dev_, stream_);
+  kc::AttnGroups groups;
+  groups.num_groups = B;
+  groups.q_start = tb.dev<int>(t_qs);
+  groups.slot0 = tb.dev<int>(t_pos);
+  groups.block_table = tb.dev<int>(t_bt);
+  groups.max_pages = max_pages;
+  groups.total_q = B;
+  groups.max_q = 1;
+  groups.max_kv = max_kv;
+
+  kc::embed_gather(B, H_, tb.dev<int32_t>(t_ids), w_.embed, x_, stream_);
+  for (int i = 0; i < cfg_.num_hidden_layers; ++i) {
+    const DevLayer& L = w_.layers[i];
+    kc::rms_norm_residual(B, H_, x_, H_, nullptr, L.input_layernorm, eps_, hn_, stream_);
+    if (L.type == LayerType::Linear) {
+      const int l = cfg_.linear_index(i);
+      linear_gemms(L.linear, B);
+      kc::conv1d_silu_decode(B, C_, K_, qkv_, L.linear.conv1d, convs(l, 0), conv_out_, stream_, tb.dev<int>(t_slots));
+      kc::split_qkv(B, qd_, vd_, conv_out_, q_, k_, v_, stream_);
+      kc::gdn_decode_gated(B, nk_, nv_, q_, k_, v_, ga_, gb_, L.linear.A_log, L.linear.dt_bias, true, gdn_scale_,
+                           ssm(l, 0), o_, stream_, tb.dev<int>(t_slots));
+      linear_finish(L.linear, B);
+    } else {
+      const int a = cfg_.attention_index(i);
+      attention_gemms(L.attention, B);
+      kc::attention_prepare(B, nh_, nkv_, hd_, cfg_.rotary_dim(), cfg_.attn_output_gate, qg_, kv_, kv_ + nkv_ * hd_,
+                            2 * nkv_ * hd_, L.attention.q_norm, L.attention.k_norm, eps_, tb.dev<int>(t_pos),
+                            inv_freq_.as<float>(), tb.dev<int>(t_rows), aq_, k_pool_[a].as<kc::bf16>(),
+                            v_pool_[a].as<kc::bf16>(), stream_);
+      const bool gate = cfg_.attn_output_gate;
+      kc::attention_decode(groups, nh_, nkv_, hd_, aq_, k_pool_[a].as<kc::bf16>(), v_pool_[a].as<kc::bf16>(),
+                           attn_scale_, gate ? qg_ + hd_ : nullptr, gate ? long(2) * nh_ * hd_ : 0, gate ? 2 * hd_ : 0,
+                           ao_, attn_ws_, stream_);
+      gemm_.linear(B, H_, nh_ * hd_, ao_, nh_ * hd_, L.attention.o_proj, x_, CUDA_R_32F, H_, 1.f, stream_);
+    }
+    ffn(L, B);
+  }
+  lm_head(B, tb.dev<int>(t_lr), logits);
+  check_cuda(cudaStreamSynchronize(stream_), "decode step");
+  for (auto* s : seqs) s->n_ += 1;
+}
+
+// ---- entry builds ----------------------------------------------------------------------------------------------
+
+std::vector<std::shared_ptr<const ResidentEntry>> CudaBackend::build_entries(
+    std::span<const std::vector<int32_t>> segments, int seam_width) {
+  set_device();
+  if (seam_width < 0) throw std::invalid_argument("build_entries: seam width must be >= 0, got " + std::to_string(seam_width));
+  for (size_t i = 0; i < segments.size(); ++i) {
+    if (segments[i].empty()) throw std::invalid_argument("build_entries: segment " + std::to_string(i) + " has no tokens");
+    if (int64_t(segments[i].size()) > Tmax_)
+      throw ResourceExhausted("build_entries: segment " + std::to_string(i) + " has " +
+                              std::to_string(segments[i].size()) + " tokens, above the " + std::to_string(Tmax_) +
+                              "-token forward pass of this worker (--max-batch-tokens)");
+    check_ids(segments[i], "segment " + std::to_string(i));
+  }
+  std::vector<std::shared_ptr<CudaEntry>> built;
+  // Greedy batches of at most max_batch_tokens tokens and max_sequences segments.
+  size_t begin = 0;
+  while (begin < segments.size()) {
+    size_t end = begin;
+    int64_t tok = 0;
+    while (end < segments.size() && tok + int64_t(segments[end].size()) <= Tmax_ &&
+           int(end - begin) < std::max(1, opt_.max_sequences)) {
+      tok += int64_t(segments[end].size());
+      ++end;
+    }
+    build_batch(segments.subspan(begin, end - begin), seam_width, built);
+    begin = end;
+  }
+  return {built.begin(), built.end()};
+}
+
+void CudaBackend::build_batch(std::span<const std::vector<int32_t>> segs, int w,
+                              std::vector<std::shared_ptr<CudaEntry>>& out) {
+  const int N = int(segs.size());
+  // Temporary pages for each segment's KV (taken from the pool, returned at the end).
+  std::vector<std::vector<int>> pages(N);
+  int max_pages = 1;
+  struct PageGuard {
+    CudaBackend* b;
+    std::vector<std::vector<int>>* p;
+    ~PageGuard() {
+      std::lock_guard lock(b->pool_mu_);
+      for (auto& v : *p) b->free_pages_.insert(b->free_pages_.end(), v.begin(), v.end());
+    }
+  } guard{this, &pages};
+  if (n_attn_) {
+    std::lock_guard lock(pool_mu_);
+    size_t need = 0;
+    for (const auto& s : segs) need += (s.size() + kPage - 1) / kPage;
+    if (need > free_pages_.size())
+      throw ResourceExhausted("KV pool exhausted (--kv-pool-bytes): building " + std::to_string(N) + " segments needs " +
+                              std::to_string(need) + " pages, " + std::to_string(free_pages_.size()) + " free");
+    for (int i = 0; i < N; ++i) {
+      for (size_t p = 0; p < (segs[i].size() + kPage - 1) / kPage; ++p) {
+        pages[i].push_back(free_pages_.back());
+        free_pages_.pop_back();
+      }
+      max_pages = std::max<int>(max_pages, int(pages[i].size()));
+    }
+  }
+  std::vector<int32_t> ids, pos, rows;
+  std::vector<int> cu{0}, pieces{0}, seam_cu{0}, seam_rows, bt(size_t(N) * max_pages, 0), slot0(N, 0);
+  int max_q = 0, max_kv = 1;
+  std::vector<std::shared_ptr<CudaEntry>> entries;
+  for (int i = 0; i < N; ++i) {
+    const int n = int(segs[i].size()), sw = std::min(w, n);
+    const int base = int(ids.size());
+    for (int t = 0; t < n; ++t) {
+      ids.push_back(segs[i][t]);
+      pos.push_back(t);
+      rows.push_back(n_attn_ ? pages[i][t / kPage] * kPage + t % kPage : 0);
+    }
+    for (int t = 0; t < sw; ++t) seam_rows.push_back(base + t);
+    cu.push_back(int(ids.size()));
+    pieces.push_back(base + sw);
+    pieces.push_back(int(ids.size()));
+    seam_cu.push_back(int(seam_rows.size()));
+    std::copy(pages[i].begin(), pages[i].end(), bt.begin() + size_t(i) * max_pages);
+    max_q = std::max(max_q, n);
+    max_kv = std::max(max_kv, n);
+    SegmentEntry h;
+    h.model_fingerprint = fingerprint_;
+    h.numerics = std::string(numerics());
+    h.seam_width = w;
+    h.token_ids = segs[i];
+    h.geometry = geom_;
+    entries.push_back(std::make_shared<CudaEntry>(*this, std::move(h), stream_));
+    entries.back()->no_transitions = opt_.benchmark_skip_transitions;
+  }
+  const int T = int(ids.size());
+  const int S = int(seam_rows.size());
+  // Per-layer scratch: seam finals [N], piece initial states [2N], finals [2N], transitions [2N], conv states [N].
+  const size_t S1 = state_layer_bytes_;
+  Layout rl;
+  const size_t o_sf = rl.add(N * S1), o_pi = rl.add(2 * N * S1), o_pf = rl.add(2 * N * S1), o_pt = rl.add(2 * N * S1),
+               o_cs = rl.add(N * conv_layer_bytes_), o_sq = rl.add(S * qd_ * 2 + 16), o_sk = rl.add(S * qd_ * 2 + 16),
+               o_sv = rl.add(S * vd_ * 2 + 16), o_sa = rl.add(S * nv_ * 2 + 16), o_sb = rl.add(S * nv_ * 2 + 16);
+  if (n_lin_) ensure_capacity(run_scratch_, rl.total(), "per-segment states of an entry build");
+  auto rs_f = [&](size_t off, int i) { return reinterpret_cast<float*>(run_scratch_.bytes_ptr(off + i * S1)); };
+  auto rs_b = [&](size_t off) { return reinterpret_cast<kc::bf16*>(run_scratch_.bytes_ptr(off)); };
+  kc::bf16* conv_states = n_lin_ ? rs_b(o_cs) : nullptr;
+  // Copy tables, per linear layer: seam finals -> odd piece initials; entry T_seam, S_seam, T_int, conv tail.
+  std::vector<kc::CopyDesc> init_copy, entry_copy;
+  std::vector<kc::AffineStep> sub;   // [layer][N]: S_int = S_end - T_int S_seam
+  std::vector<const float*> sub_init;
+  std::vector<float*> sub_fin;
+  for (int l = 0; l < n_lin_; ++l) {
+    for (int i = 0; i < N; ++i) {
+      init_copy.push_back({rs_f(o_sf, i), rs_f(o_pi, 2 * i + 1), long(S1)});
+      CudaEntry& e = *entries[i];
+      entry_copy.push_back({rs_f(o_pt, 2 * i), e.T_seam(l), long(S1)});
+      entry_copy.push_back({rs_f(o_pf, 2 * i), e.S_seam(l), long(S1)});
+      entry_copy.push_back({rs_f(o_pt, 2 * i + 1), e.T_int(l), long(S1)});
+      entry_copy.push_back({conv_states + size_t(i) * conv_layer_bytes_ / 2, e.conv(l), long(conv_layer_bytes_)});
+      sub.push_back({rs_f(o_pt, 2 * i + 1), rs_f(o_pf, 2 * i + 1), nullptr, -1.f});
+      sub_init.push_back(rs_f(o_pf, 2 * i));
+      sub_fin.push_back(e.S_int(l));
+    }
+  }
+  Tables tb;
+  const size_t t_ids = tb.add(ids), t_pos = tb.add(pos), t_rows = tb.add(rows), t_cu = tb.add(cu), t_bt = tb.add(bt),
+               t_s0 = tb.add(slot0), t_sr = tb.add(seam_rows), t_ic = tb.add(init_copy), t_ec = tb.add(entry_copy),
+               t_sub = tb.add(sub), t_si = tb.add(sub_init), t_sf = tb.add(sub_fin);
+  tb.upload(tables_dev_, stream_);
+  check_cuda(cudaMemcpyAsync(d_ids_, tb.dev<int32_t>(t_ids), size_t(T) * 4, cudaMemcpyDeviceToDevice, stream_), "ids");
+  kc::AttnGroups groups;
+  groups.num_groups = N;
+  groups.q_start = tb.dev<int>(t_cu);
+  groups.slot0 = tb.dev<int>(t_s0);
+  groups.block_table = tb.dev<int>(t_bt);
+  groups.max_pages = max_pages;
+  groups.total_q = T;
+  groups.max_q = max_q;
+  groups.max_kv = max_kv;
+  const int per_layer_copies = 4 * N;
+
+  kc::embed_gather(T, H_, d_ids_, w_.embed, x_, stream_);
+  for (int i = 0; i < cfg_.num_hidden_layers; ++i) {
+    const DevLayer& L = w_.layers[i];
+    kc::rms_norm_residual(T, H_, x_, H_, nullptr, L.input_layernorm, eps_, hn_, stream_);
+    if (L.type == LayerType::Linear) {
+      const int l = cfg_.linear_index(i);
+      linear_gemms(L.linear, T);
+      check_cuda(cudaMemsetAsync(conv_states, 0, size_t(N) * conv_layer_bytes_, stream_), "conv zero");
+      kc::conv1d_silu_prefill(N, tb.dev<int>(t_cu), T, C_, K_, qkv_, L.linear.conv1d, conv_states, conv_out_, stream_);
+      kc::split_qkv(T, qd_, vd_, conv_out_, q_, k_, v_, stream_);
+      kc::GdnPrefillArgs g;
+      g.num_k_heads = nk_, g.num_v_heads = nv_;
+      g.A_log = L.linear.A_log, g.dt_bias = L.linear.dt_bias, g.l2norm_qk = true, g.scale = gdn_scale_;
+      check_cuda(cudaMemsetAsync(rs_f(o_pi, 0), 0, 2 * size_t(N) * S1, stream_), "zero piece states");
+      if (S > 0) {  // the seams alone from zero: S(seam|0), the interiors' true initial states
+        kc::gather_rows(S, qd_, q_, tb.dev<int>(t_sr), rs_b(o_sq), stream_);
+        kc::gather_rows(S, qd_, k_, tb.dev<int>(t_sr), rs_b(o_sk), stream_);
+        kc::gather_rows(S, vd_, v_, tb.dev<int>(t_sr), rs_b(o_sv), stream_);
+        kc::gather_rows(S, nv_, ga_, tb.dev<int>(t_sr), rs_b(o_sa), stream_);
+        kc::gather_rows(S, nv_, gb_, tb.dev<int>(t_sr), rs_b(o_sb), stream_);
+        kc::GdnPrefillArgs a = g;
+        a.num_seqs = N, a.cu_seqlens_host = seam_cu.data();
+        a.q = rs_b(o_sq), a.k = rs_b(o_sk), a.v = rs_b(o_sv), a.gate_a = rs_b(o_sa), a.gate_b = rs_b(o_sb);
+        a.final_state = rs_f(o_sf, 0);
+        kc::gdn_prefill(a, ws_seam_, stream_);
+        kc::batched_copy(N, tb.dev<kc::CopyDesc>(t_ic) + size_t(l) * N, stream_);
+      }
+      // Every piece (seam_i from zero, interior_i from S(seam_i|0)): outputs, finals and T of each piece.
+      g.num_seqs = 2 * N, g.cu_seqlens_host = pieces.data();
+      g.q = q_, g.k = k_, g.v = v_, g.gate_a = ga_, g.gate_b = gb_;
+      g.initial_state = rs_f(o_pi, 0), g.final_state = rs_f(o_pf, 0), g.out = o_;
+      g.transition = opt_.benchmark_skip_transitions ? nullptr : rs_f(o_pt, 0);
+      kc::gdn_prefill(g, ws_pieces_, stream_);
+      if (!opt_.benchmark_skip_transitions)
+        kc::affine_chain(N, nv_, 1, tb.dev<kc::AffineStep>(t_sub) + size_t(l) * N,
+                         tb.dev<const float*>(t_si) + size_t(l) * N, tb.dev<float*>(t_sf) + size_t(l) * N, stream_);
+      kc::batched_copy(per_layer_copies, tb.dev<kc::CopyDesc>(t_ec) + size_t(l) * per_layer_copies, stream_);
+      linear_finish(L.linear, T);
+    } else {
+      const int a = cfg_.attention_index(i);
+      attention_gemms(L.attention, T);
+      kc::attention_prepare(T, nh_, nkv_, hd_, cfg_.rotary_dim(), cfg_.attn_output_gate, qg_, kv_, kv_ + nkv_ * hd_,
+                            2 * nkv_ * hd_, L.attention.q_norm, L.attention.k_norm, eps_, tb.dev<int>(t_pos),
+                            inv_freq_.as<float>(), tb.dev<int>(t_rows), aq_, k_pool_[a].as<kc::bf16>(),
+                            v_pool_[a].as<kc::bf16>(), stream_);
+      const bool gate = cfg_.attn_output_gate;
+      kc::attention_prefill(groups, nh_, nkv_, hd_, aq_, k_pool_[a].as<kc::bf16>(), v_pool_[a].as<kc::bf16>(),
+                            attn_scale_, gate ? qg_ + hd_ : nullptr, gate ? long(2) * nh_ * hd_ : 0, gate ? 2 * hd_ : 0,
+                            ao_, stream_);
+      gemm_.linear(T, H_, nh_ * hd_, ao_, nh_ * hd_, L.attention.o_proj, x_, CUDA_R_32F, H_, 1.f, stream_);
+    }
+    ffn(L, T);
+  }
+  // K/V out of the pages into the entries.
+  std::vector<kc::CopyDesc> kvc;
+  for (int i = 0; i < N; ++i) {
+    const int n = int(segs[i].size());
+    for (int a = 0; a < n_attn_; ++a)
+      for (int p = 0; p * kPage < n; ++p) {
+        const long cnt = std::min(kPage, n - p * kPage);
+        const size_t src = size_t(pages[i][p]) * kPage * kv_row_;
+        kvc.push_back({k_pool_[a].bytes_ptr(src), reinterpret_cast<char*>(entries[i]->K(a)) + size_t(p) * kPage * kv_row_,
+                       long(cnt * kv_row_)});
+        kvc.push_back({v_pool_[a].bytes_ptr(src), reinterpret_cast<char*>(entries[i]->V(a)) + size_t(p) * kPage * kv_row_,
+                       long(cnt * kv_row_)});
+      }
+  }
+  if (!kvc.empty()) {
+    check_cuda(cudaStreamSynchronize(stream_), "entry build");  // the tables buffer is reused below
+    Tables t2;
+    const size_t o = t2.add(kvc);
+    t2.upload(tables_dev_, stream_);
+    kc::batched_copy(int(kvc.size()), t2.dev<kc::CopyDesc>(o), stream_);
+  }
+  check_cuda(cudaStreamSynchronize(stream_), "entry build");
+  out.insert(out.end(), entries.begin(), entries.end());
+}
+
+// ---- import / download -----------------------------------------------------------------------------------------
+
+std::shared_ptr<const ResidentEntry> CudaBackend::import_entry(std::shared_ptr<const SegmentEntry> host) {
+  set_device();
+  if (!host) throw std::invalid_argument("import_entry: null entry");
+  host->check_consistent();
+  host->check_compatible(fingerprint_, geom_, -1, numerics());
+  SegmentEntry h;
+  h.format_version = host->format_version;
+  h.model_fingerprint = host->model_fingerprint;
+  h.numerics = host->numerics;
+  h.seam_width = host->seam_width;
+  h.token_ids = host->token_ids;
+  h.geometry = host->geometry;
+  auto e = std::make_shared<CudaEntry>(*this, std::move(h), stream_);
+  std::vector<uint16_t> buf;
+  std::vector<std::vector<float>> dense_keep;
+  auto put_f32 = [&](float* dst, const std::vector<float>& src) {
+    check_cuda(cudaMemcpyAsync(dst, src.data(), src.size() * 4, cudaMemcpyHostToDevice, stream_), "entry upload");
+  };
+  auto put_bf16 = [&](kc::bf16* dst, const std::vector<float>& src) {
+    buf.resize(src.size());
+    for (size_t i = 0; i < src.size(); ++i) buf[i] = f32_to_bf16(src[i]);
+    if (!buf.empty())
+      check_cuda(cudaMemcpy(dst, buf.data(), buf.size() * 2, cudaMemcpyHostToDevice), "entry upload");
+  };
+  check_cuda(cudaStreamSynchronize(stream_), "entry allocation");
+  for (int l = 0; l < n_lin_; ++l) {
+    const LinearLayerEntry& L = host->linear[l];
+    dense_keep.push_back(L.seam_transition.to_dense());
+    put_f32(e->T_seam(l), dense_keep.back());
+    put_f32(e->S_seam(l), L.seam_state);
+    dense_keep.push_back(L.interior_transition.to_dense());
+    put_f32(e->T_int(l), dense_keep.back());
+    put_f32(e->S_int(l), L.interior_state);
+    put_bf16(e->conv(l), L.conv_tail);
+  }
+  for (int a = 0; a < n_attn_; ++a) {
+    put_bf16(e->K(a), host->attention[a].k);
+    put_bf16(e->V(a), host->attention[a].v);
+  }
+  check_cuda(cudaStreamSynchronize(stream_), "entry upload");
+  return e;
+}
+
+ModelState CudaBackend::download_state(const CudaSequence& s) const {
+  ModelState st;
+  st.num_tokens = s.n_;
+  st.linear.resize(n_lin_);
+  std::vector<uint16_t> raw;
+  auto bf = [&](const void* src, size_t count, std::vector<float>& dst) {
+    raw.resize(count);
+    if (count) check_cuda(cudaMemcpy(raw.data(), src, count * 2, cudaMemcpyDeviceToHost), "state download");
+    dst.resize(count);
+    for (size_t i = 0; i < count; ++i) dst[i] = bf16_to_f32(raw[i]);
+  };
+  check_cuda(cudaStreamSynchronize(stream_), "state download");
+  for (int l = 0; l < n_lin_; ++l) {
+    st.linear[l].ssm.resize(state_layer_bytes_ / 4);
+    check_cuda(cudaMemcpy(st.linear[l].ssm.data(), ssm(l, s.slot_), state_layer_bytes_, cudaMemcpyDeviceToHost),
+               "state download");
+    bf(convs(l, s.slot_), conv_layer_bytes_ / 2, st.linear[l].conv);
+  }
+  st.attention.resize(n_attn_);
+  const size_t row = size_t(nkv_) * hd_;
+  for (int a = 0; a < n_attn_; ++a) {
+    AttentionLayerState& A = st.attention[a];
+    A.n_tokens = s.n_;
+    A.k.resize(size_t(s.n_) * row);
+    A.v.resize(A.k.size());
+    std::vector<float> tmp;
+    for (int64_t t = 0; t < s.n_; t += kPage) {
+      const int64_t cnt = std::min<int64_t>(kPage, s.n_ - t);
+      const size_t off = size_t(page_row(s, t)) * kv_row_;
+      bf(k_pool_[a].bytes_ptr(off), size_t(cnt) * row, tmp);
+      std::copy(tmp.begin(), tmp.end(), A.k.begin() + size_t(t) * row);
+      bf(v_pool_[a].bytes_ptr(off), size_t(cnt) * row, tmp);
+      std::copy(tmp.begin(), tmp.end(), A.v.begin() + size_t(t) * row);
+    }
+  }
+  return st;
+}
+
+}  // namespace
+
+std::unique_ptr<Backend> make_backend(const DeviceSpec& device, const ModelConfig& config, const ModelWeights* weights,
+                                      const BackendOptions& options) {
+  if (device.kind != BackendKind::Cuda) throw std::invalid_argument("cuda::make_backend: device " + device.name() + " is not a CUDA device");
+  return std::make_unique<CudaBackend>(device, config, weights, options);
+}
+
+std::unique_ptr<Backend> make_backend(const DeviceSpec& device, const std::filesystem::path& model_dir,
+                                      const BackendOptions& options) {
+  ModelConfig cfg = load_config(model_dir);
+  if (options.random_weights_seed) return make_backend(device, cfg, nullptr, options);
+  const ModelWeights w = load_weights(cfg, model_dir);
+  return make_backend(device, cfg, &w, options);
+}
+
+}  // namespace hypic::engine::cuda
+
+namespace hypic::engine {
+
+std::unique_ptr<Backend> make_cuda_backend(const DeviceSpec& device, const std::filesystem::path& model_dir,
+                                           const BackendOptions& options) {
+  return cuda::make_backend(device, model_dir, options);
+}
+
+}  // namespace hypic::engine

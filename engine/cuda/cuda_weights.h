@@ -1,0 +1,85 @@
+// Model weights on the device for the CUDA backend: bf16 matrices and norm weights, fp32 gate parameters, in the
+// layout the CUDA forward pass reads (projections fused where one GEMM can produce several outputs).
+// All pointers are DEVICE pointers into one allocation owned by DeviceWeights.
+#pragma once
+#include <cuda_bf16.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "engine/config.h"
+#include "engine/cuda/device_memory.h"
+#include "engine/weights.h"
+
+namespace hypic::engine::cuda {
+
+using bf16 = __nv_bfloat16;
+
+/// Gated DeltaNet layer (HF Qwen3NextGatedDeltaNet / Qwen3_5GatedDeltaNet), H hidden, C = conv_dim.
+struct DevLinear {
+  const bf16* in_proj_qkv = nullptr;  ///< [C][H] rows [Q | K | V]
+  const bf16* in_proj_z = nullptr;    ///< [nv*dv][H]
+  const bf16* in_proj_b = nullptr;    ///< [nv][H]
+  const bf16* in_proj_a = nullptr;    ///< [nv][H]
+  const bf16* conv1d = nullptr;       ///< [C][K]
+  const float* A_log = nullptr;       ///< [nv] fp32
+  const float* dt_bias = nullptr;     ///< [nv] fp32
+  const bf16* norm = nullptr;         ///< [dv] gated norm weight (applied as w)
+  const bf16* out_proj = nullptr;     ///< [H][nv*dv]
+};
+
+/// Gated full attention (HF Qwen3NextAttention).
+struct DevAttention {
+  const bf16* q_proj = nullptr;   ///< [(gate ? 2 : 1) nh hd][H], per head query rows then gate rows
+  const bf16* kv_proj = nullptr;  ///< [2 nkv hd][H]: k_proj rows then v_proj rows (one GEMM)
+  const bf16* o_proj = nullptr;   ///< [H][nh hd]
+  const bf16* q_norm = nullptr;   ///< [hd] zero-centred
+  const bf16* k_norm = nullptr;   ///< [hd] zero-centred
+};
+
+/// SwiGLU MLP / MoE block.
+struct DevFfn {
+  const bf16* gate_up = nullptr;         ///< dense: [2I][H] gate rows then up rows
+  const bf16* down = nullptr;            ///< dense: [H][I]
+  const bf16* router = nullptr;          ///< MoE: [E][H]
+  const bf16* experts_gate_up = nullptr; ///< MoE: [E][2I][H]
+  const bf16* experts_down = nullptr;    ///< MoE: [E][H][I]
+  const bf16* shared_gate_up = nullptr;  ///< MoE: [2Is][H] (null when Is = 0)
+  const bf16* shared_down = nullptr;     ///< MoE: [H][Is]
+  const bf16* shared_gate = nullptr;     ///< MoE: [1][H]
+};
+
+struct DevLayer {
+  LayerType type = LayerType::Linear;
+  bool is_moe = false;
+  const bf16* input_layernorm = nullptr;           ///< [H] zero-centred
+  const bf16* post_attention_layernorm = nullptr;  ///< [H] zero-centred
+  DevLinear linear;
+  DevAttention attention;
+  DevFfn ffn;
+};
+
+/// All weights of a model on one device.
+class DeviceWeights {
+ public:
+  /// Converts host fp32 weights (engine/weights.h load_weights) to bf16 (round to nearest even; exact for
+  /// checkpoints stored in bf16) and uploads them, one tensor at a time through a pinned staging buffer.
+  /// A_log and dt_bias stay fp32. Throws std::runtime_error when device memory runs out (naming the bytes).
+  static DeviceWeights upload(const ModelConfig& cfg, const ModelWeights& w);
+  /// Benchmark-only weights made on the device from the config alone, seeded: matrices N(0, 0.02), zero-centred
+  /// norms N(0, 0.05), gated norms 1 + N(0, 0.05), A_log log U(1, 16), dt_bias 1, conv U(+-1/sqrt(K))
+  /// (the distributions of engine/weights.h write_random_checkpoint, drawn by another generator).
+  static DeviceWeights random(const ModelConfig& cfg, uint64_t seed);
+
+  const bf16* embed = nullptr;       ///< [V][H]
+  const bf16* final_norm = nullptr;  ///< [H] zero-centred
+  const bf16* lm_head = nullptr;     ///< [V][H] (== embed when tied)
+  std::vector<DevLayer> layers;
+  size_t bytes() const { return mem_.size(); }
+
+ private:
+  DeviceMemory mem_;
+};
+
+}  // namespace hypic::engine::cuda
