@@ -109,20 +109,22 @@ void print_report_table(const v1::GenerateReport& r, std::ostream& os) {
   os << fmt::format("\n--- request {} | mode {} w={} | {} prompt tokens ({} query) | {} generated ({}) | seed {}\n",
                     r.request_id(), r.mode(), r.seam_width(), r.prompt_tokens(), r.query_tokens(),
                     r.completion_tokens(), v1::FinishReason_Name(r.finish_reason()), r.seed());
-  os << fmt::format("{:>4} {:>7} {:>5} {:<17} {:<22} {:>8} {:>10}  {}\n", "seg", "tokens", "hit", "source", "built by",
-                    "ms", "bytes", "note");
+  os << fmt::format("{:>4} {:>7} {:>5} {:<17} {:<22} {:<7} {:>8} {:>10}  {}\n", "seg", "tokens", "hit", "source",
+                    "built by", "on", "ms", "bytes", "note");
   for (const auto& s : r.segments()) {
-    os << fmt::format("{:>4} {:>7} {:>5} {:<17} {:<22} {:>8.1f} {:>10}  {}\n", s.index(), s.num_tokens(),
-                      s.cache_hit() ? "hit" : "miss", source_name(s.source()), s.built_by(), s.compute_ms(),
-                      s.entry_bytes(), s.note());
+    os << fmt::format("{:>4} {:>7} {:>5} {:<17} {:<22} {:<7} {:>8.1f} {:>10}  {}\n", s.index(), s.num_tokens(),
+                      s.cache_hit() ? "hit" : "miss", source_name(s.source()), s.built_by(), s.device(),
+                      s.compute_ms(), s.entry_bytes(), s.note());
   }
   const auto& t = r.ttft();
   os << fmt::format("TTFT {:.1f} ms = router {:.1f} + lookup {:.1f} + scatter {:.1f} + transfer {:.1f} + splice {:.1f} "
                     "+ first decode {:.1f}\n",
                     t.total_ms(), t.router_ms(), t.lookup_ms(), t.scatter_ms(), t.transfer_ms(), t.splice_ms(),
                     t.first_decode_ms());
-  os << fmt::format("decode {:.1f} ms, total {:.1f} ms, combine {}, cache {}, schedule {}, scatter failures {}\n",
-                    r.decode_ms(), r.total_ms(), r.combine_worker(), r.cache_available() ? "available" : "unavailable",
+  os << fmt::format("decode {:.1f} ms, total {:.1f} ms, combine {} on {} ({}), cache {}, schedule {}, scatter failures "
+                    "{}\n",
+                    r.decode_ms(), r.total_ms(), r.combine_worker(), r.combine_device(), r.numerics(),
+                    r.cache_available() ? "available" : "unavailable",
                     r.schedule_policy(), r.scatter_failures());
 }
 

@@ -4,6 +4,7 @@
 
 #include "combine_worker/service.h"
 #include "kernels/cpu/blas_env.h"
+#include "proto/engine_rpc/engine_flags.h"
 #include "proto/rpc/chunks.h"
 #include "proto/rpc/server.h"
 
@@ -16,8 +17,8 @@ int main(int argc, char** argv) {
   hypic::rpc::add_server_flags(app, server);
   std::string model_dir, tokenizer_path;
   std::vector<std::string> caches;
-  int threads = 1;
-  uint64_t memory_tier_bytes = uint64_t{1} << 30, prefix_cache_bytes = uint64_t{1} << 30;
+  hypic::rpc::EngineFlags engine;
+  uint64_t memory_tier_bytes = uint64_t{1} << 30;
   uint64_t put_queue_bytes = uint64_t{1} << 30;
   hypic::combine::CombineOptions opt;
   int gather_timeout_s = 300;
@@ -26,11 +27,8 @@ int main(int argc, char** argv) {
   app.add_option("--tokenizer", tokenizer_path, "tokenizer.json (detokenises the output, stop strings)")->required()
       ->check(CLI::ExistingFile);
   app.add_option("--cache", caches, "segment cache replica host:port (repeat for several; none: no caching)");
-  app.add_option("--compute-threads", threads, "engine threads for segments prefilled here")->capture_default_str();
+  hypic::rpc::add_engine_flags(app, engine, /*prefix_cache=*/true, /*inject_delay=*/false);
   app.add_option("--memory-tier-bytes", memory_tier_bytes, "own memory tier of segment entries (0 disables)")
-      ->transform(CLI::AsSizeValue(false))
-      ->capture_default_str();
-  app.add_option("--prefix-cache-bytes", prefix_cache_bytes, "prefix-mode state checkpoints")
       ->transform(CLI::AsSizeValue(false))
       ->capture_default_str();
   app.add_option("--put-queue-bytes", put_queue_bytes, "bytes of cache puts that may wait; more are dropped")
@@ -43,10 +41,6 @@ int main(int argc, char** argv) {
   app.add_option("--gather-timeout-seconds", gather_timeout_s, "longest wait for a request's segment entries")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
-  app.add_option("--max-concurrent-compute", opt.max_concurrent_compute,
-                 "splices and decode steps running at once over all requests, FIFO (0: no limit)")
-      ->check(CLI::NonNegativeNumber)
-      ->capture_default_str();
   app.add_option("--fetch-parallelism", opt.fetch_parallelism, "parallel segment-cache fetches per request")
       ->check(CLI::Range(1, 64))
       ->capture_default_str();
@@ -54,17 +48,15 @@ int main(int argc, char** argv) {
   try {
     hypic::rpc::setup_logging("combine", server.log_level);
     opt.gather_timeout = std::chrono::seconds(gather_timeout_s);
-    const auto model = hypic::engine::Model::load(model_dir);
+    const auto backend = hypic::rpc::make_engine_backend(engine, model_dir);
     const auto tokenizer = hypic::engine::Tokenizer::load(tokenizer_path);
-    spdlog::info("model {} loaded (fingerprint {}), tokenizer {}", model_dir, model.config().fingerprint(),
-                 tokenizer_path);
+    spdlog::info("tokenizer {}", tokenizer_path);
     hypic::cache::SegmentCacheClient cache(caches);
     hypic::cache::AsyncCachePutter putter(cache, put_queue_bytes);
-    hypic::worker::EntryBuilder builder(model, threads);
     hypic::combine::EntryMemoryTier tier(memory_tier_bytes);
-    hypic::engine::PrefixStateCache prefix(prefix_cache_bytes);
+    hypic::engine::EngineLoop loop(*backend, hypic::rpc::engine_loop_options(engine));
     hypic::rpc::Lifecycle life("combine worker");
-    hypic::combine::CombineService svc({model, tokenizer, cache, putter, builder, tier, prefix, life}, opt);
+    hypic::combine::CombineService svc({tokenizer, cache, putter, loop, tier, life, engine.compute_threads}, opt);
     const int status = hypic::rpc::run_server(
         server, life,
         {"combine",
@@ -72,7 +64,7 @@ int main(int argc, char** argv) {
          {"hypic.v1.CombineWorker"},
          [&](int port) { svc.set_address(hypic::rpc::advertised_host(server.listen) + ":" + std::to_string(port)); },
          {}});
-    builder.stop();  // build callbacks use the service: finish them before it goes away
+    loop.stop();  // engine callbacks use the service: finish them before it goes away
     return status;
   } catch (const std::exception& e) {
     spdlog::critical("{}", e.what());

@@ -2,14 +2,17 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <deque>
+#include <optional>
+#include <set>
 #include <thread>
 
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
-#include "engine/backend.h"
 #include "engine/sampling.h"
 #include "engine/segment.h"
+#include "proto/engine_rpc/checks.h"
 #include "proto/rpc/chunks.h"
 #include "proto/rpc/status.h"
 
@@ -23,9 +26,10 @@ struct Slot {
   rpc::Digest digest{};
   std::vector<int32_t> ids;
   v1::PlannedSegment::Source planned = v1::PlannedSegment::WARM;
-  std::shared_ptr<const engine::SegmentEntry> entry;  // set once
+  std::shared_ptr<const engine::SegmentEntry> entry;       // set once (host form)
+  std::shared_ptr<const engine::ResidentEntry> resident;   // set with it when built here (resident on the backend)
   v1::SegmentSource source = v1::SEGMENT_SOURCE_UNSPECIFIED;
-  std::string built_by, note;
+  std::string built_by, device, note;
   double compute_ms = 0;
   uint64_t entry_bytes = 0;
   bool local_started = false;
@@ -44,7 +48,8 @@ struct CombineService::Pending {
 
   // Fills a slot; false if it was already filled (a duplicate delivery or a late local build).
   bool fill(size_t i, std::shared_ptr<const engine::SegmentEntry> entry, v1::SegmentSource source,
-            std::string built_by, double compute_ms, uint64_t bytes, std::string note = {}) {
+            std::string built_by, double compute_ms, uint64_t bytes, std::string device = {},
+            std::shared_ptr<const engine::ResidentEntry> resident = nullptr) {
     {
       std::lock_guard<std::mutex> lock(mu);
       Slot& s = slots[i];
@@ -54,7 +59,8 @@ struct CombineService::Pending {
       s.built_by = std::move(built_by);
       s.compute_ms = compute_ms;
       s.entry_bytes = bytes;
-      if (!note.empty()) s.note = s.note.empty() ? std::move(note) : s.note + "; " + note;
+      s.device = std::move(device);
+      s.resident = std::move(resident);
       ++filled;
     }
     cv.notify_all();
@@ -66,62 +72,8 @@ struct CombineService::Pending {
   }
 };
 
-namespace {
-// Releases a compute slot taken with ComputeSlots::acquire when the scope ends (also on exceptions).
-// (No-op without a limit.)
-struct SlotGuard {
-  explicit SlotGuard(ComputeSlots* s) : slots(s) {}
-  ~SlotGuard() {
-    if (slots) slots->release();
-  }
-  ComputeSlots* slots;
-};
-}  // namespace
-
-ComputeSlots::ComputeSlots(int slots) : slots_(std::max(1, slots)), free_(std::max(1, slots)) {}
-
-bool ComputeSlots::acquire(const std::function<bool()>& cancelled) {
-  std::unique_lock<std::mutex> lock(mu_);
-  const uint64_t ticket = next_ticket_++;
-  while (!(serving_ == ticket && free_ > 0)) {
-    if (cancelled && cancelled()) {
-      // Give up the place in line: later tickets must not wait for this one.
-      if (serving_ == ticket) {
-        ++serving_;
-      } else {
-        abandoned_.insert(ticket);
-      }
-      skip_abandoned();
-      cv_.notify_all();
-      return false;
-    }
-    cv_.wait_for(lock, std::chrono::milliseconds(50));
-  }
-  --free_;
-  ++serving_;
-  skip_abandoned();
-  cv_.notify_all();
-  return true;
-}
-
-void ComputeSlots::skip_abandoned() {
-  while (abandoned_.erase(serving_) > 0) ++serving_;
-}
-
-void ComputeSlots::release() {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    ++free_;
-  }
-  cv_.notify_all();
-}
-
 CombineService::CombineService(CombineDeps deps, CombineOptions options)
-    : d_(deps), opt_(options),
-      fingerprint_(engine::model_fingerprint(deps.model.config(), engine::backend_numerics(engine::BackendKind::Cpu))),
-      geometry_(engine::EntryGeometry::of(deps.model.config())) {
-  if (opt_.max_concurrent_compute > 0) compute_ = std::make_unique<ComputeSlots>(opt_.max_concurrent_compute);
-}
+    : d_(deps), opt_(options), backend_(deps.loop.backend()), device_(backend_.device().name()) {}
 
 CombineService::~CombineService() = default;
 
@@ -147,7 +99,7 @@ void CombineService::build_locally(const std::shared_ptr<Pending>& p, size_t slo
     ids = s.ids;
     if (!note.empty()) s.note = s.note.empty() ? note : s.note + "; " + note;
   }
-  d_.builder.submit(std::move(ids), p->entry_seam_width, p->cancel, [this, p, slot](worker::BuildResult r) {
+  d_.loop.submit_build(std::move(ids), p->entry_seam_width, p->cancel, [this, p, slot](engine::BuildOutcome r) {
     if (r.cancelled) return;
     if (!r.error.empty()) {
       spdlog::error("[req {}] segment {}: local prefill failed: {}", p->id, slot, r.error);
@@ -159,9 +111,10 @@ void CombineService::build_locally(const std::shared_ptr<Pending>& p, size_t slo
       return;
     }
     const rpc::Digest digest = p->slots[slot].digest;  // immutable after registration
-    d_.memory_tier.put(digest, r.entry);
-    if (p->cache_segments) d_.putter.enqueue(digest, r.entry->token_ids, r.bytes, p->id);
-    p->fill(slot, r.entry, v1::SEGMENT_SOURCE_COMBINE_COMPUTED, address_, r.compute_ms, r.bytes->size());
+    d_.memory_tier.put(digest, r.host);
+    if (p->cache_segments) d_.putter.enqueue(digest, r.host->token_ids, r.bytes, p->id);
+    p->fill(slot, r.host, v1::SEGMENT_SOURCE_COMBINE_COMPUTED, address_, r.compute_ms, r.bytes->size(), device_,
+            std::move(r.entry));
   });
 }
 
@@ -180,8 +133,7 @@ void CombineService::fetch_warm(const std::shared_ptr<Pending>& p, size_t slot, 
     } else {
       try {
         auto entry = std::make_shared<const engine::SegmentEntry>(engine::deserialize_entry(*bytes));
-        if (entry->token_ids != ids) throw engine::EntryError("its token ids differ from the segment's");
-        entry->check_compatible(fingerprint_, geometry_, p->entry_seam_width, engine::backend_numerics(engine::BackendKind::Cpu));
+        rpc::verify_entry(*entry, ids, backend_, p->entry_seam_width);
         d_.memory_tier.put(digest, entry);
         p->fill(slot, entry, v1::SEGMENT_SOURCE_CACHE, "", 0, bytes->size());
         return;
@@ -224,15 +176,6 @@ engine::SamplingConfig sampling_config(const v1::SamplingParams& s) {
   return c;
 }
 
-void check_ids(std::span<const int32_t> ids, const std::string& field, int64_t vocab) {
-  if (ids.empty()) throw rpc::invalid_argument(field, "must not be empty");
-  for (size_t j = 0; j < ids.size(); ++j) {
-    if (ids[j] < 0 || ids[j] >= vocab) {
-      throw rpc::invalid_argument(fmt::format("{}[{}]", field, j),
-                                  fmt::format("{} is outside the vocabulary [0, {})", ids[j], vocab));
-    }
-  }
-}
 }  // namespace
 
 grpc::Status CombineService::Combine(grpc::ServerContext* ctx, const v1::CombineRequest* req,
@@ -250,9 +193,9 @@ grpc::Status CombineService::run_combine(grpc::ServerContext* ctx, const v1::Com
     rpc::validate_request_id(req->request_id());
     if (req->request_id().empty()) throw rpc::invalid_argument("request_id", "must not be empty");
     if (req->segments().empty()) throw rpc::invalid_argument("segments", "at least one segment is required");
-    const int64_t vocab = d_.model.config().vocab_size;
+    const int64_t vocab = backend_.config().vocab_size;
     const std::vector<int32_t> query(req->query_ids().begin(), req->query_ids().end());
-    check_ids(query, "query_ids", vocab);
+    rpc::check_token_ids(query, vocab, "query_ids");
     engine::SpliceMode mode;
     try {
       mode = engine::parse_splice_mode(req->mode().empty() ? "hypic" : req->mode());
@@ -282,17 +225,15 @@ grpc::Status CombineService::run_combine(grpc::ServerContext* ctx, const v1::Com
                                                                   i, ps.index()));
       }
       Slot& s = p->slots[size_t(i)];
-      s.digest = rpc::parse_digest(ps.key().digest(), field + ".key.digest");
       s.ids.assign(ps.key().token_ids().begin(), ps.key().token_ids().end());
-      check_ids(s.ids, field + ".key.token_ids", vocab);
-      s.planned = ps.source();
-      if (uses_entries && engine::segment_digest(fingerprint_, engine::kSegmentFormatVersion, p->entry_seam_width,
-                                                 s.ids) != s.digest) {
-        throw rpc::invalid_argument(field + ".key.digest",
-                                    fmt::format("does not match the token ids under this worker's model (fingerprint "
-                                                "{}, format {}, w {}): do router and worker serve the same model?",
-                                                fingerprint_, engine::kSegmentFormatVersion, p->entry_seam_width));
+      if (uses_entries) {
+        s.digest = rpc::check_segment_key(ps.key().digest(), s.ids, field + ".key", vocab, backend_.fingerprint(),
+                                          p->entry_seam_width);
+      } else {  // full and prefix modes compute in context: the digest is only echoed
+        s.digest = rpc::parse_digest(ps.key().digest(), field + ".key.digest");
+        rpc::check_token_ids(s.ids, vocab, field + ".key.token_ids");
       }
+      s.planned = ps.source();
     }
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -356,46 +297,88 @@ grpc::Status CombineService::run_combine(grpc::ServerContext* ctx, const v1::Com
     ev.mutable_entries_ready();
     send(ev);
 
-    // ---- splice ----
-    engine::SpliceRequest sreq;
-    sreq.mode = mode;
-    sreq.seam_width = req->seam_width();
-    sreq.query = query;
-    sreq.prefix_cache = &d_.prefix_cache;
-    for (auto& s : p->slots) sreq.segments.push_back({s.ids, s.entry});
-    const auto t_splice = Clock::now();
-    engine::SpliceResult sres;
-    const auto cancelled = [ctx] { return ctx->IsCancelled(); };
-    {
-      if (compute_ && !compute_->acquire(cancelled))
-        throw rpc::RpcError(grpc::StatusCode::CANCELLED, "request cancelled by the router");
-      SlotGuard slot(compute_.get());
-      try {
-        sres = engine::splice(d_.model, sreq);
-      } catch (const std::exception& e) {
-        throw rpc::RpcError(grpc::StatusCode::INTERNAL, fmt::format("splice failed: {}", e.what()));
-      }
+    // ---- splice + decode, on the engine loop ----
+    // The loop splices, then samples and decodes this request in one batch with every other request decoding
+    // here; its callbacks (on the loop thread) only queue events for this handler.
+    struct Events {
+      std::mutex mu;
+      std::condition_variable cv;
+      std::optional<engine::SpliceInfo> spliced;
+      std::deque<int32_t> tokens;
+      std::optional<engine::GenerateEnd> end;
+    };
+    auto events = std::make_shared<Events>();
+    engine::GenerateJob job;
+    job.splice.plan.mode = mode;
+    job.splice.plan.seam_width = req->seam_width();
+    job.splice.plan.query = query;
+    for (auto& s : p->slots) {
+      job.splice.plan.segments.push_back({s.ids, s.resident});
+      job.splice.host_entries.push_back(s.entry);
     }
-    const double splice_ms = rpc::ms_between(t_splice, Clock::now());
+    job.sampling = scfg;
+    job.max_tokens = req->sampling().max_tokens();
+    job.cancel = p->cancel;
+    job.on_spliced = [events](const engine::SpliceInfo& info) {
+      std::lock_guard<std::mutex> lock(events->mu);
+      events->spliced = info;
+      events->cv.notify_all();
+    };
+    job.on_token = [events](int32_t t) {
+      std::lock_guard<std::mutex> lock(events->mu);
+      events->tokens.push_back(t);
+      events->cv.notify_all();
+    };
+    job.on_end = [events](const engine::GenerateEnd& e) {
+      std::lock_guard<std::mutex> lock(events->mu);
+      events->end = e;
+      events->cv.notify_all();
+    };
+    d_.loop.submit_generate(std::move(job));
+    // Waits for the next event; throws when the request is cancelled or the generation failed before it.
+    auto fail = [&](const engine::GenerateEnd& e, const char* stage) -> rpc::RpcError {
+      if (e.reason == engine::GenerateEndReason::Cancelled)
+        return rpc::RpcError(grpc::StatusCode::CANCELLED, fmt::format("{}: {}", stage, e.error));
+      return rpc::RpcError(rpc::engine_error_code(e.error_kind), fmt::format("{} failed: {}", stage, e.error));
+    };
+    auto wait_event = [&](const std::function<bool()>& ready) {
+      std::unique_lock<std::mutex> lock(events->mu);
+      while (!ready()) {
+        if (ctx->IsCancelled()) throw rpc::RpcError(grpc::StatusCode::CANCELLED, "request cancelled by the router");
+        events->cv.wait_for(lock, std::chrono::milliseconds(50));
+      }
+    };
+    wait_event([&] { return events->spliced || events->end; });
+    engine::SpliceInfo sinfo;
+    {
+      std::lock_guard<std::mutex> lock(events->mu);
+      if (!events->spliced) throw fail(*events->end, "splice");
+      sinfo = *events->spliced;
+    }
+    const double splice_ms = sinfo.splice_ms;
     ev.mutable_splice_done()->set_splice_ms(splice_ms);
+    ev.mutable_splice_done()->set_queue_ms(sinfo.queue_ms);
     send(ev);
 
-    // ---- decode ----
-    engine::Sampler sampler(scfg);
     engine::IncrementalDecoder detok(d_.tokenizer, /*skip_special_tokens=*/true);
-    std::vector<float> logits = std::move(sres.logits);
-    int64_t position = sres.num_tokens;
     const int max_tokens = req->sampling().max_tokens();
+    const std::set<int32_t> stop_ids(scfg.stop_token_ids.begin(), scfg.stop_token_ids.end());
     v1::FinishReason finish = v1::FINISH_REASON_LENGTH;
     uint32_t produced = 0;
     const auto t_first = Clock::now();
-    for (int step = 0; step < max_tokens; ++step) {
-      if (ctx->IsCancelled()) throw rpc::RpcError(grpc::StatusCode::CANCELLED, "request cancelled by the router");
-      const int32_t tok = sampler.sample(logits);
+    while (int(produced) < max_tokens) {
+      wait_event([&] { return !events->tokens.empty() || events->end; });
+      int32_t tok;
+      {
+        std::lock_guard<std::mutex> lock(events->mu);
+        if (events->tokens.empty()) throw fail(*events->end, "decode");
+        tok = events->tokens.front();
+        events->tokens.pop_front();
+      }
       ++produced;
       v1::CombineEvent dev;
       dev.mutable_delta()->add_token_ids(tok);
-      if (sampler.is_stop_token(tok)) {
+      if (stop_ids.count(tok)) {
         finish = v1::FINISH_REASON_STOP_TOKEN;
         send(dev);
         break;
@@ -408,13 +391,8 @@ grpc::Status CombineService::run_combine(grpc::ServerContext* ctx, const v1::Com
       send(dev);
       if (r.stopped) {
         finish = v1::FINISH_REASON_STOP_STRING;
+        p->cancel->store(true);  // the sequence leaves the batch at the loop's next step
         break;
-      }
-      if (step + 1 < max_tokens) {
-        if (compute_ && !compute_->acquire(cancelled))
-          throw rpc::RpcError(grpc::StatusCode::CANCELLED, "request cancelled by the router");
-        SlotGuard slot(compute_.get());
-        logits = d_.model.decode(sres.state, tok, position++);
       }
     }
     if (finish != v1::FINISH_REASON_STOP_STRING) {
@@ -437,6 +415,8 @@ grpc::Status CombineService::run_combine(grpc::ServerContext* ctx, const v1::Com
     rep->set_gather_ms(gather_ms);
     rep->set_splice_ms(splice_ms);
     rep->set_decode_ms(decode_ms);
+    rep->set_device(device_);
+    rep->set_numerics(std::string(backend_.numerics()));
     {
       std::lock_guard<std::mutex> lock(p->mu);
       for (size_t i = 0; i < p->slots.size(); ++i) {
@@ -446,7 +426,7 @@ grpc::Status CombineService::run_combine(grpc::ServerContext* ctx, const v1::Com
         sr->set_num_tokens(uint32_t(s.ids.size()));
         sr->set_digest_hex(rpc::digest_hex(s.digest));
         if (!uses_entries) {
-          const bool reused = mode == engine::SpliceMode::Prefix && int(i) < sres.prefix_segments_reused;
+          const bool reused = mode == engine::SpliceMode::Prefix && int(i) < sinfo.prefix_segments_reused;
           sr->set_source(reused ? v1::SEGMENT_SOURCE_COMBINE_MEMORY : v1::SEGMENT_SOURCE_IN_CONTEXT);
           if (reused) sr->set_note("restored from a prefix checkpoint");
           continue;
@@ -456,6 +436,8 @@ grpc::Status CombineService::run_combine(grpc::ServerContext* ctx, const v1::Com
         sr->set_compute_ms(s.compute_ms);
         sr->set_entry_bytes(s.entry_bytes);
         sr->set_note(s.note);
+        sr->set_device(s.device);
+        if (s.entry) sr->set_numerics(s.entry->numerics);
       }
     }
     send(rev);
@@ -495,14 +477,14 @@ grpc::Status CombineService::DeliverEntry(grpc::ServerContext*, grpc::ServerRead
     std::shared_ptr<const engine::SegmentEntry> entry;
     try {
       entry = std::make_shared<const engine::SegmentEntry>(engine::deserialize_entry(bytes));
-      if (entry->token_ids != slot.ids) throw engine::EntryError("its token ids differ from the segment's");
-      entry->check_compatible(fingerprint_, geometry_, p->entry_seam_width, engine::backend_numerics(engine::BackendKind::Cpu));
+      rpc::verify_entry(*entry, slot.ids, backend_, p->entry_seam_width);
     } catch (const engine::EntryError& e) {
       spdlog::error("[req {}] rejected {}: {}", p->id, what, e.what());
       throw rpc::RpcError(grpc::StatusCode::DATA_LOSS, fmt::format("{} rejected by the engine: {}", what, e.what()));
     }
     d_.memory_tier.put(slot.digest, entry);
-    const bool fresh = p->fill(h.index(), entry, v1::SEGMENT_SOURCE_SCATTER, h.built_by(), h.compute_ms(), bytes.size());
+    const bool fresh =
+        p->fill(h.index(), entry, v1::SEGMENT_SOURCE_SCATTER, h.built_by(), h.compute_ms(), bytes.size(), h.device());
     resp->set_duplicate(!fresh);
     spdlog::debug("[req {}] received {} ({} bytes){}", p->id, what, bytes.size(), fresh ? "" : ", duplicate dropped");
     return grpc::Status::OK;
@@ -530,14 +512,14 @@ grpc::Status CombineService::ComputeLocally(grpc::ServerContext*, const v1::Comp
 
 grpc::Status CombineService::GetWorkerInfo(grpc::ServerContext*, const v1::WorkerInfoRequest*, v1::WorkerInfo* resp) {
   resp->set_role("combine");
-  resp->set_model_fingerprint(fingerprint_);
+  resp->set_model_fingerprint(backend_.fingerprint());
   resp->set_entry_format_version(engine::kSegmentFormatVersion);
   resp->set_address(address_);
-  resp->set_compute_threads(uint32_t(d_.builder.threads()));
-  resp->set_queued_tokens(d_.builder.queued_tokens());
+  resp->set_compute_threads(uint32_t(d_.compute_threads));
+  resp->set_queued_tokens(d_.loop.queued_tokens());
   resp->set_active_requests(uint32_t(d_.life.active()));
-  resp->set_numerics(engine::backend_numerics(engine::BackendKind::Cpu));
-  resp->set_device("cpu");
+  resp->set_numerics(std::string(backend_.numerics()));
+  resp->set_device(device_);
   return grpc::Status::OK;
 }
 

@@ -114,13 +114,15 @@ class Service:
 class LocalCluster:
     """The cluster: cache replica(s) (optional), N scatter workers, one combine worker, the router.
 
-    extra_args maps a role ("cache", "scatter", "combine", "router") to extra command-line flags.
+    extra_args maps a role ("cache", "scatter", "combine", "router") to extra command-line flags. device
+    ("cpu", "cuda", "cuda:N") is passed to the scatter and combine workers as --device; None leaves their default
+    (cuda:0 when the build has CUDA and a GPU is visible, else cpu).
     """
 
     def __init__(self, bin_dir: str | Path, model: str | Path, tokenizer: str | Path, scatter_workers: int = 2,
                  cache_replicas: int = 1, work_dir: str | Path | None = None,
                  extra_args: dict[str, list[str]] | None = None, ready_timeout: float = 120.0,
-                 grace_seconds: float = 10.0, log_level: str = "info"):
+                 grace_seconds: float = 10.0, log_level: str = "info", device: str | None = None):
         self.bin_dir = Path(bin_dir)
         self.model = str(model)
         self.tokenizer = str(tokenizer)
@@ -136,6 +138,7 @@ class LocalCluster:
         self.ready_timeout = ready_timeout
         self.grace_seconds = grace_seconds
         self.log_level = log_level
+        self.device = device
         self.services: dict[str, Service] = {}
         self.expected_down: set[str] = set()
 
@@ -150,6 +153,8 @@ class LocalCluster:
         extra = self.extra.get(role, [])
         given = {a.split("=")[0] for a in extra if a.startswith("--")}
         flags = [] if "--log-level" in given else ["--log-level", self.log_level]
+        if self.device is not None and role in ("scatter", "combine") and "--device" not in given:
+            flags += ["--device", self.device]
         # Short drain so that teardown is quick (the services' default is 10 s), unless set explicitly.
         if "--drain-seconds" not in given:
             flags += ["--drain-seconds", "3"]
@@ -276,6 +281,8 @@ def main() -> int:
     p.add_argument("--cache-replicas", type=int, default=1, help="segment cache replicas (0: no cache)")
     p.add_argument("--work-dir", help="port files and logs/ (default: a temporary directory)")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--device", help="where the scatter and combine workers compute: cpu | cuda | cuda:N "
+                                    "(default: the workers' own default, cuda:0 when a GPU is visible, else cpu)")
     for role in ("cache", "scatter", "combine", "router"):
         p.add_argument(f"--{role}-arg", action="append", default=[], metavar="FLAG",
                        help=f"extra flag for the {role} service (repeat; use --{role}-arg=--flag=value)")
@@ -294,7 +301,7 @@ def main() -> int:
     cluster = LocalCluster(args.bin_dir, args.model, args.tokenizer, args.scatter_workers, args.cache_replicas,
                            args.work_dir, {r: getattr(args, f"{r}_arg") for r in ("cache", "scatter", "combine",
                                                                                   "router")},
-                           log_level=args.log_level)
+                           log_level=args.log_level, device=args.device)
     try:
         cluster.start()
         print(f"hypic cluster ready: router {cluster.router_address}", file=sys.stderr)

@@ -2,7 +2,7 @@
 #include <CLI/CLI.hpp>
 #include <spdlog/spdlog.h>
 
-#include "engine/model.h"
+#include "proto/engine_rpc/engine_flags.h"
 #include "kernels/cpu/blas_env.h"
 #include "proto/rpc/chunks.h"
 #include "proto/rpc/server.h"
@@ -17,14 +17,13 @@ int main(int argc, char** argv) {
   hypic::rpc::add_server_flags(app, server);
   std::string model_dir;
   std::vector<std::string> caches;
-  int threads = 1;
+  hypic::rpc::EngineFlags engine;
   size_t chunk_bytes = hypic::rpc::kChunkBytes;
   uint64_t put_queue_bytes = uint64_t{1} << 30;
-  int inject_delay_ms = 0;
   app.add_option("--model", model_dir, "checkpoint directory (config.json + safetensors)")->required()
       ->check(CLI::ExistingDirectory);
   app.add_option("--cache", caches, "segment cache replica host:port (repeat for several; none: no caching)");
-  app.add_option("--compute-threads", threads, "engine threads draining the build queue")->capture_default_str();
+  hypic::rpc::add_engine_flags(app, engine, /*prefix_cache=*/false, /*inject_delay=*/true);
   app.add_option("--chunk-bytes", chunk_bytes, "size of streamed chunks")
       ->transform(CLI::AsSizeValue(false))
       ->check(CLI::Range(size_t{4096}, size_t{4} << 20))
@@ -32,18 +31,15 @@ int main(int argc, char** argv) {
   app.add_option("--put-queue-bytes", put_queue_bytes, "bytes of cache puts that may wait; more are dropped")
       ->transform(CLI::AsSizeValue(false))
       ->capture_default_str();
-  app.add_option("--inject-delay-ms", inject_delay_ms,
-                 "TESTING ONLY: sleep this long before each build (widens fault-injection windows)");
   CLI11_PARSE(app, argc, argv);
   try {
     hypic::rpc::setup_logging("scatter", server.log_level);
-    const auto model = hypic::engine::Model::load(model_dir);
-    spdlog::info("model {} loaded (fingerprint {})", model_dir, model.config().fingerprint());
+    const auto backend = hypic::rpc::make_engine_backend(engine, model_dir);
     hypic::cache::SegmentCacheClient cache(caches);
     hypic::cache::AsyncCachePutter putter(cache, put_queue_bytes);
-    hypic::worker::EntryBuilder builder(model, threads, std::chrono::milliseconds(inject_delay_ms));
+    hypic::engine::EngineLoop loop(*backend, hypic::rpc::engine_loop_options(engine));
     hypic::rpc::Lifecycle life("scatter worker");
-    hypic::worker::ScatterService svc(model, builder, putter, life, chunk_bytes);
+    hypic::worker::ScatterService svc(loop, putter, life, chunk_bytes, engine.compute_threads);
     const int status = hypic::rpc::run_server(
         server, life,
         {"scatter",
@@ -51,7 +47,7 @@ int main(int argc, char** argv) {
          {"hypic.v1.ScatterWorker"},
          [&](int port) { svc.set_address(hypic::rpc::advertised_host(server.listen) + ":" + std::to_string(port)); },
          {}});
-    builder.stop();  // build callbacks use the service: finish them before it goes away
+    loop.stop();  // build callbacks use the service: finish them before it goes away
     return status;
   } catch (const std::exception& e) {
     spdlog::critical("{}", e.what());

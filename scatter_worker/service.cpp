@@ -7,6 +7,7 @@
 #include <spdlog/spdlog.h>
 
 #include "engine/segment.h"
+#include "proto/engine_rpc/checks.h"
 #include "proto/rpc/chunks.h"
 #include "proto/rpc/status.h"
 
@@ -44,14 +45,14 @@ struct PrefillCall {
   struct Event {
     enum Kind { Computed, Delivered, Failed } kind;
     uint32_t position;  // in the request's segment list
-    BuildResult built;
+    engine::BuildOutcome built;
     double transfer_ms = 0;
     grpc::Status status;
   };
   std::mutex mu;
   std::condition_variable cv;
   std::deque<Event> events;
-  std::deque<std::pair<uint32_t, BuildResult>> to_deliver;
+  std::deque<std::pair<uint32_t, engine::BuildOutcome>> to_deliver;
   bool stop_delivery = false;
   grpc::ClientContext* delivering = nullptr;  // the delivery in flight, to abort it on failure
   std::shared_ptr<std::atomic<bool>> cancel = std::make_shared<std::atomic<bool>>(false);
@@ -78,34 +79,21 @@ grpc::Status ScatterService::Prefill(grpc::ServerContext* ctx, const v1::Prefill
     }
     if (req->combine_address().empty()) throw rpc::invalid_argument("combine_address", "must not be empty");
     const int n = req->segments_size();
-    const int64_t vocab = model_.config().vocab_size;
+    const engine::ModelConfig& model = loop_.backend().config();
     std::vector<rpc::Digest> digests(static_cast<size_t>(n));
     std::vector<std::vector<int32_t>> ids(static_cast<size_t>(n));
     for (int i = 0; i < n; ++i) {
       const auto& key = req->segments(i).key();
       const std::string field = fmt::format("segments[{}].key", i);
-      digests[size_t(i)] = rpc::parse_digest(key.digest(), field + ".digest");
       ids[size_t(i)].assign(key.token_ids().begin(), key.token_ids().end());
-      if (ids[size_t(i)].empty()) throw rpc::invalid_argument(field + ".token_ids", "must not be empty");
-      for (size_t j = 0; j < ids[size_t(i)].size(); ++j) {
-        if (ids[size_t(i)][j] < 0 || ids[size_t(i)][j] >= vocab) {
-          throw rpc::invalid_argument(fmt::format("{}.token_ids[{}]", field, j),
-                                      fmt::format("{} is outside the vocabulary [0, {})", ids[size_t(i)][j], vocab));
-        }
-      }
-      if (engine::segment_digest(fingerprint_, engine::kSegmentFormatVersion, req->seam_width(), ids[size_t(i)]) !=
-          digests[size_t(i)]) {
-        throw rpc::invalid_argument(field + ".digest",
-                                    fmt::format("does not match the token ids under this worker's model (fingerprint "
-                                                "{}, format {}, w {}): do router and worker serve the same model?",
-                                                fingerprint_, engine::kSegmentFormatVersion, req->seam_width()));
-      }
+      digests[size_t(i)] = rpc::check_segment_key(key.digest(), ids[size_t(i)], field, model.vocab_size, fingerprint_,
+                                                  req->seam_width());
     }
     spdlog::info("[req {}] prefill of {} segments for {}", rid, n, req->combine_address());
 
     auto call = std::make_shared<PrefillCall>();
     for (int i = 0; i < n; ++i) {
-      builder_.submit(ids[size_t(i)], req->seam_width(), call->cancel, [call, i](BuildResult r) {
+      loop_.submit_build(ids[size_t(i)], req->seam_width(), call->cancel, [call, i](engine::BuildOutcome r) {
         call->push({PrefillCall::Event::Computed, uint32_t(i), std::move(r)});
       });
     }
@@ -113,7 +101,7 @@ grpc::Status ScatterService::Prefill(grpc::ServerContext* ctx, const v1::Prefill
     auto& stub = combines_.get(req->combine_address());
     std::thread delivery([&, call] {
       for (;;) {
-        std::pair<uint32_t, BuildResult> item;
+        std::pair<uint32_t, engine::BuildOutcome> item;
         {
           std::unique_lock<std::mutex> lock(call->mu);
           call->cv.wait(lock, [&] { return call->stop_delivery || !call->to_deliver.empty(); });
@@ -130,6 +118,7 @@ grpc::Status ScatterService::Prefill(grpc::ServerContext* ctx, const v1::Prefill
         h.set_checksum(rpc::checksum64(*item.second.bytes));
         h.set_built_by(address_);
         h.set_compute_ms(item.second.compute_ms);
+        h.set_device(device_);
         const auto t0 = std::chrono::steady_clock::now();
         bool duplicate = false;
         auto cctx = rpc::make_client_context(ctx);  // the router's deadline and cancellation propagate
@@ -191,7 +180,7 @@ grpc::Status ScatterService::Prefill(grpc::ServerContext* ctx, const v1::Prefill
         if (e.built.cancelled) return finish(grpc::Status(grpc::StatusCode::CANCELLED, "worker shutting down"));
         if (!e.built.error.empty()) {
           spdlog::error("[req {}] segment {}: prefill failed: {}", rid, index, e.built.error);
-          return finish(grpc::Status(grpc::StatusCode::INTERNAL,
+          return finish(grpc::Status(rpc::engine_error_code(e.built.error_kind),
                                      fmt::format("segment {}: prefill failed: {}", index, e.built.error)));
         }
         spdlog::debug("[req {}] segment {} built: {} tokens, {:.1f} ms (queued {:.1f} ms), {} bytes", rid, index,
@@ -200,6 +189,9 @@ grpc::Status ScatterService::Prefill(grpc::ServerContext* ctx, const v1::Prefill
         c->set_queue_ms(e.built.queue_ms);
         c->set_compute_ms(e.built.compute_ms);
         c->set_entry_bytes(e.built.bytes->size());
+        c->set_device(device_);
+        c->set_batch_ms(e.built.batch_ms);
+        c->set_batch_segments(uint32_t(e.built.batch_segments));
         // Tell the router first (its clock marks the end of this segment's compute), then deliver.
         if (!writer->Write(out)) return finish(grpc::Status(grpc::StatusCode::CANCELLED, "the router went away"));
         if (req->cache_segments()) putter_.enqueue(digests[e.position], ids[e.position], e.built.bytes, rid);
@@ -230,11 +222,11 @@ grpc::Status ScatterService::GetWorkerInfo(grpc::ServerContext*, const v1::Worke
   resp->set_model_fingerprint(fingerprint_);
   resp->set_entry_format_version(engine::kSegmentFormatVersion);
   resp->set_address(address_);
-  resp->set_compute_threads(uint32_t(builder_.threads()));
-  resp->set_queued_tokens(builder_.queued_tokens());
+  resp->set_compute_threads(uint32_t(compute_threads_));
+  resp->set_queued_tokens(loop_.queued_tokens());
   resp->set_active_requests(uint32_t(life_.active()));
-  resp->set_numerics(engine::backend_numerics(engine::BackendKind::Cpu));
-  resp->set_device("cpu");
+  resp->set_numerics(std::string(loop_.backend().numerics()));
+  resp->set_device(device_);
   return grpc::Status::OK;
 }
 

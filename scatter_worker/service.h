@@ -7,12 +7,10 @@
 #include <mutex>
 #include <string>
 
-#include "engine/backend.h"
-#include "engine/model.h"
+#include "engine/engine_loop.h"
 #include "hypic/v1/combine.grpc.pb.h"
 #include "hypic/v1/scatter.grpc.pb.h"
 #include "proto/rpc/server.h"
-#include "scatter_worker/entry_builder.h"
 #include "segment_cache/async_put.h"
 
 namespace hypic::worker {
@@ -36,13 +34,13 @@ grpc::Status deliver_entry(hypic::v1::CombineWorker::Stub& stub, grpc::ClientCon
 
 class ScatterService final : public hypic::v1::ScatterWorker::Service {
  public:
-  /// The referenced objects must outlive the service. `address` is what this worker reports as
-  /// built_by (filled in once the port is known).
-  ScatterService(const engine::Model& model, EntryBuilder& builder, cache::AsyncCachePutter& putter,
-                 rpc::Lifecycle& life, size_t chunk_bytes)
-      : model_(model),
-        fingerprint_(engine::model_fingerprint(model.config(), engine::backend_numerics(engine::BackendKind::Cpu))), builder_(builder), putter_(putter), life_(life),
-        chunk_bytes_(chunk_bytes) {}
+  /// The referenced objects must outlive the service; builds run on `loop` (its backend's fingerprint is what
+  /// digests are checked under). `compute_threads` is reported in WorkerInfo. `address` is what this worker
+  /// reports as built_by (filled in once the port is known).
+  ScatterService(engine::EngineLoop& loop, cache::AsyncCachePutter& putter, rpc::Lifecycle& life, size_t chunk_bytes,
+                 int compute_threads)
+      : loop_(loop), fingerprint_(loop.backend().fingerprint()), device_(loop.backend().device().name()),
+        putter_(putter), life_(life), chunk_bytes_(chunk_bytes), compute_threads_(compute_threads) {}
   void set_address(std::string address) { address_ = std::move(address); }
 
   grpc::Status Prefill(grpc::ServerContext* ctx, const hypic::v1::PrefillRequest* req,
@@ -51,12 +49,12 @@ class ScatterService final : public hypic::v1::ScatterWorker::Service {
                              hypic::v1::WorkerInfo* resp) override;
 
  private:
-  const engine::Model& model_;
-  std::string fingerprint_;
-  EntryBuilder& builder_;
+  engine::EngineLoop& loop_;
+  std::string fingerprint_, device_;
   cache::AsyncCachePutter& putter_;
   rpc::Lifecycle& life_;
   size_t chunk_bytes_;
+  int compute_threads_;
   std::string address_;
   CombineStubs combines_;
 };

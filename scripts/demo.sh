@@ -51,6 +51,8 @@ Options:
   --query TEXT          the question after the documents.
   --scatter-workers N   scatter workers to start (default 2; 0 lets the combine worker prefill).
   --max-tokens N        tokens to generate per run (default 32).
+  --device DEV          where the scatter and combine workers compute: cpu | cuda | cuda:N. Default: the
+                        workers' own (cuda:0 when the build has CUDA and a GPU is visible, else cpu).
   --smoke               tiny and fast (two trimmed documents, 4 tokens): the CI version.
   --skip-setup          do not run scripts/setup.sh (packages already installed).
   --skip-build          do not build; use the binaries in --bin-dir.
@@ -98,7 +100,7 @@ fi
 # ---------------------------------------------------------------------------------------------------------
 # Options
 # ---------------------------------------------------------------------------------------------------------
-MODEL="" TOKENIZER="" QUERY="" SCATTER=2 MAX_TOKENS="" SMOKE=0 SKIP_SETUP=0 SKIP_BUILD=0 KEEP_LOGS=0
+MODEL="" TOKENIZER="" QUERY="" DEVICE="" SCATTER=2 MAX_TOKENS="" SMOKE=0 SKIP_SETUP=0 SKIP_BUILD=0 KEEP_LOGS=0
 BUILD_DIR="${BUILD_DIR:-build}" BIN_DIR=""
 DOCS=()
 need_value() { [[ $# -ge 2 && -n "$2" ]] || { echo "demo.sh: $1 needs a value (see --help)" >&2; exit 2; }; }
@@ -110,6 +112,7 @@ while (($#)); do
     --query) need_value "$@"; QUERY="$2"; shift 2 ;;
     --scatter-workers) need_value "$@"; SCATTER="$2"; shift 2 ;;
     --max-tokens) need_value "$@"; MAX_TOKENS="$2"; shift 2 ;;
+    --device) need_value "$@"; DEVICE="$2"; shift 2 ;;
     --smoke) SMOKE=1; shift ;;
     --skip-setup) SKIP_SETUP=1; shift ;;
     --skip-build) SKIP_BUILD=1; shift ;;
@@ -120,6 +123,8 @@ while (($#)); do
     *) echo "demo.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
+[[ -z "$DEVICE" || "$DEVICE" =~ ^(cpu|cuda|cuda:[0-9]+)$ ]] \
+  || { echo "demo.sh: --device must be cpu, cuda or cuda:N, got '$DEVICE'" >&2; exit 2; }
 [[ "$SCATTER" =~ ^[0-9]+$ ]] && ((SCATTER <= 64)) \
   || { echo "demo.sh: --scatter-workers must be an integer in [0, 64], got '$SCATTER'" >&2; exit 2; }
 if [[ -z "$MAX_TOKENS" ]]; then
@@ -259,6 +264,7 @@ say "documents  ${#DOCS[@]}, one segment each:"
 for d in "${DOCS[@]}"; do say "           $(printf '%8d bytes  %s' "$(stat -c %s "$d")" "$d")"; done
 say "query      $QUERY"
 say "cluster    segment cache, router, $SCATTER scatter worker(s), 1 combine worker on 127.0.0.1 (deploy/local_cluster.py)"
+say "device     ${DEVICE:-default of the workers: cuda:0 when a GPU is visible and the build has CUDA, else cpu}"
 say "decoding   greedy, at most $MAX_TOKENS tokens; OPENBLAS_NUM_THREADS=$OPENBLAS_NUM_THREADS"
 say "starting the cluster (each service loads the model; their logs are kept only on failure or with --keep-logs)..."
 
@@ -266,8 +272,10 @@ say "starting the cluster (each service loads the model; their logs are kept onl
 # 6. cluster + requests. The launcher runs in the background so that this script's traps can stop it;
 # it tears every service down when the request phase ends, fails, or it receives SIGTERM/SIGINT.
 # ---------------------------------------------------------------------------------------------------------
+DEVICE_ARGS=()
+[[ -z "$DEVICE" ]] || DEVICE_ARGS=(--device "$DEVICE")
 python3 "$ROOT/deploy/local_cluster.py" --bin-dir "$BIN_DIR" --model "$MODEL" --tokenizer "$TOKENIZER" \
-  --scatter-workers "$SCATTER" --work-dir "$RUNDIR/cluster" --log-level warn \
+  "${DEVICE_ARGS[@]}" --scatter-workers "$SCATTER" --work-dir "$RUNDIR/cluster" --log-level warn \
   -- "$SELF" --request-phase "$RUNDIR" "$BIN_DIR/hypic-client" "$MAX_TOKENS" &
 LAUNCHER_PID=$!
 launcher_rc=0

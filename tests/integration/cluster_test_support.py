@@ -99,7 +99,7 @@ class ClusterTestCase(unittest.TestCase):
         cls.work = tempfile.TemporaryDirectory(prefix=f"hypic-it-{cls.__name__}-")
         cls.cluster = LocalCluster(BIN_DIR, Env.model, Env.tokenizer, scatter_workers=cls.scatter_workers,
                                    cache_replicas=cls.cache_replicas, work_dir=cls.work.name,
-                                   extra_args=cls.extra_args)
+                                   extra_args=cls.extra_args, device="cpu")  # the reference is the CPU engine
         cls.cluster.start()
 
     @classmethod

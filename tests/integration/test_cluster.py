@@ -42,6 +42,10 @@ class CacheReuseTest(ClusterTestCase):
         self.assertEqual(rep["request_id"], "cold-1")
         self.assertEqual([s["cache_hit"] for s in rep["segments"]], [False] * 4)
         self.assertEqual(sources(rep), ["SEGMENT_SOURCE_SCATTER"] * 4)
+        # Which backend built and spliced: the CPU (the cluster runs with --device cpu).
+        self.assertEqual([s["device"] for s in rep["segments"]], ["cpu"] * 4)
+        self.assertEqual([s["numerics"] for s in rep["segments"]], ["cpu-fp32"] * 4)
+        self.assertEqual((rep["combine_device"], rep["numerics"]), ("cpu", "cpu-fp32"))
         # LPT over two idle workers: longest first, each to the less loaded worker (ties: lower index).
         load = [0, 0]
         expected_worker = {}
@@ -409,7 +413,7 @@ class LauncherTest(unittest.TestCase):
     def launch(self, work: str, *command: str) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, str(SOURCE_DIR / "deploy" / "local_cluster.py"), "--bin-dir",
                                  str(BIN_DIR), "--model", Env.model, "--tokenizer", Env.tokenizer, "--work-dir", work,
-                                 "--scatter-workers", "1", "--", *command],
+                                 "--scatter-workers", "1", "--device", "cpu", "--", *command],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
     def wait_ready(self, work: str, timeout: float = 60) -> None:

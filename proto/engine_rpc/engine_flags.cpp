@@ -1,0 +1,70 @@
+#include "proto/engine_rpc/engine_flags.h"
+
+#include <spdlog/spdlog.h>
+
+namespace hypic::rpc {
+
+void add_engine_flags(CLI::App& app, EngineFlags& f, bool prefix_cache, bool inject_delay) {
+  f.device = engine::default_device().name();
+  app.add_option("--device", f.device,
+                 "where the engine computes: cpu | cuda | cuda:N (default: cuda:0 when this build has CUDA and a GPU "
+                 "is visible, else cpu)")
+      ->capture_default_str();
+  app.add_option("--compute-threads", f.compute_threads,
+                 "CPU backend: threads running a batch's segments / sequences in parallel")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--kv-pool-bytes", f.kv_pool_bytes,
+                 "CUDA backend: KV-cache pool of all sequences (0: 40% of the device memory free after the weights)")
+      ->transform(CLI::AsSizeValue(false))
+      ->capture_default_str();
+  app.add_option("--max-batch-tokens", f.max_batch_tokens,
+                 "most tokens of one forward pass: entry builds queued together are batched up to it (CUDA: longer "
+                 "prefills are chunked)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--random-weights-seed", f.random_weights_seed,
+                 "BENCHMARK ONLY (CUDA): ignore the safetensors and make seeded random weights from config.json on the "
+                 "device; text is meaningless (0: load the real weights)");
+  if (prefix_cache) {
+    app.add_option("--prefix-cache-bytes", f.prefix_cache_bytes, "prefix-mode state checkpoints")
+        ->transform(CLI::AsSizeValue(false))
+        ->capture_default_str();
+  }
+  if (inject_delay) {
+    app.add_option("--inject-delay-ms", f.inject_delay_ms,
+                   "TESTING ONLY: sleep this long before each build (widens fault-injection windows)");
+  }
+}
+
+std::unique_ptr<engine::Backend> make_engine_backend(const EngineFlags& f, const std::filesystem::path& model_dir) {
+  engine::DeviceSpec device;
+  try {
+    device = engine::DeviceSpec::parse(f.device);
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(std::string("--device: ") + e.what());
+  }
+  engine::BackendOptions o;
+  o.prefix_cache_bytes = f.prefix_cache_bytes;
+  o.kv_pool_bytes = f.kv_pool_bytes;
+  o.max_batch_tokens = f.max_batch_tokens;
+  o.random_weights_seed = f.random_weights_seed;
+  o.cpu_threads = f.compute_threads;
+  auto backend = engine::make_backend(device, model_dir, o);
+  const engine::BackendMemory m = backend->memory();
+  spdlog::info("model {} on {} ({}), fingerprint {}, weights {:.1f} MiB", model_dir.string(), backend->device().name(),
+               backend->numerics(), backend->fingerprint(), double(m.weights) / double(1 << 20));
+  if (f.random_weights_seed != 0)
+    spdlog::warn("BENCHMARK ONLY: random weights (seed {}) instead of the checkpoint's: the text is meaningless",
+                 f.random_weights_seed);
+  return backend;
+}
+
+engine::EngineLoopOptions engine_loop_options(const EngineFlags& f) {
+  engine::EngineLoopOptions o;
+  o.max_build_tokens = f.max_batch_tokens;
+  o.inject_delay = std::chrono::milliseconds(f.inject_delay_ms);
+  return o;
+}
+
+}  // namespace hypic::rpc

@@ -1,0 +1,38 @@
+// The engine flags of both workers (scatter and combine): which device computes and its memory budgets, mapped to
+// engine::BackendOptions / EngineLoopOptions, and the backend they make.
+#pragma once
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <string>
+
+#include <CLI/CLI.hpp>
+
+#include "engine/engine_loop.h"
+
+namespace hypic::rpc {
+
+struct EngineFlags {
+  std::string device;  ///< --device: cpu | cuda | cuda:N (default: engine::default_device())
+  int compute_threads = 1;
+  uint64_t kv_pool_bytes = 0;
+  int64_t max_batch_tokens = 16384;
+  uint64_t random_weights_seed = 0;
+  uint64_t prefix_cache_bytes = uint64_t{1} << 30;
+  int inject_delay_ms = 0;  ///< scatter worker only (testing)
+};
+
+/// Adds --device, --compute-threads, --kv-pool-bytes, --max-batch-tokens, --random-weights-seed (benchmark only)
+/// and, when `prefix_cache` (combine worker), --prefix-cache-bytes; when `inject_delay` (scatter worker),
+/// --inject-delay-ms (testing only).
+void add_engine_flags(CLI::App& app, EngineFlags& flags, bool prefix_cache, bool inject_delay);
+
+/// The backend the flags describe, loaded from `model_dir` (engine::make_backend), with a log line naming the
+/// device, numerics, fingerprint and memory (and a warning when the weights are random: benchmark only).
+/// Throws std::invalid_argument for a bad --device (naming it) and whatever loading throws.
+std::unique_ptr<engine::Backend> make_engine_backend(const EngineFlags& flags, const std::filesystem::path& model_dir);
+
+/// The engine loop options of the flags (--max-batch-tokens, --inject-delay-ms).
+engine::EngineLoopOptions engine_loop_options(const EngineFlags& flags);
+
+}  // namespace hypic::rpc
