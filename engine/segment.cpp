@@ -74,48 +74,6 @@ XXH3_state_t* new_hash() {
 
 }  // namespace
 
-// ---- digest ------------------------------------------------------------------------------------------
-
-std::string to_hex(const SegmentDigest& d) {
-  static const char* hex = "0123456789abcdef";
-  std::string s(32, '0');
-  for (int i = 0; i < 16; ++i) {
-    s[2 * i] = hex[d[i] >> 4];
-    s[2 * i + 1] = hex[d[i] & 15];
-  }
-  return s;
-}
-
-SegmentDigest digest_from_hex(std::string_view hex) {
-  if (hex.size() != 32) throw std::invalid_argument("segment digest must be 32 hex digits, got " + std::to_string(hex.size()) + " characters");
-  auto val = [&](char c) -> int {
-    if (c >= '0' && c <= '9') return c - '0';
-    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
-    throw std::invalid_argument(std::string("segment digest: not a hex digit: '") + c + "'");
-  };
-  SegmentDigest d{};
-  for (int i = 0; i < 16; ++i) d[i] = static_cast<uint8_t>(val(hex[2 * i]) * 16 + val(hex[2 * i + 1]));
-  return d;
-}
-
-SegmentDigest segment_digest(std::string_view model_fingerprint, uint32_t format_version, int seam_width,
-                             std::span<const int32_t> ids) {
-  std::string buf;
-  put<uint32_t>(buf, static_cast<uint32_t>(model_fingerprint.size()));
-  buf += model_fingerprint;
-  put<uint32_t>(buf, format_version);
-  put<int32_t>(buf, seam_width);
-  put<uint64_t>(buf, ids.size());
-  buf.append(reinterpret_cast<const char*>(ids.data()), ids.size() * sizeof(int32_t));
-  const XXH128_hash_t h = XXH3_128bits(buf.data(), buf.size());
-  XXH128_canonical_t c;
-  XXH128_canonicalFromHash(&c, h);
-  SegmentDigest d;
-  std::memcpy(d.data(), c.digest, 16);
-  return d;
-}
-
 // ---- entry -------------------------------------------------------------------------------------------
 
 EntryGeometry EntryGeometry::of(const ModelConfig& cfg) {

@@ -74,25 +74,6 @@ SegmentDigest chain_digest(const SegmentDigest& prev, std::span<const int32_t> i
 
 }  // namespace
 
-const char* splice_mode_name(SpliceMode mode) {
-  switch (mode) {
-    case SpliceMode::Full: return "full";
-    case SpliceMode::Prefix: return "prefix";
-    case SpliceMode::Naive: return "naive";
-    case SpliceMode::Transition: return "transition";
-    case SpliceMode::Hypic: return "hypic";
-  }
-  return "unknown";
-}
-
-SpliceMode parse_splice_mode(std::string_view name) {
-  for (SpliceMode m : {SpliceMode::Full, SpliceMode::Prefix, SpliceMode::Naive, SpliceMode::Transition,
-                       SpliceMode::Hypic})
-    if (name == splice_mode_name(m)) return m;
-  throw std::invalid_argument("unknown splice mode '" + std::string(name) +
-                              "' (expected full, prefix, naive, transition or hypic)");
-}
-
 // ---- entries -------------------------------------------------------------------------------------------
 
 SegmentEntry build_segment_entry(const Model& model, std::span<const int32_t> ids, int seam_width) {

@@ -6,6 +6,7 @@
 
 #include "engine/sampling.h"
 #include "engine/tokenizer.h"
+#include "proto/engine_rpc/checks.h"
 #include "proto/rpc/status.h"
 
 namespace hypic::router {
@@ -27,13 +28,8 @@ void check_segment(const v1::Segment& seg, const std::string& field, int64_t voc
     }
     case v1::Segment::kTokens: {
       const auto& ids = seg.tokens().ids();
-      if (ids.empty()) throw invalid_argument(field + ".tokens.ids", "must not be empty");
-      for (int i = 0; i < ids.size(); ++i) {
-        if (ids[i] < 0 || ids[i] >= vocab_size) {
-          throw invalid_argument(fmt::format("{}.tokens.ids[{}]", field, i),
-                                 fmt::format("{} is outside the vocabulary [0, {})", ids[i], vocab_size));
-        }
-      }
+      rpc::check_token_ids(std::span<const int32_t>(ids.data(), size_t(ids.size())), vocab_size,
+                           field + ".tokens.ids");
       break;
     }
     default:

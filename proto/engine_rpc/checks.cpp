@@ -6,14 +6,6 @@
 
 namespace hypic::rpc {
 
-void check_token_ids(std::span<const int32_t> ids, int64_t vocab_size, const std::string& field) {
-  try {
-    engine::check_token_ids(ids, vocab_size, field);
-  } catch (const std::invalid_argument& e) {
-    throw RpcError(grpc::StatusCode::INVALID_ARGUMENT, e.what());
-  }
-}
-
 Digest check_segment_key(std::string_view digest, std::span<const int32_t> ids, const std::string& field,
                          int64_t vocab_size, std::string_view fingerprint, int seam_width) {
   const Digest d = parse_digest(digest, field + ".digest");

@@ -15,8 +15,15 @@
 namespace hypic::rpc {
 
 /// engine::check_token_ids as an RpcError INVALID_ARGUMENT: "`field`: must not be empty" or
-/// "`field`[j]: ID is outside the vocabulary [0, vocab_size)".
-void check_token_ids(std::span<const int32_t> ids, int64_t vocab_size, const std::string& field);
+/// "`field`[j]: ID is outside the vocabulary [0, vocab_size)". Inline: the router uses it with hypic_engine_base
+/// alone.
+inline void check_token_ids(std::span<const int32_t> ids, int64_t vocab_size, const std::string& field) {
+  try {
+    engine::check_token_ids(ids, vocab_size, field);
+  } catch (const std::invalid_argument& e) {
+    throw RpcError(grpc::StatusCode::INVALID_ARGUMENT, e.what());
+  }
+}
 
 /// Parses a segment key's 16-byte digest (field `field`.digest), checks its token ids (`field`.token_ids) and that
 /// the digest is segment_digest(fingerprint, format version, seam_width, ids). Throws RpcError INVALID_ARGUMENT
