@@ -429,3 +429,38 @@ TEST_CASE("engine loop: a failing splice reports its error; stop finishes in-fli
   CHECK(late_gen.ended);
   CHECK(late_gen.end.reason == GenerateEndReason::Cancelled);
 }
+
+TEST_CASE("the CPU backend's threads change nothing in the results", "[backend]") {
+  CpuBackend& one = fixture_backend();
+  CpuBackend two(Model::load(kFixture), BackendOptions{.cpu_threads = 3});
+  CHECK(two.fingerprint() == one.fingerprint());
+  const int vocab = int(one.config().vocab_size);
+  std::vector<std::vector<int32_t>> segs;
+  for (int k = 0; k < 5; ++k) segs.push_back(random_ids(4 + 6 * k, 300 + uint32_t(k), vocab));
+  const auto a = one.build_entries(segs, 4), b = two.build_entries(segs, 4);
+  REQUIRE(a.size() == b.size());
+  for (size_t k = 0; k < a.size(); ++k) CHECK(serialize_entry(a[k]->header()) == serialize_entry(b[k]->header()));
+  // Decode of a batch on 3 threads equals the batch on one.
+  std::vector<std::unique_ptr<Sequence>> sa, sb;
+  for (size_t k = 0; k < segs.size(); ++k) {
+    SplicePlan plan;
+    plan.mode = SpliceMode::Full;
+    plan.query = {int32_t(k + 1)};
+    plan.segments.push_back({segs[k], nullptr});
+    sa.push_back(one.splice(plan).sequence);
+    sb.push_back(two.splice(plan).sequence);
+  }
+  std::vector<Sequence*> ba, bb;
+  std::vector<int32_t> toks;
+  for (size_t k = 0; k < segs.size(); ++k) {
+    ba.push_back(sa[k].get());
+    bb.push_back(sb[k].get());
+    toks.push_back(int32_t(17 * k + 3));
+  }
+  std::vector<float> la, lb;
+  one.decode(ba, toks, la);
+  two.decode(bb, toks, lb);
+  CHECK(la == lb);
+  CHECK_THROWS_WITH(CpuBackend(Model::load(kFixture), BackendOptions{.cpu_threads = 0}),
+                    Catch::Contains("cpu_threads must be >= 1"));
+}
