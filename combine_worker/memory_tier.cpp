@@ -11,12 +11,12 @@ size_t EntryMemoryTier::Hash::operator()(const rpc::Digest& d) const noexcept {
   return h;
 }
 
-std::shared_ptr<const engine::SegmentEntry> EntryMemoryTier::get(const rpc::Digest& digest,
+std::shared_ptr<const engine::ResidentEntry> EntryMemoryTier::get(const rpc::Digest& digest,
                                                                  std::span<const int32_t> ids) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = index_.find(digest);
   if (it == index_.end()) return nullptr;
-  const auto& stored = it->second->entry->token_ids;
+  const auto& stored = it->second->entry->header().token_ids;
   if (!std::equal(stored.begin(), stored.end(), ids.begin(), ids.end())) return nullptr;
   lru_.splice(lru_.begin(), lru_, it->second);
   return it->second->entry;
@@ -30,8 +30,8 @@ void EntryMemoryTier::erase_locked(const rpc::Digest& digest) {
   index_.erase(it);
 }
 
-void EntryMemoryTier::put(const rpc::Digest& digest, std::shared_ptr<const engine::SegmentEntry> entry) {
-  const size_t bytes = entry->byte_size();
+void EntryMemoryTier::put(const rpc::Digest& digest, std::shared_ptr<const engine::ResidentEntry> entry) {
+  const size_t bytes = entry->resident_bytes();
   std::lock_guard<std::mutex> lock(mu_);
   erase_locked(digest);
   if (bytes > budget_) return;

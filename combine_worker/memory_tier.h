@@ -1,5 +1,6 @@
-// The combine worker's own memory tier: deserialized segment entries, most recently used first,
-// under a byte budget (SegmentEntry::byte_size()). Hits verify the token ids. Thread-safe.
+// The combine worker's own memory tier: segment entries resident on its backend (host memory on the CPU, device
+// memory on CUDA: a hit needs no import), most recently used first, under a byte budget
+// (ResidentEntry::resident_bytes()). Hits verify the token ids. Thread-safe.
 #pragma once
 #include <list>
 #include <memory>
@@ -7,7 +8,7 @@
 #include <span>
 #include <unordered_map>
 
-#include "engine/segment.h"
+#include "engine/backend.h"
 #include "proto/rpc/status.h"
 
 namespace hypic::combine {
@@ -17,10 +18,10 @@ class EntryMemoryTier {
   /// budget_bytes == 0 disables the tier (get always misses, put stores nothing).
   explicit EntryMemoryTier(size_t budget_bytes) : budget_(budget_bytes) {}
   /// The entry stored under `digest` if its token ids equal `ids` (and marks it most recent).
-  std::shared_ptr<const engine::SegmentEntry> get(const rpc::Digest& digest, std::span<const int32_t> ids);
+  std::shared_ptr<const engine::ResidentEntry> get(const rpc::Digest& digest, std::span<const int32_t> ids);
   /// Stores (or refreshes) an entry, evicting least recently used ones to stay within budget; an
   /// entry larger than the whole budget is not stored.
-  void put(const rpc::Digest& digest, std::shared_ptr<const engine::SegmentEntry> entry);
+  void put(const rpc::Digest& digest, std::shared_ptr<const engine::ResidentEntry> entry);
   /// Forgets an entry (e.g. found inconsistent).
   void erase(const rpc::Digest& digest);
   size_t bytes() const;
@@ -29,7 +30,7 @@ class EntryMemoryTier {
  private:
   struct Item {
     rpc::Digest digest;
-    std::shared_ptr<const engine::SegmentEntry> entry;
+    std::shared_ptr<const engine::ResidentEntry> entry;
     size_t bytes;
   };
   struct Hash {

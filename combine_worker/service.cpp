@@ -26,8 +26,12 @@ struct Slot {
   rpc::Digest digest{};
   std::vector<int32_t> ids;
   v1::PlannedSegment::Source planned = v1::PlannedSegment::WARM;
-  std::shared_ptr<const engine::SegmentEntry> entry;       // set once (host form)
-  std::shared_ptr<const engine::ResidentEntry> resident;   // set with it when built here (resident on the backend)
+  // Set once, at least one of the two: the host form (delivered, fetched) and/or the form resident on the backend
+  // (built here, or a memory-tier hit).
+  std::shared_ptr<const engine::SegmentEntry> entry;
+  std::shared_ptr<const engine::ResidentEntry> resident;
+  bool has_entry() const { return entry || resident; }
+  const engine::SegmentEntry* header() const { return resident ? &resident->header() : entry.get(); }
   v1::SegmentSource source = v1::SEGMENT_SOURCE_UNSPECIFIED;
   std::string built_by, device, note;
   double compute_ms = 0;
@@ -53,7 +57,7 @@ struct CombineService::Pending {
     {
       std::lock_guard<std::mutex> lock(mu);
       Slot& s = slots[i];
-      if (s.entry) return false;
+      if (s.has_entry()) return false;
       s.entry = std::move(entry);
       s.source = source;
       s.built_by = std::move(built_by);
@@ -94,7 +98,7 @@ void CombineService::build_locally(const std::shared_ptr<Pending>& p, size_t slo
   {
     std::lock_guard<std::mutex> lock(p->mu);
     Slot& s = p->slots[slot];
-    if (s.entry || s.local_started) return;
+    if (s.has_entry() || s.local_started) return;
     s.local_started = true;
     ids = s.ids;
     if (!note.empty()) s.note = s.note.empty() ? note : s.note + "; " + note;
@@ -111,7 +115,7 @@ void CombineService::build_locally(const std::shared_ptr<Pending>& p, size_t slo
       return;
     }
     const rpc::Digest digest = p->slots[slot].digest;  // immutable after registration
-    d_.memory_tier.put(digest, r.host);
+    d_.memory_tier.put(digest, r.entry);
     if (p->cache_segments) d_.putter.enqueue(digest, r.host->token_ids, r.bytes, p->id);
     p->fill(slot, r.host, v1::SEGMENT_SOURCE_COMBINE_COMPUTED, address_, r.compute_ms, r.bytes->size(), device_,
             std::move(r.entry));
@@ -122,7 +126,7 @@ void CombineService::fetch_warm(const std::shared_ptr<Pending>& p, size_t slot, 
   const rpc::Digest digest = p->slots[slot].digest;
   const std::vector<int32_t>& ids = p->slots[slot].ids;
   if (auto e = d_.memory_tier.get(digest, ids)) {
-    p->fill(slot, e, v1::SEGMENT_SOURCE_COMBINE_MEMORY, "", 0, e->byte_size());
+    p->fill(slot, nullptr, v1::SEGMENT_SOURCE_COMBINE_MEMORY, "", 0, e->resident_bytes(), "", e);
     return;
   }
   std::string why;
@@ -134,7 +138,6 @@ void CombineService::fetch_warm(const std::shared_ptr<Pending>& p, size_t slot, 
       try {
         auto entry = std::make_shared<const engine::SegmentEntry>(engine::deserialize_entry(*bytes));
         rpc::verify_entry(*entry, ids, backend_, p->entry_seam_width);
-        d_.memory_tier.put(digest, entry);
         p->fill(slot, entry, v1::SEGMENT_SOURCE_CACHE, "", 0, bytes->size());
         return;
       } catch (const engine::EntryError& e) {
@@ -285,7 +288,7 @@ grpc::Status CombineService::run_combine(grpc::ServerContext* ctx, const v1::Com
         if (Clock::now() > give_up) {
           std::vector<size_t> missing;
           for (size_t i = 0; i < p->slots.size(); ++i)
-            if (!p->slots[i].entry) missing.push_back(i);
+            if (!p->slots[i].has_entry()) missing.push_back(i);
           throw rpc::RpcError(grpc::StatusCode::DEADLINE_EXCEEDED,
                               fmt::format("segments {} did not arrive within {} s (--gather-timeout-seconds)",
                                           fmt::join(missing, ","), opt_.gather_timeout.count()));
@@ -355,6 +358,10 @@ grpc::Status CombineService::run_combine(grpc::ServerContext* ctx, const v1::Com
       if (!events->spliced) throw fail(*events->end, "splice");
       sinfo = *events->spliced;
     }
+    // Entries the splice imported (delivered or fetched) stay resident in the memory tier for later requests.
+    for (size_t i = 0; i < sinfo.imported.size() && i < p->slots.size(); ++i)
+      if (sinfo.imported[i]) d_.memory_tier.put(p->slots[i].digest, sinfo.imported[i]);
+    sinfo.imported.clear();
     const double splice_ms = sinfo.splice_ms;
     ev.mutable_splice_done()->set_splice_ms(splice_ms);
     ev.mutable_splice_done()->set_queue_ms(sinfo.queue_ms);
@@ -437,7 +444,7 @@ grpc::Status CombineService::run_combine(grpc::ServerContext* ctx, const v1::Com
         sr->set_entry_bytes(s.entry_bytes);
         sr->set_note(s.note);
         sr->set_device(s.device);
-        if (s.entry) sr->set_numerics(s.entry->numerics);
+        if (s.has_entry()) sr->set_numerics(s.header()->numerics);
       }
     }
     send(rev);
@@ -482,8 +489,7 @@ grpc::Status CombineService::DeliverEntry(grpc::ServerContext*, grpc::ServerRead
       spdlog::error("[req {}] rejected {}: {}", p->id, what, e.what());
       throw rpc::RpcError(grpc::StatusCode::DATA_LOSS, fmt::format("{} rejected by the engine: {}", what, e.what()));
     }
-    d_.memory_tier.put(slot.digest, entry);
-    const bool fresh =
+        const bool fresh =
         p->fill(h.index(), entry, v1::SEGMENT_SOURCE_SCATTER, h.built_by(), h.compute_ms(), bytes.size(), h.device());
     resp->set_duplicate(!fresh);
     spdlog::debug("[req {}] received {} ({} bytes){}", p->id, what, bytes.size(), fresh ? "" : ", duplicate dropped");

@@ -285,8 +285,12 @@ void EngineLoop::run_splice(SpliceTask task) {
     if (!hosts.empty() && hosts.size() != plan.segments.size())
       throw std::invalid_argument("splice job: " + std::to_string(hosts.size()) + " host entries for " +
                                   std::to_string(plan.segments.size()) + " segments");
-    for (size_t i = 0; i < hosts.size(); ++i)
-      if (!plan.segments[i].entry && hosts[i]) plan.segments[i].entry = backend_.import_entry(hosts[i]);
+    r.info.imported.resize(hosts.size());
+    for (size_t i = 0; i < hosts.size(); ++i) {
+      if (plan.segments[i].entry || !hosts[i]) continue;
+      plan.segments[i].entry = backend_.import_entry(hosts[i]);
+      r.info.imported[i] = plan.segments[i].entry;
+    }
     r.output = backend_.splice(plan);
   } catch (...) {
     const auto kind = classify_engine_error(std::current_exception());
