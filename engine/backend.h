@@ -130,6 +130,8 @@ struct BackendOptions {
   int64_t max_batch_tokens = 16384;
   /// CUDA: the most sequences alive at once (each holds one linear-state slot: n_linear * H_v * 64 KiB fp32).
   int max_sequences = 64;
+  /// CUDA: replay decode steps as CUDA graphs (captured on a batch shape's second step; same kernels, same bits).
+  bool decode_graphs = true;
   /// Benchmark only: ignore the checkpoint's safetensors and make seeded random weights from config.json on
   /// the device (logged and reported as benchmark-only; text is meaningless). 0 = load the real weights.
   /// Not supported by the CPU backend (make_backend throws; write a random checkpoint with `hypic-model init`).
@@ -195,7 +197,8 @@ bool cuda_available();
 DeviceSpec default_device();
 
 /// Loads the model in `model_dir` onto `device`. Throws std::invalid_argument for a device this build or machine
-/// lacks (naming it; "this build has no CUDA backend" without HYPIC_WITH_CUDA), for options the backend does not
+/// lacks (naming it: "this build has no CUDA backend" without HYPIC_WITH_CUDA, "no CUDA device is visible", "only N
+/// CUDA device(s) are visible"), for options the backend does not
 /// support (cpu_threads < 1; random_weights_seed on the CPU), and whatever loading throws (engine/weights.h).
 std::unique_ptr<Backend> make_backend(const DeviceSpec& device, const std::filesystem::path& model_dir,
                                       const BackendOptions& options = {});
