@@ -116,6 +116,10 @@ void print_report_table(const v1::GenerateReport& r, std::ostream& os) {
                       s.cache_hit() ? "hit" : "miss", source_name(s.source()), s.built_by(), s.device(),
                       s.compute_ms(), s.entry_bytes(), s.note());
   }
+  if (r.random_weights_seed() != 0)
+    os << fmt::format("BENCHMARK ONLY: the combine worker ran seeded random weights (seed {}): the text is "
+                      "meaningless\n",
+                      r.random_weights_seed());
   const auto& t = r.ttft();
   os << fmt::format("TTFT {:.1f} ms = router {:.1f} + lookup {:.1f} + scatter {:.1f} + transfer {:.1f} + splice {:.1f} "
                     "+ first decode {:.1f}\n",

@@ -56,7 +56,8 @@ int main(int argc, char** argv) {
     hypic::combine::EntryMemoryTier tier(memory_tier_bytes);
     hypic::engine::EngineLoop loop(*backend, hypic::rpc::engine_loop_options(engine));
     hypic::rpc::Lifecycle life("combine worker");
-    hypic::combine::CombineService svc({tokenizer, cache, putter, loop, tier, life, engine.compute_threads}, opt);
+    hypic::combine::CombineService svc({tokenizer, cache, putter, loop, tier, life, engine.compute_threads,
+                                        engine.random_weights_seed}, opt);
     const int status = hypic::rpc::run_server(
         server, life,
         {"combine",

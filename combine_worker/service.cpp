@@ -424,6 +424,7 @@ grpc::Status CombineService::run_combine(grpc::ServerContext* ctx, const v1::Com
     rep->set_decode_ms(decode_ms);
     rep->set_device(device_);
     rep->set_numerics(std::string(backend_.numerics()));
+    rep->set_random_weights_seed(d_.random_weights_seed);
     {
       std::lock_guard<std::mutex> lock(p->mu);
       for (size_t i = 0; i < p->slots.size(); ++i) {
@@ -526,6 +527,7 @@ grpc::Status CombineService::GetWorkerInfo(grpc::ServerContext*, const v1::Worke
   resp->set_active_requests(uint32_t(d_.life.active()));
   resp->set_numerics(std::string(backend_.numerics()));
   resp->set_device(device_);
+  resp->set_random_weights_seed(d_.random_weights_seed);
   return grpc::Status::OK;
 }
 

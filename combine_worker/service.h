@@ -40,6 +40,7 @@ struct CombineDeps {
   EntryMemoryTier& memory_tier;
   rpc::Lifecycle& life;
   int compute_threads = 1;  ///< reported in WorkerInfo
+  uint64_t random_weights_seed = 0;  ///< BENCHMARK ONLY, reported in WorkerInfo and every report (0: real weights)
 };
 
 class CombineService final : public hypic::v1::CombineWorker::Service {

@@ -135,6 +135,8 @@ struct BackendOptions {
   /// Benchmark only: ignore the checkpoint's safetensors and make seeded random weights from config.json on
   /// the device (logged and reported as benchmark-only; text is meaningless). 0 = load the real weights.
   /// Not supported by the CPU backend (make_backend throws; write a random checkpoint with `hypic-model init`).
+  /// A backend with random weights sets its config().weights_digest to random_weights_digest(seed), so its
+  /// fingerprint (and every digest and entry) differs from the checkpoint's and from other seeds'.
   uint64_t random_weights_seed = 0;
   /// Benchmark only: build_entries skips the segment transitions T_C (and what only they need), so that a
   /// benchmark can time an entry build without T_C against one with it. Entries made so have NO valid T_C and
@@ -185,6 +187,9 @@ class ResourceExhausted : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
 };
+
+/// The weights identity of seeded random weights (BackendOptions::random_weights_seed): "random-" + 16 hex digits.
+std::string random_weights_digest(uint64_t seed);
 
 /// The one token-id check of every service and backend: throws std::invalid_argument "`what`: must not be empty"
 /// or "`what`[j]: ID is outside the vocabulary [0, vocab_size)".

@@ -33,6 +33,12 @@ std::string DeviceSpec::name() const {
 
 const char* backend_numerics(BackendKind kind) { return kind == BackendKind::Cpu ? "cpu-fp32" : "cuda-bf16"; }
 
+std::string random_weights_digest(uint64_t seed) {
+  char buf[40];
+  std::snprintf(buf, sizeof buf, "random-%016llx", static_cast<unsigned long long>(seed));
+  return buf;
+}
+
 std::string model_fingerprint(const ModelConfig& config, std::string_view numerics) {
   std::string s = "hypic-backend-v1|" + config.fingerprint() + "|numerics=";
   s += numerics;

@@ -94,9 +94,12 @@ bool RouterService::probe(Worker& w) {
     w.numerics = info.numerics();
     w.device = info.device();
   }
-  // Same model: the worker's fingerprint is the backend fingerprint of the router's config under its numerics.
+  // Same model: the worker's fingerprint is the backend fingerprint of the router's config under its numerics (and,
+  // for a benchmark-only worker with seeded random weights, under that seed's weights identity).
   std::string why;
-  if (info.model_fingerprint() != engine::model_fingerprint(model_.config, info.numerics())) {
+  engine::ModelConfig expected = model_.config;
+  if (info.random_weights_seed() != 0) expected.weights_digest = engine::random_weights_digest(info.random_weights_seed());
+  if (info.model_fingerprint() != engine::model_fingerprint(expected, info.numerics())) {
     why = fmt::format("serves model {} (numerics '{}'), not the router's model (config {})", info.model_fingerprint(),
                       info.numerics(), model_.config.fingerprint());
   } else {
@@ -106,10 +109,20 @@ bool RouterService::probe(Worker& w) {
       fingerprint_ = info.model_fingerprint();
       numerics_from_ = "worker " + w.address;
       spdlog::info("cluster numerics {} (fingerprint {}), learned from worker {}", numerics_, fingerprint_, w.address);
+      if (info.random_weights_seed() != 0)
+        spdlog::warn("BENCHMARK ONLY: worker {} runs seeded random weights (seed {}): the text is meaningless",
+                     w.address, info.random_weights_seed());
     } else if (info.numerics() != numerics_) {
       why = fmt::format("computes numerics {} but the cluster's are {} (from {}): entries of mixed numerics are "
                         "never spliced together",
                         info.numerics(), numerics_, numerics_from_);
+    } else if (info.model_fingerprint() != fingerprint_) {
+      why = fmt::format("computes under fingerprint {} (numerics {}{}) but the cluster's is {} (from {}): entries "
+                        "of other weights are never spliced together",
+                        info.model_fingerprint(), info.numerics(),
+                        info.random_weights_seed() ? fmt::format(", random weights seed {}", info.random_weights_seed())
+                                                   : std::string(),
+                        fingerprint_, numerics_from_);
     }
   }
   const bool bad = !why.empty();
@@ -533,6 +546,7 @@ grpc::Status GenerateCall::run() {
   rep->set_decode_ms(creport->decode_ms());
   rep->set_combine_device(creport->device());
   rep->set_numerics(creport->numerics());
+  rep->set_random_weights_seed(creport->random_weights_seed());
   rep->set_schedule_policy(svc_.scheduler_ ? schedule_policy_name(svc_.scheduler_->policy()) : "none");
   size_t hits = 0;
   for (const auto& s : segs_) hits += s.hit;

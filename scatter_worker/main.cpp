@@ -39,7 +39,8 @@ int main(int argc, char** argv) {
     hypic::cache::AsyncCachePutter putter(cache, put_queue_bytes);
     hypic::engine::EngineLoop loop(*backend, hypic::rpc::engine_loop_options(engine));
     hypic::rpc::Lifecycle life("scatter worker");
-    hypic::worker::ScatterService svc(loop, putter, life, chunk_bytes, engine.compute_threads);
+    hypic::worker::ScatterService svc(loop, putter, life, chunk_bytes, engine.compute_threads,
+                                      engine.random_weights_seed);
     const int status = hypic::rpc::run_server(
         server, life,
         {"scatter",

@@ -227,6 +227,7 @@ grpc::Status ScatterService::GetWorkerInfo(grpc::ServerContext*, const v1::Worke
   resp->set_active_requests(uint32_t(life_.active()));
   resp->set_numerics(std::string(loop_.backend().numerics()));
   resp->set_device(device_);
+  resp->set_random_weights_seed(random_weights_seed_);
   return grpc::Status::OK;
 }
 

@@ -35,12 +35,13 @@ grpc::Status deliver_entry(hypic::v1::CombineWorker::Stub& stub, grpc::ClientCon
 class ScatterService final : public hypic::v1::ScatterWorker::Service {
  public:
   /// The referenced objects must outlive the service; builds run on `loop` (its backend's fingerprint is what
-  /// digests are checked under). `compute_threads` is reported in WorkerInfo. `address` is what this worker
-  /// reports as built_by (filled in once the port is known).
+  /// digests are checked under). `compute_threads` and `random_weights_seed` (0: real weights) are reported in
+  /// WorkerInfo. `address` is what this worker reports as built_by (filled in once the port is known).
   ScatterService(engine::EngineLoop& loop, cache::AsyncCachePutter& putter, rpc::Lifecycle& life, size_t chunk_bytes,
-                 int compute_threads)
+                 int compute_threads, uint64_t random_weights_seed = 0)
       : loop_(loop), fingerprint_(loop.backend().fingerprint()), device_(loop.backend().device().name()),
-        putter_(putter), life_(life), chunk_bytes_(chunk_bytes), compute_threads_(compute_threads) {}
+        putter_(putter), life_(life), chunk_bytes_(chunk_bytes), compute_threads_(compute_threads),
+        random_weights_seed_(random_weights_seed) {}
   void set_address(std::string address) { address_ = std::move(address); }
 
   grpc::Status Prefill(grpc::ServerContext* ctx, const hypic::v1::PrefillRequest* req,
@@ -55,6 +56,7 @@ class ScatterService final : public hypic::v1::ScatterWorker::Service {
   rpc::Lifecycle& life_;
   size_t chunk_bytes_;
   int compute_threads_;
+  uint64_t random_weights_seed_;
   std::string address_;
   CombineStubs combines_;
 };

@@ -146,6 +146,13 @@ TEST_CASE("the CPU backend's fingerprint covers config and numerics; entries car
   CHECK(b.fingerprint() != model_fingerprint(cfg, "cuda-bf16"));
   CHECK(b.fingerprint() != cfg.fingerprint());
   CHECK(b.fingerprint().size() == 32);
+  // Seeded random weights have a weights identity of their own: another fingerprint per seed.
+  CHECK(random_weights_digest(1) == "random-0000000000000001");
+  ModelConfig random = cfg;
+  random.weights_digest = random_weights_digest(1);
+  CHECK(model_fingerprint(random, "cpu-fp32") != b.fingerprint());
+  random.weights_digest = random_weights_digest(2);
+  CHECK(model_fingerprint(random, "cpu-fp32") != model_fingerprint(cfg, "cpu-fp32"));
   CHECK(b.device().name() == "cpu");
 
   const auto ids = random_ids(12, 5, int(cfg.vocab_size));
