@@ -238,7 +238,7 @@ int64_t ModelWeights::parameter_count() const {
   return n;
 }
 
-ModelWeights load_weights(const ModelConfig& cfg, const std::filesystem::path& dir) {
+void load_weights_streaming(const ModelConfig& cfg, const std::filesystem::path& dir, const WeightsSink& sink) {
   cfg.validate();
   Reader rd(dir);
   const int64_t H = cfg.hidden_size, V = cfg.vocab_size;
@@ -252,18 +252,24 @@ ModelWeights load_weights(const ModelConfig& cfg, const std::filesystem::path& d
         "checkpoint " + dir.string() +
         ": missing tensor 'model.embed_tokens.weight' (nor 'model.language_model.embed_tokens.weight')");
 
-  ModelWeights w;
-  w.tied = cfg.tie_word_embeddings;
-  w.embed = rd.take(prefix + "embed_tokens.weight", {V, H});
-  w.final_norm = rd.take(prefix + "norm.weight", {H});
-  if (w.tied)
+  auto send = [&sink](WeightsPart::Kind kind, Tensor t) {
+    WeightsPart part;
+    part.kind = kind;
+    part.tensor = std::move(t);
+    sink(std::move(part));
+  };
+  send(WeightsPart::Kind::Embed, rd.take(prefix + "embed_tokens.weight", {V, H}));
+  send(WeightsPart::Kind::FinalNorm, rd.take(prefix + "norm.weight", {H}));
+  if (cfg.tie_word_embeddings)
     rd.ignore("lm_head.weight");  // tied: HF uses embed_tokens whatever the file holds
   else
-    w.lm_head = rd.take("lm_head.weight", {V, H});
+    send(WeightsPart::Kind::LmHead, rd.take("lm_head.weight", {V, H}));
 
-  w.layers.resize(size_t(cfg.num_hidden_layers));
   for (int i = 0; i < cfg.num_hidden_layers; ++i) {
-    LayerWeights& l = w.layers[size_t(i)];
+    WeightsPart part;
+    part.kind = WeightsPart::Kind::Layer;
+    part.layer = i;
+    LayerWeights& l = part.weights;
     const std::string p = prefix + "layers." + std::to_string(i) + ".";
     l.type = cfg.layer_types[size_t(i)];
     l.is_moe = cfg.is_moe_layer(i);
@@ -277,8 +283,22 @@ ModelWeights load_weights(const ModelConfig& cfg, const std::filesystem::path& d
       load_moe(cfg, rd, p + "mlp.", l.moe);
     else
       load_mlp(rd, p + "mlp.", H, cfg.intermediate_size, l.mlp);
+    sink(std::move(part));
   }
   rd.check_all_used();
+}
+
+ModelWeights load_weights(const ModelConfig& cfg, const std::filesystem::path& dir) {
+  ModelWeights w;
+  w.tied = cfg.tie_word_embeddings;
+  load_weights_streaming(cfg, dir, [&w](WeightsPart&& part) {
+    switch (part.kind) {
+      case WeightsPart::Kind::Embed: w.embed = std::move(part.tensor); break;
+      case WeightsPart::Kind::FinalNorm: w.final_norm = std::move(part.tensor); break;
+      case WeightsPart::Kind::LmHead: w.lm_head = std::move(part.tensor); break;
+      case WeightsPart::Kind::Layer: w.layers.push_back(std::move(part.weights)); break;  // sent in layer order
+    }
+  });
   return w;
 }
 

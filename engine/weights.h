@@ -8,6 +8,7 @@
 #pragma once
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -104,6 +105,35 @@ struct ModelWeights {
 /// Unused tensors other than `mtp.*` / `model.visual.*` are an error too (they signal a config that
 /// does not match the checkpoint).
 ModelWeights load_weights(const ModelConfig& cfg, const std::filesystem::path& dir);
+
+/// One top-level group of ModelWeights as load_weights_streaming hands it over.
+struct WeightsPart {
+  enum class Kind {
+    Embed,      ///< `tensor` = ModelWeights::embed [V, H]
+    FinalNorm,  ///< `tensor` = ModelWeights::final_norm [H]
+    LmHead,     ///< `tensor` = ModelWeights::lm_head [V, H]; never sent when tie_word_embeddings
+    Layer,      ///< `weights` = ModelWeights::layers[layer] (type / is_moe set, exactly as load_weights fills it)
+  };
+  Kind kind = Kind::Embed;
+  int layer = -1;         ///< Layer: the decoder layer's index; -1 otherwise
+  Tensor tensor;          ///< Embed / FinalNorm / LmHead; empty for Layer
+  LayerWeights weights;   ///< Layer; default (all empty) otherwise
+};
+
+/// Receives each part; it may keep it (move from it) or drop it. An exception thrown by the sink stops the load and
+/// propagates unchanged.
+using WeightsSink = std::function<void(WeightsPart&&)>;
+
+/// The loader behind load_weights, handing the weights over part by part instead of collecting them: Embed,
+/// FinalNorm, LmHead (unless tied), then Layer 0, 1, ..., num_hidden_layers - 1, in this order, each part converted
+/// and normalised exactly as load_weights would store it (the same code: load_weights is this plus a collecting
+/// sink). Only the part being built is held (a layer's tensors in fp32; Qwen3-Next's grouped in_proj_qkvz /
+/// in_proj_ba also briefly as read, before regrouping), plus the memory mappings of the safetensors files.
+/// Errors are load_weights's, raised at the same point of the load: a missing / mis-shaped tensor throws before the
+/// part holding it is sent (earlier parts have been sent); the check for unused tensors runs after the last layer
+/// was sent, so a sink can have consumed every part of a checkpoint that then fails with "has tensors the config
+/// does not use".
+void load_weights_streaming(const ModelConfig& cfg, const std::filesystem::path& dir, const WeightsSink& sink);
 
 /// What a checkpoint tensor is, which decides how `init` draws it (write_random_checkpoint).
 enum class TensorRole {

@@ -21,6 +21,9 @@
 #include <mutex>
 #include <numeric>
 #include <stdexcept>
+#include <map>
+#include <set>
+#include <type_traits>
 #include <unordered_map>
 
 #include "engine/cuda/cuda_weights.h"
@@ -40,6 +43,7 @@ namespace kc = hypic::kernels::cuda;
 constexpr int D = kc::kGdnHeadDim;
 constexpr int kPage = kc::kKvPageTokens;
 constexpr size_t kStateFloats = size_t(D) * D;
+constexpr int kMoeCublasFromTokens = 2048;  // prefill passes of at least this many tokens use cuBLAS's grouped GEMM
 
 std::string mib(size_t bytes) { return std::to_string(bytes >> 20) + " MiB"; }
 
@@ -163,7 +167,8 @@ struct Run {
 
 class CudaBackend final : public Backend {
  public:
-  CudaBackend(const DeviceSpec& dev, ModelConfig cfg, const ModelWeights* weights, const BackendOptions& opt);
+  CudaBackend(const DeviceSpec& dev, ModelConfig cfg, const ModelWeights* weights, const BackendOptions& opt,
+              const std::filesystem::path& checkpoint = {});  // non-empty: DeviceWeights::load from it, not weights
   ~CudaBackend() override;
 
   const ModelConfig& config() const override { return cfg_; }
@@ -225,6 +230,21 @@ class CudaBackend final : public Backend {
   void snapshot_linear(const CudaSequence& s, std::vector<std::vector<float>>& out) const;
   std::vector<float> fetch_logits(int rows);
 
+  // Decode steps: fixed-layout tables (int32 offsets) for a batch of B sequences and block tables cap pages wide.
+  struct DecodeTables {
+    DecodeTables(int B, int cap)
+        : ids(0), pos(B), rows(2 * B), slots(3 * B), qs(4 * B), lr(5 * B + 1), bt(6 * B + 1),
+          ints(size_t(6 * B + 1) + size_t(B) * cap) {}
+    int ids, pos, rows, slots, qs, lr, bt;
+    size_t ints;
+  };
+  void decode_body(int B, int cap, const DecodeTables& t);
+  struct GraphExec {
+    explicit GraphExec(cudaGraphExec_t e) : e_(e, [](cudaGraphExec_t x) { if (x) cudaGraphExecDestroy(x); }) {}
+    cudaGraphExec_t get() const { return e_.get(); }
+    std::shared_ptr<std::remove_pointer_t<cudaGraphExec_t>> e_;
+  };
+
   // Prefix checkpoints (prefix mode): running states at segment ends, keyed by the chain digest.
   std::shared_ptr<Checkpoint> save_checkpoint(const CudaSequence& s);
   void restore_checkpoint(CudaSequence& s, const Checkpoint& c);
@@ -239,6 +259,7 @@ class CudaBackend final : public Backend {
   size_t state_layer_bytes_ = 0, conv_layer_bytes_ = 0, kv_row_ = 0;
   float eps_ = 1e-6f, attn_scale_ = 1.f, gdn_scale_ = 1.f;
   bool renorm_topk_ = true;
+  bool capturing_ = false;  // a decode step is being captured into a CUDA graph
   cudaStream_t stream_ = nullptr;
   DeviceWeights w_;
   kc::GemmRunner gemm_;
@@ -260,6 +281,9 @@ class CudaBackend final : public Backend {
            *z_ = nullptr, *ga_ = nullptr, *gb_ = nullptr, *o_ = nullptr, *qg_ = nullptr, *kv_ = nullptr,
            *aq_ = nullptr, *ao_ = nullptr;
   DeviceMemory logits_dev_;
+  DeviceMemory dec_tables_, dec_logits_;          // decode steps (fixed, so that graphs can point at them)
+  std::map<std::pair<int, int>, GraphExec> graphs_;  // captured decode steps by (batch, block-table width)
+  std::set<std::pair<int, int>> warmed_;              // shapes run once eagerly (GEMM plans made)
   DeviceMemory tables_dev_;
   DeviceMemory run_scratch_;  // per-run states of a pass
   std::vector<float> logits_host_;
@@ -335,7 +359,7 @@ ModelState CudaSequence::to_host() const { return b_->download_state(*this); }
 // ---- construction ----------------------------------------------------------------------------------------------
 
 CudaBackend::CudaBackend(const DeviceSpec& dev, ModelConfig cfg, const ModelWeights* weights,
-                         const BackendOptions& opt)
+                         const BackendOptions& opt, const std::filesystem::path& checkpoint)
     : cfg_(std::move(cfg)), dev_(dev), opt_(opt) {
   cfg_.validate();
   check_supported();
@@ -346,6 +370,7 @@ CudaBackend::CudaBackend(const DeviceSpec& dev, ModelConfig cfg, const ModelWeig
                                 " CUDA device(s) visible)");
   set_device();
   check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+  if (!weights && checkpoint.empty()) cfg_.weights_digest = random_weights_digest(opt_.random_weights_seed);
   fingerprint_ = model_fingerprint(cfg_, numerics());
   geom_ = EntryGeometry::of(cfg_);
   n_lin_ = cfg_.num_linear_layers();
@@ -360,7 +385,9 @@ CudaBackend::CudaBackend(const DeviceSpec& dev, ModelConfig cfg, const ModelWeig
   attn_scale_ = float(1.0 / std::sqrt(double(hd_)));
   gdn_scale_ = float(1.0 / std::sqrt(double(cfg_.linear_key_head_dim)));
   renorm_topk_ = cfg_.norm_topk_prob || cfg_.model_type.rfind("qwen3_5_moe", 0) == 0;
-  if (weights) {
+  if (!checkpoint.empty()) {
+    w_ = DeviceWeights::load(cfg_, checkpoint);  // streamed: one layer on the host at a time
+  } else if (weights) {
     w_ = DeviceWeights::upload(cfg_, *weights);
   } else {
     if (opt_.random_weights_seed == 0)
@@ -382,6 +409,7 @@ CudaBackend::~CudaBackend() {
     cudaSetDevice(dev_.index);
     cudaStreamSynchronize(stream_);
     prefix_lru_.clear();
+    graphs_.clear();
     cudaStreamSynchronize(stream_);
     cudaStreamDestroy(stream_);
   }
@@ -433,6 +461,7 @@ void CudaBackend::allocate_pools() {
     o_aq = lay.add(T * nh_ * hd_ * 2), o_ao = lay.add(T * nh_ * hd_ * 2);
   }
   act_ = DeviceMemory(lay.total(), "activations (--max-batch-tokens " + std::to_string(Tmax_) + ")");
+  dec_logits_ = DeviceMemory(size_t(opt_.max_sequences) * cfg_.vocab_size * 4, "decode logits (--max-sequences)");
   auto bp = [&](size_t off) { return reinterpret_cast<kc::bf16*>(act_.bytes_ptr(off)); };
   d_ids_ = reinterpret_cast<int32_t*>(act_.bytes_ptr(o_ids));
   x_ = reinterpret_cast<float*>(act_.bytes_ptr(o_x));
@@ -556,7 +585,11 @@ void CudaBackend::attention_gemms(const DevAttention& A, int T) {
 void CudaBackend::ffn(const DevLayer& L, int T) {
   kc::rms_norm_residual(T, H_, x_, H_, nullptr, L.post_attention_layernorm, eps_, hn_, stream_);
   if (L.is_moe) {
-    kc::moe_forward(T, hn_, moe_view(L), x_, moe_ws_, gemm_, kc::GroupedGemm::Own, stream_);
+    // Measured on the H200 at Qwen3.5-35B-A3B sizes (test_gpu_moe [.bench]): cuBLAS's grouped GEMM is ahead from a
+    // few thousand tokens (T=4096 1.23 vs 1.56 ms, T=32768 7.96 vs 8.98 ms); our kernel below that, where it also
+    // needs no host synchronisation (decode steps can be captured in a CUDA graph).
+    const kc::GroupedGemm impl = T >= kMoeCublasFromTokens && !capturing_ ? kc::GroupedGemm::Cublas : kc::GroupedGemm::Own;
+    kc::moe_forward(T, hn_, moe_view(L), x_, moe_ws_, gemm_, impl, stream_);
   } else {
     kc::mlp_forward(T, hn_, H_, int(cfg_.intermediate_size), L.ffn.gate_up, L.ffn.down, x_, moe_ws_, gemm_, stream_);
   }
@@ -852,7 +885,7 @@ std::vector<float> CudaBackend::run_pass(CudaSequence& s, const std::vector<Run>
       const bool gate = cfg_.attn_output_gate;
       kc::attention_prefill(groups, nh_, nkv_, hd_, aq_, k_pool_[a].as<kc::bf16>(), v_pool_[a].as<kc::bf16>(),
                             attn_scale_, gate ? qg_ + hd_ : nullptr, gate ? long(2) * nh_ * hd_ : 0, gate ? 2 * hd_ : 0,
-                            ao_, stream_);
+                            ao_, attn_ws_, stream_);
       gemm_.linear(T, H_, nh_ * hd_, ao_, nh_ * hd_, L.attention.o_proj, x_, CUDA_R_32F, H_, 1.f, stream_);
     }
     ffn(L, T);
@@ -1129,7 +1162,9 @@ void CudaBackend::decode(std::span<Sequence* const> sequences, std::span<const i
     logits.clear();
     return;
   }
-  if (B > Tmax_) throw std::invalid_argument("decode: batch of " + std::to_string(B) + " above max_batch_tokens");
+  if (B > opt_.max_sequences)
+    throw std::invalid_argument("decode: batch of " + std::to_string(B) + " above max_sequences (" +
+                                std::to_string(opt_.max_sequences) + ")");
   check_ids(tokens, "the decode batch");
   std::vector<CudaSequence*> seqs(B);
   for (int b = 0; b < B; ++b) {
@@ -1139,55 +1174,104 @@ void CudaBackend::decode(std::span<Sequence* const> sequences, std::span<const i
       if (seqs[c] == seqs[b]) throw std::invalid_argument("decode: sequence " + std::to_string(b) + " appears twice");
   }
   for (auto* s : seqs) ensure_pages(*s, s->n_ + 1);
-  std::vector<int32_t> pos(B), rows(B), slots(B), qs(B + 1);
-  int max_pages = 1, max_kv = 1;
+  // The step's tables in a fixed layout for (B, cap): cap = the block-table width, a power of two >= every
+  // sequence's page count, so that a CUDA graph captured for (B, cap) serves every later step of that shape.
+  int max_pages = 1;
   for (int b = 0; b < B; ++b) max_pages = std::max<int>(max_pages, int(seqs[b]->pages_.size()));
-  std::vector<int> bt(size_t(B) * max_pages, 0);
+  int cap = 1;
+  while (cap < max_pages) cap *= 2;
+  DecodeTables t(B, cap);
+  std::vector<int32_t> host(t.ints, 0);
   for (int b = 0; b < B; ++b) {
     const CudaSequence& s = *seqs[b];
-    pos[b] = int32_t(s.n_);
-    rows[b] = n_attn_ ? page_row(s, s.n_) : 0;
-    slots[b] = s.slot_;
-    qs[b] = b;
-    std::copy(s.pages_.begin(), s.pages_.end(), bt.begin() + size_t(b) * max_pages);
-    max_kv = std::max<int>(max_kv, int(s.n_ + 1));
+    host[t.ids + b] = tokens[b];
+    host[t.pos + b] = int32_t(s.n_);
+    host[t.rows + b] = n_attn_ ? page_row(s, s.n_) : 0;
+    host[t.slots + b] = s.slot_;
+    host[t.qs + b] = b;
+    host[t.lr + b] = b;
+    std::copy(s.pages_.begin(), s.pages_.end(), host.begin() + t.bt + size_t(b) * cap);
   }
-  qs[B] = B;
-  std::vector<int> all_rows(B);
-  std::iota(all_rows.begin(), all_rows.end(), 0);
-  Tables tb;
-  const size_t t_ids = tb.add(std::vector<int32_t>(tokens.begin(), tokens.end())), t_pos = tb.add(pos),
-               t_rows = tb.add(rows), t_slots = tb.add(slots), t_qs = tb.add(qs), t_bt = tb.add(bt),
-               t_lr = tb.add(all_rows);
-  tb.upload(tables_dev_, stream_);
+  host[t.qs + B] = B;
+  if (dec_tables_.size() < host.size() * 4) {  // the graphs hold pointers into it: they go with it
+    graphs_.clear();
+    dec_tables_ = DeviceMemory(std::max<size_t>(host.size() * 4 * 2, 1 << 16), "decode tables");
+  }
+  check_cuda(cudaMemcpyAsync(dec_tables_.as(), host.data(), host.size() * 4, cudaMemcpyHostToDevice, stream_),
+             "decode tables");
+  const auto key = std::make_pair(B, cap);
+  auto it = graphs_.find(key);
+  if (it == graphs_.end() && opt_.decode_graphs && warmed_.count(key)) {
+    // Second step of this shape: every GEMM plan and workspace exists, so the step can be captured.
+    if (n_attn_) {  // a grown workspace frees the one earlier graphs point at: they go with it
+      const size_t before = attn_ws_.bytes();
+      attn_ws_.reserve(opt_.max_sequences, nh_, hd_, cap * kPage);
+      if (attn_ws_.bytes() != before) graphs_.clear();
+    }
+    cudaGraph_t graph = nullptr;
+    check_cuda(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal), "decode capture");
+    capturing_ = true;
+    try {
+      decode_body(B, cap, t);
+    } catch (...) {
+      capturing_ = false;
+      cudaStreamEndCapture(stream_, &graph);
+      if (graph) cudaGraphDestroy(graph);
+      throw;
+    }
+    capturing_ = false;
+    check_cuda(cudaStreamEndCapture(stream_, &graph), "decode capture");
+    cudaGraphExec_t exec = nullptr;
+    const cudaError_t err = cudaGraphInstantiate(&exec, graph, 0);
+    cudaGraphDestroy(graph);
+    check_cuda(err, "decode graph instantiate");
+    it = graphs_.emplace(key, GraphExec(exec)).first;
+  }
+  if (it != graphs_.end()) {
+    check_cuda(cudaGraphLaunch(it->second.get(), stream_), "decode graph launch");
+  } else {
+    decode_body(B, cap, t);
+    warmed_.insert(key);
+  }
+  const size_t V = size_t(cfg_.vocab_size);
+  logits.resize(size_t(B) * V);
+  check_cuda(cudaMemcpyAsync(logits.data(), dec_logits_.as(), logits.size() * 4, cudaMemcpyDeviceToHost, stream_),
+             "logits download");
+  check_cuda(cudaStreamSynchronize(stream_), "decode step");
+  for (auto* s : seqs) s->n_ += 1;
+}
+
+// One decode step of B sequences from the fixed tables (no host work, no allocation: capturable).
+void CudaBackend::decode_body(int B, int cap, const DecodeTables& t) {
+  const int* tab = dec_tables_.as<int>();
   kc::AttnGroups groups;
   groups.num_groups = B;
-  groups.q_start = tb.dev<int>(t_qs);
-  groups.slot0 = tb.dev<int>(t_pos);
-  groups.block_table = tb.dev<int>(t_bt);
-  groups.max_pages = max_pages;
+  groups.q_start = tab + t.qs;
+  groups.slot0 = tab + t.pos;
+  groups.block_table = tab + t.bt;
+  groups.max_pages = cap;
   groups.total_q = B;
   groups.max_q = 1;
-  groups.max_kv = max_kv;
-
-  kc::embed_gather(B, H_, tb.dev<int32_t>(t_ids), w_.embed, x_, stream_);
+  groups.max_kv = cap * kPage;
+  const int* slots = tab + t.slots;
+  kc::embed_gather(B, H_, tab + t.ids, w_.embed, x_, stream_);
   for (int i = 0; i < cfg_.num_hidden_layers; ++i) {
     const DevLayer& L = w_.layers[i];
     kc::rms_norm_residual(B, H_, x_, H_, nullptr, L.input_layernorm, eps_, hn_, stream_);
     if (L.type == LayerType::Linear) {
       const int l = cfg_.linear_index(i);
       linear_gemms(L.linear, B);
-      kc::conv1d_silu_decode(B, C_, K_, qkv_, L.linear.conv1d, convs(l, 0), conv_out_, stream_, tb.dev<int>(t_slots));
+      kc::conv1d_silu_decode(B, C_, K_, qkv_, L.linear.conv1d, convs(l, 0), conv_out_, stream_, slots);
       kc::split_qkv(B, qd_, vd_, conv_out_, q_, k_, v_, stream_);
       kc::gdn_decode_gated(B, nk_, nv_, q_, k_, v_, ga_, gb_, L.linear.A_log, L.linear.dt_bias, true, gdn_scale_,
-                           ssm(l, 0), o_, stream_, tb.dev<int>(t_slots));
+                           ssm(l, 0), o_, stream_, slots);
       linear_finish(L.linear, B);
     } else {
       const int a = cfg_.attention_index(i);
       attention_gemms(L.attention, B);
       kc::attention_prepare(B, nh_, nkv_, hd_, cfg_.rotary_dim(), cfg_.attn_output_gate, qg_, kv_, kv_ + nkv_ * hd_,
-                            2 * nkv_ * hd_, L.attention.q_norm, L.attention.k_norm, eps_, tb.dev<int>(t_pos),
-                            inv_freq_.as<float>(), tb.dev<int>(t_rows), aq_, k_pool_[a].as<kc::bf16>(),
+                            2 * nkv_ * hd_, L.attention.q_norm, L.attention.k_norm, eps_, tab + t.pos,
+                            inv_freq_.as<float>(), tab + t.rows, aq_, k_pool_[a].as<kc::bf16>(),
                             v_pool_[a].as<kc::bf16>(), stream_);
       const bool gate = cfg_.attn_output_gate;
       kc::attention_decode(groups, nh_, nkv_, hd_, aq_, k_pool_[a].as<kc::bf16>(), v_pool_[a].as<kc::bf16>(),
@@ -1197,9 +1281,9 @@ void CudaBackend::decode(std::span<Sequence* const> sequences, std::span<const i
     }
     ffn(L, B);
   }
-  lm_head(B, tb.dev<int>(t_lr), logits);
-  check_cuda(cudaStreamSynchronize(stream_), "decode step");
-  for (auto* s : seqs) s->n_ += 1;
+  const int V = int(cfg_.vocab_size);
+  kc::rms_norm_residual(B, H_, x_, H_, nullptr, w_.final_norm, eps_, hn_, stream_);
+  gemm_.linear(B, V, H_, hn_, H_, w_.lm_head, dec_logits_.as(), CUDA_R_32F, V, 0.f, stream_);
 }
 
 // ---- entry builds ----------------------------------------------------------------------------------------------
@@ -1386,7 +1470,7 @@ void CudaBackend::build_batch(std::span<const std::vector<int32_t>> segs, int w,
       const bool gate = cfg_.attn_output_gate;
       kc::attention_prefill(groups, nh_, nkv_, hd_, aq_, k_pool_[a].as<kc::bf16>(), v_pool_[a].as<kc::bf16>(),
                             attn_scale_, gate ? qg_ + hd_ : nullptr, gate ? long(2) * nh_ * hd_ : 0, gate ? 2 * hd_ : 0,
-                            ao_, stream_);
+                            ao_, attn_ws_, stream_);
       gemm_.linear(T, H_, nh_ * hd_, ao_, nh_ * hd_, L.attention.o_proj, x_, CUDA_R_32F, H_, 1.f, stream_);
     }
     ffn(L, T);
@@ -1511,8 +1595,8 @@ std::unique_ptr<Backend> make_backend(const DeviceSpec& device, const std::files
                                       const BackendOptions& options) {
   ModelConfig cfg = load_config(model_dir);
   if (options.random_weights_seed) return make_backend(device, cfg, nullptr, options);
-  const ModelWeights w = load_weights(cfg, model_dir);
-  return make_backend(device, cfg, &w, options);
+  if (device.kind != BackendKind::Cuda) throw std::invalid_argument("cuda::make_backend: device " + device.name() + " is not a CUDA device");
+  return std::make_unique<CudaBackend>(device, cfg, nullptr, options, model_dir);
 }
 
 }  // namespace hypic::engine::cuda

@@ -5,6 +5,7 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -64,9 +65,22 @@ struct DevLayer {
 class DeviceWeights {
  public:
   /// Converts host fp32 weights (engine/weights.h load_weights) to bf16 (round to nearest even; exact for
-  /// checkpoints stored in bf16) and uploads them, one tensor at a time through a pinned staging buffer.
-  /// A_log and dt_bias stay fp32. Throws std::runtime_error when device memory runs out (naming the bytes).
+  /// checkpoints stored in bf16) and uploads them to the current device through two 32 MiB pinned staging
+  /// buffers. A_log and dt_bias stay fp32. The same per-group conversion as load(), so that
+  /// upload(cfg, load_weights(cfg, dir)) and load(cfg, dir) give identical bytes. Throws std::runtime_error when
+  /// device memory runs out (naming the bytes), std::invalid_argument when `w` does not match the config (layer
+  /// count, or a tensor whose size differs from the config's: "DeviceWeights: tensor layers.3.router has ...").
   static DeviceWeights upload(const ModelConfig& cfg, const ModelWeights& w);
+  /// Streams the checkpoint in `dir` (what load_weights accepts: model.safetensors or a sharded index, either
+  /// layout, BF16 / F16 / F32 on disk) straight to the current device: allocates the whole device layout from the
+  /// config first (so running out of device memory fails before any reading), then takes load_weights_streaming's
+  /// parts one at a time (embed, final_norm, lm_head, layer 0, 1, ...), converts each as upload() does, copies it
+  /// into place and frees it. Host memory: the memory mappings of the files, ONE part in fp32 (the largest of
+  /// the embedding [V, H] and one decoder layer) and 64 MiB of pinned staging, never the whole model. Throws
+  /// load_weights's errors (std::runtime_error naming the checkpoint and the tensor: missing, mis-shaped, unused,
+  /// corrupt file; the unused-tensor check runs after the last layer was copied), and std::runtime_error for CUDA
+  /// failures (device memory naming the bytes). The device memory is freed on any error.
+  static DeviceWeights load(const ModelConfig& cfg, const std::filesystem::path& dir);
   /// Benchmark-only weights made on the device from the config alone, seeded: matrices N(0, 0.02), zero-centred
   /// norms N(0, 0.05), gated norms 1 + N(0, 0.05), A_log log U(1, 16), dt_bias 1, conv U(+-1/sqrt(K))
   /// (the distributions of engine/weights.h write_random_checkpoint, drawn by another generator).

@@ -21,6 +21,7 @@ class DeviceMemory {
   DeviceMemory(size_t bytes, const std::string& what, cudaStream_t stream = nullptr, bool stream_ordered = false)
       : bytes_(bytes), stream_(stream), ordered_(stream_ordered) {
     if (!bytes) return;
+    check_cuda(cudaGetDevice(&device_), "cudaGetDevice");
     if (ordered_)
       check_cuda(cudaMallocAsync(&p_, bytes, stream), "cudaMallocAsync(" + std::to_string(bytes) + " bytes) for " + what);
     else
@@ -35,10 +36,16 @@ class DeviceMemory {
     return *this;
   }
   ~DeviceMemory() { reset(); }
+  /// Frees on the device it was allocated on, whichever device is current on the calling thread (entries are
+  /// released on gRPC handler threads too).
   void reset() noexcept {
     if (p_) {
+      int current = 0;
+      const bool switch_device = cudaGetDevice(&current) == cudaSuccess && current != device_;
+      if (switch_device) cudaSetDevice(device_);
       if (ordered_) cudaFreeAsync(p_, stream_);
       else cudaFree(p_);
+      if (switch_device) cudaSetDevice(current);
     }
     p_ = nullptr;
     bytes_ = 0;
@@ -48,6 +55,7 @@ class DeviceMemory {
     std::swap(bytes_, o.bytes_);
     std::swap(stream_, o.stream_);
     std::swap(ordered_, o.ordered_);
+    std::swap(device_, o.device_);
   }
   template <class T = void>
   T* as() const {
@@ -62,6 +70,7 @@ class DeviceMemory {
   size_t bytes_ = 0;
   cudaStream_t stream_ = nullptr;
   bool ordered_ = false;
+  int device_ = 0;
 };
 
 /// Grows a DeviceMemory to at least `bytes` (contents dropped when it grows).

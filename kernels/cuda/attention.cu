@@ -13,6 +13,7 @@
 #include <climits>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
@@ -59,6 +60,25 @@ struct DecodeCfg {
 static_assert(DecodeCfg<256>::kSmem <= 227 * 1024, "decode smem");
 constexpr int kMinTilesPerChunk = 2;  // decode chunks of at least 128 slots
 
+// Split prefill (short groups over long contexts): 8 warps = 4 row warps (16 rows each: a 64-row tile of
+// (query, head) rows of one KV head) x 2 KV halves (32 slots of each 64-slot tile); Q, then K and V double
+// buffered. The two halves are merged through shared memory (the K buffers) at the end of an item.
+constexpr int kSplitBM = 64;
+constexpr int kSplitMaxQ = 512;    // groups of 1 ..= kSplitMaxQ queries take the split path
+constexpr int kSplitWaves = 8;     // aim at about this many items per resident block
+constexpr int kPlanThreads = 1024;
+template <int HD>
+struct SplitCfg {
+  static constexpr int kWarps = 8;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kBM = kSplitBM;
+  static constexpr int kLd = HD + 8;
+  static constexpr int kMinBlocks = HD == 256 ? 1 : 2;
+  static constexpr int kSmem = (kBM + 4 * kBN) * kLd * 2;
+  static_assert(kBM * HD * 4 + 2 * kBM * 4 <= 2 * kBN * kLd * 2, "split staging fits the K buffers");
+};
+static_assert(SplitCfg<256>::kSmem <= 227 * 1024, "split smem");
+
 struct AttnParams {
   const int* q_start;
   const int* slot0;
@@ -80,6 +100,20 @@ struct AttnParams {
   int head_blocks;
   float* ws_acc;  // [batch][num_heads][nsplit][HD]
   float* ws_ml;   // [batch][num_heads][nsplit][2] (m in the log2 domain, l)
+};
+
+// The split path of attention_prefill (with a workspace); a separate kernel argument so that AttnParams,
+// and with it the prefill kernel's register allocation, stays as it was.
+struct SplitArgs {
+  int split_max_q;  // groups of 1 ..= split_max_q queries take the split path
+  int nsplit;       // chunks per group at most (the last one runs to the group's KV length)
+  int chunk_len;    // slots per chunk (whole pages)
+  int num_groups;
+  int* item_off;    // [num_groups + 1]: first work item of group g (exclusive prefix; [num_groups] = item count)
+  int* qoff;        // [num_groups + 1]: first split-path query of group g among all split-path queries
+  int* counter;     // work-item counter of the persistent split kernel (reset by the plan kernel)
+  float* ws_acc;    // [item][kSplitBM][HD] partial accumulators
+  float* ws_ml;     // [item][kSplitBM][2] partial (m in the log2 domain, l)
 };
 
 __device__ __forceinline__ float fast_exp2(float x) {  // 2^x; -inf -> +0
@@ -204,9 +238,10 @@ __device__ __forceinline__ void pv_product(const uint32_t (&pa)[NK][4], float (&
 // ---------------------------------------------------------------------------------------------------------
 // Prefill. Grid (num_heads, num_groups, query tiles); blockIdx.z counts query tiles from the LAST one, so
 // the tiles with the most KV work are dispatched first.
-template <int HD>
+// kSkipSplit: groups of len <= split_max_q are the split path's (attention_prefill with a workspace).
+template <int HD, bool kSkipSplit>
 __global__ void __launch_bounds__(PrefillCfg<HD>::kThreads, PrefillCfg<HD>::kMinBlocks)
-    attn_prefill_kernel(const AttnParams p) {
+    attn_prefill_kernel(const AttnParams p, int split_max_q) {
   using C = PrefillCfg<HD>;
   constexpr int kLd = C::kLd, kBM = C::kBM, NT = C::kThreads;
   constexpr int kChunks = HD / 8;
@@ -221,6 +256,7 @@ __global__ void __launch_bounds__(PrefillCfg<HD>::kThreads, PrefillCfg<HD>::kMin
   const int len = p.q_start[grp + 1] - qs;
   const int m0 = tile_q * kBM;
   if (m0 >= len) return;
+  if (kSkipSplit && len <= split_max_q) return;
   const int s0 = p.slot0[grp];
   const int rows = min(kBM, len - m0);
   const int last_slot = s0 + m0 + rows - 1;  // last slot any row of this tile sees
@@ -477,6 +513,310 @@ __global__ void __launch_bounds__(HD) attn_decode_combine_kernel(const AttnParam
 }
 
 // ---------------------------------------------------------------------------------------------------------
+// Split prefill (attention_prefill with a workspace). Groups of 1 ..= split_max_q queries are cut into
+// work items (group, KV head, 64-row tile, KV chunk): tile row r of group g (r < len * ratio) is query
+// r / ratio of the group at head kv_head * ratio + r % ratio; chunk c covers slots [c * chunk_len,
+// (c+1) * chunk_len), the group's last chunk (n_c - 1, n_c = min(nsplit, ceil(kv_len / chunk_len)))
+// up to its KV length kv_len = slot0 + len. Item numbering: group g's items are item_off[g] + local,
+// local = rt + n_rt * (kv_head + num_kv_heads * (n_c - 1 - c)); the persistent blocks take items from
+// the last one down (largest group index first, full chunks before each group's partial last chunk).
+
+// One block: per group its item count and split-path query count, exclusive prefix sums into item_off /
+// qoff ([sa.num_groups] = totals); resets the work counter.
+__global__ void __launch_bounds__(kPlanThreads) attn_split_plan_kernel(const AttnParams p, const SplitArgs sa) {
+  __shared__ int s_wi[32], s_wq[32];
+  __shared__ int s_ci, s_cq;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  if (tid == 0) s_ci = s_cq = 0;
+  __syncthreads();
+  for (int base = 0; base < sa.num_groups; base += kPlanThreads) {
+    const int g = base + tid;
+    int items = 0, qn = 0;
+    if (g < sa.num_groups) {
+      const int len = p.q_start[g + 1] - p.q_start[g];
+      if (len >= 1 && len <= sa.split_max_q) {
+        const int kv_len = p.slot0[g] + len;
+        const int n_rt = (len * p.ratio + kSplitBM - 1) / kSplitBM;
+        const int n_c = min(sa.nsplit, (kv_len + sa.chunk_len - 1) / sa.chunk_len);
+        items = n_rt * n_c * p.num_kv_heads;
+        qn = len;
+      }
+    }
+    int xi = items, xq = qn;  // inclusive warp scans
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const int yi = __shfl_up_sync(0xffffffffu, xi, off), yq = __shfl_up_sync(0xffffffffu, xq, off);
+      if (lane >= off) xi += yi, xq += yq;
+    }
+    if (lane == 31) s_wi[warp] = xi, s_wq[warp] = xq;
+    __syncthreads();
+    if (warp == 0) {  // kPlanThreads / 32 == 32 warp sums
+      int wi = s_wi[lane], wq = s_wq[lane];
+#pragma unroll
+      for (int off = 1; off < 32; off <<= 1) {
+        const int yi = __shfl_up_sync(0xffffffffu, wi, off), yq = __shfl_up_sync(0xffffffffu, wq, off);
+        if (lane >= off) wi += yi, wq += yq;
+      }
+      s_wi[lane] = wi, s_wq[lane] = wq;
+    }
+    __syncthreads();
+    if (g < sa.num_groups) {
+      sa.item_off[g] = s_ci + (warp ? s_wi[warp - 1] : 0) + xi - items;
+      sa.qoff[g] = s_cq + (warp ? s_wq[warp - 1] : 0) + xq - qn;
+    }
+    __syncthreads();
+    if (tid == 0) s_ci += s_wi[31], s_cq += s_wq[31];
+    __syncthreads();
+  }
+  if (tid == 0) {
+    sa.item_off[sa.num_groups] = s_ci;
+    sa.qoff[sa.num_groups] = s_cq;
+    *sa.counter = 0;
+  }
+}
+
+// Largest g in [0, n) with off[g] <= x, for a non-decreasing off with off[0] <= x < off[n].
+__device__ __forceinline__ int find_group(const int* off, int n, int x) {
+  int lo = 0, hi = n;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) >> 1;
+    if (off[mid] <= x)
+      lo = mid;
+    else
+      hi = mid;
+  }
+  return lo;
+}
+
+// Persistent: each block takes work items from the counter until none is left.
+template <int HD>
+__global__ void __launch_bounds__(SplitCfg<HD>::kThreads, SplitCfg<HD>::kMinBlocks)
+    attn_split_kernel(const AttnParams p, const SplitArgs sa) {
+  using C = SplitCfg<HD>;
+  constexpr int kLd = C::kLd, kBM = C::kBM, NT = C::kThreads;
+  constexpr int kChunks = HD / 8;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  bf16* sQ = reinterpret_cast<bf16*>(smem_raw);
+  bf16* sK0 = sQ + kBM * kLd;       // K buffers 0, 1
+  bf16* sV0 = sK0 + 2 * kBN * kLd;  // V buffers 0, 1
+  float* sO = reinterpret_cast<float*>(sK0);  // end of an item: the second half's O [kBM][HD], m, l [kBM]
+  float* sM = sO + kBM * HD;
+  float* sL = sM + kBM;
+  __shared__ int s_item;
+  __shared__ int s_meta[6];  // qs, R0, nrows, h0, n_c, item: re-read after the KV loop (fewer live registers)
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int wm = warp & 3, wn = warp >> 2;  // row warp, KV half
+  const int gq = lane >> 2, c2 = (lane & 3) * 2;
+  for (;;) {
+    if (tid == 0) s_item = atomicAdd(sa.counter, 1);
+    __syncthreads();
+    const int k = s_item;
+    __syncthreads();  // s_item is rewritten at the next item
+    const int total = sa.item_off[sa.num_groups];  // (re-read per item: one register less in the KV loop)
+    if (k >= total) break;
+    const int item = total - 1 - k;
+    const int grp = find_group(sa.item_off, sa.num_groups, item);
+    const int qs = p.q_start[grp];
+    const int len = p.q_start[grp + 1] - qs;
+    const int s0 = p.slot0[grp];
+    const int kv_len = s0 + len;
+    const int rows_all = len * p.ratio;
+    const int n_rt = (rows_all + kBM - 1) / kBM;
+    const int n_c = min(sa.nsplit, (kv_len + sa.chunk_len - 1) / sa.chunk_len);
+    int local = item - sa.item_off[grp];
+    const int rt = local % n_rt;
+    local /= n_rt;
+    const int kvh = local % p.num_kv_heads;
+    const int c = n_c - 1 - local / p.num_kv_heads;
+    const int R0 = rt * kBM;                   // first group row of the tile
+    const int nrows = min(kBM, rows_all - R0);  // valid rows of the tile
+    const int tile_lim = s0 + (R0 + nrows - 1) / p.ratio;  // last slot any valid row sees
+    const int start = c * sa.chunk_len;
+    if (start > tile_lim) continue;  // every row of the tile ends before the chunk (block-uniform)
+    const int end = (c == n_c - 1) ? kv_len : start + sa.chunk_len;  // non-last chunks are full
+    const int last_slot = min(end - 1, tile_lim);
+    const int j0 = start / kBN;
+    const int n_tiles = last_slot / kBN - j0 + 1;
+    const int h0 = kvh * p.ratio;
+    const int* bt = p.block_table + static_cast<size_t>(grp) * p.max_pages;
+    if (tid == 0) {  // read after the loop's first barrier; rewritten only after this item's last barrier
+      s_meta[0] = qs, s_meta[1] = R0, s_meta[2] = nrows;
+      s_meta[3] = h0, s_meta[4] = n_c, s_meta[5] = item;
+    }
+
+    // Q rows (rows past the group: zeros), then KV tile j0: one commit group.
+    for (int idx = tid; idx < kBM * kChunks; idx += NT) {
+      const int r = idx / kChunks, ch = idx % kChunks;
+      bf16* dst = sQ + r * kLd + ch * 8;
+      if (r < nrows) {
+        const int R = R0 + r, qi = R / p.ratio, hh = R - qi * p.ratio;
+        cp_async16(dst, p.q + (static_cast<size_t>(qs + qi) * p.num_heads + h0 + hh) * HD + ch * 8);
+      } else {
+        *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+      }
+    }
+    load_kv_tile<HD, NT>(sK0, sV0, p, bt, j0, last_slot, kvh, tid);
+    cp_async_commit();
+
+    float o[HD / 8][4];
+#pragma unroll
+    for (int dt = 0; dt < HD / 8; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+    const int Rw = R0 + wm * 16;  // group row of the warp's row 0
+    const bool warp_active = wm * 16 < nrows;
+    const int wlim_lo = s0 + Rw / p.ratio;                          // last visible slot of the warp's first row
+    const int wlim_hi = s0 + min(Rw + 15, R0 + nrows - 1) / p.ratio;  // ... of its last valid row
+    const int lim0 = s0 + (Rw + gq) / p.ratio, lim1 = s0 + (Rw + gq + 8) / p.ratio;
+
+    for (int j = 0; j < n_tiles; ++j) {
+      const int buf = j & 1;
+      if (j + 1 < n_tiles)
+        load_kv_tile<HD, NT>(sK0 + (buf ^ 1) * kBN * kLd, sV0 + (buf ^ 1) * kBN * kLd, p, bt, j0 + j + 1, last_slot,
+                             kvh, tid);
+      cp_async_commit();   // possibly empty group
+      cp_async_wait<1>();  // tile j (and Q) landed
+      __syncthreads();
+      const int n0 = (j0 + j) * kBN + wn * 32;  // the warp's first slot
+      if (warp_active && n0 <= wlim_hi) {
+        const bf16* sK = sK0 + buf * kBN * kLd;
+        const bf16* sV = sV0 + buf * kBN * kLd;
+        float sc[4][4];
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; ++kk) {
+          uint32_t a[4];
+          load_a(a, sQ, kLd, wm * 16, kk * 16, lane);
+#pragma unroll
+          for (int np = 0; np < 2; ++np) {
+            uint32_t b[4];
+            load_b_nk(b, sK, kLd, kk * 16, wn * 32 + np * 16, lane);
+            mma_bf16(sc[2 * np], a, b[0], b[1]);
+            mma_bf16(sc[2 * np + 1], a, b[2], b[3]);
+          }
+        }
+        uint32_t pa[2][4];
+        // Slots past last_slot (zero-filled) lie past every valid row's limit: masked whenever present.
+        online_softmax<4, HD / 8>(sc, pa, o, m, l, p.scale_log2, n0 + 31 > wlim_lo, n0, c2, lim0, lim1);
+        pv_product<2, HD>(pa, o, sV, wn * 32, lane);
+      }
+      __syncthreads();  // buffer `buf` is refilled by the next iteration's prefetch
+    }
+    cp_async_wait<0>();
+
+    // Merge the two KV halves (the K buffers are free after the loop's last barrier).
+    const bool active = wm * 16 < s_meta[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+      l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    }
+    if (wn == 1 && active) {
+#pragma unroll
+      for (int dt = 0; dt < HD / 8; ++dt) {
+        const int d = dt * 8 + c2;
+        *reinterpret_cast<float2*>(sO + (wm * 16 + gq) * HD + d) = make_float2(o[dt][0], o[dt][1]);
+        *reinterpret_cast<float2*>(sO + (wm * 16 + gq + 8) * HD + d) = make_float2(o[dt][2], o[dt][3]);
+      }
+      if ((lane & 3) == 0) {
+        sM[wm * 16 + gq] = m[0];
+        sM[wm * 16 + gq + 8] = m[1];
+        sL[wm * 16 + gq] = l[0];
+        sL[wm * 16 + gq + 8] = l[1];
+      }
+    }
+    __syncthreads();
+    if (wn == 0 && active) {
+      const int qs_ = s_meta[0], R0_ = s_meta[1], nrows_ = s_meta[2], h0_ = s_meta[3], n_c_ = s_meta[4];
+      const int item_ = s_meta[5];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = wm * 16 + gq + r * 8;  // tile row
+        const float m1 = sM[row], l1 = sL[row];
+        const float M = fmaxf(m[r], m1);
+        const float w0 = M == -INFINITY ? 0.f : fast_exp2(m[r] - M);  // a row that saw nothing: 0, not NaN
+        const float w1 = M == -INFINITY ? 0.f : fast_exp2(m1 - M);
+        const float L = w0 * l[r] + w1 * l1;
+#pragma unroll
+        for (int dt = 0; dt < HD / 8; ++dt) {
+          const float2 x = *reinterpret_cast<const float2*>(sO + row * HD + dt * 8 + c2);
+          o[dt][2 * r] = w0 * o[dt][2 * r] + w1 * x.x;
+          o[dt][2 * r + 1] = w0 * o[dt][2 * r + 1] + w1 * x.y;
+        }
+        if (row >= nrows_) continue;  // padding row
+        if (n_c_ == 1) {  // the whole KV range: final output (chunk 0 holds slot 0, so L > 0)
+          const int R = R0_ + row, qi = R / p.ratio, h = h0_ + (R - qi * p.ratio);
+          const size_t t = static_cast<size_t>(qs_ + qi);
+          const float inv = 1.f / L;
+          bf16* orow = p.out + (t * p.num_heads + h) * HD;
+          const bf16* grow =
+              p.gate ? p.gate + static_cast<long>(t) * p.gate_ts + static_cast<long>(h) * p.gate_hs : nullptr;
+#pragma unroll
+          for (int dt = 0; dt < HD / 8; ++dt) {
+            const int d = dt * 8 + c2;
+            float v0 = o[dt][2 * r] * inv, v1 = o[dt][2 * r + 1] * inv;
+            if (grow) {
+              v0 *= sigmoidf_(__bfloat162float(grow[d]));
+              v1 *= sigmoidf_(__bfloat162float(grow[d + 1]));
+            }
+            *reinterpret_cast<__nv_bfloat162*>(orow + d) = __floats2bfloat162_rn(v0, v1);
+          }
+        } else {
+          const size_t e = static_cast<size_t>(item_) * kBM + row;
+#pragma unroll
+          for (int dt = 0; dt < HD / 8; ++dt)
+            *reinterpret_cast<float2*>(sa.ws_acc + e * HD + dt * 8 + c2) = make_float2(o[dt][2 * r], o[dt][2 * r + 1]);
+          if ((lane & 3) == 0) {
+            sa.ws_ml[2 * e] = M;
+            sa.ws_ml[2 * e + 1] = L;
+          }
+        }
+      }
+    }
+    __syncthreads();  // sO / sQ are overwritten by the next item
+  }
+}
+
+// Grid (split-path query bound, num_heads), HD threads: query j of the split path (qoff order), head h:
+// out = sum_c 2^(m_c - M) acc_c / sum_c 2^(m_c - M) l_c over the chunks c <= lim / chunk_len that the
+// query sees (each holds slot c * chunk_len <= lim, so its m is finite). Groups of one chunk: done.
+template <int HD>
+__global__ void __launch_bounds__(HD) attn_split_combine_kernel(const AttnParams p, const SplitArgs sa) {
+  const int j = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
+  if (j >= sa.qoff[sa.num_groups]) return;
+  const int grp = find_group(sa.qoff, sa.num_groups, j);
+  const int qs = p.q_start[grp];
+  const int len = p.q_start[grp + 1] - qs;
+  const int s0 = p.slot0[grp];
+  const int kv_len = s0 + len;
+  const int n_c = min(sa.nsplit, (kv_len + sa.chunk_len - 1) / sa.chunk_len);
+  if (n_c == 1) return;
+  const int qi = j - sa.qoff[grp];
+  const int nvis = min(n_c, (s0 + qi) / sa.chunk_len + 1);
+  const int kvh = h / p.ratio, hh = h - kvh * p.ratio;
+  const int R = qi * p.ratio + hh;
+  const int n_rt = (len * p.ratio + kSplitBM - 1) / kSplitBM;
+  const int base = sa.item_off[grp] + R / kSplitBM, row = R % kSplitBM;
+  float M = -INFINITY;
+  for (int c = 0; c < nvis; ++c) {
+    const size_t e = static_cast<size_t>(base + (kvh + p.num_kv_heads * (n_c - 1 - c)) * n_rt) * kSplitBM + row;
+    M = fmaxf(M, sa.ws_ml[2 * e]);
+  }
+  float L = 0.f, acc = 0.f;
+  for (int c = 0; c < nvis; ++c) {
+    const size_t e = static_cast<size_t>(base + (kvh + p.num_kv_heads * (n_c - 1 - c)) * n_rt) * kSplitBM + row;
+    const float wt = fast_exp2(sa.ws_ml[2 * e] - M);
+    L += wt * sa.ws_ml[2 * e + 1];
+    acc += wt * sa.ws_acc[e * HD + d];
+  }
+  const size_t t = static_cast<size_t>(qs + qi);
+  float v = acc / L;
+  if (p.gate) v *= sigmoidf_(__bfloat162float(p.gate[static_cast<long>(t) * p.gate_ts + static_cast<long>(h) * p.gate_hs + d]));
+  p.out[(t * p.num_heads + h) * HD + d] = __float2bfloat16_rn(v);
+}
+
+// ---------------------------------------------------------------------------------------------------------
 // Row helpers of prepare / import: one warp per head row of HD elements, lane holds E = HD / 32 consecutive
 // elements, loaded and stored as one E*2-byte vector when the address allows.
 template <int E>
@@ -710,11 +1050,38 @@ template <int HD>
 void prefill_setup() {
   static DeviceOnce once;
   once.run(current_device(), [](int) {
-    check_cuda(cudaFuncSetAttribute(attn_prefill_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    check_cuda(cudaFuncSetAttribute(attn_prefill_kernel<HD, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     PrefillCfg<HD>::kSmem),
                "cudaFuncSetAttribute(attn_prefill_kernel<" + std::to_string(HD) + ">)");
+    check_cuda(cudaFuncSetAttribute(attn_prefill_kernel<HD, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    PrefillCfg<HD>::kSmem),
+               "cudaFuncSetAttribute(attn_prefill_kernel<" + std::to_string(HD) + ", skip>)");
     return 0;
   });
+}
+
+// Sets the split kernel's shared-memory limit; returns its resident blocks per SM.
+template <int HD>
+int split_setup() {
+  static DeviceOnce once;
+  return once.run(current_device(), [](int) {
+    check_cuda(cudaFuncSetAttribute(attn_split_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    SplitCfg<HD>::kSmem),
+               "cudaFuncSetAttribute(attn_split_kernel<" + std::to_string(HD) + ">)");
+    int blocks = 0;
+    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, attn_split_kernel<HD>, SplitCfg<HD>::kThreads,
+                                                             SplitCfg<HD>::kSmem),
+               "cudaOccupancyMaxActiveBlocksPerMultiprocessor(attn_split_kernel)");
+    return std::max(blocks, 1);
+  });
+}
+
+int split_blocks_per_sm(int head_dim) {
+  switch (head_dim) {
+    case 64: return split_setup<64>();
+    case 128: return split_setup<128>();
+    default: return split_setup<256>();
+  }
 }
 
 // Sets the decode kernel's shared-memory limit; returns its resident blocks per SM.
@@ -767,6 +1134,56 @@ size_t decode_ws_bytes(long entries, int head_dim) {
   return static_cast<size_t>(entries) * (head_dim + 2) * sizeof(float);
 }
 
+bool split_enabled() {
+  static const bool on = [] {
+    const char* e = std::getenv("HYPIC_ATTN_PREFILL_SPLIT");
+    return !(e && std::string(e) == "0");
+  }();
+  return on;
+}
+
+// The split path of one attention_prefill launch, from its host fields only (the group lengths live on the
+// device): every bound holds for any lengths consistent with num_groups, total_q, max_q.
+struct SplitPlan {
+  bool use = false;
+  int nsplit = 1, chunk_len = 0;
+  long items_bound = 0;  // work items at most
+  long q_bound = 0;      // split-path queries at most (combine grid)
+  int grid = 0;          // persistent blocks
+  size_t int_bytes = 0;  // item_off, qoff, counter (rounded up to 256 bytes)
+  size_t bytes = 0;      // whole workspace
+};
+
+SplitPlan plan_split(const AttnGroups& g, int num_heads, int num_kv_heads, int head_dim) {
+  SplitPlan sp;
+  if (!split_enabled() || g.num_groups <= 0 || g.total_q <= 0 || g.max_kv <= 0 || num_heads > 65535) return sp;
+  if (g.num_groups == 1 && g.total_q > kSplitMaxQ) return sp;  // one long group
+  const long G = g.num_groups, ratio = num_heads / num_kv_heads;
+  const long q_bound = std::min<long>(g.total_q, static_cast<long>(kSplitMaxQ) * G);
+  const long len_bound = std::min(g.max_q, kSplitMaxQ);
+  // Row tiles of the split groups: sum_g ceil(ratio len_g / BM) <= ceil(ratio sum len / BM) + G, and
+  // <= G ceil(ratio max len / BM).
+  const long rt_bound = std::min(ceil_div(ratio * q_bound, kSplitBM) + G, G * ceil_div(ratio * len_bound, kSplitBM));
+  const long tiles = ceil_div(g.max_kv, kBN);
+  const long resident = static_cast<long>(sm_count()) * split_blocks_per_sm(head_dim);
+  // Chunks sized so that the (over-)estimated work, every tile's KV at max_kv, makes ~kSplitWaves items
+  // per resident block; at least kMinTilesPerChunk pages per chunk.
+  long ct = std::max<long>(kMinTilesPerChunk, ceil_div(num_kv_heads * rt_bound * tiles, kSplitWaves * resident));
+  ct = std::min(ct, tiles);
+  const long nsplit = ceil_div(tiles, ct);
+  const long items = num_kv_heads * rt_bound * nsplit;
+  if (items > INT_MAX / kSplitBM || ct * kBN > INT_MAX / 2) return sp;
+  sp.use = true;
+  sp.nsplit = static_cast<int>(nsplit);
+  sp.chunk_len = static_cast<int>(ct * kBN);
+  sp.items_bound = items;
+  sp.q_bound = q_bound;
+  sp.grid = static_cast<int>(std::max(1L, std::min(items, resident)));
+  sp.int_bytes = (static_cast<size_t>(2 * (G + 1) + 1) * sizeof(int) + 255) / 256 * 256;
+  sp.bytes = sp.int_bytes + (nsplit > 1 ? static_cast<size_t>(items) * kSplitBM * (head_dim + 2) * sizeof(float) : 0);
+  return sp;
+}
+
 void check_groups(const char* fn, const AttnGroups& g) {
   if (g.num_groups < 0) bad(fn, "num_groups " + std::to_string(g.num_groups) + " is negative");
   if (g.num_groups > 65535) bad(fn, "num_groups " + std::to_string(g.num_groups) + " exceeds 65535");
@@ -812,13 +1229,33 @@ AttnParams make_params(const AttnGroups& g, int num_heads, int num_kv_heads, con
   return p;
 }
 
+// split_max_q > 0: groups of at most that many queries are left to the split path.
 template <int HD>
-void launch_prefill(const AttnParams& p, int num_groups, int max_q, cudaStream_t stream) {
+void launch_prefill(const AttnParams& p, int num_groups, int max_q, cudaStream_t stream, int split_max_q = 0) {
   using C = PrefillCfg<HD>;
   prefill_setup<HD>();
   const dim3 grid(p.num_heads, num_groups, static_cast<unsigned>(ceil_div(max_q, C::kBM)));
-  attn_prefill_kernel<HD><<<grid, C::kThreads, C::kSmem, stream>>>(p);
+  if (split_max_q > 0)
+    attn_prefill_kernel<HD, true><<<grid, C::kThreads, C::kSmem, stream>>>(p, split_max_q);
+  else
+    attn_prefill_kernel<HD, false><<<grid, C::kThreads, C::kSmem, stream>>>(p, 0);
   check_cuda(cudaGetLastError(), "attn_prefill_kernel<" + std::to_string(HD) + "> launch");
+}
+
+template <int HD>
+void launch_split(const AttnParams& p, const SplitArgs& sa, const AttnGroups& g, const SplitPlan& sp,
+                  cudaStream_t stream) {
+  using C = SplitCfg<HD>;
+  split_setup<HD>();
+  attn_split_plan_kernel<<<1, kPlanThreads, 0, stream>>>(p, sa);
+  check_cuda(cudaGetLastError(), "attn_split_plan_kernel launch");
+  attn_split_kernel<HD><<<sp.grid, C::kThreads, C::kSmem, stream>>>(p, sa);
+  check_cuda(cudaGetLastError(), "attn_split_kernel<" + std::to_string(HD) + "> launch");
+  if (g.max_q > sa.split_max_q) launch_prefill<HD>(p, g.num_groups, g.max_q, stream, sa.split_max_q);  // longer groups
+  if (sp.nsplit > 1) {
+    attn_split_combine_kernel<HD><<<dim3(static_cast<unsigned>(sp.q_bound), p.num_heads), HD, 0, stream>>>(p, sa);
+    check_cuda(cudaGetLastError(), "attn_split_combine_kernel<" + std::to_string(HD) + "> launch");
+  }
 }
 
 template <int HD>
@@ -859,18 +1296,64 @@ void attention_prefill(const AttnGroups& g, int num_heads, int num_kv_heads, int
   }
 }
 
+void attention_prefill(const AttnGroups& g, int num_heads, int num_kv_heads, int head_dim, const bf16* q,
+                       const bf16* k_pool, const bf16* v_pool, float scale, const bf16* gate, long gate_token_stride,
+                       int gate_head_stride, bf16* out, AttnDecodeWorkspace& ws, cudaStream_t stream) {
+  const char* fn = "attention_prefill";
+  check_attn_args(fn, g, num_heads, num_kv_heads, head_dim, q, k_pool, v_pool, out);
+  if (g.max_q > 65535L * PrefillCfg<64>::kBM) bad(fn, "max_q " + std::to_string(g.max_q) + " exceeds 65535 * 128");
+  if (g.num_groups == 0 || g.total_q == 0) return;
+  const SplitPlan sp = plan_split(g, num_heads, num_kv_heads, head_dim);
+  if (!sp.use) {
+    attention_prefill(g, num_heads, num_kv_heads, head_dim, q, k_pool, v_pool, scale, gate, gate_token_stride,
+                      gate_head_stride, out, stream);
+    return;
+  }
+  const AttnParams p =
+      make_params(g, num_heads, num_kv_heads, q, k_pool, v_pool, scale, gate, gate_token_stride, gate_head_stride, out);
+  ws.ensure(sp.bytes, stream, fn);
+  SplitArgs sa{};
+  unsigned char* base = static_cast<unsigned char*>(ws.mem_);
+  sa.item_off = reinterpret_cast<int*>(base);
+  sa.qoff = sa.item_off + (g.num_groups + 1);
+  sa.counter = sa.qoff + (g.num_groups + 1);
+  if (sp.nsplit > 1) {
+    sa.ws_acc = reinterpret_cast<float*>(base + sp.int_bytes);
+    sa.ws_ml = sa.ws_acc + static_cast<size_t>(sp.items_bound) * kSplitBM * head_dim;
+  }
+  sa.split_max_q = kSplitMaxQ;
+  sa.nsplit = sp.nsplit;
+  sa.chunk_len = sp.chunk_len;
+  sa.num_groups = g.num_groups;
+  switch (head_dim) {
+    case 64: launch_split<64>(p, sa, g, sp, stream); break;
+    case 128: launch_split<128>(p, sa, g, sp, stream); break;
+    default: launch_split<256>(p, sa, g, sp, stream); break;
+  }
+}
+
+void AttnDecodeWorkspace::reserve_prefill(const AttnGroups& g, int num_heads, int num_kv_heads, int head_dim) {
+  const char* fn = "AttnDecodeWorkspace::reserve_prefill";
+  check_groups(fn, g);
+  check_heads(fn, num_heads, num_kv_heads);
+  check_head_dim(fn, head_dim);
+  const SplitPlan sp = plan_split(g, num_heads, num_kv_heads, head_dim);
+  if (sp.use) ensure(sp.bytes, nullptr, fn);
+}
+
 AttnDecodeWorkspace::~AttnDecodeWorkspace() {
   if (mem_) cudaFree(mem_);
 }
 
-void AttnDecodeWorkspace::ensure(size_t bytes, cudaStream_t stream) {
+void AttnDecodeWorkspace::ensure(size_t bytes, cudaStream_t stream, const char* fn) {
   if (bytes <= bytes_) return;
   cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
   check_cuda(cudaStreamIsCapturing(stream, &capturing), "cudaStreamIsCapturing");
   if (capturing != cudaStreamCaptureStatusNone)
-    throw std::invalid_argument("attention_decode: the workspace would grow from " + std::to_string(bytes_) + " to " +
-                                std::to_string(bytes) +
-                                " bytes during CUDA graph capture: call AttnDecodeWorkspace::reserve first");
+    throw std::invalid_argument(std::string(fn) + ": the workspace would grow from " + std::to_string(bytes_) +
+                                " to " + std::to_string(bytes) +
+                                " bytes during CUDA graph capture: call AttnDecodeWorkspace::reserve (decode) or "
+                                "reserve_prefill first");
   if (mem_) {
     check_cuda(cudaDeviceSynchronize(), "AttnDecodeWorkspace: synchronise before freeing the old buffer");
     check_cuda(cudaFree(mem_), "cudaFree(AttnDecodeWorkspace)");
@@ -895,7 +1378,7 @@ void AttnDecodeWorkspace::reserve(int max_batch, int num_heads, int head_dim, in
     const long ns = max_splits(b, 1, max_kv, sms, bps);
     if (ns > 1) entries = std::max(entries, static_cast<long>(b) * num_heads * ns);
   }
-  if (entries > 0) ensure(decode_ws_bytes(entries, head_dim), nullptr);
+  if (entries > 0) ensure(decode_ws_bytes(entries, head_dim), nullptr, fn);
 }
 
 void attention_decode(const AttnGroups& g, int num_heads, int num_kv_heads, int head_dim, const bf16* q,
@@ -919,7 +1402,7 @@ void attention_decode(const AttnGroups& g, int num_heads, int num_kv_heads, int 
   p.chunk_len = sp.chunk_len;
   if (sp.nsplit > 1) {
     const long entries = static_cast<long>(g.num_groups) * num_heads * sp.nsplit;
-    ws.ensure(decode_ws_bytes(entries, head_dim), stream);
+    ws.ensure(decode_ws_bytes(entries, head_dim), stream, fn);
     p.ws_acc = static_cast<float*>(ws.mem_);
     p.ws_ml = p.ws_acc + static_cast<size_t>(entries) * head_dim;
   }

@@ -15,7 +15,8 @@
 //    std::invalid_argument (naming the bad value) on bad shapes or null / misaligned pointers and
 //    std::runtime_error on CUDA errors (launch errors via cudaGetLastError).
 //  - attention_prepare, kv_import and attention_prefill allocate nothing and can be captured in a
-//    CUDA graph; attention_decode likewise once its workspace is reserved (AttnDecodeWorkspace).
+//    CUDA graph; attention_decode and attention_prefill(..., ws, ...) likewise once their workspace is
+//    reserved (AttnDecodeWorkspace::reserve / reserve_prefill) or has grown in an earlier eager call.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
@@ -67,8 +68,9 @@ void attention_prefill(const AttnGroups& g, int num_heads, int num_kv_heads, int
                        const bf16* k_pool, const bf16* v_pool, float scale, const bf16* gate, long gate_token_stride,
                        int gate_head_stride, bf16* out, cudaStream_t stream = nullptr);
 
-/// Device scratch of attention_decode: per (request, query head, KV chunk) the partial (m, l) and the
-/// fp32 accumulator [head_dim]. Grows on demand (a growth synchronises the device before freeing the
+/// Device scratch of attention_decode (per (request, query head, KV chunk) the partial (m, l) and the
+/// fp32 accumulator [head_dim]) and of attention_prefill(..., ws, ...) (per work item 64 rows of partial
+/// (m, l, acc) and the launch's item / query offsets); one workspace may serve both, in stream order. Grows on demand (a growth synchronises the device before freeing the
 /// old buffer) and is reused across calls; not thread-safe (one per stream). A captured graph reads
 /// its buffer: between a capture and the graph's last replay the workspace must not grow.
 class AttnDecodeWorkspace {
@@ -82,16 +84,43 @@ class AttnDecodeWorkspace {
   /// AttnGroups::max_kv <= max_kv, so that such calls allocate nothing (and can be captured).
   /// Throws std::invalid_argument on non-positive sizes or an unsupported head_dim.
   void reserve(int max_batch, int num_heads, int head_dim, int max_kv);
+  /// Sizes the scratch for attention_prefill(..., ws, stream) calls whose AttnGroups host fields
+  /// (num_groups, total_q, max_q, max_kv) are those of `g` (device pointers unused), with these head
+  /// counts and head_dim, on the current device: such calls then allocate nothing (and can be captured).
+  /// Throws std::invalid_argument on bad shapes.
+  void reserve_prefill(const AttnGroups& g, int num_heads, int num_kv_heads, int head_dim);
   /// Bytes held on the device.
   size_t bytes() const { return bytes_; }
 
  private:
   friend void attention_decode(const AttnGroups&, int, int, int, const bf16*, const bf16*, const bf16*, float,
                                const bf16*, long, int, bf16*, AttnDecodeWorkspace&, cudaStream_t);
-  void ensure(size_t bytes, cudaStream_t stream);
+  friend void attention_prefill(const AttnGroups&, int, int, int, const bf16*, const bf16*, const bf16*, float,
+                                const bf16*, long, int, bf16*, AttnDecodeWorkspace&, cudaStream_t);
+  void ensure(size_t bytes, cudaStream_t stream, const char* fn);
   void* mem_ = nullptr;
   size_t bytes_ = 0;
 };
+
+/// attention_prefill with a workspace: the same result (up to fp32 summation order), faster for short
+/// groups over long contexts (the hypic splice: seam windows of a few tokens and a short query, each
+/// attending to up to tens of thousands of slots). Groups of 1 ..= 512 queries take a split-KV path
+/// (flash-decoding style): each group's KV range is cut into chunks of whole pages (the chunk length
+/// chosen from the SM count, the launch's host bounds and g.max_kv; a KV length beyond g.max_kv is still
+/// computed correctly, by the last chunk), one work item per (group, KV head, 64-row tile, chunk) with
+/// the query heads of that KV head and the group's queries packed into the tile rows (row r of the
+/// group: query r / ratio, head kv_head * ratio + r % ratio), so K/V are read once per (tile, chunk);
+/// items are scheduled dynamically over persistent blocks, partial (m, l, acc) in fp32 in `ws`, then a
+/// combine kernel (skipped for groups whose KV fits one chunk: the item writes `out`). Longer groups
+/// in the same launch run the kernel above. Launches: a 1-block plan kernel, the split kernel, the
+/// kernel above when g.max_q > 512, the combine kernel when some group can have several chunks.
+/// Needs g.max_kv >= 1 for the split path (g.max_kv <= 0: the kernel above for every group). The
+/// environment variable HYPIC_ATTN_PREFILL_SPLIT=0 (read once) disables the split path (comparisons).
+/// Throws as attention_prefill, and std::invalid_argument when `ws` would have to grow while `stream`
+/// is capturing (AttnDecodeWorkspace::reserve_prefill sizes it beforehand).
+void attention_prefill(const AttnGroups& g, int num_heads, int num_kv_heads, int head_dim, const bf16* q,
+                       const bf16* k_pool, const bf16* v_pool, float scale, const bf16* gate, long gate_token_stride,
+                       int gate_head_stride, bf16* out, AttnDecodeWorkspace& ws, cudaStream_t stream = nullptr);
 
 /// Decode attention: every group holds exactly one query (g.max_q == 1, total_q == num_groups; the
 /// query row of request b is q_start[b], its KV length slot0[b] + 1). Flash-decoding: each request's

@@ -18,6 +18,12 @@
 // grp = r / WN, is the gate row j (w < WN/2) or the up row I + j (w >= WN/2) of column
 // j = n0 + grp * WN/2 + w % (WN/2); the warp's n8-fragments ni < NI/2 are then gate columns and
 // ni + NI/2 the matching up columns, and SwiGLU runs in the epilogue.
+//
+// Decode path (GroupedGemm::OwnDecode; Own for T <= kSmallT = 64): router logits, routing, two
+// grouped GEMMs covering routed AND shared experts, combine = 5 launches chained by PDL, no
+// GemmRunner / cuBLASLt call. The GEMMs stream the weights from global memory straight into mma
+// fragments (see "Decode grouped GEMM" below); for T <= 64 the routing (softmax / top-k / shared
+// gate / counting sort / tile schedule) is one single-block kernel (route_small_kernel).
 #include "kernels/cuda/moe.h"
 
 #include <cublas_v2.h>
@@ -25,6 +31,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -55,11 +62,109 @@ __device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x));
 __device__ __forceinline__ float round_bf16(float x) { return __bfloat162float(__float2bfloat16(x)); }
 
 // ---------------------------------------------------------------------------------------------
+// Programmatic dependent launch (sm_90): kernels of the decode chain are launched with
+// cudaLaunchAttributeProgrammaticStreamSerialization, so that a kernel's blocks can be scheduled
+// while its predecessor drains. Every kernel that may be launched that way calls griddep_wait()
+// before its first global memory access (read or write): that waits for the full completion (and
+// memory visibility) of the preceding grid, so the stream order semantics are unchanged. Without
+// the launch attribute both instructions are no-ops.
+// ---------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ void griddep_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void griddep_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
 // Routing
 // ---------------------------------------------------------------------------------------------
 
-// One block per chunk of 32 tokens, one warp per token (4 tokens per warp). Expert e of a token
-// sits in lane e % 32, register e / 32.
+// Softmax over the E logits lg[0..E) of one token and its top-k, by one warp (expert e sits in
+// lane e % 32, register e / 32). Lane r < k returns the r-th pick: its expert, its weight
+// (renormalised over the k picks, summed in selection order as the CPU reference, when renorm)
+// and its rank among the k picks in ascending expert order. Ties: lower expert first.
+__device__ __forceinline__ void route_token(const float* lg, int E, int k, bool renorm, int lane, int& out_e,
+                                            float& out_w, int& out_rank) {
+  float v[kMaxE / 32];
+  float m = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < kMaxE / 32; ++i) {
+    const int e = i * 32 + lane;
+    v[i] = e < E ? lg[e] : -INFINITY;
+    m = fmaxf(m, v[i]);
+  }
+#pragma unroll
+  for (int off = 16; off; off >>= 1) m = fmaxf(m, __shfl_xor_sync(kFull, m, off));
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < kMaxE / 32; ++i) {
+    const int e = i * 32 + lane;
+    v[i] = e < E ? expf(v[i] - m) : 0.f;
+    s += v[i];
+  }
+#pragma unroll
+  for (int off = 16; off; off >>= 1) s += __shfl_xor_sync(kFull, s, off);
+#pragma unroll
+  for (int i = 0; i < kMaxE / 32; ++i) v[i] = v[i] / s;  // probabilities >= 0; -1 marks "taken"
+
+  int my_e = 0;
+  float my_p = 0.f;
+  for (int r = 0; r < k; ++r) {
+    float bv = -2.f;
+    int bi = INT_MAX;
+#pragma unroll
+    for (int i = 0; i < kMaxE / 32; ++i) {
+      const int e = i * 32 + lane;
+      if (e < E && v[i] > bv) bv = v[i], bi = e;  // ascending e: strict > keeps the lower index
+    }
+#pragma unroll
+    for (int off = 16; off; off >>= 1) {
+      const float ov = __shfl_xor_sync(kFull, bv, off);
+      const int oi = __shfl_xor_sync(kFull, bi, off);
+      if (ov > bv || (ov == bv && oi < bi)) bv = ov, bi = oi;
+    }
+    if (lane == r) my_e = bi, my_p = bv;
+#pragma unroll
+    for (int i = 0; i < kMaxE / 32; ++i)
+      if (i * 32 + lane == bi) v[i] = -1.f;
+  }
+  float sum = 0.f;
+  for (int r = 0; r < k; ++r) sum += __shfl_sync(kFull, my_p, r);
+  out_w = renorm ? my_p / sum : my_p;
+  int rank = 0;
+  for (int r = 0; r < k; ++r) rank += (__shfl_sync(kFull, my_e, r) < my_e) ? 1 : 0;
+  out_e = my_e;
+  out_rank = rank;
+}
+
+// sigmoid(x_t . w) of one token by one warp (all lanes return it); 1 when w is null.
+__device__ __forceinline__ float shared_gate_token(const bf16* xr, const bf16* w, int H, int lane) {
+  if (!w) return 1.0f;
+  float d = 0.f;
+  for (int h = lane * 8; h < H; h += 256) {
+    const uint4 xv = *reinterpret_cast<const uint4*>(xr + h);
+    const uint4 wv = *reinterpret_cast<const uint4*>(w + h);
+    const __nv_bfloat162* xp = reinterpret_cast<const __nv_bfloat162*>(&xv);
+    const __nv_bfloat162* wp = reinterpret_cast<const __nv_bfloat162*>(&wv);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 a = __bfloat1622float2(xp[j]), b = __bfloat1622float2(wp[j]);
+      d = fmaf(a.x, b.x, d);
+      d = fmaf(a.y, b.y, d);
+    }
+  }
+#pragma unroll
+  for (int off = 16; off; off >>= 1) d += __shfl_xor_sync(kFull, d, off);
+  return 1.0f / (1.0f + expf(-d));
+}
+
+// One block per chunk of 32 tokens, one warp per token (4 tokens per warp).
 __global__ void __launch_bounds__(kRouteThreads) route_kernel(int T, int E, int k, bool renorm, const float* logits,
                                                               const bf16* x, int H, const bf16* sgate_w,
                                                               float* sgate_out, int* topk_e, float* topk_w,
@@ -71,85 +176,100 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(int T, int E, int 
   for (int q = 0; q < kChunk / (kRouteThreads / 32); ++q) {
     const int t = blockIdx.x * kChunk + warp * (kChunk / (kRouteThreads / 32)) + q;
     if (t >= T) break;  // warp-uniform
-    const float* lg = logits + size_t(t) * E;
-    float v[kMaxE / 32];
-    float m = -INFINITY;
-#pragma unroll
-    for (int i = 0; i < kMaxE / 32; ++i) {
-      const int e = i * 32 + lane;
-      v[i] = e < E ? lg[e] : -INFINITY;
-      m = fmaxf(m, v[i]);
-    }
-#pragma unroll
-    for (int off = 16; off; off >>= 1) m = fmaxf(m, __shfl_xor_sync(kFull, m, off));
-    float s = 0.f;
-#pragma unroll
-    for (int i = 0; i < kMaxE / 32; ++i) {
-      const int e = i * 32 + lane;
-      v[i] = e < E ? expf(v[i] - m) : 0.f;
-      s += v[i];
-    }
-#pragma unroll
-    for (int off = 16; off; off >>= 1) s += __shfl_xor_sync(kFull, s, off);
-#pragma unroll
-    for (int i = 0; i < kMaxE / 32; ++i) v[i] = v[i] / s;  // probabilities >= 0; -1 marks "taken"
-
-    int my_e = 0;
-    float my_p = 0.f;
-    for (int r = 0; r < k; ++r) {
-      float bv = -2.f;
-      int bi = INT_MAX;
-#pragma unroll
-      for (int i = 0; i < kMaxE / 32; ++i) {
-        const int e = i * 32 + lane;
-        if (e < E && v[i] > bv) bv = v[i], bi = e;  // ascending e: strict > keeps the lower index
-      }
-#pragma unroll
-      for (int off = 16; off; off >>= 1) {
-        const float ov = __shfl_xor_sync(kFull, bv, off);
-        const int oi = __shfl_xor_sync(kFull, bi, off);
-        if (ov > bv || (ov == bv && oi < bi)) bv = ov, bi = oi;
-      }
-      if (lane == r) my_e = bi, my_p = bv;
-#pragma unroll
-      for (int i = 0; i < kMaxE / 32; ++i)
-        if (i * 32 + lane == bi) v[i] = -1.f;
-    }
-    // Renormalisation sum in selection order (as the CPU reference), then the slots ordered by expert.
-    float sum = 0.f;
-    for (int r = 0; r < k; ++r) sum += __shfl_sync(kFull, my_p, r);
-    const float wgt = renorm ? my_p / sum : my_p;
-    int rank = 0;
-    for (int r = 0; r < k; ++r) rank += (__shfl_sync(kFull, my_e, r) < my_e) ? 1 : 0;
+    int my_e, rank;
+    float wgt;
+    route_token(logits + size_t(t) * E, E, k, renorm, lane, my_e, wgt, rank);
     if (lane < k) {
       topk_e[size_t(t) * k + rank] = my_e;
       topk_w[size_t(t) * k + rank] = wgt;
       atomicAdd(&hist[my_e], 1);
     }
     if (sgate_out) {
-      float d = 0.f;
-      if (sgate_w) {
-        const bf16* xr = x + size_t(t) * H;
-        for (int h = lane * 8; h < H; h += 256) {
-          const uint4 xv = *reinterpret_cast<const uint4*>(xr + h);
-          const uint4 wv = *reinterpret_cast<const uint4*>(sgate_w + h);
-          const __nv_bfloat162* xp = reinterpret_cast<const __nv_bfloat162*>(&xv);
-          const __nv_bfloat162* wp = reinterpret_cast<const __nv_bfloat162*>(&wv);
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const float2 a = __bfloat1622float2(xp[j]), b = __bfloat1622float2(wp[j]);
-            d = fmaf(a.x, b.x, d);
-            d = fmaf(a.y, b.y, d);
-          }
-        }
-#pragma unroll
-        for (int off = 16; off; off >>= 1) d += __shfl_xor_sync(kFull, d, off);
-      }
-      if (lane == 0) sgate_out[t] = sgate_w ? 1.0f / (1.0f + expf(-d)) : 1.0f;
+      const float sg = shared_gate_token(x + size_t(t) * H, sgate_w, H, lane);
+      if (lane == 0) sgate_out[t] = sg;
     }
   }
   __syncthreads();
   for (int e = threadIdx.x; e < E; e += blockDim.x) chunk_counts[size_t(e) * nch + blockIdx.x] = hist[e];
+}
+
+// Decode routing (T <= kSmallT) in ONE block of kMaxE threads: softmax / top-k / shared gate per
+// token (one warp per token), then the whole counting sort of route_kernel + chunk_scan_kernel +
+// offsets_kernel + scatter_kernel in shared memory: per-expert token bitmasks, offsets[E + 1], the
+// tile schedule of the decode GEMMs (tiles of kDecBM rows; then, when shared_rows > 0, the shared
+// expert's tiles (E, m0) over rows 0..shared_rows), num_tiles, sorted_tok and pos_of. Positions
+// are in ascending token order within each expert, as on the multi-kernel path (same results).
+constexpr int kSmallT = 64;  // largest T of the single-block routing (and of Own's decode path)
+constexpr int kDecBM = 32;   // rows (tokens) per tile of the decode GEMMs
+constexpr int kSmallW = kSmallT / 32;
+
+__global__ void __launch_bounds__(kMaxE) route_small_kernel(int T, int E, int k, bool renorm, const float* logits,
+                                                            const bf16* x, int H, const bf16* sgate_w,
+                                                            float* sgate_out, int* topk_e, float* topk_w,
+                                                            int* offsets, int2* tiles, int* num_tiles,
+                                                            int* sorted_tok, int* pos_of, int shared_rows) {
+  __shared__ unsigned mask[kMaxE][kSmallW];
+  __shared__ int s_e[kSmallT * kMaxTopk];
+  __shared__ int sc[kMaxE], st[kMaxE], so[kMaxE];
+  griddep_wait();
+  griddep_launch_dependents();
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+#pragma unroll
+  for (int w = 0; w < kSmallW; ++w) mask[tid][w] = 0u;  // blockDim.x == kMaxE
+  __syncthreads();
+  for (int t = warp; t < T; t += kMaxE / 32) {
+    int my_e, rank;
+    float wgt;
+    route_token(logits + size_t(t) * E, E, k, renorm, lane, my_e, wgt, rank);
+    if (lane < k) {
+      topk_e[t * k + rank] = my_e;
+      topk_w[t * k + rank] = wgt;
+      s_e[t * k + rank] = my_e;
+      atomicOr(&mask[my_e][t >> 5], 1u << (t & 31));
+    }
+    if (sgate_out) {
+      const float sg = shared_gate_token(x + size_t(t) * H, sgate_w, H, lane);
+      if (lane == 0) sgate_out[t] = sg;
+    }
+  }
+  __syncthreads();
+  const int e = tid;
+  int c = 0;
+#pragma unroll
+  for (int w = 0; w < kSmallW; ++w) c += __popc(mask[e][w]);  // 0 for e >= E
+  const int nt = (c + kDecBM - 1) / kDecBM;
+  sc[e] = c;
+  st[e] = nt;
+  __syncthreads();
+  for (int off = 1; off < kMaxE; off <<= 1) {
+    const int a = e >= off ? sc[e - off] : 0, b = e >= off ? st[e - off] : 0;
+    __syncthreads();
+    sc[e] += a;
+    st[e] += b;
+    __syncthreads();
+  }
+  so[e] = sc[e] - c;
+  if (e < E) {
+    offsets[e] = sc[e] - c;
+    const int tb = st[e] - nt;
+    for (int i = 0; i < nt; ++i) tiles[tb + i] = make_int2(e, i * kDecBM);
+  }
+  const int routed_tiles = st[kMaxE - 1];
+  const int nsh = (shared_rows + kDecBM - 1) / kDecBM;
+  for (int i = tid; i < nsh; i += blockDim.x) tiles[routed_tiles + i] = make_int2(E, i * kDecBM);
+  if (tid == 0) {
+    offsets[E] = sc[kMaxE - 1];
+    *num_tiles = routed_tiles + nsh;
+  }
+  __syncthreads();  // so[] complete
+  for (int i = tid; i < T * k; i += blockDim.x) {
+    const int ee = s_e[i], t = i / k;
+    int rank = __popc(mask[ee][t >> 5] & ((1u << (t & 31)) - 1u));
+    for (int w = 0; w < (t >> 5); ++w) rank += __popc(mask[ee][w]);
+    const int pos = so[ee] + rank;
+    sorted_tok[pos] = t;
+    pos_of[i] = pos;
+  }
 }
 
 // One warp per expert: chunk_counts[e][*] -> exclusive prefix over the chunks (in place), counts[e].
@@ -176,9 +296,10 @@ __global__ void __launch_bounds__(256) chunk_scan_kernel(int E, int nch, int* ch
 }
 
 // One block of 512 threads: offsets[E + 1] (exclusive prefix of counts), the tile schedule
-// tiles[i] = (expert, first row) for tiles of bm rows, and num_tiles.
+// tiles[i] = (expert, first row) for tiles of bm rows, then (decode GEMMs with a shared expert,
+// shared_rows > 0) the shared expert's tiles (E, m0) over rows 0..shared_rows, and num_tiles.
 __global__ void __launch_bounds__(kMaxE) offsets_kernel(int E, int bm, const int* counts, int* offsets, int2* tiles,
-                                                        int* num_tiles) {
+                                                        int* num_tiles, int shared_rows) {
   __shared__ int sc[kMaxE], st[kMaxE];
   const int e = threadIdx.x;
   const int c = e < E ? counts[e] : 0;
@@ -198,9 +319,12 @@ __global__ void __launch_bounds__(kMaxE) offsets_kernel(int E, int bm, const int
     const int tb = st[e] - nt;
     for (int i = 0; i < nt; ++i) tiles[tb + i] = make_int2(e, i * bm);
   }
-  if (e == E - 1) {
-    offsets[E] = sc[e];
-    *num_tiles = st[e];
+  const int routed_tiles = st[kMaxE - 1];
+  const int nsh = (shared_rows + bm - 1) / bm;
+  for (int i = e; i < nsh; i += blockDim.x) tiles[routed_tiles + i] = make_int2(E, i * bm);
+  if (e == 0) {
+    offsets[E] = sc[kMaxE - 1];
+    *num_tiles = routed_tiles + nsh;
   }
 }
 
@@ -248,6 +372,9 @@ struct TileCfg {
 using BigCfg = TileCfg<128, 128, 32, 64, 32, 4, 2>;
 // Decode tiles: 16 x 64 x 32, 4 warps of 16 x 16, 8 stages (50 KiB smem).
 using SmallCfg = TileCfg<16, 64, 32, 16, 16, 8, 4>;
+// Wide prefill tiles (GroupedGemm::OwnLargeN): 128 x 256 x 32, 8 warps of 64 x 64 (fewer
+// ldmatrix per mma than 64 x 32), 4 stages (120 KiB smem, 1 block per SM).
+using WideCfg = TileCfg<128, 256, 32, 64, 64, 4, 1>;
 
 struct GroupedArgs {
   const bf16* A;          // gate_up: x [T][K] (rows gathered through a_rows); down: act [P][K]
@@ -397,6 +524,211 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) grouped_gemm_kernel(Group
 }
 
 // ---------------------------------------------------------------------------------------------
+// Decode grouped GEMM (weight streaming)
+// ---------------------------------------------------------------------------------------------
+//
+// For a few rows per expert the GEMMs are weight-bandwidth bound, so the problem is transposed:
+// out^T = W X^T with the weight rows as the mma M dimension (16 per m16n8k16 A fragment) and the
+// expert's rows (tokens, <= kDecBM = 32 per tile, 4 n8-fragments) as N. A and B fragments are
+// loaded straight from global memory with 16-byte loads, no shared memory staging: lane
+// (g = lane / 4, q = lane % 4) loads W[row g][k0 + 8q .. +7] and W[row g + 8][same] and
+// X[token g][same] for each 32-wide k chunk k0. The mma only needs A and B to use the same
+// permutation of k inside each k16 step: step s (0, 1) of the chunk puts k0 + 8q + 4s + {0, 1}
+// at fragment k-positions 2q, 2q+1 and k0 + 8q + 4s + {2, 3} at 2q+8, 2q+9 (a bijection of the
+// chunk's 32 k onto the two steps' positions), i.e. a = {wlo.w[2s], whi.w[2s], wlo.w[2s+1],
+// whi.w[2s+1]}, b = {x.w[2s], x.w[2s+1]} in 32-bit words.
+//
+// Block = 8 warps = RG row groups x KS k-slices: the KS warps of a row group split K into
+// contiguous slices; each warp keeps up to U chunks (U x 2 x 16 bytes per lane) of weight loads
+// in flight, and the partial sums are added in shared memory in ascending slice order (fixed, so
+// results are bit-identical from run to run; no atomics). A row group is 16 weight rows: for
+// gate_up the 8 gate rows j0..j0+7 (A rows 0..7) and the 8 up rows I + j0.. (A rows 8..15), so
+// the accumulator of lane (g, q) holds gate and up of column j0 + g for tokens 2q, 2q + 1 and
+// SwiGLU runs in the epilogue; for down 16 output columns n0..n0+15.
+//
+// Grid: x = tile (an upper bound is launched; blocks past num_tiles exit), y = column block.
+// Tile expert index E is the shared expert (rows = tokens 0..T-1, its own weights, sizes and
+// outputs: gate_up -> s_act [T][Is] bf16, down -> s_out [T][H] fp32 unrounded, as the
+// cuBLASLt shared path), so one launch covers routed and shared experts.
+constexpr int kDecThreads = 256;
+constexpr int kDecWarps = kDecThreads / 32;
+
+struct DecodeArgs {
+  const bf16* A;           // gate_up: x [T][K] gathered through a_rows; down: act [P][K]
+  const int* a_rows;       // gate_up: sorted_tok [P]; down: nullptr (identity)
+  const bf16* B;           // gate_up: [E][2N][K]; down: [E][N][K]
+  size_t b_expert_stride;  // elements per expert of B
+  bf16* out;               // gate_up: act [P][N]; down: y [P][N]
+  int K, N;
+  const bf16* sA;  // shared expert: gate_up: x [T][sK]; down: s_act [T][sK]
+  const bf16* sB;  // gate_up: [2 sN][sK]; down: [sN][sK]
+  void* sout;      // gate_up: s_act [T][sN] bf16; down: s_out [T][sN] fp32; router: logits [T][N] fp32
+  int sK, sN;
+  int E, T;
+  const int2* tiles;
+  const int* num_tiles;
+  const int* offsets;  // [E + 1]
+};
+
+// 16-byte streaming load of weights (read once): no L1 allocation, 256-byte L2 prefetch.
+__device__ __forceinline__ uint4 ld_weights16(const bf16* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+enum DecodeMode { kDecDown = 0, kDecGateUp = 1, kDecRouter = 2 };
+
+// kDecRouter: the router logits [T][E] fp32 = x W_router^T with the same machinery and no tile
+// schedule (block x = a 32-token tile, A = x, B = router [N = E][K = H], output in sout; E need
+// not be a multiple of 16: rows past E are clamped and not stored). Deterministic and, like the
+// expert GEMMs, each token's result is independent of the other tokens of the batch.
+template <int MODE, int KS, int U>
+__global__ void __launch_bounds__(kDecThreads, 2) decode_gemm_kernel(DecodeArgs a) {
+  constexpr bool GATE_UP = MODE == kDecGateUp, ROUTER = MODE == kDecRouter;
+  constexpr int RG = kDecWarps / KS;
+  constexpr int COLS = GATE_UP ? 8 : 16;  // output columns per row group
+  constexpr int NT = kDecBM / 8;          // n8 fragments (token groups) per tile
+  static_assert(kDecWarps % KS == 0, "k slices");
+  __shared__ float red[kDecWarps][NT * 4][32];
+  griddep_wait();
+  griddep_launch_dependents();
+  int e, m0;
+  if (ROUTER) {
+    e = 0, m0 = blockIdx.x * kDecBM;
+  } else {
+    if (int(blockIdx.x) >= __ldcg(a.num_tiles)) return;
+    const int2 tile = __ldcg(a.tiles + blockIdx.x);
+    e = tile.x, m0 = tile.y;
+  }
+  const bool sh = !ROUTER && e >= a.E;
+  int seg, cnt, K, N;
+  const bf16 *W, *A;
+  if (ROUTER) {
+    seg = 0, cnt = a.T, K = a.K, N = a.N, W = a.B, A = a.A;
+  } else if (sh) {
+    seg = 0, cnt = a.T, K = a.sK, N = a.sN, W = a.sB, A = a.sA;
+  } else {
+    seg = __ldcg(a.offsets + e);
+    cnt = __ldcg(a.offsets + e + 1) - seg;
+    K = a.K, N = a.N, W = a.B + size_t(e) * a.b_expert_stride, A = a.A;
+  }
+  const int col_block = blockIdx.y * (RG * COLS);
+  if (col_block >= N) return;  // block-uniform (the grid covers the larger of routed / shared N)
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+  const int rg = warp / KS, ks = warp % KS;
+  const int c0 = col_block + rg * COLS;
+  // Expert GEMMs: N is a multiple of 32 >= COLS, so a row group is all in or all out; the router's
+  // last row group may be partial (rows clamped to N - 1, not stored).
+  const bool active = c0 < N;
+  const int nrows = min(kDecBM, cnt - m0);  // >= 1
+  const int ntl = (nrows + 7) >> 3;         // token groups with at least one row, 1..NT
+
+  const int r_lo = !active ? 0 : ROUTER ? min(c0 + g, N - 1) : c0 + g;
+  const int r_hi = !active ? 0 : ROUTER ? min(c0 + 8 + g, N - 1) : GATE_UP ? N + c0 + g : c0 + 8 + g;
+  const bf16* wlo = W + size_t(r_lo) * K + q * 8;
+  const bf16* whi = W + size_t(r_hi) * K + q * 8;
+  const bf16* xp[NT];
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    const int m = m0 + t * 8 + g;
+    const int mm = m < cnt ? m : m0;  // rows past the count: a valid row, never stored
+    const int src = (sh || ROUTER) ? mm : (GATE_UP ? __ldcg(a.a_rows + seg + mm) : seg + mm);
+    xp[t] = A + size_t(src) * K + q * 8;
+  }
+
+  float acc[NT][4];
+#pragma unroll
+  for (int t = 0; t < NT; ++t)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[t][i] = 0.f;
+
+  const int KT = K >> 5;  // 32-wide chunks
+  const int kb = (ks * KT) / KS, ke = ((ks + 1) * KT) / KS;
+  if (active) {
+    for (int c = kb; c < ke; c += U) {
+      uint4 wl[U], wh[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (c + u < ke) {
+          wl[u] = ld_weights16(wlo + (c + u) * 32);
+          wh[u] = ld_weights16(whi + (c + u) * 32);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (c + u < ke) {
+#pragma unroll
+          for (int t = 0; t < NT; ++t) {
+            if (t < ntl) {
+              const uint4* src = reinterpret_cast<const uint4*>(xp[t] + (c + u) * 32);
+              const uint4 xv = GATE_UP ? __ldg(src) : __ldcg(src);  // x reused across blocks via L1
+              const uint32_t a0[4] = {wl[u].x, wh[u].x, wl[u].y, wh[u].y};
+              const uint32_t a1[4] = {wl[u].z, wh[u].z, wl[u].w, wh[u].w};
+              mma_bf16(acc[t], a0, xv.x, xv.y);
+              mma_bf16(acc[t], a1, xv.z, xv.w);
+            }
+          }
+        }
+      }
+    }
+  }
+  if (KS > 1) {
+    if (ks != 0) {
+#pragma unroll
+      for (int t = 0; t < NT; ++t)
+        if (t < ntl)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) red[warp][t * 4 + i][lane] = acc[t][i];
+    }
+    __syncthreads();
+    if (ks != 0) return;
+#pragma unroll
+    for (int s = 1; s < KS; ++s)
+#pragma unroll
+      for (int t = 0; t < NT; ++t)
+        if (t < ntl)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc[t][i] += red[warp + s][t * 4 + i][lane];
+  }
+  if (!active) return;
+
+  // Epilogue: acc[t][h] = (A row g, token t*8 + 2q + h), acc[t][2 + h] = (A row g + 8, same token).
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    if (t >= ntl) continue;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int m = m0 + t * 8 + 2 * q + h;
+      if (m >= cnt) continue;
+      const size_t orow = size_t(sh ? m : seg + m) * N;
+      if (GATE_UP) {
+        const float gv = round_bf16(acc[t][h]), uv = round_bf16(acc[t][2 + h]);
+        bf16* o = sh ? static_cast<bf16*>(a.sout) : a.out;
+        o[orow + c0 + g] = __float2bfloat16(silu_f(gv) * uv);
+      } else if (ROUTER) {
+        float* o = static_cast<float*>(a.sout);
+        if (c0 + g < N) o[orow + c0 + g] = acc[t][h];
+        if (c0 + 8 + g < N) o[orow + c0 + 8 + g] = acc[t][2 + h];
+      } else if (sh) {
+        float* o = static_cast<float*>(a.sout);
+        o[orow + c0 + g] = acc[t][h];
+        o[orow + c0 + 8 + g] = acc[t][2 + h];
+      } else {
+        a.out[orow + c0 + g] = __float2bfloat16(acc[t][h]);
+        a.out[orow + c0 + 8 + g] = __float2bfloat16(acc[t][2 + h]);
+      }
+    }
+  }
+}
+// gate_up / router: K = H (2048 at Qwen3.5 sizes) in 8 slices of 8 chunks (two batches of 4 loads
+// in flight), one row group per block; down: K = I (512) in 4 slices of 4 chunks, two row groups
+// per block.
+constexpr int kGuKS = 8, kGuU = 4, kDnKS = 4, kDnU = 4;
+
+// ---------------------------------------------------------------------------------------------
 // Elementwise: SwiGLU, gather, combine
 // ---------------------------------------------------------------------------------------------
 
@@ -438,6 +770,8 @@ __global__ void __launch_bounds__(128) combine_kernel(int H, int k, const int* p
                                                       float* out) {
   __shared__ int sp[kMaxTopk];
   __shared__ float sw[kMaxTopk];
+  griddep_wait();
+  griddep_launch_dependents();
   const int t = blockIdx.x;
   if (threadIdx.x < k) {
     sp[threadIdx.x] = pos_of[size_t(t) * k + threadIdx.x];
@@ -514,6 +848,12 @@ int setup_device(int dev) {
   check_cuda(cudaFuncSetAttribute(grouped_gemm_kernel<SmallCfg, false>,
                                   cudaFuncAttributeMaxDynamicSharedMemorySize, SmallCfg::SMEM),
              "cudaFuncSetAttribute(grouped_gemm small)");
+  check_cuda(cudaFuncSetAttribute(grouped_gemm_kernel<WideCfg, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  WideCfg::SMEM),
+             "cudaFuncSetAttribute(grouped_gemm wide)");
+  check_cuda(cudaFuncSetAttribute(grouped_gemm_kernel<WideCfg, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  WideCfg::SMEM),
+             "cudaFuncSetAttribute(grouped_gemm wide)");
   return 0;
 }
 DeviceOnce g_setup;
@@ -546,6 +886,98 @@ void launch_grouped(const MoeWeightsView& w, size_t P, const bf16* x, MoeWorkspa
   const dim3 grid2(grid_m, unsigned((w.H + C::BN - 1) / C::BN));
   grouped_gemm_kernel<C, false><<<grid2, C::THREADS, C::SMEM, stream>>>(g2);
   check_cuda(cudaGetLastError(), "moe_forward: grouped down GEMM launch");
+}
+
+// PDL on by default; HYPIC_MOE_PDL=0 in the environment launches the decode chain plainly.
+bool pdl_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("HYPIC_MOE_PDL");
+    return !(v && v[0] == '0');
+  }();
+  return on;
+}
+
+// kernel<<<grid, block, smem, stream>>>(args...) with programmatic stream serialization (see
+// griddep_wait): the kernel must call griddep_wait() before touching global memory.
+template <class... KArgs, class... Args>
+void launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, const char* what,
+                Args... args) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl_enabled() ? 1 : 0;
+  check_cuda(cudaLaunchKernelEx(&cfg, kernel, static_cast<KArgs>(args)...), what);
+}
+
+size_t decode_grid_tiles(size_t P, int E, int T, bool shared) {
+  return max_tiles(P, E, kDecBM) + (shared ? size_t((T + kDecBM - 1) / kDecBM) : 0);
+}
+
+// logits [T][E] fp32 = x W_router^T (decode path).
+void launch_router(const MoeWeightsView& w, int T, const bf16* x, float* logits, cudaStream_t stream) {
+  DecodeArgs g{};
+  g.A = x;
+  g.B = w.router;
+  g.K = w.H;
+  g.N = w.E;
+  g.sout = logits;
+  g.E = w.E;
+  g.T = T;
+  const dim3 grid(unsigned((T + kDecBM - 1) / kDecBM), unsigned((w.E + 15) / 16));
+  launch_pdl(decode_gemm_kernel<kDecRouter, kGuKS, kGuU>, grid, dim3(kDecThreads), 0, stream,
+             "moe_forward: decode router GEMM launch", g);
+}
+
+// Routed + shared experts through the decode GEMMs (the schedule has kDecBM-row tiles and, with
+// Is > 0, the shared expert's tiles).
+void launch_decode(const MoeWeightsView& w, int T, size_t P, const bf16* x, MoeWorkspace& ws, cudaStream_t stream) {
+  const bool shared = w.Is > 0;
+  const unsigned grid_m = unsigned(decode_grid_tiles(P, w.E, T, shared));
+  DecodeArgs g1{};
+  g1.A = x;
+  g1.a_rows = static_cast<const int*>(ws.sorted_tok.p);
+  g1.B = w.experts_gate_up;
+  g1.b_expert_stride = size_t(2) * w.I * w.H;
+  g1.out = static_cast<bf16*>(ws.act.p);
+  g1.K = w.H;
+  g1.N = w.I;
+  g1.sA = x;
+  g1.sB = shared ? w.shared_gate_up : nullptr;
+  g1.sout = shared ? ws.s_act.p : nullptr;
+  g1.sK = w.H;
+  g1.sN = shared ? w.Is : 0;
+  g1.E = w.E;
+  g1.T = T;
+  g1.tiles = static_cast<const int2*>(ws.tiles.p);
+  g1.num_tiles = static_cast<const int*>(ws.num_tiles.p);
+  g1.offsets = static_cast<const int*>(ws.offsets.p);
+  constexpr int rg1 = kDecWarps / kGuKS, rg2 = kDecWarps / kDnKS;
+  const int n1 = std::max(w.I, shared ? w.Is : 0);
+  const dim3 grid1(grid_m, unsigned((n1 + 8 * rg1 - 1) / (8 * rg1)));
+  launch_pdl(decode_gemm_kernel<kDecGateUp, kGuKS, kGuU>, grid1, dim3(kDecThreads), 0, stream,
+             "moe_forward: decode gate_up GEMM launch", g1);
+  DecodeArgs g2 = g1;
+  g2.A = static_cast<const bf16*>(ws.act.p);
+  g2.a_rows = nullptr;
+  g2.B = w.experts_down;
+  g2.b_expert_stride = size_t(w.H) * w.I;
+  g2.out = static_cast<bf16*>(ws.y.p);
+  g2.K = w.I;
+  g2.N = w.H;
+  g2.sA = shared ? static_cast<const bf16*>(ws.s_act.p) : nullptr;
+  g2.sB = shared ? w.shared_down : nullptr;
+  g2.sout = shared ? ws.s_out.p : nullptr;
+  g2.sK = shared ? w.Is : 0;
+  g2.sN = w.H;
+  const dim3 grid2(grid_m, unsigned((w.H + 16 * rg2 - 1) / (16 * rg2)));
+  launch_pdl(decode_gemm_kernel<kDecDown, kDnKS, kDnU>, grid2, dim3(kDecThreads), 0, stream,
+             "moe_forward: decode down GEMM launch", g2);
 }
 
 void check_cublas(cublasStatus_t s, const std::string& what) {
@@ -714,7 +1146,9 @@ void MoeWorkspace::reserve(int max_tokens, const MoeWeightsView& w) {
   grow(chunk_counts, E * nch * sizeof(int), "chunk_counts");
   grow(counts, E * sizeof(int), "counts");
   grow(offsets, (E + 1) * sizeof(int), "offsets");
-  grow(tiles, max_tiles(P, w.E, SmallCfg::BM) * sizeof(int2), "tiles");  // the smaller BM bounds both
+  // SmallCfg's BM (the smallest) bounds the Big / Wide schedules; the decode schedule adds the shared tiles.
+  grow(tiles, std::max(max_tiles(P, w.E, SmallCfg::BM), decode_grid_tiles(P, w.E, int(T), w.Is > 0)) * sizeof(int2),
+       "tiles");
   grow(num_tiles, sizeof(int), "num_tiles");
   grow(sorted_tok, P * sizeof(int), "sorted_tok");
   grow(pos_of, P * sizeof(int), "pos_of");
@@ -770,14 +1204,23 @@ void moe_forward(int T, const bf16* x, const MoeWeightsView& w, float* out, MoeW
     CaptureFlag cap(ws, stream);
     ws.reserve(T, w);
   }
+  // Decode path: weight-streaming GEMMs with the shared expert as one more tile expert, PDL launches,
+  // and for T <= kSmallT the whole routing in one block.
+  const bool decode = impl == GroupedGemm::OwnDecode || (impl == GroupedGemm::Own && T <= kSmallT);
   int bm;
   switch (impl) {
     case GroupedGemm::OwnSmallM: bm = SmallCfg::BM; break;
     case GroupedGemm::OwnLargeM: bm = BigCfg::BM; break;
-    case GroupedGemm::Own: bm = (P <= size_t(16) * std::min<size_t>(size_t(E), P)) ? SmallCfg::BM : BigCfg::BM; break;
+    case GroupedGemm::OwnLargeN: bm = WideCfg::BM; break;
+    case GroupedGemm::OwnDecode: bm = kDecBM; break;
+    case GroupedGemm::Own:
+      bm = decode ? kDecBM
+                  : (P <= size_t(16) * std::min<size_t>(size_t(E), P)) ? SmallCfg::BM : BigCfg::BM;
+      break;
     case GroupedGemm::Cublas: bm = BigCfg::BM; break;
     default: bad_arg(fn, "unknown GroupedGemm value");
   }
+  const int shared_rows = (decode && w.Is > 0) ? T : 0;
 
   float* logits = static_cast<float*>(ws.logits.p);
   int* topk_e = static_cast<int*>(ws.topk_e.p);
@@ -788,44 +1231,69 @@ void moe_forward(int T, const bf16* x, const MoeWeightsView& w, float* out, MoeW
   int* offsets = static_cast<int*>(ws.offsets.p);
   int* sorted_tok = static_cast<int*>(ws.sorted_tok.p);
   int* pos_of = static_cast<int*>(ws.pos_of.p);
+  int2* tiles = static_cast<int2*>(ws.tiles.p);
+  int* num_tiles = static_cast<int*>(ws.num_tiles.p);
 
   // 1. router logits (fp32 output).
-  gemm.linear(T, E, H, x, H, w.router, logits, CUDA_R_32F, E, 0.0f, stream);
-  // 2. softmax, top-k, shared gate, chunk histograms.
-  route_kernel<<<nch, kRouteThreads, 0, stream>>>(T, E, k, w.renormalize, logits, x, H, w.shared_gate,
-                                                  w.Is > 0 ? sgate : nullptr, topk_e, topk_w, chunk_counts, nch);
-  check_cuda(cudaGetLastError(), "moe_forward: route launch");
-  // 3. counting sort by expert and the tile schedule.
-  chunk_scan_kernel<<<(E + 7) / 8, 256, 0, stream>>>(E, nch, chunk_counts, counts);
-  check_cuda(cudaGetLastError(), "moe_forward: chunk_scan launch");
-  offsets_kernel<<<1, kMaxE, 0, stream>>>(E, bm, counts, offsets, static_cast<int2*>(ws.tiles.p),
-                                          static_cast<int*>(ws.num_tiles.p));
-  check_cuda(cudaGetLastError(), "moe_forward: offsets launch");
-  scatter_kernel<<<nch, 256, 0, stream>>>(T, E, k, nch, topk_e, chunk_counts, offsets, sorted_tok, pos_of);
-  check_cuda(cudaGetLastError(), "moe_forward: scatter launch");
-  // 4-5. routed experts.
+  if (decode && T <= kSmallT) {
+    launch_router(w, T, x, logits, stream);
+  } else {
+    gemm.linear(T, E, H, x, H, w.router, logits, CUDA_R_32F, E, 0.0f, stream);
+  }
+  if (decode && T <= kSmallT) {
+    // 2-3. softmax, top-k, shared gate, counting sort and tile schedule in one block.
+    launch_pdl(route_small_kernel, dim3(1), dim3(kMaxE), 0, stream, "moe_forward: route_small launch", T, E, k,
+               w.renormalize, logits, x, H, w.shared_gate, w.Is > 0 ? sgate : nullptr, topk_e, topk_w, offsets, tiles,
+               num_tiles, sorted_tok, pos_of, shared_rows);
+  } else {
+    // 2. softmax, top-k, shared gate, chunk histograms.
+    route_kernel<<<nch, kRouteThreads, 0, stream>>>(T, E, k, w.renormalize, logits, x, H, w.shared_gate,
+                                                    w.Is > 0 ? sgate : nullptr, topk_e, topk_w, chunk_counts, nch);
+    check_cuda(cudaGetLastError(), "moe_forward: route launch");
+    // 3. counting sort by expert and the tile schedule.
+    chunk_scan_kernel<<<(E + 7) / 8, 256, 0, stream>>>(E, nch, chunk_counts, counts);
+    check_cuda(cudaGetLastError(), "moe_forward: chunk_scan launch");
+    offsets_kernel<<<1, kMaxE, 0, stream>>>(E, bm, counts, offsets, tiles, num_tiles, shared_rows);
+    check_cuda(cudaGetLastError(), "moe_forward: offsets launch");
+    scatter_kernel<<<nch, 256, 0, stream>>>(T, E, k, nch, topk_e, chunk_counts, offsets, sorted_tok, pos_of);
+    check_cuda(cudaGetLastError(), "moe_forward: scatter launch");
+  }
+  // 4-5. routed experts (and, on the decode path, the shared expert).
   if (impl == GroupedGemm::Cublas) {
     launch_cublas_grouped(w, T, P, x, ws, stream);
+  } else if (decode) {
+    launch_decode(w, T, P, x, ws, stream);
   } else if (bm == SmallCfg::BM) {
     launch_grouped<SmallCfg>(w, P, x, ws, stream);
+  } else if (impl == GroupedGemm::OwnLargeN) {
+    launch_grouped<WideCfg>(w, P, x, ws, stream);
   } else {
     launch_grouped<BigCfg>(w, P, x, ws, stream);
   }
-  // 6. shared expert.
+  // 6. shared expert (cuBLASLt) unless the decode GEMMs ran it.
   const float* shared = nullptr;
   if (w.Is > 0) {
     const int Is = w.Is;
-    bf16* s_gu = static_cast<bf16*>(ws.s_gu.p);
-    bf16* s_act = static_cast<bf16*>(ws.s_act.p);
     float* s_out = static_cast<float*>(ws.s_out.p);
-    gemm.linear(T, 2 * Is, H, x, H, w.shared_gate_up, s_gu, CUDA_R_16BF, 2 * Is, 0.0f, stream);
-    silu_mul(T, Is, s_gu, s_act, stream);
-    gemm.linear(T, H, Is, s_act, Is, w.shared_down, s_out, CUDA_R_32F, H, 0.0f, stream);
+    if (!decode) {
+      bf16* s_gu = static_cast<bf16*>(ws.s_gu.p);
+      bf16* s_act = static_cast<bf16*>(ws.s_act.p);
+      gemm.linear(T, 2 * Is, H, x, H, w.shared_gate_up, s_gu, CUDA_R_16BF, 2 * Is, 0.0f, stream);
+      silu_mul(T, Is, s_gu, s_act, stream);
+      gemm.linear(T, H, Is, s_act, Is, w.shared_down, s_out, CUDA_R_32F, H, 0.0f, stream);
+    }
     shared = s_out;
   }
   // 7. deterministic combine into out.
-  combine_kernel<<<T, 128, 0, stream>>>(H, k, pos_of, topk_w, static_cast<const bf16*>(ws.y.p), sgate, shared, out);
-  check_cuda(cudaGetLastError(), "moe_forward: combine launch");
+  const bf16* y = static_cast<const bf16*>(ws.y.p);
+  if (decode) {
+    launch_pdl(combine_kernel, dim3(T), dim3(128), 0, stream, "moe_forward: combine launch", H, k,
+               static_cast<const int*>(pos_of), static_cast<const float*>(topk_w), y,
+               static_cast<const float*>(sgate), shared, out);
+  } else {
+    combine_kernel<<<T, 128, 0, stream>>>(H, k, pos_of, topk_w, y, sgate, shared, out);
+    check_cuda(cudaGetLastError(), "moe_forward: combine launch");
+  }
 }
 
 void mlp_forward(int T, const bf16* x, int H, int I, const bf16* gate_up, const bf16* down, float* out,

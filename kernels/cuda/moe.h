@@ -18,7 +18,13 @@
 //   4. grouped GEMM gate_up on the gathered rows, SwiGLU fused in the epilogue:
 //      act[p][j] = bf16( silu(bf16(g)) * bf16(u) ) (fp32 math on the bf16-rounded GEMM outputs)
 //   5. grouped GEMM down: y[p][H] bf16 = act[p] D_e^T
-//   6. shared expert (when Is > 0): GemmRunner gate_up (bf16), silu_mul, down (fp32 [T][H])
+//   6. shared expert (when Is > 0): GemmRunner gate_up (bf16), silu_mul, down (fp32 [T][H]);
+//      on the decode path (GroupedGemm::OwnDecode, and Own for T <= 64) steps 4-6 are two
+//      launches: the shared expert is one more "expert" of the grouped decode GEMMs (same
+//      roundings: bf16 SwiGLU activation, fp32 output), and steps 2-3 are one single-block kernel
+//      for T <= 64, where step 1 is the decode GEMM kernel too (no GemmRunner call at all). The
+//      decode kernels are launched with programmatic dependent launch (PDL; HYPIC_MOE_PDL=0 in
+//      the environment turns it off).
 //   7. combine (deterministic gather, no atomics): out[t] += sum over the token's k experts in
 //      ascending expert order of w * y[pos] (fp32), + sigmoid gate * shared[t]
 #pragma once
@@ -50,10 +56,17 @@ struct MoeWeightsView {
 
 /// Which grouped GEMM moe_forward runs for the routed experts.
 enum class GroupedGemm {
-  Own,         ///< hypic's mma.sync kernels; tile size chosen from T * topk / E (capturable)
+  Own,         ///< hypic's kernels (capturable): T <= 64 the decode path (OwnDecode), else the
+               ///< mma.sync tiles chosen from T * topk / E (OwnSmallM or OwnLargeM)
   Cublas,      ///< cublasGemmGroupedBatchedEx (host sync for the per-expert counts; NOT capturable)
-  OwnSmallM,   ///< Own with the decode tiles (16 rows x 64 columns) forced (tests, benchmarks)
-  OwnLargeM,   ///< Own with the prefill tiles (128 x 128) forced (tests, benchmarks)
+  OwnSmallM,   ///< 16 x 64 smem-tiled kernels forced, shared expert via cuBLASLt, multi-kernel routing
+               ///< (= Own before the decode path; tests, benchmarks)
+  OwnLargeM,   ///< the prefill tiles (128 x 128) forced (tests, benchmarks)
+  OwnDecode,   ///< the decode path forced at any T: weight-streaming GEMMs (weights straight from
+               ///< global memory into mma fragments, split-K inside a block, deterministic smem
+               ///< reduction), the shared expert as one more expert of the same launches, PDL
+               ///< launches, and for T <= 64 the whole routing in one block (tests, benchmarks)
+  OwnLargeN,   ///< wide prefill tiles (128 x 256, 64 x 64 warp tiles) forced (tests, benchmarks)
 };
 
 /// Device scratch of moe_forward / mlp_forward, grown on demand and then reused: after

@@ -196,7 +196,10 @@ void run_attention(const AttnCase& c, AttnSetup& s, gpu::AttnDecodeWorkspace* ws
   if (c.decode)
     gpu::attention_decode(g, c.nh, c.nkv, c.hd, s.dq->get(), s.dk->get(), s.dv->get(), scale, gate, gts, ghs,
                           s.dout->get(), *ws, st);
-  else
+  else if (ws)  // the workspace overload: split-KV path for groups of <= 512 queries
+    gpu::attention_prefill(g, c.nh, c.nkv, c.hd, s.dq->get(), s.dk->get(), s.dv->get(), scale, gate, gts, ghs,
+                           s.dout->get(), *ws, st);
+  else  // no workspace: one block per (group, head, 128-query tile) for every group
     gpu::attention_prefill(g, c.nh, c.nkv, c.hd, s.dq->get(), s.dk->get(), s.dv->get(), scale, gate, gts, ghs,
                            s.dout->get(), st);
 }
@@ -250,14 +253,17 @@ void check_against_cpu(const AttnCase& c, const std::vector<Seq>& seqs, const At
   std::fflush(stdout);
 }
 
-void run_attention_case(const AttnCase& c, uint32_t seed) {
+// Prefill cases run through the workspace overload (split path for short groups) unless no_ws.
+void run_attention_case(const AttnCase& c, uint32_t seed, bool no_ws = false) {
   std::mt19937 rng(seed);
   std::vector<Seq> seqs;
   AttnSetup s;
   build_case(c, rng, seqs, s);
   gpu::AttnDecodeWorkspace ws;
-  run_attention(c, s, &ws);
+  run_attention(c, s, no_ws && !c.decode ? nullptr : &ws);
   check_cuda(cudaDeviceSynchronize(), c.name);
+  std::printf("[%s] %s, workspace %zu bytes\n", c.name.c_str(),
+              c.decode ? "decode" : no_ws ? "prefill without workspace" : "prefill with workspace", ws.bytes());
   check_against_cpu(c, seqs, s, s.dout->download());
 }
 
@@ -329,6 +335,12 @@ TEST_CASE("attention_prefill matches attention_causal: head sizes 64/128/256, GQ
   SECTION("hd 256, GQA 4 (4/1), no gate, one group at slot0 0") {
     run_attention_case(own_sequences("prefill hd256 4/1 causal", 256, 4, 1, {{777, 0}}, false), 108);
   }
+  SECTION("hd 256, GQA 8 (16/2), gate, without workspace (no split path)") {
+    run_attention_case(own_sequences("prefill hd256 16/2 gate no-ws", 256, 16, 2, a, true), 109, true);
+  }
+  SECTION("hd 128, GQA 4 (8/2), gate, without workspace (no split path)") {
+    run_attention_case(own_sequences("prefill hd128 8/2 gate no-ws", 128, 8, 2, b, true), 110, true);
+  }
 }
 
 TEST_CASE("attention_prefill: several groups share one sequence's block table (seam windows of a splice)",
@@ -340,6 +352,128 @@ TEST_CASE("attention_prefill: several groups share one sequence's block table (s
     c.groups = {{0, 0, 200}, {1, 0, 1}, {0, 300, 8}, {1, 650, 50}, {0, 777, 65}, {2, 0, 64}, {0, 1400, 100},
                 {0, 64, 8},  {2, 63, 1}, {0, 1499, 1}};
     DYNAMIC_SECTION("head_dim " << hd) { run_attention_case(c, 200 + hd); }
+    DYNAMIC_SECTION("head_dim " << hd << ", without workspace") {
+      c.name += " no-ws";
+      run_attention_case(c, 200 + hd, true);
+    }
+  }
+}
+
+// -------------------------------------------------------------------------------------------------------
+// The split-KV path of attention_prefill(..., ws): groups of <= 512 queries, KV cut into chunks of whole
+// pages (on an H200, 132 SMs, the first case gets chunks of 75 pages = 4800 slots, 9 of them for the
+// 40000-slot groups: the group at slot0 4790 has a row tile whose rows all end before its second chunk).
+TEST_CASE("attention_prefill split path: groups of 1..64 queries over contexts of 1..40000 slots",
+          "[gpu][attention]") {
+  require_gpu();
+  // Sequences: 0: 40000 slots, 1: 5000, 2: 64, 3: 1, 4: 130.
+  const std::vector<int> seq_kv = {40000, 5000, 64, 1, 130};
+  const std::vector<GroupSpec> groups = {
+      {0, 0, 1},     {3, 0, 1},      {0, 39999, 1}, {0, 39936, 64}, {0, 20000, 33}, {1, 4992, 8},   {1, 0, 64},
+      {2, 0, 64},    {2, 1, 63},     {1, 4095, 17}, {0, 12345, 5},  {4, 66, 64},    {0, 4790, 20},  {0, 4799, 2},
+      {0, 9599, 64}, {0, 38000, 7},  {4, 129, 1},   {1, 4800, 31},  {0, 63, 2},     {0, 31999, 16}};
+  struct Shape {
+    int hd, nh, nkv;
+    bool gate;
+  };
+  for (const Shape sh : {Shape{256, 16, 2, true}, Shape{256, 16, 2, false}, Shape{128, 8, 2, true},
+                         Shape{64, 6, 2, true}, Shape{64, 32, 1, false}, Shape{128, 4, 4, true}}) {
+    AttnCase c{"split hd" + std::to_string(sh.hd) + " " + std::to_string(sh.nh) + "/" + std::to_string(sh.nkv) +
+                   (sh.gate ? " gate" : ""),
+               sh.hd, sh.nh, sh.nkv, seq_kv, groups, sh.gate};
+    DYNAMIC_SECTION(c.name) { run_attention_case(c, 900 + sh.hd + sh.nh); }
+  }
+  SECTION("hd 256 16/2, max_kv understated (100): the last chunk covers the rest") {
+    AttnCase c{"split hd256 max_kv 100", 256, 16, 2, seq_kv, groups, true};
+    c.max_kv_override = 100;
+    run_attention_case(c, 950);
+  }
+  SECTION("hd 128 8/2, max_kv understated (5000) with 40000-slot groups") {
+    AttnCase c{"split hd128 max_kv 5000", 128, 8, 2, seq_kv, groups, true};
+    c.max_kv_override = 5000;
+    run_attention_case(c, 951);
+  }
+}
+
+namespace {
+
+// The hypic splice: 16 cached 2k segments of one 32k sequence, the 8-token seam window of each recomputed
+// (group i at slot0 2048 i), then the 64-token query at the end; all groups share one block table.
+AttnCase splice_case(std::string name, int hd, int nh, int nkv, bool with_long) {
+  const int T = 16 * 2048 + 64;
+  AttnCase c{std::move(name), hd, nh, nkv, {T}, {}, true};
+  for (int i = 0; i < 16; ++i) c.groups.push_back({0, 2048 * i, 8});
+  c.groups.push_back({0, T - 64, 64});
+  if (with_long) {  // mixed with longer groups in the same launch: 600 (> 512: the kernel without split) and 300
+    c.seq_kv.push_back(1800);
+    c.groups.insert(c.groups.begin() + 5, {1, 1200, 600});
+    c.groups.push_back({0, 20000, 300});
+  }
+  return c;
+}
+
+}  // namespace
+
+TEST_CASE("attention_prefill split path: the splice pattern (16 x 8 seam queries + 64 over 32k), mixed launches",
+          "[gpu][attention]") {
+  require_gpu();
+  SECTION("hd 256 16/2") { run_attention_case(splice_case("splice16 hd256 16/2", 256, 16, 2, false), 1001); }
+  SECTION("hd 256 16/2, with a 600- and a 300-query group") {
+    run_attention_case(splice_case("splice16+long hd256 16/2", 256, 16, 2, true), 1002);
+  }
+  SECTION("hd 128 8/2, with long groups") {
+    run_attention_case(splice_case("splice16+long hd128 8/2", 128, 8, 2, true), 1003);
+  }
+  SECTION("hd 256 16/2, without workspace (reference path)") {
+    run_attention_case(splice_case("splice16 hd256 16/2 no-ws", 256, 16, 2, false), 1001, true);
+  }
+}
+
+TEST_CASE("attention_prefill split path replays from a CUDA graph bit for bit (reserved workspace)",
+          "[gpu][attention]") {
+  require_gpu();
+  for (bool with_long : {false, true}) {
+    DYNAMIC_SECTION("splice pattern" << (with_long ? " with long groups" : "")) {
+      AttnCase c = splice_case(with_long ? "graph splice16+long" : "graph splice16", 256, 16, 2, with_long);
+      std::mt19937 rng(1100 + with_long);
+      std::vector<Seq> seqs;
+      AttnSetup s;
+      build_case(c, rng, seqs, s);
+      gpu::AttnDecodeWorkspace ws;
+      ws.reserve_prefill(s.groups(), c.nh, c.nkv, c.hd);
+      const size_t reserved = ws.bytes();
+      std::printf("[%s] reserved workspace %zu bytes\n", c.name.c_str(), reserved);
+      CHECK(reserved > 0);
+      run_attention(c, s, &ws);
+      check_cuda(cudaDeviceSynchronize(), "eager split prefill");
+      CHECK(ws.bytes() == reserved);  // the reserve sufficed
+      const auto eager = s.dout->download();
+      s.dout->poison();
+      Graph gr;
+      gr.capture([&] { run_attention(c, s, &ws, gr.st); });
+      gr.replay();
+      const auto replayed = s.dout->download();
+      s.dout->poison();
+      gr.replay();  // a second replay: the plan kernel resets the work counter
+      const auto replayed2 = s.dout->download();
+      const bool same1 = std::memcmp(eager.data(), replayed.data(), eager.size() * sizeof(bf16)) == 0;
+      const bool same2 = std::memcmp(eager.data(), replayed2.data(), eager.size() * sizeof(bf16)) == 0;
+      std::printf("[%s] replay 1 bit-identical: %d, replay 2 bit-identical: %d\n", c.name.c_str(), same1, same2);
+      CHECK(same1);
+      CHECK(same2);
+      check_against_cpu(c, seqs, s, replayed);
+      // A fresh (empty) workspace would have to allocate inside the capture.
+      gpu::AttnDecodeWorkspace empty;
+      cudaStream_t st;
+      check_cuda(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "cudaStreamCreate");
+      check_cuda(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), "begin capture");
+      CHECK_THROWS_WITH(run_attention(c, s, &empty, st), Catch::Contains("during CUDA graph capture"));
+      cudaGraph_t graph = nullptr;
+      cudaStreamEndCapture(st, &graph);
+      if (graph) cudaGraphDestroy(graph);
+      cudaStreamDestroy(st);
+      (void)cudaGetLastError();
+    }
   }
 }
 
@@ -801,8 +935,9 @@ TEST_CASE("attention kernels reject bad arguments with invalid_argument naming t
 }
 
 // -------------------------------------------------------------------------------------------------------
-// Benchmark (hidden: run with the tag "[.bench]" or "[attention_bench]"): 32k causal prefill and decode
-// at batch 1/16/64 with 32k contexts, head_dim 256, 16 query / 2 KV heads (Qwen3-Next, Qwen3.5-35B-A3B).
+// Benchmark (hidden: run with the tag "[.bench]" or "[attention_bench]"): 32k causal prefill, seam windows and
+// the splice pattern (16 x 8 + 64 or 500 queries over 32k) without / with the workspace (split path), and
+// decode at batch 1/16/64 with 32k contexts, head_dim 256, 16 query / 2 KV heads (Qwen3-Next, Qwen3.5-35B-A3B).
 TEST_CASE("attention benchmark: 32k causal prefill and 32k-context decode, hd 256, 16/2 heads",
           "[.bench][attention_bench]") {
   require_gpu();
@@ -869,6 +1004,49 @@ TEST_CASE("attention benchmark: 32k causal prefill and 32k-context decode, hd 25
                                2 * hd, out.get());
       });
       std::printf("attention_prefill 8 seam windows x 8 queries over ~32k slots: %.3f ms\n", ms);
+      gpu::AttnDecodeWorkspace ws;
+      const double ms_split = time_ms(20, [&] {
+        gpu::attention_prefill(g8, nh, nkv, hd, q.get(), k.get(), v.get(), scale, qg.get() + hd, long(nh) * 2 * hd,
+                               2 * hd, out.get(), ws);
+      });
+      std::printf("attention_prefill 8 seam windows x 8 queries over ~32k slots, split path: %.3f ms (workspace %zu "
+                  "bytes)\n",
+                  ms_split, ws.bytes());
+    }
+    // The hypic splice: 16 seam windows of 8 queries at slot0 2048 i plus the query (64, or 500 tokens) at the
+    // end of the 32k sequence, all groups on one block table; without the workspace (one block per group,
+    // head and 128-query tile) and with it (split-KV path).
+    for (int qlen : {64, 500}) {
+      std::vector<int> qs(18), s0(17);
+      for (int i = 0; i < 16; ++i) qs[i + 1] = qs[i] + 8, s0[i] = 2048 * i;
+      qs[17] = qs[16] + qlen;
+      s0[16] = T - qlen;
+      std::vector<int> bt17;
+      for (int i = 0; i < 17; ++i) bt17.insert(bt17.end(), bt.begin(), bt.end());
+      DeviceBuffer<int> dqs17(qs), ds017(s0), dbt17(bt17);
+      gpu::AttnGroups gs = g;
+      gs.num_groups = 17;
+      gs.q_start = dqs17.get();
+      gs.slot0 = ds017.get();
+      gs.block_table = dbt17.get();
+      gs.total_q = qs[17];
+      gs.max_q = qlen;
+      gs.max_kv = T;
+      double flops_s = 0;  // causal: query i of group g sees slot0 + i + 1 slots
+      for (int i = 0; i < 17; ++i)
+        for (int j = 0; j < qs[i + 1] - qs[i]; ++j) flops_s += 4.0 * (s0[i] + j + 1) * nh * hd;
+      const double ms_old = time_ms(10, [&] {
+        gpu::attention_prefill(gs, nh, nkv, hd, q.get(), k.get(), v.get(), scale, qg.get() + hd, long(nh) * 2 * hd,
+                               2 * hd, out.get());
+      });
+      gpu::AttnDecodeWorkspace ws;
+      const double ms_new = time_ms(20, [&] {
+        gpu::attention_prefill(gs, nh, nkv, hd, q.get(), k.get(), v.get(), scale, qg.get() + hd, long(nh) * 2 * hd,
+                               2 * hd, out.get(), ws);
+      });
+      std::printf("attention_prefill splice 16 x 8 seam queries + %d query over 32k (hd %d, %d/%d heads): "
+                  "no workspace %.3f ms (%.1f TFLOP/s), split path %.3f ms (%.1f TFLOP/s, workspace %zu bytes)\n",
+                  qlen, hd, nh, nkv, ms_old, flops_s / ms_old * 1e-9, ms_new, flops_s / ms_new * 1e-9, ws.bytes());
     }
   }
   {  // decode: batch 1 / 16 / 64 requests with 32768-slot contexts

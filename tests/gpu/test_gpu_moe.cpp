@@ -141,11 +141,17 @@ struct HostMoe {
   MoeCfg c;
   std::vector<float> router, gate_up, down, s_gate_up, s_down, s_gate;  // fp32 of the bf16 weights
   std::optional<DeviceBuffer<bf16>> d_router, d_gate_up, d_down, d_s_gate_up, d_s_down, d_s_gate;
-  HostMoe(const MoeCfg& cfg, uint64_t seed) : c(cfg) {
+  // hot_expert0: router[0][0] = 2.5, so that with x[t][0] = 4 (set by the test) every token picks expert 0.
+  HostMoe(const MoeCfg& cfg, uint64_t seed, bool hot_expert0 = false) : c(cfg) {
     Rng r(seed);
     const float sh = 1.0f / std::sqrt(float(c.H));
     // Router logits ~ N(0, 1.5^2): a spread-out softmax with few near-ties.
-    d_router.emplace(rand_bf16(r, size_t(c.E) * c.H, 1.5f * sh, router));
+    std::vector<bf16> rb = rand_bf16(r, size_t(c.E) * c.H, 1.5f * sh, router);
+    if (hot_expert0) {
+      rb[0] = float_to_bf16(2.5f);
+      router[0] = 2.5f;
+    }
+    d_router.emplace(rb);
     d_gate_up.emplace(rand_bf16(r, size_t(c.E) * 2 * c.I * c.H, sh, gate_up));
     d_down.emplace(rand_bf16(r, size_t(c.E) * c.H * c.I, 1.0f / std::sqrt(float(c.I)), down));
     if (c.Is > 0) {
@@ -237,6 +243,8 @@ const char* impl_name(gpu::GroupedGemm g) {
     case gpu::GroupedGemm::Cublas: return "Cublas";
     case gpu::GroupedGemm::OwnSmallM: return "OwnSmallM";
     case gpu::GroupedGemm::OwnLargeM: return "OwnLargeM";
+    case gpu::GroupedGemm::OwnDecode: return "OwnDecode";
+    case gpu::GroupedGemm::OwnLargeN: return "OwnLargeN";
   }
   return "?";
 }
@@ -350,15 +358,16 @@ TEST_CASE("GemmRunner: argument errors, M = 0, CUDA graph capture", "[gemm]") {
 // MoE
 // ---------------------------------------------------------------------------------------------
 
-TEST_CASE("moe_forward (Own, OwnSmallM, OwnLargeM, Cublas) matches the CPU fp32 reference", "[moe]") {
+TEST_CASE("moe_forward (Own, OwnSmallM, OwnLargeM, Cublas, OwnDecode, OwnLargeN) matches the CPU fp32 reference", "[moe]") {
   require_gpu();
   Stream st;
   gpu::GemmRunner gemm;
   const std::vector<MoeCfg> cfgs = {{8, 2, 64, 32, 0}, {16, 4, 128, 64, 64}, {256, 8, 2048, 512, 512}};
   const std::vector<int> Ts = {1, 5, 64, 333, 2048};
   const int Tmax = 2048;
-  const gpu::GroupedGemm impls[] = {gpu::GroupedGemm::Own, gpu::GroupedGemm::OwnSmallM, gpu::GroupedGemm::OwnLargeM,
-                                    gpu::GroupedGemm::Cublas};
+  // Index 3 is Cublas (the Own vs Cublas check below).
+  const gpu::GroupedGemm impls[] = {gpu::GroupedGemm::Own,    gpu::GroupedGemm::OwnSmallM, gpu::GroupedGemm::OwnLargeM,
+                                    gpu::GroupedGemm::Cublas, gpu::GroupedGemm::OwnDecode, gpu::GroupedGemm::OwnLargeN};
   uint64_t seed = 100;
   for (const MoeCfg& c : cfgs) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -392,7 +401,7 @@ TEST_CASE("moe_forward (Own, OwnSmallM, OwnLargeM, Cublas) matches the CPU fp32 
           INFO("impl=" << impl_name(impl) << " err=" << e.max_rel << " fro=" << e.fro);
           CHECK(e.max_rel <= 2e-2);
           CHECK(e.fro <= 1e-2);
-          if (impl == gpu::GroupedGemm::Own) {
+          if (impl == gpu::GroupedGemm::Own || impl == gpu::GroupedGemm::OwnDecode) {
             // Exact routing: the GPU's top-k sets (stored ascending per token) vs the CPU's.
             std::vector<int> ge(size_t(T) * c.topk);
             check_cuda(cudaMemcpy(ge.data(), ws.topk_e.p, ge.size() * sizeof(int), cudaMemcpyDeviceToHost),
@@ -414,45 +423,196 @@ TEST_CASE("moe_forward (Own, OwnSmallM, OwnLargeM, Cublas) matches the CPU fp32 
             CHECK(mismatches == 0);
           }
         }
-        // Own vs Cublas (index 0 vs 3); Own twice bit-identical; small vs large tiles (info).
+        // Every Own* vs Cublas (index 3); small vs large tiles (info).
         std::vector<float> ref_moe(n);
         for (size_t i = 0; i < n; ++i) ref_moe[i] = results[3][i] - base[i];
-        const Err oc_rel = compare(results[0].data(), ref_moe.data(), n, base.data());
-        std::printf("[moe] %s Own vs Cublas: err %.3e (tol 1e-2)\n", name.c_str(), oc_rel.max_rel);
-        CHECK(oc_rel.max_rel <= 1e-2);
+        for (size_t ii = 0; ii < results.size(); ++ii) {
+          if (ii == 3) continue;
+          const Err oc_rel = compare(results[ii].data(), ref_moe.data(), n, base.data());
+          std::printf("[moe] %s %s vs Cublas: err %.3e (tol 1e-2)\n", name.c_str(), impl_name(impls[ii]),
+                      oc_rel.max_rel);
+          INFO(impl_name(impls[ii]) << " vs Cublas err " << oc_rel.max_rel);
+          CHECK(oc_rel.max_rel <= 1e-2);
+        }
         const bool small_large_same =
             std::memcmp(results[1].data(), results[2].data(), n * sizeof(float)) == 0;
         std::printf("[moe] %s OwnSmallM vs OwnLargeM bit-identical: %s\n", name.c_str(),
                     small_large_same ? "yes" : "no (allowed; informational)");
-        {
-          DeviceBuffer<float> dout(base);
-          gpu::moe_forward(T, dx.get(), v, dout.get(), ws, gemm, gpu::GroupedGemm::Own, st.s);
-          check_cuda(cudaStreamSynchronize(st.s), "moe_forward");
-          const auto again = dout.download();
-          const bool same = std::memcmp(again.data(), results[0].data(), n * sizeof(float)) == 0;
-          std::printf("[moe] %s Own run twice bit-identical: %s\n", name.c_str(), same ? "yes" : "NO");
-          CHECK(same);
+        // Own (index 0) and OwnDecode (index 4): run twice bit-identical, CUDA graph == direct.
+        for (size_t ii : {size_t(0), size_t(4)}) {
+          const gpu::GroupedGemm impl = impls[ii];
+          INFO("impl=" << impl_name(impl));
+          {
+            DeviceBuffer<float> dout(base);
+            gpu::moe_forward(T, dx.get(), v, dout.get(), ws, gemm, impl, st.s);
+            check_cuda(cudaStreamSynchronize(st.s), "moe_forward");
+            const auto again = dout.download();
+            const bool same = std::memcmp(again.data(), results[ii].data(), n * sizeof(float)) == 0;
+            std::printf("[moe] %s %s run twice bit-identical: %s\n", name.c_str(), impl_name(impl), same ? "yes" : "NO");
+            CHECK(same);
+          }
+          {
+            DeviceBuffer<float> dout(base);
+            const size_t ws_bytes = ws.bytes(), plans = gemm.plans();
+            CapturedGraph cg(st.s, [&] { gpu::moe_forward(T, dx.get(), v, dout.get(), ws, gemm, impl, st.s); });
+            cg.replay();
+            const auto got = dout.download();
+            const bool same = std::memcmp(got.data(), results[ii].data(), n * sizeof(float)) == 0;
+            std::printf("[moe] %s %s in a CUDA graph == direct: %s\n", name.c_str(), impl_name(impl), same ? "yes" : "NO");
+            CHECK(same);
+            CHECK(ws.bytes() == ws_bytes);
+            CHECK(gemm.plans() == plans);
+            // A second replay accumulates once more: out = base + 2 moe (checks that the graph re-runs routing).
+            cg.replay();
+            const auto twice = dout.download();
+            std::vector<float> ref2(n);
+            for (size_t i = 0; i < n; ++i) ref2[i] = 2.0f * ref[i];
+            const Err e2 = compare(twice.data(), ref2.data(), n, base.data());
+            std::printf("[moe] %s %s second graph replay: err %.3e (tol 2e-2)\n", name.c_str(), impl_name(impl),
+                        e2.max_rel);
+            INFO("second replay err " << e2.max_rel);
+            CHECK(e2.max_rel <= 2e-2);
+          }
         }
-        {
-          DeviceBuffer<float> dout(base);
-          const size_t ws_bytes = ws.bytes(), plans = gemm.plans();
-          CapturedGraph cg(st.s, [&] { gpu::moe_forward(T, dx.get(), v, dout.get(), ws, gemm, gpu::GroupedGemm::Own, st.s); });
-          cg.replay();
-          const auto got = dout.download();
-          const bool same = std::memcmp(got.data(), results[0].data(), n * sizeof(float)) == 0;
-          std::printf("[moe] %s Own in a CUDA graph == direct: %s\n", name.c_str(), same ? "yes" : "NO");
-          CHECK(same);
-          CHECK(ws.bytes() == ws_bytes);
-          CHECK(gemm.plans() == plans);
-          // A second replay accumulates once more: out = base + 2 moe (checks that the graph re-runs routing).
-          cg.replay();
-          const auto twice = dout.download();
-          std::vector<float> ref2(n);
-          for (size_t i = 0; i < n; ++i) ref2[i] = 2.0f * ref[i];
-          const Err e2 = compare(twice.data(), ref2.data(), n, base.data());
-          INFO("second replay err " << e2.max_rel);
-          CHECK(e2.max_rel <= 2e-2);
+      }
+    }
+  }
+}
+
+// Decode sizes on the decode path (Own = OwnDecode for T <= 64: single-block routing, weight-streaming
+// GEMMs, shared expert inside the grouped launches, PDL) against the CPU, Cublas and the old
+// smem-tiled path (OwnSmallM); plus a layer whose expert 0 takes every token (2 tiles of 32 rows).
+TEST_CASE("moe_forward decode sizes (T <= 64): OwnDecode / Own vs CPU, Cublas, OwnSmallM; bit identity", "[moe]") {
+  require_gpu();
+  Stream st;
+  gpu::GemmRunner gemm;
+  struct DecCase {
+    MoeCfg c;
+    bool hot;
+  };
+  const std::vector<DecCase> cases = {{{256, 8, 2048, 512, 512}, false},
+                                      {{256, 8, 2048, 512, 0}, false},
+                                      {{16, 4, 128, 64, 64}, true}};
+  const std::vector<int> Ts = {1, 2, 7, 16, 33, 64};
+  const int Tmax = 64;
+  const gpu::GroupedGemm impls[] = {gpu::GroupedGemm::Own, gpu::GroupedGemm::OwnDecode, gpu::GroupedGemm::OwnSmallM,
+                                    gpu::GroupedGemm::Cublas};
+  constexpr size_t kOwn = 0, kDec = 1, kCublas = 3;
+  uint64_t seed = 500;
+  for (const DecCase& dc : cases) {
+    const MoeCfg& c = dc.c;
+    HostMoe m(c, seed++, dc.hot);
+    Rng r(seed++);
+    std::vector<float> xf;
+    std::vector<bf16> xb = rand_bf16(r, size_t(Tmax) * c.H, 1.0f, xf);
+    if (dc.hot)
+      for (int t = 0; t < Tmax; ++t) xb[size_t(t) * c.H] = float_to_bf16(4.0f), xf[size_t(t) * c.H] = 4.0f;
+    DeviceBuffer<bf16> dx(xb);
+    const std::vector<float> out0 = rand_f32(r, size_t(Tmax) * c.H, 1.0f);
+    gpu::MoeWorkspace ws;
+    const gpu::MoeWeightsView v = m.view(true);
+    std::vector<float> tok0;  // token 0's output row at T = 1 (Own)
+    for (int T : Ts) {
+      const std::string name = cfg_str(c, true, T) + (dc.hot ? " hot-expert0" : "");
+      INFO(name);
+      std::vector<std::vector<int>> sets;
+      std::vector<char> near_tie;
+      const std::vector<float> ref = moe_ref(m, true, T, xf.data(), sets, near_tie);
+      const size_t n = size_t(T) * c.H;
+      const std::vector<float> base(out0.begin(), out0.begin() + n);
+      std::vector<std::vector<float>> results;
+      for (gpu::GroupedGemm impl : impls) {
+        DeviceBuffer<float> dout(base);
+        gpu::moe_forward(T, dx.get(), v, dout.get(), ws, gemm, impl, st.s);
+        check_cuda(cudaStreamSynchronize(st.s), "moe_forward");
+        results.push_back(dout.download());
+        const Err e = compare(results.back().data(), ref.data(), n, base.data());
+        std::printf("[moe] decode %s impl=%-9s err %.3e fro %.3e (tol 2e-2 / 1e-2)\n", name.c_str(), impl_name(impl),
+                    e.max_rel, e.fro);
+        INFO("impl=" << impl_name(impl) << " err=" << e.max_rel << " fro=" << e.fro);
+        CHECK(e.max_rel <= 2e-2);
+        CHECK(e.fro <= 1e-2);
+        if (impl == gpu::GroupedGemm::OwnDecode) {
+          std::vector<int> ge(size_t(T) * c.topk);
+          check_cuda(cudaMemcpy(ge.data(), ws.topk_e.p, ge.size() * sizeof(int), cudaMemcpyDeviceToHost),
+                     "topk download");
+          int mismatches = 0, ties = 0, first_bad = -1, hot_count = 0;
+          for (int t = 0; t < T; ++t) {
+            hot_count += std::count(ge.begin() + size_t(t) * c.topk, ge.begin() + size_t(t + 1) * c.topk, 0);
+            if (near_tie[t]) {
+              ++ties;
+              continue;
+            }
+            if (!std::equal(sets[t].begin(), sets[t].end(), ge.begin() + size_t(t) * c.topk)) {
+              if (first_bad < 0) first_bad = t;
+              ++mismatches;
+            }
+          }
+          std::printf("[moe] decode %s routing: %d mismatching tokens (first %d), %d near-ties skipped, "
+                      "expert 0 taken by %d tokens\n",
+                      name.c_str(), mismatches, first_bad, ties, hot_count);
+          INFO("routing mismatches " << mismatches << " first token " << first_bad);
+          CHECK(mismatches == 0);
+          if (dc.hot) CHECK(hot_count == T);
         }
+      }
+      std::vector<float> ref_moe(n);
+      for (size_t i = 0; i < n; ++i) ref_moe[i] = results[kCublas][i] - base[i];
+      for (size_t ii = 0; ii < results.size(); ++ii) {
+        if (ii == kCublas) continue;
+        const Err oc = compare(results[ii].data(), ref_moe.data(), n, base.data());
+        std::printf("[moe] decode %s %s vs Cublas: err %.3e (tol 1e-2)\n", name.c_str(), impl_name(impls[ii]),
+                    oc.max_rel);
+        INFO(impl_name(impls[ii]) << " vs Cublas err " << oc.max_rel);
+        CHECK(oc.max_rel <= 1e-2);
+      }
+      const bool own_is_dec = std::memcmp(results[kOwn].data(), results[kDec].data(), n * sizeof(float)) == 0;
+      std::printf("[moe] decode %s Own == OwnDecode bit-identical: %s\n", name.c_str(), own_is_dec ? "yes" : "NO");
+      CHECK(own_is_dec);
+      // Token 0 is the first row of each of its experts' first tiles at every T, so its output must not
+      // depend on the batch: bit-identical to T = 1.
+      if (T == 1) tok0.assign(results[kOwn].begin(), results[kOwn].begin() + c.H);
+      const bool tok0_same = std::memcmp(tok0.data(), results[kOwn].data(), size_t(c.H) * sizeof(float)) == 0;
+      std::printf("[moe] decode %s token 0 bit-identical to T=1: %s\n", name.c_str(), tok0_same ? "yes" : "NO");
+      CHECK(tok0_same);
+      {
+        DeviceBuffer<float> dout(base);
+        gpu::moe_forward(T, dx.get(), v, dout.get(), ws, gemm, gpu::GroupedGemm::Own, st.s);
+        check_cuda(cudaStreamSynchronize(st.s), "moe_forward");
+        const auto again = dout.download();
+        const bool same = std::memcmp(again.data(), results[kOwn].data(), n * sizeof(float)) == 0;
+        std::printf("[moe] decode %s Own run twice bit-identical: %s\n", name.c_str(), same ? "yes" : "NO");
+        CHECK(same);
+      }
+      {
+        DeviceBuffer<float> dout(base);
+        const size_t ws_bytes = ws.bytes(), plans = gemm.plans();
+        CapturedGraph cg(st.s, [&] { gpu::moe_forward(T, dx.get(), v, dout.get(), ws, gemm, gpu::GroupedGemm::Own, st.s); });
+        cg.replay();
+        const auto got = dout.download();
+        const bool same = std::memcmp(got.data(), results[kOwn].data(), n * sizeof(float)) == 0;
+        std::printf("[moe] decode %s Own in a CUDA graph == direct: %s\n", name.c_str(), same ? "yes" : "NO");
+        CHECK(same);
+        CHECK(ws.bytes() == ws_bytes);
+        CHECK(gemm.plans() == plans);
+        bool replays_same = true;
+        for (int rep = 0; rep < 3; ++rep) {  // replays accumulate: out = base + (2 + rep) moe, each bitwise reproducible
+          cg.replay();
+        }
+        const auto four = dout.download();
+        std::vector<float> ref4(n);
+        for (size_t i = 0; i < n; ++i) ref4[i] = 4.0f * ref[i];
+        const Err e4 = compare(four.data(), ref4.data(), n, base.data());
+        std::printf("[moe] decode %s Own after 4 graph replays: err %.3e (tol 2e-2)\n", name.c_str(), e4.max_rel);
+        CHECK(e4.max_rel <= 2e-2);
+        // The same 4 replays from the same start on a fresh output: bit-identical.
+        DeviceBuffer<float> dout2(base);
+        CapturedGraph cg2(st.s, [&] { gpu::moe_forward(T, dx.get(), v, dout2.get(), ws, gemm, gpu::GroupedGemm::Own, st.s); });
+        for (int rep = 0; rep < 4; ++rep) cg2.replay();
+        const auto four2 = dout2.download();
+        replays_same = std::memcmp(four.data(), four2.data(), n * sizeof(float)) == 0;
+        std::printf("[moe] decode %s Own 4 replays twice bit-identical: %s\n", name.c_str(), replays_same ? "yes" : "NO");
+        CHECK(replays_same);
       }
     }
   }
@@ -585,17 +745,72 @@ TEST_CASE("bench: moe_forward Own vs Cublas at Qwen3.5-35B-A3B sizes, GemmRunner
   std::printf("[bench] dense bf16 GEMM ceiling (8192^3, cuBLASLt): %.1f TFLOP/s\n", ceiling);
   gpu::MoeWorkspace ws;
   const gpu::MoeWeightsView v = m.view(true);
-  for (int T : {1, 16, 64, 4096, 32768}) {
+  // Old-equivalent numbers: OwnSmallM is what Own ran at T <= 64 before the decode path (smem tiles,
+  // multi-kernel routing, cuBLASLt shared expert); OwnLargeM is Own at large T. OwnDecode / OwnLargeN
+  // are the new paths forced (OwnDecode skipped past T = 4096). "GB/s" counts the distinct expert
+  // weights the batch touches (routed experts used, from the routing, + the shared expert) once.
+  // "cold" rows: the same layer in kCopies device copies used in turn, so that (as in a real decode
+  // step, 40 different layers) a call does not find the previous call's expert weights in L2.
+  constexpr int kCopies = 4;
+  std::vector<DeviceBuffer<bf16>> copies;
+  std::vector<gpu::MoeWeightsView> views(kCopies, v);
+  for (int i = 1; i < kCopies; ++i) {
+    const size_t ngu = size_t(c.E) * 2 * c.I * c.H, ndn = size_t(c.E) * c.H * c.I;
+    const size_t nsgu = size_t(2) * c.Is * c.H, nsdn = size_t(c.H) * c.Is;
+    for (size_t nn : {ngu, ndn, nsgu, nsdn}) copies.emplace_back(nn);
+    const size_t b = copies.size() - 4;
+    check_cuda(cudaMemcpy(copies[b].get(), v.experts_gate_up, ngu * 2, cudaMemcpyDeviceToDevice), "copy");
+    check_cuda(cudaMemcpy(copies[b + 1].get(), v.experts_down, ndn * 2, cudaMemcpyDeviceToDevice), "copy");
+    check_cuda(cudaMemcpy(copies[b + 2].get(), v.shared_gate_up, nsgu * 2, cudaMemcpyDeviceToDevice), "copy");
+    check_cuda(cudaMemcpy(copies[b + 3].get(), v.shared_down, nsdn * 2, cudaMemcpyDeviceToDevice), "copy");
+    views[i].experts_gate_up = copies[b].get(), views[i].experts_down = copies[b + 1].get();
+    views[i].shared_gate_up = copies[b + 2].get(), views[i].shared_down = copies[b + 3].get();
+  }
+  std::vector<int> ge;
+  for (int T : {1, 2, 4, 8, 16, 32, 64, 128, 256, 4096, 32768}) {
     const double flops = 2.0 * T * c.topk * 3.0 * c.H * c.I + 2.0 * T * 3.0 * c.H * c.Is;
-    for (gpu::GroupedGemm impl : {gpu::GroupedGemm::Own, gpu::GroupedGemm::OwnSmallM, gpu::GroupedGemm::OwnLargeM,
-                                  gpu::GroupedGemm::Cublas}) {
+    // Distinct experts of this batch (same routing for every impl).
+    gpu::moe_forward(T, dx.get(), v, dout.get(), ws, gemm, gpu::GroupedGemm::Own, st.s);
+    check_cuda(cudaStreamSynchronize(st.s), "moe_forward");
+    ge.resize(size_t(T) * c.topk);
+    check_cuda(cudaMemcpy(ge.data(), ws.topk_e.p, ge.size() * sizeof(int), cudaMemcpyDeviceToHost), "topk download");
+    std::vector<char> used(c.E, 0);
+    for (int e : ge) used[e] = 1;
+    const int n_used = int(std::count(used.begin(), used.end(), 1));
+    const double wbytes = 2.0 * 3.0 * c.H * (double(n_used) * c.I + c.Is) + 2.0 * c.E * c.H;
+    std::printf("[bench] moe T=%-6d %d distinct experts, %.1f MB of weights\n", T, n_used, wbytes / 1e6);
+    for (gpu::GroupedGemm impl : {gpu::GroupedGemm::Own, gpu::GroupedGemm::OwnDecode, gpu::GroupedGemm::OwnSmallM,
+                                  gpu::GroupedGemm::OwnLargeM, gpu::GroupedGemm::OwnLargeN, gpu::GroupedGemm::Cublas}) {
+      if (impl == gpu::GroupedGemm::OwnDecode && T > 4096) continue;
       const double ms = time_ms(st.s, [&] { gpu::moe_forward(T, dx.get(), v, dout.get(), ws, gemm, impl, st.s); });
-      std::printf("[bench] moe T=%-6d %-9s %9.3f ms  %7.1f TFLOP/s\n", T, impl_name(impl), ms, flops / (ms * 1e-3) / 1e12);
+      std::printf("[bench] moe T=%-6d %-9s %9.3f ms  %7.1f TFLOP/s  %7.0f GB/s\n", T, impl_name(impl), ms,
+                  flops / (ms * 1e-3) / 1e12, wbytes / (ms * 1e-3) / 1e9);
     }
-    if (T <= 64) {  // decode: launch overhead matters; time the captured graph too
-      CapturedGraph cg(st.s, [&] { gpu::moe_forward(T, dx.get(), v, dout.get(), ws, gemm, gpu::GroupedGemm::Own, st.s); });
-      const double ms = time_ms(st.s, [&] { check_cuda(cudaGraphLaunch(cg.exec, st.s), "graph launch"); });
-      std::printf("[bench] moe T=%-6d Own-graph %9.3f ms  %7.1f TFLOP/s\n", T, ms, flops / (ms * 1e-3) / 1e12);
+    if (T <= 256) {  // decode: L2-cold weights (rotating copies), and launch overhead: captured graphs
+      for (gpu::GroupedGemm impl : {gpu::GroupedGemm::Own, gpu::GroupedGemm::OwnSmallM, gpu::GroupedGemm::Cublas}) {
+        int it = 0;
+        const double ms = time_ms(st.s, [&] {
+          gpu::moe_forward(T, dx.get(), views[it++ % kCopies], dout.get(), ws, gemm, impl, st.s);
+        });
+        std::printf("[bench] moe T=%-6d %s-cold %9.3f ms  %7.1f TFLOP/s  %7.0f GB/s\n", T, impl_name(impl), ms,
+                    flops / (ms * 1e-3) / 1e12, wbytes / (ms * 1e-3) / 1e9);
+      }
+      for (gpu::GroupedGemm impl : {gpu::GroupedGemm::Own, gpu::GroupedGemm::OwnSmallM}) {
+        // kCopies calls in one graph (one per copy): the per-call time of an L2-cold captured layer.
+        CapturedGraph cgc(st.s, [&] {
+          for (int i = 0; i < kCopies; ++i) gpu::moe_forward(T, dx.get(), views[i], dout.get(), ws, gemm, impl, st.s);
+        });
+        const double msc =
+            time_ms(st.s, [&] { check_cuda(cudaGraphLaunch(cgc.exec, st.s), "graph launch"); }) / kCopies;
+        std::printf("[bench] moe T=%-6d %s-graph-cold %9.3f ms  %7.1f TFLOP/s  %7.0f GB/s\n", T, impl_name(impl), msc,
+                    flops / (msc * 1e-3) / 1e12, wbytes / (msc * 1e-3) / 1e9);
+      }
+      for (gpu::GroupedGemm impl : {gpu::GroupedGemm::Own, gpu::GroupedGemm::OwnSmallM}) {
+        CapturedGraph cg(st.s, [&] { gpu::moe_forward(T, dx.get(), v, dout.get(), ws, gemm, impl, st.s); });
+        const double ms = time_ms(st.s, [&] { check_cuda(cudaGraphLaunch(cg.exec, st.s), "graph launch"); });
+        std::printf("[bench] moe T=%-6d %s-graph %9.3f ms  %7.1f TFLOP/s  %7.0f GB/s\n", T, impl_name(impl), ms,
+                    flops / (ms * 1e-3) / 1e12, wbytes / (ms * 1e-3) / 1e9);
+      }
     }
   }
   // Projections of Qwen3.5-35B-A3B (hidden 2048): GDN in_proj_qkvz, in_proj_ba, out_proj; attention

@@ -348,3 +348,135 @@ TEST_CASE("write_random_checkpoint for nested Qwen3.5 writes the language_model 
   CHECK(back.model_type == "qwen3_5_moe");
   CHECK(load_weights(back, d).parameter_count() == count_parameters(cfg).total);
 }
+
+namespace {
+
+/// What load_weights_streaming sent, in order: the parts, and load_weights's ModelWeights rebuilt from them.
+struct Streamed {
+  std::vector<std::pair<WeightsPart::Kind, int>> order;  // (kind, layer) of each part
+  ModelWeights weights;
+  int64_t values = 0;  // fp32 values over all parts
+};
+
+Streamed stream_all(const ModelConfig& cfg, const fs::path& dir) {
+  Streamed s;
+  s.weights.tied = cfg.tie_word_embeddings;
+  load_weights_streaming(cfg, dir, [&s](WeightsPart&& p) {
+    s.order.emplace_back(p.kind, p.layer);
+    if (p.kind == WeightsPart::Kind::Layer) {
+      CHECK(p.tensor.empty());
+      for (const auto& [name, t] : flatten(ModelWeights{.layers = {p.weights}})) s.values += int64_t(t->data.size());
+      s.weights.layers.push_back(std::move(p.weights));
+      return;
+    }
+    CHECK(p.layer == -1);
+    CHECK(p.weights.input_layernorm.empty());
+    s.values += int64_t(p.tensor.data.size());
+    Tensor& slot = p.kind == WeightsPart::Kind::Embed       ? s.weights.embed
+                   : p.kind == WeightsPart::Kind::FinalNorm ? s.weights.final_norm
+                                                            : s.weights.lm_head;
+    CHECK(slot.empty());  // each top-level tensor once
+    slot = std::move(p.tensor);
+  });
+  return s;
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+}  // namespace
+
+TEST_CASE("load_weights_streaming: embed, final_norm, lm_head, layers in order == load_weights", "[weights]") {
+  for (const char* name :
+       {"qwen3_next_moe", "qwen3_5_moe", "qwen3_5_moe_released", "qwen3_next_moe_released", "qwen3_5_dense"}) {
+    INFO(name);
+    const ModelConfig cfg = load_config(kFixtures / name);
+    const Streamed s = stream_all(cfg, kFixtures / name);
+    std::vector<std::pair<WeightsPart::Kind, int>> want{{WeightsPart::Kind::Embed, -1},
+                                                        {WeightsPart::Kind::FinalNorm, -1}};
+    if (!cfg.tie_word_embeddings) want.emplace_back(WeightsPart::Kind::LmHead, -1);
+    for (int i = 0; i < cfg.num_hidden_layers; ++i) want.emplace_back(WeightsPart::Kind::Layer, i);
+    CHECK(s.order == want);
+    require_identical(s.weights, load_weights(cfg, kFixtures / name));
+    CHECK(s.weights.parameter_count() == count_parameters(cfg).total);
+    CHECK(s.values == count_parameters(cfg).total);  // nothing sent twice (tied: no lm_head part)
+  }
+}
+
+TEST_CASE("load_weights_streaming: the same errors as load_weights, at the same point", "[weights]") {
+  const fs::path src = kFixtures / "qwen3_next_moe";
+  const ModelConfig cfg = load_config(src);
+  using K = WeightsPart::Kind;
+  auto streamed = [&cfg](const fs::path& dir, std::vector<std::pair<K, int>>& sent) {
+    return error_of([&] { load_weights_streaming(cfg, dir, [&](WeightsPart&& p) { sent.emplace_back(p.kind, p.layer); }); });
+  };
+
+  // Missing tensor in layer 2: layers 0 and 1 were sent, then load_weights's message.
+  const fs::path missing = scratch("stream_missing");
+  rewrite(src, missing, [](TensorCopy t) -> std::vector<TensorCopy> {
+    if (t.name == "model.layers.2.linear_attn.dt_bias") return {};
+    return keep(std::move(t));
+  });
+  std::vector<std::pair<K, int>> sent;
+  const std::string e_missing = streamed(missing, sent);
+  CHECK_THAT(e_missing, Catch::Contains("missing tensor 'model.layers.2.linear_attn.dt_bias' (expected shape [4])"));
+  CHECK(e_missing == error_of([&] { load_weights(cfg, missing); }));
+  CHECK(sent == std::vector<std::pair<K, int>>{{K::Embed, -1}, {K::FinalNorm, -1}, {K::LmHead, -1}, {K::Layer, 0},
+                                               {K::Layer, 1}});
+
+  // Mis-shaped tensor.
+  const fs::path shaped = scratch("stream_misshaped");
+  rewrite(src, shaped, [](TensorCopy t) {
+    if (t.name == "model.layers.1.self_attn.k_proj.weight") t.shape = {32, 128};
+    return keep(std::move(t));
+  });
+  sent.clear();
+  const std::string e_shaped = streamed(shaped, sent);
+  CHECK_THAT(e_shaped, Catch::Contains("tensor 'model.layers.1.self_attn.k_proj.weight' has shape [32, 128] (F32), "
+                                       "expected [64, 64]"));
+  CHECK(e_shaped == error_of([&] { load_weights(cfg, shaped); }));
+  CHECK(sent.size() == 4);  // embed, final_norm, lm_head, layer 0
+
+  // Unused tensor: checked at the end, after every part was sent.
+  const fs::path extra = scratch("stream_unexpected");
+  rewrite(src, extra, [](TensorCopy t) -> std::vector<TensorCopy> {
+    if (t.name != "model.layers.1.self_attn.o_proj.weight") return keep(std::move(t));
+    TensorCopy bias{"model.layers.1.self_attn.o_proj.bias", {64}, DType::F32, std::vector<float>(64, 0.0f)};
+    return {std::move(t), std::move(bias)};
+  });
+  sent.clear();
+  const std::string e_extra = streamed(extra, sent);
+  CHECK_THAT(e_extra, Catch::Contains("tensors the config does not use: model.layers.1.self_attn.o_proj.bias"));
+  CHECK(e_extra == error_of([&] { load_weights(cfg, extra); }));
+  CHECK(sent.size() == size_t(3 + cfg.num_hidden_layers));
+
+  // No checkpoint at all, and a config with one layer too many.
+  const fs::path empty = scratch("stream_empty");
+  sent.clear();
+  CHECK(streamed(empty, sent) == error_of([&] { load_weights(cfg, empty); }));
+  CHECK(sent.empty());
+  ModelConfig five = cfg;
+  five.num_hidden_layers = 5;
+  five.layer_types.push_back(LayerType::Linear);
+  const std::string e_five =
+      error_of([&] { load_weights_streaming(five, src, [](WeightsPart&&) {}); });
+  CHECK_THAT(e_five, Catch::Contains("missing tensor 'model.layers.4.input_layernorm.weight'"));
+  CHECK(e_five == error_of([&] { load_weights(five, src); }));
+
+  // An exception from the sink stops the load and propagates unchanged.
+  sent.clear();
+  const std::string e_sink = error_of([&] {
+    load_weights_streaming(cfg, src, [&](WeightsPart&& p) {
+      sent.emplace_back(p.kind, p.layer);
+      if (p.kind == K::Layer && p.layer == 1) throw std::runtime_error("sink full");
+    });
+  });
+  CHECK(e_sink == "sink full");
+  CHECK(sent.size() == 5);
+}
