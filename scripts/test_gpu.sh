@@ -2,9 +2,11 @@
 # Builds and runs the GPU tests (tests/gpu, Catch2) on a host with an NVIDIA GPU. They are not part
 # of the default ctest, which runs on machines without a GPU.
 #
-#   scripts/test_gpu.sh                 configure + build into build-gpu/ (BUILD_DIR overrides), run tests
-#   scripts/test_gpu.sh --bin DIR       run prebuilt binaries from DIR (test_gpu_gated_delta, gdn_bench,
-#                                       libhypic_gdn_capi.so)
+#   scripts/test_gpu.sh                 configure + build into build-gpu/ (BUILD_DIR overrides), run every GPU
+#                                       test (tests/gpu/test_gpu_*: kernels, weights, the CUDA backend against
+#                                       the CPU engine and the HF bf16 fixtures)
+#   scripts/test_gpu.sh --bin DIR       run prebuilt binaries from DIR (the test_gpu_* binaries; with --bench also
+#                                       gdn_bench and libhypic_gdn_capi.so)
 #   ... --bench OUTDIR                  also run bench/gpu/gdn_bench and tools/bench_fla_reference.py
 #                                       (ours and fla interleaved in one process), writing gdn_h200.json /
 #                                       gdn_h200.md and logs into OUTDIR
@@ -33,12 +35,22 @@ done
 if [[ -z "$BIN" ]]; then
   BUILD_DIR=${BUILD_DIR:-build-gpu}
   cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DHYPIC_WITH_CUDA=ON >/dev/null
-  cmake --build "$BUILD_DIR" --target test_gpu_gated_delta gdn_bench hypic_gdn_capi -j "${JOBS:-$(nproc)}"
+  targets=()
+  for src in tests/gpu/test_gpu_*.cpp; do targets+=("$(basename "$src" .cpp)"); done
+  [[ -n "$BENCH_OUT" ]] && targets+=(gdn_bench hypic_gdn_capi)
+  cmake --build "$BUILD_DIR" --target "${targets[@]}" -j "${JOBS:-$(nproc)}"
   BIN="$BUILD_DIR/bin"
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader || true
 status=0
-"$BIN/test_gpu_gated_delta" --durations yes "${CATCH_ARGS[@]}" || status=$?
+found=0
+for t in "$BIN"/test_gpu_*; do
+  [[ -x "$t" ]] || continue
+  found=1
+  echo "== $(basename "$t")"
+  "$t" --durations yes "${CATCH_ARGS[@]}" || status=$?
+done
+((found)) || { echo "test_gpu.sh: no test_gpu_* binaries in $BIN" >&2; exit 2; }
 if [[ -n "$BENCH_OUT" ]]; then
   mkdir -p "$BENCH_OUT"
   "$BIN/gdn_bench" --json "$BENCH_OUT/gdn_ours.json" | tee "$BENCH_OUT/gdn_bench.log" || status=$?

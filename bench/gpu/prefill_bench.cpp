@@ -434,7 +434,7 @@ json measure_parts(const eng::ModelConfig& cfg, const Dims& d, const std::vector
     // FFN: moe_forward once per MoE layer (dense MLP once per dense layer).
     auto ffn = [&] {
       for (int i = 0; i < d.n_moe; ++i)
-        kc::moe_forward(Ti, B.x.as<bf16>(), mv, B.resid.as<float>(), moe_ws, gemm, kc::GroupedGemm::Own, s);
+        kc::moe_forward(Ti, B.x.as<bf16>(), mv, B.resid.as<float>(), moe_ws, gemm, kc::grouped_gemm_for_tokens(Ti), s);
       for (int i = 0; i < d.n_mlp; ++i)
         kc::mlp_forward(Ti, B.x.as<bf16>(), int(H), d.I_dense, mw + o_mgu, mw + o_mdn, B.resid.as<float>(), moe_ws,
                         gemm, s);

@@ -43,7 +43,6 @@ namespace kc = hypic::kernels::cuda;
 constexpr int D = kc::kGdnHeadDim;
 constexpr int kPage = kc::kKvPageTokens;
 constexpr size_t kStateFloats = size_t(D) * D;
-constexpr int kMoeCublasFromTokens = 2048;  // prefill passes of at least this many tokens use cuBLAS's grouped GEMM
 
 std::string mib(size_t bytes) { return std::to_string(bytes >> 20) + " MiB"; }
 
@@ -585,10 +584,7 @@ void CudaBackend::attention_gemms(const DevAttention& A, int T) {
 void CudaBackend::ffn(const DevLayer& L, int T) {
   kc::rms_norm_residual(T, H_, x_, H_, nullptr, L.post_attention_layernorm, eps_, hn_, stream_);
   if (L.is_moe) {
-    // Measured on the H200 at Qwen3.5-35B-A3B sizes (test_gpu_moe [.bench]): cuBLAS's grouped GEMM is ahead from a
-    // few thousand tokens (T=4096 1.23 vs 1.56 ms, T=32768 7.96 vs 8.98 ms); our kernel below that, where it also
-    // needs no host synchronisation (decode steps can be captured in a CUDA graph).
-    const kc::GroupedGemm impl = T >= kMoeCublasFromTokens && !capturing_ ? kc::GroupedGemm::Cublas : kc::GroupedGemm::Own;
+    const kc::GroupedGemm impl = kc::grouped_gemm_for_tokens(T, capturing_);
     kc::moe_forward(T, hn_, moe_view(L), x_, moe_ws_, gemm_, impl, stream_);
   } else {
     kc::mlp_forward(T, hn_, H_, int(cfg_.intermediate_size), L.ffn.gate_up, L.ffn.down, x_, moe_ws_, gemm_, stream_);
