@@ -223,7 +223,10 @@ class CudaBackend final : public Backend {
   void linear_gemms(const DevLinear& L, int T);
   void linear_finish(const DevLinear& L, int T);
   void attention_gemms(const DevAttention& A, int T);
-  void ffn(const DevLayer& L, int T);
+  void attention_mixer(const DevAttention& A, int a, int T, const int* positions, const int* kv_rows,
+                       const kc::AttnGroups& groups, bool decode);
+  /// Post-attention norm and MLP / MoE of T tokens added into the residual; decode: a (capturable) decode step.
+  void ffn(const DevLayer& L, int T, bool decode = false);
   kc::MoeWeightsView moe_view(const DevLayer& L) const;
   void lm_head(int rows, const int* rows_index, std::vector<float>& logits);
   void snapshot_linear(const CudaSequence& s, std::vector<std::vector<float>>& out) const;
@@ -258,7 +261,6 @@ class CudaBackend final : public Backend {
   size_t state_layer_bytes_ = 0, conv_layer_bytes_ = 0, kv_row_ = 0;
   float eps_ = 1e-6f, attn_scale_ = 1.f, gdn_scale_ = 1.f;
   bool renorm_topk_ = true;
-  bool capturing_ = false;  // a decode step is being captured into a CUDA graph
   cudaStream_t stream_ = nullptr;
   DeviceWeights w_;
   kc::GemmRunner gemm_;
@@ -575,16 +577,46 @@ void CudaBackend::linear_finish(const DevLinear& L, int T) {
   gemm_.linear(T, H_, vd_, o_, vd_, L.out_proj, x_, CUDA_R_32F, H_, 1.f, stream_);
 }
 
+kc::AttnGroups attn_groups(int num_groups, const int* q_start, const int* slot0, const int* block_table, int max_pages,
+                           int total_q, int max_q, int max_kv) {
+  kc::AttnGroups g;
+  g.num_groups = num_groups, g.q_start = q_start, g.slot0 = slot0, g.block_table = block_table;
+  g.max_pages = max_pages, g.total_q = total_q, g.max_q = max_q, g.max_kv = max_kv;
+  return g;
+}
+
+// Gated attention layer a over T tokens (HF Qwen3NextAttention): projections, q/k norms and RoPE with K and V written
+// to the pool rows kv_rows (DEVICE [T]) at positions (DEVICE [T]), attention over the groups (prefill, or one query
+// per group in decode), the output gate, o_proj added into the residual stream.
+void CudaBackend::attention_mixer(const DevAttention& A, int a, int T, const int* positions, const int* kv_rows,
+                                  const kc::AttnGroups& groups, bool decode) {
+  attention_gemms(A, T);
+  kc::bf16* kp = k_pool_[a].as<kc::bf16>();
+  kc::bf16* vp = v_pool_[a].as<kc::bf16>();
+  kc::attention_prepare(T, nh_, nkv_, hd_, cfg_.rotary_dim(), cfg_.attn_output_gate, qg_, kv_, kv_ + nkv_ * hd_,
+                        2 * nkv_ * hd_, A.q_norm, A.k_norm, eps_, positions, inv_freq_.as<float>(), kv_rows, aq_, kp, vp,
+                        stream_);
+  const bool gate = cfg_.attn_output_gate;
+  const kc::bf16* g = gate ? qg_ + hd_ : nullptr;
+  const long g_token = gate ? long(2) * nh_ * hd_ : 0;
+  const int g_head = gate ? 2 * hd_ : 0;
+  if (decode)
+    kc::attention_decode(groups, nh_, nkv_, hd_, aq_, kp, vp, attn_scale_, g, g_token, g_head, ao_, attn_ws_, stream_);
+  else
+    kc::attention_prefill(groups, nh_, nkv_, hd_, aq_, kp, vp, attn_scale_, g, g_token, g_head, ao_, attn_ws_, stream_);
+  gemm_.linear(T, H_, nh_ * hd_, ao_, nh_ * hd_, A.o_proj, x_, CUDA_R_32F, H_, 1.f, stream_);
+}
+
 void CudaBackend::attention_gemms(const DevAttention& A, int T) {
   const int qrows = (cfg_.attn_output_gate ? 2 : 1) * nh_ * hd_;
   gemm_.linear(T, qrows, H_, hn_, H_, A.q_proj, qg_, CUDA_R_16BF, qrows, 0.f, stream_);
   gemm_.linear(T, 2 * nkv_ * hd_, H_, hn_, H_, A.kv_proj, kv_, CUDA_R_16BF, 2 * nkv_ * hd_, 0.f, stream_);
 }
 
-void CudaBackend::ffn(const DevLayer& L, int T) {
+void CudaBackend::ffn(const DevLayer& L, int T, bool decode) {
   kc::rms_norm_residual(T, H_, x_, H_, nullptr, L.post_attention_layernorm, eps_, hn_, stream_);
   if (L.is_moe) {
-    const kc::GroupedGemm impl = kc::grouped_gemm_for_tokens(T, capturing_);
+    const kc::GroupedGemm impl = kc::grouped_gemm_for_tokens(T, decode);
     kc::moe_forward(T, hn_, moe_view(L), x_, moe_ws_, gemm_, impl, stream_);
   } else {
     kc::mlp_forward(T, hn_, H_, int(cfg_.intermediate_size), L.ffn.gate_up, L.ffn.down, x_, moe_ws_, gemm_, stream_);
@@ -826,15 +858,8 @@ std::vector<float> CudaBackend::run_pass(CudaSequence& s, const std::vector<Run>
   tb.upload(tables_dev_, stream_);
   check_cuda(cudaMemcpyAsync(d_ids_, tb.dev<int32_t>(t_ids), size_t(T) * 4, cudaMemcpyDeviceToDevice, stream_), "ids");
 
-  kc::AttnGroups groups;
-  groups.num_groups = G;
-  groups.q_start = tb.dev<int>(t_qs);
-  groups.slot0 = tb.dev<int>(t_s0);
-  groups.block_table = tb.dev<int>(t_bt);
-  groups.max_pages = max_pages;
-  groups.total_q = T;
-  groups.max_q = max_q;
-  groups.max_kv = int(top);
+  const kc::AttnGroups groups =
+      attn_groups(G, tb.dev<int>(t_qs), tb.dev<int>(t_s0), tb.dev<int>(t_bt), max_pages, T, max_q, int(top));
   const int import_rows = int(kv_dst.size());
 
   kc::embed_gather(T, H_, d_ids_, w_.embed, x_, stream_);
@@ -869,20 +894,11 @@ std::vector<float> CudaBackend::run_pass(CudaSequence& s, const std::vector<Run>
       linear_finish(L.linear, T);
     } else {
       const int a = cfg_.attention_index(i);
-      attention_gemms(L.attention, T);
-      if (import_rows)
+      if (import_rows)  // the folded entries' K (re-rotated to real positions) and V, before anything attends to them
         kc::kv_import(import_rows, nkv_, hd_, cfg_.rotary_dim(), tb.dev<const kc::bf16*>(t_k[a]),
                       tb.dev<const kc::bf16*>(t_v[a]), tb.dev<int>(t_kd), inv_freq_.as<float>(), tb.dev<int>(t_kdst),
                       k_pool_[a].as<kc::bf16>(), v_pool_[a].as<kc::bf16>(), stream_);
-      kc::attention_prepare(T, nh_, nkv_, hd_, cfg_.rotary_dim(), cfg_.attn_output_gate, qg_, kv_, kv_ + nkv_ * hd_,
-                            2 * nkv_ * hd_, L.attention.q_norm, L.attention.k_norm, eps_, tb.dev<int>(t_pos),
-                            inv_freq_.as<float>(), tb.dev<int>(t_rows), aq_, k_pool_[a].as<kc::bf16>(),
-                            v_pool_[a].as<kc::bf16>(), stream_);
-      const bool gate = cfg_.attn_output_gate;
-      kc::attention_prefill(groups, nh_, nkv_, hd_, aq_, k_pool_[a].as<kc::bf16>(), v_pool_[a].as<kc::bf16>(),
-                            attn_scale_, gate ? qg_ + hd_ : nullptr, gate ? long(2) * nh_ * hd_ : 0, gate ? 2 * hd_ : 0,
-                            ao_, attn_ws_, stream_);
-      gemm_.linear(T, H_, nh_ * hd_, ao_, nh_ * hd_, L.attention.o_proj, x_, CUDA_R_32F, H_, 1.f, stream_);
+      attention_mixer(L.attention, a, T, tb.dev<int>(t_pos), tb.dev<int>(t_rows), groups, false);
     }
     ffn(L, T);
   }
@@ -1206,16 +1222,13 @@ void CudaBackend::decode(std::span<Sequence* const> sequences, std::span<const i
     }
     cudaGraph_t graph = nullptr;
     check_cuda(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal), "decode capture");
-    capturing_ = true;
     try {
       decode_body(B, cap, t);
     } catch (...) {
-      capturing_ = false;
       cudaStreamEndCapture(stream_, &graph);
       if (graph) cudaGraphDestroy(graph);
       throw;
     }
-    capturing_ = false;
     check_cuda(cudaStreamEndCapture(stream_, &graph), "decode capture");
     cudaGraphExec_t exec = nullptr;
     const cudaError_t err = cudaGraphInstantiate(&exec, graph, 0);
@@ -1240,15 +1253,7 @@ void CudaBackend::decode(std::span<Sequence* const> sequences, std::span<const i
 // One decode step of B sequences from the fixed tables (no host work, no allocation: capturable).
 void CudaBackend::decode_body(int B, int cap, const DecodeTables& t) {
   const int* tab = dec_tables_.as<int>();
-  kc::AttnGroups groups;
-  groups.num_groups = B;
-  groups.q_start = tab + t.qs;
-  groups.slot0 = tab + t.pos;
-  groups.block_table = tab + t.bt;
-  groups.max_pages = cap;
-  groups.total_q = B;
-  groups.max_q = 1;
-  groups.max_kv = cap * kPage;
+  const kc::AttnGroups groups = attn_groups(B, tab + t.qs, tab + t.pos, tab + t.bt, cap, B, 1, cap * kPage);
   const int* slots = tab + t.slots;
   kc::embed_gather(B, H_, tab + t.ids, w_.embed, x_, stream_);
   for (int i = 0; i < cfg_.num_hidden_layers; ++i) {
@@ -1263,19 +1268,9 @@ void CudaBackend::decode_body(int B, int cap, const DecodeTables& t) {
                            ssm(l, 0), o_, stream_, slots);
       linear_finish(L.linear, B);
     } else {
-      const int a = cfg_.attention_index(i);
-      attention_gemms(L.attention, B);
-      kc::attention_prepare(B, nh_, nkv_, hd_, cfg_.rotary_dim(), cfg_.attn_output_gate, qg_, kv_, kv_ + nkv_ * hd_,
-                            2 * nkv_ * hd_, L.attention.q_norm, L.attention.k_norm, eps_, tab + t.pos,
-                            inv_freq_.as<float>(), tab + t.rows, aq_, k_pool_[a].as<kc::bf16>(),
-                            v_pool_[a].as<kc::bf16>(), stream_);
-      const bool gate = cfg_.attn_output_gate;
-      kc::attention_decode(groups, nh_, nkv_, hd_, aq_, k_pool_[a].as<kc::bf16>(), v_pool_[a].as<kc::bf16>(),
-                           attn_scale_, gate ? qg_ + hd_ : nullptr, gate ? long(2) * nh_ * hd_ : 0, gate ? 2 * hd_ : 0,
-                           ao_, attn_ws_, stream_);
-      gemm_.linear(B, H_, nh_ * hd_, ao_, nh_ * hd_, L.attention.o_proj, x_, CUDA_R_32F, H_, 1.f, stream_);
+      attention_mixer(L.attention, cfg_.attention_index(i), B, tab + t.pos, tab + t.rows, groups, true);
     }
-    ffn(L, B);
+    ffn(L, B, /*decode=*/true);
   }
   const int V = int(cfg_.vocab_size);
   kc::rms_norm_residual(B, H_, x_, H_, nullptr, w_.final_norm, eps_, hn_, stream_);
@@ -1407,15 +1402,8 @@ void CudaBackend::build_batch(std::span<const std::vector<int32_t>> segs, int w,
                t_sub = tb.add(sub), t_si = tb.add(sub_init), t_sf = tb.add(sub_fin);
   tb.upload(tables_dev_, stream_);
   check_cuda(cudaMemcpyAsync(d_ids_, tb.dev<int32_t>(t_ids), size_t(T) * 4, cudaMemcpyDeviceToDevice, stream_), "ids");
-  kc::AttnGroups groups;
-  groups.num_groups = N;
-  groups.q_start = tb.dev<int>(t_cu);
-  groups.slot0 = tb.dev<int>(t_s0);
-  groups.block_table = tb.dev<int>(t_bt);
-  groups.max_pages = max_pages;
-  groups.total_q = T;
-  groups.max_q = max_q;
-  groups.max_kv = max_kv;
+  const kc::AttnGroups groups =
+      attn_groups(N, tb.dev<int>(t_cu), tb.dev<int>(t_s0), tb.dev<int>(t_bt), max_pages, T, max_q, max_kv);
   const int per_layer_copies = 4 * N;
 
   kc::embed_gather(T, H_, d_ids_, w_.embed, x_, stream_);
@@ -1457,17 +1445,7 @@ void CudaBackend::build_batch(std::span<const std::vector<int32_t>> segs, int w,
       kc::batched_copy(per_layer_copies, tb.dev<kc::CopyDesc>(t_ec) + size_t(l) * per_layer_copies, stream_);
       linear_finish(L.linear, T);
     } else {
-      const int a = cfg_.attention_index(i);
-      attention_gemms(L.attention, T);
-      kc::attention_prepare(T, nh_, nkv_, hd_, cfg_.rotary_dim(), cfg_.attn_output_gate, qg_, kv_, kv_ + nkv_ * hd_,
-                            2 * nkv_ * hd_, L.attention.q_norm, L.attention.k_norm, eps_, tb.dev<int>(t_pos),
-                            inv_freq_.as<float>(), tb.dev<int>(t_rows), aq_, k_pool_[a].as<kc::bf16>(),
-                            v_pool_[a].as<kc::bf16>(), stream_);
-      const bool gate = cfg_.attn_output_gate;
-      kc::attention_prefill(groups, nh_, nkv_, hd_, aq_, k_pool_[a].as<kc::bf16>(), v_pool_[a].as<kc::bf16>(),
-                            attn_scale_, gate ? qg_ + hd_ : nullptr, gate ? long(2) * nh_ * hd_ : 0, gate ? 2 * hd_ : 0,
-                            ao_, attn_ws_, stream_);
-      gemm_.linear(T, H_, nh_ * hd_, ao_, nh_ * hd_, L.attention.o_proj, x_, CUDA_R_32F, H_, 1.f, stream_);
+      attention_mixer(L.attention, cfg_.attention_index(i), T, tb.dev<int>(t_pos), tb.dev<int>(t_rows), groups, false);
     }
     ffn(L, T);
   }

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/fold.cuh"
 #include "kernels/cuda/ops.h"
 
 namespace hypic::kernels::cuda {
@@ -135,24 +136,7 @@ __global__ void __launch_bounds__(256) affine_chain_kernel(int heads, int steps_
         *reinterpret_cast<float4*>(sT + row * kLdT + col) = __ldg(reinterpret_cast<const float4*>(T + row * D + col));
       }
       __syncthreads();
-#pragma unroll 2
-      for (int kk = 0; kk < D; kk += 4) {
-        float4 rr[4];
-#pragma unroll
-        for (int m = 0; m < 4; ++m) rr[m] = *reinterpret_cast<const float4*>(sR + (kk + m) * kLdR + 4 * cg);
-#pragma unroll
-        for (int r = 0; r < RPT; ++r) {
-          const float4 t = *reinterpret_cast<const float4*>(sT + (rg + RG * r) * kLdT + kk);
-          const float tv[4] = {t.x, t.y, t.z, t.w};
-#pragma unroll
-          for (int m = 0; m < 4; ++m) {
-            acc[r][0] = fmaf(tv[m], rr[m].x, acc[r][0]);
-            acc[r][1] = fmaf(tv[m], rr[m].y, acc[r][1]);
-            acc[r][2] = fmaf(tv[m], rr[m].z, acc[r][2]);
-            acc[r][3] = fmaf(tv[m], rr[m].w, acc[r][3]);
-          }
-        }
-      }
+      detail::fold_rows<RPT, RG>(sT, kLdT, sR, kLdR, rg, cg, acc);
     } else {
 #pragma unroll
       for (int r = 0; r < RPT; ++r) {

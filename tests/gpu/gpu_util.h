@@ -126,4 +126,38 @@ inline bool cuda_device_present() {
   return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
 }
 
+/// One CUDA graph captured from `fn` on stream `st` (warm the shapes and workspaces first: a new call shape cannot be
+/// planned during capture; a throw inside fn ends the capture and rethrows); replay() first finishes work on the
+/// legacy default stream (cudaMemset / cudaMemcpy of the test), which a non-blocking stream does not wait for.
+struct CapturedGraph {
+  cudaStream_t st;
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  template <class F>
+  CapturedGraph(cudaStream_t s, F&& fn) : st(s) {
+    check_cuda(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), "begin capture");
+    try {
+      fn();
+    } catch (...) {
+      cudaGraph_t g = nullptr;
+      cudaStreamEndCapture(st, &g);
+      if (g) cudaGraphDestroy(g);
+      throw;
+    }
+    check_cuda(cudaStreamEndCapture(st, &graph), "end capture");
+    check_cuda(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+  }
+  CapturedGraph(const CapturedGraph&) = delete;
+  CapturedGraph& operator=(const CapturedGraph&) = delete;
+  ~CapturedGraph() {
+    if (exec) cudaGraphExecDestroy(exec);
+    if (graph) cudaGraphDestroy(graph);
+  }
+  void replay() {
+    check_cuda(cudaDeviceSynchronize(), "default-stream work before the replay");
+    check_cuda(cudaGraphLaunch(exec, st), "graph launch");
+    check_cuda(cudaStreamSynchronize(st), "graph replay");
+  }
+};
+
 }  // namespace hypic::gputest

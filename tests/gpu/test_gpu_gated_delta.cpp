@@ -47,32 +47,6 @@ void normalise(const float* x, float mul, float* y, bool round_bf16 = false) {
   for (int d = 0; d < D; ++d) y[d] = round_bf16 ? bf16_to_float(float_to_bf16(x[d] * r)) : x[d] * r;
 }
 
-// One CUDA graph captured from `fn` on stream `st` (warm the workspace before: a new call shape
-// cannot be planned during capture); replay() first finishes work on the legacy default stream
-// (cudaMemset / cudaMemcpy of the test), which a non-blocking stream does not wait for.
-struct CapturedGraph {
-  cudaStream_t st;
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  template <class F>
-  CapturedGraph(cudaStream_t s, F&& fn) : st(s) {
-    check_cuda(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), "begin capture");
-    fn();
-    check_cuda(cudaStreamEndCapture(st, &graph), "end capture");
-    check_cuda(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
-  }
-  CapturedGraph(const CapturedGraph&) = delete;
-  CapturedGraph& operator=(const CapturedGraph&) = delete;
-  ~CapturedGraph() {
-    if (exec) cudaGraphExecDestroy(exec);
-    if (graph) cudaGraphDestroy(graph);
-  }
-  void replay() {
-    check_cuda(cudaDeviceSynchronize(), "default-stream work before the replay");
-    check_cuda(cudaGraphLaunch(exec, st), "graph launch");
-    check_cuda(cudaStreamSynchronize(st), "graph replay");
-  }
-};
 
 // GdnPrefillArgs for n sequences (cu: host offsets) with explicit g and beta.
 gpu::GdnPrefillArgs make_args(int n, const int* cu, int hk, int hv, const bf16* q, const bf16* k, const bf16* v,

@@ -90,38 +90,6 @@ Err compare(const float* a, const float* b, size_t n, const float* base = nullpt
   return {md / (mx > 0 ? mx : 1.0), std::sqrt(num / (den > 0 ? den : 1.0))};
 }
 
-// One CUDA graph captured from `fn` on stream `st` (warm the shapes first); replay() first
-// finishes work on the legacy default stream (cudaMemcpy of the test).
-struct CapturedGraph {
-  cudaStream_t st;
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  template <class F>
-  CapturedGraph(cudaStream_t s, F&& fn) : st(s) {
-    check_cuda(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), "begin capture");
-    try {
-      fn();
-    } catch (...) {
-      cudaGraph_t g = nullptr;
-      cudaStreamEndCapture(st, &g);
-      if (g) cudaGraphDestroy(g);
-      throw;
-    }
-    check_cuda(cudaStreamEndCapture(st, &graph), "end capture");
-    check_cuda(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
-  }
-  CapturedGraph(const CapturedGraph&) = delete;
-  CapturedGraph& operator=(const CapturedGraph&) = delete;
-  ~CapturedGraph() {
-    if (exec) cudaGraphExecDestroy(exec);
-    if (graph) cudaGraphDestroy(graph);
-  }
-  void replay() {
-    check_cuda(cudaDeviceSynchronize(), "default-stream work before the replay");
-    check_cuda(cudaGraphLaunch(exec, st), "graph launch");
-    check_cuda(cudaStreamSynchronize(st), "graph replay");
-  }
-};
 
 struct Stream {
   cudaStream_t s = nullptr;
