@@ -48,6 +48,7 @@ struct CombineService::Pending {
   std::vector<Slot> slots;
   size_t filled = 0;
   std::string failure;  // a local build failed: the request cannot complete
+  grpc::StatusCode failure_code = grpc::StatusCode::INTERNAL;  // what the build's error maps to
   std::shared_ptr<std::atomic<bool>> cancel = std::make_shared<std::atomic<bool>>(false);
 
   // Fills a slot; false if it was already filled (a duplicate delivery or a late local build).
@@ -110,6 +111,7 @@ void CombineService::build_locally(const std::shared_ptr<Pending>& p, size_t slo
       {
         std::lock_guard<std::mutex> lock(p->mu);
         p->failure = fmt::format("segment {}: prefill failed: {}", slot, r.error);
+        p->failure_code = rpc::engine_error_code(r.error_kind);
       }
       p->cv.notify_all();
       return;
@@ -283,7 +285,7 @@ grpc::Status CombineService::run_combine(grpc::ServerContext* ctx, const v1::Com
       const auto give_up = Clock::now() + opt_.gather_timeout;
       std::unique_lock<std::mutex> lock(p->mu);
       while (p->filled < p->slots.size()) {
-        if (!p->failure.empty()) throw rpc::RpcError(grpc::StatusCode::INTERNAL, p->failure);
+        if (!p->failure.empty()) throw rpc::RpcError(p->failure_code, p->failure);
         if (ctx->IsCancelled()) throw rpc::RpcError(grpc::StatusCode::CANCELLED, "request cancelled by the router");
         if (Clock::now() > give_up) {
           std::vector<size_t> missing;

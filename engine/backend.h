@@ -128,6 +128,9 @@ struct BackendOptions {
   size_t kv_pool_bytes = 0;
   /// CUDA: the most tokens one forward pass carries (longer prefills run in chunks); sizes the activations.
   int64_t max_batch_tokens = 16384;
+  /// CUDA: the longest segment an entry build takes in one pass (the router's default --max-segment-tokens); the
+  /// activations are sized for max(max_batch_tokens, max_segment_tokens) tokens.
+  int64_t max_segment_tokens = 32768;
   /// CUDA: the most sequences alive at once (each holds one linear-state slot: n_linear * H_v * 64 KiB fp32).
   int max_sequences = 64;
   /// CUDA: replay decode steps as CUDA graphs (captured on a batch shape's second step; same kernels, same bits).
@@ -175,7 +178,9 @@ class Backend {
 
   /// One decode step for a batch of sequences (continuous batching): sequence b consumes tokens[b] at position
   /// sequences[b]->num_tokens() and advances by one. logits becomes [B][V] fp32 (host). The sequences must be
-  /// this backend's and distinct. Throws std::invalid_argument (sizes differ, id out of range).
+  /// this backend's and distinct. Throws std::invalid_argument (sizes differ, id out of range), ResourceExhausted
+  /// (a sequence needs a KV page the pool no longer has); a throw advances no sequence (everything is checked and
+  /// reserved first), so the caller may retry the sequences one by one.
   virtual void decode(std::span<Sequence* const> sequences, std::span<const int32_t> tokens,
                       std::vector<float>& logits) = 0;
 

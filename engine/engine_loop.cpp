@@ -313,7 +313,13 @@ void EngineLoop::run_splice(SpliceTask task) {
   a.sampler = std::move(sampler);
   const size_t vocab = size_t(backend_.config().vocab_size);
   const std::vector<float>& logits = r.output.logits;
-  const int32_t first = a.sampler->sample(std::span<const float>(logits).subspan(logits.size() - vocab, vocab));
+  int32_t first = 0;
+  try {  // a sampler error (e.g. NaN logits) ends this request only
+    first = a.sampler->sample(std::span<const float>(logits).subspan(logits.size() - vocab, vocab));
+  } catch (...) {
+    return fail_gen(GenerateEndReason::Failed, classify_engine_error(std::current_exception()),
+                    "sampling failed: " + message_of(std::current_exception()));
+  }
   if (is_cancelled(a.gen->cancel)) {
     GenerateEnd end;
     end.reason = GenerateEndReason::Cancelled;
@@ -367,22 +373,54 @@ void EngineLoop::decode_step() {
     tokens.push_back(a.next_token);
   }
   std::vector<float> logits;
+  auto fail = [](Active& a, EngineErrorKind kind, const std::string& msg) {
+    GenerateEnd end;
+    end.reason = GenerateEndReason::Failed;
+    end.tokens = a.produced;
+    end.error_kind = kind;
+    end.error = msg;
+    if (a.gen->on_end) a.gen->on_end(end);
+  };
   try {
     backend_.decode(seqs, tokens, logits);
   } catch (...) {
+    // A backend refuses a whole batch before advancing any sequence (engine/backend.h), e.g. when one sequence needs
+    // a KV page the pool no longer has: step each sequence alone so that only the ones that fail end.
     const auto kind = classify_engine_error(std::current_exception());
     const std::string msg = "decode failed: " + message_of(std::current_exception());
-    for (auto& a : active_) {
-      GenerateEnd end;
-      end.reason = GenerateEndReason::Failed;
-      end.tokens = a.produced;
-      end.error_kind = kind;
-      end.error = msg;
-      if (a.gen->on_end) a.gen->on_end(end);
+    if (active_.size() == 1) {
+      fail(active_[0], kind, msg);
+      active_.clear();
+      active_count_ = 0;
+      return;
     }
-    active_.clear();
-    active_count_ = 0;
-    return;
+    const size_t vocab = size_t(backend_.config().vocab_size);
+    logits.assign(active_.size() * vocab, 0.f);
+    std::vector<char> ok(active_.size(), 0);
+    for (size_t b = 0; b < active_.size(); ++b) {
+      Sequence* one[1] = {seqs[b]};
+      std::vector<float> lg;
+      try {
+        backend_.decode(std::span<Sequence* const>(one, 1), std::span<const int32_t>(&tokens[b], 1), lg);
+        std::copy(lg.begin(), lg.end(), logits.begin() + ptrdiff_t(b * vocab));
+        ok[b] = 1;
+      } catch (...) {
+        fail(active_[b], classify_engine_error(std::current_exception()),
+             "decode failed: " + message_of(std::current_exception()));
+      }
+    }
+    std::vector<Active> kept;
+    std::vector<float> kept_logits;
+    for (size_t b = 0; b < active_.size(); ++b)
+      if (ok[b]) {
+        kept.push_back(std::move(active_[b]));
+        kept_logits.insert(kept_logits.end(), logits.begin() + ptrdiff_t(b * vocab),
+                           logits.begin() + ptrdiff_t((b + 1) * vocab));
+      }
+    active_ = std::move(kept);
+    logits = std::move(kept_logits);
+    active_count_ = int(active_.size());
+    if (active_.empty()) return;
   }
   decode_iterations_++;
   decode_steps_ += active_.size();
@@ -391,7 +429,13 @@ void EngineLoop::decode_step() {
   still.reserve(active_.size());
   for (size_t b = 0; b < active_.size(); ++b) {
     Active& a = active_[b];
-    const int32_t tok = a.sampler->sample(std::span<const float>(logits).subspan(b * vocab, vocab));
+    int32_t tok = 0;
+    try {  // a sampler error (e.g. NaN logits) ends this request only
+      tok = a.sampler->sample(std::span<const float>(logits).subspan(b * vocab, vocab));
+    } catch (...) {
+      fail(a, classify_engine_error(std::current_exception()), "sampling failed: " + message_of(std::current_exception()));
+      continue;
+    }
     if (!emit(a, tok)) still.push_back(std::move(a));
   }
   active_ = std::move(still);

@@ -88,7 +88,10 @@ class CudaBackend;
 // conv tail [K-1][C] bf16; per attention layer K and V [n][H_kv][hd] bf16 (K rotated at local positions).
 class CudaEntry final : public ResidentEntry {
  public:
-  CudaEntry(const CudaBackend& b, SegmentEntry header, cudaStream_t stream);
+  CudaEntry(CudaBackend& b, SegmentEntry header, cudaStream_t stream);
+  /// Hands the device memory back to the backend, which frees it on its engine thread (entries are dropped on gRPC
+  /// threads too, where a free on the engine's stream could meet a CUDA-graph capture).
+  ~CudaEntry() override;
   const SegmentEntry& header() const override { return header_; }
   std::shared_ptr<const SegmentEntry> host() const override;
   size_t resident_bytes() const override { return mem_.size(); }
@@ -114,6 +117,7 @@ class CudaEntry final : public ResidentEntry {
     return reinterpret_cast<float*>(mem_.bytes_ptr(l * lin_stride_ + size_t(k) * state_bytes_));
   }
   SegmentEntry header_;
+  CudaBackend* owner_;
   size_t state_bytes_ = 0, conv_bytes_ = 0, lin_stride_ = 0, kv_bytes_ = 0, kv_off_ = 0;
   int device_ = 0;
   DeviceMemory mem_;
@@ -182,8 +186,12 @@ class CudaBackend final : public Backend {
               std::vector<float>& logits) override;
   BackendMemory memory() const override;
 
-  // Used by entries and sequences.
+  // Used by entries and sequences (any thread).
   void release(int slot, const std::vector<int>& pages);
+  void defer_free(DeviceMemory&& m) {
+    std::lock_guard lock(free_mu_);
+    pending_free_.push_back(std::move(m));
+  }
   ModelState download_state(const CudaSequence& s) const;
   size_t sequence_state_bytes() const { return size_t(n_lin_) * (state_layer_bytes_ + conv_layer_bytes_); }
   size_t page_bytes() const { return size_t(n_attn_) * 2 * kPage * kv_row_; }
@@ -266,11 +274,22 @@ class CudaBackend final : public Backend {
   kc::GemmRunner gemm_;
   kc::MoeWorkspace moe_ws_;
   kc::GdnWorkspace ws_a_, ws_c_, ws_seam_, ws_pieces_;
-  kc::AttnDecodeWorkspace attn_ws_;
+  kc::AttnDecodeWorkspace attn_ws_;      // attention split-KV scratch of prefill passes
+  kc::AttnDecodeWorkspace attn_dec_ws_;  // decode steps' own: the CUDA graphs point at it
   // Pools.
   std::vector<DeviceMemory> ssm_pool_, conv_pool_, k_pool_, v_pool_;
   std::vector<int> free_slots_, free_pages_;  // guarded by pool_mu_ (sequences may be released on any thread)
   mutable std::mutex pool_mu_;
+  // Device memory of dropped entries, freed on the engine thread at the next call (drain_frees).
+  std::mutex free_mu_;
+  std::vector<DeviceMemory> pending_free_;
+  void drain_frees() {
+    std::vector<DeviceMemory> drop;
+    {
+      std::lock_guard lock(free_mu_);
+      drop.swap(pending_free_);
+    }
+  }
   int num_pages_ = 0;
   DeviceMemory inv_freq_;
   // Activations for max_batch_tokens tokens.
@@ -300,7 +319,8 @@ class CudaBackend final : public Backend {
 
 // ---- entry / sequence methods ----------------------------------------------------------------------------------
 
-CudaEntry::CudaEntry(const CudaBackend& b, SegmentEntry header, cudaStream_t stream) : header_(std::move(header)) {
+CudaEntry::CudaEntry(CudaBackend& b, SegmentEntry header, cudaStream_t stream)
+    : header_(std::move(header)), owner_(&b) {
   const EntryGeometry& g = b.geometry();
   state_bytes_ = size_t(g.linear_heads) * kStateFloats * sizeof(float);
   conv_bytes_ = size_t(g.conv_rows) * g.conv_dim * 2;
@@ -352,6 +372,8 @@ std::shared_ptr<const SegmentEntry> CudaEntry::host() const {
 }
 
 CudaSequence::~CudaSequence() { b_->release(slot_, pages_); }
+
+CudaEntry::~CudaEntry() { owner_->defer_free(std::move(mem_)); }
 
 size_t CudaSequence::bytes() const { return b_->sequence_state_bytes() + pages_.size() * b_->page_bytes(); }
 
@@ -411,6 +433,7 @@ CudaBackend::~CudaBackend() {
     cudaStreamSynchronize(stream_);
     prefix_lru_.clear();
     graphs_.clear();
+    drain_frees();
     cudaStreamSynchronize(stream_);
     cudaStreamDestroy(stream_);
   }
@@ -446,7 +469,7 @@ void CudaBackend::allocate_pools() {
   }
   for (int s = S - 1; s >= 0; --s) free_slots_.push_back(s);
   // Activations.
-  Tmax_ = opt_.max_batch_tokens;
+  Tmax_ = std::max(opt_.max_batch_tokens, opt_.max_segment_tokens);
   const size_t T = size_t(Tmax_);
   Layout lay;
   const size_t o_ids = lay.add(T * 4), o_x = lay.add(T * H_ * 4), o_hn = lay.add(T * H_ * 2);
@@ -550,7 +573,7 @@ BackendMemory CudaBackend::memory() const {
     m.kv_used = size_t(num_pages_ - int(free_pages_.size())) * page_bytes();
   }
   m.workspace = act_.size() + moe_ws_.bytes() + ws_a_.bytes() + ws_c_.bytes() + ws_seam_.bytes() + ws_pieces_.bytes() +
-                attn_ws_.bytes() + run_scratch_.size() + tables_dev_.size() + logits_dev_.size();
+                attn_ws_.bytes() + attn_dec_ws_.bytes() + run_scratch_.size() + tables_dev_.size() + logits_dev_.size();
   for (const auto& p : prefix_lru_) m.entries_used += p.cp->mem.size();
   return m;
 }
@@ -601,7 +624,8 @@ void CudaBackend::attention_mixer(const DevAttention& A, int a, int T, const int
   const long g_token = gate ? long(2) * nh_ * hd_ : 0;
   const int g_head = gate ? 2 * hd_ : 0;
   if (decode)
-    kc::attention_decode(groups, nh_, nkv_, hd_, aq_, kp, vp, attn_scale_, g, g_token, g_head, ao_, attn_ws_, stream_);
+    kc::attention_decode(groups, nh_, nkv_, hd_, aq_, kp, vp, attn_scale_, g, g_token, g_head, ao_, attn_dec_ws_,
+                         stream_);
   else
     kc::attention_prefill(groups, nh_, nkv_, hd_, aq_, kp, vp, attn_scale_, g, g_token, g_head, ao_, attn_ws_, stream_);
   gemm_.linear(T, H_, nh_ * hd_, ao_, nh_ * hd_, A.o_proj, x_, CUDA_R_32F, H_, 1.f, stream_);
@@ -946,6 +970,8 @@ void CudaBackend::execute(CudaSequence& s, const std::vector<Item>& items_in, bo
     }
     while (true) {
       const int64_t len = int64_t(it.span.ids.size());
+      // The query's logits (all of them with all_logits) come from one pass: start a new one when it would be cut.
+      if (is_last && all_logits && !runs.empty() && len <= Tmax_ && len > Tmax_ - used) flush(false);
       if (!it.folds.empty() && runs.empty()) {  // folds at the start of a pass: into the slot before it
         apply_folds(s, it.folds);
         it.folds.clear();
@@ -1055,6 +1081,7 @@ void CudaBackend::check_entry(const PlanSegment& seg, size_t i, const SplicePlan
 
 SpliceOutput CudaBackend::splice(const SplicePlan& plan) {
   set_device();
+  drain_frees();
   if (plan.segments.empty()) throw std::invalid_argument("splice: the segment list is empty");
   if (plan.query.empty()) throw std::invalid_argument("splice: the query has no tokens");
   if (plan.all_query_logits && int64_t(plan.query.size()) > Tmax_)
@@ -1166,6 +1193,7 @@ SpliceOutput CudaBackend::splice(const SplicePlan& plan) {
 void CudaBackend::decode(std::span<Sequence* const> sequences, std::span<const int32_t> tokens,
                          std::vector<float>& logits) {
   set_device();
+  drain_frees();
   if (sequences.size() != tokens.size())
     throw std::invalid_argument("decode: " + std::to_string(sequences.size()) + " sequences but " +
                                 std::to_string(tokens.size()) + " tokens");
@@ -1211,15 +1239,15 @@ void CudaBackend::decode(std::span<Sequence* const> sequences, std::span<const i
   }
   check_cuda(cudaMemcpyAsync(dec_tables_.as(), host.data(), host.size() * 4, cudaMemcpyHostToDevice, stream_),
              "decode tables");
+  if (n_attn_) {  // sized before any step of this width runs, eager or captured; growing drops the graphs
+    const size_t before = attn_dec_ws_.bytes();
+    attn_dec_ws_.reserve(opt_.max_sequences, nh_, hd_, cap * kPage);
+    if (attn_dec_ws_.bytes() != before) graphs_.clear();
+  }
   const auto key = std::make_pair(B, cap);
   auto it = graphs_.find(key);
   if (it == graphs_.end() && opt_.decode_graphs && warmed_.count(key)) {
     // Second step of this shape: every GEMM plan and workspace exists, so the step can be captured.
-    if (n_attn_) {  // a grown workspace frees the one earlier graphs point at: they go with it
-      const size_t before = attn_ws_.bytes();
-      attn_ws_.reserve(opt_.max_sequences, nh_, hd_, cap * kPage);
-      if (attn_ws_.bytes() != before) graphs_.clear();
-    }
     cudaGraph_t graph = nullptr;
     check_cuda(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal), "decode capture");
     try {
@@ -1282,24 +1310,33 @@ void CudaBackend::decode_body(int B, int cap, const DecodeTables& t) {
 std::vector<std::shared_ptr<const ResidentEntry>> CudaBackend::build_entries(
     std::span<const std::vector<int32_t>> segments, int seam_width) {
   set_device();
+  drain_frees();
   if (seam_width < 0) throw std::invalid_argument("build_entries: seam width must be >= 0, got " + std::to_string(seam_width));
   for (size_t i = 0; i < segments.size(); ++i) {
     if (segments[i].empty()) throw std::invalid_argument("build_entries: segment " + std::to_string(i) + " has no tokens");
     if (int64_t(segments[i].size()) > Tmax_)
       throw ResourceExhausted("build_entries: segment " + std::to_string(i) + " has " +
                               std::to_string(segments[i].size()) + " tokens, above the " + std::to_string(Tmax_) +
-                              "-token forward pass of this worker (--max-batch-tokens)");
+                              "-token forward pass of this worker (the larger of --max-batch-tokens and max_segment_tokens)");
     check_ids(segments[i], "segment " + std::to_string(i));
   }
   std::vector<std::shared_ptr<CudaEntry>> built;
-  // Greedy batches of at most max_batch_tokens tokens and max_sequences segments.
+  // Greedy batches of at most max_batch_tokens tokens, max_sequences segments and the KV pages free now (a batch's
+  // segments hold pages while they are built).
+  auto pages_of = [&](size_t i) { return n_attn_ ? (segments[i].size() + kPage - 1) / kPage : 0; };
   size_t begin = 0;
   while (begin < segments.size()) {
-    size_t end = begin;
+    size_t free_pages = 0;
+    {
+      std::lock_guard lock(pool_mu_);
+      free_pages = free_pages_.size();
+    }
+    size_t end = begin, pages = 0;
     int64_t tok = 0;
-    while (end < segments.size() && tok + int64_t(segments[end].size()) <= Tmax_ &&
-           int(end - begin) < std::max(1, opt_.max_sequences)) {
+    while (end < segments.size() && tok + int64_t(segments[end].size()) <= std::max<int64_t>(opt_.max_batch_tokens, int64_t(segments[begin].size())) &&
+           int(end - begin) < std::max(1, opt_.max_sequences) && (end == begin || pages + pages_of(end) <= free_pages)) {
       tok += int64_t(segments[end].size());
+      pages += pages_of(end);
       ++end;
     }
     build_batch(segments.subspan(begin, end - begin), seam_width, built);
@@ -1478,6 +1515,7 @@ void CudaBackend::build_batch(std::span<const std::vector<int32_t>> segs, int w,
 
 std::shared_ptr<const ResidentEntry> CudaBackend::import_entry(std::shared_ptr<const SegmentEntry> host) {
   set_device();
+  drain_frees();
   if (!host) throw std::invalid_argument("import_entry: null entry");
   host->check_consistent();
   host->check_compatible(fingerprint_, geom_, -1, numerics());

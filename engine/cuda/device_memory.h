@@ -6,6 +6,7 @@
 #include <string>
 #include <utility>
 
+#include "engine/backend.h"
 #include "kernels/cuda/cuda_check.h"
 
 namespace hypic::engine::cuda {
@@ -14,7 +15,8 @@ using kernels::cuda::check_cuda;
 
 /// One device allocation of `bytes` bytes. Long-lived pools use cudaMalloc; with a stream, the allocation is
 /// stream-ordered (cudaMallocAsync / cudaFreeAsync on that stream: entries and checkpoints, made and dropped
-/// while the engine runs). Move-only. Throws std::runtime_error naming `what` when the allocation fails.
+/// while the engine runs). Move-only. Throws ResourceExhausted (engine/backend.h) naming `what`, the bytes and the
+/// device's free memory when the device is out of memory, std::runtime_error for other CUDA errors.
 class DeviceMemory {
  public:
   DeviceMemory() = default;
@@ -22,10 +24,18 @@ class DeviceMemory {
       : bytes_(bytes), stream_(stream), ordered_(stream_ordered) {
     if (!bytes) return;
     check_cuda(cudaGetDevice(&device_), "cudaGetDevice");
-    if (ordered_)
-      check_cuda(cudaMallocAsync(&p_, bytes, stream), "cudaMallocAsync(" + std::to_string(bytes) + " bytes) for " + what);
-    else
-      check_cuda(cudaMalloc(&p_, bytes), "cudaMalloc(" + std::to_string(bytes) + " bytes) for " + what);
+    const cudaError_t err = ordered_ ? cudaMallocAsync(&p_, bytes, stream) : cudaMalloc(&p_, bytes);
+    if (err == cudaErrorMemoryAllocation) {
+      cudaGetLastError();  // clear it: an allocation failure leaves the context usable
+      p_ = nullptr;
+      size_t free = 0, total = 0;
+      cudaMemGetInfo(&free, &total);
+      throw ResourceExhausted("device memory exhausted on cuda:" + std::to_string(device_) + ": " + what + " needs " +
+                              std::to_string(bytes) + " bytes, " + std::to_string(free) + " of " +
+                              std::to_string(total) + " free");
+    }
+    check_cuda(err, std::string(ordered_ ? "cudaMallocAsync(" : "cudaMalloc(") + std::to_string(bytes) +
+                        " bytes) for " + what);
   }
   DeviceMemory(const DeviceMemory&) = delete;
   DeviceMemory& operator=(const DeviceMemory&) = delete;

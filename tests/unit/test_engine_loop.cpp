@@ -9,6 +9,8 @@
 #include <map>
 #include <mutex>
 #include <random>
+#include <set>
+#include <cmath>
 
 #include "engine/backend.h"
 #include "engine/cpu_backend.h"
@@ -470,4 +472,84 @@ TEST_CASE("the CPU backend's threads change nothing in the results", "[backend]"
   CHECK(la == lb);
   CHECK_THROWS_WITH(CpuBackend(Model::load(kFixture), BackendOptions{.cpu_threads = 0}),
                     Catch::Contains("cpu_threads must be >= 1"));
+}
+
+namespace {
+
+// Delegates to the CPU backend but injects faults: a decode batch holding a "poisoned" sequence is refused with
+// ResourceExhausted before any sequence advances (as the CUDA backend refuses a batch when one sequence needs a KV
+// page the pool no longer has), and a "NaN" sequence gets NaN logits from its decode steps. Sequences are marked by
+// the first token of their query.
+class FaultyBackend final : public Backend {
+ public:
+  explicit FaultyBackend(CpuBackend& inner) : inner_(inner) {}
+  static constexpr int32_t kPoison = 1, kNan = 2;
+  const ModelConfig& config() const override { return inner_.config(); }
+  DeviceSpec device() const override { return inner_.device(); }
+  std::string_view numerics() const override { return inner_.numerics(); }
+  const std::string& fingerprint() const override { return inner_.fingerprint(); }
+  std::vector<std::shared_ptr<const ResidentEntry>> build_entries(std::span<const std::vector<int32_t>> s,
+                                                                  int w) override {
+    return inner_.build_entries(s, w);
+  }
+  std::shared_ptr<const ResidentEntry> import_entry(std::shared_ptr<const SegmentEntry> e) override {
+    return inner_.import_entry(std::move(e));
+  }
+  SpliceOutput splice(const SplicePlan& plan) override {
+    SpliceOutput out = inner_.splice(plan);
+    std::lock_guard<std::mutex> lock(mu_);
+    if (plan.query[0] == kPoison) poison_.insert(out.sequence.get());
+    if (plan.query[0] == kNan) nan_.insert(out.sequence.get());
+    return out;
+  }
+  void decode(std::span<Sequence* const> seqs, std::span<const int32_t> tokens, std::vector<float>& logits) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (Sequence* s : seqs)
+      if (poison_.count(s)) throw ResourceExhausted("KV pool exhausted (injected by the test)");
+    inner_.decode(seqs, tokens, logits);
+    const size_t V = size_t(config().vocab_size);
+    for (size_t b = 0; b < seqs.size(); ++b)
+      if (nan_.count(seqs[b])) std::fill(logits.begin() + ptrdiff_t(b * V), logits.begin() + ptrdiff_t((b + 1) * V), NAN);
+  }
+  BackendMemory memory() const override { return inner_.memory(); }
+
+ private:
+  CpuBackend& inner_;
+  std::mutex mu_;
+  std::set<const Sequence*> poison_, nan_;
+};
+
+}  // namespace
+
+TEST_CASE("a decode failure or NaN logits end only the request concerned; the others finish and the loop serves on",
+          "[engine_loop]") {
+  CpuBackend& b = fixture_backend();
+  FaultyBackend faulty(b);
+  EngineLoop loop(faulty);
+  const int w = 4, max_tokens = 6;
+  SamplingConfig greedy;
+  Prompt good = make_prompt(b, 71, 2, w), poisoned = make_prompt(b, 72, 2, w), nan = make_prompt(b, 73, 2, w);
+  poisoned.query[0] = FaultyBackend::kPoison;
+  nan.query[0] = FaultyBackend::kNan;
+  good.query[0] = 3;
+  Stream s_good, s_poison, s_nan;
+  loop.submit_generate(s_good.job(splice_job(good, SpliceMode::Hypic, w), greedy, max_tokens));
+  loop.submit_generate(s_poison.job(splice_job(poisoned, SpliceMode::Hypic, w), greedy, max_tokens));
+  loop.submit_generate(s_nan.job(splice_job(nan, SpliceMode::Hypic, w), greedy, max_tokens));
+  s_good.wait();
+  s_poison.wait();
+  s_nan.wait();
+  CHECK(s_good.end.reason == GenerateEndReason::Length);
+  CHECK(s_good.tokens == reference_tokens(b, good, SpliceMode::Hypic, w, greedy, max_tokens));
+  CHECK(s_poison.end.reason == GenerateEndReason::Failed);
+  CHECK(s_poison.end.error_kind == EngineErrorKind::ResourceExhausted);
+  CHECK_THAT(s_poison.end.error, Catch::Contains("KV pool exhausted"));
+  CHECK(s_poison.tokens.size() == 1);  // the first token comes from the splice
+  CHECK(s_nan.end.reason == GenerateEndReason::Failed);
+  CHECK_THAT(s_nan.end.error, Catch::Contains("sampling failed") && Catch::Contains("NaN"));
+  // The loop keeps serving.
+  Stream s_after;
+  loop.submit_generate(s_after.job(splice_job(good, SpliceMode::Hypic, w), greedy, max_tokens));
+  s_after.wait();
+  CHECK(s_after.tokens == s_good.tokens);
 }
