@@ -76,56 +76,111 @@ SegmentDigest chain_digest(const SegmentDigest& prev, std::span<const int32_t> i
 
 // ---- entries -------------------------------------------------------------------------------------------
 
-SegmentEntry build_segment_entry(const Model& model, std::span<const int32_t> ids, int seam_width) {
-  if (ids.empty()) throw std::invalid_argument("build_segment_entry: the segment has no tokens");
-  if (seam_width < 0) throw std::invalid_argument("build_segment_entry: seam width must be >= 0, got " +
-                                                  std::to_string(seam_width));
+namespace {
+
+// build_segment_entry and build_segment_entries: one standalone prefill cut at every requested seam.
+std::vector<SegmentEntry> build_entries(const Model& model, std::span<const int32_t> ids, std::span<const int> widths,
+                                        const std::string& who) {
+  if (ids.empty()) throw std::invalid_argument(who + ": the segment has no tokens");
+  for (int w : widths)
+    if (w < 0) throw std::invalid_argument(who + ": seam width must be >= 0, got " + std::to_string(w));
+  if (widths.empty()) return {};
   const ModelConfig& cfg = model.config();
-  SegmentEntry e;
-  e.numerics = backend_numerics(BackendKind::Cpu);  // this file is the CPU backend's forward pass
-  e.model_fingerprint = model_fingerprint(cfg, e.numerics);
-  e.seam_width = seam_width;
-  e.token_ids.assign(ids.begin(), ids.end());
-  e.geometry = EntryGeometry::of(cfg);
-  const EntryGeometry& g = e.geometry;
-  const int n = e.num_tokens(), s = e.seam_tokens();
+  const EntryGeometry g = EntryGeometry::of(cfg);
+  const int n = static_cast<int>(ids.size());
+
+  // Span bounds: 0, the distinct seams min(w, n), n; span j is [bounds[j], bounds[j + 1]).
+  std::vector<int> bounds = {0, n};
+  for (int w : widths) bounds.push_back(std::min(w, n));
+  std::sort(bounds.begin(), bounds.end());
+  bounds.erase(std::unique(bounds.begin(), bounds.end()), bounds.end());
+  const size_t spans = bounds.size() - 1;
+  auto bound_index = [&](int w) {
+    return static_cast<size_t>(std::lower_bound(bounds.begin(), bounds.end(), std::min(w, n)) - bounds.begin());
+  };
+  size_t lo = spans, hi = 0;  // the bounds some w needs
+  for (int w : widths) lo = std::min(lo, bound_index(w)), hi = std::max(hi, bound_index(w));
 
   ModelState st = model.initial_state();
-  e.linear.resize(g.num_linear);
   PrefillOptions opt;
   opt.capture_transitions = true;
   opt.skip_logits = true;
-  for (auto& l : e.linear) {
-    l.seam_transition = TransitionOperator::identity(TransitionKind::Dense, g.linear_heads, g.d_k);
-    l.interior_transition = l.seam_transition;
-  }
-  if (s > 0) {
-    PrefillResult r = model.prefill(st, ids.subspan(0, s), 0, opt);
+  std::vector<std::vector<std::vector<float>>> states(bounds.size());  // [bound][linear layer] S after the bound
+  std::vector<std::vector<TransitionOperator>> span_t(spans);          // [span][linear layer]
+  auto snapshot = [&](size_t b) {
+    for (const auto& l : st.linear) states[b].push_back(l.ssm);
+  };
+  snapshot(0);
+  for (size_t j = 0; j < spans; ++j) {
+    const int from = bounds[j], count = bounds[j + 1] - bounds[j];
+    PrefillResult r = model.prefill(st, ids.subspan(from, count), from, opt);
     for (int l = 0; l < g.num_linear; ++l)
-      e.linear[l].seam_transition = TransitionOperator::dense(g.linear_heads, g.d_k, std::move(r.transitions[l]));
+      span_t[j].push_back(TransitionOperator::dense(g.linear_heads, g.d_k, std::move(r.transitions[l])));
+    snapshot(j + 1);
   }
-  for (int l = 0; l < g.num_linear; ++l) e.linear[l].seam_state = st.linear[l].ssm;
-  if (n > s) {
-    PrefillResult r = model.prefill(st, ids.subspan(s), s, opt);
+
+  // before[b] = product of the spans before bound b, after[b] = of the spans from b on (identity when empty); a
+  // single span's operator is used as it is, so one width gives exactly the two-span entry.
+  std::vector<std::vector<TransitionOperator>> before(bounds.size()), after(bounds.size());
+  const TransitionOperator identity = TransitionOperator::identity(TransitionKind::Dense, g.linear_heads, g.d_k);
+  for (int l = 0; l < g.num_linear; ++l) {
+    for (size_t b = 0; b <= hi; ++b)
+      before[b].push_back(b == 0 ? identity : b == 1 ? span_t[0][l] : before[b - 1][l].then(span_t[b - 1][l]));
+    for (size_t b = spans + 1; b-- > lo;)
+      after[b].push_back(b == spans ? identity : b + 1 == spans ? span_t[b][l] : span_t[b][l].then(after[b + 1][l]));
+  }
+  span_t.clear();
+
+  SegmentEntry proto;
+  proto.numerics = backend_numerics(BackendKind::Cpu);  // this file is the CPU backend's forward pass
+  proto.model_fingerprint = model_fingerprint(cfg, proto.numerics);
+  proto.token_ids.assign(ids.begin(), ids.end());
+  proto.geometry = g;
+  proto.linear.resize(g.num_linear);
+  for (int l = 0; l < g.num_linear; ++l) proto.linear[l].conv_tail = st.linear[l].conv;
+  proto.attention.resize(g.num_attention);
+  for (int a = 0; a < g.num_attention; ++a) {
+    proto.attention[a].k = std::move(st.attention[a].k);
+    proto.attention[a].v = std::move(st.attention[a].v);
+  }
+  std::vector<SegmentEntry> out;
+  out.reserve(widths.size());
+  for (size_t i = 0; i < widths.size(); ++i) {
+    SegmentEntry e;
+    if (i + 1 == widths.size()) e = std::move(proto);  // the last one takes the shared tensors
+    else e = proto;
+    e.seam_width = widths[i];
+    const size_t b = bound_index(widths[i]);
     for (int l = 0; l < g.num_linear; ++l) {
       LinearLayerEntry& le = e.linear[l];
-      le.interior_transition = TransitionOperator::dense(g.linear_heads, g.d_k, std::move(r.transitions[l]));
-      std::vector<float> carried = le.seam_state;  // T_int S(seam|0)
-      le.interior_transition.apply(carried, g.d_v);
-      le.interior_state = st.linear[l].ssm;
-      for (size_t i = 0; i < carried.size(); ++i) le.interior_state[i] -= carried[i];
+      le.seam_transition = before[b][l];
+      le.seam_state = states[b][l];
+      le.interior_transition = after[b][l];
+      if (b < spans) {  // S(interior|0) = S_end - T_int S(seam|0)
+        std::vector<float> carried = le.seam_state;
+        le.interior_transition.apply(carried, g.d_v);
+        le.interior_state = st.linear[l].ssm;
+        for (size_t k = 0; k < carried.size(); ++k) le.interior_state[k] -= carried[k];
+      } else {
+        le.interior_state.assign(le.seam_state.size(), 0.0f);
+      }
     }
-  } else {
-    for (auto& l : e.linear) l.interior_state.assign(l.seam_state.size(), 0.0f);
+    e.check_consistent();
+    out.push_back(std::move(e));
   }
-  for (int l = 0; l < g.num_linear; ++l) e.linear[l].conv_tail = st.linear[l].conv;
-  e.attention.resize(g.num_attention);
-  for (int a = 0; a < g.num_attention; ++a) {
-    e.attention[a].k = std::move(st.attention[a].k);
-    e.attention[a].v = std::move(st.attention[a].v);
-  }
-  e.check_consistent();
-  return e;
+  return out;
+}
+
+}  // namespace
+
+SegmentEntry build_segment_entry(const Model& model, std::span<const int32_t> ids, int seam_width) {
+  const int widths[1] = {seam_width};
+  return std::move(build_entries(model, ids, widths, "build_segment_entry").front());
+}
+
+std::vector<SegmentEntry> build_segment_entries(const Model& model, std::span<const int32_t> ids,
+                                                std::span<const int> seam_widths) {
+  return build_entries(model, ids, seam_widths, "build_segment_entries");
 }
 
 // ---- prefix cache --------------------------------------------------------------------------------------

@@ -22,6 +22,24 @@ namespace hypic::engine {
 /// fingerprint (model_fingerprint, engine/backend.h). Throws std::invalid_argument for an empty segment or w < 0.
 SegmentEntry build_segment_entry(const Model& model, std::span<const int32_t> ids, int seam_width);
 
+/// The entries of one segment for several seam widths from ONE standalone prefill at position 0 (what an
+/// evaluation comparing widths needs: one prefill per segment instead of one per width).
+/// Returns one entry per element of `seam_widths`, in the order given (duplicates allowed, each its own copy),
+/// entry i made for w = seam_widths[i]. The prefill runs as consecutive spans cut at the distinct breakpoints
+/// min(w, n) strictly inside (0, n), sorted; after each span it records every linear layer's state and the span's
+/// transition [H_v][d_k][d_k]. For each w, with s = min(w, n): T_seam = product of the spans before s (identity if
+/// none), S(seam|0) = the state at s, T_int = product of the spans after s (identity if none),
+/// S(interior|0) = S_end - T_int S(seam|0) (zeros when n <= w); conv tail and attention K/V (local positions
+/// 0..n-1) come from the end state and are the same for every w.
+/// Cost: one prefill of n tokens (k + 1 spans for k breakpoints) plus at most 2k dense d_k x d_k products per head
+/// and linear layer; memory: the returned entries plus the k + 1 span transitions while building.
+/// With one width it computes exactly what build_segment_entry does (that function calls this one); with several,
+/// each entry equals build_segment_entry(model, ids, w) to fp32 rounding, not bit for bit (the chunked scan's chunk
+/// boundaries fall elsewhere once a span starts at another breakpoint).
+/// Throws std::invalid_argument for an empty segment or a negative w (naming it); an empty `seam_widths` gives {}.
+std::vector<SegmentEntry> build_segment_entries(const Model& model, std::span<const int32_t> ids,
+                                                std::span<const int> seam_widths);
+
 /// How a prompt of segments is assembled (DESIGN.md 3.4).
 enum class SpliceMode {
   Full,        ///< one in-context prefill of the whole prompt, no cache (the quality reference)

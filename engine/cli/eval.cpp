@@ -2,10 +2,15 @@
 // (DESIGN.md 3.4): per linear layer the relative error of the final recurrent state, the KL divergence and
 // top-1 agreement of the next-token distributions over the query positions, the greedy continuation's
 // agreement, and the time spent.
+// With --dataset FILE.jsonl it runs the answer-quality benchmark of engine/quality.h instead: every mode (and
+// hypic at each --seam-widths w) on every prompt of the dataset (or --limit / --shard of it): exact-match
+// accuracy, per kind, flips against full, KL on the answer tokens, state errors, tokens computed and time.
 #include <CLI/CLI.hpp>
+#include <fmt/chrono.h>
 #include <nlohmann/json.hpp>
 
 #include <chrono>
+#include <ctime>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -13,6 +18,8 @@
 #include <sstream>
 
 #include "engine/model.h"
+#include "engine/quality.h"
+#include "engine/sampling.h"
 #include "engine/splice.h"
 #include "engine/tokenizer.h"
 #include "kernels/cpu/blas_env.h"
@@ -53,36 +60,115 @@ std::vector<int32_t> parse_ids(const std::string& text, const std::string& origi
   return ids;
 }
 
-std::vector<double> softmax(const float* logits, size_t V) {
-  double mx = -INFINITY;
-  for (size_t i = 0; i < V; ++i) mx = std::max(mx, double(logits[i]));
-  std::vector<double> p(V);
-  double z = 0;
-  for (size_t i = 0; i < V; ++i) z += p[i] = std::exp(double(logits[i]) - mx);
-  for (auto& x : p) x /= z;
-  return p;
+// "full,prefix,..." -> the modes besides full (full always runs first as the reference).
+std::vector<SpliceMode> parse_modes(const std::string& text) {
+  std::vector<SpliceMode> modes;
+  std::stringstream ss(text);
+  std::string m;
+  while (std::getline(ss, m, ','))
+    if (!m.empty() && parse_splice_mode(m) != SpliceMode::Full) modes.push_back(parse_splice_mode(m));
+  return modes;
 }
 
-size_t argmax(const float* x, size_t V) { return static_cast<size_t>(std::max_element(x, x + V) - x); }
+// --dataset: the answer-quality benchmark (engine/quality.h) over a JSONL dataset.
+struct DatasetRun {
+  std::string model_dir, tokenizer_path, dataset_path, json_out, command, modes_text;
+  std::vector<QualityPrompt> prompts;  ///< the whole dataset
+  QualityOptions options;
+  size_t limit = 0;
+  QualityShard shard;
+  bool as_json = false;
+  double load_seconds = 0;
+};
 
-std::vector<int32_t> greedy(const Model& model, ModelState state, const std::vector<float>& last_logits,
-                            int64_t pos, int n) {
-  std::vector<int32_t> out;
-  const size_t V = last_logits.size();
-  std::vector<float> logits = last_logits;
-  for (int i = 0; i < n; ++i) {
-    const int32_t id = static_cast<int32_t>(argmax(logits.data(), V));
-    out.push_back(id);
-    if (i + 1 < n) logits = model.decode(state, id, pos++);
+void print_quality_table(const QualityReport& report) {
+  std::vector<std::string> kinds;
+  for (const ModeSummary& s : report.summary) {
+    std::string k;
+    for (const auto& [kind, acc] : s.accuracy_by_kind) {
+      char buf[32];
+      std::snprintf(buf, sizeof buf, "%.3f", acc);
+      k += (k.empty() ? "" : " ") + kind + "=" + buf;
+    }
+    kinds.push_back(k.empty() ? "-" : k);
   }
-  return out;
+  size_t kw = 8;
+  for (const auto& k : kinds) kw = std::max(kw, k.size());
+  std::printf("%-11s %8s  %-*s %9s %10s %7s %9s %9s %9s\n", "mode", "accuracy", static_cast<int>(kw), "per kind",
+              "flips-/+", "KL answer", "top1", "computed", "seconds", "max_err");
+  for (size_t m = 0; m < report.summary.size(); ++m) {
+    const ModeSummary& s = report.summary[m];
+    double mx = 0;
+    for (double e : s.mean_state_rel_err) mx = std::max(mx, e);
+    const std::string flips = std::to_string(s.flips_right_to_wrong) + "/" + std::to_string(s.flips_wrong_to_right);
+    std::printf("%-11s %8.3f  %-*s %9s %10.3e %7.3f %9.1f %9.3f %9.2e\n", s.mode.c_str(), s.accuracy,
+                static_cast<int>(kw), kinds[m].c_str(), flips.c_str(), s.mean_kl, s.mean_answer_top1,
+                s.mean_computed_tokens, s.total_seconds, mx);
+  }
+  std::printf("\naccuracy: mean exact match of the greedy answer; flips-/+: prompts full gets right and this mode\n"
+              "wrong / the reverse; KL answer: mean KL(full || mode) over the teacher-forced answer positions; top1:\n"
+              "argmax agreement there; computed: mean tokens run through the model; seconds: total splice time;\n"
+              "max_err: largest mean relative error of a linear layer's state after the last segment vs full.\n");
+}
+
+int run_dataset(const Model& model, const Tokenizer& tok, const DatasetRun& run) {
+  const std::vector<QualityPrompt>& prompts = run.prompts;
+  const std::vector<size_t> indices = select_quality_prompts(prompts.size(), run.limit, run.shard);
+  const std::string shard = std::to_string(run.shard.index) + "/" + std::to_string(run.shard.count);
+  std::fprintf(stderr, "hypic-eval: %zu prompts in %s, evaluating %zu (limit %zu, shard %s)\n", prompts.size(),
+               run.dataset_path.c_str(), indices.size(), run.limit, shard.c_str());
+  const auto t_start = Clock::now();
+  auto t_prev = t_start;
+  const QualityReport report = evaluate_quality(
+      model, tok, prompts, indices, run.options, [&](size_t done, size_t total, const PromptOutcome& p) {
+        const auto now = Clock::now();
+        std::fprintf(stderr, "[%zu/%zu] prompt %zu '%s': %lld tokens, %.2f s, full %s\n", done, total, p.index,
+                     p.id.c_str(), static_cast<long long>(p.prompt_tokens),
+                     std::chrono::duration<double>(now - t_prev).count(),
+                     p.modes.front().exact_match ? "right" : "wrong");
+        t_prev = now;
+      });
+  nlohmann::json out = to_json(report);
+  nlohmann::json& settings = out["settings"];
+  settings["command"] = run.command;
+  settings["modes"] = run.modes_text;
+  settings["prefix_cache_bytes"] = run.options.prefix_cache_bytes;
+  settings["model"] = run.model_dir;
+  settings["tokenizer"] = run.tokenizer_path;
+  settings["dataset"] = run.dataset_path;
+  settings["seam_widths"] = run.options.seam_widths;
+  settings["max_new_tokens"] = run.options.max_new_tokens;
+  settings["limit"] = run.limit;
+  settings["shard"] = shard;
+  out["dataset_prompts"] = prompts.size();
+  out["evaluated_prompts"] = indices.size();
+  out["utc_time"] = fmt::format("{:%Y-%m-%dT%H:%M:%SZ}", fmt::gmtime(std::time(nullptr)));
+  out["load_seconds"] = run.load_seconds;
+  out["total_seconds"] = seconds_since(t_start);
+  const std::string text = out.dump(2, ' ', false, nlohmann::json::error_handler_t::replace);
+  if (!run.json_out.empty()) {
+    std::ofstream f(run.json_out, std::ios::binary);
+    if (!(f << text << "\n")) throw std::runtime_error("cannot write " + run.json_out);
+  }
+  if (run.as_json) {
+    std::cout << text << "\n";
+    return 0;
+  }
+  int64_t tokens = 0;
+  for (const PromptOutcome& p : report.prompts) tokens += p.prompt_tokens;
+  std::printf("hypic-eval --dataset %s: %zu of %zu prompts (shard %s), %lld prompt tokens, at most %d new tokens, "
+              "%.1f s\n", run.dataset_path.c_str(), indices.size(), prompts.size(), shard.c_str(),
+              static_cast<long long>(tokens), run.options.max_new_tokens, out["total_seconds"].get<double>());
+  print_quality_table(report);
+  return 0;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   hypic::kernels::cpu::reexec_with_recommended_blas_core(argv);  // before OpenBLAS is used
-  CLI::App app{"hypic-eval: compare the splice modes (full, prefix, naive, transition, hypic) on one prompt"};
+  CLI::App app{"hypic-eval: compare the splice modes (full, prefix, naive, transition, hypic) on one prompt, or on a "
+               "dataset of prompts with known answers (--dataset)"};
   std::string model_dir, tokenizer_path, query_text, query_ids_text, modes_text = "full,prefix,naive,transition,hypic";
   std::vector<std::string> segment_files, segment_texts, token_files;
   int seam_width = 8, max_new_tokens = 16;
@@ -95,13 +181,46 @@ int main(int argc, char** argv) {
   app.add_option("--query", query_text, "the query text");
   app.add_option("--query-ids", query_ids_text, "the query as token ids, e.g. 1,2,3");
   app.add_option("--seam-width", seam_width, "seam window w in tokens (hypic mode)")->check(CLI::NonNegativeNumber);
-  app.add_option("--max-new-tokens", max_new_tokens, "greedy continuation length compared per mode")
+  app.add_option("--max-new-tokens", max_new_tokens,
+                 "greedy continuation length compared per mode (16; --dataset: the most per answer, 24)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--modes", modes_text, "comma-separated modes; full is always run as the reference");
   app.add_flag("--json", as_json, "print one JSON object instead of tables");
+  DatasetRun run;
+  std::string shard_text = "0/1";
+  auto* dataset_opt = app.add_option("--dataset", run.dataset_path,
+                                     "JSONL of prompts with known answers (engine/quality.h): the quality benchmark "
+                                     "instead of one prompt; needs --tokenizer");
+  std::vector<CLI::Option*> dataset_only = {
+      app.add_option("--seam-widths", run.options.seam_widths,
+                     "--dataset: comma-separated hypic seam widths, one mode hypic_w<w> each (0,2,4,8,16,32)")
+          ->delimiter(',')
+          ->check(CLI::NonNegativeNumber),
+      app.add_option("--limit", run.limit, "--dataset: only the first N prompts (0 = all)"),
+      app.add_option("--shard", shard_text, "--dataset: shard I/N, the prompts with index % N == I"),
+      app.add_option("--json-out", run.json_out, "--dataset: write the report (summary, per-prompt rows, settings)")};
   CLI11_PARSE(app, argc, argv);
+  const bool dataset_mode = dataset_opt->count() > 0;
+  if (!dataset_mode) {
+    for (const CLI::Option* o : dataset_only)
+      if (o->count() > 0) {
+        std::fprintf(stderr, "hypic-eval: error: %s needs --dataset\n", o->get_name().c_str());
+        return 2;
+      }
+  } else if (!segment_files.empty() || !segment_texts.empty() || !token_files.empty() || !query_text.empty() ||
+             !query_ids_text.empty() || app.get_option("--seam-width")->count() > 0) {
+    std::fprintf(stderr, "hypic-eval: error: --dataset takes its segments, queries and seam widths from the dataset "
+                         "(drop --segment-*, --token-file, --query*, --seam-width)\n");
+    return 2;
+  }
 
   try {
+    if (dataset_mode) {  // before the model loads
+      if (tokenizer_path.empty()) throw std::invalid_argument("--dataset needs --tokenizer");
+      run.shard = parse_quality_shard(shard_text);
+      run.options.modes = parse_modes(modes_text);
+      run.prompts = load_quality_dataset(run.dataset_path);
+    }
     const auto t_load = Clock::now();
     const Model model = Model::load(model_dir);
     const double load_seconds = seconds_since(t_load);
@@ -111,6 +230,16 @@ int main(int argc, char** argv) {
       if (!tok) throw std::invalid_argument(std::string(what) + " needs --tokenizer");
       return *tok;
     };
+    if (dataset_mode) {
+      run.model_dir = model_dir;
+      run.tokenizer_path = tokenizer_path;
+      run.modes_text = modes_text;
+      run.options.max_new_tokens = app.get_option("--max-new-tokens")->count() > 0 ? max_new_tokens : 24;
+      run.as_json = as_json;
+      run.load_seconds = load_seconds;
+      for (int i = 0; i < argc; ++i) run.command += (i ? " " : "") + std::string(argv[i]);
+      return run_dataset(model, need_tok("--dataset"), run);
+    }
 
     std::vector<std::vector<int32_t>> segments;
     for (const auto& f : segment_files) segments.push_back(need_tok("--segment-file").encode(read_file(f), false));
@@ -125,12 +254,7 @@ int main(int argc, char** argv) {
     if (query.empty()) throw std::invalid_argument("the query has no tokens: give --query or --query-ids");
 
     std::vector<SpliceMode> modes = {SpliceMode::Full};
-    {
-      std::stringstream ss(modes_text);
-      std::string m;
-      while (std::getline(ss, m, ','))
-        if (!m.empty() && parse_splice_mode(m) != SpliceMode::Full) modes.push_back(parse_splice_mode(m));
-    }
+    for (SpliceMode m : parse_modes(modes_text)) modes.push_back(m);
 
     // Entries: built once, standalone, shared by naive / transition / hypic (as a cache would hold them).
     const auto t_build = Clock::now();
@@ -170,7 +294,7 @@ int main(int argc, char** argv) {
       SpliceResult r = splice(model, req);
       const double secs = seconds_since(t0);
       std::vector<float> last(r.logits.end() - static_cast<long>(V), r.logits.end());
-      std::vector<int32_t> g = greedy(model, r.state, last, r.num_tokens, max_new_tokens);
+      std::vector<int32_t> g = greedy_decode(model, r.state, last, r.num_tokens, max_new_tokens).ids;
       rows.push_back({m, std::move(r), secs, std::move(g)});
     }
 
@@ -187,36 +311,20 @@ int main(int argc, char** argv) {
       nlohmann::json j;
       // state_rel_err: each linear layer's state after the last segment (what splicing produced) vs full's;
       // query_state_rel_err: after the query too (fast-decaying heads forget the difference within the query).
-      auto rel_errs = [](const auto& mine, const auto& theirs) {
-        std::vector<double> errs;
-        for (size_t l = 0; l < mine.size(); ++l) {
-          const std::vector<float>& a = mine[l];
-          const std::vector<float>& b = theirs[l];
-          double num = 0, den = 0;
-          for (size_t i = 0; i < a.size(); ++i) { num += (a[i] - b[i]) * double(a[i] - b[i]); den += double(b[i]) * b[i]; }
-          errs.push_back(std::sqrt(num / std::max(den, 1e-300)));
-        }
-        return errs;
-      };
       auto final_states = [](const SpliceResult& r) {
         std::vector<std::vector<float>> s;
         for (const auto& l : r.state.linear) s.push_back(l.ssm);
         return s;
       };
-      const std::vector<double> errs = rel_errs(row.res.context_states, ref.res.context_states);
-      const std::vector<double> query_errs = rel_errs(final_states(row.res), final_states(ref.res));
+      const std::vector<double> errs = state_rel_errors(row.res.context_states, ref.res.context_states);
+      const std::vector<double> query_errs = state_rel_errors(final_states(row.res), final_states(ref.res));
       double kl = 0;
       int top1 = 0;
       const size_t Tq = query.size();
       for (size_t t = 0; t < Tq; ++t) {
-        const float* lp = ref.res.logits.data() + t * V;
-        const float* lq = row.res.logits.data() + t * V;
-        const auto p = softmax(lp, V), q = softmax(lq, V);
-        double k = 0;
-        for (size_t i = 0; i < V; ++i)
-          if (p[i] > 0) k += p[i] * (std::log(p[i]) - std::log(std::max(q[i], 1e-300)));
-        kl += k;
-        top1 += argmax(lp, V) == argmax(lq, V);
+        const std::span<const float> lp(ref.res.logits.data() + t * V, V), lq(row.res.logits.data() + t * V, V);
+        kl += kl_divergence(lp, lq);
+        top1 += argmax(lp) == argmax(lq);
       }
       int same = 0, prefix_match = 0;
       bool diverged = false;

@@ -334,3 +334,62 @@ TEST_CASE("hypic with seam width 0 equals transition mode", "[splice]") {
   REQUIRE(a.context_states.size() == b.context_states.size());
   for (size_t l = 0; l < a.context_states.size(); ++l) CHECK(rel_l2(a.context_states[l], b.context_states[l]) < 1e-5);
 }
+
+TEST_CASE("build_segment_entries: one prefill for several widths equals build_segment_entry per width", "[splice]") {
+  const std::vector<int> widths = {0, 2, 8, 64, 200, 8};  // 200 > n; a duplicate width gets its own entry
+  for (const char* name : {"qwen3_next_moe", "qwen3_5_dense"}) {
+    DYNAMIC_SECTION(name) {
+      const Model& m = fixture_model(name);
+      const int V = static_cast<int>(m.config().vocab_size);
+      const std::vector<std::vector<int32_t>> segs = {random_ids(150, 51, V), random_ids(150, 52, V)};
+      const auto query = random_ids(5, 53, V);
+      std::vector<std::vector<SegmentEntry>> many;  // [segment][width]
+      for (const auto& ids : segs) many.push_back(build_segment_entries(m, ids, widths));
+      for (size_t i = 0; i < widths.size(); ++i) {
+        const int w = widths[i];
+        INFO("w = " << w);
+        std::vector<SegmentEntry> one;
+        for (const auto& ids : segs) one.push_back(build_segment_entry(m, ids, w));
+        for (size_t s = 0; s < segs.size(); ++s) {
+          const SegmentEntry& a = many[s][i];
+          const SegmentEntry& b = one[s];
+          REQUIRE(a.seam_width == w);
+          CHECK(a.token_ids == b.token_ids);
+          CHECK(a.model_fingerprint == b.model_fingerprint);
+          CHECK(a.numerics == b.numerics);
+          REQUIRE(a.linear.size() == b.linear.size());
+          for (size_t l = 0; l < a.linear.size(); ++l) {
+            INFO("linear layer " << l);
+            CHECK(scaled_diff(a.linear[l].seam_transition.data, b.linear[l].seam_transition.data) < 1e-4);
+            CHECK(scaled_diff(a.linear[l].seam_state, b.linear[l].seam_state) < 1e-4);
+            CHECK(scaled_diff(a.linear[l].interior_transition.data, b.linear[l].interior_transition.data) < 1e-4);
+            CHECK(scaled_diff(a.linear[l].interior_state, b.linear[l].interior_state) < 1e-4);
+            CHECK(scaled_diff(a.linear[l].conv_tail, b.linear[l].conv_tail) < 1e-4);
+          }
+          REQUIRE(a.attention.size() == b.attention.size());
+          for (size_t l = 0; l < a.attention.size(); ++l) {
+            CHECK(scaled_diff(a.attention[l].k, b.attention[l].k) < 1e-4);
+            CHECK(scaled_diff(a.attention[l].v, b.attention[l].v) < 1e-4);
+          }
+        }
+        SpliceRequest req_many, req_one;
+        for (size_t s = 0; s < segs.size(); ++s) {
+          req_many.segments.push_back({segs[s], std::make_shared<const SegmentEntry>(many[s][i])});
+          req_one.segments.push_back({segs[s], std::make_shared<const SegmentEntry>(one[s])});
+        }
+        for (SpliceRequest* r : {&req_many, &req_one}) {
+          r->query = query;
+          r->mode = SpliceMode::Hypic;
+          r->seam_width = w;
+          r->all_query_logits = true;
+        }
+        CHECK(scaled_diff(splice(m, req_many).logits, splice(m, req_one).logits) < 1e-4);
+      }
+    }
+  }
+  const Model& m = fixture_model("qwen3_5_dense");
+  CHECK_THROWS_WITH(build_segment_entries(m, std::vector<int32_t>{}, widths), Catch::Contains("no tokens"));
+  CHECK_THROWS_WITH(build_segment_entries(m, random_ids(10, 54, 256), std::vector<int>{4, -1}),
+                    Catch::Contains("got -1"));
+  CHECK(build_segment_entries(m, random_ids(10, 54, 256), std::vector<int>{}).empty());
+}

@@ -1,0 +1,236 @@
+#!/usr/bin/env python3
+"""The multi-document question-answering task that hypic's trained checkpoints learn (issue 12).
+
+Python 3 standard library only, so the same generator serves the training script (tools/train_task_model.py,
+GPU host), the held-out sets the quality benchmark reads (`hypic-eval --dataset`) and anyone reading the task.
+
+A prompt is a list of documents (each one segment, tokenised on its own, as the router does) followed by
+one question (the query segment); the answer is generated after it and ends with <|endoftext|>.
+
+Documents are registries of made-up people, one fact per line:
+    The code of Kalomir is 4821.                 (code fact)
+    Kalomir reports to Bevasel.                  (link fact: the code of Bevasel is in ANOTHER document)
+    The motto of Kalomir is "river open gold".   (motto fact, three to five words)
+    Kalomir lives in Tamber.                     (filler fact, never asked about)
+Names are two or three syllables from a small set, so near-identical names (Kalomir / Kalomer) are common
+distractors, across documents and within them.
+
+Questions (the query), three kinds:
+    one_hop  "Question: What is the code of Kalomir?\\nAnswer:"                        -> " 4821"
+    two_hop  "Question: What is the code of the person Kalomir reports to?\\nAnswer:"  -> " Bevasel, 7310"
+             (two documents: the link fact, then the code fact of the person it names)
+    recall   "Question: What is the motto of Kalomir?\\nAnswer:"                       -> " river open gold"
+             (recall of a passage, word for word)
+
+Every prompt is fully determined by its random.Random generator, so a seed gives the same prompts on any
+machine with the same Python major version.
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+SYLLABLES = ["ka", "lo", "mir", "ve", "sel", "tor", "bi", "nu", "gar", "fen", "li", "os", "pra", "dun", "zu",
+             "mer", "hal", "dri", "co", "ta", "ri", "sun", "bel", "ar", "ix", "mo", "pe", "qua", "ren", "vi"]
+WORDS = ("river open gold quiet stone bright winter morning silver garden ocean patient honest simple green "
+         "forward steady humble brave north light field clear deep swift warm kind strong free true calm wise "
+         "bold fair grand proud early late high wide long small first last always never every other still "
+         "iron paper glass water fire earth cloud storm shadow mountain valley forest bridge tower harbor "
+         "candle lantern anchor arrow compass journey promise secret answer question reason wonder balance "
+         "harvest season signal market letter window door table chair road path gate wall roof floor "
+         "music voice story memory dream hope trust faith order peace work rest play grow build keep share "
+         "learn teach carry follow lead guard watch listen").split()
+PLACES = ["Tamber", "Osk", "Verrin", "Lume", "Halbrook", "Quenta", "Dorsa", "Pellam", "Ivry", "Marsk",
+          "Ondel", "Brisk", "Calder", "Fenwick", "Zarra", "Ulm", "Tessaly", "Grove", "Norrin", "Ashby"]
+
+KINDS = ("one_hop", "two_hop", "recall")
+DEFAULT_KIND_WEIGHTS = (0.5, 0.25, 0.25)
+
+# Characters per token of this text under the task tokenizer (measured on generated documents with the
+# 2048-token BPE of tools/train_task_model.py); used only when no token counter is given.
+CHARS_PER_TOKEN = 3.3
+
+
+@dataclass
+class Fact:
+    kind: str          # "code" | "link" | "motto" | "lives"
+    subject: str       # the person the fact is about
+    value: str         # the code, the linked person, the motto words, or the place
+
+    def sentence(self) -> str:
+        if self.kind == "code":
+            return f"The code of {self.subject} is {self.value}."
+        if self.kind == "link":
+            return f"{self.subject} reports to {self.value}."
+        if self.kind == "motto":
+            return f'The motto of {self.subject} is "{self.value}".'
+        return f"{self.subject} lives in {self.value}."
+
+
+@dataclass
+class Question:
+    kind: str          # one of KINDS
+    query: str         # the query segment's text
+    answer: str        # the expected completion (leading space included), before <|endoftext|>
+    doc_indices: list[int] = field(default_factory=list)   # documents holding the facts needed
+
+
+@dataclass
+class Prompt:
+    documents: list[str]
+    questions: list[Question]
+
+
+class _Names:
+    """Unique made-up names for one prompt."""
+
+    def __init__(self, rng: random.Random):
+        self.rng = rng
+        self.used: set[str] = set()
+
+    def new(self) -> str:
+        for _ in range(1000):
+            n = 2 if self.rng.random() < 0.3 else 3
+            name = "".join(self.rng.choice(SYLLABLES) for _ in range(n)).capitalize()
+            if name not in self.used:
+                self.used.add(name)
+                return name
+        raise RuntimeError("name space exhausted: too many facts in one prompt")
+
+
+def _query(kind: str, subject: str) -> str:
+    if kind == "one_hop":
+        return f"Question: What is the code of {subject}?\nAnswer:"
+    if kind == "two_hop":
+        return f"Question: What is the code of the person {subject} reports to?\nAnswer:"
+    return f"Question: What is the motto of {subject}?\nAnswer:"
+
+
+def log_uniform_int(rng: random.Random, lo: int, hi: int) -> int:
+    """An integer in [lo, hi], log-uniformly distributed."""
+    if hi <= lo:
+        return lo
+    return min(hi, max(lo, int(math.exp(rng.uniform(math.log(lo), math.log(hi + 1))))))
+
+
+def make_prompt(rng: random.Random, doc_tokens: list[int], num_questions: int,
+                count_tokens: Optional[Callable[[str], int]] = None,
+                kind_weights: tuple[float, float, float] = DEFAULT_KIND_WEIGHTS) -> Prompt:
+    """One prompt: len(doc_tokens) documents, document i filled with facts until it holds about
+    doc_tokens[i] tokens (count_tokens(text) when given, else len(text) / CHARS_PER_TOKEN; a document may end
+    up to one fact line longer, and a document receiving another's linked code fact a line longer still),
+    then up to num_questions questions about distinct people, drawn by kind_weights over KINDS (kinds with no
+    candidate fact are skipped). Needs at least two documents for two_hop questions."""
+    n_docs = len(doc_tokens)
+    if n_docs < 1:
+        raise ValueError("a prompt needs at least one document")
+    names = _Names(rng)
+    count = count_tokens or (lambda s: int(len(s) / CHARS_PER_TOKEN + 0.5))
+    docs: list[list[Fact]] = [[] for _ in range(n_docs)]
+    pending: list[list[Fact]] = [[] for _ in range(n_docs)]   # code facts of linked people, placed later
+    links: list[tuple[int, Fact, int]] = []                    # (doc of the link fact, link fact, doc of the code)
+    used_tokens = [count(f"Registry of {PLACES[0]}\n") for _ in range(n_docs)]
+    for i in range(n_docs):
+        # Facts owed to this document by earlier links go in first, at random positions later on.
+        for f in pending[i]:
+            docs[i].append(f)
+            used_tokens[i] += count(f.sentence() + "\n")
+        while used_tokens[i] < doc_tokens[i]:
+            r = rng.random()
+            if r < 0.45:
+                f = Fact("code", names.new(), str(rng.randint(1000, 9999)))
+            elif r < 0.65 and n_docs > 1:
+                target = rng.choice([j for j in range(n_docs) if j != i])
+                other = names.new()
+                f = Fact("link", names.new(), other)
+                code = Fact("code", other, str(rng.randint(1000, 9999)))
+                if target > i:
+                    pending[target].append(code)
+                else:
+                    docs[target].insert(rng.randint(0, len(docs[target])), code)
+                    used_tokens[target] += count(code.sentence() + "\n")
+                links.append((i, f, target))
+            elif r < 0.85:
+                f = Fact("motto", names.new(), " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 5))))
+            else:
+                f = Fact("lives", names.new(), rng.choice(PLACES))
+            docs[i].append(f)
+            used_tokens[i] += count(f.sentence() + "\n")
+        rng.shuffle(docs[i])
+    texts = [f"Registry of {rng.choice(PLACES)}\n" + "".join(f.sentence() + "\n" for f in d) for d in docs]
+
+    # Questions about distinct people.
+    codes = [(i, f) for i, d in enumerate(docs) for f in d if f.kind == "code"]
+    linked_code = {f.subject for _, f in codes if any(l.value == f.subject for _, l, _ in links)}
+    one_hop = [(i, f) for i, f in codes if f.subject not in linked_code]
+    mottos = [(i, f) for i, d in enumerate(docs) for f in d if f.kind == "motto"]
+    code_of = {f.subject: f.value for _, f in codes}
+    pools = {"one_hop": one_hop, "two_hop": links, "recall": mottos}
+    for p in pools.values():
+        rng.shuffle(p)
+    questions: list[Question] = []
+    asked: set[str] = set()
+    for _ in range(num_questions * 4):
+        if len(questions) >= num_questions:
+            break
+        kinds = [k for k in KINDS if pools[k]]
+        if not kinds:
+            break
+        kind = rng.choices(kinds, weights=[kind_weights[KINDS.index(k)] for k in kinds])[0]
+        item = pools[kind].pop()
+        if kind == "two_hop":
+            i, f, j = item
+            if f.subject in asked or f.value in asked:
+                continue
+            q = Question(kind, _query(kind, f.subject), f" {f.value}, {code_of[f.value]}", [i, j])
+            asked.update((f.subject, f.value))
+        else:
+            i, f = item
+            if f.subject in asked:
+                continue
+            q = Question(kind, _query(kind, f.subject), f" {f.value}", [i])
+            asked.add(f.subject)
+        questions.append(q)
+    return Prompt(texts, questions)
+
+
+def sample_shape(rng: random.Random, docs: tuple[int, int], doc_tokens: tuple[int, int]) -> list[int]:
+    """Document count log-uniform in docs, each document's token target log-uniform in doc_tokens."""
+    n = log_uniform_int(rng, docs[0], docs[1])
+    return [log_uniform_int(rng, doc_tokens[0], doc_tokens[1]) for _ in range(n)]
+
+
+def heldout_record(rng: random.Random, index: int, docs: tuple[int, int], doc_tokens: tuple[int, int],
+                   count_tokens: Callable[[str], int], prefix: str = "q") -> dict:
+    """One held-out prompt for `hypic-eval --dataset` (one JSON line): documents in prompt order (already
+    shuffled: the document holding the answer is anywhere), one question, its answer, the documents it needs,
+    each document's token count under count_tokens, and warm_order: the order of an earlier request with the
+    same documents (a random permutation), which the prefix mode's cache was warmed with.
+    Documents are regenerated until every one has between doc_tokens[0] and doc_tokens[1] tokens."""
+    for _ in range(100):
+        shape = sample_shape(rng, docs, doc_tokens)
+        # fill a little under the target: the last line and linked code facts add a few tokens
+        p = make_prompt(rng, [max(doc_tokens[0], t - 30) for t in shape], 1, count_tokens)
+        toks = [count_tokens(d) for d in p.documents]
+        if p.questions and all(doc_tokens[0] <= t <= doc_tokens[1] for t in toks):
+            break
+    else:
+        raise RuntimeError("could not generate documents within the token range")
+    q = p.questions[0]
+    order = list(range(len(p.documents)))
+    rng.shuffle(order)
+    return {"id": f"{prefix}-{index:05d}", "kind": q.kind, "documents": p.documents, "query": q.query,
+            "answer": q.answer, "answer_documents": q.doc_indices, "doc_tokens": toks, "warm_order": order}
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+    rng = random.Random(int(sys.argv[1]) if len(sys.argv) > 1 else 1)
+    p = make_prompt(rng, [60, 80, 50], 6)
+    for i, d in enumerate(p.documents):
+        print(f"--- document {i}\n{d}")
+    for q in p.questions:
+        print(json.dumps(q.__dict__))
