@@ -482,4 +482,13 @@ void write_random_checkpoint(const ModelConfig& cfg, uint64_t seed, const std::f
   wr.write(dir / "model.safetensors");
 }
 
+std::optional<std::string> random_init_seed(const std::filesystem::path& dir) {
+  const Checkpoint ck = Checkpoint::open(dir);
+  for (const SafetensorsFile& f : ck.files()) {
+    const auto& meta = f.metadata();
+    if (auto it = meta.find("hypic_init_seed"); it != meta.end()) return it->second;
+  }
+  return std::nullopt;
+}
+
 }  // namespace hypic::engine

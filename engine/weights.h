@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -167,6 +168,13 @@ std::vector<CheckpointTensorSpec> hf_checkpoint_layout(const ModelConfig& cfg);
 /// bad dtype or std, std::runtime_error for I/O errors.
 void write_random_checkpoint(const ModelConfig& cfg, uint64_t seed, const std::filesystem::path& dir,
                              DType dtype = DType::BF16, double std = 0.02);
+
+/// The seed of a checkpoint that write_random_checkpoint made (`hypic-model init`): the "hypic_init_seed"
+/// entry of the safetensors __metadata__ of any of its files, or nullopt for every other checkpoint (trained
+/// weights). Such weights are random: text generated from them, and agreement figures measured on them, mean
+/// nothing about a trained model. Reads only the headers. Throws what Checkpoint::open throws (unreadable or
+/// invalid files, no safetensors in `dir`).
+std::optional<std::string> random_init_seed(const std::filesystem::path& dir);
 
 /// Number of parameters the config implies (total, and active per token: embeddings, attention,
 /// norms, router, shared expert, top-k routed experts, LM head; embed counted once when tied).

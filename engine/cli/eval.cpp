@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <optional>
 #include <sstream>
 
 #include "engine/model.h"
@@ -22,6 +23,7 @@
 #include "engine/sampling.h"
 #include "engine/splice.h"
 #include "engine/tokenizer.h"
+#include "engine/weights.h"
 #include "kernels/cpu/blas_env.h"
 
 using namespace hypic::engine;
@@ -79,6 +81,7 @@ struct DatasetRun {
   QualityShard shard;
   bool as_json = false;
   double load_seconds = 0;
+  std::string random_weights_seed;  // non-empty: a hypic-model init checkpoint (random weights)
 };
 
 void print_quality_table(const QualityReport& report) {
@@ -145,6 +148,8 @@ int run_dataset(const Model& model, const Tokenizer& tok, const DatasetRun& run)
   out["utc_time"] = fmt::format("{:%Y-%m-%dT%H:%M:%SZ}", fmt::gmtime(std::time(nullptr)));
   out["load_seconds"] = run.load_seconds;
   out["total_seconds"] = seconds_since(t_start);
+  out["random_weights"] = !run.random_weights_seed.empty();  // hypic-model init checkpoint: figures mean nothing
+  if (!run.random_weights_seed.empty()) out["random_weights_seed"] = run.random_weights_seed;
   const std::string text = out.dump(2, ' ', false, nlohmann::json::error_handler_t::replace);
   if (!run.json_out.empty()) {
     std::ofstream f(run.json_out, std::ios::binary);
@@ -160,6 +165,9 @@ int run_dataset(const Model& model, const Tokenizer& tok, const DatasetRun& run)
               "%.1f s\n", run.dataset_path.c_str(), indices.size(), prompts.size(), shard.c_str(),
               static_cast<long long>(tokens), run.options.max_new_tokens, out["total_seconds"].get<double>());
   print_quality_table(report);
+  if (!run.random_weights_seed.empty())
+    std::printf("RANDOM WEIGHTS (hypic-model init, seed %s): these figures say nothing about answer quality.\n",
+                run.random_weights_seed.c_str());
   return 0;
 }
 
@@ -224,6 +232,12 @@ int main(int argc, char** argv) {
     const auto t_load = Clock::now();
     const Model model = Model::load(model_dir);
     const double load_seconds = seconds_since(t_load);
+    // Random weights (hypic-model init): say so loudly, in the table and the JSON.
+    const std::optional<std::string> random_seed = random_init_seed(model_dir);
+    if (random_seed)
+      std::fprintf(stderr, "hypic-eval: WARNING: %s has RANDOM weights (hypic-model init, seed %s): its text, "
+                   "accuracy and agreement figures say nothing about a trained model's answer quality\n",
+                   model_dir.c_str(), random_seed->c_str());
     std::optional<Tokenizer> tok;
     if (!tokenizer_path.empty()) tok = Tokenizer::load(tokenizer_path);
     auto need_tok = [&](const char* what) -> const Tokenizer& {
@@ -237,6 +251,7 @@ int main(int argc, char** argv) {
       run.options.max_new_tokens = app.get_option("--max-new-tokens")->count() > 0 ? max_new_tokens : 24;
       run.as_json = as_json;
       run.load_seconds = load_seconds;
+      run.random_weights_seed = random_seed.value_or("");
       for (int i = 0; i < argc; ++i) run.command += (i ? " " : "") + std::string(argv[i]);
       return run_dataset(model, need_tok("--dataset"), run);
     }
@@ -307,6 +322,8 @@ int main(int argc, char** argv) {
     out["seam_width"] = seam_width;
     out["load_seconds"] = load_seconds;
     out["entry_build_seconds"] = build_seconds;
+    out["random_weights"] = random_seed.has_value();  // hypic-model init checkpoint: the figures mean nothing
+    if (random_seed) out["random_weights_seed"] = *random_seed;
     for (const Row& row : rows) {
       nlohmann::json j;
       // state_rel_err: each linear layer's state after the last segment (what splicing produced) vs full's;
@@ -371,6 +388,9 @@ int main(int argc, char** argv) {
       for (double e : out["modes"][splice_mode_name(row.mode)]["state_rel_err"]) std::printf("  %8.2e", e);
       std::printf("\n");
     }
+    if (random_seed)
+      std::printf("\nRANDOM WEIGHTS (hypic-model init, seed %s): the generated text and these agreement figures say "
+                  "nothing about a trained model's answer quality.\n", random_seed->c_str());
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "hypic-eval: error: %s\n", e.what());

@@ -22,6 +22,7 @@
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
@@ -125,6 +126,13 @@ int run_info(const std::string& model, int64_t segment_tokens, bool as_json) {
   const int64_t entry = c.num_linear_layers() * per_linear_entry + c.num_attention_layers() * per_attention_entry +
                         segment_tokens * int64_t(sizeof(int32_t));
   const int64_t state_total = c.num_linear_layers() * c.linear_state_bytes();
+  // Weights: none (a config.json), random (hypic-model init) or trained.
+  std::optional<std::string> random_seed;
+  const bool has_weights = std::filesystem::is_directory(model) && has_safetensors(model);
+  if (has_weights) random_seed = random_init_seed(model);
+  const std::string weights = !has_weights ? "none (a config only)"
+                              : random_seed ? "RANDOM (hypic-model init, seed " + *random_seed + ")"
+                                            : "from the checkpoint (not made by hypic-model init)";
   nlohmann::json j = {
       {"model_type", c.model_type},
       {"fingerprint", c.fingerprint()},
@@ -146,7 +154,9 @@ int run_info(const std::string& model, int64_t segment_tokens, bool as_json) {
       {"segment_entry_bytes", entry},
       {"segment_entry_linear_bytes_per_layer", per_linear_entry},
       {"segment_entry_attention_bytes_per_layer", per_attention_entry},
+      {"weights", !has_weights ? "none" : random_seed ? "random" : "checkpoint"},
   };
+  if (random_seed) j["random_weights_seed"] = *random_seed;
   if (as_json) {
     std::cout << j.dump(2) << "\n";
     return 0;
@@ -157,6 +167,7 @@ int run_info(const std::string& model, int64_t segment_tokens, bool as_json) {
             << c.num_attention_layers() << " full attention)\n"
             << "pattern           " << layer_pattern(c) << "   (L linear, F full attention"
             << (layer_pattern(c).find('d') != std::string::npos ? ", d dense MLP in a MoE model" : "") << ")\n"
+            << "weights           " << weights << "\n"
             << "hidden / vocab    " << c.hidden_size << " / " << c.vocab_size << "\n"
             << "parameters        " << n.total << " total, " << n.active_per_token << " active per token\n"
             << "linear state      " << human_bytes(double(c.linear_state_bytes())) << " per layer (S "

@@ -291,6 +291,11 @@ TEST_CASE("write_random_checkpoint: HF layout, deterministic, sensible scales", 
   write_random_checkpoint(cfg, 8, c, DType::F32, 0.02);
   CHECK(weights_identity(a) == weights_identity(b));
   CHECK(weights_identity(a) != weights_identity(c));
+  // Provenance: init checkpoints say they are random; the HF fixtures (trained-like, from save_pretrained) do not.
+  CHECK(random_init_seed(a) == std::optional<std::string>("7"));
+  CHECK(random_init_seed(c) == std::optional<std::string>("8"));
+  CHECK_FALSE(random_init_seed(kFixtures / "qwen3_next_moe").has_value());
+  CHECK_FALSE(random_init_seed(kFixtures / "qwen3_next_moe_released").has_value());  // sharded
   const ModelConfig ca = load_config(a);
   CHECK(ca.fingerprint() == load_config(b).fingerprint());
   CHECK(ca.fingerprint() != load_config(c).fingerprint());
