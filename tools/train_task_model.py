@@ -347,7 +347,30 @@ def cmd_train(args):
     tok = load_tokenizer(args.tokenizer)
     eos_id = tok.token_to_id(EOS)
     cfg, cls = build_config(tf, args.preset, tok.get_vocab_size(), eos_id)
-    model = cls(cfg).cuda()
+    model = cls(cfg)
+    if args.init_from:
+        from safetensors.torch import load_file
+        state = {}
+        src = Path(args.init_from)
+        files = [src / "fp32_weights.safetensors"] if (src / "fp32_weights.safetensors").exists() else \
+            sorted(src.glob("model*.safetensors"))
+        for f in files:
+            state.update(load_file(str(f)))
+        missing, unexpected = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+        missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
+        if missing or unexpected:
+            raise SystemExit(f"--init-from {args.init_from}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        log(f"weights from {args.init_from} ({len(state)} tensors)")
+    model = model.cuda()
+    experts = "none (dense)"
+    if getattr(cfg, "num_experts", 0) and hasattr(model, "set_experts_implementation"):
+        for impl in ([args.experts] if args.experts != "auto" else ["grouped_mm", "eager"]):
+            try:
+                model.set_experts_implementation(impl)
+                experts = impl
+                break
+            except Exception as e:  # not available in this build: try the next
+                log(f"experts implementation {impl!r} refused: {type(e).__name__}: {e}")
     n_params = sum(p.numel() for p in model.parameters())
     gdn = "fla chunk_gated_delta_rule (forward and backward)"
     if not args.fla_backward:
@@ -371,8 +394,12 @@ def cmd_train(args):
         batch_size=None, num_workers=args.workers, pin_memory=True, prefetch_factor=4)
     curve, step, tokens_seen = [], 0, 0
     win_loss, win_acc, win_n = 0.0, 0.0, 0
+    t_wait = t_fwd = t_bwd = 0.0   # seconds waiting for batches, in forward, in backward + optimizer
+    t_mark = time.time()
     for ids, tgt, nxt in loader:
-        elapsed = time.time() - t0
+        t_got = time.time()
+        t_wait += t_got - t_mark
+        elapsed = t_got - t0
         if elapsed >= budget_s or (args.max_steps and step >= args.max_steps):
             break
         frac = elapsed / budget_s
@@ -390,6 +417,9 @@ def cmd_train(args):
         loss = (per_token * weight).sum() / weight.sum()
         logits, y = logits_all[is_answer], nxt[valid][is_answer]
         answer_loss = per_token[is_answer].mean()
+        if args.profile:
+            torch.cuda.synchronize()
+        t_f = time.time()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -398,17 +428,25 @@ def cmd_train(args):
         tokens_seen += ids.numel()
         win_loss += answer_loss.item()
         win_acc += (logits.argmax(-1) == y).float().mean().item()
+        t_mark = time.time()
+        t_fwd += t_f - t_got
+        t_bwd += t_mark - t_f
         win_n += 1
         if step % args.log_every == 0:
             row = {"step": step, "seconds": round(time.time() - t0, 1), "loss": win_loss / win_n,
                    "answer_token_accuracy": win_acc / win_n, "lr": lr, "tokens": tokens_seen,
-                   "batch_shape": list(ids.shape)}
+                   "batch_shape": list(ids.shape), "data_wait_s": round(t_wait, 1),
+                   "forward_s": round(t_fwd, 1), "backward_step_s": round(t_bwd, 1)}
             curve.append(row)
             log(json.dumps(row))
             win_loss, win_acc, win_n = 0.0, 0.0, 0
     wall = time.time() - t0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.save_fp32:  # to continue training elsewhere (--init-from) without bf16 rounding of the weights
+        from safetensors.torch import save_file
+        save_file({k: v.detach().float().contiguous() for k, v in model.state_dict().items()
+                   if not (cfg.tie_word_embeddings and k == "lm_head.weight")}, str(out / "fp32_weights.safetensors"))
     model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
     tok.save(str(out / "tokenizer.json"))
     final = curve[-1] if curve else {}
@@ -418,7 +456,9 @@ def cmd_train(args):
         "seed": args.seed, "steps": step, "wall_seconds": round(wall, 1), "tokens_seen": tokens_seen,
         "final_loss": final.get("loss"), "final_answer_token_accuracy": final.get("answer_token_accuracy"),
         "lr": args.lr, "warmup_steps": args.warmup, "tokens_per_step": args.tokens_per_step,
-        "questions_per_prompt": args.questions, "lm_weight": args.lm_weight, "gated_delta_rule": gdn, "fla": fla_info,
+        "questions_per_prompt": args.questions, "lm_weight": args.lm_weight, "experts": experts,
+        "init_from": args.init_from, "seconds_waiting_for_data": round(t_wait, 1),
+        "seconds_forward": round(t_fwd, 1), "seconds_backward_and_step": round(t_bwd, 1), "gated_delta_rule": gdn, "fla": fla_info,
         "torch": torch.__version__, "transformers": tf.__version__, "device": torch.cuda.get_device_name(),
         "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "curve": curve,
     }
@@ -500,6 +540,13 @@ def main():
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--fla-path")
+    p.add_argument("--init-from", help="start from the weights of a checkpoint directory (its fp32_weights.safetensors "
+                                       "when present, else model*.safetensors)")
+    p.add_argument("--save-fp32", action="store_true", help="also write fp32_weights.safetensors (for --init-from)")
+    p.add_argument("--experts", default="auto", help="MoE experts implementation: auto (grouped_mm, else eager), "
+                                                     "grouped_mm, eager")
+    p.add_argument("--profile", action="store_true", help="synchronise after the forward pass so that forward_s and "
+                                                          "backward_step_s split the GPU time correctly")
     p.add_argument("--fla-backward", action="store_true",
                    help="train through fla's kernels (needs --fla-path; its backward refuses Triton < 3.7.1 on "
                         "Hopper); default: chunked_gated_delta_rule of this script")
