@@ -64,11 +64,14 @@ class Service:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def start(self) -> None:
+    def start(self, same_port: bool = False) -> None:
+        """Starts the process: on a free port (reported through the port file), or with same_port on the port it
+        had before (a restart, so that the services that know its address find it again)."""
         self.port_file.unlink(missing_ok=True)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
-        argv = self.argv + ["--listen", "127.0.0.1:0", "--port-file", str(self.port_file),
+        listen = f"127.0.0.1:{self.port}" if same_port and self.port else "127.0.0.1:0"
+        argv = self.argv + ["--listen", listen, "--port-file", str(self.port_file),
                             "--parent-pid", str(os.getpid())]
         try:
             # Several services share this host: one OpenBLAS thread each unless the user chose otherwise
@@ -219,6 +222,26 @@ class LocalCluster:
         """Sends `sig` to one service (fault injection); it is then expected to be down."""
         self.expected_down.add(name)
         self.services[name].signal_group(sig)
+
+    def restart(self, name: str) -> None:
+        """Starts a service that was killed again, on its old address, and waits until it is SERVING (fault
+        injection: the router and the workers find it again through their health probes). The old process group
+        gets SIGKILL first if anything of it is left. Raises ClusterError if it does not come back in time."""
+        svc = self.services[name]
+        svc.signal_group(signal.SIGKILL)
+        if svc.proc is not None:
+            try:
+                svc.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        svc.start(same_port=True)
+        self._wait_ready([svc])
+        self.expected_down.discard(name)
+
+    def pid(self, name: str) -> int | None:
+        """The process id of a running service (None when it is not running)."""
+        svc = self.services[name]
+        return svc.proc.pid if svc.alive() else None
 
     def wait_exit(self, name: str, timeout: float = 30.0) -> int:
         return self.services[name].proc.wait(timeout=timeout)

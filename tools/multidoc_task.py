@@ -15,11 +15,14 @@ Documents are registries of made-up people, one fact per line:
 Names are two or three syllables from a small set, so near-identical names (Kalomir / Kalomer) are common
 distractors, across documents and within them.
 
-Questions (the query), three kinds:
-    one_hop  "Question: What is the code of Kalomir?\\nAnswer:"                        -> " 4821"
-    two_hop  "Question: What is the code of the person Kalomir reports to?\\nAnswer:"  -> " Bevasel, 7310"
-             (two documents: the link fact, then the code fact of the person it names)
-    recall   "Question: What is the motto of Kalomir?\\nAnswer:"                       -> " river open gold"
+Questions (the query), three kinds; the query ends by restating the fact's opening words, so that the answer
+continues a phrase of a document (the lookup a model learns first, by matching it, "induction"):
+    one_hop  'Question: What is the code of Kalomir?\\nAnswer: The code of Kalomir is'  -> ' 4821'
+    two_hop  'Question: What is the code of the person Kalomir reports to?\\nAnswer: Kalomir reports to'
+             -> ' Bevasel. The code of Bevasel is 7310'
+             (two documents: the link fact, then the code fact of the person it names, which the answer states
+             before the code: the second hop is a lookup of what the model has just written)
+    recall   'Question: What is the motto of Kalomir?\\nAnswer: The motto of Kalomir is "'  -> 'river open gold'
              (recall of a passage, word for word)
 
 Every prompt is fully determined by its random.Random generator, so a seed gives the same prompts on any
@@ -102,10 +105,10 @@ class _Names:
 
 def _query(kind: str, subject: str) -> str:
     if kind == "one_hop":
-        return f"Question: What is the code of {subject}?\nAnswer:"
+        return f"Question: What is the code of {subject}?\nAnswer: The code of {subject} is"
     if kind == "two_hop":
-        return f"Question: What is the code of the person {subject} reports to?\nAnswer:"
-    return f"Question: What is the motto of {subject}?\nAnswer:"
+        return f"Question: What is the code of the person {subject} reports to?\nAnswer: {subject} reports to"
+    return f'Question: What is the motto of {subject}?\nAnswer: The motto of {subject} is "'
 
 
 def log_uniform_int(rng: random.Random, lo: int, hi: int) -> int:
@@ -184,13 +187,14 @@ def make_prompt(rng: random.Random, doc_tokens: list[int], num_questions: int,
             i, f, j = item
             if f.subject in asked or f.value in asked:
                 continue
-            q = Question(kind, _query(kind, f.subject), f" {f.value}, {code_of[f.value]}", [i, j])
+            q = Question(kind, _query(kind, f.subject),
+                         f" {f.value}. The code of {f.value} is {code_of[f.value]}", [i, j])
             asked.update((f.subject, f.value))
         else:
             i, f = item
             if f.subject in asked:
                 continue
-            q = Question(kind, _query(kind, f.subject), f" {f.value}", [i])
+            q = Question(kind, _query(kind, f.subject), f.value if kind == "recall" else f" {f.value}", [i])
             asked.add(f.subject)
         questions.append(q)
     return Prompt(texts, questions)

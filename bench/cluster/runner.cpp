@@ -45,6 +45,7 @@ RequestResult run_request(v1::Router::Stub& stub, const Prompt& prompt, const Re
         r.client_ttft_ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
       }
       r.completion_tokens += uint32_t(resp.delta().token_ids_size());
+      r.token_ids.insert(r.token_ids.end(), resp.delta().token_ids().begin(), resp.delta().token_ids().end());
     } else if (resp.has_report()) {
       r.report = resp.report();
       have_report = true;
@@ -53,6 +54,7 @@ RequestResult run_request(v1::Router::Stub& stub, const Prompt& prompt, const Re
   const grpc::Status st = reader->Finish();
   r.client_e2e_ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
   if (!st.ok()) {
+    r.status_code = int(st.error_code());
     r.error = rpc::describe(st);
     return r;
   }

@@ -36,6 +36,8 @@ struct RequestResult {
   /// or (prefix mode) segments restored from a prefix checkpoint.
   uint32_t reused = 0;
   uint32_t completion_tokens = 0;  ///< token ids received
+  std::vector<int32_t> token_ids;  ///< the token ids received, in order
+  int status_code = 0;             ///< the call's grpc::StatusCode (0 OK; also 0 for the two stream errors above)
 };
 
 /// Sends `prompt` and reads the whole stream. Never throws for RPC failures (they are reported in the
