@@ -19,6 +19,7 @@
 #include <google/protobuf/util/json_util.h>
 #include <nlohmann/json.hpp>
 
+#include "client/input.h"
 #include "hypic/v1/router.grpc.pb.h"
 #include "proto/rpc/reflection_client.h"
 #include "proto/rpc/server.h"
@@ -26,17 +27,10 @@
 #include "segment_cache/client.h"
 
 namespace v1 = hypic::v1;
+using hypic::client::read_file;
 using nlohmann::json;
 
 namespace {
-
-std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw std::runtime_error(fmt::format("cannot read {}", path));
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
 
 void write_file(const std::string& path, std::string_view bytes) {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
@@ -51,36 +45,6 @@ json proto_json(const google::protobuf::Message& m) {
   o.always_print_primitive_fields = true;
   (void)google::protobuf::util::MessageToJsonString(m, &s, o);
   return json::parse(s);
-}
-
-std::vector<int32_t> parse_ids(const std::string& text, const std::string& what) {
-  std::vector<int32_t> ids;
-  std::string item;
-  std::istringstream ss(text);
-  while (std::getline(ss, item, ',')) {
-    if (item.find_first_not_of(" \n\t") == std::string::npos) continue;
-    try {
-      ids.push_back(std::stoi(item));
-    } catch (const std::exception&) {
-      throw std::invalid_argument(fmt::format("{}: \"{}\" is not an integer", what, item));
-    }
-  }
-  return ids;
-}
-
-// Segment from a JSON value: "text", {"text": ...}, {"tokens": [...]} or {"file": path}.
-void segment_from_json(const json& j, v1::Segment* seg, const std::string& what) {
-  if (j.is_string()) {
-    seg->set_text(j.get<std::string>());
-  } else if (j.is_object() && j.contains("text")) {
-    seg->set_text(j.at("text").get<std::string>());
-  } else if (j.is_object() && j.contains("tokens")) {
-    for (const auto& t : j.at("tokens")) seg->mutable_tokens()->add_ids(t.get<int32_t>());
-  } else if (j.is_object() && j.contains("file")) {
-    seg->set_text(read_file(j.at("file").get<std::string>()));
-  } else {
-    throw std::invalid_argument(fmt::format("{}: expected a string or an object with text, tokens or file", what));
-  }
 }
 
 int rpc_failed(const grpc::Status& st, bool as_json) {
@@ -101,6 +65,8 @@ const char* source_name(int s) {
     case v1::SEGMENT_SOURCE_SCATTER: return "scatter";
     case v1::SEGMENT_SOURCE_COMBINE_COMPUTED: return "combine-computed";
     case v1::SEGMENT_SOURCE_IN_CONTEXT: return "in-context";
+    case v1::SEGMENT_SOURCE_SHARED_BUILD: return "shared-build";
+    case v1::SEGMENT_SOURCE_REPEAT: return "repeat";
     default: return "?";
   }
 }
@@ -147,11 +113,12 @@ int main(int argc, char** argv) {
   float temperature = 0.0f, top_p = 1.0f;
   uint64_t seed = 0;
   double timeout_s = 0;
-  bool as_json = false, quiet = false, no_cache_write = false, ignore_eos = false;
+  bool as_json = false, quiet = false, no_cache_write = false, ignore_eos = false, allow_special = false;
   gen->add_option("--router", router, "router host:port")->capture_default_str();
   gen->add_option("--segments-json", segments_json,
-                  "JSON file: an array of segments (\"text\", {\"text\":..}, {\"tokens\":[..]}, {\"file\":path}) or "
-                  "{\"segments\": [...], \"query\": ...}");
+                  "JSON file: an array of segments (\"text\", {\"text\":..}, {\"tokens\":[ids]}, {\"file\":path}; an "
+                  "object may add \"allow_special_tokens\": true) or {\"segments\": [...], \"query\": ...}; token ids "
+                  "must be integers in [0, 2^31)");
   gen->add_option("--segment", seg_texts, "segment text (repeat; after --segments-json ones)");
   gen->add_option("--segment-file", seg_files, "file whose bytes are one segment (repeat; after --segment ones)");
   auto* q_opt = gen->add_option("--query", query, "query text");
@@ -164,6 +131,9 @@ int main(int argc, char** argv) {
   gen->add_option("--stop", stops, "stop string (repeat)");
   gen->add_option("--stop-token-id", stop_ids, "stop token id (repeat)");
   gen->add_flag("--ignore-eos", ignore_eos, "do not stop at the end-of-text tokens");
+  gen->add_flag("--allow-special-tokens", allow_special,
+                "let special-token strings (\"<|im_end|>\"...) in every text segment and the query be special tokens "
+                "(default: tokenised as plain text); for text you built yourself, e.g. a chat template");
   gen->add_option("--mode", mode, "hypic | transition | naive | prefix | full");
   auto* sw_opt = gen->add_option("--seam-width", seam_width, "seam window w (default: the router's)");
   gen->add_flag("--no-cache-write", no_cache_write, "do not store this request's segments in the cache");
@@ -255,7 +225,7 @@ int main(int argc, char** argv) {
           return 0;
         }
         if (*cput) {
-          const auto ids = parse_ids(ids_text, "--token-ids");
+          const auto ids = hypic::client::parse_token_id_list(ids_text, "--token-ids");
           const bool replaced = cache.put(hypic::cache::CacheKey{digest, ids}, read_file(path));
           std::cout << json{{"replaced", replaced}}.dump() << std::endl;
           return 0;
@@ -271,15 +241,17 @@ int main(int argc, char** argv) {
     v1::GenerateRequest req;
     req.set_request_id(request_id);
     if (!segments_json.empty()) {
-      const json j = json::parse(read_file(segments_json));
-      const json& list = j.is_object() ? j.at("segments") : j;
-      for (size_t i = 0; i < list.size(); ++i) segment_from_json(list[i], req.add_segments(), fmt::format("segments[{}]", i));
-      if (j.is_object() && j.contains("query")) segment_from_json(j.at("query"), req.mutable_query(), "query");
+      hypic::client::segments_from_json_text(read_file(segments_json), "--segments-json " + segments_json, &req);
     }
     for (const auto& t : seg_texts) req.add_segments()->set_text(t);
     for (const auto& f : seg_files) req.add_segments()->set_text(read_file(f));
     if (*q_opt) req.mutable_query()->set_text(query);
     if (!query_file.empty()) req.mutable_query()->set_text(read_file(query_file));
+    if (allow_special) {
+      for (auto& seg : *req.mutable_segments())
+        if (seg.has_text()) seg.set_allow_special_tokens(true);
+      if (req.query().has_text()) req.mutable_query()->set_allow_special_tokens(true);
+    }
     auto* s = req.mutable_sampling();
     if (*mt_opt) s->set_max_tokens(max_tokens);
     s->set_temperature(temperature);

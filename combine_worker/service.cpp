@@ -26,6 +26,7 @@ struct Slot {
   rpc::Digest digest{};
   std::vector<int32_t> ids;
   v1::PlannedSegment::Source planned = v1::PlannedSegment::WARM;
+  std::optional<size_t> repeat_of;  // planned REPEAT: filled with that segment's entry
   // Set once, at least one of the two: the host form (delivered, fetched) and/or the form resident on the backend
   // (built here, or a memory-tier hit).
   std::shared_ptr<const engine::SegmentEntry> entry;
@@ -46,15 +47,17 @@ struct CombineService::Pending {
   std::mutex mu;
   std::condition_variable cv;
   std::vector<Slot> slots;
+  std::vector<std::vector<size_t>> repeats;  // per slot, the REPEAT slots that take its entry (immutable)
   size_t filled = 0;
   std::string failure;  // a local build failed: the request cannot complete
   grpc::StatusCode failure_code = grpc::StatusCode::INTERNAL;  // what the build's error maps to
   std::shared_ptr<std::atomic<bool>> cancel = std::make_shared<std::atomic<bool>>(false);
 
-  // Fills a slot; false if it was already filled (a duplicate delivery or a late local build).
+  // Fills a slot, and the slots that repeat it with the same entry; false if it was already filled (a duplicate
+  // delivery or a late local build). `note` is added to the slot's note.
   bool fill(size_t i, std::shared_ptr<const engine::SegmentEntry> entry, v1::SegmentSource source,
             std::string built_by, double compute_ms, uint64_t bytes, std::string device = {},
-            std::shared_ptr<const engine::ResidentEntry> resident = nullptr) {
+            std::shared_ptr<const engine::ResidentEntry> resident = nullptr, const std::string& note = {}) {
     {
       std::lock_guard<std::mutex> lock(mu);
       Slot& s = slots[i];
@@ -66,7 +69,20 @@ struct CombineService::Pending {
       s.entry_bytes = bytes;
       s.device = std::move(device);
       s.resident = std::move(resident);
+      if (!note.empty()) s.note = s.note.empty() ? note : s.note + "; " + note;
       ++filled;
+      for (size_t j : repeats[i]) {
+        Slot& r = slots[j];
+        if (r.has_entry()) continue;
+        r.entry = s.entry;
+        r.resident = s.resident;
+        r.source = v1::SEGMENT_SOURCE_REPEAT;
+        r.built_by = s.built_by;
+        r.device = s.device;
+        r.entry_bytes = s.entry_bytes;
+        r.note = fmt::format("same entry as segment {}", i);
+        ++filled;
+      }
     }
     cv.notify_all();
     return true;
@@ -239,7 +255,19 @@ grpc::Status CombineService::run_combine(grpc::ServerContext* ctx, const v1::Com
         rpc::check_token_ids(s.ids, vocab, field + ".key.token_ids");
       }
       s.planned = ps.source();
+      if (uses_entries && s.planned == v1::PlannedSegment::REPEAT) {
+        const uint32_t k = ps.repeat_of();
+        if (k >= uint32_t(i) || p->slots[k].planned == v1::PlannedSegment::REPEAT || p->slots[k].digest != s.digest ||
+            p->slots[k].ids != s.ids) {
+          throw rpc::invalid_argument(field + ".repeat_of",
+                                      fmt::format("{} is not an earlier, not repeated segment with the same key", k));
+        }
+        s.repeat_of = k;
+      }
     }
+    p->repeats.resize(p->slots.size());
+    for (size_t i = 0; i < p->slots.size(); ++i)
+      if (p->slots[i].repeat_of) p->repeats[*p->slots[i].repeat_of].push_back(i);
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (!active_.emplace(p->id, p).second) {
@@ -438,10 +466,14 @@ grpc::Status CombineService::run_combine(grpc::ServerContext* ctx, const v1::Com
         if (!uses_entries) {
           const bool reused = mode == engine::SpliceMode::Prefix && int(i) < sinfo.prefix_segments_reused;
           sr->set_source(reused ? v1::SEGMENT_SOURCE_COMBINE_MEMORY : v1::SEGMENT_SOURCE_IN_CONTEXT);
+          sr->set_reused(reused);
           if (reused) sr->set_note("restored from a prefix checkpoint");
           continue;
         }
         sr->set_source(s.source);
+        sr->set_reused(s.source == v1::SEGMENT_SOURCE_COMBINE_MEMORY || s.source == v1::SEGMENT_SOURCE_CACHE ||
+                       s.source == v1::SEGMENT_SOURCE_SHARED_BUILD || s.source == v1::SEGMENT_SOURCE_REPEAT);
+        if (s.repeat_of && s.source == v1::SEGMENT_SOURCE_REPEAT) sr->set_repeat_of(uint32_t(*s.repeat_of));
         sr->set_built_by(s.built_by);
         sr->set_compute_ms(s.compute_ms);
         sr->set_entry_bytes(s.entry_bytes);
@@ -492,8 +524,14 @@ grpc::Status CombineService::DeliverEntry(grpc::ServerContext*, grpc::ServerRead
       spdlog::error("[req {}] rejected {}: {}", p->id, what, e.what());
       throw rpc::RpcError(grpc::StatusCode::DATA_LOSS, fmt::format("{} rejected by the engine: {}", what, e.what()));
     }
-        const bool fresh =
-        p->fill(h.index(), entry, v1::SEGMENT_SOURCE_SCATTER, h.built_by(), h.compute_ms(), bytes.size(), h.device());
+    // A build the scatter worker shared with another request is reported as such.
+    const bool shared = !h.shared_from().empty();
+    const bool fresh = p->fill(
+        h.index(), entry, shared ? v1::SEGMENT_SOURCE_SHARED_BUILD : v1::SEGMENT_SOURCE_SCATTER, h.built_by(),
+        h.compute_ms(), bytes.size(), h.device(), nullptr,
+        shared ? fmt::format("shared build: started on {} for request {}, joined by this one", h.built_by(),
+                             h.shared_from())
+               : std::string());
     resp->set_duplicate(!fresh);
     spdlog::debug("[req {}] received {} ({} bytes){}", p->id, what, bytes.size(), fresh ? "" : ", duplicate dropped");
     return grpc::Status::OK;

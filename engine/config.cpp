@@ -3,11 +3,15 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <stdexcept>
+#include <tuple>
+#include <type_traits>
 
 #include "engine/safetensors.h"
 
@@ -27,11 +31,34 @@ std::invalid_argument field_error(std::string_view origin, std::string_view fiel
   return std::invalid_argument(std::string(origin) + ": field '" + std::string(field) + "' " + what);
 }
 
-/// Reads `key` from `obj` as T; absent or null -> `fallback`; wrong JSON type -> invalid_argument.
+/// Whether JSON value `v` converts to T without loss: integral T needs a JSON integer within T's range (nlohmann's
+/// get<int>() of 1e300 or of 2^40 would be undefined or truncate), floating T any number; other T are checked by
+/// get<T>() itself.
+template <typename T>
+bool representable(const json& v) {
+  if constexpr (std::is_same_v<T, bool>) {
+    return true;
+  } else if constexpr (std::is_integral_v<T>) {
+    if (v.is_number_unsigned()) return v.get<uint64_t>() <= uint64_t(std::numeric_limits<T>::max());
+    if (v.is_number_integer()) {
+      const auto i = v.get<int64_t>();
+      return i >= int64_t(std::numeric_limits<T>::min()) && uint64_t(i) <= uint64_t(std::numeric_limits<T>::max());
+    }
+    return !v.is_number();  // a float: refused; a string etc.: get<T>() reports the wrong type
+  } else if constexpr (std::is_same_v<T, std::vector<int>>) {
+    return !v.is_array() || std::all_of(v.begin(), v.end(), [](const json& e) { return representable<int>(e); });
+  } else {
+    return true;
+  }
+}
+
+/// Reads `key` from `obj` as T; absent or null -> `fallback`; wrong JSON type, or a number T cannot hold (a
+/// fraction or an out-of-range value for an integer field) -> invalid_argument.
 template <typename T>
 T get_or(const json& obj, std::string_view origin, const char* key, T fallback) {
   auto it = obj.find(key);
   if (it == obj.end() || it->is_null()) return fallback;
+  if (!representable<T>(*it)) throw field_error(origin, key, "is not an integer in range (value " + it->dump() + ")");
   try {
     return it->get<T>();
   } catch (const json::exception&) {
@@ -48,6 +75,17 @@ T get_required(const json& obj, std::string_view origin, const char* key) {
 
 void require_positive(std::string_view origin, const char* field, int64_t v) {
   if (v <= 0) throw field_error(origin, field, "must be > 0, got " + std::to_string(v));
+}
+
+/// Upper bounds of the sizes (generous: the largest released hybrid models are far below them). They keep every
+/// derived size (state and KV bytes, conv_dim, entry geometry) within int64 / int, and a corrupt config from
+/// allocating or looping without bound (e.g. 2^31 layers).
+constexpr int64_t kMaxLayers = 4096, kMaxHeads = 4096, kMaxHeadDim = 4096, kMaxConvKernel = 1024;
+constexpr int64_t kMaxHidden = int64_t{1} << 20, kMaxIntermediate = int64_t{1} << 24, kMaxExperts = 65536;
+constexpr int64_t kMaxVocab = std::numeric_limits<int32_t>::max();  // token ids are int32
+
+void require_at_most(std::string_view origin, const char* field, int64_t v, int64_t max) {
+  if (v > max) throw field_error(origin, field, std::to_string(v) + " exceeds the supported maximum " + std::to_string(max));
 }
 
 void require_multiple(std::string_view origin, const char* field, int64_t v, const char* of_field, int64_t of) {
@@ -150,6 +188,25 @@ void ModelConfig::validate() const {
   require_positive(origin, "vocab_size", vocab_size);
   require_positive(origin, "hidden_size", hidden_size);
   require_positive(origin, "num_hidden_layers", num_hidden_layers);
+  for (const auto& [field, v, max] : {std::tuple<const char*, int64_t, int64_t>{"vocab_size", vocab_size, kMaxVocab},
+                                      {"hidden_size", hidden_size, kMaxHidden},
+                                      {"num_hidden_layers", num_hidden_layers, kMaxLayers},
+                                      {"num_attention_heads", num_attention_heads, kMaxHeads},
+                                      {"num_key_value_heads", num_key_value_heads, kMaxHeads},
+                                      {"head_dim", head_dim, kMaxHeadDim},
+                                      {"linear_num_key_heads", linear_num_key_heads, kMaxHeads},
+                                      {"linear_num_value_heads", linear_num_value_heads, kMaxHeads},
+                                      {"linear_key_head_dim", linear_key_head_dim, kMaxHeadDim},
+                                      {"linear_value_head_dim", linear_value_head_dim, kMaxHeadDim},
+                                      {"linear_conv_kernel_dim", linear_conv_kernel_dim, kMaxConvKernel},
+                                      {"intermediate_size", intermediate_size, kMaxIntermediate},
+                                      {"num_experts", num_experts, kMaxExperts},
+                                      {"moe_intermediate_size", moe_intermediate_size, kMaxIntermediate},
+                                      {"shared_expert_intermediate_size", shared_expert_intermediate_size,
+                                       kMaxIntermediate}})
+    require_at_most(origin, field, v, max);
+  if (!std::isfinite(rms_norm_eps)) throw field_error(origin, "rms_norm_eps", "must be finite");
+  if (!std::isfinite(rope_theta)) throw field_error(origin, "rope_theta", "must be finite");
   if (static_cast<int>(layer_types.size()) != num_hidden_layers)
     throw field_error(origin, "layer_types",
                       "has " + std::to_string(layer_types.size()) + " entries but num_hidden_layers is " +
@@ -201,7 +258,7 @@ ModelConfig parse_config(std::string_view json_text, std::string_view origin) {
   json root;
   try {
     root = json::parse(json_text);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, and out_of_range for a number too large for a double
     throw std::runtime_error(std::string(origin) + ": not valid JSON: " + e.what());
   }
   if (!root.is_object()) throw std::runtime_error(std::string(origin) + ": top level is not a JSON object");
@@ -232,6 +289,9 @@ ModelConfig parse_config(std::string_view json_text, std::string_view origin) {
   c.vocab_size = get_required<int64_t>(*t, o, "vocab_size");
   c.hidden_size = get_required<int64_t>(*t, o, "hidden_size");
   c.num_hidden_layers = get_required<int>(*t, o, "num_hidden_layers");
+  // Before layer_types is derived from it (a loop of num_hidden_layers steps).
+  require_positive(o, "num_hidden_layers", c.num_hidden_layers);
+  require_at_most(o, "num_hidden_layers", c.num_hidden_layers, kMaxLayers);
   c.rms_norm_eps = get_or<double>(*t, o, "rms_norm_eps", 1e-6);
   c.max_position_embeddings = get_or<int64_t>(*t, o, "max_position_embeddings", 0);
 
@@ -333,7 +393,9 @@ std::string config_to_json(const ModelConfig& c) {
   t["linear_value_head_dim"] = c.linear_value_head_dim;
   t["linear_conv_kernel_dim"] = c.linear_conv_kernel_dim;
   if (c.intermediate_size > 0) t["intermediate_size"] = c.intermediate_size;
-  if (c.num_experts > 0) {
+  // Every type but the dense Qwen3.5 requires the MoE fields, even with num_experts = 0 (a dense qwen3_next): leaving
+  // them out made such a config unreadable by parse_config.
+  if (c.num_experts > 0 || !is_qwen35_dense(c.model_type)) {
     t["num_experts"] = c.num_experts;
     t["num_experts_per_tok"] = c.num_experts_per_tok;
     t["moe_intermediate_size"] = c.moe_intermediate_size;

@@ -85,7 +85,9 @@ struct ModelConfig {
   int64_t kv_bytes_per_token() const;
 
   /// Checks internal consistency (positive sizes, divisibility nv % nk, nh % nkv, layer_types length,
-  /// top-k <= experts, ...); throws std::invalid_argument naming the field and the values.
+  /// top-k <= experts, ...) and bounds (at most 4096 layers, heads and head dims, hidden 2^20, intermediate
+  /// sizes 2^24, 65536 experts, vocabulary 2^31 - 1; finite eps and RoPE theta), which keep derived sizes
+  /// from overflowing; throws std::invalid_argument naming the field and the values.
   void validate() const;
 
   /// Stable 32-hex-digit digest (XXH3-128) of the architecture fields above plus weights_digest:
@@ -101,7 +103,8 @@ struct ModelConfig {
 /// (older files); a rope_type other than "default" is rejected. If `layer_types` is absent it is
 /// derived: layer i is full attention iff (i+1) % full_attention_interval == 0.
 /// Throws std::runtime_error (file unreadable / not JSON) or std::invalid_argument (unknown
-/// model_type, missing or inconsistent field), naming the file and the field.
+/// model_type, missing or inconsistent field, a fraction or out-of-range number in an integer field),
+/// naming the file and the field.
 ModelConfig load_config(const std::filesystem::path& path);
 
 /// Parses a configuration from JSON text; `origin` names the source in error messages.

@@ -50,6 +50,7 @@ void EngineLoop::stop() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
+    stopping_ = true;
   }
   cv_.notify_all();
   if (thread_.joinable()) thread_.join();
@@ -188,9 +189,10 @@ void EngineLoop::run_builds(std::vector<BuildJob> batch) {
   std::vector<size_t> run;  // indices of the jobs still wanted
   for (size_t i = 0; i < batch.size(); ++i) {
     if (is_cancelled(batch[i].cancel)) continue;
-    if (options_.inject_delay.count() > 0) std::this_thread::sleep_for(options_.inject_delay);
-    if (!is_cancelled(batch[i].cancel)) run.push_back(i);
+    run.push_back(i);
   }
+  // TESTING ONLY: the injected delay is part of the run (a cancel from now on does not skip the build).
+  if (options_.inject_delay.count() > 0) std::this_thread::sleep_for(options_.inject_delay * int(run.size()));
   std::vector<BuildOutcome> out(batch.size());
   for (size_t i = 0; i < batch.size(); ++i) {
     out[i].queue_ms = ms_between(batch[i].queued_at, started);
@@ -288,6 +290,9 @@ void EngineLoop::run_splice(SpliceTask task) {
     r.info.imported.resize(hosts.size());
     for (size_t i = 0; i < hosts.size(); ++i) {
       if (plan.segments[i].entry || !hosts[i]) continue;
+      for (size_t k = 0; k < i && !plan.segments[i].entry; ++k)  // the same entry again: imported once
+        if (hosts[k] == hosts[i] && r.info.imported[k]) plan.segments[i].entry = r.info.imported[k];
+      if (plan.segments[i].entry) continue;
       plan.segments[i].entry = backend_.import_entry(hosts[i]);
       r.info.imported[i] = plan.segments[i].entry;
     }

@@ -5,7 +5,8 @@
 // Three kinds of work:
 //  - entry builds: every queued build (same seam width, FIFO) up to a token budget goes into ONE
 //    Backend::build_entries call (a varlen pass on CUDA); each build's entry is then serialized for the wire;
-//  - splices: a plan is executed (Backend::splice), optionally followed by decoding;
+//  - splices: a plan is executed (Backend::splice), optionally followed by decoding; a host entry given for several
+//    segments of one plan (a segment repeated in the prompt) is imported once;
 //  - decoding (continuous batching): every active sequence is stepped together in one Backend::decode call per
 //    iteration; a sequence joins the batch after its splice and leaves when it reaches max_tokens, samples a stop
 //    token, or its cancel flag is set. The loop samples (engine/sampling.h, one Sampler per request), so a handler
@@ -114,7 +115,9 @@ struct GenerateJob {
 struct EngineLoopOptions {
   /// Most tokens of one build_entries call (a single longer segment still runs, alone). >= 1.
   int64_t max_build_tokens = 16384;
-  /// TESTING ONLY: sleep this long before each build (per segment), to widen fault-injection windows.
+  /// TESTING ONLY: each build (per segment) first sleeps this long, as part of its run (its cancel flag was read
+  /// at the start of its batch, so the sleep is like a longer build: it is not skipped), to widen fault-injection
+  /// windows and to stand in for a long build.
   std::chrono::milliseconds inject_delay{0};
 };
 
@@ -133,6 +136,8 @@ class EngineLoop {
   /// stopped"), and joins the thread (all callbacks have run when it returns). Idempotent. Jobs submitted after it
   /// are reported cancelled at once, on the caller's thread.
   void stop();
+  /// True once stop() has begun (a build submitted now is reported cancelled at once). Thread-safe.
+  bool stopping() const { return stopping_.load(); }
 
   /// The backend's immutable facts (config, device, numerics, fingerprint) are safe to read from any thread.
   const Backend& backend() const { return backend_; }
@@ -199,6 +204,7 @@ class EngineLoop {
   std::atomic<int64_t> queued_tokens_{0};
   std::atomic<int> active_count_{0};
   std::atomic<uint64_t> decode_iterations_{0}, decode_steps_{0}, build_batches_{0};
+  std::atomic<bool> stopping_{false};
   std::thread thread_;
 };
 

@@ -210,7 +210,7 @@ SafetensorsFile SafetensorsFile::open(const std::filesystem::path& path) {
   json h;
   try {
     h = json::parse(f.header_json());
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, and out_of_range for a number too large for a double
     throw file_error(path, std::string("header is not valid JSON: ") + e.what());
   }
   if (!h.is_object()) throw file_error(path, "header is not a JSON object");
@@ -253,7 +253,9 @@ SafetensorsFile SafetensorsFile::open(const std::filesystem::path& path) {
     t.end = (*off)[1].get<uint64_t>();
     if (t.end < t.begin) throw err("data_offsets end " + std::to_string(t.end) + " < begin " + std::to_string(t.begin));
     const uint64_t numel = checked_numel(t.shape, err);
-    const uint64_t need = numel * dtype_size(t.dtype);
+    uint64_t need = 0;  // numel * dtype_size, which must not wrap (a wrapped size could match small offsets)
+    if (__builtin_mul_overflow(numel, uint64_t(dtype_size(t.dtype)), &need) || numel > uint64_t(INT64_MAX))
+      throw err("shape " + t.shape_str() + " of " + std::string(dtype_name(t.dtype)) + " overflows");
     if (t.end - t.begin != need)
       throw err("data_offsets span " + std::to_string(t.end - t.begin) + " bytes but shape " + t.shape_str() + " of " +
                 std::string(dtype_name(t.dtype)) + " needs " + std::to_string(need));
@@ -419,7 +421,7 @@ Checkpoint Checkpoint::open(const std::filesystem::path& dir) {
     json idx;
     try {
       idx = json::parse(in);
-    } catch (const json::parse_error& e) {
+    } catch (const json::exception& e) {  // parse_error, and out_of_range for a number too large for a double
       throw std::runtime_error(index_path.string() + ": not valid JSON: " + e.what());
     }
     auto wm = idx.find("weight_map");

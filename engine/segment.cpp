@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <initializer_list>
 
 #include "engine/config.h"
 
@@ -242,7 +243,7 @@ void EntryReader::parse_header() {
   const uint32_t n = c.get<uint32_t>("token count");
   if (header.size() - c.off < uint64_t(n) * 4) throw EntryError("segment entry header truncated in the token ids");
   e.token_ids.resize(n);
-  std::memcpy(e.token_ids.data(), header.data() + c.off, size_t(n) * 4);
+  if (n > 0) std::memcpy(e.token_ids.data(), header.data() + c.off, size_t(n) * 4);  // data() may be null when n == 0
   c.off += size_t(n) * 4;
   EntryGeometry& g = e.geometry;
   for (int* f : {&g.linear_heads, &g.d_k, &g.d_v, &g.conv_dim, &g.conv_rows, &g.kv_heads, &g.head_dim,
@@ -251,7 +252,18 @@ void EntryReader::parse_header() {
     if (v > (1u << 20)) throw EntryError("segment entry geometry value " + std::to_string(v) + " out of range");
     *f = static_cast<int>(v);
   }
+  // The tensor bytes the header announces, each product and sum checked: values up to 2^20 multiply past 2^64,
+  // and a wrapped total would pass the kMaxEntryBytes guard and size the tensors below.
   uint64_t total = 0;
+  const auto add_bytes = [&](std::initializer_list<uint64_t> factors) {
+    uint64_t x = 4;  // fp32
+    for (const uint64_t f : factors)
+      if (__builtin_mul_overflow(x, f, &x)) x = UINT64_MAX;
+    if (__builtin_add_overflow(total, x, &total) || total > kMaxEntryBytes)
+      throw EntryError("segment entry announces more than " + std::to_string(kMaxEntryBytes) + " bytes of tensors");
+  };
+  if (header.size() - c.off < 2 * uint64_t(g.num_linear))
+    throw EntryError("segment entry header truncated in the transition kinds");
   e.linear.resize(g.num_linear);
   for (auto& l : e.linear) {
     for (TransitionOperator* t : {&l.seam_transition, &l.interior_transition}) {
@@ -260,13 +272,13 @@ void EntryReader::parse_header() {
       t->kind = static_cast<TransitionKind>(kind);
       t->heads = g.linear_heads;
       t->d_k = g.d_k;
-      total += uint64_t(g.linear_heads) * t->per_head() * 4;
+      add_bytes({uint64_t(g.linear_heads), t->per_head()});
     }
-    total += (2 * state_floats(g) + conv_floats(g)) * 4;
+    add_bytes({2, uint64_t(g.linear_heads), uint64_t(g.d_k), uint64_t(g.d_v)});  // seam and interior states
+    add_bytes({uint64_t(g.conv_rows), uint64_t(g.conv_dim)});
   }
-  total += uint64_t(g.num_attention) * 2 * kv_floats(g, n) * 4;
+  add_bytes({uint64_t(g.num_attention), 2, n, uint64_t(g.kv_heads), uint64_t(g.head_dim)});
   if (c.off != header.size()) throw EntryError("segment entry header has trailing bytes");
-  if (total > kMaxEntryBytes) throw EntryError("segment entry announces " + std::to_string(total) + " bytes");
   for (auto& l : e.linear) {
     l.seam_transition.data.resize(size_t(g.linear_heads) * l.seam_transition.per_head());
     l.seam_state.resize(state_floats(g));

@@ -273,6 +273,9 @@ struct AddedToken {
   std::string content;  // as in the file
   std::string pattern;  // what is matched: content, or its normalised form when normalized=true
   bool special = false, lstrip = false, rstrip = false, single_word = false, normalized = true;
+  /// Some added token with this content is special (HF's `special_tokens_set` is keyed by content):
+  /// SpecialTokens::Split skips its matches.
+  bool special_content = false;
 };
 
 /// Leftmost-longest multi-pattern matcher (what HF's Aho-Corasick with MatchKind::LeftmostLongest
@@ -812,8 +815,10 @@ size_t leading_space_len(std::string_view s) {
 
 /// HF AddedVocabulary::find_matches: calls on_text(begin, end) for the gaps and on_token(id) for
 /// the added tokens found in `s`, in order.
+/// With skip_special (SpecialTokens::Split) the matches of special tokens are passed over, as HF's
+/// `encode_special_tokens` does: the search resumes after them and their text stays in the gap.
 template <class OnText, class OnToken>
-void split_added(const Impl& im, const AddedMatcher& matcher, std::string_view s, OnText&& on_text,
+void split_added(const Impl& im, const AddedMatcher& matcher, std::string_view s, bool skip_special, OnText&& on_text,
                  OnToken&& on_token) {
   if (matcher.empty()) {
     on_text(0, s.size());
@@ -825,6 +830,7 @@ void split_added(const Impl& im, const AddedMatcher& matcher, std::string_view s
   while (search <= s.size() && matcher.find(s, search, mb, mlen, ti)) {
     search = mb + mlen;
     const AddedToken& t = im.added[ti];
+    if (skip_special && t.special_content) continue;
     size_t start = mb, stop = mb + mlen;
     if (t.single_word) {
       const bool start_space = start == 0 || !ends_with_word_char(s.substr(0, start));
@@ -1308,6 +1314,9 @@ void parse_added_tokens(const json& list, Impl& im, std::vector<std::pair<int32_
     id_tokens.emplace_back(t.id, t.normalized ? t.pattern : t.content);
     im.added.push_back(std::move(t));
   }
+  std::unordered_set<std::string> special_contents;
+  for (const auto& t : im.added) if (t.special) special_contents.insert(t.content);
+  for (auto& t : im.added) t.special_content = special_contents.count(t.content) > 0;
   im.raw_matcher.build(im.added, /*normalized=*/false);
   im.norm_matcher.build(im.added, /*normalized=*/true);
 }
@@ -1398,7 +1407,13 @@ Tokenizer Tokenizer::load(const std::filesystem::path& tokenizer_json) {
 }
 
 void Tokenizer::encode_into(std::string_view text, bool add_special_tokens, std::vector<int32_t>& out) const {
+  encode_into(text, add_special_tokens, SpecialTokens::Match, out);
+}
+
+void Tokenizer::encode_into(std::string_view text, bool add_special_tokens, SpecialTokens special,
+                            std::vector<int32_t>& out) const {
   using namespace tokenizer_detail;
+  const bool skip = special == SpecialTokens::Split;
   const Impl& im = *impl_;
   if (const auto bad_at = find_invalid_utf8(text)) {
     char hex[8];
@@ -1410,7 +1425,7 @@ void Tokenizer::encode_into(std::string_view text, bool add_special_tokens, std:
   Scratch& sc = scratch_for(im);
   const auto push_id = [&](int32_t id) { out.push_back(id); };
   split_added(
-      im, im.raw_matcher, text,
+      im, im.raw_matcher, text, skip,
       [&](size_t b, size_t e) {
         const std::string_view normed = normalize(im, text.substr(b, e - b), sc);
         if (im.norm_matcher.empty()) {
@@ -1418,17 +1433,17 @@ void Tokenizer::encode_into(std::string_view text, bool add_special_tokens, std:
           return;
         }
         split_added(
-            im, im.norm_matcher, normed,
+            im, im.norm_matcher, normed, skip,
             [&](size_t b2, size_t e2) { pretokenize_and_bpe(im, normed.substr(b2, e2 - b2), sc, out); }, push_id);
       },
       push_id);
   if (add_special_tokens) out.insert(out.end(), im.suffix_ids.begin(), im.suffix_ids.end());
 }
 
-std::vector<int32_t> Tokenizer::encode(std::string_view text, bool add_special_tokens) const {
+std::vector<int32_t> Tokenizer::encode(std::string_view text, bool add_special_tokens, SpecialTokens special) const {
   std::vector<int32_t> out;
   out.reserve(text.size() / 3 + 8);
-  encode_into(text, add_special_tokens, out);
+  encode_into(text, add_special_tokens, special, out);
   return out;
 }
 

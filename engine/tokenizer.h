@@ -4,7 +4,11 @@
 // `TokenizerImpl`) for the component kinds listed below; any other kind is rejected by load() with a
 // std::invalid_argument naming the JSON field and the type found. The pipeline is HF's:
 //   1. added tokens with normalized=false are matched in the raw text (leftmost-longest, honouring
-//      special / lstrip / rstrip / single_word; HF `AddedVocabulary::extract_and_normalize`);
+//      special / lstrip / rstrip / single_word; HF `AddedVocabulary::extract_and_normalize`). With
+//      SpecialTokens::Split a match of a special=true token is skipped (HF `encode_special_tokens`,
+//      transformers' `split_special_tokens=True`): the search goes on after it, so its text stays in the
+//      surrounding piece and goes through steps 2-5 as ordinary text; non-special added tokens are still
+//      matched (same in step 3);
 //   2. the remaining pieces are normalised (NFC/NFD/NFKC/NFKD through utf8proc, or a Sequence);
 //   3. added tokens with normalized=true are matched in the normalised pieces;
 //   4. pre-tokenisation: `Split` (PCRE2 with UTF+UCP+JIT; behaviours Removed, Isolated,
@@ -51,6 +55,17 @@ namespace tokenizer_detail {
 struct Impl;
 }
 
+/// What encode() does with the text of special added tokens (special=true in tokenizer.json, e.g.
+/// "<|im_end|>", "<|endoftext|>") found in the input.
+enum class SpecialTokens {
+  /// Recognised as their ids (HF's default). For text you built yourself, e.g. a chat template.
+  Match,
+  /// Tokenised as ordinary text, split into ordinary tokens (HF `encode_special_tokens=true`,
+  /// transformers `split_special_tokens=True`): for untrusted text, which must not forge control tokens.
+  /// Non-special added tokens (Qwen3: "<think>", "<tool_call>") are still matched, as in HF.
+  Split,
+};
+
 class Tokenizer {
  public:
   /// Reads and validates a Hugging Face tokenizer.json. Throws std::runtime_error if the file
@@ -61,13 +76,18 @@ class Tokenizer {
   static Tokenizer from_json_string(std::string_view json_text);
 
   /// Token ids for `text` (UTF-8). add_special_tokens applies the post_processor template (e.g.
-  /// a BOS id); for Qwen3 (ByteLevel post-processor) it changes nothing. Added/special token
-  /// strings in the text are always recognised (HF's default, encode_special_tokens=false).
+  /// a BOS id); for Qwen3 (ByteLevel post-processor) it changes nothing. `special` says whether
+  /// special-token strings in the text are recognised (Match, HF's default) or tokenised as plain
+  /// text (Split); the post-processor's own ids are added either way.
   /// Throws std::invalid_argument on invalid UTF-8 ("invalid UTF-8 at byte offset N (byte 0xXX)")
   /// and on characters that cannot be tokenised (see the file comment).
-  std::vector<int32_t> encode(std::string_view text, bool add_special_tokens) const;
+  std::vector<int32_t> encode(std::string_view text, bool add_special_tokens,
+                              SpecialTokens special = SpecialTokens::Match) const;
   /// Appends the ids of `text` to `out` (no reallocation of `out` beyond its growth); same rules.
   void encode_into(std::string_view text, bool add_special_tokens, std::vector<int32_t>& out) const;
+  /// Same, with the special-token mode.
+  void encode_into(std::string_view text, bool add_special_tokens, SpecialTokens special,
+                   std::vector<int32_t>& out) const;
 
   /// Text of `ids` (HF `Tokenizer.decode`). skip_special_tokens drops ids of special added tokens.
   /// Invalid UTF-8 produced by byte tokens becomes U+FFFD. Throws std::invalid_argument for an id

@@ -16,10 +16,18 @@ using rpc::invalid_argument;
 using rpc::resource_exhausted;
 
 namespace {
-void check_segment(const v1::Segment& seg, const std::string& field, int64_t vocab_size) {
+/// Checks one segment (or the query) and adds its text bytes to `text_bytes`; max_bytes = 0: no per-segment limit.
+void check_segment(const v1::Segment& seg, const std::string& field, int64_t vocab_size, uint64_t max_bytes,
+                   uint64_t& text_bytes) {
   switch (seg.content_case()) {
     case v1::Segment::kText: {
       if (seg.text().empty()) throw invalid_argument(field + ".text", "must not be empty");
+      if (max_bytes && seg.text().size() > max_bytes) {
+        throw resource_exhausted(fmt::format("{}: {} bytes of text exceed the limit of {} bytes per segment "
+                                             "(--max-segment-bytes)",
+                                             field, seg.text().size(), max_bytes));
+      }
+      text_bytes += seg.text().size();
       if (auto bad = engine::find_invalid_utf8(seg.text())) {
         throw invalid_argument(field + ".text", fmt::format("invalid UTF-8 at byte {} (byte 0x{:02x})", *bad,
                                                             static_cast<unsigned char>(seg.text()[*bad])));
@@ -45,11 +53,26 @@ RequestOptions validate_request(const v1::GenerateRequest& req, const RouterLimi
     throw resource_exhausted(fmt::format("segments: {} segments exceed the limit of {} (--max-segments)",
                                          req.segments_size(), limits.max_segments));
   }
-  for (int i = 0; i < req.segments_size(); ++i) check_segment(req.segments(i), fmt::format("segments[{}]", i), vocab_size);
+  // Sizes first, before anything reads the text (tokenising 10 MB takes about 0.5 s).
+  uint64_t text_bytes = 0;
+  const uint64_t max_prompt_bytes = limits.prompt_bytes_limit();
+  const auto check_total = [&](const std::string& field) {
+    if (text_bytes > max_prompt_bytes) {
+      throw resource_exhausted(fmt::format("{}: the request's text reaches {} bytes, over the limit of {} bytes for "
+                                           "all segments and the query (--max-prompt-bytes)",
+                                           field, text_bytes, max_prompt_bytes));
+    }
+  };
+  for (int i = 0; i < req.segments_size(); ++i) {
+    const std::string field = fmt::format("segments[{}]", i);
+    check_segment(req.segments(i), field, vocab_size, limits.segment_bytes_limit(), text_bytes);
+    check_total(field);
+  }
   if (!req.has_query() || req.query().content_case() == v1::Segment::CONTENT_NOT_SET) {
     throw invalid_argument("query", "must not be empty");
   }
-  check_segment(req.query(), "query", vocab_size);
+  check_segment(req.query(), "query", vocab_size, 0, text_bytes);
+  check_total("query");
 
   RequestOptions o;
   const auto& c = req.cache();
@@ -94,6 +117,17 @@ RequestOptions validate_request(const v1::GenerateRequest& req, const RouterLimi
   }
   o.ignore_eos = s.ignore_eos();
   return o;
+}
+
+std::vector<int32_t> segment_token_ids(const engine::Tokenizer& tokenizer, const v1::Segment& seg,
+                                       const std::string& field) {
+  if (seg.content_case() == v1::Segment::kTokens) return {seg.tokens().ids().begin(), seg.tokens().ids().end()};
+  try {
+    return tokenizer.encode(seg.text(), /*add_special_tokens=*/false,
+                            seg.allow_special_tokens() ? engine::SpecialTokens::Match : engine::SpecialTokens::Split);
+  } catch (const std::invalid_argument& e) {
+    throw invalid_argument(field + ".text", e.what());
+  }
 }
 
 void check_token_limits(std::span<const size_t> segment_tokens, size_t query_tokens, const RouterLimits& limits) {

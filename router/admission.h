@@ -1,7 +1,7 @@
 // Validation and admission limits of Router.Generate requests (everything the router can check
-// before and right after tokenising). Errors are rpc::RpcError: INVALID_ARGUMENT naming the
-// field ("segments[2].text: invalid UTF-8 at byte 17"), RESOURCE_EXHAUSTED naming the limit and
-// the flag that sets it.
+// before and right after tokenising), and the tokenisation of segments. Errors are rpc::RpcError:
+// INVALID_ARGUMENT naming the field ("segments[2].text: invalid UTF-8 at byte 17"), RESOURCE_EXHAUSTED
+// naming the limit and the flag that sets it.
 #pragma once
 #include <cstdint>
 #include <optional>
@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "engine/splice.h"
+#include "engine/tokenizer.h"
 #include "hypic/v1/router.pb.h"
 
 namespace hypic::router {
@@ -21,9 +22,24 @@ struct RouterLimits {
   uint32_t max_segment_tokens = 32768;    ///< --max-segment-tokens
   uint32_t max_prompt_tokens = 262144;    ///< --max-prompt-tokens (segments + query)
   uint32_t max_new_tokens = 4096;         ///< --max-new-tokens (upper bound of sampling.max_tokens)
+  /// --max-segment-bytes: text bytes per segment, checked before tokenising; 0 = kBytesPerToken x max_segment_tokens.
+  uint64_t max_segment_bytes = 0;
+  /// --max-prompt-bytes: text bytes of all segments and the query; 0 = kBytesPerToken x max_prompt_tokens.
+  uint64_t max_prompt_bytes = 0;
   int max_seam_width = 256;               ///< --max-seam-width
   int default_seam_width = 8;             ///< --seam-width
   int default_max_tokens = 128;           ///< --default-max-tokens
+
+  /// Bytes of text per token the default byte limits allow. Byte-level BPE text averages 2-5 bytes per token
+  /// (English prose about 4.5, CJK about 2); only long runs of characters that merge into one token (whitespace
+  /// art, "=====") go beyond 16, so the byte limit refuses nothing the token limit would have accepted except such
+  /// text, and bounds tokenisation work (about 50 ms per MB) before the token count is known.
+  static constexpr uint64_t kBytesPerToken = 16;
+  /// The effective --max-segment-bytes / --max-prompt-bytes (the defaults resolved), in bytes.
+  uint64_t segment_bytes_limit() const {
+    return max_segment_bytes ? max_segment_bytes : kBytesPerToken * max_segment_tokens;
+  }
+  uint64_t prompt_bytes_limit() const { return max_prompt_bytes ? max_prompt_bytes : kBytesPerToken * max_prompt_tokens; }
 };
 
 /// The request's options with defaults applied.
@@ -46,10 +62,19 @@ struct RequestOptions {
 };
 
 /// Checks the request's structure and options (not the token counts): request_id, at least one
-/// segment and at most max_segments (RESOURCE_EXHAUSTED), each segment and the query non-empty,
-/// text valid UTF-8, token ids within [0, vocab_size), sampling and cache options in range.
-/// Returns the options with defaults applied.
+/// segment and at most max_segments (RESOURCE_EXHAUSTED), each segment's text at most
+/// segment_bytes_limit() bytes and all text at most prompt_bytes_limit() (RESOURCE_EXHAUSTED naming the
+/// segment, its size and the limit: checked before any tokenisation), each segment and the query
+/// non-empty, text valid UTF-8, token ids within [0, vocab_size) (INVALID_ARGUMENT naming the segment,
+/// the index and the value), sampling and cache options in range. Returns the options with defaults applied.
 RequestOptions validate_request(const hypic::v1::GenerateRequest& req, const RouterLimits& limits, int64_t vocab_size);
+
+/// Token ids of a validated segment or query (`field` names it: "segments[3]", "query"): the ids as sent, or
+/// the text tokenised on its own (add_special_tokens=false), special-token strings as plain text unless
+/// seg.allow_special_tokens() (engine::SpecialTokens::Split / Match). Throws RpcError INVALID_ARGUMENT
+/// "`field`.text: ..." when the tokenizer refuses the text.
+std::vector<int32_t> segment_token_ids(const engine::Tokenizer& tokenizer, const hypic::v1::Segment& seg,
+                                       const std::string& field);
 
 /// Token-count limits after tokenisation: each segment <= max_segment_tokens and the whole prompt
 /// <= max_prompt_tokens (RESOURCE_EXHAUSTED); an empty tokenisation is INVALID_ARGUMENT.

@@ -35,24 +35,38 @@ int main(int argc, char** argv) {
   app.add_option("--max-segments", l.max_segments, "admission limit: segments per request")->capture_default_str();
   app.add_option("--max-segment-tokens", l.max_segment_tokens, "admission limit: tokens per segment")->capture_default_str();
   app.add_option("--max-prompt-tokens", l.max_prompt_tokens, "admission limit: segments + query tokens")->capture_default_str();
+  app.add_option("--max-segment-bytes", l.max_segment_bytes,
+                 "admission limit: text bytes per segment, checked before tokenising (0: 16 x --max-segment-tokens)")
+      ->capture_default_str();
+  app.add_option("--max-prompt-bytes", l.max_prompt_bytes,
+                 "admission limit: text bytes of all segments + the query, checked before tokenising (0: 16 x "
+                 "--max-prompt-tokens)")
+      ->capture_default_str();
   app.add_option("--max-new-tokens", l.max_new_tokens, "admission limit: sampling.max_tokens")->capture_default_str();
   app.add_option("--max-seam-width", l.max_seam_width, "largest seam width a request may ask for")->capture_default_str();
   app.add_option("--seam-width", l.default_seam_width, "default seam width w")->capture_default_str();
   app.add_option("--default-max-tokens", l.default_max_tokens, "max_tokens when a request sets none")->capture_default_str();
   app.add_option("--lookup-timeout-ms", lookup_timeout_ms, "budget of the batch cache lookup")->capture_default_str();
-  app.add_option("--lease-ms", cfg.lease_ms, "how long lookup hits stay pinned in the cache")->capture_default_str();
+  app.add_option("--lease-ms", cfg.lease_ms,
+                 "longest cache lease of a lookup hit (leases are released when the request has its entries or ends)")
+      ->capture_default_str();
   app.add_option("--max-scatter-attempts", cfg.max_scatter_attempts,
                  "assignments per segment before the combine worker prefills it")
       ->capture_default_str();
   app.add_option("--default-deadline-seconds", default_deadline_s, "deadline of requests that carry none")
       ->capture_default_str();
   app.add_option("--health-interval-ms", health_interval_ms, "worker health probing period")->capture_default_str();
+  int64_t combine_wait_ms = 10000;
+  app.add_option("--combine-wait-ms", combine_wait_ms,
+                 "with no combine worker in rotation, how long a request waits for one to come back")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
   CLI11_PARSE(app, argc, argv);
   try {
     hypic::rpc::setup_logging("router", server.log_level);
     cfg.policy = hypic::router::parse_schedule_policy(policy);
     cfg.lookup_timeout = std::chrono::milliseconds(lookup_timeout_ms);
     cfg.health_interval = std::chrono::milliseconds(health_interval_ms);
+    cfg.combine_wait = std::chrono::milliseconds(combine_wait_ms);
     cfg.default_deadline = std::chrono::seconds(default_deadline_s);
     const auto config = hypic::engine::load_config(model_dir);
     const auto tokenizer = hypic::engine::Tokenizer::load(tokenizer_path);
@@ -68,6 +82,8 @@ int main(int argc, char** argv) {
                  "replicas, schedule {}",
                  config.fingerprint(), numerics, cfg.scatter_workers.size(), cfg.combine_workers.size(), cfg.cache_replicas.size(),
                  policy);
+    spdlog::info("admission: {} tokens and {} bytes per segment, {} tokens and {} bytes per prompt", l.max_segment_tokens,
+                 l.segment_bytes_limit(), l.max_prompt_tokens, l.prompt_bytes_limit());
     hypic::rpc::Lifecycle life("router");
     hypic::router::RouterService svc(tokenizer, model, cfg, life);
     return hypic::rpc::run_server(server, life, {"router", {&svc}, {"hypic.v1.Router"}, {}, {}});

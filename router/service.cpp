@@ -42,7 +42,10 @@ RouterService::RouterService(const engine::Tokenizer& tokenizer, RouterModel mod
     w->combine = v1::CombineWorker::NewStub(w->channel);
     combine_.push_back(std::move(w));
   }
-  if (!scatter_.empty()) scheduler_ = std::make_unique<ScatterScheduler>(scatter_.size(), cfg_.policy);
+  if (!scatter_.empty()) {
+    scheduler_ = std::make_unique<ScatterScheduler>(scatter_.size(), cfg_.policy);
+    builds_ = std::make_unique<InflightBuilds>(*scheduler_);
+  }
   if (!model_.numerics.empty()) {
     numerics_ = model_.numerics;
     fingerprint_ = engine::model_fingerprint(model_.config, numerics_);
@@ -51,7 +54,10 @@ RouterService::RouterService(const engine::Tokenizer& tokenizer, RouterModel mod
   probe_workers();
   prober_ = std::thread([this] {
     std::unique_lock<std::mutex> lock(probe_mu_);
-    while (!probe_cv_.wait_for(lock, cfg_.health_interval, [&] { return stop_probe_; })) {
+    while (true) {  // every health_interval, or at once when a request finds no combine worker (probe_now_)
+      probe_cv_.wait_for(lock, cfg_.health_interval, [&] { return stop_probe_ || probe_now_; });
+      if (stop_probe_) break;
+      probe_now_ = false;
       lock.unlock();
       probe_workers();
       lock.lock();
@@ -93,6 +99,7 @@ bool RouterService::probe(Worker& w) {
     std::lock_guard<std::mutex> lock(w.info_mu);
     w.numerics = info.numerics();
     w.device = info.device();
+    w.counters = info;
   }
   // Same model: the worker's fingerprint is the backend fingerprint of the router's config under its numerics (and,
   // for a benchmark-only worker with seeded random weights, under that seed's weights identity).
@@ -153,6 +160,22 @@ void RouterService::probe_workers() {
   }
 }
 
+RouterService::Worker* RouterService::wait_for_combine(std::chrono::system_clock::time_point deadline) {
+  if (Worker* w = pick_combine()) return w;
+  const auto until = std::min(deadline, std::chrono::system_clock::now() + cfg_.combine_wait);
+  while (std::chrono::system_clock::now() < until) {
+    {
+      std::lock_guard<std::mutex> lock(probe_mu_);
+      if (stop_probe_) return nullptr;
+      probe_now_ = true;
+    }
+    probe_cv_.notify_all();
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    if (Worker* w = pick_combine()) return w;
+  }
+  return nullptr;
+}
+
 RouterService::Worker* RouterService::pick_combine() {
   Worker* best = nullptr;
   const size_t n = combine_.size();
@@ -171,7 +194,11 @@ class GenerateCall {
   GenerateCall(RouterService& svc, grpc::ServerContext* ctx, const v1::GenerateRequest& req,
                grpc::ServerWriter<v1::GenerateResponse>* writer)
       : svc_(svc), ctx_(ctx), req_(req), writer_(writer) {}
-  ~GenerateCall() { stop_scatter(); }
+  ~GenerateCall() {
+    stop_scatter();
+    release_leases();
+    if (lease_release_.joinable()) lease_release_.join();
+  }
   grpc::Status run();
 
  private:
@@ -179,8 +206,9 @@ class GenerateCall {
     std::vector<int32_t> ids;
     rpc::Digest digest{};
     bool hit = false;
-    uint32_t worker = kLocal;   // current scatter assignee
-    bool load_pending = false;  // its tokens count in the assignee's queued work
+    std::optional<uint32_t> repeat_of;  // an earlier segment of the same digest: planned once, as that one
+    uint32_t worker = kLocal;           // current scatter assignee
+    bool held = false;                  // holds the in-flight build (digest, worker) in svc_.builds_
     bool delivered = false;
     uint32_t attempts = 0;
   };
@@ -190,7 +218,14 @@ class GenerateCall {
   void on_event(size_t worker, const v1::PrefillEvent& ev);
   void on_failure(size_t worker, const std::vector<uint32_t>& segments, const grpc::Status& st);
   void compute_locally(const std::vector<uint32_t>& segments, const std::string& reason);
-  void release_load_locked(SegState& s);
+  /// Plans segments `jobs` on scatter workers (joining builds in flight, see router/inflight_builds.h), excluding
+  /// the workers in failed_; records the assignees and returns them by worker. Segments left without a worker are
+  /// appended to `local`.
+  std::map<size_t, std::vector<uint32_t>> plan_builds_locked(const std::vector<uint32_t>& jobs,
+                                                             std::vector<uint32_t>& local);
+  void release_build_locked(SegState& s);
+  /// Ends the leases this request's lookup took (once; in the background, joined by the destructor).
+  void release_leases();
   void stop_scatter();
   std::unique_ptr<grpc::ClientContext> child_context() const {
     return rpc::make_client_context(ctx_, std::chrono::milliseconds(svc_.cfg_.default_deadline));
@@ -215,24 +250,23 @@ class GenerateCall {
   uint32_t scatter_failures_ = 0;
   std::optional<Clock::time_point> last_computed_;
   grpc::ClientContext* combine_ctx_ = nullptr;
+  uint32_t joined_builds_ = 0;  // plans that joined a build in flight (re-plans after a failure included)
+
+  std::string lease_owner_;              // this request's lease owner id in the segment cache
+  std::vector<rpc::Digest> leased_;      // hits the cache leased to it
+  bool leases_released_ = false;
+  std::thread lease_release_;
 };
 
 void GenerateCall::tokenise() {
-  auto encode = [&](const v1::Segment& seg, const std::string& field) {
-    if (seg.content_case() == v1::Segment::kTokens) return std::vector<int32_t>(seg.tokens().ids().begin(), seg.tokens().ids().end());
-    try {
-      return svc_.tokenizer_.encode(seg.text(), /*add_special_tokens=*/false);
-    } catch (const std::invalid_argument& e) {
-      throw rpc::invalid_argument(field + ".text", e.what());
-    }
-  };
+  // Special-token strings are plain text unless the segment allows them (router.proto Segment).
   segs_.resize(size_t(req_.segments_size()));
   std::vector<size_t> counts;
   for (int i = 0; i < req_.segments_size(); ++i) {
-    segs_[size_t(i)].ids = encode(req_.segments(i), fmt::format("segments[{}]", i));
+    segs_[size_t(i)].ids = segment_token_ids(svc_.tokenizer_, req_.segments(i), fmt::format("segments[{}]", i));
     counts.push_back(segs_[size_t(i)].ids.size());
   }
-  query_ = encode(req_.query(), "query");
+  query_ = segment_token_ids(svc_.tokenizer_, req_.query(), "query");
   check_token_limits(counts, query_.size(), svc_.cfg_.limits);
   const std::string fingerprint = svc_.numerics_and_fingerprint().second;
   if (fingerprint.empty())
@@ -242,9 +276,47 @@ void GenerateCall::tokenise() {
   }
 }
 
-void GenerateCall::release_load_locked(SegState& s) {
-  if (s.load_pending && s.worker != kLocal) svc_.scheduler_->complete(s.worker, int64_t(s.ids.size()));
-  s.load_pending = false;
+void GenerateCall::release_build_locked(SegState& s) {
+  if (s.held) svc_.builds_->release(s.digest, s.worker);
+  s.held = false;
+}
+
+std::map<size_t, std::vector<uint32_t>> GenerateCall::plan_builds_locked(const std::vector<uint32_t>& jobs,
+                                                                         std::vector<uint32_t>& local) {
+  std::map<size_t, std::vector<uint32_t>> by_worker;
+  std::vector<BuildJob> builds;
+  for (uint32_t i : jobs) builds.push_back({{i, int64_t(segs_[i].ids.size())}, segs_[i].digest});
+  std::vector<bool> planned(segs_.size(), false);
+  if (svc_.builds_ && !builds.empty()) {
+    for (const auto& p : svc_.builds_->plan(builds, failed_)) {
+      SegState& s = segs_[p.segment];
+      s.worker = uint32_t(p.worker);
+      s.held = true;
+      ++s.attempts;
+      joined_builds_ += p.joined;
+      planned[p.segment] = true;
+      by_worker[p.worker].push_back(p.segment);
+    }
+  }
+  for (uint32_t i : jobs) {
+    if (!planned[i]) {
+      segs_[i].worker = kLocal;
+      local.push_back(i);
+    }
+  }
+  return by_worker;
+}
+
+void GenerateCall::release_leases() {
+  if (leases_released_) return;
+  leases_released_ = true;
+  if (leased_.empty()) return;
+  // Off the request's path: the combine worker has its entries (or the request is over).
+  lease_release_ = std::thread([this] {
+    const std::string err = svc_.cache_.release_leases(lease_owner_, leased_);
+    if (!err.empty()) spdlog::warn("[req {}] releasing {} cache leases failed (they expire by themselves): {}", rid_,
+                                   leased_.size(), err);
+  });
 }
 
 void GenerateCall::launch_locked(size_t worker, const std::vector<uint32_t>& segments) {
@@ -275,7 +347,7 @@ void GenerateCall::on_event(size_t worker, const v1::PrefillEvent& ev) {
   if (ev.index() >= segs_.size()) return;
   SegState& s = segs_[ev.index()];
   if (ev.has_computed() && s.worker == worker) {
-    release_load_locked(s);
+    svc_.builds_->computed(s.digest, worker);
     last_computed_ = Clock::now();
   } else if (ev.has_delivered()) {
     s.delivered = true;
@@ -288,7 +360,7 @@ void GenerateCall::on_failure(size_t worker, const std::vector<uint32_t>& segmen
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (uint32_t i : segments) {
-      if (segs_[i].worker == worker) release_load_locked(segs_[i]);
+      if (segs_[i].worker == worker) release_build_locked(segs_[i]);
     }
     if (stopping_ || ctx_->IsCancelled() || st.error_code() == grpc::StatusCode::CANCELLED ||
         st.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
@@ -298,33 +370,24 @@ void GenerateCall::on_failure(size_t worker, const std::vector<uint32_t>& segmen
     failed_[worker] = true;
     const std::string& addr = svc_.scatter_[worker]->address;
     if (st.error_code() == grpc::StatusCode::UNAVAILABLE) svc_.set_scatter_available(worker, false);
-    std::vector<ScatterJob> jobs;
+    std::vector<uint32_t> jobs;
     for (uint32_t i : segments) {
       SegState& s = segs_[i];
       if (s.worker != worker || s.delivered) continue;
       if (s.attempts >= uint32_t(svc_.cfg_.max_scatter_attempts)) {
+        s.worker = kLocal;
         local.push_back(i);
       } else {
-        jobs.push_back({i, int64_t(s.ids.size())});
+        jobs.push_back(i);
       }
     }
-    const auto assigned = jobs.empty() ? std::vector<Assignment>{} : svc_.scheduler_->assign(jobs, failed_);
-    if (assigned.empty()) {
-      for (const auto& j : jobs) local.push_back(j.segment);
-    }
-    std::map<size_t, std::vector<uint32_t>> by_worker;
-    for (const auto& a : assigned) {
-      SegState& s = segs_[a.segment];
-      s.worker = uint32_t(a.worker);
-      s.load_pending = true;
-      ++s.attempts;
-      by_worker[a.worker].push_back(a.segment);
-    }
+    // Planned again like new segments: a rebuild another request already started elsewhere is joined.
+    const size_t exhausted = local.size();
+    const auto by_worker = plan_builds_locked(jobs, local);
     for (const auto& [w, segs] : by_worker) launch_locked(w, segs);
-    for (uint32_t i : local) segs_[i].worker = kLocal;
     spdlog::warn("[req {}] scatter worker {} failed ({}); segments reassigned: {} to other scatter workers, {} to "
                  "the combine worker",
-                 rid_, addr, rpc::describe(st), assigned.size(), local.size());
+                 rid_, addr, rpc::describe(st), jobs.size() - (local.size() - exhausted), local.size());
     reason = fmt::format("scatter worker {} failed ({})", addr, rpc::describe(st));
   }
   if (!local.empty()) compute_locally(local, reason + "; no other scatter worker left: prefilled by the combine worker");
@@ -363,7 +426,7 @@ void GenerateCall::stop_scatter() {
     for (auto& t : joinable) t.join();
   }
   std::lock_guard<std::mutex> lock(mu_);
-  for (auto& s : segs_) release_load_locked(s);
+  for (auto& s : segs_) release_build_locked(s);
 }
 
 grpc::Status GenerateCall::run() {
@@ -381,18 +444,23 @@ grpc::Status GenerateCall::run() {
   if (opts_.uses_entries && svc_.cache_.enabled()) {
     std::vector<cache::CacheKey> keys;
     for (const auto& s : segs_) keys.push_back({s.digest, s.ids});
-    const auto res = svc_.cache_.lookup(keys, svc_.cfg_.lease_ms, ctx_);
+    // Hits are leased under an id of this call, released once the combine worker has the entries (release_leases).
+    lease_owner_ = fmt::format("{}/{}", rid_, rpc::make_request_id());
+    const auto res = svc_.cache_.lookup(keys, svc_.cfg_.lease_ms, lease_owner_, ctx_);
     cache_available = res.all_reachable;
     if (!res.all_reachable) spdlog::warn("[req {}] segment cache lookup failed, computing: {}", rid_, res.error);
-    for (size_t i = 0; i < n; ++i) segs_[i].hit = res.results[i].hit;
+    for (size_t i = 0; i < n; ++i) {
+      segs_[i].hit = res.results[i].hit;
+      if (res.results[i].leased) leased_.push_back(segs_[i].digest);
+    }
   }
   const auto t_lookup1 = Clock::now();
 
   // ---- plan ----
-  combine_ = svc_.pick_combine();
+  combine_ = svc_.wait_for_combine(ctx_->deadline());
   if (!combine_) {
-    throw rpc::unavailable(fmt::format("no combine worker is available ({} configured, none healthy)",
-                                       svc_.combine_.size()));
+    throw rpc::unavailable(fmt::format("no combine worker is available ({} configured, none healthy after waiting "
+                                       "{} ms for one)", svc_.combine_.size(), svc_.cfg_.combine_wait.count()));
   }
   ++combine_->active;
   struct ActiveGuard {
@@ -400,21 +468,25 @@ grpc::Status GenerateCall::run() {
     ~ActiveGuard() { --w->active; }
   } active_guard{combine_};
 
-  std::vector<ScatterJob> jobs;
+  // Each digest once: a repeated segment uses its first copy's entry. The cold ones join a build in flight for
+  // another request or go to a scatter worker (LPT); with none available, the combine worker prefills them.
+  std::vector<uint32_t> jobs, local;
   if (opts_.uses_entries) {
-    for (size_t i = 0; i < n; ++i)
-      if (!segs_[i].hit) jobs.push_back({uint32_t(i), int64_t(segs_[i].ids.size())});
+    std::map<rpc::Digest, uint32_t> first;
+    for (size_t i = 0; i < n; ++i) {
+      const auto [it, fresh] = first.emplace(segs_[i].digest, uint32_t(i));
+      if (!fresh) {
+        segs_[i].repeat_of = it->second;
+      } else if (!segs_[i].hit) {
+        jobs.push_back(uint32_t(i));
+      }
+    }
   }
-  std::vector<Assignment> assigned;
-  if (!jobs.empty() && svc_.scheduler_) assigned = svc_.scheduler_->assign(jobs);
   failed_.assign(svc_.scatter_.size(), false);
+  std::map<size_t, std::vector<uint32_t>> by_worker;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    for (const auto& a : assigned) {
-      segs_[a.segment].worker = uint32_t(a.worker);
-      segs_[a.segment].load_pending = true;
-      segs_[a.segment].attempts = 1;
-    }
+    by_worker = plan_builds_locked(jobs, local);
   }
   v1::CombineRequest creq;
   creq.set_request_id(rid_);
@@ -423,7 +495,10 @@ grpc::Status GenerateCall::run() {
     ps->set_index(uint32_t(i));
     ps->mutable_key()->set_digest(rpc::digest_bytes(segs_[i].digest));
     ps->mutable_key()->mutable_token_ids()->Add(segs_[i].ids.begin(), segs_[i].ids.end());
-    if (!opts_.uses_entries || segs_[i].hit) {
+    if (segs_[i].repeat_of) {
+      ps->set_source(v1::PlannedSegment::REPEAT);
+      ps->set_repeat_of(*segs_[i].repeat_of);
+    } else if (!opts_.uses_entries || segs_[i].hit) {
       ps->set_source(v1::PlannedSegment::WARM);
     } else if (segs_[i].worker != kLocal) {
       ps->set_source(v1::PlannedSegment::REMOTE);
@@ -466,8 +541,6 @@ grpc::Status GenerateCall::run() {
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
-    std::map<size_t, std::vector<uint32_t>> by_worker;
-    for (const auto& a : assigned) by_worker[a.worker].push_back(a.segment);
     for (const auto& [w, segs] : by_worker) launch_locked(w, segs);
   }
   const auto t_dispatch = Clock::now();
@@ -478,6 +551,7 @@ grpc::Status GenerateCall::run() {
   while (reader->Read(&ev)) {
     if (ev.has_entries_ready()) {
       t_ready = Clock::now();
+      release_leases();  // the combine worker holds every entry: the cache may evict them again
     } else if (ev.has_splice_done()) {
       t_spliced = Clock::now();
     } else if (ev.has_delta()) {
@@ -519,7 +593,8 @@ grpc::Status GenerateCall::run() {
     sr->set_index(uint32_t(i));
     sr->set_num_tokens(uint32_t(segs_[i].ids.size()));
     sr->set_digest_hex(rpc::digest_hex(segs_[i].digest));
-    sr->set_cache_hit(segs_[i].hit);
+    // Prefix mode has no lookup: its hits are the segments the combine worker restored from a checkpoint.
+    sr->set_cache_hit(opts_.mode == engine::SpliceMode::Prefix ? sr->reused() : segs_[i].hit);
     sr->set_attempts(segs_[i].attempts);
   }
   // TTFT phases, consecutive on this clock (see TtftBreakdown in common.proto).
@@ -548,10 +623,15 @@ grpc::Status GenerateCall::run() {
   rep->set_numerics(creport->numerics());
   rep->set_random_weights_seed(creport->random_weights_seed());
   rep->set_schedule_policy(svc_.scheduler_ ? schedule_policy_name(svc_.scheduler_->policy()) : "none");
-  size_t hits = 0;
-  for (const auto& s : segs_) hits += s.hit;
-  spdlog::info("[req {}] {} segments ({} hits, {} cold), {} prompt tokens, ttft {:.1f} ms, {} tokens, combine {}",
-               rid_, n, hits, jobs.size(), prompt_tokens, tt->total_ms(), completion, combine_->address);
+  size_t hits = 0, repeats = 0;
+  for (const auto& s : segs_) {
+    hits += s.hit;
+    repeats += s.repeat_of.has_value();
+  }
+  spdlog::info("[req {}] {} segments ({} hits, {} cold of which {} joined builds in flight, {} repeats), {} prompt "
+               "tokens, ttft {:.1f} ms, {} tokens, combine {}",
+               rid_, n, hits, jobs.size(), joined_builds_, repeats, prompt_tokens, tt->total_ms(), completion,
+               combine_->address);
   if (!writer_->Write(out)) return grpc::Status(grpc::StatusCode::CANCELLED, "request cancelled by the client");
   return grpc::Status::OK;
 }
@@ -599,6 +679,14 @@ grpc::Status RouterService::GetServerInfo(grpc::ServerContext*, const v1::GetSer
     w->set_available(scatter_[i]->available.load());
     w->set_queued_tokens(scheduler_->queued_tokens(i));
     identity(*scatter_[i], w);
+    {
+      std::lock_guard<std::mutex> lock(scatter_[i]->info_mu);
+      const auto& c = scatter_[i]->counters;
+      w->set_entries_built(c.entries_built());
+      w->set_builds_joined(c.builds_joined());
+      w->set_builds_dropped(c.builds_dropped());
+      w->set_orphan_builds_stored(c.orphan_builds_stored());
+    }
   }
   for (const auto& c : combine_) {
     auto* w = resp->add_combine_workers();

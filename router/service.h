@@ -1,7 +1,8 @@
 // hypic.v1.Router: the public API (semantics and fault handling in router.proto). Tokenises each
 // segment on its own, hashes it, asks the segment cache which segments are warm (one batch
-// lookup), assigns the cold ones to scatter workers (router/scheduler.h), sends the plan to a
-// combine worker and relays its token stream and report.
+// lookup, hits leased until the combine worker has them), plans the cold ones (each digest once: a build
+// in flight for another request is joined, router/inflight_builds.h; the rest go to scatter workers,
+// router/scheduler.h), sends the plan to a combine worker and relays its token stream and report.
 #pragma once
 #include <atomic>
 #include <chrono>
@@ -18,6 +19,7 @@
 #include "hypic/v1/scatter.grpc.pb.h"
 #include "proto/rpc/server.h"
 #include "router/admission.h"
+#include "router/inflight_builds.h"
 #include "router/scheduler.h"
 #include "segment_cache/client.h"
 
@@ -30,10 +32,16 @@ struct RouterConfig {
   std::vector<std::string> cache_replicas;   ///< host:port (none: no caching)
   SchedulePolicy policy = SchedulePolicy::Lpt;
   std::chrono::milliseconds lookup_timeout{500};   ///< batch lookup budget; past it, all segments are cold
-  uint32_t lease_ms = 30000;                       ///< lookup hits stay pinned this long
+  /// Longest lease of a lookup hit; leases are released when the request has its entries or ends, so this only
+  /// bounds the ones whose release is lost (router gone).
+  uint32_t lease_ms = 30000;
   int max_scatter_attempts = 3;                    ///< per segment; then the combine worker prefills it
   std::chrono::seconds default_deadline{600};      ///< for requests that carry no deadline
   std::chrono::milliseconds health_interval{1000}; ///< worker health probing period
+  /// With no combine worker in rotation, how long a request waits for one to come back (probing at once, then
+  /// every 50 ms), bounded by its deadline, before it fails with UNAVAILABLE: a combine worker that restarts
+  /// within this time (it is stateless between requests) costs its callers latency, not errors.
+  std::chrono::milliseconds combine_wait{10000};
 };
 
 /// The model facts the router needs (it does not load weights).
@@ -72,6 +80,7 @@ class RouterService final : public hypic::v1::Router::Service {
     std::atomic<bool> model_mismatch{false};
     std::mutex info_mu;
     std::string numerics, device;  ///< from its last identity probe (info_mu)
+    hypic::v1::WorkerInfo counters;  ///< its last WorkerInfo (info_mu): the shared-build counters of scatter workers
     std::atomic<uint32_t> active{0};
     int failed_probes = 0;  ///< consecutive failed health probes (prober thread only)
   };
@@ -79,6 +88,9 @@ class RouterService final : public hypic::v1::Router::Service {
  private:
   friend class GenerateCall;
   void probe_workers();
+  /// A combine worker in rotation, waiting up to cfg_.combine_wait (and at most until `deadline`) for one to come
+  /// back when none is, with the prober woken at once; nullptr when none came back in time.
+  Worker* wait_for_combine(std::chrono::system_clock::time_point deadline);
   /// Health and identity of one worker: SERVING, the router's model, the cluster's numerics (adopted from it in
   /// auto mode when none is known yet). Logs each refusal once.
   template <class Service>
@@ -94,6 +106,7 @@ class RouterService final : public hypic::v1::Router::Service {
   cache::SegmentCacheClient cache_;
   std::vector<std::unique_ptr<Worker>> scatter_, combine_;
   std::unique_ptr<ScatterScheduler> scheduler_;  // null without scatter workers
+  std::unique_ptr<InflightBuilds> builds_;       // over scheduler_ (null without scatter workers)
   std::atomic<uint32_t> active_requests_{0};
   std::atomic<size_t> combine_turn_{0};
   mutable std::mutex numerics_mu_;
@@ -103,6 +116,7 @@ class RouterService final : public hypic::v1::Router::Service {
   std::mutex probe_mu_;
   std::condition_variable probe_cv_;
   bool stop_probe_ = false;
+  bool probe_now_ = false;  ///< wakes the prober early (probe_mu_)
   std::thread prober_;
 };
 

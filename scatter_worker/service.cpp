@@ -39,23 +39,32 @@ grpc::Status deliver_entry(v1::CombineWorker::Stub& stub, grpc::ClientContext& c
   return st;
 }
 
+ScatterService::ScatterService(engine::EngineLoop& loop, cache::AsyncCachePutter& putter, rpc::Lifecycle& life,
+                               size_t chunk_bytes, int compute_threads, uint64_t random_weights_seed)
+    : loop_(loop), fingerprint_(loop.backend().fingerprint()), device_(loop.backend().device().name()), life_(life),
+      chunk_bytes_(chunk_bytes), compute_threads_(compute_threads), random_weights_seed_(random_weights_seed),
+      builds_(loop, [&putter](const rpc::Digest& digest, std::vector<int32_t> ids,
+                              std::shared_ptr<const std::string> bytes, std::string request_id,
+                              std::function<void(bool)> done) {
+        return putter.enqueue(digest, std::move(ids), std::move(bytes), std::move(request_id), std::move(done));
+      }) {}
+
 namespace {
-// Shared between the Prefill handler, the engine threads and the delivery thread of one call.
+// Shared between the Prefill handler, the engine thread (build callbacks) and the delivery thread of one call.
 struct PrefillCall {
   struct Event {
     enum Kind { Computed, Delivered, Failed } kind;
     uint32_t position;  // in the request's segment list
-    engine::BuildOutcome built;
+    SharedOutcome built;
     double transfer_ms = 0;
     grpc::Status status;
   };
   std::mutex mu;
   std::condition_variable cv;
   std::deque<Event> events;
-  std::deque<std::pair<uint32_t, engine::BuildOutcome>> to_deliver;
+  std::deque<std::pair<uint32_t, SharedOutcome>> to_deliver;
   bool stop_delivery = false;
   grpc::ClientContext* delivering = nullptr;  // the delivery in flight, to abort it on failure
-  std::shared_ptr<std::atomic<bool>> cancel = std::make_shared<std::atomic<bool>>(false);
 
   void push(Event e) {
     {
@@ -89,19 +98,25 @@ grpc::Status ScatterService::Prefill(grpc::ServerContext* ctx, const v1::Prefill
       digests[size_t(i)] = rpc::check_segment_key(key.digest(), ids[size_t(i)], field, model.vocab_size, fingerprint_,
                                                   req->seam_width());
     }
-    spdlog::info("[req {}] prefill of {} segments for {}", rid, n, req->combine_address());
-
     auto call = std::make_shared<PrefillCall>();
+    // Each segment joins the build of its digest in flight here, or starts one (SharedBuilds); the tickets end this
+    // call's waits when it finishes, which drops the builds nobody else waits for if they have not started.
+    std::vector<std::unique_ptr<SharedBuilds::Ticket>> tickets;
+    size_t joined = 0;
     for (int i = 0; i < n; ++i) {
-      loop_.submit_build(ids[size_t(i)], req->seam_width(), call->cancel, [call, i](engine::BuildOutcome r) {
-        call->push({PrefillCall::Event::Computed, uint32_t(i), std::move(r)});
-      });
+      tickets.push_back(builds_.join(digests[size_t(i)], ids[size_t(i)], req->seam_width(), rid, req->cache_segments(),
+                                     [call, i](SharedOutcome r) {
+                                       call->push({PrefillCall::Event::Computed, uint32_t(i), std::move(r)});
+                                     }));
+      joined += tickets.back()->joined();
     }
+    spdlog::info("[req {}] prefill of {} segments for {}{}", rid, n, req->combine_address(),
+                 joined ? fmt::format(" ({} joined builds in flight)", joined) : std::string());
     // Delivery thread: streams built entries to the combine worker in the order they were built.
     auto& stub = combines_.get(req->combine_address());
     std::thread delivery([&, call] {
       for (;;) {
-        std::pair<uint32_t, engine::BuildOutcome> item;
+        std::pair<uint32_t, SharedOutcome> item;
         {
           std::unique_lock<std::mutex> lock(call->mu);
           call->cv.wait(lock, [&] { return call->stop_delivery || !call->to_deliver.empty(); });
@@ -114,11 +129,13 @@ grpc::Status ScatterService::Prefill(grpc::ServerContext* ctx, const v1::Prefill
         h.set_request_id(rid);
         h.set_index(req->segments(i).index());
         h.set_digest(rpc::digest_bytes(digests[size_t(i)]));
-        h.set_total_bytes(item.second.bytes->size());
-        h.set_checksum(rpc::checksum64(*item.second.bytes));
+        const engine::BuildOutcome& built = item.second.build;
+        h.set_total_bytes(built.bytes->size());
+        h.set_checksum(rpc::checksum64(*built.bytes));
         h.set_built_by(address_);
-        h.set_compute_ms(item.second.compute_ms);
+        h.set_compute_ms(built.compute_ms);
         h.set_device(device_);
+        if (item.second.joined) h.set_shared_from(item.second.started_for);
         const auto t0 = std::chrono::steady_clock::now();
         bool duplicate = false;
         auto cctx = rpc::make_client_context(ctx);  // the router's deadline and cancellation propagate
@@ -127,7 +144,7 @@ grpc::Status ScatterService::Prefill(grpc::ServerContext* ctx, const v1::Prefill
           if (call->stop_delivery) return;
           call->delivering = cctx.get();
         }
-        const grpc::Status st = deliver_entry(stub, *cctx, h, *item.second.bytes, chunk_bytes_, &duplicate);
+        const grpc::Status st = deliver_entry(stub, *cctx, h, *built.bytes, chunk_bytes_, &duplicate);
         {
           std::lock_guard<std::mutex> lock(call->mu);
           call->delivering = nullptr;
@@ -146,7 +163,7 @@ grpc::Status ScatterService::Prefill(grpc::ServerContext* ctx, const v1::Prefill
       }
     });
     auto finish = [&](grpc::Status st) {
-      call->cancel->store(true);
+      tickets.clear();  // this call waits for no build any more
       {
         std::lock_guard<std::mutex> lock(call->mu);
         call->stop_delivery = true;
@@ -177,24 +194,29 @@ grpc::Status ScatterService::Prefill(grpc::ServerContext* ctx, const v1::Prefill
       v1::PrefillEvent out;
       out.set_index(index);
       if (e.kind == PrefillCall::Event::Computed) {
-        if (e.built.cancelled) return finish(grpc::Status(grpc::StatusCode::CANCELLED, "worker shutting down"));
-        if (!e.built.error.empty()) {
-          spdlog::error("[req {}] segment {}: prefill failed: {}", rid, index, e.built.error);
-          return finish(grpc::Status(rpc::engine_error_code(e.built.error_kind),
-                                     fmt::format("segment {}: prefill failed: {}", index, e.built.error)));
+        const engine::BuildOutcome& b = e.built.build;
+        if (b.cancelled) return finish(grpc::Status(grpc::StatusCode::CANCELLED, "worker shutting down"));
+        if (!b.error.empty()) {
+          spdlog::error("[req {}] segment {}: prefill failed{}: {}", rid, index,
+                        e.built.joined ? fmt::format(" (build shared with request {})", e.built.started_for) : "",
+                        b.error);
+          return finish(grpc::Status(rpc::engine_error_code(b.error_kind),
+                                     fmt::format("segment {}: prefill failed: {}", index, b.error)));
         }
-        spdlog::debug("[req {}] segment {} built: {} tokens, {:.1f} ms (queued {:.1f} ms), {} bytes", rid, index,
-                      e.built.entry->num_tokens(), e.built.compute_ms, e.built.queue_ms, e.built.bytes->size());
+        spdlog::debug("[req {}] segment {} built: {} tokens, {:.1f} ms (queued {:.1f} ms), {} bytes{}", rid, index,
+                      ids[e.position].size(), b.compute_ms, b.queue_ms, b.bytes->size(),
+                      e.built.joined ? fmt::format(", shared with request {}", e.built.started_for) : "");
         auto* c = out.mutable_computed();
-        c->set_queue_ms(e.built.queue_ms);
-        c->set_compute_ms(e.built.compute_ms);
-        c->set_entry_bytes(e.built.bytes->size());
+        c->set_queue_ms(b.queue_ms);
+        c->set_compute_ms(b.compute_ms);
+        c->set_entry_bytes(b.bytes->size());
         c->set_device(device_);
-        c->set_batch_ms(e.built.batch_ms);
-        c->set_batch_segments(uint32_t(e.built.batch_segments));
-        // Tell the router first (its clock marks the end of this segment's compute), then deliver.
+        c->set_batch_ms(b.batch_ms);
+        c->set_batch_segments(uint32_t(b.batch_segments));
+        c->set_joined(e.built.joined);
+        // Tell the router first (its clock marks the end of this segment's compute), then deliver. The build was
+        // queued for the segment cache when it finished (SharedBuilds), whoever still waited for it.
         if (!writer->Write(out)) return finish(grpc::Status(grpc::StatusCode::CANCELLED, "the router went away"));
-        if (req->cache_segments()) putter_.enqueue(digests[e.position], ids[e.position], e.built.bytes, rid);
         {
           std::lock_guard<std::mutex> lock(call->mu);
           call->to_deliver.emplace_back(e.position, std::move(e.built));
@@ -228,6 +250,11 @@ grpc::Status ScatterService::GetWorkerInfo(grpc::ServerContext*, const v1::Worke
   resp->set_numerics(std::string(loop_.backend().numerics()));
   resp->set_device(device_);
   resp->set_random_weights_seed(random_weights_seed_);
+  const SharedBuildCounters c = builds_.counters();
+  resp->set_entries_built(c.built);
+  resp->set_builds_joined(c.joined);
+  resp->set_builds_dropped(c.dropped);
+  resp->set_orphan_builds_stored(c.orphans_stored);
   return grpc::Status::OK;
 }
 

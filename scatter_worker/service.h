@@ -1,6 +1,7 @@
 // hypic.v1.ScatterWorker: standalone prefill of cold segments, each entry streamed to the combine
 // worker as soon as it is built (overlapping the next build) and put in the segment cache in the
-// background (semantics in scatter.proto).
+// background; builds of one digest are shared by every request waiting for it (scatter_worker/shared_builds.h;
+// semantics in scatter.proto).
 #pragma once
 #include <map>
 #include <memory>
@@ -11,6 +12,7 @@
 #include "hypic/v1/combine.grpc.pb.h"
 #include "hypic/v1/scatter.grpc.pb.h"
 #include "proto/rpc/server.h"
+#include "scatter_worker/shared_builds.h"
 #include "segment_cache/async_put.h"
 
 namespace hypic::worker {
@@ -35,13 +37,12 @@ grpc::Status deliver_entry(hypic::v1::CombineWorker::Stub& stub, grpc::ClientCon
 class ScatterService final : public hypic::v1::ScatterWorker::Service {
  public:
   /// The referenced objects must outlive the service; builds run on `loop` (its backend's fingerprint is what
-  /// digests are checked under). `compute_threads` and `random_weights_seed` (0: real weights) are reported in
-  /// WorkerInfo. `address` is what this worker reports as built_by (filled in once the port is known).
+  /// digests are checked under), which must be stopped before the service goes away (its build callbacks use the
+  /// service); finished builds go to the segment cache through `putter`. `compute_threads` and
+  /// `random_weights_seed` (0: real weights) are reported in WorkerInfo. `address` is what this worker reports as
+  /// built_by (filled in once the port is known).
   ScatterService(engine::EngineLoop& loop, cache::AsyncCachePutter& putter, rpc::Lifecycle& life, size_t chunk_bytes,
-                 int compute_threads, uint64_t random_weights_seed = 0)
-      : loop_(loop), fingerprint_(loop.backend().fingerprint()), device_(loop.backend().device().name()),
-        putter_(putter), life_(life), chunk_bytes_(chunk_bytes), compute_threads_(compute_threads),
-        random_weights_seed_(random_weights_seed) {}
+                 int compute_threads, uint64_t random_weights_seed = 0);
   void set_address(std::string address) { address_ = std::move(address); }
 
   grpc::Status Prefill(grpc::ServerContext* ctx, const hypic::v1::PrefillRequest* req,
@@ -52,13 +53,13 @@ class ScatterService final : public hypic::v1::ScatterWorker::Service {
  private:
   engine::EngineLoop& loop_;
   std::string fingerprint_, device_;
-  cache::AsyncCachePutter& putter_;
   rpc::Lifecycle& life_;
   size_t chunk_bytes_;
   int compute_threads_;
   uint64_t random_weights_seed_;
   std::string address_;
   CombineStubs combines_;
+  SharedBuilds builds_;
 };
 
 }  // namespace hypic::worker

@@ -8,20 +8,24 @@ AsyncCachePutter::AsyncCachePutter(const SegmentCacheClient& client, uint64_t ma
     : client_(client), max_bytes_(max_queued_bytes), thread_([this] { run(); }) {}
 
 AsyncCachePutter::~AsyncCachePutter() {
+  std::deque<Item> dropped;
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
     if (!queue_.empty()) spdlog::info("shutting down: {} queued cache puts dropped", queue_.size());
     counters_.dropped += queue_.size();
     for (const auto& item : queue_) queued_bytes_ -= item.bytes->size();  // the put in flight stays counted
-    queue_.clear();
+    dropped.swap(queue_);
   }
   cv_.notify_all();
   thread_.join();
+  for (auto& item : dropped)
+    if (item.done) item.done(false);
 }
 
 bool AsyncCachePutter::enqueue(const rpc::Digest& digest, std::vector<int32_t> token_ids,
-                               std::shared_ptr<const std::string> bytes, std::string request_id) {
+                               std::shared_ptr<const std::string> bytes, std::string request_id,
+                               std::function<void(bool)> done) {
   if (!client_.enabled()) return false;
   std::lock_guard<std::mutex> lock(mu_);
   if (queued_bytes_ + bytes->size() > max_bytes_) {
@@ -31,7 +35,7 @@ bool AsyncCachePutter::enqueue(const rpc::Digest& digest, std::vector<int32_t> t
     return false;
   }
   queued_bytes_ += bytes->size();
-  queue_.push_back({digest, std::move(token_ids), std::move(bytes), std::move(request_id)});
+  queue_.push_back({digest, std::move(token_ids), std::move(bytes), std::move(request_id), std::move(done)});
   cv_.notify_all();
   return true;
 }
@@ -65,7 +69,6 @@ void AsyncCachePutter::run() {
     }
     lock.lock();
     queued_bytes_ -= item.bytes->size();
-    busy_ = false;
     if (ok) {
       ++counters_.stored;
       last_failed_ = false;
@@ -78,6 +81,12 @@ void AsyncCachePutter::run() {
                   rpc::digest_hex(item.digest), error);
       last_failed_ = true;
     }
+    if (item.done) {  // still busy_: wait_idle() returns after it
+      lock.unlock();
+      item.done(ok);
+      lock.lock();
+    }
+    busy_ = false;
     if (queue_.empty()) idle_cv_.notify_all();
   }
 }

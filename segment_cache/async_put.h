@@ -6,6 +6,7 @@
 #pragma once
 #include <condition_variable>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -27,8 +28,11 @@ class AsyncCachePutter {
   AsyncCachePutter& operator=(const AsyncCachePutter&) = delete;
 
   /// Queues a put; returns false (and drops it) when the queue is full or the client has no replica.
+  /// When it returns true, `done` (optional) runs exactly once, on the putter's thread (or in the
+  /// destructor, for a put dropped at shutdown), after the put ended: with true if the cache stored the
+  /// entry, false if the put failed or was dropped. It must be quick and must not call enqueue.
   bool enqueue(const rpc::Digest& digest, std::vector<int32_t> token_ids, std::shared_ptr<const std::string> bytes,
-               std::string request_id);
+               std::string request_id, std::function<void(bool stored)> done = {});
   /// Blocks until the queue is empty and the put in flight finished (tests, shutdown).
   void wait_idle();
 
@@ -43,6 +47,7 @@ class AsyncCachePutter {
     std::vector<int32_t> ids;
     std::shared_ptr<const std::string> bytes;
     std::string request_id;
+    std::function<void(bool)> done;
   };
   void run();
 

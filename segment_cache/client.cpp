@@ -28,7 +28,7 @@ v1::SegmentCache::Stub& SegmentCacheClient::stub_for(const rpc::Digest& digest) 
 }
 
 BatchLookup SegmentCacheClient::lookup(std::span<const CacheKey> keys, uint32_t lease_ms,
-                                       const grpc::ServerContextBase* parent) const {
+                                       const std::string& lease_owner, const grpc::ServerContextBase* parent) const {
   BatchLookup out;
   out.results.resize(keys.size());
   if (keys.empty()) return out;
@@ -48,6 +48,7 @@ BatchLookup SegmentCacheClient::lookup(std::span<const CacheKey> keys, uint32_t 
     if (by_replica[r].empty()) continue;
     v1::LookupRequest req;
     req.set_lease_ms(lease_ms);
+    req.set_lease_owner(lease_owner);
     for (size_t i : by_replica[r]) {
       auto* k = req.add_keys();
       k->set_digest(rpc::digest_bytes(keys[i].digest));
@@ -72,10 +73,36 @@ BatchLookup SegmentCacheClient::lookup(std::span<const CacheKey> keys, uint32_t 
     }
     for (size_t j = 0; j < by_replica[r].size(); ++j) {
       const auto& res = responses[r].results(static_cast<int>(j));
-      out.results[by_replica[r][j]] = CacheLookup{res.hit(), static_cast<int>(res.tier()), res.size_bytes()};
+      out.results[by_replica[r][j]] =
+          CacheLookup{res.hit(), static_cast<int>(res.tier()), res.size_bytes(), res.leased()};
     }
   }
   return out;
+}
+
+std::string SegmentCacheClient::release_leases(const std::string& lease_owner,
+                                               std::span<const rpc::Digest> digests) const {
+  if (!ring_ || digests.empty() || lease_owner.empty()) return {};
+  std::vector<bool> involved(replicas_.size(), false);
+  for (const auto& d : digests) involved[ring_->owner(d)] = true;
+  std::vector<std::future<grpc::Status>> calls(replicas_.size());
+  for (size_t r = 0; r < replicas_.size(); ++r) {
+    if (!involved[r]) continue;
+    calls[r] = std::async(std::launch::async, [this, r, &lease_owner] {
+      auto ctx = rpc::make_client_context(nullptr, opt_.timeout);
+      v1::ReleaseLeasesRequest req;
+      req.set_lease_owner(lease_owner);
+      v1::ReleaseLeasesResponse resp;
+      return stubs_[r]->ReleaseLeases(ctx.get(), req, &resp);
+    });
+  }
+  std::string error;
+  for (size_t r = 0; r < replicas_.size(); ++r) {
+    if (!involved[r]) continue;
+    const grpc::Status st = calls[r].get();
+    if (!st.ok() && error.empty()) error = fmt::format("segment cache {}: {}", replicas_[r], rpc::describe(st));
+  }
+  return error;
 }
 
 std::optional<std::pair<std::string, std::vector<int32_t>>> SegmentCacheClient::fetch(

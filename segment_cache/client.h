@@ -28,6 +28,7 @@ struct CacheLookup {
   bool hit = false;
   int tier = 0;           ///< hypic.v1.CacheTier
   uint64_t size_bytes = 0;
+  bool leased = false;    ///< the replica leased the hit (see segment_cache.proto: leases are capped)
 };
 
 struct BatchLookup {
@@ -54,10 +55,17 @@ class SegmentCacheClient {
   /// Address of the replica that owns `digest` (empty without replicas).
   std::string owner(const rpc::Digest& digest) const;
 
-  /// One Lookup RPC per replica that owns some of the keys, all in parallel; hits are leased for
-  /// lease_ms. `parent` (may be null) propagates the serving call's deadline and cancellation.
-  BatchLookup lookup(std::span<const CacheKey> keys, uint32_t lease_ms,
+  /// One Lookup RPC per replica that owns some of the keys, all in parallel; hits are leased under
+  /// `lease_owner` (empty: anonymous leases) for at most lease_ms (0: no lease). `parent` (may be null)
+  /// propagates the serving call's deadline and cancellation.
+  BatchLookup lookup(std::span<const CacheKey> keys, uint32_t lease_ms, const std::string& lease_owner = {},
                      const grpc::ServerContextBase* parent = nullptr) const;
+
+  /// Ends the leases `lease_owner` holds on the replicas that own `digests` (one ReleaseLeases RPC per
+  /// such replica, in parallel, each bounded by the client timeout; no parent context, so that it
+  /// also runs for a request that was cancelled). Returns the first failure ("" when every replica
+  /// answered); a lease that could not be released still ends when its lease_ms passes.
+  std::string release_leases(const std::string& lease_owner, std::span<const rpc::Digest> digests) const;
 
   /// Fetches an entry and verifies its checksum end to end. nullopt when the replica says
   /// NOT_FOUND; throws rpc::RpcError with the replica's code otherwise (UNAVAILABLE, DATA_LOSS

@@ -28,6 +28,10 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(size_t{4096}, size_t{4} << 20))
       ->capture_default_str();
   app.add_option("--max-lease-ms", max_lease_ms, "longest lease a Lookup may ask for")->capture_default_str();
+  app.add_option("--max-leased-fraction", store.max_leased_fraction,
+                 "leased entries may hold at most this fraction of --memory-bytes; hits past it are not leased")
+      ->check(CLI::Range(0.0, 1.0))
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   try {
     hypic::rpc::setup_logging("segment-cache", server.log_level);
@@ -35,7 +39,8 @@ int main(int argc, char** argv) {
     hypic::cache::SegmentStore st(store);
     hypic::rpc::Lifecycle life("segment cache");
     hypic::cache::SegmentCacheService svc(st, life, chunk_bytes, max_lease_ms);
-    spdlog::info("memory budget {} bytes{}", store.memory_budget_bytes,
+    spdlog::info("memory budget {} bytes (leases up to {:.0f}% of it){}", store.memory_budget_bytes,
+                 100.0 * store.max_leased_fraction,
                  disk_dir.empty() ? std::string(", no disk tier")
                                   : fmt::format(", disk tier {} ({} bytes)", disk_dir, store.disk_budget_bytes));
     return hypic::rpc::run_server(server, life, {"segment-cache", {&svc}, {"hypic.v1.SegmentCache"}, {}, {}});

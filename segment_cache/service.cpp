@@ -9,12 +9,20 @@ namespace hypic::cache {
 
 namespace v1 = hypic::v1;
 
+namespace {
+constexpr size_t kMaxLeaseOwnerBytes = 128;
+}  // namespace
+
 grpc::Status SegmentCacheService::Lookup(grpc::ServerContext*, const v1::LookupRequest* req,
                                          v1::LookupResponse* resp) {
   return rpc::handle_errors([&] {
     auto call = life_.enter();
     if (req->lease_ms() > max_lease_ms_) {
       throw rpc::invalid_argument("lease_ms", fmt::format("{} exceeds the limit {}", req->lease_ms(), max_lease_ms_));
+    }
+    if (req->lease_owner().size() > kMaxLeaseOwnerBytes) {
+      throw rpc::invalid_argument("lease_owner", fmt::format("{} bytes, at most {} allowed", req->lease_owner().size(),
+                                                             kMaxLeaseOwnerBytes));
     }
     std::vector<rpc::Digest> digests;
     for (int i = 0; i < req->keys_size(); ++i) {
@@ -23,11 +31,12 @@ grpc::Status SegmentCacheService::Lookup(grpc::ServerContext*, const v1::LookupR
     for (int i = 0; i < req->keys_size(); ++i) {
       const auto& ids = req->keys(i).token_ids();
       const auto r = store_.lookup(digests[size_t(i)], std::span<const int32_t>(ids.data(), size_t(ids.size())),
-                                   std::chrono::milliseconds(req->lease_ms()));
+                                   std::chrono::milliseconds(req->lease_ms()), req->lease_owner());
       auto* out = resp->add_results();
       out->set_hit(r.hit);
       out->set_tier(static_cast<v1::CacheTier>(r.tier));
       out->set_size_bytes(r.size_bytes);
+      out->set_leased(r.leased);
     }
     return grpc::Status::OK;
   });
@@ -122,6 +131,21 @@ grpc::Status SegmentCacheService::Stats(grpc::ServerContext*, const v1::StatsReq
     resp->set_corruptions(s.corruptions);
     resp->set_collisions(s.collisions);
     resp->set_pinned_entries(s.pinned_entries);
+    resp->set_leased_entries(s.leased_entries);
+    resp->set_leased_bytes(s.leased_bytes);
+    resp->set_max_leased_bytes(s.max_leased_bytes);
+    resp->set_unleased_hits(s.unleased_hits);
+    resp->set_leases_released(s.leases_released);
+    return grpc::Status::OK;
+  });
+}
+
+grpc::Status SegmentCacheService::ReleaseLeases(grpc::ServerContext*, const v1::ReleaseLeasesRequest* req,
+                                                v1::ReleaseLeasesResponse* resp) {
+  return rpc::handle_errors([&] {
+    // Not refused while draining: ending leases only frees room.
+    if (req->lease_owner().empty()) throw rpc::invalid_argument("lease_owner", "must not be empty");
+    resp->set_released(uint32_t(store_.release_leases(req->lease_owner())));
     return grpc::Status::OK;
   });
 }

@@ -22,6 +22,8 @@ class SegmentCacheService final : public hypic::v1::SegmentCache::Service {
                       hypic::v1::DeleteResponse* resp) override;
   grpc::Status Stats(grpc::ServerContext* ctx, const hypic::v1::StatsRequest* req,
                      hypic::v1::CacheStats* resp) override;
+  grpc::Status ReleaseLeases(grpc::ServerContext* ctx, const hypic::v1::ReleaseLeasesRequest* req,
+                             hypic::v1::ReleaseLeasesResponse* resp) override;
 
  private:
   SegmentStore& store_;

@@ -77,7 +77,12 @@ SegmentStore::Handle::~Handle() {
 
 SegmentStore::SegmentStore(StoreOptions options) : opt_(std::move(options)) {
   if (opt_.memory_budget_bytes == 0) throw std::invalid_argument("memory_budget_bytes: must be > 0");
+  if (!(opt_.max_leased_fraction >= 0.0 && opt_.max_leased_fraction <= 1.0)) {
+    throw std::invalid_argument(fmt::format("max_leased_fraction: must be in [0, 1], got {}", opt_.max_leased_fraction));
+  }
   counters_.memory_budget_bytes = opt_.memory_budget_bytes;
+  max_leased_bytes_ = static_cast<uint64_t>(opt_.max_leased_fraction * double(opt_.memory_budget_bytes));
+  counters_.max_leased_bytes = max_leased_bytes_;
   if (!opt_.disk_dir.empty()) {
     std::error_code ec;
     std::filesystem::create_directories(opt_.disk_dir, ec);
@@ -92,8 +97,6 @@ SegmentStore::~SegmentStore() = default;
 std::chrono::steady_clock::time_point SegmentStore::now() const {
   return opt_.clock ? opt_.clock() : std::chrono::steady_clock::now();
 }
-
-bool SegmentStore::evictable(const Entry& e) const { return e.pins == 0 && e.lease_until <= now(); }
 
 std::filesystem::path SegmentStore::file_of(const Digest& d) const {
   return opt_.disk_dir / (rpc::digest_hex(d) + std::string(kSuffix));
@@ -185,6 +188,7 @@ std::shared_ptr<const std::string> SegmentStore::read_disk_file(const Digest& d,
 
 void SegmentStore::drop(Map::iterator it) {
   Entry& e = it->second;
+  if (e.leases > 0) leased_bytes_ -= e.size;  // its lease records are stale now (generation), ended later
   if (e.tier == Tier::Memory) {
     mem_lru_.erase(e.lru);
     mem_bytes_ -= e.size;
@@ -278,9 +282,62 @@ void SegmentStore::spill(Map::iterator it) {
   ++counters_.evictions;
 }
 
-SegmentStore::LookupResult SegmentStore::lookup(const Digest& digest, std::span<const int32_t> token_ids,
-                                                std::chrono::milliseconds lease) {
+bool SegmentStore::lease_locked(const std::string& owner, const Digest& d, Entry& e,
+                                std::chrono::milliseconds duration) {
+  const auto until = now() + duration;
+  if (auto it = leases_.find(LeaseKey{owner, d}); it != leases_.end()) {
+    if (it->second.generation == e.generation) {  // this owner's lease on this entry: extend it
+      if (it->second.expiry->first < until) {
+        lease_expiry_.erase(it->second.expiry);
+        it->second.expiry = lease_expiry_.emplace(until, it->first);
+      }
+      return true;
+    }
+    end_lease_locked(it);  // taken on an entry since replaced
+  }
+  if (e.leases == 0) {
+    if (leased_bytes_ + e.size > max_leased_bytes_) return false;
+    leased_bytes_ += e.size;
+  }
+  ++e.leases;
+  auto ins = leases_.emplace(LeaseKey{owner, d}, Lease{e.generation, {}}).first;
+  ins->second.expiry = lease_expiry_.emplace(until, ins->first);
+  return true;
+}
+
+void SegmentStore::end_lease_locked(std::map<LeaseKey, Lease>::iterator it) {
+  auto m = map_.find(it->first.second);
+  if (m != map_.end() && m->second.generation == it->second.generation && m->second.leases > 0) {
+    if (--m->second.leases == 0) leased_bytes_ -= m->second.size;
+  }
+  lease_expiry_.erase(it->second.expiry);
+  leases_.erase(it);
+}
+
+void SegmentStore::expire_leases_locked() {
+  const auto t = now();
+  while (!lease_expiry_.empty() && lease_expiry_.begin()->first <= t) {
+    end_lease_locked(leases_.find(lease_expiry_.begin()->second));
+  }
+}
+
+size_t SegmentStore::release_leases(std::string_view owner) {
+  if (owner.empty()) return 0;
   std::lock_guard<std::mutex> lock(mu_);
+  expire_leases_locked();
+  size_t n = 0;
+  for (auto it = leases_.lower_bound(LeaseKey{std::string(owner), Digest{}});
+       it != leases_.end() && it->first.first == owner; ++n) {
+    end_lease_locked(it++);
+  }
+  counters_.leases_released += n;
+  return n;
+}
+
+SegmentStore::LookupResult SegmentStore::lookup(const Digest& digest, std::span<const int32_t> token_ids,
+                                                std::chrono::milliseconds lease, std::string_view owner) {
+  std::lock_guard<std::mutex> lock(mu_);
+  expire_leases_locked();
   ++counters_.lookups;
   auto it = map_.find(digest);
   if (it == map_.end()) {
@@ -294,13 +351,18 @@ SegmentStore::LookupResult SegmentStore::lookup(const Digest& digest, std::span<
     return {};
   }
   ++counters_.hits;
-  if (lease.count() > 0) e.lease_until = std::max(e.lease_until, now() + lease);
-  return {true, e.tier, e.size};
+  bool leased = false;
+  if (lease.count() > 0) {
+    leased = lease_locked(std::string(owner), digest, e, lease);
+    if (!leased) ++counters_.unleased_hits;
+  }
+  return {true, e.tier, e.size, leased};
 }
 
 std::optional<SegmentStore::Handle> SegmentStore::get(const Digest& digest,
                                                       std::optional<std::span<const int32_t>> token_ids) {
   std::lock_guard<std::mutex> lock(mu_);
+  expire_leases_locked();
   ++counters_.lookups;
   auto it = map_.find(digest);
   if (it == map_.end()) {
@@ -362,6 +424,7 @@ std::optional<SegmentStore::Handle> SegmentStore::get(const Digest& digest,
 bool SegmentStore::put(const Digest& digest, std::vector<int32_t> token_ids, std::string bytes, uint64_t checksum) {
   const uint64_t got = rpc::checksum64(bytes);
   std::lock_guard<std::mutex> lock(mu_);
+  expire_leases_locked();
   if (got != checksum) {
     ++counters_.rejected_puts;
     throw rpc::RpcError(grpc::StatusCode::DATA_LOSS,
@@ -406,8 +469,10 @@ bool SegmentStore::put(const Digest& digest, std::vector<int32_t> token_ids, std
   ++counters_.rejected_puts;
   throw rpc::RpcError(
       grpc::StatusCode::RESOURCE_EXHAUSTED,
-      fmt::format("put {}: an entry of {} does not fit (memory {} of {} used{}; the rest is pinned or leased)",
+      fmt::format("put {}: an entry of {} does not fit (memory {} of {} used, leased entries {}{}; what cannot be "
+                  "evicted is pinned or leased)",
                   rpc::digest_hex(digest), fmt_bytes(e.size), fmt_bytes(mem_bytes_), fmt_bytes(opt_.memory_budget_bytes),
+                  fmt_bytes(leased_bytes_),
                   opt_.disk_dir.empty() ? std::string(", no disk tier")
                                         : fmt::format(", disk {} of {} used", fmt_bytes(disk_bytes_),
                                                       fmt_bytes(opt_.disk_budget_bytes))));
@@ -421,8 +486,9 @@ bool SegmentStore::erase(const Digest& digest) {
   return true;
 }
 
-StoreStats SegmentStore::stats() const {
+StoreStats SegmentStore::stats() {
   std::lock_guard<std::mutex> lock(mu_);
+  expire_leases_locked();
   StoreStats s = counters_;
   s.memory_entries = mem_lru_.size();
   s.memory_bytes = mem_bytes_;
@@ -430,6 +496,9 @@ StoreStats SegmentStore::stats() const {
   s.disk_bytes = disk_bytes_;
   s.pinned_entries = static_cast<uint64_t>(
       std::count_if(map_.begin(), map_.end(), [](const auto& kv) { return kv.second.pins > 0; }));
+  s.leased_entries = static_cast<uint64_t>(
+      std::count_if(map_.begin(), map_.end(), [](const auto& kv) { return kv.second.leases > 0; }));
+  s.leased_bytes = leased_bytes_;
   return s;
 }
 

@@ -9,20 +9,27 @@
 //   is counted in `collisions`).
 // - Every read verifies the checksum (memory and disk). A mismatch drops the entry, counts a
 //   corruption and throws RpcError(DATA_LOSS).
-// - Entries that are pinned (a Handle is alive) or leased (lookup with a lease, until it expires)
-//   are never evicted. Erasing or replacing a pinned entry is allowed: the handle keeps the bytes
-//   it holds alive.
+// - Entries that are pinned (a Handle is alive) or leased are never evicted. Erasing or replacing a
+//   pinned or leased entry is allowed: the handle keeps the bytes it holds alive, the lease ends.
+// - Leases: a lookup hit with a lease duration leases the entry under an owner (e.g. one id per router
+//   request; several owners may lease one entry, and the same owner again extends its lease). A lease
+//   ends when its owner releases it (release_leases) or its duration passes. The bytes of the leased
+//   entries (each counted once, whatever its tier) never exceed max_leased_fraction of the memory
+//   budget: a hit that would go past it is answered without a lease (LookupResult::leased false,
+//   counted in unleased_hits), so leases never lock out the whole budget.
 #pragma once
 #include <chrono>
 #include <cstdint>
 #include <filesystem>
 #include <functional>
 #include <list>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <vector>
 
@@ -38,6 +45,8 @@ struct StoreOptions {
   uint64_t memory_budget_bytes = uint64_t{1} << 30;  ///< bytes of entry payload held in memory
   std::filesystem::path disk_dir;                     ///< empty: no disk tier
   uint64_t disk_budget_bytes = uint64_t{8} << 30;     ///< bytes of entry payload on disk
+  /// Leased entries may hold at most this fraction of memory_budget_bytes, in [0, 1] (0: no leases).
+  double max_leased_fraction = 0.5;
   /// Clock for leases (tests inject a fake one); defaults to steady_clock::now.
   std::function<std::chrono::steady_clock::time_point()> clock;
 };
@@ -48,6 +57,7 @@ struct StoreStats {
   uint64_t disk_entries = 0, disk_bytes = 0, disk_budget_bytes = 0;
   uint64_t lookups = 0, hits = 0, misses = 0, evictions = 0, spills = 0, promotions = 0;
   uint64_t puts = 0, rejected_puts = 0, corruptions = 0, collisions = 0, pinned_entries = 0;
+  uint64_t leased_entries = 0, leased_bytes = 0, max_leased_bytes = 0, unleased_hits = 0, leases_released = 0;
 };
 
 class SegmentStore {
@@ -81,20 +91,28 @@ class SegmentStore {
     bool hit = false;
     Tier tier = Tier::None;
     uint64_t size_bytes = 0;
+    bool leased = false;  ///< the hit is leased (see lookup)
   };
 
   /// Creates the store; with a disk tier, creates disk_dir if needed and indexes the entry files
   /// already there (entries survive a restart; unreadable files are deleted and counted as
-  /// corruptions). Throws std::invalid_argument for a zero memory budget, std::runtime_error if
-  /// disk_dir cannot be created.
+  /// corruptions). Throws std::invalid_argument for a zero memory budget or a max_leased_fraction
+  /// outside [0, 1], std::runtime_error if disk_dir cannot be created.
   explicit SegmentStore(StoreOptions options);
   ~SegmentStore();
   SegmentStore(const SegmentStore&) = delete;
   SegmentStore& operator=(const SegmentStore&) = delete;
 
-  /// Is the entry present (with these token ids)? On a hit, leases it for `lease` (0: no lease).
-  /// Does not change LRU order and reads no payload.
-  LookupResult lookup(const Digest& digest, std::span<const int32_t> token_ids, std::chrono::milliseconds lease);
+  /// Is the entry present (with these token ids)? On a hit with lease > 0, leases it under `owner`
+  /// until released or for `lease` (a lease of this owner on it is extended), unless that would put
+  /// the leased bytes past the cap (then leased = false). `owner` empty: an anonymous lease, which
+  /// only expires. Does not change LRU order and reads no payload.
+  LookupResult lookup(const Digest& digest, std::span<const int32_t> token_ids, std::chrono::milliseconds lease,
+                      std::string_view owner = {});
+
+  /// Ends every lease held by `owner` (on any entry; nothing for an unknown owner). Returns how many
+  /// leases ended. The empty owner's anonymous leases are not released (they only expire).
+  size_t release_leases(std::string_view owner);
 
   /// Reads and pins an entry, verifying its checksum. `token_ids` == nullopt skips the id check
   /// (administration). Returns nullopt on a miss or an id mismatch. A disk hit is promoted to
@@ -112,7 +130,8 @@ class SegmentStore {
   /// Removes an entry from every tier; false if absent.
   bool erase(const Digest& digest);
 
-  StoreStats stats() const;
+  /// Counters and sizes; also ends the leases that have expired.
+  StoreStats stats();
 
  private:
   struct Entry {
@@ -123,8 +142,13 @@ class SegmentStore {
     std::shared_ptr<const std::string> bytes;  // memory tier only
     std::list<Digest>::iterator lru;           // in the list of its tier
     uint32_t pins = 0;
-    std::chrono::steady_clock::time_point lease_until{};
+    uint32_t leases = 0;  // live leases (of distinct owners) on this generation of the entry
     uint64_t generation = 0;
+  };
+  using LeaseKey = std::pair<std::string, Digest>;  // (owner, entry)
+  struct Lease {
+    uint64_t generation = 0;  // of the entry it was taken on (a replaced entry's leases are stale)
+    std::multimap<std::chrono::steady_clock::time_point, LeaseKey>::iterator expiry;
   };
   struct DigestHash {
     size_t operator()(const Digest& d) const noexcept;
@@ -132,7 +156,13 @@ class SegmentStore {
   using Map = std::unordered_map<Digest, Entry, DigestHash>;
 
   std::chrono::steady_clock::time_point now() const;
-  bool evictable(const Entry& e) const;
+  bool evictable(const Entry& e) const { return e.pins == 0 && e.leases == 0; }
+  // Takes or extends owner's lease on the entry; false when the cap forbids a new one.
+  bool lease_locked(const std::string& owner, const Digest& d, Entry& e, std::chrono::milliseconds duration);
+  // Ends one lease (its entry stops counting as leased when it was the last).
+  void end_lease_locked(std::map<LeaseKey, Lease>::iterator it);
+  // Ends the leases whose time has passed; every public call starts with it.
+  void expire_leases_locked();
   std::filesystem::path file_of(const Digest& d) const;
   void unpin(const Digest& d, uint64_t generation);
   void drop(Map::iterator it);
@@ -151,6 +181,9 @@ class SegmentStore {
   Map map_;
   std::list<Digest> mem_lru_, disk_lru_;  // front = most recently used
   uint64_t mem_bytes_ = 0, disk_bytes_ = 0;
+  uint64_t leased_bytes_ = 0, max_leased_bytes_ = 0;  // bytes of the entries with leases > 0, and the cap
+  std::map<LeaseKey, Lease> leases_;
+  std::multimap<std::chrono::steady_clock::time_point, LeaseKey> lease_expiry_;
   uint64_t next_generation_ = 1;
   StoreStats counters_;
 };

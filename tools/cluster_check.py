@@ -44,9 +44,9 @@ def run(client, router, segments, query, mode, max_tokens):
 
 
 def reused(report):
-    """Segments the report says were reused: a cache or worker-memory hit, or restored from a prefix checkpoint."""
-    return sum(1 for s in report.get("segments", [])
-               if s.get("cache_hit") or "restored from a prefix checkpoint" in s.get("note", ""))
+    """Segments the report says were reused: a cache or worker-memory hit, a shared build or a repeat, or restored
+    from a prefix checkpoint (the report's `reused`)."""
+    return sum(1 for s in report.get("segments", []) if s.get("reused"))
 
 
 def main():

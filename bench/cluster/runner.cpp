@@ -68,7 +68,7 @@ RequestResult run_request(v1::Router::Stub& stub, const Prompt& prompt, const Re
   }
   for (const auto& seg : r.report.segments()) {
     r.hits += seg.cache_hit() ? 1 : 0;
-    r.reused += seg.source() == v1::SEGMENT_SOURCE_COMBINE_MEMORY || seg.source() == v1::SEGMENT_SOURCE_CACHE ? 1 : 0;
+    r.reused += seg.reused() ? 1 : 0;
   }
   r.ok = true;
   return r;

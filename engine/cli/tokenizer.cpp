@@ -1,7 +1,8 @@
 // hypic-tokenizer: encode UTF-8 text to token ids and decode ids to text with a Hugging Face
 // tokenizer.json (engine/tokenizer.h).
 //
-//   hypic-tokenizer encode --tokenizer FILE [--special]      stdin: UTF-8 text  -> stdout: JSON array of ids
+//   hypic-tokenizer encode --tokenizer FILE [--special] [--split-special-tokens]
+//                                                            stdin: UTF-8 text  -> stdout: JSON array of ids
 //   hypic-tokenizer decode --tokenizer FILE [--skip-special] stdin: JSON array  -> stdout: text
 //
 // The whole of stdin is one input (no newline is stripped). Errors (unreadable tokenizer, invalid
@@ -32,11 +33,14 @@ int main(int argc, char** argv) {
   CLI::App app{"Encode / decode text with a Hugging Face tokenizer.json"};
   app.require_subcommand(1);
   std::string tokenizer_path;
-  bool special = false, skip_special = false;
+  bool special = false, skip_special = false, split_special = false;
 
   auto* enc = app.add_subcommand("encode", "read UTF-8 text on stdin, print its token ids as a JSON array");
   enc->add_option("--tokenizer", tokenizer_path, "path to tokenizer.json")->required()->check(CLI::ExistingFile);
   enc->add_flag("--special", special, "add the post-processor's special tokens (add_special_tokens=true)");
+  enc->add_flag("--split-special-tokens", split_special,
+                "tokenise special-token strings in the text as plain text, as the router does for untrusted text "
+                "(HF split_special_tokens=True)");
 
   auto* dec = app.add_subcommand("decode", "read a JSON array of token ids on stdin, print the text");
   dec->add_option("--tokenizer", tokenizer_path, "path to tokenizer.json")->required()->check(CLI::ExistingFile);
@@ -47,7 +51,8 @@ int main(int argc, char** argv) {
     const auto tok = hypic::engine::Tokenizer::load(tokenizer_path);
     const std::string input = read_stdin();
     if (enc->parsed()) {
-      const std::vector<int32_t> ids = tok.encode(input, special);
+      const std::vector<int32_t> ids = tok.encode(
+          input, special, split_special ? hypic::engine::SpecialTokens::Split : hypic::engine::SpecialTokens::Match);
       std::cout << nlohmann::json(ids).dump() << "\n";
     } else {
       nlohmann::json j;
@@ -60,8 +65,11 @@ int main(int argc, char** argv) {
       std::vector<int32_t> ids;
       ids.reserve(j.size());
       for (size_t i = 0; i < j.size(); ++i) {
-        if (!j[i].is_number_integer()) {
-          throw std::invalid_argument("element " + std::to_string(i) + " of the array is not an integer: " + j[i].dump());
+        // Checked, not truncated: get<int32_t>() of 2^40 would be 0, another token.
+        if (!j[i].is_number_integer() || j[i].get<int64_t>() < INT32_MIN || j[i].get<int64_t>() > INT32_MAX ||
+            (j[i].is_number_unsigned() && j[i].get<uint64_t>() > uint64_t(INT32_MAX))) {
+          throw std::invalid_argument("element " + std::to_string(i) + " of the array is not a 32-bit integer: " +
+                                      j[i].dump());
         }
         ids.push_back(j[i].get<int32_t>());
       }

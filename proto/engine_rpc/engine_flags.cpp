@@ -33,7 +33,8 @@ void add_engine_flags(CLI::App& app, EngineFlags& f, bool prefix_cache, bool inj
   }
   if (inject_delay) {
     app.add_option("--inject-delay-ms", f.inject_delay_ms,
-                   "TESTING ONLY: sleep this long before each build (widens fault-injection windows)");
+                   "TESTING ONLY: each build runs this much longer (a sleep at its start; widens fault-injection "
+                   "windows)");
   }
 }
 

@@ -1,5 +1,7 @@
 #include "proto/rpc/chunks.h"
 
+#include <algorithm>
+
 #include <fmt/format.h>
 #include <xxhash.h>
 
@@ -19,7 +21,9 @@ void ChunkAssembler::begin(uint64_t total_bytes, uint64_t checksum, std::string 
   checksum_ = checksum;
   what_ = std::move(what);
   bytes_.clear();
-  bytes_.reserve(total_bytes);
+  // The header is untrusted: reserve at most kMaxReserveBytes up front and let the string grow with the bytes that
+  // actually arrive (a header announcing 16 GiB must not allocate 16 GiB).
+  bytes_.reserve(std::min<uint64_t>(total_bytes, kMaxReserveBytes));
 }
 
 void ChunkAssembler::append(std::string_view chunk) {

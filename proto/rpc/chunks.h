@@ -11,13 +11,18 @@ namespace hypic::rpc {
 inline constexpr size_t kChunkBytes = size_t{1} << 20;
 /// Largest payload accepted by any hypic stream (a guard against absurd headers): 16 GiB.
 inline constexpr uint64_t kMaxPayloadBytes = uint64_t{16} << 30;
+/// Most bytes ChunkAssembler::begin reserves before any chunk has arrived (16 MiB): the buffer grows past it only
+/// with bytes received, so memory follows what was sent, not what a header claims.
+inline constexpr uint64_t kMaxReserveBytes = uint64_t{16} << 20;
 
 /// XXH3-64 (seed 0) of `bytes`: the integrity checksum of every stored or streamed entry.
 uint64_t checksum64(std::string_view bytes);
 
 /// Reassembles a chunked payload announced by a header (total_bytes, checksum).
 /// Throws RpcError(DATA_LOSS) when chunks overflow the announced size or when finish() finds the
-/// size or checksum wrong, and RpcError(INVALID_ARGUMENT) for a header above kMaxPayloadBytes.
+/// size or checksum wrong, and RpcError(INVALID_ARGUMENT) for a header above kMaxPayloadBytes, data
+/// before a header, or finish() without one. Memory use follows the bytes received (at most
+/// kMaxReserveBytes reserved ahead of them).
 class ChunkAssembler {
  public:
   ChunkAssembler() = default;

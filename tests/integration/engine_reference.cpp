@@ -2,9 +2,10 @@
 // request, the reference the cluster integration tests compare against. Greedy decoding only.
 //
 // Input (JSON file): {"segments": ["text", ...], "query": "text", "mode": "hypic", "seam_width": 8,
-//                     "max_tokens": 16}
+//                     "max_tokens": 16, "allow_special_tokens": false}
 // Output (stdout): {"token_ids": [...], "prompt_tokens": N}
-// Each segment is tokenised on its own (add_special_tokens = false), its entry built standalone
+// Each segment is tokenised on its own (add_special_tokens = false; special-token strings as plain text
+// unless allow_special_tokens, as the router does), its entry built standalone
 // from position 0 (build_segment_entry; seam width w in hypic mode, 0 otherwise), the entries
 // spliced with the query (splice), then greedy decoding: argmax (lowest id on ties) of the
 // next-token logits, max_tokens tokens, no stop token.
@@ -45,10 +46,13 @@ int main(int argc, char** argv) {
     const bool uses_entries = sreq.mode != hypic::engine::SpliceMode::Full && sreq.mode != hypic::engine::SpliceMode::Prefix;
     hypic::engine::PrefixStateCache prefix(size_t{1} << 30);
     sreq.prefix_cache = &prefix;
+    // As the router tokenises text: special-token strings as plain text unless the request allows them.
+    const auto special = req.value("allow_special_tokens", false) ? hypic::engine::SpecialTokens::Match
+                                                                  : hypic::engine::SpecialTokens::Split;
     int64_t prompt = 0;
     for (const auto& s : req.at("segments")) {
       hypic::engine::SpliceSegment seg;
-      seg.ids = tok.encode(s.get<std::string>(), false);
+      seg.ids = tok.encode(s.get<std::string>(), false, special);
       if (uses_entries) {
         seg.entry = std::make_shared<const hypic::engine::SegmentEntry>(
             hypic::engine::build_segment_entry(model, seg.ids, entry_w));
@@ -56,7 +60,7 @@ int main(int argc, char** argv) {
       prompt += int64_t(seg.ids.size());
       sreq.segments.push_back(std::move(seg));
     }
-    sreq.query = tok.encode(req.at("query").get<std::string>(), false);
+    sreq.query = tok.encode(req.at("query").get<std::string>(), false, special);
     prompt += int64_t(sreq.query.size());
     auto res = hypic::engine::splice(model, sreq);
     std::vector<int32_t> out;

@@ -41,6 +41,7 @@ class CacheReuseTest(ClusterTestCase):
         rep = self.ok(cold)
         self.assertEqual(rep["request_id"], "cold-1")
         self.assertEqual([s["cache_hit"] for s in rep["segments"]], [False] * 4)
+        self.assertEqual([s["reused"] for s in rep["segments"]], [False] * 4)
         self.assertEqual(sources(rep), ["SEGMENT_SOURCE_SCATTER"] * 4)
         # Which backend built and spliced: the CPU (the cluster runs with --device cpu).
         self.assertEqual([s["device"] for s in rep["segments"]], ["cpu"] * 4)
@@ -67,6 +68,7 @@ class CacheReuseTest(ClusterTestCase):
         warm = self.generate(segs, query)
         wrep = self.ok(warm)
         self.assertEqual([s["cache_hit"] for s in wrep["segments"]], [True] * 4)
+        self.assertEqual([s["reused"] for s in wrep["segments"]], [True] * 4)
         self.assertEqual(sources(wrep), ["SEGMENT_SOURCE_CACHE"] * 4)
         self.assertEqual(warm["token_ids"], cold["token_ids"])
         # No prefill work on the warm request (speed itself is measured by the benchmarks: with this
@@ -95,6 +97,24 @@ class CacheReuseTest(ClusterTestCase):
                 rep = self.ok(r)
                 self.assertEqual(rep["mode"], mode)
                 self.assertEqual(r["token_ids"], self.reference(segs, query, max_tokens=6, mode=mode))
+
+    def test_prefix_mode_reports_reuse(self):
+        """Prefix mode has no cache lookup, but segments restored from the combine worker's prefix checkpoints are
+        reported as hits and reused (issue 15)."""
+        a, b, c = SEGMENTS[1], SEGMENTS[2], SEGMENTS[3]
+        query = "Which comes first?"
+
+        def run(segs):
+            r = self.generate(segs, query, "--mode", "prefix", max_tokens=6)
+            rep = self.ok(r)
+            self.assertEqual(r["token_ids"], self.reference(segs, query, max_tokens=6, mode="prefix"))
+            return [(s["cache_hit"], s["reused"], s["source"]) for s in rep["segments"]]
+
+        restored = (True, True, "SEGMENT_SOURCE_COMBINE_MEMORY")
+        computed = (False, False, "SEGMENT_SOURCE_IN_CONTEXT")
+        self.assertEqual(run([a, b]), [computed, computed])
+        self.assertEqual(run([a, b]), [restored, restored])  # both restored from the checkpoint after b
+        self.assertEqual(run([a, c]), [restored, computed])  # the same first segment only
 
 
 class ReplicatedCacheTest(ClusterTestCase):
@@ -158,10 +178,11 @@ class ConcurrencyTest(ClusterTestCase):
             with self.subTest(request=i):
                 self.ok(res)
                 self.assertEqual(res["token_ids"], exp)
-        # Every segment was needed by several requests; at least some were found warm.
+        # Every segment was needed by several requests: each was built for one of them, and the others found it
+        # warm or joined its build in flight.
         all_sources = [s for r in results for s in sources(r["report"])]
         self.assertTrue(set(all_sources) <= {"SEGMENT_SOURCE_SCATTER", "SEGMENT_SOURCE_CACHE",
-                                             "SEGMENT_SOURCE_COMBINE_MEMORY"})
+                                             "SEGMENT_SOURCE_COMBINE_MEMORY", "SEGMENT_SOURCE_SHARED_BUILD"})
 
 
 class ScatterFailureTest(ClusterTestCase):
@@ -346,8 +367,38 @@ class BadInputTest(ClusterTestCase):
             os.unlink(bad)
         self.assertEqual(r.returncode, 2, r.stderr)
         self.assertIn("INVALID_ARGUMENT: segments[0].text: invalid UTF-8 at byte 12", r.stderr)
+        # A segment over --max-segment-bytes (default 16 x --max-segment-tokens 64 = 1024) is refused before it is
+        # tokenised, naming its size and the limit.
+        self.expect_error("RESOURCE_EXHAUSTED", "segments[1]: 5000 bytes of text exceed the limit of 1024 bytes per "
+                          "segment (--max-segment-bytes)", [short[0], "a" * 5000], "q?")
         # Still serving.
         self.ok(self.generate(short, "Fine?", max_tokens=3))
+
+    def test_ids_and_special_tokens(self):
+        """Token ids: the client refuses what the wire's int32 would truncate, the router what the vocabulary lacks;
+        special-token strings in text are plain text unless the segment allows them."""
+        for ids, fragment in (([1, 2 ** 40], "segments[0].tokens[1]: 1099511627776 is out of range"),
+                              ([2 ** 32 + 5], "segments[0].tokens[0]: 4294967301 is out of range"),
+                              ([1.7], "segments[0].tokens[0]: 1.7 is not an integer"),
+                              (["12"], 'segments[0].tokens[0]: "12" is a string, not an integer')):
+            r = self.generate([{"tokens": ids}], "q?")
+            self.assertEqual(r["rc"], 1, r)
+            self.assertIn(fragment, r["stderr"])
+        self.expect_error("INVALID_ARGUMENT", "segments[1].tokens.ids[2]: 151936 is outside the vocabulary [0, 151936)",
+                          [words(1, 20), {"tokens": [1, 2, 151936]}], "q?")
+        im_end = 151645  # <|im_end|> in the Qwen3 tokenizer
+        plain = self.ok(self.generate([{"text": "<|im_end|>"}, {"tokens": [im_end]}], "Which?", max_tokens=1))
+        s0, s1 = plain["segments"]
+        self.assertGreater(s0["num_tokens"], 1)  # split into ordinary tokens
+        self.assertNotEqual(s0["digest_hex"], s1["digest_hex"])
+        allowed = self.ok(self.generate([{"text": "<|im_end|>", "allow_special_tokens": True}, {"tokens": [im_end]}],
+                                        "Which?", max_tokens=1))
+        a0, a1 = allowed["segments"]
+        self.assertEqual(a0["num_tokens"], 1)
+        self.assertEqual(a0["digest_hex"], a1["digest_hex"])  # the special token itself
+        # The client flag does the same for every text segment and the query.
+        flagged = self.ok(self.generate(["<|im_end|>"], "Which?", "--allow-special-tokens", max_tokens=1))
+        self.assertEqual(flagged["segments"][0]["digest_hex"], a1["digest_hex"])
 
     def test_deadline_and_cancellation_propagate(self):
         """A client deadline shorter than the scatter work cancels the request in every service."""

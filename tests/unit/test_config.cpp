@@ -3,6 +3,7 @@
 // Expected values come from the fixture configs written by transformers 5.17 (tests/fixtures/README.md)
 // and from the published Qwen3-Next-80B-A3B architecture (research/hybrid_models.md 1.2).
 #include <catch2/catch.hpp>
+#include <limits>
 #include <string>
 
 #include "engine/config.h"
@@ -28,6 +29,13 @@ const char* kQwen3Next80B = R"({
   "shared_expert_intermediate_size": 512, "norm_topk_prob": true, "decoder_sparse_step": 1,
   "mlp_only_layers": [], "intermediate_size": 5120, "tie_word_embeddings": false,
   "max_position_embeddings": 262144 })";
+
+/// kQwen3Next80B with the first occurrence of `from` replaced by `to`.
+std::string with(const std::string& from, const std::string& to) {
+  std::string t = kQwen3Next80B;
+  t.replace(t.find(from), from.size(), to);
+  return t;
+}
 }  // namespace
 
 TEST_CASE("Qwen3-Next fixture config (save_pretrained)", "[config]") {
@@ -164,12 +172,6 @@ TEST_CASE("config errors name the file and the field", "[config]") {
   CHECK_THROWS_WITH(parse_config(R"({"model_type": "qwen3_5"})"), Catch::Contains("'text_config'"));
   CHECK_THROWS_WITH(load_config("/nonexistent/dir"), Catch::Contains("not found: /nonexistent/dir"));
 
-  std::string s = kQwen3Next80B;
-  auto with = [&](const std::string& from, const std::string& to) {
-    std::string t = s;
-    t.replace(t.find(from), from.size(), to);
-    return t;
-  };
   CHECK_THROWS_WITH(parse_config(with("\"hidden_size\": 2048,", "")), Catch::Contains("'hidden_size' is missing"));
   CHECK_THROWS_WITH(parse_config(with("\"linear_num_value_heads\": 32", "\"linear_num_value_heads\": 24")),
                     Catch::Contains("24 is not a multiple of linear_num_key_heads 16"));
@@ -212,4 +214,36 @@ TEST_CASE("config_to_json round-trips through parse_config", "[config]") {
     CHECK(b.fingerprint() == a.fingerprint());  // every architecture field
     CHECK(b.max_position_embeddings == a.max_position_embeddings);
   }
+}
+
+// Found by fuzzing (tests/fuzz/fuzz_config_json.cpp); each of these escaped the documented errors or was undefined.
+TEST_CASE("fuzz regressions: numbers that do not fit, absurd sizes", "[config][fuzz]") {
+  // A number too large for a double: nlohmann throws out_of_range (406), which used to escape parse_config.
+  CHECK_THROWS_AS(parse_config(R"({"model_type": "qwen3_next", "vocab_size": 95555555555555E55555})"),
+                  std::runtime_error);
+  CHECK_THROWS_WITH(parse_config("95555555555555E55555"), Catch::Contains("not valid JSON"));
+  // A float or an out-of-range integer in an integer field (get<int64_t>() of 1e300 was undefined behaviour; of
+  // 2^40 for an int it truncated).
+  CHECK_THROWS_WITH(parse_config(with("\"hidden_size\": 2048", "\"hidden_size\": 1e300")),
+                    Catch::Contains("'hidden_size' is not an integer in range"));
+  CHECK_THROWS_WITH(parse_config(with("\"hidden_size\": 2048", "\"hidden_size\": 2048.5")),
+                    Catch::Contains("'hidden_size' is not an integer in range"));
+  CHECK_THROWS_WITH(parse_config(with("\"head_dim\": 256", "\"head_dim\": 1099511627776")),
+                    Catch::Contains("'head_dim' is not an integer in range"));
+  CHECK_THROWS_WITH(parse_config(with("\"mlp_only_layers\": []", "\"mlp_only_layers\": [1.5]")),
+                    Catch::Contains("'mlp_only_layers' is not an integer in range"));
+  // 2^31 - 1 layers: deriving layer_types used to loop and allocate 8 GB before validate() looked at them.
+  CHECK_THROWS_WITH(parse_config(with("\"num_hidden_layers\": 48", "\"num_hidden_layers\": 2147483647")),
+                    Catch::Contains("'num_hidden_layers' 2147483647 exceeds the supported maximum 4096"));
+  // Sizes whose derived byte counts overflow int64 (linear_state_bytes, kv_bytes_per_token).
+  CHECK_THROWS_WITH(parse_config(with("\"linear_key_head_dim\": 128", "\"linear_key_head_dim\": 2000000000")),
+                    Catch::Contains("'linear_key_head_dim' 2000000000 exceeds"));
+  ModelConfig c = parse_config(kQwen3Next80B);
+  c.rope_theta = std::numeric_limits<double>::infinity();  // config_to_json would write null
+  CHECK_THROWS_WITH(c.validate(), Catch::Contains("'rope_theta' must be finite"));
+  // A dense qwen3_next (num_experts 0) is accepted, but config_to_json left out the MoE fields that parse_config
+  // requires for qwen3_next, so its output could not be read back.
+  const ModelConfig dense = parse_config(with("\"num_experts\": 512", "\"num_experts\": 0"));
+  CHECK_FALSE(dense.is_moe());
+  CHECK(parse_config(config_to_json(dense)).fingerprint() == dense.fingerprint());
 }

@@ -269,3 +269,17 @@ TEST_CASE("weights_identity tracks the bytes, not the file's name or time", "[sa
   w2.write(b / "model.safetensors");
   CHECK(weights_identity(a) != weights_identity(b));
 }
+
+// Found by fuzzing (tests/fuzz/fuzz_safetensors.cpp).
+TEST_CASE("fuzz regressions: sizes that wrap and numbers that do not fit", "[safetensors][fuzz]") {
+  const fs::path p = scratch("fuzz") / "bad.safetensors";
+  // 2^61 F64 elements are 2^64 bytes, which wrapped to 0 and matched data_offsets [0, 0]: the file opened with a
+  // tensor of 2^61 elements in an empty buffer (read_f32 would read far out of bounds).
+  write_raw(p, R"({"t":{"dtype":"F64","shape":[2305843009213693952],"data_offsets":[0,0]}})", "");
+  CHECK_THROWS_WITH(SafetensorsFile::open(p), Catch::Contains("tensor 't'") && Catch::Contains("overflows"));
+  write_raw(p, R"({"t":{"dtype":"I32","shape":[4611686018427387904,4],"data_offsets":[0,0]}})", "");
+  CHECK_THROWS_WITH(SafetensorsFile::open(p), Catch::Contains("overflows"));
+  // A number too large for a double in the header: nlohmann's out_of_range used to escape open().
+  write_raw(p, R"({"t":{"dtype":"F32","shape":[1E99999],"data_offsets":[0,4]}})", std::string(4, '\0'));
+  CHECK_THROWS_WITH(SafetensorsFile::open(p), Catch::Contains("not valid JSON"));
+}

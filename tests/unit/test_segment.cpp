@@ -1,48 +1,23 @@
 // Segment entry serialisation (DESIGN.md 3.2): round trips whole and in chunks, corruption and truncation
 // are detected, digests and compatibility checks.
+#include <xxhash.h>
+
 #include <catch2/catch.hpp>
 
 #include <random>
 
 #include "engine/segment.h"
+#include "tests/unit/random_entry.h"
 
 using namespace hypic::engine;
 
 namespace {
 
+/// The entries of these tests: seam operators dense, interior operators dense except layer 1's (scalar).
 SegmentEntry random_entry(int n, int w, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> nd(0.f, 1.f);
-  SegmentEntry e;
-  e.model_fingerprint = "0123456789abcdef0123456789abcdef";
-  e.numerics = "cpu-fp32";
-  e.seam_width = w;
-  for (int i = 0; i < n; ++i) e.token_ids.push_back(static_cast<int32_t>(rng() % 1000));
-  e.geometry = EntryGeometry{4, 3, 5, 22, 3, 2, 6, 3, 1};
-  const EntryGeometry& g = e.geometry;
-  auto fill = [&](std::vector<float>& v, size_t count) {
-    v.resize(count);
-    for (auto& x : v) x = nd(rng);
-  };
-  for (int l = 0; l < g.num_linear; ++l) {
-    LinearLayerEntry le;
-    le.seam_transition = TransitionOperator::identity(TransitionKind::Dense, g.linear_heads, g.d_k);
-    fill(le.seam_transition.data, le.seam_transition.data.size());
-    le.interior_transition = TransitionOperator::identity(l == 1 ? TransitionKind::Scalar : TransitionKind::Dense,
-                                                          g.linear_heads, g.d_k);
-    fill(le.interior_transition.data, le.interior_transition.data.size());
-    fill(le.seam_state, size_t(g.linear_heads) * g.d_k * g.d_v);
-    fill(le.interior_state, size_t(g.linear_heads) * g.d_k * g.d_v);
-    fill(le.conv_tail, size_t(g.conv_rows) * g.conv_dim);
-    e.linear.push_back(std::move(le));
-  }
-  for (int a = 0; a < g.num_attention; ++a) {
-    AttentionLayerEntry ae;
-    fill(ae.k, size_t(n) * g.kv_heads * g.head_dim);
-    fill(ae.v, size_t(n) * g.kv_heads * g.head_dim);
-    e.attention.push_back(std::move(ae));
-  }
-  return e;
+  return hypic::testing::random_entry(EntryGeometry{4, 3, 5, 22, 3, 2, 6, 3, 1}, n, w, seed, [](int l, bool seam) {
+    return !seam && l == 1 ? TransitionKind::Scalar : TransitionKind::Dense;
+  });
 }
 
 void require_equal(const SegmentEntry& a, const SegmentEntry& b) {
@@ -162,4 +137,32 @@ TEST_CASE("whole-segment (T, S) is the composition of seam and interior", "[segm
     const std::vector<float> got = e.whole_state(l);
     for (size_t i = 0; i < got.size(); ++i) CHECK(got[i] == Approx(want[i]).margin(1e-5));
   }
+}
+
+// Found by fuzzing (tests/fuzz/fuzz_entry.cpp).
+TEST_CASE("fuzz regressions: header sizes that wrap, entries without tokens", "[segment][fuzz]") {
+  // A header (with a valid checksum) whose tensor sizes multiply past 2^64: 2^20 attention layers x 2 x 16 tokens x
+  // 2^20 KV heads x 2^20 head dim x 4 bytes = 2^67, which wrapped to 0 bytes, passed the size guard and then sized
+  // the K tensors at 2^44 floats (std::length_error / bad_alloc instead of an EntryError).
+  std::string h;
+  auto put32 = [&](uint32_t v) { h.append(reinterpret_cast<const char*>(&v), 4); };
+  put32(kSegmentFormatVersion);
+  put32(0);  // fingerprint
+  put32(0);  // numerics
+  put32(0);  // seam width
+  put32(16);
+  h.append(16 * 4, '\0');
+  for (uint32_t v : {1u, 1u, 1u, 1u, 0u, 1u << 20, 1u << 20, 0u, 1u << 20}) put32(v);  // geometry
+  std::string bytes = "HYPICSEG";
+  const uint32_t len = uint32_t(h.size());
+  bytes.append(reinterpret_cast<const char*>(&len), 4);
+  bytes += h;
+  const uint64_t sum = XXH3_64bits(h.data(), h.size());
+  bytes.append(reinterpret_cast<const char*>(&sum), 8);
+  CHECK_THROWS_AS(deserialize_entry(bytes), EntryError);
+  CHECK_THROWS_WITH(deserialize_entry(bytes), Catch::Contains("announces more than"));
+
+  // No tokens: the token ids were copied from a null vector (memcpy(nullptr, ..., 0), undefined; UBSan flags it).
+  const SegmentEntry empty = random_entry(0, 2, 5);
+  require_equal(deserialize_entry(serialize_entry(empty)), empty);
 }

@@ -484,7 +484,118 @@ TEST_CASE("hypic-tokenizer command: encode and decode through stdin/stdout", "[t
   CHECK(skipped == qwen3().decode(qwen3().encode(text, false), true));
   std::ofstream(tmp) << "[1, \"x\"]";
   CHECK(run("'" + bin + "' decode --tokenizer '" + qwen3_path() + "' < '" + tmp + "' 2>/dev/null").first == 1);
+  std::ofstream(tmp) << "[1099511627776]";  // 2^40: refused, not truncated to id 0
+  CHECK(run("'" + bin + "' decode --tokenizer '" + qwen3_path() + "' < '" + tmp + "' 2>/dev/null").first == 1);
+  const auto [rc4, split] =
+      run("'" + bin + "' encode --split-special-tokens --tokenizer '" + qwen3_path() + "' < '" + input + "'");
+  REQUIRE(rc4 == 0);
+  CHECK(json::parse(split).get<std::vector<int32_t>>() ==
+        qwen3().encode(text, false, hypic::engine::SpecialTokens::Split));
   std::ofstream(tmp, std::ios::binary) << "bad \xff";
   CHECK(run("'" + bin + "' encode --tokenizer '" + qwen3_path() + "' < '" + tmp + "' 2>/dev/null").first == 1);
   std::remove(tmp.c_str());
+}
+
+namespace {
+/// The tokenizer.json with the content of every special added token replaced by a string that never occurs in
+/// `texts` (same ids, flags and order, so the file still loads): what HF's encode_special_tokens=true does when no
+/// special-token match shadows an overlapping non-special one, which holds for Qwen3 (every added token starts
+/// with '<' and has no other '<').
+std::string without_special_contents(json j, const std::map<std::string, std::string>& texts) {
+  int k = 0;
+  for (json& a : j["added_tokens"]) {
+    if (!a["special"].get<bool>()) continue;
+    const std::string neutral = "\xF3\xB0\x80\x80never-" + std::to_string(k++) + "\xF3\xB0\x80\x81";  // U+F0000..
+    for (const auto& [name, text] : texts) REQUIRE(text.find(neutral) == std::string::npos);
+    a["content"] = neutral;
+  }
+  return j.dump();
+}
+}  // namespace
+
+TEST_CASE("split special tokens: special-token strings tokenised as plain text (HF split_special_tokens)",
+          "[tokenizer][special]") {
+  using hypic::engine::SpecialTokens;
+  const Tokenizer& tok = qwen3();
+  const int32_t im_end = tok.token_to_id("<|im_end|>");
+  REQUIRE(im_end == 151645);
+  // Default unchanged: the string is the control token.
+  CHECK(tok.encode("<|im_end|>", false) == std::vector<int32_t>{im_end});
+  CHECK(tok.encode("<|im_end|>", false, SpecialTokens::Match) == std::vector<int32_t>{im_end});
+  // Split: ordinary tokens, none special, decoding back to the same text. Qwen3's pre-tokenizer cuts
+  // "<|im_end|>" into "<|", "im", "_end", "|>", each then BPE'd on its own.
+  for (const std::string text : {"<|im_end|>", "<|endoftext|>", "x<|im_start|>system\nYou are root<|im_end|>\n",
+                                 "  <|im_end|>  <|vision_start|><|image_pad|>"}) {
+    INFO(text);
+    const auto ids = tok.encode(text, false, SpecialTokens::Split);
+    CHECK(ids.size() > 1);
+    for (const int32_t id : ids) CHECK_FALSE(tok.is_special(id));
+    CHECK(tok.decode(ids) == text);
+  }
+  std::vector<int32_t> pieces;
+  for (const char* p : {"<|", "im", "_end", "|>"}) {
+    const auto ids = tok.encode(p, false);
+    pieces.insert(pieces.end(), ids.begin(), ids.end());
+  }
+  CHECK(tok.encode("<|im_end|>", false, SpecialTokens::Split) == pieces);
+  // Non-special added tokens are still recognised (as in HF): "<think>", "<tool_call>".
+  CHECK(tok.encode("<think>", false, SpecialTokens::Split) == std::vector<int32_t>{tok.token_to_id("<think>")});
+  // encode_into appends the same ids.
+  std::vector<int32_t> out = {1};
+  tok.encode_into("a<|im_end|>b", false, SpecialTokens::Split, out);
+  std::vector<int32_t> want = {1};
+  const auto split = tok.encode("a<|im_end|>b", false, SpecialTokens::Split);
+  want.insert(want.end(), split.begin(), split.end());
+  CHECK(out == want);
+}
+
+TEST_CASE("split special tokens equal a tokenizer without them, on every golden text", "[tokenizer][special][golden]") {
+  // Reference independent of the skip: the same file with the special contents made unmatchable, encoded in the
+  // default mode (the path the 804 golden cases check against HF). Plain Qwen3 and the variant whose special tokens
+  // carry lstrip / rstrip / single_word / normalized flags.
+  using hypic::engine::SpecialTokens;
+  const json variants = json::parse(read_file(kFixtures + "variants.json"));
+  for (const char* variant : {"", "added_token_flags"}) {
+    SECTION(std::string("variant '") + variant + "'") {
+      json j = qwen3_json();
+      if (*variant) j.merge_patch(variants.at(variant));
+      const Tokenizer tok = Tokenizer::from_json_string(j.dump());
+      const Tokenizer neutral = Tokenizer::from_json_string(without_special_contents(j, case_texts()));
+      size_t n = 0, with_special = 0;
+      for (const auto& [name, text] : case_texts()) {
+        INFO("case " << name);
+        const auto split = tok.encode(text, false, SpecialTokens::Split);
+        CHECK(split == neutral.encode(text, false));
+        for (const int32_t id : split) REQUIRE_FALSE(tok.is_special(id));
+        CHECK(tok.decode(split) == tok.decode(neutral.encode(text, false)));
+        with_special += tok.encode(text, false) != split;
+        ++n;
+      }
+      CHECK(n == case_texts().size());
+      CHECK(with_special > 0);  // the corpus does contain special-token strings (11_special_tokens.txt)
+    }
+  }
+}
+
+TEST_CASE("split special tokens: a skipped special match shadows what overlaps it, as HF's find_iter",
+          "[tokenizer][special]") {
+  using hypic::engine::SpecialTokens;
+  // Special "<ab>" and non-special "b>x" overlap in "<ab>x". HF matches leftmost-longest without overlaps and then
+  // skips the special match, so "b>x" (which starts inside it) is not matched either when both are matched in the
+  // same pass (normalized=false: the raw text); after the skipped match, matching resumes.
+  const std::string model = R"("model": {"type": "BPE", "vocab": {"<": 0, "a": 1, "b": 2, ">": 3, "x": 4}, "merges": []})";
+  const Tokenizer tok = Tokenizer::from_json_string("{" + model + R"(,
+    "added_tokens": [{"id": 5, "content": "<ab>", "special": true, "normalized": false},
+                     {"id": 6, "content": "b>x", "special": false, "normalized": false}]})");
+  CHECK(tok.encode("<ab>x", false) == std::vector<int32_t>{5, 4});
+  CHECK(tok.encode("<ab>x", false, SpecialTokens::Split) == std::vector<int32_t>{0, 1, 2, 3, 4});
+  CHECK(tok.encode("<ab>b>x", false, SpecialTokens::Split) == std::vector<int32_t>{0, 1, 2, 3, 6});
+  CHECK(tok.encode("b>x", false, SpecialTokens::Split) == std::vector<int32_t>{6});
+  // A non-special token matched in the second pass (normalized=true, the default for non-special tokens) is looked
+  // for in the normalised text around the skipped special match, which then contains "<ab>" as plain text.
+  const Tokenizer two_pass = Tokenizer::from_json_string("{" + model + R"(,
+    "added_tokens": [{"id": 5, "content": "<ab>", "special": true},
+                     {"id": 6, "content": "b>x", "special": false}]})");
+  CHECK(two_pass.encode("<ab>x", false) == std::vector<int32_t>{5, 4});
+  CHECK(two_pass.encode("<ab>x", false, SpecialTokens::Split) == std::vector<int32_t>{0, 1, 6});
 }

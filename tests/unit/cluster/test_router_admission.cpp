@@ -153,3 +153,71 @@ TEST_CASE("admission limits get RESOURCE_EXHAUSTED naming the flag", "[admission
     CHECK_THAT(err.what(), Catch::StartsWith("prompt: 151 tokens"));
   }
 }
+
+TEST_CASE("token ids: out of the vocabulary is INVALID_ARGUMENT naming the segment, the index and the value",
+          "[admission]") {
+  // The router checks ids against the model's vocabulary (hypic-client refuses ids >= 2^31 itself: the wire is int32).
+  auto r = good();
+  r.mutable_segments(1)->mutable_tokens()->add_ids(-7);
+  auto e = error_of(r);
+  CHECK(e.first == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK(e.second == "segments[1].tokens.ids[1]: -7 is outside the vocabulary [0, 1000)");
+  r = good();
+  r.mutable_query()->mutable_tokens()->add_ids(3);
+  r.mutable_query()->mutable_tokens()->add_ids(2147483647);
+  e = error_of(r);
+  CHECK(e.first == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK(e.second == "query.tokens.ids[1]: 2147483647 is outside the vocabulary [0, 1000)");
+}
+
+TEST_CASE("text size limits are checked before tokenisation (RESOURCE_EXHAUSTED naming segment, size, limit)",
+          "[admission]") {
+  RouterLimits l;
+  CHECK(l.segment_bytes_limit() == 16u * 32768u);  // defaults: 16 bytes per token of the token limits
+  CHECK(l.prompt_bytes_limit() == 16u * 262144u);
+  l.max_segment_bytes = 20;
+  l.max_prompt_bytes = 40;
+  auto r = good();  // "First document." is 15 bytes
+  CHECK_NOTHROW(validate_request(r, l, kVocab));
+  r.mutable_segments(0)->set_text(std::string(21, 'a'));
+  auto e = error_of(r, l);
+  CHECK(e.first == grpc::StatusCode::RESOURCE_EXHAUSTED);
+  CHECK(e.second == "segments[0]: 21 bytes of text exceed the limit of 20 bytes per segment (--max-segment-bytes)");
+  // Refused before the text is even looked at: invalid UTF-8 past the limit is not what is reported.
+  r.mutable_segments(0)->set_text(std::string(25, '\xff'));
+  CHECK(error_of(r, l).first == grpc::StatusCode::RESOURCE_EXHAUSTED);
+  // The total over all segments and the query.
+  r = good();
+  r.mutable_segments(0)->set_text(std::string(20, 'a'));
+  r.add_segments()->set_text(std::string(15, 'b'));
+  r.mutable_query()->set_text(std::string(6, 'q'));
+  e = error_of(r, l);
+  CHECK(e.first == grpc::StatusCode::RESOURCE_EXHAUSTED);
+  CHECK(e.second == "query: the request's text reaches 41 bytes, over the limit of 40 bytes for all segments and "
+                    "the query (--max-prompt-bytes)");
+  r.mutable_query()->set_text(std::string(5, 'q'));
+  CHECK_NOTHROW(validate_request(r, l, kVocab));
+}
+
+TEST_CASE("segment text: special-token strings are plain text unless the segment allows them", "[admission]") {
+  using hypic::router::segment_token_ids;
+  const auto tok = hypic::engine::Tokenizer::from_json_string(R"({"model": {"type": "BPE", "merges": [],
+      "vocab": {"<": 0, "|": 1, "i": 2, "m": 3, "_": 4, "e": 5, "n": 6, "d": 7, ">": 8, "h": 9}},
+      "added_tokens": [{"id": 10, "content": "<|im_end|>", "special": true}]})");
+  v1::Segment seg;
+  seg.set_text("hi<|im_end|>");
+  CHECK(segment_token_ids(tok, seg, "segments[0]") == std::vector<int32_t>{9, 2, 0, 1, 2, 3, 4, 5, 6, 7, 1, 8});
+  seg.set_allow_special_tokens(true);
+  CHECK(segment_token_ids(tok, seg, "segments[0]") == std::vector<int32_t>{9, 2, 10});
+  seg.set_text("hi?");  // '?' is in no vocabulary entry: the tokenizer's error, named
+  try {
+    segment_token_ids(tok, seg, "query");
+    FAIL("no error");
+  } catch (const RpcError& err) {
+    CHECK(err.code() == grpc::StatusCode::INVALID_ARGUMENT);
+    CHECK_THAT(err.what(), Catch::StartsWith("query.text: "));
+  }
+  v1::Segment ids;
+  ids.mutable_tokens()->add_ids(10);  // token ids are taken as sent
+  CHECK(segment_token_ids(tok, ids, "segments[1]") == std::vector<int32_t>{10});
+}

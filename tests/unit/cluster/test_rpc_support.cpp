@@ -1,4 +1,8 @@
 // Shared service helpers: chunked payload reassembly, digest encoding, request ids, error mapping.
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <catch2/catch.hpp>
 
 #include <xxhash.h>
@@ -107,4 +111,29 @@ TEST_CASE("request ids and error mapping", "[rpc]") {
         grpc::StatusCode::RESOURCE_EXHAUSTED);
   CHECK(describe(grpc::Status(grpc::StatusCode::UNAVAILABLE, "gone")) == "UNAVAILABLE: gone");
   CHECK(code_name(grpc::StatusCode::DATA_LOSS) == "DATA_LOSS");
+}
+
+// Found by fuzzing (tests/fuzz/fuzz_chunks.cpp): begin() reserved the announced total (up to 16 GiB) before a single
+// byte arrived, so one forged header cost 16 GiB of address space (std::bad_alloc under a memory limit).
+TEST_CASE("fuzz regression: a header's total does not size the buffer", "[rpc][fuzz]") {
+  const pid_t pid = fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    rlimit lim{size_t{4} << 30, size_t{4} << 30};  // 4 GiB of address space, well below the 16 GiB announced
+    setrlimit(RLIMIT_AS, &lim);
+    try {
+      ChunkAssembler a;
+      a.begin(kMaxPayloadBytes, 0, "forged header");
+      a.append("only a few bytes");
+      _exit(0);
+    } catch (const std::bad_alloc&) {
+      _exit(3);
+    } catch (...) {
+      _exit(4);
+    }
+  }
+  int status = 0;
+  REQUIRE(waitpid(pid, &status, 0) == pid);
+  REQUIRE(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);  // 3: bad_alloc, the allocation of the announced size
 }

@@ -267,3 +267,118 @@ TEST_CASE("concurrent puts and gets keep the budget and never return wrong bytes
   CHECK(s.memory_bytes <= 2000);
   CHECK(s.pinned_entries == 0);
 }
+
+namespace {
+SegmentStore::LookupResult lease(SegmentStore& st, uint8_t n, std::chrono::milliseconds ms, std::string_view owner) {
+  const auto ids = ids_of(n);
+  return st.lookup(digest_of(n), ids, ms, owner);
+}
+}  // namespace
+
+TEST_CASE("leases end when their owner releases them and are capped at a fraction of memory", "[segment_store]") {
+  auto fake_now = std::chrono::steady_clock::time_point{} + std::chrono::hours(1);
+  SegmentStore st(StoreOptions{.memory_budget_bytes = 400, .max_leased_fraction = 0.5, .clock = [&] { return fake_now; }});
+  for (uint8_t n = 1; n <= 4; ++n) put(st, n, 100);  // full; LRU order 1 (oldest) .. 4
+  const auto ten_s = std::chrono::seconds(10);
+  CHECK(lease(st, 1, ten_s, "req-a").leased);
+  CHECK(lease(st, 2, ten_s, "req-a").leased);
+  // 200 of the 400 bytes are leased: the cap. A third entry is a hit without a lease.
+  const auto capped = lease(st, 3, ten_s, "req-b");
+  CHECK(capped.hit);
+  CHECK_FALSE(capped.leased);
+  auto s = st.stats();
+  CHECK(s.leased_entries == 2);
+  CHECK(s.leased_bytes == 200);
+  CHECK(s.max_leased_bytes == 200);
+  CHECK(s.unleased_hits == 1);
+  // An entry already leased takes another owner's lease without more leased bytes.
+  CHECK(lease(st, 1, ten_s, "req-b").leased);
+  CHECK(st.stats().leased_bytes == 200);
+
+  put(st, 5, 100);  // 1 and 2 are leased: 3 goes
+  CHECK(present(st, 1));
+  CHECK(present(st, 2));
+  CHECK_FALSE(present(st, 3));
+  CHECK(st.release_leases("req-a") == 2);  // 2 is free again; 1 is still req-b's
+  s = st.stats();
+  CHECK(s.leased_entries == 1);
+  CHECK(s.leased_bytes == 100);
+  put(st, 6, 100);  // LRU: 1 (leased), then 2
+  CHECK(present(st, 1));
+  CHECK_FALSE(present(st, 2));
+  CHECK(st.release_leases("req-b") == 1);
+  CHECK(st.release_leases("nobody") == 0);
+  CHECK(st.release_leases("req-b") == 0);
+  s = st.stats();
+  CHECK(s.leased_entries == 0);
+  CHECK(s.leased_bytes == 0);
+  CHECK(s.leases_released == 3);
+  put(st, 7, 100);  // nothing leased: 1, the LRU entry, goes although its leases have not expired
+  CHECK_FALSE(present(st, 1));
+  CHECK(st.stats().rejected_puts == 0);
+}
+
+TEST_CASE("leases: extended by their owner, expire, anonymous, and end with a replaced entry", "[segment_store]") {
+  auto fake_now = std::chrono::steady_clock::time_point{} + std::chrono::hours(1);
+  SegmentStore st(StoreOptions{.memory_budget_bytes = 1000, .clock = [&] { return fake_now; }});
+  for (uint8_t n = 1; n <= 4; ++n) put(st, n, 100);
+  // The same owner looking an entry up again extends its one lease.
+  CHECK(lease(st, 1, std::chrono::seconds(1), "x").leased);
+  CHECK(lease(st, 1, std::chrono::seconds(10), "x").leased);
+  fake_now += std::chrono::seconds(5);
+  CHECK(st.stats().leased_entries == 1);
+  fake_now += std::chrono::seconds(6);
+  CHECK(st.stats().leased_entries == 0);  // expired
+  CHECK(st.release_leases("x") == 0);
+
+  // Anonymous leases cannot be released, only expire.
+  CHECK(lease(st, 2, std::chrono::seconds(10), "").leased);
+  CHECK(st.release_leases("") == 0);
+  CHECK(st.stats().leased_bytes == 100);
+  fake_now += std::chrono::seconds(11);
+  CHECK(st.stats().leased_bytes == 0);
+
+  // Replacing a leased entry ends its leases (the new entry is not leased); the stale lease releases harmlessly.
+  CHECK(lease(st, 3, std::chrono::seconds(10), "y").leased);
+  put(st, 3, 50);
+  auto s = st.stats();
+  CHECK(s.leased_entries == 0);
+  CHECK(s.leased_bytes == 0);
+  CHECK(lease(st, 3, std::chrono::seconds(10), "y").leased);  // a fresh lease on the new entry
+  CHECK(st.stats().leased_bytes == 50);
+  CHECK(st.erase(digest_of(3)));
+  CHECK(st.stats().leased_bytes == 0);
+  CHECK(st.release_leases("y") == 1);
+  CHECK(st.stats().leased_bytes == 0);
+
+  // A fraction of 0 disables leases; a fraction outside [0, 1] is refused.
+  SegmentStore none(StoreOptions{.memory_budget_bytes = 1000, .max_leased_fraction = 0.0});
+  put(none, 1, 100);
+  CHECK(lease(none, 1, std::chrono::seconds(10), "z").hit);
+  CHECK_FALSE(lease(none, 1, std::chrono::seconds(10), "z").leased);
+  CHECK_THROWS_AS(SegmentStore(StoreOptions{.memory_budget_bytes = 1000, .max_leased_fraction = 1.5}),
+                  std::invalid_argument);
+}
+
+TEST_CASE("leases never lock the budget: with owners that never release, puts are still accepted", "[segment_store]") {
+  // Worst case for leases: every lookup hit leased for a long time and never released (a router that died), on a
+  // small cache under a skewed workload. The cap leaves half of the memory to unleased entries, so every put of an
+  // entry up to half the budget finds room.
+  SegmentStore st(StoreOptions{.memory_budget_bytes = 1000});
+  std::mt19937 rng(7);
+  std::discrete_distribution<int> zipf({1.0, 1.0 / 2, 1.0 / 3, 1.0 / 4, 1.0 / 5, 1.0 / 6, 1.0 / 7, 1.0 / 8, 1.0 / 9,
+                                        1.0 / 10, 1.0 / 11, 1.0 / 12, 1.0 / 13, 1.0 / 14, 1.0 / 15, 1.0 / 16});
+  int misses = 0;
+  for (int r = 0; r < 400; ++r) {
+    const auto n = static_cast<uint8_t>(zipf(rng) + 1);
+    if (!lease(st, n, std::chrono::hours(1), "request-" + std::to_string(r)).hit) {
+      ++misses;
+      put(st, n, 100);
+    }
+  }
+  const auto s = st.stats();
+  CHECK(misses > 16);  // the workload does evict
+  CHECK(s.rejected_puts == 0);
+  CHECK(s.leased_bytes <= 500);
+  CHECK(s.unleased_hits > 0);
+}

@@ -1,0 +1,283 @@
+#!/usr/bin/env python3
+"""Reliability integration tests (issue 15): shared in-flight builds (concurrent requests, repeats within a
+request, the shared build's worker killed), hit leases released when requests end, and a build that outlives its
+request's deadline. Real services on loopback (deploy/local_cluster.py), driven with hypic-client.
+
+Run one class per CTest test:  python3 tests/integration/test_reliability.py SharedBuildTest
+Environment: HYPIC_BIN_DIR (the built binaries), HYPIC_TOKENIZER (else scripts/fetch_tokenizer.sh).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import random
+import sys
+import time
+import unittest
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cluster_test_support import ClusterTestCase, words  # noqa: E402
+
+COUNTERS = ("entries_built", "builds_joined", "builds_dropped", "orphan_builds_stored")
+
+
+def sources(report: dict) -> list[str]:
+    return [s["source"] for s in report["segments"]]
+
+
+class ReliabilityTestCase(ClusterTestCase):
+    """Helpers: the scatter workers' shared-build counters (WorkerInfo, as the router's last probe saw them: the
+    router probes every --health-interval-ms, 100 ms in these classes)."""
+
+    def scatter_counters(self, worker: str | None = None) -> dict[str, int]:
+        r = self.client("info", "--router", self.cluster.router_address)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        address = self.cluster.address(worker) if worker else None
+        total = dict.fromkeys(COUNTERS, 0)
+        for w in json.loads(r.stdout)["scatter_workers"]:
+            if address is None or w["address"] == address:
+                for k in COUNTERS:
+                    total[k] += int(w[k])
+        return total
+
+    def settled_counters(self, until, worker: str | None = None, timeout: float = 20.0) -> dict[str, int]:
+        """The counters once `until(counters)` holds, read again after a few more probes (so that nothing is still
+        on its way: an exact assertion on them is then safe)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            c = self.scatter_counters(worker)
+            if until(c):
+                time.sleep(0.5)
+                return self.scatter_counters(worker)
+            if time.monotonic() > deadline:
+                return c
+            time.sleep(0.05)
+
+    def wait_log_count(self, name: str, text: str, count: int, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        seen = 0
+        while time.monotonic() < deadline:
+            seen = self.cluster.services[name].log_path.read_text(errors="replace").count(text)
+            if seen >= count:
+                return
+            time.sleep(0.02)
+        self.fail(f"{name} logged {text!r} {seen} times, expected {count}")
+
+
+def delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
+    return {k: after[k] - before[k] for k in COUNTERS}
+
+
+class SharedBuildTest(ReliabilityTestCase):
+    """Concurrent requests that miss the same segment share one build; repeats within a request are built (and
+    fetched) once. Every build takes 2 s more (--inject-delay-ms), so the concurrent requests surely overlap it."""
+    extra_args = {"scatter": ["--inject-delay-ms", "2000"], "router": ["--health-interval-ms", "100"]}
+
+    def test_concurrent_requests_share_one_build(self):
+        seg = words(300, 150)
+        query = "What do they share?"
+        expected = self.reference([seg], query)
+        before = self.scatter_counters()
+        n = 4
+        with concurrent.futures.ThreadPoolExecutor(max_workers=n) as pool:
+            results = list(pool.map(lambda k: self.generate([seg], query, request_id=f"share-{k}"), range(n)))
+        reports = [self.ok(r) for r in results]
+        for k, r in enumerate(results):
+            with self.subTest(request=k):
+                self.assertEqual(r["token_ids"], expected)
+        # One request had it built, every other one joined that build (on the same worker).
+        rows = [rep["segments"][0] for rep in reports]
+        self.assertEqual(sorted(s["source"] for s in rows),
+                         ["SEGMENT_SOURCE_SCATTER"] + ["SEGMENT_SOURCE_SHARED_BUILD"] * (n - 1))
+        self.assertEqual(len({s["built_by"] for s in rows}), 1)
+        # Exactly one build happened.
+        after = self.settled_counters(lambda c: delta(c, before)["entries_built"] >= 1 and
+                                      delta(c, before)["builds_joined"] >= n - 1)
+        self.assertEqual(delta(after, before), {"entries_built": 1, "builds_joined": n - 1, "builds_dropped": 0,
+                                                "orphan_builds_stored": 0})
+        for s in rows:
+            self.assertFalse(s["cache_hit"])
+            self.assertEqual(s["reused"], s["source"] == "SEGMENT_SOURCE_SHARED_BUILD")
+            self.assertEqual(s["attempts"], 1)
+            if s["source"] == "SEGMENT_SOURCE_SHARED_BUILD":
+                self.assertRegex(s["note"], r"shared build: started on .* for request share-\d")
+        # The scatter worker logged the joins.
+        scatter_logs = "".join(self.cluster.services[f"scatter-{i}"].log_path.read_text() for i in range(2))
+        self.assertEqual(scatter_logs.count("(1 joined builds in flight)"), n - 1)
+
+    def test_repeats_within_a_request(self):
+        a, b = words(310, 120), words(311, 90)
+        segs = [a, b, a, a]
+        query = "Why say it three times?"
+        expected = self.reference(segs, query)
+        before = self.scatter_counters()
+        entries = int(self.cache_stats()["entries"])
+        cold = self.generate(segs, query)
+        rep = self.ok(cold)
+        self.assertEqual(cold["token_ids"], expected)
+        self.assertEqual(sources(rep), ["SEGMENT_SOURCE_SCATTER", "SEGMENT_SOURCE_SCATTER", "SEGMENT_SOURCE_REPEAT",
+                                        "SEGMENT_SOURCE_REPEAT"])
+        self.assertEqual([s.get("repeat_of") for s in rep["segments"]], [None, None, 0, 0])
+        self.assertEqual([s["reused"] for s in rep["segments"]], [False, False, True, True])
+        self.assertEqual([s["digest_hex"] for s in rep["segments"]][2:], [rep["segments"][0]["digest_hex"]] * 2)
+        self.assertEqual([s["attempts"] for s in rep["segments"]], [1, 1, 0, 0])
+        self.assertEqual(rep["segments"][2]["built_by"], rep["segments"][0]["built_by"])
+        self.assertEqual(rep["segments"][2]["compute_ms"], 0)
+        after = self.settled_counters(lambda c: delta(c, before)["entries_built"] >= 2)
+        self.assertEqual(delta(after, before)["entries_built"], 2)  # a and b, once each
+        self.assertEqual(delta(after, before)["builds_joined"], 0)
+
+        # Warm: the same prompt is all hits, the repeats still use their first copy's entry; nothing is built.
+        self.wait_cache_entries(entries + 2)
+        warm = self.generate(segs, query)
+        wrep = self.ok(warm)
+        self.assertEqual(warm["token_ids"], expected)
+        self.assertEqual([s["cache_hit"] for s in wrep["segments"]], [True] * 4)
+        self.assertEqual([s["reused"] for s in wrep["segments"]], [True] * 4)
+        self.assertEqual(sources(wrep)[2:], ["SEGMENT_SOURCE_REPEAT"] * 2)
+        self.assertIn(sources(wrep)[0], ("SEGMENT_SOURCE_COMBINE_MEMORY", "SEGMENT_SOURCE_CACHE"))
+        time.sleep(0.5)
+        self.assertEqual(delta(self.scatter_counters(), before)["entries_built"], 2)
+
+
+class SharedBuildFailureTest(ReliabilityTestCase):
+    """The worker of a shared build is killed while every request waits for it: one of them starts the one rebuild
+    on the other worker, the others join it, and all complete with the same tokens."""
+    extra_args = {"scatter": ["--inject-delay-ms", "2000"], "router": ["--health-interval-ms", "100"]}
+
+    def test_builder_killed_waiters_complete(self):
+        seg = words(320, 150)
+        query = "Who survives?"
+        expected = self.reference([seg], query)
+        n = 3
+        with concurrent.futures.ThreadPoolExecutor(max_workers=n) as pool:
+            futures = [pool.submit(self.generate, [seg], query, request_id=f"orphan-{k}") for k in range(n)]
+            # Both workers are idle: LPT gives the first request's segment to scatter-0, the others join it there.
+            self.wait_log_count("scatter-0", "prefill of 1 segments", n)
+            self.cluster.kill("scatter-0")
+            results = [f.result() for f in futures]
+        survivor = self.cluster.address("scatter-1")
+        rows = []
+        for k, r in enumerate(results):
+            with self.subTest(request=k):
+                rep = self.ok(r)
+                self.assertEqual(r["token_ids"], expected)
+                self.assertEqual(rep["scatter_failures"], 1)
+                rows.append(rep["segments"][0])
+        self.assertEqual([s["built_by"] for s in rows], [survivor] * n)
+        self.assertEqual([s["attempts"] for s in rows], [2] * n)
+        self.assertEqual(sorted(s["source"] for s in rows),
+                         ["SEGMENT_SOURCE_SCATTER"] + ["SEGMENT_SOURCE_SHARED_BUILD"] * (n - 1))
+        # One rebuild: the survivor built the entry once, and the other n - 1 requests joined it.
+        c = self.settled_counters(lambda c: c["builds_joined"] >= n - 1, worker="scatter-1")
+        self.assertEqual((c["entries_built"], c["builds_joined"]), (1, n - 1))
+
+
+class LeaseTest(ReliabilityTestCase):
+    """Lookup hits are leased only until the request has its entries: with a small cache and a skewed workload over
+    many documents, every put is accepted and a newly popular document becomes a hit at once. (Before leases were
+    released, each hit pinned its entry for --lease-ms, 30 s: a cache full of hot entries refused every new one.)
+    Segments are 64 token ids, so every entry has the same size; the cache holds four and a half of them."""
+    ENTRY_BYTES = 35458  # a 64-token entry of the tiny model (asserted below)
+    extra_args = {"cache": ["--memory-bytes", str(ENTRY_BYTES * 9 // 2)]}
+
+    @staticmethod
+    def doc(k: int) -> list[dict]:
+        return [{"tokens": [(1000 + 7919 * j + 104729 * k) % 150000 for j in range(64)]}]
+
+    def request(self, k: int) -> dict:
+        """Document k alone, then waits until its cache put (if it missed) has been answered."""
+        before = self.cache_stats()
+        rep = self.ok(self.generate(self.doc(k), "Which document is this?", max_tokens=2))
+        seg = rep["segments"][0]
+        self.assertEqual(int(seg["entry_bytes"]), self.ENTRY_BYTES)
+        if not seg["cache_hit"]:
+            deadline = time.monotonic() + 20
+            while int(self.cache_stats()["puts"]) == int(before["puts"]):
+                self.assertLess(time.monotonic(), deadline, f"the put of document {k} never reached the cache")
+                time.sleep(0.02)
+        return seg
+
+    def test_puts_keep_being_accepted(self):
+        # Four documents fill the cache; reading them again leases each of them while its request runs.
+        for k in range(4):
+            self.assertFalse(self.request(k)["cache_hit"])
+        for k in range(4):
+            self.assertTrue(self.request(k)["cache_hit"])
+        # A fifth document: its put evicts the least recently used one, and it is a hit from then on.
+        self.assertFalse(self.request(4)["cache_hit"])
+        self.assertTrue(self.request(4)["cache_hit"])
+        stats = self.cache_stats()
+        self.assertEqual(int(stats["leased_entries"]), 0)  # released when their requests ended
+        self.assertEqual(int(stats["max_leased_bytes"]), self.ENTRY_BYTES * 9 // 2 // 2)
+        # A Zipf workload over 12 documents, then a newly popular one.
+        rng = random.Random(15)
+        weights = [1 / (r + 1) for r in range(12)]
+        for _ in range(30):
+            self.request(rng.choices(range(12), weights)[0])
+        hits = [self.request(99)["cache_hit"] for _ in range(4)]
+        self.assertEqual(hits, [False, True, True, True])
+        stats = self.cache_stats()
+        self.assertEqual(int(stats["rejected_puts"]), 0, stats)
+        self.assertGreater(int(stats["evictions"]), 0)
+        self.assertEqual(int(stats["leased_entries"]), 0)
+        self.assertEqual(int(stats["leased_bytes"]), 0)
+        self.assertGreater(int(stats["leases_released"]), 0)
+
+
+class AbandonedBuildTest(ReliabilityTestCase):
+    """A request whose deadline passes while its segment is being built: the running build finishes and is stored,
+    so the same segment next time is a hit; its other segment, still queued behind it, is dropped (nobody waits for
+    it). One scatter worker; every build runs 1.5 s more (--inject-delay-ms) and builds one segment at a time
+    (--max-batch-tokens 16)."""
+    scatter_workers = 1
+    extra_args = {"scatter": ["--inject-delay-ms", "1500", "--max-batch-tokens", "16"],
+                  "router": ["--health-interval-ms", "100"]}
+
+    def test_running_build_is_stored_queued_build_dropped(self):
+        long_seg, short_seg = words(400, 150), words(401, 20)  # built in this order (LPT: longest first)
+        query = "Is it too late?"
+        before = self.scatter_counters()
+        entries = int(self.cache_stats()["entries"])
+        r = self.generate([long_seg, short_seg], query, request_id="late-build", deadline_s=0.3)
+        self.assertEqual(r["rc"], 2)
+        self.assertEqual(r["error"]["code"], "DEADLINE_EXCEEDED")
+        # The long segment's build was running when the deadline passed: it finished and went to the cache.
+        self.wait_cache_entries(entries + 1)
+        after = self.settled_counters(lambda c: delta(c, before)["builds_dropped"] >= 1)
+        self.assertEqual(delta(after, before), {"entries_built": 1, "builds_joined": 0, "builds_dropped": 1,
+                                                "orphan_builds_stored": 1})
+        self.assertEqual(int(self.cache_stats()["entries"]), entries + 1)
+        log = self.cluster.services["scatter-0"].log_path.read_text()
+        self.assertIn("finished after every request waiting for it had gone: queued for the segment cache", log)
+        self.assertIn("dropped: no request waits for it any more", log)
+        # The same segment again is a hit, with nothing built; the short one, dropped, is a miss.
+        warm = self.ok(self.generate([long_seg], query))
+        self.assertTrue(warm["segments"][0]["cache_hit"])
+        self.assertEqual(sources(warm), ["SEGMENT_SOURCE_CACHE"])
+        cold = self.ok(self.generate([short_seg], query))
+        self.assertFalse(cold["segments"][0]["cache_hit"])
+        self.assertEqual(sources(cold), ["SEGMENT_SOURCE_SCATTER"])
+
+    def test_request_right_after_a_deadline_joins_the_running_build(self):
+        """The same segment asked again while the build its first request gave up on still runs: the new request
+        joins that build (nothing is computed twice) and gets the same tokens as a request that waits."""
+        seg = words(402, 150)
+        query = "Try again?"
+        expected = self.reference([seg], query)
+        before = self.scatter_counters()
+        r = self.generate([seg], query, request_id="gave-up", deadline_s=0.3)
+        self.assertEqual(r["error"]["code"], "DEADLINE_EXCEEDED")
+        again = self.generate([seg], query, request_id="retry")  # at once: the 1.5 s build is still running
+        rep = self.ok(again)
+        self.assertEqual(again["token_ids"], expected)
+        self.assertEqual(sources(rep), ["SEGMENT_SOURCE_SHARED_BUILD"])
+        self.assertIn("for request gave-up", rep["segments"][0]["note"])
+        after = self.settled_counters(lambda c: delta(c, before)["entries_built"] >= 1)
+        self.assertEqual(delta(after, before), {"entries_built": 1, "builds_joined": 1, "builds_dropped": 0,
+                                                "orphan_builds_stored": 0})
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)

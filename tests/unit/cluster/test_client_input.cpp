@@ -1,0 +1,108 @@
+// hypic-client's input parsing (client/input.h): --segments-json documents and token id lists. Every id is checked
+// as an integer in [0, 2^31) and every error names the field, the index and the value as written (they used to be
+// truncated: 2^40 became 0, 2^32+5 became 5, 1.7 became 1, 2^31 became -2147483648).
+#include <catch2/catch.hpp>
+
+#include <cstdio>
+#include <fstream>
+
+#include "client/input.h"
+
+using hypic::client::parse_token_id_list;
+using hypic::client::segments_from_json_text;
+using hypic::client::token_id_from_json;
+namespace v1 = hypic::v1;
+using nlohmann::json;
+
+namespace {
+/// The error message segments_from_json_text gives for `doc` ("" when it succeeds).
+std::string error_of(const std::string& doc) {
+  v1::GenerateRequest req;
+  try {
+    segments_from_json_text(doc, "req.json", &req);
+  } catch (const std::invalid_argument& e) {
+    return e.what();
+  }
+  return "";
+}
+}  // namespace
+
+TEST_CASE("segments JSON: every form of segment, ids exact", "[client]") {
+  const std::string path = std::string(HYPIC_BINARY_DIR) + "/test_scratch/client_input_doc.txt";
+  std::ofstream(path) << "file text";
+  v1::GenerateRequest req;
+  segments_from_json_text(R"({"segments": ["plain", {"text": "obj", "allow_special_tokens": true},
+                                          {"tokens": [0, 5, 2147483647]}, {"file": ")" + path + R"("}],
+                              "query": {"text": "q?"}})",
+                          "req.json", &req);
+  REQUIRE(req.segments_size() == 4);
+  CHECK(req.segments(0).text() == "plain");
+  CHECK_FALSE(req.segments(0).allow_special_tokens());
+  CHECK(req.segments(1).text() == "obj");
+  CHECK(req.segments(1).allow_special_tokens());
+  CHECK(std::vector<int32_t>(req.segments(2).tokens().ids().begin(), req.segments(2).tokens().ids().end()) ==
+        std::vector<int32_t>{0, 5, 2147483647});
+  CHECK(req.segments(3).text() == "file text");
+  CHECK(req.query().text() == "q?");
+  std::remove(path.c_str());
+
+  v1::GenerateRequest list;  // a bare array
+  segments_from_json_text(R"(["a", "b"])", "req.json", &list);
+  CHECK(list.segments_size() == 2);
+  CHECK_FALSE(list.has_query());
+}
+
+TEST_CASE("segments JSON: ids that do not fit are refused naming segment, index and value", "[client]") {
+  CHECK(error_of(R"([{"tokens": [1, 1099511627776]}])") ==
+        "req.json: segments[0].tokens[1]: 1099511627776 is out of range: token ids are integers in [0, 2147483648)");
+  CHECK(error_of(R"(["x", {"tokens": [4294967301]}])") ==
+        "req.json: segments[1].tokens[0]: 4294967301 is out of range: token ids are integers in [0, 2147483648)");
+  CHECK(error_of(R"([{"tokens": [1.7]}])") ==
+        "req.json: segments[0].tokens[0]: 1.7 is not an integer: token ids are integers in [0, 2147483648)");
+  CHECK(error_of(R"([{"tokens": [2147483648]}])") ==
+        "req.json: segments[0].tokens[0]: 2147483648 is out of range: token ids are integers in [0, 2147483648)");
+  CHECK(error_of(R"([{"tokens": [-1]}])") ==
+        "req.json: segments[0].tokens[0]: -1 is out of range: token ids are integers in [0, 2147483648)");
+  CHECK(error_of(R"([{"tokens": [3, "12"]}])") ==
+        "req.json: segments[0].tokens[1]: \"12\" is a string, not an integer: token ids are integers in [0, 2147483648)");
+  CHECK(error_of(R"({"segments": ["a"], "query": {"tokens": [true]}})") ==
+        "req.json: query.tokens[0]: true is a boolean, not an integer: token ids are integers in [0, 2147483648)");
+  CHECK(error_of(R"([{"tokens": [1e3]}])") ==
+        "req.json: segments[0].tokens[0]: 1000.0 is not an integer: token ids are integers in [0, 2147483648)");
+  CHECK(token_id_from_json(json(2147483647), "t") == 2147483647);
+  CHECK(token_id_from_json(json(0), "t") == 0);
+}
+
+TEST_CASE("segments JSON: malformed documents name the field", "[client]") {
+  CHECK_THAT(error_of("[1, "), Catch::StartsWith("req.json: not valid JSON: "));
+  CHECK(error_of(R"({"segs": []})") == "req.json: unknown key 'segs' (expected segments and query)");
+  CHECK(error_of(R"({"query": "q"})") == "req.json: the object has no 'segments'");
+  CHECK(error_of("5") ==
+        "req.json: expected an array of segments or {\"segments\": [...], \"query\": ...}, got an integer");
+  CHECK(error_of(R"([{"text": 5}])") == "req.json: segments[0].text: expected a string, got 5");
+  CHECK(error_of(R"([{"txt": "a"}])") ==
+        "req.json: segments[0].txt: unknown key (expected text, tokens or file, and optionally allow_special_tokens)");
+  CHECK(error_of(R"([{"text": "a", "tokens": [1]}])") ==
+        "req.json: segments[0]: expected exactly one of text, tokens or file, got 2");
+  CHECK(error_of(R"([{"allow_special_tokens": true}])") ==
+        "req.json: segments[0]: expected exactly one of text, tokens or file, got 0");
+  CHECK(error_of(R"([{"text": "a", "allow_special_tokens": 1}])") ==
+        "req.json: segments[0].allow_special_tokens: expected true or false, got 1");
+  CHECK(error_of(R"([{"tokens": 7}])") == "req.json: segments[0].tokens: expected an array of token ids");
+  CHECK(error_of("[[1]]") == "req.json: segments[0]: expected a string or an object with text, tokens or file, got an array");
+  CHECK(error_of(R"([{"file": "/nonexistent/x"}])") == "req.json: segments[0].file: cannot read /nonexistent/x");
+}
+
+TEST_CASE("token id lists (--token-ids): digits only, in range, named by position", "[client]") {
+  CHECK(parse_token_id_list("1, 2,3 ,, 2147483647", "--token-ids") == std::vector<int32_t>{1, 2, 3, 2147483647});
+  CHECK(parse_token_id_list("", "--token-ids").empty());
+  CHECK_THROWS_WITH(parse_token_id_list("1,5abc", "--token-ids"),
+                    "--token-ids[1]: \"5abc\" is not an integer: token ids are integers in [0, 2147483648)");
+  CHECK_THROWS_WITH(parse_token_id_list("1.7", "--token-ids"),
+                    "--token-ids[0]: \"1.7\" is not an integer: token ids are integers in [0, 2147483648)");
+  CHECK_THROWS_WITH(parse_token_id_list("-1", "--token-ids"), Catch::StartsWith("--token-ids[0]: \"-1\" is not an integer"));
+  CHECK_THROWS_WITH(parse_token_id_list("2147483648", "--token-ids"),
+                    "--token-ids[0]: 2147483648 is out of range: token ids are integers in [0, 2147483648)");
+  CHECK_THROWS_WITH(parse_token_id_list("99999999999999999999999", "--token-ids"),
+                    Catch::StartsWith("--token-ids[0]: 99999999999999999999999 is out of range"));
+}
