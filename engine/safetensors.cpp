@@ -143,7 +143,7 @@ uint16_t f32_to_f16(float x) {
 void convert_from_f32(const float* src, size_t n, DType store, uint8_t* dst) {
   switch (store) {
     case DType::F32:
-      std::memcpy(dst, src, n * 4);
+      if (n) std::memcpy(dst, src, n * 4);  // src may be null for an empty tensor
       return;
     case DType::BF16:
       for (size_t i = 0; i < n; ++i) {
