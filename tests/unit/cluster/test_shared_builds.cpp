@@ -8,6 +8,7 @@
 #include <future>
 #include <map>
 #include <mutex>
+#include <thread>
 
 #include "engine/cpu_backend.h"
 #include "engine/engine_loop.h"
@@ -219,6 +220,9 @@ TEST_CASE("shared builds: nobody waiting drops a queued build, a running one fin
     h.wait_for([&] { return h.stored.size() == puts_before + 1; });
     CHECK(h.stores().back() == "late");
     CHECK_FALSE(h.has("late"));
+    // The counter is raised on the loop thread just after the put was accepted, so it may lag the put by a moment.
+    for (int i = 0; i < 2000 && builds.counters().orphans_stored == 0; ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
     c = builds.counters();
     CHECK(c.orphans_stored == 1);
     CHECK(c.dropped == 1);
