@@ -24,18 +24,13 @@
 #include <vector>
 
 #include "engine/tokenizer.h"
+#include "engine/io_error.h"
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
 
-std::string read_file(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) throw std::runtime_error("cannot open " + path);
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
+std::string read_file(const std::string& path) { return hypic::engine::read_file_bytes(path); }
 
 /// Segment boundaries [begin, end) of at most max_bytes each (see the file comment).
 std::vector<std::pair<size_t, size_t>> cut_segments(const std::string& text, size_t max_bytes) {

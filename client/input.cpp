@@ -1,4 +1,5 @@
 #include "client/input.h"
+#include "engine/io_error.h"
 
 #include <charconv>
 #include <fstream>
@@ -29,13 +30,7 @@ const char* type_name(const json& v) {
 }
 }  // namespace
 
-std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw std::runtime_error(fmt::format("cannot read {}", path));
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
+std::string read_file(const std::string& path) { return engine::read_file_bytes(path); }
 
 int32_t token_id_from_json(const json& v, const std::string& what) {
   if (v.is_number_unsigned()) {

@@ -18,7 +18,8 @@ namespace hypic::client {
 /// One past the largest token id a request can carry (the wire's int32): ids are in [0, kTokenIdLimit).
 inline constexpr int64_t kTokenIdLimit = int64_t{1} << 31;
 
-/// The bytes of a file; throws std::runtime_error("cannot read PATH") when it cannot be read.
+/// The bytes of a file; throws std::runtime_error("cannot read PATH: REASON") when it cannot be read (the reason as
+/// strerror says it: "No such file or directory", "Permission denied", "Is a directory").
 std::string read_file(const std::string& path);
 
 /// A token id from a JSON value: an integer in [0, kTokenIdLimit). `what` names it in the error
@@ -30,7 +31,7 @@ int32_t token_id_from_json(const nlohmann::json& v, const std::string& what);
 /// bytes as text); an object may add "allow_special_tokens": true|false (text only: special-token strings such as
 /// "<|im_end|>" are then recognised instead of tokenised as plain text). Unknown keys, an object with more than one
 /// of text / tokens / file, values of the wrong type and bad ids throw std::invalid_argument naming `what` and the
-/// key (e.g. "query.text: expected a string, got 5"; "segments[2].file: cannot read a.txt").
+/// key (e.g. "query.text: expected a string, got 5"; "segments[2].file: cannot read a.txt: No such file or directory").
 void segment_from_json(const nlohmann::json& j, hypic::v1::Segment* seg, const std::string& what);
 
 /// A --segments-json document: an array of segments, or {"segments": [...], "query": segment}. Appends the segments

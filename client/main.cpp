@@ -7,7 +7,10 @@
 //   hypic-client cache-stats|cache-get|cache-put|cache-delete --cache HOST:PORT ...
 //
 // Exit status: 0 success; 1 bad usage or local error (unreadable file...); 2 the RPC failed (the
-// gRPC code and message go to stderr, and with --json also to stdout as {"error": {...}}).
+// gRPC code and message go to stderr, and with --json also to stdout as {"error": {...}}). When nothing answered at
+// the address, a hint follows on stderr (is the router running? how to start one); an address that serves another
+// hypic service is named as such (cache-* against a router: "... is a hypic router, not a segment cache; the cache
+// replicas are: ...").
 #include <chrono>
 #include <fstream>
 #include <iostream>
@@ -20,6 +23,7 @@
 #include <nlohmann/json.hpp>
 
 #include "client/input.h"
+#include "engine/io_error.h"
 #include "hypic/v1/router.grpc.pb.h"
 #include "proto/rpc/reflection_client.h"
 #include "proto/rpc/server.h"
@@ -33,9 +37,13 @@ using nlohmann::json;
 namespace {
 
 void write_file(const std::string& path, std::string_view bytes) {
+  errno = 0;
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
   out.write(bytes.data(), std::streamsize(bytes.size()));
-  if (!out) throw std::runtime_error(fmt::format("cannot write {}", path));
+  out.flush();
+  if (!out) {
+    throw std::runtime_error(fmt::format("cannot write {}: {}", path, hypic::engine::io_error_reason(path, errno)));
+  }
 }
 
 json proto_json(const google::protobuf::Message& m) {
@@ -47,8 +55,9 @@ json proto_json(const google::protobuf::Message& m) {
   return json::parse(s);
 }
 
-int rpc_failed(const grpc::Status& st, bool as_json) {
+int rpc_failed(const grpc::Status& st, bool as_json, const std::string& hint = "") {
   std::cerr << "error: " << hypic::rpc::describe(st) << "\n";
+  if (!hint.empty()) std::cerr << hint << "\n";
   if (as_json) {
     std::cout << json{{"error", {{"code", std::string(hypic::rpc::code_name(st.error_code()))},
                                  {"message", st.error_message()}}}}
@@ -58,17 +67,115 @@ int rpc_failed(const grpc::Status& st, bool as_json) {
   return 2;
 }
 
-const char* source_name(int s) {
-  switch (s) {
-    case v1::SEGMENT_SOURCE_COMBINE_MEMORY: return "combine-memory";
-    case v1::SEGMENT_SOURCE_CACHE: return "cache";
-    case v1::SEGMENT_SOURCE_SCATTER: return "scatter";
-    case v1::SEGMENT_SOURCE_COMBINE_COMPUTED: return "combine-computed";
-    case v1::SEGMENT_SOURCE_IN_CONTEXT: return "in-context";
-    case v1::SEGMENT_SOURCE_SHARED_BUILD: return "shared-build";
-    case v1::SEGMENT_SOURCE_REPEAT: return "repeat";
-    default: return "?";
+// ---- diagnosing a call to the wrong address ----
+
+/// The hypic service a server at `target` is, from its server reflection ("a hypic router", "a segment cache", ...);
+/// empty when it cannot be told (unreachable, no hypic service).
+std::string what_serves(const std::string& target) {
+  try {
+    for (const auto& name : hypic::rpc::list_services(hypic::rpc::make_channel(target), std::chrono::seconds(3))) {
+      if (name == "hypic.v1.Router") return "a hypic router";
+      if (name == "hypic.v1.SegmentCache") return "a hypic segment cache";
+      if (name == "hypic.v1.ScatterWorker") return "a hypic scatter worker";
+      if (name == "hypic.v1.CombineWorker") return "a hypic combine worker";
+    }
+  } catch (const std::exception&) {
   }
+  return "";
+}
+
+/// Did the call fail because nothing answered at the address (not because a service answered UNAVAILABLE, such as a
+/// router that is shutting down)?
+bool unreachable(const grpc::Status& st, const std::shared_ptr<grpc::Channel>& channel = nullptr) {
+  // With the call's channel: it never got a connection (a router that answered, even UNAVAILABLE because a combine
+  // worker is down, leaves it READY). A deadline that ran out while connecting counts too (a dropped SYN).
+  if (channel) {
+    return (st.error_code() == grpc::StatusCode::UNAVAILABLE ||
+            st.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) &&
+           channel->GetState(false) != GRPC_CHANNEL_READY;
+  }
+  if (st.error_code() != grpc::StatusCode::UNAVAILABLE) return false;
+  const std::string& m = st.error_message();
+  for (const char* s : {"failed to connect", "Connection refused", "DNS resolution failed", "No address added",
+                        "Name or service not known", "Socket closed", "Connection reset"}) {
+    if (m.find(s) != std::string::npos) return true;
+  }
+  return false;
+}
+
+/// The hint printed under an error of a call to the router at `router`: nothing answered there, or it is not a router.
+std::string router_hint(const grpc::Status& st, const std::string& router,
+                        const std::shared_ptr<grpc::Channel>& channel) {
+  if (unreachable(st, channel)) {
+    return fmt::format(
+        "hint: no router answered at {} (--router; default 127.0.0.1:50050, the router's own default --listen): the "
+        "router may not be running.\n"
+        "      Start a local cluster (router on 127.0.0.1:50050 when that port is free; serves until Ctrl-C):\n"
+        "        deploy/local_cluster.py --model DIR --tokenizer FILE\n"
+        "      or run the whole demo: scripts/demo.sh; or pass --router HOST:PORT of a running router.",
+        router);
+  }
+  if (st.error_code() == grpc::StatusCode::UNIMPLEMENTED) {
+    const std::string what = what_serves(router);
+    if (!what.empty() && what != "a hypic router") {
+      return fmt::format("hint: {} is {}, not a hypic router: pass --router HOST:PORT of the router (the launcher "
+                         "prints it: \"hypic cluster ready: router ...\")",
+                         router, what);
+    }
+  }
+  return "";
+}
+
+/// The message for a cache-* command whose --cache address is not a segment cache (its answer was UNIMPLEMENTED):
+/// what it is instead and, for a router, the cache replicas it uses. Empty when it cannot be told.
+std::string not_a_cache(const std::string& target) {
+  const std::string what = what_serves(target);
+  if (what.empty() || what == "a hypic segment cache") return "";
+  std::string msg = fmt::format("{} is {}, not a segment cache", target, what);
+  if (what != "a hypic router") return msg + "; pass --cache HOST:PORT of a segment cache replica";
+  auto stub = v1::Router::NewStub(hypic::rpc::make_channel(target));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  v1::ServerInfo info;
+  if (!stub->GetServerInfo(&ctx, v1::GetServerInfoRequest{}, &info).ok()) {
+    return msg + "; `hypic-client info --router " + target + "` lists its cache replicas";
+  }
+  if (info.cache_replicas().empty()) return msg + "; the router uses no cache replica (it was started without --cache)";
+  return fmt::format("{}; the cache replicas are: {} (e.g. hypic-client cache-stats --cache {})", msg,
+                     fmt::join(info.cache_replicas(), ", "), info.cache_replicas(0));
+}
+
+/// Where the segments' entries came from, in words: "4 reused from the combine worker's own memory tier (not fetched
+/// from the segment cache)", "2 fetched from the segment cache, 2 built for this request by a scatter worker", ...
+std::string source_summary(const v1::GenerateReport& r) {
+  const bool prefix = r.mode() == "prefix";
+  std::vector<std::string> parts;
+  for (int src : {v1::SEGMENT_SOURCE_COMBINE_MEMORY, v1::SEGMENT_SOURCE_CACHE, v1::SEGMENT_SOURCE_SHARED_BUILD,
+                  v1::SEGMENT_SOURCE_REPEAT, v1::SEGMENT_SOURCE_SCATTER, v1::SEGMENT_SOURCE_COMBINE_COMPUTED,
+                  v1::SEGMENT_SOURCE_IN_CONTEXT, v1::SEGMENT_SOURCE_UNSPECIFIED}) {
+    int n = 0;
+    for (const auto& s : r.segments()) n += s.source() == src;
+    if (n == 0) continue;
+    const char* what = "of unknown source";
+    switch (src) {
+      case v1::SEGMENT_SOURCE_COMBINE_MEMORY:
+        what = prefix ? "restored from the combine worker's prefix checkpoint (combine-memory)"
+                      : "reused from the combine worker's own memory tier (combine-memory; not fetched from the "
+                        "segment cache)";
+        break;
+      case v1::SEGMENT_SOURCE_CACHE: what = "fetched from the segment cache (cache)"; break;
+      case v1::SEGMENT_SOURCE_SHARED_BUILD: what = "joined a build another request had started (shared-build)"; break;
+      case v1::SEGMENT_SOURCE_REPEAT: what = "reused from an earlier copy in this prompt (repeat)"; break;
+      case v1::SEGMENT_SOURCE_SCATTER: what = "built for this request by a scatter worker (scatter)"; break;
+      case v1::SEGMENT_SOURCE_COMBINE_COMPUTED:
+        what = "prefilled for this request by the combine worker (combine-computed)";
+        break;
+      case v1::SEGMENT_SOURCE_IN_CONTEXT: what = "computed in context, no entry (in-context)"; break;
+      default: break;
+    }
+    parts.push_back(fmt::format("{} {}", n, what));
+  }
+  return parts.empty() ? "none" : fmt::format("{}", fmt::join(parts, ", "));
 }
 
 void print_report_table(const v1::GenerateReport& r, std::ostream& os) {
@@ -79,17 +186,21 @@ void print_report_table(const v1::GenerateReport& r, std::ostream& os) {
                     "built by", "on", "ms", "bytes", "note");
   for (const auto& s : r.segments()) {
     os << fmt::format("{:>4} {:>7} {:>5} {:<17} {:<22} {:<7} {:>8.1f} {:>10}  {}\n", s.index(), s.num_tokens(),
-                      s.cache_hit() ? "hit" : "miss", source_name(s.source()), s.built_by(), s.device(),
+                      s.cache_hit() ? "hit" : "miss", hypic::rpc::segment_source_name(s.source()), s.built_by(), s.device(),
                       s.compute_ms(), s.entry_bytes(), s.note());
   }
+  os << "entries: " << source_summary(r) << "\n";
   if (r.random_weights_seed() != 0)
     os << fmt::format("BENCHMARK ONLY: the combine worker ran seeded random weights (seed {}): the text is "
                       "meaningless\n",
                       r.random_weights_seed());
   const auto& t = r.ttft();
-  os << fmt::format("TTFT {:.1f} ms = router {:.1f} + lookup {:.1f} + scatter {:.1f} + transfer {:.1f} + splice {:.1f} "
+  // Full and prefix modes splice nothing: their combine-worker phase is an in-context prefill (prefill_ms).
+  const bool in_context = r.mode() == "full" || r.mode() == "prefix" || t.prefill_ms() > 0;
+  os << fmt::format("TTFT {:.1f} ms = router {:.1f} + lookup {:.1f} + scatter {:.1f} + transfer {:.1f} + {} {:.1f} "
                     "+ first decode {:.1f}\n",
-                    t.total_ms(), t.router_ms(), t.lookup_ms(), t.scatter_ms(), t.transfer_ms(), t.splice_ms(),
+                    t.total_ms(), t.router_ms(), t.lookup_ms(), t.scatter_ms(), t.transfer_ms(),
+                    in_context ? "prefill" : "splice", in_context ? t.prefill_ms() : t.splice_ms(),
                     t.first_decode_ms());
   os << fmt::format("decode {:.1f} ms, total {:.1f} ms, combine {} on {} ({}), cache {}, schedule {}, scatter failures "
                     "{}\n",
@@ -103,6 +214,18 @@ void print_report_table(const v1::GenerateReport& r, std::ostream& os) {
 int main(int argc, char** argv) {
   CLI::App app{"hypic client: send prompts to a hypic cluster, check health, inspect the segment cache"};
   app.require_subcommand(1);
+  app.fallthrough();  // the options below may also follow the subcommand
+  hypic::rpc::TlsFlags tls;
+  hypic::rpc::add_client_tls_flags(app, tls);
+  // The launcher's --tls exports these for the command it runs (deploy/local_cluster.py).
+  app.get_option("--tls-ca")->envname("HYPIC_TLS_CA");
+  app.get_option("--tls-client-cert")->envname("HYPIC_TLS_CLIENT_CERT");
+  app.get_option("--tls-client-key")->envname("HYPIC_TLS_CLIENT_KEY");
+  std::string token_file;
+  app.add_option("--token-file", token_file,
+                 "file whose first token is sent as 'authorization: Bearer <token>' (routers started with "
+                 "--auth-token-file require it)")
+      ->envname("HYPIC_TOKEN_FILE");
 
   // ---- generate ----
   auto* gen = app.add_subcommand("generate", "send segments and a query; stream the answer and print the report");
@@ -114,7 +237,10 @@ int main(int argc, char** argv) {
   uint64_t seed = 0;
   double timeout_s = 0;
   bool as_json = false, quiet = false, no_cache_write = false, ignore_eos = false, allow_special = false;
-  gen->add_option("--router", router, "router host:port")->capture_default_str();
+  gen->add_option("--router", router,
+                  "router host:port (the default is hypic-router's own default --listen, and the port "
+                  "deploy/local_cluster.py gives the router when it is free)")
+      ->capture_default_str();
   gen->add_option("--segments-json", segments_json,
                   "JSON file: an array of segments (\"text\", {\"text\":..}, {\"tokens\":[ids]}, {\"file\":path}; an "
                   "object may add \"allow_special_tokens\": true) or {\"segments\": [...], \"query\": ...}; token ids "
@@ -169,10 +295,42 @@ int main(int argc, char** argv) {
   cget->add_option("--out", path, "file to write the bytes to")->required();
   cput->add_option("--in", path, "file holding the bytes")->required()->check(CLI::ExistingFile);
   cput->add_option("--token-ids", ids_text, "comma-separated token ids of the segment")->required();
+  auto* cevents = app.add_subcommand("cache-events", "follow a cache replica's events (stored, evicted, cleared, "
+                                                     "moved) as JSON lines (SegmentCache.WatchEvents)");
+  bool include_existing = false;
+  int64_t event_count = 0;
+  cevents->add_option("--cache", cache_addr, "cache host:port")->required();
+  cevents->add_flag("--include-existing", include_existing, "start with one STORED event per entry held now");
+  cevents->add_option("--count", event_count, "stop after this many events (0: follow until interrupted)");
 
   CLI11_PARSE(app, argc, argv);
 
   try {
+    hypic::rpc::configure_tls(tls);
+    const std::string token = token_file.empty() ? std::string() : hypic::rpc::read_token_file(token_file);
+    if (*cevents) {
+      auto stub = v1::SegmentCache::NewStub(hypic::rpc::make_channel(cache_addr));
+      grpc::ClientContext ctx;
+      v1::WatchEventsRequest wreq;
+      wreq.set_include_existing(include_existing);
+      auto reader = stub->WatchEvents(&ctx, wreq);
+      v1::CacheEvent ev;
+      int64_t seen = 0;
+      while ((event_count == 0 || seen < event_count) && reader->Read(&ev)) {
+        json j = proto_json(ev);
+        j["digest_hex"] = hypic::rpc::digest_hex(hypic::rpc::parse_digest(ev.digest(), "digest"));
+        j.erase("digest");
+        std::cout << j.dump() << std::endl;
+        ++seen;
+      }
+      if (event_count > 0 && seen >= event_count) {
+        ctx.TryCancel();
+        reader->Finish();
+        return 0;
+      }
+      const grpc::Status st = reader->Finish();
+      return st.ok() ? 0 : rpc_failed(st, false);
+    }
     if (*health) {
       const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(int64_t(wait_s * 1000));
       std::string err;
@@ -200,12 +358,14 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (*info) {
-      auto stub = v1::Router::NewStub(hypic::rpc::make_channel(router));
+      const auto channel = hypic::rpc::make_channel(router);
+      auto stub = v1::Router::NewStub(channel);
       grpc::ClientContext ctx;
+      hypic::rpc::add_bearer(ctx, token);
       ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
       v1::ServerInfo out;
       const grpc::Status st = stub->GetServerInfo(&ctx, v1::GetServerInfoRequest{}, &out);
-      if (!st.ok()) return rpc_failed(st, false);
+      if (!st.ok()) return rpc_failed(st, false, router_hint(st, router, channel));
       std::cout << proto_json(out).dump(2) << std::endl;
       return 0;
     }
@@ -233,7 +393,20 @@ int main(int argc, char** argv) {
         std::cout << json{{"deleted", cache.erase(digest)}}.dump() << std::endl;
         return 0;
       } catch (const hypic::rpc::RpcError& e) {
-        return rpc_failed(e.status(), false);
+        // UNIMPLEMENTED: the address serves something else (a router, a worker): say what, and where the cache is.
+        if (e.status().error_code() == grpc::StatusCode::UNIMPLEMENTED) {
+          if (const std::string why = not_a_cache(cache_addr); !why.empty()) {
+            std::cerr << "error: " << why << "\n";
+            return 2;
+          }
+        }
+        std::string hint;
+        if (unreachable(e.status())) {
+          hint = fmt::format("hint: no segment cache answered at {} (--cache): is it running? `hypic-client info "
+                             "--router HOST:PORT` lists a cluster's cache replicas",
+                             cache_addr);
+        }
+        return rpc_failed(e.status(), false, hint);
       }
     }
 
@@ -266,8 +439,10 @@ int main(int argc, char** argv) {
     if (*sw_opt) c->set_seam_width(seam_width);
     if (no_cache_write) c->set_cache_segments(false);
 
-    auto stub = v1::Router::NewStub(hypic::rpc::make_channel(router));
+    const auto channel = hypic::rpc::make_channel(router);
+    auto stub = v1::Router::NewStub(channel);
     grpc::ClientContext ctx;
+    hypic::rpc::add_bearer(ctx, token);
     if (timeout_s > 0) {
       ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(int64_t(timeout_s * 1000)));
     }
@@ -288,7 +463,7 @@ int main(int argc, char** argv) {
     const grpc::Status st = reader->Finish();
     if (!st.ok()) {
       if (!as_json && !quiet && !text.empty()) std::cout << std::endl;
-      return rpc_failed(st, as_json);
+      return rpc_failed(st, as_json, router_hint(st, router, channel));
     }
     if (as_json) {
       std::cout << json{{"text", text}, {"token_ids", ids}, {"report", report ? proto_json(*report) : json()}}.dump()

@@ -46,7 +46,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   try {
-    hypic::rpc::setup_logging("combine", server.log_level);
+    hypic::rpc::init_service("combine", server);
     opt.gather_timeout = std::chrono::seconds(gather_timeout_s);
     const auto backend = hypic::rpc::make_engine_backend(engine, model_dir);
     const auto tokenizer = hypic::engine::Tokenizer::load(tokenizer_path);

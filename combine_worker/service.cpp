@@ -1,5 +1,7 @@
 #include "combine_worker/service.h"
 
+#include "proto/rpc/metrics.h"
+
 #include <atomic>
 #include <condition_variable>
 #include <deque>
@@ -94,7 +96,38 @@ struct CombineService::Pending {
 };
 
 CombineService::CombineService(CombineDeps deps, CombineOptions options)
-    : d_(deps), opt_(options), backend_(deps.loop.backend()), device_(backend_.device().name()) {}
+    : d_(deps), opt_(options), backend_(deps.loop.backend()), device_(backend_.device().name()) {
+  // Prometheus metrics (proto/rpc/metrics.h), read at each scrape; this service lives until the server stopped.
+  auto& reg = rpc::MetricsRegistry::global();
+  auto& tier = d_.memory_tier;
+  auto& loop = d_.loop;
+  reg.gauge_fn("hypic:cache_bytes", "Bytes of segment entries held, by tier", [&tier] { return double(tier.bytes()); },
+               {{"tier", "combine-memory"}});
+  reg.gauge_fn("hypic:cache_entries", "Segment entries held, by tier", [&tier] { return double(tier.entries()); },
+               {{"tier", "combine-memory"}});
+  reg.gauge_fn("hypic:num_sequences_decoding", "Sequences in this combine worker's decode batch",
+               [&loop] { return double(loop.active_sequences()); });
+  reg.counter_fn("hypic:decode_iterations_total", "Batched decode steps run",
+                 [&loop] { return double(loop.decode_iterations()); });
+  reg.counter_fn("hypic:decode_sequence_steps_total", "Sequence-steps decoded (mean batch = this / iterations)",
+                 [&loop] { return double(loop.decode_steps()); });
+}
+
+namespace {
+/// hypic:entry_bytes_received_total{from}: entry bytes this combine worker received from scatter workers or the cache.
+void count_received(const char* from, size_t bytes) {
+  rpc::MetricsRegistry::global()
+      .counter("hypic:entry_bytes_received_total", "Segment entry bytes received, by sender", {{"from", from}})
+      .inc(double(bytes));
+}
+/// hypic:combine_segments_total{source}: segments this combine worker used, by where the entry came from.
+void count_segment(v1::SegmentSource source) {
+  rpc::MetricsRegistry::global()
+      .counter("hypic:combine_segments_total", "Segment entries used by this combine worker, by source",
+               {{"source", std::string(rpc::segment_source_name(source))}})
+      .inc();
+}
+}  // namespace
 
 CombineService::~CombineService() = default;
 
@@ -135,6 +168,7 @@ void CombineService::build_locally(const std::shared_ptr<Pending>& p, size_t slo
     const rpc::Digest digest = p->slots[slot].digest;  // immutable after registration
     d_.memory_tier.put(digest, r.entry);
     if (p->cache_segments) d_.putter.enqueue(digest, r.host->token_ids, r.bytes, p->id);
+    count_segment(v1::SEGMENT_SOURCE_COMBINE_COMPUTED);
     p->fill(slot, r.host, v1::SEGMENT_SOURCE_COMBINE_COMPUTED, address_, r.compute_ms, r.bytes->size(), device_,
             std::move(r.entry));
   });
@@ -144,6 +178,7 @@ void CombineService::fetch_warm(const std::shared_ptr<Pending>& p, size_t slot, 
   const rpc::Digest digest = p->slots[slot].digest;
   const std::vector<int32_t>& ids = p->slots[slot].ids;
   if (auto e = d_.memory_tier.get(digest, ids)) {
+    count_segment(v1::SEGMENT_SOURCE_COMBINE_MEMORY);
     p->fill(slot, nullptr, v1::SEGMENT_SOURCE_COMBINE_MEMORY, "", 0, e->resident_bytes(), "", e);
     return;
   }
@@ -156,6 +191,8 @@ void CombineService::fetch_warm(const std::shared_ptr<Pending>& p, size_t slot, 
       try {
         auto entry = std::make_shared<const engine::SegmentEntry>(engine::deserialize_entry(*bytes));
         rpc::verify_entry(*entry, ids, backend_, p->entry_seam_width);
+        count_received("cache", bytes->size());
+        count_segment(v1::SEGMENT_SOURCE_CACHE);
         p->fill(slot, entry, v1::SEGMENT_SOURCE_CACHE, "", 0, bytes->size());
         return;
       } catch (const engine::EntryError& e) {
@@ -483,8 +520,9 @@ grpc::Status CombineService::run_combine(grpc::ServerContext* ctx, const v1::Com
       }
     }
     send(rev);
-    spdlog::info("[req {}] done: {} tokens, gather {:.1f} ms, splice {:.1f} ms, decode {:.1f} ms", p->id, produced,
-                 gather_ms, splice_ms, decode_ms);
+    // Full and prefix modes splice nothing: their engine time is an in-context prefill (the report's prefill_ms).
+    spdlog::info("[req {}] done: {} tokens, gather {:.1f} ms, {} {:.1f} ms, decode {:.1f} ms", p->id, produced,
+                 gather_ms, uses_entries ? "splice" : "prefill", splice_ms, decode_ms);
     return grpc::Status::OK;
   });
 }
@@ -532,6 +570,8 @@ grpc::Status CombineService::DeliverEntry(grpc::ServerContext*, grpc::ServerRead
         shared ? fmt::format("shared build: started on {} for request {}, joined by this one", h.built_by(),
                              h.shared_from())
                : std::string());
+    count_received("scatter", bytes.size());
+    if (fresh) count_segment(shared ? v1::SEGMENT_SOURCE_SHARED_BUILD : v1::SEGMENT_SOURCE_SCATTER);
     resp->set_duplicate(!fresh);
     spdlog::debug("[req {}] received {} ({} bytes){}", p->id, what, bytes.size(), fresh ? "" : ", duplicate dropped");
     return grpc::Status::OK;

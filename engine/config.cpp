@@ -1,4 +1,5 @@
 #include "engine/config.h"
+#include "engine/io_error.h"
 
 #include <xxhash.h>
 
@@ -95,11 +96,14 @@ void require_multiple(std::string_view origin, const char* field, int64_t v, con
 }
 
 std::string read_file_text(const std::filesystem::path& p) {
+  errno = 0;
   std::ifstream in(p, std::ios::binary);
-  if (!in) throw std::runtime_error("cannot open config file " + p.string());
+  if (!in) throw std::runtime_error("cannot open config file " + p.string() + ": " + io_error_reason(p, errno));
   std::ostringstream ss;
   ss << in.rdbuf();
-  if (!in.good() && !in.eof()) throw std::runtime_error("error reading config file " + p.string());
+  if (in.bad() || std::filesystem::is_directory(p)) {
+    throw std::runtime_error("cannot read config file " + p.string() + ": " + io_error_reason(p, errno));
+  }
   return ss.str();
 }
 

@@ -1,4 +1,5 @@
 #include "engine/quality.h"
+#include "engine/io_error.h"
 
 #include <algorithm>
 #include <charconv>
@@ -201,11 +202,7 @@ std::vector<QualityPrompt> parse_quality_dataset(std::string_view jsonl, std::st
 }
 
 std::vector<QualityPrompt> load_quality_dataset(const std::filesystem::path& path) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) throw std::runtime_error("cannot read dataset " + path.string());
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return parse_quality_dataset(ss.str(), path.string());
+  return parse_quality_dataset(read_file_bytes(path, "cannot read dataset "), path.string());
 }
 
 QualityShard parse_quality_shard(std::string_view text) {

@@ -1,4 +1,5 @@
 #include "engine/safetensors.h"
+#include "engine/io_error.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -416,8 +417,9 @@ Checkpoint Checkpoint::open(const std::filesystem::path& dir) {
   c.dir_ = dir;
   const auto index_path = dir / "model.safetensors.index.json";
   if (std::filesystem::exists(index_path)) {
+    errno = 0;
     std::ifstream in(index_path);
-    if (!in) throw std::runtime_error("cannot open " + index_path.string());
+    if (!in) throw std::runtime_error("cannot open " + index_path.string() + ": " + io_error_reason(index_path, errno));
     json idx;
     try {
       idx = json::parse(in);

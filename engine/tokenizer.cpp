@@ -19,6 +19,7 @@
 #include <unordered_set>
 
 #include "engine/tokenizer.h"
+#include "engine/io_error.h"
 #include "engine/tokenizer_internal.h"
 
 namespace hypic::engine {
@@ -1392,13 +1393,9 @@ Tokenizer Tokenizer::from_json_string(std::string_view json_text) {
 }
 
 Tokenizer Tokenizer::load(const std::filesystem::path& tokenizer_json) {
-  std::ifstream f(tokenizer_json, std::ios::binary);
-  if (!f) throw std::runtime_error("Tokenizer::load: cannot open '" + tokenizer_json.string() + "'");
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  if (!f && !f.eof()) throw std::runtime_error("Tokenizer::load: cannot read '" + tokenizer_json.string() + "'");
+  const std::string text = read_file_bytes(tokenizer_json, "Tokenizer::load: cannot read ");
   try {
-    return from_json_string(ss.str());
+    return from_json_string(text);
   } catch (const std::invalid_argument& e) {
     throw std::invalid_argument(tokenizer_json.string() + ": " + e.what());
   } catch (const std::runtime_error& e) {

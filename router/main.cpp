@@ -1,4 +1,6 @@
 // hypic-router: the public API of a hypic cluster (hypic.v1.Router).
+#include <filesystem>
+
 #include <CLI/CLI.hpp>
 #include <spdlog/spdlog.h>
 
@@ -60,9 +62,15 @@ int main(int argc, char** argv) {
   app.add_option("--combine-wait-ms", combine_wait_ms,
                  "with no combine worker in rotation, how long a request waits for one to come back")
       ->capture_default_str()->check(CLI::NonNegativeNumber);
+  std::string auth_token_file;
+  app.add_option("--auth-token-file", auth_token_file,
+                 "accepted bearer tokens, one per line: Generate and GetServerInfo then require the metadata "
+                 "'authorization: Bearer <token>' (UNAUTHENTICATED otherwise; health checks stay open)")
+      ->check(CLI::ExistingFile);
   CLI11_PARSE(app, argc, argv);
   try {
-    hypic::rpc::setup_logging("router", server.log_level);
+    hypic::rpc::init_service("router", server);
+    if (!auth_token_file.empty()) cfg.auth = hypic::rpc::BearerTokens::load(auth_token_file);
     cfg.policy = hypic::router::parse_schedule_policy(policy);
     cfg.lookup_timeout = std::chrono::milliseconds(lookup_timeout_ms);
     cfg.health_interval = std::chrono::milliseconds(health_interval_ms);
@@ -71,6 +79,13 @@ int main(int argc, char** argv) {
     const auto config = hypic::engine::load_config(model_dir);
     const auto tokenizer = hypic::engine::Tokenizer::load(tokenizer_path);
     hypic::router::RouterModel model{config, config.vocab_size, {}, numerics == "auto" ? "" : numerics};
+    {
+      std::error_code ec;
+      auto dir = std::filesystem::absolute(model_dir, ec).lexically_normal();
+      if (dir.has_relative_path() && !dir.has_filename()) dir = dir.parent_path();  // "models/x/" -> "models/x"
+      model.path = dir.string();
+      model.name = dir.filename().string();
+    }
     for (const char* eos : {"<|endoftext|>", "<|im_end|>"}) {
       if (const int32_t id = tokenizer.token_to_id(eos); id >= 0) model.eos_ids.push_back(id);
     }

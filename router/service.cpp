@@ -1,5 +1,7 @@
 #include "router/service.h"
 
+#include "router/metrics.h"
+
 #include <algorithm>
 #include <map>
 #include <optional>
@@ -431,6 +433,19 @@ void GenerateCall::stop_scatter() {
 
 grpc::Status GenerateCall::run() {
   const auto t0 = Clock::now();
+  auto& metrics = RouterMetrics::get();
+  // waiting until the first token, running after it (vLLM's num_requests_waiting / running).
+  struct Phase {
+    RouterMetrics& m;
+    bool running = false;
+    explicit Phase(RouterMetrics& m) : m(m) { m.waiting.inc(); }
+    void first_token() {
+      m.waiting.dec();
+      m.running.inc();
+      running = true;
+    }
+    ~Phase() { running ? m.running.dec() : m.waiting.dec(); }
+  } phase(metrics);
   opts_ = validate_request(req_, svc_.cfg_.limits, svc_.model_.vocab_size);
   rid_ = req_.request_id().empty() ? rpc::make_request_id() : req_.request_id();
   tokenise();
@@ -453,6 +468,8 @@ grpc::Status GenerateCall::run() {
       segs_[i].hit = res.results[i].hit;
       if (res.results[i].leased) leased_.push_back(segs_[i].digest);
     }
+    metrics.cache_queries.inc(double(n));
+    metrics.cache_hits.inc(double(std::count_if(segs_.begin(), segs_.end(), [](const SegState& s) { return s.hit; })));
   }
   const auto t_lookup1 = Clock::now();
 
@@ -563,8 +580,20 @@ grpc::Status GenerateCall::run() {
         cctx->TryCancel();
         break;
       }
-      if (!t_first && ev.delta().token_ids_size() > 0) t_first = Clock::now();
-      t_last = Clock::now();
+      const auto now = Clock::now();
+      if (ev.delta().token_ids_size() > 0) {
+        if (!t_first) {
+          t_first = now;
+          metrics.ttft.observe(std::chrono::duration<double>(now - t0).count());
+          phase.first_token();
+        } else {
+          // A delta of k tokens after a gap g: k gaps of g / k (the combine worker batches tokens it has ready).
+          const double gap = std::chrono::duration<double>(now - *t_last).count() / ev.delta().token_ids_size();
+          for (int k = 0; k < ev.delta().token_ids_size(); ++k) metrics.itl.observe(gap);
+        }
+        metrics.generation_tokens.inc(ev.delta().token_ids_size());
+        t_last = now;
+      }
     } else if (ev.has_report()) {
       creport = ev.report();
     }
@@ -604,7 +633,12 @@ grpc::Status GenerateCall::run() {
   tt->set_lookup_ms(rpc::ms_between(t_lookup0, t_lookup1));
   tt->set_scatter_ms(rpc::ms_between(t_dispatch, scatter_end));
   tt->set_transfer_ms(rpc::ms_between(scatter_end, *t_ready));
-  tt->set_splice_ms(rpc::ms_between(*t_ready, *t_spliced));
+  // Full and prefix modes splice no entries: the combine worker's phase is an in-context prefill (full: the whole
+  // prompt), billed as prefill_ms, not as a splice.
+  const double splice_phase_ms = rpc::ms_between(*t_ready, *t_spliced);
+  const bool in_context = opts_.mode == engine::SpliceMode::Full || opts_.mode == engine::SpliceMode::Prefix;
+  tt->set_splice_ms(in_context ? 0.0 : splice_phase_ms);
+  tt->set_prefill_ms(in_context ? splice_phase_ms : 0.0);
   tt->set_first_decode_ms(rpc::ms_between(*t_spliced, *t_first));
   tt->set_total_ms(rpc::ms_between(t0, *t_first));
   rep->set_prompt_tokens(uint32_t(prompt_tokens));
@@ -633,12 +667,21 @@ grpc::Status GenerateCall::run() {
                rid_, n, hits, jobs.size(), joined_builds_, repeats, prompt_tokens, tt->total_ms(), completion,
                combine_->address);
   if (!writer_->Write(out)) return grpc::Status(grpc::StatusCode::CANCELLED, "request cancelled by the client");
+  metrics.prompt_tokens.inc(double(prompt_tokens));
+  metrics.scatter_failures.inc(scatter_failures_);
+  for (const auto& sr : rep->segments()) {
+    RouterMetrics::count_planned(std::string(rpc::segment_source_name(sr.source())));
+    if (sr.reused()) metrics.cached_tokens.inc(sr.num_tokens());
+  }
+  metrics.e2e.observe(std::chrono::duration<double>(Clock::now() - t0).count());
+  metrics.success.inc();
   return grpc::Status::OK;
 }
 
 grpc::Status RouterService::Generate(grpc::ServerContext* ctx, const v1::GenerateRequest* req,
                                      grpc::ServerWriter<v1::GenerateResponse>* writer) {
-  return rpc::handle_errors([&]() -> grpc::Status {
+  const grpc::Status st = rpc::handle_errors([&]() -> grpc::Status {
+    if (grpc::Status auth = cfg_.auth.check(*ctx); !auth.ok()) return auth;
     auto call = life_.enter();
     const uint32_t active = ++active_requests_;
     struct Release {
@@ -646,6 +689,7 @@ grpc::Status RouterService::Generate(grpc::ServerContext* ctx, const v1::Generat
       ~Release() { --n; }
     } release{active_requests_};
     if (active > cfg_.limits.max_concurrent_requests) {
+      RouterMetrics::get().refused.inc();
       throw rpc::resource_exhausted(fmt::format("the router is at its limit of {} concurrent requests "
                                                 "(--max-concurrent-requests); retry later",
                                                 cfg_.limits.max_concurrent_requests));
@@ -659,12 +703,19 @@ grpc::Status RouterService::Generate(grpc::ServerContext* ctx, const v1::Generat
       throw;
     }
   });
+  if (!st.ok()) RouterMetrics::count_failure(std::string(rpc::code_name(st.error_code())));
+  return st;
 }
 
-grpc::Status RouterService::GetServerInfo(grpc::ServerContext*, const v1::GetServerInfoRequest*, v1::ServerInfo* resp) {
+grpc::Status RouterService::GetServerInfo(grpc::ServerContext* ctx, const v1::GetServerInfoRequest*,
+                                          v1::ServerInfo* resp) {
+  if (grpc::Status auth = cfg_.auth.check(*ctx); !auth.ok()) return auth;
   const auto [numerics, fingerprint] = numerics_and_fingerprint();
   resp->set_model_fingerprint(fingerprint);
   resp->set_numerics(numerics);
+  resp->set_model_name(model_.name);
+  resp->set_model_path(model_.path);
+  resp->set_model_type(model_.config.model_type);
   auto identity = [](Worker& w, v1::WorkerStatus* st) {
     std::lock_guard<std::mutex> lock(w.info_mu);
     st->set_numerics(w.numerics);

@@ -42,6 +42,8 @@ struct RouterConfig {
   /// every 50 ms), bounded by its deadline, before it fails with UNAVAILABLE: a combine worker that restarts
   /// within this time (it is stateless between requests) costs its callers latency, not errors.
   std::chrono::milliseconds combine_wait{10000};
+  /// Bearer tokens that Generate and GetServerInfo require (--auth-token-file, proto/rpc/security.h); empty: open.
+  rpc::BearerTokens auth;
 };
 
 /// The model facts the router needs (it does not load weights).
@@ -53,6 +55,8 @@ struct RouterModel {
   /// engine::model_fingerprint(config, numerics). Empty = learn it from the first worker whose identity probe
   /// matches the model (--numerics auto); either way a worker of other numerics is not used (logged).
   std::string numerics;
+  std::string name;  ///< what GetServerInfo calls the model: the checkpoint directory's name
+  std::string path;  ///< the checkpoint directory (absolute)
 };
 
 class RouterService final : public hypic::v1::Router::Service {

@@ -33,7 +33,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   try {
-    hypic::rpc::setup_logging("scatter", server.log_level);
+    hypic::rpc::init_service("scatter", server);
     const auto backend = hypic::rpc::make_engine_backend(engine, model_dir);
     hypic::cache::SegmentCacheClient cache(caches);
     hypic::cache::AsyncCachePutter putter(cache, put_queue_bytes);

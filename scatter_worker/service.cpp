@@ -1,5 +1,7 @@
 #include "scatter_worker/service.h"
 
+#include "proto/rpc/metrics.h"
+
 #include <deque>
 #include <thread>
 
@@ -47,7 +49,26 @@ ScatterService::ScatterService(engine::EngineLoop& loop, cache::AsyncCachePutter
                               std::shared_ptr<const std::string> bytes, std::string request_id,
                               std::function<void(bool)> done) {
         return putter.enqueue(digest, std::move(ids), std::move(bytes), std::move(request_id), std::move(done));
-      }) {}
+      }) {
+  // Prometheus metrics (proto/rpc/metrics.h), read at each scrape; this service lives until the server stopped.
+  auto& reg = rpc::MetricsRegistry::global();
+  reg.gauge_fn("hypic:scatter_queued_tokens", "Tokens of builds queued or running on this scatter worker",
+               [this] { return double(loop_.queued_tokens()); });
+  reg.counter_fn("hypic:segments_built_total", "Segment entries built (prefilled) by this worker",
+                 [this] { return double(builds_.counters().built); });
+  reg.counter_fn("hypic:builds_joined_total", "Segment requests that joined a build already in flight",
+                 [this] { return double(builds_.counters().joined); });
+  reg.counter_fn("hypic:builds_dropped_total", "Queued builds dropped because no request waited for them",
+                 [this] { return double(builds_.counters().dropped); });
+  reg.counter_fn("hypic:orphan_builds_stored_total", "Builds finished after every waiter left, stored in the cache",
+                 [this] { return double(builds_.counters().orphans_stored); });
+  reg.counter_fn("hypic:cache_puts_total", "Entries this worker stored in the segment cache",
+                 [&putter] { return double(putter.counters().stored); }, {{"outcome", "stored"}});
+  reg.counter_fn("hypic:cache_puts_total", "Entries this worker stored in the segment cache",
+                 [&putter] { return double(putter.counters().failed); }, {{"outcome", "failed"}});
+  reg.counter_fn("hypic:cache_puts_total", "Entries this worker stored in the segment cache",
+                 [&putter] { return double(putter.counters().dropped); }, {{"outcome", "dropped"}});
+}
 
 namespace {
 // Shared between the Prefill handler, the engine thread (build callbacks) and the delivery thread of one call.
@@ -145,6 +166,15 @@ grpc::Status ScatterService::Prefill(grpc::ServerContext* ctx, const v1::Prefill
           call->delivering = cctx.get();
         }
         const grpc::Status st = deliver_entry(stub, *cctx, h, *built.bytes, chunk_bytes_, &duplicate);
+        if (st.ok()) {
+          static auto& sent = rpc::MetricsRegistry::global().counter(
+              "hypic:entry_bytes_sent_total", "Segment entry bytes streamed to combine workers");
+          static auto& transfer = rpc::MetricsRegistry::global().histogram(
+              "hypic:entry_transfer_seconds", "Time to stream one segment entry to the combine worker",
+              rpc::latency_buckets_seconds());
+          sent.inc(double(built.bytes->size()));
+          transfer.observe(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+        }
         {
           std::lock_guard<std::mutex> lock(call->mu);
           call->delivering = nullptr;
@@ -206,6 +236,14 @@ grpc::Status ScatterService::Prefill(grpc::ServerContext* ctx, const v1::Prefill
         spdlog::debug("[req {}] segment {} built: {} tokens, {:.1f} ms (queued {:.1f} ms), {} bytes{}", rid, index,
                       ids[e.position].size(), b.compute_ms, b.queue_ms, b.bytes->size(),
                       e.built.joined ? fmt::format(", shared with request {}", e.built.started_for) : "");
+        if (!e.built.joined) {
+          static auto& tokens = rpc::MetricsRegistry::global().counter(
+              "hypic:prefill_tokens_total", "Segment tokens prefilled by this worker");
+          static auto& seconds = rpc::MetricsRegistry::global().histogram(
+              "hypic:segment_build_seconds", "Compute time of one segment entry build", rpc::latency_buckets_seconds());
+          tokens.inc(double(ids[e.position].size()));
+          seconds.observe(b.compute_ms / 1000.0);
+        }
         auto* c = out.mutable_computed();
         c->set_queue_ms(b.queue_ms);
         c->set_compute_ms(b.compute_ms);

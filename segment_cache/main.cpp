@@ -32,13 +32,18 @@ int main(int argc, char** argv) {
                  "leased entries may hold at most this fraction of --memory-bytes; hits past it are not leased")
       ->check(CLI::Range(0.0, 1.0))
       ->capture_default_str();
+  size_t max_queued_events = 65536;
+  app.add_option("--max-queued-events", max_queued_events,
+                 "WatchEvents: events a subscriber may fall behind before its stream is ended (RESOURCE_EXHAUSTED)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   try {
-    hypic::rpc::setup_logging("segment-cache", server.log_level);
+    hypic::rpc::init_service("segment-cache", server);
     store.disk_dir = disk_dir;
     hypic::cache::SegmentStore st(store);
     hypic::rpc::Lifecycle life("segment cache");
-    hypic::cache::SegmentCacheService svc(st, life, chunk_bytes, max_lease_ms);
+    hypic::cache::SegmentCacheService svc(st, life, chunk_bytes, max_lease_ms, max_queued_events);
     spdlog::info("memory budget {} bytes (leases up to {:.0f}% of it){}", store.memory_budget_bytes,
                  100.0 * store.max_leased_fraction,
                  disk_dir.empty() ? std::string(", no disk tier")

@@ -4,6 +4,7 @@
 #include <spdlog/spdlog.h>
 
 #include "proto/rpc/chunks.h"
+#include "proto/rpc/metrics.h"
 
 namespace hypic::cache {
 
@@ -11,7 +12,99 @@ namespace v1 = hypic::v1;
 
 namespace {
 constexpr size_t kMaxLeaseOwnerBytes = 128;
+
+rpc::Counter& bytes_counter(const char* direction) {
+  return rpc::MetricsRegistry::global().counter("hypic:cache_entry_bytes_total",
+                                                "Entry bytes moved by the segment cache (in: puts, out: gets)",
+                                                {{"direction", direction}});
+}
 }  // namespace
+
+SegmentCacheService::SegmentCacheService(SegmentStore& store, rpc::Lifecycle& life, size_t chunk_bytes,
+                                         uint32_t max_lease_ms, size_t max_queued_events)
+    : store_(store), life_(life), chunk_bytes_(chunk_bytes), max_lease_ms_(max_lease_ms), events_(max_queued_events) {
+  store_.set_event_sink([this](const StoreEvent& e) { events_.publish(e); });
+  auto& reg = rpc::MetricsRegistry::global();
+  auto stat = [&store](uint64_t StoreStats::*field) { return [&store, field] { return double(store.stats().*field); }; };
+  reg.gauge_fn("hypic:cache_bytes", "Bytes of segment entries held, by tier", stat(&StoreStats::memory_bytes),
+               {{"tier", "memory"}});
+  reg.gauge_fn("hypic:cache_bytes", "Bytes of segment entries held, by tier", stat(&StoreStats::disk_bytes),
+               {{"tier", "disk"}});
+  reg.gauge_fn("hypic:cache_budget_bytes", "Byte budget of each tier", stat(&StoreStats::memory_budget_bytes),
+               {{"tier", "memory"}});
+  reg.gauge_fn("hypic:cache_budget_bytes", "Byte budget of each tier", stat(&StoreStats::disk_budget_bytes),
+               {{"tier", "disk"}});
+  reg.gauge_fn("hypic:cache_entries", "Segment entries held, by tier", stat(&StoreStats::memory_entries),
+               {{"tier", "memory"}});
+  reg.gauge_fn("hypic:cache_entries", "Segment entries held, by tier", stat(&StoreStats::disk_entries),
+               {{"tier", "disk"}});
+  reg.gauge_fn("hypic:cache_leased_bytes", "Bytes of entries under a hit lease", stat(&StoreStats::leased_bytes));
+  reg.counter_fn("hypic:cache_lookups_total", "Lookups and gets of a digest", stat(&StoreStats::lookups));
+  reg.counter_fn("hypic:cache_hits_total", "Lookups and gets that found the entry", stat(&StoreStats::hits));
+  reg.counter_fn("hypic:cache_evictions_total", "Entries evicted to make room (memory spills to disk not included)",
+                 stat(&StoreStats::evictions));
+  reg.counter_fn("hypic:cache_spills_total", "Entries moved from memory to the disk tier", stat(&StoreStats::spills));
+  reg.counter_fn("hypic:cache_stored_total", "Entries stored by puts", stat(&StoreStats::puts));
+  reg.counter_fn("hypic:cache_rejected_puts_total", "Puts refused (no room left that is not pinned or leased)",
+                 stat(&StoreStats::rejected_puts));
+  reg.counter_fn("hypic:cache_corruptions_total", "Entries dropped for a failed integrity check",
+                 stat(&StoreStats::corruptions));
+}
+
+SegmentCacheService::~SegmentCacheService() { store_.set_event_sink(nullptr); }
+
+namespace {
+void to_proto(const StoreEvent& e, uint64_t sequence, int64_t unix_micros, v1::CacheEvent* out) {
+  out->set_kind(static_cast<v1::CacheEvent::Kind>(e.kind));
+  out->set_digest(rpc::digest_bytes(e.digest));
+  out->set_size_bytes(e.size_bytes);
+  out->set_tier(static_cast<v1::CacheTier>(e.tier));
+  out->set_from_tier(static_cast<v1::CacheTier>(e.from_tier));
+  out->set_reason(e.reason);
+  out->set_sequence(sequence);
+  out->set_unix_micros(unix_micros);
+}
+}  // namespace
+
+grpc::Status SegmentCacheService::WatchEvents(grpc::ServerContext* ctx, const v1::WatchEventsRequest* req,
+                                              grpc::ServerWriter<v1::CacheEvent>* writer) {
+  return rpc::handle_errors([&] {
+    auto call = life_.enter();
+    std::shared_ptr<CacheEventHub::Subscriber> sub;
+    std::vector<StoreEvent> existing;
+    if (req->include_existing()) {
+      existing = store_.list_entries_then([&] { sub = events_.subscribe(); });
+    } else {
+      sub = events_.subscribe();
+    }
+    struct Leave {
+      CacheEventHub& hub;
+      std::shared_ptr<CacheEventHub::Subscriber> s;
+      ~Leave() { hub.unsubscribe(s); }
+    } leave{events_, sub};
+    spdlog::info("event subscriber {} joined ({} existing entries listed)", ctx->peer(), existing.size());
+    v1::CacheEvent ev;
+    for (const auto& e : existing) {
+      to_proto(e, 0, 0, &ev);
+      if (!writer->Write(ev)) return grpc::Status(grpc::StatusCode::CANCELLED, "subscriber went away");
+    }
+    for (;;) {
+      if (ctx->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "subscriber went away");
+      if (life_.draining()) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "segment cache is shutting down");
+      bool overflowed = false;
+      for (const auto& se : sub->wait(std::chrono::milliseconds(100), &overflowed)) {
+        to_proto(se.event, se.sequence, se.unix_micros, &ev);
+        if (!writer->Write(ev)) return grpc::Status(grpc::StatusCode::CANCELLED, "subscriber went away");
+      }
+      if (overflowed) {
+        spdlog::warn("event subscriber {} fell behind: stream ended", ctx->peer());
+        return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                            "the subscriber fell more than --max-queued-events behind; reconnect with include_existing "
+                            "to resync");
+      }
+    }
+  });
+}
 
 grpc::Status SegmentCacheService::Lookup(grpc::ServerContext*, const v1::LookupRequest* req,
                                          v1::LookupResponse* resp) {
@@ -67,6 +160,8 @@ grpc::Status SegmentCacheService::Get(grpc::ServerContext* ctx, const v1::GetReq
                   handle->bytes(), chunk_bytes_, [](v1::GetResponse& m, std::string_view c) { m.set_data(std::string(c)); },
                   [&](const v1::GetResponse& m) { return writer->Write(m); });
     if (!ok || ctx->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "reader went away");
+    static auto& out = bytes_counter("out");
+    out.inc(double(handle->bytes().size()));
     return grpc::Status::OK;
   });
 }
@@ -90,6 +185,8 @@ grpc::Status SegmentCacheService::Put(grpc::ServerContext*, grpc::ServerReader<v
       assembler.append(msg.data());
     }
     std::string bytes = assembler.finish();
+    static auto& in = bytes_counter("in");
+    in.inc(double(bytes.size()));
     std::vector<int32_t> ids(header.key().token_ids().begin(), header.key().token_ids().end());
     resp->set_replaced(store_.put(d, std::move(ids), std::move(bytes), header.checksum()));
     spdlog::debug("stored {} ({} bytes{})", rpc::digest_hex(d), header.total_bytes(),

@@ -2,6 +2,7 @@
 #pragma once
 #include "hypic/v1/segment_cache.grpc.pb.h"
 #include "proto/rpc/server.h"
+#include "segment_cache/events.h"
 #include "segment_cache/store.h"
 
 namespace hypic::cache {
@@ -9,8 +10,12 @@ namespace hypic::cache {
 class SegmentCacheService final : public hypic::v1::SegmentCache::Service {
  public:
   /// `max_lease_ms` caps the lease a Lookup may ask for.
-  SegmentCacheService(SegmentStore& store, rpc::Lifecycle& life, size_t chunk_bytes, uint32_t max_lease_ms)
-      : store_(store), life_(life), chunk_bytes_(chunk_bytes), max_lease_ms_(max_lease_ms) {}
+  /// Registers the cache's Prometheus metrics (hypic:cache_bytes{tier}, hypic:cache_evictions_total, ...,
+  /// proto/rpc/metrics.h), read from `store` at each scrape.
+  /// Becomes `store`'s event sink (WatchEvents; a subscriber may be `max_queued_events` behind) until destroyed.
+  SegmentCacheService(SegmentStore& store, rpc::Lifecycle& life, size_t chunk_bytes, uint32_t max_lease_ms,
+                      size_t max_queued_events = 65536);
+  ~SegmentCacheService() override;
 
   grpc::Status Lookup(grpc::ServerContext* ctx, const hypic::v1::LookupRequest* req,
                       hypic::v1::LookupResponse* resp) override;
@@ -24,12 +29,15 @@ class SegmentCacheService final : public hypic::v1::SegmentCache::Service {
                      hypic::v1::CacheStats* resp) override;
   grpc::Status ReleaseLeases(grpc::ServerContext* ctx, const hypic::v1::ReleaseLeasesRequest* req,
                              hypic::v1::ReleaseLeasesResponse* resp) override;
+  grpc::Status WatchEvents(grpc::ServerContext* ctx, const hypic::v1::WatchEventsRequest* req,
+                           grpc::ServerWriter<hypic::v1::CacheEvent>* writer) override;
 
  private:
   SegmentStore& store_;
   rpc::Lifecycle& life_;
   size_t chunk_bytes_;
   uint32_t max_lease_ms_;
+  CacheEventHub events_;
 };
 
 }  // namespace hypic::cache

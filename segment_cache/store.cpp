@@ -8,6 +8,7 @@
 #include <spdlog/spdlog.h>
 
 #include "proto/rpc/chunks.h"
+#include "engine/io_error.h"
 
 namespace hypic::cache {
 
@@ -138,7 +139,7 @@ void SegmentStore::index_disk_dir() {
   }
   // A smaller budget than last time: drop the oldest.
   while (disk_bytes_ > opt_.disk_budget_bytes && !disk_lru_.empty()) {
-    drop(map_.find(disk_lru_.back()));
+    drop(map_.find(disk_lru_.back()), StoreEvent::Kind::Evicted, "lru");
     ++counters_.evictions;
   }
   if (!found.empty()) spdlog::info("disk tier: indexed {} entries ({} bytes) in {}", map_.size(), disk_bytes_,
@@ -168,8 +169,9 @@ void SegmentStore::write_disk_file(const Digest& d, const Entry& e, const std::s
 
 std::shared_ptr<const std::string> SegmentStore::read_disk_file(const Digest& d, const Entry& e) const {
   const auto path = file_of(d);
+  errno = 0;
   std::ifstream in(path, std::ios::binary);
-  if (!in) throw std::runtime_error(fmt::format("{}: cannot open", path.string()));
+  if (!in) throw std::runtime_error(fmt::format("{}: cannot open: {}", path.string(), engine::io_error_reason(path, errno)));
   const DiskHeader h = read_header(in, path);
   if (h.checksum != e.checksum || h.size != e.size || h.ids != e.ids) {
     throw std::runtime_error(fmt::format("{}: header does not match the index (checksum, size or token ids)",
@@ -186,8 +188,9 @@ std::shared_ptr<const std::string> SegmentStore::read_disk_file(const Digest& d,
   return bytes;
 }
 
-void SegmentStore::drop(Map::iterator it) {
+void SegmentStore::drop(Map::iterator it, StoreEvent::Kind kind, const char* reason) {
   Entry& e = it->second;
+  emit(kind, it->first, e.size, e.tier, reason);
   if (e.leases > 0) leased_bytes_ -= e.size;  // its lease records are stale now (generation), ended later
   if (e.tier == Tier::Memory) {
     mem_lru_.erase(e.lru);
@@ -252,7 +255,7 @@ bool SegmentStore::make_disk_room(uint64_t need) {
       [&](const Digest& d) { return map_.at(d).size; });
   if (victims.empty()) return false;
   for (const Digest& d : victims) {
-    drop(map_.find(d));
+    drop(map_.find(d), StoreEvent::Kind::Evicted, "lru");
     ++counters_.evictions;
   }
   return true;
@@ -273,11 +276,13 @@ void SegmentStore::spill(Map::iterator it) {
       e.lru = disk_lru_.begin();
       disk_bytes_ += e.size;
       ++counters_.spills;
+      emit(StoreEvent::Kind::Moved, d, e.size, Tier::Disk, "", Tier::Memory);
       return;
     } catch (const std::exception& ex) {
       spdlog::warn("disk tier: spilling {} failed, dropping it: {}", rpc::digest_hex(d), ex.what());
     }
   }
+  emit(StoreEvent::Kind::Evicted, d, e.size, Tier::Memory, opt_.disk_dir.empty() ? "lru" : "spill failed");
   map_.erase(it);
   ++counters_.evictions;
 }
@@ -390,7 +395,7 @@ std::optional<SegmentStore::Handle> SegmentStore::get(const Digest& digest,
   } catch (const std::exception& ex) {
     ++counters_.corruptions;
     ++counters_.misses;
-    drop(it);
+    drop(it, StoreEvent::Kind::Cleared, "corrupt");
     spdlog::error("entry {} is corrupt and was dropped: {}", rpc::digest_hex(digest), ex.what());
     throw rpc::RpcError(grpc::StatusCode::DATA_LOSS,
                         fmt::format("segment entry {} failed its integrity check and was dropped: {}",
@@ -413,6 +418,7 @@ std::optional<SegmentStore::Handle> SegmentStore::get(const Digest& digest,
       e.lru = mem_lru_.begin();
       mem_bytes_ += e.size;
       ++counters_.promotions;
+      emit(StoreEvent::Kind::Moved, digest, e.size, Tier::Memory, "", Tier::Disk);
     }
   }
   touch(e, digest);
@@ -434,7 +440,7 @@ bool SegmentStore::put(const Digest& digest, std::vector<int32_t> token_ids, std
   ++counters_.puts;
   bool replaced = false;
   if (auto it = map_.find(digest); it != map_.end()) {
-    drop(it);
+    drop(it, StoreEvent::Kind::Cleared, "replaced");
     replaced = true;
   }
   Entry e;
@@ -448,6 +454,7 @@ bool SegmentStore::put(const Digest& digest, std::vector<int32_t> token_ids, std
     mem_lru_.push_front(digest);
     e.lru = mem_lru_.begin();
     mem_bytes_ += e.size;
+    emit(StoreEvent::Kind::Stored, digest, e.size, Tier::Memory);
     map_.emplace(digest, std::move(e));
     return replaced;
   }
@@ -458,6 +465,7 @@ bool SegmentStore::put(const Digest& digest, std::vector<int32_t> token_ids, std
       disk_lru_.push_front(digest);
       e.lru = disk_lru_.begin();
       disk_bytes_ += e.size;
+      emit(StoreEvent::Kind::Stored, digest, e.size, Tier::Disk);
       map_.emplace(digest, std::move(e));
       return replaced;
     } catch (const std::exception& ex) {
@@ -482,8 +490,27 @@ bool SegmentStore::erase(const Digest& digest) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = map_.find(digest);
   if (it == map_.end()) return false;
-  drop(it);
+  drop(it, StoreEvent::Kind::Cleared, "deleted");
   return true;
+}
+
+void SegmentStore::set_event_sink(std::function<void(const StoreEvent&)> sink) {
+  std::lock_guard<std::mutex> lock(mu_);
+  sink_ = std::move(sink);
+}
+
+std::vector<StoreEvent> SegmentStore::list_entries_then(const std::function<void()>& then) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<StoreEvent> out;
+  out.reserve(map_.size());
+  for (const auto* lru : {&mem_lru_, &disk_lru_}) {
+    for (const Digest& d : *lru) {
+      const Entry& e = map_.at(d);
+      out.push_back(StoreEvent{StoreEvent::Kind::Stored, d, e.size, e.tier, Tier::None, ""});
+    }
+  }
+  then();
+  return out;
 }
 
 StoreStats SegmentStore::stats() {

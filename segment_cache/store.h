@@ -51,6 +51,17 @@ struct StoreOptions {
   std::function<std::chrono::steady_clock::time_point()> clock;
 };
 
+/// A change to what the store holds (hypic.v1.CacheEvent, segment_cache.proto WatchEvents).
+struct StoreEvent {
+  enum class Kind { Stored = 1, Evicted = 2, Cleared = 3, Moved = 4 };  ///< CacheEvent.Kind numbering
+  Kind kind = Kind::Stored;
+  Digest digest{};
+  uint64_t size_bytes = 0;
+  Tier tier = Tier::None;       ///< now (Stored, Moved) or before (Evicted, Cleared)
+  Tier from_tier = Tier::None;  ///< Moved: the tier it left
+  const char* reason = "";      ///< Cleared: "deleted", "replaced", "corrupt"; Evicted: "lru", "spill failed"
+};
+
 /// Counters and sizes (field meanings as in hypic.v1.CacheStats).
 struct StoreStats {
   uint64_t memory_entries = 0, memory_bytes = 0, memory_budget_bytes = 0;
@@ -133,6 +144,13 @@ class SegmentStore {
   /// Counters and sizes; also ends the leases that have expired.
   StoreStats stats();
 
+  /// Receives every StoreEvent, in order, on the thread that caused it and under the store's lock: it must be quick
+  /// and must not call the store (CacheEventHub::publish is). Set once, before the store is shared.
+  void set_event_sink(std::function<void(const StoreEvent&)> sink);
+  /// One Stored event per entry held now (tier as held), and, under the same lock, `then()`: what then() registers
+  /// sees exactly the events after this listing (none lost, none twice).
+  std::vector<StoreEvent> list_entries_then(const std::function<void()>& then);
+
  private:
   struct Entry {
     std::vector<int32_t> ids;
@@ -165,7 +183,8 @@ class SegmentStore {
   void expire_leases_locked();
   std::filesystem::path file_of(const Digest& d) const;
   void unpin(const Digest& d, uint64_t generation);
-  void drop(Map::iterator it);
+  // Removes an entry from its tier and the map, telling the event sink (kind, reason).
+  void drop(Map::iterator it, StoreEvent::Kind kind, const char* reason);
   void touch(Entry& e, const Digest& d);
   // Frees memory until `need` more bytes fit; false if pinned/leased entries prevent it.
   bool make_memory_room(uint64_t need);
@@ -186,6 +205,11 @@ class SegmentStore {
   std::multimap<std::chrono::steady_clock::time_point, LeaseKey> lease_expiry_;
   uint64_t next_generation_ = 1;
   StoreStats counters_;
+  std::function<void(const StoreEvent&)> sink_;
+  void emit(StoreEvent::Kind kind, const Digest& d, uint64_t size, Tier tier, const char* reason = "",
+            Tier from = Tier::None) const {
+    if (sink_) sink_(StoreEvent{kind, d, size, tier, from, reason});
+  }
 };
 
 }  // namespace hypic::cache

@@ -166,6 +166,7 @@ struct Row {
                                 {"scatter", server_mean(&v1::TtftBreakdown::scatter_ms)},
                                 {"transfer", server_mean(&v1::TtftBreakdown::transfer_ms)},
                                 {"splice", server_mean(&v1::TtftBreakdown::splice_ms)},
+                                {"prefill", server_mean(&v1::TtftBreakdown::prefill_ms)},
                                 {"first_decode", server_mean(&v1::TtftBreakdown::first_decode_ms)},
                                 {"total", server_mean(&v1::TtftBreakdown::total_ms)}};
     j.update(extra);
@@ -516,7 +517,8 @@ std::string markdown(const json& j) {
   auto split = [](const json& r) {
     const auto& s = r["server_ttft_ms_mean"];
     return fmt::format("{} / {} / {} / {} / {} / {}", ms(s["router"]), ms(s["lookup"]), ms(s["scatter"]),
-                       ms(s["transfer"]), ms(s["splice"]), ms(s["first_decode"]));
+                       ms(s["transfer"]), ms(s["splice"].get<double>() + s.value("prefill", 0.0)),
+                       ms(s["first_decode"]));
   };
   auto lat = [](const json& r, const char* key) {
     const auto& s = r[key];
@@ -534,7 +536,7 @@ std::string markdown(const json& j) {
                      m["scatter_workers"].get<int>(), m["prompts"].get<int>(), m["segments_per_prompt"].get<int>(),
                      m["segment_tokens"].get<std::string>());
     o << "| mode | n | TTFT p50 | p90 | p99 | E2E p50 | p90 | p99 | reused segments | split: router / lookup / scatter / "
-         "transfer / splice / first decode |\n|---|---|---|---|---|---|---|---|---|---|\n";
+         "transfer / splice (full, prefix: prefill) / first decode |\n|---|---|---|---|---|---|---|---|---|---|\n";
     for (const auto& r : m["rows"]) {
       o << fmt::format("| {} | {} | {} | {} | {} | {} |\n", r["name"].get<std::string>(), r["ttft_ms"]["n"].get<int>(),
                        lat(r, "ttft_ms"), lat(r, "e2e_ms"), reuse(r), split(r));

@@ -76,7 +76,8 @@ RequestResult run_request(v1::Router::Stub& stub, const Prompt& prompt, const Re
 
 nlohmann::json ttft_json(const v1::TtftBreakdown& t) {
   return {{"router", t.router_ms()},     {"lookup", t.lookup_ms()}, {"scatter", t.scatter_ms()},
-          {"transfer", t.transfer_ms()}, {"splice", t.splice_ms()}, {"first_decode", t.first_decode_ms()},
+          {"transfer", t.transfer_ms()}, {"splice", t.splice_ms()}, {"prefill", t.prefill_ms()},
+          {"first_decode", t.first_decode_ms()},
           {"total", t.total_ms()}};
 }
 

@@ -1,4 +1,5 @@
 #include "bench/cluster/workload.h"
+#include "engine/io_error.h"
 
 #include <cmath>
 #include <fstream>
@@ -101,11 +102,7 @@ SegmentSource SegmentSource::corpus(const engine::Tokenizer& tokenizer, const st
                                     uint64_t seed) {
   std::vector<int32_t> stream;
   for (const auto& f : files) {
-    std::ifstream in(f, std::ios::binary);
-    if (!in) throw std::runtime_error(fmt::format("--corpus {}: cannot read the file", f.string()));
-    std::ostringstream ss;
-    ss << in.rdbuf();
-    tokenizer.encode_into(ss.str(), false, stream);
+    tokenizer.encode_into(engine::read_file_bytes(f, "--corpus: cannot read "), false, stream);
   }
   if (stream.empty()) throw std::invalid_argument("--corpus: the files hold no tokens");
   const std::string desc = fmt::format("windows of real text: {} file(s), {} tokens", files.size(), stream.size());

@@ -19,6 +19,7 @@
 #include <sstream>
 
 #include "engine/model.h"
+#include "engine/io_error.h"
 #include "engine/quality.h"
 #include "engine/sampling.h"
 #include "engine/splice.h"
@@ -33,13 +34,7 @@ namespace {
 
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
-std::string read_file(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) throw std::runtime_error("cannot read " + path);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
+std::string read_file(const std::string& path) { return hypic::engine::read_file_bytes(path); }
 
 std::vector<int32_t> parse_ids(const std::string& text, const std::string& origin) {
   std::vector<int32_t> ids;

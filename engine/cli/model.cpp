@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "engine/config.h"
+#include "engine/io_error.h"
 #include "engine/safetensors.h"
 #include "engine/weights.h"
 
@@ -64,11 +65,7 @@ std::vector<int32_t> parse_ids(const std::string& text, const std::string& what)
 
 std::vector<int32_t> read_ids(const std::string& ids, const std::string& ids_file) {
   if (!ids_file.empty()) {
-    std::ifstream in(ids_file);
-    if (!in) throw std::runtime_error("cannot open ids file " + ids_file);
-    std::stringstream ss;
-    ss << in.rdbuf();
-    return parse_ids(ss.str(), ids_file);
+    return parse_ids(hypic::engine::read_file_bytes(ids_file, "cannot read ids file "), ids_file);
   }
   return parse_ids(ids, "--ids");
 }

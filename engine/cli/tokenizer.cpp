@@ -10,6 +10,8 @@
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
+#include <cerrno>
+#include <cstring>
 #include <iostream>
 #include <iterator>
 #include <nlohmann/json.hpp>
@@ -23,7 +25,7 @@ namespace {
 std::string read_stdin() {
   std::ios::sync_with_stdio(false);
   std::string s((std::istreambuf_iterator<char>(std::cin)), std::istreambuf_iterator<char>());
-  if (std::cin.bad()) throw std::runtime_error("cannot read stdin");
+  if (std::cin.bad()) throw std::runtime_error(std::string("cannot read stdin: ") + std::strerror(errno));
   return s;
 }
 

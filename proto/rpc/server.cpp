@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <thread>
@@ -15,6 +16,7 @@
 #include <spdlog/spdlog.h>
 
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "proto/rpc/metrics.h"
 #include "proto/rpc/status.h"
 
 namespace hypic::rpc {
@@ -28,6 +30,18 @@ void add_server_flags(CLI::App& app, ServerFlags& flags) {
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
   app.add_option("--parent-pid", flags.parent_pid, "exit when this process disappears (used by launchers)");
+  app.add_option("--metrics-listen", flags.metrics_listen,
+                 "host:port of the Prometheus endpoint (GET /metrics; HTTPS with --tls-cert); port 0 picks one");
+  app.add_option("--metrics-port-file", flags.metrics_port_file, "write the metrics endpoint's port to this file");
+  add_tls_flags(app, flags.tls);
+}
+
+void init_service(const std::string& role, const ServerFlags& flags) {
+  setup_logging(role, flags.log_level);
+  configure_tls(flags.tls);
+  if (flags.tls.serving()) {
+    spdlog::info("TLS on{}", flags.tls.client_ca.empty() ? "" : ", client certificates required (mTLS)");
+  }
 }
 
 void setup_logging(const std::string& role, const std::string& level) {
@@ -90,18 +104,19 @@ void apply_common_args(grpc::ChannelArguments& args) {
   args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 5000);
 }
 
+
+}  // namespace
+
 void write_port_file(const std::string& path, int port) {
   const std::string tmp = path + ".tmp";
   {
     std::ofstream out(tmp);
     out << port << "\n";
-    if (!out) throw std::runtime_error(fmt::format("--port-file: cannot write {}", tmp));
+    if (!out) throw std::runtime_error(fmt::format("cannot write the port file {}: {}", tmp, std::strerror(errno)));
   }
   std::filesystem::rename(tmp, path);
 }
 
-// Waits for a termination signal (or the parent's death). Returns the signal number, 0 for a
-// vanished parent.
 int wait_for_termination(int parent_pid) {
   const sigset_t set = termination_set();
   for (;;) {
@@ -111,14 +126,22 @@ int wait_for_termination(int parent_pid) {
     if (parent_pid > 0 && (getppid() != parent_pid) && kill(parent_pid, 0) != 0) return 0;
   }
 }
-}  // namespace
+
+bool termination_signal_pending() {
+  const sigset_t set = termination_set();
+  timespec ts{0, 0};
+  return sigtimedwait(&set, nullptr, &ts) > 0;
+}
 
 int run_server(const ServerFlags& flags, Lifecycle& lifecycle, ServerSpec spec) {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(flags.listen, grpc::InsecureServerCredentials(), &port);
+  builder.AddListeningPort(flags.listen, server_credentials(), &port);
+  // gRPC binds with SO_REUSEPORT by default, so a second service on a port in use would silently share it (the
+  // kernel splitting connections between them): a port in use must fail the start instead.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.SetMaxReceiveMessageSize(64 << 20);
   builder.SetMaxSendMessageSize(64 << 20);
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
@@ -130,6 +153,15 @@ int run_server(const ServerFlags& flags, Lifecycle& lifecycle, ServerSpec spec) 
     throw std::runtime_error(fmt::format("--listen: cannot listen on {} (address in use or invalid?)", flags.listen));
   }
   if (spec.on_bound) spec.on_bound(port);
+  std::unique_ptr<MetricsServer> metrics;
+  if (!flags.metrics_listen.empty()) {
+    auto& reg = MetricsRegistry::global();
+    reg.gauge("hypic:service_info", "1, labelled with the service's role", {{"role", spec.role}}).set(1);
+    metrics = std::make_unique<MetricsServer>(flags.metrics_listen, reg);
+    if (!flags.metrics_port_file.empty()) write_port_file(flags.metrics_port_file, metrics->port());
+    spdlog::info("metrics on {}://{}:{}/metrics", tls_material().serving() ? "https" : "http",
+                 split_host_port(flags.metrics_listen, "--metrics-listen").first, metrics->port());
+  }
   auto* health = server->GetHealthCheckService();
   for (const auto& name : spec.health_names) health->SetServingStatus(name, true);
   health->SetServingStatus(true);
@@ -150,13 +182,11 @@ int run_server(const ServerFlags& flags, Lifecycle& lifecycle, ServerSpec spec) 
   // Wait for in-flight calls, polling for a second signal.
   const auto deadline = std::chrono::steady_clock::now() +
                         std::chrono::milliseconds(static_cast<int64_t>(flags.drain_seconds * 1000));
-  const sigset_t set = termination_set();
   while (sig != 0 && std::chrono::steady_clock::now() < deadline) {
     if (lifecycle.wait_idle(std::min(deadline, std::chrono::steady_clock::now() + std::chrono::milliseconds(100)))) {
       break;
     }
-    timespec ts{0, 0};
-    if (sigtimedwait(&set, nullptr, &ts) > 0) {
+    if (termination_signal_pending()) {
       spdlog::warn("second signal: stopping without waiting for {} in-flight calls", lifecycle.active());
       break;
     }
@@ -164,6 +194,7 @@ int run_server(const ServerFlags& flags, Lifecycle& lifecycle, ServerSpec spec) 
   if (lifecycle.active() > 0) spdlog::warn("cancelling {} in-flight calls", lifecycle.active());
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
   server->Wait();
+  metrics.reset();
   spdlog::info("{} stopped", spec.role);
   return 0;
 }
@@ -171,7 +202,8 @@ int run_server(const ServerFlags& flags, Lifecycle& lifecycle, ServerSpec spec) 
 std::shared_ptr<grpc::Channel> make_channel(const std::string& target) {
   grpc::ChannelArguments args;
   apply_common_args(args);
-  return grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+  if (!tls_material().server_name.empty()) args.SetSslTargetNameOverride(tls_material().server_name);
+  return grpc::CreateCustomChannel(target, channel_credentials(), args);
 }
 
 int check_health(const std::string& target, const std::string& service, std::chrono::milliseconds timeout,

@@ -18,6 +18,8 @@
 #include <CLI/CLI.hpp>
 #include <grpcpp/grpcpp.h>
 
+#include "proto/rpc/security.h"
+
 namespace hypic::rpc {
 
 /// Flags every service takes.
@@ -27,10 +29,19 @@ struct ServerFlags {
   std::string log_level = "info";      ///< trace, debug, info, warn, error, critical, off
   double drain_seconds = 10.0;         ///< how long in-flight calls may finish after SIGTERM
   int parent_pid = 0;                  ///< if > 0, shut down when this process disappears
+  std::string metrics_listen;          ///< host:port of the Prometheus /metrics endpoint (metrics.h); "" = none
+  std::string metrics_port_file;       ///< if set, the metrics endpoint's bound port is written there
+  TlsFlags tls;                        ///< --tls-* (security.h): TLS of the gRPC port, the metrics and channels
 };
 
-/// Registers --listen, --port-file, --log-level, --drain-seconds, --parent-pid on `app`.
+/// Registers --listen, --port-file, --log-level, --drain-seconds, --parent-pid, --metrics-listen,
+/// --metrics-port-file and the --tls-* flags (security.h) on `app`.
 void add_server_flags(CLI::App& app, ServerFlags& flags);
+
+/// What every service's main() does first after parsing its flags: logging (setup_logging) and the process-wide TLS
+/// configuration (configure_tls, before any channel is made). Throws std::invalid_argument for a bad log level or
+/// TLS file (naming the flag).
+void init_service(const std::string& role, const ServerFlags& flags);
 
 /// Configures spdlog: pattern "[time] [role] [level] message" on stderr; throws
 /// std::invalid_argument for an unknown level name.
@@ -40,6 +51,15 @@ void setup_logging(const std::string& role, const std::string& level);
 /// ignores SIGPIPE. Call first thing in main(), before gRPC starts threads; run_server() then
 /// receives the signals with sigwait.
 void block_termination_signals();
+
+/// Waits for SIGINT, SIGTERM or SIGHUP (blocked by block_termination_signals) or, with parent_pid > 0, for that
+/// process to vanish. Returns the signal number, 0 for a vanished parent.
+int wait_for_termination(int parent_pid);
+/// True when another termination signal is pending (consumes it; does not wait): a second Ctrl-C during a drain.
+bool termination_signal_pending();
+/// Writes `port` to `path` atomically (a temporary file renamed), as --port-file and --metrics-port-file want.
+/// Throws std::runtime_error naming the file when it cannot be written.
+void write_port_file(const std::string& path, int port);
 
 /// In-flight call accounting and the draining flag.
 class Lifecycle {
@@ -87,14 +107,15 @@ struct ServerSpec {
   std::function<void()> on_drain;
 };
 
-/// Builds and starts the server on flags.listen with health checking and reflection enabled,
-/// writes the port file, marks the services SERVING, then blocks until a termination signal (or
+/// Builds and starts the server on flags.listen (TLS per flags.tls) with health checking and reflection enabled,
+/// starts the metrics endpoint when flags.metrics_listen is set, writes the port files, marks the services SERVING, then blocks until a termination signal (or
 /// the parent process vanishes) and drains as described above. Returns the process exit status
 /// (0 after a clean drain). Throws std::runtime_error if the address cannot be bound.
 int run_server(const ServerFlags& flags, Lifecycle& lifecycle, ServerSpec spec);
 
 /// gRPC channel to host:port with the channel arguments hypic uses (large messages allowed,
-/// keepalive so that a vanished peer is noticed within seconds).
+/// keepalive so that a vanished peer is noticed within seconds), over TLS when the process's TLS configuration has
+/// a CA (security.h, --tls-ca).
 std::shared_ptr<grpc::Channel> make_channel(const std::string& target);
 
 /// Health status of `service` ("" for the whole server) at `target`, as the grpc.health.v1 enum

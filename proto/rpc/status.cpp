@@ -1,5 +1,7 @@
 #include "proto/rpc/status.h"
 
+#include "hypic/v1/common.pb.h"
+
 #include <random>
 
 #include <fmt/format.h>
@@ -98,6 +100,23 @@ void validate_request_id(std::string_view id) {
 std::string make_request_id() {
   thread_local std::mt19937_64 rng{std::random_device{}()};
   return fmt::format("{:016x}", rng());
+}
+
+}  // namespace hypic::rpc
+
+namespace hypic::rpc {
+
+std::string_view segment_source_name(int source) {
+  switch (source) {
+    case hypic::v1::SEGMENT_SOURCE_COMBINE_MEMORY: return "combine-memory";
+    case hypic::v1::SEGMENT_SOURCE_CACHE: return "cache";
+    case hypic::v1::SEGMENT_SOURCE_SCATTER: return "scatter";
+    case hypic::v1::SEGMENT_SOURCE_COMBINE_COMPUTED: return "combine-computed";
+    case hypic::v1::SEGMENT_SOURCE_IN_CONTEXT: return "in-context";
+    case hypic::v1::SEGMENT_SOURCE_SHARED_BUILD: return "shared-build";
+    case hypic::v1::SEGMENT_SOURCE_REPEAT: return "repeat";
+    default: return "unspecified";
+  }
 }
 
 }  // namespace hypic::rpc

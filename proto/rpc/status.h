@@ -30,6 +30,10 @@ RpcError unavailable(std::string_view message);
 
 /// "INVALID_ARGUMENT", "UNAVAILABLE", ... (the canonical upper-case names of grpc/status.h).
 std::string_view code_name(grpc::StatusCode code);
+/// Short name of a hypic.v1.SegmentSource value (where a segment's entry came from), as reports, metrics labels and
+/// the HTTP front print it: "combine-memory", "cache", "scatter", "combine-computed", "in-context", "shared-build",
+/// "repeat"; "unspecified" for 0 or an unknown value.
+std::string_view segment_source_name(int source);
 /// "<CODE>: <message>" for logs and errors.
 std::string describe(const grpc::Status& status);
 /// Re-raises a failed status as RpcError with `context` prepended to the message, keeping the code.

@@ -91,6 +91,7 @@ class ClusterTestCase(unittest.TestCase):
     scatter_workers = 2
     cache_replicas = 1
     extra_args: dict[str, list[str]] = {}
+    tls = False  # LocalCluster(tls=True): TLS, mTLS between services, a bearer token on the router
     cluster: LocalCluster
 
     @classmethod
@@ -99,7 +100,8 @@ class ClusterTestCase(unittest.TestCase):
         cls.work = tempfile.TemporaryDirectory(prefix=f"hypic-it-{cls.__name__}-")
         cls.cluster = LocalCluster(BIN_DIR, Env.model, Env.tokenizer, scatter_workers=cls.scatter_workers,
                                    cache_replicas=cls.cache_replicas, work_dir=cls.work.name,
-                                   extra_args=cls.extra_args, device="cpu")  # the reference is the CPU engine
+                                   extra_args=cls.extra_args, device="cpu",  # the reference is the CPU engine
+                                   tls=cls.tls)
         cls.cluster.start()
 
     @classmethod

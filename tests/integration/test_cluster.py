@@ -8,7 +8,10 @@ Environment: HYPIC_BIN_DIR (the built binaries), HYPIC_TOKENIZER (else scripts/f
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,6 +25,8 @@ from cluster_test_support import (BIN_DIR, SOURCE_DIR, ClusterTestCase, Env, pro
                                   words)
 
 SEGMENTS = [words(100 + i, 170 + 15 * i) for i in range(6)]  # about 200-300 tokens each
+sys.path.insert(0, str(SOURCE_DIR / "deploy"))
+from local_cluster import port_free as local_cluster_port_free  # noqa: E402
 
 
 def sources(report: dict) -> list[str]:
@@ -60,9 +65,11 @@ class CacheReuseTest(ClusterTestCase):
         # TTFT phases add up to the total.
         t = rep["ttft"]
         parts = sum(t[k] for k in ("router_ms", "lookup_ms", "scatter_ms", "transfer_ms", "splice_ms",
-                                   "first_decode_ms"))
+                                   "prefill_ms", "first_decode_ms"))
         self.assertAlmostEqual(parts, t["total_ms"], delta=0.01)
         self.assertGreater(t["scatter_ms"], 0)
+        self.assertGreater(t["splice_ms"], 0)
+        self.assertEqual(t["prefill_ms"], 0)  # hypic mode splices: no in-context prefill phase
 
         self.wait_cache_entries(4)
         warm = self.generate(segs, query)
@@ -87,6 +94,13 @@ class CacheReuseTest(ClusterTestCase):
         self.assertEqual(int(stats["entries"]), 4)
         self.assertEqual(int(stats["corruptions"]), 0)
 
+        # The client's table says where warm entries came from: here (no memory tier) the segment cache.
+        table = self.client("generate", "--router", self.cluster.router_address, *sum((["--segment", x] for x in segs),
+                            []), "--query", query, "--max-tokens", "1", "--quiet")
+        self.assertEqual(table.returncode, 0, table.stderr)
+        self.assertIn("entries: 4 fetched from the segment cache (cache)", table.stderr)
+        self.assertNotIn("combine-memory", table.stderr)
+
     def test_modes_match_the_engine(self):
         """Every splice mode through the cluster gives the engine's tokens."""
         segs = [SEGMENTS[4], SEGMENTS[5]]
@@ -97,6 +111,25 @@ class CacheReuseTest(ClusterTestCase):
                 rep = self.ok(r)
                 self.assertEqual(rep["mode"], mode)
                 self.assertEqual(r["token_ids"], self.reference(segs, query, max_tokens=6, mode=mode))
+
+    def test_full_mode_bills_a_prefill_not_a_splice(self):
+        """Full mode splices nothing: its in-context prefill of the whole prompt is the TTFT's prefill phase (it was
+        billed as splice); the client prints it as such."""
+        segs = [SEGMENTS[0], SEGMENTS[1]]
+        for mode in ("full", "prefix"):
+            with self.subTest(mode=mode):
+                t = self.ok(self.generate(segs, "Full?", "--mode", mode, max_tokens=2))["ttft"]
+                self.assertEqual(t["splice_ms"], 0)
+                self.assertGreater(t["prefill_ms"], 0)
+                parts = sum(t[k] for k in ("router_ms", "lookup_ms", "scatter_ms", "transfer_ms", "splice_ms",
+                                           "prefill_ms", "first_decode_ms"))
+                self.assertAlmostEqual(parts, t["total_ms"], delta=0.01)
+        r = self.client("generate", "--router", self.cluster.router_address, "--segment", segs[0], "--query", "Q?",
+                        "--mode", "full", "--max-tokens", "1", "--quiet")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertRegex(r.stderr, r"TTFT [0-9.]+ ms = router .* \+ prefill [0-9.]+ \+ first decode")
+        self.assertNotIn("splice", r.stderr.split("TTFT", 1)[1].splitlines()[0])
+        self.assertIn("entries: 1 computed in context, no entry (in-context)", r.stderr)
 
     def test_prefix_mode_reports_reuse(self):
         """Prefix mode has no cache lookup, but segments restored from the combine worker's prefix checkpoints are
@@ -454,6 +487,100 @@ class BadInputTest(ClusterTestCase):
         self.assertEqual(self.cluster.wait_exit("router"), 0)
 
 
+def free_port() -> int:
+    """A port nothing listens on right now (bound and released)."""
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ClientTest(ClusterTestCase):
+    """What hypic-client tells a new user: where warm entries came from, the model it talks to, a hint when nothing
+    answers, and what an address is when it is the wrong kind of service. The combine worker keeps its memory tier
+    (the default), so warm entries come from it."""
+    scatter_workers = 1
+    extra_args = {"router": ["--combine-wait-ms", "0"]}
+
+    def test_warm_rows_say_where_they_came_from(self):
+        segs = [SEGMENTS[0], SEGMENTS[1]]
+        argv = ["generate", "--router", self.cluster.router_address, "--segment", segs[0], "--segment", segs[1],
+                "--query", "Where from?", "--max-tokens", "1", "--quiet"]
+        cold = self.client(*argv)
+        self.assertEqual(cold.returncode, 0, cold.stderr)
+        self.assertIn("entries: 2 built for this request by a scatter worker (scatter)", cold.stderr)
+        warm = self.client(*argv)
+        self.assertEqual(warm.returncode, 0, warm.stderr)
+        rows = [l.split() for l in warm.stderr.splitlines() if l.split()[:1] in (["0"], ["1"])]
+        self.assertEqual([r[3] for r in rows], ["combine-memory"] * 2, warm.stderr)
+        self.assertIn("entries: 2 reused from the combine worker's own memory tier (combine-memory; not fetched from "
+                      "the segment cache)", warm.stderr)
+
+    def test_info_names_the_model(self):
+        r = self.client("info", "--router", self.cluster.router_address)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        import json
+        info = json.loads(r.stdout)
+        self.assertEqual(info["model_name"], Path(Env.model).name)
+        self.assertEqual(info["model_path"], os.path.abspath(Env.model))
+        self.assertEqual(info["model_type"], "qwen3_5_text")
+        self.assertTrue(info["model_fingerprint"])
+
+    def test_nothing_listening_gets_a_hint(self):
+        port = free_port()
+        for cmd in (["generate", "--segment", "a", "--query", "b"], ["info"]):
+            with self.subTest(command=cmd[0]):
+                r = self.client(*cmd, "--router", f"127.0.0.1:{port}")
+                self.assertEqual(r.returncode, 2, r.stderr)
+                self.assertIn("UNAVAILABLE", r.stderr)
+                self.assertIn(f"hint: no router answered at 127.0.0.1:{port}", r.stderr)
+                self.assertIn("the router may not be running", r.stderr)
+                self.assertIn("deploy/local_cluster.py --model DIR --tokenizer FILE", r.stderr)
+                self.assertIn("scripts/demo.sh", r.stderr)
+        r = self.client("cache-stats", "--cache", f"127.0.0.1:{port}")
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn(f"hint: no segment cache answered at 127.0.0.1:{port}", r.stderr)
+        # A router that answers UNAVAILABLE itself (e.g. shutting down) gets no such hint: only unreachable addresses.
+
+    def test_default_router_address_is_the_routers_and_the_launchers(self):
+        client_help = self.client("generate", "--help").stdout
+        self.assertRegex(client_help, r"--router TEXT=127\.0\.0\.1:50050")
+        router_help = subprocess.run([str(BIN_DIR / "hypic-router"), "--help"], capture_output=True, text=True).stdout
+        self.assertRegex(router_help, r"--listen TEXT=127\.0\.0\.1:50050")
+        sys.path.insert(0, str(SOURCE_DIR / "deploy"))
+        import local_cluster
+        self.assertEqual(local_cluster.DEFAULT_ROUTER_PORT, 50050)
+
+    def test_cache_commands_against_other_services(self):
+        router, cache = self.cluster.router_address, self.cluster.address("cache-0")
+        r = self.client("cache-stats", "--cache", router)
+        self.assertEqual(r.returncode, 2)
+        self.assertIn(f"error: {router} is a hypic router, not a segment cache; the cache replicas are: {cache} "
+                      f"(e.g. hypic-client cache-stats --cache {cache})", r.stderr)
+        r = self.client("cache-delete", "--cache", self.cluster.address("scatter-0"), "--digest", "0" * 32)
+        self.assertEqual(r.returncode, 2)
+        self.assertIn("is a hypic scatter worker, not a segment cache", r.stderr)
+        r = self.client("generate", "--router", cache, "--segment", "a", "--query", "b")
+        self.assertEqual(r.returncode, 2)
+        self.assertIn(f"hint: {cache} is a hypic segment cache, not a hypic router", r.stderr)
+        self.assertEqual(self.client("cache-stats", "--cache", cache).returncode, 0)
+
+    def test_z_router_answering_unavailable_gets_no_hint(self):
+        """Runs last (it stops the combine worker): an UNAVAILABLE the router answers itself is not "nothing
+        answered"."""
+        self.cluster.kill("combine")
+        self.cluster.wait_exit("combine")
+        deadline = time.monotonic() + 30
+        while True:
+            r = self.client("generate", "--router", self.cluster.router_address, "--segment", "a", "--query", "b")
+            if "no combine worker is available" in r.stderr or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)  # until the router's probe has taken the dead worker out of rotation
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("UNAVAILABLE: no combine worker is available", r.stderr)
+        self.assertNotIn("hint:", r.stderr)
+
+
 class LauncherTest(unittest.TestCase):
     """deploy/local_cluster.py leaves no process behind: normal exit, Ctrl-C, and its own SIGKILL."""
 
@@ -507,6 +634,150 @@ class LauncherTest(unittest.TestCase):
             os.killpg(p.pid, signal.SIGKILL)  # the launcher and the `sleep` it runs, not the services
             p.communicate(timeout=30)
             self.assert_gone(work)
+
+    def run_launcher(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(SOURCE_DIR / "deploy" / "local_cluster.py"), "--bin-dir",
+                               str(BIN_DIR), "--model", Env.model, "--tokenizer", Env.tokenizer, "--scatter-workers",
+                               "1", "--device", "cpu", *args], capture_output=True, text=True, timeout=timeout)
+
+    def test_fixed_ports_placeholders_and_environment(self):
+        """Every service's port can be fixed; every address reaches the command as a placeholder and in the
+        environment (and in cluster.json); the launcher's own flags cannot be passed through."""
+        router, combine, cache, scatter = (free_port() for _ in range(4))
+        dump = ("import json, os, sys; print(json.dumps({'argv': sys.argv[1:], 'env': {k: v for k, v in "
+                "os.environ.items() if k.startswith('HYPIC_')}}))")
+        with tempfile.TemporaryDirectory() as work:
+            p = self.run_launcher("--work-dir", work, "--router-port", str(router), "--combine-port", str(combine),
+                                  "--cache-port", str(cache), "--scatter-ports", str(scatter), "--",
+                                  sys.executable, "-c", dump, "{router}", "{cache}", "{cache0}", "{caches}",
+                                  "{scatter0}", "{combine}", "{work_dir}", "{not_a_placeholder}")
+            self.assertEqual(p.returncode, 0, p.stderr)
+            out = json.loads(p.stdout)
+            a = {k: f"127.0.0.1:{v}" for k, v in (("router", router), ("combine", combine), ("cache", cache),
+                                                 ("scatter", scatter))}
+            self.assertEqual(out["argv"], [a["router"], a["cache"], a["cache"], a["cache"], a["scatter"],
+                                           a["combine"], work, "{not_a_placeholder}"])
+            env = out["env"]
+            self.assertEqual((env["HYPIC_ROUTER"], env["HYPIC_CACHE"], env["HYPIC_CACHE0"], env["HYPIC_SCATTER0"],
+                              env["HYPIC_COMBINE"]), (a["router"], a["cache"], a["cache"], a["scatter"], a["combine"]))
+            doc = json.loads((Path(work) / "cluster.json").read_text())
+            self.assertEqual(doc["addresses"]["router"], a["router"])
+            metrics = "--metrics-listen" in subprocess.run([str(BIN_DIR / "hypic-router"), "--help"],
+                                                           capture_output=True, text=True).stdout
+            self.assertEqual("HYPIC_METRICS" in env, metrics)
+            if metrics:  # every service got a metrics endpoint on a free port, named by {metrics_<service>}
+                for name in ("router", "cache0", "scatter0", "combine"):
+                    self.assertRegex(env[f"HYPIC_METRICS_{name.upper()}"], r"^127\.0\.0\.1:\d+$")
+                self.assertEqual(env["HYPIC_METRICS"], env["HYPIC_METRICS_ROUTER"])
+            self.assert_gone(work)
+
+        # --listen (and the other flags the launcher sets) refused before anything starts, naming the fix.
+        p = self.run_launcher("--router-arg=--listen=127.0.0.1:1", "--", "true", timeout=30)
+        self.assertEqual(p.returncode, 2)
+        self.assertIn("the launcher sets --listen of every service itself", p.stderr)
+        self.assertIn("--router-port PORT", p.stderr)
+        p = self.run_launcher("--scatter-arg=--port-file=/tmp/x", "--", "true", timeout=30)
+        self.assertEqual(p.returncode, 2)
+        self.assertIn("--port-file", p.stderr)
+        # A placeholder naming nothing started, or a port list of the wrong length: refused up front too.
+        p = self.run_launcher("--", "echo", "{cache1}", timeout=30)
+        self.assertEqual(p.returncode, 2)
+        self.assertIn("{cache1}", p.stderr)
+        p = self.run_launcher("--scatter-ports", "1,2", "--", "true", timeout=30)
+        self.assertEqual(p.returncode, 2)
+        self.assertIn("2 port(s) given for 1 scatter worker(s)", p.stderr)
+        # A fixed port that is taken: a clear error, no service left.
+        import socket
+        with socket.socket() as held, tempfile.TemporaryDirectory() as work:
+            held.bind(("127.0.0.1", 0))
+            held.listen()
+            taken = held.getsockname()[1]
+            p = self.run_launcher("--work-dir", work, "--combine-port", str(taken), "--", "true")
+            self.assertEqual(p.returncode, 1)
+            self.assertIn(f"combine: port {taken} on 127.0.0.1 is in use", p.stderr)
+            self.assert_gone(work)
+
+    def test_http_front(self):
+        """--http starts hypic-openai in front of the router ({http}); without the binary it fails clearly."""
+        with tempfile.TemporaryDirectory() as bins:
+            for f in BIN_DIR.iterdir():
+                if f.name != "hypic-openai":
+                    os.symlink(f, Path(bins) / f.name)
+            p = subprocess.run([sys.executable, str(SOURCE_DIR / "deploy" / "local_cluster.py"), "--bin-dir", bins,
+                                "--model", Env.model, "--tokenizer", Env.tokenizer, "--http", "--", "true"],
+                               capture_output=True, text=True, timeout=30)
+            self.assertEqual(p.returncode, 2)
+            self.assertIn("--http: " + str(Path(bins) / "hypic-openai") + " not found", p.stderr)
+        p = self.run_launcher("--", "echo", "{http}", timeout=30)
+        self.assertEqual(p.returncode, 2)
+        self.assertIn("{http}", p.stderr)
+        self.assertIn("--http", p.stderr)
+        if not (BIN_DIR / "hypic-openai").exists():
+            self.skipTest("hypic-openai is not built")
+        with tempfile.TemporaryDirectory() as work:
+            p = self.run_launcher("--work-dir", work, "--http", "--", sys.executable, "-c",
+                                  "import os, sys; print(sys.argv[1], os.environ['HYPIC_HTTP'])", "{http}")
+            self.assertEqual(p.returncode, 0, p.stderr)
+            got, env = p.stdout.split()
+            self.assertRegex(got, r"^127\.0\.0\.1:\d+$")
+            self.assertEqual(got, env)
+            self.assert_gone(work)
+
+    def test_logs_kept_when_something_fails(self):
+        """Without --work-dir the logs live in a temporary directory: removed after a clean run, kept (and named)
+        when a service failed to start or the command failed."""
+        def named_dir(stderr: str, pattern: str) -> Path:
+            m = re.search(pattern, stderr)
+            self.assertIsNotNone(m, stderr)
+            return Path(m.group(1))
+
+        p = self.run_launcher("--", "true")
+        self.assertEqual(p.returncode, 0, p.stderr)
+        logs = named_dir(p.stderr, r"logs in (\S+): a temporary directory, removed at exit unless something fails")
+        self.assertFalse(logs.exists())
+
+        p = self.run_launcher("--", "false")
+        self.assertEqual(p.returncode, 1, p.stderr)
+        logs = named_dir(p.stderr, r"the command exited with status 1: the logs are kept in (\S+) ")
+        try:
+            self.assertTrue((logs / "router.log").is_file())
+        finally:
+            shutil.rmtree(logs.parent, ignore_errors=True)
+
+        with tempfile.TemporaryDirectory() as d:
+            bad_model = Path(d) / "not-a-model"
+            bad_model.mkdir()
+            p = subprocess.run([sys.executable, str(SOURCE_DIR / "deploy" / "local_cluster.py"), "--bin-dir",
+                                str(BIN_DIR), "--model", str(bad_model), "--tokenizer", Env.tokenizer, "--", "true"],
+                               capture_output=True, text=True, timeout=120)
+        self.assertEqual(p.returncode, 1)
+        logs = named_dir(p.stderr, r"the cluster did not start: the logs are kept in (\S+) ")
+        try:
+            self.assertIn("config.json", (logs / "scatter-0.log").read_text())
+        finally:
+            shutil.rmtree(logs.parent, ignore_errors=True)
+
+    def test_router_defaults_to_the_clients_default_port(self):
+        """Without --router-port the router takes 127.0.0.1:50050 (hypic-client's default --router) when it is free,
+        else a free port, saying so."""
+        import socket
+        cmd = ("--", sys.executable, "-c", "import os; print(os.environ['HYPIC_ROUTER'])")
+        if local_cluster_port_free(50050):
+            p = self.run_launcher(*cmd)
+            if p.returncode == 0 and "is in use" not in p.stderr:  # (unless another cluster took it meanwhile)
+                self.assertEqual(p.stdout.strip(), "127.0.0.1:50050")
+                self.assertIn("hypic cluster ready: router 127.0.0.1:50050\n", p.stderr)
+        with socket.socket() as held:
+            try:
+                held.bind(("127.0.0.1", 50050))
+                held.listen()
+            except OSError:
+                pass  # someone else holds it: just as good
+            p = self.run_launcher(*cmd)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertNotEqual(p.stdout.strip(), "127.0.0.1:50050")
+        self.assertIn("(port 50050, hypic-client's default --router, is in use: the router took a free one; pass "
+                      f"--router {p.stdout.strip()} to clients", p.stderr)
 
     def test_failed_start_cleans_up(self):
         with tempfile.TemporaryDirectory() as work:

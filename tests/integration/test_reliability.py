@@ -279,5 +279,39 @@ class AbandonedBuildTest(ReliabilityTestCase):
                                                 "orphan_builds_stored": 0})
 
 
+class CombineFailureTest(ReliabilityTestCase):
+    """The combine worker SIGKILLed while requests are in flight on it (their scatter builds take 2 s more): each of
+    them ends at once with UNAVAILABLE naming the combine worker (no hang, no silent truncation); once it is back
+    (the router waits --combine-wait-ms for it), the same prompts give the reference tokens."""
+    extra_args = {"scatter": ["--inject-delay-ms", "2000"], "router": ["--health-interval-ms", "100"]}
+
+    def test_requests_in_flight_fail_cleanly_and_the_next_ones_succeed(self):
+        prompts = [([words(400 + k, 60)], f"Question {k}?") for k in range(3)]
+        combine = self.cluster.address("combine")
+        with concurrent.futures.ThreadPoolExecutor(max_workers=3) as pool:
+            futures = [pool.submit(self.generate, segs, q, request_id=f"doomed-{k}", deadline_s=60)
+                       for k, (segs, q) in enumerate(prompts)]
+            self.wait_log_count("combine", "[req doomed-", 3)  # every request reached the combine worker
+            t_kill = time.monotonic()
+            self.cluster.kill("combine")
+            self.cluster.wait_exit("combine")
+            results = [f.result(timeout=60) for f in futures]
+        ended_s = time.monotonic() - t_kill
+        for k, r in enumerate(results):
+            with self.subTest(request=k):
+                self.assertNotEqual(r["rc"], 0)
+                self.assertIn("UNAVAILABLE", r["stderr"])
+                self.assertIn(f"combine worker {combine}", r["stderr"])
+        self.assertLess(ended_s, 30)  # ended by the failure, not by their 60 s deadline
+        self.cluster.restart("combine")
+        for k, (segs, q) in enumerate(prompts):
+            with self.subTest(retry=k):
+                r = self.generate(segs, q, request_id=f"after-{k}")
+                self.ok(r)
+                self.assertEqual(r["token_ids"], self.reference(segs, q))
+        info = json.loads(self.client("info", "--router", self.cluster.router_address).stdout)
+        self.assertEqual(int(info.get("active_requests", 0)), 0)
+
+
 if __name__ == "__main__":
     unittest.main(verbosity=2)

@@ -599,3 +599,10 @@ TEST_CASE("split special tokens: a skipped special match shadows what overlaps i
   CHECK(two_pass.encode("<ab>x", false) == std::vector<int32_t>{5, 4});
   CHECK(two_pass.encode("<ab>x", false, SpecialTokens::Split) == std::vector<int32_t>{0, 1, 6});
 }
+
+// A tokenizer.json that cannot be read says why (it used to say "cannot open 'PATH'" only).
+TEST_CASE("Tokenizer::load names why the file cannot be read", "[tokenizer]") {
+  CHECK_THROWS_WITH(Tokenizer::load("/nonexistent/tokenizer.json"),
+                    "Tokenizer::load: cannot read /nonexistent/tokenizer.json: No such file or directory");
+  CHECK_THROWS_WITH(Tokenizer::load("/"), "Tokenizer::load: cannot read /: Is a directory");
+}

@@ -4,6 +4,7 @@
 #include <catch2/catch.hpp>
 
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 
 #include "client/input.h"
@@ -90,7 +91,31 @@ TEST_CASE("segments JSON: malformed documents name the field", "[client]") {
         "req.json: segments[0].allow_special_tokens: expected true or false, got 1");
   CHECK(error_of(R"([{"tokens": 7}])") == "req.json: segments[0].tokens: expected an array of token ids");
   CHECK(error_of("[[1]]") == "req.json: segments[0]: expected a string or an object with text, tokens or file, got an array");
-  CHECK(error_of(R"([{"file": "/nonexistent/x"}])") == "req.json: segments[0].file: cannot read /nonexistent/x");
+  CHECK(error_of(R"([{"file": "/nonexistent/x"}])") ==
+        "req.json: segments[0].file: cannot read /nonexistent/x: No such file or directory");
+}
+
+// "cannot read FILE" used to give no reason, and a directory read as an empty segment.
+TEST_CASE("read_file names why a file cannot be read", "[client]") {
+  using hypic::client::read_file;
+  const std::string dir = std::string(HYPIC_BINARY_DIR) + "/test_scratch";
+  CHECK_THROWS_WITH(read_file("/nonexistent/x"), "cannot read /nonexistent/x: No such file or directory");
+  CHECK_THROWS_WITH(read_file(dir), "cannot read " + dir + ": Is a directory");
+  const std::string locked = dir + "/client_input_unreadable.txt";
+  std::ofstream(locked) << "secret";
+  std::filesystem::permissions(locked, std::filesystem::perms::none);
+  if (std::ifstream(locked)) {
+    WARN("running as root: a file without read permission is still readable, not checked");
+  } else {
+    CHECK_THROWS_WITH(read_file(locked), "cannot read " + locked + ": Permission denied");
+  }
+  std::filesystem::permissions(locked, std::filesystem::perms::owner_all);
+  CHECK(read_file(locked) == "secret");
+  const std::string empty = dir + "/client_input_empty.txt";
+  std::ofstream(empty).flush();
+  CHECK(read_file(empty).empty());  // an empty file is not an error
+  std::filesystem::remove(locked);
+  std::filesystem::remove(empty);
 }
 
 TEST_CASE("token id lists (--token-ids): digits only, in range, named by position", "[client]") {

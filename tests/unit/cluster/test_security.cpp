@@ -1,0 +1,168 @@
+// TLS and bearer tokens (proto/rpc/security.h): flag checks, token files, and real gRPC servers over TLS and mutual
+// TLS (certificates made by scripts/make_certs.sh with the openssl command), probed with the health service.
+#include <catch2/catch.hpp>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+
+#include <grpcpp/health_check_service_interface.h>
+
+#include "proto/rpc/security.h"
+#include "proto/rpc/server.h"
+
+using namespace hypic::rpc;
+
+namespace {
+
+std::string temp_path(const std::string& name) {
+  return (std::filesystem::temp_directory_path() / ("hypic-test-security-" + name)).string();
+}
+
+std::string write_file(const std::string& name, const std::string& text) {
+  const std::string p = temp_path(name);
+  std::ofstream(p) << text;
+  return p;
+}
+
+const std::string& cert_dir() {
+  static const std::string dir = [] {
+    const std::string d = temp_path("certs");
+    REQUIRE(std::system(("'" HYPIC_SOURCE_DIR "/scripts/make_certs.sh' '" + d + "' >/dev/null").c_str()) == 0);
+    return d;
+  }();
+  return dir;
+}
+
+// A gRPC server with only the health service, on a free loopback port, with the current server_credentials().
+struct HealthServer {
+  std::unique_ptr<grpc::Server> server;
+  int port = 0;
+  HealthServer() {
+    grpc::EnableDefaultHealthCheckService(true);
+    grpc::ServerBuilder b;
+    b.AddListeningPort("127.0.0.1:0", server_credentials(), &port);
+    server = b.BuildAndStart();
+    REQUIRE(server);
+    REQUIRE(port > 0);
+    server->GetHealthCheckService()->SetServingStatus(true);
+  }
+  ~HealthServer() { server->Shutdown(); }
+  std::string address() const { return "127.0.0.1:" + std::to_string(port); }
+};
+
+int probe(const std::string& address, std::string* error = nullptr) {
+  return check_health(address, "", std::chrono::milliseconds(3000), error);
+}
+
+}  // namespace
+
+TEST_CASE("bearer tokens: accepted, rejected, rotated; the scheme is case-insensitive", "[security]") {
+  const auto tokens = BearerTokens::load(write_file("tokens", "# comment line\n\n  old-token  \nnew-token\n"));
+  CHECK(tokens.enabled());
+  CHECK(tokens.accepts("Bearer old-token"));
+  CHECK(tokens.accepts("bearer new-token"));
+  CHECK(tokens.accepts("BEARER new-token "));
+  CHECK_FALSE(tokens.accepts("Bearer new-toke"));
+  CHECK_FALSE(tokens.accepts("Bearer new-token2"));
+  CHECK_FALSE(tokens.accepts("Basic new-token"));
+  CHECK_FALSE(tokens.accepts("new-token"));
+  CHECK_FALSE(tokens.accepts("Bearer "));
+  CHECK_FALSE(tokens.accepts("Bearer # comment line"));
+  CHECK_FALSE(tokens.accepts(""));
+  CHECK(BearerTokens().accepts(""));  // no tokens configured: authentication off
+  CHECK(read_token_file(write_file("tokens2", "\n first \nsecond\n")) == "first");
+
+  CHECK_THROWS_WITH(BearerTokens::load(write_file("empty", "# nothing\n\n")),
+                    Catch::Contains("--auth-token-file") && Catch::Contains("holds no token"));
+  CHECK_THROWS_WITH(BearerTokens::load(temp_path("missing")),
+                    Catch::Contains("cannot read") && Catch::Contains("No such file"));
+  CHECK_THROWS_WITH(read_token_file(temp_path("missing")), Catch::Contains("--token-file"));
+}
+
+TEST_CASE("TLS flags: half pairs, missing and non-PEM files are refused naming the flag", "[security]") {
+  const std::string& d = cert_dir();
+  TlsFlags f;
+  f.cert = d + "/server.crt";
+  CHECK_THROWS_WITH(load_tls(f), Catch::Contains("--tls-cert and --tls-key"));
+  f.key = d + "/nope.key";
+  CHECK_THROWS_WITH(load_tls(f), Catch::Contains("--tls-key") && Catch::Contains("No such file"));
+  f.key = write_file("notpem", "hello");
+  CHECK_THROWS_WITH(load_tls(f), Catch::Contains("--tls-key") && Catch::Contains("not a PEM file"));
+  TlsFlags g;
+  g.client_ca = d + "/ca.crt";
+  CHECK_THROWS_WITH(load_tls(g), Catch::Contains("--tls-client-ca"));
+  TlsFlags h;
+  h.client_cert = d + "/client.crt";
+  h.client_key = d + "/client.key";
+  CHECK_THROWS_WITH(load_tls(h), Catch::Contains("needs --tls-ca"));
+  TlsFlags ok;
+  ok.cert = d + "/server.crt";
+  ok.key = d + "/server.key";
+  ok.ca = d + "/ca.crt";
+  const TlsMaterial m = load_tls(ok);
+  CHECK(m.serving());
+  CHECK(m.calling());
+  CHECK(m.cert.find("-----BEGIN CERTIFICATE-----") == 0);
+  CHECK(m.cert_path == ok.cert);
+}
+
+TEST_CASE("TLS: a TLS server answers TLS clients that trust its CA, not plaintext ones", "[security][tls]") {
+  const std::string& d = cert_dir();
+  TlsFlags server_side;
+  server_side.cert = d + "/server.crt";
+  server_side.key = d + "/server.key";
+  configure_tls(server_side);
+  HealthServer server;
+
+  configure_tls(TlsMaterial{});  // plaintext client
+  std::string err;
+  CHECK(probe(server.address(), &err) == -1);
+
+  TlsFlags client_side;
+  client_side.ca = d + "/ca.crt";
+  configure_tls(client_side);
+  CHECK(probe(server.address(), &err) == 1);
+  CHECK(probe("localhost:" + std::to_string(server.port)) == 1);  // the certificate names localhost too
+
+  // A client that trusts another CA refuses the server.
+  const std::string other = temp_path("other-certs");
+  REQUIRE(std::system(("'" HYPIC_SOURCE_DIR "/scripts/make_certs.sh' '" + other + "' >/dev/null").c_str()) == 0);
+  TlsFlags wrong_ca;
+  wrong_ca.ca = other + "/ca.crt";
+  configure_tls(wrong_ca);
+  CHECK(probe(server.address()) == -1);
+  // A server name the certificate does not carry is refused too.
+  client_side.server_name = "hypic-router.example";
+  configure_tls(client_side);
+  CHECK(probe(server.address()) == -1);
+  configure_tls(TlsMaterial{});
+}
+
+TEST_CASE("TLS: with --tls-client-ca only clients with a certificate from that CA get in (mTLS)", "[security][tls]") {
+  const std::string& d = cert_dir();
+  TlsFlags server_side;
+  server_side.cert = d + "/server.crt";
+  server_side.key = d + "/server.key";
+  server_side.client_ca = d + "/ca.crt";
+  configure_tls(server_side);
+  HealthServer server;
+
+  TlsFlags no_cert;
+  no_cert.ca = d + "/ca.crt";
+  configure_tls(no_cert);
+  CHECK(probe(server.address()) == -1);
+
+  TlsFlags with_cert = no_cert;
+  with_cert.client_cert = d + "/client.crt";
+  with_cert.client_key = d + "/client.key";
+  configure_tls(with_cert);
+  CHECK(probe(server.address()) == 1);
+  configure_tls(TlsMaterial{});
+}
+
+TEST_CASE("TLS off: plaintext servers and channels, as before", "[security]") {
+  configure_tls(TlsMaterial{});
+  HealthServer server;
+  CHECK(probe(server.address()) == 1);
+}
