@@ -63,7 +63,7 @@ int main(int argc, char** argv) {
         {"combine",
          {&svc},
          {"hypic.v1.CombineWorker"},
-         [&](int port) { svc.set_address(hypic::rpc::advertised_host(server.listen) + ":" + std::to_string(port)); },
+         [&](int port) { svc.set_address(hypic::rpc::self_address(server, port)); },
          {}});
     loop.stop();  // engine callbacks use the service: finish them before it goes away
     return status;

@@ -46,7 +46,7 @@ int main(int argc, char** argv) {
         {"scatter",
          {&svc},
          {"hypic.v1.ScatterWorker"},
-         [&](int port) { svc.set_address(hypic::rpc::advertised_host(server.listen) + ":" + std::to_string(port)); },
+         [&](int port) { svc.set_address(hypic::rpc::self_address(server, port)); },
          {}});
     loop.stop();  // build callbacks use the service: finish them before it goes away
     return status;

@@ -34,6 +34,13 @@ void add_server_flags(CLI::App& app, ServerFlags& flags) {
                  "host:port of the Prometheus endpoint (GET /metrics; HTTPS with --tls-cert); port 0 picks one");
   app.add_option("--metrics-port-file", flags.metrics_port_file, "write the metrics endpoint's port to this file");
   add_tls_flags(app, flags.tls);
+  app.add_option("--advertise-address", flags.advertise,
+                 "host:port this service names itself by in reports (default: the --listen host, 127.0.0.1 for a "
+                 "wildcard, and the bound port); e.g. the pod's DNS name in Kubernetes");
+}
+
+std::string self_address(const ServerFlags& flags, int port) {
+  return flags.advertise.empty() ? advertised_host(flags.listen) + ":" + std::to_string(port) : flags.advertise;
 }
 
 void init_service(const std::string& role, const ServerFlags& flags) {

@@ -32,7 +32,12 @@ struct ServerFlags {
   std::string metrics_listen;          ///< host:port of the Prometheus /metrics endpoint (metrics.h); "" = none
   std::string metrics_port_file;       ///< if set, the metrics endpoint's bound port is written there
   TlsFlags tls;                        ///< --tls-* (security.h): TLS of the gRPC port, the metrics and channels
+  std::string advertise;               ///< host:port others reach this service at, as it names itself in reports
 };
+
+/// The address a service names itself by (e.g. a scatter worker's built_by): --advertise-address when given, else
+/// advertised_host(listen):port.
+std::string self_address(const ServerFlags& flags, int port);
 
 /// Registers --listen, --port-file, --log-level, --drain-seconds, --parent-pid, --metrics-listen,
 /// --metrics-port-file and the --tls-* flags (security.h) on `app`.
