@@ -11,6 +11,12 @@
 // the address, a hint follows on stderr (is the router running? how to start one); an address that serves another
 // hypic service is named as such (cache-* against a router: "... is a hypic router, not a segment cache; the cache
 // replicas are: ...").
+#include <netdb.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <chrono>
 #include <fstream>
 #include <iostream>
@@ -103,10 +109,49 @@ bool unreachable(const grpc::Status& st, const std::shared_ptr<grpc::Channel>& c
   return false;
 }
 
+/// Does a TCP connection to host:port succeed within 2 s (something listens there, whatever it speaks)?
+bool tcp_open(const std::string& target) {
+  const auto colon = target.rfind(':');
+  if (colon == std::string::npos) return false;
+  std::string host = target.substr(0, colon);
+  if (host.size() >= 2 && host.front() == '[') host = host.substr(1, host.size() - 2);
+  addrinfo hints{}, *res = nullptr;
+  hints.ai_socktype = SOCK_STREAM;
+  if (getaddrinfo(host.c_str(), target.substr(colon + 1).c_str(), &hints, &res) != 0) return false;
+  bool open = false;
+  for (addrinfo* a = res; a && !open; a = a->ai_next) {
+    const int fd = socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK, a->ai_protocol);
+    if (fd < 0) continue;
+    if (connect(fd, a->ai_addr, a->ai_addrlen) == 0) {
+      open = true;
+    } else if (errno == EINPROGRESS) {
+      pollfd p{fd, POLLOUT, 0};
+      int err = 0;
+      socklen_t len = sizeof(err);
+      open = poll(&p, 1, 2000) == 1 && getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) == 0 && err == 0;
+    }
+    close(fd);
+  }
+  freeaddrinfo(res);
+  return open;
+}
+
+/// The hint for a gRPC connection that failed although something listens at `target`: most likely the TLS settings
+/// differ from the server's.
+std::string tls_hint(const std::string& target) {
+  return fmt::format(
+      "hint: {} accepts connections but the gRPC connection failed: the TLS settings probably do not match the "
+      "server's. A cluster started with TLS (deploy/local_cluster.py --tls: the files are in WORK_DIR/tls) wants "
+      "--tls-ca ca.crt --tls-client-cert client.crt --tls-client-key client.key (and --token-file token for the "
+      "router); a plaintext server wants none of them.",
+      target);
+}
+
 /// The hint printed under an error of a call to the router at `router`: nothing answered there, or it is not a router.
 std::string router_hint(const grpc::Status& st, const std::string& router,
                         const std::shared_ptr<grpc::Channel>& channel) {
   if (unreachable(st, channel)) {
+    if (tcp_open(router)) return tls_hint(router);
     return fmt::format(
         "hint: no router answered at {} (--router; default 127.0.0.1:50050, the router's own default --listen): the "
         "router may not be running.\n"
@@ -124,6 +169,28 @@ std::string router_hint(const grpc::Status& st, const std::string& router,
     }
   }
   return "";
+}
+
+std::string not_a_cache(const std::string& target);
+
+/// Prints a failed cache-* call with what explains it: the address serves something else (UNIMPLEMENTED: say what,
+/// and where the cache is), nothing answers there, or the TLS settings differ. Returns the exit status (2).
+int cache_failed(const grpc::Status& st, const std::string& cache_addr) {
+  if (st.error_code() == grpc::StatusCode::UNIMPLEMENTED) {
+    if (const std::string why = not_a_cache(cache_addr); !why.empty()) {
+      std::cerr << "error: " << why << "\n";
+      return 2;
+    }
+  }
+  std::string hint;
+  if (unreachable(st)) {
+    hint = tcp_open(cache_addr)
+               ? tls_hint(cache_addr)
+               : fmt::format("hint: no segment cache answered at {} (--cache): is it running? `hypic-client info "
+                             "--router HOST:PORT` lists a cluster's cache replicas",
+                             cache_addr);
+  }
+  return rpc_failed(st, false, hint);
 }
 
 /// The message for a cache-* command whose --cache address is not a segment cache (its answer was UNIMPLEMENTED):
@@ -329,7 +396,7 @@ int main(int argc, char** argv) {
         return 0;
       }
       const grpc::Status st = reader->Finish();
-      return st.ok() ? 0 : rpc_failed(st, false);
+      return st.ok() ? 0 : cache_failed(st, cache_addr);
     }
     if (*health) {
       const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(int64_t(wait_s * 1000));
@@ -393,20 +460,7 @@ int main(int argc, char** argv) {
         std::cout << json{{"deleted", cache.erase(digest)}}.dump() << std::endl;
         return 0;
       } catch (const hypic::rpc::RpcError& e) {
-        // UNIMPLEMENTED: the address serves something else (a router, a worker): say what, and where the cache is.
-        if (e.status().error_code() == grpc::StatusCode::UNIMPLEMENTED) {
-          if (const std::string why = not_a_cache(cache_addr); !why.empty()) {
-            std::cerr << "error: " << why << "\n";
-            return 2;
-          }
-        }
-        std::string hint;
-        if (unreachable(e.status())) {
-          hint = fmt::format("hint: no segment cache answered at {} (--cache): is it running? `hypic-client info "
-                             "--router HOST:PORT` lists a cluster's cache replicas",
-                             cache_addr);
-        }
-        return rpc_failed(e.status(), false, hint);
+        return cache_failed(e.status(), cache_addr);
       }
     }
 

@@ -462,6 +462,15 @@ class LocalCluster:
             self.binary("hypic-client")
             if self.http:
                 self.binary(BINARIES["http"])
+            # Every fixed port is checked before anything starts (each start checks its own again, under the lock).
+            roles = {"router": PORT_OPTIONS["router"], "combine": PORT_OPTIONS["combine"], "http": PORT_OPTIONS["http"],
+                     "cache": PORT_OPTIONS["cache"], "scatter": PORT_OPTIONS["scatter"]}
+            for role, option in roles.items():
+                ports = self.ports[role] if isinstance(self.ports[role], list) else [self.ports[role]]
+                for p in ports:
+                    if p and not port_free(p):
+                        raise UsageError(f"{role}: port {p} on {HOST} is in use (another cluster or service?); "
+                                           f"choose another with {option}, or 0 for a free one")
             if self.tls:
                 self._make_tls()
             caches = [self._service(f"cache-{i}", "cache", [], "hypic.v1.SegmentCache", self.ports["cache"][i])
@@ -489,7 +498,7 @@ class LocalCluster:
                 self._wait_ready([http])
             self._write_cluster_json()
         except BaseException as e:
-            if not isinstance(e, KeyboardInterrupt):
+            if not isinstance(e, (KeyboardInterrupt, UsageError)):  # a usage error started nothing worth keeping
                 self.mark_failed("the cluster did not start")
             self.stop()
             raise
@@ -740,9 +749,10 @@ def main() -> int:
                    help="also start the OpenAI-compatible HTTP front (hypic-openai) in front of the router: {http}")
     p.add_argument("--http-port", type=_port, default=0, help="the HTTP front's port (default 0: a free one)")
     p.add_argument("--tls", action="store_true",
-                   help="TLS on every port (certificates made by scripts/make_certs.sh in WORK_DIR/tls), mutual TLS "
-                        "between the services, and a bearer token (WORK_DIR/tls/token) on the router and the HTTP "
-                        "front; the command gets HYPIC_TLS_CA, HYPIC_TLS_CLIENT_CERT, HYPIC_TLS_CLIENT_KEY and "
+                   help="TLS on every port (certificates made by scripts/make_certs.sh in WORK_DIR/tls), client "
+                        "certificates required on every gRPC port (the services' and yours: client.crt), and a "
+                        "bearer token (WORK_DIR/tls/token) on the router and the HTTP front (HTTPS, no client "
+                        "certificate); the ready lines print the client flags; the command gets HYPIC_TLS_CA, HYPIC_TLS_CLIENT_CERT, HYPIC_TLS_CLIENT_KEY and "
                         "HYPIC_TOKEN_FILE, which hypic-client reads")
     p.add_argument("--no-metrics", action="store_true",
                    help="do not give the services a metrics endpoint (default: one on 127.0.0.1:0 each, when the "
@@ -813,6 +823,16 @@ def main() -> int:
         for name, svc in cluster.services.items():
             metrics = f"  metrics {svc.metrics_address}" if svc.metrics_address else ""
             print(f"  {name:10s} {svc.address}{metrics}  log {svc.log_path}", file=sys.stderr)
+        if cluster.tls:
+            d = cluster.tls_dir
+            print(f"  TLS on every port, client certificates required (the HTTP front: HTTPS, no client certificate)"
+                  f"; a bearer token on the router and the HTTP front. Clients need:\n"
+                  f"    hypic-client ... --tls-ca {d / 'ca.crt'} --tls-client-cert {d / 'client.crt'} "
+                  f"--tls-client-key {d / 'client.key'} --token-file {d / 'token'}\n"
+                  f"    (or the environment HYPIC_TLS_CA, HYPIC_TLS_CLIENT_CERT, HYPIC_TLS_CLIENT_KEY, "
+                  f"HYPIC_TOKEN_FILE, which a command after -- gets)\n"
+                  f"    curl --cacert {d / 'ca.crt'} -H \"Authorization: Bearer $(cat {d / 'token'})\" https://...",
+                  file=sys.stderr)
         if cluster._own_work_dir:
             print(f"  logs in {cluster.work_dir / 'logs'}: a temporary directory, removed at exit unless something "
                   f"fails (then kept and named); --work-dir DIR keeps them", file=sys.stderr)

@@ -116,6 +116,9 @@ int main(int argc, char** argv) {
 
     std::unique_ptr<hypic::rpc::MetricsServer> metrics;
     if (!server.metrics_listen.empty()) {
+      hypic::rpc::MetricsRegistry::global()
+          .gauge("hypic:service_info", "1, labelled with the service's role", {{"role", "openai"}})
+          .set(1);
       metrics = std::make_unique<hypic::rpc::MetricsServer>(server.metrics_listen,
                                                             hypic::rpc::MetricsRegistry::global());
       if (!server.metrics_port_file.empty()) hypic::rpc::write_port_file(server.metrics_port_file, metrics->port());

@@ -666,7 +666,7 @@ grpc::Status GenerateCall::run() {
                "tokens, ttft {:.1f} ms, {} tokens, combine {}",
                rid_, n, hits, jobs.size(), joined_builds_, repeats, prompt_tokens, tt->total_ms(), completion,
                combine_->address);
-  if (!writer_->Write(out)) return grpc::Status(grpc::StatusCode::CANCELLED, "request cancelled by the client");
+  // Counted before the report is written, so that a scrape after the client has its report sees this request.
   metrics.prompt_tokens.inc(double(prompt_tokens));
   metrics.scatter_failures.inc(scatter_failures_);
   for (const auto& sr : rep->segments()) {
@@ -675,6 +675,7 @@ grpc::Status GenerateCall::run() {
   }
   metrics.e2e.observe(std::chrono::duration<double>(Clock::now() - t0).count());
   metrics.success.inc();
+  if (!writer_->Write(out)) return grpc::Status(grpc::StatusCode::CANCELLED, "request cancelled by the client");
   return grpc::Status::OK;
 }
 

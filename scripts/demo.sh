@@ -345,7 +345,7 @@ fi
 # No service may outlive the launcher: each one has the work directory in its command line.
 left=()
 for p in /proc/[0-9]*; do
-  cmd="$(tr '\0' ' ' < "$p/cmdline" 2>/dev/null || true)"
+  cmd="$( { tr '\0' ' ' < "$p/cmdline"; } 2>/dev/null || true)"  # a process may exit during the scan
   [[ "$cmd" == *"$RUNDIR/cluster/"* && "${p#/proc/}" != "$$" ]] && left+=("${p#/proc/}")
 done
 ((${#left[@]} == 0)) || die "processes left behind by the cluster: ${left[*]}"

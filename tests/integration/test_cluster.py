@@ -693,8 +693,10 @@ class LauncherTest(unittest.TestCase):
             held.listen()
             taken = held.getsockname()[1]
             p = self.run_launcher("--work-dir", work, "--combine-port", str(taken), "--", "true")
-            self.assertEqual(p.returncode, 1)
+            self.assertEqual(p.returncode, 2)  # refused before anything starts
             self.assertIn(f"combine: port {taken} on 127.0.0.1 is in use", p.stderr)
+            self.assertNotIn("the logs are kept", p.stderr)
+            self.assertEqual(list(Path(work).glob("*.port")), [])  # no service was started
             self.assert_gone(work)
 
     def test_http_front(self):

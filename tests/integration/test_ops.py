@@ -234,6 +234,13 @@ class TlsAuthTest(MetricsTest):
         r = subprocess.run([str(BIN_DIR / "hypic-client"), "health", "--target", router], capture_output=True,
                            text=True, env=plain, timeout=60)
         self.assertNotEqual(r.returncode, 0)
+        # A plaintext client is told the TLS settings differ (not that no router is running).
+        r = subprocess.run(base, capture_output=True, text=True, env=plain, timeout=60)
+        self.assertIn("the TLS settings probably do not match", r.stderr)
+        self.assertNotIn("the router may not be running", r.stderr)
+        r = subprocess.run([str(BIN_DIR / "hypic-client"), "cache-events", "--cache", router, "--count", "1"],
+                           capture_output=True, text=True, env=env, timeout=60)
+        self.assertIn("is a hypic router, not a segment cache", r.stderr)
         no_cert = {k: v for k, v in env.items() if not k.startswith("HYPIC_TLS_CLIENT")}
         r = subprocess.run([str(BIN_DIR / "hypic-client"), "cache-stats", "--cache", self.cluster.address("cache-0")],
                            capture_output=True, text=True, env=no_cert, timeout=60)
