@@ -331,7 +331,21 @@ void OpenAIFront::install_routes() {
   svr.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
   svr.set_payload_max_length(cfg_.max_body_bytes);
 
+  // No SO_REUSEPORT (httplib's default): a second process on this port must fail to start, not share it.
+  svr.set_socket_options([](socket_t sock) {
+    int yes = 1;
+    setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+  });
   svr.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
+    // Runs before the body is read. httplib bounds a body by Content-Length only, so a chunked one could grow
+    // without limit: refused (OpenAI clients send Content-Length).
+    if (req.has_header("Transfer-Encoding")) {
+      reply_error(res, ApiError(411, "invalid_request_error",
+                                "chunked request bodies are not accepted: send Content-Length (at most "
+                                "--max-body-bytes)",
+                                "", "length_required"));
+      return httplib::Server::HandlerResponse::Handled;
+    }
     if (req.path == "/health" || !cfg_.auth.enabled()) return httplib::Server::HandlerResponse::Unhandled;
     const std::string header = req.get_header_value("Authorization");
     if (cfg_.auth.accepts(header)) return httplib::Server::HandlerResponse::Unhandled;

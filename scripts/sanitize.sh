@@ -25,7 +25,7 @@ case "$KIND" in
         export ASAN_OPTIONS="halt_on_error=1:detect_leaks=1:abort_on_error=0"
         export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1" ;;
   tsan) FLAGS="-fsanitize=thread -fno-omit-frame-pointer"
-        export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1" ;;
+        export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/scripts/tsan.supp" ;;
   *) echo "sanitize.sh: want asan or tsan, got $KIND" >&2; exit 2 ;;
 esac
 BUILD="build-$KIND"

@@ -246,6 +246,18 @@ MetricsServer::MetricsServer(const std::string& listen, MetricsRegistry& registr
     int yes = 1;
     setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
   });
+  // Scrapes carry no body: refuse one before it is read (httplib bounds Content-Length bodies by the payload limit,
+  // but not chunked ones), so nobody can make a service buffer an upload.
+  svr.set_payload_max_length(4096);
+  svr.set_read_timeout(5, 0);
+  svr.set_pre_routing_handler([](const httplib::Request& req, httplib::Response& res) {
+    if (req.has_header("Transfer-Encoding") || req.get_header_value<uint64_t>("Content-Length") > 0) {
+      res.status = 413;
+      res.set_content("the metrics endpoint takes no request body\n", "text/plain");
+      return httplib::Server::HandlerResponse::Handled;
+    }
+    return httplib::Server::HandlerResponse::Unhandled;
+  });
   svr.Get("/metrics", [&registry](const httplib::Request&, httplib::Response& res) {
     res.set_content(registry.render(), "text/plain; version=0.0.4; charset=utf-8");
   });

@@ -9,6 +9,8 @@
 
 #include <fmt/format.h>
 #include <openssl/crypto.h>
+#include <openssl/pem.h>
+#include <openssl/x509.h>
 
 namespace hypic::rpc {
 namespace {
@@ -44,14 +46,52 @@ std::string trim(std::string_view s) {
 }
 
 std::vector<std::string> read_tokens(const std::string& flag, const std::string& path) {
-  std::istringstream in(read_file(flag, path));
+  std::string text = read_file(flag, path);
+  if (text.rfind("\xEF\xBB\xBF", 0) == 0) text.erase(0, 3);  // a UTF-8 byte-order mark is not part of the token
+  std::istringstream in(text);
   std::vector<std::string> out;
+  int line_no = 0;
   for (std::string line; std::getline(in, line);) {
+    ++line_no;
     std::string t = trim(line);
-    if (!t.empty() && t[0] != '#') out.push_back(std::move(t));
+    if (t.empty() || t[0] == '#') continue;
+    // Tokens travel in an HTTP/2 header: visible ASCII only (gRPC aborts on anything else).
+    for (unsigned char c : t) {
+      if (c < 0x21 || c > 0x7E) {
+        throw std::invalid_argument(fmt::format("{}: {} line {}: a token may hold only visible ASCII characters "
+                                                "(byte 0x{:02x} found)",
+                                                flag, path, line_no, c));
+      }
+    }
+    out.push_back(std::move(t));
   }
   if (out.empty()) throw std::invalid_argument(fmt::format("{}: {} holds no token", flag, path));
   return out;
+}
+
+std::unique_ptr<X509, decltype(&X509_free)> read_certificate(const std::string& pem) {
+  std::unique_ptr<BIO, decltype(&BIO_free)> bio(BIO_new_mem_buf(pem.data(), int(pem.size())), &BIO_free);
+  return {bio ? PEM_read_bio_X509(bio.get(), nullptr, nullptr, nullptr) : nullptr, &X509_free};
+}
+
+// The certificate (first of the chain) and the private key must parse and belong together; an expired certificate
+// is refused too (clients would refuse it at every handshake).
+void check_key_pair(const char* cert_flag, const std::string& cert_pem, const char* key_flag,
+                    const std::string& key_pem) {
+  if (cert_pem.empty()) return;
+  auto cert = read_certificate(cert_pem);
+  if (!cert) throw std::invalid_argument(fmt::format("{}: no certificate could be read from it", cert_flag));
+  std::unique_ptr<BIO, decltype(&BIO_free)> bio(BIO_new_mem_buf(key_pem.data(), int(key_pem.size())), &BIO_free);
+  std::unique_ptr<EVP_PKEY, decltype(&EVP_PKEY_free)> key(
+      bio ? PEM_read_bio_PrivateKey(bio.get(), nullptr, nullptr, nullptr) : nullptr, &EVP_PKEY_free);
+  if (!key) throw std::invalid_argument(fmt::format("{}: no private key could be read from it (encrypted?)", key_flag));
+  if (X509_check_private_key(cert.get(), key.get()) != 1) {
+    throw std::invalid_argument(fmt::format("{} and {}: the key does not belong to the certificate", cert_flag,
+                                            key_flag));
+  }
+  if (X509_cmp_current_time(X509_get0_notAfter(cert.get())) < 0) {
+    throw std::invalid_argument(fmt::format("{}: the certificate has expired", cert_flag));
+  }
 }
 
 bool equal_constant_time(std::string_view a, std::string_view b) {
@@ -100,6 +140,13 @@ TlsMaterial load_tls(const TlsFlags& f) {
   m.ca = read_pem("--tls-ca", f.ca);
   m.client_cert = read_pem("--tls-client-cert", f.client_cert);
   m.client_key = read_pem("--tls-client-key", f.client_key);
+  check_key_pair("--tls-cert", m.cert, "--tls-key", m.key);
+  check_key_pair("--tls-client-cert", m.client_cert, "--tls-client-key", m.client_key);
+  for (const auto& [flag, pem] : {std::pair{"--tls-client-ca", &m.client_ca}, std::pair{"--tls-ca", &m.ca}}) {
+    if (!pem->empty() && !read_certificate(*pem)) {
+      throw std::invalid_argument(fmt::format("{}: no certificate could be read from it", flag));
+    }
+  }
   m.server_name = f.server_name;
   m.cert_path = f.cert;
   m.key_path = f.key;

@@ -109,6 +109,9 @@ void apply_common_args(grpc::ChannelArguments& args) {
   args.SetMaxSendMessageSize(64 << 20);
   args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 10000);
   args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 5000);
+  // A peer that restarts is found again within about a second (gRPC's default backoff grows to 120 s).
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 200);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
 }
 
 

@@ -79,11 +79,21 @@ class MetricsTest(ClusterTestCase):
         while total(self.scrape("cache-0"), "hypic:cache_stored_total") < 3 and time.monotonic() < deadline:
             time.sleep(0.1)
         reports.append(self.ok(self.generate(segs, "What is said?", max_tokens=6)))
-        time.sleep(0.3)  # counters are raised just after the report is written
-        after = self.all_scrapes()
+        # Some counters are raised on other threads just after the work they count (a scatter worker's sent bytes
+        # after its delivery call returns): scrape until the two ends of every transfer agree (at most 15 s).
+        scatters = [n for n in self.cluster.services if n.startswith("scatter-")]
+        deadline = time.monotonic() + 15
+        while True:
+            after = self.all_scrapes()
 
-        def moved(name: str, metric: str) -> float:
-            return total(after[name], metric) - total(before[name], metric)
+            def moved(name: str, metric: str) -> float:
+                return total(after[name], metric) - total(before[name], metric)
+
+            sent = sum(moved(n, "hypic:entry_bytes_sent_total") for n in scatters)
+            if (sent == moved("combine", 'hypic:entry_bytes_received_total{from="scatter"}') and sent > 0 and
+                    moved("router", "hypic:request_success_total") == 3) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
 
         # Router: one success and one TTFT observation per request; tokens as the reports count them.
         self.assertEqual(moved("router", "hypic:request_success_total"), 3)
@@ -113,12 +123,10 @@ class MetricsTest(ClusterTestCase):
         # Scatter workers built what the reports say they built, and every byte they sent arrived.
         built = sum(1 for r in reports for s in r["segments"] if s["source"] == "SEGMENT_SOURCE_SCATTER")
         self.assertEqual(built, 3)
-        scatters = [n for n in self.cluster.services if n.startswith("scatter-")]
         self.assertEqual(sum(moved(n, "hypic:segments_built_total") for n in scatters), built)
         self.assertEqual(sum(moved(n, "hypic:prefill_tokens_total") for n in scatters),
                          sum(s["num_tokens"] for r in reports for s in r["segments"]
                              if s["source"] == "SEGMENT_SOURCE_SCATTER"))
-        sent = sum(moved(n, "hypic:entry_bytes_sent_total") for n in scatters)
         self.assertEqual(sent, sum(int(s["entry_bytes"]) for r in reports for s in r["segments"]
                                    if s["source"] == "SEGMENT_SOURCE_SCATTER"))
         self.assertEqual(moved("combine", 'hypic:entry_bytes_received_total{from="scatter"}'), sent)

@@ -128,6 +128,17 @@ TEST_CASE("metrics endpoint: GET /metrics serves the registry over HTTP", "[metr
   REQUIRE(res);
   CHECK(res->body.find("hypic:served_total 6\n") != std::string::npos);
   CHECK(cli.Get("/nope")->status == 404);
+  // A body is refused before it is read (so an upload cannot make a service buffer it), chunked or not.
+  auto post = cli.Post("/metrics", std::string(100000, 'x'), "text/plain");
+  REQUIRE(post);
+  CHECK(post->status == 413);
+  auto chunked = cli.Post("/metrics", [](size_t, httplib::DataSink& sink) {
+    sink.write("abc", 3);
+    sink.done();
+    return true;
+  }, "text/plain");
+  REQUIRE(chunked);
+  CHECK(chunked->status == 413);
   // The port is taken: a second server on it fails with a clear error.
   CHECK_THROWS_WITH(MetricsServer("127.0.0.1:" + std::to_string(server.port()), r),
                     Catch::Contains("cannot listen"));

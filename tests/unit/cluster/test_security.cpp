@@ -78,6 +78,12 @@ TEST_CASE("bearer tokens: accepted, rejected, rotated; the scheme is case-insens
   CHECK_THROWS_WITH(BearerTokens::load(temp_path("missing")),
                     Catch::Contains("cannot read") && Catch::Contains("No such file"));
   CHECK_THROWS_WITH(read_token_file(temp_path("missing")), Catch::Contains("--token-file"));
+  // Tokens travel in a header: anything but visible ASCII is refused naming the line (gRPC would abort on it); a
+  // UTF-8 byte-order mark is not part of the first token.
+  CHECK_THROWS_WITH(BearerTokens::load(write_file("utf8", "ok\ntok\xc3\xa9\n")),
+                    Catch::Contains("line 2") && Catch::Contains("visible ASCII") && Catch::Contains("0xc3"));
+  CHECK_THROWS_WITH(read_token_file(write_file("ctl", "a\x01" "b\n")), Catch::Contains("0x01"));
+  CHECK(BearerTokens::load(write_file("bom", "\xef\xbb\xbf" "bomtok\r\n")).accepts("Bearer bomtok"));
 }
 
 TEST_CASE("TLS flags: half pairs, missing and non-PEM files are refused naming the flag", "[security]") {
@@ -96,6 +102,17 @@ TEST_CASE("TLS flags: half pairs, missing and non-PEM files are refused naming t
   h.client_cert = d + "/client.crt";
   h.client_key = d + "/client.key";
   CHECK_THROWS_WITH(load_tls(h), Catch::Contains("needs --tls-ca"));
+  // A key that belongs to another certificate.
+  const std::string other = temp_path("flags-other-certs");
+  REQUIRE(std::system(("'" HYPIC_SOURCE_DIR "/scripts/make_certs.sh' '" + other + "' >/dev/null").c_str()) == 0);
+  TlsFlags mismatch;
+  mismatch.cert = d + "/server.crt";
+  mismatch.key = other + "/server.key";
+  CHECK_THROWS_WITH(load_tls(mismatch), Catch::Contains("the key does not belong to the certificate"));
+  TlsFlags garbage;
+  garbage.cert = write_file("garbage.crt", "-----BEGIN CERTIFICATE-----\nnot base64\n-----END CERTIFICATE-----\n");
+  garbage.key = d + "/server.key";
+  CHECK_THROWS_WITH(load_tls(garbage), Catch::Contains("--tls-cert: no certificate could be read"));
   TlsFlags ok;
   ok.cert = d + "/server.crt";
   ok.key = d + "/server.key";
