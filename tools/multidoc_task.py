@@ -24,6 +24,10 @@ continues a phrase of a document (the lookup a model learns first, by matching i
              before the code: the second hop is a lookup of what the model has just written)
     recall   'Question: What is the motto of Kalomir?\\nAnswer: The motto of Kalomir is "'  -> 'river open gold'
              (recall of a passage, word for word)
+    last     'Question: Which registry is listed last?\\nAnswer: The last registry is'  -> ' Tamber'
+             (the header of the last document: the one question whose answer depends on the documents' order
+             rather than on one fact, which is what a linear layer's state carries and naive state addition
+             loses; headers are distinct within a prompt)
 
 Every prompt is fully determined by its random.Random generator, so a seed gives the same prompts on any
 machine with the same Python major version.
@@ -46,10 +50,12 @@ WORDS = ("river open gold quiet stone bright winter morning silver garden ocean 
          "music voice story memory dream hope trust faith order peace work rest play grow build keep share "
          "learn teach carry follow lead guard watch listen").split()
 PLACES = ["Tamber", "Osk", "Verrin", "Lume", "Halbrook", "Quenta", "Dorsa", "Pellam", "Ivry", "Marsk",
-          "Ondel", "Brisk", "Calder", "Fenwick", "Zarra", "Ulm", "Tessaly", "Grove", "Norrin", "Ashby"]
+          "Ondel", "Brisk", "Calder", "Fenwick", "Zarra", "Ulm", "Tessaly", "Grove", "Norrin", "Ashby",
+          "Belmoor", "Cresta", "Durn", "Elmsworth", "Farro", "Gallow", "Hessen", "Irwen", "Jarrow", "Kestel",
+          "Lorne", "Mirrow", "Nettle", "Orrin", "Parsk", "Quill", "Rosk", "Selby", "Thorne", "Umber"]
 
-KINDS = ("one_hop", "two_hop", "recall")
-DEFAULT_KIND_WEIGHTS = (0.5, 0.25, 0.25)
+KINDS = ("one_hop", "two_hop", "recall", "last")
+DEFAULT_KIND_WEIGHTS = (0.4, 0.2, 0.2, 0.2)
 
 # Characters per token of this text under the task tokenizer (measured on generated documents with the
 # 2048-token BPE of tools/train_task_model.py); used only when no token counter is given.
@@ -108,6 +114,8 @@ def _query(kind: str, subject: str) -> str:
         return f"Question: What is the code of {subject}?\nAnswer: The code of {subject} is"
     if kind == "two_hop":
         return f"Question: What is the code of the person {subject} reports to?\nAnswer: {subject} reports to"
+    if kind == "last":
+        return "Question: Which registry is listed last?\nAnswer: The last registry is"
     return f'Question: What is the motto of {subject}?\nAnswer: The motto of {subject} is "'
 
 
@@ -120,12 +128,13 @@ def log_uniform_int(rng: random.Random, lo: int, hi: int) -> int:
 
 def make_prompt(rng: random.Random, doc_tokens: list[int], num_questions: int,
                 count_tokens: Optional[Callable[[str], int]] = None,
-                kind_weights: tuple[float, float, float] = DEFAULT_KIND_WEIGHTS) -> Prompt:
+                kind_weights: tuple[float, ...] = DEFAULT_KIND_WEIGHTS) -> Prompt:
     """One prompt: len(doc_tokens) documents, document i filled with facts until it holds about
     doc_tokens[i] tokens (count_tokens(text) when given, else len(text) / CHARS_PER_TOKEN; a document may end
     up to one fact line longer, and a document receiving another's linked code fact a line longer still),
     then up to num_questions questions about distinct people, drawn by kind_weights over KINDS (kinds with no
-    candidate fact are skipped). Needs at least two documents for two_hop questions."""
+    candidate fact are skipped). Needs at least two documents for two_hop and last questions. Documents are headed
+"Registry of <place>" with places distinct within the prompt (drawn with repeats past len(PLACES) documents)."""
     n_docs = len(doc_tokens)
     if n_docs < 1:
         raise ValueError("a prompt needs at least one document")
@@ -162,7 +171,8 @@ def make_prompt(rng: random.Random, doc_tokens: list[int], num_questions: int,
             docs[i].append(f)
             used_tokens[i] += count(f.sentence() + "\n")
         rng.shuffle(docs[i])
-    texts = [f"Registry of {rng.choice(PLACES)}\n" + "".join(f.sentence() + "\n" for f in d) for d in docs]
+    heads = rng.sample(PLACES, n_docs) if n_docs <= len(PLACES) else [rng.choice(PLACES) for _ in range(n_docs)]
+    texts = [f"Registry of {h}\n" + "".join(f.sentence() + "\n" for f in d) for h, d in zip(heads, docs)]
 
     # Questions about distinct people.
     codes = [(i, f) for i, d in enumerate(docs) for f in d if f.kind == "code"]
@@ -170,7 +180,8 @@ def make_prompt(rng: random.Random, doc_tokens: list[int], num_questions: int,
     one_hop = [(i, f) for i, f in codes if f.subject not in linked_code]
     mottos = [(i, f) for i, d in enumerate(docs) for f in d if f.kind == "motto"]
     code_of = {f.subject: f.value for _, f in codes}
-    pools = {"one_hop": one_hop, "two_hop": links, "recall": mottos}
+    last = [(n_docs - 1, heads[-1])] if 2 <= n_docs <= len(PLACES) else []
+    pools = {"one_hop": one_hop, "two_hop": links, "recall": mottos, "last": last}
     for p in pools.values():
         rng.shuffle(p)
     questions: list[Question] = []
@@ -183,6 +194,11 @@ def make_prompt(rng: random.Random, doc_tokens: list[int], num_questions: int,
             break
         kind = rng.choices(kinds, weights=[kind_weights[KINDS.index(k)] for k in kinds])[0]
         item = pools[kind].pop()
+        if kind == "last":
+            i, place = item
+            # asked first: in a held-out prompt it comes right after the documents, so it does in training
+            questions.insert(0, Question(kind, _query(kind, ""), f" {place}", [i]))
+            continue
         if kind == "two_hop":
             i, f, j = item
             if f.subject in asked or f.value in asked:

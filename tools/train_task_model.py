@@ -23,8 +23,10 @@ Subcommands (each writes what it made and how into its output):
 Training: AdamW (betas 0.9/0.95, weight decay 0.1 on matrices), fp32 master weights under bf16 autocast, linear
 warm-up then cosine decay over the time budget (the schedule follows wall time, so a run ends on time whatever
 the machine's speed); batches of about --tokens-per-step tokens of prompts of one shape (document count and
-length), right-padded; a curriculum grows the largest document count from 3 to 32 and the longest document
-from 96 to 1024 tokens over the first 70% of the budget.
+length), right-padded, with up to --questions questions each. A curriculum (LEVELS) starts with 2-3 documents
+of 48-96 tokens and moves up a level, to the benchmark's 4-32 documents of 128-1024 tokens, each time the
+answers' exact-match rate at the current level reaches --advance-at; a fifth of the batches review a lower level.
+A run continued with --init-from starts at the level where the earlier run stopped.
 """
 from __future__ import annotations
 
@@ -300,28 +302,37 @@ def assemble(tok, eos_id, prompt, questions):
     return ids, tgt
 
 
-class Batches:
-    """An endless stream of (input_ids, answer targets, next tokens), each [B, T] int64 on the CPU, made in a
-    worker: answer targets are -100 outside the answers, next tokens -100 past each prompt's end."""
+# Curriculum levels: (document count range, document token range). Level 0 is short prompts with few distractors,
+# where the lookup is learnt quickly; the last level is the benchmark's shape (4-32 documents of 128-1024 tokens).
+LEVELS = [((2, 3), (48, 96)), ((2, 4), (64, 160)), ((3, 6), (96, 256)), ((4, 8), (128, 384)),
+          ((4, 12), (128, 512)), ((4, 16), (128, 768)), ((4, 24), (128, 1024)), ((4, 32), (128, 1024))]
 
-    def __init__(self, tok_path, seed, tokens_per_step, questions, t_start, budget_s):
+
+class Batches:
+    """An endless stream of (input_ids, answer targets, next tokens, level): the tensors [B, T] int64 on the CPU,
+    made in a worker; answer targets are -100 outside the answers, next tokens -100 past each prompt's end.
+    The shape of each batch's prompts is drawn from curriculum level `level.value` (a multiprocessing.Value the
+    training loop raises as the model learns), or with probability `review` from a random lower level, so that
+    what was learnt on short prompts is kept."""
+
+    def __init__(self, tok_path, seed, tokens_per_step, questions, level, review=0.2):
         self.tok_path, self.seed, self.budget, self.questions = tok_path, seed, tokens_per_step, questions
-        self.t_start, self.budget_s = t_start, budget_s
+        self.level, self.review = level, review
 
     def __iter__(self):
         import torch
         info = torch.utils.data.get_worker_info()
-        wid, nw = (info.id, info.num_workers) if info else (0, 1)
+        wid = info.id if info else 0
         tok = load_tokenizer(self.tok_path)
         eos_id = tok.token_to_id(EOS)
         rng = random.Random(self.seed * 1000 + wid)
         while True:
-            progress = min(1.0, (time.time() - self.t_start) / self.budget_s / 0.7)
-            max_docs = int(3 + 29 * progress)
-            max_len = int(96 + 928 * progress)
-            n_docs = task.log_uniform_int(rng, 2, max_docs)
-            scale = task.log_uniform_int(rng, 48, max_len)
-            b = max(1, self.budget // (n_docs * scale + 20 * self.questions))
+            top = min(len(LEVELS) - 1, max(0, self.level.value))
+            lv = rng.randrange(top) if top and rng.random() < self.review else top
+            docs, doc_tokens = LEVELS[lv]
+            n_docs = task.log_uniform_int(rng, *docs)
+            scale = task.log_uniform_int(rng, *doc_tokens)
+            b = max(1, self.budget // (n_docs * scale + 24 * self.questions))
             seqs = []
             for _ in range(b):
                 lens = [max(24, int(scale * rng.uniform(0.6, 1.4))) for _ in range(n_docs)]
@@ -335,7 +346,7 @@ class Batches:
                 ids[i, :len(a)] = torch.tensor(a)
                 tgt[i, :len(c)] = torch.tensor(c)
                 nxt[i, :len(a) - 1] = torch.tensor(a[1:])
-            yield ids, tgt, nxt
+            yield ids, tgt, nxt, lv
 
 
 def cmd_train(args):
@@ -385,18 +396,29 @@ def cmd_train(args):
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.95), fused=True)
     budget_s = args.minutes * 60.0
+    import multiprocessing as mp
+    start_level = args.start_level
+    if start_level < 0:   # continue where the run we start from stopped, else from the first level
+        prev = Path(args.init_from or "") / "training.json"
+        start_level = json.loads(prev.read_text()).get("final_level", 0) if args.init_from and prev.exists() else 0
+    level = mp.Value("i", min(start_level, len(LEVELS) - 1))
     t0 = time.time()
+
     class Stream(Batches, torch.utils.data.IterableDataset):
         pass
 
     loader = torch.utils.data.DataLoader(
-        Stream(args.tokenizer, args.seed, args.tokens_per_step, args.questions, t0, budget_s),
+        Stream(args.tokenizer, args.seed, args.tokens_per_step, args.questions, level),
         batch_size=None, num_workers=args.workers, pin_memory=True, prefetch_factor=4)
-    curve, step, tokens_seen = [], 0, 0
-    win_loss, win_acc, win_n = 0.0, 0.0, 0
+    curve, step, tokens_seen, level_steps, level_log = [], 0, 0, 0, [(0, level.value)]
+    dev = "cuda"
+    # window sums on the GPU (read once per log row, so steps do not wait for each other)
+    w_loss, w_acc, w_right, w_answers = (torch.zeros((), device=dev) for _ in range(4))
+    w_top = [torch.zeros((), device=dev) for _ in range(2)]   # answers right / answers at the current level
+    win_n = 0
     t_wait = t_fwd = t_bwd = 0.0   # seconds waiting for batches, in forward, in backward + optimizer
     t_mark = time.time()
-    for ids, tgt, nxt in loader:
+    for ids, tgt, nxt, lv in loader:
         t_got = time.time()
         t_wait += t_got - t_mark
         elapsed = t_got - t0
@@ -409,14 +431,12 @@ def cmd_train(args):
         ids, tgt, nxt = (x.cuda(non_blocking=True) for x in (ids, tgt, nxt))
         with torch.autocast("cuda", dtype=torch.bfloat16):
             h = model.model(input_ids=ids, use_cache=False).last_hidden_state
-            valid = nxt != -100
-            logits_all = model.lm_head(h[valid]).float()
-        is_answer = (tgt != -100)[valid]
-        per_token = F.cross_entropy(logits_all, nxt[valid], reduction="none")
-        weight = torch.where(is_answer, 1.0, args.lm_weight)
+            logits_all = model.lm_head(h).float().flatten(0, 1)
+        y_all, t_all = nxt.flatten(), tgt.flatten()
+        per_token = F.cross_entropy(logits_all, y_all, reduction="none", ignore_index=-100)
+        is_answer = t_all != -100
+        weight = torch.where(is_answer, 1.0, torch.where(y_all != -100, args.lm_weight, 0.0))
         loss = (per_token * weight).sum() / weight.sum()
-        logits, y = logits_all[is_answer], nxt[valid][is_answer]
-        answer_loss = per_token[is_answer].mean()
         if args.profile:
             torch.cuda.synchronize()
         t_f = time.time()
@@ -424,22 +444,50 @@ def cmd_train(args):
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        with torch.no_grad():
+            hit = (logits_all.argmax(-1) == y_all) & is_answer
+            n_ans_tok = is_answer.sum()
+            # one answer = one run of answer tokens; it is right when every token of the run is
+            start = is_answer & ~torch.cat([is_answer.new_zeros(1), is_answer[:-1]])
+            aid = torch.cumsum(start.long(), 0) - 1
+            wrong = torch.zeros(is_answer.numel(), device=dev).index_add_(
+                0, aid.clamp(min=0), (is_answer & ~hit).float())
+            n_ans = start.sum()
+            right = n_ans - (wrong[:is_answer.numel()] > 0).logical_and(
+                torch.arange(is_answer.numel(), device=dev) < n_ans).sum()
+            w_loss += (per_token * is_answer).sum() / n_ans_tok.clamp(min=1)
+            w_acc += hit.sum() / n_ans_tok.clamp(min=1)
+            w_right += right
+            w_answers += n_ans
+            if lv == level.value:
+                w_top[0] += right
+                w_top[1] += n_ans
         step += 1
+        level_steps += 1
         tokens_seen += ids.numel()
-        win_loss += answer_loss.item()
-        win_acc += (logits.argmax(-1) == y).float().mean().item()
         t_mark = time.time()
         t_fwd += t_f - t_got
         t_bwd += t_mark - t_f
         win_n += 1
         if step % args.log_every == 0:
-            row = {"step": step, "seconds": round(time.time() - t0, 1), "loss": win_loss / win_n,
-                   "answer_token_accuracy": win_acc / win_n, "lr": lr, "tokens": tokens_seen,
+            top_em = (w_top[0] / w_top[1].clamp(min=1)).item()
+            row = {"step": step, "seconds": round(time.time() - t0, 1), "loss": w_loss.item() / win_n,
+                   "answer_token_accuracy": w_acc.item() / win_n,
+                   "answer_exact_match": (w_right / w_answers.clamp(min=1)).item(),
+                   "level": level.value, "level_exact_match": top_em, "lr": lr, "tokens": tokens_seen,
                    "batch_shape": list(ids.shape), "data_wait_s": round(t_wait, 1),
                    "forward_s": round(t_fwd, 1), "backward_step_s": round(t_bwd, 1)}
             curve.append(row)
             log(json.dumps(row))
-            win_loss, win_acc, win_n = 0.0, 0.0, 0
+            if (top_em >= args.advance_at and level_steps >= args.min_level_steps
+                    and level.value < min(args.max_level, len(LEVELS) - 1)):
+                level.value += 1
+                level_steps = 0
+                level_log.append((step, level.value))
+                log(f"curriculum: level {level.value} {LEVELS[level.value]} at step {step}")
+            for w in (w_loss, w_acc, w_right, w_answers, *w_top):
+                w.zero_()
+            win_n = 0
     wall = time.time() - t0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -455,6 +503,9 @@ def cmd_train(args):
         "command": "python3 " + " ".join(shlex.quote(a) for a in sys.argv),
         "seed": args.seed, "steps": step, "wall_seconds": round(wall, 1), "tokens_seen": tokens_seen,
         "final_loss": final.get("loss"), "final_answer_token_accuracy": final.get("answer_token_accuracy"),
+        "final_answer_exact_match": final.get("answer_exact_match"), "final_level": level.value,
+        "levels": [{"level": i, "documents": list(d), "document_tokens": list(t)} for i, (d, t) in enumerate(LEVELS)],
+        "level_changes": [{"step": s_, "level": l_} for s_, l_ in level_log],
         "lr": args.lr, "warmup_steps": args.warmup, "tokens_per_step": args.tokens_per_step,
         "questions_per_prompt": args.questions, "lm_weight": args.lm_weight, "experts": experts,
         "init_from": args.init_from, "seconds_waiting_for_data": round(t_wait, 1),
@@ -462,6 +513,18 @@ def cmd_train(args):
         "torch": torch.__version__, "transformers": tf.__version__, "device": torch.cuda.get_device_name(),
         "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "curve": curve,
     }
+    # a continued run carries the record of the runs before it, so one file gives the whole training
+    history = []
+    prev = Path(args.init_from or "") / "training.json"
+    if args.init_from and prev.exists():
+        p = json.loads(prev.read_text())
+        history = p.get("earlier_runs", []) + [{k: p.get(k) for k in (
+            "command", "seed", "steps", "wall_seconds", "tokens_seen", "final_loss", "final_answer_exact_match",
+            "final_level", "date_utc", "device")}]
+    report["earlier_runs"] = history
+    report["total_steps"] = step + sum(h.get("steps") or 0 for h in history)
+    report["total_wall_seconds"] = round(wall + sum(h.get("wall_seconds") or 0 for h in history), 1)
+    report["total_tokens_seen"] = tokens_seen + sum(h.get("tokens_seen") or 0 for h in history)
     (out / "training.json").write_text(json.dumps(report, indent=1) + "\n")
     log(f"saved {out}: {step} steps in {wall:.0f} s, final loss {final.get('loss')}")
 
@@ -531,14 +594,20 @@ def main():
     p.add_argument("--minutes", type=float, required=True)
     p.add_argument("--max-steps", type=int, default=0)
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--lr", type=float, default=1.5e-3)
-    p.add_argument("--warmup", type=int, default=100)
-    p.add_argument("--tokens-per-step", type=int, default=32768)
-    p.add_argument("--questions", type=int, default=16)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--warmup", type=int, default=150)
+    p.add_argument("--tokens-per-step", type=int, default=131072)
+    p.add_argument("--questions", type=int, default=32)
+    p.add_argument("--start-level", type=int, default=-1,
+                   help="first curriculum level (default: the final level of --init-from's training.json, else 0)")
+    p.add_argument("--max-level", type=int, default=len(LEVELS) - 1)
+    p.add_argument("--advance-at", type=float, default=0.8,
+                   help="answer exact-match rate at the current level that moves the curriculum up a level")
+    p.add_argument("--min-level-steps", type=int, default=100)
     p.add_argument("--lm-weight", type=float, default=0.2,
                    help="weight of the next-token loss on the documents and queries (answers weigh 1)")
     p.add_argument("--workers", type=int, default=4)
-    p.add_argument("--log-every", type=int, default=50)
+    p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--fla-path")
     p.add_argument("--init-from", help="start from the weights of a checkpoint directory (its fp32_weights.safetensors "
                                        "when present, else model*.safetensors)")
