@@ -360,18 +360,19 @@ def cmd_train(args):
     cfg, cls = build_config(tf, args.preset, tok.get_vocab_size(), eos_id)
     model = cls(cfg)
     if args.init_from:
-        from safetensors.torch import load_file
-        state = {}
         src = Path(args.init_from)
-        files = [src / "fp32_weights.safetensors"] if (src / "fp32_weights.safetensors").exists() else \
-            sorted(src.glob("model*.safetensors"))
-        for f in files:
-            state.update(load_file(str(f)))
-        missing, unexpected = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
-        missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
-        if missing or unexpected:
-            raise SystemExit(f"--init-from {args.init_from}: missing {missing[:5]}, unexpected {unexpected[:5]}")
-        log(f"weights from {args.init_from} ({len(state)} tensors)")
+        if (src / "fp32_weights.safetensors").exists():   # our own state_dict dump: the model's own names
+            from safetensors.torch import load_file
+            state = load_file(str(src / "fp32_weights.safetensors"))
+            missing, unexpected = model.load_state_dict(state, strict=False)
+            missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
+            if missing or unexpected:
+                raise SystemExit(f"--init-from {args.init_from}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        else:   # a save_pretrained checkpoint: transformers maps its per-expert tensors onto the fused experts
+            model = cls.from_pretrained(str(src), dtype=torch.float32)
+            if model.config.to_dict().get("num_hidden_layers") != cfg.num_hidden_layers:
+                raise SystemExit(f"--init-from {args.init_from}: not a {args.preset} checkpoint")
+        log(f"weights from {args.init_from}")
     model = model.cuda()
     experts = "none (dense)"
     if getattr(cfg, "num_experts", 0) and hasattr(model, "set_experts_implementation"):
