@@ -14,86 +14,24 @@
 #include <tuple>
 #include <type_traits>
 
+#include "engine/config_internal.h"
 #include "engine/safetensors.h"
 
 namespace hypic::engine {
+
+using namespace config_detail;
 
 namespace {
 
 using nlohmann::json;
 
-constexpr std::string_view kSupportedTypes = "qwen3_next, qwen3_5, qwen3_5_text, qwen3_5_moe, qwen3_5_moe_text";
+
+constexpr std::string_view kSupportedTypes =
+    "qwen3_next, qwen3_5, qwen3_5_text, qwen3_5_moe, qwen3_5_moe_text, kimi_linear, minimax, bailing_moe_linear";
 
 bool is_qwen35_moe(std::string_view t) { return t == "qwen3_5_moe" || t == "qwen3_5_moe_text"; }
 bool is_qwen35_dense(std::string_view t) { return t == "qwen3_5" || t == "qwen3_5_text"; }
 bool is_nested(std::string_view t) { return t == "qwen3_5" || t == "qwen3_5_moe"; }
-
-std::invalid_argument field_error(std::string_view origin, std::string_view field, const std::string& what) {
-  return std::invalid_argument(std::string(origin) + ": field '" + std::string(field) + "' " + what);
-}
-
-/// Whether JSON value `v` converts to T without loss: integral T needs a JSON integer within T's range (nlohmann's
-/// get<int>() of 1e300 or of 2^40 would be undefined or truncate), floating T any number; other T are checked by
-/// get<T>() itself.
-template <typename T>
-bool representable(const json& v) {
-  if constexpr (std::is_same_v<T, bool>) {
-    return true;
-  } else if constexpr (std::is_integral_v<T>) {
-    if (v.is_number_unsigned()) return v.get<uint64_t>() <= uint64_t(std::numeric_limits<T>::max());
-    if (v.is_number_integer()) {
-      const auto i = v.get<int64_t>();
-      return i >= int64_t(std::numeric_limits<T>::min()) && uint64_t(i) <= uint64_t(std::numeric_limits<T>::max());
-    }
-    return !v.is_number();  // a float: refused; a string etc.: get<T>() reports the wrong type
-  } else if constexpr (std::is_same_v<T, std::vector<int>>) {
-    return !v.is_array() || std::all_of(v.begin(), v.end(), [](const json& e) { return representable<int>(e); });
-  } else {
-    return true;
-  }
-}
-
-/// Reads `key` from `obj` as T; absent or null -> `fallback`; wrong JSON type, or a number T cannot hold (a
-/// fraction or an out-of-range value for an integer field) -> invalid_argument.
-template <typename T>
-T get_or(const json& obj, std::string_view origin, const char* key, T fallback) {
-  auto it = obj.find(key);
-  if (it == obj.end() || it->is_null()) return fallback;
-  if (!representable<T>(*it)) throw field_error(origin, key, "is not an integer in range (value " + it->dump() + ")");
-  try {
-    return it->get<T>();
-  } catch (const json::exception&) {
-    throw field_error(origin, key, "has the wrong type (value " + it->dump() + ")");
-  }
-}
-
-template <typename T>
-T get_required(const json& obj, std::string_view origin, const char* key) {
-  auto it = obj.find(key);
-  if (it == obj.end() || it->is_null()) throw field_error(origin, key, "is missing");
-  return get_or<T>(obj, origin, key, T{});
-}
-
-void require_positive(std::string_view origin, const char* field, int64_t v) {
-  if (v <= 0) throw field_error(origin, field, "must be > 0, got " + std::to_string(v));
-}
-
-/// Upper bounds of the sizes (generous: the largest released hybrid models are far below them). They keep every
-/// derived size (state and KV bytes, conv_dim, entry geometry) within int64 / int, and a corrupt config from
-/// allocating or looping without bound (e.g. 2^31 layers).
-constexpr int64_t kMaxLayers = 4096, kMaxHeads = 4096, kMaxHeadDim = 4096, kMaxConvKernel = 1024;
-constexpr int64_t kMaxHidden = int64_t{1} << 20, kMaxIntermediate = int64_t{1} << 24, kMaxExperts = 65536;
-constexpr int64_t kMaxVocab = std::numeric_limits<int32_t>::max();  // token ids are int32
-
-void require_at_most(std::string_view origin, const char* field, int64_t v, int64_t max) {
-  if (v > max) throw field_error(origin, field, std::to_string(v) + " exceeds the supported maximum " + std::to_string(max));
-}
-
-void require_multiple(std::string_view origin, const char* field, int64_t v, const char* of_field, int64_t of) {
-  if (v % of != 0)
-    throw field_error(origin, field,
-                      std::to_string(v) + " is not a multiple of " + of_field + " " + std::to_string(of));
-}
 
 std::string read_file_text(const std::filesystem::path& p) {
   errno = 0;
@@ -107,10 +45,14 @@ std::string read_file_text(const std::filesystem::path& p) {
   return ss.str();
 }
 
+}  // namespace
+
+namespace config_detail {
 /// Reads RoPE settings: transformers 5.x `rope_parameters`, else legacy top-level fields.
 void parse_rope(const json& t, std::string_view origin, ModelConfig& c) {
-  c.rope_theta = get_or<double>(t, origin, "rope_theta", 10000.0);
-  c.partial_rotary_factor = get_or<double>(t, origin, "partial_rotary_factor", 0.25);
+  // Defaults: the values already in c (the struct's 10000 / 0.25 for Qwen; a family's own before calling).
+  c.rope_theta = get_or<double>(t, origin, "rope_theta", c.rope_theta);
+  c.partial_rotary_factor = get_or<double>(t, origin, "partial_rotary_factor", c.partial_rotary_factor);
   auto check_type = [&](const json& obj, const char* field) {
     std::string type =
         get_or<std::string>(obj, origin, "rope_type", get_or<std::string>(obj, origin, "type", "default"));
@@ -128,8 +70,17 @@ void parse_rope(const json& t, std::string_view origin, ModelConfig& c) {
     check_type(*it, "rope_scaling");
   }
 }
+}  // namespace config_detail
 
-}  // namespace
+const char* model_family_name(ModelFamily f) {
+  switch (f) {
+    case ModelFamily::Qwen: return "qwen";
+    case ModelFamily::KimiLinear: return "kimi_linear";
+    case ModelFamily::MiniMax: return "minimax";
+    case ModelFamily::RingLinear: return "bailing_moe_linear";
+  }
+  return "unknown";
+}
 
 std::string_view layer_type_name(LayerType t) { return t == LayerType::Linear ? "linear_attention" : "full_attention"; }
 
@@ -152,7 +103,10 @@ bool ModelConfig::is_moe_layer(int i) const {
 
 int64_t ModelConfig::conv_dim() const { return 2 * linear_q_dim() + linear_v_dim(); }
 
-int ModelConfig::rotary_dim() const { return static_cast<int>(head_dim * partial_rotary_factor); }
+int ModelConfig::rotary_dim() const {
+  if (!attention_has_rope() && !linear_rope) return 0;
+  return static_cast<int>(head_dim * partial_rotary_factor);
+}
 
 int ModelConfig::num_linear_layers() const {
   return static_cast<int>(std::count(layer_types.begin(), layer_types.end(), LayerType::Linear));
@@ -179,12 +133,13 @@ int ModelConfig::attention_index(int layer) const { return index_among(layer_typ
 
 int64_t ModelConfig::linear_state_bytes() const {
   const int64_t ssm = int64_t(linear_num_value_heads) * linear_key_head_dim * linear_value_head_dim;
-  const int64_t conv = int64_t(linear_conv_kernel_dim - 1) * conv_dim();
+  const int64_t conv = int64_t(conv_rows()) * conv_dim();
   return (ssm + conv) * int64_t(sizeof(float));
 }
 
 int64_t ModelConfig::kv_bytes_per_token() const {
-  return int64_t(num_attention_layers()) * 2 * num_key_value_heads * head_dim * int64_t(sizeof(float));
+  return int64_t(num_attention_layers()) * num_key_value_heads * (int64_t(head_dim) + attn_v_head_dim()) *
+         int64_t(sizeof(float));
 }
 
 void ModelConfig::validate() const {
@@ -207,7 +162,16 @@ void ModelConfig::validate() const {
                                       {"num_experts", num_experts, kMaxExperts},
                                       {"moe_intermediate_size", moe_intermediate_size, kMaxIntermediate},
                                       {"shared_expert_intermediate_size", shared_expert_intermediate_size,
-                                       kMaxIntermediate}})
+                                       kMaxIntermediate},
+                                      {"q_lora_rank", q_lora_rank, kMaxIntermediate},
+                                      {"kv_lora_rank", kv_lora_rank, kMaxIntermediate},
+                                      {"qk_nope_head_dim", qk_nope_head_dim, kMaxHeadDim},
+                                      {"qk_rope_head_dim", qk_rope_head_dim, kMaxHeadDim},
+                                      {"v_head_dim", v_head_dim, kMaxHeadDim},
+                                      {"block_size", lightning_block_size, kMaxIntermediate},
+                                      {"group_norm_size", group_norm_size, kMaxHeadDim * kMaxHeads},
+                                      {"n_group", n_group, kMaxExperts},
+                                      {"topk_group", topk_group, kMaxExperts}})
     require_at_most(origin, field, v, max);
   if (!std::isfinite(rms_norm_eps)) throw field_error(origin, "rms_norm_eps", "must be finite");
   if (!std::isfinite(rope_theta)) throw field_error(origin, "rope_theta", "must be finite");
@@ -216,11 +180,15 @@ void ModelConfig::validate() const {
                       "has " + std::to_string(layer_types.size()) + " entries but num_hidden_layers is " +
                           std::to_string(num_hidden_layers));
   if (!(rms_norm_eps > 0)) throw field_error(origin, "rms_norm_eps", "must be > 0");
+  const bool needs_rope = (num_attention_layers() > 0 && attention_has_rope()) ||
+                          (num_linear_layers() > 0 && linear_rope);
   if (num_attention_layers() > 0) {
     require_positive(origin, "num_attention_heads", num_attention_heads);
     require_positive(origin, "num_key_value_heads", num_key_value_heads);
     require_positive(origin, "head_dim", head_dim);
     require_multiple(origin, "num_attention_heads", num_attention_heads, "num_key_value_heads", num_key_value_heads);
+  }
+  if (needs_rope) {
     if (!(rope_theta > 0)) throw field_error(origin, "rope_theta", "must be > 0");
     if (!(partial_rotary_factor > 0 && partial_rotary_factor <= 1))
       throw field_error(origin, "partial_rotary_factor", "must be in (0, 1]");
@@ -233,7 +201,14 @@ void ModelConfig::validate() const {
     require_positive(origin, "linear_num_value_heads", linear_num_value_heads);
     require_positive(origin, "linear_key_head_dim", linear_key_head_dim);
     require_positive(origin, "linear_value_head_dim", linear_value_head_dim);
-    require_positive(origin, "linear_conv_kernel_dim", linear_conv_kernel_dim);
+    if (family == ModelFamily::Qwen || family == ModelFamily::KimiLinear)
+      require_positive(origin, "linear_conv_kernel_dim", linear_conv_kernel_dim);
+    else if (linear_conv_kernel_dim != 0)
+      throw field_error(origin, "linear_conv_kernel_dim",
+                        "must be 0 for " + std::string(model_family_name(family)) + " (no short conv), got " +
+                            std::to_string(linear_conv_kernel_dim));
+    if (!std::isfinite(linear_norm_eps) || !(linear_norm_eps > 0))
+      throw field_error(origin, "linear_norm_eps", "must be finite and > 0");
     require_multiple(origin, "linear_num_value_heads", linear_num_value_heads, "linear_num_key_heads",
                      linear_num_key_heads);
   }
@@ -256,6 +231,7 @@ void ModelConfig::validate() const {
       throw field_error(origin, "shared_expert_intermediate_size", "must be >= 0");
   }
   if (any_dense) require_positive(origin, "intermediate_size", intermediate_size);
+  if (family != ModelFamily::Qwen) validate_family_fields(*this, origin);
 }
 
 ModelConfig parse_config(std::string_view json_text, std::string_view origin) {
@@ -269,6 +245,13 @@ ModelConfig parse_config(std::string_view json_text, std::string_view origin) {
 
   ModelConfig c;
   c.model_type = get_required<std::string>(root, origin, "model_type");
+  if (auto family = family_of_model_type(c.model_type)) {
+    if (*family != ModelFamily::Qwen) {
+      parse_family_config(root, origin, *family, c);
+      c.validate();
+      return c;
+    }
+  }
   const bool known = c.model_type == "qwen3_next" || is_qwen35_dense(c.model_type) || is_qwen35_moe(c.model_type);
   if (!known)
     throw std::invalid_argument(std::string(origin) + ": unknown model_type '" + c.model_type +
@@ -374,6 +357,7 @@ ModelConfig load_config(const std::filesystem::path& path) {
 }
 
 std::string config_to_json(const ModelConfig& c) {
+  if (c.family != ModelFamily::Qwen) return family_config_to_json(c);
   json t;
   t["vocab_size"] = c.vocab_size;
   t["hidden_size"] = c.hidden_size;
@@ -468,6 +452,7 @@ std::string ModelConfig::fingerprint() const {
   s += "|mlp_only=";
   for (int l : mlp_only_layers) s += std::to_string(l) + ",";
   add_i("tie", tie_word_embeddings);
+  if (family != ModelFamily::Qwen) s += family_fingerprint_fields(*this);
   s += "|weights=" + weights_digest;
   const XXH128_hash_t h = XXH3_128bits(s.data(), s.size());
   std::snprintf(buf, sizeof buf, "%016llx%016llx", static_cast<unsigned long long>(h.high64),

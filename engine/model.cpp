@@ -1,5 +1,7 @@
-// CPU fp32 forward pass of Qwen3-Next / Qwen3.5. Layer math: research/hybrid_models.md 1.4-1.7 and the
-// HF transformers 5.17 classes named at each block. Projections over a span run as GEMMs (OpenBLAS).
+// CPU fp32 forward pass of every family: the decoder loop, Qwen3-Next / Qwen3.5's Gated DeltaNet and gated
+// attention, the plain GQA attention of MiniMax / Ring and the MoE blocks; the Kimi / MiniMax / Ring linear mixers
+// and MLA are in engine/families/. Layer math: research/hybrid_models.md 1.4-1.7, 2-4 and the HF transformers 5.17
+// classes named at each block. Projections over a span run as GEMMs (OpenBLAS).
 #include "engine/model.h"
 
 #include <algorithm>
@@ -11,6 +13,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include "engine/families/family_layers.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/blas_env.h"
 #include "kernels/cpu/gated_delta.h"
@@ -91,7 +94,9 @@ Model::Model(ModelConfig config, ModelWeights weights) : config_(std::move(confi
     }
     expect_shape(lw.input_layernorm, {H}, p + "input_layernorm");
     expect_shape(lw.post_attention_layernorm, {H}, p + "post_attention_layernorm");
-    if (lw.type == LayerType::Linear) {
+    if (c.family != ModelFamily::Qwen) {
+      families::check_layer_shapes(c, lw, p);
+    } else if (lw.type == LayerType::Linear) {
       const LinearAttnWeights& l = lw.linear;
       expect_shape(l.in_proj_qkv, {c.conv_dim(), H}, p + "linear_attn.in_proj_qkv");
       expect_shape(l.in_proj_z, {nv * dv, H}, p + "linear_attn.in_proj_z");
@@ -121,7 +126,7 @@ Model::Model(ModelConfig config, ModelWeights weights) : config_(std::move(confi
         expect_shape(m.shared_expert.gate_proj, {Is, H}, p + "mlp.shared_expert.gate_proj");
         expect_shape(m.shared_expert.up_proj, {Is, H}, p + "mlp.shared_expert.up_proj");
         expect_shape(m.shared_expert.down_proj, {H, Is}, p + "mlp.shared_expert.down_proj");
-        expect_shape(m.shared_expert_gate, {1, H}, p + "mlp.shared_expert_gate");
+        if (c.shared_expert_gated) expect_shape(m.shared_expert_gate, {1, H}, p + "mlp.shared_expert_gate");
       }
     } else {
       const int64_t I = c.intermediate_size;
@@ -130,7 +135,9 @@ Model::Model(ModelConfig config, ModelWeights weights) : config_(std::move(confi
       expect_shape(lw.mlp.down_proj, {H, I}, p + "mlp.down_proj");
     }
   }
-  if (c.num_attention_layers() > 0) inv_freq_ = cpu::rope_inv_freq(c.rope_theta, c.rotary_dim());
+  const bool rope = (c.num_attention_layers() > 0 && c.attention_has_rope()) ||
+                    (c.num_linear_layers() > 0 && c.linear_rope);
+  if (rope) inv_freq_ = cpu::rope_inv_freq(c.rope_theta, c.rotary_dim());
   // Qwen3.5-MoE's router (Qwen3VLMoeTextTopKRouter) always renormalises; Qwen3-Next only if norm_topk_prob.
   renormalize_topk_ = c.norm_topk_prob || c.model_type.rfind("qwen3_5_moe", 0) == 0;
 }
@@ -142,7 +149,7 @@ ModelState Model::initial_state() const {
   for (auto& l : s.linear) {
     l.ssm.assign(static_cast<size_t>(c.linear_num_value_heads) * c.linear_key_head_dim * c.linear_value_head_dim,
                  0.0f);
-    l.conv.assign(static_cast<size_t>(c.linear_conv_kernel_dim - 1) * c.conv_dim(), 0.0f);
+    l.conv.assign(static_cast<size_t>(c.conv_rows()) * c.conv_dim(), 0.0f);
   }
   s.attention.resize(c.num_attention_layers());
   return s;
@@ -158,7 +165,7 @@ void Model::validate_state(const ModelState& s) const {
                                 std::to_string(c.num_attention_layers()));
   }
   const size_t ssm = static_cast<size_t>(c.linear_num_value_heads) * c.linear_key_head_dim * c.linear_value_head_dim;
-  const size_t conv = static_cast<size_t>(c.linear_conv_kernel_dim - 1) * c.conv_dim();
+  const size_t conv = static_cast<size_t>(c.conv_rows()) * c.conv_dim();
   for (size_t i = 0; i < s.linear.size(); ++i) {
     if (s.linear[i].ssm.size() != ssm || s.linear[i].conv.size() != conv) {
       throw std::invalid_argument("ModelState: linear layer state " + std::to_string(i) + " has ssm " +
@@ -168,13 +175,15 @@ void Model::validate_state(const ModelState& s) const {
     }
   }
   const size_t row = static_cast<size_t>(c.num_key_value_heads) * c.head_dim;
+  const size_t vrow = static_cast<size_t>(c.num_key_value_heads) * c.attn_v_head_dim();
   for (size_t i = 0; i < s.attention.size(); ++i) {
     const auto& a = s.attention[i];
-    if (a.n_tokens < 0 || a.k.size() != static_cast<size_t>(a.n_tokens) * row || a.v.size() != a.k.size()) {
+    if (a.n_tokens < 0 || a.k.size() != static_cast<size_t>(a.n_tokens) * row ||
+        a.v.size() != static_cast<size_t>(a.n_tokens) * vrow) {
       throw std::invalid_argument("ModelState: attention layer state " + std::to_string(i) + " has n_tokens " +
                                   std::to_string(a.n_tokens) + " but K/V hold " + std::to_string(a.k.size()) +
-                                  " / " + std::to_string(a.v.size()) + " values (" + std::to_string(row) +
-                                  " per token)");
+                                  " / " + std::to_string(a.v.size()) + " values (" + std::to_string(row) + " / " +
+                                  std::to_string(vrow) + " per token)");
     }
   }
 }
@@ -199,7 +208,9 @@ std::vector<float> Model::decode(ModelState& state, int32_t id, int64_t position
 }
 
 void Model::rope_rotate(float* k, int64_t n_tokens, int heads, int64_t position_delta) const {
-  if (inv_freq_.empty()) throw std::invalid_argument("rope_rotate: the model has no attention layers");
+  if (inv_freq_.empty())
+    throw std::invalid_argument(std::string("rope_rotate: the model (") + model_family_name(config_.family) +
+                                ") has no RoPE");
   if (n_tokens < 0 || heads < 0) {
     throw std::invalid_argument("rope_rotate: negative n_tokens " + std::to_string(n_tokens) + " or heads " +
                                 std::to_string(heads));
@@ -243,33 +254,66 @@ PrefillResult Model::forward(ModelState& state, std::span<const SpanSpec> spans,
     }
   PrefillResult result;
   if (options.capture_transitions) result.transitions.resize(state.linear.size());
+  const bool lightning = c.family == ModelFamily::MiniMax || c.family == ModelFamily::RingLinear;
+  if (lightning) result.transition_kind = TransitionKind::Scalar;
   Scratch scratch;
+  // RMSNorm flavour: Qwen's zero-centred (1 + w), every other family's w (KimiLinearRMSNorm, MiniMaxRMSNorm, ...).
+  const bool zc = c.zero_centred_norms();
+  auto norm = [&](int64_t rows, const float* in, const Tensor& w, float* out_rows) {
+    if (zc)
+      cpu::rms_norm_zero_centred(rows, H, in, w.ptr(), eps, out_rows);
+    else
+      cpu::rms_norm(rows, H, in, w.ptr(), eps, out_rows);
+  };
+  // Residual: x += f(norm(x)); MiniMaxDecoderLayer is post-norm: x = alpha * norm(x) + beta * f(norm(x)).
+  const bool post_norm = c.family == ModelFamily::MiniMax;
+  auto residual = [&](double alpha, double beta) {
+    if (!post_norm) {
+      for (size_t j = 0; j < x.size(); ++j) x[j] += mix[j];
+      return;
+    }
+    const float a = static_cast<float>(alpha), b = static_cast<float>(beta);
+    for (size_t j = 0; j < x.size(); ++j) x[j] = hn[j] * a + mix[j] * b;
+  };
 
-  // Decoder layer (Qwen3NextDecoderLayer / Qwen3_5DecoderLayer): x += mixer(norm(x)); x += ffn(norm(x)).
+  // Decoder layer (Qwen3NextDecoderLayer / Qwen3_5DecoderLayer / KimiLinearDecoderLayer; MiniMaxDecoderLayer with
+  // its alpha/beta residuals): x += mixer(norm(x)); x += ffn(norm(x)).
   for (int i = 0; i < c.num_hidden_layers; ++i) {
     const LayerWeights& lw = weights_.layers[i];
-    cpu::rms_norm_zero_centred(T, H, x.data(), lw.input_layernorm.ptr(), eps, hn.data());
+    norm(T, x.data(), lw.input_layernorm, hn.data());
     for (size_t si = 0; si < spans.size(); ++si) {  // token mixers: span by span, on the running state
       const size_t r0 = static_cast<size_t>(offset[si]) * H;
       const int64_t Ts = offset[si + 1] - offset[si];
       if (lw.type == LayerType::Linear) {
         const int li = c.linear_index(i);
-        linear_layer(lw, state.linear[li], hn.data() + r0, Ts, mode,
-                     options.capture_transitions ? &result.transitions[li] : nullptr, scratch, mix.data() + r0);
+        std::vector<float>* tr = options.capture_transitions ? &result.transitions[li] : nullptr;
+        const bool recurrent = mode == LinearMode::Recurrent;
+        if (c.family == ModelFamily::KimiLinear)
+          families::kda_layer(c, lw.kda, state.linear[li], hn.data() + r0, Ts, recurrent, tr, mix.data() + r0);
+        else if (lightning)
+          families::lightning_layer(c, lw.lightning, state.linear[li], hn.data() + r0, Ts, spans[si].start_position,
+                                    inv_freq_, recurrent, tr, mix.data() + r0);
+        else
+          linear_layer(lw, state.linear[li], hn.data() + r0, Ts, mode, tr, scratch, mix.data() + r0);
+      } else if (c.family == ModelFamily::KimiLinear) {
+        families::mla_layer(c, lw.mla, state.attention[c.attention_index(i)], hn.data() + r0, Ts, mix.data() + r0);
       } else {
         attention_layer(lw, state.attention[c.attention_index(i)], hn.data() + r0, Ts, spans[si].start_position,
                         scratch, mix.data() + r0);
       }
       if (after_mixer) (*after_mixer)(si, i, state);
     }
-    for (size_t j = 0; j < x.size(); ++j) x[j] += mix[j];
-    cpu::rms_norm_zero_centred(T, H, x.data(), lw.post_attention_layernorm.ptr(), eps, hn.data());
+    if (lw.type == LayerType::Linear)
+      residual(c.linear_attn_alpha, c.linear_attn_beta);
+    else
+      residual(c.full_attn_alpha, c.full_attn_beta);
+    norm(T, x.data(), lw.post_attention_layernorm, hn.data());
     if (lw.is_moe) {
       moe_block(lw.moe, hn.data(), T, scratch, mix.data());
     } else {
       mlp_block(lw.mlp, c.intermediate_size, hn.data(), T, scratch, mix.data());
     }
-    for (size_t j = 0; j < x.size(); ++j) x[j] += mix[j];
+    residual(c.mlp_alpha, c.mlp_beta);
   }
   state.num_tokens += T;
 
@@ -277,8 +321,7 @@ PrefillResult Model::forward(ModelState& state, std::span<const SpanSpec> spans,
   if (options.skip_logits) return result;
   const int64_t first = options.all_logits ? offset[spans.size() - 1] : T - 1;
   const int64_t rows = T - first;
-  cpu::rms_norm_zero_centred(rows, H, x.data() + static_cast<size_t>(first) * H, weights_.final_norm.ptr(), eps,
-                             hn.data());
+  norm(rows, x.data() + static_cast<size_t>(first) * H, weights_.final_norm, hn.data());
   result.logits.resize(static_cast<size_t>(rows) * c.vocab_size);
   cpu::linear(rows, H, c.vocab_size, hn.data(), weights_.output_embedding().ptr(), result.logits.data());
   return result;
@@ -360,6 +403,8 @@ void Model::linear_layer(const LayerWeights& lw, LinearLayerState& st, const flo
 
 // Gated full attention (Qwen3NextAttention / Qwen3_5Attention, eager): q_proj split per head into
 // query | gate, zero-centred q/k norms, partial NeoX RoPE, causal GQA over cache + span, * sigmoid(gate), o_proj.
+// Without the gate and the norms it is MiniMaxAttention (full-head RoPE); with plain (w) q/k norms and partial
+// RoPE, Ring's softmax attention.
 void Model::attention_layer(const LayerWeights& lw, AttentionLayerState& st, const float* x, int64_t T,
                             int64_t start_position, Scratch& s, float* out) const {
   const ModelConfig& c = config_;
@@ -395,8 +440,13 @@ void Model::attention_layer(const LayerWeights& lw, AttentionLayerState& st, con
   } else {
     std::copy(qg.begin(), qg.end(), q.begin());
   }
-  cpu::rms_norm_zero_centred(T * nh, hd, q.data(), w.q_norm.ptr(), eps, q.data());
-  cpu::rms_norm_zero_centred(T * nkv, hd, k, w.k_norm.ptr(), eps, k);
+  if (c.use_qk_norm && c.zero_centred_norms()) {
+    cpu::rms_norm_zero_centred(T * nh, hd, q.data(), w.q_norm.ptr(), eps, q.data());
+    cpu::rms_norm_zero_centred(T * nkv, hd, k, w.k_norm.ptr(), eps, k);
+  } else if (c.use_qk_norm) {  // Ring: query_layernorm / key_layernorm, applied as w
+    cpu::rms_norm(T * nh, hd, q.data(), w.q_norm.ptr(), eps, q.data());
+    cpu::rms_norm(T * nkv, hd, k, w.k_norm.ptr(), eps, k);
+  }
   cpu::apply_rope(q.data(), T, nh, hd, inv_freq_, start_position);
   cpu::apply_rope(k, T, nkv, hd, inv_freq_, start_position);
 
@@ -426,7 +476,9 @@ void Model::mlp_block(const MlpWeights& w, int64_t width, const float* x, int64_
   cpu::linear(T, width, H, gate, w.down_proj.ptr(), out);
 }
 
-// Sparse MoE (Qwen3NextSparseMoeBlock with eager experts): softmax router over all experts (fp32), top-k,
+// Sparse MoE (Qwen3NextSparseMoeBlock with eager experts; MiniMaxSparseMoeBlock is the same without a shared expert;
+// KimiLinearMoE / Ring route with families::route_sigmoid and add their shared experts ungated): softmax router over
+// all experts (fp32), top-k,
 // optional renormalisation; tokens grouped per expert and run as GEMMs; routed outputs accumulated in
 // ascending expert order (as HF's index_add_ loop), then the sigmoid-gated shared expert added.
 void Model::moe_block(const MoeWeights& w, const float* x, int64_t T, Scratch& s, float* out) const {
@@ -434,14 +486,18 @@ void Model::moe_block(const MoeWeights& w, const float* x, int64_t T, Scratch& s
   const int64_t H = c.hidden_size, I = c.moe_intermediate_size, Is = c.shared_expert_intermediate_size;
   const int E = c.num_experts, topk = c.num_experts_per_tok;
 
-  std::vector<float> probs(static_cast<size_t>(T) * E);
-  cpu::linear(T, H, E, x, w.router.ptr(), probs.data());
-  cpu::softmax_rows(T, E, probs.data(), E);
-
   // Per expert: the tokens routed to it and their weights, in token order.
   std::vector<std::vector<std::pair<int64_t, float>>> routed(E);
+  std::vector<float> probs;
   std::vector<int> order(E);
-  for (int64_t t = 0; t < T; ++t) {
+  if (c.router_score == RouterScore::Sigmoid) {
+    families::route_sigmoid(c, w, x, T, routed);  // Kimi-Linear, Ring: sigmoid, bias, groups, scaling
+  } else {
+    probs.resize(static_cast<size_t>(T) * E);
+    cpu::linear(T, H, E, x, w.router.ptr(), probs.data());
+    cpu::softmax_rows(T, E, probs.data(), E);
+  }
+  for (int64_t t = 0; t < T && c.router_score == RouterScore::Softmax; ++t) {
     const float* p = probs.data() + static_cast<size_t>(t) * E;
     std::iota(order.begin(), order.end(), 0);
     std::partial_sort(order.begin(), order.begin() + topk, order.end(),
@@ -489,6 +545,10 @@ void Model::moe_block(const MoeWeights& w, const float* x, int64_t T, Scratch& s
   if (Is > 0) {
     std::vector<float> shared(static_cast<size_t>(T) * H), sgate(static_cast<size_t>(T));
     mlp_block(w.shared_expert, Is, x, T, s, shared.data());
+    if (!c.shared_expert_gated) {  // KimiLinearMoE / Ring: routed + shared_experts(x)
+      for (size_t j = 0; j < shared.size(); ++j) out[j] += shared[j];
+      return;
+    }
     cpu::linear(T, H, 1, x, w.shared_expert_gate.ptr(), sgate.data());
     for (int64_t t = 0; t < T; ++t) {
       const float gt = cpu::sigmoid(sgate[t]);

@@ -1,15 +1,23 @@
-// The CPU fp32 forward pass of Qwen3-Next and Qwen3.5 (dense and MoE) with an incremental API that is
-// explicit about state, so segment entries and splicing (engine/segment.h, engine/splice.h) can be built
-// on it. The math reproduces Hugging Face transformers 5.17 run in fp32 with its pure-torch fallbacks
-// (Qwen3NextForCausalLM / Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM; research/hybrid_models.md 1.4-1.7).
+// The CPU fp32 forward pass of the hybrid families (ModelFamily) with an incremental API that is explicit about
+// state, so segment entries and splicing (engine/segment.h, engine/splice.h) can be built on it. The math
+// reproduces Hugging Face transformers 5.17 run in fp32 with its pure-torch fallbacks: Qwen3NextForCausalLM /
+// Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM (research/hybrid_models.md 1.4-1.7), KimiLinearForCausalLM (2),
+// MiniMaxForCausalLM (4); Ring-linear-2.0 (3) follows tools/ring_linear_reference.py. The Kimi / MiniMax / Ring
+// mixers live in engine/families/.
 //
-// State conventions (shared with kernels/cpu/gated_delta.h):
-//  - a linear (Gated DeltaNet) layer's recurrent state is [H_v][d_k][d_v] fp32, S_t = T_t S_{t-1} + u_t,
-//    T_t = e^{g_t}(I - b_t k_t k_t^T) left-multiplying; a span transition T_C is [H_v][d_k][d_k];
-//  - its conv state holds the last K-1 pre-convolution inputs (the conv tail), [K-1][conv_dim],
-//    oldest first, zeros at a sequence start;
-//  - a full-attention layer's KV cache holds K and V of every token seen, [n][H_kv][head_dim], with K
-//    already RoPE-rotated at the position that token had when it was computed.
+// State conventions (shared with kernels/cpu/gated_delta.h, kda.h, lightning.h):
+//  - a linear layer's recurrent state is [H_v][d_k][d_v] fp32, S_t = T_t S_{t-1} + u_t, T_t left-multiplying:
+//    Gated DeltaNet T_t = e^{g_t}(I - b_t k_t k_t^T), KDA T_t = (I - b_t k_t k_t^T) diag(e^{g_t}) (span transition
+//    T_C dense [H_v][d_k][d_k]); lightning T_t = e^{-s_h} I (T_C one scalar per head, [H]);
+//  - its conv state holds the last K-1 pre-convolution inputs (the conv tail), [K-1][conv_dim], oldest first,
+//    zeros at a sequence start (KDA: its q, k and v convs' channels concatenated, [K-1][3 H d]); lightning layers
+//    have no short conv and an empty conv state (ModelConfig::conv_rows() == 0);
+//  - a full-attention layer's KV cache holds K and V of every token seen, K [n][H_kv][head_dim] and V
+//    [n][H_kv][attn_v_head_dim()], with K already RoPE-rotated at the position that token had when it was computed
+//    (where the family has RoPE). MLA (Kimi-Linear) stores its K and V expanded per head: K [n][nh][qk_nope +
+//    qk_rope] (k_nope from kv_b_proj, then the shared k_rot), V [n][nh][v_head_dim]; nothing is rotated (NoPE).
+//  - Ring-linear rotates q and k inside its linear layers, so a linear state made at positions a.. holds keys
+//    rotated for those positions (re-rotation by the key axis moves it, DESIGN.md 3.3).
 // Linear layers and attention layers are indexed among their own type (ModelConfig::linear_index /
 // attention_index).
 #pragma once
@@ -20,6 +28,7 @@
 #include <vector>
 
 #include "engine/config.h"
+#include "engine/transition.h"
 #include "engine/weights.h"
 
 namespace hypic::engine {
@@ -27,13 +36,14 @@ namespace hypic::engine {
 /// Recurrent state of one Gated DeltaNet layer.
 struct LinearLayerState {
   std::vector<float> ssm;   ///< [H_v][d_k][d_v] fp32
-  std::vector<float> conv;  ///< [K-1][conv_dim] fp32, the last K-1 pre-conv inputs (oldest first)
+  std::vector<float> conv;  ///< [conv_rows][conv_dim] fp32, the last K-1 pre-conv inputs (oldest first); empty for
+                            ///< lightning layers
 };
 
 /// KV cache of one full-attention layer.
 struct AttentionLayerState {
-  std::vector<float> k;  ///< [n_tokens][H_kv][head_dim], RoPE-rotated at each token's own position
-  std::vector<float> v;  ///< [n_tokens][H_kv][head_dim]
+  std::vector<float> k;  ///< [n_tokens][H_kv][head_dim], RoPE-rotated at each token's own position (MLA: not rotated)
+  std::vector<float> v;  ///< [n_tokens][H_kv][attn_v_head_dim()] (= head_dim but for MLA)
   int64_t n_tokens = 0;
 };
 
@@ -56,7 +66,9 @@ struct PrefillOptions {
 /// Result of one prefill call.
 struct PrefillResult {
   std::vector<float> logits;                     ///< [T][V] (all_logits) or [1][V], fp32; empty if skip_logits
-  std::vector<std::vector<float>> transitions;   ///< per linear layer [H_v][d_k][d_k] if captured, else empty
+  std::vector<std::vector<float>> transitions;   ///< per linear layer T_span if captured, else empty; layout by
+                                                 ///< transition_kind: Dense [H_v][d_k][d_k], Scalar [H_v]
+  TransitionKind transition_kind = TransitionKind::Dense;  ///< Dense (Gated DeltaNet, KDA) or Scalar (lightning)
 };
 
 /// One span of a multi-span prefill: token ids and the RoPE position of its first token.
@@ -89,8 +101,8 @@ class Model {
   ModelState initial_state() const;
 
   /// Runs a span of tokens from `state` with RoPE positions start_position .. start_position + T - 1.
-  /// Linear layers continue from their recurrent and conv states with the chunked gated delta rule
-  /// (chunk 64); attention layers append the span's K/V to their caches and attend to every cached token
+  /// Linear layers continue from their recurrent and conv states with the family's chunked scan (gated delta rule
+  /// and KDA: chunk 64; lightning: lightning_block_size); attention layers append the span's K/V to their caches and attend to every cached token
   /// plus causally within the span. `state` is updated in place (num_tokens and every n_tokens grow by T).
   /// start_position is free (a splice places spans at arbitrary positions; it need not equal
   /// state.num_tokens) but must be >= 0.
@@ -115,7 +127,8 @@ class Model {
 
   /// Rotates already-rotated keys k [n_tokens][heads][head_dim] by position_delta more positions in place
   /// (partial NeoX RoPE on the first rotary_dim dims; R(p + d) = R(d) R(p)), e.g. to move cached K from
-  /// local to real positions. position_delta may be negative.
+  /// local to real positions. position_delta may be negative. Throws std::invalid_argument for a model without
+  /// RoPE (Kimi-Linear).
   void rope_rotate(float* k, int64_t n_tokens, int heads, int64_t position_delta) const;
 
   /// Checks that `state` has the layer counts and tensor sizes of this model; throws std::invalid_argument

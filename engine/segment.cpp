@@ -83,7 +83,7 @@ EntryGeometry EntryGeometry::of(const ModelConfig& cfg) {
   g.d_k = cfg.linear_key_head_dim;
   g.d_v = cfg.linear_value_head_dim;
   g.conv_dim = static_cast<int>(cfg.conv_dim());
-  g.conv_rows = cfg.linear_conv_kernel_dim - 1;
+  g.conv_rows = cfg.conv_rows();
   g.kv_heads = cfg.num_key_value_heads;
   g.head_dim = cfg.head_dim;
   g.num_linear = cfg.num_linear_layers();

@@ -1,4 +1,5 @@
 #include "engine/weights.h"
+#include "engine/weights_internal.h"
 
 #include <xxhash.h>
 
@@ -13,92 +14,9 @@
 
 namespace hypic::engine {
 
+using namespace weights_detail;
+
 namespace {
-
-std::string shape_text(const std::vector<int64_t>& shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + "]";
-}
-
-int64_t product(const std::vector<int64_t>& shape) {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  return n;
-}
-
-bool nested_type(const ModelConfig& c) { return c.model_type == "qwen3_5" || c.model_type == "qwen3_5_moe"; }
-
-/// Reads checkpoint tensors by name, checking shapes, and remembers which names were used.
-class Reader {
- public:
-  explicit Reader(const std::filesystem::path& dir) : ck_(Checkpoint::open(dir)), dir_(dir) {}
-
-  bool has(const std::string& name) const { return ck_.contains(name); }
-
-  /// The tensor `name`, which must have shape `want`; stored with shape `keep` (default: want).
-  Tensor take(const std::string& name, const std::vector<int64_t>& want, std::vector<int64_t> keep = {}) {
-    Tensor t;
-    t.shape = keep.empty() ? want : std::move(keep);
-    t.data.resize(size_t(product(want)));
-    take_into(name, want, t.data.data());
-    return t;
-  }
-
-  /// Like take(), but accepts any of `shapes` (same element count) and stores it as `keep`.
-  Tensor take_any(const std::string& name, const std::vector<std::vector<int64_t>>& shapes, std::vector<int64_t> keep) {
-    const TensorInfo& info = lookup(name, shapes.front());
-    for (const auto& s : shapes)
-      if (info.shape == s) return take(name, s, std::move(keep));
-    std::string options;
-    for (const auto& s : shapes) options += (options.empty() ? "" : " or ") + shape_text(s);
-    throw mismatch(info, options);
-  }
-
-  /// Converts tensor `name` (shape `want`) to fp32 at dst.
-  void take_into(const std::string& name, const std::vector<int64_t>& want, float* dst) {
-    const TensorInfo& info = lookup(name, want);
-    if (info.shape != want) throw mismatch(info, shape_text(want));
-    ck_.file_of(name).read_f32_into(info, dst);
-    used_.insert(name);
-  }
-
-  void ignore(const std::string& name) { used_.insert(name); }
-
-  /// Throws if the checkpoint holds tensors nobody read, other than mtp.* / model.visual.* / RoPE buffers.
-  void check_all_used() const {
-    std::vector<std::string> extra;
-    for (const auto& n : ck_.names()) {
-      if (used_.count(n) || n.starts_with("mtp.") || n.starts_with("model.visual.") ||
-          n.ends_with("rotary_emb.inv_freq"))
-        continue;
-      extra.push_back(n);
-    }
-    if (extra.empty()) return;
-    std::string list;
-    for (size_t i = 0; i < extra.size() && i < 8; ++i) list += (i ? ", " : "") + extra[i];
-    if (extra.size() > 8) list += ", ... (" + std::to_string(extra.size()) + " in all)";
-    throw std::runtime_error("checkpoint " + dir_.string() + " has tensors the config does not use: " + list +
-                             " (config and checkpoint disagree)");
-  }
-
- private:
-  const TensorInfo& lookup(const std::string& name, const std::vector<int64_t>& want) const {
-    const TensorInfo* info = ck_.find(name);
-    if (!info)
-      throw std::runtime_error("checkpoint " + dir_.string() + ": missing tensor '" + name + "' (expected shape " +
-                               shape_text(want) + ")");
-    return *info;
-  }
-  std::runtime_error mismatch(const TensorInfo& info, const std::string& want) const {
-    return std::runtime_error("checkpoint " + dir_.string() + ": tensor '" + info.name + "' has shape " +
-                              info.shape_str() + " (" + std::string(dtype_name(info.dtype)) + "), expected " + want);
-  }
-
-  Checkpoint ck_;
-  std::filesystem::path dir_;
-  std::set<std::string> used_;
-};
 
 /// Qwen3-Next's grouped projections -> the flat internal layout. Per key head h the qkvz rows are
 /// [q_h (dk) | k_h (dk) | v of value heads h*r..h*r+r-1 (r*dv) | z of those heads (r*dv)] and the ba rows
@@ -230,6 +148,34 @@ int64_t ModelWeights::parameter_count() const {
                             &l.moe.shared_expert.up_proj,
                             &l.moe.shared_expert.down_proj,
                             &l.moe.shared_expert_gate,
+                            &l.moe.router_bias,
+                            &l.kda.q_proj,
+                            &l.kda.k_proj,
+                            &l.kda.v_proj,
+                            &l.kda.conv1d,
+                            &l.kda.f_a_proj,
+                            &l.kda.f_b_proj,
+                            &l.kda.A_log,
+                            &l.kda.dt_bias,
+                            &l.kda.b_proj,
+                            &l.kda.g_a_proj,
+                            &l.kda.g_b_proj,
+                            &l.kda.o_norm,
+                            &l.kda.o_proj,
+                            &l.mla.q_proj,
+                            &l.mla.q_a_proj,
+                            &l.mla.q_a_layernorm,
+                            &l.mla.q_b_proj,
+                            &l.mla.kv_a_proj,
+                            &l.mla.kv_a_layernorm,
+                            &l.mla.kv_b_proj,
+                            &l.mla.o_proj,
+                            &l.lightning.qkv_proj,
+                            &l.lightning.gate,
+                            &l.lightning.norm,
+                            &l.lightning.out_proj,
+                            &l.lightning.q_norm,
+                            &l.lightning.k_norm,
                             &l.mlp.gate_proj,
                             &l.mlp.up_proj,
                             &l.mlp.down_proj})
@@ -242,12 +188,15 @@ void load_weights_streaming(const ModelConfig& cfg, const std::filesystem::path&
   cfg.validate();
   Reader rd(dir);
   const int64_t H = cfg.hidden_size, V = cfg.vocab_size;
-  std::string prefix;
-  if (rd.has("model.language_model.embed_tokens.weight"))
+  std::string prefix, embed_name = "embed_tokens.weight";
+  if (rd.has("model.language_model.embed_tokens.weight")) {
     prefix = "model.language_model.";
-  else if (rd.has("model.embed_tokens.weight"))
+  } else if (rd.has("model.embed_tokens.weight")) {
     prefix = "model.";
-  else
+  } else if (cfg.family == ModelFamily::RingLinear && rd.has("model.word_embeddings.weight")) {
+    prefix = "model.";
+    embed_name = "word_embeddings.weight";
+  } else
     throw std::runtime_error(
         "checkpoint " + dir.string() +
         ": missing tensor 'model.embed_tokens.weight' (nor 'model.language_model.embed_tokens.weight')");
@@ -258,7 +207,7 @@ void load_weights_streaming(const ModelConfig& cfg, const std::filesystem::path&
     part.tensor = std::move(t);
     sink(std::move(part));
   };
-  send(WeightsPart::Kind::Embed, rd.take(prefix + "embed_tokens.weight", {V, H}));
+  send(WeightsPart::Kind::Embed, rd.take(prefix + embed_name, {V, H}));
   send(WeightsPart::Kind::FinalNorm, rd.take(prefix + "norm.weight", {H}));
   if (cfg.tie_word_embeddings)
     rd.ignore("lm_head.weight");  // tied: HF uses embed_tokens whatever the file holds
@@ -275,6 +224,11 @@ void load_weights_streaming(const ModelConfig& cfg, const std::filesystem::path&
     l.is_moe = cfg.is_moe_layer(i);
     l.input_layernorm = rd.take(p + "input_layernorm.weight", {H});
     l.post_attention_layernorm = rd.take(p + "post_attention_layernorm.weight", {H});
+    if (cfg.family != ModelFamily::Qwen) {
+      load_family_layer(cfg, rd, p, i, l);
+      sink(std::move(part));
+      continue;
+    }
     if (l.type == LayerType::Linear)
       load_linear(cfg, rd, p + "linear_attn.", l.linear);
     else
@@ -305,6 +259,17 @@ ModelWeights load_weights(const ModelConfig& cfg, const std::filesystem::path& d
 ParameterCounts count_parameters(const ModelConfig& c) {
   const int64_t H = c.hidden_size, V = c.vocab_size;
   ParameterCounts n;
+  if (c.family != ModelFamily::Qwen) {
+    // The layout's tensors; the routed experts a token does not use are inactive.
+    for (const auto& s : family_checkpoint_layout(c)) n.total += product(s.shape);
+    int64_t inactive = 0;
+    for (int i = 0; i < c.num_hidden_layers; ++i)
+      if (c.is_moe_layer(i))
+        inactive += int64_t(c.num_experts - c.num_experts_per_tok) * 3 * c.moe_intermediate_size * H;
+    n.active_per_token = n.total - inactive;
+    (void)V;
+    return n;
+  }
   n.total = V * H + H + (c.tie_word_embeddings ? 0 : V * H);
   int64_t inactive = 0;
   for (int i = 0; i < c.num_hidden_layers; ++i) {
@@ -333,6 +298,7 @@ ParameterCounts count_parameters(const ModelConfig& c) {
 
 std::vector<CheckpointTensorSpec> hf_checkpoint_layout(const ModelConfig& c) {
   c.validate();
+  if (c.family != ModelFamily::Qwen) return family_checkpoint_layout(c);
   const int64_t H = c.hidden_size, V = c.vocab_size;
   const int64_t nk = c.linear_num_key_heads, nv = c.linear_num_value_heads;
   const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim;
@@ -457,7 +423,7 @@ void write_random_checkpoint(const ModelConfig& cfg, uint64_t seed, const std::f
     if (!f) throw std::runtime_error("cannot write " + (dir / "config.json").string());
   }
   const unsigned threads = std::max(1u, std::min(16u, std::thread::hardware_concurrency()));
-  const int64_t kernel = cfg.linear_conv_kernel_dim;
+  const int64_t kernel = std::max(1, cfg.linear_conv_kernel_dim);
   SafetensorsWriter wr;
   wr.set_metadata("format", "pt");
   wr.set_metadata("hypic_init_seed", std::to_string(seed));

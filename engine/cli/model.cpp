@@ -114,12 +114,15 @@ int run_info(const std::string& model, int64_t segment_tokens, bool as_json) {
   const int64_t f = sizeof(float);
   const int64_t nv = c.linear_num_value_heads, dk = c.linear_key_head_dim, dv = c.linear_value_head_dim;
   const int64_t ssm_bytes = nv * dk * dv * f;
-  const int64_t conv_bytes = int64_t(c.linear_conv_kernel_dim - 1) * c.conv_dim() * f;
-  const int64_t transition_bytes = nv * dk * dk * f;  // dense T_C (gated delta rule)
+  const int64_t conv_bytes = int64_t(c.conv_rows()) * c.conv_dim() * f;
+  const bool scalar_tc = c.family == ModelFamily::MiniMax || c.family == ModelFamily::RingLinear;
+  // T_C: dense (gated delta rule, KDA) or one scalar per head (lightning).
+  const int64_t transition_bytes = scalar_tc ? nv * f : nv * dk * dk * f;
   // Segment entry tensors (DESIGN.md 3.2): per linear layer (T, S) of the seam and of the interior plus the
   // conv tail; per attention layer K and V of every token; plus the token ids. Header bytes excluded.
   const int64_t per_linear_entry = 2 * (transition_bytes + ssm_bytes) + conv_bytes;
-  const int64_t per_attention_entry = 2 * segment_tokens * c.num_key_value_heads * c.head_dim * f;
+  const int64_t per_attention_entry =
+      segment_tokens * c.num_key_value_heads * (int64_t(c.head_dim) + c.attn_v_head_dim()) * f;
   const int64_t entry = c.num_linear_layers() * per_linear_entry + c.num_attention_layers() * per_attention_entry +
                         segment_tokens * int64_t(sizeof(int32_t));
   const int64_t state_total = c.num_linear_layers() * c.linear_state_bytes();

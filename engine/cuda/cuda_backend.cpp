@@ -444,6 +444,9 @@ void CudaBackend::check_supported() const {
   auto bad = [&](const std::string& what) {
     throw std::invalid_argument("cuda backend: " + what + " is not supported (model_type " + c.model_type + ")");
   };
+  if (c.family != ModelFamily::Qwen)
+    bad(std::string("model family ") + model_family_name(c.family) +
+        " (the CUDA kernels cover Qwen3-Next / Qwen3.5 only; run it on the CPU backend)");
   if (c.num_linear_layers() > 0 && (c.linear_key_head_dim != D || c.linear_value_head_dim != D))
     bad("linear_key_head_dim " + std::to_string(c.linear_key_head_dim) + " / linear_value_head_dim " +
         std::to_string(c.linear_value_head_dim) + " (the GPU gated-delta kernels need 128 / 128)");

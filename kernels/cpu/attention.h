@@ -12,13 +12,15 @@ struct AttentionShape {
   int64_t num_keys = 0;     ///< n_total >= T: cached tokens before the span plus the span itself
   int num_heads = 0;        ///< query heads, a multiple of num_kv_heads
   int num_kv_heads = 0;
-  int head_dim = 0;
+  int head_dim = 0;         ///< q / k head dim
+  int v_head_dim = 0;       ///< v / out head dim; 0 = head_dim (MLA: v_head_dim != qk head dim)
 };
 
 /// Query i of the span sits at cache index num_keys - T + i and attends to cache rows 0 ..= that index.
 ///   q:   [T][num_heads][head_dim]        (already normed and rotated)
-///   k,v: [num_keys][num_kv_heads][head_dim]
-///   out: [T][num_heads][head_dim]
+///   k:   [num_keys][num_kv_heads][head_dim]
+///   v:   [num_keys][num_kv_heads][v_head_dim]
+///   out: [T][num_heads][v_head_dim]
 ///   scale: multiplies q.k (head_dim^-1/2 for Qwen3-Next / Qwen3.5).
 /// Queries are processed in blocks so the score buffer stays O(block x num_keys).
 /// Throws std::invalid_argument on inconsistent shapes (num_keys < T, heads not divisible).

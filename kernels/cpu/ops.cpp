@@ -94,6 +94,35 @@ void rms_norm_gated(int64_t rows, int64_t dim, const float* x, const float* z, c
   }
 }
 
+void rms_norm(int64_t rows, int64_t dim, const float* x, const float* w, float eps, float* y) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * dim;
+    float* yr = y + r * dim;
+    const float inv = 1.0f / std::sqrt(mean_square(xr, dim) + eps);
+    for (int64_t i = 0; i < dim; ++i) yr[i] = w[i] * (xr[i] * inv);
+  }
+}
+
+void rms_norm_grouped(int64_t rows, int64_t dim, int groups, const float* x, const float* w, float eps, float* y) {
+  if (groups <= 0 || dim % groups != 0)
+    throw std::invalid_argument("rms_norm_grouped: " + std::to_string(groups) + " groups do not divide dim " +
+                                std::to_string(dim));
+  const int64_t gs = dim / groups;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int g = 0; g < groups; ++g) rms_norm(1, gs, x + r * dim + g * gs, w + g * gs, eps, y + r * dim + g * gs);
+}
+
+void rms_norm_gated_sigmoid(int64_t rows, int64_t dim, const float* x, const float* z, const float* w, float eps,
+                            float* y) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * dim;
+    const float* zr = z + r * dim;
+    float* yr = y + r * dim;
+    const float inv = 1.0f / std::sqrt(mean_square(xr, dim) + eps);
+    for (int64_t i = 0; i < dim; ++i) yr[i] = (w[i] * (xr[i] * inv)) * sigmoid(zr[i]);
+  }
+}
+
 void l2_normalize_rows(int64_t rows, int64_t dim, float* x, float eps) {
   for (int64_t r = 0; r < rows; ++r) {
     float* xr = x + r * dim;

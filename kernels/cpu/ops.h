@@ -36,6 +36,20 @@ void rms_norm_zero_centred(int64_t rows, int64_t dim, const float* x, const floa
 ///   x, z, y: [rows][dim] (y may alias x); w: [dim].
 void rms_norm_gated(int64_t rows, int64_t dim, const float* x, const float* z, const float* w, float eps, float* y);
 
+/// Standard RMSNorm (KimiLinearRMSNorm, MiniMaxRMSNorm, Ring's RMSNorm; T5LayerNorm):
+///   y = w * (x * rsqrt(mean(x^2) + eps)).  x, y: [rows][dim] (y may alias x); w: [dim].
+void rms_norm(int64_t rows, int64_t dim, const float* x, const float* w, float eps, float* y);
+
+/// Group RMSNorm (Ring's lightning output norm, BailingHybridGroupRMSNorm): each row of dim channels is split into
+/// `groups` groups of dim / groups channels, each normalised on its own, then multiplied by w (one weight per channel).
+///   x, y: [rows][dim] (y may alias x); w: [dim]. groups must divide dim (std::invalid_argument otherwise).
+void rms_norm_grouped(int64_t rows, int64_t dim, int groups, const float* x, const float* w, float eps, float* y);
+
+/// Gated RMSNorm with a sigmoid gate (KimiLinearRMSNormGated, the KDA output norm):
+///   y = (w * (x * rsqrt(mean(x^2) + eps))) * sigmoid(z).  x, z, y: [rows][dim] (y may alias x); w: [dim].
+void rms_norm_gated_sigmoid(int64_t rows, int64_t dim, const float* x, const float* z, const float* w, float eps,
+                            float* y);
+
 /// In-place l2 normalisation of each row (HF `l2norm`, as in the FLA library): x *= rsqrt(sum(x^2) + eps).
 /// The eps sits inside the rsqrt of the SUM (not the mean). x: [rows][dim].
 void l2_normalize_rows(int64_t rows, int64_t dim, float* x, float eps = 1e-6f);

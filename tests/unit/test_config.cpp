@@ -165,7 +165,7 @@ TEST_CASE("config errors name the file and the field", "[config]") {
   CHECK_THROWS_WITH(
       parse_config(R"({"model_type": "llama", "vocab_size": 10})", "x/config.json"),
       "x/config.json: unknown model_type 'llama' (supported: qwen3_next, qwen3_5, qwen3_5_text, qwen3_5_moe, "
-      "qwen3_5_moe_text)");
+      "qwen3_5_moe_text, kimi_linear, minimax, bailing_moe_linear)");
   CHECK_THROWS_AS(parse_config(R"({"model_type": "llama"})"), std::invalid_argument);
   CHECK_THROWS_WITH(parse_config(R"({"vocab_size": 3})"), Catch::Contains("'model_type' is missing"));
   CHECK_THROWS_WITH(parse_config("{not json"), Catch::Contains("not valid JSON"));

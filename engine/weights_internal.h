@@ -1,0 +1,111 @@
+// Internal helpers of the weights loaders (engine/weights.cpp, engine/weights_families.cpp): a checkpoint reader
+// that checks every tensor's shape, names the tensor in every error and remembers which tensors were used. Not a
+// public API.
+#pragma once
+#include <cstdint>
+#include <filesystem>
+#include <set>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "engine/config.h"
+#include "engine/safetensors.h"
+#include "engine/weights.h"
+
+namespace hypic::engine::weights_detail {
+
+inline std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+inline int64_t product(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+inline bool nested_type(const ModelConfig& c) { return c.model_type == "qwen3_5" || c.model_type == "qwen3_5_moe"; }
+
+/// Reads checkpoint tensors by name, checking shapes, and remembers which names were used.
+class Reader {
+ public:
+  explicit Reader(const std::filesystem::path& dir) : ck_(Checkpoint::open(dir)), dir_(dir) {}
+
+  bool has(const std::string& name) const { return ck_.contains(name); }
+
+  /// The tensor `name`, which must have shape `want`; stored with shape `keep` (default: want).
+  Tensor take(const std::string& name, const std::vector<int64_t>& want, std::vector<int64_t> keep = {}) {
+    Tensor t;
+    t.shape = keep.empty() ? want : std::move(keep);
+    t.data.resize(size_t(product(want)));
+    take_into(name, want, t.data.data());
+    return t;
+  }
+
+  /// Like take(), but accepts any of `shapes` (same element count) and stores it as `keep`.
+  Tensor take_any(const std::string& name, const std::vector<std::vector<int64_t>>& shapes, std::vector<int64_t> keep) {
+    const TensorInfo& info = lookup(name, shapes.front());
+    for (const auto& s : shapes)
+      if (info.shape == s) return take(name, s, std::move(keep));
+    std::string options;
+    for (const auto& s : shapes) options += (options.empty() ? "" : " or ") + shape_text(s);
+    throw mismatch(info, options);
+  }
+
+  /// Converts tensor `name` (shape `want`) to fp32 at dst.
+  void take_into(const std::string& name, const std::vector<int64_t>& want, float* dst) {
+    const TensorInfo& info = lookup(name, want);
+    if (info.shape != want) throw mismatch(info, shape_text(want));
+    ck_.file_of(name).read_f32_into(info, dst);
+    used_.insert(name);
+  }
+
+  void ignore(const std::string& name) { used_.insert(name); }
+
+  /// Throws if the checkpoint holds tensors nobody read, other than mtp.* / model.visual.* / RoPE buffers.
+  void check_all_used() const {
+    std::vector<std::string> extra;
+    for (const auto& n : ck_.names()) {
+      if (used_.count(n) || n.starts_with("mtp.") || n.starts_with("model.visual.") ||
+          n.ends_with("rotary_emb.inv_freq"))
+        continue;
+      extra.push_back(n);
+    }
+    if (extra.empty()) return;
+    std::string list;
+    for (size_t i = 0; i < extra.size() && i < 8; ++i) list += (i ? ", " : "") + extra[i];
+    if (extra.size() > 8) list += ", ... (" + std::to_string(extra.size()) + " in all)";
+    throw std::runtime_error("checkpoint " + dir_.string() + " has tensors the config does not use: " + list +
+                             " (config and checkpoint disagree)");
+  }
+
+ private:
+  const TensorInfo& lookup(const std::string& name, const std::vector<int64_t>& want) const {
+    const TensorInfo* info = ck_.find(name);
+    if (!info)
+      throw std::runtime_error("checkpoint " + dir_.string() + ": missing tensor '" + name + "' (expected shape " +
+                               shape_text(want) + ")");
+    return *info;
+  }
+  std::runtime_error mismatch(const TensorInfo& info, const std::string& want) const {
+    return std::runtime_error("checkpoint " + dir_.string() + ": tensor '" + info.name + "' has shape " +
+                              info.shape_str() + " (" + std::string(dtype_name(info.dtype)) + "), expected " + want);
+  }
+
+  Checkpoint ck_;
+  std::filesystem::path dir_;
+  std::set<std::string> used_;
+};
+
+/// Loads decoder layer `i` (prefix `p`, e.g. "model.layers.3.") of a Kimi-Linear / MiniMax / Ring model into `l`
+/// (type and is_moe already set; the two layer norms read by the caller): its mixer and its MLP (weights_families.cpp).
+void load_family_layer(const ModelConfig& c, Reader& rd, const std::string& p, int i, LayerWeights& l);
+
+/// hf_checkpoint_layout for the Kimi-Linear / MiniMax / Ring families (weights_families.cpp): the released names
+/// (Kimi: block_sparse_moe experts w1/w2/w3, q/k/v_conv1d; MiniMax: block_sparse_moe w1/w2/w3; Ring: hub names).
+std::vector<CheckpointTensorSpec> family_checkpoint_layout(const ModelConfig& c);
+
+}  // namespace hypic::engine::weights_detail
