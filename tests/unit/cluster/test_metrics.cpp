@@ -129,16 +129,17 @@ TEST_CASE("metrics endpoint: GET /metrics serves the registry over HTTP", "[metr
   CHECK(res->body.find("hypic:served_total 6\n") != std::string::npos);
   CHECK(cli.Get("/nope")->status == 404);
   // A body is refused before it is read (so an upload cannot make a service buffer it), chunked or not.
+  // The server answers 413 and closes with the body unread, so the client sees either the 413 or, when the reset
+  // that closing over unread bytes sends arrives first, a failed request; never a 200. The server serves on.
   auto post = cli.Post("/metrics", std::string(100000, 'x'), "text/plain");
-  REQUIRE(post);
-  CHECK(post->status == 413);
+  CHECK((!post || post->status == 413));
   auto chunked = cli.Post("/metrics", [](size_t, httplib::DataSink& sink) {
     sink.write("abc", 3);
     sink.done();
     return true;
   }, "text/plain");
-  REQUIRE(chunked);
-  CHECK(chunked->status == 413);
+  CHECK((!chunked || chunked->status == 413));
+  CHECK(httplib::Client("127.0.0.1", server.port()).Get("/metrics")->status == 200);
   // The port is taken: a second server on it fails with a clear error.
   CHECK_THROWS_WITH(MetricsServer("127.0.0.1:" + std::to_string(server.port()), r),
                     Catch::Contains("cannot listen"));
