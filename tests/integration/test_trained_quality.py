@@ -61,9 +61,10 @@ class QualityTest(unittest.TestCase):
 
     def test_full_answers_almost_everything(self):
         self.assertGreaterEqual(self.summary["full"]["accuracy"], 0.9, self.summary["full"])
-        # one_hop, two_hop and recall are retrieval: the trained model answers every one of them
+        # one_hop, two_hop and recall are retrieval: the trained model answers all of them here (2026-12-01); the
+        # bound leaves room for a prompt whose greedy choice is close enough to flip with another BLAS build
         for kind in ("one_hop", "two_hop", "recall"):
-            self.assertEqual(self.summary["full"]["accuracy_by_kind"][kind], 1.0, kind)
+            self.assertGreaterEqual(self.summary["full"]["accuracy_by_kind"][kind], 0.8, kind)
 
     def test_hypic_within_one_prompt_of_full(self):
         full, hypic = self.summary["full"], self.summary["hypic_w8"]
