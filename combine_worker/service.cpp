@@ -286,7 +286,7 @@ grpc::Status CombineService::run_combine(grpc::ServerContext* ctx, const v1::Com
       s.ids.assign(ps.key().token_ids().begin(), ps.key().token_ids().end());
       if (uses_entries) {
         s.digest = rpc::check_segment_key(ps.key().digest(), s.ids, field + ".key", vocab, backend_.fingerprint(),
-                                          p->entry_seam_width);
+                                          engine::entry_format_version(backend_.config()), p->entry_seam_width);
       } else {  // full and prefix modes compute in context: the digest is only echoed
         s.digest = rpc::parse_digest(ps.key().digest(), field + ".key.digest");
         rpc::check_token_ids(s.ids, vocab, field + ".key.token_ids");
@@ -600,7 +600,7 @@ grpc::Status CombineService::ComputeLocally(grpc::ServerContext*, const v1::Comp
 grpc::Status CombineService::GetWorkerInfo(grpc::ServerContext*, const v1::WorkerInfoRequest*, v1::WorkerInfo* resp) {
   resp->set_role("combine");
   resp->set_model_fingerprint(backend_.fingerprint());
-  resp->set_entry_format_version(engine::kSegmentFormatVersion);
+  resp->set_entry_format_version(engine::entry_format_version(backend_.config()));
   resp->set_address(address_);
   resp->set_compute_threads(uint32_t(d_.compute_threads));
   resp->set_queued_tokens(d_.loop.queued_tokens());

@@ -70,6 +70,23 @@ void parse_rope(const json& t, std::string_view origin, ModelConfig& c) {
     check_type(*it, "rope_scaling");
   }
 }
+
+// layer_types as a list of strings (HF spelling), or false when absent (config_internal.h).
+bool parse_layer_types_list(const json& t, std::string_view o, ModelConfig& c) {
+  auto it = t.find("layer_types");
+  if (it == t.end() || it->is_null()) return false;
+  if (!it->is_array()) throw field_error(o, "layer_types", "must be a list of strings, got " + it->dump());
+  for (const auto& e : *it) {
+    if (!e.is_string()) throw field_error(o, "layer_types", "contains a non-string entry " + e.dump());
+    try {
+      c.layer_types.push_back(parse_layer_type(e.get<std::string>()));
+    } catch (const std::invalid_argument& err) {
+      throw field_error(o, "layer_types", err.what());
+    }
+  }
+  return true;
+}
+
 }  // namespace config_detail
 
 const char* model_family_name(ModelFamily f) {
@@ -326,17 +343,7 @@ ModelConfig parse_config(std::string_view json_text, std::string_view origin) {
   if (is_nested(c.model_type))
     c.tie_word_embeddings = get_or<bool>(root, origin, "tie_word_embeddings", c.tie_word_embeddings);
 
-  if (auto it = t->find("layer_types"); it != t->end() && !it->is_null()) {
-    if (!it->is_array()) throw field_error(o, "layer_types", "must be a list of strings, got " + it->dump());
-    for (const auto& e : *it) {
-      if (!e.is_string()) throw field_error(o, "layer_types", "contains a non-string entry " + e.dump());
-      try {
-        c.layer_types.push_back(parse_layer_type(e.get<std::string>()));
-      } catch (const std::invalid_argument& err) {
-        throw field_error(o, "layer_types", err.what());
-      }
-    }
-  } else {
+  if (!parse_layer_types_list(*t, o, c)) {
     const int interval = get_or<int>(*t, o, "full_attention_interval", 4);
     if (interval <= 0) throw field_error(o, "full_attention_interval", "must be > 0, got " + std::to_string(interval));
     for (int i = 0; i < c.num_hidden_layers; ++i)
@@ -356,8 +363,7 @@ ModelConfig load_config(const std::filesystem::path& path) {
   return c;
 }
 
-std::string config_to_json(const ModelConfig& c) {
-  if (c.family != ModelFamily::Qwen) return family_config_to_json(c);
+json config_detail::common_config_json(const ModelConfig& c) {
   json t;
   t["vocab_size"] = c.vocab_size;
   t["hidden_size"] = c.hidden_size;
@@ -368,9 +374,15 @@ std::string config_to_json(const ModelConfig& c) {
   t["rms_norm_eps"] = c.rms_norm_eps;
   if (c.max_position_embeddings > 0) t["max_position_embeddings"] = c.max_position_embeddings;
   t["hidden_act"] = "silu";
-  t["attention_bias"] = false;
   t["num_attention_heads"] = c.num_attention_heads;
   t["num_key_value_heads"] = c.num_key_value_heads;
+  return t;
+}
+
+std::string config_to_json(const ModelConfig& c) {
+  if (c.family != ModelFamily::Qwen) return family_config_to_json(c);
+  json t = common_config_json(c);
+  t["attention_bias"] = false;
   t["head_dim"] = c.head_dim;
   t["rope_parameters"] = {
       {"rope_type", "default"}, {"rope_theta", c.rope_theta}, {"partial_rotary_factor", c.partial_rotary_factor}};

@@ -43,21 +43,6 @@ void require_silu_no_bias(const json& t, std::string_view o) {
     throw field_error(o, "attention_bias", "is true; attention projections with bias are not supported");
 }
 
-/// layer_types as a list of strings (HF spelling), or false when absent.
-bool parse_layer_types_list(const json& t, std::string_view o, ModelConfig& c) {
-  auto it = t.find("layer_types");
-  if (it == t.end() || it->is_null()) return false;
-  if (!it->is_array()) throw field_error(o, "layer_types", "must be a list of strings, got " + it->dump());
-  for (const auto& e : *it) {
-    if (!e.is_string()) throw field_error(o, "layer_types", "contains a non-string entry " + e.dump());
-    try {
-      c.layer_types.push_back(parse_layer_type(e.get<std::string>()));
-    } catch (const std::invalid_argument& err) {
-      throw field_error(o, "layer_types", err.what());
-    }
-  }
-  return true;
-}
 
 void parse_kimi(const json& t, std::string_view o, ModelConfig& c) {
   require_silu_no_bias(t, o);
@@ -475,19 +460,8 @@ std::string family_fingerprint_fields(const ModelConfig& c) {
 }
 
 std::string family_config_to_json(const ModelConfig& c) {
-  json t;
+  json t = common_config_json(c);
   t["model_type"] = c.model_type;
-  t["vocab_size"] = c.vocab_size;
-  t["hidden_size"] = c.hidden_size;
-  t["num_hidden_layers"] = c.num_hidden_layers;
-  json lt = json::array();
-  for (auto x : c.layer_types) lt.push_back(std::string(layer_type_name(x)));
-  t["layer_types"] = lt;
-  t["rms_norm_eps"] = c.rms_norm_eps;
-  if (c.max_position_embeddings > 0) t["max_position_embeddings"] = c.max_position_embeddings;
-  t["hidden_act"] = "silu";
-  t["num_attention_heads"] = c.num_attention_heads;
-  t["num_key_value_heads"] = c.num_key_value_heads;
   t["tie_word_embeddings"] = c.tie_word_embeddings;
   t["intermediate_size"] = c.intermediate_size;
   auto dense_list = [&] {

@@ -100,6 +100,16 @@ void validate_family_fields(const ModelConfig& c, const std::string& origin);
 /// config_to_json for the non-Qwen families: the field layout transformers 5.17 writes (Kimi, MiniMax) or the hub
 /// config.json's (Ring).
 std::string family_config_to_json(const ModelConfig& c);
+
+/// Appends `layer_types` of config object t (a list of HF spellings, parse_layer_type) to c.layer_types; returns false
+/// (nothing appended) when the key is absent or null. Throws std::invalid_argument naming origin o and the field for a
+/// non-list, a non-string entry or an unknown type (config.cpp).
+bool parse_layer_types_list(const json& t, std::string_view o, ModelConfig& c);
+
+/// The config.json fields every family writes the same way (config_to_json, family_config_to_json): vocab_size,
+/// hidden_size, num_hidden_layers, layer_types, rms_norm_eps, max_position_embeddings (when > 0), hidden_act "silu",
+/// num_attention_heads, num_key_value_heads (config.cpp).
+json common_config_json(const ModelConfig& c);
 /// The fingerprint text of the fields only the non-Qwen families use ("|name=value" items, fixed order).
 std::string family_fingerprint_fields(const ModelConfig& c);
 

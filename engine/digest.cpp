@@ -1,11 +1,13 @@
-// Segment digests (engine/segment.h): the model-free part of the segment code, in hypic_engine_base (the router
-// links it without the model runtime).
+// Segment digests, entry geometry and format versions (engine/segment.h): the model-free part of the segment code,
+// in hypic_engine_base (the router links it without the model runtime).
 #include <xxhash.h>
 
 #include <cstring>
 #include <stdexcept>
 
 #include "engine/segment.h"
+
+#include "engine/config.h"
 
 namespace hypic::engine {
 namespace {
@@ -56,5 +58,29 @@ SegmentDigest segment_digest(std::string_view model_fingerprint, uint32_t format
   std::memcpy(d.data(), c.digest, 16);
   return d;
 }
+
+EntryGeometry EntryGeometry::of(const ModelConfig& cfg) {
+  EntryGeometry g;
+  g.linear_heads = cfg.linear_num_value_heads;
+  g.d_k = cfg.linear_key_head_dim;
+  g.d_v = cfg.linear_value_head_dim;
+  g.conv_dim = static_cast<int>(cfg.conv_dim());
+  g.conv_rows = cfg.conv_rows();
+  g.kv_heads = cfg.num_key_value_heads;
+  g.head_dim = cfg.head_dim;
+  g.num_linear = cfg.num_linear_layers();
+  g.num_attention = cfg.num_attention_layers();
+  g.family = static_cast<int>(cfg.family);
+  g.v_head_dim = cfg.attn_v_head_dim() != cfg.head_dim ? cfg.attn_v_head_dim() : 0;
+  g.linear_rotary_dim = cfg.linear_rope && cfg.num_linear_layers() > 0 ? cfg.rotary_dim() : 0;
+  return g;
+}
+
+uint32_t entry_format_version(const EntryGeometry& g) {
+  return g.family == 0 && g.v_head_dim == 0 && g.linear_rotary_dim == 0 ? kSegmentFormatVersion
+                                                                         : kSegmentFormatVersionFamilies;
+}
+
+uint32_t entry_format_version(const ModelConfig& cfg) { return entry_format_version(EntryGeometry::of(cfg)); }
 
 }  // namespace hypic::engine

@@ -25,21 +25,7 @@ namespace cpu = hypic::kernels::cpu;
 
 namespace {
 
-std::string shape_text(const std::vector<int64_t>& shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + "]";
-}
-
-// Throws unless `t` has exactly `shape`.
-void expect_shape(const Tensor& t, const std::vector<int64_t>& shape, const std::string& name) {
-  int64_t numel = 1;
-  for (int64_t d : shape) numel *= d;
-  if (t.shape != shape || static_cast<int64_t>(t.data.size()) != numel) {
-    throw std::invalid_argument("Model: tensor " + name + " has shape " + shape_text(t.shape) + " (" +
-                                std::to_string(t.data.size()) + " values), expected " + shape_text(shape));
-  }
-}
+using families::expect_shape;
 
 }  // namespace
 
@@ -142,6 +128,11 @@ Model::Model(ModelConfig config, ModelWeights weights) : config_(std::move(confi
   renormalize_topk_ = c.norm_topk_prob || c.model_type.rfind("qwen3_5_moe", 0) == 0;
 }
 
+TransitionKind linear_transition_kind(const ModelConfig& cfg) {
+  return cfg.family == ModelFamily::MiniMax || cfg.family == ModelFamily::RingLinear ? TransitionKind::Scalar
+                                                                                     : TransitionKind::Dense;
+}
+
 ModelState Model::initial_state() const {
   const ModelConfig& c = config_;
   ModelState s;
@@ -218,6 +209,19 @@ void Model::rope_rotate(float* k, int64_t n_tokens, int heads, int64_t position_
   cpu::apply_rope_uniform(k, n_tokens, heads, config_.head_dim, inv_freq_, position_delta);
 }
 
+void Model::rotate_linear_state(std::span<float> ssm, int64_t position_delta) const {
+  const ModelConfig& c = config_;
+  if (!linear_states_rotate())
+    throw std::invalid_argument(std::string("rotate_linear_state: the linear layers of this model (") +
+                                model_family_name(c.family) + ") apply no RoPE");
+  const size_t want = size_t(c.linear_num_value_heads) * c.linear_key_head_dim * c.linear_value_head_dim;
+  if (ssm.size() != want)
+    throw std::invalid_argument("rotate_linear_state: state has " + std::to_string(ssm.size()) + " values, expected " +
+                                std::to_string(want));
+  cpu::apply_rope_key_axis(ssm.data(), c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
+                           inv_freq_, position_delta);
+}
+
 PrefillResult Model::forward(ModelState& state, std::span<const SpanSpec> spans, const SpanLayerHook* after_mixer,
                              const PrefillOptions& options, LinearMode mode) const {
   const ModelConfig& c = config_;
@@ -254,8 +258,8 @@ PrefillResult Model::forward(ModelState& state, std::span<const SpanSpec> spans,
     }
   PrefillResult result;
   if (options.capture_transitions) result.transitions.resize(state.linear.size());
-  const bool lightning = c.family == ModelFamily::MiniMax || c.family == ModelFamily::RingLinear;
-  if (lightning) result.transition_kind = TransitionKind::Scalar;
+  result.transition_kind = linear_transition_kind(c);
+  const bool lightning = result.transition_kind == TransitionKind::Scalar;  // MiniMax, Ring-linear
   Scratch scratch;
   // RMSNorm flavour: Qwen's zero-centred (1 + w), every other family's w (KimiLinearRMSNorm, MiniMaxRMSNorm, ...).
   const bool zc = c.zero_centred_norms();

@@ -71,6 +71,11 @@ struct PrefillResult {
   TransitionKind transition_kind = TransitionKind::Dense;  ///< Dense (Gated DeltaNet, KDA) or Scalar (lightning)
 };
 
+/// The compact form of a linear layer's span transition T_C for this config's family (DESIGN.md 3.1): Dense
+/// [H_v][d_k][d_k] for Gated DeltaNet (Qwen) and KDA (Kimi-Linear), Scalar [H_v] for lightning attention (MiniMax,
+/// Ring-linear). What PrefillResult::transition_kind reports.
+TransitionKind linear_transition_kind(const ModelConfig& cfg);
+
 /// One span of a multi-span prefill: token ids and the RoPE position of its first token.
 struct SpanSpec {
   std::span<const int32_t> ids;
@@ -130,6 +135,18 @@ class Model {
   /// local to real positions. position_delta may be negative. Throws std::invalid_argument for a model without
   /// RoPE (Kimi-Linear).
   void rope_rotate(float* k, int64_t n_tokens, int heads, int64_t position_delta) const;
+
+  /// Whether the linear layers rotate q and k by RoPE (Ring-linear: linear_rope), so that a linear state holds keys
+  /// rotated at the positions its tokens had and must be re-rotated to be used elsewhere (rotate_linear_state).
+  bool linear_states_rotate() const { return config_.linear_rope && config_.num_linear_layers() > 0; }
+
+  /// Re-rotates one linear layer's state ssm [H_v][d_k][d_v] (fp32, in place) on the key axis by position_delta
+  /// positions: S(C|a + d) = R(d) S(C|a) (DESIGN.md 3.3), with R(d) the partial NeoX RoPE rotation of the linear
+  /// layers' keys (rotary_dim() dims, pairs (i, i + rotary_dim/2)) at angle d * inv_freq. Exact for S(C|a) since
+  /// S = sum_t w_t R(p_t) k_t v_t^T with scalar weights w_t (the decay per head commutes with R), up to the fp32
+  /// rounding of the angles (R(a) R(d) vs R(a + d)). Throws std::invalid_argument when !linear_states_rotate() or
+  /// ssm.size() != H_v * d_k * d_v.
+  void rotate_linear_state(std::span<float> ssm, int64_t position_delta) const;
 
   /// Checks that `state` has the layer counts and tensor sizes of this model; throws std::invalid_argument
   /// naming the layer and the sizes otherwise.

@@ -43,7 +43,8 @@ std::span<char> as_mut_bytes(std::vector<float>& v) {
 
 size_t state_floats(const EntryGeometry& g) { return static_cast<size_t>(g.linear_heads) * g.d_k * g.d_v; }
 size_t conv_floats(const EntryGeometry& g) { return static_cast<size_t>(g.conv_rows) * g.conv_dim; }
-size_t kv_floats(const EntryGeometry& g, int n) { return static_cast<size_t>(n) * g.kv_heads * g.head_dim; }
+size_t k_floats(const EntryGeometry& g, int n) { return static_cast<size_t>(n) * g.kv_heads * g.head_dim; }
+size_t v_floats(const EntryGeometry& g, int n) { return static_cast<size_t>(n) * g.kv_heads * g.v_dim(); }
 
 std::string build_header(const SegmentEntry& e) {
   std::string h;
@@ -59,6 +60,8 @@ std::string build_header(const SegmentEntry& e) {
   for (int v : {g.linear_heads, g.d_k, g.d_v, g.conv_dim, g.conv_rows, g.kv_heads, g.head_dim, g.num_linear,
                 g.num_attention})
     put<uint32_t>(h, static_cast<uint32_t>(v));
+  if (e.format_version >= kSegmentFormatVersionFamilies)
+    for (int v : {g.family, g.v_head_dim, g.linear_rotary_dim}) put<uint32_t>(h, static_cast<uint32_t>(v));
   for (const auto& l : e.linear) {
     put<uint8_t>(h, static_cast<uint8_t>(l.seam_transition.kind));
     put<uint8_t>(h, static_cast<uint8_t>(l.interior_transition.kind));
@@ -77,19 +80,7 @@ XXH3_state_t* new_hash() {
 
 // ---- entry -------------------------------------------------------------------------------------------
 
-EntryGeometry EntryGeometry::of(const ModelConfig& cfg) {
-  EntryGeometry g;
-  g.linear_heads = cfg.linear_num_value_heads;
-  g.d_k = cfg.linear_key_head_dim;
-  g.d_v = cfg.linear_value_head_dim;
-  g.conv_dim = static_cast<int>(cfg.conv_dim());
-  g.conv_rows = cfg.conv_rows();
-  g.kv_heads = cfg.num_key_value_heads;
-  g.head_dim = cfg.head_dim;
-  g.num_linear = cfg.num_linear_layers();
-  g.num_attention = cfg.num_attention_layers();
-  return g;
-}
+// EntryGeometry::of and entry_format_version live in digest.cpp (hypic_engine_base: the router uses them).
 
 int SegmentEntry::seam_tokens() const { return std::min(std::max(seam_width, 0), num_tokens()); }
 
@@ -120,6 +111,9 @@ std::vector<float> SegmentEntry::whole_state(int l) const {
 void SegmentEntry::check_consistent() const {
   const EntryGeometry& g = geometry;
   auto bad = [](const std::string& what) { throw EntryError("segment entry inconsistent: " + what); };
+  if (format_version != entry_format_version(g))
+    bad("format version " + std::to_string(format_version) + " but its geometry (family " +
+        std::to_string(g.family) + ") is written as version " + std::to_string(entry_format_version(g)));
   if (static_cast<int>(linear.size()) != g.num_linear || static_cast<int>(attention.size()) != g.num_attention)
     bad("layer counts " + std::to_string(linear.size()) + "/" + std::to_string(attention.size()) + " vs geometry " +
         std::to_string(g.num_linear) + "/" + std::to_string(g.num_attention));
@@ -134,15 +128,15 @@ void SegmentEntry::check_consistent() const {
     if (l.conv_tail.size() != conv_floats(g)) bad("conv tail size" + at);
   }
   for (size_t i = 0; i < attention.size(); ++i)
-    if (attention[i].k.size() != kv_floats(g, num_tokens()) || attention[i].v.size() != kv_floats(g, num_tokens()))
+    if (attention[i].k.size() != k_floats(g, num_tokens()) || attention[i].v.size() != v_floats(g, num_tokens()))
       bad("K/V size of attention layer " + std::to_string(i) + " for " + std::to_string(num_tokens()) + " tokens");
 }
 
 void SegmentEntry::check_compatible(std::string_view fingerprint, const EntryGeometry& g, int w,
                                     std::string_view want_numerics) const {
-  if (format_version != kSegmentFormatVersion)
-    throw EntryError("segment entry has format version " + std::to_string(format_version) + ", this build reads " +
-                     std::to_string(kSegmentFormatVersion));
+  if (format_version != entry_format_version(g))
+    throw EntryError("segment entry has format version " + std::to_string(format_version) +
+                     ", this build reads version " + std::to_string(entry_format_version(g)) + " for this model");
   if (!want_numerics.empty() && numerics != want_numerics)
     throw EntryError("segment entry was made by numerics " + (numerics.empty() ? std::string("(none)") : numerics) +
                      ", this backend computes " + std::string(want_numerics) +
@@ -228,9 +222,10 @@ void EntryReader::parse_header() {
   HeaderCursor c{header};
   SegmentEntry& e = entry_;
   e.format_version = c.get<uint32_t>("version");
-  if (e.format_version != kSegmentFormatVersion)
+  if (e.format_version != kSegmentFormatVersion && e.format_version != kSegmentFormatVersionFamilies)
     throw EntryError("segment entry format version " + std::to_string(e.format_version) + " (this build reads " +
-                     std::to_string(kSegmentFormatVersion) + ")");
+                     std::to_string(kSegmentFormatVersion) + " and " + std::to_string(kSegmentFormatVersionFamilies) +
+                     ")");
   const uint32_t fp_len = c.get<uint32_t>("fingerprint length");
   if (header.size() - c.off < fp_len) throw EntryError("segment entry header truncated in the fingerprint");
   e.model_fingerprint.assign(header.substr(c.off, fp_len));
@@ -251,6 +246,16 @@ void EntryReader::parse_header() {
     const uint32_t v = c.get<uint32_t>("geometry");
     if (v > (1u << 20)) throw EntryError("segment entry geometry value " + std::to_string(v) + " out of range");
     *f = static_cast<int>(v);
+  }
+  if (e.format_version >= kSegmentFormatVersionFamilies) {
+    g.family = static_cast<int>(c.get<uint32_t>("family"));
+    if (g.family > static_cast<int>(ModelFamily::RingLinear))
+      throw EntryError("segment entry: unknown model family " + std::to_string(g.family));
+    for (int* f : {&g.v_head_dim, &g.linear_rotary_dim}) {
+      const uint32_t v = c.get<uint32_t>("family geometry");
+      if (v > (1u << 20)) throw EntryError("segment entry geometry value " + std::to_string(v) + " out of range");
+      *f = static_cast<int>(v);
+    }
   }
   // The tensor bytes the header announces, each product and sum checked: values up to 2^20 multiply past 2^64,
   // and a wrapped total would pass the kMaxEntryBytes guard and size the tensors below.
@@ -277,7 +282,8 @@ void EntryReader::parse_header() {
     add_bytes({2, uint64_t(g.linear_heads), uint64_t(g.d_k), uint64_t(g.d_v)});  // seam and interior states
     add_bytes({uint64_t(g.conv_rows), uint64_t(g.conv_dim)});
   }
-  add_bytes({uint64_t(g.num_attention), 2, n, uint64_t(g.kv_heads), uint64_t(g.head_dim)});
+  add_bytes({uint64_t(g.num_attention), n, uint64_t(g.kv_heads), uint64_t(g.head_dim)});
+  add_bytes({uint64_t(g.num_attention), n, uint64_t(g.kv_heads), uint64_t(g.v_dim())});
   if (c.off != header.size()) throw EntryError("segment entry header has trailing bytes");
   for (auto& l : e.linear) {
     l.seam_transition.data.resize(size_t(g.linear_heads) * l.seam_transition.per_head());
@@ -291,8 +297,8 @@ void EntryReader::parse_header() {
   }
   e.attention.resize(g.num_attention);
   for (auto& a : e.attention) {
-    a.k.resize(kv_floats(g, n));
-    a.v.resize(kv_floats(g, n));
+    a.k.resize(k_floats(g, n));
+    a.v.resize(v_floats(g, n));
     parts_.push_back(as_mut_bytes(a.k));
     parts_.push_back(as_mut_bytes(a.v));
   }

@@ -15,8 +15,14 @@
 //   before any tensor is allocated)
 //   header: u32 version, u32 fingerprint_len, fingerprint, u32 numerics_len, numerics, i32 seam_width, u32 n_tokens, i32 ids[n],
 //           u32 H_v, d_k, d_v, conv_dim, conv_rows, H_kv, head_dim, n_linear, n_attention,
+//           [version 3 only: u32 family, u32 v_head_dim, u32 linear_rotary_dim (EntryGeometry's family fields)]
 //           per linear layer: u8 seam transition kind, u8 interior transition kind
 //   blobs, per linear layer: T_seam, S_seam, T_int, S_int, conv_tail; per attention layer: K, V (fp32).
+//   Sizes: T by its kind ([H_v] scalar, [H_v][d_k] diagonal, [H_v][d_k][d_k] dense), S [H_v][d_k][d_v], conv tail
+//   [conv_rows][conv_dim] (empty without a short conv), K [n][H_kv][head_dim], V [n][H_kv][v_dim()].
+// Versions: an entry of the Qwen families (Gated DeltaNet + gated attention) is written as version 2, byte for byte
+// what earlier builds wrote; one of the other families (Kimi-Linear, MiniMax, Ring-linear) as version 3, whose header
+// adds the family fields. entry_format_version(geometry) says which; the digest carries the same number.
 // EntryWriter / EntryReader stream it in chunks straight from / into the tensors (no whole-entry buffer).
 #pragma once
 #include <array>
@@ -34,9 +40,12 @@ namespace hypic::engine {
 
 struct ModelConfig;
 
-/// Version of the entry format and of the digest; bump when either changes. 2: the header carries the numerics
-/// and the fingerprint is the backend's (config + numerics).
+/// Version of the entry format and of the digest of the Qwen families; bump when either changes. 2: the header
+/// carries the numerics and the fingerprint is the backend's (config + numerics).
 inline constexpr uint32_t kSegmentFormatVersion = 2;
+/// Version of the entries of the other families (kimi_linear, minimax, bailing_moe_linear): version 2 plus the
+/// family fields of EntryGeometry in the header (MLA's V head dim, the key-axis RoPE dims of Ring's linear states).
+inline constexpr uint32_t kSegmentFormatVersionFamilies = 3;
 
 /// 128-bit content address of a segment entry.
 using SegmentDigest = std::array<uint8_t, 16>;
@@ -56,16 +65,20 @@ class EntryError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-/// Per linear layer: seam and interior (T, S), and the conv tail [conv_rows][conv_dim].
+/// Per linear layer: seam and interior (T, S), and the conv tail [conv_rows][conv_dim]. T is in the family's compact
+/// form (TransitionOperator::kind): dense [H_v][d_k][d_k] for Gated DeltaNet and KDA, one scalar per head [H_v] for
+/// lightning attention (MiniMax, Ring-linear). Ring's S hold keys rotated at the segment's local positions.
 struct LinearLayerEntry {
-  TransitionOperator seam_transition;      ///< [H_v][d_k][d_k] (identity when the seam is empty)
+  TransitionOperator seam_transition;      ///< T_seam, by kind (identity when the seam is empty)
   std::vector<float> seam_state;           ///< S(seam|0) [H_v][d_k][d_v]
   TransitionOperator interior_transition;  ///< identity when the interior is empty
   std::vector<float> interior_state;       ///< S(interior|0) [H_v][d_k][d_v]
   std::vector<float> conv_tail;            ///< [K-1][conv_dim], last pre-conv inputs of the standalone prefill
+                                           ///< (KDA: its q, k, v convs' channels; empty for lightning)
 };
 
-/// Per full-attention layer: K (rotated at local positions 0..n-1) and V, each [n][H_kv][head_dim] fp32.
+/// Per full-attention layer: K [n][H_kv][head_dim] (rotated at local positions 0..n-1 where the family has RoPE)
+/// and V [n][H_kv][EntryGeometry::v_dim()], fp32.
 struct AttentionLayerEntry {
   std::vector<float> k, v;
 };
@@ -77,14 +90,26 @@ struct EntryGeometry {
   int conv_dim = 0, conv_rows = 0;  ///< conv tail is [conv_rows = K-1][conv_dim]
   int kv_heads = 0, head_dim = 0;
   int num_linear = 0, num_attention = 0;
+  // Family fields (format version 3); all 0 for the Qwen families, whose entries stay version 2.
+  int family = 0;             ///< static_cast<int>(ModelFamily): 0 Qwen, 1 Kimi-Linear, 2 MiniMax, 3 Ring-linear
+  int v_head_dim = 0;         ///< V head dim of the attention layers when it differs from head_dim (MLA), else 0
+  int linear_rotary_dim = 0;  ///< key-axis dims of the linear states rotated by RoPE (Ring-linear: rotary_dim), else 0
   bool operator==(const EntryGeometry&) const = default;
-  /// The geometry a model of this config produces.
+  /// V head dim of the attention entries: v_head_dim, or head_dim when that is 0.
+  int v_dim() const { return v_head_dim > 0 ? v_head_dim : head_dim; }
+  /// The geometry a model of this config produces (family fields 0 for ModelFamily::Qwen).
   static EntryGeometry of(const ModelConfig& cfg);
 };
 
+/// Format version of the entries of this geometry (and of their digests): kSegmentFormatVersion (2) when every family
+/// field is 0 (Qwen), else kSegmentFormatVersionFamilies (3).
+uint32_t entry_format_version(const EntryGeometry& g);
+/// entry_format_version(EntryGeometry::of(cfg)): what a router or worker serving `cfg` puts in its digests.
+uint32_t entry_format_version(const ModelConfig& cfg);
+
 /// One segment's cache entry (DESIGN.md 3.2). Immutable once built; shared between requests.
 struct SegmentEntry {
-  uint32_t format_version = kSegmentFormatVersion;
+  uint32_t format_version = kSegmentFormatVersion;  ///< entry_format_version(geometry) for a well-formed entry
   std::string model_fingerprint;   ///< Backend::fingerprint() of the backend that made it
   std::string numerics;            ///< backend_numerics of its maker: "cpu-fp32" | "cuda-bf16"
   int seam_width = 0;               ///< w it was made under
@@ -105,7 +130,8 @@ struct SegmentEntry {
   std::vector<float> whole_state(int l) const;
   /// Checks internal consistency (every tensor's size vs the geometry); throws EntryError naming the tensor.
   void check_consistent() const;
-  /// Checks the entry can be used with this model, numerics and seam width: format version, numerics (when
+  /// Checks the entry can be used with this model, numerics and seam width: format version (that of `geometry`,
+  /// entry_format_version), numerics (when
   /// `numerics` is not empty), fingerprint, geometry, w (w < 0 skips the w check). Throws EntryError naming what
   /// differs (both numerics when they differ).
   void check_compatible(std::string_view model_fingerprint, const EntryGeometry& geometry, int seam_width,

@@ -12,32 +12,52 @@
 namespace hypic::engine {
 namespace {
 
-// Appends an entry's K/V rows [from, n) to attention layer a's (or every layer's) running state, K re-rotated from local position
-// `from + i` to real position `base + from + i` (RoPE composes: R(p + d) = R(d) R(p), DESIGN.md 3.3).
+// Appends an entry's K/V rows [from, n) to attention layer a's (or every layer's) running state, K re-rotated from
+// local position `from + i` to real position `base + from + i` (RoPE composes: R(p + d) = R(d) R(p), DESIGN.md 3.3)
+// where the family's attention has RoPE (Kimi-Linear's MLA has none: its K is position-free). K rows are
+// H_kv * head_dim, V rows H_kv * v_dim() floats.
 void append_entry_kv_layer(const Model& model, ModelState& state, const SegmentEntry& e, size_t a, int from,
                            int64_t base) {
   const EntryGeometry& g = e.geometry;
   const size_t row = static_cast<size_t>(g.kv_heads) * g.head_dim;
+  const size_t vrow = static_cast<size_t>(g.kv_heads) * g.v_dim();
   const int count = e.num_tokens() - from;
   if (count <= 0) return;
   AttentionLayerState& dst = state.attention[a];
   const size_t old = dst.k.size();
   dst.k.insert(dst.k.end(), e.attention[a].k.begin() + from * row, e.attention[a].k.end());
-  if (base != 0) model.rope_rotate(dst.k.data() + old, count, g.kv_heads, base);
-  dst.v.insert(dst.v.end(), e.attention[a].v.begin() + from * row, e.attention[a].v.end());
+  if (base != 0 && model.config().attention_has_rope()) model.rope_rotate(dst.k.data() + old, count, g.kv_heads, base);
+  dst.v.insert(dst.v.end(), e.attention[a].v.begin() + from * vrow, e.attention[a].v.end());
   dst.n_tokens += count;
+}
+
+// A segment's linear state (made at local positions from 0) as it stands when the segment starts at real position
+// `base`: unchanged, or for linear layers with RoPE (Ring-linear) re-rotated on the key axis, S(C|base) = R(base) S(C|0)
+// (DESIGN.md 3.3; the scalar T_C commutes with R).
+std::vector<float> placed_state(const Model& model, std::vector<float> s, int64_t base) {
+  if (base != 0 && model.linear_states_rotate()) model.rotate_linear_state(s, base);
+  return s;
+}
+
+// S <- T S + S_seg placed at `base` (placed_state), copying S_seg only where it must be rotated.
+void compose_placed(const Model& model, std::vector<float>& state, const TransitionOperator& t,
+                    const std::vector<float>& seg_state, int64_t base, int d_v) {
+  if (base != 0 && model.linear_states_rotate())
+    compose_state(state, t, placed_state(model, seg_state, base), d_v);
+  else
+    compose_state(state, t, seg_state, d_v);
 }
 
 void append_entry_kv(const Model& model, ModelState& state, const SegmentEntry& e, int from, int64_t base) {
   for (size_t a = 0; a < e.attention.size(); ++a) append_entry_kv_layer(model, state, e, a, from, base);
 }
 
-// Folds a whole segment into every linear layer: S <- T_C S + S(C|0) (transition) or S <- S + S(C|0) (naive);
-// conv state <- the segment's conv tail.
-void fold_linear(ModelState& state, const SegmentEntry& e, SpliceMode mode) {
+// Folds a whole segment starting at real position `base` into every linear layer: S <- T_C S + S(C|base)
+// (transition) or S <- S + S(C|base) (naive); conv state <- the segment's conv tail.
+void fold_linear(const Model& model, ModelState& state, const SegmentEntry& e, SpliceMode mode, int64_t base) {
   for (size_t l = 0; l < e.linear.size(); ++l) {
     LinearLayerState& dst = state.linear[l];
-    const std::vector<float> whole = e.whole_state(static_cast<int>(l));
+    const std::vector<float> whole = placed_state(model, e.whole_state(static_cast<int>(l)), base);
     if (mode == SpliceMode::Naive) {
       for (size_t i = 0; i < whole.size(); ++i) dst.ssm[i] += whole[i];
     } else {
@@ -115,14 +135,15 @@ std::vector<SegmentEntry> build_entries(const Model& model, std::span<const int3
     const int from = bounds[j], count = bounds[j + 1] - bounds[j];
     PrefillResult r = model.prefill(st, ids.subspan(from, count), from, opt);
     for (int l = 0; l < g.num_linear; ++l)
-      span_t[j].push_back(TransitionOperator::dense(g.linear_heads, g.d_k, std::move(r.transitions[l])));
+      span_t[j].push_back(
+          TransitionOperator::wrap(r.transition_kind, g.linear_heads, g.d_k, std::move(r.transitions[l])));
     snapshot(j + 1);
   }
 
   // before[b] = product of the spans before bound b, after[b] = of the spans from b on (identity when empty); a
   // single span's operator is used as it is, so one width gives exactly the two-span entry.
   std::vector<std::vector<TransitionOperator>> before(bounds.size()), after(bounds.size());
-  const TransitionOperator identity = TransitionOperator::identity(TransitionKind::Dense, g.linear_heads, g.d_k);
+  const TransitionOperator identity = TransitionOperator::identity(linear_transition_kind(cfg), g.linear_heads, g.d_k);
   for (int l = 0; l < g.num_linear; ++l) {
     for (size_t b = 0; b <= hi; ++b)
       before[b].push_back(b == 0 ? identity : b == 1 ? span_t[0][l] : before[b - 1][l].then(span_t[b - 1][l]));
@@ -136,6 +157,7 @@ std::vector<SegmentEntry> build_entries(const Model& model, std::span<const int3
   proto.model_fingerprint = model_fingerprint(cfg, proto.numerics);
   proto.token_ids.assign(ids.begin(), ids.end());
   proto.geometry = g;
+  proto.format_version = entry_format_version(g);
   proto.linear.resize(g.num_linear);
   for (int l = 0; l < g.num_linear; ++l) proto.linear[l].conv_tail = st.linear[l].conv;
   proto.attention.resize(g.num_attention);
@@ -313,7 +335,7 @@ SpliceResult splice(const Model& model, const SpliceRequest& req) {
   if (req.mode != SpliceMode::Hypic) {
     for (size_t i = first; i < req.segments.size(); ++i) {  // naive / transition: whole segments, no seam
       const SegmentEntry& e = *req.segments[i].entry;
-      fold_linear(st, e, req.mode);
+      fold_linear(model, st, e, req.mode, pos);
       append_entry_kv(model, st, e, 0, pos);
       pos += e.num_tokens();
       st.num_tokens = pos;
@@ -359,8 +381,8 @@ SpliceResult splice(const Model& model, const SpliceRequest& req) {
   auto apply_fold = [&](const Fold& f, int layer) {
     if (c.layer_types[layer] == LayerType::Linear) {
       const int li = c.linear_index(layer);
-      compose_state(st.linear[li].ssm, f.entry->linear[li].interior_transition, f.entry->linear[li].interior_state,
-                    f.entry->geometry.d_v);
+      compose_placed(model, st.linear[li].ssm, f.entry->linear[li].interior_transition,
+                     f.entry->linear[li].interior_state, f.base, f.entry->geometry.d_v);
       st.linear[li].conv = f.entry->linear[li].conv_tail;
     } else {
       append_entry_kv_layer(model, st, *f.entry, c.attention_index(layer), f.from, f.base);

@@ -18,7 +18,10 @@ namespace hypic::engine {
 /// (first min(w, n) tokens) and the interior are run as two spans of one prefill; each span's T comes from the
 /// chunked pass (capture_transitions), S(seam|0) is the state after the seam, and
 /// S(interior|0) = S_end - T_int S(seam|0) (the affine map of the interior, exact in exact arithmetic).
-/// K is kept at local positions 0..n-1. The entry is stamped with the CPU backend's numerics ("cpu-fp32") and
+/// T is in the family's compact form (linear_transition_kind: dense [H_v][d_k][d_k] for Gated DeltaNet and KDA, one
+/// scalar per head [H_v] for lightning); the entry's format version is entry_format_version of its geometry (2 for
+/// Qwen, 3 for the other families). K is kept at local positions 0..n-1, and so are the keys inside Ring-linear's
+/// linear states (splice re-rotates them). The entry is stamped with the CPU backend's numerics ("cpu-fp32") and
 /// fingerprint (model_fingerprint, engine/backend.h). Throws std::invalid_argument for an empty segment or w < 0.
 SegmentEntry build_segment_entry(const Model& model, std::span<const int32_t> ids, int seam_width);
 
@@ -27,12 +30,12 @@ SegmentEntry build_segment_entry(const Model& model, std::span<const int32_t> id
 /// Returns one entry per element of `seam_widths`, in the order given (duplicates allowed, each its own copy),
 /// entry i made for w = seam_widths[i]. The prefill runs as consecutive spans cut at the distinct breakpoints
 /// min(w, n) strictly inside (0, n), sorted; after each span it records every linear layer's state and the span's
-/// transition [H_v][d_k][d_k]. For each w, with s = min(w, n): T_seam = product of the spans before s (identity if
+/// transition (compact form, as build_segment_entry). For each w, with s = min(w, n): T_seam = product of the spans before s (identity if
 /// none), S(seam|0) = the state at s, T_int = product of the spans after s (identity if none),
 /// S(interior|0) = S_end - T_int S(seam|0) (zeros when n <= w); conv tail and attention K/V (local positions
 /// 0..n-1) come from the end state and are the same for every w.
-/// Cost: one prefill of n tokens (k + 1 spans for k breakpoints) plus at most 2k dense d_k x d_k products per head
-/// and linear layer; memory: the returned entries plus the k + 1 span transitions while building.
+/// Cost: one prefill of n tokens (k + 1 spans for k breakpoints) plus at most 2k d_k x d_k products per head
+/// and linear layer (dense families; scalar ones multiply one number per head); memory: the returned entries plus the k + 1 span transitions while building.
 /// With one width it computes exactly what build_segment_entry does (that function calls this one); with several,
 /// each entry equals build_segment_entry(model, ids, w) to fp32 rounding, not bit for bit (the chunked scan's chunk
 /// boundaries fall elsewhere once a span starts at another breakpoint).
@@ -119,6 +122,11 @@ struct SpliceResult {
 /// position 0); each later segment's seam (first w tokens) is recomputed in context through every layer, its
 /// interior composed (S <- T_int S + S_int, conv state <- conv tail) and its interior K re-rotated to real
 /// positions; segments of at most w tokens are recomputed whole; then the query runs in context.
+/// Families: K is re-rotated only where the attention has RoPE (not Kimi-Linear's MLA); V rows are
+/// EntryGeometry::v_dim() wide; for linear layers with RoPE (Ring-linear, Model::linear_states_rotate) every cached
+/// state of a segment starting at real position b (S(C|0) in naive / transition mode, S(interior|0), whose keys sit at
+/// local positions s..n-1, in hypic mode) is re-rotated on the key axis by b before it is folded in, S(C|b) = R(b) S(C|0) (Model::rotate_linear_state,
+/// DESIGN.md 3.3; the scalar T commutes with R); the first segment (b = 0) is used as cached.
 /// Throws std::invalid_argument (no segments, empty segment, empty query, missing entry for a cached mode,
 /// token ids differing from the entry's) and EntryError (entry from another model, numerics (CPU: "cpu-fp32") or w).
 SpliceResult splice(const Model& model, const SpliceRequest& request);

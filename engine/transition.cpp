@@ -73,6 +73,18 @@ TransitionOperator TransitionOperator::dense(int heads, int d_k, std::vector<flo
   return TransitionOperator{TransitionKind::Dense, heads, d_k, std::move(data)};
 }
 
+TransitionOperator TransitionOperator::wrap(TransitionKind kind, int heads, int d_k, std::vector<float> data) {
+  if (kind == TransitionKind::Dense) return dense(heads, d_k, std::move(data));
+  TransitionOperator t{kind, heads, d_k, {}};
+  if (heads <= 0 || d_k <= 0 || data.size() != static_cast<size_t>(heads) * t.per_head()) {
+    throw std::invalid_argument(std::string(transition_kind_name(kind)) + " transition: got " +
+                                std::to_string(data.size()) + " floats for heads=" + std::to_string(heads) +
+                                " d_k=" + std::to_string(d_k));
+  }
+  t.data = std::move(data);
+  return t;
+}
+
 std::vector<float> TransitionOperator::to_dense() const {
   if (kind == TransitionKind::Dense) return data;
   std::vector<float> out(static_cast<size_t>(heads) * d_k * d_k, 0.0f);

@@ -39,6 +39,9 @@ struct TransitionOperator {
   /// Wraps dense [heads][d_k][d_k] row-major data (e.g. gated_delta_chunked's transition output).
   /// Throws std::invalid_argument when data.size() != heads*d_k*d_k.
   static TransitionOperator dense(int heads, int d_k, std::vector<float> data);
+  /// Wraps data in `kind`'s layout ([heads], [heads][d_k] or [heads][d_k][d_k], as PrefillResult::transitions holds
+  /// them by PrefillResult::transition_kind). Throws std::invalid_argument when data.size() != heads * per_head().
+  static TransitionOperator wrap(TransitionKind kind, int heads, int d_k, std::vector<float> data);
 
   /// Elements per head for this kind (1, d_k or d_k*d_k).
   size_t per_head() const;

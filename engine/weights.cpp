@@ -303,15 +303,7 @@ std::vector<CheckpointTensorSpec> hf_checkpoint_layout(const ModelConfig& c) {
   const int64_t nk = c.linear_num_key_heads, nv = c.linear_num_value_heads;
   const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim;
   const std::string prefix = nested_type(c) ? "model.language_model." : "model.";
-  std::vector<CheckpointTensorSpec> out;
-  auto add = [&out](std::string name, std::vector<int64_t> shape, TensorRole role = TensorRole::Matrix) {
-    out.push_back({std::move(name), std::move(shape), role});
-  };
-  auto add_mlp = [&](const std::string& p, int64_t I) {
-    add(p + "gate_proj.weight", {I, H});
-    add(p + "up_proj.weight", {I, H});
-    add(p + "down_proj.weight", {H, I});
-  };
+  LayoutSink add{H, {}};
   add(prefix + "embed_tokens.weight", {V, H});
   for (int i = 0; i < c.num_hidden_layers; ++i) {
     const std::string p = prefix + "layers." + std::to_string(i) + ".";
@@ -346,19 +338,19 @@ std::vector<CheckpointTensorSpec> hf_checkpoint_layout(const ModelConfig& c) {
     if (c.is_moe_layer(i)) {
       add(p + "mlp.gate.weight", {c.num_experts, H});
       for (int e = 0; e < c.num_experts; ++e)
-        add_mlp(p + "mlp.experts." + std::to_string(e) + ".", c.moe_intermediate_size);
+        add.mlp(p + "mlp.experts." + std::to_string(e) + ".", c.moe_intermediate_size);
       if (c.shared_expert_intermediate_size > 0) {
-        add_mlp(p + "mlp.shared_expert.", c.shared_expert_intermediate_size);
+        add.mlp(p + "mlp.shared_expert.", c.shared_expert_intermediate_size);
         add(p + "mlp.shared_expert_gate.weight", {1, H});
       }
     } else {
-      add_mlp(p + "mlp.", c.intermediate_size);
+      add.mlp(p + "mlp.", c.intermediate_size);
     }
     add(p + "post_attention_layernorm.weight", {H}, TensorRole::ZeroCentredNorm);
   }
   add(prefix + "norm.weight", {H}, TensorRole::ZeroCentredNorm);
   if (!c.tie_word_embeddings) add("lm_head.weight", {V, H});
-  return out;
+  return std::move(add.specs);
 }
 
 namespace {

@@ -218,17 +218,15 @@ void load_family_layer(const ModelConfig& c, Reader& rd, const std::string& p, i
         load_mla(c, rd, p + "self_attn.", l.mla);
       break;
     case ModelFamily::MiniMax:
+    case ModelFamily::RingLinear: {  // lightning layers and plain GQA softmax layers, under each family's name
+      const bool ring = c.family == ModelFamily::RingLinear;
+      const std::string q = p + (ring ? "attention." : "self_attn.");
       if (linear)
-        load_minimax_lightning(c, rd, p + "self_attn.", i, l.lightning);
+        (ring ? load_ring_lightning : load_minimax_lightning)(c, rd, q, i, l.lightning);
       else
-        load_plain_attention(c, rd, p + "self_attn.", l.attention);
+        load_plain_attention(c, rd, q, l.attention);
       break;
-    case ModelFamily::RingLinear:
-      if (linear)
-        load_ring_lightning(c, rd, p + "attention.", i, l.lightning);
-      else
-        load_plain_attention(c, rd, p + "attention.", l.attention);
-      break;
+    }
     case ModelFamily::Qwen: throw std::logic_error("load_family_layer: Qwen layers are loaded by weights.cpp");
   }
   load_ffn(c, rd, p, l);
@@ -237,15 +235,7 @@ void load_family_layer(const ModelConfig& c, Reader& rd, const std::string& p, i
 std::vector<CheckpointTensorSpec> family_checkpoint_layout(const ModelConfig& c) {
   const int64_t H = c.hidden_size, V = c.vocab_size;
   const int64_t nh = c.num_attention_heads, nkv = c.num_key_value_heads, hd = c.head_dim;
-  std::vector<CheckpointTensorSpec> out;
-  auto add = [&out](std::string name, std::vector<int64_t> shape, TensorRole role = TensorRole::Matrix) {
-    out.push_back({std::move(name), std::move(shape), role});
-  };
-  auto add_mlp = [&](const std::string& p, int64_t I) {
-    add(p + "gate_proj.weight", {I, H});
-    add(p + "up_proj.weight", {I, H});
-    add(p + "down_proj.weight", {H, I});
-  };
+  LayoutSink add{H, {}};
   const TensorRole norm = TensorRole::GatedNorm;  // applied as w
   const bool ring = c.family == ModelFamily::RingLinear;
   add(ring ? "model.word_embeddings.weight" : "model.embed_tokens.weight", {V, H});
@@ -325,15 +315,15 @@ std::vector<CheckpointTensorSpec> family_checkpoint_layout(const ModelConfig& c)
         add(x + (mixtral ? "w2.weight" : "down_proj.weight"), {H, I});
         add(x + (mixtral ? "w3.weight" : "up_proj.weight"), {I, H});
       }
-      if (c.shared_expert_intermediate_size > 0) add_mlp(m + "shared_experts.", c.shared_expert_intermediate_size);
+      if (c.shared_expert_intermediate_size > 0) add.mlp(m + "shared_experts.", c.shared_expert_intermediate_size);
     } else {
-      add_mlp(p + "mlp.", c.intermediate_size);
+      add.mlp(p + "mlp.", c.intermediate_size);
     }
     add(p + "post_attention_layernorm.weight", {H}, norm);
   }
   add("model.norm.weight", {H}, norm);
   if (!c.tie_word_embeddings) add("lm_head.weight", {V, H});
-  return out;
+  return std::move(add.specs);
 }
 
 }  // namespace weights_detail

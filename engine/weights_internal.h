@@ -100,6 +100,22 @@ class Reader {
   std::set<std::string> used_;
 };
 
+/// Collects the tensor specs of a checkpoint layout (hf_checkpoint_layout, family_checkpoint_layout).
+struct LayoutSink {
+  int64_t hidden = 0;  ///< H, the input width of the MLP projections
+  std::vector<CheckpointTensorSpec> specs;
+  /// Appends one tensor `name` of `shape` (row-major, as stored) with its initialisation role.
+  void operator()(std::string name, std::vector<int64_t> shape, TensorRole role = TensorRole::Matrix) {
+    specs.push_back({std::move(name), std::move(shape), role});
+  }
+  /// A SwiGLU MLP of width I under prefix p: gate_proj, up_proj [I, H] and down_proj [H, I] (".weight").
+  void mlp(const std::string& p, int64_t I) {
+    (*this)(p + "gate_proj.weight", {I, hidden});
+    (*this)(p + "up_proj.weight", {I, hidden});
+    (*this)(p + "down_proj.weight", {hidden, I});
+  }
+};
+
 /// Loads decoder layer `i` (prefix `p`, e.g. "model.layers.3.") of a Kimi-Linear / MiniMax / Ring model into `l`
 /// (type and is_moe already set; the two layer norms read by the caller): its mixer and its MLP (weights_families.cpp).
 void load_family_layer(const ModelConfig& c, Reader& rd, const std::string& p, int i, LayerWeights& l);

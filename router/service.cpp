@@ -274,7 +274,8 @@ void GenerateCall::tokenise() {
   if (fingerprint.empty())
     throw rpc::unavailable("no worker has reported its numerics yet (--numerics auto): none is reachable");
   for (auto& s : segs_) {
-    s.digest = engine::segment_digest(fingerprint, engine::kSegmentFormatVersion, opts_.entry_seam_width, s.ids);
+    s.digest = engine::segment_digest(fingerprint, engine::entry_format_version(svc_.model_.config), opts_.entry_seam_width,
+                                      s.ids);
   }
 }
 
@@ -722,7 +723,7 @@ grpc::Status RouterService::GetServerInfo(grpc::ServerContext* ctx, const v1::Ge
     st->set_numerics(w.numerics);
     st->set_device(w.device);
   };
-  resp->set_entry_format_version(engine::kSegmentFormatVersion);
+  resp->set_entry_format_version(engine::entry_format_version(model_.config));
   resp->set_default_seam_width(cfg_.limits.default_seam_width);
   resp->set_schedule_policy(schedule_policy_name(cfg_.policy));
   for (size_t i = 0; i < scatter_.size(); ++i) {

@@ -117,7 +117,7 @@ grpc::Status ScatterService::Prefill(grpc::ServerContext* ctx, const v1::Prefill
       const std::string field = fmt::format("segments[{}].key", i);
       ids[size_t(i)].assign(key.token_ids().begin(), key.token_ids().end());
       digests[size_t(i)] = rpc::check_segment_key(key.digest(), ids[size_t(i)], field, model.vocab_size, fingerprint_,
-                                                  req->seam_width());
+                                                  engine::entry_format_version(model), req->seam_width());
     }
     auto call = std::make_shared<PrefillCall>();
     // Each segment joins the build of its digest in flight here, or starts one (SharedBuilds); the tickets end this
@@ -280,7 +280,7 @@ grpc::Status ScatterService::Prefill(grpc::ServerContext* ctx, const v1::Prefill
 grpc::Status ScatterService::GetWorkerInfo(grpc::ServerContext*, const v1::WorkerInfoRequest*, v1::WorkerInfo* resp) {
   resp->set_role("scatter");
   resp->set_model_fingerprint(fingerprint_);
-  resp->set_entry_format_version(engine::kSegmentFormatVersion);
+  resp->set_entry_format_version(engine::entry_format_version(loop_.backend().config()));
   resp->set_address(address_);
   resp->set_compute_threads(uint32_t(compute_threads_));
   resp->set_queued_tokens(loop_.queued_tokens());

@@ -115,7 +115,7 @@ int run_info(const std::string& model, int64_t segment_tokens, bool as_json) {
   const int64_t nv = c.linear_num_value_heads, dk = c.linear_key_head_dim, dv = c.linear_value_head_dim;
   const int64_t ssm_bytes = nv * dk * dv * f;
   const int64_t conv_bytes = int64_t(c.conv_rows()) * c.conv_dim() * f;
-  const bool scalar_tc = c.family == ModelFamily::MiniMax || c.family == ModelFamily::RingLinear;
+  const bool scalar_tc = linear_transition_kind(c) == TransitionKind::Scalar;
   // T_C: dense (gated delta rule, KDA) or one scalar per head (lightning).
   const int64_t transition_bytes = scalar_tc ? nv * f : nv * dk * dk * f;
   // Segment entry tensors (DESIGN.md 3.2): per linear layer (T, S) of the seam and of the interior plus the
@@ -217,7 +217,9 @@ int run_generate(const std::string& model, const std::vector<int32_t>& ids, int 
 
 int main(int argc, char** argv) {
   hypic::kernels::cpu::reexec_with_recommended_blas_core(argv);  // before OpenBLAS is used
-  CLI::App app{"Make, inspect and run hybrid-model checkpoints (Qwen3-Next, Qwen3.5) on the CPU"};
+  CLI::App app{
+      "Make, inspect and run hybrid-model checkpoints (Qwen3-Next, Qwen3.5, Kimi-Linear, MiniMax, Ring-linear) on the "
+      "CPU"};
   app.require_subcommand(1);
 
   std::string config, out, dtype = "bf16", model, ids, ids_file;

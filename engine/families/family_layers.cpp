@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "engine/weights_internal.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/gated_delta.h"
 #include "kernels/cpu/kda.h"
@@ -20,24 +21,17 @@ namespace cpu = hypic::kernels::cpu;
 
 namespace {
 
-std::string shape_text(const std::vector<int64_t>& shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + "]";
-}
-
-void expect(const Tensor& t, const std::vector<int64_t>& shape, const std::string& name) {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  if (t.shape != shape || int64_t(t.data.size()) != n)
-    throw std::invalid_argument("Model: tensor " + name + " has shape " + shape_text(t.shape) + " (" +
-                                std::to_string(t.data.size()) + " values), expected " + shape_text(shape));
-}
-
 // Softplus as KimiLinearForgetGate writes it: where(g > 20, g, log(1 + exp(g))).
 inline float softplus_kimi(float g) { return g > 20.0f ? g : std::log(1.0f + std::exp(g)); }
 
 }  // namespace
+
+void expect_shape(const Tensor& t, const std::vector<int64_t>& shape, const std::string& name) {
+  using weights_detail::shape_text;
+  if (t.shape != shape || int64_t(t.data.size()) != weights_detail::product(shape))
+    throw std::invalid_argument("Model: tensor " + name + " has shape " + shape_text(t.shape) + " (" +
+                                std::to_string(t.data.size()) + " values), expected " + shape_text(shape));
+}
 
 void kda_layer(const ModelConfig& c, const KdaWeights& w, LinearLayerState& st, const float* x, int64_t T,
                bool recurrent, std::vector<float>* transition, float* out) {
@@ -254,31 +248,31 @@ void check_layer_shapes(const ModelConfig& c, const LayerWeights& lw, const std:
       const KdaWeights& w = lw.kda;
       const int64_t nh = c.linear_num_value_heads, d = c.linear_value_head_dim, hd = nh * d;
       const std::string q = p + "self_attn.";
-      expect(w.q_proj, {hd, H}, q + "q_proj");
-      expect(w.k_proj, {hd, H}, q + "k_proj");
-      expect(w.v_proj, {hd, H}, q + "v_proj");
-      expect(w.conv1d, {3 * hd, c.linear_conv_kernel_dim}, q + "conv1d");
-      expect(w.f_a_proj, {d, H}, q + "f_a_proj");
-      expect(w.f_b_proj, {hd, d}, q + "f_b_proj");
-      expect(w.A_log, {nh}, q + "A_log");
-      expect(w.dt_bias, {hd}, q + "dt_bias");
-      expect(w.b_proj, {nh, H}, q + "b_proj");
-      expect(w.g_a_proj, {d, H}, q + "g_a_proj");
-      expect(w.g_b_proj, {hd, d}, q + "g_b_proj");
-      expect(w.o_norm, {d}, q + "o_norm");
-      expect(w.o_proj, {H, hd}, q + "o_proj");
+      expect_shape(w.q_proj, {hd, H}, q + "q_proj");
+      expect_shape(w.k_proj, {hd, H}, q + "k_proj");
+      expect_shape(w.v_proj, {hd, H}, q + "v_proj");
+      expect_shape(w.conv1d, {3 * hd, c.linear_conv_kernel_dim}, q + "conv1d");
+      expect_shape(w.f_a_proj, {d, H}, q + "f_a_proj");
+      expect_shape(w.f_b_proj, {hd, d}, q + "f_b_proj");
+      expect_shape(w.A_log, {nh}, q + "A_log");
+      expect_shape(w.dt_bias, {hd}, q + "dt_bias");
+      expect_shape(w.b_proj, {nh, H}, q + "b_proj");
+      expect_shape(w.g_a_proj, {d, H}, q + "g_a_proj");
+      expect_shape(w.g_b_proj, {hd, d}, q + "g_b_proj");
+      expect_shape(w.o_norm, {d}, q + "o_norm");
+      expect_shape(w.o_proj, {H, hd}, q + "o_proj");
     } else {
       const LightningWeights& w = lw.lightning;
       const int64_t nh = c.num_attention_heads, d = c.head_dim, hd = nh * d;
       const std::string q = p + (c.family == ModelFamily::RingLinear ? "attention." : "self_attn.");
-      expect(w.qkv_proj, {3 * hd, H}, q + "qkv_proj");
-      expect(w.gate, {hd, H}, q + "gate");
-      expect(w.norm, {hd}, q + "norm");
-      expect(w.out_proj, {H, hd}, q + "out_proj");
-      expect(w.slope, {nh}, q + "slope_rate");
+      expect_shape(w.qkv_proj, {3 * hd, H}, q + "qkv_proj");
+      expect_shape(w.gate, {hd, H}, q + "gate");
+      expect_shape(w.norm, {hd}, q + "norm");
+      expect_shape(w.out_proj, {H, hd}, q + "out_proj");
+      expect_shape(w.slope, {nh}, q + "slope_rate");
       if (c.family == ModelFamily::RingLinear && c.use_qk_norm) {
-        expect(w.q_norm, {d}, q + "query_layernorm");
-        expect(w.k_norm, {d}, q + "key_layernorm");
+        expect_shape(w.q_norm, {d}, q + "query_layernorm");
+        expect_shape(w.k_norm, {d}, q + "key_layernorm");
       }
     }
   } else if (c.family == ModelFamily::KimiLinear) {
@@ -286,30 +280,30 @@ void check_layer_shapes(const ModelConfig& c, const LayerWeights& lw, const std:
     const int64_t nh = c.num_attention_heads, qk = c.head_dim, R = c.kv_lora_rank;
     const std::string q = p + "self_attn.";
     if (c.q_lora_rank > 0) {
-      expect(w.q_a_proj, {c.q_lora_rank, H}, q + "q_a_proj");
-      expect(w.q_a_layernorm, {c.q_lora_rank}, q + "q_a_layernorm");
-      expect(w.q_b_proj, {nh * qk, c.q_lora_rank}, q + "q_b_proj");
+      expect_shape(w.q_a_proj, {c.q_lora_rank, H}, q + "q_a_proj");
+      expect_shape(w.q_a_layernorm, {c.q_lora_rank}, q + "q_a_layernorm");
+      expect_shape(w.q_b_proj, {nh * qk, c.q_lora_rank}, q + "q_b_proj");
     } else {
-      expect(w.q_proj, {nh * qk, H}, q + "q_proj");
+      expect_shape(w.q_proj, {nh * qk, H}, q + "q_proj");
     }
-    expect(w.kv_a_proj, {R + c.qk_rope_head_dim, H}, q + "kv_a_proj_with_mqa");
-    expect(w.kv_a_layernorm, {R}, q + "kv_a_layernorm");
-    expect(w.kv_b_proj, {nh * (c.qk_nope_head_dim + c.v_head_dim), R}, q + "kv_b_proj");
-    expect(w.o_proj, {H, nh * c.v_head_dim}, q + "o_proj");
+    expect_shape(w.kv_a_proj, {R + c.qk_rope_head_dim, H}, q + "kv_a_proj_with_mqa");
+    expect_shape(w.kv_a_layernorm, {R}, q + "kv_a_layernorm");
+    expect_shape(w.kv_b_proj, {nh * (c.qk_nope_head_dim + c.v_head_dim), R}, q + "kv_b_proj");
+    expect_shape(w.o_proj, {H, nh * c.v_head_dim}, q + "o_proj");
   } else {
     const AttentionWeights& a = lw.attention;
     const int64_t nh = c.num_attention_heads, nkv = c.num_key_value_heads, hd = c.head_dim;
     const std::string q = p + (c.family == ModelFamily::RingLinear ? "attention." : "self_attn.");
-    expect(a.q_proj, {nh * hd, H}, q + "q_proj");
-    expect(a.k_proj, {nkv * hd, H}, q + "k_proj");
-    expect(a.v_proj, {nkv * hd, H}, q + "v_proj");
-    expect(a.o_proj, {H, nh * hd}, q + "o_proj");
+    expect_shape(a.q_proj, {nh * hd, H}, q + "q_proj");
+    expect_shape(a.k_proj, {nkv * hd, H}, q + "k_proj");
+    expect_shape(a.v_proj, {nkv * hd, H}, q + "v_proj");
+    expect_shape(a.o_proj, {H, nh * hd}, q + "o_proj");
     if (c.use_qk_norm) {
-      expect(a.q_norm, {hd}, q + "q_norm");
-      expect(a.k_norm, {hd}, q + "k_norm");
+      expect_shape(a.q_norm, {hd}, q + "q_norm");
+      expect_shape(a.k_norm, {hd}, q + "k_norm");
     }
   }
-  if (lw.is_moe && c.router_bias) expect(lw.moe.router_bias, {c.num_experts}, p + "mlp.gate.e_score_correction_bias");
+  if (lw.is_moe && c.router_bias) expect_shape(lw.moe.router_bias, {c.num_experts}, p + "mlp.gate.e_score_correction_bias");
 }
 
 }  // namespace hypic::engine::families

@@ -5,6 +5,7 @@
 // [T][hidden] the mixer output (before the residual).
 #pragma once
 #include <cstdint>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -50,6 +51,10 @@ void lightning_layer(const ModelConfig& c, const LightningWeights& w, LinearLaye
 /// routed[e] receives (token, weight) for every token routed to expert e, in token order.
 void route_sigmoid(const ModelConfig& c, const MoeWeights& w, const float* x, int64_t T,
                    std::vector<std::vector<std::pair<int64_t, float>>>& routed);
+
+/// Throws std::invalid_argument ("Model: tensor <name> has shape [..] (<n> values), expected [..]") unless `t` has
+/// exactly `shape` and as many values; what the Model constructor checks every tensor with (all families).
+void expect_shape(const Tensor& t, const std::vector<int64_t>& shape, const std::string& name);
 
 /// Checks the shapes of layer `i`'s family tensors (mixer and MoE router bias) against the config; throws
 /// std::invalid_argument naming the tensor (prefix `p`, e.g. "layers.3.") and both shapes.

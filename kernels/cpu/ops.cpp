@@ -165,6 +165,27 @@ void apply_rope_uniform(float* x, int64_t n_tokens, int heads, int head_dim, con
   for (int64_t row = 0; row < n_tokens * heads; ++row) rotate_head(x + row * head_dim, half, cs.data(), sn.data());
 }
 
+void apply_rope_key_axis(float* state, int heads, int d_k, int d_v, const std::vector<float>& inv_freq,
+                         int64_t position) {
+  check_rope(heads, d_k, inv_freq);
+  if (d_v <= 0) throw std::invalid_argument("apply_rope_key_axis: d_v " + std::to_string(d_v) + " must be positive");
+  const int half = static_cast<int>(inv_freq.size());
+  std::vector<float> cs(half), sn(half);
+  rope_angles(position, inv_freq, cs.data(), sn.data());
+  for (int h = 0; h < heads; ++h) {
+    float* s = state + size_t(h) * d_k * d_v;
+    for (int i = 0; i < half; ++i) {
+      float* ra = s + size_t(i) * d_v;
+      float* rb = s + size_t(i + half) * d_v;
+      for (int j = 0; j < d_v; ++j) {
+        const float a = ra[j], b = rb[j];
+        ra[j] = a * cs[i] - b * sn[i];
+        rb[j] = b * cs[i] + a * sn[i];
+      }
+    }
+  }
+}
+
 void softmax_rows(int64_t rows, int64_t n, float* x, int64_t ld) {
   for (int64_t r = 0; r < rows; ++r) {
     float* xr = x + r * ld;

@@ -72,6 +72,14 @@ void apply_rope(float* x, int64_t n_tokens, int heads, int head_dim, const std::
 void apply_rope_uniform(float* x, int64_t n_tokens, int heads, int head_dim, const std::vector<float>& inv_freq,
                         int64_t position);
 
+/// Rotates linear-attention states on their key axis by one angle: state [heads][d_k][d_v] row-major (rows = key
+/// dims), rows i and i + h (h = inv_freq.size(), i < h) rotated as apply_rope rotates dims i and i + h of a key:
+/// row_i <- row_i cos - row_{i+h} sin, row_{i+h} <- row_{i+h} cos + row_i sin, angle position * inv_freq[i] (fp32).
+/// S = sum_t k_t v_t^T is linear in the keys, so this is R(position) S, the state the same tokens give with keys
+/// rotated `position` further (DESIGN.md 3.3). Throws std::invalid_argument if 2 h > d_k or d_v <= 0.
+void apply_rope_key_axis(float* state, int heads, int d_k, int d_v, const std::vector<float>& inv_freq,
+                         int64_t position);
+
 /// Softmax in place over each row of x[rows][n] (max-subtracted, fp32), as torch.softmax(dim=-1).
 void softmax_rows(int64_t rows, int64_t n, float* x, int64_t ld);
 

@@ -7,14 +7,15 @@
 namespace hypic::rpc {
 
 Digest check_segment_key(std::string_view digest, std::span<const int32_t> ids, const std::string& field,
-                         int64_t vocab_size, std::string_view fingerprint, int seam_width) {
+                         int64_t vocab_size, std::string_view fingerprint, uint32_t format_version,
+                         int seam_width) {
   const Digest d = parse_digest(digest, field + ".digest");
   check_token_ids(ids, vocab_size, field + ".token_ids");
-  if (engine::segment_digest(fingerprint, engine::kSegmentFormatVersion, seam_width, ids) != d) {
+  if (engine::segment_digest(fingerprint, format_version, seam_width, ids) != d) {
     throw invalid_argument(field + ".digest",
                            fmt::format("does not match the token ids under this worker's model (fingerprint {}, "
                                        "format {}, w {}): do router and worker serve the same model and numerics?",
-                                       fingerprint, engine::kSegmentFormatVersion, seam_width));
+                                       fingerprint, format_version, seam_width));
   }
   return d;
 }

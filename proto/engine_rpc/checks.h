@@ -26,10 +26,11 @@ inline void check_token_ids(std::span<const int32_t> ids, int64_t vocab_size, co
 }
 
 /// Parses a segment key's 16-byte digest (field `field`.digest), checks its token ids (`field`.token_ids) and that
-/// the digest is segment_digest(fingerprint, format version, seam_width, ids). Throws RpcError INVALID_ARGUMENT
-/// naming the field (and, for a digest mismatch, the worker's fingerprint, format and w).
+/// the digest is segment_digest(fingerprint, format_version, seam_width, ids), format_version being the worker model's
+/// engine::entry_format_version (2 for Qwen, 3 for the other families). Throws RpcError INVALID_ARGUMENT naming the
+/// field (and, for a digest mismatch, the worker's fingerprint, format and w).
 Digest check_segment_key(std::string_view digest, std::span<const int32_t> ids, const std::string& field,
-                         int64_t vocab_size, std::string_view fingerprint, int seam_width);
+                         int64_t vocab_size, std::string_view fingerprint, uint32_t format_version, int seam_width);
 
 /// An entry that arrived for a segment (delivered or fetched): its token ids must be the segment's and it must be
 /// compatible with `backend` (fingerprint, numerics, geometry) and the seam width `seam_width`.

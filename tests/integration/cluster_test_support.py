@@ -92,13 +92,15 @@ class ClusterTestCase(unittest.TestCase):
     cache_replicas = 1
     extra_args: dict[str, list[str]] = {}
     tls = False  # LocalCluster(tls=True): TLS, mTLS between services, a bearer token on the router
+    model_dir = ""  # the checkpoint the cluster serves; empty: the tiny model (Env.model)
+    tokenizer_file = ""  # its tokenizer.json; empty: Env.tokenizer (the Qwen3 one)
     cluster: LocalCluster
 
     @classmethod
     def setUpClass(cls) -> None:
         Env.ensure()
         cls.work = tempfile.TemporaryDirectory(prefix=f"hypic-it-{cls.__name__}-")
-        cls.cluster = LocalCluster(BIN_DIR, Env.model, Env.tokenizer, scatter_workers=cls.scatter_workers,
+        cls.cluster = LocalCluster(BIN_DIR, cls.model_dir or Env.model, cls.tokenizer_file or Env.tokenizer, scatter_workers=cls.scatter_workers,
                                    cache_replicas=cls.cache_replicas, work_dir=cls.work.name,
                                    extra_args=cls.extra_args, device="cpu",  # the reference is the CPU engine
                                    tls=cls.tls)
@@ -119,7 +121,7 @@ class ClusterTestCase(unittest.TestCase):
             self.fail(f"services died during the test: {dead}\n{logs}")
 
     # ---- requests ----
-    def generate(self, segments: list[str], query: str, *extra: str, max_tokens: int = 12,
+    def generate(self, segments: list, query, *extra: str, max_tokens: int = 12,
                  router: str | None = None, request_id: str = "", timeout: float = 120,
                  deadline_s: float = 100) -> dict:
         """Runs hypic-client generate --json (greedy, no EOS stop); returns the parsed JSON plus "rc"."""
@@ -144,7 +146,7 @@ class ClusterTestCase(unittest.TestCase):
         self.assertEqual(result["rc"], 0, f"request failed: {result.get('stderr')}")
         return result["report"]
 
-    def reference(self, segments: list[str], query: str, max_tokens: int = 12, mode: str = "hypic",
+    def reference(self, segments: list, query, max_tokens: int = 12, mode: str = "hypic",
                   seam_width: int = 8) -> list[int]:
         """Token ids the engine alone generates (hypic-engine-reference, greedy)."""
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
@@ -152,8 +154,9 @@ class ClusterTestCase(unittest.TestCase):
                        "max_tokens": max_tokens}, f)
             path = f.name
         try:
-            r = subprocess.run([str(BIN_DIR / "hypic-engine-reference"), "--model", Env.model, "--tokenizer",
-                                Env.tokenizer, "--request", path], capture_output=True, text=True, check=True)
+            r = subprocess.run([str(BIN_DIR / "hypic-engine-reference"), "--model", self.model_dir or Env.model,
+                                "--tokenizer", self.tokenizer_file or Env.tokenizer, "--request", path],
+                               capture_output=True, text=True, check=True)
         finally:
             os.unlink(path)
         return json.loads(r.stdout)["token_ids"]

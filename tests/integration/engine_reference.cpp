@@ -3,6 +3,8 @@
 //
 // Input (JSON file): {"segments": ["text", ...], "query": "text", "mode": "hypic", "seam_width": 8,
 //                     "max_tokens": 16, "allow_special_tokens": false}
+// A segment or the query may instead be {"tokens": [ids]} (token ids as they are, as hypic-client sends them: for
+// models whose vocabulary the tokenizer does not fit, e.g. the 256-id family fixtures).
 // Output (stdout): {"token_ids": [...], "prompt_tokens": N}
 // Each segment is tokenised on its own (add_special_tokens = false; special-token strings as plain text
 // unless allow_special_tokens, as the router does), its entry built standalone
@@ -49,10 +51,14 @@ int main(int argc, char** argv) {
     // As the router tokenises text: special-token strings as plain text unless the request allows them.
     const auto special = req.value("allow_special_tokens", false) ? hypic::engine::SpecialTokens::Match
                                                                   : hypic::engine::SpecialTokens::Split;
+    auto ids_of = [&](const nlohmann::json& s) {
+      return s.is_object() ? s.at("tokens").get<std::vector<int32_t>>()
+                           : tok.encode(s.get<std::string>(), false, special);
+    };
     int64_t prompt = 0;
     for (const auto& s : req.at("segments")) {
       hypic::engine::SpliceSegment seg;
-      seg.ids = tok.encode(s.get<std::string>(), false, special);
+      seg.ids = ids_of(s);
       if (uses_entries) {
         seg.entry = std::make_shared<const hypic::engine::SegmentEntry>(
             hypic::engine::build_segment_entry(model, seg.ids, entry_w));
@@ -60,7 +66,7 @@ int main(int argc, char** argv) {
       prompt += int64_t(seg.ids.size());
       sreq.segments.push_back(std::move(seg));
     }
-    sreq.query = tok.encode(req.at("query").get<std::string>(), false, special);
+    sreq.query = ids_of(req.at("query"));
     prompt += int64_t(sreq.query.size());
     auto res = hypic::engine::splice(model, sreq);
     std::vector<int32_t> out;

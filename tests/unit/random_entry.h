@@ -21,6 +21,7 @@ engine::SegmentEntry random_entry(const engine::EntryGeometry& g, int n, int w, 
   e.seam_width = w;
   for (int i = 0; i < n; ++i) e.token_ids.push_back(static_cast<int32_t>(rng() % 1000));
   e.geometry = g;
+  e.format_version = entry_format_version(g);
   auto fill = [&](std::vector<float>& v, size_t count) {
     v.resize(count);
     for (auto& x : v) x = nd(rng);
@@ -39,7 +40,7 @@ engine::SegmentEntry random_entry(const engine::EntryGeometry& g, int n, int w, 
   for (int a = 0; a < g.num_attention; ++a) {
     AttentionLayerEntry ae;
     fill(ae.k, size_t(n) * g.kv_heads * g.head_dim);
-    fill(ae.v, size_t(n) * g.kv_heads * g.head_dim);
+    fill(ae.v, size_t(n) * g.kv_heads * g.v_dim());
     e.attention.push_back(std::move(ae));
   }
   return e;

@@ -26,10 +26,22 @@
 #include "engine/weights.h"
 #include "kernels/cpu/kda.h"
 #include "kernels/cpu/lightning.h"
+#include "tests/unit/family_models.h"
+#include "tests/unit/state_checks.h"
 
 using namespace hypic::engine;
 namespace fs = std::filesystem;
 namespace cpu = hypic::kernels::cpu;
+using hypic::testing::check_states_close;
+using hypic::testing::kKimiReleased;
+using hypic::testing::kMiniMax;
+using hypic::testing::kRing;
+using hypic::testing::random_model;
+using hypic::testing::temp_dir;
+using hypic::testing::with;
+using hypic::testing::max_abs;
+using hypic::testing::random_ids;
+using hypic::testing::rel_err;
 
 namespace {
 
@@ -37,111 +49,11 @@ constexpr LayerType L = LayerType::Linear;
 constexpr LayerType F = LayerType::FullAttention;
 constexpr double kTol = 2e-5;
 
-double max_abs(const std::vector<float>& a) {
-  double m = 0;
-  for (float x : a) m = std::max(m, double(std::abs(x)));
-  return m;
-}
-double rel_err(const std::vector<float>& a, const std::vector<float>& b) {
-  REQUIRE(a.size() == b.size());
-  double m = 0;
-  for (size_t i = 0; i < a.size(); ++i) m = std::max(m, double(std::abs(a[i] - b[i])));
-  return m / std::max(max_abs(b), 1e-30);
-}
-
 std::vector<float> randn(size_t n, std::mt19937& rng, float scale = 1.0f, float mean = 0.0f) {
   std::normal_distribution<float> d(mean, scale);
   std::vector<float> v(n);
   for (auto& x : v) x = d(rng);
   return v;
-}
-
-std::vector<int32_t> random_ids(int n, int vocab, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::uniform_int_distribution<int32_t> d(0, vocab - 1);
-  std::vector<int32_t> ids(n);
-  for (auto& x : ids) x = d(rng);
-  return ids;
-}
-
-// A Kimi-Linear config.json as the released checkpoints write it (linear_attn_config with 1-based layer lists,
-// first_k_dense_replace), small: layers L L F L F (1-based full layers 3 and 5), 2 expert groups.
-const char* kKimiReleased = R"({
-  "model_type": "kimi_linear", "architectures": ["KimiLinearForCausalLM"],
-  "vocab_size": 97, "hidden_size": 48, "num_hidden_layers": 5, "intermediate_size": 64,
-  "num_attention_heads": 3, "num_key_value_heads": 3, "head_dim": 8,
-  "q_lora_rank": null, "kv_lora_rank": 12, "qk_nope_head_dim": 10, "qk_rope_head_dim": 6, "v_head_dim": 14,
-  "mla_use_nope": true, "rms_norm_eps": 1e-5, "hidden_act": "silu", "tie_word_embeddings": false,
-  "linear_attn_config": {"num_heads": 2, "head_dim": 16, "short_conv_kernel_size": 4,
-                         "kda_layers": [1, 2, 4], "full_attn_layers": [3, 5]},
-  "num_experts": 8, "num_experts_per_token": 3, "num_shared_experts": 1, "moe_intermediate_size": 20,
-  "moe_router_activation_func": "sigmoid", "moe_renormalize": true, "num_expert_group": 2, "topk_group": 1,
-  "routed_scaling_factor": 2.5, "first_k_dense_replace": 1, "moe_layer_freq": 1, "model_max_length": 4096 })";
-
-// A MiniMax config.json (transformers 5.17 names), small: layers F L L F L L (layer_types), block_size 16.
-const char* kMiniMax = R"({
-  "model_type": "minimax", "architectures": ["MiniMaxForCausalLM"],
-  "vocab_size": 97, "hidden_size": 48, "num_hidden_layers": 6, "intermediate_size": 40,
-  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 12, "rms_norm_eps": 1e-5,
-  "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-  "layer_types": ["full_attention", "linear_attention", "linear_attention", "full_attention", "linear_attention",
-                  "linear_attention"],
-  "block_size": 16, "num_local_experts": 6, "num_experts_per_tok": 2,
-  "full_attn_alpha_factor": 1.5, "full_attn_beta_factor": 0.75, "linear_attn_alpha_factor": 1.25,
-  "linear_attn_beta_factor": 1.1, "mlp_alpha_factor": 1.3, "mlp_beta_factor": 0.9, "tie_word_embeddings": false })";
-
-// A Ring-linear-2.0 config.json (hub names), small: layer_group_size 3 -> L L F L L F, group norm of 2 groups.
-const char* kRing = R"({
-  "model_type": "bailing_moe_linear", "architectures": ["BailingMoeLinearV2ForCausalLM"],
-  "vocab_size": 97, "hidden_size": 48, "num_hidden_layers": 6, "intermediate_size": 56,
-  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
-  "rope_theta": 10000.0, "partial_rotary_factor": 0.5, "use_qk_norm": true, "layer_group_size": 3,
-  "group_norm_size": 2, "first_k_dense_replace": 1, "num_experts": 8, "num_experts_per_tok": 2,
-  "num_shared_experts": 1, "moe_intermediate_size": 12, "moe_shared_expert_intermediate_size": 12,
-  "n_group": 2, "topk_group": 2, "routed_scaling_factor": 2.0, "score_function": "sigmoid",
-  "norm_topk_prob": true, "tie_word_embeddings": false })";
-
-/// `text` with the first occurrence of `from` replaced by `to`.
-std::string with(const char* text, const std::string& from, const std::string& to) {
-  std::string t = text;
-  const auto at = t.find(from);
-  REQUIRE(at != std::string::npos);
-  t.replace(at, from.size(), to);
-  return t;
-}
-
-fs::path temp_dir(const std::string& name) {
-  const fs::path d = fs::temp_directory_path() / ("hypic_test_families_" + name + "_" + std::to_string(::getpid()));
-  fs::remove_all(d);
-  fs::create_directories(d);
-  return d;
-}
-
-/// A random F32 checkpoint of `cfg` (write_random_checkpoint with a larger std than HF's 0.02, so the layers do
-/// more than pass the residual through), loaded as a Model.
-Model random_model(const ModelConfig& cfg, const std::string& name, uint64_t seed = 7) {
-  const fs::path d = temp_dir(name);
-  write_random_checkpoint(cfg, seed, d, DType::F32, 0.15);
-  Model m = Model::load(d);
-  fs::remove_all(d);
-  return m;
-}
-
-void check_states_close(const ModelState& a, const ModelState& b, double tol) {
-  REQUIRE(a.linear.size() == b.linear.size());
-  REQUIRE(a.attention.size() == b.attention.size());
-  for (size_t i = 0; i < a.linear.size(); ++i) {
-    INFO("linear layer state " << i);
-    CHECK(rel_err(a.linear[i].ssm, b.linear[i].ssm) < tol);
-    if (!b.linear[i].conv.empty()) CHECK(rel_err(a.linear[i].conv, b.linear[i].conv) < tol);
-    CHECK(a.linear[i].conv.size() == b.linear[i].conv.size());
-  }
-  for (size_t i = 0; i < a.attention.size(); ++i) {
-    INFO("attention layer state " << i);
-    CHECK(a.attention[i].n_tokens == b.attention[i].n_tokens);
-    CHECK(rel_err(a.attention[i].k, b.attention[i].k) < tol);
-    CHECK(rel_err(a.attention[i].v, b.attention[i].v) < tol);
-  }
 }
 
 }  // namespace
@@ -772,16 +684,8 @@ void check_family_fixture(const fs::path& dir) {
   INFO("fixture " << name);
   const Model m = Model::load(dir);
   const auto& c = m.config();
-  const auto ref = SafetensorsFile::open(dir / "reference.safetensors");
-  const auto ids64 = ref.read_i64(ref.at("input_ids"));
-  const std::vector<int32_t> ids(ids64.begin(), ids64.end());
-  const int64_t T = int64_t(ids.size()), V = c.vocab_size;
-  ModelState st = m.initial_state();
-  const auto res = m.prefill(st, ids, 0, {.all_logits = true});
-  const auto hf_logits = ref.read_f32(ref.at("logits"));
-  REQUIRE(res.logits.size() == hf_logits.size());
-  const double logits_rel = rel_err(res.logits, hf_logits);
-  CHECK(logits_rel <= kHfTol);
+  hypic::testing::ReferenceRun run = hypic::testing::run_reference(m, dir / "reference.safetensors", kHfTol);
+  auto& [ref, ids, T, V, st, res, logits_rel] = run;
   // Final recurrent states (our layout [H][d_k][d_v]) and, where the reference holds one, the conv cache
   // ([C][K] channel-major, the last K inputs; ours [K-1][C]).
   double state_rel = 0, conv_rel = 0;

@@ -16,27 +16,19 @@
 
 #include "engine/model.h"
 #include "engine/safetensors.h"
+#include "tests/unit/state_checks.h"
 
 using namespace hypic::engine;
+using hypic::testing::check_states_close;
+using hypic::testing::max_abs;
+using hypic::testing::random_ids;
+using hypic::testing::rel_err;
 
 namespace {
 
 // Two fp32 evaluation orders of the same function (GEMM vs GEMV, chunked vs recurrent, one span vs two)
 // differ by a few 1e-6 of max |value| on this random model; 2e-5 leaves room for other BLAS kernels.
 constexpr double kTol = 2e-5;
-
-double max_abs(const std::vector<float>& a) {
-  double m = 0;
-  for (float x : a) m = std::max(m, double(std::abs(x)));
-  return m;
-}
-// max |a - b| / max |b|
-double rel_err(const std::vector<float>& a, const std::vector<float>& b) {
-  REQUIRE(a.size() == b.size());
-  double m = 0;
-  for (size_t i = 0; i < a.size(); ++i) m = std::max(m, double(std::abs(a[i] - b[i])));
-  return m / std::max(max_abs(b), 1e-30);
-}
 
 Tensor random_tensor(std::vector<int64_t> shape, std::mt19937& rng, float scale, float mean = 0.0f) {
   Tensor t;
@@ -132,30 +124,7 @@ Model random_model(uint32_t seed, bool moe = true) {
   return Model(std::move(c), std::move(w));
 }
 
-std::vector<int32_t> random_ids(int n, int vocab, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::uniform_int_distribution<int32_t> d(0, vocab - 1);
-  std::vector<int32_t> ids(n);
-  for (auto& x : ids) x = d(rng);
-  return ids;
-}
 
-void check_states_close(const ModelState& a, const ModelState& b, double tol) {
-  REQUIRE(a.linear.size() == b.linear.size());
-  REQUIRE(a.attention.size() == b.attention.size());
-  CHECK(a.num_tokens == b.num_tokens);
-  for (size_t i = 0; i < a.linear.size(); ++i) {
-    INFO("linear layer state " << i);
-    CHECK(rel_err(a.linear[i].ssm, b.linear[i].ssm) < tol);
-    CHECK(rel_err(a.linear[i].conv, b.linear[i].conv) < tol);
-  }
-  for (size_t i = 0; i < a.attention.size(); ++i) {
-    INFO("attention layer state " << i);
-    CHECK(a.attention[i].n_tokens == b.attention[i].n_tokens);
-    CHECK(rel_err(a.attention[i].k, b.attention[i].k) < tol);
-    CHECK(rel_err(a.attention[i].v, b.attention[i].v) < tol);
-  }
-}
 
 }  // namespace
 
@@ -304,17 +273,8 @@ int argmax(const float* x, int64_t n) { return int(std::max_element(x, x + n) - 
 void check_against_hf(const std::string& name) {
   const Model m = Model::load(fixture_dir(name));
   const auto& c = m.config();
-  const auto ref = SafetensorsFile::open(fixture_dir(name) / "reference.safetensors");
-  const auto ids64 = ref.read_i64(ref.at("input_ids"));
-  const std::vector<int32_t> ids(ids64.begin(), ids64.end());
-  const int64_t T = int64_t(ids.size()), V = c.vocab_size;
-
-  ModelState st = m.initial_state();
-  const auto res = m.prefill(st, ids, 0, {.all_logits = true});
-  const auto hf_logits = ref.read_f32(ref.at("logits"));
-  REQUIRE(res.logits.size() == hf_logits.size());
-  const double logits_rel = rel_err(res.logits, hf_logits);
-  CHECK(logits_rel <= kHfTol);
+  hypic::testing::ReferenceRun run = hypic::testing::run_reference(m, fixture_dir(name) / "reference.safetensors", kHfTol);
+  auto& [ref, ids, T, V, st, res, logits_rel] = run;
 
   double state_rel = 0, conv_rel = 0, kv_rel = 0;
   const int K = c.linear_conv_kernel_dim;
@@ -366,7 +326,7 @@ void check_against_hf(const std::string& name) {
   }
   CHECK(ours == greedy);
   CHECK(greedy_rel <= kHfTol);
-  const double max_logit = max_abs(hf_logits);
+  const double max_logit = max_abs(ref.read_f32(ref.at("logits")));
   std::printf("[hf-fixture] %-16s logits max abs err %.3g (max |logit| %.3f, rel %.3g); recurrent state rel %.3g; "
               "conv state rel %.3g; KV rel %.3g; greedy logits rel %.3g\n",
               name.c_str(), logits_rel * max_logit, max_logit, logits_rel, state_rel, conv_rel, kv_rel, greedy_rel);

@@ -8,6 +8,7 @@
 
 #include "engine/segment.h"
 #include "tests/unit/random_entry.h"
+#include "tests/unit/splice_checks.h"
 
 using namespace hypic::engine;
 
@@ -20,28 +21,6 @@ SegmentEntry random_entry(int n, int w, uint32_t seed) {
   });
 }
 
-void require_equal(const SegmentEntry& a, const SegmentEntry& b) {
-  REQUIRE(a.model_fingerprint == b.model_fingerprint);
-  REQUIRE(a.numerics == b.numerics);
-  REQUIRE(a.format_version == b.format_version);
-  REQUIRE(a.seam_width == b.seam_width);
-  REQUIRE(a.token_ids == b.token_ids);
-  REQUIRE(a.geometry == b.geometry);
-  REQUIRE(a.linear.size() == b.linear.size());
-  for (size_t l = 0; l < a.linear.size(); ++l) {
-    CHECK(a.linear[l].seam_transition.kind == b.linear[l].seam_transition.kind);
-    CHECK(a.linear[l].interior_transition.kind == b.linear[l].interior_transition.kind);
-    CHECK(a.linear[l].seam_transition.data == b.linear[l].seam_transition.data);
-    CHECK(a.linear[l].interior_transition.data == b.linear[l].interior_transition.data);
-    CHECK(a.linear[l].seam_state == b.linear[l].seam_state);
-    CHECK(a.linear[l].interior_state == b.linear[l].interior_state);
-    CHECK(a.linear[l].conv_tail == b.linear[l].conv_tail);
-  }
-  for (size_t i = 0; i < a.attention.size(); ++i) {
-    CHECK(a.attention[i].k == b.attention[i].k);
-    CHECK(a.attention[i].v == b.attention[i].v);
-  }
-}
 
 }  // namespace
 
@@ -49,7 +28,7 @@ TEST_CASE("segment entry round-trips whole and in chunks of any size", "[segment
   const SegmentEntry e = random_entry(37, 8, 1);
   const std::string bytes = serialize_entry(e);
   CHECK(bytes.size() == e.byte_size());
-  require_equal(deserialize_entry(bytes), e);
+  hypic::testing::require_entries_equal(deserialize_entry(bytes), e);
 
   for (size_t chunk : {size_t(1), size_t(7), size_t(8), size_t(4096), size_t(1) << 20}) {
     DYNAMIC_SECTION("chunk " << chunk) {
@@ -63,7 +42,7 @@ TEST_CASE("segment entry round-trips whole and in chunks of any size", "[segment
       }
       CHECK(concat == bytes);
       CHECK(r.bytes_received() == bytes.size());
-      require_equal(r.finish(), e);
+      hypic::testing::require_entries_equal(r.finish(), e);
     }
   }
 }
@@ -164,5 +143,5 @@ TEST_CASE("fuzz regressions: header sizes that wrap, entries without tokens", "[
 
   // No tokens: the token ids were copied from a null vector (memcpy(nullptr, ..., 0), undefined; UBSan flags it).
   const SegmentEntry empty = random_entry(0, 2, 5);
-  require_equal(deserialize_entry(serialize_entry(empty)), empty);
+  hypic::testing::require_entries_equal(deserialize_entry(serialize_entry(empty)), empty);
 }

@@ -7,8 +7,11 @@
 #include <random>
 
 #include "engine/splice.h"
+#include "tests/unit/splice_checks.h"
 
 using namespace hypic::engine;
+using hypic::testing::make_request;
+using hypic::testing::rel_l2;
 
 namespace {
 
@@ -57,23 +60,7 @@ double scaled_diff(const std::vector<float>& a, const std::vector<float>& b) {
   return m / std::max(max_abs(b), 1e-30);
 }
 
-double rel_l2(const std::vector<float>& a, const std::vector<float>& b) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < a.size(); ++i) { num += (a[i] - b[i]) * double(a[i] - b[i]); den += double(b[i]) * b[i]; }
-  return std::sqrt(num / std::max(den, 1e-300));
-}
 
-SpliceRequest make_request(const Model& m, const std::vector<std::vector<int32_t>>& segs,
-                           const std::vector<int32_t>& query, SpliceMode mode, int w) {
-  SpliceRequest req;
-  for (const auto& ids : segs)
-    req.segments.push_back({ids, std::make_shared<const SegmentEntry>(build_segment_entry(m, ids, w))});
-  req.query = query;
-  req.mode = mode;
-  req.seam_width = w;
-  req.all_query_logits = true;
-  return req;
-}
 
 const char* kModels[] = {"qwen3_next_moe", "qwen3_5_dense", "qwen3_5_moe"};
 
