@@ -210,7 +210,7 @@ void ModelConfig::validate() const {
     if (!(partial_rotary_factor > 0 && partial_rotary_factor <= 1))
       throw field_error(origin, "partial_rotary_factor", "must be in (0, 1]");
     if (rotary_dim() % 2 != 0 || rotary_dim() == 0)
-      throw field_error(origin, "partial_rotary_factor",
+      throw field_error(origin, partial_rotary_factor < 1 ? "partial_rotary_factor" : "head_dim",
                         "gives rotary_dim " + std::to_string(rotary_dim()) + ", which must be even and > 0");
   }
   if (num_linear_layers() > 0) {

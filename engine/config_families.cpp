@@ -95,6 +95,11 @@ void parse_kimi(const json& t, std::string_view o, ModelConfig& c) {
 
   if (!parse_layer_types_list(t, o, c)) {
     const bool listed = lac->contains("full_attn_layers") && lac->contains("kda_layers");
+    if (lac->contains("full_attn_layers") != lac->contains("kda_layers"))
+      throw field_error(lo, lac->contains("kda_layers") ? "kda_layers" : "full_attn_layers",
+                        std::string("is given without ") +
+                            (lac->contains("kda_layers") ? "full_attn_layers" : "kda_layers") +
+                            ": give both lists (1-based) or neither");
     if (listed) {
       std::vector<int> assigned(size_t(c.num_hidden_layers), -1);
       for (const auto& [key, type] : {std::pair<const char*, LayerType>{"full_attn_layers", LayerType::FullAttention},
@@ -350,10 +355,10 @@ void check_lightning(const ModelConfig& c, const std::string& o) {
     throw field_error(o, "block_size", "must be > 0, got " + std::to_string(c.lightning_block_size));
   if (c.group_norm_size <= 0)
     throw field_error(o, "group_norm_size", "must be > 0, got " + std::to_string(c.group_norm_size));
-  require_multiple(o, "group_norm_size", int64_t(c.num_attention_heads) * c.head_dim, "num_attention_heads * head_dim",
-                   c.group_norm_size);
   if (int64_t(c.num_attention_heads) * c.head_dim % c.group_norm_size != 0)
-    throw field_error(o, "group_norm_size", "must divide num_attention_heads * head_dim");
+    throw field_error(o, "group_norm_size",
+                      std::to_string(c.group_norm_size) + " must divide num_attention_heads * head_dim = " +
+                          std::to_string(int64_t(c.num_attention_heads) * c.head_dim) + " (it is the number of groups)");
 }
 
 std::string dbl(double v) {

@@ -136,6 +136,11 @@ TEST_CASE("Kimi-Linear config errors name the field", "[families][config][errors
         "linear_conv_kernel_dim");
   fails(with(kKimiReleased, R"("hidden_act": "silu")", R"("hidden_act": "gelu")"), "hidden_act");
   fails(with(kKimiReleased, R"("moe_layer_freq": 1)", R"("moe_layer_freq": 0)"), "moe_layer_freq");
+  // one list without the other would silently fall back to the default layout
+  fails(with(kKimiReleased, R"("kda_layers": [1, 2, 4], "full_attn_layers": [3, 5])", R"("full_attn_layers": [3, 5])"),
+        "full_attn_layers");
+  fails(with(kKimiReleased, R"("kda_layers": [1, 2, 4], "full_attn_layers": [3, 5])", R"("kda_layers": [1, 2, 4])"),
+        "kda_layers");
 }
 
 TEST_CASE("MiniMax config", "[families][config]") {
@@ -175,6 +180,9 @@ TEST_CASE("MiniMax config", "[families][config]") {
   CHECK(orig.layer_types == c.layer_types);
   CHECK(orig.full_attn_alpha == 1.5);
   // Errors name the field.
+  // MiniMax rotates the whole head: an odd head_dim is named as such
+  CHECK_THROWS_WITH(parse_config(with(kMiniMax, R"("head_dim": 12)", R"("head_dim": 7)")),
+                    Catch::Contains("'head_dim'") && Catch::Contains("rotary_dim 7"));
   CHECK_THROWS_WITH(parse_config(with(kMiniMax, R"("block_size": 16)", R"("block_size": 0)")),
                     Catch::Contains("'block_size'"));
   CHECK_THROWS_WITH(parse_config(with(kMiniMax, R"("block_size": 16)", R"("block_size": 16, "sliding_window": 8)")),
@@ -205,7 +213,7 @@ TEST_CASE("Ring-linear config", "[families][config]") {
   const ModelConfig g4 = parse_config(with(kRing, R"("layer_group_size": 3)", R"("layer_group_size": 4)"));
   CHECK(g4.layer_types == std::vector<LayerType>{L, L, L, F, F, F});
   CHECK_THROWS_WITH(parse_config(with(kRing, R"("group_norm_size": 2)", R"("group_norm_size": 5)")),
-                    Catch::Contains("'group_norm_size'"));
+                    Catch::Contains("'group_norm_size'") && Catch::Contains("5 must divide num_attention_heads"));
   CHECK_THROWS_WITH(parse_config(with(kRing, R"("score_function": "sigmoid")", R"("score_function": "softmax")")),
                     Catch::Contains("'score_function'"));
   CHECK_THROWS_WITH(parse_config(with(kRing, R"("use_qk_norm": true)", R"("use_qk_norm": true, "use_qkv_bias": true)")),
