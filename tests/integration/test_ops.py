@@ -81,7 +81,11 @@ class MetricsTest(ClusterTestCase):
         reports.append(self.ok(self.generate(segs, "What is said?", max_tokens=6)))
         # Some counters are raised on other threads just after the work they count (a scatter worker's sent bytes
         # after its delivery call returns): scrape until the two ends of every transfer agree (at most 15 s).
+        # Wait for the bytes the reports say were built, not for the two ends to agree: they also agree while the
+        # last transfer is counted at neither end yet.
         scatters = [n for n in self.cluster.services if n.startswith("scatter-")]
+        expected = sum(int(s["entry_bytes"]) for r in reports for s in r["segments"]
+                       if s["source"] == "SEGMENT_SOURCE_SCATTER")
         deadline = time.monotonic() + 15
         while True:
             after = self.all_scrapes()
@@ -90,8 +94,8 @@ class MetricsTest(ClusterTestCase):
                 return total(after[name], metric) - total(before[name], metric)
 
             sent = sum(moved(n, "hypic:entry_bytes_sent_total") for n in scatters)
-            if (sent == moved("combine", 'hypic:entry_bytes_received_total{from="scatter"}') and sent > 0 and
-                    moved("router", "hypic:request_success_total") == 3) or time.monotonic() > deadline:
+            if (sent == expected and moved("combine", 'hypic:entry_bytes_received_total{from="scatter"}') == expected
+                    and moved("router", "hypic:request_success_total") == 3) or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
 
