@@ -511,13 +511,8 @@ def main():
     if bad:
         sys.exit(f"unknown famil{'y' if len(bad) == 1 else 'ies'} {bad}; known: {list(FAMILIES)}")
 
-    for pkg in ("fla", "causal_conv1d"):
-        assert importlib.util.find_spec(pkg) is None, f"{pkg} is installed: the reference must use the torch fallbacks"
-    import torch
+    torch = mf.reference_numerics()
     from safetensors import torch as st
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    torch.set_num_threads(max(1, min(8, os.cpu_count() or 1)))
     os.makedirs(args.out, exist_ok=True)
     tf = None
     if any(f in families for f in ("kimi_linear", "minimax")):

@@ -310,6 +310,18 @@ def save_released_qwen3_next(torch, st, model, src_dir, dst_dir, seed):
     return names
 
 
+def reference_numerics():
+    """Asserts that fla and causal_conv1d are absent (transformers then runs its pure-torch fallbacks), turns TF32
+    off and sets the CPU threads (at most 8); returns the torch module. Shared with tools/make_family_fixtures.py."""
+    for pkg in ("fla", "causal_conv1d"):
+        assert importlib.util.find_spec(pkg) is None, f"{pkg} is installed: the reference must use the torch fallbacks"
+    import torch
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_num_threads(max(1, min(8, os.cpu_count() or 1)))
+    return torch
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="output folder (one sub-folder per fixture)")
@@ -320,15 +332,10 @@ def main():
     global VERBOSE
     VERBOSE = args.verbose
 
-    for pkg in ("fla", "causal_conv1d"):
-        assert importlib.util.find_spec(pkg) is None, f"{pkg} is installed: the reference must use the torch fallbacks"
-    import torch
+    torch = reference_numerics()
     import transformers as tf
     from safetensors import torch as st
 
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    torch.set_num_threads(max(1, min(8, os.cpu_count() or 1)))
     os.makedirs(args.out, exist_ok=True)
     notes = [f"torch {torch.__version__}, transformers {tf.__version__}, python {sys.version.split()[0]}"]
     log(notes[0])
