@@ -25,15 +25,20 @@ v1::CombineWorker::Stub& CombineStubs::get(const std::string& address) {
 }
 
 grpc::Status deliver_entry(v1::CombineWorker::Stub& stub, grpc::ClientContext& ctx, const v1::EntryHeader& header,
-                           std::string_view bytes, size_t chunk_bytes, bool* duplicate) {
+                           std::string_view bytes, size_t chunk_bytes, bool* duplicate, size_t* written) {
   v1::DeliverEntryResponse resp;
   auto writer = stub.DeliverEntry(&ctx, &resp);
   v1::EntryChunk head;
   *head.mutable_header() = header;
+  if (written) *written = 0;
   if (writer->Write(head)) {
     rpc::write_chunks<v1::EntryChunk>(
         bytes, chunk_bytes, [](v1::EntryChunk& m, std::string_view c) { m.set_data(std::string(c)); },
-        [&](const v1::EntryChunk& m) { return writer->Write(m); });
+        [&](const v1::EntryChunk& m) {
+          if (!writer->Write(m)) return false;
+          if (written) *written += m.data().size();
+          return true;
+        });
   }
   writer->WritesDone();
   const grpc::Status st = writer->Finish();
@@ -159,20 +164,23 @@ grpc::Status ScatterService::Prefill(grpc::ServerContext* ctx, const v1::Prefill
         if (item.second.joined) h.set_shared_from(item.second.started_for);
         const auto t0 = std::chrono::steady_clock::now();
         bool duplicate = false;
+        size_t written = 0;
         auto cctx = rpc::make_client_context(ctx);  // the router's deadline and cancellation propagate
         {
           std::lock_guard<std::mutex> lock(call->mu);
           if (call->stop_delivery) return;
           call->delivering = cctx.get();
         }
-        const grpc::Status st = deliver_entry(stub, *cctx, h, *built.bytes, chunk_bytes_, &duplicate);
+        const grpc::Status st = deliver_entry(stub, *cctx, h, *built.bytes, chunk_bytes_, &duplicate, &written);
+        // Bytes count as sent once the stream took them, whatever the call's end: the router cancels this call when
+        // its request is done, which can land after the combine worker used the entry but before its reply arrived.
+        static auto& sent = rpc::MetricsRegistry::global().counter(
+            "hypic:entry_bytes_sent_total", "Segment entry bytes streamed to combine workers");
+        sent.inc(double(written));
         if (st.ok()) {
-          static auto& sent = rpc::MetricsRegistry::global().counter(
-              "hypic:entry_bytes_sent_total", "Segment entry bytes streamed to combine workers");
           static auto& transfer = rpc::MetricsRegistry::global().histogram(
               "hypic:entry_transfer_seconds", "Time to stream one segment entry to the combine worker",
               rpc::latency_buckets_seconds());
-          sent.inc(double(built.bytes->size()));
           transfer.observe(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
         }
         {

@@ -29,10 +29,11 @@ class CombineStubs {
 
 /// Streams one serialized entry to a combine worker (CombineWorker.DeliverEntry) on `ctx`: a
 /// header, then chunks. Returns the call's status; *duplicate tells whether the combine worker
-/// already had the segment.
+/// already had the segment; *written (when not null) the entry bytes the stream accepted (chunks whose Write
+/// returned true), which is all of `bytes` unless the call broke off.
 grpc::Status deliver_entry(hypic::v1::CombineWorker::Stub& stub, grpc::ClientContext& ctx,
                            const hypic::v1::EntryHeader& header, std::string_view bytes, size_t chunk_bytes,
-                           bool* duplicate);
+                           bool* duplicate, size_t* written = nullptr);
 
 class ScatterService final : public hypic::v1::ScatterWorker::Service {
  public:
