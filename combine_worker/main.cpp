@@ -44,10 +44,23 @@ int main(int argc, char** argv) {
   app.add_option("--fetch-parallelism", opt.fetch_parallelism, "parallel segment-cache fetches per request")
       ->check(CLI::Range(1, 64))
       ->capture_default_str();
+  std::string nccl = "auto";
+  int nccl_join_timeout_ms = 20000;
+  app.add_option("--nccl", nccl,
+                 "auto: accept NCCL communicators from scatter workers on other GPUs (entries device to device); "
+                 "off: every entry over gRPC")
+      ->check(CLI::IsMember({"auto", "off"}))
+      ->capture_default_str();
+  app.add_option("--nccl-join-timeout-ms", nccl_join_timeout_ms, "how long both ranks get to join a communicator")
+      ->check(CLI::Range(100, 600000))
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   try {
     hypic::rpc::init_service("combine", server);
+    hypic::transport::disable_nvls();
     opt.gather_timeout = std::chrono::seconds(gather_timeout_s);
+    opt.nccl = nccl == "auto";
+    opt.nccl_join_timeout = std::chrono::milliseconds(nccl_join_timeout_ms);
     const auto backend = hypic::rpc::make_engine_backend(engine, model_dir);
     const auto tokenizer = hypic::engine::Tokenizer::load(tokenizer_path);
     spdlog::info("tokenizer {}", tokenizer_path);

@@ -40,6 +40,17 @@ struct Slot {
   double compute_ms = 0;
   uint64_t entry_bytes = 0;
   bool local_started = false;
+  // Delivered by a scatter worker: how ("grpc", "nccl"), how long from its header to acceptance, bytes moved.
+  std::string transport;
+  double transfer_ms = 0;
+  uint64_t transfer_bytes = 0;
+};
+
+// How a delivered entry arrived (Slot's transport fields).
+struct Delivery {
+  std::string transport;
+  double transfer_ms = 0;
+  uint64_t transfer_bytes = 0;
 };
 
 struct CombineService::Pending {
@@ -59,11 +70,15 @@ struct CombineService::Pending {
   // delivery or a late local build). `note` is added to the slot's note.
   bool fill(size_t i, std::shared_ptr<const engine::SegmentEntry> entry, v1::SegmentSource source,
             std::string built_by, double compute_ms, uint64_t bytes, std::string device = {},
-            std::shared_ptr<const engine::ResidentEntry> resident = nullptr, const std::string& note = {}) {
+            std::shared_ptr<const engine::ResidentEntry> resident = nullptr, const std::string& note = {},
+            const Delivery& delivery = {}) {
     {
       std::lock_guard<std::mutex> lock(mu);
       Slot& s = slots[i];
       if (s.has_entry()) return false;
+      s.transport = delivery.transport;
+      s.transfer_ms = delivery.transfer_ms;
+      s.transfer_bytes = delivery.transfer_bytes;
       s.entry = std::move(entry);
       s.source = source;
       s.built_by = std::move(built_by);
@@ -429,6 +444,12 @@ grpc::Status CombineService::run_combine(grpc::ServerContext* ctx, const v1::Com
     for (size_t i = 0; i < sinfo.imported.size() && i < p->slots.size(); ++i)
       if (sinfo.imported[i]) d_.memory_tier.put(p->slots[i].digest, sinfo.imported[i]);
     sinfo.imported.clear();
+    // So do the entries that came over NCCL (resident on arrival, never imported).
+    {
+      std::lock_guard<std::mutex> lock(p->mu);
+      for (const Slot& s : p->slots)
+        if (s.transport == "nccl" && s.resident) d_.memory_tier.put(s.digest, s.resident);
+    }
     const double splice_ms = sinfo.splice_ms;
     ev.mutable_splice_done()->set_splice_ms(splice_ms);
     ev.mutable_splice_done()->set_queue_ms(sinfo.queue_ms);
@@ -516,6 +537,9 @@ grpc::Status CombineService::run_combine(grpc::ServerContext* ctx, const v1::Com
         sr->set_entry_bytes(s.entry_bytes);
         sr->set_note(s.note);
         sr->set_device(s.device);
+        sr->set_transport(s.transport);
+        sr->set_transfer_ms(s.transfer_ms);
+        sr->set_transfer_bytes(s.transfer_bytes);
         if (s.has_entry()) sr->set_numerics(s.header()->numerics);
       }
     }
@@ -527,15 +551,35 @@ grpc::Status CombineService::run_combine(grpc::ServerContext* ctx, const v1::Com
   });
 }
 
-grpc::Status CombineService::DeliverEntry(grpc::ServerContext*, grpc::ServerReader<v1::EntryChunk>* reader,
+grpc::Status CombineService::DeliverEntry(grpc::ServerContext* ctx, grpc::ServerReader<v1::EntryChunk>* reader,
                                           v1::DeliverEntryResponse* resp) {
   return rpc::handle_errors([&]() -> grpc::Status {
     // Not refused while draining: it serves a request already in flight (unknown ids get NOT_FOUND).
+    const auto t0 = Clock::now();
     v1::EntryChunk msg;
     if (!reader->Read(&msg) || !msg.has_header()) {
       throw rpc::invalid_argument("header", "the first message of a delivery must be its header");
     }
     const v1::EntryHeader h = msg.header();
+    if (h.transport() == v1::ENTRY_TRANSPORT_NCCL) {
+      // The header is the whole stream: the block comes over the communicator.
+      if (reader->Read(&msg)) {
+        // Still receive what was announced, so that the communicator stays in step, then refuse.
+        auto peer = nccl_peer(h.peer_epoch());
+        auto order = peer->exclusive();
+        transport::TransferLimits limits;
+        limits.chunk_bytes = h.chunk_bytes() ? h.chunk_bytes() : 1;
+        limits.deadline = transport::transfer_deadline(h.device_bytes(), opt_.nccl_transfer_base);
+        limits.give_up = [ctx] { return ctx->IsCancelled(); };
+        peer->discard(h.device_bytes(), limits);
+        throw rpc::invalid_argument("header", "an NCCL delivery carries its header alone (no data chunks)");
+      }
+      deliver_nccl(ctx, h, resp);
+      return grpc::Status::OK;
+    }
+    if (h.transport() != v1::ENTRY_TRANSPORT_GRPC) {
+      throw rpc::invalid_argument("header.transport", fmt::format("unknown transport {}", int(h.transport())));
+    }
     auto p = find(h.request_id());
     if (h.index() >= p->slots.size()) {
       throw rpc::invalid_argument("header.index", fmt::format("{} but the request has {} segments", h.index(),
@@ -569,13 +613,222 @@ grpc::Status CombineService::DeliverEntry(grpc::ServerContext*, grpc::ServerRead
         h.compute_ms(), bytes.size(), h.device(), nullptr,
         shared ? fmt::format("shared build: started on {} for request {}, joined by this one", h.built_by(),
                              h.shared_from())
-               : std::string());
+               : std::string(),
+        Delivery{"grpc", rpc::ms_between(t0, Clock::now()), bytes.size()});
     count_received("scatter", bytes.size());
     if (fresh) count_segment(shared ? v1::SEGMENT_SOURCE_SHARED_BUILD : v1::SEGMENT_SOURCE_SCATTER);
     resp->set_duplicate(!fresh);
     spdlog::debug("[req {}] received {} ({} bytes){}", p->id, what, bytes.size(), fresh ? "" : ", duplicate dropped");
     return grpc::Status::OK;
   });
+}
+
+std::shared_ptr<transport::NcclPeer> CombineService::nccl_peer(uint64_t epoch) {
+  std::shared_future<std::shared_ptr<transport::NcclPeer>> f;
+  {
+    std::lock_guard<std::mutex> lock(links_mu_);
+    auto it = links_.find(epoch);
+    if (it == links_.end()) {
+      throw rpc::RpcError(grpc::StatusCode::FAILED_PRECONDITION,
+                          fmt::format("no NCCL communicator {} here (closed, or never opened)", epoch));
+    }
+    f = it->second.peer;
+  }
+  std::shared_ptr<transport::NcclPeer> peer;
+  try {
+    peer = f.get();  // the join is bounded by nccl_join_timeout
+  } catch (const transport::TransportError& e) {
+    throw rpc::RpcError(grpc::StatusCode::FAILED_PRECONDITION,
+                        fmt::format("NCCL communicator {} did not come up: {}", epoch, e.what()));
+  }
+  if (peer->broken()) {
+    throw rpc::RpcError(grpc::StatusCode::FAILED_PRECONDITION,
+                        fmt::format("NCCL communicator {} is broken: {}", epoch, peer->broken_reason()));
+  }
+  return peer;
+}
+
+void CombineService::deliver_nccl(grpc::ServerContext* ctx, const v1::EntryHeader& h, v1::DeliverEntryResponse* resp) {
+  const auto t0 = Clock::now();
+  auto peer = nccl_peer(h.peer_epoch());
+  const auto drop_link = [&](const std::string& why) {
+    peer->abort_soon(why);
+    std::lock_guard<std::mutex> lock(links_mu_);
+    links_.erase(h.peer_epoch());
+  };
+  // One transfer at a time per communicator, in the order the headers came (the sender holds its side alike).
+  auto order = peer->exclusive();
+  transport::TransferLimits limits;
+  limits.chunk_bytes = h.chunk_bytes();
+  limits.deadline = transport::transfer_deadline(h.device_bytes(), opt_.nccl_transfer_base);
+  limits.give_up = [ctx] { return ctx->IsCancelled(); };  // the scatter worker died or gave up
+  if (limits.chunk_bytes == 0) {
+    drop_link("a delivery announced chunk_bytes 0");  // the operations cannot be matched: the link is lost
+    throw rpc::invalid_argument("header.chunk_bytes", "must be > 0 for an NCCL delivery");
+  }
+  // A device block is at most the serialized entry plus its alignment (bf16 KV against fp32 on the wire): a larger
+  // announcement is not an entry of ours, and receiving it would hold the link for its whole deadline.
+  if (h.device_bytes() == 0 || h.device_bytes() > 2 * h.total_bytes() + (uint64_t(1) << 20)) {
+    drop_link(fmt::format("a delivery announced a block of {} bytes for an entry of {}", h.device_bytes(),
+                          h.total_bytes()));
+    throw rpc::invalid_argument("header.device_bytes", fmt::format("{} for a serialized entry of {} bytes",
+                                                                   h.device_bytes(), h.total_bytes()));
+  }
+  // Whatever is refused from here on is still received (and dropped), so that the link stays in step.
+  const auto refuse = [&](const rpc::RpcError& e) {
+    try {
+      peer->discard(h.device_bytes(), limits);
+    } catch (const transport::TransportError& te) {
+      drop_link(te.what());
+    }
+    throw e;
+  };
+  std::shared_ptr<Pending> p;
+  std::pair<std::shared_ptr<const engine::ResidentEntry>, engine::DeviceBlock> dst;
+  std::string what;
+  try {
+    p = find(h.request_id());
+    if (h.index() >= p->slots.size()) {
+      throw rpc::invalid_argument("header.index", fmt::format("{} but the request has {} segments", h.index(),
+                                                              p->slots.size()));
+    }
+    const Slot& slot = p->slots[h.index()];  // digest and ids are immutable after registration
+    if (rpc::parse_digest(h.digest(), "header.digest") != slot.digest) {
+      throw rpc::invalid_argument("header.digest", fmt::format("segment {} of request {} has digest {}", h.index(),
+                                                               p->id, rpc::digest_hex(slot.digest)));
+    }
+    what = fmt::format("entry of segment {} of request {} from {} over NCCL", h.index(), p->id, h.built_by());
+    // The digest covers the fingerprint, w and the tokens: the entry is this model's, laid out as ours.
+    engine::SegmentEntry header;
+    header.format_version = engine::entry_format_version(backend_.config());
+    header.model_fingerprint = backend_.fingerprint();
+    header.numerics = std::string(backend_.numerics());
+    header.seam_width = p->entry_seam_width;
+    header.token_ids = slot.ids;
+    header.geometry = engine::EntryGeometry::of(backend_.config());
+    try {
+      dst = backend_.allocate_entry(header);
+    } catch (const engine::ResourceExhausted& e) {
+      throw rpc::RpcError(grpc::StatusCode::RESOURCE_EXHAUSTED, fmt::format("{}: {}", what, e.what()));
+    } catch (const engine::EntryError& e) {
+      throw rpc::RpcError(grpc::StatusCode::DATA_LOSS, fmt::format("{} rejected by the engine: {}", what, e.what()));
+    } catch (const std::logic_error& e) {
+      throw rpc::RpcError(grpc::StatusCode::FAILED_PRECONDITION, fmt::format("{}: {}", what, e.what()));
+    }
+    if (dst.second.bytes != h.device_bytes()) {
+      throw rpc::RpcError(grpc::StatusCode::DATA_LOSS,
+                          fmt::format("{}: a block of {} bytes was announced, but this worker lays the entry out in {}",
+                                      what, h.device_bytes(), dst.second.bytes));
+    }
+  } catch (const rpc::RpcError& e) {
+    refuse(e);
+  }
+  try {
+    peer->recv(dst.second.data, dst.second.bytes, limits);
+  } catch (const transport::TransportError& e) {
+    drop_link(e.what());
+    spdlog::warn("[req {}] {}: receive failed: {}", p->id, what, e.what());
+    throw rpc::RpcError(grpc::StatusCode::UNAVAILABLE, fmt::format("{}: NCCL receive failed: {}", what, e.what()));
+  }
+  const bool shared = !h.shared_from().empty();
+  const bool fresh = p->fill(
+      h.index(), nullptr, shared ? v1::SEGMENT_SOURCE_SHARED_BUILD : v1::SEGMENT_SOURCE_SCATTER, h.built_by(),
+      h.compute_ms(), h.total_bytes(), h.device(), dst.first,
+      shared ? fmt::format("shared build: started on {} for request {}, joined by this one", h.built_by(),
+                           h.shared_from())
+             : std::string(),
+      Delivery{"nccl", rpc::ms_between(t0, Clock::now()), h.device_bytes()});
+  count_received("scatter", h.device_bytes());
+  if (fresh) count_segment(shared ? v1::SEGMENT_SOURCE_SHARED_BUILD : v1::SEGMENT_SOURCE_SCATTER);
+  resp->set_duplicate(!fresh);
+  spdlog::debug("[req {}] received {} ({} bytes){}", p->id, what, h.device_bytes(), fresh ? "" : ", duplicate dropped");
+}
+
+grpc::Status CombineService::OpenPeer(grpc::ServerContext*, const v1::OpenPeerRequest* req,
+                                      v1::OpenPeerResponse* resp) {
+  return rpc::handle_errors([&]() -> grpc::Status {
+    const auto refuse = [&](const std::string& why) {
+      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                          fmt::format("no NCCL data plane with combine worker {}: {}", address_, why));
+    };
+    if (!opt_.nccl) return refuse("NCCL is off here (--nccl off)");
+    if (const std::string why = transport::nccl_unavailable_reason(); !why.empty()) return refuse(why);
+    if (backend_.device().kind != engine::BackendKind::Cuda) {
+      return refuse(fmt::format("its {} backend keeps entries in host memory", backend_.numerics()));
+    }
+    if (req->model_fingerprint() != backend_.fingerprint()) {
+      return refuse(fmt::format("the scatter worker serves model {}, this worker {}", req->model_fingerprint(),
+                                backend_.fingerprint()));
+    }
+    const int device = backend_.device().index;
+    const std::string uuid = transport::device_uuid(device);
+    if (req->device_uuid() == uuid) return refuse(fmt::format("the scatter worker runs on the same GPU ({})", uuid));
+    if (d_.life.draining()) {
+      return grpc::Status(grpc::StatusCode::UNAVAILABLE, "draining: no new NCCL communicators");
+    }
+    std::string uid;
+    try {
+      uid = transport::new_unique_id();
+    } catch (const transport::TransportError& e) {
+      return grpc::Status(grpc::StatusCode::INTERNAL, e.what());
+    }
+    const auto timeout = opt_.nccl_join_timeout;
+    uint64_t epoch = 0;
+    std::vector<std::shared_future<std::shared_ptr<transport::NcclPeer>>> replaced;
+    {
+      std::lock_guard<std::mutex> lock(links_mu_);
+      epoch = next_epoch_++;
+      // A scatter worker opens a new communicator only when it gave the old one up: its old ones go.
+      for (auto it = links_.begin(); it != links_.end();) {
+        if (it->second.scatter_address == req->scatter_address()) {
+          replaced.push_back(it->second.peer);
+          it = links_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      links_[epoch] = NcclLink{req->scatter_address(),
+                               std::async(std::launch::async, [uid, device, timeout] {
+                                 return std::shared_ptr<transport::NcclPeer>(
+                                     transport::NcclPeer::join(uid, 0, device, timeout));
+                               }).share()};
+    }
+    for (auto& f : replaced) {
+      if (f.wait_for(std::chrono::seconds(0)) != std::future_status::ready) continue;
+      try {
+        f.get()->abort_soon("replaced by communicator " + std::to_string(epoch));
+      } catch (const transport::TransportError&) {
+      }
+    }
+    spdlog::info("NCCL communicator {} with scatter worker {} (NCCL {}): joining", epoch, req->scatter_address(),
+                 req->nccl_version());
+    resp->set_unique_id(uid);
+    resp->set_epoch(epoch);
+    resp->set_join_timeout_ms(uint32_t(timeout.count()));
+    return grpc::Status::OK;
+  });
+}
+
+grpc::Status CombineService::ClosePeer(grpc::ServerContext*, const v1::ClosePeerRequest* req,
+                                       v1::ClosePeerResponse*) {
+  return rpc::handle_errors([&]() -> grpc::Status {
+    std::optional<NcclLink> gone;
+    {
+      std::lock_guard<std::mutex> lock(links_mu_);
+      auto it = links_.find(req->epoch());
+      if (it != links_.end() && it->second.scatter_address == req->scatter_address()) {
+        gone = std::move(it->second);
+        links_.erase(it);
+      }
+    }
+    if (gone) spdlog::info("NCCL communicator {} with scatter worker {}: closed", req->epoch(), req->scatter_address());
+    return grpc::Status::OK;  // the communicator is destroyed with its last user
+  });
+}
+
+size_t CombineService::nccl_peers() const {
+  std::lock_guard<std::mutex> lock(links_mu_);
+  return links_.size();
 }
 
 grpc::Status CombineService::ComputeLocally(grpc::ServerContext*, const v1::ComputeLocallyRequest* req,

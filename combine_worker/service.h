@@ -6,6 +6,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <functional>
+#include <future>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -18,6 +19,7 @@
 #include "proto/rpc/server.h"
 #include "segment_cache/async_put.h"
 #include "segment_cache/client.h"
+#include "transport/nccl_peer.h"
 
 namespace hypic::combine {
 
@@ -27,6 +29,13 @@ struct CombineOptions {
   std::chrono::seconds gather_timeout{300};
   /// Parallel cache fetches per request.
   int fetch_parallelism = 4;
+  /// Accept NCCL communicators from scatter workers (OpenPeer) when this build and backend can (CUDA, NCCL); false:
+  /// every entry comes over gRPC (--nccl off).
+  bool nccl = true;
+  /// How long both ranks get to join a new communicator.
+  std::chrono::milliseconds nccl_join_timeout{20000};
+  /// Fixed part of an NCCL receive's deadline (transport::transfer_deadline adds the bytes at 1 GB/s).
+  std::chrono::milliseconds nccl_transfer_base{10000};
 };
 
 /// Everything a combine worker serves with; all must outlive the service. Every engine call (local builds,
@@ -58,6 +67,12 @@ class CombineService final : public hypic::v1::CombineWorker::Service {
                               hypic::v1::ComputeLocallyResponse* resp) override;
   grpc::Status GetWorkerInfo(grpc::ServerContext* ctx, const hypic::v1::WorkerInfoRequest* req,
                              hypic::v1::WorkerInfo* resp) override;
+  grpc::Status OpenPeer(grpc::ServerContext* ctx, const hypic::v1::OpenPeerRequest* req,
+                        hypic::v1::OpenPeerResponse* resp) override;
+  grpc::Status ClosePeer(grpc::ServerContext* ctx, const hypic::v1::ClosePeerRequest* req,
+                         hypic::v1::ClosePeerResponse* resp) override;
+  /// NCCL communicators held now (joined or joining), for tests and logs.
+  size_t nccl_peers() const;
 
   struct Pending;  // one active request (defined in service.cpp)
 
@@ -67,7 +82,17 @@ class CombineService final : public hypic::v1::CombineWorker::Service {
   std::shared_ptr<Pending> find(const std::string& request_id);
   void build_locally(const std::shared_ptr<Pending>& p, size_t slot, std::string note);
   void fetch_warm(const std::shared_ptr<Pending>& p, size_t slot, const grpc::ServerContextBase* ctx);
+  /// DeliverEntry with transport NCCL: receives the announced block over communicator h.peer_epoch().
+  void deliver_nccl(grpc::ServerContext* ctx, const hypic::v1::EntryHeader& h, hypic::v1::DeliverEntryResponse* resp);
 
+  // One NCCL communicator with a scatter worker (rank 0 here), joined in the background after OpenPeer.
+  struct NcclLink {
+    std::string scatter_address;
+    std::shared_future<std::shared_ptr<transport::NcclPeer>> peer;  // throws TransportError if the join failed
+  };
+  /// The joined communicator `epoch`, waiting for its join to finish; throws rpc::RpcError FAILED_PRECONDITION if
+  /// it is unknown, failed to join or is broken.
+  std::shared_ptr<transport::NcclPeer> nccl_peer(uint64_t epoch);
   CombineDeps d_;
   CombineOptions opt_;
   const engine::Backend& backend_;  // d_.loop's: immutable facts only (config, fingerprint, numerics, device)
@@ -75,6 +100,9 @@ class CombineService final : public hypic::v1::CombineWorker::Service {
   std::string address_;
   std::mutex mu_;
   std::map<std::string, std::shared_ptr<Pending>> active_;
+  mutable std::mutex links_mu_;
+  uint64_t next_epoch_ = 1;
+  std::map<uint64_t, NcclLink> links_;  // by epoch
 };
 
 }  // namespace hypic::combine

@@ -166,6 +166,9 @@ class Service:
             # (N services x N cores threads oversubscribe the CPU and slow every GEMM).
             env = dict(os.environ)
             env.setdefault("OPENBLAS_NUM_THREADS", "1")
+            # NVLink multicast stays off wherever NCCL may run (the services force it too): on a shared GPU host a
+            # program using it can take every GPU of the host out of service.
+            env["NCCL_NVLS_ENABLE"] = "0"
             self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True, preexec_fn=_die_with_parent, env=env)
         finally:

@@ -18,6 +18,13 @@ bool cuda_available() {
 #endif
 }
 
+std::optional<DeviceBlock> Backend::device_block(const ResidentEntry&) const { return std::nullopt; }
+
+std::pair<std::shared_ptr<const ResidentEntry>, DeviceBlock> Backend::allocate_entry(const SegmentEntry&) const {
+  throw std::logic_error("allocate_entry: the " + std::string(numerics()) +
+                         " backend keeps entries in host memory (no device entries to receive into)");
+}
+
 DeviceSpec default_device() { return cuda_available() ? DeviceSpec{BackendKind::Cuda, 0} : DeviceSpec{}; }
 
 std::unique_ptr<Backend> make_backend(const DeviceSpec& device, const std::filesystem::path& model_dir,

@@ -21,6 +21,8 @@
 #include <cstdint>
 #include <filesystem>
 #include <memory>
+#include <optional>
+#include <utility>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -113,6 +115,16 @@ struct SpliceOutput {
   std::vector<std::vector<float>> context_states;  ///< keep_context_state: per linear layer [H_v][d_k][d_v], host
 };
 
+/// A device entry's memory as one contiguous block in its backend's own layout (the CUDA backend's CudaEntry:
+/// per linear layer T_seam, S_seam, T_int, S_int fp32 and the conv tail bf16, then per attention layer K and V bf16,
+/// each 256-byte aligned; engine/cuda/cuda_backend.cpp). Two backends of the same fingerprint lay an entry of n tokens
+/// out identically, so a GPU-to-GPU transfer (transport/nccl_peer.h) moves the block as is.
+struct DeviceBlock {
+  void* data = nullptr;  ///< device pointer
+  size_t bytes = 0;
+  int device = -1;       ///< CUDA ordinal the block lives on
+};
+
 /// Memory a backend holds, by pool (bytes). Budgets of 0 mean unbounded.
 struct BackendMemory {
   size_t weights = 0;
@@ -185,6 +197,16 @@ class Backend {
                       std::vector<float>& logits) = 0;
 
   virtual BackendMemory memory() const = 0;
+
+  /// The device block of `entry` if it is one of this backend's device entries (CUDA); nullopt where entries live
+  /// in host memory (CPU) or `entry` is not this backend's. Thread-safe (reads what never changes).
+  virtual std::optional<DeviceBlock> device_block(const ResidentEntry& entry) const;
+  /// A device entry for `header` (fingerprint, numerics, w, token ids and geometry; its tensors are ignored) whose
+  /// block the caller then fills with a sender's block (a GPU-to-GPU receive) before splicing it: until then its
+  /// content is undefined. The sizes equal what build_entries makes for the same tokens. Thread-safe (allocates with
+  /// cudaMalloc, never on the engine's stream). Throws EntryError if `header` is another model's, numerics or
+  /// geometry; ResourceExhausted if device memory is short; std::logic_error on a backend without device entries.
+  virtual std::pair<std::shared_ptr<const ResidentEntry>, DeviceBlock> allocate_entry(const SegmentEntry& header) const;
 };
 
 /// Raised when a request needs more memory than a budget allows; the message names the budget and the sizes.

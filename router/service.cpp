@@ -212,6 +212,7 @@ class GenerateCall {
     uint32_t worker = kLocal;           // current scatter assignee
     bool held = false;                  // holds the in-flight build (digest, worker) in svc_.builds_
     bool delivered = false;
+    std::string delivery_note;  // the scatter worker's: why the entry went over gRPC where NCCL was tried
     uint32_t attempts = 0;
   };
 
@@ -354,6 +355,7 @@ void GenerateCall::on_event(size_t worker, const v1::PrefillEvent& ev) {
     last_computed_ = Clock::now();
   } else if (ev.has_delivered()) {
     s.delivered = true;
+    s.delivery_note = ev.delivered().note();
   }
 }
 
@@ -626,6 +628,9 @@ grpc::Status GenerateCall::run() {
     // Prefix mode has no lookup: its hits are the segments the combine worker restored from a checkpoint.
     sr->set_cache_hit(opts_.mode == engine::SpliceMode::Prefix ? sr->reused() : segs_[i].hit);
     sr->set_attempts(segs_[i].attempts);
+    if (!segs_[i].delivery_note.empty()) {
+      sr->set_note(sr->note().empty() ? segs_[i].delivery_note : sr->note() + "; " + segs_[i].delivery_note);
+    }
   }
   // TTFT phases, consecutive on this clock (see TtftBreakdown in common.proto).
   const auto scatter_end = std::min(*t_ready, std::max(t_dispatch, last_computed_.value_or(t_dispatch)));

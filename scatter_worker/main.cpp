@@ -31,16 +31,27 @@ int main(int argc, char** argv) {
   app.add_option("--put-queue-bytes", put_queue_bytes, "bytes of cache puts that may wait; more are dropped")
       ->transform(CLI::AsSizeValue(false))
       ->capture_default_str();
+  hypic::worker::DataPlaneOptions data_plane;
+  app.add_option("--entry-transport", data_plane.entry_transport,
+                 "auto: entries go device to device over NCCL where the combine worker can take them (CUDA on "
+                 "another GPU), else gRPC; grpc: always gRPC streaming")
+      ->check(CLI::IsMember({"auto", "grpc"}))
+      ->capture_default_str();
+  app.add_option("--nccl-chunk-bytes", data_plane.nccl_chunk_bytes, "bytes per NCCL send")
+      ->transform(CLI::AsSizeValue(false))
+      ->check(CLI::Range(size_t{4096}, size_t{1} << 32))
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   try {
     hypic::rpc::init_service("scatter", server);
+    hypic::transport::disable_nvls();
     const auto backend = hypic::rpc::make_engine_backend(engine, model_dir);
     hypic::cache::SegmentCacheClient cache(caches);
     hypic::cache::AsyncCachePutter putter(cache, put_queue_bytes);
     hypic::engine::EngineLoop loop(*backend, hypic::rpc::engine_loop_options(engine));
     hypic::rpc::Lifecycle life("scatter worker");
     hypic::worker::ScatterService svc(loop, putter, life, chunk_bytes, engine.compute_threads,
-                                      engine.random_weights_seed);
+                                      engine.random_weights_seed, data_plane);
     const int status = hypic::rpc::run_server(
         server, life,
         {"scatter",

@@ -3,6 +3,7 @@
 #include "proto/rpc/metrics.h"
 
 #include <deque>
+#include <optional>
 #include <thread>
 
 #include <fmt/format.h>
@@ -46,15 +47,67 @@ grpc::Status deliver_entry(v1::CombineWorker::Stub& stub, grpc::ClientContext& c
   return st;
 }
 
+grpc::Status deliver_entry_nccl(v1::CombineWorker::Stub& stub, grpc::ClientContext& ctx, v1::EntryHeader header,
+                                const NcclLinks::Link& link, const engine::DeviceBlock& block, size_t chunk_bytes,
+                                std::chrono::milliseconds transfer_base, bool* duplicate, bool* link_broken) {
+  *link_broken = false;
+  header.set_transport(v1::ENTRY_TRANSPORT_NCCL);
+  header.set_peer_epoch(link.epoch);
+  header.set_device_bytes(block.bytes);
+  header.set_chunk_bytes(chunk_bytes);
+  transport::NcclPeer& peer = *link.peer;
+  // Both ranks post their operations in the order of the headers: one delivery at a time on this link.
+  auto order = peer.exclusive();
+  v1::DeliverEntryResponse resp;
+  auto writer = stub.DeliverEntry(&ctx, &resp);
+  v1::EntryChunk head;
+  *head.mutable_header() = header;
+  const bool wrote = writer->Write(head);
+  writer->WritesDone();
+  if (!wrote) return writer->Finish();  // nothing was posted: the link is still in step
+  transport::TransferLimits limits;
+  limits.chunk_bytes = chunk_bytes;
+  limits.deadline = transport::transfer_deadline(block.bytes, transfer_base);
+  try {
+    peer.post_send(block.data, block.bytes, limits);
+  } catch (const transport::TransportError& e) {
+    *link_broken = true;
+    ctx.TryCancel();  // the combine worker gives its receive up when the call is cancelled
+    writer->Finish();
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE, fmt::format("NCCL send failed: {}", e.what()));
+  }
+  // The combine worker answers once the block is in (or dropped, when it refused the entry): then the send is done
+  // or about to be. With no answer (it died, or the call was cancelled) the send never completes: abort.
+  const grpc::Status st = writer->Finish();
+  if (duplicate) *duplicate = resp.duplicate();
+  if (!st.ok()) limits.deadline = std::min(limits.deadline, std::chrono::steady_clock::now() + std::chrono::seconds(2));
+  try {
+    peer.wait(limits);
+  } catch (const transport::TransportError& e) {
+    *link_broken = true;
+    if (st.ok()) return st;  // the combine worker has the entry; only the link is lost
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                        fmt::format("{}; and the NCCL send did not complete: {}", rpc::describe(st), e.what()));
+  }
+  return st;
+}
+
 ScatterService::ScatterService(engine::EngineLoop& loop, cache::AsyncCachePutter& putter, rpc::Lifecycle& life,
-                               size_t chunk_bytes, int compute_threads, uint64_t random_weights_seed)
+                               size_t chunk_bytes, int compute_threads, uint64_t random_weights_seed,
+                               DataPlaneOptions data_plane)
     : loop_(loop), fingerprint_(loop.backend().fingerprint()), device_(loop.backend().device().name()), life_(life),
       chunk_bytes_(chunk_bytes), compute_threads_(compute_threads), random_weights_seed_(random_weights_seed),
+      data_plane_(std::move(data_plane)),
       builds_(loop, [&putter](const rpc::Digest& digest, std::vector<int32_t> ids,
                               std::shared_ptr<const std::string> bytes, std::string request_id,
                               std::function<void(bool)> done) {
         return putter.enqueue(digest, std::move(ids), std::move(bytes), std::move(request_id), std::move(done));
       }) {
+  if (data_plane_.entry_transport != "auto" && data_plane_.entry_transport != "grpc") {
+    throw std::invalid_argument(fmt::format("entry transport \"{}\": must be auto or grpc", data_plane_.entry_transport));
+  }
+  if (data_plane_.nccl_chunk_bytes == 0) throw std::invalid_argument("nccl chunk bytes: must be > 0");
+  set_address("");
   // Prometheus metrics (proto/rpc/metrics.h), read at each scrape; this service lives until the server stopped.
   auto& reg = rpc::MetricsRegistry::global();
   reg.gauge_fn("hypic:scatter_queued_tokens", "Tokens of builds queued or running on this scatter worker",
@@ -75,6 +128,26 @@ ScatterService::ScatterService(engine::EngineLoop& loop, cache::AsyncCachePutter
                  [&putter] { return double(putter.counters().dropped); }, {{"outcome", "dropped"}});
 }
 
+void ScatterService::set_address(std::string address) {
+  address_ = std::move(address);
+  NcclLinks::Options o;
+  o.address = address_;
+  o.fingerprint = fingerprint_;
+  o.device = loop_.backend().device().index;
+  o.retry_after = data_plane_.nccl_retry_after;
+  const std::string unavailable = transport::nccl_unavailable_reason();
+  if (data_plane_.entry_transport == "grpc") {
+    o.disabled_reason = "--entry-transport grpc";
+  } else if (!unavailable.empty()) {
+    o.disabled_reason = unavailable;
+  } else if (loop_.backend().device().kind != engine::BackendKind::Cuda) {
+    o.disabled_reason = fmt::format("the {} backend keeps entries in host memory", loop_.backend().numerics());
+  } else {
+    o.enabled = true;
+  }
+  links_ = std::make_unique<NcclLinks>(std::move(o));
+}
+
 namespace {
 // Shared between the Prefill handler, the engine thread (build callbacks) and the delivery thread of one call.
 struct PrefillCall {
@@ -83,6 +156,7 @@ struct PrefillCall {
     uint32_t position;  // in the request's segment list
     SharedOutcome built;
     double transfer_ms = 0;
+    std::string transport, note;  // Delivered: how it went, and why not over NCCL where that was tried
     grpc::Status status;
   };
   std::mutex mu;
@@ -164,31 +238,77 @@ grpc::Status ScatterService::Prefill(grpc::ServerContext* ctx, const v1::Prefill
         if (item.second.joined) h.set_shared_from(item.second.started_for);
         const auto t0 = std::chrono::steady_clock::now();
         bool duplicate = false;
-        size_t written = 0;
-        auto cctx = rpc::make_client_context(ctx);  // the router's deadline and cancellation propagate
-        {
-          std::lock_guard<std::mutex> lock(call->mu);
-          if (call->stop_delivery) return;
-          call->delivering = cctx.get();
+        std::string transport = "grpc", note;
+        grpc::Status st;
+        // NCCL first where the entry lives on a GPU and a link to this combine worker is (or can be made) up; gRPC
+        // when that is not possible, or when the NCCL delivery failed in a way gRPC may not (the link broke, the
+        // combine worker refused the block): the host bytes are at hand either way.
+        std::optional<engine::DeviceBlock> block;
+        if (links_->enabled() && built.entry) block = loop_.backend().device_block(*built.entry);
+        std::string why_not;
+        std::optional<NcclLinks::Link> link;
+        if (block) link = links_->get(req->combine_address(), stub, &why_not);
+        bool via_grpc = !link;
+        if (link) {
+          auto cctx = rpc::make_client_context(ctx);  // the router's deadline and cancellation propagate
+          {
+            std::lock_guard<std::mutex> lock(call->mu);
+            if (call->stop_delivery) return;
+            call->delivering = cctx.get();
+          }
+          bool broken = false;
+          st = deliver_entry_nccl(stub, *cctx, h, *link, *block, data_plane_.nccl_chunk_bytes,
+                                  data_plane_.nccl_transfer_base, &duplicate, &broken);
+          {
+            std::lock_guard<std::mutex> lock(call->mu);
+            call->delivering = nullptr;
+          }
+          if (broken) links_->drop(req->combine_address(), link->epoch, rpc::describe(st));
+          static auto& nccl_sent = rpc::MetricsRegistry::global().counter(
+              "hypic:entry_bytes_sent_total", "Segment entry bytes sent to combine workers, by transport",
+              {{"transport", "nccl"}});
+          if (st.ok()) {
+            transport = "nccl";
+            nccl_sent.inc(double(block->bytes));
+          } else if (broken || st.error_code() == grpc::StatusCode::FAILED_PRECONDITION ||
+                     st.error_code() == grpc::StatusCode::DATA_LOSS) {
+            note = fmt::format("NCCL delivery failed ({}); sent over gRPC", rpc::describe(st));
+            spdlog::warn("[req {}] segment {}: {}", rid, req->segments(i).index(), note);
+            via_grpc = true;
+          }
+        } else if (block) {
+          note = fmt::format("gRPC: {}", why_not);
         }
-        const grpc::Status st = deliver_entry(stub, *cctx, h, *built.bytes, chunk_bytes_, &duplicate, &written);
-        // Bytes count as sent once the stream took them, whatever the call's end: the router cancels this call when
-        // its request is done, which can land after the combine worker used the entry but before its reply arrived.
-        static auto& sent = rpc::MetricsRegistry::global().counter(
-            "hypic:entry_bytes_sent_total", "Segment entry bytes streamed to combine workers");
-        sent.inc(double(written));
+        if (via_grpc) {
+          size_t written = 0;
+          auto cctx = rpc::make_client_context(ctx);  // the router's deadline and cancellation propagate
+          {
+            std::lock_guard<std::mutex> lock(call->mu);
+            if (call->stop_delivery) return;
+            call->delivering = cctx.get();
+          }
+          st = deliver_entry(stub, *cctx, h, *built.bytes, chunk_bytes_, &duplicate, &written);
+          // Bytes count as sent once the stream took them, whatever the call's end: the router cancels this call
+          // when its request is done, which can land after the combine worker used the entry but before its reply.
+          static auto& sent = rpc::MetricsRegistry::global().counter(
+              "hypic:entry_bytes_sent_total", "Segment entry bytes sent to combine workers, by transport",
+              {{"transport", "grpc"}});
+          sent.inc(double(written));
+          {
+            std::lock_guard<std::mutex> lock(call->mu);
+            call->delivering = nullptr;
+          }
+        }
         if (st.ok()) {
           static auto& transfer = rpc::MetricsRegistry::global().histogram(
-              "hypic:entry_transfer_seconds", "Time to stream one segment entry to the combine worker",
+              "hypic:entry_transfer_seconds", "Time to send one segment entry to the combine worker",
               rpc::latency_buckets_seconds());
           transfer.observe(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
         }
-        {
-          std::lock_guard<std::mutex> lock(call->mu);
-          call->delivering = nullptr;
-        }
         PrefillCall::Event e{st.ok() ? PrefillCall::Event::Delivered : PrefillCall::Event::Failed, item.first, {}};
         e.transfer_ms = rpc::ms_between(t0, std::chrono::steady_clock::now());
+        e.transport = transport;
+        e.note = note;
         // A failed delivery is reported as ABORTED (the underlying code is in the message), so the
         // router does not mistake the combine worker's failure for this worker's.
         e.status = st.ok() ? st
@@ -271,6 +391,8 @@ grpc::Status ScatterService::Prefill(grpc::ServerContext* ctx, const v1::Prefill
         continue;
       } else if (e.kind == PrefillCall::Event::Delivered) {
         out.mutable_delivered()->set_transfer_ms(e.transfer_ms);
+        out.mutable_delivered()->set_transport(e.transport);
+        out.mutable_delivered()->set_note(e.note);
         ++delivered;
       } else {
         spdlog::warn("[req {}] {}", rid, rpc::describe(e.status));

@@ -12,6 +12,7 @@
 #include "hypic/v1/combine.grpc.pb.h"
 #include "hypic/v1/scatter.grpc.pb.h"
 #include "proto/rpc/server.h"
+#include "scatter_worker/nccl_links.h"
 #include "scatter_worker/shared_builds.h"
 #include "segment_cache/async_put.h"
 
@@ -35,6 +36,27 @@ grpc::Status deliver_entry(hypic::v1::CombineWorker::Stub& stub, grpc::ClientCon
                            const hypic::v1::EntryHeader& header, std::string_view bytes, size_t chunk_bytes,
                            bool* duplicate, size_t* written = nullptr);
 
+/// Streams one entry's device block over the NCCL link `link` (transport/nccl_peer.h): writes `header` (its transport
+/// fields filled in here: NCCL, the link's epoch, block.bytes, chunk_bytes) on a DeliverEntry call on `ctx`, posts the
+/// send, and waits for the combine worker's answer, then for the send. *link_broken tells that the communicator was
+/// aborted (the caller drops the link); the status is the combine worker's answer, or UNAVAILABLE naming the NCCL
+/// failure when it never answered OK. `transfer_base` is the fixed part of the transfer deadline
+/// (transport::transfer_deadline).
+grpc::Status deliver_entry_nccl(hypic::v1::CombineWorker::Stub& stub, grpc::ClientContext& ctx,
+                                hypic::v1::EntryHeader header, const NcclLinks::Link& link,
+                                const engine::DeviceBlock& block, size_t chunk_bytes,
+                                std::chrono::milliseconds transfer_base, bool* duplicate, bool* link_broken);
+
+/// How entries travel to combine workers.
+struct DataPlaneOptions {
+  /// "auto": over NCCL, device to device, wherever both workers can (CUDA backends on different GPUs, NCCL in both
+  /// builds, the combine worker's --nccl on), else gRPC; "grpc": always gRPC streaming.
+  std::string entry_transport = "auto";
+  size_t nccl_chunk_bytes = size_t(16) << 20;  ///< bytes per ncclSend
+  std::chrono::milliseconds nccl_transfer_base{10000};  ///< fixed part of a transfer's deadline
+  std::chrono::milliseconds nccl_retry_after{30000};    ///< NCCL held off for a combine worker after a failure
+};
+
 class ScatterService final : public hypic::v1::ScatterWorker::Service {
  public:
   /// The referenced objects must outlive the service; builds run on `loop` (its backend's fingerprint is what
@@ -42,9 +64,12 @@ class ScatterService final : public hypic::v1::ScatterWorker::Service {
   /// service); finished builds go to the segment cache through `putter`. `compute_threads` and
   /// `random_weights_seed` (0: real weights) are reported in WorkerInfo. `address` is what this worker reports as
   /// built_by (filled in once the port is known).
+  /// `data_plane` says how entries travel (gRPC, or NCCL where both ends can). Throws std::invalid_argument for an
+  /// unknown entry_transport or a zero nccl_chunk_bytes.
   ScatterService(engine::EngineLoop& loop, cache::AsyncCachePutter& putter, rpc::Lifecycle& life, size_t chunk_bytes,
-                 int compute_threads, uint64_t random_weights_seed = 0);
-  void set_address(std::string address) { address_ = std::move(address); }
+                 int compute_threads, uint64_t random_weights_seed = 0, DataPlaneOptions data_plane = {});
+  /// Also names this worker in the NCCL links it opens; call before serving.
+  void set_address(std::string address);
 
   grpc::Status Prefill(grpc::ServerContext* ctx, const hypic::v1::PrefillRequest* req,
                        grpc::ServerWriter<hypic::v1::PrefillEvent>* writer) override;
@@ -59,7 +84,9 @@ class ScatterService final : public hypic::v1::ScatterWorker::Service {
   int compute_threads_;
   uint64_t random_weights_seed_;
   std::string address_;
+  DataPlaneOptions data_plane_;
   CombineStubs combines_;
+  std::unique_ptr<NcclLinks> links_;
   SharedBuilds builds_;
 };
 

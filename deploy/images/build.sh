@@ -5,7 +5,7 @@
 #   localhost/hypic-runtime:<version>        base + the shared libraries the binaries load + hypic-client + user 10001
 #   localhost/hypic-<service>:<version>      runtime + one binary: router, scatter-worker, combine-worker,
 #                                            segment-cache, openai (only when hypic-openai is built), client
-#   localhost/hypic-runtime-gpu:<version>    runtime + libcudart, libcublas, libcublasLt (only when they exist)
+#   localhost/hypic-runtime-gpu:<version>    runtime + libcudart, libcublas, libcublasLt, libnccl (when they exist)
 #   localhost/hypic-<worker>:<version>-gpu   runtime-gpu + the CUDA build's scatter-worker / combine-worker
 #
 # Usage: deploy/images/build.sh [options]
@@ -161,7 +161,7 @@ collect_libs() {
     [[ -n "${IN_BASE[$norm]:-}" || -n "${COLLECTED[$norm]:-}" ]] && continue
     COLLECTED["$norm"]=1
     case "$name" in
-      libcudart.so*|libcublas.so*|libcublasLt.so*)
+      libcudart.so*|libcublas.so*|libcublasLt.so*|libnccl.so*)
         [[ -e "$CUDA_LIB_DIR/$name" ]] || die "$bin loads $name, which $CUDA_LIB_DIR lacks (--cuda-lib-dir)"
         cp -L "$CUDA_LIB_DIR/$name" "$CTX/cuda/$name" ;;
       *)

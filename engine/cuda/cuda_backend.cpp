@@ -88,7 +88,11 @@ class CudaBackend;
 // conv tail [K-1][C] bf16; per attention layer K and V [n][H_kv][hd] bf16 (K rotated at local positions).
 class CudaEntry final : public ResidentEntry {
  public:
+  /// Allocates the block on `stream` (stream-ordered: the engine thread's entries), or with plain cudaMalloc when
+  /// `stream` is null (Backend::allocate_entry, on any thread).
   CudaEntry(CudaBackend& b, SegmentEntry header, cudaStream_t stream);
+  /// The whole block (DeviceBlock; engine/backend.h).
+  DeviceBlock block() const { return {mem_.bytes_ptr(), mem_.size(), device_}; }
   /// Hands the device memory back to the backend, which frees it on its engine thread (entries are dropped on gRPC
   /// threads too, where a free on the engine's stream could meet a CUDA-graph capture).
   ~CudaEntry() override;
@@ -181,6 +185,8 @@ class CudaBackend final : public Backend {
   std::vector<std::shared_ptr<const ResidentEntry>> build_entries(std::span<const std::vector<int32_t>> segments,
                                                                   int seam_width) override;
   std::shared_ptr<const ResidentEntry> import_entry(std::shared_ptr<const SegmentEntry> entry) override;
+  std::optional<DeviceBlock> device_block(const ResidentEntry& entry) const override;
+  std::pair<std::shared_ptr<const ResidentEntry>, DeviceBlock> allocate_entry(const SegmentEntry& header) const override;
   SpliceOutput splice(const SplicePlan& plan) override;
   void decode(std::span<Sequence* const> sequences, std::span<const int32_t> tokens,
               std::vector<float>& logits) override;
@@ -329,7 +335,8 @@ CudaEntry::CudaEntry(CudaBackend& b, SegmentEntry header, cudaStream_t stream)
   kv_off_ = size_t(g.num_linear) * lin_stride_;
   const size_t total = kv_off_ + size_t(g.num_attention) * 2 * kv_bytes_;
   device_ = b.device().index;
-  mem_ = DeviceMemory(total, "segment entry (" + std::to_string(n()) + " tokens)", stream, /*stream_ordered=*/true);
+  mem_ = DeviceMemory(total, "segment entry (" + std::to_string(n()) + " tokens)", stream,
+                      /*stream_ordered=*/stream != nullptr);
 }
 
 std::shared_ptr<const SegmentEntry> CudaEntry::host() const {
@@ -1516,20 +1523,42 @@ void CudaBackend::build_batch(std::span<const std::vector<int32_t>> segs, int w,
 
 // ---- import / download -----------------------------------------------------------------------------------------
 
+// An entry's header without its tensors: what a CudaEntry keeps on the host.
+static SegmentEntry header_of(const SegmentEntry& e) {
+  SegmentEntry h;
+  h.format_version = e.format_version;
+  h.model_fingerprint = e.model_fingerprint;
+  h.numerics = e.numerics;
+  h.seam_width = e.seam_width;
+  h.token_ids = e.token_ids;
+  h.geometry = e.geometry;
+  return h;
+}
+
+std::optional<DeviceBlock> CudaBackend::device_block(const ResidentEntry& entry) const {
+  const auto* e = dynamic_cast<const CudaEntry*>(&entry);
+  if (!e || e->device() != dev_.index || e->no_transitions) return std::nullopt;
+  return e->block();
+}
+
+std::pair<std::shared_ptr<const ResidentEntry>, DeviceBlock> CudaBackend::allocate_entry(const SegmentEntry& header) const {
+  // Any thread: nothing here touches the engine's stream or mutable state (cudaMalloc, whose device is per thread).
+  header.check_compatible(fingerprint_, geom_, -1, numerics());
+  if (header.num_tokens() < 1) throw EntryError("allocate_entry: an entry has at least one token");
+  check_cuda(cudaSetDevice(dev_.index), "cudaSetDevice");
+  // The entry hands its memory back through the (mutex-guarded) deferred frees: const_cast is safe there.
+  auto e = std::make_shared<CudaEntry>(const_cast<CudaBackend&>(*this), header_of(header), nullptr);
+  const DeviceBlock block = e->block();
+  return {std::move(e), block};
+}
+
 std::shared_ptr<const ResidentEntry> CudaBackend::import_entry(std::shared_ptr<const SegmentEntry> host) {
   set_device();
   drain_frees();
   if (!host) throw std::invalid_argument("import_entry: null entry");
   host->check_consistent();
   host->check_compatible(fingerprint_, geom_, -1, numerics());
-  SegmentEntry h;
-  h.format_version = host->format_version;
-  h.model_fingerprint = host->model_fingerprint;
-  h.numerics = host->numerics;
-  h.seam_width = host->seam_width;
-  h.token_ids = host->token_ids;
-  h.geometry = host->geometry;
-  auto e = std::make_shared<CudaEntry>(*this, std::move(h), stream_);
+  auto e = std::make_shared<CudaEntry>(*this, header_of(*host), stream_);
   std::vector<uint16_t> buf;
   std::vector<std::vector<float>> dense_keep;
   auto put_f32 = [&](float* dst, const std::vector<float>& src) {

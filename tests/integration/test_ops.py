@@ -134,6 +134,17 @@ class MetricsTest(ClusterTestCase):
         self.assertEqual(sent, sum(int(s["entry_bytes"]) for r in reports for s in r["segments"]
                                    if s["source"] == "SEGMENT_SOURCE_SCATTER"))
         self.assertEqual(moved("combine", 'hypic:entry_bytes_received_total{from="scatter"}'), sent)
+        # On CPU workers every delivery goes over gRPC (no device entries to send over NCCL), and says so: the report
+        # names the transport and the bytes moved (the serialized entry); entries not delivered name none.
+        self.assertEqual(sum(moved(n, 'hypic:entry_bytes_sent_total{transport="grpc"}') for n in scatters), sent)
+        for r in reports:
+            for s in r["segments"]:
+                if s["source"] == "SEGMENT_SOURCE_SCATTER":
+                    self.assertEqual(s.get("transport"), "grpc", s)
+                    self.assertEqual(int(s["transfer_bytes"]), int(s["entry_bytes"]), s)
+                    self.assertGreater(float(s["transfer_ms"]), 0.0, s)
+                else:
+                    self.assertEqual(s.get("transport", ""), "", s)
         for n in scatters:
             self.assertEqual(total(after[n], "hypic:scatter_queued_tokens"), 0)
         # The cache stored the three entries and its byte gauge holds them.

@@ -151,6 +151,13 @@ function crossChecks(objects) {
         }
       }
       for (const p of rule.ports || []) {
+        // A range (endPort) admits ports picked at run time (NCCL's): it names no container port to check.
+        if (p.endPort !== undefined) {
+          if (!(Number(p.port) >= 1 && Number(p.endPort) >= Number(p.port) && Number(p.endPort) <= 65535)) {
+            errs.push(`${idOf(np)}: port range ${p.port}-${p.endPort} is not within 1-65535`);
+          }
+          continue;
+        }
         for (const t of targets) if (!hasPort(t, p.port)) errs.push(`${idOf(np)}: ${idOf(t)} has no port ${p.port}`);
       }
     }

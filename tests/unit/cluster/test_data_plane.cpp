@@ -1,0 +1,206 @@
+// The NCCL data plane's control and fallback where NCCL cannot run (transport/nccl_peer.h, CombineWorker.OpenPeer /
+// ClosePeer / DeliverEntry with transport NCCL, the scatter worker's NcclLinks): a build without NCCL says why and
+// refuses to make communicators; a combine worker on the CPU backend (or with --nccl off) refuses peers with
+// FAILED_PRECONDITION naming the reason; an NCCL delivery on a communicator it does not hold is refused the same way,
+// so the scatter worker falls back to gRPC; a scatter worker on the CPU never tries. NVLink multicast is forced off.
+// The GPU-to-GPU cases (bit-identity with gRPC, aborts on deadline) are in tests/gpu/test_gpu_data_plane.cpp.
+#include <catch2/catch.hpp>
+#include <grpcpp/grpcpp.h>
+
+#include <cstdlib>
+
+#include "combine_worker/service.h"
+#include "engine/cpu_backend.h"
+#include "scatter_worker/nccl_links.h"
+#include "scatter_worker/service.h"
+#include "transport/nccl_peer.h"
+
+using namespace std::chrono_literals;
+namespace tr = hypic::transport;
+namespace v1 = hypic::v1;
+
+namespace {
+
+const std::string kModel = std::string(HYPIC_SOURCE_DIR) + "/tests/fixtures/qwen3_next_moe";
+const std::string kTokenizer = std::string(HYPIC_SOURCE_DIR) + "/tests/fixtures/tokenizer/tiny_subword.json";
+
+// A combine worker (CPU backend, fixture model, no cache) served on a free loopback port.
+struct CombineServer {
+  std::unique_ptr<hypic::engine::CpuBackend> backend = hypic::engine::CpuBackend::load(kModel);
+  hypic::engine::Tokenizer tokenizer = hypic::engine::Tokenizer::load(kTokenizer);
+  hypic::cache::SegmentCacheClient cache{std::vector<std::string>{}};
+  hypic::cache::AsyncCachePutter putter{cache, 1 << 20};
+  hypic::combine::EntryMemoryTier tier{1 << 20};
+  hypic::engine::EngineLoop loop{*backend};
+  hypic::rpc::Lifecycle life{"combine worker"};
+  std::unique_ptr<hypic::combine::CombineService> svc;
+  std::unique_ptr<grpc::Server> server;
+  std::unique_ptr<v1::CombineWorker::Stub> stub;
+  int port = 0;
+
+  explicit CombineServer(bool nccl) {
+    hypic::combine::CombineOptions opt;
+    opt.nccl = nccl;
+    svc = std::make_unique<hypic::combine::CombineService>(
+        hypic::combine::CombineDeps{tokenizer, cache, putter, loop, tier, life}, opt);
+    grpc::ServerBuilder b;
+    b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    b.RegisterService(svc.get());
+    server = b.BuildAndStart();
+    REQUIRE(server);
+    svc->set_address(address());
+    stub = v1::CombineWorker::NewStub(grpc::CreateChannel(address(), grpc::InsecureChannelCredentials()));
+  }
+  ~CombineServer() {
+    server->Shutdown();
+    loop.stop();
+  }
+  std::string address() const { return "127.0.0.1:" + std::to_string(port); }
+};
+
+std::unique_ptr<grpc::ClientContext> context() {
+  auto c = std::make_unique<grpc::ClientContext>();
+  c->set_deadline(std::chrono::system_clock::now() + 10s);
+  return c;
+}
+
+}  // namespace
+
+TEST_CASE("data plane: a build without NCCL says why and makes no communicator", "[data-plane]") {
+#if defined(HYPIC_WITH_NCCL) && HYPIC_WITH_NCCL
+  CHECK(tr::nccl_unavailable_reason().empty());
+  CHECK_FALSE(tr::nccl_version().empty());
+#else
+  const std::string why = tr::nccl_unavailable_reason();
+  CHECK_THAT(why, Catch::Contains("no NCCL data plane"));
+  CHECK(tr::nccl_version().empty());
+  CHECK_THROWS_WITH(tr::new_unique_id(), why);
+  CHECK_THROWS_WITH(tr::NcclPeer::join(std::string(128, '\0'), 0, 0, 1s), why);
+#endif
+}
+
+TEST_CASE("data plane: transfer deadlines grow with the bytes at the slowest accepted link", "[data-plane]") {
+  const auto now = std::chrono::steady_clock::now();
+  const auto d = tr::transfer_deadline(size_t(3e9), 2000ms, 1e9);  // 2 s + 3 GB at 1 GB/s
+  const double s = std::chrono::duration<double>(d - now).count();
+  CHECK(s == Approx(5.0).margin(0.25));
+  const double s0 = std::chrono::duration<double>(tr::transfer_deadline(0, 500ms) - now).count();
+  CHECK(s0 == Approx(0.5).margin(0.25));
+}
+
+TEST_CASE("data plane: NVLink multicast is forced off, whatever the environment said", "[data-plane]") {
+  setenv("NCCL_NVLS_ENABLE", "1", 1);
+  tr::disable_nvls();
+  REQUIRE(std::getenv("NCCL_NVLS_ENABLE") != nullptr);
+  CHECK(std::string(std::getenv("NCCL_NVLS_ENABLE")) == "0");
+}
+
+TEST_CASE("data plane: a CPU combine worker refuses NCCL peers and NCCL deliveries, naming why", "[data-plane]") {
+  for (const bool nccl : {true, false}) {
+    CombineServer c(nccl);
+    v1::OpenPeerRequest req;
+    req.set_scatter_address("127.0.0.1:1");
+    req.set_model_fingerprint(c.backend->fingerprint());
+    req.set_device_uuid(std::string(32, 'a'));
+    v1::OpenPeerResponse resp;
+    auto ctx = context();
+    const grpc::Status st = c.stub->OpenPeer(ctx.get(), req, &resp);
+    CHECK(st.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
+    if (!nccl) {
+      CHECK_THAT(st.error_message(), Catch::Contains("--nccl off"));
+    } else if (!tr::nccl_unavailable_reason().empty()) {
+      CHECK_THAT(st.error_message(), Catch::Contains(tr::nccl_unavailable_reason()));
+    } else {
+      CHECK_THAT(st.error_message(), Catch::Contains("cpu-fp32 backend keeps entries in host memory"));
+    }
+    CHECK(resp.unique_id().empty());
+    CHECK(c.svc->nccl_peers() == 0);
+
+    // Closing a communicator it never had is fine (a scatter worker giving up twice).
+    v1::ClosePeerRequest creq;
+    creq.set_scatter_address("127.0.0.1:1");
+    creq.set_epoch(7);
+    v1::ClosePeerResponse cresp;
+    auto cctx = context();
+    CHECK(c.stub->ClosePeer(cctx.get(), creq, &cresp).ok());
+
+    // An NCCL delivery on a communicator it does not hold: FAILED_PRECONDITION (the sender falls back to gRPC).
+    {
+      v1::DeliverEntryResponse dresp;
+      auto dctx = context();
+      auto writer = c.stub->DeliverEntry(dctx.get(), &dresp);
+      v1::EntryChunk head;
+      auto* h = head.mutable_header();
+      h->set_request_id("r-1");
+      h->set_transport(v1::ENTRY_TRANSPORT_NCCL);
+      h->set_peer_epoch(7);
+      h->set_device_bytes(4096);
+      h->set_total_bytes(8192);
+      h->set_chunk_bytes(4096);
+      REQUIRE(writer->Write(head));
+      writer->WritesDone();
+      const grpc::Status ds = writer->Finish();
+      CHECK(ds.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
+      CHECK_THAT(ds.error_message(), Catch::Contains("no NCCL communicator 7 here"));
+    }
+    // An unknown transport is named.
+    {
+      v1::DeliverEntryResponse dresp;
+      auto dctx = context();
+      auto writer = c.stub->DeliverEntry(dctx.get(), &dresp);
+      v1::EntryChunk head;
+      head.mutable_header()->set_request_id("r-1");
+      head.mutable_header()->set_transport(static_cast<v1::EntryTransport>(5));
+      REQUIRE(writer->Write(head));
+      writer->WritesDone();
+      const grpc::Status ds = writer->Finish();
+      CHECK(ds.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+      CHECK_THAT(ds.error_message(), Catch::Contains("unknown transport 5"));
+    }
+  }
+}
+
+TEST_CASE("data plane: a scatter worker's links fall back to gRPC with the reason, and ask again only later",
+          "[data-plane]") {
+  CombineServer c(true);
+  hypic::worker::NcclLinks::Options off;
+  off.enabled = false;
+  off.disabled_reason = "the cpu-fp32 backend keeps entries in host memory";
+  hypic::worker::NcclLinks disabled(off);
+  std::string why;
+  CHECK_FALSE(disabled.get(c.address(), *c.stub, &why));
+  CHECK(why == off.disabled_reason);
+
+  // Enabled links to a combine worker that refuses: no link, the refusal's reason, held off for retry_after.
+  hypic::worker::NcclLinks::Options on;
+  on.enabled = true;
+  on.address = "127.0.0.1:2";
+  on.fingerprint = c.backend->fingerprint();
+  on.retry_after = 60s;
+  hypic::worker::NcclLinks links(on);
+  why.clear();
+  CHECK_FALSE(links.get(c.address(), *c.stub, &why));
+  CHECK_FALSE(why.empty());  // no CUDA device here, or the combine worker's refusal
+  const std::string first = why;
+  why.clear();
+  CHECK_FALSE(links.get(c.address(), *c.stub, &why));
+  CHECK(why == first);  // remembered, not asked again
+  CHECK(links.open_links() == 0);
+}
+
+TEST_CASE("data plane: a scatter worker refuses an unknown entry transport", "[data-plane]") {
+  auto backend = hypic::engine::CpuBackend::load(kModel);
+  hypic::engine::EngineLoop loop(*backend);
+  hypic::cache::SegmentCacheClient cache{std::vector<std::string>{}};
+  hypic::cache::AsyncCachePutter putter{cache, 1 << 20};
+  hypic::rpc::Lifecycle life("scatter worker");
+  hypic::worker::DataPlaneOptions dp;
+  dp.entry_transport = "rdma";
+  CHECK_THROWS_WITH(hypic::worker::ScatterService(loop, putter, life, 1 << 16, 1, 0, dp),
+                    Catch::Contains("entry transport \"rdma\": must be auto or grpc"));
+  dp.entry_transport = "grpc";
+  dp.nccl_chunk_bytes = 0;
+  CHECK_THROWS_WITH(hypic::worker::ScatterService(loop, putter, life, 1 << 16, 1, 0, dp),
+                    Catch::Contains("nccl chunk bytes"));
+  loop.stop();
+}
