@@ -224,7 +224,10 @@ class LocalCluster:
     extra_args maps a role ("cache", "scatter", "combine", "router", "http") to extra command-line flags (never
     --listen, --port-file, --parent-pid, --metrics-*: the launcher sets those; UsageError). device ("cpu", "cuda",
     "cuda:N") is passed to the scatter and combine workers as --device; None leaves their default (cuda:0 when the
-    build has CUDA and a GPU is visible, else cpu).
+    build has CUDA and a GPU is visible, else cpu). A comma-separated list ("cuda:0,cuda:1,cuda:2") spreads them
+    over several GPUs: the combine worker takes the first, scatter worker i the ((1 + i) mod n)-th, so that with a
+    GPU per scatter worker entries go GPU to GPU over NCCL (a scatter worker on the combine worker's GPU, the n-th,
+    falls back to gRPC by itself).
 
     Ports: router_port, combine_port, http_port (0: a free one), cache_ports and scatter_ports (one per replica /
     worker; None: free ones). prefer_router_port: a port the router takes when it is free (else a free one; the
@@ -378,21 +381,33 @@ class LocalCluster:
             flags += ["--auth-token-file", token]
         return flags
 
-    def _common(self, role: str) -> list[str]:
+    def device_of(self, name: str) -> str | None:
+        """The --device of service `name` ("combine", "scatter-3"): see the class comment."""
+        if self.device is None:
+            return None
+        devices = [d.strip() for d in self.device.split(",") if d.strip()]
+        if not devices:
+            raise UsageError(f"device {self.device!r}: no device named")
+        if name == "combine" or len(devices) == 1:
+            return devices[0]
+        i = int(name.split("-")[1])
+        return devices[(1 + i) % len(devices)]
+
+    def _common(self, role: str, name: str) -> list[str]:
         extra = self.extra.get(role, [])
         given = {a.split("=")[0] for a in extra if a.startswith("--")}
         flags = self._tls_flags(role)
         if "--log-level" not in given and (role != "http" or self.supports(role, "--log-level")):
             flags += ["--log-level", self.log_level]
         if self.device is not None and role in ("scatter", "combine") and "--device" not in given:
-            flags += ["--device", self.device]
+            flags += ["--device", self.device_of(name)]
         # Short drain so that teardown is quick (the services' default is 10 s), unless set explicitly.
         if "--drain-seconds" not in given and (role != "http" or self.supports(role, "--drain-seconds")):
             flags += ["--drain-seconds", "3"]
         return flags + extra
 
     def _service(self, name: str, role: str, args: list[str], health: str | None, port: int) -> Service:
-        svc = Service(name, role, [self.binary(BINARIES[role])] + args + self._common(role), self.work_dir, health,
+        svc = Service(name, role, [self.binary(BINARIES[role])] + args + self._common(role, name), self.work_dir, health,
                       port, self._metrics_for(role))
         self.services[name] = svc
         return svc
@@ -737,8 +752,10 @@ def main() -> int:
     p.add_argument("--work-dir", help="port files, cluster.json and logs/ (default: a temporary directory, removed at "
                                       "exit unless something failed)")
     p.add_argument("--log-level", default="info")
-    p.add_argument("--device", help="where the scatter and combine workers compute: cpu | cuda | cuda:N "
-                                    "(default: the workers' own default, cuda:0 when a GPU is visible, else cpu)")
+    p.add_argument("--device", help="where the scatter and combine workers compute: cpu | cuda | cuda:N, or a list "
+                                    "cuda:0,cuda:1,... (the combine worker on the first, scatter worker i on the "
+                                    "((1 + i) mod n)-th; entries then go GPU to GPU over NCCL) (default: the workers' own "
+                                    "default, cuda:0 when a GPU is visible, else cpu)")
     p.add_argument("--router-port", type=_port, default=None,
                    help=f"the router's port on {HOST} (default {DEFAULT_ROUTER_PORT}, hypic-client's default, when it "
                         f"is free, else a free one; 0: always a free one)")

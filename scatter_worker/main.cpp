@@ -41,7 +41,12 @@ int main(int argc, char** argv) {
       ->transform(CLI::AsSizeValue(false))
       ->check(CLI::Range(size_t{4096}, size_t{1} << 32))
       ->capture_default_str();
+  int inject_transfer_stall_ms = 0;
+  app.add_option("--inject-transfer-stall-ms", inject_transfer_stall_ms,
+                 "TESTING ONLY: wait this long inside each NCCL delivery, after its header, before the send")
+      ->check(CLI::Range(0, 600000));
   CLI11_PARSE(app, argc, argv);
+  data_plane.inject_transfer_stall = std::chrono::milliseconds(inject_transfer_stall_ms);
   try {
     hypic::rpc::init_service("scatter", server);
     hypic::transport::disable_nvls();

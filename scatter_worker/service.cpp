@@ -49,7 +49,8 @@ grpc::Status deliver_entry(v1::CombineWorker::Stub& stub, grpc::ClientContext& c
 
 grpc::Status deliver_entry_nccl(v1::CombineWorker::Stub& stub, grpc::ClientContext& ctx, v1::EntryHeader header,
                                 const NcclLinks::Link& link, const engine::DeviceBlock& block, size_t chunk_bytes,
-                                std::chrono::milliseconds transfer_base, bool* duplicate, bool* link_broken) {
+                                std::chrono::milliseconds transfer_base, bool* duplicate, bool* link_broken,
+                                std::chrono::milliseconds inject_stall) {
   *link_broken = false;
   header.set_transport(v1::ENTRY_TRANSPORT_NCCL);
   header.set_peer_epoch(link.epoch);
@@ -65,6 +66,13 @@ grpc::Status deliver_entry_nccl(v1::CombineWorker::Stub& stub, grpc::ClientConte
   const bool wrote = writer->Write(head);
   writer->WritesDone();
   if (!wrote) return writer->Finish();  // nothing was posted: the link is still in step
+  spdlog::info("[req {}] segment {}: NCCL transfer of {} bytes on communicator {}", header.request_id(),
+               header.index(), block.bytes, link.epoch);
+  if (inject_stall.count() > 0) {
+    spdlog::warn("[req {}] segment {}: stalling the NCCL transfer {} ms (--inject-transfer-stall-ms, testing only)",
+                 header.request_id(), header.index(), inject_stall.count());
+    std::this_thread::sleep_for(inject_stall);
+  }
   transport::TransferLimits limits;
   limits.chunk_bytes = chunk_bytes;
   limits.deadline = transport::transfer_deadline(block.bytes, transfer_base);
@@ -258,7 +266,8 @@ grpc::Status ScatterService::Prefill(grpc::ServerContext* ctx, const v1::Prefill
           }
           bool broken = false;
           st = deliver_entry_nccl(stub, *cctx, h, *link, *block, data_plane_.nccl_chunk_bytes,
-                                  data_plane_.nccl_transfer_base, &duplicate, &broken);
+                                  data_plane_.nccl_transfer_base, &duplicate, &broken,
+                                  data_plane_.inject_transfer_stall);
           {
             std::lock_guard<std::mutex> lock(call->mu);
             call->delivering = nullptr;

@@ -45,7 +45,8 @@ grpc::Status deliver_entry(hypic::v1::CombineWorker::Stub& stub, grpc::ClientCon
 grpc::Status deliver_entry_nccl(hypic::v1::CombineWorker::Stub& stub, grpc::ClientContext& ctx,
                                 hypic::v1::EntryHeader header, const NcclLinks::Link& link,
                                 const engine::DeviceBlock& block, size_t chunk_bytes,
-                                std::chrono::milliseconds transfer_base, bool* duplicate, bool* link_broken);
+                                std::chrono::milliseconds transfer_base, bool* duplicate, bool* link_broken,
+                                std::chrono::milliseconds inject_stall = std::chrono::milliseconds(0));
 
 /// How entries travel to combine workers.
 struct DataPlaneOptions {
@@ -55,6 +56,9 @@ struct DataPlaneOptions {
   size_t nccl_chunk_bytes = size_t(16) << 20;  ///< bytes per ncclSend
   std::chrono::milliseconds nccl_transfer_base{10000};  ///< fixed part of a transfer's deadline
   std::chrono::milliseconds nccl_retry_after{30000};    ///< NCCL held off for a combine worker after a failure
+  /// TESTING ONLY: each NCCL delivery waits this long between announcing the entry (its header is sent) and posting
+  /// the send, logging it first, so that a test can kill the worker mid-transfer.
+  std::chrono::milliseconds inject_transfer_stall{0};
 };
 
 class ScatterService final : public hypic::v1::ScatterWorker::Service {

@@ -4,7 +4,9 @@
 #
 #   scripts/test_gpu.sh                 configure + build into build-gpu/ (BUILD_DIR overrides), run every GPU
 #                                       test (tests/gpu/test_gpu_*: kernels, weights, the CUDA backend against
-#                                       the CPU engine and the HF bf16 fixtures)
+#                                       the CPU engine and the HF bf16 fixtures, the NCCL data plane), then, on a host
+#                                       of 2+ GPUs, tests/gpu/test_gpu_data_plane_cluster.py (entries over NCCL
+#                                       through a real cluster, a scatter worker killed mid-transfer)
 #   scripts/test_gpu.sh --bin DIR       run prebuilt binaries from DIR (the test_gpu_* binaries; with --bench also
 #                                       gdn_bench and libhypic_gdn_capi.so)
 #   ... --bench OUTDIR                  also run bench/gpu/gdn_bench and tools/bench_fla_reference.py
@@ -37,6 +39,7 @@ if [[ -z "$BIN" ]]; then
   cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DHYPIC_WITH_CUDA=ON >/dev/null
   targets=()
   for src in tests/gpu/test_gpu_*.cpp; do targets+=("$(basename "$src" .cpp)"); done
+  targets+=(hypic-router hypic-scatter-worker hypic-combine-worker hypic-segment-cache hypic-client hypic-model)
   [[ -n "$BENCH_OUT" ]] && targets+=(gdn_bench hypic_gdn_capi)
   cmake --build "$BUILD_DIR" --target "${targets[@]}" -j "${JOBS:-$(nproc)}"
   BIN="$BUILD_DIR/bin"
@@ -51,6 +54,12 @@ for t in "$BIN"/test_gpu_*; do
   "$t" --durations yes "${CATCH_ARGS[@]}" || status=$?
 done
 ((found)) || { echo "test_gpu.sh: no test_gpu_* binaries in $BIN" >&2; exit 2; }
+if [[ -x "$BIN/hypic-router" ]]; then
+  echo "== test_gpu_data_plane_cluster.py"
+  NCCL_NVLS_ENABLE=0 HYPIC_BIN_DIR="$BIN" python3 tests/gpu/test_gpu_data_plane_cluster.py -v || status=$?
+else
+  echo "test_gpu.sh: no service binaries in $BIN: skipped test_gpu_data_plane_cluster.py" >&2
+fi
 if [[ -n "$BENCH_OUT" ]]; then
   mkdir -p "$BENCH_OUT"
   "$BIN/gdn_bench" --json "$BENCH_OUT/gdn_ours.json" | tee "$BENCH_OUT/gdn_bench.log" || status=$?

@@ -169,8 +169,45 @@ struct Row {
                                 {"prefill", server_mean(&v1::TtftBreakdown::prefill_ms)},
                                 {"first_decode", server_mean(&v1::TtftBreakdown::first_decode_ms)},
                                 {"total", server_mean(&v1::TtftBreakdown::total_ms)}};
+    j["delivery"] = delivery_json();
     j.update(extra);
     return j;
+  }
+
+  /// How the scatter-built entries reached the combine worker: segments by transport ("grpc", "nccl"), the mean
+  /// transfer per segment (combine-side, header to acceptance) and bytes moved, and of the summed transfer time per
+  /// request the part exposed in TTFT (its transfer phase: after the last cold segment's compute) and the part
+  /// hidden behind compute (the rest, at least 0).
+  json delivery_json() const {
+    std::map<std::string, uint64_t> by_transport;
+    double transfer_ms = 0, bytes = 0, hidden_ms = 0, exposed_ms = 0;
+    uint64_t delivered = 0;
+    int requests = 0;
+    for (const auto& r : results) {
+      if (!r.ok) continue;
+      double sum = 0;
+      bool any = false;
+      for (const auto& sr : r.report.segments()) {
+        if (sr.transport().empty()) continue;
+        any = true;
+        ++by_transport[sr.transport()];
+        ++delivered;
+        transfer_ms += sr.transfer_ms();
+        bytes += double(sr.transfer_bytes());
+        sum += sr.transfer_ms();
+      }
+      if (!any) continue;
+      ++requests;
+      exposed_ms += r.report.ttft().transfer_ms();
+      hidden_ms += std::max(0.0, sum - r.report.ttft().transfer_ms());
+    }
+    json t = json::object();
+    for (const auto& [k, v] : by_transport) t[k] = v;
+    return {{"segments_by_transport", t},
+            {"transfer_ms_per_segment", delivered ? transfer_ms / double(delivered) : 0.0},
+            {"transfer_bytes_per_segment", delivered ? bytes / double(delivered) : 0.0},
+            {"transfer_ms_exposed_per_request", requests ? exposed_ms / requests : 0.0},
+            {"transfer_ms_hidden_per_request", requests ? hidden_ms / requests : 0.0}};
   }
 };
 

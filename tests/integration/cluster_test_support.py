@@ -92,6 +92,7 @@ class ClusterTestCase(unittest.TestCase):
     cache_replicas = 1
     extra_args: dict[str, list[str]] = {}
     tls = False  # LocalCluster(tls=True): TLS, mTLS between services, a bearer token on the router
+    device = "cpu"  # the workers' --device (a list spreads them over GPUs: deploy/local_cluster.py); the reference is CPU
     model_dir = ""  # the checkpoint the cluster serves; empty: the tiny model (Env.model)
     tokenizer_file = ""  # its tokenizer.json; empty: Env.tokenizer (the Qwen3 one)
     cluster: LocalCluster
@@ -102,8 +103,7 @@ class ClusterTestCase(unittest.TestCase):
         cls.work = tempfile.TemporaryDirectory(prefix=f"hypic-it-{cls.__name__}-")
         cls.cluster = LocalCluster(BIN_DIR, cls.model_dir or Env.model, cls.tokenizer_file or Env.tokenizer, scatter_workers=cls.scatter_workers,
                                    cache_replicas=cls.cache_replicas, work_dir=cls.work.name,
-                                   extra_args=cls.extra_args, device="cpu",  # the reference is the CPU engine
-                                   tls=cls.tls)
+                                   extra_args=cls.extra_args, device=cls.device, tls=cls.tls)
         cls.cluster.start()
 
     @classmethod
