@@ -198,6 +198,14 @@ void EngineLoop::run_builds(std::vector<BuildJob> batch) {
     out[i].queue_ms = ms_between(batch[i].queued_at, started);
     out[i].cancelled = true;
   }
+  // Each outcome is handed over as soon as it is complete: a built entry right after its serialization, so that its
+  // delivery starts while the loop serializes the batch's next entries.
+  std::vector<bool> handed(batch.size(), false);
+  auto hand_over = [&](size_t i) {
+    handed[i] = true;
+    queued_tokens_ -= int64_t(batch[i].ids.size());
+    batch[i].done(std::move(out[i]));
+  };
   // Jobs whose ids the backend would refuse fail alone, not their batch.
   std::vector<size_t> good;
   for (size_t i : run) {
@@ -250,12 +258,11 @@ void EngineLoop::run_builds(std::vector<BuildJob> batch) {
         r.host.reset();
       }
       r.compute_ms = batch_ms * double(segs[k].size()) / double(tokens) + ms_between(s0, Clock::now());
+      if (!failed) hand_over(good[k]);
     }
   }
-  for (size_t i = 0; i < batch.size(); ++i) {
-    queued_tokens_ -= int64_t(batch[i].ids.size());
-    batch[i].done(std::move(out[i]));
-  }
+  for (size_t i = 0; i < batch.size(); ++i)
+    if (!handed[i]) hand_over(i);
 }
 
 void EngineLoop::run_splice(SpliceTask task) {
