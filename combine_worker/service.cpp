@@ -563,18 +563,8 @@ grpc::Status CombineService::DeliverEntry(grpc::ServerContext* ctx, grpc::Server
     const v1::EntryHeader h = msg.header();
     if (h.transport() == v1::ENTRY_TRANSPORT_NCCL) {
       // The header is the whole stream: the block comes over the communicator.
-      if (reader->Read(&msg)) {
-        // Still receive what was announced, so that the communicator stays in step, then refuse.
-        auto peer = nccl_peer(h.peer_epoch());
-        auto order = peer->exclusive();
-        transport::TransferLimits limits;
-        limits.chunk_bytes = h.chunk_bytes() ? h.chunk_bytes() : 1;
-        limits.deadline = transport::transfer_deadline(h.device_bytes(), opt_.nccl_transfer_base);
-        limits.give_up = [ctx] { return ctx->IsCancelled(); };
-        peer->discard(h.device_bytes(), limits);
-        throw rpc::invalid_argument("header", "an NCCL delivery carries its header alone (no data chunks)");
-      }
-      deliver_nccl(ctx, h, resp);
+      const bool extra = reader->Read(&msg);
+      deliver_nccl(ctx, h, extra, resp);
       return grpc::Status::OK;
     }
     if (h.transport() != v1::ENTRY_TRANSPORT_GRPC) {
@@ -623,7 +613,46 @@ grpc::Status CombineService::DeliverEntry(grpc::ServerContext* ctx, grpc::Server
   });
 }
 
-std::shared_ptr<transport::NcclPeer> CombineService::nccl_peer(uint64_t epoch) {
+void CombineService::retire_link_locked(NcclLink link, const std::string& why) {
+  // A join still running is left to finish (bounded by its timeout) in retired_; a joined peer is aborted now, which
+  // never waits for the other rank, and destroyed with its last user.
+  if (link.peer.wait_for(std::chrono::seconds(0)) == std::future_status::ready) {
+    try {
+      if (auto peer = link.peer.get()) peer->abort_soon(why);
+    } catch (const transport::TransportError&) {
+    }
+    return;
+  }
+  retired_.push_back(std::move(link.peer));
+}
+
+void CombineService::sweep_links_locked() {
+  const auto now = Clock::now();
+  for (auto it = links_.begin(); it != links_.end();) {
+    if (now - it->second.last_used > opt_.nccl_idle_timeout) {
+      spdlog::info("NCCL communicator {} with scatter worker {}: idle for {} s, closed", it->first,
+                   it->second.scatter_address, std::chrono::duration_cast<std::chrono::seconds>(now - it->second.last_used).count());
+      retire_link_locked(std::move(it->second), "idle");
+      it = links_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  // Joins that ended since they were retired: abort what came up.
+  for (auto it = retired_.begin(); it != retired_.end();) {
+    if (it->wait_for(std::chrono::seconds(0)) == std::future_status::ready) {
+      try {
+        if (auto peer = it->get()) peer->abort_soon("closed while joining");
+      } catch (const transport::TransportError&) {
+      }
+      it = retired_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+std::shared_ptr<transport::NcclPeer> CombineService::nccl_peer(uint64_t epoch, const std::string& sender) {
   std::shared_future<std::shared_ptr<transport::NcclPeer>> f;
   {
     std::lock_guard<std::mutex> lock(links_mu_);
@@ -632,6 +661,12 @@ std::shared_ptr<transport::NcclPeer> CombineService::nccl_peer(uint64_t epoch) {
       throw rpc::RpcError(grpc::StatusCode::FAILED_PRECONDITION,
                           fmt::format("no NCCL communicator {} here (closed, or never opened)", epoch));
     }
+    if (it->second.scatter_address != sender) {
+      throw rpc::RpcError(grpc::StatusCode::FAILED_PRECONDITION,
+                          fmt::format("NCCL communicator {} belongs to scatter worker {}, not {}", epoch,
+                                      it->second.scatter_address, sender));
+    }
+    it->second.last_used = Clock::now();
     f = it->second.peer;
   }
   std::shared_ptr<transport::NcclPeer> peer;
@@ -648,9 +683,11 @@ std::shared_ptr<transport::NcclPeer> CombineService::nccl_peer(uint64_t epoch) {
   return peer;
 }
 
-void CombineService::deliver_nccl(grpc::ServerContext* ctx, const v1::EntryHeader& h, v1::DeliverEntryResponse* resp) {
+void CombineService::deliver_nccl(grpc::ServerContext* ctx, const v1::EntryHeader& h, bool extra_chunks,
+                                  v1::DeliverEntryResponse* resp) {
   const auto t0 = Clock::now();
-  auto peer = nccl_peer(h.peer_epoch());
+  // No matching operation is posted for an unknown, foreign or broken communicator: the sender aborts its side.
+  auto peer = nccl_peer(h.peer_epoch(), h.built_by());
   const auto drop_link = [&](const std::string& why) {
     peer->abort_soon(why);
     std::lock_guard<std::mutex> lock(links_mu_);
@@ -662,26 +699,28 @@ void CombineService::deliver_nccl(grpc::ServerContext* ctx, const v1::EntryHeade
   limits.chunk_bytes = h.chunk_bytes();
   limits.deadline = transport::transfer_deadline(h.device_bytes(), opt_.nccl_transfer_base);
   limits.give_up = [ctx] { return ctx->IsCancelled(); };  // the scatter worker died or gave up
-  if (limits.chunk_bytes == 0) {
-    drop_link("a delivery announced chunk_bytes 0");  // the operations cannot be matched: the link is lost
-    throw rpc::invalid_argument("header.chunk_bytes", "must be > 0 for an NCCL delivery");
+  // Protocol violations: the announced operations cannot be matched sensibly, so the communicator goes (the sender
+  // sees no "matched" mark and aborts its side too).
+  std::string violation;
+  if (extra_chunks) {
+    violation = "an NCCL delivery carries its header alone (no data chunks)";
+  } else if (limits.chunk_bytes == 0) {
+    violation = "header.chunk_bytes: must be > 0 for an NCCL delivery";
+  } else if (h.device_bytes() == 0 || h.device_bytes() > 2 * h.total_bytes() + (uint64_t(1) << 20)) {
+    // A device block is at most the serialized entry plus its alignment (bf16 KV against fp32 on the wire).
+    violation = fmt::format("header.device_bytes: {} for a serialized entry of {} bytes", h.device_bytes(),
+                            h.total_bytes());
   }
-  // A device block is at most the serialized entry plus its alignment (bf16 KV against fp32 on the wire): a larger
-  // announcement is not an entry of ours, and receiving it would hold the link for its whole deadline.
-  if (h.device_bytes() == 0 || h.device_bytes() > 2 * h.total_bytes() + (uint64_t(1) << 20)) {
-    drop_link(fmt::format("a delivery announced a block of {} bytes for an entry of {}", h.device_bytes(),
-                          h.total_bytes()));
-    throw rpc::invalid_argument("header.device_bytes", fmt::format("{} for a serialized entry of {} bytes",
-                                                                   h.device_bytes(), h.total_bytes()));
+  if (!violation.empty()) {
+    drop_link(violation);
+    throw rpc::invalid_argument("header", violation);
   }
-  // Whatever is refused from here on is still received (and dropped), so that the link stays in step.
-  const auto refuse = [&](const rpc::RpcError& e) {
-    try {
-      peer->discard(h.device_bytes(), limits);
-    } catch (const transport::TransportError& te) {
-      drop_link(te.what());
-    }
-    throw e;
+  // From here on, whatever happens, the announced block is matched: received, or received into scratch and
+  // dropped; the answer's trailing metadata says so, and only then does the sender keep the link.
+  bool matched = false;
+  const auto mark_matched = [&] {
+    matched = true;
+    ctx->AddTrailingMetadata("hypic-nccl-matched", "1");
   };
   std::shared_ptr<Pending> p;
   std::pair<std::shared_ptr<const engine::ResidentEntry>, engine::DeviceBlock> dst;
@@ -720,15 +759,24 @@ void CombineService::deliver_nccl(grpc::ServerContext* ctx, const v1::EntryHeade
                           fmt::format("{}: a block of {} bytes was announced, but this worker lays the entry out in {}",
                                       what, h.device_bytes(), dst.second.bytes));
     }
-  } catch (const rpc::RpcError& e) {
-    refuse(e);
-  }
-  try {
-    peer->recv(dst.second.data, dst.second.bytes, limits);
-  } catch (const transport::TransportError& e) {
-    drop_link(e.what());
-    spdlog::warn("[req {}] {}: receive failed: {}", p->id, what, e.what());
-    throw rpc::RpcError(grpc::StatusCode::UNAVAILABLE, fmt::format("{}: NCCL receive failed: {}", what, e.what()));
+    try {
+      peer->recv(dst.second.data, dst.second.bytes, limits);
+      mark_matched();
+    } catch (const transport::TransportError& e) {
+      drop_link(e.what());
+      spdlog::warn("[req {}] {}: receive failed: {}", p->id, what, e.what());
+      throw rpc::RpcError(grpc::StatusCode::UNAVAILABLE, fmt::format("{}: NCCL receive failed: {}", what, e.what()));
+    }
+  } catch (...) {
+    if (!matched && !peer->broken()) {
+      try {
+        peer->discard(h.device_bytes(), limits);
+        mark_matched();
+      } catch (const transport::TransportError& te) {
+        drop_link(te.what());
+      }
+    }
+    throw;
   }
   const bool shared = !h.shared_from().empty();
   const bool fresh = p->fill(
@@ -756,6 +804,7 @@ grpc::Status CombineService::OpenPeer(grpc::ServerContext*, const v1::OpenPeerRe
     if (backend_.device().kind != engine::BackendKind::Cuda) {
       return refuse(fmt::format("its {} backend keeps entries in host memory", backend_.numerics()));
     }
+    if (req->scatter_address().empty()) throw rpc::invalid_argument("scatter_address", "must not be empty");
     if (req->model_fingerprint() != backend_.fingerprint()) {
       return refuse(fmt::format("the scatter worker serves model {}, this worker {}", req->model_fingerprint(),
                                 backend_.fingerprint()));
@@ -774,31 +823,35 @@ grpc::Status CombineService::OpenPeer(grpc::ServerContext*, const v1::OpenPeerRe
     }
     const auto timeout = opt_.nccl_join_timeout;
     uint64_t epoch = 0;
-    std::vector<std::shared_future<std::shared_ptr<transport::NcclPeer>>> replaced;
     {
       std::lock_guard<std::mutex> lock(links_mu_);
-      epoch = next_epoch_++;
+      sweep_links_locked();
+      // Random epochs: a scatter worker still holding a link to an earlier process at this address never names a
+      // communicator of this one.
+      do {
+        epoch = epoch_rng_();
+      } while (epoch == 0 || links_.count(epoch));
       // A scatter worker opens a new communicator only when it gave the old one up: its old ones go.
       for (auto it = links_.begin(); it != links_.end();) {
         if (it->second.scatter_address == req->scatter_address()) {
-          replaced.push_back(it->second.peer);
+          retire_link_locked(std::move(it->second), "replaced by communicator " + std::to_string(epoch));
           it = links_.erase(it);
         } else {
           ++it;
         }
       }
+      if (links_.size() >= size_t(opt_.nccl_max_links)) {
+        return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                            fmt::format("this combine worker holds {} NCCL communicators already (the limit); send "
+                                        "entries over gRPC",
+                                        links_.size()));
+      }
       links_[epoch] = NcclLink{req->scatter_address(),
                                std::async(std::launch::async, [uid, device, timeout] {
                                  return std::shared_ptr<transport::NcclPeer>(
                                      transport::NcclPeer::join(uid, 0, device, timeout));
-                               }).share()};
-    }
-    for (auto& f : replaced) {
-      if (f.wait_for(std::chrono::seconds(0)) != std::future_status::ready) continue;
-      try {
-        f.get()->abort_soon("replaced by communicator " + std::to_string(epoch));
-      } catch (const transport::TransportError&) {
-      }
+                               }).share(),
+                               Clock::now()};
     }
     spdlog::info("NCCL communicator {} with scatter worker {} (NCCL {}): joining", epoch, req->scatter_address(),
                  req->nccl_version());
@@ -812,17 +865,15 @@ grpc::Status CombineService::OpenPeer(grpc::ServerContext*, const v1::OpenPeerRe
 grpc::Status CombineService::ClosePeer(grpc::ServerContext*, const v1::ClosePeerRequest* req,
                                        v1::ClosePeerResponse*) {
   return rpc::handle_errors([&]() -> grpc::Status {
-    std::optional<NcclLink> gone;
-    {
-      std::lock_guard<std::mutex> lock(links_mu_);
-      auto it = links_.find(req->epoch());
-      if (it != links_.end() && it->second.scatter_address == req->scatter_address()) {
-        gone = std::move(it->second);
-        links_.erase(it);
-      }
+    std::lock_guard<std::mutex> lock(links_mu_);
+    auto it = links_.find(req->epoch());
+    if (it != links_.end() && it->second.scatter_address == req->scatter_address()) {
+      spdlog::info("NCCL communicator {} with scatter worker {}: closed", req->epoch(), req->scatter_address());
+      retire_link_locked(std::move(it->second), "closed by the scatter worker");
+      links_.erase(it);
     }
-    if (gone) spdlog::info("NCCL communicator {} with scatter worker {}: closed", req->epoch(), req->scatter_address());
-    return grpc::Status::OK;  // the communicator is destroyed with its last user
+    sweep_links_locked();
+    return grpc::Status::OK;  // unknown epochs are fine (already gone)
   });
 }
 

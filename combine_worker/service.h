@@ -10,6 +10,8 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <random>
+#include <vector>
 #include <string>
 
 #include "combine_worker/memory_tier.h"
@@ -36,6 +38,10 @@ struct CombineOptions {
   std::chrono::milliseconds nccl_join_timeout{20000};
   /// Fixed part of an NCCL receive's deadline (transport::transfer_deadline adds the bytes at 1 GB/s).
   std::chrono::milliseconds nccl_transfer_base{10000};
+  /// Communicators unused this long are closed (their scatter worker may be gone); it opens a new one when needed.
+  std::chrono::seconds nccl_idle_timeout{600};
+  /// The most communicators held at once (OpenPeer beyond it: RESOURCE_EXHAUSTED, the entries go over gRPC).
+  int nccl_max_links = 256;
 };
 
 /// Everything a combine worker serves with; all must outlive the service. Every engine call (local builds,
@@ -82,17 +88,24 @@ class CombineService final : public hypic::v1::CombineWorker::Service {
   std::shared_ptr<Pending> find(const std::string& request_id);
   void build_locally(const std::shared_ptr<Pending>& p, size_t slot, std::string note);
   void fetch_warm(const std::shared_ptr<Pending>& p, size_t slot, const grpc::ServerContextBase* ctx);
-  /// DeliverEntry with transport NCCL: receives the announced block over communicator h.peer_epoch().
-  void deliver_nccl(grpc::ServerContext* ctx, const hypic::v1::EntryHeader& h, hypic::v1::DeliverEntryResponse* resp);
+  /// DeliverEntry with transport NCCL: receives the announced block over communicator h.peer_epoch() (refused, the
+  /// block still received and dropped, when anything is wrong with it; `extra_chunks`: the stream carried data).
+  void deliver_nccl(grpc::ServerContext* ctx, const hypic::v1::EntryHeader& h, bool extra_chunks,
+                    hypic::v1::DeliverEntryResponse* resp);
 
   // One NCCL communicator with a scatter worker (rank 0 here), joined in the background after OpenPeer.
   struct NcclLink {
     std::string scatter_address;
     std::shared_future<std::shared_ptr<transport::NcclPeer>> peer;  // throws TransportError if the join failed
+    std::chrono::steady_clock::time_point last_used;
   };
-  /// The joined communicator `epoch`, waiting for its join to finish; throws rpc::RpcError FAILED_PRECONDITION if
-  /// it is unknown, failed to join or is broken.
-  std::shared_ptr<transport::NcclPeer> nccl_peer(uint64_t epoch);
+  /// The joined communicator `epoch` of scatter worker `sender`, waiting for its join to finish; throws
+  /// rpc::RpcError FAILED_PRECONDITION if it is unknown, another worker's, failed to join or is broken.
+  std::shared_ptr<transport::NcclPeer> nccl_peer(uint64_t epoch, const std::string& sender);
+  /// Under links_mu_: aborts a link taken out of links_ (a join still running goes to retired_).
+  void retire_link_locked(NcclLink link, const std::string& why);
+  /// Under links_mu_: closes idle links, reaps retired joins that ended.
+  void sweep_links_locked();
   CombineDeps d_;
   CombineOptions opt_;
   const engine::Backend& backend_;  // d_.loop's: immutable facts only (config, fingerprint, numerics, device)
@@ -101,8 +114,9 @@ class CombineService final : public hypic::v1::CombineWorker::Service {
   std::mutex mu_;
   std::map<std::string, std::shared_ptr<Pending>> active_;
   mutable std::mutex links_mu_;
-  uint64_t next_epoch_ = 1;
+  std::mt19937_64 epoch_rng_{std::random_device{}()};
   std::map<uint64_t, NcclLink> links_;  // by epoch
+  std::vector<std::shared_future<std::shared_ptr<transport::NcclPeer>>> retired_;  // joins still running
 };
 
 }  // namespace hypic::combine

@@ -203,9 +203,10 @@ class Backend {
   virtual std::optional<DeviceBlock> device_block(const ResidentEntry& entry) const;
   /// A device entry for `header` (fingerprint, numerics, w, token ids and geometry; its tensors are ignored) whose
   /// block the caller then fills with a sender's block (a GPU-to-GPU receive) before splicing it: until then its
-  /// content is undefined. The sizes equal what build_entries makes for the same tokens. Thread-safe (allocates with
-  /// cudaMalloc, never on the engine's stream). Throws EntryError if `header` is another model's, numerics or
-  /// geometry; ResourceExhausted if device memory is short; std::logic_error on a backend without device entries.
+  /// content is undefined. The sizes equal what build_entries makes for the same tokens. Thread-safe (allocates
+  /// stream-ordered on a transfer stream of its own: never on the engine's stream, never synchronizing the device).
+  /// Throws EntryError if `header` is another model's, numerics or geometry; ResourceExhausted if device memory is
+  /// short; std::logic_error on a backend without device entries.
   virtual std::pair<std::shared_ptr<const ResidentEntry>, DeviceBlock> allocate_entry(const SegmentEntry& header) const;
 };
 

@@ -220,6 +220,13 @@ void EngineLoop::run_builds(std::vector<BuildJob> batch) {
       out[i].error = message_of(std::current_exception());
     }
   }
+  // Cancelled and refused jobs are complete already: handed over before the build runs.
+  {
+    std::vector<bool> is_good(batch.size(), false);
+    for (size_t i : good) is_good[i] = true;
+    for (size_t i = 0; i < batch.size(); ++i)
+      if (!is_good[i]) hand_over(i);
+  }
   if (!good.empty()) {
     std::vector<std::vector<int32_t>> segs;
     int64_t tokens = 0;

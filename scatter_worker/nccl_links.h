@@ -1,11 +1,12 @@
 // The scatter worker's side of the NCCL data plane (transport/nccl_peer.h): one two-rank communicator per combine
-// worker it delivers to, this worker being rank 1 (it sends). A link is opened on first use through
-// CombineWorker.OpenPeer (the combine worker makes the unique id and is rank 0), used for every delivery to that
-// combine worker, and dropped (ClosePeer) when a transfer on it fails; the next delivery opens a new one. A combine
-// worker that refuses (CPU backend, the same GPU, no NCCL, --nccl off) or whose link failed is asked again only after
-// Options::retry_after; meanwhile its entries go over gRPC.
+// worker it delivers to, this worker being rank 1 (it sends). A link is opened in the background when a delivery
+// first asks for it, through CombineWorker.OpenPeer (the combine worker makes the unique id and is rank 0); until it
+// is up, entries go over gRPC. It then serves every delivery to that combine worker, and is dropped (ClosePeer) when
+// a transfer on it fails. A combine worker that refuses (CPU backend, the same GPU, no NCCL, --nccl off) or whose
+// link failed is asked again only after Options::retry_after; meanwhile its entries go over gRPC.
 #pragma once
 #include <chrono>
+#include <future>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -30,8 +31,11 @@ class NcclLinks {
     std::chrono::milliseconds retry_after{30000};   ///< after a refusal or a failed link
   };
   explicit NcclLinks(Options options);
-  /// Tells every combine worker with an open link that it goes (ClosePeer, best effort, 2 s each).
+  /// Waits for links still opening (bounded by open_timeout and the join timeout), then tells every combine worker
+  /// with an open link that it goes (ClosePeer, best effort, 2 s each).
   ~NcclLinks();
+  /// This worker's address, as OpenPeer names it (known once the server is bound). Thread-safe.
+  void set_address(std::string address);
   NcclLinks(const NcclLinks&) = delete;
   NcclLinks& operator=(const NcclLinks&) = delete;
 
@@ -39,9 +43,9 @@ class NcclLinks {
     std::shared_ptr<transport::NcclPeer> peer;
     uint64_t epoch = 0;
   };
-  /// The link to `combine_address` (opened now through `stub` if there is none), or nullopt with *why set when its
-  /// entries are to go over gRPC: disabled, refused or failed within retry_after (the reason is the first one's).
-  /// Thread-safe; opening one link blocks the other callers for the same combine worker only.
+  /// The link to `combine_address` if it is up; else nullopt with *why set, and the entry goes over gRPC: disabled,
+  /// refused or failed within retry_after (the reason is the first one's), or opening (started now through `stub`
+  /// if it was not, in the background). Thread-safe; never waits for an open.
   std::optional<Link> get(const std::string& combine_address, hypic::v1::CombineWorker::Stub& stub, std::string* why);
   /// Forgets the link `epoch` to `combine_address` after a failure (ClosePeer, best effort) and holds NCCL off for it
   /// for retry_after. Thread-safe; a newer link is left alone.
@@ -54,13 +58,18 @@ class NcclLinks {
 
  private:
   struct Entry {
-    std::mutex opening;  // one open at a time per combine worker
+    std::mutex mu;  // guards the fields below (never held across an RPC or a join)
     std::optional<Link> link;
+    std::future<void> opener;  // the open in progress, if any
     std::chrono::steady_clock::time_point refused_until{};
     std::string refused_why;
     hypic::v1::CombineWorker::Stub* stub = nullptr;
   };
   std::shared_ptr<Entry> entry(const std::string& address);
+  /// The open, on its own thread: OpenPeer, then the join; the outcome goes into *e.
+  void open(Entry* e, std::string combine_address, hypic::v1::CombineWorker::Stub* stub);
+  void close_peer(hypic::v1::CombineWorker::Stub* stub, uint64_t epoch);  // ClosePeer, best effort, 2 s
+  std::string address() const;
 
   Options opt_;
   mutable std::mutex mu_;

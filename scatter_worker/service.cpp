@@ -65,29 +65,50 @@ grpc::Status deliver_entry_nccl(v1::CombineWorker::Stub& stub, grpc::ClientConte
   *head.mutable_header() = header;
   const bool wrote = writer->Write(head);
   writer->WritesDone();
-  if (!wrote) return writer->Finish();  // nothing was posted: the link is still in step
-  spdlog::info("[req {}] segment {}: NCCL transfer of {} bytes on communicator {}", header.request_id(),
-               header.index(), block.bytes, link.epoch);
-  if (inject_stall.count() > 0) {
-    spdlog::warn("[req {}] segment {}: stalling the NCCL transfer {} ms (--inject-transfer-stall-ms, testing only)",
-                 header.request_id(), header.index(), inject_stall.count());
-    std::this_thread::sleep_for(inject_stall);
-  }
   transport::TransferLimits limits;
   limits.chunk_bytes = chunk_bytes;
   limits.deadline = transport::transfer_deadline(block.bytes, transfer_base);
-  try {
-    peer.post_send(block.data, block.bytes, limits);
-  } catch (const transport::TransportError& e) {
-    *link_broken = true;
-    ctx.TryCancel();  // the combine worker gives its receive up when the call is cancelled
-    writer->Finish();
-    return grpc::Status(grpc::StatusCode::UNAVAILABLE, fmt::format("NCCL send failed: {}", e.what()));
+  bool posted = false;
+  grpc::Status failure;
+  if (wrote) {
+    spdlog::info("[req {}] segment {}: NCCL transfer of {} bytes on communicator {}", header.request_id(),
+                 header.index(), block.bytes, link.epoch);
+    if (inject_stall.count() > 0) {
+      spdlog::warn("[req {}] segment {}: stalling the NCCL transfer {} ms (--inject-transfer-stall-ms, testing only)",
+                   header.request_id(), header.index(), inject_stall.count());
+      std::this_thread::sleep_for(inject_stall);
+    }
+    try {
+      peer.post_send(block.data, block.bytes, limits);
+      posted = true;
+    } catch (const transport::TransportError& e) {
+      ctx.TryCancel();  // the combine worker gives its receive up when the call is cancelled
+      failure = grpc::Status(grpc::StatusCode::UNAVAILABLE, fmt::format("NCCL send failed: {}", e.what()));
+    }
   }
-  // The combine worker answers once the block is in (or dropped, when it refused the entry): then the send is done
-  // or about to be. With no answer (it died, or the call was cancelled) the send never completes: abort.
+  // The combine worker answers once the block is in, or received and dropped when it refused the entry; its
+  // trailing metadata says whether it matched the send. Anything else (no answer, a refusal before it posted a
+  // receive) leaves the link out of step, even when our send completed: NCCL buffers small sends on the receiver
+  // before any receive is posted. Then the link goes.
   const grpc::Status st = writer->Finish();
   if (duplicate) *duplicate = resp.duplicate();
+  bool matched = st.ok();
+  for (const auto& [k, v] : ctx.GetServerTrailingMetadata())
+    if (k == "hypic-nccl-matched" && v == "1") matched = true;
+  if (!failure.ok() || !posted || !matched) {
+    *link_broken = true;
+    if (posted) {
+      peer.abort_soon("the combine worker did not take the block: " + rpc::describe(st));
+      try {
+        limits.deadline = std::chrono::steady_clock::now();
+        peer.wait(limits);
+      } catch (const transport::TransportError&) {
+      }
+    } else {
+      peer.abort_soon(failure.ok() ? "the delivery call broke before the send" : failure.error_message());
+    }
+    return failure.ok() ? st : failure;
+  }
   if (!st.ok()) limits.deadline = std::min(limits.deadline, std::chrono::steady_clock::now() + std::chrono::seconds(2));
   try {
     peer.wait(limits);
@@ -115,7 +136,21 @@ ScatterService::ScatterService(engine::EngineLoop& loop, cache::AsyncCachePutter
     throw std::invalid_argument(fmt::format("entry transport \"{}\": must be auto or grpc", data_plane_.entry_transport));
   }
   if (data_plane_.nccl_chunk_bytes == 0) throw std::invalid_argument("nccl chunk bytes: must be > 0");
-  set_address("");
+  NcclLinks::Options o;
+  o.fingerprint = fingerprint_;
+  o.device = loop_.backend().device().index;
+  o.retry_after = data_plane_.nccl_retry_after;
+  const std::string unavailable = transport::nccl_unavailable_reason();
+  if (data_plane_.entry_transport == "grpc") {
+    o.disabled_reason = "--entry-transport grpc";
+  } else if (!unavailable.empty()) {
+    o.disabled_reason = unavailable;
+  } else if (loop_.backend().device().kind != engine::BackendKind::Cuda) {
+    o.disabled_reason = fmt::format("the {} backend keeps entries in host memory", loop_.backend().numerics());
+  } else {
+    o.enabled = true;
+  }
+  links_ = std::make_unique<NcclLinks>(std::move(o));
   // Prometheus metrics (proto/rpc/metrics.h), read at each scrape; this service lives until the server stopped.
   auto& reg = rpc::MetricsRegistry::global();
   reg.gauge_fn("hypic:scatter_queued_tokens", "Tokens of builds queued or running on this scatter worker",
@@ -138,22 +173,7 @@ ScatterService::ScatterService(engine::EngineLoop& loop, cache::AsyncCachePutter
 
 void ScatterService::set_address(std::string address) {
   address_ = std::move(address);
-  NcclLinks::Options o;
-  o.address = address_;
-  o.fingerprint = fingerprint_;
-  o.device = loop_.backend().device().index;
-  o.retry_after = data_plane_.nccl_retry_after;
-  const std::string unavailable = transport::nccl_unavailable_reason();
-  if (data_plane_.entry_transport == "grpc") {
-    o.disabled_reason = "--entry-transport grpc";
-  } else if (!unavailable.empty()) {
-    o.disabled_reason = unavailable;
-  } else if (loop_.backend().device().kind != engine::BackendKind::Cuda) {
-    o.disabled_reason = fmt::format("the {} backend keeps entries in host memory", loop_.backend().numerics());
-  } else {
-    o.enabled = true;
-  }
-  links_ = std::make_unique<NcclLinks>(std::move(o));
+  links_->set_address(address_);
 }
 
 namespace {
@@ -279,8 +299,13 @@ grpc::Status ScatterService::Prefill(grpc::ServerContext* ctx, const v1::Prefill
           if (st.ok()) {
             transport = "nccl";
             nccl_sent.inc(double(block->bytes));
-          } else if (broken || st.error_code() == grpc::StatusCode::FAILED_PRECONDITION ||
-                     st.error_code() == grpc::StatusCode::DATA_LOSS) {
+          } else if (st.error_code() == grpc::StatusCode::FAILED_PRECONDITION ||
+                     st.error_code() == grpc::StatusCode::DATA_LOSS ||
+                     st.error_code() == grpc::StatusCode::UNAVAILABLE ||
+                     st.error_code() == grpc::StatusCode::INTERNAL || st.error_code() == grpc::StatusCode::UNKNOWN) {
+            // The link or the block was refused (or broke): gRPC may well succeed. A request that is gone
+            // (NOT_FOUND), cancelled or past its deadline, or a combine worker short of memory, would refuse it
+            // over gRPC too.
             note = fmt::format("NCCL delivery failed ({}); sent over gRPC", rpc::describe(st));
             spdlog::warn("[req {}] segment {}: {}", rid, req->segments(i).index(), note);
             via_grpc = true;

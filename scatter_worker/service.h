@@ -72,7 +72,7 @@ class ScatterService final : public hypic::v1::ScatterWorker::Service {
   /// unknown entry_transport or a zero nccl_chunk_bytes.
   ScatterService(engine::EngineLoop& loop, cache::AsyncCachePutter& putter, rpc::Lifecycle& life, size_t chunk_bytes,
                  int compute_threads, uint64_t random_weights_seed = 0, DataPlaneOptions data_plane = {});
-  /// Also names this worker in the NCCL links it opens; call before serving.
+  /// Also names this worker in the NCCL links it opens.
   void set_address(std::string address);
 
   grpc::Status Prefill(grpc::ServerContext* ctx, const hypic::v1::PrefillRequest* req,

@@ -75,6 +75,8 @@ std::string new_unique_id() {
   return std::string(id.internal, sizeof(id.internal));
 }
 
+constexpr size_t kScratchBytes = size_t(1) << 20;  // discard's chunks (grown when a sender's chunks are larger)
+
 struct NcclPeer::Impl {
   ncclComm_t comm = nullptr;
   cudaStream_t stream = nullptr;
@@ -131,12 +133,29 @@ std::unique_ptr<NcclPeer> NcclPeer::join(std::string_view unique_id, int rank, i
   try {
     check_cuda_t(cudaStreamCreateWithFlags(&impl->stream, cudaStreamNonBlocking), "NcclPeer: cudaStreamCreate");
     check_cuda_t(cudaEventCreateWithFlags(&impl->done, cudaEventDisableTiming), "NcclPeer: cudaEventCreate");
+    check_cuda_t(cudaMallocAsync(&impl->scratch, kScratchBytes, impl->stream), "NcclPeer: scratch allocation");
+    impl->scratch_bytes = kScratchBytes;
+    check_cuda_t(cudaStreamSynchronize(impl->stream), "NcclPeer: scratch allocation");
   } catch (...) {
     ncclCommAbort(impl->comm);
+    if (impl->scratch) cudaFreeAsync(impl->scratch, impl->stream);
+    if (impl->done) cudaEventDestroy(impl->done);
     if (impl->stream) cudaStreamDestroy(impl->stream);
     throw;
   }
-  return std::unique_ptr<NcclPeer>(new NcclPeer(std::move(impl), rank, device));
+  auto peer = std::unique_ptr<NcclPeer>(new NcclPeer(std::move(impl), rank, device));
+  // NCCL connects point-to-point channels lazily, on the first operation, which needs both ranks: a one-byte
+  // exchange now makes that happen within the join's time, so that an entry's send never waits on a connection
+  // whose other end is not receiving.
+  TransferLimits hello;
+  hello.chunk_bytes = 1;
+  hello.deadline = std::max(deadline, Clock::now() + std::chrono::seconds(1));
+  if (rank == 1) {
+    peer->send(peer->impl_->scratch, 1, hello);
+  } else {
+    peer->recv(peer->impl_->scratch, 1, hello);
+  }
+  return peer;
 }
 
 NcclPeer::NcclPeer(std::unique_ptr<Impl> impl, int rank, int device)
@@ -144,27 +163,11 @@ NcclPeer::NcclPeer(std::unique_ptr<Impl> impl, int rank, int device)
 
 NcclPeer::~NcclPeer() {
   cudaSetDevice(device_);
-  if (!broken_.load() && impl_->comm) {
-    if (impl_->pending) {
-      ncclCommAbort(impl_->comm);  // a send nobody waited for: finalizing could wait for a receiver forever
-    } else {
-      // Flush and destroy; bounded, since the other rank may be gone (then abort).
-      ncclResult_t state = ncclCommFinalize(impl_->comm);
-      const auto deadline = Clock::now() + std::chrono::seconds(5);
-      if (state == ncclInProgress || state == ncclSuccess) {
-        do {
-          if (ncclCommGetAsyncError(impl_->comm, &state) != ncclSuccess) break;
-          if (state == ncclInProgress) std::this_thread::sleep_for(std::chrono::microseconds(200));
-        } while (state == ncclInProgress && Clock::now() < deadline);
-      }
-      if (state == ncclSuccess) {
-        ncclCommDestroy(impl_->comm);
-      } else {
-        ncclCommAbort(impl_->comm);
-      }
-    }
-  }
-  if (impl_->scratch) cudaFree(impl_->scratch);
+  // Aborting never waits for the other rank (finalizing waits until both are quiescent, and the other one may be
+  // gone or waiting on us); nothing is pending here unless a send was posted and never waited for.
+  if (!broken_.load() && impl_->comm) ncclCommAbort(impl_->comm);
+  if (impl_->scratch) cudaFreeAsync(impl_->scratch, impl_->stream);
+  if (impl_->stream) cudaStreamSynchronize(impl_->stream);
   if (impl_->done) cudaEventDestroy(impl_->done);
   if (impl_->stream) cudaStreamDestroy(impl_->stream);
 }
@@ -227,6 +230,7 @@ void NcclPeer::post(bool is_send, void* data, size_t bytes, const TransferLimits
     // A nonblocking communicator may still be enqueueing: wait (bounded) until it took the operation.
     while (r == ncclInProgress) {
       if (Clock::now() > limits.deadline) fail(std::string(verb) + ": enqueueing did not finish by the deadline");
+      if (limits.give_up && limits.give_up()) fail(std::string(verb) + ": given up (the call it serves ended)");
       std::this_thread::sleep_for(std::chrono::microseconds(20));
       if (ncclCommGetAsyncError(impl_->comm, &r) != ncclSuccess) break;
     }
@@ -261,6 +265,11 @@ void NcclPeer::wait(const TransferLimits& limits) {
   std::lock_guard<std::mutex> lock(state_);
   impl_->pending = false;
   busy_ = false;
+  if (abort_requested_.load() && !broken_.load()) {  // asked while the transfer ran, which then completed: abort now
+    ncclCommAbort(impl_->comm);
+    broken_reason_ = abort_reason_;
+    broken_.store(true);
+  }
 }
 
 void NcclPeer::post_send(const void* data, size_t bytes, const TransferLimits& limits) {
@@ -281,11 +290,14 @@ void NcclPeer::recv(void* data, size_t bytes, const TransferLimits& limits) {
 void NcclPeer::discard(size_t bytes, const TransferLimits& limits) {
   const size_t need = std::min(bytes, limits.chunk_bytes);
   if (need > impl_->scratch_bytes) {
+    // Stream-ordered on this peer's stream: a plain cudaFree / cudaMalloc would synchronize the whole device
+    // (every worker's stream, and any receive still waiting for a sender).
     cudaSetDevice(device_);
-    if (impl_->scratch) cudaFree(impl_->scratch);
+    if (impl_->scratch) cudaFreeAsync(impl_->scratch, impl_->stream);
     impl_->scratch = nullptr;
     impl_->scratch_bytes = 0;
-    check_cuda_t(cudaMalloc(&impl_->scratch, need), "NcclPeer::discard: cudaMalloc");
+    check_cuda_t(cudaMallocAsync(&impl_->scratch, need, impl_->stream), "NcclPeer::discard: scratch allocation");
+    check_cuda_t(cudaStreamSynchronize(impl_->stream), "NcclPeer::discard: scratch allocation");
     impl_->scratch_bytes = need;
   }
   post(false, nullptr, bytes, limits);

@@ -88,8 +88,8 @@ class CudaBackend;
 // conv tail [K-1][C] bf16; per attention layer K and V [n][H_kv][hd] bf16 (K rotated at local positions).
 class CudaEntry final : public ResidentEntry {
  public:
-  /// Allocates the block on `stream` (stream-ordered: the engine thread's entries), or with plain cudaMalloc when
-  /// `stream` is null (Backend::allocate_entry, on any thread).
+  /// Allocates the block stream-ordered on `stream` (the engine's stream for its own entries; the backend's transfer
+  /// stream for Backend::allocate_entry, on any thread), or with plain cudaMalloc when `stream` is null.
   CudaEntry(CudaBackend& b, SegmentEntry header, cudaStream_t stream);
   /// The whole block (DeviceBlock; engine/backend.h).
   DeviceBlock block() const { return {mem_.bytes_ptr(), mem_.size(), device_}; }
@@ -276,6 +276,10 @@ class CudaBackend final : public Backend {
   float eps_ = 1e-6f, attn_scale_ = 1.f, gdn_scale_ = 1.f;
   bool renorm_topk_ = true;
   cudaStream_t stream_ = nullptr;
+  // Allocations and frees of entries made for a GPU-to-GPU receive (allocate_entry, on any thread): stream-ordered
+  // on a stream of their own, since plain cudaMalloc / cudaFree synchronize the whole device (the engine's work and
+  // any NCCL receive still waiting for its sender).
+  cudaStream_t xfer_stream_ = nullptr;
   DeviceWeights w_;
   kc::GemmRunner gemm_;
   kc::MoeWorkspace moe_ws_;
@@ -400,6 +404,7 @@ CudaBackend::CudaBackend(const DeviceSpec& dev, ModelConfig cfg, const ModelWeig
                                 " CUDA device(s) visible)");
   set_device();
   check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+  check_cuda(cudaStreamCreateWithFlags(&xfer_stream_, cudaStreamNonBlocking), "cudaStreamCreate");
   if (!weights && checkpoint.empty()) cfg_.weights_digest = random_weights_digest(opt_.random_weights_seed);
   fingerprint_ = model_fingerprint(cfg_, numerics());
   geom_ = EntryGeometry::of(cfg_);
@@ -443,6 +448,10 @@ CudaBackend::~CudaBackend() {
     drain_frees();
     cudaStreamSynchronize(stream_);
     cudaStreamDestroy(stream_);
+  }
+  if (xfer_stream_) {
+    cudaStreamSynchronize(xfer_stream_);
+    cudaStreamDestroy(xfer_stream_);
   }
 }
 
@@ -1542,12 +1551,15 @@ std::optional<DeviceBlock> CudaBackend::device_block(const ResidentEntry& entry)
 }
 
 std::pair<std::shared_ptr<const ResidentEntry>, DeviceBlock> CudaBackend::allocate_entry(const SegmentEntry& header) const {
-  // Any thread: nothing here touches the engine's stream or mutable state (cudaMalloc, whose device is per thread).
+  // Any thread: nothing here touches the engine's stream or mutable state (the allocation is on xfer_stream_).
   header.check_compatible(fingerprint_, geom_, -1, numerics());
   if (header.num_tokens() < 1) throw EntryError("allocate_entry: an entry has at least one token");
   check_cuda(cudaSetDevice(dev_.index), "cudaSetDevice");
-  // The entry hands its memory back through the (mutex-guarded) deferred frees: const_cast is safe there.
-  auto e = std::make_shared<CudaEntry>(const_cast<CudaBackend&>(*this), header_of(header), nullptr);
+  // The entry hands its memory back through the (mutex-guarded) deferred frees: const_cast is safe there. Its block
+  // is freed stream-ordered on xfer_stream_ too; every engine call ends with its stream synchronized, so no engine
+  // work still reads an entry whose last reference went.
+  auto e = std::make_shared<CudaEntry>(const_cast<CudaBackend&>(*this), header_of(header), xfer_stream_);
+  check_cuda(cudaStreamSynchronize(xfer_stream_), "entry allocation");  // ready before another stream writes it
   const DeviceBlock block = e->block();
   return {std::move(e), block};
 }

@@ -56,6 +56,19 @@ class GpuModel:
         return cls.model
 
 
+def wait_for_link(test: ClusterTestCase, timeout: float = 60) -> None:
+    """Sends warm-up requests until scatter-0 reports its NCCL communicator up (links open in the background: the
+    first entries go over gRPC meanwhile)."""
+    log = Path(test.cluster.services["scatter-0"].log_path)
+    deadline = time.monotonic() + timeout
+    k = 0
+    while " up (cuda:" not in log.read_text():
+        test.assertLess(time.monotonic(), deadline, "scatter-0's NCCL communicator never came up")
+        test.ok(test.generate([words(9000 + k, 40)], "Warm-up?", max_tokens=1))
+        k += 1
+        time.sleep(0.2)
+
+
 def prompts() -> list[tuple[list[str], str]]:
     return [([words(100 * k + i, 60 + 25 * i) for i in range(4)], f"Question {k}: what is said?") for k in range(3)]
 
@@ -74,6 +87,7 @@ class NcclClusterTest(ClusterTestCase):
         super().setUpClass()
 
     def test_entries_over_nccl_give_the_tokens_of_grpc(self):
+        wait_for_link(self)
         ours = []
         transports = set()
         for segs, q in prompts():
@@ -84,8 +98,9 @@ class NcclClusterTest(ClusterTestCase):
                 t = s.get("transport", "")
                 self.assertIn(t, ("nccl", "grpc"), s)
                 transports.add(t)
-                if t == "grpc":
-                    self.assertIn("same GPU", s.get("note", ""), s)
+                if t == "grpc":  # scatter-1 shares the combine worker's GPU: refused (or still being asked)
+                    note = s.get("note", "")
+                    self.assertTrue("same GPU" in note or "being opened" in note, s)
                 self.assertGreater(int(s["transfer_bytes"]), 0, s)
         self.assertEqual(transports, {"nccl", "grpc"})
         # The same prompts where every entry goes over gRPC.
@@ -119,6 +134,7 @@ class NcclScatterKilledTest(ClusterTestCase):
         super().setUpClass()
 
     def test_scatter_worker_killed_mid_transfer(self):
+        wait_for_link(self)
         segs, q = prompts()[0]
         before = self.generate(segs, q, max_tokens=8, request_id="dp-before")
         self.ok(before)
