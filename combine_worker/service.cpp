@@ -570,16 +570,8 @@ grpc::Status CombineService::DeliverEntry(grpc::ServerContext* ctx, grpc::Server
     if (h.transport() != v1::ENTRY_TRANSPORT_GRPC) {
       throw rpc::invalid_argument("header.transport", fmt::format("unknown transport {}", int(h.transport())));
     }
-    auto p = find(h.request_id());
-    if (h.index() >= p->slots.size()) {
-      throw rpc::invalid_argument("header.index", fmt::format("{} but the request has {} segments", h.index(),
-                                                              p->slots.size()));
-    }
-    Slot& slot = p->slots[h.index()];  // digest and ids are immutable after registration
-    if (rpc::parse_digest(h.digest(), "header.digest") != slot.digest) {
-      throw rpc::invalid_argument("header.digest", fmt::format("segment {} of request {} has digest {}", h.index(),
-                                                               p->id, rpc::digest_hex(slot.digest)));
-    }
+    auto p = delivery_target(h);
+    const Slot& slot = p->slots[h.index()];  // digest and ids are immutable after registration
     const std::string what = fmt::format("entry of segment {} of request {} from {}", h.index(), p->id, h.built_by());
     rpc::ChunkAssembler assembler;
     assembler.begin(h.total_bytes(), h.checksum(), what);
@@ -596,21 +588,45 @@ grpc::Status CombineService::DeliverEntry(grpc::ServerContext* ctx, grpc::Server
       spdlog::error("[req {}] rejected {}: {}", p->id, what, e.what());
       throw rpc::RpcError(grpc::StatusCode::DATA_LOSS, fmt::format("{} rejected by the engine: {}", what, e.what()));
     }
-    // A build the scatter worker shared with another request is reported as such.
-    const bool shared = !h.shared_from().empty();
-    const bool fresh = p->fill(
-        h.index(), entry, shared ? v1::SEGMENT_SOURCE_SHARED_BUILD : v1::SEGMENT_SOURCE_SCATTER, h.built_by(),
-        h.compute_ms(), bytes.size(), h.device(), nullptr,
-        shared ? fmt::format("shared build: started on {} for request {}, joined by this one", h.built_by(),
-                             h.shared_from())
-               : std::string(),
-        Delivery{"grpc", rpc::ms_between(t0, Clock::now()), bytes.size()});
-    count_received("scatter", bytes.size());
-    if (fresh) count_segment(shared ? v1::SEGMENT_SOURCE_SHARED_BUILD : v1::SEGMENT_SOURCE_SCATTER);
-    resp->set_duplicate(!fresh);
-    spdlog::debug("[req {}] received {} ({} bytes){}", p->id, what, bytes.size(), fresh ? "" : ", duplicate dropped");
+    accept_delivery(*p, h, std::move(entry), nullptr, bytes.size(),
+                    Delivery{"grpc", rpc::ms_between(t0, Clock::now()), bytes.size()}, what, resp);
     return grpc::Status::OK;
   });
+}
+
+std::shared_ptr<CombineService::Pending> CombineService::delivery_target(const v1::EntryHeader& h) {
+  auto p = find(h.request_id());
+  if (h.index() >= p->slots.size()) {
+    throw rpc::invalid_argument("header.index", fmt::format("{} but the request has {} segments", h.index(),
+                                                            p->slots.size()));
+  }
+  const Slot& slot = p->slots[h.index()];  // digest and ids are immutable after registration
+  if (rpc::parse_digest(h.digest(), "header.digest") != slot.digest) {
+    throw rpc::invalid_argument("header.digest", fmt::format("segment {} of request {} has digest {}", h.index(),
+                                                             p->id, rpc::digest_hex(slot.digest)));
+  }
+  return p;
+}
+
+void CombineService::accept_delivery(Pending& p, const v1::EntryHeader& h,
+                                     std::shared_ptr<const engine::SegmentEntry> entry,
+                                     std::shared_ptr<const engine::ResidentEntry> resident, uint64_t entry_bytes,
+                                     const Delivery& delivery, const std::string& what,
+                                     v1::DeliverEntryResponse* resp) {
+  // A build the scatter worker shared with another request is reported as such.
+  const bool shared = !h.shared_from().empty();
+  const bool fresh = p.fill(
+      h.index(), std::move(entry), shared ? v1::SEGMENT_SOURCE_SHARED_BUILD : v1::SEGMENT_SOURCE_SCATTER,
+      h.built_by(), h.compute_ms(), entry_bytes, h.device(), std::move(resident),
+      shared ? fmt::format("shared build: started on {} for request {}, joined by this one", h.built_by(),
+                           h.shared_from())
+             : std::string(),
+      delivery);
+  count_received("scatter", delivery.transfer_bytes);
+  if (fresh) count_segment(shared ? v1::SEGMENT_SOURCE_SHARED_BUILD : v1::SEGMENT_SOURCE_SCATTER);
+  resp->set_duplicate(!fresh);
+  spdlog::debug("[req {}] received {} ({} bytes){}", p.id, what, delivery.transfer_bytes,
+                fresh ? "" : ", duplicate dropped");
 }
 
 void CombineService::retire_link_locked(NcclLink link, const std::string& why) {
@@ -726,16 +742,8 @@ void CombineService::deliver_nccl(grpc::ServerContext* ctx, const v1::EntryHeade
   std::pair<std::shared_ptr<const engine::ResidentEntry>, engine::DeviceBlock> dst;
   std::string what;
   try {
-    p = find(h.request_id());
-    if (h.index() >= p->slots.size()) {
-      throw rpc::invalid_argument("header.index", fmt::format("{} but the request has {} segments", h.index(),
-                                                              p->slots.size()));
-    }
+    p = delivery_target(h);
     const Slot& slot = p->slots[h.index()];  // digest and ids are immutable after registration
-    if (rpc::parse_digest(h.digest(), "header.digest") != slot.digest) {
-      throw rpc::invalid_argument("header.digest", fmt::format("segment {} of request {} has digest {}", h.index(),
-                                                               p->id, rpc::digest_hex(slot.digest)));
-    }
     what = fmt::format("entry of segment {} of request {} from {} over NCCL", h.index(), p->id, h.built_by());
     // The digest covers the fingerprint, w and the tokens: the entry is this model's, laid out as ours.
     engine::SegmentEntry header;
@@ -778,18 +786,8 @@ void CombineService::deliver_nccl(grpc::ServerContext* ctx, const v1::EntryHeade
     }
     throw;
   }
-  const bool shared = !h.shared_from().empty();
-  const bool fresh = p->fill(
-      h.index(), nullptr, shared ? v1::SEGMENT_SOURCE_SHARED_BUILD : v1::SEGMENT_SOURCE_SCATTER, h.built_by(),
-      h.compute_ms(), h.total_bytes(), h.device(), dst.first,
-      shared ? fmt::format("shared build: started on {} for request {}, joined by this one", h.built_by(),
-                           h.shared_from())
-             : std::string(),
-      Delivery{"nccl", rpc::ms_between(t0, Clock::now()), h.device_bytes()});
-  count_received("scatter", h.device_bytes());
-  if (fresh) count_segment(shared ? v1::SEGMENT_SOURCE_SHARED_BUILD : v1::SEGMENT_SOURCE_SCATTER);
-  resp->set_duplicate(!fresh);
-  spdlog::debug("[req {}] received {} ({} bytes){}", p->id, what, h.device_bytes(), fresh ? "" : ", duplicate dropped");
+  accept_delivery(*p, h, nullptr, dst.first, h.total_bytes(),
+                  Delivery{"nccl", rpc::ms_between(t0, Clock::now()), h.device_bytes()}, what, resp);
 }
 
 grpc::Status CombineService::OpenPeer(grpc::ServerContext*, const v1::OpenPeerRequest* req,

@@ -58,6 +58,8 @@ struct CombineDeps {
   uint64_t random_weights_seed = 0;  ///< BENCHMARK ONLY, reported in WorkerInfo and every report (0: real weights)
 };
 
+struct Delivery;  // how a delivered entry arrived (service.cpp)
+
 class CombineService final : public hypic::v1::CombineWorker::Service {
  public:
   CombineService(CombineDeps deps, CombineOptions options);
@@ -88,6 +90,13 @@ class CombineService final : public hypic::v1::CombineWorker::Service {
   std::shared_ptr<Pending> find(const std::string& request_id);
   void build_locally(const std::shared_ptr<Pending>& p, size_t slot, std::string note);
   void fetch_warm(const std::shared_ptr<Pending>& p, size_t slot, const grpc::ServerContextBase* ctx);
+  /// The active request a delivery names, its header's index and digest checked (NOT_FOUND, INVALID_ARGUMENT).
+  std::shared_ptr<Pending> delivery_target(const hypic::v1::EntryHeader& h);
+  /// Fills the delivered segment's slot (host entry and/or resident one), counts it, answers duplicate or not.
+  void accept_delivery(Pending& p, const hypic::v1::EntryHeader& h, std::shared_ptr<const engine::SegmentEntry> entry,
+                       std::shared_ptr<const engine::ResidentEntry> resident, uint64_t entry_bytes,
+                       const Delivery& delivery, const std::string& what,
+                       hypic::v1::DeliverEntryResponse* resp);
   /// DeliverEntry with transport NCCL: receives the announced block over communicator h.peer_epoch() (refused, the
   /// block still received and dropped, when anything is wrong with it; `extra_chunks`: the stream carried data).
   void deliver_nccl(grpc::ServerContext* ctx, const hypic::v1::EntryHeader& h, bool extra_chunks,
