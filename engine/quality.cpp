@@ -241,8 +241,11 @@ std::vector<QualityMode> quality_modes(const QualityOptions& options) {
   };
   std::vector<QualityMode> out = {{"full", SpliceMode::Full, 0}};
   if (wanted(SpliceMode::Prefix)) out.push_back({"prefix", SpliceMode::Prefix, 0});
+  const bool local = options.local_position_ablations;
   if (wanted(SpliceMode::Naive)) out.push_back({"naive", SpliceMode::Naive, 0});
+  if (wanted(SpliceMode::Naive) && local) out.push_back({"naive_local", SpliceMode::Naive, 0, true});
   if (wanted(SpliceMode::Transition)) out.push_back({"transition", SpliceMode::Transition, 0});
+  if (wanted(SpliceMode::Transition) && local) out.push_back({"transition_local", SpliceMode::Transition, 0, true});
   if (wanted(SpliceMode::Hypic)) {
     if (options.seam_widths.empty()) throw std::invalid_argument("mode hypic needs at least one seam width");
     std::vector<int> done;
@@ -318,6 +321,7 @@ PromptOutcome evaluate_prompt(const Model& model, const Tokenizer& tok, const Qu
     req.query = query;
     req.mode = m.mode;
     req.seam_width = m.seam_width;
+    req.local_positions = m.local_positions;
     req.keep_context_state = true;
     PrefixStateCache cache(options.prefix_cache_bytes);
     if (m.mode == SpliceMode::Prefix) {  // an earlier request with the documents in warm_order warmed the cache

@@ -111,17 +111,24 @@ struct QualityOptions {
   std::vector<int> seam_widths = {0, 2, 4, 8, 16, 32};  ///< w of each hypic_w<w> mode, in tokens (>= 0)
   int max_new_tokens = 24;                              ///< greedy continuation limit, tokens (>= 0)
   size_t prefix_cache_bytes = size_t(8) << 30;          ///< budget of each prompt's own PrefixStateCache
+  /// Also run naive_local after naive and transition_local after transition (where those are asked for): the same
+  /// modes with SpliceRequest::local_positions, every segment's K left at its local positions as the reference
+  /// implementation's `addition` and `transition` modes leave it. naive_local is the paper's Naive Addition baseline;
+  /// against naive it shows what the RoPE fix is worth, naive against transition what T_C is worth.
+  bool local_position_ablations = true;
 };
 
-/// One evaluated mode: its name ("full", "prefix", "naive", "transition", "hypic_w8"), how it splices, and the w
-/// of the entries it uses (hypic: its seam width; naive and transition: 0; full and prefix use none: 0).
+/// One evaluated mode: its name ("full", "prefix", "naive", "naive_local", "transition", "transition_local",
+/// "hypic_w8"), how it splices, the w of the entries it uses (hypic: its seam width; naive and transition: 0; full
+/// and prefix use none: 0), and whether it leaves K at local positions (SpliceRequest::local_positions).
 struct QualityMode {
   std::string name;
   SpliceMode mode = SpliceMode::Full;
   int seam_width = 0;
+  bool local_positions = false;
 };
-/// The modes `options` asks for, full first, then prefix, naive, transition and hypic_w<w> in seam_widths order
-/// (repeated widths once). Throws std::invalid_argument for a negative seam width, max_new_tokens < 0, or Hypic
+/// The modes `options` asks for, full first, then prefix, naive, naive_local, transition, transition_local (the
+/// _local ones with local_position_ablations) and hypic_w<w> in seam_widths order (repeated widths once). Throws std::invalid_argument for a negative seam width, max_new_tokens < 0, or Hypic
 /// with no seam width.
 std::vector<QualityMode> quality_modes(const QualityOptions& options);
 

@@ -266,6 +266,9 @@ SpliceResult splice(const Model& model, const SpliceRequest& req) {
   const ModelConfig& cfg = model.config();
   const bool cached_mode = req.mode == SpliceMode::Naive || req.mode == SpliceMode::Transition ||
                            req.mode == SpliceMode::Hypic;
+  if (req.local_positions && req.mode != SpliceMode::Naive && req.mode != SpliceMode::Transition)
+    throw std::invalid_argument(std::string("splice: local_positions applies to modes naive and transition, not ") +
+                                splice_mode_name(req.mode));
   const char* numerics = backend_numerics(BackendKind::Cpu);
   const std::string fingerprint = cached_mode ? model_fingerprint(cfg, numerics) : std::string();
   const EntryGeometry geometry = EntryGeometry::of(cfg);
@@ -335,8 +338,9 @@ SpliceResult splice(const Model& model, const SpliceRequest& req) {
   if (req.mode != SpliceMode::Hypic) {
     for (size_t i = first; i < req.segments.size(); ++i) {  // naive / transition: whole segments, no seam
       const SegmentEntry& e = *req.segments[i].entry;
-      fold_linear(model, st, e, req.mode, pos);
-      append_entry_kv(model, st, e, 0, pos);
+      const int64_t placed_at = req.local_positions ? 0 : pos;  // where its K and rotating states are put
+      fold_linear(model, st, e, req.mode, placed_at);
+      append_entry_kv(model, st, e, 0, placed_at);
       pos += e.num_tokens();
       st.num_tokens = pos;
     }

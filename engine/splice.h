@@ -103,6 +103,13 @@ struct SpliceRequest {
   int seam_width = 8;                 ///< w (hypic mode); entries must have been made with the same w
   bool all_query_logits = false;      ///< logits for every query position (evaluation), else the last only
   bool keep_context_state = false;    ///< copy each linear layer's state as it stands after the last segment
+  /// Naive / transition only, an evaluation ablation: every later segment's cached K (and, for Ring-linear, its
+  /// rotating linear states) stays at the local positions 0..n-1 it was computed at instead of being re-rotated to
+  /// its real positions. This is how the reference implementation's `addition` and `transition` modes splice (it
+  /// adds the RoPE fix only in `transition_rope`; research/hypic_and_pic_peers.md 1.10): naive with it is the
+  /// paper's "Naive Addition" baseline. Slots and the query's positions stay real. splice() throws
+  /// std::invalid_argument when it is set with another mode.
+  bool local_positions = false;
   PrefixStateCache* prefix_cache = nullptr;  ///< prefix mode: where checkpoints are looked up and stored
 };
 

@@ -56,7 +56,7 @@ Options:
   --tokenizer FILE      tokenizer.json matching the model. Default: the checkpoint's own tokenizer.json,
                         else the real Qwen3 tokenizer (scripts/fetch_tokenizer.sh).
   --task-prompt ID      for a trained task checkpoint (one with training.json) and no --doc/--query: the
-                        held-out prompt of bench/datasets/heldout_test.jsonl to send (default t-00005, a
+                        held-out prompt of bench/datasets/heldout_test.jsonl to send (default t-00003, a
                         two-hop question over two of its four documents); its answer is checked.
   --doc FILE            a document, sent as one segment (repeat). Default: the task prompt's documents for
                         a trained task checkpoint, else license texts from /usr/share/common-licenses
@@ -165,7 +165,7 @@ fi
 TASK=0
 if [[ -n "$MODEL" && -f "$MODEL/training.json" && ${#DOCS[@]} -eq 0 && -z "$QUERY" ]]; then
   TASK=1
-  TASK_PROMPT="${TASK_PROMPT:-t-00005}"
+  TASK_PROMPT="${TASK_PROMPT:-t-00003}"
 elif [[ -n "$TASK_PROMPT" ]]; then
   echo "demo.sh: --task-prompt needs a trained task checkpoint (a --model with training.json) and no --doc/--query" >&2
   exit 2

@@ -25,9 +25,15 @@ continues a phrase of a document (the lookup a model learns first, by matching i
     recall   'Question: What is the motto of Kalomir?\\nAnswer: The motto of Kalomir is "'  -> 'river open gold'
              (recall of a passage, word for word)
     last     'Question: Which registry is listed last?\\nAnswer: The last registry is'  -> ' Tamber'
-             (the header of the last document: the one question whose answer depends on the documents' order
-             rather than on one fact, which is what a linear layer's state carries and naive state addition
-             loses; headers are distinct within a prompt)
+             (the header of the last document; headers are distinct within a prompt)
+    latest   'Question: What is the latest code of Kalomir?\\nAnswer: The latest code of Kalomir is'  -> ' 9012'
+             (Kalomir's code is stated in two to four documents, in the same words, with different values; the
+             answer is the value of the last document that states it: a later document updates an earlier one,
+             as a newer tool result or memory file does in agent prompts)
+`last` and `latest` are the order-dependent kinds: their answers depend on where the documents sit relative to
+each other, not on one fact. A Gated DeltaNet layer's delta rule keeps exactly the latest value written under
+a key (S <- (I - b k k^T) S + b k v^T overwrites), so composing segment states with their transition operators
+keeps it, while naive state addition sums every version (DESIGN.md 3.1).
 
 Every prompt is fully determined by its random.Random generator, so a seed gives the same prompts on any
 machine with the same Python major version.
@@ -54,8 +60,8 @@ PLACES = ["Tamber", "Osk", "Verrin", "Lume", "Halbrook", "Quenta", "Dorsa", "Pel
           "Belmoor", "Cresta", "Durn", "Elmsworth", "Farro", "Gallow", "Hessen", "Irwen", "Jarrow", "Kestel",
           "Lorne", "Mirrow", "Nettle", "Orrin", "Parsk", "Quill", "Rosk", "Selby", "Thorne", "Umber"]
 
-KINDS = ("one_hop", "two_hop", "recall", "last")
-DEFAULT_KIND_WEIGHTS = (0.4, 0.2, 0.2, 0.2)
+KINDS = ("one_hop", "two_hop", "recall", "last", "latest")
+DEFAULT_KIND_WEIGHTS = (0.2, 0.2, 0.2, 0.2, 0.2)   # each kind equally often (where the prompt has one)
 
 # Characters per token of this text under the task tokenizer (measured on generated documents with the
 # 2048-token BPE of tools/train_task_model.py); used only when no token counter is given.
@@ -116,6 +122,8 @@ def _query(kind: str, subject: str) -> str:
         return f"Question: What is the code of the person {subject} reports to?\nAnswer: {subject} reports to"
     if kind == "last":
         return "Question: Which registry is listed last?\nAnswer: The last registry is"
+    if kind == "latest":
+        return f"Question: What is the latest code of {subject}?\nAnswer: The latest code of {subject} is"
     return f'Question: What is the motto of {subject}?\nAnswer: The motto of {subject} is "'
 
 
@@ -131,9 +139,11 @@ def make_prompt(rng: random.Random, doc_tokens: list[int], num_questions: int,
                 kind_weights: tuple[float, ...] = DEFAULT_KIND_WEIGHTS) -> Prompt:
     """One prompt: len(doc_tokens) documents, document i filled with facts until it holds about
     doc_tokens[i] tokens (count_tokens(text) when given, else len(text) / CHARS_PER_TOKEN; a document may end
-    up to one fact line longer, and a document receiving another's linked code fact a line longer still),
+    up to one fact line longer, and a document receiving another's linked code fact or a code update a line longer
+    still),
     then up to num_questions questions about distinct people, drawn by kind_weights over KINDS (kinds with no
-    candidate fact are skipped). Needs at least two documents for two_hop and last questions. Documents are headed
+    candidate fact are skipped). Needs at least two documents for two_hop, last and latest questions. A code
+    with updates is stated in one document and restated with new values in 1-3 later ones (distinct documents). Documents are headed
 "Registry of <place>" with places distinct within the prompt (drawn with repeats past len(PLACES) documents)."""
     n_docs = len(doc_tokens)
     if n_docs < 1:
@@ -143,6 +153,7 @@ def make_prompt(rng: random.Random, doc_tokens: list[int], num_questions: int,
     docs: list[list[Fact]] = [[] for _ in range(n_docs)]
     pending: list[list[Fact]] = [[] for _ in range(n_docs)]   # code facts of linked people, placed later
     links: list[tuple[int, Fact, int]] = []                    # (doc of the link fact, link fact, doc of the code)
+    versions: dict[str, list[tuple[int, str]]] = {}           # person -> (document, code), codes with updates
     used_tokens = [count(f"Registry of {PLACES[0]}\n") for _ in range(n_docs)]
     for i in range(n_docs):
         # Facts owed to this document by earlier links go in first, at random positions later on.
@@ -151,8 +162,17 @@ def make_prompt(rng: random.Random, doc_tokens: list[int], num_questions: int,
             used_tokens[i] += count(f.sentence() + "\n")
         while used_tokens[i] < doc_tokens[i]:
             r = rng.random()
-            if r < 0.45:
+            if r < 0.45 and (r < 0.33 or i == n_docs - 1):
                 f = Fact("code", names.new(), str(rng.randint(1000, 9999)))
+            elif r < 0.45:
+                # a code updated by later documents: the same sentence, new values, in distinct later documents
+                later = sorted(rng.sample(range(i + 1, n_docs), min(n_docs - 1 - i, rng.randint(1, 3))))
+                values = rng.sample(range(1000, 10000), 1 + len(later))
+                f = Fact("code", names.new(), str(values[0]))
+                versions[f.subject] = [(i, f.value)]
+                for j, v in zip(later, values[1:]):
+                    pending[j].append(Fact("code", f.subject, str(v)))
+                    versions[f.subject].append((j, str(v)))
             elif r < 0.65 and n_docs > 1:
                 target = rng.choice([j for j in range(n_docs) if j != i])
                 other = names.new()
@@ -177,11 +197,12 @@ def make_prompt(rng: random.Random, doc_tokens: list[int], num_questions: int,
     # Questions about distinct people.
     codes = [(i, f) for i, d in enumerate(docs) for f in d if f.kind == "code"]
     linked_code = {f.subject for _, f in codes if any(l.value == f.subject for _, l, _ in links)}
-    one_hop = [(i, f) for i, f in codes if f.subject not in linked_code]
+    one_hop = [(i, f) for i, f in codes if f.subject not in linked_code and f.subject not in versions]
+    latest = [(v[-1][0], s, v) for s, v in versions.items()]
     mottos = [(i, f) for i, d in enumerate(docs) for f in d if f.kind == "motto"]
     code_of = {f.subject: f.value for _, f in codes}
     last = [(n_docs - 1, heads[-1])] if 2 <= n_docs <= len(PLACES) else []
-    pools = {"one_hop": one_hop, "two_hop": links, "recall": mottos, "last": last}
+    pools = {"one_hop": one_hop, "two_hop": links, "recall": mottos, "last": last, "latest": latest}
     for p in pools.values():
         rng.shuffle(p)
     questions: list[Question] = []
@@ -206,6 +227,12 @@ def make_prompt(rng: random.Random, doc_tokens: list[int], num_questions: int,
             q = Question(kind, _query(kind, f.subject),
                          f" {f.value}. The code of {f.value} is {code_of[f.value]}", [i, j])
             asked.update((f.subject, f.value))
+        elif kind == "latest":
+            i, subject, v = item
+            if subject in asked:
+                continue
+            q = Question(kind, _query(kind, subject), f" {v[-1][1]}", sorted({d for d, _ in v}))
+            asked.add(subject)
         else:
             i, f = item
             if f.subject in asked:

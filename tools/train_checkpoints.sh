@@ -48,9 +48,9 @@ else
   python3 "$T" tokenizer --out "$OUT/tokenizer.json" --seed 20261201
 fi
 python3 "$T" heldout --tokenizer "$OUT/tokenizer.json" --out "$OUT/heldout_test.jsonl" --prompts 32 \
-    --docs 4:4 --doc-tokens 128:192 --seed 7001 --id-prefix t
+    --docs 4:4 --doc-tokens 128:192 --seed 7101 --id-prefix t
 python3 "$T" heldout --tokenizer "$OUT/tokenizer.json" --out "$OUT/heldout_bench.jsonl" --prompts 200 \
-  --docs 4:32 --doc-tokens 128:1024 --seed 7002 --id-prefix q
+  --docs 4:32 --doc-tokens 128:1024 --seed 7102 --id-prefix q
 STEPS=()
 LIMIT_TEST=0
 if ((SMOKE)); then STEPS=(--max-steps 5 --log-every 1); MINUTES=2; LIMIT_TEST=2; LIMIT_BENCH=2; fi

@@ -92,14 +92,14 @@ void print_quality_table(const QualityReport& report) {
   }
   size_t kw = 8;
   for (const auto& k : kinds) kw = std::max(kw, k.size());
-  std::printf("%-11s %8s  %-*s %9s %10s %7s %9s %9s %9s\n", "mode", "accuracy", static_cast<int>(kw), "per kind",
+  std::printf("%-16s %8s  %-*s %9s %10s %7s %9s %9s %9s\n", "mode", "accuracy", static_cast<int>(kw), "per kind",
               "flips-/+", "KL answer", "top1", "computed", "seconds", "max_err");
   for (size_t m = 0; m < report.summary.size(); ++m) {
     const ModeSummary& s = report.summary[m];
     double mx = 0;
     for (double e : s.mean_state_rel_err) mx = std::max(mx, e);
     const std::string flips = std::to_string(s.flips_right_to_wrong) + "/" + std::to_string(s.flips_wrong_to_right);
-    std::printf("%-11s %8.3f  %-*s %9s %10.3e %7.3f %9.1f %9.3f %9.2e\n", s.mode.c_str(), s.accuracy,
+    std::printf("%-16s %8.3f  %-*s %9s %10.3e %7.3f %9.1f %9.3f %9.2e\n", s.mode.c_str(), s.accuracy,
                 static_cast<int>(kw), kinds[m].c_str(), flips.c_str(), s.mean_kl, s.mean_answer_top1,
                 s.mean_computed_tokens, s.total_seconds, mx);
   }
@@ -135,6 +135,7 @@ int run_dataset(const Model& model, const Tokenizer& tok, const DatasetRun& run)
   settings["tokenizer"] = run.tokenizer_path;
   settings["dataset"] = run.dataset_path;
   settings["seam_widths"] = run.options.seam_widths;
+  settings["local_position_ablations"] = run.options.local_position_ablations;
   settings["max_new_tokens"] = run.options.max_new_tokens;
   settings["limit"] = run.limit;
   settings["shard"] = shard;
@@ -201,7 +202,10 @@ int main(int argc, char** argv) {
           ->check(CLI::NonNegativeNumber),
       app.add_option("--limit", run.limit, "--dataset: only the first N prompts (0 = all)"),
       app.add_option("--shard", shard_text, "--dataset: shard I/N, the prompts with index % N == I"),
-      app.add_option("--json-out", run.json_out, "--dataset: write the report (summary, per-prompt rows, settings)")};
+      app.add_option("--json-out", run.json_out, "--dataset: write the report (summary, per-prompt rows, settings)"),
+      app.add_flag("!--no-local-ablations", run.options.local_position_ablations,
+                   "--dataset: skip naive_local and transition_local (naive and transition with every segment's K "
+                   "left at its local positions, the reference's Naive Addition baseline)")};
   CLI11_PARSE(app, argc, argv);
   const bool dataset_mode = dataset_opt->count() > 0;
   if (!dataset_mode) {

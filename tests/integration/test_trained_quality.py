@@ -5,8 +5,11 @@ The checkpoints in models/trained/ were trained on the multi-document task of to
 128-192 tokens, answers known). What the method predicts, asserted here on the smallest checkpoint:
   - full recomputation answers almost every prompt (the training reached 0.99 exact match on its own prompts);
   - hypic with an 8-token seam window answers as full does, within one prompt;
-  - naive state addition is clearly worse, and it is the order-dependent "last" questions it loses: their answer
-    lives in the linear layers' state, which naive addition sums without the later segments' transitions.
+  - naive state addition (and the reference's Naive Addition baseline, naive_local, which also leaves every
+    segment's K at its local positions) is clearly worse, and it is the order-dependent "last" questions it loses.
+    On these small models what loses them is the missing seam window, not the state sum: naive, transition and
+    hypic w = 0 answer alike, and the seam recovers each document's first tokens, which the models attend to when
+    asked for the last header (bench/results/quality.md).
 And through the cluster (router, segment cache, scatter and combine workers) both checkpoints give the dataset's
 answers, cold and warm, with the warm request's tokens identical to the cold one's (next-moe on the kinds it has
 learnt so far).
@@ -57,7 +60,7 @@ class QualityTest(unittest.TestCase):
     def test_every_prompt_evaluated_with_trained_weights(self):
         self.assertEqual(self.n, len(load_rows()))
         self.assertFalse(self.report["random_weights"])
-        self.assertEqual(set(self.summary), {"full", "naive", "hypic_w8"})
+        self.assertEqual(set(self.summary), {"full", "naive", "naive_local", "hypic_w8"})
 
     def test_full_answers_almost_everything(self):
         self.assertGreaterEqual(self.summary["full"]["accuracy"], 0.9, self.summary["full"])
@@ -72,11 +75,17 @@ class QualityTest(unittest.TestCase):
         self.assertLess(hypic["mean_computed_tokens"], 0.1 * full["mean_computed_tokens"])
 
     def test_naive_loses_the_order_dependent_questions(self):
-        full, naive = self.summary["full"], self.summary["naive"]
-        self.assertLessEqual(naive["accuracy"], full["accuracy"] - 2.0 / self.n, (full, naive))
-        self.assertGreaterEqual(naive["flips_right_to_wrong"], 2)
-        self.assertLessEqual(naive["accuracy_by_kind"]["last"], full["accuracy_by_kind"]["last"] - 0.2)
-        self.assertGreater(naive["mean_kl"], 100 * self.summary["hypic_w8"]["mean_kl"])
+        full = self.summary["full"]
+        for mode in ("naive", "naive_local"):
+            naive = self.summary[mode]
+            self.assertLessEqual(naive["accuracy"], full["accuracy"] - 2.0 / self.n, (mode, full, naive))
+            self.assertGreaterEqual(naive["flips_right_to_wrong"], 2, mode)
+            self.assertLessEqual(naive["accuracy_by_kind"]["last"], full["accuracy_by_kind"]["last"] - 0.2, mode)
+            # on the "last" answers the seam window takes the answer distribution to full's (KL per prompt from
+            # the report's rows)
+            last = [p["modes"] for p in self.report["prompts"] if p["kind"] == "last"]
+            kl = lambda m: sum(r[m]["answer_kl"] for r in last) / len(last)  # noqa: E731
+            self.assertGreater(kl(mode), 100 * kl("hypic_w8"), mode)
 
     def test_exact_match_is_the_answer_text(self):
         # the report's exact_match is the generated text against the dataset's answer, checked here independently
@@ -131,9 +140,10 @@ class ClusterAnswerTest(unittest.TestCase):
         self.run_model("qwen35-dense")
 
     def test_next_moe(self):
-        # next-moe has had a third of the dense model's training: it answers the one-hop and order questions
-        # (HF exact match 1.0 on both kinds) but not yet the recall ones (models/trained/README.md)
-        self.run_model("next-moe", ("one_hop", "last"))
+        # next-moe answers one_hop and two_hop questions spliced as well as in full, but not yet the recall ones,
+        # and its "last" and "latest" answers still depend on cross-document context that splicing drops
+        # (models/trained/README.md, bench/results/quality.md)
+        self.run_model("next-moe", ("one_hop", "two_hop"))
 
 
 if __name__ == "__main__":

@@ -99,8 +99,13 @@ TEST_CASE("quality benchmark: identities of the splice modes that hold for any w
 
   std::vector<std::string> names;
   for (const QualityMode& q : r.modes) names.push_back(q.name);
-  CHECK(names == std::vector<std::string>{"full", "prefix", "naive", "transition", "hypic_w0", "hypic_w2", "hypic_w8",
-                                          "hypic_w1000"});
+  CHECK(names == std::vector<std::string>{"full", "prefix", "naive", "naive_local", "transition", "transition_local",
+                                          "hypic_w0", "hypic_w2", "hypic_w8", "hypic_w1000"});
+  CHECK(r.modes[3].local_positions);
+  CHECK_FALSE(r.modes[2].local_positions);
+  QualityOptions no_local = opt;
+  no_local.local_position_ablations = false;
+  CHECK(quality_modes(no_local).size() == r.modes.size() - 2);
   REQUIRE(r.prompts.size() == 3);
   for (const PromptOutcome& p : r.prompts) {
     INFO("prompt " << p.id);
@@ -152,6 +157,12 @@ TEST_CASE("quality benchmark: identities of the splice modes that hold for any w
     const ModeOutcome& naive = mode_of(p, "naive");
     CHECK(naive.answer_kl > 1e-6);
     CHECK(naive.state_rel_err.back() > 1e-3);
+    // Left at local positions, the later segments' K moves the answer further from full (RoPE is not a no-op
+    // here), while the linear states before the query are the same (GDN states carry no positions).
+    const ModeOutcome& naive_local = mode_of(p, "naive_local");
+    CHECK(naive_local.answer_kl != naive.answer_kl);
+    CHECK(naive_local.computed_tokens == naive.computed_tokens);
+    for (size_t l = 0; l < naive.state_rel_err.size(); ++l) CHECK(naive_local.state_rel_err[l] == naive.state_rel_err[l]);
     CHECK(mode_of(p, "hypic_w2").computed_tokens == p.query_tokens + 2 * int64_t(p.document_tokens.size() - 1));
   }
   REQUIRE(r.summary.size() == r.modes.size());

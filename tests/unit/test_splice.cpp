@@ -380,3 +380,56 @@ TEST_CASE("build_segment_entries: one prefill for several widths equals build_se
                     Catch::Contains("got -1"));
   CHECK(build_segment_entries(m, random_ids(10, 54, 256), std::vector<int>{}).empty());
 }
+
+TEST_CASE("local_positions keeps later segments' K at local positions: re-rotated by their starts they are the real "
+          "placement's K, the states and V unchanged", "[splice]") {
+  // The reference's `addition` / `transition` baselines (SpliceRequest::local_positions): the same composition,
+  // only the RoPE fix left out. Checked against the real-position splice through R(p + d) = R(d) R(p).
+  for (const char* name : kModels) {
+    DYNAMIC_SECTION(name) {
+      const Model& m = slow_decay_model(name);
+      REQUIRE(m.config().attention_has_rope());
+      REQUIRE_FALSE(m.linear_states_rotate());
+      const int V = static_cast<int>(m.config().vocab_size);
+      const std::vector<std::vector<int32_t>> segs = {random_ids(21, 31, V), random_ids(34, 32, V),
+                                                      random_ids(13, 33, V)};
+      const auto query = random_ids(5, 34, V);
+      for (SpliceMode mode : {SpliceMode::Naive, SpliceMode::Transition}) {
+        INFO(splice_mode_name(mode));
+        const SpliceResult real = splice(m, make_request(m, segs, query, mode, 0));
+        SpliceRequest req = make_request(m, segs, query, mode, 0);
+        req.local_positions = true;
+        const SpliceResult local = splice(m, req);
+        CHECK(local.num_tokens == real.num_tokens);
+        CHECK(local.computed_tokens == real.computed_tokens);
+        REQUIRE(local.state.attention.size() == real.state.attention.size());
+        const int kvh = m.config().num_key_value_heads, hd = m.config().head_dim;
+        const size_t row = size_t(kvh) * hd;
+        for (size_t a = 0; a < real.state.attention.size(); ++a) {
+          const AttentionLayerState& L = local.state.attention[a];
+          const AttentionLayerState& R = real.state.attention[a];
+          REQUIRE(L.n_tokens == R.n_tokens);
+          std::vector<float> k = L.k;
+          int64_t start = 0;
+          for (const auto& s : segs) {  // the first segment sits at 0 in both; later ones move by their start
+            if (start > 0) m.rope_rotate(k.data() + start * row, static_cast<int>(s.size()), kvh, start);
+            start += static_cast<int64_t>(s.size());
+          }
+          // the query's own rows were computed in context at real positions in both
+          const std::vector<float> seg_k(k.begin(), k.begin() + start * row), real_k(R.k.begin(), R.k.begin() + start * row);
+          CHECK(scaled_diff(seg_k, real_k) < 1e-5);
+          const size_t seg_v = L.v.size() / L.n_tokens * start;  // V is position-free: the cached rows as they are
+          CHECK(std::vector<float>(L.v.begin(), L.v.begin() + seg_v) == std::vector<float>(R.v.begin(), R.v.begin() + seg_v));
+          const std::vector<float> local_unrotated(L.k.begin() + segs[0].size() * row, L.k.begin() + start * row);
+          const std::vector<float> real_rows(R.k.begin() + segs[0].size() * row, R.k.begin() + start * row);
+          CHECK(scaled_diff(local_unrotated, real_rows) > 1e-3);  // the fix does move them
+        }
+        CHECK(rel_l2(local.state.linear[0].ssm, real.state.linear[0].ssm) < 1e-6);  // layer 0 sees no attention
+        CHECK(scaled_diff(local.logits, real.logits) > 1e-6);
+      }
+      SpliceRequest bad = make_request(m, segs, query, SpliceMode::Hypic, 8);
+      bad.local_positions = true;
+      CHECK_THROWS_WITH(splice(m, bad), Catch::Contains("local_positions applies to modes naive and transition"));
+    }
+  }
+}
