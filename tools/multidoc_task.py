@@ -31,9 +31,13 @@ continues a phrase of a document (the lookup a model learns first, by matching i
              answer is the value of the last document that states it: a later document updates an earlier one,
              as a newer tool result or memory file does in agent prompts)
 `last` and `latest` are the order-dependent kinds: their answers depend on where the documents sit relative to
-each other, not on one fact. A Gated DeltaNet layer's delta rule keeps exactly the latest value written under
-a key (S <- (I - b k k^T) S + b k v^T overwrites), so composing segment states with their transition operators
-keeps it, while naive state addition sums every version (DESIGN.md 3.1).
+each other, not on one fact. A model can answer them from its linear layers' state (a Gated DeltaNet's delta rule
+overwrites the value under a key, S <- (I - b k k^T) S + b k v^T, which composing segments with their transition
+operators keeps and naive state addition does not) or from attention over positions; which one a checkpoint
+uses is for the benchmark to show. The checkpoints of models/trained/ answer from attention: naive addition and
+exact composition answer alike, and what splicing loses on these kinds is the RoPE fix, the seam window at each
+document's head, and, for `latest`, the attention of a restatement to the statement before it
+(bench/results/quality.md).
 
 Every prompt is fully determined by its random.Random generator, so a seed gives the same prompts on any
 machine with the same Python major version.

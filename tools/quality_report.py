@@ -106,6 +106,14 @@ def markdown(res: dict) -> str:
              f" with `hypic-eval --dataset` (CPU engine, fp32) and `tools/quality_report.py`.", ""]
     if res.get("note"):
         lines += [res["note"], ""]
+    lines += ["Modes (DESIGN.md 3.4): `full` recomputes the whole prompt (the reference); `prefix` reuses a warm chain "
+              "of whole segments from the start (warmed in another document order); `naive` adds the segments' "
+              "zero-start states, S <- S + S(C|0), no T_C, no seam; `transition` composes them exactly, "
+              "S <- T_C S + S(C|0), no seam; `hypic_w<w>` composes and recomputes a seam window of w tokens at each "
+              "boundary. `naive_local` and `transition_local` are naive and transition with every segment's cached K "
+              "left at its local positions (no RoPE fix): how the reference implementation's `addition` and "
+              "`transition` modes splice, `naive_local` being the paper's Naive Addition baseline. "
+              "`transition` and `hypic_w0` are the same splice.", ""]
     for name, m in res["models"].items():
         s = m["settings"]
         lines += [f"## {name}", "",
@@ -139,6 +147,7 @@ def plot(res: dict, png: Path) -> None:
         cmds = ["set terminal pngcairo size 900,520 font ',11'" if subprocess.run(
                     [gp, "-e", "set terminal pngcairo"], capture_output=True).returncode == 0
                 else "set terminal png size 900,520",
+                "set termoption noenhanced",   # mode names hold underscores, not subscripts
                 f"set output '{png}'", "set title 'Answer accuracy against the seam width w (hypic mode)'",
                 "set xlabel 'seam width w (tokens)'", "set ylabel 'exact-match accuracy'", "set key outside right",
                 "set yrange [0:1.05]", "set grid", "set logscale x 2", "set xrange [0.4:48]",
@@ -150,7 +159,7 @@ def plot(res: dict, png: Path) -> None:
             # w = 0 drawn at 0.5 on the log axis
             f.write_text("".join(f"{max(w, 0.5)} {a}\n" for w, a in pts))
             series.append(f"'{f}' using 1:2 with linespoints lw 2 pt 7 lc {i + 1} title '{name}: hypic'")
-            for mode, dt in (("full", 2), ("naive", 3)):
+            for mode, dt in (("full", 2), ("naive", 3), ("naive_local", 4)):
                 if mode in m["modes"]:
                     series.append(f"{m['modes'][mode]['accuracy']} with lines dt {dt} lc {i + 1} "
                                   f"title '{name}: {mode}'")
