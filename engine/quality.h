@@ -10,8 +10,8 @@
 // Every document, the query and the answer are tokenised on their own with add_special_tokens=false, as the router
 // does (Tokenizer::encode(text, false)). The end of an answer is the tokenizer's "<|endoftext|>" token.
 //
-// Per prompt and per mode (full, the reference, always; then prefix, naive, transition, hypic_w<w> for each seam
-// width w; see quality_modes):
+// Per prompt and per mode (full, the reference, always; then prefix, naive, naive_local, transition,
+// transition_local, hypic_w<w> for each seam width w; see quality_modes):
 //  - exact match: the greedy continuation (argmax, lowest id on ties) of at most max_new_tokens tokens, cut before
 //    "<|endoftext|>", decoded and stripped of leading/trailing ASCII whitespace, equals the stripped answer;
 //  - KL(full || mode) on the answer: the answer's k tokens are teacher-forced, then "<|endoftext|>" is the target;
@@ -106,15 +106,17 @@ std::vector<size_t> select_quality_prompts(size_t num_prompts, size_t limit, Qua
 /// What to run.
 struct QualityOptions {
   /// Modes besides full (which is always run, first): any of Prefix, Naive, Transition, Hypic; Full is ignored,
-  /// duplicates are dropped; they run in the order full, prefix, naive, transition, hypic.
+  /// duplicates are dropped; they run in the order of quality_modes.
   std::vector<SpliceMode> modes = {SpliceMode::Prefix, SpliceMode::Naive, SpliceMode::Transition, SpliceMode::Hypic};
   std::vector<int> seam_widths = {0, 2, 4, 8, 16, 32};  ///< w of each hypic_w<w> mode, in tokens (>= 0)
   int max_new_tokens = 24;                              ///< greedy continuation limit, tokens (>= 0)
   size_t prefix_cache_bytes = size_t(8) << 30;          ///< budget of each prompt's own PrefixStateCache
   /// Also run naive_local after naive and transition_local after transition (where those are asked for): the same
-  /// modes with SpliceRequest::local_positions, every segment's K left at its local positions as the reference
-  /// implementation's `addition` and `transition` modes leave it. naive_local is the paper's Naive Addition baseline;
-  /// against naive it shows what the RoPE fix is worth, naive against transition what T_C is worth.
+  /// modes with SpliceRequest::local_positions, every segment's K (and Ring-linear's linear states) left at its
+  /// local positions, as the reference implementation's `addition` and `transition` modes are taken to leave it.
+  /// naive_local stands for the paper's Naive Addition baseline; against naive it shows what the RoPE fix is worth,
+  /// naive against transition what T_C is worth. For a family with no RoPE (Kimi-Linear) the _local rows repeat
+  /// naive's and transition's.
   bool local_position_ablations = true;
 };
 
@@ -128,8 +130,8 @@ struct QualityMode {
   bool local_positions = false;
 };
 /// The modes `options` asks for, full first, then prefix, naive, naive_local, transition, transition_local (the
-/// _local ones with local_position_ablations) and hypic_w<w> in seam_widths order (repeated widths once). Throws std::invalid_argument for a negative seam width, max_new_tokens < 0, or Hypic
-/// with no seam width.
+/// _local ones with local_position_ablations) and hypic_w<w> in seam_widths order (repeated widths once).
+/// Throws std::invalid_argument for a negative seam width, max_new_tokens < 0, or Hypic with no seam width.
 std::vector<QualityMode> quality_modes(const QualityOptions& options);
 
 /// The id of "<|endoftext|>"; throws std::invalid_argument if the tokenizer lacks it.

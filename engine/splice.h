@@ -105,10 +105,11 @@ struct SpliceRequest {
   bool keep_context_state = false;    ///< copy each linear layer's state as it stands after the last segment
   /// Naive / transition only, an evaluation ablation: every later segment's cached K (and, for Ring-linear, its
   /// rotating linear states) stays at the local positions 0..n-1 it was computed at instead of being re-rotated to
-  /// its real positions. This is how the reference implementation's `addition` and `transition` modes splice (it
-  /// adds the RoPE fix only in `transition_rope`; research/hypic_and_pic_peers.md 1.10): naive with it is the
-  /// paper's "Naive Addition" baseline. Slots and the query's positions stay real. splice() throws
-  /// std::invalid_argument when it is set with another mode.
+  /// its real positions. The reference implementation's modes are named `addition`, `transition`,
+  /// `transition_rope`, `transition_rope_recompute` (research/hypic_and_pic_peers.md 1.10): by their names the
+  /// RoPE fix comes only in `transition_rope`, so naive with this flag is taken for the paper's "Naive Addition"
+  /// baseline. A no-op for families with no RoPE anywhere (Kimi-Linear). Slots and the query's positions stay
+  /// real. splice() throws std::invalid_argument when it is set with another mode.
   bool local_positions = false;
   PrefixStateCache* prefix_cache = nullptr;  ///< prefix mode: where checkpoints are looked up and stored
 };
@@ -131,11 +132,14 @@ struct SpliceResult {
 /// positions; segments of at most w tokens are recomputed whole; then the query runs in context.
 /// Families: K is re-rotated only where the attention has RoPE (not Kimi-Linear's MLA); V rows are
 /// EntryGeometry::v_dim() wide; for linear layers with RoPE (Ring-linear, Model::linear_states_rotate) every cached
-/// state of a segment starting at real position b (S(C|0) in naive / transition mode, S(interior|0), whose keys sit at
-/// local positions s..n-1, in hypic mode) is re-rotated on the key axis by b before it is folded in, S(C|b) = R(b) S(C|0) (Model::rotate_linear_state,
-/// DESIGN.md 3.3; the scalar T commutes with R); the first segment (b = 0) is used as cached.
-/// Throws std::invalid_argument (no segments, empty segment, empty query, missing entry for a cached mode,
-/// token ids differing from the entry's) and EntryError (entry from another model, numerics (CPU: "cpu-fp32") or w).
+/// state of a segment starting at real position b (S(C|0) in naive / transition mode, S(interior|0), whose keys
+/// sit at local positions s..n-1, in hypic mode) is re-rotated on the key axis by b before it is folded in,
+/// S(C|b) = R(b) S(C|0) (Model::rotate_linear_state, DESIGN.md 3.3; the scalar T commutes with R); the first
+/// segment (b = 0) is used as cached. With request.local_positions (naive / transition only) neither K nor those
+/// states are re-rotated: every segment is placed as if it started at 0.
+/// Throws std::invalid_argument (no segments, empty segment, empty query, negative seam width, missing entry for a
+/// cached mode, token ids differing from the entry's, local_positions with a mode other than naive or transition)
+/// and EntryError (entry from another model, numerics (CPU: "cpu-fp32") or w).
 SpliceResult splice(const Model& model, const SpliceRequest& request);
 
 }  // namespace hypic::engine

@@ -58,7 +58,10 @@ def load_model(name: str, spec: str) -> dict:
                     fail(f"--model {name}: {f} differs from {files[0]} in settings.{k}: "
                          f"{d['settings'].get(k)!r} vs {first['settings'].get(k)!r}")
             if d["modes"] != first["modes"]:
-                fail(f"--model {name}: {f} evaluated other modes than {files[0]}")
+                la, lb = (x["settings"].get("local_position_ablations") for x in (first, d))
+                why = f" (local_position_ablations {lb} vs {la})" if la != lb else ""
+                fail(f"--model {name}: {f} evaluated other modes than {files[0]}{why}: "
+                     f"{d['modes']} vs {first['modes']}")
         for p in d["prompts"]:
             if p["index"] in rows:
                 fail(f"--model {name}: prompt {p['index']} appears twice (overlapping shards; the second in {f})")
@@ -109,11 +112,13 @@ def markdown(res: dict) -> str:
     lines += ["Modes (DESIGN.md 3.4): `full` recomputes the whole prompt (the reference); `prefix` reuses a warm chain "
               "of whole segments from the start (warmed in another document order); `naive` adds the segments' "
               "zero-start states, S <- S + S(C|0), no T_C, no seam; `transition` composes them exactly, "
-              "S <- T_C S + S(C|0), no seam; `hypic_w<w>` composes and recomputes a seam window of w tokens at each "
-              "boundary. `naive_local` and `transition_local` are naive and transition with every segment's cached K "
-              "left at its local positions (no RoPE fix): how the reference implementation's `addition` and "
-              "`transition` modes splice, `naive_local` being the paper's Naive Addition baseline. "
-              "`transition` and `hypic_w0` are the same splice.", ""]
+              "S <- T_C S + S(C|0), no seam (the same splice as `hypic_w0`); `hypic_w<w>` composes and recomputes a "
+              "seam window of w tokens at each boundary." +
+              (" Evaluation ablations: `naive_local` and `transition_local` are naive and transition with every "
+               "segment's cached K left at its local positions (no RoPE fix), as the reference implementation's "
+               "`addition` and `transition` modes are taken to splice; `naive_local` stands for the paper's Naive "
+               "Addition baseline." if any("naive_local" in m["modes"] or "transition_local" in m["modes"]
+                                            for m in res["models"].values()) else ""), ""]
     for name, m in res["models"].items():
         s = m["settings"]
         lines += [f"## {name}", "",

@@ -188,7 +188,9 @@ int main(int argc, char** argv) {
   app.add_option("--max-new-tokens", max_new_tokens,
                  "greedy continuation length compared per mode (16; --dataset: the most per answer, 24)")
       ->check(CLI::NonNegativeNumber);
-  app.add_option("--modes", modes_text, "comma-separated modes; full is always run as the reference");
+  app.add_option("--modes", modes_text,
+                 "comma-separated modes; full is always run as the reference (--dataset: naive and transition also "
+                 "run as naive_local and transition_local unless --no-local-ablations)");
   app.add_flag("--json", as_json, "print one JSON object instead of tables");
   DatasetRun run;
   std::string shard_text = "0/1";
@@ -204,8 +206,9 @@ int main(int argc, char** argv) {
       app.add_option("--shard", shard_text, "--dataset: shard I/N, the prompts with index % N == I"),
       app.add_option("--json-out", run.json_out, "--dataset: write the report (summary, per-prompt rows, settings)"),
       app.add_flag("!--no-local-ablations", run.options.local_position_ablations,
-                   "--dataset: skip naive_local and transition_local (naive and transition with every segment's K "
-                   "left at its local positions, the reference's Naive Addition baseline)")};
+                   "--dataset: skip naive_local and transition_local (naive and transition with every segment's K, "
+                   "and Ring-linear's linear states, left at its local positions: the reference's Naive Addition "
+                   "baseline)")};
   CLI11_PARSE(app, argc, argv);
   const bool dataset_mode = dataset_opt->count() > 0;
   if (!dataset_mode) {

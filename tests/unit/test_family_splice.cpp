@@ -396,3 +396,43 @@ TEST_CASE("family splice modes: full equals the reference forward, prefix equals
     }
   }
 }
+
+TEST_CASE("family splice: local_positions (the reference's addition / transition ladder) is a no-op where nothing "
+          "carries RoPE (Kimi-Linear), leaves MiniMax's states alone and Ring-linear's states unrotated",
+          "[families][splice]") {
+  for (const char* name : kModels) {
+    DYNAMIC_SECTION(name) {
+      const Model& m = family_model(name);
+      const int V = int(m.config().vocab_size);
+      const std::vector<std::vector<int32_t>> segs = {random_ids(17, V, 61), random_ids(23, V, 62),
+                                                      random_ids(9, V, 63)};
+      const auto query = random_ids(4, V, 64);
+      const bool any_rope = m.config().attention_has_rope() || m.linear_states_rotate();
+      for (SpliceMode mode : {SpliceMode::Naive, SpliceMode::Transition}) {
+        INFO(splice_mode_name(mode));
+        SpliceRequest req = make_request(m, segs, query, mode, 0);
+        req.keep_context_state = true;
+        const SpliceResult real = splice(m, req);
+        req.local_positions = true;
+        const SpliceResult local = splice(m, req);
+        REQUIRE(local.context_states.size() == real.context_states.size());
+        if (!any_rope) {
+          CHECK(local.logits == real.logits);
+          CHECK(local.context_states == real.context_states);
+          continue;
+        }
+        CHECK(local.logits != real.logits);
+        for (size_t l = 0; l < real.context_states.size(); ++l) {
+          // the states before the query differ only where they carry RoPE (Ring-linear: R(b) S(C|0) vs S(C|0))
+          if (m.linear_states_rotate()) CHECK(rel_err(local.context_states[l], real.context_states[l]) > 1e-4);
+          else CHECK(local.context_states[l] == real.context_states[l]);
+        }
+        // One segment sits at position 0 either way: nothing to leave unrotated.
+        SpliceRequest one = make_request(m, {segs[0]}, query, mode, 0);
+        const SpliceResult one_real = splice(m, one);
+        one.local_positions = true;
+        CHECK(splice(m, one).logits == one_real.logits);
+      }
+    }
+  }
+}

@@ -162,7 +162,8 @@ TEST_CASE("quality benchmark: identities of the splice modes that hold for any w
     const ModeOutcome& naive_local = mode_of(p, "naive_local");
     CHECK(naive_local.answer_kl != naive.answer_kl);
     CHECK(naive_local.computed_tokens == naive.computed_tokens);
-    for (size_t l = 0; l < naive.state_rel_err.size(); ++l) CHECK(naive_local.state_rel_err[l] == naive.state_rel_err[l]);
+    for (size_t l = 0; l < naive.state_rel_err.size(); ++l)
+      CHECK(naive_local.state_rel_err[l] == naive.state_rel_err[l]);
     CHECK(mode_of(p, "hypic_w2").computed_tokens == p.query_tokens + 2 * int64_t(p.document_tokens.size() - 1));
   }
   REQUIRE(r.summary.size() == r.modes.size());

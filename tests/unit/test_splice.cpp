@@ -416,10 +416,12 @@ TEST_CASE("local_positions keeps later segments' K at local positions: re-rotate
             start += static_cast<int64_t>(s.size());
           }
           // the query's own rows were computed in context at real positions in both
-          const std::vector<float> seg_k(k.begin(), k.begin() + start * row), real_k(R.k.begin(), R.k.begin() + start * row);
+          const std::vector<float> seg_k(k.begin(), k.begin() + start * row);
+          const std::vector<float> real_k(R.k.begin(), R.k.begin() + start * row);
           CHECK(scaled_diff(seg_k, real_k) < 1e-5);
           const size_t seg_v = L.v.size() / L.n_tokens * start;  // V is position-free: the cached rows as they are
-          CHECK(std::vector<float>(L.v.begin(), L.v.begin() + seg_v) == std::vector<float>(R.v.begin(), R.v.begin() + seg_v));
+          CHECK(std::vector<float>(L.v.begin(), L.v.begin() + seg_v) ==
+                std::vector<float>(R.v.begin(), R.v.begin() + seg_v));
           const std::vector<float> local_unrotated(L.k.begin() + segs[0].size() * row, L.k.begin() + start * row);
           const std::vector<float> real_rows(R.k.begin() + segs[0].size() * row, R.k.begin() + start * row);
           CHECK(scaled_diff(local_unrotated, real_rows) > 1e-3);  // the fix does move them
@@ -427,9 +429,12 @@ TEST_CASE("local_positions keeps later segments' K at local positions: re-rotate
         CHECK(rel_l2(local.state.linear[0].ssm, real.state.linear[0].ssm) < 1e-6);  // layer 0 sees no attention
         CHECK(scaled_diff(local.logits, real.logits) > 1e-6);
       }
-      SpliceRequest bad = make_request(m, segs, query, SpliceMode::Hypic, 8);
-      bad.local_positions = true;
-      CHECK_THROWS_WITH(splice(m, bad), Catch::Contains("local_positions applies to modes naive and transition"));
+      for (SpliceMode mode : {SpliceMode::Full, SpliceMode::Prefix, SpliceMode::Hypic}) {
+        SpliceRequest bad = make_request(m, segs, query, mode, 8);
+        bad.local_positions = true;
+        const std::string want = "local_positions applies to modes naive and transition, not ";
+        CHECK_THROWS_WITH(splice(m, bad), Catch::Contains(want + splice_mode_name(mode)));
+      }
     }
   }
 }
