@@ -63,7 +63,7 @@ Options:
                         (Apache-2.0, BSD, Artistic, CC0-1.0).
   --query TEXT          the question after the documents.
   --scatter-workers N   scatter workers to start (default 2; 0 lets the combine worker prefill).
-  --max-tokens N        tokens to generate per run (default 32).
+  --max-tokens N        tokens to generate per run (default 24 for a task prompt, else 32; 4 with --smoke).
   --device DEV          where the scatter and combine workers compute: cpu | cuda | cuda:N. Default: the
                         workers' own (cuda:0 when the build has CUDA and a GPU is visible, else cpu).
   --smoke               tiny and fast (two trimmed documents, 4 tokens): the CI version.
