@@ -103,6 +103,11 @@ struct SplicePlan {
   bool all_query_logits = false;    ///< logits for every query position (evaluation), else the last only
   bool keep_context_state = false;  ///< return each linear layer's S after the last segment (evaluation)
   bool use_prefix_cache = true;     ///< prefix mode: look up / store running states in the backend's prefix cache
+  /// Hypic: segments (indices >= 1) recomputed whole in context (SpliceRequest::recompute_segments).
+  std::vector<int> recompute_segments;
+  /// Hypic: query-aware refresh of the k segments the query's last token attends to most
+  /// (SpliceRequest::refresh_segments). 0 = off.
+  int refresh_segments = 0;
 };
 
 /// What a splice returns.
@@ -112,6 +117,7 @@ struct SpliceOutput {
   int64_t num_tokens = 0;              ///< prompt length (segments + query)
   int64_t computed_tokens = 0;         ///< tokens run through the model (seams + query; all for full)
   int prefix_segments_reused = 0;      ///< prefix mode: segments restored from the prefix cache
+  std::vector<int> recomputed_segments;  ///< hypic: segments recomputed whole, ascending
   std::vector<std::vector<float>> context_states;  ///< keep_context_state: per linear layer [H_v][d_k][d_v], host
 };
 

@@ -115,6 +115,8 @@ SpliceOutput CpuBackend::splice(const SplicePlan& plan) {
   req.query = plan.query;
   req.all_query_logits = plan.all_query_logits;
   req.keep_context_state = plan.keep_context_state;
+  req.recompute_segments = plan.recompute_segments;
+  req.refresh_segments = plan.refresh_segments;
   req.prefix_cache = plan.use_prefix_cache ? &prefix_ : nullptr;
   req.segments.reserve(plan.segments.size());
   for (size_t i = 0; i < plan.segments.size(); ++i) {
@@ -135,6 +137,7 @@ SpliceOutput CpuBackend::splice(const SplicePlan& plan) {
   out.num_tokens = r.num_tokens;
   out.computed_tokens = r.computed_tokens;
   out.prefix_segments_reused = r.prefix_segments_reused;
+  out.recomputed_segments = std::move(r.recomputed_segments);
   out.context_states = std::move(r.context_states);
   return out;
 }

@@ -247,6 +247,10 @@ PrefillResult Model::forward(ModelState& state, std::span<const SpanSpec> spans,
   }
   const int64_t T = offset.back();
   validate_state(state);
+  if (options.attention_mass) {
+    options.attention_mass->assign(static_cast<size_t>(state.attention.empty() ? 0 : state.attention[0].n_tokens + T),
+                                   0.0f);
+  }
 
   const int64_t H = c.hidden_size;
   const float eps = static_cast<float>(c.rms_norm_eps);
@@ -299,11 +303,17 @@ PrefillResult Model::forward(ModelState& state, std::span<const SpanSpec> spans,
                                     inv_freq_, recurrent, tr, mix.data() + r0);
         else
           linear_layer(lw, state.linear[li], hn.data() + r0, Ts, mode, tr, scratch, mix.data() + r0);
-      } else if (c.family == ModelFamily::KimiLinear) {
-        families::mla_layer(c, lw.mla, state.attention[c.attention_index(i)], hn.data() + r0, Ts, mix.data() + r0);
       } else {
-        attention_layer(lw, state.attention[c.attention_index(i)], hn.data() + r0, Ts, spans[si].start_position,
-                        scratch, mix.data() + r0);
+        AttentionLayerState& ast = state.attention[c.attention_index(i)];
+        float* key_mass = nullptr;
+        if (options.attention_mass && si + 1 == spans.size()) {  // the last span's last token, over the whole cache
+          options.attention_mass->resize(static_cast<size_t>(ast.n_tokens + Ts), 0.0f);
+          key_mass = options.attention_mass->data();
+        }
+        if (c.family == ModelFamily::KimiLinear)
+          families::mla_layer(c, lw.mla, ast, hn.data() + r0, Ts, mix.data() + r0, key_mass);
+        else
+          attention_layer(lw, ast, hn.data() + r0, Ts, spans[si].start_position, scratch, mix.data() + r0, key_mass);
       }
       if (after_mixer) (*after_mixer)(si, i, state);
     }
@@ -410,7 +420,7 @@ void Model::linear_layer(const LayerWeights& lw, LinearLayerState& st, const flo
 // Without the gate and the norms it is MiniMaxAttention (full-head RoPE); with plain (w) q/k norms and partial
 // RoPE, Ring's softmax attention.
 void Model::attention_layer(const LayerWeights& lw, AttentionLayerState& st, const float* x, int64_t T,
-                            int64_t start_position, Scratch& s, float* out) const {
+                            int64_t start_position, Scratch& s, float* out, float* key_mass) const {
   const ModelConfig& c = config_;
   const AttentionWeights& w = lw.attention;
   const int64_t H = c.hidden_size;
@@ -460,7 +470,7 @@ void Model::attention_layer(const LayerWeights& lw, AttentionLayerState& st, con
 
   const cpu::AttentionShape shape{T, st.n_tokens, nh, nkv, hd};
   cpu::attention_causal(shape, q.data(), st.k.data(), st.v.data(),
-                        static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd))), attn.data());
+                        static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd))), attn.data(), key_mass, 1);
   if (c.attn_output_gate) {
     for (size_t i = 0; i < attn.size(); ++i) attn[i] *= cpu::sigmoid(gate[i]);
   }

@@ -61,6 +61,12 @@ struct PrefillOptions {
   bool all_logits = false;           ///< logits for every position of the span, else only the last
   bool capture_transitions = false;  ///< return each linear layer's span transition T_span
   bool skip_logits = false;          ///< no final norm / LM head: logits stays empty (seams, entry builds)
+  /// If set: resized to the KV cache length after the call (tokens) and filled with, per cached token, the
+  /// attention probability the LAST TOKEN of the last span pays it, summed over every full-attention layer and head
+  /// (fp32, host; a total of heads * attention layers). The last token is the one whose logits pick the next token:
+  /// what it reads is what the answer comes from. What SpliceRequest::refresh_segments ranks segments by. All zeros
+  /// for a model without full-attention layers.
+  std::vector<float>* attention_mass = nullptr;
 };
 
 /// Result of one prefill call.
@@ -160,7 +166,7 @@ class Model {
   void linear_layer(const LayerWeights& lw, LinearLayerState& st, const float* x, int64_t T, LinearMode mode,
                     std::vector<float>* transition, Scratch& s, float* out) const;
   void attention_layer(const LayerWeights& lw, AttentionLayerState& st, const float* x, int64_t T,
-                       int64_t start_position, Scratch& s, float* out) const;
+                       int64_t start_position, Scratch& s, float* out, float* key_mass) const;
   void moe_block(const MoeWeights& w, const float* x, int64_t T, Scratch& s, float* out) const;
   void mlp_block(const MlpWeights& w, int64_t width, const float* x, int64_t T, Scratch& s, float* out) const;
 

@@ -254,6 +254,17 @@ std::vector<QualityMode> quality_modes(const QualityOptions& options) {
       done.push_back(w);
       out.push_back({"hypic_w" + std::to_string(w), SpliceMode::Hypic, w});
     }
+    if (!options.refresh_counts.empty() && options.refresh_seam_width < 0)
+      throw std::invalid_argument("the refresh modes' seam width must be >= 0, got " +
+                                  std::to_string(options.refresh_seam_width));
+    std::vector<int> counts;
+    for (int k : options.refresh_counts) {
+      if (k < 1) throw std::invalid_argument("refresh counts must be >= 1, got " + std::to_string(k));
+      if (std::find(counts.begin(), counts.end(), k) != counts.end()) continue;
+      counts.push_back(k);
+      const int w = options.refresh_seam_width;
+      out.push_back({"hypic_w" + std::to_string(w) + "_r" + std::to_string(k), SpliceMode::Hypic, w, false, k});
+    }
   }
   return out;
 }
@@ -322,6 +333,7 @@ PromptOutcome evaluate_prompt(const Model& model, const Tokenizer& tok, const Qu
     req.mode = m.mode;
     req.seam_width = m.seam_width;
     req.local_positions = m.local_positions;
+    req.refresh_segments = m.refresh_segments;
     req.keep_context_state = true;
     PrefixStateCache cache(options.prefix_cache_bytes);
     if (m.mode == SpliceMode::Prefix) {  // an earlier request with the documents in warm_order warmed the cache
@@ -340,6 +352,7 @@ PromptOutcome evaluate_prompt(const Model& model, const Tokenizer& tok, const Qu
     o.computed_tokens = r.computed_tokens;
     o.prompt_tokens = out.prompt_tokens;
     o.prefix_segments_reused = r.prefix_segments_reused;
+    o.recomputed_segments = r.recomputed_segments;
 
     GreedyResult g = greedy_decode(model, r.state, r.logits, r.num_tokens, options.max_new_tokens, eot);
     o.generated_ids = std::move(g.ids);
@@ -432,7 +445,7 @@ QualityReport evaluate_quality(const Model& model, const Tokenizer& tokenizer,
 // Every field of these structs, under its own name.
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(ModeOutcome, mode, exact_match, generated_ids, stopped, generated_text, answer_kl,
                                    position_kl, position_top1, answer_top1, state_rel_err, computed_tokens,
-                                   prompt_tokens, prefix_segments_reused, seconds)
+                                   prompt_tokens, prefix_segments_reused, recomputed_segments, seconds)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(ModeSummary, mode, prompts, accuracy, accuracy_by_kind, prompts_by_kind,
                                    flips_right_to_wrong, flips_wrong_to_right, mean_kl, mean_answer_top1,
                                    mean_state_rel_err, mean_computed_tokens, mean_prompt_tokens, total_seconds)

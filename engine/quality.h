@@ -118,20 +118,28 @@ struct QualityOptions {
   /// naive against transition what T_C is worth. For a family with no RoPE (Kimi-Linear) the _local rows repeat
   /// naive's and transition's.
   bool local_position_ablations = true;
+  /// Query-aware refresh (SpliceRequest::refresh_segments): for each k here (>= 1), a mode hypic_w<w>_r<k> at
+  /// w = refresh_seam_width that recomputes the k segments the query attends to most. Empty = none.
+  std::vector<int> refresh_counts;
+  int refresh_seam_width = 8;  ///< w of the hypic_w<w>_r<k> modes, tokens (>= 0)
 };
 
 /// One evaluated mode: its name ("full", "prefix", "naive", "naive_local", "transition", "transition_local",
-/// "hypic_w8"), how it splices, the w of the entries it uses (hypic: its seam width; naive and transition: 0; full
-/// and prefix use none: 0), and whether it leaves K at local positions (SpliceRequest::local_positions).
+/// "hypic_w8", "hypic_w8_r2"), how it splices, the w of the entries it uses (hypic: its seam width; naive and
+/// transition: 0; full and prefix use none: 0), whether it leaves K at local positions
+/// (SpliceRequest::local_positions) and how many segments it refreshes (SpliceRequest::refresh_segments).
 struct QualityMode {
   std::string name;
   SpliceMode mode = SpliceMode::Full;
   int seam_width = 0;
   bool local_positions = false;
+  int refresh_segments = 0;
 };
 /// The modes `options` asks for, full first, then prefix, naive, naive_local, transition, transition_local (the
-/// _local ones with local_position_ablations) and hypic_w<w> in seam_widths order (repeated widths once).
-/// Throws std::invalid_argument for a negative seam width, max_new_tokens < 0, or Hypic with no seam width.
+/// _local ones with local_position_ablations), hypic_w<w> in seam_widths order (repeated widths once) and
+/// hypic_w<refresh_seam_width>_r<k> in refresh_counts order (repeats once; with Hypic asked for).
+/// Throws std::invalid_argument for a negative seam width, max_new_tokens < 0, Hypic with no seam width, or a
+/// refresh count < 1.
 std::vector<QualityMode> quality_modes(const QualityOptions& options);
 
 /// The id of "<|endoftext|>"; throws std::invalid_argument if the tokenizer lacks it.
@@ -152,6 +160,7 @@ struct ModeOutcome {
   int64_t computed_tokens = 0;        ///< SpliceResult::computed_tokens
   int64_t prompt_tokens = 0;          ///< documents + query, tokens
   int prefix_segments_reused = 0;     ///< prefix mode: leading segments restored from the warmed cache
+  std::vector<int> recomputed_segments;  ///< hypic: the segments recomputed whole (SpliceResult::recomputed_segments)
   double seconds = 0;                 ///< wall time of the splice call (not the entry builds, the prefix warm-up,
                                       ///< nor the decoding)
 };

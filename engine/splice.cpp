@@ -92,6 +92,79 @@ SegmentDigest chain_digest(const SegmentDigest& prev, std::span<const int32_t> i
   return d;
 }
 
+// One hypic pass (DESIGN.md 3.3): the first segment's entry whole, then every later segment's seam window (or, where
+// whole[i], all of segment i) and the query as one layer-by-layer pass (Model::prefill_spans), so the weights are
+// read once per layer rather than once per span. After a seam's mixer at layer l, its segment's interior is folded
+// into layer l's state (S <- T_int S + S_int and the conv tail, or the interior's re-rotated K and V). A segment
+// without a seam (w = 0) is folded after the previous span, or up front when no span precedes it. `mass`: the
+// query's attention per KV row (PrefillOptions::attention_mass), if wanted. The request was validated by splice().
+SpliceResult splice_hypic(const Model& model, const SpliceRequest& req, const std::vector<char>& whole,
+                          std::vector<float>* mass) {
+  const ModelConfig& cfg = model.config();
+  SpliceResult out;
+  out.state = model.initial_state();
+  ModelState& st = out.state;
+  install_first(model, st, *req.segments[0].entry);
+  int64_t pos = st.num_tokens;
+  struct Fold {
+    const SegmentEntry* entry;
+    int from;      // first interior token
+    int64_t base;  // real position of the segment's first token
+  };
+  std::vector<SpanSpec> spans;
+  std::vector<std::vector<Fold>> folds_after;  // per span
+  std::vector<Fold> folds_upfront;
+  for (size_t i = 1; i < req.segments.size(); ++i) {
+    const SegmentEntry& e = *req.segments[i].entry;
+    const int n = e.num_tokens();
+    const int s = whole[i] ? n : std::min(req.seam_width, n);
+    if (whole[i]) out.recomputed_segments.push_back(static_cast<int>(i));
+    if (s > 0) {
+      spans.push_back({std::span<const int32_t>(e.token_ids).subspan(0, s), pos});
+      folds_after.emplace_back();
+      out.computed_tokens += s;
+    }
+    if (n > s) (spans.empty() ? folds_upfront : folds_after.back()).push_back({&e, s, pos});
+    pos += n;
+  }
+  const size_t query_span = spans.size();
+  spans.push_back({req.query, pos});
+  folds_after.emplace_back();
+
+  const ModelConfig& c = cfg;
+  auto apply_fold = [&](const Fold& f, int layer) {
+    if (c.layer_types[layer] == LayerType::Linear) {
+      const int li = c.linear_index(layer);
+      compose_placed(model, st.linear[li].ssm, f.entry->linear[li].interior_transition,
+                     f.entry->linear[li].interior_state, f.base, f.entry->geometry.d_v);
+      st.linear[li].conv = f.entry->linear[li].conv_tail;
+    } else {
+      append_entry_kv_layer(model, st, *f.entry, c.attention_index(layer), f.from, f.base);
+    }
+  };
+  for (const Fold& f : folds_upfront)
+    for (int layer = 0; layer < c.num_hidden_layers; ++layer) apply_fold(f, layer);
+  if (req.keep_context_state) out.context_states.resize(st.linear.size());
+  if (req.keep_context_state && query_span == 0)
+    for (size_t l = 0; l < st.linear.size(); ++l) out.context_states[l] = st.linear[l].ssm;
+  const SpanLayerHook hook = [&](size_t span, int layer, ModelState&) {
+    for (const Fold& f : folds_after[span]) apply_fold(f, layer);
+    if (req.keep_context_state && span + 1 == query_span && c.layer_types[layer] == LayerType::Linear) {
+      const int li = c.linear_index(layer);
+      out.context_states[li] = st.linear[li].ssm;
+    }
+  };
+  PrefillOptions opt;
+  opt.all_logits = req.all_query_logits;
+  opt.attention_mass = mass;
+  PrefillResult r = model.prefill_spans(st, spans, hook, opt);
+  out.computed_tokens += static_cast<int64_t>(req.query.size());
+  out.logits = std::move(r.logits);
+  out.num_tokens = pos + static_cast<int64_t>(req.query.size());
+  st.num_tokens = out.num_tokens;
+  return out;
+}
+
 }  // namespace
 
 // ---- entries -------------------------------------------------------------------------------------------
@@ -259,6 +332,45 @@ size_t PrefixStateCache::entries() const {
 
 // ---- splice --------------------------------------------------------------------------------------------
 
+void check_recompute_request(SpliceMode mode, std::span<const int> recompute_segments, int refresh_segments,
+                             size_t num_segments) {
+  if ((!recompute_segments.empty() || refresh_segments != 0) && mode != SpliceMode::Hypic)
+    throw std::invalid_argument(std::string("splice: recompute_segments / refresh_segments apply to mode hypic, not ") +
+                                splice_mode_name(mode));
+  if (refresh_segments < 0)
+    throw std::invalid_argument("splice: refresh_segments must be >= 0, got " + std::to_string(refresh_segments));
+  std::vector<char> seen(num_segments, 0);
+  for (int i : recompute_segments) {
+    if (i < 1 || static_cast<size_t>(i) >= num_segments)
+      throw std::invalid_argument("splice: recompute_segments index " + std::to_string(i) + " is outside [1, " +
+                                  std::to_string(num_segments) + ") (segment 0 is always exact)");
+    if (seen[static_cast<size_t>(i)]++)
+      throw std::invalid_argument("splice: recompute_segments lists segment " + std::to_string(i) + " twice");
+  }
+}
+
+std::vector<int> choose_refresh_segments(std::span<const float> mass, std::span<const int64_t> segment_tokens,
+                                         int seam_width, std::span<const char> whole, int k) {
+  std::vector<std::pair<double, int>> ranked;
+  int64_t start = 0;
+  for (size_t i = 0; i < segment_tokens.size(); ++i) {
+    const int64_t n = segment_tokens[i];
+    if (i >= 1 && !(i < whole.size() && whole[i])) {
+      double m = 0.0;
+      const int64_t end = std::min<int64_t>(start + n, static_cast<int64_t>(mass.size()));
+      for (int64_t r = start + std::min<int64_t>(std::max(seam_width, 0), n); r < end; ++r) m += mass[r];
+      if (m > 0.0) ranked.emplace_back(m, static_cast<int>(i));
+    }
+    start += n;
+  }
+  std::stable_sort(ranked.begin(), ranked.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  if (ranked.size() > static_cast<size_t>(std::max(k, 0))) ranked.resize(static_cast<size_t>(std::max(k, 0)));
+  std::vector<int> out;
+  for (const auto& r : ranked) out.push_back(r.second);
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
 SpliceResult splice(const Model& model, const SpliceRequest& req) {
   if (req.segments.empty()) throw std::invalid_argument("splice: the segment list is empty");
   if (req.query.empty()) throw std::invalid_argument("splice: the query has no tokens");
@@ -269,6 +381,7 @@ SpliceResult splice(const Model& model, const SpliceRequest& req) {
   if (req.local_positions && req.mode != SpliceMode::Naive && req.mode != SpliceMode::Transition)
     throw std::invalid_argument(std::string("splice: local_positions applies to modes naive and transition, not ") +
                                 splice_mode_name(req.mode));
+  check_recompute_request(req.mode, req.recompute_segments, req.refresh_segments, req.segments.size());
   const char* numerics = backend_numerics(BackendKind::Cpu);
   const std::string fingerprint = cached_mode ? model_fingerprint(cfg, numerics) : std::string();
   const EntryGeometry geometry = EntryGeometry::of(cfg);
@@ -326,7 +439,7 @@ SpliceResult splice(const Model& model, const SpliceRequest& req) {
     }
     out.prefix_segments_reused = static_cast<int>(reused);
     first = req.segments.size();
-  } else {
+  } else if (req.mode != SpliceMode::Hypic) {  // (hypic: splice_hypic starts the same way)
     // The first segment sits at position 0, where its standalone prefill is exact: use its entry whole.
     install_first(model, st, *req.segments[0].entry);
     pos = st.num_tokens;
@@ -353,63 +466,23 @@ SpliceResult splice(const Model& model, const SpliceRequest& req) {
     return out;
   }
 
-  // Hypic: every seam window and the query run as one layer-by-layer pass (Model::prefill_spans), so the weights
-  // are read once per layer rather than once per seam. After a seam's mixer at layer l, its segment's interior is
-  // folded into layer l's state (S <- T_int S + S_int and the conv tail, or the interior's re-rotated K and V).
-  // A segment without a seam (w = 0) is folded after the previous span, or up front when no span precedes it.
-  struct Fold {
-    const SegmentEntry* entry;
-    int from;      // first interior token
-    int64_t base;  // real position of the segment's first token
-  };
-  std::vector<SpanSpec> spans;
-  std::vector<std::vector<Fold>> folds_after;  // per span
-  std::vector<Fold> folds_upfront;
-  for (size_t i = first; i < req.segments.size(); ++i) {
-    const SegmentEntry& e = *req.segments[i].entry;
-    const int n = e.num_tokens();
-    const int s = std::min(req.seam_width, n);
-    if (s > 0) {
-      spans.push_back({std::span<const int32_t>(e.token_ids).subspan(0, s), pos});
-      folds_after.emplace_back();
-      out.computed_tokens += s;
-    }
-    if (n > s) (spans.empty() ? folds_upfront : folds_after.back()).push_back({&e, s, pos});
-    pos += n;
+  // Hypic. With refresh_segments, a first pass measures the query's attention per segment and picks the segments
+  // to recompute whole; the second pass (from the first segment's entry again) is the answer.
+  std::vector<char> whole(req.segments.size(), 0);
+  for (int i : req.recompute_segments) whole[static_cast<size_t>(i)] = 1;
+  if (req.refresh_segments > 0 && req.segments.size() > 1) {
+    std::vector<float> mass;
+    SpliceResult probe = splice_hypic(model, req, whole, &mass);
+    std::vector<int64_t> lengths;
+    for (size_t i = 0; i < req.segments.size(); ++i) lengths.push_back(static_cast<int64_t>(ids_of(i).size()));
+    const std::vector<int> chosen = choose_refresh_segments(mass, lengths, req.seam_width, whole, req.refresh_segments);
+    if (chosen.empty()) return probe;
+    for (int i : chosen) whole[static_cast<size_t>(i)] = 1;
+    SpliceResult result = splice_hypic(model, req, whole, nullptr);
+    result.computed_tokens += probe.computed_tokens;
+    return result;
   }
-  const size_t query_span = spans.size();
-  spans.push_back({req.query, pos});
-  folds_after.emplace_back();
-
-  const ModelConfig& c = cfg;
-  auto apply_fold = [&](const Fold& f, int layer) {
-    if (c.layer_types[layer] == LayerType::Linear) {
-      const int li = c.linear_index(layer);
-      compose_placed(model, st.linear[li].ssm, f.entry->linear[li].interior_transition,
-                     f.entry->linear[li].interior_state, f.base, f.entry->geometry.d_v);
-      st.linear[li].conv = f.entry->linear[li].conv_tail;
-    } else {
-      append_entry_kv_layer(model, st, *f.entry, c.attention_index(layer), f.from, f.base);
-    }
-  };
-  for (const Fold& f : folds_upfront)
-    for (int layer = 0; layer < c.num_hidden_layers; ++layer) apply_fold(f, layer);
-  if (req.keep_context_state) out.context_states.resize(st.linear.size());
-  if (req.keep_context_state && query_span == 0)
-    for (size_t l = 0; l < st.linear.size(); ++l) out.context_states[l] = st.linear[l].ssm;
-  const SpanLayerHook hook = [&](size_t span, int layer, ModelState&) {
-    for (const Fold& f : folds_after[span]) apply_fold(f, layer);
-    if (req.keep_context_state && span + 1 == query_span && c.layer_types[layer] == LayerType::Linear) {
-      const int li = c.linear_index(layer);
-      out.context_states[li] = st.linear[li].ssm;
-    }
-  };
-  PrefillResult r = model.prefill_spans(st, spans, hook, opt);
-  out.computed_tokens += static_cast<int64_t>(req.query.size());
-  out.logits = std::move(r.logits);
-  out.num_tokens = pos + static_cast<int64_t>(req.query.size());
-  st.num_tokens = out.num_tokens;
-  return out;
+  return splice_hypic(model, req, whole, nullptr);
 }
 
 }  // namespace hypic::engine

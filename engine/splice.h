@@ -111,6 +111,22 @@ struct SpliceRequest {
   /// baseline. A no-op for families with no RoPE anywhere (Kimi-Linear). Slots and the query's positions stay
   /// real. splice() throws std::invalid_argument when it is set with another mode.
   bool local_positions = false;
+  /// Hypic only: indices (into `segments`, each >= 1, any order, no repeats) of segments recomputed WHOLE in context
+  /// instead of composed from their entries: such a segment runs like a seam window as long as itself (from the
+  /// running state, attending to every cached token before it), so its KV and its effect on the linear states are
+  /// those of full recomputation given what precedes it. Segment 0 is exact from its entry and cannot be listed.
+  std::vector<int> recompute_segments;
+  /// Hypic only, query-aware refresh: after the splice, the attention of the query's last token (the one whose
+  /// logits give the first answer token) ranks the later segments (>= 1, not already in recompute_segments) by the
+  /// mass it pays to their interior tokens, summed over every full-attention layer and head
+  /// (PrefillOptions::attention_mass; choose_refresh_segments); the refresh_segments highest with nonzero mass are
+  /// added to recompute_segments and the prompt is spliced again. This restores what position-independent segments
+  /// cannot see, the tokens before them, where the query says it matters (a document that updates or refers to an
+  /// earlier one: both the statement the query reads and the one it should read are attended, so k >= 2 is the
+  /// useful setting). Costs one more splice pass plus the refreshed segments' tokens (SpliceResult::computed_tokens
+  /// counts both passes). A segment-granular counterpart of CacheBlend's selective recompute
+  /// (research/hypic_and_pic_peers.md 1.5: on hybrids single tokens cannot be recomputed). 0 = off.
+  int refresh_segments = 0;
   PrefixStateCache* prefix_cache = nullptr;  ///< prefix mode: where checkpoints are looked up and stored
 };
 
@@ -121,10 +137,27 @@ struct SpliceResult {
   int64_t num_tokens = 0;      ///< prompt length (segments + query), the next decode position
   int64_t computed_tokens = 0; ///< tokens run through the model here (seams + query; everything for full)
   int prefix_segments_reused = 0;  ///< prefix mode: segments restored from the prefix cache
+  /// hypic: the segments recomputed whole (recompute_segments plus those refresh_segments chose), ascending
+  std::vector<int> recomputed_segments;
   /// keep_context_state: per linear layer, S [H_v][d_k][d_v] after the last segment, before the query (the state
   /// composition produces; the query's own tokens then move every mode's state the same way).
   std::vector<std::vector<float>> context_states;
 };
+
+/// Checks a request's recompute_segments / refresh_segments (SpliceRequest, SplicePlan) against its mode and its
+/// number of segments: both are hypic-only, indices lie in [1, num_segments) without repeats, refresh_segments >= 0.
+/// Throws std::invalid_argument naming what is wrong. Every backend calls it.
+void check_recompute_request(SpliceMode mode, std::span<const int> recompute_segments, int refresh_segments,
+                             size_t num_segments);
+
+/// The query-aware refresh choice (SpliceRequest::refresh_segments), shared by the backends: given the query's
+/// attention mass per KV row in prompt order (`mass`, fp32 host, as PrefillOptions::attention_mass; rows past its end
+/// count 0), each segment's length in tokens, the seam width w and which segments are already recomputed whole
+/// (`whole`, one flag per segment), returns the indices (>= 1, ascending) of at most k segments not yet whole whose
+/// interior rows (from start + min(w, n) to start + n) hold the most mass, ties to the earlier segment, segments with
+/// no mass never chosen.
+std::vector<int> choose_refresh_segments(std::span<const float> mass, std::span<const int64_t> segment_tokens,
+                                         int seam_width, std::span<const char> whole, int k);
 
 /// Splices a prompt (DESIGN.md 3.3) in the requested mode. The first segment's entry is used whole (exact at
 /// position 0); each later segment's seam (first w tokens) is recomputed in context through every layer, its
@@ -137,8 +170,11 @@ struct SpliceResult {
 /// S(C|b) = R(b) S(C|0) (Model::rotate_linear_state, DESIGN.md 3.3; the scalar T commutes with R); the first
 /// segment (b = 0) is used as cached. With request.local_positions (naive / transition only) neither K nor those
 /// states are re-rotated: every segment is placed as if it started at 0.
+/// recompute_segments / refresh_segments (hypic) recompute chosen segments whole in context (see their docs).
 /// Throws std::invalid_argument (no segments, empty segment, empty query, negative seam width, missing entry for a
-/// cached mode, token ids differing from the entry's, local_positions with a mode other than naive or transition)
+/// cached mode, token ids differing from the entry's, local_positions with a mode other than naive or transition,
+/// recompute_segments / refresh_segments with a mode other than hypic, a recompute index out of [1, segments) or
+/// repeated, refresh_segments < 0)
 /// and EntryError (entry from another model, numerics (CPU: "cpu-fp32") or w).
 SpliceResult splice(const Model& model, const SpliceRequest& request);
 

@@ -118,7 +118,12 @@ def markdown(res: dict) -> str:
                "segment's cached K left at its local positions (no RoPE fix), as the reference implementation's "
                "`addition` and `transition` modes are taken to splice; `naive_local` stands for the paper's Naive "
                "Addition baseline." if any("naive_local" in m["modes"] or "transition_local" in m["modes"]
-                                            for m in res["models"].values()) else ""), ""]
+                                            for m in res["models"].values()) else "") +
+              (" `hypic_w<w>_r<k>` is hypic_w<w> with the query-aware refresh (SpliceRequest::refresh_segments): the "
+               "k later segments that the query's last token attends to most are recomputed whole in context, after "
+               "a first splice that measures that attention (tokens computed count both passes)."
+               if any(re.fullmatch(r"hypic_w\d+_r\d+", k) for m in res["models"].values() for k in m["modes"])
+               else ""), ""]
     for name, m in res["models"].items():
         s = m["settings"]
         lines += [f"## {name}", "",

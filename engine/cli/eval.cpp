@@ -136,6 +136,8 @@ int run_dataset(const Model& model, const Tokenizer& tok, const DatasetRun& run)
   settings["dataset"] = run.dataset_path;
   settings["seam_widths"] = run.options.seam_widths;
   settings["local_position_ablations"] = run.options.local_position_ablations;
+  settings["refresh_counts"] = run.options.refresh_counts;
+  settings["refresh_seam_width"] = run.options.refresh_seam_width;
   settings["max_new_tokens"] = run.options.max_new_tokens;
   settings["limit"] = run.limit;
   settings["shard"] = shard;
@@ -201,6 +203,14 @@ int main(int argc, char** argv) {
       app.add_option("--seam-widths", run.options.seam_widths,
                      "--dataset: comma-separated hypic seam widths, one mode hypic_w<w> each (0,2,4,8,16,32)")
           ->delimiter(',')
+          ->check(CLI::NonNegativeNumber),
+      app.add_option("--refresh", run.options.refresh_counts,
+                     "--dataset: comma-separated k, one mode hypic_w<w>_r<k> each: hypic at w = --refresh-seam-width "
+                     "that recomputes whole the k segments the query attends to most (SpliceRequest::refresh_segments)")
+          ->delimiter(',')
+          ->check(CLI::PositiveNumber),
+      app.add_option("--refresh-seam-width", run.options.refresh_seam_width,
+                     "--dataset: w of the --refresh modes, tokens (8)")
           ->check(CLI::NonNegativeNumber),
       app.add_option("--limit", run.limit, "--dataset: only the first N prompts (0 = all)"),
       app.add_option("--shard", shard_text, "--dataset: shard I/N, the prompts with index % N == I"),

@@ -229,9 +229,15 @@ class CudaBackend final : public Backend {
 
   // Forward passes.
   void apply_folds(CudaSequence& s, const std::vector<Fold>& folds);
-  std::vector<float> run_pass(CudaSequence& s, const std::vector<Run>& runs, bool want_logits, bool all_logits);
+  // mass_dev (DEVICE fp32, zeroed, >= the pass's KV length): the last token's attention per KV slot is added to it.
+  std::vector<float> run_pass(CudaSequence& s, const std::vector<Run>& runs, bool want_logits, bool all_logits,
+                              float* mass_dev = nullptr);
+  // mass: if set, the query's last token's attention per KV slot (PrefillOptions::attention_mass).
   void execute(CudaSequence& s, const std::vector<Item>& items, bool all_logits, std::vector<float>& logits,
-               bool keep_context, std::vector<std::vector<float>>* context);
+               bool keep_context, std::vector<std::vector<float>>* context, std::vector<float>* mass = nullptr);
+  // The hypic items (DESIGN.md 3.3): seams (or whole segments, where whole[i]) in context, interiors folded.
+  std::vector<Item> hypic_items(const SplicePlan& plan, const std::vector<char>& whole, int64_t& pos,
+                                int64_t& computed, std::vector<int>& recomputed) const;
   void build_batch(std::span<const std::vector<int32_t>> segments, int w,
                    std::vector<std::shared_ptr<CudaEntry>>& out);
   void linear_gemms(const DevLinear& L, int T);
@@ -311,6 +317,7 @@ class CudaBackend final : public Backend {
            *z_ = nullptr, *ga_ = nullptr, *gb_ = nullptr, *o_ = nullptr, *qg_ = nullptr, *kv_ = nullptr,
            *aq_ = nullptr, *ao_ = nullptr;
   DeviceMemory logits_dev_;
+  DeviceMemory mass_dev_;  // the refresh probe's attention mass per KV slot (fp32)
   DeviceMemory dec_tables_, dec_logits_;          // decode steps (fixed, so that graphs can point at them)
   std::map<std::pair<int, int>, GraphExec> graphs_;  // captured decode steps by (batch, block-table width)
   std::set<std::pair<int, int>> warmed_;              // shapes run once eagerly (GEMM plans made)
@@ -795,7 +802,7 @@ void CudaBackend::apply_folds(CudaSequence& s, const std::vector<Fold>& folds) {
 // ---- one forward pass over runs of spans ----------------------------------------------------------------------
 
 std::vector<float> CudaBackend::run_pass(CudaSequence& s, const std::vector<Run>& runs, bool want_logits,
-                                         bool all_logits) {
+                                         bool all_logits, float* mass_dev) {
   const int R = int(runs.size());
   // Tokens, positions, KV rows, attention groups, run boundaries.
   std::vector<int32_t> ids, pos, rows;
@@ -942,6 +949,10 @@ std::vector<float> CudaBackend::run_pass(CudaSequence& s, const std::vector<Run>
                       tb.dev<const kc::bf16*>(t_v[a]), tb.dev<int>(t_kd), inv_freq_.as<float>(), tb.dev<int>(t_kdst),
                       k_pool_[a].as<kc::bf16>(), v_pool_[a].as<kc::bf16>(), stream_);
       attention_mixer(L.attention, a, T, tb.dev<int>(t_pos), tb.dev<int>(t_rows), groups, false);
+      if (mass_dev)  // the last span's last token over every slot it sees (PrefillOptions::attention_mass)
+        kc::attention_key_mass(1, nh_, nkv_, hd_, aq_ + size_t(T - 1) * nh_ * hd_, slot0[G - 1] + (T - 1 - q_start[G - 1]),
+                               tb.dev<int>(t_bt) + size_t(G - 1) * max_pages, k_pool_[a].as<kc::bf16>(), attn_scale_,
+                               mass_dev, stream_);
     }
     ffn(L, T);
   }
@@ -966,14 +977,24 @@ void CudaBackend::snapshot_linear(const CudaSequence& s, std::vector<std::vector
 // its rest continues in the next pass from the slot state. Folds before the first span of a pass are applied
 // before it (apply_folds); later folds go between the pass's runs.
 void CudaBackend::execute(CudaSequence& s, const std::vector<Item>& items_in, bool all_logits,
-                          std::vector<float>& logits, bool keep_context, std::vector<std::vector<float>>* context) {
+                          std::vector<float>& logits, bool keep_context, std::vector<std::vector<float>>* context,
+                          std::vector<float>* mass) {
   std::vector<Item> items = items_in;
   const size_t n = items.size();
   std::vector<Run> runs;
   int64_t used = 0;
+  int64_t kv_len = 0;  // the KV length after the last span (the mass vector's length)
+  for (const Item& it : items) {
+    kv_len = std::max<int64_t>(kv_len, it.span.position + int64_t(it.span.ids.size()));
+    for (const Fold& f : it.folds) kv_len = std::max<int64_t>(kv_len, f.base + f.e->n());
+  }
+  if (mass && n_attn_) {
+    ensure_capacity(mass_dev_, size_t(kv_len) * 4, "refresh probe");
+    check_cuda(cudaMemsetAsync(mass_dev_.as(), 0, size_t(kv_len) * 4, stream_), "refresh probe");
+  }
   auto flush = [&](bool last) {
     if (runs.empty()) return;
-    std::vector<float> lg = run_pass(s, runs, last, all_logits);
+    std::vector<float> lg = run_pass(s, runs, last, all_logits, last && mass && n_attn_ ? mass_dev_.as<float>() : nullptr);
     if (last) logits = std::move(lg);
     runs.clear();
     used = 0;
@@ -1011,6 +1032,14 @@ void CudaBackend::execute(CudaSequence& s, const std::vector<Item>& items_in, bo
     }
   }
   flush(true);
+  if (mass) {
+    mass->assign(size_t(kv_len), 0.f);
+    if (n_attn_) {
+      check_cuda(cudaMemcpyAsync(mass->data(), mass_dev_.as(), size_t(kv_len) * 4, cudaMemcpyDeviceToHost, stream_),
+                 "refresh probe");
+      check_cuda(cudaStreamSynchronize(stream_), "refresh probe");
+    }
+  }
 }
 
 // ---- checkpoints (prefix mode) ---------------------------------------------------------------------------------
@@ -1098,9 +1127,32 @@ void CudaBackend::check_entry(const PlanSegment& seg, size_t i, const SplicePlan
     throw std::invalid_argument("splice: " + which + "'s token ids differ from its entry's");
 }
 
+std::vector<Item> CudaBackend::hypic_items(const SplicePlan& plan, const std::vector<char>& whole, int64_t& pos,
+                                           int64_t& computed, std::vector<int>& recomputed) const {
+  auto entry_of = [&](size_t i) { return static_cast<const CudaEntry*>(plan.segments[i].entry.get()); };
+  std::vector<Item> items;
+  std::vector<Fold> pending{{Fold::Install, entry_of(0), 0}};
+  pos = entry_of(0)->n();
+  for (size_t i = 1; i < plan.segments.size(); ++i) {
+    const CudaEntry* e = entry_of(i);
+    const int n = e->n(), sw = whole[i] ? n : std::min(plan.seam_width, n);
+    if (whole[i]) recomputed.push_back(int(i));
+    if (sw > 0) {
+      items.push_back({std::move(pending), {std::span<const int32_t>(e->header().token_ids).subspan(0, size_t(sw)), pos}});
+      pending.clear();
+      computed += sw;
+    }
+    if (n > sw) pending.push_back({Fold::Interior, e, pos});
+    pos += n;
+  }
+  items.push_back({std::move(pending), {std::span<const int32_t>(plan.query), pos}});
+  return items;
+}
+
 SpliceOutput CudaBackend::splice(const SplicePlan& plan) {
   set_device();
   drain_frees();
+  check_recompute_request(plan.mode, plan.recompute_segments, plan.refresh_segments, plan.segments.size());
   if (plan.segments.empty()) throw std::invalid_argument("splice: the segment list is empty");
   if (plan.query.empty()) throw std::invalid_argument("splice: the query has no tokens");
   if (plan.all_query_logits && int64_t(plan.query.size()) > Tmax_)
@@ -1183,20 +1235,27 @@ SpliceOutput CudaBackend::splice(const SplicePlan& plan) {
     }
     items.push_back({std::move(folds), {std::span<const int32_t>(plan.query), pos}});
   } else {  // hypic: seams in context, interiors folded (DESIGN.md 3.3)
-    std::vector<Fold> pending{{Fold::Install, entry_of(0), 0}};
-    pos = entry_of(0)->n();
-    for (size_t i = 1; i < plan.segments.size(); ++i) {
-      const CudaEntry* e = entry_of(i);
-      const int n = e->n(), sw = std::min(plan.seam_width, n);
-      if (sw > 0) {
-        items.push_back({std::move(pending), {std::span<const int32_t>(e->header().token_ids).subspan(0, size_t(sw)), pos}});
-        pending.clear();
-        out.computed_tokens += sw;
+    std::vector<char> whole(plan.segments.size(), 0);
+    for (int i : plan.recompute_segments) whole[size_t(i)] = 1;
+    if (plan.refresh_segments > 0 && plan.segments.size() > 1) {
+      // Probe pass: the query's attention per slot ranks the segments; the chosen ones are recomputed whole in a
+      // second splice from scratch (SpliceRequest::refresh_segments).
+      int64_t probe_pos = 0, probe_computed = 0;
+      std::vector<int> probe_recomputed;
+      const std::vector<Item> probe_items = hypic_items(plan, whole, probe_pos, probe_computed, probe_recomputed);
+      std::vector<float> mass, probe_logits;
+      {
+        auto probe_seq = new_sequence();
+        execute(*probe_seq, probe_items, false, probe_logits, false, nullptr, &mass);
       }
-      if (n > sw) pending.push_back({Fold::Interior, e, pos});
-      pos += n;
+      std::vector<int64_t> lengths;
+      for (size_t i = 0; i < plan.segments.size(); ++i) lengths.push_back(entry_of(i)->n());
+      const std::vector<int> chosen =
+          choose_refresh_segments(mass, lengths, plan.seam_width, whole, plan.refresh_segments);
+      for (int i : chosen) whole[size_t(i)] = 1;
+      out.computed_tokens += probe_computed + int64_t(plan.query.size());
     }
-    items.push_back({std::move(pending), {std::span<const int32_t>(plan.query), pos}});
+    items = hypic_items(plan, whole, pos, out.computed_tokens, out.recomputed_segments);
   }
   if (plan.mode == SpliceMode::Full) items.push_back({{}, {std::span<const int32_t>(plan.query), pos}});
   out.computed_tokens += int64_t(plan.query.size());

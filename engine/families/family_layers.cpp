@@ -97,7 +97,7 @@ void kda_layer(const ModelConfig& c, const KdaWeights& w, LinearLayerState& st, 
 }
 
 void mla_layer(const ModelConfig& c, const MlaWeights& w, AttentionLayerState& st, const float* x, int64_t T,
-               float* out) {
+               float* out, float* key_mass) {
   const int64_t H = c.hidden_size;
   const int nh = c.num_attention_heads, nope = c.qk_nope_head_dim, rope = c.qk_rope_head_dim, vd = c.v_head_dim;
   const int qk = nope + rope;
@@ -136,7 +136,7 @@ void mla_layer(const ModelConfig& c, const MlaWeights& w, AttentionLayerState& s
   cpu::AttentionShape shape{T, st.n_tokens, nh, nh, qk};
   shape.v_head_dim = vd;
   cpu::attention_causal(shape, q.data(), st.k.data(), st.v.data(),
-                        static_cast<float>(1.0 / std::sqrt(static_cast<double>(qk))), attn.data());
+                        static_cast<float>(1.0 / std::sqrt(static_cast<double>(qk))), attn.data(), key_mass, 1);
   cpu::linear(T, int64_t(nh) * vd, H, attn.data(), w.o_proj.ptr(), out);
 }
 

@@ -29,8 +29,9 @@ void kda_layer(const ModelConfig& c, const KdaWeights& w, LinearLayerState& st, 
 /// KimiLinearRMSNorm's default), [k_nope | v] per head = kv_b_proj c_kv, K = [k_nope | k_rot] (k_rot shared by every
 /// head), causal softmax attention with scale (qk_nope + qk_rope)^-1/2, o_proj. Appends the span's expanded K
 /// [T][nh][qk_nope + qk_rope] and V [T][nh][v_head_dim] to `st` (no rotation: the layer has no positions).
+/// key_mass: as cpu::attention_causal's for the span's last token (optional, [n_tokens after the call], accumulated).
 void mla_layer(const ModelConfig& c, const MlaWeights& w, AttentionLayerState& st, const float* x, int64_t T,
-               float* out);
+               float* out, float* key_mass = nullptr);
 
 /// Lightning layer. MiniMax (MiniMaxLightningAttention.forward): [q | k | v] = silu(qkv_proj x) per head, the
 /// scalar-decay recurrence (block-wise over lightning_block_size tokens, or token by token when `recurrent`),

@@ -13,7 +13,7 @@
 namespace hypic::kernels::cpu {
 
 void attention_causal(const AttentionShape& s, const float* q, const float* k, const float* v, float scale,
-                      float* out) {
+                      float* out, float* key_mass, int64_t key_mass_queries) {
   if (s.num_queries < 0 || s.num_keys < s.num_queries || s.num_heads <= 0 || s.num_kv_heads <= 0 ||
       s.head_dim <= 0 || s.num_heads % s.num_kv_heads != 0 || s.num_keys > INT_MAX) {
     throw std::invalid_argument("attention_causal: bad shape T=" + std::to_string(s.num_queries) +
@@ -50,6 +50,8 @@ void attention_causal(const AttentionShape& s, const float* q, const float* k, c
         const int visible = static_cast<int>(past + b0 + i + 1);
         softmax_rows(1, visible, row, keys);
         std::fill(row + visible, row + keys, 0.0f);
+        if (key_mass && b0 + i >= T - key_mass_queries)
+          for (int j = 0; j < visible; ++j) key_mass[j] += row[j];
       }
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, vd, keys, 1.0f, scores.data(), keys, vh, ldv,
                   0.0f, ob, ldo);

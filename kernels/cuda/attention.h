@@ -136,6 +136,20 @@ void attention_decode(const AttnGroups& g, int num_heads, int num_kv_heads, int 
                       const bf16* k_pool, const bf16* v_pool, float scale, const bf16* gate, long gate_token_stride,
                       int gate_head_stride, bf16* out, AttnDecodeWorkspace& ws, cudaStream_t stream = nullptr);
 
+/// The attention probability one sequence's span of queries pays each KV slot (the probe of a splice's query-aware
+/// refresh, engine/splice.h SpliceRequest::refresh_segments; CPU counterpart: cpu::attention_causal's key_mass):
+///   q: [num_queries][num_heads][head_dim] bf16 (normed and rotated, attention_prepare's q_out rows of the span);
+///   query i sits at slot slot0 + i and sees slots 0 ..= slot0 + i, whose K are in k_pool through block_table
+///   (DEVICE int32 [pages] of the sequence, see kKvPageTokens);
+///   mass: DEVICE fp32 [slot0 + num_queries]: softmax(scale * q.k) over the visible slots, summed over the queries
+///   and the heads, is ADDED to it (fp32 scores from bf16 inputs, atomicAdd: the summation order varies).
+/// head_dim even, <= 1024; num_heads a multiple of num_kv_heads, <= 65535. One block per (query, head), K read twice:
+/// meant for short spans. Throws std::invalid_argument on bad shapes or null pointers, std::runtime_error on launch
+/// errors. Allocates nothing.
+void attention_key_mass(int num_queries, int num_heads, int num_kv_heads, int head_dim, const bf16* q, int slot0,
+                        const int* block_table, const bf16* k_pool, float scale, float* mass,
+                        cudaStream_t stream = nullptr);
+
 /// Between the projections and attention (HF Qwen3NextAttention.forward), for T tokens:
 ///   qg: q_proj output [T][num_heads][(output_gate ? 2 : 1) * head_dim] bf16 (per head: head_dim query
 ///       values, then head_dim gate values when output_gate; the gate is left in qg for attention);

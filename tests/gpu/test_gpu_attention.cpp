@@ -890,6 +890,56 @@ TEST_CASE("kv_import(delta) after attention_prepare at p equals attention_prepar
   }
 }
 
+TEST_CASE("attention_key_mass matches attention_causal's key_mass: GQA, pages out of order, contexts 1 .. 3000",
+          "[gpu][attention]") {
+  require_gpu();
+  std::mt19937 rng(77);
+  std::normal_distribution<float> nd;
+  struct Case { int nh, nkv, hd, slot0, tq; };
+  for (const Case c : {Case{4, 4, 64, 0, 1}, Case{16, 2, 256, 200, 7}, Case{8, 2, 128, 2990, 10}, Case{4, 1, 128, 63, 65}}) {
+    const int n = c.slot0 + c.tq, pages = (n + kPage - 1) / kPage;
+    // Pages in shuffled order inside a pool with spare pages.
+    std::vector<int> table(pages);
+    std::iota(table.begin(), table.end(), 0);
+    for (int& t : table) t = t * 2 + 1;
+    std::shuffle(table.begin(), table.end(), rng);
+    const int pool_pages = 2 * pages + 1;
+    std::vector<bf16> kpool(size_t(pool_pages) * kPage * c.nkv * c.hd, float_to_bf16(0.f));
+    std::vector<float> kdense(size_t(n) * c.nkv * c.hd), q(size_t(c.tq) * c.nh * c.hd);
+    for (int j = 0; j < n; ++j)
+      for (int e = 0; e < c.nkv * c.hd; ++e) {
+        const float x = bfr(nd(rng));
+        kdense[size_t(j) * c.nkv * c.hd + e] = x;
+        kpool[(size_t(table[j / kPage]) * kPage + j % kPage) * c.nkv * c.hd + e] = float_to_bf16(x);
+      }
+    std::vector<bf16> qb(q.size());
+    for (size_t i = 0; i < q.size(); ++i) qb[i] = float_to_bf16(q[i] = bfr(nd(rng)));
+    const float scale = 1.f / std::sqrt(float(c.hd));
+    // CPU reference: the kernel's contract is cpu::attention_causal's key_mass (V is irrelevant to it).
+    std::vector<float> vdense(kdense.size(), 0.f), out(size_t(c.tq) * c.nh * c.hd), want(n, 0.5f);
+    hypic::kernels::cpu::attention_causal({c.tq, n, c.nh, c.nkv, c.hd}, q.data(), kdense.data(), vdense.data(), scale,
+                                          out.data(), want.data());
+    DeviceBuffer<bf16> dk(kpool), dq(qb);
+    DeviceBuffer<int> dt(table);
+    std::vector<float> start(n, 0.5f);  // accumulates onto what is there
+    DeviceBuffer<float> dm(start);
+    gpu::attention_key_mass(c.tq, c.nh, c.nkv, c.hd, dq.get(), c.slot0, dt.get(), dk.get(), scale, dm.get());
+    const std::vector<float> got = dm.download();
+    double err = 0, total = 0;
+    for (int j = 0; j < n; ++j) err = std::max(err, double(std::fabs(got[j] - want[j]))), total += got[j] - 0.5;
+    INFO("heads " << c.nh << "/" << c.nkv << " hd " << c.hd << " slot0 " << c.slot0 << " queries " << c.tq);
+    CHECK(err < 1e-4 * c.tq * c.nh + 1e-5);
+    CHECK(total == Approx(double(c.tq) * c.nh).epsilon(1e-4));  // each (query, head) distributes probability 1
+  }
+  DeviceBuffer<float> dm(4);
+  DeviceBuffer<bf16> buf(256);
+  DeviceBuffer<int> ibuf(4);
+  CHECK_THROWS_WITH(gpu::attention_key_mass(1, 6, 4, 64, buf.get(), 0, ibuf.get(), buf.get(), 1.f, dm.get()),
+                    Catch::Contains("num_heads 6"));
+  CHECK_THROWS_WITH(gpu::attention_key_mass(1, 4, 4, 64, nullptr, 0, ibuf.get(), buf.get(), 1.f, dm.get()),
+                    Catch::Contains("null"));
+}
+
 TEST_CASE("attention kernels reject bad arguments with invalid_argument naming the value", "[gpu][attention]") {
   require_gpu();
   DeviceBuffer<bf16> buf(4096);

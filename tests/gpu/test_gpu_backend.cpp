@@ -397,6 +397,76 @@ TEST_CASE("cuda backend: entries and splices in every mode match the CPU engine"
   }
 }
 
+TEST_CASE("cuda backend: recompute_segments and refresh_segments match the CPU engine", "[backend]") {
+  require_gpu();
+  for (const char* name : kModels) {
+    Fixture& f = fixture(name);
+    const int w = 8;
+    std::mt19937 rng(9);
+    std::vector<std::vector<int32_t>> segs;
+    for (size_t n : {40, 7, 130, 65}) segs.push_back(random_ids(rng, n, f.cfg.vocab_size));
+    const auto query = random_ids(rng, 20, f.cfg.vocab_size);
+    const auto gentries = f.gpu->build_entries(segs, w);
+    std::vector<std::shared_ptr<const eng::SegmentEntry>> centries;
+    for (const auto& s : segs) centries.push_back(std::make_shared<eng::SegmentEntry>(eng::build_segment_entry(*f.cpu, s, w)));
+    auto plans = [&](std::vector<int> recompute, int refresh) {
+      eng::SplicePlan gp;
+      eng::SpliceRequest cr;
+      gp.mode = cr.mode = eng::SpliceMode::Hypic;
+      gp.seam_width = cr.seam_width = w;
+      gp.query = cr.query = query;
+      gp.all_query_logits = cr.all_query_logits = true;
+      gp.recompute_segments = cr.recompute_segments = recompute;
+      gp.refresh_segments = cr.refresh_segments = refresh;
+      for (size_t i = 0; i < segs.size(); ++i) {
+        gp.segments.push_back({segs[i], gentries[i]});
+        cr.segments.push_back({segs[i], centries[i]});
+      }
+      return std::make_pair(gp, cr);
+    };
+    std::vector<double> pop;
+    {  // explicit: segments 1 and 3 whole in context
+      auto [gp, cr] = plans({3, 1}, 0);
+      const eng::SpliceResult ref = eng::splice(*f.cpu, cr);
+      const eng::SpliceOutput got = f.gpu->splice(gp);
+      CHECK(got.recomputed_segments == std::vector<int>{1, 3});
+      CHECK(got.computed_tokens == ref.computed_tokens);
+      pop.push_back(rel(got.logits, ref.logits));
+      const eng::ModelState gs = got.sequence->to_host();
+      for (size_t l = 0; l < gs.linear.size(); ++l) pop.push_back(rel(gs.linear[l].ssm, ref.state.linear[l].ssm));
+      for (size_t a = 0; a < gs.attention.size(); ++a) pop.push_back(rel(gs.attention[a].k, ref.state.attention[a].k));
+    }
+    {  // refresh 2: the probe picks two segments; the answer is the explicit splice of those, bit for bit
+      auto [gp, cr] = plans({}, 2);
+      const eng::SpliceResult ref = eng::splice(*f.cpu, cr);
+      const eng::SpliceOutput got = f.gpu->splice(gp);
+      std::printf("[backend] %s refresh 2: cuda chose", name);
+      for (int i : got.recomputed_segments) std::printf(" %d", i);
+      std::printf(", cpu chose");
+      for (int i : ref.recomputed_segments) std::printf(" %d", i);
+      std::printf("\n");
+      REQUIRE(got.recomputed_segments.size() == 2);
+      auto [gx, cx] = plans(got.recomputed_segments, 0);
+      const eng::SpliceOutput same = f.gpu->splice(gx);
+      CHECK(got.logits == same.logits);
+      CHECK(got.computed_tokens == same.computed_tokens + 3 * w + 20);  // + the probe: three seams and the query
+      if (got.recomputed_segments == ref.recomputed_segments) pop.push_back(rel(got.logits, ref.logits));
+    }
+    {  // refresh of every later segment is full recomputation
+      auto [gp, cr] = plans({}, 5);
+      const eng::SpliceOutput got = f.gpu->splice(gp);
+      CHECK(got.recomputed_segments == std::vector<int>{1, 2, 3});
+      cr.mode = eng::SpliceMode::Full;
+      cr.refresh_segments = 0;
+      const eng::SpliceResult full = eng::splice(*f.cpu, cr);
+      pop.push_back(rel(got.logits, full.logits));
+    }
+    check_population(pop, hf(name).e_hf, "recompute / refresh splices");
+    auto [bad, unused] = plans({0}, 0);
+    CHECK_THROWS_WITH(f.gpu->splice(bad), Catch::Contains("index 0 is outside [1, 4)"));
+  }
+}
+
 TEST_CASE("cuda backend: hit and miss give bit-identical tokens; a request run twice too", "[backend]") {
   require_gpu();
   Fixture& f = fixture("qwen3_5_moe_gpu");

@@ -113,8 +113,10 @@ TEST_CASE("causal GQA attention over a cache matches the direct softmax formula"
       const auto q = randn(T * nh * hd, 10 + T), k = randn(n * nkv * hd, 20 + n), v = randn(n * nkv * hd, 30 + n);
       const float scale = 1.0f / std::sqrt(float(hd));
       std::vector<float> out(T * nh * hd);
-      cpu::attention_causal({T, n, nh, nkv, hd}, q.data(), k.data(), v.data(), scale, out.data());
-      std::vector<double> ref(out.size(), 0.0);
+      std::vector<float> mass(n, 1.0f), last(n, 0.0f);  // key_mass accumulates: starts at 1 here
+      cpu::attention_causal({T, n, nh, nkv, hd}, q.data(), k.data(), v.data(), scale, out.data(), mass.data());
+      cpu::attention_causal({T, n, nh, nkv, hd}, q.data(), k.data(), v.data(), scale, out.data(), last.data(), 1);
+      std::vector<double> ref(out.size(), 0.0), ref_mass(n, 1.0), ref_last(n, 0.0);
       for (int64_t i = 0; i < T; ++i)
         for (int h = 0; h < nh; ++h) {
           const int kvh = h / (nh / nkv);
@@ -128,11 +130,16 @@ TEST_CASE("causal GQA attention over a cache matches the direct softmax formula"
             m = std::max(m, s[j]);
           }
           for (auto& sj : s) sum += (sj = std::exp(sj - m));
-          for (int64_t j = 0; j < visible; ++j)
+          for (int64_t j = 0; j < visible; ++j) {
             for (int e = 0; e < hd; ++e) ref[(i * nh + h) * hd + e] += s[j] / sum * v[(j * nkv + kvh) * hd + e];
+            ref_mass[j] += s[j] / sum;
+            if (i == T - 1) ref_last[j] += s[j] / sum;
+          }
         }
       INFO("past " << past << " T " << T);
       CHECK(max_rel(out, ref) < 1e-5);
+      CHECK(max_rel(mass, ref_mass) < 1e-5);  // per key: 1 + the probability summed over queries and heads
+      CHECK(max_rel(last, ref_last) < 1e-5);  // key_mass_queries = 1: the last query's alone
     }
   }
   std::vector<float> dummy(64);

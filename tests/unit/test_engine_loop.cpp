@@ -498,6 +498,9 @@ class FaultyBackend final : public Backend {
   SpliceOutput splice(const SplicePlan& plan) override {
     SpliceOutput out = inner_.splice(plan);
     std::lock_guard<std::mutex> lock(mu_);
+    // A new sequence may sit at the address of one that ended: its marks are its own query's only.
+    poison_.erase(out.sequence.get());
+    nan_.erase(out.sequence.get());
     if (plan.query[0] == kPoison) poison_.insert(out.sequence.get());
     if (plan.query[0] == kNan) nan_.insert(out.sequence.get());
     return out;

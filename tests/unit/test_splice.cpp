@@ -62,6 +62,49 @@ double scaled_diff(const std::vector<float>& a, const std::vector<float>& b) {
 
 
 
+// The DESIGN.md 3.3 steps done one segment at a time with the public API, up to the query: the first entry whole,
+// then per later segment its seam prefilled in context, its interior folded into every linear layer and its K/V
+// (K re-rotated to real positions) appended. `pos` becomes the query's first position.
+ModelState hypic_context_by_hand(const Model& m, const SpliceRequest& req, int w, int64_t& pos) {
+  ModelState st = m.initial_state();
+  const SegmentEntry& e0 = *req.segments[0].entry;
+  for (int l = 0; l < e0.geometry.num_linear; ++l) {
+    st.linear[l].ssm = e0.whole_state(l);
+    st.linear[l].conv = e0.linear[l].conv_tail;
+  }
+  for (int a = 0; a < e0.geometry.num_attention; ++a) {
+    st.attention[a].k = e0.attention[a].k;
+    st.attention[a].v = e0.attention[a].v;
+    st.attention[a].n_tokens = e0.num_tokens();
+  }
+  pos = e0.num_tokens();
+  PrefillOptions skip;
+  skip.skip_logits = true;
+  for (size_t i = 1; i < req.segments.size(); ++i) {
+    const SegmentEntry& e = *req.segments[i].entry;
+    const int n = e.num_tokens(), s = std::min(w, n);
+    m.prefill(st, std::span<const int32_t>(e.token_ids).subspan(0, s), pos, skip);
+    if (n > s) {
+      for (int l = 0; l < e.geometry.num_linear; ++l) {
+        compose_state(st.linear[l].ssm, e.linear[l].interior_transition, e.linear[l].interior_state,
+                      e.geometry.d_v);
+        st.linear[l].conv = e.linear[l].conv_tail;
+      }
+      const size_t row = size_t(e.geometry.kv_heads) * e.geometry.head_dim;
+      for (int a = 0; a < e.geometry.num_attention; ++a) {
+        std::vector<float> k(e.attention[a].k.begin() + s * row, e.attention[a].k.end());
+        m.rope_rotate(k.data(), n - s, e.geometry.kv_heads, pos);
+        st.attention[a].k.insert(st.attention[a].k.end(), k.begin(), k.end());
+        st.attention[a].v.insert(st.attention[a].v.end(), e.attention[a].v.begin() + s * row,
+                                 e.attention[a].v.end());
+        st.attention[a].n_tokens += n - s;
+      }
+    }
+    pos += n;
+  }
+  return st;
+}
+
 const char* kModels[] = {"qwen3_next_moe", "qwen3_5_dense", "qwen3_5_moe"};
 
 }  // namespace
@@ -256,42 +299,8 @@ TEST_CASE("hypic splice (one layer-by-layer pass over all seams) equals seams pr
       SpliceRequest req = make_request(m, segs, query, SpliceMode::Hypic, w);
       const SpliceResult got = splice(m, req);
 
-      ModelState st = m.initial_state();
-      const SegmentEntry& e0 = *req.segments[0].entry;
-      for (int l = 0; l < e0.geometry.num_linear; ++l) {
-        st.linear[l].ssm = e0.whole_state(l);
-        st.linear[l].conv = e0.linear[l].conv_tail;
-      }
-      for (int a = 0; a < e0.geometry.num_attention; ++a) {
-        st.attention[a].k = e0.attention[a].k;
-        st.attention[a].v = e0.attention[a].v;
-        st.attention[a].n_tokens = e0.num_tokens();
-      }
-      int64_t pos = e0.num_tokens();
-      PrefillOptions skip;
-      skip.skip_logits = true;
-      for (size_t i = 1; i < segs.size(); ++i) {
-        const SegmentEntry& e = *req.segments[i].entry;
-        const int n = e.num_tokens(), s = std::min(w, n);
-        m.prefill(st, std::span<const int32_t>(e.token_ids).subspan(0, s), pos, skip);
-        if (n > s) {
-          for (int l = 0; l < e.geometry.num_linear; ++l) {
-            compose_state(st.linear[l].ssm, e.linear[l].interior_transition, e.linear[l].interior_state,
-                          e.geometry.d_v);
-            st.linear[l].conv = e.linear[l].conv_tail;
-          }
-          const size_t row = size_t(e.geometry.kv_heads) * e.geometry.head_dim;
-          for (int a = 0; a < e.geometry.num_attention; ++a) {
-            std::vector<float> k(e.attention[a].k.begin() + s * row, e.attention[a].k.end());
-            m.rope_rotate(k.data(), n - s, e.geometry.kv_heads, pos);
-            st.attention[a].k.insert(st.attention[a].k.end(), k.begin(), k.end());
-            st.attention[a].v.insert(st.attention[a].v.end(), e.attention[a].v.begin() + s * row,
-                                     e.attention[a].v.end());
-            st.attention[a].n_tokens += n - s;
-          }
-        }
-        pos += n;
-      }
+      int64_t pos = 0;
+      ModelState st = hypic_context_by_hand(m, req, w, pos);
       PrefillOptions all;
       all.all_logits = true;
       const PrefillResult want = m.prefill(st, query, pos, all);
@@ -437,4 +446,151 @@ TEST_CASE("local_positions keeps later segments' K at local positions: re-rotate
       }
     }
   }
+}
+
+TEST_CASE("recompute_segments: every later segment recomputed whole in context is full recomputation", "[splice]") {
+  for (const char* name : kModels) {
+    DYNAMIC_SECTION(name) {
+      const Model& m = slow_decay_model(name);
+      const int V = static_cast<int>(m.config().vocab_size), w = 8;
+      const std::vector<std::vector<int32_t>> segs = {random_ids(30, 51, V), random_ids(45, 52, V),
+                                                      random_ids(20, 53, V)};
+      const auto query = random_ids(5, 54, V);
+      SpliceRequest full = make_request(m, segs, query, SpliceMode::Full, w);
+      full.keep_context_state = true;
+      SpliceRequest hyp = full;
+      hyp.mode = SpliceMode::Hypic;
+      hyp.recompute_segments = {2, 1};  // any order
+      const SpliceResult want = splice(m, full), got = splice(m, hyp);
+      CHECK(got.recomputed_segments == std::vector<int>{1, 2});
+      CHECK(got.computed_tokens == 45 + 20 + 5);
+      CHECK(scaled_diff(got.logits, want.logits) < 1e-4);
+      REQUIRE(got.context_states.size() == want.context_states.size());
+      for (size_t l = 0; l < got.context_states.size(); ++l)
+        CHECK(rel_l2(got.context_states[l], want.context_states[l]) < 1e-4);
+    }
+  }
+}
+
+TEST_CASE("recompute_segments: a recomputed segment gets full's KV; a later one keeps its cached interior", "[splice]") {
+  const Model& m = slow_decay_model("qwen3_next_moe");
+  const int V = static_cast<int>(m.config().vocab_size), w = 8;
+  const std::vector<std::vector<int32_t>> segs = {random_ids(30, 61, V), random_ids(45, 62, V), random_ids(20, 63, V)};
+  const auto query = random_ids(4, 64, V);
+  const SpliceResult full = splice(m, make_request(m, segs, query, SpliceMode::Full, w));
+  SpliceRequest plain = make_request(m, segs, query, SpliceMode::Hypic, w);
+  SpliceRequest one = plain;
+  one.recompute_segments = {1};
+  const SpliceResult a = splice(m, plain), b = splice(m, one);
+  CHECK(b.computed_tokens == 45 + 8 + 4);
+  const size_t row = size_t(m.config().num_key_value_heads) * m.config().head_dim;
+  for (size_t l = 0; l < full.state.attention.size(); ++l) {
+    const auto& kf = full.state.attention[l].k;
+    const auto& kb = b.state.attention[l].k;
+    const auto& ka = a.state.attention[l].k;
+    REQUIRE(kb.size() == kf.size());
+    // Rows 0..74 (segment 0 exact, segment 1 in context after it) are full's.
+    const std::vector<float> head_full(kf.begin(), kf.begin() + 75 * row), head_b(kb.begin(), kb.begin() + 75 * row);
+    CHECK(rel_l2(head_b, head_full) < 1e-4);
+    // Segment 2's interior rows (83..94) come from its entry, as in plain hypic.
+    const std::vector<float> int_a(ka.begin() + 83 * row, ka.begin() + 95 * row),
+        int_b(kb.begin() + 83 * row, kb.begin() + 95 * row);
+    CHECK(int_b == int_a);
+  }
+  // Plain hypic's segment-1 rows are not full's (else the test would show nothing).
+  const auto& kf = full.state.attention[0].k;
+  const auto& ka = a.state.attention[0].k;
+  CHECK(rel_l2(std::vector<float>(ka.begin() + 38 * row, ka.begin() + 75 * row),
+               std::vector<float>(kf.begin() + 38 * row, kf.begin() + 75 * row)) > 1e-3);
+}
+
+TEST_CASE("refresh_segments recomputes the segments the query attends to most", "[splice]") {
+  for (const char* name : {"qwen3_next_moe", "qwen3_5_dense"}) {
+    DYNAMIC_SECTION(name) {
+      const Model& m = slow_decay_model(name);
+      const ModelConfig& c = m.config();
+      const int V = static_cast<int>(c.vocab_size), w = 8;
+      const std::vector<std::vector<int32_t>> segs = {random_ids(30, 71, V), random_ids(40, 72, V),
+                                                      random_ids(25, 73, V), random_ids(35, 74, V)};
+      const auto query = random_ids(6, 75, V);
+      SpliceRequest req = make_request(m, segs, query, SpliceMode::Hypic, w);
+
+      // The query's last token's attention per KV row over the plain hypic context, built by hand (public API).
+      int64_t pos = 0;
+      ModelState st = hypic_context_by_hand(m, req, w, pos);
+      std::vector<float> mass;
+      PrefillOptions probe;
+      probe.attention_mass = &mass;
+      m.prefill(st, query, pos, probe);
+      REQUIRE(mass.size() == size_t(pos) + query.size());
+      double total = 0;
+      for (float x : mass) total += x;
+      // The last query token's probabilities: 1 per head and attention layer.
+      CHECK(total == Approx(double(c.num_attention_heads) * c.num_attention_layers()).epsilon(1e-4));
+      // Interior mass per later segment; expected choice: the top two.
+      std::vector<std::pair<double, int>> ranked;
+      int64_t start = 30;
+      for (int i = 1; i < 4; ++i) {
+        const int64_t n = static_cast<int64_t>(segs[i].size());
+        double sum = 0;
+        for (int64_t r = start + w; r < start + n; ++r) sum += mass[r];
+        ranked.emplace_back(sum, i);
+        start += n;
+      }
+      std::sort(ranked.begin(), ranked.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+      std::vector<int> want = {ranked[0].second, ranked[1].second};
+      std::sort(want.begin(), want.end());
+
+      SpliceRequest refresh = req;
+      refresh.refresh_segments = 2;
+      const SpliceResult got = splice(m, refresh);
+      CHECK(got.recomputed_segments == want);
+      SpliceRequest explicit_req = req;
+      explicit_req.recompute_segments = want;
+      const SpliceResult same = splice(m, explicit_req);
+      CHECK(scaled_diff(got.logits, same.logits) < 1e-6);
+      // Both passes are counted: the probe (seams and query), then the seams left, the refreshed segments, the query.
+      const int64_t probe_tokens = 3 * w + 6;
+      CHECK(got.computed_tokens == probe_tokens + same.computed_tokens);
+
+      // k at least the number of later segments: every one is recomputed, which is full recomputation.
+      refresh.refresh_segments = 10;
+      const SpliceResult all = splice(m, refresh);
+      CHECK(all.recomputed_segments == std::vector<int>{1, 2, 3});
+      const SpliceResult full = splice(m, make_request(m, segs, query, SpliceMode::Full, w));
+      CHECK(scaled_diff(all.logits, full.logits) < 1e-4);
+    }
+  }
+}
+
+TEST_CASE("recompute_segments / refresh_segments: bad input is a clear error", "[splice]") {
+  const Model& m = fixture_model("qwen3_5_dense");
+  const int V = static_cast<int>(m.config().vocab_size);
+  const std::vector<std::vector<int32_t>> segs = {random_ids(20, 81, V), random_ids(20, 82, V)};
+  const auto query = random_ids(3, 83, V);
+  SpliceRequest ok = make_request(m, segs, query, SpliceMode::Hypic, 8);
+  SpliceRequest r = ok;
+  r.recompute_segments = {0};
+  CHECK_THROWS_WITH(splice(m, r), Catch::Contains("index 0 is outside [1, 2)"));
+  r.recompute_segments = {2};
+  CHECK_THROWS_WITH(splice(m, r), Catch::Contains("index 2 is outside [1, 2)"));
+  r.recompute_segments = {1, 1};
+  CHECK_THROWS_WITH(splice(m, r), Catch::Contains("segment 1 twice"));
+  r = ok;
+  r.refresh_segments = -1;
+  CHECK_THROWS_WITH(splice(m, r), Catch::Contains("refresh_segments must be >= 0"));
+  for (SpliceMode mode : {SpliceMode::Full, SpliceMode::Prefix, SpliceMode::Naive, SpliceMode::Transition}) {
+    r = ok;
+    r.mode = mode;
+    r.refresh_segments = 1;
+    CHECK_THROWS_WITH(splice(m, r), Catch::Contains("apply to mode hypic"));
+  }
+  // One segment: nothing to refresh, the plain splice.
+  SpliceRequest single = make_request(m, {segs[0]}, query, SpliceMode::Hypic, 8);
+  const SpliceResult plain = splice(m, single);
+  single.refresh_segments = 3;
+  const SpliceResult same = splice(m, single);
+  CHECK(same.recomputed_segments.empty());
+  CHECK(same.computed_tokens == plain.computed_tokens);
+  CHECK(same.logits == plain.logits);
 }
