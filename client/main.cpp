@@ -246,15 +246,20 @@ std::string source_summary(const v1::GenerateReport& r) {
 }
 
 void print_report_table(const v1::GenerateReport& r, std::ostream& os) {
-  os << fmt::format("\n--- request {} | mode {} w={} | {} prompt tokens ({} query) | {} generated ({}) | seed {}\n",
-                    r.request_id(), r.mode(), r.seam_width(), r.prompt_tokens(), r.query_tokens(),
-                    r.completion_tokens(), v1::FinishReason_Name(r.finish_reason()), r.seed());
+  os << fmt::format("\n--- request {} | mode {} w={}{} | {} prompt tokens ({} query) | {} generated ({}) | seed {}\n",
+                    r.request_id(), r.mode(), r.seam_width(),
+                    r.refresh_segments() > 0 ? fmt::format(" refresh={}", r.refresh_segments()) : std::string(),
+                    r.prompt_tokens(), r.query_tokens(), r.completion_tokens(),
+                    v1::FinishReason_Name(r.finish_reason()), r.seed());
   os << fmt::format("{:>4} {:>7} {:>5} {:<17} {:<22} {:<7} {:>8} {:>10}  {}\n", "seg", "tokens", "hit", "source",
                     "built by", "on", "ms", "bytes", "note");
   for (const auto& s : r.segments()) {
     os << fmt::format("{:>4} {:>7} {:>5} {:<17} {:<22} {:<7} {:>8.1f} {:>10}  {}\n", s.index(), s.num_tokens(),
                       s.cache_hit() ? "hit" : "miss", hypic::rpc::segment_source_name(s.source()), s.built_by(), s.device(),
-                      s.compute_ms(), s.entry_bytes(), s.note());
+                      s.compute_ms(), s.entry_bytes(),
+                      s.refreshed() ? (s.note().empty() ? std::string("refreshed: recomputed whole in context")
+                                                        : "refreshed: recomputed whole in context; " + s.note())
+                                    : s.note());
   }
   os << "entries: " << source_summary(r) << "\n";
   if (r.random_weights_seed() != 0)
@@ -329,6 +334,10 @@ int main(int argc, char** argv) {
                 "(default: tokenised as plain text); for text you built yourself, e.g. a chat template");
   gen->add_option("--mode", mode, "hypic | transition | naive | prefix | full");
   auto* sw_opt = gen->add_option("--seam-width", seam_width, "seam window w (default: the router's)");
+  int refresh_segments = 0;
+  auto* refresh_opt = gen->add_option("--refresh-segments", refresh_segments,
+                                      "hypic: recompute whole in context the k segments the query attends to most "
+                                      "(default: the router's --refresh-segments)");
   gen->add_flag("--no-cache-write", no_cache_write, "do not store this request's segments in the cache");
   gen->add_option("--request-id", request_id, "request id (default: made up by the router)");
   gen->add_option("--timeout-seconds", timeout_s, "deadline of the call (0: none)");
@@ -491,6 +500,7 @@ int main(int argc, char** argv) {
     auto* c = req.mutable_cache();
     c->set_mode(mode);
     if (*sw_opt) c->set_seam_width(seam_width);
+    if (*refresh_opt) c->set_refresh_segments(refresh_segments);
     if (no_cache_write) c->set_cache_segments(false);
 
     const auto channel = hypic::rpc::make_channel(router);

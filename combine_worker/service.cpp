@@ -276,6 +276,11 @@ grpc::Status CombineService::run_combine(grpc::ServerContext* ctx, const v1::Com
       throw rpc::invalid_argument("mode", e.what());
     }
     if (req->seam_width() < 0) throw rpc::invalid_argument("seam_width", fmt::format("must be >= 0, got {}", req->seam_width()));
+    if (req->refresh_segments() < 0 || (req->refresh_segments() > 0 && mode != engine::SpliceMode::Hypic)) {
+      throw rpc::invalid_argument("refresh_segments", fmt::format("must be >= 0, and 0 outside mode hypic; got {} in "
+                                                                  "mode {}",
+                                                                  req->refresh_segments(), engine::splice_mode_name(mode)));
+    }
     if (!req->sampling().has_max_tokens() || req->sampling().max_tokens() < 1) {
       throw rpc::invalid_argument("sampling.max_tokens", "must be set and >= 1");
     }
@@ -396,6 +401,7 @@ grpc::Status CombineService::run_combine(grpc::ServerContext* ctx, const v1::Com
     engine::GenerateJob job;
     job.splice.plan.mode = mode;
     job.splice.plan.seam_width = req->seam_width();
+    job.splice.plan.refresh_segments = req->refresh_segments();
     job.splice.plan.query = query;
     for (auto& s : p->slots) {
       job.splice.plan.segments.push_back({s.ids, s.resident});
@@ -540,6 +546,8 @@ grpc::Status CombineService::run_combine(grpc::ServerContext* ctx, const v1::Com
         sr->set_transport(s.transport);
         sr->set_transfer_ms(s.transfer_ms);
         sr->set_transfer_bytes(s.transfer_bytes);
+        sr->set_refreshed(std::binary_search(sinfo.recomputed_segments.begin(), sinfo.recomputed_segments.end(),
+                                             int(i)));
         if (s.has_entry()) sr->set_numerics(s.header()->numerics);
       }
     }

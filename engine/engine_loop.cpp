@@ -322,6 +322,7 @@ void EngineLoop::run_splice(SpliceTask task) {
   r.info.splice_ms = ms_between(t0, Clock::now());
   r.info.num_tokens = r.output.num_tokens;
   r.info.computed_tokens = r.output.computed_tokens;
+  r.info.recomputed_segments = r.output.recomputed_segments;
   r.info.prefix_segments_reused = r.output.prefix_segments_reused;
   if (!task.gen) return task.done(std::move(r));
 

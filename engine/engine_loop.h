@@ -74,6 +74,7 @@ struct SpliceInfo {
   double splice_ms = 0;  ///< entry imports + Backend::splice
   int64_t num_tokens = 0, computed_tokens = 0;
   int prefix_segments_reused = 0;
+  std::vector<int> recomputed_segments;  ///< hypic: segments recomputed whole (SpliceOutput), ascending
   /// Per plan segment, the entry imported from SpliceJob::host_entries (null where none was): callers may keep
   /// them (resident on the backend) to splice again without another import.
   std::vector<std::shared_ptr<const ResidentEntry>> imported;

@@ -360,12 +360,15 @@ void parse_hypic_object(const json& body, ParsedRequest& r) {
   if (!h) return;
   if (!h->is_object()) wrong_type("hypic", "an object", *h);
   for (const auto& [k, _] : h->items()) {
-    if (k != "mode" && k != "seam_width" && k != "cache_segments" && k != "request_id") {
-      throw invalid_request("hypic." + k, "unknown key (known: mode, seam_width, cache_segments, request_id)");
+    if (k != "mode" && k != "seam_width" && k != "refresh_segments" && k != "cache_segments" && k != "request_id") {
+      throw invalid_request("hypic." + k,
+                            "unknown key (known: mode, seam_width, refresh_segments, cache_segments, request_id)");
     }
   }
   if (auto m = opt_string(*h, "mode", "hypic.mode")) r.mode = *m;
   if (auto w = opt_int(*h, "seam_width", "hypic.seam_width", 0, std::numeric_limits<int32_t>::max())) r.seam_width = int32_t(*w);
+  if (auto k = opt_int(*h, "refresh_segments", "hypic.refresh_segments", 0, std::numeric_limits<int32_t>::max()))
+    r.refresh_segments = int32_t(*k);
   r.cache_segments = opt_bool(*h, "cache_segments", "hypic.cache_segments");
   if (auto id = opt_string(*h, "request_id", "hypic.request_id")) {
     try {
@@ -562,6 +565,7 @@ v1::GenerateRequest to_generate_request(const ParsedRequest& r, const std::strin
   auto* c = req.mutable_cache();
   c->set_mode(r.mode);
   if (r.seam_width) c->set_seam_width(*r.seam_width);
+  if (r.refresh_segments) c->set_refresh_segments(*r.refresh_segments);
   if (r.cache_segments) c->set_cache_segments(*r.cache_segments);
   return req;
 }
@@ -596,6 +600,7 @@ std::pair<std::string, std::string> user_field(const std::string& message, const
   if (field.rfind("sampling.stop", 0) == 0) return named("stop");
   if (field == "cache.mode") return named("hypic.mode");
   if (field == "cache.seam_width") return named("hypic.seam_width");
+  if (field == "cache.refresh_segments") return named("hypic.refresh_segments");
   if (field == "request_id") return named("hypic.request_id");
   if (field == "prompt") return named(req.endpoint == Endpoint::Chat ? "messages" : "prompt");
   return {"", message};
@@ -685,12 +690,14 @@ json hypic_report_json(const v1::GenerateReport& r, const Prompt& prompt) {
              {"digest", s.digest_hex()}};
     if (!s.note().empty()) row["note"] = s.note();
     if (s.has_repeat_of()) row["repeat_of"] = s.repeat_of();
+    if (s.refreshed()) row["refreshed"] = true;
     segs.push_back(std::move(row));
   }
   const auto& t = r.ttft();
   json out{{"request_id", r.request_id()},
            {"mode", r.mode()},
            {"seam_width", r.seam_width()},
+           {"refresh_segments", r.refresh_segments()},
            {"seed", r.seed()},
            {"segments", std::move(segs)},
            {"prompt_tokens", r.prompt_tokens()},

@@ -123,6 +123,7 @@ struct ParsedRequest {
   // The `hypic` request object (all optional): cache options and the request id.
   std::string mode;
   std::optional<int32_t> seam_width;
+  std::optional<int32_t> refresh_segments;  ///< hypic.refresh_segments (CacheOptions.refresh_segments)
   std::optional<bool> cache_segments;
   std::string request_id;
 };

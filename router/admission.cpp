@@ -87,6 +87,19 @@ RequestOptions validate_request(const v1::GenerateRequest& req, const RouterLimi
                                                            limits.max_seam_width, o.seam_width));
   }
   o.entry_seam_width = o.mode == engine::SpliceMode::Hypic ? o.seam_width : 0;
+  if (c.has_refresh_segments()) {
+    o.refresh_segments = c.refresh_segments();
+    if (o.refresh_segments < 0 || o.refresh_segments > limits.max_refresh_segments) {
+      throw invalid_argument("cache.refresh_segments", fmt::format("must be in [0, {}] (--max-refresh-segments), got {}",
+                                                                   limits.max_refresh_segments, o.refresh_segments));
+    }
+    if (o.refresh_segments > 0 && o.mode != engine::SpliceMode::Hypic) {
+      throw invalid_argument("cache.refresh_segments", fmt::format("applies to mode hypic only, not {}",
+                                                                   engine::splice_mode_name(o.mode)));
+    }
+  } else {
+    o.refresh_segments = o.mode == engine::SpliceMode::Hypic ? limits.default_refresh_segments : 0;
+  }
   o.uses_entries = o.mode != engine::SpliceMode::Full && o.mode != engine::SpliceMode::Prefix;
   o.cache_segments = c.has_cache_segments() ? c.cache_segments() : true;
 

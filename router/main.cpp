@@ -47,6 +47,15 @@ int main(int argc, char** argv) {
   app.add_option("--max-new-tokens", l.max_new_tokens, "admission limit: sampling.max_tokens")->capture_default_str();
   app.add_option("--max-seam-width", l.max_seam_width, "largest seam width a request may ask for")->capture_default_str();
   app.add_option("--seam-width", l.default_seam_width, "default seam width w")->capture_default_str();
+  app.add_option("--max-refresh-segments", l.max_refresh_segments,
+                 "largest query-aware refresh (cache.refresh_segments) a request may ask for")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--refresh-segments", l.default_refresh_segments,
+                 "default query-aware refresh of hypic requests: the k segments the query attends to most are "
+                 "recomputed whole in context (0 = off)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--default-max-tokens", l.default_max_tokens, "max_tokens when a request sets none")->capture_default_str();
   app.add_option("--lookup-timeout-ms", lookup_timeout_ms, "budget of the batch cache lookup")->capture_default_str();
   app.add_option("--lease-ms", cfg.lease_ms,

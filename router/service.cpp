@@ -541,6 +541,7 @@ grpc::Status GenerateCall::run() {
   creq.set_mode(engine::splice_mode_name(opts_.mode));
   creq.set_seam_width(opts_.seam_width);
   creq.set_cache_segments(opts_.cache_segments);
+  creq.set_refresh_segments(opts_.refresh_segments);
 
   // ---- combine + scatter ----
   auto cctx = child_context();
@@ -653,6 +654,7 @@ grpc::Status GenerateCall::run() {
   rep->set_finish_reason(creport->finish_reason());
   rep->set_mode(engine::splice_mode_name(opts_.mode));
   rep->set_seam_width(opts_.entry_seam_width);  // the w actually used: 0 outside hypic mode
+  rep->set_refresh_segments(opts_.refresh_segments);
   rep->set_seed(seed);
   rep->set_combine_worker(combine_->address);
   rep->set_cache_available(cache_available);

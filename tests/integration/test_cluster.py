@@ -112,6 +112,27 @@ class CacheReuseTest(ClusterTestCase):
                 self.assertEqual(rep["mode"], mode)
                 self.assertEqual(r["token_ids"], self.reference(segs, query, max_tokens=6, mode=mode))
 
+    def test_refresh_segments(self):
+        """Query-aware refresh (cache.refresh_segments): with k at least the later segments, every one of them is
+        recomputed whole in context, which is full recomputation: the engine's full-mode tokens. The report marks the
+        refreshed segments; k = 1 refreshes one."""
+        segs = [SEGMENTS[1], SEGMENTS[2], SEGMENTS[3]]
+        query = "Which one is it?"
+        r = self.generate(segs, query, "--refresh-segments", "5", max_tokens=6)
+        rep = self.ok(r)
+        self.assertEqual(rep["mode"], "hypic")
+        self.assertEqual(rep["refresh_segments"], 5)
+        self.assertEqual([s.get("refreshed", False) for s in rep["segments"]], [False, True, True])
+        self.assertEqual(r["token_ids"], self.reference(segs, query, max_tokens=6, mode="full"))
+        one = self.ok(self.generate(segs, query, "--refresh-segments", "1", max_tokens=2))
+        self.assertEqual(sum(s.get("refreshed", False) for s in one["segments"]), 1)
+        self.assertFalse(one["segments"][0].get("refreshed", False))
+        table = self.client("generate", "--router", self.cluster.router_address, *sum((["--segment", x] for x in segs),
+                            []), "--query", query, "--max-tokens", "1", "--quiet", "--refresh-segments", "2")
+        self.assertEqual(table.returncode, 0, table.stderr)
+        self.assertIn("refresh=2", table.stderr)
+        self.assertEqual(table.stderr.count("refreshed: recomputed whole in context"), 2)
+
     def test_full_mode_bills_a_prefill_not_a_splice(self):
         """Full mode splices nothing: its in-context prefill of the whole prompt is the TTFT's prefill phase (it was
         billed as splice); the client prints it as such."""
@@ -387,6 +408,10 @@ class BadInputTest(ClusterTestCase):
         self.expect_error("INVALID_ARGUMENT", "query", short, "")
         self.expect_error("RESOURCE_EXHAUSTED", "segments[1]: ", [short[0], words(2, 200)], "q?")
         self.expect_error("INVALID_ARGUMENT", "cache.mode", short, "q?", "--mode", "psychic")
+        self.expect_error("INVALID_ARGUMENT", "cache.refresh_segments: applies to mode hypic only, not full", short,
+                          "q?", "--mode", "full", "--refresh-segments", "1")
+        self.expect_error("INVALID_ARGUMENT", "cache.refresh_segments: must be in [0, 64] (--max-refresh-segments), "
+                          "got 65", short, "q?", "--refresh-segments", "65")
         self.expect_error("INVALID_ARGUMENT", "sampling.max_tokens: must be >= 1, got -4", short, "q?",
                           max_tokens=-4)
         # Invalid UTF-8 can only travel in a file (JSON cannot hold it).

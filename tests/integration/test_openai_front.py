@@ -296,6 +296,12 @@ class OpenAIFrontTest(FrontTestCase):
         direct = self.generate(DOCS, {"text": "Summary:", "allow_special_tokens": True}, max_tokens=6)
         self.assertEqual([s["digest_hex"] for s in self.ok(direct)["segments"]], [s["digest"] for s in hd["segments"]])
         self.assertEqual(direct["text"], d["choices"][0]["text"])
+        # hypic.refresh_segments reaches the router; the report marks the refreshed documents (here every later one).
+        _, _, rr = f.request("POST", "/v1/completions",
+                             {"prompt": "Summary:", "documents": DOCS[:2], "max_tokens": 2, "temperature": 0,
+                              "ignore_eos": True, "hypic": {"refresh_segments": 4}})
+        self.assertEqual(rr["hypic"]["refresh_segments"], 4)
+        self.assertEqual([s.get("refreshed", False) for s in rr["hypic"]["segments"]], [False, True])
 
     def test_models_and_health(self):
         f = self.front
@@ -349,6 +355,8 @@ class OpenAIFrontTest(FrontTestCase):
         # The router's own checks, mapped to the user's fields.
         self.assert_error(post(chat_body(max_tokens=100000)), 400, "max_tokens", "--max-new-tokens")
         self.assert_error(post(chat_body(hypic={"mode": "psychic"})), 400, "hypic.mode", "psychic")
+        self.assert_error(post(chat_body(hypic={"mode": "full", "refresh_segments": 1})), 400,
+                          "hypic.refresh_segments", "applies to mode hypic only")
         err = self.assert_error(post(chat_body(documents=[DOCS[0], words(9, 400)])), 413, "documents[1]",
                                 "--max-segment-tokens")
         self.assertEqual(err["code"], "context_length_exceeded")

@@ -57,6 +57,33 @@ TEST_CASE("a valid request gets the defaults", "[admission]") {
   CHECK_FALSE(validate_request(r, l, kVocab).uses_entries);
 }
 
+TEST_CASE("cache.refresh_segments: the router's default for hypic requests, checked against the limit and the mode",
+          "[admission]") {
+  RouterLimits l;
+  l.default_refresh_segments = 2;
+  l.max_refresh_segments = 5;
+  CHECK(validate_request(good(), l, kVocab).refresh_segments == 2);  // hypic by default
+  auto r = good();
+  r.mutable_cache()->set_mode("transition");
+  CHECK(validate_request(r, l, kVocab).refresh_segments == 0);  // the default applies to hypic only
+  r = good();
+  r.mutable_cache()->set_refresh_segments(5);
+  CHECK(validate_request(r, l, kVocab).refresh_segments == 5);
+  r.mutable_cache()->set_refresh_segments(0);
+  CHECK(validate_request(r, l, kVocab).refresh_segments == 0);  // asked off
+  r.mutable_cache()->set_refresh_segments(6);
+  CHECK_THROWS_WITH(validate_request(r, l, kVocab),
+                    Catch::Contains("cache.refresh_segments: must be in [0, 5] (--max-refresh-segments), got 6"));
+  r.mutable_cache()->set_refresh_segments(-1);
+  CHECK_THROWS_WITH(validate_request(r, l, kVocab), Catch::Contains("got -1"));
+  r.mutable_cache()->set_refresh_segments(1);
+  r.mutable_cache()->set_mode("prefix");
+  CHECK_THROWS_WITH(validate_request(r, l, kVocab),
+                    Catch::Contains("cache.refresh_segments: applies to mode hypic only, not prefix"));
+  r.mutable_cache()->set_refresh_segments(0);
+  CHECK(validate_request(r, l, kVocab).refresh_segments == 0);  // 0 is fine in any mode
+}
+
 TEST_CASE("bad requests get INVALID_ARGUMENT naming the field", "[admission]") {
   using C = grpc::StatusCode;
   auto r = good();
