@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # The answer-quality benchmark of issue 12: every splice mode (and hypic at w = 0, 2, 4, 8, 16, 32, and hypic_w8
-# with the query-aware refresh of k = 1, 2, 4 segments) against full recomputation on a held-out set, for one or more
+# with the query-aware refresh of k = 2 and 4 segments) against full recomputation on a held-out set, for one or more
 # trained checkpoints, on the CPU engine; writes OUT.{json,md,png} through tools/quality_report.py.
 #
 #   scripts/bench_quality.sh --out bench/results/quality --dataset SET.jsonl \
 #       --model NAME=DIR [--model NAME=DIR ...] [--jobs N] [--threads T] [--limit N] [--bin-dir build/bin]
-#       [--refresh K,K,...]   (refresh counts; default 1,2,4)
+#       [--refresh K,K,...]   (refresh counts; default 2,4)
 #
 # Each model's prompts are split over --jobs processes (hypic-eval --shard I/N), each with --threads BLAS threads
 # (OPENBLAS_NUM_THREADS); the checkpoint directory must hold tokenizer.json. Shard reports and logs are kept in
 # OUT.shards/. Exit status: 0 when every shard and the report succeeded.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-OUT="" DATASET="" JOBS=$(nproc) THREADS=1 LIMIT=0 BIN="$ROOT/build/bin" REFRESH=1,2,4
+OUT="" DATASET="" JOBS=$(nproc) THREADS=1 LIMIT=0 BIN="$ROOT/build/bin" REFRESH=2,4
 MODELS=()
 while (($#)); do
   case "$1" in
