@@ -81,6 +81,9 @@ int main(int argc, char** argv) {
     hypic::rpc::init_service("router", server);
     if (!auth_token_file.empty()) cfg.auth = hypic::rpc::BearerTokens::load(auth_token_file);
     cfg.policy = hypic::router::parse_schedule_policy(policy);
+    if (l.default_refresh_segments > l.max_refresh_segments)
+      throw std::invalid_argument(fmt::format("--refresh-segments {} is above --max-refresh-segments {}",
+                                              l.default_refresh_segments, l.max_refresh_segments));
     cfg.lookup_timeout = std::chrono::milliseconds(lookup_timeout_ms);
     cfg.health_interval = std::chrono::milliseconds(health_interval_ms);
     cfg.combine_wait = std::chrono::milliseconds(combine_wait_ms);
