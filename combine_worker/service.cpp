@@ -546,8 +546,10 @@ grpc::Status CombineService::run_combine(grpc::ServerContext* ctx, const v1::Com
         sr->set_transport(s.transport);
         sr->set_transfer_ms(s.transfer_ms);
         sr->set_transfer_bytes(s.transfer_bytes);
-        sr->set_refreshed(std::binary_search(sinfo.recomputed_segments.begin(), sinfo.recomputed_segments.end(),
-                                             int(i)));
+        if (std::binary_search(sinfo.recomputed_segments.begin(), sinfo.recomputed_segments.end(), int(i))) {
+          sr->set_refreshed(true);
+          sr->set_reused(false);  // its entry was not what the splice used: it was computed here, in context
+        }
         if (s.has_entry()) sr->set_numerics(s.header()->numerics);
       }
     }

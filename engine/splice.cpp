@@ -355,11 +355,12 @@ std::vector<int> choose_refresh_segments(std::span<const float> mass, std::span<
   int64_t start = 0;
   for (size_t i = 0; i < segment_tokens.size(); ++i) {
     const int64_t n = segment_tokens[i];
-    if (i >= 1 && !(i < whole.size() && whole[i])) {
+    const int64_t from = std::min<int64_t>(std::max(seam_width, 0), n);  // first interior token
+    if (i >= 1 && !(i < whole.size() && whole[i]) && from < n) {  // (no interior: the seam recomputes it whole)
       double m = 0.0;
       const int64_t end = std::min<int64_t>(start + n, static_cast<int64_t>(mass.size()));
-      for (int64_t r = start + std::min<int64_t>(std::max(seam_width, 0), n); r < end; ++r) m += mass[r];
-      if (m > 0.0) ranked.emplace_back(m, static_cast<int>(i));
+      for (int64_t r = start + from; r < end; ++r) m += mass[r];
+      ranked.emplace_back(m, static_cast<int>(i));
     }
     start += n;
   }

@@ -119,7 +119,7 @@ struct SpliceRequest {
   /// Hypic only, query-aware refresh: after the splice, the attention of the query's last token (the one whose
   /// logits give the first answer token) ranks the later segments (>= 1, not already in recompute_segments) by the
   /// mass it pays to their interior tokens, summed over every full-attention layer and head
-  /// (PrefillOptions::attention_mass; choose_refresh_segments); the refresh_segments highest with nonzero mass are
+  /// (PrefillOptions::attention_mass; choose_refresh_segments); the refresh_segments highest (ties to the earlier segment) are
   /// added to recompute_segments and the prompt is spliced again. This restores what position-independent segments
   /// cannot see, the tokens before them, where the query says it matters (a document that updates or refers to an
   /// earlier one: both the statement the query reads and the one it should read are attended, so k >= 2 is the
@@ -154,8 +154,10 @@ void check_recompute_request(SpliceMode mode, std::span<const int> recompute_seg
 /// attention mass per KV row in prompt order (`mass`, fp32 host, as PrefillOptions::attention_mass; rows past its end
 /// count 0), each segment's length in tokens, the seam width w and which segments are already recomputed whole
 /// (`whole`, one flag per segment), returns the indices (>= 1, ascending) of at most k segments not yet whole whose
-/// interior rows (from start + min(w, n) to start + n) hold the most mass, ties to the earlier segment, segments with
-/// no mass never chosen.
+/// interior rows (from start + min(w, n) to start + n) hold the most mass, ties (e.g. no measured attention: a model
+/// without full-attention layers, or probabilities below fp32's range) to the earlier segment. Segments without an
+/// interior (n <= w: the seam window already recomputes them whole) are never chosen, so k >= the later segments
+/// recomputes every one of them: full recomputation.
 std::vector<int> choose_refresh_segments(std::span<const float> mass, std::span<const int64_t> segment_tokens,
                                          int seam_width, std::span<const char> whole, int k);
 

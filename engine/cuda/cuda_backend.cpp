@@ -1244,10 +1244,12 @@ SpliceOutput CudaBackend::splice(const SplicePlan& plan) {
       std::vector<int> probe_recomputed;
       const std::vector<Item> probe_items = hypic_items(plan, whole, probe_pos, probe_computed, probe_recomputed);
       std::vector<float> mass, probe_logits;
+      seq.reset();  // the probe takes the request's one state slot, then gives it back
       {
         auto probe_seq = new_sequence();
         execute(*probe_seq, probe_items, false, probe_logits, false, nullptr, &mass);
       }
+      seq = new_sequence();
       std::vector<int64_t> lengths;
       for (size_t i = 0; i < plan.segments.size(); ++i) lengths.push_back(entry_of(i)->n());
       const std::vector<int> chosen =

@@ -563,6 +563,25 @@ TEST_CASE("refresh_segments recomputes the segments the query attends to most", 
   }
 }
 
+TEST_CASE("choose_refresh_segments: most mass first, ties and no attention in prompt order, no interior never",
+          "[splice]") {
+  const std::vector<int64_t> lengths = {10, 20, 5, 30, 12};  // w = 8: segment 2 has no interior
+  const std::vector<char> none(5, 0);
+  std::vector<float> mass(77, 0.0f);  // no measured attention (no attention layers, or fp32 underflow)
+  CHECK(choose_refresh_segments(mass, lengths, 8, none, 2) == std::vector<int>{1, 3});
+  CHECK(choose_refresh_segments(mass, lengths, 8, none, 10) == std::vector<int>{1, 3, 4});
+  mass[10 + 20 + 5 + 8] = 0.5f;  // segment 3's first interior row
+  mass[10 + 3] = 0.7f;           // segment 1's seam row: not counted
+  mass[67 + 9] = 0.25f;          // segment 4's interior
+  CHECK(choose_refresh_segments(mass, lengths, 8, none, 1) == std::vector<int>{3});
+  CHECK(choose_refresh_segments(mass, lengths, 8, none, 2) == std::vector<int>{3, 4});
+  std::vector<char> whole(5, 0);
+  whole[3] = 1;  // already recomputed: not a candidate
+  CHECK(choose_refresh_segments(mass, lengths, 8, whole, 1) == std::vector<int>{4});
+  CHECK(choose_refresh_segments(mass, lengths, 8, none, 0).empty());
+  CHECK(choose_refresh_segments({}, lengths, 8, none, 2) == std::vector<int>{1, 3});  // a short mass vector counts 0
+}
+
 TEST_CASE("recompute_segments / refresh_segments: bad input is a clear error", "[splice]") {
   const Model& m = fixture_model("qwen3_5_dense");
   const int V = static_cast<int>(m.config().vocab_size);
