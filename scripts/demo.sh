@@ -286,7 +286,8 @@ cleanup() {
     kill -TERM "$LAUNCHER_PID" 2>/dev/null || true  # the launcher stops every service it started
     wait "$LAUNCHER_PID" 2>/dev/null || true
   fi
-  if ((KEEP_LOGS)) || ((rc != 0)); then
+  # Kept when asked, or when a failure left service logs to read; otherwise (nothing started) removed.
+  if ((KEEP_LOGS)) || { ((rc != 0)) && [[ -d "$RUNDIR/cluster/logs" ]]; }; then
     [[ -d "$RUNDIR/cluster/logs" ]] && echo "demo.sh: service logs kept in $RUNDIR/cluster/logs" >&2
   else
     rm -rf "$RUNDIR"
