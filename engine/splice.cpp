@@ -471,11 +471,13 @@ SpliceResult splice(const Model& model, const SpliceRequest& req) {
   // to recompute whole; the second pass (from the first segment's entry again) is the answer.
   std::vector<char> whole(req.segments.size(), 0);
   for (int i : req.recompute_segments) whole[static_cast<size_t>(i)] = 1;
-  if (req.refresh_segments > 0 && req.segments.size() > 1) {
+  std::vector<int64_t> lengths;
+  for (size_t i = 0; i < req.segments.size(); ++i) lengths.push_back(static_cast<int64_t>(ids_of(i).size()));
+  // No probe when no segment could be refreshed (every later one already whole or no longer than w): with no mass
+  // the choice is every candidate in prompt order, so an empty one means none exists.
+  if (req.refresh_segments > 0 && !choose_refresh_segments({}, lengths, req.seam_width, whole, 1).empty()) {
     std::vector<float> mass;
     SpliceResult probe = splice_hypic(model, req, whole, &mass);
-    std::vector<int64_t> lengths;
-    for (size_t i = 0; i < req.segments.size(); ++i) lengths.push_back(static_cast<int64_t>(ids_of(i).size()));
     const std::vector<int> chosen = choose_refresh_segments(mass, lengths, req.seam_width, whole, req.refresh_segments);
     if (chosen.empty()) return probe;
     for (int i : chosen) whole[static_cast<size_t>(i)] = 1;

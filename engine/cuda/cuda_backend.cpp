@@ -1237,7 +1237,10 @@ SpliceOutput CudaBackend::splice(const SplicePlan& plan) {
   } else {  // hypic: seams in context, interiors folded (DESIGN.md 3.3)
     std::vector<char> whole(plan.segments.size(), 0);
     for (int i : plan.recompute_segments) whole[size_t(i)] = 1;
-    if (plan.refresh_segments > 0 && plan.segments.size() > 1) {
+    std::vector<int64_t> lengths;
+    for (size_t i = 0; i < plan.segments.size(); ++i) lengths.push_back(entry_of(i)->n());
+    // No probe when no segment could be refreshed (with no mass the choice is every candidate: empty = none).
+    if (plan.refresh_segments > 0 && !choose_refresh_segments({}, lengths, plan.seam_width, whole, 1).empty()) {
       // Probe pass: the query's attention per slot ranks the segments; the chosen ones are recomputed whole in a
       // second splice from scratch (SpliceRequest::refresh_segments).
       int64_t probe_pos = 0, probe_computed = 0;
@@ -1250,8 +1253,6 @@ SpliceOutput CudaBackend::splice(const SplicePlan& plan) {
         execute(*probe_seq, probe_items, false, probe_logits, false, nullptr, &mass);
       }
       seq = new_sequence();
-      std::vector<int64_t> lengths;
-      for (size_t i = 0; i < plan.segments.size(); ++i) lengths.push_back(entry_of(i)->n());
       const std::vector<int> chosen =
           choose_refresh_segments(mass, lengths, plan.seam_width, whole, plan.refresh_segments);
       for (int i : chosen) whole[size_t(i)] = 1;

@@ -612,4 +612,11 @@ TEST_CASE("recompute_segments / refresh_segments: bad input is a clear error", "
   CHECK(same.recomputed_segments.empty());
   CHECK(same.computed_tokens == plain.computed_tokens);
   CHECK(same.logits == plain.logits);
+  // Every later segment no longer than w (its seam recomputes it whole): nothing to refresh, no probe pass.
+  SpliceRequest short_segs = make_request(m, segs, query, SpliceMode::Hypic, 32);
+  const SpliceResult short_plain = splice(m, short_segs);
+  short_segs.refresh_segments = 2;
+  const SpliceResult short_refresh = splice(m, short_segs);
+  CHECK(short_refresh.recomputed_segments.empty());
+  CHECK(short_refresh.computed_tokens == short_plain.computed_tokens);
 }
