@@ -108,6 +108,8 @@ struct SplicePlan {
   /// Hypic: query-aware refresh of the k segments the query's last token attends to most
   /// (SpliceRequest::refresh_segments). 0 = off.
   int refresh_segments = 0;
+  /// Hypic: the last t segments recomputed whole in context (SpliceRequest::refresh_tail). 0 = off.
+  int refresh_tail = 0;
 };
 
 /// What a splice returns.

@@ -117,6 +117,7 @@ SpliceOutput CpuBackend::splice(const SplicePlan& plan) {
   req.keep_context_state = plan.keep_context_state;
   req.recompute_segments = plan.recompute_segments;
   req.refresh_segments = plan.refresh_segments;
+  req.refresh_tail = plan.refresh_tail;
   req.prefix_cache = plan.use_prefix_cache ? &prefix_ : nullptr;
   req.segments.reserve(plan.segments.size());
   for (size_t i = 0; i < plan.segments.size(); ++i) {

@@ -254,7 +254,7 @@ std::vector<QualityMode> quality_modes(const QualityOptions& options) {
       done.push_back(w);
       out.push_back({"hypic_w" + std::to_string(w), SpliceMode::Hypic, w});
     }
-    if (!options.refresh_counts.empty() && options.refresh_seam_width < 0)
+    if ((!options.refresh_counts.empty() || !options.refresh_tails.empty()) && options.refresh_seam_width < 0)
       throw std::invalid_argument("the refresh modes' seam width must be >= 0, got " +
                                   std::to_string(options.refresh_seam_width));
     std::vector<int> counts;
@@ -264,6 +264,17 @@ std::vector<QualityMode> quality_modes(const QualityOptions& options) {
       counts.push_back(k);
       const int w = options.refresh_seam_width;
       out.push_back({"hypic_w" + std::to_string(w) + "_r" + std::to_string(k), SpliceMode::Hypic, w, false, k});
+    }
+    std::vector<int> tails;
+    for (int t : options.refresh_tails) {
+      if (t < 1) throw std::invalid_argument("refresh tails must be >= 1, got " + std::to_string(t));
+      if (std::find(tails.begin(), tails.end(), t) != tails.end()) continue;
+      tails.push_back(t);
+      const int w = options.refresh_seam_width;
+      const std::string base = "hypic_w" + std::to_string(w);
+      out.push_back({base + "_t" + std::to_string(t), SpliceMode::Hypic, w, false, 0, t});
+      for (int k : counts)
+        out.push_back({base + "_r" + std::to_string(k) + "_t" + std::to_string(t), SpliceMode::Hypic, w, false, k, t});
     }
   }
   return out;
@@ -334,6 +345,7 @@ PromptOutcome evaluate_prompt(const Model& model, const Tokenizer& tok, const Qu
     req.seam_width = m.seam_width;
     req.local_positions = m.local_positions;
     req.refresh_segments = m.refresh_segments;
+    req.refresh_tail = m.refresh_tail;
     req.keep_context_state = true;
     PrefixStateCache cache(options.prefix_cache_bytes);
     if (m.mode == SpliceMode::Prefix) {  // an earlier request with the documents in warm_order warmed the cache

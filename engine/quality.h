@@ -121,23 +121,29 @@ struct QualityOptions {
   /// Query-aware refresh (SpliceRequest::refresh_segments): for each k here (>= 1), a mode hypic_w<w>_r<k> at
   /// w = refresh_seam_width that recomputes the k segments the query attends to most. Empty = none.
   std::vector<int> refresh_counts;
-  int refresh_seam_width = 8;  ///< w of the hypic_w<w>_r<k> modes, tokens (>= 0)
+  /// The refresh's tail (SpliceRequest::refresh_tail): for each t here (>= 1), a mode hypic_w<w>_t<t> (the last t
+  /// segments recomputed whole, no probe) and, for each k of refresh_counts, hypic_w<w>_r<k>_t<t>. Empty = none.
+  std::vector<int> refresh_tails;
+  int refresh_seam_width = 8;  ///< w of the hypic_w<w>_r<k> / _t<t> modes, tokens (>= 0)
 };
 
 /// One evaluated mode: its name ("full", "prefix", "naive", "naive_local", "transition", "transition_local",
 /// "hypic_w8", "hypic_w8_r2"), how it splices, the w of the entries it uses (hypic: its seam width; naive and
 /// transition: 0; full and prefix use none: 0), whether it leaves K at local positions
-/// (SpliceRequest::local_positions) and how many segments it refreshes (SpliceRequest::refresh_segments).
+/// (SpliceRequest::local_positions), how many segments it refreshes (SpliceRequest::refresh_segments) and how many
+/// at the end of the prompt (SpliceRequest::refresh_tail).
 struct QualityMode {
   std::string name;
   SpliceMode mode = SpliceMode::Full;
   int seam_width = 0;
   bool local_positions = false;
   int refresh_segments = 0;
+  int refresh_tail = 0;
 };
 /// The modes `options` asks for, full first, then prefix, naive, naive_local, transition, transition_local (the
 /// _local ones with local_position_ablations), hypic_w<w> in seam_widths order (repeated widths once) and
-/// hypic_w<refresh_seam_width>_r<k> in refresh_counts order (repeats once; with Hypic asked for).
+/// hypic_w<refresh_seam_width>_r<k> in refresh_counts order (repeats once; with Hypic asked for), then for each t of
+/// refresh_tails (repeats once) hypic_w<refresh_seam_width>_t<t> and hypic_w<refresh_seam_width>_r<k>_t<t>.
 /// Throws std::invalid_argument for a negative seam width, max_new_tokens < 0, Hypic with no seam width, or a
 /// refresh count < 1.
 std::vector<QualityMode> quality_modes(const QualityOptions& options);

@@ -333,12 +333,15 @@ size_t PrefixStateCache::entries() const {
 // ---- splice --------------------------------------------------------------------------------------------
 
 void check_recompute_request(SpliceMode mode, std::span<const int> recompute_segments, int refresh_segments,
-                             size_t num_segments) {
-  if ((!recompute_segments.empty() || refresh_segments != 0) && mode != SpliceMode::Hypic)
-    throw std::invalid_argument(std::string("splice: recompute_segments / refresh_segments apply to mode hypic, not ") +
-                                splice_mode_name(mode));
+                             int refresh_tail, size_t num_segments) {
+  if ((!recompute_segments.empty() || refresh_segments != 0 || refresh_tail != 0) && mode != SpliceMode::Hypic)
+    throw std::invalid_argument(
+        std::string("splice: recompute_segments / refresh_segments / refresh_tail apply to mode hypic, not ") +
+        splice_mode_name(mode));
   if (refresh_segments < 0)
     throw std::invalid_argument("splice: refresh_segments must be >= 0, got " + std::to_string(refresh_segments));
+  if (refresh_tail < 0)
+    throw std::invalid_argument("splice: refresh_tail must be >= 0, got " + std::to_string(refresh_tail));
   std::vector<char> seen(num_segments, 0);
   for (int i : recompute_segments) {
     if (i < 1 || static_cast<size_t>(i) >= num_segments)
@@ -347,6 +350,16 @@ void check_recompute_request(SpliceMode mode, std::span<const int> recompute_seg
     if (seen[static_cast<size_t>(i)]++)
       throw std::invalid_argument("splice: recompute_segments lists segment " + std::to_string(i) + " twice");
   }
+}
+
+std::vector<char> whole_segments_before_refresh(std::span<const int> recompute_segments, int refresh_tail,
+                                                size_t num_segments) {
+  std::vector<char> whole(num_segments, 0);
+  for (int i : recompute_segments) whole[static_cast<size_t>(i)] = 1;
+  const size_t tail = static_cast<size_t>(std::max(refresh_tail, 0));
+  for (size_t i = num_segments > tail ? num_segments - tail : 0; i < num_segments; ++i)
+    if (i >= 1) whole[i] = 1;
+  return whole;
 }
 
 std::vector<int> choose_refresh_segments(std::span<const float> mass, std::span<const int64_t> segment_tokens,
@@ -382,7 +395,8 @@ SpliceResult splice(const Model& model, const SpliceRequest& req) {
   if (req.local_positions && req.mode != SpliceMode::Naive && req.mode != SpliceMode::Transition)
     throw std::invalid_argument(std::string("splice: local_positions applies to modes naive and transition, not ") +
                                 splice_mode_name(req.mode));
-  check_recompute_request(req.mode, req.recompute_segments, req.refresh_segments, req.segments.size());
+  check_recompute_request(req.mode, req.recompute_segments, req.refresh_segments, req.refresh_tail,
+                          req.segments.size());
   const char* numerics = backend_numerics(BackendKind::Cpu);
   const std::string fingerprint = cached_mode ? model_fingerprint(cfg, numerics) : std::string();
   const EntryGeometry geometry = EntryGeometry::of(cfg);
@@ -469,8 +483,7 @@ SpliceResult splice(const Model& model, const SpliceRequest& req) {
 
   // Hypic. With refresh_segments, a first pass measures the query's attention per segment and picks the segments
   // to recompute whole; the second pass (from the first segment's entry again) is the answer.
-  std::vector<char> whole(req.segments.size(), 0);
-  for (int i : req.recompute_segments) whole[static_cast<size_t>(i)] = 1;
+  std::vector<char> whole = whole_segments_before_refresh(req.recompute_segments, req.refresh_tail, req.segments.size());
   std::vector<int64_t> lengths;
   for (size_t i = 0; i < req.segments.size(); ++i) lengths.push_back(static_cast<int64_t>(ids_of(i).size()));
   // No probe when no segment could be refreshed (every later one already whole or no longer than w): with no mass

@@ -127,6 +127,16 @@ struct SpliceRequest {
   /// counts both passes). A segment-granular counterpart of CacheBlend's selective recompute
   /// (research/hypic_and_pic_peers.md 1.5: on hybrids single tokens cannot be recomputed). 0 = off.
   int refresh_segments = 0;
+  /// Hypic only, the tail of the refresh: the last refresh_tail segments (indices >= max(1, segments - t)) are
+  /// recomputed whole in context, like recompute_segments, before any probe (so the probe already sees them in
+  /// context and refresh_segments chooses among the others). What it repairs: a cached segment's tokens never saw
+  /// the documents before it, and a model reads the order of documents at their boundaries, where a segment's seam
+  /// reads the body before it. A refreshed segment in the middle of cached ones makes the segment after it look like
+  /// the newest one to a trained model (measured, README "Answer quality"), so a question about the prompt's order
+  /// ("which comes last", the newest tool result) needs the boundary into the last segment exact: t = 2 recomputes
+  /// the last segment and the one before it. Costs those segments' tokens and no extra pass. 0 = off; t >= the later
+  /// segments recomputes every one of them (full recomputation).
+  int refresh_tail = 0;
   PrefixStateCache* prefix_cache = nullptr;  ///< prefix mode: where checkpoints are looked up and stored
 };
 
@@ -137,18 +147,26 @@ struct SpliceResult {
   int64_t num_tokens = 0;      ///< prompt length (segments + query), the next decode position
   int64_t computed_tokens = 0; ///< tokens run through the model here (seams + query; everything for full)
   int prefix_segments_reused = 0;  ///< prefix mode: segments restored from the prefix cache
-  /// hypic: the segments recomputed whole (recompute_segments plus those refresh_segments chose), ascending
+  /// hypic: the segments recomputed whole (recompute_segments, the refresh_tail ones and those refresh_segments
+  /// chose), ascending
   std::vector<int> recomputed_segments;
   /// keep_context_state: per linear layer, S [H_v][d_k][d_v] after the last segment, before the query (the state
   /// composition produces; the query's own tokens then move every mode's state the same way).
   std::vector<std::vector<float>> context_states;
 };
 
-/// Checks a request's recompute_segments / refresh_segments (SpliceRequest, SplicePlan) against its mode and its
-/// number of segments: both are hypic-only, indices lie in [1, num_segments) without repeats, refresh_segments >= 0.
+/// Checks a request's recompute_segments / refresh_segments / refresh_tail (SpliceRequest, SplicePlan) against its
+/// mode and its number of segments: all are hypic-only, indices lie in [1, num_segments) without repeats,
+/// refresh_segments >= 0 and refresh_tail >= 0 (either may exceed the number of segments: it then takes them all).
 /// Throws std::invalid_argument naming what is wrong. Every backend calls it.
 void check_recompute_request(SpliceMode mode, std::span<const int> recompute_segments, int refresh_segments,
-                             size_t num_segments);
+                             int refresh_tail, size_t num_segments);
+
+/// The segments recomputed whole before any refresh probe, one flag per segment (1 = whole): those listed in
+/// recompute_segments and the last refresh_tail ones (never segment 0). Indices must have passed
+/// check_recompute_request. Shared by the backends.
+std::vector<char> whole_segments_before_refresh(std::span<const int> recompute_segments, int refresh_tail,
+                                                size_t num_segments);
 
 /// The query-aware refresh choice (SpliceRequest::refresh_segments), shared by the backends: given the query's
 /// attention mass per KV row in prompt order (`mass`, fp32 host, as PrefillOptions::attention_mass; rows past its end
@@ -172,11 +190,12 @@ std::vector<int> choose_refresh_segments(std::span<const float> mass, std::span<
 /// S(C|b) = R(b) S(C|0) (Model::rotate_linear_state, DESIGN.md 3.3; the scalar T commutes with R); the first
 /// segment (b = 0) is used as cached. With request.local_positions (naive / transition only) neither K nor those
 /// states are re-rotated: every segment is placed as if it started at 0.
-/// recompute_segments / refresh_segments (hypic) recompute chosen segments whole in context (see their docs).
+/// recompute_segments / refresh_segments / refresh_tail (hypic) recompute chosen segments whole in context (see
+/// their docs).
 /// Throws std::invalid_argument (no segments, empty segment, empty query, negative seam width, missing entry for a
 /// cached mode, token ids differing from the entry's, local_positions with a mode other than naive or transition,
-/// recompute_segments / refresh_segments with a mode other than hypic, a recompute index out of [1, segments) or
-/// repeated, refresh_segments < 0)
+/// recompute_segments / refresh_segments / refresh_tail with a mode other than hypic, a recompute index out of
+/// [1, segments) or repeated, refresh_segments < 0, refresh_tail < 0)
 /// and EntryError (entry from another model, numerics (CPU: "cpu-fp32") or w).
 SpliceResult splice(const Model& model, const SpliceRequest& request);
 

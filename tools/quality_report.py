@@ -123,6 +123,11 @@ def markdown(res: dict) -> str:
                "k later segments that the query's last token attends to most are recomputed whole in context, after "
                "a first splice that measures that attention (tokens computed count both passes)."
                if any(re.fullmatch(r"hypic_w\d+_r\d+", k) for m in res["models"].values() for k in m["modes"])
+               else "") +
+              (" `hypic_w<w>_t<t>` recomputes the last t segments whole in context (SpliceRequest::refresh_tail; no "
+               "probe), and `hypic_w<w>_r<k>_t<t>` does both: the tail first, then the k segments the probe ranks "
+               "highest among the others."
+               if any(re.fullmatch(r"hypic_w\d+(_r\d+)?_t\d+", k) for m in res["models"].values() for k in m["modes"])
                else ""), ""]
     for name, m in res["models"].items():
         s = m["settings"]

@@ -137,6 +137,7 @@ int run_dataset(const Model& model, const Tokenizer& tok, const DatasetRun& run)
   settings["seam_widths"] = run.options.seam_widths;
   settings["local_position_ablations"] = run.options.local_position_ablations;
   settings["refresh_counts"] = run.options.refresh_counts;
+  settings["refresh_tails"] = run.options.refresh_tails;
   settings["refresh_seam_width"] = run.options.refresh_seam_width;
   settings["max_new_tokens"] = run.options.max_new_tokens;
   settings["limit"] = run.limit;
@@ -209,8 +210,13 @@ int main(int argc, char** argv) {
                      "that recomputes whole the k segments the query attends to most (SpliceRequest::refresh_segments)")
           ->delimiter(',')
           ->check(CLI::PositiveNumber),
+      app.add_option("--refresh-tail", run.options.refresh_tails,
+                     "--dataset: comma-separated t, modes hypic_w<w>_t<t> (the last t segments recomputed whole, "
+                     "SpliceRequest::refresh_tail) and hypic_w<w>_r<k>_t<t> for each --refresh k")
+          ->delimiter(',')
+          ->check(CLI::PositiveNumber),
       app.add_option("--refresh-seam-width", run.options.refresh_seam_width,
-                     "--dataset: w of the --refresh modes, tokens (8)")
+                     "--dataset: w of the --refresh and --refresh-tail modes, tokens (8)")
           ->check(CLI::NonNegativeNumber),
       app.add_option("--limit", run.limit, "--dataset: only the first N prompts (0 = all)"),
       app.add_option("--shard", shard_text, "--dataset: shard I/N, the prompts with index % N == I"),

@@ -1152,7 +1152,8 @@ std::vector<Item> CudaBackend::hypic_items(const SplicePlan& plan, const std::ve
 SpliceOutput CudaBackend::splice(const SplicePlan& plan) {
   set_device();
   drain_frees();
-  check_recompute_request(plan.mode, plan.recompute_segments, plan.refresh_segments, plan.segments.size());
+  check_recompute_request(plan.mode, plan.recompute_segments, plan.refresh_segments, plan.refresh_tail,
+                          plan.segments.size());
   if (plan.segments.empty()) throw std::invalid_argument("splice: the segment list is empty");
   if (plan.query.empty()) throw std::invalid_argument("splice: the query has no tokens");
   if (plan.all_query_logits && int64_t(plan.query.size()) > Tmax_)
@@ -1235,8 +1236,8 @@ SpliceOutput CudaBackend::splice(const SplicePlan& plan) {
     }
     items.push_back({std::move(folds), {std::span<const int32_t>(plan.query), pos}});
   } else {  // hypic: seams in context, interiors folded (DESIGN.md 3.3)
-    std::vector<char> whole(plan.segments.size(), 0);
-    for (int i : plan.recompute_segments) whole[size_t(i)] = 1;
+    std::vector<char> whole =
+        whole_segments_before_refresh(plan.recompute_segments, plan.refresh_tail, plan.segments.size());
     std::vector<int64_t> lengths;
     for (size_t i = 0; i < plan.segments.size(); ++i) lengths.push_back(entry_of(i)->n());
     // No probe when no segment could be refreshed (with no mass the choice is every candidate: empty = none).
