@@ -246,9 +246,10 @@ std::string source_summary(const v1::GenerateReport& r) {
 }
 
 void print_report_table(const v1::GenerateReport& r, std::ostream& os) {
-  os << fmt::format("\n--- request {} | mode {} w={}{} | {} prompt tokens ({} query) | {} generated ({}) | seed {}\n",
+  os << fmt::format("\n--- request {} | mode {} w={}{}{} | {} prompt tokens ({} query) | {} generated ({}) | seed {}\n",
                     r.request_id(), r.mode(), r.seam_width(),
                     r.refresh_segments() > 0 ? fmt::format(" refresh={}", r.refresh_segments()) : std::string(),
+                    r.refresh_tail() > 0 ? fmt::format(" tail={}", r.refresh_tail()) : std::string(),
                     r.prompt_tokens(), r.query_tokens(), r.completion_tokens(),
                     v1::FinishReason_Name(r.finish_reason()), r.seed());
   os << fmt::format("{:>4} {:>7} {:>5} {:<17} {:<22} {:<7} {:>8} {:>10}  {}\n", "seg", "tokens", "hit", "source",
@@ -338,6 +339,10 @@ int main(int argc, char** argv) {
   auto* refresh_opt = gen->add_option("--refresh-segments", refresh_segments,
                                       "hypic: recompute whole in context the k segments the query attends to most "
                                       "(default: the router's --refresh-segments)");
+  int refresh_tail = 0;
+  auto* tail_opt = gen->add_option("--refresh-tail", refresh_tail,
+                                   "hypic: recompute whole in context the last t segments (default: the router's "
+                                   "--refresh-tail)");
   gen->add_flag("--no-cache-write", no_cache_write, "do not store this request's segments in the cache");
   gen->add_option("--request-id", request_id, "request id (default: made up by the router)");
   gen->add_option("--timeout-seconds", timeout_s, "deadline of the call (0: none)");
@@ -501,6 +506,7 @@ int main(int argc, char** argv) {
     c->set_mode(mode);
     if (*sw_opt) c->set_seam_width(seam_width);
     if (*refresh_opt) c->set_refresh_segments(refresh_segments);
+    if (*tail_opt) c->set_refresh_tail(refresh_tail);
     if (no_cache_write) c->set_cache_segments(false);
 
     const auto channel = hypic::rpc::make_channel(router);

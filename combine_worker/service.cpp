@@ -281,6 +281,10 @@ grpc::Status CombineService::run_combine(grpc::ServerContext* ctx, const v1::Com
                                                                   "mode {}",
                                                                   req->refresh_segments(), engine::splice_mode_name(mode)));
     }
+    if (req->refresh_tail() < 0 || (req->refresh_tail() > 0 && mode != engine::SpliceMode::Hypic)) {
+      throw rpc::invalid_argument("refresh_tail", fmt::format("must be >= 0, and 0 outside mode hypic; got {} in mode {}",
+                                                              req->refresh_tail(), engine::splice_mode_name(mode)));
+    }
     if (!req->sampling().has_max_tokens() || req->sampling().max_tokens() < 1) {
       throw rpc::invalid_argument("sampling.max_tokens", "must be set and >= 1");
     }
@@ -402,6 +406,7 @@ grpc::Status CombineService::run_combine(grpc::ServerContext* ctx, const v1::Com
     job.splice.plan.mode = mode;
     job.splice.plan.seam_width = req->seam_width();
     job.splice.plan.refresh_segments = req->refresh_segments();
+    job.splice.plan.refresh_tail = req->refresh_tail();
     job.splice.plan.query = query;
     for (auto& s : p->slots) {
       job.splice.plan.segments.push_back({s.ids, s.resident});

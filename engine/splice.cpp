@@ -481,8 +481,9 @@ SpliceResult splice(const Model& model, const SpliceRequest& req) {
     return out;
   }
 
-  // Hypic. With refresh_segments, a first pass measures the query's attention per segment and picks the segments
-  // to recompute whole; the second pass (from the first segment's entry again) is the answer.
+  // Hypic. With refresh_segments, a first pass (the probe: the explicit recompute_segments whole, the tail still
+  // cached, so the tail is computed once) measures the query's attention per segment and picks the segments to
+  // recompute whole among those not yet whole; the second pass (from the first segment's entry again) is the answer.
   std::vector<char> whole = whole_segments_before_refresh(req.recompute_segments, req.refresh_tail, req.segments.size());
   std::vector<int64_t> lengths;
   for (size_t i = 0; i < req.segments.size(); ++i) lengths.push_back(static_cast<int64_t>(ids_of(i).size()));
@@ -490,9 +491,9 @@ SpliceResult splice(const Model& model, const SpliceRequest& req) {
   // the choice is every candidate in prompt order, so an empty one means none exists.
   if (req.refresh_segments > 0 && !choose_refresh_segments({}, lengths, req.seam_width, whole, 1).empty()) {
     std::vector<float> mass;
-    SpliceResult probe = splice_hypic(model, req, whole, &mass);
+    const std::vector<char> probe_whole = whole_segments_before_refresh(req.recompute_segments, 0, req.segments.size());
+    SpliceResult probe = splice_hypic(model, req, probe_whole, &mass);
     const std::vector<int> chosen = choose_refresh_segments(mass, lengths, req.seam_width, whole, req.refresh_segments);
-    if (chosen.empty()) return probe;
     for (int i : chosen) whole[static_cast<size_t>(i)] = 1;
     SpliceResult result = splice_hypic(model, req, whole, nullptr);
     result.computed_tokens += probe.computed_tokens;

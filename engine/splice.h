@@ -128,8 +128,8 @@ struct SpliceRequest {
   /// (research/hypic_and_pic_peers.md 1.5: on hybrids single tokens cannot be recomputed). 0 = off.
   int refresh_segments = 0;
   /// Hypic only, the tail of the refresh: the last refresh_tail segments (indices >= max(1, segments - t)) are
-  /// recomputed whole in context, like recompute_segments, before any probe (so the probe already sees them in
-  /// context and refresh_segments chooses among the others). What it repairs: a cached segment's tokens never saw
+  /// recomputed whole in context, like recompute_segments, in the splice that gives the answer; refresh_segments
+  /// chooses among the others (its probe pass leaves the tail cached, so the tail is computed once). What it repairs: a cached segment's tokens never saw
   /// the documents before it, and a model reads the order of documents at their boundaries, where a segment's seam
   /// reads the body before it. A refreshed segment in the middle of cached ones makes the segment after it look like
   /// the newest one to a trained model (measured, README "Answer quality"), so a question about the prompt's order
@@ -162,9 +162,9 @@ struct SpliceResult {
 void check_recompute_request(SpliceMode mode, std::span<const int> recompute_segments, int refresh_segments,
                              int refresh_tail, size_t num_segments);
 
-/// The segments recomputed whole before any refresh probe, one flag per segment (1 = whole): those listed in
-/// recompute_segments and the last refresh_tail ones (never segment 0). Indices must have passed
-/// check_recompute_request. Shared by the backends.
+/// The segments recomputed whole before the refresh's choice, one flag per segment (1 = whole): those listed in
+/// recompute_segments and the last refresh_tail ones (never segment 0); with refresh_tail = 0, those of the refresh's
+/// probe pass. Indices must have passed check_recompute_request. Shared by the backends.
 std::vector<char> whole_segments_before_refresh(std::span<const int> recompute_segments, int refresh_tail,
                                                 size_t num_segments);
 

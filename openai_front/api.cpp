@@ -360,15 +360,18 @@ void parse_hypic_object(const json& body, ParsedRequest& r) {
   if (!h) return;
   if (!h->is_object()) wrong_type("hypic", "an object", *h);
   for (const auto& [k, _] : h->items()) {
-    if (k != "mode" && k != "seam_width" && k != "refresh_segments" && k != "cache_segments" && k != "request_id") {
-      throw invalid_request("hypic." + k,
-                            "unknown key (known: mode, seam_width, refresh_segments, cache_segments, request_id)");
+    if (k != "mode" && k != "seam_width" && k != "refresh_segments" && k != "refresh_tail" && k != "cache_segments" &&
+        k != "request_id") {
+      throw invalid_request("hypic." + k, "unknown key (known: mode, seam_width, refresh_segments, refresh_tail, "
+                                          "cache_segments, request_id)");
     }
   }
   if (auto m = opt_string(*h, "mode", "hypic.mode")) r.mode = *m;
   if (auto w = opt_int(*h, "seam_width", "hypic.seam_width", 0, std::numeric_limits<int32_t>::max())) r.seam_width = int32_t(*w);
   if (auto k = opt_int(*h, "refresh_segments", "hypic.refresh_segments", 0, std::numeric_limits<int32_t>::max()))
     r.refresh_segments = int32_t(*k);
+  if (auto t = opt_int(*h, "refresh_tail", "hypic.refresh_tail", 0, std::numeric_limits<int32_t>::max()))
+    r.refresh_tail = int32_t(*t);
   r.cache_segments = opt_bool(*h, "cache_segments", "hypic.cache_segments");
   if (auto id = opt_string(*h, "request_id", "hypic.request_id")) {
     try {
@@ -566,6 +569,7 @@ v1::GenerateRequest to_generate_request(const ParsedRequest& r, const std::strin
   c->set_mode(r.mode);
   if (r.seam_width) c->set_seam_width(*r.seam_width);
   if (r.refresh_segments) c->set_refresh_segments(*r.refresh_segments);
+  if (r.refresh_tail) c->set_refresh_tail(*r.refresh_tail);
   if (r.cache_segments) c->set_cache_segments(*r.cache_segments);
   return req;
 }
@@ -601,6 +605,7 @@ std::pair<std::string, std::string> user_field(const std::string& message, const
   if (field == "cache.mode") return named("hypic.mode");
   if (field == "cache.seam_width") return named("hypic.seam_width");
   if (field == "cache.refresh_segments") return named("hypic.refresh_segments");
+  if (field == "cache.refresh_tail") return named("hypic.refresh_tail");
   if (field == "request_id") return named("hypic.request_id");
   if (field == "prompt") return named(req.endpoint == Endpoint::Chat ? "messages" : "prompt");
   return {"", message};
@@ -698,6 +703,7 @@ json hypic_report_json(const v1::GenerateReport& r, const Prompt& prompt) {
            {"mode", r.mode()},
            {"seam_width", r.seam_width()},
            {"refresh_segments", r.refresh_segments()},
+           {"refresh_tail", r.refresh_tail()},
            {"seed", r.seed()},
            {"segments", std::move(segs)},
            {"prompt_tokens", r.prompt_tokens()},

@@ -124,6 +124,7 @@ struct ParsedRequest {
   std::string mode;
   std::optional<int32_t> seam_width;
   std::optional<int32_t> refresh_segments;  ///< hypic.refresh_segments (CacheOptions.refresh_segments)
+  std::optional<int32_t> refresh_tail;      ///< hypic.refresh_tail (CacheOptions.refresh_tail)
   std::optional<bool> cache_segments;
   std::string request_id;
 };

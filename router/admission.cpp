@@ -44,6 +44,17 @@ void check_segment(const v1::Segment& seg, const std::string& field, int64_t voc
       throw invalid_argument(field, "neither text nor tokens is set");
   }
 }
+
+// A refresh count of the cache options (refresh_segments, refresh_tail): the value asked for, checked against
+// [0, max] and the mode (hypic only, 0 anywhere), else the server default for hypic requests and 0 for the others.
+int refresh_option(bool has, int32_t value, const char* field, int default_value, int max, engine::SpliceMode mode) {
+  if (!has) return mode == engine::SpliceMode::Hypic ? default_value : 0;
+  if (value < 0 || value > max)
+    throw invalid_argument(field, fmt::format("must be in [0, {}] (--max-refresh-segments), got {}", max, value));
+  if (value > 0 && mode != engine::SpliceMode::Hypic)
+    throw invalid_argument(field, fmt::format("applies to mode hypic only, not {}", engine::splice_mode_name(mode)));
+  return value;
+}
 }  // namespace
 
 RequestOptions validate_request(const v1::GenerateRequest& req, const RouterLimits& limits, int64_t vocab_size) {
@@ -87,19 +98,10 @@ RequestOptions validate_request(const v1::GenerateRequest& req, const RouterLimi
                                                            limits.max_seam_width, o.seam_width));
   }
   o.entry_seam_width = o.mode == engine::SpliceMode::Hypic ? o.seam_width : 0;
-  if (c.has_refresh_segments()) {
-    o.refresh_segments = c.refresh_segments();
-    if (o.refresh_segments < 0 || o.refresh_segments > limits.max_refresh_segments) {
-      throw invalid_argument("cache.refresh_segments", fmt::format("must be in [0, {}] (--max-refresh-segments), got {}",
-                                                                   limits.max_refresh_segments, o.refresh_segments));
-    }
-    if (o.refresh_segments > 0 && o.mode != engine::SpliceMode::Hypic) {
-      throw invalid_argument("cache.refresh_segments", fmt::format("applies to mode hypic only, not {}",
-                                                                   engine::splice_mode_name(o.mode)));
-    }
-  } else {
-    o.refresh_segments = o.mode == engine::SpliceMode::Hypic ? limits.default_refresh_segments : 0;
-  }
+  o.refresh_segments = refresh_option(c.has_refresh_segments(), c.refresh_segments(), "cache.refresh_segments",
+                                      limits.default_refresh_segments, limits.max_refresh_segments, o.mode);
+  o.refresh_tail = refresh_option(c.has_refresh_tail(), c.refresh_tail(), "cache.refresh_tail",
+                                  limits.default_refresh_tail, limits.max_refresh_segments, o.mode);
   o.uses_entries = o.mode != engine::SpliceMode::Full && o.mode != engine::SpliceMode::Prefix;
   o.cache_segments = c.has_cache_segments() ? c.cache_segments() : true;
 

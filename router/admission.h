@@ -30,6 +30,7 @@ struct RouterLimits {
   int default_seam_width = 8;             ///< --seam-width
   int max_refresh_segments = 64;          ///< --max-refresh-segments
   int default_refresh_segments = 0;       ///< --refresh-segments (hypic requests that do not say; 0 = off)
+  int default_refresh_tail = 0;           ///< --refresh-tail (hypic requests that do not say; 0 = off)
   int default_max_tokens = 128;           ///< --default-max-tokens
 
   /// Bytes of text per token the default byte limits allow. Byte-level BPE text averages 2-5 bytes per token
@@ -50,6 +51,7 @@ struct RequestOptions {
   int seam_width = 8;       ///< w as requested (or the default)
   int entry_seam_width = 8; ///< w the entries are built and hashed with: w in hypic mode, 0 otherwise
   int refresh_segments = 0; ///< hypic: segments the query-aware refresh recomputes (CacheOptions.refresh_segments)
+  int refresh_tail = 0;     ///< hypic: last segments recomputed whole (CacheOptions.refresh_tail)
   bool cache_segments = true;
   /// Whether segments go through entries (lookup, scatter, splice): false for full and prefix,
   /// which compute segments in context on the combine worker.

@@ -48,12 +48,18 @@ int main(int argc, char** argv) {
   app.add_option("--max-seam-width", l.max_seam_width, "largest seam width a request may ask for")->capture_default_str();
   app.add_option("--seam-width", l.default_seam_width, "default seam width w")->capture_default_str();
   app.add_option("--max-refresh-segments", l.max_refresh_segments,
-                 "largest query-aware refresh (cache.refresh_segments) a request may ask for")
+                 "largest query-aware refresh (cache.refresh_segments) and refresh tail (cache.refresh_tail) a "
+                 "request may ask for")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
   app.add_option("--refresh-segments", l.default_refresh_segments,
                  "default query-aware refresh of hypic requests: the k segments the query attends to most are "
                  "recomputed whole in context (0 = off)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--refresh-tail", l.default_refresh_tail,
+                 "default refresh tail of hypic requests: the last t segments are recomputed whole in context, which "
+                 "questions about the documents' order need (2; 0 = off)")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
   app.add_option("--default-max-tokens", l.default_max_tokens, "max_tokens when a request sets none")->capture_default_str();
@@ -84,6 +90,9 @@ int main(int argc, char** argv) {
     if (l.default_refresh_segments > l.max_refresh_segments)
       throw std::invalid_argument(fmt::format("--refresh-segments {} is above --max-refresh-segments {}",
                                               l.default_refresh_segments, l.max_refresh_segments));
+    if (l.default_refresh_tail > l.max_refresh_segments)
+      throw std::invalid_argument(fmt::format("--refresh-tail {} is above --max-refresh-segments {}",
+                                              l.default_refresh_tail, l.max_refresh_segments));
     cfg.lookup_timeout = std::chrono::milliseconds(lookup_timeout_ms);
     cfg.health_interval = std::chrono::milliseconds(health_interval_ms);
     cfg.combine_wait = std::chrono::milliseconds(combine_wait_ms);

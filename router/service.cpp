@@ -542,6 +542,7 @@ grpc::Status GenerateCall::run() {
   creq.set_seam_width(opts_.seam_width);
   creq.set_cache_segments(opts_.cache_segments);
   creq.set_refresh_segments(opts_.refresh_segments);
+  creq.set_refresh_tail(opts_.refresh_tail);
 
   // ---- combine + scatter ----
   auto cctx = child_context();
@@ -655,6 +656,7 @@ grpc::Status GenerateCall::run() {
   rep->set_mode(engine::splice_mode_name(opts_.mode));
   rep->set_seam_width(opts_.entry_seam_width);  // the w actually used: 0 outside hypic mode
   rep->set_refresh_segments(opts_.refresh_segments);
+  rep->set_refresh_tail(opts_.refresh_tail);
   rep->set_seed(seed);
   rep->set_combine_worker(combine_->address);
   rep->set_cache_available(cache_available);
@@ -732,6 +734,10 @@ grpc::Status RouterService::GetServerInfo(grpc::ServerContext* ctx, const v1::Ge
   };
   resp->set_entry_format_version(engine::entry_format_version(model_.config));
   resp->set_default_seam_width(cfg_.limits.default_seam_width);
+  resp->set_max_seam_width(cfg_.limits.max_seam_width);
+  resp->set_default_refresh_segments(cfg_.limits.default_refresh_segments);
+  resp->set_default_refresh_tail(cfg_.limits.default_refresh_tail);
+  resp->set_max_refresh_segments(cfg_.limits.max_refresh_segments);
   resp->set_schedule_policy(schedule_policy_name(cfg_.policy));
   for (size_t i = 0; i < scatter_.size(); ++i) {
     auto* w = resp->add_scatter_workers();

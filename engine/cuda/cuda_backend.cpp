@@ -1242,11 +1242,13 @@ SpliceOutput CudaBackend::splice(const SplicePlan& plan) {
     for (size_t i = 0; i < plan.segments.size(); ++i) lengths.push_back(entry_of(i)->n());
     // No probe when no segment could be refreshed (with no mass the choice is every candidate: empty = none).
     if (plan.refresh_segments > 0 && !choose_refresh_segments({}, lengths, plan.seam_width, whole, 1).empty()) {
-      // Probe pass: the query's attention per slot ranks the segments; the chosen ones are recomputed whole in a
-      // second splice from scratch (SpliceRequest::refresh_segments).
+      // Probe pass (the explicit recompute_segments whole, the tail still cached): the query's attention per slot
+      // ranks the segments; the chosen ones are recomputed whole, with the tail, in a second splice from scratch
+      // (SpliceRequest::refresh_segments, refresh_tail).
       int64_t probe_pos = 0, probe_computed = 0;
       std::vector<int> probe_recomputed;
-      const std::vector<Item> probe_items = hypic_items(plan, whole, probe_pos, probe_computed, probe_recomputed);
+      const std::vector<char> probe_whole = whole_segments_before_refresh(plan.recompute_segments, 0, plan.segments.size());
+      const std::vector<Item> probe_items = hypic_items(plan, probe_whole, probe_pos, probe_computed, probe_recomputed);
       std::vector<float> mass, probe_logits;
       seq.reset();  // the probe takes the request's one state slot, then gives it back
       {

@@ -397,7 +397,7 @@ TEST_CASE("cuda backend: entries and splices in every mode match the CPU engine"
   }
 }
 
-TEST_CASE("cuda backend: recompute_segments and refresh_segments match the CPU engine", "[backend]") {
+TEST_CASE("cuda backend: recompute_segments, refresh_segments and refresh_tail match the CPU engine", "[backend]") {
   require_gpu();
   for (const char* name : kModels) {
     Fixture& f = fixture(name);
@@ -463,9 +463,30 @@ TEST_CASE("cuda backend: recompute_segments and refresh_segments match the CPU e
       const eng::SpliceResult full = eng::splice(*f.cpu, cr);
       pop.push_back(rel(got.logits, full.logits));
     }
+    {  // refresh_tail 2: segments 2 and 3 whole, no probe; the CPU engine's tail, and the explicit splice bit for bit
+      auto [gp, cr] = plans({}, 0);
+      gp.refresh_tail = cr.refresh_tail = 2;
+      const eng::SpliceResult ref = eng::splice(*f.cpu, cr);
+      const eng::SpliceOutput got = f.gpu->splice(gp);
+      CHECK(got.recomputed_segments == std::vector<int>{2, 3});
+      CHECK(ref.recomputed_segments == std::vector<int>{2, 3});
+      CHECK(got.computed_tokens == ref.computed_tokens);
+      auto [gx, cx] = plans({2, 3}, 0);
+      CHECK(got.logits == f.gpu->splice(gx).logits);
+      pop.push_back(rel(got.logits, ref.logits));
+      // With refresh 1 on top, the probe sees the tail in context and can only choose segment 1, which has no
+      // interior (7 tokens <= w): nothing more is recomputed, and no probe pass runs.
+      gp.refresh_segments = 1;
+      const eng::SpliceOutput more = f.gpu->splice(gp);
+      CHECK(more.recomputed_segments == std::vector<int>{2, 3});
+      CHECK(more.computed_tokens == got.computed_tokens);
+    }
     check_population(pop, hf(name).e_hf, "recompute / refresh splices");
     auto [bad, unused] = plans({0}, 0);
     CHECK_THROWS_WITH(f.gpu->splice(bad), Catch::Contains("index 0 is outside [1, 4)"));
+    auto [bad_tail, unused2] = plans({}, 0);
+    bad_tail.refresh_tail = -1;
+    CHECK_THROWS_WITH(f.gpu->splice(bad_tail), Catch::Contains("refresh_tail must be >= 0"));
   }
 }
 

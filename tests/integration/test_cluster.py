@@ -133,6 +133,28 @@ class CacheReuseTest(ClusterTestCase):
         self.assertIn("refresh=2", table.stderr)
         self.assertEqual(table.stderr.count("refreshed: recomputed whole in context"), 2)
 
+    def test_refresh_tail(self):
+        """The refresh's tail (cache.refresh_tail): the last t segments are recomputed whole in context, so a tail as
+        long as the later segments is full recomputation: the engine's full-mode tokens. t = 1 marks the last segment
+        only; with refresh_segments the probe chooses among the others."""
+        segs = [SEGMENTS[1], SEGMENTS[2], SEGMENTS[3]]
+        query = "Which one is it?"
+        r = self.generate(segs, query, "--refresh-tail", "2", max_tokens=6)
+        rep = self.ok(r)
+        self.assertEqual(rep["refresh_tail"], 2)
+        self.assertEqual([s.get("refreshed", False) for s in rep["segments"]], [False, True, True])
+        self.assertTrue(all(not s.get("reused", False) for s in rep["segments"][1:]))
+        self.assertEqual(r["token_ids"], self.reference(segs, query, max_tokens=6, mode="full"))
+        last = self.ok(self.generate(segs, query, "--refresh-tail", "1", max_tokens=2))
+        self.assertEqual([s.get("refreshed", False) for s in last["segments"]], [False, False, True])
+        both = self.ok(self.generate(segs, query, "--refresh-tail", "1", "--refresh-segments", "1", max_tokens=2))
+        self.assertEqual([s.get("refreshed", False) for s in both["segments"]], [False, True, True])
+        table = self.client("generate", "--router", self.cluster.router_address, *sum((["--segment", x] for x in segs),
+                            []), "--query", query, "--max-tokens", "1", "--quiet", "--refresh-tail", "1")
+        self.assertEqual(table.returncode, 0, table.stderr)
+        self.assertIn("tail=1", table.stderr)
+        self.assertEqual(table.stderr.count("refreshed: recomputed whole in context"), 1)
+
     def test_full_mode_bills_a_prefill_not_a_splice(self):
         """Full mode splices nothing: its in-context prefill of the whole prompt is the TTFT's prefill phase (it was
         billed as splice); the client prints it as such."""
@@ -412,6 +434,10 @@ class BadInputTest(ClusterTestCase):
                           "q?", "--mode", "full", "--refresh-segments", "1")
         self.expect_error("INVALID_ARGUMENT", "cache.refresh_segments: must be in [0, 64] (--max-refresh-segments), "
                           "got 65", short, "q?", "--refresh-segments", "65")
+        self.expect_error("INVALID_ARGUMENT", "cache.refresh_tail: applies to mode hypic only, not naive", short,
+                          "q?", "--mode", "naive", "--refresh-tail", "1")
+        self.expect_error("INVALID_ARGUMENT", "cache.refresh_tail: must be in [0, 64] (--max-refresh-segments), "
+                          "got -1", short, "q?", "--refresh-tail", "-1")
         self.expect_error("INVALID_ARGUMENT", "sampling.max_tokens: must be >= 1, got -4", short, "q?",
                           max_tokens=-4)
         # Invalid UTF-8 can only travel in a file (JSON cannot hold it).

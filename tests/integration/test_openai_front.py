@@ -302,6 +302,12 @@ class OpenAIFrontTest(FrontTestCase):
                               "ignore_eos": True, "hypic": {"refresh_segments": 4}})
         self.assertEqual(rr["hypic"]["refresh_segments"], 4)
         self.assertEqual([s.get("refreshed", False) for s in rr["hypic"]["segments"]], [False, True])
+        # hypic.refresh_tail likewise: the last document is recomputed whole.
+        _, _, rt = f.request("POST", "/v1/completions",
+                             {"prompt": "Summary:", "documents": DOCS[:2], "max_tokens": 2, "temperature": 0,
+                              "ignore_eos": True, "hypic": {"refresh_tail": 1}})
+        self.assertEqual(rt["hypic"]["refresh_tail"], 1)
+        self.assertEqual([s.get("refreshed", False) for s in rt["hypic"]["segments"]], [False, True])
 
     def test_models_and_health(self):
         f = self.front
@@ -357,6 +363,8 @@ class OpenAIFrontTest(FrontTestCase):
         self.assert_error(post(chat_body(hypic={"mode": "psychic"})), 400, "hypic.mode", "psychic")
         self.assert_error(post(chat_body(hypic={"mode": "full", "refresh_segments": 1})), 400,
                           "hypic.refresh_segments", "applies to mode hypic only")
+        self.assert_error(post(chat_body(hypic={"mode": "prefix", "refresh_tail": 1})), 400,
+                          "hypic.refresh_tail", "applies to mode hypic only")
         err = self.assert_error(post(chat_body(documents=[DOCS[0], words(9, 400)])), 413, "documents[1]",
                                 "--max-segment-tokens")
         self.assertEqual(err["code"], "context_length_exceeded")

@@ -41,7 +41,7 @@ def load_rows(limit: int = 0) -> list[dict]:
 
 class QualityTest(unittest.TestCase):
     """hypic-eval --dataset on the dense checkpoint (the smallest): full, naive and hypic (w = 8, and w = 8 with the
-    query-aware refresh of 2 segments)."""
+    query-aware refresh of 2 segments, with its tail of the last 2 segments, and both)."""
 
     @classmethod
     def setUpClass(cls) -> None:
@@ -50,7 +50,7 @@ class QualityTest(unittest.TestCase):
             out = Path(tmp) / "report.json"
             r = subprocess.run([str(BIN_DIR / "hypic-eval"), "--model", str(model), "--tokenizer",
                                 str(model / "tokenizer.json"), "--dataset", str(DATASET), "--modes", "naive,hypic",
-                                "--seam-widths", "8", "--refresh", "2", "--json-out", str(out)],
+                                "--seam-widths", "8", "--refresh", "2", "--refresh-tail", "2", "--json-out", str(out)],
                                capture_output=True, text=True, timeout=600)
             if r.returncode != 0:
                 raise AssertionError(f"hypic-eval failed ({r.returncode}): {r.stderr[-3000:]}")
@@ -61,7 +61,8 @@ class QualityTest(unittest.TestCase):
     def test_every_prompt_evaluated_with_trained_weights(self):
         self.assertEqual(self.n, len(load_rows()))
         self.assertFalse(self.report["random_weights"])
-        self.assertEqual(set(self.summary), {"full", "naive", "naive_local", "hypic_w8", "hypic_w8_r2"})
+        self.assertEqual(set(self.summary), {"full", "naive", "naive_local", "hypic_w8", "hypic_w8_r2", "hypic_w8_t2",
+                                             "hypic_w8_r2_t2"})
 
     def test_full_answers_almost_everything(self):
         self.assertGreaterEqual(self.summary["full"]["accuracy"], 0.9, self.summary["full"])
@@ -104,6 +105,25 @@ class QualityTest(unittest.TestCase):
         for p in self.report["prompts"]:  # 4 documents: at most 2 of the 3 later ones refreshed, never the first
             chosen = p["modes"]["hypic_w8_r2"]["recomputed_segments"]
             self.assertTrue(1 <= len(chosen) <= 2 and all(1 <= i <= 3 for i in chosen), (p["id"], chosen))
+
+    def test_refresh_tail(self):
+        """The tail of 2 recomputes documents 2 and 3 of 4 whole, with no probe: exactly their tokens on top of the seam
+        of document 1 and the query. With the refresh of 2 on top, the only candidate left is document 1, so every
+        later document is recomputed: full recomputation, whatever the model (the answers and their distribution are
+        full's)."""
+        full, tail, both = self.summary["full"], self.summary["hypic_w8_t2"], self.summary["hypic_w8_r2_t2"]
+        for p in self.report["prompts"]:
+            m = p["modes"]
+            docs = p["document_tokens"]
+            self.assertEqual(m["hypic_w8_t2"]["recomputed_segments"], [2, 3], p["id"])
+            self.assertEqual(m["hypic_w8_t2"]["computed_tokens"], min(8, docs[1]) + docs[2] + docs[3] + p["query_tokens"],
+                             p["id"])
+            self.assertEqual(m["hypic_w8_r2_t2"]["recomputed_segments"], [1, 2, 3], p["id"])
+            self.assertEqual(m["hypic_w8_r2_t2"]["generated_text"], m["full"]["generated_text"], p["id"])
+            self.assertLess(m["hypic_w8_r2_t2"]["answer_kl"], 1e-6, p["id"])
+        self.assertEqual(both["accuracy"], full["accuracy"])
+        # the tail makes the boundary into the last document exact: the "last" questions are answered as full does
+        self.assertEqual(tail["accuracy_by_kind"]["last"], full["accuracy_by_kind"]["last"])
 
     def test_exact_match_is_the_answer_text(self):
         # the report's exact_match is the generated text against the dataset's answer, checked here independently

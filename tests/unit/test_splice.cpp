@@ -105,6 +105,17 @@ ModelState hypic_context_by_hand(const Model& m, const SpliceRequest& req, int w
   return st;
 }
 
+// The attention mass of the query's last token per KV row over the plain hypic context built by hand (public API):
+// what the refresh's probe measures.
+std::vector<float> query_mass_by_hand(const Model& m, const SpliceRequest& req, int w, int64_t& pos) {
+  ModelState st = hypic_context_by_hand(m, req, w, pos);
+  std::vector<float> mass;
+  PrefillOptions probe;
+  probe.attention_mass = &mass;
+  m.prefill(st, req.query, pos, probe);
+  return mass;
+}
+
 const char* kModels[] = {"qwen3_next_moe", "qwen3_5_dense", "qwen3_5_moe"};
 
 }  // namespace
@@ -517,11 +528,7 @@ TEST_CASE("refresh_segments recomputes the segments the query attends to most", 
 
       // The query's last token's attention per KV row over the plain hypic context, built by hand (public API).
       int64_t pos = 0;
-      ModelState st = hypic_context_by_hand(m, req, w, pos);
-      std::vector<float> mass;
-      PrefillOptions probe;
-      probe.attention_mass = &mass;
-      m.prefill(st, query, pos, probe);
+      const std::vector<float> mass = query_mass_by_hand(m, req, w, pos);
       REQUIRE(mass.size() == size_t(pos) + query.size());
       double total = 0;
       for (float x : mass) total += x;
@@ -582,6 +589,77 @@ TEST_CASE("choose_refresh_segments: most mass first, ties and no attention in pr
   CHECK(choose_refresh_segments({}, lengths, 8, none, 2) == std::vector<int>{1, 3});  // a short mass vector counts 0
 }
 
+TEST_CASE("refresh_tail recomputes the last segments whole before the probe", "[splice]") {
+  for (const char* name : {"qwen3_next_moe", "qwen3_5_dense"}) {
+    DYNAMIC_SECTION(name) {
+      const Model& m = slow_decay_model(name);
+      const int V = static_cast<int>(m.config().vocab_size), w = 8;
+      const std::vector<std::vector<int32_t>> segs = {random_ids(30, 91, V), random_ids(40, 92, V),
+                                                      random_ids(25, 93, V), random_ids(35, 94, V),
+                                                      random_ids(28, 95, V)};
+      const auto query = random_ids(6, 96, V);
+      const SpliceRequest req = make_request(m, segs, query, SpliceMode::Hypic, w);
+
+      // t = 2 alone: segments 3 and 4 whole, no probe: the seams of 1 and 2, both tail segments, the query.
+      SpliceRequest tail = req;
+      tail.refresh_tail = 2;
+      const SpliceResult t2 = splice(m, tail);
+      CHECK(t2.recomputed_segments == std::vector<int>{3, 4});
+      CHECK(t2.computed_tokens == 2 * w + 35 + 28 + 6);
+      SpliceRequest explicit_req = req;
+      explicit_req.recompute_segments = {3, 4};
+      const SpliceResult same = splice(m, explicit_req);
+      CHECK(t2.logits == same.logits);
+
+      // With refresh_segments, the probe runs on the plain hypic context (the tail still cached, so it is computed
+      // once) and the choice is among the segments not in the tail: here the one of segments 1 and 2 whose
+      // interior the query's last token attends to most, measured by hand through the public API.
+      int64_t pos = 0;
+      const std::vector<float> mass = query_mass_by_hand(m, req, w, pos);
+      auto interior = [&](int64_t start, int64_t n) {
+        double sum = 0;
+        for (int64_t r = start + w; r < start + n; ++r) sum += mass[size_t(r)];
+        return sum;
+      };
+      const int want = interior(30, 40) >= interior(70, 25) ? 1 : 2;
+      tail.refresh_segments = 1;
+      const SpliceResult both = splice(m, tail);
+      CHECK(both.recomputed_segments == std::vector<int>{want, 3, 4});
+      explicit_req.recompute_segments = {want, 3, 4};
+      CHECK(both.logits == splice(m, explicit_req).logits);
+      // Both passes: the probe (every seam and the query), then the seam of the segment left cached, the chosen one
+      // whole, the tail, the query.
+      CHECK(both.computed_tokens == (4 * w + 6) + (w + (want == 1 ? 40 : 25) + 35 + 28 + 6));
+
+      // A tail at least as long as the later segments is full recomputation.
+      SpliceRequest all = req;
+      all.refresh_tail = 4;
+      all.keep_context_state = true;
+      SpliceRequest full = make_request(m, segs, query, SpliceMode::Full, w);
+      full.keep_context_state = true;
+      const SpliceResult got = splice(m, all), want = splice(m, full);
+      CHECK(got.recomputed_segments == std::vector<int>{1, 2, 3, 4});
+      CHECK(scaled_diff(got.logits, want.logits) < 1e-4);
+      for (size_t l = 0; l < got.context_states.size(); ++l)
+        CHECK(rel_l2(got.context_states[l], want.context_states[l]) < 1e-4);
+      all.refresh_tail = 100;  // more than there are: the same
+      CHECK(splice(m, all).recomputed_segments == std::vector<int>{1, 2, 3, 4});
+      // A tail that leaves segment 3 cached is not full: the splice differs (else the test shows nothing).
+      SpliceRequest one = req;
+      one.refresh_tail = 1;
+      CHECK(scaled_diff(splice(m, one).logits, want.logits) > 1e-4);
+    }
+  }
+}
+
+TEST_CASE("whole_segments_before_refresh: the listed segments and the tail, never segment 0", "[splice]") {
+  CHECK(whole_segments_before_refresh(std::vector<int>{1}, 2, 5) == std::vector<char>{0, 1, 0, 1, 1});
+  CHECK(whole_segments_before_refresh(std::vector<int>{}, 0, 3) == std::vector<char>{0, 0, 0});
+  CHECK(whole_segments_before_refresh(std::vector<int>{}, 10, 3) == std::vector<char>{0, 1, 1});
+  CHECK(whole_segments_before_refresh(std::vector<int>{}, 1, 1) == std::vector<char>{0});
+  CHECK(whole_segments_before_refresh(std::vector<int>{2}, 1, 3) == std::vector<char>{0, 0, 1});
+}
+
 TEST_CASE("recompute_segments / refresh_segments: bad input is a clear error", "[splice]") {
   const Model& m = fixture_model("qwen3_5_dense");
   const int V = static_cast<int>(m.config().vocab_size);
@@ -598,10 +676,16 @@ TEST_CASE("recompute_segments / refresh_segments: bad input is a clear error", "
   r = ok;
   r.refresh_segments = -1;
   CHECK_THROWS_WITH(splice(m, r), Catch::Contains("refresh_segments must be >= 0"));
+  r = ok;
+  r.refresh_tail = -1;
+  CHECK_THROWS_WITH(splice(m, r), Catch::Contains("refresh_tail must be >= 0"));
   for (SpliceMode mode : {SpliceMode::Full, SpliceMode::Prefix, SpliceMode::Naive, SpliceMode::Transition}) {
     r = ok;
     r.mode = mode;
     r.refresh_segments = 1;
+    CHECK_THROWS_WITH(splice(m, r), Catch::Contains("apply to mode hypic"));
+    r.refresh_segments = 0;
+    r.refresh_tail = 1;
     CHECK_THROWS_WITH(splice(m, r), Catch::Contains("apply to mode hypic"));
   }
   // One segment: nothing to refresh, the plain splice.

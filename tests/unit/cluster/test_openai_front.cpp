@@ -206,7 +206,7 @@ TEST_CASE("request parsing: fields reach the Generate request", "[openai]") {
                      {"frequency_penalty", 0},
                      {"user", "someone"},
                      {"hypic", {{"mode", "transition"}, {"seam_width", 4}, {"refresh_segments", 3},
-                                {"cache_segments", false}, {"request_id", "r-1"}}}};
+                                {"refresh_tail", 2}, {"cache_segments", false}, {"request_id", "r-1"}}}};
   const ParsedRequest r = parse_request(Endpoint::Chat, body.dump(), qwen3(), opts());
   CHECK(r.stream);
   CHECK(r.include_usage);
@@ -236,6 +236,7 @@ TEST_CASE("request parsing: fields reach the Generate request", "[openai]") {
   CHECK(g.cache().mode() == "transition");
   CHECK(g.cache().seam_width() == 4);
   CHECK(g.cache().refresh_segments() == 3);
+  CHECK(g.cache().refresh_tail() == 2);
   CHECK(g.cache().has_cache_segments());
   CHECK_FALSE(g.cache().cache_segments());
 
@@ -322,6 +323,8 @@ TEST_CASE("request parsing: every error names its field", "[openai]") {
       {C, "{" + ok_msgs + R"(, "hypic": {"request_id": "has space"}})", 400, "hypic.request_id", "request_id"},
       {C, "{" + ok_msgs + R"(, "hypic": {"seam_width": -1}})", 400, "hypic.seam_width", "must be >= 0"},
       {C, "{" + ok_msgs + R"(, "hypic": {"refresh_segments": -2}})", 400, "hypic.refresh_segments", "must be >= 0"},
+      {C, "{" + ok_msgs + R"(, "hypic": {"refresh_tail": -1}})", 400, "hypic.refresh_tail", "must be >= 0"},
+      {C, "{" + ok_msgs + R"(, "hypic": {"refresh_tail": "2"}})", 400, "hypic.refresh_tail", "an integer"},
       {C, "{" + ok_msgs + R"(, "hypic": {"colour": 1}})", 400, "hypic.colour", "unknown key"},
       {C, "{" + ok_msgs + R"(, "chat_template_kwargs": {"enable_thinking": 1}})", 400,
        "chat_template_kwargs.enable_thinking", "must be a boolean"},

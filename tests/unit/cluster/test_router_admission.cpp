@@ -84,6 +84,32 @@ TEST_CASE("cache.refresh_segments: the router's default for hypic requests, chec
   CHECK(validate_request(r, l, kVocab).refresh_segments == 0);  // 0 is fine in any mode
 }
 
+TEST_CASE("cache.refresh_tail: the router's default for hypic requests, checked against the limit and the mode",
+          "[admission]") {
+  RouterLimits l;
+  l.default_refresh_tail = 2;
+  l.max_refresh_segments = 5;
+  CHECK(validate_request(good(), l, kVocab).refresh_tail == 2);  // hypic by default
+  CHECK(validate_request(good(), l, kVocab).refresh_segments == 0);  // independent of the refresh count
+  auto r = good();
+  r.mutable_cache()->set_mode("naive");
+  CHECK(validate_request(r, l, kVocab).refresh_tail == 0);  // the default applies to hypic only
+  r = good();
+  r.mutable_cache()->set_refresh_tail(5);
+  CHECK(validate_request(r, l, kVocab).refresh_tail == 5);
+  r.mutable_cache()->set_refresh_tail(0);
+  CHECK(validate_request(r, l, kVocab).refresh_tail == 0);  // asked off
+  r.mutable_cache()->set_refresh_tail(6);
+  CHECK_THROWS_WITH(validate_request(r, l, kVocab),
+                    Catch::Contains("cache.refresh_tail: must be in [0, 5] (--max-refresh-segments), got 6"));
+  r.mutable_cache()->set_refresh_tail(-3);
+  CHECK_THROWS_WITH(validate_request(r, l, kVocab), Catch::Contains("got -3"));
+  r.mutable_cache()->set_refresh_tail(1);
+  r.mutable_cache()->set_mode("full");
+  CHECK_THROWS_WITH(validate_request(r, l, kVocab),
+                    Catch::Contains("cache.refresh_tail: applies to mode hypic only, not full"));
+}
+
 TEST_CASE("bad requests get INVALID_ARGUMENT naming the field", "[admission]") {
   using C = grpc::StatusCode;
   auto r = good();
