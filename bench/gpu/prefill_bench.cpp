@@ -18,7 +18,9 @@
 //  - an entry build of --segments x --segment-tokens in one Backend::build_entries call, with T_C (the default
 //    backend) and without (a second backend made with BackendOptions::benchmark_skip_transitions);
 //  - the hypic splice (w = --seam-width) of those cached segments + a --query-tokens query: TTFT (the splice call
-//    returning the first logits) against the full prefill of the same prompt;
+//    returning the first logits) against the full prefill of the same prompt, and with the query-aware refresh of
+//    k segments (--refresh, SplicePlan::refresh_segments: a probe splice, then k segments recomputed whole) and its
+//    tail of t segments (--refresh-tail, SplicePlan::refresh_tail), alone and with each k;
 //  - decode inter-token latency (Backend::decode of a batch) at --decode-batches with contexts of
 //    segments x segment-tokens + --decode-query-tokens tokens, each context a hypic splice of the same cached
 //    segments + a distinct query.
@@ -599,6 +601,18 @@ std::string markdown(const json& J) {
       << " | " << fmt("%.1fx", jnum(sp, "full_over_hypic")) << " |\n\nThe hypic splice ran "
       << fmt("%.0f", jnum(sp, "hypic_computed_tokens")) << " of " << fmt("%.0f", jnum(sp, "prompt_tokens"))
       << " tokens through the model (the seams and the query); the rest came from the resident entries.\n";
+    if (sp.contains("refresh") && sp["refresh"].is_array() && !sp["refresh"].empty()) {
+      m << "\nWith the query-aware refresh (SplicePlan::refresh_segments = k: a probe splice measures the query's "
+           "attention per segment, then the k segments it attends to most are recomputed whole in context and the "
+           "prompt is spliced again; tokens computed count both passes) and its tail (refresh_tail = t: the last t "
+           "segments recomputed whole, no probe):\n\n"
+        << "| k | t | TTFT ms | tokens computed | full / refresh | refresh / hypic |\n|---|---|---|---|---|---|\n";
+      for (const json& r : sp["refresh"])
+        m << "| " << r.value("refresh_segments", 0) << " | " << r.value("refresh_tail", 0) << " | "
+          << fmt("%.1f", jnum(r, "ttft_ms")) << " | "
+          << fmt("%.0f", jnum(r, "computed_tokens")) << " | " << fmt("%.1fx", jnum(r, "full_over_refresh")) << " | "
+          << fmt("%.2fx", jnum(r, "refresh_over_hypic")) << " |\n";
+    }
     if (sp.contains("error")) m << "\nError: " << sp["error"].get<std::string>() << "\n";
   }
   if (J.contains("decode") && J["decode"].is_object()) {
@@ -643,7 +657,8 @@ std::string markdown(const json& J) {
 int main(int argc, char** argv) try {
   CLI::App app{"Whole-model benchmark of the CUDA backend at Qwen3.5-35B-A3B dimensions (benchmark-only random weights)"};
   std::string config = "bench/gpu/qwen3_5_35b_a3b.json", device = "cuda:0", lengths_s = "4096,16384,32768";
-  std::string json_path, md_path, hf_json, commit, command, batches_s = "1,16,64", skip_s;
+  std::string json_path, md_path, hf_json, commit, command, batches_s = "1,16,64", skip_s, refresh_s = "2,4",
+              tails_s = "2";
   uint64_t seed = 1;
   int warm = 2, reps = 5, segments = 16, segment_tokens = 2048, query_tokens = 64, seam = 8, decode_query = 16;
   int decode_warm = 3, decode_steps = 10;
@@ -660,6 +675,14 @@ int main(int argc, char** argv) try {
   app.add_option("--segment-tokens", segment_tokens, "tokens per segment")->capture_default_str();
   app.add_option("--query-tokens", query_tokens, "query tokens of the splice measurement")->capture_default_str();
   app.add_option("--seam-width", seam, "hypic seam width w, tokens")->capture_default_str();
+  app.add_option("--refresh", refresh_s,
+                 "refresh counts k timed in the splice section (SplicePlan::refresh_segments), comma-separated; "
+                 "empty = none")
+      ->capture_default_str();
+  app.add_option("--refresh-tail", tails_s,
+                 "refresh tails t timed in the splice section (SplicePlan::refresh_tail), alone and with each "
+                 "--refresh k, comma-separated; empty = none")
+      ->capture_default_str();
   app.add_option("--decode-batches", batches_s, "decode batch sizes, comma-separated")->capture_default_str();
   app.add_option("--decode-query-tokens", decode_query, "query tokens of each decode context")->capture_default_str();
   app.add_option("--decode-warmup", decode_warm, "untimed decode steps per batch size")->capture_default_str();
@@ -698,6 +721,20 @@ int main(int argc, char** argv) try {
     throw std::invalid_argument("--segments, --segment-tokens, --query-tokens, --decode-query-tokens must be >= 1");
   const std::vector<int64_t> lengths = parse_list(lengths_s, "--lengths");
   const std::vector<int64_t> batches = parse_list(batches_s, "--decode-batches");
+  std::vector<int> refresh_counts;
+  if (!refresh_s.empty())
+    for (int64_t k : parse_list(refresh_s, "--refresh")) {
+      if (k < 1 || k >= segments)
+        throw std::invalid_argument("--refresh counts must lie in [1, --segments - 1], got " + std::to_string(k));
+      refresh_counts.push_back(static_cast<int>(k));
+    }
+  std::vector<int> refresh_tails;
+  if (!tails_s.empty())
+    for (int64_t t : parse_list(tails_s, "--refresh-tail")) {
+      if (t < 1 || t >= segments)
+        throw std::invalid_argument("--refresh-tail values must lie in [1, --segments - 1], got " + std::to_string(t));
+      refresh_tails.push_back(static_cast<int>(t));
+    }
   auto skipped = [&](const char* what) {
     std::stringstream ss(skip_s);
     std::string item;
@@ -883,7 +920,8 @@ int main(int argc, char** argv) try {
         eng::SplicePlan hp;
         hp.mode = eng::SpliceMode::Hypic;
         hp.seam_width = seam;
-        for (const auto& e : entries) hp.segments.push_back({{}, e});
+        // The token ids travel with the entries: the refresh recomputes chosen segments whole from them.
+        for (size_t i = 0; i < entries.size(); ++i) hp.segments.push_back({segs[i], entries[i]});
         hp.query = query;
         int64_t computed = 0;
         const Stats th = time_wall([&] { computed = be->splice(hp).computed_tokens; }, warm, reps);
@@ -899,6 +937,38 @@ int main(int argc, char** argv) try {
                     "same prompt %.1f ms: %.1fx\n",
                     segments, segment_tokens, query_tokens, seam, th.median, (long long)computed, tfull.median,
                     tfull.median / th.median);
+        // The query-aware refresh (SplicePlan::refresh_segments = k): a probe splice that measures the query's
+        // attention, then a splice with the k chosen segments recomputed whole; and its tail (refresh_tail = t: the
+        // last t segments whole, no probe). With random weights the choice means nothing, but every segment has
+        // the same length, so the cost does not depend on it.
+        std::vector<std::pair<int, int>> refresh_plans;  // (k, t)
+        for (int k : refresh_counts) refresh_plans.emplace_back(k, 0);
+        for (int t : refresh_tails) {
+          refresh_plans.emplace_back(0, t);
+          for (int k : refresh_counts) refresh_plans.emplace_back(k, t);
+        }
+        json refresh_rows = json::array();
+        for (const auto& [k, t] : refresh_plans) {
+          eng::SplicePlan rp = hp;
+          rp.refresh_segments = k;
+          rp.refresh_tail = t;
+          int64_t rc = 0;
+          size_t recomputed = 0;
+          const Stats tr = time_wall([&] {
+            eng::SpliceOutput o = be->splice(rp);
+            rc = o.computed_tokens;
+            recomputed = o.recomputed_segments.size();
+          }, warm, reps);
+          refresh_rows.push_back({{"refresh_segments", k}, {"refresh_tail", t}, {"ttft_ms", tr.median},
+                                  {"stats", tr.to_json()},
+                                  {"computed_tokens", rc}, {"recomputed_segments", recomputed},
+                                  {"full_over_refresh", tfull.median / tr.median},
+                                  {"refresh_over_hypic", tr.median / th.median}});
+          std::printf("splice with refresh %d, tail %d: TTFT %.1f ms (%lld tokens computed, %zu segments "
+                      "recomputed): full / refresh %.1fx, refresh / hypic %.2fx\n",
+                      k, t, tr.median, (long long)rc, recomputed, tfull.median / tr.median, tr.median / th.median);
+        }
+        if (!refresh_rows.empty()) splice["refresh"] = refresh_rows;
       } catch (const std::exception& e) {
         splice["error"] = e.what();
         std::printf("splice: FAILED: %s\n", e.what());

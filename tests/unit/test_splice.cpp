@@ -621,15 +621,15 @@ TEST_CASE("refresh_tail recomputes the last segments whole before the probe", "[
         for (int64_t r = start + w; r < start + n; ++r) sum += mass[size_t(r)];
         return sum;
       };
-      const int want = interior(30, 40) >= interior(70, 25) ? 1 : 2;
+      const int chosen = interior(30, 40) >= interior(70, 25) ? 1 : 2;
       tail.refresh_segments = 1;
       const SpliceResult both = splice(m, tail);
-      CHECK(both.recomputed_segments == std::vector<int>{want, 3, 4});
-      explicit_req.recompute_segments = {want, 3, 4};
+      CHECK(both.recomputed_segments == std::vector<int>{chosen, 3, 4});
+      explicit_req.recompute_segments = {chosen, 3, 4};
       CHECK(both.logits == splice(m, explicit_req).logits);
       // Both passes: the probe (every seam and the query), then the seam of the segment left cached, the chosen one
       // whole, the tail, the query.
-      CHECK(both.computed_tokens == (4 * w + 6) + (w + (want == 1 ? 40 : 25) + 35 + 28 + 6));
+      CHECK(both.computed_tokens == (4 * w + 6) + (w + (chosen == 1 ? 40 : 25) + 35 + 28 + 6));
 
       // A tail at least as long as the later segments is full recomputation.
       SpliceRequest all = req;
