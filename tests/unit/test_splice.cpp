@@ -589,7 +589,7 @@ TEST_CASE("choose_refresh_segments: most mass first, ties and no attention in pr
   CHECK(choose_refresh_segments({}, lengths, 8, none, 2) == std::vector<int>{1, 3});  // a short mass vector counts 0
 }
 
-TEST_CASE("refresh_tail recomputes the last segments whole before the probe", "[splice]") {
+TEST_CASE("refresh_tail recomputes the last segments whole, the refresh chooses among the others", "[splice]") {
   for (const char* name : {"qwen3_next_moe", "qwen3_5_dense"}) {
     DYNAMIC_SECTION(name) {
       const Model& m = slow_decay_model(name);
