@@ -1,5 +1,6 @@
 // hypic-router: the public API of a hypic cluster (hypic.v1.Router).
 #include <filesystem>
+#include <limits>
 
 #include <CLI/CLI.hpp>
 #include <spdlog/spdlog.h>
@@ -51,17 +52,17 @@ int main(int argc, char** argv) {
                  "largest query-aware refresh (cache.refresh_segments) and refresh tail (cache.refresh_tail) a "
                  "request may ask for")
       ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+      ->check(CLI::Range(0, std::numeric_limits<int>::max()));
   app.add_option("--refresh-segments", l.default_refresh_segments,
                  "default query-aware refresh of hypic requests: the k segments the query attends to most are "
                  "recomputed whole in context (0 = off)")
       ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+      ->check(CLI::Range(0, std::numeric_limits<int>::max()));
   app.add_option("--refresh-tail", l.default_refresh_tail,
-                 "default refresh tail of hypic requests: the last t segments are recomputed whole in context, which "
-                 "questions about the documents' order need (2; 0 = off)")
+                 "default refresh tail of hypic requests: the last t segments are recomputed whole in context (0 = off; "
+                 "questions about the documents' order need 2)")
       ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+      ->check(CLI::Range(0, std::numeric_limits<int>::max()));
   app.add_option("--default-max-tokens", l.default_max_tokens, "max_tokens when a request sets none")->capture_default_str();
   app.add_option("--lookup-timeout-ms", lookup_timeout_ms, "budget of the batch cache lookup")->capture_default_str();
   app.add_option("--lease-ms", cfg.lease_ms,
@@ -76,7 +77,7 @@ int main(int argc, char** argv) {
   int64_t combine_wait_ms = 10000;
   app.add_option("--combine-wait-ms", combine_wait_ms,
                  "with no combine worker in rotation, how long a request waits for one to come back")
-      ->capture_default_str()->check(CLI::NonNegativeNumber);
+      ->capture_default_str()->check(CLI::Range(int64_t(0), std::numeric_limits<int64_t>::max()));
   std::string auth_token_file;
   app.add_option("--auth-token-file", auth_token_file,
                  "accepted bearer tokens, one per line: Generate and GetServerInfo then require the metadata "

@@ -474,7 +474,7 @@ TEST_CASE("cuda backend: recompute_segments, refresh_segments and refresh_tail m
       auto [gx, cx] = plans({2, 3}, 0);
       CHECK(got.logits == f.gpu->splice(gx).logits);
       pop.push_back(rel(got.logits, ref.logits));
-      // With refresh 1 on top, the probe sees the tail in context and can only choose segment 1, which has no
+      // With refresh 1 on top, the choice is among the segments outside the tail: only segment 1, which has no
       // interior (7 tokens <= w): nothing more is recomputed, and no probe pass runs.
       gp.refresh_segments = 1;
       const eng::SpliceOutput more = f.gpu->splice(gp);
