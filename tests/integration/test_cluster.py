@@ -843,6 +843,22 @@ class LauncherTest(unittest.TestCase):
             self.assertIn("scatter-0 exited", p.stderr)
             self.assert_gone(work)
 
+    def test_router_refuses_bad_refresh_flags(self):
+        """The router refuses refresh defaults it would refuse in a request (above --max-refresh-segments) and
+        negative ones, at startup, with the flag named and a readable range."""
+        def router(*flags: str) -> subprocess.CompletedProcess:
+            return subprocess.run([str(BIN_DIR / "hypic-router"), "--model", Env.model, "--tokenizer", Env.tokenizer,
+                                   "--listen", "127.0.0.1:0", "--scatter", "127.0.0.1:1", "--combine", "127.0.0.1:1",
+                                   *flags], capture_output=True, text=True, timeout=60)
+        for flag in ("--refresh-tail", "--refresh-segments"):
+            with self.subTest(flag=flag):
+                p = router(flag, "3", "--max-refresh-segments", "2")
+                self.assertNotEqual(p.returncode, 0)
+                self.assertIn(f"{flag} 3 is above --max-refresh-segments 2", p.stdout + p.stderr)
+                p = router(flag, "-1")
+                self.assertNotEqual(p.returncode, 0)
+                self.assertIn(f"{flag}: Value -1 not in range 0 to 2147483647", p.stdout + p.stderr)
+
 
 if __name__ == "__main__":
     unittest.main(verbosity=2)
