@@ -221,7 +221,7 @@ std::string source_summary(const v1::GenerateReport& r) {
                   v1::SEGMENT_SOURCE_REPEAT, v1::SEGMENT_SOURCE_SCATTER, v1::SEGMENT_SOURCE_COMBINE_COMPUTED,
                   v1::SEGMENT_SOURCE_IN_CONTEXT, v1::SEGMENT_SOURCE_UNSPECIFIED}) {
     int n = 0;
-    for (const auto& s : r.segments()) n += s.source() == src;
+    for (const auto& s : r.segments()) n += s.source() == src && !s.refreshed();  // (those are counted below)
     if (n == 0) continue;
     const char* what = "of unknown source";
     switch (src) {
@@ -242,6 +242,10 @@ std::string source_summary(const v1::GenerateReport& r) {
     }
     parts.push_back(fmt::format("{} {}", n, what));
   }
+  int refreshed = 0;
+  for (const auto& s : r.segments()) refreshed += s.refreshed();
+  if (refreshed > 0)
+    parts.push_back(fmt::format("{} refreshed (computed in context by the refresh; their entries unused)", refreshed));
   return parts.empty() ? "none" : fmt::format("{}", fmt::join(parts, ", "));
 }
 

@@ -154,6 +154,8 @@ class CacheReuseTest(ClusterTestCase):
         self.assertEqual(table.returncode, 0, table.stderr)
         self.assertIn("tail=1", table.stderr)
         self.assertEqual(table.stderr.count("refreshed: recomputed whole in context"), 1)
+        # the entries line counts the refreshed segment apart from the entries the splice used
+        self.assertIn("1 refreshed (computed in context by the refresh; their entries unused)", table.stderr)
 
     def test_full_mode_bills_a_prefill_not_a_splice(self):
         """Full mode splices nothing: its in-context prefill of the whole prompt is the TTFT's prefill phase (it was
