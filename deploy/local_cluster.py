@@ -858,7 +858,12 @@ def main() -> int:
                   f"fails (then kept and named); --work-dir DIR keeps them", file=sys.stderr)
         if command:
             env = dict(os.environ, **cluster.environment())
-            child = subprocess.Popen(argv, env=env)
+            try:
+                child = subprocess.Popen(argv, env=env)
+            except OSError as e:  # not found, not executable, no interpreter line (Exec format error)
+                print(f"local_cluster: cannot run the command {argv[0]!r}: {e.strerror or e}", file=sys.stderr)
+                cluster.mark_failed(f"the command could not be started ({e.strerror or e})")
+                return 127
             reported: set[str] = set()
             while child.poll() is None:
                 if stop_signal:
