@@ -276,14 +276,12 @@ grpc::Status CombineService::run_combine(grpc::ServerContext* ctx, const v1::Com
       throw rpc::invalid_argument("mode", e.what());
     }
     if (req->seam_width() < 0) throw rpc::invalid_argument("seam_width", fmt::format("must be >= 0, got {}", req->seam_width()));
-    if (req->refresh_segments() < 0 || (req->refresh_segments() > 0 && mode != engine::SpliceMode::Hypic)) {
-      throw rpc::invalid_argument("refresh_segments", fmt::format("must be >= 0, and 0 outside mode hypic; got {} in "
-                                                                  "mode {}",
-                                                                  req->refresh_segments(), engine::splice_mode_name(mode)));
-    }
-    if (req->refresh_tail() < 0 || (req->refresh_tail() > 0 && mode != engine::SpliceMode::Hypic)) {
-      throw rpc::invalid_argument("refresh_tail", fmt::format("must be >= 0, and 0 outside mode hypic; got {} in mode {}",
-                                                              req->refresh_tail(), engine::splice_mode_name(mode)));
+    for (const auto& [field, value] : {std::pair{"refresh_segments", req->refresh_segments()},
+                                       std::pair{"refresh_tail", req->refresh_tail()}}) {
+      if (value < 0 || (value > 0 && mode != engine::SpliceMode::Hypic)) {
+        throw rpc::invalid_argument(field, fmt::format("must be >= 0, and 0 outside mode hypic; got {} in mode {}",
+                                                       value, engine::splice_mode_name(mode)));
+      }
     }
     if (!req->sampling().has_max_tokens() || req->sampling().max_tokens() < 1) {
       throw rpc::invalid_argument("sampling.max_tokens", "must be set and >= 1");

@@ -257,21 +257,19 @@ std::vector<QualityMode> quality_modes(const QualityOptions& options) {
     if ((!options.refresh_counts.empty() || !options.refresh_tails.empty()) && options.refresh_seam_width < 0)
       throw std::invalid_argument("the refresh modes' seam width must be >= 0, got " +
                                   std::to_string(options.refresh_seam_width));
-    std::vector<int> counts;
-    for (int k : options.refresh_counts) {
-      if (k < 1) throw std::invalid_argument("refresh counts must be >= 1, got " + std::to_string(k));
-      if (std::find(counts.begin(), counts.end(), k) != counts.end()) continue;
-      counts.push_back(k);
-      const int w = options.refresh_seam_width;
-      out.push_back({"hypic_w" + std::to_string(w) + "_r" + std::to_string(k), SpliceMode::Hypic, w, false, k});
-    }
-    std::vector<int> tails;
-    for (int t : options.refresh_tails) {
-      if (t < 1) throw std::invalid_argument("refresh tails must be >= 1, got " + std::to_string(t));
-      if (std::find(tails.begin(), tails.end(), t) != tails.end()) continue;
-      tails.push_back(t);
-      const int w = options.refresh_seam_width;
-      const std::string base = "hypic_w" + std::to_string(w);
+    auto unique_positive = [](const std::vector<int>& values, const char* what) {  // in order, repeats once
+      std::vector<int> out;
+      for (int v : values) {
+        if (v < 1) throw std::invalid_argument(std::string(what) + " must be >= 1, got " + std::to_string(v));
+        if (std::find(out.begin(), out.end(), v) == out.end()) out.push_back(v);
+      }
+      return out;
+    };
+    const std::vector<int> counts = unique_positive(options.refresh_counts, "refresh counts");
+    const int w = options.refresh_seam_width;
+    const std::string base = "hypic_w" + std::to_string(w);
+    for (int k : counts) out.push_back({base + "_r" + std::to_string(k), SpliceMode::Hypic, w, false, k});
+    for (int t : unique_positive(options.refresh_tails, "refresh tails")) {
       out.push_back({base + "_t" + std::to_string(t), SpliceMode::Hypic, w, false, 0, t});
       for (int k : counts)
         out.push_back({base + "_r" + std::to_string(k) + "_t" + std::to_string(t), SpliceMode::Hypic, w, false, k, t});

@@ -145,7 +145,7 @@ struct QualityMode {
 /// hypic_w<refresh_seam_width>_r<k> in refresh_counts order (repeats once; with Hypic asked for), then for each t of
 /// refresh_tails (repeats once) hypic_w<refresh_seam_width>_t<t> and hypic_w<refresh_seam_width>_r<k>_t<t>.
 /// Throws std::invalid_argument for a negative seam width, max_new_tokens < 0, Hypic with no seam width, or a
-/// refresh count < 1.
+/// refresh count or refresh tail < 1.
 std::vector<QualityMode> quality_modes(const QualityOptions& options);
 
 /// The id of "<|endoftext|>"; throws std::invalid_argument if the tokenizer lacks it.

@@ -129,9 +129,9 @@ struct SpliceRequest {
   int refresh_segments = 0;
   /// Hypic only, the tail of the refresh: the last refresh_tail segments (indices >= max(1, segments - t)) are
   /// recomputed whole in context, like recompute_segments, in the splice that gives the answer; refresh_segments
-  /// chooses among the others (its probe pass leaves the tail cached, so the tail is computed once). What it repairs: a cached segment's tokens never saw
-  /// the documents before it, and a model reads the order of documents at their boundaries, where a segment's seam
-  /// reads the body before it. A refreshed segment in the middle of cached ones makes the segment after it look like
+  /// chooses among the others (its probe pass leaves the tail cached, so the tail is computed once). What it
+  /// repairs: a cached segment's tokens never saw the documents before it, and a model reads the order of documents
+  /// at their boundaries, where a segment's seam reads the body before it. A refreshed segment in the middle of cached ones makes the segment after it look like
   /// the newest one to a trained model (measured, README "Answer quality"), so a question about the prompt's order
   /// ("which comes last", the newest tool result) needs the boundary into the last segment exact: t = 2 recomputes
   /// the last segment and the one before it. Costs those segments' tokens and no extra pass. 0 = off; t >= the later
