@@ -2,6 +2,7 @@
 #include <CLI/CLI.hpp>
 #include <spdlog/spdlog.h>
 
+#include "combine_worker/budgets.h"
 #include "combine_worker/service.h"
 #include "kernels/cpu/blas_env.h"
 #include "proto/engine_rpc/engine_flags.h"
@@ -18,8 +19,8 @@ int main(int argc, char** argv) {
   std::string model_dir, tokenizer_path;
   std::vector<std::string> caches;
   hypic::rpc::EngineFlags engine;
-  uint64_t memory_tier_bytes = uint64_t{1} << 30;
-  uint64_t put_queue_bytes = uint64_t{1} << 30;
+  std::string memory_tier_bytes = "auto", host_tier_bytes = "auto", put_queue_bytes = "auto",
+              host_copy_queue_bytes = "auto";
   hypic::combine::CombineOptions opt;
   int gather_timeout_s = 300;
   app.add_option("--model", model_dir, "checkpoint directory (config.json + safetensors)")->required()
@@ -28,11 +29,21 @@ int main(int argc, char** argv) {
       ->check(CLI::ExistingFile);
   app.add_option("--cache", caches, "segment cache replica host:port (repeat for several; none: no caching)");
   hypic::rpc::add_engine_flags(app, engine, /*prefix_cache=*/true, /*inject_delay=*/false);
-  app.add_option("--memory-tier-bytes", memory_tier_bytes, "own memory tier of segment entries (0 disables)")
-      ->transform(CLI::AsSizeValue(false))
+  app.add_option("--memory-tier-bytes", memory_tier_bytes,
+                 "device tier: segment entries resident on the backend (device memory on CUDA), a hit needs no copy "
+                 "(0 disables; auto: the device memory left after weights, KV pool and workspace, minus a reserve; "
+                 "CPU: an eighth of host memory, at least 1 GiB)")
       ->capture_default_str();
-  app.add_option("--put-queue-bytes", put_queue_bytes, "bytes of cache puts that may wait; more are dropped")
-      ->transform(CLI::AsSizeValue(false))
+  app.add_option("--host-tier-bytes", host_tier_bytes,
+                 "host tier (CUDA): pinned host copies of device entries, a hit costs one host-to-device copy "
+                 "(0 disables; auto: a quarter of host memory)")
+      ->capture_default_str();
+  app.add_option("--put-queue-bytes", put_queue_bytes,
+                 "bytes of cache puts that may wait; more are dropped (auto: 8 entries of 2048 tokens, at least 1 GiB)")
+      ->capture_default_str();
+  app.add_option("--host-copy-queue-bytes", host_copy_queue_bytes,
+                 "resident entries waiting for their host copy; more are dropped (auto: 8 entries of 2048 tokens, at "
+                 "least 1 GiB)")
       ->capture_default_str();
   app.add_option("--chunk-bytes", opt.chunk_bytes, "size of streamed chunks")
       ->transform(CLI::AsSizeValue(false))
@@ -61,16 +72,55 @@ int main(int argc, char** argv) {
     opt.gather_timeout = std::chrono::seconds(gather_timeout_s);
     opt.nccl = nccl == "auto";
     opt.nccl_join_timeout = std::chrono::milliseconds(nccl_join_timeout_ms);
+    const auto device_tier_flag = hypic::rpc::parse_byte_budget(memory_tier_bytes, "--memory-tier-bytes");
+    const auto host_tier_flag = hypic::rpc::parse_byte_budget(host_tier_bytes, "--host-tier-bytes");
+    const auto put_queue_flag = hypic::rpc::parse_byte_budget(put_queue_bytes, "--put-queue-bytes");
+    const auto copy_queue_flag = hypic::rpc::parse_byte_budget(host_copy_queue_bytes, "--host-copy-queue-bytes");
     const auto backend = hypic::rpc::make_engine_backend(engine, model_dir);
     const auto tokenizer = hypic::engine::Tokenizer::load(tokenizer_path);
     spdlog::info("tokenizer {}", tokenizer_path);
+    // Budgets: the flags, or derived from the model's entry size and what the backend left free (budgets.h).
+    namespace hc = hypic::combine;
+    hc::BudgetInputs in;
+    in.device_entries = backend->device_entries();
+    in.device_free = backend->memory().device_free;
+    in.host_memory = hypic::rpc::host_memory_bytes();
+    in.entry_bytes = backend->entry_bytes(hc::kTypicalSegmentTokens);
+    in.wire_entry_bytes = hypic::engine::wire_entry_bytes(backend->config(), hc::kTypicalSegmentTokens);
+    in.prefix_cache_bytes = engine.prefix_cache_bytes;
+    in.fetch_parallelism = opt.fetch_parallelism;
+    const hc::TierBudgets auto_budgets = hc::default_tier_budgets(in);
+    hc::TierBudgets budgets;
+    budgets.device_tier = device_tier_flag.value_or(auto_budgets.device_tier);
+    budgets.host_tier = host_tier_flag.value_or(auto_budgets.host_tier);
+    budgets.put_queue = put_queue_flag.value_or(auto_budgets.put_queue);
+    budgets.host_copy_queue = copy_queue_flag.value_or(auto_budgets.host_copy_queue);
+    if (!in.device_entries && budgets.host_tier > 0) {
+      spdlog::info("--host-tier-bytes ignored: the {} backend keeps entries in host memory (its device tier)",
+                   backend->numerics());
+      budgets.host_tier = 0;
+    }
+    auto how = [](const std::optional<uint64_t>& flag) { return flag ? "set" : "auto"; };
+    spdlog::info("device tier {} [{}{}]", hc::describe_budget(budgets.device_tier, in.entry_bytes),
+                 how(device_tier_flag),
+                 in.device_entries ? fmt::format("; {:.1f} GiB of device memory free after weights, KV pool and workspace",
+                                                 double(in.device_free) / double(1ull << 30))
+                                   : std::string("; host memory"));
+    if (in.device_entries)
+      spdlog::info("host tier {} [{}; pinned host memory]", hc::describe_budget(budgets.host_tier, in.entry_bytes),
+                   how(host_tier_flag));
+    spdlog::info("cache put queue {} [{}], host-copy queue {} [{}]",
+                 hc::describe_budget(budgets.put_queue, in.wire_entry_bytes), how(put_queue_flag),
+                 hc::describe_budget(budgets.host_copy_queue, in.entry_bytes), how(copy_queue_flag));
     hypic::cache::SegmentCacheClient cache(caches);
-    hypic::cache::AsyncCachePutter putter(cache, put_queue_bytes);
-    hypic::combine::EntryMemoryTier tier(memory_tier_bytes);
+    hypic::cache::AsyncCachePutter putter(cache, budgets.put_queue);
+    hc::EntryMemoryTier tier(budgets.device_tier);
+    hc::HostBlockTier host_tier(budgets.host_tier);
+    hc::HostCopier copier(*backend, &host_tier, putter, budgets.host_copy_queue);
     hypic::engine::EngineLoop loop(*backend, hypic::rpc::engine_loop_options(engine));
     hypic::rpc::Lifecycle life("combine worker");
-    hypic::combine::CombineService svc({tokenizer, cache, putter, loop, tier, life, engine.compute_threads,
-                                        engine.random_weights_seed}, opt);
+    hypic::combine::CombineService svc({tokenizer, cache, putter, loop, tier, host_tier, copier, life,
+                                        engine.compute_threads, engine.random_weights_seed}, opt);
     const int status = hypic::rpc::run_server(
         server, life,
         {"combine",

@@ -44,13 +44,18 @@ struct Slot {
   std::string transport;
   double transfer_ms = 0;
   uint64_t transfer_bytes = 0;
+  // Warm from the host tier or the cache: the copy that made it resident (ms, bytes moved).
+  double fetch_ms = 0;
+  uint64_t fetch_bytes = 0;
 };
 
-// How a delivered entry arrived (Slot's transport fields).
+// How an entry arrived (Slot's transport and fetch fields).
 struct Delivery {
   std::string transport;
   double transfer_ms = 0;
   uint64_t transfer_bytes = 0;
+  double fetch_ms = 0;
+  uint64_t fetch_bytes = 0;
 };
 
 struct CombineService::Pending {
@@ -79,6 +84,8 @@ struct CombineService::Pending {
       s.transport = delivery.transport;
       s.transfer_ms = delivery.transfer_ms;
       s.transfer_bytes = delivery.transfer_bytes;
+      s.fetch_ms = delivery.fetch_ms;
+      s.fetch_bytes = delivery.fetch_bytes;
       s.entry = std::move(entry);
       s.source = source;
       s.built_by = std::move(built_by);
@@ -120,6 +127,35 @@ CombineService::CombineService(CombineDeps deps, CombineOptions options)
                {{"tier", "combine-memory"}});
   reg.gauge_fn("hypic:cache_entries", "Segment entries held, by tier", [&tier] { return double(tier.entries()); },
                {{"tier", "combine-memory"}});
+  auto& host = d_.host_tier;
+  reg.gauge_fn("hypic:cache_bytes", "Bytes of segment entries held, by tier", [&host] { return double(host.bytes()); },
+               {{"tier", "combine-host"}});
+  reg.gauge_fn("hypic:cache_entries", "Segment entries held, by tier", [&host] { return double(host.entries()); },
+               {{"tier", "combine-host"}});
+  reg.gauge_fn("hypic:cache_budget_bytes", "Byte budget of a tier of segment entries", [&tier] { return double(tier.budget()); },
+               {{"tier", "combine-memory"}});
+  reg.gauge_fn("hypic:cache_budget_bytes", "Byte budget of a tier of segment entries", [&host] { return double(host.budget()); },
+               {{"tier", "combine-host"}});
+  auto& copier = d_.copier;
+  for (const char* outcome : {"made", "dropped", "failed"}) {
+    const std::string o = outcome;
+    reg.counter_fn("hypic:host_copies_total", "Host copies of resident entries (host tier, cache puts), by outcome",
+                   [&copier, o] {
+                     const auto c = copier.counters();
+                     return double(o == "made" ? c.made : o == "dropped" ? c.dropped : c.failed);
+                   },
+                   {{"outcome", o}});
+  }
+  auto& putter = d_.putter;
+  for (const char* outcome : {"stored", "failed", "dropped"}) {
+    const std::string o = outcome;
+    reg.counter_fn("hypic:cache_puts_total", "Entries this worker stored in the segment cache",
+                   [&putter, o] {
+                     const auto c = putter.counters();
+                     return double(o == "stored" ? c.stored : o == "failed" ? c.failed : c.dropped);
+                   },
+                   {{"outcome", o}});
+  }
   reg.gauge_fn("hypic:num_sequences_decoding", "Sequences in this combine worker's decode batch",
                [&loop] { return double(loop.active_sequences()); });
   reg.counter_fn("hypic:decode_iterations_total", "Batched decode steps run",
@@ -180,13 +216,16 @@ void CombineService::build_locally(const std::shared_ptr<Pending>& p, size_t slo
       p->cv.notify_all();
       return;
     }
+    // Spliced as it is (resident, no host round trip); its host copy (host tier, cache put) is made afterwards, off
+    // the critical path.
     const rpc::Digest digest = p->slots[slot].digest;  // immutable after registration
     d_.memory_tier.put(digest, r.entry);
-    if (p->cache_segments) d_.putter.enqueue(digest, r.host->token_ids, r.bytes, p->id);
+    d_.copier.enqueue(digest, r.entry, p->cache_segments, p->id);
     count_segment(v1::SEGMENT_SOURCE_COMBINE_COMPUTED);
-    p->fill(slot, r.host, v1::SEGMENT_SOURCE_COMBINE_COMPUTED, address_, r.compute_ms, r.bytes->size(), device_,
+    const size_t bytes = r.entry->resident_bytes();
+    p->fill(slot, nullptr, v1::SEGMENT_SOURCE_COMBINE_COMPUTED, address_, r.compute_ms, bytes, device_,
             std::move(r.entry));
-  });
+  }, engine::BuildHandover::Resident);
 }
 
 void CombineService::fetch_warm(const std::shared_ptr<Pending>& p, size_t slot, const grpc::ServerContextBase* ctx) {
@@ -198,39 +237,76 @@ void CombineService::fetch_warm(const std::shared_ptr<Pending>& p, size_t slot, 
     return;
   }
   std::string why;
+  if (auto block = d_.host_tier.get(digest, ids)) {
+    // One host-to-device copy of the pinned block on this thread (the engine loop keeps computing meanwhile).
+    const auto t0 = Clock::now();
+    try {
+      auto e = backend_.import_block(*block);
+      Delivery d;
+      d.fetch_ms = rpc::ms_between(t0, Clock::now());
+      d.fetch_bytes = block->bytes();
+      d_.memory_tier.put(digest, e);
+      count_segment(v1::SEGMENT_SOURCE_COMBINE_HOST);
+      p->fill(slot, nullptr, v1::SEGMENT_SOURCE_COMBINE_HOST, "", 0, e->resident_bytes(), "", e, "", d);
+      return;
+    } catch (const std::exception& e) {  // device memory short, or the block refused: the cache may still serve it
+      why = fmt::format("host tier copy failed ({}); ", e.what());
+      spdlog::warn("[req {}] segment {}: {}", p->id, slot, why);
+      if (dynamic_cast<const engine::EntryError*>(&e)) d_.host_tier.erase(digest);
+    }
+  }
   try {
+    const auto t0 = Clock::now();
     auto bytes = d_.cache.get(cache::CacheKey{digest, ids}, ctx);
     if (!bytes) {
-      why = "not in the segment cache any more (evicted after the lookup)";
+      why += "not in the segment cache any more (evicted after the lookup)";
     } else {
       try {
         auto entry = std::make_shared<const engine::SegmentEntry>(engine::deserialize_entry(*bytes));
         rpc::verify_entry(*entry, ids, backend_, p->entry_seam_width);
+        auto resident = make_resident(digest, *entry);
+        Delivery d;
+        d.fetch_ms = rpc::ms_between(t0, Clock::now());
+        d.fetch_bytes = bytes->size();
         count_received("cache", bytes->size());
         count_segment(v1::SEGMENT_SOURCE_CACHE);
-        p->fill(slot, entry, v1::SEGMENT_SOURCE_CACHE, "", 0, bytes->size());
+        if (resident) entry.reset();  // spliced resident; the host form is not needed any more
+        p->fill(slot, entry, v1::SEGMENT_SOURCE_CACHE, "", 0, bytes->size(), "", std::move(resident), "", d);
         return;
       } catch (const engine::EntryError& e) {
-        why = fmt::format("cache entry corrupt ({}): dropped from the cache", e.what());
+        why += fmt::format("cache entry corrupt ({}): dropped from the cache", e.what());
         spdlog::error("[req {}] segment {} ({}): {}", p->id, slot, rpc::digest_hex(digest), why);
         try {
           d_.cache.erase(digest);
         } catch (const std::exception& ex) {
           spdlog::warn("[req {}] could not drop corrupt entry {}: {}", p->id, rpc::digest_hex(digest), ex.what());
         }
+      } catch (const engine::ResourceExhausted& e) {
+        why += fmt::format("fetched from the cache, but it could not be made resident ({})", e.what());
+        spdlog::warn("[req {}] segment {}: {}", p->id, slot, why);
       }
     }
   } catch (const rpc::RpcError& e) {
     if (e.code() == grpc::StatusCode::DATA_LOSS) {
-      why = fmt::format("cache entry failed its integrity check and was dropped by the cache ({})", e.what());
+      why += fmt::format("cache entry failed its integrity check and was dropped by the cache ({})", e.what());
     } else if (e.code() == grpc::StatusCode::CANCELLED) {
       return;  // the request is going away
     } else {
-      why = fmt::format("segment cache unreachable ({})", e.what());
+      why += fmt::format("segment cache unreachable ({})", e.what());
     }
     spdlog::warn("[req {}] segment {}: {}", p->id, slot, why);
   }
   build_locally(p, slot, why + "; prefilled by the combine worker");
+}
+
+std::shared_ptr<const engine::ResidentEntry> CombineService::make_resident(const rpc::Digest& digest,
+                                                                           const engine::SegmentEntry& entry) {
+  if (!backend_.device_entries()) return nullptr;
+  auto block = backend_.block_of_entry(entry);
+  auto resident = backend_.import_block(*block);
+  d_.memory_tier.put(digest, resident);
+  d_.copier.keep_block(digest, std::move(block));
+  return resident;
 }
 
 namespace {
@@ -457,7 +533,10 @@ grpc::Status CombineService::run_combine(grpc::ServerContext* ctx, const v1::Com
     {
       std::lock_guard<std::mutex> lock(p->mu);
       for (const Slot& s : p->slots)
-        if (s.transport == "nccl" && s.resident) d_.memory_tier.put(s.digest, s.resident);
+        if (s.transport == "nccl" && s.resident) {
+          d_.memory_tier.put(s.digest, s.resident);
+          d_.copier.enqueue(s.digest, s.resident, /*put=*/false, p->id);  // the scatter worker puts it in the cache
+        }
     }
     const double splice_ms = sinfo.splice_ms;
     ev.mutable_splice_done()->set_splice_ms(splice_ms);
@@ -538,7 +617,8 @@ grpc::Status CombineService::run_combine(grpc::ServerContext* ctx, const v1::Com
           continue;
         }
         sr->set_source(s.source);
-        sr->set_reused(s.source == v1::SEGMENT_SOURCE_COMBINE_MEMORY || s.source == v1::SEGMENT_SOURCE_CACHE ||
+        sr->set_reused(s.source == v1::SEGMENT_SOURCE_COMBINE_MEMORY || s.source == v1::SEGMENT_SOURCE_COMBINE_HOST ||
+                       s.source == v1::SEGMENT_SOURCE_CACHE ||
                        s.source == v1::SEGMENT_SOURCE_SHARED_BUILD || s.source == v1::SEGMENT_SOURCE_REPEAT);
         if (s.repeat_of && s.source == v1::SEGMENT_SOURCE_REPEAT) sr->set_repeat_of(uint32_t(*s.repeat_of));
         sr->set_built_by(s.built_by);
@@ -549,6 +629,8 @@ grpc::Status CombineService::run_combine(grpc::ServerContext* ctx, const v1::Com
         sr->set_transport(s.transport);
         sr->set_transfer_ms(s.transfer_ms);
         sr->set_transfer_bytes(s.transfer_bytes);
+        sr->set_fetch_ms(s.fetch_ms);
+        sr->set_fetch_bytes(s.fetch_bytes);
         if (std::binary_search(sinfo.recomputed_segments.begin(), sinfo.recomputed_segments.end(), int(i))) {
           sr->set_refreshed(true);
           sr->set_reused(false);  // its entry was not what the splice used: it was computed here, in context
@@ -594,14 +676,19 @@ grpc::Status CombineService::DeliverEntry(grpc::ServerContext* ctx, grpc::Server
     }
     const std::string bytes = assembler.finish();
     std::shared_ptr<const engine::SegmentEntry> entry;
+    std::shared_ptr<const engine::ResidentEntry> resident;
     try {
       entry = std::make_shared<const engine::SegmentEntry>(engine::deserialize_entry(bytes));
       rpc::verify_entry(*entry, slot.ids, backend_, p->entry_seam_width);
+      resident = make_resident(slot.digest, *entry);  // on this thread, not the engine loop's (device backends)
+      if (resident) entry.reset();
     } catch (const engine::EntryError& e) {
       spdlog::error("[req {}] rejected {}: {}", p->id, what, e.what());
       throw rpc::RpcError(grpc::StatusCode::DATA_LOSS, fmt::format("{} rejected by the engine: {}", what, e.what()));
+    } catch (const engine::ResourceExhausted& e) {
+      throw rpc::RpcError(grpc::StatusCode::RESOURCE_EXHAUSTED, fmt::format("{}: {}", what, e.what()));
     }
-    accept_delivery(*p, h, std::move(entry), nullptr, bytes.size(),
+    accept_delivery(*p, h, std::move(entry), std::move(resident), bytes.size(),
                     Delivery{"grpc", rpc::ms_between(t0, Clock::now()), bytes.size()}, what, resp);
     return grpc::Status::OK;
   });
@@ -923,7 +1010,41 @@ grpc::Status CombineService::GetWorkerInfo(grpc::ServerContext*, const v1::Worke
   resp->set_numerics(std::string(backend_.numerics()));
   resp->set_device(device_);
   resp->set_random_weights_seed(d_.random_weights_seed);
+  resp->set_device_tier_bytes(d_.memory_tier.bytes());
+  resp->set_device_tier_budget(d_.memory_tier.budget());
+  resp->set_device_tier_entries(d_.memory_tier.entries());
+  resp->set_host_tier_bytes(d_.host_tier.bytes());
+  resp->set_host_tier_budget(d_.host_tier.budget());
+  resp->set_host_tier_entries(d_.host_tier.entries());
   return grpc::Status::OK;
+}
+
+grpc::Status CombineService::LookupEntries(grpc::ServerContext*, const v1::LookupEntriesRequest* req,
+                                           v1::LookupEntriesResponse* resp) {
+  return rpc::handle_errors([&]() -> grpc::Status {
+    constexpr int kMaxDigests = 4096;
+    if (req->digests_size() > kMaxDigests) {
+      throw rpc::invalid_argument("digests", fmt::format("at most {} per call, got {}", kMaxDigests, req->digests_size()));
+    }
+    for (int i = 0; i < req->digests_size(); ++i) {
+      const rpc::Digest d = rpc::parse_digest(req->digests(i), fmt::format("digests[{}]", i));
+      resp->add_tiers(d_.memory_tier.contains(d) ? v1::ENTRY_TIER_DEVICE
+                      : d_.host_tier.contains(d) ? v1::ENTRY_TIER_HOST
+                                                 : v1::ENTRY_TIER_NONE);
+    }
+    return grpc::Status::OK;
+  });
+}
+
+grpc::Status CombineService::ClearTiers(grpc::ServerContext*, const v1::ClearTiersRequest* req,
+                                        v1::ClearTiersResponse* resp) {
+  return rpc::handle_errors([&]() -> grpc::Status {
+    if (req->device()) resp->set_device_entries_dropped(d_.memory_tier.clear());
+    if (req->host()) resp->set_host_entries_dropped(d_.host_tier.clear());
+    spdlog::info("tiers cleared: {} device-tier and {} host-tier entries dropped", resp->device_entries_dropped(),
+                 resp->host_entries_dropped());
+    return grpc::Status::OK;
+  });
 }
 
 }  // namespace hypic::combine

@@ -14,6 +14,7 @@
 #include <vector>
 #include <string>
 
+#include "combine_worker/host_copies.h"
 #include "combine_worker/memory_tier.h"
 #include "engine/engine_loop.h"
 #include "engine/tokenizer.h"
@@ -52,7 +53,9 @@ struct CombineDeps {
   const cache::SegmentCacheClient& cache;
   cache::AsyncCachePutter& putter;
   engine::EngineLoop& loop;
-  EntryMemoryTier& memory_tier;
+  EntryMemoryTier& memory_tier;  ///< the device tier (resident entries)
+  HostBlockTier& host_tier;      ///< pinned host copies (CUDA; budget 0 on the CPU backend)
+  HostCopier& copier;            ///< host copies of resident entries, off the critical path
   rpc::Lifecycle& life;
   int compute_threads = 1;  ///< reported in WorkerInfo
   uint64_t random_weights_seed = 0;  ///< BENCHMARK ONLY, reported in WorkerInfo and every report (0: real weights)
@@ -79,6 +82,10 @@ class CombineService final : public hypic::v1::CombineWorker::Service {
                         hypic::v1::OpenPeerResponse* resp) override;
   grpc::Status ClosePeer(grpc::ServerContext* ctx, const hypic::v1::ClosePeerRequest* req,
                          hypic::v1::ClosePeerResponse* resp) override;
+  grpc::Status LookupEntries(grpc::ServerContext* ctx, const hypic::v1::LookupEntriesRequest* req,
+                             hypic::v1::LookupEntriesResponse* resp) override;
+  grpc::Status ClearTiers(grpc::ServerContext* ctx, const hypic::v1::ClearTiersRequest* req,
+                          hypic::v1::ClearTiersResponse* resp) override;
   /// NCCL communicators held now (joined or joining), for tests and logs.
   size_t nccl_peers() const;
 
@@ -90,6 +97,11 @@ class CombineService final : public hypic::v1::CombineWorker::Service {
   std::shared_ptr<Pending> find(const std::string& request_id);
   void build_locally(const std::shared_ptr<Pending>& p, size_t slot, std::string note);
   void fetch_warm(const std::shared_ptr<Pending>& p, size_t slot, const grpc::ServerContextBase* ctx);
+  /// Makes a host entry (fetched or delivered over gRPC) resident on a device backend here, on the calling thread
+  /// (Backend::block_of_entry + import_block: never on the engine loop), keeping its pinned block in the host tier;
+  /// on the CPU backend returns null (the engine imports it, for free).
+  std::shared_ptr<const engine::ResidentEntry> make_resident(const rpc::Digest& digest,
+                                                             const engine::SegmentEntry& entry);
   /// The active request a delivery names, its header's index and digest checked (NOT_FOUND, INVALID_ARGUMENT).
   std::shared_ptr<Pending> delivery_target(const hypic::v1::EntryHeader& h);
   /// Fills the delivered segment's slot (host entry and/or resident one), counts it, answers duplicate or not.

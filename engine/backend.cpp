@@ -1,6 +1,8 @@
 // The backend factory and device discovery (engine/backend.h); the model-free part is in backend_ids.cpp.
 #include "engine/backend.h"
 
+#include <algorithm>
+
 #include "engine/cpu_backend.h"
 
 #if defined(HYPIC_WITH_CUDA) && HYPIC_WITH_CUDA
@@ -23,6 +25,34 @@ std::optional<DeviceBlock> Backend::device_block(const ResidentEntry&) const { r
 std::pair<std::shared_ptr<const ResidentEntry>, DeviceBlock> Backend::allocate_entry(const SegmentEntry&) const {
   throw std::logic_error("allocate_entry: the " + std::string(numerics()) +
                          " backend keeps entries in host memory (no device entries to receive into)");
+}
+
+namespace {
+[[noreturn]] void no_host_blocks(const Backend& b, const char* what) {
+  throw std::logic_error(std::string(what) + ": the " + std::string(b.numerics()) +
+                         " backend keeps entries in host memory (no host blocks)");
+}
+}  // namespace
+
+std::shared_ptr<const HostBlock> Backend::copy_to_host(const ResidentEntry&) const { no_host_blocks(*this, "copy_to_host"); }
+std::shared_ptr<const ResidentEntry> Backend::import_block(const HostBlock&) const { no_host_blocks(*this, "import_block"); }
+std::shared_ptr<const SegmentEntry> Backend::entry_of_block(const HostBlock&) const {
+  no_host_blocks(*this, "entry_of_block");
+}
+std::shared_ptr<const HostBlock> Backend::block_of_entry(const SegmentEntry&) const {
+  no_host_blocks(*this, "block_of_entry");
+}
+
+size_t Backend::entry_bytes(int64_t tokens) const { return wire_entry_bytes(config(), tokens); }
+
+size_t wire_entry_bytes(const ModelConfig& config, int64_t tokens) {
+  // The fp32 wire form's tensors (engine/segment.h), transitions counted dense: an upper bound for the families
+  // whose entries keep T_C compact.
+  const EntryGeometry g = EntryGeometry::of(config);
+  const size_t lin = size_t(g.linear_heads) * (size_t(g.d_k) * g.d_k + size_t(g.d_k) * g.d_v) * 2 +
+                     size_t(g.conv_rows) * g.conv_dim;
+  const size_t attn = 2 * size_t(std::max<int64_t>(tokens, 0)) * g.kv_heads * g.head_dim;
+  return (size_t(g.num_linear) * lin + size_t(g.num_attention) * attn) * sizeof(float);
 }
 
 DeviceSpec default_device() { return cuda_available() ? DeviceSpec{BackendKind::Cuda, 0} : DeviceSpec{}; }

@@ -133,12 +133,31 @@ struct DeviceBlock {
   int device = -1;       ///< CUDA ordinal the block lives on
 };
 
+/// A host copy of a device entry in its backend's own device layout (DeviceBlock's bytes, no conversion), in pinned
+/// (page-locked) host memory so that copies to and from the device run at PCIe bandwidth. Made by
+/// Backend::copy_to_host (from a resident entry) or Backend::block_of_entry (from the wire form); made resident again
+/// by Backend::import_block (one host-to-device copy). Immutable once made; safe to share between threads. Its memory
+/// goes back to its backend's pinned pool when the last reference goes (which may outlive the backend).
+class HostBlock {
+ public:
+  virtual ~HostBlock() = default;
+  /// Fingerprint, numerics, w, token ids and geometry (no tensors).
+  virtual const SegmentEntry& header() const = 0;
+  /// Bytes of the block (equal to the device entry's resident_bytes()).
+  virtual size_t bytes() const = 0;
+  int num_tokens() const { return header().num_tokens(); }
+};
+
 /// Memory a backend holds, by pool (bytes). Budgets of 0 mean unbounded.
 struct BackendMemory {
   size_t weights = 0;
   size_t kv_used = 0, kv_budget = 0;        ///< KV cache pool (pages of all sequences)
   size_t entries_used = 0;                  ///< resident entries made or imported and still referenced
   size_t workspace = 0;                     ///< scratch of the forward pass
+  /// CUDA: device memory free now (cudaMemGetInfo) and in all; 0 on the CPU backend.
+  size_t device_free = 0, device_total = 0;
+  /// CUDA: pinned host memory held by the pool of host blocks (in use or kept for reuse); 0 on the CPU backend.
+  size_t pinned_host = 0;
 };
 
 /// Options of make_backend.
@@ -216,6 +235,31 @@ class Backend {
   /// Throws EntryError if `header` is another model's, numerics or geometry; ResourceExhausted if device memory is
   /// short; std::logic_error on a backend without device entries.
   virtual std::pair<std::shared_ptr<const ResidentEntry>, DeviceBlock> allocate_entry(const SegmentEntry& header) const;
+
+  // ---- host blocks (DESIGN.md 4, "data plane"): where entries live in device memory (CUDA) ----------------------
+  // These are thread-safe and never use the engine's stream: they run on gRPC and background threads while the
+  // engine loop computes. A backend whose entries live in host memory (CPU) throws std::logic_error from all four.
+
+  /// True where entries live in device memory, so that host blocks (the methods below) apply.
+  virtual bool device_entries() const { return false; }
+  /// A pinned host copy of `entry` (one of this backend's device entries), made device-to-host on a copy stream of
+  /// the backend's own and waited for. Cost: the entry's bytes at PCIe bandwidth (about 20-50 GB/s), on the calling
+  /// thread. Throws EntryError for another backend's entry, ResourceExhausted when pinned memory cannot be had.
+  virtual std::shared_ptr<const HostBlock> copy_to_host(const ResidentEntry& entry) const;
+  /// A device entry made from a host block (allocated stream-ordered on a transfer stream, the block copied
+  /// host-to-device and waited for): the entry build_entries would have made for the same tokens, bit for bit.
+  /// Throws EntryError (another model, numerics or geometry; a block of another size), ResourceExhausted (device
+  /// memory).
+  virtual std::shared_ptr<const ResidentEntry> import_block(const HostBlock& block) const;
+  /// The wire form of a block (fp32 tensors, engine/segment.h): the same values as ResidentEntry::host() of its
+  /// device entry. Host work only.
+  virtual std::shared_ptr<const SegmentEntry> entry_of_block(const HostBlock& block) const;
+  /// A block of a host entry (received over the wire or from the cache), converted into the device layout in pinned
+  /// memory: import_block of it equals import_entry of `entry`, bit for bit. Host work only. Throws EntryError as
+  /// import_entry does.
+  virtual std::shared_ptr<const HostBlock> block_of_entry(const SegmentEntry& entry) const;
+  /// Bytes a device entry of `tokens` tokens takes here (its resident_bytes()), for budgets stated in entries.
+  virtual size_t entry_bytes(int64_t tokens) const;
 };
 
 /// Raised when a request needs more memory than a budget allows; the message names the budget and the sizes.
@@ -223,6 +267,10 @@ class ResourceExhausted : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
 };
+
+/// About the bytes of a serialized entry of `tokens` tokens of this model (the wire and cache form: fp32 tensors,
+/// transitions counted dense), for budgets stated in entries.
+size_t wire_entry_bytes(const ModelConfig& config, int64_t tokens);
 
 /// The weights identity of seeded random weights (BackendOptions::random_weights_seed): "random-" + 16 hex digits.
 std::string random_weights_digest(uint64_t seed);

@@ -41,6 +41,7 @@ EngineLoop::EngineLoop(Backend& backend, EngineLoopOptions options) : backend_(b
   if (options_.max_build_tokens < 1)
     throw std::invalid_argument("engine loop: max_build_tokens must be >= 1, got " +
                                 std::to_string(options_.max_build_tokens));
+  egress_thread_ = std::thread([this] { run_egress(); });
   thread_ = std::thread([this] { run(); });
 }
 
@@ -54,16 +55,50 @@ void EngineLoop::stop() {
   }
   cv_.notify_all();
   if (thread_.joinable()) thread_.join();
+  // The builds already made still get their wire form (the egress thread drains its queue, then ends).
+  {
+    std::lock_guard<std::mutex> lock(egress_mu_);
+    egress_stop_ = true;
+  }
+  egress_cv_.notify_all();
+  if (egress_thread_.joinable()) egress_thread_.join();
+}
+
+void EngineLoop::run_egress() {
+  for (;;) {
+    Egress e;
+    {
+      std::unique_lock<std::mutex> lock(egress_mu_);
+      egress_cv_.wait(lock, [&] { return egress_stop_ || !egress_.empty(); });
+      if (egress_.empty()) return;
+      e = std::move(egress_.front());
+      egress_.pop_front();
+    }
+    BuildOutcome& r = e.outcome;
+    const auto s0 = Clock::now();
+    try {
+      r.host = r.entry->host();
+      r.bytes = std::make_shared<const std::string>(serialize_entry(*r.host));
+    } catch (...) {
+      r.error_kind = classify_engine_error(std::current_exception());
+      r.error = message_of(std::current_exception());
+      r.host.reset();
+      r.entry.reset();
+    }
+    r.compute_ms += ms_between(s0, Clock::now());
+    queued_tokens_ -= e.tokens;
+    e.done(std::move(r));
+  }
 }
 
 void EngineLoop::submit_build(std::vector<int32_t> ids, int seam_width, CancelFlag cancel,
-                              std::function<void(BuildOutcome)> done) {
+                              std::function<void(BuildOutcome)> done, BuildHandover handover) {
   const int64_t n = int64_t(ids.size());
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!stop_) {
       queued_tokens_ += n;
-      builds_.push_back({std::move(ids), seam_width, std::move(cancel), std::move(done), Clock::now()});
+      builds_.push_back({std::move(ids), seam_width, std::move(cancel), std::move(done), Clock::now(), handover});
       cv_.notify_all();
       return;
     }
@@ -198,11 +233,19 @@ void EngineLoop::run_builds(std::vector<BuildJob> batch) {
     out[i].queue_ms = ms_between(batch[i].queued_at, started);
     out[i].cancelled = true;
   }
-  // Each outcome is handed over as soon as it is complete: a built entry right after its serialization, so that its
-  // delivery starts while the loop serializes the batch's next entries.
+  // Each outcome is handed over as soon as it is complete: a Resident build right after the batch, a Wire build
+  // through the egress thread (its wire form made there while the loop goes on).
   std::vector<bool> handed(batch.size(), false);
   auto hand_over = [&](size_t i) {
     handed[i] = true;
+    if (out[i].entry && batch[i].handover == BuildHandover::Wire) {
+      {
+        std::lock_guard<std::mutex> lock(egress_mu_);
+        egress_.push_back({std::move(out[i]), std::move(batch[i].done), int64_t(batch[i].ids.size())});
+      }
+      egress_cv_.notify_all();
+      return;
+    }
     queued_tokens_ -= int64_t(batch[i].ids.size());
     batch[i].done(std::move(out[i]));
   };
@@ -254,18 +297,9 @@ void EngineLoop::run_builds(std::vector<BuildJob> batch) {
         r.error = message_of(failed);
         continue;
       }
-      const auto s0 = Clock::now();
-      try {
-        r.host = entries[k]->host();
-        r.bytes = std::make_shared<const std::string>(serialize_entry(*r.host));
-        r.entry = std::move(entries[k]);
-      } catch (...) {
-        r.error_kind = classify_engine_error(std::current_exception());
-        r.error = message_of(std::current_exception());
-        r.host.reset();
-      }
-      r.compute_ms = batch_ms * double(segs[k].size()) / double(tokens) + ms_between(s0, Clock::now());
-      if (!failed) hand_over(good[k]);
+      r.entry = std::move(entries[k]);
+      r.compute_ms = batch_ms * double(segs[k].size()) / double(tokens);
+      hand_over(good[k]);
     }
   }
   for (size_t i = 0; i < batch.size(); ++i)

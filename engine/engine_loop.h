@@ -4,7 +4,9 @@
 //
 // Three kinds of work:
 //  - entry builds: every queued build (same seam width, FIFO) up to a token budget goes into ONE
-//    Backend::build_entries call (a varlen pass on CUDA); each build's entry is then serialized for the wire;
+//    Backend::build_entries call (a varlen pass on CUDA); a build that asked for its wire form (BuildHandover::Wire)
+//    is then copied to the host and serialized on the loop's egress thread, while the loop goes on with the next
+//    batch; one that did not (BuildHandover::Resident) is handed over at once, resident, with no host copy at all;
 //  - splices: a plan is executed (Backend::splice), optionally followed by decoding; a host entry given for several
 //    segments of one plan (a segment repeated in the prompt) is imported once;
 //  - decoding (continuous batching): every active sequence is stepped together in one Backend::decode call per
@@ -14,8 +16,9 @@
 // Fairness: each iteration runs one decode step of the whole batch, then one queued unit of other work (a build
 // batch or a splice, alternating when both wait), so neither a long splice nor a long decode starves the other.
 //
-// Callbacks run on the loop thread: they must be quick and must not call back into the loop's waiting
-// operations (push into a queue and notify). Every job gets exactly one final callback (done / on_end).
+// Callbacks run on the loop thread (those of BuildHandover::Wire builds that were built: on its egress thread): they
+// must be quick and must not call back into the loop's waiting operations (push into a queue and notify). Every job
+// gets exactly one final callback (done / on_end).
 #pragma once
 #include <atomic>
 #include <chrono>
@@ -46,13 +49,24 @@ enum class EngineErrorKind {
   Internal,           ///< anything else (INTERNAL)
 };
 
+/// What a finished build hands over (EngineLoop::submit_build).
+enum class BuildHandover {
+  /// The resident entry alone, on the loop thread right after its batch: the caller splices it as it is (on CUDA it
+  /// stays in device memory) and makes any host copy itself, off the critical path.
+  Resident,
+  /// Also its wire form (host, bytes), made on the loop's egress thread (a device-to-host copy and a serialization:
+  /// hundreds of ms for a 280 MB entry) while the loop computes the next batch.
+  Wire,
+};
+
 /// Outcome of one entry build.
 struct BuildOutcome {
   std::shared_ptr<const ResidentEntry> entry;   ///< resident on the loop's backend; null if cancelled or failed
-  std::shared_ptr<const SegmentEntry> host;     ///< entry->host(), taken on the loop thread
-  std::shared_ptr<const std::string> bytes;     ///< serialize_entry(*host) (the wire and cache form)
+  std::shared_ptr<const SegmentEntry> host;     ///< BuildHandover::Wire: entry->host(); null for Resident
+  std::shared_ptr<const std::string> bytes;     ///< BuildHandover::Wire: serialize_entry(*host); null for Resident
   double queue_ms = 0;     ///< from submit_build to the start of its batch
-  /// Its share of the batch: batch_ms * its tokens / the batch's tokens, plus its own serialization.
+  /// Its share of the batch: batch_ms * its tokens / the batch's tokens (plus, for Wire, its host copy and
+  /// serialization).
   double compute_ms = 0;
   double batch_ms = 0;     ///< the whole Backend::build_entries call it was part of
   int batch_segments = 0;  ///< segments in that call
@@ -143,9 +157,10 @@ class EngineLoop {
   /// The backend's immutable facts (config, device, numerics, fingerprint) are safe to read from any thread.
   const Backend& backend() const { return backend_; }
 
-  /// Queues a standalone build of `ids` (entry made with seam width `seam_width`); `done` runs on the loop thread.
+  /// Queues a standalone build of `ids` (entry made with seam width `seam_width`); `done` runs on the loop thread, or
+  /// for a Wire build that was built, on the egress thread once its wire form is made.
   void submit_build(std::vector<int32_t> ids, int seam_width, CancelFlag cancel,
-                    std::function<void(BuildOutcome)> done);
+                    std::function<void(BuildOutcome)> done, BuildHandover handover = BuildHandover::Wire);
   /// Queues a splice whose result (sequence included) is handed to `done` (evaluation, tests).
   void submit_splice(SpliceJob job, CancelFlag cancel, std::function<void(SpliceOutcome)> done);
   /// Queues a generation (splice, then decoding in the batch). Callbacks as GenerateJob says.
@@ -169,7 +184,14 @@ class EngineLoop {
     CancelFlag cancel;
     std::function<void(BuildOutcome)> done;
     Clock::time_point queued_at;
+    BuildHandover handover = BuildHandover::Wire;
   };
+  struct Egress {  // a built Wire job whose wire form is still to be made
+    BuildOutcome outcome;
+    std::function<void(BuildOutcome)> done;
+    int64_t tokens;
+  };
+  void run_egress();
   struct SpliceTask {  // a plain splice (done set) or a generation (gen set)
     SpliceJob job;
     CancelFlag cancel;
@@ -206,7 +228,11 @@ class EngineLoop {
   std::atomic<int> active_count_{0};
   std::atomic<uint64_t> decode_iterations_{0}, decode_steps_{0}, build_batches_{0};
   std::atomic<bool> stopping_{false};
-  std::thread thread_;
+  std::mutex egress_mu_;
+  std::condition_variable egress_cv_;
+  std::deque<Egress> egress_;
+  bool egress_stop_ = false;
+  std::thread thread_, egress_thread_;
 };
 
 /// The EngineErrorKind of an exception.

@@ -2,6 +2,8 @@
 
 #include <spdlog/spdlog.h>
 
+#include "proto/rpc/log_limit.h"
+
 namespace hypic::cache {
 
 AsyncCachePutter::AsyncCachePutter(const SegmentCacheClient& client, uint64_t max_queued_bytes)
@@ -30,8 +32,14 @@ bool AsyncCachePutter::enqueue(const rpc::Digest& digest, std::vector<int32_t> t
   std::lock_guard<std::mutex> lock(mu_);
   if (queued_bytes_ + bytes->size() > max_bytes_) {
     ++counters_.dropped;
-    spdlog::warn("[req {}] cache put of {} dropped: {} bytes already queued (limit {})", request_id,
-                 rpc::digest_hex(digest), queued_bytes_, max_bytes_);
+    static rpc::LogLimit limit;  // one line per 10 s under pressure (the metric counts every drop)
+    uint64_t unlogged = 0;
+    if (limit.allow(&unlogged)) {
+      spdlog::warn("[req {}] cache put of {} ({} bytes) dropped: {} bytes already queued (limit {}, --put-queue-bytes)"
+                   "{}",
+                   request_id, rpc::digest_hex(digest), bytes->size(), queued_bytes_, max_bytes_,
+                   unlogged ? fmt::format("; {} more dropped since the last such line", unlogged) : std::string());
+    }
     return false;
   }
   queued_bytes_ += bytes->size();

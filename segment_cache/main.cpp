@@ -16,8 +16,9 @@ int main(int argc, char** argv) {
   std::string disk_dir;
   size_t chunk_bytes = hypic::rpc::kChunkBytes;
   uint32_t max_lease_ms = 60000;
-  app.add_option("--memory-bytes", store.memory_budget_bytes, "memory-tier budget (e.g. 2GiB, 512MB)")
-      ->transform(CLI::AsSizeValue(false))
+  std::string memory_bytes = "auto";
+  app.add_option("--memory-bytes", memory_bytes,
+                 "memory-tier budget (e.g. 2GiB, 512MB); auto: a quarter of this host's memory, at least 1 GiB")
       ->capture_default_str();
   app.add_option("--disk-dir", disk_dir, "enable the disk tier in this directory (entries survive restarts)");
   app.add_option("--disk-bytes", store.disk_budget_bytes, "disk-tier budget")
@@ -40,6 +41,9 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   try {
     hypic::rpc::init_service("segment-cache", server);
+    const auto memory = hypic::rpc::parse_byte_budget(memory_bytes, "--memory-bytes");
+    store.memory_budget_bytes = memory ? *memory : std::max<uint64_t>(uint64_t{1} << 30, hypic::rpc::host_memory_bytes() / 4);
+    if (!memory) spdlog::info("--memory-bytes auto: a quarter of this host's {} bytes of memory", hypic::rpc::host_memory_bytes());
     store.disk_dir = disk_dir;
     hypic::cache::SegmentStore st(store);
     hypic::rpc::Lifecycle life("segment cache");

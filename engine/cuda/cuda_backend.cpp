@@ -28,6 +28,7 @@
 
 #include "engine/cuda/cuda_weights.h"
 #include "engine/cuda/device_memory.h"
+#include "engine/cuda/pinned_pool.h"
 #include "engine/safetensors.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cuda/attention.h"
@@ -83,6 +84,59 @@ class Tables {
 class CudaBackend;
 
 // ---- entries ---------------------------------------------------------------------------------------------------
+
+// Where each part of an entry of n tokens lies in its device block (byte offsets, 256-byte aligned): per linear layer
+// T_seam, S_seam, T_int, S_int ([H_v][128][128] fp32 each) and the conv tail [K-1][C] bf16; then per attention layer
+// K and V [n][H_kv][hd] bf16. A host block (pinned copy) uses the same offsets.
+struct EntryLayout {
+  size_t state = 0, conv = 0, lin_stride = 0, kv = 0, kv_off = 0, total = 0;
+  EntryLayout(const EntryGeometry& g, size_t kv_row_bytes, int64_t n) {
+    state = size_t(g.linear_heads) * kStateFloats * sizeof(float);
+    conv = size_t(g.conv_rows) * g.conv_dim * 2;
+    lin_stride = (4 * state + conv + 255) / 256 * 256;
+    kv = (size_t(n) * kv_row_bytes + 255) / 256 * 256;
+    kv_off = size_t(g.num_linear) * lin_stride;
+    total = kv_off + size_t(g.num_attention) * 2 * kv;
+  }
+  size_t lin(int l, int k) const { return size_t(l) * lin_stride + size_t(k) * state; }  // k: 0..3 as above
+  size_t conv_at(int l) const { return size_t(l) * lin_stride + 4 * state; }
+  size_t K(int a) const { return kv_off + size_t(a) * 2 * kv; }
+  size_t V(int a) const { return K(a) + kv; }
+};
+
+// A host block (engine/backend.h): an entry's device block in pinned pieces of the backend's pool.
+class CudaHostBlock final : public HostBlock {
+ public:
+  CudaHostBlock(SegmentEntry header, size_t bytes, std::shared_ptr<PinnedPool> pool)
+      : header_(std::move(header)), bytes_(bytes), pool_(std::move(pool)), pieces_(pool_->acquire(bytes)) {}
+  ~CudaHostBlock() override { pool_->release(pieces_); }
+  const SegmentEntry& header() const override { return header_; }
+  size_t bytes() const override { return bytes_; }
+  const std::vector<PinnedPool::Piece>& pieces() const { return pieces_; }
+  /// Calls f(host pointer, block offset, length) for the pieces covering [offset, offset + n).
+  template <class F>
+  void span(size_t offset, size_t n, F&& f) const {
+    size_t base = 0;
+    for (const auto& p : pieces_) {
+      const size_t lo = std::max(offset, base), hi = std::min(offset + n, base + p.used);
+      if (lo < hi) f(p.data + (lo - base), lo, hi - lo);
+      base += p.used;
+      if (base >= offset + n) break;
+    }
+  }
+  void read(size_t offset, void* dst, size_t n) const {
+    span(offset, n, [&](const char* p, size_t at, size_t len) { std::memcpy(static_cast<char*>(dst) + (at - offset), p, len); });
+  }
+  void write(size_t offset, const void* src, size_t n) {
+    span(offset, n, [&](char* p, size_t at, size_t len) { std::memcpy(p, static_cast<const char*>(src) + (at - offset), len); });
+  }
+
+ private:
+  SegmentEntry header_;
+  size_t bytes_;
+  std::shared_ptr<PinnedPool> pool_;
+  std::vector<PinnedPool::Piece> pieces_;
+};
 
 // A segment entry on the device: per linear layer T_seam, S_seam, T_int, S_int ([H_v][128][128] fp32 each) and the
 // conv tail [K-1][C] bf16; per attention layer K and V [n][H_kv][hd] bf16 (K rotated at local positions).
@@ -191,6 +245,12 @@ class CudaBackend final : public Backend {
   void decode(std::span<Sequence* const> sequences, std::span<const int32_t> tokens,
               std::vector<float>& logits) override;
   BackendMemory memory() const override;
+  bool device_entries() const override { return true; }
+  std::shared_ptr<const HostBlock> copy_to_host(const ResidentEntry& entry) const override;
+  std::shared_ptr<const ResidentEntry> import_block(const HostBlock& block) const override;
+  std::shared_ptr<const SegmentEntry> entry_of_block(const HostBlock& block) const override;
+  std::shared_ptr<const HostBlock> block_of_entry(const SegmentEntry& entry) const override;
+  size_t entry_bytes(int64_t tokens) const override { return EntryLayout(geom_, kv_row_, tokens).total; }
 
   // Used by entries and sequences (any thread).
   void release(int slot, const std::vector<int>& pages);
@@ -286,6 +346,13 @@ class CudaBackend final : public Backend {
   // on a stream of their own, since plain cudaMalloc / cudaFree synchronize the whole device (the engine's work and
   // any NCCL receive still waiting for its sender).
   cudaStream_t xfer_stream_ = nullptr;
+  // Host blocks: device-to-host and host-to-device copies on streams of their own (any thread), into and out of
+  // pinned pieces of pinned_ (shared with the blocks, which may outlive the backend).
+  cudaStream_t d2h_stream_ = nullptr, h2d_stream_ = nullptr;
+  std::shared_ptr<PinnedPool> pinned_;
+  /// Waits for the work queued so far on `stream` (an event of the caller's own: other threads' later work on the
+  /// same stream is not waited for).
+  void wait_stream(cudaStream_t stream, const char* what) const;
   DeviceWeights w_;
   kc::GemmRunner gemm_;
   kc::MoeWorkspace moe_ws_;
@@ -338,13 +405,13 @@ class CudaBackend final : public Backend {
 
 CudaEntry::CudaEntry(CudaBackend& b, SegmentEntry header, cudaStream_t stream)
     : header_(std::move(header)), owner_(&b) {
-  const EntryGeometry& g = b.geometry();
-  state_bytes_ = size_t(g.linear_heads) * kStateFloats * sizeof(float);
-  conv_bytes_ = size_t(g.conv_rows) * g.conv_dim * 2;
-  lin_stride_ = (4 * state_bytes_ + conv_bytes_ + 255) / 256 * 256;
-  kv_bytes_ = (size_t(n()) * b.kv_row_bytes() + 255) / 256 * 256;
-  kv_off_ = size_t(g.num_linear) * lin_stride_;
-  const size_t total = kv_off_ + size_t(g.num_attention) * 2 * kv_bytes_;
+  const EntryLayout lay(b.geometry(), b.kv_row_bytes(), n());
+  state_bytes_ = lay.state;
+  conv_bytes_ = lay.conv;
+  lin_stride_ = lay.lin_stride;
+  kv_bytes_ = lay.kv;
+  kv_off_ = lay.kv_off;
+  const size_t total = lay.total;
   device_ = b.device().index;
   mem_ = DeviceMemory(total, "segment entry (" + std::to_string(n()) + " tokens)", stream,
                       /*stream_ordered=*/stream != nullptr);
@@ -352,40 +419,7 @@ CudaEntry::CudaEntry(CudaBackend& b, SegmentEntry header, cudaStream_t stream)
 
 std::shared_ptr<const SegmentEntry> CudaEntry::host() const {
   std::lock_guard lock(mu_);
-  if (host_) return host_;
-  check_cuda(cudaSetDevice(device_), "cudaSetDevice");
-  auto e = std::make_shared<SegmentEntry>(header_);
-  const EntryGeometry& g = header_.geometry;
-  const size_t sf = state_bytes_ / sizeof(float);
-  auto get_f32 = [&](const float* src) {
-    std::vector<float> v(sf);
-    check_cuda(cudaMemcpy(v.data(), src, state_bytes_, cudaMemcpyDeviceToHost), "entry download");
-    return v;
-  };
-  auto get_bf16 = [&](const kc::bf16* src, size_t count) {
-    std::vector<uint16_t> raw(count);
-    if (count) check_cuda(cudaMemcpy(raw.data(), src, count * 2, cudaMemcpyDeviceToHost), "entry download");
-    std::vector<float> v(count);
-    for (size_t i = 0; i < count; ++i) v[i] = bf16_to_f32(raw[i]);
-    return v;
-  };
-  e->linear.resize(g.num_linear);
-  for (int l = 0; l < g.num_linear; ++l) {
-    LinearLayerEntry& L = e->linear[l];
-    L.seam_transition = TransitionOperator::dense(g.linear_heads, g.d_k, get_f32(T_seam(l)));
-    L.seam_state = get_f32(S_seam(l));
-    L.interior_transition = TransitionOperator::dense(g.linear_heads, g.d_k, get_f32(T_int(l)));
-    L.interior_state = get_f32(S_int(l));
-    L.conv_tail = get_bf16(conv(l), size_t(g.conv_rows) * g.conv_dim);
-  }
-  e->attention.resize(g.num_attention);
-  const size_t kvn = size_t(n()) * g.kv_heads * g.head_dim;
-  for (int a = 0; a < g.num_attention; ++a) {
-    e->attention[a].k = get_bf16(K(a), kvn);
-    e->attention[a].v = get_bf16(V(a), kvn);
-  }
-  e->check_consistent();
-  host_ = e;
+  if (!host_) host_ = owner_->entry_of_block(*owner_->copy_to_host(*this));
   return host_;
 }
 
@@ -412,6 +446,9 @@ CudaBackend::CudaBackend(const DeviceSpec& dev, ModelConfig cfg, const ModelWeig
   set_device();
   check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
   check_cuda(cudaStreamCreateWithFlags(&xfer_stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+  check_cuda(cudaStreamCreateWithFlags(&d2h_stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+  check_cuda(cudaStreamCreateWithFlags(&h2d_stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+  pinned_ = std::make_shared<PinnedPool>(dev_.index);
   if (!weights && checkpoint.empty()) cfg_.weights_digest = random_weights_digest(opt_.random_weights_seed);
   fingerprint_ = model_fingerprint(cfg_, numerics());
   geom_ = EntryGeometry::of(cfg_);
@@ -455,6 +492,11 @@ CudaBackend::~CudaBackend() {
     drain_frees();
     cudaStreamSynchronize(stream_);
     cudaStreamDestroy(stream_);
+  }
+  for (cudaStream_t st : {d2h_stream_, h2d_stream_}) {
+    if (!st) continue;
+    cudaStreamSynchronize(st);
+    cudaStreamDestroy(st);
   }
   if (xfer_stream_) {
     cudaStreamSynchronize(xfer_stream_);
@@ -601,6 +643,12 @@ BackendMemory CudaBackend::memory() const {
   m.workspace = act_.size() + moe_ws_.bytes() + ws_a_.bytes() + ws_c_.bytes() + ws_seam_.bytes() + ws_pieces_.bytes() +
                 attn_ws_.bytes() + attn_dec_ws_.bytes() + run_scratch_.size() + tables_dev_.size() + logits_dev_.size();
   for (const auto& p : prefix_lru_) m.entries_used += p.cp->mem.size();
+  size_t free = 0, total = 0;
+  if (cudaSetDevice(dev_.index) == cudaSuccess && cudaMemGetInfo(&free, &total) == cudaSuccess) {
+    m.device_free = free;
+    m.device_total = total;
+  }
+  m.pinned_host = pinned_->bytes_held();
   return m;
 }
 
@@ -1633,37 +1681,131 @@ std::shared_ptr<const ResidentEntry> CudaBackend::import_entry(std::shared_ptr<c
   set_device();
   drain_frees();
   if (!host) throw std::invalid_argument("import_entry: null entry");
-  host->check_consistent();
-  host->check_compatible(fingerprint_, geom_, -1, numerics());
-  auto e = std::make_shared<CudaEntry>(*this, header_of(*host), stream_);
-  std::vector<uint16_t> buf;
-  std::vector<std::vector<float>> dense_keep;
-  auto put_f32 = [&](float* dst, const std::vector<float>& src) {
-    check_cuda(cudaMemcpyAsync(dst, src.data(), src.size() * 4, cudaMemcpyHostToDevice, stream_), "entry upload");
+  // Converted into a pinned block, then one host-to-device copy at PCIe bandwidth (not the engine's stream).
+  return import_block(*block_of_entry(*host));
+}
+
+// ---- host blocks -----------------------------------------------------------------------------------------------
+
+void CudaBackend::wait_stream(cudaStream_t stream, const char* what) const {
+  cudaEvent_t ev = nullptr;
+  check_cuda(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), what);
+  cudaError_t err = cudaEventRecord(ev, stream);
+  if (err == cudaSuccess) err = cudaEventSynchronize(ev);
+  cudaEventDestroy(ev);
+  check_cuda(err, what);
+}
+
+std::shared_ptr<const HostBlock> CudaBackend::copy_to_host(const ResidentEntry& entry) const {
+  const auto* e = dynamic_cast<const CudaEntry*>(&entry);
+  if (!e || e->device() != dev_.index) throw EntryError("copy_to_host: the entry is not one of " + dev_.name() + "'s");
+  if (e->no_transitions) throw EntryError("copy_to_host: the entry was built with benchmark_skip_transitions (no T_C)");
+  check_cuda(cudaSetDevice(dev_.index), "cudaSetDevice");
+  const DeviceBlock dev = e->block();
+  auto block = std::make_shared<CudaHostBlock>(header_of(e->header()), dev.bytes, pinned_);
+  size_t off = 0;
+  for (const auto& p : block->pieces()) {
+    check_cuda(cudaMemcpyAsync(p.data, static_cast<const char*>(dev.data) + off, p.used, cudaMemcpyDeviceToHost,
+                               d2h_stream_),
+               "entry copy to host");
+    off += p.used;
+  }
+  wait_stream(d2h_stream_, "entry copy to host");
+  return block;
+}
+
+std::shared_ptr<const ResidentEntry> CudaBackend::import_block(const HostBlock& hb) const {
+  const auto* block = dynamic_cast<const CudaHostBlock*>(&hb);
+  if (!block) throw EntryError("import_block: not a host block of the CUDA backend");
+  const SegmentEntry& h = block->header();
+  h.check_compatible(fingerprint_, geom_, -1, numerics());
+  if (h.num_tokens() < 1) throw EntryError("import_block: an entry has at least one token");
+  const size_t want = EntryLayout(geom_, kv_row_, h.num_tokens()).total;
+  if (block->bytes() != want)
+    throw EntryError("import_block: a block of " + std::to_string(block->bytes()) + " bytes for " +
+                     std::to_string(h.num_tokens()) + " tokens (expected " + std::to_string(want) + ")");
+  check_cuda(cudaSetDevice(dev_.index), "cudaSetDevice");
+  // Allocated and filled in order on h2d_stream_ (stream-ordered: no device-wide synchronization), then waited for,
+  // so that the engine's stream only ever sees a complete entry. Freed stream-ordered on h2d_stream_ too.
+  auto e = std::make_shared<CudaEntry>(const_cast<CudaBackend&>(*this), header_of(h), h2d_stream_);
+  const DeviceBlock dev = e->block();
+  size_t off = 0;
+  for (const auto& p : block->pieces()) {
+    check_cuda(cudaMemcpyAsync(static_cast<char*>(dev.data) + off, p.data, p.used, cudaMemcpyHostToDevice, h2d_stream_),
+               "entry copy to device");
+    off += p.used;
+  }
+  wait_stream(h2d_stream_, "entry copy to device");
+  return e;
+}
+
+std::shared_ptr<const SegmentEntry> CudaBackend::entry_of_block(const HostBlock& hb) const {
+  const auto* block = dynamic_cast<const CudaHostBlock*>(&hb);
+  if (!block) throw EntryError("entry_of_block: not a host block of the CUDA backend");
+  const SegmentEntry& h = block->header();
+  const EntryGeometry& g = h.geometry;
+  const EntryLayout lay(g, size_t(g.kv_heads) * g.head_dim * 2, h.num_tokens());
+  if (block->bytes() != lay.total) throw EntryError("entry_of_block: the block's size does not match its header");
+  auto e = std::make_shared<SegmentEntry>(h);
+  const size_t sf = lay.state / sizeof(float);
+  auto get_f32 = [&](size_t off) {
+    std::vector<float> v(sf);
+    block->read(off, v.data(), lay.state);
+    return v;
   };
-  auto put_bf16 = [&](kc::bf16* dst, const std::vector<float>& src) {
+  std::vector<uint16_t> raw;
+  auto get_bf16 = [&](size_t off, size_t count) {
+    raw.resize(count);
+    block->read(off, raw.data(), count * 2);
+    std::vector<float> v(count);
+    for (size_t i = 0; i < count; ++i) v[i] = bf16_to_f32(raw[i]);
+    return v;
+  };
+  e->linear.resize(size_t(g.num_linear));
+  for (int l = 0; l < g.num_linear; ++l) {
+    LinearLayerEntry& L = e->linear[size_t(l)];
+    L.seam_transition = TransitionOperator::dense(g.linear_heads, g.d_k, get_f32(lay.lin(l, 0)));
+    L.seam_state = get_f32(lay.lin(l, 1));
+    L.interior_transition = TransitionOperator::dense(g.linear_heads, g.d_k, get_f32(lay.lin(l, 2)));
+    L.interior_state = get_f32(lay.lin(l, 3));
+    L.conv_tail = get_bf16(lay.conv_at(l), size_t(g.conv_rows) * g.conv_dim);
+  }
+  e->attention.resize(size_t(g.num_attention));
+  const size_t kvn = size_t(h.num_tokens()) * g.kv_heads * g.head_dim;
+  for (int a = 0; a < g.num_attention; ++a) {
+    e->attention[size_t(a)].k = get_bf16(lay.K(a), kvn);
+    e->attention[size_t(a)].v = get_bf16(lay.V(a), kvn);
+  }
+  e->check_consistent();
+  return e;
+}
+
+std::shared_ptr<const HostBlock> CudaBackend::block_of_entry(const SegmentEntry& host) const {
+  host.check_consistent();
+  host.check_compatible(fingerprint_, geom_, -1, numerics());
+  if (host.num_tokens() < 1) throw EntryError("block_of_entry: an entry has at least one token");
+  const EntryLayout lay(geom_, kv_row_, host.num_tokens());
+  auto block = std::make_shared<CudaHostBlock>(header_of(host), lay.total, pinned_);
+  std::vector<uint16_t> buf;
+  auto put_bf16 = [&](size_t off, const std::vector<float>& src) {
     buf.resize(src.size());
     for (size_t i = 0; i < src.size(); ++i) buf[i] = f32_to_bf16(src[i]);
-    if (!buf.empty())
-      check_cuda(cudaMemcpy(dst, buf.data(), buf.size() * 2, cudaMemcpyHostToDevice), "entry upload");
+    block->write(off, buf.data(), buf.size() * 2);
   };
-  check_cuda(cudaStreamSynchronize(stream_), "entry allocation");
   for (int l = 0; l < n_lin_; ++l) {
-    const LinearLayerEntry& L = host->linear[l];
-    dense_keep.push_back(L.seam_transition.to_dense());
-    put_f32(e->T_seam(l), dense_keep.back());
-    put_f32(e->S_seam(l), L.seam_state);
-    dense_keep.push_back(L.interior_transition.to_dense());
-    put_f32(e->T_int(l), dense_keep.back());
-    put_f32(e->S_int(l), L.interior_state);
-    put_bf16(e->conv(l), L.conv_tail);
+    const LinearLayerEntry& L = host.linear[size_t(l)];
+    const std::vector<float> Ts = L.seam_transition.to_dense(), Ti = L.interior_transition.to_dense();
+    block->write(lay.lin(l, 0), Ts.data(), lay.state);
+    block->write(lay.lin(l, 1), L.seam_state.data(), lay.state);
+    block->write(lay.lin(l, 2), Ti.data(), lay.state);
+    block->write(lay.lin(l, 3), L.interior_state.data(), lay.state);
+    put_bf16(lay.conv_at(l), L.conv_tail);
   }
   for (int a = 0; a < n_attn_; ++a) {
-    put_bf16(e->K(a), host->attention[a].k);
-    put_bf16(e->V(a), host->attention[a].v);
+    put_bf16(lay.K(a), host.attention[size_t(a)].k);
+    put_bf16(lay.V(a), host.attention[size_t(a)].v);
   }
-  check_cuda(cudaStreamSynchronize(stream_), "entry upload");
-  return e;
+  return block;
 }
 
 ModelState CudaBackend::download_state(const CudaSequence& s) const {

@@ -1,5 +1,7 @@
 #include "proto/rpc/server.h"
 
+#include <algorithm>
+
 #include <signal.h>
 #include <unistd.h>
 
@@ -257,6 +259,43 @@ std::string advertised_host(const std::string& listen) {
   }
   if (host.empty() || host == "0.0.0.0" || host == "[::]" || host == "localhost") return "127.0.0.1";
   return host;
+}
+
+std::optional<uint64_t> parse_byte_budget(const std::string& text, const std::string& flag) {
+  if (text == "auto") return std::nullopt;
+  std::string v = text;
+  const std::string err = CLI::AsSizeValue(false)(v);
+  uint64_t out = 0;
+  if (!err.empty() || v.empty() || !std::all_of(v.begin(), v.end(), [](char c) { return c >= '0' && c <= '9'; }) ||
+      !CLI::detail::lexical_cast(v, out)) {
+    throw std::invalid_argument(flag + ": \"" + text + "\" is neither auto nor a size (e.g. 8GiB, 512MB, 1048576)");
+  }
+  return out;
+}
+
+uint64_t host_memory_bytes() {
+  uint64_t total = 0;
+  std::ifstream mi("/proc/meminfo");
+  std::string key;
+  uint64_t kib = 0;
+  std::string unit;
+  while (mi >> key >> kib) {
+    std::getline(mi, unit);
+    if (key == "MemTotal:") {
+      total = kib * 1024;
+      break;
+    }
+  }
+  std::ifstream cg("/sys/fs/cgroup/memory.max");
+  std::string lim;
+  if (cg >> lim && lim != "max") {
+    try {
+      const uint64_t l = std::stoull(lim);
+      if (l > 0 && (total == 0 || l < total)) total = l;
+    } catch (const std::exception&) {
+    }
+  }
+  return total;
 }
 
 }  // namespace hypic::rpc

@@ -43,6 +43,13 @@ std::string self_address(const ServerFlags& flags, int port);
 /// --metrics-port-file and the --tls-* flags (security.h) on `app`.
 void add_server_flags(CLI::App& app, ServerFlags& flags);
 
+/// A byte-budget flag that may be "auto" (the service derives it from the machine): "auto" -> nullopt, else a size
+/// as CLI11's AsSizeValue reads it ("8GiB", "512MB", "1048576"). Throws std::invalid_argument naming the flag.
+std::optional<uint64_t> parse_byte_budget(const std::string& text, const std::string& flag);
+
+/// Physical memory of this host (bytes; /proc/meminfo MemTotal, cgroup v2 memory.max when lower), 0 if unknown.
+uint64_t host_memory_bytes();
+
 /// What every service's main() does first after parsing its flags: logging (setup_logging) and the process-wide TLS
 /// configuration (configure_tls, before any channel is made). Throws std::invalid_argument for a bad log level or
 /// TLS file (naming the flag).

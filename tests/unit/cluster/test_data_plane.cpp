@@ -32,6 +32,8 @@ struct CombineServer {
   hypic::cache::SegmentCacheClient cache{std::vector<std::string>{}};
   hypic::cache::AsyncCachePutter putter{cache, 1 << 20};
   hypic::combine::EntryMemoryTier tier{1 << 20};
+  hypic::combine::HostBlockTier host_tier{0};
+  hypic::combine::HostCopier copier{*backend, &host_tier, putter, 1 << 20};
   hypic::engine::EngineLoop loop{*backend};
   hypic::rpc::Lifecycle life{"combine worker"};
   std::unique_ptr<hypic::combine::CombineService> svc;
@@ -43,7 +45,7 @@ struct CombineServer {
     hypic::combine::CombineOptions opt;
     opt.nccl = nccl;
     svc = std::make_unique<hypic::combine::CombineService>(
-        hypic::combine::CombineDeps{tokenizer, cache, putter, loop, tier, life}, opt);
+        hypic::combine::CombineDeps{tokenizer, cache, putter, loop, tier, host_tier, copier, life}, opt);
     grpc::ServerBuilder b;
     b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
     b.RegisterService(svc.get());

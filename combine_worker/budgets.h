@@ -1,0 +1,44 @@
+// The combine worker's default byte budgets ("auto"), derived from the model's entry size and the machine, so that
+// the defaults serve real entries (a 2048-token Qwen3.5-35B-A3B entry is about 280 MB on the device): the device
+// tier takes the device memory left after the weights, the KV pool and the workspace, minus a reserve for what a
+// request allocates on the way (prefix checkpoints, imports in flight, entries in use after their eviction); the host
+// tier a quarter of host memory (pinned); the queues of host copies and cache puts a few entries each.
+#pragma once
+#include <cstdint>
+#include <string>
+
+namespace hypic::combine {
+
+/// Segment length the budgets are stated in ("about N entries of 2048 tokens").
+constexpr int64_t kTypicalSegmentTokens = 2048;
+
+/// What the budgets are derived from.
+struct BudgetInputs {
+  bool device_entries = false;      ///< the backend keeps entries in device memory (CUDA)
+  uint64_t device_free = 0;         ///< device memory free after the backend was made (bytes)
+  uint64_t host_memory = 0;         ///< this host's memory (bytes; rpc::host_memory_bytes)
+  uint64_t entry_bytes = 0;         ///< a typical entry where it is resident (Backend::entry_bytes(2048))
+  uint64_t wire_entry_bytes = 0;    ///< the same entry serialized (cache puts)
+  uint64_t prefix_cache_bytes = 0;  ///< --prefix-cache-bytes (device memory on CUDA)
+  int fetch_parallelism = 4;        ///< entries imported at once per request
+};
+
+/// Byte budgets (0 disables a tier).
+struct TierBudgets {
+  uint64_t device_tier = 0;       ///< --memory-tier-bytes: entries resident on the backend
+  uint64_t host_tier = 0;         ///< --host-tier-bytes: pinned host copies (device backends only)
+  uint64_t put_queue = 0;         ///< --put-queue-bytes: serialized entries waiting for their cache put
+  uint64_t host_copy_queue = 0;   ///< --host-copy-queue-bytes: resident entries waiting for their host copy
+};
+
+/// The defaults:
+///  - device backends: device tier = device_free - reserve, reserve = 4 GiB + device_free / 10 + prefix_cache_bytes
+///    + fetch_parallelism entries (0 if that is negative); host tier = host_memory / 4;
+///  - the CPU backend (entries in host memory): device tier = max(1 GiB, host_memory / 8), no host tier;
+///  - put queue = max(1 GiB, 8 wire entries); host-copy queue = max(1 GiB, 8 entries).
+TierBudgets default_tier_budgets(const BudgetInputs& in);
+
+/// "31.2 GiB (about 115 entries of 2048 tokens)".
+std::string describe_budget(uint64_t bytes, uint64_t entry_bytes);
+
+}  // namespace hypic::combine
