@@ -28,6 +28,7 @@ HostCopier::~HostCopier() {
 bool HostCopier::enqueue(const rpc::Digest& digest, std::shared_ptr<const engine::ResidentEntry> entry, bool put,
                          std::string request_id) {
   const bool to_host_tier = host_tier_ && host_tier_->budget() > 0 && backend_.device_entries();
+  put = put && putter_.enabled();  // no cache: no wire form to make
   if (!entry || (!to_host_tier && !put)) return false;
   const size_t bytes = entry->resident_bytes();
   {

@@ -162,8 +162,9 @@ void RouterService::probe_workers() {
   }
 }
 
-RouterService::Worker* RouterService::wait_for_combine(std::chrono::system_clock::time_point deadline) {
-  if (Worker* w = pick_combine()) return w;
+RouterService::Worker* RouterService::wait_for_combine(std::chrono::system_clock::time_point deadline,
+                                                       const std::vector<size_t>* held) {
+  if (Worker* w = pick_combine(held)) return w;
   const auto until = std::min(deadline, std::chrono::system_clock::now() + cfg_.combine_wait);
   while (std::chrono::system_clock::now() < until) {
     {
@@ -173,20 +174,56 @@ RouterService::Worker* RouterService::wait_for_combine(std::chrono::system_clock
     }
     probe_cv_.notify_all();
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    if (Worker* w = pick_combine()) return w;
+    if (Worker* w = pick_combine(held)) return w;
   }
   return nullptr;
 }
 
-RouterService::Worker* RouterService::pick_combine() {
+RouterService::Worker* RouterService::pick_combine(const std::vector<size_t>* held) {
   Worker* best = nullptr;
+  size_t best_held = 0;
   const size_t n = combine_.size();
   const size_t start = combine_turn_++ % n;  // rotate among equally loaded workers
   for (size_t k = 0; k < n; ++k) {
-    Worker* w = combine_[(start + k) % n].get();
-    if (w->available.load() && (!best || w->active.load() < best->active.load())) best = w;
+    const size_t i = (start + k) % n;
+    Worker* w = combine_[i].get();
+    if (!w->available.load()) continue;
+    const size_t h = held && i < held->size() ? (*held)[i] : 0;
+    if (!best || h > best_held || (h == best_held && w->active.load() < best->active.load())) {
+      best = w;
+      best_held = h;
+    }
   }
   return best;
+}
+
+std::vector<std::vector<v1::EntryTier>> RouterService::lookup_combine_tiers(const std::vector<rpc::Digest>& digests,
+                                                                            const grpc::ServerContextBase* parent) {
+  std::vector<std::vector<v1::EntryTier>> out(combine_.size());
+  v1::LookupEntriesRequest req;
+  for (const auto& d : digests) req.add_digests(rpc::digest_bytes(d));
+  auto ask = [&](size_t i) {
+    Worker& w = *combine_[i];
+    if (!w.available.load() || digests.empty()) return;
+    auto cctx = rpc::make_client_context(parent);
+    cctx->set_deadline(std::min(cctx->deadline(), std::chrono::system_clock::now() + cfg_.lookup_timeout));
+    v1::LookupEntriesResponse resp;
+    const grpc::Status st = w.combine->LookupEntries(cctx.get(), req, &resp);
+    if (!st.ok() || resp.tiers_size() != int(digests.size())) {
+      spdlog::debug("combine worker {}: tier lookup failed ({}): its tiers count as empty", w.address,
+                    st.ok() ? "wrong answer size" : rpc::describe(st));
+      return;
+    }
+    for (int t : resp.tiers()) out[i].push_back(v1::EntryTier(t));
+  };
+  if (combine_.size() == 1) {
+    ask(0);
+    return out;
+  }
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < combine_.size(); ++i) threads.emplace_back(ask, i);
+  for (auto& t : threads) t.join();
+  return out;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -208,6 +245,7 @@ class GenerateCall {
     std::vector<int32_t> ids;
     rpc::Digest digest{};
     bool hit = false;
+    v1::EntryTier combine_tier = v1::ENTRY_TIER_NONE;  // the chosen combine worker holds it in this tier
     std::optional<uint32_t> repeat_of;  // an earlier segment of the same digest: planned once, as that one
     uint32_t worker = kLocal;           // current scatter assignee
     bool held = false;                  // holds the in-flight build (digest, worker) in svc_.builds_
@@ -457,7 +495,24 @@ grpc::Status GenerateCall::run() {
   for (const auto& s : segs_) prompt_tokens += s.ids.size();
 
   // ---- lookup ----
+  // The segment cache (leasing its hits) and, at the same time, every combine worker's own tiers: an entry a combine
+  // worker holds is a hit too, with or without a cache, and the request goes to the worker that holds most.
   const auto t_lookup0 = Clock::now();
+  std::vector<std::vector<v1::EntryTier>> tiers;
+  std::thread tier_lookup;
+  if (opts_.uses_entries) {
+    std::vector<rpc::Digest> digests;
+    for (const auto& s : segs_) digests.push_back(s.digest);
+    tier_lookup = std::thread([this, digests = std::move(digests), &tiers] {
+      tiers = svc_.lookup_combine_tiers(digests, ctx_);
+    });
+  }
+  struct Join {
+    std::thread& t;
+    ~Join() {
+      if (t.joinable()) t.join();
+    }
+  } join_tier_lookup{tier_lookup};
   bool cache_available = svc_.cache_.enabled();
   if (opts_.uses_entries && svc_.cache_.enabled()) {
     std::vector<cache::CacheKey> keys;
@@ -474,13 +529,30 @@ grpc::Status GenerateCall::run() {
     metrics.cache_queries.inc(double(n));
     metrics.cache_hits.inc(double(std::count_if(segs_.begin(), segs_.end(), [](const SegState& s) { return s.hit; })));
   }
+  if (tier_lookup.joinable()) tier_lookup.join();
+  std::vector<size_t> held(tiers.size(), 0);
+  for (size_t w = 0; w < tiers.size(); ++w)
+    for (auto t : tiers[w]) held[w] += t != v1::ENTRY_TIER_NONE;
   const auto t_lookup1 = Clock::now();
 
   // ---- plan ----
-  combine_ = svc_.wait_for_combine(ctx_->deadline());
+  combine_ = svc_.wait_for_combine(ctx_->deadline(), &held);
   if (!combine_) {
     throw rpc::unavailable(fmt::format("no combine worker is available ({} configured, none healthy after waiting "
                                        "{} ms for one)", svc_.combine_.size(), svc_.cfg_.combine_wait.count()));
+  }
+  for (size_t w = 0; w < tiers.size(); ++w) {
+    if (svc_.combine_[w].get() != combine_ || tiers[w].size() != n) continue;
+    size_t tier_hits = 0;
+    for (size_t i = 0; i < n; ++i) {
+      segs_[i].combine_tier = tiers[w][i];
+      if (tiers[w][i] != v1::ENTRY_TIER_NONE) {
+        tier_hits += !segs_[i].hit;
+        segs_[i].hit = true;
+      }
+    }
+    metrics.cache_hits.inc(double(tier_hits));
+    if (!svc_.cache_.enabled()) metrics.cache_queries.inc(double(n));
   }
   ++combine_->active;
   struct ActiveGuard {
@@ -629,6 +701,7 @@ grpc::Status GenerateCall::run() {
     sr->set_digest_hex(rpc::digest_hex(segs_[i].digest));
     // Prefix mode has no lookup: its hits are the segments the combine worker restored from a checkpoint.
     sr->set_cache_hit(opts_.mode == engine::SpliceMode::Prefix ? sr->reused() : segs_[i].hit);
+    sr->set_combine_tier(segs_[i].combine_tier);
     sr->set_attempts(segs_[i].attempts);
     if (!segs_[i].delivery_note.empty()) {
       sr->set_note(sr->note().empty() ? segs_[i].delivery_note : sr->note() + "; " + segs_[i].delivery_note);

@@ -25,6 +25,8 @@
 
 namespace hypic::router {
 
+namespace v1 = hypic::v1;
+
 struct RouterConfig {
   RouterLimits limits;
   std::vector<std::string> scatter_workers;  ///< host:port
@@ -94,14 +96,21 @@ class RouterService final : public hypic::v1::Router::Service {
   void probe_workers();
   /// A combine worker in rotation, waiting up to cfg_.combine_wait (and at most until `deadline`) for one to come
   /// back when none is, with the prober woken at once; nullptr when none came back in time.
-  Worker* wait_for_combine(std::chrono::system_clock::time_point deadline);
+  Worker* wait_for_combine(std::chrono::system_clock::time_point deadline, const std::vector<size_t>* held = nullptr);
   /// Health and identity of one worker: SERVING, the router's model, the cluster's numerics (adopted from it in
   /// auto mode when none is known yet). Logs each refusal once.
   template <class Service>
   bool probe(Worker& w);
   void set_scatter_available(size_t worker, bool available);
-  /// The combine worker with the fewest active requests among the available ones (nullptr if none).
-  Worker* pick_combine();
+  /// The available combine worker holding most of a request's entries in its own tiers (held[w]: how many of its
+  /// segments combine worker w holds; null: none known), ties broken by the fewest active requests, then in turn
+  /// (nullptr if none is available).
+  Worker* pick_combine(const std::vector<size_t>* held = nullptr);
+  /// Asks every available combine worker which of `digests` it holds in its own tiers (CombineWorker.LookupEntries,
+  /// in parallel, each bounded by the lookup timeout and the request's deadline). Per combine worker, per digest, the
+  /// tier; a worker that is out of rotation or did not answer in time holds nothing.
+  std::vector<std::vector<v1::EntryTier>> lookup_combine_tiers(const std::vector<rpc::Digest>& digests,
+                                                               const grpc::ServerContextBase* parent);
 
   const engine::Tokenizer& tokenizer_;
   RouterModel model_;

@@ -33,6 +33,8 @@ class AsyncCachePutter {
   /// entry, false if the put failed or was dropped. It must be quick and must not call enqueue.
   bool enqueue(const rpc::Digest& digest, std::vector<int32_t> token_ids, std::shared_ptr<const std::string> bytes,
                std::string request_id, std::function<void(bool stored)> done = {});
+  /// False when the client has no replica (every enqueue would be refused): callers skip making the bytes.
+  bool enabled() const { return client_.enabled(); }
   /// Blocks until the queue is empty and the put in flight finished (tests, shutdown).
   void wait_idle();
 

@@ -8,8 +8,14 @@
 //   scaling   all-cold prompts on clusters with 1, 2, 4... scatter workers (the same prompts each time);
 //   schedule  LPT vs round-robin (router --schedule) on deliberately uneven segment lengths: segment i is
 //             long when i % W == 0, so round-robin stacks every long segment on one worker;
+//   serving   (not in the default list; issue 25) per prompt A and reorders of it: hypic cold, warm from the
+//             combine worker's device tier, from its host tier (after CombineWorker.ClearTiers{device}), from the
+//             segment cache alone (after ClearTiers{device, host}; with the fetch bandwidth), then prefix cold /
+//             same order / reordered and full; one row each (hypic_cold, hypic_warm_hot, hypic_warm_host,
+//             hypic_warm_remote, prefix_cold, prefix_same, prefix_reordered, full);
 //   load      open-loop Poisson arrivals at fixed rates with a warm/cold mix; the highest rate whose p90
-//             TTFT stays under an SLO.
+//             TTFT stays under an SLO, per mode of --load-modes on the same arrival trace, with the p99
+//             inter-token latency there (and of one request alone, before the load).
 // Every request decodes exactly --max-tokens tokens (greedy, ignore_eos), so end-to-end latencies compare.
 // Each labelled row checks what it claims: a "cold" request must reuse no segment, a "warm" one all of them
 // (mismatches are counted in the output and make the exit status 3).
@@ -45,6 +51,7 @@
 #include "engine/config.h"
 #include "engine/tokenizer.h"
 #include "kernels/cpu/blas_env.h"
+#include "hypic/v1/combine.grpc.pb.h"
 #include "proto/rpc/server.h"
 #include "proto/rpc/status.h"
 
@@ -76,7 +83,11 @@ struct Options {
   std::string scaling_segment_tokens = "256";
   // schedule
   int schedule_requests = 4, long_tokens = 1024, short_tokens = 128;
+  // serving
+  int serving_prompts = 3, serving_segments = 8;
+  std::string serving_segment_tokens = "2048";
   // load
+  std::string load_modes = "hypic";
   std::string rates = "0.5,1,2,4";
   int load_requests = 16, load_segments = 4, load_pool = 16;
   std::string load_segment_tokens = "256";
@@ -220,6 +231,7 @@ class Bench {
   json run_modes();
   json run_scaling();
   json run_schedule();
+  json run_serving();
   json run_load();
 
   std::vector<std::string> notes;
@@ -269,6 +281,11 @@ class Bench {
     return out;
   }
   std::string run_id(const std::string& what) { return fmt::format("bench-{}-{}", what, ids_++); }
+  /// CombineWorker.ClearTiers on every combine worker the router names; the entries dropped, summed.
+  json clear_tiers(Target& t, bool device, bool host);
+  /// Adds to `counts` ("device", "host", "none") the fastest combine-worker tier holding each segment of `ref`'s
+  /// report (CombineWorker.LookupEntries on every combine worker); a failed lookup is logged and counts nothing.
+  void count_tiers(Target& t, const RequestResult& ref, json& counts);
 
   Options opt_;
   const hypic::engine::Tokenizer& tok_;
@@ -440,6 +457,247 @@ json Bench::run_schedule() {
           {"rows", finish_rows(rows)}};
 }
 
+/// The --load-modes list: modes among hypic, prefix and full, each once. Throws std::invalid_argument otherwise.
+std::vector<std::string> parse_load_modes(const std::string& text) {
+  std::vector<std::string> out;
+  std::stringstream ss(text);
+  std::string m;
+  while (std::getline(ss, m, ',')) {
+    if (m != "hypic" && m != "prefix" && m != "full") {
+      throw std::invalid_argument(fmt::format("--load-modes: unknown mode '{}' (hypic, prefix, full)", m));
+    }
+    if (std::find(out.begin(), out.end(), m) != out.end()) {
+      throw std::invalid_argument(fmt::format("--load-modes: '{}' given twice", m));
+    }
+    out.push_back(m);
+  }
+  if (out.empty()) throw std::invalid_argument("--load-modes: the list is empty");
+  return out;
+}
+
+/// "combine_memory" for SEGMENT_SOURCE_COMBINE_MEMORY.
+std::string source_name(v1::SegmentSource s) {
+  std::string n = v1::SegmentSource_Name(s);
+  if (n.rfind("SEGMENT_SOURCE_", 0) == 0) n = n.substr(15);
+  std::transform(n.begin(), n.end(), n.begin(), [](unsigned char c) { return char(std::tolower(c)); });
+  return n.empty() ? fmt::format("source_{}", int(s)) : n;
+}
+
+/// Segments by source over a row's successful requests, {"combine_memory": 8, "cache": 2, ...}.
+json sources_json(const Row& row) {
+  std::map<std::string, uint64_t> by;
+  for (const auto& r : row.results) {
+    if (!r.ok) continue;
+    for (const auto& sr : r.report.segments()) ++by[source_name(sr.source())];
+  }
+  json j = json::object();
+  for (const auto& [k, v] : by) j[k] = v;
+  return j;
+}
+
+/// The warm entries' fetches of a row (SegmentReport.fetch_ms / fetch_bytes: the copy that made an entry resident
+/// for the splice, from the combine worker's host tier or the segment cache). Per segment: GB/s = bytes / ms / 1e6,
+/// averaged over the segments that fetched something; per request: the bytes fetched, the summed and the longest
+/// fetch time, and the request's bandwidth both ways (bytes / summed ms: as if the fetches ran one after another;
+/// bytes / longest ms: as if they all overlapped), averaged over the requests that fetched something.
+json fetch_json(const Row& row) {
+  double gbps_sum = 0, bytes_sum = 0, ms_sum_sum = 0, ms_max_sum = 0, req_gbps_serial = 0, req_gbps_overlap = 0;
+  uint64_t segs = 0;
+  int requests = 0;
+  for (const auto& r : row.results) {
+    if (!r.ok) continue;
+    double bytes = 0, ms_sum = 0, ms_max = 0;
+    bool any = false;
+    for (const auto& sr : r.report.segments()) {
+      if (sr.fetch_bytes() == 0 && sr.fetch_ms() <= 0) continue;
+      any = true;
+      bytes += double(sr.fetch_bytes());
+      ms_sum += sr.fetch_ms();
+      ms_max = std::max(ms_max, sr.fetch_ms());
+      if (sr.fetch_ms() > 0) {
+        gbps_sum += double(sr.fetch_bytes()) / sr.fetch_ms() / 1e6;
+        ++segs;
+      }
+    }
+    if (!any) continue;
+    ++requests;
+    bytes_sum += bytes;
+    ms_sum_sum += ms_sum;
+    ms_max_sum += ms_max;
+    if (ms_sum > 0) req_gbps_serial += bytes / ms_sum / 1e6;
+    if (ms_max > 0) req_gbps_overlap += bytes / ms_max / 1e6;
+  }
+  const auto mean = [](double v, double n) { return n > 0 ? v / n : 0.0; };
+  return {{"fetch_segments", segs},
+          {"fetch_requests", requests},
+          {"fetch_gbps_per_segment", mean(gbps_sum, double(segs))},
+          {"fetch_bytes_per_request", mean(bytes_sum, requests)},
+          {"fetch_ms_sum_per_request", mean(ms_sum_sum, requests)},
+          {"fetch_ms_max_per_request", mean(ms_max_sum, requests)},
+          {"fetch_gbps_per_request_sum_ms", mean(req_gbps_serial, requests)},
+          {"fetch_gbps_per_request_max_ms", mean(req_gbps_overlap, requests)}};
+}
+
+/// Inter-token latencies of every successful request of a row, pooled.
+std::vector<double> row_itl(const Row& row) {
+  std::vector<double> v;
+  for (const auto& r : row.results) {
+    if (!r.ok) continue;
+    const auto d = inter_token_ms(r);
+    v.insert(v.end(), d.begin(), d.end());
+  }
+  return v;
+}
+
+/// A fresh order of `segs` (different from it when there are at least two distinct segments).
+std::vector<std::vector<int32_t>> reordered(const std::vector<std::vector<int32_t>>& segs, std::mt19937_64& rng) {
+  auto out = segs;
+  for (int tries = 0; tries < 16 && out.size() > 1 && out == segs; ++tries) shuffle(out, rng);
+  return out;
+}
+
+int common_head(const std::vector<std::vector<int32_t>>& a, const std::vector<std::vector<int32_t>>& b) {
+  int k = 0;
+  while (size_t(k) < a.size() && size_t(k) < b.size() && a[size_t(k)] == b[size_t(k)]) ++k;
+  return k;
+}
+
+json Bench::clear_tiers(Target& t, bool device, bool host) {
+  uint64_t dropped_device = 0, dropped_host = 0;
+  for (const auto& w : t.info.combine_workers()) {
+    auto stub = v1::CombineWorker::NewStub(hypic::rpc::make_channel(w.address()));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    v1::ClearTiersRequest req;
+    req.set_device(device);
+    req.set_host(host);
+    v1::ClearTiersResponse resp;
+    const grpc::Status st = stub->ClearTiers(&ctx, req, &resp);
+    if (!st.ok()) {
+      throw std::runtime_error(fmt::format("CombineWorker.ClearTiers at {}: {}", w.address(), hypic::rpc::describe(st)));
+    }
+    dropped_device += resp.device_entries_dropped();
+    dropped_host += resp.host_entries_dropped();
+  }
+  if (t.info.combine_workers_size() == 0) throw std::runtime_error("the router names no combine worker (ServerInfo)");
+  return {{"device_entries_dropped", dropped_device}, {"host_entries_dropped", dropped_host}};
+}
+
+void Bench::count_tiers(Target& t, const RequestResult& ref, json& counts) {
+  if (!ref.ok) return;
+  v1::LookupEntriesRequest req;
+  for (const auto& sr : ref.report.segments()) req.add_digests(hypic::rpc::digest_bytes(hypic::rpc::digest_from_hex(sr.digest_hex())));
+  std::vector<int> best(size_t(req.digests_size()), int(v1::ENTRY_TIER_NONE));
+  for (const auto& w : t.info.combine_workers()) {
+    auto stub = v1::CombineWorker::NewStub(hypic::rpc::make_channel(w.address()));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    v1::LookupEntriesResponse resp;
+    const grpc::Status st = stub->LookupEntries(&ctx, req, &resp);
+    if (!st.ok()) {
+      std::cerr << fmt::format("[bench] CombineWorker.LookupEntries at {}: {}\n", w.address(), hypic::rpc::describe(st));
+      return;
+    }
+    for (int i = 0; i < resp.tiers_size() && size_t(i) < best.size(); ++i) {
+      const int tier = resp.tiers(i);
+      if (tier != v1::ENTRY_TIER_NONE && (best[size_t(i)] == v1::ENTRY_TIER_NONE || tier < best[size_t(i)])) {
+        best[size_t(i)] = tier;
+      }
+    }
+  }
+  for (int tier : best) {
+    const char* k = tier == v1::ENTRY_TIER_DEVICE ? "device" : tier == v1::ENTRY_TIER_HOST ? "host" : "none";
+    counts[k] = counts.value(k, 0) + 1;
+  }
+}
+
+json Bench::run_serving() {
+  const LengthSpec len = parse_length_spec(opt_.serving_segment_tokens, "--serving-segment-tokens");
+  Target t = cluster(opt_.scatter_workers, {}, "serving");
+  const int n = opt_.serving_segments;
+  std::cerr << fmt::format("[bench] serving: {} prompts of {} segments\n", opt_.serving_prompts, n);
+  warm_up(t, {"hypic", "prefix", "full"}, len, n);
+  enum { kHypicCold, kHypicHot, kHypicHost, kHypicRemote, kPrefixCold, kPrefixSame, kPrefixReordered, kFull, kRows };
+  std::vector<Row> rows = {{"hypic_cold", "hypic"},       {"hypic_warm_hot", "hypic"},    {"hypic_warm_host", "hypic"},
+                           {"hypic_warm_remote", "hypic"}, {"prefix_cold", "prefix"},     {"prefix_same", "prefix"},
+                           {"prefix_reordered", "prefix"}, {"full", "full"}};
+  const std::vector<std::string> expectations = {
+      "0 reused: A's segments, first seen",
+      "n reused: a reorder of A, every entry in the combine worker's device tier",
+      "n reused: a reorder of A after ClearTiers{device}: from the combine worker's host tier (CUDA) or the segment "
+      "cache (no host tier: CPU)",
+      "n reused: a reorder of A after ClearTiers{device, host}: from the segment cache service",
+      "0 reused: A's order, no prefix checkpoint yet",
+      "n reused: A's order again with another query, after prefix_cold",
+      "the head B shares with A's order reused (prefix checkpoints)",
+      "0 reused: B computed whole in context"};
+  std::vector<json> tiers(kRows, json::object());
+  json cleared = json::array();
+  for (int i = 0; i < opt_.serving_prompts; ++i) {
+    // A: fresh segments; B, B2, B3: other orders of them; every request with a query of its own.
+    Prompt a = fresh_prompt(n, len);
+    auto q = [&] { return src_.fresh(opt_.query_tokens); };
+    const Prompt b{reordered(a.segments, src_.rng()), q()};
+    const Prompt b2{reordered(a.segments, src_.rng()), q()};
+    const Prompt b3{reordered(a.segments, src_.rng()), q()};
+
+    rows[kHypicCold].add(send(t, a, "hypic", run_id("serving-hypic-cold")), 0);
+    const RequestResult& cold = rows[kHypicCold].results.back();  // its report names A's digests
+    count_tiers(t, cold, tiers[kHypicHot]);
+    rows[kHypicHot].add(send(t, b, "hypic", run_id("serving-hypic-hot")), n);
+    json c1 = clear_tiers(t, true, false);
+    count_tiers(t, cold, tiers[kHypicHost]);
+    rows[kHypicHost].add(send(t, b2, "hypic", run_id("serving-hypic-host")), n);
+    json c2 = clear_tiers(t, true, true);
+    count_tiers(t, cold, tiers[kHypicRemote]);
+    rows[kHypicRemote].add(send(t, b3, "hypic", run_id("serving-hypic-remote")), n);
+    cleared.push_back({{"prompt", i}, {"before_hypic_warm_host", c1}, {"before_hypic_warm_remote", c2}});
+
+    rows[kPrefixCold].add(send(t, Prompt{a.segments, q()}, "prefix", run_id("serving-prefix-cold")), 0);
+    rows[kPrefixSame].add(send(t, Prompt{a.segments, q()}, "prefix", run_id("serving-prefix-same")), n);
+    rows[kPrefixReordered].add(send(t, Prompt{b.segments, q()}, "prefix", run_id("serving-prefix-reordered")),
+                               common_head(a.segments, b.segments));
+    rows[kFull].add(send(t, Prompt{b.segments, q()}, "full", run_id("serving-full")), 0);
+    std::cerr << fmt::format("[bench] serving: prompt {}/{} done\n", i + 1, opt_.serving_prompts);
+  }
+  for (int k = 0; k < kRows; ++k) {
+    Row& r = rows[size_t(k)];
+    const Summary ttft = r.ttft();
+    r.extra = {{"row", r.name},
+               {"ttft_ms_p50", ttft.p50},
+               {"ttft_ms_p90", ttft.p90},
+               {"unexpected", r.mismatches() + r.errors()},
+               {"expected", expectations[size_t(k)]},
+               {"sources", sources_json(r)},
+               {"itl_ms", to_json(summarize(row_itl(r)))}};
+    r.extra.update(fetch_json(r));
+    if (k == kHypicHot || k == kHypicHost || k == kHypicRemote) r.extra["combine_tiers_before"] = tiers[size_t(k)];
+  }
+  const json host_sources = sources_json(rows[kHypicHost]);
+  if (!host_sources.contains("combine_host")) {
+    notes.push_back(fmt::format("serving: no hypic_warm_host entry came from the combine worker's host tier (sources: "
+                                "{}); the CPU backend has no host tier (budget 0), so after ClearTiers{{device}} the "
+                                "entries come from the segment cache, as in hypic_warm_remote. The row still checks "
+                                "that all n segments are reused.",
+                                host_sources.dump()));
+  }
+  std::string device;
+  for (const auto& w : t.info.combine_workers()) device += (device.empty() ? "" : ",") + w.device();
+  return {{"scatter_workers", t.info.scatter_workers_size()},
+          {"combine_devices", device},
+          {"prompts", opt_.serving_prompts},
+          {"segments_per_prompt", n},
+          {"segment_tokens", opt_.serving_segment_tokens},
+          {"query_tokens", opt_.query_tokens},
+          {"max_tokens", opt_.max_tokens},
+          {"order", "per prompt: hypic_cold(A), hypic_warm_hot(B), ClearTiers{device}, hypic_warm_host(B2), "
+                    "ClearTiers{device,host}, hypic_warm_remote(B3), prefix_cold(A), prefix_same(A), "
+                    "prefix_reordered(B), full(B); B, B2, B3 are reorders of A's segments; every request has a "
+                    "fresh query"},
+          {"tiers_cleared", cleared},
+          {"rows", finish_rows(rows)}};
+}
+
 json Bench::run_load() {
   const LengthSpec len = parse_length_spec(opt_.load_segment_tokens, "--load-segment-tokens");
   const std::vector<double> rates = [&] {
@@ -447,22 +705,29 @@ json Bench::run_load() {
     std::sort(r.begin(), r.end());
     return r;
   }();
+  const std::vector<std::string> modes = parse_load_modes(opt_.load_modes);
   const int n = opt_.load_segments;
   if (opt_.load_pool < n) throw std::invalid_argument("--load-pool must be >= --load-segments");
   Target t = cluster(opt_.scatter_workers, {}, "load");
-  // The warm pool: sent once (untimed) so that it is cached.
   std::vector<std::vector<int32_t>> pool;
   for (int i = 0; i < opt_.load_pool; ++i) pool.push_back(fresh_segment(len));
-  for (int i = 0; i < opt_.load_pool; i += n) {
-    Prompt p{{pool.begin() + i, pool.begin() + std::min(opt_.load_pool, i + n)}, src_.fresh(opt_.query_tokens)};
-    send(t, p, "hypic", fmt::format("warmup-pool-{}", i));
-  }
-  std::vector<Row> rows;
-  std::optional<double> best;
-  bool all_passed_so_far = true;
-  for (double rate : rates) {
+
+  // Unloaded reference: one request alone (the load's prompt shape, all cold, mode hypic) after an untimed one.
+  warm_up(t, {"hypic"}, len, n);
+  Row unloaded{"unloaded", "hypic"};
+  unloaded.add(send(t, fresh_prompt(n, len), "hypic", run_id("load-unloaded")), 0);
+  const Summary unloaded_itl = summarize(row_itl(unloaded));
+
+  // One arrival trace per rate (prompts, their warm count, Poisson arrival times), the same for every mode.
+  struct Trace {
+    double rate;
     std::vector<Prompt> prompts;
-    std::vector<int> expect;
+    std::vector<int> warm;
+    std::vector<double> arrivals;
+  };
+  std::vector<Trace> traces;
+  for (double rate : rates) {
+    Trace tr{rate, {}, {}, {}};
     for (int i = 0; i < opt_.load_requests; ++i) {
       Prompt p;
       std::vector<size_t> idx(pool.size());
@@ -477,54 +742,107 @@ json Bench::run_load() {
         }
       }
       p.query = src_.fresh(opt_.query_tokens);
-      prompts.push_back(std::move(p));
-      expect.push_back(warm);
+      tr.prompts.push_back(std::move(p));
+      tr.warm.push_back(warm);
     }
-    const std::vector<double> arrivals = poisson_arrivals(rate, opt_.load_requests, src_.rng());
-    std::vector<RequestResult> results(prompts.size());
-    std::vector<double> done_at(prompts.size(), 0);
-    std::vector<std::thread> threads;
-    const auto start = std::chrono::steady_clock::now();
-    std::cerr << fmt::format("[bench] load: {} requests at {} req/s (Poisson)\n", prompts.size(), rate);
-    std::vector<std::string> ids;
-    for (size_t i = 0; i < prompts.size(); ++i) ids.push_back(run_id("load"));
-    for (size_t i = 0; i < prompts.size(); ++i) {
-      std::this_thread::sleep_until(start + std::chrono::microseconds(int64_t(arrivals[i] * 1e6)));
-      threads.emplace_back([&, i] {
-        results[i] = send(t, prompts[i], "hypic", ids[i]);
-        done_at[i] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      });
-    }
-    for (auto& th : threads) th.join();
-    Row row{fmt::format("{:g} req/s", rate), "hypic"};
-    for (size_t i = 0; i < results.size(); ++i) row.add(std::move(results[i]), expect[i]);
-    const double span = *std::max_element(done_at.begin(), done_at.end());
-    const Summary ttft = row.ttft();
-    const bool pass = row.errors() == 0 && ttft.n > 0 && ttft.p90 <= opt_.slo_ms;
-    row.extra = {{"offered_rate", rate},
-                 {"achieved_rate", span > 0 ? double(row.results.size() - size_t(row.errors())) / span : 0.0},
-                 {"duration_s", span},
-                 {"meets_slo", pass}};
-    rows.push_back(std::move(row));
-    if (pass && all_passed_so_far) best = rate;
-    all_passed_so_far = all_passed_so_far && pass;
-    if (!pass && !opt_.all_rates) {
-      std::cerr << fmt::format("[bench] load: p90 TTFT {:.0f} ms > SLO {:.0f} ms (or errors) at {} req/s; higher rates "
-                               "skipped\n",
-                               ttft.p90, opt_.slo_ms, rate);
-      break;
-    }
+    tr.arrivals = poisson_arrivals(rate, opt_.load_requests, src_.rng());
+    traces.push_back(std::move(tr));
   }
-  return {{"scatter_workers", t.info.scatter_workers_size()},
-          {"segments_per_request", n},
-          {"segment_tokens", opt_.load_segment_tokens},
-          {"hit_ratio", opt_.load_hit_ratio},
-          {"warm_pool_segments", opt_.load_pool},
-          {"requests_per_rate", opt_.load_requests},
-          {"arrivals", "Poisson (exponential gaps), open loop: a request is sent at its arrival time whatever is pending"},
-          {"slo_p90_ttft_ms", opt_.slo_ms},
-          {"max_rate_meeting_slo", best ? json(*best) : json(nullptr)},
-          {"rows", finish_rows(rows)}};
+
+  json modes_out = json::array();
+  for (const std::string& mode : modes) {
+    // The warm pool: sent once per mode (untimed, in that mode) so that it is cached for it.
+    for (int i = 0; i < opt_.load_pool; i += n) {
+      Prompt p{{pool.begin() + i, pool.begin() + std::min(opt_.load_pool, i + n)}, src_.fresh(opt_.query_tokens)};
+      send(t, p, mode, fmt::format("warmup-pool-{}-{}", mode, i));
+    }
+    std::vector<Row> rows;
+    std::optional<double> best;
+    bool all_passed_so_far = true;
+    for (const Trace& tr : traces) {
+      const double rate = tr.rate;
+      std::vector<RequestResult> results(tr.prompts.size());
+      std::vector<double> done_at(tr.prompts.size(), 0);
+      std::vector<std::thread> threads;
+      std::cerr << fmt::format("[bench] load: {} requests at {} req/s (Poisson), mode {}\n", tr.prompts.size(), rate,
+                               mode);
+      std::vector<std::string> ids;
+      for (size_t i = 0; i < tr.prompts.size(); ++i) ids.push_back(run_id("load-" + mode));
+      const auto start = std::chrono::steady_clock::now();
+      for (size_t i = 0; i < tr.prompts.size(); ++i) {
+        std::this_thread::sleep_until(start + std::chrono::microseconds(int64_t(tr.arrivals[i] * 1e6)));
+        threads.emplace_back([&, i] {
+          results[i] = send(t, tr.prompts[i], mode, ids[i]);
+          done_at[i] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        });
+      }
+      for (auto& th : threads) th.join();
+      Row row{fmt::format("{:g} req/s", rate), mode};
+      // hypic: the pool's segments are warm; full: nothing is reused; prefix: not checked (a prefix checkpoint hits
+      // only when a prompt starts with segments in an order already sent, pool or load, which depends on timing).
+      for (size_t i = 0; i < results.size(); ++i) {
+        row.add(std::move(results[i]), mode == "hypic" ? tr.warm[i] : mode == "full" ? 0 : -1);
+      }
+      const double span = *std::max_element(done_at.begin(), done_at.end());
+      const Summary ttft = row.ttft();
+      const Summary itl = summarize(row_itl(row));
+      const bool pass = row.errors() == 0 && ttft.n > 0 && ttft.p90 <= opt_.slo_ms;
+      row.extra = {{"offered_rate", rate},
+                   {"achieved_rate", span > 0 ? double(row.results.size() - size_t(row.errors())) / span : 0.0},
+                   {"duration_s", span},
+                   {"meets_slo", pass},
+                   {"itl_ms", to_json(itl)},
+                   {"itl_ms_p99", itl.p99}};
+      rows.push_back(std::move(row));
+      if (pass && all_passed_so_far) best = rate;
+      all_passed_so_far = all_passed_so_far && pass;
+      if (!pass && !opt_.all_rates) {
+        std::cerr << fmt::format("[bench] load ({}): p90 TTFT {:.0f} ms > SLO {:.0f} ms (or errors) at {} req/s; higher "
+                                 "rates skipped\n",
+                                 mode, ttft.p90, opt_.slo_ms, rate);
+        break;
+      }
+    }
+    // The figures at the highest rate meeting the SLO, else at the lowest rate.
+    size_t at = 0;
+    for (size_t i = 0; i < rows.size(); ++i)
+      if (best && rows[i].extra["offered_rate"].get<double>() == *best) at = i;
+    const double ttft_p90 = rows[at].ttft().p90;
+    const double itl_p99 = rows[at].extra["itl_ms_p99"].get<double>();
+    const double at_rate = rows[at].extra["offered_rate"].get<double>();
+    modes_out.push_back({{"mode", mode},
+                         {"qps_at_slo", best ? json(*best) : json(nullptr)},
+                         {"figures_at_rate", at_rate},
+                         {"ttft_ms_p90", ttft_p90},
+                         {"itl_ms_p99", itl_p99},
+                         {"rows", finish_rows(rows)}});
+    std::cerr << fmt::format("[bench] load: mode {} done\n", mode);
+  }
+  if (std::find(modes.begin(), modes.end(), "prefix") != modes.end()) {
+    notes.push_back("load, prefix mode: the warm pool is sent in prefix mode too, in chunks of --load-segments in pool "
+                    "order, but the load's prompts take their warm segments from the pool in random order, so a "
+                    "prefix checkpoint hits only when a prompt starts with a pool chunk's leading segments in the "
+                    "same order (or with an earlier load prompt's): prefix rows reuse little, and their reuse is not "
+                    "checked.");
+  }
+  json out = {{"scatter_workers", t.info.scatter_workers_size()},
+              {"segments_per_request", n},
+              {"segment_tokens", opt_.load_segment_tokens},
+              {"hit_ratio", opt_.load_hit_ratio},
+              {"warm_pool_segments", opt_.load_pool},
+              {"requests_per_rate", opt_.load_requests},
+              {"arrivals", "Poisson (exponential gaps), open loop: a request is sent at its arrival time whatever is "
+                           "pending; the same prompts and arrival times for every mode"},
+              {"slo_p90_ttft_ms", opt_.slo_ms},
+              {"load_modes", modes},
+              {"itl_ms_p99_unloaded", unloaded_itl.p99},
+              {"unloaded_reference", finish_rows({unloaded})[0]},
+              {"modes", modes_out}};
+  // The single-mode keys of before, from the first mode.
+  out["mode"] = modes_out[0]["mode"];
+  out["max_rate_meeting_slo"] = modes_out[0]["qps_at_slo"];
+  out["rows"] = modes_out[0]["rows"];
+  return out;
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -605,25 +923,70 @@ std::string markdown(const json& j) {
     }
     o << fmt::format("\nA balanced split gives the busiest worker {} tokens.\n", s["ideal_max_worker_tokens"].get<int>());
   }
+  if (sc.contains("serving")) {
+    const auto& m = sc["serving"];
+    o << fmt::format("\n## Serving rows ({} scatter workers, combine worker on {}; {} prompts of {} segments x {} "
+                     "tokens)\n\n",
+                     m["scatter_workers"].get<int>(), m["combine_devices"].get<std::string>(), m["prompts"].get<int>(),
+                     m["segments_per_prompt"].get<int>(), m["segment_tokens"].get<std::string>());
+    o << "| row | n | TTFT p50 | p90 | p99 | E2E p50 | p90 | p99 | reused segments | unexpected | sources | fetch GB/s "
+         "(per segment) | fetch MB per request | split: router / lookup / scatter / transfer / splice (full, prefix: "
+         "prefill) / first decode |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+    for (const auto& r : m["rows"]) {
+      std::string sources;
+      for (const auto& [k, v] : r["sources"].items()) sources += fmt::format("{}{} {}", sources.empty() ? "" : ", ", k, v.get<uint64_t>());
+      const bool fetched = r["fetch_segments"].get<uint64_t>() > 0;
+      o << fmt::format("| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n", r["row"].get<std::string>(),
+                       r["ttft_ms"]["n"].get<int>(), lat(r, "ttft_ms"), lat(r, "e2e_ms"), reuse(r),
+                       r["unexpected"].get<int>(), sources,
+                       fetched ? fmt::format("{:.2f}", r["fetch_gbps_per_segment"].get<double>()) : std::string("-"),
+                       fetched ? fmt::format("{:.1f}", r["fetch_bytes_per_request"].get<double>() / 1e6) : std::string("-"),
+                       split(r));
+    }
+    o << "\nA: fresh segments; B: A's segments in another order; `hypic_warm_host` after CombineWorker.ClearTiers"
+         "{device}, `hypic_warm_remote` after ClearTiers{device, host} (each with a fresh reorder of A); every "
+         "request has a fresh query. `unexpected`: requests whose reused count differs from the row's expectation, "
+         "plus failed requests.\n";
+  }
   if (sc.contains("load")) {
     const auto& l = sc["load"];
     o << fmt::format("\n## Sustained load ({} scatter workers; {} requests per rate, {} segments x {} tokens, "
-                     "each warm with probability {:g}; open-loop Poisson arrivals)\n\n",
+                     "each warm with probability {:g}; open-loop Poisson arrivals, the same trace for every mode)\n\n",
                      l["scatter_workers"].get<int>(), l["requests_per_rate"].get<int>(),
                      l["segments_per_request"].get<int>(), l["segment_tokens"].get<std::string>(),
                      l["hit_ratio"].get<double>());
-    o << fmt::format("| offered req/s | achieved req/s | n | TTFT p50 | p90 | p99 | E2E p50 | p90 | p99 | reused "
-                     "segments | p90 TTFT <= {} ms |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
-                     ms(l["slo_p90_ttft_ms"]));
-    for (const auto& r : l["rows"]) {
-      o << fmt::format("| {:g} | {:.2f} | {} | {} | {} | {} | {} |\n", r["offered_rate"].get<double>(),
-                       r["achieved_rate"].get<double>(), r["ttft_ms"]["n"].get<int>(), lat(r, "ttft_ms"),
-                       lat(r, "e2e_ms"), reuse(r), r["meets_slo"].get<bool>() ? "yes" : "no");
+    const json modes = l.contains("modes") ? l["modes"]
+                                            : json::array({{{"mode", "hypic"}, {"rows", l["rows"]},
+                                                            {"qps_at_slo", l["max_rate_meeting_slo"]}}});
+    const auto rate_text = [](const json& v) {
+      return v.is_null() ? std::string("none of the rates tried") : fmt::format("{:g} req/s", v.get<double>());
+    };
+    if (l.contains("modes")) {
+      o << fmt::format("| mode | highest rate with p90 TTFT <= {} ms | at rate | TTFT p90 | ITL p99 |\n"
+                       "|---|---|---|---|---|\n",
+                       ms(l["slo_p90_ttft_ms"]));
+      for (const auto& md : modes) {
+        o << fmt::format("| {} | {} | {:g} | {} | {:.1f} |\n", md["mode"].get<std::string>(), rate_text(md["qps_at_slo"]),
+                         md["figures_at_rate"].get<double>(), ms(md["ttft_ms_p90"]), md["itl_ms_p99"].get<double>());
+      }
+      o << fmt::format("\nTTFT p90 and ITL p99 at the highest rate meeting the SLO (else at the lowest rate); ITL p99 "
+                       "of one request alone (mode hypic, before the load): {:.1f} ms.\n",
+                       l["itl_ms_p99_unloaded"].get<double>());
     }
-    o << fmt::format("\nHighest offered rate meeting the SLO (p90 TTFT <= {} ms, no errors): {}\n",
-                     ms(l["slo_p90_ttft_ms"]),
-                     l["max_rate_meeting_slo"].is_null() ? std::string("none of the rates tried")
-                                                         : fmt::format("{:g} req/s", l["max_rate_meeting_slo"].get<double>()));
+    for (const auto& md : modes) {
+      o << fmt::format("\n### Mode `{}`\n\n", md["mode"].get<std::string>());
+      o << fmt::format("| offered req/s | achieved req/s | n | TTFT p50 | p90 | p99 | E2E p50 | p90 | p99 | ITL p99 | "
+                       "reused segments | p90 TTFT <= {} ms |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+                       ms(l["slo_p90_ttft_ms"]));
+      for (const auto& r : md["rows"]) {
+        o << fmt::format("| {:g} | {:.2f} | {} | {} | {} | {} | {} | {} |\n", r["offered_rate"].get<double>(),
+                         r["achieved_rate"].get<double>(), r["ttft_ms"]["n"].get<int>(), lat(r, "ttft_ms"),
+                         lat(r, "e2e_ms"), r.contains("itl_ms_p99") ? fmt::format("{:.1f}", r["itl_ms_p99"].get<double>()) : std::string("-"),
+                         reuse(r), r["meets_slo"].get<bool>() ? "yes" : "no");
+      }
+      o << fmt::format("\nHighest offered rate meeting the SLO (p90 TTFT <= {} ms, no errors): {}\n",
+                       ms(l["slo_p90_ttft_ms"]), rate_text(md["qps_at_slo"]));
+    }
   }
   if (!j["notes"].empty()) {
     o << "\n## Notes\n\n";
@@ -685,9 +1048,13 @@ int main(int argc, char** argv) {
                  "measure an already running cluster at host:port instead of starting local ones (the scaling and "
                  "schedule scenarios, which restart clusters, are then skipped)");
   app.add_option("--work-dir", o.work_dir, "cluster logs (default: a new directory under /tmp, removed on success)");
-  app.add_option("--scenarios", o.scenarios, "comma-separated subset of modes,scaling,schedule,load")->capture_default_str();
-  app.add_option("--scatter-workers", o.scatter_workers, "scatter workers for the modes, schedule and load scenarios")
-      ->check(CLI::Range(1, 1024))
+  app.add_option("--scenarios", o.scenarios,
+                 "comma-separated subset of modes,scaling,schedule,serving,load (serving is not in the default list)")
+      ->capture_default_str();
+  app.add_option("--scatter-workers", o.scatter_workers,
+                 "scatter workers for the modes, schedule, serving and load scenarios (0: the combine worker "
+                 "prefills cold segments itself; schedule needs >= 2)")
+      ->check(CLI::Range(0, 1024))
       ->capture_default_str();
   app.add_option("--worker-counts", o.worker_counts, "scatter-worker counts of the scaling scenario")->capture_default_str();
   app.add_option("--ready-timeout-s", o.ready_timeout_s, "longest wait for a cluster to start")->capture_default_str();
@@ -713,6 +1080,15 @@ int main(int argc, char** argv) {
   app.add_option("--long-tokens", o.long_tokens, "schedule: tokens of the long segments")->check(CLI::Range(1, 1 << 20))
       ->capture_default_str();
   app.add_option("--short-tokens", o.short_tokens, "schedule: tokens of the short segments")->check(CLI::Range(1, 1 << 20))
+      ->capture_default_str();
+  app.add_option("--serving-prompts", o.serving_prompts, "serving: prompts (each gives one request per row)")
+      ->check(CLI::Range(1, 100000))->capture_default_str();
+  app.add_option("--serving-segments", o.serving_segments, "serving: segments per prompt")
+      ->check(CLI::Range(1, 4096))->capture_default_str();
+  app.add_option("--serving-segment-tokens", o.serving_segment_tokens, "serving: tokens per segment, N or MIN:MAX")
+      ->capture_default_str();
+  app.add_option("--load-modes", o.load_modes,
+                 "load: modes run on the same arrival trace, comma-separated subset of hypic,prefix,full")
       ->capture_default_str();
   app.add_option("--rates", o.rates, "load: offered request rates (req/s), comma-separated")->capture_default_str();
   app.add_option("--load-requests", o.load_requests, "load: requests per rate")->check(CLI::Range(1, 100000))
@@ -740,8 +1116,9 @@ int main(int argc, char** argv) {
       std::stringstream ss(o.scenarios);
       std::string s;
       while (std::getline(ss, s, ',')) {
-        if (s != "modes" && s != "scaling" && s != "schedule" && s != "load") {
-          throw std::invalid_argument(fmt::format("--scenarios: unknown scenario '{}' (modes, scaling, schedule, load)", s));
+        if (s != "modes" && s != "scaling" && s != "schedule" && s != "serving" && s != "load") {
+          throw std::invalid_argument(
+              fmt::format("--scenarios: unknown scenario '{}' (modes, scaling, schedule, serving, load)", s));
         }
         wanted.insert(s);
       }
@@ -751,6 +1128,8 @@ int main(int argc, char** argv) {
     parse_length_spec(o.segment_tokens, "--segment-tokens");
     parse_length_spec(o.scaling_segment_tokens, "--scaling-segment-tokens");
     parse_length_spec(o.load_segment_tokens, "--load-segment-tokens");
+    parse_length_spec(o.serving_segment_tokens, "--serving-segment-tokens");
+    parse_load_modes(o.load_modes);
     parse_positive_list(o.rates, "--rates");
     parse_positive_list(o.worker_counts, "--worker-counts");
     if (o.router.empty() && !fs::is_regular_file(o.launcher)) {
@@ -800,12 +1179,13 @@ int main(int argc, char** argv) {
                  {{"source", source_description}, {"seed", o.seed}, {"query_tokens", o.query_tokens}, {"max_tokens", o.max_tokens}}},
                 {"scenarios", json::object()}};
     const auto t0 = std::chrono::steady_clock::now();
-    for (const char* s : {"modes", "scaling", "schedule", "load"}) {
+    for (const char* s : {"modes", "scaling", "schedule", "serving", "load"}) {
       if (!wanted.count(s)) continue;
       const std::string name = s;
-      json r = name == "modes"     ? bench.run_modes()
-               : name == "scaling" ? bench.run_scaling()
+      json r = name == "modes"      ? bench.run_modes()
+               : name == "scaling"  ? bench.run_scaling()
                : name == "schedule" ? bench.run_schedule()
+               : name == "serving"  ? bench.run_serving()
                                     : bench.run_load();
       out["scenarios"][name] = std::move(r);
     }

@@ -41,9 +41,9 @@ RequestResult run_request(v1::Router::Stub& stub, const Prompt& prompt, const Re
   bool have_report = false;
   while (reader->Read(&resp)) {
     if (resp.has_delta()) {
-      if (r.completion_tokens == 0 && resp.delta().token_ids_size() > 0) {
-        r.client_ttft_ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-      }
+      const double now_ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+      if (r.completion_tokens == 0 && resp.delta().token_ids_size() > 0) r.client_ttft_ms = now_ms;
+      r.token_times_ms.insert(r.token_times_ms.end(), size_t(resp.delta().token_ids_size()), now_ms);
       r.completion_tokens += uint32_t(resp.delta().token_ids_size());
       r.token_ids.insert(r.token_ids.end(), resp.delta().token_ids().begin(), resp.delta().token_ids().end());
     } else if (resp.has_report()) {
@@ -72,6 +72,12 @@ RequestResult run_request(v1::Router::Stub& stub, const Prompt& prompt, const Re
   }
   r.ok = true;
   return r;
+}
+
+std::vector<double> inter_token_ms(const RequestResult& r) {
+  std::vector<double> out;
+  for (size_t i = 1; i < r.token_times_ms.size(); ++i) out.push_back(r.token_times_ms[i] - r.token_times_ms[i - 1]);
+  return out;
 }
 
 nlohmann::json ttft_json(const v1::TtftBreakdown& t) {

@@ -37,12 +37,19 @@ struct RequestResult {
   uint32_t reused = 0;
   uint32_t completion_tokens = 0;  ///< token ids received
   std::vector<int32_t> token_ids;  ///< the token ids received, in order
+  /// Client clock (ms since the call started) at which each token id arrived, one entry per token id: a TokenDelta
+  /// may carry several ids, whose entries then share the delta's arrival time.
+  std::vector<double> token_times_ms;
   int status_code = 0;             ///< the call's grpc::StatusCode (0 OK; also 0 for the two stream errors above)
 };
 
 /// Sends `prompt` and reads the whole stream. Never throws for RPC failures (they are reported in the
 /// result); a report missing from a successful stream is an error too.
 RequestResult run_request(hypic::v1::Router::Stub& stub, const Prompt& prompt, const RequestOptions& options);
+
+/// Inter-token latencies of one request (ms): the differences between consecutive token_times_ms (0 between ids that
+/// arrived in the same delta). Empty with fewer than two tokens.
+std::vector<double> inter_token_ms(const RequestResult& r);
 
 /// The server-side TTFT split of a report as JSON (router, lookup, scatter, transfer, splice, first_decode,
 /// total; milliseconds).

@@ -311,7 +311,8 @@ class ScatterFailureTest(ClusterTestCase):
 
 
 class CacheDownTest(ClusterTestCase):
-    """With the segment cache stopped, requests still complete by computing."""
+    """With the segment cache stopped, requests still complete: by computing, or from the combine worker's own
+    tier, which the router counts as hits."""
 
     def test_requests_complete_without_cache(self):
         segs = SEGMENTS[:3]
@@ -327,10 +328,14 @@ class CacheDownTest(ClusterTestCase):
         self.assertFalse(rep["cache_available"])
         self.assertEqual(sources(rep), ["SEGMENT_SOURCE_SCATTER"] * 3)
         self.assertEqual(res["token_ids"], self.reference(segs2, query))
-        # Earlier segments: the lookup fails, so they count as cold too (or come from the combine
-        # worker's memory tier); the answer is the same.
+        # Earlier segments: the combine worker's own tier still holds them, and the router counts them as
+        # hits with the cache down (CombineWorker.LookupEntries): nothing is computed; the answer is the same.
         res = self.generate(segs, query)
-        self.ok(res)
+        rep = self.ok(res)
+        self.assertEqual([s["cache_hit"] for s in rep["segments"]], [True] * 3)
+        self.assertEqual([s.get("combine_tier") for s in rep["segments"]], ["ENTRY_TIER_DEVICE"] * 3)
+        self.assertEqual(sources(rep), ["SEGMENT_SOURCE_COMBINE_MEMORY"] * 3)
+        self.assertEqual([s["reused"] for s in rep["segments"]], [True] * 3)
         self.assertEqual(res["token_ids"], self.reference(segs, query))
 
 

@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "combine_worker/service.h"
+#include "tests/unit/cluster/combine_fixture.h"
 #include "engine/cpu_backend.h"
 #include "scatter_worker/nccl_links.h"
 #include "scatter_worker/service.h"
@@ -22,50 +23,18 @@ namespace v1 = hypic::v1;
 
 namespace {
 
-const std::string kModel = std::string(HYPIC_SOURCE_DIR) + "/tests/fixtures/qwen3_next_moe";
-const std::string kTokenizer = std::string(HYPIC_SOURCE_DIR) + "/tests/fixtures/tokenizer/tiny_subword.json";
-
-// A combine worker (CPU backend, fixture model, no cache) served on a free loopback port.
+// A combine worker on the CPU backend (fixture model, no cache), with or without NCCL.
 struct CombineServer {
-  std::unique_ptr<hypic::engine::CpuBackend> backend = hypic::engine::CpuBackend::load(kModel);
-  hypic::engine::Tokenizer tokenizer = hypic::engine::Tokenizer::load(kTokenizer);
-  hypic::cache::SegmentCacheClient cache{std::vector<std::string>{}};
-  hypic::cache::AsyncCachePutter putter{cache, 1 << 20};
-  hypic::combine::EntryMemoryTier tier{1 << 20};
-  hypic::combine::HostBlockTier host_tier{0};
-  hypic::combine::HostCopier copier{*backend, &host_tier, putter, 1 << 20};
-  hypic::engine::EngineLoop loop{*backend};
-  hypic::rpc::Lifecycle life{"combine worker"};
-  std::unique_ptr<hypic::combine::CombineService> svc;
-  std::unique_ptr<grpc::Server> server;
-  std::unique_ptr<v1::CombineWorker::Stub> stub;
-  int port = 0;
-
-  explicit CombineServer(bool nccl) {
+  std::unique_ptr<hypic::engine::CpuBackend> backend = hypic::engine::CpuBackend::load(hypic::test::kCombineModel);
+  hypic::test::CombineServer s;
+  explicit CombineServer(bool nccl) : s(*backend, options(nccl)) {}
+  static hypic::combine::CombineOptions options(bool nccl) {
     hypic::combine::CombineOptions opt;
     opt.nccl = nccl;
-    svc = std::make_unique<hypic::combine::CombineService>(
-        hypic::combine::CombineDeps{tokenizer, cache, putter, loop, tier, host_tier, copier, life}, opt);
-    grpc::ServerBuilder b;
-    b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-    b.RegisterService(svc.get());
-    server = b.BuildAndStart();
-    REQUIRE(server);
-    svc->set_address(address());
-    stub = v1::CombineWorker::NewStub(grpc::CreateChannel(address(), grpc::InsecureChannelCredentials()));
+    return opt;
   }
-  ~CombineServer() {
-    server->Shutdown();
-    loop.stop();
-  }
-  std::string address() const { return "127.0.0.1:" + std::to_string(port); }
 };
-
-std::unique_ptr<grpc::ClientContext> context() {
-  auto c = std::make_unique<grpc::ClientContext>();
-  c->set_deadline(std::chrono::system_clock::now() + 10s);
-  return c;
-}
+using hypic::test::context;
 
 }  // namespace
 
@@ -107,7 +76,7 @@ TEST_CASE("data plane: a CPU combine worker refuses NCCL peers and NCCL deliveri
     req.set_device_uuid(std::string(32, 'a'));
     v1::OpenPeerResponse resp;
     auto ctx = context();
-    const grpc::Status st = c.stub->OpenPeer(ctx.get(), req, &resp);
+    const grpc::Status st = c.s.stub->OpenPeer(ctx.get(), req, &resp);
     CHECK(st.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
     if (!nccl) {
       CHECK_THAT(st.error_message(), Catch::Contains("--nccl off"));
@@ -117,7 +86,7 @@ TEST_CASE("data plane: a CPU combine worker refuses NCCL peers and NCCL deliveri
       CHECK_THAT(st.error_message(), Catch::Contains("cpu-fp32 backend keeps entries in host memory"));
     }
     CHECK(resp.unique_id().empty());
-    CHECK(c.svc->nccl_peers() == 0);
+    CHECK(c.s.svc->nccl_peers() == 0);
 
     // Closing a communicator it never had is fine (a scatter worker giving up twice).
     v1::ClosePeerRequest creq;
@@ -125,13 +94,13 @@ TEST_CASE("data plane: a CPU combine worker refuses NCCL peers and NCCL deliveri
     creq.set_epoch(7);
     v1::ClosePeerResponse cresp;
     auto cctx = context();
-    CHECK(c.stub->ClosePeer(cctx.get(), creq, &cresp).ok());
+    CHECK(c.s.stub->ClosePeer(cctx.get(), creq, &cresp).ok());
 
     // An NCCL delivery on a communicator it does not hold: FAILED_PRECONDITION (the sender falls back to gRPC).
     {
       v1::DeliverEntryResponse dresp;
       auto dctx = context();
-      auto writer = c.stub->DeliverEntry(dctx.get(), &dresp);
+      auto writer = c.s.stub->DeliverEntry(dctx.get(), &dresp);
       v1::EntryChunk head;
       auto* h = head.mutable_header();
       h->set_request_id("r-1");
@@ -150,7 +119,7 @@ TEST_CASE("data plane: a CPU combine worker refuses NCCL peers and NCCL deliveri
     {
       v1::DeliverEntryResponse dresp;
       auto dctx = context();
-      auto writer = c.stub->DeliverEntry(dctx.get(), &dresp);
+      auto writer = c.s.stub->DeliverEntry(dctx.get(), &dresp);
       v1::EntryChunk head;
       head.mutable_header()->set_request_id("r-1");
       head.mutable_header()->set_transport(static_cast<v1::EntryTransport>(5));
@@ -171,7 +140,7 @@ TEST_CASE("data plane: a scatter worker's links fall back to gRPC with the reaso
   off.disabled_reason = "the cpu-fp32 backend keeps entries in host memory";
   hypic::worker::NcclLinks disabled(off);
   std::string why;
-  CHECK_FALSE(disabled.get(c.address(), *c.stub, &why));
+  CHECK_FALSE(disabled.get(c.s.address(), *c.stub, &why));
   CHECK(why == off.disabled_reason);
 
   // Enabled links to a combine worker that refuses: no link, the refusal's reason, held off for retry_after.
@@ -182,19 +151,19 @@ TEST_CASE("data plane: a scatter worker's links fall back to gRPC with the reaso
   on.retry_after = 60s;
   hypic::worker::NcclLinks links(on);
   why.clear();
-  CHECK_FALSE(links.get(c.address(), *c.stub, &why));  // never waits: the open runs in the background
+  CHECK_FALSE(links.get(c.s.address(), *c.stub, &why));  // never waits: the open runs in the background
   CHECK(why == "the NCCL link is being opened");
   const auto deadline = std::chrono::steady_clock::now() + 20s;
   while (why == "the NCCL link is being opened" && std::chrono::steady_clock::now() < deadline) {
     std::this_thread::sleep_for(10ms);
-    CHECK_FALSE(links.get(c.address(), *c.stub, &why));
+    CHECK_FALSE(links.get(c.s.address(), *c.stub, &why));
   }
   // No usable CUDA device here (a build without CUDA, or no driver), or on a GPU host the CPU combine worker's
   // refusal: the reason, remembered.
   CHECK_THAT(why, Catch::Contains("device_uuid(cuda:0): ") || Catch::Contains("keeps entries in host memory"));
   const std::string first = why;
   why.clear();
-  CHECK_FALSE(links.get(c.address(), *c.stub, &why));
+  CHECK_FALSE(links.get(c.s.address(), *c.stub, &why));
   CHECK(why == first);  // not asked again within retry_after
   CHECK(links.open_links() == 0);
 }

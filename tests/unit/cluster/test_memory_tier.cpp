@@ -1,7 +1,12 @@
-// The combine worker's memory tier of resident entries: LRU under a byte budget, id check.
+// The combine worker's tiers: the device tier of resident entries and the host tier of pinned blocks (LRU under a byte
+// budget, id check), host copies off the critical path, the default budgets, and the service around them (local
+// builds spliced with no host round trip, LookupEntries, ClearTiers).
 #include <catch2/catch.hpp>
 
+#include "combine_worker/budgets.h"
+#include "combine_worker/host_copies.h"
 #include "combine_worker/memory_tier.h"
+#include "tests/unit/cluster/combine_fixture.h"
 
 using hypic::combine::EntryMemoryTier;
 using hypic::engine::SegmentEntry;
@@ -58,4 +63,271 @@ TEST_CASE("memory tier with a zero budget stores nothing", "[memory_tier]") {
   tier.put(digest_of(1), a);
   CHECK(tier.get(digest_of(1), a->ids()) == nullptr);
   CHECK(tier.entries() == 0);
+}
+
+// ---- the host tier, host copies and the combine worker's tiers through its service ------------------------------
+
+namespace {
+// A host block of n tokens holding its header only.
+struct TestBlock final : hypic::engine::HostBlock {
+  SegmentEntry e;
+  size_t n_bytes = 0;
+  const SegmentEntry& header() const override { return e; }
+  size_t bytes() const override { return n_bytes; }
+};
+
+// The CPU backend, counting what crosses between an entry's resident form and its host form: host() calls on the
+// entries it built (the CUDA backend's device-to-host copy) made before a splice uses them, and import_entry calls
+// (the way back). A locally built entry must take neither on its way to the splice.
+class CountingBackend final : public hypic::engine::Backend {
+ public:
+  struct Entry final : hypic::engine::ResidentEntry {
+    std::shared_ptr<const hypic::engine::ResidentEntry> inner;
+    std::atomic<int>* host_calls;
+    const SegmentEntry& header() const override { return inner->header(); }
+    std::shared_ptr<const SegmentEntry> host() const override {
+      ++*host_calls;
+      return inner->host();
+    }
+    size_t resident_bytes() const override { return inner->resident_bytes(); }
+  };
+  explicit CountingBackend(std::unique_ptr<hypic::engine::Backend> inner) : b_(std::move(inner)) {}
+  const hypic::engine::ModelConfig& config() const override { return b_->config(); }
+  hypic::engine::DeviceSpec device() const override { return b_->device(); }
+  std::string_view numerics() const override { return b_->numerics(); }
+  const std::string& fingerprint() const override { return b_->fingerprint(); }
+  std::vector<std::shared_ptr<const hypic::engine::ResidentEntry>> build_entries(
+      std::span<const std::vector<int32_t>> segments, int seam_width) override {
+    built += int(segments.size());
+    std::vector<std::shared_ptr<const hypic::engine::ResidentEntry>> out;
+    for (auto& e : b_->build_entries(segments, seam_width)) {
+      auto w = std::make_shared<Entry>();
+      w->inner = std::move(e);
+      w->host_calls = &host_calls;
+      out.push_back(std::move(w));
+    }
+    return out;
+  }
+  std::shared_ptr<const hypic::engine::ResidentEntry> import_entry(
+      std::shared_ptr<const SegmentEntry> entry) override {
+    ++imported;
+    return b_->import_entry(std::move(entry));
+  }
+  hypic::engine::SpliceOutput splice(const hypic::engine::SplicePlan& plan) override {
+    host_calls_before_splice.push_back(host_calls.load());
+    hypic::engine::SplicePlan p = plan;
+    for (auto& s : p.segments)
+      if (auto* w = dynamic_cast<const Entry*>(s.entry.get())) s.entry = w->inner;
+    return b_->splice(p);
+  }
+  void decode(std::span<hypic::engine::Sequence* const> s, std::span<const int32_t> t,
+              std::vector<float>& logits) override {
+    b_->decode(s, t, logits);
+  }
+  hypic::engine::BackendMemory memory() const override { return b_->memory(); }
+  std::atomic<int> built{0}, imported{0}, host_calls{0};
+  std::vector<int> host_calls_before_splice;  // engine loop thread only
+
+ private:
+  std::unique_ptr<hypic::engine::Backend> b_;
+};
+
+namespace v1 = hypic::v1;
+
+struct Combined {
+  v1::CombineReport report;
+  std::vector<int32_t> tokens;
+};
+
+// One Combine call: `segs` planned as `source`, a fixed query, 4 greedy tokens.
+Combined combine(hypic::test::CombineServer& c, const std::string& id, const std::vector<std::vector<int32_t>>& segs,
+                 v1::PlannedSegment::Source source) {
+  v1::CombineRequest req;
+  req.set_request_id(id);
+  for (size_t i = 0; i < segs.size(); ++i) {
+    auto* ps = req.add_segments();
+    ps->set_index(uint32_t(i));
+    const auto d = hypic::engine::segment_digest(c.backend.fingerprint(),
+                                                 hypic::engine::entry_format_version(c.backend.config()), 4, segs[i]);
+    ps->mutable_key()->set_digest(std::string(reinterpret_cast<const char*>(d.data()), d.size()));
+    ps->mutable_key()->mutable_token_ids()->Add(segs[i].begin(), segs[i].end());
+    ps->set_source(source);
+  }
+  for (int32_t t : {5, 6, 7}) req.add_query_ids(t);
+  req.mutable_sampling()->set_max_tokens(4);
+  req.mutable_sampling()->set_seed(1);
+  req.set_mode("hypic");
+  req.set_seam_width(4);
+  auto ctx = hypic::test::context();
+  auto reader = c.stub->Combine(ctx.get(), req);
+  Combined out;
+  v1::CombineEvent ev;
+  while (reader->Read(&ev)) {
+    if (ev.has_delta()) out.tokens.insert(out.tokens.end(), ev.delta().token_ids().begin(), ev.delta().token_ids().end());
+    if (ev.has_report()) out.report = ev.report();
+  }
+  const grpc::Status st = reader->Finish();
+  INFO(st.error_message());
+  REQUIRE(st.ok());
+  return out;
+}
+
+std::vector<v1::EntryTier> lookup(hypic::test::CombineServer& c, const std::vector<std::vector<int32_t>>& segs) {
+  v1::LookupEntriesRequest req;
+  for (const auto& s : segs) {
+    const auto d = hypic::engine::segment_digest(c.backend.fingerprint(),
+                                                 hypic::engine::entry_format_version(c.backend.config()), 4, s);
+    req.add_digests(std::string(reinterpret_cast<const char*>(d.data()), d.size()));
+  }
+  v1::LookupEntriesResponse resp;
+  auto ctx = hypic::test::context();
+  REQUIRE(c.stub->LookupEntries(ctx.get(), req, &resp).ok());
+  std::vector<v1::EntryTier> out;
+  for (int t : resp.tiers()) out.push_back(v1::EntryTier(t));
+  return out;
+}
+
+std::vector<v1::SegmentSource> sources(const Combined& r) {
+  std::vector<v1::SegmentSource> s;
+  for (const auto& seg : r.report.segments()) s.push_back(seg.source());
+  return s;
+}
+}  // namespace
+
+TEST_CASE("host tier: LRU by block bytes; clear and contains", "[memory_tier]") {
+  auto block = [](int n, int32_t first, size_t bytes) {
+    auto b = std::make_shared<TestBlock>();
+    for (int i = 0; i < n; ++i) b->e.token_ids.push_back(first + i);
+    b->n_bytes = bytes;
+    return b;
+  };
+  hypic::combine::HostBlockTier tier(300);
+  auto a = block(3, 10, 100), b = block(3, 20, 150), c = block(3, 30, 100);
+  tier.put(digest_of(1), a);
+  tier.put(digest_of(2), b);
+  CHECK(tier.contains(digest_of(1)));
+  CHECK_FALSE(tier.contains(digest_of(3)));
+  CHECK(tier.get(digest_of(1), a->e.token_ids) == a);
+  tier.put(digest_of(3), c);  // 350 > 300: evicts the least recent (2)
+  CHECK_FALSE(tier.contains(digest_of(2)));
+  CHECK(tier.bytes() == 200);
+  CHECK(tier.clear() == 2);
+  CHECK(tier.entries() == 0);
+  CHECK(tier.bytes() == 0);
+  CHECK(tier.budget() == 300);
+}
+
+TEST_CASE("host copies: nothing to do without a host tier or a cache; a full queue drops and counts", "[memory_tier]") {
+  auto backend = hypic::engine::make_backend(hypic::engine::DeviceSpec{}, hypic::test::kCombineModel);
+  const auto entries = backend->build_entries(std::vector<std::vector<int32_t>>{{1, 2, 3, 4, 5}}, 2);
+  hypic::cache::SegmentCacheClient none{std::vector<std::string>{}};
+  hypic::cache::AsyncCachePutter putter{none, 1 << 20};
+  hypic::combine::HostBlockTier host(1 << 20);
+  {
+    // The CPU backend keeps entries in host memory (no host tier copies) and there is no cache: nothing is queued.
+    hypic::combine::HostCopier copier(*backend, &host, putter, 1 << 30);
+    CHECK_FALSE(copier.enqueue(digest_of(1), entries[0], true, "r"));
+    copier.wait_idle();
+    CHECK(copier.counters().made == 0);
+    CHECK(copier.counters().dropped == 0);
+  }
+  {
+    // A cache put asked for with a cache configured (unreachable: the put fails later), queue smaller than the entry.
+    hypic::cache::SegmentCacheClient one{std::vector<std::string>{"127.0.0.1:1"}};
+    hypic::cache::AsyncCachePutter p1{one, 1 << 30};
+    hypic::combine::HostCopier copier(*backend, nullptr, p1, entries[0]->resident_bytes() - 1);
+    CHECK_FALSE(copier.enqueue(digest_of(2), entries[0], true, "r"));
+    CHECK(copier.counters().dropped == 1);
+    hypic::combine::HostCopier roomy(*backend, nullptr, p1, uint64_t(1) << 30);
+    CHECK(roomy.enqueue(digest_of(3), entries[0], true, "r"));
+    roomy.wait_idle();
+    CHECK(roomy.counters().made == 1);
+    CHECK(roomy.counters().queued_bytes == 0);
+  }
+}
+
+TEST_CASE("combine worker: local builds are spliced resident (no host round trip); its tiers are looked up and cleared",
+          "[memory_tier]") {
+  CountingBackend backend(hypic::engine::make_backend(hypic::engine::DeviceSpec{}, hypic::test::kCombineModel));
+  hypic::test::CombineServer c(backend, {}, size_t(1) << 30);
+  const std::vector<std::vector<int32_t>> segs = {{11, 12, 13, 14, 15, 16, 17}, {21, 22, 23, 24, 25, 26}, {31, 32}};
+  CHECK(lookup(c, segs) == std::vector<v1::EntryTier>(3, v1::ENTRY_TIER_NONE));
+
+  const Combined cold = combine(c, "r-cold", segs, v1::PlannedSegment::LOCAL);
+  CHECK(sources(cold) == std::vector<v1::SegmentSource>(3, v1::SEGMENT_SOURCE_COMBINE_COMPUTED));
+  CHECK(backend.built == 3);
+  // Built here and spliced as built: no host copy before the splice (none at all: no cache, no host tier), no import.
+  CHECK(backend.host_calls_before_splice == std::vector<int>{0});
+  CHECK(backend.host_calls == 0);
+  CHECK(backend.imported == 0);
+  CHECK(cold.tokens.size() == 4);
+  CHECK(lookup(c, segs) == std::vector<v1::EntryTier>(3, v1::ENTRY_TIER_DEVICE));
+
+  // Planned warm (the router saw them in this worker's tier): spliced from the device tier, same tokens.
+  const Combined warm = combine(c, "r-warm", segs, v1::PlannedSegment::WARM);
+  CHECK(sources(warm) == std::vector<v1::SegmentSource>(3, v1::SEGMENT_SOURCE_COMBINE_MEMORY));
+  for (const auto& s : warm.report.segments()) CHECK(s.reused());
+  CHECK(warm.tokens == cold.tokens);
+  CHECK(backend.built == 3);
+  CHECK(backend.imported == 0);
+
+  // Cleared: nothing held any more; a warm plan falls back to building here (no cache), with the same tokens.
+  v1::ClearTiersRequest clear;
+  clear.set_device(true);
+  clear.set_host(true);
+  v1::ClearTiersResponse cleared;
+  auto ctx = hypic::test::context();
+  REQUIRE(c.stub->ClearTiers(ctx.get(), clear, &cleared).ok());
+  CHECK(cleared.device_entries_dropped() == 3);
+  CHECK(cleared.host_entries_dropped() == 0);
+  CHECK(lookup(c, segs) == std::vector<v1::EntryTier>(3, v1::ENTRY_TIER_NONE));
+  const Combined again = combine(c, "r-again", segs, v1::PlannedSegment::WARM);
+  CHECK(sources(again) == std::vector<v1::SegmentSource>(3, v1::SEGMENT_SOURCE_COMBINE_COMPUTED));
+  CHECK(again.tokens == cold.tokens);
+  CHECK(backend.built == 6);
+
+  // A digest of another length is named.
+  v1::LookupEntriesRequest bad;
+  bad.add_digests("short");
+  v1::LookupEntriesResponse resp;
+  auto bctx = hypic::test::context();
+  const grpc::Status st = c.stub->LookupEntries(bctx.get(), bad, &resp);
+  CHECK(st.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK_THAT(st.error_message(), Catch::Contains("digests[0]"));
+
+  // WorkerInfo reports the tiers.
+  v1::WorkerInfo info;
+  auto ictx = hypic::test::context();
+  REQUIRE(c.stub->GetWorkerInfo(ictx.get(), v1::WorkerInfoRequest{}, &info).ok());
+  CHECK(info.device_tier_entries() == 3);
+  CHECK(info.device_tier_budget() == size_t(1) << 30);
+  CHECK(info.host_tier_budget() == 0);
+}
+
+TEST_CASE("tier budgets: derived from device memory, host memory and the entry size", "[memory_tier]") {
+  constexpr uint64_t GiB = uint64_t(1) << 30;
+  hypic::combine::BudgetInputs in;
+  in.device_entries = true;
+  in.device_free = 40 * GiB;
+  in.host_memory = 128 * GiB;
+  in.entry_bytes = 280'000'000;
+  in.wire_entry_bytes = 330'000'000;
+  in.prefix_cache_bytes = GiB;
+  in.fetch_parallelism = 4;
+  const auto b = hypic::combine::default_tier_budgets(in);
+  // 40 GiB free - (4 GiB + 4 GiB + 1 GiB + 4 x 280 MB) = 31 GiB - 1.12 GB
+  CHECK(b.device_tier == 40 * GiB - (4 * GiB + 4 * GiB + GiB + 4 * 280'000'000ull));
+  CHECK(b.host_tier == 32 * GiB);
+  CHECK(b.put_queue == 8 * 330'000'000ull);
+  CHECK(b.host_copy_queue == 8 * 280'000'000ull);
+  in.device_free = 5 * GiB;  // less than the reserve: no device tier rather than a negative one
+  CHECK(hypic::combine::default_tier_budgets(in).device_tier == 0);
+  in.device_entries = false;  // CPU: the memory tier is host memory; no host tier; queues at least 1 GiB
+  in.entry_bytes = in.wire_entry_bytes = 2'000'000;
+  const auto cpu = hypic::combine::default_tier_budgets(in);
+  CHECK(cpu.device_tier == 16 * GiB);
+  CHECK(cpu.host_tier == 0);
+  CHECK(cpu.put_queue == GiB);
+  CHECK(cpu.host_copy_queue == GiB);
+  CHECK_THAT(hypic::combine::describe_budget(31 * GiB, 280'000'000), Catch::Contains("about 118 entries of 2048 tokens"));
 }
