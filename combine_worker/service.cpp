@@ -195,37 +195,48 @@ std::shared_ptr<CombineService::Pending> CombineService::find(const std::string&
 }
 
 void CombineService::build_locally(const std::shared_ptr<Pending>& p, size_t slot, std::string note) {
-  std::vector<int32_t> ids;
-  {
-    std::lock_guard<std::mutex> lock(p->mu);
-    Slot& s = p->slots[slot];
-    if (s.has_entry() || s.local_started) return;
-    s.local_started = true;
-    ids = s.ids;
-    if (!note.empty()) s.note = s.note.empty() ? note : s.note + "; " + note;
-  }
-  d_.loop.submit_build(std::move(ids), p->entry_seam_width, p->cancel, [this, p, slot](engine::BuildOutcome r) {
-    if (r.cancelled) return;
-    if (!r.error.empty()) {
-      spdlog::error("[req {}] segment {}: local prefill failed: {}", p->id, slot, r.error);
-      {
-        std::lock_guard<std::mutex> lock(p->mu);
-        p->failure = fmt::format("segment {}: prefill failed: {}", slot, r.error);
-        p->failure_code = rpc::engine_error_code(r.error_kind);
-      }
-      p->cv.notify_all();
-      return;
+  build_locally(p, {{slot, std::move(note)}});
+}
+
+void CombineService::build_locally(const std::shared_ptr<Pending>& p,
+                                   const std::vector<std::pair<size_t, std::string>>& slots) {
+  std::vector<engine::EngineLoop::BuildSubmission> builds;
+  for (const auto& [slot, note] : slots) {
+    std::vector<int32_t> ids;
+    {
+      std::lock_guard<std::mutex> lock(p->mu);
+      Slot& s = p->slots[slot];
+      if (s.has_entry() || s.local_started) continue;
+      s.local_started = true;
+      ids = s.ids;
+      if (!note.empty()) s.note = s.note.empty() ? note : s.note + "; " + note;
     }
-    // Spliced as it is (resident, no host round trip); its host copy (host tier, cache put) is made afterwards, off
-    // the critical path.
-    const rpc::Digest digest = p->slots[slot].digest;  // immutable after registration
-    d_.memory_tier.put(digest, r.entry);
-    d_.copier.enqueue(digest, r.entry, p->cache_segments, p->id);
-    count_segment(v1::SEGMENT_SOURCE_COMBINE_COMPUTED);
-    const size_t bytes = r.entry->resident_bytes();
-    p->fill(slot, nullptr, v1::SEGMENT_SOURCE_COMBINE_COMPUTED, address_, r.compute_ms, bytes, device_,
-            std::move(r.entry));
-  }, engine::BuildHandover::Resident);
+    auto done = [this, p, slot](engine::BuildOutcome r) {
+      if (r.cancelled) return;
+      if (!r.error.empty()) {
+        spdlog::error("[req {}] segment {}: local prefill failed: {}", p->id, slot, r.error);
+        {
+          std::lock_guard<std::mutex> lock(p->mu);
+          p->failure = fmt::format("segment {}: prefill failed: {}", slot, r.error);
+          p->failure_code = rpc::engine_error_code(r.error_kind);
+        }
+        p->cv.notify_all();
+        return;
+      }
+      // Spliced as it is (resident, no host round trip); its host copy (host tier, cache put) is made afterwards,
+      // off the critical path.
+      const rpc::Digest digest = p->slots[slot].digest;  // immutable after registration
+      d_.memory_tier.put(digest, r.entry);
+      d_.copier.enqueue(digest, r.entry, p->cache_segments, p->id);
+      count_segment(v1::SEGMENT_SOURCE_COMBINE_COMPUTED);
+      const size_t bytes = r.entry->resident_bytes();
+      p->fill(slot, nullptr, v1::SEGMENT_SOURCE_COMBINE_COMPUTED, address_, r.compute_ms, bytes, device_,
+              std::move(r.entry));
+    };
+    builds.push_back({std::move(ids), p->entry_seam_width, p->cancel, std::move(done), engine::BuildHandover::Resident});
+  }
+  // In one submission, so that they share one batch (one forward pass) on the engine loop.
+  if (!builds.empty()) d_.loop.submit_builds(std::move(builds));
 }
 
 void CombineService::fetch_warm(const std::shared_ptr<Pending>& p, size_t slot, const grpc::ServerContextBase* ctx) {
@@ -434,10 +445,12 @@ grpc::Status CombineService::run_combine(grpc::ServerContext* ctx, const v1::Com
 
     // ---- gather ----
     if (uses_entries) {
+      std::vector<std::pair<size_t, std::string>> local;
       for (size_t i = 0; i < p->slots.size(); ++i) {
-        if (p->slots[i].planned == v1::PlannedSegment::LOCAL) build_locally(p, i, req->segments(int(i)).reason());
+        if (p->slots[i].planned == v1::PlannedSegment::LOCAL) local.emplace_back(i, req->segments(int(i)).reason());
         if (p->slots[i].planned == v1::PlannedSegment::WARM) warm.push_back(i);
       }
+      build_locally(p, local);
       auto next = std::make_shared<std::atomic<size_t>>(0);
       const int nf = std::min<int>(opt_.fetch_parallelism, int(warm.size()));
       for (int f = 0; f < nf; ++f) {
@@ -991,10 +1004,12 @@ grpc::Status CombineService::ComputeLocally(grpc::ServerContext*, const v1::Comp
                                                                                 req->indices(j), p->slots.size()));
       }
     }
+    std::vector<std::pair<size_t, std::string>> local;
     for (uint32_t i : req->indices()) {
       spdlog::info("[req {}] prefilling segment {} here: {}", p->id, i, req->reason());
-      build_locally(p, i, req->reason());
+      local.emplace_back(i, req->reason());
     }
+    build_locally(p, local);
     return grpc::Status::OK;
   });
 }

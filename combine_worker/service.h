@@ -95,6 +95,9 @@ class CombineService final : public hypic::v1::CombineWorker::Service {
   grpc::Status run_combine(grpc::ServerContext* ctx, const hypic::v1::CombineRequest* req,
                            grpc::ServerWriter<hypic::v1::CombineEvent>* writer);
   std::shared_ptr<Pending> find(const std::string& request_id);
+  /// Queues local builds of the given slots (with a note each) on the engine loop, in one submission; each is spliced
+  /// resident as built and its host copy made afterwards (HostCopier).
+  void build_locally(const std::shared_ptr<Pending>& p, const std::vector<std::pair<size_t, std::string>>& slots);
   void build_locally(const std::shared_ptr<Pending>& p, size_t slot, std::string note);
   void fetch_warm(const std::shared_ptr<Pending>& p, size_t slot, const grpc::ServerContextBase* ctx);
   /// Makes a host entry (fetched or delivered over gRPC) resident on a device backend here, on the calling thread

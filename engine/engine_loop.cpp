@@ -93,19 +93,29 @@ void EngineLoop::run_egress() {
 
 void EngineLoop::submit_build(std::vector<int32_t> ids, int seam_width, CancelFlag cancel,
                               std::function<void(BuildOutcome)> done, BuildHandover handover) {
-  const int64_t n = int64_t(ids.size());
+  std::vector<BuildSubmission> one;
+  one.push_back({std::move(ids), seam_width, std::move(cancel), std::move(done), handover});
+  submit_builds(std::move(one));
+}
+
+void EngineLoop::submit_builds(std::vector<BuildSubmission> builds) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!stop_) {
-      queued_tokens_ += n;
-      builds_.push_back({std::move(ids), seam_width, std::move(cancel), std::move(done), Clock::now(), handover});
+      const auto now = Clock::now();
+      for (auto& b : builds) {
+        queued_tokens_ += int64_t(b.ids.size());
+        builds_.push_back({std::move(b.ids), b.seam_width, std::move(b.cancel), std::move(b.done), now, b.handover});
+      }
       cv_.notify_all();
       return;
     }
   }
-  BuildOutcome r;
-  r.cancelled = true;
-  done(std::move(r));
+  for (auto& b : builds) {
+    BuildOutcome r;
+    r.cancelled = true;
+    b.done(std::move(r));
+  }
 }
 
 void EngineLoop::submit_splice(SpliceJob job, CancelFlag cancel, std::function<void(SpliceOutcome)> done) {

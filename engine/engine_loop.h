@@ -161,6 +161,17 @@ class EngineLoop {
   /// for a Wire build that was built, on the egress thread once its wire form is made.
   void submit_build(std::vector<int32_t> ids, int seam_width, CancelFlag cancel,
                     std::function<void(BuildOutcome)> done, BuildHandover handover = BuildHandover::Wire);
+  /// One build of submit_builds.
+  struct BuildSubmission {
+    std::vector<int32_t> ids;
+    int seam_width = 0;
+    CancelFlag cancel;
+    std::function<void(BuildOutcome)> done;
+    BuildHandover handover = BuildHandover::Wire;
+  };
+  /// Queues several builds at once, so that they go into one batch (up to the token budget) rather than the first
+  /// alone when the loop wakes up between two submit_build calls. Each as submit_build.
+  void submit_builds(std::vector<BuildSubmission> builds);
   /// Queues a splice whose result (sequence included) is handed to `done` (evaluation, tests).
   void submit_splice(SpliceJob job, CancelFlag cancel, std::function<void(SpliceOutcome)> done);
   /// Queues a generation (splice, then decoding in the batch). Callbacks as GenerateJob says.

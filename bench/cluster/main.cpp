@@ -563,6 +563,7 @@ int common_head(const std::vector<std::vector<int32_t>>& a, const std::vector<st
 }
 
 json Bench::clear_tiers(Target& t, bool device, bool host) {
+  if (t.info.combine_workers_size() == 0) throw std::runtime_error("the router names no combine worker (ServerInfo)");
   uint64_t dropped_device = 0, dropped_host = 0;
   for (const auto& w : t.info.combine_workers()) {
     auto stub = v1::CombineWorker::NewStub(hypic::rpc::make_channel(w.address()));
@@ -574,19 +575,21 @@ json Bench::clear_tiers(Target& t, bool device, bool host) {
     v1::ClearTiersResponse resp;
     const grpc::Status st = stub->ClearTiers(&ctx, req, &resp);
     if (!st.ok()) {
-      throw std::runtime_error(fmt::format("CombineWorker.ClearTiers at {}: {}", w.address(), hypic::rpc::describe(st)));
+      throw std::runtime_error(
+          fmt::format("CombineWorker.ClearTiers at {}: {}", w.address(), hypic::rpc::describe(st)));
     }
     dropped_device += resp.device_entries_dropped();
     dropped_host += resp.host_entries_dropped();
   }
-  if (t.info.combine_workers_size() == 0) throw std::runtime_error("the router names no combine worker (ServerInfo)");
   return {{"device_entries_dropped", dropped_device}, {"host_entries_dropped", dropped_host}};
 }
 
 void Bench::count_tiers(Target& t, const RequestResult& ref, json& counts) {
   if (!ref.ok) return;
   v1::LookupEntriesRequest req;
-  for (const auto& sr : ref.report.segments()) req.add_digests(hypic::rpc::digest_bytes(hypic::rpc::digest_from_hex(sr.digest_hex())));
+  for (const auto& sr : ref.report.segments()) {
+    req.add_digests(hypic::rpc::digest_bytes(hypic::rpc::digest_from_hex(sr.digest_hex())));
+  }
   std::vector<int> best(size_t(req.digests_size()), int(v1::ENTRY_TIER_NONE));
   for (const auto& w : t.info.combine_workers()) {
     auto stub = v1::CombineWorker::NewStub(hypic::rpc::make_channel(w.address()));
@@ -595,7 +598,8 @@ void Bench::count_tiers(Target& t, const RequestResult& ref, json& counts) {
     v1::LookupEntriesResponse resp;
     const grpc::Status st = stub->LookupEntries(&ctx, req, &resp);
     if (!st.ok()) {
-      std::cerr << fmt::format("[bench] CombineWorker.LookupEntries at {}: {}\n", w.address(), hypic::rpc::describe(st));
+      std::cerr << fmt::format("[bench] CombineWorker.LookupEntries at {}: {}\n", w.address(),
+                               hypic::rpc::describe(st));
       return;
     }
     for (int i = 0; i < resp.tiers_size() && size_t(i) < best.size(); ++i) {
@@ -797,8 +801,8 @@ json Bench::run_load() {
       if (pass && all_passed_so_far) best = rate;
       all_passed_so_far = all_passed_so_far && pass;
       if (!pass && !opt_.all_rates) {
-        std::cerr << fmt::format("[bench] load ({}): p90 TTFT {:.0f} ms > SLO {:.0f} ms (or errors) at {} req/s; higher "
-                                 "rates skipped\n",
+        std::cerr << fmt::format("[bench] load ({}): p90 TTFT {:.0f} ms > SLO {:.0f} ms (or errors) at {} req/s; "
+                                 "higher rates skipped\n",
                                  mode, ttft.p90, opt_.slo_ms, rate);
         break;
       }
@@ -934,14 +938,15 @@ std::string markdown(const json& j) {
          "prefill) / first decode |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
     for (const auto& r : m["rows"]) {
       std::string sources;
-      for (const auto& [k, v] : r["sources"].items()) sources += fmt::format("{}{} {}", sources.empty() ? "" : ", ", k, v.get<uint64_t>());
+      for (const auto& [k, v] : r["sources"].items()) {
+        sources += fmt::format("{}{} {}", sources.empty() ? "" : ", ", k, v.get<uint64_t>());
+      }
       const bool fetched = r["fetch_segments"].get<uint64_t>() > 0;
+      const std::string gbps = fetched ? fmt::format("{:.2f}", r["fetch_gbps_per_segment"].get<double>()) : "-";
+      const std::string mb = fetched ? fmt::format("{:.1f}", r["fetch_bytes_per_request"].get<double>() / 1e6) : "-";
       o << fmt::format("| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n", r["row"].get<std::string>(),
                        r["ttft_ms"]["n"].get<int>(), lat(r, "ttft_ms"), lat(r, "e2e_ms"), reuse(r),
-                       r["unexpected"].get<int>(), sources,
-                       fetched ? fmt::format("{:.2f}", r["fetch_gbps_per_segment"].get<double>()) : std::string("-"),
-                       fetched ? fmt::format("{:.1f}", r["fetch_bytes_per_request"].get<double>() / 1e6) : std::string("-"),
-                       split(r));
+                       r["unexpected"].get<int>(), sources, gbps, mb, split(r));
     }
     o << "\nA: fresh segments; B: A's segments in another order; `hypic_warm_host` after CombineWorker.ClearTiers"
          "{device}, `hypic_warm_remote` after ClearTiers{device, host} (each with a fresh reorder of A); every "
@@ -979,10 +984,10 @@ std::string markdown(const json& j) {
                        "reused segments | p90 TTFT <= {} ms |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n",
                        ms(l["slo_p90_ttft_ms"]));
       for (const auto& r : md["rows"]) {
+        const std::string itl = r.contains("itl_ms_p99") ? fmt::format("{:.1f}", r["itl_ms_p99"].get<double>()) : "-";
         o << fmt::format("| {:g} | {:.2f} | {} | {} | {} | {} | {} | {} |\n", r["offered_rate"].get<double>(),
                          r["achieved_rate"].get<double>(), r["ttft_ms"]["n"].get<int>(), lat(r, "ttft_ms"),
-                         lat(r, "e2e_ms"), r.contains("itl_ms_p99") ? fmt::format("{:.1f}", r["itl_ms_p99"].get<double>()) : std::string("-"),
-                         reuse(r), r["meets_slo"].get<bool>() ? "yes" : "no");
+                         lat(r, "e2e_ms"), itl, reuse(r), r["meets_slo"].get<bool>() ? "yes" : "no");
       }
       o << fmt::format("\nHighest offered rate meeting the SLO (p90 TTFT <= {} ms, no errors): {}\n",
                        ms(l["slo_p90_ttft_ms"]), rate_text(md["qps_at_slo"]));

@@ -140,7 +140,7 @@ TEST_CASE("data plane: a scatter worker's links fall back to gRPC with the reaso
   off.disabled_reason = "the cpu-fp32 backend keeps entries in host memory";
   hypic::worker::NcclLinks disabled(off);
   std::string why;
-  CHECK_FALSE(disabled.get(c.s.address(), *c.stub, &why));
+  CHECK_FALSE(disabled.get(c.s.address(), *c.s.stub, &why));
   CHECK(why == off.disabled_reason);
 
   // Enabled links to a combine worker that refuses: no link, the refusal's reason, held off for retry_after.
@@ -151,25 +151,25 @@ TEST_CASE("data plane: a scatter worker's links fall back to gRPC with the reaso
   on.retry_after = 60s;
   hypic::worker::NcclLinks links(on);
   why.clear();
-  CHECK_FALSE(links.get(c.s.address(), *c.stub, &why));  // never waits: the open runs in the background
+  CHECK_FALSE(links.get(c.s.address(), *c.s.stub, &why));  // never waits: the open runs in the background
   CHECK(why == "the NCCL link is being opened");
   const auto deadline = std::chrono::steady_clock::now() + 20s;
   while (why == "the NCCL link is being opened" && std::chrono::steady_clock::now() < deadline) {
     std::this_thread::sleep_for(10ms);
-    CHECK_FALSE(links.get(c.s.address(), *c.stub, &why));
+    CHECK_FALSE(links.get(c.s.address(), *c.s.stub, &why));
   }
   // No usable CUDA device here (a build without CUDA, or no driver), or on a GPU host the CPU combine worker's
   // refusal: the reason, remembered.
   CHECK_THAT(why, Catch::Contains("device_uuid(cuda:0): ") || Catch::Contains("keeps entries in host memory"));
   const std::string first = why;
   why.clear();
-  CHECK_FALSE(links.get(c.s.address(), *c.stub, &why));
+  CHECK_FALSE(links.get(c.s.address(), *c.s.stub, &why));
   CHECK(why == first);  // not asked again within retry_after
   CHECK(links.open_links() == 0);
 }
 
 TEST_CASE("data plane: a scatter worker refuses an unknown entry transport", "[data-plane]") {
-  auto backend = hypic::engine::CpuBackend::load(kModel);
+  auto backend = hypic::engine::CpuBackend::load(hypic::test::kCombineModel);
   hypic::engine::EngineLoop loop(*backend);
   hypic::cache::SegmentCacheClient cache{std::vector<std::string>{}};
   hypic::cache::AsyncCachePutter putter{cache, 1 << 20};

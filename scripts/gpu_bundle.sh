@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Packs prebuilt binaries and the shared libraries they load (except the C library's, CUDA's and NCCL's, which the GPU
+# host has) into parts small enough to travel to a GPU host one per call (the device machine takes the working tree
+# plus at most 64 MiB: the tracked tree leaves about 10 MiB). Each file is stripped (binaries) and compressed with xz
+# on its own; the parts are plain tars of those files, filled greedily up to --part-mib.
+#
+#   scripts/gpu_bundle.sh --bin build-gpu/bin --out .carry [--part-mib 9] NAME...
+#       NAME: binaries of --bin (e.g. hypic-router hypic-combine-worker test_gpu_backend)
+# Writes OUT/part1.tar, OUT/part2.tar, ... and prints how many. On the GPU host, for each part in turn (the machine
+# keeps /tmp between calls while it is warm):
+#   mkdir -p /tmp/hypic && tar xf .carry/partN.tar -C /tmp/hypic && xz -d -f /tmp/hypic/*/*.xz
+# then run with LD_LIBRARY_PATH=/tmp/hypic/lib:<CUDA and NCCL lib dirs> and binaries from /tmp/hypic/bin.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BIN="" OUT="" PART_MIB=9 NAMES=()
+while (($#)); do
+  case "$1" in
+    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --bin) BIN="$2"; shift 2 ;;
+    --out) OUT="$2"; shift 2 ;;
+    --part-mib) PART_MIB="$2"; shift 2 ;;
+    -*) echo "gpu_bundle.sh: unknown option $1" >&2; exit 2 ;;
+    *) NAMES+=("$1"); shift ;;
+  esac
+done
+[[ -n "$BIN" && -n "$OUT" && ${#NAMES[@]} -gt 0 ]] || { echo "usage: gpu_bundle.sh --bin DIR --out DIR NAME..." >&2; exit 2; }
+STAGE=$(mktemp -d)
+trap 'rm -rf "$STAGE"' EXIT
+mkdir -p "$STAGE/bin" "$STAGE/lib" "$OUT"
+rm -f "$OUT"/part*.tar
+libs=()
+for n in "${NAMES[@]}"; do
+  [[ -x "$BIN/$n" ]] || { echo "gpu_bundle.sh: $BIN/$n not found" >&2; exit 2; }
+  strip -o "$STAGE/bin/$n" "$BIN/$n"
+  while read -r l; do libs+=("$l"); done < <(ldd "$BIN/$n" | awk '/=> \//{print $3}')
+done
+for l in $(printf '%s\n' "${libs[@]}" | sort -u); do
+  case "$(basename "$l")" in
+    libc.so*|libm.so*|libpthread.so*|libdl.so*|librt.so*|ld-linux*|libcuda.so*|libcudart.so*|libcublas*|libnccl.so*) ;;
+    *) cp -L "$l" "$STAGE/lib/" ;;
+  esac
+done
+xz -T0 -6 "$STAGE"/bin/* "$STAGE"/lib/*
+# Greedy: largest first into the first part with room.
+limit=$((PART_MIB * 1024 * 1024))
+declare -a sizes=()
+n=0
+while read -r size f; do
+  placed=0
+  for ((p = 0; p < n; p++)); do
+    if ((sizes[p] + size <= limit)); then
+      (cd "$STAGE" && tar rf "$OLDPWD/$OUT/part$((p + 1)).tar" "$f")
+      sizes[p]=$((sizes[p] + size)); placed=1; break
+    fi
+  done
+  if ((!placed)); then
+    ((size <= limit)) || { echo "gpu_bundle.sh: $f is $size bytes compressed, above --part-mib" >&2; exit 1; }
+    (cd "$STAGE" && tar cf "$OLDPWD/$OUT/part$((n + 1)).tar" "$f")
+    sizes[n]=$size; n=$((n + 1))
+  fi
+done < <(cd "$STAGE" && find bin lib -type f -printf '%s %p\n' | sort -rn)
+for ((p = 0; p < n; p++)); do echo "part$((p + 1)).tar: $(stat -c %s "$OUT/part$((p + 1)).tar") bytes"; done
