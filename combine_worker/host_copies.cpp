@@ -63,15 +63,17 @@ void HostCopier::wait_idle() {
 
 HostCopier::Counters HostCopier::counters() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return counters_;
+  Counters c = counters_;
+  c.pending = queue_.size() + (busy_ ? 1 : 0);
+  return c;
 }
 
 void HostCopier::copy(const Item& item) {
   std::shared_ptr<const std::string> bytes;
   if (backend_.device_entries()) {
     auto block = backend_.copy_to_host(*item.entry);
+    if (host_tier_) host_tier_->put(item.digest, block);  // a host-tier hit from now on, before the slower wire form
     if (item.put) bytes = std::make_shared<const std::string>(engine::serialize_entry(*backend_.entry_of_block(*block)));
-    if (host_tier_) host_tier_->put(item.digest, std::move(block));
   } else if (item.put) {
     bytes = std::make_shared<const std::string>(engine::serialize_entry(*item.entry->host()));
   }

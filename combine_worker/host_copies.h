@@ -45,6 +45,7 @@ class HostCopier {
     uint64_t dropped = 0;  ///< copies dropped: the queue was full
     uint64_t failed = 0;   ///< copies that failed (e.g. no pinned memory)
     uint64_t queued_bytes = 0;
+    uint64_t pending = 0;  ///< copies queued or in progress
   };
   Counters counters() const;
 

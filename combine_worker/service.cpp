@@ -1031,6 +1031,8 @@ grpc::Status CombineService::GetWorkerInfo(grpc::ServerContext*, const v1::Worke
   resp->set_host_tier_bytes(d_.host_tier.bytes());
   resp->set_host_tier_budget(d_.host_tier.budget());
   resp->set_host_tier_entries(d_.host_tier.entries());
+  resp->set_host_copies_pending(d_.copier.counters().pending);
+  resp->set_cache_puts_pending(d_.putter.pending());
   return grpc::Status::OK;
 }
 

@@ -9,6 +9,7 @@
 #   scripts/bench_serving_gpu.sh --bin DIR --out OUT     run the prebuilt binaries in DIR (hypic-bench-cluster and the
 #                                                         hypic-* services); shared libraries from DIR/../lib when it
 #                                                         exists (added to LD_LIBRARY_PATH)
+#   ... --scenarios LIST                                 hypic-bench-cluster scenarios (default serving,load)
 #   ... --layers N                                       cut the model to its first N layers (num_hidden_layers and
 #                                                         the layer_types pattern's first N entries; default: all 40)
 #   ... --scatter-workers N                              scatter workers (default 0), on cuda:0 too
@@ -35,6 +36,7 @@
 # ids is in the repository (no network needed on the GPU host) and fits the 248320-id vocabulary; a segment's cost
 # is its token count, so drawing ids from 2048 of them measures the same prefill work as any other ids.
 set -euo pipefail
+SCENARIOS="serving,load"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
@@ -50,6 +52,7 @@ while (($#)); do
     --out) need_value "$@"; OUT="$2"; shift 2 ;;
     --layers) need_value "$@"; LAYERS="$2"; shift 2 ;;
     --scatter-workers) need_value "$@"; SCATTER="$2"; shift 2 ;;
+    --scenarios) [[ $# -ge 2 ]] || die "--scenarios needs a value"; SCENARIOS="$2"; shift 2 ;;
     --extra) [[ $# -ge 2 ]] || die "--extra needs a value (see --help)"; EXTRA="$2"; shift 2 ;;
     --tokenizer) need_value "$@"; TOKENIZER="$2"; shift 2 ;;
     --commit) need_value "$@"; COMMIT="$2"; shift 2 ;;
@@ -154,7 +157,7 @@ echo "bench_serving_gpu.sh: $(date -u +%Y-%m-%dT%H:%M:%SZ), $LAYERS_USED layers,
 DATE_UTC="$(date -u +%Y-%m-%dT%H:%M:%SZ)"
 rc=0
 "$BIN/hypic-bench-cluster" --model "$MODEL" --tokenizer "$TOKENIZER" --bin-dir "$BIN" \
-  --launcher deploy/local_cluster.py "${LA[@]}" --scenarios serving,load --scatter-workers "$SCATTER" \
+  --launcher deploy/local_cluster.py "${LA[@]}" --scenarios "$SCENARIOS" --scatter-workers "$SCATTER" \
   --load-modes hypic,prefix,full ${KEEP[@]+"${KEEP[@]}"} ${EXTRA_ARGS[@]+"${EXTRA_ARGS[@]}"} \
   --note "commit measured: $COMMIT; made by scripts/bench_serving_gpu.sh ($LAYERS_USED layers, weights: $WEIGHTS)" \
   --work-dir "$WORK/bench" --out-json "$WORK/bench.json" --out-md "$WORK/bench.md" \

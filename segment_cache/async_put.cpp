@@ -53,6 +53,11 @@ void AsyncCachePutter::wait_idle() {
   idle_cv_.wait(lock, [&] { return queue_.empty() && !busy_; });
 }
 
+size_t AsyncCachePutter::pending() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return queue_.size() + (busy_ ? 1 : 0);
+}
+
 AsyncCachePutter::Counters AsyncCachePutter::counters() const {
   std::lock_guard<std::mutex> lock(mu_);
   return counters_;

@@ -35,6 +35,8 @@ class AsyncCachePutter {
                std::string request_id, std::function<void(bool stored)> done = {});
   /// False when the client has no replica (every enqueue would be refused): callers skip making the bytes.
   bool enabled() const { return client_.enabled(); }
+  /// Puts queued or in flight.
+  size_t pending() const;
   /// Blocks until the queue is empty and the put in flight finished (tests, shutdown).
   void wait_idle();
 

@@ -565,8 +565,30 @@ int common_head(const std::vector<std::vector<int32_t>>& a, const std::vector<st
 json Bench::clear_tiers(Target& t, bool device, bool host) {
   if (t.info.combine_workers_size() == 0) throw std::runtime_error("the router names no combine worker (ServerInfo)");
   uint64_t dropped_device = 0, dropped_host = 0;
+  double settle_ms = 0;
   for (const auto& w : t.info.combine_workers()) {
     auto stub = v1::CombineWorker::NewStub(hypic::rpc::make_channel(w.address()));
+    // First the worker's background work settles: host copies made (host tier) and cache puts sent, as they would
+    // have been by the time a later request comes (they are asynchronous by design). At most 120 s.
+    const auto s0 = std::chrono::steady_clock::now();
+    for (;;) {
+      grpc::ClientContext ictx;
+      ictx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+      v1::WorkerInfo info;
+      const grpc::Status ist = stub->GetWorkerInfo(&ictx, v1::WorkerInfoRequest{}, &info);
+      if (!ist.ok()) {
+        throw std::runtime_error(
+            fmt::format("CombineWorker.GetWorkerInfo at {}: {}", w.address(), hypic::rpc::describe(ist)));
+      }
+      if (info.host_copies_pending() == 0 && info.cache_puts_pending() == 0) break;
+      if (std::chrono::steady_clock::now() - s0 > std::chrono::seconds(120)) {
+        notes.push_back(fmt::format("combine worker {}: host copies / cache puts still pending after 120 s ({} / {})",
+                                    w.address(), info.host_copies_pending(), info.cache_puts_pending()));
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    settle_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - s0).count();
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
     v1::ClearTiersRequest req;
@@ -581,7 +603,7 @@ json Bench::clear_tiers(Target& t, bool device, bool host) {
     dropped_device += resp.device_entries_dropped();
     dropped_host += resp.host_entries_dropped();
   }
-  return {{"device_entries_dropped", dropped_device}, {"host_entries_dropped", dropped_host}};
+  return {{"device_entries_dropped", dropped_device}, {"host_entries_dropped", dropped_host}, {"settle_ms", settle_ms}};
 }
 
 void Bench::count_tiers(Target& t, const RequestResult& ref, json& counts) {
