@@ -83,7 +83,14 @@ COMMIT="${COMMIT:-unknown}"
 mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
 WORK="$(mktemp -d /tmp/hypic-bench-serving.XXXXXX)"
-trap 'rm -rf "$WORK"' EXIT
+keep_logs() {  # the combine worker's and router's logs of each cluster the benchmark started (the last 4 MB of each)
+  [[ -n "${OUT:-}" && -d "${OUT:-}" ]] || return 0
+  for f in "$WORK"/bench/*/logs/combine*.log "$WORK"/bench/*/logs/router*.log; do
+    [[ -f "$f" ]] && tail -c 4000000 "$f" > "$OUT/$(basename "$(dirname "$(dirname "$f")")")-$(basename "$f")"
+  done
+  return 0
+}
+trap 'keep_logs; rm -rf "$WORK"' EXIT
 export NCCL_NVLS_ENABLE=0  # NVLink multicast off (used only with scatter workers on other GPUs)
 
 # The model directory: config.json alone (the workers make random weights from it on the device).
