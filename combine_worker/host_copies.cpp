@@ -11,18 +11,30 @@ namespace hypic::combine {
 HostCopier::HostCopier(const engine::Backend& backend, HostBlockTier* host_tier, cache::AsyncCachePutter& putter,
                        uint64_t max_queued_bytes)
     : backend_(backend), host_tier_(host_tier), putter_(putter), max_bytes_(max_queued_bytes),
-      thread_([this] { run(); }) {}
+      thread_([this] { run_copies(); }), wire_thread_([this] { run_wire(); }) {}
 
 HostCopier::~HostCopier() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
-    counters_.dropped += queue_.size();
+    counters_.dropped += queue_.size() + wire_.size();
     queue_.clear();
-    counters_.queued_bytes = 0;
+    wire_.clear();
+    counters_.queued_bytes = counters_.wire_queued_bytes = 0;
   }
   cv_.notify_all();
   thread_.join();
+  wire_thread_.join();
+}
+
+void HostCopier::log_drop(const Item& item, const char* what, uint64_t queued, uint64_t limit) {
+  static rpc::LogLimit limit_log;
+  uint64_t unlogged = 0;
+  if (limit_log.allow(&unlogged)) {
+    spdlog::warn("[req {}] {} of {} ({} bytes) dropped: {} bytes already wait (limit {}, --host-copy-queue-bytes){}",
+                 item.request_id, what, rpc::digest_hex(item.digest), item.bytes, queued, limit,
+                 unlogged ? fmt::format("; {} more dropped since the last such line", unlogged) : std::string());
+  }
 }
 
 bool HostCopier::enqueue(const rpc::Digest& digest, std::shared_ptr<const engine::ResidentEntry> entry, bool put,
@@ -30,26 +42,34 @@ bool HostCopier::enqueue(const rpc::Digest& digest, std::shared_ptr<const engine
   const bool to_host_tier = host_tier_ && host_tier_->budget() > 0 && backend_.device_entries();
   put = put && putter_.enabled();  // no cache: no wire form to make
   if (!entry || (!to_host_tier && !put)) return false;
-  const size_t bytes = entry->resident_bytes();
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!stop_ && counters_.queued_bytes + bytes <= max_bytes_) {
-      counters_.queued_bytes += bytes;
-      queue_.push_back({digest, std::move(entry), put, std::move(request_id)});
-      cv_.notify_all();
-      return true;
-    }
+  Item item{digest, std::move(entry), nullptr, put, std::move(request_id), 0};
+  item.bytes = item.entry->resident_bytes();
+  std::unique_lock<std::mutex> lock(mu_);
+  if (stop_) return false;
+  if (!backend_.device_entries()) return push_wire_locked(std::move(item));  // host already: stage 2 only
+  if (counters_.queued_bytes + item.bytes > max_bytes_) {
     ++counters_.dropped;
+    const uint64_t queued = counters_.queued_bytes;
+    lock.unlock();
+    log_drop(item, "host copy", queued, max_bytes_);
+    return false;
   }
-  static rpc::LogLimit limit;
-  uint64_t unlogged = 0;
-  if (limit.allow(&unlogged)) {
-    spdlog::warn("[req {}] host copy of {} ({} bytes) dropped: {} bytes of entries already wait for theirs (limit {}, "
-                 "--host-copy-queue-bytes){}",
-                 request_id, rpc::digest_hex(digest), bytes, counters().queued_bytes, max_bytes_,
-                 unlogged ? fmt::format("; {} more dropped since the last such line", unlogged) : std::string());
+  counters_.queued_bytes += item.bytes;
+  queue_.push_back(std::move(item));
+  cv_.notify_all();
+  return true;
+}
+
+bool HostCopier::push_wire_locked(Item item) {
+  if (counters_.wire_queued_bytes + item.bytes > max_bytes_) {
+    ++counters_.dropped;
+    log_drop(item, "cache put", counters_.wire_queued_bytes, max_bytes_);
+    return false;
   }
-  return false;
+  counters_.wire_queued_bytes += item.bytes;
+  wire_.push_back(std::move(item));
+  cv_.notify_all();
+  return true;
 }
 
 void HostCopier::keep_block(const rpc::Digest& digest, std::shared_ptr<const engine::HostBlock> block) {
@@ -58,29 +78,24 @@ void HostCopier::keep_block(const rpc::Digest& digest, std::shared_ptr<const eng
 
 void HostCopier::wait_idle() {
   std::unique_lock<std::mutex> lock(mu_);
-  idle_cv_.wait(lock, [&] { return queue_.empty() && !busy_; });
+  idle_cv_.wait(lock, [&] { return queue_.empty() && wire_.empty() && !busy_ && !wire_busy_; });
 }
 
 HostCopier::Counters HostCopier::counters() const {
   std::lock_guard<std::mutex> lock(mu_);
   Counters c = counters_;
-  c.pending = queue_.size() + (busy_ ? 1 : 0);
+  c.pending = queue_.size() + wire_.size() + (busy_ ? 1 : 0) + (wire_busy_ ? 1 : 0);
   return c;
 }
 
-void HostCopier::copy(const Item& item) {
-  std::shared_ptr<const std::string> bytes;
-  if (backend_.device_entries()) {
-    auto block = backend_.copy_to_host(*item.entry);
-    if (host_tier_) host_tier_->put(item.digest, block);  // a host-tier hit from now on, before the slower wire form
-    if (item.put) bytes = std::make_shared<const std::string>(engine::serialize_entry(*backend_.entry_of_block(*block)));
-  } else if (item.put) {
-    bytes = std::make_shared<const std::string>(engine::serialize_entry(*item.entry->host()));
-  }
-  if (bytes) putter_.enqueue(item.digest, item.entry->header().token_ids, std::move(bytes), item.request_id);
+std::optional<HostCopier::Item> HostCopier::copy(Item& item) {
+  auto block = backend_.copy_to_host(*item.entry);
+  if (host_tier_) host_tier_->put(item.digest, block);  // a host-tier hit from now on
+  if (!item.put) return std::nullopt;
+  return Item{item.digest, nullptr, std::move(block), true, item.request_id, item.bytes};
 }
 
-void HostCopier::run() {
+void HostCopier::run_copies() {
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
     cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
@@ -89,9 +104,10 @@ void HostCopier::run() {
     queue_.pop_front();
     busy_ = true;
     lock.unlock();
+    std::optional<Item> next;
     bool ok = true;
     try {
-      copy(item);
+      next = copy(item);
     } catch (const std::exception& e) {
       ok = false;
       static rpc::LogLimit limit;
@@ -100,15 +116,45 @@ void HostCopier::run() {
         spdlog::warn("[req {}] host copy of {} failed: {}{}", item.request_id, rpc::digest_hex(item.digest), e.what(),
                      unlogged ? fmt::format(" ({} more failures since the last such line)", unlogged) : std::string());
     }
-    const size_t bytes = item.entry->resident_bytes();
     item.entry.reset();  // its device memory may go now
     lock.lock();
-    counters_.queued_bytes -= std::min<uint64_t>(counters_.queued_bytes, bytes);
+    counters_.queued_bytes -= std::min<uint64_t>(counters_.queued_bytes, item.bytes);
     ++(ok ? counters_.made : counters_.failed);
+    if (next && !stop_) push_wire_locked(std::move(*next));
     busy_ = false;
-    if (queue_.empty()) idle_cv_.notify_all();
+    if (queue_.empty() && wire_.empty() && !wire_busy_) idle_cv_.notify_all();
   }
   busy_ = false;
+  idle_cv_.notify_all();
+}
+
+void HostCopier::run_wire() {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    cv_.wait(lock, [&] { return stop_ || !wire_.empty(); });
+    if (stop_) break;
+    Item item = std::move(wire_.front());
+    wire_.pop_front();
+    wire_busy_ = true;
+    lock.unlock();
+    bool ok = true;
+    try {
+      const auto host = item.block ? backend_.entry_of_block(*item.block) : item.entry->host();
+      auto bytes = std::make_shared<const std::string>(engine::serialize_entry(*host));
+      putter_.enqueue(item.digest, host->token_ids, std::move(bytes), item.request_id);
+    } catch (const std::exception& e) {
+      ok = false;
+      spdlog::warn("[req {}] wire form of {} failed: {}", item.request_id, rpc::digest_hex(item.digest), e.what());
+    }
+    item.block.reset();
+    item.entry.reset();
+    lock.lock();
+    counters_.wire_queued_bytes -= std::min<uint64_t>(counters_.wire_queued_bytes, item.bytes);
+    ++(ok ? counters_.made : counters_.failed);
+    wire_busy_ = false;
+    if (queue_.empty() && wire_.empty() && !busy_) idle_cv_.notify_all();
+  }
+  wire_busy_ = false;
   idle_cv_.notify_all();
 }
 

@@ -1,15 +1,20 @@
 // Host copies of the entries a combine worker made resident itself (built here, delivered over NCCL, or fetched),
-// made OFF the critical path (DESIGN.md 4, "data plane"): a request splices the resident entry at once, and this
-// worker's own thread later copies it to the host, into pinned memory on the backend's copy stream (CUDA:
-// Backend::copy_to_host), for the host tier, and, when asked, converts it to the wire form and queues it for the
-// segment cache (cache::AsyncCachePutter). The queue is bounded in bytes (each queued entry keeps its device memory):
-// beyond it, copies are dropped, counted (hypic:host_copies_total{outcome="dropped"}) and logged at most once per
+// made OFF the critical path (DESIGN.md 4, "data plane"): a request splices the resident entry at once, and two
+// threads of this worker's own do the rest, in two stages:
+//  1. copy: the device-to-host copy into pinned memory on the backend's copy stream (CUDA: Backend::copy_to_host),
+//     straight into the host tier (tens of ms for a 280 MB entry);
+//  2. wire, when a cache put was asked for: the host block converted to the wire form (Backend::entry_of_block),
+//     serialized and queued for the segment cache (cache::AsyncCachePutter): hundreds of ms of host work, which no
+//     longer holds device memory nor delays the next host copy.
+// Each stage's queue is bounded in bytes (stage 1: device memory its entries keep; stage 2: host memory its blocks
+// keep); beyond it, work is dropped, counted (hypic:host_copies_total{outcome="dropped"}) and logged at most once per
 // 10 s, since a dropped copy only costs a later recompute.
 #pragma once
 #include <condition_variable>
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -41,23 +46,31 @@ class HostCopier {
   void wait_idle();
 
   struct Counters {
-    uint64_t made = 0;     ///< host copies made
-    uint64_t dropped = 0;  ///< copies dropped: the queue was full
-    uint64_t failed = 0;   ///< copies that failed (e.g. no pinned memory)
-    uint64_t queued_bytes = 0;
-    uint64_t pending = 0;  ///< copies queued or in progress
+    uint64_t made = 0;     ///< host copies made (stage 1) and wire forms queued for the cache (stage 2)
+    uint64_t dropped = 0;  ///< dropped: a stage's queue was full
+    uint64_t failed = 0;   ///< failed (e.g. no pinned memory)
+    uint64_t queued_bytes = 0;       ///< stage 1: resident bytes of the entries waiting for their copy
+    uint64_t wire_queued_bytes = 0;  ///< stage 2: bytes of the blocks (or host entries) waiting for their wire form
+    uint64_t pending = 0;  ///< work queued or in progress, both stages
   };
   Counters counters() const;
 
  private:
   struct Item {
     rpc::Digest digest;
-    std::shared_ptr<const engine::ResidentEntry> entry;
+    std::shared_ptr<const engine::ResidentEntry> entry;  ///< stage 1; stage 2 on the CPU backend (host already)
+    std::shared_ptr<const engine::HostBlock> block;      ///< stage 2 on device backends
     bool put;
     std::string request_id;
+    size_t bytes = 0;
   };
-  void run();
-  void copy(const Item& item);
+  void run_copies();
+  void run_wire();
+  /// Stage 1 of one item; returns the stage-2 item when a put is still to be made.
+  std::optional<Item> copy(Item& item);
+  /// Stage 2 queue, under mu_: false (counted, logged) when full.
+  bool push_wire_locked(Item item);
+  void log_drop(const Item& item, const char* what, uint64_t queued, uint64_t limit);
 
   const engine::Backend& backend_;
   HostBlockTier* host_tier_;
@@ -65,10 +78,10 @@ class HostCopier {
   uint64_t max_bytes_;
   mutable std::mutex mu_;
   std::condition_variable cv_, idle_cv_;
-  std::deque<Item> queue_;
-  bool busy_ = false, stop_ = false;
+  std::deque<Item> queue_, wire_;
+  bool busy_ = false, wire_busy_ = false, stop_ = false;
   Counters counters_;
-  std::thread thread_;
+  std::thread thread_, wire_thread_;
 };
 
 }  // namespace hypic::combine
