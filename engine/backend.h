@@ -258,6 +258,11 @@ class Backend {
   /// memory: import_block of it equals import_entry of `entry`, bit for bit. Host work only. Throws EntryError as
   /// import_entry does.
   virtual std::shared_ptr<const HostBlock> block_of_entry(const SegmentEntry& entry) const;
+  /// Pins `bytes` of host memory for host blocks now (a server at start-up, sized to its host tier), so that making
+  /// host blocks later pins nothing: pinning stalls the device's other work while it runs. Host blocks then take
+  /// whole 32 MiB pieces. Thread-safe. Throws ResourceExhausted when the host cannot pin that much; a no-op where
+  /// !device_entries().
+  virtual void reserve_host_blocks(size_t bytes) const { (void)bytes; }
   /// Bytes a device entry of `tokens` tokens takes here (its resident_bytes()), for budgets stated in entries.
   virtual size_t entry_bytes(int64_t tokens) const;
 };

@@ -251,6 +251,7 @@ class CudaBackend final : public Backend {
   std::shared_ptr<const SegmentEntry> entry_of_block(const HostBlock& block) const override;
   std::shared_ptr<const HostBlock> block_of_entry(const SegmentEntry& entry) const override;
   size_t entry_bytes(int64_t tokens) const override { return EntryLayout(geom_, kv_row_, tokens).total; }
+  void reserve_host_blocks(size_t bytes) const override { pinned_->reserve(bytes); }
 
   // Used by entries and sequences (any thread).
   void release(int slot, const std::vector<int>& pages);

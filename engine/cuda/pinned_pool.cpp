@@ -47,9 +47,38 @@ std::vector<PinnedPool::Piece> PinnedPool::acquire(size_t bytes) {
   if (left > 0) {
     size_t cap = kMinPiece;
     while (cap < left) cap *= 2;
-    take(cap, left);
+    bool whole = false;
+    {
+      std::lock_guard lock(mu_);
+      whole = whole_pieces_;
+    }
+    take(whole ? kMaxPiece : cap, left);
   }
   return out;
+}
+
+void PinnedPool::reserve(size_t bytes) {
+  kernels::cuda::check_cuda(cudaSetDevice(device_), "cudaSetDevice");
+  {
+    std::lock_guard lock(mu_);
+    whole_pieces_ = true;
+  }
+  for (;;) {
+    {
+      std::lock_guard lock(mu_);
+      if (held_ >= bytes) return;
+    }
+    void* p = nullptr;
+    const cudaError_t err = cudaHostAlloc(&p, kMaxPiece, cudaHostAllocPortable);
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      throw ResourceExhausted("pinned host memory: cannot reserve " + std::to_string(bytes) + " bytes (" +
+                              std::to_string(bytes_held()) + " pinned): " + cudaGetErrorString(err));
+    }
+    std::lock_guard lock(mu_);
+    held_ += kMaxPiece;
+    free_[kMaxPiece].push_back(static_cast<char*>(p));
+  }
 }
 
 void PinnedPool::release(std::vector<Piece>& pieces) {

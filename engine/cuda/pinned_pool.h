@@ -30,6 +30,11 @@ class PinnedPool {
   PinnedPool& operator=(const PinnedPool&) = delete;
   /// Pieces covering `bytes` in order. Throws ResourceExhausted (engine/backend.h) when the host cannot pin more.
   std::vector<Piece> acquire(size_t bytes);
+  /// Pins pieces of kMaxPiece until `bytes` are held (free for reuse), and from then on serves every request in whole
+  /// kMaxPiece pieces (the tail too), so that those reserved pieces cover it: pinning memory (cudaHostAlloc) stalls
+  /// the device's other work while it runs, so a server pins once at start-up instead of while requests run.
+  /// Throws ResourceExhausted as acquire.
+  void reserve(size_t bytes);
   /// Gives pieces back for reuse.
   void release(std::vector<Piece>& pieces);
   /// Pinned bytes held (in use or free for reuse).
@@ -40,6 +45,7 @@ class PinnedPool {
   mutable std::mutex mu_;
   std::map<size_t, std::vector<char*>> free_;  // by capacity
   size_t held_ = 0;
+  bool whole_pieces_ = false;
 };
 
 }  // namespace hypic::engine::cuda
