@@ -18,8 +18,8 @@ TierBudgets default_tier_budgets(const BudgetInputs& in) {
     b.device_tier = std::max(GiB, in.host_memory / 8);
     b.host_tier = 0;
   }
-  b.put_queue = std::max(GiB, 8 * in.wire_entry_bytes);
-  b.host_copy_queue = std::max(GiB, 8 * in.entry_bytes);
+  b.put_queue = std::max(GiB, 16 * in.wire_entry_bytes);
+  b.host_copy_queue = std::max(GiB, 16 * in.entry_bytes);
   return b;
 }
 

@@ -1,4 +1,6 @@
 // hypic-scatter-worker: standalone prefill of cold segments (hypic.v1.ScatterWorker).
+#include <chrono>
+
 #include <CLI/CLI.hpp>
 #include <spdlog/spdlog.h>
 
@@ -51,6 +53,15 @@ int main(int argc, char** argv) {
     hypic::rpc::init_service("scatter", server);
     hypic::transport::disable_nvls();
     const auto backend = hypic::rpc::make_engine_backend(engine, model_dir);
+    if (backend->device_entries()) {
+      // The wire form of each build goes through a pinned host block (Backend::copy_to_host): pin room for a few at
+      // start-up, since pinning while builds run stalls the device (PinnedPool::reserve).
+      const uint64_t pin = 4 * backend->entry_bytes(2048) + (uint64_t{1} << 30);
+      const auto t0 = std::chrono::steady_clock::now();
+      backend->reserve_host_blocks(pin);
+      spdlog::info("pinned {:.1f} GiB of host memory for entry copies in {:.1f} s", double(pin) / double(1ull << 30),
+                   std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
     hypic::cache::SegmentCacheClient cache(caches);
     hypic::cache::AsyncCachePutter putter(cache, put_queue_bytes);
     hypic::engine::EngineLoop loop(*backend, hypic::rpc::engine_loop_options(engine));

@@ -318,8 +318,8 @@ TEST_CASE("tier budgets: derived from device memory, host memory and the entry s
   // 40 GiB free - (4 GiB + 4 GiB + 1 GiB + 4 x 280 MB) = 31 GiB - 1.12 GB
   CHECK(b.device_tier == 40 * GiB - (4 * GiB + 4 * GiB + GiB + 4 * 280'000'000ull));
   CHECK(b.host_tier == 32 * GiB);
-  CHECK(b.put_queue == 8 * 330'000'000ull);
-  CHECK(b.host_copy_queue == 8 * 280'000'000ull);
+  CHECK(b.put_queue == 16 * 330'000'000ull);
+  CHECK(b.host_copy_queue == 16 * 280'000'000ull);
   in.device_free = 5 * GiB;  // less than the reserve: no device tier rather than a negative one
   CHECK(hypic::combine::default_tier_budgets(in).device_tier == 0);
   in.device_entries = false;  // CPU: the memory tier is host memory; no host tier; queues at least 1 GiB
