@@ -41,6 +41,9 @@ EngineLoop::EngineLoop(Backend& backend, EngineLoopOptions options) : backend_(b
   if (options_.max_build_tokens < 1)
     throw std::invalid_argument("engine loop: max_build_tokens must be >= 1, got " +
                                 std::to_string(options_.max_build_tokens));
+  if (options_.max_build_tokens_decoding < 1)
+    throw std::invalid_argument("engine loop: max_build_tokens_decoding must be >= 1, got " +
+                                std::to_string(options_.max_build_tokens_decoding));
   egress_thread_ = std::thread([this] { run_egress(); });
   thread_ = std::thread([this] { run(); });
 }
@@ -165,8 +168,11 @@ void EngineLoop::run() {
       // One unit of non-decode work per iteration, alternating between the queues when both wait.
       const bool take_build = !builds_.empty() && (builds_turn_ || splices_.empty());
       if (take_build) {
-        // Every queued build of the first one's seam width, FIFO, up to the token budget (the first always goes).
+        // Every queued build of the first one's seam width, FIFO, up to the token budget (the first always goes);
+        // a smaller budget while sequences decode, so that their next step comes sooner.
         const int w = builds_.front().seam_width;
+        const int64_t budget = active_.empty() ? options_.max_build_tokens
+                                               : std::min(options_.max_build_tokens, options_.max_build_tokens_decoding);
         int64_t tokens = 0;
         for (auto it = builds_.begin(); it != builds_.end();) {
           const int64_t n = int64_t(it->ids.size());
@@ -174,7 +180,7 @@ void EngineLoop::run() {
             ++it;
             continue;
           }
-          if (!batch.empty() && tokens + n > options_.max_build_tokens) break;
+          if (!batch.empty() && tokens + n > budget) break;
           tokens += n;
           batch.push_back(std::move(*it));
           it = builds_.erase(it);

@@ -14,7 +14,8 @@
 //    token, or its cancel flag is set. The loop samples (engine/sampling.h, one Sampler per request), so a handler
 //    only receives token ids.
 // Fairness: each iteration runs one decode step of the whole batch, then one queued unit of other work (a build
-// batch or a splice, alternating when both wait), so neither a long splice nor a long decode starves the other.
+// batch or a splice, alternating when both wait), so neither a long splice nor a long decode starves the other; while
+// sequences decode, a build batch is held to EngineLoopOptions::max_build_tokens_decoding tokens.
 //
 // Callbacks run on the loop thread (those of BuildHandover::Wire builds that were built: on its egress thread): they
 // must be quick and must not call back into the loop's waiting operations (push into a queue and notify). Every job
@@ -130,6 +131,11 @@ struct GenerateJob {
 struct EngineLoopOptions {
   /// Most tokens of one build_entries call (a single longer segment still runs, alone). >= 1.
   int64_t max_build_tokens = 16384;
+  /// The same while sequences are decoding (min with max_build_tokens): queued builds then go in smaller batches with
+  /// a decode step of the running sequences between two, so that a burst of cold segments does not stall their
+  /// inter-token latency for a whole large batch (vLLM's and SGLang's chunked prefill, at the granularity of whole
+  /// segments; each build's entry is the same whatever batch it is in). >= 1.
+  int64_t max_build_tokens_decoding = 4096;
   /// TESTING ONLY: each build (per segment) first sleeps this long, as part of its run (its cancel flag was read
   /// at the start of its batch, so the sleep is like a longer build: it is not skipped), to widen fault-injection
   /// windows and to stand in for a long build.

@@ -18,6 +18,11 @@ void add_engine_flags(CLI::App& app, EngineFlags& f, bool prefix_cache, bool inj
                  "CUDA backend: KV-cache pool of all sequences (0: 40% of the device memory free after the weights)")
       ->transform(CLI::AsSizeValue(false))
       ->capture_default_str();
+  app.add_option("--max-build-tokens-decoding", f.max_build_tokens_decoding,
+                 "most tokens of one batch of entry builds while sequences are decoding (a decode step runs between two "
+                 "batches; at most --max-batch-tokens)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   app.add_option("--max-batch-tokens", f.max_batch_tokens,
                  "most tokens of one forward pass: entry builds queued together are batched up to it (CUDA: longer "
                  "prefills are chunked)")
@@ -64,6 +69,7 @@ std::unique_ptr<engine::Backend> make_engine_backend(const EngineFlags& f, const
 engine::EngineLoopOptions engine_loop_options(const EngineFlags& f) {
   engine::EngineLoopOptions o;
   o.max_build_tokens = f.max_batch_tokens;
+  o.max_build_tokens_decoding = f.max_build_tokens_decoding;
   o.inject_delay = std::chrono::milliseconds(f.inject_delay_ms);
   return o;
 }

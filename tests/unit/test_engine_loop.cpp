@@ -332,6 +332,83 @@ TEST_CASE("engine loop: builds batch into one call, equal the reference builder,
   CHECK(loop.build_batches() == 1);
 }
 
+TEST_CASE("engine loop: while sequences decode, builds go in smaller batches with decode steps between; Resident "
+          "builds hand over the entry alone", "[engine_loop]") {
+  CpuBackend& b = fixture_backend();
+  const int vocab = int(b.config().vocab_size);
+  EngineLoopOptions opt;
+  opt.max_build_tokens_decoding = 12;  // two 6-token segments per batch while decoding
+  EngineLoop loop(b, opt);
+  // A generation long enough to decode through all the builds, held in its splice callback until they are queued.
+  Stream gen;
+  std::promise<void> release, entered;
+  std::shared_future<void> released = release.get_future().share();
+  GenerateJob job = gen.job(splice_job(make_prompt(b, 9, 2, 4), SpliceMode::Hypic, 4), {}, 400);
+  job.on_spliced = [released, &entered](const SpliceInfo&) {
+    entered.set_value();
+    released.wait();
+  };
+  loop.submit_generate(std::move(job));
+  entered.get_future().wait();
+  std::mutex mu;
+  std::condition_variable cv;
+  std::map<int, BuildOutcome> got;
+  std::map<int, uint64_t> iterations_at;  // decode iterations when each build was handed over
+  std::vector<EngineLoop::BuildSubmission> subs;
+  std::vector<std::vector<int32_t>> ids;
+  for (int k = 0; k < 6; ++k) {
+    ids.push_back(random_ids(6, 300 + uint32_t(k), vocab));
+    subs.push_back({ids.back(), 4, nullptr, [&, k](BuildOutcome r) {
+                      std::lock_guard<std::mutex> lock(mu);
+                      iterations_at[k] = loop.decode_iterations();
+                      got[k] = std::move(r);
+                      cv.notify_all();
+                    },
+                    k % 2 ? BuildHandover::Resident : BuildHandover::Wire});
+  }
+  loop.submit_builds(std::move(subs));
+  release.set_value();
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    REQUIRE(cv.wait_for(lock, std::chrono::seconds(120), [&] { return got.size() == 6; }));
+  }
+  gen.wait();
+  CHECK(gen.tokens.size() == 400);
+  // Three batches of two (12 tokens each), with decode steps of the running sequence between them.
+  CHECK(loop.build_batches() == 3);
+  for (int k = 0; k < 6; ++k) {
+    INFO("build " << k);
+    const BuildOutcome& r = got[k];
+    REQUIRE(r.error.empty());
+    REQUIRE(r.entry);
+    CHECK(r.batch_segments == 2);
+    // The same entry as the reference builder's whatever its batch.
+    CHECK(serialize_entry(*r.entry->host()) == serialize_entry(build_segment_entry(b.model(), ids[size_t(k)], 4)));
+    if (k % 2) {  // Resident: no wire form made
+      CHECK(r.host == nullptr);
+      CHECK(r.bytes == nullptr);
+    } else {
+      REQUIRE(r.bytes);
+      CHECK(*r.bytes == serialize_entry(*r.entry->host()));
+    }
+  }
+  CHECK(iterations_at[1] < iterations_at[3]);  // at least one decode step between two batches
+  CHECK(iterations_at[3] < iterations_at[5]);
+  // With nothing decoding, the same six go in one batch (max_build_tokens).
+  std::atomic<int> left{6};
+  std::promise<void> all;
+  std::vector<EngineLoop::BuildSubmission> again;
+  for (int k = 0; k < 6; ++k)
+    again.push_back({ids[size_t(k)], 4, nullptr, [&](BuildOutcome) {
+                       if (--left == 0) all.set_value();
+                     },
+                     BuildHandover::Resident});
+  loop.submit_builds(std::move(again));
+  all.get_future().wait();
+  CHECK(loop.build_batches() == 4);
+  CHECK_THROWS_WITH(EngineLoop(b, EngineLoopOptions{16384, 0}), Catch::Contains("max_build_tokens_decoding"));
+}
+
 TEST_CASE("engine loop: cancellation of queued builds and of decoding sequences", "[engine_loop]") {
   CpuBackend& b = fixture_backend();
   EngineLoop loop(b);
