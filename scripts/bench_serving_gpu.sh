@@ -191,6 +191,13 @@ doc = {"command": command, "date_utc": date, "git_commit": commit, "gpu": gpu,
        "model_config": {"source": config_source, "num_hidden_layers": int(layers), "weights": weights},
        "scatter_workers": int(scatter), "bench_exit_status": int(rc), "bench_command": bench.pop("command", "")}
 doc.update(bench)
+# The summary the targets are read from: serving rows and, per mode, the load figures.
+serving = bench.get("scenarios", {}).get("serving", {})
+doc["rows"] = [{k: r.get(k) for k in ("row", "ttft_ms_p50", "ttft_ms_p90", "unexpected", "fetch_gbps_per_segment")}
+               for r in serving.get("rows", [])]
+load = bench.get("scenarios", {}).get("load", {})
+doc["load"] = [{k: m.get(k) for k in ("mode", "qps_at_slo", "ttft_ms_p90", "itl_ms_p99")} for m in load.get("modes", [])]
+doc["itl_ms_p99_unloaded"] = load.get("itl_ms_p99_unloaded")
 json.dump(doc, open(f"{out}/serving_h200.json", "w"), indent=2)
 with open(f"{out}/serving_h200.md", "w") as f:
     f.write(f"<!-- made by: {command} -->\n\n- command: `{command}`\n- date (UTC): {date}\n- commit: {commit}\n"
