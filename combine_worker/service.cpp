@@ -136,25 +136,23 @@ CombineService::CombineService(CombineDeps deps, CombineOptions options)
                {{"tier", "combine-memory"}});
   reg.gauge_fn("hypic:cache_budget_bytes", "Byte budget of a tier of segment entries", [&host] { return double(host.budget()); },
                {{"tier", "combine-host"}});
+  // Counters by outcome, each read from its component's counters at scrape time.
   auto& copier = d_.copier;
-  for (const char* outcome : {"made", "dropped", "failed"}) {
-    const std::string o = outcome;
-    reg.counter_fn("hypic:host_copies_total", "Host copies of resident entries (host tier, cache puts), by outcome",
-                   [&copier, o] {
-                     const auto c = copier.counters();
-                     return double(o == "made" ? c.made : o == "dropped" ? c.dropped : c.failed);
-                   },
-                   {{"outcome", o}});
-  }
   auto& putter = d_.putter;
-  for (const char* outcome : {"stored", "failed", "dropped"}) {
-    const std::string o = outcome;
+  using CopierCount = uint64_t HostCopier::Counters::*;
+  using PutterCount = uint64_t cache::AsyncCachePutter::Counters::*;
+  for (const auto& [outcome, field] : {std::pair<const char*, CopierCount>{"made", &HostCopier::Counters::made},
+                                       {"dropped", &HostCopier::Counters::dropped},
+                                       {"failed", &HostCopier::Counters::failed}}) {
+    reg.counter_fn("hypic:host_copies_total", "Host copies of resident entries (host tier, cache puts), by outcome",
+                   [&copier, f = field] { return double(copier.counters().*f); }, {{"outcome", outcome}});
+  }
+  for (const auto& [outcome, field] :
+       {std::pair<const char*, PutterCount>{"stored", &cache::AsyncCachePutter::Counters::stored},
+        {"failed", &cache::AsyncCachePutter::Counters::failed},
+        {"dropped", &cache::AsyncCachePutter::Counters::dropped}}) {
     reg.counter_fn("hypic:cache_puts_total", "Entries this worker stored in the segment cache",
-                   [&putter, o] {
-                     const auto c = putter.counters();
-                     return double(o == "stored" ? c.stored : o == "failed" ? c.failed : c.dropped);
-                   },
-                   {{"outcome", o}});
+                   [&putter, f = field] { return double(putter.counters().*f); }, {{"outcome", outcome}});
   }
   reg.gauge_fn("hypic:num_sequences_decoding", "Sequences in this combine worker's decode batch",
                [&loop] { return double(loop.active_sequences()); });

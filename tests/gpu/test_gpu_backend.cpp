@@ -155,6 +155,28 @@ double margin(const float* p, size_t n) {
   return (a - b) / std::max(1e-6f, a - lo);
 }
 
+// A hypic splice (w = 8) of `segs` with their entries, then `steps` greedy decode steps: the first logits and tokens.
+std::pair<std::vector<float>, std::vector<int32_t>> splice_and_decode(
+    eng::Backend& gpu, const std::vector<std::vector<int32_t>>& segs,
+    const std::vector<std::shared_ptr<const eng::ResidentEntry>>& entries, const std::vector<int32_t>& query,
+    int steps) {
+  const size_t V = size_t(gpu.config().vocab_size);
+  eng::SplicePlan p;
+  p.mode = eng::SpliceMode::Hypic;
+  p.seam_width = 8;
+  p.query = query;
+  for (size_t i = 0; i < segs.size(); ++i) p.segments.push_back({segs[i], entries[i]});
+  eng::SpliceOutput o = gpu.splice(p);
+  std::vector<int32_t> toks;
+  std::vector<float> lg = o.logits;
+  for (int s = 0; s < steps; ++s) {
+    toks.push_back(argmax(lg.data(), V));
+    eng::Sequence* q[1] = {o.sequence.get()};
+    gpu.decode(q, std::span<const int32_t>(&toks.back(), 1), lg);
+  }
+  return {o.logits, toks};
+}
+
 eng::SplicePlan full_plan(const std::vector<int32_t>& ids, size_t first, bool all_logits) {
   eng::SplicePlan p;
   p.mode = eng::SpliceMode::Full;
@@ -496,28 +518,13 @@ TEST_CASE("cuda backend: recompute_segments, refresh_segments and refresh_tail m
 TEST_CASE("cuda backend: hit and miss give bit-identical tokens; a request run twice too", "[backend]") {
   require_gpu();
   Fixture& f = fixture("qwen3_5_moe_gpu");
-  const size_t V = size_t(f.cfg.vocab_size);
   std::mt19937 rng(9);
   std::vector<std::vector<int32_t>> segs;
   for (size_t n : {100, 64, 33}) segs.push_back(random_ids(rng, n, f.cfg.vocab_size));
   const auto query = random_ids(rng, 12, f.cfg.vocab_size);
   const auto built = f.gpu->build_entries(segs, 8);
   auto run = [&](const std::vector<std::shared_ptr<const eng::ResidentEntry>>& entries) {
-    eng::SplicePlan p;
-    p.mode = eng::SpliceMode::Hypic;
-    p.seam_width = 8;
-    p.query = query;
-    for (size_t i = 0; i < segs.size(); ++i) p.segments.push_back({segs[i], entries[i]});
-    eng::SpliceOutput o = f.gpu->splice(p);
-    std::vector<float> first = o.logits;
-    std::vector<int32_t> toks;
-    std::vector<float> lg = o.logits;
-    for (int s = 0; s < 16; ++s) {
-      toks.push_back(argmax(lg.data(), V));
-      eng::Sequence* q[1] = {o.sequence.get()};
-      f.gpu->decode(q, std::span<const int32_t>(&toks.back(), 1), lg);
-    }
-    return std::make_pair(first, toks);
+    return splice_and_decode(*f.gpu, segs, entries, query, 16);
   };
   const auto miss = run(built);
   std::vector<std::shared_ptr<const eng::ResidentEntry>> imported;
@@ -536,7 +543,6 @@ TEST_CASE("cuda backend: hit and miss give bit-identical tokens; a request run t
 TEST_CASE("cuda backend: host blocks round-trip bit for bit, on other threads while the engine splices", "[backend][host_block]") {
   require_gpu();
   Fixture& f = fixture("qwen3_5_moe_gpu");
-  const size_t V = size_t(f.cfg.vocab_size);
   std::mt19937 rng(19);
   std::vector<std::vector<int32_t>> segs;
   for (size_t n : {150, 70, 9, 41}) segs.push_back(random_ids(rng, n, f.cfg.vocab_size));
@@ -551,20 +557,7 @@ TEST_CASE("cuda backend: host blocks round-trip bit for bit, on other threads wh
     return out;
   };
   auto run = [&](const std::vector<std::shared_ptr<const eng::ResidentEntry>>& entries) {
-    eng::SplicePlan p;
-    p.mode = eng::SpliceMode::Hypic;
-    p.seam_width = 8;
-    p.query = query;
-    for (size_t i = 0; i < segs.size(); ++i) p.segments.push_back({segs[i], entries[i]});
-    eng::SpliceOutput o = f.gpu->splice(p);
-    std::vector<int32_t> toks;
-    std::vector<float> lg = o.logits;
-    for (int s = 0; s < 8; ++s) {
-      toks.push_back(argmax(lg.data(), V));
-      eng::Sequence* q[1] = {o.sequence.get()};
-      f.gpu->decode(q, std::span<const int32_t>(&toks.back(), 1), lg);
-    }
-    return std::make_pair(o.logits, toks);
+    return splice_and_decode(*f.gpu, segs, entries, query, 8);
   };
   const auto reference = run(built);
   // Copies to the host and back, made on four threads while the engine thread splices the same prompt.
