@@ -339,6 +339,51 @@ class CacheDownTest(ClusterTestCase):
         self.assertEqual(res["token_ids"], self.reference(segs, query))
 
 
+class CombineAffinityTest(ClusterTestCase):
+    """Two combine workers behind a second router (no scatter workers: each combine worker builds the cold segments
+    itself): a request goes to the combine worker whose own tiers hold most of its segments, and those count as hits
+    spliced from its device tier, whatever the rotation between equally loaded workers would have chosen."""
+    scatter_workers = 0
+
+    @classmethod
+    def setUpClass(cls) -> None:
+        super().setUpClass()
+        c = cls.cluster
+        model, tok = cls.model_dir or Env.model, cls.tokenizer_file or Env.tokenizer
+        cache_flags = [f for a in c.cache_addresses for f in ("--cache", a)]
+        second = c._service("combine-b", "combine", ["--model", model, "--tokenizer", tok] + cache_flags,
+                            "hypic.v1.CombineWorker", 0)
+        c._start_all([second])
+        c._wait_ready([second])
+        router = c._service("router-b", "router", ["--model", model, "--tokenizer", tok, "--combine", c.combine_address,
+                                                   "--combine", second.address] + cache_flags, "hypic.v1.Router", 0)
+        c._start_all([router])
+        c._wait_ready([router])
+        cls.router_b = router.address
+
+    def test_requests_follow_the_worker_holding_their_entries(self):
+        segs = SEGMENTS[:3]
+        cold = self.ok(self.generate(segs, "Where is the river?", router=self.router_b))
+        holder = cold["combine_worker"]
+        self.assertEqual(sources(cold), ["SEGMENT_SOURCE_COMBINE_COMPUTED"] * 3)
+        # The same documents in other orders, several times: always the holder, every segment from its device tier.
+        for i, order in enumerate(([2, 0, 1], [1, 2, 0], [0, 2, 1], [2, 1, 0])):
+            res = self.generate([segs[j] for j in order], f"Question {i}?", router=self.router_b)
+            rep = self.ok(res)
+            self.assertEqual(rep["combine_worker"], holder)
+            self.assertEqual(sources(rep), ["SEGMENT_SOURCE_COMBINE_MEMORY"] * 3)
+            self.assertEqual([s["cache_hit"] for s in rep["segments"]], [True] * 3)
+            self.assertEqual([s.get("combine_tier") for s in rep["segments"]], ["ENTRY_TIER_DEVICE"] * 3)
+            self.assertEqual(res["token_ids"], self.reference([segs[j] for j in order], f"Question {i}?"))
+        # Other documents: wherever they were built first, their next request goes there too.
+        other = SEGMENTS[3:6]
+        first = self.ok(self.generate(other, "Who wrote it?", router=self.router_b))["combine_worker"]
+        for i in range(3):
+            rep = self.ok(self.generate(list(reversed(other)), f"Who {i}?", router=self.router_b))
+            self.assertEqual(rep["combine_worker"], first)
+            self.assertEqual(sources(rep), ["SEGMENT_SOURCE_COMBINE_MEMORY"] * 3)
+
+
 class CorruptEntryTest(ClusterTestCase):
     """A corrupt cache entry is detected, dropped and recomputed: (a) bytes the engine rejects
     (EntryError, with a valid transport checksum) and (b) a bit flipped in the disk tier (the
