@@ -101,6 +101,9 @@ int main(int argc, char** argv) {
       budgets.host_tier = 0;
     }
     auto how = [](const std::optional<uint64_t>& flag) { return flag ? "set" : "auto"; };
+    spdlog::info("entry size by part, {}: {}", backend->numerics(),
+                 hc::describe_entry_parts(hypic::engine::EntryGeometry::of(backend->config()), hc::kTypicalSegmentTokens,
+                                          in.device_entries ? 2 : 4));
     spdlog::info("device tier {} [{}{}]", hc::describe_budget(budgets.device_tier, in.entry_bytes),
                  how(device_tier_flag),
                  in.device_entries ? fmt::format("; {:.1f} GiB of device memory free after weights, KV pool and workspace",

@@ -330,4 +330,12 @@ TEST_CASE("tier budgets: derived from device memory, host memory and the entry s
   CHECK(cpu.put_queue == GiB);
   CHECK(cpu.host_copy_queue == GiB);
   CHECK_THAT(hypic::combine::describe_budget(31 * GiB, 280'000'000), Catch::Contains("about 118 entries of 2048 tokens"));
+  // Qwen3.5-35B-A3B: 30 linear layers of 32 value heads of 128 x 128, 10 attention layers of 2 KV heads of 256.
+  hypic::engine::EntryGeometry g;
+  g.linear_heads = 32, g.d_k = 128, g.d_v = 128, g.conv_rows = 3, g.conv_dim = 8192, g.kv_heads = 2, g.head_dim = 256;
+  g.num_linear = 30, g.num_attention = 10;
+  const std::string parts = hypic::combine::describe_entry_parts(g, 2048, 2);
+  CHECK_THAT(parts, Catch::Contains("4 x 62.9 MB of linear operators"));  // 30 x 32 x 128 x 128 x 4 bytes
+  CHECK_THAT(parts, Catch::Contains("(20480 bytes per token)"));           // 10 x 2 x (256 + 256) x 2 bytes
+  CHECK_THAT(parts, Catch::Contains("41.9 MB of KV"));
 }
