@@ -18,6 +18,7 @@
 // Threading: a Backend is driven by ONE thread, its engine loop (engine/engine_loop.h); the CPU backend is also
 // safe to call from several threads at once, the CUDA backend is not.
 #pragma once
+#include <atomic>
 #include <cstdint>
 #include <filesystem>
 #include <memory>
@@ -110,6 +111,9 @@ struct SplicePlan {
   int refresh_segments = 0;
   /// Hypic: the last t segments recomputed whole in context (SpliceRequest::refresh_tail). 0 = off.
   int refresh_tail = 0;
+  /// Checked between the refresh's probe and the splice after it (SpliceRequest::cancel): set, the splice throws
+  /// SpliceCancelled instead of running its second pass. Null: never cancelled.
+  std::shared_ptr<const std::atomic<bool>> cancel;
 };
 
 /// What a splice returns.

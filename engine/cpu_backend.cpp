@@ -118,6 +118,7 @@ SpliceOutput CpuBackend::splice(const SplicePlan& plan) {
   req.recompute_segments = plan.recompute_segments;
   req.refresh_segments = plan.refresh_segments;
   req.refresh_tail = plan.refresh_tail;
+  req.cancel = plan.cancel;
   req.prefix_cache = plan.use_prefix_cache ? &prefix_ : nullptr;
   req.segments.reserve(plan.segments.size());
   for (size_t i = 0; i < plan.segments.size(); ++i) {

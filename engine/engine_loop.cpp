@@ -360,7 +360,13 @@ void EngineLoop::run_splice(SpliceTask task) {
       plan.segments[i].entry = backend_.import_entry(hosts[i]);
       r.info.imported[i] = plan.segments[i].entry;
     }
+    plan.cancel = task.cancel;  // a splice of several passes stops between them once the request is cancelled
     r.output = backend_.splice(plan);
+  } catch (const SpliceCancelled& e) {
+    if (task.gen) return fail_gen(GenerateEndReason::Cancelled, EngineErrorKind::None, e.what());
+    r.cancelled = true;
+    r.error = e.what();
+    return task.done(std::move(r));
   } catch (...) {
     const auto kind = classify_engine_error(std::current_exception());
     std::string msg = message_of(std::current_exception());

@@ -493,6 +493,7 @@ SpliceResult splice(const Model& model, const SpliceRequest& req) {
     std::vector<float> mass;
     const std::vector<char> probe_whole = whole_segments_before_refresh(req.recompute_segments, 0, req.segments.size());
     SpliceResult probe = splice_hypic(model, req, probe_whole, &mass);
+    if (req.cancel && req.cancel->load()) throw SpliceCancelled("splice cancelled after the refresh's probe");
     const std::vector<int> chosen = choose_refresh_segments(mass, lengths, req.seam_width, whole, req.refresh_segments);
     for (int i : chosen) whole[static_cast<size_t>(i)] = 1;
     SpliceResult result = splice_hypic(model, req, whole, nullptr);

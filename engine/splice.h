@@ -1,5 +1,7 @@
 // Building segment entries and splicing them into a prompt (DESIGN.md 3.2-3.4): the combine step.
 #pragma once
+#include <stdexcept>
+#include <atomic>
 #include <cstdint>
 #include <list>
 #include <memory>
@@ -138,6 +140,15 @@ struct SpliceRequest {
   /// segments recomputes every one of them (full recomputation).
   int refresh_tail = 0;
   PrefixStateCache* prefix_cache = nullptr;  ///< prefix mode: where checkpoints are looked up and stored
+  /// Set (by another thread) to stop the request: checked between the refresh's probe and the splice that follows it,
+  /// which is then not run (SpliceCancelled). Null: never cancelled.
+  std::shared_ptr<const std::atomic<bool>> cancel;
+};
+
+/// Thrown by a splice whose cancel flag was set between two of its passes (SpliceRequest::cancel, SplicePlan::cancel).
+class SpliceCancelled : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
 };
 
 /// The assembled model state and the query logits.

@@ -1304,6 +1304,7 @@ SpliceOutput CudaBackend::splice(const SplicePlan& plan) {
         auto probe_seq = new_sequence();
         execute(*probe_seq, probe_items, false, probe_logits, false, nullptr, &mass);
       }
+      if (plan.cancel && plan.cancel->load()) throw SpliceCancelled("splice cancelled after the refresh's probe");
       seq = new_sequence();
       const std::vector<int> chosen =
           choose_refresh_segments(mass, lengths, plan.seam_width, whole, plan.refresh_segments);

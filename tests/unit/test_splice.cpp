@@ -164,6 +164,23 @@ TEST_CASE("prefix mode equals full, cold and with a warm prefix cache", "[splice
   CHECK(splice(m, other).prefix_segments_reused == 2);
 }
 
+TEST_CASE("a cancelled request stops after the refresh's probe, before its second pass", "[splice]") {
+  const Model& m = fixture_model("qwen3_5_moe");
+  const int V = static_cast<int>(m.config().vocab_size);
+  const std::vector<std::vector<int32_t>> segs = {random_ids(30, 21, V), random_ids(40, 22, V), random_ids(35, 23, V)};
+  SpliceRequest req = make_request(m, segs, random_ids(5, 24, V), SpliceMode::Hypic, 8);
+  req.refresh_segments = 1;
+  auto flag = std::make_shared<std::atomic<bool>>(false);
+  req.cancel = flag;
+  const SpliceResult done = splice(m, req);  // not cancelled: probe + splice
+  CHECK(done.recomputed_segments.size() == 1);
+  flag->store(true);
+  CHECK_THROWS_AS(splice(m, req), SpliceCancelled);
+  // Without a probe (no refresh) there is no second pass to stop: the flag is the caller's to check before.
+  req.refresh_segments = 0;
+  CHECK_NOTHROW(splice(m, req));
+}
+
 TEST_CASE("an entry loaded from bytes splices exactly like a freshly computed one (hit == miss)", "[splice]") {
   const Model& m = fixture_model("qwen3_next_moe");
   const int V = static_cast<int>(m.config().vocab_size);
