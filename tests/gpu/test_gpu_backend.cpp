@@ -515,7 +515,7 @@ TEST_CASE("cuda backend: recompute_segments, refresh_segments and refresh_tail m
   }
 }
 
-TEST_CASE("cuda backend: hit and miss give bit-identical tokens; a request run twice too", "[backend]") {
+TEST_CASE("cuda backend: hit and miss give bit-identical tokens -- a request run twice too", "[backend]") {
   require_gpu();
   Fixture& f = fixture("qwen3_5_moe_gpu");
   std::mt19937 rng(9);

@@ -138,7 +138,7 @@ TEST_CASE("data plane: an entry sent over NCCL is bit-identical to the same entr
   CHECK_FALSE(peer1->broken());
 }
 
-TEST_CASE("data plane: a receive with no sender aborts at its deadline; give_up aborts at once", "[data-plane]") {
+TEST_CASE("data plane: a receive with no sender aborts at its deadline -- give_up aborts at once", "[data-plane]") {
   if (device_count() < 2) {
     WARN("skipped: needs 2 GPUs, " << device_count() << " visible");
     return;

@@ -450,7 +450,7 @@ TEST_CASE("moe_forward (Own, OwnSmallM, OwnLargeM, Cublas, OwnDecode, OwnLargeN)
 // Decode sizes on the decode path (Own = OwnDecode for T <= 64: single-block routing, weight-streaming
 // GEMMs, shared expert inside the grouped launches, PDL) against the CPU, Cublas and the old
 // smem-tiled path (OwnSmallM); plus a layer whose expert 0 takes every token (2 tiles of 32 rows).
-TEST_CASE("moe_forward decode sizes (T <= 64): OwnDecode / Own vs CPU, Cublas, OwnSmallM; bit identity", "[moe]") {
+TEST_CASE("moe_forward decode sizes (T <= 64): OwnDecode / Own vs CPU, Cublas, OwnSmallM -- bit identity", "[moe]") {
   require_gpu();
   Stream st;
   gpu::GemmRunner gemm;

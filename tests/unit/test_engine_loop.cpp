@@ -140,7 +140,7 @@ TEST_CASE("device specs parse, print and refuse bad spellings", "[backend]") {
 #endif
 }
 
-TEST_CASE("the CPU backend's fingerprint covers config and numerics; entries carry both", "[backend]") {
+TEST_CASE("the CPU backend's fingerprint covers config and numerics -- entries carry both", "[backend]") {
   CpuBackend& b = fixture_backend();
   const ModelConfig& cfg = b.config();
   CHECK(b.numerics() == "cpu-fp32");
@@ -332,7 +332,7 @@ TEST_CASE("engine loop: builds batch into one call, equal the reference builder,
   CHECK(loop.build_batches() == 1);
 }
 
-TEST_CASE("engine loop: while sequences decode, builds go in smaller batches with decode steps between; Resident "
+TEST_CASE("engine loop: while sequences decode, builds go in smaller batches with decode steps between -- Resident "
           "builds hand over the entry alone", "[engine_loop]") {
   CpuBackend& b = fixture_backend();
   const int vocab = int(b.config().vocab_size);
@@ -442,7 +442,7 @@ TEST_CASE("engine loop: cancellation of queued builds and of decoding sequences"
   CHECK(cancel_me.tokens == ref);
 }
 
-TEST_CASE("engine loop: a failing splice reports its error; stop finishes in-flight work, cancels the rest",
+TEST_CASE("engine loop: a failing splice reports its error -- stop finishes in-flight work, cancels the rest",
           "[engine_loop]") {
   CpuBackend& b = fixture_backend();
   const int vocab = int(b.config().vocab_size);
@@ -601,7 +601,7 @@ class FaultyBackend final : public Backend {
 
 }  // namespace
 
-TEST_CASE("a decode failure or NaN logits end only the request concerned; the others finish and the loop serves on",
+TEST_CASE("a decode failure or NaN logits end only the request concerned -- the others finish and the loop serves on",
           "[engine_loop]") {
   CpuBackend& b = fixture_backend();
   FaultyBackend faulty(b);

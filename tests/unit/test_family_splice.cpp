@@ -226,7 +226,7 @@ TEST_CASE("composition law at every linear layer: T_C P + S(C|0) equals the in-c
   }
 }
 
-TEST_CASE("family splices: after any prefix, layer 0 equals the in-context state (hypic; transition without conv)",
+TEST_CASE("family splices: after any prefix, layer 0 equals the in-context state (hypic -- transition without conv)",
           "[families][splice]") {
   // Layer 0 is linear and its inputs (embeddings) do not depend on context, so the spliced state at layer 0 must equal
   // full recomputation for any order and position: with a seam covering the conv kernel (KDA, w = 8 >= K-1), and with

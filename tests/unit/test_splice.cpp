@@ -500,7 +500,7 @@ TEST_CASE("recompute_segments: every later segment recomputed whole in context i
   }
 }
 
-TEST_CASE("recompute_segments: a recomputed segment gets full's KV; a later one keeps its cached interior", "[splice]") {
+TEST_CASE("recompute_segments: a recomputed segment gets full's KV -- a later one keeps its cached interior", "[splice]") {
   const Model& m = slow_decay_model("qwen3_next_moe");
   const int V = static_cast<int>(m.config().vocab_size), w = 8;
   const std::vector<std::vector<int32_t>> segs = {random_ids(30, 61, V), random_ids(45, 62, V), random_ids(20, 63, V)};

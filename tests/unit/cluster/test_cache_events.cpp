@@ -163,7 +163,7 @@ TEST_CASE("cache events: a listing and a subscription under one lock see every e
   CHECK(now.size() == 200);
 }
 
-TEST_CASE("cache events: a subscriber that falls behind is overflowed; others are not affected", "[cache_events]") {
+TEST_CASE("cache events: a subscriber that falls behind is overflowed -- others are not affected", "[cache_events]") {
   CacheEventHub hub(3);
   auto slow = hub.subscribe();
   auto fast = hub.subscribe();

@@ -194,7 +194,7 @@ std::vector<v1::SegmentSource> sources(const Combined& r) {
 }
 }  // namespace
 
-TEST_CASE("host tier: LRU by block bytes; clear and contains", "[memory_tier]") {
+TEST_CASE("host tier: LRU by block bytes -- clear and contains", "[memory_tier]") {
   auto block = [](int n, int32_t first, size_t bytes) {
     auto b = std::make_shared<TestBlock>();
     for (int i = 0; i < n; ++i) b->e.token_ids.push_back(first + i);
@@ -217,7 +217,7 @@ TEST_CASE("host tier: LRU by block bytes; clear and contains", "[memory_tier]") 
   CHECK(tier.budget() == 300);
 }
 
-TEST_CASE("host copies: nothing to do without a host tier or a cache; a full queue drops and counts", "[memory_tier]") {
+TEST_CASE("host copies: nothing to do without a host tier or a cache -- a full queue drops and counts", "[memory_tier]") {
   auto backend = hypic::engine::make_backend(hypic::engine::DeviceSpec{}, hypic::test::kCombineModel);
   const auto entries = backend->build_entries(std::vector<std::vector<int32_t>>{{1, 2, 3, 4, 5}}, 2);
   hypic::cache::SegmentCacheClient none{std::vector<std::string>{}};
@@ -246,7 +246,7 @@ TEST_CASE("host copies: nothing to do without a host tier or a cache; a full que
   }
 }
 
-TEST_CASE("combine worker: local builds are spliced resident (no host round trip); its tiers are looked up and cleared",
+TEST_CASE("combine worker: local builds are spliced resident (no host round trip) -- its tiers are looked up and cleared",
           "[memory_tier]") {
   CountingBackend backend(hypic::engine::make_backend(hypic::engine::DeviceSpec{}, hypic::test::kCombineModel));
   hypic::test::CombineServer c(backend, {}, size_t(1) << 30);

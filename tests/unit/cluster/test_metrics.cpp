@@ -99,7 +99,7 @@ TEST_CASE("metrics: counters, gauges and histograms render in the text format 0.
   CHECK(r.render() == expected);
 }
 
-TEST_CASE("metrics: the same name and labels give the same metric; bad names and type clashes are refused",
+TEST_CASE("metrics: the same name and labels give the same metric -- bad names and type clashes are refused",
           "[metrics]") {
   MetricsRegistry r;
   auto& a = r.counter("x_total", "x");

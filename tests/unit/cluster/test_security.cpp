@@ -57,7 +57,7 @@ int probe(const std::string& address, std::string* error = nullptr) {
 
 }  // namespace
 
-TEST_CASE("bearer tokens: accepted, rejected, rotated; the scheme is case-insensitive", "[security]") {
+TEST_CASE("bearer tokens: accepted, rejected, rotated -- the scheme is case-insensitive", "[security]") {
   const auto tokens = BearerTokens::load(write_file("tokens", "# comment line\n\n  old-token  \nnew-token\n"));
   CHECK(tokens.enabled());
   CHECK(tokens.accepts("Bearer old-token"));
