@@ -75,6 +75,15 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--health-interval-ms", health_interval_ms, "worker health probing period")->capture_default_str();
   int64_t combine_wait_ms = 10000;
+  int tier_lookup_timeout_ms = 100;
+  app.add_option("--tier-lookup-timeout-ms", tier_lookup_timeout_ms,
+                 "budget of each combine worker's tier lookup (in parallel with the cache lookup); a worker that misses "
+                 "it counts as holding nothing and is not asked for 5 s")
+      ->capture_default_str()->check(CLI::Range(1, 60000));
+  app.add_option("--combine-affinity-slack", cfg.combine_affinity_slack,
+                 "a request goes to the combine worker holding most of its segments among those with at most this "
+                 "many more active requests than the least busy one (0: always the least busy)")
+      ->capture_default_str()->check(CLI::Range(0, 1 << 20));
   app.add_option("--combine-wait-ms", combine_wait_ms,
                  "with no combine worker in rotation, how long a request waits for one to come back")
       ->capture_default_str()->check(CLI::Range(int64_t(0), std::numeric_limits<int64_t>::max()));
@@ -97,6 +106,7 @@ int main(int argc, char** argv) {
     cfg.lookup_timeout = std::chrono::milliseconds(lookup_timeout_ms);
     cfg.health_interval = std::chrono::milliseconds(health_interval_ms);
     cfg.combine_wait = std::chrono::milliseconds(combine_wait_ms);
+    cfg.tier_lookup_timeout = std::chrono::milliseconds(tier_lookup_timeout_ms);
     cfg.default_deadline = std::chrono::seconds(default_deadline_s);
     const auto config = hypic::engine::load_config(model_dir);
     const auto tokenizer = hypic::engine::Tokenizer::load(tokenizer_path);

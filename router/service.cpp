@@ -1,5 +1,7 @@
 #include "router/service.h"
 
+#include "proto/rpc/log_limit.h"
+
 #include "router/metrics.h"
 
 #include <algorithm>
@@ -179,16 +181,24 @@ RouterService::Worker* RouterService::wait_for_combine(std::chrono::system_clock
   return nullptr;
 }
 
+// CombineWorker.LookupEntries takes at most this many digests per call.
+constexpr size_t kMaxTierLookup = 4096;
+
 RouterService::Worker* RouterService::pick_combine(const std::vector<size_t>* held) {
   Worker* best = nullptr;
   size_t best_held = 0;
   const size_t n = combine_.size();
   const size_t start = combine_turn_++ % n;  // rotate among equally loaded workers
+  uint32_t least = std::numeric_limits<uint32_t>::max();
+  for (const auto& w : combine_)
+    if (w->available.load()) least = std::min(least, w->active.load());
   for (size_t k = 0; k < n; ++k) {
     const size_t i = (start + k) % n;
     Worker* w = combine_[i].get();
     if (!w->available.load()) continue;
-    const size_t h = held && i < held->size() ? (*held)[i] : 0;
+    // Held entries count only where the worker is not much busier than the least busy one.
+    const bool near = w->active.load() <= least + cfg_.combine_affinity_slack;
+    const size_t h = held && i < held->size() && near ? (*held)[i] : 0;
     if (!best || h > best_held || (h == best_held && w->active.load() < best->active.load())) {
       best = w;
       best_held = h;
@@ -202,19 +212,35 @@ std::vector<std::vector<v1::EntryTier>> RouterService::lookup_combine_tiers(cons
   std::vector<std::vector<v1::EntryTier>> out(combine_.size());
   v1::LookupEntriesRequest req;
   for (const auto& d : digests) req.add_digests(rpc::digest_bytes(d));
+  const auto now_ms = [] {
+    return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now().time_since_epoch()).count();
+  };
   auto ask = [&](size_t i) {
     Worker& w = *combine_[i];
-    if (!w.available.load() || digests.empty()) return;
-    auto cctx = rpc::make_client_context(parent);
-    cctx->set_deadline(std::min(cctx->deadline(), std::chrono::system_clock::now() + cfg_.lookup_timeout));
-    v1::LookupEntriesResponse resp;
-    const grpc::Status st = w.combine->LookupEntries(cctx.get(), req, &resp);
-    if (!st.ok() || resp.tiers_size() != int(digests.size())) {
-      spdlog::debug("combine worker {}: tier lookup failed ({}): its tiers count as empty", w.address,
-                    st.ok() ? "wrong answer size" : rpc::describe(st));
-      return;
+    if (!w.available.load() || digests.empty() || now_ms() < w.tier_lookup_off_until_ms.load()) return;
+    std::vector<v1::EntryTier> tiers;
+    // In calls of at most 4096 digests (the worker's limit), within one budget.
+    const auto until = std::chrono::system_clock::now() + cfg_.tier_lookup_timeout;
+    for (size_t off = 0; off < digests.size(); off += kMaxTierLookup) {
+      v1::LookupEntriesRequest part;
+      for (size_t k = off; k < std::min(digests.size(), off + kMaxTierLookup); ++k) *part.add_digests() = req.digests(int(k));
+      auto cctx = rpc::make_client_context(parent);
+      cctx->set_deadline(std::min(cctx->deadline(), until));
+      v1::LookupEntriesResponse resp;
+      const grpc::Status st = w.combine->LookupEntries(cctx.get(), part, &resp);
+      if (!st.ok() || resp.tiers_size() != part.digests_size()) {
+        w.tier_lookup_off_until_ms.store(now_ms() + 5000);
+        static rpc::LogLimit limit;
+        uint64_t unlogged = 0;
+        if (limit.allow(&unlogged))
+          spdlog::warn("combine worker {}: tier lookup failed ({}): its tiers count as empty, not asked again for 5 s{}",
+                       w.address, st.ok() ? "wrong answer size" : rpc::describe(st),
+                       unlogged ? fmt::format(" ({} more such failures since the last line)", unlogged) : std::string());
+        return;
+      }
+      for (int t : resp.tiers()) tiers.push_back(v1::EntryTier(t));
     }
-    for (int t : resp.tiers()) out[i].push_back(v1::EntryTier(t));
+    out[i] = std::move(tiers);
   };
   if (combine_.size() == 1) {
     ask(0);

@@ -44,6 +44,12 @@ struct RouterConfig {
   /// every 50 ms), bounded by its deadline, before it fails with UNAVAILABLE: a combine worker that restarts
   /// within this time (it is stateless between requests) costs its callers latency, not errors.
   std::chrono::milliseconds combine_wait{10000};
+  /// Budget of one combine worker's tier lookup (CombineWorker.LookupEntries, in parallel with the cache lookup); a
+  /// worker that misses it (frozen, overloaded) counts as holding nothing and is not asked again for 5 s.
+  std::chrono::milliseconds tier_lookup_timeout{100};
+  /// Affinity against load: a request goes to the combine worker holding most of its segments among those with at
+  /// most this many more active requests than the least busy one (0: always the least busy).
+  uint32_t combine_affinity_slack = 4;
   /// Bearer tokens that Generate and GetServerInfo require (--auth-token-file, proto/rpc/security.h); empty: open.
   rpc::BearerTokens auth;
 };
@@ -89,6 +95,8 @@ class RouterService final : public hypic::v1::Router::Service {
     hypic::v1::WorkerInfo counters;  ///< its last WorkerInfo (info_mu): the shared-build counters of scatter workers
     std::atomic<uint32_t> active{0};
     int failed_probes = 0;  ///< consecutive failed health probes (prober thread only)
+    /// Combine workers: steady-clock ms until which its tiers are not asked (its last tier lookup failed).
+    std::atomic<int64_t> tier_lookup_off_until_ms{0};
   };
 
  private:
@@ -103,8 +111,9 @@ class RouterService final : public hypic::v1::Router::Service {
   bool probe(Worker& w);
   void set_scatter_available(size_t worker, bool available);
   /// The available combine worker holding most of a request's entries in its own tiers (held[w]: how many of its
-  /// segments combine worker w holds; null: none known), ties broken by the fewest active requests, then in turn
-  /// (nullptr if none is available).
+  /// segments combine worker w holds; null: none known) among those with at most cfg_.combine_affinity_slack more
+  /// active requests than the least busy one; ties broken by the fewest active requests, then in turn (nullptr if
+  /// none is available).
   Worker* pick_combine(const std::vector<size_t>* held = nullptr);
   /// Asks every available combine worker which of `digests` it holds in its own tiers (CombineWorker.LookupEntries,
   /// in parallel, each bounded by the lookup timeout and the request's deadline). Per combine worker, per digest, the

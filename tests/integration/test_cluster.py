@@ -382,6 +382,18 @@ class CombineAffinityTest(ClusterTestCase):
             rep = self.ok(self.generate(list(reversed(other)), f"Who {i}?", router=self.router_b))
             self.assertEqual(rep["combine_worker"], first)
             self.assertEqual(sources(rep), ["SEGMENT_SOURCE_COMBINE_MEMORY"] * 3)
+        # The other worker frozen (SIGSTOP): its tier lookup misses its 100 ms budget once and it is then left out of
+        # the lookups, so requests to the holder are not held up by it (a hang guard, not a measurement).
+        frozen = self.cluster.services["combine" if holder != self.cluster.address("combine") else "combine-b"]
+        frozen.signal_group(signal.SIGSTOP)
+        try:
+            for i in range(3):
+                t0 = time.monotonic()
+                rep = self.ok(self.generate(segs, f"Frozen {i}?", router=self.router_b))
+                self.assertEqual(rep["combine_worker"], holder)
+                self.assertLess(time.monotonic() - t0, 10.0)
+        finally:
+            frozen.signal_group(signal.SIGCONT)
 
 
 class CorruptEntryTest(ClusterTestCase):
