@@ -117,11 +117,16 @@ int main(int argc, char** argv) {
                  hc::describe_budget(budgets.host_copy_queue, in.entry_bytes), how(copy_queue_flag));
     hypic::cache::SegmentCacheClient cache(caches);
     hypic::cache::AsyncCachePutter putter(cache, budgets.put_queue);
+    if (in.device_entries && budgets.host_tier > 0 && in.host_memory > 0 && budgets.host_tier > in.host_memory / 4 * 3) {
+      throw std::invalid_argument(fmt::format("--host-tier-bytes: {} bytes of pinned memory is more than 3/4 of this "
+                                              "host's {} bytes (pinned memory cannot be paged out)",
+                                              budgets.host_tier, in.host_memory));
+    }
     if (in.device_entries && budgets.host_tier > 0) {
-      // Pinned once, now: pinning while requests run stalls the device (PinnedPool::reserve). The host tier's blocks
-      // take whole 32 MiB pieces (up to 12% more than their bytes for a 280 MB entry), plus room for the blocks in
-      // flight (fetches, host copies waiting for their wire form).
-      const uint64_t pin = budgets.host_tier + budgets.host_tier / 8 + 2 * budgets.host_copy_queue;
+      // Pinned once, now: pinning while requests run stalls the device (PinnedPool::reserve). The tier counts its
+      // blocks' pinned pieces; a quarter more covers the blocks in flight (fetches, copies waiting for their wire
+      // form); beyond that, pieces are pinned on demand.
+      const uint64_t pin = budgets.host_tier + budgets.host_tier / 4;
       const auto t0 = std::chrono::steady_clock::now();
       backend->reserve_host_blocks(pin);
       spdlog::info("pinned {:.1f} GiB of host memory for host blocks in {:.1f} s", double(pin) / double(1ull << 30),

@@ -21,7 +21,7 @@ namespace hypic::combine {
 
 /// Bytes an item holds where it lives (the budget's unit).
 inline size_t tier_bytes(const engine::ResidentEntry& e) { return e.resident_bytes(); }
-inline size_t tier_bytes(const engine::HostBlock& b) { return b.bytes(); }
+inline size_t tier_bytes(const engine::HostBlock& b) { return b.pinned_bytes(); }
 
 /// An LRU store of shared items by digest under a byte budget. T: engine::ResidentEntry or engine::HostBlock.
 template <class T>

@@ -264,6 +264,11 @@ void CombineService::fetch_warm(const std::shared_ptr<Pending>& p, size_t slot, 
       if (dynamic_cast<const engine::EntryError*>(&e)) d_.host_tier.erase(digest);
     }
   }
+  if (!d_.cache.enabled()) {  // it was in this worker's tiers at the router's lookup
+    build_locally(p, slot, why + "not in this worker's tiers any more (evicted or cleared after the lookup) and no "
+                                 "segment cache is configured; prefilled by the combine worker");
+    return;
+  }
   try {
     const auto t0 = Clock::now();
     auto bytes = d_.cache.get(cache::CacheKey{digest, ids}, ctx);

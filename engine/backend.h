@@ -149,6 +149,8 @@ class HostBlock {
   virtual const SegmentEntry& header() const = 0;
   /// Bytes of the block (equal to the device entry's resident_bytes()).
   virtual size_t bytes() const = 0;
+  /// Pinned host memory it holds (its pieces: at least bytes()); what a host tier's budget counts.
+  virtual size_t pinned_bytes() const { return bytes(); }
   int num_tokens() const { return header().num_tokens(); }
 };
 

@@ -42,6 +42,7 @@ int main(int argc, char** argv) {
   try {
     hypic::rpc::init_service("segment-cache", server);
     const auto memory = hypic::rpc::parse_byte_budget(memory_bytes, "--memory-bytes");
+    if (memory && *memory == 0) throw std::invalid_argument("--memory-bytes: must be > 0 (the memory tier holds every entry)");
     store.memory_budget_bytes = memory ? *memory : std::max<uint64_t>(uint64_t{1} << 30, hypic::rpc::host_memory_bytes() / 4);
     if (!memory) spdlog::info("--memory-bytes auto: a quarter of this host's {} bytes of memory", hypic::rpc::host_memory_bytes());
     store.disk_dir = disk_dir;

@@ -112,6 +112,11 @@ class CudaHostBlock final : public HostBlock {
   ~CudaHostBlock() override { pool_->release(pieces_); }
   const SegmentEntry& header() const override { return header_; }
   size_t bytes() const override { return bytes_; }
+  size_t pinned_bytes() const override {
+    size_t n = 0;
+    for (const auto& p : pieces_) n += p.capacity;
+    return n;
+  }
   const std::vector<PinnedPool::Piece>& pieces() const { return pieces_; }
   /// Calls f(host pointer, block offset, length) for the pieces covering [offset, offset + n).
   template <class F>

@@ -52,7 +52,8 @@ std::vector<PinnedPool::Piece> PinnedPool::acquire(size_t bytes) {
       std::lock_guard lock(mu_);
       whole = whole_pieces_;
     }
-    take(whole ? kMaxPiece : cap, left);
+    // After reserve(): a large tail takes a whole reserved piece (no pinning now); a small one its own small piece.
+    take(whole && left >= kMaxPiece / 2 ? kMaxPiece : cap, left);
   }
   return out;
 }

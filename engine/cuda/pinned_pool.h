@@ -30,8 +30,8 @@ class PinnedPool {
   PinnedPool& operator=(const PinnedPool&) = delete;
   /// Pieces covering `bytes` in order. Throws ResourceExhausted (engine/backend.h) when the host cannot pin more.
   std::vector<Piece> acquire(size_t bytes);
-  /// Pins pieces of kMaxPiece until `bytes` are held (free for reuse), and from then on serves every request in whole
-  /// kMaxPiece pieces (the tail too), so that those reserved pieces cover it: pinning memory (cudaHostAlloc) stalls
+  /// Pins pieces of kMaxPiece until `bytes` are held (free for reuse), and from then on serves a request's tail of at
+  /// least kMaxPiece / 2 with a whole piece too, so that those reserved pieces cover large blocks: pinning memory (cudaHostAlloc) stalls
   /// the device's other work while it runs, so a server pins once at start-up instead of while requests run.
   /// Throws ResourceExhausted as acquire.
   void reserve(size_t bytes);

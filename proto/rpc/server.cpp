@@ -5,6 +5,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -263,14 +264,34 @@ std::string advertised_host(const std::string& listen) {
 
 std::optional<uint64_t> parse_byte_budget(const std::string& text, const std::string& flag) {
   if (text == "auto") return std::nullopt;
-  std::string v = text;
-  const std::string err = CLI::AsSizeValue(false)(v);
-  uint64_t out = 0;
-  if (!err.empty() || v.empty() || !std::all_of(v.begin(), v.end(), [](char c) { return c >= '0' && c <= '9'; }) ||
-      !CLI::detail::lexical_cast(v, out)) {
-    throw std::invalid_argument(flag + ": \"" + text + "\" is neither auto nor a size (e.g. 8GiB, 512MB, 1048576)");
+  const auto bad = [&](const std::string& why) {
+    return std::invalid_argument(flag + ": \"" + text + "\" " + why +
+                                 " (auto, or a whole number of bytes with an optional unit: 8GiB, 512MB, 1048576)");
+  };
+  size_t i = 0;
+  while (i < text.size() && text[i] == ' ') ++i;
+  uint64_t n = 0;
+  const size_t digits_from = i;
+  for (; i < text.size() && text[i] >= '0' && text[i] <= '9'; ++i) {
+    if (__builtin_mul_overflow(n, uint64_t{10}, &n) || __builtin_add_overflow(n, uint64_t(text[i] - '0'), &n))
+      throw bad("is too large");
   }
-  return out;
+  if (i == digits_from) throw bad("is not a size");
+  std::string unit;
+  for (; i < text.size(); ++i)
+    if (text[i] != ' ') unit += char(std::tolower(static_cast<unsigned char>(text[i])));
+  // Units as CLI11's AsSizeValue(false) reads them: binary multiples (k = kb = kib = 1024).
+  static const std::pair<const char*, int> kUnits[] = {{"", 0},   {"b", 0},   {"k", 1},   {"kb", 1},  {"kib", 1},
+                                                       {"m", 2},  {"mb", 2},  {"mib", 2}, {"g", 3},  {"gb", 3},
+                                                       {"gib", 3}, {"t", 4},  {"tb", 4},  {"tib", 4}, {"p", 5},
+                                                       {"pb", 5}, {"pib", 5}};
+  for (const auto& [name, power] : kUnits) {
+    if (unit != name) continue;
+    for (int p = 0; p < power; ++p)
+      if (__builtin_mul_overflow(n, uint64_t{1024}, &n)) throw bad("is too large");
+    return n;
+  }
+  throw bad("has an unknown unit");
 }
 
 uint64_t host_memory_bytes() {
@@ -286,9 +307,11 @@ uint64_t host_memory_bytes() {
       break;
     }
   }
-  std::ifstream cg("/sys/fs/cgroup/memory.max");
-  std::string lim;
-  if (cg >> lim && lim != "max") {
+  // A container's limit: cgroup v2, else v1 (whose "no limit" is a huge number, above the host's memory anyway).
+  for (const char* path : {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"}) {
+    std::ifstream cg(path);
+    std::string lim;
+    if (!(cg >> lim) || lim == "max") continue;
     try {
       const uint64_t l = std::stoull(lim);
       if (l > 0 && (total == 0 || l < total)) total = l;

@@ -8,6 +8,7 @@
 #include <xxhash.h>
 
 #include "proto/rpc/chunks.h"
+#include "proto/rpc/server.h"
 #include "proto/rpc/status.h"
 
 using namespace hypic::rpc;
@@ -142,4 +143,21 @@ TEST_CASE("fuzz regression: a header's total does not size the buffer", "[rpc][f
   REQUIRE(waitpid(pid, &status, 0) == pid);
   REQUIRE(WIFEXITED(status));
   CHECK(WEXITSTATUS(status) == 0);  // 3: bad_alloc, the allocation of the announced size
+}
+
+TEST_CASE("byte budgets: auto, sizes with binary units, and clear errors naming the flag", "[rpc]") {
+  using hypic::rpc::parse_byte_budget;
+  CHECK_FALSE(parse_byte_budget("auto", "--x").has_value());
+  CHECK(parse_byte_budget("0", "--x") == 0u);
+  CHECK(parse_byte_budget("1048576", "--x") == 1048576u);
+  CHECK(parse_byte_budget("8GiB", "--x") == (uint64_t(8) << 30));
+  CHECK(parse_byte_budget("512MB", "--x") == (uint64_t(512) << 20));  // binary, as CLI11's AsSizeValue(false)
+  CHECK(parse_byte_budget("2 k", "--x") == 2048u);
+  CHECK(parse_byte_budget("16PiB", "--x") == (uint64_t(16) << 50));
+  for (const char* bad : {"1.5GB", "1e9", "12XB", "AUTO", "", "-1", "GiB", "16EB"}) {
+    INFO(bad);
+    CHECK_THROWS_WITH(parse_byte_budget(bad, "--host-tier-bytes"), Catch::StartsWith("--host-tier-bytes: \""));
+  }
+  CHECK_THROWS_WITH(parse_byte_budget("99999999999999999999999", "--x"), Catch::Contains("too large"));
+  CHECK_THROWS_WITH(parse_byte_budget("20000000PiB", "--x"), Catch::Contains("too large"));
 }
