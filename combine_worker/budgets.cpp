@@ -24,8 +24,11 @@ TierBudgets default_tier_budgets(const BudgetInputs& in) {
 }
 
 std::string describe_budget(uint64_t bytes, uint64_t entry_bytes) {
-  return fmt::format("{:.1f} GiB (about {} entries of {} tokens, {:.0f} MB each)", double(bytes) / double(1ull << 30),
-                     entry_bytes ? bytes / entry_bytes : 0, kTypicalSegmentTokens, double(entry_bytes) / 1e6);
+  if (bytes == 0) return "off (0 bytes)";
+  const std::string size = bytes >= (uint64_t{1} << 30) ? fmt::format("{:.1f} GiB", double(bytes) / double(1ull << 30))
+                                                         : fmt::format("{:.1f} MiB", double(bytes) / double(1ull << 20));
+  return fmt::format("{} (about {} entries of {} tokens, {:.0f} MB each)", size, entry_bytes ? bytes / entry_bytes : 0,
+                     kTypicalSegmentTokens, double(entry_bytes) / 1e6);
 }
 
 std::string describe_entry_parts(const engine::EntryGeometry& g, int64_t tokens, size_t kv_bytes_per_element) {

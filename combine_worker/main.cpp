@@ -39,11 +39,11 @@ int main(int argc, char** argv) {
                  "(0 disables; auto: a quarter of host memory)")
       ->capture_default_str();
   app.add_option("--put-queue-bytes", put_queue_bytes,
-                 "bytes of cache puts that may wait; more are dropped (auto: 16 entries of 2048 tokens, at least 1 GiB)")
+                 "bytes of cache puts that may wait; more are dropped (auto: the larger of 1 GiB and 16 entries of 2048 tokens)")
       ->capture_default_str();
   app.add_option("--host-copy-queue-bytes", host_copy_queue_bytes,
-                 "resident entries waiting for their host copy; more are dropped (auto: 16 entries of 2048 tokens, at "
-                 "least 1 GiB)")
+                 "resident entries waiting for their host copy; more are dropped (auto: the larger of 1 GiB and 16 "
+                 "entries of 2048 tokens)")
       ->capture_default_str();
   app.add_option("--chunk-bytes", opt.chunk_bytes, "size of streamed chunks")
       ->transform(CLI::AsSizeValue(false))

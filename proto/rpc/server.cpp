@@ -277,6 +277,7 @@ std::optional<uint64_t> parse_byte_budget(const std::string& text, const std::st
       throw bad("is too large");
   }
   if (i == digits_from) throw bad("is not a size");
+  if (i < text.size() && (text[i] == '.' || text[i] == ',')) throw bad("is not a whole number of bytes");
   std::string unit;
   for (; i < text.size(); ++i)
     if (text[i] != ' ') unit += char(std::tolower(static_cast<unsigned char>(text[i])));

@@ -330,6 +330,8 @@ TEST_CASE("tier budgets: derived from device memory, host memory and the entry s
   CHECK(cpu.put_queue == GiB);
   CHECK(cpu.host_copy_queue == GiB);
   CHECK_THAT(hypic::combine::describe_budget(31 * GiB, 280'000'000), Catch::Contains("about 118 entries of 2048 tokens"));
+  CHECK_THAT(hypic::combine::describe_budget(0, 280'000'000), Catch::StartsWith("off"));
+  CHECK_THAT(hypic::combine::describe_budget(32 << 20, 6'000'000), Catch::StartsWith("32.0 MiB (about 5 entries"));
   // Qwen3.5-35B-A3B: 30 linear layers of 32 value heads of 128 x 128, 10 attention layers of 2 KV heads of 256.
   hypic::engine::EntryGeometry g;
   g.linear_heads = 32, g.d_k = 128, g.d_v = 128, g.conv_rows = 3, g.conv_dim = 8192, g.kv_heads = 2, g.head_dim = 256;

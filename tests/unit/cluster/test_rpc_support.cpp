@@ -159,5 +159,6 @@ TEST_CASE("byte budgets: auto, sizes with binary units, and clear errors naming 
     CHECK_THROWS_WITH(parse_byte_budget(bad, "--host-tier-bytes"), Catch::StartsWith("--host-tier-bytes: \""));
   }
   CHECK_THROWS_WITH(parse_byte_budget("99999999999999999999999", "--x"), Catch::Contains("too large"));
+  CHECK_THROWS_WITH(parse_byte_budget("1.5GiB", "--x"), Catch::Contains("is not a whole number of bytes"));
   CHECK_THROWS_WITH(parse_byte_budget("20000000PiB", "--x"), Catch::Contains("too large"));
 }
