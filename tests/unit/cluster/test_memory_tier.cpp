@@ -238,6 +238,11 @@ TEST_CASE("host copies: nothing to do without a host tier or a cache -- a full q
     hypic::combine::HostCopier copier(*backend, nullptr, p1, entries[0]->resident_bytes() - 1);
     CHECK_FALSE(copier.enqueue(digest_of(2), entries[0], true, "r"));
     CHECK(copier.counters().dropped == 1);
+    // The cache put queue drops (and counts) what does not fit in its byte budget.
+    hypic::cache::AsyncCachePutter tight{one, 10};
+    CHECK_FALSE(tight.enqueue(digest_of(4), {1, 2}, std::make_shared<const std::string>(100, 'x'), "r"));
+    CHECK(tight.counters().dropped == 1);
+    CHECK(tight.pending() == 0);
     hypic::combine::HostCopier roomy(*backend, nullptr, p1, uint64_t(1) << 30);
     CHECK(roomy.enqueue(digest_of(3), entries[0], true, "r"));
     roomy.wait_idle();
