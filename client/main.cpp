@@ -217,7 +217,8 @@ std::string not_a_cache(const std::string& target) {
 std::string source_summary(const v1::GenerateReport& r) {
   const bool prefix = r.mode() == "prefix";
   std::vector<std::string> parts;
-  for (int src : {v1::SEGMENT_SOURCE_COMBINE_MEMORY, v1::SEGMENT_SOURCE_CACHE, v1::SEGMENT_SOURCE_SHARED_BUILD,
+  for (int src : {v1::SEGMENT_SOURCE_COMBINE_MEMORY, v1::SEGMENT_SOURCE_COMBINE_HOST, v1::SEGMENT_SOURCE_CACHE,
+                  v1::SEGMENT_SOURCE_SHARED_BUILD,
                   v1::SEGMENT_SOURCE_REPEAT, v1::SEGMENT_SOURCE_SCATTER, v1::SEGMENT_SOURCE_COMBINE_COMPUTED,
                   v1::SEGMENT_SOURCE_IN_CONTEXT, v1::SEGMENT_SOURCE_UNSPECIFIED}) {
     int n = 0;
@@ -229,6 +230,10 @@ std::string source_summary(const v1::GenerateReport& r) {
         what = prefix ? "restored from the combine worker's prefix checkpoint (combine-memory)"
                       : "reused from the combine worker's own memory tier (combine-memory; not fetched from the "
                         "segment cache)";
+        break;
+      case v1::SEGMENT_SOURCE_COMBINE_HOST:
+        what = "copied to the device from the combine worker's host tier (combine-host; not fetched from the segment "
+               "cache)";
         break;
       case v1::SEGMENT_SOURCE_CACHE: what = "fetched from the segment cache (cache)"; break;
       case v1::SEGMENT_SOURCE_SHARED_BUILD: what = "joined a build another request had started (shared-build)"; break;

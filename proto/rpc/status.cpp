@@ -115,6 +115,7 @@ std::string_view segment_source_name(int source) {
     case hypic::v1::SEGMENT_SOURCE_IN_CONTEXT: return "in-context";
     case hypic::v1::SEGMENT_SOURCE_SHARED_BUILD: return "shared-build";
     case hypic::v1::SEGMENT_SOURCE_REPEAT: return "repeat";
+    case hypic::v1::SEGMENT_SOURCE_COMBINE_HOST: return "combine-host";
     default: return "unspecified";
   }
 }

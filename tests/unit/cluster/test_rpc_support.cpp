@@ -5,8 +5,12 @@
 
 #include <catch2/catch.hpp>
 
+#include <set>
+#include <string_view>
+
 #include <xxhash.h>
 
+#include "hypic/v1/common.pb.h"
 #include "proto/rpc/chunks.h"
 #include "proto/rpc/server.h"
 #include "proto/rpc/status.h"
@@ -161,4 +165,18 @@ TEST_CASE("byte budgets: auto, sizes with binary units, and clear errors naming 
   CHECK_THROWS_WITH(parse_byte_budget("99999999999999999999999", "--x"), Catch::Contains("too large"));
   CHECK_THROWS_WITH(parse_byte_budget("1.5GiB", "--x"), Catch::Contains("is not a whole number of bytes"));
   CHECK_THROWS_WITH(parse_byte_budget("20000000PiB", "--x"), Catch::Contains("too large"));
+}
+
+TEST_CASE("every segment source has a report name (metrics labels, hypic-client)", "[rpc]") {
+  const auto* d = hypic::v1::SegmentSource_descriptor();
+  std::set<std::string_view> names;
+  for (int i = 0; i < d->value_count(); ++i) {
+    const int v = d->value(i)->number();
+    INFO(d->value(i)->name());
+    if (v == hypic::v1::SEGMENT_SOURCE_UNSPECIFIED) continue;
+    CHECK(segment_source_name(v) != "unspecified");
+    names.insert(segment_source_name(v));
+  }
+  CHECK(names.size() == size_t(d->value_count() - 1));  // distinct
+  CHECK(segment_source_name(hypic::v1::SEGMENT_SOURCE_COMBINE_HOST) == "combine-host");
 }
