@@ -61,6 +61,17 @@ class LruTier {
     std::lock_guard<std::mutex> lock(mu_);
     erase_locked(digest);
   }
+  /// Evicts least recently used items until at least `bytes` were freed or the tier is empty; returns the bytes
+  /// evicted (freed once their last user lets go).
+  size_t evict(size_t bytes) {
+    std::lock_guard<std::mutex> lock(mu_);
+    size_t freed = 0;
+    while (freed < bytes && !lru_.empty()) {
+      freed += lru_.back().bytes;
+      erase_locked(lru_.back().digest);
+    }
+    return freed;
+  }
   /// Forgets every item; returns how many there were.
   size_t clear() {
     std::lock_guard<std::mutex> lock(mu_);

@@ -40,6 +40,7 @@ struct Slot {
   double compute_ms = 0;
   uint64_t entry_bytes = 0;
   bool local_started = false;
+  bool retried_after_eviction = false;  // a local build refused for memory was retried once after evicting
   // Delivered by a scatter worker: how ("grpc", "nccl"), how long from its header to acceptance, bytes moved.
   std::string transport;
   double transfer_ms = 0;
@@ -211,30 +212,61 @@ void CombineService::build_locally(const std::shared_ptr<Pending>& p,
     }
     auto done = [this, p, slot](engine::BuildOutcome r) {
       if (r.cancelled) return;
-      if (!r.error.empty()) {
-        spdlog::error("[req {}] segment {}: local prefill failed: {}", p->id, slot, r.error);
+      if (r.error_kind == engine::EngineErrorKind::ResourceExhausted && d_.memory_tier.entries() > 0) {
+        // Device memory short (other work on the GPU took what the device tier was sized from): the tier gives up
+        // entries, as many bytes as the build needs, and the build is retried once.
+        bool retry = false;
+        std::vector<int32_t> ids;
         {
           std::lock_guard<std::mutex> lock(p->mu);
-          p->failure = fmt::format("segment {}: prefill failed: {}", slot, r.error);
-          p->failure_code = rpc::engine_error_code(r.error_kind);
+          Slot& s = p->slots[slot];
+          if (!s.retried_after_eviction) {
+            s.retried_after_eviction = true;
+            retry = true;
+            ids = s.ids;
+          }
         }
-        p->cv.notify_all();
-        return;
+        if (retry) {
+          const size_t freed = d_.memory_tier.evict(backend_.entry_bytes(int64_t(ids.size())) * 2);
+          spdlog::warn("[req {}] segment {}: device memory short ({}); {} bytes of the device tier evicted, build retried",
+                       p->id, slot, r.error, freed);
+          p->add_note(slot, "device memory short: device-tier entries evicted and the build retried");
+          std::vector<engine::EngineLoop::BuildSubmission> again;
+          again.push_back({std::move(ids), p->entry_seam_width, p->cancel,
+                           [this, p, slot](engine::BuildOutcome r2) { finish_local_build(p, slot, std::move(r2)); },
+                           engine::BuildHandover::Resident});
+          d_.loop.submit_builds(std::move(again));
+          return;
+        }
       }
-      // Spliced as it is (resident, no host round trip); its host copy (host tier, cache put) is made afterwards,
-      // off the critical path.
-      const rpc::Digest digest = p->slots[slot].digest;  // immutable after registration
-      d_.memory_tier.put(digest, r.entry);
-      d_.copier.enqueue(digest, r.entry, p->cache_segments, p->id);
-      count_segment(v1::SEGMENT_SOURCE_COMBINE_COMPUTED);
-      const size_t bytes = r.entry->resident_bytes();
-      p->fill(slot, nullptr, v1::SEGMENT_SOURCE_COMBINE_COMPUTED, address_, r.compute_ms, bytes, device_,
-              std::move(r.entry));
+      finish_local_build(p, slot, std::move(r));
     };
     builds.push_back({std::move(ids), p->entry_seam_width, p->cancel, std::move(done), engine::BuildHandover::Resident});
   }
   // In one submission, so that they share one batch (one forward pass) on the engine loop.
   if (!builds.empty()) d_.loop.submit_builds(std::move(builds));
+}
+
+void CombineService::finish_local_build(const std::shared_ptr<Pending>& p, size_t slot, engine::BuildOutcome r) {
+  if (r.cancelled) return;
+  if (!r.error.empty()) {
+    spdlog::error("[req {}] segment {}: local prefill failed: {}", p->id, slot, r.error);
+    {
+      std::lock_guard<std::mutex> lock(p->mu);
+      p->failure = fmt::format("segment {}: prefill failed: {}", slot, r.error);
+      p->failure_code = rpc::engine_error_code(r.error_kind);
+    }
+    p->cv.notify_all();
+    return;
+  }
+  // Spliced as it is (resident, no host round trip); its host copy (host tier, cache put) is made afterwards, off the
+  // critical path.
+  const rpc::Digest digest = p->slots[slot].digest;  // immutable after registration
+  d_.memory_tier.put(digest, r.entry);
+  d_.copier.enqueue(digest, r.entry, p->cache_segments, p->id);
+  count_segment(v1::SEGMENT_SOURCE_COMBINE_COMPUTED);
+  const size_t bytes = r.entry->resident_bytes();
+  p->fill(slot, nullptr, v1::SEGMENT_SOURCE_COMBINE_COMPUTED, address_, r.compute_ms, bytes, device_, std::move(r.entry));
 }
 
 void CombineService::fetch_warm(const std::shared_ptr<Pending>& p, size_t slot, const grpc::ServerContextBase* ctx) {

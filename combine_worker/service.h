@@ -99,6 +99,8 @@ class CombineService final : public hypic::v1::CombineWorker::Service {
   /// resident as built and its host copy made afterwards (HostCopier).
   void build_locally(const std::shared_ptr<Pending>& p, const std::vector<std::pair<size_t, std::string>>& slots);
   void build_locally(const std::shared_ptr<Pending>& p, size_t slot, std::string note);
+  /// A local build's outcome: into the device tier, its host copy queued, its slot filled; or the request failed.
+  void finish_local_build(const std::shared_ptr<Pending>& p, size_t slot, engine::BuildOutcome r);
   void fetch_warm(const std::shared_ptr<Pending>& p, size_t slot, const grpc::ServerContextBase* ctx);
   /// Makes a host entry (fetched or delivered over gRPC) resident on a device backend here, on the calling thread
   /// (Backend::block_of_entry + import_block: never on the engine loop), keeping its pinned block in the host tier;

@@ -98,6 +98,10 @@ class CountingBackend final : public hypic::engine::Backend {
   const std::string& fingerprint() const override { return b_->fingerprint(); }
   std::vector<std::shared_ptr<const hypic::engine::ResidentEntry>> build_entries(
       std::span<const std::vector<int32_t>> segments, int seam_width) override {
+    if (fail_builds > 0) {  // device memory short, as a CUDA backend reports it
+      --fail_builds;
+      throw hypic::engine::ResourceExhausted("device memory exhausted (test)");
+    }
     built += int(segments.size());
     std::vector<std::shared_ptr<const hypic::engine::ResidentEntry>> out;
     for (auto& e : b_->build_entries(segments, seam_width)) {
@@ -126,6 +130,7 @@ class CountingBackend final : public hypic::engine::Backend {
   }
   hypic::engine::BackendMemory memory() const override { return b_->memory(); }
   std::atomic<int> built{0}, imported{0}, host_calls{0};
+  std::atomic<int> fail_builds{0};  ///< the next this many build_entries calls throw ResourceExhausted
   std::vector<int> host_calls_before_splice;  // engine loop thread only
 
  private:
@@ -141,7 +146,7 @@ struct Combined {
 
 // One Combine call: `segs` planned as `source`, a fixed query, 4 greedy tokens.
 Combined combine(hypic::test::CombineServer& c, const std::string& id, const std::vector<std::vector<int32_t>>& segs,
-                 v1::PlannedSegment::Source source) {
+                 v1::PlannedSegment::Source source, grpc::Status* status = nullptr) {
   v1::CombineRequest req;
   req.set_request_id(id);
   for (size_t i = 0; i < segs.size(); ++i) {
@@ -167,6 +172,10 @@ Combined combine(hypic::test::CombineServer& c, const std::string& id, const std
     if (ev.has_report()) out.report = ev.report();
   }
   const grpc::Status st = reader->Finish();
+  if (status) {
+    *status = st;
+    return out;
+  }
   INFO(st.error_message());
   REQUIRE(st.ok());
   return out;
@@ -291,6 +300,23 @@ TEST_CASE("combine worker: local builds are spliced resident (no host round trip
   CHECK(again.tokens == cold.tokens);
   CHECK(backend.built == 6);
 
+  // Device memory short for a build: the device tier gives entries up and the build is retried once.
+  REQUIRE(combine(c, "r-fill", segs, v1::PlannedSegment::WARM).report.segments_size() == 3);  // tier holds 3 again
+  backend.fail_builds = 1;
+  const std::vector<std::vector<int32_t>> fresh = {{41, 42, 43, 44, 45, 46}};
+  const Combined retried = combine(c, "r-retry", fresh, v1::PlannedSegment::LOCAL);
+  CHECK(sources(retried) == std::vector<v1::SegmentSource>{v1::SEGMENT_SOURCE_COMBINE_COMPUTED});
+  CHECK_THAT(retried.report.segments(0).note(), Catch::Contains("device-tier entries evicted and the build retried"));
+  CHECK(c.tier.entries() < 4);  // some of the 3 gave way before the new one went in
+  backend.fail_builds = 2;     // failing again after the retry: the request fails, naming the budget
+  {
+    grpc::Status st;
+    combine(c, "r-fail", {{51, 52, 53, 54, 55}}, v1::PlannedSegment::LOCAL, &st);
+    CHECK(st.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED);
+    CHECK_THAT(st.error_message(), Catch::Contains("device memory exhausted"));
+  }
+  backend.fail_builds = 0;
+
   // A digest of another length is named.
   v1::LookupEntriesRequest bad;
   bad.add_digests("short");
@@ -304,7 +330,8 @@ TEST_CASE("combine worker: local builds are spliced resident (no host round trip
   v1::WorkerInfo info;
   auto ictx = hypic::test::context();
   REQUIRE(c.stub->GetWorkerInfo(ictx.get(), v1::WorkerInfoRequest{}, &info).ok());
-  CHECK(info.device_tier_entries() == 3);
+  CHECK(info.device_tier_entries() == c.tier.entries());
+  CHECK(info.device_tier_bytes() == c.tier.bytes());
   CHECK(info.device_tier_budget() == size_t(1) << 30);
   CHECK(info.host_tier_budget() == 0);
 }
