@@ -859,6 +859,14 @@ grpc::Status RouterService::GetServerInfo(grpc::ServerContext* ctx, const v1::Ge
     w->set_available(c->available.load());
     w->set_active_requests(c->active.load());
     identity(*c, w);
+    std::lock_guard<std::mutex> lock(c->info_mu);
+    const auto& k = c->counters;
+    w->set_device_tier_bytes(k.device_tier_bytes());
+    w->set_device_tier_budget(k.device_tier_budget());
+    w->set_device_tier_entries(k.device_tier_entries());
+    w->set_host_tier_bytes(k.host_tier_bytes());
+    w->set_host_tier_budget(k.host_tier_budget());
+    w->set_host_tier_entries(k.host_tier_entries());
   }
   for (const auto& r : cfg_.cache_replicas) resp->add_cache_replicas(r);
   resp->set_active_requests(active_requests_.load());

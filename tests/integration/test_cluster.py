@@ -375,6 +375,16 @@ class CombineAffinityTest(ClusterTestCase):
             self.assertEqual([s["cache_hit"] for s in rep["segments"]], [True] * 3)
             self.assertEqual([s.get("combine_tier") for s in rep["segments"]], ["ENTRY_TIER_DEVICE"] * 3)
             self.assertEqual(res["token_ids"], self.reference([segs[j] for j in order], f"Question {i}?"))
+        # The router's server info shows each combine worker's tiers (as of its last probe, every second).
+        deadline = time.monotonic() + 10
+        while True:
+            info = json.loads(self.client("info", "--router", self.router_b).stdout)
+            held = {w["address"]: int(w.get("device_tier_entries", 0)) for w in info["combine_workers"]}
+            if held.get(holder, 0) >= 3 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        self.assertGreaterEqual(held[holder], 3)
+        self.assertTrue(all(int(w.get("device_tier_budget", 0)) > 0 for w in info["combine_workers"]))
         # Other documents: wherever they were built first, their next request goes there too.
         other = SEGMENTS[3:6]
         first = self.ok(self.generate(other, "Who wrote it?", router=self.router_b))["combine_worker"]
