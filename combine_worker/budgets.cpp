@@ -13,7 +13,8 @@ TierBudgets default_tier_budgets(const BudgetInputs& in) {
     const uint64_t reserve = 4 * GiB + in.device_free / 10 + in.prefix_cache_bytes +
                              uint64_t(std::max(in.fetch_parallelism, 0)) * in.entry_bytes;
     b.device_tier = in.device_free > reserve ? in.device_free - reserve : 0;
-    b.host_tier = in.host_memory / 4;
+    // Pinned at start-up, so no larger than it needs to be: at most 256 typical entries (at least 1 GiB).
+    b.host_tier = std::min(in.host_memory / 4, std::max(GiB, 256 * in.entry_bytes));
   } else {
     b.device_tier = std::max(GiB, in.host_memory / 8);
     b.host_tier = 0;

@@ -35,7 +35,8 @@ struct TierBudgets {
 
 /// The defaults:
 ///  - device backends: device tier = device_free - reserve, reserve = 4 GiB + device_free / 10 + prefix_cache_bytes
-///    + fetch_parallelism entries (0 if that is negative); host tier = host_memory / 4;
+///    + fetch_parallelism entries (0 if that is negative); host tier = min(host_memory / 4, max(1 GiB, 256 entries))
+///    (pinned at start-up: a small model's worker does not pin a quarter of the host);
 ///  - the CPU backend (entries in host memory): device tier = max(1 GiB, host_memory / 8), no host tier;
 ///  - put queue = max(1 GiB, 16 wire entries); host-copy queue = max(1 GiB, 16 entries) (a cold 16k-token prompt makes 8
 ///    entries at once, and a cache put over gRPC is slower than a host copy).

@@ -349,7 +349,14 @@ TEST_CASE("tier budgets: derived from device memory, host memory and the entry s
   const auto b = hypic::combine::default_tier_budgets(in);
   // 40 GiB free - (4 GiB + 4 GiB + 1 GiB + 4 x 280 MB) = 31 GiB - 1.12 GB
   CHECK(b.device_tier == 40 * GiB - (4 * GiB + 4 * GiB + GiB + 4 * 280'000'000ull));
-  CHECK(b.host_tier == 32 * GiB);
+  CHECK(b.host_tier == 32 * GiB);  // a quarter of host memory, below 256 entries (71.7 GB)
+  {
+    hypic::combine::BudgetInputs small = in;
+    small.entry_bytes = 1'000'000;  // a small model: 256 entries are far below a quarter of the host
+    CHECK(hypic::combine::default_tier_budgets(small).host_tier == GiB);
+    small.entry_bytes = 10'000'000;
+    CHECK(hypic::combine::default_tier_budgets(small).host_tier == 2'560'000'000ull);
+  }
   CHECK(b.put_queue == 16 * 330'000'000ull);
   CHECK(b.host_copy_queue == 16 * 280'000'000ull);
   in.device_free = 5 * GiB;  // less than the reserve: no device tier rather than a negative one
