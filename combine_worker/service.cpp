@@ -436,9 +436,15 @@ grpc::Status CombineService::run_combine(grpc::ServerContext* ctx, const v1::Com
         rpc::check_token_ids(s.ids, vocab, field + ".key.token_ids");
       }
       s.planned = ps.source();
+      if (s.planned == v1::PlannedSegment::WHOLE &&
+          (mode != engine::SpliceMode::Hypic || i == 0 || i < req->segments_size() - req->refresh_tail())) {
+        throw rpc::invalid_argument(field + ".source", "WHOLE is for the refresh's tail segments (mode hypic, index >= "
+                                                       "max(1, segments - refresh_tail))");
+      }
       if (uses_entries && s.planned == v1::PlannedSegment::REPEAT) {
         const uint32_t k = ps.repeat_of();
-        if (k >= uint32_t(i) || p->slots[k].planned == v1::PlannedSegment::REPEAT || p->slots[k].digest != s.digest ||
+        if (k >= uint32_t(i) || p->slots[k].planned == v1::PlannedSegment::REPEAT ||
+            p->slots[k].planned == v1::PlannedSegment::WHOLE || p->slots[k].digest != s.digest ||
             p->slots[k].ids != s.ids) {
           throw rpc::invalid_argument(field + ".repeat_of",
                                       fmt::format("{} is not an earlier, not repeated segment with the same key", k));
@@ -484,6 +490,13 @@ grpc::Status CombineService::run_combine(grpc::ServerContext* ctx, const v1::Com
       for (size_t i = 0; i < p->slots.size(); ++i) {
         if (p->slots[i].planned == v1::PlannedSegment::LOCAL) local.emplace_back(i, req->segments(int(i)).reason());
         if (p->slots[i].planned == v1::PlannedSegment::WARM) warm.push_back(i);
+        if (p->slots[i].planned == v1::PlannedSegment::WHOLE) {  // recomputed whole from its ids: nothing to wait for
+          std::lock_guard<std::mutex> lock(p->mu);
+          Slot& s = p->slots[i];
+          s.source = v1::SEGMENT_SOURCE_IN_CONTEXT;
+          s.note = "in the refresh's tail, cold: recomputed whole in context; its entry is built after the first token";
+          ++p->filled;
+        }
       }
       build_locally(p, local);
       auto next = std::make_shared<std::atomic<size_t>>(0);
@@ -585,6 +598,25 @@ grpc::Status CombineService::run_combine(grpc::ServerContext* ctx, const v1::Com
           d_.memory_tier.put(s.digest, s.resident);
           d_.copier.enqueue(s.digest, s.resident, /*put=*/false, p->id);  // the scatter worker puts it in the cache
         }
+    }
+    // The refresh's cold tail segments were recomputed whole: their entries are built now, after the splice, for
+    // later requests (device tier, host copy, cache), between this worker's decode steps.
+    {
+      std::vector<engine::EngineLoop::BuildSubmission> later;
+      for (size_t i = 0; i < p->slots.size(); ++i) {
+        if (p->slots[i].planned != v1::PlannedSegment::WHOLE) continue;
+        const rpc::Digest digest = p->slots[i].digest;
+        const bool put = p->cache_segments;
+        const std::string rid = p->id;
+        later.push_back({p->slots[i].ids, p->entry_seam_width, nullptr,
+                         [this, digest, put, rid](engine::BuildOutcome r) {
+                           if (!r.entry) return;  // failed or the loop stopped: a later request builds it
+                           d_.memory_tier.put(digest, r.entry);
+                           d_.copier.enqueue(digest, r.entry, put, rid);
+                         },
+                         engine::BuildHandover::Resident});
+      }
+      if (!later.empty()) d_.loop.submit_builds(std::move(later));
     }
     const double splice_ms = sinfo.splice_ms;
     ev.mutable_splice_done()->set_splice_ms(splice_ms);

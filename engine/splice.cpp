@@ -115,16 +115,17 @@ SpliceResult splice_hypic(const Model& model, const SpliceRequest& req, const st
   std::vector<std::vector<Fold>> folds_after;  // per span
   std::vector<Fold> folds_upfront;
   for (size_t i = 1; i < req.segments.size(); ++i) {
-    const SegmentEntry& e = *req.segments[i].entry;
-    const int n = e.num_tokens();
+    // A segment recomputed whole may come without an entry (its ids are all it needs).
+    const std::vector<int32_t>& ids = req.segments[i].ids.empty() ? req.segments[i].entry->token_ids : req.segments[i].ids;
+    const int n = static_cast<int>(ids.size());
     const int s = whole[i] ? n : std::min(req.seam_width, n);
     if (whole[i]) out.recomputed_segments.push_back(static_cast<int>(i));
     if (s > 0) {
-      spans.push_back({std::span<const int32_t>(e.token_ids).subspan(0, s), pos});
+      spans.push_back({std::span<const int32_t>(ids).subspan(0, s), pos});
       folds_after.emplace_back();
       out.computed_tokens += s;
     }
-    if (n > s) (spans.empty() ? folds_upfront : folds_after.back()).push_back({&e, s, pos});
+    if (n > s) (spans.empty() ? folds_upfront : folds_after.back()).push_back({req.segments[i].entry.get(), s, pos});
     pos += n;
   }
   const size_t query_span = spans.size();
@@ -406,6 +407,9 @@ SpliceResult splice(const Model& model, const SpliceRequest& req) {
     if (seg.ids.empty() && !(seg.entry && seg.entry->num_tokens() > 0))
       throw std::invalid_argument("splice: " + which + " has no tokens");
     if (!cached_mode) continue;
+    if (!seg.entry && req.mode == SpliceMode::Hypic && i > 0 && !seg.ids.empty() &&
+        whole_segments_before_refresh(req.recompute_segments, req.refresh_tail, req.segments.size())[i])
+      continue;  // recomputed whole in context: its ids suffice
     if (!seg.entry) throw std::invalid_argument("splice: " + which + " has no entry (required by mode " +
                                                 splice_mode_name(req.mode) + ")");
     seg.entry->check_compatible(fingerprint, geometry, req.mode == SpliceMode::Hypic ? req.seam_width : -1, numerics);
@@ -491,7 +495,9 @@ SpliceResult splice(const Model& model, const SpliceRequest& req) {
   // the choice is every candidate in prompt order, so an empty one means none exists.
   if (req.refresh_segments > 0 && !choose_refresh_segments({}, lengths, req.seam_width, whole, 1).empty()) {
     std::vector<float> mass;
-    const std::vector<char> probe_whole = whole_segments_before_refresh(req.recompute_segments, 0, req.segments.size());
+    std::vector<char> probe_whole = whole_segments_before_refresh(req.recompute_segments, 0, req.segments.size());
+    for (size_t i = 1; i < req.segments.size(); ++i)  // a tail segment without an entry is whole in the probe too
+      if (!req.segments[i].entry) probe_whole[i] = 1;
     SpliceResult probe = splice_hypic(model, req, probe_whole, &mass);
     if (req.cancel && req.cancel->load()) throw SpliceCancelled("splice cancelled after the refresh's probe");
     const std::vector<int> chosen = choose_refresh_segments(mass, lengths, req.seam_width, whole, req.refresh_segments);

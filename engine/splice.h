@@ -129,6 +129,8 @@ struct SpliceRequest {
   /// counts both passes). A segment-granular counterpart of CacheBlend's selective recompute
   /// (research/hypic_and_pic_peers.md 1.5: on hybrids single tokens cannot be recomputed). 0 = off.
   int refresh_segments = 0;
+  /// (Hypic: a segment recomputed whole in the final splice, by recompute_segments or the tail, may come without an
+  /// entry, its ids alone; the refresh's probe then recomputes it whole too.)
   /// Hypic only, the tail of the refresh: the last refresh_tail segments (indices >= max(1, segments - t)) are
   /// recomputed whole in context, like recompute_segments, in the splice that gives the answer; refresh_segments
   /// chooses among the others (its probe pass leaves the tail cached, so the tail is computed once). What it

@@ -271,6 +271,7 @@ class GenerateCall {
     std::vector<int32_t> ids;
     rpc::Digest digest{};
     bool hit = false;
+    bool whole = false;  // cold and in the refresh's tail: recomputed whole by the splice, nothing built for it now
     v1::EntryTier combine_tier = v1::ENTRY_TIER_NONE;  // the chosen combine worker holds it in this tier
     std::optional<uint32_t> repeat_of;  // an earlier segment of the same digest: planned once, as that one
     uint32_t worker = kLocal;           // current scatter assignee
@@ -590,12 +591,19 @@ grpc::Status GenerateCall::run() {
   // another request or go to a scatter worker (LPT); with none available, the combine worker prefills them.
   std::vector<uint32_t> jobs, local;
   if (opts_.uses_entries) {
+    // The refresh's tail (hypic): recomputed whole in context by the splice, so a cold one is not built on the
+    // critical path (the combine worker builds it after the first token).
+    const size_t tail_from = opts_.mode == engine::SpliceMode::Hypic && opts_.refresh_tail > 0
+                                 ? std::max<size_t>(1, n > size_t(opts_.refresh_tail) ? n - size_t(opts_.refresh_tail) : 1)
+                                 : n;
     std::map<rpc::Digest, uint32_t> first;
     for (size_t i = 0; i < n; ++i) {
       const auto [it, fresh] = first.emplace(segs_[i].digest, uint32_t(i));
-      if (!fresh) {
+      if (!fresh && !(segs_[it->second].whole)) {
         segs_[i].repeat_of = it->second;
-      } else if (!segs_[i].hit) {
+      } else if (!segs_[i].hit && i >= tail_from) {
+        segs_[i].whole = true;  // (a repeat of a whole one is whole too: it is in the tail as well)
+      } else if (fresh && !segs_[i].hit) {
         jobs.push_back(uint32_t(i));
       }
     }
@@ -616,6 +624,8 @@ grpc::Status GenerateCall::run() {
     if (segs_[i].repeat_of) {
       ps->set_source(v1::PlannedSegment::REPEAT);
       ps->set_repeat_of(*segs_[i].repeat_of);
+    } else if (segs_[i].whole) {
+      ps->set_source(v1::PlannedSegment::WHOLE);
     } else if (!opts_.uses_entries || segs_[i].hit) {
       ps->set_source(v1::PlannedSegment::WARM);
     } else if (segs_[i].worker != kLocal) {

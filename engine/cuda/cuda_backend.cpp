@@ -1188,11 +1188,12 @@ std::vector<Item> CudaBackend::hypic_items(const SplicePlan& plan, const std::ve
   std::vector<Fold> pending{{Fold::Install, entry_of(0), 0}};
   pos = entry_of(0)->n();
   for (size_t i = 1; i < plan.segments.size(); ++i) {
-    const CudaEntry* e = entry_of(i);
-    const int n = e->n(), sw = whole[i] ? n : std::min(plan.seam_width, n);
+    const CudaEntry* e = entry_of(i);  // null for a segment recomputed whole that came without an entry
+    const std::vector<int32_t>& ids = plan.segments[i].ids.empty() ? e->header().token_ids : plan.segments[i].ids;
+    const int n = int(ids.size()), sw = whole[i] ? n : std::min(plan.seam_width, n);
     if (whole[i]) recomputed.push_back(int(i));
     if (sw > 0) {
-      items.push_back({std::move(pending), {std::span<const int32_t>(e->header().token_ids).subspan(0, size_t(sw)), pos}});
+      items.push_back({std::move(pending), {std::span<const int32_t>(ids).subspan(0, size_t(sw)), pos}});
       pending.clear();
       computed += sw;
     }
@@ -1218,9 +1219,15 @@ SpliceOutput CudaBackend::splice(const SplicePlan& plan) {
   const bool cached = plan.mode == SpliceMode::Naive || plan.mode == SpliceMode::Transition ||
                       plan.mode == SpliceMode::Hypic;
   check_ids(plan.query, "the query");
+  // Hypic: a segment recomputed whole in the final splice may come without an entry (its ids suffice).
+  const std::vector<char> whole_final =
+      plan.mode == SpliceMode::Hypic
+          ? whole_segments_before_refresh(plan.recompute_segments, plan.refresh_tail, plan.segments.size())
+          : std::vector<char>(plan.segments.size(), 0);
   for (size_t i = 0; i < plan.segments.size(); ++i) {
     const PlanSegment& seg = plan.segments[i];
-    if (cached) check_entry(seg, i, plan);
+    const bool ids_suffice = i > 0 && whole_final[i] && !seg.entry && !seg.ids.empty();
+    if (cached && !ids_suffice) check_entry(seg, i, plan);
     else if (seg.ids.empty() && !(seg.entry && seg.entry->num_tokens() > 0))
       throw std::invalid_argument("splice: segment " + std::to_string(i) + " has no tokens");
     if (!seg.ids.empty()) check_ids(seg.ids, "segment " + std::to_string(i));
@@ -1293,7 +1300,7 @@ SpliceOutput CudaBackend::splice(const SplicePlan& plan) {
     std::vector<char> whole =
         whole_segments_before_refresh(plan.recompute_segments, plan.refresh_tail, plan.segments.size());
     std::vector<int64_t> lengths;
-    for (size_t i = 0; i < plan.segments.size(); ++i) lengths.push_back(entry_of(i)->n());
+    for (size_t i = 0; i < plan.segments.size(); ++i) lengths.push_back(int64_t(ids_of(i).size()));
     // No probe when no segment could be refreshed (with no mass the choice is every candidate: empty = none).
     if (plan.refresh_segments > 0 && !choose_refresh_segments({}, lengths, plan.seam_width, whole, 1).empty()) {
       // Probe pass (the explicit recompute_segments whole, the tail still cached): the query's attention per slot
@@ -1301,7 +1308,9 @@ SpliceOutput CudaBackend::splice(const SplicePlan& plan) {
       // (SpliceRequest::refresh_segments, refresh_tail).
       int64_t probe_pos = 0, probe_computed = 0;
       std::vector<int> probe_recomputed;
-      const std::vector<char> probe_whole = whole_segments_before_refresh(plan.recompute_segments, 0, plan.segments.size());
+      std::vector<char> probe_whole = whole_segments_before_refresh(plan.recompute_segments, 0, plan.segments.size());
+      for (size_t i = 1; i < plan.segments.size(); ++i)  // a tail segment without an entry is whole in the probe too
+        if (!plan.segments[i].entry) probe_whole[i] = 1;
       const std::vector<Item> probe_items = hypic_items(plan, probe_whole, probe_pos, probe_computed, probe_recomputed);
       std::vector<float> mass, probe_logits;
       seq.reset();  // the probe takes the request's one state slot, then gives it back

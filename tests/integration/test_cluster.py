@@ -157,6 +157,28 @@ class CacheReuseTest(ClusterTestCase):
         # the entries line counts the refreshed segment apart from the entries the splice used
         self.assertIn("1 refreshed (computed in context by the refresh; their entries unused)", table.stderr)
 
+    def test_refresh_tail_is_not_built_on_the_critical_path(self):
+        """Cold segments in the refresh's tail are recomputed whole by the splice: no scatter worker builds them for
+        the request (planned WHOLE); the combine worker builds their entries after the first token, so that a later
+        request finds them (here in the segment cache: this class runs without the combine worker's tier)."""
+        segs = [words(900 + i, 160 + 10 * i) for i in range(3)]
+        query = "What is at the end?"
+        r = self.generate(segs, query, "--refresh-tail", "2", max_tokens=6)
+        rep = self.ok(r)
+        self.assertEqual(sources(rep), ["SEGMENT_SOURCE_SCATTER"] + ["SEGMENT_SOURCE_IN_CONTEXT"] * 2)
+        self.assertEqual([s.get("refreshed", False) for s in rep["segments"]], [False, True, True])
+        self.assertEqual([s.get("built_by", "") for s in rep["segments"][1:]], ["", ""])
+        self.assertEqual(r["token_ids"], self.reference(segs, query, max_tokens=6, mode="full"))
+        # Built after the first token: the same documents, the tail ones first, all hits before long.
+        import time
+        deadline = time.monotonic() + 20
+        while True:
+            later = self.ok(self.generate([segs[2], segs[1], segs[0]], "And now?", max_tokens=2))
+            if all(s["reused"] for s in later["segments"]) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        self.assertEqual([s["reused"] for s in later["segments"]], [True] * 3)
+
     def test_full_mode_bills_a_prefill_not_a_splice(self):
         """Full mode splices nothing: its in-context prefill of the whole prompt is the TTFT's prefill phase (it was
         billed as splice); the client prints it as such."""

@@ -669,6 +669,35 @@ TEST_CASE("refresh_tail recomputes the last segments whole, the refresh chooses 
   }
 }
 
+TEST_CASE("refresh_tail segments may come without entries: the same splice, bit for bit", "[splice]") {
+  const Model& m = fixture_model("qwen3_5_moe");
+  const int V = static_cast<int>(m.config().vocab_size);
+  const std::vector<std::vector<int32_t>> segs = {random_ids(30, 31, V), random_ids(25, 32, V), random_ids(40, 33, V),
+                                                  random_ids(20, 34, V)};
+  SpliceRequest with = make_request(m, segs, random_ids(5, 35, V), SpliceMode::Hypic, 8);
+  with.refresh_tail = 2;
+  SpliceRequest without = with;
+  without.segments[2].entry = nullptr;  // the tail (segments 2 and 3) as ids alone
+  without.segments[3].entry = nullptr;
+  const SpliceResult a = splice(m, with), b = splice(m, without);
+  CHECK(a.logits == b.logits);  // bitwise: a whole segment never reads its entry
+  CHECK(b.recomputed_segments == std::vector<int>{2, 3});
+  CHECK(a.computed_tokens == b.computed_tokens);
+  // With the refresh's probe: the entry-less tail is whole in the probe too; the refresh chooses among the others.
+  without.refresh_segments = 1;
+  const SpliceResult c = splice(m, without);
+  CHECK(c.recomputed_segments.size() == 3);
+  CHECK(std::find(c.recomputed_segments.begin(), c.recomputed_segments.end(), 1) != c.recomputed_segments.end());
+  // Only recomputed segments may come without an entry; segment 0 never.
+  SpliceRequest bad = without;
+  bad.refresh_tail = 1;  // segment 2 is no longer whole, and has no entry
+  bad.refresh_segments = 0;
+  CHECK_THROWS_WITH(splice(m, bad), Catch::Contains("segment 2 has no entry"));
+  bad = with;
+  bad.segments[0].entry = nullptr;
+  CHECK_THROWS_WITH(splice(m, bad), Catch::Contains("segment 0 has no entry"));
+}
+
 TEST_CASE("whole_segments_before_refresh: the listed segments and the tail, never segment 0", "[splice]") {
   CHECK(whole_segments_before_refresh(std::vector<int>{1}, 2, 5) == std::vector<char>{0, 1, 0, 1, 1});
   CHECK(whole_segments_before_refresh(std::vector<int>{}, 0, 3) == std::vector<char>{0, 0, 0});
