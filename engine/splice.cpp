@@ -78,19 +78,6 @@ void install_first(const Model& model, ModelState& state, const SegmentEntry& e)
   state.num_tokens = e.num_tokens();
 }
 
-SegmentDigest chain_digest(const SegmentDigest& prev, std::span<const int32_t> ids) {
-  XXH3_state_t* s = XXH3_createState();
-  XXH3_128bits_reset(s);
-  XXH3_128bits_update(s, prev.data(), prev.size());
-  XXH3_128bits_update(s, ids.data(), ids.size() * sizeof(int32_t));
-  const XXH128_hash_t h = XXH3_128bits_digest(s);
-  XXH3_freeState(s);
-  XXH128_canonical_t c;
-  XXH128_canonicalFromHash(&c, h);
-  SegmentDigest d;
-  std::memcpy(d.data(), c.digest, 16);
-  return d;
-}
 
 // One hypic pass (DESIGN.md 3.3): the first segment's entry whole, then every later segment's seam window (or, where
 // whole[i], all of segment i) and the query as one layer-by-layer pass (Model::prefill_spans), so the weights are
@@ -277,6 +264,20 @@ SegmentEntry build_segment_entry(const Model& model, std::span<const int32_t> id
 std::vector<SegmentEntry> build_segment_entries(const Model& model, std::span<const int32_t> ids,
                                                 std::span<const int> seam_widths) {
   return build_entries(model, ids, seam_widths, "build_segment_entries");
+}
+
+SegmentDigest chain_digest(const SegmentDigest& prev, std::span<const int32_t> ids) {
+  XXH3_state_t* s = XXH3_createState();
+  XXH3_128bits_reset(s);
+  XXH3_128bits_update(s, prev.data(), prev.size());
+  XXH3_128bits_update(s, ids.data(), ids.size() * sizeof(int32_t));
+  const XXH128_hash_t h = XXH3_128bits_digest(s);
+  XXH3_freeState(s);
+  XXH128_canonical_t c;
+  XXH128_canonicalFromHash(&c, h);
+  SegmentDigest d;
+  std::memcpy(d.data(), c.digest, 16);
+  return d;
 }
 
 // ---- prefix cache --------------------------------------------------------------------------------------

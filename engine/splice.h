@@ -68,6 +68,11 @@ struct SpliceSegment {
 /// Running model states checkpointed at segment ends, keyed by the digest of the whole token chain so far:
 /// classic prefix caching for hybrid models (what SGLang and vLLM offer). Byte budget with LRU eviction;
 /// thread-safe.
+/// Prefix mode's key of a chain of segments: XXH3-128 over the previous chain's key (all zero before the first
+/// segment) then the segment's token ids (int32, host byte order). Two prompts share the checkpoint after segment i
+/// exactly when their segments 0..i are the same token ids in the same order.
+SegmentDigest chain_digest(const SegmentDigest& prev, std::span<const int32_t> ids);
+
 class PrefixStateCache {
  public:
   explicit PrefixStateCache(size_t budget_bytes) : budget_(budget_bytes) {}

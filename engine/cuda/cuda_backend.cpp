@@ -12,7 +12,6 @@
 
 #include <cuda_runtime_api.h>
 #include <spdlog/spdlog.h>
-#include <xxhash.h>
 
 #include <algorithm>
 #include <cmath>
@@ -275,9 +274,18 @@ class CudaBackend final : public Backend {
   void set_device() const { check_cuda(cudaSetDevice(dev_.index), "cudaSetDevice(" + dev_.name() + ")"); }
 
  private:
+  // Prefix mode's checkpoint after one segment of a chain: the linear layers' states and conv tails at position n
+  // and the segment's own KV rows [start, n) (the rows before it live in the chain's earlier checkpoints).
+  // Device memory: per linear layer [H_v][128][128] fp32 state then [K-1][conv channels] bf16 tail; then per
+  // attention layer K then V rows, [n - start][kv heads][head dim] bf16.
   struct Checkpoint {
     DeviceMemory mem;
-    int64_t n = 0;
+    int64_t start = 0, n = 0;
+  };
+  // A checkpoint taken in a forward pass: the state after the token at position at - 1, into cp.
+  struct CheckpointCut {
+    int64_t at;
+    Checkpoint* cp;
   };
   void check_supported() const;
   void allocate_pools();
@@ -296,11 +304,15 @@ class CudaBackend final : public Backend {
   // Forward passes.
   void apply_folds(CudaSequence& s, const std::vector<Fold>& folds);
   // mass_dev (DEVICE fp32, zeroed, >= the pass's KV length): the last token's attention per KV slot is added to it.
+  // cuts: checkpoints whose position falls in this pass's spans (one run only) get their linear states here.
   std::vector<float> run_pass(CudaSequence& s, const std::vector<Run>& runs, bool want_logits, bool all_logits,
-                              float* mass_dev = nullptr);
+                              float* mass_dev = nullptr, std::span<const CheckpointCut> cuts = {});
   // mass: if set, the query's last token's attention per KV slot (PrefillOptions::attention_mass).
+  // cuts: prefix checkpoints taken in the same passes (increasing positions; items without folds): linear states
+  // in the pass that reaches each, KV rows after the last pass.
   void execute(CudaSequence& s, const std::vector<Item>& items, bool all_logits, std::vector<float>& logits,
-               bool keep_context, std::vector<std::vector<float>>* context, std::vector<float>* mass = nullptr);
+               bool keep_context, std::vector<std::vector<float>>* context, std::vector<float>* mass = nullptr,
+               std::span<const CheckpointCut> cuts = {});
   // The hypic items (DESIGN.md 3.3): seams (or whole segments, where whole[i]) in context, interiors folded.
   std::vector<Item> hypic_items(const SplicePlan& plan, const std::vector<char>& whole, int64_t& pos,
                                 int64_t& computed, std::vector<int>& recomputed) const;
@@ -333,9 +345,24 @@ class CudaBackend final : public Backend {
     std::shared_ptr<std::remove_pointer_t<cudaGraphExec_t>> e_;
   };
 
-  // Prefix checkpoints (prefix mode): running states at segment ends, keyed by the chain digest.
-  std::shared_ptr<Checkpoint> save_checkpoint(const CudaSequence& s);
-  void restore_checkpoint(CudaSequence& s, const Checkpoint& c);
+  // Prefix checkpoints (prefix mode): states at segment ends and each segment's KV rows, keyed by the chain digest.
+  size_t checkpoint_bytes(int64_t tokens) const {
+    return size_t(n_lin_) * (state_layer_bytes_ + conv_layer_bytes_) + size_t(n_attn_) * 2 * size_t(tokens) * kv_row_;
+  }
+  float* checkpoint_state(const Checkpoint& c, int l) const {
+    return reinterpret_cast<float*>(c.mem.bytes_ptr(size_t(l) * (state_layer_bytes_ + conv_layer_bytes_)));
+  }
+  char* checkpoint_conv(const Checkpoint& c, int l) const {
+    return c.mem.bytes_ptr(size_t(l) * (state_layer_bytes_ + conv_layer_bytes_) + state_layer_bytes_);
+  }
+  char* checkpoint_kv(const Checkpoint& c, int a, int kvi) const {
+    return c.mem.bytes_ptr(size_t(n_lin_) * (state_layer_bytes_ + conv_layer_bytes_) +
+                           (size_t(a) * 2 + size_t(kvi)) * size_t(c.n - c.start) * kv_row_);
+  }
+  // The KV rows of each cut's segment, from the sequence's pages into its checkpoint (one batched copy).
+  void save_checkpoint_kv(const CudaSequence& s, std::span<const CheckpointCut> cuts);
+  // A chain's checkpoints 0..k-1 into the sequence: every segment's KV rows, the last one's linear states.
+  void restore_chain(CudaSequence& s, const std::vector<const Checkpoint*>& chain);
 
   ModelConfig cfg_;
   DeviceSpec dev_;
@@ -856,7 +883,7 @@ void CudaBackend::apply_folds(CudaSequence& s, const std::vector<Fold>& folds) {
 // ---- one forward pass over runs of spans ----------------------------------------------------------------------
 
 std::vector<float> CudaBackend::run_pass(CudaSequence& s, const std::vector<Run>& runs, bool want_logits,
-                                         bool all_logits, float* mass_dev) {
+                                         bool all_logits, float* mass_dev, std::span<const CheckpointCut> cuts) {
   const int R = int(runs.size());
   // Tokens, positions, KV rows, attention groups, run boundaries.
   std::vector<int32_t> ids, pos, rows;
@@ -946,6 +973,38 @@ std::vector<float> CudaBackend::run_pass(CudaSequence& s, const std::vector<Run>
           vp[a].push_back(f.e->V(a) + size_t(j) * nkv_ * hd_);
         }
       }
+  // Prefix checkpoints ending in this pass: the pass-local token count at each; per linear layer the state pointers
+  // (written by the scan) and the conv tails (the K-1 conv inputs before the cut: this pass's rows, or the history
+  // the pass starts from where the cut is within K-1 tokens of the pass's start).
+  std::vector<int> cut_at;
+  std::vector<const CheckpointCut*> cut_of;
+  for (const CheckpointCut& c : cuts) {
+    int at = -1;
+    for (size_t g = 0; g < slot0.size() && at < 0; ++g) {
+      const int64_t p0 = slot0[g], len = q_start[g + 1] - q_start[g];
+      if (c.at > p0 && c.at <= p0 + len) at = q_start[g] + int(c.at - p0);
+    }
+    if (at < 0) continue;
+    if (R > 1) throw std::logic_error("run_pass: prefix checkpoints in a pass with folds");
+    if (!cut_at.empty() && at <= cut_at.back()) throw std::logic_error("run_pass: prefix checkpoints out of order");
+    cut_at.push_back(at);
+    cut_of.push_back(&c);
+  }
+  const int ncut = int(cut_at.size());
+  std::vector<float*> cut_states;
+  std::vector<kc::CopyDesc> cut_convs;
+  const size_t conv_row = size_t(C_) * sizeof(kc::bf16);
+  for (int l = 0; l < n_lin_ && ncut; ++l)
+    for (int c = 0; c < ncut; ++c) {
+      cut_states.push_back(checkpoint_state(*cut_of[c]->cp, l));
+      char* dst = checkpoint_conv(*cut_of[c]->cp, l);
+      for (int j = 0; j < K_ - 1; ++j) {
+        const int src_row = cut_at[c] - (K_ - 1) + j;  // < 0: row K-1 + src_row of the pass's initial history
+        const char* src = src_row >= 0 ? reinterpret_cast<const char*>(qkv_) + size_t(src_row) * conv_row
+                                       : reinterpret_cast<const char*>(conv_states) + size_t(K_ - 1 + src_row) * conv_row;
+        cut_convs.push_back({src, dst + size_t(j) * conv_row, long(conv_row)});
+      }
+    }
   // Logit rows: the last span's tokens (all_logits) or its last token.
   std::vector<int> logit_rows;
   if (want_logits) {
@@ -956,7 +1015,8 @@ std::vector<float> CudaBackend::run_pass(CudaSequence& s, const std::vector<Run>
   const size_t t_ids = tb.add(ids), t_pos = tb.add(pos), t_rows = tb.add(rows), t_qs = tb.add(q_start),
                t_s0 = tb.add(slot0), t_bt = tb.add(bt), t_cu = tb.add(run_cu), t_steps = tb.add(steps),
                t_cinit = tb.add(chain_init), t_cin = tb.add(conv_in), t_cout = tb.add(conv_out_copy),
-               t_fin = tb.add(fin_copy), t_kd = tb.add(kv_delta), t_kdst = tb.add(kv_dst), t_lr = tb.add(logit_rows);
+               t_fin = tb.add(fin_copy), t_kd = tb.add(kv_delta), t_kdst = tb.add(kv_dst), t_lr = tb.add(logit_rows),
+               t_cst = tb.add(cut_states), t_cconv = tb.add(cut_convs);
   std::vector<size_t> t_k(n_attn_), t_v(n_attn_);
   for (int a = 0; a < n_attn_; ++a) t_k[a] = tb.add(kp[a]), t_v[a] = tb.add(vp[a]);
   tb.upload(tables_dev_, stream_);
@@ -974,6 +1034,8 @@ std::vector<float> CudaBackend::run_pass(CudaSequence& s, const std::vector<Run>
       const int l = cfg_.linear_index(i);
       linear_gemms(L.linear, T);
       kc::batched_copy(R, tb.dev<kc::CopyDesc>(t_cin) + size_t(l) * R, stream_);
+      if (ncut)  // conv tails at the checkpoints, before the conv overwrites the history
+        kc::batched_copy(ncut * (K_ - 1), tb.dev<kc::CopyDesc>(t_cconv) + size_t(l) * ncut * (K_ - 1), stream_);
       kc::conv1d_silu_prefill(R, tb.dev<int>(t_cu), T, C_, K_, qkv_, L.linear.conv1d, conv_states, conv_out_, stream_);
       kc::batched_copy(1, tb.dev<kc::CopyDesc>(t_cout) + l, stream_);
       kc::split_qkv(T, qd_, vd_, conv_out_, q_, k_, v_, stream_);
@@ -993,6 +1055,10 @@ std::vector<float> CudaBackend::run_pass(CudaSequence& s, const std::vector<Run>
         g.initial_state = ssm(l, s.slot_), g.final_state = ssm(l, s.slot_);
       }
       g.num_seqs = R, g.cu_seqlens_host = run_cu.data(), g.out = o_;
+      if (ncut) {
+        g.num_checkpoints = ncut, g.checkpoint_tokens_host = cut_at.data();
+        g.checkpoint_states = tb.dev<float* const>(t_cst) + size_t(l) * ncut;
+      }
       kc::gdn_prefill(g, ws_c_, stream_);
       if (chain) kc::batched_copy(1, tb.dev<kc::CopyDesc>(t_fin) + l, stream_);
       linear_finish(L.linear, T);
@@ -1032,7 +1098,7 @@ void CudaBackend::snapshot_linear(const CudaSequence& s, std::vector<std::vector
 // before it (apply_folds); later folds go between the pass's runs.
 void CudaBackend::execute(CudaSequence& s, const std::vector<Item>& items_in, bool all_logits,
                           std::vector<float>& logits, bool keep_context, std::vector<std::vector<float>>* context,
-                          std::vector<float>* mass) {
+                          std::vector<float>* mass, std::span<const CheckpointCut> cuts) {
   std::vector<Item> items = items_in;
   const size_t n = items.size();
   std::vector<Run> runs;
@@ -1048,7 +1114,8 @@ void CudaBackend::execute(CudaSequence& s, const std::vector<Item>& items_in, bo
   }
   auto flush = [&](bool last) {
     if (runs.empty()) return;
-    std::vector<float> lg = run_pass(s, runs, last, all_logits, last && mass && n_attn_ ? mass_dev_.as<float>() : nullptr);
+    std::vector<float> lg =
+        run_pass(s, runs, last, all_logits, last && mass && n_attn_ ? mass_dev_.as<float>() : nullptr, cuts);
     if (last) logits = std::move(lg);
     runs.clear();
     used = 0;
@@ -1086,6 +1153,7 @@ void CudaBackend::execute(CudaSequence& s, const std::vector<Item>& items_in, bo
     }
   }
   flush(true);
+  if (!cuts.empty()) save_checkpoint_kv(s, cuts);
   if (mass) {
     mass->assign(size_t(kv_len), 0.f);
     if (n_attn_) {
@@ -1098,68 +1166,52 @@ void CudaBackend::execute(CudaSequence& s, const std::vector<Item>& items_in, bo
 
 // ---- checkpoints (prefix mode) ---------------------------------------------------------------------------------
 
-std::shared_ptr<CudaBackend::Checkpoint> CudaBackend::save_checkpoint(const CudaSequence& s) {
-  auto cp = std::make_shared<Checkpoint>();
-  cp->n = s.n_;
-  const size_t lin = size_t(n_lin_) * (state_layer_bytes_ + conv_layer_bytes_);
-  const size_t kv = size_t(n_attn_) * 2 * size_t(s.n_) * kv_row_;
-  cp->mem = DeviceMemory(lin + kv, "prefix checkpoint", stream_, true);
+void CudaBackend::save_checkpoint_kv(const CudaSequence& s, std::span<const CheckpointCut> cuts) {
   std::vector<kc::CopyDesc> c;
-  char* p = cp->mem.bytes_ptr();
-  for (int l = 0; l < n_lin_; ++l) {
-    c.push_back({ssm(l, s.slot_), p, long(state_layer_bytes_)}), p += state_layer_bytes_;
-    c.push_back({convs(l, s.slot_), p, long(conv_layer_bytes_)}), p += conv_layer_bytes_;
-  }
-  for (int a = 0; a < n_attn_; ++a)
-    for (int kvi = 0; kvi < 2; ++kvi)
-      for (int64_t t = 0; t < s.n_; t += kPage) {
-        const int64_t cnt = std::min<int64_t>(kPage, s.n_ - t);
-        const char* src = (kvi ? v_pool_[a] : k_pool_[a]).bytes_ptr(size_t(page_row(s, t)) * kv_row_);
-        c.push_back({src, p, long(cnt * kv_row_)}), p += cnt * kv_row_;
+  for (const CheckpointCut& cut : cuts)
+    for (int a = 0; a < n_attn_; ++a)
+      for (int kvi = 0; kvi < 2; ++kvi) {
+        char* p = checkpoint_kv(*cut.cp, a, kvi);
+        for (int64_t t = cut.cp->start; t < cut.cp->n;) {  // runs of rows within one page
+          const int64_t cnt = std::min<int64_t>(kPage - t % kPage, cut.cp->n - t);
+          const char* src = (kvi ? v_pool_[a] : k_pool_[a]).bytes_ptr(size_t(page_row(s, t)) * kv_row_);
+          c.push_back({src, p, long(cnt * kv_row_)}), p += cnt * kv_row_;
+          t += cnt;
+        }
       }
+  if (c.empty()) return;
   Tables tb;
   const size_t o = tb.add(c);
   tb.upload(tables_dev_, stream_);
   kc::batched_copy(int(c.size()), tb.dev<kc::CopyDesc>(o), stream_);
   check_cuda(cudaStreamSynchronize(stream_), "prefix checkpoint");
-  return cp;
 }
 
-void CudaBackend::restore_checkpoint(CudaSequence& s, const Checkpoint& cp) {
-  ensure_pages(s, cp.n);
+void CudaBackend::restore_chain(CudaSequence& s, const std::vector<const Checkpoint*>& chain) {
+  const Checkpoint& last = *chain.back();
+  ensure_pages(s, last.n);
   std::vector<kc::CopyDesc> c;
-  const char* p = cp.mem.bytes_ptr();
   for (int l = 0; l < n_lin_; ++l) {
-    c.push_back({p, ssm(l, s.slot_), long(state_layer_bytes_)}), p += state_layer_bytes_;
-    c.push_back({p, convs(l, s.slot_), long(conv_layer_bytes_)}), p += conv_layer_bytes_;
+    c.push_back({checkpoint_state(last, l), ssm(l, s.slot_), long(state_layer_bytes_)});
+    c.push_back({checkpoint_conv(last, l), convs(l, s.slot_), long(conv_layer_bytes_)});
   }
-  for (int a = 0; a < n_attn_; ++a)
-    for (int kvi = 0; kvi < 2; ++kvi)
-      for (int64_t t = 0; t < cp.n; t += kPage) {
-        const int64_t cnt = std::min<int64_t>(kPage, cp.n - t);
-        char* dst = (kvi ? v_pool_[a] : k_pool_[a]).bytes_ptr(size_t(page_row(s, t)) * kv_row_);
-        c.push_back({p, dst, long(cnt * kv_row_)}), p += cnt * kv_row_;
+  for (const Checkpoint* cp : chain)
+    for (int a = 0; a < n_attn_; ++a)
+      for (int kvi = 0; kvi < 2; ++kvi) {
+        const char* p = checkpoint_kv(*cp, a, kvi);
+        for (int64_t t = cp->start; t < cp->n;) {
+          const int64_t cnt = std::min<int64_t>(kPage - t % kPage, cp->n - t);
+          char* dst = (kvi ? v_pool_[a] : k_pool_[a]).bytes_ptr(size_t(page_row(s, t)) * kv_row_);
+          c.push_back({p, dst, long(cnt * kv_row_)}), p += cnt * kv_row_;
+          t += cnt;
+        }
       }
   Tables tb;
   const size_t o = tb.add(c);
   tb.upload(tables_dev_, stream_);
   kc::batched_copy(int(c.size()), tb.dev<kc::CopyDesc>(o), stream_);
   check_cuda(cudaStreamSynchronize(stream_), "prefix restore");
-  s.n_ = cp.n;
-}
-
-SegmentDigest chain_digest(const SegmentDigest& prev, std::span<const int32_t> ids) {
-  XXH3_state_t* st = XXH3_createState();
-  XXH3_128bits_reset(st);
-  XXH3_128bits_update(st, prev.data(), prev.size());
-  XXH3_128bits_update(st, ids.data(), ids.size() * sizeof(int32_t));
-  const XXH128_hash_t h = XXH3_128bits_digest(st);
-  XXH3_freeState(st);
-  XXH128_canonical_t c;
-  XXH128_canonicalFromHash(&c, h);
-  SegmentDigest d;
-  std::memcpy(d.data(), c.digest, 16);
-  return d;
+  s.n_ = last.n;
 }
 
 // ---- splice ----------------------------------------------------------------------------------------------------
@@ -1241,53 +1293,69 @@ SpliceOutput CudaBackend::splice(const SplicePlan& plan) {
   auto seq = new_sequence();
   std::vector<Item> items;
   int64_t pos = 0;
-  std::vector<int32_t> all;  // full mode: every segment's ids then the query, as one span
+  std::vector<int32_t> all;  // full mode: every segment's ids then the query, as one span (prefix: those not reused)
+  std::vector<std::pair<SegmentDigest, std::shared_ptr<Checkpoint>>> fresh;  // prefix: new checkpoints, shallow first
+  std::vector<CheckpointCut> cuts;
   if (plan.mode == SpliceMode::Full) {  // every segment in context as one span, then the query
     for (size_t i = 0; i < plan.segments.size(); ++i) all.insert(all.end(), ids_of(i).begin(), ids_of(i).end());
     pos = int64_t(all.size());
     out.computed_tokens = pos;
     items.push_back({{}, {std::span<const int32_t>(all), 0}});
   } else if (plan.mode == SpliceMode::Prefix) {
+    // The longest chain of cached checkpoints 0..k-1 restores the state after segment k-1; the other segments and
+    // the query run as one span (as full mode's), with a checkpoint taken at each segment's end in the same passes.
     SegmentDigest chain{};
     std::vector<SegmentDigest> chains;
     for (size_t i = 0; i < plan.segments.size(); ++i) chains.push_back(chain = chain_digest(chain, ids_of(i)));
-    size_t reused = 0;
-    if (plan.use_prefix_cache) {
-      for (size_t i = plan.segments.size(); i > 0 && !reused; --i)
-        for (auto it = prefix_lru_.begin(); it != prefix_lru_.end(); ++it)
-          if (it->key == chains[i - 1]) {
-            restore_checkpoint(*seq, *it->cp);
-            prefix_lru_.splice(prefix_lru_.begin(), prefix_lru_, it);
-            reused = i;
-            break;
-          }
+    std::vector<std::list<PrefixItem>::iterator> hits;
+    if (plan.use_prefix_cache)
+      for (size_t i = 0; i < plan.segments.size(); ++i) {
+        auto it = std::find_if(prefix_lru_.begin(), prefix_lru_.end(), [&](const PrefixItem& p) { return p.key == chains[i]; });
+        if (it == prefix_lru_.end()) break;
+        hits.push_back(it);
+      }
+    const size_t reused = hits.size();
+    if (reused) {
+      std::vector<const Checkpoint*> cps;
+      for (auto it : hits) cps.push_back(it->cp.get());
+      restore_chain(*seq, cps);
+      for (size_t k = reused; k-- > 0;) prefix_lru_.splice(prefix_lru_.begin(), prefix_lru_, hits[k]);  // shallow = fresh
     }
     for (size_t i = 0; i < reused; ++i) pos += int64_t(ids_of(i).size());
-    std::vector<float> unused;
-    for (size_t i = reused; i < plan.segments.size(); ++i) {  // each segment in context, checkpointed at its end
-      execute(*seq, {Item{{}, {std::span<const int32_t>(ids_of(i)), pos}}}, false, unused, false, nullptr);
-      pos += int64_t(ids_of(i).size());
-      out.computed_tokens += int64_t(ids_of(i).size());
-      if (plan.use_prefix_cache && opt_.prefix_cache_bytes) {
-        auto cp = save_checkpoint(*seq);
-        if (cp->mem.size() <= opt_.prefix_cache_bytes) {
-          for (auto it = prefix_lru_.begin(); it != prefix_lru_.end(); ++it)
-            if (it->key == chains[i]) {
-              prefix_bytes_ -= it->cp->mem.size();
-              prefix_lru_.erase(it);
-              break;
-            }
-          while (prefix_bytes_ + cp->mem.size() > opt_.prefix_cache_bytes && !prefix_lru_.empty()) {
-            prefix_bytes_ -= prefix_lru_.back().cp->mem.size();
-            prefix_lru_.pop_back();
-          }
-          prefix_bytes_ += cp->mem.size();
-          prefix_lru_.push_front({chains[i], std::move(cp)});
-        }
+    // New checkpoints, shallow first, while the budget holds them (the LRU's oldest give way).
+    const int64_t start = pos;
+    bool taking = plan.use_prefix_cache && opt_.prefix_cache_bytes > 0;
+    size_t held = 0;
+    for (size_t i = reused; i < plan.segments.size(); ++i) {
+      all.insert(all.end(), ids_of(i).begin(), ids_of(i).end());
+      if (!taking) continue;
+      auto cp = std::make_shared<Checkpoint>();
+      cp->start = start + int64_t(all.size() - ids_of(i).size());
+      cp->n = start + int64_t(all.size());
+      const size_t bytes = checkpoint_bytes(cp->n - cp->start);
+      if (held + bytes > opt_.prefix_cache_bytes) {  // a deeper checkpoint is useless without this one
+        taking = false;
+        continue;
       }
+      while (prefix_bytes_ + held + bytes > opt_.prefix_cache_bytes && !prefix_lru_.empty()) {
+        prefix_bytes_ -= prefix_lru_.back().cp->mem.size();
+        prefix_lru_.pop_back();
+      }
+      try {
+        cp->mem = DeviceMemory(bytes, "prefix checkpoint", stream_, true);
+      } catch (const ResourceExhausted&) {
+        taking = false;  // no room on the device: the request runs without more checkpoints
+        continue;
+      }
+      held += bytes;
+      cuts.push_back({cp->n, cp.get()});
+      fresh.emplace_back(chains[i], std::move(cp));
     }
-    out.prefix_segments_reused = int(reused);
+    out.computed_tokens += int64_t(all.size());
+    if (!all.empty()) items.push_back({{}, {std::span<const int32_t>(all), pos}});
+    pos += int64_t(all.size());
     items.push_back({{}, {std::span<const int32_t>(plan.query), pos}});
+    out.prefix_segments_reused = int(reused);
   } else if (plan.mode == SpliceMode::Naive || plan.mode == SpliceMode::Transition) {
     std::vector<Fold> folds{{Fold::Install, entry_of(0), 0}};
     pos = entry_of(0)->n();
@@ -1329,7 +1397,17 @@ SpliceOutput CudaBackend::splice(const SplicePlan& plan) {
   }
   if (plan.mode == SpliceMode::Full) items.push_back({{}, {std::span<const int32_t>(plan.query), pos}});
   out.computed_tokens += int64_t(plan.query.size());
-  execute(*seq, items, plan.all_query_logits, out.logits, plan.keep_context_state, &out.context_states);
+  execute(*seq, items, plan.all_query_logits, out.logits, plan.keep_context_state, &out.context_states, nullptr, cuts);
+  for (size_t k = fresh.size(); k-- > 0;) {  // prefix: the chain's shallow checkpoints freshest in the LRU
+    for (auto it = prefix_lru_.begin(); it != prefix_lru_.end(); ++it)
+      if (it->key == fresh[k].first) {
+        prefix_bytes_ -= it->cp->mem.size();
+        prefix_lru_.erase(it);
+        break;
+      }
+    prefix_bytes_ += fresh[k].second->mem.size();
+    prefix_lru_.push_front({fresh[k].first, std::move(fresh[k].second)});
+  }
   out.num_tokens = pos + int64_t(plan.query.size());
   seq->n_ = out.num_tokens;
   out.sequence = std::move(seq);

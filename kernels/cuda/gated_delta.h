@@ -69,6 +69,16 @@ struct GdnPrefillArgs {
   /// need more than 65535 jobs. Results agree with the unsplit scan within bf16 rounding, not bit
   /// for bit (the state fed to the tensor cores is rounded per part).
   int seq_parts = 0;
+  /// States at chosen tokens, written in the same pass (prefix mode's checkpoints at segment ends):
+  /// checkpoint i is the state after the token at offset checkpoint_tokens_host[i] - 1 (HOST,
+  /// increasing, each in (cu_seqlens[s], cu_seqlens[s + 1]] of some sequence s), written to
+  /// checkpoint_states[i] (a DEVICE array of num_checkpoints pointers, each to [H_v][128][128] fp32,
+  /// the layout of final_state). The chunking restarts after each checkpoint (a shorter chunk ends
+  /// there), so outputs agree with a call without checkpoints within fp32 rounding, not bit for bit.
+  /// Without `out`, sequences are then scanned whole (seq_parts ignored).
+  int num_checkpoints = 0;
+  const int* checkpoint_tokens_host = nullptr;
+  float* const* checkpoint_states = nullptr;
 };
 
 struct GdnPlan;

@@ -59,7 +59,8 @@ constexpr int kScal = 3 * C;               // kf[64], qf[64], G[64] fp32
 constexpr size_t kPerChunkHeadBytes = 2 * kWElems * 2 + kPElems * 2 + kScal * sizeof(float);
 
 struct ChunkInfo {
-  int seq, t0, len, pad;
+  int seq, t0, len;
+  int checkpoint;  // 1 + index into GdnPrefillArgs::checkpoint_states written after this chunk; 0 = none
 };
 
 struct WsView {
@@ -499,6 +500,7 @@ struct ScanJob {
   int init_t;       // T columns start from this transition (a prefix's T; kRefNone: I)
   int final_state;  // S columns end here
   int transition;   // T columns end here (kRefNone: the job wants no T)
+  int checkpoints;  // 1: the job's S starts from the true state, so it writes the checkpoints of its chunks
 };
 
 struct ScanParams {
@@ -513,6 +515,7 @@ struct ScanParams {
   float* user_final;
   float* user_transition;
   float* split;  // split-state arena
+  float* const* checkpoints;  // GdnPrefillArgs::checkpoint_states (device), or null
   const ScanJob* jobs;
   WsView ws;
 };
@@ -662,15 +665,9 @@ __global__ void __launch_bounds__(kScanMaxThreads, 1) gdn_scan_kernel(ScanParams
   float* j_trans = state_ref(job.transition, job.seq, p.user_transition, p.split, p.Hv);
   const size_t head_off = size_t(h) * D * D;
   const bool job_out = p.with_out && job.out;
-  // Chunk c of the job covers tokens seq_t0 + 64 c .. min(+64, seq_end) - 1.
-  int seq_t0 = 0, seq_end = 0;
-  if (nc > 0) {
-    seq_t0 = ws.chunks[c_begin].t0;
-    const ChunkInfo last = ws.chunks[c_begin + nc - 1];
-    seq_end = last.t0 + last.len;
-  }
-  auto chunk_t0 = [&](int c) { return seq_t0 + C * c; };
-  auto chunk_len = [&](int c) { return min(C, seq_end - (seq_t0 + C * c)); };
+  // Chunk c of the job: its entry of the chunk table (64 tokens, fewer at a sequence's end or a checkpoint).
+  auto chunk_t0 = [&](int c) { return ws.chunks[c_begin + c].t0; };
+  auto chunk_len = [&](int c) { return ws.chunks[c_begin + c].len; };
 
   ScanRole role;
   int group, cb;
@@ -791,6 +788,17 @@ __global__ void __launch_bounds__(kScanMaxThreads, 1) gdn_scan_kernel(ScanParams
           uint32_t bb[4];
           load_b_kn(bb, st.K, LD, 16 * s, 16 * np, lane);
           mma_x2(acc[2 * np], acc[2 * np + 1], a, bb);
+        }
+      }
+      if (role == kRecS && job.checkpoints) {  // the state after this chunk, when a checkpoint ends here
+        const int ck = ws.chunks[c_begin + c].checkpoint;
+        if (ck > 0) {
+          float* dst = p.checkpoints[ck - 1] + head_off;
+#pragma unroll
+          for (int n = 0; n < 16; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+              dst[size_t(8 * n + cc + (e & 1)) * D + col0 + gi + (e >= 2 ? 8 : 0)] = acc[n][e];
         }
       }
     } else if (role == kOut && block_out && c >= 1) {
@@ -986,6 +994,20 @@ void validate_shape(const GdnPrefillArgs& a, const char* fn) {
       throw std::invalid_argument(f + ": cu_seqlens_host decreases at sequence " + std::to_string(s) + " (" +
                                   std::to_string(a.cu_seqlens_host[s]) + " > " +
                                   std::to_string(a.cu_seqlens_host[s + 1]) + ")");
+  if (a.num_checkpoints < 0)
+    throw std::invalid_argument(f + ": num_checkpoints must be >= 0, got " + std::to_string(a.num_checkpoints));
+  if (a.num_checkpoints > 0 && (!a.checkpoint_tokens_host || !a.checkpoint_states))
+    throw std::invalid_argument(f + ": num_checkpoints > 0 needs checkpoint_tokens_host and checkpoint_states");
+  for (int i = 0, s = 0; i < a.num_checkpoints; ++i) {
+    const int t = a.checkpoint_tokens_host[i];
+    if (i > 0 && t <= a.checkpoint_tokens_host[i - 1])
+      throw std::invalid_argument(f + ": checkpoint_tokens_host must increase, got " +
+                                  std::to_string(a.checkpoint_tokens_host[i - 1]) + " then " + std::to_string(t));
+    while (s < a.num_seqs && a.cu_seqlens_host[s + 1] < t) ++s;
+    if (s == a.num_seqs || t <= a.cu_seqlens_host[s])
+      throw std::invalid_argument(f + ": checkpoint " + std::to_string(i) + " at token " + std::to_string(t) +
+                                  " is not after a token of a sequence (in (cu_seqlens[s], cu_seqlens[s + 1]])");
+  }
 }
 
 }  // namespace
@@ -1014,6 +1036,8 @@ std::vector<int> gdn_scan_parts(const GdnPrefillArgs& a) {
           if (nc[s] >= 3 * kMinPartChunks) parts[s] = static_cast<int>(std::min<long>(P, nc[s] / kMinPartChunks));
     }
   }
+  if (a.num_checkpoints > 0 && !with_out)  // parts after the first never rescan from their true states
+    std::fill(parts.begin(), parts.end(), 1);
   long jobs1 = 0;  // blocks along z of the first scan launch (at most 65535)
   for (int s = 0; s < a.num_seqs; ++s) jobs1 += parts[s] > 1 ? (with_out ? parts[s] - 1 : parts[s]) : 1;
   if (jobs1 > 65535) std::fill(parts.begin(), parts.end(), 1);
@@ -1039,7 +1063,8 @@ namespace {
 std::vector<int> plan_key(const GdnPrefillArgs& a) {
   std::vector<int> key(a.cu_seqlens_host, a.cu_seqlens_host + a.num_seqs + 1);
   key.insert(key.end(), {a.num_seqs, a.num_k_heads, a.num_v_heads, a.out != nullptr, a.transition != nullptr,
-                         a.seq_parts});
+                         a.seq_parts, a.num_checkpoints});
+  key.insert(key.end(), a.checkpoint_tokens_host, a.checkpoint_tokens_host + a.num_checkpoints);
   return key;
 }
 
@@ -1049,10 +1074,19 @@ void build_plan(const GdnPrefillArgs& a, GdnPlan& plan, std::vector<unsigned cha
                 size_t& split_bytes) {
   std::vector<ChunkInfo> chunks;
   std::vector<int> seq_start(a.num_seqs + 1);
+  int next_cp = 0;  // checkpoints are increasing: the chunking restarts after each
   for (int s = 0; s < a.num_seqs; ++s) {
     const int t0 = a.cu_seqlens_host[s], t1 = a.cu_seqlens_host[s + 1];
     seq_start[s] = static_cast<int>(chunks.size());
-    for (int t = t0; t < t1; t += C) chunks.push_back({s, t, std::min(C, t1 - t), 0});
+    for (int t = t0; t < t1;) {
+      int end = std::min(t + C, t1), cp = 0;
+      if (next_cp < a.num_checkpoints && a.checkpoint_tokens_host[next_cp] <= end) {
+        end = a.checkpoint_tokens_host[next_cp];
+        cp = ++next_cp;
+      }
+      chunks.push_back({s, t, end - t, cp});
+      t = end;
+    }
   }
   seq_start[a.num_seqs] = static_cast<int>(chunks.size());
   plan.nchunks = static_cast<int>(chunks.size());
@@ -1091,6 +1125,7 @@ void build_plan(const GdnPrefillArgs& a, GdnPlan& plan, std::vector<unsigned cha
       j.init_t = kRefNone;
       j.final_state = sp.F + pp;
       j.transition = (pp > 0 || with_t) ? sp.Tp + pp : kRefNone;
+      j.checkpoints = pp == 0;  // later parts start from zero here (and again from their true states in launch 2)
       plan.t_in_launch1 |= j.transition != kRefNone;
       jobs1.push_back(j);
     }
@@ -1098,7 +1133,7 @@ void build_plan(const GdnPrefillArgs& a, GdnPlan& plan, std::vector<unsigned cha
   for (int s = 0; s < a.num_seqs; ++s) {
     if (parts[s] > 1) continue;
     jobs1.push_back({seq_start[s], seq_start[s + 1] - seq_start[s], with_out, s, kRefUser, kRefNone, kRefUser,
-                     kRefUser});
+                     kRefUser, 1});
   }
   // Launch 2 (with outputs): parts 1 .. P-1 from their composed initial states I[1] = F[0], I[p].
   if (with_out)
@@ -1114,6 +1149,7 @@ void build_plan(const GdnPrefillArgs& a, GdnPlan& plan, std::vector<unsigned cha
         const bool last_t = pp == sp.P - 1 && with_t;
         j.init_t = last_t ? (sp.P == 2 ? sp.Tp : sp.I) : kRefNone;
         j.transition = last_t ? kRefUser : kRefNone;
+        j.checkpoints = 1;
         jobs2.push_back(j);
       }
   plan.njobs1 = static_cast<int>(jobs1.size());
@@ -1208,6 +1244,7 @@ void gdn_prefill(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t stream)
   sp.user_final = a.final_state;
   sp.user_transition = a.transition;
   sp.split = split;
+  sp.checkpoints = a.checkpoint_states;
   sp.ws = v;
   sp.s_blocks = 2;
   auto launch = [&](const ScanJob* jobs, int njobs, bool need_t, bool mixed_forced) {

@@ -597,6 +597,110 @@ TEST_CASE("gdn_prefill splits: running two halves through initial_state equals o
   WARN("composition of GPU (T_C, S) halves vs one pass: worst rel err " << worst);
 }
 
+TEST_CASE("gdn_prefill checkpoints: the states at chosen tokens, written in the same pass", "[gpu][gated_delta]") {
+  require_gpu();
+  // Prefix mode's checkpoints: the state after token t - 1 of the call, for t anywhere in a sequence (inside a
+  // chunk, on a chunk boundary, at a sequence's end, after its first token), against the CPU recurrence over
+  // that prefix; outputs and final states agree with the same call without checkpoints.
+  std::mt19937 rng(33);
+  const int hk = 2, hv = 4;
+  const std::vector<int> cu = {0, 300, 817};
+  const int n = 2, T = cu[2];
+  const float scale = 1.0f / std::sqrt(float(D));
+  std::vector<float> qf, kf, vf;
+  auto qh = random_bf16(rng, size_t(T) * hk * D, 1.f, qf);
+  auto kh = random_bf16(rng, size_t(T) * hk * D, 1.f, kf);
+  auto vh = random_bf16(rng, size_t(T) * hv * D, 1.f, vf);
+  auto g = random_log_decay(rng, size_t(T) * hv);
+  for (auto& x : g) x *= 0.1f;  // slow decay: the initial state still matters at the later checkpoints
+  auto beta = random_beta(rng, size_t(T) * hv);
+  const size_t se = size_t(hv) * D * D;
+  std::vector<float> init(n * se);
+  std::normal_distribution<float> nd(0.f, 0.3f);
+  for (auto& x : init) x = nd(rng);
+  const std::vector<int> at = {1, 64, 130, 300, 301, 365, 700, 817};
+  const int ncp = int(at.size());
+  DeviceBuffer<bf16> dq(qh), dk(kh), dv(vh), dout(size_t(T) * hv * D), dref_out(size_t(T) * hv * D);
+  DeviceBuffer<float> dg(g), db(beta), dinit(init), dfin(n * se), dref_fin(n * se), dcp(ncp * se);
+  std::vector<float*> cp_ptrs;
+  for (int i = 0; i < ncp; ++i) cp_ptrs.push_back(dcp.get() + size_t(i) * se);
+  DeviceBuffer<float*> dptrs(cp_ptrs);
+  gpu::GdnWorkspace ws;
+  gpu::GdnPrefillArgs a = make_args(n, cu.data(), hk, hv, dq.get(), dk.get(), dv.get(), dg.get(), db.get(),
+                                    dref_fin.get(), nullptr, dref_out.get());
+  a.scale = scale;
+  a.initial_state = dinit.get();
+  gpu::gdn_prefill(a, ws);  // the reference call: no checkpoints
+  check_cuda(cudaDeviceSynchronize(), "prefill");
+  const auto ref_out = dref_out.download();
+  const auto ref_fin = dref_fin.download();
+  // CPU states at each checkpoint: the recurrence over the sequence's prefix from its initial state.
+  std::vector<std::vector<float>> cpu_state(ncp);
+  for (int i = 0; i < ncp; ++i) {
+    const int s = at[i] > cu[1] ? 1 : 0, t0 = cu[s], L = at[i] - t0;
+    std::vector<float> q(size_t(L) * hk * D), k(q.size()), v(size_t(L) * hv * D), gs(size_t(L) * hv), bs(gs.size());
+    for (int t = 0; t < L; ++t)
+      for (int h = 0; h < hk; ++h) {
+        const size_t src = (size_t(t0 + t) * hk + h) * D, dst = (size_t(t) * hk + h) * D;
+        normalise(&qf[src], scale, &q[dst], true);
+        normalise(&kf[src], 1.0f, &k[dst], true);
+      }
+    std::copy(vf.begin() + size_t(t0) * hv * D, vf.begin() + size_t(t0 + L) * hv * D, v.begin());
+    std::copy(g.begin() + size_t(t0) * hv, g.begin() + size_t(t0 + L) * hv, gs.begin());
+    std::copy(beta.begin() + size_t(t0) * hv, beta.begin() + size_t(t0 + L) * hv, bs.begin());
+    cpu_state[i].assign(init.begin() + size_t(s) * se, init.begin() + size_t(s + 1) * se);
+    std::vector<float> o(size_t(L) * hv * D);
+    cpu::GatedDeltaShape shape{L, hk, hv, D, D};
+    cpu::GatedDeltaInputs in{q.data(), k.data(), v.data(), gs.data(), bs.data()};
+    cpu::gated_delta_recurrent(shape, in, cpu_state[i].data(), o.data(), nullptr);
+  }
+  for (const auto& [parts, with_out] : std::vector<std::pair<int, bool>>{{1, true}, {3, true}, {3, false}, {0, true}}) {
+    INFO("seq_parts " << parts << ", outputs " << with_out);
+    dcp.poison();
+    dout.poison();
+    a.final_state = dfin.get();
+    a.out = with_out ? dout.get() : nullptr;
+    a.seq_parts = parts;
+    a.num_checkpoints = ncp;
+    a.checkpoint_tokens_host = at.data();
+    a.checkpoint_states = dptrs.get();
+    gpu::gdn_prefill(a, ws);
+    check_cuda(cudaDeviceSynchronize(), "prefill with checkpoints");
+    const auto cps = dcp.download();
+    const auto fin = dfin.download();
+    double worst = 0;
+    for (int i = 0; i < ncp; ++i)
+      for (int h = 0; h < hv; ++h) {
+        const double e = rel_err(&cps[size_t(i) * se + size_t(h) * D * D], &cpu_state[i][size_t(h) * D * D], size_t(D) * D);
+        INFO("checkpoint at " << at[i] << " head " << h << ": rel err " << e);
+        CHECK(e <= 2e-2);
+        worst = std::max(worst, e);
+      }
+    // The sequences' ends are checkpoints too: bit for bit the final states of the same call.
+    CHECK(std::memcmp(&cps[3 * se], fin.data(), se * sizeof(float)) == 0);
+    CHECK(std::memcmp(&cps[7 * se], fin.data() + se, se * sizeof(float)) == 0);
+    CHECK(rel_err(fin.data(), ref_fin.data(), fin.size()) <= 1e-2);
+    if (with_out) {
+      const auto out = dout.download();
+      std::vector<float> o1(out.size()), o2(out.size());
+      for (size_t i = 0; i < out.size(); ++i) o1[i] = bf16_to_float(out[i]), o2[i] = bf16_to_float(ref_out[i]);
+      CHECK(rel_err(o1.data(), o2.data(), o1.size()) <= 1e-2);
+    }
+    WARN("checkpoints (seq_parts " << parts << ", outputs " << with_out << "): worst rel err vs CPU " << worst);
+  }
+  // Bad checkpoint lists are refused with the reason.
+  const std::vector<int> backwards = {130, 64}, at_start = {300, 300}, outside = {818}, on_start = {0};
+  for (const auto* bad : {&backwards, &at_start, &outside, &on_start}) {
+    a.num_checkpoints = int(bad->size());
+    a.checkpoint_tokens_host = bad->data();
+    CHECK_THROWS_AS(gpu::gdn_prefill(a, ws), std::invalid_argument);
+  }
+  a.num_checkpoints = 1;
+  a.checkpoint_tokens_host = at.data();
+  a.checkpoint_states = nullptr;
+  CHECK_THROWS_AS(gpu::gdn_prefill(a, ws), std::invalid_argument);
+}
+
 TEST_CASE("gdn_decode matches the CPU recurrence for one token per request", "[gpu][gated_delta]") {
   require_gpu();
   std::mt19937 rng(31);

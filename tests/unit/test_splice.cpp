@@ -158,6 +158,29 @@ TEST_CASE("prefix mode equals full, cold and with a warm prefix cache", "[splice
   CHECK(warm.computed_tokens == 6);
   CHECK(scaled_diff(cold.logits, full.logits) < 5e-5);
   CHECK(scaled_diff(warm.logits, full.logits) < 5e-5);
+  // Each checkpoint is the state of one prefill over segments 0..i (full mode's state at that point): linear states
+  // and conv tails (inputs of later layers) within the chunked scan's fp32 rounding.
+  SegmentDigest chain{};
+  std::vector<int32_t> upto;
+  for (size_t i = 0; i < segs.size(); ++i) {
+    chain = chain_digest(chain, segs[i]);
+    upto.insert(upto.end(), segs[i].begin(), segs[i].end());
+    ModelState ref = m.initial_state();
+    PrefillOptions no_logits;
+    no_logits.skip_logits = true;
+    m.prefill(ref, upto, 0, no_logits);
+    const auto cp = cache.get(chain);
+    REQUIRE(cp);
+    CHECK(cp->num_tokens == ref.num_tokens);
+    for (size_t l = 0; l < ref.linear.size(); ++l) {
+      CHECK(rel_l2(cp->linear[l].ssm, ref.linear[l].ssm) < 1e-5);
+      CHECK(rel_l2(cp->linear[l].conv, ref.linear[l].conv) < 1e-5);
+    }
+    for (size_t a = 0; a < ref.attention.size(); ++a) {
+      CHECK(rel_l2(cp->attention[a].k, ref.attention[a].k) < 1e-5);
+      CHECK(rel_l2(cp->attention[a].v, ref.attention[a].v) < 1e-5);
+    }
+  }
   // A different last segment reuses the first two only.
   SpliceRequest other = req;
   other.segments[2].ids = random_ids(7, 9, V);
