@@ -21,6 +21,7 @@
 #include <atomic>
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <utility>
@@ -111,9 +112,16 @@ struct SplicePlan {
   int refresh_segments = 0;
   /// Hypic: the last t segments recomputed whole in context (SpliceRequest::refresh_tail). 0 = off.
   int refresh_tail = 0;
-  /// Checked between the refresh's probe and the splice after it (SpliceRequest::cancel): set, the splice throws
-  /// SpliceCancelled instead of running its second pass. Null: never cancelled.
+  /// Checked between two forward passes of the splice (the refresh's probe and the splice after it, the passes of a
+  /// chunked prefill; SpliceRequest::cancel): set, the splice throws SpliceCancelled instead of running the next
+  /// one. Null: never cancelled.
   std::shared_ptr<const std::atomic<bool>> cancel;
+  /// Chunked prefill (SpliceRequest::max_pass_tokens): when > 0, no forward pass of the splice runs more than this
+  /// many tokens (longer spans are cut; with all_query_logits the query stays in one pass), and between two passes
+  /// between_passes runs (the engine loop steps its decoding sequences there, on the same thread) before the cancel
+  /// check. Results agree with unchunked passes within the scan's rounding. 0: passes as large as the backend allows.
+  int64_t max_pass_tokens = 0;
+  std::function<void()> between_passes;
 };
 
 /// What a splice returns.

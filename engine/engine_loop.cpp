@@ -44,6 +44,9 @@ EngineLoop::EngineLoop(Backend& backend, EngineLoopOptions options) : backend_(b
   if (options_.max_build_tokens_decoding < 1)
     throw std::invalid_argument("engine loop: max_build_tokens_decoding must be >= 1, got " +
                                 std::to_string(options_.max_build_tokens_decoding));
+  if (options_.max_pass_tokens_decoding < 0)
+    throw std::invalid_argument("engine loop: max_pass_tokens_decoding must be >= 0, got " +
+                                std::to_string(options_.max_pass_tokens_decoding));
   egress_thread_ = std::thread([this] { run_egress(); });
   thread_ = std::thread([this] { run(); });
 }
@@ -361,6 +364,13 @@ void EngineLoop::run_splice(SpliceTask task) {
       r.info.imported[i] = plan.segments[i].entry;
     }
     plan.cancel = task.cancel;  // a splice of several passes stops between them once the request is cancelled
+    if (options_.max_pass_tokens_decoding > 0 && !active_.empty()) {  // chunked prefill: decode steps between passes
+      plan.max_pass_tokens = options_.max_pass_tokens_decoding;
+      plan.between_passes = [this, &r] {
+        decode_step();
+        ++r.info.passes_paused;
+      };
+    }
     r.output = backend_.splice(plan);
   } catch (const SpliceCancelled& e) {
     if (task.gen) return fail_gen(GenerateEndReason::Cancelled, EngineErrorKind::None, e.what());

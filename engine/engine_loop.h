@@ -15,7 +15,8 @@
 //    only receives token ids.
 // Fairness: each iteration runs one decode step of the whole batch, then one queued unit of other work (a build
 // batch or a splice, alternating when both wait), so neither a long splice nor a long decode starves the other; while
-// sequences decode, a build batch is held to EngineLoopOptions::max_build_tokens_decoding tokens.
+// sequences decode, a build batch is held to EngineLoopOptions::max_build_tokens_decoding tokens and a splice runs in
+// passes of at most max_pass_tokens_decoding tokens with a decode step of the batch between two (chunked prefill).
 //
 // Callbacks run on the loop thread (those of BuildHandover::Wire builds that were built: on its egress thread): they
 // must be quick and must not call back into the loop's waiting operations (push into a queue and notify). Every job
@@ -90,6 +91,9 @@ struct SpliceInfo {
   int64_t num_tokens = 0, computed_tokens = 0;
   int prefix_segments_reused = 0;
   std::vector<int> recomputed_segments;  ///< hypic: segments recomputed whole (SpliceOutput), ascending
+  /// Chunked prefill: decode steps of the running sequences taken between this splice's passes (included in
+  /// splice_ms).
+  int passes_paused = 0;
   /// Per plan segment, the entry imported from SpliceJob::host_entries (null where none was): callers may keep
   /// them (resident on the backend) to splice again without another import.
   std::vector<std::shared_ptr<const ResidentEntry>> imported;
@@ -136,6 +140,12 @@ struct EngineLoopOptions {
   /// inter-token latency for a whole large batch (vLLM's and SGLang's chunked prefill, at the granularity of whole
   /// segments; each build's entry is the same whatever batch it is in). >= 1.
   int64_t max_build_tokens_decoding = 4096;
+  /// Chunked prefill of splices: while sequences are decoding, no forward pass of a splice runs more than this many
+  /// tokens, and the decoding sequences take one step between two of its passes (SplicePlan::max_pass_tokens,
+  /// between_passes), so a long prompt's prefill stalls their inter-token latency for one pass, not for its whole
+  /// length (the splice's cancel flag is checked there too). Costs the splice some speed (smaller passes) only while
+  /// others decode. 0 = splices are never cut. >= 0.
+  int64_t max_pass_tokens_decoding = 2048;
   /// TESTING ONLY: each build (per segment) first sleeps this long, as part of its run (its cancel flag was read
   /// at the start of its batch, so the sleep is like a longer build: it is not skipped), to widen fault-injection
   /// windows and to stand in for a long build.

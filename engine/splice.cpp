@@ -254,6 +254,41 @@ std::vector<SegmentEntry> build_entries(const Model& model, std::span<const int3
   return out;
 }
 
+// The forward passes of one splice (SpliceRequest::max_pass_tokens, between_passes, cancel): between two of them the
+// caller's between_passes runs, then the cancel flag is checked.
+class Passes {
+ public:
+  explicit Passes(const SpliceRequest& req) : req_(req) {}
+  // Before a pass: after an earlier one, pause (between_passes, then SpliceCancelled naming `where` if cancelled).
+  void next(const char* where = "between two of its passes") {
+    if (ran_) {
+      if (req_.between_passes) req_.between_passes();
+      if (req_.cancel && req_.cancel->load()) throw SpliceCancelled(std::string("splice cancelled ") + where);
+    }
+    ran_ = true;
+  }
+  // Model::prefill of `ids` at `pos` in passes of at most max_pass_tokens tokens (one pass when 0, or when every
+  // position's logits are wanted); the logits are the last pass's.
+  PrefillResult prefill(const Model& model, ModelState& st, std::span<const int32_t> ids, int64_t pos,
+                        const PrefillOptions& opt) {
+    const size_t cap = req_.max_pass_tokens > 0 && !opt.all_logits ? size_t(req_.max_pass_tokens) : ids.size();
+    PrefillOptions head = opt;  // passes before the last: no logits
+    head.skip_logits = true;
+    size_t at = 0;
+    while (ids.size() - at > cap) {
+      next();
+      model.prefill(st, ids.subspan(at, cap), pos + int64_t(at), head);
+      at += cap;
+    }
+    next();
+    return model.prefill(st, ids.subspan(at), pos + int64_t(at), opt);
+  }
+
+ private:
+  const SpliceRequest& req_;
+  bool ran_ = false;
+};
+
 }  // namespace
 
 SegmentEntry build_segment_entry(const Model& model, std::span<const int32_t> ids, int seam_width) {
@@ -423,6 +458,7 @@ SpliceResult splice(const Model& model, const SpliceRequest& req) {
 
   PrefillOptions no_logits;  // segments and seams only move the state; the query's logits are the output
   no_logits.skip_logits = true;
+  Passes passes(req);
   SpliceResult out;
   out.state = model.initial_state();
   ModelState& st = out.state;
@@ -432,7 +468,7 @@ SpliceResult splice(const Model& model, const SpliceRequest& req) {
   if (req.mode == SpliceMode::Full) {  // every segment in context, as one span, then the query
     std::vector<int32_t> all;
     for (size_t i = 0; i < req.segments.size(); ++i) all.insert(all.end(), ids_of(i).begin(), ids_of(i).end());
-    model.prefill(st, all, 0, no_logits);
+    passes.prefill(model, st, all, 0, no_logits);
     pos = static_cast<int64_t>(all.size());
     out.computed_tokens = pos;
     first = req.segments.size();
@@ -452,7 +488,7 @@ SpliceResult splice(const Model& model, const SpliceRequest& req) {
     }
     for (size_t i = 0; i < reused; ++i) pos += static_cast<int64_t>(ids_of(i).size());
     for (size_t i = reused; i < req.segments.size(); ++i) {
-      model.prefill(st, ids_of(i), pos, no_logits);
+      passes.prefill(model, st, ids_of(i), pos, no_logits);
       pos += static_cast<int64_t>(ids_of(i).size());
       out.computed_tokens += static_cast<int64_t>(ids_of(i).size());
       if (req.prefix_cache) req.prefix_cache->put(chains[i], st);
@@ -479,7 +515,7 @@ SpliceResult splice(const Model& model, const SpliceRequest& req) {
     }
     if (req.keep_context_state)
       for (const auto& l : st.linear) out.context_states.push_back(l.ssm);
-    PrefillResult r = model.prefill(st, req.query, pos, opt);
+    PrefillResult r = passes.prefill(model, st, req.query, pos, opt);
     out.computed_tokens += static_cast<int64_t>(req.query.size());
     out.logits = std::move(r.logits);
     out.num_tokens = pos + static_cast<int64_t>(req.query.size());
@@ -499,8 +535,9 @@ SpliceResult splice(const Model& model, const SpliceRequest& req) {
     std::vector<char> probe_whole = whole_segments_before_refresh(req.recompute_segments, 0, req.segments.size());
     for (size_t i = 1; i < req.segments.size(); ++i)  // a tail segment without an entry is whole in the probe too
       if (!req.segments[i].entry) probe_whole[i] = 1;
+    passes.next();
     SpliceResult probe = splice_hypic(model, req, probe_whole, &mass);
-    if (req.cancel && req.cancel->load()) throw SpliceCancelled("splice cancelled after the refresh's probe");
+    passes.next("after the refresh's probe");
     const std::vector<int> chosen = choose_refresh_segments(mass, lengths, req.seam_width, whole, req.refresh_segments);
     for (int i : chosen) whole[static_cast<size_t>(i)] = 1;
     SpliceResult result = splice_hypic(model, req, whole, nullptr);

@@ -3,6 +3,7 @@
 #include <stdexcept>
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <list>
 #include <memory>
 #include <mutex>
@@ -147,9 +148,17 @@ struct SpliceRequest {
   /// segments recomputes every one of them (full recomputation).
   int refresh_tail = 0;
   PrefixStateCache* prefix_cache = nullptr;  ///< prefix mode: where checkpoints are looked up and stored
-  /// Set (by another thread) to stop the request: checked between the refresh's probe and the splice that follows it,
-  /// which is then not run (SpliceCancelled). Null: never cancelled.
+  /// Set (by another thread) to stop the request: checked between two passes of the splice (the refresh's probe and
+  /// the splice that follows it; the passes of a chunked prefill), the next of which is then not run
+  /// (SpliceCancelled). Null: never cancelled.
   std::shared_ptr<const std::atomic<bool>> cancel;
+  /// Chunked prefill (vLLM's and SGLang's, without mixing a pass with decode steps): when > 0, the spans run in
+  /// context (full and prefix modes' segments, the query unless all_query_logits) are cut into passes of at most this
+  /// many tokens, and between_passes runs between two passes of the splice (then the cancel check). A hypic pass
+  /// (seams and whole segments, layer by layer) is not cut. Results agree with unchunked passes within fp32 rounding
+  /// (the chunked scan's boundaries move). 0: no cut.
+  int64_t max_pass_tokens = 0;
+  std::function<void()> between_passes;
 };
 
 /// Thrown by a splice whose cancel flag was set between two of its passes (SpliceRequest::cancel, SplicePlan::cancel).

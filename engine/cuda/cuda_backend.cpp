@@ -310,9 +310,13 @@ class CudaBackend final : public Backend {
   // mass: if set, the query's last token's attention per KV slot (PrefillOptions::attention_mass).
   // cuts: prefix checkpoints taken in the same passes (increasing positions; items without folds): linear states
   // in the pass that reaches each, KV rows after the last pass.
+  // pacing: a splice's chunked prefill (SplicePlan::max_pass_tokens; between_passes and the cancel check after every
+  // pass but the last), or null.
   void execute(CudaSequence& s, const std::vector<Item>& items, bool all_logits, std::vector<float>& logits,
                bool keep_context, std::vector<std::vector<float>>* context, std::vector<float>* mass = nullptr,
-               std::span<const CheckpointCut> cuts = {});
+               std::span<const CheckpointCut> cuts = {}, const SplicePlan* pacing = nullptr);
+  // Between two passes of a splice: its between_passes, then SpliceCancelled (naming `where`) if it was cancelled.
+  static void pause(const SplicePlan& plan, const char* where);
   // The hypic items (DESIGN.md 3.3): seams (or whole segments, where whole[i]) in context, interiors folded.
   std::vector<Item> hypic_items(const SplicePlan& plan, const std::vector<char>& whole, int64_t& pos,
                                 int64_t& computed, std::vector<int>& recomputed) const;
@@ -1098,8 +1102,10 @@ void CudaBackend::snapshot_linear(const CudaSequence& s, std::vector<std::vector
 // before it (apply_folds); later folds go between the pass's runs.
 void CudaBackend::execute(CudaSequence& s, const std::vector<Item>& items_in, bool all_logits,
                           std::vector<float>& logits, bool keep_context, std::vector<std::vector<float>>* context,
-                          std::vector<float>* mass, std::span<const CheckpointCut> cuts) {
+                          std::vector<float>* mass, std::span<const CheckpointCut> cuts, const SplicePlan* pacing) {
   std::vector<Item> items = items_in;
+  // Tokens per pass: max_batch_tokens, or the splice's chunk (the query with all_logits still in one pass).
+  const int64_t cap = pacing && pacing->max_pass_tokens > 0 ? std::min(Tmax_, pacing->max_pass_tokens) : Tmax_;
   const size_t n = items.size();
   std::vector<Run> runs;
   int64_t used = 0;
@@ -1119,10 +1125,12 @@ void CudaBackend::execute(CudaSequence& s, const std::vector<Item>& items_in, bo
     if (last) logits = std::move(lg);
     runs.clear();
     used = 0;
+    if (!last && pacing) pause(*pacing, "between two of its passes");
   };
   for (size_t i = 0; i < n; ++i) {
     Item it = items[i];
     const bool is_last = i + 1 == n;
+    const int64_t pass_cap = is_last && all_logits ? Tmax_ : cap;
     if (is_last && keep_context) {  // the state after every segment: flush, fold, snapshot, then the query alone
       flush(false);
       apply_folds(s, it.folds);
@@ -1137,7 +1145,7 @@ void CudaBackend::execute(CudaSequence& s, const std::vector<Item>& items_in, bo
         apply_folds(s, it.folds);
         it.folds.clear();
       }
-      const int64_t room = Tmax_ - used;
+      const int64_t room = std::max<int64_t>(pass_cap - used, 0);
       if (len <= room) {
         if (runs.empty() || !it.folds.empty()) runs.push_back(Run{it.folds, {}});
         runs.back().spans.push_back(it.span);
@@ -1162,6 +1170,11 @@ void CudaBackend::execute(CudaSequence& s, const std::vector<Item>& items_in, bo
       check_cuda(cudaStreamSynchronize(stream_), "refresh probe");
     }
   }
+}
+
+void CudaBackend::pause(const SplicePlan& plan, const char* where) {
+  if (plan.between_passes) plan.between_passes();
+  if (plan.cancel && plan.cancel->load()) throw SpliceCancelled(std::string("splice cancelled ") + where);
 }
 
 // ---- checkpoints (prefix mode) ---------------------------------------------------------------------------------
@@ -1384,9 +1397,9 @@ SpliceOutput CudaBackend::splice(const SplicePlan& plan) {
       seq.reset();  // the probe takes the request's one state slot, then gives it back
       {
         auto probe_seq = new_sequence();
-        execute(*probe_seq, probe_items, false, probe_logits, false, nullptr, &mass);
+        execute(*probe_seq, probe_items, false, probe_logits, false, nullptr, &mass, {}, &plan);
       }
-      if (plan.cancel && plan.cancel->load()) throw SpliceCancelled("splice cancelled after the refresh's probe");
+      pause(plan, "after the refresh's probe");
       seq = new_sequence();
       const std::vector<int> chosen =
           choose_refresh_segments(mass, lengths, plan.seam_width, whole, plan.refresh_segments);
@@ -1397,7 +1410,8 @@ SpliceOutput CudaBackend::splice(const SplicePlan& plan) {
   }
   if (plan.mode == SpliceMode::Full) items.push_back({{}, {std::span<const int32_t>(plan.query), pos}});
   out.computed_tokens += int64_t(plan.query.size());
-  execute(*seq, items, plan.all_query_logits, out.logits, plan.keep_context_state, &out.context_states, nullptr, cuts);
+  execute(*seq, items, plan.all_query_logits, out.logits, plan.keep_context_state, &out.context_states, nullptr, cuts,
+          &plan);
   for (size_t k = fresh.size(); k-- > 0;) {  // prefix: the chain's shallow checkpoints freshest in the LRU
     for (auto it = prefix_lru_.begin(); it != prefix_lru_.end(); ++it)
       if (it->key == fresh[k].first) {

@@ -23,6 +23,11 @@ void add_engine_flags(CLI::App& app, EngineFlags& f, bool prefix_cache, bool inj
                  "batches; at most --max-batch-tokens)")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
+  app.add_option("--max-pass-tokens-decoding", f.max_pass_tokens_decoding,
+                 "chunked prefill: most tokens of one forward pass of a splice while sequences are decoding (they "
+                 "take a decode step between two passes); 0 = never cut a splice")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   app.add_option("--max-batch-tokens", f.max_batch_tokens,
                  "most tokens of one forward pass: entry builds queued together are batched up to it (CUDA: longer "
                  "prefills are chunked)")
@@ -70,6 +75,7 @@ engine::EngineLoopOptions engine_loop_options(const EngineFlags& f) {
   engine::EngineLoopOptions o;
   o.max_build_tokens = f.max_batch_tokens;
   o.max_build_tokens_decoding = f.max_build_tokens_decoding;
+  o.max_pass_tokens_decoding = f.max_pass_tokens_decoding;
   o.inject_delay = std::chrono::milliseconds(f.inject_delay_ms);
   return o;
 }

@@ -658,6 +658,44 @@ TEST_CASE("cuda backend: prefix mode takes its checkpoints in the same pass and 
   CHECK(f.gpu->splice(plan_of(eng::SpliceMode::Prefix, fresh)).prefix_segments_reused == 0);
 }
 
+TEST_CASE("cuda backend: chunked prefill -- passes of max_pass_tokens with between_passes, the cancel flag between them",
+          "[backend]") {
+  require_gpu();
+  Fixture& f = fixture("qwen3_next_gpu");
+  std::mt19937 rng(29);
+  std::vector<std::vector<int32_t>> segs;
+  for (size_t n : {90, 70, 45}) segs.push_back(random_ids(rng, n, f.cfg.vocab_size));
+  const auto query = random_ids(rng, 9, f.cfg.vocab_size);
+  for (eng::SpliceMode mode : {eng::SpliceMode::Full, eng::SpliceMode::Prefix}) {
+    INFO(eng::splice_mode_name(mode));
+    eng::SplicePlan p;
+    p.mode = mode;
+    p.query = query;
+    p.use_prefix_cache = false;
+    for (const auto& s : segs) p.segments.push_back({s, nullptr});
+    const eng::SpliceOutput whole = f.gpu->splice(p);
+    int paused = 0;
+    p.max_pass_tokens = 32;
+    p.between_passes = [&] { ++paused; };
+    const eng::SpliceOutput chunked = f.gpu->splice(p);
+    CHECK(paused == (205 + 9 + 31) / 32 - 1);  // 214 tokens in passes of 32
+    CHECK(rel(chunked.logits, whole.logits) <= 1e-2);
+    CHECK(argmax(chunked.logits.data(), chunked.logits.size()) == argmax(whole.logits.data(), whole.logits.size()));
+    const eng::ModelState a = chunked.sequence->to_host(), b = whole.sequence->to_host();
+    for (size_t l = 0; l < a.linear.size(); ++l) CHECK(rel(a.linear[l].ssm, b.linear[l].ssm) <= 1e-2);
+    for (size_t at = 0; at < a.attention.size(); ++at) CHECK(rel(a.attention[at].k, b.attention[at].k) <= 1e-2);
+    // Cancelled during the third pause: the fourth pass never runs.
+    auto flag = std::make_shared<std::atomic<bool>>(false);
+    p.cancel = flag;
+    paused = 0;
+    p.between_passes = [&] {
+      if (++paused == 3) flag->store(true);
+    };
+    CHECK_THROWS_AS(f.gpu->splice(p), eng::SpliceCancelled);
+    CHECK(paused == 3);
+  }
+}
+
 TEST_CASE("cuda backend: a request decoded alone vs batched with 15 others", "[backend]") {
   require_gpu();
   Fixture& f = fixture("qwen3_next_gpu");

@@ -409,6 +409,75 @@ TEST_CASE("engine loop: while sequences decode, builds go in smaller batches wit
   CHECK_THROWS_WITH(EngineLoop(b, EngineLoopOptions{16384, 0}), Catch::Contains("max_build_tokens_decoding"));
 }
 
+TEST_CASE("engine loop: chunked prefill -- while a sequence decodes, a long splice runs in passes with its decode steps "
+          "between them, gives the unchunked tokens, and stops between passes when cancelled", "[engine_loop]") {
+  CpuBackend& b = fixture_backend();
+  const int vocab = int(b.config().vocab_size);
+  EngineLoopOptions opt;
+  opt.max_pass_tokens_decoding = 16;
+  EngineLoop loop(b, opt);
+  // A: decodes throughout, held in its splice callback until the long requests are queued.
+  Stream a;
+  std::promise<void> release, entered;
+  std::shared_future<void> released = release.get_future().share();
+  std::atomic<int> a_tokens{0};
+  std::atomic<int> cancel_after{-1};  // A's token count at which C is cancelled
+  auto c_cancel = std::make_shared<std::atomic<bool>>(false);
+  GenerateJob ja = a.job(splice_job(make_prompt(b, 9, 2, 4), SpliceMode::Hypic, 4), {}, 600);
+  ja.on_spliced = [released, &entered](const SpliceInfo&) {
+    entered.set_value();
+    released.wait();
+  };
+  auto a_on_token = ja.on_token;
+  ja.on_token = [&, a_on_token](int32_t t) {
+    const int n = ++a_tokens;
+    if (n == cancel_after.load()) c_cancel->store(true);
+    a_on_token(t);
+  };
+  loop.submit_generate(std::move(ja));
+  entered.get_future().wait();
+  // B: full mode over 3 segments (well over 16 tokens): passes of 16 tokens with A's decode steps between them.
+  Prompt pb;
+  for (int i = 0; i < 3; ++i) pb.segments.push_back(random_ids(40 + 3 * i, 700 + uint32_t(i), vocab));
+  pb.entries.assign(3, nullptr);  // full mode: ids only
+  pb.query = random_ids(5, 799, vocab);
+  const int64_t b_tokens = 40 + 43 + 46 + 5;
+  Stream sb;
+  SpliceInfo b_info;
+  GenerateJob jb = sb.job(splice_job(pb, SpliceMode::Full, 4), {}, 8);
+  jb.on_spliced = [&](const SpliceInfo& i) {  // C's splice comes next: cancel it three of A's steps from now
+    b_info = i;
+    cancel_after = a_tokens.load() + 3;
+  };
+  loop.submit_generate(std::move(jb));
+  // C: the same prompt, cancelled from A's token callback a few decode steps into its passes.
+  Stream sc;
+  GenerateJob jc = sc.job(splice_job(pb, SpliceMode::Full, 4), {}, 8, c_cancel);
+  loop.submit_generate(std::move(jc));
+  release.set_value();
+  sb.wait();
+  // B's tokens are those of the unchunked reference (the scan's chunk boundaries move: fp32 rounding only).
+  CHECK(sb.end.reason == GenerateEndReason::Length);
+  CHECK(sb.tokens == reference_tokens(b, pb, SpliceMode::Full, 4, {}, 8));
+  // ceil(129 / 16) passes over the segments, then the query: one decode step of A between two passes.
+  CHECK(b_info.passes_paused == int((b_tokens - 5 + 15) / 16));
+  sc.wait();
+  CHECK(sc.end.reason == GenerateEndReason::Cancelled);
+  CHECK_THAT(sc.end.error, Catch::Contains("between two of its passes"));
+  CHECK(sc.tokens.empty());
+  a.wait();
+  CHECK(a.tokens.size() == 600);
+  // Nothing decoding: a splice is not cut.
+  Stream sd;
+  SpliceInfo d_info;
+  GenerateJob jd = sd.job(splice_job(pb, SpliceMode::Full, 4), {}, 1);
+  jd.on_spliced = [&](const SpliceInfo& i) { d_info = i; };
+  loop.submit_generate(std::move(jd));
+  sd.wait();
+  CHECK(d_info.passes_paused == 0);
+  CHECK(sd.tokens == reference_tokens(b, pb, SpliceMode::Full, 4, {}, 1));
+}
+
 TEST_CASE("engine loop: cancellation of queued builds and of decoding sequences", "[engine_loop]") {
   CpuBackend& b = fixture_backend();
   EngineLoop loop(b);
