@@ -308,12 +308,18 @@ void CombineService::fetch_warm(const std::shared_ptr<Pending>& p, size_t slot, 
       why += "not in the segment cache any more (evicted after the lookup)";
     } else {
       try {
+        const auto t1 = Clock::now();
         auto entry = std::make_shared<const engine::SegmentEntry>(engine::deserialize_entry(*bytes));
         rpc::verify_entry(*entry, ids, backend_, p->entry_seam_width);
+        const auto t2 = Clock::now();
         auto resident = make_resident(digest, *entry);
         Delivery d;
         d.fetch_ms = rpc::ms_between(t0, Clock::now());
         d.fetch_bytes = bytes->size();
+        spdlog::info("[req {}] segment {} from the segment cache: {:.1f} MB in {:.0f} ms (transfer {:.0f}, parse and "
+                     "verify {:.0f}, device layout and copy {:.0f})",
+                     p->id, slot, double(bytes->size()) / 1e6, d.fetch_ms, rpc::ms_between(t0, t1),
+                     rpc::ms_between(t1, t2), rpc::ms_between(t2, Clock::now()));
         count_received("cache", bytes->size());
         count_segment(v1::SEGMENT_SOURCE_CACHE);
         if (resident) entry.reset();  // spliced resident; the host form is not needed any more
