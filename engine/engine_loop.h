@@ -139,7 +139,7 @@ struct EngineLoopOptions {
   /// a decode step of the running sequences between two, so that a burst of cold segments does not stall their
   /// inter-token latency for a whole large batch (vLLM's and SGLang's chunked prefill, at the granularity of whole
   /// segments; each build's entry is the same whatever batch it is in). >= 1.
-  int64_t max_build_tokens_decoding = 4096;
+  int64_t max_build_tokens_decoding = 2048;
   /// Chunked prefill of splices: while sequences are decoding, no forward pass of a splice runs more than this many
   /// tokens, and the decoding sequences take one step between two of its passes (SplicePlan::max_pass_tokens,
   /// between_passes), so a long prompt's prefill stalls their inter-token latency for one pass, not for its whole

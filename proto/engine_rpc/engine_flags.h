@@ -17,7 +17,7 @@ struct EngineFlags {
   int compute_threads = 1;
   uint64_t kv_pool_bytes = 0;
   int64_t max_batch_tokens = 16384;
-  int64_t max_build_tokens_decoding = 4096;
+  int64_t max_build_tokens_decoding = 2048;
   int64_t max_pass_tokens_decoding = 2048;
   uint64_t random_weights_seed = 0;
   uint64_t prefix_cache_bytes = uint64_t{1} << 30;

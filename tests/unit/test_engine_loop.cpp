@@ -407,6 +407,9 @@ TEST_CASE("engine loop: while sequences decode, builds go in smaller batches wit
   all.get_future().wait();
   CHECK(loop.build_batches() == 4);
   CHECK_THROWS_WITH(EngineLoop(b, EngineLoopOptions{16384, 0}), Catch::Contains("max_build_tokens_decoding"));
+  EngineLoopOptions negative_pass;
+  negative_pass.max_pass_tokens_decoding = -1;
+  CHECK_THROWS_WITH(EngineLoop(b, negative_pass), Catch::Contains("max_pass_tokens_decoding"));
 }
 
 TEST_CASE("engine loop: chunked prefill -- while a sequence decodes, a long splice runs in passes with its decode steps "
