@@ -135,7 +135,7 @@ int main(int argc, char** argv) {
     hc::EntryMemoryTier tier(budgets.device_tier);
     hc::HostBlockTier host_tier(budgets.host_tier);
     hc::HostCopier copier(*backend, &host_tier, putter, budgets.host_copy_queue);
-    hypic::engine::EngineLoop loop(*backend, hypic::rpc::engine_loop_options(engine));
+    hypic::engine::EngineLoop loop(*backend, hypic::rpc::engine_loop_options(engine, *backend));
     hypic::rpc::Lifecycle life("combine worker");
     hypic::combine::CombineService svc({tokenizer, cache, putter, loop, tier, host_tier, copier, life,
                                         engine.compute_threads, engine.random_weights_seed}, opt);

@@ -726,8 +726,8 @@ grpc::Status CombineService::run_combine(grpc::ServerContext* ctx, const v1::Com
     }
     send(rev);
     // Full and prefix modes splice nothing: their engine time is an in-context prefill (the report's prefill_ms).
-    spdlog::info("[req {}] done: {} tokens, gather {:.1f} ms, {} {:.1f} ms, decode {:.1f} ms", p->id, produced,
-                 gather_ms, uses_entries ? "splice" : "prefill", splice_ms, decode_ms);
+    spdlog::info("[req {}] done: {} tokens, gather {:.1f} ms, {} {:.1f} ms ({} passes), decode {:.1f} ms", p->id,
+                 produced, gather_ms, uses_entries ? "splice" : "prefill", splice_ms, sinfo.passes_paused + 1, decode_ms);
     return grpc::Status::OK;
   });
 }

@@ -47,6 +47,9 @@ EngineLoop::EngineLoop(Backend& backend, EngineLoopOptions options) : backend_(b
   if (options_.max_pass_tokens_decoding < 0)
     throw std::invalid_argument("engine loop: max_pass_tokens_decoding must be >= 0, got " +
                                 std::to_string(options_.max_pass_tokens_decoding));
+  if (options_.max_pass_tokens < 0)
+    throw std::invalid_argument("engine loop: max_pass_tokens must be >= 0, got " +
+                                std::to_string(options_.max_pass_tokens));
   egress_thread_ = std::thread([this] { run_egress(); });
   thread_ = std::thread([this] { run(); });
 }
@@ -364,13 +367,12 @@ void EngineLoop::run_splice(SpliceTask task) {
       r.info.imported[i] = plan.segments[i].entry;
     }
     plan.cancel = task.cancel;  // a splice of several passes stops between them once the request is cancelled
-    if (options_.max_pass_tokens_decoding > 0 && !active_.empty()) {  // chunked prefill: decode steps between passes
-      plan.max_pass_tokens = options_.max_pass_tokens_decoding;
-      plan.between_passes = [this, &r] {
-        decode_step();
-        ++r.info.passes_paused;
-      };
-    }
+    // Chunked prefill: decode steps of the running sequences between passes; the cancel flag is read there too.
+    plan.max_pass_tokens = active_.empty() ? options_.max_pass_tokens : options_.max_pass_tokens_decoding;
+    plan.between_passes = [this, &r] {
+      decode_step();
+      ++r.info.passes_paused;
+    };
     r.output = backend_.splice(plan);
   } catch (const SpliceCancelled& e) {
     if (task.gen) return fail_gen(GenerateEndReason::Cancelled, EngineErrorKind::None, e.what());

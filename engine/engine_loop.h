@@ -91,8 +91,8 @@ struct SpliceInfo {
   int64_t num_tokens = 0, computed_tokens = 0;
   int prefix_segments_reused = 0;
   std::vector<int> recomputed_segments;  ///< hypic: segments recomputed whole (SpliceOutput), ascending
-  /// Chunked prefill: decode steps of the running sequences taken between this splice's passes (included in
-  /// splice_ms).
+  /// Chunked prefill: pauses between this splice's passes (a decode step of the running sequences in each, if any;
+  /// included in splice_ms).
   int passes_paused = 0;
   /// Per plan segment, the entry imported from SpliceJob::host_entries (null where none was): callers may keep
   /// them (resident on the backend) to splice again without another import.
@@ -146,6 +146,9 @@ struct EngineLoopOptions {
   /// length (the splice's cancel flag is checked there too). Costs the splice some speed (smaller passes) only while
   /// others decode. 0 = splices are never cut. >= 0.
   int64_t max_pass_tokens_decoding = 2048;
+  /// The same when nothing decodes: it bounds how far a cancelled (or expired) request's prefill runs past its
+  /// cancellation (one pass). 0 = passes as large as the backend allows (CUDA: max_batch_tokens). >= 0.
+  int64_t max_pass_tokens = 0;
   /// TESTING ONLY: each build (per segment) first sleeps this long, as part of its run (its cancel flag was read
   /// at the start of its batch, so the sleep is like a longer build: it is not skipped), to widen fault-injection
   /// windows and to stand in for a long build.

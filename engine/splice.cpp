@@ -79,14 +79,52 @@ void install_first(const Model& model, ModelState& state, const SegmentEntry& e)
 }
 
 
+// The forward passes of one splice (SpliceRequest::max_pass_tokens, between_passes, cancel): between two of them the
+// caller's between_passes runs, then the cancel flag is checked.
+class Passes {
+ public:
+  explicit Passes(const SpliceRequest& req) : req_(req) {}
+  // Before a pass: after an earlier one, pause (between_passes, then SpliceCancelled naming `where` if cancelled).
+  void next(const char* where = "between two of its passes") {
+    if (ran_) {
+      if (req_.between_passes) req_.between_passes();
+      if (req_.cancel && req_.cancel->load()) throw SpliceCancelled(std::string("splice cancelled ") + where);
+    }
+    ran_ = true;
+  }
+  // Model::prefill of `ids` at `pos` in passes of at most max_pass_tokens tokens (one pass when 0, or when every
+  // position's logits are wanted); the logits are the last pass's.
+  PrefillResult prefill(const Model& model, ModelState& st, std::span<const int32_t> ids, int64_t pos,
+                        const PrefillOptions& opt) {
+    const size_t cap = req_.max_pass_tokens > 0 && !opt.all_logits ? size_t(req_.max_pass_tokens) : ids.size();
+    PrefillOptions head = opt;  // passes before the last: no logits
+    head.skip_logits = true;
+    size_t at = 0;
+    while (ids.size() - at > cap) {
+      next();
+      model.prefill(st, ids.subspan(at, cap), pos + int64_t(at), head);
+      at += cap;
+    }
+    next();
+    return model.prefill(st, ids.subspan(at), pos + int64_t(at), opt);
+  }
+
+ private:
+  const SpliceRequest& req_;
+  bool ran_ = false;
+};
+
 // One hypic pass (DESIGN.md 3.3): the first segment's entry whole, then every later segment's seam window (or, where
 // whole[i], all of segment i) and the query as one layer-by-layer pass (Model::prefill_spans), so the weights are
 // read once per layer rather than once per span. After a seam's mixer at layer l, its segment's interior is folded
 // into layer l's state (S <- T_int S + S_int and the conv tail, or the interior's re-rotated K and V). A segment
 // without a seam (w = 0) is folded after the previous span, or up front when no span precedes it. `mass`: the
 // query's attention per KV row (PrefillOptions::attention_mass), if wanted. The request was validated by splice().
+// Chunked prefill (SpliceRequest::max_pass_tokens): the spans go in passes of at most that many tokens (a longer span
+// is cut; a span's folds follow its last piece; with all_query_logits the query stays whole), `passes` pausing before
+// each (`where` names the first pause in a cancellation's message).
 SpliceResult splice_hypic(const Model& model, const SpliceRequest& req, const std::vector<char>& whole,
-                          std::vector<float>* mass) {
+                          std::vector<float>* mass, Passes& passes, const char* where) {
   const ModelConfig& cfg = model.config();
   SpliceResult out;
   out.state = model.initial_state();
@@ -142,10 +180,45 @@ SpliceResult splice_hypic(const Model& model, const SpliceRequest& req, const st
       out.context_states[li] = st.linear[li].ssm;
     }
   };
-  PrefillOptions opt;
-  opt.all_logits = req.all_query_logits;
-  opt.attention_mass = mass;
-  PrefillResult r = model.prefill_spans(st, spans, hook, opt);
+  struct Piece {
+    size_t span;  // index into spans
+    SpanSpec spec;
+    bool last;  // the span's last piece: its folds and snapshot follow it
+  };
+  std::vector<std::vector<Piece>> groups(1);
+  const int64_t cap = req.max_pass_tokens;
+  int64_t used = 0;
+  for (size_t i = 0; i < spans.size(); ++i) {
+    std::span<const int32_t> ids = spans[i].ids;
+    int64_t at = spans[i].start_position;
+    const bool whole_span = cap <= 0 || (i == query_span && req.all_query_logits);
+    while (!whole_span && int64_t(ids.size()) > cap - used) {
+      const size_t head = size_t(std::max<int64_t>(cap - used, 0));
+      if (head > 0) groups.back().push_back({i, {ids.subspan(0, head), at}, false});
+      ids = ids.subspan(head);
+      at += int64_t(head);
+      groups.emplace_back();
+      used = 0;
+    }
+    groups.back().push_back({i, {ids, at}, true});
+    used += int64_t(ids.size());
+  }
+  PrefillResult r;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const std::vector<Piece>& pieces = groups[g];
+    std::vector<SpanSpec> specs;
+    for (const Piece& p : pieces) specs.push_back(p.spec);
+    const SpanLayerHook group_hook = [&](size_t k, int layer, ModelState& state) {
+      if (pieces[k].last) hook(pieces[k].span, layer, state);
+    };
+    const bool final_group = g + 1 == groups.size();
+    PrefillOptions opt;
+    opt.all_logits = final_group && req.all_query_logits;
+    opt.attention_mass = final_group ? mass : nullptr;
+    opt.skip_logits = !final_group;
+    passes.next(g == 0 ? where : "between two of its passes");
+    r = model.prefill_spans(st, specs, group_hook, opt);
+  }
   out.computed_tokens += static_cast<int64_t>(req.query.size());
   out.logits = std::move(r.logits);
   out.num_tokens = pos + static_cast<int64_t>(req.query.size());
@@ -254,40 +327,6 @@ std::vector<SegmentEntry> build_entries(const Model& model, std::span<const int3
   return out;
 }
 
-// The forward passes of one splice (SpliceRequest::max_pass_tokens, between_passes, cancel): between two of them the
-// caller's between_passes runs, then the cancel flag is checked.
-class Passes {
- public:
-  explicit Passes(const SpliceRequest& req) : req_(req) {}
-  // Before a pass: after an earlier one, pause (between_passes, then SpliceCancelled naming `where` if cancelled).
-  void next(const char* where = "between two of its passes") {
-    if (ran_) {
-      if (req_.between_passes) req_.between_passes();
-      if (req_.cancel && req_.cancel->load()) throw SpliceCancelled(std::string("splice cancelled ") + where);
-    }
-    ran_ = true;
-  }
-  // Model::prefill of `ids` at `pos` in passes of at most max_pass_tokens tokens (one pass when 0, or when every
-  // position's logits are wanted); the logits are the last pass's.
-  PrefillResult prefill(const Model& model, ModelState& st, std::span<const int32_t> ids, int64_t pos,
-                        const PrefillOptions& opt) {
-    const size_t cap = req_.max_pass_tokens > 0 && !opt.all_logits ? size_t(req_.max_pass_tokens) : ids.size();
-    PrefillOptions head = opt;  // passes before the last: no logits
-    head.skip_logits = true;
-    size_t at = 0;
-    while (ids.size() - at > cap) {
-      next();
-      model.prefill(st, ids.subspan(at, cap), pos + int64_t(at), head);
-      at += cap;
-    }
-    next();
-    return model.prefill(st, ids.subspan(at), pos + int64_t(at), opt);
-  }
-
- private:
-  const SpliceRequest& req_;
-  bool ran_ = false;
-};
 
 }  // namespace
 
@@ -535,16 +574,14 @@ SpliceResult splice(const Model& model, const SpliceRequest& req) {
     std::vector<char> probe_whole = whole_segments_before_refresh(req.recompute_segments, 0, req.segments.size());
     for (size_t i = 1; i < req.segments.size(); ++i)  // a tail segment without an entry is whole in the probe too
       if (!req.segments[i].entry) probe_whole[i] = 1;
-    passes.next();
-    SpliceResult probe = splice_hypic(model, req, probe_whole, &mass);
-    passes.next("after the refresh's probe");
+    SpliceResult probe = splice_hypic(model, req, probe_whole, &mass, passes, "between two of its passes");
     const std::vector<int> chosen = choose_refresh_segments(mass, lengths, req.seam_width, whole, req.refresh_segments);
     for (int i : chosen) whole[static_cast<size_t>(i)] = 1;
-    SpliceResult result = splice_hypic(model, req, whole, nullptr);
+    SpliceResult result = splice_hypic(model, req, whole, nullptr, passes, "after the refresh's probe");
     result.computed_tokens += probe.computed_tokens;
     return result;
   }
-  return splice_hypic(model, req, whole, nullptr);
+  return splice_hypic(model, req, whole, nullptr, passes, "between two of its passes");
 }
 
 }  // namespace hypic::engine

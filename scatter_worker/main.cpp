@@ -64,7 +64,7 @@ int main(int argc, char** argv) {
     }
     hypic::cache::SegmentCacheClient cache(caches);
     hypic::cache::AsyncCachePutter putter(cache, put_queue_bytes);
-    hypic::engine::EngineLoop loop(*backend, hypic::rpc::engine_loop_options(engine));
+    hypic::engine::EngineLoop loop(*backend, hypic::rpc::engine_loop_options(engine, *backend));
     hypic::rpc::Lifecycle life("scatter worker");
     hypic::worker::ScatterService svc(loop, putter, life, chunk_bytes, engine.compute_threads,
                                       engine.random_weights_seed, data_plane);

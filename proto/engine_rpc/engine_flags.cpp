@@ -2,6 +2,8 @@
 
 #include <spdlog/spdlog.h>
 
+#include <limits>
+
 namespace hypic::rpc {
 
 void add_engine_flags(CLI::App& app, EngineFlags& f, bool prefix_cache, bool inject_delay) {
@@ -27,6 +29,12 @@ void add_engine_flags(CLI::App& app, EngineFlags& f, bool prefix_cache, bool inj
                  "chunked prefill: most tokens of one forward pass of a splice while sequences are decoding (they "
                  "take a decode step between two passes); 0 = never cut a splice")
       ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--max-pass-tokens", f.max_pass_tokens,
+                 "most tokens of one forward pass of a splice when no sequence decodes: a cancelled or expired request "
+                 "stops at the end of its pass (-1 = auto: 1024 on the CPU backend, 0 on CUDA; 0 = the backend's "
+                 "largest pass)")
+      ->check(CLI::Range(int64_t{-1}, std::numeric_limits<int64_t>::max()))
       ->capture_default_str();
   app.add_option("--max-batch-tokens", f.max_batch_tokens,
                  "most tokens of one forward pass: entry builds queued together are batched up to it (CUDA: longer "
@@ -71,11 +79,14 @@ std::unique_ptr<engine::Backend> make_engine_backend(const EngineFlags& f, const
   return backend;
 }
 
-engine::EngineLoopOptions engine_loop_options(const EngineFlags& f) {
+engine::EngineLoopOptions engine_loop_options(const EngineFlags& f, const engine::Backend& backend) {
   engine::EngineLoopOptions o;
   o.max_build_tokens = f.max_batch_tokens;
   o.max_build_tokens_decoding = f.max_build_tokens_decoding;
   o.max_pass_tokens_decoding = f.max_pass_tokens_decoding;
+  // Auto: on the CPU a pass of 1024 tokens takes about a second or less for the models it serves, so a cancelled
+  // request stops within about that; CUDA passes (max_batch_tokens) are fast enough as they are.
+  o.max_pass_tokens = f.max_pass_tokens >= 0 ? f.max_pass_tokens : backend.device().kind == engine::BackendKind::Cpu ? 1024 : 0;
   o.inject_delay = std::chrono::milliseconds(f.inject_delay_ms);
   return o;
 }

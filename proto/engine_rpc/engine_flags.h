@@ -19,6 +19,7 @@ struct EngineFlags {
   int64_t max_batch_tokens = 16384;
   int64_t max_build_tokens_decoding = 2048;
   int64_t max_pass_tokens_decoding = 2048;
+  int64_t max_pass_tokens = -1;  ///< -1: auto (CPU backend 1024, CUDA 0 = its max_batch_tokens)
   uint64_t random_weights_seed = 0;
   uint64_t prefix_cache_bytes = uint64_t{1} << 30;
   int inject_delay_ms = 0;  ///< scatter worker only (testing)
@@ -34,7 +35,8 @@ void add_engine_flags(CLI::App& app, EngineFlags& flags, bool prefix_cache, bool
 /// Throws std::invalid_argument for a bad --device (naming it) and whatever loading throws.
 std::unique_ptr<engine::Backend> make_engine_backend(const EngineFlags& flags, const std::filesystem::path& model_dir);
 
-/// The engine loop options of the flags (--max-batch-tokens, --inject-delay-ms).
-engine::EngineLoopOptions engine_loop_options(const EngineFlags& flags);
+/// The engine loop options of the flags (--max-batch-tokens, --max-build-tokens-decoding, --max-pass-tokens[-decoding],
+/// --inject-delay-ms) for `backend` (the automatic --max-pass-tokens depends on its kind).
+engine::EngineLoopOptions engine_loop_options(const EngineFlags& flags, const engine::Backend& backend);
 
 }  // namespace hypic::rpc

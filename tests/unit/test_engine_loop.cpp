@@ -470,15 +470,27 @@ TEST_CASE("engine loop: chunked prefill -- while a sequence decodes, a long spli
   CHECK(sc.tokens.empty());
   a.wait();
   CHECK(a.tokens.size() == 600);
-  // Nothing decoding: a splice is not cut.
+  // Nothing decoding (max_pass_tokens 0): the segments in one pass, the query in a second.
   Stream sd;
   SpliceInfo d_info;
   GenerateJob jd = sd.job(splice_job(pb, SpliceMode::Full, 4), {}, 1);
   jd.on_spliced = [&](const SpliceInfo& i) { d_info = i; };
   loop.submit_generate(std::move(jd));
   sd.wait();
-  CHECK(d_info.passes_paused == 0);
+  CHECK(d_info.passes_paused == 1);
   CHECK(sd.tokens == reference_tokens(b, pb, SpliceMode::Full, 4, {}, 1));
+  // With max_pass_tokens, an idle loop cuts splices too (a cancelled request stops within a pass).
+  EngineLoopOptions idle_opt;
+  idle_opt.max_pass_tokens = 16;
+  EngineLoop idle(b, idle_opt);
+  Stream se;
+  SpliceInfo e_info;
+  GenerateJob je = se.job(splice_job(pb, SpliceMode::Full, 4), {}, 8);
+  je.on_spliced = [&](const SpliceInfo& i) { e_info = i; };
+  idle.submit_generate(std::move(je));
+  se.wait();
+  CHECK(e_info.passes_paused == int((b_tokens - 5 + 15) / 16));
+  CHECK(se.tokens == reference_tokens(b, pb, SpliceMode::Full, 4, {}, 8));
 }
 
 TEST_CASE("engine loop: cancellation of queued builds and of decoding sequences", "[engine_loop]") {

@@ -187,6 +187,53 @@ TEST_CASE("prefix mode equals full, cold and with a warm prefix cache", "[splice
   CHECK(splice(m, other).prefix_segments_reused == 2);
 }
 
+TEST_CASE("chunked prefill: every mode in passes of max_pass_tokens equals one pass within rounding, pausing between "
+          "two, and stops between passes when cancelled", "[splice]") {
+  const Model& m = fixture_model("qwen3_5_moe");
+  const int V = static_cast<int>(m.config().vocab_size);
+  const std::vector<std::vector<int32_t>> segs = {random_ids(30, 41, V), random_ids(50, 42, V), random_ids(37, 43, V)};
+  const auto query = random_ids(23, 44, V);
+  struct Case {
+    SpliceMode mode;
+    int refresh_tail, refresh_segments;
+    bool keep_context;
+  };
+  for (const Case& c : {Case{SpliceMode::Full, 0, 0, false}, Case{SpliceMode::Prefix, 0, 0, false},
+                        Case{SpliceMode::Naive, 0, 0, false}, Case{SpliceMode::Hypic, 0, 0, true},
+                        Case{SpliceMode::Hypic, 1, 0, false}, Case{SpliceMode::Hypic, 1, 1, false}}) {
+    INFO(splice_mode_name(c.mode) << " refresh_tail " << c.refresh_tail << " refresh_segments " << c.refresh_segments);
+    SpliceRequest req = make_request(m, segs, query, c.mode, 8);
+    req.refresh_tail = c.refresh_tail;
+    req.refresh_segments = c.refresh_segments;
+    req.keep_context_state = c.keep_context;
+    req.all_query_logits = c.keep_context;  // every query row's logits: the query stays in one pass
+    const SpliceResult one = splice(m, req);
+    int paused = 0;
+    req.max_pass_tokens = 7;
+    req.between_passes = [&] { ++paused; };
+    const SpliceResult chunked = splice(m, req);
+    // Passes of at most 7 tokens over what runs in context (the query whole when all its logits are wanted).
+    const int64_t cut = chunked.computed_tokens - (req.all_query_logits ? int64_t(query.size()) : 0);
+    CHECK(paused >= int(cut / 7) - 1);
+    CHECK(chunked.computed_tokens == one.computed_tokens);
+    CHECK(chunked.recomputed_segments == one.recomputed_segments);
+    CHECK(scaled_diff(chunked.logits, one.logits) < 5e-5);
+    for (size_t l = 0; l < one.state.linear.size(); ++l)
+      CHECK(rel_l2(chunked.state.linear[l].ssm, one.state.linear[l].ssm) < 1e-5);
+    for (size_t l = 0; l < one.context_states.size(); ++l)
+      CHECK(rel_l2(chunked.context_states[l], one.context_states[l]) < 1e-5);
+    // Cancelled at the second pause: no third pass runs.
+    auto flag = std::make_shared<std::atomic<bool>>(false);
+    req.cancel = flag;
+    paused = 0;
+    req.between_passes = [&] {
+      if (++paused == 2) flag->store(true);
+    };
+    CHECK_THROWS_AS(splice(m, req), SpliceCancelled);
+    CHECK(paused == 2);
+  }
+}
+
 TEST_CASE("a cancelled request stops after the refresh's probe, before its second pass", "[splice]") {
   const Model& m = fixture_model("qwen3_5_moe");
   const int V = static_cast<int>(m.config().vocab_size);
