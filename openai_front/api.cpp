@@ -420,6 +420,13 @@ ParsedRequest parse_request(Endpoint endpoint, std::string_view body_text, const
     if (const size_t b = what.find("] "); what.rfind("[json.exception", 0) == 0 && b != std::string::npos) {
       what = what.substr(b + 2);
     }
+    // Its "last read: '...'" quotes the input, possibly megabytes of it: keep a short prefix (whole UTF-8 characters).
+    constexpr size_t kMax = 160;
+    if (what.size() > kMax) {
+      size_t n = kMax;
+      while (n > 0 && (static_cast<unsigned char>(what[n]) & 0xC0) == 0x80) --n;
+      what = what.substr(0, n) + "...";
+    }
     throw invalid_request("", "invalid JSON: " + what, "invalid_json");
   }
   if (!body.is_object()) {

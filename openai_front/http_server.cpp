@@ -1,11 +1,7 @@
 // hypic-openai's HTTP server (openai_front/http_server.h).
 #include "openai_front/http_server.h"
 
-#include <dirent.h>
-#include <netdb.h>
 #include <poll.h>
-#include <sys/socket.h>
-#include <sys/stat.h>
 
 #include <cstdlib>
 #include <ctime>
@@ -13,7 +9,6 @@
 #include <vector>
 
 #include <fmt/format.h>
-#include <httplib.h>
 #include <spdlog/spdlog.h>
 
 #include "proto/rpc/metrics.h"
@@ -89,51 +84,6 @@ void ConnectionWatcher::run() {
   }
 }
 
-namespace {
-/// Numeric host and port of a socket address, as httplib writes them into Request (getnameinfo, NI_NUMERICHOST).
-bool numeric_address(const sockaddr_storage& addr, socklen_t len, std::string& host, int& port) {
-  char h[NI_MAXHOST], s[NI_MAXSERV];
-  if (getnameinfo(reinterpret_cast<const sockaddr*>(&addr), len, h, sizeof h, s, sizeof s,
-                  NI_NUMERICHOST | NI_NUMERICSERV) != 0) {
-    return false;
-  }
-  host = h;
-  port = std::atoi(s);
-  return true;
-}
-}  // namespace
-
-int connection_socket(const httplib::Request& req) {
-#ifdef CPPHTTPLIB_OPENSSL_SUPPORT
-  if (req.ssl) return SSL_get_fd(req.ssl);
-#endif
-  // httplib does not hand the socket to handlers; find the descriptor whose two ends are the request's.
-  DIR* dir = opendir("/proc/self/fd");
-  if (!dir) return -1;
-  int found = -1;
-  while (dirent* ent = readdir(dir)) {
-    char* end = nullptr;
-    const long fd = std::strtol(ent->d_name, &end, 10);
-    if (end == ent->d_name || *end != '\0' || fd == dirfd(dir)) continue;
-    struct stat st;
-    if (fstat(int(fd), &st) != 0 || !S_ISSOCK(st.st_mode)) continue;
-    sockaddr_storage local{}, peer{};
-    socklen_t llen = sizeof local, plen = sizeof peer;
-    if (getsockname(int(fd), reinterpret_cast<sockaddr*>(&local), &llen) != 0) continue;
-    if (getpeername(int(fd), reinterpret_cast<sockaddr*>(&peer), &plen) != 0) continue;
-    std::string lhost, phost;
-    int lport = 0, pport = 0;
-    if (!numeric_address(local, llen, lhost, lport) || !numeric_address(peer, plen, phost, pport)) continue;
-    if (lport == req.local_port && pport == req.remote_port && phost == req.remote_addr &&
-        (req.local_addr.empty() || lhost == req.local_addr)) {
-      found = int(fd);
-      break;
-    }
-  }
-  closedir(dir);
-  return found;
-}
-
 // ---- metrics ----------------------------------------------------------------------------------------------------
 // The one place the front records metrics (the shared registry of proto/rpc/metrics.h, served at --metrics-listen).
 
@@ -171,11 +121,37 @@ struct FrontMetrics {
 
 namespace {
 
-void reply_error(httplib::Response& res, const ApiError& e) {
-  res.status = e.status();
-  if (e.status() == 401) res.set_header("WWW-Authenticate", "Bearer");
-  if (e.status() == 429 || e.status() == 503) res.set_header("Retry-After", "1");
-  res.set_content(dump_json(e.body()), "application/json");
+/// Longest error message sent (a message quoting client input is cut, so a 2 MB body is never echoed).
+constexpr size_t kMaxErrorMessageBytes = 1024;
+
+/// The HTTP response of an error in OpenAI's shape (WWW-Authenticate on 401, Retry-After on 429 and 503).
+rpc::HttpResponse error_response(const ApiError& e) {
+  rpc::HttpResponse r;
+  r.status = e.status();
+  if (e.status() == 401) r.headers.emplace_back("WWW-Authenticate", "Bearer");
+  if (e.status() == 429 || e.status() == 503) r.headers.emplace_back("Retry-After", "1");
+  r.content_type = "application/json";
+  const std::string_view what = e.what();
+  r.body = what.size() <= kMaxErrorMessageBytes
+               ? dump_json(e.body())
+               : dump_json(ApiError(e.status(), e.type(), rpc::short_excerpt(what, kMaxErrorMessageBytes), e.param(),
+                                    e.code())
+                               .body());
+  return r;
+}
+
+void reply_error(rpc::HttpReply& reply, const ApiError& e, const std::string& request_id = {}) {
+  rpc::HttpResponse r = error_response(e);
+  if (!request_id.empty()) r.headers.emplace_back("X-Request-Id", request_id);
+  reply.send(std::move(r));
+}
+
+rpc::HttpResponse json_response(const json& body, const std::string& request_id = {}) {
+  rpc::HttpResponse r;
+  r.content_type = "application/json";
+  r.body = dump_json(body);
+  if (!request_id.empty()) r.headers.emplace_back("X-Request-Id", request_id);
+  return r;
 }
 
 /// A Generate call to the router: its context (deadline, bearer token), the reader, the registration with the
@@ -239,7 +215,7 @@ class RouterCall {
   grpc::Status status_;
 };
 
-/// What a streamed answer carries along between the handler and httplib's content provider.
+/// What a streamed answer carries along.
 struct StreamState {
   std::unique_ptr<RouterCall> call;
   ParsedRequest request;
@@ -254,12 +230,12 @@ double seconds_since(std::chrono::steady_clock::time_point t) {
 }
 
 /// Writes the whole event stream of a call (the first event already read). Returns false when the client went away.
-bool write_stream(StreamState& st, httplib::DataSink& sink) {
+bool write_stream(StreamState& st, rpc::HttpReply& reply) {
   const Endpoint ep = st.request.endpoint;
   const bool usage = st.request.include_usage;
   bool first_chunk = true;
   auto send = [&](const std::string& event) {
-    if (sink.write(event.data(), event.size())) return true;
+    if (reply.write(event)) return true;
     st.call->client_gone();
     return false;
   };
@@ -294,7 +270,7 @@ bool write_stream(StreamState& st, httplib::DataSink& sink) {
     if (!send(sse_event(e.body()))) return false;
   }
   if (!send("data: [DONE]\n\n")) return false;
-  sink.done();
+  reply.end_stream();
   FrontMetrics::finished(ep, http_status, true, seconds_since(st.arrived), report ? &*report : nullptr);
   if (report) {
     spdlog::info("[req {}] streamed: {} segments, {} prompt tokens, {} generated ({}), ttft {:.1f} ms, {:.1f} ms in all",
@@ -312,114 +288,117 @@ bool write_stream(StreamState& st, httplib::DataSink& sink) {
 OpenAIFront::OpenAIFront(FrontConfig config, engine::Tokenizer tokenizer, std::shared_ptr<grpc::Channel> router)
     : cfg_(std::move(config)), tokenizer_(std::move(tokenizer)), channel_(std::move(router)),
       stub_(v1::Router::NewStub(channel_)), started_at_(int64_t(std::time(nullptr))) {
-  if (!cfg_.tls_cert.empty()) {
-    auto ssl = std::make_unique<httplib::SSLServer>(cfg_.tls_cert.c_str(), cfg_.tls_key.c_str(),
-                                                    cfg_.tls_client_ca.empty() ? nullptr : cfg_.tls_client_ca.c_str());
-    if (!ssl->is_valid()) throw std::runtime_error("--tls-cert/--tls-key: the certificate or key was refused");
-    server_ = std::move(ssl);
-  } else {
-    server_ = std::make_unique<httplib::Server>();
+  rpc::HttpServerOptions opt;
+  opt.name = "openai";
+  opt.io_threads = cfg_.io_threads;
+  opt.worker_threads = cfg_.http_threads;
+  opt.control_threads = 2;
+  opt.max_connections = cfg_.max_connections;
+  opt.max_body_bytes = cfg_.max_body_bytes;
+  opt.max_buffered_bytes = std::max(cfg_.max_buffered_bytes, cfg_.max_body_bytes);
+  opt.header_timeout = cfg_.header_timeout;
+  opt.body_timeout = cfg_.body_timeout;
+  opt.write_timeout = cfg_.write_timeout;
+  opt.tls_cert = cfg_.tls_cert;
+  opt.tls_key = cfg_.tls_key;
+  opt.tls_client_ca = cfg_.tls_client_ca;
+  const size_t max_body = cfg_.max_body_bytes;
+  // The server's own refusals (malformed requests, limits, timeouts) in OpenAI's shape.
+  auto errors = [max_body](int status, const std::string& message) {
+    if (status == 413) {
+      return error_response(ApiError(
+          413, "invalid_request_error",
+          fmt::format("the request body exceeds the limit of {} bytes (--max-body-bytes)", max_body), "",
+          "request_too_large"));
+    }
+    if (status == 411) {
+      return error_response(ApiError(411, "invalid_request_error",
+                                     "chunked request bodies are not accepted: send Content-Length (at most "
+                                     "--max-body-bytes)",
+                                     "", "length_required"));
+    }
+    if (status == 503) return error_response(ApiError(503, "server_error", message, "", "service_unavailable"));
+    if (status >= 500) return error_response(ApiError(status, "server_error", message, "", "internal_error"));
+    return error_response(ApiError(status, "invalid_request_error", message));
+  };
+  try {
+    server_ = std::make_unique<rpc::HttpServer>(std::move(opt), [this](const rpc::HttpRequest& head) {
+      return route(head);
+    }, errors);
+  } catch (const std::runtime_error& e) {
+    throw std::runtime_error(fmt::format("--tls-cert/--tls-key: {}", e.what()));
   }
-  install_routes();
 }
 
 OpenAIFront::~OpenAIFront() { stop(); }
 
-void OpenAIFront::install_routes() {
-  auto& svr = *server_;
-  const size_t threads = cfg_.http_threads;
-  svr.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
-  svr.set_payload_max_length(cfg_.max_body_bytes);
-
-  // No SO_REUSEPORT (httplib's default): a second process on this port must fail to start, not share it.
-  svr.set_socket_options([](socket_t sock) {
-    int yes = 1;
-    setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
-  });
-  svr.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
-    // Runs before the body is read. httplib bounds a body by Content-Length only, so a chunked one could grow
-    // without limit: refused (OpenAI clients send Content-Length).
-    if (req.has_header("Transfer-Encoding")) {
-      reply_error(res, ApiError(411, "invalid_request_error",
-                                "chunked request bodies are not accepted: send Content-Length (at most "
-                                "--max-body-bytes)",
-                                "", "length_required"));
-      return httplib::Server::HandlerResponse::Handled;
+rpc::HttpRoute OpenAIFront::route(const rpc::HttpRequest& req) {
+  rpc::HttpRoute r;
+  // Refusals are answered at once, before the body is read.
+  auto refuse = [&](ApiError e, std::vector<std::pair<std::string, std::string>> headers = {}) {
+    r.lane = rpc::Lane::Inline;
+    r.needs_body = false;
+    r.handler = [e = std::move(e), headers = std::move(headers)](rpc::HttpRequest&, rpc::HttpReply& reply) {
+      rpc::HttpResponse res = error_response(e);
+      for (auto& h : headers) res.headers.push_back(h);
+      reply.send(std::move(res));
+    };
+    return r;
+  };
+  // A chunked body could grow without a bound known in advance: refused (OpenAI clients send Content-Length).
+  if (req.has_header("Transfer-Encoding")) {
+    return refuse(ApiError(411, "invalid_request_error",
+                           "chunked request bodies are not accepted: send Content-Length (at most --max-body-bytes)",
+                           "", "length_required"));
+  }
+  if (req.path != "/health" && cfg_.auth.enabled()) {
+    const std::string header = req.header("Authorization");
+    if (!cfg_.auth.accepts(header)) {
+      return refuse(ApiError(401, "authentication_error",
+                             header.empty() ? "Missing bearer token: send the header 'Authorization: Bearer <token>'"
+                                            : "Incorrect API key provided",
+                             "", "invalid_api_key"));
     }
-    if (req.path == "/health" || !cfg_.auth.enabled()) return httplib::Server::HandlerResponse::Unhandled;
-    const std::string header = req.get_header_value("Authorization");
-    if (cfg_.auth.accepts(header)) return httplib::Server::HandlerResponse::Unhandled;
-    reply_error(res, ApiError(401, "authentication_error",
-                              header.empty() ? "Missing bearer token: send the header 'Authorization: Bearer <token>'"
-                                             : "Incorrect API key provided",
-                              "", "invalid_api_key"));
-    return httplib::Server::HandlerResponse::Handled;
-  });
-
-  svr.Post("/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) {
-    handle_generate(Endpoint::Chat, req, res);
-  });
-  svr.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
-    handle_generate(Endpoint::Completions, req, res);
-  });
-  svr.Get("/v1/models", [this](const httplib::Request& req, httplib::Response& res) { handle_models(req, res); });
-  svr.Get(R"(/v1/models/(.+))", [this](const httplib::Request& req, httplib::Response& res) { handle_models(req, res); });
-  svr.Get("/health", [this](const httplib::Request&, httplib::Response& res) { handle_health(res); });
-
-  // Every error without a body of ours (unknown path, wrong method, a body over the limit, a malformed HTTP
-  // request) gets one in OpenAI's shape.
-  svr.set_error_handler(httplib::Server::HandlerWithResponse([this](const httplib::Request& req, httplib::Response& res) {
-    if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
-    const bool known = req.path == "/v1/chat/completions" || req.path == "/v1/completions" ||
-                       req.path == "/v1/models" || req.path.rfind("/v1/models/", 0) == 0 || req.path == "/health";
-    if (res.status == 404 && known) {
-      const bool post = req.path == "/v1/chat/completions" || req.path == "/v1/completions";
-      res.status = 405;
-      res.set_header("Allow", post ? "POST" : "GET");
-      reply_error(res, ApiError(405, "invalid_request_error",
-                                fmt::format("{} {} is not allowed (use {})", req.method, req.path, post ? "POST" : "GET"),
-                                "", "method_not_allowed"));
-    } else if (res.status == 404) {
-      reply_error(res, ApiError(404, "invalid_request_error", fmt::format("Invalid URL ({} {})", req.method, req.path),
-                                "", "unknown_url"));
-    } else if (res.status == 413) {
-      reply_error(res, ApiError(413, "invalid_request_error",
-                                fmt::format("the request body exceeds the limit of {} bytes (--max-body-bytes)",
-                                            cfg_.max_body_bytes),
-                                "", "request_too_large"));
-    } else if (res.status >= 500) {
-      reply_error(res, ApiError(res.status, "server_error", fmt::format("HTTP {}", res.status)));
+  }
+  const bool post_path = req.path == "/v1/chat/completions" || req.path == "/v1/completions";
+  const bool get_path = req.path == "/v1/models" || req.path.rfind("/v1/models/", 0) == 0 || req.path == "/health";
+  if (post_path && req.method == "POST") {
+    const Endpoint ep = req.path == "/v1/chat/completions" ? Endpoint::Chat : Endpoint::Completions;
+    r.lane = rpc::Lane::Worker;
+    r.handler = [this, ep](rpc::HttpRequest& q, rpc::HttpReply& reply) { handle_generate(ep, q, reply); };
+    return r;
+  }
+  if (get_path && req.method == "GET" && !(req.path == "/v1/models/")) {
+    if (req.path == "/health") {
+      r.lane = rpc::Lane::Control;
+      r.handler = [this](rpc::HttpRequest&, rpc::HttpReply& reply) { handle_health(reply); };
     } else {
-      reply_error(res, ApiError(res.status, "invalid_request_error",
-                                fmt::format("malformed HTTP request (HTTP {})", res.status)));
+      r.lane = rpc::Lane::Inline;
+      r.handler = [this](rpc::HttpRequest& q, rpc::HttpReply& reply) { handle_models(q, reply); };
     }
-    return httplib::Server::HandlerResponse::Handled;
-  }));
-  svr.set_exception_handler([](const httplib::Request& req, httplib::Response& res, std::exception_ptr ep) {
-    std::string what = "unknown exception";
-    try {
-      if (ep) std::rethrow_exception(ep);
-    } catch (const std::exception& e) {
-      what = e.what();
-    } catch (...) {
-    }
-    spdlog::error("{} {}: internal error: {}", req.method, req.path, what);
-    reply_error(res, ApiError(500, "server_error", "internal error: " + what, "", "internal_error"));
-  });
+    return r;
+  }
+  const std::string method = rpc::short_excerpt(req.method, 16), path = rpc::short_excerpt(req.path, 128);
+  if (post_path || get_path) {
+    const char* allow = post_path ? "POST" : "GET";
+    return refuse(ApiError(405, "invalid_request_error",
+                           fmt::format("{} {} is not allowed (use {})", method, path, allow), "", "method_not_allowed"),
+                  {{"Allow", allow}});
+  }
+  return refuse(ApiError(404, "invalid_request_error", fmt::format("Invalid URL ({} {})", method, path), "",
+                         "unknown_url"));
 }
 
 int OpenAIFront::bind(const std::string& host, int port) {
-  const int bound = port == 0 ? server_->bind_to_any_port(host) : (server_->bind_to_port(host, port) ? port : -1);
-  if (bound <= 0) {
-    throw std::runtime_error(fmt::format("--listen: cannot listen on {}:{} (address in use or invalid?)", host, port));
+  try {
+    return server_->bind(host, port);
+  } catch (const std::runtime_error& e) {
+    throw std::runtime_error(fmt::format("--listen: cannot listen on {}:{} (address in use or invalid?): {}", host,
+                                         port, e.what()));
   }
-  return bound;
 }
 
-void OpenAIFront::start() {
-  thread_ = std::thread([this] { server_->listen_after_bind(); });
-  while (!server_->is_running()) std::this_thread::sleep_for(std::chrono::milliseconds(5));
-}
+void OpenAIFront::start() { server_->start(); }
 
 void OpenAIFront::begin_drain() { life_.begin_drain(); }
 
@@ -430,42 +409,77 @@ size_t OpenAIFront::in_flight() const { return life_.active(); }
 void OpenAIFront::cancel_in_flight() { watcher_.cancel_all(); }
 
 void OpenAIFront::stop() {
-  if (!server_) return;
-  server_->stop();
-  if (thread_.joinable()) thread_.join();
+  if (server_) server_->stop();
 }
 
-void OpenAIFront::handle_health(httplib::Response& res) {
+int OpenAIFront::router_health(std::string* error) {
+  std::unique_lock<std::mutex> lock(health_mu_);
+  const auto fresh = [&] {
+    return health_at_ != std::chrono::steady_clock::time_point{} &&
+           std::chrono::steady_clock::now() - health_at_ < std::chrono::milliseconds(250);
+  };
+  if (!fresh()) {
+    if (health_checking_) {
+      health_cv_.wait(lock, [&] { return !health_checking_; });
+    } else {
+      health_checking_ = true;
+      lock.unlock();
+      std::string err;
+      int code = -1;
+      try {
+        code = rpc::check_health(channel_, "hypic.v1.Router", std::chrono::milliseconds(2000), &err);
+      } catch (const std::exception& e) {
+        err = e.what();
+      }
+      lock.lock();
+      health_code_ = code;
+      health_error_ = err;
+      health_at_ = std::chrono::steady_clock::now();
+      health_checking_ = false;
+      health_cv_.notify_all();
+    }
+  }
+  *error = health_error_;
+  return health_code_;
+}
+
+void OpenAIFront::handle_health(rpc::HttpReply& reply) {
   if (life_.draining()) {
-    reply_error(res, ApiError(503, "server_error", "the OpenAI front is shutting down", "", "service_unavailable"));
+    reply_error(reply, ApiError(503, "server_error", "the OpenAI front is shutting down", "", "service_unavailable"));
     return;
   }
   std::string error;
-  const int st = rpc::check_health(channel_, "hypic.v1.Router", std::chrono::milliseconds(2000), &error);
+  const int st = router_health(&error);
+  if (life_.draining()) {
+    reply_error(reply, ApiError(503, "server_error", "the OpenAI front is shutting down", "", "service_unavailable"));
+    return;
+  }
   if (st == 1) {
-    res.set_content(dump_json(json{{"status", "ok"}, {"router", "SERVING"}}), "application/json");
+    reply.send(json_response(json{{"status", "ok"}, {"router", "SERVING"}}));
     return;
   }
   if (st >= 0) error = st == 2 ? "NOT_SERVING" : st == 3 ? "SERVICE_UNKNOWN" : "UNKNOWN";
-  reply_error(res, ApiError(503, "server_error", "the router is not serving: " + error, "", "service_unavailable"));
+  reply_error(reply, ApiError(503, "server_error", "the router is not serving: " + error, "", "service_unavailable"));
 }
 
-void OpenAIFront::handle_models(const httplib::Request& req, httplib::Response& res) {
+void OpenAIFront::handle_models(const rpc::HttpRequest& req, rpc::HttpReply& reply) {
   const json model{{"id", cfg_.model_name}, {"object", "model"}, {"created", started_at_}, {"owned_by", "hypic"}};
-  if (req.matches.size() > 1) {
-    if (req.matches[1] != cfg_.model_name) {
-      reply_error(res, ApiError(404, "invalid_request_error",
-                                fmt::format("The model `{}` does not exist", std::string(req.matches[1])), "model",
-                                "model_not_found"));
+  const std::string prefix = "/v1/models/";
+  if (req.path.rfind(prefix, 0) == 0) {
+    const std::string id = req.path.substr(prefix.size());
+    if (id != cfg_.model_name) {
+      reply_error(reply, ApiError(404, "invalid_request_error",
+                                  fmt::format("The model `{}` does not exist", rpc::short_excerpt(id, 128)), "model",
+                                  "model_not_found"));
       return;
     }
-    res.set_content(dump_json(model), "application/json");
+    reply.send(json_response(model));
     return;
   }
-  res.set_content(dump_json(json{{"object", "list"}, {"data", json::array({model})}}), "application/json");
+  reply.send(json_response(json{{"object", "list"}, {"data", json::array({model})}}));
 }
 
-void OpenAIFront::handle_generate(Endpoint endpoint, const httplib::Request& req, httplib::Response& res) {
+void OpenAIFront::handle_generate(Endpoint endpoint, rpc::HttpRequest& req, rpc::HttpReply& reply) {
   const auto arrived = std::chrono::steady_clock::now();
   ParsedRequest parsed;
   try {
@@ -473,20 +487,22 @@ void OpenAIFront::handle_generate(Endpoint endpoint, const httplib::Request& req
     opts.model_name = cfg_.model_name;
     parsed = parse_request(endpoint, req.body, tokenizer_, opts);
   } catch (const ApiError& e) {
-    reply_error(res, e);
+    reply_error(reply, e);
     FrontMetrics::finished(endpoint, e.status(), false, seconds_since(arrived), nullptr);
     return;
   }
+  // The body is not needed past parsing: free it now (a 15 MiB body would otherwise live as long as a stream).
+  std::string().swap(req.body);
   const std::string request_id = parsed.request_id.empty() ? rpc::make_request_id() : parsed.request_id;
-  res.set_header("X-Request-Id", request_id);
   const ResponseMeta meta{response_id(endpoint, request_id), int64_t(std::time(nullptr)), cfg_.model_name};
 
   std::unique_ptr<RouterCall> call;
   try {
     call = std::make_unique<RouterCall>(*stub_, to_generate_request(parsed, request_id), cfg_.request_timeout,
-                                        cfg_.router_token, watcher_, connection_socket(req), life_);
+                                        cfg_.router_token, watcher_, req.socket_fd, life_);
   } catch (const rpc::RpcError&) {  // draining
-    reply_error(res, ApiError(503, "server_error", "the OpenAI front is shutting down", "", "service_unavailable"));
+    reply_error(reply, ApiError(503, "server_error", "the OpenAI front is shutting down", "", "service_unavailable"),
+                request_id);
     FrontMetrics::finished(endpoint, 503, parsed.stream, seconds_since(arrived), nullptr);
     return;
   }
@@ -499,8 +515,8 @@ void OpenAIFront::handle_generate(Endpoint endpoint, const httplib::Request& req
     const ApiError e = status.ok() ? ApiError(502, "server_error", "the router answered nothing", "", "bad_gateway")
                                    : map_grpc_status(status, parsed);
     if (call->client_left()) spdlog::info("[req {}] client disconnected before the first token: cancelled", request_id);
-    else spdlog::info("[req {}] {} -> {} {}", request_id, req.path, e.status(), e.what());
-    reply_error(res, e);
+    else spdlog::info("[req {}] {} -> {} {}", request_id, req.path, e.status(), rpc::short_excerpt(e.what(), 300));
+    reply_error(reply, e, request_id);
     FrontMetrics::finished(endpoint, call->client_left() ? 499 : e.status(), parsed.stream, seconds_since(arrived),
                            nullptr);
     return;
@@ -519,12 +535,12 @@ void OpenAIFront::handle_generate(Endpoint endpoint, const httplib::Request& req
       const ApiError e = status.ok() ? ApiError(502, "server_error", "the router sent no report", "", "bad_gateway")
                                      : map_grpc_status(status, parsed);
       if (call->client_left()) spdlog::info("[req {}] client disconnected: cancelled", request_id);
-      else spdlog::info("[req {}] {} -> {} {}", request_id, req.path, e.status(), e.what());
-      reply_error(res, e);
+      else spdlog::info("[req {}] {} -> {} {}", request_id, req.path, e.status(), rpc::short_excerpt(e.what(), 300));
+      reply_error(reply, e, request_id);
       FrontMetrics::finished(endpoint, call->client_left() ? 499 : e.status(), false, seconds_since(arrived), nullptr);
       return;
     }
-    res.set_content(dump_json(completion_response(endpoint, meta, text, *report, parsed.prompt)), "application/json");
+    reply.send(json_response(completion_response(endpoint, meta, text, *report, parsed.prompt), request_id));
     FrontMetrics::finished(endpoint, 200, false, seconds_since(arrived), &*report);
     spdlog::info("[req {}] {}: {} segments, {} prompt tokens, {} generated ({}), ttft {:.1f} ms, {:.1f} ms in all",
                  request_id, req.path, report->segments_size(), report->prompt_tokens(), report->completion_tokens(),
@@ -533,35 +549,24 @@ void OpenAIFront::handle_generate(Endpoint endpoint, const httplib::Request& req
     return;
   }
 
-  // Streaming: from here on the status is 200 and errors travel as an error event before [DONE].
-  // httplib would gzip a text/* body for a client accepting it, buffering the events until the end: an event stream
-  // must go out as written, so the request's Accept-Encoding is dropped (the Request object is httplib's own,
-  // non-const, local to the connection).
-  const_cast<httplib::Request&>(req).headers.erase("Accept-Encoding");
-  res.set_header("Cache-Control", "no-cache");
-  res.set_header("X-Accel-Buffering", "no");
-  auto state = std::make_shared<StreamState>();
-  state->call = std::move(call);
-  state->request = std::move(parsed);
-  state->meta = meta;
-  state->first = std::move(first);
-  state->arrived = arrived;
-  state->request_id = request_id;
-  res.set_chunked_content_provider(
-      "text/event-stream",
-      [state](size_t, httplib::DataSink& sink) {
-        if (!write_stream(*state, sink)) {
-          spdlog::info("[req {}] client disconnected mid-stream: cancelled", state->request_id);
-          FrontMetrics::finished(state->request.endpoint, 499, true, seconds_since(state->arrived), nullptr);
-          return false;
-        }
-        return true;
-      },
-      [state](bool) {
-        // Whatever happened (done, client gone, server stopping), the call ends here: a call not finished yet is
-        // cancelled by RouterCall's destructor.
-        state->call.reset();
-      });
+  // Streaming: from here on the status is 200 and errors travel as an error event before [DONE]. Each event is
+  // written as it comes (no compression, no buffering); a failed or timed-out write cancels the call.
+  StreamState st;
+  st.call = std::move(call);
+  st.request = std::move(parsed);
+  st.meta = meta;
+  st.first = std::move(first);
+  st.arrived = arrived;
+  st.request_id = request_id;
+  const bool opened = reply.begin_stream(
+      200, "text/event-stream", {{"Cache-Control", "no-cache"}, {"X-Accel-Buffering", "no"}, {"X-Request-Id", request_id}});
+  if (!opened) st.call->client_gone();
+  if (!opened || !write_stream(st, reply)) {
+    spdlog::info("[req {}] client disconnected mid-stream: cancelled", st.request_id);
+    FrontMetrics::finished(st.request.endpoint, 499, true, seconds_since(st.arrived), nullptr);
+  }
+  // Whatever happened, the call ends here: a call not finished yet is cancelled by RouterCall's destructor.
+  st.call.reset();
 }
 
 }  // namespace hypic::openai

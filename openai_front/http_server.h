@@ -1,7 +1,14 @@
 // The HTTP(S) server of hypic-openai: OpenAI-compatible endpoints in front of a hypic router (hypic.v1.Router.Generate,
 // server streaming). Request parsing and answer shapes live in openai_front/api.h; this file owns the I/O: the
-// cpp-httplib server, bearer-token checks, the gRPC calls to the router, server-sent events, client disconnects and
-// the graceful drain.
+// routes on the event-driven HTTP server (proto/rpc/http_server.h: a few I/O threads, per-connection deadlines, a
+// bound on connections and on buffered bodies), bearer-token checks, the gRPC calls to the router, server-sent
+// events, client disconnects and the graceful drain.
+//
+// Where requests run: completions on a worker pool of --http-threads threads (the gRPC calls block; more requests
+// wait in order, their connections held); /health on its own small control pool, its router check shared by
+// concurrent probes (one check at a time, its result reused for 250 ms), so neither slow clients nor a full worker
+// pool delay it; /v1/models and every refusal (401, 404, 405, 411, 413) on the I/O threads, before any body is
+// read.
 //
 // Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /v1/models/{id}, GET /health
 // (200 when the router answers its gRPC health check as SERVING, 503 otherwise or while draining). Every error is
@@ -30,14 +37,9 @@
 #include "engine/tokenizer.h"
 #include "hypic/v1/router.grpc.pb.h"
 #include "openai_front/api.h"
+#include "proto/rpc/http_server.h"
 #include "proto/rpc/security.h"
 #include "proto/rpc/server.h"
-
-namespace httplib {
-class Server;
-struct Request;
-struct Response;
-}  // namespace httplib
 
 namespace hypic::openai {
 
@@ -76,16 +78,18 @@ class ConnectionWatcher {
   std::thread thread_;
 };
 
-/// The socket of the connection an httplib request arrived on (matched by its local and remote address and port;
-/// for HTTPS the SSL object's socket), or -1 when it cannot be found.
-int connection_socket(const httplib::Request& req);
-
 /// Configuration of the front (main.cpp fills it from the flags).
 struct FrontConfig {
   std::string model_name = "hypic";          ///< the id /v1/models lists and requests must name (or omit)
   std::chrono::milliseconds request_timeout{std::chrono::seconds(600)};  ///< deadline of each Generate call
-  size_t max_body_bytes = 16u << 20;         ///< larger request bodies get 413
-  size_t http_threads = 64;                  ///< connections served at once (each stream holds one)
+  size_t max_body_bytes = 16u << 20;         ///< larger request bodies get 413 (before they are read)
+  size_t http_threads = 64;                  ///< completion requests handled at once (the worker pool)
+  size_t io_threads = 2;                     ///< threads running every connection's I/O
+  size_t max_connections = 1024;             ///< open connections (a new one evicts the longest idle)
+  size_t max_buffered_bytes = 256u << 20;    ///< request bodies held at once (503 above); >= max_body_bytes
+  std::chrono::milliseconds header_timeout{std::chrono::seconds(10)};  ///< a request head within this
+  std::chrono::milliseconds body_timeout{std::chrono::seconds(60)};    ///< a body within this after its head
+  std::chrono::milliseconds write_timeout{std::chrono::seconds(60)};   ///< each write to a client within this
   rpc::BearerTokens auth;                    ///< accepted client tokens; empty: no authentication
   std::string router_token;                  ///< sent to the router as `authorization: Bearer <token>` ("" none)
   /// Serve HTTPS with these PEM files (cert and key both set); client_ca set: client certificates required.
@@ -104,7 +108,7 @@ class OpenAIFront {
 
   /// Binds host:port (port 0 picks a free one) and returns the port. Throws std::runtime_error when it cannot bind.
   int bind(const std::string& host, int port);
-  /// Serves on a background thread; returns once the server accepts connections.
+  /// Starts the I/O threads and the pools; returns once the server accepts connections.
   void start();
   /// Health turns 503 and new completion requests get 503 "shutting down"; calls in flight go on.
   void begin_drain();
@@ -118,20 +122,27 @@ class OpenAIFront {
   void stop();
 
  private:
-  void handle_generate(Endpoint endpoint, const httplib::Request& req, httplib::Response& res);
-  void handle_health(httplib::Response& res);
-  void handle_models(const httplib::Request& req, httplib::Response& res);
-  void install_routes();
+  rpc::HttpRoute route(const rpc::HttpRequest& head);
+  void handle_generate(Endpoint endpoint, rpc::HttpRequest& req, rpc::HttpReply& reply);
+  void handle_health(rpc::HttpReply& reply);
+  void handle_models(const rpc::HttpRequest& req, rpc::HttpReply& reply);
+  /// The router's health (rpc::check_health's code, `error` its text), shared by concurrent callers.
+  int router_health(std::string* error);
 
   FrontConfig cfg_;
   engine::Tokenizer tokenizer_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Router::Stub> stub_;
-  std::unique_ptr<httplib::Server> server_;
   ConnectionWatcher watcher_;
   rpc::Lifecycle life_{"openai front"};
-  std::thread thread_;
+  std::unique_ptr<rpc::HttpServer> server_;
   int64_t started_at_ = 0;
+  std::mutex health_mu_;
+  std::condition_variable health_cv_;
+  bool health_checking_ = false;
+  std::chrono::steady_clock::time_point health_at_{};
+  int health_code_ = -1;
+  std::string health_error_;
 };
 
 }  // namespace hypic::openai

@@ -17,6 +17,7 @@
 #include <spdlog/spdlog.h>
 
 #include "openai_front/http_server.h"
+#include "proto/rpc/http_server.h"
 #include "proto/rpc/metrics.h"
 #include "proto/rpc/security.h"
 #include "proto/rpc/server.h"
@@ -52,6 +53,9 @@ std::string router_model_name(const std::shared_ptr<grpc::Channel>& channel, con
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Large request bodies are mmapped and returned when freed, and the heap is trimmed after each (http_server.h):
+  // resident memory comes back down after a burst of 15 MiB requests.
+  hypic::rpc::bound_heap_retention();
   hypic::rpc::block_termination_signals();
   CLI::App app{"hypic OpenAI front: /v1/chat/completions, /v1/completions, /v1/models and /health over HTTP(S), "
                "answered by a hypic router"};
@@ -60,7 +64,9 @@ int main(int argc, char** argv) {
   hypic::rpc::add_server_flags(app, server);
   std::string router, tokenizer_path, model_name, auth_token_file, router_token_file;
   double request_timeout_s = 600;
-  size_t max_body_bytes = 16u << 20, http_threads = 64;
+  size_t max_body_bytes = 16u << 20, http_threads = 64, io_threads = 2, max_connections = 1024,
+         max_buffered_bytes = 256u << 20;
+  double header_timeout_s = 10, body_timeout_s = 60, write_timeout_s = 60;
   app.add_option("--router", router, "the router's host:port")->required();
   app.add_option("--tokenizer", tokenizer_path,
                  "tokenizer.json, the same file as the router's (prompts are sent as token ids)")
@@ -75,9 +81,35 @@ int main(int argc, char** argv) {
   app.add_option("--max-body-bytes", max_body_bytes, "largest request body accepted (413 above)")
       ->capture_default_str()
       ->check(CLI::Range(size_t{1024}, size_t{1} << 30));
-  app.add_option("--http-threads", http_threads, "HTTP connections served at once (each stream holds one)")
+  app.add_option("--http-threads", http_threads,
+                 "completion requests handled at once (worker threads; each stream holds one, more wait in order)")
       ->capture_default_str()
       ->check(CLI::Range(size_t{1}, size_t{4096}));
+  app.add_option("--io-threads", io_threads, "threads running every connection's I/O (event-driven)")
+      ->capture_default_str()
+      ->check(CLI::Range(size_t{1}, size_t{64}));
+  app.add_option("--max-connections", max_connections,
+                 "open HTTP connections; past it a new one closes the longest idle (or gets 503 when all are busy)")
+      ->capture_default_str()
+      ->check(CLI::Range(size_t{1}, size_t{1} << 20));
+  app.add_option("--max-buffered-bytes", max_buffered_bytes,
+                 "request bodies held at once, all connections together (503 above, before reading); at least "
+                 "--max-body-bytes")
+      ->capture_default_str()
+      ->check(CLI::Range(size_t{1024}, size_t{1} << 40));
+  app.add_option("--header-timeout-seconds", header_timeout_s,
+                 "a request head (or an idle keep-alive connection's next one, or a TLS handshake) must arrive "
+                 "within this; slower clients are closed")
+      ->capture_default_str()
+      ->check(CLI::Range(0.05, 3600.0));
+  app.add_option("--body-timeout-seconds", body_timeout_s, "a request body must arrive within this after its head")
+      ->capture_default_str()
+      ->check(CLI::Range(0.05, 3600.0));
+  app.add_option("--write-timeout-seconds", write_timeout_s,
+                 "each write to a client (an answer, a stream event) must complete within this, else the "
+                 "connection is closed and its request cancelled")
+      ->capture_default_str()
+      ->check(CLI::Range(0.05, 3600.0));
   app.add_option("--auth-token-file", auth_token_file,
                  "accepted bearer tokens, one per line: every path but /health then needs 'Authorization: Bearer "
                  "<token>' (401 otherwise)")
@@ -94,6 +126,12 @@ int main(int argc, char** argv) {
     cfg.request_timeout = std::chrono::milliseconds(int64_t(request_timeout_s * 1000));
     cfg.max_body_bytes = max_body_bytes;
     cfg.http_threads = http_threads;
+    cfg.io_threads = io_threads;
+    cfg.max_connections = max_connections;
+    cfg.max_buffered_bytes = std::max(max_buffered_bytes, max_body_bytes);
+    cfg.header_timeout = std::chrono::milliseconds(int64_t(header_timeout_s * 1000));
+    cfg.body_timeout = std::chrono::milliseconds(int64_t(body_timeout_s * 1000));
+    cfg.write_timeout = std::chrono::milliseconds(int64_t(write_timeout_s * 1000));
     if (!auth_token_file.empty()) cfg.auth = hypic::rpc::BearerTokens::load(auth_token_file, "--auth-token-file");
     if (!router_token_file.empty()) {
       cfg.router_token = hypic::rpc::read_token_file(router_token_file, "--router-token-file");

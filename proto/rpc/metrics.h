@@ -114,7 +114,9 @@ class MetricsRegistry {
   std::map<std::string, Family> families_;
 };
 
-/// The HTTP(S) server of /metrics (and /healthz, answering "ok"), on its own thread.
+/// The HTTP(S) server of /metrics (and /healthz, answering "ok"): the event-driven HttpServer (http_server.h) on one
+/// I/O thread, at most 64 connections (a new one evicts the longest idle), heads within 5 s, no request bodies
+/// (413 before reading one).
 class MetricsServer {
  public:
   /// Binds `listen` (host:port; port 0 picks one) and starts serving `registry`. Serves HTTPS when the process's TLS
@@ -130,7 +132,6 @@ class MetricsServer {
   struct Impl;
   std::unique_ptr<Impl> impl_;
   int port_ = 0;
-  std::thread thread_;
 };
 
 /// Splits "host:port" ("[::1]:80" for IPv6) into host and port. Throws std::invalid_argument naming `flag` when

@@ -3,8 +3,6 @@
 // engine::format_chatml of the conversation), forged control tokens kept as plain text, the completions split,
 // request checks naming the field, the gRPC -> HTTP mapping of every status code, answer and stream chunk shapes, and
 // the socket watcher cancelling a call whose client hung up. Needs the real Qwen3 tokenizer (scripts/fetch_tokenizer.sh).
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -14,8 +12,6 @@
 #include <cstdio>
 #include <fstream>
 #include <thread>
-
-#include <httplib.h>
 
 #include "engine/chat.h"
 #include "openai_front/api.h"
@@ -499,39 +495,4 @@ TEST_CASE("the connection watcher cancels the call of a client that hung up", "[
   close(a[0]);
   close(b[0]);
   close(b[1]);
-}
-
-TEST_CASE("connection_socket finds the request's socket by its two ends", "[openai]") {
-  const int listener = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  REQUIRE(bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
-  REQUIRE(listen(listener, 4) == 0);
-  socklen_t len = sizeof addr;
-  REQUIRE(getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len) == 0);
-  int clients[2], served[2];
-  for (int i = 0; i < 2; ++i) {
-    clients[i] = socket(AF_INET, SOCK_STREAM, 0);
-    REQUIRE(connect(clients[i], reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
-    served[i] = accept(listener, nullptr, nullptr);
-    REQUIRE(served[i] >= 0);
-  }
-  for (int i = 0; i < 2; ++i) {
-    sockaddr_in peer{};
-    socklen_t plen = sizeof peer;
-    REQUIRE(getpeername(served[i], reinterpret_cast<sockaddr*>(&peer), &plen) == 0);
-    httplib::Request req;
-    req.remote_addr = "127.0.0.1";
-    req.remote_port = ntohs(peer.sin_port);
-    req.local_addr = "127.0.0.1";
-    req.local_port = ntohs(addr.sin_port);
-    CHECK(connection_socket(req) == served[i]);
-  }
-  httplib::Request unknown;
-  unknown.remote_addr = "127.0.0.1";
-  unknown.remote_port = 1;
-  unknown.local_port = 2;
-  CHECK(connection_socket(unknown) == -1);
-  for (int fd : {clients[0], clients[1], served[0], served[1], listener}) close(fd);
 }
