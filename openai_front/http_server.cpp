@@ -121,6 +121,9 @@ struct FrontMetrics {
 
 namespace {
 
+/// Bodies at least this large are parsed (and tokenised) on a thread of their own (see handle_generate).
+constexpr size_t kFreshThreadBodyBytes = 1 << 20;
+
 /// Longest error message sent (a message quoting client input is cut, so a 2 MB body is never echoed).
 constexpr size_t kMaxErrorMessageBytes = 1024;
 
@@ -485,7 +488,22 @@ void OpenAIFront::handle_generate(Endpoint endpoint, rpc::HttpRequest& req, rpc:
   try {
     ParseOptions opts;
     opts.model_name = cfg_.model_name;
-    parsed = parse_request(endpoint, req.body, tokenizer_, opts);
+    if (req.body.size() < kFreshThreadBodyBytes) {
+      parsed = parse_request(endpoint, req.body, tokenizer_, opts);
+    } else {
+      // The tokenizer keeps per-thread working buffers (engine/tokenizer.cpp) as large as the largest text the
+      // thread has tokenised: parsed on a worker, a 15 MiB body would leave ~120 MB on each of the --http-threads
+      // workers. A large body is parsed on a thread of its own, whose buffers are freed when it ends.
+      std::exception_ptr error;
+      std::thread([&] {
+        try {
+          parsed = parse_request(endpoint, req.body, tokenizer_, opts);
+        } catch (...) {
+          error = std::current_exception();
+        }
+      }).join();
+      if (error) std::rethrow_exception(error);
+    }
   } catch (const ApiError& e) {
     reply_error(reply, e);
     FrontMetrics::finished(endpoint, e.status(), false, seconds_since(arrived), nullptr);
