@@ -1,7 +1,11 @@
 #include "client/input.h"
 #include "engine/io_error.h"
+#include "proto/rpc/status.h"
 
+#include <cerrno>
 #include <charconv>
+#include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -30,7 +34,88 @@ const char* type_name(const json& v) {
 }
 }  // namespace
 
-std::string read_file(const std::string& path) { return engine::read_file_bytes(path); }
+std::string read_file(const std::string& path, uint64_t max_bytes) {
+  errno = 0;
+  std::ifstream in(path, std::ios::binary);
+  std::error_code ec;
+  if (!in) throw std::runtime_error("cannot read " + path + ": " + engine::io_error_reason(path, errno));
+  if (std::filesystem::is_directory(path, ec)) throw std::runtime_error("cannot read " + path + ": Is a directory");
+  if (std::filesystem::is_regular_file(path, ec)) {
+    const auto size = std::filesystem::file_size(path, ec);
+    if (!ec && size > max_bytes) {
+      throw std::runtime_error(fmt::format("cannot read {}: {} bytes, more than the {} bytes hypic-client reads from a "
+                                           "file",
+                                           path, size, max_bytes));
+    }
+  }
+  std::string out;
+  char buf[1 << 16];
+  while (in) {
+    in.read(buf, sizeof buf);
+    out.append(buf, size_t(in.gcount()));
+    if (out.size() > max_bytes) {
+      throw std::runtime_error(fmt::format("cannot read {}: more than the {} bytes hypic-client reads from a file "
+                                           "(not a regular file?)",
+                                           path, max_bytes));
+    }
+  }
+  if (in.bad()) throw std::runtime_error("cannot read " + path + ": read error");
+  return out;
+}
+
+double parse_seconds(std::string_view text, std::string_view flag, bool zero_means_none) {
+  constexpr double kMaxSeconds = 31536000.0;
+  double v = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  const bool parsed = !text.empty() && ec == std::errc() && end == text.data() + text.size();
+  if (!parsed || !std::isfinite(v) || v < 0 || v > kMaxSeconds || (v == 0 && !zero_means_none)) {
+    throw std::invalid_argument(fmt::format("{}: {} is not a number of seconds in {}{}] (finite; no NaN, infinity or "
+                                            "negative value)",
+                                            flag, rpc::untrusted(text, 64), zero_means_none ? "[0 (none), " : "(0, ",
+                                            kMaxSeconds));
+  }
+  return v;
+}
+
+int64_t parse_integer(std::string_view text, std::string_view flag, int64_t min, int64_t max) {
+  int64_t v = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  const bool plus = !text.empty() && text[0] == '+';
+  if (text.empty() || plus || ec != std::errc() || end != text.data() + text.size() || v < min || v > max) {
+    throw std::invalid_argument(fmt::format("{}: {} is not an integer in [{}, {}]{}", flag, rpc::untrusted(text, 64),
+                                            min, max, ec == std::errc::result_out_of_range ? " (overflow)" : ""));
+  }
+  return v;
+}
+
+uint64_t parse_uint64(std::string_view text, std::string_view flag) {
+  uint64_t v = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (text.empty() || text[0] == '-' || text[0] == '+' || ec != std::errc() || end != text.data() + text.size()) {
+    throw std::invalid_argument(fmt::format("{}: {} is not an integer in [0, 18446744073709551615]{}", flag,
+                                            rpc::untrusted(text, 64),
+                                            ec == std::errc::result_out_of_range ? " (it overflows 64 bits)" : ""));
+  }
+  return v;
+}
+
+std::string check_address(std::string_view text, std::string_view flag) {
+  const auto colon = text.rfind(':');
+  const bool bracketed = !text.empty() && text[0] == '[';
+  bool ok = colon != std::string_view::npos && colon > 0 && (!bracketed || text[colon - 1] == ']');
+  if (ok && !bracketed && text.substr(0, colon).find(':') != std::string_view::npos) ok = false;  // IPv6 needs [ ]
+  int port = 0;
+  if (ok) {
+    const std::string_view p = text.substr(colon + 1);
+    const auto [end, ec] = std::from_chars(p.data(), p.data() + p.size(), port);
+    ok = !p.empty() && p[0] != '+' && ec == std::errc() && end == p.data() + p.size() && port >= 1 && port <= 65535;
+  }
+  if (!ok) {
+    throw std::invalid_argument(fmt::format("{}: {} is not HOST:PORT with a port in [1, 65535] (IPv6 as [ADDR]:PORT)",
+                                            flag, rpc::untrusted(text, 100)));
+  }
+  return std::string(text);
+}
 
 int32_t token_id_from_json(const json& v, const std::string& what) {
   if (v.is_number_unsigned()) {

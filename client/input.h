@@ -18,9 +18,26 @@ namespace hypic::client {
 /// One past the largest token id a request can carry (the wire's int32): ids are in [0, kTokenIdLimit).
 inline constexpr int64_t kTokenIdLimit = int64_t{1} << 31;
 
-/// The bytes of a file; throws std::runtime_error("cannot read PATH: REASON") when it cannot be read (the reason as
-/// strerror says it: "No such file or directory", "Permission denied", "Is a directory").
-std::string read_file(const std::string& path);
+/// Most bytes hypic-client reads from one input file (64 MiB, far above any router's default text limits).
+inline constexpr uint64_t kMaxInputFileBytes = uint64_t{64} << 20;
+
+/// The bytes of a file, at most `max_bytes`: a larger regular file is refused from its size before any byte is read,
+/// and anything else (a device such as /dev/zero, a pipe) after max_bytes + 1 bytes. Throws std::runtime_error("cannot
+/// read PATH: REASON") when it cannot be read (the reason as strerror says it: "No such file or directory", "Permission
+/// denied", "Is a directory") or is too large.
+std::string read_file(const std::string& path, uint64_t max_bytes = kMaxInputFileBytes);
+
+/// Strict parsers of hypic-client's flag values. Each throws std::invalid_argument("FLAG: ...") naming the flag and the
+/// text (escaped, cut) when the text is not entirely the number asked for.
+/// Seconds of a deadline or wait: a finite decimal number in (0, 31536000] (a year: beyond that a deadline overflows
+/// clocks); 0 only when `zero_means_none` (then it is returned as 0). NaN, infinities, negatives are refused.
+double parse_seconds(std::string_view text, std::string_view flag, bool zero_means_none);
+/// A decimal integer in [min, max] (no sign for min >= 0, no blanks, no fraction or exponent); overflow refused.
+int64_t parse_integer(std::string_view text, std::string_view flag, int64_t min, int64_t max);
+/// A decimal integer in [0, 2^64 - 1]; 2^64 and more refused (not saturated).
+uint64_t parse_uint64(std::string_view text, std::string_view flag);
+/// A HOST:PORT address (HOST may be [IPv6]) whose port is a decimal integer in [1, 65535]; the address is returned.
+std::string check_address(std::string_view text, std::string_view flag);
 
 /// A token id from a JSON value: an integer in [0, kTokenIdLimit). `what` names it in the error
 /// ("segments[0].tokens[2]"); a float ("1.7"), a string or a value out of range throws std::invalid_argument

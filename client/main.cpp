@@ -30,7 +30,9 @@
 
 #include "client/input.h"
 #include "engine/io_error.h"
+#include "hypic/v1/combine.grpc.pb.h"
 #include "hypic/v1/router.grpc.pb.h"
+#include "hypic/v1/scatter.grpc.pb.h"
 #include "proto/rpc/reflection_client.h"
 #include "proto/rpc/server.h"
 #include "proto/rpc/status.h"
@@ -59,6 +61,15 @@ json proto_json(const google::protobuf::Message& m) {
   o.always_print_primitive_fields = true;
   (void)google::protobuf::util::MessageToJsonString(m, &s, o);
   return json::parse(s);
+}
+
+/// The bytes of an input file named by `flag`, capped (client/input.h read_file); errors name the flag.
+std::string read_input(const std::string& flag, const std::string& path) {
+  try {
+    return read_file(path);
+  } catch (const std::runtime_error& e) {
+    throw std::invalid_argument(fmt::format("{}: {}", flag, e.what()));
+  }
 }
 
 int rpc_failed(const grpc::Status& st, bool as_json, const std::string& hint = "") {
@@ -136,6 +147,15 @@ bool tcp_open(const std::string& target) {
   return open;
 }
 
+/// Is a TLS mismatch the likely cause of a failed call to `target`? Only when something listens there (TCP) but a gRPC
+/// connection with this process's TLS settings cannot be made within 2 s: a server that connects fine (a deadline
+/// that was just too short, a busy server) is not blamed on TLS.
+bool likely_tls_mismatch(const std::string& target) {
+  if (!tcp_open(target)) return false;
+  const auto channel = hypic::rpc::make_channel(target);
+  return !channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(2));
+}
+
 /// The hint for a gRPC connection that failed although something listens at `target`: most likely the TLS settings
 /// differ from the server's.
 std::string tls_hint(const std::string& target) {
@@ -151,7 +171,15 @@ std::string tls_hint(const std::string& target) {
 std::string router_hint(const grpc::Status& st, const std::string& router,
                         const std::shared_ptr<grpc::Channel>& channel) {
   if (unreachable(st, channel)) {
-    if (tcp_open(router)) return tls_hint(router);
+    if (likely_tls_mismatch(router)) return tls_hint(router);
+    if (tcp_open(router)) {
+      if (st.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
+        return fmt::format("hint: the deadline (--timeout-seconds) passed before the call to {} got through; the "
+                           "router is reachable: give it more time",
+                           router);
+      }
+      return "";
+    }
     return fmt::format(
         "hint: no router answered at {} (--router; default 127.0.0.1:50050, the router's own default --listen): the "
         "router may not be running.\n"
@@ -184,8 +212,8 @@ int cache_failed(const grpc::Status& st, const std::string& cache_addr) {
   }
   std::string hint;
   if (unreachable(st)) {
-    hint = tcp_open(cache_addr)
-               ? tls_hint(cache_addr)
+    hint = likely_tls_mismatch(cache_addr) ? tls_hint(cache_addr)
+           : tcp_open(cache_addr)          ? std::string()
                : fmt::format("hint: no segment cache answered at {} (--cache): is it running? `hypic-client info "
                              "--router HOST:PORT` lists a cluster's cache replicas",
                              cache_addr);
@@ -316,8 +344,7 @@ int main(int argc, char** argv) {
   std::vector<int32_t> stop_ids;
   int max_tokens = 0, top_k = 0, seam_width = 0;
   float temperature = 0.0f, top_p = 1.0f;
-  uint64_t seed = 0;
-  double timeout_s = 0;
+  std::string seed_text, timeout_text = "0";
   bool as_json = false, quiet = false, no_cache_write = false, ignore_eos = false, allow_special = false;
   gen->add_option("--router", router,
                   "router host:port (the default is hypic-router's own default --listen, and the port "
@@ -335,7 +362,8 @@ int main(int argc, char** argv) {
   gen->add_option("--temperature", temperature, "0 = greedy")->capture_default_str();
   gen->add_option("--top-k", top_k, "0 = off")->capture_default_str();
   auto* tp_opt = gen->add_option("--top-p", top_p, "nucleus sampling, (0, 1]");
-  auto* seed_opt = gen->add_option("--seed", seed, "random seed (default: chosen by the router)");
+  auto* seed_opt = gen->add_option("--seed", seed_text, "random seed, an integer in [0, 2^64) (default: chosen by the "
+                                                       "router)");
   gen->add_option("--stop", stops, "stop string (repeat)");
   gen->add_option("--stop-token-id", stop_ids, "stop token id (repeat)");
   gen->add_flag("--ignore-eos", ignore_eos, "do not stop at the end-of-text tokens");
@@ -354,17 +382,19 @@ int main(int argc, char** argv) {
                                    "--refresh-tail)");
   gen->add_flag("--no-cache-write", no_cache_write, "do not store this request's segments in the cache");
   gen->add_option("--request-id", request_id, "request id (default: made up by the router)");
-  gen->add_option("--timeout-seconds", timeout_s, "deadline of the call (0: none)");
+  gen->add_option("--timeout-seconds", timeout_text, "deadline of the call: finite seconds > 0 (0: none)")
+      ->capture_default_str();
   gen->add_flag("--json", as_json, "print one JSON object {text, token_ids, report} instead of streaming");
   gen->add_flag("--quiet", quiet, "do not stream the text (the report is still printed)");
 
   // ---- health ----
   auto* health = app.add_subcommand("health", "check (or wait for) a service's gRPC health status");
   std::string target, service;
-  double wait_s = 0;
+  std::string wait_text = "0";
   health->add_option("--target", target, "host:port")->required();
   health->add_option("--service", service, "service name (default: the whole server)");
-  health->add_option("--wait-seconds", wait_s, "keep checking until SERVING or this long has passed");
+  health->add_option("--wait-seconds", wait_text, "keep checking until SERVING or this long has passed (finite, >= 0)")
+      ->capture_default_str();
 
   // ---- services ----
   auto* services = app.add_subcommand("services", "list the services a server exposes (gRPC server reflection)");
@@ -383,8 +413,18 @@ int main(int argc, char** argv) {
   for (auto* sc : {cstats, cget, cput, cdel}) sc->add_option("--cache", cache_addr, "cache host:port")->required();
   for (auto* sc : {cget, cput, cdel}) sc->add_option("--digest", digest_hex, "32 hex digits")->required();
   cget->add_option("--out", path, "file to write the bytes to")->required();
-  cput->add_option("--in", path, "file holding the bytes")->required()->check(CLI::ExistingFile);
+  cput->add_option("--in", path, "file holding the bytes (at most 64 MiB)")->required()->check(CLI::ExistingFile);
   cput->add_option("--token-ids", ids_text, "comma-separated token ids of the segment")->required();
+  std::string mac_hex;
+  cput->add_option("--mac-hex", mac_hex, "the entry's MAC as cache-get printed it (an entry moved as is; default: "
+                                         "none, which workers with a --cache-key-file refuse)");
+
+  // ---- worker info (operators; under mutual TLS it needs a service certificate) ----
+  auto* winfo = app.add_subcommand("worker-info", "print a scatter or combine worker's GetWorkerInfo as JSON");
+  std::string worker_role = "scatter";
+  winfo->add_option("--target", target, "worker host:port")->required();
+  winfo->add_option("--role", worker_role, "scatter | combine")->check(CLI::IsMember({"scatter", "combine"}))
+      ->capture_default_str();
   auto* cevents = app.add_subcommand("cache-events", "follow a cache replica's events (stored, evicted, cleared, "
                                                      "moved) as JSON lines (SegmentCache.WatchEvents)");
   bool include_existing = false;
@@ -396,6 +436,15 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
 
   try {
+    // Strict values (named in the error): addresses with a port in [1, 65535], finite durations, integers that fit.
+    namespace hc = hypic::client;
+    if (*gen || *info) hc::check_address(router, "--router");
+    if (*health || *services || *winfo) hc::check_address(target, "--target");
+    if (*cstats || *cget || *cput || *cdel || *cevents) hc::check_address(cache_addr, "--cache");
+    const double timeout_s = hc::parse_seconds(timeout_text, "--timeout-seconds", true);
+    const double wait_s = hc::parse_seconds(wait_text, "--wait-seconds", true);
+    const uint64_t seed = seed_text.empty() ? 0 : hc::parse_uint64(seed_text, "--seed");
+    if (event_count < 0) throw std::invalid_argument(fmt::format("--count: must be >= 0, got {}", event_count));
     hypic::rpc::configure_tls(tls);
     const std::string token = token_file.empty() ? std::string() : hypic::rpc::read_token_file(token_file);
     if (*cevents) {
@@ -447,6 +496,21 @@ int main(int argc, char** argv) {
       }
       return 0;
     }
+    if (*winfo) {
+      const auto channel = hypic::rpc::make_channel(target);
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+      v1::WorkerInfo out;
+      grpc::Status st;
+      if (worker_role == "scatter") {
+        st = v1::ScatterWorker::NewStub(channel)->GetWorkerInfo(&ctx, v1::WorkerInfoRequest{}, &out);
+      } else {
+        st = v1::CombineWorker::NewStub(channel)->GetWorkerInfo(&ctx, v1::WorkerInfoRequest{}, &out);
+      }
+      if (!st.ok()) return rpc_failed(st, false);
+      std::cout << proto_json(out).dump(2) << std::endl;
+      return 0;
+    }
     if (*info) {
       const auto channel = hypic::rpc::make_channel(router);
       auto stub = v1::Router::NewStub(channel);
@@ -468,15 +532,28 @@ int main(int argc, char** argv) {
         }
         const auto digest = hypic::rpc::digest_from_hex(digest_hex);
         if (*cget) {
-          auto got = cache.get_unchecked(digest);
+          std::string mac;
+          auto got = cache.get_unchecked(digest, &mac);
           if (!got) return rpc_failed(grpc::Status(grpc::StatusCode::NOT_FOUND, "no such entry"), false);
           write_file(path, got->first);
-          std::cout << json{{"bytes", got->first.size()}, {"token_ids", got->second}}.dump() << std::endl;
+          std::string mac_hex_out;
+          for (unsigned char c : mac) mac_hex_out += fmt::format("{:02x}", c);
+          std::cout << json{{"bytes", got->first.size()}, {"token_ids", got->second}, {"mac_hex", mac_hex_out}}.dump()
+                    << std::endl;
           return 0;
         }
         if (*cput) {
           const auto ids = hypic::client::parse_token_id_list(ids_text, "--token-ids");
-          const bool replaced = cache.put(hypic::cache::CacheKey{digest, ids}, read_file(path));
+          std::optional<std::string> mac;
+          if (!mac_hex.empty()) {
+            if (mac_hex.size() % 2 != 0 || mac_hex.size() > 128 ||
+                mac_hex.find_first_not_of("0123456789abcdefABCDEF") != std::string::npos) {
+              throw std::invalid_argument("--mac-hex: at most 64 bytes as an even number of hex digits");
+            }
+            mac.emplace();
+            for (size_t i = 0; i < mac_hex.size(); i += 2) mac->push_back(char(std::stoi(mac_hex.substr(i, 2), nullptr, 16)));
+          }
+          const bool replaced = cache.put(hypic::cache::CacheKey{digest, ids}, read_input("--in", path), mac);
           std::cout << json{{"replaced", replaced}}.dump() << std::endl;
           return 0;
         }
@@ -491,12 +568,13 @@ int main(int argc, char** argv) {
     v1::GenerateRequest req;
     req.set_request_id(request_id);
     if (!segments_json.empty()) {
-      hypic::client::segments_from_json_text(read_file(segments_json), "--segments-json " + segments_json, &req);
+      hypic::client::segments_from_json_text(read_input("--segments-json", segments_json),
+                                             "--segments-json " + segments_json, &req);
     }
     for (const auto& t : seg_texts) req.add_segments()->set_text(t);
-    for (const auto& f : seg_files) req.add_segments()->set_text(read_file(f));
+    for (const auto& f : seg_files) req.add_segments()->set_text(read_input("--segment-file", f));
     if (*q_opt) req.mutable_query()->set_text(query);
-    if (!query_file.empty()) req.mutable_query()->set_text(read_file(query_file));
+    if (!query_file.empty()) req.mutable_query()->set_text(read_input("--query-file", query_file));
     if (allow_special) {
       for (auto& seg : *req.mutable_segments())
         if (seg.has_text()) seg.set_allow_special_tokens(true);

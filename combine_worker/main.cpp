@@ -7,6 +7,7 @@
 #include "kernels/cpu/blas_env.h"
 #include "proto/engine_rpc/engine_flags.h"
 #include "proto/rpc/chunks.h"
+#include "proto/rpc/entry_mac.h"
 #include "proto/rpc/server.h"
 
 int main(int argc, char** argv) {
@@ -16,12 +17,16 @@ int main(int argc, char** argv) {
   hypic::rpc::ServerFlags server;
   server.listen = "127.0.0.1:50071";
   hypic::rpc::add_server_flags(app, server);
+  hypic::rpc::add_service_identity_flag(app, server.service_identities);
+  std::string cache_key_file;
+  hypic::rpc::add_entry_mac_flag(app, cache_key_file);
   std::string model_dir, tokenizer_path;
   std::vector<std::string> caches;
   hypic::rpc::EngineFlags engine;
   std::string memory_tier_bytes = "auto", host_tier_bytes = "auto", put_queue_bytes = "auto",
               host_copy_queue_bytes = "auto";
   hypic::combine::CombineOptions opt;
+  hypic::combine::add_request_limit_flags(app, opt.limits);
   int gather_timeout_s = 300;
   app.add_option("--model", model_dir, "checkpoint directory (config.json + safetensors)")->required()
       ->check(CLI::ExistingDirectory);
@@ -68,6 +73,8 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   try {
     hypic::rpc::init_service("combine", server);
+    hypic::rpc::log_caller_policy("combine worker");
+    hypic::rpc::configure_entry_mac(cache_key_file, "combine worker");
     hypic::transport::disable_nvls();
     opt.gather_timeout = std::chrono::seconds(gather_timeout_s);
     opt.nccl = nccl == "auto";

@@ -188,7 +188,7 @@ std::shared_ptr<CombineService::Pending> CombineService::find(const std::string&
     throw rpc::RpcError(grpc::StatusCode::NOT_FOUND,
                         fmt::format("request {} is not active on this combine worker (finished, cancelled or never "
                                     "started)",
-                                    request_id));
+                                    rpc::untrusted(request_id)));
   }
   return it->second;
 }
@@ -381,8 +381,9 @@ engine::SamplingConfig sampling_config(const v1::SamplingParams& s) {
 
 grpc::Status CombineService::Combine(grpc::ServerContext* ctx, const v1::CombineRequest* req,
                                      grpc::ServerWriter<v1::CombineEvent>* writer) {
+  if (auto st = rpc::require_service_caller(*ctx, "CombineWorker.Combine"); !st.ok()) return st;
   const grpc::Status st = run_combine(ctx, req, writer);
-  if (!st.ok()) spdlog::warn("[req {}] combine ended: {}", req->request_id(), rpc::describe(st));
+  if (!st.ok()) spdlog::warn("[req {}] combine ended: {}", rpc::untrusted(req->request_id()), rpc::describe(st));
   return st;
 }
 
@@ -400,8 +401,8 @@ grpc::Status CombineService::run_combine(grpc::ServerContext* ctx, const v1::Com
     engine::SpliceMode mode;
     try {
       mode = engine::parse_splice_mode(req->mode().empty() ? "hypic" : req->mode());
-    } catch (const std::invalid_argument& e) {
-      throw rpc::invalid_argument("mode", e.what());
+    } catch (const std::invalid_argument&) {
+      throw rpc::invalid_argument("mode", fmt::format("unknown splice mode {}", rpc::untrusted(req->mode())));
     }
     if (req->seam_width() < 0) throw rpc::invalid_argument("seam_width", fmt::format("must be >= 0, got {}", req->seam_width()));
     for (const auto& [field, value] : {std::pair{"refresh_segments", req->refresh_segments()},
@@ -417,6 +418,7 @@ grpc::Status CombineService::run_combine(grpc::ServerContext* ctx, const v1::Com
     const engine::SamplingConfig scfg = sampling_config(req->sampling());
     std::vector<std::string> stops(req->sampling().stop().begin(), req->sampling().stop().end());
     engine::StopStringMatcher stop_matcher(stops);  // validates (non-empty strings)
+    check_request_limits(*req, opt_.limits);        // this worker's own caps, whatever the router allowed
     const bool uses_entries = mode != engine::SpliceMode::Full && mode != engine::SpliceMode::Prefix;
 
     auto p = std::make_shared<Pending>();
@@ -734,6 +736,7 @@ grpc::Status CombineService::run_combine(grpc::ServerContext* ctx, const v1::Com
 
 grpc::Status CombineService::DeliverEntry(grpc::ServerContext* ctx, grpc::ServerReader<v1::EntryChunk>* reader,
                                           v1::DeliverEntryResponse* resp) {
+  if (auto st = rpc::require_service_caller(*ctx, "CombineWorker.DeliverEntry"); !st.ok()) return st;
   return rpc::handle_errors([&]() -> grpc::Status {
     // Not refused while draining: it serves a request already in flight (unknown ids get NOT_FOUND).
     const auto t0 = Clock::now();
@@ -976,8 +979,9 @@ void CombineService::deliver_nccl(grpc::ServerContext* ctx, const v1::EntryHeade
                   Delivery{"nccl", rpc::ms_between(t0, Clock::now()), h.device_bytes()}, what, resp);
 }
 
-grpc::Status CombineService::OpenPeer(grpc::ServerContext*, const v1::OpenPeerRequest* req,
+grpc::Status CombineService::OpenPeer(grpc::ServerContext* ctx, const v1::OpenPeerRequest* req,
                                       v1::OpenPeerResponse* resp) {
+  if (auto st = rpc::require_service_caller(*ctx, "CombineWorker.OpenPeer"); !st.ok()) return st;
   return rpc::handle_errors([&]() -> grpc::Status {
     const auto refuse = [&](const std::string& why) {
       return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
@@ -1046,8 +1050,9 @@ grpc::Status CombineService::OpenPeer(grpc::ServerContext*, const v1::OpenPeerRe
   });
 }
 
-grpc::Status CombineService::ClosePeer(grpc::ServerContext*, const v1::ClosePeerRequest* req,
+grpc::Status CombineService::ClosePeer(grpc::ServerContext* ctx, const v1::ClosePeerRequest* req,
                                        v1::ClosePeerResponse*) {
+  if (auto st = rpc::require_service_caller(*ctx, "CombineWorker.ClosePeer"); !st.ok()) return st;
   return rpc::handle_errors([&]() -> grpc::Status {
     std::lock_guard<std::mutex> lock(links_mu_);
     auto it = links_.find(req->epoch());
@@ -1066,8 +1071,9 @@ size_t CombineService::nccl_peers() const {
   return links_.size();
 }
 
-grpc::Status CombineService::ComputeLocally(grpc::ServerContext*, const v1::ComputeLocallyRequest* req,
+grpc::Status CombineService::ComputeLocally(grpc::ServerContext* ctx, const v1::ComputeLocallyRequest* req,
                                             v1::ComputeLocallyResponse*) {
+  if (auto st = rpc::require_service_caller(*ctx, "CombineWorker.ComputeLocally"); !st.ok()) return st;
   return rpc::handle_errors([&]() -> grpc::Status {
     // Not refused while draining: it serves a request already in flight (unknown ids get NOT_FOUND).
     auto p = find(req->request_id());
@@ -1079,7 +1085,7 @@ grpc::Status CombineService::ComputeLocally(grpc::ServerContext*, const v1::Comp
     }
     std::vector<std::pair<size_t, std::string>> local;
     for (uint32_t i : req->indices()) {
-      spdlog::info("[req {}] prefilling segment {} here: {}", p->id, i, req->reason());
+      spdlog::info("[req {}] prefilling segment {} here: {}", p->id, i, rpc::untrusted(req->reason()));
       local.emplace_back(i, req->reason());
     }
     build_locally(p, local);
@@ -1087,7 +1093,8 @@ grpc::Status CombineService::ComputeLocally(grpc::ServerContext*, const v1::Comp
   });
 }
 
-grpc::Status CombineService::GetWorkerInfo(grpc::ServerContext*, const v1::WorkerInfoRequest*, v1::WorkerInfo* resp) {
+grpc::Status CombineService::GetWorkerInfo(grpc::ServerContext* ctx, const v1::WorkerInfoRequest*, v1::WorkerInfo* resp) {
+  if (auto st = rpc::require_service_caller(*ctx, "CombineWorker.GetWorkerInfo"); !st.ok()) return st;
   resp->set_role("combine");
   resp->set_model_fingerprint(backend_.fingerprint());
   resp->set_entry_format_version(engine::entry_format_version(backend_.config()));
@@ -1109,8 +1116,9 @@ grpc::Status CombineService::GetWorkerInfo(grpc::ServerContext*, const v1::Worke
   return grpc::Status::OK;
 }
 
-grpc::Status CombineService::LookupEntries(grpc::ServerContext*, const v1::LookupEntriesRequest* req,
+grpc::Status CombineService::LookupEntries(grpc::ServerContext* ctx, const v1::LookupEntriesRequest* req,
                                            v1::LookupEntriesResponse* resp) {
+  if (auto st = rpc::require_service_caller(*ctx, "CombineWorker.LookupEntries"); !st.ok()) return st;
   return rpc::handle_errors([&]() -> grpc::Status {
     constexpr int kMaxDigests = 4096;
     if (req->digests_size() > kMaxDigests) {
@@ -1126,8 +1134,9 @@ grpc::Status CombineService::LookupEntries(grpc::ServerContext*, const v1::Looku
   });
 }
 
-grpc::Status CombineService::ClearTiers(grpc::ServerContext*, const v1::ClearTiersRequest* req,
+grpc::Status CombineService::ClearTiers(grpc::ServerContext* ctx, const v1::ClearTiersRequest* req,
                                         v1::ClearTiersResponse* resp) {
+  if (auto st = rpc::require_service_caller(*ctx, "CombineWorker.ClearTiers"); !st.ok()) return st;
   return rpc::handle_errors([&]() -> grpc::Status {
     if (req->device()) resp->set_device_entries_dropped(d_.memory_tier.clear());
     if (req->host()) resp->set_host_entries_dropped(d_.host_tier.clear());

@@ -15,6 +15,7 @@
 #include <string>
 
 #include "combine_worker/host_copies.h"
+#include "combine_worker/limits.h"
 #include "combine_worker/memory_tier.h"
 #include "engine/engine_loop.h"
 #include "engine/tokenizer.h"
@@ -43,6 +44,8 @@ struct CombineOptions {
   std::chrono::seconds nccl_idle_timeout{600};
   /// The most communicators held at once (OpenPeer beyond it: RESOURCE_EXHAUSTED, the entries go over gRPC).
   int nccl_max_links = 256;
+  /// This worker's own caps on a request (limits.h); checked by Combine before any work.
+  RequestLimits limits;
 };
 
 /// Everything a combine worker serves with; all must outlive the service. Every engine call (local builds,

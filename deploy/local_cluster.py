@@ -88,6 +88,61 @@ def _die_with_parent() -> None:
         pass  # not Linux: --parent-pid still stops the service
 
 
+def foreground_group(pgid: int) -> tuple[int, int] | None:
+    """Makes process group `pgid` the terminal's foreground group when stdin is a terminal; returns what to restore
+    (restore_foreground), else None."""
+    try:
+        fd = sys.stdin.fileno()
+        if not os.isatty(fd):
+            return None
+        previous = os.tcgetpgrp(fd)
+        old = signal.signal(signal.SIGTTOU, signal.SIG_IGN)  # a background group may not change it otherwise
+        try:
+            os.tcsetpgrp(fd, pgid)
+        finally:
+            signal.signal(signal.SIGTTOU, old)
+        return fd, previous
+    except (OSError, ValueError):
+        return None
+
+
+def restore_foreground(saved: tuple[int, int] | None) -> None:
+    if saved is None:
+        return
+    old = signal.signal(signal.SIGTTOU, signal.SIG_IGN)
+    try:
+        os.tcsetpgrp(*saved)
+    except OSError:
+        pass
+    finally:
+        signal.signal(signal.SIGTTOU, old)
+
+
+def end_command_group(pgid: int, grace: float = 3.0) -> None:
+    """Ends what is left of the command's process group (background children it started): SIGTERM, then SIGKILL
+    after `grace` seconds."""
+    def alive() -> bool:
+        try:
+            os.killpg(pgid, 0)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
+    if not alive():
+        return
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        return
+    deadline = time.monotonic() + grace
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if alive():
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
 class ClusterError(RuntimeError):
     """A service failed to start or died."""
 
@@ -347,9 +402,30 @@ class LocalCluster:
 
     @property
     def tls_dir(self) -> Path:
-        """With tls: the certificates (scripts/make_certs.sh: ca.crt, server.crt/.key, client.crt/.key) and the
-        bearer token (token), made at start."""
+        """With tls: the certificates (scripts/make_certs.sh: ca.crt; server.crt/.key, the services' identity
+        hypic-service, which they serve and call with; client.crt/.key, the user identity hypic-user, which the
+        command and clients get: it reaches the router only) and the bearer token (token), made at start."""
         return self.work_dir / "tls"
+
+    @property
+    def cache_key_path(self) -> Path:
+        """The cluster key the scatter and combine workers sign and verify segment entries with (--cache-key-file;
+        proto/rpc/entry_mac.h), made at start."""
+        return self.work_dir / "cache.key"
+
+    def _make_cache_key(self) -> None:
+        fd = os.open(self.cache_key_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(os.urandom(32).hex() + "\n")
+
+    def service_tls_flags(self) -> list[str]:
+        """The calling flags of a service (its own certificate, identity hypic-service): what an operator's tool
+        needs to call the internal services (cache puts, workers) directly. [] without tls."""
+        if not self.tls:
+            return []
+        d = self.tls_dir
+        return ["--tls-ca", str(d / "ca.crt"), "--tls-client-cert", str(d / "server.crt"),
+                "--tls-client-key", str(d / "server.key")]
 
     def _make_tls(self) -> None:
         make_certs = Path(__file__).resolve().parent.parent / "scripts" / "make_certs.sh"
@@ -374,9 +450,9 @@ class LocalCluster:
         d = self.tls_dir
         serve = ["--tls-cert", str(d / "server.crt"), "--tls-key", str(d / "server.key")]
         token = str(d / "token")
-        if role == "http":  # public HTTPS (no client certificates), mTLS to the router, tokens both ways
+        if role == "http":  # public HTTPS (no client certificates), mTLS to the router (a user), tokens both ways
             return serve + self.client_tls_flags() + ["--auth-token-file", token, "--router-token-file", token]
-        flags = serve + ["--tls-client-ca", str(d / "ca.crt")] + self.client_tls_flags()
+        flags = serve + ["--tls-client-ca", str(d / "ca.crt")] + self.service_tls_flags()
         if role == "router":
             flags += ["--auth-token-file", token]
         return flags
@@ -397,6 +473,8 @@ class LocalCluster:
         extra = self.extra.get(role, [])
         given = {a.split("=")[0] for a in extra if a.startswith("--")}
         flags = self._tls_flags(role)
+        if role in ("scatter", "combine") and "--cache-key-file" not in given and self.supports(role, "--cache-key-file"):
+            flags += ["--cache-key-file", str(self.cache_key_path)]
         if "--log-level" not in given and (role != "http" or self.supports(role, "--log-level")):
             flags += ["--log-level", self.log_level]
         if self.device is not None and role in ("scatter", "combine") and "--device" not in given:
@@ -491,17 +569,22 @@ class LocalCluster:
                                            f"choose another with {option}, or 0 for a free one")
             if self.tls:
                 self._make_tls()
+            self._make_cache_key()
             caches = [self._service(f"cache-{i}", "cache", [], "hypic.v1.SegmentCache", self.ports["cache"][i])
                       for i in range(self.cache_replicas)]
             self._start_all(caches)
             self._wait_ready(caches)
             cache_flags = [f for c in caches for f in ("--cache", c.address)]
-            workers = [self._service(f"scatter-{i}", "scatter", ["--model", self.model] + cache_flags,
-                                     "hypic.v1.ScatterWorker", self.ports["scatter"][i])
-                       for i in range(self.scatter_workers)]
             combine = self._service("combine", "combine", ["--model", self.model, "--tokenizer", self.tokenizer]
                                     + cache_flags, "hypic.v1.CombineWorker", self.ports["combine"])
-            self._start_all(workers + [combine])
+            # The combine worker's port first: the scatter workers deliver only to it (--combine, their allow-list).
+            self._start_all([combine])
+            allow = (["--combine", combine.address] if self.supports("scatter", "--combine")
+                     and "--combine" not in self.extra.get("scatter", []) else [])
+            workers = [self._service(f"scatter-{i}", "scatter", ["--model", self.model] + cache_flags + allow,
+                                     "hypic.v1.ScatterWorker", self.ports["scatter"][i])
+                       for i in range(self.scatter_workers)]
+            self._start_all(workers)
             self._wait_ready(workers + [combine])
             router = self._service("router", "router",
                                    ["--model", self.model, "--tokenizer", self.tokenizer, "--combine", combine.address]
@@ -859,24 +942,32 @@ def main() -> int:
         if command:
             env = dict(os.environ, **cluster.environment())
             try:
-                child = subprocess.Popen(argv, env=env)
+                # Its own process group, so that whatever it leaves running in the background ends with it
+                # (end_command_group); on a terminal that group is made the foreground one (it may read the terminal).
+                # It is killed if the launcher dies (SIGKILL included), as the services are.
+                child = subprocess.Popen(argv, env=env, process_group=0, preexec_fn=_die_with_parent)
             except OSError as e:  # not found, not executable, no interpreter line (Exec format error)
                 print(f"local_cluster: cannot run the command {argv[0]!r}: {e.strerror or e}", file=sys.stderr)
                 cluster.mark_failed(f"the command could not be started ({e.strerror or e})")
                 return 127
+            terminal = foreground_group(child.pid)
             reported: set[str] = set()
-            while child.poll() is None:
-                if stop_signal:
-                    child.terminate()
-                    child.wait()
-                    return 130
-                report_dead(reported)
-                if cluster.fatal_dead_services():
-                    child.terminate()
-                    child.wait()
-                    raise ClusterError("the cluster cannot serve any more: " +
-                                       "; ".join(cluster.describe_exit(n) for n in cluster.fatal_dead_services()))
-                time.sleep(0.1)
+            try:
+                while child.poll() is None:
+                    if stop_signal:
+                        child.terminate()
+                        child.wait()
+                        return 130
+                    report_dead(reported)
+                    if cluster.fatal_dead_services():
+                        child.terminate()
+                        child.wait()
+                        raise ClusterError("the cluster cannot serve any more: " +
+                                           "; ".join(cluster.describe_exit(n) for n in cluster.fatal_dead_services()))
+                    time.sleep(0.1)
+            finally:
+                restore_foreground(terminal)
+                end_command_group(child.pid)
             report_dead(reported)
             if child.returncode != 0:
                 cluster.mark_failed(f"the command exited with status {child.returncode}")

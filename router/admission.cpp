@@ -89,8 +89,9 @@ RequestOptions validate_request(const v1::GenerateRequest& req, const RouterLimi
   const auto& c = req.cache();
   try {
     o.mode = engine::parse_splice_mode(c.mode().empty() ? "hypic" : c.mode());
-  } catch (const std::invalid_argument& e) {
-    throw invalid_argument("cache.mode", e.what());
+  } catch (const std::invalid_argument&) {  // its message echoes the text whole: name it escaped and cut instead
+    throw invalid_argument("cache.mode", fmt::format("unknown splice mode {} (expected full, prefix, naive, "
+                                                     "transition or hypic)", rpc::untrusted(c.mode())));
   }
   o.seam_width = c.has_seam_width() ? c.seam_width() : limits.default_seam_width;
   if (o.seam_width < 0 || o.seam_width > limits.max_seam_width) {

@@ -818,8 +818,8 @@ grpc::Status RouterService::Generate(grpc::ServerContext* ctx, const v1::Generat
     try {
       return g.run();
     } catch (const rpc::RpcError& e) {
-      spdlog::info("[req {}] rejected: {}: {}", req->request_id().empty() ? "-" : req->request_id(),
-                   rpc::code_name(e.code()), e.what());
+      spdlog::info("[req {}] rejected: {}: {}", req->request_id().empty() ? "-" : rpc::untrusted(req->request_id()),
+                   rpc::code_name(e.code()), rpc::capped_message(e.what()));
       throw;
     }
   });

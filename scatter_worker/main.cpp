@@ -2,11 +2,13 @@
 #include <chrono>
 
 #include <CLI/CLI.hpp>
+#include <fmt/ranges.h>
 #include <spdlog/spdlog.h>
 
 #include "proto/engine_rpc/engine_flags.h"
 #include "kernels/cpu/blas_env.h"
 #include "proto/rpc/chunks.h"
+#include "proto/rpc/entry_mac.h"
 #include "proto/rpc/server.h"
 #include "scatter_worker/service.h"
 
@@ -17,6 +19,21 @@ int main(int argc, char** argv) {
   hypic::rpc::ServerFlags server;
   server.listen = "127.0.0.1:50061";
   hypic::rpc::add_server_flags(app, server);
+  hypic::rpc::add_service_identity_flag(app, server.service_identities);
+  std::string cache_key_file;
+  hypic::rpc::add_entry_mac_flag(app, cache_key_file);
+  std::vector<std::string> combines;
+  app.add_option("--combine", combines,
+                 "combine worker host:port this worker may deliver entries to, as the router names it (repeat); a "
+                 "Prefill naming another is refused. None: any (not for a shared network)");
+  int64_t max_segment_tokens = 32768;
+  int max_segments = 256;
+  app.add_option("--max-segment-tokens", max_segment_tokens, "most token ids per segment")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--max-segments", max_segments, "most segments per Prefill call")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   std::string model_dir;
   std::vector<std::string> caches;
   hypic::rpc::EngineFlags engine;
@@ -51,6 +68,8 @@ int main(int argc, char** argv) {
   data_plane.inject_transfer_stall = std::chrono::milliseconds(inject_transfer_stall_ms);
   try {
     hypic::rpc::init_service("scatter", server);
+    hypic::rpc::log_caller_policy("scatter worker");
+    hypic::rpc::configure_entry_mac(cache_key_file, "scatter worker");
     hypic::transport::disable_nvls();
     const auto backend = hypic::rpc::make_engine_backend(engine, model_dir);
     if (backend->device_entries()) {
@@ -68,6 +87,13 @@ int main(int argc, char** argv) {
     hypic::rpc::Lifecycle life("scatter worker");
     hypic::worker::ScatterService svc(loop, putter, life, chunk_bytes, engine.compute_threads,
                                       engine.random_weights_seed, data_plane);
+    svc.set_allowed_combine_workers(combines);
+    svc.set_limits(max_segment_tokens, max_segments);
+    if (combines.empty()) {
+      spdlog::warn("no --combine: entries are delivered to any combine_address a caller names");
+    } else {
+      spdlog::info("delivers only to the combine workers {}", fmt::join(combines, ", "));
+    }
     const int status = hypic::rpc::run_server(
         server, life,
         {"scatter",

@@ -2,6 +2,7 @@
 
 #include "proto/rpc/metrics.h"
 
+#include <algorithm>
 #include <deque>
 #include <optional>
 #include <thread>
@@ -206,6 +207,7 @@ struct PrefillCall {
 
 grpc::Status ScatterService::Prefill(grpc::ServerContext* ctx, const v1::PrefillRequest* req,
                                      grpc::ServerWriter<v1::PrefillEvent>* writer) {
+  if (auto st = rpc::require_service_caller(*ctx, "ScatterWorker.Prefill"); !st.ok()) return st;
   return rpc::handle_errors([&]() -> grpc::Status {
     auto life_call = life_.enter();
     rpc::validate_request_id(req->request_id());
@@ -215,6 +217,28 @@ grpc::Status ScatterService::Prefill(grpc::ServerContext* ctx, const v1::Prefill
       throw rpc::invalid_argument("seam_width", fmt::format("must be >= 0, got {}", req->seam_width()));
     }
     if (req->combine_address().empty()) throw rpc::invalid_argument("combine_address", "must not be empty");
+    if (!allowed_combines_.empty() && std::find(allowed_combines_.begin(), allowed_combines_.end(),
+                                                req->combine_address()) == allowed_combines_.end()) {
+      spdlog::warn("[req {}] refused: combine_address {} is not a configured combine worker (--combine)", rid,
+                   rpc::untrusted(req->combine_address()));
+      throw rpc::RpcError(grpc::StatusCode::PERMISSION_DENIED,
+                          fmt::format("combine_address: {} is not one of this scatter worker's combine workers "
+                                      "(--combine)",
+                                      rpc::untrusted(req->combine_address())));
+    }
+    if (req->segments_size() > max_segments_) {
+      throw rpc::invalid_argument("segments", fmt::format("{} segments exceed this scatter worker's limit of {} "
+                                                          "(--max-segments)",
+                                                          req->segments_size(), max_segments_));
+    }
+    for (int i = 0; i < req->segments_size(); ++i) {
+      if (req->segments(i).key().token_ids_size() > max_segment_tokens_) {
+        throw rpc::invalid_argument(fmt::format("segments[{}].key.token_ids", i),
+                                    fmt::format("{} tokens exceed this scatter worker's limit of {} "
+                                                "(--max-segment-tokens)",
+                                                req->segments(i).key().token_ids_size(), max_segment_tokens_));
+      }
+    }
     const int n = req->segments_size();
     const engine::ModelConfig& model = loop_.backend().config();
     std::vector<rpc::Digest> digests(static_cast<size_t>(n));
@@ -238,7 +262,7 @@ grpc::Status ScatterService::Prefill(grpc::ServerContext* ctx, const v1::Prefill
                                      }));
       joined += tickets.back()->joined();
     }
-    spdlog::info("[req {}] prefill of {} segments for {}{}", rid, n, req->combine_address(),
+    spdlog::info("[req {}] prefill of {} segments for {}{}", rid, n, rpc::untrusted(req->combine_address()),
                  joined ? fmt::format(" ({} joined builds in flight)", joined) : std::string());
     // Delivery thread: streams built entries to the combine worker in the order they were built.
     auto& stub = combines_.get(req->combine_address());
@@ -441,7 +465,8 @@ grpc::Status ScatterService::Prefill(grpc::ServerContext* ctx, const v1::Prefill
   });
 }
 
-grpc::Status ScatterService::GetWorkerInfo(grpc::ServerContext*, const v1::WorkerInfoRequest*, v1::WorkerInfo* resp) {
+grpc::Status ScatterService::GetWorkerInfo(grpc::ServerContext* ctx, const v1::WorkerInfoRequest*, v1::WorkerInfo* resp) {
+  if (auto st = rpc::require_service_caller(*ctx, "ScatterWorker.GetWorkerInfo"); !st.ok()) return st;
   resp->set_role("scatter");
   resp->set_model_fingerprint(fingerprint_);
   resp->set_entry_format_version(engine::entry_format_version(loop_.backend().config()));

@@ -74,6 +74,16 @@ class ScatterService final : public hypic::v1::ScatterWorker::Service {
                  int compute_threads, uint64_t random_weights_seed = 0, DataPlaneOptions data_plane = {});
   /// Also names this worker in the NCCL links it opens.
   void set_address(std::string address);
+  /// The combine workers (host:port, as the router names them) this worker may deliver to (--combine); a Prefill
+  /// naming another combine_address is refused with PERMISSION_DENIED. Empty: any (a warning at start-up). Call
+  /// before serving.
+  void set_allowed_combine_workers(std::vector<std::string> addresses) { allowed_combines_ = std::move(addresses); }
+  /// This worker's own caps: token ids per segment and segments per Prefill (INVALID_ARGUMENT past them). Call
+  /// before serving.
+  void set_limits(int64_t max_segment_tokens, int max_segments) {
+    max_segment_tokens_ = max_segment_tokens;
+    max_segments_ = max_segments;
+  }
 
   grpc::Status Prefill(grpc::ServerContext* ctx, const hypic::v1::PrefillRequest* req,
                        grpc::ServerWriter<hypic::v1::PrefillEvent>* writer) override;
@@ -88,6 +98,9 @@ class ScatterService final : public hypic::v1::ScatterWorker::Service {
   int compute_threads_;
   uint64_t random_weights_seed_;
   std::string address_;
+  std::vector<std::string> allowed_combines_;
+  int64_t max_segment_tokens_ = 32768;
+  int max_segments_ = 256;
   DataPlaneOptions data_plane_;
   CombineStubs combines_;
   std::unique_ptr<NcclLinks> links_;

@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
 # Makes a private CA and certificates for hypic's TLS flags (proto/rpc/security.h), with the openssl command:
 #   DIR/ca.crt, ca.key        the CA (--tls-ca, --tls-client-ca)
-#   DIR/server.crt, .key      a server certificate for every service (--tls-cert, --tls-key)
-#   DIR/client.crt, .key      a client certificate for mutual TLS (--tls-client-cert, --tls-client-key)
+#   DIR/server.crt, .key      the SERVICE identity (subject CN hypic-service): every service serves with it
+#                             (--tls-cert, --tls-key) and presents it when it calls another (--tls-client-cert,
+#                             --tls-client-key); the internal services accept their RPCs only from it
+#                             (--tls-service-identity, default hypic-service)
+#   DIR/client.crt, .key      the USER identity (subject CN hypic-user, client authentication only): what users,
+#                             clients and the HTTP front present; under mutual TLS it reaches the router's public
+#                             RPCs and health checks only (deploy/README.md "Trust model")
 # The server certificate names localhost, 127.0.0.1, ::1 and every --name given (DNS names of the services, e.g.
 # hypic-router.hypic.svc.cluster.local, or *.hypic-scatter.hypic.svc.cluster.local). For development and tests; in
 # production use your own CA (cert-manager in Kubernetes, deploy/README.md "TLS and tokens").
@@ -39,7 +44,7 @@ subjectAltName=$4"
     -extfile <(printf '%s\n' "$ext")
   rm -f "$1.csr"
 }
-issue server "hypic service" serverAuth,clientAuth "$SAN"
-issue client "hypic client" clientAuth
+issue server "hypic-service" serverAuth,clientAuth "$SAN"
+issue client "hypic-user" clientAuth
 chmod 600 ./*.key
-echo "certificates in $DIR: ca.crt, server.crt/.key ($SAN), client.crt/.key"
+echo "certificates in $DIR: ca.crt, server.crt/.key (services: CN hypic-service, $SAN), client.crt/.key (users: CN hypic-user)"

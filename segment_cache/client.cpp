@@ -3,7 +3,11 @@
 #include <future>
 
 #include <fmt/format.h>
+#include <spdlog/spdlog.h>
 
+#include "proto/rpc/entry_mac.h"
+#include "proto/rpc/log_limit.h"
+#include "proto/rpc/metrics.h"
 #include "proto/rpc/server.h"
 #include "proto/rpc/status.h"
 
@@ -106,8 +110,8 @@ std::string SegmentCacheClient::release_leases(const std::string& lease_owner,
 }
 
 std::optional<std::pair<std::string, std::vector<int32_t>>> SegmentCacheClient::fetch(
-    const rpc::Digest& digest, std::span<const int32_t> ids, bool check_ids,
-    const grpc::ServerContextBase* parent) const {
+    const rpc::Digest& digest, std::span<const int32_t> ids, bool check_ids, const grpc::ServerContextBase* parent,
+    std::string* mac_out) const {
   auto& stub = stub_for(digest);
   auto ctx = rpc::make_client_context(parent, opt_.timeout);
   v1::GetRequest req;
@@ -118,11 +122,13 @@ std::optional<std::pair<std::string, std::vector<int32_t>>> SegmentCacheClient::
   v1::GetResponse msg;
   rpc::ChunkAssembler assembler;
   std::vector<int32_t> stored_ids;
+  std::string mac;
   const std::string what = fmt::format("segment entry {} from {}", rpc::digest_hex(digest), owner(digest));
   while (reader->Read(&msg)) {
     if (msg.has_info()) {
       assembler.begin(msg.info().total_bytes(), msg.info().checksum(), what);
       stored_ids.assign(msg.info().token_ids().begin(), msg.info().token_ids().end());
+      mac = msg.info().mac();
     } else {
       assembler.append(msg.data());
     }
@@ -130,7 +136,33 @@ std::optional<std::pair<std::string, std::vector<int32_t>>> SegmentCacheClient::
   const grpc::Status st = reader->Finish();
   if (st.error_code() == grpc::StatusCode::NOT_FOUND) return std::nullopt;
   if (!st.ok()) rpc::throw_status(st, what);
-  return std::make_pair(assembler.finish(), std::move(stored_ids));
+  std::string bytes = assembler.finish();
+  const auto& keys = rpc::entry_mac_keys();
+  if (check_ids && keys.enabled() &&
+      !keys.verify(digest, std::span<const int32_t>(stored_ids.data(), stored_ids.size()), bytes, mac)) {
+    static auto& failures = rpc::MetricsRegistry::global().counter(
+        "hypic:entry_mac_failures_total",
+        "Segment entries read from the cache whose MAC did not verify (forged, relabelled, corrupt, or made with a "
+        "key no longer configured): refused and deleted from the cache");
+    failures.inc();
+    static rpc::LogLimit limit;
+    uint64_t suppressed = 0;
+    std::string dropped = "deleted from the cache";
+    try {
+      if (!erase(digest)) dropped = "already gone from the cache";
+    } catch (const std::exception& e) {
+      dropped = fmt::format("could not be deleted from the cache: {}", e.what());
+    }
+    const std::string msg = fmt::format("{}: {} (forged, relabelled or corrupt entry, or signed with a key no longer "
+                                        "configured): refused, {}",
+                                        what, mac.empty() ? "it carries no MAC" : "its MAC does not verify", dropped);
+    if (limit.allow(&suppressed)) {
+      spdlog::error("{}{}", msg, suppressed ? fmt::format(" ({} more not logged)", suppressed) : std::string());
+    }
+    throw rpc::RpcError(grpc::StatusCode::DATA_LOSS, msg);
+  }
+  if (mac_out) *mac_out = std::move(mac);
+  return std::make_pair(std::move(bytes), std::move(stored_ids));
 }
 
 std::optional<std::string> SegmentCacheClient::get(const CacheKey& key, const grpc::ServerContextBase* parent) const {
@@ -140,11 +172,11 @@ std::optional<std::string> SegmentCacheClient::get(const CacheKey& key, const gr
 }
 
 std::optional<std::pair<std::string, std::vector<int32_t>>> SegmentCacheClient::get_unchecked(
-    const rpc::Digest& digest) const {
-  return fetch(digest, {}, false, nullptr);
+    const rpc::Digest& digest, std::string* mac) const {
+  return fetch(digest, {}, false, nullptr, mac);
 }
 
-bool SegmentCacheClient::put(const CacheKey& key, std::string_view bytes) const {
+bool SegmentCacheClient::put(const CacheKey& key, std::string_view bytes, const std::optional<std::string>& mac) const {
   auto& stub = stub_for(key.digest);
   auto ctx = rpc::make_client_context(nullptr, opt_.timeout);
   v1::PutResponse resp;
@@ -155,6 +187,7 @@ bool SegmentCacheClient::put(const CacheKey& key, std::string_view bytes) const 
   h->mutable_key()->mutable_token_ids()->Add(key.token_ids.begin(), key.token_ids.end());
   h->set_total_bytes(bytes.size());
   h->set_checksum(rpc::checksum64(bytes));
+  h->set_mac(mac ? *mac : rpc::entry_mac_keys().sign(key.digest, key.token_ids, bytes));
   if (writer->Write(head)) {
     rpc::write_chunks<v1::PutRequest>(
         bytes, opt_.chunk_bytes, [](v1::PutRequest& m, std::string_view c) { m.set_data(std::string(c)); },

@@ -67,15 +67,21 @@ class SegmentCacheClient {
   /// answered); a lease that could not be released still ends when its lease_ms passes.
   std::string release_leases(const std::string& lease_owner, std::span<const rpc::Digest> digests) const;
 
-  /// Fetches an entry and verifies its checksum end to end. nullopt when the replica says
-  /// NOT_FOUND; throws rpc::RpcError with the replica's code otherwise (UNAVAILABLE, DATA_LOSS
-  /// for an entry the cache found corrupt, DEADLINE_EXCEEDED...).
+  /// Fetches an entry and verifies its checksum end to end, and, when the process has entry keys
+  /// (rpc::entry_mac_keys(), proto/rpc/entry_mac.h), its MAC: an entry whose MAC does not verify is
+  /// counted (hypic:entry_mac_failures_total), deleted from the cache and refused with DATA_LOSS.
+  /// nullopt when the replica says NOT_FOUND; throws rpc::RpcError with the replica's code otherwise
+  /// (UNAVAILABLE, DATA_LOSS for an entry the cache found corrupt, DEADLINE_EXCEEDED...).
   std::optional<std::string> get(const CacheKey& key, const grpc::ServerContextBase* parent = nullptr) const;
-  /// Fetch without the token-id check (administration): returns the bytes and the stored ids.
-  std::optional<std::pair<std::string, std::vector<int32_t>>> get_unchecked(const rpc::Digest& digest) const;
+  /// Fetch without the token-id or MAC check (administration): returns the bytes and the stored ids; *mac (when
+  /// given) receives the stored MAC (empty: none).
+  std::optional<std::pair<std::string, std::vector<int32_t>>> get_unchecked(const rpc::Digest& digest,
+                                                                            std::string* mac = nullptr) const;
 
-  /// Stores an entry (chunked). Throws rpc::RpcError on failure. Returns true if it replaced one.
-  bool put(const CacheKey& key, std::string_view bytes) const;
+  /// Stores an entry (chunked), with its MAC when the process has entry keys. Throws rpc::RpcError on failure.
+  /// Returns true if it replaced one.
+  /// `mac` (administration: an entry moved as is) replaces the MAC this process would make.
+  bool put(const CacheKey& key, std::string_view bytes, const std::optional<std::string>& mac = std::nullopt) const;
   /// Removes an entry; false if the owner did not have it. Throws rpc::RpcError on failure.
   bool erase(const rpc::Digest& digest) const;
   /// Stats of one replica. Throws rpc::RpcError on failure.
@@ -85,7 +91,8 @@ class SegmentCacheClient {
   hypic::v1::SegmentCache::Stub& stub_for(const rpc::Digest& digest) const;
   std::optional<std::pair<std::string, std::vector<int32_t>>> fetch(const rpc::Digest& digest,
                                                                      std::span<const int32_t> ids, bool check_ids,
-                                                                     const grpc::ServerContextBase* parent) const;
+                                                                     const grpc::ServerContextBase* parent,
+                                                                     std::string* mac_out = nullptr) const;
 
   std::vector<std::string> replicas_;
   Options opt_;

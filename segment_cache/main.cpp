@@ -12,6 +12,7 @@ int main(int argc, char** argv) {
   hypic::rpc::ServerFlags server;
   server.listen = "127.0.0.1:50051";
   hypic::rpc::add_server_flags(app, server);
+  hypic::rpc::add_service_identity_flag(app, server.service_identities);
   hypic::cache::StoreOptions store;
   std::string disk_dir;
   size_t chunk_bytes = hypic::rpc::kChunkBytes;
@@ -41,6 +42,7 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   try {
     hypic::rpc::init_service("segment-cache", server);
+    hypic::rpc::log_caller_policy("segment cache");
     const auto memory = hypic::rpc::parse_byte_budget(memory_bytes, "--memory-bytes");
     if (memory && *memory == 0) throw std::invalid_argument("--memory-bytes: must be > 0 (the memory tier holds every entry)");
     store.memory_budget_bytes = memory ? *memory : std::max<uint64_t>(uint64_t{1} << 30, hypic::rpc::host_memory_bytes() / 4);

@@ -5,6 +5,7 @@
 
 #include "proto/rpc/chunks.h"
 #include "proto/rpc/metrics.h"
+#include "proto/rpc/security.h"
 
 namespace hypic::cache {
 
@@ -22,7 +23,8 @@ rpc::Counter& bytes_counter(const char* direction) {
 
 SegmentCacheService::SegmentCacheService(SegmentStore& store, rpc::Lifecycle& life, size_t chunk_bytes,
                                          uint32_t max_lease_ms, size_t max_queued_events)
-    : store_(store), life_(life), chunk_bytes_(chunk_bytes), max_lease_ms_(max_lease_ms), events_(max_queued_events) {
+    : store_(store), life_(life), chunk_bytes_(chunk_bytes), max_lease_ms_(max_lease_ms), events_(max_queued_events),
+      max_receiving_bytes_(store.max_entry_bytes()) {
   store_.set_event_sink([this](const StoreEvent& e) { events_.publish(e); });
   auto& reg = rpc::MetricsRegistry::global();
   auto stat = [&store](uint64_t StoreStats::*field) { return [&store, field] { return double(store.stats().*field); }; };
@@ -68,6 +70,7 @@ void to_proto(const StoreEvent& e, uint64_t sequence, int64_t unix_micros, v1::C
 
 grpc::Status SegmentCacheService::WatchEvents(grpc::ServerContext* ctx, const v1::WatchEventsRequest* req,
                                               grpc::ServerWriter<v1::CacheEvent>* writer) {
+  if (auto st = rpc::require_service_caller(*ctx, "SegmentCache.WatchEvents"); !st.ok()) return st;
   return rpc::handle_errors([&] {
     auto call = life_.enter();
     std::shared_ptr<CacheEventHub::Subscriber> sub;
@@ -106,8 +109,9 @@ grpc::Status SegmentCacheService::WatchEvents(grpc::ServerContext* ctx, const v1
   });
 }
 
-grpc::Status SegmentCacheService::Lookup(grpc::ServerContext*, const v1::LookupRequest* req,
+grpc::Status SegmentCacheService::Lookup(grpc::ServerContext* ctx, const v1::LookupRequest* req,
                                          v1::LookupResponse* resp) {
+  if (auto st = rpc::require_service_caller(*ctx, "SegmentCache.Lookup"); !st.ok()) return st;
   return rpc::handle_errors([&] {
     auto call = life_.enter();
     if (req->lease_ms() > max_lease_ms_) {
@@ -137,6 +141,7 @@ grpc::Status SegmentCacheService::Lookup(grpc::ServerContext*, const v1::LookupR
 
 grpc::Status SegmentCacheService::Get(grpc::ServerContext* ctx, const v1::GetRequest* req,
                                       grpc::ServerWriter<v1::GetResponse>* writer) {
+  if (auto st = rpc::require_service_caller(*ctx, "SegmentCache.Get"); !st.ok()) return st;
   return rpc::handle_errors([&] {
     auto call = life_.enter();
     const rpc::Digest d = rpc::parse_digest(req->digest(), "digest");
@@ -155,6 +160,7 @@ grpc::Status SegmentCacheService::Get(grpc::ServerContext* ctx, const v1::GetReq
     info->set_checksum(handle->checksum());
     info->set_tier(static_cast<v1::CacheTier>(handle->tier()));
     info->mutable_token_ids()->Add(handle->token_ids().begin(), handle->token_ids().end());
+    info->set_mac(handle->mac());
     bool ok = writer->Write(head) &&
               rpc::write_chunks<v1::GetResponse>(
                   handle->bytes(), chunk_bytes_, [](v1::GetResponse& m, std::string_view c) { m.set_data(std::string(c)); },
@@ -166,8 +172,9 @@ grpc::Status SegmentCacheService::Get(grpc::ServerContext* ctx, const v1::GetReq
   });
 }
 
-grpc::Status SegmentCacheService::Put(grpc::ServerContext*, grpc::ServerReader<v1::PutRequest>* reader,
+grpc::Status SegmentCacheService::Put(grpc::ServerContext* ctx, grpc::ServerReader<v1::PutRequest>* reader,
                                       v1::PutResponse* resp) {
+  if (auto st = rpc::require_service_caller(*ctx, "SegmentCache.Put"); !st.ok()) return st;
   return rpc::handle_errors([&] {
     auto call = life_.enter();
     v1::PutRequest msg;
@@ -178,6 +185,25 @@ grpc::Status SegmentCacheService::Put(grpc::ServerContext*, grpc::ServerReader<v
     const rpc::Digest d = rpc::parse_digest(header.key().digest(), "header.key.digest");
     if (header.key().token_ids().empty()) throw rpc::invalid_argument("header.key.token_ids", "must not be empty");
     if (header.total_bytes() == 0) throw rpc::invalid_argument("header.total_bytes", "must be > 0");
+    // The budget is enforced from the header, before any byte is buffered: an entry that could never be stored, or
+    // one that would put the bytes of the puts being received past the memory budget, is refused at once.
+    if (header.total_bytes() > store_.max_entry_bytes()) {
+      store_.count_rejected_put();
+      throw rpc::resource_exhausted(fmt::format("put {}: an entry of {} bytes is larger than the cache's budget of {} "
+                                                "bytes; refused before reading it",
+                                                rpc::digest_hex(d), header.total_bytes(), store_.max_entry_bytes()));
+    }
+    struct Receiving {
+      std::atomic<uint64_t>& total;
+      uint64_t n;
+      ~Receiving() { total -= n; }
+    } receiving{receiving_bytes_, header.total_bytes()};
+    if (receiving_bytes_.fetch_add(receiving.n) + receiving.n > max_receiving_bytes_) {
+      store_.count_rejected_put();
+      throw rpc::resource_exhausted(fmt::format("put {}: {} bytes would put the puts being received past {} bytes (the "
+                                                "memory budget); retry later",
+                                                rpc::digest_hex(d), header.total_bytes(), max_receiving_bytes_));
+    }
     rpc::ChunkAssembler assembler;
     assembler.begin(header.total_bytes(), header.checksum(), fmt::format("put {}", rpc::digest_hex(d)));
     while (reader->Read(&msg)) {
@@ -188,15 +214,16 @@ grpc::Status SegmentCacheService::Put(grpc::ServerContext*, grpc::ServerReader<v
     static auto& in = bytes_counter("in");
     in.inc(double(bytes.size()));
     std::vector<int32_t> ids(header.key().token_ids().begin(), header.key().token_ids().end());
-    resp->set_replaced(store_.put(d, std::move(ids), std::move(bytes), header.checksum()));
+    resp->set_replaced(store_.put(d, std::move(ids), std::move(bytes), header.checksum(), header.mac()));
     spdlog::debug("stored {} ({} bytes{})", rpc::digest_hex(d), header.total_bytes(),
                   resp->replaced() ? ", replaced" : "");
     return grpc::Status::OK;
   });
 }
 
-grpc::Status SegmentCacheService::Delete(grpc::ServerContext*, const v1::DeleteRequest* req,
+grpc::Status SegmentCacheService::Delete(grpc::ServerContext* ctx, const v1::DeleteRequest* req,
                                          v1::DeleteResponse* resp) {
+  if (auto st = rpc::require_service_caller(*ctx, "SegmentCache.Delete"); !st.ok()) return st;
   return rpc::handle_errors([&] {
     auto call = life_.enter();
     const rpc::Digest d = rpc::parse_digest(req->digest(), "digest");
@@ -237,8 +264,9 @@ grpc::Status SegmentCacheService::Stats(grpc::ServerContext*, const v1::StatsReq
   });
 }
 
-grpc::Status SegmentCacheService::ReleaseLeases(grpc::ServerContext*, const v1::ReleaseLeasesRequest* req,
+grpc::Status SegmentCacheService::ReleaseLeases(grpc::ServerContext* ctx, const v1::ReleaseLeasesRequest* req,
                                                 v1::ReleaseLeasesResponse* resp) {
+  if (auto st = rpc::require_service_caller(*ctx, "SegmentCache.ReleaseLeases"); !st.ok()) return st;
   return rpc::handle_errors([&] {
     // Not refused while draining: ending leases only frees room.
     if (req->lease_owner().empty()) throw rpc::invalid_argument("lease_owner", "must not be empty");

@@ -1,5 +1,7 @@
 // gRPC front of the segment store (hypic.v1.SegmentCache; semantics in segment_cache.proto).
 #pragma once
+#include <atomic>
+
 #include "hypic/v1/segment_cache.grpc.pb.h"
 #include "proto/rpc/server.h"
 #include "segment_cache/events.h"
@@ -13,6 +15,9 @@ class SegmentCacheService final : public hypic::v1::SegmentCache::Service {
   /// Registers the cache's Prometheus metrics (hypic:cache_bytes{tier}, hypic:cache_evictions_total, ...,
   /// proto/rpc/metrics.h), read from `store` at each scrape.
   /// Becomes `store`'s event sink (WatchEvents; a subscriber may be `max_queued_events` behind) until destroyed.
+  /// Under mutual TLS every RPC but Stats is refused (PERMISSION_DENIED) to callers without a service identity
+  /// (rpc::require_service_caller). A Put is refused (RESOURCE_EXHAUSTED) from its header when its entry is larger
+  /// than store.max_entry_bytes() or when the bytes of the puts being received would pass that.
   SegmentCacheService(SegmentStore& store, rpc::Lifecycle& life, size_t chunk_bytes, uint32_t max_lease_ms,
                       size_t max_queued_events = 65536);
   ~SegmentCacheService() override;
@@ -38,6 +43,8 @@ class SegmentCacheService final : public hypic::v1::SegmentCache::Service {
   size_t chunk_bytes_;
   uint32_t max_lease_ms_;
   CacheEventHub events_;
+  std::atomic<uint64_t> receiving_bytes_{0};  // announced bytes of the puts being received now
+  uint64_t max_receiving_bytes_;              // their cap: SegmentStore::max_entry_bytes()
 };
 
 }  // namespace hypic::cache

@@ -13,16 +13,21 @@
 namespace hypic::cache {
 
 namespace {
-// Disk-tier file layout (native little-endian): magic "HYPSEG01", u64 checksum, u64 payload size,
-// u32 number of token ids, i32 ids[n], payload bytes. File name: <digest hex>.entry.
-constexpr char kMagic[8] = {'H', 'Y', 'P', 'S', 'E', 'G', '0', '1'};
+// Disk-tier file layout (native little-endian): magic "HYPSEG02", u64 checksum, u64 payload size,
+// u32 number of token ids, i32 ids[n], u32 MAC size m (at most 64), the entry's MAC (m bytes, opaque here), payload
+// bytes. Files of the first layout ("HYPSEG01": no MAC fields) are still read (entries without a MAC). File name:
+// <digest hex>.entry.
+constexpr char kMagic[8] = {'H', 'Y', 'P', 'S', 'E', 'G', '0', '2'};
+constexpr char kMagicV1[8] = {'H', 'Y', 'P', 'S', 'E', 'G', '0', '1'};
 constexpr uint64_t kFixedHeader = sizeof(kMagic) + 8 + 8 + 4;
+constexpr uint32_t kMaxMacBytes = 64;
 constexpr std::string_view kSuffix = ".entry";
 
 struct DiskHeader {
   uint64_t checksum = 0;
   uint64_t size = 0;
   std::vector<int32_t> ids;
+  std::string mac;
 };
 
 // Reads the header of an entry file; throws std::runtime_error naming the file on any problem.
@@ -34,18 +39,30 @@ DiskHeader read_header(std::ifstream& in, const std::filesystem::path& path) {
   in.read(reinterpret_cast<char*>(&h.checksum), 8);
   in.read(reinterpret_cast<char*>(&h.size), 8);
   in.read(reinterpret_cast<char*>(&n), 4);
-  if (!in || std::memcmp(magic, kMagic, sizeof magic) != 0) {
+  const bool v2 = in && std::memcmp(magic, kMagic, sizeof magic) == 0;
+  if (!in || (!v2 && std::memcmp(magic, kMagicV1, sizeof magic) != 0)) {
     throw std::runtime_error(fmt::format("{}: not a segment entry file (bad magic or truncated header)", path.string()));
   }
   std::error_code ec;
   const auto file_size = std::filesystem::file_size(path, ec);
-  if (ec || kFixedHeader + uint64_t{n} * 4 + h.size != file_size) {
+  const uint64_t before_mac = kFixedHeader + uint64_t{n} * 4;
+  if (ec || before_mac + (v2 ? 4 : 0) + h.size > file_size) {
     throw std::runtime_error(fmt::format("{}: file has {} bytes, header announces {} ids and {} payload bytes",
                                          path.string(), ec ? 0 : file_size, n, h.size));
   }
   h.ids.resize(n);
   in.read(reinterpret_cast<char*>(h.ids.data()), std::streamsize(n) * 4);
   if (!in) throw std::runtime_error(fmt::format("{}: truncated token ids", path.string()));
+  uint32_t m = 0;
+  if (v2) in.read(reinterpret_cast<char*>(&m), 4);
+  if (!in || m > kMaxMacBytes || before_mac + (v2 ? 4 : 0) + m + h.size != file_size) {
+    throw std::runtime_error(fmt::format("{}: file has {} bytes, header announces {} ids, a MAC of {} bytes and {} "
+                                         "payload bytes",
+                                         path.string(), file_size, n, m, h.size));
+  }
+  h.mac.resize(m);
+  in.read(h.mac.data(), std::streamsize(m));
+  if (!in) throw std::runtime_error(fmt::format("{}: truncated MAC", path.string()));
   return h;
 }
 
@@ -63,12 +80,13 @@ size_t SegmentStore::DigestHash::operator()(const Digest& d) const noexcept {
 }
 
 SegmentStore::Handle::Handle(SegmentStore* s, Digest d, uint64_t gen, std::shared_ptr<const std::string> b,
-                             uint64_t c, Tier t, std::vector<int32_t> ids)
-    : store_(s), digest_(d), generation_(gen), bytes_(std::move(b)), checksum_(c), tier_(t), ids_(std::move(ids)) {}
+                             uint64_t c, Tier t, std::vector<int32_t> ids, std::string mac)
+    : store_(s), digest_(d), generation_(gen), bytes_(std::move(b)), checksum_(c), tier_(t), ids_(std::move(ids)),
+      mac_(std::move(mac)) {}
 
 SegmentStore::Handle::Handle(Handle&& o) noexcept
     : store_(o.store_), digest_(o.digest_), generation_(o.generation_), bytes_(std::move(o.bytes_)),
-      checksum_(o.checksum_), tier_(o.tier_), ids_(std::move(o.ids_)) {
+      checksum_(o.checksum_), tier_(o.tier_), ids_(std::move(o.ids_)), mac_(std::move(o.mac_)) {
   o.store_ = nullptr;
 }
 
@@ -128,6 +146,7 @@ void SegmentStore::index_disk_dir() {
   for (auto& f : found) {
     Entry e;
     e.ids = std::move(f.h.ids);
+    e.mac = std::move(f.h.mac);
     e.checksum = f.h.checksum;
     e.size = f.h.size;
     e.tier = Tier::Disk;
@@ -157,6 +176,9 @@ void SegmentStore::write_disk_file(const Digest& d, const Entry& e, const std::s
     out.write(reinterpret_cast<const char*>(&e.size), 8);
     out.write(reinterpret_cast<const char*>(&n), 4);
     out.write(reinterpret_cast<const char*>(e.ids.data()), std::streamsize(n) * 4);
+    const uint32_t m = static_cast<uint32_t>(e.mac.size());
+    out.write(reinterpret_cast<const char*>(&m), 4);
+    out.write(e.mac.data(), std::streamsize(m));
     out.write(bytes.data(), std::streamsize(bytes.size()));
     out.flush();
     if (!out) {
@@ -173,8 +195,8 @@ std::shared_ptr<const std::string> SegmentStore::read_disk_file(const Digest& d,
   std::ifstream in(path, std::ios::binary);
   if (!in) throw std::runtime_error(fmt::format("{}: cannot open: {}", path.string(), engine::io_error_reason(path, errno)));
   const DiskHeader h = read_header(in, path);
-  if (h.checksum != e.checksum || h.size != e.size || h.ids != e.ids) {
-    throw std::runtime_error(fmt::format("{}: header does not match the index (checksum, size or token ids)",
+  if (h.checksum != e.checksum || h.size != e.size || h.ids != e.ids || h.mac != e.mac) {
+    throw std::runtime_error(fmt::format("{}: header does not match the index (checksum, size, token ids or MAC)",
                                          path.string()));
   }
   auto bytes = std::make_shared<std::string>(h.size, '\0');
@@ -424,13 +446,18 @@ std::optional<SegmentStore::Handle> SegmentStore::get(const Digest& digest,
   touch(e, digest);
   ++counters_.hits;
   ++e.pins;
-  return Handle(this, digest, e.generation, std::move(bytes), e.checksum, read_from, e.ids);
+  return Handle(this, digest, e.generation, std::move(bytes), e.checksum, read_from, e.ids, e.mac);
 }
 
-bool SegmentStore::put(const Digest& digest, std::vector<int32_t> token_ids, std::string bytes, uint64_t checksum) {
+bool SegmentStore::put(const Digest& digest, std::vector<int32_t> token_ids, std::string bytes, uint64_t checksum,
+                       std::string mac) {
   const uint64_t got = rpc::checksum64(bytes);
   std::lock_guard<std::mutex> lock(mu_);
   expire_leases_locked();
+  if (mac.size() > kMaxMacBytes) {
+    ++counters_.rejected_puts;
+    throw rpc::invalid_argument("mac", fmt::format("{} bytes, at most {}", mac.size(), kMaxMacBytes));
+  }
   if (got != checksum) {
     ++counters_.rejected_puts;
     throw rpc::RpcError(grpc::StatusCode::DATA_LOSS,
@@ -445,6 +472,7 @@ bool SegmentStore::put(const Digest& digest, std::vector<int32_t> token_ids, std
   }
   Entry e;
   e.ids = std::move(token_ids);
+  e.mac = std::move(mac);
   e.checksum = checksum;
   e.size = bytes.size();
   e.generation = next_generation_++;

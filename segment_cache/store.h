@@ -18,6 +18,7 @@
 //   budget: a hit that would go past it is answered without a lease (LookupResult::leased false,
 //   counted in unleased_hits), so leases never lock out the whole budget.
 #pragma once
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <filesystem>
@@ -84,11 +85,13 @@ class SegmentStore {
     uint64_t checksum() const { return checksum_; }
     Tier tier() const { return tier_; }  ///< the tier the entry was read from
     const std::vector<int32_t>& token_ids() const { return ids_; }
+    /// The MAC stored with the entry (opaque to the store; empty if it was put without one).
+    const std::string& mac() const { return mac_; }
 
    private:
     friend class SegmentStore;
     Handle(SegmentStore* s, Digest d, uint64_t gen, std::shared_ptr<const std::string> b, uint64_t c, Tier t,
-           std::vector<int32_t> ids);
+           std::vector<int32_t> ids, std::string mac);
     SegmentStore* store_;
     Digest digest_;
     uint64_t generation_;
@@ -96,6 +99,7 @@ class SegmentStore {
     uint64_t checksum_;
     Tier tier_;
     std::vector<int32_t> ids_;
+    std::string mac_;
   };
 
   struct LookupResult {
@@ -135,8 +139,21 @@ class SegmentStore {
   /// stored). Makes room by evicting least recently used unpinned, unleased entries (memory
   /// evictions spill to disk when there is a disk tier). An entry larger than the memory budget
   /// goes straight to disk if it fits there. Throws RpcError(RESOURCE_EXHAUSTED) when it cannot
-  /// fit. Returns true if an entry with this digest was replaced.
-  bool put(const Digest& digest, std::vector<int32_t> token_ids, std::string bytes, uint64_t checksum);
+  /// fit. Returns true if an entry with this digest was replaced. `mac` (at most 64 bytes, else INVALID_ARGUMENT) is
+  /// kept with the entry, in memory and on disk, and handed back by get(): the store does not check it (the combine
+  /// worker does, proto/rpc/entry_mac.h).
+  bool put(const Digest& digest, std::vector<int32_t> token_ids, std::string bytes, uint64_t checksum,
+           std::string mac = {});
+  /// The largest entry put() could ever store: the memory budget, or the disk budget when it is larger (bytes).
+  uint64_t max_entry_bytes() const {
+    return opt_.disk_dir.empty() ? opt_.memory_budget_bytes : std::max(opt_.memory_budget_bytes, opt_.disk_budget_bytes);
+  }
+
+  /// Counts a put refused before it reached the store (the service's checks on its header) in rejected_puts.
+  void count_rejected_put() {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++counters_.rejected_puts;
+  }
 
   /// Removes an entry from every tier; false if absent.
   bool erase(const Digest& digest);
@@ -154,6 +171,7 @@ class SegmentStore {
  private:
   struct Entry {
     std::vector<int32_t> ids;
+    std::string mac;
     uint64_t checksum = 0;
     uint64_t size = 0;
     Tier tier = Tier::None;

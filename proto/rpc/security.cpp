@@ -1,5 +1,7 @@
 #include "proto/rpc/security.h"
 
+#include "proto/rpc/status.h"
+
 #include <cctype>
 #include <cerrno>
 #include <cstring>
@@ -8,6 +10,8 @@
 #include <stdexcept>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <spdlog/spdlog.h>
 #include <openssl/crypto.h>
 #include <openssl/pem.h>
 #include <openssl/x509.h>
@@ -16,6 +20,7 @@ namespace hypic::rpc {
 namespace {
 
 TlsMaterial g_tls;  // set once by configure_tls, before servers and channels exist
+std::vector<std::string> g_service_ids{kDefaultServiceIdentity};  // set once by configure_service_identities
 
 std::string read_file(const std::string& flag, const std::string& path) {
   errno = 0;
@@ -175,6 +180,54 @@ std::shared_ptr<grpc::ChannelCredentials> channel_credentials() {
   opts.pem_private_key = g_tls.client_key;
   opts.pem_cert_chain = g_tls.client_cert;
   return grpc::SslCredentials(opts);
+}
+
+void add_service_identity_flag(CLI::App& app, std::vector<std::string>& names) {
+  app.add_option("--tls-service-identity", names,
+                 "with --tls-client-ca: a certificate identity (subject CN or subjectAltName) allowed to call this "
+                 "internal service (repeatable; default hypic-service); other certificates (users) are refused")
+      ->capture_default_str();
+}
+
+void configure_service_identities(std::vector<std::string> names) {
+  std::erase_if(names, [](const std::string& n) { return n.empty(); });
+  g_service_ids = names.empty() ? std::vector<std::string>{kDefaultServiceIdentity} : std::move(names);
+}
+
+void log_caller_policy(const std::string& role) {
+  if (!g_tls.client_ca.empty()) {
+    spdlog::info("{}: internal RPCs accepted only from certificates of a service identity ({}); users are refused",
+                 role, fmt::join(g_service_ids, ", "));
+  } else {
+    spdlog::warn("{}: no --tls-client-ca: callers present no certificate, so any caller that reaches this port may "
+                 "call its internal RPCs (keep it on a private network; deploy/README.md \"Trust model\")",
+                 role);
+  }
+}
+
+std::vector<std::string> peer_identities(const grpc::ServerContext& context) {
+  std::vector<std::string> out;
+  const auto auth = context.auth_context();
+  if (!auth || !auth->IsPeerAuthenticated()) return out;
+  for (const char* prop : {"x509_common_name", "x509_subject_alternative_name"}) {
+    for (const auto& v : auth->FindPropertyValues(prop)) out.emplace_back(v.data(), v.size());
+  }
+  return out;
+}
+
+grpc::Status require_service_caller(const grpc::ServerContext& context, std::string_view rpc) {
+  if (g_tls.client_ca.empty()) return grpc::Status::OK;
+  const auto ids = peer_identities(context);
+  for (const auto& id : ids) {
+    for (const auto& allowed : g_service_ids) {
+      if (id == allowed) return grpc::Status::OK;
+    }
+  }
+  std::string who = ids.empty() ? std::string("no certificate identity") : untrusted(ids.front(), 100);
+  return {grpc::StatusCode::PERMISSION_DENIED,
+          fmt::format("{} is for hypic services only: the caller's certificate ({}) is not a service identity "
+                      "(--tls-service-identity); users call the router",
+                      rpc, who)};
 }
 
 BearerTokens BearerTokens::load(const std::string& path, const std::string& flag) {

@@ -74,6 +74,30 @@ std::shared_ptr<grpc::ServerCredentials> server_credentials();
 /// insecure.
 std::shared_ptr<grpc::ChannelCredentials> channel_credentials();
 
+/// Caller identities (mutual TLS). Users and services hold certificates of distinct identities from the same CA
+/// (scripts/make_certs.sh: CN hypic-service for the services, CN hypic-user for users). The internal services
+/// (segment cache, scatter and combine workers) accept their RPCs only from a service identity: a certificate whose
+/// subject CN or one of whose subjectAltNames (DNS, URI) equals one of the names configured here (default:
+/// "hypic-service"; --tls-service-identity, repeatable). Users may only call the router's public RPCs (and health
+/// checks). Without --tls-client-ca nobody presents a certificate, so there is no identity to check and every caller
+/// is accepted (log_caller_policy says so at start-up).
+inline constexpr const char* kDefaultServiceIdentity = "hypic-service";
+
+/// Registers --tls-service-identity NAME (repeatable) on `app`, into `names` (which keeps its default when the flag is
+/// not given).
+void add_service_identity_flag(CLI::App& app, std::vector<std::string>& names);
+/// Makes `names` the process-wide service identities (empty: the default). Call once from main(), like
+/// configure_tls.
+void configure_service_identities(std::vector<std::string> names);
+/// Logs, once at start-up, who may call this internal service: the identities, or a warning that every caller is
+/// accepted (no client certificates required).
+void log_caller_policy(const std::string& role);
+/// The identities of the call's peer certificate: its subject CN and subjectAltNames (empty without mutual TLS).
+std::vector<std::string> peer_identities(const grpc::ServerContext& context);
+/// OK when the caller may call an internal RPC: mutual TLS is off (no identities to check), or its certificate names
+/// a service identity. Otherwise PERMISSION_DENIED naming `rpc` and the certificate's identity (escaped, cut).
+grpc::Status require_service_caller(const grpc::ServerContext& context, std::string_view rpc);
+
 /// A set of accepted bearer tokens (see the file comment). Empty set: authentication off, every call accepted.
 class BearerTokens {
  public:

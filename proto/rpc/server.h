@@ -33,6 +33,9 @@ struct ServerFlags {
   std::string metrics_port_file;       ///< if set, the metrics endpoint's bound port is written there
   TlsFlags tls;                        ///< --tls-* (security.h): TLS of the gRPC port, the metrics and channels
   std::string advertise;               ///< host:port others reach this service at, as it names itself in reports
+  /// --tls-service-identity (internal services only, add_service_identity_flag): certificate identities allowed to
+  /// call them under mutual TLS (security.h)
+  std::vector<std::string> service_identities{kDefaultServiceIdentity};
 };
 
 /// The address a service names itself by (e.g. a scatter worker's built_by): --advertise-address when given, else

@@ -39,22 +39,44 @@ std::string describe(const grpc::Status& status);
 /// Re-raises a failed status as RpcError with `context` prepended to the message, keeping the code.
 [[noreturn]] void throw_status(const grpc::Status& status, std::string_view context);
 
+/// Default cap of untrusted(): a few hundred bytes of a client-supplied string in a log line or an error message.
+inline constexpr size_t kUntrustedMaxBytes = 200;
+/// Cap of every status message handle_errors() returns (bytes, before gRPC's percent-encoding): far under gRPC's
+/// 8 KiB metadata limit, so that an error that echoes a long input is still delivered with its own code.
+inline constexpr size_t kMaxStatusMessageBytes = 1024;
+
+/// Client-supplied text (request ids, cache modes, addresses, lease owners, any string field) made safe for a log
+/// line or an error message. Text of at most `max_bytes` visible ASCII characters (0x21..0x7e) other than '"' and
+/// '\\' (a well-formed request id, a mode name) is returned as is; anything else is quoted ("...") with bytes outside
+/// printable ASCII, '\\' and '"' escaped (\n, \r, \t, \\, \", \xNN), so no newline or terminal control reaches a
+/// log, and cut to at most `max_bytes` of escaped text, a cut one ending in `..." (N bytes)` with the original size.
+/// Never throws (but std::bad_alloc).
+std::string untrusted(std::string_view text, size_t max_bytes = kUntrustedMaxBytes);
+/// `message` cut to kMaxStatusMessageBytes (a cut one ends in "... (N bytes)"), control bytes (newlines included)
+/// escaped as untrusted() does, UTF-8 kept: what a grpc::Status built from it may carry.
+std::string capped_message(std::string_view message);
+
 /// Runs `body` (returning grpc::Status) and maps what it throws: RpcError -> its code,
 /// std::invalid_argument -> INVALID_ARGUMENT, std::out_of_range -> OUT_OF_RANGE, anything else
-/// -> INTERNAL; the message is the exception's what(). Used at the top of every RPC handler so
+/// -> INTERNAL; the message is the exception's what() (capped_message: at most kMaxStatusMessageBytes, control bytes
+/// escaped; a status `body` returns is capped the same way). Used at the top of every RPC handler so
 /// that no exception ever escapes into gRPC (which would abort the process).
 template <class F>
 grpc::Status handle_errors(F&& body) noexcept {
   try {
-    return body();
+    grpc::Status st = body();
+    if (st.error_message().size() > kMaxStatusMessageBytes) {
+      st = grpc::Status(st.error_code(), capped_message(st.error_message()), st.error_details());
+    }
+    return st;
   } catch (const RpcError& e) {
-    return e.status();
+    return grpc::Status(e.code(), capped_message(e.what()));
   } catch (const std::invalid_argument& e) {
-    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, e.what());
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, capped_message(e.what()));
   } catch (const std::out_of_range& e) {
-    return grpc::Status(grpc::StatusCode::OUT_OF_RANGE, e.what());
+    return grpc::Status(grpc::StatusCode::OUT_OF_RANGE, capped_message(e.what()));
   } catch (const std::exception& e) {
-    return grpc::Status(grpc::StatusCode::INTERNAL, e.what());
+    return grpc::Status(grpc::StatusCode::INTERNAL, capped_message(e.what()));
   } catch (...) {
     return grpc::Status(grpc::StatusCode::INTERNAL, "unknown exception");
   }

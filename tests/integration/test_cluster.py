@@ -902,7 +902,8 @@ class LauncherTest(unittest.TestCase):
         self.assertEqual(p.returncode, 1)
         logs = named_dir(p.stderr, r"the cluster did not start: the logs are kept in (\S+) ")
         try:
-            self.assertIn("config.json", (logs / "scatter-0.log").read_text())
+            # The combine worker starts first (the scatter workers are told its address: --combine).
+            self.assertIn("config.json", (logs / "combine.log").read_text())
         finally:
             shutil.rmtree(logs.parent, ignore_errors=True)
 
@@ -936,7 +937,7 @@ class LauncherTest(unittest.TestCase):
                                 str(BIN_DIR), "--model", str(bad_model), "--tokenizer", Env.tokenizer, "--work-dir",
                                 work, "--", "true"], capture_output=True, text=True, timeout=120)
             self.assertEqual(p.returncode, 1)
-            self.assertIn("scatter-0 exited", p.stderr)
+            self.assertIn("combine exited", p.stderr)  # started first: the scatter workers get its address
             self.assert_gone(work)
 
     def test_router_refuses_bad_refresh_flags(self):

@@ -210,6 +210,11 @@ class TlsAuthTest(MetricsTest):
         # the launcher's command does.
         cls.saved_env = dict(os.environ)
         os.environ.update(cls.cluster.environment())
+        # These tests act as the operator: cache events and stats are internal RPCs, which need the services'
+        # certificate identity (the user certificate the launcher's environment gives is refused there;
+        # test_hostile.py UserCertificateTest).
+        d = cls.cluster.tls_dir
+        os.environ.update(HYPIC_TLS_CLIENT_CERT=str(d / "server.crt"), HYPIC_TLS_CLIENT_KEY=str(d / "server.key"))
 
     @classmethod
     def tearDownClass(cls) -> None:

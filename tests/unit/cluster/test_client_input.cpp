@@ -131,3 +131,36 @@ TEST_CASE("token id lists (--token-ids): digits only, in range, named by positio
   CHECK_THROWS_WITH(parse_token_id_list("99999999999999999999999", "--token-ids"),
                     Catch::StartsWith("--token-ids[0]: 99999999999999999999999 is out of range"));
 }
+
+TEST_CASE("client flag values: finite seconds, whole integers, ports in range", "[client_input][flags]") {
+  using namespace hypic::client;
+  CHECK(parse_seconds("2.5", "--timeout-seconds", true) == 2.5);
+  CHECK(parse_seconds("0", "--timeout-seconds", true) == 0);
+  for (const char* bad : {"nan", "NaN", "-1", "-inf", "inf", "1e308", "", " 1", "1s", "0x10"}) {
+    CHECK_THROWS_WITH(parse_seconds(bad, "--timeout-seconds", true), Catch::StartsWith("--timeout-seconds: "));
+  }
+  CHECK_THROWS(parse_seconds("0", "--x", false));
+  CHECK(parse_uint64("18446744073709551615", "--seed") == UINT64_MAX);
+  for (const char* bad : {"18446744073709551616", "-1", "+1", "1.0", "1e3", ""}) {
+    CHECK_THROWS_WITH(parse_uint64(bad, "--seed"), Catch::StartsWith("--seed: "));
+  }
+  CHECK_THROWS_WITH(parse_uint64("18446744073709551616", "--seed"), Catch::Contains("overflows"));
+  CHECK(parse_integer("-3", "--n", -5, 5) == -3);
+  CHECK_THROWS_WITH(parse_integer("99999999999999999999", "--n", 0, 10), Catch::Contains("overflow"));
+  CHECK(check_address("127.0.0.1:65535", "--router") == "127.0.0.1:65535");
+  CHECK(check_address("[::1]:80", "--router") == "[::1]:80");
+  CHECK(check_address("hypic-router.hypic.svc:50050", "--router") == "hypic-router.hypic.svc:50050");
+  for (const char* bad : {"127.0.0.1:99999", "127.0.0.1:0", "127.0.0.1", "::1:80", "host:", ":80", "h:+80", "h:8 0"}) {
+    CHECK_THROWS_WITH(check_address(bad, "--router"), Catch::StartsWith("--router: "));
+  }
+}
+
+TEST_CASE("input files are capped before they are read to the end", "[client_input][flags]") {
+  using namespace hypic::client;
+  CHECK_THROWS_WITH(read_file("/dev/zero", 1 << 20), Catch::Contains("more than the 1048576 bytes"));
+  const auto path = std::filesystem::temp_directory_path() / "hypic-test-client-input-big";
+  { std::ofstream(path) << std::string(2000, 'a'); }
+  CHECK_THROWS_WITH(read_file(path.string(), 1000), Catch::Contains("2000 bytes, more than the 1000"));
+  CHECK(read_file(path.string(), 2000).size() == 2000);
+  std::filesystem::remove(path);
+}

@@ -184,3 +184,55 @@ TEST_CASE("data plane: a scatter worker refuses an unknown entry transport", "[d
                     Catch::Contains("nccl chunk bytes"));
   loop.stop();
 }
+
+TEST_CASE("a scatter worker delivers only to its configured combine workers and keeps its own limits",
+          "[data-plane][hostile]") {
+  auto backend = hypic::engine::CpuBackend::load(hypic::test::kCombineModel);
+  hypic::engine::EngineLoop loop(*backend);
+  hypic::cache::SegmentCacheClient cache{std::vector<std::string>{}};
+  hypic::cache::AsyncCachePutter putter{cache, 1 << 20};
+  hypic::rpc::Lifecycle life("scatter worker");
+  hypic::worker::ScatterService svc(loop, putter, life, 1 << 16, 1);
+  svc.set_allowed_combine_workers({"127.0.0.1:50071"});
+  svc.set_limits(4, 2);
+  hypic::v1::PrefillRequest req;
+  req.set_request_id("r1");
+  req.set_combine_address("attacker.example:443\nforged");
+  auto* seg = req.add_segments();
+  seg->mutable_key()->set_digest(std::string(16, '\0'));
+  seg->mutable_key()->add_token_ids(1);
+  grpc::ServerContext ctx;
+  grpc::Status st = svc.Prefill(&ctx, &req, nullptr);  // refused before anything is written
+  CHECK(st.error_code() == grpc::StatusCode::PERMISSION_DENIED);
+  CHECK_THAT(st.error_message(), Catch::Contains("combine_address: \"attacker.example:443\\nforged\" is not one of this "
+                                                 "scatter worker's combine workers (--combine)"));
+  req.set_combine_address("127.0.0.1:50071");
+  for (int i = 0; i < 4; ++i) seg->mutable_key()->add_token_ids(1);  // 5 ids, the limit is 4
+  st = svc.Prefill(&ctx, &req, nullptr);
+  CHECK(st.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK_THAT(st.error_message(), Catch::Contains("(--max-segment-tokens)"));
+  loop.stop();
+}
+
+TEST_CASE("a combine worker refuses requests past its own limits", "[data-plane][hostile]") {
+  hypic::combine::RequestLimits limits;
+  limits.max_new_tokens = 16;
+  limits.max_segment_tokens = 8;
+  limits.max_prompt_tokens = 12;
+  hypic::v1::CombineRequest req;
+  req.mutable_sampling()->set_max_tokens(5080);
+  req.add_query_ids(1);
+  auto* s = req.add_segments()->mutable_key();
+  for (int i = 0; i < 8; ++i) s->add_token_ids(1);
+  CHECK_THROWS_WITH(hypic::combine::check_request_limits(req, limits),
+                    Catch::Contains("sampling.max_tokens: 5080 exceeds this combine worker's limit of 16 "
+                                    "(--max-new-tokens)"));
+  req.mutable_sampling()->set_max_tokens(16);
+  CHECK_NOTHROW(hypic::combine::check_request_limits(req, limits));
+  s->add_token_ids(1);
+  CHECK_THROWS_WITH(hypic::combine::check_request_limits(req, limits), Catch::Contains("--max-segment-tokens"));
+  auto* s2 = req.add_segments()->mutable_key();
+  req.mutable_segments(0)->mutable_key()->mutable_token_ids()->RemoveLast();
+  for (int i = 0; i < 4; ++i) s2->add_token_ids(1);
+  CHECK_THROWS_WITH(hypic::combine::check_request_limits(req, limits), Catch::Contains("--max-prompt-tokens"));
+}

@@ -183,3 +183,74 @@ TEST_CASE("TLS off: plaintext servers and channels, as before", "[security]") {
   HealthServer server;
   CHECK(probe(server.address()) == 1);
 }
+
+#include "proto/rpc/entry_mac.h"
+#include "proto/rpc/status.h"
+
+TEST_CASE("entry MACs bind the digest, the token ids and the bytes", "[security][mac]") {
+  const auto keys = EntryMacKeys::of({std::string(32, 'k')});
+  Digest a{}, b{};
+  b[0] = 1;
+  const std::vector<int32_t> ids_a{1, 2, 3}, ids_b{1, 2, 4};
+  const std::string bytes = "entry bytes", other = "entry bytez";
+  const std::string mac = keys.sign(a, ids_a, bytes);
+  CHECK(mac.size() == EntryMacKeys::kMacBytes);
+  CHECK(keys.verify(a, ids_a, bytes, mac));
+  CHECK_FALSE(keys.verify(b, ids_a, bytes, mac));  // relabelled: another digest
+  CHECK_FALSE(keys.verify(a, ids_b, bytes, mac));  // another document's ids
+  CHECK_FALSE(keys.verify(a, ids_a, other, mac));  // other bytes
+  CHECK_FALSE(keys.verify(a, ids_a, bytes, ""));   // unsigned
+  CHECK_FALSE(EntryMacKeys::of({std::string(32, 'x')}).verify(a, ids_a, bytes, mac));  // another key
+  // Rotation: the second key of a file verifies what the first one signed, and the other way round.
+  const auto rotated = EntryMacKeys::of({std::string(32, 'n'), std::string(32, 'k')});
+  CHECK(rotated.verify(a, ids_a, bytes, mac));
+  CHECK(keys.verify(a, ids_a, bytes, EntryMacKeys::of({std::string(32, 'k'), std::string(32, 'n')}).sign(a, ids_a, bytes)));
+  CHECK_FALSE(keys.verify(a, ids_a, bytes, rotated.sign(a, ids_a, bytes)));
+  // Off: nothing signed, everything accepted.
+  CHECK(EntryMacKeys{}.sign(a, ids_a, bytes).empty());
+  CHECK(EntryMacKeys{}.verify(a, ids_a, bytes, ""));
+  CHECK_THROWS_AS(EntryMacKeys::of({"short"}), std::invalid_argument);
+}
+
+TEST_CASE("entry key files: hex keys, comments, errors naming the flag and the line", "[security][mac]") {
+  const std::string path = temp_path("cache.key");
+  auto write = [&](const std::string& text) { std::ofstream(path) << text; };
+  write("# cluster key\n" + std::string(64, 'a') + "\n\n" + std::string(64, 'B') + "\n");
+  CHECK(EntryMacKeys::load(path).size() == 2);
+  write(std::string(62, 'a') + "\n");
+  CHECK_THROWS_WITH(EntryMacKeys::load(path), Catch::Contains("--cache-key-file") && Catch::Contains("line 1") &&
+                                                  Catch::Contains("at least 32"));
+  write(std::string(63, 'a') + "g\n");
+  CHECK_THROWS_WITH(EntryMacKeys::load(path), Catch::Contains("not hexadecimal"));
+  write("# nothing\n");
+  CHECK_THROWS_WITH(EntryMacKeys::load(path), Catch::Contains("holds no key"));
+  std::filesystem::remove(path);
+  CHECK_THROWS_WITH(EntryMacKeys::load(path), Catch::Contains("cannot read"));
+}
+
+TEST_CASE("untrusted text is escaped and cut, well-formed ids are kept as they are", "[security][untrusted]") {
+  CHECK(untrusted("req-42") == "req-42");
+  CHECK(untrusted("a\nb") == "\"a\\nb\"");
+  CHECK(untrusted("tab\there \"q\" back\\slash \x01\xff") == "\"tab\\there \\\"q\\\" back\\\\slash \\x01\\xff\"");
+  CHECK(untrusted("") == "\"\"");
+  const std::string big(5 << 20, 'x');
+  const std::string cut = untrusted(big);
+  CHECK(cut.size() < kUntrustedMaxBytes + 40);
+  CHECK(cut.find("(5242880 bytes)") != std::string::npos);
+  const std::string lines(1000, '\n');
+  const std::string cut_lines = untrusted(lines);
+  CHECK(cut_lines.find('\n') == std::string::npos);
+  CHECK(cut_lines.size() < kUntrustedMaxBytes + 40);
+  // Status messages: capped, control bytes escaped, UTF-8 kept.
+  CHECK(capped_message("caf\xc3\xa9\nline") == "caf\xc3\xa9\\nline");
+  CHECK(capped_message(std::string(10000, 'm')).size() < kMaxStatusMessageBytes + 40);
+  const grpc::Status st = handle_errors([&]() -> grpc::Status { throw invalid_argument("cache.mode", std::string(8192, 'z')); });
+  CHECK(st.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK(st.error_message().size() < kMaxStatusMessageBytes + 40);
+}
+
+TEST_CASE("without mutual TLS every caller may call an internal RPC", "[security][identity]") {
+  grpc::ServerContext ctx;
+  CHECK(require_service_caller(ctx, "SegmentCache.Put").ok());
+  CHECK(peer_identities(ctx).empty());
+}

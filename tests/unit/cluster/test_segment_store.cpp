@@ -382,3 +382,34 @@ TEST_CASE("leases never lock the budget: with owners that never release, puts ar
   CHECK(s.leased_bytes <= 500);
   CHECK(s.unleased_hits > 0);
 }
+
+TEST_CASE("an entry's MAC is kept in memory, on disk and across a restart", "[segment_store][mac]") {
+  TempDir dir;
+  const std::string mac(32, '\x5a');
+  {
+    SegmentStore st(StoreOptions{.memory_budget_bytes = 100, .disk_dir = dir.path, .disk_budget_bytes = 1000});
+    auto b = bytes_of(1, 60);
+    const uint64_t c = hypic::rpc::checksum64(b);
+    st.put(digest_of(1), ids_of(1), std::move(b), c, mac);
+    const auto ids = ids_of(1);
+    {
+      auto h = st.get(digest_of(1), std::span<const int32_t>(ids));
+      REQUIRE(h);
+      CHECK(h->mac() == mac);
+      CHECK(h->tier() == Tier::Memory);
+    }
+    put(st, 2, 80);  // spills entry 1 to disk (no longer pinned)
+  }
+  SegmentStore again(StoreOptions{.memory_budget_bytes = 100, .disk_dir = dir.path, .disk_budget_bytes = 1000});
+  const auto ids = ids_of(1);
+  auto h = again.get(digest_of(1), std::span<const int32_t>(ids));
+  REQUIRE(h);
+  CHECK(h->mac() == mac);
+  CHECK(h->bytes() == bytes_of(1, 60));
+  // A MAC over 64 bytes is refused.
+  auto b = bytes_of(3, 10);
+  const uint64_t c = hypic::rpc::checksum64(b);
+  CHECK(code_of([&] { again.put(digest_of(3), ids_of(3), b, c, std::string(65, 'x')); }) ==
+        grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK(again.max_entry_bytes() == 1000);
+}

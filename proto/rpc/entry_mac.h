@@ -1,0 +1,67 @@
+// Entry MACs: every segment entry put in the segment cache carries an HMAC-SHA256 made with a cluster key by the
+// worker that built it, and the combine worker verifies it before using an entry read from the cache. The cache holds
+// no key: an entry forged or relabelled by anyone who can Put (another document's bytes under this document's digest
+// and token ids, checksums recomputed) fails the check, is refused (not spliced), counted
+// (hypic:entry_mac_failures_total) and deleted from the cache, and the segment is recomputed.
+//
+// What the MAC binds (HMAC-SHA256 over, in order): the label "hypic-entry-mac-v1" and a zero byte, the 16-byte segment
+// digest (itself a hash of the model fingerprint, numerics, entry format, seam width and token ids), the number of
+// token ids (u64, little-endian), the ids (i32 little-endian each), the entry's size (u64 little-endian) and its bytes.
+// So an entry verifies only under the digest and ids it was built for.
+//
+// Key file (--cache-key-file, on the scatter and combine workers): one key per line as hexadecimal, at least 32 bytes
+// (64 hex digits); blank lines and lines starting with '#' ignored. The first key signs; every key verifies. Rotation:
+// add the new key as the second line everywhere (restart), then move it first (restart: new entries are signed with
+// it, old ones still verify), then remove the old key once the old entries have been replaced or evicted (entries
+// signed only with a removed key are refused, dropped and rebuilt). deploy/README.md "Trust model".
+//
+// Without a key file nothing is signed or checked: entries are unauthenticated, and the workers say so at start-up.
+#pragma once
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+
+#include "proto/rpc/status.h"
+
+namespace hypic::rpc {
+
+/// The cluster's entry keys (see the file comment). Empty: MACs off.
+class EntryMacKeys {
+ public:
+  static constexpr size_t kMacBytes = 32;     ///< HMAC-SHA256
+  static constexpr size_t kMinKeyBytes = 32;  ///< shortest key accepted
+
+  EntryMacKeys() = default;
+  /// Reads a key file. Throws std::invalid_argument naming `flag`, the file and the line when it cannot be read, holds
+  /// no key, or a line is not hexadecimal or shorter than kMinKeyBytes.
+  static EntryMacKeys load(const std::string& path, const std::string& flag = "--cache-key-file");
+  /// From raw keys (tests); each at least kMinKeyBytes, else std::invalid_argument.
+  static EntryMacKeys of(std::vector<std::string> raw_keys);
+
+  bool enabled() const { return !keys_.empty(); }
+  size_t size() const { return keys_.size(); }
+  /// The MAC of an entry with the first key (kMacBytes bytes); "" when MACs are off.
+  std::string sign(const Digest& digest, std::span<const int32_t> token_ids, std::string_view bytes) const;
+  /// True when `mac` is the MAC of the entry under one of the keys (constant-time compare), or when MACs are off.
+  bool verify(const Digest& digest, std::span<const int32_t> token_ids, std::string_view bytes,
+              std::string_view mac) const;
+
+ private:
+  std::vector<std::string> keys_;
+};
+
+/// Registers --cache-key-file PATH on `app`.
+void add_entry_mac_flag(CLI::App& app, std::string& path);
+/// Loads `path` (empty: MACs off) and makes it the process-wide key set used by entry_mac_keys(); logs which (a
+/// warning that entries are unauthenticated when off). Call once from main(). Throws like EntryMacKeys::load.
+void configure_entry_mac(const std::string& path, const std::string& role);
+/// Sets the process-wide key set directly (tests).
+void configure_entry_mac(EntryMacKeys keys);
+/// The process-wide key set (empty until configured).
+const EntryMacKeys& entry_mac_keys();
+
+}  // namespace hypic::rpc
