@@ -18,6 +18,7 @@
 
 #include <cerrno>
 #include <chrono>
+#include <cmath>
 #include <fstream>
 #include <iostream>
 #include <sstream>
@@ -428,10 +429,11 @@ int main(int argc, char** argv) {
   auto* cevents = app.add_subcommand("cache-events", "follow a cache replica's events (stored, evicted, cleared, "
                                                      "moved) as JSON lines (SegmentCache.WatchEvents)");
   bool include_existing = false;
-  int64_t event_count = 0;
+  std::string count_text = "0";
   cevents->add_option("--cache", cache_addr, "cache host:port")->required();
   cevents->add_flag("--include-existing", include_existing, "start with one STORED event per entry held now");
-  cevents->add_option("--count", event_count, "stop after this many events (0: follow until interrupted)");
+  cevents->add_option("--count", count_text, "stop after this many events (0: follow until interrupted)")
+      ->capture_default_str();
 
   CLI11_PARSE(app, argc, argv);
 
@@ -444,7 +446,10 @@ int main(int argc, char** argv) {
     const double timeout_s = hc::parse_seconds(timeout_text, "--timeout-seconds", true);
     const double wait_s = hc::parse_seconds(wait_text, "--wait-seconds", true);
     const uint64_t seed = seed_text.empty() ? 0 : hc::parse_uint64(seed_text, "--seed");
-    if (event_count < 0) throw std::invalid_argument(fmt::format("--count: must be >= 0, got {}", event_count));
+    const int64_t event_count = hc::parse_integer(count_text, "--count", 0, INT64_MAX);
+    for (const auto& [flag, v] : {std::pair{"--temperature", temperature}, std::pair{"--top-p", top_p}}) {
+      if (!std::isfinite(v)) throw std::invalid_argument(fmt::format("{}: {} is not a finite number", flag, v));
+    }
     hypic::rpc::configure_tls(tls);
     const std::string token = token_file.empty() ? std::string() : hypic::rpc::read_token_file(token_file);
     if (*cevents) {

@@ -271,6 +271,10 @@ class ClientFlagTest(unittest.TestCase):
         self.refused("--target", "health", "--target", "localhost:65536")
         self.refused("--wait-seconds", "health", "--target", "localhost:1", "--wait-seconds", "nan")
         self.refused("--cache", "cache-stats", "--cache", "127.0.0.1:70000")
+        self.refused("--count", "cache-events", "--cache", "127.0.0.1:1", "--count", "1180591620717411303424")
+        self.refused("--count", "cache-events", "--cache", "127.0.0.1:1", "--count", "-1")
+        for flag, value in (("--temperature", "nan"), ("--temperature", "1e400"), ("--top-p", "inf")):
+            self.refused(flag, *gen, flag, value)
         t0 = time.monotonic()
         self.refused("--segment-file", "generate", "--router", "127.0.0.1:1", "--segment-file", "/dev/zero",
                      "--query", "b")
