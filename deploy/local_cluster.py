@@ -853,7 +853,9 @@ def main() -> int:
     p.add_argument("--http-port", type=_port, default=0, help="the HTTP front's port (default 0: a free one)")
     p.add_argument("--tls", action="store_true",
                    help="TLS on every port (certificates made by scripts/make_certs.sh in WORK_DIR/tls), client "
-                        "certificates required on every gRPC port (the services' and yours: client.crt), and a "
+                        "certificates required on every gRPC port (the services present server.crt, identity "
+                        "hypic-service; you and the command get client.crt, identity hypic-user, which reaches the "
+                        "router only: the cache and the workers refuse it), and a "
                         "bearer token (WORK_DIR/tls/token) on the router and the HTTP front (HTTPS, no client "
                         "certificate); the ready lines print the client flags; the command gets HYPIC_TLS_CA, HYPIC_TLS_CLIENT_CERT, HYPIC_TLS_CLIENT_KEY and "
                         "HYPIC_TOKEN_FILE, which hypic-client reads")
@@ -933,7 +935,9 @@ def main() -> int:
                   f"    hypic-client ... --tls-ca {d / 'ca.crt'} --tls-client-cert {d / 'client.crt'} "
                   f"--tls-client-key {d / 'client.key'} --token-file {d / 'token'}\n"
                   f"    (or the environment HYPIC_TLS_CA, HYPIC_TLS_CLIENT_CERT, HYPIC_TLS_CLIENT_KEY, "
-                  f"HYPIC_TOKEN_FILE, which a command after -- gets)\n"
+                  f"HYPIC_TOKEN_FILE, which a command after -- gets); client.crt is a user: it reaches the router only.\n"
+                  f"    An operator calling the cache or a worker directly presents the services' certificate: "
+                  f"--tls-client-cert {d / 'server.crt'} --tls-client-key {d / 'server.key'}\n"
                   f"    curl --cacert {d / 'ca.crt'} -H \"Authorization: Bearer $(cat {d / 'token'})\" https://...",
                   file=sys.stderr)
         if cluster._own_work_dir:
