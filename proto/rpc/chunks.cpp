@@ -32,6 +32,11 @@ void ChunkAssembler::append(std::string_view chunk) {
     throw RpcError(grpc::StatusCode::DATA_LOSS,
                    fmt::format("{}: chunks exceed the announced {} bytes", what_, total_));
   }
+  // Once kMaxReserveBytes arrived, the announced size (up to kMaxEagerReserveBytes) at once; past that, doubling.
+  const uint64_t eager = std::min<uint64_t>(total_, kMaxEagerReserveBytes);
+  if (bytes_.size() + chunk.size() > bytes_.capacity() && bytes_.capacity() < eager &&
+      bytes_.size() >= std::min<uint64_t>(total_, kMaxReserveBytes))
+    bytes_.reserve(std::max<uint64_t>(eager, bytes_.size() + chunk.size()));
   bytes_.append(chunk);
 }
 
