@@ -24,7 +24,7 @@ rpc::Counter& bytes_counter(const char* direction) {
 SegmentCacheService::SegmentCacheService(SegmentStore& store, rpc::Lifecycle& life, size_t chunk_bytes,
                                          uint32_t max_lease_ms, size_t max_queued_events)
     : store_(store), life_(life), chunk_bytes_(chunk_bytes), max_lease_ms_(max_lease_ms), events_(max_queued_events),
-      max_receiving_bytes_(store.max_entry_bytes()) {
+      max_receiving_bytes_(store.stats().memory_budget_bytes) {
   store_.set_event_sink([this](const StoreEvent& e) { events_.publish(e); });
   auto& reg = rpc::MetricsRegistry::global();
   auto stat = [&store](uint64_t StoreStats::*field) { return [&store, field] { return double(store.stats().*field); }; };
@@ -198,7 +198,10 @@ grpc::Status SegmentCacheService::Put(grpc::ServerContext* ctx, grpc::ServerRead
       uint64_t n;
       ~Receiving() { total -= n; }
     } receiving{receiving_bytes_, header.total_bytes()};
-    if (receiving_bytes_.fetch_add(receiving.n) + receiving.n > max_receiving_bytes_) {
+    // One put alone may stream an entry up to max_entry_bytes (one larger than memory goes to the disk tier); beside
+    // others, the bytes being received stay within the memory budget.
+    if (const uint64_t before = receiving_bytes_.fetch_add(receiving.n);
+        before > 0 && before + receiving.n > max_receiving_bytes_) {
       store_.count_rejected_put();
       throw rpc::resource_exhausted(fmt::format("put {}: {} bytes would put the puts being received past {} bytes (the "
                                                 "memory budget); retry later",

@@ -17,7 +17,8 @@ class SegmentCacheService final : public hypic::v1::SegmentCache::Service {
   /// Becomes `store`'s event sink (WatchEvents; a subscriber may be `max_queued_events` behind) until destroyed.
   /// Under mutual TLS every RPC but Stats is refused (PERMISSION_DENIED) to callers without a service identity
   /// (rpc::require_service_caller). A Put is refused (RESOURCE_EXHAUSTED) from its header when its entry is larger
-  /// than store.max_entry_bytes() or when the bytes of the puts being received would pass that.
+  /// than store.max_entry_bytes() or, while other puts are being received, when the bytes of all would pass the memory
+  /// budget (so puts in flight hold at most the memory budget, or one entry).
   SegmentCacheService(SegmentStore& store, rpc::Lifecycle& life, size_t chunk_bytes, uint32_t max_lease_ms,
                       size_t max_queued_events = 65536);
   ~SegmentCacheService() override;
@@ -44,7 +45,7 @@ class SegmentCacheService final : public hypic::v1::SegmentCache::Service {
   uint32_t max_lease_ms_;
   CacheEventHub events_;
   std::atomic<uint64_t> receiving_bytes_{0};  // announced bytes of the puts being received now
-  uint64_t max_receiving_bytes_;              // their cap: SegmentStore::max_entry_bytes()
+  uint64_t max_receiving_bytes_;              // their cap beside another put: the memory budget
 };
 
 }  // namespace hypic::cache
