@@ -95,10 +95,12 @@ struct LoopBlocker {
   std::promise<void> entered, release;
   explicit LoopBlocker(EngineLoop& loop) {
     std::shared_future<void> released = release.get_future().share();
+    // Resident: its callback runs on the loop thread, which it holds (a Wire build's would run on the egress
+    // thread, leaving the loop free to start the builds queued behind it).
     loop.submit_build(ids_of(3, 250), 0, nullptr, [this, released](BuildOutcome) {
       entered.set_value();
       released.wait();
-    });
+    }, BuildHandover::Resident);
     entered.get_future().wait();
   }
   void open() { release.set_value(); }
