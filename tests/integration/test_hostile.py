@@ -10,6 +10,7 @@
 - FrozenWorkerTest: a frozen scatter worker is found within about 2.5 s (channel keepalive) and its work replanned.
 - ClientFlagTest: every bad hypic-client flag value is refused with a message naming the flag (no cluster).
 - LauncherGroupTest: the launcher ends what the command left running in the background.
+- CancelTest: a cancelled long prompt stops at the end of its current pass: the next small request barely waits.
 Python 3.11 standard library only."""
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import unittest
 import urllib.request
@@ -138,6 +140,35 @@ class PoisonTest(ClusterTestCase):
         log = self.cluster.services["scatter-0"].log_path.read_text()
         self.assertIn(f"delivers only to the combine workers {self.cluster.combine_address}", log)
         self.ok(self.generate([words(2606, 30)], "Who?"))
+
+
+class CancelTest(ClusterTestCase):
+    """Cancellation reaches the engine (item 2): the trained checkpoint (a CPU prefill of about 2k tokens/s on 2
+    cores), no scatter workers (the combine worker prefills), splices cut into passes of 512 tokens
+    (--max-pass-tokens), so a request cancelled by its deadline stops within one pass."""
+    model_dir = str(SOURCE_DIR / "models" / "trained" / "qwen35-dense")
+    tokenizer_file = str(SOURCE_DIR / "models" / "trained" / "qwen35-dense" / "tokenizer.json")
+    extra_args = {"combine": ["--max-pass-tokens", "512"]}
+
+    def small(self) -> float:
+        t0 = time.monotonic()
+        self.ok(self.generate([words(2611, 20)], "Who?", "--mode", "full", max_tokens=2))
+        return time.monotonic() - t0
+
+    def test_a_cancelled_long_prompt_delays_the_next_request_by_at_most_half_a_second(self):
+        self.small()  # warm
+        alone = min(self.small() for _ in range(3))
+        result: list = []
+        long_request = threading.Thread(target=lambda: result.append(
+            self.generate([words(2612, 9000)], "Summarise.", "--mode", "full", max_tokens=2, deadline_s=1.0)))
+        long_request.start()
+        time.sleep(1.3)  # past its deadline, its prefill of ~20k tokens (about 10 s whole) under way
+        after = self.small()
+        long_request.join()
+        self.assertNotEqual(result[0]["rc"], 0)
+        self.assertIn("DEADLINE_EXCEEDED", result[0]["stderr"])
+        self.assertLess(after - alone, 0.5, f"the small request took {after:.2f} s after the cancellation, "
+                                            f"{alone:.2f} s alone")
 
 
 class FrozenWorkerTest(ClusterTestCase):
