@@ -24,6 +24,7 @@ import ssl
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import unittest
 import urllib.error
@@ -462,8 +463,8 @@ def rss_kib(pid: int) -> int:
 
 
 class HostileHttpTest(FrontTestCase):
-    """The front under hostile HTTP clients (issue 26): slow-loris connections past the connection bound do not delay
-    /health, an oversized Content-Length gets 413 before the body is sent, duplicate Content-Length 400, pipelined
+    """The front under hostile HTTP clients (issue 26): slow-loris connections past the connection bound, or 64 running
+    streams, do not delay /health, an oversized Content-Length gets 413 before the body is sent, duplicate Content-Length 400, pipelined
     requests answered in order, a malformed 2 MB body's error stays short, and resident memory comes back down after
     large requests. Margins are generous (1 s for /health; the issue's target is 100 ms, see the test's log line)."""
 
@@ -512,6 +513,41 @@ class HostileHttpTest(FrontTestCase):
         finally:
             for s in slow:
                 s.close()
+
+    def test_health_answers_during_64_streams(self):
+        f = self.start_front("streams")
+        results: list = []
+        lock = threading.Lock()
+
+        def one(k: int) -> None:
+            try:
+                status, _, events = f.stream("/v1/completions", {"prompt": [f"Stream {k}: tell a long story."],
+                                                                 "max_tokens": 48, "temperature": 0,
+                                                                 "ignore_eos": True, "stream": True})
+                ok = status == 200 and events and events[-1] == "[DONE]"
+            except OSError as e:
+                ok = False
+                print(f"[hostile] stream {k}: {e}", file=sys.stderr)
+            with lock:
+                results.append(ok)
+
+        threads = [threading.Thread(target=one, args=(k,)) for k in range(64)]
+        for t in threads:
+            t.start()
+        worst, probes = 0.0, 0
+        while any(t.is_alive() for t in threads) or probes < 3:
+            t0 = time.monotonic()
+            status, _, body = f.request("GET", "/health", timeout=5)
+            took = time.monotonic() - t0
+            worst, probes = max(worst, took), probes + 1
+            self.assertEqual(status, 200, body)
+            self.assertLess(took, 1.0, f"/health took {took:.3f} s during 64 streams")
+            time.sleep(0.2)
+        for t in threads:
+            t.join()
+        print(f"[hostile] /health during 64 streams: worst {worst * 1000:.1f} ms over {probes} probes",
+              file=sys.stderr)
+        self.assertEqual(results.count(True), 64, "every stream finishes with [DONE]")
 
     def test_framing(self):
         port = self.front.port  # --max-body-bytes 65536
