@@ -85,8 +85,9 @@ OUT="$(cd "$OUT" && pwd)"
 WORK="$(mktemp -d /tmp/hypic-bench-serving.XXXXXX)"
 keep_logs() {  # the combine worker's and router's logs of each cluster the benchmark started (the last 4 MB of each)
   [[ -n "${OUT:-}" && -d "${OUT:-}" ]] || return 0
-  for f in "$WORK"/bench/*/logs/combine*.log "$WORK"/bench/*/logs/router*.log; do
-    [[ -f "$f" ]] && tail -c 4000000 "$f" > "$OUT/$(basename "$(dirname "$(dirname "$f")")")-$(basename "$f")"
+  # hypic-bench-cluster's work dir: <tag>/cluster/logs/<service>.log (the launcher's work dir under each cluster's).
+  for f in "$WORK"/bench/*/cluster/logs/combine*.log "$WORK"/bench/*/cluster/logs/router*.log; do
+    [[ -f "$f" ]] && tail -c 4000000 "$f" > "$OUT/$(basename "$(dirname "$(dirname "$(dirname "$f")")")")-$(basename "$f")"
   done
   return 0
 }
