@@ -123,8 +123,9 @@ EOF
 fi
 LAYERS_USED="$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["num_hidden_layers"])' "$MODEL/config.json")"
 
-# Launcher flags: every worker on $DEVICE (the launcher's --device covers scatter and combine workers), random weights.
-LA=(--launcher-arg=--device="$DEVICE")
+# Launcher flags: every worker on $DEVICE (the launcher's --device covers scatter and combine workers), random weights;
+# the services log at info (one line per request and per segment-cache fetch: the logs OUT keeps, see keep_logs).
+LA=(--launcher-arg=--device="$DEVICE" --launcher-arg=--log-level=info)
 for a in ${WORKER_ARGS[@]+"${WORKER_ARGS[@]}"}; do
   LA+=(--launcher-arg=--scatter-arg="$a" --launcher-arg=--combine-arg="$a")
 done
