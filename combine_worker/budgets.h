@@ -45,11 +45,11 @@ TierBudgets default_tier_budgets(const BudgetInputs& in);
 /// "31.2 GiB (about 115 entries of 2048 tokens)".
 std::string describe_budget(uint64_t bytes, uint64_t entry_bytes);
 
-/// An entry's bytes by part (DESIGN.md 3.2), for the start-up log: per linear layer the four fp32 operators and states
-/// [H_v][d_k][d_v] (T_seam, S_seam, T_int, S_int) and the conv tail, per attention layer K and V of every token;
-/// `kv_bytes_per_element` 2 where the KV is bf16 (CUDA), 4 where it is fp32 (CPU, the wire).
-/// E.g. "2048 tokens: 293.6 MB = 4 x 62.9 MB of linear operators and states (T_seam, S_seam, T_int, S_int) + 0.2 MB of
-/// conv tails + 41.9 MB of KV (20480 bytes per token)".
+/// An entry's bytes by part (DESIGN.md 3.2), for the start-up log: per linear layer the three fp32 operators and states
+/// [H_v][d_k][d_v] of an entry made with w > 0 (S_seam, T_int, S_int; engine/segment.h) and the conv tail, per attention
+/// layer K and V of every token; `kv_bytes_per_element` 2 where the KV is bf16 (CUDA), 4 where it is fp32 (CPU, the
+/// wire). E.g. "2048 tokens: 232.2 MB = 3 x 62.9 MB of linear operators and states (S_seam, T_int, S_int; no S_seam at
+/// w = 0) + 1.5 MB of conv tails + 41.9 MB of KV (20480 bytes per token)".
 std::string describe_entry_parts(const engine::EntryGeometry& g, int64_t tokens, size_t kv_bytes_per_element);
 
 }  // namespace hypic::combine

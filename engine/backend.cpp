@@ -46,10 +46,11 @@ std::shared_ptr<const HostBlock> Backend::block_of_entry(const SegmentEntry&) co
 size_t Backend::entry_bytes(int64_t tokens) const { return wire_entry_bytes(config(), tokens); }
 
 size_t wire_entry_bytes(const ModelConfig& config, int64_t tokens) {
-  // The fp32 wire form's tensors (engine/segment.h), transitions counted dense: an upper bound for the families
-  // whose entries keep T_C compact.
+  // The fp32 wire form's tensors (engine/segment.h) of an entry with a seam (w > 0): per linear layer T_int, S_seam and
+  // S_int, transitions counted dense (an upper bound for the families whose entries keep T_C compact, and for w = 0
+  // entries, which have no S_seam), the conv tail, and K/V.
   const EntryGeometry g = EntryGeometry::of(config);
-  const size_t lin = size_t(g.linear_heads) * (size_t(g.d_k) * g.d_k + size_t(g.d_k) * g.d_v) * 2 +
+  const size_t lin = size_t(g.linear_heads) * (size_t(g.d_k) * g.d_k + 2 * size_t(g.d_k) * g.d_v) +
                      size_t(g.conv_rows) * g.conv_dim;
   const size_t attn = 2 * size_t(std::max<int64_t>(tokens, 0)) * g.kv_heads * g.head_dim;
   return (size_t(g.num_linear) * lin + size_t(g.num_attention) * attn) * sizeof(float);

@@ -62,10 +62,7 @@ std::string build_header(const SegmentEntry& e) {
     put<uint32_t>(h, static_cast<uint32_t>(v));
   if (e.format_version >= kSegmentFormatVersionFamilies)
     for (int v : {g.family, g.v_head_dim, g.linear_rotary_dim}) put<uint32_t>(h, static_cast<uint32_t>(v));
-  for (const auto& l : e.linear) {
-    put<uint8_t>(h, static_cast<uint8_t>(l.seam_transition.kind));
-    put<uint8_t>(h, static_cast<uint8_t>(l.interior_transition.kind));
-  }
+  for (const auto& l : e.linear) put<uint8_t>(h, static_cast<uint8_t>(l.interior_transition.kind));
   return h;
 }
 
@@ -91,18 +88,23 @@ SegmentDigest SegmentEntry::digest() const {
 size_t SegmentEntry::byte_size() const {
   size_t n = sizeof(kMagic) + 4 + build_header(*this).size() + 8 + 8;
   for (const auto& l : linear)
-    n += (l.seam_transition.data.size() + l.seam_state.size() + l.interior_transition.data.size() +
-          l.interior_state.size() + l.conv_tail.size()) * sizeof(float);
+    n += (l.seam_state.size() + l.interior_transition.data.size() + l.interior_state.size() + l.conv_tail.size()) *
+         sizeof(float);
   for (const auto& a : attention) n += (a.k.size() + a.v.size()) * sizeof(float);
   return n;
 }
 
 TransitionOperator SegmentEntry::whole_transition(int l) const {
-  return linear.at(l).seam_transition.then(linear.at(l).interior_transition);
+  if (seam_tokens() > 0)
+    throw EntryError("T_C of a segment entry made with seam width " + std::to_string(seam_width) +
+                     " is not stored (its T_seam is not kept): composing whole segments (transition mode) uses entries "
+                     "made with seam width 0");
+  return linear.at(l).interior_transition;
 }
 
 std::vector<float> SegmentEntry::whole_state(int l) const {
   const LinearLayerEntry& e = linear.at(l);
+  if (seam_tokens() == 0) return e.interior_state;  // T_int 0 + S_int
   std::vector<float> s = e.seam_state;
   compose_state(s, e.interior_transition, e.interior_state, geometry.d_v);
   return s;
@@ -120,11 +122,13 @@ void SegmentEntry::check_consistent() const {
   for (size_t i = 0; i < linear.size(); ++i) {
     const auto& l = linear[i];
     const std::string at = " of linear layer " + std::to_string(i);
-    for (const TransitionOperator* t : {&l.seam_transition, &l.interior_transition})
-      if (t->heads != g.linear_heads || t->d_k != g.d_k || t->data.size() != size_t(t->heads) * t->per_head())
-        bad("transition" + at + " has heads " + std::to_string(t->heads) + ", d_k " + std::to_string(t->d_k));
-    if (l.seam_state.size() != state_floats(g) || l.interior_state.size() != state_floats(g))
-      bad("state size" + at);
+    const TransitionOperator& t = l.interior_transition;
+    if (t.heads != g.linear_heads || t.d_k != g.d_k || t.data.size() != size_t(t.heads) * t.per_head())
+      bad("transition" + at + " has heads " + std::to_string(t.heads) + ", d_k " + std::to_string(t.d_k));
+    if (l.seam_state.size() != (seam_tokens() > 0 ? state_floats(g) : 0))
+      bad("seam state size" + at + " (" + std::to_string(l.seam_state.size()) + " floats; " +
+          (seam_tokens() > 0 ? "a seam of " + std::to_string(seam_tokens()) + " tokens" : std::string("no seam")) + ")");
+    if (l.interior_state.size() != state_floats(g)) bad("interior state size" + at);
     if (l.conv_tail.size() != conv_floats(g)) bad("conv tail size" + at);
   }
   for (size_t i = 0; i < attention.size(); ++i)
@@ -148,7 +152,10 @@ void SegmentEntry::check_compatible(std::string_view fingerprint, const EntryGeo
   if (!(geometry == g)) throw EntryError("segment entry geometry does not match the model's");
   if (w >= 0 && seam_width != w)
     throw EntryError("segment entry was made with seam width " + std::to_string(seam_width) + ", request uses " +
-                     std::to_string(w));
+                     std::to_string(w) +
+                     (w == 0 ? std::string(" (composing whole segments, transition mode, uses entries made with seam "
+                                           "width 0: one made with w > 0 does not store T_seam)")
+                             : std::string()));
 }
 
 // ---- streaming writer ----------------------------------------------------------------------------------
@@ -163,8 +170,7 @@ EntryWriter::EntryWriter(const SegmentEntry& e, size_t chunk_bytes) : chunk_(chu
   put<uint64_t>(head_, XXH3_64bits(header.data(), header.size()));
   parts_.push_back(head_);
   for (const auto& l : e.linear) {
-    parts_.push_back(as_bytes(l.seam_transition.data));
-    parts_.push_back(as_bytes(l.seam_state));
+    parts_.push_back(as_bytes(l.seam_state));  // empty when the seam is
     parts_.push_back(as_bytes(l.interior_transition.data));
     parts_.push_back(as_bytes(l.interior_state));
     parts_.push_back(as_bytes(l.conv_tail));
@@ -267,32 +273,30 @@ void EntryReader::parse_header() {
     if (__builtin_add_overflow(total, x, &total) || total > kMaxEntryBytes)
       throw EntryError("segment entry announces more than " + std::to_string(kMaxEntryBytes) + " bytes of tensors");
   };
-  if (header.size() - c.off < 2 * uint64_t(g.num_linear))
+  if (header.size() - c.off < uint64_t(g.num_linear))
     throw EntryError("segment entry header truncated in the transition kinds");
+  const bool seam = e.seam_tokens() > 0;  // S_seam is stored only then
   e.linear.resize(g.num_linear);
   for (auto& l : e.linear) {
-    for (TransitionOperator* t : {&l.seam_transition, &l.interior_transition}) {
-      const uint8_t kind = c.get<uint8_t>("transition kind");
-      if (kind < 1 || kind > 3) throw EntryError("segment entry: unknown transition kind " + std::to_string(kind));
-      t->kind = static_cast<TransitionKind>(kind);
-      t->heads = g.linear_heads;
-      t->d_k = g.d_k;
-      add_bytes({uint64_t(g.linear_heads), t->per_head()});
-    }
-    add_bytes({2, uint64_t(g.linear_heads), uint64_t(g.d_k), uint64_t(g.d_v)});  // seam and interior states
+    TransitionOperator* t = &l.interior_transition;
+    const uint8_t kind = c.get<uint8_t>("transition kind");
+    if (kind < 1 || kind > 3) throw EntryError("segment entry: unknown transition kind " + std::to_string(kind));
+    t->kind = static_cast<TransitionKind>(kind);
+    t->heads = g.linear_heads;
+    t->d_k = g.d_k;
+    add_bytes({uint64_t(g.linear_heads), t->per_head()});
+    add_bytes({seam ? 2u : 1u, uint64_t(g.linear_heads), uint64_t(g.d_k), uint64_t(g.d_v)});  // seam, interior states
     add_bytes({uint64_t(g.conv_rows), uint64_t(g.conv_dim)});
   }
   add_bytes({uint64_t(g.num_attention), n, uint64_t(g.kv_heads), uint64_t(g.head_dim)});
   add_bytes({uint64_t(g.num_attention), n, uint64_t(g.kv_heads), uint64_t(g.v_dim())});
   if (c.off != header.size()) throw EntryError("segment entry header has trailing bytes");
   for (auto& l : e.linear) {
-    l.seam_transition.data.resize(size_t(g.linear_heads) * l.seam_transition.per_head());
-    l.seam_state.resize(state_floats(g));
+    l.seam_state.resize(seam ? state_floats(g) : 0);
     l.interior_transition.data.resize(size_t(g.linear_heads) * l.interior_transition.per_head());
     l.interior_state.resize(state_floats(g));
     l.conv_tail.resize(conv_floats(g));
-    for (auto* v : {&l.seam_transition.data, &l.seam_state, &l.interior_transition.data, &l.interior_state,
-                    &l.conv_tail})
+    for (auto* v : {&l.seam_state, &l.interior_transition.data, &l.interior_state, &l.conv_tail})
       parts_.push_back(as_mut_bytes(*v));
   }
   e.attention.resize(g.num_attention);

@@ -1,8 +1,13 @@
 // A segment's cache entry (DESIGN.md 3.2), its digest, and its versioned binary serialisation.
 //
 // An entry is computed once by a standalone prefill of the segment at position 0 and holds:
-//  - per linear layer: (T, S) of the seam part (first s = min(w, n) tokens) and (T, S) of the interior
-//    (the remaining n - s tokens), fp32, plus the conv tail (last K-1 pre-conv inputs);
+//  - per linear layer: S of the seam part (first s = min(w, n) tokens; only when s > 0) and (T, S) of the interior
+//    (the remaining n - s tokens), fp32, plus the conv tail (last K-1 pre-conv inputs). T_seam is not stored: no mode
+//    needs it (DESIGN.md 3.2, "store what the splice needs once"): hypic recomputes every later segment's seam in
+//    context and installs the first one as S(C|0) = T_int S_seam + S_int; naive uses S(C|0) only; transition
+//    composes whole segments (T_C, S(C|0)) and so uses entries made with w = 0, whose seam is empty (T_C = T_int,
+//    S(C|0) = S_int). A w = 0 entry thus holds one (T, S) pair per layer, as the paper keeps; a w > 0 entry 3/4 of
+//    the 4 operators/states earlier formats held;
 //  - per full-attention layer: K and V of every token, K rotated for local positions 0..n-1;
 //  - the token ids (to verify a digest hit) and what it was made under (model fingerprint, numerics, w,
 //    version). The fingerprint is the backend's (engine/backend.h model_fingerprint: config + numerics), so an
@@ -16,13 +21,13 @@
 //   header: u32 version, u32 fingerprint_len, fingerprint, u32 numerics_len, numerics, i32 seam_width, u32 n_tokens, i32 ids[n],
 //           u32 H_v, d_k, d_v, conv_dim, conv_rows, H_kv, head_dim, n_linear, n_attention,
 //           [version 3 only: u32 family, u32 v_head_dim, u32 linear_rotary_dim (EntryGeometry's family fields)]
-//           per linear layer: u8 seam transition kind, u8 interior transition kind
-//   blobs, per linear layer: T_seam, S_seam, T_int, S_int, conv_tail; per attention layer: K, V (fp32).
-//   Sizes: T by its kind ([H_v] scalar, [H_v][d_k] diagonal, [H_v][d_k][d_k] dense), S [H_v][d_k][d_v], conv tail
+//           per linear layer: u8 interior transition kind
+//   blobs, per linear layer: S_seam (only when s = min(w, n) > 0), T_int, S_int, conv_tail; per attention layer: K, V
+//   (fp32). Sizes: T by its kind ([H_v] scalar, [H_v][d_k] diagonal, [H_v][d_k][d_k] dense), S [H_v][d_k][d_v], conv tail
 //   [conv_rows][conv_dim] (empty without a short conv), K [n][H_kv][head_dim], V [n][H_kv][v_dim()].
-// Versions: an entry of the Qwen families (Gated DeltaNet + gated attention) is written as version 2, byte for byte
-// what earlier builds wrote; one of the other families (Kimi-Linear, MiniMax, Ring-linear) as version 3, whose header
-// adds the family fields. entry_format_version(geometry) says which; the digest carries the same number.
+// Versions: an entry of the Qwen families (Gated DeltaNet + gated attention) is written as version 4; one of the other
+// families (Kimi-Linear, MiniMax, Ring-linear) as version 5, whose header adds the family fields. (Versions 2 and 3,
+// which also stored T_seam and an all-zero S_seam for w = 0, are refused; their digests differ, so they are misses.) entry_format_version(geometry) says which; the digest carries the same number.
 // EntryWriter / EntryReader stream it in chunks straight from / into the tensors (no whole-entry buffer).
 #pragma once
 #include <array>
@@ -41,11 +46,12 @@ namespace hypic::engine {
 struct ModelConfig;
 
 /// Version of the entry format and of the digest of the Qwen families; bump when either changes. 2: the header
-/// carries the numerics and the fingerprint is the backend's (config + numerics).
-inline constexpr uint32_t kSegmentFormatVersion = 2;
-/// Version of the entries of the other families (kimi_linear, minimax, bailing_moe_linear): version 2 plus the
+/// carries the numerics and the fingerprint is the backend's (config + numerics). 4: T_seam is not stored, S_seam
+/// only when the seam is not empty.
+inline constexpr uint32_t kSegmentFormatVersion = 4;
+/// Version of the entries of the other families (kimi_linear, minimax, bailing_moe_linear): version 4 plus the
 /// family fields of EntryGeometry in the header (MLA's V head dim, the key-axis RoPE dims of Ring's linear states).
-inline constexpr uint32_t kSegmentFormatVersionFamilies = 3;
+inline constexpr uint32_t kSegmentFormatVersionFamilies = 5;
 
 /// 128-bit content address of a segment entry.
 using SegmentDigest = std::array<uint8_t, 16>;
@@ -65,12 +71,11 @@ class EntryError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-/// Per linear layer: seam and interior (T, S), and the conv tail [conv_rows][conv_dim]. T is in the family's compact
-/// form (TransitionOperator::kind): dense [H_v][d_k][d_k] for Gated DeltaNet and KDA, one scalar per head [H_v] for
-/// lightning attention (MiniMax, Ring-linear). Ring's S hold keys rotated at the segment's local positions.
+/// Per linear layer: S of the seam, interior (T, S), and the conv tail [conv_rows][conv_dim]. T is in the family's
+/// compact form (TransitionOperator::kind): dense [H_v][d_k][d_k] for Gated DeltaNet and KDA, one scalar per head [H_v]
+/// for lightning attention (MiniMax, Ring-linear). Ring's S hold keys rotated at the segment's local positions.
 struct LinearLayerEntry {
-  TransitionOperator seam_transition;      ///< T_seam, by kind (identity when the seam is empty)
-  std::vector<float> seam_state;           ///< S(seam|0) [H_v][d_k][d_v]
+  std::vector<float> seam_state;           ///< S(seam|0) [H_v][d_k][d_v]; empty when the seam is (w = 0)
   TransitionOperator interior_transition;  ///< identity when the interior is empty
   std::vector<float> interior_state;       ///< S(interior|0) [H_v][d_k][d_v]
   std::vector<float> conv_tail;            ///< [K-1][conv_dim], last pre-conv inputs of the standalone prefill
@@ -90,7 +95,7 @@ struct EntryGeometry {
   int conv_dim = 0, conv_rows = 0;  ///< conv tail is [conv_rows = K-1][conv_dim]
   int kv_heads = 0, head_dim = 0;
   int num_linear = 0, num_attention = 0;
-  // Family fields (format version 3); all 0 for the Qwen families, whose entries stay version 2.
+  // Family fields (format version 5); all 0 for the Qwen families, whose entries are version 4.
   int family = 0;             ///< static_cast<int>(ModelFamily): 0 Qwen, 1 Kimi-Linear, 2 MiniMax, 3 Ring-linear
   int v_head_dim = 0;         ///< V head dim of the attention layers when it differs from head_dim (MLA), else 0
   int linear_rotary_dim = 0;  ///< key-axis dims of the linear states rotated by RoPE (Ring-linear: rotary_dim), else 0
@@ -101,8 +106,8 @@ struct EntryGeometry {
   static EntryGeometry of(const ModelConfig& cfg);
 };
 
-/// Format version of the entries of this geometry (and of their digests): kSegmentFormatVersion (2) when every family
-/// field is 0 (Qwen), else kSegmentFormatVersionFamilies (3).
+/// Format version of the entries of this geometry (and of their digests): kSegmentFormatVersion (4) when every family
+/// field is 0 (Qwen), else kSegmentFormatVersionFamilies (5).
 uint32_t entry_format_version(const EntryGeometry& g);
 /// entry_format_version(EntryGeometry::of(cfg)): what a router or worker serving `cfg` puts in its digests.
 uint32_t entry_format_version(const ModelConfig& cfg);
@@ -124,9 +129,10 @@ struct SegmentEntry {
   SegmentDigest digest() const;
   /// Serialised size in bytes.
   size_t byte_size() const;
-  /// T_C of the whole segment for linear layer l: T_int T_seam.
+  /// T_C of the whole segment for linear layer l: T_int, for an entry whose seam is empty (seam_tokens() == 0). Throws
+  /// EntryError for one made with w > 0, which does not store T_seam (transition mode uses w = 0 entries).
   TransitionOperator whole_transition(int l) const;
-  /// S(C|0) of the whole segment for linear layer l: T_int S_seam + S_int.
+  /// S(C|0) of the whole segment for linear layer l: T_int S_seam + S_int (S_int when the seam is empty).
   std::vector<float> whole_state(int l) const;
   /// Checks internal consistency (every tensor's size vs the geometry); throws EntryError naming the tensor.
   void check_consistent() const;

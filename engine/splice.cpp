@@ -252,8 +252,8 @@ std::vector<SegmentEntry> build_entries(const Model& model, std::span<const int3
   auto bound_index = [&](int w) {
     return static_cast<size_t>(std::lower_bound(bounds.begin(), bounds.end(), std::min(w, n)) - bounds.begin());
   };
-  size_t lo = spans, hi = 0;  // the bounds some w needs
-  for (int w : widths) lo = std::min(lo, bound_index(w)), hi = std::max(hi, bound_index(w));
+  size_t lo = spans;  // the lowest bound some w needs
+  for (int w : widths) lo = std::min(lo, bound_index(w));
 
   ModelState st = model.initial_state();
   PrefillOptions opt;
@@ -274,13 +274,11 @@ std::vector<SegmentEntry> build_entries(const Model& model, std::span<const int3
     snapshot(j + 1);
   }
 
-  // before[b] = product of the spans before bound b, after[b] = of the spans from b on (identity when empty); a
-  // single span's operator is used as it is, so one width gives exactly the two-span entry.
-  std::vector<std::vector<TransitionOperator>> before(bounds.size()), after(bounds.size());
+  // after[b] = product of the spans from bound b on (identity when empty); a single span's operator is used as it
+  // is, so one width gives exactly the two-span entry. (The product before b, T_seam, is not stored: segment.h.)
+  std::vector<std::vector<TransitionOperator>> after(bounds.size());
   const TransitionOperator identity = TransitionOperator::identity(linear_transition_kind(cfg), g.linear_heads, g.d_k);
   for (int l = 0; l < g.num_linear; ++l) {
-    for (size_t b = 0; b <= hi; ++b)
-      before[b].push_back(b == 0 ? identity : b == 1 ? span_t[0][l] : before[b - 1][l].then(span_t[b - 1][l]));
     for (size_t b = spans + 1; b-- > lo;)
       after[b].push_back(b == spans ? identity : b + 1 == spans ? span_t[b][l] : span_t[b][l].then(after[b + 1][l]));
   }
@@ -309,10 +307,12 @@ std::vector<SegmentEntry> build_entries(const Model& model, std::span<const int3
     const size_t b = bound_index(widths[i]);
     for (int l = 0; l < g.num_linear; ++l) {
       LinearLayerEntry& le = e.linear[l];
-      le.seam_transition = before[b][l];
-      le.seam_state = states[b][l];
+      // S_seam only when the seam is not empty (T_seam is never stored: segment.h); S_int = S_end - T_int S(seam|0).
+      if (b > 0) le.seam_state = states[b][l];
       le.interior_transition = after[b][l];
-      if (b < spans) {  // S(interior|0) = S_end - T_int S(seam|0)
+      if (b == 0) {
+        le.interior_state = st.linear[l].ssm;
+      } else if (b < spans) {
         std::vector<float> carried = le.seam_state;
         le.interior_transition.apply(carried, g.d_v);
         le.interior_state = st.linear[l].ssm;
@@ -487,7 +487,7 @@ SpliceResult splice(const Model& model, const SpliceRequest& req) {
       continue;  // recomputed whole in context: its ids suffice
     if (!seg.entry) throw std::invalid_argument("splice: " + which + " has no entry (required by mode " +
                                                 splice_mode_name(req.mode) + ")");
-    seg.entry->check_compatible(fingerprint, geometry, req.mode == SpliceMode::Hypic ? req.seam_width : -1, numerics);
+    seg.entry->check_compatible(fingerprint, geometry, entry_seam_width(req.mode, req.seam_width), numerics);
     if (!seg.ids.empty() && seg.ids != seg.entry->token_ids)
       throw std::invalid_argument("splice: " + which + "'s token ids differ from its entry's");
   }

@@ -56,6 +56,10 @@ enum class SpliceMode {
 };
 /// "full" | "prefix" | "naive" | "transition" | "hypic".
 const char* splice_mode_name(SpliceMode mode);
+/// The seam width the entries a mode splices must have been made with (SegmentEntry::check_compatible's w): the
+/// request's w for hypic, 0 for transition (it composes whole segments, T_C = T_int of a w = 0 entry; T_seam is not
+/// stored), -1 (any) for naive (S(C|0) only) and for the modes without entries.
+int entry_seam_width(SpliceMode mode, int seam_width);
 /// Inverse of splice_mode_name; throws std::invalid_argument naming the unknown mode and the valid ones.
 SpliceMode parse_splice_mode(std::string_view name);
 

@@ -25,4 +25,12 @@ SpliceMode parse_splice_mode(std::string_view name) {
                               "' (expected full, prefix, naive, transition or hypic)");
 }
 
+int entry_seam_width(SpliceMode mode, int seam_width) {
+  switch (mode) {
+    case SpliceMode::Hypic: return seam_width;
+    case SpliceMode::Transition: return 0;
+    default: return -1;
+  }
+}
+
 }  // namespace hypic::engine

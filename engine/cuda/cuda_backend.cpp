@@ -85,20 +85,25 @@ class CudaBackend;
 // ---- entries ---------------------------------------------------------------------------------------------------
 
 // Where each part of an entry of n tokens lies in its device block (byte offsets, 256-byte aligned): per linear layer
-// T_seam, S_seam, T_int, S_int ([H_v][128][128] fp32 each) and the conv tail [K-1][C] bf16; then per attention layer
-// K and V [n][H_kv][hd] bf16. A host block (pinned copy) uses the same offsets.
+// S_seam (only when the seam is not empty: `seam`), T_int, S_int ([H_v][128][128] fp32 each; T_seam is not stored,
+// engine/segment.h) and the conv tail [K-1][C] bf16; then per attention layer K and V [n][H_kv][hd] bf16. A host
+// block (pinned copy) uses the same offsets.
 struct EntryLayout {
   size_t state = 0, conv = 0, lin_stride = 0, kv = 0, kv_off = 0, total = 0;
-  EntryLayout(const EntryGeometry& g, size_t kv_row_bytes, int64_t n) {
+  int states = 0;  // fp32 [H_v][128][128] blocks per linear layer: 3 with a seam, else 2
+  EntryLayout(const EntryGeometry& g, size_t kv_row_bytes, int64_t n, bool seam) {
+    states = seam ? 3 : 2;
     state = size_t(g.linear_heads) * kStateFloats * sizeof(float);
     conv = size_t(g.conv_rows) * g.conv_dim * 2;
-    lin_stride = (4 * state + conv + 255) / 256 * 256;
+    lin_stride = (size_t(states) * state + conv + 255) / 256 * 256;
     kv = (size_t(n) * kv_row_bytes + 255) / 256 * 256;
     kv_off = size_t(g.num_linear) * lin_stride;
     total = kv_off + size_t(g.num_attention) * 2 * kv;
   }
-  size_t lin(int l, int k) const { return size_t(l) * lin_stride + size_t(k) * state; }  // k: 0..3 as above
-  size_t conv_at(int l) const { return size_t(l) * lin_stride + 4 * state; }
+  size_t S_seam(int l) const { return size_t(l) * lin_stride; }  // only when states == 3
+  size_t T_int(int l) const { return size_t(l) * lin_stride + size_t(states - 2) * state; }
+  size_t S_int(int l) const { return T_int(l) + state; }
+  size_t conv_at(int l) const { return size_t(l) * lin_stride + size_t(states) * state; }
   size_t K(int a) const { return kv_off + size_t(a) * 2 * kv; }
   size_t V(int a) const { return K(a) + kv; }
 };
@@ -142,8 +147,9 @@ class CudaHostBlock final : public HostBlock {
   std::vector<PinnedPool::Piece> pieces_;
 };
 
-// A segment entry on the device: per linear layer T_seam, S_seam, T_int, S_int ([H_v][128][128] fp32 each) and the
-// conv tail [K-1][C] bf16; per attention layer K and V [n][H_kv][hd] bf16 (K rotated at local positions).
+// A segment entry on the device (EntryLayout): per linear layer S_seam (when the seam is not empty), T_int, S_int
+// ([H_v][128][128] fp32 each) and the conv tail [K-1][C] bf16; per attention layer K and V [n][H_kv][hd] bf16 (K
+// rotated at local positions).
 class CudaEntry final : public ResidentEntry {
  public:
   /// Allocates the block stream-ordered on `stream` (the engine's stream for its own entries; the backend's transfer
@@ -158,29 +164,26 @@ class CudaEntry final : public ResidentEntry {
   std::shared_ptr<const SegmentEntry> host() const override;
   size_t resident_bytes() const override { return mem_.size(); }
 
-  float* T_seam(int l) const { return lin(l, 0); }
-  float* S_seam(int l) const { return lin(l, 1); }
-  float* T_int(int l) const { return lin(l, 2); }
-  float* S_int(int l) const { return lin(l, 3); }
-  kc::bf16* conv(int l) const { return reinterpret_cast<kc::bf16*>(mem_.bytes_ptr(l * lin_stride_ + 4 * state_bytes_)); }
-  kc::bf16* K(int a) const { return reinterpret_cast<kc::bf16*>(mem_.bytes_ptr(kv_off_ + size_t(a) * 2 * kv_bytes_)); }
-  kc::bf16* V(int a) const {
-    return reinterpret_cast<kc::bf16*>(mem_.bytes_ptr(kv_off_ + size_t(a) * 2 * kv_bytes_ + kv_bytes_));
-  }
+  /// S(seam|0) of linear layer l; null when the seam is empty (w = 0).
+  float* S_seam(int l) const { return has_seam() ? f32(lay_.S_seam(l)) : nullptr; }
+  float* T_int(int l) const { return f32(lay_.T_int(l)); }
+  float* S_int(int l) const { return f32(lay_.S_int(l)); }
+  kc::bf16* conv(int l) const { return reinterpret_cast<kc::bf16*>(mem_.bytes_ptr(lay_.conv_at(l))); }
+  bool has_seam() const { return lay_.states == 3; }
+  kc::bf16* K(int a) const { return reinterpret_cast<kc::bf16*>(mem_.bytes_ptr(lay_.K(a))); }
+  kc::bf16* V(int a) const { return reinterpret_cast<kc::bf16*>(mem_.bytes_ptr(lay_.V(a))); }
   int n() const { return header_.num_tokens(); }
-  size_t state_bytes() const { return state_bytes_; }
-  size_t conv_bytes() const { return conv_bytes_; }
-  size_t kv_bytes() const { return kv_bytes_; }
+  size_t state_bytes() const { return lay_.state; }
+  size_t conv_bytes() const { return lay_.conv; }
+  size_t kv_bytes() const { return lay_.kv; }
   int device() const { return device_; }
   bool no_transitions = false;  ///< made with BackendOptions::benchmark_skip_transitions: not spliceable
 
  private:
-  float* lin(int l, int k) const {
-    return reinterpret_cast<float*>(mem_.bytes_ptr(l * lin_stride_ + size_t(k) * state_bytes_));
-  }
+  float* f32(size_t off) const { return reinterpret_cast<float*>(mem_.bytes_ptr(off)); }
   SegmentEntry header_;
   CudaBackend* owner_;
-  size_t state_bytes_ = 0, conv_bytes_ = 0, lin_stride_ = 0, kv_bytes_ = 0, kv_off_ = 0;
+  EntryLayout lay_;
   int device_ = 0;
   DeviceMemory mem_;
   mutable std::mutex mu_;
@@ -209,7 +212,8 @@ struct Fold {
   const CudaEntry* e;
   int64_t base;  // real position of the entry's first token
   int from() const { return kind == Interior ? e->header().seam_tokens() : 0; }
-  int steps() const { return kind == Install || kind == Transition ? 2 : 1; }
+  // Affine steps per layer (fold_steps): an Install of an entry with a seam takes two, every other fold one.
+  int steps() const { return kind == Install && e->has_seam() ? 2 : 1; }
 };
 
 struct Span {
@@ -254,7 +258,7 @@ class CudaBackend final : public Backend {
   std::shared_ptr<const ResidentEntry> import_block(const HostBlock& block) const override;
   std::shared_ptr<const SegmentEntry> entry_of_block(const HostBlock& block) const override;
   std::shared_ptr<const HostBlock> block_of_entry(const SegmentEntry& entry) const override;
-  size_t entry_bytes(int64_t tokens) const override { return EntryLayout(geom_, kv_row_, tokens).total; }
+  size_t entry_bytes(int64_t tokens) const override { return EntryLayout(geom_, kv_row_, tokens, true).total; }
   void reserve_host_blocks(size_t bytes) const override { pinned_->reserve(bytes); }
 
   // Used by entries and sequences (any thread).
@@ -441,14 +445,8 @@ class CudaBackend final : public Backend {
 // ---- entry / sequence methods ----------------------------------------------------------------------------------
 
 CudaEntry::CudaEntry(CudaBackend& b, SegmentEntry header, cudaStream_t stream)
-    : header_(std::move(header)), owner_(&b) {
-  const EntryLayout lay(b.geometry(), b.kv_row_bytes(), n());
-  state_bytes_ = lay.state;
-  conv_bytes_ = lay.conv;
-  lin_stride_ = lay.lin_stride;
-  kv_bytes_ = lay.kv;
-  kv_off_ = lay.kv_off;
-  const size_t total = lay.total;
+    : header_(std::move(header)), owner_(&b), lay_(b.geometry(), b.kv_row_bytes(), n(), header_.seam_tokens() > 0) {
+  const size_t total = lay_.total;
   device_ = b.device().index;
   mem_ = DeviceMemory(total, "segment entry (" + std::to_string(n()) + " tokens)", stream,
                       /*stream_ordered=*/stream != nullptr);
@@ -780,17 +778,22 @@ void CudaBackend::lm_head(int rows, const int* rows_index, std::vector<float>& l
 
 // ---- folds -----------------------------------------------------------------------------------------------------
 
-// Appends fold f's affine steps for linear layer l (DESIGN.md 3.3): Install S = S(C|0); Transition S <- T_C S + S(C|0)
-// as (T_seam, S_seam) then (T_int, S_int); Interior S <- T_int S + S_int; Naive S <- S + S(C|0) (S(C|0) precomputed
-// in `naive_whole` at [fold index][layer]).
+// Appends fold f's affine steps for linear layer l (DESIGN.md 3.3): Install S = S(C|0) = T_int S_seam + S_int (S_int
+// when the seam is empty); Transition S <- T_C S + S(C|0), which for the w = 0 entries transition mode splices
+// (check_entry) is T_int, S_int; Interior S <- T_int S + S_int; Naive S <- S + S(C|0) (S(C|0) precomputed in
+// `naive_whole` at [fold index][layer]).
 void fold_steps(const Fold& f, int l, std::vector<kc::AffineStep>& out, const float* naive_whole) {
   switch (f.kind) {
     case Fold::Install:
-      out.push_back({nullptr, f.e->S_seam(l), nullptr, 0.f});
-      out.push_back({f.e->T_int(l), f.e->S_int(l), nullptr, 1.f});
+      if (f.e->has_seam()) {
+        out.push_back({nullptr, f.e->S_seam(l), nullptr, 0.f});
+        out.push_back({f.e->T_int(l), f.e->S_int(l), nullptr, 1.f});
+      } else {
+        out.push_back({nullptr, f.e->S_int(l), nullptr, 0.f});
+      }
       break;
     case Fold::Transition:
-      out.push_back({f.e->T_seam(l), f.e->S_seam(l), nullptr, 1.f});
+      if (f.e->has_seam()) throw std::logic_error("fold_steps: transition mode folds entries made with w = 0");
       out.push_back({f.e->T_int(l), f.e->S_int(l), nullptr, 1.f});
       break;
     case Fold::Interior: out.push_back({f.e->T_int(l), f.e->S_int(l), nullptr, 1.f}); break;
@@ -820,8 +823,13 @@ void CudaBackend::apply_folds(CudaSequence& s, const std::vector<Fold>& folds) {
     for (size_t i = 0; i < folds.size(); ++i) {
       if (naive_index[i] < 0) continue;
       for (int l = 0; l < n_lin_; ++l) {
-        st.push_back({nullptr, folds[i].e->S_seam(l), nullptr, 0.f});
-        st.push_back({folds[i].e->T_int(l), folds[i].e->S_int(l), nullptr, 1.f});
+        if (folds[i].e->has_seam()) {  // S(C|0) = T_int S_seam + S_int
+          st.push_back({nullptr, folds[i].e->S_seam(l), nullptr, 0.f});
+          st.push_back({folds[i].e->T_int(l), folds[i].e->S_int(l), nullptr, 1.f});
+        } else {  // S_int, then an identity step (every chain has two)
+          st.push_back({nullptr, folds[i].e->S_int(l), nullptr, 0.f});
+          st.push_back({nullptr, nullptr, nullptr, 1.f});
+        }
         fin.push_back(reinterpret_cast<float*>(whole.bytes_ptr((size_t(naive_index[i]) * n_lin_ + l) * state_layer_bytes_)));
       }
     }
@@ -1241,7 +1249,7 @@ void CudaBackend::check_entry(const PlanSegment& seg, size_t i, const SplicePlan
   if (ce->device() != dev_.index)
     throw EntryError("splice: " + which + "'s entry lives on cuda:" + std::to_string(ce->device()) + ", not " +
                      dev_.name());
-  ce->header().check_compatible(fingerprint_, geom_, plan.mode == SpliceMode::Hypic ? plan.seam_width : -1, numerics());
+  ce->header().check_compatible(fingerprint_, geom_, entry_seam_width(plan.mode, plan.seam_width), numerics());
   if (!seg.ids.empty() && seg.ids != ce->header().token_ids)
     throw std::invalid_argument("splice: " + which + "'s token ids differ from its entry's");
 }
@@ -1655,7 +1663,8 @@ void CudaBackend::build_batch(std::span<const std::vector<int32_t>> segs, int w,
   auto rs_f = [&](size_t off, int i) { return reinterpret_cast<float*>(run_scratch_.bytes_ptr(off + i * S1)); };
   auto rs_b = [&](size_t off) { return reinterpret_cast<kc::bf16*>(run_scratch_.bytes_ptr(off)); };
   kc::bf16* conv_states = n_lin_ ? rs_b(o_cs) : nullptr;
-  // Copy tables, per linear layer: seam finals -> odd piece initials; entry T_seam, S_seam, T_int, conv tail.
+  // Copy tables, per linear layer: seam finals -> odd piece initials; entry S_seam (when w > 0), T_int, conv tail
+  // (the seam pieces' T, T_seam, is not stored: engine/segment.h).
   std::vector<kc::CopyDesc> init_copy, entry_copy;
   std::vector<kc::AffineStep> sub;   // [layer][N]: S_int = S_end - T_int S_seam
   std::vector<const float*> sub_init;
@@ -1664,8 +1673,7 @@ void CudaBackend::build_batch(std::span<const std::vector<int32_t>> segs, int w,
     for (int i = 0; i < N; ++i) {
       init_copy.push_back({rs_f(o_sf, i), rs_f(o_pi, 2 * i + 1), long(S1)});
       CudaEntry& e = *entries[i];
-      entry_copy.push_back({rs_f(o_pt, 2 * i), e.T_seam(l), long(S1)});
-      entry_copy.push_back({rs_f(o_pf, 2 * i), e.S_seam(l), long(S1)});
+      if (e.has_seam()) entry_copy.push_back({rs_f(o_pf, 2 * i), e.S_seam(l), long(S1)});
       entry_copy.push_back({rs_f(o_pt, 2 * i + 1), e.T_int(l), long(S1)});
       entry_copy.push_back({conv_states + size_t(i) * conv_layer_bytes_ / 2, e.conv(l), long(conv_layer_bytes_)});
       sub.push_back({rs_f(o_pt, 2 * i + 1), rs_f(o_pf, 2 * i + 1), nullptr, -1.f});
@@ -1681,7 +1689,7 @@ void CudaBackend::build_batch(std::span<const std::vector<int32_t>> segs, int w,
   check_cuda(cudaMemcpyAsync(d_ids_, tb.dev<int32_t>(t_ids), size_t(T) * 4, cudaMemcpyDeviceToDevice, stream_), "ids");
   const kc::AttnGroups groups =
       attn_groups(N, tb.dev<int>(t_cu), tb.dev<int>(t_s0), tb.dev<int>(t_bt), max_pages, T, max_q, max_kv);
-  const int per_layer_copies = 4 * N;
+  const int per_layer_copies = n_lin_ ? int(entry_copy.size()) / n_lin_ : 0;  // the same for every layer
 
   kc::embed_gather(T, H_, d_ids_, w_.embed, x_, stream_);
   for (int i = 0; i < cfg_.num_hidden_layers; ++i) {
@@ -1828,7 +1836,7 @@ std::shared_ptr<const ResidentEntry> CudaBackend::import_block(const HostBlock& 
   const SegmentEntry& h = block->header();
   h.check_compatible(fingerprint_, geom_, -1, numerics());
   if (h.num_tokens() < 1) throw EntryError("import_block: an entry has at least one token");
-  const size_t want = EntryLayout(geom_, kv_row_, h.num_tokens()).total;
+  const size_t want = EntryLayout(geom_, kv_row_, h.num_tokens(), h.seam_tokens() > 0).total;
   if (block->bytes() != want)
     throw EntryError("import_block: a block of " + std::to_string(block->bytes()) + " bytes for " +
                      std::to_string(h.num_tokens()) + " tokens (expected " + std::to_string(want) + ")");
@@ -1852,7 +1860,7 @@ std::shared_ptr<const SegmentEntry> CudaBackend::entry_of_block(const HostBlock&
   if (!block) throw EntryError("entry_of_block: not a host block of the CUDA backend");
   const SegmentEntry& h = block->header();
   const EntryGeometry& g = h.geometry;
-  const EntryLayout lay(g, size_t(g.kv_heads) * g.head_dim * 2, h.num_tokens());
+  const EntryLayout lay(g, size_t(g.kv_heads) * g.head_dim * 2, h.num_tokens(), h.seam_tokens() > 0);
   if (block->bytes() != lay.total) throw EntryError("entry_of_block: the block's size does not match its header");
   auto e = std::make_shared<SegmentEntry>(h);
   const size_t sf = lay.state / sizeof(float);
@@ -1872,10 +1880,9 @@ std::shared_ptr<const SegmentEntry> CudaBackend::entry_of_block(const HostBlock&
   e->linear.resize(size_t(g.num_linear));
   for (int l = 0; l < g.num_linear; ++l) {
     LinearLayerEntry& L = e->linear[size_t(l)];
-    L.seam_transition = TransitionOperator::dense(g.linear_heads, g.d_k, get_f32(lay.lin(l, 0)));
-    L.seam_state = get_f32(lay.lin(l, 1));
-    L.interior_transition = TransitionOperator::dense(g.linear_heads, g.d_k, get_f32(lay.lin(l, 2)));
-    L.interior_state = get_f32(lay.lin(l, 3));
+    if (lay.states == 3) L.seam_state = get_f32(lay.S_seam(l));
+    L.interior_transition = TransitionOperator::dense(g.linear_heads, g.d_k, get_f32(lay.T_int(l)));
+    L.interior_state = get_f32(lay.S_int(l));
     L.conv_tail = get_bf16(lay.conv_at(l), size_t(g.conv_rows) * g.conv_dim);
   }
   e->attention.resize(size_t(g.num_attention));
@@ -1892,7 +1899,7 @@ std::shared_ptr<const HostBlock> CudaBackend::block_of_entry(const SegmentEntry&
   host.check_consistent();
   host.check_compatible(fingerprint_, geom_, -1, numerics());
   if (host.num_tokens() < 1) throw EntryError("block_of_entry: an entry has at least one token");
-  const EntryLayout lay(geom_, kv_row_, host.num_tokens());
+  const EntryLayout lay(geom_, kv_row_, host.num_tokens(), host.seam_tokens() > 0);
   auto block = std::make_shared<CudaHostBlock>(header_of(host), lay.total, pinned_);
   std::vector<uint16_t> buf;
   auto put_bf16 = [&](size_t off, const std::vector<float>& src) {
@@ -1902,11 +1909,10 @@ std::shared_ptr<const HostBlock> CudaBackend::block_of_entry(const SegmentEntry&
   };
   for (int l = 0; l < n_lin_; ++l) {
     const LinearLayerEntry& L = host.linear[size_t(l)];
-    const std::vector<float> Ts = L.seam_transition.to_dense(), Ti = L.interior_transition.to_dense();
-    block->write(lay.lin(l, 0), Ts.data(), lay.state);
-    block->write(lay.lin(l, 1), L.seam_state.data(), lay.state);
-    block->write(lay.lin(l, 2), Ti.data(), lay.state);
-    block->write(lay.lin(l, 3), L.interior_state.data(), lay.state);
+    const std::vector<float> Ti = L.interior_transition.to_dense();
+    if (lay.states == 3) block->write(lay.S_seam(l), L.seam_state.data(), lay.state);
+    block->write(lay.T_int(l), Ti.data(), lay.state);
+    block->write(lay.S_int(l), L.interior_state.data(), lay.state);
     put_bf16(lay.conv_at(l), L.conv_tail);
   }
   for (int a = 0; a < n_attn_; ++a) {

@@ -368,14 +368,23 @@ TEST_CASE("cuda backend: entries and splices in every mode match the CPU engine"
     REQUIRE(gentries.size() == segs.size());
     std::vector<std::shared_ptr<const eng::SegmentEntry>> centries;
     for (const auto& s : segs) centries.push_back(std::make_shared<eng::SegmentEntry>(eng::build_segment_entry(*f.cpu, s, w)));
+    // Transition mode's entries: w = 0, no seam state (engine/segment.h); (T_int, S_int) = (T_C, S(C|0)).
+    const auto gentries0 = f.gpu->build_entries(segs, 0);
+    std::vector<std::shared_ptr<const eng::SegmentEntry>> centries0;
+    for (const auto& s : segs) centries0.push_back(std::make_shared<eng::SegmentEntry>(eng::build_segment_entry(*f.cpu, s, 0)));
     std::vector<double> pop_entry;
+    const int H = f.cfg.linear_num_value_heads, dk = f.cfg.linear_key_head_dim;
+    const size_t state_bytes = size_t(H) * dk * f.cfg.linear_value_head_dim * 4;
     for (size_t i = 0; i < segs.size(); ++i) {
-      const auto h = gentries[i]->host();
+      const auto h = gentries[i]->host(), h0 = gentries0[i]->host();
       const auto& c = *centries[i];
-      double e[7] = {0, 0, 0, 0, 0, 0, 0};  // T_seam S_seam T_int S_int conv K V
-      const int H = f.cfg.linear_num_value_heads, dk = f.cfg.linear_key_head_dim;
+      double e[7] = {0, 0, 0, 0, 0, 0, 0};  // T_C (w = 0) S_seam T_int S_int conv K V
+      CHECK(gentries[i]->resident_bytes() - gentries0[i]->resident_bytes() >= c.linear.size() * state_bytes);
       for (size_t l = 0; l < c.linear.size(); ++l) {
-        e[0] = std::max(e[0], rel_t(h->linear[l].seam_transition.to_dense(), c.linear[l].seam_transition.to_dense(), H, dk));
+        CHECK(h0->linear[l].seam_state.empty());
+        e[0] = std::max(e[0], rel_t(h0->linear[l].interior_transition.to_dense(),
+                                    centries0[i]->linear[l].interior_transition.to_dense(), H, dk));
+        pop_entry.push_back(rel(h0->linear[l].interior_state, centries0[i]->linear[l].interior_state));
         e[1] = std::max(e[1], rel(h->linear[l].seam_state, c.linear[l].seam_state));
         e[2] = std::max(e[2], rel_t(h->linear[l].interior_transition.to_dense(),
                                     c.linear[l].interior_transition.to_dense(), H, dk));
@@ -387,7 +396,7 @@ TEST_CASE("cuda backend: entries and splices in every mode match the CPU engine"
         e[5] = std::max(e[5], rel(h->attention[a].k, c.attention[a].k));
         e[6] = std::max(e[6], rel(h->attention[a].v, c.attention[a].v));
       }
-      std::printf("[backend] %s entry %zu (%d tokens): T_seam %.2e S_seam %.2e T_int %.2e S_int %.2e conv %.2e K %.2e "
+      std::printf("[backend] %s entry %zu (%d tokens): T_C(w=0) %.2e S_seam %.2e T_int %.2e S_int %.2e conv %.2e K %.2e "
                   "V %.2e\n",
                   name, i, c.num_tokens(), e[0], e[1], e[2], e[3], e[4], e[5], e[6]);
       CHECK(e[0] <= 2e-2);
@@ -407,9 +416,15 @@ TEST_CASE("cuda backend: entries and splices in every mode match the CPU engine"
       gp.query = cr.query = query;
       gp.all_query_logits = cr.all_query_logits = true;
       gp.use_prefix_cache = false;
+      const bool w0 = mode == eng::SpliceMode::Transition;  // its entries are made with w = 0
       for (size_t i = 0; i < segs.size(); ++i) {
-        gp.segments.push_back({segs[i], gentries[i]});
-        cr.segments.push_back({segs[i], centries[i]});
+        gp.segments.push_back({segs[i], w0 ? gentries0[i] : gentries[i]});
+        cr.segments.push_back({segs[i], w0 ? centries0[i] : centries[i]});
+      }
+      if (w0) {  // a w = 8 entry is refused, naming the width transition mode needs
+        eng::SplicePlan bad = gp;
+        bad.segments[1].entry = gentries[1];
+        CHECK_THROWS_WITH(f.gpu->splice(bad), Catch::Contains("seam width 8") && Catch::Contains("transition mode"));
       }
       const eng::SpliceResult ref = eng::splice(*f.cpu, cr);
       const eng::SpliceOutput got = f.gpu->splice(gp);

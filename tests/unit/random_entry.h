@@ -28,11 +28,9 @@ engine::SegmentEntry random_entry(const engine::EntryGeometry& g, int n, int w, 
   };
   for (int l = 0; l < g.num_linear; ++l) {
     LinearLayerEntry le;
-    le.seam_transition = TransitionOperator::identity(kind(l, true), g.linear_heads, g.d_k);
-    fill(le.seam_transition.data, le.seam_transition.data.size());
     le.interior_transition = TransitionOperator::identity(kind(l, false), g.linear_heads, g.d_k);
     fill(le.interior_transition.data, le.interior_transition.data.size());
-    fill(le.seam_state, size_t(g.linear_heads) * g.d_k * g.d_v);
+    if (e.seam_tokens() > 0) fill(le.seam_state, size_t(g.linear_heads) * g.d_k * g.d_v);  // none without a seam
     fill(le.interior_state, size_t(g.linear_heads) * g.d_k * g.d_v);
     fill(le.conv_tail, size_t(g.conv_rows) * g.conv_dim);
     e.linear.push_back(std::move(le));

@@ -191,7 +191,7 @@ TEST_CASE("the CPU backend's splice and batched decode equal splice() and Model:
     std::vector<std::unique_ptr<Sequence>> seqs;
     std::vector<SpliceResult> refs;
     for (uint32_t s = 0; s < 3; ++s) {
-      prompts.push_back(make_prompt(b, 10 + s, 3, 4));
+      prompts.push_back(make_prompt(b, 10 + s, 3, mode == SpliceMode::Transition ? 0 : 4));  // entry_seam_width
       const Prompt& p = prompts.back();
       SplicePlan plan;
       plan.mode = mode;

@@ -76,7 +76,7 @@ std::string with_version(std::string bytes, uint32_t version) {
 
 }  // namespace
 
-TEST_CASE("family entries: compact T_C, conv tails, MLA V width, version 3, round trip through bytes",
+TEST_CASE("family entries: compact T_C, conv tails, MLA V width, version 5, round trip through bytes",
           "[families][segment]") {
   for (const char* name : kModels) {
     DYNAMIC_SECTION(name) {
@@ -93,15 +93,17 @@ TEST_CASE("family entries: compact T_C, conv tails, MLA V width, version 3, roun
       const bool lightning = kind == TransitionKind::Scalar;
       CHECK(lightning == (c.family != ModelFamily::KimiLinear));
       for (const auto& l : e.linear) {
-        CHECK(l.seam_transition.kind == kind);
+        CHECK(l.seam_state.size() == size_t(g.linear_heads) * g.d_k * g.d_v);  // w = 8: S_seam, no T_seam
         CHECK(l.interior_transition.kind == kind);
         CHECK(l.interior_transition.data.size() == (lightning ? size_t(g.linear_heads)
                                                               : size_t(g.linear_heads) * g.d_k * g.d_k));
         // KDA: the three convs' tails [K-1][3 H d]; lightning: none.
         CHECK(l.conv_tail.size() == (lightning ? 0 : size_t(c.linear_conv_kernel_dim - 1) * 3 * c.linear_v_dim()));
       }
-      if (lightning) {  // e^{-s n}: T_seam T_int is the whole segment's decay, one number per head
-        const TransitionOperator whole = e.whole_transition(0);
+      // T_C is stored for entries made with w = 0 (transition mode's), and not for w > 0 (no T_seam).
+      CHECK_THROWS_WITH(e.whole_transition(0), Catch::Contains("seam width 8") && Catch::Contains("seam width 0"));
+      if (lightning) {  // e^{-s n}: T_C is the whole segment's decay, one number per head
+        const TransitionOperator whole = build_segment_entry(m, ids, 0).whole_transition(0);
         REQUIRE(whole.kind == TransitionKind::Scalar);
         for (float t : whole.data) CHECK((t > 0.0f && t <= 1.0f));
       }
@@ -128,12 +130,14 @@ TEST_CASE("family entries: compact T_C, conv tails, MLA V width, version 3, roun
       CHECK(streamed == bytes);
 
       // Version errors are clear: an unknown version, and an entry whose version does not fit its geometry.
-      CHECK_THROWS_WITH(deserialize_entry(with_version(bytes, 4)),
-                        Catch::Contains("format version 4") && Catch::Contains("reads 2 and 3"));
-      SegmentEntry v2 = e;
-      v2.format_version = kSegmentFormatVersion;
-      CHECK_THROWS_WITH(serialize_entry(v2), Catch::Contains("format version 2"));
-      CHECK_THROWS_WITH(v2.check_compatible(e.model_fingerprint, g, 8), Catch::Contains("format version 2"));
+      CHECK_THROWS_WITH(deserialize_entry(with_version(bytes, 6)),
+                        Catch::Contains("format version 6") && Catch::Contains("reads 4 and 5"));
+      CHECK_THROWS_WITH(deserialize_entry(with_version(bytes, 3)),  // the earlier format (with T_seam)
+                        Catch::Contains("format version 3") && Catch::Contains("reads 4 and 5"));
+      SegmentEntry v4 = e;
+      v4.format_version = kSegmentFormatVersion;
+      CHECK_THROWS_WITH(serialize_entry(v4), Catch::Contains("format version 4"));
+      CHECK_THROWS_WITH(v4.check_compatible(e.model_fingerprint, g, 8), Catch::Contains("format version 4"));
       // Another family's geometry is refused even under the same fingerprint.
       EntryGeometry other = g;
       other.family = (g.family + 1) % 4;
@@ -142,7 +146,7 @@ TEST_CASE("family entries: compact T_C, conv tails, MLA V width, version 3, roun
   }
 }
 
-TEST_CASE("Qwen entries keep format version 2 and its header layout byte for byte", "[families][segment]") {
+TEST_CASE("Qwen entries are format version 4 and its header layout byte for byte", "[families][segment]") {
   const Model m = Model::load(std::string(HYPIC_SOURCE_DIR) + "/tests/fixtures/qwen3_5_dense");
   const EntryGeometry g = EntryGeometry::of(m.config());
   CHECK(g.family == 0);
@@ -151,19 +155,20 @@ TEST_CASE("Qwen entries keep format version 2 and its header layout byte for byt
   CHECK(entry_format_version(g) == kSegmentFormatVersion);
   const auto ids = random_ids(20, int(m.config().vocab_size), 3);
   const SegmentEntry e = build_segment_entry(m, ids, 8);
-  CHECK(e.format_version == 2);
+  CHECK(e.format_version == 4);
   const std::string bytes = serialize_entry(e);
-  // Version 2 header: version, fingerprint, numerics, w, n, ids, the 9 geometry values, 2 kinds per linear layer.
+  // Version 4 header: version, fingerprint, numerics, w, n, ids, the 9 geometry values, 1 kind per linear layer (the
+  // interior's: T_seam is not stored).
   uint32_t len, version;
   std::memcpy(&len, bytes.data() + 8, 4);
   std::memcpy(&version, bytes.data() + 12, 4);
-  CHECK(version == 2);
+  CHECK(version == 4);
   const size_t want = 4 + 4 + e.model_fingerprint.size() + 4 + e.numerics.size() + 4 + 4 + 4 * ids.size() + 9 * 4 +
-                      2 * e.linear.size();
+                      e.linear.size();
   CHECK(len == want);
   require_entries_equal(deserialize_entry(bytes), e);
-  // Promoted to version 3 (checksums fixed), a Qwen entry is refused: its geometry is written as version 2.
-  CHECK_THROWS_AS(deserialize_entry(with_version(bytes, 3)), EntryError);
+  // Promoted to version 5 (checksums fixed), a Qwen entry is refused: its geometry is written as version 4.
+  CHECK_THROWS_AS(deserialize_entry(with_version(bytes, 5)), EntryError);
 }
 
 TEST_CASE("lightning entries are far smaller than dense ones in the linear part", "[families][segment]") {
@@ -172,9 +177,9 @@ TEST_CASE("lightning entries are far smaller than dense ones in the linear part"
   const SegmentEntry e = build_segment_entry(m, random_ids(30, int(c.vocab_size), 4), 8);
   const size_t H = size_t(c.linear_num_value_heads), dk = size_t(c.linear_key_head_dim);
   size_t t_floats = 0;
-  for (const auto& l : e.linear) t_floats += l.seam_transition.data.size() + l.interior_transition.data.size();
-  CHECK(t_floats == 2 * H * e.linear.size());  // dense would be 2 H dk^2 per layer
-  CHECK(t_floats * dk * dk == 2 * H * dk * dk * e.linear.size());
+  for (const auto& l : e.linear) t_floats += l.interior_transition.data.size();
+  CHECK(t_floats == H * e.linear.size());  // dense would be H dk^2 per layer
+  CHECK(t_floats * dk * dk == H * dk * dk * e.linear.size());
 }
 
 TEST_CASE("composition law at every linear layer: T_C P + S(C|0) equals the in-context state", "[families][splice]") {

@@ -376,7 +376,8 @@ TEST_CASE("tier budgets: derived from device memory, host memory and the entry s
   g.linear_heads = 32, g.d_k = 128, g.d_v = 128, g.conv_rows = 3, g.conv_dim = 8192, g.kv_heads = 2, g.head_dim = 256;
   g.num_linear = 30, g.num_attention = 10;
   const std::string parts = hypic::combine::describe_entry_parts(g, 2048, 2);
-  CHECK_THAT(parts, Catch::Contains("4 x 62.9 MB of linear operators"));  // 30 x 32 x 128 x 128 x 4 bytes
+  CHECK_THAT(parts, Catch::Contains("3 x 62.9 MB of linear operators"));  // 30 x 32 x 128 x 128 x 4 bytes
+  CHECK_THAT(parts, Catch::StartsWith("2048 tokens: 232.2 MB"));  // 3 x 62.9 + 30 x 3 x 8192 x 2 (1.5) + 41.9 MB
   CHECK_THAT(parts, Catch::Contains("(20480 bytes per token)"));           // 10 x 2 x (256 + 256) x 2 bytes
   CHECK_THAT(parts, Catch::Contains("41.9 MB of KV"));
 }
