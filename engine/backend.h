@@ -287,8 +287,8 @@ class ResourceExhausted : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-/// About the bytes of a serialized entry of `tokens` tokens of this model (the wire and cache form: fp32 tensors,
-/// transitions counted dense), for budgets stated in entries.
+/// About the bytes of a serialized entry of `tokens` tokens of this model, made with w > 0 (the wire and cache form,
+/// engine/segment.h; transitions counted dense, K, V and conv tails fp32: an upper bound), for budgets stated in entries.
 size_t wire_entry_bytes(const ModelConfig& config, int64_t tokens);
 
 /// The weights identity of seeded random weights (BackendOptions::random_weights_seed): "random-" + 16 hex digits.

@@ -7,6 +7,7 @@
 #include <initializer_list>
 
 #include "engine/config.h"
+#include "engine/safetensors.h"
 
 namespace hypic::engine {
 namespace {
@@ -41,12 +42,45 @@ std::span<char> as_mut_bytes(std::vector<float>& v) {
   return {reinterpret_cast<char*>(v.data()), v.size() * sizeof(float)};
 }
 
+// Tensor element types on the wire (header byte after the transition kinds).
+constexpr uint8_t kWireF32 = 1, kWireBf16 = 2;
+
+// True when every K, V and conv-tail value is exactly a bf16 value (its low 16 bits are zero), as in every entry the
+// CUDA backend makes (it keeps them in bf16): they then travel as bf16, losing nothing. Stops at the first other value.
+bool kv_is_bf16(const SegmentEntry& e) {
+  bool any = false;
+  auto exact = [&](const std::vector<float>& v) {
+    for (float x : v) {
+      uint32_t b;
+      std::memcpy(&b, &x, 4);
+      if (b & 0xFFFFu) return false;
+    }
+    any = any || !v.empty();
+    return true;
+  };
+  for (const auto& l : e.linear)
+    if (!exact(l.conv_tail)) return false;
+  for (const auto& a : e.attention)
+    if (!exact(a.k) || !exact(a.v)) return false;
+  return any;
+}
+
+std::vector<uint16_t> to_bf16_bits(const std::vector<float>& v) {
+  std::vector<uint16_t> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) {
+    uint32_t b;
+    std::memcpy(&b, &v[i], 4);
+    out[i] = uint16_t(b >> 16);  // exact: kv_is_bf16
+  }
+  return out;
+}
+
 size_t state_floats(const EntryGeometry& g) { return static_cast<size_t>(g.linear_heads) * g.d_k * g.d_v; }
 size_t conv_floats(const EntryGeometry& g) { return static_cast<size_t>(g.conv_rows) * g.conv_dim; }
 size_t k_floats(const EntryGeometry& g, int n) { return static_cast<size_t>(n) * g.kv_heads * g.head_dim; }
 size_t v_floats(const EntryGeometry& g, int n) { return static_cast<size_t>(n) * g.kv_heads * g.v_dim(); }
 
-std::string build_header(const SegmentEntry& e) {
+std::string build_header(const SegmentEntry& e, bool bf16) {
   std::string h;
   put<uint32_t>(h, e.format_version);
   put<uint32_t>(h, static_cast<uint32_t>(e.model_fingerprint.size()));
@@ -63,6 +97,7 @@ std::string build_header(const SegmentEntry& e) {
   if (e.format_version >= kSegmentFormatVersionFamilies)
     for (int v : {g.family, g.v_head_dim, g.linear_rotary_dim}) put<uint32_t>(h, static_cast<uint32_t>(v));
   for (const auto& l : e.linear) put<uint8_t>(h, static_cast<uint8_t>(l.interior_transition.kind));
+  put<uint8_t>(h, bf16 ? kWireBf16 : kWireF32);  // K, V and conv tails
   return h;
 }
 
@@ -86,11 +121,13 @@ SegmentDigest SegmentEntry::digest() const {
 }
 
 size_t SegmentEntry::byte_size() const {
-  size_t n = sizeof(kMagic) + 4 + build_header(*this).size() + 8 + 8;
+  const bool bf16 = kv_is_bf16(*this);
+  const size_t kv_elem = bf16 ? 2 : 4;
+  size_t n = sizeof(kMagic) + 4 + build_header(*this, bf16).size() + 8 + 8;
   for (const auto& l : linear)
-    n += (l.seam_state.size() + l.interior_transition.data.size() + l.interior_state.size() + l.conv_tail.size()) *
-         sizeof(float);
-  for (const auto& a : attention) n += (a.k.size() + a.v.size()) * sizeof(float);
+    n += (l.seam_state.size() + l.interior_transition.data.size() + l.interior_state.size()) * sizeof(float) +
+         l.conv_tail.size() * kv_elem;
+  for (const auto& a : attention) n += (a.k.size() + a.v.size()) * kv_elem;
   return n;
 }
 
@@ -163,21 +200,29 @@ void SegmentEntry::check_compatible(std::string_view fingerprint, const EntryGeo
 EntryWriter::EntryWriter(const SegmentEntry& e, size_t chunk_bytes) : chunk_(chunk_bytes) {
   if (chunk_bytes == 0) throw std::invalid_argument("EntryWriter: chunk_bytes must be positive");
   e.check_consistent();
-  const std::string header = build_header(e);
+  const bool bf16 = kv_is_bf16(e);
+  const std::string header = build_header(e, bf16);
   head_.append(kMagic, sizeof(kMagic));
   put<uint32_t>(head_, static_cast<uint32_t>(header.size()));
   head_ += header;
   put<uint64_t>(head_, XXH3_64bits(header.data(), header.size()));
   parts_.push_back(head_);
+  // K, V and conv tails as bf16 when that is exact (kv_is_bf16), from copies made here, else straight from the tensors.
+  auto kv_part = [&](const std::vector<float>& v) {
+    if (!bf16) return as_bytes(v);
+    half_.push_back(to_bf16_bits(v));
+    return std::string_view(reinterpret_cast<const char*>(half_.back().data()), half_.back().size() * 2);
+  };
+  half_.reserve(e.linear.size() + 2 * e.attention.size());  // views into its elements stay valid
   for (const auto& l : e.linear) {
     parts_.push_back(as_bytes(l.seam_state));  // empty when the seam is
     parts_.push_back(as_bytes(l.interior_transition.data));
     parts_.push_back(as_bytes(l.interior_state));
-    parts_.push_back(as_bytes(l.conv_tail));
+    parts_.push_back(kv_part(l.conv_tail));
   }
   for (const auto& a : e.attention) {
-    parts_.push_back(as_bytes(a.k));
-    parts_.push_back(as_bytes(a.v));
+    parts_.push_back(kv_part(a.k));
+    parts_.push_back(kv_part(a.v));
   }
   for (auto p : parts_) total_ += p.size();
   total_ += 8;
@@ -266,8 +311,8 @@ void EntryReader::parse_header() {
   // The tensor bytes the header announces, each product and sum checked: values up to 2^20 multiply past 2^64,
   // and a wrapped total would pass the kMaxEntryBytes guard and size the tensors below.
   uint64_t total = 0;
-  const auto add_bytes = [&](std::initializer_list<uint64_t> factors) {
-    uint64_t x = 4;  // fp32
+  const auto add_bytes = [&](std::initializer_list<uint64_t> factors, uint64_t elem = 4) {
+    uint64_t x = elem;  // fp32 unless said
     for (const uint64_t f : factors)
       if (__builtin_mul_overflow(x, f, &x)) x = UINT64_MAX;
     if (__builtin_add_overflow(total, x, &total) || total > kMaxEntryBytes)
@@ -286,25 +331,37 @@ void EntryReader::parse_header() {
     t->d_k = g.d_k;
     add_bytes({uint64_t(g.linear_heads), t->per_head()});
     add_bytes({seam ? 2u : 1u, uint64_t(g.linear_heads), uint64_t(g.d_k), uint64_t(g.d_v)});  // seam, interior states
-    add_bytes({uint64_t(g.conv_rows), uint64_t(g.conv_dim)});
   }
-  add_bytes({uint64_t(g.num_attention), n, uint64_t(g.kv_heads), uint64_t(g.head_dim)});
-  add_bytes({uint64_t(g.num_attention), n, uint64_t(g.kv_heads), uint64_t(g.v_dim())});
+  const uint8_t dtype = c.get<uint8_t>("tensor type");
+  if (dtype != kWireF32 && dtype != kWireBf16)
+    throw EntryError("segment entry: unknown K/V tensor type " + std::to_string(dtype) + " (1 fp32, 2 bf16)");
+  const bool bf16 = dtype == kWireBf16;
+  const uint64_t kv_elem = bf16 ? 2 : 4;
+  add_bytes({uint64_t(g.num_linear), uint64_t(g.conv_rows), uint64_t(g.conv_dim)}, kv_elem);
+  add_bytes({uint64_t(g.num_attention), n, uint64_t(g.kv_heads), uint64_t(g.head_dim)}, kv_elem);
+  add_bytes({uint64_t(g.num_attention), n, uint64_t(g.kv_heads), uint64_t(g.v_dim())}, kv_elem);
   if (c.off != header.size()) throw EntryError("segment entry header has trailing bytes");
+  // bf16 tensors arrive into staging buffers and are widened (exactly) in finish().
+  auto kv_part = [&](std::vector<float>& v) {
+    if (!bf16) return as_mut_bytes(v);
+    half_.push_back({std::vector<uint16_t>(v.size()), &v});
+    return std::span<char>(reinterpret_cast<char*>(half_.back().bits.data()), v.size() * 2);
+  };
+  half_.reserve(size_t(g.num_linear) + 2 * size_t(g.num_attention));
   for (auto& l : e.linear) {
     l.seam_state.resize(seam ? state_floats(g) : 0);
     l.interior_transition.data.resize(size_t(g.linear_heads) * l.interior_transition.per_head());
     l.interior_state.resize(state_floats(g));
     l.conv_tail.resize(conv_floats(g));
-    for (auto* v : {&l.seam_state, &l.interior_transition.data, &l.interior_state, &l.conv_tail})
-      parts_.push_back(as_mut_bytes(*v));
+    for (auto* v : {&l.seam_state, &l.interior_transition.data, &l.interior_state}) parts_.push_back(as_mut_bytes(*v));
+    parts_.push_back(kv_part(l.conv_tail));
   }
   e.attention.resize(g.num_attention);
   for (auto& a : e.attention) {
     a.k.resize(k_floats(g, n));
     a.v.resize(v_floats(g, n));
-    parts_.push_back(as_mut_bytes(a.k));
-    parts_.push_back(as_mut_bytes(a.v));
+    parts_.push_back(kv_part(a.k));
+    parts_.push_back(kv_part(a.v));
   }
   header_done_ = true;
 }
@@ -360,6 +417,13 @@ SegmentEntry EntryReader::finish() {
   std::memcpy(&want, tail_, 8);
   if (XXH3_64bits_digest(static_cast<XXH3_state_t*>(hash_)) != want)
     throw EntryError("segment entry checksum mismatch (corrupt data)");
+  for (Half& h : half_) {  // bf16 -> fp32, exact
+    for (size_t i = 0; i < h.bits.size(); ++i) {
+      const uint32_t b = uint32_t(h.bits[i]) << 16;
+      std::memcpy(&(*h.into)[i], &b, 4);
+    }
+    std::vector<uint16_t>().swap(h.bits);
+  }
   entry_.check_consistent();
   return std::move(entry_);
 }

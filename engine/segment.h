@@ -21,9 +21,10 @@
 //   header: u32 version, u32 fingerprint_len, fingerprint, u32 numerics_len, numerics, i32 seam_width, u32 n_tokens, i32 ids[n],
 //           u32 H_v, d_k, d_v, conv_dim, conv_rows, H_kv, head_dim, n_linear, n_attention,
 //           [version 3 only: u32 family, u32 v_head_dim, u32 linear_rotary_dim (EntryGeometry's family fields)]
-//           per linear layer: u8 interior transition kind
-//   blobs, per linear layer: S_seam (only when s = min(w, n) > 0), T_int, S_int, conv_tail; per attention layer: K, V
-//   (fp32). Sizes: T by its kind ([H_v] scalar, [H_v][d_k] diagonal, [H_v][d_k][d_k] dense), S [H_v][d_k][d_v], conv tail
+//           per linear layer: u8 interior transition kind; u8 K/V type (1 fp32, 2 bf16)
+//   blobs, per linear layer: S_seam (only when s = min(w, n) > 0), T_int, S_int, conv_tail; per attention layer: K, V.
+//   States and transitions are fp32; K, V and the conv tails are bf16 (type 2) when every one of their values is a
+//   bf16 value (the CUDA backend's entries, which keep them in bf16: nothing is lost), else fp32. Sizes: T by its kind ([H_v] scalar, [H_v][d_k] diagonal, [H_v][d_k][d_k] dense), S [H_v][d_k][d_v], conv tail
 //   [conv_rows][conv_dim] (empty without a short conv), K [n][H_kv][head_dim], V [n][H_kv][v_dim()].
 // Versions: an entry of the Qwen families (Gated DeltaNet + gated attention) is written as version 4; one of the other
 // families (Kimi-Linear, MiniMax, Ring-linear) as version 5, whose header adds the family fields. (Versions 2 and 3,
@@ -162,6 +163,7 @@ class EntryWriter {
  private:
   std::string head_;    // magic + header_len + header + header checksum
   std::string tail_;    // whole-entry checksum, filled in when the tensors have been walked
+  std::vector<std::vector<uint16_t>> half_;  // bf16 copies of K, V and the conv tails, when they travel so
   std::vector<std::string_view> parts_;
   size_t part_ = 0, offset_ = 0, chunk_, total_ = 0;
   bool tail_added_ = false;
@@ -192,6 +194,11 @@ class EntryReader {
   size_t head_need_ = 12;  // magic + header_len, then header + header checksum
   bool header_done_ = false;
   SegmentEntry entry_;
+  struct Half {  // a tensor that travels as bf16: its bits, widened into `into` by finish()
+    std::vector<uint16_t> bits;
+    std::vector<float>* into;
+  };
+  std::vector<Half> half_;
   std::vector<std::span<char>> parts_;
   size_t part_ = 0, offset_ = 0, received_ = 0;
   char tail_[8] = {};

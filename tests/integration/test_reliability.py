@@ -179,7 +179,7 @@ class LeaseTest(ReliabilityTestCase):
     many documents, every put is accepted and a newly popular document becomes a hit at once. (Before leases were
     released, each hit pinned its entry for --lease-ms, 30 s: a cache full of hot entries refused every new one.)
     Segments are 64 token ids, so every entry has the same size; the cache holds four and a half of them."""
-    ENTRY_BYTES = 35458  # a 64-token entry of the tiny model (asserted below)
+    ENTRY_BYTES = 29312  # a 64-token entry of the tiny model, w = 8 (asserted below)
     extra_args = {"cache": ["--memory-bytes", str(ENTRY_BYTES * 9 // 2)]}
 
     @staticmethod

@@ -158,13 +158,13 @@ TEST_CASE("Qwen entries are format version 4 and its header layout byte for byte
   CHECK(e.format_version == 4);
   const std::string bytes = serialize_entry(e);
   // Version 4 header: version, fingerprint, numerics, w, n, ids, the 9 geometry values, 1 kind per linear layer (the
-  // interior's: T_seam is not stored).
+  // interior's: T_seam is not stored), the K/V type.
   uint32_t len, version;
   std::memcpy(&len, bytes.data() + 8, 4);
   std::memcpy(&version, bytes.data() + 12, 4);
   CHECK(version == 4);
   const size_t want = 4 + 4 + e.model_fingerprint.size() + 4 + e.numerics.size() + 4 + 4 + 4 * ids.size() + 9 * 4 +
-                      e.linear.size();
+                      e.linear.size() + 1;
   CHECK(len == want);
   require_entries_equal(deserialize_entry(bytes), e);
   // Promoted to version 5 (checksums fixed), a Qwen entry is refused: its geometry is written as version 4.

@@ -4,8 +4,10 @@
 
 #include <catch2/catch.hpp>
 
+#include <cstring>
 #include <random>
 
+#include "engine/safetensors.h"
 #include "engine/segment.h"
 #include "tests/unit/random_entry.h"
 #include "tests/unit/splice_checks.h"
@@ -99,6 +101,47 @@ TEST_CASE("segment digests depend on model, version, seam width and every token"
   CHECK_THROWS_AS(digest_from_hex("xyz"), std::invalid_argument);
 }
 
+TEST_CASE("K, V and conv tails travel as bf16 exactly when every value is a bf16 value", "[segment]") {
+  SegmentEntry e = random_entry(37, 8, 11);
+  const size_t fp32_bytes = e.byte_size();
+  size_t kv_values = 0;
+  auto round = [&](std::vector<float>& v) {  // to bf16 values (round to nearest even), as the CUDA backend keeps them
+    for (float& x : v) x = bf16_to_f32(f32_to_bf16(x));
+    kv_values += v.size();
+  };
+  for (auto& l : e.linear) round(l.conv_tail);
+  for (auto& a : e.attention) round(a.k), round(a.v);
+  REQUIRE(kv_values > 0);
+  // Half the bytes of K, V and the conv tails; the states and transitions (not rounded) stay fp32.
+  CHECK(e.byte_size() == fp32_bytes - 2 * kv_values);
+  const std::string bytes = serialize_entry(e);
+  CHECK(bytes.size() == e.byte_size());
+  const SegmentEntry back = deserialize_entry(bytes);
+  hypic::testing::require_entries_equal(back, e);  // bit for bit
+  CHECK(serialize_entry(back) == bytes);
+  for (size_t chunk : {1, 7, 4096}) {
+    EntryWriter w(e, chunk);
+    EntryReader r;
+    std::string streamed;
+    for (std::string_view c = w.next(); !c.empty(); c = w.next()) streamed += c, r.feed(c);
+    CHECK(streamed == bytes);
+    hypic::testing::require_entries_equal(r.finish(), e);
+  }
+  // One value that is not a bf16 value: everything travels as fp32, still bit for bit.
+  e.attention[0].v[5] = 1.0f + 1.0f / 1024 / 1024;
+  CHECK(e.byte_size() == fp32_bytes);
+  hypic::testing::require_entries_equal(deserialize_entry(serialize_entry(e)), e);
+  // A corrupt type byte is refused by name (checksums recomputed).
+  std::string bad = bytes;
+  uint32_t len;
+  std::memcpy(&len, bad.data() + 8, 4);
+  REQUIRE(bad[12 + len - 1] == 2);  // the header's last byte: bf16
+  bad[12 + len - 1] = 3;
+  const uint64_t hsum = XXH3_64bits(bad.data() + 12, len);
+  std::memcpy(bad.data() + 12 + len, &hsum, 8);
+  CHECK_THROWS_WITH(deserialize_entry(bad), Catch::Contains("K/V tensor type 3"));
+}
+
 TEST_CASE("whole-segment (T, S) is the composition of seam and interior", "[segment]") {
   const SegmentEntry e = random_entry(12, 4, 3);
   for (int l = 0; l < e.geometry.num_linear; ++l) {
@@ -132,6 +175,7 @@ TEST_CASE("fuzz regressions: header sizes that wrap, entries without tokens", "[
   put32(16);
   h.append(16 * 4, '\0');
   for (uint32_t v : {1u, 1u, 1u, 1u, 0u, 1u << 20, 1u << 20, 0u, 1u << 20}) put32(v);  // geometry
+  h.push_back('\x01');  // K/V fp32
   std::string bytes = "HYPICSEG";
   const uint32_t len = uint32_t(h.size());
   bytes.append(reinterpret_cast<const char*>(&len), 4);

@@ -273,10 +273,10 @@ TEST_CASE("entries store what the modes need: S_seam only with a seam, never T_s
   // Exactly one state per linear layer fewer at w = 0, none of them a T_seam at w = 8 (version 2 held four).
   CHECK(e8.byte_size() - e0.byte_size() == size_t(g.num_linear) * state * sizeof(float));
   // The w = 0 entry's bytes from the format (engine/segment.h): magic, header length, header (version, fingerprint,
-  // numerics, w, n, ids, 9 geometry values, one kind per linear layer), header checksum, per linear layer T_int
-  // (dense here) + S_int + conv tail, K and V, checksum.
+  // numerics, w, n, ids, 9 geometry values, one kind per linear layer, the K/V type), header checksum, per linear layer
+  // T_int (dense here) + S_int + conv tail, K and V (fp32: a CPU entry's values are not bf16 values), checksum.
   const size_t n = seg.size(), L = size_t(g.num_linear);
-  const size_t header = 4 + 4 + e0.model_fingerprint.size() + 4 + e0.numerics.size() + 4 + 4 + 4 * n + 9 * 4 + L;
+  const size_t header = 4 + 4 + e0.model_fingerprint.size() + 4 + e0.numerics.size() + 4 + 4 + 4 * n + 9 * 4 + L + 1;
   const size_t tensors = L * (size_t(g.linear_heads) * g.d_k * g.d_k + state + size_t(g.conv_rows) * g.conv_dim) +
                          size_t(g.num_attention) * n * g.kv_heads * (g.head_dim + g.v_dim());
   CHECK(e0.byte_size() == 8 + 4 + header + 8 + tensors * sizeof(float) + 8);
