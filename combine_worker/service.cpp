@@ -303,40 +303,44 @@ void CombineService::fetch_warm(const std::shared_ptr<Pending>& p, size_t slot, 
   }
   try {
     const auto t0 = Clock::now();
-    auto bytes = d_.cache.get(cache::CacheKey{digest, ids}, ctx);
-    if (!bytes) {
-      why += "not in the segment cache any more (evicted after the lookup)";
-    } else {
-      try {
+    // Parsed as it arrives (no assembled copy of the bytes); used only once get_stream verified checksum and MAC.
+    engine::EntryReader reader;
+    uint64_t size = 0;
+    try {
+      if (!d_.cache.get_stream(
+              cache::CacheKey{digest, ids}, [&](uint64_t total) { size = total; },
+              [&](std::string_view chunk) { reader.feed(chunk); }, ctx)) {
+        why += "not in the segment cache any more (evicted after the lookup)";
+      } else {
         const auto t1 = Clock::now();
-        auto entry = std::make_shared<const engine::SegmentEntry>(engine::deserialize_entry(*bytes));
+        auto entry = std::make_shared<const engine::SegmentEntry>(reader.finish());
         rpc::verify_entry(*entry, ids, backend_, p->entry_seam_width);
         const auto t2 = Clock::now();
         auto resident = make_resident(digest, *entry);
         Delivery d;
         d.fetch_ms = rpc::ms_between(t0, Clock::now());
-        d.fetch_bytes = bytes->size();
-        spdlog::info("[req {}] segment {} from the segment cache: {:.1f} MB in {:.0f} ms (transfer {:.0f}, parse and "
+        d.fetch_bytes = size;
+        spdlog::info("[req {}] segment {} from the segment cache: {:.1f} MB in {:.0f} ms (transfer and parse {:.0f}, "
                      "verify {:.0f}, device layout and copy {:.0f})",
-                     p->id, slot, double(bytes->size()) / 1e6, d.fetch_ms, rpc::ms_between(t0, t1),
-                     rpc::ms_between(t1, t2), rpc::ms_between(t2, Clock::now()));
-        count_received("cache", bytes->size());
+                     p->id, slot, double(size) / 1e6, d.fetch_ms, rpc::ms_between(t0, t1), rpc::ms_between(t1, t2),
+                     rpc::ms_between(t2, Clock::now()));
+        count_received("cache", size);
         count_segment(v1::SEGMENT_SOURCE_CACHE);
         if (resident) entry.reset();  // spliced resident; the host form is not needed any more
-        p->fill(slot, entry, v1::SEGMENT_SOURCE_CACHE, "", 0, bytes->size(), "", std::move(resident), "", d);
+        p->fill(slot, entry, v1::SEGMENT_SOURCE_CACHE, "", 0, size, "", std::move(resident), "", d);
         return;
-      } catch (const engine::EntryError& e) {
-        why += fmt::format("cache entry corrupt ({}): dropped from the cache", e.what());
-        spdlog::error("[req {}] segment {} ({}): {}", p->id, slot, rpc::digest_hex(digest), why);
-        try {
-          d_.cache.erase(digest);
-        } catch (const std::exception& ex) {
-          spdlog::warn("[req {}] could not drop corrupt entry {}: {}", p->id, rpc::digest_hex(digest), ex.what());
-        }
-      } catch (const engine::ResourceExhausted& e) {
-        why += fmt::format("fetched from the cache, but it could not be made resident ({})", e.what());
-        spdlog::warn("[req {}] segment {}: {}", p->id, slot, why);
       }
+    } catch (const engine::EntryError& e) {  // while parsing (the stream was cut there), or after
+      why += fmt::format("cache entry corrupt ({}): dropped from the cache", e.what());
+      spdlog::error("[req {}] segment {} ({}): {}", p->id, slot, rpc::digest_hex(digest), why);
+      try {
+        d_.cache.erase(digest);
+      } catch (const std::exception& ex) {
+        spdlog::warn("[req {}] could not drop corrupt entry {}: {}", p->id, rpc::digest_hex(digest), ex.what());
+      }
+    } catch (const engine::ResourceExhausted& e) {
+      why += fmt::format("fetched from the cache, but it could not be made resident ({})", e.what());
+      spdlog::warn("[req {}] segment {}: {}", p->id, slot, why);
     }
   } catch (const rpc::RpcError& e) {
     if (e.code() == grpc::StatusCode::DATA_LOSS) {
@@ -757,17 +761,20 @@ grpc::Status CombineService::DeliverEntry(grpc::ServerContext* ctx, grpc::Server
     auto p = delivery_target(h);
     const Slot& slot = p->slots[h.index()];  // digest and ids are immutable after registration
     const std::string what = fmt::format("entry of segment {} of request {} from {}", h.index(), p->id, h.built_by());
-    rpc::ChunkAssembler assembler;
-    assembler.begin(h.total_bytes(), h.checksum(), what);
-    while (reader->Read(&msg)) {
-      if (msg.has_header()) throw rpc::invalid_argument("header", "a delivery carries exactly one header");
-      assembler.append(msg.data());
-    }
-    const std::string bytes = assembler.finish();
+    // Parsed as it arrives (no assembled copy of the bytes); used once the whole stream's size and checksum held.
+    rpc::ChunkVerifier check;
+    check.begin(h.total_bytes(), h.checksum(), what);
+    engine::EntryReader parser;
     std::shared_ptr<const engine::SegmentEntry> entry;
     std::shared_ptr<const engine::ResidentEntry> resident;
     try {
-      entry = std::make_shared<const engine::SegmentEntry>(engine::deserialize_entry(bytes));
+      while (reader->Read(&msg)) {
+        if (msg.has_header()) throw rpc::invalid_argument("header", "a delivery carries exactly one header");
+        check.append(msg.data());
+        parser.feed(msg.data());
+      }
+      check.finish();
+      entry = std::make_shared<const engine::SegmentEntry>(parser.finish());
       rpc::verify_entry(*entry, slot.ids, backend_, p->entry_seam_width);
       resident = make_resident(slot.digest, *entry);  // on this thread, not the engine loop's (device backends)
       if (resident) entry.reset();
@@ -777,8 +784,8 @@ grpc::Status CombineService::DeliverEntry(grpc::ServerContext* ctx, grpc::Server
     } catch (const engine::ResourceExhausted& e) {
       throw rpc::RpcError(grpc::StatusCode::RESOURCE_EXHAUSTED, fmt::format("{}: {}", what, e.what()));
     }
-    accept_delivery(*p, h, std::move(entry), std::move(resident), bytes.size(),
-                    Delivery{"grpc", rpc::ms_between(t0, Clock::now()), bytes.size()}, what, resp);
+    accept_delivery(*p, h, std::move(entry), std::move(resident), check.total_bytes(),
+                    Delivery{"grpc", rpc::ms_between(t0, Clock::now()), check.total_bytes()}, what, resp);
     return grpc::Status::OK;
   });
 }

@@ -109,9 +109,12 @@ std::string SegmentCacheClient::release_leases(const std::string& lease_owner,
   return error;
 }
 
-std::optional<std::pair<std::string, std::vector<int32_t>>> SegmentCacheClient::fetch(
-    const rpc::Digest& digest, std::span<const int32_t> ids, bool check_ids, const grpc::ServerContextBase* parent,
-    std::string* mac_out) const {
+std::optional<std::vector<int32_t>> SegmentCacheClient::stream(const rpc::Digest& digest,
+                                                                std::span<const int32_t> ids, bool check_ids,
+                                                                const grpc::ServerContextBase* parent,
+                                                                const std::function<void(uint64_t)>& begin,
+                                                                const std::function<void(std::string_view)>& consume,
+                                                                std::string* mac_out) const {
   auto& stub = stub_for(digest);
   auto ctx = rpc::make_client_context(parent, opt_.timeout);
   v1::GetRequest req;
@@ -120,26 +123,37 @@ std::optional<std::pair<std::string, std::vector<int32_t>>> SegmentCacheClient::
   req.set_skip_token_check(!check_ids);
   auto reader = stub.Get(ctx.get(), req);
   v1::GetResponse msg;
-  rpc::ChunkAssembler assembler;
+  rpc::ChunkVerifier check;
   std::vector<int32_t> stored_ids;
   std::string mac;
+  const auto& keys = rpc::entry_mac_keys();
+  const bool check_mac = check_ids && keys.enabled();
+  std::optional<rpc::EntryMacKeys::Stream> mac_stream;
   const std::string what = fmt::format("segment entry {} from {}", rpc::digest_hex(digest), owner(digest));
-  while (reader->Read(&msg)) {
-    if (msg.has_info()) {
-      assembler.begin(msg.info().total_bytes(), msg.info().checksum(), what);
-      stored_ids.assign(msg.info().token_ids().begin(), msg.info().token_ids().end());
-      mac = msg.info().mac();
-    } else {
-      assembler.append(msg.data());
+  try {
+    while (reader->Read(&msg)) {
+      if (msg.has_info()) {
+        check.begin(msg.info().total_bytes(), msg.info().checksum(), what);
+        stored_ids.assign(msg.info().token_ids().begin(), msg.info().token_ids().end());
+        mac = msg.info().mac();
+        if (check_mac) mac_stream.emplace(keys, digest, stored_ids, msg.info().total_bytes());
+        begin(msg.info().total_bytes());
+      } else {
+        check.append(msg.data());
+        if (mac_stream) mac_stream->update(msg.data());
+        consume(msg.data());
+      }
     }
+  } catch (...) {  // a bad stream or a consumer that gave up: end the call before leaving
+    ctx->TryCancel();
+    (void)reader->Finish();
+    throw;
   }
   const grpc::Status st = reader->Finish();
   if (st.error_code() == grpc::StatusCode::NOT_FOUND) return std::nullopt;
   if (!st.ok()) rpc::throw_status(st, what);
-  std::string bytes = assembler.finish();
-  const auto& keys = rpc::entry_mac_keys();
-  if (check_ids && keys.enabled() &&
-      !keys.verify(digest, std::span<const int32_t>(stored_ids.data(), stored_ids.size()), bytes, mac)) {
+  check.finish();
+  if (mac_stream && !mac_stream->verify(mac)) {
     static auto& failures = rpc::MetricsRegistry::global().counter(
         "hypic:entry_mac_failures_total",
         "Segment entries read from the cache whose MAC did not verify (forged, relabelled, corrupt, or made with a "
@@ -162,13 +176,31 @@ std::optional<std::pair<std::string, std::vector<int32_t>>> SegmentCacheClient::
     throw rpc::RpcError(grpc::StatusCode::DATA_LOSS, msg);
   }
   if (mac_out) *mac_out = std::move(mac);
-  return std::make_pair(std::move(bytes), std::move(stored_ids));
+  return stored_ids;
+}
+
+std::optional<std::pair<std::string, std::vector<int32_t>>> SegmentCacheClient::fetch(
+    const rpc::Digest& digest, std::span<const int32_t> ids, bool check_ids, const grpc::ServerContextBase* parent,
+    std::string* mac_out) const {
+  rpc::ChunkAssembler assembler;  // its reservation policy: memory follows the bytes received
+  auto stored = stream(
+      digest, ids, check_ids, parent, [&](uint64_t total) { assembler.begin(total, 0, "segment entry"); },
+      [&](std::string_view chunk) { assembler.append(chunk); }, mac_out);
+  if (!stored) return std::nullopt;
+  std::string bytes = assembler.take();  // size and checksum verified by stream()
+  return std::make_pair(std::move(bytes), std::move(*stored));
 }
 
 std::optional<std::string> SegmentCacheClient::get(const CacheKey& key, const grpc::ServerContextBase* parent) const {
   auto got = fetch(key.digest, key.token_ids, true, parent);
   if (!got) return std::nullopt;
   return std::move(got->first);
+}
+
+bool SegmentCacheClient::get_stream(const CacheKey& key, const std::function<void(uint64_t)>& begin,
+                                    const std::function<void(std::string_view)>& consume,
+                                    const grpc::ServerContextBase* parent) const {
+  return stream(key.digest, key.token_ids, true, parent, begin, consume, nullptr).has_value();
 }
 
 std::optional<std::pair<std::string, std::vector<int32_t>>> SegmentCacheClient::get_unchecked(

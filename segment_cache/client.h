@@ -5,6 +5,7 @@
 // Thread-safe; channels are created once per replica and shared.
 #pragma once
 #include <chrono>
+#include <functional>
 #include <optional>
 #include <span>
 #include <string>
@@ -73,6 +74,14 @@ class SegmentCacheClient {
   /// nullopt when the replica says NOT_FOUND; throws rpc::RpcError with the replica's code otherwise
   /// (UNAVAILABLE, DATA_LOSS for an entry the cache found corrupt, DEADLINE_EXCEEDED...).
   std::optional<std::string> get(const CacheKey& key, const grpc::ServerContextBase* parent = nullptr) const;
+  /// get() without assembling the entry: `begin(total_bytes)` once the size is known, then `consume(chunk)` for each
+  /// piece as it arrives (the caller parses it straight into its destination; a 230 MB entry is never held twice).
+  /// The checksum and MAC cover the whole stream, so they are verified after the last consume: use what was parsed
+  /// only when this returns true. false: NOT_FOUND. Throws as get() does; an exception from begin or consume cancels
+  /// the read and propagates.
+  bool get_stream(const CacheKey& key, const std::function<void(uint64_t)>& begin,
+                  const std::function<void(std::string_view)>& consume,
+                  const grpc::ServerContextBase* parent = nullptr) const;
   /// Fetch without the token-id or MAC check (administration): returns the bytes and the stored ids; *mac (when
   /// given) receives the stored MAC (empty: none).
   std::optional<std::pair<std::string, std::vector<int32_t>>> get_unchecked(const rpc::Digest& digest,
@@ -93,6 +102,13 @@ class SegmentCacheClient {
                                                                      std::span<const int32_t> ids, bool check_ids,
                                                                      const grpc::ServerContextBase* parent,
                                                                      std::string* mac_out = nullptr) const;
+  // One Get streamed to begin / consume, with the checksum (and, when check_ids and keys are configured, the MAC)
+  // verified once it ended; returns the stored token ids, nullopt for NOT_FOUND.
+  std::optional<std::vector<int32_t>> stream(const rpc::Digest& digest, std::span<const int32_t> ids, bool check_ids,
+                                             const grpc::ServerContextBase* parent,
+                                             const std::function<void(uint64_t)>& begin,
+                                             const std::function<void(std::string_view)>& consume,
+                                             std::string* mac_out) const;
 
   std::vector<std::string> replicas_;
   Options opt_;

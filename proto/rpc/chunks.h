@@ -2,6 +2,7 @@
 // a header message carrying the total size and an XXH3-64 checksum, then the bytes in chunks.
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <string_view>
 
@@ -22,6 +23,36 @@ inline constexpr uint64_t kMaxEagerReserveBytes = uint64_t{1} << 30;
 /// XXH3-64 (seed 0) of `bytes`: the integrity checksum of every stored or streamed entry.
 uint64_t checksum64(std::string_view bytes);
 
+/// Checks a chunked payload announced by a header (total_bytes, checksum) as it streams, without keeping it: each
+/// chunk is handed on by the caller (parsed straight into its destination), the checksum is computed as they come.
+/// Throws RpcError(DATA_LOSS) when chunks overflow the announced size or when finish() finds the size or checksum
+/// wrong, and RpcError(INVALID_ARGUMENT) for a header above kMaxPayloadBytes, data before a header, or finish()
+/// without one.
+class ChunkVerifier {
+ public:
+  ChunkVerifier();
+  ~ChunkVerifier();
+  ChunkVerifier(const ChunkVerifier&) = delete;
+  ChunkVerifier& operator=(const ChunkVerifier&) = delete;
+  /// Starts a payload; `what` names it in error messages (e.g. "entry 3 of request ab12").
+  void begin(uint64_t total_bytes, uint64_t checksum, std::string what);
+  bool started() const { return started_; }
+  uint64_t total_bytes() const { return total_; }
+  uint64_t received() const { return received_; }
+  const std::string& what() const { return what_; }
+  /// Counts and hashes a chunk (before the caller uses it: an overflow throws first).
+  void append(std::string_view chunk);
+  /// Verifies size and checksum.
+  void finish();
+
+ private:
+  bool started_ = false;
+  uint64_t total_ = 0, received_ = 0, checksum_ = 0;
+  std::string what_;
+  struct Hash;
+  std::unique_ptr<Hash> hash_;
+};
+
 /// Reassembles a chunked payload announced by a header (total_bytes, checksum).
 /// Throws RpcError(DATA_LOSS) when chunks overflow the announced size or when finish() finds the
 /// size or checksum wrong, and RpcError(INVALID_ARGUMENT) for a header above kMaxPayloadBytes, data
@@ -32,16 +63,16 @@ class ChunkAssembler {
   ChunkAssembler() = default;
   /// Starts a payload; `what` names it in error messages (e.g. "entry 3 of request ab12").
   void begin(uint64_t total_bytes, uint64_t checksum, std::string what);
-  bool started() const { return started_; }
+  bool started() const { return check_.started(); }
   void append(std::string_view chunk);
   /// Verifies size and checksum and hands over the bytes.
   std::string finish();
+  /// Hands over the bytes checking their size only (for a stream whose checksum the caller verified with a
+  /// ChunkVerifier of its own); RpcError(DATA_LOSS) when bytes are missing.
+  std::string take();
 
  private:
-  bool started_ = false;
-  uint64_t total_ = 0;
-  uint64_t checksum_ = 0;
-  std::string what_;
+  ChunkVerifier check_;
   std::string bytes_;
 };
 

@@ -23,21 +23,23 @@ void put_u64(unsigned char* p, uint64_t v) {
   for (int i = 0; i < 8; ++i) p[i] = static_cast<unsigned char>(v >> (8 * i));
 }
 
-std::string hmac(const std::string& key, const Digest& digest, std::span<const int32_t> ids, std::string_view bytes) {
+void ok(int r) {
+  if (r != 1) throw std::runtime_error("OpenSSL: HMAC-SHA256 failed");
+}
+
+// An HMAC-SHA256 context under `key` that has taken everything the MAC binds before the entry's bytes (file comment).
+EVP_MAC_CTX* begin_hmac(const std::string& key, const Digest& digest, std::span<const int32_t> ids, uint64_t size) {
   EVP_MAC* mac = EVP_MAC_fetch(nullptr, "HMAC", nullptr);
   if (!mac) throw std::runtime_error("OpenSSL: HMAC is not available");
   EVP_MAC_CTX* ctx = EVP_MAC_CTX_new(mac);
   EVP_MAC_free(mac);
   if (!ctx) throw std::runtime_error("OpenSSL: cannot make an HMAC context");
-  struct Free {
+  struct Free {  // until the prefix is in
     EVP_MAC_CTX* c;
     ~Free() { EVP_MAC_CTX_free(c); }
   } free_ctx{ctx};
   char sha256[] = "SHA256";
   OSSL_PARAM params[] = {OSSL_PARAM_construct_utf8_string(OSSL_MAC_PARAM_DIGEST, sha256, 0), OSSL_PARAM_construct_end()};
-  auto ok = [](int r) {
-    if (r != 1) throw std::runtime_error("OpenSSL: HMAC-SHA256 failed");
-  };
   ok(EVP_MAC_init(ctx, reinterpret_cast<const unsigned char*>(key.data()), key.size(), params));
   ok(EVP_MAC_update(ctx, reinterpret_cast<const unsigned char*>(kLabel.data()), kLabel.size()));
   ok(EVP_MAC_update(ctx, digest.data(), digest.size()));
@@ -50,14 +52,32 @@ std::string hmac(const std::string& key, const Digest& digest, std::span<const i
     for (int b = 0; b < 4; ++b) le[i * 4 + size_t(b)] = static_cast<unsigned char>(v >> (8 * b));
   }
   if (!le.empty()) ok(EVP_MAC_update(ctx, le.data(), le.size()));
-  put_u64(n, bytes.size());
+  put_u64(n, size);
   ok(EVP_MAC_update(ctx, n, 8));
+  free_ctx.c = nullptr;
+  return ctx;
+}
+
+void update_hmac(EVP_MAC_CTX* ctx, std::string_view bytes) {
   if (!bytes.empty()) ok(EVP_MAC_update(ctx, reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size()));
+}
+
+std::string final_hmac(EVP_MAC_CTX* ctx) {
   std::string out(EntryMacKeys::kMacBytes, '\0');
   size_t len = 0;
   ok(EVP_MAC_final(ctx, reinterpret_cast<unsigned char*>(out.data()), &len, out.size()));
   if (len != out.size()) throw std::runtime_error("OpenSSL: HMAC-SHA256 gave an unexpected length");
   return out;
+}
+
+std::string hmac(const std::string& key, const Digest& digest, std::span<const int32_t> ids, std::string_view bytes) {
+  EVP_MAC_CTX* ctx = begin_hmac(key, digest, ids, bytes.size());
+  struct Free {
+    EVP_MAC_CTX* c;
+    ~Free() { EVP_MAC_CTX_free(c); }
+  } free_ctx{ctx};
+  update_hmac(ctx, bytes);
+  return final_hmac(ctx);
 }
 
 int hex_value(char c) {
@@ -126,6 +146,32 @@ EntryMacKeys EntryMacKeys::of(std::vector<std::string> raw_keys) {
 std::string EntryMacKeys::sign(const Digest& digest, std::span<const int32_t> token_ids, std::string_view bytes) const {
   if (keys_.empty()) return {};
   return hmac(keys_.front(), digest, token_ids, bytes);
+}
+
+EntryMacKeys::Stream::Stream(const EntryMacKeys& keys, const Digest& digest, std::span<const int32_t> token_ids,
+                             uint64_t total_bytes)
+    : total_(total_bytes) {
+  for (const auto& k : keys.keys_) ctx_.push_back(begin_hmac(k, digest, token_ids, total_bytes));
+}
+
+EntryMacKeys::Stream::~Stream() {
+  for (void* c : ctx_) EVP_MAC_CTX_free(static_cast<EVP_MAC_CTX*>(c));
+}
+
+void EntryMacKeys::Stream::update(std::string_view bytes) {
+  received_ += bytes.size();
+  for (void* c : ctx_) update_hmac(static_cast<EVP_MAC_CTX*>(c), bytes);
+}
+
+bool EntryMacKeys::Stream::verify(std::string_view mac) {
+  if (ctx_.empty()) return true;  // MACs off
+  if (received_ != total_ || mac.size() != kMacBytes) return false;
+  bool good = false;
+  for (void* c : ctx_) {
+    const std::string want = final_hmac(static_cast<EVP_MAC_CTX*>(c));
+    good = good || CRYPTO_memcmp(want.data(), mac.data(), kMacBytes) == 0;
+  }
+  return good;
 }
 
 bool EntryMacKeys::verify(const Digest& digest, std::span<const int32_t> token_ids, std::string_view bytes,

@@ -50,6 +50,25 @@ class EntryMacKeys {
   bool verify(const Digest& digest, std::span<const int32_t> token_ids, std::string_view bytes,
               std::string_view mac) const;
 
+  /// verify() over bytes that arrive in pieces (a streamed cache read), without keeping them: one HMAC per key, fed
+  /// as the pieces come. Throws std::runtime_error when OpenSSL fails. Not copyable; use on one thread.
+  class Stream {
+   public:
+    /// `total_bytes`: the entry's size, which the MAC binds before its bytes (the announced size of the read).
+    Stream(const EntryMacKeys& keys, const Digest& digest, std::span<const int32_t> token_ids, uint64_t total_bytes);
+    ~Stream();
+    Stream(const Stream&) = delete;
+    Stream& operator=(const Stream&) = delete;
+    void update(std::string_view bytes);
+    /// Once: true when `mac` is the MAC of the bytes given (exactly total_bytes of them) under one of the keys
+    /// (constant-time compare), or when MACs are off.
+    bool verify(std::string_view mac);
+
+   private:
+    std::vector<void*> ctx_;  // EVP_MAC_CTX*, one per key
+    uint64_t total_ = 0, received_ = 0;
+  };
+
  private:
   std::vector<std::string> keys_;
 };

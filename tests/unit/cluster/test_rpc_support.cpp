@@ -84,6 +84,38 @@ TEST_CASE("chunked payloads are reassembled and verified", "[rpc]") {
   CHECK(large.finish() == big);
   CHECK(code_of([&] { ChunkAssembler().begin(kMaxPayloadBytes + 1, 0, "huge"); }) ==
         grpc::StatusCode::INVALID_ARGUMENT);
+  // take(): the bytes with their size checked only (the checksum is the caller's).
+  ChunkAssembler unchecked;
+  unchecked.begin(payload.size(), sum ^ 1, "size only");
+  unchecked.append(payload);
+  CHECK(unchecked.take() == payload);
+  ChunkAssembler short_take;
+  short_take.begin(10, 0, "short take");
+  short_take.append("123");
+  CHECK(code_of([&] { short_take.take(); }) == grpc::StatusCode::DATA_LOSS);
+
+  // ChunkVerifier: the same checks over a stream it does not keep, chunk by chunk as it goes.
+  ChunkVerifier v;
+  v.begin(payload.size(), sum, "streamed");
+  for (const auto& c : sent) v.append(c);
+  CHECK(v.received() == payload.size());
+  CHECK_NOTHROW(v.finish());
+  v.begin(payload.size(), sum, "streamed again");  // reusable: the hash restarts
+  v.append(payload);
+  CHECK_NOTHROW(v.finish());
+  ChunkVerifier flipped;
+  flipped.begin(payload.size(), sum, "one byte changed");
+  std::string changed = payload;
+  changed[1234] ^= 1;
+  flipped.append(changed);
+  CHECK(code_of([&] { flipped.finish(); }) == grpc::StatusCode::DATA_LOSS);
+  ChunkVerifier past;
+  past.begin(4, 0, "past");
+  CHECK(code_of([&] { past.append("12345"); }) == grpc::StatusCode::DATA_LOSS);
+  CHECK(past.received() == 0);  // the overflowing chunk is refused before it is counted
+  ChunkVerifier early;
+  CHECK(code_of([&] { early.append("x"); }) == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK(code_of([&] { early.finish(); }) == grpc::StatusCode::INVALID_ARGUMENT);
 }
 
 TEST_CASE("digests: 16 raw bytes, 32 hex digits", "[rpc]") {

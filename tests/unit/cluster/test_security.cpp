@@ -212,6 +212,38 @@ TEST_CASE("entry MACs bind the digest, the token ids and the bytes", "[security]
   CHECK_THROWS_AS(EntryMacKeys::of({"short"}), std::invalid_argument);
 }
 
+TEST_CASE("a streamed MAC check equals verify() for any cut of the bytes", "[security][mac]") {
+  const auto keys = EntryMacKeys::of({std::string(32, 'k')});
+  const auto rotated = EntryMacKeys::of({std::string(32, 'n'), std::string(32, 'k')});
+  Digest d{};
+  d[3] = 7;
+  const std::vector<int32_t> ids{5, 6, 7, 8};
+  std::string bytes(100000, '\0');
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = char((i * 2654435761u) >> 11);
+  const std::string mac = keys.sign(d, ids, bytes);
+  auto streamed = [&](const EntryMacKeys& k, const std::string& b, size_t piece, uint64_t announced,
+                      const std::string& m, std::span<const int32_t> i) {
+    EntryMacKeys::Stream s(k, d, i, announced);
+    for (size_t off = 0; off < b.size(); off += piece) s.update(std::string_view(b).substr(off, piece));
+    return s.verify(m);
+  };
+  for (size_t piece : {size_t(1) << 20, size_t(4096), size_t(999), size_t(1)}) {
+    if (piece == 1) bytes.resize(3000);  // byte by byte, on a shorter entry
+    const std::string m = keys.sign(d, ids, bytes);
+    INFO("pieces of " << piece);
+    CHECK(streamed(keys, bytes, piece, bytes.size(), m, ids));
+    CHECK(streamed(rotated, bytes, piece, bytes.size(), m, ids));  // the second key verifies too
+    std::string other = bytes;
+    other[other.size() / 2] ^= 4;
+    CHECK_FALSE(streamed(keys, other, piece, bytes.size(), m, ids));                    // a changed byte
+    CHECK_FALSE(streamed(keys, bytes, piece, bytes.size() + 1, m, ids));                // a size that does not hold
+    CHECK_FALSE(streamed(keys, bytes, piece, bytes.size(), m, std::vector<int32_t>{5, 6, 7, 9}));  // other ids
+    CHECK_FALSE(streamed(keys, bytes, piece, bytes.size(), "", ids));                   // unsigned
+  }
+  CHECK_FALSE(streamed(keys, bytes, 1000, bytes.size(), mac, ids));  // the MAC of the longer entry
+  CHECK(streamed(EntryMacKeys{}, bytes, 1000, bytes.size(), "", ids));  // off: accepted
+}
+
 TEST_CASE("entry key files: hex keys, comments, errors naming the flag and the line", "[security][mac]") {
   const std::string path = temp_path("cache.key");
   auto write = [&](const std::string& text) { std::ofstream(path) << text; };
