@@ -139,9 +139,11 @@ void HostCopier::run_wire() {
     lock.unlock();
     bool ok = true;
     try {
-      const auto host = item.block ? backend_.entry_of_block(*item.block) : item.entry->host();
-      auto bytes = std::make_shared<const std::string>(engine::serialize_entry(*host));
-      putter_.enqueue(item.digest, host->token_ids, std::move(bytes), item.request_id);
+      // Straight from the block (or the device entry) where the backend can: no fp32 host entry in between.
+      auto bytes = std::make_shared<const std::string>(item.block ? backend_.wire_of_block(*item.block)
+                                                                  : backend_.wire_of(*item.entry));
+      const auto& header = item.block ? item.block->header() : item.entry->header();
+      putter_.enqueue(item.digest, header.token_ids, std::move(bytes), item.request_id);
     } catch (const std::exception& e) {
       ok = false;
       spdlog::warn("[req {}] wire form of {} failed: {}", item.request_id, rpc::digest_hex(item.digest), e.what());

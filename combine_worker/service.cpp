@@ -303,17 +303,23 @@ void CombineService::fetch_warm(const std::shared_ptr<Pending>& p, size_t slot, 
   }
   try {
     const auto t0 = Clock::now();
-    // Parsed as it arrives (no assembled copy of the bytes); used only once get_stream verified checksum and MAC.
-    engine::EntryReader reader;
+    // Parsed as it arrives (no assembled copy of the bytes); used only once get_stream verified checksum and MAC. Its
+    // header sizes nothing before it matched the stream's size, this model and these token ids (EntryReaderChecks).
+    std::optional<engine::EntryReader> reader;
     uint64_t size = 0;
     try {
       if (!d_.cache.get_stream(
-              cache::CacheKey{digest, ids}, [&](uint64_t total) { size = total; },
-              [&](std::string_view chunk) { reader.feed(chunk); }, ctx)) {
+              cache::CacheKey{digest, ids},
+              [&](uint64_t total) {
+                size = total;
+                reader.emplace(entry_checks(total, ids, p->entry_seam_width));
+              },
+              [&](std::string_view chunk) { reader->feed(chunk); }, ctx)) {
         why += "not in the segment cache any more (evicted after the lookup)";
       } else {
         const auto t1 = Clock::now();
-        auto entry = std::make_shared<const engine::SegmentEntry>(reader.finish());
+        if (!reader) throw engine::EntryError("the cache's answer carried no entry");
+        auto entry = std::make_shared<const engine::SegmentEntry>(reader->finish());
         rpc::verify_entry(*entry, ids, backend_, p->entry_seam_width);
         const auto t2 = Clock::now();
         auto resident = make_resident(digest, *entry);
@@ -331,6 +337,12 @@ void CombineService::fetch_warm(const std::shared_ptr<Pending>& p, size_t slot, 
         return;
       }
     } catch (const engine::EntryError& e) {  // while parsing (the stream was cut there), or after
+      static auto& refused = rpc::MetricsRegistry::global().counter(
+          "hypic:cache_entries_refused_total",
+          "Segment entries read from the cache that did not parse or did not fit this model, these token ids or the "
+          "size of their stream (corrupt, forged or foreign): dropped from the cache and recomputed (MAC failures: "
+          "hypic:entry_mac_failures_total)");
+      refused.inc();
       why += fmt::format("cache entry corrupt ({}): dropped from the cache", e.what());
       spdlog::error("[req {}] segment {} ({}): {}", p->id, slot, rpc::digest_hex(digest), why);
       try {
@@ -353,6 +365,14 @@ void CombineService::fetch_warm(const std::shared_ptr<Pending>& p, size_t slot, 
     spdlog::warn("[req {}] segment {}: {}", p->id, slot, why);
   }
   build_locally(p, slot, why + "; prefilled by the combine worker");
+}
+
+engine::EntryReaderChecks CombineService::entry_checks(uint64_t total_bytes, std::span<const int32_t> ids,
+                                                       int seam_width) const {
+  std::vector<int32_t> want(ids.begin(), ids.end());
+  return {.total_bytes = total_bytes, .header = [this, want = std::move(want), seam_width](const engine::SegmentEntry& h) {
+            rpc::verify_entry(h, want, backend_, seam_width);
+          }};
 }
 
 std::shared_ptr<const engine::ResidentEntry> CombineService::make_resident(const rpc::Digest& digest,
@@ -515,7 +535,24 @@ grpc::Status CombineService::run_combine(grpc::ServerContext* ctx, const v1::Com
       const int nf = std::min<int>(opt_.fetch_parallelism, int(warm.size()));
       for (int f = 0; f < nf; ++f) {
         fetchers.emplace_back([&, next] {
-          for (size_t k; (k = next->fetch_add(1)) < warm.size() && !p->cancel->load();) fetch_warm(p, warm[k], ctx);
+          for (size_t k; (k = next->fetch_add(1)) < warm.size() && !p->cancel->load();) {
+            try {
+              fetch_warm(p, warm[k], ctx);
+            } catch (const std::exception& e) {  // never out of the thread (std::terminate): the segment is computed
+              try {
+                build_locally(p, warm[k], fmt::format("fetching it failed ({}); prefilled by the combine worker",
+                                                      rpc::untrusted(e.what())));
+              } catch (const std::exception& again) {  // the request fails with the reason
+                std::lock_guard<std::mutex> lock(p->mu);
+                if (p->failure.empty()) {
+                  p->failure = fmt::format("segment {}: fetching it failed ({}), and so did computing it ({})", warm[k],
+                                           rpc::untrusted(e.what()), rpc::untrusted(again.what()));
+                  p->failure_code = grpc::StatusCode::INTERNAL;
+                }
+                p->cv.notify_all();
+              }
+            }
+          }
         });
       }
       const auto give_up = Clock::now() + opt_.gather_timeout;
@@ -764,7 +801,7 @@ grpc::Status CombineService::DeliverEntry(grpc::ServerContext* ctx, grpc::Server
     // Parsed as it arrives (no assembled copy of the bytes); used once the whole stream's size and checksum held.
     rpc::ChunkVerifier check;
     check.begin(h.total_bytes(), h.checksum(), what);
-    engine::EntryReader parser;
+    engine::EntryReader parser(entry_checks(h.total_bytes(), slot.ids, p->entry_seam_width));
     std::shared_ptr<const engine::SegmentEntry> entry;
     std::shared_ptr<const engine::ResidentEntry> resident;
     try {

@@ -108,6 +108,9 @@ class CombineService final : public hypic::v1::CombineWorker::Service {
   /// Makes a host entry (fetched or delivered over gRPC) resident on a device backend here, on the calling thread
   /// (Backend::block_of_entry + import_block: never on the engine loop), keeping its pinned block in the host tier;
   /// on the CPU backend returns null (the engine imports it, for free).
+  /// What a received entry's header must satisfy before its tensors are sized (engine::EntryReaderChecks): the stream's
+  /// size, this worker's model, numerics and seam width, and the segment's token ids (rpc::verify_entry).
+  engine::EntryReaderChecks entry_checks(uint64_t total_bytes, std::span<const int32_t> ids, int seam_width) const;
   std::shared_ptr<const engine::ResidentEntry> make_resident(const rpc::Digest& digest,
                                                              const engine::SegmentEntry& entry);
   /// The active request a delivery names, its header's index and digest checked (NOT_FOUND, INVALID_ARGUMENT).

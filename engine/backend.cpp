@@ -43,6 +43,12 @@ std::shared_ptr<const HostBlock> Backend::block_of_entry(const SegmentEntry&) co
   no_host_blocks(*this, "block_of_entry");
 }
 
+std::string Backend::wire_of_block(const HostBlock& block) const { return serialize_entry(*entry_of_block(block)); }
+
+std::string Backend::wire_of(const ResidentEntry& entry) const {
+  return device_entries() ? wire_of_block(*copy_to_host(entry)) : serialize_entry(*entry.host());
+}
+
 size_t Backend::entry_bytes(int64_t tokens) const { return wire_entry_bytes(config(), tokens); }
 
 size_t wire_entry_bytes(const ModelConfig& config, int64_t tokens) {

@@ -272,6 +272,14 @@ class Backend {
   /// memory: import_block of it equals import_entry of `entry`, bit for bit. Host work only. Throws EntryError as
   /// import_entry does.
   virtual std::shared_ptr<const HostBlock> block_of_entry(const SegmentEntry& entry) const;
+  /// The wire form of a host block (serialize_entry of entry_of_block(block), bit for bit), written straight from the
+  /// block where the backend can (CUDA: its states are fp32 and its K, V and conv tails bf16 in both layouts, so the
+  /// bytes are copied as they are, with no fp32 SegmentEntry in between). Host work only; thread-safe. Throws
+  /// EntryError for a block of another backend or size.
+  virtual std::string wire_of_block(const HostBlock& block) const;
+  /// The wire form of a resident entry: wire_of_block of its host copy where entries live on a device (a
+  /// device-to-host copy, then host work), else serialize_entry(*entry.host()). Thread-safe (not the engine's thread).
+  std::string wire_of(const ResidentEntry& entry) const;
   /// Pins `bytes` of host memory for host blocks now (a server at start-up, sized to its host tier), so that making
   /// host blocks later pins nothing: pinning stalls the device's other work while it runs. Host blocks then take
   /// whole 32 MiB pieces. Thread-safe. Throws ResourceExhausted when the host cannot pin that much; a no-op where

@@ -86,8 +86,9 @@ void EngineLoop::run_egress() {
     BuildOutcome& r = e.outcome;
     const auto s0 = Clock::now();
     try {
-      r.host = r.entry->host();
-      r.bytes = std::make_shared<const std::string>(serialize_entry(*r.host));
+      // Straight from the device copy where entries live on a device (no fp32 host entry in between).
+      r.bytes = std::make_shared<const std::string>(backend_.wire_of(*r.entry));
+      if (!backend_.device_entries()) r.host = r.entry->host();
     } catch (...) {
       r.error_kind = classify_engine_error(std::current_exception());
       r.error = message_of(std::current_exception());

@@ -64,8 +64,10 @@ enum class BuildHandover {
 /// Outcome of one entry build.
 struct BuildOutcome {
   std::shared_ptr<const ResidentEntry> entry;   ///< resident on the loop's backend; null if cancelled or failed
-  std::shared_ptr<const SegmentEntry> host;     ///< BuildHandover::Wire: entry->host(); null for Resident
-  std::shared_ptr<const std::string> bytes;     ///< BuildHandover::Wire: serialize_entry(*host); null for Resident
+  /// BuildHandover::Wire on a backend whose entries live in host memory: entry->host(); null otherwise (for a device
+  /// backend the wire form is written straight from the entry's device copy, Backend::wire_of).
+  std::shared_ptr<const SegmentEntry> host;
+  std::shared_ptr<const std::string> bytes;     ///< BuildHandover::Wire: Backend::wire_of(*entry); null for Resident
   double queue_ms = 0;     ///< from submit_build to the start of its batch
   /// Its share of the batch: batch_ms * its tokens / the batch's tokens (plus, for Wire, its host copy and
   /// serialization).

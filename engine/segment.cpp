@@ -80,7 +80,33 @@ size_t conv_floats(const EntryGeometry& g) { return static_cast<size_t>(g.conv_r
 size_t k_floats(const EntryGeometry& g, int n) { return static_cast<size_t>(n) * g.kv_heads * g.head_dim; }
 size_t v_floats(const EntryGeometry& g, int n) { return static_cast<size_t>(n) * g.kv_heads * g.v_dim(); }
 
-std::string build_header(const SegmentEntry& e, bool bf16) {
+// Bytes of an entry's tensors on the wire: per linear layer T_int (by its kind), S_int, S_seam when `seam`, the conv
+// tail; K and V; the conv tails, K and V of 2 bytes when `bf16`. Every product and sum checked (the header is
+// untrusted when read: values up to 2^20 multiply past 2^64, and a wrapped total would pass the guard and size the
+// tensors); EntryError past kMaxEntryBytes.
+uint64_t tensor_bytes(const EntryGeometry& g, uint64_t n, bool seam, std::span<const TransitionKind> kinds, bool bf16) {
+  uint64_t total = 0;
+  const auto add_bytes = [&](std::initializer_list<uint64_t> factors, uint64_t elem) {
+    uint64_t x = elem;
+    for (const uint64_t f : factors)
+      if (__builtin_mul_overflow(x, f, &x)) x = UINT64_MAX;
+    if (__builtin_add_overflow(total, x, &total) || total > kMaxEntryBytes)
+      throw EntryError("segment entry announces more than " + std::to_string(kMaxEntryBytes) + " bytes of tensors");
+  };
+  for (const TransitionKind k : kinds) {
+    const uint64_t per_head = k == TransitionKind::Scalar ? 1 : k == TransitionKind::Diagonal ? uint64_t(g.d_k)
+                                                                                            : uint64_t(g.d_k) * g.d_k;
+    add_bytes({uint64_t(g.linear_heads), per_head}, 4);
+    add_bytes({seam ? 2u : 1u, uint64_t(g.linear_heads), uint64_t(g.d_k), uint64_t(g.d_v)}, 4);  // seam, interior states
+  }
+  const uint64_t kv_elem = bf16 ? 2 : 4;
+  add_bytes({uint64_t(g.num_linear), uint64_t(g.conv_rows), uint64_t(g.conv_dim)}, kv_elem);
+  add_bytes({uint64_t(g.num_attention), n, uint64_t(g.kv_heads), uint64_t(g.head_dim)}, kv_elem);
+  add_bytes({uint64_t(g.num_attention), n, uint64_t(g.kv_heads), uint64_t(g.v_dim())}, kv_elem);
+  return total;
+}
+
+std::string build_header(const SegmentEntry& e, std::span<const TransitionKind> kinds, bool bf16) {
   std::string h;
   put<uint32_t>(h, e.format_version);
   put<uint32_t>(h, static_cast<uint32_t>(e.model_fingerprint.size()));
@@ -96,9 +122,15 @@ std::string build_header(const SegmentEntry& e, bool bf16) {
     put<uint32_t>(h, static_cast<uint32_t>(v));
   if (e.format_version >= kSegmentFormatVersionFamilies)
     for (int v : {g.family, g.v_head_dim, g.linear_rotary_dim}) put<uint32_t>(h, static_cast<uint32_t>(v));
-  for (const auto& l : e.linear) put<uint8_t>(h, static_cast<uint8_t>(l.interior_transition.kind));
+  for (const TransitionKind k : kinds) put<uint8_t>(h, static_cast<uint8_t>(k));
   put<uint8_t>(h, bf16 ? kWireBf16 : kWireF32);  // K, V and conv tails
   return h;
+}
+
+std::vector<TransitionKind> interior_kinds(const SegmentEntry& e) {
+  std::vector<TransitionKind> k;
+  for (const auto& l : e.linear) k.push_back(l.interior_transition.kind);
+  return k;
 }
 
 XXH3_state_t* new_hash() {
@@ -123,7 +155,7 @@ SegmentDigest SegmentEntry::digest() const {
 size_t SegmentEntry::byte_size() const {
   const bool bf16 = kv_is_bf16(*this);
   const size_t kv_elem = bf16 ? 2 : 4;
-  size_t n = sizeof(kMagic) + 4 + build_header(*this, bf16).size() + 8 + 8;
+  size_t n = sizeof(kMagic) + 4 + build_header(*this, interior_kinds(*this), bf16).size() + 8 + 8;
   for (const auto& l : linear)
     n += (l.seam_state.size() + l.interior_transition.data.size() + l.interior_state.size()) * sizeof(float) +
          l.conv_tail.size() * kv_elem;
@@ -201,7 +233,7 @@ EntryWriter::EntryWriter(const SegmentEntry& e, size_t chunk_bytes) : chunk_(chu
   if (chunk_bytes == 0) throw std::invalid_argument("EntryWriter: chunk_bytes must be positive");
   e.check_consistent();
   const bool bf16 = kv_is_bf16(e);
-  const std::string header = build_header(e, bf16);
+  const std::string header = build_header(e, interior_kinds(e), bf16);
   head_.append(kMagic, sizeof(kMagic));
   put<uint32_t>(head_, static_cast<uint32_t>(header.size()));
   head_ += header;
@@ -252,6 +284,33 @@ std::string_view EntryWriter::next() {
   return chunk;
 }
 
+std::string serialize_entry_parts(const SegmentEntry& h, const WireParts& parts) {
+  const EntryGeometry& g = h.geometry;
+  if (h.format_version != entry_format_version(g))
+    throw EntryError("serialize_entry_parts: format version " + std::to_string(h.format_version) +
+                     " does not fit the geometry (version " + std::to_string(entry_format_version(g)) + ")");
+  if (parts.interior_kinds.size() != size_t(g.num_linear))
+    throw EntryError("serialize_entry_parts: " + std::to_string(parts.interior_kinds.size()) +
+                     " transition kinds for " + std::to_string(g.num_linear) + " linear layers");
+  const uint64_t want =
+      tensor_bytes(g, uint64_t(h.num_tokens()), h.seam_tokens() > 0, parts.interior_kinds, parts.kv_bf16);
+  uint64_t got = 0;
+  for (const auto& p : parts.bytes) got += p.size();
+  if (got != want)
+    throw EntryError("serialize_entry_parts: " + std::to_string(got) + " bytes of tensors, the header's geometry takes " +
+                     std::to_string(want));
+  const std::string header = build_header(h, parts.interior_kinds, parts.kv_bf16);
+  std::string out;
+  out.reserve(sizeof(kMagic) + 4 + header.size() + 8 + got + 8);
+  out.append(kMagic, sizeof(kMagic));
+  put<uint32_t>(out, static_cast<uint32_t>(header.size()));
+  out += header;
+  put<uint64_t>(out, XXH3_64bits(header.data(), header.size()));
+  for (const auto& p : parts.bytes) out += p;
+  put<uint64_t>(out, XXH3_64bits(out.data(), out.size()));
+  return out;
+}
+
 std::string serialize_entry(const SegmentEntry& entry) {
   EntryWriter w(entry, 1u << 30);
   std::string out;
@@ -262,7 +321,7 @@ std::string serialize_entry(const SegmentEntry& entry) {
 
 // ---- streaming reader ----------------------------------------------------------------------------------
 
-EntryReader::EntryReader() : hash_(new_hash()) {}
+EntryReader::EntryReader(EntryReaderChecks checks) : checks_(std::move(checks)), hash_(new_hash()) {}
 EntryReader::~EntryReader() { XXH3_freeState(static_cast<XXH3_state_t*>(hash_)); }
 
 void EntryReader::parse_header() {
@@ -310,18 +369,11 @@ void EntryReader::parse_header() {
   }
   // The tensor bytes the header announces, each product and sum checked: values up to 2^20 multiply past 2^64,
   // and a wrapped total would pass the kMaxEntryBytes guard and size the tensors below.
-  uint64_t total = 0;
-  const auto add_bytes = [&](std::initializer_list<uint64_t> factors, uint64_t elem = 4) {
-    uint64_t x = elem;  // fp32 unless said
-    for (const uint64_t f : factors)
-      if (__builtin_mul_overflow(x, f, &x)) x = UINT64_MAX;
-    if (__builtin_add_overflow(total, x, &total) || total > kMaxEntryBytes)
-      throw EntryError("segment entry announces more than " + std::to_string(kMaxEntryBytes) + " bytes of tensors");
-  };
   if (header.size() - c.off < uint64_t(g.num_linear))
     throw EntryError("segment entry header truncated in the transition kinds");
   const bool seam = e.seam_tokens() > 0;  // S_seam is stored only then
   e.linear.resize(g.num_linear);
+  std::vector<TransitionKind> kinds;
   for (auto& l : e.linear) {
     TransitionOperator* t = &l.interior_transition;
     const uint8_t kind = c.get<uint8_t>("transition kind");
@@ -329,18 +381,23 @@ void EntryReader::parse_header() {
     t->kind = static_cast<TransitionKind>(kind);
     t->heads = g.linear_heads;
     t->d_k = g.d_k;
-    add_bytes({uint64_t(g.linear_heads), t->per_head()});
-    add_bytes({seam ? 2u : 1u, uint64_t(g.linear_heads), uint64_t(g.d_k), uint64_t(g.d_v)});  // seam, interior states
+    kinds.push_back(t->kind);
   }
   const uint8_t dtype = c.get<uint8_t>("tensor type");
   if (dtype != kWireF32 && dtype != kWireBf16)
     throw EntryError("segment entry: unknown K/V tensor type " + std::to_string(dtype) + " (1 fp32, 2 bf16)");
   const bool bf16 = dtype == kWireBf16;
-  const uint64_t kv_elem = bf16 ? 2 : 4;
-  add_bytes({uint64_t(g.num_linear), uint64_t(g.conv_rows), uint64_t(g.conv_dim)}, kv_elem);
-  add_bytes({uint64_t(g.num_attention), n, uint64_t(g.kv_heads), uint64_t(g.head_dim)}, kv_elem);
-  add_bytes({uint64_t(g.num_attention), n, uint64_t(g.kv_heads), uint64_t(g.v_dim())}, kv_elem);
+  const uint64_t tensors = tensor_bytes(g, n, seam, kinds, bf16);  // throws when the total is absurd
   if (c.off != header.size()) throw EntryError("segment entry header has trailing bytes");
+  // Before anything is sized by this (unauthenticated) header: its size against the stream's, then the caller's.
+  const uint64_t announced = head_.size() + tensors + 8;
+  if (checks_.total_bytes && announced > checks_.total_bytes)
+    throw EntryError("segment entry truncated: its header announces " + std::to_string(announced) +
+                     " bytes, the stream carries " + std::to_string(checks_.total_bytes));
+  if (checks_.total_bytes && announced < checks_.total_bytes)
+    throw EntryError("segment entry has " + std::to_string(checks_.total_bytes - announced) +
+                     " bytes past its end (its header announces " + std::to_string(announced) + ")");
+  if (checks_.header) checks_.header(e);
   // bf16 tensors arrive into staging buffers and are widened (exactly) in finish().
   auto kv_part = [&](std::vector<float>& v) {
     if (!bf16) return as_mut_bytes(v);
@@ -429,7 +486,7 @@ SegmentEntry EntryReader::finish() {
 }
 
 SegmentEntry deserialize_entry(std::string_view bytes) {
-  EntryReader r;
+  EntryReader r({.total_bytes = bytes.size()});
   r.feed(bytes);
   return r.finish();
 }

@@ -147,6 +147,22 @@ struct SegmentEntry {
 
 /// Whole entry to bytes (the wire format above).
 std::string serialize_entry(const SegmentEntry& entry);
+
+/// An entry's tensors as a writer that takes them from another layout gives them (a backend's host block,
+/// Backend::wire_of_block): byte views whose concatenation is the tensors in wire order (per linear layer S_seam when
+/// the seam is not empty, T_int, S_int, fp32, and the conv tail; per attention layer K, V), the conv tails, K and V
+/// as bf16 when kv_bf16 else fp32; and each linear layer's interior transition kind.
+struct WireParts {
+  std::vector<TransitionKind> interior_kinds;
+  bool kv_bf16 = false;
+  std::vector<std::string_view> bytes;
+};
+/// The wire bytes of an entry from its header fields (`header`: version, fingerprint, numerics, w, ids, geometry; its
+/// tensors are not read) and `parts`, in one buffer: serialize_entry's bytes, bit for bit, for the entry the parts hold
+/// when kv_bf16 is what serialize_entry chooses (every K/V/conv value a bf16 value, and at least one). Throws
+/// EntryError when the format version does not fit the geometry, or the kind count or the parts' total size does not
+/// match it.
+std::string serialize_entry_parts(const SegmentEntry& header, const WireParts& parts);
 /// Whole entry from bytes; throws EntryError on any corruption, truncation or version mismatch.
 SegmentEntry deserialize_entry(std::string_view bytes);
 
@@ -174,12 +190,24 @@ class EntryWriter {
   EntryWriter& operator=(const EntryWriter&) = delete;
 };
 
+/// Checks an EntryReader makes as soon as the header has arrived, before it sizes any tensor: the header is not
+/// authenticated until the whole stream's checksum and MAC are verified (after the last byte), so what it announces
+/// must not allocate memory first.
+struct EntryReaderChecks {
+  /// The size the stream carries (its transfer header's, or the buffer's): the header's own total must equal it, so a
+  /// header claiming gigabytes in a small stream is refused before anything is allocated. 0: not checked.
+  uint64_t total_bytes = 0;
+  /// Called with the header fields (version, fingerprint, numerics, w, token ids, geometry; no tensors); throw
+  /// (EntryError) to refuse, e.g. an entry of another model or of other token ids.
+  std::function<void(const SegmentEntry& header)> header;
+};
+
 /// Rebuilds an entry from chunks as they arrive, copying each byte once, straight into the tensors.
-/// feed() throws EntryError as soon as the header is invalid or more bytes arrive than the header announced;
-/// finish() verifies the checksum and returns the entry.
+/// feed() throws EntryError as soon as the header is invalid, fails `checks`, or more bytes arrive than the header
+/// announced; finish() verifies the checksum and returns the entry.
 class EntryReader {
  public:
-  EntryReader();
+  explicit EntryReader(EntryReaderChecks checks = {});
   ~EntryReader();
   EntryReader(const EntryReader&) = delete;
   EntryReader& operator=(const EntryReader&) = delete;
@@ -190,6 +218,7 @@ class EntryReader {
 
  private:
   void parse_header();
+  EntryReaderChecks checks_;
   std::string head_;
   size_t head_need_ = 12;  // magic + header_len, then header + header checksum
   bool header_done_ = false;

@@ -258,6 +258,7 @@ class CudaBackend final : public Backend {
   std::shared_ptr<const ResidentEntry> import_block(const HostBlock& block) const override;
   std::shared_ptr<const SegmentEntry> entry_of_block(const HostBlock& block) const override;
   std::shared_ptr<const HostBlock> block_of_entry(const SegmentEntry& entry) const override;
+  std::string wire_of_block(const HostBlock& block) const override;
   size_t entry_bytes(int64_t tokens) const override { return EntryLayout(geom_, kv_row_, tokens, true).total; }
   void reserve_host_blocks(size_t bytes) const override { pinned_->reserve(bytes); }
 
@@ -1893,6 +1894,37 @@ std::shared_ptr<const SegmentEntry> CudaBackend::entry_of_block(const HostBlock&
   }
   e->check_consistent();
   return e;
+}
+
+// The block's regions in wire order (engine/segment.h): per linear layer S_seam (with a seam), T_int (dense), S_int,
+// fp32 in both layouts, and the conv tail, then per attention layer K and V, bf16 in both (the wire's K/V type 2: every
+// value of a CUDA entry is a bf16 value, as serialize_entry finds). Views into the pinned pieces, copied once into the
+// wire buffer.
+std::string CudaBackend::wire_of_block(const HostBlock& hb) const {
+  const auto* block = dynamic_cast<const CudaHostBlock*>(&hb);
+  if (!block) throw EntryError("wire_of_block: not a host block of the CUDA backend");
+  const SegmentEntry& h = block->header();
+  const EntryGeometry& g = h.geometry;
+  const EntryLayout lay(g, size_t(g.kv_heads) * g.head_dim * 2, h.num_tokens(), h.seam_tokens() > 0);
+  if (block->bytes() != lay.total) throw EntryError("wire_of_block: the block's size does not match its header");
+  WireParts parts;
+  parts.interior_kinds.assign(size_t(g.num_linear), TransitionKind::Dense);
+  const size_t conv = size_t(g.conv_rows) * g.conv_dim * 2, kv = size_t(h.num_tokens()) * g.kv_heads * g.head_dim * 2;
+  parts.kv_bf16 = (g.num_linear > 0 && conv > 0) || (g.num_attention > 0 && kv > 0);
+  auto add = [&](size_t off, size_t n) {
+    block->span(off, n, [&](const char* p, size_t, size_t len) { parts.bytes.emplace_back(p, len); });
+  };
+  for (int l = 0; l < g.num_linear; ++l) {
+    if (lay.states == 3) add(lay.S_seam(l), lay.state);
+    add(lay.T_int(l), lay.state);
+    add(lay.S_int(l), lay.state);
+    add(lay.conv_at(l), conv);
+  }
+  for (int a = 0; a < g.num_attention; ++a) {
+    add(lay.K(a), kv);
+    add(lay.V(a), kv);
+  }
+  return serialize_entry_parts(h, parts);
 }
 
 std::shared_ptr<const HostBlock> CudaBackend::block_of_entry(const SegmentEntry& host) const {

@@ -404,6 +404,11 @@ TEST_CASE("cuda backend: entries and splices in every mode match the CPU engine"
       for (int j : {1, 3, 4, 5, 6})
         if (j != 3 || c.num_tokens() > w) pop_entry.push_back(e[j]);
     }
+    // The wire form written straight from the device copy equals the host entry's, bit for bit (w = 8 and w = 0).
+    for (size_t i = 0; i < segs.size(); ++i) {
+      CHECK(f.gpu->wire_of(*gentries[i]) == eng::serialize_entry(*gentries[i]->host()));
+      CHECK(f.gpu->wire_of_block(*f.gpu->copy_to_host(*gentries0[i])) == eng::serialize_entry(*gentries0[i]->host()));
+    }
     const double e_hf = hf(name).e_hf;
     check_population(pop_entry, e_hf, "entry states, conv tails, K and V");
     std::vector<double> pop_logits, pop_state;

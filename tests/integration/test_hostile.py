@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
@@ -73,26 +74,89 @@ class PoisonTest(ClusterTestCase):
                       ",".join(map(str, b["token_ids"])), "--in", str(entry_a), "--mac-hex", a["mac_hex"])
             self.assertEqual(put.returncode, 0, put.stderr)
             self.assertTrue(json.loads(put.stdout)["replaced"])
-            failures = self.combine_metric("hypic:entry_mac_failures_total")
+            refused = self.combine_metric("hypic:cache_entries_refused_total")
             second_b = self.generate([doc_b], query)
             rep = self.ok(second_b)
             seg = rep["segments"][0]
             self.assertNotEqual(seg["source"], "SEGMENT_SOURCE_CACHE")  # not spliced from the forged entry
-            self.assertIn("MAC", seg.get("note", ""))
+            # A's header names A's token ids: refused as soon as the header arrives, before any tensor is sized.
+            self.assertIn("token ids differ", seg.get("note", ""))
             self.assertEqual(second_b["token_ids"], first_b["token_ids"])
             self.assertEqual(second_b["token_ids"], self.reference([doc_b], query))
-            self.assertEqual(self.combine_metric("hypic:entry_mac_failures_total"), failures + 1)
+            self.assertEqual(self.combine_metric("hypic:cache_entries_refused_total"), refused + 1)
             # The forged entry was dropped: B's entry in the cache, if any (the recomputed one, put back), is not A's.
             again = run("cache-get", "--cache", cache, "--digest", digest_b, "--out", str(entry_b))
             if again.returncode == 0:
                 self.assertNotEqual(entry_b.read_bytes(), entry_a.read_bytes())
-            # An entry without a MAC is refused too (a plain cache-put of B's own bytes under its own label).
+            # B's own bytes under B's label but with A's MAC: everything else checks out, the MAC does not.
+            got_b = run("cache-get", "--cache", cache, "--digest", digest_b, "--out", str(entry_b))
+            self.assertEqual(got_b.returncode, 0, got_b.stderr)
+            failures = self.combine_metric("hypic:entry_mac_failures_total")
             put = run("cache-put", "--cache", cache, "--digest", digest_b, "--token-ids",
-                      ",".join(map(str, b["token_ids"])), "--in", str(entry_a))
+                      ",".join(map(str, b["token_ids"])), "--in", str(entry_b), "--mac-hex", a["mac_hex"])
             self.assertEqual(put.returncode, 0, put.stderr)
             third_b = self.generate([doc_b], query)
-            self.assertIn("carries no MAC", self.ok(third_b)["segments"][0].get("note", ""))
+            self.assertIn("MAC does not verify", self.ok(third_b)["segments"][0].get("note", ""))
             self.assertEqual(third_b["token_ids"], first_b["token_ids"])
+            self.assertEqual(self.combine_metric("hypic:entry_mac_failures_total"), failures + 1)
+            # Without a MAC it is refused too (a plain cache-put of B's own bytes under its own label).
+            got_b = run("cache-get", "--cache", cache, "--digest", digest_b, "--out", str(entry_b))
+            self.assertEqual(got_b.returncode, 0, got_b.stderr)
+            put = run("cache-put", "--cache", cache, "--digest", digest_b, "--token-ids",
+                      ",".join(map(str, b["token_ids"])), "--in", str(entry_b))
+            self.assertEqual(put.returncode, 0, put.stderr)
+            fourth_b = self.generate([doc_b], query)
+            self.assertIn("carries no MAC", self.ok(fourth_b)["segments"][0].get("note", ""))
+            self.assertEqual(fourth_b["token_ids"], first_b["token_ids"])
+
+    def test_header_claiming_gigabytes_is_refused_before_anything_is_sized(self):
+        """An entry's header is not authenticated until its whole stream (checksum, MAC) has been read, so nothing it
+        announces may size memory first: a real entry whose header claims ~250 GB of K/V (header checksum recomputed)
+        is refused against the stream's size, counted, dropped, and the segment recomputed; the combine worker neither
+        dies (std::bad_alloc) nor grows."""
+        import ctypes
+        xxh = ctypes.CDLL("libxxhash.so.0")
+        xxh.XXH3_64bits.restype = ctypes.c_uint64
+        xxh.XXH3_64bits.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+        doc, query = words(2605, 60), "What is said?"
+        first = self.generate([doc], query)
+        rep = self.ok(first)
+        self.wait_cache_entries(1)
+        cache = self.cluster.address("cache-0")
+        digest = rep["segments"][0]["digest_hex"]
+        combine = self.cluster.services["combine"].proc.pid
+        def peak_kib() -> int:
+            for line in Path(f"/proc/{combine}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+            return 0
+        with tempfile.TemporaryDirectory() as d:
+            path = Path(d) / "e"
+            got = run("cache-get", "--cache", cache, "--digest", digest, "--out", str(path))
+            self.assertEqual(got.returncode, 0, got.stderr)
+            info = json.loads(got.stdout)
+            raw = bytearray(path.read_bytes())
+            (hlen,) = struct.unpack_from("<I", raw, 8)
+            h = 12  # the header: version, fingerprint, numerics, w, n, ids, then the 9 geometry values
+            (fp_len,) = struct.unpack_from("<I", raw, h + 4)
+            (num_len,) = struct.unpack_from("<I", raw, h + 8 + fp_len)
+            (n,) = struct.unpack_from("<I", raw, h + 8 + fp_len + 4 + num_len + 4)
+            geometry = h + 8 + fp_len + 4 + num_len + 8 + 4 * n
+            struct.pack_into("<II", raw, geometry + 5 * 4, 1280, 131072)  # kv_heads, head_dim: ~250 GB of K/V
+            struct.pack_into("<Q", raw, 12 + hlen, xxh.XXH3_64bits(bytes(raw[12:12 + hlen]), hlen))
+            path.write_bytes(bytes(raw))
+            put = run("cache-put", "--cache", cache, "--digest", digest, "--token-ids",
+                      ",".join(map(str, info["token_ids"])), "--in", str(path), "--mac-hex", info["mac_hex"])
+            self.assertEqual(put.returncode, 0, put.stderr)
+        refused, peak = self.combine_metric("hypic:cache_entries_refused_total"), peak_kib()
+        again = self.generate([doc], query)
+        seg = self.ok(again)["segments"][0]
+        self.assertNotEqual(seg["source"], "SEGMENT_SOURCE_CACHE")
+        self.assertIn("truncated: its header announces", seg.get("note", ""))
+        self.assertEqual(again["token_ids"], first["token_ids"])
+        self.assertEqual(self.combine_metric("hypic:cache_entries_refused_total"), refused + 1)
+        self.assertTrue(self.cluster.services["combine"].alive())
+        self.assertLess(peak_kib() - peak, 256 * 1024)  # no gigabytes sized by the header (peak RSS, KiB)
 
     def test_combine_worker_caps_decode_tokens_itself(self):
         r = self.generate([words(2603, 30)], "Go on.", max_tokens=40)  # the router allows 4096, the worker 16

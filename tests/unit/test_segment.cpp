@@ -69,6 +69,42 @@ TEST_CASE("corrupt, truncated or foreign entry bytes are clear errors", "[segmen
     CHECK_THROWS_WITH(deserialize_entry(std::string_view(bytes).substr(0, cut)), Catch::Contains("truncated"));
 
   CHECK_THROWS_WITH(deserialize_entry(bytes + "xyz"), Catch::Contains("past its end"));
+  // Fed without the stream's size, the same errors come from the bytes themselves.
+  for (size_t cut : {size_t(30), bytes.size() / 2, bytes.size() - 1}) {
+    EntryReader r;
+    r.feed(std::string_view(bytes).substr(0, cut));
+    CHECK_THROWS_WITH(r.finish(), Catch::Contains("truncated"));
+  }
+  EntryReader past;
+  CHECK_THROWS_WITH(past.feed(bytes + "xyz"), Catch::Contains("past its end"));
+  // A header that claims more than the stream carries is refused before any tensor is sized (the header is not
+  // authenticated yet): K/V for 2^20 heads of 2^10 dims here, ~10^12 bytes against the stream's few KB.
+  {
+    SegmentEntry big = e;
+    big.geometry.kv_heads = 1 << 20;
+    big.geometry.head_dim = 1 << 10;
+    big.attention.clear();
+    big.geometry.num_attention = 0;
+    std::string h = serialize_entry(big);  // a header with K/V of 0 layers ...
+    uint32_t len;
+    std::memcpy(&len, h.data() + 8, 4);
+    // ... then one attention layer claimed, checksums recomputed: 4 bytes of num_attention in the geometry.
+    const size_t at = 12 + 4 + 4 + e.model_fingerprint.size() + 4 + e.numerics.size() + 4 + 4 + 4 * e.token_ids.size() +
+                      8 * 4;
+    uint32_t one = 1;
+    std::memcpy(h.data() + at, &one, 4);
+    const uint64_t hsum = XXH3_64bits(h.data() + 12, len);
+    std::memcpy(h.data() + 12 + len, &hsum, 8);
+    bool asked = false;
+    EntryReader r({.total_bytes = h.size(), .header = [&](const SegmentEntry&) { asked = true; }});
+    CHECK_THROWS_WITH(r.feed(h), Catch::Contains("truncated: its header announces"));
+    CHECK_FALSE(asked);  // refused before the caller's check, and before anything was allocated
+  }
+  // The caller's header check runs before the tensors: an entry of other token ids is refused there.
+  EntryReader other_ids({.total_bytes = bytes.size(), .header = [](const SegmentEntry& h) {
+                           if (h.token_ids.size() != 999) throw EntryError("not the ids asked for");
+                         }});
+  CHECK_THROWS_WITH(other_ids.feed(std::string_view(bytes).substr(0, 200)), Catch::Contains("not the ids asked for"));
   CHECK_THROWS_AS(deserialize_entry(std::string(100, '\0')), EntryError);
 
   const SegmentEntry ok = deserialize_entry(bytes);
@@ -140,6 +176,50 @@ TEST_CASE("K, V and conv tails travel as bf16 exactly when every value is a bf16
   const uint64_t hsum = XXH3_64bits(bad.data() + 12, len);
   std::memcpy(bad.data() + 12 + len, &hsum, 8);
   CHECK_THROWS_WITH(deserialize_entry(bad), Catch::Contains("K/V tensor type 3"));
+}
+
+TEST_CASE("serialize_entry_parts writes serialize_entry's bytes from tensors given as views", "[segment]") {
+  for (const bool bf16 : {false, true}) {
+    for (const int w : {0, 8}) {
+      INFO("bf16 " << bf16 << ", w " << w);
+      SegmentEntry e = random_entry(21, w, 17);
+      WireParts parts;
+      parts.kv_bf16 = bf16;
+      std::vector<std::vector<uint16_t>> half;  // the bf16 copies the views point into
+      half.reserve(e.linear.size() + 2 * e.attention.size());
+      auto f32 = [&](const std::vector<float>& v) {
+        parts.bytes.emplace_back(reinterpret_cast<const char*>(v.data()), v.size() * 4);
+      };
+      auto kv = [&](std::vector<float>& v) {
+        if (!bf16) return f32(v);
+        std::vector<uint16_t> bits;
+        for (float& x : v) x = bf16_to_f32(f32_to_bf16(x)), bits.push_back(f32_to_bf16(x));
+        half.push_back(std::move(bits));
+        parts.bytes.emplace_back(reinterpret_cast<const char*>(half.back().data()), half.back().size() * 2);
+      };
+      for (auto& l : e.linear) {
+        parts.interior_kinds.push_back(l.interior_transition.kind);
+        f32(l.seam_state);
+        // T_int split in two views: the parts' boundaries need not be the tensors'.
+        const std::string_view t(reinterpret_cast<const char*>(l.interior_transition.data.data()),
+                                 l.interior_transition.data.size() * 4);
+        parts.bytes.push_back(t.substr(0, t.size() / 2));
+        parts.bytes.push_back(t.substr(t.size() / 2));
+        f32(l.interior_state);
+        kv(l.conv_tail);
+      }
+      for (auto& a : e.attention) kv(a.k), kv(a.v);
+      const std::string bytes = serialize_entry_parts(e, parts);
+      CHECK(bytes == serialize_entry(e));  // the same entry, bit for bit (serialize_entry finds the same K/V type)
+      hypic::testing::require_entries_equal(deserialize_entry(bytes), e);
+      WireParts short_parts = parts;
+      short_parts.bytes.pop_back();
+      CHECK_THROWS_WITH(serialize_entry_parts(e, short_parts), Catch::Contains("bytes of tensors"));
+      WireParts few_kinds = parts;
+      few_kinds.interior_kinds.pop_back();
+      CHECK_THROWS_WITH(serialize_entry_parts(e, few_kinds), Catch::Contains("transition kinds"));
+    }
+  }
 }
 
 TEST_CASE("whole-segment (T, S) is the composition of seam and interior", "[segment]") {
