@@ -135,6 +135,9 @@ struct SpliceOutput {
   std::vector<std::vector<float>> context_states;  ///< keep_context_state: per linear layer [H_v][d_k][d_v], host
 };
 
+/// Backend::build_entries' cancellation test: true when segment i (its index in the call) is no longer wanted.
+using BuildCancelled = std::function<bool(size_t segment)>;
+
 /// A device entry's memory as one contiguous block in its backend's own layout (the CUDA backend's CudaEntry:
 /// per linear layer S_seam (when w > 0), T_int, S_int fp32 and the conv tail bf16, then per attention layer K and V bf16,
 /// each 256-byte aligned; engine/cuda/cuda_backend.cpp). Two backends of the same fingerprint lay an entry of n tokens
@@ -219,8 +222,12 @@ class Backend {
   /// Standalone prefills of several segments at position 0 into their entries (DESIGN.md 3.2), as one varlen
   /// pass where the backend can (T_C from the same pass). Each entry is resident here; host() gives the wire
   /// form. Throws std::invalid_argument for an empty segment, an id out of range or w < 0.
+  /// `cancelled(i)`, when given, says segment i is no longer wanted: it is asked as the build goes (CPU: before each
+  /// segment and each decoder layer of its prefill; CUDA: before each batch and each layer, a batch stopping when all
+  /// of its segments are), and a segment stopped so has a null entry (a cancelled build costs at most about one
+  /// layer past its cancellation).
   virtual std::vector<std::shared_ptr<const ResidentEntry>> build_entries(
-      std::span<const std::vector<int32_t>> segments, int seam_width) = 0;
+      std::span<const std::vector<int32_t>> segments, int seam_width, const BuildCancelled& cancelled = {}) = 0;
 
   /// Makes a host entry (received over the wire or from the cache) resident here. Throws EntryError if it was
   /// made under another fingerprint or geometry, or is inconsistent.

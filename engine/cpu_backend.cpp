@@ -86,18 +86,24 @@ std::shared_ptr<const ResidentEntry> CpuBackend::wrap(std::shared_ptr<const Segm
 }
 
 std::vector<std::shared_ptr<const ResidentEntry>> CpuBackend::build_entries(
-    std::span<const std::vector<int32_t>> segments, int seam_width) {
+    std::span<const std::vector<int32_t>> segments, int seam_width, const BuildCancelled& cancelled) {
   if (seam_width < 0)
     throw std::invalid_argument("build_entries: seam width must be >= 0, got " + std::to_string(seam_width));
   for (size_t i = 0; i < segments.size(); ++i)
     check_token_ids(segments[i], config().vocab_size, "build_entries: segment " + std::to_string(i) + " token ids");
   std::vector<std::shared_ptr<const SegmentEntry>> built(segments.size());
   parallel_for(segments.size(), options_.cpu_threads, [&](size_t i) {
-    built[i] = std::make_shared<const SegmentEntry>(build_segment_entry(model_, segments[i], seam_width));
+    const std::function<bool()> stop = cancelled ? std::function<bool()>([&cancelled, i] { return cancelled(i); })
+                                                 : std::function<bool()>();
+    if (stop && stop()) return;  // null: not wanted any more
+    try {
+      built[i] = std::make_shared<const SegmentEntry>(build_segment_entry(model_, segments[i], seam_width, stop));
+    } catch (const PrefillCancelled&) {  // stopped between two layers: null
+    }
   });
   std::vector<std::shared_ptr<const ResidentEntry>> out;
   out.reserve(built.size());
-  for (auto& e : built) out.push_back(wrap(std::move(e)));
+  for (auto& e : built) out.push_back(e ? wrap(std::move(e)) : nullptr);
   return out;
 }
 

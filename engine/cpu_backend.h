@@ -62,7 +62,8 @@ class CpuBackend final : public Backend {
   const std::string& fingerprint() const override { return fingerprint_; }
 
   std::vector<std::shared_ptr<const ResidentEntry>> build_entries(std::span<const std::vector<int32_t>> segments,
-                                                                  int seam_width) override;
+                                                                  int seam_width,
+                                                                  const BuildCancelled& cancelled = {}) override;
   std::shared_ptr<const ResidentEntry> import_entry(std::shared_ptr<const SegmentEntry> entry) override;
   SpliceOutput splice(const SplicePlan& plan) override;
   void decode(std::span<Sequence* const> sequences, std::span<const int32_t> tokens,

@@ -102,9 +102,9 @@ void EngineLoop::run_egress() {
 }
 
 void EngineLoop::submit_build(std::vector<int32_t> ids, int seam_width, CancelFlag cancel,
-                              std::function<void(BuildOutcome)> done, BuildHandover handover) {
+                              std::function<void(BuildOutcome)> done, BuildHandover handover, CancelFlag stop) {
   std::vector<BuildSubmission> one;
-  one.push_back({std::move(ids), seam_width, std::move(cancel), std::move(done), handover});
+  one.push_back({std::move(ids), seam_width, std::move(cancel), std::move(done), handover, std::move(stop)});
   submit_builds(std::move(one));
 }
 
@@ -115,7 +115,8 @@ void EngineLoop::submit_builds(std::vector<BuildSubmission> builds) {
       const auto now = Clock::now();
       for (auto& b : builds) {
         queued_tokens_ += int64_t(b.ids.size());
-        builds_.push_back({std::move(b.ids), b.seam_width, std::move(b.cancel), std::move(b.done), now, b.handover});
+        builds_.push_back({std::move(b.ids), b.seam_width, std::move(b.cancel), std::move(b.done), now, b.handover,
+                           std::move(b.stop)});
       }
       cv_.notify_all();
       return;
@@ -304,7 +305,11 @@ void EngineLoop::run_builds(std::vector<BuildJob> batch) {
     std::vector<std::shared_ptr<const ResidentEntry>> entries;
     std::exception_ptr failed;
     try {
-      entries = backend_.build_entries(segs, batch[good.front()].seam_width);
+      // A build cancelled while the batch runs stops within about a layer (its entry null: reported cancelled).
+      entries = backend_.build_entries(segs, batch[good.front()].seam_width, [&](size_t k) {
+        const BuildJob& j = batch[good[k]];
+        return is_cancelled(j.stop ? j.stop : j.cancel);
+      });
       if (entries.size() != segs.size()) throw std::logic_error("build_entries returned a wrong number of entries");
       build_batches_++;
     } catch (...) {
@@ -321,6 +326,7 @@ void EngineLoop::run_builds(std::vector<BuildJob> batch) {
         continue;
       }
       r.entry = std::move(entries[k]);
+      r.cancelled = !r.entry;  // stopped part way by its cancel flag
       r.compute_ms = batch_ms * double(segs[k].size()) / double(tokens);
       hand_over(good[k]);
     }

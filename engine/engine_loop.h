@@ -13,6 +13,8 @@
 //    iteration; a sequence joins the batch after its splice and leaves when it reaches max_tokens, samples a stop
 //    token, or its cancel flag is set. The loop samples (engine/sampling.h, one Sampler per request), so a handler
 //    only receives token ids.
+// A build whose cancel flag is set while its batch runs stops at the backend's next check (before a decoder layer), so a
+// cancelled request's cold segments stop costing compute within about one layer.
 // Fairness: each iteration runs one decode step of the whole batch, then one queued unit of other work (a build
 // batch or a splice, alternating when both wait), so neither a long splice nor a long decode starves the other; while
 // sequences decode, a build batch is held to EngineLoopOptions::max_build_tokens_decoding tokens and a splice runs in
@@ -74,7 +76,9 @@ struct BuildOutcome {
   double compute_ms = 0;
   double batch_ms = 0;     ///< the whole Backend::build_entries call it was part of
   int batch_segments = 0;  ///< segments in that call
-  bool cancelled = false;  ///< skipped: its cancel flag was set, or the loop stopped, before its batch started
+  /// Skipped or stopped: its cancel flag was set (or the loop stopped) before its batch started, or while the batch
+  /// ran (Backend::build_entries asks between layers; entry null).
+  bool cancelled = false;
   EngineErrorKind error_kind = EngineErrorKind::None;
   std::string error;       ///< non-empty if the build failed (the exception's message)
 };
@@ -180,8 +184,12 @@ class EngineLoop {
 
   /// Queues a standalone build of `ids` (entry made with seam width `seam_width`); `done` runs on the loop thread, or
   /// for a Wire build that was built, on the egress thread once its wire form is made.
+  /// `cancel` drops it while it is queued and, unless `stop` is given, stops it while it runs (within about a layer,
+  /// Backend::build_entries); with `stop`, only `stop` stops a running build (a build whose entry is still wanted
+  /// for the cache once its requests are gone runs on while `cancel` alone is set).
   void submit_build(std::vector<int32_t> ids, int seam_width, CancelFlag cancel,
-                    std::function<void(BuildOutcome)> done, BuildHandover handover = BuildHandover::Wire);
+                    std::function<void(BuildOutcome)> done, BuildHandover handover = BuildHandover::Wire,
+                    CancelFlag stop = nullptr);
   /// One build of submit_builds.
   struct BuildSubmission {
     std::vector<int32_t> ids;
@@ -189,6 +197,7 @@ class EngineLoop {
     CancelFlag cancel;
     std::function<void(BuildOutcome)> done;
     BuildHandover handover = BuildHandover::Wire;
+    CancelFlag stop;  ///< as submit_build's
   };
   /// Queues several builds at once, so that they go into one batch (up to the token budget) rather than the first
   /// alone when the loop wakes up between two submit_build calls. Each as submit_build.
@@ -217,6 +226,7 @@ class EngineLoop {
     std::function<void(BuildOutcome)> done;
     Clock::time_point queued_at;
     BuildHandover handover = BuildHandover::Wire;
+    CancelFlag stop;  // stops it while it runs (null: cancel does)
   };
   struct Egress {  // a built Wire job whose wire form is still to be made
     BuildOutcome outcome;

@@ -287,6 +287,8 @@ PrefillResult Model::forward(ModelState& state, std::span<const SpanSpec> spans,
   // Decoder layer (Qwen3NextDecoderLayer / Qwen3_5DecoderLayer / KimiLinearDecoderLayer; MiniMaxDecoderLayer with
   // its alpha/beta residuals): x += mixer(norm(x)); x += ffn(norm(x)).
   for (int i = 0; i < c.num_hidden_layers; ++i) {
+    if (options.cancelled && options.cancelled())
+      throw PrefillCancelled("prefill cancelled before layer " + std::to_string(i));
     const LayerWeights& lw = weights_.layers[i];
     norm(T, x.data(), lw.input_layernorm, hn.data());
     for (size_t si = 0; si < spans.size(); ++si) {  // token mixers: span by span, on the running state

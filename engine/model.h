@@ -22,6 +22,7 @@
 // attention_index).
 #pragma once
 #include <cstdint>
+#include <stdexcept>
 #include <functional>
 #include <filesystem>
 #include <span>
@@ -67,6 +68,16 @@ struct PrefillOptions {
   /// what it reads is what the answer comes from. What SpliceRequest::refresh_segments ranks segments by. All zeros
   /// for a model without full-attention layers.
   std::vector<float>* attention_mass = nullptr;
+  /// If set, asked before each decoder layer; when it answers true the prefill stops there and throws
+  /// PrefillCancelled (the state is then half-advanced: discard it). What lets a cancelled entry build stop within
+  /// one layer's time.
+  std::function<bool()> cancelled;
+};
+
+/// Thrown by a prefill whose PrefillOptions::cancelled answered true.
+class PrefillCancelled : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
 };
 
 /// Result of one prefill call.

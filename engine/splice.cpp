@@ -234,7 +234,7 @@ namespace {
 
 // build_segment_entry and build_segment_entries: one standalone prefill cut at every requested seam.
 std::vector<SegmentEntry> build_entries(const Model& model, std::span<const int32_t> ids, std::span<const int> widths,
-                                        const std::string& who) {
+                                        const std::string& who, const std::function<bool()>& cancelled = {}) {
   if (ids.empty()) throw std::invalid_argument(who + ": the segment has no tokens");
   for (int w : widths)
     if (w < 0) throw std::invalid_argument(who + ": seam width must be >= 0, got " + std::to_string(w));
@@ -259,6 +259,7 @@ std::vector<SegmentEntry> build_entries(const Model& model, std::span<const int3
   PrefillOptions opt;
   opt.capture_transitions = true;
   opt.skip_logits = true;
+  opt.cancelled = cancelled;
   std::vector<std::vector<std::vector<float>>> states(bounds.size());  // [bound][linear layer] S after the bound
   std::vector<std::vector<TransitionOperator>> span_t(spans);          // [span][linear layer]
   auto snapshot = [&](size_t b) {
@@ -267,10 +268,18 @@ std::vector<SegmentEntry> build_entries(const Model& model, std::span<const int3
   snapshot(0);
   for (size_t j = 0; j < spans; ++j) {
     const int from = bounds[j], count = bounds[j + 1] - bounds[j];
-    PrefillResult r = model.prefill(st, ids.subspan(from, count), from, opt);
-    for (int l = 0; l < g.num_linear; ++l)
-      span_t[j].push_back(
-          TransitionOperator::wrap(r.transition_kind, g.linear_heads, g.d_k, std::move(r.transitions[l])));
+    // In passes of kBuildPassTokens (the same cut wherever the entry is built, so builds stay bit for bit
+    // reproducible); a span's T is the product of its passes'. `cancelled` is asked before every layer of each.
+    for (int at = 0; at < count; at += kBuildPassTokens) {
+      const int piece = std::min(kBuildPassTokens, count - at);
+      PrefillResult r = model.prefill(st, ids.subspan(from + at, piece), from + at, opt);
+      for (int l = 0; l < g.num_linear; ++l) {
+        TransitionOperator t =
+            TransitionOperator::wrap(r.transition_kind, g.linear_heads, g.d_k, std::move(r.transitions[l]));
+        if (at == 0) span_t[j].push_back(std::move(t));
+        else span_t[j][l] = span_t[j][l].then(t);
+      }
+    }
     snapshot(j + 1);
   }
 
@@ -330,9 +339,10 @@ std::vector<SegmentEntry> build_entries(const Model& model, std::span<const int3
 
 }  // namespace
 
-SegmentEntry build_segment_entry(const Model& model, std::span<const int32_t> ids, int seam_width) {
+SegmentEntry build_segment_entry(const Model& model, std::span<const int32_t> ids, int seam_width,
+                                 const std::function<bool()>& cancelled) {
   const int widths[1] = {seam_width};
-  return std::move(build_entries(model, ids, widths, "build_segment_entry").front());
+  return std::move(build_entries(model, ids, widths, "build_segment_entry", cancelled).front());
 }
 
 std::vector<SegmentEntry> build_segment_entries(const Model& model, std::span<const int32_t> ids,

@@ -22,22 +22,29 @@ namespace hypic::engine {
 /// chunked pass (capture_transitions), S(seam|0) is the state after the seam, and
 /// S(interior|0) = S_end - T_int S(seam|0) (the affine map of the interior, exact in exact arithmetic).
 /// T is in the family's compact form (linear_transition_kind: dense [H_v][d_k][d_k] for Gated DeltaNet and KDA, one
-/// scalar per head [H_v] for lightning); the entry's format version is entry_format_version of its geometry (2 for
-/// Qwen, 3 for the other families). K is kept at local positions 0..n-1, and so are the keys inside Ring-linear's
+/// scalar per head [H_v] for lightning); the entry's format version is entry_format_version of its geometry (4 for
+/// Qwen, 5 for the other families). K is kept at local positions 0..n-1, and so are the keys inside Ring-linear's
 /// linear states (splice re-rotates them). The entry is stamped with the CPU backend's numerics ("cpu-fp32") and
-/// fingerprint (model_fingerprint, engine/backend.h). Throws std::invalid_argument for an empty segment or w < 0.
-SegmentEntry build_segment_entry(const Model& model, std::span<const int32_t> ids, int seam_width);
+/// fingerprint (model_fingerprint, engine/backend.h). Throws std::invalid_argument for an empty segment or w < 0;
+/// PrefillCancelled when `cancelled` (asked before each decoder layer of the prefill) answers true.
+SegmentEntry build_segment_entry(const Model& model, std::span<const int32_t> ids, int seam_width,
+                                 const std::function<bool()>& cancelled = {});
+
+/// Tokens of one forward pass of a CPU entry build (build_segment_entry cuts its prefill there, and at the seam): a
+/// cancelled build stops within one pass's layer, and the cut is the same everywhere so that builds stay bit for bit
+/// reproducible.
+inline constexpr int kBuildPassTokens = 512;
 
 /// The entries of one segment for several seam widths from ONE standalone prefill at position 0 (what an
 /// evaluation comparing widths needs: one prefill per segment instead of one per width).
 /// Returns one entry per element of `seam_widths`, in the order given (duplicates allowed, each its own copy),
 /// entry i made for w = seam_widths[i]. The prefill runs as consecutive spans cut at the distinct breakpoints
 /// min(w, n) strictly inside (0, n), sorted; after each span it records every linear layer's state and the span's
-/// transition (compact form, as build_segment_entry). For each w, with s = min(w, n): T_seam = product of the spans before s (identity if
-/// none), S(seam|0) = the state at s, T_int = product of the spans after s (identity if none),
+/// transition (compact form, as build_segment_entry). For each w, with s = min(w, n): S(seam|0) = the state at s (kept
+/// when s > 0; T_seam is not kept, engine/segment.h), T_int = product of the spans after s (identity if none),
 /// S(interior|0) = S_end - T_int S(seam|0) (zeros when n <= w); conv tail and attention K/V (local positions
 /// 0..n-1) come from the end state and are the same for every w.
-/// Cost: one prefill of n tokens (k + 1 spans for k breakpoints) plus at most 2k d_k x d_k products per head
+/// Cost: one prefill of n tokens (k + 1 spans for k breakpoints) plus at most k d_k x d_k products per head
 /// and linear layer (dense families; scalar ones multiply one number per head); memory: the returned entries plus the k + 1 span transitions while building.
 /// With one width it computes exactly what build_segment_entry does (that function calls this one); with several,
 /// each entry equals build_segment_entry(model, ids, w) to fp32 rounding, not bit for bit (the chunked scan's chunk

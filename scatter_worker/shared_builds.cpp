@@ -42,6 +42,7 @@ std::unique_ptr<SharedBuilds::Ticket> SharedBuilds::join(const rpc::Digest& dige
       return std::unique_ptr<Ticket>(new Ticket(nullptr, digest, waiter, true));
     }
     b.cancel->store(false);  // wanted again if every earlier waiter had gone
+    b.stop->store(false);
     b.waiters.emplace(waiter, Waiter{std::move(done), Clock::now(), true});
     spdlog::debug("[req {}] {}: joined the build of request {}", request_id, rpc::digest_hex(digest), b.started_for);
     return std::unique_ptr<Ticket>(new Ticket(this, digest, waiter, true));
@@ -65,22 +66,25 @@ std::unique_ptr<SharedBuilds::Ticket> SharedBuilds::join(const rpc::Digest& dige
   b.seam_width = seam_width;
   b.started_for = request_id;
   b.cancel = std::make_shared<std::atomic<bool>>(false);
+  b.stop = std::make_shared<std::atomic<bool>>(false);
   b.store = cache;
   b.submitted = Clock::now();
   b.waiters.emplace(waiter, Waiter{std::move(done), b.submitted, false});
   const uint64_t build = b.id;
-  engine::CancelFlag cancel = b.cancel;
+  engine::CancelFlag cancel = b.cancel, stop = b.stop;
   state_->builds.emplace(digest, std::move(b));
   lock.unlock();
-  submit(digest, build, std::move(ids), seam_width, std::move(cancel));
+  submit(digest, build, std::move(ids), seam_width, std::move(cancel), std::move(stop));
   return std::unique_ptr<Ticket>(new Ticket(this, digest, waiter, false));
 }
 
 void SharedBuilds::submit(const rpc::Digest& digest, uint64_t build, std::vector<int32_t> ids, int seam_width,
-                          engine::CancelFlag cancel) {
+                          engine::CancelFlag cancel, engine::CancelFlag stop) {
   // Not under the lock: a stopped loop calls back at once, on this thread.
-  loop_.submit_build(std::move(ids), seam_width, std::move(cancel),
-                     [this, digest, build](engine::BuildOutcome r) { on_built(digest, build, std::move(r)); });
+  loop_.submit_build(
+      std::move(ids), seam_width, std::move(cancel),
+      [this, digest, build](engine::BuildOutcome r) { on_built(digest, build, std::move(r)); },
+      engine::BuildHandover::Wire, std::move(stop));
 }
 
 void SharedBuilds::leave(const rpc::Digest& digest, uint64_t waiter) {
@@ -88,7 +92,10 @@ void SharedBuilds::leave(const rpc::Digest& digest, uint64_t waiter) {
   auto it = state_->builds.find(digest);
   if (it == state_->builds.end()) return;
   Build& b = it->second;
-  if (b.waiters.erase(waiter) && b.waiters.empty() && !b.result) b.cancel->store(true);  // dropped unless started
+  if (b.waiters.erase(waiter) && b.waiters.empty() && !b.result) {
+    b.cancel->store(true);                // dropped while queued
+    if (!b.store) b.stop->store(true);    // and stopped while running when its entry would be thrown away
+  }
 }
 
 void SharedBuilds::on_built(const rpc::Digest& digest, uint64_t build, engine::BuildOutcome r) {
@@ -106,13 +113,14 @@ void SharedBuilds::on_built(const rpc::Digest& digest, uint64_t build, engine::B
       // Skipped in the moment nobody waited for it, but joined again since: build it after all.
       b.id = next_id_++;
       b.cancel = std::make_shared<std::atomic<bool>>(false);
+      b.stop = std::make_shared<std::atomic<bool>>(false);
       b.submitted = Clock::now();
       const uint64_t again = b.id;
       std::vector<int32_t> again_ids = b.ids;
       const int w = b.seam_width;
-      engine::CancelFlag cancel = b.cancel;
+      engine::CancelFlag cancel = b.cancel, stop = b.stop;
       lock.unlock();
-      submit(digest, again, std::move(again_ids), w, std::move(cancel));
+      submit(digest, again, std::move(again_ids), w, std::move(cancel), std::move(stop));
       return;
     }
     waiters.swap(b.waiters);

@@ -101,7 +101,8 @@ class SharedBuilds {
     std::vector<int32_t> ids;
     int seam_width = 0;
     std::string started_for;
-    std::shared_ptr<std::atomic<bool>> cancel;
+    std::shared_ptr<std::atomic<bool>> cancel;  // set when nobody waits: dropped while queued
+    std::shared_ptr<std::atomic<bool>> stop;    // set when nobody waits and it would not be stored: stopped running
     std::map<uint64_t, Waiter> waiters;
     bool store = false;
     Clock::time_point submitted;
@@ -115,7 +116,7 @@ class SharedBuilds {
   };
 
   void submit(const rpc::Digest& digest, uint64_t build, std::vector<int32_t> ids, int seam_width,
-              engine::CancelFlag cancel);
+              engine::CancelFlag cancel, engine::CancelFlag stop);
   void on_built(const rpc::Digest& digest, uint64_t build, engine::BuildOutcome r);
   void leave(const rpc::Digest& digest, uint64_t waiter);
 

@@ -245,7 +245,8 @@ class CudaBackend final : public Backend {
   std::string_view numerics() const override { return backend_numerics(BackendKind::Cuda); }
   const std::string& fingerprint() const override { return fingerprint_; }
   std::vector<std::shared_ptr<const ResidentEntry>> build_entries(std::span<const std::vector<int32_t>> segments,
-                                                                  int seam_width) override;
+                                                                  int seam_width,
+                                                                  const BuildCancelled& cancelled = {}) override;
   std::shared_ptr<const ResidentEntry> import_entry(std::shared_ptr<const SegmentEntry> entry) override;
   std::optional<DeviceBlock> device_block(const ResidentEntry& entry) const override;
   std::pair<std::shared_ptr<const ResidentEntry>, DeviceBlock> allocate_entry(const SegmentEntry& header) const override;
@@ -325,8 +326,9 @@ class CudaBackend final : public Backend {
   // The hypic items (DESIGN.md 3.3): seams (or whole segments, where whole[i]) in context, interiors folded.
   std::vector<Item> hypic_items(const SplicePlan& plan, const std::vector<char>& whole, int64_t& pos,
                                 int64_t& computed, std::vector<int>& recomputed) const;
+  // One varlen build pass; `stop` asked before each layer (true: nothing more is launched, null entries).
   void build_batch(std::span<const std::vector<int32_t>> segments, int w,
-                   std::vector<std::shared_ptr<CudaEntry>>& out);
+                   std::vector<std::shared_ptr<CudaEntry>>& out, const std::function<bool()>& stop);
   void linear_gemms(const DevLinear& L, int T);
   void linear_finish(const DevLinear& L, int T);
   void attention_gemms(const DevAttention& A, int T);
@@ -1557,7 +1559,7 @@ void CudaBackend::decode_body(int B, int cap, const DecodeTables& t) {
 // ---- entry builds ----------------------------------------------------------------------------------------------
 
 std::vector<std::shared_ptr<const ResidentEntry>> CudaBackend::build_entries(
-    std::span<const std::vector<int32_t>> segments, int seam_width) {
+    std::span<const std::vector<int32_t>> segments, int seam_width, const BuildCancelled& cancelled) {
   set_device();
   drain_frees();
   if (seam_width < 0) throw std::invalid_argument("build_entries: seam width must be >= 0, got " + std::to_string(seam_width));
@@ -1588,14 +1590,22 @@ std::vector<std::shared_ptr<const ResidentEntry>> CudaBackend::build_entries(
       pages += pages_of(end);
       ++end;
     }
-    build_batch(segments.subspan(begin, end - begin), seam_width, built);
+    // A batch stops (its entries null) once none of its segments is wanted any more.
+    const std::function<bool()> none_wanted = [&cancelled, begin, end] {
+      if (!cancelled) return false;
+      for (size_t i = begin; i < end; ++i)
+        if (!cancelled(i)) return false;
+      return true;
+    };
+    if (none_wanted()) built.insert(built.end(), end - begin, nullptr);
+    else build_batch(segments.subspan(begin, end - begin), seam_width, built, none_wanted);
     begin = end;
   }
   return {built.begin(), built.end()};
 }
 
 void CudaBackend::build_batch(std::span<const std::vector<int32_t>> segs, int w,
-                              std::vector<std::shared_ptr<CudaEntry>>& out) {
+                              std::vector<std::shared_ptr<CudaEntry>>& out, const std::function<bool()>& stop) {
   const int N = int(segs.size());
   // Temporary pages for each segment's KV (taken from the pool, returned at the end).
   std::vector<std::vector<int>> pages(N);
@@ -1694,6 +1704,11 @@ void CudaBackend::build_batch(std::span<const std::vector<int32_t>> segs, int w,
 
   kc::embed_gather(T, H_, d_ids_, w_.embed, x_, stream_);
   for (int i = 0; i < cfg_.num_hidden_layers; ++i) {
+    if (stop()) {  // cancelled: what was launched finishes (at most a layer), the pages go back, no entries
+      check_cuda(cudaStreamSynchronize(stream_), "cancelled entry build");
+      out.insert(out.end(), size_t(N), nullptr);
+      return;
+    }
     const DevLayer& L = w_.layers[i];
     kc::rms_norm_residual(T, H_, x_, H_, nullptr, L.input_layernorm, eps_, hn_, stream_);
     if (L.type == LayerType::Linear) {

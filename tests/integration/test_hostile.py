@@ -235,6 +235,38 @@ class CancelTest(ClusterTestCase):
                                             f"{alone:.2f} s alone")
 
 
+class CancelScatterTest(ClusterTestCase):
+    """A cold document on a scatter worker (the trained checkpoint, 1 scatter worker) whose every requester is gone
+    and whose entry would not be stored (--no-cache-write) stops being built within a layer of one of its 512-token
+    passes (SharedBuilds' stop flag, Backend::build_entries' cancellation), so a small cold request that comes next is
+    not held behind it: 14.4 s before. (One that would be stored runs on and is stored: AbandonedBuildTest.)"""
+    model_dir = CancelTest.model_dir
+    tokenizer_file = CancelTest.tokenizer_file
+    scatter_workers = 1
+
+    def small(self, seed: int) -> float:  # cold, through the scatter worker
+        t0 = time.monotonic()
+        self.ok(self.generate([words(seed, 20)], "Who?", "--no-cache-write", max_tokens=2))
+        return time.monotonic() - t0
+
+    def test_a_cancelled_cold_document_stops_being_built(self):
+        self.small(2630)
+        alone = min(self.small(2631 + i) for i in range(3))
+        result: list = []
+        long_request = threading.Thread(target=lambda: result.append(
+            self.generate([words(2613, 9000)], "Summarise.", "--no-cache-write", max_tokens=2, deadline_s=1.0)))
+        long_request.start()
+        time.sleep(1.3)  # past its deadline, its build of ~20k tokens (about 10 s whole) under way
+        after = self.small(2640)
+        long_request.join()
+        self.assertNotEqual(result[0]["rc"], 0)
+        self.assertIn("DEADLINE_EXCEEDED", result[0]["stderr"])
+        self.assertLess(after - alone, 0.5, f"the small request took {after:.2f} s after the cancellation, "
+                                            f"{alone:.2f} s alone")
+        log = self.cluster.services["scatter-0"].log_path.read_text()
+        self.assertNotIn("finished after every request waiting for it had gone", log)
+
+
 class FrozenWorkerTest(ClusterTestCase):
     """A scatter worker frozen (SIGSTOP) while a request waits on it: the router's channel keepalive (a ping a second,
     1.5 s to answer) finds it within about 2.5 s and its segments are planned again (before: ~15 s)."""

@@ -183,6 +183,39 @@ TEST_CASE("the CPU backend's fingerprint covers config and numerics -- entries c
                     Catch::Contains("hypic-model init"));
 }
 
+TEST_CASE("CPU builds stop when cancelled: a skipped segment's entry is null, the others unchanged bit for bit",
+          "[backend][cancel]") {
+  CpuBackend& b = fixture_backend();
+  const int vocab = int(b.config().vocab_size);
+  const std::vector<std::vector<int32_t>> segs = {random_ids(40, 1, vocab), random_ids(1100, 2, vocab),
+                                                  random_ids(25, 3, vocab)};
+  // Segment 1 not wanted: skipped; 0 and 2 are what the reference builder makes.
+  const auto some = b.build_entries(segs, 4, [](size_t i) { return i == 1; });
+  REQUIRE(some.size() == 3);
+  CHECK(some[1] == nullptr);
+  for (size_t i : {size_t(0), size_t(2)}) {
+    REQUIRE(some[i] != nullptr);
+    CHECK(serialize_entry(some[i]->header()) == serialize_entry(build_segment_entry(b.model(), segs[i], 4)));
+  }
+  // Cancelled part way: asked before the segment and before every decoder layer of each pass (the seam, then the
+  // interior in passes of kBuildPassTokens), it stops at the first true answer.
+  const int layers = b.config().num_hidden_layers;
+  for (int stop_at : {1, 2, layers + 1, 2 * layers + 3}) {
+    INFO("stop at the " << stop_at << "th question");
+    int asked = 0;
+    const auto one = b.build_entries(std::span(segs).subspan(1, 1), 4, [&](size_t) { return ++asked >= stop_at; });
+    CHECK(one[0] == nullptr);
+    CHECK(asked == stop_at);  // nothing asked after it stopped
+  }
+  // Never cancelled: asked once before the segment and once per layer of each of its passes.
+  int asked = 0;
+  const auto whole = b.build_entries(std::span(segs).subspan(1, 1), 4, [&](size_t) { return ++asked < 0; });
+  REQUIRE(whole[0] != nullptr);
+  const int passes = 1 + (1100 - 4 + kBuildPassTokens - 1) / kBuildPassTokens;  // the seam, then the interior's
+  CHECK(asked == 1 + passes * layers);
+  CHECK(serialize_entry(whole[0]->header()) == serialize_entry(build_segment_entry(b.model(), segs[1], 4)));
+}
+
 TEST_CASE("the CPU backend's splice and batched decode equal splice() and Model::decode bit for bit", "[backend]") {
   CpuBackend& b = fixture_backend();
   const int vocab = int(b.config().vocab_size);
@@ -649,9 +682,9 @@ class FaultyBackend final : public Backend {
   DeviceSpec device() const override { return inner_.device(); }
   std::string_view numerics() const override { return inner_.numerics(); }
   const std::string& fingerprint() const override { return inner_.fingerprint(); }
-  std::vector<std::shared_ptr<const ResidentEntry>> build_entries(std::span<const std::vector<int32_t>> s,
-                                                                  int w) override {
-    return inner_.build_entries(s, w);
+  std::vector<std::shared_ptr<const ResidentEntry>> build_entries(std::span<const std::vector<int32_t>> s, int w,
+                                                                  const BuildCancelled& c = {}) override {
+    return inner_.build_entries(s, w, c);
   }
   std::shared_ptr<const ResidentEntry> import_entry(std::shared_ptr<const SegmentEntry> e) override {
     return inner_.import_entry(std::move(e));

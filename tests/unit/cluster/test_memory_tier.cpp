@@ -97,14 +97,19 @@ class CountingBackend final : public hypic::engine::Backend {
   std::string_view numerics() const override { return b_->numerics(); }
   const std::string& fingerprint() const override { return b_->fingerprint(); }
   std::vector<std::shared_ptr<const hypic::engine::ResidentEntry>> build_entries(
-      std::span<const std::vector<int32_t>> segments, int seam_width) override {
+      std::span<const std::vector<int32_t>> segments, int seam_width,
+      const hypic::engine::BuildCancelled& cancelled = {}) override {
     if (fail_builds > 0) {  // device memory short, as a CUDA backend reports it
       --fail_builds;
       throw hypic::engine::ResourceExhausted("device memory exhausted (test)");
     }
     built += int(segments.size());
     std::vector<std::shared_ptr<const hypic::engine::ResidentEntry>> out;
-    for (auto& e : b_->build_entries(segments, seam_width)) {
+    for (auto& e : b_->build_entries(segments, seam_width, cancelled)) {
+      if (!e) {  // cancelled part way
+        out.push_back(nullptr);
+        continue;
+      }
       auto w = std::make_shared<Entry>();
       w->inner = std::move(e);
       w->host_calls = &host_calls;
