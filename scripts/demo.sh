@@ -5,7 +5,7 @@
 #   scripts/demo.sh                     install what is missing, build, start the cluster with the trained
 #                                       checkpoint models/trained/qwen35-dense, send one held-out prompt of its
 #                                       task twice, check the answer, shut down
-#   scripts/demo.sh --model models/trained/next-moe --task-prompt t-00009    the other trained checkpoint
+#   scripts/demo.sh --model models/trained/next-moe    the other trained checkpoint (it answers no recall question)
 #   scripts/demo.sh --model /path/to/Qwen3-Next-checkpoint --doc a.txt --doc b.md --query "What do these share?"
 #   scripts/demo.sh --random-model      the random-weight demo model (GPU head sizes; text meaningless)
 #   scripts/demo.sh --smoke --skip-setup --skip-build --bin-dir build/bin     the CI smoke version

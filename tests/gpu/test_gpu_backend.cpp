@@ -404,6 +404,18 @@ TEST_CASE("cuda backend: entries and splices in every mode match the CPU engine"
       for (int j : {1, 3, 4, 5, 6})
         if (j != 3 || c.num_tokens() > w) pop_entry.push_back(e[j]);
     }
+    // A build cancelled part way (asked before each layer) gives null entries and leaves the backend as it was; one
+    // with a segment still wanted runs on (a batch stops when none of its segments is).
+    {
+      const size_t kv_before = f.gpu->memory().kv_used;
+      int asked = 0;
+      const auto stopped = f.gpu->build_entries(segs, w, [&](size_t) { return ++asked > 2 * int(segs.size()); });
+      REQUIRE(stopped.size() == segs.size());
+      for (const auto& e : stopped) CHECK(e == nullptr);
+      const auto partly = f.gpu->build_entries(segs, w, [](size_t i) { return i != 2; });
+      for (const auto& e : partly) CHECK(e != nullptr);
+      CHECK(f.gpu->memory().kv_used == kv_before);
+    }
     // The wire form written straight from the device copy equals the host entry's, bit for bit (w = 8 and w = 0).
     for (size_t i = 0; i < segs.size(); ++i) {
       CHECK(f.gpu->wire_of(*gentries[i]) == eng::serialize_entry(*gentries[i]->host()));
