@@ -370,7 +370,13 @@ void CombineService::fetch_warm(const std::shared_ptr<Pending>& p, size_t slot, 
 engine::EntryReaderChecks CombineService::entry_checks(uint64_t total_bytes, std::span<const int32_t> ids,
                                                        int seam_width) const {
   std::vector<int32_t> want(ids.begin(), ids.end());
-  return {.total_bytes = total_bytes, .header = [this, want = std::move(want), seam_width](const engine::SegmentEntry& h) {
+  // The longest header this model's entry of these ids has (engine/segment.h: version, fingerprint, numerics, w, n,
+  // ids, geometry and family fields, a kind per linear layer, the K/V type), plus slack.
+  const uint64_t header = 4 + 4 + backend_.fingerprint().size() + 4 + backend_.numerics().size() + 4 + 4 +
+                          4 * uint64_t(ids.size()) + 12 * 4 + uint64_t(backend_.config().num_linear_layers()) + 1 + 64;
+  return {.total_bytes = total_bytes,
+          .max_header_bytes = header,
+          .header = [this, want = std::move(want), seam_width](const engine::SegmentEntry& h) {
             rpc::verify_entry(h, want, backend_, seam_width);
           }};
 }

@@ -205,18 +205,27 @@ void SegmentEntry::check_consistent() const {
       bad("K/V size of attention layer " + std::to_string(i) + " for " + std::to_string(num_tokens()) + " tokens");
 }
 
+namespace {
+// A string read from an entry's header as an error message quotes it: cut to 80 bytes (a fingerprint is 32 hex
+// digits), so a forged header cannot fill logs and replies.
+std::string shown(std::string_view s) {
+  if (s.size() <= 80) return std::string(s);
+  return std::string(s.substr(0, 64)) + "... (" + std::to_string(s.size()) + " bytes)";
+}
+}  // namespace
+
 void SegmentEntry::check_compatible(std::string_view fingerprint, const EntryGeometry& g, int w,
                                     std::string_view want_numerics) const {
   if (format_version != entry_format_version(g))
     throw EntryError("segment entry has format version " + std::to_string(format_version) +
                      ", this build reads version " + std::to_string(entry_format_version(g)) + " for this model");
   if (!want_numerics.empty() && numerics != want_numerics)
-    throw EntryError("segment entry was made by numerics " + (numerics.empty() ? std::string("(none)") : numerics) +
+    throw EntryError("segment entry was made by numerics " + (numerics.empty() ? std::string("(none)") : shown(numerics)) +
                      ", this backend computes " + std::string(want_numerics) +
                      ": an entry is never spliced by another numerics");
   if (model_fingerprint != fingerprint)
-    throw EntryError("segment entry was made for model " + model_fingerprint + " (numerics " +
-                     (numerics.empty() ? std::string("(none)") : numerics) + "), not " + std::string(fingerprint) +
+    throw EntryError("segment entry was made for model " + shown(model_fingerprint) + " (numerics " +
+                     (numerics.empty() ? std::string("(none)") : shown(numerics)) + "), not " + std::string(fingerprint) +
                      (want_numerics.empty() ? std::string() : " (numerics " + std::string(want_numerics) + ")"));
   if (!(geometry == g)) throw EntryError("segment entry geometry does not match the model's");
   if (w >= 0 && seam_width != w)
@@ -438,6 +447,14 @@ void EntryReader::feed(std::string_view chunk) {
         uint32_t len;
         std::memcpy(&len, head_.data() + 8, 4);
         if (len > kMaxHeaderBytes) throw EntryError("segment entry header length " + std::to_string(len) + " out of range");
+        // Before the header is buffered: no longer than the caller allows (what its model and ids could produce)
+        // nor than the stream leaves for it.
+        if (checks_.max_header_bytes && len > checks_.max_header_bytes)
+          throw EntryError("segment entry header of " + std::to_string(len) + " bytes, above the " +
+                           std::to_string(checks_.max_header_bytes) + " this model's entry of these tokens takes");
+        if (checks_.total_bytes && uint64_t(len) + 28 > checks_.total_bytes)
+          throw EntryError("segment entry truncated: a header of " + std::to_string(len) + " bytes in a stream of " +
+                           std::to_string(checks_.total_bytes));
         head_need_ = 12 + size_t(len) + 8;
       }
       if (head_.size() == head_need_ && head_need_ > 12) parse_header();

@@ -197,6 +197,9 @@ struct EntryReaderChecks {
   /// The size the stream carries (its transfer header's, or the buffer's): the header's own total must equal it, so a
   /// header claiming gigabytes in a small stream is refused before anything is allocated. 0: not checked.
   uint64_t total_bytes = 0;
+  /// Most header bytes accepted (checked before the header is buffered; what this model's entry of the expected token
+  /// ids takes, plus slack): a header claiming 1 GiB of fingerprint is refused at its length. 0: not checked.
+  uint64_t max_header_bytes = 0;
   /// Called with the header fields (version, fingerprint, numerics, w, token ids, geometry; no tensors); throw
   /// (EntryError) to refuse, e.g. an entry of another model or of other token ids.
   std::function<void(const SegmentEntry& header)> header;

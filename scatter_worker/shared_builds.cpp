@@ -142,8 +142,8 @@ void SharedBuilds::on_built(const rpc::Digest& digest, uint64_t build, engine::B
     if (ok) ++built_;
     if (r.cancelled && waiters.empty()) {
       ++dropped_;
-      spdlog::info("[req {}] queued build of {} dropped: no request waits for it any more", started_for,
-                   rpc::digest_hex(digest));
+      spdlog::info("[req {}] {} of {} dropped: no request waits for it any more", started_for,
+                   r.batch_ms > 0 ? "running build (stopped part way)" : "queued build", rpc::digest_hex(digest));
     } else if (ok && !store && waiters.empty()) {
       spdlog::info("[req {}] build of {} finished after every request waiting for it had gone: discarded (caching "
                    "not allowed or no cache)",

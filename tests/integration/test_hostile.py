@@ -158,6 +158,43 @@ class PoisonTest(ClusterTestCase):
         self.assertTrue(self.cluster.services["combine"].alive())
         self.assertLess(peak_kib() - peak, 256 * 1024)  # no gigabytes sized by the header (peak RSS, KiB)
 
+    def test_header_with_a_huge_fingerprint_is_refused_at_its_length(self):
+        """A real entry whose header carries a 4 MB fingerprint (its size and checksums consistent): refused at the
+        header's length, before it is buffered, and nothing of it is quoted at length in the segment's note."""
+        import ctypes
+        xxh = ctypes.CDLL("libxxhash.so.0")
+        xxh.XXH3_64bits.restype = ctypes.c_uint64
+        xxh.XXH3_64bits.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+        doc, query = words(2606, 60), "What is said?"
+        first = self.generate([doc], query)
+        rep = self.ok(first)
+        self.wait_cache_entries(1)
+        cache = self.cluster.address("cache-0")
+        digest = rep["segments"][0]["digest_hex"]
+        with tempfile.TemporaryDirectory() as d:
+            path = Path(d) / "e"
+            got = run("cache-get", "--cache", cache, "--digest", digest, "--out", str(path))
+            self.assertEqual(got.returncode, 0, got.stderr)
+            info = json.loads(got.stdout)
+            raw = path.read_bytes()
+            (hlen,) = struct.unpack_from("<I", raw, 8)
+            (fp_len,) = struct.unpack_from("<I", raw, 16)
+            fp = b"f" * (4 << 20)
+            header = raw[12:16] + struct.pack("<I", len(fp)) + fp + raw[20 + fp_len:12 + hlen]
+            body = b"HYPICSEG" + struct.pack("<I", len(header)) + header
+            body += struct.pack("<Q", xxh.XXH3_64bits(header, len(header))) + raw[12 + hlen + 8:-8]
+            body += struct.pack("<Q", xxh.XXH3_64bits(body, len(body)))
+            path.write_bytes(body)
+            put = run("cache-put", "--cache", cache, "--digest", digest, "--token-ids",
+                      ",".join(map(str, info["token_ids"])), "--in", str(path), "--mac-hex", info["mac_hex"])
+            self.assertEqual(put.returncode, 0, put.stderr)
+        again = self.generate([doc], query)
+        seg = self.ok(again)["segments"][0]
+        self.assertNotEqual(seg["source"], "SEGMENT_SOURCE_CACHE")
+        self.assertIn("this model's entry of these tokens takes", seg.get("note", ""))
+        self.assertLess(len(seg.get("note", "")), 2000)
+        self.assertEqual(again["token_ids"], first["token_ids"])
+
     def test_combine_worker_caps_decode_tokens_itself(self):
         r = self.generate([words(2603, 30)], "Go on.", max_tokens=40)  # the router allows 4096, the worker 16
         self.assertNotEqual(r["rc"], 0)

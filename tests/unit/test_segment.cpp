@@ -100,6 +100,25 @@ TEST_CASE("corrupt, truncated or foreign entry bytes are clear errors", "[segmen
     CHECK_THROWS_WITH(r.feed(h), Catch::Contains("truncated: its header announces"));
     CHECK_FALSE(asked);  // refused before the caller's check, and before anything was allocated
   }
+  // A header longer than the caller allows (or than the stream leaves) is refused at its length, before it is
+  // buffered; strings quoted from a header are cut.
+  {
+    uint32_t len;
+    std::memcpy(&len, bytes.data() + 8, 4);
+    EntryReader tight({.total_bytes = bytes.size(), .max_header_bytes = len - 1});
+    CHECK_THROWS_WITH(tight.feed(std::string_view(bytes).substr(0, 12)), Catch::Contains("above the"));
+    EntryReader small_stream({.total_bytes = len + 27});
+    CHECK_THROWS_WITH(small_stream.feed(std::string_view(bytes).substr(0, 12)), Catch::Contains("truncated"));
+    SegmentEntry long_fp = e;
+    long_fp.model_fingerprint = std::string(100000, 'f');
+    try {
+      long_fp.check_compatible(e.model_fingerprint, e.geometry, 4);
+      FAIL("no error");
+    } catch (const EntryError& err) {
+      CHECK(std::string(err.what()).size() < 400);
+      CHECK_THAT(err.what(), Catch::Contains("(100000 bytes)"));
+    }
+  }
   // The caller's header check runs before the tensors: an entry of other token ids is refused there.
   EntryReader other_ids({.total_bytes = bytes.size(), .header = [](const SegmentEntry& h) {
                            if (h.token_ids.size() != 999) throw EntryError("not the ids asked for");
@@ -262,8 +281,9 @@ TEST_CASE("fuzz regressions: header sizes that wrap, entries without tokens", "[
   bytes += h;
   const uint64_t sum = XXH3_64bits(h.data(), h.size());
   bytes.append(reinterpret_cast<const char*>(&sum), 8);
-  CHECK_THROWS_AS(deserialize_entry(bytes), EntryError);
-  CHECK_THROWS_WITH(deserialize_entry(bytes), Catch::Contains("announces more than"));
+  CHECK_THROWS_AS(deserialize_entry(bytes), EntryError);  // (its header is longer than the buffer leaves, first)
+  EntryReader unsized;  // no stream size to compare with: the wrapped total is what refuses it
+  CHECK_THROWS_WITH(unsized.feed(bytes), Catch::Contains("announces more than"));
 
   // No tokens: the token ids were copied from a null vector (memcpy(nullptr, ..., 0), undefined; UBSan flags it).
   const SegmentEntry empty = random_entry(0, 2, 5);
