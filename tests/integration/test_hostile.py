@@ -109,45 +109,62 @@ class PoisonTest(ClusterTestCase):
             self.assertIn("carries no MAC", self.ok(fourth_b)["segments"][0].get("note", ""))
             self.assertEqual(fourth_b["token_ids"], first_b["token_ids"])
 
-    def test_header_claiming_gigabytes_is_refused_before_anything_is_sized(self):
-        """An entry's header is not authenticated until its whole stream (checksum, MAC) has been read, so nothing it
-        announces may size memory first: a real entry whose header claims ~250 GB of K/V (header checksum recomputed)
-        is refused against the stream's size, counted, dropped, and the segment recomputed; the combine worker neither
-        dies (std::bad_alloc) nor grows."""
+    @staticmethod
+    def xxh3(data: bytes) -> int:
+        """XXH3-64 (the entry format's checksums), through the libxxhash the services link."""
         import ctypes
-        xxh = ctypes.CDLL("libxxhash.so.0")
-        xxh.XXH3_64bits.restype = ctypes.c_uint64
-        xxh.XXH3_64bits.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
-        doc, query = words(2605, 60), "What is said?"
+        lib = ctypes.CDLL("libxxhash.so.0")
+        lib.XXH3_64bits.restype = ctypes.c_uint64
+        lib.XXH3_64bits.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+        return lib.XXH3_64bits(data, len(data))
+
+    def cached_entry(self, doc: list, query: str) -> tuple:
+        """Generates on `doc` (its entry goes to the cache) and reads the entry back: (first answer, cache address,
+        digest hex, cache-get's JSON (token ids, MAC), the entry's bytes)."""
         first = self.generate([doc], query)
         rep = self.ok(first)
         self.wait_cache_entries(1)
         cache = self.cluster.address("cache-0")
         digest = rep["segments"][0]["digest_hex"]
+        with tempfile.TemporaryDirectory() as d:
+            path = Path(d) / "e"
+            got = run("cache-get", "--cache", cache, "--digest", digest, "--out", str(path))
+            self.assertEqual(got.returncode, 0, got.stderr)
+            return first, cache, digest, json.loads(got.stdout), path.read_bytes()
+
+    def put_forged(self, cache: str, digest: str, info: dict, data: bytes) -> None:
+        """Puts `data` under the entry's own digest, token ids and MAC."""
+        with tempfile.TemporaryDirectory() as d:
+            path = Path(d) / "forged"
+            path.write_bytes(data)
+            put = run("cache-put", "--cache", cache, "--digest", digest, "--token-ids",
+                      ",".join(map(str, info["token_ids"])), "--in", str(path), "--mac-hex", info["mac_hex"])
+            self.assertEqual(put.returncode, 0, put.stderr)
+
+    def test_header_claiming_gigabytes_is_refused_before_anything_is_sized(self):
+        """An entry's header is not authenticated until its whole stream (checksum, MAC) has been read, so nothing it
+        announces may size memory first: a real entry whose header claims ~250 GB of K/V (header checksum recomputed)
+        is refused against the stream's size, counted, dropped, and the segment recomputed; the combine worker neither
+        dies (std::bad_alloc) nor grows."""
+        doc, query = words(2605, 60), "What is said?"
+        first, cache, digest, info, data = self.cached_entry(doc, query)
         combine = self.cluster.services["combine"].proc.pid
+
         def peak_kib() -> int:
             for line in Path(f"/proc/{combine}/status").read_text().splitlines():
                 if line.startswith("VmHWM:"):
                     return int(line.split()[1])
             return 0
-        with tempfile.TemporaryDirectory() as d:
-            path = Path(d) / "e"
-            got = run("cache-get", "--cache", cache, "--digest", digest, "--out", str(path))
-            self.assertEqual(got.returncode, 0, got.stderr)
-            info = json.loads(got.stdout)
-            raw = bytearray(path.read_bytes())
-            (hlen,) = struct.unpack_from("<I", raw, 8)
-            h = 12  # the header: version, fingerprint, numerics, w, n, ids, then the 9 geometry values
-            (fp_len,) = struct.unpack_from("<I", raw, h + 4)
-            (num_len,) = struct.unpack_from("<I", raw, h + 8 + fp_len)
-            (n,) = struct.unpack_from("<I", raw, h + 8 + fp_len + 4 + num_len + 4)
-            geometry = h + 8 + fp_len + 4 + num_len + 8 + 4 * n
-            struct.pack_into("<II", raw, geometry + 5 * 4, 1280, 131072)  # kv_heads, head_dim: ~250 GB of K/V
-            struct.pack_into("<Q", raw, 12 + hlen, xxh.XXH3_64bits(bytes(raw[12:12 + hlen]), hlen))
-            path.write_bytes(bytes(raw))
-            put = run("cache-put", "--cache", cache, "--digest", digest, "--token-ids",
-                      ",".join(map(str, info["token_ids"])), "--in", str(path), "--mac-hex", info["mac_hex"])
-            self.assertEqual(put.returncode, 0, put.stderr)
+        raw = bytearray(data)
+        (hlen,) = struct.unpack_from("<I", raw, 8)
+        h = 12  # the header: version, fingerprint, numerics, w, n, ids, then the 9 geometry values
+        (fp_len,) = struct.unpack_from("<I", raw, h + 4)
+        (num_len,) = struct.unpack_from("<I", raw, h + 8 + fp_len)
+        (n,) = struct.unpack_from("<I", raw, h + 8 + fp_len + 4 + num_len + 4)
+        geometry = h + 8 + fp_len + 4 + num_len + 8 + 4 * n
+        struct.pack_into("<II", raw, geometry + 5 * 4, 1280, 131072)  # kv_heads, head_dim: ~250 GB of K/V
+        struct.pack_into("<Q", raw, 12 + hlen, self.xxh3(bytes(raw[12:12 + hlen])))
+        self.put_forged(cache, digest, info, bytes(raw))
         refused, peak = self.combine_metric("hypic:cache_entries_refused_total"), peak_kib()
         again = self.generate([doc], query)
         seg = self.ok(again)["segments"][0]
@@ -161,33 +178,16 @@ class PoisonTest(ClusterTestCase):
     def test_header_with_a_huge_fingerprint_is_refused_at_its_length(self):
         """A real entry whose header carries a 4 MB fingerprint (its size and checksums consistent): refused at the
         header's length, before it is buffered, and nothing of it is quoted at length in the segment's note."""
-        import ctypes
-        xxh = ctypes.CDLL("libxxhash.so.0")
-        xxh.XXH3_64bits.restype = ctypes.c_uint64
-        xxh.XXH3_64bits.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
         doc, query = words(2606, 60), "What is said?"
-        first = self.generate([doc], query)
-        rep = self.ok(first)
-        self.wait_cache_entries(1)
-        cache = self.cluster.address("cache-0")
-        digest = rep["segments"][0]["digest_hex"]
-        with tempfile.TemporaryDirectory() as d:
-            path = Path(d) / "e"
-            got = run("cache-get", "--cache", cache, "--digest", digest, "--out", str(path))
-            self.assertEqual(got.returncode, 0, got.stderr)
-            info = json.loads(got.stdout)
-            raw = path.read_bytes()
-            (hlen,) = struct.unpack_from("<I", raw, 8)
-            (fp_len,) = struct.unpack_from("<I", raw, 16)
-            fp = b"f" * (4 << 20)
-            header = raw[12:16] + struct.pack("<I", len(fp)) + fp + raw[20 + fp_len:12 + hlen]
-            body = b"HYPICSEG" + struct.pack("<I", len(header)) + header
-            body += struct.pack("<Q", xxh.XXH3_64bits(header, len(header))) + raw[12 + hlen + 8:-8]
-            body += struct.pack("<Q", xxh.XXH3_64bits(body, len(body)))
-            path.write_bytes(body)
-            put = run("cache-put", "--cache", cache, "--digest", digest, "--token-ids",
-                      ",".join(map(str, info["token_ids"])), "--in", str(path), "--mac-hex", info["mac_hex"])
-            self.assertEqual(put.returncode, 0, put.stderr)
+        first, cache, digest, info, raw = self.cached_entry(doc, query)
+        (hlen,) = struct.unpack_from("<I", raw, 8)
+        (fp_len,) = struct.unpack_from("<I", raw, 16)
+        fp = b"f" * (4 << 20)
+        header = raw[12:16] + struct.pack("<I", len(fp)) + fp + raw[20 + fp_len:12 + hlen]
+        body = b"HYPICSEG" + struct.pack("<I", len(header)) + header
+        body += struct.pack("<Q", self.xxh3(header)) + raw[12 + hlen + 8:-8]
+        body += struct.pack("<Q", self.xxh3(body))
+        self.put_forged(cache, digest, info, body)
         again = self.generate([doc], query)
         seg = self.ok(again)["segments"][0]
         self.assertNotEqual(seg["source"], "SEGMENT_SOURCE_CACHE")
