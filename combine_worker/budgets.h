@@ -22,7 +22,7 @@ struct BudgetInputs {
   uint64_t entry_bytes = 0;         ///< a typical entry where it is resident (Backend::entry_bytes(2048))
   uint64_t wire_entry_bytes = 0;    ///< the same entry serialized (cache puts)
   uint64_t prefix_cache_bytes = 0;  ///< --prefix-cache-bytes (device memory on CUDA)
-  int fetch_parallelism = 4;        ///< entries imported at once per request
+  int fetch_parallelism = 8;        ///< entries imported at once per request (CombineOptions::fetch_parallelism)
 };
 
 /// Byte budgets (0 disables a tier).
