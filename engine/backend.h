@@ -191,6 +191,11 @@ struct BackendOptions {
   int max_sequences = 64;
   /// CUDA: replay decode steps as CUDA graphs (captured on a batch shape's second step; same kernels, same bits).
   bool decode_graphs = true;
+  /// CUDA: decode steps may run on a second thread beside builds and splices (Backend::concurrent_decode): on a
+  /// stream of the device's highest priority with activations of their own, so that running sequences keep their
+  /// inter-token latency while a long prefill pass runs. Same kernels, same bits. false: the engine loop interleaves
+  /// decode steps between passes (chunked prefill) instead.
+  bool concurrent_decode = true;
   /// Benchmark only: ignore the checkpoint's safetensors and make seeded random weights from config.json on
   /// the device (logged and reported as benchmark-only; text is meaningless). 0 = load the real weights.
   /// Not supported by the CPU backend (make_backend throws; write a random checkpoint with `hypic-model init`).
@@ -245,6 +250,12 @@ class Backend {
                       std::vector<float>& logits) = 0;
 
   virtual BackendMemory memory() const = 0;
+
+  /// True if decode() may be called from one other thread while build_entries, import_entry or splice run (on
+  /// distinct sequences; decode calls themselves never overlap one another). The engine loop then steps its running
+  /// sequences on a thread of their own (EngineLoop), so that a prefill pass no longer stalls them. Default false
+  /// (the CPU backend: one thread calls everything).
+  virtual bool concurrent_decode() const { return false; }
 
   /// The device block of `entry` if it is one of this backend's device entries (CUDA); nullopt where entries live
   /// in host memory (CPU) or `entry` is not this backend's. Thread-safe (reads what never changes).

@@ -37,7 +37,8 @@ EngineErrorKind classify_engine_error(const std::exception_ptr& e) {
   }
 }
 
-EngineLoop::EngineLoop(Backend& backend, EngineLoopOptions options) : backend_(backend), options_(options) {
+EngineLoop::EngineLoop(Backend& backend, EngineLoopOptions options)
+    : backend_(backend), options_(options), concurrent_(backend.concurrent_decode()) {
   if (options_.max_build_tokens < 1)
     throw std::invalid_argument("engine loop: max_build_tokens must be >= 1, got " +
                                 std::to_string(options_.max_build_tokens));
@@ -51,6 +52,7 @@ EngineLoop::EngineLoop(Backend& backend, EngineLoopOptions options) : backend_(b
     throw std::invalid_argument("engine loop: max_pass_tokens must be >= 0, got " +
                                 std::to_string(options_.max_pass_tokens));
   egress_thread_ = std::thread([this] { run_egress(); });
+  if (concurrent_) decode_thread_ = std::thread([this] { run_decode(); });
   thread_ = std::thread([this] { run(); });
 }
 
@@ -64,6 +66,13 @@ void EngineLoop::stop() {
   }
   cv_.notify_all();
   if (thread_.joinable()) thread_.join();
+  // The decode thread last: the loop thread may hand it a sequence while finishing its splice.
+  {
+    std::lock_guard<std::mutex> lock(dec_mu_);
+    dec_stop_ = true;
+  }
+  dec_cv_.notify_all();
+  if (decode_thread_.joinable()) decode_thread_.join();
   // The builds already made still get their wire form (the egress thread drains its queue, then ends).
   {
     std::lock_guard<std::mutex> lock(egress_mu_);
@@ -171,7 +180,7 @@ void EngineLoop::run() {
     std::optional<SpliceTask> splice;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] { return stop_ || !builds_.empty() || !splices_.empty() || !active_.empty(); });
+      cv_.wait(lock, [&] { return stop_ || !builds_.empty() || !splices_.empty() || (!concurrent_ && !active_.empty()); });
       if (stop_) break;
       // One unit of non-decode work per iteration, alternating between the queues when both wait.
       const bool take_build = !builds_.empty() && (builds_turn_ || splices_.empty());
@@ -179,8 +188,9 @@ void EngineLoop::run() {
         // Every queued build of the first one's seam width, FIFO, up to the token budget (the first always goes);
         // a smaller budget while sequences decode, so that their next step comes sooner.
         const int w = builds_.front().seam_width;
-        const int64_t budget = active_.empty() ? options_.max_build_tokens
-                                               : std::min(options_.max_build_tokens, options_.max_build_tokens_decoding);
+        const int64_t budget = concurrent_ || active_.empty()
+                                   ? options_.max_build_tokens
+                                   : std::min(options_.max_build_tokens, options_.max_build_tokens_decoding);
         int64_t tokens = 0;
         for (auto it = builds_.begin(); it != builds_.end();) {
           const int64_t n = int64_t(it->ids.size());
@@ -200,7 +210,7 @@ void EngineLoop::run() {
         builds_turn_ = true;
       }
     }
-    if (!active_.empty()) decode_step();
+    if (!concurrent_ && !active_.empty()) decode_step();
     if (!batch.empty()) run_builds(std::move(batch));
     if (splice) run_splice(std::move(*splice));
   }
@@ -232,15 +242,42 @@ void EngineLoop::run() {
       s.done(std::move(r));
     }
   }
+  if (!concurrent_) end_active("engine loop stopped");
+}
+
+void EngineLoop::end_active(const char* why) {
   for (auto& a : active_) {
     GenerateEnd end;
     end.reason = GenerateEndReason::Cancelled;
     end.tokens = a.produced;
-    end.error = "engine loop stopped";
+    end.error = why;
     if (a.gen->on_end) a.gen->on_end(end);
   }
   active_.clear();
   active_count_ = 0;
+}
+
+void EngineLoop::run_decode() {
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lock(dec_mu_);
+      dec_cv_.wait(lock, [&] { return dec_stop_ || !joining_.empty() || !active_.empty(); });
+      for (auto& a : joining_) active_.push_back(std::move(a));
+      joining_.clear();
+      if (dec_stop_) break;
+    }
+    decode_step();
+  }
+  end_active("engine loop stopped");
+}
+
+void EngineLoop::publish_active_count() {
+  if (!concurrent_) {
+    active_count_ = int(active_.size());
+    return;
+  }
+  std::lock_guard<std::mutex> lock(dec_mu_);
+  active_count_ = int(active_.size() + joining_.size());
 }
 
 void EngineLoop::run_builds(std::vector<BuildJob> batch) {
@@ -374,10 +411,12 @@ void EngineLoop::run_splice(SpliceTask task) {
       r.info.imported[i] = plan.segments[i].entry;
     }
     plan.cancel = task.cancel;  // a splice of several passes stops between them once the request is cancelled
-    // Chunked prefill: decode steps of the running sequences between passes; the cancel flag is read there too.
-    plan.max_pass_tokens = active_.empty() ? options_.max_pass_tokens : options_.max_pass_tokens_decoding;
+    // Chunked prefill: decode steps of the running sequences between passes (unless they run on their own
+    // thread, beside the passes); the cancel flag is read there too.
+    const bool interleave = !concurrent_ && !active_.empty();
+    plan.max_pass_tokens = interleave ? options_.max_pass_tokens_decoding : options_.max_pass_tokens;
     plan.between_passes = [this, &r] {
-      decode_step();
+      if (!concurrent_) decode_step();
       ++r.info.passes_paused;
     };
     r.output = backend_.splice(plan);
@@ -422,10 +461,18 @@ void EngineLoop::run_splice(SpliceTask task) {
     if (a.gen->on_end) a.gen->on_end(end);
     return;
   }
-  if (!emit(a, first)) {
+  if (emit(a, first)) return;
+  if (!concurrent_) {
     active_.push_back(std::move(a));
     active_count_ = int(active_.size());
+    return;
   }
+  {
+    std::lock_guard<std::mutex> lock(dec_mu_);
+    joining_.push_back(std::move(a));
+    ++active_count_;
+  }
+  dec_cv_.notify_all();
 }
 
 bool EngineLoop::emit(Active& a, int32_t token) {
@@ -459,7 +506,7 @@ void EngineLoop::decode_step() {
       ++i;
     }
   }
-  active_count_ = int(active_.size());
+  publish_active_count();
   if (active_.empty()) return;
   std::vector<Sequence*> seqs;
   std::vector<int32_t> tokens;
@@ -486,7 +533,7 @@ void EngineLoop::decode_step() {
     if (active_.size() == 1) {
       fail(active_[0], kind, msg);
       active_.clear();
-      active_count_ = 0;
+      publish_active_count();
       return;
     }
     const size_t vocab = size_t(backend_.config().vocab_size);
@@ -514,7 +561,7 @@ void EngineLoop::decode_step() {
       }
     active_ = std::move(kept);
     logits = std::move(kept_logits);
-    active_count_ = int(active_.size());
+    publish_active_count();
     if (active_.empty()) return;
   }
   decode_iterations_++;
@@ -534,7 +581,7 @@ void EngineLoop::decode_step() {
     if (!emit(a, tok)) still.push_back(std::move(a));
   }
   active_ = std::move(still);
-  active_count_ = int(active_.size());
+  publish_active_count();
 }
 
 }  // namespace hypic::engine

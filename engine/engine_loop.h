@@ -15,14 +15,21 @@
 //    only receives token ids.
 // A build whose cancel flag is set while its batch runs stops at the backend's next check (before a decoder layer), so a
 // cancelled request's cold segments stop costing compute within about one layer.
-// Fairness: each iteration runs one decode step of the whole batch, then one queued unit of other work (a build
-// batch or a splice, alternating when both wait), so neither a long splice nor a long decode starves the other; while
-// sequences decode, a build batch is held to EngineLoopOptions::max_build_tokens_decoding tokens and a splice runs in
-// passes of at most max_pass_tokens_decoding tokens with a decode step of the batch between two (chunked prefill).
+// Decoding beside prefill: where the backend allows it (Backend::concurrent_decode, the CUDA backend: decode steps
+// on a stream of the device's highest priority with buffers of their own), the running sequences are stepped on a
+// decode thread of the loop's own, continuously, while the loop thread runs builds and splices: a long prefill pass
+// no longer stalls their inter-token latency, and passes are not cut for them. A generation's first token comes from
+// its splice on the loop thread, then the sequence joins the decode thread's batch.
+// Otherwise (the CPU backend), fairness: each iteration runs one decode step of the whole batch, then one queued
+// unit of other work (a build batch or a splice, alternating when both wait), so neither a long splice nor a long
+// decode starves the other; while sequences decode, a build batch is held to
+// EngineLoopOptions::max_build_tokens_decoding tokens and a splice runs in passes of at most max_pass_tokens_decoding
+// tokens with a decode step of the batch between two (chunked prefill).
 //
-// Callbacks run on the loop thread (those of BuildHandover::Wire builds that were built: on its egress thread): they
-// must be quick and must not call back into the loop's waiting operations (push into a queue and notify). Every job
-// gets exactly one final callback (done / on_end).
+// Callbacks run on the loop thread (those of BuildHandover::Wire builds that were built: on its egress thread; a
+// generation's tokens after its first and its end, with a concurrent decode: on the decode thread): they must be
+// quick and must not call back into the loop's waiting operations (push into a queue and notify). Every job gets
+// exactly one final callback (done / on_end).
 #pragma once
 #include <atomic>
 #include <chrono>
@@ -97,8 +104,8 @@ struct SpliceInfo {
   int64_t num_tokens = 0, computed_tokens = 0;
   int prefix_segments_reused = 0;
   std::vector<int> recomputed_segments;  ///< hypic: segments recomputed whole (SpliceOutput), ascending
-  /// Chunked prefill: pauses between this splice's passes (a decode step of the running sequences in each, if any;
-  /// included in splice_ms).
+  /// Chunked prefill: pauses between this splice's passes (a decode step of the running sequences in each, if any
+  /// and the backend has no concurrent decode; included in splice_ms).
   int passes_paused = 0;
   /// Per plan segment, the entry imported from SpliceJob::host_entries (null where none was): callers may keep
   /// them (resident on the backend) to splice again without another import.
@@ -144,13 +151,15 @@ struct EngineLoopOptions {
   /// The same while sequences are decoding (min with max_build_tokens): queued builds then go in smaller batches with
   /// a decode step of the running sequences between two, so that a burst of cold segments does not stall their
   /// inter-token latency for a whole large batch (vLLM's and SGLang's chunked prefill, at the granularity of whole
-  /// segments; each build's entry is the same whatever batch it is in). >= 1.
+  /// segments; each build's entry is the same whatever batch it is in). Unused where decode steps run beside the
+  /// builds (Backend::concurrent_decode). >= 1.
   int64_t max_build_tokens_decoding = 2048;
   /// Chunked prefill of splices: while sequences are decoding, no forward pass of a splice runs more than this many
   /// tokens, and the decoding sequences take one step between two of its passes (SplicePlan::max_pass_tokens,
   /// between_passes), so a long prompt's prefill stalls their inter-token latency for one pass, not for its whole
   /// length (the splice's cancel flag is checked there too). Costs the splice some speed (smaller passes) only while
-  /// others decode. 0 = splices are never cut. >= 0.
+  /// others decode. Unused where decode steps run beside the passes (Backend::concurrent_decode). 0 = splices are
+  /// never cut. >= 0.
   int64_t max_pass_tokens_decoding = 2048;
   /// The same when nothing decodes: it bounds how far a cancelled (or expired) request's prefill runs past its
   /// cancellation (one pass). 0 = passes as large as the backend allows (CUDA: max_batch_tokens). >= 0.
@@ -252,7 +261,14 @@ class EngineLoop {
   void run();
   void run_builds(std::vector<BuildJob> batch);
   void run_splice(SpliceTask task);
+  /// One step of active_ (on the loop thread, or with concurrent_ on the decode thread, which owns active_ then).
   void decode_step();
+  /// The decode thread (concurrent_): takes the sequences joining_, steps active_ while it is not empty.
+  void run_decode();
+  /// Ends every sequence of active_ as Cancelled (the loop stopping).
+  void end_active(const char* why);
+  /// active_count_ = active_ (+ joining_ with concurrent_).
+  void publish_active_count();
   /// Delivers a sampled token; true if the sequence ends here (stop token or max_tokens).
   bool emit(Active& a, int32_t token);
   static bool is_cancelled(const CancelFlag& c) { return c && c->load(); }
@@ -265,7 +281,12 @@ class EngineLoop {
   std::deque<SpliceTask> splices_;
   bool stop_ = false;
   bool builds_turn_ = true;  // alternation between the two queues
-  std::vector<Active> active_;  // loop thread only
+  const bool concurrent_;  // backend_.concurrent_decode(): decode steps run on decode_thread_
+  std::vector<Active> active_;  // the thread that decodes only (the loop thread, or decode_thread_)
+  std::mutex dec_mu_;
+  std::condition_variable dec_cv_;
+  std::vector<Active> joining_;  // concurrent_: spliced (first token out), for decode_thread_ to take; under dec_mu_
+  bool dec_stop_ = false;        // under dec_mu_
   std::atomic<int64_t> queued_tokens_{0};
   std::atomic<int> active_count_{0};
   std::atomic<uint64_t> decode_iterations_{0}, decode_steps_{0}, build_batches_{0};
@@ -274,7 +295,7 @@ class EngineLoop {
   std::condition_variable egress_cv_;
   std::deque<Egress> egress_;
   bool egress_stop_ = false;
-  std::thread thread_, egress_thread_;
+  std::thread thread_, egress_thread_, decode_thread_;
 };
 
 /// The EngineErrorKind of an exception.

@@ -254,6 +254,7 @@ class CudaBackend final : public Backend {
   void decode(std::span<Sequence* const> sequences, std::span<const int32_t> tokens,
               std::vector<float>& logits) override;
   BackendMemory memory() const override;
+  bool concurrent_decode() const override { return opt_.concurrent_decode; }
   bool device_entries() const override { return true; }
   std::shared_ptr<const HostBlock> copy_to_host(const ResidentEntry& entry) const override;
   std::shared_ptr<const ResidentEntry> import_block(const HostBlock& block) const override;
@@ -329,13 +330,31 @@ class CudaBackend final : public Backend {
   // One varlen build pass; `stop` asked before each layer (true: nothing more is launched, null entries).
   void build_batch(std::span<const std::vector<int32_t>> segments, int w,
                    std::vector<std::shared_ptr<CudaEntry>>& out, const std::function<bool()>& stop);
-  void linear_gemms(const DevLinear& L, int T);
-  void linear_finish(const DevLinear& L, int T);
-  void attention_gemms(const DevAttention& A, int T);
-  void attention_mixer(const DevAttention& A, int a, int T, const int* positions, const int* kv_rows,
+  // What one thread's forward passes compute with: its stream, GEMM runner, MoE workspace and activations (DEVICE,
+  // rows of tokens: ids int32 [T]; x fp32 [T][hidden], the residual stream; the rest bf16 [T][width]). Two exist:
+  // pre_, the engine loop's (builds and splices, on stream_), and dec_, the decode steps' (their own stream of the
+  // device's highest priority, buffers for max_sequences tokens), so that a decode step may run on another thread
+  // while a prefill pass runs (Backend::concurrent_decode): the two share only the weights (read) and the pools,
+  // where each sequence's slot and pages are its own.
+  struct Lane {
+    cudaStream_t stream = nullptr;
+    kc::GemmRunner* gemm = nullptr;
+    kc::MoeWorkspace* moe_ws = nullptr;
+    int32_t* ids = nullptr;
+    float* x = nullptr;
+    kc::bf16 *hn = nullptr, *qkv = nullptr, *conv_out = nullptr, *q = nullptr, *k = nullptr, *v = nullptr,
+             *z = nullptr, *ga = nullptr, *gb = nullptr, *o = nullptr, *qg = nullptr, *kv = nullptr, *aq = nullptr,
+             *ao = nullptr;
+  };
+  // Allocates `mem` for T tokens' activations and points a lane's buffers into it.
+  void carve_activations(DeviceMemory& mem, size_t T, const std::string& what, Lane& lane);
+  void linear_gemms(const Lane& ln, const DevLinear& L, int T);
+  void linear_finish(const Lane& ln, const DevLinear& L, int T);
+  void attention_gemms(const Lane& ln, const DevAttention& A, int T);
+  void attention_mixer(const Lane& ln, const DevAttention& A, int a, int T, const int* positions, const int* kv_rows,
                        const kc::AttnGroups& groups, bool decode);
   /// Post-attention norm and MLP / MoE of T tokens added into the residual; decode: a (capturable) decode step.
-  void ffn(const DevLayer& L, int T, bool decode = false);
+  void ffn(const Lane& ln, const DevLayer& L, int T, bool decode = false);
   kc::MoeWeightsView moe_view(const DevLayer& L) const;
   void lm_head(int rows, const int* rows_index, std::vector<float>& logits);
   void snapshot_linear(const CudaSequence& s, std::vector<std::vector<float>>& out) const;
@@ -419,14 +438,15 @@ class CudaBackend final : public Backend {
   }
   int num_pages_ = 0;
   DeviceMemory inv_freq_;
-  // Activations for max_batch_tokens tokens.
+  // Activations: the engine loop's for max(max_batch_tokens, max_segment_tokens) tokens (pre_), the decode lane's
+  // for max_sequences tokens (dec_).
   int64_t Tmax_ = 0;
-  DeviceMemory act_;
-  int32_t* d_ids_ = nullptr;
-  float* x_ = nullptr;
-  kc::bf16 *hn_ = nullptr, *qkv_ = nullptr, *conv_out_ = nullptr, *q_ = nullptr, *k_ = nullptr, *v_ = nullptr,
-           *z_ = nullptr, *ga_ = nullptr, *gb_ = nullptr, *o_ = nullptr, *qg_ = nullptr, *kv_ = nullptr,
-           *aq_ = nullptr, *ao_ = nullptr;
+  DeviceMemory act_, dec_act_;
+  Lane pre_, dec_;
+  // The decode lane's own stream (the device's highest priority), GEMM runner and MoE workspace.
+  cudaStream_t dec_stream_ = nullptr;
+  kc::GemmRunner dec_gemm_;
+  kc::MoeWorkspace dec_moe_ws_;
   DeviceMemory logits_dev_;
   DeviceMemory mass_dev_;  // the refresh probe's attention mass per KV slot (fp32)
   DeviceMemory dec_tables_, dec_logits_;          // decode steps (fixed, so that graphs can point at them)
@@ -486,6 +506,11 @@ CudaBackend::CudaBackend(const DeviceSpec& dev, ModelConfig cfg, const ModelWeig
   check_cuda(cudaStreamCreateWithFlags(&xfer_stream_, cudaStreamNonBlocking), "cudaStreamCreate");
   check_cuda(cudaStreamCreateWithFlags(&d2h_stream_, cudaStreamNonBlocking), "cudaStreamCreate");
   check_cuda(cudaStreamCreateWithFlags(&h2d_stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+  {  // decode steps: the highest priority, so that their blocks go first as a prefill pass's blocks retire
+    int least = 0, greatest = 0;
+    check_cuda(cudaDeviceGetStreamPriorityRange(&least, &greatest), "cudaDeviceGetStreamPriorityRange");
+    check_cuda(cudaStreamCreateWithPriority(&dec_stream_, cudaStreamNonBlocking, greatest), "cudaStreamCreate");
+  }
   pinned_ = std::make_shared<PinnedPool>(dev_.index);
   if (!weights && checkpoint.empty()) cfg_.weights_digest = random_weights_digest(opt_.random_weights_seed);
   fingerprint_ = model_fingerprint(cfg_, numerics());
@@ -525,13 +550,14 @@ CudaBackend::~CudaBackend() {
   if (stream_) {
     cudaSetDevice(dev_.index);
     cudaStreamSynchronize(stream_);
+    if (dec_stream_) cudaStreamSynchronize(dec_stream_);
     prefix_lru_.clear();
     graphs_.clear();
     drain_frees();
     cudaStreamSynchronize(stream_);
     cudaStreamDestroy(stream_);
   }
-  for (cudaStream_t st : {d2h_stream_, h2d_stream_}) {
+  for (cudaStream_t st : {d2h_stream_, h2d_stream_, dec_stream_}) {
     if (!st) continue;
     cudaStreamSynchronize(st);
     cudaStreamDestroy(st);
@@ -576,29 +602,11 @@ void CudaBackend::allocate_pools() {
   for (int s = S - 1; s >= 0; --s) free_slots_.push_back(s);
   // Activations.
   Tmax_ = std::max(opt_.max_batch_tokens, opt_.max_segment_tokens);
-  const size_t T = size_t(Tmax_);
-  Layout lay;
-  const size_t o_ids = lay.add(T * 4), o_x = lay.add(T * H_ * 4), o_hn = lay.add(T * H_ * 2);
-  size_t o_qkv = 0, o_conv = 0, o_q = 0, o_k = 0, o_v = 0, o_z = 0, o_a = 0, o_b = 0, o_o = 0;
-  if (n_lin_) {
-    o_qkv = lay.add(T * C_ * 2), o_conv = lay.add(T * C_ * 2), o_q = lay.add(T * qd_ * 2), o_k = lay.add(T * qd_ * 2);
-    o_v = lay.add(T * vd_ * 2), o_z = lay.add(T * vd_ * 2), o_a = lay.add(T * nv_ * 2), o_b = lay.add(T * nv_ * 2);
-    o_o = lay.add(T * vd_ * 2);
-  }
-  size_t o_qg = 0, o_kv = 0, o_aq = 0, o_ao = 0;
-  if (n_attn_) {
-    o_qg = lay.add(T * (cfg_.attn_output_gate ? 2 : 1) * nh_ * hd_ * 2), o_kv = lay.add(T * 2 * nkv_ * hd_ * 2);
-    o_aq = lay.add(T * nh_ * hd_ * 2), o_ao = lay.add(T * nh_ * hd_ * 2);
-  }
-  act_ = DeviceMemory(lay.total(), "activations (--max-batch-tokens " + std::to_string(Tmax_) + ")");
+  carve_activations(act_, size_t(Tmax_), "activations (--max-batch-tokens " + std::to_string(Tmax_) + ")", pre_);
+  pre_.stream = stream_, pre_.gemm = &gemm_, pre_.moe_ws = &moe_ws_;
+  carve_activations(dec_act_, size_t(opt_.max_sequences), "decode activations (--max-sequences)", dec_);
+  dec_.stream = dec_stream_, dec_.gemm = &dec_gemm_, dec_.moe_ws = &dec_moe_ws_;
   dec_logits_ = DeviceMemory(size_t(opt_.max_sequences) * cfg_.vocab_size * 4, "decode logits (--max-sequences)");
-  auto bp = [&](size_t off) { return reinterpret_cast<kc::bf16*>(act_.bytes_ptr(off)); };
-  d_ids_ = reinterpret_cast<int32_t*>(act_.bytes_ptr(o_ids));
-  x_ = reinterpret_cast<float*>(act_.bytes_ptr(o_x));
-  hn_ = bp(o_hn);
-  if (n_lin_) qkv_ = bp(o_qkv), conv_out_ = bp(o_conv), q_ = bp(o_q), k_ = bp(o_k), v_ = bp(o_v), z_ = bp(o_z),
-              ga_ = bp(o_a), gb_ = bp(o_b), o_ = bp(o_o);
-  if (n_attn_) qg_ = bp(o_qg), kv_ = bp(o_kv), aq_ = bp(o_aq), ao_ = bp(o_ao);
   if (n_attn_) {
     const std::vector<float> inv = kernels::cpu::rope_inv_freq(cfg_.rope_theta, cfg_.rotary_dim());
     inv_freq_ = DeviceMemory(inv.size() * 4, "rope inverse frequencies");
@@ -608,9 +616,13 @@ void CudaBackend::allocate_pools() {
   for (const DevLayer& L : w_.layers)
     if (L.is_moe) {
       moe_ws_.reserve(int(Tmax_), moe_view(L));
+      dec_moe_ws_.reserve(opt_.max_sequences, moe_view(L));
       break;
     }
-  if (cfg_.intermediate_size > 0) moe_ws_.reserve_mlp(int(Tmax_), H_, int(cfg_.intermediate_size));
+  if (cfg_.intermediate_size > 0) {
+    moe_ws_.reserve_mlp(int(Tmax_), H_, int(cfg_.intermediate_size));
+    dec_moe_ws_.reserve_mlp(opt_.max_sequences, H_, int(cfg_.intermediate_size));
+  }
   // KV pool: what the budget allows, else 40% of what is free now.
   if (n_attn_) {
     size_t budget = opt_.kv_pool_bytes;
@@ -629,6 +641,31 @@ void CudaBackend::allocate_pools() {
     }
     for (int p = num_pages_ - 1; p >= 0; --p) free_pages_.push_back(p);
   }
+}
+
+void CudaBackend::carve_activations(DeviceMemory& mem, size_t T, const std::string& what, Lane& lane) {
+  Layout lay;
+  const size_t o_ids = lay.add(T * 4), o_x = lay.add(T * H_ * 4), o_hn = lay.add(T * H_ * 2);
+  size_t o_qkv = 0, o_conv = 0, o_q = 0, o_k = 0, o_v = 0, o_z = 0, o_a = 0, o_b = 0, o_o = 0;
+  if (n_lin_) {
+    o_qkv = lay.add(T * C_ * 2), o_conv = lay.add(T * C_ * 2), o_q = lay.add(T * qd_ * 2), o_k = lay.add(T * qd_ * 2);
+    o_v = lay.add(T * vd_ * 2), o_z = lay.add(T * vd_ * 2), o_a = lay.add(T * nv_ * 2), o_b = lay.add(T * nv_ * 2);
+    o_o = lay.add(T * vd_ * 2);
+  }
+  size_t o_qg = 0, o_kv = 0, o_aq = 0, o_ao = 0;
+  if (n_attn_) {
+    o_qg = lay.add(T * (cfg_.attn_output_gate ? 2 : 1) * nh_ * hd_ * 2), o_kv = lay.add(T * 2 * nkv_ * hd_ * 2);
+    o_aq = lay.add(T * nh_ * hd_ * 2), o_ao = lay.add(T * nh_ * hd_ * 2);
+  }
+  mem = DeviceMemory(lay.total(), what);
+  auto bp = [&](size_t off) { return reinterpret_cast<kc::bf16*>(mem.bytes_ptr(off)); };
+  lane.ids = reinterpret_cast<int32_t*>(mem.bytes_ptr(o_ids));
+  lane.x = reinterpret_cast<float*>(mem.bytes_ptr(o_x));
+  lane.hn = bp(o_hn);
+  if (n_lin_)
+    lane.qkv = bp(o_qkv), lane.conv_out = bp(o_conv), lane.q = bp(o_q), lane.k = bp(o_k), lane.v = bp(o_v),
+    lane.z = bp(o_z), lane.ga = bp(o_a), lane.gb = bp(o_b), lane.o = bp(o_o);
+  if (n_attn_) lane.qg = bp(o_qg), lane.kv = bp(o_kv), lane.aq = bp(o_aq), lane.ao = bp(o_ao);
 }
 
 std::unique_ptr<CudaSequence> CudaBackend::new_sequence() {
@@ -678,7 +715,7 @@ BackendMemory CudaBackend::memory() const {
     std::lock_guard lock(pool_mu_);
     m.kv_used = size_t(num_pages_ - int(free_pages_.size())) * page_bytes();
   }
-  m.workspace = act_.size() + moe_ws_.bytes() + ws_a_.bytes() + ws_c_.bytes() + ws_seam_.bytes() + ws_pieces_.bytes() +
+  m.workspace = act_.size() + dec_act_.size() + moe_ws_.bytes() + dec_moe_ws_.bytes() + ws_a_.bytes() + ws_c_.bytes() + ws_seam_.bytes() + ws_pieces_.bytes() +
                 attn_ws_.bytes() + attn_dec_ws_.bytes() + run_scratch_.size() + tables_dev_.size() + logits_dev_.size();
   for (const auto& p : prefix_lru_) m.entries_used += p.cp->mem.size();
   size_t free = 0, total = 0;
@@ -699,17 +736,17 @@ void CudaBackend::check_ids(std::span<const int32_t> ids, const std::string& whe
 
 // ---- layer pieces ----------------------------------------------------------------------------------------------
 
-void CudaBackend::linear_gemms(const DevLinear& L, int T) {
-  gemm_.linear(T, C_, H_, hn_, H_, L.in_proj_qkv, qkv_, CUDA_R_16BF, C_, 0.f, stream_);
-  gemm_.linear(T, vd_, H_, hn_, H_, L.in_proj_z, z_, CUDA_R_16BF, vd_, 0.f, stream_);
-  gemm_.linear(T, nv_, H_, hn_, H_, L.in_proj_b, gb_, CUDA_R_16BF, nv_, 0.f, stream_);
-  gemm_.linear(T, nv_, H_, hn_, H_, L.in_proj_a, ga_, CUDA_R_16BF, nv_, 0.f, stream_);
+void CudaBackend::linear_gemms(const Lane& ln, const DevLinear& L, int T) {
+  ln.gemm->linear(T, C_, H_, ln.hn, H_, L.in_proj_qkv, ln.qkv, CUDA_R_16BF, C_, 0.f, ln.stream);
+  ln.gemm->linear(T, vd_, H_, ln.hn, H_, L.in_proj_z, ln.z, CUDA_R_16BF, vd_, 0.f, ln.stream);
+  ln.gemm->linear(T, nv_, H_, ln.hn, H_, L.in_proj_b, ln.gb, CUDA_R_16BF, nv_, 0.f, ln.stream);
+  ln.gemm->linear(T, nv_, H_, ln.hn, H_, L.in_proj_a, ln.ga, CUDA_R_16BF, nv_, 0.f, ln.stream);
 }
 
 // Gated RMSNorm of the delta-rule output times silu(z), then out_proj added into the residual stream.
-void CudaBackend::linear_finish(const DevLinear& L, int T) {
-  kc::rms_norm_gated(T * nv_, D, o_, z_, L.norm, eps_, o_, stream_);
-  gemm_.linear(T, H_, vd_, o_, vd_, L.out_proj, x_, CUDA_R_32F, H_, 1.f, stream_);
+void CudaBackend::linear_finish(const Lane& ln, const DevLinear& L, int T) {
+  kc::rms_norm_gated(T * nv_, D, ln.o, ln.z, L.norm, eps_, ln.o, ln.stream);
+  ln.gemm->linear(T, H_, vd_, ln.o, vd_, L.out_proj, ln.x, CUDA_R_32F, H_, 1.f, ln.stream);
 }
 
 kc::AttnGroups attn_groups(int num_groups, const int* q_start, const int* slot0, const int* block_table, int max_pages,
@@ -723,39 +760,40 @@ kc::AttnGroups attn_groups(int num_groups, const int* q_start, const int* slot0,
 // Gated attention layer a over T tokens (HF Qwen3NextAttention): projections, q/k norms and RoPE with K and V written
 // to the pool rows kv_rows (DEVICE [T]) at positions (DEVICE [T]), attention over the groups (prefill, or one query
 // per group in decode), the output gate, o_proj added into the residual stream.
-void CudaBackend::attention_mixer(const DevAttention& A, int a, int T, const int* positions, const int* kv_rows,
+void CudaBackend::attention_mixer(const Lane& ln, const DevAttention& A, int a, int T, const int* positions, const int* kv_rows,
                                   const kc::AttnGroups& groups, bool decode) {
-  attention_gemms(A, T);
+  attention_gemms(ln, A, T);
   kc::bf16* kp = k_pool_[a].as<kc::bf16>();
   kc::bf16* vp = v_pool_[a].as<kc::bf16>();
-  kc::attention_prepare(T, nh_, nkv_, hd_, cfg_.rotary_dim(), cfg_.attn_output_gate, qg_, kv_, kv_ + nkv_ * hd_,
-                        2 * nkv_ * hd_, A.q_norm, A.k_norm, eps_, positions, inv_freq_.as<float>(), kv_rows, aq_, kp, vp,
-                        stream_);
+  kc::attention_prepare(T, nh_, nkv_, hd_, cfg_.rotary_dim(), cfg_.attn_output_gate, ln.qg, ln.kv, ln.kv + nkv_ * hd_,
+                        2 * nkv_ * hd_, A.q_norm, A.k_norm, eps_, positions, inv_freq_.as<float>(), kv_rows, ln.aq, kp, vp,
+                        ln.stream);
   const bool gate = cfg_.attn_output_gate;
-  const kc::bf16* g = gate ? qg_ + hd_ : nullptr;
+  const kc::bf16* g = gate ? ln.qg + hd_ : nullptr;
   const long g_token = gate ? long(2) * nh_ * hd_ : 0;
   const int g_head = gate ? 2 * hd_ : 0;
   if (decode)
-    kc::attention_decode(groups, nh_, nkv_, hd_, aq_, kp, vp, attn_scale_, g, g_token, g_head, ao_, attn_dec_ws_,
-                         stream_);
+    kc::attention_decode(groups, nh_, nkv_, hd_, ln.aq, kp, vp, attn_scale_, g, g_token, g_head, ln.ao, attn_dec_ws_,
+                         ln.stream);
   else
-    kc::attention_prefill(groups, nh_, nkv_, hd_, aq_, kp, vp, attn_scale_, g, g_token, g_head, ao_, attn_ws_, stream_);
-  gemm_.linear(T, H_, nh_ * hd_, ao_, nh_ * hd_, A.o_proj, x_, CUDA_R_32F, H_, 1.f, stream_);
+    kc::attention_prefill(groups, nh_, nkv_, hd_, ln.aq, kp, vp, attn_scale_, g, g_token, g_head, ln.ao, attn_ws_, ln.stream);
+  ln.gemm->linear(T, H_, nh_ * hd_, ln.ao, nh_ * hd_, A.o_proj, ln.x, CUDA_R_32F, H_, 1.f, ln.stream);
 }
 
-void CudaBackend::attention_gemms(const DevAttention& A, int T) {
+void CudaBackend::attention_gemms(const Lane& ln, const DevAttention& A, int T) {
   const int qrows = (cfg_.attn_output_gate ? 2 : 1) * nh_ * hd_;
-  gemm_.linear(T, qrows, H_, hn_, H_, A.q_proj, qg_, CUDA_R_16BF, qrows, 0.f, stream_);
-  gemm_.linear(T, 2 * nkv_ * hd_, H_, hn_, H_, A.kv_proj, kv_, CUDA_R_16BF, 2 * nkv_ * hd_, 0.f, stream_);
+  ln.gemm->linear(T, qrows, H_, ln.hn, H_, A.q_proj, ln.qg, CUDA_R_16BF, qrows, 0.f, ln.stream);
+  ln.gemm->linear(T, 2 * nkv_ * hd_, H_, ln.hn, H_, A.kv_proj, ln.kv, CUDA_R_16BF, 2 * nkv_ * hd_, 0.f, ln.stream);
 }
 
-void CudaBackend::ffn(const DevLayer& L, int T, bool decode) {
-  kc::rms_norm_residual(T, H_, x_, H_, nullptr, L.post_attention_layernorm, eps_, hn_, stream_);
+void CudaBackend::ffn(const Lane& ln, const DevLayer& L, int T, bool decode) {
+  kc::rms_norm_residual(T, H_, ln.x, H_, nullptr, L.post_attention_layernorm, eps_, ln.hn, ln.stream);
   if (L.is_moe) {
     const kc::GroupedGemm impl = kc::grouped_gemm_for_tokens(T, decode);
-    kc::moe_forward(T, hn_, moe_view(L), x_, moe_ws_, gemm_, impl, stream_);
+    kc::moe_forward(T, ln.hn, moe_view(L), ln.x, *ln.moe_ws, *ln.gemm, impl, ln.stream);
   } else {
-    kc::mlp_forward(T, hn_, H_, int(cfg_.intermediate_size), L.ffn.gate_up, L.ffn.down, x_, moe_ws_, gemm_, stream_);
+    kc::mlp_forward(T, ln.hn, H_, int(cfg_.intermediate_size), L.ffn.gate_up, L.ffn.down, ln.x, *ln.moe_ws, *ln.gemm,
+                    ln.stream);
   }
 }
 
@@ -772,8 +810,8 @@ kc::MoeWeightsView CudaBackend::moe_view(const DevLayer& L) const {
 void CudaBackend::lm_head(int rows, const int* rows_index, std::vector<float>& logits) {
   const size_t V = size_t(cfg_.vocab_size);
   ensure_capacity(logits_dev_, size_t(rows) * V * 4, "logits");
-  kc::rms_norm_residual(rows, H_, x_, H_, rows_index, w_.final_norm, eps_, hn_, stream_);
-  gemm_.linear(rows, int(V), H_, hn_, H_, w_.lm_head, logits_dev_.as(), CUDA_R_32F, long(V), 0.f, stream_);
+  kc::rms_norm_residual(rows, H_, pre_.x, H_, rows_index, w_.final_norm, eps_, pre_.hn, stream_);
+  gemm_.linear(rows, int(V), H_, pre_.hn, H_, w_.lm_head, logits_dev_.as(), CUDA_R_32F, long(V), 0.f, stream_);
   logits.resize(size_t(rows) * V);
   check_cuda(cudaMemcpyAsync(logits.data(), logits_dev_.as(), logits.size() * 4, cudaMemcpyDeviceToHost, stream_),
              "logits download");
@@ -1015,7 +1053,7 @@ std::vector<float> CudaBackend::run_pass(CudaSequence& s, const std::vector<Run>
       char* dst = checkpoint_conv(*cut_of[c]->cp, l);
       for (int j = 0; j < K_ - 1; ++j) {
         const int src_row = cut_at[c] - (K_ - 1) + j;  // < 0: row K-1 + src_row of the pass's initial history
-        const char* src = src_row >= 0 ? reinterpret_cast<const char*>(qkv_) + size_t(src_row) * conv_row
+        const char* src = src_row >= 0 ? reinterpret_cast<const char*>(pre_.qkv) + size_t(src_row) * conv_row
                                        : reinterpret_cast<const char*>(conv_states) + size_t(K_ - 1 + src_row) * conv_row;
         cut_convs.push_back({src, dst + size_t(j) * conv_row, long(conv_row)});
       }
@@ -1035,28 +1073,28 @@ std::vector<float> CudaBackend::run_pass(CudaSequence& s, const std::vector<Run>
   std::vector<size_t> t_k(n_attn_), t_v(n_attn_);
   for (int a = 0; a < n_attn_; ++a) t_k[a] = tb.add(kp[a]), t_v[a] = tb.add(vp[a]);
   tb.upload(tables_dev_, stream_);
-  check_cuda(cudaMemcpyAsync(d_ids_, tb.dev<int32_t>(t_ids), size_t(T) * 4, cudaMemcpyDeviceToDevice, stream_), "ids");
+  check_cuda(cudaMemcpyAsync(pre_.ids, tb.dev<int32_t>(t_ids), size_t(T) * 4, cudaMemcpyDeviceToDevice, stream_), "ids");
 
   const kc::AttnGroups groups =
       attn_groups(G, tb.dev<int>(t_qs), tb.dev<int>(t_s0), tb.dev<int>(t_bt), max_pages, T, max_q, int(top));
   const int import_rows = int(kv_dst.size());
 
-  kc::embed_gather(T, H_, d_ids_, w_.embed, x_, stream_);
+  kc::embed_gather(T, H_, pre_.ids, w_.embed, pre_.x, stream_);
   for (int i = 0; i < cfg_.num_hidden_layers; ++i) {
     const DevLayer& L = w_.layers[i];
-    kc::rms_norm_residual(T, H_, x_, H_, nullptr, L.input_layernorm, eps_, hn_, stream_);
+    kc::rms_norm_residual(T, H_, pre_.x, H_, nullptr, L.input_layernorm, eps_, pre_.hn, stream_);
     if (L.type == LayerType::Linear) {
       const int l = cfg_.linear_index(i);
-      linear_gemms(L.linear, T);
+      linear_gemms(pre_, L.linear, T);
       kc::batched_copy(R, tb.dev<kc::CopyDesc>(t_cin) + size_t(l) * R, stream_);
       if (ncut)  // conv tails at the checkpoints, before the conv overwrites the history
         kc::batched_copy(ncut * (K_ - 1), tb.dev<kc::CopyDesc>(t_cconv) + size_t(l) * ncut * (K_ - 1), stream_);
-      kc::conv1d_silu_prefill(R, tb.dev<int>(t_cu), T, C_, K_, qkv_, L.linear.conv1d, conv_states, conv_out_, stream_);
+      kc::conv1d_silu_prefill(R, tb.dev<int>(t_cu), T, C_, K_, pre_.qkv, L.linear.conv1d, conv_states, pre_.conv_out, stream_);
       kc::batched_copy(1, tb.dev<kc::CopyDesc>(t_cout) + l, stream_);
-      kc::split_qkv(T, qd_, vd_, conv_out_, q_, k_, v_, stream_);
+      kc::split_qkv(T, qd_, vd_, pre_.conv_out, pre_.q, pre_.k, pre_.v, stream_);
       kc::GdnPrefillArgs g;
-      g.num_k_heads = nk_, g.num_v_heads = nv_, g.q = q_, g.k = k_, g.v = v_;
-      g.gate_a = ga_, g.gate_b = gb_, g.A_log = L.linear.A_log, g.dt_bias = L.linear.dt_bias;
+      g.num_k_heads = nk_, g.num_v_heads = nv_, g.q = pre_.q, g.k = pre_.k, g.v = pre_.v;
+      g.gate_a = pre_.ga, g.gate_b = pre_.gb, g.A_log = L.linear.A_log, g.dt_bias = L.linear.dt_bias;
       g.l2norm_qk = true, g.scale = gdn_scale_;
       if (chain) {
         kc::GdnPrefillArgs a = g;  // phase A: runs 0..R-2 from zero: (T, S(run|0))
@@ -1069,27 +1107,27 @@ std::vector<float> CudaBackend::run_pass(CudaSequence& s, const std::vector<Run>
       } else {
         g.initial_state = ssm(l, s.slot_), g.final_state = ssm(l, s.slot_);
       }
-      g.num_seqs = R, g.cu_seqlens_host = run_cu.data(), g.out = o_;
+      g.num_seqs = R, g.cu_seqlens_host = run_cu.data(), g.out = pre_.o;
       if (ncut) {
         g.num_checkpoints = ncut, g.checkpoint_tokens_host = cut_at.data();
         g.checkpoint_states = tb.dev<float* const>(t_cst) + size_t(l) * ncut;
       }
       kc::gdn_prefill(g, ws_c_, stream_);
       if (chain) kc::batched_copy(1, tb.dev<kc::CopyDesc>(t_fin) + l, stream_);
-      linear_finish(L.linear, T);
+      linear_finish(pre_, L.linear, T);
     } else {
       const int a = cfg_.attention_index(i);
       if (import_rows)  // the folded entries' K (re-rotated to real positions) and V, before anything attends to them
         kc::kv_import(import_rows, nkv_, hd_, cfg_.rotary_dim(), tb.dev<const kc::bf16*>(t_k[a]),
                       tb.dev<const kc::bf16*>(t_v[a]), tb.dev<int>(t_kd), inv_freq_.as<float>(), tb.dev<int>(t_kdst),
                       k_pool_[a].as<kc::bf16>(), v_pool_[a].as<kc::bf16>(), stream_);
-      attention_mixer(L.attention, a, T, tb.dev<int>(t_pos), tb.dev<int>(t_rows), groups, false);
+      attention_mixer(pre_, L.attention, a, T, tb.dev<int>(t_pos), tb.dev<int>(t_rows), groups, false);
       if (mass_dev)  // the last span's last token over every slot it sees (PrefillOptions::attention_mass)
-        kc::attention_key_mass(1, nh_, nkv_, hd_, aq_ + size_t(T - 1) * nh_ * hd_, slot0[G - 1] + (T - 1 - q_start[G - 1]),
+        kc::attention_key_mass(1, nh_, nkv_, hd_, pre_.aq + size_t(T - 1) * nh_ * hd_, slot0[G - 1] + (T - 1 - q_start[G - 1]),
                                tb.dev<int>(t_bt) + size_t(G - 1) * max_pages, k_pool_[a].as<kc::bf16>(), attn_scale_,
                                mass_dev, stream_);
     }
-    ffn(L, T);
+    ffn(pre_, L, T);
   }
   for (const Run& r : runs)
     for (const Fold& f : r.folds_before) s.n_ = std::max<int64_t>(s.n_, f.base + f.e->n());
@@ -1443,8 +1481,7 @@ SpliceOutput CudaBackend::splice(const SplicePlan& plan) {
 
 void CudaBackend::decode(std::span<Sequence* const> sequences, std::span<const int32_t> tokens,
                          std::vector<float>& logits) {
-  set_device();
-  drain_frees();
+  set_device();  // no drain_frees: freeing synchronizes the device, and this may run beside a prefill pass
   if (sequences.size() != tokens.size())
     throw std::invalid_argument("decode: " + std::to_string(sequences.size()) + " sequences but " +
                                 std::to_string(tokens.size()) + " tokens");
@@ -1488,7 +1525,7 @@ void CudaBackend::decode(std::span<Sequence* const> sequences, std::span<const i
     graphs_.clear();
     dec_tables_ = DeviceMemory(std::max<size_t>(host.size() * 4 * 2, 1 << 16), "decode tables");
   }
-  check_cuda(cudaMemcpyAsync(dec_tables_.as(), host.data(), host.size() * 4, cudaMemcpyHostToDevice, stream_),
+  check_cuda(cudaMemcpyAsync(dec_tables_.as(), host.data(), host.size() * 4, cudaMemcpyHostToDevice, dec_stream_),
              "decode tables");
   if (n_attn_) {  // sized before any step of this width runs, eager or captured; growing drops the graphs
     const size_t before = attn_dec_ws_.bytes();
@@ -1500,15 +1537,15 @@ void CudaBackend::decode(std::span<Sequence* const> sequences, std::span<const i
   if (it == graphs_.end() && opt_.decode_graphs && warmed_.count(key)) {
     // Second step of this shape: every GEMM plan and workspace exists, so the step can be captured.
     cudaGraph_t graph = nullptr;
-    check_cuda(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal), "decode capture");
+    check_cuda(cudaStreamBeginCapture(dec_stream_, cudaStreamCaptureModeThreadLocal), "decode capture");
     try {
       decode_body(B, cap, t);
     } catch (...) {
-      cudaStreamEndCapture(stream_, &graph);
+      cudaStreamEndCapture(dec_stream_, &graph);
       if (graph) cudaGraphDestroy(graph);
       throw;
     }
-    check_cuda(cudaStreamEndCapture(stream_, &graph), "decode capture");
+    check_cuda(cudaStreamEndCapture(dec_stream_, &graph), "decode capture");
     cudaGraphExec_t exec = nullptr;
     const cudaError_t err = cudaGraphInstantiate(&exec, graph, 0);
     cudaGraphDestroy(graph);
@@ -1516,44 +1553,45 @@ void CudaBackend::decode(std::span<Sequence* const> sequences, std::span<const i
     it = graphs_.emplace(key, GraphExec(exec)).first;
   }
   if (it != graphs_.end()) {
-    check_cuda(cudaGraphLaunch(it->second.get(), stream_), "decode graph launch");
+    check_cuda(cudaGraphLaunch(it->second.get(), dec_stream_), "decode graph launch");
   } else {
     decode_body(B, cap, t);
     warmed_.insert(key);
   }
   const size_t V = size_t(cfg_.vocab_size);
   logits.resize(size_t(B) * V);
-  check_cuda(cudaMemcpyAsync(logits.data(), dec_logits_.as(), logits.size() * 4, cudaMemcpyDeviceToHost, stream_),
+  check_cuda(cudaMemcpyAsync(logits.data(), dec_logits_.as(), logits.size() * 4, cudaMemcpyDeviceToHost, dec_stream_),
              "logits download");
-  check_cuda(cudaStreamSynchronize(stream_), "decode step");
+  check_cuda(cudaStreamSynchronize(dec_stream_), "decode step");
   for (auto* s : seqs) s->n_ += 1;
 }
 
 // One decode step of B sequences from the fixed tables (no host work, no allocation: capturable).
 void CudaBackend::decode_body(int B, int cap, const DecodeTables& t) {
+  const Lane& ln = dec_;
   const int* tab = dec_tables_.as<int>();
   const kc::AttnGroups groups = attn_groups(B, tab + t.qs, tab + t.pos, tab + t.bt, cap, B, 1, cap * kPage);
   const int* slots = tab + t.slots;
-  kc::embed_gather(B, H_, tab + t.ids, w_.embed, x_, stream_);
+  kc::embed_gather(B, H_, tab + t.ids, w_.embed, ln.x, ln.stream);
   for (int i = 0; i < cfg_.num_hidden_layers; ++i) {
     const DevLayer& L = w_.layers[i];
-    kc::rms_norm_residual(B, H_, x_, H_, nullptr, L.input_layernorm, eps_, hn_, stream_);
+    kc::rms_norm_residual(B, H_, ln.x, H_, nullptr, L.input_layernorm, eps_, ln.hn, ln.stream);
     if (L.type == LayerType::Linear) {
       const int l = cfg_.linear_index(i);
-      linear_gemms(L.linear, B);
-      kc::conv1d_silu_decode(B, C_, K_, qkv_, L.linear.conv1d, convs(l, 0), conv_out_, stream_, slots);
-      kc::split_qkv(B, qd_, vd_, conv_out_, q_, k_, v_, stream_);
-      kc::gdn_decode_gated(B, nk_, nv_, q_, k_, v_, ga_, gb_, L.linear.A_log, L.linear.dt_bias, true, gdn_scale_,
-                           ssm(l, 0), o_, stream_, slots);
-      linear_finish(L.linear, B);
+      linear_gemms(dec_, L.linear, B);
+      kc::conv1d_silu_decode(B, C_, K_, ln.qkv, L.linear.conv1d, convs(l, 0), ln.conv_out, ln.stream, slots);
+      kc::split_qkv(B, qd_, vd_, ln.conv_out, ln.q, ln.k, ln.v, ln.stream);
+      kc::gdn_decode_gated(B, nk_, nv_, ln.q, ln.k, ln.v, ln.ga, ln.gb, L.linear.A_log, L.linear.dt_bias, true, gdn_scale_,
+                           ssm(l, 0), ln.o, ln.stream, slots);
+      linear_finish(dec_, L.linear, B);
     } else {
-      attention_mixer(L.attention, cfg_.attention_index(i), B, tab + t.pos, tab + t.rows, groups, true);
+      attention_mixer(dec_, L.attention, cfg_.attention_index(i), B, tab + t.pos, tab + t.rows, groups, true);
     }
-    ffn(L, B, /*decode=*/true);
+    ffn(dec_, L, B, /*decode=*/true);
   }
   const int V = int(cfg_.vocab_size);
-  kc::rms_norm_residual(B, H_, x_, H_, nullptr, w_.final_norm, eps_, hn_, stream_);
-  gemm_.linear(B, V, H_, hn_, H_, w_.lm_head, dec_logits_.as(), CUDA_R_32F, V, 0.f, stream_);
+  kc::rms_norm_residual(B, H_, ln.x, H_, nullptr, w_.final_norm, eps_, ln.hn, ln.stream);
+  ln.gemm->linear(B, V, H_, ln.hn, H_, w_.lm_head, dec_logits_.as(), CUDA_R_32F, V, 0.f, ln.stream);
 }
 
 // ---- entry builds ----------------------------------------------------------------------------------------------
@@ -1697,12 +1735,12 @@ void CudaBackend::build_batch(std::span<const std::vector<int32_t>> segs, int w,
                t_s0 = tb.add(slot0), t_sr = tb.add(seam_rows), t_ic = tb.add(init_copy), t_ec = tb.add(entry_copy),
                t_sub = tb.add(sub), t_si = tb.add(sub_init), t_sf = tb.add(sub_fin);
   tb.upload(tables_dev_, stream_);
-  check_cuda(cudaMemcpyAsync(d_ids_, tb.dev<int32_t>(t_ids), size_t(T) * 4, cudaMemcpyDeviceToDevice, stream_), "ids");
+  check_cuda(cudaMemcpyAsync(pre_.ids, tb.dev<int32_t>(t_ids), size_t(T) * 4, cudaMemcpyDeviceToDevice, stream_), "ids");
   const kc::AttnGroups groups =
       attn_groups(N, tb.dev<int>(t_cu), tb.dev<int>(t_s0), tb.dev<int>(t_bt), max_pages, T, max_q, max_kv);
   const int per_layer_copies = n_lin_ ? int(entry_copy.size()) / n_lin_ : 0;  // the same for every layer
 
-  kc::embed_gather(T, H_, d_ids_, w_.embed, x_, stream_);
+  kc::embed_gather(T, H_, pre_.ids, w_.embed, pre_.x, stream_);
   for (int i = 0; i < cfg_.num_hidden_layers; ++i) {
     if (stop()) {  // cancelled: what was launched finishes (at most a layer), the pages go back, no entries
       check_cuda(cudaStreamSynchronize(stream_), "cancelled entry build");
@@ -1710,23 +1748,23 @@ void CudaBackend::build_batch(std::span<const std::vector<int32_t>> segs, int w,
       return;
     }
     const DevLayer& L = w_.layers[i];
-    kc::rms_norm_residual(T, H_, x_, H_, nullptr, L.input_layernorm, eps_, hn_, stream_);
+    kc::rms_norm_residual(T, H_, pre_.x, H_, nullptr, L.input_layernorm, eps_, pre_.hn, stream_);
     if (L.type == LayerType::Linear) {
       const int l = cfg_.linear_index(i);
-      linear_gemms(L.linear, T);
+      linear_gemms(pre_, L.linear, T);
       check_cuda(cudaMemsetAsync(conv_states, 0, size_t(N) * conv_layer_bytes_, stream_), "conv zero");
-      kc::conv1d_silu_prefill(N, tb.dev<int>(t_cu), T, C_, K_, qkv_, L.linear.conv1d, conv_states, conv_out_, stream_);
-      kc::split_qkv(T, qd_, vd_, conv_out_, q_, k_, v_, stream_);
+      kc::conv1d_silu_prefill(N, tb.dev<int>(t_cu), T, C_, K_, pre_.qkv, L.linear.conv1d, conv_states, pre_.conv_out, stream_);
+      kc::split_qkv(T, qd_, vd_, pre_.conv_out, pre_.q, pre_.k, pre_.v, stream_);
       kc::GdnPrefillArgs g;
       g.num_k_heads = nk_, g.num_v_heads = nv_;
       g.A_log = L.linear.A_log, g.dt_bias = L.linear.dt_bias, g.l2norm_qk = true, g.scale = gdn_scale_;
       check_cuda(cudaMemsetAsync(rs_f(o_pi, 0), 0, 2 * size_t(N) * S1, stream_), "zero piece states");
       if (S > 0) {  // the seams alone from zero: S(seam|0), the interiors' true initial states
-        kc::gather_rows(S, qd_, q_, tb.dev<int>(t_sr), rs_b(o_sq), stream_);
-        kc::gather_rows(S, qd_, k_, tb.dev<int>(t_sr), rs_b(o_sk), stream_);
-        kc::gather_rows(S, vd_, v_, tb.dev<int>(t_sr), rs_b(o_sv), stream_);
-        kc::gather_rows(S, nv_, ga_, tb.dev<int>(t_sr), rs_b(o_sa), stream_);
-        kc::gather_rows(S, nv_, gb_, tb.dev<int>(t_sr), rs_b(o_sb), stream_);
+        kc::gather_rows(S, qd_, pre_.q, tb.dev<int>(t_sr), rs_b(o_sq), stream_);
+        kc::gather_rows(S, qd_, pre_.k, tb.dev<int>(t_sr), rs_b(o_sk), stream_);
+        kc::gather_rows(S, vd_, pre_.v, tb.dev<int>(t_sr), rs_b(o_sv), stream_);
+        kc::gather_rows(S, nv_, pre_.ga, tb.dev<int>(t_sr), rs_b(o_sa), stream_);
+        kc::gather_rows(S, nv_, pre_.gb, tb.dev<int>(t_sr), rs_b(o_sb), stream_);
         kc::GdnPrefillArgs a = g;
         a.num_seqs = N, a.cu_seqlens_host = seam_cu.data();
         a.q = rs_b(o_sq), a.k = rs_b(o_sk), a.v = rs_b(o_sv), a.gate_a = rs_b(o_sa), a.gate_b = rs_b(o_sb);
@@ -1736,19 +1774,19 @@ void CudaBackend::build_batch(std::span<const std::vector<int32_t>> segs, int w,
       }
       // Every piece (seam_i from zero, interior_i from S(seam_i|0)): outputs, finals and T of each piece.
       g.num_seqs = 2 * N, g.cu_seqlens_host = pieces.data();
-      g.q = q_, g.k = k_, g.v = v_, g.gate_a = ga_, g.gate_b = gb_;
-      g.initial_state = rs_f(o_pi, 0), g.final_state = rs_f(o_pf, 0), g.out = o_;
+      g.q = pre_.q, g.k = pre_.k, g.v = pre_.v, g.gate_a = pre_.ga, g.gate_b = pre_.gb;
+      g.initial_state = rs_f(o_pi, 0), g.final_state = rs_f(o_pf, 0), g.out = pre_.o;
       g.transition = opt_.benchmark_skip_transitions ? nullptr : rs_f(o_pt, 0);
       kc::gdn_prefill(g, ws_pieces_, stream_);
       if (!opt_.benchmark_skip_transitions)
         kc::affine_chain(N, nv_, 1, tb.dev<kc::AffineStep>(t_sub) + size_t(l) * N,
                          tb.dev<const float*>(t_si) + size_t(l) * N, tb.dev<float*>(t_sf) + size_t(l) * N, stream_);
       kc::batched_copy(per_layer_copies, tb.dev<kc::CopyDesc>(t_ec) + size_t(l) * per_layer_copies, stream_);
-      linear_finish(L.linear, T);
+      linear_finish(pre_, L.linear, T);
     } else {
-      attention_mixer(L.attention, cfg_.attention_index(i), T, tb.dev<int>(t_pos), tb.dev<int>(t_rows), groups, false);
+      attention_mixer(pre_, L.attention, cfg_.attention_index(i), T, tb.dev<int>(t_pos), tb.dev<int>(t_rows), groups, false);
     }
-    ffn(L, T);
+    ffn(pre_, L, T);
   }
   // K/V out of the pages into the entries.
   std::vector<kc::CopyDesc> kvc;

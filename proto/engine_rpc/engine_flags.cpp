@@ -36,6 +36,10 @@ void add_engine_flags(CLI::App& app, EngineFlags& f, bool prefix_cache, bool inj
                  "largest pass)")
       ->check(CLI::Range(int64_t{-1}, std::numeric_limits<int64_t>::max()))
       ->capture_default_str();
+  app.add_option("--concurrent-decode", f.concurrent_decode,
+                 "CUDA backend: running sequences take their decode steps on a stream of their own beside prefill "
+                 "passes (false: between passes, chunked by --max-pass-tokens-decoding and --max-build-tokens-decoding)")
+      ->capture_default_str();
   app.add_option("--max-batch-tokens", f.max_batch_tokens,
                  "most tokens of one forward pass: entry builds queued together are batched up to it (CUDA: longer "
                  "prefills are chunked)")
@@ -67,6 +71,7 @@ std::unique_ptr<engine::Backend> make_engine_backend(const EngineFlags& f, const
   o.prefix_cache_bytes = f.prefix_cache_bytes;
   o.kv_pool_bytes = f.kv_pool_bytes;
   o.max_batch_tokens = f.max_batch_tokens;
+  o.concurrent_decode = f.concurrent_decode;
   o.random_weights_seed = f.random_weights_seed;
   o.cpu_threads = f.compute_threads;
   auto backend = engine::make_backend(device, model_dir, o);

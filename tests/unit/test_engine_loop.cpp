@@ -750,3 +750,120 @@ TEST_CASE("a decode failure or NaN logits end only the request concerned -- the 
   s_after.wait();
   CHECK(s_after.tokens == s_good.tokens);
 }
+
+namespace {
+
+// The CPU backend behind a mutex, declaring concurrent_decode(): the engine loop then decodes on a thread of its own.
+// A splice whose query starts with kGate first waits (holding no lock) until `steps_to_wait` more decode calls have
+// run, which only a decode running beside the splice can give (a loop that interleaved decode steps between passes
+// would wait here until the deadline and report the gate missed).
+class ConcurrentCpuBackend final : public Backend {
+ public:
+  explicit ConcurrentCpuBackend(CpuBackend& inner) : inner_(inner) {}
+  static constexpr int32_t kGate = 5;
+  int steps_to_wait = 4;
+  std::atomic<int> gates_passed{0}, gates_missed{0};
+  const ModelConfig& config() const override { return inner_.config(); }
+  DeviceSpec device() const override { return inner_.device(); }
+  std::string_view numerics() const override { return inner_.numerics(); }
+  const std::string& fingerprint() const override { return inner_.fingerprint(); }
+  bool concurrent_decode() const override { return true; }
+  std::vector<std::shared_ptr<const ResidentEntry>> build_entries(std::span<const std::vector<int32_t>> s, int w,
+                                                                  const BuildCancelled& c = {}) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return inner_.build_entries(s, w, c);
+  }
+  std::shared_ptr<const ResidentEntry> import_entry(std::shared_ptr<const SegmentEntry> e) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return inner_.import_entry(std::move(e));
+  }
+  SpliceOutput splice(const SplicePlan& plan) override {
+    if (plan.query[0] == kGate) {
+      std::unique_lock<std::mutex> lock(step_mu_);
+      const int target = decode_calls_ + steps_to_wait;
+      if (step_cv_.wait_for(lock, std::chrono::seconds(20), [&] { return decode_calls_ >= target; })) ++gates_passed;
+      else ++gates_missed;
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    return inner_.splice(plan);
+  }
+  void decode(std::span<Sequence* const> seqs, std::span<const int32_t> tokens, std::vector<float>& logits) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      inner_.decode(seqs, tokens, logits);
+    }
+    std::lock_guard<std::mutex> lock(step_mu_);
+    ++decode_calls_;
+    step_cv_.notify_all();
+  }
+  BackendMemory memory() const override { return inner_.memory(); }
+
+ private:
+  CpuBackend& inner_;
+  std::mutex mu_, step_mu_;
+  std::condition_variable step_cv_;
+  int decode_calls_ = 0;
+};
+
+}  // namespace
+
+TEST_CASE("engine loop with a concurrent decode -- running sequences step while a splice runs, tokens unchanged, "
+          "cancel and stop reach them",
+          "[engine_loop]") {
+  CpuBackend& b = fixture_backend();
+  ConcurrentCpuBackend conc(b);
+  const int w = 4;
+  SamplingConfig greedy, sampled;
+  sampled.temperature = 0.8f;
+  sampled.top_k = 50;
+  sampled.seed = 77;
+  const Prompt pa = make_prompt(b, 201, 2, w), pc = make_prompt(b, 203, 1, w);
+  Prompt pb = make_prompt(b, 202, 3, w);
+  pb.query[0] = ConcurrentCpuBackend::kGate;
+  auto loop = std::make_unique<EngineLoop>(conc);
+  // A decodes; B's splice cannot finish before A has taken 4 more steps: it does, so they ran beside it.
+  Stream a, bs, c;
+  loop->submit_generate(a.job(splice_job(pa, SpliceMode::Hypic, w), greedy, 30));
+  {
+    std::unique_lock<std::mutex> lock(a.mu);
+    REQUIRE(a.cv.wait_for(lock, std::chrono::seconds(60), [&] { return a.tokens.size() >= 2; }));
+  }
+  loop->submit_generate(bs.job(splice_job(pb, SpliceMode::Hypic, w), sampled, 12));
+  a.wait();
+  bs.wait();
+  CHECK(conc.gates_passed == 1);
+  CHECK(conc.gates_missed == 0);
+  CHECK(a.end.reason == GenerateEndReason::Length);
+  CHECK(a.tokens == reference_tokens(b, pa, SpliceMode::Hypic, w, greedy, 30));
+  CHECK(bs.end.reason == GenerateEndReason::Length);
+  CHECK(bs.tokens == reference_tokens(b, pb, SpliceMode::Hypic, w, sampled, 12));
+  CHECK(loop->active_sequences() == 0);
+
+  // A cancelled sequence leaves the decode thread's batch; stop() ends the ones still running.
+  auto flag = std::make_shared<std::atomic<bool>>(false);
+  Stream cancel_me, stopped;
+  loop->submit_generate(cancel_me.job(splice_job(pc, SpliceMode::Hypic, w), greedy, 100000, flag));
+  loop->submit_generate(stopped.job(splice_job(pa, SpliceMode::Hypic, w), greedy, 100000));
+  for (Stream* s : {&cancel_me, &stopped}) {
+    std::unique_lock<std::mutex> lock(s->mu);
+    REQUIRE(s->cv.wait_for(lock, std::chrono::seconds(60), [&] { return s->tokens.size() >= 3; }));
+  }
+  CHECK(loop->active_sequences() == 2);
+  flag->store(true);
+  cancel_me.wait();
+  CHECK(cancel_me.end.reason == GenerateEndReason::Cancelled);
+  CHECK(cancel_me.end.error == "cancelled by the caller");
+  loop->stop();
+  REQUIRE(stopped.ended);
+  CHECK(stopped.end.reason == GenerateEndReason::Cancelled);
+  CHECK(stopped.end.error == "engine loop stopped");
+  CHECK(loop->active_sequences() == 0);
+  // What each produced is the start of its reference continuation.
+  CHECK(cancel_me.tokens == reference_tokens(b, pc, SpliceMode::Hypic, w, greedy, int(cancel_me.tokens.size())));
+  CHECK(stopped.tokens == reference_tokens(b, pa, SpliceMode::Hypic, w, greedy, int(stopped.tokens.size())));
+  // A generation submitted after stop is reported cancelled at once.
+  Stream late;
+  loop->submit_generate(late.job(splice_job(pa, SpliceMode::Hypic, w), greedy, 3));
+  CHECK(late.ended);
+  CHECK(late.end.reason == GenerateEndReason::Cancelled);
+}
