@@ -16,6 +16,7 @@
 #include "engine/segment.h"
 #include "proto/engine_rpc/checks.h"
 #include "proto/rpc/chunks.h"
+#include "proto/rpc/entry_mac.h"
 #include "proto/rpc/status.h"
 
 namespace hypic::combine {
@@ -803,20 +804,43 @@ grpc::Status CombineService::DeliverEntry(grpc::ServerContext* ctx, grpc::Server
     }
     auto p = delivery_target(h);
     const Slot& slot = p->slots[h.index()];  // digest and ids are immutable after registration
-    const std::string what = fmt::format("entry of segment {} of request {} from {}", h.index(), p->id, h.built_by());
+    const std::string what =
+        fmt::format("entry of segment {} of request {} from {}", h.index(), p->id, rpc::untrusted(h.built_by()));
     // Parsed as it arrives (no assembled copy of the bytes); used once the whole stream's size and checksum held.
     rpc::ChunkVerifier check;
     check.begin(h.total_bytes(), h.checksum(), what);
     engine::EntryReader parser(entry_checks(h.total_bytes(), slot.ids, p->entry_seam_width));
+    // With entry keys the stream ends with the builder's MAC, checked before the entry is used.
+    const rpc::EntryMacKeys& keys = rpc::entry_mac_keys();
+    std::optional<rpc::EntryMacKeys::Stream> mac;
+    if (keys.enabled()) mac.emplace(keys, slot.digest, slot.ids, h.total_bytes());
+    std::optional<std::string> mac_sent;
     std::shared_ptr<const engine::SegmentEntry> entry;
     std::shared_ptr<const engine::ResidentEntry> resident;
     try {
       while (reader->Read(&msg)) {
         if (msg.has_header()) throw rpc::invalid_argument("header", "a delivery carries exactly one header");
+        if (mac_sent) throw rpc::invalid_argument("mac", "a delivery's MAC must be its last message");
+        if (msg.has_mac()) {
+          mac_sent = msg.mac();
+          continue;
+        }
         check.append(msg.data());
+        if (mac) mac->update(msg.data());
         parser.feed(msg.data());
       }
       check.finish();
+      if (mac && !(mac_sent && mac->verify(*mac_sent))) {
+        static auto& failures = rpc::MetricsRegistry::global().counter(
+            "hypic:delivery_mac_failures_total",
+            "Segment entries delivered by scatter workers over gRPC whose MAC was missing or did not verify: refused "
+            "(DATA_LOSS)");
+        failures.inc();
+        const std::string why = mac_sent ? "its MAC does not verify under this cluster's keys"
+                                         : "it carries no MAC (is --cache-key-file the same on every worker?)";
+        spdlog::error("[req {}] refused {}: {}", p->id, what, why);
+        throw rpc::RpcError(grpc::StatusCode::DATA_LOSS, fmt::format("{} refused: {}", what, why));
+      }
       entry = std::make_shared<const engine::SegmentEntry>(parser.finish());
       rpc::verify_entry(*entry, slot.ids, backend_, p->entry_seam_width);
       resident = make_resident(slot.digest, *entry);  // on this thread, not the engine loop's (device backends)
@@ -983,7 +1007,8 @@ void CombineService::deliver_nccl(grpc::ServerContext* ctx, const v1::EntryHeade
   try {
     p = delivery_target(h);
     const Slot& slot = p->slots[h.index()];  // digest and ids are immutable after registration
-    what = fmt::format("entry of segment {} of request {} from {} over NCCL", h.index(), p->id, h.built_by());
+    what = fmt::format("entry of segment {} of request {} from {} over NCCL", h.index(), p->id,
+                       rpc::untrusted(h.built_by()));
     // The digest covers the fingerprint, w and the tokens: the entry is this model's, laid out as ours.
     engine::SegmentEntry header;
     header.format_version = engine::entry_format_version(backend_.config());

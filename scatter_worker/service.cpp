@@ -27,20 +27,31 @@ v1::CombineWorker::Stub& CombineStubs::get(const std::string& address) {
 }
 
 grpc::Status deliver_entry(v1::CombineWorker::Stub& stub, grpc::ClientContext& ctx, const v1::EntryHeader& header,
-                           std::string_view bytes, size_t chunk_bytes, bool* duplicate, size_t* written) {
+                           std::string_view bytes, size_t chunk_bytes, const rpc::EntryMacKeys& keys,
+                           const rpc::Digest& digest, std::span<const int32_t> token_ids, bool* duplicate,
+                           size_t* written) {
   v1::DeliverEntryResponse resp;
   auto writer = stub.DeliverEntry(&ctx, &resp);
   v1::EntryChunk head;
   *head.mutable_header() = header;
   if (written) *written = 0;
+  // The MAC is made as the chunks go (no pass over the bytes before the first one) and sent last.
+  std::optional<rpc::EntryMacKeys::Stream> mac;
+  if (keys.enabled()) mac.emplace(keys, digest, token_ids, bytes.size());
   if (writer->Write(head)) {
-    rpc::write_chunks<v1::EntryChunk>(
+    const bool all = rpc::write_chunks<v1::EntryChunk>(
         bytes, chunk_bytes, [](v1::EntryChunk& m, std::string_view c) { m.set_data(std::string(c)); },
         [&](const v1::EntryChunk& m) {
+          if (mac) mac->update(m.data());
           if (!writer->Write(m)) return false;
           if (written) *written += m.data().size();
           return true;
         });
+    if (all && mac) {
+      v1::EntryChunk tail;
+      tail.set_mac(mac->sign());
+      writer->Write(tail);
+    }
   }
   writer->WritesDone();
   const grpc::Status st = writer->Finish();
@@ -345,7 +356,8 @@ grpc::Status ScatterService::Prefill(grpc::ServerContext* ctx, const v1::Prefill
             if (call->stop_delivery) return;
             call->delivering = cctx.get();
           }
-          st = deliver_entry(stub, *cctx, h, *built.bytes, chunk_bytes_, &duplicate, &written);
+          st = deliver_entry(stub, *cctx, h, *built.bytes, chunk_bytes_, rpc::entry_mac_keys(), digests[size_t(i)],
+                             ids[size_t(i)], &duplicate, &written);
           // Bytes count as sent once the stream took them, whatever the call's end: the router cancels this call
           // when its request is done, which can land after the combine worker used the entry but before its reply.
           static auto& sent = rpc::MetricsRegistry::global().counter(

@@ -6,11 +6,13 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <string>
 
 #include "engine/engine_loop.h"
 #include "hypic/v1/combine.grpc.pb.h"
 #include "hypic/v1/scatter.grpc.pb.h"
+#include "proto/rpc/entry_mac.h"
 #include "proto/rpc/server.h"
 #include "scatter_worker/nccl_links.h"
 #include "scatter_worker/shared_builds.h"
@@ -29,12 +31,14 @@ class CombineStubs {
 };
 
 /// Streams one serialized entry to a combine worker (CombineWorker.DeliverEntry) on `ctx`: a
-/// header, then chunks. Returns the call's status; *duplicate tells whether the combine worker
-/// already had the segment; *written (when not null) the entry bytes the stream accepted (chunks whose Write
-/// returned true), which is all of `bytes` unless the call broke off.
+/// header, then chunks, then, when `keys` has a key, the entry's MAC over `digest`, `token_ids` and the bytes
+/// (proto/rpc/entry_mac.h; computed as the chunks are sent). Returns the call's status; *duplicate tells whether the
+/// combine worker already had the segment; *written (when not null) the entry bytes the stream accepted (chunks whose
+/// Write returned true), which is all of `bytes` unless the call broke off.
 grpc::Status deliver_entry(hypic::v1::CombineWorker::Stub& stub, grpc::ClientContext& ctx,
                            const hypic::v1::EntryHeader& header, std::string_view bytes, size_t chunk_bytes,
-                           bool* duplicate, size_t* written = nullptr);
+                           const rpc::EntryMacKeys& keys, const rpc::Digest& digest,
+                           std::span<const int32_t> token_ids, bool* duplicate, size_t* written = nullptr);
 
 /// Streams one entry's device block over the NCCL link `link` (transport/nccl_peer.h): writes `header` (its transport
 /// fields filled in here: NCCL, the link's epoch, block.bytes, chunk_bytes) on a DeliverEntry call on `ctx`, posts the

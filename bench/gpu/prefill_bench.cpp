@@ -23,7 +23,12 @@
 //    tail of t segments (--refresh-tail, SplicePlan::refresh_tail), alone and with each k;
 //  - decode inter-token latency (Backend::decode of a batch) at --decode-batches with contexts of
 //    segments x segment-tokens + --decode-query-tokens tokens, each context a hypic splice of the same cached
-//    segments + a distinct query.
+//    segments + a distinct query;
+//  - decode beside prefill (Backend::concurrent_decode, as the engine loop runs it): --beside-steps decode steps of
+//    --beside-batch of those contexts on a second thread while this thread runs, back to back, nothing, then entry
+//    builds of one --segment-tokens segment, then full prefills of --beside-prefill-tokens tokens: each step's
+//    wall time (median, p90, p99, max, and the median against the steps alone) and the prefill work's time against
+//    the same work alone.
 // Timing of backend calls: wall clock (steady_clock) around the call and a cudaDeviceSynchronize (the backend
 // synchronises its stream itself and copies the logits to the host inside the call).
 // With --hf-json (tools/hf_prefill_bench.py's output) each prompt length's row gets `hf_ms`.
@@ -48,6 +53,8 @@
 #include <nlohmann/json.hpp>
 #include <random>
 #include <sstream>
+#include <thread>
+#include <atomic>
 #include <string>
 #include <vector>
 
@@ -629,6 +636,24 @@ std::string markdown(const json& J) {
          "routing: E (1 - (1 - k/E)^B) per layer), the KV of every context, the linear states read and written.\n";
     if (dc.contains("error")) m << "\nError: " << dc["error"].get<std::string>() << "\n";
   }
+  if (J.contains("decode_beside") && J["decode_beside"].is_object() && J["decode_beside"].contains("loads")) {
+    const json& db = J["decode_beside"];
+    m << "\n## Decode beside prefill (Backend::concurrent_decode: " << db.value("steps", 0) << " steps of batch "
+      << db.value("batch", 0) << ", contexts of " << db.value("context_tokens", int64_t(0))
+      << " tokens, on a second thread while this one runs the load back to back)\n\n"
+         "| load | step median ms | vs alone | p90 | p99 | max | load's work ms | vs alone |\n|---|---|---|---|---|---|---|---|\n";
+    for (const json& r : db["loads"]) {
+      if (r.contains("error")) {
+        m << "| " << r.value("load", "") << " | failed: " << r["error"].get<std::string>() << " |||||||\n";
+        continue;
+      }
+      m << "| " << r.value("load", "") << " | " << fmt("%.2f", jnum(r, "step_ms_median")) << " | "
+        << fmt("%.2fx", jnum(r, "step_over_alone")) << " | " << fmt("%.2f", jnum(r, "step_ms_p90")) << " | "
+        << fmt("%.2f", jnum(r, "step_ms_p99")) << " | " << fmt("%.2f", jnum(r, "step_ms_max")) << " | "
+        << fmt("%.1f", jnum(r, "work_ms_median")) << " | " << fmt("%.2fx", jnum(r, "work_over_alone")) << " |\n";
+    }
+    if (db.contains("error")) m << "\nError: " << db["error"].get<std::string>() << "\n";
+  }
   if (J.contains("targets")) {
     m << "\n## Targets (issue 11)\n\n";
     for (const json& t : J["targets"])
@@ -652,6 +677,100 @@ std::string markdown(const json& J) {
   return m.str();
 }
 
+/// p-th percentile (0..100) of v, nearest rank; NAN when empty.
+double percentile(std::vector<double> v, double p) {
+  if (v.empty()) return NAN;
+  std::sort(v.begin(), v.end());
+  const size_t i = size_t(std::ceil(p / 100.0 * double(v.size())));
+  return v[std::min(v.size() - 1, i == 0 ? 0 : i - 1)];
+}
+
+/// Decode beside prefill: `steps` decode steps of the first `batch` of `seqs` on a second thread (as the engine loop
+/// runs them when Backend::concurrent_decode()), while this thread runs, back to back until the steps are done:
+/// nothing; entry builds of one `segment_tokens` segment (seam `seam`); full prefills of `prefill_tokens` tokens.
+/// Each load's step times (ms: median, p90, p99, max; the median over the median alone) and its prefill work's
+/// median ms beside the steps against the same work alone (3 runs). Wall clock; the backend synchronises itself.
+json decode_beside(eng::Backend& be, std::vector<std::unique_ptr<eng::Sequence>>& seqs, int batch, int steps,
+                   int segment_tokens, int seam, int64_t prefill_tokens, int64_t V, std::mt19937_64& rng) {
+  json out = {{"batch", batch}, {"steps", steps}, {"concurrent_decode", be.concurrent_decode()},
+              {"context_tokens", seqs.empty() ? 0 : seqs[0]->num_tokens()}, {"loads", json::array()}};
+  if (!be.concurrent_decode()) {
+    out["error"] = "the backend has no concurrent decode";
+    return out;
+  }
+  std::vector<eng::Sequence*> ptr;
+  for (int b = 0; b < batch; ++b) ptr.push_back(seqs[size_t(b)].get());
+  const std::vector<int32_t> seg = random_ids(size_t(segment_tokens), V, rng);
+  eng::SplicePlan full;
+  full.mode = eng::SpliceMode::Full;
+  full.segments.push_back({random_ids(size_t(prefill_tokens - 1), V, rng), nullptr});
+  full.query = random_ids(1, V, rng);
+  struct Load {
+    std::string name;
+    std::function<void()> work;
+  };
+  const std::vector<Load> loads = {
+      {"none", nullptr},
+      {"entry builds of " + std::to_string(segment_tokens) + " tokens",
+       [&] { (void)be.build_entries(std::vector<std::vector<int32_t>>{seg}, seam); }},
+      {"full prefills of " + std::to_string(prefill_tokens) + " tokens", [&] { (void)be.splice(full); }}};
+  double alone_median = NAN;
+  for (const Load& load : loads) {
+    json row = {{"load", load.name}};
+    try {
+      double work_alone = NAN;
+      if (load.work) work_alone = time_wall(load.work, 1, 3).median;
+      std::vector<double> step_ms, work_ms;
+      std::atomic<bool> done{false};
+      std::exception_ptr failed;
+      const std::vector<int32_t> toks = random_ids(size_t(batch), V, rng);
+      std::thread decoder([&] {
+        try {
+          std::vector<float> logits;
+          be.decode(ptr, toks, logits);  // untimed: the graph of this shape exists
+          for (int i = 0; i < steps; ++i) {
+            const auto a = std::chrono::steady_clock::now();
+            be.decode(ptr, toks, logits);
+            step_ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - a).count());
+          }
+        } catch (...) {
+          failed = std::current_exception();
+        }
+        done = true;
+      });
+      while (!done) {
+        if (!load.work) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));
+          continue;
+        }
+        const auto a = std::chrono::steady_clock::now();
+        load.work();
+        work_ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - a).count());
+      }
+      decoder.join();
+      if (failed) std::rethrow_exception(failed);
+      const Stats st = summarize(step_ms);
+      const Stats wk = summarize(work_ms);
+      if (!load.work) alone_median = st.median;
+      row.update({{"step_ms_median", st.median}, {"step_ms_p90", percentile(step_ms, 90)},
+                  {"step_ms_p99", percentile(step_ms, 99)}, {"step_ms_max", st.max},
+                  {"step_over_alone", st.median / alone_median}, {"work_runs", wk.n},
+                  {"work_ms_median", wk.median}, {"work_ms_alone", work_alone},
+                  {"work_over_alone", wk.median / work_alone}});
+      std::printf("decode beside prefill, batch %d, load %s: step median %.2f ms (%.2fx alone), p90 %.2f, p99 %.2f, "
+                  "max %.2f; the load's work %.1f ms (%.2fx alone, %d runs)\n",
+                  batch, load.name.c_str(), st.median, st.median / alone_median, percentile(step_ms, 90),
+                  percentile(step_ms, 99), st.max, wk.median, wk.median / work_alone, wk.n);
+    } catch (const std::exception& e) {
+      row["error"] = e.what();
+      std::printf("decode beside prefill, load %s: FAILED: %s\n", load.name.c_str(), e.what());
+    }
+    std::fflush(stdout);
+    out["loads"].push_back(row);
+  }
+  return out;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) try {
@@ -662,6 +781,8 @@ int main(int argc, char** argv) try {
   uint64_t seed = 1;
   int warm = 2, reps = 5, segments = 16, segment_tokens = 2048, query_tokens = 64, seam = 8, decode_query = 16;
   int decode_warm = 3, decode_steps = 10;
+  int beside_batch = 4, beside_steps = 60;
+  int64_t beside_prefill = 16384;
   int64_t max_batch_tokens = 0;
   double kv_pool_gib = 0;
   bool quick = false;
@@ -687,10 +808,16 @@ int main(int argc, char** argv) try {
   app.add_option("--decode-query-tokens", decode_query, "query tokens of each decode context")->capture_default_str();
   app.add_option("--decode-warmup", decode_warm, "untimed decode steps per batch size")->capture_default_str();
   app.add_option("--decode-steps", decode_steps, "timed decode steps per batch size")->capture_default_str();
+  app.add_option("--beside-batch", beside_batch, "decode beside prefill: batch size (at most the largest decode batch)")
+      ->capture_default_str();
+  app.add_option("--beside-steps", beside_steps, "decode beside prefill: timed steps per load")->capture_default_str();
+  app.add_option("--beside-prefill-tokens", beside_prefill, "decode beside prefill: tokens of the full prefills")
+      ->capture_default_str();
   app.add_option("--max-batch-tokens", max_batch_tokens,
                  "BackendOptions::max_batch_tokens (0 = the longest prompt, so every prefill is one pass)");
   app.add_option("--kv-pool-gib", kv_pool_gib, "KV pool, GiB (0 = what the decode contexts need, computed)");
-  app.add_option("--skip", skip_s, "sections to skip, comma-separated: parts,prefill,build,notc,splice,decode");
+  app.add_option("--skip", skip_s,
+                 "sections to skip, comma-separated: parts,prefill,build,notc,splice,decode,beside");
   app.add_flag("--quick", quick, "quick mode: 1 warm-up, 2 timed runs, 1 + 3 decode steps");
   app.add_option("--json", json_path, "write the results as JSON here");
   app.add_option("--md", md_path, "write the Markdown report here");
@@ -713,7 +840,7 @@ int main(int argc, char** argv) try {
     }
     return 0;
   }
-  if (quick) warm = 1, reps = 2, decode_warm = 1, decode_steps = 3;
+  if (quick) warm = 1, reps = 2, decode_warm = 1, decode_steps = 3, beside_steps = 10;
   if (seed == 0) throw std::invalid_argument("--seed must be non-zero (0 means real weights to the backend)");
   if (reps < 1 || warm < 0 || decode_steps < 1 || decode_warm < 0)
     throw std::invalid_argument("--reps / --decode-steps must be >= 1, warm-ups >= 0");
@@ -823,10 +950,14 @@ int main(int argc, char** argv) try {
   const bool want_decode = !skipped("decode");
   const int decode_seqs = want_decode ? int(max_batch) : 0;
   // KV pages: each decode context (segments + query + every decode step it takes part in), or the longest prefill.
-  const int64_t steps_per_seq = int64_t(batches.size()) * (decode_warm + decode_steps);
+  const bool want_beside = want_decode && !skipped("beside") && beside_batch >= 1 && beside_batch <= max_batch;
+  const int64_t steps_per_seq = int64_t(batches.size()) * (decode_warm + decode_steps) + (want_beside ? 3 * (beside_steps + 1) : 0);
   const int64_t pages_per_ctx = (ctx_tokens + decode_query + steps_per_seq + 63) / 64;
   const int64_t pages_prefill = (longest + 63) / 64 + 1;
-  const int64_t pages = std::max<int64_t>(int64_t(decode_seqs) * pages_per_ctx, pages_prefill) + 16;
+  // Beside: the decode contexts and one prefill (or build) alive at once.
+  const int64_t pages_beside = want_beside ? (std::max<int64_t>(beside_prefill, segment_tokens) + 63) / 64 + 1 : 0;
+  const int64_t pages =
+      std::max<int64_t>(int64_t(decode_seqs) * pages_per_ctx + pages_beside, pages_prefill) + 16;
   const size_t kv_bytes = kv_pool_gib > 0 ? size_t(kv_pool_gib * double(1ull << 30)) : size_t(double(pages) * d.page_bytes());
   eng::BackendOptions opt;
   opt.random_weights_seed = seed;
@@ -844,6 +975,7 @@ int main(int argc, char** argv) try {
   const std::vector<int32_t> query = random_ids(size_t(query_tokens), d.V, rng);
 
   json rows = json::array(), build = json::object(), splice = json::object(), decode = json::object(), memory;
+  json beside = json::object();
   std::vector<std::shared_ptr<const eng::ResidentEntry>> entries;
   double build_with_tc = NAN;
   try {
@@ -1023,6 +1155,8 @@ int main(int argc, char** argv) try {
                       (long long)Bn, (long long)(ctx / double(Bn)), st.median, st.min, double(Bn) / (st.median * 1e-3));
           std::fflush(stdout);
         }
+        if (want_beside) beside = decode_beside(*be, seqs, beside_batch, beside_steps, segment_tokens, seam,
+                                                beside_prefill, d.V, rng);
       } catch (const std::exception& e) {
         decode["error"] = e.what();
         std::printf("decode: FAILED: %s\n", e.what());
@@ -1096,6 +1230,7 @@ int main(int argc, char** argv) try {
   J["build"] = build;
   J["splice"] = splice;
   J["decode"] = decode;
+  J["decode_beside"] = beside;
   J["memory"] = memory;
   J["hf"] = hf.is_object() ? hf : json(nullptr);
 

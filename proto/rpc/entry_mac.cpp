@@ -174,6 +174,14 @@ bool EntryMacKeys::Stream::verify(std::string_view mac) {
   return good;
 }
 
+std::string EntryMacKeys::Stream::sign() {
+  if (ctx_.empty()) return {};
+  if (received_ != total_)
+    throw std::logic_error("EntryMacKeys::Stream::sign: " + std::to_string(received_) + " bytes given of " +
+                           std::to_string(total_));
+  return final_hmac(static_cast<EVP_MAC_CTX*>(ctx_.front()));
+}
+
 bool EntryMacKeys::verify(const Digest& digest, std::span<const int32_t> token_ids, std::string_view bytes,
                           std::string_view mac) const {
   if (keys_.empty()) return true;
@@ -187,8 +195,9 @@ bool EntryMacKeys::verify(const Digest& digest, std::span<const int32_t> token_i
 
 void add_entry_mac_flag(CLI::App& app, std::string& path) {
   app.add_option("--cache-key-file", path,
-                 "file of cluster keys (hex, one a line, the first signs): segment entries put in the cache are "
-                 "signed (HMAC-SHA256) and entries read from it verified; without it entries are unauthenticated");
+                 "file of cluster keys (hex, one a line, the first signs): segment entries put in the cache or delivered "
+                 "to combine workers are signed (HMAC-SHA256) and verified before use; without it entries are "
+                 "unauthenticated (scatter and combine workers must share it)");
 }
 
 void configure_entry_mac(EntryMacKeys keys) { g_keys = std::move(keys); }

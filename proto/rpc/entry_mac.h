@@ -1,5 +1,9 @@
-// Entry MACs: every segment entry put in the segment cache carries an HMAC-SHA256 made with a cluster key by the
-// worker that built it, and the combine worker verifies it before using an entry read from the cache. The cache holds
+// Entry MACs: every segment entry put in the segment cache or delivered by a scatter worker over gRPC carries an
+// HMAC-SHA256 made with a cluster key by the worker that built it, and the combine worker verifies it before using an
+// entry read from the cache or delivered (a delivery's MAC is its stream's last message, computed as the bytes are
+// sent; a delivery without one, or with a wrong one, is refused with DATA_LOSS and counted). NCCL deliveries carry
+// no MAC: their device block goes over a communicator that only a caller with a service identity can open
+// (CombineWorker.OpenPeer). The cache holds
 // no key: an entry forged or relabelled by anyone who can Put (another document's bytes under this document's digest
 // and token ids, checksums recomputed) fails the check, is refused (not spliced), counted
 // (hypic:entry_mac_failures_total) and deleted from the cache, and the segment is recomputed.
@@ -63,6 +67,11 @@ class EntryMacKeys {
     /// Once: true when `mac` is the MAC of the bytes given (exactly total_bytes of them) under one of the keys
     /// (constant-time compare), or when MACs are off.
     bool verify(std::string_view mac);
+    /// Once, instead of verify: the MAC of the bytes given with the first key (what EntryMacKeys::sign gives for the
+    /// same bytes), "" when MACs are off. Throws std::logic_error when the bytes given are not total_bytes.
+    std::string sign();
+    /// Bytes given so far.
+    uint64_t received() const { return received_; }
 
    private:
     std::vector<void*> ctx_;  // EVP_MAC_CTX*, one per key

@@ -8,6 +8,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include <cstdlib>
+#include <functional>
 #include <thread>
 
 #include "combine_worker/service.h"
@@ -235,4 +236,102 @@ TEST_CASE("a combine worker refuses requests past its own limits", "[data-plane]
   req.mutable_segments(0)->mutable_key()->mutable_token_ids()->RemoveLast();
   for (int i = 0; i < 4; ++i) s2->add_token_ids(1);
   CHECK_THROWS_WITH(hypic::combine::check_request_limits(req, limits), Catch::Contains("--max-prompt-tokens"));
+}
+
+namespace {
+
+// One Combine call of one segment planned as `source` (seam width 4, a fixed query, 4 greedy tokens), read on the
+// calling thread; `between` runs after the Started event (deliveries to it), before the rest is read.
+std::vector<int32_t> combine_one(hypic::test::CombineServer& c, const std::string& id, const std::vector<int32_t>& seg,
+                                 v1::PlannedSegment::Source source, const std::function<void()>& between = {}) {
+  v1::CombineRequest req;
+  req.set_request_id(id);
+  auto* ps = req.add_segments();
+  ps->set_index(0);
+  const auto d = hypic::engine::segment_digest(c.backend.fingerprint(),
+                                               hypic::engine::entry_format_version(c.backend.config()), 4, seg);
+  ps->mutable_key()->set_digest(std::string(reinterpret_cast<const char*>(d.data()), d.size()));
+  ps->mutable_key()->mutable_token_ids()->Add(seg.begin(), seg.end());
+  ps->set_source(source);
+  for (int32_t t : {5, 6, 7}) req.add_query_ids(t);
+  req.mutable_sampling()->set_max_tokens(4);
+  req.set_mode("hypic");
+  req.set_seam_width(4);
+  auto ctx = context();
+  auto reader = c.stub->Combine(ctx.get(), req);
+  v1::CombineEvent ev;
+  REQUIRE(reader->Read(&ev));
+  REQUIRE(ev.has_started());
+  if (between) between();
+  std::vector<int32_t> tokens;
+  while (reader->Read(&ev))
+    if (ev.has_delta()) tokens.insert(tokens.end(), ev.delta().token_ids().begin(), ev.delta().token_ids().end());
+  const grpc::Status st = reader->Finish();
+  INFO(st.error_message());
+  REQUIRE(st.ok());
+  return tokens;
+}
+
+}  // namespace
+
+TEST_CASE("a gRPC delivery is used only with its builder's MAC -- a missing, wrong or misplaced one is refused",
+          "[data-plane][hostile]") {
+  namespace rpc = hypic::rpc;
+  const auto keys = rpc::EntryMacKeys::of({std::string(32, 'k')});
+  rpc::configure_entry_mac(keys);
+  struct Reset {
+    ~Reset() { rpc::configure_entry_mac(rpc::EntryMacKeys{}); }
+  } reset;
+  CombineServer c(false);
+  const std::vector<int32_t> seg = {11, 12, 13, 14, 15, 16, 17, 18, 19};
+  const auto d = hypic::engine::segment_digest(c.backend->fingerprint(),
+                                               hypic::engine::entry_format_version(c.backend->config()), 4, seg);
+  const std::string bytes =
+      hypic::engine::serialize_entry(*c.backend->build_entries(std::vector<std::vector<int32_t>>{seg}, 4)[0]->host());
+  v1::EntryHeader h;
+  h.set_request_id("mac-1");
+  h.set_index(0);
+  h.set_digest(std::string(reinterpret_cast<const char*>(d.data()), d.size()));
+  h.set_total_bytes(bytes.size());
+  h.set_checksum(rpc::checksum64(bytes));
+  h.set_built_by("127.0.0.1:9\nforged log line");
+  h.set_device("cpu");
+  auto deliver = [&](const rpc::EntryMacKeys& k) {
+    auto ctx = context();
+    bool duplicate = false;
+    return hypic::worker::deliver_entry(*c.s.stub, *ctx, h, bytes, 4096, k, d, seg, &duplicate);
+  };
+  const std::vector<int32_t> local = combine_one(c.s, "mac-0", seg, v1::PlannedSegment::LOCAL);
+  const std::vector<int32_t> delivered = combine_one(c.s, "mac-1", seg, v1::PlannedSegment::REMOTE, [&] {
+    const grpc::Status wrong = deliver(rpc::EntryMacKeys::of({std::string(32, 'x')}));
+    CHECK(wrong.error_code() == grpc::StatusCode::DATA_LOSS);
+    CHECK_THAT(wrong.error_message(), Catch::Contains("MAC does not verify"));
+    CHECK_THAT(wrong.error_message(), !Catch::Contains("\n"));  // the sender's name is escaped
+    const grpc::Status none = deliver(rpc::EntryMacKeys{});
+    CHECK(none.error_code() == grpc::StatusCode::DATA_LOSS);
+    CHECK_THAT(none.error_message(), Catch::Contains("carries no MAC"));
+    {  // the MAC first, then the bytes
+      auto ctx = context();
+      v1::DeliverEntryResponse resp;
+      auto writer = c.s.stub->DeliverEntry(ctx.get(), &resp);
+      v1::EntryChunk m;
+      *m.mutable_header() = h;
+      REQUIRE(writer->Write(m));
+      m.set_mac(keys.sign(d, seg, bytes));
+      REQUIRE(writer->Write(m));
+      m.set_data(bytes);
+      writer->Write(m);
+      writer->WritesDone();
+      const grpc::Status st = writer->Finish();
+      CHECK(st.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+      CHECK_THAT(st.error_message(), Catch::Contains("must be its last message"));
+    }
+    // The builder's MAC, made as the chunks go: accepted, and the request completes with it.
+    const grpc::Status good = deliver(keys);
+    INFO(good.error_message());
+    CHECK(good.ok());
+  });
+  // The delivered entry gives the tokens of the same segment built here.
+  CHECK(delivered.size() == 4);
+  CHECK(delivered == local);
 }

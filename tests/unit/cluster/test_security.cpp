@@ -1,6 +1,7 @@
 // TLS and bearer tokens (proto/rpc/security.h): flag checks, token files, and real gRPC servers over TLS and mutual
 // TLS (certificates made by scripts/make_certs.sh with the openssl command), probed with the health service.
 #include <catch2/catch.hpp>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <filesystem>
@@ -16,7 +17,10 @@ using namespace hypic::rpc;
 namespace {
 
 std::string temp_path(const std::string& name) {
-  return (std::filesystem::temp_directory_path() / ("hypic-test-security-" + name)).string();
+  // One directory per process: CTest runs this file's test cases as concurrent processes, and two make_certs.sh
+  // runs in one directory race on its files.
+  return (std::filesystem::temp_directory_path() /
+          ("hypic-test-security-" + std::to_string(::getpid()) + "-" + name)).string();
 }
 
 std::string write_file(const std::string& name, const std::string& text) {
