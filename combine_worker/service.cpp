@@ -811,9 +811,7 @@ grpc::Status CombineService::DeliverEntry(grpc::ServerContext* ctx, grpc::Server
     check.begin(h.total_bytes(), h.checksum(), what);
     engine::EntryReader parser(entry_checks(h.total_bytes(), slot.ids, p->entry_seam_width));
     // With entry keys the stream ends with the builder's MAC, checked before the entry is used.
-    const rpc::EntryMacKeys& keys = rpc::entry_mac_keys();
-    std::optional<rpc::EntryMacKeys::Stream> mac;
-    if (keys.enabled()) mac.emplace(keys, slot.digest, slot.ids, h.total_bytes());
+    rpc::EntryMacCheck mac(rpc::entry_mac_keys(), slot.digest, slot.ids, h.total_bytes());
     std::optional<std::string> mac_sent;
     std::shared_ptr<const engine::SegmentEntry> entry;
     std::shared_ptr<const engine::ResidentEntry> resident;
@@ -826,11 +824,11 @@ grpc::Status CombineService::DeliverEntry(grpc::ServerContext* ctx, grpc::Server
           continue;
         }
         check.append(msg.data());
-        if (mac) mac->update(msg.data());
         parser.feed(msg.data());
+        mac.update(std::move(*msg.mutable_data()));  // hashed on its own thread while the next piece arrives
       }
       check.finish();
-      if (mac && !(mac_sent && mac->verify(*mac_sent))) {
+      if (mac.enabled() && !(mac_sent && mac.verify(*mac_sent))) {
         static auto& failures = rpc::MetricsRegistry::global().counter(
             "hypic:delivery_mac_failures_total",
             "Segment entries delivered by scatter workers over gRPC whose MAC was missing or did not verify: refused "

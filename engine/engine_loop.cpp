@@ -188,9 +188,8 @@ void EngineLoop::run() {
         // Every queued build of the first one's seam width, FIFO, up to the token budget (the first always goes);
         // a smaller budget while sequences decode, so that their next step comes sooner.
         const int w = builds_.front().seam_width;
-        const int64_t budget = concurrent_ || active_.empty()
-                                   ? options_.max_build_tokens
-                                   : std::min(options_.max_build_tokens, options_.max_build_tokens_decoding);
+        const int64_t budget = !decoding() ? options_.max_build_tokens
+                                           : std::min(options_.max_build_tokens, options_.max_build_tokens_decoding);
         int64_t tokens = 0;
         for (auto it = builds_.begin(); it != builds_.end();) {
           const int64_t n = int64_t(it->ids.size());
@@ -411,10 +410,9 @@ void EngineLoop::run_splice(SpliceTask task) {
       r.info.imported[i] = plan.segments[i].entry;
     }
     plan.cancel = task.cancel;  // a splice of several passes stops between them once the request is cancelled
-    // Chunked prefill: decode steps of the running sequences between passes (unless they run on their own
-    // thread, beside the passes); the cancel flag is read there too.
-    const bool interleave = !concurrent_ && !active_.empty();
-    plan.max_pass_tokens = interleave ? options_.max_pass_tokens_decoding : options_.max_pass_tokens;
+    // Chunked prefill while sequences decode: decode steps of the running sequences between passes, or, where they
+    // run on their own thread, beside passes small enough not to slow them much; the cancel flag is read there too.
+    plan.max_pass_tokens = decoding() ? options_.max_pass_tokens_decoding : options_.max_pass_tokens;
     plan.between_passes = [this, &r] {
       if (!concurrent_) decode_step();
       ++r.info.passes_paused;

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <deque>
+#include <future>
 #include <optional>
 #include <thread>
 
@@ -35,21 +36,21 @@ grpc::Status deliver_entry(v1::CombineWorker::Stub& stub, grpc::ClientContext& c
   v1::EntryChunk head;
   *head.mutable_header() = header;
   if (written) *written = 0;
-  // The MAC is made as the chunks go (no pass over the bytes before the first one) and sent last.
-  std::optional<rpc::EntryMacKeys::Stream> mac;
-  if (keys.enabled()) mac.emplace(keys, digest, token_ids, bytes.size());
+  // The MAC is made on another thread while the chunks go (no pass over the bytes before the first one), sent last.
+  std::future<std::string> mac;
+  if (keys.enabled())
+    mac = std::async(std::launch::async, [&keys, &digest, token_ids, bytes] { return keys.sign(digest, token_ids, bytes); });
   if (writer->Write(head)) {
     const bool all = rpc::write_chunks<v1::EntryChunk>(
         bytes, chunk_bytes, [](v1::EntryChunk& m, std::string_view c) { m.set_data(std::string(c)); },
         [&](const v1::EntryChunk& m) {
-          if (mac) mac->update(m.data());
           if (!writer->Write(m)) return false;
           if (written) *written += m.data().size();
           return true;
         });
-    if (all && mac) {
+    if (all && mac.valid()) {
       v1::EntryChunk tail;
-      tail.set_mac(mac->sign());
+      tail.set_mac(mac.get());
       writer->Write(tail);
     }
   }

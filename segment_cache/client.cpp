@@ -128,7 +128,7 @@ std::optional<std::vector<int32_t>> SegmentCacheClient::stream(const rpc::Digest
   std::string mac;
   const auto& keys = rpc::entry_mac_keys();
   const bool check_mac = check_ids && keys.enabled();
-  std::optional<rpc::EntryMacKeys::Stream> mac_stream;
+  std::optional<rpc::EntryMacCheck> mac_stream;
   const std::string what = fmt::format("segment entry {} from {}", rpc::digest_hex(digest), owner(digest));
   try {
     while (reader->Read(&msg)) {
@@ -140,8 +140,8 @@ std::optional<std::vector<int32_t>> SegmentCacheClient::stream(const rpc::Digest
         begin(msg.info().total_bytes());
       } else {
         check.append(msg.data());
-        if (mac_stream) mac_stream->update(msg.data());
         consume(msg.data());
+        if (mac_stream) mac_stream->update(std::move(*msg.mutable_data()));  // hashed beside the receive
       }
     }
   } catch (...) {  // a bad stream or a consumer that gave up: end the call before leaving

@@ -182,6 +182,66 @@ std::string EntryMacKeys::Stream::sign() {
   return final_hmac(static_cast<EVP_MAC_CTX*>(ctx_.front()));
 }
 
+EntryMacCheck::EntryMacCheck(const EntryMacKeys& keys, const Digest& digest, std::span<const int32_t> token_ids,
+                             uint64_t total_bytes) {
+  if (!keys.enabled()) return;
+  stream_.emplace(keys, digest, token_ids, total_bytes);
+  thread_ = std::thread([this] { run(); });
+}
+
+EntryMacCheck::~EntryMacCheck() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    closed_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+void EntryMacCheck::run() {
+  for (;;) {
+    std::string piece;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      idle_ = queue_.empty();
+      cv_.notify_all();
+      cv_.wait(lock, [&] { return closed_ || !queue_.empty(); });
+      if (queue_.empty()) return;
+      piece = std::move(queue_.front());
+      queue_.pop_front();
+      idle_ = false;
+    }
+    try {
+      if (!failed_) stream_->update(piece);
+    } catch (...) {
+      failed_ = std::current_exception();
+    }
+  }
+}
+
+void EntryMacCheck::update(std::string piece) {
+  if (!stream_) return;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.push_back(std::move(piece));
+    idle_ = false;
+  }
+  cv_.notify_all();
+}
+
+bool EntryMacCheck::verify(std::string_view mac) {
+  if (!stream_) return true;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return idle_ && queue_.empty(); });
+    closed_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+  if (failed_) std::rethrow_exception(failed_);
+  return stream_->verify(mac);
+}
+
 bool EntryMacKeys::verify(const Digest& digest, std::span<const int32_t> token_ids, std::string_view bytes,
                           std::string_view mac) const {
   if (keys_.empty()) return true;

@@ -290,3 +290,48 @@ TEST_CASE("without mutual TLS every caller may call an internal RPC", "[security
   CHECK(require_service_caller(ctx, "SegmentCache.Put").ok());
   CHECK(peer_identities(ctx).empty());
 }
+
+TEST_CASE("a MAC checked on its own thread as pieces arrive equals the one-shot check, signed or streamed",
+          "[security][mac]") {
+  const auto keys = EntryMacKeys::of({std::string(32, 'n'), std::string(32, 'k')});
+  Digest d{};
+  d[3] = 7;
+  const std::vector<int32_t> ids{5, 6, 7, 8};
+  std::string bytes(1 << 20, '\0');
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = char((i * 2654435761u) >> 13);
+  const std::string mac = EntryMacKeys::of({std::string(32, 'k')}).sign(d, ids, bytes);  // the second key's
+  auto pieces = [&](EntryMacCheck& c, size_t step) {
+    for (size_t off = 0; off < bytes.size(); off += step) c.update(bytes.substr(off, step));
+  };
+  for (const size_t step : {size_t(1) << 20, size_t(65536), size_t(7777)}) {
+    INFO("pieces of " << step);
+    EntryMacCheck good(keys, d, ids, bytes.size());
+    CHECK(good.enabled());
+    pieces(good, step);
+    CHECK(good.verify(mac));
+    EntryMacCheck wrong(keys, d, ids, bytes.size());
+    pieces(wrong, step);
+    std::string bad = mac;
+    bad[0] ^= 1;
+    CHECK_FALSE(wrong.verify(bad));
+  }
+  // Fewer bytes than announced never verify; a check left unverified ends its thread.
+  {
+    EntryMacCheck short_read(keys, d, ids, bytes.size());
+    short_read.update(bytes.substr(0, 1000));
+    CHECK_FALSE(short_read.verify(mac));
+    EntryMacCheck abandoned(keys, d, ids, bytes.size());
+    abandoned.update(bytes.substr(0, 1000));
+  }
+  // The streamed signer gives what sign() gives.
+  EntryMacKeys::Stream s(keys, d, ids, bytes.size());
+  s.update(std::string_view(bytes).substr(0, 100));
+  CHECK_THROWS_AS(s.sign(), std::logic_error);
+  s.update(std::string_view(bytes).substr(100));
+  CHECK(s.sign() == keys.sign(d, ids, bytes));
+  // Off: no thread, everything verifies.
+  EntryMacCheck off(EntryMacKeys{}, d, ids, bytes.size());
+  CHECK_FALSE(off.enabled());
+  off.update(bytes);
+  CHECK(off.verify(""));
+}
