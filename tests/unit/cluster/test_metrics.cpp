@@ -178,7 +178,15 @@ TEST_CASE("metrics endpoint: GET /metrics serves the registry over HTTP", "[metr
 
 TEST_CASE("metrics endpoint: HTTPS with the process's certificate, client certificates when mTLS is on",
           "[metrics][tls]") {
-  const std::string dir = (std::filesystem::temp_directory_path() / "hypic-test-certs-metrics").string();
+  const std::string dir =
+      (std::filesystem::temp_directory_path() / ("hypic-test-certs-metrics-" + std::to_string(::getpid()))).string();
+  struct Remove {
+    std::string d;
+    ~Remove() {
+      std::error_code ec;
+      std::filesystem::remove_all(d, ec);
+    }
+  } remove{dir};
   REQUIRE(std::system(("'" HYPIC_SOURCE_DIR "/scripts/make_certs.sh' '" + dir + "' >/dev/null").c_str()) == 0);
   TlsFlags f;
   f.cert = dir + "/server.crt";

@@ -16,12 +16,23 @@ using namespace hypic::rpc;
 
 namespace {
 
-std::string temp_path(const std::string& name) {
-  // One directory per process: CTest runs this file's test cases as concurrent processes, and two make_certs.sh
-  // runs in one directory race on its files.
-  return (std::filesystem::temp_directory_path() /
-          ("hypic-test-security-" + std::to_string(::getpid()) + "-" + name)).string();
+// This process's scratch directory, removed when the process exits. One per process: CTest runs this file's test
+// cases as concurrent processes, and two make_certs.sh runs in one directory race on its files.
+const std::filesystem::path& scratch_dir() {
+  struct Scratch {
+    std::filesystem::path dir = std::filesystem::temp_directory_path() /
+                                ("hypic-test-security-" + std::to_string(::getpid()));
+    Scratch() { std::filesystem::create_directories(dir); }
+    ~Scratch() {
+      std::error_code ec;
+      std::filesystem::remove_all(dir, ec);
+    }
+  };
+  static const Scratch s;
+  return s.dir;
 }
+
+std::string temp_path(const std::string& name) { return (scratch_dir() / name).string(); }
 
 std::string write_file(const std::string& name, const std::string& text) {
   const std::string p = temp_path(name);
