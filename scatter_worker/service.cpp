@@ -3,6 +3,7 @@
 #include "proto/rpc/metrics.h"
 
 #include <algorithm>
+#include <atomic>
 #include <deque>
 #include <future>
 #include <optional>
@@ -36,23 +37,35 @@ grpc::Status deliver_entry(v1::CombineWorker::Stub& stub, grpc::ClientContext& c
   v1::EntryChunk head;
   *head.mutable_header() = header;
   if (written) *written = 0;
-  // The MAC is made on another thread while the chunks go (no pass over the bytes before the first one), sent last.
+  // The MAC is made on another thread while the chunks go (no pass over the bytes before the first one), sent last;
+  // a stream that breaks stops it within a piece (so a refused delivery does not wait for the whole HMAC).
+  std::atomic<bool> abandoned{false};
   std::future<std::string> mac;
   if (keys.enabled())
-    mac = std::async(std::launch::async, [&keys, &digest, token_ids, bytes] { return keys.sign(digest, token_ids, bytes); });
+    mac = std::async(std::launch::async, [&keys, &digest, &abandoned, token_ids, bytes] {
+      constexpr size_t kPiece = size_t(4) << 20;
+      rpc::EntryMacKeys::Stream s(keys, digest, token_ids, bytes.size());
+      for (size_t off = 0; off < bytes.size(); off += kPiece) {
+        if (abandoned) return std::string();
+        s.update(bytes.substr(off, kPiece));
+      }
+      return s.sign();
+    });
+  bool all = false;
   if (writer->Write(head)) {
-    const bool all = rpc::write_chunks<v1::EntryChunk>(
+    all = rpc::write_chunks<v1::EntryChunk>(
         bytes, chunk_bytes, [](v1::EntryChunk& m, std::string_view c) { m.set_data(std::string(c)); },
         [&](const v1::EntryChunk& m) {
           if (!writer->Write(m)) return false;
           if (written) *written += m.data().size();
           return true;
         });
-    if (all && mac.valid()) {
-      v1::EntryChunk tail;
-      tail.set_mac(mac.get());
-      writer->Write(tail);
-    }
+  }
+  if (!all) abandoned = true;
+  if (all && mac.valid()) {
+    v1::EntryChunk tail;
+    tail.set_mac(mac.get());
+    writer->Write(tail);
   }
   writer->WritesDone();
   const grpc::Status st = writer->Finish();

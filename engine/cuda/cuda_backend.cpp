@@ -451,6 +451,10 @@ class CudaBackend final : public Backend {
   DeviceMemory mass_dev_;  // the refresh probe's attention mass per KV slot (fp32)
   DeviceMemory dec_tables_, dec_logits_;          // decode steps (fixed, so that graphs can point at them)
   std::map<std::pair<int, int>, GraphExec> graphs_;  // captured decode steps by (batch, block-table width)
+  // Held by the engine loop's calls (splice, build_entries, import_entry) for their whole run and by a decode step's
+  // graph capture, which only try-locks it (else the step runs eager and captures later): a capture never overlaps
+  // the loop's allocations and frees, which synchronize the device and would invalidate it.
+  std::recursive_mutex capture_mu_;  // recursive: without a concurrent decode, decode() runs inside splice()
   std::set<std::pair<int, int>> warmed_;              // shapes run once eagerly (GEMM plans made)
   DeviceMemory tables_dev_;
   DeviceMemory run_scratch_;  // per-run states of a pass
@@ -1320,6 +1324,7 @@ std::vector<Item> CudaBackend::hypic_items(const SplicePlan& plan, const std::ve
 
 SpliceOutput CudaBackend::splice(const SplicePlan& plan) {
   set_device();
+  std::lock_guard<std::recursive_mutex> no_capture(capture_mu_);  // see capture_mu_
   drain_frees();
   check_recompute_request(plan.mode, plan.recompute_segments, plan.refresh_segments, plan.refresh_tail,
                           plan.segments.size());
@@ -1534,8 +1539,10 @@ void CudaBackend::decode(std::span<Sequence* const> sequences, std::span<const i
   }
   const auto key = std::make_pair(B, cap);
   auto it = graphs_.find(key);
-  if (it == graphs_.end() && opt_.decode_graphs && warmed_.count(key)) {
-    // Second step of this shape: every GEMM plan and workspace exists, so the step can be captured.
+  std::unique_lock<std::recursive_mutex> capturing(capture_mu_, std::defer_lock);
+  if (it == graphs_.end() && opt_.decode_graphs && warmed_.count(key) && capturing.try_lock()) {
+    // Second step of this shape: every GEMM plan and workspace exists, so the step can be captured (while no
+    // engine-loop call runs: capture_mu_).
     cudaGraph_t graph = nullptr;
     check_cuda(cudaStreamBeginCapture(dec_stream_, cudaStreamCaptureModeThreadLocal), "decode capture");
     try {
@@ -1551,6 +1558,7 @@ void CudaBackend::decode(std::span<Sequence* const> sequences, std::span<const i
     cudaGraphDestroy(graph);
     check_cuda(err, "decode graph instantiate");
     it = graphs_.emplace(key, GraphExec(exec)).first;
+    capturing.unlock();
   }
   if (it != graphs_.end()) {
     check_cuda(cudaGraphLaunch(it->second.get(), dec_stream_), "decode graph launch");
@@ -1599,6 +1607,7 @@ void CudaBackend::decode_body(int B, int cap, const DecodeTables& t) {
 std::vector<std::shared_ptr<const ResidentEntry>> CudaBackend::build_entries(
     std::span<const std::vector<int32_t>> segments, int seam_width, const BuildCancelled& cancelled) {
   set_device();
+  std::lock_guard<std::recursive_mutex> no_capture(capture_mu_);  // see capture_mu_
   drain_frees();
   if (seam_width < 0) throw std::invalid_argument("build_entries: seam width must be >= 0, got " + std::to_string(seam_width));
   for (size_t i = 0; i < segments.size(); ++i) {
@@ -1620,6 +1629,9 @@ std::vector<std::shared_ptr<const ResidentEntry>> CudaBackend::build_entries(
       std::lock_guard lock(pool_mu_);
       free_pages = free_pages_.size();
     }
+    // With a concurrent decode, running sequences take pages while the batch runs (one each per 64 tokens): a batch
+    // of several segments leaves them max_sequences pages (a lone segment still takes what it needs).
+    if (opt_.concurrent_decode) free_pages -= std::min(free_pages, size_t(opt_.max_sequences));
     size_t end = begin, pages = 0;
     int64_t tok = 0;
     while (end < segments.size() && tok + int64_t(segments[end].size()) <= std::max<int64_t>(opt_.max_batch_tokens, int64_t(segments[begin].size())) &&
@@ -1849,6 +1861,7 @@ std::pair<std::shared_ptr<const ResidentEntry>, DeviceBlock> CudaBackend::alloca
 
 std::shared_ptr<const ResidentEntry> CudaBackend::import_entry(std::shared_ptr<const SegmentEntry> host) {
   set_device();
+  std::lock_guard<std::recursive_mutex> no_capture(capture_mu_);  // see capture_mu_
   drain_frees();
   if (!host) throw std::invalid_argument("import_entry: null entry");
   // Converted into a pinned block, then one host-to-device copy at PCIe bandwidth (not the engine's stream).

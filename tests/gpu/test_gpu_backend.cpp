@@ -818,8 +818,12 @@ TEST_CASE("cuda backend: decode steps on another thread beside builds and splice
   eng::BackendOptions opt;
   opt.kv_pool_bytes = size_t(1) << 28;
   opt.max_sequences = 12;
-  auto b = eng::cuda::make_backend(eng::DeviceSpec{eng::BackendKind::Cuda, 0}, f.cfg, &f.cpu->weights(), opt);
-  REQUIRE(b->concurrent_decode());
+  // Two backends of the same weights: one runs everything alone (the reference), the other decodes beside its
+  // builds and splices from its first step, so its decode graphs are captured while they run.
+  auto alone_b = eng::cuda::make_backend(eng::DeviceSpec{eng::BackendKind::Cuda, 0}, f.cfg, &f.cpu->weights(), opt);
+  auto beside_b = eng::cuda::make_backend(eng::DeviceSpec{eng::BackendKind::Cuda, 0}, f.cfg, &f.cpu->weights(), opt);
+  REQUIRE(beside_b->concurrent_decode());
+  eng::Backend* b = alone_b.get();
   std::mt19937 rng(33);
   std::vector<std::vector<int32_t>> prompts, segs, others;
   for (int i = 0; i < 3; ++i) prompts.push_back(random_ids(rng, 50 + 10 * i, f.cfg.vocab_size));
@@ -862,6 +866,7 @@ TEST_CASE("cuda backend: decode steps on another thread beside builds and splice
   outs_a.clear();
   const auto prefill_alone = prefill_work();
   // The same steps on a second thread while this one builds and splices, round after round.
+  b = beside_b.get();
   auto [outs_b, next_b] = decode_run();
   std::atomic<bool> done{false};
   std::vector<std::vector<float>> beside;
