@@ -245,6 +245,7 @@ void EngineLoop::run() {
 }
 
 void EngineLoop::end_active(const char* why) {
+  active_count_ = 0;  // before the callbacks: a caller woken by on_end sees the count without this sequence
   for (auto& a : active_) {
     GenerateEnd end;
     end.reason = GenerateEndReason::Cancelled;
@@ -459,7 +460,7 @@ void EngineLoop::run_splice(SpliceTask task) {
     if (a.gen->on_end) a.gen->on_end(end);
     return;
   }
-  if (emit(a, first)) return;
+  if (emit(a, first, /*counted=*/false)) return;
   if (!concurrent_) {
     active_.push_back(std::move(a));
     active_count_ = int(active_.size());
@@ -473,7 +474,7 @@ void EngineLoop::run_splice(SpliceTask task) {
   dec_cv_.notify_all();
 }
 
-bool EngineLoop::emit(Active& a, int32_t token) {
+bool EngineLoop::emit(Active& a, int32_t token, bool counted) {
   ++a.produced;
   if (a.gen->on_token) a.gen->on_token(token);
   GenerateEnd end;
@@ -486,6 +487,7 @@ bool EngineLoop::emit(Active& a, int32_t token) {
     a.next_token = token;
     return false;
   }
+  if (counted) --active_count_;  // before on_end (see end_active)
   if (a.gen->on_end) a.gen->on_end(end);
   return true;
 }
@@ -498,6 +500,7 @@ void EngineLoop::decode_step() {
       end.reason = GenerateEndReason::Cancelled;
       end.tokens = active_[i].produced;
       end.error = "cancelled by the caller";
+      --active_count_;  // before on_end (see end_active)
       if (active_[i].gen->on_end) active_[i].gen->on_end(end);
       active_.erase(active_.begin() + ptrdiff_t(i));
     } else {
@@ -513,12 +516,13 @@ void EngineLoop::decode_step() {
     tokens.push_back(a.next_token);
   }
   std::vector<float> logits;
-  auto fail = [](Active& a, EngineErrorKind kind, const std::string& msg) {
+  auto fail = [this](Active& a, EngineErrorKind kind, const std::string& msg) {
     GenerateEnd end;
     end.reason = GenerateEndReason::Failed;
     end.tokens = a.produced;
     end.error_kind = kind;
     end.error = msg;
+    --active_count_;  // before on_end (see end_active)
     if (a.gen->on_end) a.gen->on_end(end);
   };
   try {
@@ -576,7 +580,7 @@ void EngineLoop::decode_step() {
       fail(a, classify_engine_error(std::current_exception()), "sampling failed: " + message_of(std::current_exception()));
       continue;
     }
-    if (!emit(a, tok)) still.push_back(std::move(a));
+    if (!emit(a, tok, /*counted=*/true)) still.push_back(std::move(a));
   }
   active_ = std::move(still);
   publish_active_count();

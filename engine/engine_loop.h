@@ -273,8 +273,9 @@ class EngineLoop {
   void publish_active_count();
   /// Whether sequences are decoding (the loop thread's view: active_, or with concurrent_ the published count).
   bool decoding() const { return concurrent_ ? active_count_.load() > 0 : !active_.empty(); }
-  /// Delivers a sampled token; true if the sequence ends here (stop token or max_tokens).
-  bool emit(Active& a, int32_t token);
+  /// Delivers a sampled token; true if the sequence ends here (stop token or max_tokens). `counted`: the sequence is
+  /// in active_count_, which drops by one before its on_end runs.
+  bool emit(Active& a, int32_t token, bool counted);
   static bool is_cancelled(const CancelFlag& c) { return c && c->load(); }
 
   Backend& backend_;
