@@ -16,7 +16,12 @@
 // identities carry, so a mismatch is an EntryError naming both.
 //
 // Threading: a Backend is driven by ONE thread, its engine loop (engine/engine_loop.h); the CPU backend is also
-// safe to call from several threads at once, the CUDA backend is not.
+// safe to call from several threads at once, the CUDA backend is not, except that its decode() may run on a second
+// thread beside the others (Backend::concurrent_decode).
+//
+// Headers: this interface includes no backend and no model runtime: only the config, the entry format, the host state
+// layout (engine/model_state.h) and the splice modes (engine/splice_mode.h), so that the services that only plan
+// (the router) compile without the CPU model (engine/model.h) or the CPU splice (engine/splice.h).
 #pragma once
 #include <atomic>
 #include <cstdint>
@@ -32,9 +37,9 @@
 #include <vector>
 
 #include "engine/config.h"
-#include "engine/model.h"
+#include "engine/model_state.h"
 #include "engine/segment.h"
-#include "engine/splice.h"
+#include "engine/splice_mode.h"
 
 namespace hypic::engine {
 

@@ -6,6 +6,8 @@
 #include <memory>
 
 #include "engine/backend.h"
+#include "engine/model.h"
+#include "engine/splice.h"
 
 namespace hypic::engine {
 

@@ -29,33 +29,11 @@
 #include <vector>
 
 #include "engine/config.h"
+#include "engine/model_state.h"
 #include "engine/transition.h"
 #include "engine/weights.h"
 
 namespace hypic::engine {
-
-/// Recurrent state of one Gated DeltaNet layer.
-struct LinearLayerState {
-  std::vector<float> ssm;   ///< [H_v][d_k][d_v] fp32
-  std::vector<float> conv;  ///< [conv_rows][conv_dim] fp32, the last K-1 pre-conv inputs (oldest first); empty for
-                            ///< lightning layers
-};
-
-/// KV cache of one full-attention layer.
-struct AttentionLayerState {
-  std::vector<float> k;  ///< [n_tokens][H_kv][head_dim], RoPE-rotated at each token's own position (MLA: not rotated)
-  std::vector<float> v;  ///< [n_tokens][H_kv][attn_v_head_dim()] (= head_dim but for MLA)
-  int64_t n_tokens = 0;
-};
-
-/// Everything the model carries between spans.
-struct ModelState {
-  std::vector<LinearLayerState> linear;        ///< one per linear layer, in layer order
-  std::vector<AttentionLayerState> attention;  ///< one per full-attention layer, in layer order
-  int64_t num_tokens = 0;                      ///< tokens consumed so far (prefill/decode add T)
-  /// Bytes held by the tensors (ssm, conv, K, V).
-  size_t byte_size() const;
-};
 
 /// Options of one prefill call.
 struct PrefillOptions {

@@ -14,6 +14,7 @@
 
 #include "engine/model.h"
 #include "engine/segment.h"
+#include "engine/splice_mode.h"
 
 namespace hypic::engine {
 
@@ -52,23 +53,6 @@ inline constexpr int kBuildPassTokens = 512;
 /// Throws std::invalid_argument for an empty segment or a negative w (naming it); an empty `seam_widths` gives {}.
 std::vector<SegmentEntry> build_segment_entries(const Model& model, std::span<const int32_t> ids,
                                                 std::span<const int> seam_widths);
-
-/// How a prompt of segments is assembled (DESIGN.md 3.4).
-enum class SpliceMode {
-  Full,        ///< one in-context prefill of the whole prompt, no cache (the quality reference)
-  Prefix,      ///< reuse the longest cached chain of whole segments from the start, compute the rest in context
-  Naive,       ///< S <- S + S(C|0): no transition, no seam (the strawman)
-  Transition,  ///< exact composition S <- T_C S + S(C|0), seam w = 0
-  Hypic,       ///< composition plus seam windows recomputed in context (the default)
-};
-/// "full" | "prefix" | "naive" | "transition" | "hypic".
-const char* splice_mode_name(SpliceMode mode);
-/// The seam width the entries a mode splices must have been made with (SegmentEntry::check_compatible's w): the
-/// request's w for hypic, 0 for transition (it composes whole segments, T_C = T_int of a w = 0 entry; T_seam is not
-/// stored), -1 (any) for naive (S(C|0) only) and for the modes without entries.
-int entry_seam_width(SpliceMode mode, int seam_width);
-/// Inverse of splice_mode_name; throws std::invalid_argument naming the unknown mode and the valid ones.
-SpliceMode parse_splice_mode(std::string_view name);
 
 /// One segment of a request: its token ids, and its entry (required by naive / transition / hypic; ignored by
 /// full and prefix, which compute in context).
@@ -170,12 +154,6 @@ struct SpliceRequest {
   /// (the chunked scan's boundaries move). 0: no cut.
   int64_t max_pass_tokens = 0;
   std::function<void()> between_passes;
-};
-
-/// Thrown by a splice whose cancel flag was set between two of its passes (SpliceRequest::cancel, SplicePlan::cancel).
-class SpliceCancelled : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
 };
 
 /// The assembled model state and the query logits.

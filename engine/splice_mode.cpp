@@ -1,8 +1,8 @@
-// Splice mode names (engine/splice.h), in hypic_engine_base (the router parses modes without the model runtime).
+// Splice mode names (engine/splice_mode.h), in hypic_engine_base (the router parses modes without the model runtime).
 #include <stdexcept>
 #include <string>
 
-#include "engine/splice.h"
+#include "engine/splice_mode.h"
 
 namespace hypic::engine {
 

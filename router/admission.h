@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/splice.h"
+#include "engine/splice_mode.h"
 #include "engine/tokenizer.h"
 #include "hypic/v1/router.pb.h"
 

@@ -29,6 +29,7 @@
 #include "engine/cuda/device_memory.h"
 #include "engine/cuda/pinned_pool.h"
 #include "engine/safetensors.h"
+#include "engine/splice.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/gated_delta.h"

@@ -18,6 +18,7 @@
 #include <memory>
 
 #include "engine/backend.h"
+#include "engine/weights.h"
 
 namespace hypic::engine::cuda {
 
