@@ -5,7 +5,7 @@
 //    post-norm alpha/beta residuals, Mixtral MoE) and Ring-linear-2.0 (`bailing_moe_linear`: lightning attention
 //    with qk-norm and RoPE, sigmoid grouped MoE; not in transformers).
 // Field names and defaults follow transformers 5.17 (Qwen3NextConfig, Qwen3_5TextConfig, Qwen3_5MoeTextConfig,
-// KimiLinearConfig, MiniMaxConfig) and the hub config.json of Ring-linear-2.0; see research/hybrid_models.md
+// KimiLinearConfig, MiniMaxConfig) and the hub config.json of Ring-linear-2.0; see docs/research/hybrid_models.md
 // sections 1.2, 2.2, 3.2 and 4. Every family maps its linear layers onto the linear_* fields and its attention
 // layers onto num_attention_heads / num_key_value_heads / head_dim (documented per field), so the state geometry
 // (engine/model.h) is computed one way for all of them.

@@ -10,7 +10,7 @@
 //  - minimax: transformers 5.17 MiniMaxConfig (default_theta 1e6; layer_types default: layer i is full attention
 //    iff i is even), plus the original MiniMax-Text-01 names `attn_type_list` (0 lightning, 1 softmax) and
 //    `layernorm_{full_attention,linear_attention,mlp}_{alpha,beta}`.
-//  - bailing_moe_linear: the hub config.json of Ring-mini-linear-2.0 (research/hybrid_models.md 3.2, 3.4).
+//  - bailing_moe_linear: the hub config.json of Ring-mini-linear-2.0 (docs/research/hybrid_models.md 3.2, 3.4).
 #include <cmath>
 #include <cstdio>
 #include <string>

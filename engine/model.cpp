@@ -1,6 +1,6 @@
 // CPU fp32 forward pass of every family: the decoder loop, Qwen3-Next / Qwen3.5's Gated DeltaNet and gated
 // attention, the plain GQA attention of MiniMax / Ring and the MoE blocks; the Kimi / MiniMax / Ring linear mixers
-// and MLA are in engine/families/. Layer math: research/hybrid_models.md 1.4-1.7, 2-4 and the HF transformers 5.17
+// and MLA are in engine/families/. Layer math: docs/research/hybrid_models.md 1.4-1.7, 2-4 and the HF transformers 5.17
 // classes named at each block. Projections over a span run as GEMMs (OpenBLAS).
 #include "engine/model.h"
 

@@ -1,7 +1,7 @@
 // The CPU fp32 forward pass of the hybrid families (ModelFamily) with an incremental API that is explicit about
 // state, so segment entries and splicing (engine/segment.h, engine/splice.h) can be built on it. The math
 // reproduces Hugging Face transformers 5.17 run in fp32 with its pure-torch fallbacks: Qwen3NextForCausalLM /
-// Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM (research/hybrid_models.md 1.4-1.7), KimiLinearForCausalLM (2),
+// Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM (docs/research/hybrid_models.md 1.4-1.7), KimiLinearForCausalLM (2),
 // MiniMaxForCausalLM (4); Ring-linear-2.0 (3) follows tools/ring_linear_reference.py. The Kimi / MiniMax / Ring
 // mixers live in engine/families/.
 //

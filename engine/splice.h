@@ -109,7 +109,7 @@ struct SpliceRequest {
   /// Naive / transition only, an evaluation ablation: every later segment's cached K (and, for Ring-linear, its
   /// rotating linear states) stays at the local positions 0..n-1 it was computed at instead of being re-rotated to
   /// its real positions. The reference implementation's modes are named `addition`, `transition`,
-  /// `transition_rope`, `transition_rope_recompute` (research/hypic_and_pic_peers.md 1.10): by their names the
+  /// `transition_rope`, `transition_rope_recompute` (docs/research/hypic_and_pic_peers.md 1.10): by their names the
   /// RoPE fix comes only in `transition_rope`, so naive with this flag is taken for the paper's "Naive Addition"
   /// baseline. A no-op for families with no RoPE anywhere (Kimi-Linear). Slots and the query's positions stay
   /// real. splice() throws std::invalid_argument when it is set with another mode.
@@ -128,7 +128,7 @@ struct SpliceRequest {
   /// earlier one: both the statement the query reads and the one it should read are attended, so k >= 2 is the
   /// useful setting). Costs one more splice pass plus the refreshed segments' tokens (SpliceResult::computed_tokens
   /// counts both passes). A segment-granular counterpart of CacheBlend's selective recompute
-  /// (research/hypic_and_pic_peers.md 1.5: on hybrids single tokens cannot be recomputed). 0 = off.
+  /// (docs/research/hypic_and_pic_peers.md 1.5: on hybrids single tokens cannot be recomputed). 0 = off.
   int refresh_segments = 0;
   /// (Hypic: a segment recomputed whole in the final splice, by recompute_segments or the tail, may come without an
   /// entry, its ids alone; the refresh's probe then recomputes it whole too.)

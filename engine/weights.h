@@ -237,7 +237,7 @@ std::optional<std::string> random_init_seed(const std::filesystem::path& dir);
 
 /// Per-head decay rates s_h (per-token decay e^{-s_h}) of lightning layer `layer` (0-based over all layers), fp32:
 ///  - MiniMax (MiniMaxLightningAttention.get_slope_rate): s_h = (2^(-8/nh))^(h+1) * (1 - layer/(L - 1 + 1e-5) + 1e-5);
-///  - Ring (BailingMoeV2 linear attention, research/hybrid_models.md 3.3): ALiBi slopes of nh heads (the
+///  - Ring (BailingMoeV2 linear attention, docs/research/hybrid_models.md 3.3): ALiBi slopes of nh heads (the
 ///    power-of-two construction for other nh) times (1 - (layer - 1)/(L - 1) + 1e-5).
 /// Throws std::invalid_argument for a family without lightning layers or a bad layer.
 std::vector<float> lightning_slope_rates(const ModelConfig& cfg, int layer);

@@ -1,7 +1,7 @@
 // Loading the decoder layers of the Kimi-Linear, MiniMax and Ring-linear families into the internal layout
 // (engine/weights.h), their checkpoint layouts for write_random_checkpoint, and the lightning decay rates.
 // Accepted names (both those transformers 5.17 save_pretrained writes and those of the released checkpoints,
-// research/hybrid_models.md 2.3, 3.4, 4.2, and transformers' conversion_mapping for kimi_linear / mixtral):
+// docs/research/hybrid_models.md 2.3, 3.4, 4.2, and transformers' conversion_mapping for kimi_linear / mixtral):
 //  - MLP / MoE under `mlp.` or `block_sparse_moe.`; experts fused (`experts.gate_up_proj` [E,2I,H] and
 //    `experts.down_proj` [E,H,I], with or without `.weight`), or per expert as `experts.{e}.w1/w3/w2.weight`
 //    (gate / up / down) or `experts.{e}.{gate,up,down}_proj.weight`; shared experts `shared_experts.*` (Kimi, Ring).

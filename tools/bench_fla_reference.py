@@ -13,7 +13,7 @@ On Qwen3.5-35B-A3B's linear-attention shapes (16 key heads, 32 value heads, d_k 
     events, synchronised (so a launch-bound call shows its host overhead). Reported per variant: the
     median and min of all samples; per round: the ratio of the round medians; and the ratios' spread;
   * checks ours (and fla) at 4k tokens and on 16 ragged segments against an fp32 PyTorch reference
-    (the chunked gated delta rule written here from research/hybrid_models.md 5.2 / 5.4), and times
+    (the chunked gated delta rule written here from docs/research/hybrid_models.md 5.2 / 5.4), and times
     that reference;
   * optionally (--layouts) sweeps our scan's block layouts, and (--profile) prints per-kernel GPU
     times of ours and fla from torch.profiler;

@@ -3,7 +3,7 @@
 
 Run on a host with PyTorch 2.11 and transformers 5.17 and WITHOUT the `fla` and `causal_conv1d`
 packages, so transformers uses its pure-torch fallbacks (torch_chunk_gated_delta_rule, ...), which
-compute in fp32 exactly like our CPU path (research/hybrid_models.md section 0):
+compute in fp32 exactly like our CPU path (docs/research/hybrid_models.md section 0):
 
     python3 tools/make_fixtures.py --out DIR [--tar DIR.tar]
 

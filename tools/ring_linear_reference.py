@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Standalone fp32 PyTorch reference for Ring-linear-2.0 / Ling-linear-2.0 (`bailing_moe_linear`,
 `BailingMoeLinearV2ForCausalLM`), which transformers does not ship. Written from the published
-architecture (research/hybrid_models.md section 3) and from reading the public reimplementations:
+architecture (docs/research/hybrid_models.md section 3) and from reading the public reimplementations:
 sglang `python/sglang/srt/models/bailing_moe_linear.py`, vLLM `bailing_moe_linear.py` +
 `layers/mamba/linear/bailing_linear_attn.py`, mlx-lm `mlx_lm/models/bailing_moe_linear.py` and
 transformers `models/bailing_hybrid/` (Ling 2.6, whose lightning layer has the same math). No code was
@@ -31,7 +31,7 @@ Model (per layer i of L; H heads, D = head_dim; fp32 everywhere):
   mlp: dense SwiGLU for i < first_k_dense_replace, else MoE (sigmoid router + expert_bias, grouped top-k,
   renormalisation, routed_scaling_factor, shared experts).
 
-Decisions where research/hybrid_models.md is [unconfirmed] or the sources disagree (source in brackets):
+Decisions where docs/research/hybrid_models.md is [unconfirmed] or the sources disagree (source in brackets):
   1. Layer pattern: softmax iff (i+1) % g == 0 OR i >= (L // g) * g [the hub modeling code as quoted by a
      llama.cpp port note, mlx-lm]; sglang/vLLM use only the modulo rule and assert L % g == 0, so both agree
      whenever L % g == 0. Fixture ring_linear_tail (L=4, g=3: L L F F) exercises the tail rule.

@@ -1,5 +1,5 @@
 // Kimi-Linear, MiniMax and Ring-linear mixers and routing on the CPU, fp32. Contracts: family_layers.h; the HF
-// transformers 5.17 classes named there (and research/hybrid_models.md 2-4) are the formulas' source.
+// transformers 5.17 classes named there (and docs/research/hybrid_models.md 2-4) are the formulas' source.
 #include "engine/families/family_layers.h"
 
 #include <algorithm>

@@ -36,7 +36,7 @@ void mla_layer(const ModelConfig& c, const MlaWeights& w, AttentionLayerState& s
 /// Lightning layer. MiniMax (MiniMaxLightningAttention.forward): [q | k | v] = silu(qkv_proj x) per head, the
 /// scalar-decay recurrence (block-wise over lightning_block_size tokens, or token by token when `recurrent`),
 /// RMSNorm over H*d (eps linear_norm_eps), * sigmoid(output_gate x), out_proj. Ring (BailingMoeV2 linear attention,
-/// research/hybrid_models.md 3.3, tools/ring_linear_reference.py): [q | k | v] = query_key_value x (silu'd when
+/// docs/research/hybrid_models.md 3.3, tools/ring_linear_reference.py): [q | k | v] = query_key_value x (silu'd when
 /// linear_qkv_silu), per-head RMSNorm of q and k (use_qk_norm), partial NeoX RoPE at positions start_position..
 /// (linear_rope; `inv_freq` over rotary_dim()), q *= d^-1/2, the same recurrence, group RMSNorm (group_norm_size
 /// contiguous groups of H*d / group_norm_size channels), * sigmoid(g_proj x), dense.

@@ -1,7 +1,7 @@
 // Gated delta rule on the CPU, fp32. Conventions and contracts: gated_delta.h.
 //
 // Chunked form (per value head h, chunk of L <= C tokens, G_i the in-chunk cumulative log decay,
-// gamma = e^{G_L}; HF torch_chunk_gated_delta_rule, research/hybrid_models.md 5.2 and 5.4):
+// gamma = e^{G_L}; HF torch_chunk_gated_delta_rule, docs/research/hybrid_models.md 5.2 and 5.4):
 //   A_ij  = b_i (k_i . k_j) e^{G_i - G_j}   (j < i), solve (I + A) [U | W] = [diag(b) V | diag(b e^G) K]
 //   Vnew  = U - W S                         (the part of the writes the entering state does not predict)
 //   o_i   = e^{G_i} q_i^T S + sum_{j<=i} e^{G_i - G_j} (q_i . k_j) Vnew_j

@@ -8,7 +8,7 @@
 //     o_t = S_t^T q_t                                   (output uses the updated state)
 // A transition T is d_k x d_k, row-major. Per layer the state is [H_v][d_k][d_v].
 // Source: DESIGN.md 3.1; HF transformers torch_chunk_gated_delta_rule / torch_recurrent_gated_delta_rule
-// (modeling_qwen3_5.py); research/hybrid_models.md sections 1.5 and 5.4 (T = gamma I - K~^T W).
+// (modeling_qwen3_5.py); docs/research/hybrid_models.md sections 1.5 and 5.4 (T = gamma I - K~^T W).
 #pragma once
 #include <cstddef>
 #include <cstdint>

@@ -3,7 +3,7 @@
 // All tensors are row-major fp32; "rows" is the number of tokens (or token x head rows).
 // Sources: HF transformers 5.x modeling_qwen3_5.py / modeling_qwen3_next.py (Qwen3_5RMSNorm,
 // Qwen3_5RMSNormGated, l2norm, Qwen3_5TextRotaryEmbedding, apply_rotary_pos_emb);
-// research/hybrid_models.md sections 0 and 1.
+// docs/research/hybrid_models.md sections 0 and 1.
 #pragma once
 #include <cmath>
 #include <cstdint>

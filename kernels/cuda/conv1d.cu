@@ -1,7 +1,7 @@
 // Depthwise causal conv1d + SiLU in front of the gated delta rule (see gated_delta.h).
 // PyTorch cross-correlation convention: y[t][c] = silu(sum_j w[c][j] z[t - (K-1) + j][c]), where z
 // is the sequence's inputs preceded by its K-1 conv-state inputs; fp32 accumulation, one rounding
-// to bf16 (HF runs F.conv1d + silu in the model dtype; research/hybrid_models.md 1.5 step 2).
+// to bf16 (HF runs F.conv1d + silu in the model dtype; docs/research/hybrid_models.md 1.5 step 2).
 #include <cuda_runtime.h>
 
 #include <algorithm>

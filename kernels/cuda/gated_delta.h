@@ -10,7 +10,7 @@
 //
 // All pointers are device pointers unless named *_host; every call is asynchronous on `stream`
 // and throws std::invalid_argument for bad shapes and std::runtime_error for CUDA errors.
-// Source of the chunked algorithm: DESIGN.md 3.1 and research/hybrid_models.md 5.2 / 5.4
+// Source of the chunked algorithm: DESIGN.md 3.1 and docs/research/hybrid_models.md 5.2 / 5.4
 // (UT transform, W = T_A diag(b e^G) K, U = T_A diag(b) V, chunk transition T = gamma I - K~^T W).
 #pragma once
 #include <cuda_bf16.h>

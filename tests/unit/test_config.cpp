@@ -1,7 +1,7 @@
 // ModelConfig parsing: every config flavour (Qwen3-Next flat, Qwen3.5 text-only, Qwen3.5 nested, legacy
 // RoPE fields, derived layer types), errors, derived quantities, fingerprint and JSON round trip.
 // Expected values come from the fixture configs written by transformers 5.17 (tests/fixtures/README.md)
-// and from the published Qwen3-Next-80B-A3B architecture (research/hybrid_models.md 1.2).
+// and from the published Qwen3-Next-80B-A3B architecture (docs/research/hybrid_models.md 1.2).
 #include <catch2/catch.hpp>
 #include <limits>
 #include <string>
