@@ -201,6 +201,17 @@ struct BackendOptions {
   /// inter-token latency while a long prefill pass runs. Same kernels, same bits. false: the engine loop interleaves
   /// decode steps between passes (chunked prefill) instead.
   bool concurrent_decode = true;
+  /// CUDA, with concurrent_decode: streaming multiprocessors set aside for decode steps while they run beside a
+  /// prefill call (green contexts, CUDA 12.5+ driver; rounded up to the device's partition granularity, 8 SMs on
+  /// Hopper). A splice or entry build that starts while sequences decode runs on the other SMs, so its long-running
+  /// blocks never delay a step's kernels; one that starts while none decode uses the whole device, and so do decode
+  /// steps while no prefill call runs. Same kernels, same bits. -1 = auto: about an eighth of the device in
+  /// multiples of 8 (16 of an H200's 132 SMs), none below 32 SMs, and none, with a warning, where the driver has
+  /// no green contexts. 0 = no partition (the decode stream's priority alone favours the steps). An explicit count
+  /// the driver cannot give (no green contexts, too few SMs left for the prefill) makes construction throw.
+  /// Measured on an H200 at Qwen3.5-35B-A3B dimensions (bench/results/decode_beside_h200.md): a batch-4 step beside
+  /// 2048-token entry builds 1.35x its time alone with 16 SMs against 1.76x without.
+  int decode_sms = -1;
   /// Benchmark only: ignore the checkpoint's safetensors and make seeded random weights from config.json on
   /// the device (logged and reported as benchmark-only; text is meaningless). 0 = load the real weights.
   /// Not supported by the CPU backend (make_backend throws; write a random checkpoint with `hypic-model init`).

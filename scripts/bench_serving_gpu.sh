@@ -10,6 +10,7 @@
 #                                                         hypic-* services); shared libraries from DIR/../lib when it
 #                                                         exists (added to LD_LIBRARY_PATH)
 #   ... --scenarios LIST                                 hypic-bench-cluster scenarios (default serving,load)
+#   ... --load-modes LIST                                load scenario modes (default hypic,prefix,full)
 #   ... --layers N                                       cut the model to its first N layers (num_hidden_layers and
 #                                                         the layer_types pattern's first N entries; default: all 40)
 #   ... --scatter-workers N                              scatter workers (default 0), on cuda:0 too
@@ -37,6 +38,7 @@
 # is its token count, so drawing ids from 2048 of them measures the same prefill work as any other ids.
 set -euo pipefail
 SCENARIOS="serving,load"
+LOAD_MODES="hypic,prefix,full"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
@@ -53,6 +55,7 @@ while (($#)); do
     --layers) need_value "$@"; LAYERS="$2"; shift 2 ;;
     --scatter-workers) need_value "$@"; SCATTER="$2"; shift 2 ;;
     --scenarios) [[ $# -ge 2 ]] || die "--scenarios needs a value"; SCENARIOS="$2"; shift 2 ;;
+    --load-modes) need_value "$@"; LOAD_MODES="$2"; shift 2 ;;
     --extra) [[ $# -ge 2 ]] || die "--extra needs a value (see --help)"; EXTRA="$2"; shift 2 ;;
     --tokenizer) need_value "$@"; TOKENIZER="$2"; shift 2 ;;
     --commit) need_value "$@"; COMMIT="$2"; shift 2 ;;
@@ -167,7 +170,7 @@ DATE_UTC="$(date -u +%Y-%m-%dT%H:%M:%SZ)"
 rc=0
 "$BIN/hypic-bench-cluster" --model "$MODEL" --tokenizer "$TOKENIZER" --bin-dir "$BIN" \
   --launcher deploy/local_cluster.py "${LA[@]}" --scenarios "$SCENARIOS" --scatter-workers "$SCATTER" \
-  --load-modes hypic,prefix,full ${KEEP[@]+"${KEEP[@]}"} ${EXTRA_ARGS[@]+"${EXTRA_ARGS[@]}"} \
+  --load-modes "$LOAD_MODES" ${KEEP[@]+"${KEEP[@]}"} ${EXTRA_ARGS[@]+"${EXTRA_ARGS[@]}"} \
   --note "commit measured: $COMMIT; made by scripts/bench_serving_gpu.sh ($LAYERS_USED layers, weights: $WEIGHTS)" \
   --work-dir "$WORK/bench" --out-json "$WORK/bench.json" --out-md "$WORK/bench.md" \
   > "$WORK/stdout.md" 2> >(tee "$OUT/bench.log" >&2) || rc=$?

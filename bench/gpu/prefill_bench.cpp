@@ -640,7 +640,11 @@ std::string markdown(const json& J) {
     const json& db = J["decode_beside"];
     m << "\n## Decode beside prefill (Backend::concurrent_decode: " << db.value("steps", 0) << " steps of batch "
       << db.value("batch", 0) << ", contexts of " << db.value("context_tokens", int64_t(0))
-      << " tokens, on a second thread while this one runs the load back to back)\n\n"
+      << " tokens, on a second thread while this one runs the load back to back; decode SM partition: "
+      << (db.value("decode_sms", 0) > 0    ? std::to_string(db.value("decode_sms", 0)) + " SMs"
+          : db.value("decode_sms", 0) < 0 ? std::string("auto")
+                                           : std::string("none"))
+      << ")\n\n"
          "| load | step median ms | vs alone | p90 | p99 | max | load's work ms | vs alone |\n|---|---|---|---|---|---|---|---|\n";
     for (const json& r : db["loads"]) {
       if (r.contains("error")) {
@@ -783,6 +787,7 @@ int main(int argc, char** argv) try {
   int decode_warm = 3, decode_steps = 10;
   int beside_batch = 4, beside_steps = 60;
   int64_t beside_prefill = 16384;
+  int decode_sms = -1;
   int64_t max_batch_tokens = 0;
   double kv_pool_gib = 0;
   bool quick = false;
@@ -812,6 +817,10 @@ int main(int argc, char** argv) try {
       ->capture_default_str();
   app.add_option("--beside-steps", beside_steps, "decode beside prefill: timed steps per load")->capture_default_str();
   app.add_option("--beside-prefill-tokens", beside_prefill, "decode beside prefill: tokens of the full prefills")
+      ->capture_default_str();
+  app.add_option("--decode-sms", decode_sms,
+                 "BackendOptions::decode_sms: SMs of the decode partition while decode steps run beside prefill "
+                 "(-1 = auto, 0 = none)")
       ->capture_default_str();
   app.add_option("--max-batch-tokens", max_batch_tokens,
                  "BackendOptions::max_batch_tokens (0 = the longest prompt, so every prefill is one pass)");
@@ -965,6 +974,7 @@ int main(int argc, char** argv) try {
   opt.kv_pool_bytes = kv_bytes;
   // build_entries packs at most max_sequences segments into one pass: room for every segment at once.
   opt.max_sequences = std::max({decode_seqs + 1, segments, 2});
+  opt.decode_sms = decode_sms;
   opt.prefix_cache_bytes = 0;
   J["options"] = {{"max_batch_tokens", max_batch_tokens}, {"kv_pool_bytes", double(kv_bytes)},
                   {"max_sequences", opt.max_sequences}, {"kv_bytes_per_token", d.kv_bytes_per_token()}};
@@ -1155,8 +1165,10 @@ int main(int argc, char** argv) try {
                       (long long)Bn, (long long)(ctx / double(Bn)), st.median, st.min, double(Bn) / (st.median * 1e-3));
           std::fflush(stdout);
         }
-        if (want_beside) beside = decode_beside(*be, seqs, beside_batch, beside_steps, segment_tokens, seam,
-                                                beside_prefill, d.V, rng);
+        if (want_beside) {
+          beside = decode_beside(*be, seqs, beside_batch, beside_steps, segment_tokens, seam, beside_prefill, d.V, rng);
+          beside["decode_sms"] = decode_sms;
+        }
       } catch (const std::exception& e) {
         decode["error"] = e.what();
         std::printf("decode: FAILED: %s\n", e.what());

@@ -14,6 +14,8 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <list>
@@ -28,6 +30,7 @@
 #include "engine/cuda/cuda_weights.h"
 #include "engine/cuda/device_memory.h"
 #include "engine/cuda/pinned_pool.h"
+#include "engine/cuda/sm_partition.h"
 #include "engine/safetensors.h"
 #include "engine/splice.h"
 #include "kernels/cpu/ops.h"
@@ -405,7 +408,29 @@ class CudaBackend final : public Backend {
   size_t state_layer_bytes_ = 0, conv_layer_bytes_ = 0, kv_row_ = 0;
   float eps_ = 1e-6f, attn_scale_ = 1.f, gdn_scale_ = 1.f;
   bool renorm_topk_ = true;
-  cudaStream_t stream_ = nullptr;
+  // The prefill lane's stream: full_stream_ (the whole device), or the SM partition's prefill stream while a call
+  // runs beside decode steps (PartitionScope). Read and switched only under capture_mu_ by the engine loop's calls.
+  cudaStream_t stream_ = nullptr, full_stream_ = nullptr;
+  // BackendOptions::decode_sms > 0: decode and prefill SM partitions (green contexts), used while both run.
+  std::unique_ptr<SmPartition> sms_;
+  cudaEvent_t lane_ev_ = nullptr;  // orders the prefill lane's work across its two streams
+  int partition_depth_ = 0;        // nested engine-loop calls inside one PartitionScope (capture_mu_ is recursive)
+  std::atomic<bool> partitioned_{false};        // a prefill call runs on the prefill partition now
+  std::atomic<int> decoding_{0};                // decode steps in flight
+  std::atomic<int64_t> decode_seen_ns_{0};      // steady_clock time the last decode step ended
+  // True while sequences may decode beside a prefill call: a sequence made by an earlier call is alive (the engine
+  // loop decodes every sequence it keeps: a request that just got its first token has not taken its first step
+  // yet), a step is in flight, or one ended in the last 20 ms.
+  bool decode_beside_likely() const;
+  // For the duration of one engine-loop call (splice, build_entries): when an SM partition exists and sequences
+  // may decode beside it (decode_beside_likely), the prefill lane runs on the prefill partition's SMs (ordered after the whole-device stream's work
+  // by an event, and joined back into it at the end), and decode steps started meanwhile take the decode partition.
+  struct PartitionScope {
+    explicit PartitionScope(CudaBackend& b);
+    ~PartitionScope();
+    CudaBackend& b;
+    bool switched = false;
+  };
   // Allocations and frees of entries made for a GPU-to-GPU receive (allocate_entry, on any thread): stream-ordered
   // on a stream of their own, since plain cudaMalloc / cudaFree synchronize the whole device (the engine's work and
   // any NCCL receive still waiting for its sender).
@@ -431,10 +456,17 @@ class CudaBackend final : public Backend {
   std::mutex free_mu_;
   std::vector<DeviceMemory> pending_free_;
   void drain_frees() {
+    if (partition_depth_ > 0) return;  // inside a PartitionScope: at the next top-level call
     std::vector<DeviceMemory> drop;
     {
       std::lock_guard lock(free_mu_);
       drop.swap(pending_free_);
+    }
+    // A stream-ordered free on the prefill partition's stream (memory allocated there) must follow the
+    // whole-device stream's later uses of it too.
+    if (sms_ && !drop.empty()) {
+      check_cuda(cudaEventRecord(lane_ev_, full_stream_), "lane event");
+      check_cuda(cudaStreamWaitEvent(sms_->prefill_stream(), lane_ev_, 0), "lane event wait");
     }
   }
   int num_pages_ = 0;
@@ -444,8 +476,9 @@ class CudaBackend final : public Backend {
   int64_t Tmax_ = 0;
   DeviceMemory act_, dec_act_;
   Lane pre_, dec_;
-  // The decode lane's own stream (the device's highest priority), GEMM runner and MoE workspace.
-  cudaStream_t dec_stream_ = nullptr;
+  // The decode lane's own stream (the device's highest priority; the SM partition's decode stream during a
+  // PartitionScope, else dec_full_stream_; switched by decode() only), GEMM runner and MoE workspace.
+  cudaStream_t dec_stream_ = nullptr, dec_full_stream_ = nullptr;
   kc::GemmRunner dec_gemm_;
   kc::MoeWorkspace dec_moe_ws_;
   DeviceMemory logits_dev_;
@@ -508,6 +541,7 @@ CudaBackend::CudaBackend(const DeviceSpec& dev, ModelConfig cfg, const ModelWeig
                                 " CUDA device(s) visible)");
   set_device();
   check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+  full_stream_ = stream_;
   check_cuda(cudaStreamCreateWithFlags(&xfer_stream_, cudaStreamNonBlocking), "cudaStreamCreate");
   check_cuda(cudaStreamCreateWithFlags(&d2h_stream_, cudaStreamNonBlocking), "cudaStreamCreate");
   check_cuda(cudaStreamCreateWithFlags(&h2d_stream_, cudaStreamNonBlocking), "cudaStreamCreate");
@@ -515,6 +549,31 @@ CudaBackend::CudaBackend(const DeviceSpec& dev, ModelConfig cfg, const ModelWeig
     int least = 0, greatest = 0;
     check_cuda(cudaDeviceGetStreamPriorityRange(&least, &greatest), "cudaDeviceGetStreamPriorityRange");
     check_cuda(cudaStreamCreateWithPriority(&dec_stream_, cudaStreamNonBlocking, greatest), "cudaStreamCreate");
+    dec_full_stream_ = dec_stream_;
+  }
+  if (opt_.decode_sms < -1)
+    throw std::invalid_argument("decode_sms must be >= 0 (or -1: auto), got " + std::to_string(opt_.decode_sms));
+  if (opt_.concurrent_decode && opt_.decode_sms != 0) {
+    int want = opt_.decode_sms;
+    if (want < 0) {  // auto: about an eighth of the device in multiples of 8 SMs; none on small devices
+      int device_sms = 0;
+      check_cuda(cudaDeviceGetAttribute(&device_sms, cudaDevAttrMultiProcessorCount, dev_.index), "SM count");
+      want = device_sms >= 32 ? std::max(8, (device_sms / 8 + 4) / 8 * 8) : 0;
+    }
+    if (want > 0) {
+      try {
+        sms_ = SmPartition::create(dev_.index, want);
+        check_cuda(cudaEventCreateWithFlags(&lane_ev_, cudaEventDisableTiming), "cudaEventCreate(lane)");
+        spdlog::info("cuda backend on {}: SM partition while decode steps run beside prefill: {}", dev_.name(),
+                     sms_->describe());
+      } catch (const std::exception& e) {
+        if (opt_.decode_sms > 0) throw;  // asked for explicitly
+        sms_.reset();
+        spdlog::warn("cuda backend on {}: no SM partition for decode beside prefill ({}); decode steps share every "
+                     "SM with prefill passes (--decode-sms 0 silences this)",
+                     dev_.name(), e.what());
+      }
+    }
   }
   pinned_ = std::make_shared<PinnedPool>(dev_.index);
   if (!weights && checkpoint.empty()) cfg_.weights_digest = random_weights_digest(opt_.random_weights_seed);
@@ -555,14 +614,19 @@ CudaBackend::~CudaBackend() {
   if (stream_) {
     cudaSetDevice(dev_.index);
     cudaStreamSynchronize(stream_);
-    if (dec_stream_) cudaStreamSynchronize(dec_stream_);
+    if (dec_full_stream_) cudaStreamSynchronize(dec_full_stream_);
+    if (sms_) {
+      cudaStreamSynchronize(sms_->prefill_stream());
+      cudaStreamSynchronize(sms_->decode_stream());
+    }
     prefix_lru_.clear();
     graphs_.clear();
     drain_frees();
     cudaStreamSynchronize(stream_);
     cudaStreamDestroy(stream_);
   }
-  for (cudaStream_t st : {d2h_stream_, h2d_stream_, dec_stream_}) {
+  if (lane_ev_) cudaEventDestroy(lane_ev_);
+  for (cudaStream_t st : {d2h_stream_, h2d_stream_, dec_full_stream_}) {
     if (!st) continue;
     cudaStreamSynchronize(st);
     cudaStreamDestroy(st);
@@ -1327,6 +1391,7 @@ SpliceOutput CudaBackend::splice(const SplicePlan& plan) {
   set_device();
   std::lock_guard<std::recursive_mutex> no_capture(capture_mu_);  // see capture_mu_
   drain_frees();
+  PartitionScope lane(*this);
   check_recompute_request(plan.mode, plan.recompute_segments, plan.refresh_segments, plan.refresh_tail,
                           plan.segments.size());
   if (plan.segments.empty()) throw std::invalid_argument("splice: the segment list is empty");
@@ -1488,6 +1553,17 @@ SpliceOutput CudaBackend::splice(const SplicePlan& plan) {
 void CudaBackend::decode(std::span<Sequence* const> sequences, std::span<const int32_t> tokens,
                          std::vector<float>& logits) {
   set_device();  // no drain_frees: freeing synchronizes the device, and this may run beside a prefill pass
+  // The decode partition's SMs while a prefill call runs on the rest (PartitionScope), else the whole device. The
+  // previous step ended with a synchronization, so the switch needs no ordering.
+  dec_stream_ = dec_.stream = sms_ && partitioned_.load() ? sms_->decode_stream() : dec_full_stream_;
+  decoding_.fetch_add(1);
+  struct StepEnd {
+    CudaBackend& b;
+    ~StepEnd() {
+      b.decode_seen_ns_.store(std::chrono::steady_clock::now().time_since_epoch().count());
+      b.decoding_.fetch_sub(1);
+    }
+  } step_end{*this};
   if (sequences.size() != tokens.size())
     throw std::invalid_argument("decode: " + std::to_string(sequences.size()) + " sequences but " +
                                 std::to_string(tokens.size()) + " tokens");
@@ -1575,6 +1651,44 @@ void CudaBackend::decode(std::span<Sequence* const> sequences, std::span<const i
   for (auto* s : seqs) s->n_ += 1;
 }
 
+bool CudaBackend::decode_beside_likely() const {
+  if (decoding_.load() > 0) return true;
+  {
+    std::lock_guard lock(pool_mu_);
+    if (free_slots_.size() < size_t(opt_.max_sequences)) return true;
+  }
+  const int64_t now = std::chrono::steady_clock::now().time_since_epoch().count();
+  return now - decode_seen_ns_.load() < std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                             std::chrono::milliseconds(20)).count();
+}
+
+CudaBackend::PartitionScope::PartitionScope(CudaBackend& backend) : b(backend) {
+  if (!b.sms_ || b.partition_depth_++ > 0 || !b.decode_beside_likely()) return;
+  const cudaStream_t part = b.sms_->prefill_stream();
+  try {
+    check_cuda(cudaEventRecord(b.lane_ev_, b.full_stream_), "lane event");
+    check_cuda(cudaStreamWaitEvent(part, b.lane_ev_, 0), "lane event wait");
+  } catch (...) {
+    --b.partition_depth_;
+    throw;
+  }
+  b.stream_ = b.pre_.stream = part;
+  b.partitioned_.store(true);
+  switched = true;
+}
+
+CudaBackend::PartitionScope::~PartitionScope() {
+  if (!b.sms_) return;
+  --b.partition_depth_;
+  if (!switched) return;
+  b.partitioned_.store(false);
+  // Joined back: the whole-device stream's later work (and frees) follow this call's.
+  if (cudaEventRecord(b.lane_ev_, b.stream_) != cudaSuccess ||
+      cudaStreamWaitEvent(b.full_stream_, b.lane_ev_, 0) != cudaSuccess)
+    cudaStreamSynchronize(b.stream_);
+  b.stream_ = b.pre_.stream = b.full_stream_;
+}
+
 // One decode step of B sequences from the fixed tables (no host work, no allocation: capturable).
 void CudaBackend::decode_body(int B, int cap, const DecodeTables& t) {
   const Lane& ln = dec_;
@@ -1610,6 +1724,7 @@ std::vector<std::shared_ptr<const ResidentEntry>> CudaBackend::build_entries(
   set_device();
   std::lock_guard<std::recursive_mutex> no_capture(capture_mu_);  // see capture_mu_
   drain_frees();
+  PartitionScope lane(*this);
   if (seam_width < 0) throw std::invalid_argument("build_entries: seam width must be >= 0, got " + std::to_string(seam_width));
   for (size_t i = 0; i < segments.size(); ++i) {
     if (segments[i].empty()) throw std::invalid_argument("build_entries: segment " + std::to_string(i) + " has no tokens");

@@ -345,4 +345,29 @@ void fill_random(long n, RandomFill kind, float a, float b, uint64_t seed, uint6
   check_cuda(cudaGetLastError(), "fill_random launch");
 }
 
+__device__ __forceinline__ uint64_t global_timer_ns() {
+  uint64_t t = 0;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__global__ void record_block_sms_kernel(int64_t spin_ns, int* sm_of_block) {
+  const uint64_t start = global_timer_ns();
+  while (global_timer_ns() - start < uint64_t(spin_ns)) {
+  }
+  if (threadIdx.x == 0) {
+    unsigned sm = 0;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    sm_of_block[blockIdx.x] = int(sm);
+  }
+}
+
+void record_block_sms(int blocks, int64_t spin_ns, int* sm_of_block, cudaStream_t stream) {
+  need(blocks >= 0 && spin_ns >= 0, "record_block_sms: negative blocks or spin");
+  if (blocks == 0) return;
+  need(sm_of_block != nullptr, "record_block_sms: null output");
+  record_block_sms_kernel<<<blocks, 32, 0, stream>>>(spin_ns, sm_of_block);
+  check_cuda(cudaGetLastError(), "record_block_sms launch");
+}
+
 }  // namespace hypic::kernels::cuda

@@ -87,4 +87,9 @@ enum class RandomFill { Normal, Uniform, LogUniform, Constant };
 void fill_random(long n, RandomFill kind, float a, float b, uint64_t seed, uint64_t stream_id, bf16* y_bf16,
                  float* y_fp32, cudaStream_t stream = nullptr);
 
+/// Diagnostics of SM placement (engine/cuda/sm_partition.h): `blocks` blocks of 32 threads, each spinning about
+/// `spin_ns` nanoseconds of its SM's clock so that the launch spreads over every SM it may use, write the id of
+/// the SM they ran on (%smid) to sm_of_block[block] (device memory, int32).
+void record_block_sms(int blocks, int64_t spin_ns, int* sm_of_block, cudaStream_t stream = nullptr);
+
 }  // namespace hypic::kernels::cuda

@@ -40,6 +40,13 @@ void add_engine_flags(CLI::App& app, EngineFlags& f, bool prefix_cache, bool inj
                  "CUDA backend: running sequences take their decode steps on a stream of their own beside prefill "
                  "passes (false: between passes, chunked by --max-pass-tokens-decoding and --max-build-tokens-decoding)")
       ->capture_default_str();
+  app.add_option("--decode-sms", f.decode_sms,
+                 "CUDA backend, with --concurrent-decode: SMs set aside for decode steps while a splice or entry build "
+                 "runs beside them (green contexts; rounded up to 8 on Hopper); the prefill takes the rest then, the "
+                 "whole device otherwise (-1 = auto: about an eighth of the device, none where the driver cannot; 0 = "
+                 "no partition)")
+      ->check(CLI::Range(-1, 100000))
+      ->capture_default_str();
   app.add_option("--max-batch-tokens", f.max_batch_tokens,
                  "most tokens of one forward pass: entry builds queued together are batched up to it (CUDA: longer "
                  "prefills are chunked)")
@@ -72,6 +79,7 @@ std::unique_ptr<engine::Backend> make_engine_backend(const EngineFlags& f, const
   o.kv_pool_bytes = f.kv_pool_bytes;
   o.max_batch_tokens = f.max_batch_tokens;
   o.concurrent_decode = f.concurrent_decode;
+  o.decode_sms = f.decode_sms;
   o.random_weights_seed = f.random_weights_seed;
   o.cpu_threads = f.compute_threads;
   auto backend = engine::make_backend(device, model_dir, o);

@@ -21,13 +21,14 @@ struct EngineFlags {
   int64_t max_pass_tokens_decoding = 2048;
   int64_t max_pass_tokens = -1;  ///< -1: auto (CPU backend 1024, CUDA 0 = its max_batch_tokens)
   bool concurrent_decode = true;  ///< CUDA: decode steps beside prefill passes (engine::BackendOptions)
+  int decode_sms = -1;            ///< CUDA: SMs of the decode partition beside prefill, -1 auto (engine::BackendOptions)
   uint64_t random_weights_seed = 0;
   uint64_t prefix_cache_bytes = uint64_t{1} << 30;
   int inject_delay_ms = 0;  ///< scatter worker only (testing)
 };
 
 /// Adds --device, --compute-threads, --kv-pool-bytes, --max-batch-tokens, --max-build-tokens-decoding,
-/// --max-pass-tokens[-decoding], --concurrent-decode, --random-weights-seed (benchmark only)
+/// --max-pass-tokens[-decoding], --concurrent-decode, --decode-sms, --random-weights-seed (benchmark only)
 /// and, when `prefix_cache` (combine worker), --prefix-cache-bytes; when `inject_delay` (scatter worker),
 /// --inject-delay-ms (testing only).
 void add_engine_flags(CLI::App& app, EngineFlags& flags, bool prefix_cache, bool inject_delay);

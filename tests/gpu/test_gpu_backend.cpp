@@ -23,6 +23,7 @@
 #include <filesystem>
 #include <map>
 #include <numeric>
+#include <set>
 #include <span>
 #include <random>
 #include <string>
@@ -34,6 +35,8 @@
 #include "engine/backend.h"
 #include "engine/config.h"
 #include "engine/cuda/cuda_backend.h"
+#include "engine/cuda/sm_partition.h"
+#include "kernels/cuda/ops.h"
 #include "engine/model.h"
 #include "engine/safetensors.h"
 #include "engine/splice.h"
@@ -41,6 +44,7 @@
 #include "tests/gpu/gpu_util.h"
 
 namespace eng = hypic::engine;
+namespace kc = hypic::kernels::cuda;
 using hypic::gputest::cuda_device_present;
 using hypic::gputest::rel_err;
 
@@ -819,8 +823,12 @@ TEST_CASE("cuda backend: decode steps on another thread beside builds and splice
   opt.kv_pool_bytes = size_t(1) << 28;
   opt.max_sequences = 12;
   // Two backends of the same weights: one runs everything alone (the reference), the other decodes beside its
-  // builds and splices from its first step, so its decode graphs are captured while they run.
+  // builds and splices from its first step, so its decode graphs are captured while they run; with an SM partition
+  // (BackendOptions::decode_sms) the steps and the prefill calls started while they run take disjoint SMs.
+  const int decode_sms = GENERATE(0, 16);
+  CAPTURE(decode_sms);
   auto alone_b = eng::cuda::make_backend(eng::DeviceSpec{eng::BackendKind::Cuda, 0}, f.cfg, &f.cpu->weights(), opt);
+  opt.decode_sms = decode_sms;
   auto beside_b = eng::cuda::make_backend(eng::DeviceSpec{eng::BackendKind::Cuda, 0}, f.cfg, &f.cpu->weights(), opt);
   REQUIRE(beside_b->concurrent_decode());
   eng::Backend* b = alone_b.get();
@@ -889,9 +897,9 @@ TEST_CASE("cuda backend: decode steps on another thread beside builds and splice
   REQUIRE(beside.size() == alone.size());
   int same = 0;
   for (size_t s = 0; s < alone.size(); ++s) same += alone[s] == beside[s];
-  std::printf("[backend] concurrent decode: %d of %zu steps bit-identical to decode alone; %d of %d prefill rounds "
-              "beside them bit-identical\n",
-              same, alone.size(), prefill_same, rounds);
+  std::printf("[backend] concurrent decode (decode SMs %d): %d of %zu steps bit-identical to decode alone; %d of %d "
+              "prefill rounds beside them bit-identical\n",
+              decode_sms, same, alone.size(), prefill_same, rounds);
   CHECK(same == int(alone.size()));
   CHECK(prefill_same == rounds);
 }
@@ -926,4 +934,36 @@ TEST_CASE("cuda backend: bad input and budgets give clear errors", "[backend]") 
   c.linear_key_head_dim = c.linear_value_head_dim = 64;
   CHECK_THROWS_AS(eng::cuda::make_backend(eng::DeviceSpec{eng::BackendKind::Cuda, 0}, c, nullptr, opt),
                   std::invalid_argument);
+}
+
+TEST_CASE("SM partition: the decode and prefill streams run on disjoint SMs of the requested counts",
+          "[backend][sm_partition]") {
+  require_gpu();
+  int device_sms = 0;
+  REQUIRE(cudaDeviceGetAttribute(&device_sms, cudaDevAttrMultiProcessorCount, 0) == cudaSuccess);
+  const int want = 16;
+  auto part = eng::cuda::SmPartition::create(0, want);
+  CHECK(part->device_sms() == device_sms);
+  CHECK(part->decode_sms() >= want);
+  CHECK(part->decode_sms() + part->prefill_sms() <= device_sms);
+  // Enough spinning blocks on each stream, both at once, to fill every SM each may use (32 resident blocks per SM).
+  const int blocks = 32 * device_sms;
+  int* dev = nullptr;
+  REQUIRE(cudaMalloc(reinterpret_cast<void**>(&dev), size_t(2) * blocks * sizeof(int)) == cudaSuccess);
+  kc::record_block_sms(blocks, 20000, dev, part->decode_stream());
+  kc::record_block_sms(blocks, 20000, dev + blocks, part->prefill_stream());
+  std::vector<int> host(size_t(2) * blocks);
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  REQUIRE(cudaMemcpy(host.data(), dev, host.size() * sizeof(int), cudaMemcpyDeviceToHost) == cudaSuccess);
+  cudaFree(dev);
+  std::set<int> dec(host.begin(), host.begin() + blocks), pre(host.begin() + blocks, host.end());
+  std::vector<int> both;
+  std::set_intersection(dec.begin(), dec.end(), pre.begin(), pre.end(), std::back_inserter(both));
+  std::printf("[backend] SM partition %s: decode blocks ran on %zu SMs, prefill blocks on %zu, %zu shared\n",
+              part->describe().c_str(), dec.size(), pre.size(), both.size());
+  CHECK(int(dec.size()) == part->decode_sms());
+  CHECK(int(pre.size()) == part->prefill_sms());
+  CHECK(both.empty());
+  CHECK_THROWS_AS(eng::cuda::SmPartition::create(0, 0), std::invalid_argument);
+  CHECK_THROWS_AS(eng::cuda::SmPartition::create(0, device_sms), std::invalid_argument);
 }
