@@ -272,6 +272,12 @@ class Backend {
   /// sequences on a thread of their own (EngineLoop), so that a prefill pass no longer stalls them. Default false
   /// (the CPU backend: one thread calls everything).
   virtual bool concurrent_decode() const { return false; }
+  /// With concurrent_decode(): the caller tells how many sequences it steps on its decode thread now, counting
+  /// those handed over but not stepped yet (the engine loop calls it whenever the count changes), so that the
+  /// backend can set resources aside for those steps while a prefill call runs (CUDA: BackendOptions::decode_sms)
+  /// and give the whole device back to the prefill when none run. A hint: results do not depend on it. Thread-safe.
+  /// Default: ignored.
+  virtual void set_decoding_sequences(int /*n*/) {}
 
   /// The device block of `entry` if it is one of this backend's device entries (CUDA); nullopt where entries live
   /// in host memory (CPU) or `entry` is not this backend's. Thread-safe (reads what never changes).

@@ -245,7 +245,7 @@ void EngineLoop::run() {
 }
 
 void EngineLoop::end_active(const char* why) {
-  active_count_ = 0;  // before the callbacks: a caller woken by on_end sees the count without this sequence
+  set_active(0);  // before the callbacks: a caller woken by on_end sees the count without this sequence
   for (auto& a : active_) {
     GenerateEnd end;
     end.reason = GenerateEndReason::Cancelled;
@@ -254,7 +254,7 @@ void EngineLoop::end_active(const char* why) {
     if (a.gen->on_end) a.gen->on_end(end);
   }
   active_.clear();
-  active_count_ = 0;
+  set_active(0);
 }
 
 void EngineLoop::run_decode() {
@@ -271,13 +271,30 @@ void EngineLoop::run_decode() {
   end_active("engine loop stopped");
 }
 
+void EngineLoop::set_active(int n) {
+  active_count_ = n;
+  tell_backend();
+}
+
+void EngineLoop::add_active(int delta) {
+  active_count_ += delta;
+  tell_backend();
+}
+
+void EngineLoop::tell_backend() {
+  if (!concurrent_) return;
+  // Under a mutex, reading the count inside it: the last call passes the newest value whichever thread changed it.
+  std::lock_guard<std::mutex> lock(hint_mu_);
+  backend_.set_decoding_sequences(active_count_.load());
+}
+
 void EngineLoop::publish_active_count() {
   if (!concurrent_) {
-    active_count_ = int(active_.size());
+    set_active(int(active_.size()));
     return;
   }
   std::lock_guard<std::mutex> lock(dec_mu_);
-  active_count_ = int(active_.size() + joining_.size());
+  set_active(int(active_.size() + joining_.size()));
 }
 
 void EngineLoop::run_builds(std::vector<BuildJob> batch) {
@@ -463,13 +480,13 @@ void EngineLoop::run_splice(SpliceTask task) {
   if (emit(a, first, /*counted=*/false)) return;
   if (!concurrent_) {
     active_.push_back(std::move(a));
-    active_count_ = int(active_.size());
+    set_active(int(active_.size()));
     return;
   }
   {
     std::lock_guard<std::mutex> lock(dec_mu_);
     joining_.push_back(std::move(a));
-    ++active_count_;
+    add_active(1);
   }
   dec_cv_.notify_all();
 }
@@ -487,7 +504,7 @@ bool EngineLoop::emit(Active& a, int32_t token, bool counted) {
     a.next_token = token;
     return false;
   }
-  if (counted) --active_count_;  // before on_end (see end_active)
+  if (counted) add_active(-1);  // before on_end (see end_active)
   if (a.gen->on_end) a.gen->on_end(end);
   return true;
 }
@@ -500,7 +517,7 @@ void EngineLoop::decode_step() {
       end.reason = GenerateEndReason::Cancelled;
       end.tokens = active_[i].produced;
       end.error = "cancelled by the caller";
-      --active_count_;  // before on_end (see end_active)
+      add_active(-1);  // before on_end (see end_active)
       if (active_[i].gen->on_end) active_[i].gen->on_end(end);
       active_.erase(active_.begin() + ptrdiff_t(i));
     } else {
@@ -522,7 +539,7 @@ void EngineLoop::decode_step() {
     end.tokens = a.produced;
     end.error_kind = kind;
     end.error = msg;
-    --active_count_;  // before on_end (see end_active)
+    add_active(-1);  // before on_end (see end_active)
     if (a.gen->on_end) a.gen->on_end(end);
   };
   try {

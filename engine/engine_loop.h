@@ -271,6 +271,11 @@ class EngineLoop {
   void end_active(const char* why);
   /// active_count_ = active_ (+ joining_ with concurrent_).
   void publish_active_count();
+  /// Every change of active_count_: sets or adds, then (concurrent_) passes the count to
+  /// Backend::set_decoding_sequences.
+  void set_active(int n);
+  void add_active(int delta);
+  void tell_backend();
   /// Whether sequences are decoding (the loop thread's view: active_, or with concurrent_ the published count).
   bool decoding() const { return concurrent_ ? active_count_.load() > 0 : !active_.empty(); }
   /// Delivers a sampled token; true if the sequence ends here (stop token or max_tokens). `counted`: the sequence is
@@ -294,6 +299,7 @@ class EngineLoop {
   bool dec_stop_ = false;        // under dec_mu_
   std::atomic<int64_t> queued_tokens_{0};
   std::atomic<int> active_count_{0};
+  std::mutex hint_mu_;  // orders Backend::set_decoding_sequences calls (tell_backend)
   std::atomic<uint64_t> decode_iterations_{0}, decode_steps_{0}, build_batches_{0};
   std::atomic<bool> stopping_{false};
   std::mutex egress_mu_;

@@ -728,6 +728,7 @@ json decode_beside(eng::Backend& be, std::vector<std::unique_ptr<eng::Sequence>>
       std::atomic<bool> done{false};
       std::exception_ptr failed;
       const std::vector<int32_t> toks = random_ids(size_t(batch), V, rng);
+      be.set_decoding_sequences(batch);  // as the engine loop does while its decode thread steps sequences
       std::thread decoder([&] {
         try {
           std::vector<float> logits;
@@ -752,6 +753,7 @@ json decode_beside(eng::Backend& be, std::vector<std::unique_ptr<eng::Sequence>>
         work_ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - a).count());
       }
       decoder.join();
+      be.set_decoding_sequences(0);
       if (failed) std::rethrow_exception(failed);
       const Stats st = summarize(step_ms);
       const Stats wk = summarize(work_ms);

@@ -15,7 +15,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <list>
@@ -259,6 +258,7 @@ class CudaBackend final : public Backend {
               std::vector<float>& logits) override;
   BackendMemory memory() const override;
   bool concurrent_decode() const override { return opt_.concurrent_decode; }
+  void set_decoding_sequences(int n) override { decoders_.store(n); }
   bool device_entries() const override { return true; }
   std::shared_ptr<const HostBlock> copy_to_host(const ResidentEntry& entry) const override;
   std::shared_ptr<const ResidentEntry> import_block(const HostBlock& block) const override;
@@ -417,11 +417,11 @@ class CudaBackend final : public Backend {
   int partition_depth_ = 0;        // nested engine-loop calls inside one PartitionScope (capture_mu_ is recursive)
   std::atomic<bool> partitioned_{false};        // a prefill call runs on the prefill partition now
   std::atomic<int> decoding_{0};                // decode steps in flight
-  std::atomic<int64_t> decode_seen_ns_{0};      // steady_clock time the last decode step ended
-  // True while sequences may decode beside a prefill call: a sequence made by an earlier call is alive (the engine
-  // loop decodes every sequence it keeps: a request that just got its first token has not taken its first step
-  // yet), a step is in flight, or one ended in the last 20 ms.
-  bool decode_beside_likely() const;
+  std::atomic<int> decoders_{0};                // set_decoding_sequences: sequences the caller's decode thread steps
+  // True while sequences may decode beside a prefill call: the caller steps some (set_decoding_sequences, counting
+  // a request whose first token came from its splice and whose first step has not started yet), or a step is in
+  // flight (callers that give no count).
+  bool decode_beside_likely() const { return decoders_.load() > 0 || decoding_.load() > 0; }
   // For the duration of one engine-loop call (splice, build_entries): when an SM partition exists and sequences
   // may decode beside it (decode_beside_likely), the prefill lane runs on the prefill partition's SMs (ordered after the whole-device stream's work
   // by an event, and joined back into it at the end), and decode steps started meanwhile take the decode partition.
@@ -1559,10 +1559,7 @@ void CudaBackend::decode(std::span<Sequence* const> sequences, std::span<const i
   decoding_.fetch_add(1);
   struct StepEnd {
     CudaBackend& b;
-    ~StepEnd() {
-      b.decode_seen_ns_.store(std::chrono::steady_clock::now().time_since_epoch().count());
-      b.decoding_.fetch_sub(1);
-    }
+    ~StepEnd() { b.decoding_.fetch_sub(1); }
   } step_end{*this};
   if (sequences.size() != tokens.size())
     throw std::invalid_argument("decode: " + std::to_string(sequences.size()) + " sequences but " +
@@ -1649,17 +1646,6 @@ void CudaBackend::decode(std::span<Sequence* const> sequences, std::span<const i
              "logits download");
   check_cuda(cudaStreamSynchronize(dec_stream_), "decode step");
   for (auto* s : seqs) s->n_ += 1;
-}
-
-bool CudaBackend::decode_beside_likely() const {
-  if (decoding_.load() > 0) return true;
-  {
-    std::lock_guard lock(pool_mu_);
-    if (free_slots_.size() < size_t(opt_.max_sequences)) return true;
-  }
-  const int64_t now = std::chrono::steady_clock::now().time_since_epoch().count();
-  return now - decode_seen_ns_.load() < std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                                             std::chrono::milliseconds(20)).count();
 }
 
 CudaBackend::PartitionScope::PartitionScope(CudaBackend& backend) : b(backend) {

@@ -879,6 +879,7 @@ TEST_CASE("cuda backend: decode steps on another thread beside builds and splice
   std::atomic<bool> done{false};
   std::vector<std::vector<float>> beside;
   std::exception_ptr failed;
+  beside_b->set_decoding_sequences(int(outs_b.size()));  // as the engine loop does
   std::thread decoder([&] {
     try {
       beside = steps(outs_b, next_b);
@@ -893,6 +894,7 @@ TEST_CASE("cuda backend: decode steps on another thread beside builds and splice
     ++rounds;
   }
   decoder.join();
+  beside_b->set_decoding_sequences(0);
   if (failed) std::rethrow_exception(failed);
   REQUIRE(beside.size() == alone.size());
   int same = 0;

@@ -763,6 +763,8 @@ class ConcurrentCpuBackend final : public Backend {
   static constexpr int32_t kGate = 5;
   int steps_to_wait = 4;
   std::atomic<int> gates_passed{0}, gates_missed{0};
+  std::atomic<int> decoding_hint{-1}, hint_at_gate{-1};  // the last Backend::set_decoding_sequences; at the gate
+  void set_decoding_sequences(int n) override { decoding_hint = n; }
   const ModelConfig& config() const override { return inner_.config(); }
   DeviceSpec device() const override { return inner_.device(); }
   std::string_view numerics() const override { return inner_.numerics(); }
@@ -779,6 +781,7 @@ class ConcurrentCpuBackend final : public Backend {
   }
   SpliceOutput splice(const SplicePlan& plan) override {
     if (plan.query[0] == kGate) {
+      hint_at_gate = decoding_hint.load();
       std::unique_lock<std::mutex> lock(step_mu_);
       const int target = decode_calls_ + steps_to_wait;
       if (step_cv_.wait_for(lock, std::chrono::seconds(20), [&] { return decode_calls_ >= target; })) ++gates_passed;
@@ -836,6 +839,9 @@ TEST_CASE("engine loop with a concurrent decode -- running sequences step while 
   a.wait();
   CHECK(conc.gates_passed == 1);
   CHECK(conc.gates_missed == 0);
+  // The loop told the backend how many sequences its decode thread steps: A while B's splice ran, none at the end.
+  CHECK(conc.hint_at_gate == 1);
+  CHECK(conc.decoding_hint == 0);
   CHECK(a.end.reason == GenerateEndReason::Cancelled);
   CHECK(a.tokens.size() > 6);
   CHECK(a.tokens == reference_tokens(b, pa, SpliceMode::Hypic, w, greedy, int(a.tokens.size())));
@@ -853,6 +859,7 @@ TEST_CASE("engine loop with a concurrent decode -- running sequences step while 
     REQUIRE(s->cv.wait_for(lock, std::chrono::seconds(60), [&] { return s->tokens.size() >= 3; }));
   }
   CHECK(loop->active_sequences() == 2);
+  CHECK(conc.decoding_hint == 2);
   flag->store(true);
   cancel_me.wait();
   CHECK(cancel_me.end.reason == GenerateEndReason::Cancelled);
@@ -862,6 +869,7 @@ TEST_CASE("engine loop with a concurrent decode -- running sequences step while 
   CHECK(stopped.end.reason == GenerateEndReason::Cancelled);
   CHECK(stopped.end.error == "engine loop stopped");
   CHECK(loop->active_sequences() == 0);
+  CHECK(conc.decoding_hint == 0);
   // What each produced is the start of its reference continuation.
   CHECK(cancel_me.tokens == reference_tokens(b, pc, SpliceMode::Hypic, w, greedy, int(cancel_me.tokens.size())));
   CHECK(stopped.tokens == reference_tokens(b, pa, SpliceMode::Hypic, w, greedy, int(stopped.tokens.size())));
