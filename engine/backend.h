@@ -209,8 +209,10 @@ struct BackendOptions {
   /// multiples of 8 (16 of an H200's 132 SMs), none below 32 SMs, and none, with a warning, where the driver has
   /// no green contexts. 0 = no partition (the decode stream's priority alone favours the steps). An explicit count
   /// the driver cannot give (no green contexts, too few SMs left for the prefill) makes construction throw.
-  /// Measured on an H200 at Qwen3.5-35B-A3B dimensions (bench/results/decode_beside_h200.md): a batch-4 step beside
-  /// 2048-token entry builds 1.35x its time alone with 16 SMs against 1.76x without.
+  /// Measured on an H200 at Qwen3.5-35B-A3B dimensions (bench/results/decode_beside_h200.md, against
+  /// decode_beside_no_partition_h200.md): a batch-4 step beside 2048-token entry builds takes 1.35x its time alone
+  /// with 16 SMs against 1.77x without, beside 16k-token prefills 1.72x against 4.2x; the builds beside the steps
+  /// take 2.1x their time alone against 1.5x (prefill throughput is what the partition costs).
   int decode_sms = -1;
   /// Benchmark only: ignore the checkpoint's safetensors and make seeded random weights from config.json on
   /// the device (logged and reported as benchmark-only; text is meaningless). 0 = load the real weights.
