@@ -66,8 +66,10 @@ struct HealthServer {
   std::string address() const { return "127.0.0.1:" + std::to_string(port); }
 };
 
+// 15 s: a TLS handshake with a server that just started can take seconds on a loaded CI machine (3 s failed once
+// under ctest -j8); a refused handshake still answers at once.
 int probe(const std::string& address, std::string* error = nullptr) {
-  return check_health(address, "", std::chrono::milliseconds(3000), error);
+  return check_health(address, "", std::chrono::milliseconds(15000), error);
 }
 
 }  // namespace
