@@ -15,6 +15,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <exception>
+#include <tuple>
 #include <cmath>
 #include <cstring>
 #include <list>
@@ -277,7 +279,9 @@ class CudaBackend final : public Backend {
   ModelState download_state(const CudaSequence& s) const;
   size_t sequence_state_bytes() const { return size_t(n_lin_) * (state_layer_bytes_ + conv_layer_bytes_); }
   size_t page_bytes() const { return size_t(n_attn_) * 2 * kPage * kv_row_; }
-  cudaStream_t stream() const { return stream_; }
+  /// The prefill lane's whole-device stream (never switched; the partition stream's work is joined into it at the
+  /// end of each engine-loop call).
+  cudaStream_t stream() const { return full_stream_; }
   const EntryGeometry& geometry() const { return geom_; }
   int n_lin() const { return n_lin_; }
   int n_attn() const { return n_attn_; }
@@ -464,9 +468,12 @@ class CudaBackend final : public Backend {
     }
     // A stream-ordered free on the prefill partition's stream (memory allocated there) must follow the
     // whole-device stream's later uses of it too.
-    if (sms_ && !drop.empty()) {
-      check_cuda(cudaEventRecord(lane_ev_, full_stream_), "lane event");
-      check_cuda(cudaStreamWaitEvent(sms_->prefill_stream(), lane_ev_, 0), "lane event wait");
+    if (sms_ && !drop.empty() &&
+        (cudaEventRecord(lane_ev_, full_stream_) != cudaSuccess ||
+         cudaStreamWaitEvent(sms_->prefill_stream(), lane_ev_, 0) != cudaSuccess)) {
+      cudaGetLastError();  // (no throw: the destructor drains too) then the plain way: both streams done
+      cudaStreamSynchronize(full_stream_);
+      cudaStreamSynchronize(sms_->prefill_stream());
     }
   }
   int num_pages_ = 0;
@@ -484,7 +491,9 @@ class CudaBackend final : public Backend {
   DeviceMemory logits_dev_;
   DeviceMemory mass_dev_;  // the refresh probe's attention mass per KV slot (fp32)
   DeviceMemory dec_tables_, dec_logits_;          // decode steps (fixed, so that graphs can point at them)
-  std::map<std::pair<int, int>, GraphExec> graphs_;  // captured decode steps by (batch, block-table width)
+  // Captured decode steps by (batch, block-table width, on the decode partition): a graph's kernels keep the
+  // context (and so the SMs) of the stream they were captured on, so each is launched only on that stream.
+  std::map<std::tuple<int, int, bool>, GraphExec> graphs_;
   // Held by the engine loop's calls (splice, build_entries, import_entry) for their whole run and by a decode step's
   // graph capture, which only try-locks it (else the step runs eager and captures later): a capture never overlaps
   // the loop's allocations and frees, which synchronize the device and would invalidate it.
@@ -553,6 +562,10 @@ CudaBackend::CudaBackend(const DeviceSpec& dev, ModelConfig cfg, const ModelWeig
   }
   if (opt_.decode_sms < -1)
     throw std::invalid_argument("decode_sms must be >= 0 (or -1: auto), got " + std::to_string(opt_.decode_sms));
+  if (!opt_.concurrent_decode && opt_.decode_sms > 0)
+    spdlog::warn("cuda backend on {}: decode_sms {} ignored: decode steps do not run beside prefill "
+                 "(--concurrent-decode=false)",
+                 dev_.name(), opt_.decode_sms);
   if (opt_.concurrent_decode && opt_.decode_sms != 0) {
     int want = opt_.decode_sms;
     if (want < 0) {  // auto: about an eighth of the device in multiples of 8 SMs; none on small devices
@@ -567,6 +580,7 @@ CudaBackend::CudaBackend(const DeviceSpec& dev, ModelConfig cfg, const ModelWeig
         spdlog::info("cuda backend on {}: SM partition while decode steps run beside prefill: {}", dev_.name(),
                      sms_->describe());
       } catch (const std::exception& e) {
+        cudaGetLastError();  // a failed driver entry-point query leaves the runtime's last error set
         if (opt_.decode_sms > 0) throw;  // asked for explicitly
         sms_.reset();
         spdlog::warn("cuda backend on {}: no SM partition for decode beside prefill ({}); decode steps share every "
@@ -1559,7 +1573,12 @@ void CudaBackend::decode(std::span<Sequence* const> sequences, std::span<const i
   decoding_.fetch_add(1);
   struct StepEnd {
     CudaBackend& b;
-    ~StepEnd() { b.decoding_.fetch_sub(1); }
+    int exceptions = std::uncaught_exceptions();
+    ~StepEnd() {
+      // A step that failed part-way may have kernels in flight on its stream: the next step may take the other one.
+      if (std::uncaught_exceptions() > exceptions) cudaStreamSynchronize(b.dec_stream_);
+      b.decoding_.fetch_sub(1);
+    }
   } step_end{*this};
   if (sequences.size() != tokens.size())
     throw std::invalid_argument("decode: " + std::to_string(sequences.size()) + " sequences but " +
@@ -1612,7 +1631,8 @@ void CudaBackend::decode(std::span<Sequence* const> sequences, std::span<const i
     if (attn_dec_ws_.bytes() != before) graphs_.clear();
   }
   const auto key = std::make_pair(B, cap);
-  auto it = graphs_.find(key);
+  const auto graph_key = std::make_tuple(B, cap, dec_stream_ != dec_full_stream_);
+  auto it = graphs_.find(graph_key);
   std::unique_lock<std::recursive_mutex> capturing(capture_mu_, std::defer_lock);
   if (it == graphs_.end() && opt_.decode_graphs && warmed_.count(key) && capturing.try_lock()) {
     // Second step of this shape: every GEMM plan and workspace exists, so the step can be captured (while no
@@ -1631,7 +1651,7 @@ void CudaBackend::decode(std::span<Sequence* const> sequences, std::span<const i
     const cudaError_t err = cudaGraphInstantiate(&exec, graph, 0);
     cudaGraphDestroy(graph);
     check_cuda(err, "decode graph instantiate");
-    it = graphs_.emplace(key, GraphExec(exec)).first;
+    it = graphs_.emplace(graph_key, GraphExec(exec)).first;
     capturing.unlock();
   }
   if (it != graphs_.end()) {
@@ -1659,6 +1679,8 @@ CudaBackend::PartitionScope::PartitionScope(CudaBackend& backend) : b(backend) {
     throw;
   }
   b.stream_ = b.pre_.stream = part;
+  for (kc::GdnWorkspace* ws : {&b.ws_a_, &b.ws_c_, &b.ws_seam_, &b.ws_pieces_})
+    ws->set_side_stream(b.sms_->prefill_side_stream());
   b.partitioned_.store(true);
   switched = true;
 }
@@ -1670,9 +1692,12 @@ CudaBackend::PartitionScope::~PartitionScope() {
   b.partitioned_.store(false);
   // Joined back: the whole-device stream's later work (and frees) follow this call's.
   if (cudaEventRecord(b.lane_ev_, b.stream_) != cudaSuccess ||
-      cudaStreamWaitEvent(b.full_stream_, b.lane_ev_, 0) != cudaSuccess)
+      cudaStreamWaitEvent(b.full_stream_, b.lane_ev_, 0) != cudaSuccess) {
+    cudaGetLastError();  // not left for the next launch check to report
     cudaStreamSynchronize(b.stream_);
+  }
   b.stream_ = b.pre_.stream = b.full_stream_;
+  for (kc::GdnWorkspace* ws : {&b.ws_a_, &b.ws_c_, &b.ws_seam_, &b.ws_pieces_}) ws->set_side_stream(nullptr);
 }
 
 // One decode step of B sequences from the fixed tables (no host work, no allocation: capturable).
@@ -2133,7 +2158,7 @@ ModelState CudaBackend::download_state(const CudaSequence& s) const {
     dst.resize(count);
     for (size_t i = 0; i < count; ++i) dst[i] = bf16_to_f32(raw[i]);
   };
-  check_cuda(cudaStreamSynchronize(stream_), "state download");
+  check_cuda(cudaStreamSynchronize(full_stream_), "state download");
   for (int l = 0; l < n_lin_; ++l) {
     st.linear[l].ssm.resize(state_layer_bytes_ / 4);
     check_cuda(cudaMemcpy(st.linear[l].ssm.data(), ssm(l, s.slot_), state_layer_bytes_, cudaMemcpyDeviceToHost),

@@ -2,6 +2,7 @@
 
 #include <cuda.h>
 
+#include <algorithm>
 #include <stdexcept>
 
 #include "kernels/cuda/cuda_check.h"
@@ -70,9 +71,12 @@ std::unique_ptr<SmPartition> SmPartition::create(int device, int decode_sms) {
   CUdevResource groups[1]{}, rest{};
   unsigned n = 1;
   check_cu(split(groups, &n, &all, &rest, 0, unsigned(decode_sms)), "cuDevSmResourceSplitByCount");
-  if (n != 1 || int(rest.sm.smCount) < 1)
-    throw std::invalid_argument("SM partition: the driver cannot split " + std::to_string(p->device_sms_) +
-                                " SMs into " + std::to_string(decode_sms) + " for decode and the rest for prefill");
+  if (n != 1 || int(rest.sm.smCount) < std::max(min_part, 8))
+    throw std::invalid_argument("SM partition: " + std::to_string(decode_sms) + " decode SMs (rounded to " +
+                                std::to_string(n == 1 ? groups[0].sm.smCount : 0u) + ") leave the prefill " +
+                                std::to_string(rest.sm.smCount) + " of the device's " +
+                                std::to_string(p->device_sms_) + " SMs (at least " +
+                                std::to_string(std::max(min_part, 8)) + " needed)");
   p->decode_sms_ = int(groups[0].sm.smCount);
   p->prefill_sms_ = int(rest.sm.smCount);
 
@@ -88,12 +92,15 @@ std::unique_ptr<SmPartition> SmPartition::create(int device, int decode_sms) {
   p->decode_stream_ = ds;
   check_cu(create_stream(&ps, p->impl_->prefill_ctx, CU_STREAM_NON_BLOCKING, 0), "cuGreenCtxStreamCreate(prefill)");
   p->prefill_stream_ = ps;
+  CUstream pss = nullptr;
+  check_cu(create_stream(&pss, p->impl_->prefill_ctx, CU_STREAM_NON_BLOCKING, 0), "cuGreenCtxStreamCreate(prefill side)");
+  p->prefill_side_stream_ = pss;
   return p;
 }
 
 SmPartition::~SmPartition() {
   if (!impl_) return;
-  for (cudaStream_t s : {decode_stream_, prefill_stream_})
+  for (cudaStream_t s : {decode_stream_, prefill_stream_, prefill_side_stream_})
     if (s) {
       cudaStreamSynchronize(s);
       impl_->stream_destroy(s);

@@ -40,6 +40,9 @@ class SmPartition {
   cudaStream_t decode_stream() const { return decode_stream_; }
   /// The prefill partition's stream (default priority).
   cudaStream_t prefill_stream() const { return prefill_stream_; }
+  /// A second stream of the prefill partition, for work forked beside prefill_stream() (the gated-delta
+  /// transition folds: kernels::cuda::GdnWorkspace::set_side_stream).
+  cudaStream_t prefill_side_stream() const { return prefill_side_stream_; }
   /// SMs of each partition and of the whole device.
   int decode_sms() const { return decode_sms_; }
   int prefill_sms() const { return prefill_sms_; }
@@ -51,7 +54,7 @@ class SmPartition {
   struct Impl;
   SmPartition() = default;
   std::unique_ptr<Impl> impl_;
-  cudaStream_t decode_stream_ = nullptr, prefill_stream_ = nullptr;
+  cudaStream_t decode_stream_ = nullptr, prefill_stream_ = nullptr, prefill_side_stream_ = nullptr;
   int decode_sms_ = 0, prefill_sms_ = 0, device_sms_ = 0;
 };
 

@@ -105,6 +105,11 @@ class GdnWorkspace {
   size_t bytes() const { return bytes_ + split_bytes_ + job_bytes_; }
   /// How many times a plan was built (and copied to the device) so far.
   long plans_built() const { return plans_built_; }
+  /// The stream the transition folds of split sequences run on beside the caller's (forked from and joined back
+  /// into it within each call): `side`, e.g. a second stream of the SM partition the caller's stream runs on
+  /// (engine/cuda/sm_partition.h), or nullptr for the workspace's own whole-device stream. Takes effect at the next
+  /// call; the stream must outlive the calls that use it.
+  void set_side_stream(cudaStream_t side) { side_override_ = side; }
 
  private:
   friend void gdn_prefill(const GdnPrefillArgs&, GdnWorkspace&, cudaStream_t);
@@ -121,7 +126,7 @@ class GdnWorkspace {
   long plans_built_ = 0;
   // A second stream for the transition folds of split sequences, which run beside the state folds.
   void ensure_side_stream();
-  cudaStream_t side_ = nullptr;
+  cudaStream_t side_ = nullptr, side_override_ = nullptr;
   cudaEvent_t fork_ = nullptr, join_ = nullptr;
 };
 

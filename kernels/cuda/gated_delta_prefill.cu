@@ -1281,9 +1281,9 @@ void gdn_prefill(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t stream)
   cudaStream_t ts = stream;
   if (t_chain) {
     ws.ensure_side_stream();
+    ts = ws.side_override_ ? ws.side_override_ : ws.side_;
     check_cuda(cudaEventRecord(ws.fork_, stream), "cudaEventRecord(fork)");
-    check_cuda(cudaStreamWaitEvent(ws.side_, ws.fork_, 0), "cudaStreamWaitEvent(fork)");
-    ts = ws.side_;
+    check_cuda(cudaStreamWaitEvent(ts, ws.fork_, 0), "cudaStreamWaitEvent(fork)");
   }
   for (const GdnPlan::Split& q : plan.splits) {
     const float* prev = slot(q.F);  // I[1] = F[0]
