@@ -1,5 +1,7 @@
 #include "combine_worker/service.h"
 
+#include "combine_worker/output.h"
+
 #include "proto/rpc/metrics.h"
 
 #include <atomic>
@@ -584,15 +586,7 @@ grpc::Status CombineService::run_combine(grpc::ServerContext* ctx, const v1::Com
 
     // ---- splice + decode, on the engine loop ----
     // The loop splices, then samples and decodes this request in one batch with every other request decoding
-    // here; its callbacks (on the loop thread) only queue events for this handler.
-    struct Events {
-      std::mutex mu;
-      std::condition_variable cv;
-      std::optional<engine::SpliceInfo> spliced;
-      std::deque<int32_t> tokens;
-      std::optional<engine::GenerateEnd> end;
-    };
-    auto events = std::make_shared<Events>();
+    // here; its callbacks only queue events for this handler (combine_worker/output.h).
     engine::GenerateJob job;
     job.splice.plan.mode = mode;
     job.splice.plan.seam_width = req->seam_width();
@@ -606,42 +600,9 @@ grpc::Status CombineService::run_combine(grpc::ServerContext* ctx, const v1::Com
     job.sampling = scfg;
     job.max_tokens = req->sampling().max_tokens();
     job.cancel = p->cancel;
-    job.on_spliced = [events](const engine::SpliceInfo& info) {
-      std::lock_guard<std::mutex> lock(events->mu);
-      events->spliced = info;
-      events->cv.notify_all();
-    };
-    job.on_token = [events](int32_t t) {
-      std::lock_guard<std::mutex> lock(events->mu);
-      events->tokens.push_back(t);
-      events->cv.notify_all();
-    };
-    job.on_end = [events](const engine::GenerateEnd& e) {
-      std::lock_guard<std::mutex> lock(events->mu);
-      events->end = e;
-      events->cv.notify_all();
-    };
+    const auto events = GenerationEvents::attach(job);
     d_.loop.submit_generate(std::move(job));
-    // Waits for the next event; throws when the request is cancelled or the generation failed before it.
-    auto fail = [&](const engine::GenerateEnd& e, const char* stage) -> rpc::RpcError {
-      if (e.reason == engine::GenerateEndReason::Cancelled)
-        return rpc::RpcError(grpc::StatusCode::CANCELLED, fmt::format("{}: {}", stage, e.error));
-      return rpc::RpcError(rpc::engine_error_code(e.error_kind), fmt::format("{} failed: {}", stage, e.error));
-    };
-    auto wait_event = [&](const std::function<bool()>& ready) {
-      std::unique_lock<std::mutex> lock(events->mu);
-      while (!ready()) {
-        if (ctx->IsCancelled()) throw rpc::RpcError(grpc::StatusCode::CANCELLED, "request cancelled by the router");
-        events->cv.wait_for(lock, std::chrono::milliseconds(50));
-      }
-    };
-    wait_event([&] { return events->spliced || events->end; });
-    engine::SpliceInfo sinfo;
-    {
-      std::lock_guard<std::mutex> lock(events->mu);
-      if (!events->spliced) throw fail(*events->end, "splice");
-      sinfo = *events->spliced;
-    }
+    engine::SpliceInfo sinfo = events->wait_spliced(*ctx);
     // Entries the splice imported (delivered or fetched) stay resident in the memory tier for later requests.
     for (size_t i = 0; i < sinfo.imported.size() && i < p->slots.size(); ++i)
       if (sinfo.imported[i]) d_.memory_tier.put(p->slots[i].digest, sinfo.imported[i]);
@@ -679,52 +640,13 @@ grpc::Status CombineService::run_combine(grpc::ServerContext* ctx, const v1::Com
     ev.mutable_splice_done()->set_queue_ms(sinfo.queue_ms);
     send(ev);
 
-    engine::IncrementalDecoder detok(d_.tokenizer, /*skip_special_tokens=*/true);
-    const int max_tokens = req->sampling().max_tokens();
-    const std::set<int32_t> stop_ids(scfg.stop_token_ids.begin(), scfg.stop_token_ids.end());
-    v1::FinishReason finish = v1::FINISH_REASON_LENGTH;
-    uint32_t produced = 0;
-    const auto t_first = Clock::now();
-    while (int(produced) < max_tokens) {
-      wait_event([&] { return !events->tokens.empty() || events->end; });
-      int32_t tok;
-      {
-        std::lock_guard<std::mutex> lock(events->mu);
-        if (events->tokens.empty()) throw fail(*events->end, "decode");
-        tok = events->tokens.front();
-        events->tokens.pop_front();
-      }
-      ++produced;
-      v1::CombineEvent dev;
-      dev.mutable_delta()->add_token_ids(tok);
-      if (stop_ids.count(tok)) {
-        finish = v1::FINISH_REASON_STOP_TOKEN;
-        send(dev);
-        break;
-      }
-      // Ids of the model's padded vocabulary beyond the tokenizer's (e.g. 151669..151935 for Qwen3)
-      // have no text: they are returned as ids only.
-      const bool has_text = size_t(tok) < d_.tokenizer.vocab_size();
-      const auto r = stop_matcher.push(has_text ? detok.push(tok) : std::string());
-      dev.mutable_delta()->set_text(r.text);
-      send(dev);
-      if (r.stopped) {
-        finish = v1::FINISH_REASON_STOP_STRING;
-        p->cancel->store(true);  // the sequence leaves the batch at the loop's next step
-        break;
-      }
-    }
-    if (finish != v1::FINISH_REASON_STOP_STRING) {
-      auto r = stop_matcher.push(detok.flush());
-      std::string tail = r.text + (r.stopped ? std::string() : stop_matcher.flush());
-      if (r.stopped) finish = v1::FINISH_REASON_STOP_STRING;
-      if (!tail.empty()) {
-        v1::CombineEvent dev;
-        dev.mutable_delta()->set_text(tail);
-        send(dev);
-      }
-    }
-    const double decode_ms = rpc::ms_between(t_first, Clock::now());
+    const OutputSummary out = stream_tokens(
+        *events, *ctx, d_.tokenizer, req->sampling().max_tokens(),
+        std::set<int32_t>(scfg.stop_token_ids.begin(), scfg.stop_token_ids.end()), stop_matcher, send,
+        [&] { p->cancel->store(true); });
+    const v1::FinishReason finish = out.finish;
+    const uint32_t produced = out.completion_tokens;
+    const double decode_ms = out.decode_ms;
 
     // ---- report ----
     v1::CombineEvent rev;
