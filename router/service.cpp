@@ -1,5 +1,7 @@
 #include "router/service.h"
 
+#include "router/segment_plan.h"
+
 #include "proto/rpc/log_limit.h"
 
 #include "router/metrics.h"
@@ -587,26 +589,24 @@ grpc::Status GenerateCall::run() {
     ~ActiveGuard() { --w->active; }
   } active_guard{combine_};
 
-  // Each digest once: a repeated segment uses its first copy's entry. The cold ones join a build in flight for
-  // another request or go to a scatter worker (LPT); with none available, the combine worker prefills them.
+  // Each digest once: a repeated segment uses its first copy's entry. The cold ones (router/segment_plan.h) join a
+  // build in flight for another request or go to a scatter worker (LPT); with none available, the combine worker
+  // prefills them. The refresh's cold tail is recomputed whole in context by the splice (built after the first
+  // token, off the critical path).
   std::vector<uint32_t> jobs, local;
-  if (opts_.uses_entries) {
-    // The refresh's tail (hypic): recomputed whole in context by the splice, so a cold one is not built on the
-    // critical path (the combine worker builds it after the first token).
-    const size_t tail_from = opts_.mode == engine::SpliceMode::Hypic && opts_.refresh_tail > 0
-                                 ? std::max<size_t>(1, n > size_t(opts_.refresh_tail) ? n - size_t(opts_.refresh_tail) : 1)
-                                 : n;
-    std::map<rpc::Digest, uint32_t> first;
-    for (size_t i = 0; i < n; ++i) {
-      const auto [it, fresh] = first.emplace(segs_[i].digest, uint32_t(i));
-      if (!fresh && !(segs_[it->second].whole)) {
-        segs_[i].repeat_of = it->second;
-      } else if (!segs_[i].hit && i >= tail_from) {
-        segs_[i].whole = true;  // (a repeat of a whole one is whole too: it is in the tail as well)
-      } else if (fresh && !segs_[i].hit) {
-        jobs.push_back(uint32_t(i));
-      }
+  {
+    std::vector<rpc::Digest> digests;
+    std::vector<bool> hits;
+    for (const auto& s : segs_) {
+      digests.push_back(s.digest);
+      hits.push_back(s.hit);
     }
+    const SegmentPlan plan = plan_segments(digests, hits, opts_.mode, opts_.refresh_tail);
+    for (size_t i = 0; i < n; ++i) {
+      segs_[i].repeat_of = plan.repeat_of[i];
+      segs_[i].whole = plan.roles[i] == SegmentRole::Whole;
+    }
+    jobs = plan.builds;
   }
   failed_.assign(svc_.scatter_.size(), false);
   std::map<size_t, std::vector<uint32_t>> by_worker;
