@@ -1,4 +1,4 @@
-// The answer-quality benchmark (engine/quality.h) on a random-weight HF fixture model: the identities that hold
+// The answer-quality benchmark (eval/quality.h) on a random-weight HF fixture model: the identities that hold
 // whatever the weights (full against itself, prefix caching exact, transition == hypic at w = 0, a seam covering
 // every segment == full, naive != full), the JSONL loader's errors, shard selection and the JSON rows.
 #include <catch2/catch.hpp>
@@ -8,7 +8,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
-#include "engine/quality.h"
+#include "eval/quality.h"
 
 using namespace hypic::engine;
 

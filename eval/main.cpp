@@ -2,7 +2,7 @@
 // (DESIGN.md 3.4): per linear layer the relative error of the final recurrent state, the KL divergence and
 // top-1 agreement of the next-token distributions over the query positions, the greedy continuation's
 // agreement, and the time spent.
-// With --dataset FILE.jsonl it runs the answer-quality benchmark of engine/quality.h instead: every mode (and
+// With --dataset FILE.jsonl it runs the answer-quality benchmark of eval/quality.h instead: every mode (and
 // hypic at each --seam-widths w) on every prompt of the dataset (or --limit / --shard of it): exact-match
 // accuracy, per kind, flips against full, KL on the answer tokens, state errors, tokens computed and time.
 #include <CLI/CLI.hpp>
@@ -20,7 +20,7 @@
 
 #include "engine/model.h"
 #include "engine/io_error.h"
-#include "engine/quality.h"
+#include "eval/quality.h"
 #include "engine/sampling.h"
 #include "engine/splice.h"
 #include "engine/tokenizer.h"
@@ -67,7 +67,7 @@ std::vector<SpliceMode> parse_modes(const std::string& text) {
   return modes;
 }
 
-// --dataset: the answer-quality benchmark (engine/quality.h) over a JSONL dataset.
+// --dataset: the answer-quality benchmark (eval/quality.h) over a JSONL dataset.
 struct DatasetRun {
   std::string model_dir, tokenizer_path, dataset_path, json_out, command, modes_text;
   std::vector<QualityPrompt> prompts;  ///< the whole dataset
@@ -198,7 +198,7 @@ int main(int argc, char** argv) {
   DatasetRun run;
   std::string shard_text = "0/1";
   auto* dataset_opt = app.add_option("--dataset", run.dataset_path,
-                                     "JSONL of prompts with known answers (engine/quality.h): the quality benchmark "
+                                     "JSONL of prompts with known answers (eval/quality.h): the quality benchmark "
                                      "instead of one prompt; needs --tokenizer");
   std::vector<CLI::Option*> dataset_only = {
       app.add_option("--seam-widths", run.options.seam_widths,

@@ -1,4 +1,4 @@
-#include "engine/quality.h"
+#include "eval/quality.h"
 #include "engine/io_error.h"
 
 #include <algorithm>
