@@ -1,4 +1,4 @@
-// hypic-bench-tokenizer: encode throughput of engine/tokenizer.h on text files, single-threaded.
+// hypic-bench-tokenizer: encode throughput of tokenizer/tokenizer.h on text files, single-threaded.
 //
 //   hypic-bench-tokenizer --tokenizer tokenizer.json --text a.txt [--text b.txt ...]
 //                         [--chunk-bytes 65536] [--passes 5] [--json out.json] [--ids-out ids.bin]
@@ -23,7 +23,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/tokenizer.h"
+#include "tokenizer/tokenizer.h"
 #include "engine/io_error.h"
 
 namespace {

@@ -15,7 +15,7 @@
 
 #include "engine/engine_loop.h"
 #include "engine/sampling.h"
-#include "engine/tokenizer.h"
+#include "tokenizer/tokenizer.h"
 #include "hypic/v1/combine.pb.h"
 
 namespace hypic::combine {

@@ -18,7 +18,7 @@
 #include "combine_worker/limits.h"
 #include "combine_worker/memory_tier.h"
 #include "engine/engine_loop.h"
-#include "engine/tokenizer.h"
+#include "tokenizer/tokenizer.h"
 #include "hypic/v1/combine.grpc.pb.h"
 #include "proto/rpc/server.h"
 #include "segment_cache/async_put.h"

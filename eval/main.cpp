@@ -23,7 +23,7 @@
 #include "eval/quality.h"
 #include "engine/sampling.h"
 #include "engine/splice.h"
-#include "engine/tokenizer.h"
+#include "tokenizer/tokenizer.h"
 #include "engine/weights.h"
 #include "kernels/cpu/blas_env.h"
 

@@ -34,7 +34,7 @@
 
 #include "engine/model.h"
 #include "engine/splice.h"
-#include "engine/tokenizer.h"
+#include "tokenizer/tokenizer.h"
 
 namespace hypic::engine {
 

@@ -9,9 +9,9 @@
 //    ("<|im_start|>" role "\n" content "<|im_end|>" "\n"), one segment per message; then the opening of the last
 //    user turn ("<|im_start|>user\n") as a segment of its own; then each document of the `documents` extension as
 //    one segment (its text verbatim); the query is the last message's content followed by
-//    "<|im_end|>\n<|im_start|>assistant\n" (engine/chat.h format_chatml_query). The segment texts and the query
+//    "<|im_end|>\n<|im_start|>assistant\n" (tokenizer/chat.h format_chatml_query). The segment texts and the query
 //    concatenate to engine::format_chatml of the conversation whose last user message holds the documents followed
-//    by the question (engine/chat.h's identity).
+//    by the question (tokenizer/chat.h's identity).
 //  - /v1/completions: with documents, each document is a segment and the prompt is the query; without, the
 //    prompt's token ids except the last are one segment and the last id is the query (the same ids as tokenising
 //    the whole prompt).
@@ -32,7 +32,7 @@
 #include <grpcpp/support/status.h>
 #include <nlohmann/json.hpp>
 
-#include "engine/tokenizer.h"
+#include "tokenizer/tokenizer.h"
 #include "hypic/v1/router.pb.h"
 
 namespace hypic::openai {

@@ -491,7 +491,7 @@ void OpenAIFront::handle_generate(Endpoint endpoint, rpc::HttpRequest& req, rpc:
     if (req.body.size() < kFreshThreadBodyBytes) {
       parsed = parse_request(endpoint, req.body, tokenizer_, opts);
     } else {
-      // The tokenizer keeps per-thread working buffers (engine/tokenizer.cpp) as large as the largest text the
+      // The tokenizer keeps per-thread working buffers (tokenizer/tokenizer.cpp) as large as the largest text the
       // thread has tokenised: parsed on a worker, a 15 MiB body would leave ~120 MB on each of the --http-threads
       // workers. A large body is parsed on a thread of its own, whose buffers are freed when it ends.
       std::exception_ptr error;

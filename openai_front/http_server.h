@@ -34,7 +34,7 @@
 
 #include <grpcpp/grpcpp.h>
 
-#include "engine/tokenizer.h"
+#include "tokenizer/tokenizer.h"
 #include "hypic/v1/router.grpc.pb.h"
 #include "openai_front/api.h"
 #include "proto/rpc/http_server.h"

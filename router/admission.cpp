@@ -5,7 +5,7 @@
 #include <fmt/format.h>
 
 #include "engine/sampling.h"
-#include "engine/tokenizer.h"
+#include "tokenizer/tokenizer.h"
 #include "proto/engine_rpc/checks.h"
 #include "proto/rpc/status.h"
 

@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "engine/splice_mode.h"
-#include "engine/tokenizer.h"
+#include "tokenizer/tokenizer.h"
 #include "hypic/v1/router.pb.h"
 
 namespace hypic::router {

@@ -6,7 +6,7 @@
 #include <spdlog/spdlog.h>
 
 #include "engine/config.h"
-#include "engine/tokenizer.h"
+#include "tokenizer/tokenizer.h"
 #include "proto/rpc/server.h"
 #include "router/service.h"
 

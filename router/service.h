@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "engine/config.h"
-#include "engine/tokenizer.h"
+#include "tokenizer/tokenizer.h"
 #include "hypic/v1/combine.grpc.pb.h"
 #include "hypic/v1/router.grpc.pb.h"
 #include "hypic/v1/scatter.grpc.pb.h"

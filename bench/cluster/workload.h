@@ -16,7 +16,7 @@
 #include <unordered_set>
 #include <vector>
 
-#include "engine/tokenizer.h"
+#include "tokenizer/tokenizer.h"
 
 namespace hypic::bench {
 

@@ -33,7 +33,7 @@
 #include "bench/cluster/runner.h"
 #include "bench/cluster/stats.h"
 #include "bench/cluster/workload.h"
-#include "engine/tokenizer.h"
+#include "tokenizer/tokenizer.h"
 
 namespace fs = std::filesystem;
 namespace v1 = hypic::v1;

@@ -1,5 +1,5 @@
 // hypic-tokenizer: encode UTF-8 text to token ids and decode ids to text with a Hugging Face
-// tokenizer.json (engine/tokenizer.h).
+// tokenizer.json (tokenizer/tokenizer.h).
 //
 //   hypic-tokenizer encode --tokenizer FILE [--special] [--split-special-tokens]
 //                                                            stdin: UTF-8 text  -> stdout: JSON array of ids
@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/tokenizer.h"
+#include "tokenizer/tokenizer.h"
 
 namespace {
 

@@ -1,4 +1,4 @@
-// libFuzzer target: the tokenizer's encoder and decoder (engine/tokenizer.h, Tokenizer::encode / decode).
+// libFuzzer target: the tokenizer's encoder and decoder (tokenizer/tokenizer.h, Tokenizer::encode / decode).
 //
 // Feeds: the first input byte picks a tokenizer (the real Qwen3 tokenizer.json, its "added_token_flags" and
 // "split_behaviors" golden variants, the two hand-made fixtures tiny_subword / tiny_byte_fallback); the remaining
@@ -14,7 +14,7 @@
 // every selector byte.
 #include <nlohmann/json.hpp>
 
-#include "engine/tokenizer.h"
+#include "tokenizer/tokenizer.h"
 #include "tests/fuzz/fuzz_common.h"
 
 using hypic::engine::SpecialTokens;

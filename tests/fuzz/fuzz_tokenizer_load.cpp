@@ -1,4 +1,4 @@
-// libFuzzer target: the tokenizer.json loader (engine/tokenizer.h, Tokenizer::from_json_string).
+// libFuzzer target: the tokenizer.json loader (tokenizer/tokenizer.h, Tokenizer::from_json_string).
 //
 // Feeds: the input bytes as tokenizer.json text.
 // Asserts, beyond "no crash, no leak, no UB, no hang":
@@ -10,7 +10,7 @@
 // Seeds (scripts/fuzz.sh): tests/fixtures/tokenizer/tiny_*.json and the Qwen3 tokenizer.json and its five golden
 // variants (tests/fixtures/tokenizer/variants.json) with the vocabulary cut to the byte tokens and the first
 // merges.
-#include "engine/tokenizer.h"
+#include "tokenizer/tokenizer.h"
 #include "tests/fuzz/fuzz_common.h"
 
 using hypic::engine::SpecialTokens;

@@ -23,7 +23,7 @@
 
 #include "engine/model.h"
 #include "engine/splice.h"
-#include "engine/tokenizer.h"
+#include "tokenizer/tokenizer.h"
 #include "kernels/cpu/blas_env.h"
 
 int main(int argc, char** argv) {

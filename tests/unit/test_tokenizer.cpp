@@ -1,4 +1,4 @@
-// Tests for engine/tokenizer.h and engine/chat.h.
+// Tests for tokenizer/tokenizer.h and tokenizer/chat.h.
 //
 // References: token ids, wrappings and decoded texts computed by Hugging Face `tokenizers` (see
 // tools/make_tokenizer_golden.py; expected.json records the version) for the real Qwen3
@@ -23,8 +23,8 @@
 #include <thread>
 #include <vector>
 
-#include "engine/chat.h"
-#include "engine/tokenizer.h"
+#include "tokenizer/chat.h"
+#include "tokenizer/tokenizer.h"
 
 using hypic::engine::ChatMessage;
 using hypic::engine::ChatOptions;

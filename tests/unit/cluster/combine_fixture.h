@@ -10,7 +10,7 @@
 
 #include "combine_worker/service.h"
 #include "engine/backend.h"
-#include "engine/tokenizer.h"
+#include "tokenizer/tokenizer.h"
 
 namespace hypic::test {
 

@@ -13,7 +13,7 @@
 #include <fstream>
 #include <thread>
 
-#include "engine/chat.h"
+#include "tokenizer/chat.h"
 #include "openai_front/api.h"
 #include "openai_front/http_server.h"
 
@@ -107,7 +107,7 @@ TEST_CASE("chat prompt: segments + query are the tokens of format_chatml", "[ope
   CHECK(p.segments[3].ids == std::vector<int32_t>{kImStart, 872, 198});  // "<|im_start|>" "user" "\n"
   CHECK(p.segments[4].ids == qwen3().encode(docs[0], false, SpecialTokens::Split));
 
-  // engine/chat.h's single-turn identity: chatml_open_user(system) + documents + format_chatml_query(question).
+  // tokenizer/chat.h's single-turn identity: chatml_open_user(system) + documents + format_chatml_query(question).
   const std::vector<ChatMessage> single = {{"system", "Be brief."}, {"user", "Why?"}};
   const Prompt s = assemble_chat_prompt(single, docs, qwen3());
   const std::string single_text =

@@ -1,4 +1,4 @@
-// UTF-8 validation, lossy decoding and Unicode normalisation for the tokenizer (engine/tokenizer.h).
+// UTF-8 validation, lossy decoding and Unicode normalisation for the tokenizer (tokenizer/tokenizer.h).
 #include <utf8proc.h>
 
 #include <cstdlib>
@@ -7,8 +7,8 @@
 #include <stdexcept>
 #include <string>
 
-#include "engine/tokenizer.h"
-#include "engine/tokenizer_internal.h"
+#include "tokenizer/tokenizer.h"
+#include "tokenizer/tokenizer_internal.h"
 
 namespace hypic::engine {
 namespace tokenizer_detail {

@@ -1,5 +1,5 @@
-// ChatML formatting for the Qwen models (engine/chat.h).
-#include "engine/chat.h"
+// ChatML formatting for the Qwen models (tokenizer/chat.h).
+#include "tokenizer/chat.h"
 
 #include <stdexcept>
 

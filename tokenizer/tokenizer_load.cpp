@@ -1,10 +1,10 @@
-// Reading a Hugging Face tokenizer.json into the tokenizer's tables (engine/tokenizer_impl.h): the normalizer,
+// Reading a Hugging Face tokenizer.json into the tokenizer's tables (tokenizer/tokenizer_impl.h): the normalizer,
 // pre-tokenizer, BPE model, added tokens, decoder and post-processor sections, streamed through a SAX parser so that
 // the vocabulary and merges are read without building their JSON trees. Component references as in
-// engine/tokenizer.cpp.
+// tokenizer/tokenizer.cpp.
 #include <unordered_set>
 
-#include "engine/tokenizer_impl.h"
+#include "tokenizer/tokenizer_impl.h"
 
 namespace hypic::engine::tokenizer_detail {
 

@@ -1,4 +1,4 @@
-// Internals shared by engine/tokenizer*.cpp (not part of the public API).
+// Internals shared by tokenizer/tokenizer*.cpp (not part of the public API).
 #pragma once
 
 #include <cstddef>

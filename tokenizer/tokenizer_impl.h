@@ -1,6 +1,6 @@
-// Internals of the tokenizer shared by engine/tokenizer.cpp (encoding, decoding) and engine/tokenizer_load.cpp
+// Internals of the tokenizer shared by tokenizer/tokenizer.cpp (encoding, decoding) and tokenizer/tokenizer_load.cpp
 // (reading tokenizer.json): the lookup tables, the regex wrapper, the added-token matcher and the loaded
-// tokenizer (Impl). Not part of the public API (engine/tokenizer.h).
+// tokenizer (Impl). Not part of the public API (tokenizer/tokenizer.h).
 #pragma once
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
@@ -20,8 +20,8 @@
 #include <string_view>
 #include <vector>
 
-#include "engine/tokenizer.h"
-#include "engine/tokenizer_internal.h"
+#include "tokenizer/tokenizer.h"
+#include "tokenizer/tokenizer_internal.h"
 
 namespace hypic::engine::tokenizer_detail {
 
@@ -404,7 +404,7 @@ struct Impl {
   }
 };
 
-/// Parses a tokenizer.json text into a tokenizer (engine/tokenizer_load.cpp). Throws std::invalid_argument naming
+/// Parses a tokenizer.json text into a tokenizer (tokenizer/tokenizer_load.cpp). Throws std::invalid_argument naming
 /// the component and what is wrong for a malformed or unsupported file, std::runtime_error for text that is not
 /// JSON.
 std::shared_ptr<const Impl> load_impl(std::string_view json_text);

@@ -1,4 +1,4 @@
-// Hugging Face tokenizer.json: loading, encoding and decoding (see engine/tokenizer.h for the
+// Hugging Face tokenizer.json: loading, encoding and decoding (see tokenizer/tokenizer.h for the
 // supported components and the exact semantics reproduced). Component references are to the Rust
 // crate `tokenizers` 0.23 (files tokenizer/added_vocabulary.rs, tokenizer/normalizer.rs,
 // pre_tokenizers/split.rs, pre_tokenizers/byte_level.rs, models/bpe/{model,word}.rs).
@@ -8,7 +8,7 @@
 #include <unordered_set>
 
 #include "engine/io_error.h"
-#include "engine/tokenizer_impl.h"
+#include "tokenizer/tokenizer_impl.h"
 
 namespace hypic::engine {
 namespace tokenizer_detail {
