@@ -204,8 +204,9 @@ struct BackendOptions {
   /// CUDA, with concurrent_decode: streaming multiprocessors set aside for decode steps while they run beside a
   /// prefill call (green contexts, CUDA 12.5+ driver; rounded up to the device's partition granularity, 8 SMs on
   /// Hopper). A splice or entry build that starts while sequences decode runs on the other SMs, so its long-running
-  /// blocks never delay a step's kernels; one that starts while none decode uses the whole device, and so do decode
-  /// steps while no prefill call runs. Same kernels, same bits. -1 = auto: about an eighth of the device in
+  /// blocks never delay a step's kernels (the steps themselves run on the whole device at the highest priority, so
+  /// the SMs set aside take their blocks first); one that starts while none decode uses the whole device. Same
+  /// kernels, same bits. -1 = auto: about an eighth of the device in
   /// multiples of 8 (16 of an H200's 132 SMs), none below 32 SMs, and none, with a warning, where the driver has
   /// no green contexts. 0 = no partition (the decode stream's priority alone favours the steps). An explicit count
   /// the driver cannot give (no green contexts, too few SMs left for the prefill) makes construction throw.

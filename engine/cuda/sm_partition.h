@@ -19,9 +19,12 @@ namespace hypic::engine::cuda {
 /// an H200, planning for the partition's SMs instead made a prefill beside decode steps about 10% faster: 2048-token builds 114 against 131 ms, 16k-token prefills 552 against 600 ms; not worth
 /// results that change with the load.)
 ///
-/// Used by the CUDA backend while decode steps run beside a prefill pass (BackendOptions::decode_sms): the pass's
-/// long-running blocks then never occupy the SMs the decode steps need, so each of a step's hundreds of small
-/// kernels starts at once instead of waiting for a prefill block to retire.
+/// Used by the CUDA backend while decode steps run beside a prefill pass (BackendOptions::decode_sms): the pass runs
+/// on prefill_stream(), so its long-running blocks never occupy the decode partition's SMs, and each of a step's
+/// hundreds of small kernels, launched on a whole-device stream of the highest priority, starts there at once
+/// instead of waiting for a prefill block to retire (and spreads to prefill SMs as they free). The backend keeps
+/// decode steps off decode_stream(): a CUDA graph's kernels run on the SMs of the stream it was captured on, wherever
+/// it is launched, and a step's graph is captured on the whole device; decode_stream() serves tests and tools.
 ///
 /// The driver's entry points are resolved at run time (cudaGetDriverEntryPointByVersion), so nothing links
 /// libcuda. Not copyable; destroying it synchronizes and destroys both streams and contexts.

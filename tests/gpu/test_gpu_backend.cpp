@@ -966,6 +966,37 @@ TEST_CASE("SM partition: the decode and prefill streams run on disjoint SMs of t
   CHECK(int(dec.size()) == part->decode_sms());
   CHECK(int(pre.size()) == part->prefill_sms());
   CHECK(both.empty());
+
+  // A CUDA graph's kernels keep the SMs of the stream they were captured on, wherever the graph is launched (why the
+  // backend captures and launches its decode graphs on its whole-device stream only).
+  auto graph_sms = [&](cudaStream_t capture_on, cudaStream_t launch_on) {
+    int* d = nullptr;
+    REQUIRE(cudaMalloc(reinterpret_cast<void**>(&d), size_t(blocks) * sizeof(int)) == cudaSuccess);
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    REQUIRE(cudaStreamBeginCapture(capture_on, cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+    kc::record_block_sms(blocks, 20000, d, capture_on);
+    REQUIRE(cudaStreamEndCapture(capture_on, &graph) == cudaSuccess);
+    REQUIRE(cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess);
+    REQUIRE(cudaGraphLaunch(exec, launch_on) == cudaSuccess);
+    REQUIRE(cudaStreamSynchronize(launch_on) == cudaSuccess);
+    std::vector<int> h(blocks);
+    REQUIRE(cudaMemcpy(h.data(), d, h.size() * sizeof(int), cudaMemcpyDeviceToHost) == cudaSuccess);
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaFree(d);
+    return std::set<int>(h.begin(), h.end()).size();
+  };
+  cudaStream_t whole = nullptr;
+  REQUIRE(cudaStreamCreateWithFlags(&whole, cudaStreamNonBlocking) == cudaSuccess);
+  const size_t whole_on_part = graph_sms(whole, part->prefill_stream());
+  const size_t part_on_whole = graph_sms(part->prefill_stream(), whole);
+  cudaStreamDestroy(whole);
+  std::printf("[backend] graph captured on the whole device, launched on the prefill partition: %zu SMs; captured on "
+              "the prefill partition, launched on the whole device: %zu SMs\n",
+              whole_on_part, part_on_whole);
+  CHECK(int(whole_on_part) == device_sms);
+  CHECK(int(part_on_whole) == part->prefill_sms());
   CHECK_THROWS_AS(eng::cuda::SmPartition::create(0, 0), std::invalid_argument);
   CHECK_THROWS_AS(eng::cuda::SmPartition::create(0, device_sms), std::invalid_argument);
 }
