@@ -202,9 +202,8 @@ void ScatterService::set_address(std::string address) {
   links_->set_address(address_);
 }
 
-namespace {
 // Shared between the Prefill handler, the engine thread (build callbacks) and the delivery thread of one call.
-struct PrefillCall {
+struct ScatterService::PrefillCall {
   struct Event {
     enum Kind { Computed, Delivered, Failed } kind;
     uint32_t position;  // in the request's segment list
@@ -213,6 +212,10 @@ struct PrefillCall {
     std::string transport, note;  // Delivered: how it went, and why not over NCCL where that was tried
     grpc::Status status;
   };
+  explicit PrefillCall(const hypic::v1::PrefillRequest& r) : req(r) {}
+  const hypic::v1::PrefillRequest& req;
+  std::vector<rpc::Digest> digests;             // per segment of req
+  std::vector<std::vector<int32_t>> ids;        // per segment of req
   std::mutex mu;
   std::condition_variable cv;
   std::deque<Event> events;
@@ -227,8 +230,197 @@ struct PrefillCall {
     }
     cv.notify_all();
   }
+  // Marks `cctx` as the delivery in flight (nullptr: none); false when the call stopped meanwhile.
+  bool set_delivering(grpc::ClientContext* cctx) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (cctx && stop_delivery) return false;
+    delivering = cctx;
+    return true;
+  }
 };
-}  // namespace
+
+void ScatterService::validate(const v1::PrefillRequest& req, PrefillCall& call) const {
+  const std::string& rid = req.request_id();
+  if (req.segments().empty()) throw rpc::invalid_argument("segments", "at least one segment is required");
+  if (req.seam_width() < 0) {
+    throw rpc::invalid_argument("seam_width", fmt::format("must be >= 0, got {}", req.seam_width()));
+  }
+  if (req.combine_address().empty()) throw rpc::invalid_argument("combine_address", "must not be empty");
+  if (!allowed_combines_.empty() && std::find(allowed_combines_.begin(), allowed_combines_.end(),
+                                              req.combine_address()) == allowed_combines_.end()) {
+    spdlog::warn("[req {}] refused: combine_address {} is not a configured combine worker (--combine)", rid,
+                 rpc::untrusted(req.combine_address()));
+    throw rpc::RpcError(grpc::StatusCode::PERMISSION_DENIED,
+                        fmt::format("combine_address: {} is not one of this scatter worker's combine workers "
+                                    "(--combine)",
+                                    rpc::untrusted(req.combine_address())));
+  }
+  if (req.segments_size() > max_segments_) {
+    throw rpc::invalid_argument("segments", fmt::format("{} segments exceed this scatter worker's limit of {} "
+                                                        "(--max-segments)",
+                                                        req.segments_size(), max_segments_));
+  }
+  for (int i = 0; i < req.segments_size(); ++i) {
+    if (req.segments(i).key().token_ids_size() > max_segment_tokens_) {
+      throw rpc::invalid_argument(fmt::format("segments[{}].key.token_ids", i),
+                                  fmt::format("{} tokens exceed this scatter worker's limit of {} "
+                                              "(--max-segment-tokens)",
+                                              req.segments(i).key().token_ids_size(), max_segment_tokens_));
+    }
+  }
+  const int n = req.segments_size();
+  const engine::ModelConfig& model = loop_.backend().config();
+  call.digests.resize(size_t(n));
+  call.ids.resize(size_t(n));
+  for (int i = 0; i < n; ++i) {
+    const auto& key = req.segments(i).key();
+    const std::string field = fmt::format("segments[{}].key", i);
+    call.ids[size_t(i)].assign(key.token_ids().begin(), key.token_ids().end());
+    call.digests[size_t(i)] = rpc::check_segment_key(key.digest(), call.ids[size_t(i)], field, model.vocab_size, fingerprint_,
+                                                engine::entry_format_version(model), req.seam_width());
+  }
+}
+
+bool ScatterService::deliver_one(grpc::ServerContext* ctx, PrefillCall& call, uint32_t position,
+                                 const SharedOutcome& built_outcome, v1::CombineWorker::Stub& stub) {
+  const int i = int(position);
+  v1::EntryHeader h;
+  h.set_request_id(call.req.request_id());
+  h.set_index(call.req.segments(i).index());
+  h.set_digest(rpc::digest_bytes(call.digests[size_t(i)]));
+  const engine::BuildOutcome& built = built_outcome.build;
+  h.set_total_bytes(built.bytes->size());
+  h.set_checksum(rpc::checksum64(*built.bytes));
+  h.set_built_by(address_);
+  h.set_compute_ms(built.compute_ms);
+  h.set_device(device_);
+  if (built_outcome.joined) h.set_shared_from(built_outcome.started_for);
+  const auto t0 = std::chrono::steady_clock::now();
+  bool duplicate = false;
+  std::string transport = "grpc", note;
+  grpc::Status st;
+  // NCCL first where the entry lives on a GPU and a link to this combine worker is (or can be made) up; gRPC
+  // when that is not possible, or when the NCCL delivery failed in a way gRPC may not (the link broke, the
+  // combine worker refused the block): the host bytes are at hand either way.
+  std::optional<engine::DeviceBlock> block;
+  if (links_->enabled() && built.entry) block = loop_.backend().device_block(*built.entry);
+  std::string why_not;
+  std::optional<NcclLinks::Link> link;
+  if (block) link = links_->get(call.req.combine_address(), stub, &why_not);
+  bool via_grpc = !link;
+  if (link) {
+    auto cctx = rpc::make_client_context(ctx);  // the router's deadline and cancellation propagate
+    if (!call.set_delivering(cctx.get())) return false;
+    bool broken = false;
+    st = deliver_entry_nccl(stub, *cctx, h, *link, *block, data_plane_.nccl_chunk_bytes,
+                            data_plane_.nccl_transfer_base, &duplicate, &broken,
+                            data_plane_.inject_transfer_stall);
+    call.set_delivering(nullptr);
+    if (broken) links_->drop(call.req.combine_address(), link->epoch, rpc::describe(st));
+    static auto& nccl_sent = rpc::MetricsRegistry::global().counter(
+        "hypic:entry_bytes_sent_total", "Segment entry bytes sent to combine workers, by transport",
+        {{"transport", "nccl"}});
+    if (st.ok()) {
+      transport = "nccl";
+      nccl_sent.inc(double(block->bytes));
+    } else if (st.error_code() == grpc::StatusCode::FAILED_PRECONDITION ||
+               st.error_code() == grpc::StatusCode::DATA_LOSS ||
+               st.error_code() == grpc::StatusCode::UNAVAILABLE ||
+               st.error_code() == grpc::StatusCode::INTERNAL || st.error_code() == grpc::StatusCode::UNKNOWN) {
+      // The link or the block was refused (or broke): gRPC may well succeed. A request that is gone
+      // (NOT_FOUND), cancelled or past its deadline, or a combine worker short of memory, would refuse it
+      // over gRPC too.
+      note = fmt::format("NCCL delivery failed ({}); sent over gRPC", rpc::describe(st));
+      spdlog::warn("[req {}] segment {}: {}", call.req.request_id(), call.req.segments(i).index(), note);
+      via_grpc = true;
+    }
+  } else if (block) {
+    note = fmt::format("gRPC: {}", why_not);
+  }
+  if (via_grpc) {
+    size_t written = 0;
+    auto cctx = rpc::make_client_context(ctx);  // the router's deadline and cancellation propagate
+    if (!call.set_delivering(cctx.get())) return false;
+    st = deliver_entry(stub, *cctx, h, *built.bytes, chunk_bytes_, rpc::entry_mac_keys(), call.digests[size_t(i)],
+                       call.ids[size_t(i)], &duplicate, &written);
+    // Bytes count as sent once the stream took them, whatever the call's end: the router cancels this call
+    // when its request is done, which can land after the combine worker used the entry but before its reply.
+    static auto& sent = rpc::MetricsRegistry::global().counter(
+        "hypic:entry_bytes_sent_total", "Segment entry bytes sent to combine workers, by transport",
+        {{"transport", "grpc"}});
+    sent.inc(double(written));
+    call.set_delivering(nullptr);
+  }
+  if (st.ok()) {
+    static auto& transfer = rpc::MetricsRegistry::global().histogram(
+        "hypic:entry_transfer_seconds", "Time to send one segment entry to the combine worker",
+        rpc::latency_buckets_seconds());
+    transfer.observe(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  PrefillCall::Event e{st.ok() ? PrefillCall::Event::Delivered : PrefillCall::Event::Failed, position, {}};
+  e.transfer_ms = rpc::ms_between(t0, std::chrono::steady_clock::now());
+  e.transport = transport;
+  e.note = note;
+  // A failed delivery is reported as ABORTED (the underlying code is in the message), so the
+  // router does not mistake the combine worker's failure for this worker's.
+  e.status = st.ok() ? st
+                     : grpc::Status(grpc::StatusCode::ABORTED,
+                                    fmt::format("delivering segment {} to combine worker {}: {}",
+                                                call.req.segments(i).index(), call.req.combine_address(),
+                                                rpc::describe(st)));
+  const bool ok = e.status.ok();
+  call.push(std::move(e));
+  return ok;
+}
+
+void ScatterService::delivery_loop(grpc::ServerContext* ctx, PrefillCall& call, v1::CombineWorker::Stub& stub) {
+  for (;;) {
+    std::pair<uint32_t, SharedOutcome> item;
+    {
+      std::unique_lock<std::mutex> lock(call.mu);
+      call.cv.wait(lock, [&] { return call.stop_delivery || !call.to_deliver.empty(); });
+      if (call.stop_delivery) return;
+      item = std::move(call.to_deliver.front());
+      call.to_deliver.pop_front();
+    }
+    if (!deliver_one(ctx, call, item.first, item.second, stub)) return;
+  }
+}
+
+grpc::Status ScatterService::computed_event(const PrefillCall& call, uint32_t position, const SharedOutcome& built,
+                                            v1::PrefillEvent& out) const {
+  const std::string& rid = call.req.request_id();
+  const uint32_t index = out.index();
+  const engine::BuildOutcome& b = built.build;
+  if (b.cancelled) return grpc::Status(grpc::StatusCode::CANCELLED, "worker shutting down");
+  if (!b.error.empty()) {
+    spdlog::error("[req {}] segment {}: prefill failed{}: {}", rid, index,
+                  built.joined ? fmt::format(" (build shared with request {})", built.started_for) : "",
+                  b.error);
+    return grpc::Status(rpc::engine_error_code(b.error_kind),
+                        fmt::format("segment {}: prefill failed: {}", index, b.error));
+  }
+  spdlog::debug("[req {}] segment {} built: {} tokens, {:.1f} ms (queued {:.1f} ms), {} bytes{}", rid, index,
+                call.ids[position].size(), b.compute_ms, b.queue_ms, b.bytes->size(),
+                built.joined ? fmt::format(", shared with request {}", built.started_for) : "");
+  if (!built.joined) {
+    static auto& tokens = rpc::MetricsRegistry::global().counter(
+        "hypic:prefill_tokens_total", "Segment tokens prefilled by this worker");
+    static auto& seconds = rpc::MetricsRegistry::global().histogram(
+        "hypic:segment_build_seconds", "Compute time of one segment entry build", rpc::latency_buckets_seconds());
+    tokens.inc(double(call.ids[position].size()));
+    seconds.observe(b.compute_ms / 1000.0);
+  }
+  auto* c = out.mutable_computed();
+  c->set_queue_ms(b.queue_ms);
+  c->set_compute_ms(b.compute_ms);
+  c->set_entry_bytes(b.bytes->size());
+  c->set_device(device_);
+  c->set_batch_ms(b.batch_ms);
+  c->set_batch_segments(uint32_t(b.batch_segments));
+  c->set_joined(built.joined);
+  return grpc::Status::OK;
+}
 
 grpc::Status ScatterService::Prefill(grpc::ServerContext* ctx, const v1::PrefillRequest* req,
                                      grpc::ServerWriter<v1::PrefillEvent>* writer) {
@@ -237,52 +429,16 @@ grpc::Status ScatterService::Prefill(grpc::ServerContext* ctx, const v1::Prefill
     auto life_call = life_.enter();
     rpc::validate_request_id(req->request_id());
     const std::string& rid = req->request_id();
-    if (req->segments().empty()) throw rpc::invalid_argument("segments", "at least one segment is required");
-    if (req->seam_width() < 0) {
-      throw rpc::invalid_argument("seam_width", fmt::format("must be >= 0, got {}", req->seam_width()));
-    }
-    if (req->combine_address().empty()) throw rpc::invalid_argument("combine_address", "must not be empty");
-    if (!allowed_combines_.empty() && std::find(allowed_combines_.begin(), allowed_combines_.end(),
-                                                req->combine_address()) == allowed_combines_.end()) {
-      spdlog::warn("[req {}] refused: combine_address {} is not a configured combine worker (--combine)", rid,
-                   rpc::untrusted(req->combine_address()));
-      throw rpc::RpcError(grpc::StatusCode::PERMISSION_DENIED,
-                          fmt::format("combine_address: {} is not one of this scatter worker's combine workers "
-                                      "(--combine)",
-                                      rpc::untrusted(req->combine_address())));
-    }
-    if (req->segments_size() > max_segments_) {
-      throw rpc::invalid_argument("segments", fmt::format("{} segments exceed this scatter worker's limit of {} "
-                                                          "(--max-segments)",
-                                                          req->segments_size(), max_segments_));
-    }
-    for (int i = 0; i < req->segments_size(); ++i) {
-      if (req->segments(i).key().token_ids_size() > max_segment_tokens_) {
-        throw rpc::invalid_argument(fmt::format("segments[{}].key.token_ids", i),
-                                    fmt::format("{} tokens exceed this scatter worker's limit of {} "
-                                                "(--max-segment-tokens)",
-                                                req->segments(i).key().token_ids_size(), max_segment_tokens_));
-      }
-    }
+    auto call = std::make_shared<PrefillCall>(*req);
+    validate(*req, *call);
     const int n = req->segments_size();
-    const engine::ModelConfig& model = loop_.backend().config();
-    std::vector<rpc::Digest> digests(static_cast<size_t>(n));
-    std::vector<std::vector<int32_t>> ids(static_cast<size_t>(n));
-    for (int i = 0; i < n; ++i) {
-      const auto& key = req->segments(i).key();
-      const std::string field = fmt::format("segments[{}].key", i);
-      ids[size_t(i)].assign(key.token_ids().begin(), key.token_ids().end());
-      digests[size_t(i)] = rpc::check_segment_key(key.digest(), ids[size_t(i)], field, model.vocab_size, fingerprint_,
-                                                  engine::entry_format_version(model), req->seam_width());
-    }
-    auto call = std::make_shared<PrefillCall>();
     // Each segment joins the build of its digest in flight here, or starts one (SharedBuilds); the tickets end this
     // call's waits when it finishes, which drops the builds nobody else waits for if they have not started.
     std::vector<std::unique_ptr<SharedBuilds::Ticket>> tickets;
     size_t joined = 0;
     for (int i = 0; i < n; ++i) {
-      tickets.push_back(builds_.join(digests[size_t(i)], ids[size_t(i)], req->seam_width(), rid, req->cache_segments(),
-                                     [call, i](SharedOutcome r) {
+      tickets.push_back(builds_.join(call->digests[size_t(i)], call->ids[size_t(i)], req->seam_width(), rid,
+                                     req->cache_segments(), [call, i](SharedOutcome r) {
                                        call->push({PrefillCall::Event::Computed, uint32_t(i), std::move(r)});
                                      }));
       joined += tickets.back()->joined();
@@ -290,119 +446,8 @@ grpc::Status ScatterService::Prefill(grpc::ServerContext* ctx, const v1::Prefill
     spdlog::info("[req {}] prefill of {} segments for {}{}", rid, n, rpc::untrusted(req->combine_address()),
                  joined ? fmt::format(" ({} joined builds in flight)", joined) : std::string());
     // Delivery thread: streams built entries to the combine worker in the order they were built.
-    auto& stub = combines_.get(req->combine_address());
-    std::thread delivery([&, call] {
-      for (;;) {
-        std::pair<uint32_t, SharedOutcome> item;
-        {
-          std::unique_lock<std::mutex> lock(call->mu);
-          call->cv.wait(lock, [&] { return call->stop_delivery || !call->to_deliver.empty(); });
-          if (call->stop_delivery) return;
-          item = std::move(call->to_deliver.front());
-          call->to_deliver.pop_front();
-        }
-        const int i = int(item.first);
-        v1::EntryHeader h;
-        h.set_request_id(rid);
-        h.set_index(req->segments(i).index());
-        h.set_digest(rpc::digest_bytes(digests[size_t(i)]));
-        const engine::BuildOutcome& built = item.second.build;
-        h.set_total_bytes(built.bytes->size());
-        h.set_checksum(rpc::checksum64(*built.bytes));
-        h.set_built_by(address_);
-        h.set_compute_ms(built.compute_ms);
-        h.set_device(device_);
-        if (item.second.joined) h.set_shared_from(item.second.started_for);
-        const auto t0 = std::chrono::steady_clock::now();
-        bool duplicate = false;
-        std::string transport = "grpc", note;
-        grpc::Status st;
-        // NCCL first where the entry lives on a GPU and a link to this combine worker is (or can be made) up; gRPC
-        // when that is not possible, or when the NCCL delivery failed in a way gRPC may not (the link broke, the
-        // combine worker refused the block): the host bytes are at hand either way.
-        std::optional<engine::DeviceBlock> block;
-        if (links_->enabled() && built.entry) block = loop_.backend().device_block(*built.entry);
-        std::string why_not;
-        std::optional<NcclLinks::Link> link;
-        if (block) link = links_->get(req->combine_address(), stub, &why_not);
-        bool via_grpc = !link;
-        if (link) {
-          auto cctx = rpc::make_client_context(ctx);  // the router's deadline and cancellation propagate
-          {
-            std::lock_guard<std::mutex> lock(call->mu);
-            if (call->stop_delivery) return;
-            call->delivering = cctx.get();
-          }
-          bool broken = false;
-          st = deliver_entry_nccl(stub, *cctx, h, *link, *block, data_plane_.nccl_chunk_bytes,
-                                  data_plane_.nccl_transfer_base, &duplicate, &broken,
-                                  data_plane_.inject_transfer_stall);
-          {
-            std::lock_guard<std::mutex> lock(call->mu);
-            call->delivering = nullptr;
-          }
-          if (broken) links_->drop(req->combine_address(), link->epoch, rpc::describe(st));
-          static auto& nccl_sent = rpc::MetricsRegistry::global().counter(
-              "hypic:entry_bytes_sent_total", "Segment entry bytes sent to combine workers, by transport",
-              {{"transport", "nccl"}});
-          if (st.ok()) {
-            transport = "nccl";
-            nccl_sent.inc(double(block->bytes));
-          } else if (st.error_code() == grpc::StatusCode::FAILED_PRECONDITION ||
-                     st.error_code() == grpc::StatusCode::DATA_LOSS ||
-                     st.error_code() == grpc::StatusCode::UNAVAILABLE ||
-                     st.error_code() == grpc::StatusCode::INTERNAL || st.error_code() == grpc::StatusCode::UNKNOWN) {
-            // The link or the block was refused (or broke): gRPC may well succeed. A request that is gone
-            // (NOT_FOUND), cancelled or past its deadline, or a combine worker short of memory, would refuse it
-            // over gRPC too.
-            note = fmt::format("NCCL delivery failed ({}); sent over gRPC", rpc::describe(st));
-            spdlog::warn("[req {}] segment {}: {}", rid, req->segments(i).index(), note);
-            via_grpc = true;
-          }
-        } else if (block) {
-          note = fmt::format("gRPC: {}", why_not);
-        }
-        if (via_grpc) {
-          size_t written = 0;
-          auto cctx = rpc::make_client_context(ctx);  // the router's deadline and cancellation propagate
-          {
-            std::lock_guard<std::mutex> lock(call->mu);
-            if (call->stop_delivery) return;
-            call->delivering = cctx.get();
-          }
-          st = deliver_entry(stub, *cctx, h, *built.bytes, chunk_bytes_, rpc::entry_mac_keys(), digests[size_t(i)],
-                             ids[size_t(i)], &duplicate, &written);
-          // Bytes count as sent once the stream took them, whatever the call's end: the router cancels this call
-          // when its request is done, which can land after the combine worker used the entry but before its reply.
-          static auto& sent = rpc::MetricsRegistry::global().counter(
-              "hypic:entry_bytes_sent_total", "Segment entry bytes sent to combine workers, by transport",
-              {{"transport", "grpc"}});
-          sent.inc(double(written));
-          {
-            std::lock_guard<std::mutex> lock(call->mu);
-            call->delivering = nullptr;
-          }
-        }
-        if (st.ok()) {
-          static auto& transfer = rpc::MetricsRegistry::global().histogram(
-              "hypic:entry_transfer_seconds", "Time to send one segment entry to the combine worker",
-              rpc::latency_buckets_seconds());
-          transfer.observe(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-        }
-        PrefillCall::Event e{st.ok() ? PrefillCall::Event::Delivered : PrefillCall::Event::Failed, item.first, {}};
-        e.transfer_ms = rpc::ms_between(t0, std::chrono::steady_clock::now());
-        e.transport = transport;
-        e.note = note;
-        // A failed delivery is reported as ABORTED (the underlying code is in the message), so the
-        // router does not mistake the combine worker's failure for this worker's.
-        e.status = st.ok() ? st
-                           : grpc::Status(grpc::StatusCode::ABORTED,
-                                          fmt::format("delivering segment {} to combine worker {}: {}",
-                                                      req->segments(i).index(), req->combine_address(),
-                                                      rpc::describe(st)));
-        call->push(std::move(e));
-        if (!st.ok()) return;
-      }
+    std::thread delivery([this, ctx, call, &stub = combines_.get(req->combine_address())] {
+      delivery_loop(ctx, *call, stub);
     });
     auto finish = [&](grpc::Status st) {
       tickets.clear();  // this call waits for no build any more
@@ -415,76 +460,43 @@ grpc::Status ScatterService::Prefill(grpc::ServerContext* ctx, const v1::Prefill
       delivery.join();
       return st;
     };
-
-    int delivered = 0;
-    while (delivered < n) {
+    const grpc::Status gone(grpc::StatusCode::CANCELLED, "the router went away");
+    for (int delivered = 0; delivered < n;) {
       PrefillCall::Event e;
       {
         std::unique_lock<std::mutex> lock(call->mu);
         if (!call->cv.wait_for(lock, std::chrono::milliseconds(100), [&] { return !call->events.empty(); })) {
-          if (ctx->IsCancelled()) {
-            lock.unlock();
-            spdlog::info("[req {}] prefill cancelled by the caller", rid);
-            return finish(grpc::Status(grpc::StatusCode::CANCELLED, "prefill cancelled by the caller"));
-          }
-          continue;
+          if (!ctx->IsCancelled()) continue;
+          lock.unlock();
+          spdlog::info("[req {}] prefill cancelled by the caller", rid);
+          return finish(grpc::Status(grpc::StatusCode::CANCELLED, "prefill cancelled by the caller"));
         }
         e = std::move(call->events.front());
         call->events.pop_front();
       }
-      const uint32_t index = req->segments(int(e.position)).index();
       v1::PrefillEvent out;
-      out.set_index(index);
+      out.set_index(req->segments(int(e.position)).index());
+      if (e.kind == PrefillCall::Event::Failed) {
+        spdlog::warn("[req {}] {}", rid, rpc::describe(e.status));
+        return finish(e.status);
+      }
       if (e.kind == PrefillCall::Event::Computed) {
-        const engine::BuildOutcome& b = e.built.build;
-        if (b.cancelled) return finish(grpc::Status(grpc::StatusCode::CANCELLED, "worker shutting down"));
-        if (!b.error.empty()) {
-          spdlog::error("[req {}] segment {}: prefill failed{}: {}", rid, index,
-                        e.built.joined ? fmt::format(" (build shared with request {})", e.built.started_for) : "",
-                        b.error);
-          return finish(grpc::Status(rpc::engine_error_code(b.error_kind),
-                                     fmt::format("segment {}: prefill failed: {}", index, b.error)));
-        }
-        spdlog::debug("[req {}] segment {} built: {} tokens, {:.1f} ms (queued {:.1f} ms), {} bytes{}", rid, index,
-                      ids[e.position].size(), b.compute_ms, b.queue_ms, b.bytes->size(),
-                      e.built.joined ? fmt::format(", shared with request {}", e.built.started_for) : "");
-        if (!e.built.joined) {
-          static auto& tokens = rpc::MetricsRegistry::global().counter(
-              "hypic:prefill_tokens_total", "Segment tokens prefilled by this worker");
-          static auto& seconds = rpc::MetricsRegistry::global().histogram(
-              "hypic:segment_build_seconds", "Compute time of one segment entry build", rpc::latency_buckets_seconds());
-          tokens.inc(double(ids[e.position].size()));
-          seconds.observe(b.compute_ms / 1000.0);
-        }
-        auto* c = out.mutable_computed();
-        c->set_queue_ms(b.queue_ms);
-        c->set_compute_ms(b.compute_ms);
-        c->set_entry_bytes(b.bytes->size());
-        c->set_device(device_);
-        c->set_batch_ms(b.batch_ms);
-        c->set_batch_segments(uint32_t(b.batch_segments));
-        c->set_joined(e.built.joined);
+        if (auto st = computed_event(*call, e.position, e.built, out); !st.ok()) return finish(st);
         // Tell the router first (its clock marks the end of this segment's compute), then deliver. The build was
         // queued for the segment cache when it finished (SharedBuilds), whoever still waited for it.
-        if (!writer->Write(out)) return finish(grpc::Status(grpc::StatusCode::CANCELLED, "the router went away"));
+        if (!writer->Write(out)) return finish(gone);
         {
           std::lock_guard<std::mutex> lock(call->mu);
           call->to_deliver.emplace_back(e.position, std::move(e.built));
         }
         call->cv.notify_all();
         continue;
-      } else if (e.kind == PrefillCall::Event::Delivered) {
-        out.mutable_delivered()->set_transfer_ms(e.transfer_ms);
-        out.mutable_delivered()->set_transport(e.transport);
-        out.mutable_delivered()->set_note(e.note);
-        ++delivered;
-      } else {
-        spdlog::warn("[req {}] {}", rid, rpc::describe(e.status));
-        return finish(e.status);
       }
-      if (!writer->Write(out)) {
-        return finish(grpc::Status(grpc::StatusCode::CANCELLED, "the router went away"));
-      }
+      out.mutable_delivered()->set_transfer_ms(e.transfer_ms);
+      out.mutable_delivered()->set_transport(e.transport);
+      out.mutable_delivered()->set_note(e.note);
+      ++delivered;
+      if (!writer->Write(out)) return finish(gone);
     }
     spdlog::info("[req {}] {} segments built and delivered", rid, n);
     return finish(grpc::Status::OK);

@@ -95,6 +95,22 @@ class ScatterService final : public hypic::v1::ScatterWorker::Service {
                              hypic::v1::WorkerInfo* resp) override;
 
  private:
+  struct PrefillCall;  // one Prefill call's state, shared with its delivery thread and build callbacks (service.cpp)
+  // Checks a request against this worker's limits (INVALID_ARGUMENT), its allowed combine workers
+  // (PERMISSION_DENIED) and its model's keys; fills call.digests and call.ids. Throws rpc::RpcError.
+  void validate(const hypic::v1::PrefillRequest& req, PrefillCall& call) const;
+  // The delivery thread of one call: sends each built entry in call.to_deliver (deliver_one) until stopped or one
+  // fails, pushing Delivered / Failed events.
+  void delivery_loop(grpc::ServerContext* ctx, PrefillCall& call, hypic::v1::CombineWorker::Stub& stub);
+  // One entry (segment `position` of the call) to the combine worker: over NCCL where the entry lives on this GPU and
+  // a link is (or can be made) up, else, or when NCCL failed in a way gRPC may not, over gRPC; pushes the Delivered
+  // or Failed event. False when the delivery failed or the call stopped meanwhile (no event then).
+  bool deliver_one(grpc::ServerContext* ctx, PrefillCall& call, uint32_t position, const SharedOutcome& built,
+                   hypic::v1::CombineWorker::Stub& stub);
+  // A finished build of segment `position` as the router's Computed event (and this worker's build metrics); the
+  // build's error or cancellation as a status.
+  grpc::Status computed_event(const PrefillCall& call, uint32_t position, const SharedOutcome& built,
+                              hypic::v1::PrefillEvent& out) const;
   engine::EngineLoop& loop_;
   std::string fingerprint_, device_;
   rpc::Lifecycle& life_;
