@@ -269,6 +269,19 @@ class GenerateCall {
   grpc::Status run();
 
  private:
+  // The request's phase in the router's gauges: waiting until the first token, running after it (vLLM's
+  // num_requests_waiting / running).
+  struct Phase {
+    RouterMetrics& m;
+    bool running = false;
+    explicit Phase(RouterMetrics& m) : m(m) { m.waiting.inc(); }
+    void first_token() {
+      m.waiting.dec();
+      m.running.inc();
+      running = true;
+    }
+    ~Phase() { running ? m.running.dec() : m.waiting.dec(); }
+  };
   struct SegState {
     std::vector<int32_t> ids;
     rpc::Digest digest{};
@@ -284,6 +297,13 @@ class GenerateCall {
   };
 
   void tokenise();
+  std::vector<std::vector<v1::EntryTier>> lookup();
+  void choose_combine(const std::vector<std::vector<v1::EntryTier>>& tiers);
+  std::map<size_t, std::vector<uint32_t>> plan();
+  v1::CombineRequest combine_request();
+  grpc::Status stream_combine(const v1::CombineRequest& creq, const std::map<size_t, std::vector<uint32_t>>& by_worker,
+                              Phase& phase);
+  grpc::Status write_report();
   void launch_locked(size_t worker, const std::vector<uint32_t>& segments);
   void on_event(size_t worker, const v1::PrefillEvent& ev);
   void on_failure(size_t worker, const std::vector<uint32_t>& segments, const grpc::Status& st);
@@ -309,6 +329,14 @@ class GenerateCall {
   RequestOptions opts_;
   std::vector<int32_t> query_;
   RouterService::Worker* combine_ = nullptr;
+  bool cache_available_ = false;
+  std::vector<uint32_t> jobs_;  // the segments to build (router/segment_plan.h)
+  uint64_t seed_ = 0;           // the sampling seed sent (and reported)
+  // The call's clock: start, lookup, dispatch to the scatter workers, and the combine worker's events.
+  Clock::time_point t0_, t_lookup0_, t_lookup1_, t_dispatch_;
+  std::optional<Clock::time_point> t_ready_, t_spliced_, t_first_;
+  std::optional<v1::CombineReport> creport_;
+  uint32_t completion_ = 0;  // tokens streamed to the client
 
   std::mutex mu_;
   std::vector<SegState> segs_;
@@ -502,31 +530,30 @@ void GenerateCall::stop_scatter() {
 }
 
 grpc::Status GenerateCall::run() {
-  const auto t0 = Clock::now();
-  auto& metrics = RouterMetrics::get();
-  // waiting until the first token, running after it (vLLM's num_requests_waiting / running).
-  struct Phase {
-    RouterMetrics& m;
-    bool running = false;
-    explicit Phase(RouterMetrics& m) : m(m) { m.waiting.inc(); }
-    void first_token() {
-      m.waiting.dec();
-      m.running.inc();
-      running = true;
-    }
-    ~Phase() { running ? m.running.dec() : m.waiting.dec(); }
-  } phase(metrics);
+  t0_ = Clock::now();
+  Phase phase(RouterMetrics::get());
   opts_ = validate_request(req_, svc_.cfg_.limits, svc_.model_.vocab_size);
   rid_ = req_.request_id().empty() ? rpc::make_request_id() : req_.request_id();
   tokenise();
-  const size_t n = segs_.size();
-  size_t prompt_tokens = query_.size();
-  for (const auto& s : segs_) prompt_tokens += s.ids.size();
+  choose_combine(lookup());
+  ++combine_->active;
+  struct ActiveGuard {
+    RouterService::Worker* w;
+    ~ActiveGuard() { --w->active; }
+  } active_guard{combine_};
+  const std::map<size_t, std::vector<uint32_t>> by_worker = plan();
+  const v1::CombineRequest creq = combine_request();
+  if (grpc::Status st = stream_combine(creq, by_worker, phase); !st.ok()) return st;
+  return write_report();
+}
 
-  // ---- lookup ----
-  // The segment cache (leasing its hits) and, at the same time, every combine worker's own tiers: an entry a combine
-  // worker holds is a hit too, with or without a cache, and the request goes to the worker that holds most.
-  const auto t_lookup0 = Clock::now();
+// The segment cache (leasing its hits) and, at the same time, every combine worker's own tiers: an entry a combine
+// worker holds is a hit too, with or without a cache. Sets segs_[i].hit, leased_, cache_available_; returns each
+// combine worker's tier per segment (empty when the mode uses no entries).
+std::vector<std::vector<v1::EntryTier>> GenerateCall::lookup() {
+  auto& metrics = RouterMetrics::get();
+  const size_t n = segs_.size();
+  t_lookup0_ = Clock::now();
   std::vector<std::vector<v1::EntryTier>> tiers;
   std::thread tier_lookup;
   if (opts_.uses_entries) {
@@ -542,14 +569,14 @@ grpc::Status GenerateCall::run() {
       if (t.joinable()) t.join();
     }
   } join_tier_lookup{tier_lookup};
-  bool cache_available = svc_.cache_.enabled();
+  cache_available_ = svc_.cache_.enabled();
   if (opts_.uses_entries && svc_.cache_.enabled()) {
     std::vector<cache::CacheKey> keys;
     for (const auto& s : segs_) keys.push_back({s.digest, s.ids});
     // Hits are leased under an id of this call, released once the combine worker has the entries (release_leases).
     lease_owner_ = fmt::format("{}/{}", rid_, rpc::make_request_id());
     const auto res = svc_.cache_.lookup(keys, svc_.cfg_.lease_ms, lease_owner_, ctx_);
-    cache_available = res.all_reachable;
+    cache_available_ = res.all_reachable;
     if (!res.all_reachable) spdlog::warn("[req {}] segment cache lookup failed, computing: {}", rid_, res.error);
     for (size_t i = 0; i < n; ++i) {
       segs_[i].hit = res.results[i].hit;
@@ -559,12 +586,18 @@ grpc::Status GenerateCall::run() {
     metrics.cache_hits.inc(double(std::count_if(segs_.begin(), segs_.end(), [](const SegState& s) { return s.hit; })));
   }
   if (tier_lookup.joinable()) tier_lookup.join();
+  t_lookup1_ = Clock::now();
+  return tiers;
+}
+
+// The combine worker that holds most of the segments (waiting for one to be healthy, UNAVAILABLE past the wait);
+// its tiers count as hits.
+void GenerateCall::choose_combine(const std::vector<std::vector<v1::EntryTier>>& tiers) {
+  auto& metrics = RouterMetrics::get();
+  const size_t n = segs_.size();
   std::vector<size_t> held(tiers.size(), 0);
   for (size_t w = 0; w < tiers.size(); ++w)
     for (auto t : tiers[w]) held[w] += t != v1::ENTRY_TIER_NONE;
-  const auto t_lookup1 = Clock::now();
-
-  // ---- plan ----
   combine_ = svc_.wait_for_combine(ctx_->deadline(), &held);
   if (!combine_) {
     throw rpc::unavailable(fmt::format("no combine worker is available ({} configured, none healthy after waiting "
@@ -583,17 +616,15 @@ grpc::Status GenerateCall::run() {
     metrics.cache_hits.inc(double(tier_hits));
     if (!svc_.cache_.enabled()) metrics.cache_queries.inc(double(n));
   }
-  ++combine_->active;
-  struct ActiveGuard {
-    RouterService::Worker* w;
-    ~ActiveGuard() { --w->active; }
-  } active_guard{combine_};
+}
 
-  // Each digest once: a repeated segment uses its first copy's entry. The cold ones (router/segment_plan.h) join a
-  // build in flight for another request or go to a scatter worker (LPT); with none available, the combine worker
-  // prefills them. The refresh's cold tail is recomputed whole in context by the splice (built after the first
-  // token, off the critical path).
-  std::vector<uint32_t> jobs, local;
+// Each digest once: a repeated segment uses its first copy's entry. The cold ones (router/segment_plan.h) join a
+// build in flight for another request or go to a scatter worker (LPT); with none available, the combine worker
+// prefills them. The refresh's cold tail is recomputed whole in context by the splice (built after the first
+// token, off the critical path). Returns the scatter workers' segments.
+std::map<size_t, std::vector<uint32_t>> GenerateCall::plan() {
+  std::vector<uint32_t> local;
+  const size_t n = segs_.size();
   {
     std::vector<rpc::Digest> digests;
     std::vector<bool> hits;
@@ -606,14 +637,16 @@ grpc::Status GenerateCall::run() {
       segs_[i].repeat_of = plan.repeat_of[i];
       segs_[i].whole = plan.roles[i] == SegmentRole::Whole;
     }
-    jobs = plan.builds;
+    jobs_ = plan.builds;
   }
   failed_.assign(svc_.scatter_.size(), false);
-  std::map<size_t, std::vector<uint32_t>> by_worker;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    by_worker = plan_builds_locked(jobs, local);
-  }
+  std::lock_guard<std::mutex> lock(mu_);
+  return plan_builds_locked(jobs_, local);
+}
+
+// The combine worker's request: every segment with its source (router.proto PlannedSegment), the query, sampling.
+v1::CombineRequest GenerateCall::combine_request() {
+  const size_t n = segs_.size();
   v1::CombineRequest creq;
   creq.set_request_id(rid_);
   for (size_t i = 0; i < n; ++i) {
@@ -641,8 +674,8 @@ grpc::Status GenerateCall::run() {
   sp->set_temperature(opts_.temperature);
   sp->set_top_k(opts_.top_k);
   sp->set_top_p(opts_.top_p);
-  const uint64_t seed = opts_.seed ? *opts_.seed : (uint64_t(std::random_device{}()) << 32 | std::random_device{}());
-  sp->set_seed(seed);
+  seed_ = opts_.seed ? *opts_.seed : (uint64_t(std::random_device{}()) << 32 | std::random_device{}());
+  sp->set_seed(seed_);
   for (const auto& s : opts_.stop) sp->add_stop(s);
   sp->mutable_stop_token_ids()->Add(opts_.stop_token_ids.begin(), opts_.stop_token_ids.end());
   if (!opts_.ignore_eos) sp->mutable_stop_token_ids()->Add(svc_.model_.eos_ids.begin(), svc_.model_.eos_ids.end());
@@ -652,7 +685,15 @@ grpc::Status GenerateCall::run() {
   creq.set_refresh_segments(opts_.refresh_segments);
   creq.set_refresh_tail(opts_.refresh_tail);
 
-  // ---- combine + scatter ----
+  return creq;
+}
+
+// Sends the plan to the combine worker, starts the scatter builds once it has started, and streams its tokens to
+// the client; fills the phase times and the combine worker's report. The call's first error, the client's
+// cancellation, or the combine worker's status.
+grpc::Status GenerateCall::stream_combine(const v1::CombineRequest& creq,
+                                          const std::map<size_t, std::vector<uint32_t>>& by_worker, Phase& phase) {
+  auto& metrics = RouterMetrics::get();
   auto cctx = child_context();
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -673,21 +714,19 @@ grpc::Status GenerateCall::run() {
     std::lock_guard<std::mutex> lock(mu_);
     for (const auto& [w, segs] : by_worker) launch_locked(w, segs);
   }
-  const auto t_dispatch = Clock::now();
-  std::optional<Clock::time_point> t_ready, t_spliced, t_first, t_last;
-  std::optional<v1::CombineReport> creport;
+  t_dispatch_ = Clock::now();
+  std::optional<Clock::time_point> t_last;
   bool client_gone = false;
-  uint32_t completion = 0;
   while (reader->Read(&ev)) {
     if (ev.has_entries_ready()) {
-      t_ready = Clock::now();
+      t_ready_ = Clock::now();
       release_leases();  // the combine worker holds every entry: the cache may evict them again
     } else if (ev.has_splice_done()) {
-      t_spliced = Clock::now();
+      t_spliced_ = Clock::now();
     } else if (ev.has_delta()) {
       v1::GenerateResponse out;
       *out.mutable_delta() = ev.delta();
-      completion += uint32_t(ev.delta().token_ids_size());
+      completion_ += uint32_t(ev.delta().token_ids_size());
       if (!writer_->Write(out)) {
         client_gone = true;
         cctx->TryCancel();
@@ -695,9 +734,9 @@ grpc::Status GenerateCall::run() {
       }
       const auto now = Clock::now();
       if (ev.delta().token_ids_size() > 0) {
-        if (!t_first) {
-          t_first = now;
-          metrics.ttft.observe(std::chrono::duration<double>(now - t0).count());
+        if (!t_first_) {
+          t_first_ = now;
+          metrics.ttft.observe(std::chrono::duration<double>(now - t0_).count());
           phase.first_token();
         } else {
           // A delta of k tokens after a gap g: k gaps of g / k (the combine worker batches tokens it has ready).
@@ -708,7 +747,7 @@ grpc::Status GenerateCall::run() {
         t_last = now;
       }
     } else if (ev.has_report()) {
-      creport = ev.report();
+      creport_ = ev.report();
     }
   }
   const grpc::Status st = reader->Finish();
@@ -720,18 +759,26 @@ grpc::Status GenerateCall::run() {
   }
   if (client_gone || ctx_->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "request cancelled by the client");
   if (!st.ok()) return combine_error(st);
-  if (!creport || !t_ready || !t_spliced || !t_first) {
+  if (!creport_ || !t_ready_ || !t_spliced_ || !t_first_) {
     return grpc::Status(grpc::StatusCode::INTERNAL,
                         fmt::format("combine worker {} ended the stream without a complete report", combine_->address));
   }
 
-  // ---- report ----
+  return grpc::Status::OK;
+}
+
+// The client's report: per segment what happened, the TTFT phases, the totals; and the request's metrics.
+grpc::Status GenerateCall::write_report() {
+  auto& metrics = RouterMetrics::get();
+  const size_t n = segs_.size();
+  size_t prompt_tokens = query_.size();
+  for (const auto& s : segs_) prompt_tokens += s.ids.size();
   v1::GenerateResponse out;
   auto* rep = out.mutable_report();
   rep->set_request_id(rid_);
   for (size_t i = 0; i < n; ++i) {
     auto* sr = rep->add_segments();
-    if (int(i) < creport->segments_size()) *sr = creport->segments(int(i));
+    if (int(i) < creport_->segments_size()) *sr = creport_->segments(int(i));
     sr->set_index(uint32_t(i));
     sr->set_num_tokens(uint32_t(segs_[i].ids.size()));
     sr->set_digest_hex(rpc::digest_hex(segs_[i].digest));
@@ -744,37 +791,37 @@ grpc::Status GenerateCall::run() {
     }
   }
   // TTFT phases, consecutive on this clock (see TtftBreakdown in common.proto).
-  const auto scatter_end = std::min(*t_ready, std::max(t_dispatch, last_computed_.value_or(t_dispatch)));
+  const auto scatter_end = std::min(*t_ready_, std::max(t_dispatch_, last_computed_.value_or(t_dispatch_)));
   auto* tt = rep->mutable_ttft();
-  tt->set_router_ms(rpc::ms_between(t0, t_lookup0) + rpc::ms_between(t_lookup1, t_dispatch));
-  tt->set_lookup_ms(rpc::ms_between(t_lookup0, t_lookup1));
-  tt->set_scatter_ms(rpc::ms_between(t_dispatch, scatter_end));
-  tt->set_transfer_ms(rpc::ms_between(scatter_end, *t_ready));
+  tt->set_router_ms(rpc::ms_between(t0_, t_lookup0_) + rpc::ms_between(t_lookup1_, t_dispatch_));
+  tt->set_lookup_ms(rpc::ms_between(t_lookup0_, t_lookup1_));
+  tt->set_scatter_ms(rpc::ms_between(t_dispatch_, scatter_end));
+  tt->set_transfer_ms(rpc::ms_between(scatter_end, *t_ready_));
   // Full and prefix modes splice no entries: the combine worker's phase is an in-context prefill (full: the whole
   // prompt), billed as prefill_ms, not as a splice.
-  const double splice_phase_ms = rpc::ms_between(*t_ready, *t_spliced);
+  const double splice_phase_ms = rpc::ms_between(*t_ready_, *t_spliced_);
   const bool in_context = opts_.mode == engine::SpliceMode::Full || opts_.mode == engine::SpliceMode::Prefix;
   tt->set_splice_ms(in_context ? 0.0 : splice_phase_ms);
   tt->set_prefill_ms(in_context ? splice_phase_ms : 0.0);
-  tt->set_first_decode_ms(rpc::ms_between(*t_spliced, *t_first));
-  tt->set_total_ms(rpc::ms_between(t0, *t_first));
+  tt->set_first_decode_ms(rpc::ms_between(*t_spliced_, *t_first_));
+  tt->set_total_ms(rpc::ms_between(t0_, *t_first_));
   rep->set_prompt_tokens(uint32_t(prompt_tokens));
   rep->set_query_tokens(uint32_t(query_.size()));
-  rep->set_completion_tokens(creport->completion_tokens());
-  rep->set_finish_reason(creport->finish_reason());
+  rep->set_completion_tokens(creport_->completion_tokens());
+  rep->set_finish_reason(creport_->finish_reason());
   rep->set_mode(engine::splice_mode_name(opts_.mode));
   rep->set_seam_width(opts_.entry_seam_width);  // the w actually used: 0 outside hypic mode
   rep->set_refresh_segments(opts_.refresh_segments);
   rep->set_refresh_tail(opts_.refresh_tail);
-  rep->set_seed(seed);
+  rep->set_seed(seed_);
   rep->set_combine_worker(combine_->address);
-  rep->set_cache_available(cache_available);
+  rep->set_cache_available(cache_available_);
   rep->set_scatter_failures(scatter_failures_);
-  rep->set_total_ms(rpc::ms_between(t0, Clock::now()));
-  rep->set_decode_ms(creport->decode_ms());
-  rep->set_combine_device(creport->device());
-  rep->set_numerics(creport->numerics());
-  rep->set_random_weights_seed(creport->random_weights_seed());
+  rep->set_total_ms(rpc::ms_between(t0_, Clock::now()));
+  rep->set_decode_ms(creport_->decode_ms());
+  rep->set_combine_device(creport_->device());
+  rep->set_numerics(creport_->numerics());
+  rep->set_random_weights_seed(creport_->random_weights_seed());
   rep->set_schedule_policy(svc_.scheduler_ ? schedule_policy_name(svc_.scheduler_->policy()) : "none");
   size_t hits = 0, repeats = 0;
   for (const auto& s : segs_) {
@@ -783,7 +830,7 @@ grpc::Status GenerateCall::run() {
   }
   spdlog::info("[req {}] {} segments ({} hits, {} cold of which {} joined builds in flight, {} repeats), {} prompt "
                "tokens, ttft {:.1f} ms, {} tokens, combine {}",
-               rid_, n, hits, jobs.size(), joined_builds_, repeats, prompt_tokens, tt->total_ms(), completion,
+               rid_, n, hits, jobs_.size(), joined_builds_, repeats, prompt_tokens, tt->total_ms(), completion_,
                combine_->address);
   // Counted before the report is written, so that a scrape after the client has its report sees this request.
   metrics.prompt_tokens.inc(double(prompt_tokens));
@@ -792,7 +839,7 @@ grpc::Status GenerateCall::run() {
     RouterMetrics::count_planned(std::string(rpc::segment_source_name(sr.source())));
     if (sr.reused()) metrics.cached_tokens.inc(sr.num_tokens());
   }
-  metrics.e2e.observe(std::chrono::duration<double>(Clock::now() - t0).count());
+  metrics.e2e.observe(std::chrono::duration<double>(Clock::now() - t0_).count());
   metrics.success.inc();
   if (!writer_->Write(out)) return grpc::Status(grpc::StatusCode::CANCELLED, "request cancelled by the client");
   return grpc::Status::OK;
