@@ -64,6 +64,12 @@ struct Delivery {
 
 struct CombineService::Pending {
   std::string id;
+  // The request, parsed (parse_combine).
+  engine::SpliceMode mode = engine::SpliceMode::Hypic;
+  bool uses_entries = true;  // not full / prefix mode (which compute in context)
+  std::vector<int32_t> query;
+  engine::SamplingConfig sampling;
+  std::vector<std::string> stops;
   int entry_seam_width = 0;
   bool cache_segments = true;
   std::mutex mu;
@@ -420,82 +426,252 @@ grpc::Status CombineService::Combine(grpc::ServerContext* ctx, const v1::Combine
   return st;
 }
 
+std::shared_ptr<CombineService::Pending> CombineService::parse_combine(const v1::CombineRequest& req) const {
+  rpc::validate_request_id(req.request_id());
+  if (req.request_id().empty()) throw rpc::invalid_argument("request_id", "must not be empty");
+  if (req.segments().empty()) throw rpc::invalid_argument("segments", "at least one segment is required");
+  const int64_t vocab = backend_.config().vocab_size;
+  auto p = std::make_shared<Pending>();
+  p->query.assign(req.query_ids().begin(), req.query_ids().end());
+  rpc::check_token_ids(p->query, vocab, "query_ids");
+  engine::SpliceMode& mode = p->mode;
+  try {
+    mode = engine::parse_splice_mode(req.mode().empty() ? "hypic" : req.mode());
+  } catch (const std::invalid_argument&) {
+    throw rpc::invalid_argument("mode", fmt::format("unknown splice mode {}", rpc::untrusted(req.mode())));
+  }
+  if (req.seam_width() < 0) throw rpc::invalid_argument("seam_width", fmt::format("must be >= 0, got {}", req.seam_width()));
+  for (const auto& [field, value] : {std::pair{"refresh_segments", req.refresh_segments()},
+                                     std::pair{"refresh_tail", req.refresh_tail()}}) {
+    if (value < 0 || (value > 0 && mode != engine::SpliceMode::Hypic)) {
+      throw rpc::invalid_argument(field, fmt::format("must be >= 0, and 0 outside mode hypic; got {} in mode {}",
+                                                     value, engine::splice_mode_name(mode)));
+    }
+  }
+  if (!req.sampling().has_max_tokens() || req.sampling().max_tokens() < 1) {
+    throw rpc::invalid_argument("sampling.max_tokens", "must be set and >= 1");
+  }
+  p->sampling = sampling_config(req.sampling());
+  p->stops.assign(req.sampling().stop().begin(), req.sampling().stop().end());
+  engine::StopStringMatcher check_stops(p->stops);  // validates (non-empty strings)
+  check_request_limits(req, opt_.limits);        // this worker's own caps, whatever the router allowed
+  p->uses_entries = mode != engine::SpliceMode::Full && mode != engine::SpliceMode::Prefix;
+  const bool uses_entries = p->uses_entries;
+  p->id = req.request_id();
+  p->entry_seam_width = mode == engine::SpliceMode::Hypic ? req.seam_width() : 0;
+  p->cache_segments = req.cache_segments();
+  p->slots.resize(size_t(req.segments_size()));
+  for (int i = 0; i < req.segments_size(); ++i) {
+    const auto& ps = req.segments(i);
+    const std::string field = fmt::format("segments[{}]", i);
+    if (ps.index() != uint32_t(i)) {
+      throw rpc::invalid_argument(field + ".index", fmt::format("segments must be listed in prompt order: expected "
+                                                                "{}, got {}",
+                                                                i, ps.index()));
+    }
+    Slot& s = p->slots[size_t(i)];
+    s.ids.assign(ps.key().token_ids().begin(), ps.key().token_ids().end());
+    if (uses_entries) {
+      s.digest = rpc::check_segment_key(ps.key().digest(), s.ids, field + ".key", vocab, backend_.fingerprint(),
+                                        engine::entry_format_version(backend_.config()), p->entry_seam_width);
+    } else {  // full and prefix modes compute in context: the digest is only echoed
+      s.digest = rpc::parse_digest(ps.key().digest(), field + ".key.digest");
+      rpc::check_token_ids(s.ids, vocab, field + ".key.token_ids");
+    }
+    s.planned = ps.source();
+    if (s.planned == v1::PlannedSegment::WHOLE &&
+        (mode != engine::SpliceMode::Hypic || i == 0 || i < req.segments_size() - req.refresh_tail())) {
+      throw rpc::invalid_argument(field + ".source", "WHOLE is for the refresh's tail segments (mode hypic, index >= "
+                                                     "max(1, segments - refresh_tail))");
+    }
+    if (uses_entries && s.planned == v1::PlannedSegment::REPEAT) {
+      const uint32_t k = ps.repeat_of();
+      if (k >= uint32_t(i) || p->slots[k].planned == v1::PlannedSegment::REPEAT ||
+          p->slots[k].planned == v1::PlannedSegment::WHOLE || p->slots[k].digest != s.digest ||
+          p->slots[k].ids != s.ids) {
+        throw rpc::invalid_argument(field + ".repeat_of",
+                                    fmt::format("{} is not an earlier, not repeated segment with the same key", k));
+      }
+      s.repeat_of = k;
+    }
+  }
+  p->repeats.resize(p->slots.size());
+  for (size_t i = 0; i < p->slots.size(); ++i)
+    if (p->slots[i].repeat_of) p->repeats[*p->slots[i].repeat_of].push_back(i);
+  return p;
+}
+
+void CombineService::gather(const std::shared_ptr<Pending>& p, const v1::CombineRequest& req,
+                            grpc::ServerContext* ctx, Fetchers& fetch) {
+  if (!p->uses_entries) return;  // full and prefix modes compute in context
+  std::vector<size_t>& warm = fetch.warm;
+  std::vector<std::thread>& fetchers = fetch.threads;
+  std::vector<std::pair<size_t, std::string>> local;
+  for (size_t i = 0; i < p->slots.size(); ++i) {
+    if (p->slots[i].planned == v1::PlannedSegment::LOCAL) local.emplace_back(i, req.segments(int(i)).reason());
+    if (p->slots[i].planned == v1::PlannedSegment::WARM) warm.push_back(i);
+    if (p->slots[i].planned == v1::PlannedSegment::WHOLE) {  // recomputed whole from its ids: nothing to wait for
+      std::lock_guard<std::mutex> lock(p->mu);
+      Slot& s = p->slots[i];
+      s.source = v1::SEGMENT_SOURCE_IN_CONTEXT;
+      s.note = "in the refresh's tail, cold: recomputed whole in context; its entry is built after the first token";
+      ++p->filled;
+    }
+  }
+  build_locally(p, local);
+  auto next = std::make_shared<std::atomic<size_t>>(0);
+  const int nf = std::min<int>(opt_.fetch_parallelism, int(warm.size()));
+  for (int f = 0; f < nf; ++f) {
+    // The threads outlive this call (joined by run_combine's cleanup): nothing of this frame by reference.
+    fetchers.emplace_back([this, p, ctx, next, &warm] {
+      for (size_t k; (k = next->fetch_add(1)) < warm.size() && !p->cancel->load();) {
+        try {
+          fetch_warm(p, warm[k], ctx);
+        } catch (const std::exception& e) {  // never out of the thread (std::terminate): the segment is computed
+          try {
+            build_locally(p, warm[k], fmt::format("fetching it failed ({}); prefilled by the combine worker",
+                                                  rpc::untrusted(e.what())));
+          } catch (const std::exception& again) {  // the request fails with the reason
+            std::lock_guard<std::mutex> lock(p->mu);
+            if (p->failure.empty()) {
+              p->failure = fmt::format("segment {}: fetching it failed ({}), and so did computing it ({})", warm[k],
+                                       rpc::untrusted(e.what()), rpc::untrusted(again.what()));
+              p->failure_code = grpc::StatusCode::INTERNAL;
+            }
+            p->cv.notify_all();
+          }
+        }
+      }
+    });
+  }
+  const auto give_up = Clock::now() + opt_.gather_timeout;
+  std::unique_lock<std::mutex> lock(p->mu);
+  while (p->filled < p->slots.size()) {
+    if (!p->failure.empty()) throw rpc::RpcError(p->failure_code, p->failure);
+    if (ctx->IsCancelled()) throw rpc::RpcError(grpc::StatusCode::CANCELLED, "request cancelled by the router");
+    if (Clock::now() > give_up) {
+      std::vector<size_t> missing;
+      for (size_t i = 0; i < p->slots.size(); ++i)
+        if (!p->slots[i].has_entry()) missing.push_back(i);
+      throw rpc::RpcError(grpc::StatusCode::DEADLINE_EXCEEDED,
+                          fmt::format("segments {} did not arrive within {} s (--gather-timeout-seconds)",
+                                      fmt::join(missing, ","), opt_.gather_timeout.count()));
+    }
+    p->cv.wait_for(lock, std::chrono::milliseconds(50));
+  }
+}
+
+engine::SpliceInfo CombineService::splice(const std::shared_ptr<Pending>& p, const v1::CombineRequest& req,
+                                          grpc::ServerContext* ctx, std::shared_ptr<GenerationEvents>& events) {
+  engine::GenerateJob job;
+  job.splice.plan.mode = p->mode;
+  job.splice.plan.seam_width = req.seam_width();
+  job.splice.plan.refresh_segments = req.refresh_segments();
+  job.splice.plan.refresh_tail = req.refresh_tail();
+  job.splice.plan.query = p->query;
+  for (auto& s : p->slots) {
+    job.splice.plan.segments.push_back({s.ids, s.resident});
+    job.splice.host_entries.push_back(s.entry);
+  }
+  job.sampling = p->sampling;
+  job.max_tokens = req.sampling().max_tokens();
+  job.cancel = p->cancel;
+  events = GenerationEvents::attach(job);
+  d_.loop.submit_generate(std::move(job));
+  engine::SpliceInfo sinfo = events->wait_spliced(*ctx);
+  // Entries the splice imported (delivered or fetched) stay resident in the memory tier for later requests.
+  for (size_t i = 0; i < sinfo.imported.size() && i < p->slots.size(); ++i)
+    if (sinfo.imported[i]) d_.memory_tier.put(p->slots[i].digest, sinfo.imported[i]);
+  sinfo.imported.clear();
+  // So do the entries that came over NCCL (resident on arrival, never imported).
+  {
+    std::lock_guard<std::mutex> lock(p->mu);
+    for (const Slot& s : p->slots)
+      if (s.transport == "nccl" && s.resident) {
+        d_.memory_tier.put(s.digest, s.resident);
+        d_.copier.enqueue(s.digest, s.resident, /*put=*/false, p->id);  // the scatter worker puts it in the cache
+      }
+  }
+  // The refresh's cold tail segments were recomputed whole: their entries are built now, after the splice, for
+  // later requests (device tier, host copy, cache), between this worker's decode steps.
+  {
+    std::vector<engine::EngineLoop::BuildSubmission> later;
+    for (size_t i = 0; i < p->slots.size(); ++i) {
+      if (p->slots[i].planned != v1::PlannedSegment::WHOLE) continue;
+      const rpc::Digest digest = p->slots[i].digest;
+      const bool put = p->cache_segments;
+      const std::string rid = p->id;
+      later.push_back({p->slots[i].ids, p->entry_seam_width, nullptr,
+                       [this, digest, put, rid](engine::BuildOutcome r) {
+                         if (!r.entry) return;  // failed or the loop stopped: a later request builds it
+                         d_.memory_tier.put(digest, r.entry);
+                         d_.copier.enqueue(digest, r.entry, put, rid);
+                       },
+                       engine::BuildHandover::Resident});
+    }
+    if (!later.empty()) d_.loop.submit_builds(std::move(later));
+  }
+  return sinfo;
+}
+
+v1::CombineEvent CombineService::report(Pending& p, const engine::SpliceInfo& sinfo, const OutputSummary& out,
+                                        double gather_ms) const {
+  v1::CombineEvent rev;
+  auto* rep = rev.mutable_report();
+  rep->set_finish_reason(out.finish);
+  rep->set_completion_tokens(out.completion_tokens);
+  rep->set_gather_ms(gather_ms);
+  rep->set_splice_ms(sinfo.splice_ms);
+  rep->set_decode_ms(out.decode_ms);
+  rep->set_device(device_);
+  rep->set_numerics(std::string(backend_.numerics()));
+  rep->set_random_weights_seed(d_.random_weights_seed);
+  {
+    std::lock_guard<std::mutex> lock(p.mu);
+    for (size_t i = 0; i < p.slots.size(); ++i) {
+      const Slot& s = p.slots[i];
+      auto* sr = rep->add_segments();
+      sr->set_index(uint32_t(i));
+      sr->set_num_tokens(uint32_t(s.ids.size()));
+      sr->set_digest_hex(rpc::digest_hex(s.digest));
+      if (!p.uses_entries) {
+        const bool reused = p.mode == engine::SpliceMode::Prefix && int(i) < sinfo.prefix_segments_reused;
+        sr->set_source(reused ? v1::SEGMENT_SOURCE_COMBINE_MEMORY : v1::SEGMENT_SOURCE_IN_CONTEXT);
+        sr->set_reused(reused);
+        if (reused) sr->set_note("restored from a prefix checkpoint");
+        continue;
+      }
+      sr->set_source(s.source);
+      sr->set_reused(s.source == v1::SEGMENT_SOURCE_COMBINE_MEMORY || s.source == v1::SEGMENT_SOURCE_COMBINE_HOST ||
+                     s.source == v1::SEGMENT_SOURCE_CACHE ||
+                     s.source == v1::SEGMENT_SOURCE_SHARED_BUILD || s.source == v1::SEGMENT_SOURCE_REPEAT);
+      if (s.repeat_of && s.source == v1::SEGMENT_SOURCE_REPEAT) sr->set_repeat_of(uint32_t(*s.repeat_of));
+      sr->set_built_by(s.built_by);
+      sr->set_compute_ms(s.compute_ms);
+      sr->set_entry_bytes(s.entry_bytes);
+      sr->set_note(s.note);
+      sr->set_device(s.device);
+      sr->set_transport(s.transport);
+      sr->set_transfer_ms(s.transfer_ms);
+      sr->set_transfer_bytes(s.transfer_bytes);
+      sr->set_fetch_ms(s.fetch_ms);
+      sr->set_fetch_bytes(s.fetch_bytes);
+      if (std::binary_search(sinfo.recomputed_segments.begin(), sinfo.recomputed_segments.end(), int(i))) {
+        sr->set_refreshed(true);
+        sr->set_reused(false);  // its entry was not what the splice used: it was computed here, in context
+      }
+      if (s.has_entry()) sr->set_numerics(s.header()->numerics);
+    }
+  }
+  return rev;
+}
+
 grpc::Status CombineService::run_combine(grpc::ServerContext* ctx, const v1::CombineRequest* req,
                                          grpc::ServerWriter<v1::CombineEvent>* writer) {
   return rpc::handle_errors([&]() -> grpc::Status {
     auto life_call = d_.life.enter();
     const auto t_start = Clock::now();
-    rpc::validate_request_id(req->request_id());
-    if (req->request_id().empty()) throw rpc::invalid_argument("request_id", "must not be empty");
-    if (req->segments().empty()) throw rpc::invalid_argument("segments", "at least one segment is required");
-    const int64_t vocab = backend_.config().vocab_size;
-    const std::vector<int32_t> query(req->query_ids().begin(), req->query_ids().end());
-    rpc::check_token_ids(query, vocab, "query_ids");
-    engine::SpliceMode mode;
-    try {
-      mode = engine::parse_splice_mode(req->mode().empty() ? "hypic" : req->mode());
-    } catch (const std::invalid_argument&) {
-      throw rpc::invalid_argument("mode", fmt::format("unknown splice mode {}", rpc::untrusted(req->mode())));
-    }
-    if (req->seam_width() < 0) throw rpc::invalid_argument("seam_width", fmt::format("must be >= 0, got {}", req->seam_width()));
-    for (const auto& [field, value] : {std::pair{"refresh_segments", req->refresh_segments()},
-                                       std::pair{"refresh_tail", req->refresh_tail()}}) {
-      if (value < 0 || (value > 0 && mode != engine::SpliceMode::Hypic)) {
-        throw rpc::invalid_argument(field, fmt::format("must be >= 0, and 0 outside mode hypic; got {} in mode {}",
-                                                       value, engine::splice_mode_name(mode)));
-      }
-    }
-    if (!req->sampling().has_max_tokens() || req->sampling().max_tokens() < 1) {
-      throw rpc::invalid_argument("sampling.max_tokens", "must be set and >= 1");
-    }
-    const engine::SamplingConfig scfg = sampling_config(req->sampling());
-    std::vector<std::string> stops(req->sampling().stop().begin(), req->sampling().stop().end());
-    engine::StopStringMatcher stop_matcher(stops);  // validates (non-empty strings)
-    check_request_limits(*req, opt_.limits);        // this worker's own caps, whatever the router allowed
-    const bool uses_entries = mode != engine::SpliceMode::Full && mode != engine::SpliceMode::Prefix;
-
-    auto p = std::make_shared<Pending>();
-    p->id = req->request_id();
-    p->entry_seam_width = mode == engine::SpliceMode::Hypic ? req->seam_width() : 0;
-    p->cache_segments = req->cache_segments();
-    p->slots.resize(size_t(req->segments_size()));
-    for (int i = 0; i < req->segments_size(); ++i) {
-      const auto& ps = req->segments(i);
-      const std::string field = fmt::format("segments[{}]", i);
-      if (ps.index() != uint32_t(i)) {
-        throw rpc::invalid_argument(field + ".index", fmt::format("segments must be listed in prompt order: expected "
-                                                                  "{}, got {}",
-                                                                  i, ps.index()));
-      }
-      Slot& s = p->slots[size_t(i)];
-      s.ids.assign(ps.key().token_ids().begin(), ps.key().token_ids().end());
-      if (uses_entries) {
-        s.digest = rpc::check_segment_key(ps.key().digest(), s.ids, field + ".key", vocab, backend_.fingerprint(),
-                                          engine::entry_format_version(backend_.config()), p->entry_seam_width);
-      } else {  // full and prefix modes compute in context: the digest is only echoed
-        s.digest = rpc::parse_digest(ps.key().digest(), field + ".key.digest");
-        rpc::check_token_ids(s.ids, vocab, field + ".key.token_ids");
-      }
-      s.planned = ps.source();
-      if (s.planned == v1::PlannedSegment::WHOLE &&
-          (mode != engine::SpliceMode::Hypic || i == 0 || i < req->segments_size() - req->refresh_tail())) {
-        throw rpc::invalid_argument(field + ".source", "WHOLE is for the refresh's tail segments (mode hypic, index >= "
-                                                       "max(1, segments - refresh_tail))");
-      }
-      if (uses_entries && s.planned == v1::PlannedSegment::REPEAT) {
-        const uint32_t k = ps.repeat_of();
-        if (k >= uint32_t(i) || p->slots[k].planned == v1::PlannedSegment::REPEAT ||
-            p->slots[k].planned == v1::PlannedSegment::WHOLE || p->slots[k].digest != s.digest ||
-            p->slots[k].ids != s.ids) {
-          throw rpc::invalid_argument(field + ".repeat_of",
-                                      fmt::format("{} is not an earlier, not repeated segment with the same key", k));
-        }
-        s.repeat_of = k;
-      }
-    }
-    p->repeats.resize(p->slots.size());
-    for (size_t i = 0; i < p->slots.size(); ++i)
-      if (p->slots[i].repeat_of) p->repeats[*p->slots[i].repeat_of].push_back(i);
+    const std::shared_ptr<Pending> p = parse_combine(*req);
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (!active_.emplace(p->id, p).second) {
@@ -503,203 +679,47 @@ grpc::Status CombineService::run_combine(grpc::ServerContext* ctx, const v1::Com
                             fmt::format("request_id: {} is already active on this combine worker", p->id));
       }
     }
-    std::vector<size_t> warm;  // declared before the fetchers that read it (joined in cleanup)
-    std::vector<std::thread> fetchers;
-    auto cleanup = [&] {
-      p->cancel->store(true);
-      for (auto& t : fetchers) t.join();
-      std::lock_guard<std::mutex> lock(mu_);
-      active_.erase(p->id);
-    };
-    struct Guard {
-      std::function<void()> f;
-      ~Guard() { f(); }
-    } guard{cleanup};
-
+    Fetchers fetch;  // declared before the cleanup that joins its threads
+    struct Cleanup {
+      CombineService& svc;
+      Pending& p;
+      Fetchers& fetch;
+      ~Cleanup() {
+        p.cancel->store(true);
+        for (auto& t : fetch.threads) t.join();
+        std::lock_guard<std::mutex> lock(svc.mu_);
+        svc.active_.erase(p.id);
+      }
+    } cleanup{*this, *p, fetch};
     auto send = [&](const v1::CombineEvent& ev) {
       if (!writer->Write(ev)) throw rpc::RpcError(grpc::StatusCode::CANCELLED, "the router went away");
     };
     v1::CombineEvent ev;
     ev.mutable_started();
     send(ev);
-    spdlog::info("[req {}] combine: {} segments, {} query tokens, mode {}", p->id, p->slots.size(), query.size(),
-                 engine::splice_mode_name(mode));
-
-    // ---- gather ----
-    if (uses_entries) {
-      std::vector<std::pair<size_t, std::string>> local;
-      for (size_t i = 0; i < p->slots.size(); ++i) {
-        if (p->slots[i].planned == v1::PlannedSegment::LOCAL) local.emplace_back(i, req->segments(int(i)).reason());
-        if (p->slots[i].planned == v1::PlannedSegment::WARM) warm.push_back(i);
-        if (p->slots[i].planned == v1::PlannedSegment::WHOLE) {  // recomputed whole from its ids: nothing to wait for
-          std::lock_guard<std::mutex> lock(p->mu);
-          Slot& s = p->slots[i];
-          s.source = v1::SEGMENT_SOURCE_IN_CONTEXT;
-          s.note = "in the refresh's tail, cold: recomputed whole in context; its entry is built after the first token";
-          ++p->filled;
-        }
-      }
-      build_locally(p, local);
-      auto next = std::make_shared<std::atomic<size_t>>(0);
-      const int nf = std::min<int>(opt_.fetch_parallelism, int(warm.size()));
-      for (int f = 0; f < nf; ++f) {
-        fetchers.emplace_back([&, next] {
-          for (size_t k; (k = next->fetch_add(1)) < warm.size() && !p->cancel->load();) {
-            try {
-              fetch_warm(p, warm[k], ctx);
-            } catch (const std::exception& e) {  // never out of the thread (std::terminate): the segment is computed
-              try {
-                build_locally(p, warm[k], fmt::format("fetching it failed ({}); prefilled by the combine worker",
-                                                      rpc::untrusted(e.what())));
-              } catch (const std::exception& again) {  // the request fails with the reason
-                std::lock_guard<std::mutex> lock(p->mu);
-                if (p->failure.empty()) {
-                  p->failure = fmt::format("segment {}: fetching it failed ({}), and so did computing it ({})", warm[k],
-                                           rpc::untrusted(e.what()), rpc::untrusted(again.what()));
-                  p->failure_code = grpc::StatusCode::INTERNAL;
-                }
-                p->cv.notify_all();
-              }
-            }
-          }
-        });
-      }
-      const auto give_up = Clock::now() + opt_.gather_timeout;
-      std::unique_lock<std::mutex> lock(p->mu);
-      while (p->filled < p->slots.size()) {
-        if (!p->failure.empty()) throw rpc::RpcError(p->failure_code, p->failure);
-        if (ctx->IsCancelled()) throw rpc::RpcError(grpc::StatusCode::CANCELLED, "request cancelled by the router");
-        if (Clock::now() > give_up) {
-          std::vector<size_t> missing;
-          for (size_t i = 0; i < p->slots.size(); ++i)
-            if (!p->slots[i].has_entry()) missing.push_back(i);
-          throw rpc::RpcError(grpc::StatusCode::DEADLINE_EXCEEDED,
-                              fmt::format("segments {} did not arrive within {} s (--gather-timeout-seconds)",
-                                          fmt::join(missing, ","), opt_.gather_timeout.count()));
-        }
-        p->cv.wait_for(lock, std::chrono::milliseconds(50));
-      }
-    }
+    spdlog::info("[req {}] combine: {} segments, {} query tokens, mode {}", p->id, p->slots.size(), p->query.size(),
+                 engine::splice_mode_name(p->mode));
+    gather(p, *req, ctx, fetch);
     const double gather_ms = rpc::ms_between(t_start, Clock::now());
     ev.mutable_entries_ready();
     send(ev);
-
-    // ---- splice + decode, on the engine loop ----
     // The loop splices, then samples and decodes this request in one batch with every other request decoding
     // here; its callbacks only queue events for this handler (combine_worker/output.h).
-    engine::GenerateJob job;
-    job.splice.plan.mode = mode;
-    job.splice.plan.seam_width = req->seam_width();
-    job.splice.plan.refresh_segments = req->refresh_segments();
-    job.splice.plan.refresh_tail = req->refresh_tail();
-    job.splice.plan.query = query;
-    for (auto& s : p->slots) {
-      job.splice.plan.segments.push_back({s.ids, s.resident});
-      job.splice.host_entries.push_back(s.entry);
-    }
-    job.sampling = scfg;
-    job.max_tokens = req->sampling().max_tokens();
-    job.cancel = p->cancel;
-    const auto events = GenerationEvents::attach(job);
-    d_.loop.submit_generate(std::move(job));
-    engine::SpliceInfo sinfo = events->wait_spliced(*ctx);
-    // Entries the splice imported (delivered or fetched) stay resident in the memory tier for later requests.
-    for (size_t i = 0; i < sinfo.imported.size() && i < p->slots.size(); ++i)
-      if (sinfo.imported[i]) d_.memory_tier.put(p->slots[i].digest, sinfo.imported[i]);
-    sinfo.imported.clear();
-    // So do the entries that came over NCCL (resident on arrival, never imported).
-    {
-      std::lock_guard<std::mutex> lock(p->mu);
-      for (const Slot& s : p->slots)
-        if (s.transport == "nccl" && s.resident) {
-          d_.memory_tier.put(s.digest, s.resident);
-          d_.copier.enqueue(s.digest, s.resident, /*put=*/false, p->id);  // the scatter worker puts it in the cache
-        }
-    }
-    // The refresh's cold tail segments were recomputed whole: their entries are built now, after the splice, for
-    // later requests (device tier, host copy, cache), between this worker's decode steps.
-    {
-      std::vector<engine::EngineLoop::BuildSubmission> later;
-      for (size_t i = 0; i < p->slots.size(); ++i) {
-        if (p->slots[i].planned != v1::PlannedSegment::WHOLE) continue;
-        const rpc::Digest digest = p->slots[i].digest;
-        const bool put = p->cache_segments;
-        const std::string rid = p->id;
-        later.push_back({p->slots[i].ids, p->entry_seam_width, nullptr,
-                         [this, digest, put, rid](engine::BuildOutcome r) {
-                           if (!r.entry) return;  // failed or the loop stopped: a later request builds it
-                           d_.memory_tier.put(digest, r.entry);
-                           d_.copier.enqueue(digest, r.entry, put, rid);
-                         },
-                         engine::BuildHandover::Resident});
-      }
-      if (!later.empty()) d_.loop.submit_builds(std::move(later));
-    }
-    const double splice_ms = sinfo.splice_ms;
-    ev.mutable_splice_done()->set_splice_ms(splice_ms);
+    std::shared_ptr<GenerationEvents> events;
+    const engine::SpliceInfo sinfo = splice(p, *req, ctx, events);
+    ev.mutable_splice_done()->set_splice_ms(sinfo.splice_ms);
     ev.mutable_splice_done()->set_queue_ms(sinfo.queue_ms);
     send(ev);
-
+    engine::StopStringMatcher stop_matcher(p->stops);
     const OutputSummary out = stream_tokens(
         *events, *ctx, d_.tokenizer, req->sampling().max_tokens(),
-        std::set<int32_t>(scfg.stop_token_ids.begin(), scfg.stop_token_ids.end()), stop_matcher, send,
+        std::set<int32_t>(p->sampling.stop_token_ids.begin(), p->sampling.stop_token_ids.end()), stop_matcher, send,
         [&] { p->cancel->store(true); });
-    const v1::FinishReason finish = out.finish;
-    const uint32_t produced = out.completion_tokens;
-    const double decode_ms = out.decode_ms;
-
-    // ---- report ----
-    v1::CombineEvent rev;
-    auto* rep = rev.mutable_report();
-    rep->set_finish_reason(finish);
-    rep->set_completion_tokens(produced);
-    rep->set_gather_ms(gather_ms);
-    rep->set_splice_ms(splice_ms);
-    rep->set_decode_ms(decode_ms);
-    rep->set_device(device_);
-    rep->set_numerics(std::string(backend_.numerics()));
-    rep->set_random_weights_seed(d_.random_weights_seed);
-    {
-      std::lock_guard<std::mutex> lock(p->mu);
-      for (size_t i = 0; i < p->slots.size(); ++i) {
-        const Slot& s = p->slots[i];
-        auto* sr = rep->add_segments();
-        sr->set_index(uint32_t(i));
-        sr->set_num_tokens(uint32_t(s.ids.size()));
-        sr->set_digest_hex(rpc::digest_hex(s.digest));
-        if (!uses_entries) {
-          const bool reused = mode == engine::SpliceMode::Prefix && int(i) < sinfo.prefix_segments_reused;
-          sr->set_source(reused ? v1::SEGMENT_SOURCE_COMBINE_MEMORY : v1::SEGMENT_SOURCE_IN_CONTEXT);
-          sr->set_reused(reused);
-          if (reused) sr->set_note("restored from a prefix checkpoint");
-          continue;
-        }
-        sr->set_source(s.source);
-        sr->set_reused(s.source == v1::SEGMENT_SOURCE_COMBINE_MEMORY || s.source == v1::SEGMENT_SOURCE_COMBINE_HOST ||
-                       s.source == v1::SEGMENT_SOURCE_CACHE ||
-                       s.source == v1::SEGMENT_SOURCE_SHARED_BUILD || s.source == v1::SEGMENT_SOURCE_REPEAT);
-        if (s.repeat_of && s.source == v1::SEGMENT_SOURCE_REPEAT) sr->set_repeat_of(uint32_t(*s.repeat_of));
-        sr->set_built_by(s.built_by);
-        sr->set_compute_ms(s.compute_ms);
-        sr->set_entry_bytes(s.entry_bytes);
-        sr->set_note(s.note);
-        sr->set_device(s.device);
-        sr->set_transport(s.transport);
-        sr->set_transfer_ms(s.transfer_ms);
-        sr->set_transfer_bytes(s.transfer_bytes);
-        sr->set_fetch_ms(s.fetch_ms);
-        sr->set_fetch_bytes(s.fetch_bytes);
-        if (std::binary_search(sinfo.recomputed_segments.begin(), sinfo.recomputed_segments.end(), int(i))) {
-          sr->set_refreshed(true);
-          sr->set_reused(false);  // its entry was not what the splice used: it was computed here, in context
-        }
-        if (s.has_entry()) sr->set_numerics(s.header()->numerics);
-      }
-    }
-    send(rev);
+    send(report(*p, sinfo, out, gather_ms));
     // Full and prefix modes splice nothing: their engine time is an in-context prefill (the report's prefill_ms).
     spdlog::info("[req {}] done: {} tokens, gather {:.1f} ms, {} {:.1f} ms ({} passes), decode {:.1f} ms", p->id,
-                 produced, gather_ms, uses_entries ? "splice" : "prefill", splice_ms, sinfo.passes_paused + 1, decode_ms);
+                 out.completion_tokens, gather_ms, p->uses_entries ? "splice" : "prefill", sinfo.splice_ms,
+                 sinfo.passes_paused + 1, out.decode_ms);
     return grpc::Status::OK;
   });
 }

@@ -11,12 +11,14 @@
 #include <memory>
 #include <mutex>
 #include <random>
+#include <thread>
 #include <vector>
 #include <string>
 
 #include "combine_worker/host_copies.h"
 #include "combine_worker/limits.h"
 #include "combine_worker/memory_tier.h"
+#include "combine_worker/output.h"
 #include "engine/engine_loop.h"
 #include "tokenizer/tokenizer.h"
 #include "hypic/v1/combine.grpc.pb.h"
@@ -96,8 +98,29 @@ class CombineService final : public hypic::v1::CombineWorker::Service {
   struct Pending;  // one active request (defined in service.cpp)
 
  private:
+  // One Combine call: parse, gather the entries, splice, stream the tokens, report.
   grpc::Status run_combine(grpc::ServerContext* ctx, const hypic::v1::CombineRequest* req,
                            grpc::ServerWriter<hypic::v1::CombineEvent>* writer);
+  // Validates a Combine request (rpc::RpcError INVALID_ARGUMENT naming the field) into a new Pending: mode, query,
+  // sampling, stop strings and each segment's slot (digest checked against this worker's model, planned source).
+  std::shared_ptr<Pending> parse_combine(const hypic::v1::CombineRequest& req) const;
+  // The fetcher threads of one call and the WARM slots they take (joined by the call's cleanup).
+  struct Fetchers {
+    std::vector<size_t> warm;
+    std::vector<std::thread> threads;
+  };
+  // Fills every slot: LOCAL ones built here, WARM ones fetched (their fetchers in `fetch`), WHOLE ones left to the
+  // splice, REMOTE ones delivered by scatter workers (DeliverEntry); returns when all are filled. Throws
+  // rpc::RpcError with the failure's code, CANCELLED, or DEADLINE_EXCEEDED past --gather-timeout-seconds.
+  void gather(const std::shared_ptr<Pending>& p, const hypic::v1::CombineRequest& req, grpc::ServerContext* ctx,
+              Fetchers& fetch);
+  // Submits the splice and generation to the engine loop (events: its GenerationEvents) and waits for the splice;
+  // keeps the imported and NCCL-delivered entries in the memory tier and queues the builds of the refresh's cold tail.
+  engine::SpliceInfo splice(const std::shared_ptr<Pending>& p, const hypic::v1::CombineRequest& req,
+                            grpc::ServerContext* ctx, std::shared_ptr<combine::GenerationEvents>& events);
+  // The router's report: finish, timings, this worker, and per segment where its entry came from.
+  hypic::v1::CombineEvent report(Pending& p, const engine::SpliceInfo& sinfo, const combine::OutputSummary& out,
+                                 double gather_ms) const;
   std::shared_ptr<Pending> find(const std::string& request_id);
   /// Queues local builds of the given slots (with a note each) on the engine loop, in one submission; each is spliced
   /// resident as built and its host copy made afterwards (HostCopier).
