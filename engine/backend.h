@@ -145,7 +145,7 @@ using BuildCancelled = std::function<bool(size_t segment)>;
 
 /// A device entry's memory as one contiguous block in its backend's own layout (the CUDA backend's CudaEntry:
 /// per linear layer S_seam (when w > 0), T_int, S_int fp32 and the conv tail bf16, then per attention layer K and V bf16,
-/// each 256-byte aligned; engine/cuda/cuda_backend.cpp). Two backends of the same fingerprint lay an entry of n tokens
+/// each 256-byte aligned; engine/cuda/cuda_backend_impl.h EntryLayout). Two backends of the same fingerprint lay an entry of n tokens
 /// out identically, so a GPU-to-GPU transfer (transport/nccl_peer.h) moves the block as is.
 struct DeviceBlock {
   void* data = nullptr;  ///< device pointer

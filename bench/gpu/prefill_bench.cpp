@@ -32,6 +32,8 @@
 // Timing of backend calls: wall clock (steady_clock) around the call and a cudaDeviceSynchronize (the backend
 // synchronises its stream itself and copies the logits to the host inside the call).
 // With --hf-json (tools/hf_prefill_bench.py's output) each prompt length's row gets `hf_ms`.
+// With --best-json (tools/best_kernels_bench.py's output, run in the same call) the parts_vs_best table puts core
+// attention, the MoE block and GDN next to cuDNN SDPA, a torch._grouped_mm MoE block and fla at the same shapes.
 //
 // Output: a human table on stdout; --json FILE (one row per prompt length with tokens, ours_ms, hf_ms, plus the
 // sections ceilings, parts, build, splice, decode, command, utc, git_commit); --md FILE (the Markdown report).
@@ -450,7 +452,7 @@ json measure_parts(const eng::ModelConfig& cfg, const Dims& d, const std::vector
     };
     const Stats t_ffn = (d.n_moe + d.n_mlp) ? time_gpu(ffn, warm, reps, s) : Stats{0, 0, 0, 0};
     // Attention: prepare (norms, RoPE, K/V into the pool) + varlen causal prefill, once per attention layer.
-    Stats t_attn{0, 0, 0, 0};
+    Stats t_attn{0, 0, 0, 0}, t_attn_core{0, 0, 0, 0};
     if (d.n_attn) {
       const int qs[2] = {0, Ti};
       check_cuda(cudaMemcpy(B.qstart.as(), qs, sizeof qs, cudaMemcpyHostToDevice), "q_start");
@@ -472,6 +474,13 @@ json measure_parts(const eng::ModelConfig& cfg, const Dims& d, const std::vector
       };
       fill.bf(B.big.as<bf16>(), size_t(Ti) * d.qrows, kc::RandomFill::Normal, 0.f, 1.f);
       t_attn = time_gpu(attn, warm, reps, s);
+      auto core = [&] {  // attention_prefill alone (K/V and q as the last prepare left them): next to library SDPA
+        for (int i = 0; i < d.n_attn; ++i)
+          kc::attention_prefill(g, d.nh, d.nkv, d.hd, B.aq.as<bf16>(), B.kpool.as<bf16>(), B.vpool.as<bf16>(), scale,
+                                gate ? B.big.as<bf16>() + d.hd : nullptr, gate ? long(2) * d.nh * d.hd : 0,
+                                gate ? 2 * d.hd : 0, B.ao.as<bf16>(), s);
+      };
+      t_attn_core = time_gpu(core, warm, reps, s);
     }
     // Gated DeltaNet: conv1d + SiLU, split into q / k / v, chunked prefill with fused gates, once per linear layer.
     Stats t_gdn{0, 0, 0, 0};
@@ -510,6 +519,8 @@ json measure_parts(const eng::ModelConfig& cfg, const Dims& d, const std::vector
     row["attention"] = part(t_attn, d.attn_flops(T_d),
                             "attention_prepare (q/k norms, partial RoPE, K/V into the pool) + attention_prefill "
                             "(causal, gate fused), once per attention layer");
+    row["attention_core"] = part(t_attn_core, d.attn_flops(T_d),
+                                 "attention_prefill alone (causal, gate fused), once per attention layer");
     row["gdn"] = part(t_gdn, d.gdn_flops(T_d),
                       "conv1d_silu_prefill + split_qkv + gdn_prefill (gates fused, no T_C), once per linear layer");
     row["sum_ms"] = t_dense.median + t_ffn.median + t_attn.median + t_gdn.median;
@@ -587,6 +598,17 @@ std::string markdown(const json& J) {
       m << "| " << p.value("tokens", 0) << " | " << fmt("%.1f", e2e) << " | " << cell(p["dense_gemm"]) << " | "
         << cell(p["moe"]) << " | " << cell(p["attention"]) << " | " << cell(p["gdn"]) << " | "
         << fmt("%.1f", jnum(p, "rest_ms")) << " (" << fmt("%.0f%%", 100 * jnum(p, "rest_ms") / e2e) << ") |\n";
+    }
+  }
+  if (J.contains("parts_vs_best") && J["parts_vs_best"].is_array() && !J["parts_vs_best"].empty()) {
+    m << "\n## Parts next to the best library kernels (same shapes, same GPU call; ours / best < 1: ours faster)\n\n"
+         "| tokens | part | ours ms | best library ms | ours / best | library |\n|---|---|---|---|---|---|\n";
+    for (const json& e : J["parts_vs_best"]) {
+      const bool have = e.contains("best_ms") && e["best_ms"].is_number();
+      m << "| " << e.value("tokens", 0) << " | " << e.value("part", "") << " | " << fmt("%.1f", jnum(e, "ours_ms"))
+        << " | " << (have ? fmt("%.1f", jnum(e, "best_ms")) : std::string("n/a")) << " | "
+        << (have ? fmt("%.2fx", jnum(e, "ours_over_best")) : std::string("n/a")) << " | "
+        << (have ? e.value("best_what", "") : e.value("best_error", "")) << " |\n";
     }
   }
   if (J.contains("build") && J["build"].is_object()) {
@@ -782,7 +804,7 @@ json decode_beside(eng::Backend& be, std::vector<std::unique_ptr<eng::Sequence>>
 int main(int argc, char** argv) try {
   CLI::App app{"Whole-model benchmark of the CUDA backend at Qwen3.5-35B-A3B dimensions (benchmark-only random weights)"};
   std::string config = "bench/gpu/qwen3_5_35b_a3b.json", device = "cuda:0", lengths_s = "4096,16384,32768";
-  std::string json_path, md_path, hf_json, commit, command, batches_s = "1,16,64", skip_s, refresh_s = "2,4",
+  std::string json_path, md_path, hf_json, best_json, commit, command, batches_s = "1,16,64", skip_s, refresh_s = "2,4",
               tails_s = "2";
   uint64_t seed = 1;
   int warm = 2, reps = 5, segments = 16, segment_tokens = 2048, query_tokens = 64, seam = 8, decode_query = 16;
@@ -833,6 +855,8 @@ int main(int argc, char** argv) try {
   app.add_option("--json", json_path, "write the results as JSON here");
   app.add_option("--md", md_path, "write the Markdown report here");
   app.add_option("--hf-json", hf_json, "tools/hf_prefill_bench.py's JSON: fills hf_ms per prompt length");
+  app.add_option("--best-json", best_json,
+                 "tools/best_kernels_bench.py's JSON: the parts_vs_best table (each part next to the library's best)");
   app.add_option("--git-commit", commit, "commit recorded in the results (default: $HYPIC_GIT_COMMIT, else git)");
   app.add_option("--command", command, "command line recorded in the results (default: this program's argv)");
   std::string render;
@@ -1239,8 +1263,44 @@ int main(int argc, char** argv) try {
         p["rest_ms"] = r["ours_ms"].get<double>() - p["sum_ms"].get<double>();
       }
   }
+  // Each part next to the best library kernel at the same shapes (tools/best_kernels_bench.py, run in the same call).
+  json parts_vs_best = json::array();
+  if (!best_json.empty()) {
+    try {
+      std::ifstream f(best_json);
+      if (!f) throw std::runtime_error("cannot open " + best_json);
+      const json best = json::parse(f);
+      J["best"] = best;
+      for (const json& p : parts)
+        for (const json& b : best.value("rows", json::array())) {
+          if (b.value("tokens", int64_t(-1)) != p.value("tokens", int64_t(0))) continue;
+          // (our part, the library's): core attention against SDPA, the MoE block against torch's, GDN against fla
+          for (const auto& [ours, lib] : {std::pair<const char*, const char*>{"attention_core", "attention"},
+                                          {"moe", "moe"},
+                                          {"gdn", "gdn"}}) {
+            if (!p.contains(ours) || !b.contains(lib)) continue;
+            const json& lb = b[lib];
+            json e = {{"tokens", p["tokens"]}, {"part", ours}, {"ours_ms", p[ours].value("ms", NAN)},
+                      {"ours_what", p[ours].value("what", "")}};
+            if (lb.contains("ms") && lb["ms"].is_number()) {
+              e["best_ms"] = lb["ms"];
+              e["best_what"] = lb.contains("backend") ? "torch SDPA " + lb["backend"].get<std::string>()
+                                                       : lb.value("what", std::string(lib));
+              e["ours_over_best"] = e["ours_ms"].get<double>() / lb["ms"].get<double>();
+            } else {
+              e["best_ms"] = nullptr;
+              e["best_error"] = lb.value("error", std::string("not measured"));
+            }
+            parts_vs_best.push_back(e);
+          }
+        }
+    } catch (const std::exception& e) {
+      J["best_error"] = std::string("--best-json: ") + e.what();
+    }
+  }
   J["rows"] = rows;
   J["parts"] = parts;
+  J["parts_vs_best"] = parts_vs_best;
   J["build"] = build;
   J["splice"] = splice;
   J["decode"] = decode;

@@ -1,7 +1,8 @@
-// Gated full attention of Qwen3-Next / Qwen3.5 over a paged KV pool (see attention.h): the prepare step
-// (q/k norm + partial RoPE + pool write), kv_import (K re-rotated by a position delta), the varlen causal
-// prefill (FlashAttention-2 style, mma.sync m16n8k16 bf16 with fp32 accumulation) and the flash-decoding
-// decode step (KV split over blocks, partials in a workspace, combine kernel).
+// Gated full attention of Qwen3-Next / Qwen3.5 over a paged KV pool (see attention.h): the varlen causal
+// prefill (FlashAttention-2 style, mma.sync m16n8k16 bf16 with fp32 accumulation; on compute capability 9.0 its
+// long groups run attention_wgmma.cu's kernel instead), its split-KV path for short groups over long contexts, and
+// the flash-decoding decode step (KV split over blocks, partials in a workspace, combine kernel). The prepare step
+// and kv_import are in attention_prepare.cu.
 //
 // Fragment conventions: kernels/cuda/mma.cuh. Per warp, 16 query rows; lane l holds rows g = l / 4 and
 // g + 8, columns c2 = (l % 4) * 2 and c2 + 1 of every 8-column accumulator tile. The softmax runs in the
@@ -18,6 +19,7 @@
 #include <string>
 
 #include "kernels/cuda/attention.h"
+#include "kernels/cuda/attention_common.cuh"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/mma.cuh"
 
@@ -25,10 +27,6 @@ namespace hypic::kernels::cuda {
 namespace {
 
 using namespace detail;
-
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr int kBN = kKvPageTokens;  // KV tile = one page: one block-table lookup per tile
-static_assert(kBN == 64, "the kernels assume 64-slot KV tiles");
 
 // Prefill: 8 warps x 16 query rows = 128-row query tile of one head per block; Q, then K and V double
 // buffered, in shared memory (row stride HD + 8 elements: 16-byte aligned rows, conflict-free ldmatrix).
@@ -79,29 +77,6 @@ struct SplitCfg {
 };
 static_assert(SplitCfg<256>::kSmem <= 227 * 1024, "split smem");
 
-struct AttnParams {
-  const int* q_start;
-  const int* slot0;
-  const int* block_table;
-  int max_pages;
-  int num_heads;
-  int num_kv_heads;
-  int ratio;  // num_heads / num_kv_heads
-  const bf16* q;
-  const bf16* k_pool;
-  const bf16* v_pool;
-  float scale_log2;
-  const bf16* gate;
-  long gate_ts;
-  int gate_hs;
-  bf16* out;
-  // decode only
-  int chunk_len;
-  int head_blocks;
-  float* ws_acc;  // [batch][num_heads][nsplit][HD]
-  float* ws_ml;   // [batch][num_heads][nsplit][2] (m in the log2 domain, l)
-};
-
 // The split path of attention_prefill (with a workspace); a separate kernel argument so that AttnParams,
 // and with it the prefill kernel's register allocation, stays as it was.
 struct SplitArgs {
@@ -115,14 +90,6 @@ struct SplitArgs {
   float* ws_acc;    // [item][kSplitBM][HD] partial accumulators
   float* ws_ml;     // [item][kSplitBM][2] partial (m in the log2 domain, l)
 };
-
-__device__ __forceinline__ float fast_exp2(float x) {  // 2^x; -inf -> +0
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-__device__ __forceinline__ float sigmoidf_(float x) { return 1.f / (1.f + __expf(-x)); }
 
 // K and V of KV tile `tile` (slots tile*64 .. +63) into shared memory; slots beyond last_slot are
 // zero-filled (never attended, but P = 0 times uninitialised pool memory could be NaN).
@@ -150,69 +117,6 @@ __device__ __forceinline__ void load_kv_tile(bf16* sK, bf16* sV, const AttnParam
       *reinterpret_cast<uint4*>(dk + i * kRowStep * kLd) = make_uint4(0, 0, 0, 0);
       *reinterpret_cast<uint4*>(dv + i * kRowStep * kLd) = make_uint4(0, 0, 0, 0);
     }
-  }
-}
-
-// One KV tile of online softmax for one warp's 16 rows x 16 * NP slots (NP pairs of 8-column tiles).
-// s: raw q.k accumulators in (overwritten); pa: P (unnormalised) out, rounded to bf16 as the A fragments of
-// the P.V product (mma.cuh layout: S accumulator tiles 2kk, 2kk+1 are the k-halves of A tile kk). lim0 / lim1: last visible slot of rows g / g+8;
-// slot_of(nt, e) = n0 + nt * 8 + c2 + (e & 1). m, l: running max (log2 domain) and thread-partial sums.
-template <int NT8, int ND8>
-__device__ __forceinline__ void online_softmax(float (&s)[NT8][4], uint32_t (&pa)[NT8 / 2][4], float (&o)[ND8][4],
-                                               float (&m)[2], float (&l)[2], float scale_log2, bool need_mask, int n0,
-                                               int c2, int lim0, int lim1) {
-#pragma unroll
-  for (int nt = 0; nt < NT8; ++nt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      float v = s[nt][e] * scale_log2;
-      if (need_mask) {
-        const int slot = n0 + nt * 8 + c2 + (e & 1);
-        if (slot > ((e < 2) ? lim0 : lim1)) v = -INFINITY;
-      }
-      s[nt][e] = v;
-    }
-  float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-  for (int nt = 0; nt < NT8; ++nt) {
-    mx[0] = fmaxf(mx[0], fmaxf(s[nt][0], s[nt][1]));
-    mx[1] = fmaxf(mx[1], fmaxf(s[nt][2], s[nt][3]));
-  }
-  float alpha[2], mu[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-    const float mn = fmaxf(m[r], mx[r]);
-    mu[r] = mn == -INFINITY ? 0.f : mn;  // a row with nothing visible yet: p = 0, alpha = 0, no NaN
-    alpha[r] = fast_exp2(m[r] - mu[r]);
-    m[r] = mn;
-  }
-  float sum[2] = {0.f, 0.f};
-#pragma unroll
-  for (int nt = 0; nt < NT8; ++nt) {
-    s[nt][0] = fast_exp2(s[nt][0] - mu[0]);
-    s[nt][1] = fast_exp2(s[nt][1] - mu[0]);
-    s[nt][2] = fast_exp2(s[nt][2] - mu[1]);
-    s[nt][3] = fast_exp2(s[nt][3] - mu[1]);
-    sum[0] += s[nt][0] + s[nt][1];
-    sum[1] += s[nt][2] + s[nt][3];
-  }
-#pragma unroll
-  for (int kk = 0; kk < NT8 / 2; ++kk) {  // P as bf16 A fragments (rows g / g+8, 16 slots per kk)
-    pa[kk][0] = pack_bf16(s[2 * kk][0], s[2 * kk][1]);
-    pa[kk][1] = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
-    pa[kk][2] = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-    pa[kk][3] = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-  }
-  l[0] = l[0] * alpha[0] + sum[0];
-  l[1] = l[1] * alpha[1] + sum[1];
-#pragma unroll
-  for (int dt = 0; dt < ND8; ++dt) {
-    o[dt][0] *= alpha[0];
-    o[dt][1] *= alpha[0];
-    o[dt][2] *= alpha[1];
-    o[dt][3] *= alpha[1];
   }
 }
 
@@ -250,19 +154,11 @@ __global__ void __launch_bounds__(PrefillCfg<HD>::kThreads, PrefillCfg<HD>::kMin
   bf16* sK0 = sQ + kBM * kLd;          // K buffers 0, 1
   bf16* sV0 = sK0 + 2 * kBN * kLd;     // V buffers 0, 1
 
-  const int h = blockIdx.x, grp = blockIdx.y;
-  const int tile_q = static_cast<int>(gridDim.z - 1 - blockIdx.z);
-  const int qs = p.q_start[grp];
-  const int len = p.q_start[grp + 1] - qs;
-  const int m0 = tile_q * kBM;
-  if (m0 >= len) return;
-  if (kSkipSplit && len <= split_max_q) return;
-  const int s0 = p.slot0[grp];
-  const int rows = min(kBM, len - m0);
-  const int last_slot = s0 + m0 + rows - 1;  // last slot any row of this tile sees
-  const int n_tiles = last_slot / kBN + 1;
-  const int kvh = h / p.ratio;
-  const int* bt = p.block_table + static_cast<size_t>(grp) * p.max_pages;
+  PrefillTile t;
+  if (!prefill_tile<kBM, kSkipSplit>(p, split_max_q, t)) return;
+  const int h = t.h, qs = t.qs, len = t.len, m0 = t.m0, s0 = t.s0, rows = t.rows, last_slot = t.last_slot;
+  const int n_tiles = t.n_tiles, kvh = t.kvh;
+  const int* bt = t.bt;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 
   // Q tile (rows past the group: zeros), then KV tile 0: one commit group.
@@ -329,32 +225,7 @@ __global__ void __launch_bounds__(PrefillCfg<HD>::kThreads, PrefillCfg<HD>::kMin
   }
   cp_async_wait<0>();
 
-  if (!warp_active) return;
-  float inv[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-    inv[r] = 1.f / l[r];
-  }
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int qi = wq0 + g + r * 8;
-    if (qi >= len) continue;
-    const size_t t = static_cast<size_t>(qs + qi);
-    bf16* orow = p.out + (t * p.num_heads + h) * HD;
-    const bf16* grow = p.gate ? p.gate + static_cast<long>(t) * p.gate_ts + static_cast<long>(h) * p.gate_hs : nullptr;
-#pragma unroll
-    for (int dt = 0; dt < HD / 8; ++dt) {
-      const int d = dt * 8 + c2;
-      float v0 = o[dt][2 * r] * inv[r], v1 = o[dt][2 * r + 1] * inv[r];
-      if (grow) {
-        v0 *= sigmoidf_(__bfloat162float(grow[d]));
-        v1 *= sigmoidf_(__bfloat162float(grow[d + 1]));
-      }
-      *reinterpret_cast<__nv_bfloat162*>(orow + d) = __floats2bfloat162_rn(v0, v1);
-    }
-  }
+  if (warp_active) write_prefill_rows<HD>(p, o, l, qs, wq0, len, h, lane);
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -817,234 +688,7 @@ __global__ void __launch_bounds__(HD) attn_split_combine_kernel(const AttnParams
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Row helpers of prepare / import: one warp per head row of HD elements, lane holds E = HD / 32 consecutive
-// elements, loaded and stored as one E*2-byte vector when the address allows.
-template <int E>
-struct VecOf;
-template <>
-struct VecOf<2> {
-  using T = unsigned int;
-};
-template <>
-struct VecOf<4> {
-  using T = uint2;
-};
-template <>
-struct VecOf<8> {
-  using T = uint4;
-};
-
-template <int E>
-__device__ __forceinline__ bool vec_ok(const void* p) {
-  return (reinterpret_cast<uintptr_t>(p) & (2 * E - 1)) == 0;
-}
-
-template <int E>
-__device__ __forceinline__ void load_lane(const bf16* src, float (&x)[E]) {  // src: the lane's first element
-  using V = typename VecOf<E>::T;
-  if (vec_ok<E>(src)) {
-    const V raw = *reinterpret_cast<const V*>(src);
-    const bf16* pv = reinterpret_cast<const bf16*>(&raw);
-#pragma unroll
-    for (int e = 0; e < E; ++e) x[e] = __bfloat162float(pv[e]);
-  } else {
-#pragma unroll
-    for (int e = 0; e < E; ++e) x[e] = __bfloat162float(src[e]);
-  }
-}
-
-template <int E>
-__device__ __forceinline__ void store_lane(bf16* dst, const float (&x)[E]) {
-  using V = typename VecOf<E>::T;
-  if (vec_ok<E>(dst)) {
-    V raw;
-    bf16* pv = reinterpret_cast<bf16*>(&raw);
-#pragma unroll
-    for (int e = 0; e < E; ++e) pv[e] = __float2bfloat16_rn(x[e]);
-    *reinterpret_cast<V*>(dst) = raw;
-  } else {
-#pragma unroll
-    for (int e = 0; e < E; ++e) dst[e] = __float2bfloat16_rn(x[e]);
-  }
-}
-
-template <int E>
-__device__ __forceinline__ void copy_lane(const bf16* src, bf16* dst) {  // bit-exact copy of E elements
-  using V = typename VecOf<E>::T;
-  if (vec_ok<E>(src) && vec_ok<E>(dst)) {
-    *reinterpret_cast<V*>(dst) = *reinterpret_cast<const V*>(src);
-  } else {
-#pragma unroll
-    for (int e = 0; e < E; ++e) dst[e] = src[e];
-  }
-}
-
-// NeoX rotate_half RoPE of one head row held by the warp (x: the lane's E values, elements lane*E ..),
-// by angle pos * inv_freq[i] (the product rounded to fp32), in fp32 without contraction (as the CPU
-// reference). sx: the warp's HD-float staging row.
-template <int HD>
-__device__ __forceinline__ void rope_lane(float (&x)[HD / 32], float* sx, int lane, int rot, float pos,
-                                          const float* __restrict__ inv_freq) {
-  constexpr int E = HD / 32;
-  const int half = rot / 2;
-  __syncwarp();
-#pragma unroll
-  for (int e = 0; e < E; ++e) sx[lane * E + e] = x[e];
-  __syncwarp();
-#pragma unroll
-  for (int e = 0; e < E; ++e) {
-    const int jd = lane * E + e;
-    if (jd < rot) {
-      const int i = jd < half ? jd : jd - half;
-      const float ang = __fmul_rn(pos, inv_freq[i]);
-      const float cs = cosf(ang), sn = sinf(ang);
-      if (jd < half)
-        x[e] = __fsub_rn(__fmul_rn(x[e], cs), __fmul_rn(sx[jd + half], sn));
-      else
-        x[e] = __fadd_rn(__fmul_rn(x[e], cs), __fmul_rn(sx[jd - half], sn));
-    }
-  }
-}
-
-struct PrepareParams {
-  int T, num_heads, num_kv_heads, rot;
-  int q_head_stride;  // (output_gate ? 2 : 1) * HD
-  const bf16* qg;
-  const bf16* k;
-  const bf16* v;
-  long kv_in_stride;
-  const bf16* q_norm;
-  const bf16* k_norm;
-  float eps;
-  const int* positions;
-  const float* inv_freq;
-  const int* kv_rows;
-  bf16* q_out;
-  bf16* k_pool;
-  bf16* v_pool;
-};
-
-constexpr int kRowWarps = 8;  // warps per block of the row kernels
-
-template <int HD>
-__global__ void __launch_bounds__(32 * kRowWarps, 4) attn_prepare_kernel(const PrepareParams p) {
-  constexpr int E = HD / 32;
-  __shared__ float sx[kRowWarps][HD];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int heads = p.num_heads + p.num_kv_heads;
-  const long total = static_cast<long>(p.T) * heads;
-  for (long w = static_cast<long>(blockIdx.x) * kRowWarps + warp; w < total;
-       w += static_cast<long>(gridDim.x) * kRowWarps) {
-    const int t = static_cast<int>(w / heads), hh = static_cast<int>(w % heads);
-    const bf16* src;
-    const bf16* wn;
-    bf16* dst;
-    if (hh < p.num_heads) {
-      src = p.qg + (static_cast<size_t>(t) * p.num_heads + hh) * p.q_head_stride;
-      wn = p.q_norm;
-      dst = p.q_out + (static_cast<size_t>(t) * p.num_heads + hh) * HD;
-    } else {
-      const int kh = hh - p.num_heads;
-      const size_t row = static_cast<size_t>(p.kv_rows[t]);
-      src = p.k + static_cast<long>(t) * p.kv_in_stride + static_cast<long>(kh) * HD;
-      wn = p.k_norm;
-      dst = p.k_pool + (row * p.num_kv_heads + kh) * HD;
-      copy_lane<E>(p.v + static_cast<long>(t) * p.kv_in_stride + static_cast<long>(kh) * HD + lane * E,
-                   p.v_pool + (row * p.num_kv_heads + kh) * HD + lane * E);
-    }
-    float x[E], wv[E];
-    load_lane<E>(src + lane * E, x);
-    load_lane<E>(wn + lane * E, wv);
-    float ss = 0.f;
-#pragma unroll
-    for (int e = 0; e < E; ++e) ss = fmaf(x[e], x[e], ss);
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-    const float inv = 1.0f / sqrtf(ss / static_cast<float>(HD) + p.eps);
-#pragma unroll
-    for (int e = 0; e < E; ++e)  // (x * inv) * (1 + w), rounded to bf16 (HF casts the norm output)
-      x[e] = __bfloat162float(__float2bfloat16_rn(__fmul_rn(__fmul_rn(x[e], inv), 1.0f + wv[e])));
-    if (p.rot > 0) rope_lane<HD>(x, sx[warp], lane, p.rot, static_cast<float>(p.positions[t]), p.inv_freq);
-    store_lane<E>(dst + lane * E, x);
-  }
-}
-
-struct ImportParams {
-  int n, num_kv_heads, rot;
-  const bf16* const* k_src;
-  const bf16* const* v_src;
-  const int* deltas;
-  const float* inv_freq;
-  const int* kv_rows;
-  bf16* k_pool;
-  bf16* v_pool;
-};
-
-template <int HD>
-__global__ void __launch_bounds__(32 * kRowWarps, 4) kv_import_kernel(const ImportParams p) {
-  constexpr int E = HD / 32;
-  __shared__ float sx[kRowWarps][HD];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const long total = static_cast<long>(p.n) * p.num_kv_heads;
-  for (long w = static_cast<long>(blockIdx.x) * kRowWarps + warp; w < total;
-       w += static_cast<long>(gridDim.x) * kRowWarps) {
-    const int i = static_cast<int>(w / p.num_kv_heads), kh = static_cast<int>(w % p.num_kv_heads);
-    const size_t row = static_cast<size_t>(p.kv_rows[i]);
-    const size_t off = (row * p.num_kv_heads + kh) * HD + lane * E;
-    const bf16* ks = p.k_src[i] + static_cast<size_t>(kh) * HD + lane * E;
-    copy_lane<E>(p.v_src[i] + static_cast<size_t>(kh) * HD + lane * E, p.v_pool + off);
-    const int delta = p.deltas[i];
-    if (delta == 0 || p.rot == 0) {  // warp-uniform
-      copy_lane<E>(ks, p.k_pool + off);
-      continue;
-    }
-    float x[E];
-    load_lane<E>(ks, x);
-    rope_lane<HD>(x, sx[warp], lane, p.rot, static_cast<float>(delta), p.inv_freq);
-    store_lane<E>(p.k_pool + off, x);
-  }
-}
-
-// ---------------------------------------------------------------------------------------------------------
 // Host side.
-
-[[noreturn]] void bad(const std::string& fn, const std::string& what) { throw std::invalid_argument(fn + ": " + what); }
-
-void check_head_dim(const char* fn, int head_dim) {
-  if (head_dim != 64 && head_dim != 128 && head_dim != 256)
-    bad(fn, "head_dim " + std::to_string(head_dim) + " is not supported (64, 128 or 256)");
-}
-
-void check_heads(const char* fn, int num_heads, int num_kv_heads) {
-  if (num_heads <= 0 || num_kv_heads <= 0 || num_heads % num_kv_heads != 0)
-    bad(fn, "num_heads " + std::to_string(num_heads) + " must be a positive multiple of num_kv_heads " +
-                std::to_string(num_kv_heads));
-}
-
-void check_rot(const char* fn, int rotary_dim, int head_dim, const float* inv_freq) {
-  if (rotary_dim < 0 || rotary_dim % 2 != 0 || rotary_dim > head_dim)
-    bad(fn, "rotary_dim " + std::to_string(rotary_dim) + " must be even and in [0, head_dim " +
-                std::to_string(head_dim) + "]");
-  if (rotary_dim > 0 && !inv_freq) bad(fn, "inv_freq is null (rotary_dim " + std::to_string(rotary_dim) + ")");
-}
-
-void check_ptr(const char* fn, const void* ptr, const char* name) {
-  if (!ptr) bad(fn, std::string(name) + " is null");
-}
-
-void check_aligned16(const char* fn, const void* ptr, const char* name) {
-  check_ptr(fn, ptr, name);
-  if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) bad(fn, std::string(name) + " is not 16-byte aligned");
-}
-
-int sm_count() {
-  static DeviceOnce once;
-  return once.run(current_device(), [](int d) {
-    int sms = 0;
-    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, d), "cudaDeviceGetAttribute(SMs)");
-    return sms;
-  });
-}
 
 template <int HD>
 void prefill_setup() {
@@ -1233,6 +877,12 @@ AttnParams make_params(const AttnGroups& g, int num_heads, int num_kv_heads, con
 template <int HD>
 void launch_prefill(const AttnParams& p, int num_groups, int max_q, cudaStream_t stream, int split_max_q = 0) {
   using C = PrefillCfg<HD>;
+#if HYPIC_ATTN_WGMMA_BUILT
+  if (wgmma_prefill_available(HD)) {  // Hopper: the wgmma kernel (attention_wgmma.cu)
+    launch_prefill_wgmma(p, HD, num_groups, max_q, split_max_q, stream);
+    return;
+  }
+#endif
   prefill_setup<HD>();
   const dim3 grid(p.num_heads, num_groups, static_cast<unsigned>(ceil_div(max_q, C::kBM)));
   if (split_max_q > 0)
@@ -1269,11 +919,6 @@ void launch_decode(const AttnParams& p, int batch, int nsplit, cudaStream_t stre
     attn_decode_combine_kernel<HD><<<dim3(p.num_heads, batch), HD, 0, stream>>>(p, nsplit);
     check_cuda(cudaGetLastError(), "attn_decode_combine_kernel<" + std::to_string(HD) + "> launch");
   }
-}
-
-int row_grid(long warps) {
-  const long blocks = ceil_div(warps, kRowWarps);
-  return static_cast<int>(std::min(blocks, 16L * sm_count()));
 }
 
 }  // namespace
@@ -1411,91 +1056,6 @@ void attention_decode(const AttnGroups& g, int num_heads, int num_kv_heads, int 
     case 128: launch_decode<128>(p, g.num_groups, sp.nsplit, stream); break;
     default: launch_decode<256>(p, g.num_groups, sp.nsplit, stream); break;
   }
-}
-
-void attention_prepare(int T, int num_heads, int num_kv_heads, int head_dim, int rotary_dim, bool output_gate,
-                       const bf16* qg, const bf16* k, const bf16* v, long kv_in_stride, const bf16* q_norm,
-                       const bf16* k_norm, float eps, const int* positions, const float* inv_freq, const int* kv_rows,
-                       bf16* q_out, bf16* k_pool, bf16* v_pool, cudaStream_t stream) {
-  const char* fn = "attention_prepare";
-  if (T < 0) bad(fn, "T " + std::to_string(T) + " is negative");
-  check_heads(fn, num_heads, num_kv_heads);
-  check_head_dim(fn, head_dim);
-  check_rot(fn, rotary_dim, head_dim, inv_freq);
-  if (kv_in_stride < static_cast<long>(num_kv_heads) * head_dim)
-    bad(fn, "kv_in_stride " + std::to_string(kv_in_stride) + " is smaller than num_kv_heads * head_dim");
-  if (T == 0) return;
-  check_ptr(fn, qg, "qg");
-  check_ptr(fn, k, "k");
-  check_ptr(fn, v, "v");
-  check_ptr(fn, q_norm, "q_norm");
-  check_ptr(fn, k_norm, "k_norm");
-  if (rotary_dim > 0) check_ptr(fn, positions, "positions");
-  check_ptr(fn, kv_rows, "kv_rows");
-  check_ptr(fn, q_out, "q_out");
-  check_ptr(fn, k_pool, "k_pool");
-  check_ptr(fn, v_pool, "v_pool");
-  PrepareParams p{};
-  p.T = T;
-  p.num_heads = num_heads;
-  p.num_kv_heads = num_kv_heads;
-  p.rot = rotary_dim;
-  p.q_head_stride = (output_gate ? 2 : 1) * head_dim;
-  p.qg = qg;
-  p.k = k;
-  p.v = v;
-  p.kv_in_stride = kv_in_stride;
-  p.q_norm = q_norm;
-  p.k_norm = k_norm;
-  p.eps = eps;
-  p.positions = positions;
-  p.inv_freq = inv_freq;
-  p.kv_rows = kv_rows;
-  p.q_out = q_out;
-  p.k_pool = k_pool;
-  p.v_pool = v_pool;
-  const int grid = row_grid(static_cast<long>(T) * (num_heads + num_kv_heads));
-  switch (head_dim) {
-    case 64: attn_prepare_kernel<64><<<grid, 32 * kRowWarps, 0, stream>>>(p); break;
-    case 128: attn_prepare_kernel<128><<<grid, 32 * kRowWarps, 0, stream>>>(p); break;
-    default: attn_prepare_kernel<256><<<grid, 32 * kRowWarps, 0, stream>>>(p); break;
-  }
-  check_cuda(cudaGetLastError(), "attn_prepare_kernel launch");
-}
-
-void kv_import(int n, int num_kv_heads, int head_dim, int rotary_dim, const bf16* const* k_src,
-               const bf16* const* v_src, const int* deltas, const float* inv_freq, const int* kv_rows, bf16* k_pool,
-               bf16* v_pool, cudaStream_t stream) {
-  const char* fn = "kv_import";
-  if (n < 0) bad(fn, "n " + std::to_string(n) + " is negative");
-  if (num_kv_heads <= 0) bad(fn, "num_kv_heads " + std::to_string(num_kv_heads) + " must be positive");
-  check_head_dim(fn, head_dim);
-  check_rot(fn, rotary_dim, head_dim, inv_freq);
-  if (n == 0) return;
-  check_ptr(fn, k_src, "k_src");
-  check_ptr(fn, v_src, "v_src");
-  check_ptr(fn, deltas, "deltas");
-  check_ptr(fn, kv_rows, "kv_rows");
-  check_ptr(fn, k_pool, "k_pool");
-  check_ptr(fn, v_pool, "v_pool");
-  ImportParams p{};
-  p.n = n;
-  p.num_kv_heads = num_kv_heads;
-  p.rot = rotary_dim;
-  p.k_src = k_src;
-  p.v_src = v_src;
-  p.deltas = deltas;
-  p.inv_freq = inv_freq;
-  p.kv_rows = kv_rows;
-  p.k_pool = k_pool;
-  p.v_pool = v_pool;
-  const int grid = row_grid(static_cast<long>(n) * num_kv_heads);
-  switch (head_dim) {
-    case 64: kv_import_kernel<64><<<grid, 32 * kRowWarps, 0, stream>>>(p); break;
-    case 128: kv_import_kernel<128><<<grid, 32 * kRowWarps, 0, stream>>>(p); break;
-    default: kv_import_kernel<256><<<grid, 32 * kRowWarps, 0, stream>>>(p); break;
-  }
-  check_cuda(cudaGetLastError(), "kv_import_kernel launch");
 }
 
 }  // namespace hypic::kernels::cuda

@@ -2,7 +2,8 @@
 // Qwen3_5Attention) over a paged KV pool:
 //   attention_prepare  q/k zero-centred RMSNorm + partial NeoX RoPE, K/V written into the pool;
 //   kv_import          cached segment K/V copied into the pool, K re-rotated by a position delta;
-//   attention_prefill  varlen causal-by-slot attention (FlashAttention-2 style, mma.sync bf16), gate fused;
+//   attention_prefill  varlen causal-by-slot attention (FlashAttention-2 style, mma.sync bf16; on compute
+//                      capability 9.0 at head_dim 128/256 the long groups take a wgmma kernel), gate fused;
 //   attention_decode   one query per request, flash-decoding (KV split over blocks + combine), gate fused.
 // CPU references: kernels/cpu/attention.h (attention_causal), kernels/cpu/ops.h (rms_norm_zero_centred,
 // apply_rope, apply_rope_uniform).
@@ -52,6 +53,11 @@ struct AttnGroups {
 /// Varlen causal attention over the paged pool (FlashAttention-2 style: 128-query tiles of one head
 /// per block, 64-slot KV tiles = one page each, cp.async double buffering, tiles above the causal
 /// diagonal skipped, query tiles nearest the diagonal's far end launched first).
+/// On a device of compute capability 9.0 (H100, H200) with head_dim 128 or 256 the same tiles run on Hopper's
+/// warpgroup MMA instead (wgmma.mma_async from 128-byte-swizzled shared memory, FlashAttention-3 style without
+/// warp specialization; attention_wgmma.cu, built for sm_90a): same masking, softmax and rounding points, only
+/// the fp32 summation order within the products differs. HYPIC_ATTN_WGMMA=0 in the environment (read once)
+/// keeps the mma.sync kernel (comparisons).
 ///   q:   [total_q][num_heads][head_dim] bf16, normed and rotated (attention_prepare's q_out);
 ///   k_pool, v_pool: the layer's pool (see kKvPageTokens), K rotated at real positions;
 ///   scale: multiplies q.k (head_dim^-1/2);

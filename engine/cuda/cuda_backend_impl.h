@@ -1,0 +1,519 @@
+// Internal to engine/cuda: the CUDA backend's types (entries, sequences, the pass's items) and the CudaBackend
+// class, shared by cuda_backend.cpp (construction, memory, decode, entry transfer) and cuda_splice.cpp (the splice
+// and entry-build passes). Users include engine/cuda/cuda_backend.h.
+// A request's path through the backend: the header of cuda_splice.cpp.
+#pragma once
+
+#include "engine/cuda/cuda_backend.h"
+
+#include <cuda_runtime_api.h>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <atomic>
+#include <exception>
+#include <cmath>
+#include <cstring>
+#include <list>
+#include <mutex>
+#include <numeric>
+#include <stdexcept>
+#include <map>
+#include <set>
+#include <type_traits>
+#include <unordered_map>
+
+#include "engine/cuda/cuda_weights.h"
+#include "engine/cuda/device_memory.h"
+#include "engine/cuda/pinned_pool.h"
+#include "engine/cuda/sm_partition.h"
+#include "engine/safetensors.h"
+#include "engine/splice.h"
+#include "kernels/cpu/ops.h"
+#include "kernels/cuda/attention.h"
+#include "kernels/cuda/gated_delta.h"
+#include "kernels/cuda/gemm.h"
+#include "kernels/cuda/moe.h"
+#include "kernels/cuda/ops.h"
+
+
+namespace hypic::engine::cuda::impl {
+
+namespace kc = hypic::kernels::cuda;
+constexpr int D = kc::kGdnHeadDim;
+constexpr int kPage = kc::kKvPageTokens;
+constexpr size_t kStateFloats = size_t(D) * D;
+
+inline std::string mib(size_t bytes) { return std::to_string(bytes >> 20) + " MiB"; }
+
+// Small host tables of one pass, uploaded to the device in one copy. add() returns an offset; dev() resolves it
+// after upload().
+class Tables {
+ public:
+  template <class T>
+  size_t add(const std::vector<T>& v) {
+    return add_bytes(v.data(), v.size() * sizeof(T));
+  }
+  size_t add_bytes(const void* p, size_t n) {
+    const size_t off = (host_.size() + 15) / 16 * 16;
+    host_.resize(off + std::max<size_t>(n, 1));
+    if (n) std::memcpy(host_.data() + off, p, n);
+    return off;
+  }
+  void upload(DeviceMemory& dev, cudaStream_t stream) {
+    ensure_capacity(dev, host_.size(), "pass tables");
+    base_ = dev.bytes_ptr();
+    if (!host_.empty())
+      check_cuda(cudaMemcpyAsync(base_, host_.data(), host_.size(), cudaMemcpyHostToDevice, stream), "table upload");
+  }
+  template <class T>
+  T* dev(size_t off) const {
+    return reinterpret_cast<T*>(base_ + off);
+  }
+  void clear() {
+    host_.clear();
+    base_ = nullptr;
+  }
+
+ private:
+  std::vector<uint8_t> host_;
+  char* base_ = nullptr;
+};
+
+class CudaBackend;
+
+// ---- entries ---------------------------------------------------------------------------------------------------
+
+// Where each part of an entry of n tokens lies in its device block (byte offsets, 256-byte aligned): per linear layer
+// S_seam (only when the seam is not empty: `seam`), T_int, S_int ([H_v][128][128] fp32 each; T_seam is not stored,
+// engine/segment.h) and the conv tail [K-1][C] bf16; then per attention layer K and V [n][H_kv][hd] bf16. A host
+// block (pinned copy) uses the same offsets.
+struct EntryLayout {
+  size_t state = 0, conv = 0, lin_stride = 0, kv = 0, kv_off = 0, total = 0;
+  int states = 0;  // fp32 [H_v][128][128] blocks per linear layer: 3 with a seam, else 2
+  EntryLayout(const EntryGeometry& g, size_t kv_row_bytes, int64_t n, bool seam) {
+    states = seam ? 3 : 2;
+    state = size_t(g.linear_heads) * kStateFloats * sizeof(float);
+    conv = size_t(g.conv_rows) * g.conv_dim * 2;
+    lin_stride = (size_t(states) * state + conv + 255) / 256 * 256;
+    kv = (size_t(n) * kv_row_bytes + 255) / 256 * 256;
+    kv_off = size_t(g.num_linear) * lin_stride;
+    total = kv_off + size_t(g.num_attention) * 2 * kv;
+  }
+  size_t S_seam(int l) const { return size_t(l) * lin_stride; }  // only when states == 3
+  size_t T_int(int l) const { return size_t(l) * lin_stride + size_t(states - 2) * state; }
+  size_t S_int(int l) const { return T_int(l) + state; }
+  size_t conv_at(int l) const { return size_t(l) * lin_stride + size_t(states) * state; }
+  size_t K(int a) const { return kv_off + size_t(a) * 2 * kv; }
+  size_t V(int a) const { return K(a) + kv; }
+};
+
+// A host block (engine/backend.h): an entry's device block in pinned pieces of the backend's pool.
+class CudaHostBlock final : public HostBlock {
+ public:
+  CudaHostBlock(SegmentEntry header, size_t bytes, std::shared_ptr<PinnedPool> pool)
+      : header_(std::move(header)), bytes_(bytes), pool_(std::move(pool)), pieces_(pool_->acquire(bytes)) {}
+  ~CudaHostBlock() override { pool_->release(pieces_); }
+  const SegmentEntry& header() const override { return header_; }
+  size_t bytes() const override { return bytes_; }
+  size_t pinned_bytes() const override {
+    size_t n = 0;
+    for (const auto& p : pieces_) n += p.capacity;
+    return n;
+  }
+  const std::vector<PinnedPool::Piece>& pieces() const { return pieces_; }
+  /// Calls f(host pointer, block offset, length) for the pieces covering [offset, offset + n).
+  template <class F>
+  void span(size_t offset, size_t n, F&& f) const {
+    size_t base = 0;
+    for (const auto& p : pieces_) {
+      const size_t lo = std::max(offset, base), hi = std::min(offset + n, base + p.used);
+      if (lo < hi) f(p.data + (lo - base), lo, hi - lo);
+      base += p.used;
+      if (base >= offset + n) break;
+    }
+  }
+  void read(size_t offset, void* dst, size_t n) const {
+    span(offset, n, [&](const char* p, size_t at, size_t len) { std::memcpy(static_cast<char*>(dst) + (at - offset), p, len); });
+  }
+  void write(size_t offset, const void* src, size_t n) {
+    span(offset, n, [&](char* p, size_t at, size_t len) { std::memcpy(p, static_cast<const char*>(src) + (at - offset), len); });
+  }
+
+ private:
+  SegmentEntry header_;
+  size_t bytes_;
+  std::shared_ptr<PinnedPool> pool_;
+  std::vector<PinnedPool::Piece> pieces_;
+};
+
+// A segment entry on the device (EntryLayout): per linear layer S_seam (when the seam is not empty), T_int, S_int
+// ([H_v][128][128] fp32 each) and the conv tail [K-1][C] bf16; per attention layer K and V [n][H_kv][hd] bf16 (K
+// rotated at local positions).
+class CudaEntry final : public ResidentEntry {
+ public:
+  /// Allocates the block stream-ordered on `stream` (the engine's stream for its own entries; the backend's transfer
+  /// stream for Backend::allocate_entry, on any thread), or with plain cudaMalloc when `stream` is null.
+  CudaEntry(CudaBackend& b, SegmentEntry header, cudaStream_t stream);
+  /// The whole block (DeviceBlock; engine/backend.h).
+  DeviceBlock block() const { return {mem_.bytes_ptr(), mem_.size(), device_}; }
+  /// Hands the device memory back to the backend, which frees it on its engine thread (entries are dropped on gRPC
+  /// threads too, where a free on the engine's stream could meet a CUDA-graph capture).
+  ~CudaEntry() override;
+  const SegmentEntry& header() const override { return header_; }
+  std::shared_ptr<const SegmentEntry> host() const override;
+  size_t resident_bytes() const override { return mem_.size(); }
+
+  /// S(seam|0) of linear layer l; null when the seam is empty (w = 0).
+  float* S_seam(int l) const { return has_seam() ? f32(lay_.S_seam(l)) : nullptr; }
+  float* T_int(int l) const { return f32(lay_.T_int(l)); }
+  float* S_int(int l) const { return f32(lay_.S_int(l)); }
+  kc::bf16* conv(int l) const { return reinterpret_cast<kc::bf16*>(mem_.bytes_ptr(lay_.conv_at(l))); }
+  bool has_seam() const { return lay_.states == 3; }
+  kc::bf16* K(int a) const { return reinterpret_cast<kc::bf16*>(mem_.bytes_ptr(lay_.K(a))); }
+  kc::bf16* V(int a) const { return reinterpret_cast<kc::bf16*>(mem_.bytes_ptr(lay_.V(a))); }
+  int n() const { return header_.num_tokens(); }
+  size_t state_bytes() const { return lay_.state; }
+  size_t conv_bytes() const { return lay_.conv; }
+  size_t kv_bytes() const { return lay_.kv; }
+  int device() const { return device_; }
+  bool no_transitions = false;  ///< made with BackendOptions::benchmark_skip_transitions: not spliceable
+
+ private:
+  float* f32(size_t off) const { return reinterpret_cast<float*>(mem_.bytes_ptr(off)); }
+  SegmentEntry header_;
+  CudaBackend* owner_;
+  EntryLayout lay_;
+  int device_ = 0;
+  DeviceMemory mem_;
+  mutable std::mutex mu_;
+  mutable std::shared_ptr<const SegmentEntry> host_;
+};
+
+// ---- sequences -------------------------------------------------------------------------------------------------
+
+class CudaSequence final : public Sequence {
+ public:
+  CudaSequence(CudaBackend& b, int slot) : b_(&b), slot_(slot) {}
+  ~CudaSequence() override;
+  int64_t num_tokens() const override { return n_; }
+  size_t bytes() const override;
+  ModelState to_host() const override;
+
+  CudaBackend* b_;
+  int slot_;
+  std::vector<int> pages_;
+  int64_t n_ = 0;
+};
+
+// One fold of a cached entry into a running state (DESIGN.md 3.3).
+struct Fold {
+  enum Kind { Install, Transition, Interior, Naive } kind;
+  const CudaEntry* e;
+  int64_t base;  // real position of the entry's first token
+  int from() const { return kind == Interior ? e->header().seam_tokens() : 0; }
+  // Affine steps per layer (fold_steps): an Install of an entry with a seam takes two, every other fold one.
+  int steps() const { return kind == Install && e->has_seam() ? 2 : 1; }
+};
+
+struct Span {
+  std::span<const int32_t> ids;
+  int64_t position;
+};
+
+// What to run after folding: a span, preceded by folds.
+struct Item {
+  std::vector<Fold> folds;
+  Span span;
+};
+
+struct Run {
+  std::vector<Fold> folds_before;  // empty for run 0 (folded before the pass)
+  std::vector<Span> spans;
+};
+
+// ---- the backend ---------------------------------------------------------------------------------------------
+
+class CudaBackend final : public Backend {
+ public:
+  CudaBackend(const DeviceSpec& dev, ModelConfig cfg, const ModelWeights* weights, const BackendOptions& opt,
+              const std::filesystem::path& checkpoint = {});  // non-empty: DeviceWeights::load from it, not weights
+  ~CudaBackend() override;
+
+  const ModelConfig& config() const override { return cfg_; }
+  DeviceSpec device() const override { return dev_; }
+  std::string_view numerics() const override { return backend_numerics(BackendKind::Cuda); }
+  const std::string& fingerprint() const override { return fingerprint_; }
+  std::vector<std::shared_ptr<const ResidentEntry>> build_entries(std::span<const std::vector<int32_t>> segments,
+                                                                  int seam_width,
+                                                                  const BuildCancelled& cancelled = {}) override;
+  std::shared_ptr<const ResidentEntry> import_entry(std::shared_ptr<const SegmentEntry> entry) override;
+  std::optional<DeviceBlock> device_block(const ResidentEntry& entry) const override;
+  std::pair<std::shared_ptr<const ResidentEntry>, DeviceBlock> allocate_entry(const SegmentEntry& header) const override;
+  SpliceOutput splice(const SplicePlan& plan) override;
+  void decode(std::span<Sequence* const> sequences, std::span<const int32_t> tokens,
+              std::vector<float>& logits) override;
+  BackendMemory memory() const override;
+  bool concurrent_decode() const override { return opt_.concurrent_decode; }
+  void set_decoding_sequences(int n) override { decoders_.store(n); }
+  bool device_entries() const override { return true; }
+  std::shared_ptr<const HostBlock> copy_to_host(const ResidentEntry& entry) const override;
+  std::shared_ptr<const ResidentEntry> import_block(const HostBlock& block) const override;
+  std::shared_ptr<const SegmentEntry> entry_of_block(const HostBlock& block) const override;
+  std::shared_ptr<const HostBlock> block_of_entry(const SegmentEntry& entry) const override;
+  std::string wire_of_block(const HostBlock& block) const override;
+  size_t entry_bytes(int64_t tokens) const override { return EntryLayout(geom_, kv_row_, tokens, true).total; }
+  void reserve_host_blocks(size_t bytes) const override { pinned_->reserve(bytes); }
+
+  // Used by entries and sequences (any thread).
+  void release(int slot, const std::vector<int>& pages);
+  void defer_free(DeviceMemory&& m) {
+    std::lock_guard lock(free_mu_);
+    pending_free_.push_back(std::move(m));
+  }
+  ModelState download_state(const CudaSequence& s) const;
+  size_t sequence_state_bytes() const { return size_t(n_lin_) * (state_layer_bytes_ + conv_layer_bytes_); }
+  size_t page_bytes() const { return size_t(n_attn_) * 2 * kPage * kv_row_; }
+  /// The prefill lane's whole-device stream (never switched; the partition stream's work is joined into it at the
+  /// end of each engine-loop call).
+  cudaStream_t stream() const { return full_stream_; }
+  const EntryGeometry& geometry() const { return geom_; }
+  int n_lin() const { return n_lin_; }
+  int n_attn() const { return n_attn_; }
+  size_t kv_row_bytes() const { return kv_row_; }
+  void set_device() const { check_cuda(cudaSetDevice(dev_.index), "cudaSetDevice(" + dev_.name() + ")"); }
+
+ private:
+  // Prefix mode's checkpoint after one segment of a chain: the linear layers' states and conv tails at position n
+  // and the segment's own KV rows [start, n) (the rows before it live in the chain's earlier checkpoints).
+  // Device memory: per linear layer [H_v][128][128] fp32 state then [K-1][conv channels] bf16 tail; then per
+  // attention layer K then V rows, [n - start][kv heads][head dim] bf16.
+  struct Checkpoint {
+    DeviceMemory mem;
+    int64_t start = 0, n = 0;
+  };
+  // A checkpoint taken in a forward pass: the state after the token at position at - 1, into cp.
+  struct CheckpointCut {
+    int64_t at;
+    Checkpoint* cp;
+  };
+  void check_supported() const;
+  void allocate_pools();
+  std::unique_ptr<CudaSequence> new_sequence();
+  void ensure_pages(CudaSequence& s, int64_t tokens);
+  int page_row(const CudaSequence& s, int64_t slot) const {
+    return s.pages_[size_t(slot / kPage)] * kPage + int(slot % kPage);
+  }
+  float* ssm(int l, int slot) const { return ssm_pool_[l].as<float>() + size_t(slot) * cfg_.linear_num_value_heads * kStateFloats; }
+  kc::bf16* convs(int l, int slot) const {
+    return reinterpret_cast<kc::bf16*>(conv_pool_[l].bytes_ptr(size_t(slot) * conv_layer_bytes_));
+  }
+  void check_ids(std::span<const int32_t> ids, const std::string& where) const;
+  void check_entry(const PlanSegment& s, size_t i, const SplicePlan& plan) const;
+
+  // Forward passes.
+  void apply_folds(CudaSequence& s, const std::vector<Fold>& folds);
+  // mass_dev (DEVICE fp32, zeroed, >= the pass's KV length): the last token's attention per KV slot is added to it.
+  // cuts: checkpoints whose position falls in this pass's spans (one run only) get their linear states here.
+  std::vector<float> run_pass(CudaSequence& s, const std::vector<Run>& runs, bool want_logits, bool all_logits,
+                              float* mass_dev = nullptr, std::span<const CheckpointCut> cuts = {});
+  // mass: if set, the query's last token's attention per KV slot (PrefillOptions::attention_mass).
+  // cuts: prefix checkpoints taken in the same passes (increasing positions; items without folds): linear states
+  // in the pass that reaches each, KV rows after the last pass.
+  // pacing: a splice's chunked prefill (SplicePlan::max_pass_tokens; between_passes and the cancel check after every
+  // pass but the last), or null.
+  void execute(CudaSequence& s, const std::vector<Item>& items, bool all_logits, std::vector<float>& logits,
+               bool keep_context, std::vector<std::vector<float>>* context, std::vector<float>* mass = nullptr,
+               std::span<const CheckpointCut> cuts = {}, const SplicePlan* pacing = nullptr);
+  // Between two passes of a splice: its between_passes, then SpliceCancelled (naming `where`) if it was cancelled.
+  static void pause(const SplicePlan& plan, const char* where);
+  // The hypic items (DESIGN.md 3.3): seams (or whole segments, where whole[i]) in context, interiors folded.
+  std::vector<Item> hypic_items(const SplicePlan& plan, const std::vector<char>& whole, int64_t& pos,
+                                int64_t& computed, std::vector<int>& recomputed) const;
+  // One varlen build pass; `stop` asked before each layer (true: nothing more is launched, null entries).
+  void build_batch(std::span<const std::vector<int32_t>> segments, int w,
+                   std::vector<std::shared_ptr<CudaEntry>>& out, const std::function<bool()>& stop);
+  // What one thread's forward passes compute with: its stream, GEMM runner, MoE workspace and activations (DEVICE,
+  // rows of tokens: ids int32 [T]; x fp32 [T][hidden], the residual stream; the rest bf16 [T][width]). Two exist:
+  // pre_, the engine loop's (builds and splices, on stream_), and dec_, the decode steps' (their own stream of the
+  // device's highest priority, buffers for max_sequences tokens), so that a decode step may run on another thread
+  // while a prefill pass runs (Backend::concurrent_decode): the two share only the weights (read) and the pools,
+  // where each sequence's slot and pages are its own.
+  struct Lane {
+    cudaStream_t stream = nullptr;
+    kc::GemmRunner* gemm = nullptr;
+    kc::MoeWorkspace* moe_ws = nullptr;
+    int32_t* ids = nullptr;
+    float* x = nullptr;
+    kc::bf16 *hn = nullptr, *qkv = nullptr, *conv_out = nullptr, *q = nullptr, *k = nullptr, *v = nullptr,
+             *z = nullptr, *ga = nullptr, *gb = nullptr, *o = nullptr, *qg = nullptr, *kv = nullptr, *aq = nullptr,
+             *ao = nullptr;
+  };
+  // Allocates `mem` for T tokens' activations and points a lane's buffers into it.
+  void carve_activations(DeviceMemory& mem, size_t T, const std::string& what, Lane& lane);
+  void linear_gemms(const Lane& ln, const DevLinear& L, int T);
+  void linear_finish(const Lane& ln, const DevLinear& L, int T);
+  void attention_gemms(const Lane& ln, const DevAttention& A, int T);
+  void attention_mixer(const Lane& ln, const DevAttention& A, int a, int T, const int* positions, const int* kv_rows,
+                       const kc::AttnGroups& groups, bool decode);
+  /// Post-attention norm and MLP / MoE of T tokens added into the residual; decode: a (capturable) decode step.
+  void ffn(const Lane& ln, const DevLayer& L, int T, bool decode = false);
+  kc::MoeWeightsView moe_view(const DevLayer& L) const;
+  void lm_head(int rows, const int* rows_index, std::vector<float>& logits);
+  void snapshot_linear(const CudaSequence& s, std::vector<std::vector<float>>& out) const;
+  std::vector<float> fetch_logits(int rows);
+
+  // Decode steps: fixed-layout tables (int32 offsets) for a batch of B sequences and block tables cap pages wide.
+  struct DecodeTables {
+    DecodeTables(int B, int cap)
+        : ids(0), pos(B), rows(2 * B), slots(3 * B), qs(4 * B), lr(5 * B + 1), bt(6 * B + 1),
+          ints(size_t(6 * B + 1) + size_t(B) * cap) {}
+    int ids, pos, rows, slots, qs, lr, bt;
+    size_t ints;
+  };
+  void decode_body(int B, int cap, const DecodeTables& t);
+  struct GraphExec {
+    explicit GraphExec(cudaGraphExec_t e) : e_(e, [](cudaGraphExec_t x) { if (x) cudaGraphExecDestroy(x); }) {}
+    cudaGraphExec_t get() const { return e_.get(); }
+    std::shared_ptr<std::remove_pointer_t<cudaGraphExec_t>> e_;
+  };
+
+  // Prefix checkpoints (prefix mode): states at segment ends and each segment's KV rows, keyed by the chain digest.
+  size_t checkpoint_bytes(int64_t tokens) const {
+    return size_t(n_lin_) * (state_layer_bytes_ + conv_layer_bytes_) + size_t(n_attn_) * 2 * size_t(tokens) * kv_row_;
+  }
+  float* checkpoint_state(const Checkpoint& c, int l) const {
+    return reinterpret_cast<float*>(c.mem.bytes_ptr(size_t(l) * (state_layer_bytes_ + conv_layer_bytes_)));
+  }
+  char* checkpoint_conv(const Checkpoint& c, int l) const {
+    return c.mem.bytes_ptr(size_t(l) * (state_layer_bytes_ + conv_layer_bytes_) + state_layer_bytes_);
+  }
+  char* checkpoint_kv(const Checkpoint& c, int a, int kvi) const {
+    return c.mem.bytes_ptr(size_t(n_lin_) * (state_layer_bytes_ + conv_layer_bytes_) +
+                           (size_t(a) * 2 + size_t(kvi)) * size_t(c.n - c.start) * kv_row_);
+  }
+  // The KV rows of each cut's segment, from the sequence's pages into its checkpoint (one batched copy).
+  void save_checkpoint_kv(const CudaSequence& s, std::span<const CheckpointCut> cuts);
+  // A chain's checkpoints 0..k-1 into the sequence: every segment's KV rows, the last one's linear states.
+  void restore_chain(CudaSequence& s, const std::vector<const Checkpoint*>& chain);
+
+  ModelConfig cfg_;
+  DeviceSpec dev_;
+  BackendOptions opt_;
+  std::string fingerprint_;
+  EntryGeometry geom_;
+  int n_lin_ = 0, n_attn_ = 0;
+  int nk_ = 0, nv_ = 0, C_ = 0, K_ = 0, qd_ = 0, vd_ = 0, nh_ = 0, nkv_ = 0, hd_ = 0, H_ = 0;
+  size_t state_layer_bytes_ = 0, conv_layer_bytes_ = 0, kv_row_ = 0;
+  float eps_ = 1e-6f, attn_scale_ = 1.f, gdn_scale_ = 1.f;
+  bool renorm_topk_ = true;
+  // The prefill lane's stream: full_stream_ (the whole device), or the SM partition's prefill stream while a call
+  // runs beside decode steps (PartitionScope). Read and switched only under capture_mu_ by the engine loop's calls.
+  cudaStream_t stream_ = nullptr, full_stream_ = nullptr;
+  // BackendOptions::decode_sms > 0: decode and prefill SM partitions (green contexts), used while both run.
+  std::unique_ptr<SmPartition> sms_;
+  cudaEvent_t lane_ev_ = nullptr;  // orders the prefill lane's work across its two streams
+  int partition_depth_ = 0;        // nested engine-loop calls inside one PartitionScope (capture_mu_ is recursive)
+  std::atomic<bool> partitioned_{false};        // a prefill call runs on the prefill partition now
+  std::atomic<int> decoding_{0};                // decode steps in flight
+  std::atomic<int> decoders_{0};                // set_decoding_sequences: sequences the caller's decode thread steps
+  // True while sequences may decode beside a prefill call: the caller steps some (set_decoding_sequences, counting
+  // a request whose first token came from its splice and whose first step has not started yet), or a step is in
+  // flight (callers that give no count).
+  bool decode_beside_likely() const { return decoders_.load() > 0 || decoding_.load() > 0; }
+  // For the duration of one engine-loop call (splice, build_entries): when an SM partition exists and sequences
+  // may decode beside it (decode_beside_likely), the prefill lane runs on the prefill partition's SMs (ordered after
+  // the whole-device stream's work by an event, and joined back into it at the end); decode steps keep the whole
+  // device at the highest priority, so the SMs the partition leaves out run their blocks at once.
+  struct PartitionScope {
+    explicit PartitionScope(CudaBackend& b);
+    ~PartitionScope();
+    CudaBackend& b;
+    bool switched = false;
+  };
+  // Allocations and frees of entries made for a GPU-to-GPU receive (allocate_entry, on any thread): stream-ordered
+  // on a stream of their own, since plain cudaMalloc / cudaFree synchronize the whole device (the engine's work and
+  // any NCCL receive still waiting for its sender).
+  cudaStream_t xfer_stream_ = nullptr;
+  // Host blocks: device-to-host and host-to-device copies on streams of their own (any thread), into and out of
+  // pinned pieces of pinned_ (shared with the blocks, which may outlive the backend).
+  cudaStream_t d2h_stream_ = nullptr, h2d_stream_ = nullptr;
+  std::shared_ptr<PinnedPool> pinned_;
+  /// Waits for the work queued so far on `stream` (an event of the caller's own: other threads' later work on the
+  /// same stream is not waited for).
+  void wait_stream(cudaStream_t stream, const char* what) const;
+  DeviceWeights w_;
+  kc::GemmRunner gemm_;
+  kc::MoeWorkspace moe_ws_;
+  kc::GdnWorkspace ws_a_, ws_c_, ws_seam_, ws_pieces_;
+  kc::AttnDecodeWorkspace attn_ws_;      // attention split-KV scratch of prefill passes
+  kc::AttnDecodeWorkspace attn_dec_ws_;  // decode steps' own: the CUDA graphs point at it
+  // Pools.
+  std::vector<DeviceMemory> ssm_pool_, conv_pool_, k_pool_, v_pool_;
+  std::vector<int> free_slots_, free_pages_;  // guarded by pool_mu_ (sequences may be released on any thread)
+  mutable std::mutex pool_mu_;
+  // Device memory of dropped entries, freed on the engine thread at the next call (drain_frees).
+  std::mutex free_mu_;
+  std::vector<DeviceMemory> pending_free_;
+  void drain_frees() {
+    if (partition_depth_ > 0) return;  // inside a PartitionScope: at the next top-level call
+    std::vector<DeviceMemory> drop;
+    {
+      std::lock_guard lock(free_mu_);
+      drop.swap(pending_free_);
+    }
+    // A stream-ordered free on the prefill partition's stream (memory allocated there) must follow the
+    // whole-device stream's later uses of it too.
+    if (sms_ && !drop.empty() &&
+        (cudaEventRecord(lane_ev_, full_stream_) != cudaSuccess ||
+         cudaStreamWaitEvent(sms_->prefill_stream(), lane_ev_, 0) != cudaSuccess)) {
+      cudaGetLastError();  // (no throw: the destructor drains too) then the plain way: both streams done
+      cudaStreamSynchronize(full_stream_);
+      cudaStreamSynchronize(sms_->prefill_stream());
+    }
+  }
+  int num_pages_ = 0;
+  DeviceMemory inv_freq_;
+  // Activations: the engine loop's for max(max_batch_tokens, max_segment_tokens) tokens (pre_), the decode lane's
+  // for max_sequences tokens (dec_).
+  int64_t Tmax_ = 0;
+  DeviceMemory act_, dec_act_;
+  Lane pre_, dec_;
+  // The decode lane's own stream (whole device, the highest priority; dec_stream_ == dec_full_stream_), GEMM runner
+  // and MoE workspace.
+  cudaStream_t dec_stream_ = nullptr, dec_full_stream_ = nullptr;
+  kc::GemmRunner dec_gemm_;
+  kc::MoeWorkspace dec_moe_ws_;
+  DeviceMemory logits_dev_;
+  DeviceMemory mass_dev_;  // the refresh probe's attention mass per KV slot (fp32)
+  DeviceMemory dec_tables_, dec_logits_;          // decode steps (fixed, so that graphs can point at them)
+  // Captured decode steps by (batch, block-table width), captured and launched on dec_full_stream_ only (a graph's
+  // kernels keep the context, and so the SMs, of the stream they were captured on).
+  std::map<std::pair<int, int>, GraphExec> graphs_;
+  // Held by the engine loop's calls (splice, build_entries, import_entry) for their whole run and by a decode step's
+  // graph capture, which only try-locks it (else the step runs eager and captures later): a capture never overlaps
+  // the loop's allocations and frees, which synchronize the device and would invalidate it.
+  std::recursive_mutex capture_mu_;  // recursive: without a concurrent decode, decode() runs inside splice()
+  std::set<std::pair<int, int>> warmed_;              // shapes run once eagerly (GEMM plans made)
+  DeviceMemory tables_dev_;
+  DeviceMemory run_scratch_;  // per-run states of a pass
+  std::vector<float> logits_host_;
+  // Prefix cache.
+  struct PrefixItem {
+    SegmentDigest key;
+    std::shared_ptr<Checkpoint> cp;
+  };
+  std::list<PrefixItem> prefix_lru_;
+  size_t prefix_bytes_ = 0;
+  std::vector<std::vector<int>> live_pages_unused_;
+};
+
+inline kc::AttnGroups attn_groups(int num_groups, const int* q_start, const int* slot0, const int* block_table, int max_pages,
+                           int total_q, int max_q, int max_kv) {
+  kc::AttnGroups g;
+  g.num_groups = num_groups, g.q_start = q_start, g.slot0 = slot0, g.block_table = block_table;
+  g.max_pages = max_pages, g.total_q = total_q, g.max_q = max_q, g.max_kv = max_kv;
+  return g;
+}
+
+}  // namespace hypic::engine::cuda::impl

@@ -1,0 +1,902 @@
+// The CUDA backend (contracts in cuda_backend.h and engine/backend.h).
+//
+// A request's path: splice() turns the plan into "items" (folds of cached entries and spans of tokens to run in
+// context), apply_folds() folds entries into the sequence's state slot, and run_pass() runs one forward pass over
+// up to max_batch_tokens tokens of spans: per linear layer the spans form "runs" (consecutive spans with no fold
+// between them); the runs' initial states come from the affine chain (DESIGN.md 3.1 composition law):
+//   init[0] = slot state, init[r] = fold_r(T_{run r-1} init[r-1] + S(run r-1|0)),
+// with (T, S(.|0)) of each run from a first zero-start prefill (phase A), then the outputs from a second prefill
+// from the true initial states (phase C). Attention layers run every span of the pass in one call, with the
+// folded entries' K (re-rotated to real positions) and V imported into the sequence's KV pages first.
+//
+// This file: the splice and entry-build passes of the CUDA backend (items, folds, run_pass, execute, checkpoints,
+// splice, build_entries); the rest of the class is in cuda_backend.cpp, its definition in cuda_backend_impl.h.
+#include "engine/cuda/cuda_backend_impl.h"
+
+namespace hypic::engine::cuda::impl {
+
+// ---- folds -----------------------------------------------------------------------------------------------------
+
+// Appends fold f's affine steps for linear layer l (DESIGN.md 3.3): Install S = S(C|0) = T_int S_seam + S_int (S_int
+// when the seam is empty); Transition S <- T_C S + S(C|0), which for the w = 0 entries transition mode splices
+// (check_entry) is T_int, S_int; Interior S <- T_int S + S_int; Naive S <- S + S(C|0) (S(C|0) precomputed in
+// `naive_whole` at [fold index][layer]).
+void fold_steps(const Fold& f, int l, std::vector<kc::AffineStep>& out, const float* naive_whole) {
+  switch (f.kind) {
+    case Fold::Install:
+      if (f.e->has_seam()) {
+        out.push_back({nullptr, f.e->S_seam(l), nullptr, 0.f});
+        out.push_back({f.e->T_int(l), f.e->S_int(l), nullptr, 1.f});
+      } else {
+        out.push_back({nullptr, f.e->S_int(l), nullptr, 0.f});
+      }
+      break;
+    case Fold::Transition:
+      if (f.e->has_seam()) throw std::logic_error("fold_steps: transition mode folds entries made with w = 0");
+      out.push_back({f.e->T_int(l), f.e->S_int(l), nullptr, 1.f});
+      break;
+    case Fold::Interior: out.push_back({f.e->T_int(l), f.e->S_int(l), nullptr, 1.f}); break;
+    case Fold::Naive: out.push_back({nullptr, naive_whole, nullptr, 1.f}); break;
+  }
+}
+
+// KV rows a fold brings in, per attention layer: the entry's rows [from, n) at real positions base + from ...
+struct KvRows {
+  std::vector<const kc::bf16*> k, v;  // [n_attn][rows]
+  std::vector<int> deltas, dst;        // [rows]
+};
+
+void CudaBackend::apply_folds(CudaSequence& s, const std::vector<Fold>& folds) {
+  if (folds.empty()) return;
+  Tables tb;
+  // Naive folds need S(C|0) of each entry: a chain per (fold, layer) from zero.
+  DeviceMemory whole;
+  std::vector<int> naive_index(folds.size(), -1);
+  int n_naive = 0;
+  for (size_t i = 0; i < folds.size(); ++i)
+    if (folds[i].kind == Fold::Naive) naive_index[i] = n_naive++;
+  if (n_naive && n_lin_) {
+    whole = DeviceMemory(size_t(n_naive) * n_lin_ * state_layer_bytes_, "naive-mode segment states", stream_, true);
+    std::vector<kc::AffineStep> st;
+    std::vector<float*> fin;
+    for (size_t i = 0; i < folds.size(); ++i) {
+      if (naive_index[i] < 0) continue;
+      for (int l = 0; l < n_lin_; ++l) {
+        if (folds[i].e->has_seam()) {  // S(C|0) = T_int S_seam + S_int
+          st.push_back({nullptr, folds[i].e->S_seam(l), nullptr, 0.f});
+          st.push_back({folds[i].e->T_int(l), folds[i].e->S_int(l), nullptr, 1.f});
+        } else {  // S_int, then an identity step (every chain has two)
+          st.push_back({nullptr, folds[i].e->S_int(l), nullptr, 0.f});
+          st.push_back({nullptr, nullptr, nullptr, 1.f});
+        }
+        fin.push_back(reinterpret_cast<float*>(whole.bytes_ptr((size_t(naive_index[i]) * n_lin_ + l) * state_layer_bytes_)));
+      }
+    }
+    Tables t0;
+    const size_t o_st = t0.add(st), o_fin = t0.add(fin);
+    DeviceMemory dev;
+    t0.upload(dev, stream_);
+    kc::affine_chain(n_naive * n_lin_, nv_, 2, t0.dev<kc::AffineStep>(o_st), nullptr, t0.dev<float*>(o_fin), stream_);
+    check_cuda(cudaStreamSynchronize(stream_), "naive states");
+  }
+  // Linear layers: one chain per layer from the slot state back into it; conv state <- the last fold's tail.
+  std::vector<kc::AffineStep> steps;
+  std::vector<const float*> init;
+  std::vector<float*> fin;
+  std::vector<kc::CopyDesc> copies;
+  int steps_per_chain = 0;
+  for (const Fold& f : folds) steps_per_chain += f.steps();
+  for (int l = 0; l < n_lin_; ++l) {
+    for (size_t i = 0; i < folds.size(); ++i) {
+      const float* nw = naive_index[i] >= 0 ? reinterpret_cast<const float*>(whole.bytes_ptr(
+                                                  (size_t(naive_index[i]) * n_lin_ + l) * state_layer_bytes_))
+                                            : nullptr;
+      fold_steps(folds[i], l, steps, nw);
+    }
+    init.push_back(ssm(l, s.slot_));
+    fin.push_back(ssm(l, s.slot_));
+    copies.push_back({folds.back().e->conv(l), convs(l, s.slot_), long(conv_layer_bytes_)});
+  }
+  // Attention layers: K/V rows of every fold.
+  KvRows kv;
+  kv.k.resize(n_attn_), kv.v.resize(n_attn_);
+  std::vector<std::vector<const kc::bf16*>> kp(n_attn_), vp(n_attn_);
+  int64_t top = s.n_;
+  for (const Fold& f : folds) top = std::max<int64_t>(top, f.base + f.e->n());
+  ensure_pages(s, top);
+  for (const Fold& f : folds) {
+    for (int j = f.from(); j < f.e->n(); ++j) {
+      kv.deltas.push_back(int(f.base));
+      kv.dst.push_back(page_row(s, f.base + j));
+      for (int a = 0; a < n_attn_; ++a) {
+        kp[a].push_back(f.e->K(a) + size_t(j) * nkv_ * hd_);
+        vp[a].push_back(f.e->V(a) + size_t(j) * nkv_ * hd_);
+      }
+    }
+  }
+  const size_t o_steps = tb.add(steps), o_init = tb.add(init), o_fin = tb.add(fin), o_cp = tb.add(copies);
+  const size_t o_delta = tb.add(kv.deltas), o_dst = tb.add(kv.dst);
+  std::vector<size_t> o_k(n_attn_), o_v(n_attn_);
+  for (int a = 0; a < n_attn_; ++a) o_k[a] = tb.add(kp[a]), o_v[a] = tb.add(vp[a]);
+  tb.upload(tables_dev_, stream_);
+  kc::affine_chain(n_lin_, nv_, steps_per_chain, tb.dev<kc::AffineStep>(o_steps), tb.dev<const float*>(o_init),
+                   tb.dev<float*>(o_fin), stream_);
+  if (n_lin_) kc::batched_copy(int(copies.size()), tb.dev<kc::CopyDesc>(o_cp), stream_);
+  const int rows = int(kv.dst.size());
+  for (int a = 0; a < n_attn_ && rows; ++a)
+    kc::kv_import(rows, nkv_, hd_, cfg_.rotary_dim(), tb.dev<const kc::bf16*>(o_k[a]), tb.dev<const kc::bf16*>(o_v[a]),
+                  tb.dev<int>(o_delta), inv_freq_.as<float>(), tb.dev<int>(o_dst), k_pool_[a].as<kc::bf16>(),
+                  v_pool_[a].as<kc::bf16>(), stream_);
+  for (const Fold& f : folds) s.n_ = std::max<int64_t>(s.n_, f.base + f.e->n());
+  check_cuda(cudaStreamSynchronize(stream_), "apply_folds");
+}
+
+// ---- one forward pass over runs of spans ----------------------------------------------------------------------
+
+std::vector<float> CudaBackend::run_pass(CudaSequence& s, const std::vector<Run>& runs, bool want_logits,
+                                         bool all_logits, float* mass_dev, std::span<const CheckpointCut> cuts) {
+  const int R = int(runs.size());
+  // Tokens, positions, KV rows, attention groups, run boundaries.
+  std::vector<int32_t> ids, pos, rows;
+  std::vector<int> q_start{0}, slot0, run_cu{0};
+  int max_q = 0;
+  int64_t top = s.n_;
+  for (const Run& r : runs) {
+    for (const Span& sp : r.spans) top = std::max<int64_t>(top, sp.position + int64_t(sp.ids.size()));
+    for (const Fold& f : r.folds_before) top = std::max<int64_t>(top, f.base + f.e->n());
+  }
+  ensure_pages(s, top);
+  for (const Run& r : runs) {
+    for (const Span& sp : r.spans) {
+      for (size_t t = 0; t < sp.ids.size(); ++t) {
+        ids.push_back(sp.ids[t]);
+        pos.push_back(int32_t(sp.position + int64_t(t)));
+        rows.push_back(page_row(s, sp.position + int64_t(t)));
+      }
+      q_start.push_back(int(ids.size()));
+      slot0.push_back(int(sp.position));
+      max_q = std::max(max_q, int(sp.ids.size()));
+    }
+    run_cu.push_back(int(ids.size()));
+  }
+  const int T = int(ids.size());
+  const int G = int(slot0.size());
+  if (T > Tmax_) throw std::logic_error("run_pass: more tokens than max_batch_tokens");
+  const int max_pages = std::max<int>(1, int(s.pages_.size()));
+  std::vector<int> bt;
+  for (int g = 0; g < G; ++g) {
+    bt.insert(bt.end(), s.pages_.begin(), s.pages_.end());
+    bt.resize(size_t(g + 1) * max_pages, 0);
+  }
+  // Linear layers: chain steps, conv initial states, run states.
+  const bool chain = R > 1;
+  const size_t S1 = state_layer_bytes_;
+  Layout rl;
+  const size_t o_init = rl.add(R * S1), o_fin = rl.add(R * S1), o_tz = rl.add(std::max(R - 1, 0) * S1),
+               o_sz = rl.add(std::max(R - 1, 0) * S1), o_cs = rl.add(R * conv_layer_bytes_);
+  if (n_lin_) ensure_capacity(run_scratch_, rl.total(), "per-run states of a pass");
+  auto rs_f = [&](size_t off, int i) { return reinterpret_cast<float*>(run_scratch_.bytes_ptr(off + i * S1)); };
+  kc::bf16* conv_states = n_lin_ ? reinterpret_cast<kc::bf16*>(run_scratch_.bytes_ptr(o_cs)) : nullptr;
+  std::vector<kc::AffineStep> steps;
+  std::vector<const float*> chain_init;
+  std::vector<kc::CopyDesc> conv_in, conv_out_copy, fin_copy;
+  int steps_per_chain = 0;
+  if (chain) {
+    steps_per_chain = 1;
+    for (int r = 1; r < R; ++r) {
+      steps_per_chain += 1;
+      for (const Fold& f : runs[r].folds_before) steps_per_chain += f.steps();
+      if (runs[r].folds_before.empty()) throw std::logic_error("run_pass: a run after the first has no fold");
+    }
+  }
+  for (int l = 0; l < n_lin_; ++l) {
+    if (chain) {
+      steps.push_back({nullptr, nullptr, rs_f(o_init, 0), 1.f});
+      for (int r = 1; r < R; ++r) {
+        steps.push_back({rs_f(o_tz, r - 1), rs_f(o_sz, r - 1), nullptr, 1.f});
+        for (const Fold& f : runs[r].folds_before) fold_steps(f, l, steps, nullptr);
+        steps.back().out = rs_f(o_init, r);
+      }
+      chain_init.push_back(ssm(l, s.slot_));
+      fin_copy.push_back({rs_f(o_fin, R - 1), ssm(l, s.slot_), long(S1)});
+    }
+    for (int r = 0; r < R; ++r) {
+      const void* src = r == 0 ? static_cast<const void*>(convs(l, s.slot_))
+                               : static_cast<const void*>(runs[r].folds_before.back().e->conv(l));
+      conv_in.push_back({src, reinterpret_cast<char*>(conv_states) + size_t(r) * conv_layer_bytes_, long(conv_layer_bytes_)});
+    }
+    conv_out_copy.push_back(
+        {reinterpret_cast<char*>(conv_states) + size_t(R - 1) * conv_layer_bytes_, convs(l, s.slot_), long(conv_layer_bytes_)});
+  }
+  for (const Run& r : runs)
+    for (const Fold& f : r.folds_before)
+      if (f.kind == Fold::Naive) throw std::logic_error("run_pass: naive folds go through apply_folds");
+  // KV rows of the folds inside the pass.
+  std::vector<std::vector<const kc::bf16*>> kp(n_attn_), vp(n_attn_);
+  std::vector<int> kv_delta, kv_dst;
+  for (const Run& r : runs)
+    for (const Fold& f : r.folds_before)
+      for (int j = f.from(); j < f.e->n(); ++j) {
+        kv_delta.push_back(int(f.base));
+        kv_dst.push_back(page_row(s, f.base + j));
+        for (int a = 0; a < n_attn_; ++a) {
+          kp[a].push_back(f.e->K(a) + size_t(j) * nkv_ * hd_);
+          vp[a].push_back(f.e->V(a) + size_t(j) * nkv_ * hd_);
+        }
+      }
+  // Prefix checkpoints ending in this pass: the pass-local token count at each; per linear layer the state pointers
+  // (written by the scan) and the conv tails (the K-1 conv inputs before the cut: this pass's rows, or the history
+  // the pass starts from where the cut is within K-1 tokens of the pass's start).
+  std::vector<int> cut_at;
+  std::vector<const CheckpointCut*> cut_of;
+  for (const CheckpointCut& c : cuts) {
+    int at = -1;
+    for (size_t g = 0; g < slot0.size() && at < 0; ++g) {
+      const int64_t p0 = slot0[g], len = q_start[g + 1] - q_start[g];
+      if (c.at > p0 && c.at <= p0 + len) at = q_start[g] + int(c.at - p0);
+    }
+    if (at < 0) continue;
+    if (R > 1) throw std::logic_error("run_pass: prefix checkpoints in a pass with folds");
+    if (!cut_at.empty() && at <= cut_at.back()) throw std::logic_error("run_pass: prefix checkpoints out of order");
+    cut_at.push_back(at);
+    cut_of.push_back(&c);
+  }
+  const int ncut = int(cut_at.size());
+  std::vector<float*> cut_states;
+  std::vector<kc::CopyDesc> cut_convs;
+  const size_t conv_row = size_t(C_) * sizeof(kc::bf16);
+  for (int l = 0; l < n_lin_ && ncut; ++l)
+    for (int c = 0; c < ncut; ++c) {
+      cut_states.push_back(checkpoint_state(*cut_of[c]->cp, l));
+      char* dst = checkpoint_conv(*cut_of[c]->cp, l);
+      for (int j = 0; j < K_ - 1; ++j) {
+        const int src_row = cut_at[c] - (K_ - 1) + j;  // < 0: row K-1 + src_row of the pass's initial history
+        const char* src = src_row >= 0 ? reinterpret_cast<const char*>(pre_.qkv) + size_t(src_row) * conv_row
+                                       : reinterpret_cast<const char*>(conv_states) + size_t(K_ - 1 + src_row) * conv_row;
+        cut_convs.push_back({src, dst + size_t(j) * conv_row, long(conv_row)});
+      }
+    }
+  // Logit rows: the last span's tokens (all_logits) or its last token.
+  std::vector<int> logit_rows;
+  if (want_logits) {
+    const int last_start = q_start[G - 1];
+    for (int t = all_logits ? last_start : T - 1; t < T; ++t) logit_rows.push_back(t);
+  }
+  Tables tb;
+  const size_t t_ids = tb.add(ids), t_pos = tb.add(pos), t_rows = tb.add(rows), t_qs = tb.add(q_start),
+               t_s0 = tb.add(slot0), t_bt = tb.add(bt), t_cu = tb.add(run_cu), t_steps = tb.add(steps),
+               t_cinit = tb.add(chain_init), t_cin = tb.add(conv_in), t_cout = tb.add(conv_out_copy),
+               t_fin = tb.add(fin_copy), t_kd = tb.add(kv_delta), t_kdst = tb.add(kv_dst), t_lr = tb.add(logit_rows),
+               t_cst = tb.add(cut_states), t_cconv = tb.add(cut_convs);
+  std::vector<size_t> t_k(n_attn_), t_v(n_attn_);
+  for (int a = 0; a < n_attn_; ++a) t_k[a] = tb.add(kp[a]), t_v[a] = tb.add(vp[a]);
+  tb.upload(tables_dev_, stream_);
+  check_cuda(cudaMemcpyAsync(pre_.ids, tb.dev<int32_t>(t_ids), size_t(T) * 4, cudaMemcpyDeviceToDevice, stream_), "ids");
+
+  const kc::AttnGroups groups =
+      attn_groups(G, tb.dev<int>(t_qs), tb.dev<int>(t_s0), tb.dev<int>(t_bt), max_pages, T, max_q, int(top));
+  const int import_rows = int(kv_dst.size());
+
+  kc::embed_gather(T, H_, pre_.ids, w_.embed, pre_.x, stream_);
+  for (int i = 0; i < cfg_.num_hidden_layers; ++i) {
+    const DevLayer& L = w_.layers[i];
+    kc::rms_norm_residual(T, H_, pre_.x, H_, nullptr, L.input_layernorm, eps_, pre_.hn, stream_);
+    if (L.type == LayerType::Linear) {
+      const int l = cfg_.linear_index(i);
+      linear_gemms(pre_, L.linear, T);
+      kc::batched_copy(R, tb.dev<kc::CopyDesc>(t_cin) + size_t(l) * R, stream_);
+      if (ncut)  // conv tails at the checkpoints, before the conv overwrites the history
+        kc::batched_copy(ncut * (K_ - 1), tb.dev<kc::CopyDesc>(t_cconv) + size_t(l) * ncut * (K_ - 1), stream_);
+      kc::conv1d_silu_prefill(R, tb.dev<int>(t_cu), T, C_, K_, pre_.qkv, L.linear.conv1d, conv_states, pre_.conv_out, stream_);
+      kc::batched_copy(1, tb.dev<kc::CopyDesc>(t_cout) + l, stream_);
+      kc::split_qkv(T, qd_, vd_, pre_.conv_out, pre_.q, pre_.k, pre_.v, stream_);
+      kc::GdnPrefillArgs g;
+      g.num_k_heads = nk_, g.num_v_heads = nv_, g.q = pre_.q, g.k = pre_.k, g.v = pre_.v;
+      g.gate_a = pre_.ga, g.gate_b = pre_.gb, g.A_log = L.linear.A_log, g.dt_bias = L.linear.dt_bias;
+      g.l2norm_qk = true, g.scale = gdn_scale_;
+      if (chain) {
+        kc::GdnPrefillArgs a = g;  // phase A: runs 0..R-2 from zero: (T, S(run|0))
+        a.num_seqs = R - 1, a.cu_seqlens_host = run_cu.data();
+        a.final_state = rs_f(o_sz, 0), a.transition = rs_f(o_tz, 0), a.out = nullptr;
+        kc::gdn_prefill(a, ws_a_, stream_);
+        kc::affine_chain(1, nv_, steps_per_chain, tb.dev<kc::AffineStep>(t_steps) + size_t(l) * steps_per_chain,
+                         tb.dev<const float*>(t_cinit) + l, nullptr, stream_);
+        g.initial_state = rs_f(o_init, 0), g.final_state = rs_f(o_fin, 0);
+      } else {
+        g.initial_state = ssm(l, s.slot_), g.final_state = ssm(l, s.slot_);
+      }
+      g.num_seqs = R, g.cu_seqlens_host = run_cu.data(), g.out = pre_.o;
+      if (ncut) {
+        g.num_checkpoints = ncut, g.checkpoint_tokens_host = cut_at.data();
+        g.checkpoint_states = tb.dev<float* const>(t_cst) + size_t(l) * ncut;
+      }
+      kc::gdn_prefill(g, ws_c_, stream_);
+      if (chain) kc::batched_copy(1, tb.dev<kc::CopyDesc>(t_fin) + l, stream_);
+      linear_finish(pre_, L.linear, T);
+    } else {
+      const int a = cfg_.attention_index(i);
+      if (import_rows)  // the folded entries' K (re-rotated to real positions) and V, before anything attends to them
+        kc::kv_import(import_rows, nkv_, hd_, cfg_.rotary_dim(), tb.dev<const kc::bf16*>(t_k[a]),
+                      tb.dev<const kc::bf16*>(t_v[a]), tb.dev<int>(t_kd), inv_freq_.as<float>(), tb.dev<int>(t_kdst),
+                      k_pool_[a].as<kc::bf16>(), v_pool_[a].as<kc::bf16>(), stream_);
+      attention_mixer(pre_, L.attention, a, T, tb.dev<int>(t_pos), tb.dev<int>(t_rows), groups, false);
+      if (mass_dev)  // the last span's last token over every slot it sees (PrefillOptions::attention_mass)
+        kc::attention_key_mass(1, nh_, nkv_, hd_, pre_.aq + size_t(T - 1) * nh_ * hd_, slot0[G - 1] + (T - 1 - q_start[G - 1]),
+                               tb.dev<int>(t_bt) + size_t(G - 1) * max_pages, k_pool_[a].as<kc::bf16>(), attn_scale_,
+                               mass_dev, stream_);
+    }
+    ffn(pre_, L, T);
+  }
+  for (const Run& r : runs)
+    for (const Fold& f : r.folds_before) s.n_ = std::max<int64_t>(s.n_, f.base + f.e->n());
+  s.n_ = std::max<int64_t>(s.n_, top);
+  std::vector<float> logits;
+  if (want_logits) lm_head(int(logit_rows.size()), tb.dev<int>(t_lr), logits);
+  check_cuda(cudaStreamSynchronize(stream_), "forward pass");
+  return logits;
+}
+
+void CudaBackend::snapshot_linear(const CudaSequence& s, std::vector<std::vector<float>>& out) const {
+  out.assign(n_lin_, std::vector<float>(state_layer_bytes_ / 4));
+  for (int l = 0; l < n_lin_; ++l)
+    check_cuda(cudaMemcpyAsync(out[l].data(), ssm(l, s.slot_), state_layer_bytes_, cudaMemcpyDeviceToHost, stream_),
+               "state snapshot");
+  check_cuda(cudaStreamSynchronize(stream_), "state snapshot");
+}
+
+// Packs items into passes of at most max_batch_tokens tokens and runs them. A span longer than the room left is cut;
+// its rest continues in the next pass from the slot state. Folds before the first span of a pass are applied
+// before it (apply_folds); later folds go between the pass's runs.
+void CudaBackend::execute(CudaSequence& s, const std::vector<Item>& items_in, bool all_logits,
+                          std::vector<float>& logits, bool keep_context, std::vector<std::vector<float>>* context,
+                          std::vector<float>* mass, std::span<const CheckpointCut> cuts, const SplicePlan* pacing) {
+  std::vector<Item> items = items_in;
+  // Tokens per pass: max_batch_tokens, or the splice's chunk (the query with all_logits still in one pass).
+  const int64_t cap = pacing && pacing->max_pass_tokens > 0 ? std::min(Tmax_, pacing->max_pass_tokens) : Tmax_;
+  const size_t n = items.size();
+  std::vector<Run> runs;
+  int64_t used = 0;
+  int64_t kv_len = 0;  // the KV length after the last span (the mass vector's length)
+  for (const Item& it : items) {
+    kv_len = std::max<int64_t>(kv_len, it.span.position + int64_t(it.span.ids.size()));
+    for (const Fold& f : it.folds) kv_len = std::max<int64_t>(kv_len, f.base + f.e->n());
+  }
+  if (mass && n_attn_) {
+    ensure_capacity(mass_dev_, size_t(kv_len) * 4, "refresh probe");
+    check_cuda(cudaMemsetAsync(mass_dev_.as(), 0, size_t(kv_len) * 4, stream_), "refresh probe");
+  }
+  auto flush = [&](bool last) {
+    if (runs.empty()) return;
+    std::vector<float> lg =
+        run_pass(s, runs, last, all_logits, last && mass && n_attn_ ? mass_dev_.as<float>() : nullptr, cuts);
+    if (last) logits = std::move(lg);
+    runs.clear();
+    used = 0;
+    if (!last && pacing) pause(*pacing, "between two of its passes");
+  };
+  for (size_t i = 0; i < n; ++i) {
+    Item it = items[i];
+    const bool is_last = i + 1 == n;
+    const int64_t pass_cap = is_last && all_logits ? Tmax_ : cap;
+    if (is_last && keep_context) {  // the state after every segment: flush, fold, snapshot, then the query alone
+      flush(false);
+      apply_folds(s, it.folds);
+      it.folds.clear();
+      snapshot_linear(s, *context);
+    }
+    while (true) {
+      const int64_t len = int64_t(it.span.ids.size());
+      // The query's logits (all of them with all_logits) come from one pass: start a new one when it would be cut.
+      if (is_last && all_logits && !runs.empty() && len <= Tmax_ && len > Tmax_ - used) flush(false);
+      if (!it.folds.empty() && runs.empty()) {  // folds at the start of a pass: into the slot before it
+        apply_folds(s, it.folds);
+        it.folds.clear();
+      }
+      const int64_t room = std::max<int64_t>(pass_cap - used, 0);
+      if (len <= room) {
+        if (runs.empty() || !it.folds.empty()) runs.push_back(Run{it.folds, {}});
+        runs.back().spans.push_back(it.span);
+        used += len;
+        break;
+      }
+      if (room > 0 && it.folds.empty()) {  // cut the span: the head fills this pass
+        if (runs.empty()) runs.push_back(Run{});
+        runs.back().spans.push_back({it.span.ids.subspan(0, size_t(room)), it.span.position});
+        it.span = {it.span.ids.subspan(size_t(room)), it.span.position + room};
+      }
+      flush(false);
+    }
+  }
+  flush(true);
+  if (!cuts.empty()) save_checkpoint_kv(s, cuts);
+  if (mass) {
+    mass->assign(size_t(kv_len), 0.f);
+    if (n_attn_) {
+      check_cuda(cudaMemcpyAsync(mass->data(), mass_dev_.as(), size_t(kv_len) * 4, cudaMemcpyDeviceToHost, stream_),
+                 "refresh probe");
+      check_cuda(cudaStreamSynchronize(stream_), "refresh probe");
+    }
+  }
+}
+
+void CudaBackend::pause(const SplicePlan& plan, const char* where) {
+  if (plan.between_passes) plan.between_passes();
+  if (plan.cancel && plan.cancel->load()) throw SpliceCancelled(std::string("splice cancelled ") + where);
+}
+
+// ---- checkpoints (prefix mode) ---------------------------------------------------------------------------------
+
+void CudaBackend::save_checkpoint_kv(const CudaSequence& s, std::span<const CheckpointCut> cuts) {
+  std::vector<kc::CopyDesc> c;
+  for (const CheckpointCut& cut : cuts)
+    for (int a = 0; a < n_attn_; ++a)
+      for (int kvi = 0; kvi < 2; ++kvi) {
+        char* p = checkpoint_kv(*cut.cp, a, kvi);
+        for (int64_t t = cut.cp->start; t < cut.cp->n;) {  // runs of rows within one page
+          const int64_t cnt = std::min<int64_t>(kPage - t % kPage, cut.cp->n - t);
+          const char* src = (kvi ? v_pool_[a] : k_pool_[a]).bytes_ptr(size_t(page_row(s, t)) * kv_row_);
+          c.push_back({src, p, long(cnt * kv_row_)}), p += cnt * kv_row_;
+          t += cnt;
+        }
+      }
+  if (c.empty()) return;
+  Tables tb;
+  const size_t o = tb.add(c);
+  tb.upload(tables_dev_, stream_);
+  kc::batched_copy(int(c.size()), tb.dev<kc::CopyDesc>(o), stream_);
+  check_cuda(cudaStreamSynchronize(stream_), "prefix checkpoint");
+}
+
+void CudaBackend::restore_chain(CudaSequence& s, const std::vector<const Checkpoint*>& chain) {
+  const Checkpoint& last = *chain.back();
+  ensure_pages(s, last.n);
+  std::vector<kc::CopyDesc> c;
+  for (int l = 0; l < n_lin_; ++l) {
+    c.push_back({checkpoint_state(last, l), ssm(l, s.slot_), long(state_layer_bytes_)});
+    c.push_back({checkpoint_conv(last, l), convs(l, s.slot_), long(conv_layer_bytes_)});
+  }
+  for (const Checkpoint* cp : chain)
+    for (int a = 0; a < n_attn_; ++a)
+      for (int kvi = 0; kvi < 2; ++kvi) {
+        const char* p = checkpoint_kv(*cp, a, kvi);
+        for (int64_t t = cp->start; t < cp->n;) {
+          const int64_t cnt = std::min<int64_t>(kPage - t % kPage, cp->n - t);
+          char* dst = (kvi ? v_pool_[a] : k_pool_[a]).bytes_ptr(size_t(page_row(s, t)) * kv_row_);
+          c.push_back({p, dst, long(cnt * kv_row_)}), p += cnt * kv_row_;
+          t += cnt;
+        }
+      }
+  Tables tb;
+  const size_t o = tb.add(c);
+  tb.upload(tables_dev_, stream_);
+  kc::batched_copy(int(c.size()), tb.dev<kc::CopyDesc>(o), stream_);
+  check_cuda(cudaStreamSynchronize(stream_), "prefix restore");
+  s.n_ = last.n;
+}
+
+// ---- splice ----------------------------------------------------------------------------------------------------
+
+void CudaBackend::check_entry(const PlanSegment& seg, size_t i, const SplicePlan& plan) const {
+  const std::string which = "segment " + std::to_string(i);
+  if (!seg.entry)
+    throw std::invalid_argument("splice: " + which + " has no entry (required by mode " + splice_mode_name(plan.mode) +
+                                ")");
+  const auto* ce = dynamic_cast<const CudaEntry*>(seg.entry.get());
+  if (!ce) throw EntryError("splice: " + which + "'s entry is not resident on this backend (import it first)");
+  if (ce->no_transitions)
+    throw EntryError("splice: " + which + "'s entry was built with benchmark_skip_transitions (no T_C)");
+  if (ce->device() != dev_.index)
+    throw EntryError("splice: " + which + "'s entry lives on cuda:" + std::to_string(ce->device()) + ", not " +
+                     dev_.name());
+  ce->header().check_compatible(fingerprint_, geom_, entry_seam_width(plan.mode, plan.seam_width), numerics());
+  if (!seg.ids.empty() && seg.ids != ce->header().token_ids)
+    throw std::invalid_argument("splice: " + which + "'s token ids differ from its entry's");
+}
+
+std::vector<Item> CudaBackend::hypic_items(const SplicePlan& plan, const std::vector<char>& whole, int64_t& pos,
+                                           int64_t& computed, std::vector<int>& recomputed) const {
+  auto entry_of = [&](size_t i) { return static_cast<const CudaEntry*>(plan.segments[i].entry.get()); };
+  std::vector<Item> items;
+  std::vector<Fold> pending{{Fold::Install, entry_of(0), 0}};
+  pos = entry_of(0)->n();
+  for (size_t i = 1; i < plan.segments.size(); ++i) {
+    const CudaEntry* e = entry_of(i);  // null for a segment recomputed whole that came without an entry
+    const std::vector<int32_t>& ids = plan.segments[i].ids.empty() ? e->header().token_ids : plan.segments[i].ids;
+    const int n = int(ids.size()), sw = whole[i] ? n : std::min(plan.seam_width, n);
+    if (whole[i]) recomputed.push_back(int(i));
+    if (sw > 0) {
+      items.push_back({std::move(pending), {std::span<const int32_t>(ids).subspan(0, size_t(sw)), pos}});
+      pending.clear();
+      computed += sw;
+    }
+    if (n > sw) pending.push_back({Fold::Interior, e, pos});
+    pos += n;
+  }
+  items.push_back({std::move(pending), {std::span<const int32_t>(plan.query), pos}});
+  return items;
+}
+
+SpliceOutput CudaBackend::splice(const SplicePlan& plan) {
+  set_device();
+  std::lock_guard<std::recursive_mutex> no_capture(capture_mu_);  // see capture_mu_
+  drain_frees();
+  PartitionScope lane(*this);
+  check_recompute_request(plan.mode, plan.recompute_segments, plan.refresh_segments, plan.refresh_tail,
+                          plan.segments.size());
+  if (plan.segments.empty()) throw std::invalid_argument("splice: the segment list is empty");
+  if (plan.query.empty()) throw std::invalid_argument("splice: the query has no tokens");
+  if (plan.all_query_logits && int64_t(plan.query.size()) > Tmax_)
+    throw std::invalid_argument("splice: all_query_logits needs a query of at most max_batch_tokens (" +
+                                std::to_string(Tmax_) + ") tokens, got " + std::to_string(plan.query.size()));
+  if (plan.seam_width < 0)
+    throw std::invalid_argument("splice: seam width must be >= 0, got " + std::to_string(plan.seam_width));
+  const bool cached = plan.mode == SpliceMode::Naive || plan.mode == SpliceMode::Transition ||
+                      plan.mode == SpliceMode::Hypic;
+  check_ids(plan.query, "the query");
+  // Hypic: a segment recomputed whole in the final splice may come without an entry (its ids suffice).
+  const std::vector<char> whole_final =
+      plan.mode == SpliceMode::Hypic
+          ? whole_segments_before_refresh(plan.recompute_segments, plan.refresh_tail, plan.segments.size())
+          : std::vector<char>(plan.segments.size(), 0);
+  for (size_t i = 0; i < plan.segments.size(); ++i) {
+    const PlanSegment& seg = plan.segments[i];
+    const bool ids_suffice = i > 0 && whole_final[i] && !seg.entry && !seg.ids.empty();
+    if (cached && !ids_suffice) check_entry(seg, i, plan);
+    else if (seg.ids.empty() && !(seg.entry && seg.entry->num_tokens() > 0))
+      throw std::invalid_argument("splice: segment " + std::to_string(i) + " has no tokens");
+    if (!seg.ids.empty()) check_ids(seg.ids, "segment " + std::to_string(i));
+  }
+  auto ids_of = [&](size_t i) -> const std::vector<int32_t>& {
+    return plan.segments[i].ids.empty() ? plan.segments[i].entry->header().token_ids : plan.segments[i].ids;
+  };
+  auto entry_of = [&](size_t i) { return static_cast<const CudaEntry*>(plan.segments[i].entry.get()); };
+
+  SpliceOutput out;
+  auto seq = new_sequence();
+  std::vector<Item> items;
+  int64_t pos = 0;
+  std::vector<int32_t> all;  // full mode: every segment's ids then the query, as one span (prefix: those not reused)
+  std::vector<std::pair<SegmentDigest, std::shared_ptr<Checkpoint>>> fresh;  // prefix: new checkpoints, shallow first
+  std::vector<CheckpointCut> cuts;
+  if (plan.mode == SpliceMode::Full) {  // every segment in context as one span, then the query
+    for (size_t i = 0; i < plan.segments.size(); ++i) all.insert(all.end(), ids_of(i).begin(), ids_of(i).end());
+    pos = int64_t(all.size());
+    out.computed_tokens = pos;
+    items.push_back({{}, {std::span<const int32_t>(all), 0}});
+  } else if (plan.mode == SpliceMode::Prefix) {
+    // The longest chain of cached checkpoints 0..k-1 restores the state after segment k-1; the other segments and
+    // the query run as one span (as full mode's), with a checkpoint taken at each segment's end in the same passes.
+    SegmentDigest chain{};
+    std::vector<SegmentDigest> chains;
+    for (size_t i = 0; i < plan.segments.size(); ++i) chains.push_back(chain = chain_digest(chain, ids_of(i)));
+    std::vector<std::list<PrefixItem>::iterator> hits;
+    if (plan.use_prefix_cache)
+      for (size_t i = 0; i < plan.segments.size(); ++i) {
+        auto it = std::find_if(prefix_lru_.begin(), prefix_lru_.end(), [&](const PrefixItem& p) { return p.key == chains[i]; });
+        if (it == prefix_lru_.end()) break;
+        hits.push_back(it);
+      }
+    const size_t reused = hits.size();
+    if (reused) {
+      std::vector<const Checkpoint*> cps;
+      for (auto it : hits) cps.push_back(it->cp.get());
+      restore_chain(*seq, cps);
+      for (size_t k = reused; k-- > 0;) prefix_lru_.splice(prefix_lru_.begin(), prefix_lru_, hits[k]);  // shallow = fresh
+    }
+    for (size_t i = 0; i < reused; ++i) pos += int64_t(ids_of(i).size());
+    // New checkpoints, shallow first, while the budget holds them (the LRU's oldest give way).
+    const int64_t start = pos;
+    bool taking = plan.use_prefix_cache && opt_.prefix_cache_bytes > 0;
+    size_t held = 0;
+    for (size_t i = reused; i < plan.segments.size(); ++i) {
+      all.insert(all.end(), ids_of(i).begin(), ids_of(i).end());
+      if (!taking) continue;
+      auto cp = std::make_shared<Checkpoint>();
+      cp->start = start + int64_t(all.size() - ids_of(i).size());
+      cp->n = start + int64_t(all.size());
+      const size_t bytes = checkpoint_bytes(cp->n - cp->start);
+      if (held + bytes > opt_.prefix_cache_bytes) {  // a deeper checkpoint is useless without this one
+        taking = false;
+        continue;
+      }
+      while (prefix_bytes_ + held + bytes > opt_.prefix_cache_bytes && !prefix_lru_.empty()) {
+        prefix_bytes_ -= prefix_lru_.back().cp->mem.size();
+        prefix_lru_.pop_back();
+      }
+      try {
+        cp->mem = DeviceMemory(bytes, "prefix checkpoint", stream_, true);
+      } catch (const ResourceExhausted&) {
+        taking = false;  // no room on the device: the request runs without more checkpoints
+        continue;
+      }
+      held += bytes;
+      cuts.push_back({cp->n, cp.get()});
+      fresh.emplace_back(chains[i], std::move(cp));
+    }
+    out.computed_tokens += int64_t(all.size());
+    if (!all.empty()) items.push_back({{}, {std::span<const int32_t>(all), pos}});
+    pos += int64_t(all.size());
+    items.push_back({{}, {std::span<const int32_t>(plan.query), pos}});
+    out.prefix_segments_reused = int(reused);
+  } else if (plan.mode == SpliceMode::Naive || plan.mode == SpliceMode::Transition) {
+    std::vector<Fold> folds{{Fold::Install, entry_of(0), 0}};
+    pos = entry_of(0)->n();
+    for (size_t i = 1; i < plan.segments.size(); ++i) {
+      folds.push_back({plan.mode == SpliceMode::Naive ? Fold::Naive : Fold::Transition, entry_of(i), pos});
+      pos += entry_of(i)->n();
+    }
+    items.push_back({std::move(folds), {std::span<const int32_t>(plan.query), pos}});
+  } else {  // hypic: seams in context, interiors folded (DESIGN.md 3.3)
+    std::vector<char> whole =
+        whole_segments_before_refresh(plan.recompute_segments, plan.refresh_tail, plan.segments.size());
+    std::vector<int64_t> lengths;
+    for (size_t i = 0; i < plan.segments.size(); ++i) lengths.push_back(int64_t(ids_of(i).size()));
+    // No probe when no segment could be refreshed (with no mass the choice is every candidate: empty = none).
+    if (plan.refresh_segments > 0 && !choose_refresh_segments({}, lengths, plan.seam_width, whole, 1).empty()) {
+      // Probe pass (the explicit recompute_segments whole, the tail still cached): the query's attention per slot
+      // ranks the segments; the chosen ones are recomputed whole, with the tail, in a second splice from scratch
+      // (SpliceRequest::refresh_segments, refresh_tail).
+      int64_t probe_pos = 0, probe_computed = 0;
+      std::vector<int> probe_recomputed;
+      std::vector<char> probe_whole = whole_segments_before_refresh(plan.recompute_segments, 0, plan.segments.size());
+      for (size_t i = 1; i < plan.segments.size(); ++i)  // a tail segment without an entry is whole in the probe too
+        if (!plan.segments[i].entry) probe_whole[i] = 1;
+      const std::vector<Item> probe_items = hypic_items(plan, probe_whole, probe_pos, probe_computed, probe_recomputed);
+      std::vector<float> mass, probe_logits;
+      seq.reset();  // the probe takes the request's one state slot, then gives it back
+      {
+        auto probe_seq = new_sequence();
+        execute(*probe_seq, probe_items, false, probe_logits, false, nullptr, &mass, {}, &plan);
+      }
+      pause(plan, "after the refresh's probe");
+      seq = new_sequence();
+      const std::vector<int> chosen =
+          choose_refresh_segments(mass, lengths, plan.seam_width, whole, plan.refresh_segments);
+      for (int i : chosen) whole[size_t(i)] = 1;
+      out.computed_tokens += probe_computed + int64_t(plan.query.size());
+    }
+    items = hypic_items(plan, whole, pos, out.computed_tokens, out.recomputed_segments);
+  }
+  if (plan.mode == SpliceMode::Full) items.push_back({{}, {std::span<const int32_t>(plan.query), pos}});
+  out.computed_tokens += int64_t(plan.query.size());
+  execute(*seq, items, plan.all_query_logits, out.logits, plan.keep_context_state, &out.context_states, nullptr, cuts,
+          &plan);
+  for (size_t k = fresh.size(); k-- > 0;) {  // prefix: the chain's shallow checkpoints freshest in the LRU
+    for (auto it = prefix_lru_.begin(); it != prefix_lru_.end(); ++it)
+      if (it->key == fresh[k].first) {
+        prefix_bytes_ -= it->cp->mem.size();
+        prefix_lru_.erase(it);
+        break;
+      }
+    prefix_bytes_ += fresh[k].second->mem.size();
+    prefix_lru_.push_front({fresh[k].first, std::move(fresh[k].second)});
+  }
+  out.num_tokens = pos + int64_t(plan.query.size());
+  seq->n_ = out.num_tokens;
+  out.sequence = std::move(seq);
+  return out;
+}
+
+std::vector<std::shared_ptr<const ResidentEntry>> CudaBackend::build_entries(
+    std::span<const std::vector<int32_t>> segments, int seam_width, const BuildCancelled& cancelled) {
+  set_device();
+  std::lock_guard<std::recursive_mutex> no_capture(capture_mu_);  // see capture_mu_
+  drain_frees();
+  PartitionScope lane(*this);
+  if (seam_width < 0) throw std::invalid_argument("build_entries: seam width must be >= 0, got " + std::to_string(seam_width));
+  for (size_t i = 0; i < segments.size(); ++i) {
+    if (segments[i].empty()) throw std::invalid_argument("build_entries: segment " + std::to_string(i) + " has no tokens");
+    if (int64_t(segments[i].size()) > Tmax_)
+      throw ResourceExhausted("build_entries: segment " + std::to_string(i) + " has " +
+                              std::to_string(segments[i].size()) + " tokens, above the " + std::to_string(Tmax_) +
+                              "-token forward pass of this worker (the larger of --max-batch-tokens and max_segment_tokens)");
+    check_ids(segments[i], "segment " + std::to_string(i));
+  }
+  std::vector<std::shared_ptr<CudaEntry>> built;
+  // Greedy batches of at most max_batch_tokens tokens, max_sequences segments and the KV pages free now (a batch's
+  // segments hold pages while they are built).
+  auto pages_of = [&](size_t i) { return n_attn_ ? (segments[i].size() + kPage - 1) / kPage : 0; };
+  size_t begin = 0;
+  while (begin < segments.size()) {
+    size_t free_pages = 0;
+    {
+      std::lock_guard lock(pool_mu_);
+      free_pages = free_pages_.size();
+    }
+    // With a concurrent decode, running sequences take pages while the batch runs (one each per 64 tokens): a batch
+    // of several segments leaves them max_sequences pages (a lone segment still takes what it needs).
+    if (opt_.concurrent_decode) free_pages -= std::min(free_pages, size_t(opt_.max_sequences));
+    size_t end = begin, pages = 0;
+    int64_t tok = 0;
+    while (end < segments.size() && tok + int64_t(segments[end].size()) <= std::max<int64_t>(opt_.max_batch_tokens, int64_t(segments[begin].size())) &&
+           int(end - begin) < std::max(1, opt_.max_sequences) && (end == begin || pages + pages_of(end) <= free_pages)) {
+      tok += int64_t(segments[end].size());
+      pages += pages_of(end);
+      ++end;
+    }
+    // A batch stops (its entries null) once none of its segments is wanted any more.
+    const std::function<bool()> none_wanted = [&cancelled, begin, end] {
+      if (!cancelled) return false;
+      for (size_t i = begin; i < end; ++i)
+        if (!cancelled(i)) return false;
+      return true;
+    };
+    if (none_wanted()) built.insert(built.end(), end - begin, nullptr);
+    else build_batch(segments.subspan(begin, end - begin), seam_width, built, none_wanted);
+    begin = end;
+  }
+  return {built.begin(), built.end()};
+}
+
+void CudaBackend::build_batch(std::span<const std::vector<int32_t>> segs, int w,
+                              std::vector<std::shared_ptr<CudaEntry>>& out, const std::function<bool()>& stop) {
+  const int N = int(segs.size());
+  // Temporary pages for each segment's KV (taken from the pool, returned at the end).
+  std::vector<std::vector<int>> pages(N);
+  int max_pages = 1;
+  struct PageGuard {
+    CudaBackend* b;
+    std::vector<std::vector<int>>* p;
+    ~PageGuard() {
+      std::lock_guard lock(b->pool_mu_);
+      for (auto& v : *p) b->free_pages_.insert(b->free_pages_.end(), v.begin(), v.end());
+    }
+  } guard{this, &pages};
+  if (n_attn_) {
+    std::lock_guard lock(pool_mu_);
+    size_t need = 0;
+    for (const auto& s : segs) need += (s.size() + kPage - 1) / kPage;
+    if (need > free_pages_.size())
+      throw ResourceExhausted("KV pool exhausted (--kv-pool-bytes): building " + std::to_string(N) + " segments needs " +
+                              std::to_string(need) + " pages, " + std::to_string(free_pages_.size()) + " free");
+    for (int i = 0; i < N; ++i) {
+      for (size_t p = 0; p < (segs[i].size() + kPage - 1) / kPage; ++p) {
+        pages[i].push_back(free_pages_.back());
+        free_pages_.pop_back();
+      }
+      max_pages = std::max<int>(max_pages, int(pages[i].size()));
+    }
+  }
+  std::vector<int32_t> ids, pos, rows;
+  std::vector<int> cu{0}, pieces{0}, seam_cu{0}, seam_rows, bt(size_t(N) * max_pages, 0), slot0(N, 0);
+  int max_q = 0, max_kv = 1;
+  std::vector<std::shared_ptr<CudaEntry>> entries;
+  for (int i = 0; i < N; ++i) {
+    const int n = int(segs[i].size()), sw = std::min(w, n);
+    const int base = int(ids.size());
+    for (int t = 0; t < n; ++t) {
+      ids.push_back(segs[i][t]);
+      pos.push_back(t);
+      rows.push_back(n_attn_ ? pages[i][t / kPage] * kPage + t % kPage : 0);
+    }
+    for (int t = 0; t < sw; ++t) seam_rows.push_back(base + t);
+    cu.push_back(int(ids.size()));
+    pieces.push_back(base + sw);
+    pieces.push_back(int(ids.size()));
+    seam_cu.push_back(int(seam_rows.size()));
+    std::copy(pages[i].begin(), pages[i].end(), bt.begin() + size_t(i) * max_pages);
+    max_q = std::max(max_q, n);
+    max_kv = std::max(max_kv, n);
+    SegmentEntry h;
+    h.model_fingerprint = fingerprint_;
+    h.numerics = std::string(numerics());
+    h.seam_width = w;
+    h.token_ids = segs[i];
+    h.geometry = geom_;
+    entries.push_back(std::make_shared<CudaEntry>(*this, std::move(h), stream_));
+    entries.back()->no_transitions = opt_.benchmark_skip_transitions;
+  }
+  const int T = int(ids.size());
+  const int S = int(seam_rows.size());
+  // Per-layer scratch: seam finals [N], piece initial states [2N], finals [2N], transitions [2N], conv states [N].
+  const size_t S1 = state_layer_bytes_;
+  Layout rl;
+  const size_t o_sf = rl.add(N * S1), o_pi = rl.add(2 * N * S1), o_pf = rl.add(2 * N * S1), o_pt = rl.add(2 * N * S1),
+               o_cs = rl.add(N * conv_layer_bytes_), o_sq = rl.add(S * qd_ * 2 + 16), o_sk = rl.add(S * qd_ * 2 + 16),
+               o_sv = rl.add(S * vd_ * 2 + 16), o_sa = rl.add(S * nv_ * 2 + 16), o_sb = rl.add(S * nv_ * 2 + 16);
+  if (n_lin_) ensure_capacity(run_scratch_, rl.total(), "per-segment states of an entry build");
+  auto rs_f = [&](size_t off, int i) { return reinterpret_cast<float*>(run_scratch_.bytes_ptr(off + i * S1)); };
+  auto rs_b = [&](size_t off) { return reinterpret_cast<kc::bf16*>(run_scratch_.bytes_ptr(off)); };
+  kc::bf16* conv_states = n_lin_ ? rs_b(o_cs) : nullptr;
+  // Copy tables, per linear layer: seam finals -> odd piece initials; entry S_seam (when w > 0), T_int, conv tail
+  // (the seam pieces' T, T_seam, is not stored: engine/segment.h).
+  std::vector<kc::CopyDesc> init_copy, entry_copy;
+  std::vector<kc::AffineStep> sub;   // [layer][N]: S_int = S_end - T_int S_seam
+  std::vector<const float*> sub_init;
+  std::vector<float*> sub_fin;
+  for (int l = 0; l < n_lin_; ++l) {
+    for (int i = 0; i < N; ++i) {
+      init_copy.push_back({rs_f(o_sf, i), rs_f(o_pi, 2 * i + 1), long(S1)});
+      CudaEntry& e = *entries[i];
+      if (e.has_seam()) entry_copy.push_back({rs_f(o_pf, 2 * i), e.S_seam(l), long(S1)});
+      entry_copy.push_back({rs_f(o_pt, 2 * i + 1), e.T_int(l), long(S1)});
+      entry_copy.push_back({conv_states + size_t(i) * conv_layer_bytes_ / 2, e.conv(l), long(conv_layer_bytes_)});
+      sub.push_back({rs_f(o_pt, 2 * i + 1), rs_f(o_pf, 2 * i + 1), nullptr, -1.f});
+      sub_init.push_back(rs_f(o_pf, 2 * i));
+      sub_fin.push_back(e.S_int(l));
+    }
+  }
+  Tables tb;
+  const size_t t_ids = tb.add(ids), t_pos = tb.add(pos), t_rows = tb.add(rows), t_cu = tb.add(cu), t_bt = tb.add(bt),
+               t_s0 = tb.add(slot0), t_sr = tb.add(seam_rows), t_ic = tb.add(init_copy), t_ec = tb.add(entry_copy),
+               t_sub = tb.add(sub), t_si = tb.add(sub_init), t_sf = tb.add(sub_fin);
+  tb.upload(tables_dev_, stream_);
+  check_cuda(cudaMemcpyAsync(pre_.ids, tb.dev<int32_t>(t_ids), size_t(T) * 4, cudaMemcpyDeviceToDevice, stream_), "ids");
+  const kc::AttnGroups groups =
+      attn_groups(N, tb.dev<int>(t_cu), tb.dev<int>(t_s0), tb.dev<int>(t_bt), max_pages, T, max_q, max_kv);
+  const int per_layer_copies = n_lin_ ? int(entry_copy.size()) / n_lin_ : 0;  // the same for every layer
+
+  kc::embed_gather(T, H_, pre_.ids, w_.embed, pre_.x, stream_);
+  for (int i = 0; i < cfg_.num_hidden_layers; ++i) {
+    if (stop()) {  // cancelled: what was launched finishes (at most a layer), the pages go back, no entries
+      check_cuda(cudaStreamSynchronize(stream_), "cancelled entry build");
+      out.insert(out.end(), size_t(N), nullptr);
+      return;
+    }
+    const DevLayer& L = w_.layers[i];
+    kc::rms_norm_residual(T, H_, pre_.x, H_, nullptr, L.input_layernorm, eps_, pre_.hn, stream_);
+    if (L.type == LayerType::Linear) {
+      const int l = cfg_.linear_index(i);
+      linear_gemms(pre_, L.linear, T);
+      check_cuda(cudaMemsetAsync(conv_states, 0, size_t(N) * conv_layer_bytes_, stream_), "conv zero");
+      kc::conv1d_silu_prefill(N, tb.dev<int>(t_cu), T, C_, K_, pre_.qkv, L.linear.conv1d, conv_states, pre_.conv_out, stream_);
+      kc::split_qkv(T, qd_, vd_, pre_.conv_out, pre_.q, pre_.k, pre_.v, stream_);
+      kc::GdnPrefillArgs g;
+      g.num_k_heads = nk_, g.num_v_heads = nv_;
+      g.A_log = L.linear.A_log, g.dt_bias = L.linear.dt_bias, g.l2norm_qk = true, g.scale = gdn_scale_;
+      check_cuda(cudaMemsetAsync(rs_f(o_pi, 0), 0, 2 * size_t(N) * S1, stream_), "zero piece states");
+      if (S > 0) {  // the seams alone from zero: S(seam|0), the interiors' true initial states
+        kc::gather_rows(S, qd_, pre_.q, tb.dev<int>(t_sr), rs_b(o_sq), stream_);
+        kc::gather_rows(S, qd_, pre_.k, tb.dev<int>(t_sr), rs_b(o_sk), stream_);
+        kc::gather_rows(S, vd_, pre_.v, tb.dev<int>(t_sr), rs_b(o_sv), stream_);
+        kc::gather_rows(S, nv_, pre_.ga, tb.dev<int>(t_sr), rs_b(o_sa), stream_);
+        kc::gather_rows(S, nv_, pre_.gb, tb.dev<int>(t_sr), rs_b(o_sb), stream_);
+        kc::GdnPrefillArgs a = g;
+        a.num_seqs = N, a.cu_seqlens_host = seam_cu.data();
+        a.q = rs_b(o_sq), a.k = rs_b(o_sk), a.v = rs_b(o_sv), a.gate_a = rs_b(o_sa), a.gate_b = rs_b(o_sb);
+        a.final_state = rs_f(o_sf, 0);
+        kc::gdn_prefill(a, ws_seam_, stream_);
+        kc::batched_copy(N, tb.dev<kc::CopyDesc>(t_ic) + size_t(l) * N, stream_);
+      }
+      // Every piece (seam_i from zero, interior_i from S(seam_i|0)): outputs, finals and T of each piece.
+      g.num_seqs = 2 * N, g.cu_seqlens_host = pieces.data();
+      g.q = pre_.q, g.k = pre_.k, g.v = pre_.v, g.gate_a = pre_.ga, g.gate_b = pre_.gb;
+      g.initial_state = rs_f(o_pi, 0), g.final_state = rs_f(o_pf, 0), g.out = pre_.o;
+      g.transition = opt_.benchmark_skip_transitions ? nullptr : rs_f(o_pt, 0);
+      kc::gdn_prefill(g, ws_pieces_, stream_);
+      if (!opt_.benchmark_skip_transitions)
+        kc::affine_chain(N, nv_, 1, tb.dev<kc::AffineStep>(t_sub) + size_t(l) * N,
+                         tb.dev<const float*>(t_si) + size_t(l) * N, tb.dev<float*>(t_sf) + size_t(l) * N, stream_);
+      kc::batched_copy(per_layer_copies, tb.dev<kc::CopyDesc>(t_ec) + size_t(l) * per_layer_copies, stream_);
+      linear_finish(pre_, L.linear, T);
+    } else {
+      attention_mixer(pre_, L.attention, cfg_.attention_index(i), T, tb.dev<int>(t_pos), tb.dev<int>(t_rows), groups, false);
+    }
+    ffn(pre_, L, T);
+  }
+  // K/V out of the pages into the entries.
+  std::vector<kc::CopyDesc> kvc;
+  for (int i = 0; i < N; ++i) {
+    const int n = int(segs[i].size());
+    for (int a = 0; a < n_attn_; ++a)
+      for (int p = 0; p * kPage < n; ++p) {
+        const long cnt = std::min(kPage, n - p * kPage);
+        const size_t src = size_t(pages[i][p]) * kPage * kv_row_;
+        kvc.push_back({k_pool_[a].bytes_ptr(src), reinterpret_cast<char*>(entries[i]->K(a)) + size_t(p) * kPage * kv_row_,
+                       long(cnt * kv_row_)});
+        kvc.push_back({v_pool_[a].bytes_ptr(src), reinterpret_cast<char*>(entries[i]->V(a)) + size_t(p) * kPage * kv_row_,
+                       long(cnt * kv_row_)});
+      }
+  }
+  if (!kvc.empty()) {
+    check_cuda(cudaStreamSynchronize(stream_), "entry build");  // the tables buffer is reused below
+    Tables t2;
+    const size_t o = t2.add(kvc);
+    t2.upload(tables_dev_, stream_);
+    kc::batched_copy(int(kvc.size()), t2.dev<kc::CopyDesc>(o), stream_);
+  }
+  check_cuda(cudaStreamSynchronize(stream_), "entry build");
+  out.insert(out.end(), entries.begin(), entries.end());
+}
+
+}  // namespace hypic::engine::cuda::impl

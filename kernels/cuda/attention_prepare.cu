@@ -1,0 +1,310 @@
+// The steps around attention (see attention.h): attention_prepare (q/k zero-centred RMSNorm, partial NeoX RoPE,
+// K/V written into the paged pool) and kv_import (cached K/V rows into the pool, K re-rotated by a position delta).
+// One warp per head row.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include "kernels/cuda/attention.h"
+#include "kernels/cuda/attention_common.cuh"
+#include "kernels/cuda/cuda_check.h"
+
+namespace hypic::kernels::cuda {
+namespace {
+
+using namespace detail;
+
+// ---------------------------------------------------------------------------------------------------------
+// Row helpers of prepare / import: one warp per head row of HD elements, lane holds E = HD / 32 consecutive
+// elements, loaded and stored as one E*2-byte vector when the address allows.
+template <int E>
+struct VecOf;
+template <>
+struct VecOf<2> {
+  using T = unsigned int;
+};
+template <>
+struct VecOf<4> {
+  using T = uint2;
+};
+template <>
+struct VecOf<8> {
+  using T = uint4;
+};
+
+template <int E>
+__device__ __forceinline__ bool vec_ok(const void* p) {
+  return (reinterpret_cast<uintptr_t>(p) & (2 * E - 1)) == 0;
+}
+
+template <int E>
+__device__ __forceinline__ void load_lane(const bf16* src, float (&x)[E]) {  // src: the lane's first element
+  using V = typename VecOf<E>::T;
+  if (vec_ok<E>(src)) {
+    const V raw = *reinterpret_cast<const V*>(src);
+    const bf16* pv = reinterpret_cast<const bf16*>(&raw);
+#pragma unroll
+    for (int e = 0; e < E; ++e) x[e] = __bfloat162float(pv[e]);
+  } else {
+#pragma unroll
+    for (int e = 0; e < E; ++e) x[e] = __bfloat162float(src[e]);
+  }
+}
+
+template <int E>
+__device__ __forceinline__ void store_lane(bf16* dst, const float (&x)[E]) {
+  using V = typename VecOf<E>::T;
+  if (vec_ok<E>(dst)) {
+    V raw;
+    bf16* pv = reinterpret_cast<bf16*>(&raw);
+#pragma unroll
+    for (int e = 0; e < E; ++e) pv[e] = __float2bfloat16_rn(x[e]);
+    *reinterpret_cast<V*>(dst) = raw;
+  } else {
+#pragma unroll
+    for (int e = 0; e < E; ++e) dst[e] = __float2bfloat16_rn(x[e]);
+  }
+}
+
+template <int E>
+__device__ __forceinline__ void copy_lane(const bf16* src, bf16* dst) {  // bit-exact copy of E elements
+  using V = typename VecOf<E>::T;
+  if (vec_ok<E>(src) && vec_ok<E>(dst)) {
+    *reinterpret_cast<V*>(dst) = *reinterpret_cast<const V*>(src);
+  } else {
+#pragma unroll
+    for (int e = 0; e < E; ++e) dst[e] = src[e];
+  }
+}
+
+// NeoX rotate_half RoPE of one head row held by the warp (x: the lane's E values, elements lane*E ..),
+// by angle pos * inv_freq[i] (the product rounded to fp32), in fp32 without contraction (as the CPU
+// reference). sx: the warp's HD-float staging row.
+template <int HD>
+__device__ __forceinline__ void rope_lane(float (&x)[HD / 32], float* sx, int lane, int rot, float pos,
+                                          const float* __restrict__ inv_freq) {
+  constexpr int E = HD / 32;
+  const int half = rot / 2;
+  __syncwarp();
+#pragma unroll
+  for (int e = 0; e < E; ++e) sx[lane * E + e] = x[e];
+  __syncwarp();
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    const int jd = lane * E + e;
+    if (jd < rot) {
+      const int i = jd < half ? jd : jd - half;
+      const float ang = __fmul_rn(pos, inv_freq[i]);
+      const float cs = cosf(ang), sn = sinf(ang);
+      if (jd < half)
+        x[e] = __fsub_rn(__fmul_rn(x[e], cs), __fmul_rn(sx[jd + half], sn));
+      else
+        x[e] = __fadd_rn(__fmul_rn(x[e], cs), __fmul_rn(sx[jd - half], sn));
+    }
+  }
+}
+
+struct PrepareParams {
+  int T, num_heads, num_kv_heads, rot;
+  int q_head_stride;  // (output_gate ? 2 : 1) * HD
+  const bf16* qg;
+  const bf16* k;
+  const bf16* v;
+  long kv_in_stride;
+  const bf16* q_norm;
+  const bf16* k_norm;
+  float eps;
+  const int* positions;
+  const float* inv_freq;
+  const int* kv_rows;
+  bf16* q_out;
+  bf16* k_pool;
+  bf16* v_pool;
+};
+
+constexpr int kRowWarps = 8;  // warps per block of the row kernels
+
+template <int HD>
+__global__ void __launch_bounds__(32 * kRowWarps, 4) attn_prepare_kernel(const PrepareParams p) {
+  constexpr int E = HD / 32;
+  __shared__ float sx[kRowWarps][HD];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int heads = p.num_heads + p.num_kv_heads;
+  const long total = static_cast<long>(p.T) * heads;
+  for (long w = static_cast<long>(blockIdx.x) * kRowWarps + warp; w < total;
+       w += static_cast<long>(gridDim.x) * kRowWarps) {
+    const int t = static_cast<int>(w / heads), hh = static_cast<int>(w % heads);
+    const bf16* src;
+    const bf16* wn;
+    bf16* dst;
+    if (hh < p.num_heads) {
+      src = p.qg + (static_cast<size_t>(t) * p.num_heads + hh) * p.q_head_stride;
+      wn = p.q_norm;
+      dst = p.q_out + (static_cast<size_t>(t) * p.num_heads + hh) * HD;
+    } else {
+      const int kh = hh - p.num_heads;
+      const size_t row = static_cast<size_t>(p.kv_rows[t]);
+      src = p.k + static_cast<long>(t) * p.kv_in_stride + static_cast<long>(kh) * HD;
+      wn = p.k_norm;
+      dst = p.k_pool + (row * p.num_kv_heads + kh) * HD;
+      copy_lane<E>(p.v + static_cast<long>(t) * p.kv_in_stride + static_cast<long>(kh) * HD + lane * E,
+                   p.v_pool + (row * p.num_kv_heads + kh) * HD + lane * E);
+    }
+    float x[E], wv[E];
+    load_lane<E>(src + lane * E, x);
+    load_lane<E>(wn + lane * E, wv);
+    float ss = 0.f;
+#pragma unroll
+    for (int e = 0; e < E; ++e) ss = fmaf(x[e], x[e], ss);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+    const float inv = 1.0f / sqrtf(ss / static_cast<float>(HD) + p.eps);
+#pragma unroll
+    for (int e = 0; e < E; ++e)  // (x * inv) * (1 + w), rounded to bf16 (HF casts the norm output)
+      x[e] = __bfloat162float(__float2bfloat16_rn(__fmul_rn(__fmul_rn(x[e], inv), 1.0f + wv[e])));
+    if (p.rot > 0) rope_lane<HD>(x, sx[warp], lane, p.rot, static_cast<float>(p.positions[t]), p.inv_freq);
+    store_lane<E>(dst + lane * E, x);
+  }
+}
+
+struct ImportParams {
+  int n, num_kv_heads, rot;
+  const bf16* const* k_src;
+  const bf16* const* v_src;
+  const int* deltas;
+  const float* inv_freq;
+  const int* kv_rows;
+  bf16* k_pool;
+  bf16* v_pool;
+};
+
+template <int HD>
+__global__ void __launch_bounds__(32 * kRowWarps, 4) kv_import_kernel(const ImportParams p) {
+  constexpr int E = HD / 32;
+  __shared__ float sx[kRowWarps][HD];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const long total = static_cast<long>(p.n) * p.num_kv_heads;
+  for (long w = static_cast<long>(blockIdx.x) * kRowWarps + warp; w < total;
+       w += static_cast<long>(gridDim.x) * kRowWarps) {
+    const int i = static_cast<int>(w / p.num_kv_heads), kh = static_cast<int>(w % p.num_kv_heads);
+    const size_t row = static_cast<size_t>(p.kv_rows[i]);
+    const size_t off = (row * p.num_kv_heads + kh) * HD + lane * E;
+    const bf16* ks = p.k_src[i] + static_cast<size_t>(kh) * HD + lane * E;
+    copy_lane<E>(p.v_src[i] + static_cast<size_t>(kh) * HD + lane * E, p.v_pool + off);
+    const int delta = p.deltas[i];
+    if (delta == 0 || p.rot == 0) {  // warp-uniform
+      copy_lane<E>(ks, p.k_pool + off);
+      continue;
+    }
+    float x[E];
+    load_lane<E>(ks, x);
+    rope_lane<HD>(x, sx[warp], lane, p.rot, static_cast<float>(delta), p.inv_freq);
+    store_lane<E>(p.k_pool + off, x);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Host side.
+
+void check_rot(const char* fn, int rotary_dim, int head_dim, const float* inv_freq) {
+  if (rotary_dim < 0 || rotary_dim % 2 != 0 || rotary_dim > head_dim)
+    bad(fn, "rotary_dim " + std::to_string(rotary_dim) + " must be even and in [0, head_dim " +
+                std::to_string(head_dim) + "]");
+  if (rotary_dim > 0 && !inv_freq) bad(fn, "inv_freq is null (rotary_dim " + std::to_string(rotary_dim) + ")");
+}
+
+int row_grid(long warps) {
+  const long blocks = (warps + kRowWarps - 1) / kRowWarps;
+  return static_cast<int>(std::min(blocks, 16L * sm_count()));
+}
+
+}  // namespace
+
+void attention_prepare(int T, int num_heads, int num_kv_heads, int head_dim, int rotary_dim, bool output_gate,
+                       const bf16* qg, const bf16* k, const bf16* v, long kv_in_stride, const bf16* q_norm,
+                       const bf16* k_norm, float eps, const int* positions, const float* inv_freq, const int* kv_rows,
+                       bf16* q_out, bf16* k_pool, bf16* v_pool, cudaStream_t stream) {
+  const char* fn = "attention_prepare";
+  if (T < 0) bad(fn, "T " + std::to_string(T) + " is negative");
+  check_heads(fn, num_heads, num_kv_heads);
+  check_head_dim(fn, head_dim);
+  check_rot(fn, rotary_dim, head_dim, inv_freq);
+  if (kv_in_stride < static_cast<long>(num_kv_heads) * head_dim)
+    bad(fn, "kv_in_stride " + std::to_string(kv_in_stride) + " is smaller than num_kv_heads * head_dim");
+  if (T == 0) return;
+  check_ptr(fn, qg, "qg");
+  check_ptr(fn, k, "k");
+  check_ptr(fn, v, "v");
+  check_ptr(fn, q_norm, "q_norm");
+  check_ptr(fn, k_norm, "k_norm");
+  if (rotary_dim > 0) check_ptr(fn, positions, "positions");
+  check_ptr(fn, kv_rows, "kv_rows");
+  check_ptr(fn, q_out, "q_out");
+  check_ptr(fn, k_pool, "k_pool");
+  check_ptr(fn, v_pool, "v_pool");
+  PrepareParams p{};
+  p.T = T;
+  p.num_heads = num_heads;
+  p.num_kv_heads = num_kv_heads;
+  p.rot = rotary_dim;
+  p.q_head_stride = (output_gate ? 2 : 1) * head_dim;
+  p.qg = qg;
+  p.k = k;
+  p.v = v;
+  p.kv_in_stride = kv_in_stride;
+  p.q_norm = q_norm;
+  p.k_norm = k_norm;
+  p.eps = eps;
+  p.positions = positions;
+  p.inv_freq = inv_freq;
+  p.kv_rows = kv_rows;
+  p.q_out = q_out;
+  p.k_pool = k_pool;
+  p.v_pool = v_pool;
+  const int grid = row_grid(static_cast<long>(T) * (num_heads + num_kv_heads));
+  switch (head_dim) {
+    case 64: attn_prepare_kernel<64><<<grid, 32 * kRowWarps, 0, stream>>>(p); break;
+    case 128: attn_prepare_kernel<128><<<grid, 32 * kRowWarps, 0, stream>>>(p); break;
+    default: attn_prepare_kernel<256><<<grid, 32 * kRowWarps, 0, stream>>>(p); break;
+  }
+  check_cuda(cudaGetLastError(), "attn_prepare_kernel launch");
+}
+
+void kv_import(int n, int num_kv_heads, int head_dim, int rotary_dim, const bf16* const* k_src,
+               const bf16* const* v_src, const int* deltas, const float* inv_freq, const int* kv_rows, bf16* k_pool,
+               bf16* v_pool, cudaStream_t stream) {
+  const char* fn = "kv_import";
+  if (n < 0) bad(fn, "n " + std::to_string(n) + " is negative");
+  if (num_kv_heads <= 0) bad(fn, "num_kv_heads " + std::to_string(num_kv_heads) + " must be positive");
+  check_head_dim(fn, head_dim);
+  check_rot(fn, rotary_dim, head_dim, inv_freq);
+  if (n == 0) return;
+  check_ptr(fn, k_src, "k_src");
+  check_ptr(fn, v_src, "v_src");
+  check_ptr(fn, deltas, "deltas");
+  check_ptr(fn, kv_rows, "kv_rows");
+  check_ptr(fn, k_pool, "k_pool");
+  check_ptr(fn, v_pool, "v_pool");
+  ImportParams p{};
+  p.n = n;
+  p.num_kv_heads = num_kv_heads;
+  p.rot = rotary_dim;
+  p.k_src = k_src;
+  p.v_src = v_src;
+  p.deltas = deltas;
+  p.inv_freq = inv_freq;
+  p.kv_rows = kv_rows;
+  p.k_pool = k_pool;
+  p.v_pool = v_pool;
+  const int grid = row_grid(static_cast<long>(n) * num_kv_heads);
+  switch (head_dim) {
+    case 64: kv_import_kernel<64><<<grid, 32 * kRowWarps, 0, stream>>>(p); break;
+    case 128: kv_import_kernel<128><<<grid, 32 * kRowWarps, 0, stream>>>(p); break;
+    default: kv_import_kernel<256><<<grid, 32 * kRowWarps, 0, stream>>>(p); break;
+  }
+  check_cuda(cudaGetLastError(), "kv_import_kernel launch");
+}
+
+}  // namespace hypic::kernels::cuda

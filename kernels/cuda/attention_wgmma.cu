@@ -1,0 +1,317 @@
+// The long-group path of attention_prefill on Hopper's warpgroup tensor-core instructions (sm_90a: wgmma.mma_async
+// with shared-memory descriptors), in the manner of FlashAttention-3 (Shah et al. 2024, section 3.1, without its
+// warp specialization): a block takes a 128-row query tile of one head (two warpgroups of 64 rows) and walks the
+// 64-slot KV tiles (one page each) of its group up to the causal diagonal. S = Q K^T is one m64n64k16 wgmma per 16
+// head dims with Q and K read from shared memory; P stays in registers (the accumulator layout is the A-fragment
+// layout) for O += P V, m64n{HD}k16 wgmmas with V read N-major from shared memory. K and V are double buffered with
+// cp.async; Q and every tile are stored in the 128-byte-swizzled layout the descriptors name (PTX ISA,
+// "Shared Memory Matrix Layout", K-major and MN-major 128B swizzling). The softmax, masking and epilogue are
+// attention_common.cuh's, so rows, numerics and the gate are those of attn_prefill_kernel (attention.cu); only
+// the fp32 summation order inside the tensor-core products differs.
+//
+// Built for sm_90a only (kernels/cuda/CMakeLists.txt); attention.cu calls it on compute capability 9.0 devices.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+
+#include "kernels/cuda/attention_common.cuh"
+#include "kernels/cuda/cuda_check.h"
+
+namespace hypic::kernels::cuda::detail {
+namespace {
+
+// kPipe: the P.V product of tile j - 1 runs while the softmax of tile j is computed (FlashAttention-3's intra-warpgroup
+// pipelining, section 3.2), which keeps V of three tiles resident (j - 1 in use, j landed, j + 1 loading).
+template <int HD, bool kPipe>
+struct WgmmaCfg {
+  static constexpr int kWarpgroups = 2;
+  static constexpr int kThreads = 128 * kWarpgroups;
+  static constexpr int kBM = 64 * kWarpgroups;          // query rows per block
+  static constexpr int kUnits = HD / 8;                 // 16-byte units per row
+  static constexpr int kQBytes = kBM * HD * 2;
+  static constexpr int kTileBytes = kBN * HD * 2;       // one K or one V tile
+  static constexpr int kVBufs = kPipe ? 3 : 2;
+  static constexpr int kSmem = kQBytes + (2 + kVBufs) * kTileBytes + 1024;  // + slack for the 1024-byte alignment
+};
+static_assert(WgmmaCfg<256, true>::kSmem <= 227 * 1024, "wgmma prefill smem");
+
+// Byte offset of 16-byte unit `unit` (head dims 8 unit .. 8 unit + 7) of row `row` in a [ROWS][HD] bf16 tile stored
+// as HD / 64 column chunks of [ROWS][128 bytes], the unit's position within its 128-byte row XOR-ed with row % 8
+// (the 128-byte swizzle: chunks start on 1024-byte boundaries since ROWS % 8 == 0).
+template <int ROWS>
+__device__ __forceinline__ uint32_t sw128(int row, int unit) {
+  return static_cast<uint32_t>((unit >> 3) * (ROWS * 128) + row * 128 + (((unit & 7) ^ (row & 7)) << 4));
+}
+
+// A wgmma shared-memory matrix descriptor with 128-byte swizzling: start address, leading and stride byte offsets.
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t saddr, uint32_t lbo, uint32_t sbo) {
+  return static_cast<uint64_t>((saddr & 0x3FFFF) >> 4) | (static_cast<uint64_t>((lbo & 0x3FFFF) >> 4) << 16) |
+         (static_cast<uint64_t>((sbo & 0x3FFFF) >> 4) << 32) | (uint64_t{1} << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Shared memory written through the generic proxy (cp.async, plain stores) is read next by wgmma (async proxy).
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Keeps the compiler from moving accumulator registers across an asynchronous wgmma's issue and wait.
+template <int N>
+__device__ __forceinline__ void pin(float (&d)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[i][e])::"memory");
+}
+
+// d (64 x 64 fp32, accumulator layout) = (scale_d ? d : 0) + A (64 x 16, K-major in shared memory, descriptor da)
+// * B (16 x 64, K-major in shared memory, descriptor db): wgmma.mma_async m64n64k16, bf16 in, fp32 accumulate.
+// Issued, not waited for.
+__device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[8][4], uint64_t da, uint64_t db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+
+// d (64 x 128 fp32, accumulator layout) += A (64 x 16 bf16 in registers, the mma.m16n8k16 A-fragment layout per
+// warp) * B (16 x 128, MN-major in shared memory, descriptor db): wgmma.mma_async m64n128k16 with trans-b. Issued,
+// not waited for.
+__device__ __forceinline__ void wgmma_m64n128k16_rs_tb(float (&d)[16][4], const uint32_t (&a)[4], uint64_t db) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64,%65,%66,%67}, %68, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+
+// d (64 x 256 fp32, accumulator layout) += A (64 x 16 bf16 in registers, the mma.m16n8k16 A-fragment layout per
+// warp) * B (16 x 256, MN-major in shared memory, descriptor db): wgmma.mma_async m64n256k16 with trans-b. Issued,
+// not waited for.
+__device__ __forceinline__ void wgmma_m64n256k16_rs_tb(float (&d)[32][4], const uint32_t (&a)[4], uint64_t db) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127}, {%128,%129,%130,%131}, %132, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3]), "+f"(d[16][0]), "+f"(d[16][1]), "+f"(d[16][2]), "+f"(d[16][3]), "+f"(d[17][0]), "+f"(d[17][1]), "+f"(d[17][2]), "+f"(d[17][3]), "+f"(d[18][0]), "+f"(d[18][1]), "+f"(d[18][2]), "+f"(d[18][3]), "+f"(d[19][0]), "+f"(d[19][1]), "+f"(d[19][2]), "+f"(d[19][3]), "+f"(d[20][0]), "+f"(d[20][1]), "+f"(d[20][2]), "+f"(d[20][3]), "+f"(d[21][0]), "+f"(d[21][1]), "+f"(d[21][2]), "+f"(d[21][3]), "+f"(d[22][0]), "+f"(d[22][1]), "+f"(d[22][2]), "+f"(d[22][3]), "+f"(d[23][0]), "+f"(d[23][1]), "+f"(d[23][2]), "+f"(d[23][3]), "+f"(d[24][0]), "+f"(d[24][1]), "+f"(d[24][2]), "+f"(d[24][3]), "+f"(d[25][0]), "+f"(d[25][1]), "+f"(d[25][2]), "+f"(d[25][3]), "+f"(d[26][0]), "+f"(d[26][1]), "+f"(d[26][2]), "+f"(d[26][3]), "+f"(d[27][0]), "+f"(d[27][1]), "+f"(d[27][2]), "+f"(d[27][3]), "+f"(d[28][0]), "+f"(d[28][1]), "+f"(d[28][2]), "+f"(d[28][3]), "+f"(d[29][0]), "+f"(d[29][1]), "+f"(d[29][2]), "+f"(d[29][3]), "+f"(d[30][0]), "+f"(d[30][1]), "+f"(d[30][2]), "+f"(d[30][3]), "+f"(d[31][0]), "+f"(d[31][1]), "+f"(d[31][2]), "+f"(d[31][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+
+template <int HD>
+__device__ __forceinline__ void wgmma_pv(float (&o)[HD / 8][4], const uint32_t (&a)[4], uint64_t db) {
+  if constexpr (HD == 256)
+    wgmma_m64n256k16_rs_tb(o, a, db);
+  else
+    wgmma_m64n128k16_rs_tb(o, a, db);
+}
+
+// K and V of KV tile `tile` into the swizzled buffers at sK / sV; slots beyond last_slot are zero-filled.
+template <int HD>
+__device__ __forceinline__ void load_kv_tile_sw(unsigned char* sK, unsigned char* sV, const AttnParams& p,
+                                                const int* bt, int tile, int last_slot, int kvh, int tid) {
+  using C = WgmmaCfg<HD, false>;
+  const int slot_base = tile * kBN;
+  const size_t page_row0 = static_cast<size_t>(bt[tile]) * kBN;
+  static_assert((kBN * C::kUnits) % C::kThreads == 0, "whole passes");
+#pragma unroll
+  for (int it = 0; it < kBN * C::kUnits / C::kThreads; ++it) {
+    const int i = tid + it * C::kThreads, r = i / C::kUnits, u = i % C::kUnits;
+    const uint32_t so = sw128<kBN>(r, u);
+    if (slot_base + r <= last_slot) {
+      const size_t off = ((page_row0 + r) * p.num_kv_heads + kvh) * HD + u * 8;
+      cp_async16(sK + so, p.k_pool + off);
+      cp_async16(sV + so, p.v_pool + off);
+    } else {
+      *reinterpret_cast<uint4*>(sK + so) = make_uint4(0, 0, 0, 0);
+      *reinterpret_cast<uint4*>(sV + so) = make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
+// Grid and skipping as attn_prefill_kernel: (num_heads, num_groups, query tiles counted from the last one).
+template <int HD, bool kSkipSplit, bool kPipe>
+__global__ void __launch_bounds__(WgmmaCfg<HD, kPipe>::kThreads, 1)
+    attn_prefill_wgmma_kernel(const AttnParams p, int split_max_q) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using C = WgmmaCfg<HD, kPipe>;
+  constexpr int kBM = C::kBM;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  unsigned char* sQ = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
+  unsigned char* sK0 = sQ + C::kQBytes;           // K buffers 0, 1
+  unsigned char* sV0 = sK0 + 2 * C::kTileBytes;   // V buffers 0 .. kVBufs - 1
+
+  PrefillTile t;
+  if (!prefill_tile<kBM, kSkipSplit>(p, split_max_q, t)) return;
+  const int h = t.h, qs = t.qs, len = t.len, m0 = t.m0, s0 = t.s0, rows = t.rows, last_slot = t.last_slot;
+  const int n_tiles = t.n_tiles, kvh = t.kvh;
+  const int* bt = t.bt;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
+
+  // Q tile (rows past the group: zeros) and KV tile 0: one commit group.
+  {
+    const bf16* q0 = p.q + (static_cast<size_t>(qs + m0) * p.num_heads + h) * HD;
+#pragma unroll 4
+    for (int it = 0; it < kBM * C::kUnits / C::kThreads; ++it) {
+      const int i = tid + it * C::kThreads, r = i / C::kUnits, u = i % C::kUnits;
+      unsigned char* dst = sQ + sw128<kBM>(r, u);
+      if (r < rows)
+        cp_async16(dst, q0 + static_cast<size_t>(r) * p.num_heads * HD + u * 8);
+      else
+        *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+    }
+  }
+  load_kv_tile_sw<HD>(sK0, sV0, p, bt, 0, last_slot, kvh, tid);
+  cp_async_commit();
+
+  float o[HD / 8][4];
+#pragma unroll
+  for (int dt = 0; dt < HD / 8; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  const int g = lane >> 2, c2 = (lane & 3) * 2;
+  const int wq0 = m0 + warp * 16;  // group-local query of the warp's row 0 (warpgroup wg holds rows 64 wg ..)
+  const bool wg_active = m0 + wg * 64 < len;
+  // KV tiles the warpgroup computes: 0 .. n_wg - 1 (the rest lie above its last row's diagonal).
+  const int n_wg = min(n_tiles, (s0 + m0 + wg * 64 + 63) / kBN + 1);
+  const int wlim_lo = s0 + wq0;
+  const int lim0 = wlim_lo + g, lim1 = lim0 + 8;
+  const uint32_t q_addr = smem_addr(sQ) + wg * 64 * 128;
+  uint32_t pa[4][4];  // kPipe: P of the previous tile, waiting for its P.V product
+
+  // O += P V_t: V of tile t from its buffer; N spans the HD / 64 column chunks, 16 slots per wgmma.
+  auto issue_pv = [&](int t) {
+    const uint32_t v_addr = smem_addr(sV0) + (t % C::kVBufs) * C::kTileBytes;
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) wgmma_pv<HD>(o, pa[kk], sw128_desc(v_addr + kk * 16 * 128, kBN * 128, 1024));
+  };
+
+  for (int j = 0; j < n_tiles; ++j) {
+    if (j + 1 < n_tiles)
+      load_kv_tile_sw<HD>(sK0 + ((j + 1) & 1) * C::kTileBytes, sV0 + ((j + 1) % C::kVBufs) * C::kTileBytes, p, bt,
+                          j + 1, last_slot, kvh, tid);
+    cp_async_commit();
+    cp_async_wait<1>();
+    fence_proxy_async();
+    __syncthreads();
+    const int n0 = j * kBN;
+    if (wg_active && j < n_wg) {  // warpgroup-uniform: wgmma needs all 128 threads
+      const uint32_t k_addr = smem_addr(sK0) + (j & 1) * C::kTileBytes;
+      float s[8][4];
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < HD / 16; ++kk) {
+        const uint64_t da = sw128_desc(q_addr + (kk >> 2) * (kBM * 128) + (kk & 3) * 32, 16, 1024);
+        const uint64_t db = sw128_desc(k_addr + (kk >> 2) * (kBN * 128) + (kk & 3) * 32, 16, 1024);
+        wgmma_m64n64k16_ss(s, da, db, kk > 0);
+      }
+      wgmma_commit();
+      float alpha[2];
+      if constexpr (kPipe) {
+        if (j > 0) {  // P.V of the previous tile beside this tile's softmax
+          issue_pv(j - 1);
+          wgmma_commit();
+          asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");  // S landed; P.V may still run
+        } else {
+          wgmma_wait_all();
+        }
+        pin<8>(s);
+        softmax_tile<8>(s, pa, m, l, alpha, p.scale_log2, n0 + kBN - 1 > wlim_lo, n0, c2, lim0, lim1);
+        wgmma_wait_all();
+        pin<HD / 8>(o);
+        rescale_rows<HD / 8>(o, alpha);
+      } else {
+        wgmma_wait_all();
+        pin<8>(s);
+        softmax_tile<8>(s, pa, m, l, alpha, p.scale_log2, n0 + kBN - 1 > wlim_lo, n0, c2, lim0, lim1);
+        rescale_rows<HD / 8>(o, alpha);
+        pin<HD / 8>(o);
+        wgmma_fence();
+        issue_pv(j);
+        wgmma_commit();
+        wgmma_wait_all();
+        pin<HD / 8>(o);
+      }
+    } else if (kPipe && wg_active && j == n_wg) {  // the warpgroup's last P.V
+      wgmma_fence();
+      issue_pv(j - 1);
+      wgmma_commit();
+      wgmma_wait_all();
+      pin<HD / 8>(o);
+    }
+    __syncthreads();  // the buffers of tile j - 1 are refilled by the next iteration's prefetch
+  }
+  cp_async_wait<0>();
+  if (kPipe && wg_active && n_wg == n_tiles) {
+    wgmma_fence();
+    issue_pv(n_tiles - 1);
+    wgmma_commit();
+    wgmma_wait_all();
+    pin<HD / 8>(o);
+  }
+  if (wq0 < len) write_prefill_rows<HD>(p, o, l, qs, wq0, len, h, lane);
+#else
+  __trap();  // built for sm_90a only; launch_prefill_wgmma checks the device
+#endif
+}
+
+template <int HD, bool kPipe>
+void launch_hd(const AttnParams& p, int num_groups, int max_q, int split_max_q, cudaStream_t stream) {
+  using C = WgmmaCfg<HD, kPipe>;
+  static DeviceOnce once;
+  once.run(current_device(), [](int) {
+    const std::string name = "attn_prefill_wgmma_kernel<" + std::to_string(HD) + (kPipe ? ", pipelined>" : ">");
+    check_cuda(cudaFuncSetAttribute(attn_prefill_wgmma_kernel<HD, false, kPipe>,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem),
+               "cudaFuncSetAttribute(" + name + ")");
+    check_cuda(cudaFuncSetAttribute(attn_prefill_wgmma_kernel<HD, true, kPipe>,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem),
+               "cudaFuncSetAttribute(" + name + ", skip)");
+    return 0;
+  });
+  const dim3 grid(p.num_heads, num_groups, static_cast<unsigned>((max_q + C::kBM - 1) / C::kBM));
+  if (split_max_q > 0)
+    attn_prefill_wgmma_kernel<HD, true, kPipe><<<grid, C::kThreads, C::kSmem, stream>>>(p, split_max_q);
+  else
+    attn_prefill_wgmma_kernel<HD, false, kPipe><<<grid, C::kThreads, C::kSmem, stream>>>(p, 0);
+  check_cuda(cudaGetLastError(), "attn_prefill_wgmma_kernel<" + std::to_string(HD) + "> launch");
+}
+
+// HYPIC_ATTN_WGMMA: unset or "2" = pipelined (default), "1" = not pipelined, "0" = off (read once).
+int wgmma_mode() {
+  static const int mode = [] {
+    const char* e = std::getenv("HYPIC_ATTN_WGMMA");
+    if (!e || !*e) return 2;
+    const std::string v(e);
+    return v == "0" ? 0 : v == "1" ? 1 : 2;
+  }();
+  return mode;
+}
+
+}  // namespace
+
+bool wgmma_prefill_available(int head_dim) {
+  if (wgmma_mode() == 0 || (head_dim != 128 && head_dim != 256)) return false;
+  static DeviceOnce once;
+  return once.run(current_device(), [](int d) {
+           int major = 0, minor = 0;
+           check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d), "compute capability");
+           check_cuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, d), "compute capability");
+           return major == 9 && minor == 0 ? 1 : 0;
+         }) == 1;
+}
+
+void launch_prefill_wgmma(const AttnParams& p, int head_dim, int num_groups, int max_q, int split_max_q,
+                          cudaStream_t stream) {
+  const bool pipe = wgmma_mode() == 2;
+  if (head_dim == 256)
+    pipe ? launch_hd<256, true>(p, num_groups, max_q, split_max_q, stream)
+         : launch_hd<256, false>(p, num_groups, max_q, split_max_q, stream);
+  else
+    pipe ? launch_hd<128, true>(p, num_groups, max_q, split_max_q, stream)
+         : launch_hd<128, false>(p, num_groups, max_q, split_max_q, stream);
+}
+
+}  // namespace hypic::kernels::cuda::detail
