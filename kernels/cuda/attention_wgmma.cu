@@ -218,10 +218,16 @@ __global__ void __launch_bounds__(WgmmaCfg<HD, kPipe>::kThreads, 1)
           wgmma_wait_all();
         }
         pin<8>(s);
-        softmax_tile<8>(s, pa, m, l, alpha, p.scale_log2, n0 + kBN - 1 > wlim_lo, n0, c2, lim0, lim1);
+        // P of this tile into registers of its own: the P.V in flight still reads pa.
+        uint32_t pn[4][4];
+        softmax_tile<8>(s, pn, m, l, alpha, p.scale_log2, n0 + kBN - 1 > wlim_lo, n0, c2, lim0, lim1);
         wgmma_wait_all();
         pin<HD / 8>(o);
         rescale_rows<HD / 8>(o, alpha);
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) pa[kk][e] = pn[kk][e];
       } else {
         wgmma_wait_all();
         pin<8>(s);
