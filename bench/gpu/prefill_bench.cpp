@@ -611,7 +611,7 @@ std::string markdown(const json& J) {
         << (have ? e.value("best_what", "") : e.value("best_error", "")) << " |\n";
     }
   }
-  if (J.contains("build") && J["build"].is_object()) {
+  if (J.contains("build") && J["build"].is_object() && !J["build"].empty()) {
     const json& b = J["build"];
     m << "\n## Entry build (" << b.value("segments", 0) << " segments x " << b.value("segment_tokens", 0)
       << " tokens, one build_entries call, w = " << b.value("seam_width", 0) << ")\n\n"
@@ -621,7 +621,7 @@ std::string markdown(const json& J) {
     if (b.contains("without_tc_error")) m << "\nWithout T_C: " << b["without_tc_error"].get<std::string>() << "\n";
     if (b.contains("error")) m << "\nError: " << b["error"].get<std::string>() << "\n";
   }
-  if (J.contains("splice") && J["splice"].is_object()) {
+  if (J.contains("splice") && J["splice"].is_object() && !J["splice"].empty()) {
     const json& sp = J["splice"];
     m << "\n## Warm splice (" << sp.value("segments", 0) << " cached segments x " << sp.value("segment_tokens", 0)
       << " tokens + a " << sp.value("query_tokens", 0) << "-token query, " << sp.value("mode", "") << ", w = "
@@ -644,7 +644,7 @@ std::string markdown(const json& J) {
     }
     if (sp.contains("error")) m << "\nError: " << sp["error"].get<std::string>() << "\n";
   }
-  if (J.contains("decode") && J["decode"].is_object()) {
+  if (J.contains("decode") && J["decode"].is_object() && !J["decode"].empty()) {
     const json& dc = J["decode"];
     m << "\n## Decode (Backend::decode of a batch, contexts of " << dc.value("context_tokens", 0)
       << " tokens, each a hypic splice of the cached segments + a distinct query)\n\n"

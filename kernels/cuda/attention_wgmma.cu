@@ -22,9 +22,7 @@
 namespace hypic::kernels::cuda::detail {
 namespace {
 
-// kPipe: the P.V product of tile j - 1 runs while the softmax of tile j is computed (FlashAttention-3's intra-warpgroup
-// pipelining, section 3.2), which keeps V of three tiles resident (j - 1 in use, j landed, j + 1 loading).
-template <int HD, bool kPipe>
+template <int HD>
 struct WgmmaCfg {
   static constexpr int kWarpgroups = 2;
   static constexpr int kThreads = 128 * kWarpgroups;
@@ -32,10 +30,10 @@ struct WgmmaCfg {
   static constexpr int kUnits = HD / 8;                 // 16-byte units per row
   static constexpr int kQBytes = kBM * HD * 2;
   static constexpr int kTileBytes = kBN * HD * 2;       // one K or one V tile
-  static constexpr int kVBufs = kPipe ? 3 : 2;
+  static constexpr int kVBufs = 2;
   static constexpr int kSmem = kQBytes + (2 + kVBufs) * kTileBytes + 1024;  // + slack for the 1024-byte alignment
 };
-static_assert(WgmmaCfg<256, true>::kSmem <= 227 * 1024, "wgmma prefill smem");
+static_assert(WgmmaCfg<256>::kSmem <= 227 * 1024, "wgmma prefill smem");
 
 // Byte offset of 16-byte unit `unit` (head dims 8 unit .. 8 unit + 7) of row `row` in a [ROWS][HD] bf16 tile stored
 // as HD / 64 column chunks of [ROWS][128 bytes], the unit's position within its 128-byte row XOR-ed with row % 8
@@ -113,7 +111,7 @@ __device__ __forceinline__ void wgmma_pv(float (&o)[HD / 8][4], const uint32_t (
 template <int HD>
 __device__ __forceinline__ void load_kv_tile_sw(unsigned char* sK, unsigned char* sV, const AttnParams& p,
                                                 const int* bt, int tile, int last_slot, int kvh, int tid) {
-  using C = WgmmaCfg<HD, false>;
+  using C = WgmmaCfg<HD>;
   const int slot_base = tile * kBN;
   const size_t page_row0 = static_cast<size_t>(bt[tile]) * kBN;
   static_assert((kBN * C::kUnits) % C::kThreads == 0, "whole passes");
@@ -133,11 +131,11 @@ __device__ __forceinline__ void load_kv_tile_sw(unsigned char* sK, unsigned char
 }
 
 // Grid and skipping as attn_prefill_kernel: (num_heads, num_groups, query tiles counted from the last one).
-template <int HD, bool kSkipSplit, bool kPipe>
-__global__ void __launch_bounds__(WgmmaCfg<HD, kPipe>::kThreads, 1)
+template <int HD, bool kSkipSplit>
+__global__ void __launch_bounds__(WgmmaCfg<HD>::kThreads, 1)
     attn_prefill_wgmma_kernel(const AttnParams p, int split_max_q) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using C = WgmmaCfg<HD, kPipe>;
+  using C = WgmmaCfg<HD>;
   constexpr int kBM = C::kBM;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* sQ = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
@@ -179,7 +177,7 @@ __global__ void __launch_bounds__(WgmmaCfg<HD, kPipe>::kThreads, 1)
   const int wlim_lo = s0 + wq0;
   const int lim0 = wlim_lo + g, lim1 = lim0 + 8;
   const uint32_t q_addr = smem_addr(sQ) + wg * 64 * 128;
-  uint32_t pa[4][4];  // kPipe: P of the previous tile, waiting for its P.V product
+  uint32_t pa[4][4];  // P of the tile, bf16 A fragments of the P.V product
 
   // O += P V_t: V of tile t from its buffer; N spans the HD / 64 column chunks, 16 slots per wgmma.
   auto issue_pv = [&](int t) {
@@ -209,97 +207,56 @@ __global__ void __launch_bounds__(WgmmaCfg<HD, kPipe>::kThreads, 1)
       }
       wgmma_commit();
       float alpha[2];
-      if constexpr (kPipe) {
-        if (j > 0) {  // P.V of the previous tile beside this tile's softmax
-          issue_pv(j - 1);
-          wgmma_commit();
-          asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");  // S landed; P.V may still run
-        } else {
-          wgmma_wait_all();
-        }
-        pin<8>(s);
-        // P of this tile into registers of its own: the P.V in flight still reads pa.
-        uint32_t pn[4][4];
-        softmax_tile<8>(s, pn, m, l, alpha, p.scale_log2, n0 + kBN - 1 > wlim_lo, n0, c2, lim0, lim1);
-        wgmma_wait_all();
-        pin<HD / 8>(o);
-        rescale_rows<HD / 8>(o, alpha);
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) pa[kk][e] = pn[kk][e];
-      } else {
-        wgmma_wait_all();
-        pin<8>(s);
-        softmax_tile<8>(s, pa, m, l, alpha, p.scale_log2, n0 + kBN - 1 > wlim_lo, n0, c2, lim0, lim1);
-        rescale_rows<HD / 8>(o, alpha);
-        pin<HD / 8>(o);
-        wgmma_fence();
-        issue_pv(j);
-        wgmma_commit();
-        wgmma_wait_all();
-        pin<HD / 8>(o);
-      }
-    } else if (kPipe && wg_active && j == n_wg) {  // the warpgroup's last P.V
+      wgmma_wait_all();
+      pin<8>(s);
+      softmax_tile<8>(s, pa, m, l, alpha, p.scale_log2, n0 + kBN - 1 > wlim_lo, n0, c2, lim0, lim1);
+      rescale_rows<HD / 8>(o, alpha);
+      pin<HD / 8>(o);
       wgmma_fence();
-      issue_pv(j - 1);
+      issue_pv(j);
       wgmma_commit();
       wgmma_wait_all();
       pin<HD / 8>(o);
     }
-    __syncthreads();  // the buffers of tile j - 1 are refilled by the next iteration's prefetch
+    __syncthreads();  // the buffers of tile j are refilled by the next iteration's prefetch
   }
   cp_async_wait<0>();
-  if (kPipe && wg_active && n_wg == n_tiles) {
-    wgmma_fence();
-    issue_pv(n_tiles - 1);
-    wgmma_commit();
-    wgmma_wait_all();
-    pin<HD / 8>(o);
-  }
   if (wq0 < len) write_prefill_rows<HD>(p, o, l, qs, wq0, len, h, lane);
 #else
   __trap();  // built for sm_90a only; launch_prefill_wgmma checks the device
 #endif
 }
 
-template <int HD, bool kPipe>
+template <int HD>
 void launch_hd(const AttnParams& p, int num_groups, int max_q, int split_max_q, cudaStream_t stream) {
-  using C = WgmmaCfg<HD, kPipe>;
+  using C = WgmmaCfg<HD>;
   static DeviceOnce once;
   once.run(current_device(), [](int) {
-    const std::string name = "attn_prefill_wgmma_kernel<" + std::to_string(HD) + (kPipe ? ", pipelined>" : ">");
-    check_cuda(cudaFuncSetAttribute(attn_prefill_wgmma_kernel<HD, false, kPipe>,
-                                    cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem),
+    const std::string name = "attn_prefill_wgmma_kernel<" + std::to_string(HD) + ">";
+    check_cuda(cudaFuncSetAttribute(attn_prefill_wgmma_kernel<HD, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    C::kSmem),
                "cudaFuncSetAttribute(" + name + ")");
-    check_cuda(cudaFuncSetAttribute(attn_prefill_wgmma_kernel<HD, true, kPipe>,
-                                    cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem),
+    check_cuda(cudaFuncSetAttribute(attn_prefill_wgmma_kernel<HD, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    C::kSmem),
                "cudaFuncSetAttribute(" + name + ", skip)");
     return 0;
   });
   const dim3 grid(p.num_heads, num_groups, static_cast<unsigned>((max_q + C::kBM - 1) / C::kBM));
   if (split_max_q > 0)
-    attn_prefill_wgmma_kernel<HD, true, kPipe><<<grid, C::kThreads, C::kSmem, stream>>>(p, split_max_q);
+    attn_prefill_wgmma_kernel<HD, true><<<grid, C::kThreads, C::kSmem, stream>>>(p, split_max_q);
   else
-    attn_prefill_wgmma_kernel<HD, false, kPipe><<<grid, C::kThreads, C::kSmem, stream>>>(p, 0);
+    attn_prefill_wgmma_kernel<HD, false><<<grid, C::kThreads, C::kSmem, stream>>>(p, 0);
   check_cuda(cudaGetLastError(), "attn_prefill_wgmma_kernel<" + std::to_string(HD) + "> launch");
-}
-
-// HYPIC_ATTN_WGMMA: unset or "2" = pipelined (default), "1" = not pipelined, "0" = off (read once).
-int wgmma_mode() {
-  static const int mode = [] {
-    const char* e = std::getenv("HYPIC_ATTN_WGMMA");
-    if (!e || !*e) return 2;
-    const std::string v(e);
-    return v == "0" ? 0 : v == "1" ? 1 : 2;
-  }();
-  return mode;
 }
 
 }  // namespace
 
 bool wgmma_prefill_available(int head_dim) {
-  if (wgmma_mode() == 0 || (head_dim != 128 && head_dim != 256)) return false;
+  static const bool enabled = [] {
+    const char* e = std::getenv("HYPIC_ATTN_WGMMA");
+    return !(e && std::string(e) == "0");
+  }();
+  if (!enabled || (head_dim != 128 && head_dim != 256)) return false;
   static DeviceOnce once;
   return once.run(current_device(), [](int d) {
            int major = 0, minor = 0;
@@ -311,13 +268,10 @@ bool wgmma_prefill_available(int head_dim) {
 
 void launch_prefill_wgmma(const AttnParams& p, int head_dim, int num_groups, int max_q, int split_max_q,
                           cudaStream_t stream) {
-  const bool pipe = wgmma_mode() == 2;
   if (head_dim == 256)
-    pipe ? launch_hd<256, true>(p, num_groups, max_q, split_max_q, stream)
-         : launch_hd<256, false>(p, num_groups, max_q, split_max_q, stream);
+    launch_hd<256>(p, num_groups, max_q, split_max_q, stream);
   else
-    pipe ? launch_hd<128, true>(p, num_groups, max_q, split_max_q, stream)
-         : launch_hd<128, false>(p, num_groups, max_q, split_max_q, stream);
+    launch_hd<128>(p, num_groups, max_q, split_max_q, stream);
 }
 
 }  // namespace hypic::kernels::cuda::detail
