@@ -522,8 +522,8 @@ void CombineService::gather(const std::shared_ptr<Pending>& p, const v1::Combine
   auto next = std::make_shared<std::atomic<size_t>>(0);
   const int nf = std::min<int>(opt_.fetch_parallelism, int(warm.size()));
   for (int f = 0; f < nf; ++f) {
-    // The threads outlive this call (joined by run_combine's cleanup): nothing of this frame by reference.
-    fetchers.emplace_back([this, p, ctx, next, &warm] {
+    // The threads outlive this call (joined by run_combine's cleanup): by reference only what run_combine owns.
+    fetchers.emplace_back([this, p, ctx, next, &warm = fetch.warm] {
       for (size_t k; (k = next->fetch_add(1)) < warm.size() && !p->cancel->load();) {
         try {
           fetch_warm(p, warm[k], ctx);

@@ -708,6 +708,10 @@ grpc::Status GenerateCall::stream_combine(const v1::CombineRequest& creq,
   };
   if (!reader->Read(&ev) || !ev.has_started()) {
     const grpc::Status st = reader->Finish();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      combine_ctx_ = nullptr;  // cctx ends with this function
+    }
     return combine_error(st.ok() ? grpc::Status(grpc::StatusCode::INTERNAL, "stream did not start with Started") : st);
   }
   {

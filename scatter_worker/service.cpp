@@ -213,6 +213,8 @@ struct ScatterService::PrefillCall {
     grpc::Status status;
   };
   explicit PrefillCall(const hypic::v1::PrefillRequest& r) : req(r) {}
+  // The handler's request: read by the handler and the delivery thread (joined before the handler returns), never
+  // by the build callbacks, which may outlive the handler and only push().
   const hypic::v1::PrefillRequest& req;
   std::vector<rpc::Digest> digests;             // per segment of req
   std::vector<std::vector<int32_t>> ids;        // per segment of req
