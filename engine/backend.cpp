@@ -1,4 +1,5 @@
-// The backend factory and device discovery (engine/backend.h); the model-free part is in backend_ids.cpp.
+// Device discovery and entry sizes (engine/backend.h); the model-free part is in backend_ids.cpp, the factory that
+// dispatches to the CPU and CUDA backends in backend_factory.cpp.
 #include "engine/backend.h"
 
 #include <algorithm>
@@ -65,21 +66,5 @@ size_t wire_entry_bytes(const ModelConfig& config, int64_t tokens) {
 
 DeviceSpec default_device() { return cuda_available() ? DeviceSpec{BackendKind::Cuda, 0} : DeviceSpec{}; }
 
-std::unique_ptr<Backend> make_backend(const DeviceSpec& device, const std::filesystem::path& model_dir,
-                                      const BackendOptions& options) {
-  if (device.kind == BackendKind::Cpu) return CpuBackend::load(model_dir, options);
-#if defined(HYPIC_WITH_CUDA) && HYPIC_WITH_CUDA
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess) count = 0;
-  if (device.index >= count)
-    throw std::invalid_argument("device " + device.name() + ": " +
-                                (count == 0 ? std::string("no CUDA device is visible")
-                                            : "only " + std::to_string(count) + " CUDA device(s) are visible (cuda:0.." +
-                                                  "cuda:" + std::to_string(count - 1) + ")"));
-  return make_cuda_backend(device, model_dir, options);
-#else
-  throw std::invalid_argument("device " + device.name() + ": this build has no CUDA backend");
-#endif
-}
 
 }  // namespace hypic::engine
