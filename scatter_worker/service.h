@@ -14,11 +14,13 @@
 #include "hypic/v1/scatter.grpc.pb.h"
 #include "proto/rpc/entry_mac.h"
 #include "proto/rpc/server.h"
-#include "scatter_worker/nccl_links.h"
+#include "transport/nccl_links.h"
 #include "scatter_worker/shared_builds.h"
 #include "segment_cache/async_put.h"
 
 namespace hypic::worker {
+
+using transport::NcclLinks;
 
 /// Stubs of combine workers by address, created on first use and shared.
 class CombineStubs {

@@ -14,7 +14,7 @@
 #include "combine_worker/service.h"
 #include "tests/unit/cluster/combine_fixture.h"
 #include "engine/cpu_backend.h"
-#include "scatter_worker/nccl_links.h"
+#include "transport/nccl_links.h"
 #include "scatter_worker/service.h"
 #include "transport/nccl_peer.h"
 
@@ -136,21 +136,21 @@ TEST_CASE("data plane: a CPU combine worker refuses NCCL peers and NCCL deliveri
 TEST_CASE("data plane: a scatter worker's links fall back to gRPC with the reason, and ask again only later",
           "[data-plane]") {
   CombineServer c(true);
-  hypic::worker::NcclLinks::Options off;
+  hypic::transport::NcclLinks::Options off;
   off.enabled = false;
   off.disabled_reason = "the cpu-fp32 backend keeps entries in host memory";
-  hypic::worker::NcclLinks disabled(off);
+  hypic::transport::NcclLinks disabled(off);
   std::string why;
   CHECK_FALSE(disabled.get(c.s.address(), *c.s.stub, &why));
   CHECK(why == off.disabled_reason);
 
   // Enabled links to a combine worker that refuses: no link, the refusal's reason, held off for retry_after.
-  hypic::worker::NcclLinks::Options on;
+  hypic::transport::NcclLinks::Options on;
   on.enabled = true;
   on.address = "127.0.0.1:2";
   on.fingerprint = c.backend->fingerprint();
   on.retry_after = 60s;
-  hypic::worker::NcclLinks links(on);
+  hypic::transport::NcclLinks links(on);
   why.clear();
   CHECK_FALSE(links.get(c.s.address(), *c.s.stub, &why));  // never waits: the open runs in the background
   CHECK(why == "the NCCL link is being opened");

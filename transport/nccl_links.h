@@ -1,4 +1,4 @@
-// The scatter worker's side of the NCCL data plane (transport/nccl_peer.h): one two-rank communicator per combine
+// The sending side of the NCCL data plane (nccl_peer.h), as the scatter worker uses it: one two-rank communicator per combine
 // worker it delivers to, this worker being rank 1 (it sends). A link is opened in the background when a delivery
 // first asks for it, through CombineWorker.OpenPeer (the combine worker makes the unique id and is rank 0); until it
 // is up, entries go over gRPC. It then serves every delivery to that combine worker, and is dropped (ClosePeer) when
@@ -16,7 +16,7 @@
 #include "hypic/v1/combine.grpc.pb.h"
 #include "transport/nccl_peer.h"
 
-namespace hypic::worker {
+namespace hypic::transport {
 
 class NcclLinks {
  public:
@@ -40,7 +40,7 @@ class NcclLinks {
   NcclLinks& operator=(const NcclLinks&) = delete;
 
   struct Link {
-    std::shared_ptr<transport::NcclPeer> peer;
+    std::shared_ptr<NcclPeer> peer;
     uint64_t epoch = 0;
   };
   /// The link to `combine_address` if it is up; else nullopt with *why set, and the entry goes over gRPC: disabled,
@@ -76,4 +76,4 @@ class NcclLinks {
   std::map<std::string, std::shared_ptr<Entry>> links_;
 };
 
-}  // namespace hypic::worker
+}  // namespace hypic::transport

@@ -1,10 +1,10 @@
-#include "scatter_worker/nccl_links.h"
+#include "transport/nccl_links.h"
 
 #include <spdlog/spdlog.h>
 
 #include "proto/rpc/status.h"
 
-namespace hypic::worker {
+namespace hypic::transport {
 
 using Clock = std::chrono::steady_clock;
 
@@ -109,11 +109,11 @@ void NcclLinks::open(Entry* e, std::string combine_address, v1::CombineWorker::S
   req.set_scatter_address(address());
   req.set_model_fingerprint(opt_.fingerprint);
   try {
-    req.set_device_uuid(transport::device_uuid(opt_.device));
-  } catch (const transport::TransportError& err) {
+    req.set_device_uuid(device_uuid(opt_.device));
+  } catch (const TransportError& err) {
     return refuse(err.what());
   }
-  req.set_nccl_version(transport::nccl_version());
+  req.set_nccl_version(nccl_version());
   v1::OpenPeerResponse resp;
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + opt_.open_timeout);
@@ -121,12 +121,12 @@ void NcclLinks::open(Entry* e, std::string combine_address, v1::CombineWorker::S
   if (!st.ok()) return refuse("the combine worker refused a communicator: " + rpc::describe(st));
   try {
     const auto timeout = std::chrono::milliseconds(resp.join_timeout_ms() ? resp.join_timeout_ms() : 20000);
-    std::shared_ptr<transport::NcclPeer> peer = transport::NcclPeer::join(resp.unique_id(), 1, opt_.device, timeout);
+    std::shared_ptr<NcclPeer> peer = NcclPeer::join(resp.unique_id(), 1, opt_.device, timeout);
     spdlog::info("NCCL data plane to combine worker {}: communicator {} up (cuda:{}, NCCL {})", combine_address,
-                 resp.epoch(), opt_.device, transport::nccl_version());
+                 resp.epoch(), opt_.device, nccl_version());
     std::lock_guard<std::mutex> lock(e->mu);
     e->link = Link{std::move(peer), resp.epoch()};
-  } catch (const transport::TransportError& err) {
+  } catch (const TransportError& err) {
     close_peer(stub, resp.epoch());
     refuse(std::string("joining communicator ") + std::to_string(resp.epoch()) + " failed: " + err.what());
   }
@@ -150,4 +150,4 @@ void NcclLinks::drop(const std::string& combine_address, uint64_t epoch, const s
   if (stub) close_peer(stub, epoch);
 }
 
-}  // namespace hypic::worker
+}  // namespace hypic::transport
