@@ -3,8 +3,9 @@
 # with an NVIDIA GPU: first Hugging Face transformers (tools/hf_prefill_bench.py: bf16, fla GDN when --fla-path
 # is given, SDPA, grouped_mm experts; 8 layers timed, scaled to 40), then hypic's CUDA backend
 # (hypic-bench-prefill-gpu: full prefill at 4k/16k/32k with the time split by part, entry build with and
-# without T_C, the 16 x 2k hypic splice, batched decode), which merges the HF times into
-# OUT/prefill_h200.json and OUT/prefill_h200.md (command, UTC time, commit, measured ceilings, ratios).
+# without T_C, the 16 x 2k hypic splice, batched decode), which merges the HF times and the best library kernels at
+# the parts' shapes (tools/best_kernels_bench.py: cuDNN SDPA, a torch grouped_mm MoE block, fla; the parts_vs_best
+# table) into OUT/prefill_h200.json and OUT/prefill_h200.md (command, UTC time, commit, measured ceilings, ratios).
 #
 #   scripts/bench_gpu.sh --out OUT                 configure + build into build-gpu-bench/ (BUILD_DIR overrides), run
 #   scripts/bench_gpu.sh --bin DIR --out OUT       run prebuilt binaries from DIR (hypic-bench-prefill-gpu, and
@@ -14,7 +15,7 @@
 #   ... --fla-path DIR                             a flash-linear-attention checkout for the HF run (optional; without
 #                                                  it HF runs its torch GDN fallback and the report says so)
 #   ... --quick                                    quick mode for both (1 warm-up, 2 timed runs; about 2 minutes)
-#   ... --skip-hf                                  run hypic's benchmark alone (the HF columns stay empty)
+#   ... --skip-hf                                  run hypic's benchmark alone (the HF and best-kernel columns stay empty)
 #   ... --bench-args "ARGS"                        extra arguments for hypic-bench-prefill-gpu (e.g. "--reps 7")
 #   ... --hf-args "ARGS"                           extra arguments for tools/hf_prefill_bench.py (e.g. "--layers 4")
 #   ... --fixtures                                 also make the GPU tests' HF bf16 fixtures: hypic-model init of every
@@ -25,7 +26,8 @@
 #   ... --no-bench                                 run neither benchmark (with --fixtures: the fixtures alone)
 #   ... --commit SHA                               commit recorded in the results (default: git, else DIR/COMMIT)
 #   ... -h | --help                                this text
-# Writes into OUT: prefill_h200.json, prefill_h200.md, hf_prefill.json, prefill_bench.log, hf_prefill.log,
+# Writes into OUT: prefill_h200.json, prefill_h200.md, hf_prefill.json, best_kernels.json, prefill_bench.log,
+# hf_prefill.log, best_kernels.log,
 # gpu_memory.csv (nvidia-smi samples, MiB, every 500 ms). Exit status: non-zero when a benchmark failed.
 # Needs Python 3 with PyTorch and transformers for the HF run; the GPU needs about 125 GB free (hypic's backend
 # holds 65 GiB of weights and a 41 GiB KV pool for the 64 decode contexts of 32k tokens).
@@ -95,6 +97,10 @@ if ((SKIP_HF == 0 && NO_BENCH == 0)); then
   PYTHONUNBUFFERED=1 timeout -k 10 300 python3 tools/hf_prefill_bench.py --config bench/gpu/qwen3_5_35b_a3b.json \
     --out-json "$OUT/hf_prefill.json" "${fla[@]}" "${quick[@]}" $HF_ARGS 2>&1 | tee "$OUT/hf_prefill.log" || status=$?
   [[ -s "$OUT/hf_prefill.json" ]] && hf=(--hf-json "$OUT/hf_prefill.json")
+  # The best library kernels at our parts' shapes (cuDNN SDPA, a torch grouped_mm MoE block, fla): parts_vs_best.
+  PYTHONUNBUFFERED=1 timeout -k 10 240 python3 tools/best_kernels_bench.py --config bench/gpu/qwen3_5_35b_a3b.json \
+    --out-json "$OUT/best_kernels.json" "${fla[@]}" 2>&1 | tee "$OUT/best_kernels.log" || status=$?
+  [[ -s "$OUT/best_kernels.json" ]] && hf+=(--best-json "$OUT/best_kernels.json")
 fi
 if ((NO_BENCH == 0)); then
   # shellcheck disable=SC2086
