@@ -20,7 +20,8 @@
 // thread beside the others (Backend::concurrent_decode).
 //
 // Headers: this interface includes no backend and no model runtime: only the config, the entry format, the host state
-// layout (engine/model_state.h) and the splice modes (engine/splice_mode.h), so that the services that only plan
+// layout (engine/model_state.h), the splice modes (engine/splice_mode.h) and the splice planner
+// (engine/splice_schedule.h, which every backend executes), so that the services that only plan
 // (the router) compile without the CPU model (engine/model.h) or the CPU splice (engine/splice.h).
 #pragma once
 #include <atomic>
@@ -40,6 +41,7 @@
 #include "engine/model_state.h"
 #include "engine/segment.h"
 #include "engine/splice_mode.h"
+#include "engine/splice_schedule.h"
 
 namespace hypic::engine {
 
@@ -127,7 +129,16 @@ struct SplicePlan {
   /// check. Results agree with unchunked passes within the scan's rounding. 0: passes as large as the backend allows.
   int64_t max_pass_tokens = 0;
   std::function<void()> between_passes;
+  /// Called with each schedule the backend executes for this plan (the refresh's probe first, when one runs, then
+  /// the answer's), before it runs: every backend executes the schedules of the one planner (engine/splice_schedule.h),
+  /// which a test compares across backends. Optional.
+  std::function<void(const SpliceSchedule&)> on_schedule;
 };
+
+/// What the splice planner sees of a plan (engine/splice_schedule.h): mode, w, each segment's tokens (its ids, or its
+/// entry's when the ids are omitted) and whether it brings an entry, the query's length, the recompute and refresh
+/// settings. Every backend plans from it.
+SpliceShape splice_shape(const SplicePlan& plan);
 
 /// What a splice returns.
 struct SpliceOutput {

@@ -127,6 +127,7 @@ SpliceOutput CpuBackend::splice(const SplicePlan& plan) {
   req.cancel = plan.cancel;
   req.max_pass_tokens = plan.max_pass_tokens;
   req.between_passes = plan.between_passes;
+  req.on_schedule = plan.on_schedule;
   req.prefix_cache = plan.use_prefix_cache ? &prefix_ : nullptr;
   req.segments.reserve(plan.segments.size());
   for (size_t i = 0; i < plan.segments.size(); ++i) {

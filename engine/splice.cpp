@@ -2,8 +2,6 @@
 
 #include "engine/backend.h"
 
-#include <xxhash.h>
-
 #include <algorithm>
 #include <cstring>
 #include <stdexcept>
@@ -54,11 +52,11 @@ void append_entry_kv(const Model& model, ModelState& state, const SegmentEntry& 
 
 // Folds a whole segment starting at real position `base` into every linear layer: S <- T_C S + S(C|base)
 // (transition) or S <- S + S(C|base) (naive); conv state <- the segment's conv tail.
-void fold_linear(const Model& model, ModelState& state, const SegmentEntry& e, SpliceMode mode, int64_t base) {
+void fold_linear(const Model& model, ModelState& state, const SegmentEntry& e, bool naive, int64_t base) {
   for (size_t l = 0; l < e.linear.size(); ++l) {
     LinearLayerState& dst = state.linear[l];
     const std::vector<float> whole = placed_state(model, e.whole_state(static_cast<int>(l)), base);
-    if (mode == SpliceMode::Naive) {
+    if (naive) {
       for (size_t i = 0; i < whole.size(); ++i) dst.ssm[i] += whole[i];
     } else {
       compose_state(dst.ssm, e.whole_transition(static_cast<int>(l)), whole, e.geometry.d_v);
@@ -114,83 +112,75 @@ class Passes {
   bool ran_ = false;
 };
 
-// One hypic pass (DESIGN.md 3.3): the first segment's entry whole, then every later segment's seam window (or, where
-// whole[i], all of segment i) and the query as one layer-by-layer pass (Model::prefill_spans), so the weights are
-// read once per layer rather than once per span. After a seam's mixer at layer l, its segment's interior is folded
-// into layer l's state (S <- T_int S + S_int and the conv tail, or the interior's re-rotated K and V). A segment
-// without a seam (w = 0) is folded after the previous span, or up front when no span precedes it. `mass`: the
-// query's attention per KV row (PrefillOptions::attention_mass), if wanted. The request was validated by splice().
-// Chunked prefill (SpliceRequest::max_pass_tokens): the spans go in passes of at most that many tokens (a longer span
-// is cut; a span's folds follow its last piece; with all_query_logits the query stays whole), `passes` pausing before
-// each (`where` names the first pause in a cancellation's message).
-SpliceResult splice_hypic(const Model& model, const SpliceRequest& req, const std::vector<char>& whole,
-                          std::vector<float>* mass, Passes& passes, const char* where) {
-  const ModelConfig& cfg = model.config();
+// Folds interior f of a hypic schedule into layer `layer` (DESIGN.md 3.3): S <- T_int S + S(interior|base) and the
+// conv tail, or the interior's K (re-rotated to base + from + i) and V rows.
+void fold_interior_layer(const Model& model, ModelState& st, const SegmentEntry& e, const ScheduledFold& f,
+                         int layer) {
+  const ModelConfig& c = model.config();
+  if (c.layer_types[layer] == LayerType::Linear) {
+    const int li = c.linear_index(layer);
+    compose_placed(model, st.linear[li].ssm, e.linear[li].interior_transition, e.linear[li].interior_state, f.base,
+                   e.geometry.d_v);
+    st.linear[li].conv = e.linear[li].conv_tail;
+  } else {
+    append_entry_kv_layer(model, st, e, c.attention_index(layer), f.from, f.base);
+  }
+}
+
+// Folds f into every layer of `st` (ScheduledFold's kinds).
+void apply_fold(const Model& model, ModelState& st, const SegmentEntry& e, const ScheduledFold& f) {
+  using Kind = ScheduledFold::Kind;
+  switch (f.kind) {
+    case Kind::Install: install_first(model, st, e); break;
+    case Kind::Naive:
+    case Kind::Transition:
+      fold_linear(model, st, e, f.kind == Kind::Naive, f.base);
+      append_entry_kv(model, st, e, 0, f.base);
+      break;
+    case Kind::Interior:
+      for (int layer = 0; layer < model.config().num_hidden_layers; ++layer) fold_interior_layer(model, st, e, f, layer);
+      break;
+  }
+}
+
+// Executes a hypic schedule (DESIGN.md 3.3) as one layer-by-layer pass (Model::prefill_spans), so the weights are
+// read once per layer rather than once per span: the first step's folds (segment 0's install, interiors with no
+// seam before them) up front; step k's folds at layer l right after step k-1's span ran there. `mass`: the query's
+// attention per KV row (PrefillOptions::attention_mass), if wanted. Chunked prefill (SpliceRequest::max_pass_tokens):
+// the spans go in passes of at most that many tokens (a longer span is cut; a span's folds follow its last piece;
+// with all_query_logits the query stays whole), `passes` pausing before each (`where` names the first pause in a
+// cancellation's message).
+SpliceResult run_hypic(const Model& model, const SpliceRequest& req, const SpliceSchedule& sch,
+                       std::span<const int32_t> prompt, std::vector<float>* mass, Passes& passes, const char* where) {
+  const ModelConfig& c = model.config();
   SpliceResult out;
   out.state = model.initial_state();
   ModelState& st = out.state;
-  install_first(model, st, *req.segments[0].entry);
-  int64_t pos = st.num_tokens;
-  struct Fold {
-    const SegmentEntry* entry;
-    int from;      // first interior token
-    int64_t base;  // real position of the segment's first token
-  };
-  std::vector<SpanSpec> spans;
-  std::vector<std::vector<Fold>> folds_after;  // per span
-  std::vector<Fold> folds_upfront;
-  for (size_t i = 1; i < req.segments.size(); ++i) {
-    // A segment recomputed whole may come without an entry (its ids are all it needs).
-    const std::vector<int32_t>& ids = req.segments[i].ids.empty() ? req.segments[i].entry->token_ids : req.segments[i].ids;
-    const int n = static_cast<int>(ids.size());
-    const int s = whole[i] ? n : std::min(req.seam_width, n);
-    if (whole[i]) out.recomputed_segments.push_back(static_cast<int>(i));
-    if (s > 0) {
-      spans.push_back({std::span<const int32_t>(ids).subspan(0, s), pos});
-      folds_after.emplace_back();
-      out.computed_tokens += s;
-    }
-    if (n > s) (spans.empty() ? folds_upfront : folds_after.back()).push_back({req.segments[i].entry.get(), s, pos});
-    pos += n;
-  }
-  const size_t query_span = spans.size();
-  spans.push_back({req.query, pos});
-  folds_after.emplace_back();
-
-  const ModelConfig& c = cfg;
-  auto apply_fold = [&](const Fold& f, int layer) {
-    if (c.layer_types[layer] == LayerType::Linear) {
-      const int li = c.linear_index(layer);
-      compose_placed(model, st.linear[li].ssm, f.entry->linear[li].interior_transition,
-                     f.entry->linear[li].interior_state, f.base, f.entry->geometry.d_v);
-      st.linear[li].conv = f.entry->linear[li].conv_tail;
-    } else {
-      append_entry_kv_layer(model, st, *f.entry, c.attention_index(layer), f.from, f.base);
-    }
-  };
-  for (const Fold& f : folds_upfront)
-    for (int layer = 0; layer < c.num_hidden_layers; ++layer) apply_fold(f, layer);
+  auto entry = [&](const ScheduledFold& f) -> const SegmentEntry& { return *req.segments[size_t(f.segment)].entry; };
+  for (const ScheduledFold& f : sch.steps[0].folds) apply_fold(model, st, entry(f), f);
+  const size_t query_span = sch.steps.size() - 1;
   if (req.keep_context_state) out.context_states.resize(st.linear.size());
   if (req.keep_context_state && query_span == 0)
     for (size_t l = 0; l < st.linear.size(); ++l) out.context_states[l] = st.linear[l].ssm;
   const SpanLayerHook hook = [&](size_t span, int layer, ModelState&) {
-    for (const Fold& f : folds_after[span]) apply_fold(f, layer);
+    if (span + 1 < sch.steps.size())  // the next step's folds (interiors) follow this span at every layer
+      for (const ScheduledFold& f : sch.steps[span + 1].folds) fold_interior_layer(model, st, entry(f), f, layer);
     if (req.keep_context_state && span + 1 == query_span && c.layer_types[layer] == LayerType::Linear) {
       const int li = c.linear_index(layer);
       out.context_states[li] = st.linear[li].ssm;
     }
   };
   struct Piece {
-    size_t span;  // index into spans
+    size_t span;  // index into the steps
     SpanSpec spec;
     bool last;  // the span's last piece: its folds and snapshot follow it
   };
   std::vector<std::vector<Piece>> groups(1);
   const int64_t cap = req.max_pass_tokens;
   int64_t used = 0;
-  for (size_t i = 0; i < spans.size(); ++i) {
-    std::span<const int32_t> ids = spans[i].ids;
-    int64_t at = spans[i].start_position;
+  for (size_t i = 0; i < sch.steps.size(); ++i) {
+    std::span<const int32_t> ids = prompt.subspan(size_t(sch.steps[i].position), size_t(sch.steps[i].tokens));
+    int64_t at = sch.steps[i].position;
     const bool whole_span = cap <= 0 || (i == query_span && req.all_query_logits);
     while (!whole_span && int64_t(ids.size()) > cap - used) {
       const size_t head = size_t(std::max<int64_t>(cap - used, 0));
@@ -219,10 +209,36 @@ SpliceResult splice_hypic(const Model& model, const SpliceRequest& req, const st
     passes.next(g == 0 ? where : "between two of its passes");
     r = model.prefill_spans(st, specs, group_hook, opt);
   }
-  out.computed_tokens += static_cast<int64_t>(req.query.size());
   out.logits = std::move(r.logits);
-  out.num_tokens = pos + static_cast<int64_t>(req.query.size());
-  st.num_tokens = out.num_tokens;
+  return out;
+}
+
+// Executes a full / prefix / naive / transition schedule: each step's folds into every layer, then its span as
+// Model::prefill passes (SpliceRequest::max_pass_tokens), storing prefix checkpoints after checkpoint steps; the
+// state starts from `restored` (prefix mode's checkpoint) when given.
+SpliceResult run_steps(const Model& model, const SpliceRequest& req, const SpliceSchedule& sch,
+                       std::span<const int32_t> prompt, std::shared_ptr<const ModelState> restored,
+                       std::span<const SegmentDigest> chains, Passes& passes) {
+  SpliceResult out;
+  out.state = restored ? *restored : model.initial_state();
+  ModelState& st = out.state;
+  PrefillOptions no_logits;  // segments only move the state; the query's logits are the output
+  no_logits.skip_logits = true;
+  PrefillOptions query_opt;
+  query_opt.all_logits = req.all_query_logits;
+  for (size_t k = 0; k < sch.steps.size(); ++k) {
+    const ScheduledStep& step = sch.steps[k];
+    const bool query = k + 1 == sch.steps.size();
+    for (const ScheduledFold& f : step.folds) apply_fold(model, st, *req.segments[size_t(f.segment)].entry, f);
+    if (!step.folds.empty()) st.num_tokens = step.position;
+    if (query && req.keep_context_state)
+      for (const auto& l : st.linear) out.context_states.push_back(l.ssm);
+    PrefillResult r = passes.prefill(model, st, prompt.subspan(size_t(step.position), size_t(step.tokens)),
+                                     step.position, query ? query_opt : no_logits);
+    if (query) out.logits = std::move(r.logits);
+    if (step.checkpoint_segment >= 0 && req.prefix_cache)
+      req.prefix_cache->put(chains[size_t(step.checkpoint_segment)], st);
+  }
   return out;
 }
 
@@ -350,19 +366,6 @@ std::vector<SegmentEntry> build_segment_entries(const Model& model, std::span<co
   return build_entries(model, ids, seam_widths, "build_segment_entries");
 }
 
-SegmentDigest chain_digest(const SegmentDigest& prev, std::span<const int32_t> ids) {
-  XXH3_state_t* s = XXH3_createState();
-  XXH3_128bits_reset(s);
-  XXH3_128bits_update(s, prev.data(), prev.size());
-  XXH3_128bits_update(s, ids.data(), ids.size() * sizeof(int32_t));
-  const XXH128_hash_t h = XXH3_128bits_digest(s);
-  XXH3_freeState(s);
-  XXH128_canonical_t c;
-  XXH128_canonicalFromHash(&c, h);
-  SegmentDigest d;
-  std::memcpy(d.data(), c.digest, 16);
-  return d;
-}
 
 // ---- prefix cache --------------------------------------------------------------------------------------
 
@@ -418,180 +421,89 @@ size_t PrefixStateCache::entries() const {
 
 // ---- splice --------------------------------------------------------------------------------------------
 
-void check_recompute_request(SpliceMode mode, std::span<const int> recompute_segments, int refresh_segments,
-                             int refresh_tail, size_t num_segments) {
-  if ((!recompute_segments.empty() || refresh_segments != 0 || refresh_tail != 0) && mode != SpliceMode::Hypic)
-    throw std::invalid_argument(
-        std::string("splice: recompute_segments / refresh_segments / refresh_tail apply to mode hypic, not ") +
-        splice_mode_name(mode));
-  if (refresh_segments < 0)
-    throw std::invalid_argument("splice: refresh_segments must be >= 0, got " + std::to_string(refresh_segments));
-  if (refresh_tail < 0)
-    throw std::invalid_argument("splice: refresh_tail must be >= 0, got " + std::to_string(refresh_tail));
-  std::vector<char> seen(num_segments, 0);
-  for (int i : recompute_segments) {
-    if (i < 1 || static_cast<size_t>(i) >= num_segments)
-      throw std::invalid_argument("splice: recompute_segments index " + std::to_string(i) + " is outside [1, " +
-                                  std::to_string(num_segments) + ") (segment 0 is always exact)");
-    if (seen[static_cast<size_t>(i)]++)
-      throw std::invalid_argument("splice: recompute_segments lists segment " + std::to_string(i) + " twice");
-  }
-}
 
-std::vector<char> whole_segments_before_refresh(std::span<const int> recompute_segments, int refresh_tail,
-                                                size_t num_segments) {
-  std::vector<char> whole(num_segments, 0);
-  for (int i : recompute_segments) whole[static_cast<size_t>(i)] = 1;
-  const size_t tail = static_cast<size_t>(std::max(refresh_tail, 0));
-  for (size_t i = num_segments > tail ? num_segments - tail : 0; i < num_segments; ++i)
-    if (i >= 1) whole[i] = 1;
-  return whole;
-}
 
-std::vector<int> choose_refresh_segments(std::span<const float> mass, std::span<const int64_t> segment_tokens,
-                                         int seam_width, std::span<const char> whole, int k) {
-  std::vector<std::pair<double, int>> ranked;
-  int64_t start = 0;
-  for (size_t i = 0; i < segment_tokens.size(); ++i) {
-    const int64_t n = segment_tokens[i];
-    const int64_t from = std::min<int64_t>(std::max(seam_width, 0), n);  // first interior token
-    if (i >= 1 && !(i < whole.size() && whole[i]) && from < n) {  // (no interior: the seam recomputes it whole)
-      double m = 0.0;
-      const int64_t end = std::min<int64_t>(start + n, static_cast<int64_t>(mass.size()));
-      for (int64_t r = start + from; r < end; ++r) m += mass[r];
-      ranked.emplace_back(m, static_cast<int>(i));
-    }
-    start += n;
-  }
-  std::stable_sort(ranked.begin(), ranked.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
-  if (ranked.size() > static_cast<size_t>(std::max(k, 0))) ranked.resize(static_cast<size_t>(std::max(k, 0)));
-  std::vector<int> out;
-  for (const auto& r : ranked) out.push_back(r.second);
-  std::sort(out.begin(), out.end());
-  return out;
-}
 
 SpliceResult splice(const Model& model, const SpliceRequest& req) {
-  if (req.segments.empty()) throw std::invalid_argument("splice: the segment list is empty");
-  if (req.query.empty()) throw std::invalid_argument("splice: the query has no tokens");
-  if (req.seam_width < 0) throw std::invalid_argument("splice: seam width must be >= 0, got " + std::to_string(req.seam_width));
+  // The shape the planner sees, checked as every backend checks it, then the entries against this model.
+  SpliceShape shape;
+  shape.mode = req.mode;
+  shape.seam_width = req.seam_width;
+  shape.query_tokens = int64_t(req.query.size());
+  shape.local_positions = req.local_positions;
+  shape.recompute_segments = req.recompute_segments;
+  shape.refresh_segments = req.refresh_segments;
+  shape.refresh_tail = req.refresh_tail;
+  for (const SpliceSegment& seg : req.segments) {
+    shape.segment_tokens.push_back(seg.ids.empty() && seg.entry ? seg.entry->num_tokens() : int64_t(seg.ids.size()));
+    shape.has_entry.push_back(seg.entry ? 1 : 0);
+  }
+  check_splice_shape(shape);
   const ModelConfig& cfg = model.config();
   const bool cached_mode = req.mode == SpliceMode::Naive || req.mode == SpliceMode::Transition ||
                            req.mode == SpliceMode::Hypic;
-  if (req.local_positions && req.mode != SpliceMode::Naive && req.mode != SpliceMode::Transition)
-    throw std::invalid_argument(std::string("splice: local_positions applies to modes naive and transition, not ") +
-                                splice_mode_name(req.mode));
-  check_recompute_request(req.mode, req.recompute_segments, req.refresh_segments, req.refresh_tail,
-                          req.segments.size());
   const char* numerics = backend_numerics(BackendKind::Cpu);
   const std::string fingerprint = cached_mode ? model_fingerprint(cfg, numerics) : std::string();
   const EntryGeometry geometry = EntryGeometry::of(cfg);
+  std::vector<int32_t> prompt;  // every segment's ids, then the query: what the schedule's spans index
   for (size_t i = 0; i < req.segments.size(); ++i) {
     const SpliceSegment& seg = req.segments[i];
-    const std::string which = "segment " + std::to_string(i);
-    if (seg.ids.empty() && !(seg.entry && seg.entry->num_tokens() > 0))
-      throw std::invalid_argument("splice: " + which + " has no tokens");
-    if (!cached_mode) continue;
-    if (!seg.entry && req.mode == SpliceMode::Hypic && i > 0 && !seg.ids.empty() &&
-        whole_segments_before_refresh(req.recompute_segments, req.refresh_tail, req.segments.size())[i])
-      continue;  // recomputed whole in context: its ids suffice
-    if (!seg.entry) throw std::invalid_argument("splice: " + which + " has no entry (required by mode " +
-                                                splice_mode_name(req.mode) + ")");
-    seg.entry->check_compatible(fingerprint, geometry, entry_seam_width(req.mode, req.seam_width), numerics);
-    if (!seg.ids.empty() && seg.ids != seg.entry->token_ids)
-      throw std::invalid_argument("splice: " + which + "'s token ids differ from its entry's");
+    if (cached_mode && seg.entry) {
+      seg.entry->check_compatible(fingerprint, geometry, entry_seam_width(req.mode, req.seam_width), numerics);
+      if (!seg.ids.empty() && seg.ids != seg.entry->token_ids)
+        throw std::invalid_argument("splice: segment " + std::to_string(i) + "'s token ids differ from its entry's");
+    }
+    const std::vector<int32_t>& ids = seg.ids.empty() ? seg.entry->token_ids : seg.ids;
+    prompt.insert(prompt.end(), ids.begin(), ids.end());
   }
-  auto ids_of = [&](size_t i) -> const std::vector<int32_t>& {
-    return req.segments[i].ids.empty() ? req.segments[i].entry->token_ids : req.segments[i].ids;
-  };
+  prompt.insert(prompt.end(), req.query.begin(), req.query.end());
 
-  PrefillOptions no_logits;  // segments and seams only move the state; the query's logits are the output
-  no_logits.skip_logits = true;
   Passes passes(req);
-  SpliceResult out;
-  out.state = model.initial_state();
-  ModelState& st = out.state;
-  int64_t pos = 0;
-  size_t first = 0;
-
-  if (req.mode == SpliceMode::Full) {  // every segment in context, as one span, then the query
-    std::vector<int32_t> all;
-    for (size_t i = 0; i < req.segments.size(); ++i) all.insert(all.end(), ids_of(i).begin(), ids_of(i).end());
-    passes.prefill(model, st, all, 0, no_logits);
-    pos = static_cast<int64_t>(all.size());
-    out.computed_tokens = pos;
-    first = req.segments.size();
-  } else if (req.mode == SpliceMode::Prefix) {
+  auto announce = [&](const SpliceSchedule& s) {
+    if (req.on_schedule) req.on_schedule(s);
+  };
+  auto finish = [&](SpliceResult r, const SpliceSchedule& s) {
+    r.num_tokens = s.num_tokens;
+    r.state.num_tokens = s.num_tokens;
+    r.computed_tokens = s.computed_tokens;
+    r.prefix_segments_reused = s.prefix_reused;
+    r.recomputed_segments = s.recomputed_segments;
+    return r;
+  };
+  if (req.mode == SpliceMode::Prefix) {  // the longest cached chain (each checkpoint holds the whole state)
     SegmentDigest chain{};
     std::vector<SegmentDigest> chains;
-    for (size_t i = 0; i < req.segments.size(); ++i) chains.push_back(chain = chain_digest(chain, ids_of(i)));
-    size_t reused = 0;
-    if (req.prefix_cache) {
-      for (size_t i = req.segments.size(); i > 0; --i) {
-        if (auto hit = req.prefix_cache->get(chains[i - 1])) {
-          st = *hit;
-          reused = i;
-          break;
-        }
-      }
+    int64_t at = 0;
+    for (int64_t n : shape.segment_tokens) {
+      chains.push_back(chain = chain_digest(chain, std::span<const int32_t>(prompt).subspan(size_t(at), size_t(n))));
+      at += n;
     }
-    for (size_t i = 0; i < reused; ++i) pos += static_cast<int64_t>(ids_of(i).size());
-    for (size_t i = reused; i < req.segments.size(); ++i) {
-      passes.prefill(model, st, ids_of(i), pos, no_logits);
-      pos += static_cast<int64_t>(ids_of(i).size());
-      out.computed_tokens += static_cast<int64_t>(ids_of(i).size());
-      if (req.prefix_cache) req.prefix_cache->put(chains[i], st);
-    }
-    out.prefix_segments_reused = static_cast<int>(reused);
-    first = req.segments.size();
-  } else if (req.mode != SpliceMode::Hypic) {  // (hypic: splice_hypic starts the same way)
-    // The first segment sits at position 0, where its standalone prefill is exact: use its entry whole.
-    install_first(model, st, *req.segments[0].entry);
-    pos = st.num_tokens;
-    first = 1;
+    std::shared_ptr<const ModelState> hit;
+    int reused = 0;
+    if (req.prefix_cache)
+      for (size_t i = req.segments.size(); i > 0 && !hit; --i)
+        if ((hit = req.prefix_cache->get(chains[i - 1]))) reused = int(i);
+    const SpliceSchedule sch = schedule_splice(shape, reused);
+    announce(sch);
+    return finish(run_steps(model, req, sch, prompt, hit, chains, passes), sch);
   }
-
-  PrefillOptions opt;
-  opt.all_logits = req.all_query_logits;
   if (req.mode != SpliceMode::Hypic) {
-    for (size_t i = first; i < req.segments.size(); ++i) {  // naive / transition: whole segments, no seam
-      const SegmentEntry& e = *req.segments[i].entry;
-      const int64_t placed_at = req.local_positions ? 0 : pos;  // where its K and rotating states are put
-      fold_linear(model, st, e, req.mode, placed_at);
-      append_entry_kv(model, st, e, 0, placed_at);
-      pos += e.num_tokens();
-      st.num_tokens = pos;
-    }
-    if (req.keep_context_state)
-      for (const auto& l : st.linear) out.context_states.push_back(l.ssm);
-    PrefillResult r = passes.prefill(model, st, req.query, pos, opt);
-    out.computed_tokens += static_cast<int64_t>(req.query.size());
-    out.logits = std::move(r.logits);
-    out.num_tokens = pos + static_cast<int64_t>(req.query.size());
-    return out;
+    const SpliceSchedule sch = schedule_splice(shape);
+    announce(sch);
+    return finish(run_steps(model, req, sch, prompt, nullptr, {}, passes), sch);
   }
-
-  // Hypic. With refresh_segments, a first pass (the probe: the explicit recompute_segments whole, the tail still
-  // cached, so the tail is computed once) measures the query's attention per segment and picks the segments to
-  // recompute whole among those not yet whole; the second pass (from the first segment's entry again) is the answer.
-  std::vector<char> whole = whole_segments_before_refresh(req.recompute_segments, req.refresh_tail, req.segments.size());
-  std::vector<int64_t> lengths;
-  for (size_t i = 0; i < req.segments.size(); ++i) lengths.push_back(static_cast<int64_t>(ids_of(i).size()));
-  // No probe when no segment could be refreshed (every later one already whole or no longer than w): with no mass
-  // the choice is every candidate in prompt order, so an empty one means none exists.
-  if (req.refresh_segments > 0 && !choose_refresh_segments({}, lengths, req.seam_width, whole, 1).empty()) {
-    std::vector<float> mass;
-    std::vector<char> probe_whole = whole_segments_before_refresh(req.recompute_segments, 0, req.segments.size());
-    for (size_t i = 1; i < req.segments.size(); ++i)  // a tail segment without an entry is whole in the probe too
-      if (!req.segments[i].entry) probe_whole[i] = 1;
-    SpliceResult probe = splice_hypic(model, req, probe_whole, &mass, passes, "between two of its passes");
-    const std::vector<int> chosen = choose_refresh_segments(mass, lengths, req.seam_width, whole, req.refresh_segments);
-    for (int i : chosen) whole[static_cast<size_t>(i)] = 1;
-    SpliceResult result = splice_hypic(model, req, whole, nullptr, passes, "after the refresh's probe");
-    result.computed_tokens += probe.computed_tokens;
-    return result;
+  // Hypic, with the refresh's probe first when it has one (splice_schedule.h).
+  const SpliceSchedule probe = schedule_refresh_probe(shape);
+  std::vector<float> mass;
+  const char* where = "between two of its passes";
+  if (!probe.steps.empty()) {
+    announce(probe);
+    run_hypic(model, req, probe, prompt, &mass, passes, where);
+    where = "after the refresh's probe";
   }
-  return splice_hypic(model, req, whole, nullptr, passes, "between two of its passes");
+  const SpliceSchedule sch = schedule_splice(shape, 0, probe, mass);
+  announce(sch);
+  return finish(run_hypic(model, req, sch, prompt, nullptr, passes, where), sch);
 }
 
 }  // namespace hypic::engine

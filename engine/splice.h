@@ -15,6 +15,7 @@
 #include "engine/model.h"
 #include "engine/segment.h"
 #include "engine/splice_mode.h"
+#include "engine/splice_schedule.h"
 
 namespace hypic::engine {
 
@@ -61,14 +62,9 @@ struct SpliceSegment {
   std::shared_ptr<const SegmentEntry> entry;
 };
 
-/// Running model states checkpointed at segment ends, keyed by the digest of the whole token chain so far:
-/// classic prefix caching for hybrid models (what SGLang and vLLM offer). Byte budget with LRU eviction;
-/// thread-safe.
-/// Prefix mode's key of a chain of segments: XXH3-128 over the previous chain's key (all zero before the first
-/// segment) then the segment's token ids (int32, host byte order). Two prompts share the checkpoint after segment i
-/// exactly when their segments 0..i are the same token ids in the same order.
-SegmentDigest chain_digest(const SegmentDigest& prev, std::span<const int32_t> ids);
-
+/// Running model states checkpointed at segment ends, keyed by the digest of the whole token chain so far
+/// (chain_digest, engine/splice_schedule.h): classic prefix caching for hybrid models (what SGLang and vLLM offer).
+/// Byte budget with LRU eviction; thread-safe.
 class PrefixStateCache {
  public:
   explicit PrefixStateCache(size_t budget_bytes) : budget_(budget_bytes) {}
@@ -154,6 +150,9 @@ struct SpliceRequest {
   /// (the chunked scan's boundaries move). 0: no cut.
   int64_t max_pass_tokens = 0;
   std::function<void()> between_passes;
+  /// Called with each schedule the splice executes (the refresh's probe first, when one runs, then the answer's),
+  /// before it runs (engine/splice_schedule.h): what a test compares across backends, or a trace records. Optional.
+  std::function<void(const SpliceSchedule&)> on_schedule;
 };
 
 /// The assembled model state and the query logits.
@@ -170,30 +169,6 @@ struct SpliceResult {
   /// composition produces; the query's own tokens then move every mode's state the same way).
   std::vector<std::vector<float>> context_states;
 };
-
-/// Checks a request's recompute_segments / refresh_segments / refresh_tail (SpliceRequest, SplicePlan) against its
-/// mode and its number of segments: all are hypic-only, indices lie in [1, num_segments) without repeats,
-/// refresh_segments >= 0 and refresh_tail >= 0 (either may exceed the number of segments: it then takes them all).
-/// Throws std::invalid_argument naming what is wrong. Every backend calls it.
-void check_recompute_request(SpliceMode mode, std::span<const int> recompute_segments, int refresh_segments,
-                             int refresh_tail, size_t num_segments);
-
-/// The segments recomputed whole before the refresh's choice, one flag per segment (1 = whole): those listed in
-/// recompute_segments and the last refresh_tail ones (never segment 0); with refresh_tail = 0, those of the refresh's
-/// probe pass. Indices must have passed check_recompute_request. Shared by the backends.
-std::vector<char> whole_segments_before_refresh(std::span<const int> recompute_segments, int refresh_tail,
-                                                size_t num_segments);
-
-/// The query-aware refresh choice (SpliceRequest::refresh_segments), shared by the backends: given the query's
-/// attention mass per KV row in prompt order (`mass`, fp32 host, as PrefillOptions::attention_mass; rows past its end
-/// count 0), each segment's length in tokens, the seam width w and which segments are already recomputed whole
-/// (`whole`, one flag per segment), returns the indices (>= 1, ascending) of at most k segments not yet whole whose
-/// interior rows (from start + min(w, n) to start + n) hold the most mass, ties (e.g. no measured attention: a model
-/// without full-attention layers, or probabilities below fp32's range) to the earlier segment. Segments without an
-/// interior (n <= w: the seam window already recomputes them whole) are never chosen, so k >= the later segments
-/// recomputes every one of them: full recomputation.
-std::vector<int> choose_refresh_segments(std::span<const float> mass, std::span<const int64_t> segment_tokens,
-                                         int seam_width, std::span<const char> whole, int k);
 
 /// Splices a prompt (DESIGN.md 3.3) in the requested mode. The first segment's entry is used whole (exact at
 /// position 0); each later segment's seam (first w tokens) is recomputed in context through every layer, its

@@ -328,8 +328,9 @@ class CudaBackend final : public Backend {
   // Between two passes of a splice: its between_passes, then SpliceCancelled (naming `where`) if it was cancelled.
   static void pause(const SplicePlan& plan, const char* where);
   // The hypic items (DESIGN.md 3.3): seams (or whole segments, where whole[i]) in context, interiors folded.
-  std::vector<Item> hypic_items(const SplicePlan& plan, const std::vector<char>& whole, int64_t& pos,
-                                int64_t& computed, std::vector<int>& recomputed) const;
+  // The items of a schedule (engine/splice_schedule.h): its folds on this backend's entries, its spans over `prompt`
+  // (every segment's ids, then the query); prefix mode's consecutive segment spans joined into one.
+  std::vector<Item> items_of(const SplicePlan& plan, const SpliceSchedule& sch, std::span<const int32_t> prompt) const;
   // One varlen build pass; `stop` asked before each layer (true: nothing more is launched, null entries).
   void build_batch(std::span<const std::vector<int32_t>> segments, int w,
                    std::vector<std::shared_ptr<CudaEntry>>& out, const std::function<bool()>& stop);

@@ -493,26 +493,34 @@ void CudaBackend::check_entry(const PlanSegment& seg, size_t i, const SplicePlan
     throw std::invalid_argument("splice: " + which + "'s token ids differ from its entry's");
 }
 
-std::vector<Item> CudaBackend::hypic_items(const SplicePlan& plan, const std::vector<char>& whole, int64_t& pos,
-                                           int64_t& computed, std::vector<int>& recomputed) const {
-  auto entry_of = [&](size_t i) { return static_cast<const CudaEntry*>(plan.segments[i].entry.get()); };
+std::vector<Item> CudaBackend::items_of(const SplicePlan& plan, const SpliceSchedule& sch,
+                                        std::span<const int32_t> prompt) const {
+  using Kind = ScheduledFold::Kind;
   std::vector<Item> items;
-  std::vector<Fold> pending{{Fold::Install, entry_of(0), 0}};
-  pos = entry_of(0)->n();
-  for (size_t i = 1; i < plan.segments.size(); ++i) {
-    const CudaEntry* e = entry_of(i);  // null for a segment recomputed whole that came without an entry
-    const std::vector<int32_t>& ids = plan.segments[i].ids.empty() ? e->header().token_ids : plan.segments[i].ids;
-    const int n = int(ids.size()), sw = whole[i] ? n : std::min(plan.seam_width, n);
-    if (whole[i]) recomputed.push_back(int(i));
-    if (sw > 0) {
-      items.push_back({std::move(pending), {std::span<const int32_t>(ids).subspan(0, size_t(sw)), pos}});
-      pending.clear();
-      computed += sw;
+  for (const ScheduledStep& step : sch.steps) {
+    Item it;
+    for (const ScheduledFold& f : step.folds) {
+      const auto* e = static_cast<const CudaEntry*>(plan.segments[size_t(f.segment)].entry.get());
+      const Fold::Kind k = f.kind == Kind::Install  ? Fold::Install
+                           : f.kind == Kind::Naive  ? Fold::Naive
+                           : f.kind == Kind::Transition ? Fold::Transition
+                                                    : Fold::Interior;
+      it.folds.push_back({k, e, f.base});
+      if (it.folds.back().from() != f.from)
+        throw std::logic_error("splice: segment " + std::to_string(f.segment) + "'s entry has a seam of " +
+                               std::to_string(it.folds.back().from()) + " tokens, the schedule " +
+                               std::to_string(f.from));
     }
-    if (n > sw) pending.push_back({Fold::Interior, e, pos});
-    pos += n;
+    it.span = {prompt.subspan(size_t(step.position), size_t(step.tokens)), step.position};
+    // Prefix mode: the segments computed in context run as one span (checkpoints cut it at their ends).
+    const bool joins = !items.empty() && it.folds.empty() && step.checkpoint_segment >= 0 &&
+                       items.back().span.position + int64_t(items.back().span.ids.size()) == step.position;
+    if (joins)
+      items.back().span.ids = prompt.subspan(size_t(items.back().span.position),
+                                             items.back().span.ids.size() + it.span.ids.size());
+    else
+      items.push_back(std::move(it));
   }
-  items.push_back({std::move(pending), {std::span<const int32_t>(plan.query), pos}});
   return items;
 }
 
@@ -521,54 +529,39 @@ SpliceOutput CudaBackend::splice(const SplicePlan& plan) {
   std::lock_guard<std::recursive_mutex> no_capture(capture_mu_);  // see capture_mu_
   drain_frees();
   PartitionScope lane(*this);
-  check_recompute_request(plan.mode, plan.recompute_segments, plan.refresh_segments, plan.refresh_tail,
-                          plan.segments.size());
-  if (plan.segments.empty()) throw std::invalid_argument("splice: the segment list is empty");
-  if (plan.query.empty()) throw std::invalid_argument("splice: the query has no tokens");
+  const SpliceShape shape = splice_shape(plan);
+  check_splice_shape(shape);
   if (plan.all_query_logits && int64_t(plan.query.size()) > Tmax_)
     throw std::invalid_argument("splice: all_query_logits needs a query of at most max_batch_tokens (" +
                                 std::to_string(Tmax_) + ") tokens, got " + std::to_string(plan.query.size()));
-  if (plan.seam_width < 0)
-    throw std::invalid_argument("splice: seam width must be >= 0, got " + std::to_string(plan.seam_width));
   const bool cached = plan.mode == SpliceMode::Naive || plan.mode == SpliceMode::Transition ||
                       plan.mode == SpliceMode::Hypic;
   check_ids(plan.query, "the query");
-  // Hypic: a segment recomputed whole in the final splice may come without an entry (its ids suffice).
-  const std::vector<char> whole_final =
-      plan.mode == SpliceMode::Hypic
-          ? whole_segments_before_refresh(plan.recompute_segments, plan.refresh_tail, plan.segments.size())
-          : std::vector<char>(plan.segments.size(), 0);
+  std::vector<int32_t> prompt;  // every segment's ids, then the query: what the schedule's spans index
   for (size_t i = 0; i < plan.segments.size(); ++i) {
     const PlanSegment& seg = plan.segments[i];
-    const bool ids_suffice = i > 0 && whole_final[i] && !seg.entry && !seg.ids.empty();
-    if (cached && !ids_suffice) check_entry(seg, i, plan);
-    else if (seg.ids.empty() && !(seg.entry && seg.entry->num_tokens() > 0))
-      throw std::invalid_argument("splice: segment " + std::to_string(i) + " has no tokens");
+    if (cached && seg.entry) check_entry(seg, i, plan);
     if (!seg.ids.empty()) check_ids(seg.ids, "segment " + std::to_string(i));
+    const std::vector<int32_t>& ids = seg.ids.empty() ? seg.entry->header().token_ids : seg.ids;
+    prompt.insert(prompt.end(), ids.begin(), ids.end());
   }
-  auto ids_of = [&](size_t i) -> const std::vector<int32_t>& {
-    return plan.segments[i].ids.empty() ? plan.segments[i].entry->header().token_ids : plan.segments[i].ids;
+  prompt.insert(prompt.end(), plan.query.begin(), plan.query.end());
+  auto announce = [&](const SpliceSchedule& sch) {
+    if (plan.on_schedule) plan.on_schedule(sch);
   };
-  auto entry_of = [&](size_t i) { return static_cast<const CudaEntry*>(plan.segments[i].entry.get()); };
 
   SpliceOutput out;
   auto seq = new_sequence();
-  std::vector<Item> items;
-  int64_t pos = 0;
-  std::vector<int32_t> all;  // full mode: every segment's ids then the query, as one span (prefix: those not reused)
+  SpliceSchedule sch;
   std::vector<std::pair<SegmentDigest, std::shared_ptr<Checkpoint>>> fresh;  // prefix: new checkpoints, shallow first
   std::vector<CheckpointCut> cuts;
-  if (plan.mode == SpliceMode::Full) {  // every segment in context as one span, then the query
-    for (size_t i = 0; i < plan.segments.size(); ++i) all.insert(all.end(), ids_of(i).begin(), ids_of(i).end());
-    pos = int64_t(all.size());
-    out.computed_tokens = pos;
-    items.push_back({{}, {std::span<const int32_t>(all), 0}});
-  } else if (plan.mode == SpliceMode::Prefix) {
-    // The longest chain of cached checkpoints 0..k-1 restores the state after segment k-1; the other segments and
-    // the query run as one span (as full mode's), with a checkpoint taken at each segment's end in the same passes.
+  if (plan.mode == SpliceMode::Prefix) {
+    // The longest chain of cached checkpoints 0..k-1 (each holds its own segment's KV rows and the state at its end)
+    // restores the state after segment k-1; the schedule runs the rest, a checkpoint taken at each segment's end.
     SegmentDigest chain{};
     std::vector<SegmentDigest> chains;
-    for (size_t i = 0; i < plan.segments.size(); ++i) chains.push_back(chain = chain_digest(chain, ids_of(i)));
+    for (size_t i = 0, at = 0; i < plan.segments.size(); at += size_t(shape.segment_tokens[i++]))
+      chains.push_back(chain = chain_digest(chain, std::span<const int32_t>(prompt).subspan(at, size_t(shape.segment_tokens[i]))));
     std::vector<std::list<PrefixItem>::iterator> hits;
     if (plan.use_prefix_cache)
       for (size_t i = 0; i < plan.segments.size(); ++i) {
@@ -576,24 +569,21 @@ SpliceOutput CudaBackend::splice(const SplicePlan& plan) {
         if (it == prefix_lru_.end()) break;
         hits.push_back(it);
       }
-    const size_t reused = hits.size();
-    if (reused) {
+    if (!hits.empty()) {
       std::vector<const Checkpoint*> cps;
       for (auto it : hits) cps.push_back(it->cp.get());
       restore_chain(*seq, cps);
-      for (size_t k = reused; k-- > 0;) prefix_lru_.splice(prefix_lru_.begin(), prefix_lru_, hits[k]);  // shallow = fresh
+      for (size_t k = hits.size(); k-- > 0;) prefix_lru_.splice(prefix_lru_.begin(), prefix_lru_, hits[k]);  // shallow = fresh
     }
-    for (size_t i = 0; i < reused; ++i) pos += int64_t(ids_of(i).size());
+    sch = schedule_splice(shape, int(hits.size()));
     // New checkpoints, shallow first, while the budget holds them (the LRU's oldest give way).
-    const int64_t start = pos;
     bool taking = plan.use_prefix_cache && opt_.prefix_cache_bytes > 0;
     size_t held = 0;
-    for (size_t i = reused; i < plan.segments.size(); ++i) {
-      all.insert(all.end(), ids_of(i).begin(), ids_of(i).end());
-      if (!taking) continue;
+    for (const ScheduledStep& step : sch.steps) {
+      if (step.checkpoint_segment < 0 || !taking) continue;
       auto cp = std::make_shared<Checkpoint>();
-      cp->start = start + int64_t(all.size() - ids_of(i).size());
-      cp->n = start + int64_t(all.size());
+      cp->start = step.position;
+      cp->n = step.position + step.tokens;
       const size_t bytes = checkpoint_bytes(cp->n - cp->start);
       if (held + bytes > opt_.prefix_cache_bytes) {  // a deeper checkpoint is useless without this one
         taking = false;
@@ -611,56 +601,30 @@ SpliceOutput CudaBackend::splice(const SplicePlan& plan) {
       }
       held += bytes;
       cuts.push_back({cp->n, cp.get()});
-      fresh.emplace_back(chains[i], std::move(cp));
+      fresh.emplace_back(chains[size_t(step.checkpoint_segment)], std::move(cp));
     }
-    out.computed_tokens += int64_t(all.size());
-    if (!all.empty()) items.push_back({{}, {std::span<const int32_t>(all), pos}});
-    pos += int64_t(all.size());
-    items.push_back({{}, {std::span<const int32_t>(plan.query), pos}});
-    out.prefix_segments_reused = int(reused);
-  } else if (plan.mode == SpliceMode::Naive || plan.mode == SpliceMode::Transition) {
-    std::vector<Fold> folds{{Fold::Install, entry_of(0), 0}};
-    pos = entry_of(0)->n();
-    for (size_t i = 1; i < plan.segments.size(); ++i) {
-      folds.push_back({plan.mode == SpliceMode::Naive ? Fold::Naive : Fold::Transition, entry_of(i), pos});
-      pos += entry_of(i)->n();
-    }
-    items.push_back({std::move(folds), {std::span<const int32_t>(plan.query), pos}});
-  } else {  // hypic: seams in context, interiors folded (DESIGN.md 3.3)
-    std::vector<char> whole =
-        whole_segments_before_refresh(plan.recompute_segments, plan.refresh_tail, plan.segments.size());
-    std::vector<int64_t> lengths;
-    for (size_t i = 0; i < plan.segments.size(); ++i) lengths.push_back(int64_t(ids_of(i).size()));
-    // No probe when no segment could be refreshed (with no mass the choice is every candidate: empty = none).
-    if (plan.refresh_segments > 0 && !choose_refresh_segments({}, lengths, plan.seam_width, whole, 1).empty()) {
-      // Probe pass (the explicit recompute_segments whole, the tail still cached): the query's attention per slot
-      // ranks the segments; the chosen ones are recomputed whole, with the tail, in a second splice from scratch
-      // (SpliceRequest::refresh_segments, refresh_tail).
-      int64_t probe_pos = 0, probe_computed = 0;
-      std::vector<int> probe_recomputed;
-      std::vector<char> probe_whole = whole_segments_before_refresh(plan.recompute_segments, 0, plan.segments.size());
-      for (size_t i = 1; i < plan.segments.size(); ++i)  // a tail segment without an entry is whole in the probe too
-        if (!plan.segments[i].entry) probe_whole[i] = 1;
-      const std::vector<Item> probe_items = hypic_items(plan, probe_whole, probe_pos, probe_computed, probe_recomputed);
-      std::vector<float> mass, probe_logits;
-      seq.reset();  // the probe takes the request's one state slot, then gives it back
+  } else {
+    const SpliceSchedule probe = schedule_refresh_probe(shape);
+    std::vector<float> mass;
+    if (!probe.steps.empty()) {
+      // The probe takes the request's one state slot, then gives it back; the query's attention per slot ranks the
+      // segments the answer recomputes whole (SpliceRequest::refresh_segments, refresh_tail).
+      announce(probe);
+      const std::vector<Item> probe_items = items_of(plan, probe, prompt);
+      std::vector<float> probe_logits;
+      seq.reset();
       {
         auto probe_seq = new_sequence();
         execute(*probe_seq, probe_items, false, probe_logits, false, nullptr, &mass, {}, &plan);
       }
       pause(plan, "after the refresh's probe");
       seq = new_sequence();
-      const std::vector<int> chosen =
-          choose_refresh_segments(mass, lengths, plan.seam_width, whole, plan.refresh_segments);
-      for (int i : chosen) whole[size_t(i)] = 1;
-      out.computed_tokens += probe_computed + int64_t(plan.query.size());
     }
-    items = hypic_items(plan, whole, pos, out.computed_tokens, out.recomputed_segments);
+    sch = schedule_splice(shape, 0, probe, mass);
   }
-  if (plan.mode == SpliceMode::Full) items.push_back({{}, {std::span<const int32_t>(plan.query), pos}});
-  out.computed_tokens += int64_t(plan.query.size());
-  execute(*seq, items, plan.all_query_logits, out.logits, plan.keep_context_state, &out.context_states, nullptr, cuts,
-          &plan);
+  announce(sch);
+  execute(*seq, items_of(plan, sch, prompt), plan.all_query_logits, out.logits, plan.keep_context_state,
+          &out.context_states, nullptr, cuts, &plan);
   for (size_t k = fresh.size(); k-- > 0;) {  // prefix: the chain's shallow checkpoints freshest in the LRU
     for (auto it = prefix_lru_.begin(); it != prefix_lru_.end(); ++it)
       if (it->key == fresh[k].first) {
@@ -671,7 +635,10 @@ SpliceOutput CudaBackend::splice(const SplicePlan& plan) {
     prefix_bytes_ += fresh[k].second->mem.size();
     prefix_lru_.push_front({fresh[k].first, std::move(fresh[k].second)});
   }
-  out.num_tokens = pos + int64_t(plan.query.size());
+  out.num_tokens = sch.num_tokens;
+  out.computed_tokens = sch.computed_tokens;
+  out.prefix_segments_reused = sch.prefix_reused;
+  out.recomputed_segments = sch.recomputed_segments;
   seq->n_ = out.num_tokens;
   out.sequence = std::move(seq);
   return out;

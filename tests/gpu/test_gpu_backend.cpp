@@ -447,8 +447,15 @@ TEST_CASE("cuda backend: entries and splices in every mode match the CPU engine"
         bad.segments[1].entry = gentries[1];
         CHECK_THROWS_WITH(f.gpu->splice(bad), Catch::Contains("seam width 8") && Catch::Contains("transition mode"));
       }
+      // Both backends execute the one planner's schedule (engine/splice_schedule.h): the same steps, folds and
+      // positions.
+      std::vector<eng::SpliceSchedule> gsch, csch;
+      gp.on_schedule = [&](const eng::SpliceSchedule& s) { gsch.push_back(s); };
+      cr.on_schedule = [&](const eng::SpliceSchedule& s) { csch.push_back(s); };
       const eng::SpliceResult ref = eng::splice(*f.cpu, cr);
       const eng::SpliceOutput got = f.gpu->splice(gp);
+      CHECK(gsch.size() == 1);
+      CHECK(gsch == csch);
       const double e = rel(got.logits, ref.logits);
       std::printf("[backend] %s splice %-10s: query logits %.3e (computed %lld / %lld tokens)\n", name,
                   eng::splice_mode_name(mode), e, (long long)got.computed_tokens, (long long)ref.computed_tokens);
@@ -505,8 +512,16 @@ TEST_CASE("cuda backend: recompute_segments, refresh_segments and refresh_tail m
     }
     {  // refresh 2: the probe picks two segments; the answer is the explicit splice of those, bit for bit
       auto [gp, cr] = plans({}, 2);
+      std::vector<eng::SpliceSchedule> gsch, csch;  // the probe's schedule, then the answer's
+      gp.on_schedule = [&](const eng::SpliceSchedule& s) { gsch.push_back(s); };
+      cr.on_schedule = [&](const eng::SpliceSchedule& s) { csch.push_back(s); };
       const eng::SpliceResult ref = eng::splice(*f.cpu, cr);
       const eng::SpliceOutput got = f.gpu->splice(gp);
+      REQUIRE(gsch.size() == 2);
+      REQUIRE(csch.size() == 2);
+      CHECK(gsch[0].probe);
+      CHECK(gsch[0] == csch[0]);
+      if (got.recomputed_segments == ref.recomputed_segments) CHECK(gsch[1] == csch[1]);
       std::printf("[backend] %s refresh 2: cuda chose", name);
       for (int i : got.recomputed_segments) std::printf(" %d", i);
       std::printf(", cpu chose");
