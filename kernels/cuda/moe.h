@@ -18,6 +18,12 @@
 //   4. grouped GEMM gate_up on the gathered rows, SwiGLU fused in the epilogue:
 //      act[p][j] = bf16( silu(bf16(g)) * bf16(u) ) (fp32 math on the bf16-rounded GEMM outputs)
 //   5. grouped GEMM down: y[p][H] bf16 = act[p] D_e^T
+//      Steps 4-5 on the prefill tiles (128-row m-tiles of one expert each): on Hopper (compute
+//      capability 9.0, library built with CUDA >= 12 for sm_90a) wgmma kernels (moe_wgmma.cu:
+//      128 x 256 tiles, two warpgroups of m64n256k16, both operands from 128-byte-swizzled shared
+//      memory filled by a 4-stage cp.async pipeline; gate_up writes 128 act columns per tile),
+//      elsewhere (or HYPIC_MOE_WGMMA=0 in the environment, read once) mma.sync kernels; same
+//      inputs, outputs, roundings and schedule, only the fp32 summation order differs.
 //   6. shared expert (when Is > 0): GemmRunner gate_up (bf16), silu_mul, down (fp32 [T][H]);
 //      on the decode path (GroupedGemm::OwnDecode, and Own for T <= 64) steps 4-6 are two
 //      launches: the shared expert is one more "expert" of the grouped decode GEMMs (same
@@ -57,17 +63,31 @@ struct MoeWeightsView {
 /// Which grouped GEMM moe_forward runs for the routed experts.
 enum class GroupedGemm {
   Own,         ///< hypic's kernels (capturable): T <= 64 the decode path (OwnDecode), else the
-               ///< mma.sync tiles chosen from T * topk / E (OwnSmallM or OwnLargeM)
+               ///< tiles chosen from T * topk / E: OwnSmallM up to 16 rows per expert on average,
+               ///< beyond that the prefill tiles, on wgmma where moe_wgmma_available() (OwnWgmma),
+               ///< else on mma.sync (OwnLargeM)
   Cublas,      ///< cublasGemmGroupedBatchedEx (host sync for the per-expert counts; NOT capturable)
   OwnSmallM,   ///< 16 x 64 smem-tiled kernels forced, shared expert via cuBLASLt, multi-kernel routing
                ///< (= Own before the decode path; tests, benchmarks)
-  OwnLargeM,   ///< the prefill tiles (128 x 128) forced (tests, benchmarks)
+  OwnLargeM,   ///< the mma.sync prefill tiles (128 x 128) forced (tests, benchmarks)
   OwnDecode,   ///< the decode path forced at any T: weight-streaming GEMMs (weights straight from
                ///< global memory into mma fragments, split-K inside a block, deterministic smem
                ///< reduction), the shared expert as one more expert of the same launches, PDL
                ///< launches, and for T <= 64 the whole routing in one block (tests, benchmarks)
   OwnLargeN,   ///< wide prefill tiles (128 x 256, 64 x 64 warp tiles) forced (tests, benchmarks)
+  OwnWgmma,    ///< the Hopper wgmma prefill tiles (128 x 256) forced at any T, whatever HYPIC_MOE_WGMMA
+               ///< says (tests, benchmarks); on devices without them (not compute capability 9.0, or a
+               ///< build without sm_90a) the mma.sync prefill tiles (OwnLargeM)
 };
+
+/// True when GroupedGemm::Own runs its prefill tiles on the wgmma kernels: the library was built
+/// with them (CUDA >= 12, sm_90a), the current device has compute capability 9.0 and the
+/// environment variable HYPIC_MOE_WGMMA is not "0" (read once). Variants for comparisons (also for
+/// OwnWgmma): "2" the down GEMM on 128 x 128 tiles (two blocks per SM), "3" persistent blocks (one
+/// per SM, the copies of the next tile overlapping the current one's last k-steps and epilogue),
+/// "4" both; unset or anything else the default (one block per 128 x 256 tile). Host only; throws
+/// std::runtime_error on CUDA errors.
+bool moe_wgmma_available();
 
 /// Device scratch of moe_forward / mlp_forward, grown on demand and then reused: after
 /// reserve(max_tokens, view) (or one call with that many tokens and those sizes) calls with
@@ -108,23 +128,29 @@ class MoeWorkspace {
   void* cublas = nullptr;  // cublasHandle_t
 };
 
-/// The grouped-GEMM implementation for a prefill pass of T tokens: cuBLAS's grouped GEMM from kMoeCublasFromTokens
-/// tokens, ours below. Measured on the H200 at Qwen3.5-35B-A3B sizes (test_gpu_moe [.bench], 2026-12-01), ms per
-/// layer, ours / cuBLAS: T = 16 0.273 / 0.309, 32 0.446 / 0.395, 256 0.668 / 0.571, 4096 1.56 / 1.17,
-/// 32768 8.98 / 7.96. Decode steps always use ours (no host synchronisation: they are captured in CUDA graphs, and
-/// eager and replayed steps must give the same bits): pass capturing = true.
+/// The grouped-GEMM implementation for a prefill pass of T tokens: ours below kMoeCublasFromTokens tokens, cuBLAS's
+/// grouped GEMM from there, and ours again from kMoeWgmmaFromTokens tokens where moe_wgmma_available() (Own's
+/// prefill tiles on wgmma; no host synchronisation). Measured on the H200 at Qwen3.5-35B-A3B sizes, ms per layer,
+/// ours / cuBLAS: before the wgmma tiles (test_gpu_moe [.bench], 2026-12-01) T = 16 0.273 / 0.309, 32 0.446 / 0.395,
+/// 256 0.668 / 0.571, 4096 1.56 / 1.17, 32768 8.98 / 7.96; with them (test_gpu_moe [.bench_wgmma], 2026-12-03, same
+/// call) T = 1024 0.551 / 0.655, 2048 0.612 / 0.803, 4096 0.855 / 1.242, 16384 2.559 / 4.067, 32768 4.815 / 7.950
+/// (385 TFLOP/s; the mma.sync tiles 8.76 ms). Decode steps always use ours (no host
+/// synchronisation: they are captured in CUDA graphs, and eager and replayed steps must give the same bits): pass
+/// capturing = true.
 inline constexpr int kMoeCublasFromTokens = 32;
+inline constexpr int kMoeWgmmaFromTokens = 1024;
 inline GroupedGemm grouped_gemm_for_tokens(int T, bool capturing = false) {
-  return T >= kMoeCublasFromTokens && !capturing ? GroupedGemm::Cublas : GroupedGemm::Own;
+  if (capturing || T < kMoeCublasFromTokens) return GroupedGemm::Own;
+  return T >= kMoeWgmmaFromTokens && moe_wgmma_available() ? GroupedGemm::Own : GroupedGemm::Cublas;
 }
 
 /// out[t][:] += MoE(x[t]) for t < T (see the pipeline above). x: [T][H] bf16 (the normed
 /// hidden state); out: [T][H] fp32, ACCUMULATED. Routed results are bit-identical from run to
 /// run (no float atomics) and, for GroupedGemm::Own, a token's routed output does not depend on
 /// the other tokens of the batch (rows of a GEMM tile are independent and the k order is fixed).
-/// With Own / OwnSmallM / OwnLargeM the call never synchronises with the host and is capturable
-/// in a CUDA graph for a fixed T after a first uncaptured call (which plans the GemmRunner
-/// shapes and grows the workspace). Cublas copies the per-expert counts to the host and waits.
+/// With every impl but Cublas the call never synchronises with the host and is capturable in a
+/// CUDA graph for a fixed T after a first uncaptured call (which plans the GemmRunner shapes and
+/// grows the workspace). Cublas copies the per-expert counts to the host and waits.
 /// Throws std::invalid_argument on bad sizes (see the top of the file) or null pointers,
 /// std::runtime_error on CUDA / cuBLAS errors.
 void moe_forward(int T, const bf16* x, const MoeWeightsView& w, float* out, MoeWorkspace& ws, GemmRunner& gemm,

@@ -8,10 +8,11 @@
 //   moe_forward / mlp_forward vs CPU fp32: err <= 2e-2, fro <= 1e-2 (the GPU rounds the gate/up
 //     GEMM outputs, the SwiGLU activation and the expert outputs to bf16, as HF's bf16 model does;
 //     the CPU reference keeps fp32 throughout, like Model::moe_block)
-//   Own vs Cublas:                         err <= 1e-2  (same roundings, only the GEMM summation order differs)
+//   Own vs Cublas, OwnWgmma vs OwnLargeM:  err <= 1e-2  (same roundings, only the GEMM summation order differs)
 //   routing: the top-k expert set of every token without a near-tie (gap between the k-th and
 //     (k+1)-th probability > 1e-4 relative) equals the CPU's exactly
-//   Own twice, Own in a CUDA graph vs direct: bit-identical.
+//   Own twice, Own in a CUDA graph vs direct: bit-identical (also OwnWgmma, and Own == OwnWgmma where Own runs the
+//     wgmma prefill tiles).
 // Every case prints its measured errors (Catch2 INFO/WARN output and stdout lines starting "[moe]").
 #include <catch2/catch.hpp>
 
@@ -19,6 +20,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <numeric>
 #include <optional>
@@ -109,15 +111,16 @@ struct HostMoe {
   MoeCfg c;
   std::vector<float> router, gate_up, down, s_gate_up, s_down, s_gate;  // fp32 of the bf16 weights
   std::optional<DeviceBuffer<bf16>> d_router, d_gate_up, d_down, d_s_gate_up, d_s_down, d_s_gate;
-  // hot_expert0: router[0][0] = 2.5, so that with x[t][0] = 4 (set by the test) every token picks expert 0.
-  HostMoe(const MoeCfg& cfg, uint64_t seed, bool hot_expert0 = false) : c(cfg) {
+  // hot_experts = n: router[e][e] = 2.5 for e < n (n <= H), so that x[t][e] = 4 (set by the test) adds 10 to
+  // expert e's logit: with n = 1 and x[t][0] = 4 every token picks expert 0.
+  HostMoe(const MoeCfg& cfg, uint64_t seed, int hot_experts = 0) : c(cfg) {
     Rng r(seed);
     const float sh = 1.0f / std::sqrt(float(c.H));
     // Router logits ~ N(0, 1.5^2): a spread-out softmax with few near-ties.
     std::vector<bf16> rb = rand_bf16(r, size_t(c.E) * c.H, 1.5f * sh, router);
-    if (hot_expert0) {
-      rb[0] = float_to_bf16(2.5f);
-      router[0] = 2.5f;
+    for (int e = 0; e < hot_experts; ++e) {
+      rb[size_t(e) * c.H + e] = float_to_bf16(2.5f);
+      router[size_t(e) * c.H + e] = 2.5f;
     }
     d_router.emplace(rb);
     d_gate_up.emplace(rand_bf16(r, size_t(c.E) * 2 * c.I * c.H, sh, gate_up));
@@ -213,6 +216,7 @@ const char* impl_name(gpu::GroupedGemm g) {
     case gpu::GroupedGemm::OwnLargeM: return "OwnLargeM";
     case gpu::GroupedGemm::OwnDecode: return "OwnDecode";
     case gpu::GroupedGemm::OwnLargeN: return "OwnLargeN";
+    case gpu::GroupedGemm::OwnWgmma: return "OwnWgmma";
   }
   return "?";
 }
@@ -221,6 +225,14 @@ std::string cfg_str(const MoeCfg& c, bool renorm, int T) {
   char b[160];
   std::snprintf(b, sizeof b, "E=%d topk=%d H=%d I=%d Is=%d renorm=%d T=%d", c.E, c.topk, c.H, c.I, c.Is, int(renorm), T);
   return b;
+}
+
+// Grows ws for T tokens and fills the grouped GEMMs' outputs (act, y) with NaN, so that rows an implementation
+// fails to write cannot pass on a previous implementation's values.
+void poison_gemm_outputs(gpu::MoeWorkspace& ws, int T, const gpu::MoeWeightsView& v) {
+  ws.reserve(T, v);
+  check_cuda(cudaMemset(ws.act.p, 0xFF, ws.act.bytes), "poison act");
+  check_cuda(cudaMemset(ws.y.p, 0xFF, ws.y.bytes), "poison y");
 }
 
 }  // namespace
@@ -326,7 +338,8 @@ TEST_CASE("GemmRunner: argument errors, M = 0, CUDA graph capture", "[gemm]") {
 // MoE
 // ---------------------------------------------------------------------------------------------
 
-TEST_CASE("moe_forward (Own, OwnSmallM, OwnLargeM, Cublas, OwnDecode, OwnLargeN) matches the CPU fp32 reference", "[moe]") {
+TEST_CASE("moe_forward (Own, OwnSmallM, OwnLargeM, Cublas, OwnDecode, OwnLargeN, OwnWgmma) matches the CPU fp32 reference",
+          "[moe]") {
   require_gpu();
   Stream st;
   gpu::GemmRunner gemm;
@@ -334,8 +347,9 @@ TEST_CASE("moe_forward (Own, OwnSmallM, OwnLargeM, Cublas, OwnDecode, OwnLargeN)
   const std::vector<int> Ts = {1, 5, 64, 333, 2048};
   const int Tmax = 2048;
   // Index 3 is Cublas (the Own vs Cublas check below).
-  const gpu::GroupedGemm impls[] = {gpu::GroupedGemm::Own,    gpu::GroupedGemm::OwnSmallM, gpu::GroupedGemm::OwnLargeM,
-                                    gpu::GroupedGemm::Cublas, gpu::GroupedGemm::OwnDecode, gpu::GroupedGemm::OwnLargeN};
+  const gpu::GroupedGemm impls[] = {gpu::GroupedGemm::Own,       gpu::GroupedGemm::OwnSmallM, gpu::GroupedGemm::OwnLargeM,
+                                    gpu::GroupedGemm::Cublas,    gpu::GroupedGemm::OwnDecode, gpu::GroupedGemm::OwnLargeN,
+                                    gpu::GroupedGemm::OwnWgmma};
   uint64_t seed = 100;
   for (const MoeCfg& c : cfgs) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -360,6 +374,7 @@ TEST_CASE("moe_forward (Own, OwnSmallM, OwnLargeM, Cublas, OwnDecode, OwnLargeN)
         std::vector<std::vector<float>> results;
         for (gpu::GroupedGemm impl : impls) {
           DeviceBuffer<float> dout(base);
+          poison_gemm_outputs(ws, T, v);
           gpu::moe_forward(T, dx.get(), v, dout.get(), ws, gemm, impl, st.s);
           check_cuda(cudaStreamSynchronize(st.s), "moe_forward");
           results.push_back(dout.download());
@@ -469,7 +484,7 @@ TEST_CASE("moe_forward decode sizes (T <= 64): OwnDecode / Own vs CPU, Cublas, O
   uint64_t seed = 500;
   for (const DecCase& dc : cases) {
     const MoeCfg& c = dc.c;
-    HostMoe m(c, seed++, dc.hot);
+    HostMoe m(c, seed++, dc.hot ? 1 : 0);
     Rng r(seed++);
     std::vector<float> xf;
     std::vector<bf16> xb = rand_bf16(r, size_t(Tmax) * c.H, 1.0f, xf);
@@ -581,6 +596,130 @@ TEST_CASE("moe_forward decode sizes (T <= 64): OwnDecode / Own vs CPU, Cublas, O
         replays_same = std::memcmp(four.data(), four2.data(), n * sizeof(float)) == 0;
         std::printf("[moe] decode %s Own 4 replays twice bit-identical: %s\n", name.c_str(), replays_same ? "yes" : "NO");
         CHECK(replays_same);
+      }
+    }
+  }
+}
+
+// The Hopper wgmma prefill tiles (OwnWgmma forced at every T; Own past 16 rows per expert on average) against the
+// CPU reference and the mma.sync prefill tiles (OwnLargeM, same 128-row schedule), at Qwen3.5-35B-A3B sizes and at
+// odd sizes: N not a multiple of the tile (gate_up N = I = 96 / 160 < or not a multiple of 128 act columns, down
+// N = H = 320 / 192 not a multiple of 256), K not a multiple of 64 (down K = I = 96 / 160), experts with 0 and
+// with 1 row, T not a multiple of 128. The forced-routing layer sends token t to expert 0 and to expert 4 (t = 0)
+// or 1 + t % 3 (t > 0): expert 0 takes all T rows (3 tiles at T = 300, the last partial), expert 4 exactly one,
+// experts 5 .. 15 none. On devices without the wgmma kernels OwnWgmma runs the mma.sync tiles (warning).
+TEST_CASE("moe_forward wgmma prefill tiles (OwnWgmma / Own) vs CPU and the mma.sync tiles, odd sizes", "[moe]") {
+  require_gpu();
+  Stream st;
+  gpu::GemmRunner gemm;
+  const bool wgmma = gpu::moe_wgmma_available();
+  std::printf("[moe] wgmma prefill tiles available: %s\n",
+              wgmma ? "yes" : "no (OwnWgmma runs the mma.sync tiles; Own == OwnWgmma not checked)");
+  if (!wgmma)
+    WARN("moe_wgmma_available() is false (no compute capability 9.0 device, no sm_90a build, or HYPIC_MOE_WGMMA=0): "
+         "OwnWgmma falls back to the mma.sync prefill tiles");
+  struct WgCase {
+    MoeCfg c;
+    bool forced;  // the forced routing above
+    std::vector<int> Ts;
+  };
+  const std::vector<WgCase> cases = {{{256, 8, 2048, 512, 512}, false, {1, 37, 300, 4096}},
+                                     {{16, 2, 320, 96, 32}, true, {1, 37, 300}},
+                                     {{8, 2, 192, 160, 0}, false, {5, 130, 1000}}};
+  constexpr int kHot = 5;  // forced routing: experts 0 .. 4 have a hot router feature (their own index)
+  uint64_t seed = 900;
+  for (const WgCase& wc : cases) {
+    const MoeCfg& c = wc.c;
+    const int Tmax = *std::max_element(wc.Ts.begin(), wc.Ts.end());
+    HostMoe m(c, seed++, wc.forced ? kHot : 0);
+    Rng r(seed++);
+    std::vector<float> xf;
+    std::vector<bf16> xb = rand_bf16(r, size_t(Tmax) * c.H, 1.0f, xf);
+    if (wc.forced) {
+      for (int t = 0; t < Tmax; ++t) {
+        for (int e = 0; e < kHot; ++e) xb[size_t(t) * c.H + e] = float_to_bf16(0.f), xf[size_t(t) * c.H + e] = 0.f;
+        for (int e : {0, t == 0 ? 4 : 1 + t % 3}) xb[size_t(t) * c.H + e] = float_to_bf16(4.f), xf[size_t(t) * c.H + e] = 4.f;
+      }
+    }
+    DeviceBuffer<bf16> dx(xb);
+    const std::vector<float> out0 = rand_f32(r, size_t(Tmax) * c.H, 1.0f);
+    gpu::MoeWorkspace ws;
+    const gpu::MoeWeightsView v = m.view(true);
+    for (int T : wc.Ts) {
+      const std::string name = cfg_str(c, true, T) + (wc.forced ? " forced-routing" : "");
+      INFO(name);
+      std::vector<std::vector<int>> sets;
+      std::vector<char> near_tie;
+      const std::vector<float> ref = moe_ref(m, true, T, xf.data(), sets, near_tie);
+      const size_t n = size_t(T) * c.H;
+      const std::vector<float> base(out0.begin(), out0.begin() + n);
+      auto run = [&](gpu::GroupedGemm impl) {
+        DeviceBuffer<float> dout(base);
+        poison_gemm_outputs(ws, T, v);
+        gpu::moe_forward(T, dx.get(), v, dout.get(), ws, gemm, impl, st.s);
+        check_cuda(cudaStreamSynchronize(st.s), "moe_forward");
+        return dout.download();
+      };
+      const std::vector<float> wg = run(gpu::GroupedGemm::OwnWgmma);
+      std::vector<int> counts(size_t(c.E));
+      check_cuda(cudaMemcpy(counts.data(), ws.counts.p, counts.size() * sizeof(int), cudaMemcpyDeviceToHost),
+                 "counts download");
+      const std::vector<float> mma = run(gpu::GroupedGemm::OwnLargeM);
+      const Err e_wg = compare(wg.data(), ref.data(), n, base.data());
+      const Err e_mma = compare(mma.data(), ref.data(), n, base.data());
+      std::vector<float> mma_moe(n);
+      for (size_t i = 0; i < n; ++i) mma_moe[i] = mma[i] - base[i];
+      const Err e_vs = compare(wg.data(), mma_moe.data(), n, base.data());
+      const int empty = int(std::count(counts.begin(), counts.end(), 0));
+      const int single = int(std::count(counts.begin(), counts.end(), 1));
+      const int most = *std::max_element(counts.begin(), counts.end());
+      std::printf("[moe] wgmma %s: OwnWgmma err %.3e fro %.3e, OwnLargeM err %.3e fro %.3e (tol 2e-2 / 1e-2); "
+                  "OwnWgmma vs OwnLargeM err %.3e (tol 1e-2); experts with 0 rows %d, 1 row %d, most rows %d\n",
+                  name.c_str(), e_wg.max_rel, e_wg.fro, e_mma.max_rel, e_mma.fro, e_vs.max_rel, empty, single, most);
+      INFO("OwnWgmma err " << e_wg.max_rel << " fro " << e_wg.fro << ", vs OwnLargeM " << e_vs.max_rel);
+      CHECK(e_wg.max_rel <= 2e-2);
+      CHECK(e_wg.fro <= 1e-2);
+      CHECK(e_mma.max_rel <= 2e-2);
+      CHECK(e_vs.max_rel <= 1e-2);
+      if (wc.forced) {  // the routing the case is built for
+        CHECK(counts[0] == T);
+        CHECK(counts[4] == 1);
+        for (int e = kHot; e < c.E; ++e) CHECK(counts[size_t(e)] == 0);
+      }
+      // Run twice: bit-identical.
+      {
+        const std::vector<float> again = run(gpu::GroupedGemm::OwnWgmma);
+        const bool same = std::memcmp(again.data(), wg.data(), n * sizeof(float)) == 0;
+        std::printf("[moe] wgmma %s OwnWgmma run twice bit-identical: %s\n", name.c_str(), same ? "yes" : "NO");
+        CHECK(same);
+      }
+      // Own runs the same kernels (and schedule) where it takes the prefill tiles: bit-identical.
+      const bool own_prefill = T > 64 && size_t(T) * c.topk > size_t(16) * std::min<size_t>(size_t(c.E), size_t(T) * c.topk);
+      if (wgmma && own_prefill) {
+        const std::vector<float> own = run(gpu::GroupedGemm::Own);
+        const bool same = std::memcmp(own.data(), wg.data(), n * sizeof(float)) == 0;
+        std::printf("[moe] wgmma %s Own == OwnWgmma bit-identical: %s\n", name.c_str(), same ? "yes" : "NO");
+        CHECK(same);
+      }
+      // In a CUDA graph == direct; a second replay accumulates once more.
+      {
+        DeviceBuffer<float> dout(base);
+        const size_t ws_bytes = ws.bytes(), plans = gemm.plans();
+        CapturedGraph cg(st.s, [&] { gpu::moe_forward(T, dx.get(), v, dout.get(), ws, gemm, gpu::GroupedGemm::OwnWgmma, st.s); });
+        cg.replay();
+        const auto got = dout.download();
+        const bool same = std::memcmp(got.data(), wg.data(), n * sizeof(float)) == 0;
+        std::printf("[moe] wgmma %s OwnWgmma in a CUDA graph == direct: %s\n", name.c_str(), same ? "yes" : "NO");
+        CHECK(same);
+        CHECK(ws.bytes() == ws_bytes);
+        CHECK(gemm.plans() == plans);
+        cg.replay();
+        const auto twice = dout.download();
+        std::vector<float> ref2(n);
+        for (size_t i = 0; i < n; ++i) ref2[i] = 2.0f * ref[i];
+        const Err e2 = compare(twice.data(), ref2.data(), n, base.data());
+        std::printf("[moe] wgmma %s OwnWgmma second graph replay: err %.3e (tol 2e-2)\n", name.c_str(), e2.max_rel);
+        CHECK(e2.max_rel <= 2e-2);
       }
     }
   }
@@ -711,11 +850,13 @@ TEST_CASE("bench: moe_forward Own vs Cublas at Qwen3.5-35B-A3B sizes, GemmRunner
   dout.poison(0);
   const double ceiling = gpu::measure_bf16_tflops(8192, st.s);
   std::printf("[bench] dense bf16 GEMM ceiling (8192^3, cuBLASLt): %.1f TFLOP/s\n", ceiling);
+  std::printf("[bench] wgmma prefill tiles available: %s\n", gpu::moe_wgmma_available() ? "yes" : "no");
   gpu::MoeWorkspace ws;
   const gpu::MoeWeightsView v = m.view(true);
   // Old-equivalent numbers: OwnSmallM is what Own ran at T <= 64 before the decode path (smem tiles,
   // multi-kernel routing, cuBLASLt shared expert); OwnLargeM is Own at large T. OwnDecode / OwnLargeN
-  // are the new paths forced (OwnDecode skipped past T = 4096). "GB/s" counts the distinct expert
+  // are the new paths forced (OwnDecode skipped past T = 4096), OwnWgmma the Hopper prefill tiles forced
+  // (Own runs them past 16 rows per expert when moe_wgmma_available()). "GB/s" counts the distinct expert
   // weights the batch touches (routed experts used, from the routing, + the shared expert) once.
   // "cold" rows: the same layer in kCopies device copies used in turn, so that (as in a real decode
   // step, 40 different layers) a call does not find the previous call's expert weights in L2.
@@ -735,7 +876,7 @@ TEST_CASE("bench: moe_forward Own vs Cublas at Qwen3.5-35B-A3B sizes, GemmRunner
     views[i].shared_gate_up = copies[b + 2].get(), views[i].shared_down = copies[b + 3].get();
   }
   std::vector<int> ge;
-  for (int T : {1, 2, 4, 8, 16, 32, 64, 128, 256, 4096, 32768}) {
+  for (int T : {1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096, 32768}) {
     const double flops = 2.0 * T * c.topk * 3.0 * c.H * c.I + 2.0 * T * 3.0 * c.H * c.Is;
     // Distinct experts of this batch (same routing for every impl).
     gpu::moe_forward(T, dx.get(), v, dout.get(), ws, gemm, gpu::GroupedGemm::Own, st.s);
@@ -748,7 +889,8 @@ TEST_CASE("bench: moe_forward Own vs Cublas at Qwen3.5-35B-A3B sizes, GemmRunner
     const double wbytes = 2.0 * 3.0 * c.H * (double(n_used) * c.I + c.Is) + 2.0 * c.E * c.H;
     std::printf("[bench] moe T=%-6d %d distinct experts, %.1f MB of weights\n", T, n_used, wbytes / 1e6);
     for (gpu::GroupedGemm impl : {gpu::GroupedGemm::Own, gpu::GroupedGemm::OwnDecode, gpu::GroupedGemm::OwnSmallM,
-                                  gpu::GroupedGemm::OwnLargeM, gpu::GroupedGemm::OwnLargeN, gpu::GroupedGemm::Cublas}) {
+                                  gpu::GroupedGemm::OwnLargeM, gpu::GroupedGemm::OwnLargeN, gpu::GroupedGemm::OwnWgmma,
+                                  gpu::GroupedGemm::Cublas}) {
       if (impl == gpu::GroupedGemm::OwnDecode && T > 4096) continue;
       const double ms = time_ms(st.s, [&] { gpu::moe_forward(T, dx.get(), v, dout.get(), ws, gemm, impl, st.s); });
       std::printf("[bench] moe T=%-6d %-9s %9.3f ms  %7.1f TFLOP/s  %7.0f GB/s\n", T, impl_name(impl), ms,
@@ -812,6 +954,38 @@ TEST_CASE("bench: moe_forward Own vs Cublas at Qwen3.5-35B-A3B sizes, GemmRunner
       const double bytes = 2.0 * (double(M) * s.K + double(s.N) * s.K) + double(M) * s.N * (s.f32 ? 8 : 2);
       std::printf("[bench] gemm %-15s M=%-6d N=%-7d K=%-5d %9.4f ms  %7.1f TFLOP/s  %7.0f GB/s\n", s.name, M, s.N, s.K,
                   ms, fl / (ms * 1e-3) / 1e12, bytes / (ms * 1e-3) / 1e9);
+    }
+  }
+}
+
+// The prefill sizes only: Own (what grouped_gemm_for_tokens picks is printed), OwnWgmma, OwnLargeM (mma.sync) and
+// Cublas, ms per layer and TFLOP/s (routed + shared expert FLOPs). ./test_gpu_moe "[.bench_wgmma]"; run it again
+// with HYPIC_MOE_WGMMA=2 for the down GEMM on 128 x 128 tiles.
+TEST_CASE("bench: moe_forward wgmma prefill tiles vs mma.sync and cuBLAS (prefill sizes)", "[.bench_wgmma]") {
+  require_gpu();
+  Stream st;
+  gpu::GemmRunner gemm;
+  const MoeCfg c{256, 8, 2048, 512, 512};
+  HostMoe m(c, 1234);
+  const int Tmax = 32768;
+  Rng r(99);
+  std::vector<float> xf;
+  DeviceBuffer<bf16> dx(rand_bf16(r, size_t(Tmax) * c.H, 1.0f, xf));
+  DeviceBuffer<float> dout(size_t(Tmax) * c.H);
+  dout.poison(0);
+  const char* env = std::getenv("HYPIC_MOE_WGMMA");
+  std::printf("[bench] wgmma prefill tiles available: %s (HYPIC_MOE_WGMMA=%s)\n",
+              gpu::moe_wgmma_available() ? "yes" : "no", env ? env : "unset");
+  gpu::MoeWorkspace ws;
+  const gpu::MoeWeightsView v = m.view(true);
+  for (int T : {512, 1024, 2048, 4096, 16384, 32768}) {
+    const double flops = 2.0 * T * c.topk * 3.0 * c.H * c.I + 2.0 * T * 3.0 * c.H * c.Is;
+    std::printf("[bench] moe T=%-6d grouped_gemm_for_tokens: %s\n", T, impl_name(gpu::grouped_gemm_for_tokens(T)));
+    for (gpu::GroupedGemm impl : {gpu::GroupedGemm::Own, gpu::GroupedGemm::OwnWgmma, gpu::GroupedGemm::OwnLargeM,
+                                  gpu::GroupedGemm::Cublas}) {
+      const double ms = time_ms(st.s, [&] { gpu::moe_forward(T, dx.get(), v, dout.get(), ws, gemm, impl, st.s); });
+      std::printf("[bench] moe T=%-6d %-9s %9.3f ms  %7.1f TFLOP/s\n", T, impl_name(impl), ms,
+                  flops / (ms * 1e-3) / 1e12);
     }
   }
 }

@@ -1,0 +1,135 @@
+// Internals shared by the MoE sources (moe.cu: routing, mma.sync grouped GEMMs, combine and the entry points;
+// moe_decode.cu: the decode path's weight-streaming GEMMs; moe_wgmma.cu: the Hopper wgmma prefill GEMMs).
+// Not part of the library's interface: see moe.h for the contract.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/moe.h"
+
+namespace hypic::kernels::cuda::moe_detail {
+
+constexpr int kSmallT = 64;  // largest T of the single-block routing (and of Own's decode path)
+constexpr int kDecBM = 32;   // rows (tokens) per tile of the decode GEMMs
+
+// SwiGLU's silu in fp32 (HF: x * sigmoid(x)); every MoE kernel uses this one formula.
+__device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
+__device__ __forceinline__ float round_bf16(float x) { return __bfloat162float(__float2bfloat16(x)); }
+
+// ---------------------------------------------------------------------------------------------
+// Programmatic dependent launch (sm_90): kernels of the decode chain are launched with
+// cudaLaunchAttributeProgrammaticStreamSerialization, so that a kernel's blocks can be scheduled
+// while its predecessor drains. Every kernel that may be launched that way calls griddep_wait()
+// before its first global memory access (read or write): that waits for the full completion (and
+// memory visibility) of the preceding grid, so the stream order semantics are unchanged. Without
+// the launch attribute both instructions are no-ops.
+// ---------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ void griddep_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void griddep_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+// PDL on by default; HYPIC_MOE_PDL=0 in the environment launches the decode chain plainly.
+inline bool pdl_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("HYPIC_MOE_PDL");
+    return !(v && v[0] == '0');
+  }();
+  return on;
+}
+
+// kernel<<<grid, block, smem, stream>>>(args...) with programmatic stream serialization (see
+// griddep_wait): the kernel must call griddep_wait() before touching global memory.
+template <class... KArgs, class... Args>
+void launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, const char* what,
+                Args... args) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl_enabled() ? 1 : 0;
+  check_cuda(cudaLaunchKernelEx(&cfg, kernel, static_cast<KArgs>(args)...), what);
+}
+
+// Upper bound of the m-tile count of a schedule with bm-row tiles over P rows and E experts
+// (each expert's last tile may be partial).
+inline size_t max_tiles(size_t P, int E, int bm) { return P / bm + std::min<size_t>(size_t(E), P); }
+
+// Tiles of the decode schedule: routed kDecBM-row tiles, then the shared expert's over T rows.
+inline size_t decode_grid_tiles(size_t P, int E, int T, bool shared) {
+  return max_tiles(P, E, kDecBM) + (shared ? size_t((T + kDecBM - 1) / kDecBM) : 0);
+}
+
+// Arguments of the prefill grouped GEMMs (mma.sync grouped_gemm_kernel in moe.cu, the wgmma kernels of
+// moe_wgmma.cu): one launch covers every expert; m-tile i of the schedule is rows tiles[i].y .. + BM - 1 of
+// expert tiles[i].x, i.e. rows offsets[e] + those of the expert-sorted order (P rows in all).
+struct GroupedArgs {
+  const bf16* A;           // gate_up: x [T][K] (rows gathered through a_rows); down: act [P][K]
+  const int* a_rows;       // gate_up: sorted_tok [P]; down: unused (identity)
+  const bf16* B;           // [E][.][K]: gate_up [E][2N][K], down [E][N][K]
+  size_t b_expert_stride;  // elements per expert of B
+  bf16* out;               // gate_up: act [P][N]; down: y [P][N]
+  int K, N;                // gate_up: K = H, N = I; down: K = I, N = H
+  const int2* tiles;
+  const int* num_tiles;
+  const int* offsets;      // [E + 1]
+};
+
+// ---------------------------------------------------------------------------------------------
+// Decode path (moe_decode.cu)
+// ---------------------------------------------------------------------------------------------
+
+// logits [T][E] fp32 = x W_router^T (decode path, T <= kSmallT).
+void launch_router(const MoeWeightsView& w, int T, const bf16* x, float* logits, cudaStream_t stream);
+
+// Routed + shared experts through the decode GEMMs (the schedule has kDecBM-row tiles and, with
+// Is > 0, the shared expert's tiles).
+void launch_decode(const MoeWeightsView& w, int T, size_t P, const bf16* x, MoeWorkspace& ws, cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------------
+// Hopper wgmma prefill GEMMs (moe_wgmma.cu, built for sm_90a only: HYPIC_MOE_WGMMA_BUILT)
+// ---------------------------------------------------------------------------------------------
+
+constexpr int kWgmmaBM = 128;  // rows per m-tile of the wgmma kernels (the schedule's bm)
+
+// True when the current device can run the wgmma kernels: compute capability 9.0 (the sm_90a build). Host only.
+bool wgmma_device();
+
+// The HYPIC_MOE_WGMMA environment variable, read once: 0 = off (Own keeps the mma.sync tiles); the variants (for
+// comparisons) 1 = default (unset or anything else): one block per tile, 128 x 256 tiles for both GEMMs; 2 = the
+// down GEMM on 128 x 128 tiles (2 blocks per SM); 3 = persistent blocks (one per SM) walking the tiles with the
+// copies running ahead across tile boundaries; 4 = 3 with the down GEMM on persistent 128 x 128 tiles (2 per SM).
+int wgmma_env_mode();
+
+// Whether the wgmma kernels take a layer of these sizes with P routed rows: K (H and I) a multiple of 8, N (I and H)
+// even, and the grid (m-tile bound x n-tiles) within 2^31 - 1 blocks. True at every size moe_forward accepts except
+// grids that large; moe.cu runs the mma.sync kernel otherwise. Host only.
+bool wgmma_supported(const MoeWeightsView& w, size_t P);
+
+// Both prefill GEMMs of moe_forward on wgmma over the kWgmmaBM-row schedule already in ws (tiles, num_tiles,
+// offsets, sorted_tok): gate_up + SwiGLU -> ws.act [P][I] bf16, then down -> ws.y [P][H] bf16; same buffers,
+// roundings and masking as launch_grouped's mma.sync kernels. variant: 1 .. 4 as wgmma_env_mode. Throws
+// std::invalid_argument when the grid does not fit (see wgmma_supported), std::runtime_error on CUDA errors.
+// Requires wgmma_device().
+void launch_wgmma(const MoeWeightsView& w, size_t P, const bf16* x, MoeWorkspace& ws, int variant,
+                  cudaStream_t stream);
+
+}  // namespace hypic::kernels::cuda::moe_detail

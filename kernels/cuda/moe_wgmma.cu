@@ -1,0 +1,541 @@
+// The prefill grouped GEMMs of moe_forward (gate_up with the SwiGLU epilogue, and down) on Hopper's warpgroup
+// tensor-core instructions (sm_90a: wgmma.mma_async with both operands in shared memory), driven by the same
+// 128-row m-tile schedule, buffers and roundings as moe.cu's mma.sync grouped_gemm_kernel, so routing, gather
+// and combine are unchanged and only the fp32 summation order inside the tensor-core products differs.
+//
+// Block = 2 warpgroups (256 threads) on a 128 x BN output tile of one expert: warpgroup w computes rows
+// 64 w .. 64 w + 63 as m64nBNk16 wgmmas, A (128 x 64 bf16 per k-step) and B (BN x 64) read from shared memory
+// through descriptors. Both operands are K-major (A = rows of x / act, B = rows of the weight [N][K], exactly the
+// layout of S = Q K^T in attention_wgmma.cu) and stored 128-byte swizzled (PTX ISA, "Shared Memory Matrix
+// Layout", K-major 128B swizzling): row r of a tile is 128 bytes at r * 128 with its 16-byte unit u stored at
+// unit u ^ (r % 8); tiles start on 1024-byte boundaries; descriptor SBO = 1024 (8 rows), LBO unused (16), and the
+// k16 steps inside the 64-wide k-step advance the start address by 32 bytes. The encodings are those of
+// attention_wgmma.cu (run on the H200).
+//
+// Pipeline: STAGES shared-memory slots filled by cp.async (every thread copies 16-byte units of A and B); at
+// k-step kt the block waits for slot kt, fences the async proxy and synchronises, issues the 4 wgmmas of kt
+// asynchronously, then the copies of k-step kt + STAGES - 2 into the slot of k-step kt - 2 (free: every
+// warpgroup waited for its wgmmas of kt - 2 before this barrier), and waits until at most one k-step (kt) of
+// wgmmas is in flight. So the copies of STAGES - 2 k-steps are in flight while the tensor cores run, and the
+// wgmmas of kt run while the block synchronises and issues k-step kt + 1.
+//
+// Rows past the expert's count and weight rows past N are not loaded (their shared-memory rows hold stale data
+// that only reaches accumulator rows / columns that are never stored: rows and columns of a GEMM tile are
+// independent); k beyond K (K % 64 != 0) is zero-filled in both operands (cp.async with src-size 0), so any K
+// that is a multiple of 8 works.
+//
+// gate_up (GATE_UP): the B tile's BN weight rows are BN/2 gate rows j = n0 .. n0 + BN/2 - 1 followed by the
+// matching up rows I + j, so accumulator fragment f < BN/16 (columns 8 f .. 8 f + 7) holds gate and fragment
+// f + BN/16 the up values of the same intermediate columns in the same thread: SwiGLU runs in registers,
+// act[p][j] = bf16( silu(bf16(g)) * bf16(u) ) (fp32 math, moe.h step 4), BN/2 act columns per block.
+// down: y[p][n] = bf16(acc), BN columns per block.
+//
+// Grid: one block per (m-tile, n-tile), n-tile fastest (the blocks of one m-tile run together and share its A
+// rows in L2; an expert's m-tiles follow each other and share its weights); an upper bound of the m-tile count
+// is launched and blocks past num_tiles exit. Variants for comparisons (HYPIC_MOE_WGMMA, moe_internal.cuh):
+// the down GEMM on 128 x 128 tiles (2 blocks per SM), and persistent blocks (moe_wgmma_persistent_kernel).
+//
+// Shapes, layouts, memory: x [T][H], act [P][I], y [P][H] bf16 row-major in device memory; weights gate_up
+// [E][2I][H] and down [E][H][I] bf16 row-major; fp32 accumulators in registers (m64n256: 128 per thread).
+//
+// Built for sm_90a only (kernels/cuda/CMakeLists.txt, HYPIC_MOE_WGMMA_BUILT); moe.cu calls it on compute
+// capability 9.0 devices.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <cstdlib>
+#include <stdexcept>
+#include <string>
+
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/mma.cuh"
+#include "kernels/cuda/moe.h"
+#include "kernels/cuda/moe_internal.cuh"
+
+namespace hypic::kernels::cuda::moe_detail {
+
+namespace {
+
+using detail::pack_bf16;
+using detail::smem_addr;
+
+// Tile configuration: BM = 128 rows (2 warpgroups of 64), BN columns of B (weight rows), BK = 64 (one 128-byte
+// swizzled row of bf16 per operand row), STAGES shared-memory slots, MINB blocks per SM (launch bounds).
+template <int BN_, int STAGES_, int MINB_>
+struct WgCfg {
+  static constexpr int BM = kWgmmaBM, BN = BN_, BK = 64, STAGES = STAGES_, MINB = MINB_;
+  static constexpr int THREADS = 256;
+  static constexpr int NF = BN / 8;                           // n8 accumulator fragments per thread
+  static constexpr int A_BYTES = BM * 128, B_BYTES = BN * 128;  // one k-step of A and of B
+  static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
+  static constexpr int SMEM = STAGES * STAGE_BYTES + 1024;    // + slack for the 1024-byte alignment
+  static constexpr int ROWS_PER_PASS = THREADS / 8;           // a pass copies 8 units (128 bytes) of 32 rows
+  static constexpr int A_IT = BM / ROWS_PER_PASS, B_IT = BN / ROWS_PER_PASS;
+  static_assert(BM == 128 && (BN == 128 || BN == 256), "tile shape");
+  static_assert(STAGES >= 3, "the slot of k-step kt - 2 is refilled at kt");
+  static_assert(SMEM * MINB <= 228 * 1024 && SMEM <= 227 * 1024, "shared memory per SM / block");
+};
+// gate_up: 128 x 256 (128 act columns), 4 stages: 193 KiB, 1 block per SM, 128 fp32 accumulators per thread.
+using GateUpCfg = WgCfg<256, 4, 1>;
+// down: 128 x 256, 4 stages (default) or 128 x 128, 3 stages: 97 KiB, 2 blocks per SM (HYPIC_MOE_WGMMA=2).
+using DownCfg = WgCfg<256, 4, 1>;
+using Down128Cfg = WgCfg<128, 3, 2>;
+
+// cp.async of 16 bytes into shared address dst; src_bytes = 0 writes zeros (src is not read).
+__device__ __forceinline__ void cp_async16_zfill(uint32_t dst, const void* src, uint32_t src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// A wgmma shared-memory matrix descriptor (PTX ISA, "Matrix Descriptor Format"): start address >> 4 in bits
+// 0-13, leading byte offset >> 4 in 16-29 (16: unused by swizzled K-major layouts), stride byte offset >> 4 in
+// 32-45 (1024: the next 8-row group), base offset 0 (1024-aligned tiles), bits 62-63 = 1: 128-byte swizzle.
+// The 18-bit shared address keeps (address >> 4) inside its 14-bit field, so adding (offset >> 4) to a
+// descriptor moves its start address.
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t saddr) {
+  return static_cast<uint64_t>((saddr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(16 >> 4) << 16) |
+         (static_cast<uint64_t>(1024 >> 4) << 32) | (uint64_t{1} << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Shared memory written through the generic proxy (cp.async) is read next by wgmma (async proxy).
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Keeps the compiler from moving accumulator registers across an asynchronous wgmma's issue and wait.
+template <int N>
+__device__ __forceinline__ void pin(float (&d)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[i][e])::"memory");
+}
+
+// d (64 x 256 fp32, accumulator layout) = (scale_d ? d : 0) + A (64 x 16 bf16, K-major in shared memory, descriptor
+// da) * B (16 x 256, K-major in shared memory, descriptor db): wgmma.mma_async m64n256k16, bf16 in, fp32
+// accumulate. Issued, not waited for.
+__device__ __forceinline__ void wgmma_m64n256k16_ss(float (&d)[32][4], uint64_t da, uint64_t db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127}, %128, %129, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3]), "+f"(d[16][0]), "+f"(d[16][1]), "+f"(d[16][2]), "+f"(d[16][3]), "+f"(d[17][0]), "+f"(d[17][1]), "+f"(d[17][2]), "+f"(d[17][3]), "+f"(d[18][0]), "+f"(d[18][1]), "+f"(d[18][2]), "+f"(d[18][3]), "+f"(d[19][0]), "+f"(d[19][1]), "+f"(d[19][2]), "+f"(d[19][3]), "+f"(d[20][0]), "+f"(d[20][1]), "+f"(d[20][2]), "+f"(d[20][3]), "+f"(d[21][0]), "+f"(d[21][1]), "+f"(d[21][2]), "+f"(d[21][3]), "+f"(d[22][0]), "+f"(d[22][1]), "+f"(d[22][2]), "+f"(d[22][3]), "+f"(d[23][0]), "+f"(d[23][1]), "+f"(d[23][2]), "+f"(d[23][3]), "+f"(d[24][0]), "+f"(d[24][1]), "+f"(d[24][2]), "+f"(d[24][3]), "+f"(d[25][0]), "+f"(d[25][1]), "+f"(d[25][2]), "+f"(d[25][3]), "+f"(d[26][0]), "+f"(d[26][1]), "+f"(d[26][2]), "+f"(d[26][3]), "+f"(d[27][0]), "+f"(d[27][1]), "+f"(d[27][2]), "+f"(d[27][3]), "+f"(d[28][0]), "+f"(d[28][1]), "+f"(d[28][2]), "+f"(d[28][3]), "+f"(d[29][0]), "+f"(d[29][1]), "+f"(d[29][2]), "+f"(d[29][3]), "+f"(d[30][0]), "+f"(d[30][1]), "+f"(d[30][2]), "+f"(d[30][3]), "+f"(d[31][0]), "+f"(d[31][1]), "+f"(d[31][2]), "+f"(d[31][3])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+
+// d (64 x 128 fp32) = (scale_d ? d : 0) + A (64 x 16) * B (16 x 128): as wgmma_m64n256k16_ss, N = 128.
+__device__ __forceinline__ void wgmma_m64n128k16_ss(float (&d)[16][4], uint64_t da, uint64_t db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+
+template <int NF>
+__device__ __forceinline__ void wgmma_k16(float (&d)[NF][4], uint64_t da, uint64_t db, int scale_d) {
+  if constexpr (NF == 32)
+    wgmma_m64n256k16_ss(d, da, db, scale_d);
+  else
+    wgmma_m64n128k16_ss(d, da, db, scale_d);
+}
+
+// One block tile: rows m0 .. m0 + BM - 1 of expert e (sorted rows seg + m for m < cnt), output columns n0 ..
+struct TileInfo {
+  int e, m0, seg, cnt, n0;
+};
+
+// The tile of schedule entry mt (an m-tile) and n-tile nt.
+template <class C, bool GATE_UP>
+__device__ __forceinline__ TileInfo tile_info(const GroupedArgs& a, int mt, int nt) {
+  const int2 tile = a.tiles[mt];
+  const int seg = a.offsets[tile.x];
+  return TileInfo{tile.x, tile.y, seg, a.offsets[tile.x + 1] - seg, nt * (GATE_UP ? C::BN / 2 : C::BN)};
+}
+
+// The A rows this thread copies (tile rows r0 + 32 i, see load_stage): the row of A (gate_up: the token, through
+// a_rows; down: the sorted position), -1 past the expert's count (not loaded, never stored).
+template <class C, bool GATE_UP>
+__device__ __forceinline__ void a_rows_of(const GroupedArgs& a, const TileInfo& t, int r0, int (&rows)[C::A_IT]) {
+#pragma unroll
+  for (int i = 0; i < C::A_IT; ++i) {
+    const int m = t.m0 + r0 + i * C::ROWS_PER_PASS;
+    rows[i] = m < t.cnt ? (GATE_UP ? a.a_rows[t.seg + m] : t.seg + m) : -1;
+  }
+}
+
+// Global sources of this thread's copies for one tile: its 16-byte unit u (k = 8 u .. 8 u + 7 of each k-step) of
+// A rows r0 + 32 i and B rows r0 + 32 i, at k-step 0; null where the row is not loaded. gate_up's B rows: rows
+// 0 .. BN/2 - 1 of the tile are gate rows n0 + r, rows BN/2 .. BN - 1 the up rows N + n0 + r - BN/2.
+template <class C>
+struct TileSrc {
+  const bf16* a[C::A_IT];
+  const bf16* b[C::B_IT];
+};
+template <class C, bool GATE_UP>
+__device__ __forceinline__ void tile_src(const GroupedArgs& a, const TileInfo& t, const int (&rows)[C::A_IT], int u,
+                                         int r0, TileSrc<C>& s) {
+  const int K = a.K, N = a.N;
+#pragma unroll
+  for (int i = 0; i < C::A_IT; ++i) s.a[i] = rows[i] >= 0 ? a.A + size_t(rows[i]) * K + u * 8 : nullptr;
+  const bf16* Bexp = a.B + size_t(t.e) * a.b_expert_stride;
+#pragma unroll
+  for (int i = 0; i < C::B_IT; ++i) {
+    const int r = r0 + i * C::ROWS_PER_PASS;
+    int wrow;
+    bool on;
+    if (GATE_UP) {
+      const int j = t.n0 + (r % (C::BN / 2));
+      on = j < N;
+      wrow = r < C::BN / 2 ? j : N + j;
+    } else {
+      wrow = t.n0 + r;
+      on = wrow < N;
+    }
+    s.b[i] = on ? Bexp + size_t(wrow) * K + u * 8 : nullptr;  // weight rows past N: not loaded, never stored
+  }
+}
+
+// Copies of k-step kt (k = 64 kt ..) into the slot whose shared address plus this thread's offset is st: thread
+// (u = tid % 8, r0 = tid / 8) writes unit u of tile row r = r0 + 32 i at r * 128 + ((u ^ (r % 8)) << 4) (the
+// 128-byte swizzle; r % 8 = r0 % 8 for every i), A rows first, then B rows at A_BYTES. k past K: zeros.
+template <class C>
+__device__ __forceinline__ void load_stage(const TileSrc<C>& s, uint32_t st, int kt, int K, int u) {
+  const int k0 = kt * C::BK;
+  const uint32_t bytes = k0 + u * 8 < K ? 16u : 0u;  // K is a multiple of 8
+  const int ko = bytes ? k0 : 0;
+#pragma unroll
+  for (int i = 0; i < C::A_IT; ++i)
+    if (s.a[i]) cp_async16_zfill(st + uint32_t(i * C::ROWS_PER_PASS * 128), s.a[i] + ko, bytes);
+#pragma unroll
+  for (int i = 0; i < C::B_IT; ++i)
+    if (s.b[i]) cp_async16_zfill(st + uint32_t(C::A_BYTES + i * C::ROWS_PER_PASS * 128), s.b[i] + ko, bytes);
+}
+
+// The 4 k16 wgmmas of one k-step of the warpgroup (da, db: descriptors of its A rows and of B in the slot),
+// committed as one group; accumulate = false starts the tile (acc's old values are ignored).
+template <class C>
+__device__ __forceinline__ void mma_kstep(float (&acc)[C::NF][4], uint64_t da, uint64_t db, bool accumulate) {
+  wgmma_fence();
+  wgmma_k16<C::NF>(acc, da, db, accumulate ? 1 : 0);
+#pragma unroll
+  for (int kk = 1; kk < C::BK / 16; ++kk) wgmma_k16<C::NF>(acc, da + kk * 2, db + kk * 2, 1);
+  wgmma_commit();
+}
+
+// Epilogue of warpgroup wg: fragment f of warp w (of the warpgroup), lane (g, q) holds rows 16 w + g
+// (acc[f][0..1]) and + 8 (acc[f][2..3]), columns 8 f + 2 q, + 1 (the m16n8 accumulator layout per n8 block).
+// gate_up: act[p][j] = bf16(silu(bf16(g)) * bf16(u)) with g in fragment f < NF / 2 and u in f + NF / 2; down:
+// y[p][n] = bf16(acc). Rows past the count and columns past N are not stored.
+template <class C, bool GATE_UP>
+__device__ __forceinline__ void store_tile(const GroupedArgs& a, const TileInfo& t, const float (&acc)[C::NF][4],
+                                           int tid) {
+  const int N = a.N;
+  const int lane = tid & 31, g = lane >> 2, c2 = (lane & 3) * 2;
+  const int row0 = t.m0 + (tid >> 7) * 64 + ((tid >> 5) & 3) * 16 + g;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int m = row0 + h * 8;
+    if (m >= t.cnt) continue;
+    bf16* orow = a.out + size_t(t.seg + m) * N;
+    if (GATE_UP) {
+#pragma unroll
+      for (int f = 0; f < C::NF / 2; ++f) {
+        const int j = t.n0 + f * 8 + c2;
+        if (j >= N) continue;
+        const float g0 = round_bf16(acc[f][2 * h]), g1 = round_bf16(acc[f][2 * h + 1]);
+        const float u0 = round_bf16(acc[f + C::NF / 2][2 * h]), u1 = round_bf16(acc[f + C::NF / 2][2 * h + 1]);
+        *reinterpret_cast<uint32_t*>(orow + j) = pack_bf16(silu_f(g0) * u0, silu_f(g1) * u1);
+      }
+    } else {
+#pragma unroll
+      for (int f = 0; f < C::NF; ++f) {
+        const int n = t.n0 + f * 8 + c2;
+        if (n >= N) continue;
+        *reinterpret_cast<uint32_t*>(orow + n) = pack_bf16(acc[f][2 * h], acc[f][2 * h + 1]);
+      }
+    }
+  }
+}
+
+// One block per (m-tile, n-tile): blockIdx.x = m-tile * n_tiles + n-tile (see the top of the file). a as for
+// grouped_gemm_kernel (moe_internal.cuh: GroupedArgs); K a multiple of 8, N even.
+template <class C, bool GATE_UP>
+__global__ void __launch_bounds__(C::THREADS, C::MINB) moe_wgmma_kernel(const GroupedArgs a, int n_tiles) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  const int mt = int(blockIdx.x) / n_tiles;
+  if (mt >= *a.num_tiles) return;
+  const TileInfo t = tile_info<C, GATE_UP>(a, mt, int(blockIdx.x) % n_tiles);
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const uint32_t s_base = (smem_addr(smem_raw) + 1023u) & ~1023u;  // slot s: A at s * STAGE_BYTES, then B
+  const int tid = threadIdx.x, u = tid & 7, r0 = tid >> 3, wg = tid >> 7;
+  const uint32_t dst = s_base + uint32_t(r0 * 128 + ((u ^ (r0 & 7)) << 4));
+  TileSrc<C> src;
+  {
+    int rows[C::A_IT];
+    a_rows_of<C, GATE_UP>(a, t, r0, rows);
+    tile_src<C, GATE_UP>(a, t, rows, u, r0, src);
+  }
+  const int K = a.K, KT = (K + C::BK - 1) / C::BK;
+#pragma unroll
+  for (int s = 0; s < C::STAGES - 2; ++s) {
+    if (s < KT) load_stage<C>(src, dst + uint32_t(s * C::STAGE_BYTES), s, K, u);
+    cp_async_commit();
+  }
+  float acc[C::NF][4];
+#pragma unroll
+  for (int f = 0; f < C::NF; ++f) acc[f][0] = acc[f][1] = acc[f][2] = acc[f][3] = 0.f;
+  // Warpgroup-uniform: a warpgroup whose 64 rows all lie past the count issues no wgmma.
+  const bool wg_active = t.m0 + wg * 64 < t.cnt;
+  const uint64_t da0 = sw128_desc(s_base + uint32_t(wg * 64 * 128));
+  const uint64_t db0 = sw128_desc(s_base + uint32_t(C::A_BYTES));
+#pragma unroll 1
+  for (int kt = 0; kt < KT; ++kt) {
+    cp_async_wait<C::STAGES - 3>();  // this thread's copies of k-step kt have landed ...
+    fence_proxy_async();             // ... are made visible to the async proxy (wgmma) ...
+    __syncthreads();                 // ... and everyone's; every warpgroup is done with k-step kt - 2
+    if (wg_active) {                 // the wgmmas of k-step kt first: the tensor cores never wait for the copies
+      const uint64_t so = uint64_t(((kt % C::STAGES) * C::STAGE_BYTES) >> 4);
+      mma_kstep<C>(acc, da0 + so, db0 + so, true);
+    }
+    const int nk = kt + C::STAGES - 2;  // into the slot of k-step kt - 2
+    if (nk < KT) load_stage<C>(src, dst + uint32_t((nk % C::STAGES) * C::STAGE_BYTES), nk, K, u);
+    cp_async_commit();  // possibly empty: keeps the group count per iteration fixed
+    wgmma_wait<1>();    // k-step kt - 1 done: its slot is refilled after the next barrier
+    pin<C::NF>(acc);
+  }
+  wgmma_wait<0>();
+  pin<C::NF>(acc);
+  cp_async_wait<0>();  // only empty groups remain; nothing may be in flight when the block exits
+  if (wg_active) store_tile<C, GATE_UP>(a, t, acc, tid);
+#else
+  (void)a;
+  (void)n_tiles;
+  __trap();  // built for sm_90a only; moe.cu checks the device (wgmma_device)
+#endif
+}
+
+// Persistent variant (HYPIC_MOE_WGMMA=3 / 4): gridDim.x blocks (MINB per SM) walk the tiles t = blockIdx.x,
+// + gridDim.x, .. (t = m-tile * n_tiles + n-tile as above) as ONE stream of k-steps: the copies run STAGES - 2
+// k-steps ahead across tile boundaries, so the next tile's first k-steps load while the last ones of the current
+// tile compute and while its epilogue stores. The loader spreads the next tile's schedule reads over the current
+// tile's first k-steps (schedule entry, offsets, gate_up's token rows), so no load latency remains at the switch;
+// the tile's (m0, seg, cnt, n0) reach the epilogue through a 4-entry shared ring written by thread 0 when the
+// loader enters the tile (at least one barrier before the consumer reads it; the loader is < 4 tiles ahead).
+template <class C, bool GATE_UP>
+__global__ void __launch_bounds__(C::THREADS, C::MINB) moe_wgmma_persistent_kernel(const GroupedArgs a, int n_tiles) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  __shared__ int4 ring[4];
+  const int total = *a.num_tiles * n_tiles, G = int(gridDim.x), b = int(blockIdx.x);
+  if (b >= total) return;
+  const int my_tiles = (total - 1 - b) / G + 1;
+  const int K = a.K, KT = (K + C::BK - 1) / C::BK;
+  const int iters = my_tiles * KT;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const uint32_t s_base = (smem_addr(smem_raw) + 1023u) & ~1023u;
+  const int tid = threadIdx.x, u = tid & 7, r0 = tid >> 3, wg = tid >> 7;
+  const uint32_t dst = s_base + uint32_t(r0 * 128 + ((u ^ (r0 & 7)) << 4));
+
+  // Loader: k-step l_kt of the block's tile l_seq (global tile b + l_seq G).
+  TileInfo lt = tile_info<C, GATE_UP>(a, b / n_tiles, b % n_tiles);
+  TileSrc<C> src;
+  {
+    int rows[C::A_IT];
+    a_rows_of<C, GATE_UP>(a, lt, r0, rows);
+    tile_src<C, GATE_UP>(a, lt, rows, u, r0, src);
+  }
+  TileInfo ct = lt;  // the consumer's (wgmma, epilogue) tile
+  int l_seq = 0, l_kt = 0, nx_mt = 0, nx_nt = 0, nx_seg = 0, nx_cnt = 0;
+  int2 nx_tile = make_int2(0, 0);
+  int nx_rows[C::A_IT];
+#pragma unroll
+  for (int i = 0; i < C::A_IT; ++i) nx_rows[i] = -1;
+  // Issues the copies of the loader's current k-step into slot `slot` and moves the loader on.
+  auto load_next = [&](int slot) {
+    load_stage<C>(src, dst + uint32_t(slot * C::STAGE_BYTES), l_kt, K, u);
+    const bool more = l_seq + 1 < my_tiles;
+    if (more) {  // the next tile's schedule reads, one dependent step per k-step (all at once when KT is small)
+      if (l_kt == 0) {
+        const int t = b + (l_seq + 1) * G;
+        nx_mt = t / n_tiles, nx_nt = t % n_tiles;
+        nx_tile = a.tiles[nx_mt];
+      }
+      if (l_kt == min(1, KT - 1)) {
+        nx_seg = a.offsets[nx_tile.x];
+        nx_cnt = a.offsets[nx_tile.x + 1] - nx_seg;
+      }
+      if (l_kt == min(2, KT - 1))
+        a_rows_of<C, GATE_UP>(a, TileInfo{nx_tile.x, nx_tile.y, nx_seg, nx_cnt, 0}, r0, nx_rows);
+    }
+    if (++l_kt == KT) {
+      l_kt = 0;
+      ++l_seq;
+      if (more) {
+        lt = TileInfo{nx_tile.x, nx_tile.y, nx_seg, nx_cnt, nx_nt * (GATE_UP ? C::BN / 2 : C::BN)};
+        tile_src<C, GATE_UP>(a, lt, nx_rows, u, r0, src);
+        if (tid == 0) ring[l_seq & 3] = make_int4(lt.m0, lt.seg, lt.cnt, lt.n0);
+      }
+    }
+  };
+  int issued = 0;  // k-steps whose copies are issued
+#pragma unroll
+  for (int s = 0; s < C::STAGES - 2; ++s) {
+    if (issued < iters) load_next(s), ++issued;
+    cp_async_commit();
+  }
+  float acc[C::NF][4];
+#pragma unroll
+  for (int f = 0; f < C::NF; ++f) acc[f][0] = acc[f][1] = acc[f][2] = acc[f][3] = 0.f;
+  bool wg_active = ct.m0 + wg * 64 < ct.cnt;
+  const uint64_t da0 = sw128_desc(s_base + uint32_t(wg * 64 * 128));
+  const uint64_t db0 = sw128_desc(s_base + uint32_t(C::A_BYTES));
+  int c_seq = 0, c_kt = 0;
+  // The accumulators are written by the wgmmas only (a tile starts with scale-d = 0) and read by the epilogue
+  // after wait_group 0, so no register copy of them is live across an asynchronous wgmma.
+#pragma unroll 1
+  for (int it = 0; it < iters; ++it) {
+    cp_async_wait<C::STAGES - 3>();
+    fence_proxy_async();
+    __syncthreads();  // k-step it landed everywhere; every warpgroup is done with k-step it - 2
+    if (wg_active) {
+      const uint64_t so = uint64_t(((it % C::STAGES) * C::STAGE_BYTES) >> 4);
+      mma_kstep<C>(acc, da0 + so, db0 + so, c_kt != 0);
+    }
+    if (issued < iters) load_next(issued % C::STAGES), ++issued;  // issued == it + STAGES - 2
+    cp_async_commit();
+    wgmma_wait<1>();
+    pin<C::NF>(acc);
+    if (c_kt == KT - 1) {  // the tile's last k-step: drain, store, move to the next tile
+      wgmma_wait<0>();     // (in this block: ptxas then sees no use of in-flight accumulators)
+      pin<C::NF>(acc);
+      if (wg_active) store_tile<C, GATE_UP>(a, ct, acc, tid);
+      c_kt = 0;
+      if (++c_seq < my_tiles) {
+        const int4 r = ring[c_seq & 3];
+        ct = TileInfo{0, r.x, r.y, r.z, r.w};
+        wg_active = ct.m0 + wg * 64 < ct.cnt;
+      }
+    } else {
+      ++c_kt;
+    }
+  }
+  wgmma_wait<0>();     // (nothing is in flight: the last k-step drained)
+  cp_async_wait<0>();
+#else
+  (void)a;
+  (void)n_tiles;
+  __trap();  // built for sm_90a only; moe.cu checks the device (wgmma_device)
+#endif
+}
+
+template <class C, bool GATE_UP>
+void set_smem(const char* what) {
+  check_cuda(cudaFuncSetAttribute(moe_wgmma_kernel<C, GATE_UP>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM),
+             std::string("cudaFuncSetAttribute(moe_wgmma_kernel ") + what + ")");
+  check_cuda(cudaFuncSetAttribute(moe_wgmma_persistent_kernel<C, GATE_UP>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  C::SMEM),
+             std::string("cudaFuncSetAttribute(moe_wgmma_persistent_kernel ") + what + ")");
+}
+
+// Per device: the shared-memory opt-in of every kernel; returns the multiprocessor count.
+int setup_device(int dev) {
+  set_smem<GateUpCfg, true>("gate_up");
+  set_smem<DownCfg, false>("down");
+  set_smem<Down128Cfg, false>("down 128");
+  int sms = 0;
+  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute(SMs)");
+  return sms;
+}
+
+// grid_m m-tiles (an upper bound) x the n-tiles covering g.N; persistent: at most MINB blocks per SM.
+template <class C, bool GATE_UP>
+void launch_one(const GroupedArgs& g, size_t grid_m, bool persistent, int sms, cudaStream_t stream,
+                const char* what) {
+  constexpr int cols = GATE_UP ? C::BN / 2 : C::BN;
+  const int n_tiles = (g.N + cols - 1) / cols;
+  const size_t blocks = grid_m * size_t(n_tiles);
+  if (blocks > size_t(INT_MAX))
+    throw std::invalid_argument(std::string(what) + ": " + std::to_string(blocks) + " tiles do not fit a grid");
+  if (persistent) {
+    const unsigned grid = unsigned(std::min(blocks, size_t(sms) * C::MINB));
+    moe_wgmma_persistent_kernel<C, GATE_UP><<<grid, C::THREADS, C::SMEM, stream>>>(g, n_tiles);
+  } else {
+    moe_wgmma_kernel<C, GATE_UP><<<unsigned(blocks), C::THREADS, C::SMEM, stream>>>(g, n_tiles);
+  }
+  check_cuda(cudaGetLastError(), what);
+}
+
+}  // namespace
+
+bool wgmma_device() {
+  static DeviceOnce once;
+  return once.run(current_device(), [](int d) {
+           int major = 0, minor = 0;
+           check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d), "compute capability");
+           check_cuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, d), "compute capability");
+           return major == 9 && minor == 0 ? 1 : 0;
+         }) == 1;
+}
+
+bool wgmma_supported(const MoeWeightsView& w, size_t P) {
+  if (w.H % 8 || w.I % 8 || w.H % 2 || w.I % 2) return false;
+  const size_t grid_m = max_tiles(P, w.E, kWgmmaBM);
+  const size_t n1 = size_t((w.I + GateUpCfg::BN / 2 - 1) / (GateUpCfg::BN / 2));
+  const size_t n2 = size_t((w.H + Down128Cfg::BN - 1) / Down128Cfg::BN);  // the most down n-tiles of the variants
+  return grid_m * std::max(n1, n2) <= size_t(INT_MAX);
+}
+
+int wgmma_env_mode() {
+  static const int mode = [] {
+    const char* v = std::getenv("HYPIC_MOE_WGMMA");
+    if (!v) return 1;
+    const std::string s(v);
+    return s == "0" ? 0 : s == "2" ? 2 : s == "3" ? 3 : s == "4" ? 4 : 1;
+  }();
+  return mode;
+}
+
+void launch_wgmma(const MoeWeightsView& w, size_t P, const bf16* x, MoeWorkspace& ws, int variant,
+                  cudaStream_t stream) {
+  static DeviceOnce once;
+  const int sms = once.run(current_device(), setup_device);
+  const bool persistent = variant == 3 || variant == 4, down_128 = variant == 2 || variant == 4;
+  const size_t grid_m = max_tiles(P, w.E, kWgmmaBM);
+  GroupedArgs g1{};
+  g1.A = x;
+  g1.a_rows = static_cast<const int*>(ws.sorted_tok.p);
+  g1.B = w.experts_gate_up;
+  g1.b_expert_stride = size_t(2) * w.I * w.H;
+  g1.out = static_cast<bf16*>(ws.act.p);
+  g1.K = w.H;
+  g1.N = w.I;
+  g1.tiles = static_cast<const int2*>(ws.tiles.p);
+  g1.num_tiles = static_cast<const int*>(ws.num_tiles.p);
+  g1.offsets = static_cast<const int*>(ws.offsets.p);
+  launch_one<GateUpCfg, true>(g1, grid_m, persistent, sms, stream, "moe_forward: wgmma gate_up GEMM launch");
+  GroupedArgs g2 = g1;
+  g2.A = static_cast<const bf16*>(ws.act.p);
+  g2.a_rows = nullptr;
+  g2.B = w.experts_down;
+  g2.b_expert_stride = size_t(w.H) * w.I;
+  g2.out = static_cast<bf16*>(ws.y.p);
+  g2.K = w.I;
+  g2.N = w.H;
+  if (down_128)
+    launch_one<Down128Cfg, false>(g2, grid_m, persistent, sms, stream, "moe_forward: wgmma down GEMM launch (128)");
+  else
+    launch_one<DownCfg, false>(g2, grid_m, persistent, sms, stream, "moe_forward: wgmma down GEMM launch");
+}
+
+}  // namespace hypic::kernels::cuda::moe_detail
