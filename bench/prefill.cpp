@@ -19,7 +19,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/model.h"
+#include "engine/cpu/model.h"
 #include "kernels/cpu/blas_env.h"
 
 using hypic::engine::Model;

@@ -4,7 +4,7 @@
 
 #include <algorithm>
 
-#include "engine/cpu_backend.h"
+#include "engine/cpu/cpu_backend.h"
 
 #if defined(HYPIC_WITH_CUDA) && HYPIC_WITH_CUDA
 #include <cuda_runtime_api.h>

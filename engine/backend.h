@@ -22,7 +22,7 @@
 // Headers: this interface includes no backend and no model runtime: only the config, the entry format, the host state
 // layout (engine/model_state.h), the splice modes (engine/splice_mode.h) and the splice planner
 // (engine/splice_schedule.h, which every backend executes), so that the services that only plan
-// (the router) compile without the CPU model (engine/model.h) or the CPU splice (engine/splice.h).
+// (the router) compile without the CPU model (engine/cpu/model.h) or the CPU splice (engine/cpu/splice.h).
 #pragma once
 #include <atomic>
 #include <cstdint>
@@ -37,7 +37,7 @@
 #include <string_view>
 #include <vector>
 
-#include "engine/config.h"
+#include "engine/checkpoint/config.h"
 #include "engine/model_state.h"
 #include "engine/segment.h"
 #include "engine/splice_mode.h"
@@ -75,7 +75,7 @@ class Sequence {
   virtual int64_t num_tokens() const = 0;
   /// Bytes it holds (linear and conv states, KV cache), wherever they live.
   virtual size_t bytes() const = 0;
-  /// A host copy in the CPU layout (engine/model.h ModelState: fp32, K rotated at real positions), for tests
+  /// A host copy in the CPU layout (engine/model_state.h ModelState: fp32, K rotated at real positions), for tests
   /// and evaluation. Costs a device-to-host copy on CUDA.
   virtual ModelState to_host() const = 0;
 };
@@ -368,8 +368,8 @@ DeviceSpec default_device();
 
 /// Loads the model in `model_dir` onto `device`. Throws std::invalid_argument for a device this build or machine
 /// lacks (naming it: "this build has no CUDA backend" without HYPIC_WITH_CUDA, "no CUDA device is visible", "only N
-/// CUDA device(s) are visible"), for options the backend does not
-/// support (cpu_threads < 1; random_weights_seed on the CPU), and whatever loading throws (engine/weights.h).
+/// CUDA device(s) are visible"), for options the backend does not support (cpu_threads < 1; random_weights_seed on
+/// the CPU), and whatever loading throws (engine/checkpoint/weights.h).
 std::unique_ptr<Backend> make_backend(const DeviceSpec& device, const std::filesystem::path& model_dir,
                                       const BackendOptions& options = {});
 

@@ -7,7 +7,7 @@
 
 #include "engine/segment.h"
 
-#include "engine/config.h"
+#include "engine/checkpoint/config.h"
 
 namespace hypic::engine {
 namespace {

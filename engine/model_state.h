@@ -1,6 +1,6 @@
 // The state a model carries between spans of tokens, in the CPU engine's host layout (fp32): per linear-attention
 // layer the recurrent state and the conv tail, per full-attention layer the KV cache. Used by the CPU engine
-// (engine/model.h), by backends for host copies of a sequence (engine/backend.h Sequence::to_host) and by tests.
+// (engine/cpu/model.h), by backends for host copies of a sequence (engine/backend.h Sequence::to_host) and by tests.
 #pragma once
 #include <cstddef>
 #include <cstdint>

@@ -6,8 +6,8 @@
 #include <cstring>
 #include <initializer_list>
 
-#include "engine/config.h"
-#include "engine/safetensors.h"
+#include "engine/checkpoint/config.h"
+#include "engine/checkpoint/safetensors.h"
 
 namespace hypic::engine {
 namespace {

@@ -1,5 +1,5 @@
 // Splice modes (DESIGN.md 3.4) and what every backend's splice shares: the mode names, the seam width a mode's
-// entries are made with, and the exception of a cancelled splice. The CPU splice is engine/splice.h; the interface
+// entries are made with, and the exception of a cancelled splice. The CPU splice is engine/cpu/splice.h; the interface
 // every backend implements is engine/backend.h.
 #pragma once
 #include <stdexcept>

@@ -1,5 +1,5 @@
 // The splice planner every backend shares (DESIGN.md 3.3-3.4): what a splice does, decided once as data by code that
-// knows no backend, no model and no tensor; each backend (the CPU splice, engine/splice.cpp; the CUDA backend,
+// knows no backend, no model and no tensor; each backend (the CPU splice, engine/cpu/splice.cpp; the CUDA backend,
 // engine/cuda/cuda_splice.cpp) only executes the schedule it is given. In the manner of vLLM v1's SchedulerOutput,
 // which the model runner executes.
 //

@@ -18,13 +18,13 @@
 #include <optional>
 #include <sstream>
 
-#include "engine/model.h"
+#include "engine/cpu/model.h"
 #include "engine/io_error.h"
 #include "eval/quality.h"
 #include "engine/sampling.h"
-#include "engine/splice.h"
+#include "engine/cpu/splice.h"
 #include "tokenizer/tokenizer.h"
-#include "engine/weights.h"
+#include "engine/checkpoint/weights.h"
 #include "kernels/cpu/blas_env.h"
 
 using namespace hypic::engine;

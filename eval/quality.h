@@ -32,8 +32,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "engine/model.h"
-#include "engine/splice.h"
+#include "engine/cpu/model.h"
+#include "engine/cpu/splice.h"
 #include "tokenizer/tokenizer.h"
 
 namespace hypic::engine {

@@ -5,7 +5,7 @@
 #include <CLI/CLI.hpp>
 #include <spdlog/spdlog.h>
 
-#include "engine/config.h"
+#include "engine/checkpoint/config.h"
 #include "tokenizer/tokenizer.h"
 #include "proto/rpc/server.h"
 #include "router/service.h"

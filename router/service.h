@@ -12,7 +12,7 @@
 #include <thread>
 #include <vector>
 
-#include "engine/config.h"
+#include "engine/checkpoint/config.h"
 #include "tokenizer/tokenizer.h"
 #include "hypic/v1/combine.grpc.pb.h"
 #include "hypic/v1/router.grpc.pb.h"

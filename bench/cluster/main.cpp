@@ -49,7 +49,7 @@
 #include "bench/cluster/runner.h"
 #include "bench/cluster/stats.h"
 #include "bench/cluster/workload.h"
-#include "engine/config.h"
+#include "engine/checkpoint/config.h"
 #include "tokenizer/tokenizer.h"
 #include "kernels/cpu/blas_env.h"
 #include "hypic/v1/combine.grpc.pb.h"

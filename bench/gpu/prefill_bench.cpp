@@ -62,8 +62,8 @@
 
 #include "bench/gpu/prefill_report.h"
 #include "engine/backend.h"
-#include "engine/config.h"
-#include "engine/weights.h"
+#include "engine/checkpoint/config.h"
+#include "engine/checkpoint/weights.h"
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/gated_delta.h"

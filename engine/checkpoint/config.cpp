@@ -1,4 +1,4 @@
-#include "engine/config.h"
+#include "engine/checkpoint/config.h"
 #include "engine/io_error.h"
 
 #include <xxhash.h>
@@ -14,8 +14,8 @@
 #include <tuple>
 #include <type_traits>
 
-#include "engine/config_internal.h"
-#include "engine/safetensors.h"
+#include "engine/checkpoint/config_internal.h"
+#include "engine/checkpoint/safetensors.h"
 
 namespace hypic::engine {
 

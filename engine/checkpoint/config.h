@@ -8,7 +8,7 @@
 // KimiLinearConfig, MiniMaxConfig) and the hub config.json of Ring-linear-2.0; see docs/research/hybrid_models.md
 // sections 1.2, 2.2, 3.2 and 4. Every family maps its linear layers onto the linear_* fields and its attention
 // layers onto num_attention_heads / num_key_value_heads / head_dim (documented per field), so the state geometry
-// (engine/model.h) is computed one way for all of them.
+// (engine/cpu/model.h) is computed one way for all of them.
 #pragma once
 #include <cstdint>
 #include <filesystem>
@@ -23,7 +23,7 @@ namespace hypic::engine {
 enum class LayerType { Linear, FullAttention };
 
 /// Architecture family: decides which linear mixer, attention, norm flavour, MoE router and residual form the
-/// decoder layers run (engine/model.cpp, engine/families/).
+/// decoder layers run (engine/cpu/model.cpp, engine/families/).
 enum class ModelFamily {
   Qwen,        ///< qwen3_next, qwen3_5*: Gated DeltaNet + gated attention, zero-centred (1 + w) RMSNorms
   KimiLinear,  ///< kimi_linear: KDA (KimiLinearDeltaAttention) + MLA without RoPE (KimiLinearAttention), KimiLinearMoE
@@ -120,7 +120,7 @@ struct ModelConfig {
 
   bool tie_word_embeddings = false;  ///< lm_head shares embed_tokens
 
-  /// Hex digest identifying the weights (see weights_identity() in engine/safetensors.h); set by
+  /// Hex digest identifying the weights (see weights_identity() in engine/checkpoint/safetensors.h); set by
   /// load_config() when it is given a checkpoint directory holding safetensors files, else empty.
   std::string weights_digest;
 

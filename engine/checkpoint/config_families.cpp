@@ -15,8 +15,8 @@
 #include <cstdio>
 #include <string>
 
-#include "engine/config.h"
-#include "engine/config_internal.h"
+#include "engine/checkpoint/config.h"
+#include "engine/checkpoint/config_internal.h"
 
 namespace hypic::engine {
 namespace config_detail {

@@ -1,5 +1,6 @@
-// Internal helpers of the config parsers (engine/config.cpp, engine/config_families.cpp): typed JSON field
-// access that names the field in every error, and the size bounds shared by every family. Not a public API.
+// Internal helpers of the config parsers (engine/checkpoint/config.cpp, engine/checkpoint/config_families.cpp):
+// typed JSON field access that names the field in every error, and the size bounds shared by every family. Not a
+// public API.
 #pragma once
 #include <algorithm>
 #include <cstdint>
@@ -13,7 +14,7 @@
 
 #include <optional>
 
-#include "engine/config.h"
+#include "engine/checkpoint/config.h"
 
 namespace hypic::engine::config_detail {
 

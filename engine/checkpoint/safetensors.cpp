@@ -1,4 +1,4 @@
-#include "engine/safetensors.h"
+#include "engine/checkpoint/safetensors.h"
 #include "engine/io_error.h"
 
 #include <fcntl.h>

@@ -1,5 +1,5 @@
-#include "engine/weights.h"
-#include "engine/weights_internal.h"
+#include "engine/checkpoint/weights.h"
+#include "engine/checkpoint/weights_internal.h"
 
 #include <xxhash.h>
 

@@ -17,8 +17,8 @@
 #include <string>
 #include <vector>
 
-#include "engine/config.h"
-#include "engine/safetensors.h"
+#include "engine/checkpoint/config.h"
+#include "engine/checkpoint/safetensors.h"
 
 namespace hypic::engine {
 

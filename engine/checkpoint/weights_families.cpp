@@ -1,5 +1,5 @@
 // Loading the decoder layers of the Kimi-Linear, MiniMax and Ring-linear families into the internal layout
-// (engine/weights.h), their checkpoint layouts for write_random_checkpoint, and the lightning decay rates.
+// (engine/checkpoint/weights.h), their checkpoint layouts for write_random_checkpoint, and the lightning decay rates.
 // Accepted names (both those transformers 5.17 save_pretrained writes and those of the released checkpoints,
 // docs/research/hybrid_models.md 2.3, 3.4, 4.2, and transformers' conversion_mapping for kimi_linear / mixtral):
 //  - MLP / MoE under `mlp.` or `block_sparse_moe.`; experts fused (`experts.gate_up_proj` [E,2I,H] and
@@ -19,8 +19,8 @@
 #include <string>
 #include <vector>
 
-#include "engine/weights.h"
-#include "engine/weights_internal.h"
+#include "engine/checkpoint/weights.h"
+#include "engine/checkpoint/weights_internal.h"
 
 namespace hypic::engine {
 namespace weights_detail {

@@ -1,6 +1,6 @@
-// Internal helpers of the weights loaders (engine/weights.cpp, engine/weights_families.cpp): a checkpoint reader
-// that checks every tensor's shape, names the tensor in every error and remembers which tensors were used. Not a
-// public API.
+// Internal helpers of the weights loaders (engine/checkpoint/weights.cpp, engine/checkpoint/weights_families.cpp):
+// a checkpoint reader that checks every tensor's shape, names the tensor in every error and remembers which tensors
+// were used. Not a public API.
 #pragma once
 #include <cstdint>
 #include <filesystem>
@@ -9,9 +9,9 @@
 #include <string>
 #include <vector>
 
-#include "engine/config.h"
-#include "engine/safetensors.h"
-#include "engine/weights.h"
+#include "engine/checkpoint/config.h"
+#include "engine/checkpoint/safetensors.h"
+#include "engine/checkpoint/weights.h"
 
 namespace hypic::engine::weights_detail {
 

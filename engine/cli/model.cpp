@@ -2,7 +2,7 @@
 //
 //   hypic-model init --config CFG.json --seed N --out DIR [--dtype bf16|f32|f16] [--std 0.02]
 //       deterministic random checkpoint in transformers' save_pretrained layout (config.json +
-//       model.safetensors), any size (engine/weights.h write_random_checkpoint)
+//       model.safetensors), any size (engine/checkpoint/weights.h write_random_checkpoint)
 //   hypic-model info --model DIR|CFG.json [--segment-tokens 2048] [--json]
 //       layer pattern, parameter counts (total, active per token), recurrent-state bytes per linear layer,
 //       KV bytes per token, and the tensor bytes of one segment cache entry (DESIGN.md 3.2)
@@ -13,7 +13,7 @@
 //
 // Errors (unreadable or inconsistent checkpoint, bad ids) go to stderr with exit status 1.
 #include "kernels/cpu/blas_env.h"
-#include "engine/model.h"
+#include "engine/cpu/model.h"
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -28,10 +28,10 @@
 #include <string>
 #include <vector>
 
-#include "engine/config.h"
+#include "engine/checkpoint/config.h"
+#include "engine/checkpoint/safetensors.h"
+#include "engine/checkpoint/weights.h"
 #include "engine/io_error.h"
-#include "engine/safetensors.h"
-#include "engine/weights.h"
 
 using namespace hypic::engine;
 namespace fs = std::filesystem;

@@ -1,4 +1,4 @@
-#include "engine/cpu_backend.h"
+#include "engine/cpu/cpu_backend.h"
 
 #include <algorithm>
 #include <exception>

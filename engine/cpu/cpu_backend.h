@@ -1,17 +1,17 @@
-// The CPU fp32 backend (engine/backend.h): a thin wrapper over the reference forward pass (engine/model.h),
-// the splice (engine/splice.h) and the entry builder (build_segment_entry). It adds no arithmetic of its own, so
+// The CPU fp32 backend (engine/backend.h): a thin wrapper over the reference forward pass (engine/cpu/model.h),
+// the splice (engine/cpu/splice.h) and the entry builder (build_segment_entry). It adds no arithmetic of its own, so
 // its numbers are those of Model / splice() bit for bit. Numerics "cpu-fp32"; everything lives in host memory.
 #pragma once
 #include <atomic>
 #include <memory>
 
 #include "engine/backend.h"
-#include "engine/model.h"
-#include "engine/splice.h"
+#include "engine/cpu/model.h"
+#include "engine/cpu/splice.h"
 
 namespace hypic::engine {
 
-/// A CPU request state: the ModelState of engine/model.h and the next decode position.
+/// A CPU request state: the ModelState of engine/cpu/model.h and the next decode position.
 class CpuSequence final : public Sequence {
  public:
   int64_t num_tokens() const override { return position_; }

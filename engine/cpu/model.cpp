@@ -2,7 +2,7 @@
 // attention, the plain GQA attention of MiniMax / Ring and the MoE blocks; the Kimi / MiniMax / Ring linear mixers
 // and MLA are in engine/families/. Layer math: docs/research/hybrid_models.md 1.4-1.7, 2-4 and the HF transformers 5.17
 // classes named at each block. Projections over a span run as GEMMs (OpenBLAS).
-#include "engine/model.h"
+#include "engine/cpu/model.h"
 
 #include <algorithm>
 #include <cmath>

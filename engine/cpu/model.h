@@ -1,5 +1,5 @@
 // The CPU fp32 forward pass of the hybrid families (ModelFamily) with an incremental API that is explicit about
-// state, so segment entries and splicing (engine/segment.h, engine/splice.h) can be built on it. The math
+// state, so segment entries and splicing (engine/segment.h, engine/cpu/splice.h) can be built on it. The math
 // reproduces Hugging Face transformers 5.17 run in fp32 with its pure-torch fallbacks: Qwen3NextForCausalLM /
 // Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM (docs/research/hybrid_models.md 1.4-1.7), KimiLinearForCausalLM (2),
 // MiniMaxForCausalLM (4); Ring-linear-2.0 (3) follows tools/ring_linear_reference.py. The Kimi / MiniMax / Ring
@@ -28,10 +28,10 @@
 #include <span>
 #include <vector>
 
-#include "engine/config.h"
+#include "engine/checkpoint/config.h"
+#include "engine/checkpoint/weights.h"
 #include "engine/model_state.h"
 #include "engine/transition.h"
-#include "engine/weights.h"
 
 namespace hypic::engine {
 

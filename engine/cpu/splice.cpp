@@ -1,4 +1,4 @@
-#include "engine/splice.h"
+#include "engine/cpu/splice.h"
 
 #include "engine/backend.h"
 

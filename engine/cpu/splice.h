@@ -12,7 +12,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "engine/model.h"
+#include "engine/cpu/model.h"
 #include "engine/segment.h"
 #include "engine/splice_mode.h"
 #include "engine/splice_schedule.h"

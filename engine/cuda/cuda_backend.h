@@ -18,12 +18,12 @@
 #include <memory>
 
 #include "engine/backend.h"
-#include "engine/weights.h"
+#include "engine/checkpoint/weights.h"
 
 namespace hypic::engine::cuda {
 
 /// Builds the CUDA backend on `device` (kind Cuda). Loads the checkpoint in model_dir (config.json and the
-/// safetensors weights through engine/weights.h, converted to bf16 on upload), or, with
+/// safetensors weights through engine/checkpoint/weights.h, converted to bf16 on upload), or, with
 /// options.random_weights_seed != 0, config.json alone and seeded random weights made on the device
 /// (benchmark-only: logged as such). Throws std::invalid_argument (unsupported config, no such device) or
 /// std::runtime_error (CUDA errors, out of device memory naming the pool).

@@ -23,12 +23,12 @@
 #include <type_traits>
 #include <unordered_map>
 
+#include "engine/checkpoint/safetensors.h"
+#include "engine/cpu/splice.h"
 #include "engine/cuda/cuda_weights.h"
 #include "engine/cuda/device_memory.h"
 #include "engine/cuda/pinned_pool.h"
 #include "engine/cuda/sm_partition.h"
-#include "engine/safetensors.h"
-#include "engine/splice.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/gated_delta.h"

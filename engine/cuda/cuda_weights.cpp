@@ -9,7 +9,7 @@
 #include <stdexcept>
 #include <thread>
 
-#include "engine/safetensors.h"
+#include "engine/checkpoint/safetensors.h"
 #include "kernels/cuda/ops.h"
 
 namespace hypic::engine::cuda {

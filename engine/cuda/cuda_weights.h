@@ -9,9 +9,9 @@
 #include <string>
 #include <vector>
 
-#include "engine/config.h"
+#include "engine/checkpoint/config.h"
+#include "engine/checkpoint/weights.h"
 #include "engine/cuda/device_memory.h"
-#include "engine/weights.h"
 
 namespace hypic::engine::cuda {
 
@@ -64,7 +64,7 @@ struct DevLayer {
 /// All weights of a model on one device.
 class DeviceWeights {
  public:
-  /// Converts host fp32 weights (engine/weights.h load_weights) to bf16 (round to nearest even; exact for
+  /// Converts host fp32 weights (engine/checkpoint/weights.h load_weights) to bf16 (round to nearest even; exact for
   /// checkpoints stored in bf16) and uploads them to the current device through two 32 MiB pinned staging
   /// buffers. A_log and dt_bias stay fp32. The same per-group conversion as load(), so that
   /// upload(cfg, load_weights(cfg, dir)) and load(cfg, dir) give identical bytes. Throws std::runtime_error when
@@ -83,7 +83,7 @@ class DeviceWeights {
   static DeviceWeights load(const ModelConfig& cfg, const std::filesystem::path& dir);
   /// Benchmark-only weights made on the device from the config alone, seeded: matrices N(0, 0.02), zero-centred
   /// norms N(0, 0.05), gated norms 1 + N(0, 0.05), A_log log U(1, 16), dt_bias 1, conv U(+-1/sqrt(K))
-  /// (the distributions of engine/weights.h write_random_checkpoint, drawn by another generator).
+  /// (the distributions of engine/checkpoint/weights.h write_random_checkpoint, drawn by another generator).
   static DeviceWeights random(const ModelConfig& cfg, uint64_t seed);
 
   const bf16* embed = nullptr;       ///< [V][H]

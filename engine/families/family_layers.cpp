@@ -8,7 +8,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "engine/weights_internal.h"
+#include "engine/checkpoint/weights_internal.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/gated_delta.h"
 #include "kernels/cpu/kda.h"

@@ -1,6 +1,6 @@
 // Token mixers and MoE routing of the Kimi-Linear, MiniMax and Ring-linear families on the CPU, fp32, as the
-// Model (engine/model.cpp) calls them layer by layer. Internal to the engine; shapes and state layouts follow
-// engine/model.h (LinearLayerState::ssm [H][d_k][d_v], conv tail [K-1][conv_dim]; AttentionLayerState K
+// Model (engine/cpu/model.cpp) calls them layer by layer. Internal to the engine; shapes and state layouts follow
+// engine/cpu/model.h (LinearLayerState::ssm [H][d_k][d_v], conv tail [K-1][conv_dim]; AttentionLayerState K
 // [n][H_kv][head_dim], V [n][H_kv][attn_v_head_dim()]). x is the mixer input [T][hidden] (already normed), out
 // [T][hidden] the mixer output (before the residual).
 #pragma once
@@ -9,9 +9,9 @@
 #include <utility>
 #include <vector>
 
-#include "engine/config.h"
-#include "engine/model.h"
-#include "engine/weights.h"
+#include "engine/checkpoint/config.h"
+#include "engine/checkpoint/weights.h"
+#include "engine/cpu/model.h"
 
 namespace hypic::engine::families {
 

@@ -1,4 +1,4 @@
-#include "engine/linear_families.h"
+#include "engine/families/linear_families.h"
 
 #include <stdexcept>
 #include <string>

@@ -25,7 +25,7 @@ struct AttentionShape {
 /// Queries are processed in blocks so the score buffer stays O(block x num_keys).
 /// key_mass (optional, [num_keys] fp32, host): each key row's attention probability summed over all heads and over
 /// the LAST key_mass_queries queries of the span (all of them by default) is ADDED to it (the attention a query pays
-/// to each cached token: how a splice finds the segments a query reads, engine/splice.h
+/// to each cached token: how a splice finds the segments a query reads, engine/cpu/splice.h
 /// SpliceRequest::refresh_segments).
 /// Throws std::invalid_argument on inconsistent shapes (num_keys < T, heads not divisible).
 void attention_causal(const AttentionShape& shape, const float* q, const float* k, const float* v, float scale,

@@ -143,7 +143,7 @@ void attention_decode(const AttnGroups& g, int num_heads, int num_kv_heads, int 
                       int gate_head_stride, bf16* out, AttnDecodeWorkspace& ws, cudaStream_t stream = nullptr);
 
 /// The attention probability one sequence's span of queries pays each KV slot (the probe of a splice's query-aware
-/// refresh, engine/splice.h SpliceRequest::refresh_segments; CPU counterpart: cpu::attention_causal's key_mass):
+/// refresh, engine/cpu/splice.h SpliceRequest::refresh_segments; CPU counterpart: cpu::attention_causal's key_mass):
 ///   q: [num_queries][num_heads][head_dim] bf16 (normed and rotated, attention_prepare's q_out rows of the span);
 ///   query i sits at slot slot0 + i and sees slots 0 ..= slot0 + i, whose K are in k_pool through block_table
 ///   (DEVICE int32 [pages] of the sequence, see kKvPageTokens);

@@ -1,6 +1,6 @@
 // Sparse MoE block (Qwen3NextSparseMoeBlock / Qwen3_5MoeSparseMoeBlock) and the dense SwiGLU MLP
 // (Qwen3NextMLP) on the GPU, bf16 weights and activations, fp32 accumulation and fp32 output.
-// Reference: engine/model.cpp Model::moe_block / Model::mlp_block (CPU fp32, matches HF).
+// Reference: engine/cpu/model.cpp Model::moe_block / Model::mlp_block (CPU fp32, matches HF).
 //
 // All pointers are DEVICE pointers; matrices are row-major; every call is asynchronous on
 // `stream`. Supported sizes: H a multiple of 64, I and Is multiples of 32, 1 <= topk <= 16,

@@ -77,9 +77,9 @@ struct CopyDesc {
 /// states, conv tails and KV pages without one cudaMemcpyAsync each). Copies must not overlap each other.
 void batched_copy(int n, const CopyDesc* descs, cudaStream_t stream = nullptr);
 
-/// How fill_random draws values (the roles of engine/weights.h TensorRole, for benchmark-only weights made on
-/// the device): Normal N(mean, std), Uniform U(lo = mean - std, hi = mean + std), LogUniform log U(mean, std)
-/// (A_log: log of U(1, 16)), Constant (mean).
+/// How fill_random draws values (the roles of engine/checkpoint/weights.h TensorRole, for benchmark-only weights
+/// made on the device): Normal N(mean, std), Uniform U(lo = mean - std, hi = mean + std), LogUniform log U(mean,
+/// std) (A_log: log of U(1, 16)), Constant (mean).
 enum class RandomFill { Normal, Uniform, LogUniform, Constant };
 
 /// Deterministic pseudo-random fill: element j depends only on (seed, stream_id, j), so the same arguments give

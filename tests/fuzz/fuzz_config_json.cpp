@@ -1,4 +1,4 @@
-// libFuzzer target: the config.json loader (engine/config.h, parse_config).
+// libFuzzer target: the config.json loader (engine/checkpoint/config.h, parse_config).
 //
 // Feeds: the input bytes as config.json text.
 // Asserts, beyond "no crash, no leak, no UB" (UBSan catches overflowing derived sizes and out-of-range float to
@@ -11,7 +11,7 @@
 //    same text.
 // Seeds (scripts/fuzz.sh): every config.json of tests/fixtures, tests/integration/tiny_model.json and the demo
 // model's config.
-#include "engine/config.h"
+#include "engine/checkpoint/config.h"
 #include "tests/fuzz/fuzz_common.h"
 
 using namespace hypic::engine;

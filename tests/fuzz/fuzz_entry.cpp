@@ -13,7 +13,7 @@
 
 #include <random>
 
-#include "engine/config.h"
+#include "engine/checkpoint/config.h"
 #include "engine/segment.h"
 #include "tests/fuzz/fuzz_common.h"
 #include "tests/unit/random_entry.h"

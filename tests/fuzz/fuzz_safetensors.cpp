@@ -1,4 +1,4 @@
-// libFuzzer target: the safetensors reader (engine/safetensors.h, SafetensorsFile::open).
+// libFuzzer target: the safetensors reader (engine/checkpoint/safetensors.h, SafetensorsFile::open).
 //
 // Feeds: the input bytes as a whole safetensors file (an in-memory memfd opened by path).
 // Asserts, beyond "no crash, no leak, no UB":
@@ -14,7 +14,7 @@
 #include <cstring>
 #include <map>
 
-#include "engine/safetensors.h"
+#include "engine/checkpoint/safetensors.h"
 #include "tests/fuzz/fuzz_common.h"
 
 using namespace hypic::engine;

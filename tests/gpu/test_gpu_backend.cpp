@@ -1,4 +1,4 @@
-// The CUDA backend (engine/cuda) against the CPU fp32 engine (engine/model.h, engine/splice.h: the path that
+// The CUDA backend (engine/cuda) against the CPU fp32 engine (engine/cpu/model.h, engine/cpu/splice.h: the path that
 // matches Hugging Face to ~1e-5) on random-weight checkpoints with real head sizes (tests/gpu/configs: a
 // Qwen3-Next-style MoE model of 8 layers, a Qwen3.5-MoE-style and a Qwen3.5-dense-style model of 4 layers;
 // d_k = d_v = 128, attention head_dim 256 / 128). Needs an NVIDIA GPU (scripts/test_gpu.sh).
@@ -33,14 +33,14 @@
 #include <cuda_runtime_api.h>
 
 #include "engine/backend.h"
-#include "engine/config.h"
+#include "engine/checkpoint/config.h"
 #include "engine/cuda/cuda_backend.h"
 #include "engine/cuda/sm_partition.h"
 #include "kernels/cuda/ops.h"
-#include "engine/model.h"
-#include "engine/safetensors.h"
-#include "engine/splice.h"
-#include "engine/weights.h"
+#include "engine/cpu/model.h"
+#include "engine/checkpoint/safetensors.h"
+#include "engine/cpu/splice.h"
+#include "engine/checkpoint/weights.h"
 #include "tests/gpu/gpu_util.h"
 
 namespace eng = hypic::engine;

@@ -19,10 +19,10 @@
 #include <vector>
 
 #include "engine/backend.h"
-#include "engine/config.h"
+#include "engine/checkpoint/config.h"
+#include "engine/cpu/splice.h"
 #include "engine/cuda/cuda_backend.h"
 #include "engine/engine_loop.h"
-#include "engine/splice.h"
 #include "tests/gpu/gpu_util.h"
 
 namespace eng = hypic::engine;

@@ -11,9 +11,9 @@
 #include <thread>
 
 #include "engine/backend.h"
+#include "engine/checkpoint/weights.h"
 #include "engine/cuda/cuda_backend.h"
 #include "engine/segment.h"
-#include "engine/weights.h"
 #include "transport/nccl_peer.h"
 
 namespace eng = hypic::engine;

@@ -1,4 +1,4 @@
-// DeviceWeights::load (the checkpoint streamed to the device one part at a time, engine/weights.h
+// DeviceWeights::load (the checkpoint streamed to the device one part at a time, engine/checkpoint/weights.h
 // load_weights_streaming) against DeviceWeights::upload of the whole host model (load_weights): every device tensor
 // downloaded and compared byte for byte, on the committed HF fixtures (F32 on disk; both layouts; the sharded
 // qwen3_next_moe_released; tied embeddings) and on random BF16 / F16 checkpoints of a GPU-sized config whose
@@ -12,10 +12,10 @@
 #include <string>
 #include <vector>
 
-#include "engine/config.h"
+#include "engine/checkpoint/config.h"
+#include "engine/checkpoint/safetensors.h"
+#include "engine/checkpoint/weights.h"
 #include "engine/cuda/cuda_weights.h"
-#include "engine/safetensors.h"
-#include "engine/weights.h"
 #include "tests/gpu/gpu_util.h"
 
 namespace eng = hypic::engine;

@@ -21,8 +21,8 @@
 #include <spdlog/sinks/stdout_sinks.h>
 #include <spdlog/spdlog.h>
 
-#include "engine/model.h"
-#include "engine/splice.h"
+#include "engine/cpu/model.h"
+#include "engine/cpu/splice.h"
 #include "tokenizer/tokenizer.h"
 #include "kernels/cpu/blas_env.h"
 

@@ -10,9 +10,9 @@
 #include <filesystem>
 #include <string>
 
-#include "engine/config.h"
-#include "engine/model.h"
-#include "engine/weights.h"
+#include "engine/checkpoint/config.h"
+#include "engine/checkpoint/weights.h"
+#include "engine/cpu/model.h"
 
 namespace hypic::testing {
 

@@ -8,8 +8,8 @@
 #include <memory>
 #include <vector>
 
+#include "engine/cpu/splice.h"
 #include "engine/segment.h"
-#include "engine/splice.h"
 
 namespace hypic::testing {
 

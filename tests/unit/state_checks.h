@@ -11,8 +11,8 @@
 #include <random>
 #include <vector>
 
-#include "engine/model.h"
-#include "engine/safetensors.h"
+#include "engine/checkpoint/safetensors.h"
+#include "engine/cpu/model.h"
 
 namespace hypic::testing {
 

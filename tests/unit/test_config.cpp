@@ -6,8 +6,8 @@
 #include <limits>
 #include <string>
 
-#include "engine/config.h"
-#include "engine/weights.h"
+#include "engine/checkpoint/config.h"
+#include "engine/checkpoint/weights.h"
 
 using namespace hypic::engine;
 namespace fs = std::filesystem;

@@ -1,4 +1,4 @@
-// The engine interface's CPU backend (engine/cpu_backend.h: a wrapper, bit for bit the reference engine) and the
+// The engine interface's CPU backend (engine/cpu/cpu_backend.h: a wrapper, bit for bit the reference engine) and the
 // engine loop (engine/engine_loop.h): batched decode equals decoding alone, builds in one batch equal
 // build_segment_entry, cancellation, stop with queued work, failures reported per job.
 #include <catch2/catch.hpp>
@@ -13,7 +13,7 @@
 #include <cmath>
 
 #include "engine/backend.h"
-#include "engine/cpu_backend.h"
+#include "engine/cpu/cpu_backend.h"
 #include "engine/engine_loop.h"
 
 using namespace hypic::engine;

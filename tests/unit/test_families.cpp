@@ -1,5 +1,5 @@
 // The Kimi-Linear, MiniMax and Ring-linear families (issue 14, stage 1): config parsing and its errors, the KDA and
-// lightning kernels against the token-level recurrences of engine/linear_families.h, checkpoint layouts (both
+// lightning kernels against the token-level recurrences of engine/families/linear_families.h, checkpoint layouts (both
 // names of every tensor), and the forward pass of small random models: chunked prefill == token-by-token decode,
 // one span == two spans, captured T_C composes, position independence where the family has no positions. The
 // HF transformers 5.17 fixtures (tests/fixtures/<dir>/ with a config.json of model_type kimi_linear / minimax /
@@ -18,12 +18,12 @@
 #include <string>
 #include <vector>
 
-#include "engine/config.h"
-#include "engine/linear_families.h"
-#include "engine/model.h"
-#include "engine/safetensors.h"
+#include "engine/checkpoint/config.h"
+#include "engine/checkpoint/safetensors.h"
+#include "engine/checkpoint/weights.h"
+#include "engine/cpu/model.h"
+#include "engine/families/linear_families.h"
 #include "engine/transition.h"
-#include "engine/weights.h"
 #include "kernels/cpu/kda.h"
 #include "kernels/cpu/lightning.h"
 #include "tests/unit/family_models.h"
@@ -264,7 +264,7 @@ TEST_CASE("fingerprints: Qwen digests unchanged, new family fields covered", "[f
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Kernels against the token-level recurrences (engine/linear_families.h)
+// Kernels against the token-level recurrences (engine/families/linear_families.h)
 // ---------------------------------------------------------------------------------------------------------------
 
 TEST_CASE("KDA kernels: chunked == recurrent == the KDA family recurrence, T_C included", "[families][kda]") {

@@ -14,8 +14,8 @@
 #include <string>
 #include <vector>
 
+#include "engine/cpu/splice.h"
 #include "engine/segment.h"
-#include "engine/splice.h"
 #include "kernels/cpu/ops.h"
 #include "tests/unit/family_models.h"
 #include "tests/unit/splice_checks.h"

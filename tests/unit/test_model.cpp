@@ -1,4 +1,4 @@
-// Tests of the CPU forward pass (engine/model.h).
+// Tests of the CPU forward pass (engine/cpu/model.h).
 //  - Consistency identities on a small random in-memory model (no files): chunked prefill == token-by-token
 //    decode, two spans == one span, position shift == rope_rotate of the cache, span transitions compose,
 //    input validation.
@@ -14,8 +14,8 @@
 #include <string>
 #include <vector>
 
-#include "engine/model.h"
-#include "engine/safetensors.h"
+#include "engine/checkpoint/safetensors.h"
+#include "engine/cpu/model.h"
 #include "tests/unit/state_checks.h"
 
 using namespace hypic::engine;

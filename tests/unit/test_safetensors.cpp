@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/safetensors.h"
+#include "engine/checkpoint/safetensors.h"
 
 using namespace hypic::engine;
 namespace fs = std::filesystem;

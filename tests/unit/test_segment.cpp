@@ -7,7 +7,7 @@
 #include <cstring>
 #include <random>
 
-#include "engine/safetensors.h"
+#include "engine/checkpoint/safetensors.h"
 #include "engine/segment.h"
 #include "tests/unit/random_entry.h"
 #include "tests/unit/splice_checks.h"

@@ -6,7 +6,7 @@
 #include <memory>
 #include <random>
 
-#include "engine/splice.h"
+#include "engine/cpu/splice.h"
 #include "tests/unit/splice_checks.h"
 
 using namespace hypic::engine;

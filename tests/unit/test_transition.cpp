@@ -5,7 +5,7 @@
 #include <cmath>
 #include <random>
 
-#include "engine/linear_families.h"
+#include "engine/families/linear_families.h"
 #include "engine/transition.h"
 
 using namespace hypic::engine;

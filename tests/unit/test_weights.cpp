@@ -9,9 +9,9 @@
 #include <map>
 #include <string>
 
-#include "engine/config.h"
-#include "engine/safetensors.h"
-#include "engine/weights.h"
+#include "engine/checkpoint/config.h"
+#include "engine/checkpoint/safetensors.h"
+#include "engine/checkpoint/weights.h"
 
 using namespace hypic::engine;
 namespace fs = std::filesystem;

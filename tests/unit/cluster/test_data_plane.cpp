@@ -13,7 +13,7 @@
 
 #include "combine_worker/service.h"
 #include "tests/unit/cluster/combine_fixture.h"
-#include "engine/cpu_backend.h"
+#include "engine/cpu/cpu_backend.h"
 #include "transport/nccl_links.h"
 #include "scatter_worker/service.h"
 #include "transport/nccl_peer.h"

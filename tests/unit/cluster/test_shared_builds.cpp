@@ -10,7 +10,7 @@
 #include <mutex>
 #include <thread>
 
-#include "engine/cpu_backend.h"
+#include "engine/cpu/cpu_backend.h"
 #include "engine/engine_loop.h"
 #include "scatter_worker/shared_builds.h"
 
