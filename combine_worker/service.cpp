@@ -128,7 +128,13 @@ struct CombineService::Pending {
 };
 
 CombineService::CombineService(CombineDeps deps, CombineOptions options)
-    : d_(deps), opt_(options), backend_(deps.loop.backend()), device_(backend_.device().name()) {
+    : d_(deps),
+      opt_(options),
+      backend_(deps.loop.backend()),
+      device_(backend_.device().name()),
+      accepts_({backend_.device().index, options.nccl_join_timeout,
+                std::chrono::duration_cast<std::chrono::milliseconds>(options.nccl_idle_timeout),
+                options.nccl_max_links}) {
   // Prometheus metrics (proto/rpc/metrics.h), read at each scrape; this service lives until the server stopped.
   auto& reg = rpc::MetricsRegistry::global();
   auto& tier = d_.memory_tier;
@@ -832,85 +838,14 @@ void CombineService::accept_delivery(Pending& p, const v1::EntryHeader& h,
                 fresh ? "" : ", duplicate dropped");
 }
 
-void CombineService::retire_link_locked(NcclLink link, const std::string& why) {
-  // A join still running is left to finish (bounded by its timeout) in retired_; a joined peer is aborted now, which
-  // never waits for the other rank, and destroyed with its last user.
-  if (link.peer.wait_for(std::chrono::seconds(0)) == std::future_status::ready) {
-    try {
-      if (auto peer = link.peer.get()) peer->abort_soon(why);
-    } catch (const transport::TransportError&) {
-    }
-    return;
-  }
-  retired_.push_back(std::move(link.peer));
-}
-
-void CombineService::sweep_links_locked() {
-  const auto now = Clock::now();
-  for (auto it = links_.begin(); it != links_.end();) {
-    if (now - it->second.last_used > opt_.nccl_idle_timeout) {
-      spdlog::info("NCCL communicator {} with scatter worker {}: idle for {} s, closed", it->first,
-                   it->second.scatter_address, std::chrono::duration_cast<std::chrono::seconds>(now - it->second.last_used).count());
-      retire_link_locked(std::move(it->second), "idle");
-      it = links_.erase(it);
-    } else {
-      ++it;
-    }
-  }
-  // Joins that ended since they were retired: abort what came up.
-  for (auto it = retired_.begin(); it != retired_.end();) {
-    if (it->wait_for(std::chrono::seconds(0)) == std::future_status::ready) {
-      try {
-        if (auto peer = it->get()) peer->abort_soon("closed while joining");
-      } catch (const transport::TransportError&) {
-      }
-      it = retired_.erase(it);
-    } else {
-      ++it;
-    }
-  }
-}
-
-std::shared_ptr<transport::NcclPeer> CombineService::nccl_peer(uint64_t epoch, const std::string& sender) {
-  std::shared_future<std::shared_ptr<transport::NcclPeer>> f;
-  {
-    std::lock_guard<std::mutex> lock(links_mu_);
-    auto it = links_.find(epoch);
-    if (it == links_.end()) {
-      throw rpc::RpcError(grpc::StatusCode::FAILED_PRECONDITION,
-                          fmt::format("no NCCL communicator {} here (closed, or never opened)", epoch));
-    }
-    if (it->second.scatter_address != sender) {
-      throw rpc::RpcError(grpc::StatusCode::FAILED_PRECONDITION,
-                          fmt::format("NCCL communicator {} belongs to scatter worker {}, not {}", epoch,
-                                      it->second.scatter_address, sender));
-    }
-    it->second.last_used = Clock::now();
-    f = it->second.peer;
-  }
-  std::shared_ptr<transport::NcclPeer> peer;
-  try {
-    peer = f.get();  // the join is bounded by nccl_join_timeout
-  } catch (const transport::TransportError& e) {
-    throw rpc::RpcError(grpc::StatusCode::FAILED_PRECONDITION,
-                        fmt::format("NCCL communicator {} did not come up: {}", epoch, e.what()));
-  }
-  if (peer->broken()) {
-    throw rpc::RpcError(grpc::StatusCode::FAILED_PRECONDITION,
-                        fmt::format("NCCL communicator {} is broken: {}", epoch, peer->broken_reason()));
-  }
-  return peer;
-}
-
 void CombineService::deliver_nccl(grpc::ServerContext* ctx, const v1::EntryHeader& h, bool extra_chunks,
                                   v1::DeliverEntryResponse* resp) {
   const auto t0 = Clock::now();
   // No matching operation is posted for an unknown, foreign or broken communicator: the sender aborts its side.
-  auto peer = nccl_peer(h.peer_epoch(), h.built_by());
+  auto peer = accepts_.peer(h.peer_epoch(), h.built_by());
   const auto drop_link = [&](const std::string& why) {
     peer->abort_soon(why);
-    std::lock_guard<std::mutex> lock(links_mu_);
-    links_.erase(h.peer_epoch());
+    accepts_.forget(h.peer_epoch());
   };
   // One transfer at a time per communicator, in the order the headers came (the sender holds its side alike).
   auto order = peer->exclusive();
@@ -1018,49 +953,12 @@ grpc::Status CombineService::OpenPeer(grpc::ServerContext* ctx, const v1::OpenPe
     if (d_.life.draining()) {
       return grpc::Status(grpc::StatusCode::UNAVAILABLE, "draining: no new NCCL communicators");
     }
-    std::string uid;
-    try {
-      uid = transport::new_unique_id();
-    } catch (const transport::TransportError& e) {
-      return grpc::Status(grpc::StatusCode::INTERNAL, e.what());
-    }
-    const auto timeout = opt_.nccl_join_timeout;
-    uint64_t epoch = 0;
-    {
-      std::lock_guard<std::mutex> lock(links_mu_);
-      sweep_links_locked();
-      // Random epochs: a scatter worker still holding a link to an earlier process at this address never names a
-      // communicator of this one.
-      do {
-        epoch = epoch_rng_();
-      } while (epoch == 0 || links_.count(epoch));
-      // A scatter worker opens a new communicator only when it gave the old one up: its old ones go.
-      for (auto it = links_.begin(); it != links_.end();) {
-        if (it->second.scatter_address == req->scatter_address()) {
-          retire_link_locked(std::move(it->second), "replaced by communicator " + std::to_string(epoch));
-          it = links_.erase(it);
-        } else {
-          ++it;
-        }
-      }
-      if (links_.size() >= size_t(opt_.nccl_max_links)) {
-        return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                            fmt::format("this combine worker holds {} NCCL communicators already (the limit); send "
-                                        "entries over gRPC",
-                                        links_.size()));
-      }
-      links_[epoch] = NcclLink{req->scatter_address(),
-                               std::async(std::launch::async, [uid, device, timeout] {
-                                 return std::shared_ptr<transport::NcclPeer>(
-                                     transport::NcclPeer::join(uid, 0, device, timeout));
-                               }).share(),
-                               Clock::now()};
-    }
-    spdlog::info("NCCL communicator {} with scatter worker {} (NCCL {}): joining", epoch, req->scatter_address(),
-                 req->nccl_version());
-    resp->set_unique_id(uid);
-    resp->set_epoch(epoch);
-    resp->set_join_timeout_ms(uint32_t(timeout.count()));
+    const transport::NcclAccepts::Opened opened = accepts_.open(req->scatter_address());
+    spdlog::info("NCCL communicator {} with scatter worker {} (NCCL {}): joining", opened.epoch,
+                 req->scatter_address(), req->nccl_version());
+    resp->set_unique_id(opened.unique_id);
+    resp->set_epoch(opened.epoch);
+    resp->set_join_timeout_ms(uint32_t(opt_.nccl_join_timeout.count()));
     return grpc::Status::OK;
   });
 }
@@ -1069,22 +967,12 @@ grpc::Status CombineService::ClosePeer(grpc::ServerContext* ctx, const v1::Close
                                        v1::ClosePeerResponse*) {
   if (auto st = rpc::require_service_caller(*ctx, "CombineWorker.ClosePeer"); !st.ok()) return st;
   return rpc::handle_errors([&]() -> grpc::Status {
-    std::lock_guard<std::mutex> lock(links_mu_);
-    auto it = links_.find(req->epoch());
-    if (it != links_.end() && it->second.scatter_address == req->scatter_address()) {
-      spdlog::info("NCCL communicator {} with scatter worker {}: closed", req->epoch(), req->scatter_address());
-      retire_link_locked(std::move(it->second), "closed by the scatter worker");
-      links_.erase(it);
-    }
-    sweep_links_locked();
+    accepts_.close(req->epoch(), req->scatter_address());
     return grpc::Status::OK;  // unknown epochs are fine (already gone)
   });
 }
 
-size_t CombineService::nccl_peers() const {
-  std::lock_guard<std::mutex> lock(links_mu_);
-  return links_.size();
-}
+size_t CombineService::nccl_peers() const { return accepts_.size(); }
 
 grpc::Status CombineService::ComputeLocally(grpc::ServerContext* ctx, const v1::ComputeLocallyRequest* req,
                                             v1::ComputeLocallyResponse*) {

@@ -25,6 +25,7 @@
 #include "proto/rpc/server.h"
 #include "segment_cache/async_put.h"
 #include "segment_cache/client.h"
+#include "transport/nccl_accepts.h"
 #include "transport/nccl_peer.h"
 
 namespace hypic::combine {
@@ -149,19 +150,6 @@ class CombineService final : public hypic::v1::CombineWorker::Service {
   void deliver_nccl(grpc::ServerContext* ctx, const hypic::v1::EntryHeader& h, bool extra_chunks,
                     hypic::v1::DeliverEntryResponse* resp);
 
-  // One NCCL communicator with a scatter worker (rank 0 here), joined in the background after OpenPeer.
-  struct NcclLink {
-    std::string scatter_address;
-    std::shared_future<std::shared_ptr<transport::NcclPeer>> peer;  // throws TransportError if the join failed
-    std::chrono::steady_clock::time_point last_used;
-  };
-  /// The joined communicator `epoch` of scatter worker `sender`, waiting for its join to finish; throws
-  /// rpc::RpcError FAILED_PRECONDITION if it is unknown, another worker's, failed to join or is broken.
-  std::shared_ptr<transport::NcclPeer> nccl_peer(uint64_t epoch, const std::string& sender);
-  /// Under links_mu_: aborts a link taken out of links_ (a join still running goes to retired_).
-  void retire_link_locked(NcclLink link, const std::string& why);
-  /// Under links_mu_: closes idle links, reaps retired joins that ended.
-  void sweep_links_locked();
   CombineDeps d_;
   CombineOptions opt_;
   const engine::Backend& backend_;  // d_.loop's: immutable facts only (config, fingerprint, numerics, device)
@@ -169,10 +157,7 @@ class CombineService final : public hypic::v1::CombineWorker::Service {
   std::string address_;
   std::mutex mu_;
   std::map<std::string, std::shared_ptr<Pending>> active_;
-  mutable std::mutex links_mu_;
-  std::mt19937_64 epoch_rng_{std::random_device{}()};
-  std::map<uint64_t, NcclLink> links_;  // by epoch
-  std::vector<std::shared_future<std::shared_ptr<transport::NcclPeer>>> retired_;  // joins still running
+  transport::NcclAccepts accepts_;  // the NCCL communicators scatter workers opened here
 };
 
 }  // namespace hypic::combine

@@ -1,0 +1,213 @@
+// The backend conformance suite (issue 28): identities every engine::Backend must satisfy, written once against the
+// interface (engine/backend.h) and run on every backend: the CPU backend on every family's fixture in CI
+// (tests/unit/test_backend_conformance.cpp), the CUDA backend on the GPU (tests/gpu/test_gpu_conformance.cpp). Each
+// identity compares the backend with itself, so one tolerance per backend states its numerics:
+//  - prefix mode, cold and warm, equals full recomputation (checkpoints restore exactly what full mode computed);
+//  - hypic with every later segment recomputed whole equals full recomputation (segment 0 is exact at position 0);
+//  - a prompt of one segment spliced in naive, transition and hypic mode equals full recomputation;
+//  - a decode step equals the last position of the full prefill of the prompt plus that token;
+//  - hit == miss: splicing entries built once or built again, and decoding after them, gives bit-identical logits and
+//    tokens, and so does the same request run twice;
+//  - every splice executes the one planner's schedule (engine/splice_schedule.h), and the counts it reports are the
+//    schedule's;
+//  - bad plans are refused with the planner's messages.
+// Header-only: the two test executables include it (Catch2 assertions inside).
+#pragma once
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "engine/backend.h"
+#include "engine/splice_schedule.h"
+
+namespace hypic::testing {
+
+/// What the suite is told about a backend.
+struct ConformanceOptions {
+  /// Relative L2 allowed between logits that are equal in exact arithmetic but come from passes of other shapes
+  /// (prefix vs full, recompute-all vs full, one segment vs full, decode vs prefill): fp32 rounding on the CPU; bf16
+  /// GEMMs and scans cut elsewhere on CUDA.
+  double tol = 1e-4;
+  uint32_t seed = 1;  ///< the random token ids' seed (use another per call on one backend: prefix checkpoints persist)
+  int seam_width = 8;
+};
+
+inline double conformance_rel_l2(const std::vector<float>& a, const std::vector<float>& b) {
+  REQUIRE(a.size() == b.size());
+  double d = 0, n = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    d += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
+    n += double(b[i]) * b[i];
+  }
+  return std::sqrt(d / std::max(n, 1e-300));
+}
+
+/// The last row ([V]) of logits holding rows of V values.
+inline std::vector<float> conformance_last_row(const std::vector<float>& logits, int64_t V) {
+  REQUIRE(logits.size() >= size_t(V));
+  return std::vector<float>(logits.end() - V, logits.end());
+}
+
+inline int32_t conformance_argmax(const std::vector<float>& row) {
+  return int32_t(std::max_element(row.begin(), row.end()) - row.begin());
+}
+
+/// Runs the suite on `b` (see the file comment). Builds entries of five ragged segments (40, 7 (<= w), 130, 65 and 1
+/// tokens) at w and at 0, a 20-token query.
+inline void check_backend_conformance(engine::Backend& b, const ConformanceOptions& o) {
+  namespace eng = hypic::engine;
+  const int64_t V = b.config().vocab_size;
+  const int w = o.seam_width;
+  std::mt19937 rng(o.seed);
+  auto ids = [&](size_t n) {
+    std::vector<int32_t> v(n);
+    for (auto& x : v) x = int32_t(rng() % uint32_t(V));
+    return v;
+  };
+  const std::vector<std::vector<int32_t>> segs = {ids(40), ids(7), ids(130), ids(65), ids(1)};
+  const std::vector<int32_t> query = ids(20);
+  int64_t total = 0;
+  for (const auto& s : segs) total += int64_t(s.size());
+  const auto entries = b.build_entries(segs, w);
+  const auto entries0 = b.build_entries(segs, 0);
+  REQUIRE(entries.size() == segs.size());
+  REQUIRE(entries0.size() == segs.size());
+  for (size_t i = 0; i < segs.size(); ++i) {
+    REQUIRE(entries[i]);
+    CHECK(entries[i]->header().token_ids == segs[i]);
+    CHECK(entries[i]->header().seam_width == w);
+    CHECK(entries0[i]->header().seam_width == 0);
+  }
+  auto plan_of = [&](eng::SpliceMode mode, size_t n_segs, const std::vector<int32_t>& q) {
+    eng::SplicePlan p;
+    p.mode = mode;
+    p.seam_width = w;
+    p.query = q;
+    const bool w0 = mode == eng::SpliceMode::Transition;
+    for (size_t i = 0; i < n_segs; ++i) p.segments.push_back({segs[i], (w0 ? entries0 : entries)[i]});
+    return p;
+  };
+  // Every splice: the schedule executed is the planner's (no refresh here: one schedule), the counts are its.
+  auto run = [&](eng::SplicePlan p) {
+    std::vector<eng::SpliceSchedule> seen;
+    p.on_schedule = [&](const eng::SpliceSchedule& s) { seen.push_back(s); };
+    eng::SpliceOutput out = b.splice(p);
+    REQUIRE(seen.size() == 1);
+    CHECK(seen[0] == eng::schedule_splice(eng::splice_shape(p), out.prefix_segments_reused));
+    CHECK(out.num_tokens == seen[0].num_tokens);
+    CHECK(out.computed_tokens == seen[0].computed_tokens);
+    CHECK(out.recomputed_segments == seen[0].recomputed_segments);
+    REQUIRE(out.sequence);
+    CHECK(out.sequence->num_tokens() == out.num_tokens);
+    return out;
+  };
+
+  eng::SplicePlan full_plan = plan_of(eng::SpliceMode::Full, segs.size(), query);
+  full_plan.all_query_logits = true;
+  const eng::SpliceOutput full = run(full_plan);
+  CHECK(full.num_tokens == total + int64_t(query.size()));
+  CHECK(full.computed_tokens == full.num_tokens);
+  REQUIRE(full.logits.size() == query.size() * size_t(V));
+
+  {  // prefix mode, cold then warm, equals full recomputation
+    eng::SplicePlan p = plan_of(eng::SpliceMode::Prefix, segs.size(), query);
+    p.all_query_logits = true;
+    const eng::SpliceOutput cold = run(p);
+    const double e_cold = conformance_rel_l2(cold.logits, full.logits);
+    const eng::SpliceOutput warm = run(p);
+    const double e_warm = conformance_rel_l2(warm.logits, full.logits);
+    INFO("prefix cold " << e_cold << ", warm " << e_warm << " (reused " << warm.prefix_segments_reused << ")");
+    CHECK(e_cold <= o.tol);
+    CHECK(e_warm <= o.tol);
+    CHECK(warm.prefix_segments_reused == int(segs.size()));
+    CHECK(warm.computed_tokens == int64_t(query.size()));
+  }
+  {  // hypic with every later segment recomputed whole is full recomputation
+    eng::SplicePlan p = plan_of(eng::SpliceMode::Hypic, segs.size(), query);
+    p.all_query_logits = true;
+    for (int i = 1; i < int(segs.size()); ++i) p.recompute_segments.push_back(i);
+    const eng::SpliceOutput got = run(p);
+    const double e = conformance_rel_l2(got.logits, full.logits);
+    INFO("hypic, every later segment recomputed: " << e);
+    CHECK(e <= o.tol);
+    CHECK(got.recomputed_segments == p.recompute_segments);
+    CHECK(got.computed_tokens == total - int64_t(segs[0].size()) + int64_t(query.size()));
+  }
+  {  // one segment: every cached mode installs it as computed at position 0, as full recomputation does
+    eng::SplicePlan fp = plan_of(eng::SpliceMode::Full, 1, query);
+    const eng::SpliceOutput one_full = run(fp);
+    for (eng::SpliceMode mode : {eng::SpliceMode::Naive, eng::SpliceMode::Transition, eng::SpliceMode::Hypic}) {
+      const eng::SpliceOutput got = run(plan_of(mode, 1, query));
+      const double e = conformance_rel_l2(got.logits, one_full.logits);
+      INFO("one segment, mode " << eng::splice_mode_name(mode) << ": " << e);
+      CHECK(e <= o.tol);
+      CHECK(got.computed_tokens == int64_t(query.size()));
+    }
+  }
+  {  // a decode step is the next position of a prefill
+    eng::SpliceOutput a = run(plan_of(eng::SpliceMode::Full, segs.size(), query));
+    const int32_t t = conformance_argmax(conformance_last_row(a.logits, V));
+    std::vector<float> step;
+    eng::Sequence* seqs[] = {a.sequence.get()};
+    const int32_t toks[] = {t};
+    b.decode(seqs, toks, step);
+    REQUIRE(step.size() == size_t(V));
+    CHECK(a.sequence->num_tokens() == full.num_tokens + 1);
+    std::vector<int32_t> longer = query;
+    longer.push_back(t);
+    const eng::SpliceOutput ref = run(plan_of(eng::SpliceMode::Full, segs.size(), longer));
+    const double e = conformance_rel_l2(step, conformance_last_row(ref.logits, V));
+    INFO("decode step vs prefill of one more token: " << e);
+    CHECK(e <= o.tol);
+  }
+  {  // hit == miss, bit for bit: entries built again, and the same request again, splice and decode identically
+    const auto again = b.build_entries(segs, w);
+    auto greedy = [&](eng::SplicePlan p, std::vector<float>& first_logits) {
+      eng::SpliceOutput out = run(std::move(p));
+      first_logits = out.logits;
+      std::vector<int32_t> toks{conformance_argmax(conformance_last_row(out.logits, V))};
+      std::vector<float> step;
+      for (int k = 0; k < 6; ++k) {
+        eng::Sequence* seqs[] = {out.sequence.get()};
+        const int32_t tok[] = {toks.back()};
+        b.decode(seqs, tok, step);
+        toks.push_back(conformance_argmax(step));
+      }
+      return toks;
+    };
+    eng::SplicePlan hit = plan_of(eng::SpliceMode::Hypic, segs.size(), query);
+    eng::SplicePlan miss = hit;
+    for (size_t i = 0; i < segs.size(); ++i) miss.segments[i].entry = again[i];
+    std::vector<float> l_hit, l_miss, l_twice;
+    const auto t_hit = greedy(hit, l_hit);
+    const auto t_miss = greedy(miss, l_miss);
+    const auto t_twice = greedy(hit, l_twice);
+    CHECK(l_hit == l_miss);
+    CHECK(l_hit == l_twice);
+    CHECK(t_hit == t_miss);
+    CHECK(t_hit == t_twice);
+  }
+  {  // bad plans: the planner's messages
+    eng::SplicePlan empty = plan_of(eng::SpliceMode::Hypic, 0, query);
+    CHECK_THROWS_WITH(b.splice(empty), Catch::Contains("segment list is empty"));
+    eng::SplicePlan no_query = plan_of(eng::SpliceMode::Hypic, 2, {});
+    CHECK_THROWS_WITH(b.splice(no_query), Catch::Contains("query has no tokens"));
+    eng::SplicePlan no_entry = plan_of(eng::SpliceMode::Hypic, 3, query);
+    no_entry.segments[2].entry = nullptr;
+    CHECK_THROWS_WITH(b.splice(no_entry), Catch::Contains("segment 2 has no entry (required by mode hypic)"));
+    no_entry.recompute_segments = {2};  // recomputed whole: its ids suffice
+    CHECK_NOTHROW(b.splice(no_entry));
+    eng::SplicePlan wide = plan_of(eng::SpliceMode::Transition, 2, query);
+    wide.segments[1].entry = entries[1];  // a w > 0 entry where transition mode needs w = 0
+    CHECK_THROWS_WITH(b.splice(wide), Catch::Contains("seam width"));
+    eng::SplicePlan bad_index = plan_of(eng::SpliceMode::Hypic, 2, query);
+    bad_index.recompute_segments = {0};
+    CHECK_THROWS_WITH(b.splice(bad_index), Catch::Contains("index 0 is outside [1, 2)"));
+  }
+}
+
+}  // namespace hypic::testing
