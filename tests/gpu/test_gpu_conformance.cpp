@@ -15,7 +15,7 @@
 
 TEST_CASE("backend conformance: the CUDA backend on the GPU test models", "[conformance]") {
   namespace eng = hypic::engine;
-  if (!cuda_device_present()) FAIL("no CUDA device: the GPU tests need an NVIDIA GPU (scripts/test_gpu.sh)");
+  if (!hypic::gputest::cuda_device_present()) FAIL("no CUDA device: the GPU tests need an NVIDIA GPU (scripts/test_gpu.sh)");
   uint32_t seed = 1;
   for (const char* name : {"qwen3_next_gpu", "qwen3_5_moe_gpu", "qwen3_5_dense_gpu"}) {
     SECTION(name) {
