@@ -17,8 +17,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdint>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "engine/backend.h"
@@ -33,6 +35,10 @@ struct ConformanceOptions {
   /// GEMMs and scans cut elsewhere on CUDA.
   double tol = 1e-4;
   uint32_t seed = 1;  ///< the random token ids' seed (use another per call on one backend: prefix checkpoints persist)
+  /// Compare the logits of every query position (else the last one, the next token's, as serving uses them): on
+  /// bf16 backends with random-weight MoE models a near-tied expert choice at some earlier position can flip between
+  /// passes of other shapes, which the last position's logits see far less.
+  bool all_rows = true;
   int seam_width = 8;
 };
 
@@ -54,6 +60,16 @@ inline std::vector<float> conformance_last_row(const std::vector<float>& logits,
 
 inline int32_t conformance_argmax(const std::vector<float>& row) {
   return int32_t(std::max_element(row.begin(), row.end()) - row.begin());
+}
+
+/// The error of `got` against `ref` (rows of V logits) as the suite compares them (ConformanceOptions::all_rows),
+/// printed as "[conformance] what: err (tol)" so that the margins show in passing runs too.
+inline double conformance_err(const std::vector<float>& got, const std::vector<float>& ref, int64_t V,
+                              const ConformanceOptions& o, const char* what) {
+  const double e = o.all_rows ? conformance_rel_l2(got, ref)
+                              : conformance_rel_l2(conformance_last_row(got, V), conformance_last_row(ref, V));
+  std::printf("[conformance] %s: %.3e (tol %.1e%s)\n", what, e, o.tol, o.all_rows ? ", every query row" : ", last row");
+  return e;
 }
 
 /// Runs the suite on `b` (see the file comment). Builds entries of five ragged segments (40, 7 (<= w), 130, 65 and 1
@@ -117,9 +133,9 @@ inline void check_backend_conformance(engine::Backend& b, const ConformanceOptio
     eng::SplicePlan p = plan_of(eng::SpliceMode::Prefix, segs.size(), query);
     p.all_query_logits = true;
     const eng::SpliceOutput cold = run(p);
-    const double e_cold = conformance_rel_l2(cold.logits, full.logits);
+    const double e_cold = conformance_err(cold.logits, full.logits, V, o, "prefix cold vs full");
     const eng::SpliceOutput warm = run(p);
-    const double e_warm = conformance_rel_l2(warm.logits, full.logits);
+    const double e_warm = conformance_err(warm.logits, full.logits, V, o, "prefix warm vs full");
     INFO("prefix cold " << e_cold << ", warm " << e_warm << " (reused " << warm.prefix_segments_reused << ")");
     CHECK(e_cold <= o.tol);
     CHECK(e_warm <= o.tol);
@@ -131,7 +147,7 @@ inline void check_backend_conformance(engine::Backend& b, const ConformanceOptio
     p.all_query_logits = true;
     for (int i = 1; i < int(segs.size()); ++i) p.recompute_segments.push_back(i);
     const eng::SpliceOutput got = run(p);
-    const double e = conformance_rel_l2(got.logits, full.logits);
+    const double e = conformance_err(got.logits, full.logits, V, o, "hypic, every later segment recomputed, vs full");
     INFO("hypic, every later segment recomputed: " << e);
     CHECK(e <= o.tol);
     CHECK(got.recomputed_segments == p.recompute_segments);
@@ -142,7 +158,8 @@ inline void check_backend_conformance(engine::Backend& b, const ConformanceOptio
     const eng::SpliceOutput one_full = run(fp);
     for (eng::SpliceMode mode : {eng::SpliceMode::Naive, eng::SpliceMode::Transition, eng::SpliceMode::Hypic}) {
       const eng::SpliceOutput got = run(plan_of(mode, 1, query));
-      const double e = conformance_rel_l2(got.logits, one_full.logits);
+      const std::string what = std::string("one segment, ") + eng::splice_mode_name(mode) + " vs full";
+      const double e = conformance_err(got.logits, one_full.logits, V, o, what.c_str());
       INFO("one segment, mode " << eng::splice_mode_name(mode) << ": " << e);
       CHECK(e <= o.tol);
       CHECK(got.computed_tokens == int64_t(query.size()));
@@ -160,7 +177,7 @@ inline void check_backend_conformance(engine::Backend& b, const ConformanceOptio
     std::vector<int32_t> longer = query;
     longer.push_back(t);
     const eng::SpliceOutput ref = run(plan_of(eng::SpliceMode::Full, segs.size(), longer));
-    const double e = conformance_rel_l2(step, conformance_last_row(ref.logits, V));
+    const double e = conformance_err(step, conformance_last_row(ref.logits, V), V, o, "decode step vs prefill");
     INFO("decode step vs prefill of one more token: " << e);
     CHECK(e <= o.tol);
   }

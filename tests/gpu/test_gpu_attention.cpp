@@ -46,66 +46,6 @@ void require_gpu() {
   if (!cuda_device_present()) FAIL("no CUDA device: the GPU tests need an NVIDIA GPU (scripts/test_gpu.sh)");
 }
 
-float bfr(float x) { return bf16_to_float(float_to_bf16(x)); }
-
-bf16 nan_bf16() {
-  const uint16_t b = 0xFFFF;
-  bf16 x;
-  std::memcpy(&x, &b, 2);
-  return x;
-}
-
-uint16_t bits(bf16 x) {
-  uint16_t b;
-  std::memcpy(&b, &x, 2);
-  return b;
-}
-
-// A paged KV pool on the host: pages handed out from a shuffled list, unwritten rows NaN.
-struct HostPool {
-  int hkv, hd, pages;
-  std::vector<bf16> k, v;
-  std::vector<int> order;
-  size_t next = 0;
-  HostPool(int pages_, int hkv_, int hd_, std::mt19937& rng)
-      : hkv(hkv_), hd(hd_), pages(pages_), k(size_t(pages_) * kPage * hkv_ * hd_, nan_bf16()), v(k.size(), nan_bf16()),
-        order(pages_) {
-    std::iota(order.begin(), order.end(), 0);
-    std::shuffle(order.begin(), order.end(), rng);
-  }
-  size_t row_elems() const { return size_t(hkv) * hd; }
-  std::vector<int> take(int slots) {
-    const size_t n = (slots + kPage - 1) / kPage;
-    if (next + n > order.size()) throw std::logic_error("HostPool: out of pages");
-    std::vector<int> p(order.begin() + next, order.begin() + next + n);
-    next += n;
-    return p;
-  }
-};
-
-// One sequence's KV: kv_len slots of random K/V written into the pool at its (shuffled) pages; k, v keep
-// the exact values as fp32 [kv_len][hkv][hd].
-struct Seq {
-  int kv_len = 0;
-  std::vector<int> pages;
-  std::vector<float> k, v;
-};
-
-Seq make_seq(HostPool& pool, int kv_len, std::mt19937& rng) {
-  Seq s;
-  s.kv_len = kv_len;
-  s.pages = pool.take(kv_len);
-  const size_t row = pool.row_elems();
-  const auto kb = random_bf16(rng, size_t(kv_len) * row, 1.0f, s.k);
-  const auto vb = random_bf16(rng, size_t(kv_len) * row, 1.0f, s.v);
-  for (int slot = 0; slot < kv_len; ++slot) {
-    const size_t r = size_t(s.pages[slot / kPage]) * kPage + slot % kPage;
-    std::copy(kb.begin() + slot * row, kb.begin() + (slot + 1) * row, pool.k.begin() + r * row);
-    std::copy(vb.begin() + slot * row, vb.begin() + (slot + 1) * row, pool.v.begin() + r * row);
-  }
-  return s;
-}
-
 struct GroupSpec {
   int seq, slot0, len;
 };

@@ -24,12 +24,6 @@ void require_gpu() {
   if (!cuda_device_present()) FAIL("no CUDA device: the GPU tests need an NVIDIA GPU (scripts/test_gpu.sh)");
 }
 
-std::vector<float> to_float(const std::vector<bf16>& v) {
-  std::vector<float> f(v.size());
-  for (size_t i = 0; i < v.size(); ++i) f[i] = bf16_to_float(v[i]);
-  return f;
-}
-
 void check_close(const std::vector<float>& got, const std::vector<float>& ref, double rtol, double atol,
                  const char* what) {
   REQUIRE(got.size() == ref.size());
