@@ -171,7 +171,7 @@ struct ModelConfig {
 /// holding config.json; for a directory that also holds safetensors files, weights_digest is set
 /// from weights_identity(dir). Accepts flat configs (qwen3_next, qwen3_5_text, qwen3_5_moe_text,
 /// kimi_linear, minimax, bailing_moe_linear) and nested ones (qwen3_5, qwen3_5_moe: fields read from
-/// `text_config`); the field spellings of each family are documented at parse_family_config (config_families.cpp). RoPE fields are read from
+/// `text_config`); the field spellings of each family are documented in engine/families/<family>/config.h. RoPE fields are read from
 /// `rope_parameters` (transformers 5.x) or from top-level `rope_theta` / `partial_rotary_factor`
 /// (older files); a rope_type other than "default" is rejected. If `layer_types` is absent it is
 /// derived: layer i is full attention iff (i+1) % full_attention_interval == 0.

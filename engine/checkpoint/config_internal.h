@@ -1,6 +1,6 @@
-// Internal helpers of the config parsers (engine/checkpoint/config.cpp, engine/checkpoint/config_families.cpp):
-// typed JSON field access that names the field in every error, and the size bounds shared by every family. Not a
-// public API.
+// Internal helpers of the config parsers (engine/checkpoint/config.cpp and each family's
+// engine/families/<family>/config.cpp): typed JSON field access that names the field in every error, and the size
+// bounds shared by every family. Not a public API.
 #pragma once
 #include <algorithm>
 #include <cstdint>
@@ -11,8 +11,6 @@
 #include <string_view>
 #include <type_traits>
 #include <vector>
-
-#include <optional>
 
 #include "engine/checkpoint/config.h"
 
@@ -91,27 +89,14 @@ inline void require_multiple(std::string_view origin, const char* field, int64_t
 /// top-level `rope_theta` / `partial_rotary_factor`; a rope_type other than "default" is rejected (config.cpp).
 void parse_rope(const json& t, std::string_view origin, ModelConfig& c);
 
-/// The family of a model_type, or nullopt for an unknown one (config_families.cpp).
-std::optional<ModelFamily> family_of_model_type(std::string_view model_type);
-/// Parses the config.json `root` of a Kimi-Linear / MiniMax / Ring-linear model into `c` (model_type already set;
-/// c.validate() is run by the caller). Throws std::invalid_argument naming the field.
-void parse_family_config(const json& root, std::string_view origin, ModelFamily family, ModelConfig& c);
-/// The family-specific consistency checks of ModelConfig::validate (non-Qwen families).
-void validate_family_fields(const ModelConfig& c, const std::string& origin);
-/// config_to_json for the non-Qwen families: the field layout transformers 5.17 writes (Kimi, MiniMax) or the hub
-/// config.json's (Ring).
-std::string family_config_to_json(const ModelConfig& c);
-
 /// Appends `layer_types` of config object t (a list of HF spellings, parse_layer_type) to c.layer_types; returns false
 /// (nothing appended) when the key is absent or null. Throws std::invalid_argument naming origin o and the field for a
 /// non-list, a non-string entry or an unknown type (config.cpp).
 bool parse_layer_types_list(const json& t, std::string_view o, ModelConfig& c);
 
-/// The config.json fields every family writes the same way (config_to_json, family_config_to_json): vocab_size,
+/// The config.json fields every family writes the same way (each family's config_to_json): vocab_size,
 /// hidden_size, num_hidden_layers, layer_types, rms_norm_eps, max_position_embeddings (when > 0), hidden_act "silu",
 /// num_attention_heads, num_key_value_heads (config.cpp).
 json common_config_json(const ModelConfig& c);
-/// The fingerprint text of the fields only the non-Qwen families use ("|name=value" items, fixed order).
-std::string family_fingerprint_fields(const ModelConfig& c);
 
 }  // namespace hypic::engine::config_detail

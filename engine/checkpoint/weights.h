@@ -3,10 +3,11 @@
 //    `mlp.experts.down_proj` [E,H,I]; `model.` prefix),
 //  - released checkpoints (per-expert `mlp.experts.{e}.{gate,up,down}_proj.weight`; Qwen3.5's
 //    `model.language_model.` prefix; Qwen3-Next's grouped `in_proj_qkvz` / `in_proj_ba`),
-//  - Kimi-Linear, MiniMax and Ring-linear in both their save_pretrained and released names (weights_families.cpp:
-//    `block_sparse_moe.` or `mlp.`, experts `w1/w2/w3` or `gate/up/down_proj` or fused, Kimi's three
-//    `{q,k,v}_conv1d` or one packed `conv1d`, `forget_gate.`-prefixed or flat gate tensors, Ring's
-//    `model.word_embeddings` and fused `query_key_value`).
+//  - Kimi-Linear, MiniMax and Ring-linear in both their save_pretrained and released names
+//    (engine/families/<family>/weights.h: `block_sparse_moe.` or `mlp.`, experts `w1/w2/w3` or `gate/up/down_proj`
+//    or fused, Kimi's three `{q,k,v}_conv1d` or one packed `conv1d`, `forget_gate.`-prefixed or flat gate tensors,
+//    Ring's `model.word_embeddings` and fused `query_key_value`).
+// Each family's names are read by engine/families/<family>/weights.cpp; load_weights dispatches to them by family.
 // `mtp.*` and `model.visual.*` tensors are ignored. All matrices are row-major [out][in] like
 // torch.nn.Linear.weight, so y = W x is a GEMM with W's rows as outputs.
 #pragma once
@@ -212,7 +213,7 @@ struct CheckpointTensorSpec {
 };
 
 /// The tensors transformers 5.17 `save_pretrained` writes for this config (for Kimi-Linear, MiniMax and Ring: the
-/// released checkpoints' names, see weights_families.cpp), in order: prefix `model.`
+/// released checkpoints' names, see engine/families/<family>/weights.h), in order: prefix `model.`
 /// (`model.language_model.` for the nested types qwen3_5 / qwen3_5_moe), MoE experts per expert
 /// (`mlp.experts.{e}.{gate,up,down}_proj.weight`), Qwen3-Next's grouped `in_proj_qkvz` / `in_proj_ba`,
 /// Qwen3.5's flat `in_proj_qkv` / `in_proj_z` / `in_proj_b` / `in_proj_a`, conv1d [conv_dim, 1, K],

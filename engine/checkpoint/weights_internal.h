@@ -1,6 +1,7 @@
-// Internal helpers of the weights loaders (engine/checkpoint/weights.cpp, engine/checkpoint/weights_families.cpp):
-// a checkpoint reader that checks every tensor's shape, names the tensor in every error and remembers which tensors
-// were used. Not a public API.
+// Internal helpers of the weights loaders (engine/checkpoint/weights.cpp and each family's
+// engine/families/<family>/weights.cpp): a checkpoint reader that checks every tensor's shape, names the tensor in
+// every error and remembers which tensors were used, and the sink the checkpoint layouts are written into. Not a
+// public API.
 #pragma once
 #include <cstdint>
 #include <filesystem>
@@ -26,8 +27,6 @@ inline int64_t product(const std::vector<int64_t>& shape) {
   for (int64_t d : shape) n *= d;
   return n;
 }
-
-inline bool nested_type(const ModelConfig& c) { return c.model_type == "qwen3_5" || c.model_type == "qwen3_5_moe"; }
 
 /// Reads checkpoint tensors by name, checking shapes, and remembers which names were used.
 class Reader {
@@ -100,7 +99,7 @@ class Reader {
   std::set<std::string> used_;
 };
 
-/// Collects the tensor specs of a checkpoint layout (hf_checkpoint_layout, family_checkpoint_layout).
+/// Collects the tensor specs of a checkpoint layout (hf_checkpoint_layout: each family's checkpoint_layout).
 struct LayoutSink {
   int64_t hidden = 0;  ///< H, the input width of the MLP projections
   std::vector<CheckpointTensorSpec> specs;
@@ -115,13 +114,5 @@ struct LayoutSink {
     (*this)(p + "down_proj.weight", {hidden, I});
   }
 };
-
-/// Loads decoder layer `i` (prefix `p`, e.g. "model.layers.3.") of a Kimi-Linear / MiniMax / Ring model into `l`
-/// (type and is_moe already set; the two layer norms read by the caller): its mixer and its MLP (weights_families.cpp).
-void load_family_layer(const ModelConfig& c, Reader& rd, const std::string& p, int i, LayerWeights& l);
-
-/// hf_checkpoint_layout for the Kimi-Linear / MiniMax / Ring families (weights_families.cpp): the released names
-/// (Kimi: block_sparse_moe experts w1/w2/w3, q/k/v_conv1d; MiniMax: block_sparse_moe w1/w2/w3; Ring: hub names).
-std::vector<CheckpointTensorSpec> family_checkpoint_layout(const ModelConfig& c);
 
 }  // namespace hypic::engine::weights_detail

@@ -1,6 +1,6 @@
-// CPU fp32 forward pass of every family: the decoder loop, Qwen3-Next / Qwen3.5's Gated DeltaNet and gated
-// attention, the plain GQA attention of MiniMax / Ring and the MoE blocks; the Kimi / MiniMax / Ring linear mixers
-// and MLA are in engine/families/. Layer math: docs/research/hybrid_models.md 1.4-1.7, 2-4 and the HF transformers 5.17
+// CPU fp32 forward pass of every family: the decoder loop, Qwen3-Next / Qwen3.5's gated attention, the plain GQA
+// attention of MiniMax / Ring and the MoE blocks; each family's linear mixer (Qwen's Gated DeltaNet, Kimi's KDA,
+// MiniMax's and Ring's lightning attention) and Kimi's MLA are in engine/families/<family>/layers.h. Layer math: docs/research/hybrid_models.md 1.4-1.7, 2-4 and the HF transformers 5.17
 // classes named at each block. Projections over a span run as GEMMs (OpenBLAS).
 #include "engine/cpu/model.h"
 
@@ -70,8 +70,6 @@ Model::Model(ModelConfig config, ModelWeights weights) : config_(std::move(confi
     throw std::invalid_argument("Model: " + std::to_string(weights_.layers.size()) + " layers of weights, config has " +
                                 std::to_string(c.num_hidden_layers));
   }
-  const int64_t nv = c.linear_num_value_heads, dv = c.linear_value_head_dim, K = c.linear_conv_kernel_dim;
-  const int64_t nh = c.num_attention_heads, nkv = c.num_key_value_heads, hd = c.head_dim;
   for (int i = 0; i < c.num_hidden_layers; ++i) {
     const LayerWeights& lw = weights_.layers[i];
     const std::string p = "layers." + std::to_string(i) + ".";
@@ -80,28 +78,7 @@ Model::Model(ModelConfig config, ModelWeights weights) : config_(std::move(confi
     }
     expect_shape(lw.input_layernorm, {H}, p + "input_layernorm");
     expect_shape(lw.post_attention_layernorm, {H}, p + "post_attention_layernorm");
-    if (c.family != ModelFamily::Qwen) {
-      families::check_layer_shapes(c, lw, p);
-    } else if (lw.type == LayerType::Linear) {
-      const LinearAttnWeights& l = lw.linear;
-      expect_shape(l.in_proj_qkv, {c.conv_dim(), H}, p + "linear_attn.in_proj_qkv");
-      expect_shape(l.in_proj_z, {nv * dv, H}, p + "linear_attn.in_proj_z");
-      expect_shape(l.in_proj_b, {nv, H}, p + "linear_attn.in_proj_b");
-      expect_shape(l.in_proj_a, {nv, H}, p + "linear_attn.in_proj_a");
-      expect_shape(l.conv1d, {c.conv_dim(), K}, p + "linear_attn.conv1d");
-      expect_shape(l.A_log, {nv}, p + "linear_attn.A_log");
-      expect_shape(l.dt_bias, {nv}, p + "linear_attn.dt_bias");
-      expect_shape(l.norm, {dv}, p + "linear_attn.norm");
-      expect_shape(l.out_proj, {H, nv * dv}, p + "linear_attn.out_proj");
-    } else {
-      const AttentionWeights& a = lw.attention;
-      expect_shape(a.q_proj, {(c.attn_output_gate ? 2 : 1) * nh * hd, H}, p + "self_attn.q_proj");
-      expect_shape(a.k_proj, {nkv * hd, H}, p + "self_attn.k_proj");
-      expect_shape(a.v_proj, {nkv * hd, H}, p + "self_attn.v_proj");
-      expect_shape(a.o_proj, {H, nh * hd}, p + "self_attn.o_proj");
-      expect_shape(a.q_norm, {hd}, p + "self_attn.q_norm");
-      expect_shape(a.k_norm, {hd}, p + "self_attn.k_norm");
-    }
+    families::check_layer_shapes(c, lw, p);  // the mixer, by family
     if (lw.is_moe) {
       const MoeWeights& m = lw.moe;
       const int64_t E = c.num_experts, I = c.moe_intermediate_size, Is = c.shared_expert_intermediate_size;
@@ -263,7 +240,6 @@ PrefillResult Model::forward(ModelState& state, std::span<const SpanSpec> spans,
   PrefillResult result;
   if (options.capture_transitions) result.transitions.resize(state.linear.size());
   result.transition_kind = linear_transition_kind(c);
-  const bool lightning = result.transition_kind == TransitionKind::Scalar;  // MiniMax, Ring-linear
   Scratch scratch;
   // RMSNorm flavour: Qwen's zero-centred (1 + w), every other family's w (KimiLinearRMSNorm, MiniMaxRMSNorm, ...).
   const bool zc = c.zero_centred_norms();
@@ -298,13 +274,24 @@ PrefillResult Model::forward(ModelState& state, std::span<const SpanSpec> spans,
         const int li = c.linear_index(i);
         std::vector<float>* tr = options.capture_transitions ? &result.transitions[li] : nullptr;
         const bool recurrent = mode == LinearMode::Recurrent;
-        if (c.family == ModelFamily::KimiLinear)
-          families::kda_layer(c, lw.kda, state.linear[li], hn.data() + r0, Ts, recurrent, tr, mix.data() + r0);
-        else if (lightning)
-          families::lightning_layer(c, lw.lightning, state.linear[li], hn.data() + r0, Ts, spans[si].start_position,
-                                    inv_freq_, recurrent, tr, mix.data() + r0);
-        else
-          linear_layer(lw, state.linear[li], hn.data() + r0, Ts, mode, tr, scratch, mix.data() + r0);
+        LinearLayerState& lst = state.linear[li];
+        const float* xs = hn.data() + r0;
+        float* ys = mix.data() + r0;
+        switch (c.family) {  // each family's linear mixer (engine/families/<family>/layers.h)
+          case ModelFamily::Qwen:
+            families::qwen::gated_deltanet_layer(
+                c, lw.linear, lst, xs, Ts, recurrent, tr,
+                {scratch.a, scratch.b, scratch.c, scratch.d, scratch.e, scratch.f, scratch.g}, ys);
+            break;
+          case ModelFamily::KimiLinear: families::kimi_linear::kda_layer(c, lw.kda, lst, xs, Ts, recurrent, tr, ys); break;
+          case ModelFamily::MiniMax:
+            families::minimax::lightning_layer(c, lw.lightning, lst, xs, Ts, recurrent, tr, ys);
+            break;
+          case ModelFamily::RingLinear:
+            families::ring_linear::lightning_layer(c, lw.lightning, lst, xs, Ts, spans[si].start_position, inv_freq_,
+                                                   recurrent, tr, ys);
+            break;
+        }
       } else {
         AttentionLayerState& ast = state.attention[c.attention_index(i)];
         float* key_mass = nullptr;
@@ -313,7 +300,7 @@ PrefillResult Model::forward(ModelState& state, std::span<const SpanSpec> spans,
           key_mass = options.attention_mass->data();
         }
         if (c.family == ModelFamily::KimiLinear)
-          families::mla_layer(c, lw.mla, ast, hn.data() + r0, Ts, mix.data() + r0, key_mass);
+          families::kimi_linear::mla_layer(c, lw.mla, ast, hn.data() + r0, Ts, mix.data() + r0, key_mass);
         else
           attention_layer(lw, ast, hn.data() + r0, Ts, spans[si].start_position, scratch, mix.data() + r0, key_mass);
       }
@@ -341,80 +328,6 @@ PrefillResult Model::forward(ModelState& state, std::span<const SpanSpec> spans,
   result.logits.resize(static_cast<size_t>(rows) * c.vocab_size);
   cpu::linear(rows, H, c.vocab_size, hn.data(), weights_.output_embedding().ptr(), result.logits.data());
   return result;
-}
-
-// Gated DeltaNet (Qwen3_5GatedDeltaNet.forward; Qwen3NextGatedDeltaNet after its projections are regrouped
-// at load): projections, causal conv1d + SiLU, gates, q/k l2norm, gated delta rule, gated RMSNorm, out_proj.
-void Model::linear_layer(const LayerWeights& lw, LinearLayerState& st, const float* x, int64_t T, LinearMode mode,
-                         std::vector<float>* transition, Scratch& s, float* out) const {
-  const ModelConfig& c = config_;
-  const LinearAttnWeights& w = lw.linear;
-  const int64_t H = c.hidden_size, C = c.conv_dim();
-  const int nk = c.linear_num_key_heads, nv = c.linear_num_value_heads;
-  const int dk = c.linear_key_head_dim, dv = c.linear_value_head_dim;
-  const int64_t qd = int64_t(nk) * dk, vd = int64_t(nv) * dv;
-
-  std::vector<float>& qkv = s.a;  // [T][C] pre-conv
-  std::vector<float>& conv = s.b;  // [T][C] post-conv
-  std::vector<float>& z = s.c;     // [T][nv*dv]
-  std::vector<float>& gates = s.d;  // [T][nv] beta, then [T][nv] g
-  std::vector<float>& qk = s.e;    // [T][nk*dk] q then [T][nk*dk] k (contiguous copies)
-  std::vector<float>& v = s.f;     // [T][nv*dv]
-  std::vector<float>& o = s.g;     // [T][nv*dv]
-  qkv.resize(static_cast<size_t>(T) * C);
-  conv.resize(qkv.size());
-  z.resize(static_cast<size_t>(T) * vd);
-  gates.resize(static_cast<size_t>(T) * nv * 2);
-  qk.resize(static_cast<size_t>(T) * qd * 2);
-  v.resize(static_cast<size_t>(T) * vd);
-  o.resize(static_cast<size_t>(T) * vd);
-  float* beta = gates.data();
-  float* g = gates.data() + static_cast<size_t>(T) * nv;
-
-  cpu::linear(T, H, C, x, w.in_proj_qkv.ptr(), qkv.data());
-  cpu::linear(T, H, vd, x, w.in_proj_z.ptr(), z.data());
-  cpu::linear(T, H, nv, x, w.in_proj_b.ptr(), beta);
-  cpu::linear(T, H, nv, x, w.in_proj_a.ptr(), g);
-  cpu::causal_conv1d_silu(static_cast<int>(T), static_cast<int>(C), c.linear_conv_kernel_dim, qkv.data(),
-                          w.conv1d.ptr(), st.conv.data(), conv.data());
-
-  // beta = sigmoid(b); g = -exp(A_log) * softplus(a + dt_bias) (fp32, softplus threshold 20).
-  for (int64_t t = 0; t < T; ++t) {
-    for (int h = 0; h < nv; ++h) {
-      const size_t i = static_cast<size_t>(t) * nv + h;
-      beta[i] = cpu::sigmoid(beta[i]);
-      g[i] = -std::exp(w.A_log.data[h]) * cpu::softplus(g[i] + w.dt_bias.data[h]);
-    }
-  }
-  // Split [Q | K | V] channels; l2-normalise q and k per head (eps 1e-6 inside the rsqrt of the sum), q *= dk^-1/2.
-  float* q = qk.data();
-  float* k = qk.data() + static_cast<size_t>(T) * qd;
-  for (int64_t t = 0; t < T; ++t) {
-    const float* row = conv.data() + static_cast<size_t>(t) * C;
-    std::copy(row, row + qd, q + static_cast<size_t>(t) * qd);
-    std::copy(row + qd, row + 2 * qd, k + static_cast<size_t>(t) * qd);
-    std::copy(row + 2 * qd, row + 2 * qd + vd, v.data() + static_cast<size_t>(t) * vd);
-  }
-  cpu::l2_normalize_rows(T * nk, dk, q, 1e-6f);
-  cpu::l2_normalize_rows(T * nk, dk, k, 1e-6f);
-  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(dk)));
-  for (size_t i = 0; i < static_cast<size_t>(T) * qd; ++i) q[i] *= scale;
-
-  const cpu::GatedDeltaShape shape{static_cast<int>(T), nk, nv, dk, dv};
-  const cpu::GatedDeltaInputs in{q, k, v.data(), g, beta};
-  float* tr = nullptr;
-  if (transition) {
-    transition->resize(static_cast<size_t>(nv) * dk * dk);
-    tr = transition->data();
-  }
-  if (mode == LinearMode::Chunked) {
-    cpu::gated_delta_chunked(shape, in, st.ssm.data(), o.data(), tr, 64);
-  } else {
-    cpu::gated_delta_recurrent(shape, in, st.ssm.data(), o.data(), tr);
-  }
-  // Gated RMSNorm per value head over dv (weight w, not 1 + w), times silu(z); then out_proj.
-  cpu::rms_norm_gated(T * nv, dv, o.data(), z.data(), w.norm.ptr(), static_cast<float>(c.rms_norm_eps), o.data());
-  cpu::linear(T, vd, H, o.data(), w.out_proj.ptr(), out);
 }
 
 // Gated full attention (Qwen3NextAttention / Qwen3_5Attention, eager): q_proj split per head into
@@ -493,7 +406,7 @@ void Model::mlp_block(const MlpWeights& w, int64_t width, const float* x, int64_
 }
 
 // Sparse MoE (Qwen3NextSparseMoeBlock with eager experts; MiniMaxSparseMoeBlock is the same without a shared expert;
-// KimiLinearMoE / Ring route with families::route_sigmoid and add their shared experts ungated): softmax router over
+// KimiLinearMoE / Ring route with families::shared::route_sigmoid and add their shared experts ungated): softmax router over
 // all experts (fp32), top-k,
 // optional renormalisation; tokens grouped per expert and run as GEMMs; routed outputs accumulated in
 // ascending expert order (as HF's index_add_ loop), then the sigmoid-gated shared expert added.
@@ -507,7 +420,7 @@ void Model::moe_block(const MoeWeights& w, const float* x, int64_t T, Scratch& s
   std::vector<float> probs;
   std::vector<int> order(E);
   if (c.router_score == RouterScore::Sigmoid) {
-    families::route_sigmoid(c, w, x, T, routed);  // Kimi-Linear, Ring: sigmoid, bias, groups, scaling
+    families::shared::route_sigmoid(c, w, x, T, routed);  // Kimi-Linear, Ring: sigmoid, bias, groups, scaling
   } else {
     probs.resize(static_cast<size_t>(T) * E);
     cpu::linear(T, H, E, x, w.router.ptr(), probs.data());

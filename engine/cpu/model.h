@@ -152,8 +152,6 @@ class Model {
   struct Scratch;
   PrefillResult forward(ModelState& state, std::span<const SpanSpec> spans, const SpanLayerHook* after_mixer,
                         const PrefillOptions& options, LinearMode mode) const;
-  void linear_layer(const LayerWeights& lw, LinearLayerState& st, const float* x, int64_t T, LinearMode mode,
-                    std::vector<float>* transition, Scratch& s, float* out) const;
   void attention_layer(const LayerWeights& lw, AttentionLayerState& st, const float* x, int64_t T,
                        int64_t start_position, Scratch& s, float* out, float* key_mass) const;
   void moe_block(const MoeWeights& w, const float* x, int64_t T, Scratch& s, float* out) const;

@@ -369,12 +369,6 @@ std::vector<SegmentEntry> build_segment_entries(const Model& model, std::span<co
 
 // ---- prefix cache --------------------------------------------------------------------------------------
 
-size_t PrefixStateCache::Hash::operator()(const SegmentDigest& d) const {
-  size_t h;
-  std::memcpy(&h, d.data(), sizeof(h));
-  return h;
-}
-
 size_t model_state_bytes(const ModelState& state) {
   size_t n = 0;
   for (const auto& l : state.linear) n += (l.ssm.size() + l.conv.size()) * sizeof(float);
@@ -382,47 +376,13 @@ size_t model_state_bytes(const ModelState& state) {
   return n;
 }
 
-std::shared_ptr<const ModelState> PrefixStateCache::get(const SegmentDigest& chain) {
-  std::lock_guard lock(mu_);
-  auto it = index_.find(chain);
-  if (it == index_.end()) return nullptr;
-  lru_.splice(lru_.begin(), lru_, it->second);
-  return it->second->state;
-}
-
 void PrefixStateCache::put(const SegmentDigest& chain, const ModelState& state) {
   const size_t bytes = model_state_bytes(state);
-  if (bytes > budget_) return;
-  auto copy = std::make_shared<const ModelState>(state);
-  std::lock_guard lock(mu_);
-  if (auto it = index_.find(chain); it != index_.end()) {
-    used_ -= it->second->bytes;
-    lru_.erase(it->second);
-    index_.erase(it);
-  }
-  while (used_ + bytes > budget_ && !lru_.empty()) {
-    used_ -= lru_.back().bytes;
-    index_.erase(lru_.back().key);
-    lru_.pop_back();
-  }
-  lru_.push_front(Item{chain, std::move(copy), bytes});
-  index_[chain] = lru_.begin();
-  used_ += bytes;
-}
-
-size_t PrefixStateCache::bytes() const {
-  std::lock_guard lock(mu_);
-  return used_;
-}
-size_t PrefixStateCache::entries() const {
-  std::lock_guard lock(mu_);
-  return lru_.size();
+  if (bytes > cache_.budget()) return;  // (no copy made)
+  cache_.put(chain, std::make_shared<const ModelState>(state), bytes);
 }
 
 // ---- splice --------------------------------------------------------------------------------------------
-
-
-
 
 SpliceResult splice(const Model& model, const SpliceRequest& req) {
   // The shape the planner sees, checked as every backend checks it, then the entries against this model.

@@ -4,15 +4,13 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
-#include <list>
 #include <memory>
-#include <mutex>
 #include <span>
 #include <string_view>
-#include <unordered_map>
 #include <vector>
 
 #include "engine/cpu/model.h"
+#include "engine/prefix_cache.h"
 #include "engine/segment.h"
 #include "engine/splice_mode.h"
 #include "engine/splice_schedule.h"
@@ -67,28 +65,17 @@ struct SpliceSegment {
 /// Byte budget with LRU eviction; thread-safe.
 class PrefixStateCache {
  public:
-  explicit PrefixStateCache(size_t budget_bytes) : budget_(budget_bytes) {}
-  /// A copy of the state stored under `chain`, or nullptr.
-  std::shared_ptr<const ModelState> get(const SegmentDigest& chain);
+  explicit PrefixStateCache(size_t budget_bytes) : cache_(budget_bytes) {}
+  /// The state stored under `chain` (shared, immutable), made the most recently used; nullptr when absent.
+  std::shared_ptr<const ModelState> get(const SegmentDigest& chain) { return cache_.get(chain); }
   /// Stores a copy (evicting least recently used states to stay within budget; a state larger than the
   /// budget is not stored).
   void put(const SegmentDigest& chain, const ModelState& state);
-  size_t bytes() const;
-  size_t entries() const;
+  size_t bytes() const { return cache_.bytes(); }
+  size_t entries() const { return cache_.entries(); }
 
  private:
-  struct Item {
-    SegmentDigest key;
-    std::shared_ptr<const ModelState> state;
-    size_t bytes;
-  };
-  size_t budget_, used_ = 0;
-  std::list<Item> lru_;  // front = most recent
-  struct Hash {
-    size_t operator()(const SegmentDigest& d) const;
-  };
-  std::unordered_map<SegmentDigest, std::list<Item>::iterator, Hash> index_;
-  mutable std::mutex mu_;
+  PrefixCache<const ModelState> cache_;
 };
 
 /// Bytes of a model state (linear states, conv states, KV).
@@ -144,10 +131,10 @@ struct SpliceRequest {
   /// (SpliceCancelled). Null: never cancelled.
   std::shared_ptr<const std::atomic<bool>> cancel;
   /// Chunked prefill (vLLM's and SGLang's, without mixing a pass with decode steps): when > 0, the spans run in
-  /// context (full and prefix modes' segments, the query unless all_query_logits) are cut into passes of at most this
-  /// many tokens, and between_passes runs between two passes of the splice (then the cancel check). A hypic pass
-  /// (seams and whole segments, layer by layer) is not cut. Results agree with unchunked passes within fp32 rounding
-  /// (the chunked scan's boundaries move). 0: no cut.
+  /// context (every mode's: full and prefix modes' segments, hypic's seams and whole segments, the query unless
+  /// all_query_logits) are packed into passes of at most this many tokens, a longer span cut, and between_passes runs
+  /// between two passes of the splice (then the cancel check). Results agree with unchunked passes within fp32
+  /// rounding (the chunked scan's boundaries move). 0: no cut.
   int64_t max_pass_tokens = 0;
   std::function<void()> between_passes;
   /// Called with each schedule the splice executes (the refresh's probe first, when one runs, then the answer's),
@@ -183,7 +170,8 @@ struct SpliceResult {
 /// states are re-rotated: every segment is placed as if it started at 0.
 /// recompute_segments / refresh_segments / refresh_tail (hypic) recompute chosen segments whole in context (see
 /// their docs).
-/// Throws std::invalid_argument (no segments, empty segment, empty query, negative seam width, missing entry for a
+/// The request's shape is checked first (check_splice_shape, engine/splice_schedule.h), then the entries against the
+/// model. Throws std::invalid_argument (no segments, empty segment, empty query, negative seam width, missing entry for a
 /// cached mode, token ids differing from the entry's, local_positions with a mode other than naive or transition,
 /// recompute_segments / refresh_segments / refresh_tail with a mode other than hypic, a recompute index out of
 /// [1, segments) or repeated, refresh_segments < 0, refresh_tail < 0)

@@ -36,7 +36,7 @@ ModelState CudaSequence::to_host() const { return b_->download_state(*this); }
 
 CudaBackend::CudaBackend(const DeviceSpec& dev, ModelConfig cfg, const ModelWeights* weights,
                          const BackendOptions& opt, const std::filesystem::path& checkpoint)
-    : cfg_(std::move(cfg)), dev_(dev), opt_(opt) {
+    : cfg_(std::move(cfg)), dev_(dev), opt_(opt), prefix_(opt.prefix_cache_bytes) {
   cfg_.validate();
   check_supported();
   int count = 0;
@@ -129,7 +129,7 @@ CudaBackend::~CudaBackend() {
       cudaStreamSynchronize(sms_->prefill_stream());
       cudaStreamSynchronize(sms_->decode_stream());
     }
-    prefix_lru_.clear();
+    prefix_.clear();
     graphs_.clear();
     drain_frees();
     cudaStreamSynchronize(stream_);
@@ -296,7 +296,7 @@ BackendMemory CudaBackend::memory() const {
   }
   m.workspace = act_.size() + dec_act_.size() + moe_ws_.bytes() + dec_moe_ws_.bytes() + ws_a_.bytes() + ws_c_.bytes() + ws_seam_.bytes() + ws_pieces_.bytes() +
                 attn_ws_.bytes() + attn_dec_ws_.bytes() + run_scratch_.size() + tables_dev_.size() + logits_dev_.size();
-  for (const auto& p : prefix_lru_) m.entries_used += p.cp->mem.size();
+  m.entries_used += prefix_.bytes();
   size_t free = 0, total = 0;
   if (cudaSetDevice(dev_.index) == cudaSuccess && cudaMemGetInfo(&free, &total) == cudaSuccess) {
     m.device_free = free;

@@ -29,6 +29,7 @@
 #include "engine/cuda/device_memory.h"
 #include "engine/cuda/pinned_pool.h"
 #include "engine/cuda/sm_partition.h"
+#include "engine/prefix_cache.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/gated_delta.h"
@@ -499,13 +500,8 @@ class CudaBackend final : public Backend {
   DeviceMemory tables_dev_;
   DeviceMemory run_scratch_;  // per-run states of a pass
   std::vector<float> logits_host_;
-  // Prefix cache.
-  struct PrefixItem {
-    SegmentDigest key;
-    std::shared_ptr<Checkpoint> cp;
-  };
-  std::list<PrefixItem> prefix_lru_;
-  size_t prefix_bytes_ = 0;
+  // Prefix mode's checkpoints (engine/prefix_cache.h), budget BackendOptions::prefix_cache_bytes of device memory.
+  PrefixCache<Checkpoint> prefix_;
   std::vector<std::vector<int>> live_pages_unused_;
 };
 

@@ -562,21 +562,26 @@ SpliceOutput CudaBackend::splice(const SplicePlan& plan) {
     std::vector<SegmentDigest> chains;
     for (size_t i = 0, at = 0; i < plan.segments.size(); at += size_t(shape.segment_tokens[i++]))
       chains.push_back(chain = chain_digest(chain, std::span<const int32_t>(prompt).subspan(at, size_t(shape.segment_tokens[i]))));
-    std::vector<std::list<PrefixItem>::iterator> hits;
+    std::vector<std::shared_ptr<Checkpoint>> hits;  // the chain's checkpoints cached from the start
     if (plan.use_prefix_cache)
       for (size_t i = 0; i < plan.segments.size(); ++i) {
-        auto it = std::find_if(prefix_lru_.begin(), prefix_lru_.end(), [&](const PrefixItem& p) { return p.key == chains[i]; });
-        if (it == prefix_lru_.end()) break;
-        hits.push_back(it);
+        auto cp = prefix_.peek(chains[i]);
+        if (!cp) break;
+        hits.push_back(std::move(cp));
       }
+    // The restored chain's bytes stay reserved: the new checkpoints extend it, so evicting any of it would leave
+    // them unreachable (lookups stop at the first missing link).
+    size_t chain_bytes = 0;
     if (!hits.empty()) {
       std::vector<const Checkpoint*> cps;
-      for (auto it : hits) cps.push_back(it->cp.get());
-      restore_chain(*seq, cps);
-      for (size_t k = hits.size(); k-- > 0;) prefix_lru_.splice(prefix_lru_.begin(), prefix_lru_, hits[k]);  // shallow = fresh
+      for (const auto& cp : hits) cps.push_back(cp.get()), chain_bytes += cp->mem.size();
+      restore_chain(*seq, cps);  // (synchronous)
+      for (size_t k = hits.size(); k-- > 0;) prefix_.get(chains[k]);  // the chain's shallow ones freshest
     }
     sch = schedule_splice(shape, int(hits.size()));
-    // New checkpoints, shallow first, while the budget holds them (the LRU's oldest give way).
+    hits.clear();  // an entry evicted below frees its device memory now
+    // New checkpoints, shallow first, while the budget holds them beside the restored chain (the LRU's oldest give
+    // way; the chain is the most recently used, so it goes last).
     bool taking = plan.use_prefix_cache && opt_.prefix_cache_bytes > 0;
     size_t held = 0;
     for (const ScheduledStep& step : sch.steps) {
@@ -585,14 +590,11 @@ SpliceOutput CudaBackend::splice(const SplicePlan& plan) {
       cp->start = step.position;
       cp->n = step.position + step.tokens;
       const size_t bytes = checkpoint_bytes(cp->n - cp->start);
-      if (held + bytes > opt_.prefix_cache_bytes) {  // a deeper checkpoint is useless without this one
+      if (chain_bytes + held + bytes > opt_.prefix_cache_bytes) {  // a deeper checkpoint is useless without this one
         taking = false;
         continue;
       }
-      while (prefix_bytes_ + held + bytes > opt_.prefix_cache_bytes && !prefix_lru_.empty()) {
-        prefix_bytes_ -= prefix_lru_.back().cp->mem.size();
-        prefix_lru_.pop_back();
-      }
+      prefix_.make_room(held + bytes);
       try {
         cp->mem = DeviceMemory(bytes, "prefix checkpoint", stream_, true);
       } catch (const ResourceExhausted&) {
@@ -626,14 +628,8 @@ SpliceOutput CudaBackend::splice(const SplicePlan& plan) {
   execute(*seq, items_of(plan, sch, prompt), plan.all_query_logits, out.logits, plan.keep_context_state,
           &out.context_states, nullptr, cuts, &plan);
   for (size_t k = fresh.size(); k-- > 0;) {  // prefix: the chain's shallow checkpoints freshest in the LRU
-    for (auto it = prefix_lru_.begin(); it != prefix_lru_.end(); ++it)
-      if (it->key == fresh[k].first) {
-        prefix_bytes_ -= it->cp->mem.size();
-        prefix_lru_.erase(it);
-        break;
-      }
-    prefix_bytes_ += fresh[k].second->mem.size();
-    prefix_lru_.push_front({fresh[k].first, std::move(fresh[k].second)});
+    const size_t bytes = fresh[k].second->mem.size();
+    prefix_.put(fresh[k].first, std::move(fresh[k].second), bytes);
   }
   out.num_tokens = sch.num_tokens;
   out.computed_tokens = sch.computed_tokens;

@@ -107,21 +107,22 @@ inline void check_backend_conformance(engine::Backend& b, const ConformanceOptio
     for (size_t i = 0; i < n_segs; ++i) p.segments.push_back({segs[i], (w0 ? entries0 : entries)[i]});
     return p;
   };
-  // Every splice: the schedule executed is the planner's (no refresh here: one schedule), the counts are its.
+  // Every splice announces the planner's schedule (no refresh here: one schedule), and the state it leaves holds
+  // every token of the prompt: each attention layer's KV rows, counted on a host copy of the sequence.
   auto run = [&](eng::SplicePlan p) {
     std::vector<eng::SpliceSchedule> seen;
     p.on_schedule = [&](const eng::SpliceSchedule& s) { seen.push_back(s); };
     eng::SpliceOutput out = b.splice(p);
     REQUIRE(seen.size() == 1);
     CHECK(seen[0] == eng::schedule_splice(eng::splice_shape(p), out.prefix_segments_reused));
-    CHECK(out.num_tokens == seen[0].num_tokens);
-    CHECK(out.computed_tokens == seen[0].computed_tokens);
-    CHECK(out.recomputed_segments == seen[0].recomputed_segments);
     REQUIRE(out.sequence);
-    CHECK(out.sequence->num_tokens() == out.num_tokens);
+    int64_t prompt = int64_t(p.query.size());
+    for (const auto& seg : p.segments) prompt += int64_t(seg.ids.size());
+    CHECK(out.num_tokens == prompt);
+    const eng::ModelState st = out.sequence->to_host();
+    for (const auto& a : st.attention) CHECK(a.n_tokens == prompt);
     return out;
   };
-
   eng::SplicePlan full_plan = plan_of(eng::SpliceMode::Full, segs.size(), query);
   full_plan.all_query_logits = true;
   const eng::SpliceOutput full = run(full_plan);
@@ -139,8 +140,21 @@ inline void check_backend_conformance(engine::Backend& b, const ConformanceOptio
     INFO("prefix cold " << e_cold << ", warm " << e_warm << " (reused " << warm.prefix_segments_reused << ")");
     CHECK(e_cold <= o.tol);
     CHECK(e_warm <= o.tol);
+    CHECK(cold.prefix_segments_reused == 0);
+    CHECK(cold.computed_tokens == total + int64_t(query.size()));
     CHECK(warm.prefix_segments_reused == int(segs.size()));
     CHECK(warm.computed_tokens == int64_t(query.size()));
+    // Another prompt sharing segments 0 and 1: their checkpoints restore, the rest runs (and is checkpointed).
+    eng::SplicePlan other = p;
+    other.segments[2] = {ids(90), nullptr};
+    other.segments.resize(3);
+    eng::SplicePlan other_full = other;
+    other_full.mode = eng::SpliceMode::Full;
+    const eng::SpliceOutput part = run(other);
+    const eng::SpliceOutput part_ref = run(other_full);
+    CHECK(part.prefix_segments_reused == 2);
+    CHECK(part.computed_tokens == 90 + int64_t(query.size()));
+    CHECK(conformance_err(part.logits, part_ref.logits, V, o, "prefix, 2 of 3 segments reused, vs full") <= o.tol);
   }
   {  // hypic with every later segment recomputed whole is full recomputation
     eng::SplicePlan p = plan_of(eng::SpliceMode::Hypic, segs.size(), query);
@@ -207,6 +221,27 @@ inline void check_backend_conformance(engine::Backend& b, const ConformanceOptio
     CHECK(l_hit == l_twice);
     CHECK(t_hit == t_miss);
     CHECK(t_hit == t_twice);
+  }
+  {  // the query-aware refresh: the probe's schedule, then the answer's with the chosen segments whole
+    eng::SplicePlan p = plan_of(eng::SpliceMode::Hypic, segs.size(), query);
+    p.refresh_segments = 1;
+    std::vector<eng::SpliceSchedule> seen;
+    p.on_schedule = [&](const eng::SpliceSchedule& s) { seen.push_back(s); };
+    const eng::SpliceOutput got = b.splice(p);
+    REQUIRE(seen.size() == 2);
+    CHECK(seen[0].probe);
+    CHECK(seen[0] == eng::schedule_refresh_probe(eng::splice_shape(p)));
+    CHECK(!seen[1].probe);
+    // Segments 2 and 3 have interiors (130 and 65 tokens > w); 1 (7) and 4 (1) are all seam.
+    REQUIRE(got.recomputed_segments.size() == 1);
+    CHECK((got.recomputed_segments[0] == 2 || got.recomputed_segments[0] == 3));
+    // The answer is the explicit splice of the chosen segment (bit for bit) plus the probe's tokens.
+    eng::SplicePlan x = plan_of(eng::SpliceMode::Hypic, segs.size(), query);
+    x.recompute_segments = got.recomputed_segments;
+    const eng::SpliceOutput same = run(x);
+    CHECK(got.logits == same.logits);
+    const int64_t probe_tokens = 7 + w + w + 1 + int64_t(query.size());  // seams of segments 1-4, then the query
+    CHECK(got.computed_tokens == same.computed_tokens + probe_tokens);
   }
   {  // bad plans: the planner's messages
     eng::SplicePlan empty = plan_of(eng::SpliceMode::Hypic, 0, query);

@@ -1,5 +1,5 @@
-// The splice planner (engine/splice_schedule.h) against schedules written out by hand from DESIGN.md 3.3-3.4, and
-// the CPU backend executing exactly what it plans.
+// The splice planner (engine/splice_schedule.h) against schedules written out by hand from DESIGN.md 3.3-3.4. That
+// every backend executes the schedules it announces is the conformance suite's (tests/conformance/).
 #include <catch2/catch.hpp>
 
 #include <random>

@@ -1,0 +1,479 @@
+// The combine worker's gathering (CombineService, service.h): how each segment's entry reaches the request's slot --
+// a warm entry from the device or host tier or the segment cache (fetch_warm), a scatter worker's delivery over gRPC
+// or NCCL (DeliverEntry, deliver_nccl), or a build on this worker's own engine (build_locally) -- and the wait for all
+// of them (gather). The rest of the request (parse, splice, decode, report) is in service.cpp.
+#include "combine_worker/pending.h"
+
+#include <algorithm>
+#include <thread>
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include "proto/engine_rpc/checks.h"
+#include "proto/rpc/chunks.h"
+#include "proto/rpc/entry_mac.h"
+#include "proto/rpc/status.h"
+
+namespace hypic::combine {
+
+using Clock = std::chrono::steady_clock;
+
+void CombineService::build_locally(const std::shared_ptr<Pending>& p, size_t slot, std::string note) {
+  build_locally(p, {{slot, std::move(note)}});
+}
+
+void CombineService::build_locally(const std::shared_ptr<Pending>& p,
+                                   const std::vector<std::pair<size_t, std::string>>& slots) {
+  std::vector<engine::EngineLoop::BuildSubmission> builds;
+  for (const auto& [slot, note] : slots) {
+    std::vector<int32_t> ids;
+    {
+      std::lock_guard<std::mutex> lock(p->mu);
+      Slot& s = p->slots[slot];
+      if (s.has_entry() || s.local_started) continue;
+      s.local_started = true;
+      ids = s.ids;
+      if (!note.empty()) s.note = s.note.empty() ? note : s.note + "; " + note;
+    }
+    auto done = [this, p, slot](engine::BuildOutcome r) {
+      if (r.cancelled) return;
+      if (r.error_kind == engine::EngineErrorKind::ResourceExhausted && d_.memory_tier.entries() > 0) {
+        // Device memory short (other work on the GPU took what the device tier was sized from): the tier gives up
+        // entries, as many bytes as the build needs, and the build is retried once.
+        bool retry = false;
+        std::vector<int32_t> ids;
+        {
+          std::lock_guard<std::mutex> lock(p->mu);
+          Slot& s = p->slots[slot];
+          if (!s.retried_after_eviction) {
+            s.retried_after_eviction = true;
+            retry = true;
+            ids = s.ids;
+          }
+        }
+        if (retry) {
+          const size_t freed = d_.memory_tier.evict(backend_.entry_bytes(int64_t(ids.size())) * 2);
+          spdlog::warn("[req {}] segment {}: device memory short ({}); {} bytes of the device tier evicted, build retried",
+                       p->id, slot, r.error, freed);
+          p->add_note(slot, "device memory short: device-tier entries evicted and the build retried");
+          std::vector<engine::EngineLoop::BuildSubmission> again;
+          again.push_back({std::move(ids), p->entry_seam_width, p->cancel,
+                           [this, p, slot](engine::BuildOutcome r2) { finish_local_build(p, slot, std::move(r2)); },
+                           engine::BuildHandover::Resident});
+          d_.loop.submit_builds(std::move(again));
+          return;
+        }
+      }
+      finish_local_build(p, slot, std::move(r));
+    };
+    builds.push_back({std::move(ids), p->entry_seam_width, p->cancel, std::move(done), engine::BuildHandover::Resident});
+  }
+  // In one submission, so that they share one batch (one forward pass) on the engine loop.
+  if (!builds.empty()) d_.loop.submit_builds(std::move(builds));
+}
+
+void CombineService::finish_local_build(const std::shared_ptr<Pending>& p, size_t slot, engine::BuildOutcome r) {
+  if (r.cancelled) return;
+  if (!r.error.empty()) {
+    spdlog::error("[req {}] segment {}: local prefill failed: {}", p->id, slot, r.error);
+    {
+      std::lock_guard<std::mutex> lock(p->mu);
+      p->failure = fmt::format("segment {}: prefill failed: {}", slot, r.error);
+      p->failure_code = rpc::engine_error_code(r.error_kind);
+    }
+    p->cv.notify_all();
+    return;
+  }
+  // Spliced as it is (resident, no host round trip); its host copy (host tier, cache put) is made afterwards, off the
+  // critical path.
+  const rpc::Digest digest = p->slots[slot].digest;  // immutable after registration
+  d_.memory_tier.put(digest, r.entry);
+  d_.copier.enqueue(digest, r.entry, p->cache_segments, p->id);
+  count_segment(v1::SEGMENT_SOURCE_COMBINE_COMPUTED);
+  const size_t bytes = r.entry->resident_bytes();
+  p->fill(slot, nullptr, v1::SEGMENT_SOURCE_COMBINE_COMPUTED, address_, r.compute_ms, bytes, device_, std::move(r.entry));
+}
+
+void CombineService::fetch_warm(const std::shared_ptr<Pending>& p, size_t slot, const grpc::ServerContextBase* ctx) {
+  const rpc::Digest digest = p->slots[slot].digest;
+  const std::vector<int32_t>& ids = p->slots[slot].ids;
+  if (auto e = d_.memory_tier.get(digest, ids)) {
+    count_segment(v1::SEGMENT_SOURCE_COMBINE_MEMORY);
+    p->fill(slot, nullptr, v1::SEGMENT_SOURCE_COMBINE_MEMORY, "", 0, e->resident_bytes(), "", e);
+    return;
+  }
+  std::string why;
+  if (auto block = d_.host_tier.get(digest, ids)) {
+    // One host-to-device copy of the pinned block on this thread (the engine loop keeps computing meanwhile).
+    const auto t0 = Clock::now();
+    try {
+      auto e = backend_.import_block(*block);
+      Delivery d;
+      d.fetch_ms = rpc::ms_between(t0, Clock::now());
+      d.fetch_bytes = block->bytes();
+      d_.memory_tier.put(digest, e);
+      count_segment(v1::SEGMENT_SOURCE_COMBINE_HOST);
+      p->fill(slot, nullptr, v1::SEGMENT_SOURCE_COMBINE_HOST, "", 0, e->resident_bytes(), "", e, "", d);
+      return;
+    } catch (const std::exception& e) {  // device memory short, or the block refused: the cache may still serve it
+      why = fmt::format("host tier copy failed ({}); ", e.what());
+      spdlog::warn("[req {}] segment {}: {}", p->id, slot, why);
+      if (dynamic_cast<const engine::EntryError*>(&e)) d_.host_tier.erase(digest);
+    }
+  }
+  if (!d_.cache.enabled()) {  // it was in this worker's tiers at the router's lookup
+    build_locally(p, slot, why + "not in this worker's tiers any more (evicted or cleared after the lookup) and no "
+                                 "segment cache is configured; prefilled by the combine worker");
+    return;
+  }
+  try {
+    const auto t0 = Clock::now();
+    // Parsed as it arrives (no assembled copy of the bytes); used only once get_stream verified checksum and MAC. Its
+    // header sizes nothing before it matched the stream's size, this model and these token ids (EntryReaderChecks).
+    std::optional<engine::EntryReader> reader;
+    uint64_t size = 0;
+    try {
+      if (!d_.cache.get_stream(
+              cache::CacheKey{digest, ids},
+              [&](uint64_t total) {
+                size = total;
+                reader.emplace(entry_checks(total, ids, p->entry_seam_width));
+              },
+              [&](std::string_view chunk) { reader->feed(chunk); }, ctx)) {
+        why += "not in the segment cache any more (evicted after the lookup)";
+      } else {
+        const auto t1 = Clock::now();
+        if (!reader) throw engine::EntryError("the cache's answer carried no entry");
+        auto entry = std::make_shared<const engine::SegmentEntry>(reader->finish());
+        rpc::verify_entry(*entry, ids, backend_, p->entry_seam_width);
+        const auto t2 = Clock::now();
+        auto resident = make_resident(digest, *entry);
+        Delivery d;
+        d.fetch_ms = rpc::ms_between(t0, Clock::now());
+        d.fetch_bytes = size;
+        spdlog::info("[req {}] segment {} from the segment cache: {:.1f} MB in {:.0f} ms (transfer and parse {:.0f}, "
+                     "verify {:.0f}, device layout and copy {:.0f})",
+                     p->id, slot, double(size) / 1e6, d.fetch_ms, rpc::ms_between(t0, t1), rpc::ms_between(t1, t2),
+                     rpc::ms_between(t2, Clock::now()));
+        count_received("cache", size);
+        count_segment(v1::SEGMENT_SOURCE_CACHE);
+        if (resident) entry.reset();  // spliced resident; the host form is not needed any more
+        p->fill(slot, entry, v1::SEGMENT_SOURCE_CACHE, "", 0, size, "", std::move(resident), "", d);
+        return;
+      }
+    } catch (const engine::EntryError& e) {  // while parsing (the stream was cut there), or after
+      static auto& refused = rpc::MetricsRegistry::global().counter(
+          "hypic:cache_entries_refused_total",
+          "Segment entries read from the cache that did not parse or did not fit this model, these token ids or the "
+          "size of their stream (corrupt, forged or foreign): dropped from the cache and recomputed (MAC failures: "
+          "hypic:entry_mac_failures_total)");
+      refused.inc();
+      why += fmt::format("cache entry corrupt ({}): dropped from the cache", e.what());
+      spdlog::error("[req {}] segment {} ({}): {}", p->id, slot, rpc::digest_hex(digest), why);
+      try {
+        d_.cache.erase(digest);
+      } catch (const std::exception& ex) {
+        spdlog::warn("[req {}] could not drop corrupt entry {}: {}", p->id, rpc::digest_hex(digest), ex.what());
+      }
+    } catch (const engine::ResourceExhausted& e) {
+      why += fmt::format("fetched from the cache, but it could not be made resident ({})", e.what());
+      spdlog::warn("[req {}] segment {}: {}", p->id, slot, why);
+    }
+  } catch (const rpc::RpcError& e) {
+    if (e.code() == grpc::StatusCode::DATA_LOSS) {
+      why += fmt::format("cache entry failed its integrity check and was dropped by the cache ({})", e.what());
+    } else if (e.code() == grpc::StatusCode::CANCELLED) {
+      return;  // the request is going away
+    } else {
+      why += fmt::format("segment cache unreachable ({})", e.what());
+    }
+    spdlog::warn("[req {}] segment {}: {}", p->id, slot, why);
+  }
+  build_locally(p, slot, why + "; prefilled by the combine worker");
+}
+
+engine::EntryReaderChecks CombineService::entry_checks(uint64_t total_bytes, std::span<const int32_t> ids,
+                                                       int seam_width) const {
+  std::vector<int32_t> want(ids.begin(), ids.end());
+  // The longest header this model's entry of these ids has (engine/segment.h: version, fingerprint, numerics, w, n,
+  // ids, geometry and family fields, a kind per linear layer, the K/V type), plus slack.
+  const uint64_t header = 4 + 4 + backend_.fingerprint().size() + 4 + backend_.numerics().size() + 4 + 4 +
+                          4 * uint64_t(ids.size()) + 12 * 4 + uint64_t(backend_.config().num_linear_layers()) + 1 + 64;
+  return {.total_bytes = total_bytes,
+          .max_header_bytes = header,
+          .header = [this, want = std::move(want), seam_width](const engine::SegmentEntry& h) {
+            rpc::verify_entry(h, want, backend_, seam_width);
+          }};
+}
+
+std::shared_ptr<const engine::ResidentEntry> CombineService::make_resident(const rpc::Digest& digest,
+                                                                           const engine::SegmentEntry& entry) {
+  if (!backend_.device_entries()) return nullptr;
+  auto block = backend_.block_of_entry(entry);
+  auto resident = backend_.import_block(*block);
+  d_.memory_tier.put(digest, resident);
+  d_.copier.keep_block(digest, std::move(block));
+  return resident;
+}
+
+void CombineService::gather(const std::shared_ptr<Pending>& p, const v1::CombineRequest& req,
+                            grpc::ServerContext* ctx, Fetchers& fetch) {
+  if (!p->uses_entries) return;  // full and prefix modes compute in context
+  std::vector<size_t>& warm = fetch.warm;
+  std::vector<std::thread>& fetchers = fetch.threads;
+  std::vector<std::pair<size_t, std::string>> local;
+  for (size_t i = 0; i < p->slots.size(); ++i) {
+    if (p->slots[i].planned == v1::PlannedSegment::LOCAL) local.emplace_back(i, req.segments(int(i)).reason());
+    if (p->slots[i].planned == v1::PlannedSegment::WARM) warm.push_back(i);
+    if (p->slots[i].planned == v1::PlannedSegment::WHOLE) {  // recomputed whole from its ids: nothing to wait for
+      std::lock_guard<std::mutex> lock(p->mu);
+      Slot& s = p->slots[i];
+      s.source = v1::SEGMENT_SOURCE_IN_CONTEXT;
+      s.note = "in the refresh's tail, cold: recomputed whole in context; its entry is built after the first token";
+      ++p->filled;
+    }
+  }
+  build_locally(p, local);
+  auto next = std::make_shared<std::atomic<size_t>>(0);
+  const int nf = std::min<int>(opt_.fetch_parallelism, int(warm.size()));
+  for (int f = 0; f < nf; ++f) {
+    // The threads outlive this call (joined by run_combine's cleanup): by reference only what run_combine owns.
+    fetchers.emplace_back([this, p, ctx, next, &warm = fetch.warm] {
+      for (size_t k; (k = next->fetch_add(1)) < warm.size() && !p->cancel->load();) {
+        try {
+          fetch_warm(p, warm[k], ctx);
+        } catch (const std::exception& e) {  // never out of the thread (std::terminate): the segment is computed
+          try {
+            build_locally(p, warm[k], fmt::format("fetching it failed ({}); prefilled by the combine worker",
+                                                  rpc::untrusted(e.what())));
+          } catch (const std::exception& again) {  // the request fails with the reason
+            std::lock_guard<std::mutex> lock(p->mu);
+            if (p->failure.empty()) {
+              p->failure = fmt::format("segment {}: fetching it failed ({}), and so did computing it ({})", warm[k],
+                                       rpc::untrusted(e.what()), rpc::untrusted(again.what()));
+              p->failure_code = grpc::StatusCode::INTERNAL;
+            }
+            p->cv.notify_all();
+          }
+        }
+      }
+    });
+  }
+  const auto give_up = Clock::now() + opt_.gather_timeout;
+  std::unique_lock<std::mutex> lock(p->mu);
+  while (p->filled < p->slots.size()) {
+    if (!p->failure.empty()) throw rpc::RpcError(p->failure_code, p->failure);
+    if (ctx->IsCancelled()) throw rpc::RpcError(grpc::StatusCode::CANCELLED, "request cancelled by the router");
+    if (Clock::now() > give_up) {
+      std::vector<size_t> missing;
+      for (size_t i = 0; i < p->slots.size(); ++i)
+        if (!p->slots[i].has_entry()) missing.push_back(i);
+      throw rpc::RpcError(grpc::StatusCode::DEADLINE_EXCEEDED,
+                          fmt::format("segments {} did not arrive within {} s (--gather-timeout-seconds)",
+                                      fmt::join(missing, ","), opt_.gather_timeout.count()));
+    }
+    p->cv.wait_for(lock, std::chrono::milliseconds(50));
+  }
+}
+
+grpc::Status CombineService::DeliverEntry(grpc::ServerContext* ctx, grpc::ServerReader<v1::EntryChunk>* reader,
+                                          v1::DeliverEntryResponse* resp) {
+  if (auto st = rpc::require_service_caller(*ctx, "CombineWorker.DeliverEntry"); !st.ok()) return st;
+  return rpc::handle_errors([&]() -> grpc::Status {
+    // Not refused while draining: it serves a request already in flight (unknown ids get NOT_FOUND).
+    const auto t0 = Clock::now();
+    v1::EntryChunk msg;
+    if (!reader->Read(&msg) || !msg.has_header()) {
+      throw rpc::invalid_argument("header", "the first message of a delivery must be its header");
+    }
+    const v1::EntryHeader h = msg.header();
+    if (h.transport() == v1::ENTRY_TRANSPORT_NCCL) {
+      // The header is the whole stream: the block comes over the communicator.
+      const bool extra = reader->Read(&msg);
+      deliver_nccl(ctx, h, extra, resp);
+      return grpc::Status::OK;
+    }
+    if (h.transport() != v1::ENTRY_TRANSPORT_GRPC) {
+      throw rpc::invalid_argument("header.transport", fmt::format("unknown transport {}", int(h.transport())));
+    }
+    auto p = delivery_target(h);
+    const Slot& slot = p->slots[h.index()];  // digest and ids are immutable after registration
+    const std::string what =
+        fmt::format("entry of segment {} of request {} from {}", h.index(), p->id, rpc::untrusted(h.built_by()));
+    // Parsed as it arrives (no assembled copy of the bytes); used once the whole stream's size and checksum held.
+    rpc::ChunkVerifier check;
+    check.begin(h.total_bytes(), h.checksum(), what);
+    engine::EntryReader parser(entry_checks(h.total_bytes(), slot.ids, p->entry_seam_width));
+    // With entry keys the stream ends with the builder's MAC, checked before the entry is used.
+    rpc::EntryMacCheck mac(rpc::entry_mac_keys(), slot.digest, slot.ids, h.total_bytes());
+    std::optional<std::string> mac_sent;
+    std::shared_ptr<const engine::SegmentEntry> entry;
+    std::shared_ptr<const engine::ResidentEntry> resident;
+    try {
+      while (reader->Read(&msg)) {
+        if (msg.has_header()) throw rpc::invalid_argument("header", "a delivery carries exactly one header");
+        if (mac_sent) throw rpc::invalid_argument("mac", "a delivery's MAC must be its last message");
+        if (msg.has_mac()) {
+          mac_sent = msg.mac();
+          continue;
+        }
+        check.append(msg.data());
+        parser.feed(msg.data());
+        mac.update(std::move(*msg.mutable_data()));  // hashed on its own thread while the next piece arrives
+      }
+      check.finish();
+      if (mac.enabled() && !(mac_sent && mac.verify(*mac_sent))) {
+        static auto& failures = rpc::MetricsRegistry::global().counter(
+            "hypic:delivery_mac_failures_total",
+            "Segment entries delivered by scatter workers over gRPC whose MAC was missing or did not verify: refused "
+            "(DATA_LOSS)");
+        failures.inc();
+        const std::string why = mac_sent ? "its MAC does not verify under this cluster's keys"
+                                         : "it carries no MAC (is --cache-key-file the same on every worker?)";
+        spdlog::error("[req {}] refused {}: {}", p->id, what, why);
+        throw rpc::RpcError(grpc::StatusCode::DATA_LOSS, fmt::format("{} refused: {}", what, why));
+      }
+      entry = std::make_shared<const engine::SegmentEntry>(parser.finish());
+      rpc::verify_entry(*entry, slot.ids, backend_, p->entry_seam_width);
+      resident = make_resident(slot.digest, *entry);  // on this thread, not the engine loop's (device backends)
+      if (resident) entry.reset();
+    } catch (const engine::EntryError& e) {
+      spdlog::error("[req {}] rejected {}: {}", p->id, what, e.what());
+      throw rpc::RpcError(grpc::StatusCode::DATA_LOSS, fmt::format("{} rejected by the engine: {}", what, e.what()));
+    } catch (const engine::ResourceExhausted& e) {
+      throw rpc::RpcError(grpc::StatusCode::RESOURCE_EXHAUSTED, fmt::format("{}: {}", what, e.what()));
+    }
+    accept_delivery(*p, h, std::move(entry), std::move(resident), check.total_bytes(),
+                    Delivery{"grpc", rpc::ms_between(t0, Clock::now()), check.total_bytes()}, what, resp);
+    return grpc::Status::OK;
+  });
+}
+
+std::shared_ptr<CombineService::Pending> CombineService::delivery_target(const v1::EntryHeader& h) {
+  auto p = find(h.request_id());
+  if (h.index() >= p->slots.size()) {
+    throw rpc::invalid_argument("header.index", fmt::format("{} but the request has {} segments", h.index(),
+                                                            p->slots.size()));
+  }
+  const Slot& slot = p->slots[h.index()];  // digest and ids are immutable after registration
+  if (rpc::parse_digest(h.digest(), "header.digest") != slot.digest) {
+    throw rpc::invalid_argument("header.digest", fmt::format("segment {} of request {} has digest {}", h.index(),
+                                                             p->id, rpc::digest_hex(slot.digest)));
+  }
+  return p;
+}
+
+void CombineService::accept_delivery(Pending& p, const v1::EntryHeader& h,
+                                     std::shared_ptr<const engine::SegmentEntry> entry,
+                                     std::shared_ptr<const engine::ResidentEntry> resident, uint64_t entry_bytes,
+                                     const Delivery& delivery, const std::string& what,
+                                     v1::DeliverEntryResponse* resp) {
+  // A build the scatter worker shared with another request is reported as such.
+  const bool shared = !h.shared_from().empty();
+  const bool fresh = p.fill(
+      h.index(), std::move(entry), shared ? v1::SEGMENT_SOURCE_SHARED_BUILD : v1::SEGMENT_SOURCE_SCATTER,
+      h.built_by(), h.compute_ms(), entry_bytes, h.device(), std::move(resident),
+      shared ? fmt::format("shared build: started on {} for request {}, joined by this one", h.built_by(),
+                           h.shared_from())
+             : std::string(),
+      delivery);
+  count_received("scatter", delivery.transfer_bytes);
+  if (fresh) count_segment(shared ? v1::SEGMENT_SOURCE_SHARED_BUILD : v1::SEGMENT_SOURCE_SCATTER);
+  resp->set_duplicate(!fresh);
+  spdlog::debug("[req {}] received {} ({} bytes){}", p.id, what, delivery.transfer_bytes,
+                fresh ? "" : ", duplicate dropped");
+}
+
+void CombineService::deliver_nccl(grpc::ServerContext* ctx, const v1::EntryHeader& h, bool extra_chunks,
+                                  v1::DeliverEntryResponse* resp) {
+  const auto t0 = Clock::now();
+  // No matching operation is posted for an unknown, foreign or broken communicator: the sender aborts its side.
+  auto peer = accepts_.peer(h.peer_epoch(), h.built_by());
+  const auto drop_link = [&](const std::string& why) {
+    peer->abort_soon(why);
+    accepts_.forget(h.peer_epoch());
+  };
+  // One transfer at a time per communicator, in the order the headers came (the sender holds its side alike).
+  auto order = peer->exclusive();
+  transport::TransferLimits limits;
+  limits.chunk_bytes = h.chunk_bytes();
+  limits.deadline = transport::transfer_deadline(h.device_bytes(), opt_.nccl_transfer_base);
+  limits.give_up = [ctx] { return ctx->IsCancelled(); };  // the scatter worker died or gave up
+  // Protocol violations: the announced operations cannot be matched sensibly, so the communicator goes (the sender
+  // sees no "matched" mark and aborts its side too).
+  std::string violation;
+  if (extra_chunks) {
+    violation = "an NCCL delivery carries its header alone (no data chunks)";
+  } else if (limits.chunk_bytes == 0) {
+    violation = "header.chunk_bytes: must be > 0 for an NCCL delivery";
+  } else if (h.device_bytes() == 0 || h.device_bytes() > 2 * h.total_bytes() + (uint64_t(1) << 20)) {
+    // A device block is at most the serialized entry plus its alignment (bf16 KV against fp32 on the wire).
+    violation = fmt::format("header.device_bytes: {} for a serialized entry of {} bytes", h.device_bytes(),
+                            h.total_bytes());
+  }
+  if (!violation.empty()) {
+    drop_link(violation);
+    throw rpc::invalid_argument("header", violation);
+  }
+  // From here on, whatever happens, the announced block is matched: received, or received into scratch and
+  // dropped; the answer's trailing metadata says so, and only then does the sender keep the link.
+  bool matched = false;
+  const auto mark_matched = [&] {
+    matched = true;
+    ctx->AddTrailingMetadata("hypic-nccl-matched", "1");
+  };
+  std::shared_ptr<Pending> p;
+  std::pair<std::shared_ptr<const engine::ResidentEntry>, engine::DeviceBlock> dst;
+  std::string what;
+  try {
+    p = delivery_target(h);
+    const Slot& slot = p->slots[h.index()];  // digest and ids are immutable after registration
+    what = fmt::format("entry of segment {} of request {} from {} over NCCL", h.index(), p->id,
+                       rpc::untrusted(h.built_by()));
+    // The digest covers the fingerprint, w and the tokens: the entry is this model's, laid out as ours.
+    engine::SegmentEntry header;
+    header.format_version = engine::entry_format_version(backend_.config());
+    header.model_fingerprint = backend_.fingerprint();
+    header.numerics = std::string(backend_.numerics());
+    header.seam_width = p->entry_seam_width;
+    header.token_ids = slot.ids;
+    header.geometry = engine::EntryGeometry::of(backend_.config());
+    try {
+      dst = backend_.allocate_entry(header);
+    } catch (const engine::ResourceExhausted& e) {
+      throw rpc::RpcError(grpc::StatusCode::RESOURCE_EXHAUSTED, fmt::format("{}: {}", what, e.what()));
+    } catch (const engine::EntryError& e) {
+      throw rpc::RpcError(grpc::StatusCode::DATA_LOSS, fmt::format("{} rejected by the engine: {}", what, e.what()));
+    } catch (const std::logic_error& e) {
+      throw rpc::RpcError(grpc::StatusCode::FAILED_PRECONDITION, fmt::format("{}: {}", what, e.what()));
+    }
+    if (dst.second.bytes != h.device_bytes()) {
+      throw rpc::RpcError(grpc::StatusCode::DATA_LOSS,
+                          fmt::format("{}: a block of {} bytes was announced, but this worker lays the entry out in {}",
+                                      what, h.device_bytes(), dst.second.bytes));
+    }
+    try {
+      peer->recv(dst.second.data, dst.second.bytes, limits);
+      mark_matched();
+    } catch (const transport::TransportError& e) {
+      drop_link(e.what());
+      spdlog::warn("[req {}] {}: receive failed: {}", p->id, what, e.what());
+      throw rpc::RpcError(grpc::StatusCode::UNAVAILABLE, fmt::format("{}: NCCL receive failed: {}", what, e.what()));
+    }
+  } catch (...) {
+    if (!matched && !peer->broken()) {
+      try {
+        peer->discard(h.device_bytes(), limits);
+        mark_matched();
+      } catch (const transport::TransportError& te) {
+        drop_link(te.what());
+      }
+    }
+    throw;
+  }
+  accept_delivery(*p, h, nullptr, dst.first, h.total_bytes(),
+                  Delivery{"nccl", rpc::ms_between(t0, Clock::now()), h.device_bytes()}, what, resp);
+}
+
+}  // namespace hypic::combine

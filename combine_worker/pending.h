@@ -1,0 +1,139 @@
+// The combine worker's state of one active request and the metrics both of its files count (internal to
+// combine_worker/: service.cpp runs the request, gather.cpp fills its segments' slots).
+#pragma once
+#include <atomic>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "combine_worker/service.h"
+#include "engine/sampling.h"
+#include "engine/segment.h"
+#include "proto/rpc/metrics.h"
+#include "proto/rpc/status.h"
+
+namespace hypic::combine {
+
+namespace v1 = hypic::v1;
+
+// One segment of an active request.
+struct Slot {
+  rpc::Digest digest{};
+  std::vector<int32_t> ids;
+  v1::PlannedSegment::Source planned = v1::PlannedSegment::WARM;
+  std::optional<size_t> repeat_of;  // planned REPEAT: filled with that segment's entry
+  // Set once, at least one of the two: the host form (delivered, fetched) and/or the form resident on the backend
+  // (built here, or a memory-tier hit).
+  std::shared_ptr<const engine::SegmentEntry> entry;
+  std::shared_ptr<const engine::ResidentEntry> resident;
+  bool has_entry() const { return entry || resident; }
+  const engine::SegmentEntry* header() const { return resident ? &resident->header() : entry.get(); }
+  v1::SegmentSource source = v1::SEGMENT_SOURCE_UNSPECIFIED;
+  std::string built_by, device, note;
+  double compute_ms = 0;
+  uint64_t entry_bytes = 0;
+  bool local_started = false;
+  bool retried_after_eviction = false;  // a local build refused for memory was retried once after evicting
+  // Delivered by a scatter worker: how ("grpc", "nccl"), how long from its header to acceptance, bytes moved.
+  std::string transport;
+  double transfer_ms = 0;
+  uint64_t transfer_bytes = 0;
+  // Warm from the host tier or the cache: the copy that made it resident (ms, bytes moved).
+  double fetch_ms = 0;
+  uint64_t fetch_bytes = 0;
+};
+
+// How an entry arrived (Slot's transport and fetch fields).
+struct Delivery {
+  std::string transport;
+  double transfer_ms = 0;
+  uint64_t transfer_bytes = 0;
+  double fetch_ms = 0;
+  uint64_t fetch_bytes = 0;
+};
+
+struct CombineService::Pending {
+  std::string id;
+  // The request, parsed (parse_combine).
+  engine::SpliceMode mode = engine::SpliceMode::Hypic;
+  bool uses_entries = true;  // not full / prefix mode (which compute in context)
+  std::vector<int32_t> query;
+  engine::SamplingConfig sampling;
+  std::vector<std::string> stops;
+  int entry_seam_width = 0;
+  bool cache_segments = true;
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<Slot> slots;
+  std::vector<std::vector<size_t>> repeats;  // per slot, the REPEAT slots that take its entry (immutable)
+  size_t filled = 0;
+  std::string failure;  // a local build failed: the request cannot complete
+  grpc::StatusCode failure_code = grpc::StatusCode::INTERNAL;  // what the build's error maps to
+  std::shared_ptr<std::atomic<bool>> cancel = std::make_shared<std::atomic<bool>>(false);
+
+  // Fills a slot, and the slots that repeat it with the same entry; false if it was already filled (a duplicate
+  // delivery or a late local build). `note` is added to the slot's note.
+  bool fill(size_t i, std::shared_ptr<const engine::SegmentEntry> entry, v1::SegmentSource source,
+            std::string built_by, double compute_ms, uint64_t bytes, std::string device = {},
+            std::shared_ptr<const engine::ResidentEntry> resident = nullptr, const std::string& note = {},
+            const Delivery& delivery = {}) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      Slot& s = slots[i];
+      if (s.has_entry()) return false;
+      s.transport = delivery.transport;
+      s.transfer_ms = delivery.transfer_ms;
+      s.transfer_bytes = delivery.transfer_bytes;
+      s.fetch_ms = delivery.fetch_ms;
+      s.fetch_bytes = delivery.fetch_bytes;
+      s.entry = std::move(entry);
+      s.source = source;
+      s.built_by = std::move(built_by);
+      s.compute_ms = compute_ms;
+      s.entry_bytes = bytes;
+      s.device = std::move(device);
+      s.resident = std::move(resident);
+      if (!note.empty()) s.note = s.note.empty() ? note : s.note + "; " + note;
+      ++filled;
+      for (size_t j : repeats[i]) {
+        Slot& r = slots[j];
+        if (r.has_entry()) continue;
+        r.entry = s.entry;
+        r.resident = s.resident;
+        r.source = v1::SEGMENT_SOURCE_REPEAT;
+        r.built_by = s.built_by;
+        r.device = s.device;
+        r.entry_bytes = s.entry_bytes;
+        r.note = fmt::format("same entry as segment {}", i);
+        ++filled;
+      }
+    }
+    cv.notify_all();
+    return true;
+  }
+  void add_note(size_t i, const std::string& note) {
+    std::lock_guard<std::mutex> lock(mu);
+    slots[i].note = slots[i].note.empty() ? note : slots[i].note + "; " + note;
+  }
+};
+
+/// hypic:entry_bytes_received_total{from}: entry bytes this combine worker received from scatter workers or the cache.
+inline void count_received(const char* from, size_t bytes) {
+  rpc::MetricsRegistry::global()
+      .counter("hypic:entry_bytes_received_total", "Segment entry bytes received, by sender", {{"from", from}})
+      .inc(double(bytes));
+}
+/// hypic:combine_segments_total{source}: segments this combine worker used, by where the entry came from.
+inline void count_segment(v1::SegmentSource source) {
+  rpc::MetricsRegistry::global()
+      .counter("hypic:combine_segments_total", "Segment entries used by this combine worker, by source",
+               {{"source", std::string(rpc::segment_source_name(source))}})
+      .inc();
+}
+
+}  // namespace hypic::combine
