@@ -12,20 +12,7 @@
 
 namespace hypic::engine {
 
-SpliceShape splice_shape(const SplicePlan& plan) {
-  SpliceShape shape;
-  shape.mode = plan.mode;
-  shape.seam_width = plan.seam_width;
-  shape.query_tokens = int64_t(plan.query.size());
-  shape.recompute_segments = plan.recompute_segments;
-  shape.refresh_segments = plan.refresh_segments;
-  shape.refresh_tail = plan.refresh_tail;
-  for (const PlanSegment& seg : plan.segments) {
-    shape.segment_tokens.push_back(seg.ids.empty() && seg.entry ? seg.entry->num_tokens() : int64_t(seg.ids.size()));
-    shape.has_entry.push_back(seg.entry ? 1 : 0);
-  }
-  return shape;
-}
+SpliceShape splice_shape(const SplicePlan& plan) { return shape_of_request(plan); }
 
 bool cuda_available() {
 #if defined(HYPIC_WITH_CUDA) && HYPIC_WITH_CUDA

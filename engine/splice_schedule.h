@@ -75,6 +75,26 @@ struct SpliceSchedule {
   bool operator==(const SpliceSchedule&) const = default;
 };
 
+/// The shape of a request of either form (engine/backend.h SplicePlan, engine/cpu/splice.h SpliceRequest: fields
+/// mode, seam_width, query, recompute_segments, refresh_segments, refresh_tail, segments[i].ids / .entry): each
+/// segment's tokens are its ids, or its entry's when the ids are omitted (0 when it has neither).
+template <class Request>
+SpliceShape shape_of_request(const Request& r) {
+  SpliceShape shape;
+  shape.mode = r.mode;
+  shape.seam_width = r.seam_width;
+  shape.query_tokens = int64_t(r.query.size());
+  shape.recompute_segments = r.recompute_segments;
+  shape.refresh_segments = r.refresh_segments;
+  shape.refresh_tail = r.refresh_tail;
+  for (const auto& seg : r.segments) {
+    shape.segment_tokens.push_back(seg.ids.empty() && seg.entry ? int64_t(seg.entry->num_tokens())
+                                                                : int64_t(seg.ids.size()));
+    shape.has_entry.push_back(seg.entry ? 1 : 0);
+  }
+  return shape;
+}
+
 /// Checks a shape against the rules every backend enforces, throwing std::invalid_argument naming what is wrong (the
 /// messages start "splice: "): no segments, a segment or the query without tokens, a negative seam width,
 /// local_positions with a mode other than naive / transition, check_recompute_request's rules, a segment without an

@@ -386,18 +386,8 @@ void PrefixStateCache::put(const SegmentDigest& chain, const ModelState& state) 
 
 SpliceResult splice(const Model& model, const SpliceRequest& req) {
   // The shape the planner sees, checked as every backend checks it, then the entries against this model.
-  SpliceShape shape;
-  shape.mode = req.mode;
-  shape.seam_width = req.seam_width;
-  shape.query_tokens = int64_t(req.query.size());
+  SpliceShape shape = shape_of_request(req);
   shape.local_positions = req.local_positions;
-  shape.recompute_segments = req.recompute_segments;
-  shape.refresh_segments = req.refresh_segments;
-  shape.refresh_tail = req.refresh_tail;
-  for (const SpliceSegment& seg : req.segments) {
-    shape.segment_tokens.push_back(seg.ids.empty() && seg.entry ? seg.entry->num_tokens() : int64_t(seg.ids.size()));
-    shape.has_entry.push_back(seg.entry ? 1 : 0);
-  }
   check_splice_shape(shape);
   const ModelConfig& cfg = model.config();
   const bool cached_mode = req.mode == SpliceMode::Naive || req.mode == SpliceMode::Transition ||

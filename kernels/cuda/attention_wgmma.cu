@@ -18,9 +18,12 @@
 
 #include "kernels/cuda/attention_common.cuh"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/wgmma.cuh"
 
 namespace hypic::kernels::cuda::detail {
 namespace {
+
+using namespace sm90;
 
 template <int HD>
 struct WgmmaCfg {
@@ -41,26 +44,6 @@ static_assert(WgmmaCfg<256>::kSmem <= 227 * 1024, "wgmma prefill smem");
 template <int ROWS>
 __device__ __forceinline__ uint32_t sw128(int row, int unit) {
   return static_cast<uint32_t>((unit >> 3) * (ROWS * 128) + row * 128 + (((unit & 7) ^ (row & 7)) << 4));
-}
-
-// A wgmma shared-memory matrix descriptor with 128-byte swizzling: start address, leading and stride byte offsets.
-__device__ __forceinline__ uint64_t sw128_desc(uint32_t saddr, uint32_t lbo, uint32_t sbo) {
-  return static_cast<uint64_t>((saddr & 0x3FFFF) >> 4) | (static_cast<uint64_t>((lbo & 0x3FFFF) >> 4) << 16) |
-         (static_cast<uint64_t>((sbo & 0x3FFFF) >> 4) << 32) | (uint64_t{1} << 62);
-}
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-// Shared memory written through the generic proxy (cp.async, plain stores) is read next by wgmma (async proxy).
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-// Keeps the compiler from moving accumulator registers across an asynchronous wgmma's issue and wait.
-template <int N>
-__device__ __forceinline__ void pin(float (&d)[N][4]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[i][e])::"memory");
 }
 
 // d (64 x 64 fp32, accumulator layout) = (scale_d ? d : 0) + A (64 x 16, K-major in shared memory, descriptor da)
@@ -207,7 +190,7 @@ __global__ void __launch_bounds__(WgmmaCfg<HD>::kThreads, 1)
       }
       wgmma_commit();
       float alpha[2];
-      wgmma_wait_all();
+      wgmma_wait<0>();
       pin<8>(s);
       softmax_tile<8>(s, pa, m, l, alpha, p.scale_log2, n0 + kBN - 1 > wlim_lo, n0, c2, lim0, lim1);
       rescale_rows<HD / 8>(o, alpha);
@@ -215,7 +198,7 @@ __global__ void __launch_bounds__(WgmmaCfg<HD>::kThreads, 1)
       wgmma_fence();
       issue_pv(j);
       wgmma_commit();
-      wgmma_wait_all();
+      wgmma_wait<0>();
       pin<HD / 8>(o);
     }
     __syncthreads();  // the buffers of tile j are refilled by the next iteration's prefetch

@@ -643,28 +643,11 @@ bool try_launch_wgmma(GroupedGemm impl, const MoeWeightsView& w, size_t P, const
 template <class C>
 void launch_grouped(const MoeWeightsView& w, size_t P, const bf16* x, MoeWorkspace& ws, cudaStream_t stream) {
   const unsigned grid_m = unsigned(max_tiles(P, w.E, C::BM));
-  GroupedArgs g1{};
-  g1.A = x;
-  g1.a_rows = static_cast<const int*>(ws.sorted_tok.p);
-  g1.B = w.experts_gate_up;
-  g1.b_expert_stride = size_t(2) * w.I * w.H;
-  g1.out = static_cast<bf16*>(ws.act.p);
-  g1.K = w.H;
-  g1.N = w.I;
-  g1.tiles = static_cast<const int2*>(ws.tiles.p);
-  g1.num_tiles = static_cast<const int*>(ws.num_tiles.p);
-  g1.offsets = static_cast<const int*>(ws.offsets.p);
+  const GroupedArgs g1 = gate_up_args(w, x, ws);
   const dim3 grid1(grid_m, unsigned((w.I + C::BN / 2 - 1) / (C::BN / 2)));
   grouped_gemm_kernel<C, true><<<grid1, C::THREADS, C::SMEM, stream>>>(g1);
   check_cuda(cudaGetLastError(), "moe_forward: grouped gate_up GEMM launch");
-  GroupedArgs g2 = g1;
-  g2.A = static_cast<const bf16*>(ws.act.p);
-  g2.a_rows = nullptr;
-  g2.B = w.experts_down;
-  g2.b_expert_stride = size_t(w.H) * w.I;
-  g2.out = static_cast<bf16*>(ws.y.p);
-  g2.K = w.I;
-  g2.N = w.H;
+  const GroupedArgs g2 = down_args(w, ws);
   const dim3 grid2(grid_m, unsigned((w.H + C::BN - 1) / C::BN));
   grouped_gemm_kernel<C, false><<<grid2, C::THREADS, C::SMEM, stream>>>(g2);
   check_cuda(cudaGetLastError(), "moe_forward: grouped down GEMM launch");

@@ -93,6 +93,34 @@ struct GroupedArgs {
   const int* offsets;      // [E + 1]
 };
 
+// The two prefill GEMMs' arguments over the routed rows of ws (sorted_tok, tiles, num_tiles, offsets filled by the
+// routing): gate_up reads x [T][H] through sorted_tok and writes act [P][I]; down reads act and writes y [P][H].
+inline GroupedArgs gate_up_args(const MoeWeightsView& w, const bf16* x, const MoeWorkspace& ws) {
+  GroupedArgs g{};
+  g.A = x;
+  g.a_rows = static_cast<const int*>(ws.sorted_tok.p);
+  g.B = w.experts_gate_up;
+  g.b_expert_stride = size_t(2) * w.I * w.H;
+  g.out = static_cast<bf16*>(ws.act.p);
+  g.K = w.H;
+  g.N = w.I;
+  g.tiles = static_cast<const int2*>(ws.tiles.p);
+  g.num_tiles = static_cast<const int*>(ws.num_tiles.p);
+  g.offsets = static_cast<const int*>(ws.offsets.p);
+  return g;
+}
+inline GroupedArgs down_args(const MoeWeightsView& w, const MoeWorkspace& ws) {
+  GroupedArgs g = gate_up_args(w, nullptr, ws);
+  g.A = static_cast<const bf16*>(ws.act.p);
+  g.a_rows = nullptr;
+  g.B = w.experts_down;
+  g.b_expert_stride = size_t(w.H) * w.I;
+  g.out = static_cast<bf16*>(ws.y.p);
+  g.K = w.I;
+  g.N = w.H;
+  return g;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Decode path (moe_decode.cu)
 // ---------------------------------------------------------------------------------------------

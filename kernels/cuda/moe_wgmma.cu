@@ -54,11 +54,13 @@
 #include "kernels/cuda/mma.cuh"
 #include "kernels/cuda/moe.h"
 #include "kernels/cuda/moe_internal.cuh"
+#include "kernels/cuda/wgmma.cuh"
 
 namespace hypic::kernels::cuda::moe_detail {
 
 namespace {
 
+using namespace sm90;
 using detail::pack_bf16;
 using detail::smem_addr;
 
@@ -92,33 +94,6 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
-// A wgmma shared-memory matrix descriptor (PTX ISA, "Matrix Descriptor Format"): start address >> 4 in bits
-// 0-13, leading byte offset >> 4 in 16-29 (16: unused by swizzled K-major layouts), stride byte offset >> 4 in
-// 32-45 (1024: the next 8-row group), base offset 0 (1024-aligned tiles), bits 62-63 = 1: 128-byte swizzle.
-// The 18-bit shared address keeps (address >> 4) inside its 14-bit field, so adding (offset >> 4) to a
-// descriptor moves its start address.
-__device__ __forceinline__ uint64_t sw128_desc(uint32_t saddr) {
-  return static_cast<uint64_t>((saddr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(16 >> 4) << 16) |
-         (static_cast<uint64_t>(1024 >> 4) << 32) | (uint64_t{1} << 62);
-}
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-// Shared memory written through the generic proxy (cp.async) is read next by wgmma (async proxy).
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-// Keeps the compiler from moving accumulator registers across an asynchronous wgmma's issue and wait.
-template <int N>
-__device__ __forceinline__ void pin(float (&d)[N][4]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[i][e])::"memory");
 }
 
 // d (64 x 256 fp32, accumulator layout) = (scale_d ? d : 0) + A (64 x 16 bf16, K-major in shared memory, descriptor
@@ -298,8 +273,8 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) moe_wgmma_kernel(const Gr
   for (int f = 0; f < C::NF; ++f) acc[f][0] = acc[f][1] = acc[f][2] = acc[f][3] = 0.f;
   // Warpgroup-uniform: a warpgroup whose 64 rows all lie past the count issues no wgmma.
   const bool wg_active = t.m0 + wg * 64 < t.cnt;
-  const uint64_t da0 = sw128_desc(s_base + uint32_t(wg * 64 * 128));
-  const uint64_t db0 = sw128_desc(s_base + uint32_t(C::A_BYTES));
+  const uint64_t da0 = sw128_desc(s_base + uint32_t(wg * 64 * 128), 16, 1024);
+  const uint64_t db0 = sw128_desc(s_base + uint32_t(C::A_BYTES), 16, 1024);
 #pragma unroll 1
   for (int kt = 0; kt < KT; ++kt) {
     cp_async_wait<C::STAGES - 3>();  // this thread's copies of k-step kt have landed ...
@@ -398,8 +373,8 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) moe_wgmma_persistent_kern
 #pragma unroll
   for (int f = 0; f < C::NF; ++f) acc[f][0] = acc[f][1] = acc[f][2] = acc[f][3] = 0.f;
   bool wg_active = ct.m0 + wg * 64 < ct.cnt;
-  const uint64_t da0 = sw128_desc(s_base + uint32_t(wg * 64 * 128));
-  const uint64_t db0 = sw128_desc(s_base + uint32_t(C::A_BYTES));
+  const uint64_t da0 = sw128_desc(s_base + uint32_t(wg * 64 * 128), 16, 1024);
+  const uint64_t db0 = sw128_desc(s_base + uint32_t(C::A_BYTES), 16, 1024);
   int c_seq = 0, c_kt = 0;
   // The accumulators are written by the wgmmas only (a tile starts with scale-d = 0) and read by the epilogue
   // after wait_group 0, so no register copy of them is live across an asynchronous wgmma.
@@ -512,26 +487,9 @@ void launch_wgmma(const MoeWeightsView& w, size_t P, const bf16* x, MoeWorkspace
   const int sms = once.run(current_device(), setup_device);
   const bool persistent = variant == 3 || variant == 4, down_128 = variant == 2 || variant == 4;
   const size_t grid_m = max_tiles(P, w.E, kWgmmaBM);
-  GroupedArgs g1{};
-  g1.A = x;
-  g1.a_rows = static_cast<const int*>(ws.sorted_tok.p);
-  g1.B = w.experts_gate_up;
-  g1.b_expert_stride = size_t(2) * w.I * w.H;
-  g1.out = static_cast<bf16*>(ws.act.p);
-  g1.K = w.H;
-  g1.N = w.I;
-  g1.tiles = static_cast<const int2*>(ws.tiles.p);
-  g1.num_tiles = static_cast<const int*>(ws.num_tiles.p);
-  g1.offsets = static_cast<const int*>(ws.offsets.p);
+  const GroupedArgs g1 = gate_up_args(w, x, ws);
   launch_one<GateUpCfg, true>(g1, grid_m, persistent, sms, stream, "moe_forward: wgmma gate_up GEMM launch");
-  GroupedArgs g2 = g1;
-  g2.A = static_cast<const bf16*>(ws.act.p);
-  g2.a_rows = nullptr;
-  g2.B = w.experts_down;
-  g2.b_expert_stride = size_t(w.H) * w.I;
-  g2.out = static_cast<bf16*>(ws.y.p);
-  g2.K = w.I;
-  g2.N = w.H;
+  const GroupedArgs g2 = down_args(w, ws);
   if (down_128)
     launch_one<Down128Cfg, false>(g2, grid_m, persistent, sms, stream, "moe_forward: wgmma down GEMM launch (128)");
   else
