@@ -9,7 +9,7 @@
 //    model's layers (CUDA events): dense projections through GemmRunner (every linear and attention layer's
 //    projections with weights of their own, plus the LM head for one logits row), moe_forward (one layer's
 //    weights, run once per MoE layer), attention_prepare + attention_prefill (once per attention layer), and
-//    conv1d_silu_prefill + split_qkv + gdn_prefill (gates fused, once per linear layer); "rest" = end-to-end
+//    conv1d_silu_prefill (q, k, v out) + gdn_prefill (gates fused, once per linear layer); "rest" = end-to-end
 //    minus their sum (norms, embedding, copies, host work, launch gaps);
 //  - full prefill of T tokens (SplicePlan mode Full: one segment of T - 1 tokens + a 1-token query, one forward
 //    pass of T tokens): ms, tokens/s, achieved TFLOP/s from counted FLOPs (GEMMs 2 x active parameters per token,
@@ -283,7 +283,7 @@ struct Dims {
 
 /// Device buffers for the standalone part timings, sized for up to Tm tokens.
 struct PartBuffers {
-  DevBuf x, resid, big, z, a, b, kv, aq, ao, conv_out, q, k, v, o, logits;
+  DevBuf x, resid, big, z, a, b, kv, aq, ao, q, k, v, o, logits;
   DevBuf w_lin, w_attn, w_lm;  // dense weights: every layer its own
   DevBuf moe_w;                // one MoE layer (or dense MLP) weights
   DevBuf kpool, vpool, state, conv_state, conv_w, A_log, dt_bias, qn, kn, inv_freq;
@@ -380,7 +380,6 @@ json measure_parts(const eng::ModelConfig& cfg, const Dims& d, const std::vector
   // Gated DeltaNet: conv input = the qkv buffer, gates a / b, A_log = log U(1, 16), dt_bias = 1.
   kc::GdnWorkspace gdn_ws;
   if (d.n_lin) {
-    B.conv_out = DevBuf(T * size_t(d.C) * 2, "parts: conv out");
     B.q = DevBuf(T * size_t(d.qd) * 2, "parts: q");
     B.k = DevBuf(T * size_t(d.qd) * 2, "parts: k");
     B.v = DevBuf(T * size_t(d.vd) * 2, "parts: v");
@@ -487,8 +486,8 @@ json measure_parts(const eng::ModelConfig& cfg, const Dims& d, const std::vector
       auto gdn = [&] {
         for (int i = 0; i < d.n_lin; ++i) {
           kc::conv1d_silu_prefill(1, B.cu.as<int>(), Ti, d.C, d.K, B.big.as<bf16>(), B.conv_w.as<bf16>(),
-                                  B.conv_state.as<bf16>(), B.conv_out.as<bf16>(), s);
-          kc::split_qkv(Ti, d.qd, d.vd, B.conv_out.as<bf16>(), B.q.as<bf16>(), B.k.as<bf16>(), B.v.as<bf16>(), s);
+                                  B.conv_state.as<bf16>(), kc::ConvQkvOut{B.q.as<bf16>(), B.k.as<bf16>(), B.v.as<bf16>(), d.qd},
+                                  s);
           kc::gdn_prefill(ga, gdn_ws, s);
         }
       };
@@ -512,7 +511,7 @@ json measure_parts(const eng::ModelConfig& cfg, const Dims& d, const std::vector
     row["attention_core"] = part(t_attn_core, d.attn_flops(T_d),
                                  "attention_prefill alone (causal, gate fused), once per attention layer");
     row["gdn"] = part(t_gdn, d.gdn_flops(T_d),
-                      "conv1d_silu_prefill + split_qkv + gdn_prefill (gates fused, no T_C), once per linear layer");
+                      "conv1d_silu_prefill (q, k, v out) + gdn_prefill (gates fused, no T_C), once per linear layer");
     row["sum_ms"] = t_dense.median + t_ffn.median + t_attn.median + t_gdn.median;
     out.push_back(row);
     std::printf("parts at %6lld tokens (GPU ms, standalone): dense GEMMs %.2f, MoE %.2f, attention %.2f, GDN %.2f\n",

@@ -225,9 +225,9 @@ void CudaBackend::allocate_pools() {
 void CudaBackend::carve_activations(DeviceMemory& mem, size_t T, const std::string& what, Lane& lane) {
   Layout lay;
   const size_t o_ids = lay.add(T * 4), o_x = lay.add(T * H_ * 4), o_hn = lay.add(T * H_ * 2);
-  size_t o_qkv = 0, o_conv = 0, o_q = 0, o_k = 0, o_v = 0, o_z = 0, o_a = 0, o_b = 0, o_o = 0;
+  size_t o_qkv = 0, o_q = 0, o_k = 0, o_v = 0, o_z = 0, o_a = 0, o_b = 0, o_o = 0;
   if (n_lin_) {
-    o_qkv = lay.add(T * C_ * 2), o_conv = lay.add(T * C_ * 2), o_q = lay.add(T * qd_ * 2), o_k = lay.add(T * qd_ * 2);
+    o_qkv = lay.add(T * C_ * 2), o_q = lay.add(T * qd_ * 2), o_k = lay.add(T * qd_ * 2);
     o_v = lay.add(T * vd_ * 2), o_z = lay.add(T * vd_ * 2), o_a = lay.add(T * nv_ * 2), o_b = lay.add(T * nv_ * 2);
     o_o = lay.add(T * vd_ * 2);
   }
@@ -242,7 +242,7 @@ void CudaBackend::carve_activations(DeviceMemory& mem, size_t T, const std::stri
   lane.x = reinterpret_cast<float*>(mem.bytes_ptr(o_x));
   lane.hn = bp(o_hn);
   if (n_lin_)
-    lane.qkv = bp(o_qkv), lane.conv_out = bp(o_conv), lane.q = bp(o_q), lane.k = bp(o_k), lane.v = bp(o_v),
+    lane.qkv = bp(o_qkv), lane.q = bp(o_q), lane.k = bp(o_k), lane.v = bp(o_v),
     lane.z = bp(o_z), lane.ga = bp(o_a), lane.gb = bp(o_b), lane.o = bp(o_o);
   if (n_attn_) lane.qg = bp(o_qg), lane.kv = bp(o_kv), lane.aq = bp(o_aq), lane.ao = bp(o_ao);
 }
@@ -540,8 +540,8 @@ void CudaBackend::decode_body(int B, int cap, const DecodeTables& t) {
     if (L.type == LayerType::Linear) {
       const int l = cfg_.linear_index(i);
       linear_gemms(dec_, L.linear, B);
-      kc::conv1d_silu_decode(B, C_, K_, ln.qkv, L.linear.conv1d, convs(l, 0), ln.conv_out, ln.stream, slots);
-      kc::split_qkv(B, qd_, vd_, ln.conv_out, ln.q, ln.k, ln.v, ln.stream);
+      kc::conv1d_silu_decode(B, C_, K_, ln.qkv, L.linear.conv1d, convs(l, 0), kc::ConvQkvOut{ln.q, ln.k, ln.v, qd_},
+                             ln.stream, slots);
       kc::gdn_decode_gated(B, nk_, nv_, ln.q, ln.k, ln.v, ln.ga, ln.gb, L.linear.A_log, L.linear.dt_bias, true, gdn_scale_,
                            ssm(l, 0), ln.o, ln.stream, slots);
       linear_finish(dec_, L.linear, B);

@@ -347,7 +347,7 @@ class CudaBackend final : public Backend {
     kc::MoeWorkspace* moe_ws = nullptr;
     int32_t* ids = nullptr;
     float* x = nullptr;
-    kc::bf16 *hn = nullptr, *qkv = nullptr, *conv_out = nullptr, *q = nullptr, *k = nullptr, *v = nullptr,
+    kc::bf16 *hn = nullptr, *qkv = nullptr, *q = nullptr, *k = nullptr, *v = nullptr,
              *z = nullptr, *ga = nullptr, *gb = nullptr, *o = nullptr, *qg = nullptr, *kv = nullptr, *aq = nullptr,
              *ao = nullptr;
   };

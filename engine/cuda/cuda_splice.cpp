@@ -287,9 +287,9 @@ std::vector<float> CudaBackend::run_pass(CudaSequence& s, const std::vector<Run>
       kc::batched_copy(R, tb.dev<kc::CopyDesc>(t_cin) + size_t(l) * R, stream_);
       if (ncut)  // conv tails at the checkpoints, before the conv overwrites the history
         kc::batched_copy(ncut * (K_ - 1), tb.dev<kc::CopyDesc>(t_cconv) + size_t(l) * ncut * (K_ - 1), stream_);
-      kc::conv1d_silu_prefill(R, tb.dev<int>(t_cu), T, C_, K_, pre_.qkv, L.linear.conv1d, conv_states, pre_.conv_out, stream_);
+      kc::conv1d_silu_prefill(R, tb.dev<int>(t_cu), T, C_, K_, pre_.qkv, L.linear.conv1d, conv_states,
+                              kc::ConvQkvOut{pre_.q, pre_.k, pre_.v, qd_}, stream_);
       kc::batched_copy(1, tb.dev<kc::CopyDesc>(t_cout) + l, stream_);
-      kc::split_qkv(T, qd_, vd_, pre_.conv_out, pre_.q, pre_.k, pre_.v, stream_);
       kc::GdnPrefillArgs g;
       g.num_k_heads = nk_, g.num_v_heads = nv_, g.q = pre_.q, g.k = pre_.k, g.v = pre_.v;
       g.gate_a = pre_.ga, g.gate_b = pre_.gb, g.A_log = L.linear.A_log, g.dt_bias = L.linear.dt_bias;
@@ -802,8 +802,8 @@ void CudaBackend::build_batch(std::span<const std::vector<int32_t>> segs, int w,
       const int l = cfg_.linear_index(i);
       linear_gemms(pre_, L.linear, T);
       check_cuda(cudaMemsetAsync(conv_states, 0, size_t(N) * conv_layer_bytes_, stream_), "conv zero");
-      kc::conv1d_silu_prefill(N, tb.dev<int>(t_cu), T, C_, K_, pre_.qkv, L.linear.conv1d, conv_states, pre_.conv_out, stream_);
-      kc::split_qkv(T, qd_, vd_, pre_.conv_out, pre_.q, pre_.k, pre_.v, stream_);
+      kc::conv1d_silu_prefill(N, tb.dev<int>(t_cu), T, C_, K_, pre_.qkv, L.linear.conv1d, conv_states,
+                              kc::ConvQkvOut{pre_.q, pre_.k, pre_.v, qd_}, stream_);
       kc::GdnPrefillArgs g;
       g.num_k_heads = nk_, g.num_v_heads = nv_;
       g.A_log = L.linear.A_log, g.dt_bias = L.linear.dt_bias, g.l2norm_qk = true, g.scale = gdn_scale_;

@@ -56,8 +56,9 @@ struct AttnGroups {
 /// On a device of compute capability 9.0 (H100, H200) with head_dim 128 or 256 the same tiles run on Hopper's
 /// warpgroup MMA instead (wgmma.mma_async from 128-byte-swizzled shared memory, FlashAttention-3 style without
 /// warp specialization; attention_wgmma.cu, built for sm_90a): same masking, softmax and rounding points, only
-/// the fp32 summation order within the products differs. HYPIC_ATTN_WGMMA=0 in the environment (read once)
-/// keeps the mma.sync kernel (comparisons).
+/// the fp32 summation order within the products differs. HYPIC_ATTN_WGMMA in the environment (read once): "0"
+/// keeps the mma.sync kernel (comparisons); "2" runs the warp-specialised variant (a producer warpgroup loading K
+/// and V through an mbarrier ring, two consumer warpgroups taking turns on the tensor cores; same bits).
 ///   q:   [total_q][num_heads][head_dim] bf16, normed and rotated (attention_prepare's q_out);
 ///   k_pool, v_pool: the layer's pool (see kKvPageTokens), K rotated at real positions;
 ///   scale: multiplies q.k (head_dim^-1/2);

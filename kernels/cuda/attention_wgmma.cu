@@ -210,36 +210,258 @@ __global__ void __launch_bounds__(WgmmaCfg<HD>::kThreads, 1)
 #endif
 }
 
+// ---- Warp-specialised variant (FlashAttention-3 section 3.1: producer warpgroup + two consumer warpgroups in
+// ping-pong) ---------------------------------------------------------------------------------------------------
+// Warpgroup 0 only loads: K and V of each KV tile into a ring of kStages stages (cp.async, 128 threads; slots past
+// the tile's last visible one zero-filled by the same cp.async), each stage's K and V signalled on their own
+// mbarrier when the copies complete (cp.async.mbarrier.arrive). Warpgroups 1 and 2 each own 64 query rows and
+// take turns on the tensor cores: in turn i a consumer issues O += P_{i-1} V_{i-1} and S_i = Q K_i^T back to back,
+// hands the turn to the other consumer (named barriers), waits for its products, frees the stage of tile i-1 (its
+// own mbarrier per stage) and runs the softmax of tile i while the other consumer's products run. Per tile the
+// arithmetic and its order are those of attn_prefill_wgmma_kernel, so both give the same bits.
+template <int HD>
+struct WsCfg {
+  static constexpr int kStages = HD == 256 ? 2 : 4;
+  static constexpr int kThreads = 384;
+  static constexpr int kBM = 128;
+  static constexpr int kUnits = HD / 8;
+  static constexpr int kQBytes = kBM * HD * 2;
+  static constexpr int kTileBytes = kBN * HD * 2;
+  static constexpr int kBarBytes = 6 * kStages * 8;  // full_k, full_v, empty_k and empty_v of each consumer
+  static constexpr int kSmem = kQBytes + 2 * kStages * kTileBytes + kBarBytes + 1024;
+  static constexpr int kProducerRegs = 40, kConsumerRegs = 232;  // 128 (40 + 2 x 232) <= 64K registers
+};
+static_assert(WsCfg<256>::kSmem <= 227 * 1024 && WsCfg<128>::kSmem <= 227 * 1024, "ws prefill smem");
+
+template <int HD, bool kSkipSplit>
+__global__ void __launch_bounds__(WsCfg<HD>::kThreads, 1) attn_prefill_ws_kernel(const AttnParams p, int split_max_q) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using C = WsCfg<HD>;
+  constexpr int S = C::kStages;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  unsigned char* sQ = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
+  unsigned char* sK0 = sQ + C::kQBytes;            // K stages
+  unsigned char* sV0 = sK0 + S * C::kTileBytes;    // V stages
+  uint64_t* full_k = reinterpret_cast<uint64_t*>(sV0 + S * C::kTileBytes);
+  uint64_t* full_v = full_k + S;
+  uint64_t* empty_k = full_v + S;       // [consumer][stage]
+  uint64_t* empty_v = empty_k + 2 * S;  // [consumer][stage]
+
+  PrefillTile t;
+  if (!prefill_tile<C::kBM, kSkipSplit>(p, split_max_q, t)) return;
+  const int tid = threadIdx.x, wg = tid >> 7;
+  if (tid == 0) {
+    for (int i = 0; i < 6 * S; ++i) mbar_init(full_k + i, 128);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  // KV tiles consumer c computes: 0 .. n_c - 1 (the rest lie above its last row's diagonal); 0 when its rows are
+  // past the group. Turns: n_c + 1 (the last one only adds P V of the last tile); both consumers take the same
+  // number of turns so that the hand-overs pair up.
+  int n_c[2], turns = 0;
+#pragma unroll
+  for (int c = 0; c < 2; ++c) {
+    n_c[c] = t.m0 + c * 64 < t.len ? min(t.n_tiles, (t.s0 + t.m0 + c * 64 + 63) / kBN + 1) : 0;
+    turns = max(turns, n_c[c] > 0 ? n_c[c] + 1 : 0);
+  }
+
+  if (wg == 0) {  // producer
+    regs_dec<C::kProducerRegs>();
+    const int n_load = max(n_c[0], n_c[1]);
+    const uint32_t k_base = smem_addr(sK0), v_base = smem_addr(sV0);
+    for (int j = 0; j < n_load; ++j) {
+      const int st = j % S;
+      const int slot_base = j * kBN;
+      const size_t page_row0 = static_cast<size_t>(t.bt[j]) * kBN;
+#pragma unroll
+      for (int kv = 0; kv < 2; ++kv) {
+        if (j >= S)  // the consumers that computed tile j - S are done with its K (V) stage
+#pragma unroll
+          for (int c = 0; c < 2; ++c)
+            if (j - S < n_c[c]) mbar_wait((kv ? empty_v : empty_k) + c * S + st, ((j - S) / S) & 1);
+        const bf16* pool = kv ? p.v_pool : p.k_pool;
+        const uint32_t base = (kv ? v_base : k_base) + st * C::kTileBytes;
+#pragma unroll 4
+        for (int it = 0; it < kBN * C::kUnits / 128; ++it) {
+          const int i = tid + it * 128, r = i / C::kUnits, u = i % C::kUnits;
+          const bool live = slot_base + r <= t.last_slot;
+          const bf16* src = pool + (live ? ((page_row0 + r) * p.num_kv_heads + t.kvh) * HD + u * 8 : 0);
+          cp_async16_zfill(base + sw128<kBN>(r, u), src, live ? 16 : 0);
+        }
+        cp_async_mbar_arrive(kv ? full_v + st : full_k + st);
+      }
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    return;
+  }
+
+  regs_inc<C::kConsumerRegs>();
+  const int c = wg - 1, ct = tid - 128 * wg, warp = ct >> 5, lane = tid & 31;
+  const int h = t.h, qs = t.qs, len = t.len, m0 = t.m0, s0 = t.s0, rows = t.rows;
+  {  // this consumer's 64 rows of the Q tile (rows past the group: zeros)
+    const bf16* q0 = p.q + (static_cast<size_t>(qs + m0) * p.num_heads + h) * HD;
+#pragma unroll 4
+    for (int it = 0; it < 64 * C::kUnits / 128; ++it) {
+      const int i = ct + it * 128, r = c * 64 + i / C::kUnits, u = i % C::kUnits;
+      unsigned char* dst = sQ + sw128<C::kBM>(r, u);
+      if (r < rows)
+        cp_async16(dst, q0 + static_cast<size_t>(r) * p.num_heads * HD + u * 8);
+      else
+        *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    fence_proxy_async();
+    named_sync(3 + c, 128);
+  }
+  const int n = c == 0 ? n_c[0] : n_c[1];
+  float o[HD / 8][4];
+#pragma unroll
+  for (int dt = 0; dt < HD / 8; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  float s[8][4];
+  uint32_t pa[4][4];  // P of the last softmax'd tile, bf16 A fragments of the P.V product
+  const int g = lane >> 2, c2 = (lane & 3) * 2;
+  const int wq0 = m0 + c * 64 + warp * 16;  // group-local query of the warp's row 0
+  const int wlim_lo = s0 + wq0;
+  const int lim0 = wlim_lo + g, lim1 = lim0 + 8;
+  const uint32_t q_addr = smem_addr(sQ) + c * 64 * 128;
+  // Turn hand-over: consumer c waits on barrier 1 + c; consumer 1 opens consumer 0's first turn. Turn i issues
+  // P_{i-1} V_{i-1} (i >= 1) and S_i (i < n); turns past n + 1 (the other consumer has more tiles) only hand over.
+  auto begin_turn = [&] { named_sync(1 + c, 256); };
+  auto end_turn = [&](int i) {
+    if (c == 0 || i + 1 < turns) named_arrive(2 - c, 256);
+  };
+  auto issue_pv = [&](int tile) {
+    const uint32_t v_addr = smem_addr(sV0) + (tile % S) * C::kTileBytes;
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) wgmma_pv<HD>(o, pa[kk], sw128_desc(v_addr + kk * 16 * 128, kBN * 128, 1024));
+  };
+  auto issue_s = [&](int tile) {
+    const uint32_t k_addr = smem_addr(sK0) + (tile % S) * C::kTileBytes;
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+      const uint64_t da = sw128_desc(q_addr + (kk >> 2) * (C::kBM * 128) + (kk & 3) * 32, 16, 1024);
+      const uint64_t db = sw128_desc(k_addr + (kk >> 2) * (kBN * 128) + (kk & 3) * 32, 16, 1024);
+      wgmma_m64n64k16_ss(s, da, db, kk > 0);
+    }
+  };
+  auto softmax = [&](int tile) {
+    const int n0 = tile * kBN;
+    float alpha[2];
+    softmax_tile<8>(s, pa, m, l, alpha, p.scale_log2, n0 + kBN - 1 > wlim_lo, n0, c2, lim0, lim1);
+    rescale_rows<HD / 8>(o, alpha);
+    pin<HD / 8>(o);
+  };
+  auto wait_k = [&](int tile) { mbar_wait(full_k + tile % S, (tile / S) & 1); };
+  auto wait_v = [&](int tile) { mbar_wait(full_v + tile % S, (tile / S) & 1); };
+  // K of a tile is free once its S is computed, V once its P V is.
+  auto release_k = [&](int tile) { mbar_arrive(empty_k + c * S + tile % S); };
+  auto release_v = [&](int tile) { mbar_arrive(empty_v + c * S + tile % S); };
+  if (c == 1) named_arrive(1, 256);
+  int i = 0;
+  if (n > 0) {
+    wait_k(0);
+    fence_proxy_async();  // the stages were written by cp.async (generic proxy)
+    begin_turn();
+    wgmma_fence();
+    issue_s(0);
+    wgmma_commit();
+    end_turn(0);
+    wgmma_wait<0>();
+    pin<8>(s);
+    release_k(0);
+    softmax(0);
+    for (i = 1; i < n; ++i) {
+      wait_k(i);
+      wait_v(i - 1);
+      fence_proxy_async();
+      begin_turn();
+      wgmma_fence();
+      issue_pv(i - 1);
+      issue_s(i);
+      wgmma_commit();
+      end_turn(i);
+      wgmma_wait<0>();
+      pin<HD / 8>(o);
+      pin<8>(s);
+      release_v(i - 1);
+      release_k(i);
+      softmax(i);
+    }
+    wait_v(n - 1);
+    fence_proxy_async();
+    begin_turn();
+    wgmma_fence();
+    issue_pv(n - 1);
+    wgmma_commit();
+    end_turn(n);
+    wgmma_wait<0>();
+    pin<HD / 8>(o);
+    release_v(n - 1);
+    i = n + 1;
+  }
+  for (; i < turns; ++i) {
+    begin_turn();
+    end_turn(i);
+  }
+  if (n > 0 && wq0 < len) write_prefill_rows<HD>(p, o, l, qs, wq0, len, h, lane);
+#else
+  __trap();  // built for sm_90a only; launch_prefill_wgmma checks the device
+#endif
+}
+
+// Which Hopper kernel runs the long groups: HYPIC_ATTN_WGMMA unset or "1": the single-role one
+// (attn_prefill_wgmma_kernel); "2": the warp-specialised one (attn_prefill_ws_kernel); "0": neither (attention.cu's
+// mma.sync kernel, for comparisons).
+int prefill_variant() {
+  static const int v = [] {
+    const char* e = std::getenv("HYPIC_ATTN_WGMMA");
+    if (!e) return 1;
+    const std::string s(e);
+    return s == "0" ? 0 : s == "2" ? 2 : 1;
+  }();
+  return v;
+}
+
+template <typename Cfg, typename Kernel>
+void launch_kernel(Kernel kernel, const AttnParams& p, int num_groups, int max_q, int split_max_q,
+                   cudaStream_t stream) {
+  const dim3 grid(p.num_heads, num_groups, static_cast<unsigned>((max_q + Cfg::kBM - 1) / Cfg::kBM));
+  kernel<<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(p, split_max_q);
+}
+
 template <int HD>
 void launch_hd(const AttnParams& p, int num_groups, int max_q, int split_max_q, cudaStream_t stream) {
   using C = WgmmaCfg<HD>;
+  using W = WsCfg<HD>;
   static DeviceOnce once;
   once.run(current_device(), [](int) {
-    const std::string name = "attn_prefill_wgmma_kernel<" + std::to_string(HD) + ">";
-    check_cuda(cudaFuncSetAttribute(attn_prefill_wgmma_kernel<HD, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    C::kSmem),
-               "cudaFuncSetAttribute(" + name + ")");
-    check_cuda(cudaFuncSetAttribute(attn_prefill_wgmma_kernel<HD, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    C::kSmem),
-               "cudaFuncSetAttribute(" + name + ", skip)");
+    const std::string hd = std::to_string(HD);
+    auto allow = [&](const void* fn, int bytes, const std::string& name) {
+      check_cuda(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
+                 "cudaFuncSetAttribute(" + name + "<" + hd + ">)");
+    };
+    allow(reinterpret_cast<const void*>(attn_prefill_wgmma_kernel<HD, false>), C::kSmem, "attn_prefill_wgmma_kernel");
+    allow(reinterpret_cast<const void*>(attn_prefill_wgmma_kernel<HD, true>), C::kSmem, "attn_prefill_wgmma_kernel");
+    allow(reinterpret_cast<const void*>(attn_prefill_ws_kernel<HD, false>), W::kSmem, "attn_prefill_ws_kernel");
+    allow(reinterpret_cast<const void*>(attn_prefill_ws_kernel<HD, true>), W::kSmem, "attn_prefill_ws_kernel");
     return 0;
   });
-  const dim3 grid(p.num_heads, num_groups, static_cast<unsigned>((max_q + C::kBM - 1) / C::kBM));
-  if (split_max_q > 0)
-    attn_prefill_wgmma_kernel<HD, true><<<grid, C::kThreads, C::kSmem, stream>>>(p, split_max_q);
+  const bool split = split_max_q > 0;
+  if (prefill_variant() != 2)
+    launch_kernel<C>(split ? attn_prefill_wgmma_kernel<HD, true> : attn_prefill_wgmma_kernel<HD, false>, p,
+                     num_groups, max_q, split_max_q, stream);
   else
-    attn_prefill_wgmma_kernel<HD, false><<<grid, C::kThreads, C::kSmem, stream>>>(p, 0);
-  check_cuda(cudaGetLastError(), "attn_prefill_wgmma_kernel<" + std::to_string(HD) + "> launch");
+    launch_kernel<W>(split ? attn_prefill_ws_kernel<HD, true> : attn_prefill_ws_kernel<HD, false>, p, num_groups,
+                     max_q, split_max_q, stream);
+  check_cuda(cudaGetLastError(), "attention prefill (wgmma) <" + std::to_string(HD) + "> launch");
 }
 
 }  // namespace
 
 bool wgmma_prefill_available(int head_dim) {
-  static const bool enabled = [] {
-    const char* e = std::getenv("HYPIC_ATTN_WGMMA");
-    return !(e && std::string(e) == "0");
-  }();
-  if (!enabled || (head_dim != 128 && head_dim != 256)) return false;
+  if (prefill_variant() == 0 || (head_dim != 128 && head_dim != 256)) return false;
   static DeviceOnce once;
   return once.run(current_device(), [](int d) {
            int major = 0, minor = 0;

@@ -5,6 +5,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <initializer_list>
 #include <stdexcept>
 #include <string>
 
@@ -15,43 +17,116 @@ namespace hypic::kernels::cuda {
 namespace {
 
 constexpr int kMaxKernel = 8;
+constexpr int kConvThreads = 128;  // channel groups of 8 per block
+constexpr int kConvRun = 16;       // tokens per thread (one sliding window)
 
 __device__ __forceinline__ float silu(float x) { return x / (1.f + __expf(-x)); }
 
-// One thread per (token, 8 channels).
-__global__ void conv_prefill_kernel(int num_seqs, const int* __restrict__ cu, int total, int channels, int K,
-                                    const bf16* __restrict__ x, const bf16* __restrict__ w,
-                                    const bf16* __restrict__ state, bf16* __restrict__ y) {
-  const int groups = channels / 8;
-  const long long n = static_cast<long long>(total) * groups;
-  for (long long idx = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; idx < n;
-       idx += static_cast<long long>(gridDim.x) * blockDim.x) {
-    const int t = static_cast<int>(idx / groups), c0 = static_cast<int>(idx % groups) * 8;
-    int lo = 0, hi = num_seqs;  // largest s with cu[s] <= t (empty sequences skipped)
+// Destination of output channels (whole [T][channels] rows, or split [Q | K | V] rows; see ConvQkvOut).
+struct ConvDst {
+  bf16* p[3];
+  int c1, c2;   // channels [0, c1) -> p[0], [c1, c2) -> p[1], [c2, C) -> p[2]
+  int w[3];     // row widths of p[0..2]
+  __device__ __forceinline__ bf16* at(long long t, int c) const {
+    return c < c1 ? p[0] + t * w[0] + c : c < c2 ? p[1] + t * w[1] + (c - c1) : p[2] + t * w[2] + (c - c2);
+  }
+};
+
+ConvDst whole(bf16* y, int channels) { return {{y, y, y}, channels, channels, {channels, channels, channels}}; }
+
+ConvDst split(const ConvQkvOut& o, int channels, const char* fn) {
+  if (o.q_dim < 8 || o.q_dim % 8 != 0 || 2 * o.q_dim >= channels)
+    throw std::invalid_argument(std::string(fn) + ": q_dim must be a positive multiple of 8 below channels / 2, got " +
+                                std::to_string(o.q_dim) + " for " + std::to_string(channels) + " channels");
+  return {{o.q, o.k, o.v}, o.q_dim, 2 * o.q_dim, {o.q_dim, o.q_dim, channels - 2 * o.q_dim}};
+}
+
+__device__ __forceinline__ void to_float8(const uint4& raw, float* f) {
+  const bf16* v = reinterpret_cast<const bf16*>(&raw);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) f[e] = __bfloat162float(v[e]);
+}
+
+// Input at local position p (< the run's first token) of sequence s for channels c0..c0+7: x inside the
+// sequence, else the conv state's history (p in [-(K-1), 0)), else zero.
+__device__ __forceinline__ uint4 history(const int* __restrict__ cu, int s, int p, int K, int channels, int c0,
+                                         const bf16* __restrict__ x, const bf16* __restrict__ state) {
+  if (p >= 0) return __ldg(reinterpret_cast<const uint4*>(x + size_t(cu[s] + p) * channels + c0));
+  if (state) return __ldg(reinterpret_cast<const uint4*>(state + (size_t(s) * (K - 1) + (K - 1 + p)) * channels + c0));
+  return make_uint4(0, 0, 0, 0);
+}
+
+// Thread (token run r, channel group g): channels c0 = 8 g .. c0 + 7 of tokens [r kConvRun, (r + 1) kConvRun),
+// sliding the window of the last K-1 inputs in registers; each input row is read once (plus K-1 rows of
+// history per run) and each output written once. A sequence boundary inside the run restarts the window from
+// that sequence's history.
+template <int K>
+__global__ void __launch_bounds__(kConvThreads) conv_prefill_kernel(int num_seqs, const int* __restrict__ cu,
+                                                                    int total, int channels,
+                                                                    const bf16* __restrict__ x,
+                                                                    const bf16* __restrict__ w,
+                                                                    const bf16* __restrict__ state, ConvDst dst) {
+  const int g = blockIdx.x * kConvThreads + threadIdx.x;
+  if (g >= channels / 8) return;
+  const int c0 = g * 8;
+  float wf[K][8];  // w[c0 + e][j] -> wf[j][e]; the 8 K weights are contiguous, 16-byte aligned
+  {
+    uint4 raw[K];
+#pragma unroll
+    for (int i = 0; i < K; ++i) raw[i] = __ldg(reinterpret_cast<const uint4*>(w + size_t(c0) * K) + i);
+    const bf16* wv = reinterpret_cast<const bf16*>(raw);
+#pragma unroll
+    for (int e = 0; e < 8; ++e)
+#pragma unroll
+      for (int j = 0; j < K; ++j) wf[j][e] = __bfloat162float(wv[e * K + j]);
+  }
+  const int runs = (total + kConvRun - 1) / kConvRun;
+  for (int r = blockIdx.y; r < runs; r += gridDim.y) {
+    const int t0 = r * kConvRun, n = min(kConvRun, total - t0);
+    uint4 xr[kConvRun];
+#pragma unroll
+    for (int i = 0; i < kConvRun; ++i)
+      if (i < n) xr[i] = __ldcs(reinterpret_cast<const uint4*>(x + size_t(t0 + i) * channels + c0));
+    int lo = 0, hi = num_seqs;  // largest s with cu[s] <= t0: a sequence holding t0 (empty ones skipped)
     while (hi - lo > 1) {
       const int mid = (lo + hi) >> 1;
-      if (cu[mid] <= t) lo = mid; else hi = mid;
+      if (cu[mid] <= t0) lo = mid; else hi = mid;
     }
-    const int s = lo, tl = t - cu[s];
-    float acc[8] = {};
-    for (int j = 0; j < K; ++j) {
-      const int p = tl - (K - 1) + j;
-      uint4 raw;
-      if (p >= 0)
-        raw = *reinterpret_cast<const uint4*>(x + size_t(cu[s] + p) * channels + c0);
-      else if (state)
-        raw = *reinterpret_cast<const uint4*>(state + (size_t(s) * (K - 1) + (K - 1 + p)) * channels + c0);
-      else
-        raw = make_uint4(0, 0, 0, 0);
-      const bf16* xv = reinterpret_cast<const bf16*>(&raw);
+    int s = lo, next = cu[s + 1];
+    float win[K - 1][8];
 #pragma unroll
-      for (int e = 0; e < 8; ++e) acc[e] = fmaf(__bfloat162float(w[(c0 + e) * K + j]), __bfloat162float(xv[e]), acc[e]);
+    for (int j = 0; j < K - 1; ++j) to_float8(history(cu, s, t0 - cu[s] - (K - 1) + j, K, channels, c0, x, state), win[j]);
+#pragma unroll
+    for (int i = 0; i < kConvRun; ++i) {
+      if (i >= n) break;
+      const int t = t0 + i;
+      if (t == next) {  // a new sequence starts here (block-uniform): its history, not the previous inputs
+        while (cu[s + 1] <= t) ++s;
+        next = cu[s + 1];
+#pragma unroll
+        for (int j = 0; j < K - 1; ++j) to_float8(history(cu, s, j - (K - 1), K, channels, c0, x, state), win[j]);
+      }
+      float xt[8], acc[8];
+      to_float8(xr[i], xt);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        float a = 0.f;
+#pragma unroll
+        for (int j = 0; j < K - 1; ++j) a = fmaf(wf[j][e], win[j][e], a);
+        acc[e] = fmaf(wf[K - 1][e], xt[e], a);
+      }
+#pragma unroll
+      for (int j = 0; j + 1 < K - 1; ++j)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) win[j][e] = win[j + 1][e];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) win[K - 2][e] = xt[e];
+      uint4 o;
+      bf16* ov = reinterpret_cast<bf16*>(&o);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) ov[e] = __float2bfloat16_rn(silu(acc[e]));
+      __stcs(reinterpret_cast<uint4*>(dst.at(t, c0)), o);
     }
-    uint4 o;
-    bf16* ov = reinterpret_cast<bf16*>(&o);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) ov[e] = __float2bfloat16_rn(silu(acc[e]));
-    *reinterpret_cast<uint4*>(y + size_t(t) * channels + c0) = o;
   }
 }
 
@@ -72,7 +147,7 @@ __global__ void conv_tail_kernel(int num_seqs, const int* __restrict__ cu, int c
 }
 
 __global__ void conv_decode_kernel(int batch, int channels, int K, const bf16* __restrict__ x,
-                                   const bf16* __restrict__ w, bf16* state, bf16* __restrict__ y,
+                                   const bf16* __restrict__ w, bf16* state, ConvDst dst,
                                    const int* __restrict__ slots) {
   const long long idx = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
   if (idx >= static_cast<long long>(batch) * channels) return;
@@ -86,7 +161,13 @@ __global__ void conv_decode_kernel(int batch, int channels, int K, const bf16* _
   for (int j = 0; j < K; ++j) acc = fmaf(__bfloat162float(w[c * K + j]), z[j], acc);
   for (int j = 0; j + 1 < K - 1; ++j) st[size_t(j) * channels] = st[size_t(j + 1) * channels];
   st[size_t(K - 2) * channels] = xin;
-  y[idx] = __float2bfloat16_rn(silu(acc));
+  *dst.at(b, c) = __float2bfloat16_rn(silu(acc));
+}
+
+bool aligned16(std::initializer_list<const void*> ptrs) {
+  for (const void* p : ptrs)
+    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+  return true;
 }
 
 void check_conv(int channels, int kernel, const char* fn) {
@@ -97,21 +178,37 @@ void check_conv(int channels, int kernel, const char* fn) {
     throw std::invalid_argument(std::string(fn) + ": kernel must be in [2, 8], got " + std::to_string(kernel));
 }
 
-}  // namespace
+template <int K>
+void launch_conv_prefill(int num_seqs, const int* cu, int total, int channels, const bf16* x, const bf16* w,
+                         const bf16* state, const ConvDst& dst, cudaStream_t stream) {
+  const int runs = (total + kConvRun - 1) / kConvRun;
+  const dim3 grid((channels / 8 + kConvThreads - 1) / kConvThreads, std::min(runs, 65535));
+  conv_prefill_kernel<K><<<grid, kConvThreads, 0, stream>>>(num_seqs, cu, total, channels, x, w, state, dst);
+}
 
-void conv1d_silu_prefill(int num_seqs, const int* cu_seqlens, int total_tokens, int channels, int kernel,
-                         const bf16* x, const bf16* weight, bf16* conv_state, bf16* y, cudaStream_t stream) {
+void conv_prefill(int num_seqs, const int* cu_seqlens, int total_tokens, int channels, int kernel, const bf16* x,
+                  const bf16* weight, bf16* conv_state, const ConvDst& dst, cudaStream_t stream) {
   check_conv(channels, kernel, "conv1d_silu_prefill");
   if (num_seqs < 1 || total_tokens < 0)
     throw std::invalid_argument("conv1d_silu_prefill: num_seqs must be >= 1 and total_tokens >= 0, got " +
                                 std::to_string(num_seqs) + ", " + std::to_string(total_tokens));
-  if (!cu_seqlens || !weight || (total_tokens > 0 && (!x || !y)))
-    throw std::invalid_argument("conv1d_silu_prefill: cu_seqlens, weight, x and y must be non-null");
+  if (!cu_seqlens || !weight || (total_tokens > 0 && (!x || !dst.p[0] || !dst.p[1] || !dst.p[2])))
+    throw std::invalid_argument("conv1d_silu_prefill: cu_seqlens, weight, x and the outputs must be non-null");
+  if (!aligned16({x, weight, conv_state, dst.p[0], dst.p[1], dst.p[2]}))
+    throw std::invalid_argument("conv1d_silu_prefill: x, weight, conv_state and the outputs must be 16-byte aligned");
   if (total_tokens > 0) {
-    const long long work = static_cast<long long>(total_tokens) * (channels / 8);
-    const int blocks = static_cast<int>(std::min<long long>((work + 255) / 256, 1 << 20));
-    conv_prefill_kernel<<<blocks, 256, 0, stream>>>(num_seqs, cu_seqlens, total_tokens, channels, kernel, x, weight,
-                                                    conv_state, y);
+    using Launch = void (*)(int, const int*, int, int, const bf16*, const bf16*, const bf16*, const ConvDst&,
+                            cudaStream_t);
+    static constexpr Launch launch[kMaxKernel + 1] = {nullptr,
+                                                      nullptr,
+                                                      launch_conv_prefill<2>,
+                                                      launch_conv_prefill<3>,
+                                                      launch_conv_prefill<4>,
+                                                      launch_conv_prefill<5>,
+                                                      launch_conv_prefill<6>,
+                                                      launch_conv_prefill<7>,
+                                                      launch_conv_prefill<8>};
+    launch[kernel](num_seqs, cu_seqlens, total_tokens, channels, x, weight, conv_state, dst, stream);
     check_cuda(cudaGetLastError(), "conv_prefill_kernel launch");
   }
   if (conv_state) {
@@ -122,17 +219,44 @@ void conv1d_silu_prefill(int num_seqs, const int* cu_seqlens, int total_tokens, 
   }
 }
 
-void conv1d_silu_decode(int batch, int channels, int kernel, const bf16* x, const bf16* weight, bf16* conv_state,
-                        bf16* y, cudaStream_t stream, const int* state_slots) {
+void conv_decode(int batch, int channels, int kernel, const bf16* x, const bf16* weight, bf16* conv_state,
+                 const ConvDst& dst, cudaStream_t stream, const int* state_slots) {
   check_conv(channels, kernel, "conv1d_silu_decode");
   if (batch < 0) throw std::invalid_argument("conv1d_silu_decode: negative batch " + std::to_string(batch));
   if (batch == 0) return;
-  if (!x || !weight || !conv_state || !y)
-    throw std::invalid_argument("conv1d_silu_decode: x, weight, conv_state and y must be non-null");
+  if (!x || !weight || !conv_state || !dst.p[0] || !dst.p[1] || !dst.p[2])
+    throw std::invalid_argument("conv1d_silu_decode: x, weight, conv_state and the outputs must be non-null");
   const long long work = static_cast<long long>(batch) * channels;
   conv_decode_kernel<<<static_cast<int>((work + 255) / 256), 256, 0, stream>>>(batch, channels, kernel, x, weight,
-                                                                              conv_state, y, state_slots);
+                                                                              conv_state, dst, state_slots);
   check_cuda(cudaGetLastError(), "conv_decode_kernel launch");
+}
+
+}  // namespace
+
+void conv1d_silu_prefill(int num_seqs, const int* cu_seqlens, int total_tokens, int channels, int kernel,
+                         const bf16* x, const bf16* weight, bf16* conv_state, bf16* y, cudaStream_t stream) {
+  conv_prefill(num_seqs, cu_seqlens, total_tokens, channels, kernel, x, weight, conv_state, whole(y, channels), stream);
+}
+
+void conv1d_silu_prefill(int num_seqs, const int* cu_seqlens, int total_tokens, int channels, int kernel,
+                         const bf16* x, const bf16* weight, bf16* conv_state, const ConvQkvOut& out,
+                         cudaStream_t stream) {
+  check_conv(channels, kernel, "conv1d_silu_prefill");
+  conv_prefill(num_seqs, cu_seqlens, total_tokens, channels, kernel, x, weight, conv_state,
+               split(out, channels, "conv1d_silu_prefill"), stream);
+}
+
+void conv1d_silu_decode(int batch, int channels, int kernel, const bf16* x, const bf16* weight, bf16* conv_state,
+                        bf16* y, cudaStream_t stream, const int* state_slots) {
+  conv_decode(batch, channels, kernel, x, weight, conv_state, whole(y, channels), stream, state_slots);
+}
+
+void conv1d_silu_decode(int batch, int channels, int kernel, const bf16* x, const bf16* weight, bf16* conv_state,
+                        const ConvQkvOut& out, cudaStream_t stream, const int* state_slots) {
+  check_conv(channels, kernel, "conv1d_silu_decode");
+  conv_decode(batch, channels, kernel, x, weight, conv_state, split(out, channels, "conv1d_silu_decode"), stream,
+              state_slots);
 }
 
 }  // namespace hypic::kernels::cuda

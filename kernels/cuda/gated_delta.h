@@ -202,19 +202,43 @@ void compose_fold_cublas(void* cublas_handle, int batch, int num_segments, float
                          const float* transitions, const float* states, float* scratch,
                          cudaStream_t stream = nullptr);
 
+/// Where the conv writes its output rows: channels [0, q_dim) to q ([T][q_dim]), [q_dim, 2 q_dim) to k
+/// ([T][q_dim]) and [2 q_dim, channels) to v ([T][channels - 2 q_dim]), bf16, each buffer row-contiguous: the
+/// Gated DeltaNet's [Q | K | V] conv channels (HF Qwen3NextGatedDeltaNet splits them after the conv) written
+/// straight to the prefill's q, k and v inputs, with no [T][channels] intermediate. q_dim: a positive multiple
+/// of 8 with 2 q_dim < channels.
+struct ConvQkvOut {
+  bf16* q = nullptr;
+  bf16* k = nullptr;
+  bf16* v = nullptr;
+  int q_dim = 0;
+};
+
 /// Depthwise causal conv1d + SiLU over a varlen batch (PyTorch cross-correlation convention, as
-/// kernels/cpu causal_conv1d_silu): y[t][c] = silu(sum_j w[c][j] x[c, t-(K-1)+j]), fp32 accumulation.
+/// kernels/cpu causal_conv1d_silu): y[t][c] = silu(sum_j w[c][j] x[c, t-(K-1)+j]), fp32 accumulation,
+/// one rounding to bf16. Reads x once and writes y once (each thread slides a K-1 input window over
+/// a run of tokens of 8 channels): memory-bound.
 ///   cu_seqlens: DEVICE int32 [num_seqs + 1]; x, y: [T][channels] bf16; weight: [channels][kernel] bf16
 ///   conv_state: [num_seqs][kernel-1][channels] bf16 in/out, or nullptr (zero history, no tail out):
 ///     on entry the K-1 inputs preceding each sequence; on exit the conv tail (last K-1 inputs of
 ///     state ++ x). channels must be a multiple of 8; 2 <= kernel <= 8.
+/// Throws std::invalid_argument on bad sizes or null pointers, std::runtime_error on launch errors.
 void conv1d_silu_prefill(int num_seqs, const int* cu_seqlens, int total_tokens, int channels, int kernel,
                          const bf16* x, const bf16* weight, bf16* conv_state, bf16* y,
+                         cudaStream_t stream = nullptr);
+
+/// conv1d_silu_prefill with its output split into q, k, v (see ConvQkvOut), bit for bit the same values.
+void conv1d_silu_prefill(int num_seqs, const int* cu_seqlens, int total_tokens, int channels, int kernel,
+                         const bf16* x, const bf16* weight, bf16* conv_state, const ConvQkvOut& out,
                          cudaStream_t stream = nullptr);
 
 /// Decode step of the conv: x, y: [batch][channels]; conv_state [batch][kernel-1][channels] in place, or with
 /// state_slots (DEVICE int32 [batch], distinct) request b's state is conv_state[state_slots[b]] of a slot pool.
 void conv1d_silu_decode(int batch, int channels, int kernel, const bf16* x, const bf16* weight, bf16* conv_state,
                         bf16* y, cudaStream_t stream = nullptr, const int* state_slots = nullptr);
+
+/// conv1d_silu_decode with its output split into q, k, v ([batch][..] each, see ConvQkvOut).
+void conv1d_silu_decode(int batch, int channels, int kernel, const bf16* x, const bf16* weight, bf16* conv_state,
+                        const ConvQkvOut& out, cudaStream_t stream = nullptr, const int* state_slots = nullptr);
 
 }  // namespace hypic::kernels::cuda

@@ -87,19 +87,6 @@ __global__ void rms_norm_gated_kernel(int rows, int dim, const bf16* x, const bf
   }
 }
 
-__global__ void split_qkv_kernel(int T, int qd, int vd, const bf16* __restrict__ src, bf16* __restrict__ q,
-                                 bf16* __restrict__ k, bf16* __restrict__ v) {
-  const int C = 2 * qd + vd, C8 = C / 8;
-  const long total = long(T) * C8;
-  for (long i = blockIdx.x * long(blockDim.x) + threadIdx.x; i < total; i += long(gridDim.x) * blockDim.x) {
-    const long t = i / C8;
-    const int c = int(i % C8) * 8;
-    const uint4 val = *reinterpret_cast<const uint4*>(src + t * C + c);
-    bf16* dst = c < qd ? q + t * qd + c : c < 2 * qd ? k + t * qd + (c - qd) : v + t * vd + (c - 2 * qd);
-    *reinterpret_cast<uint4*>(dst) = val;
-  }
-}
-
 // Affine chain: one block per (chain, head, BN-column block); the 128 x BN running block stays in shared memory
 // across the chain's steps. Thread (rg, cg) owns columns 4 cg .. 4 cg + 3 of rows rg + RG r.
 constexpr int kBN = 32, kLdT = D + 4, kLdR = kBN + 4;
@@ -272,17 +259,6 @@ void rms_norm_gated(int rows, int dim, const bf16* x, const bf16* z, const bf16*
   need(x && z && w && y, "rms_norm_gated: null pointer");
   rms_norm_gated_kernel<<<(rows + 3) / 4, 128, 0, stream>>>(rows, dim, x, z, w, eps, y);
   check_cuda(cudaGetLastError(), "rms_norm_gated launch");
-}
-
-void split_qkv(int T, int q_dim, int v_dim, const bf16* conv_out, bf16* q, bf16* k, bf16* v, cudaStream_t stream) {
-  need(T >= 0 && q_dim > 0 && v_dim > 0 && q_dim % 8 == 0 && v_dim % 8 == 0,
-       "split_qkv: q_dim and v_dim must be positive multiples of 8, got " + std::to_string(q_dim) + ", " +
-           std::to_string(v_dim));
-  if (T == 0) return;
-  need(conv_out && q && k && v, "split_qkv: null pointer");
-  split_qkv_kernel<<<blocks_for(long(T) * (2 * q_dim + v_dim) / 8, 256), 256, 0, stream>>>(T, q_dim, v_dim, conv_out,
-                                                                                          q, k, v);
-  check_cuda(cudaGetLastError(), "split_qkv launch");
 }
 
 void affine_chain(int num_chains, int heads, int steps_per_chain, const AffineStep* steps, const float* const* init,

@@ -33,11 +33,6 @@ void rms_norm_residual(int rows, int dim, const float* x, long ldx, const int* r
 void rms_norm_gated(int rows, int dim, const bf16* x, const bf16* z, const bf16* w, float eps, bf16* y,
                     cudaStream_t stream = nullptr);
 
-/// Splits the conv output [T][q_dim | q_dim | v_dim] (the Gated DeltaNet's [Q | K | V] channels) into
-/// contiguous q [T][q_dim], k [T][q_dim], v [T][v_dim], bf16. q_dim and v_dim multiples of 8.
-void split_qkv(int T, int q_dim, int v_dim, const bf16* conv_out, bf16* q, bf16* k, bf16* v,
-               cudaStream_t stream = nullptr);
-
 /// One step of an affine chain: R <- alpha (T R) + S; T == nullptr means the identity, S == nullptr zero; then
 /// if out != nullptr, out <- R. Every pointer addresses `heads` blocks [heads][128][128] fp32 (head h at
 /// h * 128 * 128); so does every init / final pointer.

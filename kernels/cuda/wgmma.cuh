@@ -1,9 +1,11 @@
 // Hopper warpgroup MMA (wgmma, sm_90a) helpers shared by the kernels built for sm_90a (attention_wgmma.cu,
 // moe_wgmma.cu): the shared-memory matrix descriptor of a 128-byte-swizzled operand, the wgmma fences, commit and
-// wait, the generic-to-async proxy fence, and the register pin that keeps accumulators in place across an
-// asynchronous wgmma. Device code only; include from sm_90a translation units. Source: PTX ISA, "Asynchronous
-// Warpgroup Level Matrix Multiply-Accumulate Instructions" (matrix descriptor format, wgmma.fence /
-// commit_group / wait_group) and "fence.proxy.async".
+// wait, the generic-to-async proxy fence, the register pin that keeps accumulators in place across an
+// asynchronous wgmma, and the synchronisation of warp-specialised kernels (mbarriers, cp.async completion
+// arrivals, named barriers, warpgroup register reallocation). Device code only; include from sm_90a translation
+// units. Source: PTX ISA, "Asynchronous Warpgroup Level Matrix Multiply-Accumulate Instructions" (matrix descriptor
+// format, wgmma.fence / commit_group / wait_group), "fence.proxy.async", "mbarrier", "cp.async.mbarrier.arrive",
+// "bar.sync / bar.arrive" and "setmaxnreg".
 #pragma once
 #include <cstdint>
 
@@ -35,6 +37,56 @@ __device__ __forceinline__ void pin(float (&d)[N][4]) {
   for (int i = 0; i < N; ++i)
 #pragma unroll
     for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[i][e])::"memory");
+}
+
+/// Shared-memory address of a generic pointer into shared memory.
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+/// An mbarrier (8 bytes of shared memory) expecting `count` arrivals per phase; one thread initialises, then the
+/// block synchronises before anyone uses it.
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+/// One arrival (release semantics: this thread's earlier memory accesses happen before the phase completes).
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(smem_u32(bar)) : "memory");
+}
+/// Waits until the phase of parity `parity` (0 for the first phase, then alternating) has completed.
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred p;\nWAIT:\nmbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n@!p bra WAIT;\n}\n" ::"r"(
+          smem_u32(bar)),
+      "r"(parity)
+      : "memory");
+}
+/// An arrival on `bar` made when every cp.async this thread issued so far has completed (counted among the
+/// barrier's expected arrivals: .noinc).
+__device__ __forceinline__ void cp_async_mbar_arrive(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+}
+/// 16 bytes global -> shared through the L2 only; src_bytes 0 writes 16 zero bytes and reads nothing.
+__device__ __forceinline__ void cp_async16_zfill(uint32_t saddr, const void* gmem, uint32_t src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(gmem), "r"(src_bytes) : "memory");
+}
+/// Named barrier `id` (1..15; 0 is __syncthreads) over `count` threads (a multiple of 32): sync waits, arrive
+/// does not.
+__device__ __forceinline__ void named_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+/// Warpgroup register reallocation (all 128 threads of the warpgroup execute it): lower / raise this warpgroup's
+/// per-thread register budget to N (a multiple of 8 in [24, 256]).
+template <int N>
+__device__ __forceinline__ void regs_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N>
+__device__ __forceinline__ void regs_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
 }
 
 }  // namespace hypic::kernels::cuda::sm90

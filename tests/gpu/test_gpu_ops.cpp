@@ -163,22 +163,13 @@ TEST_CASE("affine_chain folds (T, S) steps like the plain matrix products", "[op
   }
 }
 
-TEST_CASE("split_qkv, gather_rows, batched_copy, embed_gather and conversions are exact", "[ops]") {
+TEST_CASE("gather_rows, batched_copy, embed_gather and conversions are exact", "[ops]") {
   require_gpu();
   std::mt19937 rng(4);
-  const int T = 29, qd = 256, vd = 512, C = 2 * qd + vd;
+  const int T = 29, C = 1024;
   std::vector<float> f;
   const auto src = random_bf16(rng, size_t(T) * C, 1.f, f);
-  DeviceBuffer<bf16> dsrc(src), dq(size_t(T) * qd), dk(size_t(T) * qd), dv(size_t(T) * vd);
-  gpu::split_qkv(T, qd, vd, dsrc.get(), dq.get(), dk.get(), dv.get());
-  const auto q = to_float(dq.download()), k = to_float(dk.download()), v = to_float(dv.download());
-  bool ok = true;
-  for (int t = 0; t < T; ++t) {
-    for (int c = 0; c < qd; ++c) ok &= q[size_t(t) * qd + c] == f[size_t(t) * C + c];
-    for (int c = 0; c < qd; ++c) ok &= k[size_t(t) * qd + c] == f[size_t(t) * C + qd + c];
-    for (int c = 0; c < vd; ++c) ok &= v[size_t(t) * vd + c] == f[size_t(t) * C + 2 * qd + c];
-  }
-  CHECK(ok);
+  DeviceBuffer<bf16> dsrc(src);
   for (int width : {C, 6}) {  // 16-byte and 4-byte paths
     const std::vector<int> rows{3, 0, 28, 3};
     DeviceBuffer<int> dr(rows);

@@ -179,30 +179,6 @@ Errs run_rms_norm_gated(const RowsP& p, std::mt19937& rng) {
   return {elem_err(to_float(dx.download()), ref)};
 }
 
-struct SplitP {
-  int T, qd, vd;
-};
-Errs run_split_qkv(const SplitP& p, std::mt19937& rng) {
-  const int C = 2 * p.qd + p.vd;
-  std::vector<float> f;
-  const auto src = random_bf16(rng, size_t(p.T) * C, 1.f, f);
-  std::vector<bf16> ref;  // q, then k, then v
-  for (int part = 0; part < 3; ++part)
-    for (int t = 0; t < p.T; ++t) {
-      const auto row = src.begin() + size_t(t) * C + part * p.qd;
-      ref.insert(ref.end(), row, row + (part == 2 ? p.vd : p.qd));
-    }
-  DeviceBuffer<bf16> ds(src), dq(size_t(p.T) * p.qd), dk(dq.size()), dv(size_t(p.T) * p.vd);
-  dq.poison(), dk.poison(), dv.poison();
-  gpu::split_qkv(p.T, p.qd, p.vd, ds.get(), dq.get(), dk.get(), dv.get());
-  auto got = dq.download();
-  for (const auto* b : {&dk, &dv}) {
-    const auto h = b->download();
-    got.insert(got.end(), h.begin(), h.end());
-  }
-  return {mismatches(got, ref)};
-}
-
 struct GatherP {
   int src_rows, n, width;
 };
@@ -348,7 +324,19 @@ struct ConvP {
   std::vector<int> lens;  // tokens per sequence
   int C, K;
   bool history;  // conv_state given (the K-1 inputs before each sequence; the tail written back), else nullptr
+  int qd = 0;    // > 0: the output split into q, k [T][qd] and v [T][C - 2 qd] (ConvQkvOut), else whole [T][C]
 };
+
+// The [T][C] rows of a [Q | K | V] output split into q, k [T][qd] and v [T][C - 2 qd], joined back.
+std::vector<float> join_qkv(const std::vector<float>& q, const std::vector<float>& k, const std::vector<float>& v,
+                            int T, int C, int qd) {
+  std::vector<float> y(size_t(T) * C);
+  for (int t = 0; t < T; ++t)
+    for (int c = 0; c < C; ++c)
+      y[size_t(t) * C + c] = c < qd ? q[size_t(t) * qd + c] : c < 2 * qd ? k[size_t(t) * qd + c - qd]
+                                                                        : v[size_t(t) * (C - 2 * qd) + c - 2 * qd];
+  return y;
+}
 Errs run_conv1d_prefill(const ConvP& p, std::mt19937& rng) {
   const int n = int(p.lens.size()), KC = (p.K - 1) * p.C;
   std::vector<int> cu(n + 1, 0);
@@ -366,13 +354,24 @@ Errs run_conv1d_prefill(const ConvP& p, std::mt19937& rng) {
   DeviceBuffer<int> dcu(cu);
   DeviceBuffer<bf16> dx(x), dw(w), ds(st), dy(ref.size());
   dy.poison();
-  gpu::conv1d_silu_prefill(n, dcu.get(), T, p.C, p.K, dx.get(), dw.get(), p.history ? ds.get() : nullptr, dy.get());
-  return {elem_err(to_float(dy.download()), ref), p.history ? mismatches(to_float(ds.download()), tail) : 0.0};
+  std::vector<float> y;
+  if (p.qd > 0) {
+    DeviceBuffer<bf16> dq(size_t(T) * p.qd), dk(size_t(T) * p.qd), dv(size_t(T) * (p.C - 2 * p.qd));
+    dq.poison(), dk.poison(), dv.poison();
+    gpu::conv1d_silu_prefill(n, dcu.get(), T, p.C, p.K, dx.get(), dw.get(), p.history ? ds.get() : nullptr,
+                             gpu::ConvQkvOut{dq.get(), dk.get(), dv.get(), p.qd});
+    y = join_qkv(to_float(dq.download()), to_float(dk.download()), to_float(dv.download()), T, p.C, p.qd);
+  } else {
+    gpu::conv1d_silu_prefill(n, dcu.get(), T, p.C, p.K, dx.get(), dw.get(), p.history ? ds.get() : nullptr, dy.get());
+    y = to_float(dy.download());
+  }
+  return {elem_err(y, ref), p.history ? mismatches(to_float(ds.download()), tail) : 0.0};
 }
 
 struct ConvDecP {
   int B, C, K;
   bool slots;  // states in a pool of 2B + 1 slots, request b at a shuffled slot (state_slots), else [B]
+  int qd = 0;  // > 0: the output split into q, k, v (ConvQkvOut), else whole
 };
 Errs run_conv1d_decode(const ConvDecP& p, std::mt19937& rng) {
   const int KC = (p.K - 1) * p.C, pool = p.slots ? 2 * p.B + 1 : p.B;
@@ -390,9 +389,20 @@ Errs run_conv1d_decode(const ConvDecP& p, std::mt19937& rng) {
   DeviceBuffer<bf16> dx(x), dw(w), ds(st), dy(ref.size());
   DeviceBuffer<int> dslot(slot);
   dy.poison();
-  gpu::conv1d_silu_decode(p.B, p.C, p.K, dx.get(), dw.get(), ds.get(), dy.get(), nullptr,
-                          p.slots ? dslot.get() : nullptr);
-  return {elem_err(to_float(dy.download()), ref), mismatches(to_float(ds.download()), ref_st)};
+  std::vector<float> y;
+  if (p.qd > 0) {
+    DeviceBuffer<bf16> dq(size_t(p.B) * p.qd), dk(size_t(p.B) * p.qd), dv(size_t(p.B) * (p.C - 2 * p.qd));
+    dq.poison(), dk.poison(), dv.poison();
+    gpu::conv1d_silu_decode(p.B, p.C, p.K, dx.get(), dw.get(), ds.get(),
+                            gpu::ConvQkvOut{dq.get(), dk.get(), dv.get(), p.qd}, nullptr,
+                            p.slots ? dslot.get() : nullptr);
+    y = join_qkv(to_float(dq.download()), to_float(dk.download()), to_float(dv.download()), p.B, p.C, p.qd);
+  } else {
+    gpu::conv1d_silu_decode(p.B, p.C, p.K, dx.get(), dw.get(), ds.get(), dy.get(), nullptr,
+                            p.slots ? dslot.get() : nullptr);
+    y = to_float(dy.download());
+  }
+  return {elem_err(y, ref), mismatches(to_float(ds.download()), ref_st)};
 }
 
 // Gated DeltaNet inputs as the engine hands them over (raw q, k, v and the gate inputs a, b in bf16; A_log, dt_bias
@@ -829,10 +839,6 @@ std::vector<Op> ops_table() {
                 {{"rows1 dim128", {1, 128}}, {"rows123 dim128", {123, 128}}, {"rows40 dim256", {40, 256}},
                  {"rows7 dim66", {7, 66}}},
                 run_rms_norm_gated),
-      op<SplitP>("split_qkv", "conv_out bf16 [T][2 qd + vd] -> q, k bf16 [T][qd], v bf16 [T][vd]", {exact},
-                 {{"T1 qd128 vd256", {1, 128, 256}}, {"T29 qd2048 vd4096", {29, 2048, 4096}},
-                  {"T65 qd264 vd520", {65, 264, 520}}},
-                 run_split_qkv),
       op<GatherP>("gather_rows", "bf16 rows, int32 row ids -> bf16 rows", {exact},
                   {{"n1 width6 (4-byte path)", {3, 1, 6}}, {"n4 width1030", {29, 4, 1030}},
                    {"n100 width2048", {300, 100, 2048}}},
@@ -856,13 +862,18 @@ std::vector<Op> ops_table() {
                 {{"lens{1} C64 K4", {{1}, 64, 4, true}},
                  {"lens{1,2,0,3,5,40} C776 K4", {{1, 2, 0, 3, 5, 40}, 776, 4, true}},
                  {"lens{65,130} C8192 K4 no history", {{65, 130}, 8192, 4, false}},
-                 {"lens{7,33} C200 K2", {{7, 33}, 200, 2, true}}},
+                 {"lens{7,33} C200 K2", {{7, 33}, 200, 2, true}},
+                 {"lens{20,13} C64 K8", {{20, 13}, 64, 8, true}},
+                 {"lens{17,0,100,31} C8192 K4 split qd2048", {{17, 0, 100, 31}, 8192, 4, true, 2048}},
+                 {"lens{1,2,0,3,5,40} C776 K3 split qd264", {{1, 2, 0, 3, 5, 40}, 776, 3, true, 264}},
+                 {"lens{47} C776 K4 no history split qd264", {{47}, 776, 4, false, 264}}},
                 run_conv1d_prefill),
       op<ConvDecP>("conv1d_silu_decode", "x, weight, conv_state bf16 (slot pool) -> y bf16, conv_state bf16",
                    {{"y.elem", 8e-3, "fp32 accumulation of K products, one bf16 rounding"},
                     {"state.exact", 0, "the shifted window; other slots untouched"}},
                    {{"B1 C64 K4", {1, 64, 4, false}}, {"B5 C8192 K4 slots", {5, 8192, 4, true}},
-                    {"B3 C776 K4 slots", {3, 776, 4, true}}},
+                    {"B3 C776 K4 slots", {3, 776, 4, true}}, {"B4 C8192 K4 slots split qd2048", {4, 8192, 4, true, 2048}},
+                    {"B1 C776 K4 split qd264", {1, 776, 4, false, 264}}},
                    run_conv1d_decode),
       op<GdnP>("gdn_prefill",
                "q, k, v, gate a/b bf16, A_log, dt_bias, initial state fp32 -> out bf16, final state, T_C fp32 (d 128)",
