@@ -233,7 +233,10 @@ struct WsCfg {
 };
 static_assert(WsCfg<256>::kSmem <= 227 * 1024 && WsCfg<128>::kSmem <= 227 * 1024, "ws prefill smem");
 
-template <int HD, bool kSkipSplit>
+// kOverlap (FlashAttention-3 section 3.2, intra-warpgroup overlap): in turn i, S_i is issued first and waited for
+// alone, so the softmax of tile i runs while P_{i-1} V_{i-1} is still on the tensor cores; P alternates between two
+// register tiles (the in-flight product reads the other one), and O is rescaled once the product is done.
+template <int HD, bool kSkipSplit, bool kOverlap>
 __global__ void __launch_bounds__(WsCfg<HD>::kThreads, 1) attn_prefill_ws_kernel(const AttnParams p, int split_max_q) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using C = WsCfg<HD>;
@@ -320,7 +323,7 @@ __global__ void __launch_bounds__(WsCfg<HD>::kThreads, 1) attn_prefill_ws_kernel
   for (int dt = 0; dt < HD / 8; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
   float s[8][4];
-  uint32_t pa[4][4];  // P of the last softmax'd tile, bf16 A fragments of the P.V product
+  uint32_t pa[4][4], pb[4][4];  // P of the last softmax'd tiles (pb: kOverlap only), bf16 A fragments of P.V
   const int g = lane >> 2, c2 = (lane & 3) * 2;
   const int wq0 = m0 + c * 64 + warp * 16;  // group-local query of the warp's row 0
   const int wlim_lo = s0 + wq0;
@@ -332,11 +335,12 @@ __global__ void __launch_bounds__(WsCfg<HD>::kThreads, 1) attn_prefill_ws_kernel
   auto end_turn = [&](int i) {
     if (c == 0 || i + 1 < turns) named_arrive(2 - c, 256);
   };
-  auto issue_pv = [&](int tile) {
+  auto issue_pv_from = [&](const uint32_t(&a)[4][4], int tile) {
     const uint32_t v_addr = smem_addr(sV0) + (tile % S) * C::kTileBytes;
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) wgmma_pv<HD>(o, pa[kk], sw128_desc(v_addr + kk * 16 * 128, kBN * 128, 1024));
+    for (int kk = 0; kk < 4; ++kk) wgmma_pv<HD>(o, a[kk], sw128_desc(v_addr + kk * 16 * 128, kBN * 128, 1024));
   };
+  auto issue_pv = [&](int tile) { issue_pv_from(pa, tile); };
   auto issue_s = [&](int tile) {
     const uint32_t k_addr = smem_addr(sK0) + (tile % S) * C::kTileBytes;
 #pragma unroll
@@ -372,7 +376,45 @@ __global__ void __launch_bounds__(WsCfg<HD>::kThreads, 1) attn_prefill_ws_kernel
     pin<8>(s);
     release_k(0);
     softmax(0);
-    for (i = 1; i < n; ++i) {
+    // Turn i of the overlapped schedule: P_i into `cur` while P_{i-1} V_{i-1} reads `prev`.
+    auto overlap_turn = [&](int i, uint32_t(&cur)[4][4], uint32_t(&prev)[4][4]) {
+      wait_k(i);
+      wait_v(i - 1);
+      fence_proxy_async();
+      begin_turn();
+      wgmma_fence();
+      issue_s(i);
+      wgmma_commit();
+      issue_pv_from(prev, i - 1);
+      wgmma_commit();
+      end_turn(i);
+      wgmma_wait<1>();  // S_i (groups complete in order)
+      pin<8>(s);
+      release_k(i);
+      const int n0 = i * kBN;
+      float alpha[2];
+      softmax_tile<8>(s, cur, m, l, alpha, p.scale_log2, n0 + kBN - 1 > wlim_lo, n0, c2, lim0, lim1);
+      wgmma_wait<0>();  // P_{i-1} V_{i-1}
+      pin<HD / 8>(o);
+      pin_u<4>(prev);  // read by the product until here: not reused before
+      release_v(i - 1);
+      rescale_rows<HD / 8>(o, alpha);
+      pin<HD / 8>(o);
+    };
+    if (kOverlap) {
+      for (i = 1; i + 1 < n; i += 2) {
+        overlap_turn(i, pb, pa);
+        overlap_turn(i + 1, pa, pb);
+      }
+      if (i < n) {  // one more (odd) tile: its P lands in pb; the last product reads pa
+        overlap_turn(i, pb, pa);
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) pa[kk][e] = pb[kk][e];
+      }
+    }
+    for (i = 1; !kOverlap && i < n; ++i) {
       wait_k(i);
       wait_v(i - 1);
       fence_proxy_async();
@@ -412,14 +454,14 @@ __global__ void __launch_bounds__(WsCfg<HD>::kThreads, 1) attn_prefill_ws_kernel
 }
 
 // Which Hopper kernel runs the long groups: HYPIC_ATTN_WGMMA unset or "1": the single-role one
-// (attn_prefill_wgmma_kernel); "2": the warp-specialised one (attn_prefill_ws_kernel); "0": neither (attention.cu's
-// mma.sync kernel, for comparisons).
+// (attn_prefill_wgmma_kernel); "2": the warp-specialised one (attn_prefill_ws_kernel); "3": the same with the
+// intra-warpgroup overlap; "0": none (attention.cu's mma.sync kernel, for comparisons).
 int prefill_variant() {
   static const int v = [] {
     const char* e = std::getenv("HYPIC_ATTN_WGMMA");
     if (!e) return 1;
     const std::string s(e);
-    return s == "0" ? 0 : s == "2" ? 2 : 1;
+    return s == "0" ? 0 : s == "2" ? 2 : s == "3" ? 3 : 1;
   }();
   return v;
 }
@@ -444,17 +486,22 @@ void launch_hd(const AttnParams& p, int num_groups, int max_q, int split_max_q, 
     };
     allow(reinterpret_cast<const void*>(attn_prefill_wgmma_kernel<HD, false>), C::kSmem, "attn_prefill_wgmma_kernel");
     allow(reinterpret_cast<const void*>(attn_prefill_wgmma_kernel<HD, true>), C::kSmem, "attn_prefill_wgmma_kernel");
-    allow(reinterpret_cast<const void*>(attn_prefill_ws_kernel<HD, false>), W::kSmem, "attn_prefill_ws_kernel");
-    allow(reinterpret_cast<const void*>(attn_prefill_ws_kernel<HD, true>), W::kSmem, "attn_prefill_ws_kernel");
+    allow(reinterpret_cast<const void*>(attn_prefill_ws_kernel<HD, false, false>), W::kSmem, "attn_prefill_ws_kernel");
+    allow(reinterpret_cast<const void*>(attn_prefill_ws_kernel<HD, true, false>), W::kSmem, "attn_prefill_ws_kernel");
+    allow(reinterpret_cast<const void*>(attn_prefill_ws_kernel<HD, false, true>), W::kSmem, "attn_prefill_ws_kernel");
+    allow(reinterpret_cast<const void*>(attn_prefill_ws_kernel<HD, true, true>), W::kSmem, "attn_prefill_ws_kernel");
     return 0;
   });
   const bool split = split_max_q > 0;
-  if (prefill_variant() != 2)
+  if (prefill_variant() == 1)
     launch_kernel<C>(split ? attn_prefill_wgmma_kernel<HD, true> : attn_prefill_wgmma_kernel<HD, false>, p,
                      num_groups, max_q, split_max_q, stream);
+  else if (prefill_variant() == 2)
+    launch_kernel<W>(split ? attn_prefill_ws_kernel<HD, true, false> : attn_prefill_ws_kernel<HD, false, false>, p,
+                     num_groups, max_q, split_max_q, stream);
   else
-    launch_kernel<W>(split ? attn_prefill_ws_kernel<HD, true> : attn_prefill_ws_kernel<HD, false>, p, num_groups,
-                     max_q, split_max_q, stream);
+    launch_kernel<W>(split ? attn_prefill_ws_kernel<HD, true, true> : attn_prefill_ws_kernel<HD, false, true>, p,
+                     num_groups, max_q, split_max_q, stream);
   check_cuda(cudaGetLastError(), "attention prefill (wgmma) <" + std::to_string(HD) + "> launch");
 }
 
