@@ -29,44 +29,60 @@ __device__ __forceinline__ float block_sum128(float x, float* red) {
   return (red[0] + red[1]) + (red[2] + red[3]);
 }
 
-// One block per (request, value head); thread j owns column j of the 128 x 128 state:
-// S <- e^g S; d = b (v - S^T k); S <- S + k d^T; o = S^T q.
+// One block per (request, value head, 32-column slice of the 128 x 128 state), so that one request's 32 heads
+// still fill 128 SMs: S <- e^g S; d = b (v - S^T k); S <- S + k d^T; o = S^T q. Thread (rg, lane) owns column
+// c0 + lane of rows 32 rg .. 32 rg + 31, held in registers between the two passes (all 32 loads in flight at
+// once); the column sums S^T k and S^T q are added over the four row groups in shared memory in a fixed order.
+constexpr int kDecCols = 32, kDecRowGroups = D / 32;
+
 __global__ void __launch_bounds__(D) gdn_decode_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                                        const bf16* __restrict__ v, const float* __restrict__ g,
                                                        const float* __restrict__ beta, GateInputs gates, int Hk,
                                                        int Hv, bool l2norm, float scale, float* __restrict__ state,
                                                        bf16* __restrict__ out, const int* __restrict__ slots) {
-  __shared__ float sq[D], sk[D], red[4];
-  const int b = blockIdx.x, h = blockIdx.y, j = threadIdx.x;
+  __shared__ float sq[D], sk[D], red[4], part[kDecRowGroups][kDecCols];
+  const int b = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
+  const int lane = tid & 31, rg = tid >> 5, c = blockIdx.z * kDecCols + lane;
   const int kh = h / (Hv / Hk);
-  float qj = __bfloat162float(q[(size_t(b) * Hk + kh) * D + j]);
-  float kj = __bfloat162float(k[(size_t(b) * Hk + kh) * D + j]);
+  float qj = __bfloat162float(q[(size_t(b) * Hk + kh) * D + tid]);
+  float kj = __bfloat162float(k[(size_t(b) * Hk + kh) * D + tid]);
   if (l2norm) {
     const float rq = rsqrtf(block_sum128(qj * qj, red) + 1e-6f);
     const float rk = rsqrtf(block_sum128(kj * kj, red) + 1e-6f);
     qj *= rq;
     kj *= rk;
   }
-  sq[j] = qj * scale;
-  sk[j] = kj;
-  __syncthreads();
+  sq[tid] = qj * scale;
+  sk[tid] = kj;
   const size_t hv = size_t(b) * Hv + h;
   const float decay = expf(gates.a ? detail::gate_log_decay(gates, hv, h) : g[hv]);
   const float bt = gates.a ? detail::gate_beta(gates, hv) : beta[hv];
-  float* S = state + ((slots ? size_t(slots[b]) * Hv + h : hv) * D) * D + j;
-  // Two passes over the column (the second read hits L1/L2): registers would not hold it spill-free.
+  float* S = state + ((slots ? size_t(slots[b]) * Hv + h : hv) * D + size_t(rg) * 32) * D + c;
+  float sv[32];
+#pragma unroll
+  for (int r = 0; r < 32; ++r) sv[r] = S[size_t(r) * D];
+  __syncthreads();  // sq, sk
   float kv = 0.f;
-#pragma unroll 16
-  for (int i = 0; i < D; ++i) kv = fmaf(S[size_t(i) * D] * decay, sk[i], kv);
-  const float delta = bt * (__bfloat162float(v[hv * D + j]) - kv);
-  float o = 0.f;
-#pragma unroll 16
-  for (int i = 0; i < D; ++i) {
-    const float s = fmaf(sk[i], delta, S[size_t(i) * D] * decay);
-    o = fmaf(s, sq[i], o);
-    S[size_t(i) * D] = s;
+#pragma unroll
+  for (int r = 0; r < 32; ++r) {
+    sv[r] *= decay;
+    kv = fmaf(sv[r], sk[rg * 32 + r], kv);
   }
-  if (out) out[hv * D + j] = __float2bfloat16_rn(o);
+  part[rg][lane] = kv;
+  __syncthreads();
+  kv = (part[0][lane] + part[1][lane]) + (part[2][lane] + part[3][lane]);
+  const float delta = bt * (__bfloat162float(v[hv * D + c]) - kv);
+  float o = 0.f;
+#pragma unroll
+  for (int r = 0; r < 32; ++r) {
+    const float s = fmaf(sk[rg * 32 + r], delta, sv[r]);
+    o = fmaf(s, sq[rg * 32 + r], o);
+    S[size_t(r) * D] = s;
+  }
+  __syncthreads();  // every thread has read part[][] for kv
+  part[rg][lane] = o;
+  __syncthreads();
+  if (out && rg == 0) out[hv * D + c] = __float2bfloat16_rn((part[0][lane] + part[1][lane]) + (part[2][lane] + part[3][lane]));
 }
 
 // Composition: one block per (batch entry, BN-column block of the running state). The block keeps
@@ -179,7 +195,7 @@ void gdn_decode(int batch, int num_k_heads, int num_v_heads, const bf16* q, cons
   if (batch == 0) return;
   if (!q || !k || !v || !g || !beta || !state)
     throw std::invalid_argument("gdn_decode: q, k, v, g, beta and state must be non-null");
-  gdn_decode_kernel<<<dim3(batch, num_v_heads), D, 0, stream>>>(q, k, v, g, beta, GateInputs{}, num_k_heads,
+  gdn_decode_kernel<<<dim3(batch, num_v_heads, D / kDecCols), D, 0, stream>>>(q, k, v, g, beta, GateInputs{}, num_k_heads,
                                                                  num_v_heads, l2norm_qk, scale, state, out,
                                                                  state_slots);
   check_cuda(cudaGetLastError(), "gdn_decode_kernel launch");
@@ -196,7 +212,7 @@ void gdn_decode_gated(int batch, int num_k_heads, int num_v_heads, const bf16* q
   for (const auto& [ptr, name] : {std::pair<const void*, const char*>{q, "q"}, {k, "k"}, {v, "v"}, {gate_a, "gate_a"},
                                   {gate_b, "gate_b"}, {A_log, "A_log"}, {dt_bias, "dt_bias"}, {state, "state"}})
     if (!ptr) throw std::invalid_argument(std::string("gdn_decode_gated: ") + name + " is null");
-  gdn_decode_kernel<<<dim3(batch, num_v_heads), D, 0, stream>>>(
+  gdn_decode_kernel<<<dim3(batch, num_v_heads, D / kDecCols), D, 0, stream>>>(
       q, k, v, nullptr, nullptr, GateInputs{gate_a, gate_b, A_log, dt_bias}, num_k_heads, num_v_heads, l2norm_qk,
       scale, state, out, state_slots);
   check_cuda(cudaGetLastError(), "gdn_decode_kernel launch");

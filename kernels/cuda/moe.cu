@@ -130,6 +130,7 @@ __device__ __forceinline__ void route_token(const float* lg, int E, int k, bool 
 __device__ __forceinline__ float shared_gate_token(const bf16* xr, const bf16* w, int H, int lane) {
   if (!w) return 1.0f;
   float d = 0.f;
+#pragma unroll 4
   for (int h = lane * 8; h < H; h += 256) {
     const uint4 xv = *reinterpret_cast<const uint4*>(xr + h);
     const uint4 wv = *reinterpret_cast<const uint4*>(w + h);
@@ -528,7 +529,8 @@ __global__ void gather_rows_kernel(int P, int H, const int* sorted_tok, const bf
     *reinterpret_cast<uint4*>(dst + j) = *reinterpret_cast<const uint4*>(src + j);
 }
 
-// out[t][j] += sum_s w[t][s] y[pos[t][s]][j] (slots in ascending expert order) + sg[t] shared[t][j].
+// out[t][j] += sum_s w[t][s] y[pos[t][s]][j] (slots in ascending expert order) + sg[t] shared[t][j]. Grid (T, column
+// blocks of 512): each element's sum has the same order whatever the grid.
 __global__ void __launch_bounds__(128) combine_kernel(int H, int k, const int* pos_of, const float* topk_w,
                                                       const bf16* y, const float* sgate, const float* shared,
                                                       float* out) {
@@ -543,9 +545,11 @@ __global__ void __launch_bounds__(128) combine_kernel(int H, int k, const int* p
   }
   __syncthreads();
   const float sg = shared ? sgate[t] : 0.f;
-  for (int j = threadIdx.x * 4; j < H; j += blockDim.x * 4) {
+  for (int j = (blockIdx.y * blockDim.x + threadIdx.x) * 4; j < H; j += gridDim.y * blockDim.x * 4) {
     float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
-    for (int s = 0; s < k; ++s) {
+#pragma unroll
+    for (int s = 0; s < kMaxTopk; ++s) {  // unrolled: the k rows' loads in flight together, summed in order
+      if (s >= k) break;
       const uint2 raw = *reinterpret_cast<const uint2*>(y + size_t(sp[s]) * H + j);
       const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
       const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
@@ -969,11 +973,11 @@ void moe_forward(int T, const bf16* x, const MoeWeightsView& w, float* out, MoeW
   // 7. deterministic combine into out.
   const bf16* y = static_cast<const bf16*>(ws.y.p);
   if (decode) {
-    launch_pdl(combine_kernel, dim3(T), dim3(128), 0, stream, "moe_forward: combine launch", H, k,
+    launch_pdl(combine_kernel, dim3(T, (H + 511) / 512), dim3(128), 0, stream, "moe_forward: combine launch", H, k,
                static_cast<const int*>(pos_of), static_cast<const float*>(topk_w), y,
                static_cast<const float*>(sgate), shared, out);
   } else {
-    combine_kernel<<<T, 128, 0, stream>>>(H, k, pos_of, topk_w, y, sgate, shared, out);
+    combine_kernel<<<dim3(T, (H + 511) / 512), 128, 0, stream>>>(H, k, pos_of, topk_w, y, sgate, shared, out);
     check_cuda(cudaGetLastError(), "moe_forward: combine launch");
   }
 }

@@ -48,12 +48,16 @@ __global__ void rms_norm_residual_kernel(int rows, int dim, const float* __restr
   if (r >= rows) return;
   const float* xr = x + long(rows_index ? rows_index[r] : r) * ldx;
   float ss = 0.f;
+  // Unrolled so that the loads of several chunks are in flight together (a decode step normalises one row per
+  // request: latency, not bandwidth); the summation order is the loop's, whatever the unrolling.
+#pragma unroll 8
   for (int c = lane * 4; c < dim; c += 128) {
     const float4 v = *reinterpret_cast<const float4*>(xr + c);
     ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
   }
   const float inv = rsqrtf(warp_sum(ss) / dim + eps);
   bf16* yr = y + long(r) * dim;
+#pragma unroll 8
   for (int c = lane * 4; c < dim; c += 128) {
     const float4 v = *reinterpret_cast<const float4*>(xr + c);
     const __nv_bfloat162 w01 = *reinterpret_cast<const __nv_bfloat162*>(w + c);
