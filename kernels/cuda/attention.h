@@ -58,7 +58,9 @@ struct AttnGroups {
 /// warp specialization; attention_wgmma.cu, built for sm_90a): same masking, softmax and rounding points, only
 /// the fp32 summation order within the products differs. HYPIC_ATTN_WGMMA in the environment (read once): "0"
 /// keeps the mma.sync kernel (comparisons); "2" runs the warp-specialised variant (a producer warpgroup loading K
-/// and V through an mbarrier ring, two consumer warpgroups taking turns on the tensor cores; same bits).
+/// and V through an mbarrier ring, two consumer warpgroups taking turns on the tensor cores; same bits); "3" the
+/// same with the softmax of each tile beside the previous tile's P.V product (both measured slower on the H200,
+/// 2026-12-04: 24.7 and 27.1 ms against 19.5 ms per 32k-token layer).
 ///   q:   [total_q][num_heads][head_dim] bf16, normed and rotated (attention_prepare's q_out);
 ///   k_pool, v_pool: the layer's pool (see kKvPageTokens), K rotated at real positions;
 ///   scale: multiplies q.k (head_dim^-1/2);
