@@ -39,7 +39,10 @@
 // sections ceilings, parts, build, splice, decode, command, utc, git_commit); --md FILE (the Markdown report).
 // Usage: hypic-bench-prefill-gpu [--config FILE] [--json FILE] [--md FILE] [--hf-json FILE] [--quick] ...
 //        (--help lists every flag); hypic-bench-prefill-gpu --render RESULTS.json [--md FILE] re-renders a report.
+// Profiling: the timed full prefills, hypic splices and decode steps run inside NVTX ranges "full_prefill",
+// "hypic_splice" and "decode_step" (e.g. ncu --nvtx --nvtx-include "hypic_splice/" ... profiles only the splices).
 #include <cuda_runtime_api.h>
+#include <nvtx3/nvToolsExt.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -77,6 +80,17 @@ using namespace hypic::bench::gpu;
 using json = nlohmann::json;
 using kc::bf16;
 using kc::check_cuda;
+
+namespace {
+// An NVTX range around one timed call (a no-op unless a profiler listens), so that a profile can be restricted to
+// one section: ncu --nvtx --nvtx-include "hypic_splice/" (or "full_prefill/", "decode_step/").
+struct NvtxRange {
+  explicit NvtxRange(const char* name) { nvtxRangePushA(name); }
+  ~NvtxRange() { nvtxRangePop(); }
+  NvtxRange(const NvtxRange&) = delete;
+  NvtxRange& operator=(const NvtxRange&) = delete;
+};
+}  // namespace
 
 namespace {
 
@@ -854,7 +868,12 @@ int main(int argc, char** argv) try {
           plan.mode = eng::SpliceMode::Full;
           plan.segments.push_back({random_ids(size_t(N - 1), d.V, rng), nullptr});
           plan.query = random_ids(1, d.V, rng);
-          const Stats st = time_wall([&] { (void)be->splice(plan); }, warm, reps);
+          const Stats st = time_wall(
+              [&] {
+                NvtxRange r("full_prefill");
+                (void)be->splice(plan);
+              },
+              warm, reps);
           const double fl = d.total_flops(double(N), 1);
           const double tf = fl / (st.median * 1e-3) / 1e12;
           row.update({{"ours_ms", st.median}, {"ours_ms_min", st.min}, {"ours_ms_max", st.max}, {"runs", st.n},
@@ -905,7 +924,12 @@ int main(int argc, char** argv) try {
         for (size_t i = 0; i < entries.size(); ++i) hp.segments.push_back({segs[i], entries[i]});
         hp.query = query;
         int64_t computed = 0;
-        const Stats th = time_wall([&] { computed = be->splice(hp).computed_tokens; }, warm, reps);
+        const Stats th = time_wall(
+            [&] {
+              NvtxRange r("hypic_splice");
+              computed = be->splice(hp).computed_tokens;
+            },
+            warm, reps);
         eng::SplicePlan fp;
         fp.mode = eng::SpliceMode::Full;
         for (const auto& s : segs) fp.segments.push_back({s, nullptr});
@@ -987,7 +1011,12 @@ int main(int argc, char** argv) try {
           std::vector<eng::Sequence*> ptr;
           for (int64_t b = 0; b < Bn; ++b) ptr.push_back(seqs[size_t(b)].get());
           const std::vector<int32_t> toks = random_ids(size_t(Bn), d.V, rng);
-          const Stats st = time_wall([&] { be->decode(ptr, toks, logits); }, decode_warm, decode_steps);
+          const Stats st = time_wall(
+              [&] {
+                NvtxRange r("decode_step");
+                be->decode(ptr, toks, logits);
+              },
+              decode_warm, decode_steps);
           // Bytes one step must read (an estimate): every dense weight, the experts the batch touches (uniform
           // routing: E (1 - (1 - k/E)^B) per layer), the LM head, KV of every context, linear states in and out.
           double ctx = 0;
