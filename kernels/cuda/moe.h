@@ -128,20 +128,19 @@ class MoeWorkspace {
   void* cublas = nullptr;  // cublasHandle_t
 };
 
-/// The grouped-GEMM implementation for a prefill pass of T tokens: ours below kMoeCublasFromTokens tokens, cuBLAS's
-/// grouped GEMM from there, and ours again from kMoeWgmmaFromTokens tokens where moe_wgmma_available() (Own's
-/// prefill tiles on wgmma; no host synchronisation). Measured on the H200 at Qwen3.5-35B-A3B sizes, ms per layer,
-/// ours / cuBLAS: before the wgmma tiles (test_gpu_moe [.bench], 2026-12-01) T = 16 0.273 / 0.309, 32 0.446 / 0.395,
-/// 256 0.668 / 0.571, 4096 1.56 / 1.17, 32768 8.98 / 7.96; with them (test_gpu_moe [.bench_wgmma], 2026-12-03, same
-/// call) T = 1024 0.551 / 0.655, 2048 0.612 / 0.803, 4096 0.855 / 1.242, 16384 2.559 / 4.067, 32768 4.815 / 7.950
-/// (385 TFLOP/s; the mma.sync tiles 8.76 ms). Decode steps always use ours (no host
-/// synchronisation: they are captured in CUDA graphs, and eager and replayed steps must give the same bits): pass
+/// The grouped-GEMM implementation for a prefill pass of T tokens: ours below kMoeCublasFromTokens tokens; from there
+/// the wgmma prefill tiles where moe_wgmma_available() (GroupedGemm::OwnWgmma; no host synchronisation), else cuBLAS's
+/// grouped GEMM. Measured on the H200 at Qwen3.5-35B-A3B sizes, one MoE layer, ms (test_gpu_moe [.bench], 2026-12-04,
+/// one call): T = 16: Own 0.268, OwnWgmma 0.251, Cublas 0.316; 32: 0.443 / 0.337 / -; 64: 0.587 / 0.431 / 0.544;
+/// 128: 0.664 / 0.481 / 0.593; 256: 0.693 / 0.501 / 0.599; 1024: Own (on the wgmma tiles) 0.555, mma.sync tiles
+/// 1.056; and (test_gpu_moe [.bench_wgmma], 2026-12-03) 32768 tokens: OwnWgmma 4.815, cuBLAS 7.950, mma.sync 8.76.
+/// Decode steps always use Own (the weight-streaming decode GEMMs up to 64 tokens: a token's result does not depend
+/// on the batch it is decoded in, and they are captured in CUDA graphs whose replays must give the eager bits): pass
 /// capturing = true.
 inline constexpr int kMoeCublasFromTokens = 32;
-inline constexpr int kMoeWgmmaFromTokens = 1024;
 inline GroupedGemm grouped_gemm_for_tokens(int T, bool capturing = false) {
   if (capturing || T < kMoeCublasFromTokens) return GroupedGemm::Own;
-  return T >= kMoeWgmmaFromTokens && moe_wgmma_available() ? GroupedGemm::Own : GroupedGemm::Cublas;
+  return moe_wgmma_available() ? GroupedGemm::OwnWgmma : GroupedGemm::Cublas;
 }
 
 /// out[t][:] += MoE(x[t]) for t < T (see the pipeline above). x: [T][H] bf16 (the normed

@@ -188,8 +188,10 @@ __global__ void gather_rows_kernel(int n, int row_elems, const bf16* __restrict_
   }
 }
 
-// One block per copy descriptor (grid-strided over descriptors when there are many).
+// Blocks (d, y): descriptor d (grid-strided over descriptors when there are many), its y-th share of the bytes
+// (gridDim.y blocks per descriptor, so that a few large copies, e.g. one request's recurrent states, use the GPU).
 __global__ void batched_copy_kernel(int n, const CopyDesc* __restrict__ descs) {
+  const long lane = long(blockIdx.y) * blockDim.x + threadIdx.x, step = long(gridDim.y) * blockDim.x;
   for (int d = blockIdx.x; d < n; d += gridDim.x) {
     const CopyDesc c = descs[d];
     const bool fast = ((reinterpret_cast<uintptr_t>(c.src) | reinterpret_cast<uintptr_t>(c.dst) | uintptr_t(c.bytes)) &
@@ -197,11 +199,11 @@ __global__ void batched_copy_kernel(int n, const CopyDesc* __restrict__ descs) {
     if (fast) {
       const uint4* s = static_cast<const uint4*>(c.src);
       uint4* t = static_cast<uint4*>(c.dst);
-      for (long i = threadIdx.x; i < c.bytes / 16; i += blockDim.x) t[i] = s[i];
+      for (long i = lane; i < c.bytes / 16; i += step) t[i] = s[i];
     } else {
       const uint32_t* s = static_cast<const uint32_t*>(c.src);
       uint32_t* t = static_cast<uint32_t*>(c.dst);
-      for (long i = threadIdx.x; i < c.bytes / 4; i += blockDim.x) t[i] = s[i];
+      for (long i = lane; i < c.bytes / 4; i += step) t[i] = s[i];
     }
   }
 }
@@ -303,7 +305,9 @@ void batched_copy(int n, const CopyDesc* descs, cudaStream_t stream) {
   need(n >= 0, "batched_copy: negative n");
   if (n == 0) return;
   need(descs != nullptr, "batched_copy: descs is null");
-  batched_copy_kernel<<<std::min(n, 65535), 256, 0, stream>>>(n, descs);
+  // The sizes live on the device: spread few descriptors over about two blocks per SM of an H100 / H200.
+  const int per_desc = std::max(1, std::min(128, 264 / n));
+  batched_copy_kernel<<<dim3(std::min(n, 65535), per_desc), 256, 0, stream>>>(n, descs);
   check_cuda(cudaGetLastError(), "batched_copy launch");
 }
 
