@@ -1,0 +1,55 @@
+#!/usr/bin/env python3
+"""tools/ncu_kernel_table.py on a hand-made ncu summary: totals, units, ordering, names and errors.
+
+The expected numbers are worked out by hand from the CSV below (Invocations x Average / calls)."""
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools"))
+import ncu_kernel_table as t  # noqa: E402
+
+CSV = """==PROF== Connected to process 1 (bench)
+device NVIDIA H200 (132 SMs)
+"Process ID","Process Name","Host Name","Kernel Name","Block Size","Grid Size","Device","CC","Invocations","Section Name","Metric Name","Metric Unit","Minimum","Maximum","Average"
+"1","b","h","void ns::a_kernel<4>(int, const float *)","(128, 1, 1)","(8, 1, 1)","0","9.0","6","S","gpu__time_duration.sum","ns","1,000.00","3,000.00","2,000.00"
+"1","b","h","ns::<unnamed>::b_kernel(int)","(256, 1, 1)","(1, 32, 1)","0","9.0","30","S","gpu__time_duration.sum","usecond","1.00","2.00","1.50"
+"1","b","h","void cutlass::Kernel2<gemm_128x64>(T1::Params)","(384, 1, 1)","(264, 1, 1)","0","9.0","3","S","gpu__time_duration.sum","ns","100,000.00","100,000.00","100,000.00"
+"1","b","h","ignored_kernel(void)","(32, 1, 1)","(1, 1, 1)","0","9.0","3","S","dram__bytes.sum","byte","1","1","1"
+"""
+
+
+def close(a, b):
+    return abs(a - b) <= 1e-9 * max(1.0, abs(b))
+
+
+def main():
+    rows = t.parse(CSV)
+    assert len(rows) == 3, rows  # the dram__bytes row is not a time
+    out, total = t.table(rows, calls=3, top=0)
+    # a: 6 x 2000 ns / 3 = 4 us = 0.004 ms; b: 30 x 1.5 us / 3 = 15 us = 0.015 ms; Kernel2: 3 x 100 us / 3 = 0.1 ms.
+    assert [r["kernel"] for r in out] == ["Kernel2<gemm_128x64>", "b_kernel", "a_kernel<4>"], out
+    assert close(out[0]["ms_per_call"], 0.1) and close(out[1]["ms_per_call"], 0.015) and close(out[2]["ms_per_call"], 0.004)
+    assert close(out[1]["calls_per_call"], 10.0) and close(out[1]["us_per_launch"], 1.5)
+    assert close(total, 0.119), total
+    top1, total1 = t.table(rows, calls=3, top=1)
+    assert len(top1) == 1 and close(total1, 0.119)  # the total counts every row, not only the printed ones
+    md = t.markdown(out, total)
+    assert "| Kernel2<gemm_128x64> | (264, 1, 1) | 1.0 | 100.00 | 0.100 | 84.0% |" in md, md
+    for bad, what in (("no header here\n", "header"), (CSV.replace("gpu__time_duration.sum", "x"), "no gpu__time")):
+        try:
+            t.parse(bad)
+        except ValueError as e:
+            assert what.split()[0] in str(e) or "summary" in str(e), e
+        else:
+            raise AssertionError("parse accepted " + what)
+    try:
+        t.table(rows, calls=0, top=0)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("calls = 0 accepted")
+    print("ncu_kernel_table: all checks passed")
+
+
+if __name__ == "__main__":
+    main()

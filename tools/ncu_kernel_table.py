@@ -1,0 +1,117 @@
+#!/usr/bin/env python3
+"""Per-kernel table of an Nsight Compute summary: where a decode step's or a splice's GPU time goes.
+
+Input: the CSV that `ncu --metrics gpu__time_duration.sum --print-summary per-kernel --csv ...` writes to stdout
+(one row per kernel name and launch shape with `Invocations` and the metric's `Average` in ns; the tool's own log
+lines before the header are skipped). Output: a Markdown table, largest total first, with each kernel's calls and
+microseconds per profiled call of the section (`--calls N`: e.g. 6 decode steps, 3 splices inside an NVTX range),
+and optionally the same rows as JSON.
+
+    ncu --nvtx --nvtx-include "hypic_splice/" --clock-control none --metrics gpu__time_duration.sum \\
+        --print-summary per-kernel --csv hypic-bench-prefill-gpu ... > splice.csv
+    tools/ncu_kernel_table.py splice.csv --calls 3 --top 25 [--json rows.json]
+
+Times are serialised kernel times (ncu runs one kernel at a time): their sum exceeds the section's wall time when
+kernels overlap, and misses host gaps.
+"""
+import argparse
+import csv
+import io
+import json
+import re
+import sys
+
+
+def short_name(full):
+    """'void ns::kernel<4>(int, float*)' -> 'kernel<4>'; cuBLAS / CUTLASS names are kept whole up to '('."""
+    name = full.split("(")[0].strip()
+    if name.startswith("void "):
+        name = name[5:]
+    # Drop namespaces but keep template arguments.
+    depth, cut = 0, 0
+    for i, ch in enumerate(name):
+        if ch == "<":
+            depth += 1
+        elif ch == ">":
+            depth -= 1
+        elif ch == ":" and depth == 0:
+            cut = i + 1
+    return name[cut:] or name
+
+
+def parse(text):
+    """Rows {kernel, grid, block, invocations, avg_ns} of the gpu__time_duration.sum summary."""
+    lines = text.splitlines()
+    start = next((i for i, l in enumerate(lines) if '"Kernel Name"' in l or l.startswith("Kernel Name")
+                  or ",Kernel Name," in l), None)
+    if start is None:
+        raise ValueError("no ncu per-kernel summary header (a 'Kernel Name' column) in the input")
+    rows = []
+    for r in csv.DictReader(io.StringIO("\n".join(lines[start:]))):
+        if r.get("Metric Name") != "gpu__time_duration.sum":
+            continue
+        unit = (r.get("Metric Unit") or "ns").strip()
+        scale = {"ns": 1.0, "nsecond": 1.0, "us": 1e3, "usecond": 1e3, "ms": 1e6, "msecond": 1e6}.get(unit)
+        if scale is None:
+            raise ValueError(f"unknown time unit {unit!r}")
+        rows.append({
+            "kernel": r["Kernel Name"],
+            "grid": r.get("Grid Size", ""),
+            "block": r.get("Block Size", ""),
+            "invocations": int(r["Invocations"].replace(",", "")),
+            "avg_ns": float(r["Average"].replace(",", "")) * scale,
+        })
+    if not rows:
+        raise ValueError("the summary has no gpu__time_duration.sum rows")
+    return rows
+
+
+def table(rows, calls, top):
+    """One row per ncu row (a kernel at one launch shape): launches and ms per profiled call, largest first; and the
+    grand total in ms per call."""
+    if calls <= 0:
+        raise ValueError("--calls must be positive")
+    out = []
+    for r in rows:
+        total_us = r["invocations"] * r["avg_ns"] / 1e3
+        out.append({"kernel": short_name(r["kernel"]), "grid": r["grid"],
+                    "calls_per_call": r["invocations"] / calls, "us_per_launch": r["avg_ns"] / 1e3,
+                    "ms_per_call": total_us / calls / 1e3})
+    out.sort(key=lambda x: -x["ms_per_call"])
+    total_ms = sum(x["ms_per_call"] for x in out)
+    return out[:top] if top > 0 else out, total_ms
+
+
+def markdown(rows, total_ms):
+    lines = [f"Kernel time per profiled call: {total_ms:.2f} ms (serialised kernels).", "",
+             "| kernel | grid | launches per call | us per launch | ms per call | share |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        share = 100.0 * r["ms_per_call"] / total_ms if total_ms > 0 else 0.0
+        lines.append(f"| {r['kernel']} | {r['grid']} | {r['calls_per_call']:.1f} | {r['us_per_launch']:.2f} | "
+                     f"{r['ms_per_call']:.3f} | {share:.1f}% |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("csv", help="ncu --print-summary per-kernel --csv output (file, or - for stdin)")
+    ap.add_argument("--calls", type=float, default=1.0, help="profiled calls of the section (divides the totals)")
+    ap.add_argument("--top", type=int, default=30, help="rows to print (0 = all)")
+    ap.add_argument("--json", help="also write the rows as JSON here")
+    a = ap.parse_args(argv)
+    text = sys.stdin.read() if a.csv == "-" else open(a.csv, encoding="utf-8", errors="replace").read()
+    try:
+        rows, total = table(parse(text), a.calls, a.top)
+    except ValueError as e:
+        print(f"ncu_kernel_table: {e}", file=sys.stderr)
+        return 2
+    print(markdown(rows, total))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"total_ms_per_call": total, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
