@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <climits>
 #include <cstdint>
 #include <initializer_list>
 #include <stdexcept>
@@ -101,8 +102,8 @@ __global__ void __launch_bounds__(kConvThreads) conv_prefill_kernel(int num_seqs
       if (i >= n) break;
       const int t = t0 + i;
       if (t == next) {  // a new sequence starts here (block-uniform): its history, not the previous inputs
-        while (cu[s + 1] <= t) ++s;
-        next = cu[s + 1];
+        while (s + 1 < num_seqs && cu[s + 1] <= t) ++s;  // bounded even if cu[num_seqs] != total (bad input)
+        next = s + 1 < num_seqs ? cu[s + 1] : INT_MAX;
 #pragma unroll
         for (int j = 0; j < K - 1; ++j) to_float8(history(cu, s, j - (K - 1), K, channels, c0, x, state), win[j]);
       }
@@ -189,8 +190,8 @@ void launch_conv_prefill(int num_seqs, const int* cu, int total, int channels, c
 void conv_prefill(int num_seqs, const int* cu_seqlens, int total_tokens, int channels, int kernel, const bf16* x,
                   const bf16* weight, bf16* conv_state, const ConvDst& dst, cudaStream_t stream) {
   check_conv(channels, kernel, "conv1d_silu_prefill");
-  if (num_seqs < 1 || total_tokens < 0)
-    throw std::invalid_argument("conv1d_silu_prefill: num_seqs must be >= 1 and total_tokens >= 0, got " +
+  if (num_seqs < 1 || total_tokens < 0 || total_tokens > INT_MAX - kConvRun)
+    throw std::invalid_argument("conv1d_silu_prefill: num_seqs must be >= 1 and total_tokens in [0, 2^31 - 17], got " +
                                 std::to_string(num_seqs) + ", " + std::to_string(total_tokens));
   if (!cu_seqlens || !weight || (total_tokens > 0 && (!x || !dst.p[0] || !dst.p[1] || !dst.p[2])))
     throw std::invalid_argument("conv1d_silu_prefill: cu_seqlens, weight, x and the outputs must be non-null");

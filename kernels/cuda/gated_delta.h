@@ -218,7 +218,8 @@ struct ConvQkvOut {
 /// kernels/cpu causal_conv1d_silu): y[t][c] = silu(sum_j w[c][j] x[c, t-(K-1)+j]), fp32 accumulation,
 /// one rounding to bf16. Reads x once and writes y once (each thread slides a K-1 input window over
 /// a run of tokens of 8 channels): memory-bound.
-///   cu_seqlens: DEVICE int32 [num_seqs + 1]; x, y: [T][channels] bf16; weight: [channels][kernel] bf16
+///   cu_seqlens: DEVICE int32 [num_seqs + 1], 0 first, non-decreasing, cu_seqlens[num_seqs] == total_tokens (T);
+///   x, y: [T][channels] bf16; weight: [channels][kernel] bf16
 ///   conv_state: [num_seqs][kernel-1][channels] bf16 in/out, or nullptr (zero history, no tail out):
 ///     on entry the K-1 inputs preceding each sequence; on exit the conv tail (last K-1 inputs of
 ///     state ++ x). channels must be a multiple of 8; 2 <= kernel <= 8.
