@@ -115,6 +115,32 @@ TEST_CASE("Kimi-Linear config: released layout", "[families][config]") {
   CHECK(freq2.mlp_only_layers == std::vector<int>{0, 1, 3});
 }
 
+TEST_CASE("Kimi-Linear-48B-A3B architecture numbers (bench/gpu/kimi_linear_48b_a3b.json)", "[families][config]") {
+  // The benchmark config at real size: the 1-based KDA / MLA lists become 3 KDA : 1 MLA with MLA last, and the
+  // parameter counts match the model card (48B in total, 3B activated per token; the embedding and LM head,
+  // 2 * 163840 * 2304 = 0.75B, are not counted in the card's 3B).
+  const ModelConfig c = load_config(fs::path(HYPIC_SOURCE_DIR) / "bench" / "gpu" / "kimi_linear_48b_a3b.json");
+  CHECK(c.family == ModelFamily::KimiLinear);
+  CHECK(c.num_linear_layers() == 20);
+  CHECK(c.num_attention_layers() == 7);
+  for (int i : {3, 7, 11, 15, 19, 23, 26}) CHECK(c.layer_types[size_t(i)] == F);
+  CHECK_FALSE(c.is_moe_layer(0));
+  CHECK(c.is_moe_layer(26));
+  CHECK(c.head_dim == 192);  // qk_nope 128 + qk_rope 64: the MLA K head
+  CHECK(c.attn_v_head_dim() == 128);
+  CHECK(c.kv_lora_rank == 512);
+  CHECK(c.linear_key_head_dim == 128);
+  CHECK(c.conv_rows() == 3);  // q, k, v short convolutions
+  const ParameterCounts n = count_parameters(c);
+  CHECK(n.total > 47'000'000'000LL);
+  CHECK(n.total < 50'000'000'000LL);
+  const int64_t embeddings = 2 * c.vocab_size * c.hidden_size;
+  CHECK(n.active_per_token - embeddings > 2'500'000'000LL);
+  CHECK(n.active_per_token - embeddings < 3'300'000'000LL);
+  // Expanded MLA K (32 x 192) and V (32 x 128) per attention layer and token, fp32: 7 * 10240 * 4 bytes.
+  CHECK(c.kv_bytes_per_token() == 7 * 32 * (192 + 128) * 4);
+}
+
 TEST_CASE("Kimi-Linear config errors name the field", "[families][config][errors]") {
   auto fails = [](const std::string& text, const std::string& field) {
     INFO(field);
