@@ -509,13 +509,7 @@ void launch_hd(const AttnParams& p, int num_groups, int max_q, int split_max_q, 
 
 bool wgmma_prefill_available(int head_dim) {
   if (prefill_variant() == 0 || (head_dim != 128 && head_dim != 256)) return false;
-  static DeviceOnce once;
-  return once.run(current_device(), [](int d) {
-           int major = 0, minor = 0;
-           check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d), "compute capability");
-           check_cuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, d), "compute capability");
-           return major == 9 && minor == 0 ? 1 : 0;
-         }) == 1;
+  return current_device_is_sm90();
 }
 
 void launch_prefill_wgmma(const AttnParams& p, int head_dim, int num_groups, int max_q, int split_max_q,

@@ -41,4 +41,16 @@ class DeviceOnce {
   int value_[kMaxDevices] = {};
 };
 
+/// True when the current device has compute capability 9.0 (H100, H200): the devices the sm_90a builds (wgmma
+/// kernels) run on. Cached per device; host only; throws std::runtime_error on CUDA errors.
+inline bool current_device_is_sm90() {
+  static DeviceOnce once;
+  return once.run(current_device(), [](int d) {
+           int major = 0, minor = 0;
+           check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d), "compute capability");
+           check_cuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, d), "compute capability");
+           return major == 9 && minor == 0 ? 1 : 0;
+         }) == 1;
+}
+
 }  // namespace hypic::kernels::cuda

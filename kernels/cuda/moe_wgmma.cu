@@ -453,15 +453,7 @@ void launch_one(const GroupedArgs& g, size_t grid_m, bool persistent, int sms, c
 
 }  // namespace
 
-bool wgmma_device() {
-  static DeviceOnce once;
-  return once.run(current_device(), [](int d) {
-           int major = 0, minor = 0;
-           check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d), "compute capability");
-           check_cuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, d), "compute capability");
-           return major == 9 && minor == 0 ? 1 : 0;
-         }) == 1;
-}
+bool wgmma_device() { return current_device_is_sm90(); }
 
 bool wgmma_supported(const MoeWeightsView& w, size_t P) {
   if (w.H % 8 || w.I % 8 || w.H % 2 || w.I % 2) return false;
