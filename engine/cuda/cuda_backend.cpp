@@ -184,7 +184,7 @@ void CudaBackend::allocate_pools() {
   carve_activations(act_, size_t(Tmax_), "activations (--max-batch-tokens " + std::to_string(Tmax_) + ")", pre_);
   pre_.stream = stream_, pre_.gemm = &gemm_, pre_.moe_ws = &moe_ws_;
   carve_activations(dec_act_, size_t(opt_.max_sequences), "decode activations (--max-sequences)", dec_);
-  dec_.stream = dec_stream_, dec_.gemm = &dec_gemm_, dec_.moe_ws = &dec_moe_ws_;
+  dec_.stream = dec_stream_, dec_.gemm = &dec_gemm_, dec_.moe_ws = &dec_moe_ws_, dec_.decode = true;
   dec_logits_ = DeviceMemory(size_t(opt_.max_sequences) * cfg_.vocab_size * 4, "decode logits (--max-sequences)");
   if (n_attn_) {
     const std::vector<float> inv = kernels::cpu::rope_inv_freq(cfg_.rope_theta, cfg_.rotary_dim());
@@ -315,17 +315,41 @@ void CudaBackend::check_ids(std::span<const int32_t> ids, const std::string& whe
 
 // ---- layer pieces ----------------------------------------------------------------------------------------------
 
+namespace {
+// HYPIC_DECODE_LINEAR=0 in the environment (read once) keeps decode's projections on cuBLASLt (comparisons).
+bool decode_linear_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("HYPIC_DECODE_LINEAR");
+    return !(v && v[0] == '0');
+  }();
+  return on;
+}
+}  // namespace
+
+void CudaBackend::project(const Lane& ln, int T, int K, const kc::bf16* x,
+                          std::initializer_list<kc::DecodeLinearOutput> outs, kc::DecodeLinearEpilogue epilogue) {
+  const int n = int(outs.size());
+  if (ln.decode && T <= kc::kDecodeLinearProjectionTokens && decode_linear_enabled() && kc::decode_linear_supported(T, K, x, K, outs.begin(), n)) {
+    kc::decode_linear(T, K, x, K, outs.begin(), n, epilogue, ln.stream);
+    return;
+  }
+  const bool bf16_out = epilogue == kc::DecodeLinearEpilogue::StoreBf16;
+  const float beta = epilogue == kc::DecodeLinearEpilogue::AddF32 ? 1.f : 0.f;
+  for (const kc::DecodeLinearOutput& d : outs)
+    ln.gemm->linear(T, d.N, K, x, K, d.W, d.y, bf16_out ? CUDA_R_16BF : CUDA_R_32F, d.ldy, beta, ln.stream);
+}
+
 void CudaBackend::linear_gemms(const Lane& ln, const DevLinear& L, int T) {
-  ln.gemm->linear(T, C_, H_, ln.hn, H_, L.in_proj_qkv, ln.qkv, CUDA_R_16BF, C_, 0.f, ln.stream);
-  ln.gemm->linear(T, vd_, H_, ln.hn, H_, L.in_proj_z, ln.z, CUDA_R_16BF, vd_, 0.f, ln.stream);
-  ln.gemm->linear(T, nv_, H_, ln.hn, H_, L.in_proj_b, ln.gb, CUDA_R_16BF, nv_, 0.f, ln.stream);
-  ln.gemm->linear(T, nv_, H_, ln.hn, H_, L.in_proj_a, ln.ga, CUDA_R_16BF, nv_, 0.f, ln.stream);
+  project(ln, T, H_, ln.hn,
+          {{L.in_proj_qkv, C_, ln.qkv, C_}, {L.in_proj_z, vd_, ln.z, vd_}, {L.in_proj_b, nv_, ln.gb, nv_},
+           {L.in_proj_a, nv_, ln.ga, nv_}},
+          kc::DecodeLinearEpilogue::StoreBf16);
 }
 
 // Gated RMSNorm of the delta-rule output times silu(z), then out_proj added into the residual stream.
 void CudaBackend::linear_finish(const Lane& ln, const DevLinear& L, int T) {
   kc::rms_norm_gated(T * nv_, D, ln.o, ln.z, L.norm, eps_, ln.o, ln.stream);
-  ln.gemm->linear(T, H_, vd_, ln.o, vd_, L.out_proj, ln.x, CUDA_R_32F, H_, 1.f, ln.stream);
+  project(ln, T, vd_, ln.o, {{L.out_proj, H_, ln.x, H_}}, kc::DecodeLinearEpilogue::AddF32);
 }
 
 
@@ -349,13 +373,14 @@ void CudaBackend::attention_mixer(const Lane& ln, const DevAttention& A, int a, 
                          ln.stream);
   else
     kc::attention_prefill(groups, nh_, nkv_, hd_, ln.aq, kp, vp, attn_scale_, g, g_token, g_head, ln.ao, attn_ws_, ln.stream);
-  ln.gemm->linear(T, H_, nh_ * hd_, ln.ao, nh_ * hd_, A.o_proj, ln.x, CUDA_R_32F, H_, 1.f, ln.stream);
+  project(ln, T, nh_ * hd_, ln.ao, {{A.o_proj, H_, ln.x, H_}}, kc::DecodeLinearEpilogue::AddF32);
 }
 
 void CudaBackend::attention_gemms(const Lane& ln, const DevAttention& A, int T) {
   const int qrows = (cfg_.attn_output_gate ? 2 : 1) * nh_ * hd_;
-  ln.gemm->linear(T, qrows, H_, ln.hn, H_, A.q_proj, ln.qg, CUDA_R_16BF, qrows, 0.f, ln.stream);
-  ln.gemm->linear(T, 2 * nkv_ * hd_, H_, ln.hn, H_, A.kv_proj, ln.kv, CUDA_R_16BF, 2 * nkv_ * hd_, 0.f, ln.stream);
+  const int kvrows = 2 * nkv_ * hd_;
+  project(ln, T, H_, ln.hn, {{A.q_proj, qrows, ln.qg, qrows}, {A.kv_proj, kvrows, ln.kv, kvrows}},
+          kc::DecodeLinearEpilogue::StoreBf16);
 }
 
 void CudaBackend::ffn(const Lane& ln, const DevLayer& L, int T, bool decode) {

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <atomic>
 #include <exception>
+#include <initializer_list>
 #include <cmath>
 #include <cstring>
 #include <list>
@@ -32,6 +33,7 @@
 #include "engine/prefix_cache.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cuda/attention.h"
+#include "kernels/cuda/decode_linear.h"
 #include "kernels/cuda/gated_delta.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/moe.h"
@@ -350,9 +352,15 @@ class CudaBackend final : public Backend {
     kc::bf16 *hn = nullptr, *qkv = nullptr, *q = nullptr, *k = nullptr, *v = nullptr,
              *z = nullptr, *ga = nullptr, *gb = nullptr, *o = nullptr, *qg = nullptr, *kv = nullptr, *aq = nullptr,
              *ao = nullptr;
+    bool decode = false;  ///< the decode lane (project: decode_linear for small batches)
   };
   // Allocates `mem` for T tokens' activations and points a lane's buffers into it.
   void carve_activations(DeviceMemory& mem, size_t T, const std::string& what, Lane& lane);
+  /// Projections of T tokens sharing the input x [T][K] (row stride K), DEVICE pointers: on the decode lane up to
+  /// kDecodeLinearProjectionTokens tokens one weight-streaming decode_linear launch when it takes the shape
+  /// (kernels/cuda/decode_linear.h), else one GemmRunner call per output (bf16 or fp32 y; AddF32 = beta 1).
+  void project(const Lane& ln, int T, int K, const kc::bf16* x, std::initializer_list<kc::DecodeLinearOutput> outs,
+               kc::DecodeLinearEpilogue epilogue);
   void linear_gemms(const Lane& ln, const DevLinear& L, int T);
   void linear_finish(const Lane& ln, const DevLinear& L, int T);
   void attention_gemms(const Lane& ln, const DevAttention& A, int T);

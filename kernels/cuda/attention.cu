@@ -22,6 +22,7 @@
 #include "kernels/cuda/attention_common.cuh"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/mma.cuh"
+#include "kernels/cuda/pdl.cuh"
 
 namespace hypic::kernels::cuda {
 namespace {
@@ -365,6 +366,7 @@ __global__ void __launch_bounds__(DecodeCfg<HD>::kThreads) attn_decode_kernel(co
 // request's non-empty chunks.
 template <int HD>
 __global__ void __launch_bounds__(HD) attn_decode_combine_kernel(const AttnParams p, int nsplit) {
+  detail::griddep_launch_dependents();  // o_proj (a PDL launch) may start streaming its weights; see pdl.cuh
   const int h = blockIdx.x, b = blockIdx.y, d = threadIdx.x;
   const int t = p.q_start[b];
   const int kv_len = p.slot0[b] + 1;

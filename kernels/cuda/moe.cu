@@ -24,9 +24,9 @@
 // (128-row m-tiles), buffers, roundings and masking; HYPIC_MOE_WGMMA=0 keeps the mma.sync kernel.
 //
 // Decode path (GroupedGemm::OwnDecode; Own for T <= kSmallT = 64): router logits, routing, two
-// grouped GEMMs covering routed AND shared experts, combine = 5 launches chained by PDL, no
-// GemmRunner / cuBLASLt call. The GEMMs stream the weights from global memory straight into mma
-// fragments (moe_decode.cu); for T <= 64 the routing (softmax / top-k / shared gate / counting
+// grouped GEMMs covering routed AND shared experts, combine = 5 launches chained by PDL (no
+// GemmRunner / cuBLASLt call for T <= 16, where the router is a decode_linear). The GEMMs stream the weights through per-warp cp.async rings into mma
+// fragments (moe_decode.cu, the router GEMM a decode_linear); for T <= 64 the routing (softmax / top-k / shared gate / counting
 // sort / tile schedule) is one single-block kernel (route_small_kernel).
 #include "kernels/cuda/moe.h"
 
@@ -42,6 +42,7 @@
 #include <vector>
 
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/decode_linear.h"
 #include "kernels/cuda/mma.cuh"
 #include "kernels/cuda/moe_internal.cuh"
 
@@ -921,8 +922,9 @@ void moe_forward(int T, const bf16* x, const MoeWeightsView& w, float* out, MoeW
   int* num_tiles = static_cast<int*>(ws.num_tiles.p);
 
   // 1. router logits (fp32 output).
-  if (decode && T <= kSmallT) {
-    launch_router(w, T, x, logits, stream);
+  const DecodeLinearOutput router{w.router, E, logits, E};
+  if (decode && decode_linear_supported(T, H, x, H, &router, 1)) {
+    decode_linear(T, H, x, H, &router, 1, DecodeLinearEpilogue::StoreF32, stream);
   } else {
     gemm.linear(T, E, H, x, H, w.router, logits, CUDA_R_32F, E, 0.0f, stream);
   }

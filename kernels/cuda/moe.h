@@ -28,7 +28,8 @@
 //      on the decode path (GroupedGemm::OwnDecode, and Own for T <= 64) steps 4-6 are two
 //      launches: the shared expert is one more "expert" of the grouped decode GEMMs (same
 //      roundings: bf16 SwiGLU activation, fp32 output), and steps 2-3 are one single-block kernel
-//      for T <= 64, where step 1 is the decode GEMM kernel too (no GemmRunner call at all). The
+//      for T <= 64, where step 1 is a decode_linear for T <= kMaxDecodeLinearTokens (16; no GemmRunner
+//      call at all then; decode_linear.h). The
 //      decode kernels are launched with programmatic dependent launch (PDL; HYPIC_MOE_PDL=0 in
 //      the environment turns it off).
 //   7. combine (deterministic gather, no atomics): out[t] += sum over the token's k experts in

@@ -12,6 +12,7 @@
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/moe.h"
+#include "kernels/cuda/pdl.cuh"
 
 namespace hypic::kernels::cuda::moe_detail {
 
@@ -22,52 +23,10 @@ constexpr int kDecBM = 32;   // rows (tokens) per tile of the decode GEMMs
 __device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
 __device__ __forceinline__ float round_bf16(float x) { return __bfloat162float(__float2bfloat16(x)); }
 
-// ---------------------------------------------------------------------------------------------
-// Programmatic dependent launch (sm_90): kernels of the decode chain are launched with
-// cudaLaunchAttributeProgrammaticStreamSerialization, so that a kernel's blocks can be scheduled
-// while its predecessor drains. Every kernel that may be launched that way calls griddep_wait()
-// before its first global memory access (read or write): that waits for the full completion (and
-// memory visibility) of the preceding grid, so the stream order semantics are unchanged. Without
-// the launch attribute both instructions are no-ops.
-// ---------------------------------------------------------------------------------------------
-
-__device__ __forceinline__ void griddep_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void griddep_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-
-// PDL on by default; HYPIC_MOE_PDL=0 in the environment launches the decode chain plainly.
-inline bool pdl_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("HYPIC_MOE_PDL");
-    return !(v && v[0] == '0');
-  }();
-  return on;
-}
-
-// kernel<<<grid, block, smem, stream>>>(args...) with programmatic stream serialization (see
-// griddep_wait): the kernel must call griddep_wait() before touching global memory.
-template <class... KArgs, class... Args>
-void launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, const char* what,
-                Args... args) {
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl_enabled() ? 1 : 0;
-  check_cuda(cudaLaunchKernelEx(&cfg, kernel, static_cast<KArgs>(args)...), what);
-}
+// Programmatic dependent launch (griddep_wait, launch_pdl, ...): kernels/cuda/pdl.cuh.
+using detail::griddep_launch_dependents;
+using detail::griddep_wait;
+using detail::launch_pdl;
 
 // Upper bound of the m-tile count of a schedule with bm-row tiles over P rows and E experts
 // (each expert's last tile may be partial).
@@ -124,9 +83,6 @@ inline GroupedArgs down_args(const MoeWeightsView& w, const MoeWorkspace& ws) {
 // ---------------------------------------------------------------------------------------------
 // Decode path (moe_decode.cu)
 // ---------------------------------------------------------------------------------------------
-
-// logits [T][E] fp32 = x W_router^T (decode path, T <= kSmallT).
-void launch_router(const MoeWeightsView& w, int T, const bf16* x, float* logits, cudaStream_t stream);
 
 // Routed + shared experts through the decode GEMMs (the schedule has kDecBM-row tiles and, with
 // Is > 0, the shared expert's tiles).

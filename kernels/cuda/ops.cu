@@ -8,6 +8,7 @@
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/fold.cuh"
 #include "kernels/cuda/ops.h"
+#include "kernels/cuda/pdl.cuh"
 
 namespace hypic::kernels::cuda {
 namespace {
@@ -40,25 +41,34 @@ __global__ void embed_gather_kernel(int T, int H, const int32_t* __restrict__ id
   }
 }
 
-// One warp per row.
-__global__ void rms_norm_residual_kernel(int rows, int dim, const float* __restrict__ x, long ldx,
-                                         const int* __restrict__ rows_index, const bf16* __restrict__ w, float eps,
-                                         bf16* __restrict__ y) {
-  const int r = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
-  if (r >= rows) return;
+// One block per row: a decode step normalises one row per request, so the row's loads are spread over the block's
+// threads (one round trip, not a warp's 16 chunks). The sum of squares is each thread's, then each warp's, then the
+// warps' in ascending order (fixed: the same bits on every run).
+constexpr int kNormThreads = 256;
+__global__ void __launch_bounds__(kNormThreads) rms_norm_residual_kernel(int rows, int dim, const float* __restrict__ x,
+                                                                         long ldx, const int* __restrict__ rows_index,
+                                                                         const bf16* __restrict__ w, float eps,
+                                                                         bf16* __restrict__ y) {
+  // The next kernel of a decode step (a weight-streaming projection launched with PDL) may start its weight loads
+  // now; it reads y only after its griddep_wait (kernels/cuda/pdl.cuh).
+  detail::griddep_launch_dependents();
+  __shared__ float part[kNormThreads / 32];
+  const int r = blockIdx.x, tid = threadIdx.x, lane = tid & 31;
   const float* xr = x + long(rows_index ? rows_index[r] : r) * ldx;
   float ss = 0.f;
-  // Unrolled so that the loads of several chunks are in flight together (a decode step normalises one row per
-  // request: latency, not bandwidth); the summation order is the loop's, whatever the unrolling.
-#pragma unroll 8
-  for (int c = lane * 4; c < dim; c += 128) {
+  for (int c = tid * 4; c < dim; c += kNormThreads * 4) {
     const float4 v = *reinterpret_cast<const float4*>(xr + c);
     ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
   }
-  const float inv = rsqrtf(warp_sum(ss) / dim + eps);
+  ss = warp_sum(ss);
+  if (lane == 0) part[tid >> 5] = ss;
+  __syncthreads();
+  float total = 0.f;
+#pragma unroll
+  for (int i = 0; i < kNormThreads / 32; ++i) total += part[i];
+  const float inv = rsqrtf(total / dim + eps);
   bf16* yr = y + long(r) * dim;
-#pragma unroll 8
-  for (int c = lane * 4; c < dim; c += 128) {
+  for (int c = tid * 4; c < dim; c += kNormThreads * 4) {
     const float4 v = *reinterpret_cast<const float4*>(xr + c);
     const __nv_bfloat162 w01 = *reinterpret_cast<const __nv_bfloat162*>(w + c);
     const __nv_bfloat162 w23 = *reinterpret_cast<const __nv_bfloat162*>(w + c + 2);
@@ -71,6 +81,7 @@ __global__ void rms_norm_residual_kernel(int rows, int dim, const float* __restr
 
 __global__ void rms_norm_gated_kernel(int rows, int dim, const bf16* x, const bf16* __restrict__ z,
                                       const bf16* __restrict__ w, float eps, bf16* y) {
+  detail::griddep_launch_dependents();  // as rms_norm_residual_kernel
   const int r = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
   if (r >= rows) return;
   const bf16* xr = x + long(r) * dim;
@@ -252,7 +263,7 @@ void rms_norm_residual(int rows, int dim, const float* x, long ldx, const int* r
            std::to_string(rows) + " dim=" + std::to_string(dim) + " ldx=" + std::to_string(ldx));
   if (rows == 0) return;
   need(x && w && y, "rms_norm_residual: null pointer");
-  rms_norm_residual_kernel<<<(rows + 3) / 4, 128, 0, stream>>>(rows, dim, x, ldx, rows_index, w, eps, y);
+  rms_norm_residual_kernel<<<rows, kNormThreads, 0, stream>>>(rows, dim, x, ldx, rows_index, w, eps, y);
   check_cuda(cudaGetLastError(), "rms_norm_residual launch");
 }
 

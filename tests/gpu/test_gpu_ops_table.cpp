@@ -33,6 +33,7 @@
 #include <functional>
 #include <numeric>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -41,6 +42,7 @@
 #include "kernels/cpu/gated_delta.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cuda/attention.h"
+#include "kernels/cuda/decode_linear.h"
 #include "kernels/cuda/gated_delta.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/moe.h"
@@ -759,6 +761,95 @@ Errs run_linear(const GemmP& p, std::mt19937& rng) {
   return {compare(gf.data(), ref.data(), n, base.data()).max_rel, max_rel(gb.data(), ref.data(), n)};
 }
 
+struct DecLinP {
+  int M, K, ldx_pad, ldy_pad;
+  std::vector<int> Ns;  // one weight matrix per entry, all sharing x (one launch)
+};
+// decode_linear: y_i = x W_i^T for 1..4 matrices in one launch, each epilogue (bf16 store, fp32 store, fp32 += a random
+// residual), against the CPU fp32 linear; "exact" counts (a) output bits of each token's fp32 result that differ from
+// the same token run alone (M = 1: batch invariance, the property decode relies on) and (b) row-padding elements
+// (ldy > N) that a launch changed.
+Errs run_decode_linear(const DecLinP& p, std::mt19937& rng) {
+  const long ldx = p.K + p.ldx_pad;
+  const int n_out = int(p.Ns.size());
+  std::vector<float> xf;
+  const auto x = random_bf16(rng, size_t(p.M) * ldx, 1.f, xf);
+  std::vector<float> xd(size_t(p.M) * p.K);
+  for (int m = 0; m < p.M; ++m) std::copy_n(&xf[m * ldx], p.K, &xd[size_t(m) * p.K]);
+  DeviceBuffer<bf16> dx(x);
+  std::vector<DeviceBuffer<bf16>> dw, dyb;
+  std::vector<DeviceBuffer<float>> dys, dya;
+  std::vector<std::vector<float>> ref(n_out), y0(n_out);
+  std::vector<long> ldy(n_out);
+  for (int i = 0; i < n_out; ++i) {
+    const int N = p.Ns[i];
+    ldy[i] = N + p.ldy_pad;
+    std::vector<float> wf;
+    dw.emplace_back(random_bf16(rng, size_t(N) * p.K, 1.f / std::sqrt(float(p.K)), wf));
+    ref[i].resize(size_t(p.M) * N);
+    cpu::linear(p.M, p.K, N, xd.data(), wf.data(), ref[i].data());
+    random_bf16(rng, size_t(p.M) * ldy[i], 1.f, y0[i]);
+    dyb.emplace_back(size_t(p.M) * ldy[i]);
+    dyb.back().poison();
+    dys.emplace_back(size_t(p.M) * ldy[i]);
+    dys.back().poison();
+    dya.emplace_back(y0[i]);
+  }
+  auto outs = [&](int which, int row) {  // 0 bf16, 1 fp32 store, 2 fp32 add; row >= 0: that token's row only
+    std::vector<gpu::DecodeLinearOutput> o(n_out);
+    for (int i = 0; i < n_out; ++i) {
+      void* y = which == 0 ? static_cast<void*>(dyb[i].get()) : which == 1 ? static_cast<void*>(dys[i].get())
+                                                                            : static_cast<void*>(dya[i].get());
+      if (row >= 0) y = static_cast<char*>(y) + size_t(row) * ldy[i] * (which == 0 ? 2 : 4);
+      o[i] = {dw[i].get(), p.Ns[i], y, ldy[i]};
+    }
+    return o;
+  };
+  Stream st;
+  using E = gpu::DecodeLinearEpilogue;
+  const auto ob = outs(0, -1), os = outs(1, -1), oa = outs(2, -1);
+  gpu::decode_linear(p.M, p.K, dx.get(), ldx, ob.data(), n_out, E::StoreBf16, st.s);
+  gpu::decode_linear(p.M, p.K, dx.get(), ldx, os.data(), n_out, E::StoreF32, st.s);
+  gpu::decode_linear(p.M, p.K, dx.get(), ldx, oa.data(), n_out, E::AddF32, st.s);
+  check_cuda(cudaStreamSynchronize(st.s), "decode_linear");
+  std::vector<std::vector<float>> batched(n_out);
+  for (int i = 0; i < n_out; ++i) batched[i] = dys[i].download();
+  // Each token alone (M = 1, x row m, into row m of the fp32 store outputs).
+  for (int m = 0; m < p.M; ++m) {
+    const auto o1 = outs(1, m);
+    gpu::decode_linear(1, p.K, dx.get() + size_t(m) * ldx, ldx, o1.data(), n_out, E::StoreF32, st.s);
+  }
+  check_cuda(cudaStreamSynchronize(st.s), "decode_linear alone");
+  double eb = 0, es = 0, ea = 0, exact = 0;
+  for (int i = 0; i < n_out; ++i) {
+    const int N = p.Ns[i];
+    const auto hb = to_float(dyb[i].download());
+    const auto hbits = dyb[i].download();
+    const auto hs = dys[i].download(), ha = dya[i].download();
+    std::vector<float> gb(size_t(p.M) * N), gs(gb.size()), ga(gb.size()), base(gb.size());
+    for (int m = 0; m < p.M; ++m)
+      for (int n = 0; n < ldy[i]; ++n) {
+        const size_t at = size_t(m) * ldy[i] + n;
+        if (n >= N) {  // padding: untouched (poison bytes 0xFF, the residual's initial values)
+          uint16_t b16;
+          std::memcpy(&b16, &hbits[at], 2);
+          exact += (b16 != 0xFFFF) + (std::memcmp(&hs[at], &batched[i][at], 4) != 0) + (ha[at] != y0[i][at]);
+          uint32_t b32;
+          std::memcpy(&b32, &batched[i][at], 4);
+          exact += b32 != 0xFFFFFFFFu;
+          continue;
+        }
+        const size_t o = size_t(m) * N + n;
+        gb[o] = hb[at], gs[o] = batched[i][at], ga[o] = ha[at], base[o] = y0[i][at];
+        exact += std::memcmp(&hs[at], &batched[i][at], 4) != 0;
+      }
+    eb = std::max(eb, max_rel(gb.data(), ref[i].data(), gb.size()));
+    es = std::max(es, max_rel(gs.data(), ref[i].data(), gs.size()));
+    ea = std::max(ea, compare(ga.data(), ref[i].data(), ga.size(), base.data()).max_rel);
+  }
+  return {eb, es, ea, exact};
+}
+
 struct MoeP {
   MoeCfg c;  // E, topk, H, I, Is
   int T;
@@ -941,6 +1032,21 @@ std::vector<Op> ops_table() {
                  {"M65 N77 K100 ldy+3", {65, 77, 100, 0, 3}}, {"M300 N1000 K136 ldy+24", {300, 1000, 136, 0, 24}},
                  {"M333 N2048 K2048", {333, 2048, 2048, 0, 0}}},
                 run_linear),
+      op<DecLinP>("decode_linear", "x bf16 (row stride ldx), 1-4 W bf16 -> y bf16 / fp32 / fp32 += residual",
+                   {{"bf16.max_rel", 1e-2, "one bf16 rounding (2^-9 relative)"},
+                    {"f32.max_rel", 1e-4, "fp32 accumulation on both sides, different order"},
+                    {"f32_add.max_rel", 1e-4, "as f32, onto a random residual"},
+                    {"exact", 0, "each token's bits as when decoded alone; row padding untouched"}},
+                   {{"M1 K32 N{1}", {1, 32, 0, 0, {1}}},
+                    {"M1 K2048 N{8192,4096,32,32} (GDN in_proj)", {1, 2048, 0, 0, {8192, 4096, 32, 32}}},
+                    {"M1 K4096 N{2048} (out_proj: 16-stage ring)", {1, 4096, 0, 0, {2048}}},
+                    {"M7 K96 N{72,5} ldx+8 ldy+3", {7, 96, 8, 3, {72, 5}}},
+                    {"M9 K512 N{2048} (short K: 2 slices)", {9, 512, 0, 0, {2048}}},
+                    {"M16 K4096 N{300} ldy+5 (8-stage ring, 2 groups)", {16, 4096, 0, 5, {300}}},
+                    {"M17 K4096 N{200,77,16} ldy+24", {17, 4096, 0, 24, {200, 77, 16}}},
+                    {"M33 K1056 N{100} (uneven slices)", {33, 1056, 0, 0, {100}}},
+                    {"M64 K2048 N{1000,33,17,1} ldx+16", {64, 2048, 16, 0, {1000, 33, 17, 1}}}},
+                   run_decode_linear),
       op<MoeP>("moe_forward", "x bf16, router/experts/shared bf16 -> out fp32 (accumulated)", {moe_max, moe_fro},
                {{"E8 top2 H64 I32 Is0 T1", {{8, 2, 64, 32, 0}, 1, true}},
                 {"E10 top3 H192 I96 Is32 T7 no renorm", {{10, 3, 192, 96, 32}, 7, false}},
@@ -992,5 +1098,28 @@ TEST_CASE("ops table: every CUDA op the engine calls against its CPU reference, 
         std::fflush(stdout);
       }
     }
+  }
+}
+
+TEST_CASE("decode_linear refuses the shapes it does not take, naming them", "[gpu][ops_table]") {
+  if (!cuda_device_present()) FAIL("no CUDA device: the GPU tests need an NVIDIA GPU (scripts/test_gpu.sh)");
+  DeviceBuffer<bf16> x(size_t(65) * 64), w(size_t(16) * 64);
+  DeviceBuffer<float> y(size_t(65) * 16);
+  const gpu::DecodeLinearOutput o{w.get(), 16, y.get(), 16};
+  using E = gpu::DecodeLinearEpilogue;
+  CHECK(gpu::decode_linear_supported(64, 64, x.get(), 64, &o, 1));
+  CHECK_FALSE(gpu::decode_linear_supported(gpu::kMaxDecodeLinearTokens + 1, 64, x.get(), 64, &o, 1));  // M
+  CHECK_FALSE(gpu::decode_linear_supported(0, 64, x.get(), 64, &o, 1));
+  CHECK_FALSE(gpu::decode_linear_supported(4, 48, x.get(), 64, &o, 1));      // K not a multiple of 32
+  CHECK_FALSE(gpu::decode_linear_supported(4, 64, x.get(), 60, &o, 1));      // ldx < K
+  CHECK_FALSE(gpu::decode_linear_supported(4, 64, x.get() + 1, 64, &o, 1));  // x not 16-byte aligned
+  CHECK_FALSE(gpu::decode_linear_supported(4, 64, x.get(), 64, &o, 0));      // no output
+  const gpu::DecodeLinearOutput bad_ldy{w.get(), 16, y.get(), 15};
+  CHECK_FALSE(gpu::decode_linear_supported(4, 64, x.get(), 64, &bad_ldy, 1));
+  try {
+    gpu::decode_linear(65, 64, x.get(), 64, &o, 1, E::StoreF32, nullptr);
+    FAIL("decode_linear took M = 65");
+  } catch (const std::invalid_argument& e) {
+    CHECK(std::string(e.what()).find("M 65") != std::string::npos);
   }
 }

@@ -1,0 +1,171 @@
+// Weight-streaming dense projections of decode (decode_linear.h): one block per row group of 16 weight rows (or a
+// few row groups when K is short), its 8 warps splitting K; the core is kernels/cuda/stream_gemm.cuh.
+#include "kernels/cuda/decode_linear.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/stream_gemm.cuh"
+
+namespace hypic::kernels::cuda {
+
+namespace {
+
+using detail::kStreamChunk;
+using detail::kStreamThreads;
+using detail::kStreamWarps;
+
+struct LinearOut {
+  const bf16* W;
+  void* y;
+  long ldy;
+  int N;
+  int rg_begin;  // first row group (16 rows) of this output in the launch's numbering
+};
+
+struct LinearArgs {
+  const bf16* x;
+  long ldx;
+  int M, K, ks_count, n_out, rg_total;
+  LinearOut out[kMaxDecodeLinearOutputs];
+};
+
+// S: ring stages per warp (dense_stages).
+template <int NT, int EPI, int S>
+__global__ void __launch_bounds__(kStreamThreads, detail::stream_blocks_per_sm(S, NT))
+    decode_linear_kernel(const LinearArgs a) {
+  constexpr int kRing = S * detail::stream_stage_uint4(NT);  // a warp's ring, 16-byte words
+  extern __shared__ uint4 ring_all[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+  const int rg_per_block = kStreamWarps / a.ks_count;
+  const int rg = blockIdx.x * rg_per_block + warp / a.ks_count, ks = warp % a.ks_count;
+  const bool active = rg < a.rg_total;
+  int oi = 0;
+#pragma unroll
+  for (int o = 1; o < kMaxDecodeLinearOutputs; ++o)
+    if (o < a.n_out && rg >= a.out[o].rg_begin) oi = o;
+  const LinearOut o = a.out[oi];
+  const int r0 = (rg - o.rg_begin) * 16;
+  // Rows past N (the last row group of an output) load row N - 1 and are not stored.
+  const bf16* wlo = o.W + size_t(min(r0 + g, o.N - 1)) * a.K + q * 8;
+  const bf16* whi = o.W + size_t(min(r0 + 8 + g, o.N - 1)) * a.K + q * 8;
+  const bf16* xp[NT];
+#pragma unroll
+  for (int t = 0; t < NT; ++t) xp[t] = a.x + size_t(min(t * 8 + g, a.M - 1)) * a.ldx + q * 8;
+  const int ntl = (a.M + 7) >> 3;
+  float acc[NT][4];
+#pragma unroll
+  for (int t = 0; t < NT; ++t)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[t][i] = 0.f;
+  const int kt = a.K / kStreamChunk;
+  const int kb = (ks * kt) / a.ks_count, ke = ((ks + 1) * kt) / a.ks_count;
+  uint4* ring = ring_all + warp * kRing;
+  if (active) detail::stream_prologue<NT, S>(wlo, whi, kb, ke, ring, lane);  // weights: before the wait (pdl.cuh)
+  detail::griddep_wait();
+  detail::griddep_launch_dependents();
+  if (active) detail::stream_consume<NT, S>(wlo, whi, kb, ke, xp, ntl, ring, lane, acc);
+  if (!detail::stream_reduce<NT, kRing>(acc, ntl, a.ks_count, ring_all) || !active) return;
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    if (t >= ntl) continue;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int m = t * 8 + 2 * q + h;
+      if (m >= a.M) continue;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = r0 + half * 8 + g;
+        if (r >= o.N) continue;
+        const float v = acc[t][half * 2 + h];
+        const size_t idx = size_t(m) * o.ldy + r;
+        if (EPI == int(DecodeLinearEpilogue::StoreBf16))
+          static_cast<bf16*>(o.y)[idx] = __float2bfloat16(v);
+        else if (EPI == int(DecodeLinearEpilogue::StoreF32))
+          static_cast<float*>(o.y)[idx] = v;
+        else
+          static_cast<float*>(o.y)[idx] += v;
+      }
+    }
+  }
+}
+
+template <int NT, int EPI, int S>
+void launch_s(const LinearArgs& a, unsigned blocks, cudaStream_t stream) {
+  auto kernel = decode_linear_kernel<NT, EPI, S>;
+  constexpr int smem = detail::stream_smem_bytes(S, NT);
+  static const bool attr_set = [&] {
+    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+               "decode_linear: shared memory attribute");
+    return true;
+  }();
+  (void)attr_set;
+  detail::launch_pdl(kernel, dim3(blocks), dim3(kStreamThreads), size_t(smem), stream, "decode_linear launch", a);
+}
+
+// Ring depth: 8 stages with one token group (64 KiB blocks, 3 per SM), 4 with more (x staged in the ring too);
+// twice that when each warp's K slice has 16 chunks or more (K = 4096: a warp's whole slice in flight at once).
+template <int EPI>
+void launch_epi(const LinearArgs& a, unsigned blocks, cudaStream_t stream) {
+  const bool long_slices = (a.K / kStreamChunk) / a.ks_count >= 16;
+  if (a.M <= 8)
+    long_slices ? launch_s<1, EPI, 16>(a, blocks, stream) : launch_s<1, EPI, 8>(a, blocks, stream);
+  else if (a.M <= 16)
+    long_slices ? launch_s<2, EPI, 8>(a, blocks, stream) : launch_s<2, EPI, 4>(a, blocks, stream);
+  else if (a.M <= 32)
+    launch_s<4, EPI, 4>(a, blocks, stream);
+  else
+    launch_s<8, EPI, 4>(a, blocks, stream);
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+}  // namespace
+
+bool decode_linear_supported(int M, int K, const bf16* x, long ldx, const DecodeLinearOutput* outputs, int n_outputs) {
+  if (M < 1 || M > kMaxDecodeLinearTokens || K <= 0 || K % kStreamChunk != 0) return false;
+  if (!x || !aligned16(x) || ldx < K || ldx % 8 != 0) return false;
+  if (!outputs || n_outputs < 1 || n_outputs > kMaxDecodeLinearOutputs) return false;
+  for (int i = 0; i < n_outputs; ++i) {
+    const DecodeLinearOutput& o = outputs[i];
+    if (!o.W || !aligned16(o.W) || !o.y || o.N < 1 || o.ldy < o.N) return false;
+  }
+  return true;
+}
+
+void decode_linear(int M, int K, const bf16* x, long ldx, const DecodeLinearOutput* outputs, int n_outputs,
+                   DecodeLinearEpilogue epilogue, cudaStream_t stream) {
+  if (!decode_linear_supported(M, K, x, ldx, outputs, n_outputs))
+    throw std::invalid_argument("decode_linear: unsupported arguments (M " + std::to_string(M) + " in 1.." +
+                                std::to_string(kMaxDecodeLinearTokens) + ", K " + std::to_string(K) +
+                                " a multiple of 32, ldx " + std::to_string(ldx) + " >= K and a multiple of 8, " +
+                                std::to_string(n_outputs) + " outputs in 1.." +
+                                std::to_string(kMaxDecodeLinearOutputs) +
+                                ", 16-byte aligned x and weights, N >= 1, ldy >= N)");
+  LinearArgs a{};
+  a.x = x;
+  a.ldx = ldx;
+  a.M = M;
+  a.K = K;
+  a.ks_count = detail::stream_k_slices(K / kStreamChunk);
+  a.n_out = n_outputs;
+  long rg = 0;
+  for (int i = 0; i < n_outputs; ++i) {
+    a.out[i] = LinearOut{outputs[i].W, outputs[i].y, outputs[i].ldy, outputs[i].N, int(rg)};
+    rg += (outputs[i].N + 15) / 16;
+  }
+  if (rg > (long(1) << 30)) throw std::invalid_argument("decode_linear: too many output rows");
+  a.rg_total = int(rg);
+  const int rg_per_block = kStreamWarps / a.ks_count;
+  const unsigned blocks = unsigned((rg + rg_per_block - 1) / rg_per_block);
+  switch (epilogue) {
+    case DecodeLinearEpilogue::StoreBf16: launch_epi<int(DecodeLinearEpilogue::StoreBf16)>(a, blocks, stream); break;
+    case DecodeLinearEpilogue::StoreF32: launch_epi<int(DecodeLinearEpilogue::StoreF32)>(a, blocks, stream); break;
+    case DecodeLinearEpilogue::AddF32: launch_epi<int(DecodeLinearEpilogue::AddF32)>(a, blocks, stream); break;
+  }
+}
+
+}  // namespace hypic::kernels::cuda

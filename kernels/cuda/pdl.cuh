@@ -1,0 +1,57 @@
+// Programmatic dependent launch (PDL, sm_90) for the chains of small kernels of a decode step: a kernel launched
+// with cudaLaunchAttributeProgrammaticStreamSerialization (launch_pdl) may have its blocks scheduled while its
+// predecessor in the stream still runs (once every block of the predecessor has executed
+// griddep_launch_dependents(), or exited). Such a kernel calls griddep_wait() before it touches any global memory
+// that an earlier kernel of the stream writes (or reads, if it writes it): griddepcontrol.wait returns once the
+// preceding grid has completed and its memory is visible, so stream-order semantics are unchanged. Memory no kernel
+// of the step writes (weights) may be read before it: that is what lets a weight-streaming GEMM start its loads
+// while its predecessor drains. Without the launch attribute both instructions are no-ops.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdlib>
+
+#include "kernels/cuda/cuda_check.h"
+
+namespace hypic::kernels::cuda::detail {
+
+__device__ __forceinline__ void griddep_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void griddep_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+/// PDL on by default; HYPIC_MOE_PDL=0 in the environment (read once) launches the decode chains plainly.
+inline bool pdl_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("HYPIC_MOE_PDL");
+    return !(v && v[0] == '0');
+  }();
+  return on;
+}
+
+/// kernel<<<grid, block, smem, stream>>>(args...) with programmatic stream serialization (see the top of this file):
+/// the kernel must call griddep_wait() before it touches memory an earlier kernel writes. Host only; throws
+/// std::runtime_error (naming `what`) when the launch fails.
+template <class... KArgs, class... Args>
+void launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, const char* what,
+                Args... args) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl_enabled() ? 1 : 0;
+  check_cuda(cudaLaunchKernelEx(&cfg, kernel, static_cast<KArgs>(args)...), what);
+}
+
+}  // namespace hypic::kernels::cuda::detail

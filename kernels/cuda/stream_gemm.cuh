@@ -1,0 +1,171 @@
+// Device core of the weight-streaming GEMMs of decode (decode_linear.cu: dense projections; moe_decode.cu: the
+// routed and shared experts): y^T = W x^T for a few tokens, bound by reading W once at memory bandwidth.
+//
+// The problem is transposed: the weight rows are the mma M dimension (16 per m16n8k16 A fragment), the tokens the
+// N dimension (groups of 8). A warp owns 16 weight rows (A rows 0..7 at `wlo`, 8..15 at `whi`) over a contiguous
+// slice of K in chunks of 32. Its weights and x stream through a per-warp ring in shared memory of S stages (one
+// chunk each), filled by cp.async (16 bytes per lane per row half: lane (g = lane / 4, q = lane % 4) copies W[row
+// g][k0 + 8q .. + 7] and W[row g + 8][same], and with two or more token groups for each group t the same k of x
+// row 8t + g) and read back by the same lane, so the loads in flight cost no registers and there are no bank
+// conflicts (stream_stage_uint4 says when x is staged). The mma only needs A and B to use one permutation of k inside each k16 step: step s (0, 1)
+// of a chunk puts k0 + 8q + 4s + {0, 1} at fragment k-positions 2q, 2q+1 and k0 + 8q + 4s + {2, 3} at 2q+8, 2q+9
+// (a bijection of the chunk's 32 k onto the two steps' positions), i.e. a = {wlo.w[2s], whi.w[2s], wlo.w[2s+1],
+// whi.w[2s+1]}, b = {x.w[2s], x.w[2s+1]} in 32-bit words. Accumulators: acc[t][h] = (A row g, token 8t + 2q + h),
+// acc[t][2 + h] = (A row g + 8, same token), fp32, summed over the warp's chunks in ascending k.
+#pragma once
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/mma.cuh"
+#include "kernels/cuda/pdl.cuh"
+
+namespace hypic::kernels::cuda::detail {
+
+constexpr int kStreamThreads = 256;                         // threads of every weight-streaming block
+constexpr int kStreamWarps = kStreamThreads / 32;
+constexpr int kStreamChunk = 32;                            // k per chunk
+constexpr int kStreamStages = 8;                            // the ring depth stream_k_slices plans for
+
+/// 16-byte words of one ring stage with NT token groups: W rows lo and hi, then (NT >= 2) x of each group (32 lanes
+/// each). With one token group x stays out of the ring (read through L1 in the loop): a stage of W alone keeps 3
+/// blocks per SM and more weight bytes in flight, which measured faster at batch 1 (a GDN layer's 50 MB in_proj
+/// 20 us against 34 us with x in the ring), while from 9 tokens on the staged x won (batch 16: MoE gate_up 124 us
+/// against 137).
+__host__ __device__ constexpr int stream_stage_uint4(int nt) { return (nt == 1 ? 2 : 2 + nt) * 32; }
+/// Dynamic shared memory of a block whose warps have rings of `stages` stages with NT token groups.
+__host__ __device__ constexpr int stream_smem_bytes(int stages, int nt) {
+  return kStreamWarps * stages * stream_stage_uint4(nt) * 16;
+}
+/// Blocks per SM that such a block's shared memory allows on sm_90 (227 KiB per SM), at most 3: its
+/// __launch_bounds__ minimum.
+__host__ __device__ constexpr int stream_blocks_per_sm(int stages, int nt) {
+  return 227 * 1024 / stream_smem_bytes(stages, nt) >= 3 ? 3 : 227 * 1024 / stream_smem_bytes(stages, nt) >= 2 ? 2 : 1;
+}
+
+/// K slices per row group for a K of `kt` chunks: the largest of 8, 4, 2, 1 that leaves each warp at least
+/// kStreamStages chunks (1 when K is shorter than that). Host and device.
+__host__ __device__ constexpr int stream_k_slices(int kt) {
+  return kt >= 8 * kStreamStages ? 8 : kt >= 4 * kStreamStages ? 4 : kt >= 2 * kStreamStages ? 2 : 1;
+}
+
+__device__ __forceinline__ void cp_async16_stream(uint4* smem, const __nv_bfloat16* gmem) {
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;\n" ::"r"(smem_addr(smem)), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit_stream() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait_stream() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+/// Issues the weight copies of the first S chunks of [kb, ke) into a warp's ring of S stages of NT token groups
+/// (one commit group per stage, empty or not). wlo / whi: the lane's weight rows (A rows g and g + 8) with + 8q
+/// applied. Weights are never written during a step, so this may run before griddep_wait() (pdl.cuh).
+template <int NT, int S>
+__device__ __forceinline__ void stream_prologue(const __nv_bfloat16* wlo, const __nv_bfloat16* whi, int kb, int ke,
+                                                uint4* ring, int lane) {
+  constexpr int kStage = stream_stage_uint4(NT);
+  const int n = ke - kb;
+#pragma unroll
+  for (int s = 0; s < S; ++s) {
+    if (s < n) {
+      cp_async16_stream(ring + s * kStage + lane, wlo + (kb + s) * kStreamChunk);
+      cp_async16_stream(ring + s * kStage + 32 + lane, whi + (kb + s) * kStreamChunk);
+    }
+    cp_async_commit_stream();  // the waits below count groups
+  }
+}
+
+/// After stream_prologue<NT, S> on the same arguments (and, with PDL, griddep_wait: x may come from the previous
+/// kernel): copies x of the first S chunks (one more commit group; NT >= 2), then acc += W[rows][k] x[tokens][k] over
+/// chunks
+/// [kb, ke) (k = 32 c ..) for token groups t < ntl (xp[t]: the lane's x row 8t + g, + 8q applied, 16-byte aligned;
+/// rows past the count may point at any valid row, their results are not stored; with NT = 1 read through the
+/// non-coherent L1 path, so x must not change while the kernel runs), refilling each stage with the weights (and x)
+/// of chunk + S once consumed. Returns with no copy in flight (the ring is free).
+template <int NT, int S>
+__device__ __forceinline__ void stream_consume(const __nv_bfloat16* wlo, const __nv_bfloat16* whi, int kb, int ke,
+                                               const __nv_bfloat16* const (&xp)[NT], int ntl, uint4* ring, int lane,
+                                               float (&acc)[NT][4]) {
+  constexpr int kStage = stream_stage_uint4(NT);
+  constexpr bool kXInRing = NT >= 2;
+  const int n = ke - kb;
+  if constexpr (kXInRing) {
+#pragma unroll
+    for (int s = 0; s < S; ++s)
+      if (s < n)
+#pragma unroll
+        for (int t = 0; t < NT; ++t)
+          if (t < ntl) cp_async16_stream(ring + s * kStage + (2 + t) * 32 + lane, xp[t] + (kb + s) * kStreamChunk);
+  }
+  cp_async_commit_stream();
+  // Commit order: W of stages 0..S-1, x of stages 0..S-1 (empty with one token group), then one group per iteration
+  // (the refill of chunk i + S). Iteration 0 waits for all of the first S; iteration i >= S needs refill group
+  // i - S, which wait_group S - 1 guarantees (at most S - 1 of the S + 1 + i groups pending).
+  cp_async_wait_stream<0>();
+  for (int i = 0; i < n; ++i) {
+    if (i > 0) cp_async_wait_stream<S - 1>();
+    uint4* st = ring + (i % S) * kStage;
+    const uint4 wl = st[lane], wh = st[32 + lane];
+    const uint32_t a0[4] = {wl.x, wh.x, wl.y, wh.y};
+    const uint32_t a1[4] = {wl.z, wh.z, wl.w, wh.w};
+    const int k0 = (kb + i) * kStreamChunk;
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      if (t < ntl) {
+        uint4 xv;
+        if constexpr (kXInRing)
+          xv = st[(2 + t) * 32 + lane];
+        else
+          xv = __ldg(reinterpret_cast<const uint4*>(xp[t] + k0));
+        mma_bf16(acc[t], a0, xv.x, xv.y);
+        mma_bf16(acc[t], a1, xv.z, xv.w);
+      }
+    }
+    // The stage's words were consumed by the mma above (in registers) before this lane refills them.
+    if (i + S < n) {
+      const int k1 = k0 + S * kStreamChunk;
+      cp_async16_stream(st + lane, wlo + k1);
+      cp_async16_stream(st + 32 + lane, whi + k1);
+      if constexpr (kXInRing) {
+#pragma unroll
+        for (int t = 0; t < NT; ++t)
+          if (t < ntl) cp_async16_stream(st + (2 + t) * 32 + lane, xp[t] + k1);
+      }
+    }
+    cp_async_commit_stream();
+  }
+  cp_async_wait_stream<0>();
+}
+
+/// Adds the K-slice partial sums of a block's warps (warp w = row group w / ks_count, slice w % ks_count) into the
+/// slice-0 warp of each row group, in ascending slice order (fixed: bit-identical from run to run). Every thread of
+/// the block calls it; ring_all: the block's rings of `ring_uint4` words per warp (each warp's partials go to its
+/// own, free after stream_consume; at least NT * 32 words).
+/// Returns true for the lanes that hold the row group's sums (slice 0).
+template <int NT, int kRingUint4>
+__device__ __forceinline__ bool stream_reduce(float (&acc)[NT][4], int ntl, int ks_count, uint4* ring_all) {
+  static_assert(NT * 4 * 32 <= kRingUint4 * 4, "partials fit a warp's ring");
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, ks = warp % ks_count;
+  if (ks_count == 1) return true;
+  float* red = reinterpret_cast<float*>(ring_all);
+  constexpr int kWarpFloats = kRingUint4 * 4;
+  if (ks != 0) {
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+      if (t < ntl)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) red[warp * kWarpFloats + (t * 4 + i) * 32 + lane] = acc[t][i];
+  }
+  __syncthreads();
+  if (ks != 0) return false;
+  for (int s = 1; s < ks_count; ++s)
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+      if (t < ntl)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[t][i] += red[(warp + s) * kWarpFloats + (t * 4 + i) * 32 + lane];
+  return true;
+}
+
+}  // namespace hypic::kernels::cuda::detail
