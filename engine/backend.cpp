@@ -3,8 +3,12 @@
 #include "engine/backend.h"
 
 #include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <string>
 
 #include "engine/cpu/cpu_backend.h"
+#include "engine/sampling.h"
 
 #if defined(HYPIC_WITH_CUDA) && HYPIC_WITH_CUDA
 #include <cuda_runtime_api.h>
@@ -24,6 +28,27 @@ bool cuda_available() {
 }
 
 std::optional<DeviceBlock> Backend::device_block(const ResidentEntry&) const { return std::nullopt; }
+
+void Backend::decode_step(std::span<Sequence* const> sequences, std::span<const int32_t> tokens,
+                          std::span<const uint8_t> want_logits, DecodeStepOutput& out) {
+  if (want_logits.size() != sequences.size())
+    throw std::invalid_argument("decode_step: " + std::to_string(sequences.size()) + " sequences but " +
+                                std::to_string(want_logits.size()) + " want_logits flags");
+  std::vector<float> all;
+  decode(sequences, tokens, all);
+  const size_t B = sequences.size(), V = B ? all.size() / B : 0;
+  out.argmax.assign(B, -1);
+  out.logits.clear();
+  for (size_t b = 0; b < B; ++b) {
+    const std::span<const float> row(all.data() + b * V, V);
+    if (want_logits[b]) {
+      out.logits.insert(out.logits.end(), row.begin(), row.end());
+      continue;
+    }
+    const bool nan = std::any_of(row.begin(), row.end(), [](float v) { return std::isnan(v); });
+    out.argmax[b] = nan ? kNanLogits : argmax(row);
+  }
+}
 
 std::pair<std::shared_ptr<const ResidentEntry>, DeviceBlock> Backend::allocate_entry(const SegmentEntry&) const {
   throw std::logic_error("allocate_entry: the " + std::string(numerics()) +

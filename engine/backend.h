@@ -279,6 +279,23 @@ class Backend {
   virtual void decode(std::span<Sequence* const> sequences, std::span<const int32_t> tokens,
                       std::vector<float>& logits) = 0;
 
+  /// What decode_step returns to the host.
+  struct DecodeStepOutput {
+    /// [B]: for each row with want_logits[b] == 0, the argmax of its logits (the greedy token: lowest id on ties, as
+    /// engine/sampling.h argmax), or kNanLogits when the row has a NaN logit; -1 for the other rows.
+    std::vector<int32_t> argmax;
+    /// [n][V] fp32: the logits of the rows with want_logits[b] != 0, in batch order (n = their count).
+    std::vector<float> logits;
+  };
+  static constexpr int32_t kNanLogits = -2;
+  /// One decode step as decode() for a batch whose rows need either their full logits (a sampling request:
+  /// want_logits[b] != 0) or only their greedy token (the others): the CUDA backend takes the argmax on the device
+  /// and copies only the rows that need logits (a batch of 64 greedy rows would copy 64 x V x 4 bytes = 63 MB at
+  /// V = 248k); the default runs decode() and takes the argmax on the host. Same preconditions, errors and
+  /// all-or-nothing advance as decode(); want_logits.size() must equal sequences.size() (std::invalid_argument).
+  virtual void decode_step(std::span<Sequence* const> sequences, std::span<const int32_t> tokens,
+                           std::span<const uint8_t> want_logits, DecodeStepOutput& out);
+
   virtual BackendMemory memory() const = 0;
 
   /// True if decode() may be called from one other thread while build_entries, import_entry or splice run (on

@@ -532,7 +532,11 @@ void EngineLoop::decode_step() {
     seqs.push_back(a.sequence.get());
     tokens.push_back(a.next_token);
   }
-  std::vector<float> logits;
+  // Greedy requests need only their argmax (taken on the device by the CUDA backend: no logits copy); sampling
+  // requests get their full logits row.
+  std::vector<uint8_t> want_logits(active_.size());
+  for (size_t b = 0; b < active_.size(); ++b) want_logits[b] = active_[b].sampler->config().temperature != 0.0f;
+  Backend::DecodeStepOutput out;
   auto fail = [this](Active& a, EngineErrorKind kind, const std::string& msg) {
     GenerateEnd end;
     end.reason = GenerateEndReason::Failed;
@@ -543,7 +547,7 @@ void EngineLoop::decode_step() {
     if (a.gen->on_end) a.gen->on_end(end);
   };
   try {
-    backend_.decode(seqs, tokens, logits);
+    backend_.decode_step(seqs, tokens, want_logits, out);
   } catch (...) {
     // A backend refuses a whole batch before advancing any sequence (engine/backend.h), e.g. when one sequence needs
     // a KV page the pool no longer has: step each sequence alone so that only the ones that fail end.
@@ -555,31 +559,28 @@ void EngineLoop::decode_step() {
       publish_active_count();
       return;
     }
-    const size_t vocab = size_t(backend_.config().vocab_size);
-    logits.assign(active_.size() * vocab, 0.f);
-    std::vector<char> ok(active_.size(), 0);
+    Backend::DecodeStepOutput kept_out;
+    std::vector<Active> kept;
+    std::vector<uint8_t> kept_want;
     for (size_t b = 0; b < active_.size(); ++b) {
       Sequence* one[1] = {seqs[b]};
-      std::vector<float> lg;
+      Backend::DecodeStepOutput o1;
       try {
-        backend_.decode(std::span<Sequence* const>(one, 1), std::span<const int32_t>(&tokens[b], 1), lg);
-        std::copy(lg.begin(), lg.end(), logits.begin() + ptrdiff_t(b * vocab));
-        ok[b] = 1;
+        backend_.decode_step(std::span<Sequence* const>(one, 1), std::span<const int32_t>(&tokens[b], 1),
+                             std::span<const uint8_t>(&want_logits[b], 1), o1);
       } catch (...) {
         fail(active_[b], classify_engine_error(std::current_exception()),
              "decode failed: " + message_of(std::current_exception()));
+        continue;
       }
+      kept.push_back(std::move(active_[b]));
+      kept_want.push_back(want_logits[b]);
+      kept_out.argmax.push_back(o1.argmax.at(0));
+      kept_out.logits.insert(kept_out.logits.end(), o1.logits.begin(), o1.logits.end());
     }
-    std::vector<Active> kept;
-    std::vector<float> kept_logits;
-    for (size_t b = 0; b < active_.size(); ++b)
-      if (ok[b]) {
-        kept.push_back(std::move(active_[b]));
-        kept_logits.insert(kept_logits.end(), logits.begin() + ptrdiff_t(b * vocab),
-                           logits.begin() + ptrdiff_t((b + 1) * vocab));
-      }
     active_ = std::move(kept);
-    logits = std::move(kept_logits);
+    want_logits = std::move(kept_want);
+    out = std::move(kept_out);
     publish_active_count();
     if (active_.empty()) return;
   }
@@ -588,11 +589,20 @@ void EngineLoop::decode_step() {
   const size_t vocab = size_t(backend_.config().vocab_size);
   std::vector<Active> still;
   still.reserve(active_.size());
+  size_t row = 0;  // next row of out.logits
   for (size_t b = 0; b < active_.size(); ++b) {
     Active& a = active_[b];
     int32_t tok = 0;
+    const size_t my_row = want_logits[b] ? row++ : 0;
     try {  // a sampler error (e.g. NaN logits) ends this request only
-      tok = a.sampler->sample(std::span<const float>(logits).subspan(b * vocab, vocab));
+      if (want_logits[b]) {
+        tok = a.sampler->sample(std::span<const float>(out.logits).subspan(my_row * vocab, vocab));
+      } else {
+        tok = out.argmax.at(b);
+        if (tok == Backend::kNanLogits) throw std::invalid_argument("a NaN in the logits (greedy decoding)");
+        if (tok < 0 || tok >= int32_t(vocab))
+          throw std::logic_error("decode_step returned token " + std::to_string(tok) + " for a greedy row");
+      }
     } catch (...) {
       fail(a, classify_engine_error(std::current_exception()), "sampling failed: " + message_of(std::current_exception()));
       continue;

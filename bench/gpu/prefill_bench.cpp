@@ -819,7 +819,9 @@ int main(int argc, char** argv) try {
   const int decode_seqs = want_decode ? int(max_batch) : 0;
   // KV pages: each decode context (segments + query + every decode step it takes part in), or the longest prefill.
   const bool want_beside = want_decode && !skipped("beside") && beside_batch >= 1 && beside_batch <= max_batch;
-  const int64_t steps_per_seq = int64_t(batches.size()) * (decode_warm + decode_steps) + (want_beside ? 3 * (beside_steps + 1) : 0);
+  // Each batch size is timed twice (logits to the host, then greedy with the argmax on the device).
+  const int64_t steps_per_seq =
+      int64_t(batches.size()) * 2 * (decode_warm + decode_steps) + (want_beside ? 3 * (beside_steps + 1) : 0);
   const int64_t pages_per_ctx = (ctx_tokens + decode_query + steps_per_seq + 63) / 64;
   const int64_t pages_prefill = (longest + 63) / 64 + 1;
   // Beside: the decode contexts and one prefill (or build) alive at once.
@@ -1017,6 +1019,15 @@ int main(int argc, char** argv) try {
                 be->decode(ptr, toks, logits);
               },
               decode_warm, decode_steps);
+          // The same steps for greedy requests (Backend::decode_step: argmax on the device, no logits copy).
+          const std::vector<uint8_t> none(size_t(Bn), 0);
+          eng::Backend::DecodeStepOutput step_out;
+          const Stats gst = time_wall(
+              [&] {
+                NvtxRange r("decode_step_greedy");
+                be->decode_step(ptr, toks, none, step_out);
+              },
+              decode_warm, decode_steps);
           // Bytes one step must read (an estimate): every dense weight, the experts the batch touches (uniform
           // routing: E (1 - (1 - k/E)^B) per layer), the LM head, KV of every context, linear states in and out.
           double ctx = 0;
@@ -1031,12 +1042,15 @@ int main(int argc, char** argv) try {
           const double st_b = 2.0 * d.n_lin * double(Bn) * d.nv * kc::kGdnHeadDim * kc::kGdnHeadDim * 4;
           const double est = w_bytes + kv_b + st_b;
           decode["batches"].push_back({{"batch", Bn}, {"ms", st.median}, {"min_ms", st.min}, {"max_ms", st.max},
+                                       {"greedy_ms", gst.median}, {"greedy_min_ms", gst.min},
                                        {"tokens_per_s", double(Bn) / (st.median * 1e-3)},
                                        {"mean_context_tokens", ctx / double(Bn)}, {"est_bytes", est},
                                        {"est_weight_bytes", w_bytes}, {"est_kv_bytes", kv_b},
                                        {"est_state_bytes", st_b}, {"est_GBps", est / (st.median * 1e-3) / 1e9}});
-          std::printf("decode batch %3lld, contexts of %lld tokens: %.2f ms per step (min %.2f), %.0f tokens/s\n",
-                      (long long)Bn, (long long)(ctx / double(Bn)), st.median, st.min, double(Bn) / (st.median * 1e-3));
+          std::printf("decode batch %3lld, contexts of %lld tokens: %.2f ms per step (min %.2f), %.0f tokens/s; greedy "
+                      "(argmax on the device) %.2f ms (min %.2f)\n",
+                      (long long)Bn, (long long)(ctx / double(Bn)), st.median, st.min, double(Bn) / (st.median * 1e-3),
+                      gst.median, gst.min);
           std::fflush(stdout);
         }
         if (want_beside) {

@@ -135,10 +135,12 @@ std::string markdown(const json& J) {
     const json& dc = J["decode"];
     m << "\n## Decode (Backend::decode of a batch, contexts of " << dc.value("context_tokens", 0)
       << " tokens, each a hypic splice of the cached segments + a distinct query)\n\n"
-         "| batch | ms per step (inter-token latency) | tokens/s | est. bytes read per step | est. GB/s |\n"
-         "|---|---|---|---|---|\n";
+         "| batch | ms per step (inter-token latency) | greedy, argmax on the device (Backend::decode_step) ms | "
+         "tokens/s | est. bytes read per step | est. GB/s |\n"
+         "|---|---|---|---|---|---|\n";
     for (const json& r : dc.value("batches", json::array()))
       m << "| " << r.value("batch", 0) << " | " << fmt("%.2f", jnum(r, "ms")) << " | "
+        << (r.contains("greedy_ms") ? fmt("%.2f", jnum(r, "greedy_ms")) : std::string("-")) << " | "
         << fmt("%.0f", jnum(r, "tokens_per_s")) << " | " << fmt("%.1f GB", jnum(r, "est_bytes") / 1e9) << " | "
         << fmt("%.0f", jnum(r, "est_GBps")) << " |\n";
     m << "\nEstimated bytes per step: every dense weight and the LM head, the experts the batch touches (uniform "

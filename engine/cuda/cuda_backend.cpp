@@ -186,6 +186,7 @@ void CudaBackend::allocate_pools() {
   carve_activations(dec_act_, size_t(opt_.max_sequences), "decode activations (--max-sequences)", dec_);
   dec_.stream = dec_stream_, dec_.gemm = &dec_gemm_, dec_.moe_ws = &dec_moe_ws_, dec_.decode = true;
   dec_logits_ = DeviceMemory(size_t(opt_.max_sequences) * cfg_.vocab_size * 4, "decode logits (--max-sequences)");
+  dec_argmax_ = DeviceMemory(size_t(opt_.max_sequences) * 4, "decode greedy tokens (--max-sequences)");
   if (n_attn_) {
     const std::vector<float> inv = kernels::cpu::rope_inv_freq(cfg_.rope_theta, cfg_.rotary_dim());
     inv_freq_ = DeviceMemory(inv.size() * 4, "rope inverse frequencies");
@@ -418,6 +419,59 @@ void CudaBackend::lm_head(int rows, const int* rows_index, std::vector<float>& l
 
 void CudaBackend::decode(std::span<Sequence* const> sequences, std::span<const int32_t> tokens,
                          std::vector<float>& logits) {
+  logits.clear();
+  decode_device(sequences, tokens, [&](int B) {
+    logits.resize(size_t(B) * size_t(cfg_.vocab_size));
+    check_cuda(cudaMemcpyAsync(logits.data(), dec_logits_.as(), logits.size() * 4, cudaMemcpyDeviceToHost, dec_stream_),
+               "logits download");
+  });
+}
+
+void CudaBackend::decode_step(std::span<Sequence* const> sequences, std::span<const int32_t> tokens,
+                              std::span<const uint8_t> want_logits, DecodeStepOutput& out) {
+  if (want_logits.size() != sequences.size())
+    throw std::invalid_argument("decode_step: " + std::to_string(sequences.size()) + " sequences but " +
+                                std::to_string(want_logits.size()) + " want_logits flags");
+  out.argmax.clear();
+  out.logits.clear();
+  decode_device(sequences, tokens, [&](int B) {
+    const size_t V = size_t(cfg_.vocab_size);
+    out.argmax.assign(size_t(B), -1);
+    size_t n = 0;
+    for (int b = 0; b < B; ++b) n += want_logits[b] != 0;
+    if (n < size_t(B)) {  // some greedy rows: their argmax on the device, 4 bytes each
+      kc::argmax_rows(B, int(V), dec_logits_.as<float>(), long(V), dec_argmax_.as<int32_t>(), dec_stream_);
+      check_cuda(cudaMemcpyAsync(out.argmax.data(), dec_argmax_.as(), size_t(B) * 4, cudaMemcpyDeviceToHost,
+                                 dec_stream_),
+                 "greedy tokens download");
+    }
+    out.logits.resize(n * V);
+    size_t row = 0;
+    for (int b = 0; b < B;) {  // runs of consecutive rows that want logits, one copy each
+      if (!want_logits[b]) {
+        ++b;
+        continue;
+      }
+      int e = b;
+      while (e < B && want_logits[e]) ++e;
+      check_cuda(cudaMemcpyAsync(out.logits.data() + row * V, dec_logits_.as<float>() + size_t(b) * V,
+                                 size_t(e - b) * V * 4, cudaMemcpyDeviceToHost, dec_stream_),
+                 "logits download");
+      row += size_t(e - b);
+      b = e;
+    }
+  });
+  // After the step's synchronisation: greedy rows' tokens (kArgmaxNan -> kNanLogits), -1 for the others.
+  for (size_t b = 0; b < out.argmax.size(); ++b) {
+    if (want_logits[b])
+      out.argmax[b] = -1;
+    else if (out.argmax[b] == kc::kArgmaxNan)
+      out.argmax[b] = kNanLogits;
+  }
+}
+
+void CudaBackend::decode_device(std::span<Sequence* const> sequences, std::span<const int32_t> tokens,
+                                const std::function<void(int B)>& download) {
   set_device();  // no drain_frees: freeing synchronizes the device, and this may run beside a prefill pass
   // Always the whole device at the highest priority: while a prefill call runs confined to the prefill partition
   // (PartitionScope), the SMs it leaves out take this step's blocks at once and freed prefill SMs take more. (A
@@ -437,10 +491,7 @@ void CudaBackend::decode(std::span<Sequence* const> sequences, std::span<const i
     throw std::invalid_argument("decode: " + std::to_string(sequences.size()) + " sequences but " +
                                 std::to_string(tokens.size()) + " tokens");
   const int B = int(sequences.size());
-  if (B == 0) {
-    logits.clear();
-    return;
-  }
+  if (B == 0) return;
   if (B > opt_.max_sequences)
     throw std::invalid_argument("decode: batch of " + std::to_string(B) + " above max_sequences (" +
                                 std::to_string(opt_.max_sequences) + ")");
@@ -512,10 +563,7 @@ void CudaBackend::decode(std::span<Sequence* const> sequences, std::span<const i
     decode_body(B, cap, t);
     warmed_.insert(key);
   }
-  const size_t V = size_t(cfg_.vocab_size);
-  logits.resize(size_t(B) * V);
-  check_cuda(cudaMemcpyAsync(logits.data(), dec_logits_.as(), logits.size() * 4, cudaMemcpyDeviceToHost, dec_stream_),
-             "logits download");
+  download(B);
   check_cuda(cudaStreamSynchronize(dec_stream_), "decode step");
   for (auto* s : seqs) s->n_ += 1;
 }

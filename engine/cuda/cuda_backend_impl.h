@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <atomic>
 #include <exception>
+#include <functional>
 #include <initializer_list>
 #include <cmath>
 #include <cstring>
@@ -256,6 +257,9 @@ class CudaBackend final : public Backend {
   SpliceOutput splice(const SplicePlan& plan) override;
   void decode(std::span<Sequence* const> sequences, std::span<const int32_t> tokens,
               std::vector<float>& logits) override;
+  /// Greedy rows' argmax on the device (kernels/cuda/ops.h argmax_rows); only the rows that want logits are copied.
+  void decode_step(std::span<Sequence* const> sequences, std::span<const int32_t> tokens,
+                   std::span<const uint8_t> want_logits, DecodeStepOutput& out) override;
   BackendMemory memory() const override;
   bool concurrent_decode() const override { return opt_.concurrent_decode; }
   void set_decoding_sequences(int n) override { decoders_.store(n); }
@@ -382,6 +386,10 @@ class CudaBackend final : public Backend {
     size_t ints;
   };
   void decode_body(int B, int cap, const DecodeTables& t);
+  /// decode() and decode_step(): one step whose logits stay in dec_logits_ [B][V] (device); then `download` (on
+  /// dec_stream_, before the step's synchronisation) copies what the caller needs.
+  void decode_device(std::span<Sequence* const> sequences, std::span<const int32_t> tokens,
+                     const std::function<void(int B)>& download);
   struct GraphExec {
     explicit GraphExec(cudaGraphExec_t e) : e_(e, [](cudaGraphExec_t x) { if (x) cudaGraphExecDestroy(x); }) {}
     cudaGraphExec_t get() const { return e_.get(); }
@@ -497,6 +505,7 @@ class CudaBackend final : public Backend {
   DeviceMemory logits_dev_;
   DeviceMemory mass_dev_;  // the refresh probe's attention mass per KV slot (fp32)
   DeviceMemory dec_tables_, dec_logits_;          // decode steps (fixed, so that graphs can point at them)
+  DeviceMemory dec_argmax_;                       // decode_step: greedy tokens [max_sequences] int32
   // Captured decode steps by (batch, block-table width), captured and launched on dec_full_stream_ only (a graph's
   // kernels keep the context, and so the SMs, of the stream they were captured on).
   std::map<std::pair<int, int>, GraphExec> graphs_;

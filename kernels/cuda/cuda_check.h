@@ -41,6 +41,18 @@ class DeviceOnce {
   int value_[kMaxDevices] = {};
 };
 
+/// The current device's largest dynamic shared memory per block with the opt-in attribute
+/// (cudaDevAttrMaxSharedMemoryPerBlockOptin), bytes. Cached per device; host only; throws std::runtime_error on CUDA
+/// errors.
+inline int current_device_smem_optin() {
+  static DeviceOnce once;
+  return once.run(current_device(), [](int d) {
+    int bytes = 0;
+    check_cuda(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, d), "shared memory opt-in limit");
+    return bytes;
+  });
+}
+
 /// True when the current device has compute capability 9.0 (H100, H200): the devices the sm_90a builds (wgmma
 /// kernels) run on. Cached per device; host only; throws std::runtime_error on CUDA errors.
 inline bool current_device_is_sm90() {

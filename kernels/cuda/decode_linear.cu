@@ -97,25 +97,37 @@ template <int NT, int EPI, int S>
 void launch_s(const LinearArgs& a, unsigned blocks, cudaStream_t stream) {
   auto kernel = decode_linear_kernel<NT, EPI, S>;
   constexpr int smem = detail::stream_smem_bytes(S, NT);
-  static const bool attr_set = [&] {
+  static DeviceOnce once;  // the attribute is per device
+  once.run(current_device(), [&](int) {
     check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
                "decode_linear: shared memory attribute");
-    return true;
-  }();
-  (void)attr_set;
+    return 0;
+  });
   detail::launch_pdl(kernel, dim3(blocks), dim3(kStreamThreads), size_t(smem), stream, "decode_linear launch", a);
 }
 
-// Ring depth: 8 stages with one token group (64 KiB blocks, 3 per SM), 4 with more (x staged in the ring too);
-// twice that when each warp's K slice has 16 chunks or more (K = 4096: a warp's whole slice in flight at once).
+// Token groups (NT) and ring depth (S) for M tokens and K: 8 stages with one token group (64 KiB blocks, 3 per SM),
+// 4 with more (x staged in the ring too); twice that when each warp's K slice has 16 chunks or more (K = 4096: a
+// warp's whole slice in flight at once).
+struct RingShape {
+  int nt, stages;
+};
+RingShape ring_shape(int M, int K) {
+  const int kt = K / kStreamChunk;
+  const bool long_slices = kt / detail::stream_k_slices(kt) >= 16;
+  if (M <= 8) return {1, long_slices ? 16 : 8};
+  if (M <= 16) return {2, long_slices ? 8 : 4};
+  return {M <= 32 ? 4 : 8, 4};
+}
+
 template <int EPI>
 void launch_epi(const LinearArgs& a, unsigned blocks, cudaStream_t stream) {
-  const bool long_slices = (a.K / kStreamChunk) / a.ks_count >= 16;
-  if (a.M <= 8)
-    long_slices ? launch_s<1, EPI, 16>(a, blocks, stream) : launch_s<1, EPI, 8>(a, blocks, stream);
-  else if (a.M <= 16)
-    long_slices ? launch_s<2, EPI, 8>(a, blocks, stream) : launch_s<2, EPI, 4>(a, blocks, stream);
-  else if (a.M <= 32)
+  const RingShape r = ring_shape(a.M, a.K);
+  if (r.nt == 1)
+    r.stages == 16 ? launch_s<1, EPI, 16>(a, blocks, stream) : launch_s<1, EPI, 8>(a, blocks, stream);
+  else if (r.nt == 2)
+    r.stages == 8 ? launch_s<2, EPI, 8>(a, blocks, stream) : launch_s<2, EPI, 4>(a, blocks, stream);
+  else if (r.nt == 4)
     launch_s<4, EPI, 4>(a, blocks, stream);
   else
     launch_s<8, EPI, 4>(a, blocks, stream);
@@ -133,7 +145,9 @@ bool decode_linear_supported(int M, int K, const bf16* x, long ldx, const Decode
     const DecodeLinearOutput& o = outputs[i];
     if (!o.W || !aligned16(o.W) || !o.y || o.N < 1 || o.ldy < o.N) return false;
   }
-  return true;
+  // The ring's shared memory must fit the device (227 KiB on sm_90; less elsewhere, where callers fall back).
+  const RingShape r = ring_shape(M, K);
+  return detail::stream_smem_bytes(r.stages, r.nt) <= current_device_smem_optin();
 }
 
 void decode_linear(int M, int K, const bf16* x, long ldx, const DecodeLinearOutput* outputs, int n_outputs,

@@ -48,7 +48,8 @@ struct DecodeLinearOutput {
 
 /// True when decode_linear takes these arguments: 1 <= M <= kMaxDecodeLinearTokens, K > 0 a multiple of 32,
 /// 1 .. kMaxDecodeLinearOutputs outputs each with N >= 1 and ldy >= N, x and every W 16-byte aligned, ldx >= K and
-/// a multiple of 8. Host only; callers fall back to GemmRunner otherwise.
+/// a multiple of 8, and the current device's shared memory holds the kernel's rings (up to 160 KiB). Host only (queries
+/// the current device once); callers fall back to GemmRunner otherwise.
 bool decode_linear_supported(int M, int K, const bf16* x, long ldx, const DecodeLinearOutput* outputs, int n_outputs);
 
 /// For each output o: o.y[M][o.N] (row stride o.ldy) (=, +=) x[M][K] (row stride ldx) o.W^T, asynchronously on

@@ -152,11 +152,11 @@ template <int MODE, int NT>
 void launch_decode_gemm(dim3 grid, const DecodeArgs& g, cudaStream_t stream, const char* what) {
   auto kernel = decode_gemm_kernel<MODE, NT>;
   constexpr int smem = detail::stream_smem_bytes(decode_stages<NT>(), NT);
-  static const bool attr_set = [&] {
+  static DeviceOnce once;  // the attribute is per device
+  once.run(current_device(), [&](int) {
     check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), what);
-    return true;
-  }();
-  (void)attr_set;
+    return 0;
+  });
   launch_pdl(kernel, grid, dim3(kStreamThreads), size_t(smem), stream, what, g);
 }
 

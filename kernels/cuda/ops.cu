@@ -2,6 +2,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <climits>
 #include <stdexcept>
 #include <string>
 
@@ -76,6 +77,41 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_residual_kernel(int row
     *reinterpret_cast<__nv_bfloat162*>(yr + c) = __floats2bfloat162_rn(v.x * inv * (1.f + a.x), v.y * inv * (1.f + a.y));
     *reinterpret_cast<__nv_bfloat162*>(yr + c + 2) =
         __floats2bfloat162_rn(v.z * inv * (1.f + b.x), v.w * inv * (1.f + b.y));
+  }
+}
+
+// One block per row: each thread scans its strided elements in ascending index (strict > keeps the lowest index of
+// equal values), then the block combines (value, index) pairs by the larger value, ties to the lower index.
+constexpr int kArgmaxThreads = 1024;
+__global__ void __launch_bounds__(kArgmaxThreads) argmax_rows_kernel(int V, const float* __restrict__ x, long ldx,
+                                                                     int32_t* __restrict__ out) {
+  __shared__ float sv[kArgmaxThreads / 32];
+  __shared__ int si[kArgmaxThreads / 32];
+  const float* xr = x + long(blockIdx.x) * ldx;
+  float bv = -INFINITY;
+  int bi = INT_MAX;
+  bool nan = false;
+  for (int i = threadIdx.x; i < V; i += kArgmaxThreads) {
+    const float v = xr[i];
+    nan |= isnan(v);
+    if (v > bv || bi == INT_MAX) bv = v, bi = i;  // the first element a thread sees seeds it (all -inf rows)
+  }
+  auto better = [](float v, int i, float bv_, int bi_) { return v > bv_ || (v == bv_ && i < bi_); };
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    const float ov = __shfl_down_sync(0xffffffffu, bv, off);
+    const int oi = __shfl_down_sync(0xffffffffu, bi, off);
+    if (better(ov, oi, bv, bi)) bv = ov, bi = oi;
+  }
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (lane == 0) sv[warp] = bv, si[warp] = bi;
+  const bool any_nan = __syncthreads_or(nan);
+  if (threadIdx.x == 0) {
+    float v = sv[0];
+    int i = si[0];
+    for (int w = 1; w < kArgmaxThreads / 32; ++w)
+      if (better(sv[w], si[w], v, i)) v = sv[w], i = si[w];
+    out[blockIdx.x] = any_nan ? kArgmaxNan : i;
   }
 }
 
@@ -254,6 +290,16 @@ void embed_gather(int T, int H, const int32_t* ids, const bf16* embed, float* x,
   need(ids && embed && x, "embed_gather: null pointer");
   embed_gather_kernel<<<blocks_for(long(T) * H / 2, 256), 256, 0, stream>>>(T, H, ids, embed, x);
   check_cuda(cudaGetLastError(), "embed_gather launch");
+}
+
+void argmax_rows(int rows, int V, const float* x, long ldx, int32_t* out, cudaStream_t stream) {
+  need(rows >= 0 && V > 0 && ldx >= V, "argmax_rows: need rows >= 0, V > 0 and ldx >= V; got rows=" +
+                                           std::to_string(rows) + " V=" + std::to_string(V) + " ldx=" +
+                                           std::to_string(ldx));
+  if (rows == 0) return;
+  need(x && out, "argmax_rows: null pointer");
+  argmax_rows_kernel<<<rows, kArgmaxThreads, 0, stream>>>(V, x, ldx, out);
+  check_cuda(cudaGetLastError(), "argmax_rows launch");
 }
 
 void rms_norm_residual(int rows, int dim, const float* x, long ldx, const int* rows_index, const bf16* w, float eps,

@@ -80,8 +80,8 @@ __device__ __forceinline__ void stream_prologue(const __nv_bfloat16* wlo, const 
 /// kernel): copies x of the first S chunks (one more commit group; NT >= 2), then acc += W[rows][k] x[tokens][k] over
 /// chunks
 /// [kb, ke) (k = 32 c ..) for token groups t < ntl (xp[t]: the lane's x row 8t + g, + 8q applied, 16-byte aligned;
-/// rows past the count may point at any valid row, their results are not stored; with NT = 1 read through the
-/// non-coherent L1 path, so x must not change while the kernel runs), refilling each stage with the weights (and x)
+/// rows past the count may point at any valid row, their results are not stored; with NT = 1 read in the loop
+/// through L1, so x must not change while the kernel runs), refilling each stage with the weights (and x)
 /// of chunk + S once consumed. Returns with no copy in flight (the ring is free).
 template <int NT, int S>
 __device__ __forceinline__ void stream_consume(const __nv_bfloat16* wlo, const __nv_bfloat16* whi, int kb, int ke,
@@ -100,9 +100,14 @@ __device__ __forceinline__ void stream_consume(const __nv_bfloat16* wlo, const _
   }
   cp_async_commit_stream();
   // Commit order: W of stages 0..S-1, x of stages 0..S-1 (empty with one token group), then one group per iteration
-  // (the refill of chunk i + S). Iteration 0 waits for all of the first S; iteration i >= S needs refill group
-  // i - S, which wait_group S - 1 guarantees (at most S - 1 of the S + 1 + i groups pending).
-  cp_async_wait_stream<0>();
+  // (the refill of chunk i + S). Iteration 0 needs W of stage 0 and, with x in the ring, the x group (the last):
+  // wait_group S (one token group: at most S of the S + 1 pending, so the oldest is done) or 0. Iteration i >= 1
+  // needs W of stage i (i < S) or refill group i - S, which wait_group S - 1 guarantees (at most S - 1 of the
+  // S + 1 + i groups pending: the oldest i + 2 are done).
+  if constexpr (kXInRing)
+    cp_async_wait_stream<0>();
+  else
+    cp_async_wait_stream<S>();
   for (int i = 0; i < n; ++i) {
     if (i > 0) cp_async_wait_stream<S - 1>();
     uint4* st = ring + (i % S) * kStage;
@@ -116,8 +121,8 @@ __device__ __forceinline__ void stream_consume(const __nv_bfloat16* wlo, const _
         uint4 xv;
         if constexpr (kXInRing)
           xv = st[(2 + t) * 32 + lane];
-        else
-          xv = __ldg(reinterpret_cast<const uint4*>(xp[t] + k0));
+        else  // a coherent load: x may be the previous kernel's output (read after griddep_wait)
+          xv = __ldca(reinterpret_cast<const uint4*>(xp[t] + k0));
         mma_bf16(acc[t], a0, xv.x, xv.y);
         mma_bf16(acc[t], a1, xv.z, xv.w);
       }
@@ -150,6 +155,7 @@ __device__ __forceinline__ bool stream_reduce(float (&acc)[NT][4], int ntl, int 
   if (ks_count == 1) return true;
   float* red = reinterpret_cast<float*>(ring_all);
   constexpr int kWarpFloats = kRingUint4 * 4;
+  __syncwarp();  // every lane's last read of its ring words is done before any lane writes partials over them
   if (ks != 0) {
 #pragma unroll
     for (int t = 0; t < NT; ++t)

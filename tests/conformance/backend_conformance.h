@@ -6,6 +6,7 @@
 //  - hypic with every later segment recomputed whole equals full recomputation (segment 0 is exact at position 0);
 //  - a prompt of one segment spliced in naive, transition and hypic mode equals full recomputation;
 //  - a decode step equals the last position of the full prefill of the prompt plus that token;
+//  - decode_step (greedy rows' argmax, the others' logits) equals decode(), bit for bit;
 //  - hit == miss: splicing entries built once or built again, and decoding after them, gives bit-identical logits and
 //    tokens, and so does the same request run twice;
 //  - every splice executes the one planner's schedule (engine/splice_schedule.h), and the counts it reports are the
@@ -194,6 +195,34 @@ inline void check_backend_conformance(engine::Backend& b, const ConformanceOptio
     const double e = conformance_err(step, conformance_last_row(ref.logits, V), V, o, "decode step vs prefill");
     INFO("decode step vs prefill of one more token: " << e);
     CHECK(e <= o.tol);
+  }
+  {  // decode_step is decode: greedy rows get the argmax of decode()'s logits, the others their logits bit for bit
+    const eng::SplicePlan p = plan_of(eng::SpliceMode::Hypic, segs.size(), query);
+    std::vector<eng::SpliceOutput> ref_runs, step_runs;
+    for (int i = 0; i < 3; ++i) ref_runs.push_back(run(p));
+    for (int i = 0; i < 3; ++i) step_runs.push_back(run(p));
+    const int32_t t = conformance_argmax(conformance_last_row(ref_runs[0].logits, V));
+    const std::vector<int32_t> toks(3, t);
+    std::vector<eng::Sequence*> ref_seqs, step_seqs;
+    for (auto& r : ref_runs) ref_seqs.push_back(r.sequence.get());
+    for (auto& r : step_runs) step_seqs.push_back(r.sequence.get());
+    std::vector<float> ref;
+    b.decode(ref_seqs, toks, ref);
+    REQUIRE(ref.size() == size_t(3 * V));
+    const std::vector<uint8_t> want{0, 1, 0};
+    eng::Backend::DecodeStepOutput out;
+    const std::vector<uint8_t> short_want{0, 1};
+    CHECK_THROWS_AS(b.decode_step(step_seqs, toks, short_want, out), std::invalid_argument);
+    CHECK(step_runs[0].sequence->num_tokens() == ref_runs[0].sequence->num_tokens() - 1);  // nothing advanced
+    b.decode_step(step_seqs, toks, want, out);
+    REQUIRE(out.argmax.size() == 3);
+    REQUIRE(out.logits.size() == size_t(V));
+    auto row = [&](int r) { return std::vector<float>(ref.begin() + r * V, ref.begin() + (r + 1) * V); };
+    CHECK(out.argmax[0] == conformance_argmax(row(0)));
+    CHECK(out.argmax[1] == -1);
+    CHECK(out.argmax[2] == conformance_argmax(row(2)));
+    CHECK(out.logits == row(1));
+    for (auto& r : step_runs) CHECK(r.sequence->num_tokens() == ref_runs[0].sequence->num_tokens());
   }
   {  // hit == miss, bit for bit: entries built again, and the same request again, splice and decode identically
     const auto again = b.build_entries(segs, w);

@@ -761,6 +761,43 @@ Errs run_linear(const GemmP& p, std::mt19937& rng) {
   return {compare(gf.data(), ref.data(), n, base.data()).max_rel, max_rel(gb.data(), ref.data(), n)};
 }
 
+struct ArgmaxP {
+  int rows, V, ld_pad;
+};
+// argmax_rows against a plain loop (largest value, lowest index on ties, kArgmaxNan for a row with a NaN): random
+// rows, plus (when rows >= 4) a row whose maximum occurs three times, an all -inf row and a row with one NaN.
+Errs run_argmax(const ArgmaxP& p, std::mt19937& rng) {
+  const long ld = p.V + p.ld_pad;
+  std::normal_distribution<float> nd(0.f, 3.f);
+  std::vector<float> x(size_t(p.rows) * ld);
+  for (float& v : x) v = nd(rng);
+  std::uniform_int_distribution<int> col(0, p.V - 1);
+  if (p.rows >= 4) {
+    float* tie = &x[size_t(1) * ld];
+    for (int k = 0; k < 3; ++k) tie[col(rng)] = 100.f;
+    std::fill_n(&x[size_t(2) * ld], p.V, -INFINITY);
+    x[size_t(3) * ld + col(rng)] = NAN;
+  }
+  std::vector<int32_t> want(p.rows);
+  for (int r = 0; r < p.rows; ++r) {
+    const float* row = &x[size_t(r) * ld];
+    int best = 0;
+    bool nan = false;
+    for (int i = 0; i < p.V; ++i) {
+      nan |= std::isnan(row[i]);
+      if (row[i] > row[best]) best = i;
+    }
+    want[r] = nan ? gpu::kArgmaxNan : best;
+  }
+  DeviceBuffer<float> dx(x);
+  DeviceBuffer<int32_t> dout(size_t(p.rows));
+  dout.poison();
+  Stream st;
+  gpu::argmax_rows(p.rows, p.V, dx.get(), ld, dout.get(), st.s);
+  check_cuda(cudaStreamSynchronize(st.s), "argmax_rows");
+  return {mismatches(dout.download(), want)};
+}
+
 struct DecLinP {
   int M, K, ldx_pad, ldy_pad;
   std::vector<int> Ns;  // one weight matrix per entry, all sharing x (one launch)
@@ -1032,6 +1069,11 @@ std::vector<Op> ops_table() {
                  {"M65 N77 K100 ldy+3", {65, 77, 100, 0, 3}}, {"M300 N1000 K136 ldy+24", {300, 1000, 136, 0, 24}},
                  {"M333 N2048 K2048", {333, 2048, 2048, 0, 0}}},
                 run_linear),
+      op<ArgmaxP>("argmax_rows", "logits fp32 (row stride ld) -> token int32 (greedy decoding)",
+                  {{"exact", 0, "a selection: the same index as the loop, ties to the lowest, NaN rows flagged"}},
+                  {{"1 row V 248320 (Qwen3.5 vocabulary)", {1, 248320, 0}}, {"5 rows V 1000 ld+3 (tie, -inf, NaN)", {5, 1000, 3}},
+                   {"4 rows V 5 (fewer elements than threads)", {4, 5, 0}}, {"64 rows V 151936", {64, 151936, 0}}},
+                  run_argmax),
       op<DecLinP>("decode_linear", "x bf16 (row stride ldx), 1-4 W bf16 -> y bf16 / fp32 / fp32 += residual",
                    {{"bf16.max_rel", 1e-2, "one bf16 rounding (2^-9 relative)"},
                     {"f32.max_rel", 1e-4, "fp32 accumulation on both sides, different order"},
