@@ -213,16 +213,6 @@ inline void check_aligned16(const char* fn, const void* ptr, const char* name) {
   if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) bad(fn, std::string(name) + " is not 16-byte aligned");
 }
 
-/// Multiprocessors of the current device (cached per device).
-inline int sm_count() {
-  static DeviceOnce once;
-  return once.run(current_device(), [](int d) {
-    int sms = 0;
-    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, d), "cudaDeviceGetAttribute(SMs)");
-    return sms;
-  });
-}
-
 /// True when attention_prefill's long groups run on the wgmma kernel (attention_wgmma.cu): the current device is
 /// compute capability 9.0 (the sm_90a build), head_dim is 128 or 256, and the environment variable
 /// HYPIC_ATTN_WGMMA is not "0" (read once; comparisons). Host only; throws std::runtime_error on CUDA errors.

@@ -41,6 +41,16 @@ class DeviceOnce {
   int value_[kMaxDevices] = {};
 };
 
+/// Multiprocessors of the current device (cached per device); host only; throws std::runtime_error on CUDA errors.
+inline int sm_count() {
+  static DeviceOnce once;
+  return once.run(current_device(), [](int d) {
+    int sms = 0;
+    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, d), "cudaDeviceGetAttribute(SMs)");
+    return sms;
+  });
+}
+
 /// The current device's largest dynamic shared memory per block with the opt-in attribute
 /// (cudaDevAttrMaxSharedMemoryPerBlockOptin), bytes. Cached per device; host only; throws std::runtime_error on CUDA
 /// errors.

@@ -164,7 +164,6 @@ void decode_linear(int M, int K, const bf16* x, long ldx, const DecodeLinearOutp
   a.ldx = ldx;
   a.M = M;
   a.K = K;
-  a.ks_count = detail::stream_k_slices(K / kStreamChunk);
   a.n_out = n_outputs;
   long rg = 0;
   for (int i = 0; i < n_outputs; ++i) {
@@ -173,6 +172,9 @@ void decode_linear(int M, int K, const bf16* x, long ldx, const DecodeLinearOutp
   }
   if (rg > (long(1) << 30)) throw std::invalid_argument("decode_linear: too many output rows");
   a.rg_total = int(rg);
+  // K slices: one wave at one token's ring shape (8 stages, 3 blocks per SM), for every M, so that the choice (and
+  // with it each token's summation order) does not depend on the batch.
+  a.ks_count = detail::stream_k_slices_for(K / kStreamChunk, rg, long(sm_count()) * detail::stream_blocks_per_sm(8, 1));
   const int rg_per_block = kStreamWarps / a.ks_count;
   const unsigned blocks = unsigned((rg + rg_per_block - 1) / rg_per_block);
   switch (epilogue) {

@@ -200,17 +200,22 @@ __global__ void __launch_bounds__(kMaxE) route_small_kernel(int T, int E, int k,
 #pragma unroll
   for (int w = 0; w < kSmallW; ++w) mask[tid][w] = 0u;  // blockDim.x == kMaxE
   __syncthreads();
-  for (int t = warp; t < T; t += kMaxE / 32) {
-    int my_e, rank;
-    float wgt;
-    route_token(logits + size_t(t) * E, E, k, renorm, lane, my_e, wgt, rank);
-    if (lane < k) {
-      topk_e[t * k + rank] = my_e;
-      topk_w[t * k + rank] = wgt;
-      s_e[t * k + rank] = my_e;
-      atomicOr(&mask[my_e][t >> 5], 1u << (t & 31));
-    }
-    if (sgate_out) {
+  // Warp tasks: 0 .. T-1 route token t, T .. 2T-1 the shared gate of token t - T (in parallel when T is small).
+  const int tasks = sgate_out ? 2 * T : T;
+  for (int task = warp; task < tasks; task += kMaxE / 32) {
+    if (task < T) {
+      const int t = task;
+      int my_e, rank;
+      float wgt;
+      route_token(logits + size_t(t) * E, E, k, renorm, lane, my_e, wgt, rank);
+      if (lane < k) {
+        topk_e[t * k + rank] = my_e;
+        topk_w[t * k + rank] = wgt;
+        s_e[t * k + rank] = my_e;
+        atomicOr(&mask[my_e][t >> 5], 1u << (t & 31));
+      }
+    } else {
+      const int t = task - T;
       const float sg = shared_gate_token(x + size_t(t) * H, sgate_w, H, lane);
       if (lane == 0) sgate_out[t] = sg;
     }
@@ -221,16 +226,21 @@ __global__ void __launch_bounds__(kMaxE) route_small_kernel(int T, int E, int k,
 #pragma unroll
   for (int w = 0; w < kSmallW; ++w) c += __popc(mask[e][w]);  // 0 for e >= E
   const int nt = (c + kDecBM - 1) / kDecBM;
-  sc[e] = c;
-  st[e] = nt;
-  __syncthreads();
-  for (int off = 1; off < kMaxE; off <<= 1) {
-    const int a = e >= off ? sc[e - off] : 0, b = e >= off ? st[e - off] : 0;
-    __syncthreads();
-    sc[e] += a;
-    st[e] += b;
-    __syncthreads();
+  // Inclusive prefix sums of (count, tiles) over the experts: within each warp by shuffles, then the warps' totals
+  // (integer sums: the same values as any other order).
+  __shared__ int wsc[kMaxE / 32], wst[kMaxE / 32];
+  int ic = c, it = nt;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const int a = __shfl_up_sync(kFull, ic, off), b = __shfl_up_sync(kFull, it, off);
+    if (lane >= off) ic += a, it += b;
   }
+  if (lane == 31) wsc[warp] = ic, wst[warp] = it;
+  __syncthreads();
+  for (int w = 0; w < warp; ++w) ic += wsc[w], it += wst[w];
+  sc[e] = ic;
+  st[e] = it;
+  __syncthreads();
   so[e] = sc[e] - c;
   if (e < E) {
     offsets[e] = sc[e] - c;

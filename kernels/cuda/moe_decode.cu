@@ -27,8 +27,9 @@ using detail::kStreamWarps;
 //
 // For a few rows per expert the GEMMs are weight-bandwidth bound: each block streams 16-row groups of one expert's
 // weights once (stream_gemm.cuh: per-warp cp.async rings, the expert's tokens as the mma N dimension, at most kDecBM
-// = 32 per tile in NT groups of 8). A block's 8 warps are row groups x K slices (stream_k_slices of the expert's K:
-// 8 slices of H = 2048 for gate_up, 2 slices of I = 512 and 4 row groups for down); the slices' partial sums are
+// = 32 per tile in NT groups of 8). A block's 8 warps are row groups x K slices (stream_k_slices_for: e.g. at batch 1
+// 4 slices of H = 2048 for gate_up, which puts its 9 x 32 blocks in one wave, 2 slices of I = 512 and 4 row groups
+// for down); the slices' partial sums are
 // added in ascending order (bit-identical from run to run; no atomics). A gate_up row group is the 8 gate rows
 // j0..j0+7 (A rows 0..7) and the 8 up rows I + j0.. (A rows 8..15), so the accumulator of lane (g, q) holds gate and
 // up of column j0 + g for tokens 2q, 2q + 1 and SwiGLU runs in the epilogue; a down row group is 16 output columns.
@@ -48,6 +49,7 @@ struct DecodeArgs {
   const bf16* sB;  // gate_up: [2 sN][sK]; down: [sN][sK]
   void* sout;      // gate_up: s_act [T][sN] bf16; down: s_out [T][sN] fp32
   int sK, sN;
+  int ks, sks;  // K slices per row group (stream_k_slices_for): routed experts, shared expert
   int E, T;
   const int2* tiles;
   const int* num_tiles;
@@ -56,9 +58,10 @@ struct DecodeArgs {
 
 enum DecodeMode { kDecDown = 0, kDecGateUp = 1 };
 
-// Output columns per block of a decode GEMM over K (a gate_up row group yields 8 act columns, a down one 16).
-__host__ __device__ constexpr int decode_block_cols(int mode, int K) {
-  return (kStreamWarps / detail::stream_k_slices(K / kStreamChunk)) * (mode == kDecGateUp ? 8 : 16);
+// Output columns per block of a decode GEMM with ks K slices per row group (a gate_up row group yields 8 act
+// columns, a down one 16).
+__host__ __device__ constexpr int decode_block_cols(int mode, int ks) {
+  return (kStreamWarps / ks) * (mode == kDecGateUp ? 8 : 16);
 }
 
 // NT: token groups of 8 per tile, at least the tile's rows (min(T, kDecBM): an expert gets each token at most once).
@@ -85,8 +88,8 @@ __global__ void __launch_bounds__(kStreamThreads, detail::stream_blocks_per_sm(d
   const bool sh = e >= a.E;
   const int K = sh ? a.sK : a.K, N = sh ? a.sN : a.N;
   const bf16* W = sh ? a.sB : a.B + size_t(e) * a.b_expert_stride;
-  const int kt = K / kStreamChunk, ks_count = detail::stream_k_slices(kt);
-  const int col_block = blockIdx.y * decode_block_cols(MODE, K);
+  const int kt = K / kStreamChunk, ks_count = sh ? a.sks : a.ks;
+  const int col_block = blockIdx.y * decode_block_cols(MODE, ks_count);
   if (col_block >= N) return;  // block-uniform (the grid covers the larger of routed / shared column blocks)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
   const int rg = warp / ks_count, ks = warp % ks_count;
@@ -171,9 +174,19 @@ void launch_decode_nt(int T, dim3 grid, const DecodeArgs& g, cudaStream_t stream
     launch_decode_gemm<MODE, 4>(grid, g, stream, what);
 }
 
-unsigned column_blocks(int mode, int K, int N) {
-  const int cols = decode_block_cols(mode, K);
+unsigned column_blocks(int mode, int ks, int N) {
+  const int cols = decode_block_cols(mode, ks);
   return unsigned((N + cols - 1) / cols);
+}
+
+// K slices of one expert GEMM (K, N): one wave of blocks for a single token's tiles (topk routed + the shared
+// expert's, at one token's ring shape) when a choice allows it (stream_k_slices_for). The same at every T, so that a
+// token's summation order, and with it its result, does not depend on the batch it is decoded in.
+int decode_k_slices(int mode, int K, int N, int topk, bool shared) {
+  const int cols = mode == kDecGateUp ? 8 : 16;
+  const long row_groups = long(topk + (shared ? 1 : 0)) * ((N + cols - 1) / cols);
+  return detail::stream_k_slices_for(K / kStreamChunk, row_groups,
+                                     long(sm_count()) * detail::stream_blocks_per_sm(decode_stages<1>(), 1));
 }
 
 }  // namespace
@@ -201,8 +214,10 @@ void launch_decode(const MoeWeightsView& w, int T, size_t P, const bf16* x, MoeW
   g1.tiles = static_cast<const int2*>(ws.tiles.p);
   g1.num_tiles = static_cast<const int*>(ws.num_tiles.p);
   g1.offsets = static_cast<const int*>(ws.offsets.p);
-  unsigned cb1 = column_blocks(kDecGateUp, w.H, w.I);
-  if (shared) cb1 = std::max(cb1, column_blocks(kDecGateUp, w.H, w.Is));
+  g1.ks = decode_k_slices(kDecGateUp, w.H, std::max(w.I, g1.sN), w.topk, shared);
+  g1.sks = g1.ks;  // same K (H)
+  unsigned cb1 = column_blocks(kDecGateUp, g1.ks, w.I);
+  if (shared) cb1 = std::max(cb1, column_blocks(kDecGateUp, g1.sks, w.Is));
   launch_decode_nt<kDecGateUp>(T, dim3(grid_m, cb1), g1, stream, "moe_forward: decode gate_up GEMM launch");
   DecodeArgs g2 = g1;
   g2.A = static_cast<const bf16*>(ws.act.p);
@@ -217,8 +232,10 @@ void launch_decode(const MoeWeightsView& w, int T, size_t P, const bf16* x, MoeW
   g2.sout = shared ? ws.s_out.p : nullptr;
   g2.sK = shared ? w.Is : 0;
   g2.sN = w.H;
-  unsigned cb2 = column_blocks(kDecDown, w.I, w.H);
-  if (shared) cb2 = std::max(cb2, column_blocks(kDecDown, w.Is, w.H));
+  g2.ks = decode_k_slices(kDecDown, w.I, w.H, w.topk, shared);
+  g2.sks = shared ? decode_k_slices(kDecDown, w.Is, w.H, w.topk, shared) : g2.ks;
+  unsigned cb2 = column_blocks(kDecDown, g2.ks, w.H);
+  if (shared) cb2 = std::max(cb2, column_blocks(kDecDown, g2.sks, w.H));
   launch_decode_nt<kDecDown>(T, dim3(grid_m, cb2), g2, stream, "moe_forward: decode down GEMM launch");
 }
 

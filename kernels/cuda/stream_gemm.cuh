@@ -49,6 +49,20 @@ __host__ __device__ constexpr int stream_k_slices(int kt) {
   return kt >= 8 * kStreamStages ? 8 : kt >= 4 * kStreamStages ? 4 : kt >= 2 * kStreamStages ? 2 : 1;
 }
 
+/// K slices for a launch of `row_groups` row groups (16 weight rows each) over `kt` chunks, when `slots` blocks fit
+/// the device at once (SMs x blocks per SM): the most slices up to stream_k_slices(kt) whose grid (row_groups /
+/// (8 / slices) blocks) still fits one wave, since a block's fixed costs (its launch, tile lookups, first copies,
+/// the slices' reduction) are paid once per wave; when no choice fits one wave, stream_k_slices(kt) (many waves
+/// either way). The slices fix each output's fp32 summation order: callers pass arguments that do not depend on the
+/// batch (the batch-1 grid), so that a token's result does not either. Host only.
+inline int stream_k_slices_for(int kt, long row_groups, long slots) {
+  for (int ks = stream_k_slices(kt); ks >= 1; ks /= 2) {
+    const long blocks = (row_groups + kStreamWarps / ks - 1) / (kStreamWarps / ks);
+    if (blocks <= slots) return ks;
+  }
+  return stream_k_slices(kt);
+}
+
 __device__ __forceinline__ void cp_async16_stream(uint4* smem, const __nv_bfloat16* gmem) {
   asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;\n" ::"r"(smem_addr(smem)), "l"(gmem) : "memory");
 }
