@@ -45,8 +45,8 @@ void Backend::decode_step(std::span<Sequence* const> sequences, std::span<const 
       out.logits.insert(out.logits.end(), row.begin(), row.end());
       continue;
     }
-    const bool nan = std::any_of(row.begin(), row.end(), [](float v) { return std::isnan(v); });
-    out.argmax[b] = nan ? kNanLogits : argmax(row);
+    const auto nan = std::find_if(row.begin(), row.end(), [](float v) { return std::isnan(v); });
+    out.argmax[b] = nan != row.end() ? nan_logits_code(int32_t(nan - row.begin())) : argmax(row);
   }
 }
 

@@ -282,12 +282,15 @@ class Backend {
   /// What decode_step returns to the host.
   struct DecodeStepOutput {
     /// [B]: for each row with want_logits[b] == 0, the argmax of its logits (the greedy token: lowest id on ties, as
-    /// engine/sampling.h argmax), or kNanLogits when the row has a NaN logit; -1 for the other rows.
+    /// engine/sampling.h argmax), or, when the row has a NaN logit, nan_logits_code(j) (<= -2) with j the lowest
+    /// id of a NaN; -1 for the other rows.
     std::vector<int32_t> argmax;
     /// [n][V] fp32: the logits of the rows with want_logits[b] != 0, in batch order (n = their count).
     std::vector<float> logits;
   };
-  static constexpr int32_t kNanLogits = -2;
+  /// DecodeStepOutput::argmax of a greedy row whose logit j (the lowest such id) is NaN, and back.
+  static constexpr int32_t nan_logits_code(int32_t j) { return -2 - j; }
+  static constexpr int32_t nan_logits_id(int32_t code) { return -2 - code; }
   /// One decode step as decode() for a batch whose rows need either their full logits (a sampling request:
   /// want_logits[b] != 0) or only their greedy token (the others): the CUDA backend takes the argmax on the device
   /// and copies only the rows that need logits (a batch of 64 greedy rows would copy 64 x V x 4 bytes = 63 MB at

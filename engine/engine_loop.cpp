@@ -599,7 +599,8 @@ void EngineLoop::decode_step() {
         tok = a.sampler->sample(std::span<const float>(out.logits).subspan(my_row * vocab, vocab));
       } else {
         tok = out.argmax.at(b);
-        if (tok == Backend::kNanLogits) throw std::invalid_argument("a NaN in the logits (greedy decoding)");
+        if (tok <= -2)  // as Sampler::sample's message for the same logits
+          throw std::invalid_argument("logits: NaN at token id " + std::to_string(Backend::nan_logits_id(tok)));
         if (tok < 0 || tok >= int32_t(vocab))
           throw std::logic_error("decode_step returned token " + std::to_string(tok) + " for a greedy row");
       }

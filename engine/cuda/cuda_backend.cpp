@@ -461,12 +461,13 @@ void CudaBackend::decode_step(std::span<Sequence* const> sequences, std::span<co
       b = e;
     }
   });
-  // After the step's synchronisation: greedy rows' tokens (kArgmaxNan -> kNanLogits), -1 for the others.
+  // After the step's synchronisation: greedy rows' tokens (argmax_rows' -1 - j for a NaN at j -> nan_logits_code(j)),
+  // -1 for the others.
   for (size_t b = 0; b < out.argmax.size(); ++b) {
     if (want_logits[b])
       out.argmax[b] = -1;
-    else if (out.argmax[b] == kc::kArgmaxNan)
-      out.argmax[b] = kNanLogits;
+    else if (out.argmax[b] < 0)
+      out.argmax[b] = nan_logits_code(-1 - out.argmax[b]);
   }
 }
 

@@ -179,12 +179,12 @@ unsigned column_blocks(int mode, int ks, int N) {
   return unsigned((N + cols - 1) / cols);
 }
 
-// K slices of one expert GEMM (K, N): one wave of blocks for a single token's tiles (topk routed + the shared
-// expert's, at one token's ring shape) when a choice allows it (stream_k_slices_for). The same at every T, so that a
+// K slices of one expert GEMM (K; N routed, Ns shared output columns): one wave of blocks for a single token's tiles
+// (topk routed + the shared expert's, at one token's ring shape) when a choice allows it (stream_k_slices_for). The same at every T, so that a
 // token's summation order, and with it its result, does not depend on the batch it is decoded in.
-int decode_k_slices(int mode, int K, int N, int topk, bool shared) {
+int decode_k_slices(int mode, int K, int N, int Ns, int topk, bool shared) {
   const int cols = mode == kDecGateUp ? 8 : 16;
-  const long row_groups = long(topk + (shared ? 1 : 0)) * ((N + cols - 1) / cols);
+  const long row_groups = long(topk) * ((N + cols - 1) / cols) + (shared ? (Ns + cols - 1) / cols : 0);
   return detail::stream_k_slices_for(K / kStreamChunk, row_groups,
                                      long(sm_count()) * detail::stream_blocks_per_sm(decode_stages<1>(), 1));
 }
@@ -214,7 +214,7 @@ void launch_decode(const MoeWeightsView& w, int T, size_t P, const bf16* x, MoeW
   g1.tiles = static_cast<const int2*>(ws.tiles.p);
   g1.num_tiles = static_cast<const int*>(ws.num_tiles.p);
   g1.offsets = static_cast<const int*>(ws.offsets.p);
-  g1.ks = decode_k_slices(kDecGateUp, w.H, std::max(w.I, g1.sN), w.topk, shared);
+  g1.ks = decode_k_slices(kDecGateUp, w.H, w.I, w.Is, w.topk, shared);
   g1.sks = g1.ks;  // same K (H)
   unsigned cb1 = column_blocks(kDecGateUp, g1.ks, w.I);
   if (shared) cb1 = std::max(cb1, column_blocks(kDecGateUp, g1.sks, w.Is));
@@ -232,8 +232,8 @@ void launch_decode(const MoeWeightsView& w, int T, size_t P, const bf16* x, MoeW
   g2.sout = shared ? ws.s_out.p : nullptr;
   g2.sK = shared ? w.Is : 0;
   g2.sN = w.H;
-  g2.ks = decode_k_slices(kDecDown, w.I, w.H, w.topk, shared);
-  g2.sks = shared ? decode_k_slices(kDecDown, w.Is, w.H, w.topk, shared) : g2.ks;
+  g2.ks = decode_k_slices(kDecDown, w.I, w.H, w.H, w.topk, shared);
+  g2.sks = shared ? decode_k_slices(kDecDown, w.Is, w.H, w.H, w.topk, shared) : g2.ks;
   unsigned cb2 = column_blocks(kDecDown, g2.ks, w.H);
   if (shared) cb2 = std::max(cb2, column_blocks(kDecDown, g2.sks, w.H));
   launch_decode_nt<kDecDown>(T, dim3(grid_m, cb2), g2, stream, "moe_forward: decode down GEMM launch");

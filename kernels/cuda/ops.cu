@@ -88,14 +88,17 @@ __global__ void __launch_bounds__(kArgmaxThreads) argmax_rows_kernel(int V, cons
   __shared__ float sv[kArgmaxThreads / 32];
   __shared__ int si[kArgmaxThreads / 32];
   const float* xr = x + long(blockIdx.x) * ldx;
+  __shared__ int s_nan;
+  if (threadIdx.x == 0) s_nan = INT_MAX;
+  __syncthreads();
   float bv = -INFINITY;
-  int bi = INT_MAX;
-  bool nan = false;
+  int bi = INT_MAX, first_nan = INT_MAX;
   for (int i = threadIdx.x; i < V; i += kArgmaxThreads) {
     const float v = xr[i];
-    nan |= isnan(v);
+    if (isnan(v) && first_nan == INT_MAX) first_nan = i;
     if (v > bv || bi == INT_MAX) bv = v, bi = i;  // the first element a thread sees seeds it (all -inf rows)
   }
+  if (first_nan != INT_MAX) atomicMin(&s_nan, first_nan);
   auto better = [](float v, int i, float bv_, int bi_) { return v > bv_ || (v == bv_ && i < bi_); };
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) {
@@ -105,13 +108,13 @@ __global__ void __launch_bounds__(kArgmaxThreads) argmax_rows_kernel(int V, cons
   }
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   if (lane == 0) sv[warp] = bv, si[warp] = bi;
-  const bool any_nan = __syncthreads_or(nan);
+  __syncthreads();
   if (threadIdx.x == 0) {
     float v = sv[0];
     int i = si[0];
     for (int w = 1; w < kArgmaxThreads / 32; ++w)
       if (better(sv[w], si[w], v, i)) v = sv[w], i = si[w];
-    out[blockIdx.x] = any_nan ? kArgmaxNan : i;
+    out[blockIdx.x] = s_nan != INT_MAX ? -1 - s_nan : i;
   }
 }
 

@@ -52,9 +52,9 @@ void affine_chain(int num_chains, int heads, int steps_per_chain, const AffineSt
                   float* const* final_states, cudaStream_t stream = nullptr);
 
 /// Greedy decoding on the device: out[r] = the index of the largest of x[r][0..V) (fp32, row stride ldx; the lowest
-/// index on ties, as engine/sampling.h argmax), or kArgmaxNan when the row holds a NaN. x, out (int32 [rows]): DEVICE.
-/// One block per row. Throws std::invalid_argument for rows < 0, V <= 0, ldx < V or null pointers.
-constexpr int32_t kArgmaxNan = -1;
+/// index on ties, as engine/sampling.h argmax), or, when the row holds a NaN, -1 - j with j the lowest index of a NaN
+/// (so out[r] < 0 exactly for NaN rows). x, out (int32 [rows]): DEVICE. One block per row. Throws
+/// std::invalid_argument for rows < 0, V <= 0, ldx < V or null pointers.
 void argmax_rows(int rows, int V, const float* x, long ldx, int32_t* out, cudaStream_t stream = nullptr);
 
 /// y[i] = bf16(x[i]) (round to nearest even), n elements.

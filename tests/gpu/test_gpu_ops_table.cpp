@@ -764,8 +764,8 @@ Errs run_linear(const GemmP& p, std::mt19937& rng) {
 struct ArgmaxP {
   int rows, V, ld_pad;
 };
-// argmax_rows against a plain loop (largest value, lowest index on ties, kArgmaxNan for a row with a NaN): random
-// rows, plus (when rows >= 4) a row whose maximum occurs three times, an all -inf row and a row with one NaN.
+// argmax_rows against a plain loop (largest value, lowest index on ties, -1 - j for a row whose first NaN is at j):
+// random rows, plus (when rows >= 4) a row whose maximum occurs three times, an all -inf row and a row with two NaNs.
 Errs run_argmax(const ArgmaxP& p, std::mt19937& rng) {
   const long ld = p.V + p.ld_pad;
   std::normal_distribution<float> nd(0.f, 3.f);
@@ -777,17 +777,17 @@ Errs run_argmax(const ArgmaxP& p, std::mt19937& rng) {
     for (int k = 0; k < 3; ++k) tie[col(rng)] = 100.f;
     std::fill_n(&x[size_t(2) * ld], p.V, -INFINITY);
     x[size_t(3) * ld + col(rng)] = NAN;
+    x[size_t(3) * ld + col(rng)] = NAN;
   }
   std::vector<int32_t> want(p.rows);
   for (int r = 0; r < p.rows; ++r) {
     const float* row = &x[size_t(r) * ld];
-    int best = 0;
-    bool nan = false;
+    int best = 0, first_nan = -1;
     for (int i = 0; i < p.V; ++i) {
-      nan |= std::isnan(row[i]);
+      if (std::isnan(row[i]) && first_nan < 0) first_nan = i;
       if (row[i] > row[best]) best = i;
     }
-    want[r] = nan ? gpu::kArgmaxNan : best;
+    want[r] = first_nan >= 0 ? -1 - first_nan : best;
   }
   DeviceBuffer<float> dx(x);
   DeviceBuffer<int32_t> dout(size_t(p.rows));
@@ -1070,7 +1070,7 @@ std::vector<Op> ops_table() {
                  {"M333 N2048 K2048", {333, 2048, 2048, 0, 0}}},
                 run_linear),
       op<ArgmaxP>("argmax_rows", "logits fp32 (row stride ld) -> token int32 (greedy decoding)",
-                  {{"exact", 0, "a selection: the same index as the loop, ties to the lowest, NaN rows flagged"}},
+                  {{"exact", 0, "a selection: the same index as the loop, ties to the lowest, NaN rows give their first NaN"}},
                   {{"1 row V 248320 (Qwen3.5 vocabulary)", {1, 248320, 0}}, {"5 rows V 1000 ld+3 (tie, -inf, NaN)", {5, 1000, 3}},
                    {"4 rows V 5 (fewer elements than threads)", {4, 5, 0}}, {"64 rows V 151936", {64, 151936, 0}}},
                   run_argmax),
