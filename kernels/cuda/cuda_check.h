@@ -41,38 +41,29 @@ class DeviceOnce {
   int value_[kMaxDevices] = {};
 };
 
-/// Multiprocessors of the current device (cached per device); host only; throws std::runtime_error on CUDA errors.
-inline int sm_count() {
+/// Attribute A of the current device, queried once per device (DeviceOnce); host only; throws std::runtime_error on
+/// CUDA errors.
+template <cudaDeviceAttr A>
+int current_device_attribute() {
   static DeviceOnce once;
   return once.run(current_device(), [](int d) {
-    int sms = 0;
-    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, d), "cudaDeviceGetAttribute(SMs)");
-    return sms;
+    int v = 0;
+    check_cuda(cudaDeviceGetAttribute(&v, A, d), "cudaDeviceGetAttribute");
+    return v;
   });
 }
 
-/// The current device's largest dynamic shared memory per block with the opt-in attribute
-/// (cudaDevAttrMaxSharedMemoryPerBlockOptin), bytes. Cached per device; host only; throws std::runtime_error on CUDA
-/// errors.
-inline int current_device_smem_optin() {
-  static DeviceOnce once;
-  return once.run(current_device(), [](int d) {
-    int bytes = 0;
-    check_cuda(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, d), "shared memory opt-in limit");
-    return bytes;
-  });
-}
+/// Multiprocessors of the current device.
+inline int sm_count() { return current_device_attribute<cudaDevAttrMultiProcessorCount>(); }
+
+/// The current device's largest dynamic shared memory per block with the opt-in attribute, bytes.
+inline int current_device_smem_optin() { return current_device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(); }
 
 /// True when the current device has compute capability 9.0 (H100, H200): the devices the sm_90a builds (wgmma
-/// kernels) run on. Cached per device; host only; throws std::runtime_error on CUDA errors.
+/// kernels) run on.
 inline bool current_device_is_sm90() {
-  static DeviceOnce once;
-  return once.run(current_device(), [](int d) {
-           int major = 0, minor = 0;
-           check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d), "compute capability");
-           check_cuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, d), "compute capability");
-           return major == 9 && minor == 0 ? 1 : 0;
-         }) == 1;
+  return current_device_attribute<cudaDevAttrComputeCapabilityMajor>() == 9 &&
+         current_device_attribute<cudaDevAttrComputeCapabilityMinor>() == 0;
 }
 
 }  // namespace hypic::kernels::cuda

@@ -161,15 +161,6 @@ void launch_compose(int batch, int num_segments, float* running, const float* tr
   check_cuda(cudaGetLastError(), "compose_fold_kernel launch");
 }
 
-int device_sms() {
-  static DeviceOnce once;
-  return once.run(current_device(), [](int d) {
-    int sms = 0;
-    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, d), "cudaDeviceGetAttribute(SMs)");
-    return sms;
-  });
-}
-
 void check_heads(int num_k_heads, int num_v_heads, const char* fn) {
   if (num_k_heads < 1 || num_v_heads < 1 || num_v_heads % num_k_heads != 0 || num_v_heads > 65535)
     throw std::invalid_argument(std::string(fn) + ": num_v_heads (" + std::to_string(num_v_heads) +
@@ -224,7 +215,7 @@ void compose_fold(int batch, int num_segments, float* running, const float* tran
   if (num_segments == 0) return;
   // Column blocks of 64 when the batch alone fills the GPU; narrower ones for small batches (the
   // fold of a split sequence's parts: one layer's heads).
-  const int sms = device_sms();
+  const int sms = sm_count();
   if (long(batch) * 2 >= sms)
     launch_compose<64>(batch, num_segments, running, transitions, states, stream);
   else if (long(batch) * 4 >= sms)

@@ -118,9 +118,7 @@ std::vector<int> gdn_scan_parts(const GdnPrefillArgs& a) {
   if (a.seq_parts >= 2) {
     for (int s = 0; s < a.num_seqs; ++s) parts[s] = nc[s] >= a.seq_parts ? a.seq_parts : 1;
   } else if (a.seq_parts == 0) {
-    int num_sms = 0;
-    check_cuda(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, current_device()),
-               "cudaDeviceGetAttribute(SMs)");
+    const int num_sms = sm_count();
     int n_long = 0;
     for (int s = 0; s < a.num_seqs; ++s) n_long += nc[s] >= 3 * kMinPartChunks;
     if (n_long > 0) {
