@@ -21,6 +21,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "bench/gpu/bench_util.cuh"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/gated_delta.h"
 
@@ -28,23 +29,12 @@ namespace gpu = hypic::kernels::cuda;
 using gpu::bf16;
 using gpu::check_cuda;
 using nlohmann::json;
+using namespace hypic::bench;
 
 namespace {
 
 constexpr int HK = 16, HV = 32, D = 128;
 
-__device__ __forceinline__ float hash_uniform(uint64_t i, uint32_t seed) {  // [0, 1)
-  uint64_t x = i * 0x9E3779B97F4A7C15ull + seed * 0xBF58476D1CE4E5B9ull;
-  x ^= x >> 31;
-  x *= 0x94D049BB133111EBull;
-  x ^= x >> 29;
-  return float(x >> 40) * (1.0f / 16777216.0f);
-}
-
-__global__ void fill_bf16(bf16* p, size_t n, uint32_t seed) {  // unit variance, uniform
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
-    p[i] = __float2bfloat16_rn((hash_uniform(i, seed) * 2.f - 1.f) * 1.7320508f);
-}
 __global__ void fill_gates(float* g, float* beta, size_t n, uint32_t seed) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
     const float u = hash_uniform(i, seed), w = hash_uniform(i, seed + 1);
@@ -52,18 +42,6 @@ __global__ void fill_gates(float* g, float* beta, size_t n, uint32_t seed) {
     beta[i] = 0.05f + 0.9f * hash_uniform(i, seed + 2);
   }
 }
-__global__ void fill_f32(float* p, size_t n, uint32_t seed, float amp) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
-    p[i] = (hash_uniform(i, seed) * 2.f - 1.f) * amp;
-}
-
-template <class T>
-T* dalloc(size_t n) {
-  void* p = nullptr;
-  check_cuda(cudaMalloc(&p, n * sizeof(T)), "cudaMalloc(" + std::to_string(n * sizeof(T)) + " bytes)");
-  return static_cast<T*>(p);
-}
-
 /// Random Gated DeltaNet inputs for T tokens: q, k [T][HK][D], v [T][HV][D] bf16; g, beta [T][HV].
 struct GdnInputs {
   bf16 *q, *k, *v;
@@ -84,80 +62,21 @@ struct GdnInputs {
   }
 };
 
-/// Median time in ms of `fn` over `reps` runs after `warm` warm-ups, CUDA events around each run.
-double time_ms(const std::function<void()>& fn, int reps, int warm = 3) {
-  for (int i = 0; i < warm; ++i) fn();
-  check_cuda(cudaDeviceSynchronize(), "warm-up");
-  cudaEvent_t a, b;
-  cudaEventCreate(&a);
-  cudaEventCreate(&b);
-  std::vector<float> t(reps);
-  for (int i = 0; i < reps; ++i) {
-    cudaEventRecord(a);
-    fn();
-    cudaEventRecord(b);
-    check_cuda(cudaEventSynchronize(b), "timed run");
-    cudaEventElapsedTime(&t[i], a, b);
-  }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  std::sort(t.begin(), t.end());
-  return t[reps / 2];
-}
-
 }  // namespace
 
 int main(int argc, char** argv) try {
   std::string json_path;
   int reps = 20;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--json" && i + 1 < argc) json_path = argv[++i];
-    else if (a == "--reps" && i + 1 < argc) reps = std::stoi(argv[++i]);
-    else {
-      std::fprintf(stderr, "usage: gdn_bench [--json out.json] [--reps N]\n");
-      return 2;
-    }
-  }
+  if (!parse_json_reps(argc, argv, "gdn_bench", json_path, reps)) return 2;
   cudaDeviceProp prop{};
-  check_cuda(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
-  json J;
-  J["device"] = prop.name;
-  J["sms"] = prop.multiProcessorCount;
+  json J = device_header(reps, prop);
   J["shapes"] = {{"num_k_heads", HK}, {"num_v_heads", HV}, {"d_k", D}, {"d_v", D}, {"chunk", gpu::kGdnChunk}};
-  J["reps"] = reps;
 
   cublasHandle_t blas;
   if (cublasCreate(&blas) != CUBLAS_STATUS_SUCCESS) throw std::runtime_error("cublasCreate failed");
 
   // ---- ceilings measured here: copy bandwidth and bf16 tensor-core GEMM rate -----------------
-  {
-    const size_t n = size_t(1) << 30;  // 1 GiB each way
-    auto* a = dalloc<unsigned char>(n);
-    auto* b = dalloc<unsigned char>(n);
-    cudaMemset(a, 1, n);
-    const double ms = time_ms([&] { cudaMemcpyAsync(b, a, n, cudaMemcpyDeviceToDevice); }, 10);
-    J["ceiling"]["copy_GBps"] = 2.0 * n / (ms * 1e-3) / 1e9;
-    cudaFree(a);
-    cudaFree(b);
-    const int m = 8192;
-    auto* x = dalloc<bf16>(size_t(m) * m);
-    auto* y = dalloc<bf16>(size_t(m) * m);
-    auto* z = dalloc<bf16>(size_t(m) * m);
-    fill_bf16<<<1024, 256>>>(x, size_t(m) * m, 1);
-    fill_bf16<<<1024, 256>>>(y, size_t(m) * m, 2);
-    const float one = 1.f, zero = 0.f;
-    const double gms = time_ms(
-        [&] {
-          cublasGemmEx(blas, CUBLAS_OP_N, CUBLAS_OP_N, m, m, m, &one, x, CUDA_R_16BF, m, y, CUDA_R_16BF, m, &zero, z,
-                       CUDA_R_16BF, m, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
-        },
-        10);
-    J["ceiling"]["bf16_gemm_TFLOPs"] = 2.0 * m * double(m) * m / (gms * 1e-3) / 1e12;
-    cudaFree(x);
-    cudaFree(y);
-    cudaFree(z);
-  }
+  measure_ceilings(blas, J);
   const double peak_tf = J["ceiling"]["bf16_gemm_TFLOPs"], peak_bw = J["ceiling"]["copy_GBps"];
 
   // ---- chunked prefill ------------------------------------------------------------------------
