@@ -402,6 +402,65 @@ __global__ void rope_key_axis_kernel(int d_k, int d_v, int half, const float* __
   }
 }
 
+// lightning_qkv_prepare: block of 8 warps per token; warp w takes rows (part, head) = w, w + 8, ... of the 3 H rows.
+// Lane l holds dims l E .. l E + E - 1 (E = d / 32); RoPE partners are exchanged through the warp's row in shared
+// memory.
+template <int D>
+__global__ void __launch_bounds__(256) lightning_qkv_kernel(LightningQkvArgs a) {
+  constexpr int E = D / 32;
+  __shared__ float row_buf[8][D];
+  const int t = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, H = a.num_heads;
+  float* buf = row_buf[warp];
+  const float pos = a.inv_freq ? static_cast<float>(a.positions[t]) : 0.f;
+  for (int r = warp; r < 3 * H; r += 8) {
+    const int part = r / H, h = r % H;
+    const bf16* src = a.qkv + (size_t(t) * 3 * H + r) * D + lane * E;
+    float x[E];
+#pragma unroll
+    for (int e = 0; e < E; e += 2) {
+      const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(src + e));
+      x[e] = f.x, x[e + 1] = f.y;
+    }
+    if (a.silu)
+#pragma unroll
+      for (int e = 0; e < E; ++e) x[e] = x[e] / (1.f + expf(-x[e]));
+    const bf16* nw = part == 0 ? a.q_norm : part == 1 ? a.k_norm : nullptr;
+    if (nw) {
+      float ss = 0.f;
+#pragma unroll
+      for (int e = 0; e < E; ++e) ss += x[e] * x[e];
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+      const float inv = 1.0f / sqrtf(ss / D + a.eps);
+#pragma unroll
+      for (int e = 0; e < E; ++e) x[e] = __bfloat162float(nw[lane * E + e]) * (x[e] * inv);
+    }
+    if (a.inv_freq && part < 2) {
+      const int half = a.rope_half;
+#pragma unroll
+      for (int e = 0; e < E; ++e) buf[lane * E + e] = x[e];
+      __syncwarp();
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        const int i = lane * E + e;
+        if (i >= 2 * half) continue;
+        const int j = i < half ? i : i - half;
+        const float f = pos * a.inv_freq[j];
+        const float cs = cosf(f), sn = sinf(f);
+        x[e] = i < half ? x[e] * cs - buf[i + half] * sn : x[e] * cs + buf[i - half] * sn;
+      }
+      __syncwarp();
+    }
+    if (part == 0)
+#pragma unroll
+      for (int e = 0; e < E; ++e) x[e] *= a.scale;
+    bf16* dst = (part == 0 ? a.q : part == 1 ? a.k : a.v) + (size_t(t) * H + h) * D + lane * E;
+#pragma unroll
+    for (int e = 0; e < E; e += 2)
+      *reinterpret_cast<__nv_bfloat162*>(dst + e) = __floats2bfloat162_rn(x[e], x[e + 1]);
+  }
+}
+
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 // Shape checks (all the queries need).
@@ -541,6 +600,25 @@ void scalar_compose_fold(int batch, int dim, int num_segments, float* running, c
   scalar_compose_kernel<<<blocks, 256, 0, stream>>>(batch, dim / 4, num_segments, reinterpret_cast<float4*>(running),
                                                     transitions, reinterpret_cast<const float4*>(states));
   check_cuda(cudaGetLastError(), "scalar_compose_fold: launch");
+}
+
+void lightning_qkv_prepare(const LightningQkvArgs& a, cudaStream_t stream) {
+  const std::string f = "lightning_qkv_prepare: ";
+  if (!lightning_head_dim_supported(a.head_dim))
+    throw std::invalid_argument(f + "head_dim " + std::to_string(a.head_dim) + " is not supported (64 or 128)");
+  if (a.tokens < 0 || a.num_heads <= 0)
+    throw std::invalid_argument(f + "bad tokens " + std::to_string(a.tokens) + " or num_heads " +
+                                std::to_string(a.num_heads));
+  if (a.inv_freq && (a.rope_half <= 0 || 2 * a.rope_half > a.head_dim || !a.positions))
+    throw std::invalid_argument(f + "RoPE needs 0 < 2 rope_half <= head_dim (rope_half " +
+                                std::to_string(a.rope_half) + ") and positions");
+  if (a.tokens == 0) return;
+  if (!a.qkv || !a.q || !a.k || !a.v) throw std::invalid_argument(f + "qkv, q, k or v is null");
+  if (a.head_dim == 64)
+    lightning_qkv_kernel<64><<<a.tokens, 256, 0, stream>>>(a);
+  else
+    lightning_qkv_kernel<128><<<a.tokens, 256, 0, stream>>>(a);
+  check_cuda(cudaGetLastError(), "lightning_qkv_prepare: launch");
 }
 
 void rope_key_axis(int heads, int d_k, int d_v, int half, const float* inv_freq, int64_t position, float* state,

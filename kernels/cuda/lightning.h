@@ -99,6 +99,34 @@ void lightning_decode(int batch, int num_heads, int head_dim, const bf16* q, con
 void scalar_compose_fold(int batch, int dim, int num_segments, float* running, const float* transitions,
                          const float* states, cudaStream_t stream = nullptr);
 
+/// What lightning_qkv_prepare does to the fused projection's output (HF MiniMaxLightningAttention: silu only;
+/// BailingMoeV2 linear attention (Ring-linear-2.0): optional silu, RMSNorm of q and k per head, partial NeoX RoPE,
+/// q scaled by d^-1/2).
+struct LightningQkvArgs {
+  int tokens = 0;                  ///< T
+  int num_heads = 0;               ///< H
+  int head_dim = 128;              ///< d: 64 or 128
+  const bf16* qkv = nullptr;       ///< [T][3][H][d] bf16: q heads, then k heads, then v heads (qkv_proj output)
+  bool silu = false;               ///< silu on every value first (MiniMax; Ring's linear_silu)
+  const bf16* q_norm = nullptr;    ///< [d] plain RMSNorm weight of q (w * x * rsqrt(mean x^2 + eps)), or nullptr
+  const bf16* k_norm = nullptr;    ///< [d] the same for k, or nullptr
+  float eps = 1e-6f;
+  const float* inv_freq = nullptr;  ///< [rope_half] fp32, or nullptr (no RoPE): dims i, i + rope_half (i < rope_half)
+  int rope_half = 0;                ///< of q and k rotated by angle float(positions[t]) * inv_freq[i] (fp32)
+  const int* positions = nullptr;   ///< [T] int32 absolute positions (with inv_freq)
+  float scale = 1.0f;               ///< q multiplier, last
+  bf16* q = nullptr;                ///< [T][H][d] out
+  bf16* k = nullptr;                ///< [T][H][d] out
+  bf16* v = nullptr;                ///< [T][H][d] out (silu'd when `silu`, else copied)
+};
+
+/// The lightning layer's q, k, v from its fused projection, in the order silu, norm, RoPE, scale (the HF classes
+/// above; CPU: engine/families/shared lightning_qkv and ring_linear lightning_layer), fp32 math, one rounding to bf16
+/// per output. One warp per (token, part, head) row.
+/// Throws std::invalid_argument on a head size other than 64 or 128, negative sizes, null required pointers,
+/// 2 rope_half > d, or inv_freq without positions.
+void lightning_qkv_prepare(const LightningQkvArgs& args, cudaStream_t stream = nullptr);
+
 /// Rotates linear-attention states on their key axis by one angle (kernels/cpu apply_rope_key_axis, DESIGN.md 3.3):
 /// for each of `heads` states [d_k][d_v] fp32 row-major and i < half, rows i and i + half become
 ///   row_i cos - row_{i+half} sin,  row_{i+half} cos + row_i sin,   angle = float(position) * inv_freq[i] (fp32),

@@ -35,6 +35,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
@@ -69,43 +70,110 @@ constexpr int kRouteThreads = 256;  // 8 warps, 4 tokens each = one chunk
 // Routing
 // ---------------------------------------------------------------------------------------------
 
-// Softmax over the E logits lg[0..E) of one token and its top-k, by one warp (expert e sits in
-// lane e % 32, register e / 32). Lane r < k returns the r-th pick: its expert, its weight
-// (renormalised over the k picks, summed in selection order as the CPU reference, when renorm)
-// and its rank among the k picks in ascending expert order. Ties: lower expert first.
-__device__ __forceinline__ void route_token(const float* lg, int E, int k, bool renorm, int lane, int& out_e,
-                                            float& out_w, int& out_rank) {
+// How route_token scores and picks (MoeWeightsView's routing fields).
+struct RouteCfg {
+  int E, k;
+  bool renorm;
+  bool sigmoid;
+  const float* bias;
+  int n_group, topk_group;
+  float scale;
+};
+
+RouteCfg route_cfg(const MoeWeightsView& w) {
+  return {w.E, w.topk, w.renormalize, w.scoring == MoeScoring::Sigmoid, w.expert_bias, w.n_group, w.topk_group,
+          w.routed_scaling};
+}
+
+// The scores of one token's E logits lg[0..E) and its top-k, by one warp (expert e sits in lane e % 32, register
+// e / 32). Softmax: choice = probability; Sigmoid: choice = sigmoid + bias within the kept groups (-inf outside).
+// Lane r < k returns the r-th pick: its expert, its weight (renormalised over the k picks, summed in selection
+// order as the CPU reference, when renorm) and its rank among the k picks in ascending expert order.
+// Ties: lower expert (group) first.
+__device__ __forceinline__ void route_token(const float* lg, const RouteCfg& rc, int lane, int& out_e, float& out_w,
+                                            int& out_rank) {
+  const int E = rc.E, k = rc.k;
   float v[kMaxE / 32];
-  float m = -INFINITY;
+  if (!rc.sigmoid) {
+    float m = -INFINITY;
 #pragma unroll
-  for (int i = 0; i < kMaxE / 32; ++i) {
-    const int e = i * 32 + lane;
-    v[i] = e < E ? lg[e] : -INFINITY;
-    m = fmaxf(m, v[i]);
+    for (int i = 0; i < kMaxE / 32; ++i) {
+      const int e = i * 32 + lane;
+      v[i] = e < E ? lg[e] : -INFINITY;
+      m = fmaxf(m, v[i]);
+    }
+#pragma unroll
+    for (int off = 16; off; off >>= 1) m = fmaxf(m, __shfl_xor_sync(kFull, m, off));
+    float s = 0.f;
+#pragma unroll
+    for (int i = 0; i < kMaxE / 32; ++i) {
+      const int e = i * 32 + lane;
+      v[i] = e < E ? expf(v[i] - m) : 0.f;
+      s += v[i];
+    }
+#pragma unroll
+    for (int off = 16; off; off >>= 1) s += __shfl_xor_sync(kFull, s, off);
+#pragma unroll
+    for (int i = 0; i < kMaxE / 32; ++i) v[i] = v[i] / s;
+  } else {
+#pragma unroll
+    for (int i = 0; i < kMaxE / 32; ++i) {
+      const int e = i * 32 + lane;
+      v[i] = e < E ? 1.0f / (1.0f + expf(-lg[e])) + (rc.bias ? rc.bias[e] : 0.0f) : -INFINITY;
+    }
+    if (rc.n_group > 1) {
+      // Group g's score (the sum of its two best choices) ends in lane g; then the topk_group best groups.
+      const int per = E / rc.n_group;
+      float gscore = -INFINITY;
+      for (int g = 0; g < rc.n_group; ++g) {
+        float a = -INFINITY, b = -INFINITY;  // this lane's best two in group g
+#pragma unroll
+        for (int i = 0; i < kMaxE / 32; ++i) {
+          const int e = i * 32 + lane;
+          if (e < E && e / per == g) {
+            if (v[i] > a) b = a, a = v[i];
+            else if (v[i] > b) b = v[i];
+          }
+        }
+#pragma unroll
+        for (int off = 16; off; off >>= 1) {
+          const float oa = __shfl_xor_sync(kFull, a, off), ob = __shfl_xor_sync(kFull, b, off);
+          // Merge two top-2 lists.
+          const float hi = fmaxf(a, oa);
+          const float lo = fmaxf(fminf(a, oa), fmaxf(b, ob));
+          a = hi, b = lo;
+        }
+        if (lane == g) gscore = per >= 2 ? a + b : a;
+      }
+      unsigned keep = 0u;
+      for (int r = 0; r < rc.topk_group; ++r) {
+        float bv = lane < rc.n_group && !(keep >> lane & 1u) ? gscore : -INFINITY;
+        int bi = lane < rc.n_group && !(keep >> lane & 1u) ? lane : INT_MAX;
+#pragma unroll
+        for (int off = 16; off; off >>= 1) {
+          const float ov = __shfl_xor_sync(kFull, bv, off);
+          const int oi = __shfl_xor_sync(kFull, bi, off);
+          if (ov > bv || (ov == bv && oi < bi)) bv = ov, bi = oi;
+        }
+        keep |= 1u << bi;
+      }
+#pragma unroll
+      for (int i = 0; i < kMaxE / 32; ++i) {
+        const int e = i * 32 + lane;
+        if (e < E && !(keep >> (e / per) & 1u)) v[i] = -INFINITY;
+      }
+    }
   }
-#pragma unroll
-  for (int off = 16; off; off >>= 1) m = fmaxf(m, __shfl_xor_sync(kFull, m, off));
-  float s = 0.f;
-#pragma unroll
-  for (int i = 0; i < kMaxE / 32; ++i) {
-    const int e = i * 32 + lane;
-    v[i] = e < E ? expf(v[i] - m) : 0.f;
-    s += v[i];
-  }
-#pragma unroll
-  for (int off = 16; off; off >>= 1) s += __shfl_xor_sync(kFull, s, off);
-#pragma unroll
-  for (int i = 0; i < kMaxE / 32; ++i) v[i] = v[i] / s;  // probabilities >= 0; -1 marks "taken"
 
   int my_e = 0;
   float my_p = 0.f;
   for (int r = 0; r < k; ++r) {
-    float bv = -2.f;
+    float bv = -INFINITY;
     int bi = INT_MAX;
 #pragma unroll
     for (int i = 0; i < kMaxE / 32; ++i) {
       const int e = i * 32 + lane;
-      if (e < E && v[i] > bv) bv = v[i], bi = e;  // ascending e: strict > keeps the lower index
+      if (e < E && (v[i] > bv || (bi == INT_MAX && v[i] == bv))) bv = v[i], bi = e;  // ascending e: lower first
     }
 #pragma unroll
     for (int off = 16; off; off >>= 1) {
@@ -113,14 +181,17 @@ __device__ __forceinline__ void route_token(const float* lg, int E, int k, bool 
       const int oi = __shfl_xor_sync(kFull, bi, off);
       if (ov > bv || (ov == bv && oi < bi)) bv = ov, bi = oi;
     }
-    if (lane == r) my_e = bi, my_p = bv;
+    if (lane == r) my_e = bi, my_p = rc.sigmoid ? 1.0f / (1.0f + expf(-lg[bi])) : bv;
 #pragma unroll
     for (int i = 0; i < kMaxE / 32; ++i)
-      if (i * 32 + lane == bi) v[i] = -1.f;
+      if (i * 32 + lane == bi) v[i] = NAN;  // taken: NaN compares false with everything
   }
   float sum = 0.f;
   for (int r = 0; r < k; ++r) sum += __shfl_sync(kFull, my_p, r);
-  out_w = renorm ? my_p / sum : my_p;
+  if (rc.sigmoid)
+    out_w = (rc.renorm ? my_p / (sum + 1e-20f) : my_p) * rc.scale;
+  else
+    out_w = rc.renorm ? my_p / sum : my_p;
   int rank = 0;
   for (int r = 0; r < k; ++r) rank += (__shfl_sync(kFull, my_e, r) < my_e) ? 1 : 0;
   out_e = my_e;
@@ -150,10 +221,11 @@ __device__ __forceinline__ float shared_gate_token(const bf16* xr, const bf16* w
 }
 
 // One block per chunk of 32 tokens, one warp per token (4 tokens per warp).
-__global__ void __launch_bounds__(kRouteThreads) route_kernel(int T, int E, int k, bool renorm, const float* logits,
+__global__ void __launch_bounds__(kRouteThreads) route_kernel(int T, RouteCfg rc, const float* logits,
                                                               const bf16* x, int H, const bf16* sgate_w,
                                                               float* sgate_out, int* topk_e, float* topk_w,
                                                               int* chunk_counts, int nch) {
+  const int E = rc.E, k = rc.k;
   __shared__ int hist[kMaxE];
   for (int i = threadIdx.x; i < E; i += blockDim.x) hist[i] = 0;
   __syncthreads();
@@ -163,7 +235,7 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(int T, int E, int 
     if (t >= T) break;  // warp-uniform
     int my_e, rank;
     float wgt;
-    route_token(logits + size_t(t) * E, E, k, renorm, lane, my_e, wgt, rank);
+    route_token(logits + size_t(t) * E, rc, lane, my_e, wgt, rank);
     if (lane < k) {
       topk_e[size_t(t) * k + rank] = my_e;
       topk_w[size_t(t) * k + rank] = wgt;
@@ -186,7 +258,7 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(int T, int E, int 
 // are in ascending token order within each expert, as on the multi-kernel path (same results).
 constexpr int kSmallW = kSmallT / 32;
 
-__global__ void __launch_bounds__(kMaxE) route_small_kernel(int T, int E, int k, bool renorm, const float* logits,
+__global__ void __launch_bounds__(kMaxE) route_small_kernel(int T, RouteCfg rc, const float* logits,
                                                             const bf16* x, int H, const bf16* sgate_w,
                                                             float* sgate_out, int* topk_e, float* topk_w,
                                                             int* offsets, int2* tiles, int* num_tiles,
@@ -194,6 +266,7 @@ __global__ void __launch_bounds__(kMaxE) route_small_kernel(int T, int E, int k,
   __shared__ unsigned mask[kMaxE][kSmallW];
   __shared__ int s_e[kSmallT * kMaxTopk];
   __shared__ int sc[kMaxE], st[kMaxE], so[kMaxE];
+  const int E = rc.E, k = rc.k;
   griddep_wait();
   griddep_launch_dependents();
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -207,7 +280,7 @@ __global__ void __launch_bounds__(kMaxE) route_small_kernel(int T, int E, int k,
       const int t = task;
       int my_e, rank;
       float wgt;
-      route_token(logits + size_t(t) * E, E, k, renorm, lane, my_e, wgt, rank);
+      route_token(logits + size_t(t) * E, rc, lane, my_e, wgt, rank);
       if (lane < k) {
         topk_e[t * k + rank] = my_e;
         topk_w[t * k + rank] = wgt;
@@ -606,6 +679,14 @@ void validate_view(const char* fn, const MoeWeightsView& w) {
   if (w.Is < 0 || w.Is % 32) bad_arg(fn, "Is = " + std::to_string(w.Is) + " is not a non-negative multiple of 32");
   if (!w.router || !w.experts_gate_up || !w.experts_down) bad_arg(fn, "null router or expert weights");
   if (w.Is > 0 && (!w.shared_gate_up || !w.shared_down)) bad_arg(fn, "Is > 0 but null shared expert weights");
+  if (w.scoring == MoeScoring::Sigmoid) {
+    if (w.n_group < 1 || w.n_group > 32 || w.E % w.n_group != 0)
+      bad_arg(fn, "n_group = " + std::to_string(w.n_group) + " must be in [1, 32] and divide E = " + std::to_string(w.E));
+    if (w.topk_group < 1 || w.topk_group > w.n_group || w.topk > w.topk_group * (w.E / w.n_group))
+      bad_arg(fn, "topk_group = " + std::to_string(w.topk_group) + " must be in [1, n_group = " +
+                      std::to_string(w.n_group) + "] and keep at least topk = " + std::to_string(w.topk) + " experts");
+    if (!std::isfinite(w.routed_scaling)) bad_arg(fn, "routed_scaling is not finite");
+  }
   if (!aligned16(w.router) || !aligned16(w.experts_gate_up) || !aligned16(w.experts_down) ||
       !aligned16(w.shared_gate_up) || !aligned16(w.shared_down) || !aligned16(w.shared_gate))
     bad_arg(fn, "weights must be 16-byte aligned");
@@ -940,12 +1021,12 @@ void moe_forward(int T, const bf16* x, const MoeWeightsView& w, float* out, MoeW
   }
   if (decode && T <= kSmallT) {
     // 2-3. softmax, top-k, shared gate, counting sort and tile schedule in one block.
-    launch_pdl(route_small_kernel, dim3(1), dim3(kMaxE), 0, stream, "moe_forward: route_small launch", T, E, k,
-               w.renormalize, logits, x, H, w.shared_gate, w.Is > 0 ? sgate : nullptr, topk_e, topk_w, offsets, tiles,
+    launch_pdl(route_small_kernel, dim3(1), dim3(kMaxE), 0, stream, "moe_forward: route_small launch", T,
+               route_cfg(w), logits, x, H, w.shared_gate, w.Is > 0 ? sgate : nullptr, topk_e, topk_w, offsets, tiles,
                num_tiles, sorted_tok, pos_of, shared_rows);
   } else {
     // 2. softmax, top-k, shared gate, chunk histograms.
-    route_kernel<<<nch, kRouteThreads, 0, stream>>>(T, E, k, w.renormalize, logits, x, H, w.shared_gate,
+    route_kernel<<<nch, kRouteThreads, 0, stream>>>(T, route_cfg(w), logits, x, H, w.shared_gate,
                                                     w.Is > 0 ? sgate : nullptr, topk_e, topk_w, chunk_counts, nch);
     check_cuda(cudaGetLastError(), "moe_forward: route launch");
     // 3. counting sort by expert and the tile schedule.

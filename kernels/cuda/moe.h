@@ -10,7 +10,7 @@
 // moe_forward pipeline (all on the device; with GroupedGemm::Own no host synchronisation):
 //   1. router logits [T][E] = x W_router^T, fp32 output (GemmRunner)
 //   2. route: per token softmax over E (fp32), top-k (ties: lower expert first), optional
-//      renormalisation; the k (expert, weight) pairs stored in ascending expert order; the shared
+//      renormalisation (or MoeScoring::Sigmoid: grouped top-k of sigmoid + bias, see there); the k (expert, weight) pairs stored in ascending expert order; the shared
 //      expert gate sigmoid(x . shared_gate) (fp32); per-chunk (32 tokens) expert histograms
 //   3. stable counting sort of the (token, slot) pairs by expert: per-expert prefix over chunks,
 //      expert offsets by a prefix sum over E, the m-tile schedule of the grouped GEMM, and each
@@ -45,6 +45,18 @@
 
 namespace hypic::kernels::cuda {
 
+/// How a token's experts are scored and picked (step 2 of moe_forward).
+enum class MoeScoring {
+  /// softmax over the E logits, top-k of the probabilities (Qwen3-Next / Qwen3.5, MiniMax); weights = the
+  /// probabilities (renormalised over the k when `renormalize`)
+  Softmax,
+  /// s = sigmoid(logits); experts picked by the choice score s + expert_bias, within the topk_group groups (of E /
+  /// n_group experts) whose two best choice scores sum highest (the one best for groups of one); weights = s of the
+  /// picks, / (their sum + 1e-20) when `renormalize`, times routed_scaling (DeepSeek-V3's noaux_tc routing as
+  /// Kimi-Linear and Ring-linear use it: HF KimiMoEGate, BailingMoeV2Gate; CPU: engine/families/shared route_sigmoid)
+  Sigmoid,
+};
+
 /// The weights of one MoE layer, all bf16 row-major on the device (views, not owned).
 struct MoeWeightsView {
   int E = 0;                 ///< number of routed experts, topk <= E <= 512
@@ -52,13 +64,19 @@ struct MoeWeightsView {
   int I = 0;                 ///< routed expert intermediate size, multiple of 32
   int topk = 0;              ///< experts per token, 1..16
   bool renormalize = true;   ///< HF norm_topk_prob: top-k weights /= their sum
+  MoeScoring scoring = MoeScoring::Softmax;
+  const float* expert_bias = nullptr;  ///< Sigmoid: [E] fp32 choice bias (e_score_correction_bias), or nullptr
+  int n_group = 1;                     ///< Sigmoid: expert groups, divides E, 1..32
+  int topk_group = 1;                  ///< Sigmoid: groups kept, 1..n_group, topk <= topk_group E / n_group
+  float routed_scaling = 1.0f;         ///< Sigmoid: multiplier of the routed weights (routed_scaling_factor)
   const bf16* router = nullptr;           ///< [E][H]
   const bf16* experts_gate_up = nullptr;  ///< [E][2I][H]: per expert I gate rows, then I up rows
   const bf16* experts_down = nullptr;     ///< [E][H][I]
   int Is = 0;                             ///< shared expert width (multiple of 32), 0 = no shared expert
   const bf16* shared_gate_up = nullptr;   ///< [2Is][H]: gate rows then up rows
   const bf16* shared_down = nullptr;      ///< [H][Is]
-  const bf16* shared_gate = nullptr;      ///< [1][H] (shared_expert_gate)
+  const bf16* shared_gate = nullptr;      ///< [1][H] (shared_expert_gate), or nullptr: the shared expert's output
+                                          ///< is added ungated (Kimi-Linear, Ring-linear)
 };
 
 /// Which grouped GEMM moe_forward runs for the routed experts.

@@ -118,8 +118,9 @@ __global__ void __launch_bounds__(kArgmaxThreads) argmax_rows_kernel(int V, cons
   }
 }
 
+template <NormGate kGate>
 __global__ void rms_norm_gated_kernel(int rows, int dim, const bf16* x, const bf16* __restrict__ z,
-                                      const bf16* __restrict__ w, float eps, bf16* y) {
+                                      const bf16* __restrict__ w, int w_rows, float eps, bf16* y) {
   detail::griddep_launch_dependents();  // as rms_norm_residual_kernel
   const int r = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
   if (r >= rows) return;
@@ -131,13 +132,15 @@ __global__ void rms_norm_gated_kernel(int rows, int dim, const bf16* x, const bf
   }
   const float inv = rsqrtf(warp_sum(ss) / dim + eps);
   const bf16* zr = z + long(r) * dim;
+  const bf16* wr = w + long(r % w_rows) * dim;
   bf16* yr = y + long(r) * dim;
+  auto gate = [](float g) { return kGate == NormGate::Silu ? silu_f(g) : 1.f / (1.f + expf(-g)); };
   for (int c = lane * 2; c < dim; c += 64) {
     const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(xr + c));
     const float2 g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(zr + c));
-    const float2 ww = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(w + c));
+    const float2 ww = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(wr + c));
     *reinterpret_cast<__nv_bfloat162*>(yr + c) =
-        __floats2bfloat162_rn(v.x * inv * ww.x * silu_f(g.x), v.y * inv * ww.y * silu_f(g.y));
+        __floats2bfloat162_rn(v.x * inv * ww.x * gate(g.x), v.y * inv * ww.y * gate(g.y));
   }
 }
 
@@ -317,13 +320,16 @@ void rms_norm_residual(int rows, int dim, const float* x, long ldx, const int* r
 }
 
 void rms_norm_gated(int rows, int dim, const bf16* x, const bf16* z, const bf16* w, float eps, bf16* y,
-                    cudaStream_t stream) {
-  need(rows >= 0 && dim > 0 && dim % 2 == 0,
-       "rms_norm_gated: need rows >= 0 and dim a positive even number; got rows=" + std::to_string(rows) +
-           " dim=" + std::to_string(dim));
+                    cudaStream_t stream, NormGate gate, int w_rows) {
+  need(rows >= 0 && dim > 0 && dim % 2 == 0 && w_rows > 0,
+       "rms_norm_gated: need rows >= 0, dim a positive even number and w_rows > 0; got rows=" + std::to_string(rows) +
+           " dim=" + std::to_string(dim) + " w_rows=" + std::to_string(w_rows));
   if (rows == 0) return;
   need(x && z && w && y, "rms_norm_gated: null pointer");
-  rms_norm_gated_kernel<<<(rows + 3) / 4, 128, 0, stream>>>(rows, dim, x, z, w, eps, y);
+  if (gate == NormGate::Silu)
+    rms_norm_gated_kernel<NormGate::Silu><<<(rows + 3) / 4, 128, 0, stream>>>(rows, dim, x, z, w, w_rows, eps, y);
+  else
+    rms_norm_gated_kernel<NormGate::Sigmoid><<<(rows + 3) / 4, 128, 0, stream>>>(rows, dim, x, z, w, w_rows, eps, y);
   check_cuda(cudaGetLastError(), "rms_norm_gated launch");
 }
 

@@ -27,11 +27,20 @@ void embed_gather(int T, int H, const int32_t* ids, const bf16* embed, float* x,
 void rms_norm_residual(int rows, int dim, const float* x, long ldx, const int* rows_index, const bf16* w, float eps,
                        bf16* y, cudaStream_t stream = nullptr);
 
-/// Gated RMSNorm of the Gated DeltaNet output (HF Qwen3NextRMSNormGated): per row of `dim` (one value head of
-/// one token), y = (x * rsqrt(mean(x^2) + eps)) * w * silu(z) (plain weight w), fp32 math, bf16 out.
-/// x, z, y: [rows][dim] bf16 (y may alias x); w: [dim] bf16.
+/// The gate function of rms_norm_gated.
+enum class NormGate {
+  Silu,     ///< silu(z): Gated DeltaNet (HF Qwen3NextRMSNormGated)
+  Sigmoid,  ///< sigmoid(z): KDA (HF KimiLinear's KimiRMSNormGated), lightning's output gate (MiniMax, Ring-linear)
+};
+
+/// Gated RMSNorm: per row of `dim`, y = (x * rsqrt(mean(x^2) + eps)) * w * gate(z) (plain weight w), fp32 math,
+/// bf16 out. Row r uses weight row r % w_rows of w [w_rows][dim], so a grouped norm over rows of G groups is
+/// rows x G rows of dim / G with w_rows = G (lightning's output RMSNorm over H * d in group_norm_size groups, HF
+/// MiniMaxLightningAttention.norm / BailingMoeV2's group norm); per-head norms (Gated DeltaNet, KDA: one row per
+/// token and head) use w_rows = 1. x, z, y: [rows][dim] bf16 (y may alias x); dim even.
+/// Throws std::invalid_argument on bad sizes or null pointers.
 void rms_norm_gated(int rows, int dim, const bf16* x, const bf16* z, const bf16* w, float eps, bf16* y,
-                    cudaStream_t stream = nullptr);
+                    cudaStream_t stream = nullptr, NormGate gate = NormGate::Silu, int w_rows = 1);
 
 /// One step of an affine chain: R <- alpha (T R) + S; T == nullptr means the identity, S == nullptr zero; then
 /// if out != nullptr, out <- R. Every pointer addresses `heads` blocks [heads][128][128] fp32 (head h at

@@ -302,6 +302,7 @@ struct Stream {
 
 struct MoeCfg {
   int E, topk, H, I, Is;
+  bool shared_gate = true;  // the shared expert's sigmoid gate (Qwen); false: added ungated (Kimi, Ring)
 };
 
 struct HostMoe {
@@ -325,7 +326,7 @@ struct HostMoe {
     if (c.Is > 0) {
       d_s_gate_up.emplace(rand_bf16(r, size_t(2) * c.Is * c.H, sh, s_gate_up));
       d_s_down.emplace(rand_bf16(r, size_t(c.H) * c.Is, 1.0f / std::sqrt(float(c.Is)), s_down));
-      d_s_gate.emplace(rand_bf16(r, size_t(c.H), sh, s_gate));
+      if (c.shared_gate) d_s_gate.emplace(rand_bf16(r, size_t(c.H), sh, s_gate));
     }
   }
   kernels::cuda::MoeWeightsView view(bool renorm) const {
@@ -334,7 +335,8 @@ struct HostMoe {
     v.router = d_router->get(), v.experts_gate_up = d_gate_up->get(), v.experts_down = d_down->get();
     v.Is = c.Is;
     if (c.Is > 0)
-      v.shared_gate_up = d_s_gate_up->get(), v.shared_down = d_s_down->get(), v.shared_gate = d_s_gate->get();
+      v.shared_gate_up = d_s_gate_up->get(), v.shared_down = d_s_down->get(),
+      v.shared_gate = c.shared_gate ? d_s_gate->get() : nullptr;
     return v;
   }
 };
@@ -349,33 +351,13 @@ inline void mlp_ref(int64_t T, int64_t H, int64_t I, const float* x, const float
   kernels::cpu::linear(T, I, H, g.data(), down, out);
 }
 
-// Model::moe_block in fp32 on the host copies; also each token's top-k set (ascending) and
-// whether its k-th / (k+1)-th probabilities are a near-tie (routing may legitimately differ).
-inline std::vector<float> moe_ref(const HostMoe& m, bool renorm, int T, const float* x,
-                                  std::vector<std::vector<int>>& sets, std::vector<char>& near_tie) {
-  const int E = m.c.E, k = m.c.topk;
+// The experts of an MoE block in fp32 on the host copies (Model::moe_block after routing): routed[e] lists the
+// (token, weight) pairs of expert e; plus the shared expert, gated by sigmoid(x . s_gate) when the layer has the
+// gate.
+inline std::vector<float> moe_experts_ref(const HostMoe& m, const std::vector<std::vector<std::pair<int, float>>>& routed,
+                                          int T, const float* x) {
+  const int E = m.c.E;
   const int64_t H = m.c.H, I = m.c.I, Is = m.c.Is;
-  std::vector<float> probs(size_t(T) * E);
-  kernels::cpu::linear(T, H, E, x, m.router.data(), probs.data());
-  kernels::cpu::softmax_rows(T, E, probs.data(), E);
-  std::vector<std::vector<std::pair<int, float>>> routed(E);
-  sets.assign(T, {});
-  near_tie.assign(T, 0);
-  std::vector<int> order(E);
-  for (int t = 0; t < T; ++t) {
-    const float* p = probs.data() + size_t(t) * E;
-    std::iota(order.begin(), order.end(), 0);
-    std::partial_sort(order.begin(), order.begin() + std::min(k + 1, E), order.end(),
-                      [p](int a, int b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
-    if (k < E && p[order[k - 1]] - p[order[k]] <= 1e-4f * p[order[k - 1]]) near_tie[t] = 1;
-    float sum = 0.f;
-    for (int j = 0; j < k; ++j) sum += p[order[j]];
-    for (int j = 0; j < k; ++j) {
-      routed[order[j]].emplace_back(t, renorm ? p[order[j]] / sum : p[order[j]]);
-      sets[t].push_back(order[j]);
-    }
-    std::sort(sets[t].begin(), sets[t].end());
-  }
   std::vector<float> out(size_t(T) * H, 0.f), xe, gu, act, ye;
   for (int e = 0; e < E; ++e) {
     const auto& list = routed[e];
@@ -397,13 +379,43 @@ inline std::vector<float> moe_ref(const HostMoe& m, bool renorm, int T, const fl
   if (Is > 0) {
     std::vector<float> shared(size_t(T) * H), sg(T);
     mlp_ref(T, H, Is, x, m.s_gate_up.data(), m.s_down.data(), shared.data());
-    kernels::cpu::linear(T, H, 1, x, m.s_gate.data(), sg.data());
+    if (m.c.shared_gate) kernels::cpu::linear(T, H, 1, x, m.s_gate.data(), sg.data());
     for (int t = 0; t < T; ++t) {
-      const float g = kernels::cpu::sigmoid(sg[t]);
+      const float g = m.c.shared_gate ? kernels::cpu::sigmoid(sg[t]) : 1.0f;
       for (int64_t j = 0; j < H; ++j) out[size_t(t) * H + j] += g * shared[size_t(t) * H + j];
     }
   }
   return out;
+}
+
+// Model::moe_block in fp32 on the host copies; also each token's top-k set (ascending) and
+// whether its k-th / (k+1)-th probabilities are a near-tie (routing may legitimately differ).
+inline std::vector<float> moe_ref(const HostMoe& m, bool renorm, int T, const float* x,
+                                  std::vector<std::vector<int>>& sets, std::vector<char>& near_tie) {
+  const int E = m.c.E, k = m.c.topk;
+  const int64_t H = m.c.H;
+  std::vector<float> probs(size_t(T) * E);
+  kernels::cpu::linear(T, H, E, x, m.router.data(), probs.data());
+  kernels::cpu::softmax_rows(T, E, probs.data(), E);
+  std::vector<std::vector<std::pair<int, float>>> routed(E);
+  sets.assign(T, {});
+  near_tie.assign(T, 0);
+  std::vector<int> order(E);
+  for (int t = 0; t < T; ++t) {
+    const float* p = probs.data() + size_t(t) * E;
+    std::iota(order.begin(), order.end(), 0);
+    std::partial_sort(order.begin(), order.begin() + std::min(k + 1, E), order.end(),
+                      [p](int a, int b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
+    if (k < E && p[order[k - 1]] - p[order[k]] <= 1e-4f * p[order[k - 1]]) near_tie[t] = 1;
+    float sum = 0.f;
+    for (int j = 0; j < k; ++j) sum += p[order[j]];
+    for (int j = 0; j < k; ++j) {
+      routed[order[j]].emplace_back(t, renorm ? p[order[j]] / sum : p[order[j]]);
+      sets[t].push_back(order[j]);
+    }
+    std::sort(sets[t].begin(), sets[t].end());
+  }
+  return moe_experts_ref(m, routed, T, x);
 }
 
 }  // namespace hypic::gputest

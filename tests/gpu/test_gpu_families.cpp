@@ -8,12 +8,18 @@
 #include <cmath>
 #include <cstdio>
 #include <random>
+#include <tuple>
 #include <vector>
 
 #include "gpu_util.h"
 #include "kernels/cpu/lightning.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cuda/lightning.h"
+#include "kernels/cuda/ops.h"
+#include "engine/checkpoint/config.h"
+#include "engine/checkpoint/weights.h"
+#include "engine/families/shared/layers.h"
+#include "kernels/cuda/moe.h"
 
 namespace {
 
@@ -339,4 +345,245 @@ TEST_CASE("rope_key_axis rotates cached states as rotating the keys does (Ring-l
   std::printf("[rope_key_axis] vs CPU rotation %.3e, vs state of rotated keys %.3e\n", vs_cpu, vs_keys);
   CHECK(vs_cpu < 1e-5);
   CHECK(vs_keys < 1e-4);
+}
+
+namespace {
+
+struct QkvCase {
+  int head_dim, heads, tokens;
+  bool silu, norm;
+  int rope_half;  // 0: no RoPE
+  float scale;
+};
+
+// lightning_qkv_prepare against the CPU ops in the layer's order (silu, RMSNorm, RoPE, scale).
+void check_qkv_prepare(const QkvCase& c, uint32_t seed) {
+  std::mt19937 rng(seed);
+  const int T = c.tokens, H = c.heads, D = c.head_dim;
+  const int64_t first_pos = 777;
+  const size_t hd = size_t(H) * D;
+  std::vector<float> qkvf, qnf, knf;
+  auto qkv = random_bf16(rng, size_t(T) * 3 * hd, 1.0f, qkvf);
+  auto qn = random_bf16(rng, D, 0.3f, qnf);
+  auto kn = random_bf16(rng, D, 0.3f, knf);
+  for (auto& x : qnf) x += 1.0f;  // norm weights near 1, rounded like the device copy below
+  for (auto& x : knf) x += 1.0f;
+  for (int i = 0; i < D; ++i) qn[i] = float_to_bf16(qnf[i]), kn[i] = float_to_bf16(knf[i]);
+  qnf = to_float(qn), knf = to_float(kn);
+  const auto inv_freq = c.rope_half ? cpu::rope_inv_freq(10000.0, 2 * c.rope_half) : std::vector<float>{};
+  // CPU reference.
+  std::vector<float> part[3];
+  for (int p = 0; p < 3; ++p) {
+    part[p].resize(size_t(T) * hd);
+    for (int t = 0; t < T; ++t)
+      for (size_t i = 0; i < hd; ++i) {
+        const float x = qkvf[(size_t(t) * 3 + p) * hd + i];
+        part[p][size_t(t) * hd + i] = c.silu ? cpu::silu(x) : x;
+      }
+  }
+  if (c.norm) {
+    cpu::rms_norm(int64_t(T) * H, D, part[0].data(), qnf.data(), 1e-6f, part[0].data());
+    cpu::rms_norm(int64_t(T) * H, D, part[1].data(), knf.data(), 1e-6f, part[1].data());
+  }
+  if (c.rope_half) {
+    cpu::apply_rope(part[0].data(), T, H, D, inv_freq, first_pos);
+    cpu::apply_rope(part[1].data(), T, H, D, inv_freq, first_pos);
+  }
+  for (auto& x : part[0]) x *= c.scale;
+
+  std::vector<int> pos(T);
+  for (int t = 0; t < T; ++t) pos[t] = int(first_pos) + t;
+  DeviceBuffer<bf16> dqkv(qkv), dqn(qn), dkn(kn), dq(size_t(T) * hd), dk(size_t(T) * hd), dv(size_t(T) * hd);
+  DeviceBuffer<float> dinv(inv_freq.empty() ? std::vector<float>{0.f} : inv_freq);
+  DeviceBuffer<int> dpos(pos);
+  dq.poison(), dk.poison(), dv.poison();
+  kc::LightningQkvArgs a;
+  a.tokens = T, a.num_heads = H, a.head_dim = D, a.qkv = dqkv.get(), a.silu = c.silu;
+  a.q_norm = c.norm ? dqn.get() : nullptr, a.k_norm = c.norm ? dkn.get() : nullptr, a.eps = 1e-6f;
+  a.inv_freq = c.rope_half ? dinv.get() : nullptr, a.rope_half = c.rope_half, a.positions = dpos.get();
+  a.scale = c.scale, a.q = dq.get(), a.k = dk.get(), a.v = dv.get();
+  kc::lightning_qkv_prepare(a);
+  check_cuda(cudaDeviceSynchronize(), "lightning_qkv_prepare");
+  const std::vector<float> got[3] = {to_float(dq.download()), to_float(dk.download()), to_float(dv.download())};
+  for (int p = 0; p < 3; ++p) {
+    double worst = 0;
+    for (size_t r = 0; r < size_t(T) * H; ++r)
+      worst = std::max(worst, scaled_err(got[p].data() + r * D, part[p].data() + r * D, D));
+    std::printf("[lightning_qkv_prepare d%d silu %d norm %d rope %d] part %d: %.3e\n", D, c.silu, c.norm, c.rope_half,
+                p, worst);
+    CHECK(worst < 8e-3);  // one bf16 rounding
+  }
+}
+
+}  // namespace
+
+TEST_CASE("lightning_qkv_prepare: MiniMax's silu, Ring-linear's norm + partial RoPE + scale, against the CPU ops",
+          "[gpu][families][lightning]") {
+  if (!cuda_device_present()) FAIL("no CUDA device: the GPU tests need an NVIDIA GPU (scripts/test_gpu.sh)");
+  SECTION("MiniMax: silu only") { check_qkv_prepare({128, 5, 37, true, false, 0, 1.0f}, 71); }
+  SECTION("Ring-linear: norm, RoPE on half the dims, q scaled") {
+    check_qkv_prepare({128, 3, 41, false, true, 32, 0.08838834764831845f}, 72);
+  }
+  SECTION("d 64, silu, norm, full RoPE") { check_qkv_prepare({64, 9, 3, true, true, 32, 0.125f}, 73); }
+  SECTION("one token") { check_qkv_prepare({128, 16, 1, true, true, 16, 0.5f}, 74); }
+}
+
+TEST_CASE("rms_norm_gated with a sigmoid gate: lightning's grouped output norm and KDA's per-head norm",
+          "[gpu][families][ops]") {
+  if (!cuda_device_present()) FAIL("no CUDA device: the GPU tests need an NVIDIA GPU (scripts/test_gpu.sh)");
+  std::mt19937 rng(81);
+  for (const auto& [T, dim, groups] : std::vector<std::tuple<int, int, int>>{{7, 1024, 4}, {3, 8192, 1}, {50, 128, 1}}) {
+    DYNAMIC_SECTION("T " << T << " dim " << dim << " groups " << groups) {
+      std::vector<float> xf, zf, wf;
+      auto x = random_bf16(rng, size_t(T) * dim, 1.0f, xf);
+      auto z = random_bf16(rng, size_t(T) * dim, 2.0f, zf);
+      auto w = random_bf16(rng, dim, 1.0f, wf);
+      // CPU: the grouped norm, then the sigmoid gate (engine/families/shared lightning_output).
+      std::vector<float> ref(xf.size());
+      cpu::rms_norm_grouped(T, dim, groups, xf.data(), wf.data(), 1e-5f, ref.data());
+      for (size_t i = 0; i < ref.size(); ++i) ref[i] *= cpu::sigmoid(zf[i]);
+      if (groups == 1 && dim == 128) {  // KDA's form (one row per token and head) through its own CPU op
+        std::vector<float> kda(xf.size());
+        cpu::rms_norm_gated_sigmoid(T, dim, xf.data(), zf.data(), wf.data(), 1e-5f, kda.data());
+        CHECK(scaled_err(kda.data(), ref.data(), kda.size()) < 1e-6);
+      }
+      DeviceBuffer<bf16> dx(x), dz(z), dw(w);
+      const int gs = dim / groups;
+      kc::rms_norm_gated(T * groups, gs, dx.get(), dz.get(), dw.get(), 1e-5f, dx.get(), nullptr, kc::NormGate::Sigmoid,
+                         groups);
+      const auto got = to_float(dx.download());
+      double worst = 0;
+      for (int t = 0; t < T; ++t)
+        worst = std::max(worst, scaled_err(got.data() + size_t(t) * dim, ref.data() + size_t(t) * dim, dim));
+      std::printf("[rms_norm_gated sigmoid] T %d dim %d groups %d: %.3e\n", T, dim, groups, worst);
+      CHECK(worst < 8e-3);
+    }
+  }
+}
+
+namespace {
+
+struct SigmoidRouting {
+  MoeCfg moe;
+  int n_group, topk_group;
+  float scaling;
+  bool renorm, bias;
+};
+
+// Per token: whether the CPU's picks are near a tie (k-th vs (k+1)-th choice score, or the last kept group vs the
+// next), where fp32 rounding of the router logits may legitimately pick differently.
+std::vector<char> sigmoid_near_ties(const SigmoidRouting& r, const std::vector<float>& logits,
+                                    const std::vector<float>& bias, int T) {
+  const int E = r.moe.E, k = r.moe.topk, G = r.n_group, per = E / G;
+  std::vector<char> tie(T, 0);
+  for (int t = 0; t < T; ++t) {
+    std::vector<float> ch(E);
+    for (int e = 0; e < E; ++e) ch[e] = cpu::sigmoid(logits[size_t(t) * E + e]) + (bias.empty() ? 0.f : bias[e]);
+    std::vector<float> gs(G);
+    for (int g = 0; g < G; ++g) {
+      std::vector<float> m(ch.begin() + g * per, ch.begin() + (g + 1) * per);
+      std::sort(m.rbegin(), m.rend());
+      gs[g] = per >= 2 ? m[0] + m[1] : m[0];
+    }
+    std::vector<float> sg = gs;
+    std::sort(sg.rbegin(), sg.rend());
+    if (r.topk_group < G && sg[r.topk_group - 1] - sg[r.topk_group] < 1e-4f) tie[t] = 1;
+    std::vector<float> kept;
+    for (int e = 0; e < E; ++e)
+      if (gs[e / per] >= sg[r.topk_group - 1]) kept.push_back(ch[e]);
+    std::sort(kept.rbegin(), kept.rend());
+    if (int(kept.size()) > k && kept[k - 1] - kept[k] < 1e-4f) tie[t] = 1;
+  }
+  return tie;
+}
+
+}  // namespace
+
+TEST_CASE("moe_forward with sigmoid grouped routing (Kimi-Linear, Ring-linear) matches the CPU model's router",
+          "[gpu][families][moe]") {
+  if (!cuda_device_present()) FAIL("no CUDA device: the GPU tests need an NVIDIA GPU (scripts/test_gpu.sh)");
+  namespace fam = hypic::engine::families;
+  Stream st;
+  kc::GemmRunner gemm;
+  const std::vector<SigmoidRouting> cases = {
+      {{64, 6, 256, 64, 64, false}, 8, 3, 2.5f, true, true},    // grouped, biased, scaled, ungated shared expert
+      {{32, 2, 128, 32, 0}, 1, 1, 1.0f, false, false},         // plain sigmoid top-2, no renormalisation
+      {{256, 8, 512, 64, 64, false}, 8, 4, 2.5f, true, true},  // Ring-linear's routing shape (256 experts, 8 groups)
+  };
+  uint64_t seed = 900;
+  for (const SigmoidRouting& rc : cases) {
+    const MoeCfg& c = rc.moe;
+    HostMoe m(c, seed++);
+    Rng rng(seed++);
+    std::vector<float> bias;
+    if (rc.bias) bias = rand_f32(rng, c.E, 0.05f);
+    DeviceBuffer<float> dbias(bias.empty() ? std::vector<float>{0.f} : bias);
+    hypic::engine::ModelConfig cfg;
+    cfg.hidden_size = c.H, cfg.num_experts = c.E, cfg.num_experts_per_tok = c.topk, cfg.n_group = rc.n_group;
+    cfg.topk_group = rc.topk_group, cfg.routed_scaling_factor = rc.scaling, cfg.norm_topk_prob = rc.renorm;
+    hypic::engine::MoeWeights w;
+    w.router.shape = {c.E, c.H}, w.router.data = m.router;
+    if (rc.bias) w.router_bias.shape = {c.E}, w.router_bias.data = bias;
+    kc::MoeWeightsView v = m.view(rc.renorm);
+    v.scoring = kc::MoeScoring::Sigmoid, v.n_group = rc.n_group, v.topk_group = rc.topk_group;
+    v.routed_scaling = rc.scaling, v.expert_bias = rc.bias ? dbias.get() : nullptr;
+    const int Tmax = 300;
+    std::vector<float> xf;
+    DeviceBuffer<bf16> dx(rand_bf16(rng, size_t(Tmax) * c.H, 1.0f, xf));
+    kc::MoeWorkspace ws;
+    for (int T : {1, 5, 64, 300}) {
+      std::vector<std::vector<std::pair<int64_t, float>>> routed64(c.E);
+      fam::shared::route_sigmoid(cfg, w, xf.data(), T, routed64);
+      std::vector<std::vector<std::pair<int, float>>> routed(c.E);
+      std::vector<std::vector<int>> sets(T);
+      for (int e = 0; e < c.E; ++e)
+        for (const auto& [t, wt] : routed64[e]) routed[e].emplace_back(int(t), wt), sets[t].push_back(e);
+      const std::vector<float> ref = moe_experts_ref(m, routed, T, xf.data());
+      std::vector<float> logits(size_t(T) * c.E);
+      cpu::linear(T, c.H, c.E, xf.data(), m.router.data(), logits.data());
+      const std::vector<char> ties = sigmoid_near_ties(rc, logits, bias, T);
+      for (kc::GroupedGemm impl : {kc::GroupedGemm::Own, kc::GroupedGemm::OwnDecode, kc::GroupedGemm::OwnSmallM,
+                                   kc::GroupedGemm::OwnLargeM}) {
+        DeviceBuffer<float> dout(std::vector<float>(size_t(T) * c.H, 0.f));
+        kc::moe_forward(T, dx.get(), v, dout.get(), ws, gemm, impl, st.s);
+        check_cuda(cudaStreamSynchronize(st.s), "moe_forward");
+        auto got = dout.download();
+        std::vector<float> want = ref;
+        for (int t = 0; t < T; ++t)  // near-tie tokens may take other experts: compared on the rest
+          if (ties[t])
+            for (int j = 0; j < c.H; ++j) got[size_t(t) * c.H + j] = want[size_t(t) * c.H + j] = 0.f;
+        const Err e = compare(got.data(), want.data(), got.size());
+        std::vector<int> ge(size_t(T) * c.topk);
+        check_cuda(cudaMemcpy(ge.data(), ws.topk_e.p, ge.size() * sizeof(int), cudaMemcpyDeviceToHost), "topk");
+        int mismatches = 0, skipped = 0;
+        for (int t = 0; t < T; ++t) {
+          if (ties[t]) {
+            ++skipped;
+            continue;
+          }
+          if (!std::equal(sets[t].begin(), sets[t].end(), ge.begin() + size_t(t) * c.topk)) ++mismatches;
+        }
+        std::printf("[moe sigmoid] E %d k %d groups %d/%d T %d impl %d: err %.3e fro %.3e, routing mismatches %d "
+                    "(%d near-ties skipped)\n",
+                    c.E, c.topk, rc.topk_group, rc.n_group, T, int(impl), e.max_rel, e.fro, mismatches, skipped);
+        CHECK(mismatches == 0);
+        CHECK(e.max_rel <= 2e-2);
+        CHECK(e.fro <= 1e-2);
+      }
+    }
+  }
+  SECTION("bad routing fields are refused by name") {
+    HostMoe m({64, 6, 256, 64, 0}, 5);
+    kc::MoeWeightsView v = m.view(true);
+    v.scoring = kc::MoeScoring::Sigmoid;
+    v.n_group = 5;  // does not divide 64
+    DeviceBuffer<bf16> dx(size_t(256));
+    DeviceBuffer<float> dout(size_t(256));
+    kc::MoeWorkspace ws;
+    CHECK_THROWS_AS(kc::moe_forward(1, dx.get(), v, dout.get(), ws, gemm, kc::GroupedGemm::Own, st.s),
+                    std::invalid_argument);
+    v.n_group = 8, v.topk_group = 0;
+    CHECK_THROWS_AS(kc::moe_forward(1, dx.get(), v, dout.get(), ws, gemm, kc::GroupedGemm::Own, st.s),
+                    std::invalid_argument);
+  }
 }
