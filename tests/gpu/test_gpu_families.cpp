@@ -12,8 +12,11 @@
 #include <vector>
 
 #include "gpu_util.h"
+#include "kernels/cpu/kda.h"
 #include "kernels/cpu/lightning.h"
 #include "kernels/cpu/ops.h"
+#include "kernels/cuda/gated_delta.h"
+#include "kernels/cuda/kda.h"
 #include "kernels/cuda/lightning.h"
 #include "kernels/cuda/ops.h"
 #include "engine/checkpoint/config.h"
@@ -585,5 +588,227 @@ TEST_CASE("moe_forward with sigmoid grouped routing (Kimi-Linear, Ring-linear) m
     v.n_group = 8, v.topk_group = 0;
     CHECK_THROWS_AS(kc::moe_forward(1, dx.get(), v, dout.get(), ws, gemm, kc::GroupedGemm::Own, st.s),
                     std::invalid_argument);
+  }
+}
+
+// ---- Kimi Delta Attention ----------------------------------------------------------------------------------------
+
+namespace {
+
+struct KdaCase {
+  int heads = 3;
+  std::vector<int> lens;
+  bool initial = true;
+  bool outputs = true;
+  bool transition = true;
+  bool alias_states = false;
+};
+
+// Per-channel log decays: mostly slow, 3% strong (as random_log_decay, per channel).
+std::vector<float> kda_log_decay(std::mt19937& rng, size_t n) { return random_log_decay(rng, n); }
+
+// x *= 1 / sqrt(sum x^2 + 1e-6) per row of 128, then * scale (the kernels' in-kernel l2 norm).
+void l2norm_rows(std::vector<float>& x, float scale) {
+  for (size_t r = 0; r < x.size() / 128; ++r) {
+    float s = 0.f;
+    for (int d = 0; d < 128; ++d) s += x[r * 128 + d] * x[r * 128 + d];
+    const float inv = 1.0f / std::sqrt(s + 1e-6f);
+    for (int d = 0; d < 128; ++d) x[r * 128 + d] *= inv * scale;
+  }
+}
+
+struct KdaErr {
+  double out = 0, state = 0, transition = 0;
+};
+
+KdaErr run_kda(const KdaCase& cs, uint32_t seed) {
+  std::mt19937 rng(seed);
+  const int H = cs.heads, D = 128, S = static_cast<int>(cs.lens.size());
+  std::vector<int> cu(S + 1, 0);
+  for (int i = 0; i < S; ++i) cu[i + 1] = cu[i] + cs.lens[i];
+  const int T = cu[S];
+  const size_t row = size_t(H) * D, hd = size_t(D) * D;
+  const float scale = 1.0f / std::sqrt(128.0f);
+  std::vector<float> qf, kf, vf;
+  auto q = random_bf16(rng, size_t(T) * row, 1.0f, qf);
+  auto k = random_bf16(rng, size_t(T) * row, 1.0f, kf);
+  auto v = random_bf16(rng, size_t(T) * row, 1.0f, vf);
+  const std::vector<float> g = kda_log_decay(rng, size_t(T) * row), beta = random_beta(rng, size_t(T) * H);
+  std::vector<float> init(size_t(S) * H * hd, 0.f);
+  if (cs.initial) {
+    std::normal_distribution<float> nd(0.f, 0.5f);
+    for (auto& x : init) x = nd(rng);
+  }
+  std::vector<float> qn = qf, kn = kf;
+  l2norm_rows(qn, scale);
+  l2norm_rows(kn, 1.0f);
+  std::vector<float> ref_out(size_t(T) * row), ref_state = init, ref_tr(size_t(S) * H * hd);
+  for (int i = 0; i < S; ++i) {
+    const size_t o = size_t(cu[i]) * row;
+    const cpu::KdaInputs in{qn.data() + o, kn.data() + o, vf.data() + o, g.data() + o, beta.data() + size_t(cu[i]) * H};
+    cpu::kda_recurrent({cs.lens[i], H, D, D}, in, ref_state.data() + size_t(i) * H * hd, ref_out.data() + o,
+                       ref_tr.data() + size_t(i) * H * hd);
+  }
+  DeviceBuffer<bf16> dq(q), dk(k), dv(v), dout(size_t(T) * row);
+  DeviceBuffer<float> dg(g), dbeta(beta), dinit(init), dfinal(init.size()), dtr(size_t(S) * H * hd);
+  DeviceBuffer<int> dcu(cu);
+  dout.poison(), dfinal.poison(), dtr.poison();
+  kc::KdaPrefillArgs a;
+  a.num_seqs = S, a.cu_seqlens = dcu.get(), a.total_tokens = T, a.num_heads = H;
+  a.q = dq.get(), a.k = dk.get(), a.v = dv.get(), a.g = dg.get(), a.beta = dbeta.get();
+  a.l2norm_qk = true, a.scale = scale;
+  a.initial_state = cs.initial ? dinit.get() : nullptr;
+  a.final_state = cs.alias_states ? dinit.get() : dfinal.get();
+  a.transition = cs.transition ? dtr.get() : nullptr;
+  a.out = cs.outputs ? dout.get() : nullptr;
+  const size_t wsb = kc::kda_prefill_workspace_bytes(a);
+  DeviceBuffer<unsigned char> ws(wsb);
+  ws.poison();
+  a.workspace = ws.get(), a.workspace_bytes = wsb;
+  kc::kda_prefill(a);
+  check_cuda(cudaDeviceSynchronize(), "kda_prefill");
+  const auto out = to_float(dout.download());
+  const auto fin = (cs.alias_states ? dinit : dfinal).download();
+  const auto tr = dtr.download();
+  KdaErr e;
+  for (int i = 0; i < S; ++i)
+    for (int h = 0; h < H; ++h) {
+      const size_t so = (size_t(i) * H + h) * hd;
+      e.state = std::max(e.state, scaled_err(fin.data() + so, ref_state.data() + so, hd));
+      if (cs.transition) e.transition = std::max(e.transition, scaled_err(tr.data() + so, ref_tr.data() + so, hd));
+      if (!cs.outputs || cs.lens[i] == 0) continue;
+      std::vector<float> go, ro;
+      for (int t = cu[i]; t < cu[i + 1]; ++t)
+        for (int d = 0; d < D; ++d) {
+          go.push_back(out[size_t(t) * row + size_t(h) * D + d]);
+          ro.push_back(ref_out[size_t(t) * row + size_t(h) * D + d]);
+        }
+      e.out = std::max(e.out, scaled_err(go.data(), ro.data(), go.size()));
+    }
+  return e;
+}
+
+void expect_kda(const KdaCase& cs, uint32_t seed) {
+  const KdaErr e = run_kda(cs, seed);
+  std::printf("[kda H%d seqs %zu init %d out %d T_C %d] out %.3e state %.3e T_C %.3e\n", cs.heads, cs.lens.size(),
+              cs.initial, cs.outputs, cs.transition, e.out, e.state, e.transition);
+  CHECK(e.out < 2e-2);
+  CHECK(e.state < 2e-2);
+  CHECK(e.transition < 2e-2);
+}
+
+}  // namespace
+
+TEST_CASE("kda_prefill matches the CPU recurrence: ragged lengths, length 0 and 1, T_C in the same pass",
+          "[gpu][families][kda]") {
+  if (!cuda_device_present()) FAIL("no CUDA device: the GPU tests need an NVIDIA GPU (scripts/test_gpu.sh)");
+  const std::vector<int> lens{1, 63, 64, 0, 65, 200, 333};
+  SECTION("random initial states, outputs and T_C") { expect_kda({3, lens, true, true, true}, 101); }
+  SECTION("zero initial states, outputs only") { expect_kda({2, lens, false, true, false}, 102); }
+  SECTION("states and T_C only, final over initial") { expect_kda({3, lens, true, false, true, true}, 103); }
+  SECTION("one long sequence") { expect_kda({2, {1500}, true, true, true}, 104); }
+}
+
+TEST_CASE("kda segment summaries compose through compose_fold: T_B S(A|0) + S(B|0) is the state of A then B",
+          "[gpu][families][kda][compose]") {
+  if (!cuda_device_present()) FAIL("no CUDA device: the GPU tests need an NVIDIA GPU (scripts/test_gpu.sh)");
+  std::mt19937 rng(111);
+  const int H = 2, D = 128, la = 300, lb = 130;
+  const size_t row = size_t(H) * D, hd = size_t(D) * D;
+  std::vector<float> qf, kf, vf;
+  auto q = random_bf16(rng, size_t(la + lb) * row, 1.0f, qf);
+  auto k = random_bf16(rng, size_t(la + lb) * row, 1.0f, kf);
+  auto v = random_bf16(rng, size_t(la + lb) * row, 1.0f, vf);
+  const auto g = kda_log_decay(rng, size_t(la + lb) * row);
+  const auto beta = random_beta(rng, size_t(la + lb) * H);
+  DeviceBuffer<bf16> dq(q), dk(k), dv(v);
+  DeviceBuffer<float> dg(g), dbeta(beta), seg_state(2 * H * hd), seg_tr(2 * H * hd), whole(H * hd), running(H * hd);
+  DeviceBuffer<int> cu2(std::vector<int>{0, la, la + lb}), cu1(std::vector<int>{0, la + lb});
+  kc::KdaPrefillArgs a;
+  a.num_heads = H, a.q = dq.get(), a.k = dk.get(), a.v = dv.get(), a.g = dg.get(), a.beta = dbeta.get();
+  a.num_seqs = 2, a.cu_seqlens = cu2.get(), a.total_tokens = la + lb;
+  a.final_state = seg_state.get(), a.transition = seg_tr.get();
+  DeviceBuffer<unsigned char> ws(kc::kda_prefill_workspace_bytes(a));
+  a.workspace = ws.get(), a.workspace_bytes = ws.size();
+  kc::kda_prefill(a);
+  a.num_seqs = 1, a.cu_seqlens = cu1.get(), a.final_state = whole.get(), a.transition = nullptr;
+  kc::kda_prefill(a);
+  check_cuda(cudaMemset(running.get(), 0, running.size() * sizeof(float)), "memset");
+  kc::compose_fold(H, 2, running.get(), seg_tr.get(), seg_state.get());
+  check_cuda(cudaDeviceSynchronize(), "compose");
+  const auto got = running.download(), ref = whole.download();
+  double worst = 0;
+  for (int h = 0; h < H; ++h) worst = std::max(worst, scaled_err(got.data() + h * hd, ref.data() + h * hd, hd));
+  std::printf("[kda compose] composed vs whole: %.3e\n", worst);
+  CHECK(worst < 2e-2);
+}
+
+TEST_CASE("kda_decode matches the CPU recurrence with state slots; kda_gate matches KimiLinearForgetGate",
+          "[gpu][families][kda]") {
+  if (!cuda_device_present()) FAIL("no CUDA device: the GPU tests need an NVIDIA GPU (scripts/test_gpu.sh)");
+  std::mt19937 rng(121);
+  const int B = 5, H = 3, D = 128, slots = 7;
+  const size_t row = size_t(H) * D, hd = size_t(D) * D;
+  const float scale = 1.0f / std::sqrt(128.0f);
+  const std::vector<int> slot_of{4, 0, 6, 2, 3};
+  std::vector<float> pool(size_t(slots) * H * hd);
+  std::normal_distribution<float> nd(0.f, 0.5f);
+  for (auto& x : pool) x = nd(rng);
+  DeviceBuffer<float> dpool(pool);
+  DeviceBuffer<int> dslots(slot_of);
+  double worst_o = 0;
+  for (int step = 0; step < 3; ++step) {
+    std::vector<float> qf, kf, vf;
+    auto q = random_bf16(rng, B * row, 1.0f, qf);
+    auto k = random_bf16(rng, B * row, 1.0f, kf);
+    auto v = random_bf16(rng, B * row, 1.0f, vf);
+    const auto g = kda_log_decay(rng, B * row);
+    const auto beta = random_beta(rng, size_t(B) * H);
+    DeviceBuffer<bf16> dq(q), dk(k), dv(v), dout(B * row);
+    DeviceBuffer<float> dg(g), dbeta(beta);
+    dout.poison();
+    kc::kda_decode(B, H, dq.get(), dk.get(), dv.get(), dg.get(), dbeta.get(), true, scale, dpool.get(), dout.get(),
+                   nullptr, dslots.get());
+    check_cuda(cudaDeviceSynchronize(), "kda_decode");
+    const auto out = to_float(dout.download());
+    l2norm_rows(qf, scale);
+    l2norm_rows(kf, 1.0f);
+    std::vector<float> ref(row);
+    for (int b = 0; b < B; ++b) {
+      const cpu::KdaInputs in{qf.data() + b * row, kf.data() + b * row, vf.data() + b * row, g.data() + b * row,
+                              beta.data() + size_t(b) * H};
+      cpu::kda_recurrent({1, H, D, D}, in, pool.data() + size_t(slot_of[b]) * H * hd, ref.data(), nullptr);
+      for (int h = 0; h < H; ++h)
+        worst_o = std::max(worst_o, scaled_err(out.data() + b * row + h * D, ref.data() + h * D, D));
+    }
+  }
+  const auto got = dpool.download();
+  double worst_s = 0;
+  for (int s = 0; s < slots * H; ++s)
+    worst_s = std::max(worst_s, scaled_err(got.data() + size_t(s) * hd, pool.data() + size_t(s) * hd, hd));
+  std::printf("[kda decode] out %.3e state %.3e\n", worst_o, worst_s);
+  CHECK(worst_o < 8e-3);  // bf16 outputs
+  CHECK(worst_s < 1e-4);
+
+  SECTION("kda_gate") {
+    const int T = 9;
+    std::vector<float> xf;
+    auto x = random_bf16(rng, size_t(T) * row, 8.0f, xf);  // wide: both softplus branches
+    std::vector<float> A_log(H), dt(row);
+    for (int h = 0; h < H; ++h) A_log[h] = std::log(1.0f + h);
+    for (auto& e : dt) e = nd(rng);
+    DeviceBuffer<bf16> dx(x);
+    DeviceBuffer<float> dA(A_log), ddt(dt), dgo(size_t(T) * row);
+    kc::kda_gate(T, H, dx.get(), dA.get(), ddt.get(), dgo.get());
+    const auto got_g = dgo.download();
+    double worst = 0;
+    for (int t = 0; t < T; ++t)
+      for (size_t i = 0; i < row; ++i) {
+        const float y = xf[t * row + i] + dt[i];
+        const float ref = -std::exp(A_log[i / D]) * (y > 20.f ? y : std::log(1.0f + std::exp(y)));
+        worst = std::max(worst, double(std::abs(got_g[t * row + i] - ref)) / std::max(1e-6, double(std::abs(ref))));
+      }
+    std::printf("[kda_gate] worst relative error %.3e\n", worst);
+    CHECK(worst < 1e-5);
   }
 }
