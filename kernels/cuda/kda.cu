@@ -12,6 +12,7 @@
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/mma.cuh"
+#include "kernels/cuda/state_tile.cuh"
 
 namespace hypic::kernels::cuda {
 namespace {
@@ -240,35 +241,8 @@ __global__ void __launch_bounds__(kScanThreads) kda_scan_kernel(KdaParams p) {
 
   const int rb = 32 * warp;
   float xacc[2][8][4];
-  const float* init = is_S && p.init ? p.init + (size_t(seq) * H + h) * hd : nullptr;
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      const int row = rb + 16 * mt + g, col = v0 + 8 * nt + cq;
-      float2 a, b;
-      if (init) {
-        a = *reinterpret_cast<const float2*>(init + size_t(row) * D + col);
-        b = *reinterpret_cast<const float2*>(init + size_t(row + 8) * D + col);
-      } else if (!is_S) {  // T starts at the identity
-        a = make_float2(row == col ? 1.f : 0.f, row == col + 1 ? 1.f : 0.f);
-        b = make_float2(row + 8 == col ? 1.f : 0.f, row + 8 == col + 1 ? 1.f : 0.f);
-      } else {
-        a = b = make_float2(0.f, 0.f);
-      }
-      xacc[mt][nt][0] = a.x, xacc[mt][nt][1] = a.y, xacc[mt][nt][2] = b.x, xacc[mt][nt][3] = b.y;
-    }
-  auto store_x = [&]() {
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
-        const int row = rb + 16 * mt + g, col = 8 * nt + cq;
-        *reinterpret_cast<uint32_t*>(sX + row * LDV + col) = pack_bf16(xacc[mt][nt][0], xacc[mt][nt][1]);
-        *reinterpret_cast<uint32_t*>(sX + (row + 8) * LDV + col) = pack_bf16(xacc[mt][nt][2], xacc[mt][nt][3]);
-      }
-  };
-  store_x();
+  state_tile_load<2>(xacc, is_S && p.init ? p.init + (size_t(seq) * H + h) * hd : nullptr, D, rb, v0, lane, !is_S);
+  state_tile_to_smem<2>(xacc, sX, LDV, rb, lane);
 
   for (int c = 0; c < nch; ++c) {
     const int t0 = start + c * C, L = min(C, len - c * C);
@@ -352,52 +326,16 @@ __global__ void __launch_bounds__(kScanThreads) kda_scan_kernel(KdaParams p) {
       }
     }
     // X <- diag(e^{G_L}) X + K~^T Vnew.
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt) {
-      const float d0 = sGL[rb + 16 * mt + g], d1 = sGL[rb + 16 * mt + g + 8];
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
-        xacc[mt][nt][0] *= d0, xacc[mt][nt][1] *= d0, xacc[mt][nt][2] *= d1, xacc[mt][nt][3] *= d1;
-      }
-    }
-#pragma unroll
-    for (int kk = 0; kk < C / 16; ++kk) {
-      uint32_t b[4][4];
-#pragma unroll
-      for (int nt2 = 0; nt2 < 4; ++nt2) load_b_kn(b[nt2], sVn, LDV, 16 * kk, 16 * nt2, lane);
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt) {
-        uint32_t a[4];
-        load_a_trans(a, sKt, LDK, rb + 16 * mt, 16 * kk, lane);
-#pragma unroll
-        for (int nt2 = 0; nt2 < 4; ++nt2) {
-          mma_bf16(xacc[mt][2 * nt2], a, b[nt2][0], b[nt2][1]);
-          mma_bf16(xacc[mt][2 * nt2 + 1], a, b[nt2][2], b[nt2][3]);
-        }
-      }
-    }
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) xacc[mt][nt][e] = flush(xacc[mt][nt][e]);
+    state_tile_scale_rows<2>(xacc, rb, lane, [sGL](int row) { return sGL[row]; });
+    state_tile_rank_update<2>(xacc, sKt, LDK, sVn, LDV, rb, lane, [](int, int, uint32_t(&)[4]) {});
+    state_tile_flush<2>(xacc);
     __syncthreads();  // every warp is done with this chunk's stage, sX and sVn
-    if (c + 1 < nch) store_x();
+    if (c + 1 < nch) state_tile_to_smem<2>(xacc, sX, LDV, rb, lane);
   }
 
   float* dst = is_S ? (p.final_state ? p.final_state + (size_t(seq) * H + h) * hd : nullptr)
                     : p.transition + (size_t(seq) * H + h) * hd;
-  if (dst) {
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
-        const int row = rb + 16 * mt + g, col = v0 + 8 * nt + cq;
-        *reinterpret_cast<float2*>(dst + size_t(row) * D + col) = make_float2(xacc[mt][nt][0], xacc[mt][nt][1]);
-        *reinterpret_cast<float2*>(dst + size_t(row + 8) * D + col) = make_float2(xacc[mt][nt][2], xacc[mt][nt][3]);
-      }
-  }
+  if (dst) state_tile_store<2>(xacc, dst, D, rb, v0, lane);
 }
 
 // ---- decode ----------------------------------------------------------------------------------------------------

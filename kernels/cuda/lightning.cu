@@ -11,6 +11,7 @@
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/mma.cuh"
+#include "kernels/cuda/state_tile.cuh"
 
 namespace hypic::kernels::cuda {
 namespace {
@@ -145,29 +146,8 @@ __global__ void __launch_bounds__(kThreads) lightning_chunk_kernel(ChunkParams p
   }
   const int rb = warp * (D / 4);
   float sacc[MT][8][4];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      const int row = rb + 16 * mt + g, col = v0 + 8 * nt + cq;
-      float2 a = make_float2(0.f, 0.f), b = a;
-      if (init) {
-        a = *reinterpret_cast<const float2*>(init + size_t(row) * D + col);
-        b = *reinterpret_cast<const float2*>(init + size_t(row + 8) * D + col);
-      }
-      sacc[mt][nt][0] = a.x, sacc[mt][nt][1] = a.y, sacc[mt][nt][2] = b.x, sacc[mt][nt][3] = b.y;
-    }
-  auto store_state_tile = [&]() {
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
-        const int row = rb + 16 * mt + g, col = 8 * nt + cq;
-        *reinterpret_cast<uint32_t*>(ss + row * LDV + col) = pack_bf16(sacc[mt][nt][0], sacc[mt][nt][1]);
-        *reinterpret_cast<uint32_t*>(ss + (row + 8) * LDV + col) = pack_bf16(sacc[mt][nt][2], sacc[mt][nt][3]);
-      }
-  };
-  if (kFull) store_state_tile();
+  state_tile_load<MT>(sacc, init, D, rb, v0, lane);
+  if (kFull) state_tile_to_smem<MT>(sacc, ss, LDV, rb, lane);
 
   for (int c = r.c_begin; c < r.c_end; ++c) {
     const int st = (c - r.c_begin) & 1;
@@ -250,44 +230,19 @@ __global__ void __launch_bounds__(kThreads) lightning_chunk_kernel(ChunkParams p
 
     // State update: S <- dec[n] S + (diag(dec[n - 1 - j]) K)^T V, the decay applied to the K^T fragments.
     const float bd = dec[n];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) sacc[mt][nt][e] *= bd;
-#pragma unroll
-    for (int kk = 0; kk < C / 16; ++kk) {
-      uint32_t b[4][4];
-#pragma unroll
-      for (int nt2 = 0; nt2 < 4; ++nt2) load_b_kn(b[nt2], sv, LDV, 16 * kk, 16 * nt2, lane);
-      // Fragment registers hold keys j = 16 kk + cq (+1) and 16 kk + cq + 8 (+1) (mma.cuh A layout).
-      const int j0 = 16 * kk + cq, j1 = j0 + 8;
+    state_tile_scale_rows<MT>(sacc, rb, lane, [bd](int) { return bd; });
+    state_tile_rank_update<MT>(sacc, sk, LDK, sv, LDV, rb, lane, [&](int j0, int j1, uint32_t(&a)[4]) {
+      // a holds keys j0, j0 + 1 and j1, j1 + 1 (mma.cuh A layout).
       const float d0 = j0 < n ? dec[n - 1 - j0] : 0.f, d1 = j0 + 1 < n ? dec[n - 2 - j0] : 0.f;
       const float d2 = j1 < n ? dec[n - 1 - j1] : 0.f, d3 = j1 + 1 < n ? dec[n - 2 - j1] : 0.f;
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        uint32_t a[4];
-        load_a_trans(a, sk, LDK, rb + 16 * mt, 16 * kk, lane);
-        a[0] = scale_bf16x2(a[0], d0, d1);
-        a[1] = scale_bf16x2(a[1], d0, d1);
-        a[2] = scale_bf16x2(a[2], d2, d3);
-        a[3] = scale_bf16x2(a[3], d2, d3);
-#pragma unroll
-        for (int nt2 = 0; nt2 < 4; ++nt2) {
-          mma_bf16(sacc[mt][2 * nt2], a, b[nt2][0], b[nt2][1]);
-          mma_bf16(sacc[mt][2 * nt2 + 1], a, b[nt2][2], b[nt2][3]);
-        }
-      }
-    }
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) sacc[mt][nt][e] = flush(sacc[mt][nt][e]);
+      a[0] = scale_bf16x2(a[0], d0, d1);
+      a[1] = scale_bf16x2(a[1], d0, d1);
+      a[2] = scale_bf16x2(a[2], d2, d3);
+      a[3] = scale_bf16x2(a[3], d2, d3);
+    });
+    state_tile_flush<MT>(sacc);
     __syncthreads();  // every warp is done with this chunk's stage and the bf16 state
-    if (kFull && c + 1 < r.c_end) store_state_tile();
+    if (kFull && c + 1 < r.c_end) state_tile_to_smem<MT>(sacc, ss, LDV, rb, lane);
   }
   cp_async_wait<0>();
 
@@ -296,16 +251,7 @@ __global__ void __launch_bounds__(kThreads) lightning_chunk_kernel(ChunkParams p
     dst = p.parts_buf + ((size_t(seq) * p.parts + part + 1) * H + h) * hd;
   else if (part == r.np - 1 && p.final_state)
     dst = p.final_state + (size_t(seq) * H + h) * hd;
-  if (dst) {
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
-        const int row = rb + 16 * mt + g, col = v0 + 8 * nt + cq;
-        *reinterpret_cast<float2*>(dst + size_t(row) * D + col) = make_float2(sacc[mt][nt][0], sacc[mt][nt][1]);
-        *reinterpret_cast<float2*>(dst + size_t(row + 8) * D + col) = make_float2(sacc[mt][nt][2], sacc[mt][nt][3]);
-      }
-  }
+  if (dst) state_tile_store<MT>(sacc, dst, D, rb, v0, lane);
   if (kFull && p.transition && part == r.np - 1 && blockIdx.z == 0 && tid == 0) {
     float t = 1.0f;
     for (int c = 0; c < r.nch; ++c) t = flush(t * exp_normal(-s * static_cast<float>(min(C, r.len - c * C))));

@@ -42,6 +42,24 @@ double scaled_err(const float* a, const float* b, size_t n) {
   return den > 0 ? num / den : num;
 }
 
+// The worst scaled_err over the (sequence, head) blocks of token-major outputs [T][H][D] (sequences by cu).
+double worst_block_err(const std::vector<float>& got, const std::vector<float>& ref, const std::vector<int>& cu, int H,
+                       int D) {
+  double worst = 0;
+  const size_t row = size_t(H) * D;
+  for (size_t i = 0; i + 1 < cu.size(); ++i)
+    for (int h = 0; h < H; ++h) {
+      std::vector<float> go, ro;
+      for (int t = cu[i]; t < cu[i + 1]; ++t)
+        for (int e = 0; e < D; ++e) {
+          go.push_back(got[size_t(t) * row + size_t(h) * D + e]);
+          ro.push_back(ref[size_t(t) * row + size_t(h) * D + e]);
+        }
+      if (!go.empty()) worst = std::max(worst, scaled_err(go.data(), ro.data(), go.size()));
+    }
+  return worst;
+}
+
 struct LightningCase {
   int head_dim = 128;
   int heads = 3;
@@ -128,16 +146,8 @@ LightningResult run_lightning(const LightningCase& cs, uint32_t seed) {
       const double t_ref = ref_tr[size_t(i) * H + h], t = tr[size_t(i) * H + h];
       res.transition_err =
           std::max(res.transition_err, std::isfinite(t) ? std::abs(t - t_ref) / std::max(t_ref, 1e-30) : INFINITY);
-      if (!cs.outputs || cs.lens[i] == 0) continue;
-      // Each (sequence, head) block of outputs against its own scale.
-      std::vector<float> go, ro;
-      for (int t2 = cu[i]; t2 < cu[i + 1]; ++t2)
-        for (int e = 0; e < D; ++e) {
-          go.push_back(out[size_t(t2) * row + size_t(h) * D + e]);
-          ro.push_back(ref_out[size_t(t2) * row + size_t(h) * D + e]);
-        }
-      res.out_err = std::max(res.out_err, scaled_err(go.data(), ro.data(), go.size()));
     }
+  if (cs.outputs) res.out_err = worst_block_err(out, ref_out, cu, H, D);
   return res;
 }
 
@@ -676,15 +686,8 @@ KdaErr run_kda(const KdaCase& cs, uint32_t seed) {
       const size_t so = (size_t(i) * H + h) * hd;
       e.state = std::max(e.state, scaled_err(fin.data() + so, ref_state.data() + so, hd));
       if (cs.transition) e.transition = std::max(e.transition, scaled_err(tr.data() + so, ref_tr.data() + so, hd));
-      if (!cs.outputs || cs.lens[i] == 0) continue;
-      std::vector<float> go, ro;
-      for (int t = cu[i]; t < cu[i + 1]; ++t)
-        for (int d = 0; d < D; ++d) {
-          go.push_back(out[size_t(t) * row + size_t(h) * D + d]);
-          ro.push_back(ref_out[size_t(t) * row + size_t(h) * D + d]);
-        }
-      e.out = std::max(e.out, scaled_err(go.data(), ro.data(), go.size()));
     }
+  if (cs.outputs) e.out = worst_block_err(out, ref_out, cu, H, D);
   return e;
 }
 

@@ -1,13 +1,17 @@
-// Benchmark of the CUDA lightning-attention kernels (kernels/cuda/lightning.h) at the linear-layer shapes of
-// MiniMax-Text-01 (64 heads of 128) and Ring-mini-linear-2.0 (16 heads of 128), bf16 activations: chunked prefill
+// Benchmark of the linear-attention kernels of the non-Qwen hybrid families, bf16 activations, at real shapes.
+// Lightning attention (kernels/cuda/lightning.h) at the linear-layer shapes of MiniMax-Text-01 (64 heads of 128) and
+// Ring-mini-linear-2.0 (16 heads of 128): chunked prefill
 // with outputs and T_C (one sequence of 4k / 16k / 32k tokens, 16 segments of 2k), unsplit and with the automatic
 // sequence-parallel parts, the states-only pass (an entry build without outputs), the decode step at batch 1 and 64,
 // and the scalar composition of 2 cached segments over every layer and head; the H200 ceilings (device copy bandwidth, bf16 GEMM rate through
 // cuBLAS) measured in the same run. FLOP counts are the chunked form's useful work per token and head:
 // 4 d^2 (inter-chunk product and state update) + 64 d (the causal half of the intra-chunk products).
+// KDA (kernels/cuda/kda.h) at Kimi-Linear-48B-A3B's shape (32 heads of 128): prefill with outputs and T_C, outputs
+// only, states and T_C only, at the same token shapes, beside the Gated DeltaNet prefill (gated_delta.h) at
+// Qwen3.5-35B-A3B's shape (16 key / 32 value heads of 128) in the same run; the KDA decode step at batch 1 and 64.
 // Prints a human table and writes JSON (--json PATH).
 //
-// Usage: lightning_bench [--json out.json] [--reps N]
+// Usage: family_kernels_bench [--json out.json] [--reps N]
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
@@ -23,6 +27,8 @@
 
 #include "bench/gpu/bench_util.cuh"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/gated_delta.h"
+#include "kernels/cuda/kda.h"
 #include "kernels/cuda/lightning.h"
 
 namespace gpu = hypic::kernels::cuda;
@@ -48,7 +54,7 @@ std::vector<float> slopes(int heads) {
 int main(int argc, char** argv) try {
   std::string json_path;
   int reps = 20;
-  if (!parse_json_reps(argc, argv, "lightning_bench", json_path, reps)) return 2;
+  if (!parse_json_reps(argc, argv, "family_kernels_bench", json_path, reps)) return 2;
   cudaDeviceProp prop{};
   json J = device_header(reps, prop);
   J["chunk"] = gpu::kLightningChunk;
@@ -155,12 +161,85 @@ int main(int argc, char** argv) try {
     }
     for (void* p : std::initializer_list<void*>{q, k, v, out, fin, tr, sl}) cudaFree(p);
   }
+
+  // ---- KDA (Kimi-Linear-48B-A3B: 32 heads of 128) beside the Gated DeltaNet prefill (Qwen3.5-35B-A3B) ----------
+  {
+    const int H = 32, HK = 16;
+    const size_t maxT = 32768, row = size_t(H) * D;
+    auto* q = dalloc<bf16>(maxT * row);
+    auto* k = dalloc<bf16>(maxT * row);
+    auto* v = dalloc<bf16>(maxT * row);
+    auto* out = dalloc<bf16>(maxT * row);
+    auto* g = dalloc<float>(maxT * row);
+    auto* beta = dalloc<float>(maxT * H);
+    auto* fin = dalloc<float>(size_t(16) * H * D * D);
+    auto* tr = dalloc<float>(size_t(16) * H * D * D);
+    fill_bf16<<<2048, 256>>>(q, maxT * row, 13);
+    fill_bf16<<<2048, 256>>>(k, maxT * row, 14);
+    fill_bf16<<<2048, 256>>>(v, maxT * row, 15);
+    fill_f32<<<2048, 256>>>(g, maxT * row, 16, 0.02f);  // |g| < 0.02: slow decays (their sign is fixed below)
+    fill_f32<<<2048, 256>>>(beta, maxT * H, 17, 0.45f);
+    {
+      std::vector<float> gh(maxT * row), bh(maxT * H);
+      check_cuda(cudaMemcpy(gh.data(), g, gh.size() * 4, cudaMemcpyDeviceToHost), "g");
+      check_cuda(cudaMemcpy(bh.data(), beta, bh.size() * 4, cudaMemcpyDeviceToHost), "beta");
+      for (auto& x : gh) x = -std::abs(x);
+      for (auto& x : bh) x = 0.5f + x;
+      check_cuda(cudaMemcpy(g, gh.data(), gh.size() * 4, cudaMemcpyHostToDevice), "g");
+      check_cuda(cudaMemcpy(beta, bh.data(), bh.size() * 4, cudaMemcpyHostToDevice), "beta");
+    }
+    std::printf("\n%-20s %-6s %12s %12s %12s %14s\n", "kimi_linear KDA", "shape", "out+T_C ms", "out ms",
+                "T_C only ms", "GDN out+T_C ms");
+    gpu::GdnWorkspace gws;
+    for (const Case& c : cases) {
+      std::vector<int> cu(c.nseq + 1);
+      for (int i = 0; i <= c.nseq; ++i) cu[i] = i * c.len;
+      int* dcu = dalloc<int>(cu.size());
+      check_cuda(cudaMemcpy(dcu, cu.data(), cu.size() * sizeof(int), cudaMemcpyHostToDevice), "cu_seqlens");
+      gpu::KdaPrefillArgs a;
+      a.num_seqs = c.nseq, a.cu_seqlens = dcu, a.total_tokens = c.nseq * c.len, a.num_heads = H;
+      a.q = q, a.k = k, a.v = v, a.g = g, a.beta = beta, a.final_state = fin, a.transition = tr, a.out = out;
+      const size_t wsb = gpu::kda_prefill_workspace_bytes(a);
+      void* ws = dalloc<unsigned char>(wsb);
+      a.workspace = ws, a.workspace_bytes = wsb;
+      const double t_all = time_ms([&] { gpu::kda_prefill(a); }, reps);
+      gpu::KdaPrefillArgs ao = a;
+      ao.transition = nullptr;
+      const double t_out = time_ms([&] { gpu::kda_prefill(ao); }, reps);
+      gpu::KdaPrefillArgs at = a;
+      at.out = nullptr;
+      const double t_tc = time_ms([&] { gpu::kda_prefill(at); }, reps);
+      // Gated DeltaNet at Qwen3.5's shape on the same token layout (q, k: 16 heads; v: 32).
+      gpu::GdnPrefillArgs ga;
+      ga.num_seqs = c.nseq, ga.cu_seqlens_host = cu.data(), ga.num_k_heads = HK, ga.num_v_heads = H;
+      ga.q = q, ga.k = k, ga.v = v, ga.g = g, ga.beta = beta;  // g, beta: [T][H] prefixes of the KDA buffers
+      ga.final_state = fin, ga.transition = tr, ga.out = out;
+      const double t_gdn = time_ms([&] { gpu::gdn_prefill(ga, gws); }, reps);
+      std::printf("%-20s %-6s %12.3f %12.3f %12.3f %14.3f\n", "", c.name, t_all, t_out, t_tc, t_gdn);
+      J["kda"].push_back({{"shape", c.name}, {"seqs", c.nseq}, {"len", c.len}, {"heads", H}, {"out_tc_ms", t_all},
+                          {"out_ms", t_out}, {"tc_only_ms", t_tc}, {"gdn_out_tc_ms", t_gdn},
+                          {"workspace_bytes", wsb}});
+      cudaFree(dcu);
+      cudaFree(ws);
+    }
+    for (int B : {1, 64}) {
+      auto* st = dalloc<float>(size_t(B) * H * D * D);
+      check_cuda(cudaMemset(st, 0, size_t(B) * H * D * D * sizeof(float)), "memset");
+      const double t = time_ms([&] { gpu::kda_decode(B, H, q, k, v, g, beta, true, 0.0883883f, st, out); }, reps * 5);
+      const double bytes = 2.0 * B * H * D * D * sizeof(float);
+      std::printf("kimi_linear KDA decode batch %2d (one layer): %.4f ms, %.0f GB/s of state traffic (%.0f%% of copy)\n",
+                  B, t, bytes / (t * 1e-3) / 1e9, 100.0 * bytes / (t * 1e-3) / 1e9 / peak_bw);
+      J["kda_decode"].push_back({{"batch", B}, {"ms", t}, {"GBps", bytes / (t * 1e-3) / 1e9}});
+      cudaFree(st);
+    }
+    for (void* p : std::initializer_list<void*>{q, k, v, out, g, beta, fin, tr}) cudaFree(p);
+  }
   if (!json_path.empty()) {
     std::ofstream f(json_path);
     f << J.dump(2) << "\n";
   }
   return 0;
 } catch (const std::exception& e) {
-  std::fprintf(stderr, "lightning_bench: %s\n", e.what());
+  std::fprintf(stderr, "family_kernels_bench: %s\n", e.what());
   return 1;
 }
