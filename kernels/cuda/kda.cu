@@ -84,22 +84,34 @@ struct KdaParams {
 // One block (256 threads) per (chunk, head). fp32 throughout; the outputs rounded to bf16 once.
 constexpr int kFacThreads = 256;
 constexpr int kLdA = C + 1;
+constexpr int kLdOp = D + 8;  // padded bf16 rows of the tensor-core operands
 struct FacSmem {
-  static constexpr size_t kK = 0;                              // fp32 [C][D] normalised keys
-  static constexpr size_t kG = kK + size_t(C) * D * 4;         // fp32 [C][D] cumulative log decay
-  static constexpr size_t kQ = kG + size_t(C) * D * 4;         // bf16 [C][D] normalised, scaled queries
+  static constexpr size_t kK = 0;                              // bf16 [C][D] keys as given (exact)
+  static constexpr size_t kG = kK + size_t(C) * D * 2;         // fp32 [C][D] cumulative log decay
+  static constexpr size_t kQ = kG + size_t(C) * D * 4;         // bf16 [C][D] queries as given
   static constexpr size_t kA = kQ + size_t(C) * D * 2;         // fp32 [C][kLdA] (strictly lower, b_i folded in)
-  static constexpr size_t kB = kA + size_t(C) * kLdA * 4;      // fp32 [C] beta
-  static constexpr size_t kBytes = kB + C * 4;
+  static constexpr size_t kL = kA + size_t(C) * kLdA * 4;      // bf16 [32][kLdOp]: one row block's K and Q, decayed
+  static constexpr size_t kR = kL + size_t(32) * kLdOp * 2;    // bf16 [48][kLdOp]: the earlier keys, decayed
+  static constexpr size_t kB = kR + size_t(48) * kLdOp * 2;    // fp32 [C] beta
+  static constexpr size_t kN = kB + C * 4;                     // fp32 [2][C] per-row factors of k and q
+  static constexpr size_t kBytes = kN + 2 * C * 4;
 };
 
+// Per (chunk, head): A = diag(b) (K K^T with pairwise decays), strictly lower, and P = Q K^T with pairwise decays,
+// lower with the diagonal, e^{G_i - G_j} per channel. The 16 x 16 blocks below the diagonal on the tensor cores with
+// the reference row n = 16 I of row block I: e^{G_i - G_j} = e^{G_i - G_n} e^{G_n - G_j}, both factors <= 1 since
+// G decreases (flash-linear-attention's chunk_kda splits the same way); the diagonal blocks directly in fp32.
 __global__ void __launch_bounds__(kFacThreads) kda_factor_kernel(KdaParams p) {
   extern __shared__ __align__(16) unsigned char fsm[];
-  float* sK = reinterpret_cast<float*>(fsm + FacSmem::kK);
+  bf16* sK = reinterpret_cast<bf16*>(fsm + FacSmem::kK);
   float* sG = reinterpret_cast<float*>(fsm + FacSmem::kG);
   bf16* sQ = reinterpret_cast<bf16*>(fsm + FacSmem::kQ);
   float* sA = reinterpret_cast<float*>(fsm + FacSmem::kA);
+  bf16* sL = reinterpret_cast<bf16*>(fsm + FacSmem::kL);
+  bf16* sR = reinterpret_cast<bf16*>(fsm + FacSmem::kR);
   float* sB = reinterpret_cast<float*>(fsm + FacSmem::kB);
+  float* sKn = reinterpret_cast<float*>(fsm + FacSmem::kN);  // k_i = sK[i] * sKn[i] in fp32 (the l2 norm)
+  float* sQn = sKn + C;                                       // q_i = sQ[i] * sQn[i] (l2 norm and scale)
   const int ci = blockIdx.x, h = blockIdx.y, H = p.H, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   if (ci >= p.chunk_first[p.num_seqs]) return;
   // The chunk's sequence: the last s with chunk_first[s] <= ci (sequences of length 0 own no chunk).
@@ -113,56 +125,134 @@ __global__ void __launch_bounds__(kFacThreads) kda_factor_kernel(KdaParams p) {
   const size_t ld = size_t(H) * D;
   unsigned char* F = p.factors + (size_t(ci) * H + h) * Factors::kBytes;
 
-  // Normalised keys and queries (warp per row, lane owns channels lane + 32 m), beta, cumulative decays.
-  for (int i = warp; i < C; i += kFacThreads / 32) {
-    float kx[4], qx[4];
+  // Keys and queries as given plus their rows' normalising factors (warp per row, lane owns channels lane + 32 m):
+  // the normalised values in fp32 at bf16 storage. Beta, cumulative decays.
+  {
+    constexpr int kRows = C / (kFacThreads / 32);  // rows per warp: i = warp + 8 r
+    float kx[kRows][4], qx[kRows][4];
 #pragma unroll
-    for (int m = 0; m < 4; ++m) {
-      const int d = lane + 32 * m;
-      kx[m] = i < L ? __bfloat162float(p.k[(size_t(t0) + i) * ld + size_t(h) * D + d]) : 0.f;
-      qx[m] = i < L && p.outputs ? __bfloat162float(p.q[(size_t(t0) + i) * ld + size_t(h) * D + d]) : 0.f;
-    }
-    float rk = 1.f, rq = 1.f;
-    if (p.l2norm) {
-      rk = rsqrtf(warp_sum(kx[0] * kx[0] + kx[1] * kx[1] + kx[2] * kx[2] + kx[3] * kx[3]) + 1e-6f);
-      rq = rsqrtf(warp_sum(qx[0] * qx[0] + qx[1] * qx[1] + qx[2] * qx[2] + qx[3] * qx[3]) + 1e-6f);
-    }
+    for (int r = 0; r < kRows; ++r)  // every load in flight before any is used
 #pragma unroll
-    for (int m = 0; m < 4; ++m) {
-      const int d = lane + 32 * m;
-      sK[i * D + d] = kx[m] * rk;
-      sQ[i * D + d] = __float2bfloat16_rn(qx[m] * rq * p.scale);
+      for (int m = 0; m < 4; ++m) {
+        const int i = warp + 8 * r, d = lane + 32 * m;
+        const size_t src = (size_t(t0) + i) * ld + size_t(h) * D + d;
+        kx[r][m] = i < L ? __bfloat162float(p.k[src]) : 0.f;
+        qx[r][m] = i < L && p.outputs ? __bfloat162float(p.q[src]) : 0.f;
+      }
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const int i = warp + 8 * r;
+      float rk = 1.f, rq = 1.f;
+      if (p.l2norm) {
+        rk = rsqrtf(warp_sum(kx[r][0] * kx[r][0] + kx[r][1] * kx[r][1] + kx[r][2] * kx[r][2] + kx[r][3] * kx[r][3]) +
+                    1e-6f);
+        rq = rsqrtf(warp_sum(qx[r][0] * qx[r][0] + qx[r][1] * qx[r][1] + qx[r][2] * qx[r][2] + qx[r][3] * qx[r][3]) +
+                    1e-6f);
+      }
+#pragma unroll
+      for (int m = 0; m < 4; ++m) {
+        const int d = lane + 32 * m;
+        sK[i * D + d] = __float2bfloat16_rn(kx[r][m]);  // exact: the values came from bf16
+        sQ[i * D + d] = __float2bfloat16_rn(qx[r][m]);
+      }
+      if (lane == 0) sKn[i] = rk, sQn[i] = rq * p.scale;
     }
   }
   if (tid < C) sB[tid] = tid < L ? p.beta[(size_t(t0) + tid) * H + h] : 0.f;
   if (tid < D) {
+    float gv[C];
+#pragma unroll
+    for (int i = 0; i < C; ++i) gv[i] = i < L ? p.g[(size_t(t0) + i) * ld + size_t(h) * D + tid] : 0.f;
     float run = 0.f;
+#pragma unroll
     for (int i = 0; i < C; ++i) {
-      if (i < L) run += p.g[(size_t(t0) + i) * ld + size_t(h) * D + tid];
+      run += gv[i];
       sG[i * D + tid] = run;
     }
   }
   __syncthreads();
 
-  // A_ij = b_i sum_d k_i k_j e^{G_i - G_j} (j < i) and P_ij = sum_d q_i k_j e^{G_i - G_j} (j <= i): warp per row.
   bf16* gP = reinterpret_cast<bf16*>(F + Factors::kP);
+  // Diagonal 16 x 16 blocks, directly: warp per row i (row i's channels held in registers); zeros right of them.
   for (int i = warp; i < C; i += kFacThreads / 32) {
-    for (int j = 0; j < C; ++j) {
+    float ki[4], qi[4], gi[4];
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      const int d = lane + 32 * m;
+      ki[m] = __bfloat162float(sK[i * D + d]) * sKn[i];
+      qi[m] = __bfloat162float(sQ[i * D + d]) * sQn[i];
+      gi[m] = sG[i * D + d];
+    }
+    const int jb = i & ~15;
+    for (int j = jb; j <= i; ++j) {
       float a = 0.f, pp = 0.f;
-      if (j <= i && i < L) {
+      if (i < L) {
 #pragma unroll
         for (int m = 0; m < 4; ++m) {
           const int d = lane + 32 * m;
-          const float kd = sK[j * D + d] * exp_normal(sG[i * D + d] - sG[j * D + d]);
-          a = fmaf(sK[i * D + d], kd, a);
-          pp = fmaf(__bfloat162float(sQ[i * D + d]), kd, pp);
+          const float kd = __bfloat162float(sK[j * D + d]) * sKn[j] * exp_normal(gi[m] - sG[j * D + d]);
+          a = fmaf(ki[m], kd, a);
+          pp = fmaf(qi[m], kd, pp);
         }
         a = warp_sum(a);
         if (p.outputs) pp = warp_sum(pp);
       }
       if (lane == 0) {
         sA[i * kLdA + j] = j < i ? sB[i] * a : 0.f;
-        if (p.outputs) gP[i * C + j] = __float2bfloat16_rn(j <= i ? pp : 0.f);
+        if (p.outputs) gP[i * C + j] = __float2bfloat16_rn(pp);
+      }
+    }
+    for (int j = i + 1 + lane; j < C; j += 32) {
+      sA[i * kLdA + j] = 0.f;
+      if (p.outputs) gP[i * C + j] = __float2bfloat16_rn(0.f);
+    }
+  }
+  // Blocks below the diagonal, row block I = 1..3 against the earlier keys, on the tensor cores.
+  for (int I = 1; I < C / 16; ++I) {
+    const int n = 16 * I;
+    __syncthreads();  // the previous round's operands are consumed
+    for (int idx = tid; idx < (32 + n) * D; idx += kFacThreads) {
+      const int r = idx / D, d = idx % D;
+      if (r < 32) {  // rows 0..15: K of rows n.., 16..31: Q of rows n.., times e^{G_i - G_n}
+        const int i = n + (r & 15);
+        const float e = exp_normal(sG[i * D + d] - sG[n * D + d]);
+        const float x = r < 16 ? __bfloat162float(sK[i * D + d]) * sKn[i] : __bfloat162float(sQ[i * D + d]) * sQn[i];
+        sL[r * kLdOp + d] = __float2bfloat16_rn(x * e);
+      } else {  // key j < n times e^{G_n - G_j}
+        const int j = r - 32;
+        sR[j * kLdOp + d] =
+            __float2bfloat16_rn(__bfloat162float(sK[j * D + d]) * sKn[j] * exp_normal(sG[n * D + d] - sG[j * D + d]));
+      }
+    }
+    __syncthreads();
+    // Work items: (part: 0 = A, 1 = P) x (key block J < I), one warp each.
+    const int items = (p.outputs ? 2 : 1) * I;
+    if (warp < items) {
+      const int part = warp / I, J = warp % I;
+      float acc[2][4] = {};
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ++ks) {
+        uint32_t a[4], b[4];
+        load_a(a, sL, kLdOp, 16 * part, 16 * ks, lane);
+        load_b_nk(b, sR, kLdOp, 16 * ks, 16 * J, lane);
+        mma_bf16(acc[0], a, b[0], b[1]);
+        mma_bf16(acc[1], a, b[2], b[3]);
+      }
+      const int g = lane >> 2, cq = (lane & 3) * 2;
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int j = 16 * J + 8 * hh + cq;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int i = n + g + 8 * half;
+          const float v0 = acc[hh][2 * half], v1 = acc[hh][2 * half + 1];
+          if (part == 0) {
+            sA[i * kLdA + j] = sB[i] * v0;
+            sA[i * kLdA + j + 1] = sB[i] * v1;
+          } else {
+            *reinterpret_cast<uint32_t*>(gP + i * C + j) = pack_bf16(v0, v1);
+          }
+        }
       }
     }
   }
@@ -173,17 +263,18 @@ __global__ void __launch_bounds__(kFacThreads) kda_factor_kernel(KdaParams p) {
     const int col = tid;
     float x[C];
 #pragma unroll
-    for (int i = 0; i < C; ++i) {
+    for (int i = 0; i < C; ++i) {  // right-hand side first: every load in flight at once
       float r;
       if (col < D)
         r = i < L ? __bfloat162float(p.v[(size_t(t0) + i) * ld + size_t(h) * D + col]) : 0.f;
       else
-        r = sK[i * D + col - D] * exp_normal(sG[i * D + col - D]);
-      float s = sB[i] * r;
-#pragma unroll
-      for (int j = 0; j < i; ++j) s = fmaf(-sA[i * kLdA + j], x[j], s);
-      x[i] = s;
+        r = __bfloat162float(sK[i * D + col - D]) * sKn[i] * exp_normal(sG[i * D + col - D]);
+      x[i] = sB[i] * r;
     }
+#pragma unroll
+    for (int i = 1; i < C; ++i)
+#pragma unroll
+      for (int j = 0; j < i; ++j) x[i] = fmaf(-sA[i * kLdA + j], x[j], x[i]);
     bf16* dst = reinterpret_cast<bf16*>(F + (col < D ? Factors::kU : Factors::kW)) + (col % D);
 #pragma unroll
     for (int i = 0; i < C; ++i) dst[i * D] = __float2bfloat16_rn(x[i]);
@@ -194,9 +285,8 @@ __global__ void __launch_bounds__(kFacThreads) kda_factor_kernel(KdaParams p) {
   const float* GL = sG + (L - 1) * D;
   for (int idx = tid; idx < C * D; idx += kFacThreads) {
     const int i = idx / D, d = idx % D;
-    gKt[idx] = __float2bfloat16_rn(sK[idx] * exp_normal(GL[d] - sG[idx]));
-    if (p.outputs) gQd[idx] = __float2bfloat16_rn(__bfloat162float(sQ[idx]) * exp_normal(sG[idx]));
-    (void)i;
+    gKt[idx] = __float2bfloat16_rn(__bfloat162float(sK[idx]) * sKn[i] * exp_normal(GL[d] - sG[idx]));
+    if (p.outputs) gQd[idx] = __float2bfloat16_rn(__bfloat162float(sQ[idx]) * sQn[i] * exp_normal(sG[idx]));
   }
   if (tid < D) reinterpret_cast<float*>(F + Factors::kGL)[tid] = exp_normal(GL[tid]);
 }
