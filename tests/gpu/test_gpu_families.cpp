@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdio>
 #include <random>
+#include <memory>
 #include <tuple>
 #include <vector>
 
@@ -21,6 +22,9 @@
 #include "kernels/cuda/ops.h"
 #include "engine/checkpoint/config.h"
 #include "engine/checkpoint/weights.h"
+#include "engine/cuda/lightning_mixer.h"
+#include "engine/families/minimax/layers.h"
+#include "engine/families/ring_linear/layers.h"
 #include "engine/families/shared/layers.h"
 #include "kernels/cuda/moe.h"
 
@@ -813,5 +817,157 @@ TEST_CASE("kda_decode matches the CPU recurrence with state slots; kda_gate matc
       }
     std::printf("[kda_gate] worst relative error %.3e\n", worst);
     CHECK(worst < 1e-5);
+  }
+}
+
+// ---- whole lightning layers (engine/cuda/lightning_mixer.h) against the CPU model's layers -------------------------
+
+namespace {
+
+// Random bf16 weights of one lightning layer: host fp32 copies (exact) and the device copies.
+struct LightningLayerWeights {
+  hypic::engine::LightningWeights host;
+  std::vector<std::unique_ptr<DeviceBuffer<bf16>>> dev;
+  DeviceBuffer<float> slope;
+  hypic::engine::cuda::DevLightning view;
+  LightningLayerWeights(const hypic::engine::ModelConfig& c, std::mt19937& rng)
+      : slope(test_slopes(c.num_attention_heads)) {
+    const int64_t Hd = c.hidden_size, hd = int64_t(c.num_attention_heads) * c.head_dim, d = c.head_dim;
+    auto make = [&](hypic::engine::Tensor& t, std::vector<int64_t> shape, float sigma, float mean) {
+      int64_t n = 1;
+      for (auto e : shape) n *= e;
+      std::vector<float> f;
+      auto b = random_bf16(rng, size_t(n), sigma, f);
+      if (mean != 0.f)
+        for (size_t i = 0; i < b.size(); ++i) b[i] = float_to_bf16(f[i] + mean), f[i] = bf16_to_float(b[i]);
+      t.shape = shape, t.data = f;
+      dev.push_back(std::make_unique<DeviceBuffer<bf16>>(b));
+      return dev.back()->get();
+    };
+    view.qkv_proj = make(host.qkv_proj, {3 * hd, Hd}, 1.0f / std::sqrt(float(Hd)), 0.f);
+    view.gate = make(host.gate, {hd, Hd}, 1.0f / std::sqrt(float(Hd)), 0.f);
+    view.norm = make(host.norm, {hd}, 0.1f, 1.0f);
+    view.out_proj = make(host.out_proj, {Hd, hd}, 1.0f / std::sqrt(float(hd)), 0.f);
+    view.q_norm = make(host.q_norm, {d}, 0.1f, 1.0f);
+    view.k_norm = make(host.k_norm, {d}, 0.1f, 1.0f);
+    host.slope.shape = {c.num_attention_heads}, host.slope.data = test_slopes(c.num_attention_heads);
+    view.slope = slope.get();
+  }
+};
+
+// Prefill of three sequences, then one decode step of each, GPU layer vs the CPU model's layer.
+void check_lightning_layer(const hypic::engine::ModelConfig& c, uint32_t seed) {
+  namespace ec = hypic::engine::cuda;
+  namespace fam = hypic::engine::families;
+  std::mt19937 rng(seed);
+  const ec::LightningLayerConfig lc = ec::LightningLayerConfig::of(c);
+  LightningLayerWeights w(c, rng);
+  const int Hd = c.hidden_size, H = c.num_attention_heads, D = c.head_dim, hd = H * D;
+  const std::vector<int> lens{1, 70, 200};
+  const std::vector<int64_t> start{0, 5000, 123};  // RoPE positions of each sequence's first token
+  std::vector<int> cu{0};
+  for (int l : lens) cu.push_back(cu.back() + l);
+  const int S = int(lens.size()), T = cu.back();
+  std::vector<float> xf;
+  auto x = random_bf16(rng, size_t(T) * Hd, 1.0f, xf);
+  std::vector<int> pos(T);
+  for (int i = 0; i < S; ++i)
+    for (int t = 0; t < lens[i]; ++t) pos[cu[i] + t] = int(start[i]) + t;
+  const auto inv_freq = c.linear_rope ? cpu::rope_inv_freq(c.rope_theta, c.rotary_dim()) : std::vector<float>{0.f};
+  // CPU: each sequence from the zero state.
+  std::vector<hypic::engine::LinearLayerState> st(S);
+  std::vector<float> ref(size_t(T) * Hd);
+  for (int i = 0; i < S; ++i) {
+    st[i].ssm.assign(size_t(H) * D * D, 0.f);
+    const float* xs = xf.data() + size_t(cu[i]) * Hd;
+    float* ys = ref.data() + size_t(cu[i]) * Hd;
+    if (c.family == hypic::engine::ModelFamily::MiniMax)
+      fam::minimax::lightning_layer(c, w.host, st[i], xs, lens[i], false, nullptr, ys);
+    else
+      fam::ring_linear::lightning_layer(c, w.host, st[i], xs, lens[i], start[i], inv_freq, false, nullptr, ys);
+  }
+  // GPU.
+  kc::GemmRunner gemm;
+  DeviceBuffer<bf16> dx(x), qkv(size_t(T) * 3 * hd), q(size_t(T) * hd), k(size_t(T) * hd), v(size_t(T) * hd),
+      o(size_t(T) * hd), gate(size_t(T) * hd);
+  DeviceBuffer<int> dpos(pos), dcu(cu);
+  DeviceBuffer<float> dinv(inv_freq), dy(std::vector<float>(size_t(T) * Hd, 0.f)), states(size_t(S) * H * D * D);
+  kc::LightningPrefillArgs seqs;
+  seqs.num_seqs = S, seqs.cu_seqlens = dcu.get(), seqs.max_seqlen = 200, seqs.num_heads = H, seqs.head_dim = D;
+  seqs.final_state = states.get();
+  const size_t wsb = kc::lightning_prefill_workspace_bytes(seqs);
+  DeviceBuffer<unsigned char> ws(wsb);
+  ec::LightningScratch sc{qkv.get(), q.get(), k.get(), v.get(), o.get(), gate.get(), ws.get(), wsb};
+  ec::lightning_mixer_prefill(gemm, w.view, lc, T, dx.get(), dpos.get(), dinv.get(), seqs, sc, dy.get(), nullptr);
+  check_cuda(cudaDeviceSynchronize(), "lightning_mixer_prefill");
+  const auto y = dy.download(), fin = states.download();
+  double ey = 0, es = 0;
+  for (int i = 0; i < S; ++i) {
+    ey = std::max(ey, scaled_err(y.data() + size_t(cu[i]) * Hd, ref.data() + size_t(cu[i]) * Hd, size_t(lens[i]) * Hd));
+    for (int h = 0; h < H; ++h)
+      es = std::max(es, scaled_err(fin.data() + (size_t(i) * H + h) * D * D, st[i].ssm.data() + size_t(h) * D * D,
+                                   size_t(D) * D));
+  }
+  // One decode step of each sequence (states in slots 2, 0, 1 of a pool).
+  const std::vector<int> slot_of{2, 0, 1};
+  std::vector<float> pool(size_t(3) * H * D * D);
+  for (int i = 0; i < S; ++i)
+    std::copy(fin.begin() + size_t(i) * H * D * D, fin.begin() + size_t(i + 1) * H * D * D,
+              pool.begin() + size_t(slot_of[i]) * H * D * D);
+  std::vector<float> xdf;
+  auto xd = random_bf16(rng, size_t(S) * Hd, 1.0f, xdf);
+  std::vector<int> dpos_h(S);
+  std::vector<float> ref_d(size_t(S) * Hd);
+  for (int i = 0; i < S; ++i) {
+    dpos_h[i] = int(start[i]) + lens[i];
+    if (c.family == hypic::engine::ModelFamily::MiniMax)
+      fam::minimax::lightning_layer(c, w.host, st[i], xdf.data() + size_t(i) * Hd, 1, true, nullptr,
+                                    ref_d.data() + size_t(i) * Hd);
+    else
+      fam::ring_linear::lightning_layer(c, w.host, st[i], xdf.data() + size_t(i) * Hd, 1, dpos_h[i], inv_freq, true,
+                                        nullptr, ref_d.data() + size_t(i) * Hd);
+  }
+  DeviceBuffer<bf16> dxd(xd);
+  DeviceBuffer<int> dposd(dpos_h), dslots(slot_of);
+  DeviceBuffer<float> dpool(pool), dyd(std::vector<float>(size_t(S) * Hd, 0.f));
+  ec::lightning_mixer_decode(gemm, w.view, lc, S, dxd.get(), dposd.get(), dinv.get(), dpool.get(), dslots.get(), sc,
+                             dyd.get(), nullptr);
+  check_cuda(cudaDeviceSynchronize(), "lightning_mixer_decode");
+  const auto yd = dyd.download();
+  double ed = 0;
+  for (int i = 0; i < S; ++i) ed = std::max(ed, scaled_err(yd.data() + size_t(i) * Hd, ref_d.data() + size_t(i) * Hd, Hd));
+  std::printf("[lightning layer %s] prefill out %.3e state %.3e; decode out %.3e\n", model_family_name(c.family), ey,
+              es, ed);
+  CHECK(ey < 3e-2);
+  CHECK(es < 2e-2);
+  CHECK(ed < 3e-2);
+}
+
+}  // namespace
+
+TEST_CASE("lightning layers on the GPU match the CPU model's MiniMax and Ring-linear layers (prefill, decode)",
+          "[gpu][families][lightning][layer]") {
+  if (!cuda_device_present()) FAIL("no CUDA device: the GPU tests need an NVIDIA GPU (scripts/test_gpu.sh)");
+  SECTION("MiniMax-Text-01 heads (silu, one norm group)") {
+    check_lightning_layer(hypic::engine::parse_config(R"({
+      "model_type": "minimax", "architectures": ["MiniMaxForCausalLM"],
+      "vocab_size": 97, "hidden_size": 256, "num_hidden_layers": 2, "intermediate_size": 64,
+      "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128, "rms_norm_eps": 1e-5,
+      "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+      "layer_types": ["linear_attention", "full_attention"], "block_size": 256, "num_local_experts": 4,
+      "num_experts_per_tok": 2, "tie_word_embeddings": false })"),
+                          131);
+  }
+  SECTION("Ring-linear-2.0 heads (qk-norm, partial RoPE, group norm of 4)") {
+    check_lightning_layer(hypic::engine::parse_config(R"({
+      "model_type": "bailing_moe_linear", "architectures": ["BailingMoeLinearV2ForCausalLM"],
+      "vocab_size": 97, "hidden_size": 256, "num_hidden_layers": 2, "intermediate_size": 64,
+      "num_attention_heads": 3, "num_key_value_heads": 1, "head_dim": 128, "rms_norm_eps": 1e-6,
+      "rope_theta": 10000.0, "partial_rotary_factor": 0.5, "use_qk_norm": true, "layer_group_size": 2,
+      "group_norm_size": 4, "first_k_dense_replace": 1, "num_experts": 8, "num_experts_per_tok": 2,
+      "num_shared_experts": 1, "moe_intermediate_size": 32, "moe_shared_expert_intermediate_size": 32,
+      "n_group": 2, "topk_group": 2, "routed_scaling_factor": 2.0, "score_function": "sigmoid",
+      "norm_topk_prob": true, "tie_word_embeddings": false })"),
+                          132);
   }
 }
