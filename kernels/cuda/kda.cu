@@ -487,12 +487,17 @@ __global__ void __launch_bounds__(128) kda_decode_kernel(const bf16* __restrict_
 }
 
 __global__ void kda_gate_kernel(size_t n, int H, const bf16* __restrict__ x, const float* __restrict__ A_log,
-                                const float* __restrict__ dt_bias, float* __restrict__ g) {
+                                const float* __restrict__ dt_bias, float* __restrict__ g, const bf16* __restrict__ b,
+                                long ldb, float* __restrict__ beta) {
   for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
     const int hd = static_cast<int>(i % (size_t(H) * D)), h = hd / D;
     const float y = __bfloat162float(x[i]) + dt_bias[hd];
     const float sp = y > 20.f ? y : logf(1.f + expf(y));
     g[i] = -expf(A_log[h]) * sp;
+    if (b && hd % D == 0) {  // one thread per (token, head)
+      const size_t t = i / (size_t(H) * D);
+      beta[t * H + h] = 1.f / (1.f + expf(-__bfloat162float(b[t * ldb + h])));
+    }
   }
 }
 
@@ -574,16 +579,18 @@ void kda_decode(int batch, int num_heads, const bf16* q, const bf16* k, const bf
 }
 
 void kda_gate(int tokens, int num_heads, const bf16* x, const float* A_log, const float* dt_bias, float* g,
-              cudaStream_t stream) {
+              cudaStream_t stream, const bf16* b, long ldb, float* beta) {
   const std::string f = "kda_gate: ";
   if (tokens < 0 || num_heads <= 0)
     throw std::invalid_argument(f + "bad tokens " + std::to_string(tokens) + " or num_heads " +
                                 std::to_string(num_heads));
+  if (b && (!beta || ldb < num_heads))
+    throw std::invalid_argument(f + "b needs beta and a row stride >= num_heads (got " + std::to_string(ldb) + ")");
   if (tokens == 0) return;
   if (!x || !A_log || !dt_bias || !g) throw std::invalid_argument(f + "null pointer");
   const size_t n = size_t(tokens) * num_heads * D;
   const int blocks = static_cast<int>(std::min<size_t>((n + 255) / 256, size_t(sm_count()) * 8));
-  kda_gate_kernel<<<blocks, 256, 0, stream>>>(n, num_heads, x, A_log, dt_bias, g);
+  kda_gate_kernel<<<blocks, 256, 0, stream>>>(n, num_heads, x, A_log, dt_bias, g, b, ldb, beta);
   check_cuda(cudaGetLastError(), "kda_gate: launch");
 }
 

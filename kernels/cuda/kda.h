@@ -82,8 +82,9 @@ void kda_decode(int batch, int num_heads, const bf16* q, const bf16* k, const bf
 
 /// KDA's forget gate (HF KimiLinearForgetGate / fused_kda_gate): g[t][h][d] = -exp(A_log[h]) softplus(x[t][h][d] +
 /// dt_bias[h][d]), softplus(y) = y for y > 20 else log(1 + e^y), fp32. x: [tokens][H][128] bf16 (f_b_proj output);
-/// A_log: [H] fp32; dt_bias: [H][128] fp32; g: [tokens][H][128] fp32 out.
+/// A_log: [H] fp32; dt_bias: [H][128] fp32; g: [tokens][H][128] fp32 out. With b (bf16 [tokens][H], row stride ldb:
+/// the b_proj output) also beta[t][h] = sigmoid(b[t][h]) fp32 [tokens][H].
 void kda_gate(int tokens, int num_heads, const bf16* x, const float* A_log, const float* dt_bias, float* g,
-              cudaStream_t stream = nullptr);
+              cudaStream_t stream = nullptr, const bf16* b = nullptr, long ldb = 0, float* beta = nullptr);
 
 }  // namespace hypic::kernels::cuda

@@ -22,7 +22,9 @@
 #include "kernels/cuda/ops.h"
 #include "engine/checkpoint/config.h"
 #include "engine/checkpoint/weights.h"
+#include "engine/cuda/kda_mixer.h"
 #include "engine/cuda/lightning_mixer.h"
+#include "engine/families/kimi_linear/layers.h"
 #include "engine/families/minimax/layers.h"
 #include "engine/families/ring_linear/layers.h"
 #include "engine/families/shared/layers.h"
@@ -970,4 +972,131 @@ TEST_CASE("lightning layers on the GPU match the CPU model's MiniMax and Ring-li
       "norm_topk_prob": true, "tie_word_embeddings": false })"),
                           132);
   }
+}
+
+// ---- whole KDA layers (engine/cuda/kda_mixer.h) against the CPU model's layer ---------------------------------------
+
+TEST_CASE("the KDA layer on the GPU matches the CPU model's Kimi-Linear layer (prefill with conv tails, decode)",
+          "[gpu][families][kda][layer]") {
+  if (!cuda_device_present()) FAIL("no CUDA device: the GPU tests need an NVIDIA GPU (scripts/test_gpu.sh)");
+  namespace ec = hypic::engine::cuda;
+  namespace fam = hypic::engine::families;
+  using hypic::engine::Tensor;
+  const hypic::engine::ModelConfig c = hypic::engine::parse_config(R"({
+    "model_type": "kimi_linear", "architectures": ["KimiLinearForCausalLM"],
+    "vocab_size": 97, "hidden_size": 256, "num_hidden_layers": 2, "intermediate_size": 64,
+    "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16,
+    "q_lora_rank": null, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+    "mla_use_nope": true, "rms_norm_eps": 1e-5, "hidden_act": "silu", "tie_word_embeddings": false,
+    "linear_attn_config": {"num_heads": 2, "head_dim": 128, "short_conv_kernel_size": 4,
+                           "kda_layers": [1], "full_attn_layers": [2]},
+    "num_experts": 8, "num_experts_per_token": 2, "num_shared_experts": 1, "moe_intermediate_size": 32,
+    "moe_router_activation_func": "sigmoid", "moe_renormalize": true, "num_expert_group": 2, "topk_group": 1,
+    "routed_scaling_factor": 2.5, "first_k_dense_replace": 1, "moe_layer_freq": 1, "model_max_length": 4096 })");
+  const ec::KdaLayerConfig lc = ec::KdaLayerConfig::of(c);
+  std::mt19937 rng(141);
+  const int Hd = c.hidden_size, H = lc.heads, D = lc.head_dim, hd = H * D, K = lc.conv_kernel, Cc = 3 * hd;
+  // Weights: host fp32 copies of bf16 values; A_log, dt_bias fp32 (HF's init ranges).
+  hypic::engine::KdaWeights w;
+  auto mat = [&](Tensor& t, std::vector<int64_t> shape, float sigma, float mean = 0.f) {
+    int64_t n = 1;
+    for (auto e : shape) n *= e;
+    std::vector<float> f;
+    auto b = random_bf16(rng, size_t(n), sigma, f);
+    for (size_t i = 0; i < b.size(); ++i) b[i] = float_to_bf16(f[i] + mean), f[i] = bf16_to_float(b[i]);
+    t.shape = shape, t.data = f;
+    return b;
+  };
+  const float sh = 1.0f / std::sqrt(float(Hd));
+  auto bq = mat(w.q_proj, {hd, Hd}, sh), bk = mat(w.k_proj, {hd, Hd}, sh), bv = mat(w.v_proj, {hd, Hd}, sh);
+  auto bconv = mat(w.conv1d, {Cc, K}, 0.5f);
+  auto bfa = mat(w.f_a_proj, {D, Hd}, sh), bfb = mat(w.f_b_proj, {hd, D}, 0.1f / std::sqrt(float(D)));
+  auto bb = mat(w.b_proj, {H, Hd}, sh);
+  auto bga = mat(w.g_a_proj, {D, Hd}, sh), bgb = mat(w.g_b_proj, {hd, D}, 1.0f / std::sqrt(float(D)));
+  auto bon = mat(w.o_norm, {D}, 0.1f, 1.0f), bop = mat(w.o_proj, {Hd, hd}, 1.0f / std::sqrt(float(hd)));
+  std::uniform_real_distribution<float> ua(1.f, 16.f), udt(0.001f, 0.1f);
+  w.A_log.shape = {H}, w.dt_bias.shape = {hd};
+  for (int h = 0; h < H; ++h) w.A_log.data.push_back(std::log(ua(rng)));
+  for (int i = 0; i < hd; ++i) w.dt_bias.data.push_back(std::log(std::expm1(udt(rng))));
+  auto cat = [](std::initializer_list<const std::vector<bf16>*> parts) {
+    std::vector<bf16> o;
+    for (auto* p : parts) o.insert(o.end(), p->begin(), p->end());
+    return o;
+  };
+  DeviceBuffer<bf16> d_qkv(cat({&bq, &bk, &bv})), d_conv(bconv), d_low(cat({&bfa, &bga, &bb})), d_fb(bfb), d_gb(bgb),
+      d_on(bon), d_op(bop);
+  DeviceBuffer<float> d_alog(w.A_log.data), d_dt(w.dt_bias.data);
+  const ec::DevKda dw{d_qkv.get(), d_conv.get(), d_low.get(), d_fb.get(), d_gb.get(), d_alog.get(), d_dt.get(),
+                      d_on.get(), d_op.get()};
+
+  const std::vector<int> lens{1, 70, 200};
+  std::vector<int> cu{0};
+  for (int l : lens) cu.push_back(cu.back() + l);
+  const int S = int(lens.size()), T = cu.back();
+  std::vector<float> xf;
+  auto x = random_bf16(rng, size_t(T) * Hd, 1.0f, xf);
+  std::vector<hypic::engine::LinearLayerState> st(S);
+  std::vector<float> ref(size_t(T) * Hd);
+  for (int i = 0; i < S; ++i) {
+    st[i].ssm.assign(size_t(H) * D * D, 0.f);
+    st[i].conv.assign(size_t(K - 1) * Cc, 0.f);
+    fam::kimi_linear::kda_layer(c, w, st[i], xf.data() + size_t(cu[i]) * Hd, lens[i], false, nullptr,
+                                ref.data() + size_t(cu[i]) * Hd);
+  }
+  kc::GemmRunner gemm;
+  auto bf = [](size_t n) { return std::make_unique<DeviceBuffer<bf16>>(n); };
+  auto pre = bf(size_t(T) * Cc), q = bf(size_t(T) * hd), k = bf(size_t(T) * hd), v = bf(size_t(T) * hd),
+       low = bf(size_t(T) * lc.low_width()), graw = bf(size_t(T) * hd), o = bf(size_t(T) * hd), gate = bf(size_t(T) * hd);
+  DeviceBuffer<float> g(size_t(T) * hd), beta(size_t(T) * H);
+  DeviceBuffer<bf16> dx(x), conv_state(std::vector<bf16>(size_t(S) * (K - 1) * Cc, float_to_bf16(0.f)));
+  DeviceBuffer<int> dcu(cu);
+  DeviceBuffer<float> dy(std::vector<float>(size_t(T) * Hd, 0.f)), states(size_t(S) * H * D * D);
+  kc::KdaPrefillArgs seqs;
+  seqs.num_seqs = S, seqs.cu_seqlens = dcu.get(), seqs.total_tokens = T, seqs.num_heads = H;
+  seqs.final_state = states.get();
+  const size_t wsb = kc::kda_prefill_workspace_bytes(seqs);
+  DeviceBuffer<unsigned char> ws(wsb);
+  const ec::KdaScratch sc{pre->get(), q->get(), k->get(), v->get(), low->get(), graw->get(), o->get(), gate->get(),
+                          g.get(), beta.get(), ws.get(), wsb};
+  ec::kda_mixer_prefill(gemm, dw, lc, T, dx.get(), seqs, conv_state.get(), sc, dy.get(), nullptr);
+  check_cuda(cudaDeviceSynchronize(), "kda_mixer_prefill");
+  const auto y = dy.download(), fin = states.download();
+  const auto tails = to_float(conv_state.download());
+  double ey = 0, es = 0, ec_ = 0;
+  for (int i = 0; i < S; ++i) {
+    ey = std::max(ey, scaled_err(y.data() + size_t(cu[i]) * Hd, ref.data() + size_t(cu[i]) * Hd, size_t(lens[i]) * Hd));
+    for (int h = 0; h < H; ++h)
+      es = std::max(es, scaled_err(fin.data() + (size_t(i) * H + h) * D * D, st[i].ssm.data() + size_t(h) * D * D,
+                                   size_t(D) * D));
+    ec_ = std::max(ec_, scaled_err(tails.data() + size_t(i) * (K - 1) * Cc, st[i].conv.data(), size_t(K - 1) * Cc));
+  }
+  // One decode step of each sequence, states and conv tails in slots 2, 0, 1 of pools.
+  const std::vector<int> slot_of{2, 0, 1};
+  std::vector<float> pool(size_t(3) * H * D * D);
+  std::vector<bf16> cpool(size_t(3) * (K - 1) * Cc);
+  const auto tails_b = conv_state.download();
+  for (int i = 0; i < S; ++i) {
+    std::copy(fin.begin() + size_t(i) * H * D * D, fin.begin() + size_t(i + 1) * H * D * D,
+              pool.begin() + size_t(slot_of[i]) * H * D * D);
+    std::copy(tails_b.begin() + size_t(i) * (K - 1) * Cc, tails_b.begin() + size_t(i + 1) * (K - 1) * Cc,
+              cpool.begin() + size_t(slot_of[i]) * (K - 1) * Cc);
+  }
+  std::vector<float> xdf;
+  auto xd = random_bf16(rng, size_t(S) * Hd, 1.0f, xdf);
+  std::vector<float> ref_d(size_t(S) * Hd);
+  for (int i = 0; i < S; ++i)
+    fam::kimi_linear::kda_layer(c, w, st[i], xdf.data() + size_t(i) * Hd, 1, true, nullptr, ref_d.data() + size_t(i) * Hd);
+  DeviceBuffer<bf16> dxd(xd), dcpool(cpool);
+  DeviceBuffer<int> dslots(slot_of);
+  DeviceBuffer<float> dpool(pool), dyd(std::vector<float>(size_t(S) * Hd, 0.f));
+  ec::kda_mixer_decode(gemm, dw, lc, S, dxd.get(), dpool.get(), dcpool.get(), dslots.get(), sc, dyd.get(), nullptr);
+  check_cuda(cudaDeviceSynchronize(), "kda_mixer_decode");
+  const auto yd = dyd.download();
+  double ed = 0;
+  for (int i = 0; i < S; ++i) ed = std::max(ed, scaled_err(yd.data() + size_t(i) * Hd, ref_d.data() + size_t(i) * Hd, Hd));
+  std::printf("[kda layer] prefill out %.3e state %.3e conv tails %.3e; decode out %.3e\n", ey, es, ec_, ed);
+  CHECK(ey < 3e-2);
+  CHECK(es < 2e-2);
+  CHECK(ec_ < 1e-2);
+  CHECK(ed < 3e-2);
 }
