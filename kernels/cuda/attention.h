@@ -159,12 +159,20 @@ void attention_key_mass(int num_queries, int num_heads, int num_kv_heads, int he
                         const int* block_table, const bf16* k_pool, float scale, float* mass,
                         cudaStream_t stream = nullptr);
 
+/// The q/k norm of an attention layer before RoPE.
+enum class QkNorm {
+  ZeroCentred,  ///< y = x rsqrt(mean x^2 + eps) (1 + w) (HF Qwen3NextRMSNorm, Qwen3.5)
+  Plain,        ///< y = x rsqrt(mean x^2 + eps) w (Ring-linear's query_layernorm / key_layernorm)
+  None,         ///< no norm (MiniMax); q_norm and k_norm may be null
+};
+
 /// Between the projections and attention (HF Qwen3NextAttention.forward), for T tokens:
 ///   qg: q_proj output [T][num_heads][(output_gate ? 2 : 1) * head_dim] bf16 (per head: head_dim query
 ///       values, then head_dim gate values when output_gate; the gate is left in qg for attention);
 ///   k, v: k_proj / v_proj outputs: row t at k + t * kv_in_stride (elements), [num_kv_heads][head_dim];
-///   q_norm, k_norm: [head_dim] bf16 zero-centred RMSNorm weights: y = x * rsqrt(mean(x^2) + eps) * (1 + w)
-///       per head over head_dim in fp32, rounded to bf16 (as HF Qwen3NextRMSNorm);
+///   q_norm, k_norm: [head_dim] bf16 RMSNorm weights, by `norm`: zero-centred y = x * rsqrt(mean(x^2) + eps) *
+///       (1 + w), or plain (* w), per head over head_dim in fp32, rounded to bf16 (as HF Qwen3NextRMSNorm); with
+///       QkNorm::None the values pass unnormed (and unrounded) to RoPE;
 ///   then partial NeoX RoPE of the first rotary_dim dims of each q and k head, from the bf16 normed values:
 ///       pairs (i, i + rotary_dim/2), angle = float(positions[t]) * inv_freq[i] (fp32), cosf / sinf,
 ///       x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin in fp32 (kernels/cpu apply_rope), rounded to bf16
@@ -177,7 +185,8 @@ void attention_key_mass(int num_queries, int num_heads, int num_kv_heads, int he
 void attention_prepare(int T, int num_heads, int num_kv_heads, int head_dim, int rotary_dim, bool output_gate,
                        const bf16* qg, const bf16* k, const bf16* v, long kv_in_stride, const bf16* q_norm,
                        const bf16* k_norm, float eps, const int* positions, const float* inv_freq, const int* kv_rows,
-                       bf16* q_out, bf16* k_pool, bf16* v_pool, cudaStream_t stream = nullptr);
+                       bf16* q_out, bf16* k_pool, bf16* v_pool, cudaStream_t stream = nullptr,
+                       QkNorm norm = QkNorm::ZeroCentred);
 
 /// Copies n cached K/V rows into the pool, re-rotating K by a position delta (R(p + d) = R(d) R(p)):
 /// for i < n, k_src[i] / v_src[i] (DEVICE array of device pointers) point at one token's

@@ -115,6 +115,7 @@ struct PrepareParams {
   long kv_in_stride;
   const bf16* q_norm;
   const bf16* k_norm;
+  QkNorm norm;
   float eps;
   const int* positions;
   const float* inv_freq;
@@ -152,18 +153,22 @@ __global__ void __launch_bounds__(32 * kRowWarps, 4) attn_prepare_kernel(const P
       copy_lane<E>(p.v + static_cast<long>(t) * p.kv_in_stride + static_cast<long>(kh) * HD + lane * E,
                    p.v_pool + (row * p.num_kv_heads + kh) * HD + lane * E);
     }
-    float x[E], wv[E];
+    float x[E];
     load_lane<E>(src + lane * E, x);
-    load_lane<E>(wn + lane * E, wv);
-    float ss = 0.f;
+    if (p.norm != QkNorm::None) {  // block-uniform
+      float wv[E];
+      load_lane<E>(wn + lane * E, wv);
+      float ss = 0.f;
 #pragma unroll
-    for (int e = 0; e < E; ++e) ss = fmaf(x[e], x[e], ss);
+      for (int e = 0; e < E; ++e) ss = fmaf(x[e], x[e], ss);
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-    const float inv = 1.0f / sqrtf(ss / static_cast<float>(HD) + p.eps);
+      for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+      const float inv = 1.0f / sqrtf(ss / static_cast<float>(HD) + p.eps);
+      const float w0 = p.norm == QkNorm::ZeroCentred ? 1.0f : 0.0f;
 #pragma unroll
-    for (int e = 0; e < E; ++e)  // (x * inv) * (1 + w), rounded to bf16 (HF casts the norm output)
-      x[e] = __bfloat162float(__float2bfloat16_rn(__fmul_rn(__fmul_rn(x[e], inv), 1.0f + wv[e])));
+      for (int e = 0; e < E; ++e)  // (x * inv) * (1 + w) or * w, rounded to bf16 (HF casts the norm output)
+        x[e] = __bfloat162float(__float2bfloat16_rn(__fmul_rn(__fmul_rn(x[e], inv), w0 + wv[e])));
+    }
     if (p.rot > 0) rope_lane<HD>(x, sx[warp], lane, p.rot, static_cast<float>(p.positions[t]), p.inv_freq);
     store_lane<E>(dst + lane * E, x);
   }
@@ -225,7 +230,7 @@ int row_grid(long warps) {
 void attention_prepare(int T, int num_heads, int num_kv_heads, int head_dim, int rotary_dim, bool output_gate,
                        const bf16* qg, const bf16* k, const bf16* v, long kv_in_stride, const bf16* q_norm,
                        const bf16* k_norm, float eps, const int* positions, const float* inv_freq, const int* kv_rows,
-                       bf16* q_out, bf16* k_pool, bf16* v_pool, cudaStream_t stream) {
+                       bf16* q_out, bf16* k_pool, bf16* v_pool, cudaStream_t stream, QkNorm norm) {
   const char* fn = "attention_prepare";
   if (T < 0) bad(fn, "T " + std::to_string(T) + " is negative");
   check_heads(fn, num_heads, num_kv_heads);
@@ -237,8 +242,10 @@ void attention_prepare(int T, int num_heads, int num_kv_heads, int head_dim, int
   check_ptr(fn, qg, "qg");
   check_ptr(fn, k, "k");
   check_ptr(fn, v, "v");
-  check_ptr(fn, q_norm, "q_norm");
-  check_ptr(fn, k_norm, "k_norm");
+  if (norm != QkNorm::None) {
+    check_ptr(fn, q_norm, "q_norm");
+    check_ptr(fn, k_norm, "k_norm");
+  }
   if (rotary_dim > 0) check_ptr(fn, positions, "positions");
   check_ptr(fn, kv_rows, "kv_rows");
   check_ptr(fn, q_out, "q_out");
@@ -256,6 +263,7 @@ void attention_prepare(int T, int num_heads, int num_kv_heads, int head_dim, int
   p.kv_in_stride = kv_in_stride;
   p.q_norm = q_norm;
   p.k_norm = k_norm;
+  p.norm = norm;
   p.eps = eps;
   p.positions = positions;
   p.inv_freq = inv_freq;

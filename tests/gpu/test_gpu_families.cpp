@@ -1100,3 +1100,71 @@ TEST_CASE("the KDA layer on the GPU matches the CPU model's Kimi-Linear layer (p
   CHECK(ec_ < 1e-2);
   CHECK(ed < 3e-2);
 }
+
+// ---- attention_prepare's norm modes for the softmax layers of Ring-linear (plain) and MiniMax (none) ---------------
+
+TEST_CASE("attention_prepare with Ring-linear's plain qk-norm and MiniMax's unnormed q/k, against the CPU ops",
+          "[gpu][families][attention]") {
+  if (!cuda_device_present()) FAIL("no CUDA device: the GPU tests need an NVIDIA GPU (scripts/test_gpu.sh)");
+  struct Case {
+    kc::QkNorm norm;
+    int rotary_dim;
+    const char* name;
+  };
+  for (const Case& cs : {Case{kc::QkNorm::Plain, 64, "Ring plain norm, partial RoPE"},
+                         Case{kc::QkNorm::None, 128, "MiniMax no norm, full RoPE"}}) {
+    DYNAMIC_SECTION(cs.name) {
+      std::mt19937 rng(151);
+      const int T = 37, nh = 4, nkv = 2, hd = 128;
+      std::vector<float> qf, kf, vf, qnf, knf;
+      auto q = random_bf16(rng, size_t(T) * nh * hd, 1.0f, qf);
+      auto k = random_bf16(rng, size_t(T) * nkv * hd, 1.0f, kf);
+      auto v = random_bf16(rng, size_t(T) * nkv * hd, 1.0f, vf);
+      auto qn = random_bf16(rng, hd, 0.2f, qnf), kn = random_bf16(rng, hd, 0.2f, knf);
+      for (int i = 0; i < hd; ++i)
+        qn[i] = float_to_bf16(qnf[i] + 1.f), kn[i] = float_to_bf16(knf[i] + 1.f), qnf[i] = bf16_to_float(qn[i]),
+        knf[i] = bf16_to_float(kn[i]);
+      std::vector<int> pos(T), rows(T);
+      for (int t = 0; t < T; ++t) pos[t] = 1000 + 3 * t, rows[t] = (t * 7) % T;  // a permutation (T prime)
+      const auto inv_freq = cpu::rope_inv_freq(10000.0, cs.rotary_dim);
+      // CPU: norm (plain), rounded to bf16 as the kernel does, then RoPE per token at its position.
+      std::vector<float> rq = qf, rk = kf;
+      if (cs.norm == kc::QkNorm::Plain) {
+        cpu::rms_norm(int64_t(T) * nh, hd, rq.data(), qnf.data(), 1e-6f, rq.data());
+        cpu::rms_norm(int64_t(T) * nkv, hd, rk.data(), knf.data(), 1e-6f, rk.data());
+        for (auto& x : rq) x = bfr(x);
+        for (auto& x : rk) x = bfr(x);
+      }
+      for (int t = 0; t < T; ++t) {
+        cpu::apply_rope(rq.data() + size_t(t) * nh * hd, 1, nh, hd, inv_freq, pos[t]);
+        cpu::apply_rope(rk.data() + size_t(t) * nkv * hd, 1, nkv, hd, inv_freq, pos[t]);
+      }
+      DeviceBuffer<bf16> dq(q), dk(k), dv(v), dqn(qn), dkn(kn), qo(size_t(T) * nh * hd), kp(size_t(T) * nkv * hd),
+          vp(size_t(T) * nkv * hd);
+      DeviceBuffer<int> dpos(pos), drows(rows);
+      DeviceBuffer<float> dinv(inv_freq);
+      qo.poison(), kp.poison(), vp.poison();
+      kc::attention_prepare(T, nh, nkv, hd, cs.rotary_dim, false, dq.get(), dk.get(), dv.get(), long(nkv) * hd,
+                            cs.norm == kc::QkNorm::None ? nullptr : dqn.get(),
+                            cs.norm == kc::QkNorm::None ? nullptr : dkn.get(), 1e-6f, dpos.get(), dinv.get(),
+                            drows.get(), qo.get(), kp.get(), vp.get(), nullptr, cs.norm);
+      check_cuda(cudaDeviceSynchronize(), "attention_prepare");
+      const auto gq = to_float(qo.download()), gk = to_float(kp.download()), gv = to_float(vp.download());
+      double eq = 0, ek = 0;
+      bool v_exact = true;
+      for (int t = 0; t < T; ++t) {
+        for (int h = 0; h < nh; ++h)
+          eq = std::max(eq, scaled_err(gq.data() + (size_t(t) * nh + h) * hd, rq.data() + (size_t(t) * nh + h) * hd, hd));
+        for (int h = 0; h < nkv; ++h) {
+          const size_t g_off = (size_t(rows[t]) * nkv + h) * hd, c_off = (size_t(t) * nkv + h) * hd;
+          ek = std::max(ek, scaled_err(gk.data() + g_off, rk.data() + c_off, hd));
+          for (int d = 0; d < hd; ++d) v_exact = v_exact && gv[g_off + d] == vf[c_off + d];
+        }
+      }
+      std::printf("[attention_prepare %s] q %.3e k %.3e, V copied exactly: %d\n", cs.name, eq, ek, int(v_exact));
+      CHECK(eq < 8e-3);
+      CHECK(ek < 8e-3);
+      CHECK(v_exact);
+    }
+  }
+}
