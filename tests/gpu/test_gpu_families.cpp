@@ -24,6 +24,7 @@
 #include "engine/checkpoint/weights.h"
 #include "engine/cuda/kda_mixer.h"
 #include "engine/cuda/lightning_mixer.h"
+#include "engine/cuda/mla_mixer.h"
 #include "engine/families/kimi_linear/layers.h"
 #include "engine/families/minimax/layers.h"
 #include "engine/families/ring_linear/layers.h"
@@ -1166,5 +1167,97 @@ TEST_CASE("attention_prepare with Ring-linear's plain qk-norm and MiniMax's unno
       CHECK(ek < 8e-3);
       CHECK(v_exact);
     }
+  }
+}
+
+// ---- Kimi-Linear's MLA layer (engine/cuda/mla_mixer.h) against the CPU model's layer --------------------------------
+
+TEST_CASE("the MLA layer on the GPU (expanded, padded heads) matches the CPU model's Kimi-Linear layer",
+          "[gpu][families][mla][layer]") {
+  if (!cuda_device_present()) FAIL("no CUDA device: the GPU tests need an NVIDIA GPU (scripts/test_gpu.sh)");
+  namespace ec = hypic::engine::cuda;
+  namespace fam = hypic::engine::families;
+  using hypic::engine::Tensor;
+  // Kimi-Linear-48B-A3B's MLA head sizes (nope 128, rope 64, v 128, kv_lora_rank 512), 4 heads.
+  const hypic::engine::ModelConfig c = hypic::engine::parse_config(R"({
+    "model_type": "kimi_linear", "architectures": ["KimiLinearForCausalLM"],
+    "vocab_size": 97, "hidden_size": 256, "num_hidden_layers": 2, "intermediate_size": 64,
+    "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 192,
+    "q_lora_rank": null, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "mla_use_nope": true, "rms_norm_eps": 1e-5, "hidden_act": "silu", "tie_word_embeddings": false,
+    "linear_attn_config": {"num_heads": 2, "head_dim": 128, "short_conv_kernel_size": 4,
+                           "kda_layers": [1], "full_attn_layers": [2]},
+    "num_experts": 8, "num_experts_per_token": 2, "num_shared_experts": 1, "moe_intermediate_size": 32,
+    "moe_router_activation_func": "sigmoid", "moe_renormalize": true, "num_expert_group": 2, "topk_group": 1,
+    "routed_scaling_factor": 2.5, "first_k_dense_replace": 1, "moe_layer_freq": 1, "model_max_length": 4096 })");
+  const ec::MlaLayerConfig lc = ec::MlaLayerConfig::of(c);
+  const kc::MlaDims& dm = lc.dims;
+  REQUIRE(dm.padded() == 256);
+  std::mt19937 rng(161);
+  const int Hd = c.hidden_size, nh = dm.heads, qk = dm.nope + dm.rope, R = dm.rank, P = dm.padded();
+  hypic::engine::MlaWeights w;
+  auto mat = [&](Tensor& t, std::vector<int64_t> shape, float sigma, float mean = 0.f) {
+    int64_t n = 1;
+    for (auto e : shape) n *= e;
+    std::vector<float> f;
+    auto b = random_bf16(rng, size_t(n), sigma, f);
+    for (size_t i = 0; i < b.size(); ++i) b[i] = float_to_bf16(f[i] + mean), f[i] = bf16_to_float(b[i]);
+    t.shape = shape, t.data = f;
+    return DeviceBuffer<bf16>(b);
+  };
+  const float sh = 1.0f / std::sqrt(float(Hd));
+  auto d_q = mat(w.q_proj, {nh * qk, Hd}, sh), d_kva = mat(w.kv_a_proj, {R + dm.rope, Hd}, sh);
+  auto d_ln = mat(w.kv_a_layernorm, {R}, 0.1f, 1.0f), d_kvb = mat(w.kv_b_proj, {nh * (dm.nope + dm.v), R}, 1.0f / std::sqrt(float(R)));
+  auto d_o = mat(w.o_proj, {Hd, nh * dm.v}, 1.0f / std::sqrt(float(nh * dm.v)));
+  const ec::DevMla dw{d_q.get(), d_kva.get(), d_ln.get(), d_kvb.get(), d_o.get()};
+
+  const int T1 = 150, T2 = 20, Tmax = T1 + T2 + 1, pages = (Tmax + 63) / 64;
+  std::vector<float> xf;
+  auto x = random_bf16(rng, size_t(Tmax) * Hd, 1.0f, xf);
+  hypic::engine::AttentionLayerState st;
+  std::vector<float> ref(size_t(Tmax) * Hd);
+  fam::kimi_linear::mla_layer(c, w, st, xf.data(), T1, ref.data(), nullptr);
+  fam::kimi_linear::mla_layer(c, w, st, xf.data() + size_t(T1) * Hd, T2, ref.data() + size_t(T1) * Hd, nullptr);
+  fam::kimi_linear::mla_layer(c, w, st, xf.data() + size_t(T1 + T2) * Hd, 1, ref.data() + size_t(T1 + T2) * Hd,
+                              nullptr);
+
+  kc::GemmRunner gemm;
+  kc::AttnDecodeWorkspace ws;
+  DeviceBuffer<bf16> dx(x), kp(size_t(pages) * 64 * nh * P), vp(size_t(pages) * 64 * nh * P);
+  DeviceBuffer<bf16> q(size_t(T1) * nh * qk), ckv(size_t(T1) * (R + dm.rope)), lat(size_t(T1) * R),
+      kvb(size_t(T1) * nh * (dm.nope + dm.v)), qpad(size_t(T1) * nh * P), attn(size_t(T1) * nh * P),
+      packed(size_t(T1) * nh * dm.v);
+  const ec::MlaScratch sc{q.get(), ckv.get(), lat.get(), kvb.get(), qpad.get(), attn.get(), packed.get()};
+  std::vector<int> rows(Tmax), bt(pages);
+  std::iota(rows.begin(), rows.end(), 0);
+  std::iota(bt.begin(), bt.end(), 0);
+  DeviceBuffer<int> drows(rows), dbt(bt);
+  DeviceBuffer<float> dy(std::vector<float>(size_t(Tmax) * Hd, 0.f));
+  struct Call {
+    int t0, n;
+    bool decode;
+  };
+  for (const Call& call : {Call{0, T1, false}, Call{T1, T2, false}, Call{T1 + T2, 1, true}}) {
+    DeviceBuffer<int> qs(std::vector<int>{0, call.n}), s0(std::vector<int>{call.t0});
+    const kc::AttnGroups g = {1, qs.get(), s0.get(), dbt.get(), pages, call.n, call.n, call.t0 + call.n};
+    ec::mla_mixer(gemm, dw, lc, call.n, dx.get() + size_t(call.t0) * Hd, drows.get() + call.t0, g, kp.get(), vp.get(),
+                  call.decode ? &ws : nullptr, call.decode, sc, dy.get() + size_t(call.t0) * Hd, nullptr);
+    check_cuda(cudaDeviceSynchronize(), "mla_mixer");
+  }
+  const auto y = dy.download();
+  const double e1 = scaled_err(y.data(), ref.data(), size_t(T1) * Hd);
+  const double e2 = scaled_err(y.data() + size_t(T1) * Hd, ref.data() + size_t(T1) * Hd, size_t(T2) * Hd);
+  const double e3 = scaled_err(y.data() + size_t(T1 + T2) * Hd, ref.data() + size_t(T1 + T2) * Hd, Hd);
+  std::printf("[mla layer] prefill %.3e, continuation over cached KV %.3e, decode %.3e\n", e1, e2, e3);
+  CHECK(e1 < 3e-2);
+  CHECK(e2 < 3e-2);
+  CHECK(e3 < 3e-2);
+  SECTION("configs the GPU path does not take are refused by name") {
+    hypic::engine::ModelConfig bad = c;
+    bad.q_lora_rank = 64;
+    CHECK_THROWS_AS(ec::MlaLayerConfig::of(bad), std::invalid_argument);
+    bad = c;
+    bad.v_head_dim = 300;
+    CHECK_THROWS_AS(ec::MlaLayerConfig::of(bad), std::invalid_argument);
   }
 }
