@@ -49,6 +49,18 @@ double scaled_err(const float* a, const float* b, size_t n) {
   return den > 0 ? num / den : num;
 }
 
+// A random bf16 weight of `shape`, N(mean, sigma^2): t gets the exact fp32 values, the bf16 values are returned.
+std::vector<bf16> random_weight(std::mt19937& rng, hypic::engine::Tensor& t, std::vector<int64_t> shape, float sigma,
+                                float mean = 0.f) {
+  int64_t n = 1;
+  for (auto e : shape) n *= e;
+  std::vector<float> f;
+  auto b = random_bf16(rng, size_t(n), sigma, f);
+  for (size_t i = 0; i < b.size(); ++i) b[i] = float_to_bf16(f[i] + mean), f[i] = bf16_to_float(b[i]);
+  t.shape = std::move(shape), t.data = f;
+  return b;
+}
+
 // The worst scaled_err over the (sequence, head) blocks of token-major outputs [T][H][D] (sequences by cu).
 double worst_block_err(const std::vector<float>& got, const std::vector<float>& ref, const std::vector<int>& cu, int H,
                        int D) {
@@ -837,14 +849,7 @@ struct LightningLayerWeights {
       : slope(test_slopes(c.num_attention_heads)) {
     const int64_t Hd = c.hidden_size, hd = int64_t(c.num_attention_heads) * c.head_dim, d = c.head_dim;
     auto make = [&](hypic::engine::Tensor& t, std::vector<int64_t> shape, float sigma, float mean) {
-      int64_t n = 1;
-      for (auto e : shape) n *= e;
-      std::vector<float> f;
-      auto b = random_bf16(rng, size_t(n), sigma, f);
-      if (mean != 0.f)
-        for (size_t i = 0; i < b.size(); ++i) b[i] = float_to_bf16(f[i] + mean), f[i] = bf16_to_float(b[i]);
-      t.shape = shape, t.data = f;
-      dev.push_back(std::make_unique<DeviceBuffer<bf16>>(b));
+      dev.push_back(std::make_unique<DeviceBuffer<bf16>>(random_weight(rng, t, std::move(shape), sigma, mean)));
       return dev.back()->get();
     };
     view.qkv_proj = make(host.qkv_proj, {3 * hd, Hd}, 1.0f / std::sqrt(float(Hd)), 0.f);
@@ -977,36 +982,43 @@ TEST_CASE("lightning layers on the GPU match the CPU model's MiniMax and Ring-li
 
 // ---- whole KDA layers (engine/cuda/kda_mixer.h) against the CPU model's layer ---------------------------------------
 
+namespace {
+
+// A two-layer Kimi-Linear config (KDA layer 1 with 2 heads of 128, MLA layer 2 with the given sizes), hidden 256.
+hypic::engine::ModelConfig kimi_config(int mla_heads, int nope, int rope, int v, int rank) {
+  char text[2048];
+  std::snprintf(text, sizeof text, R"({
+    "model_type": "kimi_linear", "architectures": ["KimiLinearForCausalLM"],
+    "vocab_size": 97, "hidden_size": 256, "num_hidden_layers": 2, "intermediate_size": 64,
+    "num_attention_heads": %d, "num_key_value_heads": %d, "head_dim": %d,
+    "q_lora_rank": null, "kv_lora_rank": %d, "qk_nope_head_dim": %d, "qk_rope_head_dim": %d, "v_head_dim": %d,
+    "mla_use_nope": true, "rms_norm_eps": 1e-5, "hidden_act": "silu", "tie_word_embeddings": false,
+    "linear_attn_config": {"num_heads": 2, "head_dim": 128, "short_conv_kernel_size": 4,
+                           "kda_layers": [1], "full_attn_layers": [2]},
+    "num_experts": 8, "num_experts_per_token": 2, "num_shared_experts": 1, "moe_intermediate_size": 32,
+    "moe_router_activation_func": "sigmoid", "moe_renormalize": true, "num_expert_group": 2, "topk_group": 1,
+    "routed_scaling_factor": 2.5, "first_k_dense_replace": 1, "moe_layer_freq": 1, "model_max_length": 4096 })",
+                mla_heads, mla_heads, nope + rope, rank, nope, rope, v);
+  return hypic::engine::parse_config(text);
+}
+
+
+}  // namespace
+
 TEST_CASE("the KDA layer on the GPU matches the CPU model's Kimi-Linear layer (prefill with conv tails, decode)",
           "[gpu][families][kda][layer]") {
   if (!cuda_device_present()) FAIL("no CUDA device: the GPU tests need an NVIDIA GPU (scripts/test_gpu.sh)");
   namespace ec = hypic::engine::cuda;
   namespace fam = hypic::engine::families;
   using hypic::engine::Tensor;
-  const hypic::engine::ModelConfig c = hypic::engine::parse_config(R"({
-    "model_type": "kimi_linear", "architectures": ["KimiLinearForCausalLM"],
-    "vocab_size": 97, "hidden_size": 256, "num_hidden_layers": 2, "intermediate_size": 64,
-    "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16,
-    "q_lora_rank": null, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
-    "mla_use_nope": true, "rms_norm_eps": 1e-5, "hidden_act": "silu", "tie_word_embeddings": false,
-    "linear_attn_config": {"num_heads": 2, "head_dim": 128, "short_conv_kernel_size": 4,
-                           "kda_layers": [1], "full_attn_layers": [2]},
-    "num_experts": 8, "num_experts_per_token": 2, "num_shared_experts": 1, "moe_intermediate_size": 32,
-    "moe_router_activation_func": "sigmoid", "moe_renormalize": true, "num_expert_group": 2, "topk_group": 1,
-    "routed_scaling_factor": 2.5, "first_k_dense_replace": 1, "moe_layer_freq": 1, "model_max_length": 4096 })");
+  const hypic::engine::ModelConfig c = kimi_config(2, 16, 8, 16, 32);
   const ec::KdaLayerConfig lc = ec::KdaLayerConfig::of(c);
   std::mt19937 rng(141);
   const int Hd = c.hidden_size, H = lc.heads, D = lc.head_dim, hd = H * D, K = lc.conv_kernel, Cc = 3 * hd;
   // Weights: host fp32 copies of bf16 values; A_log, dt_bias fp32 (HF's init ranges).
   hypic::engine::KdaWeights w;
   auto mat = [&](Tensor& t, std::vector<int64_t> shape, float sigma, float mean = 0.f) {
-    int64_t n = 1;
-    for (auto e : shape) n *= e;
-    std::vector<float> f;
-    auto b = random_bf16(rng, size_t(n), sigma, f);
-    for (size_t i = 0; i < b.size(); ++i) b[i] = float_to_bf16(f[i] + mean), f[i] = bf16_to_float(b[i]);
-    t.shape = shape, t.data = f;
-    return b;
+    return random_weight(rng, t, std::move(shape), sigma, mean);
   };
   const float sh = 1.0f / std::sqrt(float(Hd));
   auto bq = mat(w.q_proj, {hd, Hd}, sh), bk = mat(w.k_proj, {hd, Hd}, sh), bv = mat(w.v_proj, {hd, Hd}, sh);
@@ -1179,17 +1191,7 @@ TEST_CASE("the MLA layer on the GPU (expanded, padded heads) matches the CPU mod
   namespace fam = hypic::engine::families;
   using hypic::engine::Tensor;
   // Kimi-Linear-48B-A3B's MLA head sizes (nope 128, rope 64, v 128, kv_lora_rank 512), 4 heads.
-  const hypic::engine::ModelConfig c = hypic::engine::parse_config(R"({
-    "model_type": "kimi_linear", "architectures": ["KimiLinearForCausalLM"],
-    "vocab_size": 97, "hidden_size": 256, "num_hidden_layers": 2, "intermediate_size": 64,
-    "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 192,
-    "q_lora_rank": null, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-    "mla_use_nope": true, "rms_norm_eps": 1e-5, "hidden_act": "silu", "tie_word_embeddings": false,
-    "linear_attn_config": {"num_heads": 2, "head_dim": 128, "short_conv_kernel_size": 4,
-                           "kda_layers": [1], "full_attn_layers": [2]},
-    "num_experts": 8, "num_experts_per_token": 2, "num_shared_experts": 1, "moe_intermediate_size": 32,
-    "moe_router_activation_func": "sigmoid", "moe_renormalize": true, "num_expert_group": 2, "topk_group": 1,
-    "routed_scaling_factor": 2.5, "first_k_dense_replace": 1, "moe_layer_freq": 1, "model_max_length": 4096 })");
+  const hypic::engine::ModelConfig c = kimi_config(4, 128, 64, 128, 512);
   const ec::MlaLayerConfig lc = ec::MlaLayerConfig::of(c);
   const kc::MlaDims& dm = lc.dims;
   REQUIRE(dm.padded() == 256);
@@ -1197,13 +1199,7 @@ TEST_CASE("the MLA layer on the GPU (expanded, padded heads) matches the CPU mod
   const int Hd = c.hidden_size, nh = dm.heads, qk = dm.nope + dm.rope, R = dm.rank, P = dm.padded();
   hypic::engine::MlaWeights w;
   auto mat = [&](Tensor& t, std::vector<int64_t> shape, float sigma, float mean = 0.f) {
-    int64_t n = 1;
-    for (auto e : shape) n *= e;
-    std::vector<float> f;
-    auto b = random_bf16(rng, size_t(n), sigma, f);
-    for (size_t i = 0; i < b.size(); ++i) b[i] = float_to_bf16(f[i] + mean), f[i] = bf16_to_float(b[i]);
-    t.shape = shape, t.data = f;
-    return DeviceBuffer<bf16>(b);
+    return DeviceBuffer<bf16>(random_weight(rng, t, std::move(shape), sigma, mean));
   };
   const float sh = 1.0f / std::sqrt(float(Hd));
   auto d_q = mat(w.q_proj, {nh * qk, Hd}, sh), d_kva = mat(w.kv_a_proj, {R + dm.rope, Hd}, sh);
