@@ -78,7 +78,15 @@ struct KdaParams {
   float* final_state;
   float* transition;
   bf16* out;
+  int total_tokens;  // host's T: cu_seqlens must end there
+  int max_chunks;    // the factor slots of the workspace
 };
+
+// cu_seqlens disagreeing with the host's total_tokens (the workspace and the launches were sized from it): nothing
+// may be read or written by its rows; the scan writes NaN into the states instead (a loud, in-bounds failure).
+__device__ __forceinline__ bool bad_lengths(const KdaParams& p) {
+  return p.cu[0] != 0 || p.cu[p.num_seqs] != p.total_tokens || p.chunk_first[p.num_seqs] > p.max_chunks;
+}
 
 // ---- per-chunk factors ---------------------------------------------------------------------------------------
 // One block (256 threads) per (chunk, head). fp32 throughout; the outputs rounded to bf16 once.
@@ -113,7 +121,7 @@ __global__ void __launch_bounds__(kFacThreads) kda_factor_kernel(KdaParams p) {
   float* sKn = reinterpret_cast<float*>(fsm + FacSmem::kN);  // k_i = sK[i] * sKn[i] in fp32 (the l2 norm)
   float* sQn = sKn + C;                                       // q_i = sQ[i] * sQn[i] (l2 norm and scale)
   const int ci = blockIdx.x, h = blockIdx.y, H = p.H, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  if (ci >= p.chunk_first[p.num_seqs]) return;
+  if (ci >= p.chunk_first[p.num_seqs] || bad_lengths(p)) return;
   // The chunk's sequence: the last s with chunk_first[s] <= ci (sequences of length 0 own no chunk).
   int lo = 0, hi = p.num_seqs;  // chunk_first[lo] <= ci < chunk_first[hi]
   while (hi - lo > 1) {
@@ -325,9 +333,16 @@ __global__ void __launch_bounds__(kScanThreads) kda_scan_kernel(KdaParams p) {
   const int v0 = 64 * (is_S ? z : z - 2);
   const bool outs = is_S && p.outputs && p.out;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, cq = (lane & 3) * 2;
+  const size_t hd = size_t(D) * D;
+  if (bad_lengths(p)) {
+    float* dst = is_S ? p.final_state : p.transition;
+    if (dst)
+      for (int i = tid; i < D * 64; i += kScanThreads)
+        dst[(size_t(seq) * H + h) * hd + size_t(i / 64) * D + v0 + i % 64] = __int_as_float(0x7fc00000);
+    return;
+  }
   const int start = p.cu[seq], len = p.cu[seq + 1] - start, nch = (len + C - 1) / C;
   const int cf = nch > 0 ? p.chunk_first[seq] : 0;
-  const size_t hd = size_t(D) * D;
 
   const int rb = 32 * warp;
   float xacc[2][8][4];
@@ -533,6 +548,7 @@ void kda_prefill(const KdaPrefillArgs& a, cudaStream_t stream) {
                           static_cast<const void*>(a.initial_state), static_cast<const void*>(a.final_state),
                           static_cast<const void*>(a.transition), static_cast<const void*>(a.workspace)})
     if (!aligned16(ptr)) throw std::invalid_argument(f + "q, k, v, out, the states and the workspace must be 16-byte aligned");
+  if (chunk_bound(a) > 0x7fffffffu) throw std::invalid_argument(f + "too many chunks");
   const size_t need = kda_prefill_workspace_bytes(a);
   if (!a.workspace || a.workspace_bytes < need)
     throw std::invalid_argument(f + "workspace of " + std::to_string(a.workspace_bytes) + " bytes given, " +
@@ -550,11 +566,11 @@ void kda_prefill(const KdaPrefillArgs& a, cudaStream_t stream) {
   auto* base = static_cast<unsigned char*>(a.workspace);
   int* chunk_first = reinterpret_cast<int*>(base);
   KdaParams p{a.cu_seqlens, chunk_first, a.num_seqs, a.num_heads, a.q, a.k, a.v, a.g, a.beta, a.l2norm_qk, a.scale,
-              a.out != nullptr, base + kTableBytes(a.num_seqs), a.initial_state, a.final_state, a.transition, a.out};
+              a.out != nullptr, base + kTableBytes(a.num_seqs), a.initial_state, a.final_state, a.transition, a.out,
+              a.total_tokens, static_cast<int>(chunk_bound(a))};
   kda_chunk_table_kernel<<<1, kTableThreads, 0, stream>>>(a.num_seqs, a.cu_seqlens, chunk_first);
   check_cuda(cudaGetLastError(), "kda_prefill: chunk table launch");
   const size_t bound = chunk_bound(a);
-  if (bound > 0x7fffffffu) throw std::invalid_argument(f + "too many chunks");
   if (bound > 0) {
     kda_factor_kernel<<<dim3(unsigned(bound), unsigned(a.num_heads)), kFacThreads, FacSmem::kBytes, stream>>>(p);
     check_cuda(cudaGetLastError(), "kda_prefill: factor launch");

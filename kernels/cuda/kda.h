@@ -67,7 +67,8 @@ size_t kda_prefill_workspace_bytes(const KdaPrefillArgs& a);
 /// yields final = initial, T_C = I. q, k, v, out and the states must be 16-byte aligned.
 /// Throws std::invalid_argument on null required or misaligned pointers, num_seqs < 0, H <= 0, total_tokens < 0, or
 /// a workspace smaller than kda_prefill_workspace_bytes; std::runtime_error on CUDA errors. cu_seqlens is read on
-/// the device only: its last entry must equal total_tokens.
+/// the device only: when it does not start at 0 or end at total_tokens, nothing is read or written by its rows and
+/// the final states (and T_C) are set to NaN (the kernels cannot throw).
 void kda_prefill(const KdaPrefillArgs& args, cudaStream_t stream = nullptr);
 
 /// One recurrent decode step for `batch` requests (one token each), in place on fp32 states, fp32 throughout:

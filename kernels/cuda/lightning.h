@@ -77,8 +77,8 @@ size_t lightning_prefill_workspace_bytes(const LightningPrefillArgs& a);
 /// final = initial, T_C = 1. q, k, v, out and the states must be 16-byte aligned.
 /// Throws std::invalid_argument on null required or misaligned pointers, a head size other than 64 or 128,
 /// num_seqs < 0, H <= 0, max_seqlen < 0, seq_parts < 0, or a workspace smaller than needed; std::runtime_error on
-/// CUDA errors. cu_seqlens is read on the device only: it must agree with max_seqlen (a longer sequence is an error
-/// the kernels cannot report).
+/// CUDA errors. cu_seqlens is read on the device only: a sequence longer than max_seqlen is still scanned whole (its
+/// last part takes the rest: only slower); q, k, v and out must hold cu_seqlens[num_seqs] rows.
 void lightning_prefill(const LightningPrefillArgs& args, cudaStream_t stream = nullptr);
 
 /// One recurrent decode step for `batch` requests (one token each), in place on fp32 states:

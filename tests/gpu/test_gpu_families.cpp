@@ -731,6 +731,34 @@ TEST_CASE("kda_prefill matches the CPU recurrence: ragged lengths, length 0 and 
   SECTION("one long sequence") { expect_kda({2, {1500}, true, true, true}, 104); }
 }
 
+TEST_CASE("kda_prefill refuses bad arguments, and cu_seqlens that disagree with total_tokens give NaN states",
+          "[gpu][families][kda]") {
+  if (!cuda_device_present()) FAIL("no CUDA device: the GPU tests need an NVIDIA GPU (scripts/test_gpu.sh)");
+  const int H = 2, T = 200;
+  DeviceBuffer<bf16> x(size_t(T + 64) * H * 128);
+  DeviceBuffer<float> g(size_t(T + 64) * H * 128), beta(size_t(T + 64) * H), fin(size_t(H) * 128 * 128);
+  DeviceBuffer<int> cu(std::vector<int>{0, T + 64});  // one sequence longer than total_tokens says
+  kc::KdaPrefillArgs a;
+  a.num_seqs = 1, a.cu_seqlens = cu.get(), a.total_tokens = T, a.num_heads = H;
+  a.q = a.k = a.v = x.get(), a.g = g.get(), a.beta = beta.get(), a.final_state = fin.get();
+  CHECK_THROWS_AS(kc::kda_prefill(a), std::invalid_argument);  // no workspace
+  DeviceBuffer<unsigned char> ws(kc::kda_prefill_workspace_bytes(a));
+  a.workspace = ws.get(), a.workspace_bytes = ws.size();
+  a.num_heads = 0;
+  CHECK_THROWS_AS(kc::kda_prefill(a), std::invalid_argument);
+  a.num_heads = H;
+  a.q = x.get() + 1;
+  a.out = reinterpret_cast<bf16*>(g.get());
+  CHECK_THROWS_AS(kc::kda_prefill(a), std::invalid_argument);  // misaligned q
+  a.q = x.get(), a.out = nullptr;
+  fin.poison(0);
+  kc::kda_prefill(a);
+  check_cuda(cudaDeviceSynchronize(), "kda_prefill with inconsistent lengths");
+  const auto f = fin.download();
+  const bool all_nan = std::all_of(f.begin(), f.end(), [](float v) { return std::isnan(v); });
+  CHECK(all_nan);
+}
+
 TEST_CASE("kda segment summaries compose through compose_fold: T_B S(A|0) + S(B|0) is the state of A then B",
           "[gpu][families][kda][compose]") {
   if (!cuda_device_present()) FAIL("no CUDA device: the GPU tests need an NVIDIA GPU (scripts/test_gpu.sh)");
@@ -765,7 +793,7 @@ TEST_CASE("kda segment summaries compose through compose_fold: T_B S(A|0) + S(B|
   CHECK(worst < 2e-2);
 }
 
-TEST_CASE("kda_decode matches the CPU recurrence with state slots; kda_gate matches KimiLinearForgetGate",
+TEST_CASE("kda_decode matches the CPU recurrence with state slots, kda_gate matches KimiLinearForgetGate",
           "[gpu][families][kda]") {
   if (!cuda_device_present()) FAIL("no CUDA device: the GPU tests need an NVIDIA GPU (scripts/test_gpu.sh)");
   std::mt19937 rng(121);
