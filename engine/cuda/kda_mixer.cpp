@@ -59,6 +59,8 @@ void kda_mixer_prefill(kc::GemmRunner& gemm, const DevKda& w, const KdaLayerConf
                        kc::KdaPrefillArgs seqs, __nv_bfloat16* conv_state, const KdaScratch& s, float* y,
                        cudaStream_t stream) {
   if (T == 0) return;
+  if (seqs.num_seqs <= 0)
+    throw std::invalid_argument("kda_mixer_prefill: " + std::to_string(T) + " tokens but no sequences");
   const int hd = c.heads * c.head_dim;
   gemm.linear(T, 3 * hd, c.hidden, xn, c.hidden, w.qkv_proj, s.pre, CUDA_R_16BF, 3 * hd, 0.0f, stream);
   kc::conv1d_silu_prefill(seqs.num_seqs, seqs.cu_seqlens, T, 3 * hd, c.conv_kernel, s.pre, w.conv1d, conv_state,

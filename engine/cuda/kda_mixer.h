@@ -58,7 +58,8 @@ struct KdaScratch {
 /// Prefill of a varlen batch: xn [T][hidden] bf16 (the layer's normed input); `seqs` gives the sequences and states
 /// (num_seqs, cu_seqlens, total_tokens, initial_state, final_state, transition; the rest is filled here);
 /// conv_state: [num_seqs][K-1][3 H d] bf16 in/out (the tails before and after each sequence), or nullptr (zero
-/// history, tails not kept); y [T][hidden] fp32 += the layer's output. Throws what the kernels and GemmRunner throw.
+/// history, tails not kept); y [T][hidden] fp32 += the layer's output. Throws std::invalid_argument for T > 0 without
+/// sequences, and what the kernels and GemmRunner throw.
 void kda_mixer_prefill(kernels::cuda::GemmRunner& gemm, const DevKda& w, const KdaLayerConfig& c, int T,
                        const __nv_bfloat16* xn, kernels::cuda::KdaPrefillArgs seqs, __nv_bfloat16* conv_state,
                        const KdaScratch& s, float* y, cudaStream_t stream);

@@ -61,6 +61,8 @@ void lightning_mixer_prefill(kc::GemmRunner& gemm, const DevLightning& w, const 
                              const __nv_bfloat16* xn, const int* positions, const float* inv_freq,
                              kc::LightningPrefillArgs seqs, const LightningScratch& s, float* y, cudaStream_t stream) {
   if (T == 0) return;
+  if (seqs.num_seqs <= 0)
+    throw std::invalid_argument("lightning_mixer_prefill: " + std::to_string(T) + " tokens but no sequences");
   project_qkv(gemm, w, c, T, xn, positions, inv_freq, s, stream);
   seqs.num_heads = c.heads, seqs.head_dim = c.head_dim;
   seqs.q = s.q, seqs.k = s.k, seqs.v = s.v, seqs.slope = w.slope, seqs.out = s.o;

@@ -39,8 +39,7 @@ struct LightningLayerConfig {
   int rope_half = 0;          ///< rotary_dim / 2 when the layer applies RoPE (Ring's linear_rope), else 0
   float scale = 1.0f;         ///< q multiplier (Ring: d^-1/2; MiniMax: 1)
   /// From the config of a lightning family (MiniMax, Ring-linear). Throws std::invalid_argument when the head size
-  /// is one the kernels do not support (kernels/cuda lightning_head_dim_supported) or the config has no lightning
-  /// layers.
+  /// is one the kernels do not support (kernels/cuda lightning_head_dim_supported) or the family is not one of them.
   static LightningLayerConfig of(const ModelConfig& c);
 };
 
@@ -55,7 +54,8 @@ struct LightningScratch {
 /// Prefill of a varlen batch: xn [T][hidden] bf16 (the layer's normed input), positions [T] int32 (RoPE; may be null
 /// without it), `seqs` gives the sequences and states (num_seqs, cu_seqlens, max_seqlen, initial_state, final_state,
 /// transition, seq_parts; its q, k, v, slope, out and workspace are filled here); y [T][hidden] fp32 += the layer's
-/// output. Throws what the kernels and GemmRunner throw (std::invalid_argument naming the bad value).
+/// output. Throws std::invalid_argument for T > 0 without sequences, and what the kernels and GemmRunner throw
+/// (std::invalid_argument naming the bad value; RoPE configured without inv_freq or positions included).
 void lightning_mixer_prefill(kernels::cuda::GemmRunner& gemm, const DevLightning& w, const LightningLayerConfig& c,
                              int T, const __nv_bfloat16* xn, const int* positions, const float* inv_freq,
                              kernels::cuda::LightningPrefillArgs seqs, const LightningScratch& s, float* y,

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cfloat>
+#include <climits>
 #include <stdexcept>
 #include <string>
 
@@ -51,9 +52,12 @@ __global__ void __launch_bounds__(kTableThreads) kda_chunk_table_kernel(int num_
   __shared__ int carry;
   if (threadIdx.x == 0) carry = 0;
   __syncthreads();
+  bool decreasing = false;
   for (int base = 0; base < num_seqs; base += kTableThreads) {
     const int s = base + threadIdx.x;
-    const int n = s < num_seqs ? (cu[s + 1] - cu[s] + C - 1) / C : 0;
+    const long len = s < num_seqs ? long(cu[s + 1]) - cu[s] : 0;
+    decreasing = decreasing || len < 0;
+    const int n = static_cast<int>(len > 0 ? (len + C - 1) / C : 0);
     int excl, total;
     Scan(tmp).ExclusiveSum(n, excl, total);
     if (s < num_seqs) chunk_first[s] = carry + excl;
@@ -61,7 +65,9 @@ __global__ void __launch_bounds__(kTableThreads) kda_chunk_table_kernel(int num_
     if (threadIdx.x == 0) carry += total;
     __syncthreads();
   }
-  if (threadIdx.x == 0) chunk_first[num_seqs] = carry;
+  // A decreasing table marks itself bad (more chunks than any workspace holds: bad_lengths).
+  if (__syncthreads_or(decreasing) && threadIdx.x == 0) chunk_first[num_seqs] = INT_MAX;
+  else if (threadIdx.x == 0) chunk_first[num_seqs] = carry;
 }
 
 struct KdaParams {
@@ -341,7 +347,7 @@ __global__ void __launch_bounds__(kScanThreads) kda_scan_kernel(KdaParams p) {
         dst[(size_t(seq) * H + h) * hd + size_t(i / 64) * D + v0 + i % 64] = __int_as_float(0x7fc00000);
     return;
   }
-  const int start = p.cu[seq], len = p.cu[seq + 1] - start, nch = (len + C - 1) / C;
+  const int start = p.cu[seq], len = p.cu[seq + 1] - start, nch = static_cast<int>((long(len) + C - 1) / C);
   const int cf = nch > 0 ? p.chunk_first[seq] : 0;
 
   const int rb = 32 * warp;

@@ -53,9 +53,8 @@ struct KdaPrefillArgs {
   size_t workspace_bytes = 0;
 };
 
-/// Device scratch of kda_prefill for `a`, bytes: the per-chunk factors (W, U, K~ and, with outputs, Q o e^G and P
-/// in bf16, e^{G_L} in fp32: about 73 KB per chunk and head with outputs) for at most num_seqs + T / 64 chunks, and
-/// the chunk table. Throws std::invalid_argument on the shape errors kda_prefill rejects.
+/// Device scratch of kda_prefill for `a`, bytes: the per-chunk factors (W, U, K~, Q o e^G and P in bf16, e^{G_L} in
+/// fp32: 72.5 KB per chunk and head) for at most num_seqs + ceil(T / 64) chunks, and the chunk table. Throws std::invalid_argument on the shape errors kda_prefill rejects.
 size_t kda_prefill_workspace_bytes(const KdaPrefillArgs& a);
 
 /// Chunked KDA prefill (chunk 64): per sequence and head the outputs, the final state and optionally T_C, all from
@@ -65,10 +64,11 @@ size_t kda_prefill_workspace_bytes(const KdaPrefillArgs& a);
 /// columns stay in fp32 registers across the chunks; the tensor cores get bf16 operands, as in
 /// flash-linear-attention). No host synchronisation or copies: capturable in a CUDA graph. A sequence of length 0
 /// yields final = initial, T_C = I. q, k, v, out and the states must be 16-byte aligned.
-/// Throws std::invalid_argument on null required or misaligned pointers, num_seqs < 0, H <= 0, total_tokens < 0, or
-/// a workspace smaller than kda_prefill_workspace_bytes; std::runtime_error on CUDA errors. cu_seqlens is read on
-/// the device only: when it does not start at 0 or end at total_tokens, nothing is read or written by its rows and
-/// the final states (and T_C) are set to NaN (the kernels cannot throw).
+/// Throws std::invalid_argument on null required or misaligned pointers, num_seqs outside [0, 65535], H outside
+/// [1, 65535], total_tokens < 0, or a workspace smaller than kda_prefill_workspace_bytes; std::runtime_error on CUDA
+/// errors. cu_seqlens is read on the device only: when it does not start at 0, end at total_tokens and never
+/// decrease, nothing is read or written by its rows and the final states (and T_C) are set to NaN (the kernels
+/// cannot throw).
 void kda_prefill(const KdaPrefillArgs& args, cudaStream_t stream = nullptr);
 
 /// One recurrent decode step for `batch` requests (one token each), in place on fp32 states, fp32 throughout:

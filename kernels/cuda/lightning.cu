@@ -72,7 +72,7 @@ __device__ __forceinline__ PartRange part_range(const ChunkParams& p, int seq, i
   PartRange r;
   r.start = p.cu[seq];
   r.len = p.cu[seq + 1] - r.start;
-  r.nch = (r.len + C - 1) / C;
+  r.nch = static_cast<int>((long(r.len) + C - 1) / C);
   r.np = min(p.parts, max(1, (r.nch + p.cpp - 1) / p.cpp));
   r.c_begin = part * p.cpp;
   // The last part takes every remaining chunk, so that a sequence longer than max_seqlen promised is still scanned
@@ -426,8 +426,7 @@ void check_pointers(const LightningPrefillArgs& a) {
   const std::string f = "lightning_prefill: ";
   if (a.num_seqs > 0 && (!a.cu_seqlens || !a.slope))
     throw std::invalid_argument(f + "cu_seqlens or slope is null");
-  if (a.num_seqs > 0 && a.max_seqlen > 0 && (!a.q || !a.k || !a.v))
-    throw std::invalid_argument(f + "q, k or v is null");
+  if (a.num_seqs > 0 && (!a.q || !a.k || !a.v)) throw std::invalid_argument(f + "q, k or v is null");
   for (const void* ptr : {static_cast<const void*>(a.q), static_cast<const void*>(a.k),
                           static_cast<const void*>(a.v), static_cast<const void*>(a.out),
                           static_cast<const void*>(a.initial_state), static_cast<const void*>(a.final_state)})
@@ -555,11 +554,17 @@ void lightning_qkv_prepare(const LightningQkvArgs& a, cudaStream_t stream) {
   if (a.tokens < 0 || a.num_heads <= 0)
     throw std::invalid_argument(f + "bad tokens " + std::to_string(a.tokens) + " or num_heads " +
                                 std::to_string(a.num_heads));
-  if (a.inv_freq && (a.rope_half <= 0 || 2 * a.rope_half > a.head_dim || !a.positions))
-    throw std::invalid_argument(f + "RoPE needs 0 < 2 rope_half <= head_dim (rope_half " +
-                                std::to_string(a.rope_half) + ") and positions");
+  if ((a.inv_freq || a.rope_half != 0) &&
+      (a.rope_half <= 0 || 2 * a.rope_half > a.head_dim || !a.positions || !a.inv_freq))
+    throw std::invalid_argument(f + "RoPE needs inv_freq, positions and 0 < 2 rope_half <= head_dim (rope_half " +
+                                std::to_string(a.rope_half) + ")");
   if (a.tokens == 0) return;
   if (!a.qkv || !a.q || !a.k || !a.v) throw std::invalid_argument(f + "qkv, q, k or v is null");
+  for (const void* ptr : {static_cast<const void*>(a.qkv), static_cast<const void*>(a.q),
+                          static_cast<const void*>(a.k), static_cast<const void*>(a.v),
+                          static_cast<const void*>(a.q_norm), static_cast<const void*>(a.k_norm)})
+    if (reinterpret_cast<uintptr_t>(ptr) & 3u)
+      throw std::invalid_argument(f + "qkv, q, k, v and the norm weights must be 4-byte aligned");
   if (a.head_dim == 64)
     lightning_qkv_kernel<64><<<a.tokens, 256, 0, stream>>>(a);
   else

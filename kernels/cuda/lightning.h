@@ -61,7 +61,8 @@ struct LightningPrefillArgs {
 
 /// The number of scan parts lightning_prefill uses for `a` (1 = unsplit): with seq_parts = 0, a split only when the
 /// unsplit launch (num_seqs x H x d/64 blocks) fills less than half of one wave and the longest sequence has at least
-/// 16 chunks, into as many parts (each of at least 8 chunks) as fill one wave. Queries the current device.
+/// 16 chunks, into at most max_chunks / 8 parts, as many as fill one wave (every part but the last of
+/// ceil(max_chunks / P) chunks). Queries the current device.
 /// Throws std::invalid_argument on the shape errors lightning_prefill rejects.
 int lightning_scan_parts(const LightningPrefillArgs& a);
 
@@ -123,8 +124,8 @@ struct LightningQkvArgs {
 /// The lightning layer's q, k, v from its fused projection, in the order silu, norm, RoPE, scale (the HF classes
 /// above; CPU: engine/families/shared lightning_qkv and ring_linear lightning_layer), fp32 math, one rounding to bf16
 /// per output. One warp per (token, part, head) row.
-/// Throws std::invalid_argument on a head size other than 64 or 128, negative sizes, null required pointers,
-/// 2 rope_half > d, or inv_freq without positions.
+/// Throws std::invalid_argument on a head size other than 64 or 128, negative sizes, null required pointers, pointers
+/// not 4-byte aligned, or RoPE asked for (inv_freq or rope_half) without inv_freq, positions and 0 < 2 rope_half <= d.
 void lightning_qkv_prepare(const LightningQkvArgs& args, cudaStream_t stream = nullptr);
 
 /// Rotates linear-attention states on their key axis by one angle (kernels/cpu apply_rope_key_axis, DESIGN.md 3.3):

@@ -114,13 +114,19 @@ __device__ __forceinline__ void route_token(const float* lg, const RouteCfg& rc,
 #pragma unroll
     for (int off = 16; off; off >>= 1) s += __shfl_xor_sync(kFull, s, off);
 #pragma unroll
-    for (int i = 0; i < kMaxE / 32; ++i) v[i] = v[i] / s;
+    for (int i = 0; i < kMaxE / 32; ++i) {
+      v[i] = v[i] / s;
+      if (isnan(v[i])) v[i] = -INFINITY;  // NaN logits: every pick still a valid expert (the weights carry the NaN)
+    }
   } else {
 #pragma unroll
     for (int i = 0; i < kMaxE / 32; ++i) {
       const int e = i * 32 + lane;
       v[i] = e < E ? 1.0f / (1.0f + expf(-lg[e])) + (rc.bias ? rc.bias[e] : 0.0f) : -INFINITY;
     }
+#pragma unroll
+    for (int i = 0; i < kMaxE / 32; ++i)
+      if (isnan(v[i])) v[i] = -INFINITY;  // a NaN logit is never preferred (and never breaks the picks below)
     if (rc.n_group > 1) {
       // Group g's score (the sum of its two best choices) ends in lane g; then the topk_group best groups.
       const int per = E / rc.n_group;
@@ -165,15 +171,18 @@ __device__ __forceinline__ void route_token(const float* lg, const RouteCfg& rc,
     }
   }
 
+  // k rounds of a warp argmax over the untaken experts (bit i of `taken`: register i's expert). The first untaken
+  // expert of a lane always qualifies, so every round picks a valid expert < E (k <= E), whatever the values.
   int my_e = 0;
   float my_p = 0.f;
+  unsigned taken = 0u;
   for (int r = 0; r < k; ++r) {
     float bv = -INFINITY;
     int bi = INT_MAX;
 #pragma unroll
     for (int i = 0; i < kMaxE / 32; ++i) {
       const int e = i * 32 + lane;
-      if (e < E && (v[i] > bv || (bi == INT_MAX && v[i] == bv))) bv = v[i], bi = e;  // ascending e: lower first
+      if (e < E && !(taken >> i & 1u) && (bi == INT_MAX || v[i] > bv)) bv = v[i], bi = e;  // ascending e: lower first
     }
 #pragma unroll
     for (int off = 16; off; off >>= 1) {
@@ -181,10 +190,9 @@ __device__ __forceinline__ void route_token(const float* lg, const RouteCfg& rc,
       const int oi = __shfl_xor_sync(kFull, bi, off);
       if (ov > bv || (ov == bv && oi < bi)) bv = ov, bi = oi;
     }
+    bi = min(bi, E - 1);  // (cannot trigger: some lane always holds an untaken expert)
     if (lane == r) my_e = bi, my_p = rc.sigmoid ? 1.0f / (1.0f + expf(-lg[bi])) : bv;
-#pragma unroll
-    for (int i = 0; i < kMaxE / 32; ++i)
-      if (i * 32 + lane == bi) v[i] = NAN;  // taken: NaN compares false with everything
+    if ((bi & 31) == lane) taken |= 1u << (bi >> 5);
   }
   float sum = 0.f;
   for (int r = 0; r < k; ++r) sum += __shfl_sync(kFull, my_p, r);

@@ -46,6 +46,7 @@ __global__ void embed_gather_kernel(int T, int H, const int32_t* __restrict__ id
 // threads (one round trip, not a warp's 16 chunks). The sum of squares is each thread's, then each warp's, then the
 // warps' in ascending order (fixed: the same bits on every run).
 constexpr int kNormThreads = 256;
+template <bool kZeroCentred>
 __global__ void __launch_bounds__(kNormThreads) rms_norm_residual_kernel(int rows, int dim, const float* __restrict__ x,
                                                                          long ldx, const int* __restrict__ rows_index,
                                                                          const bf16* __restrict__ w, float eps,
@@ -74,9 +75,10 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_residual_kernel(int row
     const __nv_bfloat162 w01 = *reinterpret_cast<const __nv_bfloat162*>(w + c);
     const __nv_bfloat162 w23 = *reinterpret_cast<const __nv_bfloat162*>(w + c + 2);
     const float2 a = __bfloat1622float2(w01), b = __bfloat1622float2(w23);
-    *reinterpret_cast<__nv_bfloat162*>(yr + c) = __floats2bfloat162_rn(v.x * inv * (1.f + a.x), v.y * inv * (1.f + a.y));
+    const float w0 = kZeroCentred ? 1.f : 0.f;
+    *reinterpret_cast<__nv_bfloat162*>(yr + c) = __floats2bfloat162_rn(v.x * inv * (w0 + a.x), v.y * inv * (w0 + a.y));
     *reinterpret_cast<__nv_bfloat162*>(yr + c + 2) =
-        __floats2bfloat162_rn(v.z * inv * (1.f + b.x), v.w * inv * (1.f + b.y));
+        __floats2bfloat162_rn(v.z * inv * (w0 + b.x), v.w * inv * (w0 + b.y));
   }
 }
 
@@ -309,13 +311,16 @@ void argmax_rows(int rows, int V, const float* x, long ldx, int32_t* out, cudaSt
 }
 
 void rms_norm_residual(int rows, int dim, const float* x, long ldx, const int* rows_index, const bf16* w, float eps,
-                       bf16* y, cudaStream_t stream) {
+                       bf16* y, cudaStream_t stream, bool zero_centred) {
   need(rows >= 0 && dim > 0 && dim % 4 == 0 && ldx >= dim && ldx % 4 == 0,
        "rms_norm_residual: need rows >= 0, dim a positive multiple of 4 and ldx >= dim (multiple of 4); got rows=" +
            std::to_string(rows) + " dim=" + std::to_string(dim) + " ldx=" + std::to_string(ldx));
   if (rows == 0) return;
   need(x && w && y, "rms_norm_residual: null pointer");
-  rms_norm_residual_kernel<<<rows, kNormThreads, 0, stream>>>(rows, dim, x, ldx, rows_index, w, eps, y);
+  if (zero_centred)
+    rms_norm_residual_kernel<true><<<rows, kNormThreads, 0, stream>>>(rows, dim, x, ldx, rows_index, w, eps, y);
+  else
+    rms_norm_residual_kernel<false><<<rows, kNormThreads, 0, stream>>>(rows, dim, x, ldx, rows_index, w, eps, y);
   check_cuda(cudaGetLastError(), "rms_norm_residual launch");
 }
 
@@ -326,6 +331,9 @@ void rms_norm_gated(int rows, int dim, const bf16* x, const bf16* z, const bf16*
            " dim=" + std::to_string(dim) + " w_rows=" + std::to_string(w_rows));
   if (rows == 0) return;
   need(x && z && w && y, "rms_norm_gated: null pointer");
+  need(((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(z) | reinterpret_cast<uintptr_t>(w) |
+         reinterpret_cast<uintptr_t>(y)) & 3u) == 0,
+       "rms_norm_gated: x, z, w and y must be 4-byte aligned (bf16 pairs)");
   if (gate == NormGate::Silu)
     rms_norm_gated_kernel<NormGate::Silu><<<(rows + 3) / 4, 128, 0, stream>>>(rows, dim, x, z, w, w_rows, eps, y);
   else

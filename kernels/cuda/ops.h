@@ -21,11 +21,12 @@ using bf16 = __nv_bfloat16;
 void embed_gather(int T, int H, const int32_t* ids, const bf16* embed, float* x, cudaStream_t stream = nullptr);
 
 /// Zero-centred RMSNorm (HF Qwen3NextRMSNorm / Qwen3_5RMSNorm): y = x * rsqrt(mean(x^2) + eps) * (1 + w), fp32
-/// math, rounded to bf16 once. x: fp32 rows of `dim` with row stride ldx; row r of the output reads input row
-/// rows_index[r] when rows_index != nullptr (e.g. only each sequence's last token before the LM head), else r.
-/// w: [dim] bf16; y: [rows][dim] bf16.
+/// math, rounded to bf16 once; with zero_centred = false the plain RMSNorm of the other families (* w: HF
+/// MiniMaxRMSNorm, KimiLinearRMSNorm, BailingMoeV2RMSNorm). x: fp32 rows of `dim` with row stride ldx; row r of the
+/// output reads input row rows_index[r] when rows_index != nullptr (e.g. only each sequence's last token before the
+/// LM head), else r. w: [dim] bf16; y: [rows][dim] bf16.
 void rms_norm_residual(int rows, int dim, const float* x, long ldx, const int* rows_index, const bf16* w, float eps,
-                       bf16* y, cudaStream_t stream = nullptr);
+                       bf16* y, cudaStream_t stream = nullptr, bool zero_centred = true);
 
 /// The gate function of rms_norm_gated.
 enum class NormGate {

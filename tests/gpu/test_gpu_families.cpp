@@ -458,6 +458,16 @@ TEST_CASE("lightning_qkv_prepare: MiniMax's silu, Ring-linear's norm + partial R
   }
   SECTION("d 64, silu, norm, full RoPE") { check_qkv_prepare({64, 9, 3, true, true, 32, 0.125f}, 73); }
   SECTION("one token") { check_qkv_prepare({128, 16, 1, true, true, 16, 0.5f}, 74); }
+  SECTION("RoPE asked for without inv_freq or positions is refused") {
+    DeviceBuffer<bf16> buf(size_t(3) * 2 * 128);
+    kc::LightningQkvArgs a;
+    a.tokens = 1, a.num_heads = 2, a.head_dim = 128, a.qkv = buf.get(), a.q = a.k = a.v = buf.get();
+    a.rope_half = 32;  // but no inv_freq
+    CHECK_THROWS_AS(kc::lightning_qkv_prepare(a), std::invalid_argument);
+    a.rope_half = 0;
+    a.qkv = buf.get() + 1;  // misaligned
+    CHECK_THROWS_AS(kc::lightning_qkv_prepare(a), std::invalid_argument);
+  }
 }
 
 TEST_CASE("rms_norm_gated with a sigmoid gate: lightning's grouped output norm and KDA's per-head norm",
@@ -601,6 +611,37 @@ TEST_CASE("moe_forward with sigmoid grouped routing (Kimi-Linear, Ring-linear) m
         CHECK(mismatches == 0);
         CHECK(e.max_rel <= 2e-2);
         CHECK(e.fro <= 1e-2);
+      }
+    }
+  }
+  SECTION("a NaN router logit keeps every pick a valid expert (no out-of-bounds), other tokens unchanged") {
+    HostMoe m({64, 6, 256, 64, 0}, 7);
+    Rng r2(8);
+    std::vector<float> xf;
+    auto xb = rand_bf16(r2, size_t(40) * 256, 1.0f, xf);
+    xb[3] = nan_bf16();  // token 0's logits are all NaN
+    DeviceBuffer<bf16> dx(xb);
+    for (kc::MoeScoring scoring : {kc::MoeScoring::Softmax, kc::MoeScoring::Sigmoid}) {
+      for (kc::GroupedGemm impl : {kc::GroupedGemm::Own, kc::GroupedGemm::OwnSmallM}) {
+        kc::MoeWeightsView v = m.view(true);
+        v.scoring = scoring;
+        kc::MoeWorkspace ws;
+        DeviceBuffer<float> dout(std::vector<float>(size_t(40) * 256, 0.f));
+        kc::moe_forward(40, dx.get(), v, dout.get(), ws, gemm, impl, st.s);
+        check_cuda(cudaStreamSynchronize(st.s), "moe_forward with a NaN logit");
+        std::vector<int> ge(size_t(40) * 6);
+        check_cuda(cudaMemcpy(ge.data(), ws.topk_e.p, ge.size() * sizeof(int), cudaMemcpyDeviceToHost), "topk");
+        bool valid = true;
+        for (int t = 0; t < 40; ++t) {
+          std::vector<int> picks(ge.begin() + t * 6, ge.begin() + (t + 1) * 6);
+          std::sort(picks.begin(), picks.end());
+          valid = valid && picks.front() >= 0 && picks.back() < 64 &&
+                  std::adjacent_find(picks.begin(), picks.end()) == picks.end();
+        }
+        const auto out = dout.download();
+        const bool rest_finite = std::all_of(out.begin() + 256, out.end(), [](float e) { return std::isfinite(e); });
+        CHECK(valid);
+        CHECK(rest_finite);
       }
     }
   }
@@ -757,6 +798,23 @@ TEST_CASE("kda_prefill refuses bad arguments, and cu_seqlens that disagree with 
   const auto f = fin.download();
   const bool all_nan = std::all_of(f.begin(), f.end(), [](float v) { return std::isnan(v); });
   CHECK(all_nan);
+
+  SECTION("a decreasing table with buffers of exactly total_tokens rows") {
+    const int Tx = 50;
+    DeviceBuffer<bf16> xe(size_t(Tx) * H * 128), oute(size_t(Tx) * H * 128);
+    DeviceBuffer<float> ge(size_t(Tx) * H * 128), be(size_t(Tx) * H), fe(size_t(2) * H * 128 * 128);
+    DeviceBuffer<int> cue(std::vector<int>{0, 100, Tx});
+    kc::KdaPrefillArgs b;
+    b.num_seqs = 2, b.cu_seqlens = cue.get(), b.total_tokens = Tx, b.num_heads = H;
+    b.q = b.k = b.v = xe.get(), b.g = ge.get(), b.beta = be.get(), b.final_state = fe.get(), b.out = oute.get();
+    DeviceBuffer<unsigned char> wse(kc::kda_prefill_workspace_bytes(b));
+    b.workspace = wse.get(), b.workspace_bytes = wse.size();
+    fe.poison(0);
+    kc::kda_prefill(b);
+    check_cuda(cudaDeviceSynchronize(), "kda_prefill with a decreasing table");
+    const auto fs = fe.download();
+    CHECK(std::all_of(fs.begin(), fs.end(), [](float v) { return std::isnan(v); }));
+  }
 }
 
 TEST_CASE("kda segment summaries compose through compose_fold: T_B S(A|0) + S(B|0) is the state of A then B",
@@ -1284,4 +1342,31 @@ TEST_CASE("the MLA layer on the GPU (expanded, padded heads) matches the CPU mod
     bad.v_head_dim = 300;
     CHECK_THROWS_AS(ec::MlaLayerConfig::of(bad), std::invalid_argument);
   }
+}
+
+TEST_CASE("rms_norm_residual with the plain weight of the other families' layer norms, against the CPU rms_norm",
+          "[gpu][families][ops]") {
+  if (!cuda_device_present()) FAIL("no CUDA device: the GPU tests need an NVIDIA GPU (scripts/test_gpu.sh)");
+  std::mt19937 rng(171);
+  const int rows = 5, dim = 2048, ldx = 2052;
+  std::normal_distribution<float> nd(0.f, 2.f);
+  std::vector<float> x(size_t(7) * ldx);
+  for (auto& e : x) e = nd(rng);
+  std::vector<float> wf;
+  auto w = random_bf16(rng, dim, 0.3f, wf);
+  for (int i = 0; i < dim; ++i) w[i] = float_to_bf16(wf[i] + 1.f), wf[i] = bf16_to_float(w[i]);
+  const std::vector<int> idx{6, 0, 3, 3, 1};
+  DeviceBuffer<float> dx(x);
+  DeviceBuffer<bf16> dw(w), dy(size_t(rows) * dim);
+  DeviceBuffer<int> didx(idx);
+  kc::rms_norm_residual(rows, dim, dx.get(), ldx, didx.get(), dw.get(), 1e-5f, dy.get(), nullptr, false);
+  const auto y = to_float(dy.download());
+  double worst = 0;
+  for (int r = 0; r < rows; ++r) {
+    std::vector<float> ref(dim);
+    cpu::rms_norm(1, dim, x.data() + size_t(idx[r]) * ldx, wf.data(), 1e-5f, ref.data());
+    worst = std::max(worst, scaled_err(y.data() + size_t(r) * dim, ref.data(), dim));
+  }
+  std::printf("[rms_norm_residual plain] %.3e\n", worst);
+  CHECK(worst < 8e-3);
 }
