@@ -76,7 +76,8 @@ void kda_prefill(const KdaPrefillArgs& args, cudaStream_t stream = nullptr);
 ///   q, k, v: [batch][H][128] bf16 (q, k raw: l2-normalised and q scaled in-kernel when l2norm_qk);
 ///   g: [batch][H][128] fp32; beta: [batch][H] fp32; state: [batch][H][128][128] fp32; out: [batch][H][128] bf16
 ///   (nullable); state_slots: nullptr, or DEVICE int32 [batch]: request b's state is state[state_slots[b]] of a slot
-///   pool (distinct slots).
+///   pool (distinct slots). One block per (request, head, 32 state columns).
+/// Throws std::invalid_argument on batch < 0, H outside [1, 65535] or null inputs.
 void kda_decode(int batch, int num_heads, const bf16* q, const bf16* k, const bf16* v, const float* g,
                 const float* beta, bool l2norm_qk, float scale, float* state, bf16* out, cudaStream_t stream = nullptr,
                 const int* state_slots = nullptr);
@@ -84,7 +85,8 @@ void kda_decode(int batch, int num_heads, const bf16* q, const bf16* k, const bf
 /// KDA's forget gate (HF KimiLinearForgetGate / fused_kda_gate): g[t][h][d] = -exp(A_log[h]) softplus(x[t][h][d] +
 /// dt_bias[h][d]), softplus(y) = y for y > 20 else log(1 + e^y), fp32. x: [tokens][H][128] bf16 (f_b_proj output);
 /// A_log: [H] fp32; dt_bias: [H][128] fp32; g: [tokens][H][128] fp32 out. With b (bf16 [tokens][H], row stride ldb:
-/// the b_proj output) also beta[t][h] = sigmoid(b[t][h]) fp32 [tokens][H].
+/// the b_proj output) also beta[t][h] = sigmoid(b[t][h]) fp32 [tokens][H]. Throws std::invalid_argument on negative
+/// tokens, H <= 0, null pointers, or b without beta or with ldb < H.
 void kda_gate(int tokens, int num_heads, const bf16* x, const float* A_log, const float* dt_bias, float* g,
               cudaStream_t stream = nullptr, const bf16* b = nullptr, long ldb = 0, float* beta = nullptr);
 
