@@ -116,7 +116,7 @@ const GemmRunner::Plan& GemmRunner::plan_for(const Key& key) {
 }
 
 void GemmRunner::linear(int M, int N, int K, const bf16* x, long ldx, const bf16* W, void* y, cudaDataType_t y_type,
-                        long ldy, float beta, cudaStream_t stream) {
+                        long ldy, float beta, cudaStream_t stream, float alpha) {
   auto bad = [&](const std::string& why) {
     throw std::invalid_argument("GemmRunner::linear " + shape_str(M, N, K) + ": " + why);
   };
@@ -131,7 +131,6 @@ void GemmRunner::linear(int M, int N, int K, const bf16* x, long ldx, const bf16
   if (!x || !W || !y) bad("null pointer");
   const Key key{M, N, K, ldx, ldy, int(y_type), pointer_alignment(x), pointer_alignment(W), pointer_alignment(y)};
   const Plan& p = plan_for(key);
-  const float alpha = 1.0f;
   check_lt(cublasLtMatmul(lt_, p.op, &alpha, W, p.a, x, p.b, &beta, y, p.c, y, p.c, &p.algo, workspace_,
                           workspace_bytes_, stream),
            "GemmRunner::linear " + shape_str(M, N, K) + ": cublasLtMatmul");

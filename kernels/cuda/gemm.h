@@ -34,10 +34,11 @@ class GemmRunner {
   GemmRunner& operator=(const GemmRunner&) = delete;
   ~GemmRunner();
 
-  /// y[M][N] = x[M][K] * W[N][K]^T + beta * y, asynchronously on `stream`.
+  /// y[M][N] = alpha x[M][K] * W[N][K]^T + beta * y, asynchronously on `stream`.
   ///   x: bf16, row stride ldx >= K; W: bf16 [N][K] dense; y: y_type (CUDA_R_16BF or CUDA_R_32F),
   ///   row stride ldy >= N. beta = 0 ignores y's old contents (NaN there is not propagated);
-  ///   beta = 1 with an fp32 y adds the projection into a residual stream. M = 0 is a no-op.
+  ///   beta = 1 with an fp32 y adds the projection into a residual stream (alpha != 1: scaled, as MiniMax's
+  ///   residual beta factors). M = 0 is a no-op.
   /// The first call of a shape queries the heuristic (host only) and caches descriptors; do it
   /// uncaptured. Pointers need only the alignment of their element type; the alignment actually
   /// seen is part of the cache key (cuBLASLt kernels need to know it).
@@ -45,7 +46,7 @@ class GemmRunner {
   /// int range, null pointers or another y_type; std::runtime_error("GemmRunner::linear ...:
   /// <cuBLAS status name>") when cuBLASLt fails or finds no algorithm.
   void linear(int M, int N, int K, const bf16* x, long ldx, const bf16* W, void* y, cudaDataType_t y_type, long ldy,
-              float beta, cudaStream_t stream);
+              float beta, cudaStream_t stream, float alpha = 1.0f);
 
   /// The raw cuBLASLt handle (for callers that need one on the same device).
   cublasLtHandle_t handle() const { return lt_; }

@@ -625,7 +625,7 @@ __global__ void gather_rows_kernel(int P, int H, const int* sorted_tok, const bf
 // blocks of 512): each element's sum has the same order whatever the grid.
 __global__ void __launch_bounds__(128) combine_kernel(int H, int k, const int* pos_of, const float* topk_w,
                                                       const bf16* y, const float* sgate, const float* shared,
-                                                      float* out) {
+                                                      float* out, float scale) {
   __shared__ int sp[kMaxTopk];
   __shared__ float sw[kMaxTopk];
   griddep_wait();
@@ -658,6 +658,7 @@ __global__ void __launch_bounds__(128) combine_kernel(int H, int k, const int* p
       a2 += sg * sh.z;
       a3 += sg * sh.w;
     }
+    if (scale != 1.0f) a0 *= scale, a1 *= scale, a2 *= scale, a3 *= scale;  // (1: no rounding at all)
     float4* o = reinterpret_cast<float4*>(out + size_t(t) * H + j);
     float4 ov = *o;
     ov.x += a0;
@@ -687,6 +688,7 @@ void validate_view(const char* fn, const MoeWeightsView& w) {
   if (w.Is < 0 || w.Is % 32) bad_arg(fn, "Is = " + std::to_string(w.Is) + " is not a non-negative multiple of 32");
   if (!w.router || !w.experts_gate_up || !w.experts_down) bad_arg(fn, "null router or expert weights");
   if (w.Is > 0 && (!w.shared_gate_up || !w.shared_down)) bad_arg(fn, "Is > 0 but null shared expert weights");
+  if (!std::isfinite(w.output_scale)) bad_arg(fn, "output_scale is not finite");
   if (w.scoring == MoeScoring::Sigmoid) {
     if (w.n_group < 1 || w.n_group > 32 || w.E % w.n_group != 0)
       bad_arg(fn, "n_group = " + std::to_string(w.n_group) + " must be in [1, 32] and divide E = " + std::to_string(w.E));
@@ -1076,9 +1078,10 @@ void moe_forward(int T, const bf16* x, const MoeWeightsView& w, float* out, MoeW
   if (decode) {
     launch_pdl(combine_kernel, dim3(T, (H + 511) / 512), dim3(128), 0, stream, "moe_forward: combine launch", H, k,
                static_cast<const int*>(pos_of), static_cast<const float*>(topk_w), y,
-               static_cast<const float*>(sgate), shared, out);
+               static_cast<const float*>(sgate), shared, out, w.output_scale);
   } else {
-    combine_kernel<<<dim3(T, (H + 511) / 512), 128, 0, stream>>>(H, k, pos_of, topk_w, y, sgate, shared, out);
+    combine_kernel<<<dim3(T, (H + 511) / 512), 128, 0, stream>>>(H, k, pos_of, topk_w, y, sgate, shared, out,
+                                                               w.output_scale);
     check_cuda(cudaGetLastError(), "moe_forward: combine launch");
   }
 }

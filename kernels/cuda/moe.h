@@ -69,6 +69,8 @@ struct MoeWeightsView {
   int n_group = 1;                     ///< Sigmoid: expert groups, divides E, 1..32
   int topk_group = 1;                  ///< Sigmoid: groups kept, 1..n_group, topk <= topk_group E / n_group
   float routed_scaling = 1.0f;         ///< Sigmoid: multiplier of the routed weights (routed_scaling_factor)
+  /// The block's output is added to `out` times this (MiniMax's post-norm mlp_beta factor; 1 elsewhere, exact).
+  float output_scale = 1.0f;
   const bf16* router = nullptr;           ///< [E][H]
   const bf16* experts_gate_up = nullptr;  ///< [E][2I][H]: per expert I gate rows, then I up rows
   const bf16* experts_down = nullptr;     ///< [E][H][I]

@@ -46,20 +46,24 @@ __global__ void embed_gather_kernel(int T, int H, const int32_t* __restrict__ id
 // threads (one round trip, not a warp's 16 chunks). The sum of squares is each thread's, then each warp's, then the
 // warps' in ascending order (fixed: the same bits on every run).
 constexpr int kNormThreads = 256;
-template <bool kZeroCentred>
-__global__ void __launch_bounds__(kNormThreads) rms_norm_residual_kernel(int rows, int dim, const float* __restrict__ x,
+// kPost: x is also written (post-norm residual), so its loads may not take the read-only path.
+template <bool kZeroCentred, bool kPost>
+__global__ void __launch_bounds__(kNormThreads) rms_norm_residual_kernel(int rows, int dim, float* x,
                                                                          long ldx, const int* __restrict__ rows_index,
                                                                          const bf16* __restrict__ w, float eps,
-                                                                         bf16* __restrict__ y) {
+                                                                         bf16* __restrict__ y, float post_alpha) {
+  auto load4 = [](const float* p) {
+    return kPost ? *reinterpret_cast<const float4*>(p) : __ldg(reinterpret_cast<const float4*>(p));
+  };
   // The next kernel of a decode step (a weight-streaming projection launched with PDL) may start its weight loads
   // now; it reads y only after its griddep_wait (kernels/cuda/pdl.cuh).
   detail::griddep_launch_dependents();
   __shared__ float part[kNormThreads / 32];
   const int r = blockIdx.x, tid = threadIdx.x, lane = tid & 31;
-  const float* xr = x + long(rows_index ? rows_index[r] : r) * ldx;
+  float* xr = x + long(rows_index ? rows_index[r] : r) * ldx;
   float ss = 0.f;
   for (int c = tid * 4; c < dim; c += kNormThreads * 4) {
-    const float4 v = *reinterpret_cast<const float4*>(xr + c);
+    const float4 v = load4(xr + c);
     ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
   }
   ss = warp_sum(ss);
@@ -71,14 +75,17 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_residual_kernel(int row
   const float inv = rsqrtf(total / dim + eps);
   bf16* yr = y + long(r) * dim;
   for (int c = tid * 4; c < dim; c += kNormThreads * 4) {
-    const float4 v = *reinterpret_cast<const float4*>(xr + c);
+    const float4 v = load4(xr + c);
     const __nv_bfloat162 w01 = *reinterpret_cast<const __nv_bfloat162*>(w + c);
     const __nv_bfloat162 w23 = *reinterpret_cast<const __nv_bfloat162*>(w + c + 2);
     const float2 a = __bfloat1622float2(w01), b = __bfloat1622float2(w23);
     const float w0 = kZeroCentred ? 1.f : 0.f;
-    *reinterpret_cast<__nv_bfloat162*>(yr + c) = __floats2bfloat162_rn(v.x * inv * (w0 + a.x), v.y * inv * (w0 + a.y));
-    *reinterpret_cast<__nv_bfloat162*>(yr + c + 2) =
-        __floats2bfloat162_rn(v.z * inv * (w0 + b.x), v.w * inv * (w0 + b.y));
+    const float n0 = v.x * inv * (w0 + a.x), n1 = v.y * inv * (w0 + a.y), n2 = v.z * inv * (w0 + b.x),
+                n3 = v.w * inv * (w0 + b.y);
+    *reinterpret_cast<__nv_bfloat162*>(yr + c) = __floats2bfloat162_rn(n0, n1);
+    *reinterpret_cast<__nv_bfloat162*>(yr + c + 2) = __floats2bfloat162_rn(n2, n3);
+    if (kPost)  // post-norm residual: x <- alpha * norm(x), in fp32 (this thread's own elements)
+      *reinterpret_cast<float4*>(xr + c) = make_float4(post_alpha * n0, post_alpha * n1, post_alpha * n2, post_alpha * n3);
   }
 }
 
@@ -311,16 +318,19 @@ void argmax_rows(int rows, int V, const float* x, long ldx, int32_t* out, cudaSt
 }
 
 void rms_norm_residual(int rows, int dim, const float* x, long ldx, const int* rows_index, const bf16* w, float eps,
-                       bf16* y, cudaStream_t stream, bool zero_centred) {
+                       bf16* y, cudaStream_t stream, bool zero_centred, float post_alpha, float* x_out) {
+  need(post_alpha == 0.f || (x_out == x && rows_index == nullptr),
+       "rms_norm_residual: a post-norm residual (post_alpha != 0) writes x in place: x_out must be x, without rows_index");
   need(rows >= 0 && dim > 0 && dim % 4 == 0 && ldx >= dim && ldx % 4 == 0,
        "rms_norm_residual: need rows >= 0, dim a positive multiple of 4 and ldx >= dim (multiple of 4); got rows=" +
            std::to_string(rows) + " dim=" + std::to_string(dim) + " ldx=" + std::to_string(ldx));
   if (rows == 0) return;
   need(x && w && y, "rms_norm_residual: null pointer");
-  if (zero_centred)
-    rms_norm_residual_kernel<true><<<rows, kNormThreads, 0, stream>>>(rows, dim, x, ldx, rows_index, w, eps, y);
-  else
-    rms_norm_residual_kernel<false><<<rows, kNormThreads, 0, stream>>>(rows, dim, x, ldx, rows_index, w, eps, y);
+  float* xm = const_cast<float*>(x);  // written only when post_alpha != 0 (then x == x_out, checked above)
+  const bool post = post_alpha != 0.f;
+  auto kernel = zero_centred ? (post ? rms_norm_residual_kernel<true, true> : rms_norm_residual_kernel<true, false>)
+                             : (post ? rms_norm_residual_kernel<false, true> : rms_norm_residual_kernel<false, false>);
+  kernel<<<rows, kNormThreads, 0, stream>>>(rows, dim, xm, ldx, rows_index, w, eps, y, post_alpha);
   check_cuda(cudaGetLastError(), "rms_norm_residual launch");
 }
 

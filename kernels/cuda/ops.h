@@ -25,8 +25,14 @@ void embed_gather(int T, int H, const int32_t* ids, const bf16* embed, float* x,
 /// MiniMaxRMSNorm, KimiLinearRMSNorm, BailingMoeV2RMSNorm). x: fp32 rows of `dim` with row stride ldx; row r of the
 /// output reads input row rows_index[r] when rows_index != nullptr (e.g. only each sequence's last token before the
 /// LM head), else r. w: [dim] bf16; y: [rows][dim] bf16.
+/// post_alpha != 0: MiniMax's post-norm residual (HF MiniMaxDecoderLayer: x = alpha norm(x) + beta f(norm(x))): the
+/// rows of x are also overwritten, in fp32, with post_alpha * norm(x) (the unrounded values y rounds), so that the
+/// layer's output projection adds beta f into them (GemmRunner alpha, MoeWeightsView::output_scale); x_out must
+/// then be x (the same pointer, a reminder that x is written) and rows_index null. Throws std::invalid_argument
+/// otherwise, on bad sizes or null pointers.
 void rms_norm_residual(int rows, int dim, const float* x, long ldx, const int* rows_index, const bf16* w, float eps,
-                       bf16* y, cudaStream_t stream = nullptr, bool zero_centred = true);
+                       bf16* y, cudaStream_t stream = nullptr, bool zero_centred = true, float post_alpha = 0.f,
+                       float* x_out = nullptr);
 
 /// The gate function of rms_norm_gated.
 enum class NormGate {

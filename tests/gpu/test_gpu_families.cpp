@@ -1370,3 +1370,68 @@ TEST_CASE("rms_norm_residual with the plain weight of the other families' layer 
   std::printf("[rms_norm_residual plain] %.3e\n", worst);
   CHECK(worst < 8e-3);
 }
+
+TEST_CASE("MiniMax's post-norm residual pieces: rms_norm_residual writes alpha norm(x), GemmRunner alpha, MoE scale",
+          "[gpu][families][ops]") {
+  if (!cuda_device_present()) FAIL("no CUDA device: the GPU tests need an NVIDIA GPU (scripts/test_gpu.sh)");
+  std::mt19937 rng(181);
+  SECTION("rms_norm_residual with post_alpha: y = bf16(norm(x)), x <- alpha norm(x) in fp32") {
+    const int rows = 3, dim = 512;
+    const float alpha = 3.5676f;
+    std::normal_distribution<float> nd(0.f, 2.f);
+    std::vector<float> x(size_t(rows) * dim);
+    for (auto& e : x) e = nd(rng);
+    std::vector<float> wf;
+    auto w = random_bf16(rng, dim, 0.5f, wf);
+    DeviceBuffer<float> dx(x);
+    DeviceBuffer<bf16> dw(w), dy(size_t(rows) * dim);
+    CHECK_THROWS_AS(kc::rms_norm_residual(rows, dim, dx.get(), dim, nullptr, dw.get(), 1e-5f, dy.get(), nullptr, false,
+                                          alpha, nullptr),
+                    std::invalid_argument);  // x_out must name x
+    kc::rms_norm_residual(rows, dim, dx.get(), dim, nullptr, dw.get(), 1e-5f, dy.get(), nullptr, false, alpha, dx.get());
+    const auto gx = dx.download();
+    const auto gy = to_float(dy.download());
+    std::vector<float> ref(x.size());
+    cpu::rms_norm(rows, dim, x.data(), wf.data(), 1e-5f, ref.data());
+    std::vector<float> ref_x(ref);
+    for (auto& e : ref_x) e *= alpha;
+    const double ex = scaled_err(gx.data(), ref_x.data(), gx.size()), ey = scaled_err(gy.data(), ref.data(), gy.size());
+    std::printf("[post-norm residual] x %.3e y %.3e\n", ex, ey);
+    CHECK(ex < 1e-5);
+    CHECK(ey < 8e-3);
+  }
+  SECTION("GemmRunner alpha scales the product exactly (powers of two)") {
+    const int M = 7, N = 96, K = 128;
+    std::vector<float> xf, wf;
+    DeviceBuffer<bf16> dx(random_bf16(rng, size_t(M) * K, 1.f, xf)), dw(random_bf16(rng, size_t(N) * K, 1.f, wf));
+    DeviceBuffer<float> y1(size_t(M) * N), y2(size_t(M) * N);
+    kc::GemmRunner gemm;
+    gemm.linear(M, N, K, dx.get(), K, dw.get(), y1.get(), CUDA_R_32F, N, 0.0f, nullptr);
+    gemm.linear(M, N, K, dx.get(), K, dw.get(), y2.get(), CUDA_R_32F, N, 0.0f, nullptr, 0.25f);
+    const auto a = y1.download(), b = y2.download();
+    bool exact = true;
+    for (size_t i = 0; i < a.size(); ++i) exact = exact && b[i] == 0.25f * a[i];
+    CHECK(exact);
+  }
+  SECTION("moe_forward output_scale scales the block's output exactly (powers of two)") {
+    HostMoe m({16, 2, 128, 32, 32}, 19);
+    Rng r2(20);
+    std::vector<float> xf;
+    DeviceBuffer<bf16> dx(rand_bf16(r2, size_t(70) * 128, 1.0f, xf));
+    kc::GemmRunner gemm;
+    Stream st;
+    for (kc::GroupedGemm impl : {kc::GroupedGemm::Own, kc::GroupedGemm::OwnDecode}) {
+      kc::MoeWeightsView v = m.view(true);
+      kc::MoeWorkspace ws;
+      DeviceBuffer<float> o1(std::vector<float>(size_t(70) * 128, 0.f)), o2(std::vector<float>(size_t(70) * 128, 0.f));
+      kc::moe_forward(70, dx.get(), v, o1.get(), ws, gemm, impl, st.s);
+      v.output_scale = 0.5f;
+      kc::moe_forward(70, dx.get(), v, o2.get(), ws, gemm, impl, st.s);
+      check_cuda(cudaStreamSynchronize(st.s), "moe_forward");
+      const auto a = o1.download(), b = o2.download();
+      bool exact = true;
+      for (size_t i = 0; i < a.size(); ++i) exact = exact && b[i] == 0.5f * a[i];
+      CHECK(exact);
+    }
+  }
+}
