@@ -141,6 +141,27 @@ TEST_CASE("Kimi-Linear-48B-A3B architecture numbers (bench/gpu/kimi_linear_48b_a
   CHECK(c.kv_bytes_per_token() == 7 * 32 * (192 + 128) * 4);
 }
 
+TEST_CASE("MiniMax-Text-01 architecture numbers (bench/gpu/minimax_text_01.json)", "[families][config]") {
+  // The benchmark config at real size: every 8th layer softmax, DeepNorm residual factors, and the parameter counts of
+  // the model card (456B in total, 45.9B activated per token without the embedding and LM head,
+  // 2 * 200064 * 6144 = 2.46B).
+  const ModelConfig c = load_config(fs::path(HYPIC_SOURCE_DIR) / "bench" / "gpu" / "minimax_text_01.json");
+  CHECK(c.family == ModelFamily::MiniMax);
+  CHECK(c.num_linear_layers() == 70);
+  CHECK(c.num_attention_layers() == 10);
+  for (int i = 0; i < 80; ++i) CHECK((c.layer_types[size_t(i)] == F) == ((i + 1) % 8 == 0));
+  CHECK(c.head_dim == 128);
+  CHECK(c.rotary_dim() == 128);  // MiniMaxRotaryEmbedding rotates the whole head
+  CHECK(std::abs(c.mlp_alpha - std::pow(160.0, 0.25)) < 1e-12);
+  CHECK(c.mlp_beta == 1.0);
+  const ParameterCounts n = count_parameters(c);
+  CHECK(n.total > 455'000'000'000LL);
+  CHECK(n.total < 457'500'000'000LL);
+  const int64_t embeddings = 2 * c.vocab_size * c.hidden_size;
+  CHECK(n.active_per_token - embeddings > 45'500'000'000LL);
+  CHECK(n.active_per_token - embeddings < 46'300'000'000LL);
+}
+
 TEST_CASE("Kimi-Linear config errors name the field", "[families][config][errors]") {
   auto fails = [](const std::string& text, const std::string& field) {
     INFO(field);
