@@ -11,7 +11,7 @@ namespace hypic::engine::cuda::impl {
 // ---- entry / sequence methods ----------------------------------------------------------------------------------
 
 CudaEntry::CudaEntry(CudaBackend& b, SegmentEntry header, cudaStream_t stream)
-    : header_(std::move(header)), owner_(&b), lay_(b.geometry(), b.kv_row_bytes(), n(), header_.seam_tokens() > 0) {
+    : header_(std::move(header)), owner_(&b), lay_(b.geometry(), n(), header_.seam_tokens() > 0) {
   const size_t total = lay_.total;
   device_ = b.device().index;
   mem_ = DeviceMemory(total, "segment entry (" + std::to_string(n()) + " tokens)", stream,
@@ -94,11 +94,24 @@ CudaBackend::CudaBackend(const DeviceSpec& dev, ModelConfig cfg, const ModelWeig
   nk_ = cfg_.linear_num_key_heads, nv_ = cfg_.linear_num_value_heads, K_ = cfg_.linear_conv_kernel_dim;
   C_ = int(cfg_.conv_dim()), qd_ = int(cfg_.linear_q_dim()), vd_ = int(cfg_.linear_v_dim());
   nh_ = cfg_.num_attention_heads, nkv_ = cfg_.num_key_value_heads, hd_ = cfg_.head_dim, H_ = int(cfg_.hidden_size);
-  state_layer_bytes_ = size_t(nv_) * kStateFloats * sizeof(float);
-  conv_layer_bytes_ = size_t(K_ - 1) * C_ * 2;
-  kv_row_ = size_t(nkv_) * hd_ * 2;
+  zc_ = cfg_.zero_centred_norms();
+  post_norm_ = cfg_.family == ModelFamily::MiniMax;
+  lin_ = cfg_.family == ModelFamily::Qwen         ? Lin::Gdn
+         : cfg_.family == ModelFamily::KimiLinear ? Lin::Kda
+                                                  : Lin::Lightning;
+  attn_ = cfg_.family == ModelFamily::Qwen ? Attn::Gated : cfg_.family == ModelFamily::KimiLinear ? Attn::Mla : Attn::Plain;
+  if (n_lin_ && lin_ == Lin::Kda) kda_cfg_ = KdaLayerConfig::of(cfg_);
+  if (n_lin_ && lin_ == Lin::Lightning) light_cfg_ = LightningLayerConfig::of(cfg_);
+  if (n_attn_ && attn_ == Attn::Mla) mla_cfg_ = MlaLayerConfig::of(cfg_);
+  state_heads_ = nv_;
+  state_head_floats_ = cfg_.linear_key_head_dim * cfg_.linear_value_head_dim;
+  state_layer_bytes_ = size_t(state_heads_) * state_head_floats_ * sizeof(float);
+  trans_layer_bytes_ = lin_ == Lin::Lightning ? size_t(nv_) * sizeof(float)
+                                              : size_t(nv_) * cfg_.linear_key_head_dim * cfg_.linear_key_head_dim * 4;
+  conv_layer_bytes_ = size_t(cfg_.conv_rows()) * C_ * 2;
+  kv_row_ = attn_ == Attn::Mla ? size_t(nh_) * mla_cfg_.dims.padded() * 2 : size_t(nkv_) * hd_ * 2;
   eps_ = float(cfg_.rms_norm_eps);
-  attn_scale_ = float(1.0 / std::sqrt(double(hd_)));
+  attn_scale_ = attn_ == Attn::Mla ? mla_cfg_.scale : float(1.0 / std::sqrt(double(hd_)));
   gdn_scale_ = float(1.0 / std::sqrt(double(cfg_.linear_key_head_dim)));
   renorm_topk_ = cfg_.norm_topk_prob || cfg_.model_type.rfind("qwen3_5_moe", 0) == 0;
   if (!checkpoint.empty()) {
@@ -152,22 +165,36 @@ void CudaBackend::check_supported() const {
   auto bad = [&](const std::string& what) {
     throw std::invalid_argument("cuda backend: " + what + " is not supported (model_type " + c.model_type + ")");
   };
-  if (c.family != ModelFamily::Qwen)
-    bad(std::string("model family ") + model_family_name(c.family) +
-        " (the CUDA kernels cover Qwen3-Next / Qwen3.5 only; run it on the CPU backend)");
-  if (c.num_linear_layers() > 0 && (c.linear_key_head_dim != D || c.linear_value_head_dim != D))
+  // Each family's layer configs refuse, naming the value, what their kernels do not take (KDA head size 128, lightning
+  // head size 64 / 128, MLA with the q LoRA or heads over 256).
+  try {
+    if (c.num_linear_layers() > 0 && c.family == ModelFamily::KimiLinear) (void)KdaLayerConfig::of(c);
+    if (c.num_linear_layers() > 0 && (c.family == ModelFamily::MiniMax || c.family == ModelFamily::RingLinear))
+      (void)LightningLayerConfig::of(c);
+    if (c.num_attention_layers() > 0 && c.family == ModelFamily::KimiLinear) (void)MlaLayerConfig::of(c);
+  } catch (const std::invalid_argument& e) {
+    bad(e.what());
+  }
+  if (c.family == ModelFamily::Qwen && c.num_linear_layers() > 0 &&
+      (c.linear_key_head_dim != D || c.linear_value_head_dim != D))
     bad("linear_key_head_dim " + std::to_string(c.linear_key_head_dim) + " / linear_value_head_dim " +
         std::to_string(c.linear_value_head_dim) + " (the GPU gated-delta kernels need 128 / 128)");
-  if (c.num_attention_layers() > 0 && c.head_dim != 64 && c.head_dim != 128 && c.head_dim != 256)
+  if (c.family != ModelFamily::KimiLinear && c.num_attention_layers() > 0 && c.head_dim != 64 && c.head_dim != 128 &&
+      c.head_dim != 256)
     bad("attention head_dim " + std::to_string(c.head_dim) + " (64, 128 or 256)");
+  if (c.family != ModelFamily::Qwen && c.attn_output_gate) bad("an attention output gate outside the Qwen families");
   if (c.hidden_size % 64 != 0) bad("hidden_size " + std::to_string(c.hidden_size) + " (a multiple of 64)");
   if (c.is_moe() && c.moe_intermediate_size % 32 != 0)
     bad("moe_intermediate_size " + std::to_string(c.moe_intermediate_size) + " (a multiple of 32)");
   if (c.is_moe() && c.shared_expert_intermediate_size % 32 != 0)
     bad("shared_expert_intermediate_size " + std::to_string(c.shared_expert_intermediate_size) + " (a multiple of 32)");
+  if (c.intermediate_size % 8 != 0) bad("intermediate_size " + std::to_string(c.intermediate_size) + " (a multiple of 8)");
   if (c.conv_dim() % 8 != 0) bad("conv_dim " + std::to_string(c.conv_dim()) + " (a multiple of 8)");
   if (c.num_attention_layers() > 0 && c.rotary_dim() % 2 != 0) bad("odd rotary_dim");
   if (c.vocab_size > (int64_t(1) << 31) - 1) bad("vocab_size above 2^31");
+  if (c.family == ModelFamily::MiniMax && c.mlp_beta != 1.0)
+    for (int i = 0; i < c.num_hidden_layers; ++i)
+      if (!c.is_moe_layer(i)) bad("a dense MLP layer with mlp_beta != 1 (MiniMax's scales are applied by the MoE)");
 }
 
 void CudaBackend::allocate_pools() {
@@ -176,7 +203,7 @@ void CudaBackend::allocate_pools() {
   const int S = opt_.max_sequences;
   for (int l = 0; l < n_lin_; ++l) {
     ssm_pool_.emplace_back(size_t(S) * state_layer_bytes_, "linear state slots");
-    conv_pool_.emplace_back(size_t(S) * conv_layer_bytes_, "conv state slots");
+    conv_pool_.emplace_back(size_t(S) * conv_layer_bytes_, "conv state slots");  // empty without a short conv
   }
   for (int s = S - 1; s >= 0; --s) free_slots_.push_back(s);
   // Activations.
@@ -187,7 +214,7 @@ void CudaBackend::allocate_pools() {
   dec_.stream = dec_stream_, dec_.gemm = &dec_gemm_, dec_.moe_ws = &dec_moe_ws_, dec_.decode = true;
   dec_logits_ = DeviceMemory(size_t(opt_.max_sequences) * cfg_.vocab_size * 4, "decode logits (--max-sequences)");
   dec_argmax_ = DeviceMemory(size_t(opt_.max_sequences) * 4, "decode greedy tokens (--max-sequences)");
-  if (n_attn_) {
+  if ((n_attn_ || cfg_.linear_rope) && cfg_.rotary_dim() > 0) {
     const std::vector<float> inv = kernels::cpu::rope_inv_freq(cfg_.rope_theta, cfg_.rotary_dim());
     inv_freq_ = DeviceMemory(inv.size() * 4, "rope inverse frequencies");
     check_cuda(cudaMemcpy(inv_freq_.as(), inv.data(), inv.size() * 4, cudaMemcpyHostToDevice), "inv_freq upload");
@@ -227,25 +254,58 @@ void CudaBackend::carve_activations(DeviceMemory& mem, size_t T, const std::stri
   Layout lay;
   const size_t o_ids = lay.add(T * 4), o_x = lay.add(T * H_ * 4), o_hn = lay.add(T * H_ * 2);
   size_t o_qkv = 0, o_q = 0, o_k = 0, o_v = 0, o_z = 0, o_a = 0, o_b = 0, o_o = 0;
-  if (n_lin_) {
+  if (n_lin_ && lin_ == Lin::Gdn) {
     o_qkv = lay.add(T * C_ * 2), o_q = lay.add(T * qd_ * 2), o_k = lay.add(T * qd_ * 2);
     o_v = lay.add(T * vd_ * 2), o_z = lay.add(T * vd_ * 2), o_a = lay.add(T * nv_ * 2), o_b = lay.add(T * nv_ * 2);
     o_o = lay.add(T * vd_ * 2);
   }
+  // The other families' mixer scratch (engine/cuda/*_mixer.h), bf16 [T][width] unless said.
+  std::vector<size_t> o_fam;
+  const size_t HD = size_t(nv_) * cfg_.linear_value_head_dim;
+  if (n_lin_ && lin_ == Lin::Kda)  // pre, q, k, v, graw, o, gate, low; g, beta fp32
+    for (size_t w : {3 * HD * 2, HD * 2, HD * 2, HD * 2, HD * 2, HD * 2, HD * 2, size_t(kda_cfg_.low_width()) * 2, HD * 4,
+                     size_t(nv_) * 4})
+      o_fam.push_back(lay.add(T * w));
+  if (n_lin_ && lin_ == Lin::Lightning)  // qkv, q, k, v, o, gate
+    for (size_t w : {3 * HD, HD, HD, HD, HD, HD}) o_fam.push_back(lay.add(T * w * 2));
   size_t o_qg = 0, o_kv = 0, o_aq = 0, o_ao = 0;
-  if (n_attn_) {
+  std::vector<size_t> o_mla;
+  if (n_attn_ && attn_ != Attn::Mla) {
     o_qg = lay.add(T * (cfg_.attn_output_gate ? 2 : 1) * nh_ * hd_ * 2), o_kv = lay.add(T * 2 * nkv_ * hd_ * 2);
     o_aq = lay.add(T * nh_ * hd_ * 2), o_ao = lay.add(T * nh_ * hd_ * 2);
   }
+  if (n_attn_ && attn_ == Attn::Mla) {  // q, ckv, latent, kvb, q_pad, attn, packed
+    const kc::MlaDims& d = mla_cfg_.dims;
+    const size_t P = size_t(d.padded());
+    for (size_t w : {size_t(nh_) * (d.nope + d.rope), size_t(d.rank + d.rope), size_t(d.rank),
+                     size_t(nh_) * (d.nope + d.v), nh_ * P, nh_ * P, size_t(nh_) * d.v})
+      o_mla.push_back(lay.add(T * w * 2));
+  }
   mem = DeviceMemory(lay.total(), what);
   auto bp = [&](size_t off) { return reinterpret_cast<kc::bf16*>(mem.bytes_ptr(off)); };
+  auto fp = [&](size_t off) { return reinterpret_cast<float*>(mem.bytes_ptr(off)); };
   lane.ids = reinterpret_cast<int32_t*>(mem.bytes_ptr(o_ids));
-  lane.x = reinterpret_cast<float*>(mem.bytes_ptr(o_x));
+  lane.x = fp(o_x);
   lane.hn = bp(o_hn);
-  if (n_lin_)
+  if (n_lin_ && lin_ == Lin::Gdn)
     lane.qkv = bp(o_qkv), lane.q = bp(o_q), lane.k = bp(o_k), lane.v = bp(o_v),
     lane.z = bp(o_z), lane.ga = bp(o_a), lane.gb = bp(o_b), lane.o = bp(o_o);
-  if (n_attn_) lane.qg = bp(o_qg), lane.kv = bp(o_kv), lane.aq = bp(o_aq), lane.ao = bp(o_ao);
+  if (n_lin_ && lin_ == Lin::Kda) {
+    KdaScratch& k = lane.kda;
+    k.pre = bp(o_fam[0]), k.q = bp(o_fam[1]), k.k = bp(o_fam[2]), k.v = bp(o_fam[3]), k.graw = bp(o_fam[4]);
+    k.o = bp(o_fam[5]), k.gate = bp(o_fam[6]), k.low = bp(o_fam[7]), k.g = fp(o_fam[8]), k.beta = fp(o_fam[9]);
+  }
+  if (n_lin_ && lin_ == Lin::Lightning) {
+    LightningScratch& l = lane.light;
+    l.qkv = bp(o_fam[0]), l.q = bp(o_fam[1]), l.k = bp(o_fam[2]), l.v = bp(o_fam[3]), l.o = bp(o_fam[4]);
+    l.gate = bp(o_fam[5]);
+  }
+  if (n_attn_ && attn_ != Attn::Mla) lane.qg = bp(o_qg), lane.kv = bp(o_kv), lane.aq = bp(o_aq), lane.ao = bp(o_ao);
+  if (n_attn_ && attn_ == Attn::Mla) {
+    MlaScratch& m = lane.mla;
+    m.q = bp(o_mla[0]), m.ckv = bp(o_mla[1]), m.latent = bp(o_mla[2]), m.kvb = bp(o_mla[3]), m.q_pad = bp(o_mla[4]);
+    m.attn = bp(o_mla[5]), m.packed = bp(o_mla[6]);
+  }
 }
 
 std::unique_ptr<CudaSequence> CudaBackend::new_sequence() {
@@ -259,7 +319,7 @@ std::unique_ptr<CudaSequence> CudaBackend::new_sequence() {
   auto s = std::make_unique<CudaSequence>(*this, slot);
   for (int l = 0; l < n_lin_; ++l) {
     check_cuda(cudaMemsetAsync(ssm(l, slot), 0, state_layer_bytes_, stream_), "zero state slot");
-    check_cuda(cudaMemsetAsync(convs(l, slot), 0, conv_layer_bytes_, stream_), "zero conv slot");
+    if (conv_layer_bytes_) check_cuda(cudaMemsetAsync(convs(l, slot), 0, conv_layer_bytes_, stream_), "zero conv slot");
   }
   return s;
 }
@@ -328,16 +388,99 @@ bool decode_linear_enabled() {
 }  // namespace
 
 void CudaBackend::project(const Lane& ln, int T, int K, const kc::bf16* x,
-                          std::initializer_list<kc::DecodeLinearOutput> outs, kc::DecodeLinearEpilogue epilogue) {
+                          std::initializer_list<kc::DecodeLinearOutput> outs, kc::DecodeLinearEpilogue epilogue,
+                          float alpha) {
   const int n = int(outs.size());
-  if (ln.decode && T <= kc::kDecodeLinearProjectionTokens && decode_linear_enabled() && kc::decode_linear_supported(T, K, x, K, outs.begin(), n)) {
+  if (ln.decode && alpha == 1.f && T <= kc::kDecodeLinearProjectionTokens && decode_linear_enabled() &&
+      kc::decode_linear_supported(T, K, x, K, outs.begin(), n)) {
     kc::decode_linear(T, K, x, K, outs.begin(), n, epilogue, ln.stream);
     return;
   }
   const bool bf16_out = epilogue == kc::DecodeLinearEpilogue::StoreBf16;
   const float beta = epilogue == kc::DecodeLinearEpilogue::AddF32 ? 1.f : 0.f;
   for (const kc::DecodeLinearOutput& d : outs)
-    ln.gemm->linear(T, d.N, K, x, K, d.W, d.y, bf16_out ? CUDA_R_16BF : CUDA_R_32F, d.ldy, beta, ln.stream);
+    ln.gemm->linear(T, d.N, K, x, K, d.W, d.y, bf16_out ? CUDA_R_16BF : CUDA_R_32F, d.ldy, beta, ln.stream, alpha);
+}
+
+void CudaBackend::mixer_norm(const Lane& ln, const DevLayer& L, int T) {
+  const float alpha = !post_norm_ ? 0.f
+                      : L.type == LayerType::Linear ? float(cfg_.linear_attn_alpha)
+                                                    : float(cfg_.full_attn_alpha);
+  kc::rms_norm_residual(T, H_, ln.x, H_, nullptr, L.input_layernorm, eps_, ln.hn, ln.stream, zc_, alpha,
+                        post_norm_ ? ln.x : nullptr);
+}
+
+void CudaBackend::linear_family_project(const Lane& ln, const DevLayer& L, int T, int num_seqs, const int* cu_dev,
+                                        kc::bf16* conv_state, const int* positions) {
+  if (lin_ == Lin::Kda)
+    kda_mixer_project(*ln.gemm, L.kda, kda_cfg_, T, ln.hn, num_seqs, cu_dev, conv_state, ln.kda, ln.stream);
+  else
+    lightning_mixer_project(*ln.gemm, L.lightning, light_cfg_, T, ln.hn, positions, inv_freq_.as<float>(), ln.light,
+                            ln.stream);
+}
+
+void CudaBackend::linear_scan(const Lane& ln, const DevLayer& L, int num_seqs, const int* cu_dev, const int* cu_host, const float* init,
+                              float* fin, float* trans, bool out, const kc::bf16* q, const kc::bf16* k,
+                              const kc::bf16* v, const float* g, const float* beta) {
+  if (num_seqs == 0) return;
+  if (lin_ == Lin::Kda) {
+    kc::KdaPrefillArgs a;
+    a.num_seqs = num_seqs, a.cu_seqlens = cu_dev, a.total_tokens = cu_host[num_seqs] - cu_host[0];
+    a.num_heads = kda_cfg_.heads;
+    a.q = q ? q : ln.kda.q, a.k = k ? k : ln.kda.k, a.v = v ? v : ln.kda.v;
+    a.g = g ? g : ln.kda.g, a.beta = beta ? beta : ln.kda.beta;
+    a.l2norm_qk = true, a.scale = kda_cfg_.scale;
+    a.initial_state = init, a.final_state = fin, a.transition = trans, a.out = out ? ln.kda.o : nullptr;
+    a.workspace_bytes = kc::kda_prefill_workspace_bytes(a);
+    ensure_capacity(lin_ws_, a.workspace_bytes, "KDA prefill workspace");
+    a.workspace = lin_ws_.as();
+    kc::kda_prefill(a, ln.stream);
+  } else {
+    kc::LightningPrefillArgs a;
+    a.num_seqs = num_seqs, a.cu_seqlens = cu_dev;
+    for (int i = 0; i < num_seqs; ++i) a.max_seqlen = std::max(a.max_seqlen, cu_host[i + 1] - cu_host[i]);
+    a.num_heads = light_cfg_.heads, a.head_dim = light_cfg_.head_dim;
+    a.q = q ? q : ln.light.q, a.k = k ? k : ln.light.k, a.v = v ? v : ln.light.v;
+    a.slope = L.lightning.slope;
+    a.initial_state = init, a.final_state = fin, a.transition = trans, a.out = out ? ln.light.o : nullptr;
+    a.workspace_bytes = kc::lightning_prefill_workspace_bytes(a);
+    ensure_capacity(lin_ws_, a.workspace_bytes, "lightning prefill workspace");
+    a.workspace = lin_ws_.as();
+    kc::lightning_prefill(a, ln.stream);
+  }
+}
+
+void CudaBackend::linear_family_finish(const Lane& ln, const DevLayer& L, int T) {
+  if (lin_ == Lin::Kda)
+    kda_mixer_finish(*ln.gemm, L.kda, kda_cfg_, T, ln.kda, ln.x, ln.stream);
+  else
+    lightning_mixer_finish(*ln.gemm, L.lightning, light_cfg_, T, ln.hn, ln.light, ln.x, ln.stream);
+}
+
+void CudaBackend::chain(int num_chains, int steps_per_chain, const kc::AffineStep* steps, const float* const* init,
+                        float* const* fin, cudaStream_t stream) const {
+  if (lin_ == Lin::Lightning)
+    kc::affine_chain_scalar(num_chains, state_heads_, state_head_floats_, steps_per_chain, steps, init, fin, stream);
+  else
+    kc::affine_chain(num_chains, state_heads_, steps_per_chain, steps, init, fin, stream);
+}
+
+void CudaBackend::import_kv(int a, int rows, const kc::bf16* const* k_src, const kc::bf16* const* v_src,
+                            const int* deltas, const int* dst) {
+  if (!rows) return;
+  if (attn_ == Attn::Mla)
+    kc::mla_kv_import(rows, mla_cfg_.dims, k_src, v_src, dst, k_pool_[a].as<kc::bf16>(), v_pool_[a].as<kc::bf16>(),
+                      stream_);
+  else
+    kc::kv_import(rows, nkv_, hd_, cfg_.rotary_dim(), k_src, v_src, deltas, inv_freq_.as<float>(), dst,
+                  k_pool_[a].as<kc::bf16>(), v_pool_[a].as<kc::bf16>(), stream_);
+}
+
+void CudaBackend::attention_layer(const Lane& ln, const DevLayer& L, int a, int T, const int* positions,
+                                  const int* kv_rows, const kc::AttnGroups& groups, bool decode) {
+  if (attn_ != Attn::Mla) return attention_mixer(ln, L.attention, a, T, positions, kv_rows, groups, decode);
+  mla_mixer(*ln.gemm, L.mla, mla_cfg_, T, ln.hn, kv_rows, groups, k_pool_[a].as<kc::bf16>(), v_pool_[a].as<kc::bf16>(),
+            decode ? &attn_dec_ws_ : &attn_ws_, decode, ln.mla, ln.x, ln.stream);
 }
 
 void CudaBackend::linear_gemms(const Lane& ln, const DevLinear& L, int T) {
@@ -362,9 +505,12 @@ void CudaBackend::attention_mixer(const Lane& ln, const DevAttention& A, int a, 
   attention_gemms(ln, A, T);
   kc::bf16* kp = k_pool_[a].as<kc::bf16>();
   kc::bf16* vp = v_pool_[a].as<kc::bf16>();
+  const kc::QkNorm qk = attn_ == Attn::Gated ? kc::QkNorm::ZeroCentred
+                        : A.q_norm              ? kc::QkNorm::Plain
+                                                : kc::QkNorm::None;
   kc::attention_prepare(T, nh_, nkv_, hd_, cfg_.rotary_dim(), cfg_.attn_output_gate, ln.qg, ln.kv, ln.kv + nkv_ * hd_,
                         2 * nkv_ * hd_, A.q_norm, A.k_norm, eps_, positions, inv_freq_.as<float>(), kv_rows, ln.aq, kp, vp,
-                        ln.stream);
+                        ln.stream, qk);
   const bool gate = cfg_.attn_output_gate;
   const kc::bf16* g = gate ? ln.qg + hd_ : nullptr;
   const long g_token = gate ? long(2) * nh_ * hd_ : 0;
@@ -374,7 +520,8 @@ void CudaBackend::attention_mixer(const Lane& ln, const DevAttention& A, int a, 
                          ln.stream);
   else
     kc::attention_prefill(groups, nh_, nkv_, hd_, ln.aq, kp, vp, attn_scale_, g, g_token, g_head, ln.ao, attn_ws_, ln.stream);
-  project(ln, T, nh_ * hd_, ln.ao, {{A.o_proj, H_, ln.x, H_}}, kc::DecodeLinearEpilogue::AddF32);
+  project(ln, T, nh_ * hd_, ln.ao, {{A.o_proj, H_, ln.x, H_}}, kc::DecodeLinearEpilogue::AddF32,
+          float(cfg_.full_attn_beta));
 }
 
 void CudaBackend::attention_gemms(const Lane& ln, const DevAttention& A, int T) {
@@ -385,7 +532,8 @@ void CudaBackend::attention_gemms(const Lane& ln, const DevAttention& A, int T) 
 }
 
 void CudaBackend::ffn(const Lane& ln, const DevLayer& L, int T, bool decode) {
-  kc::rms_norm_residual(T, H_, ln.x, H_, nullptr, L.post_attention_layernorm, eps_, ln.hn, ln.stream);
+  kc::rms_norm_residual(T, H_, ln.x, H_, nullptr, L.post_attention_layernorm, eps_, ln.hn, ln.stream, zc_,
+                        post_norm_ ? float(cfg_.mlp_alpha) : 0.f, post_norm_ ? ln.x : nullptr);
   if (L.is_moe) {
     const kc::GroupedGemm impl = kc::grouped_gemm_for_tokens(T, decode);
     kc::moe_forward(T, ln.hn, moe_view(L), ln.x, *ln.moe_ws, *ln.gemm, impl, ln.stream);
@@ -402,13 +550,20 @@ kc::MoeWeightsView CudaBackend::moe_view(const DevLayer& L) const {
   v.router = L.ffn.router, v.experts_gate_up = L.ffn.experts_gate_up, v.experts_down = L.ffn.experts_down;
   v.Is = int(cfg_.shared_expert_intermediate_size);
   v.shared_gate_up = L.ffn.shared_gate_up, v.shared_down = L.ffn.shared_down, v.shared_gate = L.ffn.shared_gate;
+  if (cfg_.router_score == RouterScore::Sigmoid) {
+    v.scoring = kc::MoeScoring::Sigmoid;
+    v.expert_bias = L.ffn.router_bias;
+    v.n_group = cfg_.n_group, v.topk_group = cfg_.topk_group;
+    v.routed_scaling = float(cfg_.routed_scaling_factor);
+  }
+  v.output_scale = post_norm_ ? float(cfg_.mlp_beta) : 1.f;
   return v;
 }
 
 void CudaBackend::lm_head(int rows, const int* rows_index, std::vector<float>& logits) {
   const size_t V = size_t(cfg_.vocab_size);
   ensure_capacity(logits_dev_, size_t(rows) * V * 4, "logits");
-  kc::rms_norm_residual(rows, H_, pre_.x, H_, rows_index, w_.final_norm, eps_, pre_.hn, stream_);
+  kc::rms_norm_residual(rows, H_, pre_.x, H_, rows_index, w_.final_norm, eps_, pre_.hn, stream_, zc_);
   gemm_.linear(rows, int(V), H_, pre_.hn, H_, w_.lm_head, logits_dev_.as(), CUDA_R_32F, long(V), 0.f, stream_);
   logits.resize(size_t(rows) * V);
   check_cuda(cudaMemcpyAsync(logits.data(), logits_dev_.as(), logits.size() * 4, cudaMemcpyDeviceToHost, stream_),
@@ -532,7 +687,7 @@ void CudaBackend::decode_device(std::span<Sequence* const> sequences, std::span<
              "decode tables");
   if (n_attn_) {  // sized before any step of this width runs, eager or captured; growing drops the graphs
     const size_t before = attn_dec_ws_.bytes();
-    attn_dec_ws_.reserve(opt_.max_sequences, nh_, hd_, cap * kPage);
+    attn_dec_ws_.reserve(opt_.max_sequences, nh_, attn_ == Attn::Mla ? mla_cfg_.dims.padded() : hd_, cap * kPage);
     if (attn_dec_ws_.bytes() != before) graphs_.clear();
   }
   const auto key = std::make_pair(B, cap);
@@ -610,8 +765,15 @@ void CudaBackend::decode_body(int B, int cap, const DecodeTables& t) {
   kc::embed_gather(B, H_, tab + t.ids, w_.embed, ln.x, ln.stream);
   for (int i = 0; i < cfg_.num_hidden_layers; ++i) {
     const DevLayer& L = w_.layers[i];
-    kc::rms_norm_residual(B, H_, ln.x, H_, nullptr, L.input_layernorm, eps_, ln.hn, ln.stream);
-    if (L.type == LayerType::Linear) {
+    mixer_norm(ln, L, B);
+    if (L.type == LayerType::Linear && lin_ == Lin::Kda) {
+      const int l = cfg_.linear_index(i);
+      kda_mixer_decode(*ln.gemm, L.kda, kda_cfg_, B, ln.hn, ssm(l, 0), convs(l, 0), slots, ln.kda, ln.x, ln.stream);
+    } else if (L.type == LayerType::Linear && lin_ == Lin::Lightning) {
+      const int l = cfg_.linear_index(i);
+      lightning_mixer_decode(*ln.gemm, L.lightning, light_cfg_, B, ln.hn, tab + t.pos, inv_freq_.as<float>(), ssm(l, 0),
+                             slots, ln.light, ln.x, ln.stream);
+    } else if (L.type == LayerType::Linear) {
       const int l = cfg_.linear_index(i);
       linear_gemms(dec_, L.linear, B);
       kc::conv1d_silu_decode(B, C_, K_, ln.qkv, L.linear.conv1d, convs(l, 0), kc::ConvQkvOut{ln.q, ln.k, ln.v, qd_},
@@ -620,12 +782,12 @@ void CudaBackend::decode_body(int B, int cap, const DecodeTables& t) {
                            ssm(l, 0), ln.o, ln.stream, slots);
       linear_finish(dec_, L.linear, B);
     } else {
-      attention_mixer(dec_, L.attention, cfg_.attention_index(i), B, tab + t.pos, tab + t.rows, groups, true);
+      attention_layer(dec_, L, cfg_.attention_index(i), B, tab + t.pos, tab + t.rows, groups, true);
     }
     ffn(dec_, L, B, /*decode=*/true);
   }
   const int V = int(cfg_.vocab_size);
-  kc::rms_norm_residual(B, H_, ln.x, H_, nullptr, w_.final_norm, eps_, ln.hn, ln.stream);
+  kc::rms_norm_residual(B, H_, ln.x, H_, nullptr, w_.final_norm, eps_, ln.hn, ln.stream, zc_);
   ln.gemm->linear(B, V, H_, ln.hn, H_, w_.lm_head, dec_logits_.as(), CUDA_R_32F, V, 0.f, ln.stream);
 }
 
@@ -709,7 +871,7 @@ std::shared_ptr<const ResidentEntry> CudaBackend::import_block(const HostBlock& 
   const SegmentEntry& h = block->header();
   h.check_compatible(fingerprint_, geom_, -1, numerics());
   if (h.num_tokens() < 1) throw EntryError("import_block: an entry has at least one token");
-  const size_t want = EntryLayout(geom_, kv_row_, h.num_tokens(), h.seam_tokens() > 0).total;
+  const size_t want = EntryLayout(geom_, h.num_tokens(), h.seam_tokens() > 0).total;
   if (block->bytes() != want)
     throw EntryError("import_block: a block of " + std::to_string(block->bytes()) + " bytes for " +
                      std::to_string(h.num_tokens()) + " tokens (expected " + std::to_string(want) + ")");
@@ -733,13 +895,12 @@ std::shared_ptr<const SegmentEntry> CudaBackend::entry_of_block(const HostBlock&
   if (!block) throw EntryError("entry_of_block: not a host block of the CUDA backend");
   const SegmentEntry& h = block->header();
   const EntryGeometry& g = h.geometry;
-  const EntryLayout lay(g, size_t(g.kv_heads) * g.head_dim * 2, h.num_tokens(), h.seam_tokens() > 0);
+  const EntryLayout lay(g, h.num_tokens(), h.seam_tokens() > 0);
   if (block->bytes() != lay.total) throw EntryError("entry_of_block: the block's size does not match its header");
   auto e = std::make_shared<SegmentEntry>(h);
-  const size_t sf = lay.state / sizeof(float);
-  auto get_f32 = [&](size_t off) {
-    std::vector<float> v(sf);
-    block->read(off, v.data(), lay.state);
+  auto get_f32 = [&](size_t off, size_t bytes) {
+    std::vector<float> v(bytes / sizeof(float));
+    block->read(off, v.data(), bytes);
     return v;
   };
   std::vector<uint16_t> raw;
@@ -750,25 +911,26 @@ std::shared_ptr<const SegmentEntry> CudaBackend::entry_of_block(const HostBlock&
     for (size_t i = 0; i < count; ++i) v[i] = bf16_to_f32(raw[i]);
     return v;
   };
+  const TransitionKind kind = scalar_transitions(g) ? TransitionKind::Scalar : TransitionKind::Dense;
   e->linear.resize(size_t(g.num_linear));
   for (int l = 0; l < g.num_linear; ++l) {
     LinearLayerEntry& L = e->linear[size_t(l)];
-    if (lay.states == 3) L.seam_state = get_f32(lay.S_seam(l));
-    L.interior_transition = TransitionOperator::dense(g.linear_heads, g.d_k, get_f32(lay.T_int(l)));
-    L.interior_state = get_f32(lay.S_int(l));
+    if (lay.states == 2) L.seam_state = get_f32(lay.S_seam(l), lay.state);
+    L.interior_transition = TransitionOperator::wrap(kind, g.linear_heads, g.d_k, get_f32(lay.T_int(l), lay.trans));
+    L.interior_state = get_f32(lay.S_int(l), lay.state);
     L.conv_tail = get_bf16(lay.conv_at(l), size_t(g.conv_rows) * g.conv_dim);
   }
   e->attention.resize(size_t(g.num_attention));
-  const size_t kvn = size_t(h.num_tokens()) * g.kv_heads * g.head_dim;
   for (int a = 0; a < g.num_attention; ++a) {
-    e->attention[size_t(a)].k = get_bf16(lay.K(a), kvn);
-    e->attention[size_t(a)].v = get_bf16(lay.V(a), kvn);
+    e->attention[size_t(a)].k = get_bf16(lay.K(a), size_t(h.num_tokens()) * lay.k_row / 2);
+    e->attention[size_t(a)].v = get_bf16(lay.V(a), size_t(h.num_tokens()) * lay.v_row / 2);
   }
   e->check_consistent();
   return e;
 }
 
-// The block's regions in wire order (engine/segment.h): per linear layer S_seam (with a seam), T_int (dense), S_int,
+// The block's regions in wire order (engine/segment.h): per linear layer S_seam (with a seam), T_int (dense, or
+// scalar for lightning), S_int,
 // fp32 in both layouts, and the conv tail, then per attention layer K and V, bf16 in both (the wire's K/V type 2: every
 // value of a CUDA entry is a bf16 value, as serialize_entry finds). Views into the pinned pieces, copied once into the
 // wire buffer.
@@ -777,24 +939,24 @@ std::string CudaBackend::wire_of_block(const HostBlock& hb) const {
   if (!block) throw EntryError("wire_of_block: not a host block of the CUDA backend");
   const SegmentEntry& h = block->header();
   const EntryGeometry& g = h.geometry;
-  const EntryLayout lay(g, size_t(g.kv_heads) * g.head_dim * 2, h.num_tokens(), h.seam_tokens() > 0);
+  const EntryLayout lay(g, h.num_tokens(), h.seam_tokens() > 0);
   if (block->bytes() != lay.total) throw EntryError("wire_of_block: the block's size does not match its header");
   WireParts parts;
-  parts.interior_kinds.assign(size_t(g.num_linear), TransitionKind::Dense);
-  const size_t conv = size_t(g.conv_rows) * g.conv_dim * 2, kv = size_t(h.num_tokens()) * g.kv_heads * g.head_dim * 2;
-  parts.kv_bf16 = (g.num_linear > 0 && conv > 0) || (g.num_attention > 0 && kv > 0);
+  parts.interior_kinds.assign(size_t(g.num_linear), scalar_transitions(g) ? TransitionKind::Scalar : TransitionKind::Dense);
+  const size_t conv = lay.conv, kn = size_t(h.num_tokens()) * lay.k_row, vn = size_t(h.num_tokens()) * lay.v_row;
+  parts.kv_bf16 = (g.num_linear > 0 && conv > 0) || (g.num_attention > 0 && kn > 0);
   auto add = [&](size_t off, size_t n) {
     block->span(off, n, [&](const char* p, size_t, size_t len) { parts.bytes.emplace_back(p, len); });
   };
   for (int l = 0; l < g.num_linear; ++l) {
-    if (lay.states == 3) add(lay.S_seam(l), lay.state);
-    add(lay.T_int(l), lay.state);
+    if (lay.states == 2) add(lay.S_seam(l), lay.state);
+    add(lay.T_int(l), lay.trans);
     add(lay.S_int(l), lay.state);
     add(lay.conv_at(l), conv);
   }
   for (int a = 0; a < g.num_attention; ++a) {
-    add(lay.K(a), kv);
-    add(lay.V(a), kv);
+    add(lay.K(a), kn);
+    add(lay.V(a), vn);
   }
   return serialize_entry_parts(h, parts);
 }
@@ -803,7 +965,7 @@ std::shared_ptr<const HostBlock> CudaBackend::block_of_entry(const SegmentEntry&
   host.check_consistent();
   host.check_compatible(fingerprint_, geom_, -1, numerics());
   if (host.num_tokens() < 1) throw EntryError("block_of_entry: an entry has at least one token");
-  const EntryLayout lay(geom_, kv_row_, host.num_tokens(), host.seam_tokens() > 0);
+  const EntryLayout lay(geom_, host.num_tokens(), host.seam_tokens() > 0);
   auto block = std::make_shared<CudaHostBlock>(header_of(host), lay.total, pinned_);
   std::vector<uint16_t> buf;
   auto put_bf16 = [&](size_t off, const std::vector<float>& src) {
@@ -813,9 +975,13 @@ std::shared_ptr<const HostBlock> CudaBackend::block_of_entry(const SegmentEntry&
   };
   for (int l = 0; l < n_lin_; ++l) {
     const LinearLayerEntry& L = host.linear[size_t(l)];
-    const std::vector<float> Ti = L.interior_transition.to_dense();
-    if (lay.states == 3) block->write(lay.S_seam(l), L.seam_state.data(), lay.state);
-    block->write(lay.T_int(l), Ti.data(), lay.state);
+    // Dense families: T in the dense layout whatever its stored kind; lightning: its scalars (one per head).
+    const std::vector<float> Ti = scalar_transitions(geom_) ? L.interior_transition.data : L.interior_transition.to_dense();
+    if (Ti.size() * sizeof(float) != lay.trans)
+      throw EntryError("block_of_entry: linear layer " + std::to_string(l) + "'s transition has " +
+                       std::to_string(Ti.size()) + " values, expected " + std::to_string(lay.trans / sizeof(float)));
+    if (lay.states == 2) block->write(lay.S_seam(l), L.seam_state.data(), lay.state);
+    block->write(lay.T_int(l), Ti.data(), lay.trans);
     block->write(lay.S_int(l), L.interior_state.data(), lay.state);
     put_bf16(lay.conv_at(l), L.conv_tail);
   }
@@ -842,23 +1008,29 @@ ModelState CudaBackend::download_state(const CudaSequence& s) const {
     st.linear[l].ssm.resize(state_layer_bytes_ / 4);
     check_cuda(cudaMemcpy(st.linear[l].ssm.data(), ssm(l, s.slot_), state_layer_bytes_, cudaMemcpyDeviceToHost),
                "state download");
-    bf(convs(l, s.slot_), conv_layer_bytes_ / 2, st.linear[l].conv);
+    if (conv_layer_bytes_) bf(convs(l, s.slot_), conv_layer_bytes_ / 2, st.linear[l].conv);
   }
   st.attention.resize(n_attn_);
-  const size_t row = size_t(nkv_) * hd_;
+  // Pool rows [heads][P] (P = the pool's head size) to the model's K [heads][hd] and V [heads][v_dim] rows (MLA's
+  // pool rows are zero-padded; the others' are the rows themselves).
+  const int heads = attn_ == Attn::Mla ? nh_ : nkv_, P = int(kv_row_ / 2) / std::max(heads, 1);
+  const int kd = geom_.head_dim, vdim = geom_.v_dim();
   for (int a = 0; a < n_attn_; ++a) {
     AttentionLayerState& A = st.attention[a];
     A.n_tokens = s.n_;
-    A.k.resize(size_t(s.n_) * row);
-    A.v.resize(A.k.size());
+    A.k.resize(size_t(s.n_) * heads * kd);
+    A.v.resize(size_t(s.n_) * heads * vdim);
     std::vector<float> tmp;
     for (int64_t t = 0; t < s.n_; t += kPage) {
       const int64_t cnt = std::min<int64_t>(kPage, s.n_ - t);
       const size_t off = size_t(page_row(s, t)) * kv_row_;
-      bf(k_pool_[a].bytes_ptr(off), size_t(cnt) * row, tmp);
-      std::copy(tmp.begin(), tmp.end(), A.k.begin() + size_t(t) * row);
-      bf(v_pool_[a].bytes_ptr(off), size_t(cnt) * row, tmp);
-      std::copy(tmp.begin(), tmp.end(), A.v.begin() + size_t(t) * row);
+      for (int kvi = 0; kvi < 2; ++kvi) {
+        bf((kvi ? v_pool_[a] : k_pool_[a]).bytes_ptr(off), size_t(cnt) * heads * P, tmp);
+        const int w = kvi ? vdim : kd;
+        std::vector<float>& dst = kvi ? A.v : A.k;
+        for (int64_t r = 0; r < cnt * heads; ++r)
+          std::copy_n(tmp.begin() + r * P, w, dst.begin() + (size_t(t) * heads + size_t(r)) * w);
+      }
     }
   }
   return st;

@@ -29,6 +29,9 @@
 #include "engine/cpu/splice.h"
 #include "engine/cuda/cuda_weights.h"
 #include "engine/cuda/device_memory.h"
+#include "engine/cuda/kda_mixer.h"
+#include "engine/cuda/lightning_mixer.h"
+#include "engine/cuda/mla_mixer.h"
 #include "engine/cuda/pinned_pool.h"
 #include "engine/cuda/sm_partition.h"
 #include "engine/prefix_cache.h"
@@ -37,6 +40,9 @@
 #include "kernels/cuda/decode_linear.h"
 #include "kernels/cuda/gated_delta.h"
 #include "kernels/cuda/gemm.h"
+#include "kernels/cuda/kda.h"
+#include "kernels/cuda/lightning.h"
+#include "kernels/cuda/mla.h"
 #include "kernels/cuda/moe.h"
 #include "kernels/cuda/ops.h"
 
@@ -88,28 +94,41 @@ class CudaBackend;
 
 // ---- entries ---------------------------------------------------------------------------------------------------
 
-// Where each part of an entry of n tokens lies in its device block (byte offsets, 256-byte aligned): per linear layer
-// S_seam (only when the seam is not empty: `seam`), T_int, S_int ([H_v][128][128] fp32 each; T_seam is not stored,
-// engine/segment.h) and the conv tail [K-1][C] bf16; then per attention layer K and V [n][H_kv][hd] bf16. A host
-// block (pinned copy) uses the same offsets.
+// The kind of a linear layer's transition operator on the device: one scalar per head for lightning attention
+// (MiniMax, Ring-linear), else dense [H][d_k][d_k] (Gated DeltaNet, KDA).
+inline bool scalar_transitions(const EntryGeometry& g) {
+  return g.family == int(ModelFamily::MiniMax) || g.family == int(ModelFamily::RingLinear);
+}
+
+// Where each part of an entry of n tokens lies in its device block (byte offsets, each part 256-byte aligned): per
+// linear layer S_seam (only when the seam is not empty: `seam`), T_int, S_int and the conv tail [K-1][C] bf16 (absent
+// without a short conv); then per attention layer K [n][H_kv][head_dim] and V [n][H_kv][v_dim] bf16. States are
+// [H_v][d_k][d_v] fp32, T_int [H_v][d_k][d_k] fp32, or [H_v] fp32 for scalar transitions (T_seam is not stored,
+// engine/segment.h). A host block (pinned copy) uses the same offsets.
 struct EntryLayout {
-  size_t state = 0, conv = 0, lin_stride = 0, kv = 0, kv_off = 0, total = 0;
-  int states = 0;  // fp32 [H_v][128][128] blocks per linear layer: 3 with a seam, else 2
-  EntryLayout(const EntryGeometry& g, size_t kv_row_bytes, int64_t n, bool seam) {
-    states = seam ? 3 : 2;
-    state = size_t(g.linear_heads) * kStateFloats * sizeof(float);
+  size_t state = 0, trans = 0, conv = 0, lin_stride = 0, k_row = 0, v_row = 0, k = 0, v = 0, kv_off = 0, total = 0;
+  int states = 0;  // fp32 state blocks per linear layer: 2 with a seam (S_seam, S_int), else 1
+  static size_t up(size_t b) { return (b + 255) / 256 * 256; }
+  EntryLayout(const EntryGeometry& g, int64_t n, bool seam) {
+    states = seam ? 2 : 1;
+    state = size_t(g.linear_heads) * g.d_k * g.d_v * sizeof(float);
+    trans = scalar_transitions(g) ? size_t(g.linear_heads) * sizeof(float)
+                                  : size_t(g.linear_heads) * g.d_k * g.d_k * sizeof(float);
     conv = size_t(g.conv_rows) * g.conv_dim * 2;
-    lin_stride = (size_t(states) * state + conv + 255) / 256 * 256;
-    kv = (size_t(n) * kv_row_bytes + 255) / 256 * 256;
+    lin_stride = size_t(states) * up(state) + up(trans) + up(conv);
+    k_row = size_t(g.kv_heads) * g.head_dim * 2;
+    v_row = size_t(g.kv_heads) * g.v_dim() * 2;
+    k = up(size_t(n) * k_row);
+    v = up(size_t(n) * v_row);
     kv_off = size_t(g.num_linear) * lin_stride;
-    total = kv_off + size_t(g.num_attention) * 2 * kv;
+    total = kv_off + size_t(g.num_attention) * (k + v);
   }
-  size_t S_seam(int l) const { return size_t(l) * lin_stride; }  // only when states == 3
-  size_t T_int(int l) const { return size_t(l) * lin_stride + size_t(states - 2) * state; }
-  size_t S_int(int l) const { return T_int(l) + state; }
-  size_t conv_at(int l) const { return size_t(l) * lin_stride + size_t(states) * state; }
-  size_t K(int a) const { return kv_off + size_t(a) * 2 * kv; }
-  size_t V(int a) const { return K(a) + kv; }
+  size_t S_seam(int l) const { return size_t(l) * lin_stride; }  // only when states == 2
+  size_t T_int(int l) const { return size_t(l) * lin_stride + size_t(states - 1) * up(state); }
+  size_t S_int(int l) const { return T_int(l) + up(trans); }
+  size_t conv_at(int l) const { return S_int(l) + up(state); }
+  size_t K(int a) const { return kv_off + size_t(a) * (k + v); }
+  size_t V(int a) const { return K(a) + k; }
 };
 
 // A host block (engine/backend.h): an entry's device block in pinned pieces of the backend's pool.
@@ -152,8 +171,8 @@ class CudaHostBlock final : public HostBlock {
 };
 
 // A segment entry on the device (EntryLayout): per linear layer S_seam (when the seam is not empty), T_int, S_int
-// ([H_v][128][128] fp32 each) and the conv tail [K-1][C] bf16; per attention layer K and V [n][H_kv][hd] bf16 (K
-// rotated at local positions).
+// (fp32) and the conv tail [K-1][C] bf16; per attention layer K [n][H_kv][hd] and V [n][H_kv][v_dim] bf16 (K rotated
+// at local positions where the family has RoPE).
 class CudaEntry final : public ResidentEntry {
  public:
   /// Allocates the block stream-ordered on `stream` (the engine's stream for its own entries; the backend's transfer
@@ -173,13 +192,13 @@ class CudaEntry final : public ResidentEntry {
   float* T_int(int l) const { return f32(lay_.T_int(l)); }
   float* S_int(int l) const { return f32(lay_.S_int(l)); }
   kc::bf16* conv(int l) const { return reinterpret_cast<kc::bf16*>(mem_.bytes_ptr(lay_.conv_at(l))); }
-  bool has_seam() const { return lay_.states == 3; }
+  bool has_seam() const { return lay_.states == 2; }
   kc::bf16* K(int a) const { return reinterpret_cast<kc::bf16*>(mem_.bytes_ptr(lay_.K(a))); }
   kc::bf16* V(int a) const { return reinterpret_cast<kc::bf16*>(mem_.bytes_ptr(lay_.V(a))); }
   int n() const { return header_.num_tokens(); }
   size_t state_bytes() const { return lay_.state; }
+  size_t trans_bytes() const { return lay_.trans; }
   size_t conv_bytes() const { return lay_.conv; }
-  size_t kv_bytes() const { return lay_.kv; }
   int device() const { return device_; }
   bool no_transitions = false;  ///< made with BackendOptions::benchmark_skip_transitions: not spliceable
 
@@ -219,6 +238,10 @@ struct Fold {
   // Affine steps per layer (fold_steps): an Install of an entry with a seam takes two, every other fold one.
   int steps() const { return kind == Install && e->has_seam() ? 2 : 1; }
 };
+
+// Ring-linear's cached states rotated to their real positions (CudaBackend::place_states): (entry state, base) ->
+// the rotated copy.
+using Placed = std::map<std::pair<const float*, int64_t>, const float*>;
 
 struct Span {
   std::span<const int32_t> ids;
@@ -269,7 +292,7 @@ class CudaBackend final : public Backend {
   std::shared_ptr<const SegmentEntry> entry_of_block(const HostBlock& block) const override;
   std::shared_ptr<const HostBlock> block_of_entry(const SegmentEntry& entry) const override;
   std::string wire_of_block(const HostBlock& block) const override;
-  size_t entry_bytes(int64_t tokens) const override { return EntryLayout(geom_, kv_row_, tokens, true).total; }
+  size_t entry_bytes(int64_t tokens) const override { return EntryLayout(geom_, tokens, true).total; }
   void reserve_host_blocks(size_t bytes) const override { pinned_->reserve(bytes); }
 
   // Used by entries and sequences (any thread).
@@ -288,6 +311,9 @@ class CudaBackend final : public Backend {
   int n_lin() const { return n_lin_; }
   int n_attn() const { return n_attn_; }
   size_t kv_row_bytes() const { return kv_row_; }
+  /// Which kernels the linear and attention layers run (by the config's family).
+  enum class Lin { Gdn, Kda, Lightning };
+  enum class Attn { Gated, Plain, Mla };
   void set_device() const { check_cuda(cudaSetDevice(dev_.index), "cudaSetDevice(" + dev_.name() + ")"); }
 
  private:
@@ -356,6 +382,11 @@ class CudaBackend final : public Backend {
     kc::bf16 *hn = nullptr, *qkv = nullptr, *q = nullptr, *k = nullptr, *v = nullptr,
              *z = nullptr, *ga = nullptr, *gb = nullptr, *o = nullptr, *qg = nullptr, *kv = nullptr, *aq = nullptr,
              *ao = nullptr;
+    // The other families' mixers (engine/cuda/*_mixer.h); the workspace pointers stay null (prefill scans get theirs
+    // from lin_ws_).
+    KdaScratch kda;
+    LightningScratch light;
+    MlaScratch mla;
     bool decode = false;  ///< the decode lane (project: decode_linear for small batches)
   };
   // Allocates `mem` for T tokens' activations and points a lane's buffers into it.
@@ -364,8 +395,38 @@ class CudaBackend final : public Backend {
   /// kDecodeLinearProjectionTokens tokens one weight-streaming decode_linear launch when it takes the shape
   /// (kernels/cuda/decode_linear.h), else one GemmRunner call per output (bf16 or fp32 y; AddF32 = beta 1).
   void project(const Lane& ln, int T, int K, const kc::bf16* x, std::initializer_list<kc::DecodeLinearOutput> outs,
-               kc::DecodeLinearEpilogue epilogue);
+               kc::DecodeLinearEpilogue epilogue, float alpha = 1.f);
   void linear_gemms(const Lane& ln, const DevLinear& L, int T);
+  /// The layer's input norm: hn = norm(x) (zero-centred for Qwen, else w); MiniMax's post-norm layers also set
+  /// x = alpha norm(x) (kernels/cuda/ops.h rms_norm_residual post_alpha) before the mixer adds beta f into it.
+  void mixer_norm(const Lane& ln, const DevLayer& L, int T);
+  /// The other families' linear layers over a varlen batch (prefill lane): the first half (projections, KDA's convs
+  /// with per-sequence conv states conv_state [num_seqs][K-1][C] bf16 in/out, or the lightning q/k/v at positions),
+  /// then linear_scan (any number of times), then linear_family_finish.
+  void linear_family_project(const Lane& ln, const DevLayer& L, int T, int num_seqs, const int* cu_dev,
+                             kc::bf16* conv_state, const int* positions);
+  /// One KDA / lightning scan (layer L's) of the lane's q/k/v (and gates) rows [0, cu_host[num_seqs]) (or of the rows given in
+  /// q, k, v, g, beta when set: seams gathered elsewhere): init / final [num_seqs][H][d_k][d_v] fp32 (null: zero /
+  /// not kept), trans [num_seqs] x (dense [H][d][d] | scalar [H]) fp32 (null: not computed), the output into ln's o
+  /// when `out`. cu_dev: DEVICE copy of cu_host.
+  void linear_scan(const Lane& ln, const DevLayer& L, int num_seqs, const int* cu_dev, const int* cu_host, const float* init, float* fin,
+                   float* trans, bool out, const kc::bf16* q = nullptr, const kc::bf16* k = nullptr,
+                   const kc::bf16* v = nullptr, const float* g = nullptr, const float* beta = nullptr);
+  void linear_family_finish(const Lane& ln, const DevLayer& L, int T);
+  /// affine_chain (dense transitions) or affine_chain_scalar (lightning) over this model's linear states.
+  void chain(int num_chains, int steps_per_chain, const kc::AffineStep* steps, const float* const* init,
+             float* const* fin, cudaStream_t stream) const;
+  /// Ring-linear: copies of the cached states that `folds` use, rotated on the key axis to their real positions
+  /// (kernels/cuda/lightning.h rope_key_axis; DESIGN.md 3.3), in `mem`; fold_steps reads them through the map.
+  /// Empty for every other family and for folds at base 0. Synchronizes the engine's stream.
+  Placed place_states(const std::vector<const Fold*>& folds, DeviceMemory& mem);
+  /// K/V rows of cached entries into the pool for attention layer a: Plain / Gated kv_import (K re-rotated by the
+  /// deltas), MLA mla_kv_import (padded, no RoPE).
+  void import_kv(int a, int rows, const kc::bf16* const* k_src, const kc::bf16* const* v_src, const int* deltas,
+                 const int* dst);
+  /// Attention layer a of any family (Gated / Plain: attention_mixer; MLA: mla_mixer).
+  void attention_layer(const Lane& ln, const DevLayer& L, int a, int T, const int* positions, const int* kv_rows,
+                       const kc::AttnGroups& groups, bool decode);
   void linear_finish(const Lane& ln, const DevLinear& L, int T);
   void attention_gemms(const Lane& ln, const DevAttention& A, int T);
   void attention_mixer(const Lane& ln, const DevAttention& A, int a, int T, const int* positions, const int* kv_rows,
@@ -410,6 +471,8 @@ class CudaBackend final : public Backend {
     return c.mem.bytes_ptr(size_t(n_lin_) * (state_layer_bytes_ + conv_layer_bytes_) +
                            (size_t(a) * 2 + size_t(kvi)) * size_t(c.n - c.start) * kv_row_);
   }
+  // The slot's linear states and conv tails into checkpoint cp (the state after the pass that ended at cp.n).
+  void save_checkpoint_states(const CudaSequence& s, Checkpoint& cp);
   // The KV rows of each cut's segment, from the sequence's pages into its checkpoint (one batched copy).
   void save_checkpoint_kv(const CudaSequence& s, std::span<const CheckpointCut> cuts);
   // A chain's checkpoints 0..k-1 into the sequence: every segment's KV rows, the last one's linear states.
@@ -422,7 +485,18 @@ class CudaBackend final : public Backend {
   EntryGeometry geom_;
   int n_lin_ = 0, n_attn_ = 0;
   int nk_ = 0, nv_ = 0, C_ = 0, K_ = 0, qd_ = 0, vd_ = 0, nh_ = 0, nkv_ = 0, hd_ = 0, H_ = 0;
-  size_t state_layer_bytes_ = 0, conv_layer_bytes_ = 0, kv_row_ = 0;
+  // kv_row_: bytes of one token's K (or V) row in the pool, [nkv][hd] bf16 ([nh][P] padded for MLA); entry rows
+  // follow the geometry (EntryLayout). trans_layer_bytes_: one linear layer's T (dense or scalar).
+  size_t state_layer_bytes_ = 0, trans_layer_bytes_ = 0, conv_layer_bytes_ = 0, kv_row_ = 0;
+  Lin lin_ = Lin::Gdn;
+  Attn attn_ = Attn::Gated;
+  bool zc_ = true;         // zero-centred RMSNorms (Qwen)
+  bool post_norm_ = false;  // MiniMax's post-norm residuals
+  int state_heads_ = 0, state_head_floats_ = 0;  // linear states: [heads][d_k d_v]
+  KdaLayerConfig kda_cfg_;
+  LightningLayerConfig light_cfg_;
+  MlaLayerConfig mla_cfg_;
+  DeviceMemory lin_ws_;  // KDA / lightning prefill workspace (prefill lane), grown on demand
   float eps_ = 1e-6f, attn_scale_ = 1.f, gdn_scale_ = 1.f;
   bool renorm_topk_ = true;
   // The prefill lane's stream: full_stream_ (the whole device), or the SM partition's prefill stream while a call

@@ -20,24 +20,66 @@ namespace hypic::engine::cuda::impl {
 // Appends fold f's affine steps for linear layer l (DESIGN.md 3.3): Install S = S(C|0) = T_int S_seam + S_int (S_int
 // when the seam is empty); Transition S <- T_C S + S(C|0), which for the w = 0 entries transition mode splices
 // (check_entry) is T_int, S_int; Interior S <- T_int S + S_int; Naive S <- S + S(C|0) (S(C|0) precomputed in
-// `naive_whole` at [fold index][layer]).
-void fold_steps(const Fold& f, int l, std::vector<kc::AffineStep>& out, const float* naive_whole) {
+// `naive_whole` at [fold index][layer]). The cached states are read through `placed` where it holds a copy rotated to
+// the fold's base (Ring-linear).
+void fold_steps(const Fold& f, int l, std::vector<kc::AffineStep>& out, const float* naive_whole,
+                const Placed* placed = nullptr) {
+  auto P = [&](const float* st) -> const float* {
+    if (!placed) return st;
+    const auto it = placed->find({st, f.base});
+    return it == placed->end() ? st : it->second;
+  };
   switch (f.kind) {
     case Fold::Install:
       if (f.e->has_seam()) {
-        out.push_back({nullptr, f.e->S_seam(l), nullptr, 0.f});
-        out.push_back({f.e->T_int(l), f.e->S_int(l), nullptr, 1.f});
+        out.push_back({nullptr, P(f.e->S_seam(l)), nullptr, 0.f});
+        out.push_back({f.e->T_int(l), P(f.e->S_int(l)), nullptr, 1.f});
       } else {
-        out.push_back({nullptr, f.e->S_int(l), nullptr, 0.f});
+        out.push_back({nullptr, P(f.e->S_int(l)), nullptr, 0.f});
       }
       break;
     case Fold::Transition:
       if (f.e->has_seam()) throw std::logic_error("fold_steps: transition mode folds entries made with w = 0");
-      out.push_back({f.e->T_int(l), f.e->S_int(l), nullptr, 1.f});
+      out.push_back({f.e->T_int(l), P(f.e->S_int(l)), nullptr, 1.f});
       break;
-    case Fold::Interior: out.push_back({f.e->T_int(l), f.e->S_int(l), nullptr, 1.f}); break;
+    case Fold::Interior: out.push_back({f.e->T_int(l), P(f.e->S_int(l)), nullptr, 1.f}); break;
     case Fold::Naive: out.push_back({nullptr, naive_whole, nullptr, 1.f}); break;
   }
+}
+
+Placed CudaBackend::place_states(const std::vector<const Fold*>& folds, DeviceMemory& mem) {
+  Placed placed;
+  if (!n_lin_ || lin_ != Lin::Lightning || !cfg_.linear_rope) return placed;
+  std::vector<std::pair<const float*, int64_t>> todo;  // (cached state, base), each once
+  for (const Fold* f : folds) {
+    if (f->base == 0) continue;
+    for (int l = 0; l < n_lin_; ++l) {
+      if (f->e->has_seam()) todo.emplace_back(f->e->S_seam(l), f->base);
+      todo.emplace_back(f->e->S_int(l), f->base);
+    }
+  }
+  std::sort(todo.begin(), todo.end());
+  todo.erase(std::unique(todo.begin(), todo.end()), todo.end());
+  if (todo.empty()) return placed;
+  const size_t S1 = state_layer_bytes_;
+  mem = DeviceMemory(todo.size() * S1, "rotated segment states", stream_, true);
+  std::vector<kc::CopyDesc> copies;
+  for (size_t i = 0; i < todo.size(); ++i) {
+    float* dst = reinterpret_cast<float*>(mem.bytes_ptr(i * S1));
+    copies.push_back({todo[i].first, dst, long(S1)});
+    placed[todo[i]] = dst;
+  }
+  Tables t0;
+  const size_t o = t0.add(copies);
+  DeviceMemory table;
+  t0.upload(table, stream_);
+  kc::batched_copy(int(copies.size()), t0.dev<kc::CopyDesc>(o), stream_);
+  const int dk = cfg_.linear_key_head_dim, dv = cfg_.linear_value_head_dim;
+  for (size_t i = 0; i < todo.size(); ++i)
+    kc::rope_key_axis(state_heads_, dk, dv, cfg_.rotary_dim() / 2, inv_freq_.as<float>(), todo[i].second,
+                      reinterpret_cast<float*>(mem.bytes_ptr(i * S1)), stream_);
+  check_cuda(cudaStreamSynchronize(stream_), "rotated segment states");  // before `table` goes
+  return placed;
 }
 
 // KV rows a fold brings in, per attention layer: the entry's rows [from, n) at real positions base + from ...
@@ -49,6 +91,14 @@ struct KvRows {
 void CudaBackend::apply_folds(CudaSequence& s, const std::vector<Fold>& folds) {
   if (folds.empty()) return;
   Tables tb;
+  DeviceMemory placed_mem;
+  std::vector<const Fold*> fold_ptrs;
+  for (const Fold& f : folds) fold_ptrs.push_back(&f);
+  const Placed placed = place_states(fold_ptrs, placed_mem);
+  auto P = [&](const float* st, int64_t base) -> const float* {
+    const auto it = placed.find({st, base});
+    return it == placed.end() ? st : it->second;
+  };
   // Naive folds need S(C|0) of each entry: a chain per (fold, layer) from zero.
   DeviceMemory whole;
   std::vector<int> naive_index(folds.size(), -1);
@@ -61,12 +111,13 @@ void CudaBackend::apply_folds(CudaSequence& s, const std::vector<Fold>& folds) {
     std::vector<float*> fin;
     for (size_t i = 0; i < folds.size(); ++i) {
       if (naive_index[i] < 0) continue;
+      const Fold& f = folds[i];
       for (int l = 0; l < n_lin_; ++l) {
-        if (folds[i].e->has_seam()) {  // S(C|0) = T_int S_seam + S_int
-          st.push_back({nullptr, folds[i].e->S_seam(l), nullptr, 0.f});
-          st.push_back({folds[i].e->T_int(l), folds[i].e->S_int(l), nullptr, 1.f});
+        if (f.e->has_seam()) {  // S(C|0) = T_int S_seam + S_int
+          st.push_back({nullptr, P(f.e->S_seam(l), f.base), nullptr, 0.f});
+          st.push_back({f.e->T_int(l), P(f.e->S_int(l), f.base), nullptr, 1.f});
         } else {  // S_int, then an identity step (every chain has two)
-          st.push_back({nullptr, folds[i].e->S_int(l), nullptr, 0.f});
+          st.push_back({nullptr, P(f.e->S_int(l), f.base), nullptr, 0.f});
           st.push_back({nullptr, nullptr, nullptr, 1.f});
         }
         fin.push_back(reinterpret_cast<float*>(whole.bytes_ptr((size_t(naive_index[i]) * n_lin_ + l) * state_layer_bytes_)));
@@ -76,7 +127,7 @@ void CudaBackend::apply_folds(CudaSequence& s, const std::vector<Fold>& folds) {
     const size_t o_st = t0.add(st), o_fin = t0.add(fin);
     DeviceMemory dev;
     t0.upload(dev, stream_);
-    kc::affine_chain(n_naive * n_lin_, nv_, 2, t0.dev<kc::AffineStep>(o_st), nullptr, t0.dev<float*>(o_fin), stream_);
+    chain(n_naive * n_lin_, 2, t0.dev<kc::AffineStep>(o_st), nullptr, t0.dev<float*>(o_fin), stream_);
     check_cuda(cudaStreamSynchronize(stream_), "naive states");
   }
   // Linear layers: one chain per layer from the slot state back into it; conv state <- the last fold's tail.
@@ -91,16 +142,17 @@ void CudaBackend::apply_folds(CudaSequence& s, const std::vector<Fold>& folds) {
       const float* nw = naive_index[i] >= 0 ? reinterpret_cast<const float*>(whole.bytes_ptr(
                                                   (size_t(naive_index[i]) * n_lin_ + l) * state_layer_bytes_))
                                             : nullptr;
-      fold_steps(folds[i], l, steps, nw);
+      fold_steps(folds[i], l, steps, nw, &placed);
     }
     init.push_back(ssm(l, s.slot_));
     fin.push_back(ssm(l, s.slot_));
-    copies.push_back({folds.back().e->conv(l), convs(l, s.slot_), long(conv_layer_bytes_)});
+    if (conv_layer_bytes_) copies.push_back({folds.back().e->conv(l), convs(l, s.slot_), long(conv_layer_bytes_)});
   }
   // Attention layers: K/V rows of every fold.
   KvRows kv;
   kv.k.resize(n_attn_), kv.v.resize(n_attn_);
   std::vector<std::vector<const kc::bf16*>> kp(n_attn_), vp(n_attn_);
+  const size_t ke = size_t(geom_.kv_heads) * geom_.head_dim, ve = size_t(geom_.kv_heads) * geom_.v_dim();
   int64_t top = s.n_;
   for (const Fold& f : folds) top = std::max<int64_t>(top, f.base + f.e->n());
   ensure_pages(s, top);
@@ -109,8 +161,8 @@ void CudaBackend::apply_folds(CudaSequence& s, const std::vector<Fold>& folds) {
       kv.deltas.push_back(int(f.base));
       kv.dst.push_back(page_row(s, f.base + j));
       for (int a = 0; a < n_attn_; ++a) {
-        kp[a].push_back(f.e->K(a) + size_t(j) * nkv_ * hd_);
-        vp[a].push_back(f.e->V(a) + size_t(j) * nkv_ * hd_);
+        kp[a].push_back(f.e->K(a) + size_t(j) * ke);
+        vp[a].push_back(f.e->V(a) + size_t(j) * ve);
       }
     }
   }
@@ -119,14 +171,14 @@ void CudaBackend::apply_folds(CudaSequence& s, const std::vector<Fold>& folds) {
   std::vector<size_t> o_k(n_attn_), o_v(n_attn_);
   for (int a = 0; a < n_attn_; ++a) o_k[a] = tb.add(kp[a]), o_v[a] = tb.add(vp[a]);
   tb.upload(tables_dev_, stream_);
-  kc::affine_chain(n_lin_, nv_, steps_per_chain, tb.dev<kc::AffineStep>(o_steps), tb.dev<const float*>(o_init),
-                   tb.dev<float*>(o_fin), stream_);
-  if (n_lin_) kc::batched_copy(int(copies.size()), tb.dev<kc::CopyDesc>(o_cp), stream_);
+  if (n_lin_)
+    chain(n_lin_, steps_per_chain, tb.dev<kc::AffineStep>(o_steps), tb.dev<const float*>(o_init), tb.dev<float*>(o_fin),
+          stream_);
+  if (!copies.empty()) kc::batched_copy(int(copies.size()), tb.dev<kc::CopyDesc>(o_cp), stream_);
   const int rows = int(kv.dst.size());
   for (int a = 0; a < n_attn_ && rows; ++a)
-    kc::kv_import(rows, nkv_, hd_, cfg_.rotary_dim(), tb.dev<const kc::bf16*>(o_k[a]), tb.dev<const kc::bf16*>(o_v[a]),
-                  tb.dev<int>(o_delta), inv_freq_.as<float>(), tb.dev<int>(o_dst), k_pool_[a].as<kc::bf16>(),
-                  v_pool_[a].as<kc::bf16>(), stream_);
+    import_kv(a, rows, tb.dev<const kc::bf16*>(o_k[a]), tb.dev<const kc::bf16*>(o_v[a]), tb.dev<int>(o_delta),
+              tb.dev<int>(o_dst));
   for (const Fold& f : folds) s.n_ = std::max<int64_t>(s.n_, f.base + f.e->n());
   check_cuda(cudaStreamSynchronize(stream_), "apply_folds");
 }
@@ -172,11 +224,19 @@ std::vector<float> CudaBackend::run_pass(CudaSequence& s, const std::vector<Run>
   const bool chain = R > 1;
   const size_t S1 = state_layer_bytes_;
   Layout rl;
-  const size_t o_init = rl.add(R * S1), o_fin = rl.add(R * S1), o_tz = rl.add(std::max(R - 1, 0) * S1),
+  const size_t TR = trans_layer_bytes_;
+  const size_t o_init = rl.add(R * S1), o_fin = rl.add(R * S1), o_tz = rl.add(std::max(R - 1, 0) * TR),
                o_sz = rl.add(std::max(R - 1, 0) * S1), o_cs = rl.add(R * conv_layer_bytes_);
   if (n_lin_) ensure_capacity(run_scratch_, rl.total(), "per-run states of a pass");
   auto rs_f = [&](size_t off, int i) { return reinterpret_cast<float*>(run_scratch_.bytes_ptr(off + i * S1)); };
-  kc::bf16* conv_states = n_lin_ ? reinterpret_cast<kc::bf16*>(run_scratch_.bytes_ptr(o_cs)) : nullptr;
+  auto rs_t = [&](size_t off, int i) { return reinterpret_cast<float*>(run_scratch_.bytes_ptr(off + i * TR)); };
+  kc::bf16* conv_states = n_lin_ && conv_layer_bytes_ ? reinterpret_cast<kc::bf16*>(run_scratch_.bytes_ptr(o_cs)) : nullptr;
+  // Ring-linear: the folds' cached states rotated to their bases.
+  DeviceMemory placed_mem;
+  std::vector<const Fold*> fold_ptrs;
+  for (const Run& r : runs)
+    for (const Fold& f : r.folds_before) fold_ptrs.push_back(&f);
+  const Placed placed = place_states(fold_ptrs, placed_mem);
   std::vector<kc::AffineStep> steps;
   std::vector<const float*> chain_init;
   std::vector<kc::CopyDesc> conv_in, conv_out_copy, fin_copy;
@@ -193,13 +253,14 @@ std::vector<float> CudaBackend::run_pass(CudaSequence& s, const std::vector<Run>
     if (chain) {
       steps.push_back({nullptr, nullptr, rs_f(o_init, 0), 1.f});
       for (int r = 1; r < R; ++r) {
-        steps.push_back({rs_f(o_tz, r - 1), rs_f(o_sz, r - 1), nullptr, 1.f});
-        for (const Fold& f : runs[r].folds_before) fold_steps(f, l, steps, nullptr);
+        steps.push_back({rs_t(o_tz, r - 1), rs_f(o_sz, r - 1), nullptr, 1.f});
+        for (const Fold& f : runs[r].folds_before) fold_steps(f, l, steps, nullptr, &placed);
         steps.back().out = rs_f(o_init, r);
       }
       chain_init.push_back(ssm(l, s.slot_));
       fin_copy.push_back({rs_f(o_fin, R - 1), ssm(l, s.slot_), long(S1)});
     }
+    if (!conv_layer_bytes_) continue;  // lightning: no short conv
     for (int r = 0; r < R; ++r) {
       const void* src = r == 0 ? static_cast<const void*>(convs(l, s.slot_))
                                : static_cast<const void*>(runs[r].folds_before.back().e->conv(l));
@@ -214,14 +275,15 @@ std::vector<float> CudaBackend::run_pass(CudaSequence& s, const std::vector<Run>
   // KV rows of the folds inside the pass.
   std::vector<std::vector<const kc::bf16*>> kp(n_attn_), vp(n_attn_);
   std::vector<int> kv_delta, kv_dst;
+  const size_t ke = size_t(geom_.kv_heads) * geom_.head_dim, ve = size_t(geom_.kv_heads) * geom_.v_dim();
   for (const Run& r : runs)
     for (const Fold& f : r.folds_before)
       for (int j = f.from(); j < f.e->n(); ++j) {
         kv_delta.push_back(int(f.base));
         kv_dst.push_back(page_row(s, f.base + j));
         for (int a = 0; a < n_attn_; ++a) {
-          kp[a].push_back(f.e->K(a) + size_t(j) * nkv_ * hd_);
-          vp[a].push_back(f.e->V(a) + size_t(j) * nkv_ * hd_);
+          kp[a].push_back(f.e->K(a) + size_t(j) * ke);
+          vp[a].push_back(f.e->V(a) + size_t(j) * ve);
         }
       }
   // Prefix checkpoints ending in this pass: the pass-local token count at each; per linear layer the state pointers
@@ -237,6 +299,7 @@ std::vector<float> CudaBackend::run_pass(CudaSequence& s, const std::vector<Run>
     }
     if (at < 0) continue;
     if (R > 1) throw std::logic_error("run_pass: prefix checkpoints in a pass with folds");
+    if (lin_ != Lin::Gdn && n_lin_) throw std::logic_error("run_pass: in-pass checkpoints need the Gated DeltaNet scan");
     if (!cut_at.empty() && at <= cut_at.back()) throw std::logic_error("run_pass: prefix checkpoints out of order");
     cut_at.push_back(at);
     cut_of.push_back(&c);
@@ -280,8 +343,24 @@ std::vector<float> CudaBackend::run_pass(CudaSequence& s, const std::vector<Run>
   kc::embed_gather(T, H_, pre_.ids, w_.embed, pre_.x, stream_);
   for (int i = 0; i < cfg_.num_hidden_layers; ++i) {
     const DevLayer& L = w_.layers[i];
-    kc::rms_norm_residual(T, H_, pre_.x, H_, nullptr, L.input_layernorm, eps_, pre_.hn, stream_);
-    if (L.type == LayerType::Linear) {
+    mixer_norm(pre_, L, T);
+    if (L.type == LayerType::Linear && lin_ != Lin::Gdn) {  // KDA, lightning
+      const int l = cfg_.linear_index(i);
+      const int* cu = tb.dev<int>(t_cu);
+      if (conv_layer_bytes_) kc::batched_copy(R, tb.dev<kc::CopyDesc>(t_cin) + size_t(l) * R, stream_);
+      linear_family_project(pre_, L, T, R, cu, conv_states, tb.dev<int>(t_pos));
+      if (conv_layer_bytes_) kc::batched_copy(1, tb.dev<kc::CopyDesc>(t_cout) + l, stream_);
+      if (chain) {  // phase A: runs 0..R-2 from zero: (T, S(run|0)); the chain; phase C from the true states
+        linear_scan(pre_, L, R - 1, cu, run_cu.data(), nullptr, rs_f(o_sz, 0), rs_t(o_tz, 0), false);
+        this->chain(1, steps_per_chain, tb.dev<kc::AffineStep>(t_steps) + size_t(l) * steps_per_chain,
+                    tb.dev<const float*>(t_cinit) + l, nullptr, stream_);
+        linear_scan(pre_, L, R, cu, run_cu.data(), rs_f(o_init, 0), rs_f(o_fin, 0), nullptr, true);
+        kc::batched_copy(1, tb.dev<kc::CopyDesc>(t_fin) + l, stream_);
+      } else {
+        linear_scan(pre_, L, R, cu, run_cu.data(), ssm(l, s.slot_), ssm(l, s.slot_), nullptr, true);
+      }
+      linear_family_finish(pre_, L, T);
+    } else if (L.type == LayerType::Linear) {
       const int l = cfg_.linear_index(i);
       linear_gemms(pre_, L.linear, T);
       kc::batched_copy(R, tb.dev<kc::CopyDesc>(t_cin) + size_t(l) * R, stream_);
@@ -297,7 +376,7 @@ std::vector<float> CudaBackend::run_pass(CudaSequence& s, const std::vector<Run>
       if (chain) {
         kc::GdnPrefillArgs a = g;  // phase A: runs 0..R-2 from zero: (T, S(run|0))
         a.num_seqs = R - 1, a.cu_seqlens_host = run_cu.data();
-        a.final_state = rs_f(o_sz, 0), a.transition = rs_f(o_tz, 0), a.out = nullptr;
+        a.final_state = rs_f(o_sz, 0), a.transition = rs_t(o_tz, 0), a.out = nullptr;
         kc::gdn_prefill(a, ws_a_, stream_);
         kc::affine_chain(1, nv_, steps_per_chain, tb.dev<kc::AffineStep>(t_steps) + size_t(l) * steps_per_chain,
                          tb.dev<const float*>(t_cinit) + l, nullptr, stream_);
@@ -316,14 +395,17 @@ std::vector<float> CudaBackend::run_pass(CudaSequence& s, const std::vector<Run>
     } else {
       const int a = cfg_.attention_index(i);
       if (import_rows)  // the folded entries' K (re-rotated to real positions) and V, before anything attends to them
-        kc::kv_import(import_rows, nkv_, hd_, cfg_.rotary_dim(), tb.dev<const kc::bf16*>(t_k[a]),
-                      tb.dev<const kc::bf16*>(t_v[a]), tb.dev<int>(t_kd), inv_freq_.as<float>(), tb.dev<int>(t_kdst),
-                      k_pool_[a].as<kc::bf16>(), v_pool_[a].as<kc::bf16>(), stream_);
-      attention_mixer(pre_, L.attention, a, T, tb.dev<int>(t_pos), tb.dev<int>(t_rows), groups, false);
-      if (mass_dev)  // the last span's last token over every slot it sees (PrefillOptions::attention_mass)
-        kc::attention_key_mass(1, nh_, nkv_, hd_, pre_.aq + size_t(T - 1) * nh_ * hd_, slot0[G - 1] + (T - 1 - q_start[G - 1]),
+        import_kv(a, import_rows, tb.dev<const kc::bf16*>(t_k[a]), tb.dev<const kc::bf16*>(t_v[a]), tb.dev<int>(t_kd),
+                  tb.dev<int>(t_kdst));
+      attention_layer(pre_, L, a, T, tb.dev<int>(t_pos), tb.dev<int>(t_rows), groups, false);
+      if (mass_dev) {  // the last span's last token over every slot it sees (PrefillOptions::attention_mass)
+        const bool mla = attn_ == Attn::Mla;
+        const int hd = mla ? mla_cfg_.dims.padded() : hd_, nkv = mla ? nh_ : nkv_;
+        const kc::bf16* q = (mla ? pre_.mla.q_pad : pre_.aq) + size_t(T - 1) * nh_ * hd;
+        kc::attention_key_mass(1, nh_, nkv, hd, q, slot0[G - 1] + (T - 1 - q_start[G - 1]),
                                tb.dev<int>(t_bt) + size_t(G - 1) * max_pages, k_pool_[a].as<kc::bf16>(), attn_scale_,
                                mass_dev, stream_);
+      }
     }
     ffn(pre_, L, T);
   }
@@ -365,10 +447,14 @@ void CudaBackend::execute(CudaSequence& s, const std::vector<Item>& items_in, bo
     ensure_capacity(mass_dev_, size_t(kv_len) * 4, "refresh probe");
     check_cuda(cudaMemsetAsync(mass_dev_.as(), 0, size_t(kv_len) * 4, stream_), "refresh probe");
   }
+  // Prefix checkpoints: the Gated DeltaNet scan writes their states inside a pass; the other families' scans cannot,
+  // so there a pass ends at each checkpoint and its states are copied from the slot (save_checkpoint_states).
+  const bool cut_by_pass = lin_ != Lin::Gdn && n_lin_ > 0 && !cuts.empty();
+  size_t next_cut = 0;
   auto flush = [&](bool last) {
     if (runs.empty()) return;
-    std::vector<float> lg =
-        run_pass(s, runs, last, all_logits, last && mass && n_attn_ ? mass_dev_.as<float>() : nullptr, cuts);
+    std::vector<float> lg = run_pass(s, runs, last, all_logits, last && mass && n_attn_ ? mass_dev_.as<float>() : nullptr,
+                                     cut_by_pass ? std::span<const CheckpointCut>() : cuts);
     if (last) logits = std::move(lg);
     runs.clear();
     used = 0;
@@ -393,6 +479,18 @@ void CudaBackend::execute(CudaSequence& s, const std::vector<Item>& items_in, bo
         it.folds.clear();
       }
       const int64_t room = std::max<int64_t>(pass_cap - used, 0);
+      while (cut_by_pass && next_cut < cuts.size() && cuts[next_cut].at <= it.span.position) ++next_cut;
+      const int64_t to_cut = cut_by_pass && next_cut < cuts.size() ? cuts[next_cut].at - it.span.position : 0;
+      if (to_cut > 0 && to_cut <= std::min(len, room) && it.folds.empty() && !(is_last && to_cut == len)) {
+        // The span reaches a checkpoint within this pass: its head ends the pass there.
+        if (runs.empty()) runs.push_back(Run{});
+        runs.back().spans.push_back({it.span.ids.subspan(0, size_t(to_cut)), it.span.position});
+        it.span = {it.span.ids.subspan(size_t(to_cut)), it.span.position + to_cut};
+        flush(false);
+        save_checkpoint_states(s, *cuts[next_cut++].cp);
+        if (it.span.ids.empty()) break;
+        continue;
+      }
       if (len <= room) {
         if (runs.empty() || !it.folds.empty()) runs.push_back(Run{it.folds, {}});
         runs.back().spans.push_back(it.span);
@@ -426,6 +524,19 @@ void CudaBackend::pause(const SplicePlan& plan, const char* where) {
 
 // ---- checkpoints (prefix mode) ---------------------------------------------------------------------------------
 
+void CudaBackend::save_checkpoint_states(const CudaSequence& s, Checkpoint& cp) {
+  if (s.n_ != cp.n) throw std::logic_error("save_checkpoint_states: the sequence is not at the checkpoint's position");
+  for (int l = 0; l < n_lin_; ++l) {
+    check_cuda(cudaMemcpyAsync(checkpoint_state(cp, l), ssm(l, s.slot_), state_layer_bytes_, cudaMemcpyDeviceToDevice,
+                               stream_),
+               "prefix checkpoint");
+    if (conv_layer_bytes_)
+      check_cuda(cudaMemcpyAsync(checkpoint_conv(cp, l), convs(l, s.slot_), conv_layer_bytes_, cudaMemcpyDeviceToDevice,
+                                 stream_),
+                 "prefix checkpoint");
+  }
+}
+
 void CudaBackend::save_checkpoint_kv(const CudaSequence& s, std::span<const CheckpointCut> cuts) {
   std::vector<kc::CopyDesc> c;
   for (const CheckpointCut& cut : cuts)
@@ -453,7 +564,7 @@ void CudaBackend::restore_chain(CudaSequence& s, const std::vector<const Checkpo
   std::vector<kc::CopyDesc> c;
   for (int l = 0; l < n_lin_; ++l) {
     c.push_back({checkpoint_state(last, l), ssm(l, s.slot_), long(state_layer_bytes_)});
-    c.push_back({checkpoint_conv(last, l), convs(l, s.slot_), long(conv_layer_bytes_)});
+    if (conv_layer_bytes_) c.push_back({checkpoint_conv(last, l), convs(l, s.slot_), long(conv_layer_bytes_)});
   }
   for (const Checkpoint* cp : chain)
     for (int a = 0; a < n_attn_; ++a)
@@ -721,7 +832,7 @@ void CudaBackend::build_batch(std::span<const std::vector<int32_t>> segs, int w,
     }
   }
   std::vector<int32_t> ids, pos, rows;
-  std::vector<int> cu{0}, pieces{0}, seam_cu{0}, seam_rows, bt(size_t(N) * max_pages, 0), slot0(N, 0);
+  std::vector<int> cu{0}, pieces{0}, seam_cu{0}, seam_rows, bt(size_t(N) * max_pages, 0), slot0(N, 0), seg_of;
   int max_q = 0, max_kv = 1;
   std::vector<std::shared_ptr<CudaEntry>> entries;
   for (int i = 0; i < N; ++i) {
@@ -729,6 +840,7 @@ void CudaBackend::build_batch(std::span<const std::vector<int32_t>> segs, int w,
     const int base = int(ids.size());
     for (int t = 0; t < n; ++t) {
       ids.push_back(segs[i][t]);
+      seg_of.push_back(i);
       pos.push_back(t);
       rows.push_back(n_attn_ ? pages[i][t / kPage] * kPage + t % kPage : 0);
     }
@@ -741,6 +853,7 @@ void CudaBackend::build_batch(std::span<const std::vector<int32_t>> segs, int w,
     max_q = std::max(max_q, n);
     max_kv = std::max(max_kv, n);
     SegmentEntry h;
+    h.format_version = entry_format_version(geom_);
     h.model_fingerprint = fingerprint_;
     h.numerics = std::string(numerics());
     h.seam_width = w;
@@ -751,16 +864,24 @@ void CudaBackend::build_batch(std::span<const std::vector<int32_t>> segs, int w,
   }
   const int T = int(ids.size());
   const int S = int(seam_rows.size());
-  // Per-layer scratch: seam finals [N], piece initial states [2N], finals [2N], transitions [2N], conv states [N].
-  const size_t S1 = state_layer_bytes_;
+  // Per-layer scratch: seam finals [N], piece initial states [2N], finals [2N], transitions [2N], conv states [N],
+  // the seams' scan inputs gathered (bf16 elements per row: Gated DeltaNet q, k, v, a, b; KDA q, k, v, g and beta
+  // (fp32, two bf16 elements per value); lightning q, k, v).
+  const size_t S1 = state_layer_bytes_, TR = trans_layer_bytes_;
+  const int HDl = nv_ * cfg_.linear_value_head_dim;
+  const std::vector<int> seam_width = lin_ == Lin::Gdn   ? std::vector<int>{qd_, qd_, vd_, nv_, nv_}
+                                      : lin_ == Lin::Kda ? std::vector<int>{HDl, HDl, HDl, 2 * HDl, 2 * nv_}
+                                                         : std::vector<int>{HDl, HDl, HDl};
   Layout rl;
-  const size_t o_sf = rl.add(N * S1), o_pi = rl.add(2 * N * S1), o_pf = rl.add(2 * N * S1), o_pt = rl.add(2 * N * S1),
-               o_cs = rl.add(N * conv_layer_bytes_), o_sq = rl.add(S * qd_ * 2 + 16), o_sk = rl.add(S * qd_ * 2 + 16),
-               o_sv = rl.add(S * vd_ * 2 + 16), o_sa = rl.add(S * nv_ * 2 + 16), o_sb = rl.add(S * nv_ * 2 + 16);
+  const size_t o_sf = rl.add(N * S1), o_pi = rl.add(2 * N * S1), o_pf = rl.add(2 * N * S1), o_pt = rl.add(2 * N * TR),
+               o_cs = rl.add(N * conv_layer_bytes_);
+  std::vector<size_t> o_seam;
+  for (int w : seam_width) o_seam.push_back(rl.add(size_t(S) * w * 2 + 16));
   if (n_lin_) ensure_capacity(run_scratch_, rl.total(), "per-segment states of an entry build");
   auto rs_f = [&](size_t off, int i) { return reinterpret_cast<float*>(run_scratch_.bytes_ptr(off + i * S1)); };
+  auto rs_t = [&](size_t off, int i) { return reinterpret_cast<float*>(run_scratch_.bytes_ptr(off + i * TR)); };
   auto rs_b = [&](size_t off) { return reinterpret_cast<kc::bf16*>(run_scratch_.bytes_ptr(off)); };
-  kc::bf16* conv_states = n_lin_ ? rs_b(o_cs) : nullptr;
+  kc::bf16* conv_states = n_lin_ && conv_layer_bytes_ ? rs_b(o_cs) : nullptr;
   // Copy tables, per linear layer: seam finals -> odd piece initials; entry S_seam (when w > 0), T_int, conv tail
   // (the seam pieces' T, T_seam, is not stored: engine/segment.h).
   std::vector<kc::CopyDesc> init_copy, entry_copy;
@@ -772,9 +893,10 @@ void CudaBackend::build_batch(std::span<const std::vector<int32_t>> segs, int w,
       init_copy.push_back({rs_f(o_sf, i), rs_f(o_pi, 2 * i + 1), long(S1)});
       CudaEntry& e = *entries[i];
       if (e.has_seam()) entry_copy.push_back({rs_f(o_pf, 2 * i), e.S_seam(l), long(S1)});
-      entry_copy.push_back({rs_f(o_pt, 2 * i + 1), e.T_int(l), long(S1)});
-      entry_copy.push_back({conv_states + size_t(i) * conv_layer_bytes_ / 2, e.conv(l), long(conv_layer_bytes_)});
-      sub.push_back({rs_f(o_pt, 2 * i + 1), rs_f(o_pf, 2 * i + 1), nullptr, -1.f});
+      entry_copy.push_back({rs_t(o_pt, 2 * i + 1), e.T_int(l), long(TR)});
+      if (conv_layer_bytes_)
+        entry_copy.push_back({conv_states + size_t(i) * conv_layer_bytes_ / 2, e.conv(l), long(conv_layer_bytes_)});
+      sub.push_back({rs_t(o_pt, 2 * i + 1), rs_f(o_pf, 2 * i + 1), nullptr, -1.f});
       sub_init.push_back(rs_f(o_pf, 2 * i));
       sub_fin.push_back(e.S_int(l));
     }
@@ -782,7 +904,8 @@ void CudaBackend::build_batch(std::span<const std::vector<int32_t>> segs, int w,
   Tables tb;
   const size_t t_ids = tb.add(ids), t_pos = tb.add(pos), t_rows = tb.add(rows), t_cu = tb.add(cu), t_bt = tb.add(bt),
                t_s0 = tb.add(slot0), t_sr = tb.add(seam_rows), t_ic = tb.add(init_copy), t_ec = tb.add(entry_copy),
-               t_sub = tb.add(sub), t_si = tb.add(sub_init), t_sf = tb.add(sub_fin);
+               t_sub = tb.add(sub), t_si = tb.add(sub_init), t_sf = tb.add(sub_fin), t_pc = tb.add(pieces),
+               t_scu = tb.add(seam_cu);
   tb.upload(tables_dev_, stream_);
   check_cuda(cudaMemcpyAsync(pre_.ids, tb.dev<int32_t>(t_ids), size_t(T) * 4, cudaMemcpyDeviceToDevice, stream_), "ids");
   const kc::AttnGroups groups =
@@ -797,8 +920,37 @@ void CudaBackend::build_batch(std::span<const std::vector<int32_t>> segs, int w,
       return;
     }
     const DevLayer& L = w_.layers[i];
-    kc::rms_norm_residual(T, H_, pre_.x, H_, nullptr, L.input_layernorm, eps_, pre_.hn, stream_);
-    if (L.type == LayerType::Linear) {
+    mixer_norm(pre_, L, T);
+    if (L.type == LayerType::Linear && lin_ != Lin::Gdn) {  // KDA, lightning: as below, with their scans
+      const int l = cfg_.linear_index(i);
+      const bool want_t = !opt_.benchmark_skip_transitions;
+      if (conv_layer_bytes_)
+        check_cuda(cudaMemsetAsync(conv_states, 0, size_t(N) * conv_layer_bytes_, stream_), "conv zero");
+      linear_family_project(pre_, L, T, N, tb.dev<int>(t_cu), conv_states, tb.dev<int>(t_pos));
+      check_cuda(cudaMemsetAsync(rs_f(o_pi, 0), 0, 2 * size_t(N) * S1, stream_), "zero piece states");
+      if (S > 0) {  // the seams alone from zero: S(seam|0), the interiors' true initial states
+        const bool kda = lin_ == Lin::Kda;
+        const kc::bf16* src[5] = {kda ? pre_.kda.q : pre_.light.q, kda ? pre_.kda.k : pre_.light.k,
+                                  kda ? pre_.kda.v : pre_.light.v,
+                                  kda ? reinterpret_cast<const kc::bf16*>(pre_.kda.g) : nullptr,
+                                  kda ? reinterpret_cast<const kc::bf16*>(pre_.kda.beta) : nullptr};
+        for (size_t j = 0; j < seam_width.size(); ++j)
+          kc::gather_rows(S, seam_width[j], src[j], tb.dev<int>(t_sr), rs_b(o_seam[j]), stream_);
+        linear_scan(pre_, L, N, tb.dev<int>(t_scu), seam_cu.data(), nullptr, rs_f(o_sf, 0), nullptr, false,
+                    rs_b(o_seam[0]), rs_b(o_seam[1]), rs_b(o_seam[2]),
+                    kda ? reinterpret_cast<const float*>(rs_b(o_seam[3])) : nullptr,
+                    kda ? reinterpret_cast<const float*>(rs_b(o_seam[4])) : nullptr);
+        kc::batched_copy(N, tb.dev<kc::CopyDesc>(t_ic) + size_t(l) * N, stream_);
+      }
+      // Every piece (seam_i from zero, interior_i from S(seam_i|0)): outputs, finals and T of each piece.
+      linear_scan(pre_, L, 2 * N, tb.dev<int>(t_pc), pieces.data(), rs_f(o_pi, 0), rs_f(o_pf, 0),
+                  want_t ? rs_t(o_pt, 0) : nullptr, true);
+      if (want_t)
+        chain(N, 1, tb.dev<kc::AffineStep>(t_sub) + size_t(l) * N, tb.dev<const float*>(t_si) + size_t(l) * N,
+              tb.dev<float*>(t_sf) + size_t(l) * N, stream_);
+      kc::batched_copy(per_layer_copies, tb.dev<kc::CopyDesc>(t_ec) + size_t(l) * per_layer_copies, stream_);
+      linear_family_finish(pre_, L, T);
+    } else if (L.type == LayerType::Linear) {
       const int l = cfg_.linear_index(i);
       linear_gemms(pre_, L.linear, T);
       check_cuda(cudaMemsetAsync(conv_states, 0, size_t(N) * conv_layer_bytes_, stream_), "conv zero");
@@ -809,14 +961,13 @@ void CudaBackend::build_batch(std::span<const std::vector<int32_t>> segs, int w,
       g.A_log = L.linear.A_log, g.dt_bias = L.linear.dt_bias, g.l2norm_qk = true, g.scale = gdn_scale_;
       check_cuda(cudaMemsetAsync(rs_f(o_pi, 0), 0, 2 * size_t(N) * S1, stream_), "zero piece states");
       if (S > 0) {  // the seams alone from zero: S(seam|0), the interiors' true initial states
-        kc::gather_rows(S, qd_, pre_.q, tb.dev<int>(t_sr), rs_b(o_sq), stream_);
-        kc::gather_rows(S, qd_, pre_.k, tb.dev<int>(t_sr), rs_b(o_sk), stream_);
-        kc::gather_rows(S, vd_, pre_.v, tb.dev<int>(t_sr), rs_b(o_sv), stream_);
-        kc::gather_rows(S, nv_, pre_.ga, tb.dev<int>(t_sr), rs_b(o_sa), stream_);
-        kc::gather_rows(S, nv_, pre_.gb, tb.dev<int>(t_sr), rs_b(o_sb), stream_);
+        const kc::bf16* src[5] = {pre_.q, pre_.k, pre_.v, pre_.ga, pre_.gb};
+        for (size_t j = 0; j < seam_width.size(); ++j)
+          kc::gather_rows(S, seam_width[j], src[j], tb.dev<int>(t_sr), rs_b(o_seam[j]), stream_);
         kc::GdnPrefillArgs a = g;
         a.num_seqs = N, a.cu_seqlens_host = seam_cu.data();
-        a.q = rs_b(o_sq), a.k = rs_b(o_sk), a.v = rs_b(o_sv), a.gate_a = rs_b(o_sa), a.gate_b = rs_b(o_sb);
+        a.q = rs_b(o_seam[0]), a.k = rs_b(o_seam[1]), a.v = rs_b(o_seam[2]), a.gate_a = rs_b(o_seam[3]),
+        a.gate_b = rs_b(o_seam[4]);
         a.final_state = rs_f(o_sf, 0);
         kc::gdn_prefill(a, ws_seam_, stream_);
         kc::batched_copy(N, tb.dev<kc::CopyDesc>(t_ic) + size_t(l) * N, stream_);
@@ -825,19 +976,42 @@ void CudaBackend::build_batch(std::span<const std::vector<int32_t>> segs, int w,
       g.num_seqs = 2 * N, g.cu_seqlens_host = pieces.data();
       g.q = pre_.q, g.k = pre_.k, g.v = pre_.v, g.gate_a = pre_.ga, g.gate_b = pre_.gb;
       g.initial_state = rs_f(o_pi, 0), g.final_state = rs_f(o_pf, 0), g.out = pre_.o;
-      g.transition = opt_.benchmark_skip_transitions ? nullptr : rs_f(o_pt, 0);
+      g.transition = opt_.benchmark_skip_transitions ? nullptr : rs_t(o_pt, 0);
       kc::gdn_prefill(g, ws_pieces_, stream_);
       if (!opt_.benchmark_skip_transitions)
-        kc::affine_chain(N, nv_, 1, tb.dev<kc::AffineStep>(t_sub) + size_t(l) * N,
-                         tb.dev<const float*>(t_si) + size_t(l) * N, tb.dev<float*>(t_sf) + size_t(l) * N, stream_);
+        chain(N, 1, tb.dev<kc::AffineStep>(t_sub) + size_t(l) * N, tb.dev<const float*>(t_si) + size_t(l) * N,
+              tb.dev<float*>(t_sf) + size_t(l) * N, stream_);
       kc::batched_copy(per_layer_copies, tb.dev<kc::CopyDesc>(t_ec) + size_t(l) * per_layer_copies, stream_);
       linear_finish(pre_, L.linear, T);
     } else {
-      attention_mixer(pre_, L.attention, cfg_.attention_index(i), T, tb.dev<int>(t_pos), tb.dev<int>(t_rows), groups, false);
+      attention_layer(pre_, L, cfg_.attention_index(i), T, tb.dev<int>(t_pos), tb.dev<int>(t_rows), groups, false);
     }
     ffn(pre_, L, T);
   }
-  // K/V out of the pages into the entries.
+  // K/V out of the pages into the entries: MLA's padded pool rows packed row by row, the others' pages copied.
+  if (attn_ == Attn::Mla && n_attn_ && T > 0) {
+    check_cuda(cudaStreamSynchronize(stream_), "entry build");  // the tables buffer is reused below
+    const size_t ke = size_t(geom_.kv_heads) * geom_.head_dim, ve = size_t(geom_.kv_heads) * geom_.v_dim();
+    Tables t2;
+    const size_t o_rows = t2.add(rows);
+    std::vector<size_t> o_k(n_attn_), o_v(n_attn_);
+    for (int a = 0; a < n_attn_; ++a) {
+      std::vector<kc::bf16*> kd(static_cast<size_t>(T)), vd(static_cast<size_t>(T));
+      for (int t = 0; t < T; ++t) {
+        const int seg = seg_of[size_t(t)], j = t - cu[size_t(seg)];
+        kd[size_t(t)] = entries[size_t(seg)]->K(a) + size_t(j) * ke;
+        vd[size_t(t)] = entries[size_t(seg)]->V(a) + size_t(j) * ve;
+      }
+      o_k[a] = t2.add(kd), o_v[a] = t2.add(vd);
+    }
+    t2.upload(tables_dev_, stream_);
+    for (int a = 0; a < n_attn_; ++a)
+      kc::mla_kv_export(T, mla_cfg_.dims, k_pool_[a].as<kc::bf16>(), v_pool_[a].as<kc::bf16>(), t2.dev<int>(o_rows),
+                        t2.dev<kc::bf16* const>(o_k[a]), t2.dev<kc::bf16* const>(o_v[a]), stream_);
+    check_cuda(cudaStreamSynchronize(stream_), "entry build");
+    out.insert(out.end(), entries.begin(), entries.end());
+    return;
+  }
   std::vector<kc::CopyDesc> kvc;
   for (int i = 0; i < N; ++i) {
     const int n = int(segs[i].size());

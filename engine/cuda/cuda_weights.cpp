@@ -50,6 +50,7 @@ struct Spec {
   int64_t conv_kernel = 4;
   size_t offset = 0;
   const void** slot = nullptr;  // where the device pointer goes
+  std::vector<float> fixed;     // random weights: these values (fp32) instead of a draw (lightning's slopes)
 };
 
 /// fp32 -> bf16 (f32_to_bf16: round to nearest even) or fp32 copy of n values, on several threads when large
@@ -130,8 +131,9 @@ class Builder {
  public:
   template <class T>
   void add(const std::string& name, size_t numel, bool fp32, int group, Pick pick, TensorRole role, const T** slot,
-           int64_t conv_kernel = 4) {
+           int64_t conv_kernel = 4, std::vector<float> fixed = {}) {
     Spec s;
+    s.fixed = std::move(fixed);
     s.name = name;
     s.numel = numel;
     s.fp32 = fp32;
@@ -200,6 +202,10 @@ class Builder {
         case TensorRole::Conv: kind = kc::RandomFill::Uniform, a = 0.f, b = float(1.0 / std::sqrt(double(s.conv_kernel))); break;
       }
       void* p = m.bytes_ptr(s.offset);
+      if (!s.fixed.empty()) {
+        check_cuda(cudaMemcpy(p, s.fixed.data(), s.fixed.size() * sizeof(float), cudaMemcpyHostToDevice), "fixed weights");
+        continue;
+      }
       kc::fill_random(long(s.numel), kind, a, b, seed, id, s.fp32 ? nullptr : static_cast<bf16*>(p),
                       s.fp32 ? static_cast<float*>(p) : nullptr);
     }
@@ -216,8 +222,10 @@ class Builder {
 // Declares every tensor of the model, with the host group and tensors each comes from.
 void declare(const ModelConfig& c, Builder& b, DeviceWeights& d) {
   const size_t H = c.hidden_size, V = c.vocab_size;
+  // RMSNorm weights: zero-centred (1 + w) in the Qwen families, applied as w in the others.
+  const TensorRole norm_role = c.zero_centred_norms() ? TensorRole::ZeroCentredNorm : TensorRole::GatedNorm;
   b.add("embed", V * H, false, kEmbed, nullptr, TensorRole::Matrix, &d.embed);
-  b.add("final_norm", H, false, kFinalNorm, nullptr, TensorRole::ZeroCentredNorm, &d.final_norm);
+  b.add("final_norm", H, false, kFinalNorm, nullptr, norm_role, &d.final_norm);
   if (!c.tie_word_embeddings) b.add("lm_head", V * H, false, kLmHead, nullptr, TensorRole::Matrix, &d.lm_head);
   d.layers.resize(c.num_hidden_layers);
   const size_t nv = c.linear_num_value_heads, dv = c.linear_value_head_dim, C = c.conv_dim();
@@ -229,11 +237,11 @@ void declare(const ModelConfig& c, Builder& b, DeviceWeights& d) {
     DevLayer& L = d.layers[i];
     L.type = c.layer_types[i];
     L.is_moe = c.is_moe_layer(i);
-    b.add(p + "input_layernorm", H, false, g, [](LW l) { return Parts{&l.input_layernorm}; },
-          TensorRole::ZeroCentredNorm, &L.input_layernorm);
+    b.add(p + "input_layernorm", H, false, g, [](LW l) { return Parts{&l.input_layernorm}; }, norm_role,
+          &L.input_layernorm);
     b.add(p + "post_attention_layernorm", H, false, g, [](LW l) { return Parts{&l.post_attention_layernorm}; },
-          TensorRole::ZeroCentredNorm, &L.post_attention_layernorm);
-    if (L.type == LayerType::Linear) {
+          norm_role, &L.post_attention_layernorm);
+    if (L.type == LayerType::Linear && c.family == ModelFamily::Qwen) {
       DevLinear& l = L.linear;
       b.add(p + "in_proj_qkv", C * H, false, g, [](LW w) { return Parts{&w.linear.in_proj_qkv}; }, TensorRole::Matrix, &l.in_proj_qkv);
       b.add(p + "in_proj_z", nv * dv * H, false, g, [](LW w) { return Parts{&w.linear.in_proj_z}; }, TensorRole::Matrix, &l.in_proj_z);
@@ -244,6 +252,60 @@ void declare(const ModelConfig& c, Builder& b, DeviceWeights& d) {
       b.add(p + "dt_bias", nv, true, g, [](LW w) { return Parts{&w.linear.dt_bias}; }, TensorRole::DtBias, &l.dt_bias);
       b.add(p + "norm", dv, false, g, [](LW w) { return Parts{&w.linear.norm}; }, TensorRole::GatedNorm, &l.norm);
       b.add(p + "out_proj", H * nv * dv, false, g, [](LW w) { return Parts{&w.linear.out_proj}; }, TensorRole::Matrix, &l.out_proj);
+    } else if (L.type == LayerType::Linear && c.family == ModelFamily::KimiLinear) {
+      DevKda& l = L.kda;  // HF KimiDeltaAttention, projections sharing an input stacked (kda_mixer.h)
+      const size_t n = nv, dk = dv, HD = n * dk;
+      b.add(p + "kda_qkv_proj", 3 * HD * H, false, g,
+            [](LW w) { return Parts{&w.kda.q_proj, &w.kda.k_proj, &w.kda.v_proj}; }, TensorRole::Matrix, &l.qkv_proj);
+      b.add(p + "kda_conv1d", 3 * HD * K, false, g, [](LW w) { return Parts{&w.kda.conv1d}; }, TensorRole::Conv,
+            &l.conv1d, int64_t(K));
+      b.add(p + "kda_low_proj", (2 * dk + n) * H, false, g,
+            [](LW w) { return Parts{&w.kda.f_a_proj, &w.kda.g_a_proj, &w.kda.b_proj}; }, TensorRole::Matrix,
+            &l.low_proj);
+      b.add(p + "kda_f_b_proj", HD * dk, false, g, [](LW w) { return Parts{&w.kda.f_b_proj}; }, TensorRole::Matrix,
+            &l.f_b_proj);
+      b.add(p + "kda_g_b_proj", HD * dk, false, g, [](LW w) { return Parts{&w.kda.g_b_proj}; }, TensorRole::Matrix,
+            &l.g_b_proj);
+      b.add(p + "kda_A_log", n, true, g, [](LW w) { return Parts{&w.kda.A_log}; }, TensorRole::ALog, &l.A_log);
+      b.add(p + "kda_dt_bias", HD, true, g, [](LW w) { return Parts{&w.kda.dt_bias}; }, TensorRole::DtBias,
+            &l.dt_bias);
+      b.add(p + "kda_o_norm", dk, false, g, [](LW w) { return Parts{&w.kda.o_norm}; }, TensorRole::GatedNorm,
+            &l.o_norm);
+      b.add(p + "kda_o_proj", H * HD, false, g, [](LW w) { return Parts{&w.kda.o_proj}; }, TensorRole::Matrix,
+            &l.o_proj);
+    } else if (L.type == LayerType::Linear) {  // MiniMax, Ring-linear: lightning attention
+      DevLightning& l = L.lightning;
+      const size_t HD = nh * hd;
+      b.add(p + "lightning_qkv_proj", 3 * HD * H, false, g, [](LW w) { return Parts{&w.lightning.qkv_proj}; },
+            TensorRole::Matrix, &l.qkv_proj);
+      b.add(p + "lightning_gate", HD * H, false, g, [](LW w) { return Parts{&w.lightning.gate}; }, TensorRole::Matrix,
+            &l.gate);
+      b.add(p + "lightning_norm", HD, false, g, [](LW w) { return Parts{&w.lightning.norm}; }, TensorRole::GatedNorm,
+            &l.norm);
+      b.add(p + "lightning_out_proj", H * HD, false, g, [](LW w) { return Parts{&w.lightning.out_proj}; },
+            TensorRole::Matrix, &l.out_proj);
+      if (c.family == ModelFamily::RingLinear && c.use_qk_norm) {
+        b.add(p + "lightning_q_norm", hd, false, g, [](LW w) { return Parts{&w.lightning.q_norm}; },
+              TensorRole::GatedNorm, &l.q_norm);
+        b.add(p + "lightning_k_norm", hd, false, g, [](LW w) { return Parts{&w.lightning.k_norm}; },
+              TensorRole::GatedNorm, &l.k_norm);
+      }
+      // Random weights keep the model's own slopes (HF's ALiBi-style rates, engine/checkpoint lightning_slope_rates).
+      b.add(p + "lightning_slope", nh, true, g, [](LW w) { return Parts{&w.lightning.slope}; }, TensorRole::Matrix,
+            &l.slope, 4, lightning_slope_rates(c, i));
+    } else if (c.family == ModelFamily::KimiLinear) {
+      DevMla& a = L.mla;  // q LoRA refused by MlaLayerConfig::of
+      const size_t qk = size_t(c.qk_nope_head_dim) + c.qk_rope_head_dim, R = c.kv_lora_rank;
+      b.add(p + "mla_q_proj", nh * qk * H, false, g, [](LW w) { return Parts{&w.mla.q_proj}; }, TensorRole::Matrix,
+            &a.q_proj);
+      b.add(p + "mla_kv_a_proj", (R + c.qk_rope_head_dim) * H, false, g, [](LW w) { return Parts{&w.mla.kv_a_proj}; },
+            TensorRole::Matrix, &a.kv_a_proj);
+      b.add(p + "mla_kv_a_layernorm", R, false, g, [](LW w) { return Parts{&w.mla.kv_a_layernorm}; },
+            TensorRole::GatedNorm, &a.kv_a_layernorm);
+      b.add(p + "mla_kv_b_proj", nh * (size_t(c.qk_nope_head_dim) + c.v_head_dim) * R, false, g,
+            [](LW w) { return Parts{&w.mla.kv_b_proj}; }, TensorRole::Matrix, &a.kv_b_proj);
+      b.add(p + "mla_o_proj", H * nh * c.v_head_dim, false, g, [](LW w) { return Parts{&w.mla.o_proj}; },
+            TensorRole::Matrix, &a.o_proj);
     } else {
       DevAttention& a = L.attention;
       const size_t qrows = (c.attn_output_gate ? 2 : 1) * nh * hd;
@@ -251,13 +313,18 @@ void declare(const ModelConfig& c, Builder& b, DeviceWeights& d) {
       b.add(p + "kv_proj", 2 * nkv * hd * H, false, g, [](LW w) { return Parts{&w.attention.k_proj, &w.attention.v_proj}; },
             TensorRole::Matrix, &a.kv_proj);
       b.add(p + "o_proj", H * nh * hd, false, g, [](LW w) { return Parts{&w.attention.o_proj}; }, TensorRole::Matrix, &a.o_proj);
-      b.add(p + "q_norm", hd, false, g, [](LW w) { return Parts{&w.attention.q_norm}; }, TensorRole::ZeroCentredNorm, &a.q_norm);
-      b.add(p + "k_norm", hd, false, g, [](LW w) { return Parts{&w.attention.k_norm}; }, TensorRole::ZeroCentredNorm, &a.k_norm);
+      if (c.family == ModelFamily::Qwen || c.use_qk_norm) {  // MiniMax: no q/k norm
+        b.add(p + "q_norm", hd, false, g, [](LW w) { return Parts{&w.attention.q_norm}; }, norm_role, &a.q_norm);
+        b.add(p + "k_norm", hd, false, g, [](LW w) { return Parts{&w.attention.k_norm}; }, norm_role, &a.k_norm);
+      }
     }
     DevFfn& f = L.ffn;
     if (L.is_moe) {
       const size_t E = c.num_experts, I = c.moe_intermediate_size, Is = c.shared_expert_intermediate_size;
       b.add(p + "router", E * H, false, g, [](LW w) { return Parts{&w.moe.router}; }, TensorRole::Matrix, &f.router);
+      if (c.router_bias)
+        b.add(p + "router_bias", E, true, g, [](LW w) { return Parts{&w.moe.router_bias}; }, TensorRole::Matrix,
+              &f.router_bias);
       b.add(p + "experts_gate_up", E * 2 * I * H, false, g, [](LW w) { return Parts{&w.moe.experts_gate_up}; },
             TensorRole::Matrix, &f.experts_gate_up);
       b.add(p + "experts_down", E * H * I, false, g, [](LW w) { return Parts{&w.moe.experts_down}; }, TensorRole::Matrix,
@@ -268,8 +335,9 @@ void declare(const ModelConfig& c, Builder& b, DeviceWeights& d) {
               TensorRole::Matrix, &f.shared_gate_up);
         b.add(p + "shared_down", H * Is, false, g, [](LW w) { return Parts{&w.moe.shared_expert.down_proj}; },
               TensorRole::Matrix, &f.shared_down);
-        b.add(p + "shared_gate", H, false, g, [](LW w) { return Parts{&w.moe.shared_expert_gate}; }, TensorRole::Matrix,
-              &f.shared_gate);
+        if (c.shared_expert_gated)
+          b.add(p + "shared_gate", H, false, g, [](LW w) { return Parts{&w.moe.shared_expert_gate}; },
+                TensorRole::Matrix, &f.shared_gate);
       }
     } else {
       const size_t I = c.intermediate_size;

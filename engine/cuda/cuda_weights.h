@@ -12,6 +12,9 @@
 #include "engine/checkpoint/config.h"
 #include "engine/checkpoint/weights.h"
 #include "engine/cuda/device_memory.h"
+#include "engine/cuda/kda_mixer.h"
+#include "engine/cuda/lightning_mixer.h"
+#include "engine/cuda/mla_mixer.h"
 
 namespace hypic::engine::cuda {
 
@@ -44,20 +47,27 @@ struct DevFfn {
   const bf16* gate_up = nullptr;         ///< dense: [2I][H] gate rows then up rows
   const bf16* down = nullptr;            ///< dense: [H][I]
   const bf16* router = nullptr;          ///< MoE: [E][H]
+  const float* router_bias = nullptr;    ///< MoE with ModelConfig::router_bias: [E] fp32 choice bias, else null
   const bf16* experts_gate_up = nullptr; ///< MoE: [E][2I][H]
   const bf16* experts_down = nullptr;    ///< MoE: [E][H][I]
   const bf16* shared_gate_up = nullptr;  ///< MoE: [2Is][H] (null when Is = 0)
   const bf16* shared_down = nullptr;     ///< MoE: [H][Is]
-  const bf16* shared_gate = nullptr;     ///< MoE: [1][H]
+  const bf16* shared_gate = nullptr;     ///< MoE: [1][H]; null when the shared expert is ungated (Kimi, Ring)
 };
 
+/// One decoder layer: exactly one mixer is set, by `type` and the family (ModelConfig::family): linear (Qwen's Gated
+/// DeltaNet), kda (Kimi-Linear), lightning (MiniMax, Ring-linear) for linear layers; attention (Qwen gated, MiniMax /
+/// Ring plain GQA: q_proj [nh hd][H], q_norm / k_norm applied as w for Ring, null for MiniMax) or mla (Kimi-Linear).
 struct DevLayer {
   LayerType type = LayerType::Linear;
   bool is_moe = false;
-  const bf16* input_layernorm = nullptr;           ///< [H] zero-centred
-  const bf16* post_attention_layernorm = nullptr;  ///< [H] zero-centred
+  const bf16* input_layernorm = nullptr;           ///< [H] zero-centred (Qwen) or applied as w (the others)
+  const bf16* post_attention_layernorm = nullptr;  ///< [H] likewise
   DevLinear linear;
+  DevKda kda;
+  DevLightning lightning;
   DevAttention attention;
+  DevMla mla;
   DevFfn ffn;
 };
 
@@ -83,11 +93,13 @@ class DeviceWeights {
   static DeviceWeights load(const ModelConfig& cfg, const std::filesystem::path& dir);
   /// Benchmark-only weights made on the device from the config alone, seeded: matrices N(0, 0.02), zero-centred
   /// norms N(0, 0.05), gated norms 1 + N(0, 0.05), A_log log U(1, 16), dt_bias 1, conv U(+-1/sqrt(K))
-  /// (the distributions of engine/checkpoint/weights.h write_random_checkpoint, drawn by another generator).
+  /// (the distributions of engine/checkpoint/weights.h write_random_checkpoint, drawn by another generator); the
+  /// norms of the non-Qwen families 1 + N(0, 0.05) (applied as w); lightning slopes the model's own
+  /// (lightning_slope_rates).
   static DeviceWeights random(const ModelConfig& cfg, uint64_t seed);
 
   const bf16* embed = nullptr;       ///< [V][H]
-  const bf16* final_norm = nullptr;  ///< [H] zero-centred
+  const bf16* final_norm = nullptr;  ///< [H] zero-centred (Qwen) or applied as w
   const bf16* lm_head = nullptr;     ///< [V][H] (== embed when tied)
   std::vector<DevLayer> layers;
   size_t bytes() const { return mem_.size(); }

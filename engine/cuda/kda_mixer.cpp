@@ -30,6 +30,7 @@ KdaLayerConfig KdaLayerConfig::of(const ModelConfig& c) {
   l.conv_kernel = c.linear_conv_kernel_dim;
   l.eps = static_cast<float>(c.rms_norm_eps);
   l.scale = static_cast<float>(1.0 / std::sqrt(double(l.head_dim)));
+  l.out_scale = static_cast<float>(c.linear_attn_beta);
   return l;
 }
 
@@ -45,15 +46,25 @@ void gates(kc::GemmRunner& gemm, const DevKda& w, const KdaLayerConfig& c, int T
   gemm.linear(T, hd, d, s.low + d, lw, w.g_b_proj, s.gate, CUDA_R_16BF, hd, 0.0f, stream);
 }
 
-// y += o_proj(RMSNorm_head(o) o_norm * sigmoid(gate)).
-void finish(kc::GemmRunner& gemm, const DevKda& w, const KdaLayerConfig& c, int T, const KdaScratch& s, float* y,
-            cudaStream_t stream) {
+}  // namespace
+
+// y += out_scale o_proj(RMSNorm_head(o) o_norm * sigmoid(gate)).
+void kda_mixer_finish(kc::GemmRunner& gemm, const DevKda& w, const KdaLayerConfig& c, int T, const KdaScratch& s,
+                      float* y, cudaStream_t stream) {
   const int hd = c.heads * c.head_dim;
   kc::rms_norm_gated(T * c.heads, c.head_dim, s.o, s.gate, w.o_norm, c.eps, s.o, stream, kc::NormGate::Sigmoid, 1);
-  gemm.linear(T, c.hidden, hd, s.o, hd, w.o_proj, y, CUDA_R_32F, c.hidden, 1.0f, stream);
+  gemm.linear(T, c.hidden, hd, s.o, hd, w.o_proj, y, CUDA_R_32F, c.hidden, 1.0f, stream, c.out_scale);
 }
 
-}  // namespace
+void kda_mixer_project(kc::GemmRunner& gemm, const DevKda& w, const KdaLayerConfig& c, int T, const __nv_bfloat16* xn,
+                       int num_seqs, const int* cu_seqlens, __nv_bfloat16* conv_state, const KdaScratch& s,
+                       cudaStream_t stream) {
+  const int hd = c.heads * c.head_dim;
+  gemm.linear(T, 3 * hd, c.hidden, xn, c.hidden, w.qkv_proj, s.pre, CUDA_R_16BF, 3 * hd, 0.0f, stream);
+  kc::conv1d_silu_prefill(num_seqs, cu_seqlens, T, 3 * hd, c.conv_kernel, s.pre, w.conv1d, conv_state,
+                          kc::ConvQkvOut{s.q, s.k, s.v, hd}, stream);
+  gates(gemm, w, c, T, xn, s, stream);
+}
 
 void kda_mixer_prefill(kc::GemmRunner& gemm, const DevKda& w, const KdaLayerConfig& c, int T, const __nv_bfloat16* xn,
                        kc::KdaPrefillArgs seqs, __nv_bfloat16* conv_state, const KdaScratch& s, float* y,
@@ -61,17 +72,13 @@ void kda_mixer_prefill(kc::GemmRunner& gemm, const DevKda& w, const KdaLayerConf
   if (T == 0) return;
   if (seqs.num_seqs <= 0)
     throw std::invalid_argument("kda_mixer_prefill: " + std::to_string(T) + " tokens but no sequences");
-  const int hd = c.heads * c.head_dim;
-  gemm.linear(T, 3 * hd, c.hidden, xn, c.hidden, w.qkv_proj, s.pre, CUDA_R_16BF, 3 * hd, 0.0f, stream);
-  kc::conv1d_silu_prefill(seqs.num_seqs, seqs.cu_seqlens, T, 3 * hd, c.conv_kernel, s.pre, w.conv1d, conv_state,
-                          kc::ConvQkvOut{s.q, s.k, s.v, hd}, stream);
-  gates(gemm, w, c, T, xn, s, stream);
+  kda_mixer_project(gemm, w, c, T, xn, seqs.num_seqs, seqs.cu_seqlens, conv_state, s, stream);
   seqs.num_heads = c.heads, seqs.total_tokens = T;
   seqs.q = s.q, seqs.k = s.k, seqs.v = s.v, seqs.g = s.g, seqs.beta = s.beta;
   seqs.l2norm_qk = true, seqs.scale = c.scale, seqs.out = s.o;
   seqs.workspace = s.workspace, seqs.workspace_bytes = s.workspace_bytes;
   kc::kda_prefill(seqs, stream);
-  finish(gemm, w, c, T, s, y, stream);
+  kda_mixer_finish(gemm, w, c, T, s, y, stream);
 }
 
 void kda_mixer_decode(kc::GemmRunner& gemm, const DevKda& w, const KdaLayerConfig& c, int batch,
@@ -84,7 +91,7 @@ void kda_mixer_decode(kc::GemmRunner& gemm, const DevKda& w, const KdaLayerConfi
                          stream, state_slots);
   gates(gemm, w, c, batch, xn, s, stream);
   kc::kda_decode(batch, c.heads, s.q, s.k, s.v, s.g, s.beta, true, c.scale, state, s.o, stream, state_slots);
-  finish(gemm, w, c, batch, s, y, stream);
+  kda_mixer_finish(gemm, w, c, batch, s, y, stream);
 }
 
 }  // namespace hypic::engine::cuda

@@ -38,6 +38,7 @@ struct KdaLayerConfig {
   int hidden = 0, heads = 0, head_dim = 0, conv_kernel = 0;
   float eps = 1e-6f;     ///< the output norm's (rms_norm_eps)
   float scale = 1.0f;    ///< d^-1/2
+  float out_scale = 1.0f;  ///< o_proj's output is added times this (1 for Kimi-Linear)
   /// Row stride of the scratch `low` (2 d + H rounded up to a multiple of 8 elements: 16-byte rows for cuBLASLt).
   int low_width() const { return (2 * head_dim + heads + 7) / 8 * 8; }
   /// From a Kimi-Linear config. Throws std::invalid_argument when its KDA head size is not 128 (the kernels' size),
@@ -63,6 +64,17 @@ struct KdaScratch {
 void kda_mixer_prefill(kernels::cuda::GemmRunner& gemm, const DevKda& w, const KdaLayerConfig& c, int T,
                        const __nv_bfloat16* xn, kernels::cuda::KdaPrefillArgs seqs, __nv_bfloat16* conv_state,
                        const KdaScratch& s, float* y, cudaStream_t stream);
+
+/// The layer's first half over a varlen batch of T tokens (num_seqs sequences, cu_seqlens DEVICE int32
+/// [num_seqs + 1]): the q/k/v projection and the three short convs (conv_state as in kda_mixer_prefill) into s.q,
+/// s.k, s.v, the gates into s.g, s.beta, s.gate (the inputs of kda_prefill and kda_mixer_finish).
+void kda_mixer_project(kernels::cuda::GemmRunner& gemm, const DevKda& w, const KdaLayerConfig& c, int T,
+                       const __nv_bfloat16* xn, int num_seqs, const int* cu_seqlens, __nv_bfloat16* conv_state,
+                       const KdaScratch& s, cudaStream_t stream);
+
+/// The layer's second half: y [T][hidden] fp32 += out_scale o_proj(RMSNorm_head(s.o) o_norm * sigmoid(s.gate)).
+void kda_mixer_finish(kernels::cuda::GemmRunner& gemm, const DevKda& w, const KdaLayerConfig& c, int T,
+                      const KdaScratch& s, float* y, cudaStream_t stream);
 
 /// One decode step of `batch` sequences: xn [batch][hidden]; states in slot pools (state [slots][H][128][128] fp32,
 /// conv_state [slots][K-1][3 H d] bf16), request b in slot state_slots[b] (DEVICE int32, or nullptr: slot b);

@@ -26,13 +26,12 @@ LightningLayerConfig LightningLayerConfig::of(const ModelConfig& c) {
   l.norm_eps = static_cast<float>(c.linear_norm_eps);
   l.rope_half = c.linear_rope ? c.rotary_dim() / 2 : 0;
   l.scale = c.family == ModelFamily::RingLinear ? static_cast<float>(1.0 / std::sqrt(double(c.head_dim))) : 1.0f;
+  l.out_scale = static_cast<float>(c.linear_attn_beta);
   return l;
 }
 
-namespace {
-
 // q, k, v from the fused projection (steps 1-2 of the layer).
-void project_qkv(kc::GemmRunner& gemm, const DevLightning& w, const LightningLayerConfig& c, int T,
+void lightning_mixer_project(kc::GemmRunner& gemm, const DevLightning& w, const LightningLayerConfig& c, int T,
                  const __nv_bfloat16* xn, const int* positions, const float* inv_freq, const LightningScratch& s,
                  cudaStream_t stream) {
   const int hd = c.heads * c.head_dim;
@@ -45,17 +44,15 @@ void project_qkv(kc::GemmRunner& gemm, const DevLightning& w, const LightningLay
   kc::lightning_qkv_prepare(a, stream);
 }
 
-// y += out_proj(sigmoid(gate xn) * grouped RMSNorm(o) * norm) (the steps after the recurrence).
-void finish(kc::GemmRunner& gemm, const DevLightning& w, const LightningLayerConfig& c, int T,
+// y += out_scale out_proj(sigmoid(gate xn) * grouped RMSNorm(o) * norm) (the steps after the recurrence).
+void lightning_mixer_finish(kc::GemmRunner& gemm, const DevLightning& w, const LightningLayerConfig& c, int T,
             const __nv_bfloat16* xn, const LightningScratch& s, float* y, cudaStream_t stream) {
   const int hd = c.heads * c.head_dim;
   gemm.linear(T, hd, c.hidden, xn, c.hidden, w.gate, s.gate, CUDA_R_16BF, hd, 0.0f, stream);
   kc::rms_norm_gated(T * c.groups, hd / c.groups, s.o, s.gate, w.norm, c.norm_eps, s.o, stream, kc::NormGate::Sigmoid,
                      c.groups);
-  gemm.linear(T, c.hidden, hd, s.o, hd, w.out_proj, y, CUDA_R_32F, c.hidden, 1.0f, stream);
+  gemm.linear(T, c.hidden, hd, s.o, hd, w.out_proj, y, CUDA_R_32F, c.hidden, 1.0f, stream, c.out_scale);
 }
-
-}  // namespace
 
 void lightning_mixer_prefill(kc::GemmRunner& gemm, const DevLightning& w, const LightningLayerConfig& c, int T,
                              const __nv_bfloat16* xn, const int* positions, const float* inv_freq,
@@ -63,21 +60,21 @@ void lightning_mixer_prefill(kc::GemmRunner& gemm, const DevLightning& w, const 
   if (T == 0) return;
   if (seqs.num_seqs <= 0)
     throw std::invalid_argument("lightning_mixer_prefill: " + std::to_string(T) + " tokens but no sequences");
-  project_qkv(gemm, w, c, T, xn, positions, inv_freq, s, stream);
+  lightning_mixer_project(gemm, w, c, T, xn, positions, inv_freq, s, stream);
   seqs.num_heads = c.heads, seqs.head_dim = c.head_dim;
   seqs.q = s.q, seqs.k = s.k, seqs.v = s.v, seqs.slope = w.slope, seqs.out = s.o;
   seqs.workspace = s.workspace, seqs.workspace_bytes = s.workspace_bytes;
   kc::lightning_prefill(seqs, stream);
-  finish(gemm, w, c, T, xn, s, y, stream);
+  lightning_mixer_finish(gemm, w, c, T, xn, s, y, stream);
 }
 
 void lightning_mixer_decode(kc::GemmRunner& gemm, const DevLightning& w, const LightningLayerConfig& c, int batch,
                             const __nv_bfloat16* xn, const int* positions, const float* inv_freq, float* state,
                             const int* state_slots, const LightningScratch& s, float* y, cudaStream_t stream) {
   if (batch == 0) return;
-  project_qkv(gemm, w, c, batch, xn, positions, inv_freq, s, stream);
+  lightning_mixer_project(gemm, w, c, batch, xn, positions, inv_freq, s, stream);
   kc::lightning_decode(batch, c.heads, c.head_dim, s.q, s.k, s.v, w.slope, state, s.o, stream, state_slots);
-  finish(gemm, w, c, batch, xn, s, y, stream);
+  lightning_mixer_finish(gemm, w, c, batch, xn, s, y, stream);
 }
 
 }  // namespace hypic::engine::cuda

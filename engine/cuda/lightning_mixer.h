@@ -38,6 +38,7 @@ struct LightningLayerConfig {
   float norm_eps = 1e-6f;     ///< linear_norm_eps (the output norm)
   int rope_half = 0;          ///< rotary_dim / 2 when the layer applies RoPE (Ring's linear_rope), else 0
   float scale = 1.0f;         ///< q multiplier (Ring: d^-1/2; MiniMax: 1)
+  float out_scale = 1.0f;     ///< out_proj's output is added times this (MiniMax's linear_attn_beta; 1 elsewhere)
   /// From the config of a lightning family (MiniMax, Ring-linear). Throws std::invalid_argument when the head size
   /// is one the kernels do not support (kernels/cuda lightning_head_dim_supported) or the family is not one of them.
   static LightningLayerConfig of(const ModelConfig& c);
@@ -60,6 +61,17 @@ void lightning_mixer_prefill(kernels::cuda::GemmRunner& gemm, const DevLightning
                              int T, const __nv_bfloat16* xn, const int* positions, const float* inv_freq,
                              kernels::cuda::LightningPrefillArgs seqs, const LightningScratch& s, float* y,
                              cudaStream_t stream);
+
+/// The layer's first half over T tokens: q, k, v into s.q, s.k, s.v ([T][H][d] bf16, as lightning_prefill takes
+/// them) from xn [T][hidden] (positions [T] / inv_freq for Ring's RoPE, else may be null).
+void lightning_mixer_project(kernels::cuda::GemmRunner& gemm, const DevLightning& w, const LightningLayerConfig& c,
+                             int T, const __nv_bfloat16* xn, const int* positions, const float* inv_freq,
+                             const LightningScratch& s, cudaStream_t stream);
+
+/// The layer's second half: y [T][hidden] fp32 += out_scale out_proj(sigmoid(gate xn) * grouped RMSNorm(s.o) * norm)
+/// (s.o [T][H][d], the recurrence's output; overwritten).
+void lightning_mixer_finish(kernels::cuda::GemmRunner& gemm, const DevLightning& w, const LightningLayerConfig& c,
+                            int T, const __nv_bfloat16* xn, const LightningScratch& s, float* y, cudaStream_t stream);
 
 /// One decode step of `batch` sequences (one token each): xn [batch][hidden] bf16, positions [batch], states in a slot
 /// pool [slots][H][d][d] fp32 (state_slots [batch] DEVICE int32, or nullptr: state[b]); y [batch][hidden] fp32 +=.

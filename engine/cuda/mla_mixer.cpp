@@ -23,6 +23,7 @@ MlaLayerConfig MlaLayerConfig::of(const ModelConfig& c) {
     throw std::invalid_argument(f + "qk head dim " + std::to_string(c.qk_nope_head_dim + c.qk_rope_head_dim) +
                                 " or v head dim " + std::to_string(c.v_head_dim) + " is over 256");
   l.scale = static_cast<float>(1.0 / std::sqrt(double(c.qk_nope_head_dim + c.qk_rope_head_dim)));
+  l.out_scale = static_cast<float>(c.full_attn_beta);
   return l;
 }
 
@@ -48,7 +49,7 @@ void mla_mixer(kc::GemmRunner& gemm, const DevMla& w, const MlaLayerConfig& c, i
     kc::attention_prefill(groups, nh, nh, P, s.q_pad, k_pool, v_pool, c.scale, nullptr, 0, 0, s.attn, stream);
   }
   kc::mla_pack_output(T, d, s.attn, s.packed, stream);
-  gemm.linear(T, c.hidden, nh * d.v, s.packed, nh * d.v, w.o_proj, y, CUDA_R_32F, c.hidden, 1.0f, stream);
+  gemm.linear(T, c.hidden, nh * d.v, s.packed, nh * d.v, w.o_proj, y, CUDA_R_32F, c.hidden, 1.0f, stream, c.out_scale);
 }
 
 }  // namespace hypic::engine::cuda

@@ -30,6 +30,7 @@ struct MlaLayerConfig {
   kernels::cuda::MlaDims dims;
   float latent_eps = 1e-6f;  ///< KimiLinearRMSNorm(kv_lora_rank)'s default eps
   float scale = 1.0f;        ///< (nope + rope)^-1/2
+  float out_scale = 1.0f;    ///< o_proj's output is added times this (1 for Kimi-Linear)
   /// From a Kimi-Linear config. Throws std::invalid_argument naming what the GPU path does not take: q_lora_rank > 0
   /// (the q LoRA), nope + rope or v over 256, or a family without MLA.
   static MlaLayerConfig of(const ModelConfig& c);

@@ -70,6 +70,29 @@ __global__ void mla_pack_kernel(int T, int nh, int v, int P, const bf16* __restr
   }
 }
 
+// One block per (row, head): pool row [P] <-> entry rows [qk] and [v] (to_pool: entry -> pool, zero-padded).
+__global__ void mla_kv_rows_kernel(int nh, int qk, int v, int P, bool to_pool, const bf16* const* __restrict__ k_rows,
+                                   const bf16* const* __restrict__ v_rows, bf16* const* __restrict__ k_out,
+                                   bf16* const* __restrict__ v_out, const int* __restrict__ kv_rows,
+                                   bf16* __restrict__ k_pool, bf16* __restrict__ v_pool) {
+  const int i = blockIdx.x, h = blockIdx.y;
+  const size_t prow = (size_t(kv_rows[i]) * nh + h) * P;
+  const bf16 zero = __float2bfloat16_rn(0.f);
+  if (to_pool) {
+    const bf16* ks = k_rows[i] + size_t(h) * qk;
+    const bf16* vs = v_rows[i] + size_t(h) * v;
+    for (int j = threadIdx.x; j < P; j += blockDim.x) {
+      k_pool[prow + j] = j < qk ? ks[j] : zero;
+      v_pool[prow + j] = j < v ? vs[j] : zero;
+    }
+  } else {
+    bf16* kd = k_out[i] + size_t(h) * qk;
+    bf16* vd = v_out[i] + size_t(h) * v;
+    for (int j = threadIdx.x; j < qk; j += blockDim.x) kd[j] = k_pool[prow + j];
+    for (int j = threadIdx.x; j < v; j += blockDim.x) vd[j] = v_pool[prow + j];
+  }
+}
+
 }  // namespace
 
 void mla_latent_norm(int T, const MlaDims& d, const bf16* ckv, const bf16* w, float eps, bf16* latent,
@@ -105,6 +128,31 @@ void mla_pack_output(int T, const MlaDims& d, const bf16* attn, bf16* out, cudaS
   const int blocks = static_cast<int>(std::min<size_t>((n + 255) / 256, size_t(sm_count()) * 8));
   mla_pack_kernel<<<blocks, 256, 0, stream>>>(T, d.heads, d.v, d.padded(), attn, out);
   check_cuda(cudaGetLastError(), "mla_pack_output launch");
+}
+
+void mla_kv_import(int n, const MlaDims& d, const bf16* const* k_src, const bf16* const* v_src, const int* kv_rows,
+                   bf16* k_pool, bf16* v_pool, cudaStream_t stream) {
+  check_dims("mla_kv_import", d);
+  if (n < 0) throw std::invalid_argument("mla_kv_import: n " + std::to_string(n) + " < 0");
+  if (n == 0) return;
+  if (!k_src || !v_src || !kv_rows || !k_pool || !v_pool) throw std::invalid_argument("mla_kv_import: null pointer");
+  const int P = d.padded();
+  mla_kv_rows_kernel<<<dim3(unsigned(n), unsigned(d.heads)), std::min(P, 256), 0, stream>>>(
+      d.heads, d.nope + d.rope, d.v, P, true, k_src, v_src, nullptr, nullptr, kv_rows, k_pool, v_pool);
+  check_cuda(cudaGetLastError(), "mla_kv_import launch");
+}
+
+void mla_kv_export(int n, const MlaDims& d, const bf16* k_pool, const bf16* v_pool, const int* kv_rows,
+                   bf16* const* k_dst, bf16* const* v_dst, cudaStream_t stream) {
+  check_dims("mla_kv_export", d);
+  if (n < 0) throw std::invalid_argument("mla_kv_export: n " + std::to_string(n) + " < 0");
+  if (n == 0) return;
+  if (!k_dst || !v_dst || !kv_rows || !k_pool || !v_pool) throw std::invalid_argument("mla_kv_export: null pointer");
+  const int P = d.padded();
+  mla_kv_rows_kernel<<<dim3(unsigned(n), unsigned(d.heads)), std::min(P, 256), 0, stream>>>(
+      d.heads, d.nope + d.rope, d.v, P, false, nullptr, nullptr, k_dst, v_dst, kv_rows, const_cast<bf16*>(k_pool),
+      const_cast<bf16*>(v_pool));
+  check_cuda(cudaGetLastError(), "mla_kv_export launch");
 }
 
 }  // namespace hypic::kernels::cuda

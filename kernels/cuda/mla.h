@@ -42,4 +42,17 @@ void mla_expand(int T, const MlaDims& d, const bf16* q, const bf16* ckv, const b
 /// [T][nh * v].
 void mla_pack_output(int T, const MlaDims& d, const bf16* attn, bf16* out, cudaStream_t stream = nullptr);
 
+/// Cached MLA K/V rows (a segment entry's layout, engine/segment.h: K [nh][nope + rope], V [nh][v] per token, no
+/// RoPE to re-apply in Kimi-Linear) into the pool at the padded head size P, zero-padded:
+///   k_pool[kv_rows[i]][h] = [k_src[i][h] | 0],  v_pool[kv_rows[i]][h] = [v_src[i][h] | 0]   for i < n.
+/// k_src, v_src: DEVICE arrays of n row pointers (each row's own entry); kv_rows: DEVICE int32 [n]. Copies only.
+/// Throws std::invalid_argument on n < 0, bad dims or null pointers (n > 0).
+void mla_kv_import(int n, const MlaDims& d, const bf16* const* k_src, const bf16* const* v_src, const int* kv_rows,
+                   bf16* k_pool, bf16* v_pool, cudaStream_t stream = nullptr);
+
+/// The inverse of mla_kv_import: pool rows kv_rows[i] packed to entry rows, k_dst[i] [nh][nope + rope] and v_dst[i]
+/// [nh][v] (DEVICE arrays of n row pointers). Copies only.
+void mla_kv_export(int n, const MlaDims& d, const bf16* k_pool, const bf16* v_pool, const int* kv_rows,
+                   bf16* const* k_dst, bf16* const* v_dst, cudaStream_t stream = nullptr);
+
 }  // namespace hypic::kernels::cuda

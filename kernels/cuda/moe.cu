@@ -90,11 +90,14 @@ RouteCfg route_cfg(const MoeWeightsView& w) {
 // Lane r < k returns the r-th pick: its expert, its weight (renormalised over the k picks, summed in selection
 // order as the CPU reference, when renorm) and its rank among the k picks in ascending expert order.
 // Ties: lower expert (group) first.
+// kSigmoid == rc.sigmoid: a template parameter, so that the softmax routers' kernels carry none of the sigmoid
+// path's code or registers (the decode step's single-block routing is latency-bound).
+template <bool kSigmoid>
 __device__ __forceinline__ void route_token(const float* lg, const RouteCfg& rc, int lane, int& out_e, float& out_w,
                                             int& out_rank) {
   const int E = rc.E, k = rc.k;
   float v[kMaxE / 32];
-  if (!rc.sigmoid) {
+  if constexpr (!kSigmoid) {
     float m = -INFINITY;
 #pragma unroll
     for (int i = 0; i < kMaxE / 32; ++i) {
@@ -191,12 +194,12 @@ __device__ __forceinline__ void route_token(const float* lg, const RouteCfg& rc,
       if (ov > bv || (ov == bv && oi < bi)) bv = ov, bi = oi;
     }
     bi = min(bi, E - 1);  // (cannot trigger: some lane always holds an untaken expert)
-    if (lane == r) my_e = bi, my_p = rc.sigmoid ? 1.0f / (1.0f + expf(-lg[bi])) : bv;
+    if (lane == r) my_e = bi, my_p = kSigmoid ? 1.0f / (1.0f + expf(-lg[bi])) : bv;
     if ((bi & 31) == lane) taken |= 1u << (bi >> 5);
   }
   float sum = 0.f;
   for (int r = 0; r < k; ++r) sum += __shfl_sync(kFull, my_p, r);
-  if (rc.sigmoid)
+  if constexpr (kSigmoid)
     out_w = (rc.renorm ? my_p / (sum + 1e-20f) : my_p) * rc.scale;
   else
     out_w = rc.renorm ? my_p / sum : my_p;
@@ -229,6 +232,7 @@ __device__ __forceinline__ float shared_gate_token(const bf16* xr, const bf16* w
 }
 
 // One block per chunk of 32 tokens, one warp per token (4 tokens per warp).
+template <bool kSigmoid>
 __global__ void __launch_bounds__(kRouteThreads) route_kernel(int T, RouteCfg rc, const float* logits,
                                                               const bf16* x, int H, const bf16* sgate_w,
                                                               float* sgate_out, int* topk_e, float* topk_w,
@@ -243,7 +247,7 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(int T, RouteCfg rc
     if (t >= T) break;  // warp-uniform
     int my_e, rank;
     float wgt;
-    route_token(logits + size_t(t) * E, rc, lane, my_e, wgt, rank);
+    route_token<kSigmoid>(logits + size_t(t) * E, rc, lane, my_e, wgt, rank);
     if (lane < k) {
       topk_e[size_t(t) * k + rank] = my_e;
       topk_w[size_t(t) * k + rank] = wgt;
@@ -266,6 +270,7 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(int T, RouteCfg rc
 // are in ascending token order within each expert, as on the multi-kernel path (same results).
 constexpr int kSmallW = kSmallT / 32;
 
+template <bool kSigmoid>
 __global__ void __launch_bounds__(kMaxE) route_small_kernel(int T, RouteCfg rc, const float* logits,
                                                             const bf16* x, int H, const bf16* sgate_w,
                                                             float* sgate_out, int* topk_e, float* topk_w,
@@ -288,7 +293,7 @@ __global__ void __launch_bounds__(kMaxE) route_small_kernel(int T, RouteCfg rc, 
       const int t = task;
       int my_e, rank;
       float wgt;
-      route_token(logits + size_t(t) * E, rc, lane, my_e, wgt, rank);
+      route_token<kSigmoid>(logits + size_t(t) * E, rc, lane, my_e, wgt, rank);
       if (lane < k) {
         topk_e[t * k + rank] = my_e;
         topk_w[t * k + rank] = wgt;
@@ -1031,13 +1036,16 @@ void moe_forward(int T, const bf16* x, const MoeWeightsView& w, float* out, MoeW
   }
   if (decode && T <= kSmallT) {
     // 2-3. softmax, top-k, shared gate, counting sort and tile schedule in one block.
-    launch_pdl(route_small_kernel, dim3(1), dim3(kMaxE), 0, stream, "moe_forward: route_small launch", T,
-               route_cfg(w), logits, x, H, w.shared_gate, w.Is > 0 ? sgate : nullptr, topk_e, topk_w, offsets, tiles,
+    const RouteCfg rc = route_cfg(w);
+    launch_pdl(rc.sigmoid ? route_small_kernel<true> : route_small_kernel<false>, dim3(1), dim3(kMaxE), 0, stream,
+               "moe_forward: route_small launch", T,
+               rc, logits, x, H, w.shared_gate, w.Is > 0 ? sgate : nullptr, topk_e, topk_w, offsets, tiles,
                num_tiles, sorted_tok, pos_of, shared_rows);
   } else {
     // 2. softmax, top-k, shared gate, chunk histograms.
-    route_kernel<<<nch, kRouteThreads, 0, stream>>>(T, route_cfg(w), logits, x, H, w.shared_gate,
-                                                    w.Is > 0 ? sgate : nullptr, topk_e, topk_w, chunk_counts, nch);
+    const RouteCfg rc = route_cfg(w);
+    (rc.sigmoid ? route_kernel<true> : route_kernel<false>)<<<nch, kRouteThreads, 0, stream>>>(
+        T, rc, logits, x, H, w.shared_gate, w.Is > 0 ? sgate : nullptr, topk_e, topk_w, chunk_counts, nch);
     check_cuda(cudaGetLastError(), "moe_forward: route launch");
     // 3. counting sort by expert and the tile schedule.
     chunk_scan_kernel<<<(E + 7) / 8, 256, 0, stream>>>(E, nch, chunk_counts, counts);

@@ -351,6 +351,41 @@ void rms_norm_gated(int rows, int dim, const bf16* x, const bf16* z, const bf16*
   check_cuda(cudaGetLastError(), "rms_norm_gated launch");
 }
 
+// One thread per 4 floats of one chain's head: R in registers across the steps.
+__global__ void affine_chain_scalar_kernel(int heads, int head_floats, int steps_per_chain,
+                                           const AffineStep* __restrict__ steps, const float* const* __restrict__ init,
+                                           float* const* __restrict__ final_states) {
+  const int c = blockIdx.x, h = blockIdx.y;
+  const int j = (blockIdx.z * blockDim.x + threadIdx.x) * 4;
+  if (j >= head_floats) return;
+  const size_t off = size_t(h) * head_floats + j;
+  const float* R0 = init ? init[c] : nullptr;
+  float4 r = R0 ? *reinterpret_cast<const float4*>(R0 + off) : make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int s = 0; s < steps_per_chain; ++s) {
+    const AffineStep st = steps[size_t(c) * steps_per_chain + s];
+    const float t = st.T ? st.T[h] * st.alpha : st.alpha;
+    const float4 sv = st.S ? __ldg(reinterpret_cast<const float4*>(st.S + off)) : make_float4(0.f, 0.f, 0.f, 0.f);
+    r = make_float4(fmaf(t, r.x, sv.x), fmaf(t, r.y, sv.y), fmaf(t, r.z, sv.z), fmaf(t, r.w, sv.w));
+    if (st.out) *reinterpret_cast<float4*>(st.out + off) = r;
+  }
+  float* F = final_states ? final_states[c] : nullptr;
+  if (F) *reinterpret_cast<float4*>(F + off) = r;
+}
+
+void affine_chain_scalar(int num_chains, int heads, int head_floats, int steps_per_chain, const AffineStep* steps,
+                         const float* const* init, float* const* final_states, cudaStream_t stream) {
+  need(num_chains >= 0 && heads > 0 && heads <= 65535 && steps_per_chain >= 0 && num_chains <= (1 << 30) &&
+           head_floats > 0 && head_floats % 4 == 0,
+       "affine_chain_scalar: bad sizes num_chains=" + std::to_string(num_chains) + " heads=" + std::to_string(heads) +
+           " head_floats=" + std::to_string(head_floats) + " steps=" + std::to_string(steps_per_chain));
+  if (num_chains == 0) return;
+  need(steps || steps_per_chain == 0, "affine_chain_scalar: steps is null");
+  const int per_block = 256 * 4;
+  dim3 grid(num_chains, heads, (head_floats + per_block - 1) / per_block);
+  affine_chain_scalar_kernel<<<grid, 256, 0, stream>>>(heads, head_floats, steps_per_chain, steps, init, final_states);
+  check_cuda(cudaGetLastError(), "affine_chain_scalar launch");
+}
+
 void affine_chain(int num_chains, int heads, int steps_per_chain, const AffineStep* steps, const float* const* init,
                   float* const* final_states, cudaStream_t stream) {
   need(num_chains >= 0 && heads > 0 && heads <= 65535 && steps_per_chain >= 0 && num_chains <= (1 << 30),

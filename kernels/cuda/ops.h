@@ -67,6 +67,14 @@ struct AffineStep {
 void affine_chain(int num_chains, int heads, int steps_per_chain, const AffineStep* steps, const float* const* init,
                   float* const* final_states, cudaStream_t stream = nullptr);
 
+/// affine_chain with scalar transitions (lightning attention's T_C: one scalar per head; DESIGN.md 3.1): per chain c
+/// and head h, R = init[c] (nullptr: zero), then for each step R <- alpha (t R) + S with t = step.T[h] (step.T an
+/// fp32 [heads] array; nullptr: t = 1) and S = step.S's head h (nullptr: 0), written to step.out when set; then
+/// final[c] <- R. States are [heads][head_floats] fp32 (head_floats = d_k d_v, a multiple of 4, 16-byte aligned).
+/// fp32 FMA arithmetic, as the CPU's compose_state. init may alias final. Throws std::invalid_argument on bad sizes.
+void affine_chain_scalar(int num_chains, int heads, int head_floats, int steps_per_chain, const AffineStep* steps,
+                         const float* const* init, float* const* final_states, cudaStream_t stream = nullptr);
+
 /// Greedy decoding on the device: out[r] = the index of the largest of x[r][0..V) (fp32, row stride ldx; the lowest
 /// index on ties, as engine/sampling.h argmax), or, when the row holds a NaN, -1 - j with j the lowest index of a NaN
 /// (so out[r] < 0 exactly for NaN rows). x, out (int32 [rows]): DEVICE. One block per row. Throws

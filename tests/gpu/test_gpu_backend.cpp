@@ -41,11 +41,16 @@
 #include "engine/checkpoint/safetensors.h"
 #include "engine/cpu/splice.h"
 #include "engine/checkpoint/weights.h"
+#include "tests/gpu/backend_test_util.h"
 #include "tests/gpu/gpu_util.h"
 
 namespace eng = hypic::engine;
 namespace kc = hypic::kernels::cuda;
 using hypic::gputest::cuda_device_present;
+using hypic::gputest::argmax;
+using hypic::gputest::full_plan;
+using hypic::gputest::margin;
+using hypic::gputest::random_ids;
 using hypic::gputest::rel_err;
 
 namespace {
@@ -145,25 +150,8 @@ double rel_t(const std::vector<float>& a, const std::vector<float>& b, int heads
   return std::sqrt(num / std::max(den, double(heads) * dk));
 }
 
-std::vector<int32_t> random_ids(std::mt19937& rng, size_t n, int64_t vocab) {
-  std::uniform_int_distribution<int32_t> d(0, int32_t(vocab - 1));
-  std::vector<int32_t> v(n);
-  for (auto& x : v) x = d(rng);
-  return v;
-}
 
-int argmax(const float* p, size_t n) { return int(std::max_element(p, p + n) - p); }
 
-// Top-1 / top-2 gap relative to the logit spread (max - min).
-double margin(const float* p, size_t n) {
-  float a = -INFINITY, b = -INFINITY, lo = INFINITY;
-  for (size_t i = 0; i < n; ++i) {
-    if (p[i] > a) b = a, a = p[i];
-    else if (p[i] > b) b = p[i];
-    lo = std::min(lo, p[i]);
-  }
-  return (a - b) / std::max(1e-6f, a - lo);
-}
 
 // A hypic splice (w = 8) of `segs` with their entries, then `steps` greedy decode steps: the first logits and tokens.
 std::pair<std::vector<float>, std::vector<int32_t>> splice_and_decode(
@@ -187,14 +175,6 @@ std::pair<std::vector<float>, std::vector<int32_t>> splice_and_decode(
   return {o.logits, toks};
 }
 
-eng::SplicePlan full_plan(const std::vector<int32_t>& ids, size_t first, bool all_logits) {
-  eng::SplicePlan p;
-  p.mode = eng::SpliceMode::Full;
-  p.segments.push_back({std::vector<int32_t>(ids.begin(), ids.begin() + first), nullptr});
-  p.query.assign(ids.begin() + first, ids.end());
-  p.all_query_logits = all_logits;
-  return p;
-}
 
 }  // namespace
 
