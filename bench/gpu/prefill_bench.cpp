@@ -71,6 +71,7 @@
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/gated_delta.h"
 #include "kernels/cuda/gemm.h"
+#include "kernels/cuda/mla.h"
 #include "kernels/cuda/moe.h"
 #include "kernels/cuda/ops.h"
 
@@ -255,6 +256,12 @@ struct Dims {
   int E, topk, I, Is, I_dense;    // MoE: experts, top-k, expert / shared widths; dense MLP width
   int n_lin, n_attn, n_moe, n_mlp;
   double eps, rope_theta;
+  // The other families (Kimi-Linear, MiniMax, Ring-linear): GEMMs counted from the active parameters of the layers
+  // (count_parameters, without the embedding and the LM head); attention with its own K and V head sizes (MLA: qk
+  // nope + rope, v), the KV pool's row padded to P; lightning scans' nominal count per (chunk, head).
+  bool qwen = true, lightning = false, mla = false;
+  double body_active = 0;  // active parameters per token outside the embedding and the LM head
+  int hd_qk = 0, hd_v = 0, pool_hd = 0;
   explicit Dims(const eng::ModelConfig& c)
       : H(c.hidden_size), V(c.vocab_size), nk(c.linear_num_key_heads), nv(c.linear_num_value_heads),
         dk(c.linear_key_head_dim), C(int(c.conv_dim())), qd(int(c.linear_q_dim())), vd(int(c.linear_v_dim())),
@@ -264,6 +271,13 @@ struct Dims {
         Is(int(c.shared_expert_intermediate_size)), I_dense(int(c.intermediate_size)), n_lin(c.num_linear_layers()),
         n_attn(c.num_attention_layers()), n_moe(0), n_mlp(0), eps(c.rms_norm_eps), rope_theta(c.rope_theta) {
     for (int i = 0; i < c.num_hidden_layers; ++i) (c.is_moe_layer(i) ? n_moe : n_mlp) += 1;
+    qwen = c.family == eng::ModelFamily::Qwen;
+    lightning = c.family == eng::ModelFamily::MiniMax || c.family == eng::ModelFamily::RingLinear;
+    mla = c.family == eng::ModelFamily::KimiLinear;
+    hd_qk = hd, hd_v = c.attn_v_head_dim(), pool_hd = hd;
+    if (mla) pool_hd = kc::MlaDims{nh, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank}.padded();
+    if (lightning) nv = nh, dk = hd;
+    body_active = double(eng::count_parameters(c).active_per_token) - double(V) * H * (c.tie_word_embeddings ? 1 : 2);
   }
   /// Dense projection weights (elements) of one linear / attention layer.
   double lin_proj() const { return double(C) * H + double(vd) * H + 2.0 * nv * H + double(H) * vd; }
@@ -272,23 +286,28 @@ struct Dims {
   double moe_active() const { return double(E) * H + double(topk) * 3 * I * H + 3.0 * Is * H + (Is > 0 ? H : 0); }
   /// Counted FLOPs of one forward pass of T new tokens after `past` cached tokens, with `logit_rows` LM-head rows.
   double dense_flops(double T, double logit_rows) const {
+    if (!qwen) return 2 * T * (body_active - ffn_params()) + 2 * logit_rows * double(V) * H;
     return 2 * T * (n_lin * lin_proj() + n_attn * attn_proj()) + 2 * logit_rows * double(V) * H;
   }
-  double ffn_flops(double T) const { return 2 * T * (n_moe * moe_active() + n_mlp * 3.0 * I_dense * H); }
+  /// FFN parameters active per token over all layers (MoE: router, top-k experts, shared expert; dense MLPs).
+  double ffn_params() const { return n_moe * moe_active() + n_mlp * 3.0 * I_dense * H; }
+  double ffn_flops(double T) const { return 2 * T * ffn_params(); }
   /// Causal attention: every query attends to past + its position: 4 nh hd per (query, key) pair, T^2/2 + T past.
   double attn_flops(double T, double past = 0) const {
-    return n_attn * 4.0 * nh * hd * (T * T / 2 + T * past);
+    return n_attn * 2.0 * nh * (hd_qk + hd_v) * (T * T / 2 + T * past);
   }
   /// gdn_bench.cu's nominal count per (chunk, value head), C = 64: 10 C^2 D + 6 C D^2 (no T_C).
+  /// Lightning: 4 C^2 D + 4 C D^2 (intra-chunk scores and values, inter-chunk q S and the state update).
   double gdn_flops(double T) const {
     const double chunks = std::ceil(T / kc::kGdnChunk) * nv, Cc = kc::kGdnChunk, D = dk;
+    if (lightning) return n_lin * chunks * (4 * Cc * Cc * D + 4 * Cc * D * D);
     return n_lin * chunks * (10 * Cc * Cc * D + 6 * Cc * D * D);
   }
   double total_flops(double T, double logit_rows) const {
     return dense_flops(T, logit_rows) + ffn_flops(T) + attn_flops(T) + gdn_flops(T);
   }
   /// KV bytes per token over all attention layers as the CUDA backend stores it (bf16 K and V).
-  double kv_bytes_per_token() const { return double(n_attn) * 2 * nkv * hd * 2; }
+  double kv_bytes_per_token() const { return mla ? double(n_attn) * 2 * nh * pool_hd * 2 : double(n_attn) * 2 * nkv * hd * 2; }
   /// One KV pool page of the CUDA backend (kKvPageTokens tokens of every attention layer), bytes.
   double page_bytes() const { return kv_bytes_per_token() * kc::kKvPageTokens; }
 };
@@ -635,7 +654,8 @@ json decode_beside(eng::Backend& be, std::vector<std::unique_ptr<eng::Sequence>>
 }  // namespace
 
 int main(int argc, char** argv) try {
-  CLI::App app{"Whole-model benchmark of the CUDA backend at Qwen3.5-35B-A3B dimensions (benchmark-only random weights)"};
+  CLI::App app{"Whole-model benchmark of the CUDA backend at a model's real dimensions (Qwen3.5-35B-A3B by default; "
+               "any config the backend serves), benchmark-only random weights"};
   std::string config = "bench/gpu/qwen3_5_35b_a3b.json", device = "cuda:0", lengths_s = "4096,16384,32768";
   std::string json_path, md_path, hf_json, best_json, commit, command, batches_s = "1,16,64", skip_s, refresh_s = "2,4",
               tails_s = "2";
@@ -800,7 +820,10 @@ int main(int argc, char** argv) try {
 
   // ---- parts, standalone (before any backend holds the device's memory) ------------------------------------------
   json parts = json::array();
-  if (!skipped("parts")) {
+  if (!skipped("parts") && !d.qwen) {
+    J["parts_error"] = "the standalone parts time the Qwen kernels (Gated DeltaNet, gated attention): skipped for " +
+                       cfg.model_type;
+  } else if (!skipped("parts")) {
     try {
       parts = measure_parts(cfg, d, lengths, warm, reps, stream, seed);
     } catch (const std::exception& e) {
