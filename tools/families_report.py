@@ -1,0 +1,125 @@
+#!/usr/bin/env python3
+"""The families' GPU benchmark report (issue 29): bench/results/families_h200.{json,md} from the JSONs that
+hypic-bench-prefill-gpu wrote for each model in one session (bench/results/families/*_h200.json).
+
+    python3 tools/families_report.py [--dir bench/results/families] [--out bench/results/families_h200]
+
+Rows: `family` (kimi_linear, minimax, bailing_moe_linear; qwen3_5_moe_text as the reference), `tokens`, `ours_ms`,
+`hf_ms` (null where no Hugging Face run exists, with the reason in `hf_note`), the warm 16 x 2k splice, the entry
+build and the decode steps. The target check divides each 32k prefill by the model's active parameters per token
+outside the embedding and the LM head ("body": count_parameters minus V x H per embedding matrix) and compares the
+result with Qwen3.5-35B-A3B's, measured in the same session: within 1.5x passes.
+"""
+import argparse
+import json
+import os
+import sys
+
+FAMILY = {"kimi_linear": "kimi_linear", "minimax": "minimax", "bailing_moe_linear": "bailing_moe_linear"}
+HF_NOTE = ("not run: transformers 5.17 has MiniMax and Kimi-Linear natively, but the GPU host has no "
+           "flash-linear-attention (their fast kernels); Ring-linear has no native class (hub remote code)")
+
+
+def load(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def vocab_hidden(cfg_path):
+    """(V, H, tied) from a config path recorded in a benchmark JSON (None when it is not in the tree)."""
+    if not os.path.exists(cfg_path):
+        return None
+    c = load(cfg_path)
+    c = c.get("text_config", c)
+    return int(c["vocab_size"]), int(c["hidden_size"]), bool(c.get("tie_word_embeddings", False))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", default="bench/results/families")
+    ap.add_argument("--out", default="bench/results/families_h200")
+    a = ap.parse_args()
+    runs = []
+    for name in sorted(os.listdir(a.dir)):
+        if name.endswith(".json"):
+            runs.append((name, load(os.path.join(a.dir, name))))
+    if not runs:
+        sys.exit("families_report: no benchmark JSONs in " + a.dir)
+    out = {"source": a.dir, "hf_note": HF_NOTE, "rows": [], "models": [], "targets": []}
+    ref_per_b = None
+    per_b = {}
+    for name, j in runs:
+        m = j["model"]
+        mt = m["model_type"]
+        fam = FAMILY.get(mt, mt)
+        vh = vocab_hidden(m["config"]) or vocab_hidden(m["config"].replace("/tmp/minimax_text_01_8l.json",
+                                                                          "bench/gpu/minimax_text_01.json"))
+        V, H, tied = vh
+        body = m["parameters_active_per_token"] - V * H * (1 if tied else 2)
+        dec = {str(b["batch"]): {"ms": b["ms"], "greedy_ms": b["greedy_ms"]} for b in j.get("decode", {}).get("batches", [])}
+        sp = j.get("splice", {})
+        model = {"file": name, "family": fam, "model_type": mt, "config": m["config"], "layers": m["layers"],
+                 "layer_pattern": m["layer_pattern"], "parameters_total": m["parameters_total"],
+                 "parameters_active_per_token": m["parameters_active_per_token"], "active_body": body,
+                 "git_commit": j.get("git_commit"), "utc": j.get("utc"),
+                 "splice_hypic_ms": sp.get("hypic_ttft_ms"), "splice_full_ms": sp.get("full_ms"),
+                 "build_ms": j.get("build", {}).get("with_tc_ms"), "decode": dec,
+                 "decode_error": j.get("decode", {}).get("error")}
+        out["models"].append(model)
+        for r in j.get("rows", []):
+            row = {"family": fam, "model": name.replace("_h200.json", ""), "tokens": r["tokens"],
+                   "ours_ms": r["ours_ms"], "hf_ms": r.get("hf_ms"), "tokens_per_s": r["tokens_per_s"],
+                   "splice_hypic_ms": sp.get("hypic_ttft_ms"), "splice_full_ms": sp.get("full_ms"),
+                   "decode_b1_ms": dec.get("1", {}).get("ms"), "decode_b64_ms": dec.get("64", {}).get("ms")}
+            out["rows"].append(row)
+            if r["tokens"] == 32768:
+                per_b[fam] = r["ours_ms"] / (body / 1e9)
+                if mt.startswith("qwen"):
+                    ref_per_b = per_b[fam]
+    for fam, v in per_b.items():
+        if ref_per_b is None or fam.startswith("qwen"):
+            continue
+        ratio = v / ref_per_b
+        out["targets"].append({"target": f"{fam}: 32k prefill per active body parameter within 1.5x of Qwen3.5-35B-A3B's",
+                               "ms_per_active_B": v, "qwen_ms_per_active_B": ref_per_b, "ratio": ratio,
+                               "met": ratio <= 1.5})
+    with open(a.out + ".json", "w") as f:
+        json.dump(out, f, indent=1)
+    md = ["# Hybrid families on the CUDA backend, one H200 (benchmark-only random weights)", ""]
+    md.append("Each model at its real layer dimensions, bf16 weights made on the device, measured by "
+              "`hypic-bench-prefill-gpu --config CONFIG --skip parts,notc,beside --quick --refresh \"\" "
+              "--refresh-tail \"\" --decode-batches ...` in one session (median of 2 runs after 1 warm-up). "
+              "Hugging Face: " + HF_NOTE + ".")
+    md.append("")
+    md.append("| model | family | layers | active / total params | 4k ms | 16k ms | 32k ms | 32k tokens/s | build 16x2k ms | "
+              "warm 16x2k splice ms | full of the same prompt ms | decode b1 ms | decode b64 ms |")
+    md.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for mod in out["models"]:
+        rows = {r["tokens"]: r for r in out["rows"] if r["model"] == mod["file"].replace("_h200.json", "")}
+        def ms(t):
+            return f'{rows[t]["ours_ms"]:.1f}' if t in rows else "n/a"
+        d1 = mod["decode"].get("1", {}).get("ms")
+        d64 = mod["decode"].get("64", {}).get("ms")
+        dn = "" if d64 is not None else (" (b2 %.2f)" % mod["decode"]["2"]["ms"] if "2" in mod["decode"] else "")
+        md.append(f'| {mod["file"].replace("_h200.json", "")} | {mod["family"]} | {mod["layers"]} ({mod["layer_pattern"]}) | '
+                  f'{mod["parameters_active_per_token"] / 1e9:.2f}B / {mod["parameters_total"] / 1e9:.1f}B | '
+                  f'{ms(4096)} | {ms(16384)} | {ms(32768)} | '
+                  f'{rows[32768]["tokens_per_s"]:.0f} | {mod["build_ms"]:.1f} | {mod["splice_hypic_ms"]:.1f} | '
+                  f'{mod["splice_full_ms"]:.1f} | {d1:.2f} | '
+                  f'{"%.2f" % d64 if d64 is not None else "n/a" + dn} |')
+    md.append("")
+    md.append("## Targets (issue 29)")
+    md.append("")
+    for t in out["targets"]:
+        md.append(f'- {t["target"]}: {t["ms_per_active_B"]:.1f} vs {t["qwen_ms_per_active_B"]:.1f} ms per billion '
+                  f'active body parameters, ratio {t["ratio"]:.2f} -> {"met" if t["met"] else "MISSED"}')
+    md.append("- ahead of transformers + flash-linear-attention: not measured (" + HF_NOTE + ")")
+    md.append("")
+    md.append("Sources: " + ", ".join(f'{m["file"]} (commit {str(m["git_commit"])[:7]}, {m["utc"]})' for m in out["models"]))
+    with open(a.out + ".md", "w") as f:
+        f.write("\n".join(md) + "\n")
+    print("\n".join(md))
+
+
+if __name__ == "__main__":
+    main()
