@@ -16,8 +16,7 @@ import os
 import sys
 
 FAMILY = {"kimi_linear": "kimi_linear", "minimax": "minimax", "bailing_moe_linear": "bailing_moe_linear"}
-HF_NOTE = ("not run: transformers 5.17 has MiniMax and Kimi-Linear natively, but the GPU host has no "
-           "flash-linear-attention (their fast kernels); Ring-linear has no native class (hub remote code)")
+HF_NOTE = ("Ring-linear has no native class in transformers 5.17 (hub remote code): no HF row for it")
 
 
 def load(path):
@@ -39,9 +38,13 @@ def main():
     ap.add_argument("--dir", default="bench/results/families")
     ap.add_argument("--out", default="bench/results/families_h200")
     a = ap.parse_args()
-    runs = []
+    runs, hf = [], {}
     for name in sorted(os.listdir(a.dir)):
-        if name.endswith(".json"):
+        if not name.endswith(".json"):
+            continue
+        if name.startswith("hf_"):  # tools/hf_prefill_bench.py's JSON for the model of the same name
+            hf[name[3:].replace(".json", "")] = load(os.path.join(a.dir, name))
+        else:
             runs.append((name, load(os.path.join(a.dir, name))))
     if not runs:
         sys.exit("families_report: no benchmark JSONs in " + a.dir)
@@ -66,9 +69,15 @@ def main():
                  "build_ms": j.get("build", {}).get("with_tc_ms"), "decode": dec,
                  "decode_error": j.get("decode", {}).get("error")}
         out["models"].append(model)
+        h = hf.get(name.replace("_h200.json", ""))
+        if h:
+            model["hf"] = {"transformers": h.get("transformers"), "torch": h.get("torch"), "fla": h.get("fla", {}).get("version"),
+                           "layers_timed": h.get("layers_timed"), "layers_full": h.get("layers_full"),
+                           "scaling": h.get("scaling"), "implementations": h.get("implementations"), "utc": h.get("utc")}
+        hf_ms = {e["tokens"]: e.get("hf_ms") for e in (h or {}).get("lengths", [])}
         for r in j.get("rows", []):
             row = {"family": fam, "model": name.replace("_h200.json", ""), "tokens": r["tokens"],
-                   "ours_ms": r["ours_ms"], "hf_ms": r.get("hf_ms"), "tokens_per_s": r["tokens_per_s"],
+                   "ours_ms": r["ours_ms"], "hf_ms": hf_ms.get(r["tokens"]), "tokens_per_s": r["tokens_per_s"],
                    "splice_hypic_ms": sp.get("hypic_ttft_ms"), "splice_full_ms": sp.get("full_ms"),
                    "decode_b1_ms": dec.get("1", {}).get("ms"), "decode_b64_ms": dec.get("64", {}).get("ms")}
             out["rows"].append(row)
@@ -83,13 +92,13 @@ def main():
         out["targets"].append({"target": f"{fam}: 32k prefill per active body parameter within 1.5x of Qwen3.5-35B-A3B's",
                                "ms_per_active_B": v, "qwen_ms_per_active_B": ref_per_b, "ratio": ratio,
                                "met": ratio <= 1.5})
-    with open(a.out + ".json", "w") as f:
-        json.dump(out, f, indent=1)
     md = ["# Hybrid families on the CUDA backend, one H200 (benchmark-only random weights)", ""]
     md.append("Each model at its real layer dimensions, bf16 weights made on the device, measured by "
               "`hypic-bench-prefill-gpu --config CONFIG --skip parts,notc,beside --quick --refresh \"\" "
-              "--refresh-tail \"\" --decode-batches ...` in one session (median of 2 runs after 1 warm-up). "
-              "Hugging Face: " + HF_NOTE + ".")
+              "--refresh-tail \"\" --decode-batches ...` in one session (median of 2 runs after 1 warm-up); Hugging "
+              "Face by `tools/hf_prefill_bench.py --config CONFIG --layers 8 --quick --no-profile --lengths 4096,32768 "
+              "--fla-path FLA` (hf_*.json beside). MiniMax-Text-01: its first 8 of 80 layers (what one H200 holds), "
+              "both sides.")
     md.append("")
     md.append("| model | family | layers | active / total params | 4k ms | 16k ms | 32k ms | 32k tokens/s | build 16x2k ms | "
               "warm 16x2k splice ms | full of the same prompt ms | decode b1 ms | decode b64 ms |")
@@ -108,14 +117,37 @@ def main():
                   f'{mod["splice_full_ms"]:.1f} | {d1:.2f} | '
                   f'{"%.2f" % d64 if d64 is not None else "n/a" + dn} |')
     md.append("")
+    md.append("## Next to Hugging Face transformers + flash-linear-attention (same H200, same session day)")
+    md.append("")
+    md.append("| model | tokens | ours ms | HF ms | HF / ours |")
+    md.append("|---|---|---|---|---|")
+    for r in out["rows"]:
+        if r["hf_ms"]:
+            md.append(f'| {r["model"]} | {r["tokens"]} | {r["ours_ms"]:.1f} | {r["hf_ms"]:.1f} | {r["hf_ms"] / r["ours_ms"]:.2f}x |')
+    for mod in out["models"]:
+        if "hf" in mod:
+            x = mod["hf"]
+            md.append(f'\n{mod["file"].replace("_h200.json", "")}: transformers {x["transformers"]}, torch {x["torch"]}, fla '
+                      f'{x["fla"]} (a checkout put on the path), {x["layers_timed"]} of {x["layers_full"]} layers timed '
+                      f'({x["scaling"]}); experts {x["implementations"].get("experts")}, attention '
+                      f'{x["implementations"].get("attention")}, causal conv: {x["implementations"].get("conv1d")}.')
+    md.append("")
     md.append("## Targets (issue 29)")
     md.append("")
     for t in out["targets"]:
         md.append(f'- {t["target"]}: {t["ms_per_active_B"]:.1f} vs {t["qwen_ms_per_active_B"]:.1f} ms per billion '
                   f'active body parameters, ratio {t["ratio"]:.2f} -> {"met" if t["met"] else "MISSED"}')
-    md.append("- ahead of transformers + flash-linear-attention: not measured (" + HF_NOTE + ")")
+    for r in out["rows"]:
+        if r["hf_ms"]:
+            out["targets"].append({"target": f'{r["family"]}: ahead of transformers + fla at {r["tokens"]} tokens',
+                                   "ours_ms": r["ours_ms"], "hf_ms": r["hf_ms"], "met": r["ours_ms"] < r["hf_ms"]})
+            md.append(f'- {r["family"]} ahead of transformers + fla at {r["tokens"]} tokens: {r["ours_ms"]:.1f} vs '
+                      f'{r["hf_ms"]:.1f} ms -> {"met" if r["ours_ms"] < r["hf_ms"] else "MISSED"}')
+    md.append("- " + HF_NOTE)
     md.append("")
     md.append("Sources: " + ", ".join(f'{m["file"]} (commit {str(m["git_commit"])[:7]}, {m["utc"]})' for m in out["models"]))
+    with open(a.out + ".json", "w") as f:
+        json.dump(out, f, indent=1)
     with open(a.out + ".md", "w") as f:
         f.write("\n".join(md) + "\n")
     print("\n".join(md))

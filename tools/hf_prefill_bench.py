@@ -3,7 +3,8 @@
 hypic's CUDA backend (bench/gpu/prefill_bench.cpp, which reads this script's JSON through --hf-json).
 
 The model is Qwen3.5-35B-A3B's text model built from a config (default bench/gpu/qwen3_5_35b_a3b.json: flat
-qwen3_5_moe_text, or a nested qwen3_5_moe whose text_config is used) with from_config: random weights (HF's own
+qwen3_5_moe_text, or a nested qwen3_5_moe whose text_config is used; any model_type transformers knows, e.g. minimax
+or kimi_linear, whose released linear_attn_config is mapped to transformers' names) with from_config: random weights (HF's own
 init), dtype bfloat16, on cuda. Only --layers of its layers are instantiated (default 8, the first 8 of the
 config's layer_types: 6 Gated DeltaNet + 2 gated attention, the 3:1 pattern kept), and the measured time is
 scaled to the full layer count:
@@ -55,7 +56,18 @@ def load_text_config(path, layers):
     text = dict(root["text_config"]) if "text_config" in root else dict(root)
     if "tie_word_embeddings" in root and "text_config" in root:
         text.setdefault("tie_word_embeddings", root["tie_word_embeddings"])
+    text.pop("_comment", None)
     full = int(text["num_hidden_layers"])
+    lac = text.pop("linear_attn_config", None)
+    if lac is not None:  # Kimi-Linear's released config.json -> transformers' KimiLinearConfig names (1-based lists)
+        text["linear_num_heads"] = lac["num_heads"]
+        text["linear_head_dim"] = lac["head_dim"]
+        text["linear_conv_kernel_dim"] = lac["short_conv_kernel_size"]
+        full_attn = set(lac["full_attn_layers"])
+        text["layer_types"] = ["full_attention" if i + 1 in full_attn else "linear_attention" for i in range(full)]
+    if "first_k_dense_replace" in text and text.get("model_type") == "kimi_linear" and "mlp_layer_types" not in text:
+        k = int(text["first_k_dense_replace"])
+        text["mlp_layer_types"] = ["dense" if i < k else "sparse" for i in range(full)]
     types = text.get("layer_types")
     if not types:
         interval = int(text.get("full_attention_interval", 4))
@@ -69,6 +81,8 @@ def load_text_config(path, layers):
             f"{n_attn_full}/{full}: the scaled time assumes the ratio")
     text["num_hidden_layers"] = layers
     text["layer_types"] = cut
+    if "mlp_layer_types" in text:
+        text["mlp_layer_types"] = list(text["mlp_layer_types"][:layers])
     text.pop("architectures", None)
     return text, full, types, cut
 
@@ -166,7 +180,7 @@ def kernel_names(torch, fn):
     return dict(sorted(per.items(), key=lambda kv: -kv[1]))
 
 
-FLA_KERNELS = re.compile(r"chunk_gated_delta_rule|chunk_fwd_kernel|recompute_w_u|kkt|solve_tril|chunk_local_cumsum|"
+FLA_KERNELS = re.compile(r"chunk_gated_delta_rule|kda|chunk_fwd_kernel|recompute_w_u|kkt|solve_tril|chunk_local_cumsum|"
                          r"l2norm_fwd|fused_recurrent", re.I)
 FALLBACK_KERNELS = re.compile(r"trsm|triangular", re.I)
 ATTN_KERNELS = re.compile(r"flash|fmha|sdpa|cudnn|attention|efficient", re.I)

@@ -33,12 +33,19 @@ class FamilyCluster(ClusterTestCase):
     come from the segment cache service (serialised, sent, verified and deserialised)."""
     extra_args = {"combine": ["--memory-tier-bytes", "0"]}
     fixture = ""
+    # The cluster's tokens equal the engine alone's (hypic-engine-reference, the CPU backend): true when the cluster
+    # runs the CPU backend too; a GPU cluster (bf16) is held to hit == miss and to itself (tests/gpu).
+    exact_reference = True
+
+    @classmethod
+    def model_path(cls) -> str:
+        return str(FIXTURES / cls.fixture)
 
     @classmethod
     def setUpClass(cls) -> None:
         if not cls.fixture:
             raise unittest.SkipTest("the base class runs no cluster")
-        cls.model_dir = str(FIXTURES / cls.fixture)
+        cls.model_dir = cls.model_path()
         # A tokenizer whose 121 ids fit the fixtures' vocabulary of 256 (the router refuses a larger one); the
         # requests are token ids anyway.
         cls.tokenizer_file = str(FIXTURES / "tokenizer" / "tiny_subword.json")
@@ -65,7 +72,8 @@ class FamilyCluster(ClusterTestCase):
                 self.assertEqual([s["cache_hit"] for s in wrep["segments"]], [True] * 4)
                 self.assertEqual([s["source"] for s in wrep["segments"]], ["SEGMENT_SOURCE_CACHE"] * 4)
                 self.assertEqual(warm["token_ids"], cold["token_ids"])
-                self.assertEqual(cold["token_ids"], self.reference(msegs, query, max_tokens=10, mode=mode))
+                if self.exact_reference:
+                    self.assertEqual(cold["token_ids"], self.reference(msegs, query, max_tokens=10, mode=mode))
                 # Reordered, with another query: hits at other positions (Ring: states re-rotated), and the
                 # tokens tell the prompts apart.
                 other = self.generate([msegs[2], msegs[0], msegs[3], msegs[1]], token_segment(base + 6, 4), "--mode",
@@ -76,7 +84,8 @@ class FamilyCluster(ClusterTestCase):
         full = [self.generate(segs, query, "--mode", "full", max_tokens=6) for _ in range(2)]
         self.assertEqual(self.ok(full[0])["mode"], "full")
         self.assertEqual(full[0]["token_ids"], full[1]["token_ids"])
-        self.assertEqual(full[0]["token_ids"], self.reference(segs, query, max_tokens=6, mode="full"))
+        if self.exact_reference:
+            self.assertEqual(full[0]["token_ids"], self.reference(segs, query, max_tokens=6, mode="full"))
 
 
 class KimiLinearClusterTest(FamilyCluster):
