@@ -6,7 +6,9 @@
 #                                       test (tests/gpu/test_gpu_*: kernels, weights, the CUDA backend against
 #                                       the CPU engine and the HF bf16 fixtures, the NCCL data plane), then, on a host
 #                                       of 2+ GPUs, tests/gpu/test_gpu_data_plane_cluster.py (entries over NCCL
-#                                       through a real cluster, a scatter worker killed mid-transfer)
+#                                       through a real cluster, a scatter worker killed mid-transfer), and
+#                                       tests/gpu/test_gpu_families_cluster.py (Kimi-Linear, MiniMax, Ring-linear
+#                                       served by a cluster on cuda:0: hit == miss, reordered hits)
 #   scripts/test_gpu.sh --bin DIR       run prebuilt binaries from DIR (the test_gpu_* binaries; with --bench also
 #                                       gdn_bench and libhypic_gdn_capi.so)
 #   ... --bench OUTDIR                  also run bench/gpu/gdn_bench and tools/bench_fla_reference.py
@@ -57,8 +59,11 @@ done
 if [[ -x "$BIN/hypic-router" ]]; then
   echo "== test_gpu_data_plane_cluster.py"
   NCCL_NVLS_ENABLE=0 HYPIC_BIN_DIR="$BIN" python3 tests/gpu/test_gpu_data_plane_cluster.py -v || status=$?
+  echo "== test_gpu_families_cluster.py"
+  HYPIC_BIN_DIR="$BIN" HYPIC_TOKENIZER="${HYPIC_TOKENIZER:-tests/fixtures/tokenizer/tiny_subword.json}" \
+    python3 tests/gpu/test_gpu_families_cluster.py -v || status=$?
 else
-  echo "test_gpu.sh: no service binaries in $BIN: skipped test_gpu_data_plane_cluster.py" >&2
+  echo "test_gpu.sh: no service binaries in $BIN: skipped the cluster tests (test_gpu_*_cluster.py)" >&2
 fi
 if [[ -n "$BENCH_OUT" ]]; then
   mkdir -p "$BENCH_OUT"
