@@ -335,6 +335,8 @@ class GenerateCall {
   // The call's clock: start, lookup, dispatch to the scatter workers, and the combine worker's events.
   Clock::time_point t0_, t_lookup0_, t_lookup1_, t_dispatch_;
   std::optional<Clock::time_point> t_ready_, t_spliced_, t_first_;
+  // The combine worker's own time for its engine phase (SpliceDone: queue + splice), ms.
+  double engine_ms_ = 0;
   std::optional<v1::CombineReport> creport_;
   uint32_t completion_ = 0;  // tokens streamed to the client
 
@@ -727,6 +729,7 @@ grpc::Status GenerateCall::stream_combine(const v1::CombineRequest& creq,
       release_leases();  // the combine worker holds every entry: the cache may evict them again
     } else if (ev.has_splice_done()) {
       t_spliced_ = Clock::now();
+      engine_ms_ = ev.splice_done().queue_ms() + ev.splice_done().splice_ms();
     } else if (ev.has_delta()) {
       v1::GenerateResponse out;
       *out.mutable_delta() = ev.delta();
@@ -794,16 +797,21 @@ grpc::Status GenerateCall::write_report() {
       sr->set_note(sr->note().empty() ? segs_[i].delivery_note : sr->note() + "; " + segs_[i].delivery_note);
     }
   }
-  // TTFT phases, consecutive on this clock (see TtftBreakdown in common.proto).
-  const auto scatter_end = std::min(*t_ready_, std::max(t_dispatch_, last_computed_.value_or(t_dispatch_)));
+  // TTFT phases, consecutive on this clock (see TtftBreakdown in common.proto). The engine phase (splice or
+  // in-context prefill) ends at SpliceDone; it started when EntriesReady arrived, or, where gRPC delivered the two
+  // events together (their gap here then reads about 0), the combine worker's own engine time before SpliceDone (its
+  // queue + splice), taken from the transfer phase before it.
+  const auto engine_dur = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double, std::milli>(engine_ms_));
+  const auto ready = std::max(t_dispatch_, std::min(*t_ready_, *t_spliced_ - engine_dur));
+  const auto scatter_end = std::min(ready, std::max(t_dispatch_, last_computed_.value_or(t_dispatch_)));
   auto* tt = rep->mutable_ttft();
   tt->set_router_ms(rpc::ms_between(t0_, t_lookup0_) + rpc::ms_between(t_lookup1_, t_dispatch_));
   tt->set_lookup_ms(rpc::ms_between(t_lookup0_, t_lookup1_));
   tt->set_scatter_ms(rpc::ms_between(t_dispatch_, scatter_end));
-  tt->set_transfer_ms(rpc::ms_between(scatter_end, *t_ready_));
+  tt->set_transfer_ms(rpc::ms_between(scatter_end, ready));
   // Full and prefix modes splice no entries: the combine worker's phase is an in-context prefill (full: the whole
   // prompt), billed as prefill_ms, not as a splice.
-  const double splice_phase_ms = rpc::ms_between(*t_ready_, *t_spliced_);
+  const double splice_phase_ms = rpc::ms_between(ready, *t_spliced_);
   const bool in_context = opts_.mode == engine::SpliceMode::Full || opts_.mode == engine::SpliceMode::Prefix;
   tt->set_splice_ms(in_context ? 0.0 : splice_phase_ms);
   tt->set_prefill_ms(in_context ? splice_phase_ms : 0.0);
