@@ -188,7 +188,18 @@ void CudaBackend::check_supported() const {
     bad("moe_intermediate_size " + std::to_string(c.moe_intermediate_size) + " (a multiple of 32)");
   if (c.is_moe() && c.shared_expert_intermediate_size % 32 != 0)
     bad("shared_expert_intermediate_size " + std::to_string(c.shared_expert_intermediate_size) + " (a multiple of 32)");
-  if (c.intermediate_size % 8 != 0) bad("intermediate_size " + std::to_string(c.intermediate_size) + " (a multiple of 8)");
+  bool dense_layers = false;
+  for (int i = 0; i < c.num_hidden_layers; ++i) dense_layers = dense_layers || !c.is_moe_layer(i);
+  if (dense_layers && c.intermediate_size % 8 != 0)
+    bad("intermediate_size " + std::to_string(c.intermediate_size) + " (a multiple of 8) of the dense MLP layers");
+  if (c.family == ModelFamily::MiniMax &&
+      (c.full_attn_alpha == 0 || c.linear_attn_alpha == 0 || c.mlp_alpha == 0))
+    bad("a post-norm residual alpha of 0");
+  if (c.num_linear_layers() > 0 && (c.family == ModelFamily::MiniMax || c.family == ModelFamily::RingLinear) &&
+      (c.group_norm_size < 1 || (int64_t(c.num_attention_heads) * c.head_dim) % c.group_norm_size != 0 ||
+       (int64_t(c.num_attention_heads) * c.head_dim / c.group_norm_size) % 2 != 0))
+    bad("group_norm_size " + std::to_string(c.group_norm_size) + " (it must split the " +
+        std::to_string(int64_t(c.num_attention_heads) * c.head_dim) + " output channels into even groups)");
   if (c.conv_dim() % 8 != 0) bad("conv_dim " + std::to_string(c.conv_dim()) + " (a multiple of 8)");
   if (c.num_attention_layers() > 0 && c.rotary_dim() % 2 != 0) bad("odd rotary_dim");
   if (c.vocab_size > (int64_t(1) << 31) - 1) bad("vocab_size above 2^31");
@@ -226,9 +237,29 @@ void CudaBackend::allocate_pools() {
       dec_moe_ws_.reserve(opt_.max_sequences, moe_view(L));
       break;
     }
-  if (cfg_.intermediate_size > 0) {
+  bool dense_layers = false;
+  for (const DevLayer& L : w_.layers) dense_layers = dense_layers || !L.is_moe;
+  if (cfg_.intermediate_size > 0 && dense_layers) {  // (all-MoE models: MiniMax, Qwen3-Next-style) need none
     moe_ws_.reserve_mlp(int(Tmax_), H_, int(cfg_.intermediate_size));
     dec_moe_ws_.reserve_mlp(opt_.max_sequences, H_, int(cfg_.intermediate_size));
+  }
+  // The KDA / lightning prefill workspace for the largest pass (one sequence of Tmax tokens, or an entry build's
+  // 2 x max_sequences pieces), so that passes allocate nothing (a larger shape still grows it).
+  if (n_lin_ && lin_ != Lin::Gdn) {
+    size_t need = 0;
+    for (int seqs : {1, 2 * opt_.max_sequences}) {
+      if (lin_ == Lin::Kda) {
+        kc::KdaPrefillArgs a;
+        a.num_seqs = seqs, a.total_tokens = int(Tmax_), a.num_heads = kda_cfg_.heads;
+        need = std::max(need, kc::kda_prefill_workspace_bytes(a));
+      } else {
+        kc::LightningPrefillArgs a;
+        a.num_seqs = seqs, a.max_seqlen = int(Tmax_ / seqs), a.num_heads = light_cfg_.heads;
+        a.head_dim = light_cfg_.head_dim;
+        need = std::max(need, kc::lightning_prefill_workspace_bytes(a));
+      }
+    }
+    ensure_capacity(lin_ws_, need, "KDA / lightning prefill workspace");
   }
   // KV pool: what the budget allows, else 40% of what is free now.
   if (n_attn_) {
@@ -356,7 +387,8 @@ BackendMemory CudaBackend::memory() const {
     m.kv_used = size_t(num_pages_ - int(free_pages_.size())) * page_bytes();
   }
   m.workspace = act_.size() + dec_act_.size() + moe_ws_.bytes() + dec_moe_ws_.bytes() + ws_a_.bytes() + ws_c_.bytes() + ws_seam_.bytes() + ws_pieces_.bytes() +
-                attn_ws_.bytes() + attn_dec_ws_.bytes() + run_scratch_.size() + tables_dev_.size() + logits_dev_.size();
+                attn_ws_.bytes() + attn_dec_ws_.bytes() + run_scratch_.size() + tables_dev_.size() + logits_dev_.size() +
+                lin_ws_.size();
   m.entries_used += prefix_.bytes();
   size_t free = 0, total = 0;
   if (cudaSetDevice(dev_.index) == cudaSuccess && cudaMemGetInfo(&free, &total) == cudaSuccess) {

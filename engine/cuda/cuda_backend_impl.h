@@ -337,7 +337,9 @@ class CudaBackend final : public Backend {
   int page_row(const CudaSequence& s, int64_t slot) const {
     return s.pages_[size_t(slot / kPage)] * kPage + int(slot % kPage);
   }
-  float* ssm(int l, int slot) const { return ssm_pool_[l].as<float>() + size_t(slot) * cfg_.linear_num_value_heads * kStateFloats; }
+  // Slot `slot`'s state of linear layer l: [H][d_k][d_v] fp32 (the pool's stride is the family's state size: the
+  // kernels index slots with it too).
+  float* ssm(int l, int slot) const { return ssm_pool_[l].as<float>() + size_t(slot) * (state_layer_bytes_ / sizeof(float)); }
   kc::bf16* convs(int l, int slot) const {
     return reinterpret_cast<kc::bf16*>(conv_pool_[l].bytes_ptr(size_t(slot) * conv_layer_bytes_));
   }

@@ -53,8 +53,9 @@ Placed CudaBackend::place_states(const std::vector<const Fold*>& folds, DeviceMe
   std::vector<std::pair<const float*, int64_t>> todo;  // (cached state, base), each once
   for (const Fold* f : folds) {
     if (f->base == 0) continue;
+    const bool seam_read = f->kind == Fold::Install || f->kind == Fold::Naive;  // (Interior folds read S_int only)
     for (int l = 0; l < n_lin_; ++l) {
-      if (f->e->has_seam()) todo.emplace_back(f->e->S_seam(l), f->base);
+      if (f->e->has_seam() && seam_read) todo.emplace_back(f->e->S_seam(l), f->base);
       todo.emplace_back(f->e->S_int(l), f->base);
     }
   }
@@ -479,7 +480,9 @@ void CudaBackend::execute(CudaSequence& s, const std::vector<Item>& items_in, bo
         it.folds.clear();
       }
       const int64_t room = std::max<int64_t>(pass_cap - used, 0);
-      while (cut_by_pass && next_cut < cuts.size() && cuts[next_cut].at <= it.span.position) ++next_cut;
+      if (cut_by_pass && next_cut < cuts.size() && cuts[next_cut].at <= it.span.position)
+        throw std::logic_error("execute: prefix checkpoint at " + std::to_string(cuts[next_cut].at) +
+                               " passed without a pass ending there");
       const int64_t to_cut = cut_by_pass && next_cut < cuts.size() ? cuts[next_cut].at - it.span.position : 0;
       if (to_cut > 0 && to_cut <= std::min(len, room) && it.folds.empty() && !(is_last && to_cut == len)) {
         // The span reaches a checkpoint within this pass: its head ends the pass there.
@@ -506,6 +509,8 @@ void CudaBackend::execute(CudaSequence& s, const std::vector<Item>& items_in, bo
     }
   }
   flush(true);
+  if (cut_by_pass && next_cut != cuts.size())  // a checkpoint no pass ended at would be cached without its states
+    throw std::logic_error("execute: " + std::to_string(cuts.size() - next_cut) + " prefix checkpoint(s) not reached");
   if (!cuts.empty()) save_checkpoint_kv(s, cuts);
   if (mass) {
     mass->assign(size_t(kv_len), 0.f);

@@ -116,15 +116,19 @@ struct Fixture {
 };
 
 // The model `name` (all_experts: the every-expert variant), its random bf16 checkpoint written once per machine.
-Fixture& fixture(const std::string& name, bool all_experts = false) {
+Fixture& fixture(const std::string& name, bool all_experts = false,
+                 const std::vector<std::pair<std::string, std::string>>& more_edits = {},
+                 const std::string& variant = "") {
   static std::map<std::string, std::unique_ptr<Fixture>> cache;
-  const std::string key = name + (all_experts ? "_all_experts" : "");
+  const std::string key = name + (all_experts ? "_all_experts" : "") + variant;
   auto& slot = cache[key];
   if (slot) return *slot;
   auto f = std::make_unique<Fixture>();
   const std::filesystem::path dir = std::filesystem::temp_directory_path() / ("hypic_gpu_families_" + key);
   if (!std::filesystem::exists(dir / "model.safetensors")) {
-    const eng::ModelConfig c = edited_config(name, all_experts ? all_experts_edits(name) : decltype(all_experts_edits(name)){});
+    auto edits = all_experts ? all_experts_edits(name) : decltype(all_experts_edits(name)){};
+    edits.insert(edits.end(), more_edits.begin(), more_edits.end());
+    const eng::ModelConfig c = edited_config(name, edits);
     eng::write_random_checkpoint(c, 20261204, dir, eng::DType::BF16, 0.05);
   }
   f->cfg = eng::load_config(dir);
@@ -397,6 +401,42 @@ TEST_CASE("cuda backend families: a request decoded alone vs batched with 15 oth
   }
 }
 
+TEST_CASE("cuda backend families: lightning heads of 64 (state slots of another size), sequences in slots 0 to 2",
+          "[families][backend]") {
+  require_gpu();
+  // MiniMax with head_dim 64 (the lightning kernels' other size; d x d states of 16 KB): three sequences alive at once
+  // hold three state slots; each one's prefill and a batched decode step against the CPU engine.
+  Fixture& f = fixture("minimax_gpu", true, {{"\"head_dim\": 128", "\"head_dim\": 64"}}, "_head64");
+  REQUIRE(f.cfg.head_dim == 64);
+  const size_t V = size_t(f.cfg.vocab_size);
+  std::mt19937 rng(23);
+  std::vector<std::vector<int32_t>> prompts;
+  for (size_t n : {90, 33, 150}) prompts.push_back(random_ids(rng, n, f.cfg.vocab_size));
+  std::vector<eng::SpliceOutput> outs;
+  std::vector<eng::ModelState> states;
+  std::vector<double> pop;
+  std::vector<int32_t> next;
+  for (const auto& p : prompts) {
+    states.push_back(f.cpu->initial_state());
+    const auto ref = f.cpu->prefill(states.back(), p, 0).logits;
+    outs.push_back(f.gpu->splice(full_plan(p, p.size() - 1, false)));
+    pop.push_back(rel(outs.back().logits, ref));
+    next.push_back(int32_t(argmax(ref.data(), V)));
+  }
+  std::vector<eng::Sequence*> seqs;
+  for (auto& o : outs) seqs.push_back(o.sequence.get());
+  std::vector<float> got;
+  f.gpu->decode(seqs, next, got);
+  for (size_t b = 0; b < prompts.size(); ++b) {
+    const auto ref = f.cpu->decode(states[b], next[b], int64_t(prompts[b].size()));
+    pop.push_back(rel(std::vector<float>(got.begin() + b * V, got.begin() + (b + 1) * V), ref));
+    std::string line;
+    state_errors(f.cfg, outs[b].sequence->to_host(), states[b], pop, line);
+    std::printf("[families] minimax head 64, sequence %zu:%s\n", b, line.c_str());
+  }
+  check_population(pop, "minimax_gpu head_dim 64 (all experts) prefill, decode and states of 3 slots", kAllExperts);
+}
+
 TEST_CASE("cuda backend families: configs the kernels do not take are refused at load, naming the value",
           "[families][backend]") {
   require_gpu();
@@ -412,6 +452,8 @@ TEST_CASE("cuda backend families: configs the kernels do not take are refused at
   refuse("kimi_linear_gpu", "\"linear_head_dim\": 128", "\"linear_head_dim\": 64", "KDA head size 64");
   refuse("kimi_linear_gpu", "\"q_lora_rank\": null", "\"q_lora_rank\": 64", "q_lora_rank 64");
   refuse("minimax_gpu", "\"head_dim\": 128", "\"head_dim\": 96", "head_dim 96");
+  refuse("ring_linear_gpu", "\"group_norm_size\": 4", "\"group_norm_size\": 512", "group_norm_size 512");
+  refuse("minimax_gpu", "\"mlp_alpha_factor\": 1.3", "\"mlp_alpha_factor\": 0", "alpha of 0");
 }
 
 // Diagnostics (hidden: run with "[.diag]"): a length-1 segment's w = 0 entry built alone, first and last in a batch.
