@@ -48,7 +48,8 @@ the generated text, the per-segment hit/miss table and the TTFT breakdown of bot
 shuts the cluster down.
 
 Options:
-  --model DIR           checkpoint directory (config.json + *.safetensors) of a Qwen3-Next / Qwen3.5 model.
+  --model DIR           checkpoint directory (config.json + *.safetensors) of a Qwen3-Next / Qwen3.5 model, or of
+                        the other families (Kimi-Linear, MiniMax, Ring-linear: README "More families").
                         Default: models/trained/qwen35-dense, a small Qwen3.5 model trained on the
                         multi-document task of tools/multidoc_task.py (models/trained/README.md).
   --random-model        use the demo model instead: Qwen3-Next-architecture, RANDOM weights made by
@@ -347,6 +348,19 @@ with open(out, "w") as f:
 EOF
 
 model_summary() {  # "qwen3_5_text, hidden 256, 8 layers (6 linear attention)" from config.json
+  # hypic-model info parses every family's layer pattern (Ring's layer_group_size, Kimi's linear_attn_config);
+  # before the build exists, config.json's own fields.
+  local info
+  if [[ -x "$BIN_DIR/hypic-model" ]] && info=$("$BIN_DIR/hypic-model" info --model "$1" 2>/dev/null); then
+    local mt hidden layers
+    mt=$(sed -n 's/^model_type  *//p' <<<"$info")
+    hidden=$(sed -n 's|^hidden / vocab  *\([0-9]*\).*|\1|p' <<<"$info")
+    layers=$(sed -n 's/^layers  *\([0-9]*\) (\([0-9]*\) linear.*/\1 layers (\2 linear attention)/p' <<<"$info")
+    if [[ -n "$mt" && -n "$hidden" && -n "$layers" ]]; then
+      echo "$mt, hidden $hidden, $layers"
+      return
+    fi
+  fi
   python3 - "$1/config.json" <<'PY' || echo "?"
 import json, sys
 c = json.load(open(sys.argv[1]))
