@@ -437,6 +437,79 @@ TEST_CASE("cuda backend families: lightning heads of 64 (state slots of another 
   check_population(pop, "minimax_gpu head_dim 64 (all experts) prefill, decode and states of 3 slots", kAllExperts);
 }
 
+TEST_CASE("cuda backend families: other shapes (head counts, layer patterns, MLA ranks and sizes, RoPE fractions)",
+          "[families][backend]") {
+  require_gpu();
+  // Configs unlike the fixtures above: MLA at padded head size 128 with v != nope and rank 256, three KDA heads and
+  // attention layers every other layer; MiniMax with 6 query / 3 KV heads and the softmax layer first; Ring with 6
+  // heads, 3 norm groups, a quarter of the head rotated and a softmax layer every third. Every expert routed.
+  struct Variant {
+    const char* name;
+    std::vector<std::pair<std::string, std::string>> edits;
+  };
+  const Variant variants[] = {
+      {"kimi_linear_gpu",
+       {{"\"linear_num_heads\": 2", "\"linear_num_heads\": 3"},
+        {"\"num_attention_heads\": 2", "\"num_attention_heads\": 3"},
+        {"\"num_key_value_heads\": 2", "\"num_key_value_heads\": 3"},
+        {"\"kv_lora_rank\": 512", "\"kv_lora_rank\": 256"},
+        {"\"qk_nope_head_dim\": 128", "\"qk_nope_head_dim\": 64"},
+        {"\"qk_rope_head_dim\": 64", "\"qk_rope_head_dim\": 32"},
+        {"\"v_head_dim\": 128", "\"v_head_dim\": 96"},
+        {"\"linear_attention\", \"linear_attention\", \"linear_attention\", \"full_attention\"",
+         "\"linear_attention\", \"full_attention\", \"linear_attention\", \"full_attention\""}}},
+      {"minimax_gpu",
+       {{"\"num_attention_heads\": 4", "\"num_attention_heads\": 6"},
+        {"\"num_key_value_heads\": 2", "\"num_key_value_heads\": 3"},
+        {"\"linear_attention\", \"linear_attention\", \"linear_attention\", \"full_attention\"",
+         "\"full_attention\", \"linear_attention\", \"linear_attention\", \"linear_attention\""}}},
+      {"ring_linear_gpu",
+       {{"\"num_attention_heads\": 4", "\"num_attention_heads\": 6"},
+        {"\"group_norm_size\": 4", "\"group_norm_size\": 3"},
+        {"\"partial_rotary_factor\": 0.5", "\"partial_rotary_factor\": 0.25"},
+        {"\"layer_group_size\": 4", "\"layer_group_size\": 3"}}},
+  };
+  for (const Variant& v : variants) {
+    Fixture& f = fixture(v.name, true, v.edits, "_shapes");
+    const size_t V = size_t(f.cfg.vocab_size);
+    std::mt19937 rng(29);
+    std::vector<double> pop;
+    // Prefill of 300 tokens, then one decode step.
+    const auto ids = random_ids(rng, 300, f.cfg.vocab_size);
+    eng::ModelState st = f.cpu->initial_state();
+    const auto ref = f.cpu->prefill(st, ids, 0).logits;
+    eng::SpliceOutput out = f.gpu->splice(full_plan(ids, 299, false));
+    pop.push_back(rel(out.logits, ref));
+    const int32_t tok = int32_t(argmax(ref.data(), V));
+    const auto ref2 = f.cpu->decode(st, tok, 300);
+    std::vector<float> got;
+    eng::Sequence* seqs[1] = {out.sequence.get()};
+    f.gpu->decode(seqs, std::span<const int32_t>(&tok, 1), got);
+    pop.push_back(rel(got, ref2));
+    std::string line;
+    state_errors(f.cfg, out.sequence->to_host(), st, pop, line);
+    // A hypic splice of three segments against the CPU engine's.
+    std::vector<std::vector<int32_t>> segs;
+    for (size_t n : {70, 5, 130}) segs.push_back(random_ids(rng, n, f.cfg.vocab_size));
+    const auto query = random_ids(rng, 12, f.cfg.vocab_size);
+    const auto gentries = f.gpu->build_entries(segs, 8);
+    eng::SplicePlan gp;
+    eng::SpliceRequest cr;
+    gp.mode = cr.mode = eng::SpliceMode::Hypic;
+    gp.seam_width = cr.seam_width = 8;
+    gp.query = cr.query = query;
+    for (size_t i = 0; i < segs.size(); ++i) {
+      gp.segments.push_back({segs[i], gentries[i]});
+      cr.segments.push_back({segs[i], std::make_shared<eng::SegmentEntry>(eng::build_segment_entry(*f.cpu, segs[i], 8))});
+    }
+    const double es = rel(f.gpu->splice(gp).logits, eng::splice(*f.cpu, cr).logits);
+    pop.push_back(es);
+    std::printf("[families] %s other shapes: prefill %.2e, decode %.2e, hypic splice %.2e |%s\n", v.name, pop[0],
+                pop[1], es, line.c_str());
+    check_population(pop, std::string(v.name) + " (other shapes, all experts)", kAllExperts);
+  }
+}
+
 TEST_CASE("cuda backend families: configs the kernels do not take are refused at load, naming the value",
           "[families][backend]") {
   require_gpu();
