@@ -326,6 +326,49 @@ TEST_CASE("cuda backend families: entries and splices in every mode match the CP
   }
 }
 
+TEST_CASE("cuda backend families: refresh_segments (the probe's attention mass) and recompute_segments",
+          "[families][backend]") {
+  require_gpu();
+  for (const char* name : kFamilies) {
+    Fixture& f = fixture(name, true);
+    std::mt19937 rng(31);
+    std::vector<std::vector<int32_t>> segs;
+    for (size_t n : {40, 90, 130, 65}) segs.push_back(random_ids(rng, n, f.cfg.vocab_size));
+    const auto query = random_ids(rng, 16, f.cfg.vocab_size);
+    const auto gentries = f.gpu->build_entries(segs, 8);
+    auto plan = [&](std::vector<int> recompute, int refresh) {
+      eng::SplicePlan gp;
+      gp.mode = eng::SpliceMode::Hypic;
+      gp.seam_width = 8;
+      gp.query = query;
+      gp.all_query_logits = true;
+      gp.recompute_segments = std::move(recompute);
+      gp.refresh_segments = refresh;
+      for (size_t i = 0; i < segs.size(); ++i) gp.segments.push_back({segs[i], gentries[i]});
+      return gp;
+    };
+    // The probe picks 2 segments by the query's attention mass (MLA: over the padded pool); the answer is the
+    // explicit recomputation of those, bit for bit.
+    const eng::SpliceOutput got = f.gpu->splice(plan({}, 2));
+    REQUIRE(got.recomputed_segments.size() == 2);
+    const eng::SpliceOutput same = f.gpu->splice(plan(got.recomputed_segments, 0));
+    CHECK(got.logits == same.logits);
+    // Against the CPU engine's recomputation of the same segments.
+    eng::SpliceRequest cr;
+    cr.mode = eng::SpliceMode::Hypic;
+    cr.seam_width = 8;
+    cr.query = query;
+    cr.all_query_logits = true;
+    cr.recompute_segments = got.recomputed_segments;
+    for (const auto& sg : segs)
+      cr.segments.push_back({sg, std::make_shared<eng::SegmentEntry>(eng::build_segment_entry(*f.cpu, sg, 8))});
+    const double e = rel(got.logits, eng::splice(*f.cpu, cr).logits);
+    std::printf("[families] %s refresh 2 chose %d and %d; logits vs the CPU's recomputation %.3e\n", name,
+                got.recomputed_segments[0], got.recomputed_segments[1], e);
+    CHECK(e <= kAllExperts.max);
+  }
+}
+
 TEST_CASE("cuda backend families: the conformance suite (hit == miss, prefix, decode identities)",
           "[families][backend][conformance]") {
   require_gpu();
