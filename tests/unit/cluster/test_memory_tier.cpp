@@ -6,6 +6,7 @@
 #include "combine_worker/budgets.h"
 #include "combine_worker/host_copies.h"
 #include "combine_worker/memory_tier.h"
+#include "engine/checkpoint/config.h"
 #include "tests/unit/cluster/combine_fixture.h"
 
 using hypic::combine::EntryMemoryTier;
@@ -385,4 +386,13 @@ TEST_CASE("tier budgets: derived from device memory, host memory and the entry s
   CHECK_THAT(parts, Catch::StartsWith("2048 tokens: 232.2 MB"));  // 3 x 62.9 + 30 x 3 x 8192 x 2 (1.5) + 41.9 MB
   CHECK_THAT(parts, Catch::Contains("(20480 bytes per token)"));           // 10 x 2 x (256 + 256) x 2 bytes
   CHECK_THAT(parts, Catch::Contains("41.9 MB of KV"));
+  // Ring-mini-linear-2.0: 16 lightning layers of 16 heads of 128 x 128 (scalar T: 64 bytes per layer), 4 attention
+  // layers of 4 KV heads of 128, no conv.
+  hypic::engine::EntryGeometry r;
+  r.linear_heads = 16, r.d_k = 128, r.d_v = 128, r.kv_heads = 4, r.head_dim = 128, r.num_linear = 16, r.num_attention = 4;
+  r.family = int(hypic::engine::ModelFamily::RingLinear), r.linear_rotary_dim = 64;
+  const std::string ring = hypic::combine::describe_entry_parts(r, 2048, 2);
+  CHECK_THAT(ring, Catch::Contains("2 x 16.8 MB of linear states"));  // 16 x 16 x 128 x 128 x 4 bytes
+  CHECK_THAT(ring, Catch::Contains("1024 bytes of scalar T_int"));     // 16 x 16 x 4
+  CHECK_THAT(ring, Catch::StartsWith("2048 tokens: 50.3 MB"));        // 2 x 16.78 + 0.001 + 16.78 MB of KV
 }
