@@ -38,17 +38,25 @@ def main():
     ap.add_argument("--dir", default="bench/results/families")
     ap.add_argument("--out", default="bench/results/families_h200")
     a = ap.parse_args()
-    runs, hf = [], {}
+    runs, hf, decode_only = [], {}, []
     for name in sorted(os.listdir(a.dir)):
         if not name.endswith(".json"):
             continue
         if name.startswith("hf_"):  # tools/hf_prefill_bench.py's JSON for the model of the same name
             hf[name[3:].replace(".json", "")] = load(os.path.join(a.dir, name))
+        elif name.startswith("decode_"):  # a decode-only run (other contexts): its own table
+            decode_only.append((name, load(os.path.join(a.dir, name))))
         else:
             runs.append((name, load(os.path.join(a.dir, name))))
     if not runs:
         sys.exit("families_report: no benchmark JSONs in " + a.dir)
-    out = {"source": a.dir, "hf_note": HF_NOTE, "rows": [], "models": [], "targets": []}
+    out = {"source": a.dir, "hf_note": HF_NOTE, "rows": [], "models": [], "targets": [], "decode_runs": []}
+    for name, j in decode_only:
+        for b in j.get("decode", {}).get("batches", []):
+            out["decode_runs"].append({"file": name, "family": FAMILY.get(j["model"]["model_type"], j["model"]["model_type"]),
+                                       "batch": b["batch"], "context_tokens": b["mean_context_tokens"], "ms": b["ms"],
+                                       "greedy_ms": b["greedy_ms"], "git_commit": j.get("git_commit"), "utc": j.get("utc"),
+                                       "kv_used_bytes": j.get("memory", {}).get("kv_used")})
     ref_per_b = None
     per_b = {}
     for name, j in runs:
@@ -132,6 +140,19 @@ def main():
                       f'({x["scaling"]}); experts {x["implementations"].get("experts")}, attention '
                       f'{x["implementations"].get("attention")}, causal conv: {x["implementations"].get("conv1d")}.')
     md.append("")
+    if out["decode_runs"]:
+        md.append("## Decode at shorter contexts")
+        md.append("")
+        md.append("Kimi-Linear keeps MLA's K and V expanded per head at a padded head size of 256 (229 KB per token over "
+                  "its 7 MLA layers), so 64 contexts of 32k tokens do not fit one H200; its batch sizes at contexts of "
+                  "4 segments x 512 tokens + the query instead (`--segments 4 --segment-tokens 512`):")
+        md.append("")
+        md.append("| run | batch | context tokens | ms per step | greedy ms |")
+        md.append("|---|---|---|---|---|")
+        for d in out["decode_runs"]:
+            md.append(f'| {d["file"].replace("_h200.json", "")} | {d["batch"]} | {d["context_tokens"]:.0f} | '
+                      f'{d["ms"]:.2f} | {d["greedy_ms"]:.2f} |')
+        md.append("")
     md.append("## Targets (issue 29)")
     md.append("")
     for t in out["targets"]:
