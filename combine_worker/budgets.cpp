@@ -37,20 +37,23 @@ std::string describe_budget(uint64_t bytes, uint64_t entry_bytes) {
 std::string describe_entry_parts(const engine::EntryGeometry& g, int64_t tokens, size_t kv_bytes_per_element) {
   const double state = double(g.num_linear) * g.linear_heads * g.d_k * g.d_v * 4;
   const double conv = double(g.num_linear) * g.conv_rows * g.conv_dim * kv_bytes_per_element;
+  // K [H_kv][head_dim] and V [H_kv][v_dim()] per token and attention layer; MLA (kv_latent_rank > 0): the latent row
+  // [1][R + rope] and no V.
   const double kv_per_token = double(g.num_attention) * g.kv_heads * (g.head_dim + g.v_dim()) * kv_bytes_per_element;
+  const char* kv = g.kv_latent_rank > 0 ? "MLA latent KV" : "KV";
   // Lightning attention (MiniMax, Ring-linear): T_int is one float per head, not a dense operator.
   const bool scalar_t = g.family == int(engine::ModelFamily::MiniMax) || g.family == int(engine::ModelFamily::RingLinear);
   if (scalar_t) {
     const double trans = double(g.num_linear) * g.linear_heads * 4;
     const double total = 2 * state + trans + conv + kv_per_token * double(tokens);
     return fmt::format("{} tokens: {:.1f} MB = 2 x {:.1f} MB of linear states (S_seam, S_int; no S_seam at w = 0) + "
-                       "{:.0f} bytes of scalar T_int + {:.1f} MB of KV ({:.0f} bytes per token)",
-                       tokens, total / 1e6, state / 1e6, trans, kv_per_token * double(tokens) / 1e6, kv_per_token);
+                       "{:.0f} bytes of scalar T_int + {:.1f} MB of {} ({:.0f} bytes per token)",
+                       tokens, total / 1e6, state / 1e6, trans, kv_per_token * double(tokens) / 1e6, kv, kv_per_token);
   }
   const double total = 3 * state + conv + kv_per_token * double(tokens);
   return fmt::format("{} tokens: {:.1f} MB = 3 x {:.1f} MB of linear operators and states (S_seam, T_int, S_int; "
-                     "no S_seam at w = 0) + {:.1f} MB of conv tails + {:.1f} MB of KV ({:.0f} bytes per token)",
-                     tokens, total / 1e6, state / 1e6, conv / 1e6, kv_per_token * double(tokens) / 1e6, kv_per_token);
+                     "no S_seam at w = 0) + {:.1f} MB of conv tails + {:.1f} MB of {} ({:.0f} bytes per token)",
+                     tokens, total / 1e6, state / 1e6, conv / 1e6, kv_per_token * double(tokens) / 1e6, kv, kv_per_token);
 }
 
 }  // namespace hypic::combine

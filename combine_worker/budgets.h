@@ -50,7 +50,8 @@ std::string describe_budget(uint64_t bytes, uint64_t entry_bytes);
 /// layer K and V of every token; `kv_bytes_per_element` 2 where the KV is bf16 (CUDA), 4 where it is fp32 (CPU, the
 /// wire). E.g. "2048 tokens: 232.2 MB = 3 x 62.9 MB of linear operators and states (S_seam, T_int, S_int; no S_seam at
 /// w = 0) + 1.5 MB of conv tails + 41.9 MB of KV (20480 bytes per token)". Lightning families (scalar T_int): "2 x ...
-/// MB of linear states (S_seam, S_int; ...) + N bytes of scalar T_int + ...".
+/// MB of linear states (S_seam, S_int; ...) + N bytes of scalar T_int + ...". MLA (Kimi-Linear, kv_latent_rank > 0):
+/// "... MB of MLA latent KV (N bytes per token)", its one latent row per token and layer.
 std::string describe_entry_parts(const engine::EntryGeometry& g, int64_t tokens, size_t kv_bytes_per_element);
 
 }  // namespace hypic::combine

@@ -83,11 +83,11 @@ size_t wire_entry_bytes(const ModelConfig& config, int64_t tokens) {
   // The fp32 wire form's tensors (engine/segment.h) of an entry with a seam (w > 0): per linear layer T_int, S_seam and
   // S_int, transitions counted dense (an upper bound for the families whose entries keep T_C compact, and for w = 0
   // entries, which have no S_seam), the conv tail, and K/V, both counted fp32 (an upper bound too: a CUDA backend's
-  // entries carry them as bf16).
+  // entries carry them as bf16): K [n][kv_heads][head_dim], V [n][kv_heads][v_dim()] (MLA: the latent, no V).
   const EntryGeometry g = EntryGeometry::of(config);
   const size_t lin = size_t(g.linear_heads) * (size_t(g.d_k) * g.d_k + 2 * size_t(g.d_k) * g.d_v) +
                      size_t(g.conv_rows) * g.conv_dim;
-  const size_t attn = 2 * size_t(std::max<int64_t>(tokens, 0)) * g.kv_heads * g.head_dim;
+  const size_t attn = size_t(std::max<int64_t>(tokens, 0)) * g.kv_heads * (size_t(g.head_dim) + size_t(g.v_dim()));
   return (size_t(g.num_linear) * lin + size_t(g.num_attention) * attn) * sizeof(float);
 }
 

@@ -66,18 +66,18 @@ EntryGeometry EntryGeometry::of(const ModelConfig& cfg) {
   g.d_v = cfg.linear_value_head_dim;
   g.conv_dim = static_cast<int>(cfg.conv_dim());
   g.conv_rows = cfg.conv_rows();
-  g.kv_heads = cfg.num_key_value_heads;
-  g.head_dim = cfg.head_dim;
+  g.kv_heads = cfg.kv_cache_heads();
+  g.head_dim = cfg.kv_cache_k_dim();
   g.num_linear = cfg.num_linear_layers();
   g.num_attention = cfg.num_attention_layers();
   g.family = static_cast<int>(cfg.family);
-  g.v_head_dim = cfg.attn_v_head_dim() != cfg.head_dim ? cfg.attn_v_head_dim() : 0;
+  g.kv_latent_rank = cfg.attention_is_latent() ? cfg.kv_lora_rank : 0;
   g.linear_rotary_dim = cfg.linear_rope && cfg.num_linear_layers() > 0 ? cfg.rotary_dim() : 0;
   return g;
 }
 
 uint32_t entry_format_version(const EntryGeometry& g) {
-  return g.family == 0 && g.v_head_dim == 0 && g.linear_rotary_dim == 0 ? kSegmentFormatVersion
+  return g.family == 0 && g.kv_latent_rank == 0 && g.linear_rotary_dim == 0 ? kSegmentFormatVersion
                                                                          : kSegmentFormatVersionFamilies;
 }
 

@@ -17,8 +17,12 @@ struct LinearLayerState {
 
 /// KV cache of one full-attention layer.
 struct AttentionLayerState {
-  std::vector<float> k;  ///< [n_tokens][H_kv][head_dim], RoPE-rotated at each token's own position (MLA: not rotated)
-  std::vector<float> v;  ///< [n_tokens][H_kv][attn_v_head_dim()] (= head_dim but for MLA)
+  /// [n_tokens][kv_cache_heads()][kv_cache_k_dim()] (ModelConfig): [n][H_kv][head_dim], RoPE-rotated at each
+  /// token's own position; MLA (Kimi-Linear): the latent [n][1][kv_lora_rank + qk_rope_head_dim], rows
+  /// [RMSNorm(c_kv) * kv_a_layernorm.weight | k_rot], not rotated
+  std::vector<float> k;
+  /// [n_tokens][kv_cache_heads()][kv_cache_v_dim()]: [n][H_kv][head_dim]; MLA: empty (0 floats per token)
+  std::vector<float> v;
   int64_t n_tokens = 0;
 };
 

@@ -121,7 +121,7 @@ std::string build_header(const SegmentEntry& e, std::span<const TransitionKind> 
                 g.num_attention})
     put<uint32_t>(h, static_cast<uint32_t>(v));
   if (e.format_version >= kSegmentFormatVersionFamilies)
-    for (int v : {g.family, g.v_head_dim, g.linear_rotary_dim}) put<uint32_t>(h, static_cast<uint32_t>(v));
+    for (int v : {g.family, g.kv_latent_rank, g.linear_rotary_dim}) put<uint32_t>(h, static_cast<uint32_t>(v));
   for (const TransitionKind k : kinds) put<uint8_t>(h, static_cast<uint8_t>(k));
   put<uint8_t>(h, bf16 ? kWireBf16 : kWireF32);  // K, V and conv tails
   return h;
@@ -185,6 +185,9 @@ void SegmentEntry::check_consistent() const {
   if (format_version != entry_format_version(g))
     bad("format version " + std::to_string(format_version) + " but its geometry (family " +
         std::to_string(g.family) + ") is written as version " + std::to_string(entry_format_version(g)));
+  if (g.kv_latent_rank > 0 && (g.kv_heads != 1 || g.head_dim < g.kv_latent_rank))
+    bad("MLA latent rank " + std::to_string(g.kv_latent_rank) + " with " + std::to_string(g.kv_heads) +
+        " KV heads of dim " + std::to_string(g.head_dim) + " (the latent is one head of rank + rope dims)");
   if (static_cast<int>(linear.size()) != g.num_linear || static_cast<int>(attention.size()) != g.num_attention)
     bad("layer counts " + std::to_string(linear.size()) + "/" + std::to_string(attention.size()) + " vs geometry " +
         std::to_string(g.num_linear) + "/" + std::to_string(g.num_attention));
@@ -370,7 +373,7 @@ void EntryReader::parse_header() {
     g.family = static_cast<int>(c.get<uint32_t>("family"));
     if (g.family > static_cast<int>(ModelFamily::RingLinear))
       throw EntryError("segment entry: unknown model family " + std::to_string(g.family));
-    for (int* f : {&g.v_head_dim, &g.linear_rotary_dim}) {
+    for (int* f : {&g.kv_latent_rank, &g.linear_rotary_dim}) {
       const uint32_t v = c.get<uint32_t>("family geometry");
       if (v > (1u << 20)) throw EntryError("segment entry geometry value " + std::to_string(v) + " out of range");
       *f = static_cast<int>(v);

@@ -8,7 +8,8 @@
 //    composes whole segments (T_C, S(C|0)) and so uses entries made with w = 0, whose seam is empty (T_C = T_int,
 //    S(C|0) = S_int). A w = 0 entry thus holds one (T, S) pair per layer, as the paper keeps; a w > 0 entry 3/4 of
 //    the 4 operators/states earlier formats held;
-//  - per full-attention layer: K and V of every token, K rotated for local positions 0..n-1;
+//  - per full-attention layer: K and V of every token, K rotated for local positions 0..n-1 (MLA, Kimi-Linear: the
+//    compressed latent row [normed c_kv | k_rot] of every token as K, one head, and no V);
 //  - the token ids (to verify a digest hit) and what it was made under (model fingerprint, numerics, w,
 //    version). The fingerprint is the backend's (engine/backend.h model_fingerprint: config + numerics), so an
 //    entry made by one numerics ("cuda-bf16") is never spliced by another ("cpu-fp32").
@@ -20,15 +21,18 @@
 //   before any tensor is allocated)
 //   header: u32 version, u32 fingerprint_len, fingerprint, u32 numerics_len, numerics, i32 seam_width, u32 n_tokens, i32 ids[n],
 //           u32 H_v, d_k, d_v, conv_dim, conv_rows, H_kv, head_dim, n_linear, n_attention,
-//           [version 3 only: u32 family, u32 v_head_dim, u32 linear_rotary_dim (EntryGeometry's family fields)]
+//           [versions 5 and 6 only: u32 family, u32 kv_latent_rank (version 5: v_head_dim), u32 linear_rotary_dim
+//            (EntryGeometry's family fields)]
 //           per linear layer: u8 interior transition kind; u8 K/V type (1 fp32, 2 bf16)
 //   blobs, per linear layer: S_seam (only when s = min(w, n) > 0), T_int, S_int, conv_tail; per attention layer: K, V.
 //   States and transitions are fp32; K, V and the conv tails are bf16 (type 2) when every one of their values is a
 //   bf16 value (the CUDA backend's entries, which keep them in bf16: nothing is lost), else fp32. Sizes: T by its kind ([H_v] scalar, [H_v][d_k] diagonal, [H_v][d_k][d_k] dense), S [H_v][d_k][d_v], conv tail
 //   [conv_rows][conv_dim] (empty without a short conv), K [n][H_kv][head_dim], V [n][H_kv][v_dim()].
 // Versions: an entry of the Qwen families (Gated DeltaNet + gated attention) is written as version 4; one of the other
-// families (Kimi-Linear, MiniMax, Ring-linear) as version 5, whose header adds the family fields. (Versions 2 and 3,
-// which also stored T_seam and an all-zero S_seam for w = 0, are refused; their digests differ, so they are misses.) entry_format_version(geometry) says which; the digest carries the same number.
+// families (Kimi-Linear, MiniMax, Ring-linear) as version 6, whose header adds the family fields. (Versions 2 and 3,
+// which also stored T_seam and an all-zero S_seam for w = 0, and version 5, which stored MLA's K/V expanded per head,
+// are refused; their digests differ, so they are misses.) entry_format_version(geometry) says which; the digest
+// carries the same number.
 // EntryWriter / EntryReader stream it in chunks straight from / into the tensors (no whole-entry buffer).
 #pragma once
 #include <array>
@@ -51,8 +55,11 @@ struct ModelConfig;
 /// only when the seam is not empty.
 inline constexpr uint32_t kSegmentFormatVersion = 4;
 /// Version of the entries of the other families (kimi_linear, minimax, bailing_moe_linear): version 4 plus the
-/// family fields of EntryGeometry in the header (MLA's V head dim, the key-axis RoPE dims of Ring's linear states).
-inline constexpr uint32_t kSegmentFormatVersionFamilies = 5;
+/// family fields of EntryGeometry in the header (MLA's latent rank, the key-axis RoPE dims of Ring's linear states).
+/// 5: the family fields, MLA's K/V expanded per head (the second field was its V head dim). 6: MLA (Kimi-Linear)
+/// keeps the compressed latent: K rows [R normed c_kv | k_rot] with one KV head, no V (the second field is
+/// kv_latent_rank R); 17.8x smaller than 5 at Kimi-Linear-48B's sizes. MiniMax and Ring entries are laid out as in 5.
+inline constexpr uint32_t kSegmentFormatVersionFamilies = 6;
 
 /// 128-bit content address of a segment entry.
 using SegmentDigest = std::array<uint8_t, 16>;
@@ -84,7 +91,8 @@ struct LinearLayerEntry {
 };
 
 /// Per full-attention layer: K [n][H_kv][head_dim] (rotated at local positions 0..n-1 where the family has RoPE)
-/// and V [n][H_kv][EntryGeometry::v_dim()], fp32.
+/// and V [n][H_kv][EntryGeometry::v_dim()], fp32. MLA (Kimi-Linear, kv_latent_rank > 0): K is the latent
+/// [n][1][R + rope] (RMSNorm(c_kv) * kv_a_layernorm.weight | k_rot, never rotated) and V is empty (v_dim() 0).
 struct AttentionLayerEntry {
   std::vector<float> k, v;
 };
@@ -96,19 +104,22 @@ struct EntryGeometry {
   int conv_dim = 0, conv_rows = 0;  ///< conv tail is [conv_rows = K-1][conv_dim]
   int kv_heads = 0, head_dim = 0;
   int num_linear = 0, num_attention = 0;
-  // Family fields (format version 5); all 0 for the Qwen families, whose entries are version 4.
+  // Family fields (format version 6); all 0 for the Qwen families, whose entries are version 4.
   int family = 0;             ///< static_cast<int>(ModelFamily): 0 Qwen, 1 Kimi-Linear, 2 MiniMax, 3 Ring-linear
-  int v_head_dim = 0;         ///< V head dim of the attention layers when it differs from head_dim (MLA), else 0
+  int kv_latent_rank = 0;     ///< MLA (Kimi-Linear): K rows are the latent [R normed c_kv | k_rot] (kv_heads 1,
+                              ///< head_dim R + rope) and there is no V; else 0
   int linear_rotary_dim = 0;  ///< key-axis dims of the linear states rotated by RoPE (Ring-linear: rotary_dim), else 0
   bool operator==(const EntryGeometry&) const = default;
-  /// V head dim of the attention entries: v_head_dim, or head_dim when that is 0.
-  int v_dim() const { return v_head_dim > 0 ? v_head_dim : head_dim; }
-  /// The geometry a model of this config produces (family fields 0 for ModelFamily::Qwen).
+  /// V head dim of the attention entries: 0 when kv_latent_rank > 0 (MLA caches no V), else head_dim.
+  int v_dim() const { return kv_latent_rank > 0 ? 0 : head_dim; }
+  /// The geometry a model of this config produces (family fields 0 for ModelFamily::Qwen): kv_heads
+  /// cfg.kv_cache_heads(), head_dim cfg.kv_cache_k_dim(), kv_latent_rank cfg.kv_lora_rank when
+  /// cfg.attention_is_latent().
   static EntryGeometry of(const ModelConfig& cfg);
 };
 
 /// Format version of the entries of this geometry (and of their digests): kSegmentFormatVersion (4) when every family
-/// field is 0 (Qwen), else kSegmentFormatVersionFamilies (5).
+/// field is 0 (Qwen), else kSegmentFormatVersionFamilies (6).
 uint32_t entry_format_version(const EntryGeometry& g);
 /// entry_format_version(EntryGeometry::of(cfg)): what a router or worker serving `cfg` puts in its digests.
 uint32_t entry_format_version(const ModelConfig& cfg);

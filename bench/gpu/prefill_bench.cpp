@@ -258,10 +258,10 @@ struct Dims {
   double eps, rope_theta;
   // The other families (Kimi-Linear, MiniMax, Ring-linear): GEMMs counted from the active parameters of the layers
   // (count_parameters, without the embedding and the LM head); attention with its own K and V head sizes (MLA: qk
-  // nope + rope, v), the KV pool's row padded to P; lightning scans' nominal count per (chunk, head).
+  // nope + rope, v), the KV pool's row the latent (R + rope); lightning scans' nominal count per (chunk, head).
   bool qwen = true, lightning = false, mla = false;
   double body_active = 0;  // active parameters per token outside the embedding and the LM head
-  int hd_qk = 0, hd_v = 0, pool_hd = 0;
+  int hd_qk = 0, hd_v = 0, latent = 0;
   explicit Dims(const eng::ModelConfig& c)
       : H(c.hidden_size), V(c.vocab_size), nk(c.linear_num_key_heads), nv(c.linear_num_value_heads),
         dk(c.linear_key_head_dim), C(int(c.conv_dim())), qd(int(c.linear_q_dim())), vd(int(c.linear_v_dim())),
@@ -274,8 +274,8 @@ struct Dims {
     qwen = c.family == eng::ModelFamily::Qwen;
     lightning = c.family == eng::ModelFamily::MiniMax || c.family == eng::ModelFamily::RingLinear;
     mla = c.family == eng::ModelFamily::KimiLinear;
-    hd_qk = hd, hd_v = c.attn_v_head_dim(), pool_hd = hd;
-    if (mla) pool_hd = kc::MlaDims{nh, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank}.padded();
+    hd_qk = hd, hd_v = c.attn_v_head_dim();
+    if (mla) latent = c.kv_lora_rank + c.qk_rope_head_dim;
     if (lightning) nv = nh, dk = hd;
     body_active = double(eng::count_parameters(c).active_per_token) - double(V) * H * (c.tie_word_embeddings ? 1 : 2);
   }
@@ -306,8 +306,8 @@ struct Dims {
   double total_flops(double T, double logit_rows) const {
     return dense_flops(T, logit_rows) + ffn_flops(T) + attn_flops(T) + gdn_flops(T);
   }
-  /// KV bytes per token over all attention layers as the CUDA backend stores it (bf16 K and V).
-  double kv_bytes_per_token() const { return mla ? double(n_attn) * 2 * nh * pool_hd * 2 : double(n_attn) * 2 * nkv * hd * 2; }
+  /// KV bytes per token over all attention layers as the CUDA backend stores it (bf16 K and V; MLA: the latent row).
+  double kv_bytes_per_token() const { return mla ? double(n_attn) * latent * 2 : double(n_attn) * 2 * nkv * hd * 2; }
   /// One KV pool page of the CUDA backend (kKvPageTokens tokens of every attention layer), bytes.
   double page_bytes() const { return kv_bytes_per_token() * kc::kKvPageTokens; }
 };

@@ -167,7 +167,7 @@ int64_t ModelConfig::linear_state_bytes() const {
 }
 
 int64_t ModelConfig::kv_bytes_per_token() const {
-  return int64_t(num_attention_layers()) * num_key_value_heads * (int64_t(head_dim) + attn_v_head_dim()) *
+  return int64_t(num_attention_layers()) * kv_cache_heads() * (int64_t(kv_cache_k_dim()) + kv_cache_v_dim()) *
          int64_t(sizeof(float));
 }
 

@@ -59,10 +59,12 @@ struct ModelConfig {
   int64_t max_position_embeddings = 0;  ///< informational (RoPE is computed for any position)
 
   // Full attention (Qwen3NextAttention / Qwen3_5Attention gated; MiniMaxAttention and Ring's softmax layers plain
-  // GQA; KimiLinearAttention MLA, whose K/V are kept expanded per head: num_key_value_heads = nh,
-  // head_dim = qk_nope_head_dim + qk_rope_head_dim (K), v_head_dim (V)).
+  // GQA; KimiLinearAttention MLA, whose attention math runs per head with num_key_value_heads = nh,
+  // head_dim = qk_nope_head_dim + qk_rope_head_dim (K), v_head_dim (V), but whose KV cache keeps the compressed
+  // latent: one row [kv_lora_rank normed c_kv | qk_rope_head_dim k_rot] per token, no V; see kv_cache_heads() etc.).
   int num_attention_heads = 0;          ///< nh, query heads
-  int num_key_value_heads = 0;          ///< nkv (GQA: query head i reads KV head i / (nh / nkv)); MLA: nh
+  int num_key_value_heads = 0;          ///< nkv (GQA: query head i reads KV head i / (nh / nkv)); MLA: nh (of the
+                                        ///< expanded K/V; its cache has kv_cache_heads() = 1)
   int head_dim = 0;                     ///< hd, the K (and, but for MLA, V) head dim; MLA: qk_nope + qk_rope
   double rope_theta = 10000.0;          ///< RoPE base
   double partial_rotary_factor = 0.25;  ///< rotary_dim() = int(head_dim * factor), NeoX halves (MiniMax: 1)
@@ -135,6 +137,16 @@ struct ModelConfig {
   int conv_rows() const { return linear_conv_kernel_dim > 0 ? linear_conv_kernel_dim - 1 : 0; }
   /// Per-head V dim of the attention layers: v_head_dim for MLA (Kimi-Linear), else head_dim.
   int attn_v_head_dim() const { return family == ModelFamily::KimiLinear ? v_head_dim : head_dim; }
+  /// Whether the KV cache (and a segment entry's attention part) holds MLA's compressed latent instead of per-head
+  /// K/V: true for Kimi-Linear. Its rows are [RMSNorm(c_kv) * kv_a_layernorm.weight (kv_lora_rank values) | k_rot
+  /// (qk_rope_head_dim values, kv_a_proj_with_mqa's last columns, never rotated)]; K/V are expanded from them per call.
+  bool attention_is_latent() const { return family == ModelFamily::KimiLinear; }
+  /// KV heads of the cache rows (H_kv of K [n][H_kv][kv_cache_k_dim()]): 1 when latent, else num_key_value_heads.
+  int kv_cache_heads() const { return attention_is_latent() ? 1 : num_key_value_heads; }
+  /// Floats per KV-cache head of K: kv_lora_rank + qk_rope_head_dim when latent, else head_dim.
+  int kv_cache_k_dim() const { return attention_is_latent() ? kv_lora_rank + qk_rope_head_dim : head_dim; }
+  /// Floats per KV-cache head of V: 0 when latent (no V is cached), else attn_v_head_dim() (= head_dim).
+  int kv_cache_v_dim() const { return attention_is_latent() ? 0 : attn_v_head_dim(); }
   /// Whether the attention layers rotate q/k (every family but Kimi-Linear, whose MLA is NoPE).
   bool attention_has_rope() const { return family != ModelFamily::KimiLinear; }
   /// Whether the RMSNorms apply (1 + w) (Qwen) rather than w (every other family).
@@ -151,7 +163,8 @@ struct ModelConfig {
 
   /// Recurrent-state bytes of one linear layer in fp32: nv*dk*dv*4 (S) + conv_rows()*conv_dim*4 (conv tail).
   int64_t linear_state_bytes() const;
-  /// KV-cache bytes per token over all attention layers in fp32: n_attn * nkv * (hd + attn_v_head_dim()) * 4.
+  /// KV-cache bytes per token over all attention layers in fp32:
+  /// n_attn * kv_cache_heads() * (kv_cache_k_dim() + kv_cache_v_dim()) * 4 (MLA: n_attn * (R + rope) * 4).
   int64_t kv_bytes_per_token() const;
 
   /// Checks internal consistency (positive sizes, divisibility nv % nk, nh % nkv, layer_types length,

@@ -119,10 +119,11 @@ int run_info(const std::string& model, int64_t segment_tokens, bool as_json) {
   // T_C: dense (gated delta rule, KDA) or one scalar per head (lightning).
   const int64_t transition_bytes = scalar_tc ? nv * f : nv * dk * dk * f;
   // Segment entry tensors (DESIGN.md 3.2): per linear layer (T, S) of the seam and of the interior plus the
-  // conv tail; per attention layer K and V of every token; plus the token ids. Header bytes excluded.
+  // conv tail; per attention layer K and V of every token (MLA: its latent row, no V); plus the token ids. Header
+  // bytes excluded.
   const int64_t per_linear_entry = 2 * (transition_bytes + ssm_bytes) + conv_bytes;
   const int64_t per_attention_entry =
-      segment_tokens * c.num_key_value_heads * (int64_t(c.head_dim) + c.attn_v_head_dim()) * f;
+      segment_tokens * c.kv_cache_heads() * (int64_t(c.kv_cache_k_dim()) + c.kv_cache_v_dim()) * f;
   const int64_t entry = c.num_linear_layers() * per_linear_entry + c.num_attention_layers() * per_attention_entry +
                         segment_tokens * int64_t(sizeof(int32_t));
   const int64_t state_total = c.num_linear_layers() * c.linear_state_bytes();
@@ -150,6 +151,7 @@ int run_info(const std::string& model, int64_t segment_tokens, bool as_json) {
       {"linear_conv_bytes_per_layer", conv_bytes},
       {"linear_state_bytes_total", state_total},
       {"kv_bytes_per_token", c.kv_bytes_per_token()},
+      {"kv_cache_latent", c.attention_is_latent()},
       {"segment_tokens", segment_tokens},
       {"segment_entry_bytes", entry},
       {"segment_entry_linear_bytes_per_layer", per_linear_entry},
@@ -173,10 +175,15 @@ int run_info(const std::string& model, int64_t segment_tokens, bool as_json) {
             << "linear state      " << human_bytes(double(c.linear_state_bytes())) << " per layer (S "
             << human_bytes(double(ssm_bytes)) << " + conv tail " << human_bytes(double(conv_bytes)) << "), "
             << human_bytes(double(state_total)) << " in all, fp32\n"
-            << "KV cache          " << human_bytes(double(c.kv_bytes_per_token())) << " per token, fp32\n"
+            << "KV cache          " << human_bytes(double(c.kv_bytes_per_token())) << " per token, fp32"
+            << (c.attention_is_latent() ? " (MLA latent: " + std::to_string(c.kv_lora_rank) + " + " +
+                                              std::to_string(c.qk_rope_head_dim) + " values per layer, no V)"
+                                        : std::string())
+            << "\n"
             << "segment entry     " << human_bytes(double(entry)) << " for " << segment_tokens << " tokens (linear "
             << human_bytes(double(per_linear_entry)) << " per layer: seam and interior T+S, "
-            << "conv tail; attention " << human_bytes(double(per_attention_entry)) << " per layer: K+V)\n";
+            << "conv tail; attention " << human_bytes(double(per_attention_entry)) << " per layer: "
+            << (c.attention_is_latent() ? "MLA latent" : "K+V") << ")\n";
   return 0;
 }
 

@@ -142,8 +142,9 @@ void Model::validate_state(const ModelState& s) const {
                                   std::to_string(ssm) + " / " + std::to_string(conv));
     }
   }
-  const size_t row = static_cast<size_t>(c.num_key_value_heads) * c.head_dim;
-  const size_t vrow = static_cast<size_t>(c.num_key_value_heads) * c.attn_v_head_dim();
+  // Cache rows: K [H_kv][head_dim] and V [H_kv][v dim], or MLA's latent [1][R + rope] and no V.
+  const size_t row = static_cast<size_t>(c.kv_cache_heads()) * c.kv_cache_k_dim();
+  const size_t vrow = static_cast<size_t>(c.kv_cache_heads()) * c.kv_cache_v_dim();
   for (size_t i = 0; i < s.attention.size(); ++i) {
     const auto& a = s.attention[i];
     if (a.n_tokens < 0 || a.k.size() != static_cast<size_t>(a.n_tokens) * row ||

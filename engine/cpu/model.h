@@ -12,10 +12,12 @@
 //  - its conv state holds the last K-1 pre-convolution inputs (the conv tail), [K-1][conv_dim], oldest first,
 //    zeros at a sequence start (KDA: its q, k and v convs' channels concatenated, [K-1][3 H d]); lightning layers
 //    have no short conv and an empty conv state (ModelConfig::conv_rows() == 0);
-//  - a full-attention layer's KV cache holds K and V of every token seen, K [n][H_kv][head_dim] and V
-//    [n][H_kv][attn_v_head_dim()], with K already RoPE-rotated at the position that token had when it was computed
-//    (where the family has RoPE). MLA (Kimi-Linear) stores its K and V expanded per head: K [n][nh][qk_nope +
-//    qk_rope] (k_nope from kv_b_proj, then the shared k_rot), V [n][nh][v_head_dim]; nothing is rotated (NoPE).
+//  - a full-attention layer's KV cache holds K and V of every token seen, K [n][kv_cache_heads()][kv_cache_k_dim()]
+//    and V [n][kv_cache_heads()][kv_cache_v_dim()] (ModelConfig), with K already RoPE-rotated at the position that
+//    token had when it was computed (where the family has RoPE): K [n][H_kv][head_dim], V [n][H_kv][head_dim]. MLA
+//    (Kimi-Linear) stores its compressed latent instead: K [n][1][kv_lora_rank + qk_rope] = [RMSNorm(c_kv) *
+//    kv_a_layernorm.weight | k_rot] per token, V empty; each call expands every cached row through kv_b_proj into
+//    per-head K [nh][qk_nope | k_rot] and V [nh][v_head_dim]; nothing is rotated (NoPE).
 //  - Ring-linear rotates q and k inside its linear layers, so a linear state made at positions a.. holds keys
 //    rotated for those positions (re-rotation by the key axis moves it, DESIGN.md 3.3).
 // Linear layers and attention layers are indexed among their own type (ModelConfig::linear_index /

@@ -13,7 +13,7 @@ namespace {
 // Appends an entry's K/V rows [from, n) to attention layer a's (or every layer's) running state, K re-rotated from
 // local position `from + i` to real position `base + from + i` (RoPE composes: R(p + d) = R(d) R(p), DESIGN.md 3.3)
 // where the family's attention has RoPE (Kimi-Linear's MLA has none: its K is position-free). K rows are
-// H_kv * head_dim, V rows H_kv * v_dim() floats.
+// H_kv * head_dim, V rows H_kv * v_dim() floats (MLA: K rows are the latent, 1 * (R + rope), and V rows 0 floats).
 void append_entry_kv_layer(const Model& model, ModelState& state, const SegmentEntry& e, size_t a, int from,
                            int64_t base) {
   const EntryGeometry& g = e.geometry;

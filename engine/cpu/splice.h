@@ -161,8 +161,8 @@ struct SpliceResult {
 /// position 0); each later segment's seam (first w tokens) is recomputed in context through every layer, its
 /// interior composed (S <- T_int S + S_int, conv state <- conv tail) and its interior K re-rotated to real
 /// positions; segments of at most w tokens are recomputed whole; then the query runs in context.
-/// Families: K is re-rotated only where the attention has RoPE (not Kimi-Linear's MLA); V rows are
-/// EntryGeometry::v_dim() wide; for linear layers with RoPE (Ring-linear, Model::linear_states_rotate) every cached
+/// Families: K is re-rotated only where the attention has RoPE (not Kimi-Linear's MLA, whose K rows are its latent
+/// and whose V rows are empty); V rows are EntryGeometry::v_dim() wide; for linear layers with RoPE (Ring-linear, Model::linear_states_rotate) every cached
 /// state of a segment starting at real position b (S(C|0) in naive / transition mode, S(interior|0), whose keys
 /// sit at local positions s..n-1, in hypic mode) is re-rotated on the key axis by b before it is folded in,
 /// S(C|b) = R(b) S(C|0) (Model::rotate_linear_state, DESIGN.md 3.3; the scalar T commutes with R); the first

@@ -109,7 +109,8 @@ CudaBackend::CudaBackend(const DeviceSpec& dev, ModelConfig cfg, const ModelWeig
   trans_layer_bytes_ = lin_ == Lin::Lightning ? size_t(nv_) * sizeof(float)
                                               : size_t(nv_) * cfg_.linear_key_head_dim * cfg_.linear_key_head_dim * 4;
   conv_layer_bytes_ = size_t(cfg_.conv_rows()) * C_ * 2;
-  kv_row_ = attn_ == Attn::Mla ? size_t(nh_) * mla_cfg_.dims.padded() * 2 : size_t(nkv_) * hd_ * 2;
+  kv_row_ = attn_ == Attn::Mla ? size_t(mla_cfg_.dims.rank + mla_cfg_.dims.rope) * 2 : size_t(nkv_) * hd_ * 2;
+  v_row_ = attn_ == Attn::Mla ? 0 : kv_row_;
   eps_ = float(cfg_.rms_norm_eps);
   attn_scale_ = attn_ == Attn::Mla ? mla_cfg_.scale : float(1.0 / std::sqrt(double(hd_)));
   gdn_scale_ = float(1.0 / std::sqrt(double(cfg_.linear_key_head_dim)));
@@ -125,6 +126,19 @@ CudaBackend::CudaBackend(const DeviceSpec& dev, ModelConfig cfg, const ModelWeig
                  "text is meaningless",
                  opt_.random_weights_seed, dev_.name());
     w_ = DeviceWeights::random(cfg_, opt_.random_weights_seed);
+  }
+  if (n_attn_ && attn_ == Attn::Mla) {  // W_UK^T per MLA layer for the absorbed queries
+    const kc::MlaDims& d = mla_cfg_.dims;
+    const size_t per = size_t(d.heads) * d.rank * std::max(d.nope, 1);
+    mla_uk_t_ = DeviceMemory(size_t(n_attn_) * per * 2, "MLA W_UK^T");
+    for (int i = 0, a = 0; i < cfg_.num_hidden_layers; ++i) {
+      if (cfg_.layer_types[i] != LayerType::FullAttention) continue;
+      DevMla& m = w_.layers[i].mla;
+      kc::bf16* dst = mla_uk_t_.as<kc::bf16>() + size_t(a++) * per;
+      kc::mla_transpose_uk(d, m.kv_b_proj, dst, stream_);
+      m.w_uk_t = dst;
+    }
+    check_cuda(cudaStreamSynchronize(stream_), "MLA W_UK^T");
   }
   allocate_pools();
   spdlog::info("cuda backend on {}: weights {}, {} state slots ({} each), {} KV pages of {} tokens ({}), activations "
@@ -275,7 +289,10 @@ void CudaBackend::allocate_pools() {
                               " bytes holds no page of " + std::to_string(page_bytes()) + " bytes");
     for (int a = 0; a < n_attn_; ++a) {
       k_pool_.emplace_back(size_t(num_pages_) * kPage * kv_row_, "KV pool (K)");
-      v_pool_.emplace_back(size_t(num_pages_) * kPage * kv_row_, "KV pool (V)");
+      if (v_row_)
+        v_pool_.emplace_back(size_t(num_pages_) * kPage * v_row_, "KV pool (V)");
+      else
+        v_pool_.emplace_back();  // MLA: the latent rows are K and V
     }
     for (int p = num_pages_ - 1; p >= 0; --p) free_pages_.push_back(p);
   }
@@ -305,11 +322,10 @@ void CudaBackend::carve_activations(DeviceMemory& mem, size_t T, const std::stri
     o_qg = lay.add(T * (cfg_.attn_output_gate ? 2 : 1) * nh_ * hd_ * 2), o_kv = lay.add(T * 2 * nkv_ * hd_ * 2);
     o_aq = lay.add(T * nh_ * hd_ * 2), o_ao = lay.add(T * nh_ * hd_ * 2);
   }
-  if (n_attn_ && attn_ == Attn::Mla) {  // q, ckv, latent, kvb, q_pad, attn, packed
+  if (n_attn_ && attn_ == Attn::Mla) {  // q, ckv, qx, ox, packed
     const kc::MlaDims& d = mla_cfg_.dims;
-    const size_t P = size_t(d.padded());
-    for (size_t w : {size_t(nh_) * (d.nope + d.rope), size_t(d.rank + d.rope), size_t(d.rank),
-                     size_t(nh_) * (d.nope + d.v), nh_ * P, nh_ * P, size_t(nh_) * d.v})
+    for (size_t w : {size_t(nh_) * (d.nope + d.rope), size_t(d.rank + d.rope), MlaScratch::qx_width(d),
+                     MlaScratch::ox_width(d), size_t(nh_) * d.v})
       o_mla.push_back(lay.add(T * w * 2));
   }
   mem = DeviceMemory(lay.total(), what);
@@ -334,8 +350,7 @@ void CudaBackend::carve_activations(DeviceMemory& mem, size_t T, const std::stri
   if (n_attn_ && attn_ != Attn::Mla) lane.qg = bp(o_qg), lane.kv = bp(o_kv), lane.aq = bp(o_aq), lane.ao = bp(o_ao);
   if (n_attn_ && attn_ == Attn::Mla) {
     MlaScratch& m = lane.mla;
-    m.q = bp(o_mla[0]), m.ckv = bp(o_mla[1]), m.latent = bp(o_mla[2]), m.kvb = bp(o_mla[3]), m.q_pad = bp(o_mla[4]);
-    m.attn = bp(o_mla[5]), m.packed = bp(o_mla[6]);
+    m.q = bp(o_mla[0]), m.ckv = bp(o_mla[1]), m.qx = bp(o_mla[2]), m.ox = bp(o_mla[3]), m.packed = bp(o_mla[4]);
   }
 }
 
@@ -501,18 +516,58 @@ void CudaBackend::import_kv(int a, int rows, const kc::bf16* const* k_src, const
                             const int* deltas, const int* dst) {
   if (!rows) return;
   if (attn_ == Attn::Mla)
-    kc::mla_kv_import(rows, mla_cfg_.dims, k_src, v_src, dst, k_pool_[a].as<kc::bf16>(), v_pool_[a].as<kc::bf16>(),
-                      stream_);
+    kc::mla_latent_import(rows, mla_cfg_.dims, k_src, dst, k_pool_[a].as<kc::bf16>(), stream_);
   else
     kc::kv_import(rows, nkv_, hd_, cfg_.rotary_dim(), k_src, v_src, deltas, inv_freq_.as<float>(), dst,
                   k_pool_[a].as<kc::bf16>(), v_pool_[a].as<kc::bf16>(), stream_);
 }
 
 void CudaBackend::attention_layer(const Lane& ln, const DevLayer& L, int a, int T, const int* positions,
-                                  const int* kv_rows, const kc::AttnGroups& groups, bool decode) {
+                                  const int* kv_rows, const kc::AttnGroups& groups, bool decode,
+                                  const MlaExpandPass* mla_expand) {
   if (attn_ != Attn::Mla) return attention_mixer(ln, L.attention, a, T, positions, kv_rows, groups, decode);
-  mla_mixer(*ln.gemm, L.mla, mla_cfg_, T, ln.hn, kv_rows, groups, k_pool_[a].as<kc::bf16>(), v_pool_[a].as<kc::bf16>(),
-            decode ? &attn_dec_ws_ : &attn_ws_, decode, ln.mla, ln.x, ln.stream);
+  mla_mixer(*ln.gemm, L.mla, mla_cfg_, T, ln.hn, kv_rows, groups, k_pool_[a].as<kc::bf16>(), mla_expand, &mla_xs_,
+            &attn_ws_, decode ? &mla_dec_ws_ : &mla_ws_, ln.mla, ln.x, ln.stream);
+}
+
+CudaBackend::MlaExpandTables CudaBackend::plan_mla_expand(Tables& tb, int G, const int* q_start, const int* slot0,
+                                                          const int* bt, int max_pages, int max_q) const {
+  MlaExpandTables x;
+  if (attn_ != Attn::Mla || !n_attn_ || max_q <= kMlaAbsorbMaxQueries) return x;
+  MlaExpandPlan p = MlaExpandPlan::of(G, q_start, slot0, bt, max_pages);
+  x.on = true, x.rows = p.rows, x.max_pages = p.max_pages;
+  x.t_src = tb.add(p.src_rows), x.t_bt = tb.add(p.block_table);
+  return x;
+}
+
+MlaExpandPass CudaBackend::mla_expand_pass(const MlaExpandTables& x, const Tables& tb, const kc::AttnGroups& groups) {
+  MlaExpandPass p;
+  p.rows = x.rows;
+  p.src_rows = tb.dev<int>(x.t_src);
+  p.groups = groups;
+  p.groups.block_table = tb.dev<int>(x.t_bt);
+  p.groups.max_pages = x.max_pages;
+  p.groups.max_kv = x.rows;
+  if (mla_xs_.rows < x.rows) {  // grow (uncaptured prefill passes only), to the next 4096 rows
+    const int rows = (x.rows + 4095) / 4096 * 4096;
+    const kc::MlaDims& d = mla_cfg_.dims;
+    check_cuda(cudaStreamSynchronize(stream_), "MLA expansion scratch");
+    mla_x_mem_ = DeviceMemory();
+    mla_xs_ = MlaExpandScratch{};
+    try {
+      mla_x_mem_ = DeviceMemory(MlaExpandScratch::bytes(d, size_t(rows)), "MLA expansion scratch");
+    } catch (const std::exception& e) {
+      throw ResourceExhausted(std::string("MLA expansion scratch for a pass over ") + std::to_string(x.rows) +
+                              " context tokens: " + e.what());
+    }
+    Layout lay;
+    const size_t n = size_t(rows), P = size_t(d.padded());
+    const size_t o_lat = lay.add(n * (d.rank + d.rope) * 2), o_kvb = lay.add(n * d.heads * (d.nope + d.v) * 2),
+                 o_k = lay.add(n * d.heads * P * 2), o_v = lay.add(n * d.heads * P * 2);
+    auto bp = [&](size_t off) { return reinterpret_cast<kc::bf16*>(mla_x_mem_.bytes_ptr(off)); };
+    mla_xs_.lat = bp(o_lat), mla_xs_.kvb = bp(o_kvb), mla_xs_.k = bp(o_k), mla_xs_.v = bp(o_v), mla_xs_.rows = rows;
+  }
+  return p;
 }
 
 void CudaBackend::linear_gemms(const Lane& ln, const DevLinear& L, int T) {
@@ -719,8 +774,12 @@ void CudaBackend::decode_device(std::span<Sequence* const> sequences, std::span<
              "decode tables");
   if (n_attn_) {  // sized before any step of this width runs, eager or captured; growing drops the graphs
     const size_t before = attn_dec_ws_.bytes();
-    attn_dec_ws_.reserve(opt_.max_sequences, nh_, attn_ == Attn::Mla ? mla_cfg_.dims.padded() : hd_, cap * kPage);
-    if (attn_dec_ws_.bytes() != before) graphs_.clear();
+    const size_t before_mla = mla_dec_ws_.bytes();
+    if (attn_ == Attn::Mla)
+      mla_dec_ws_.reserve(opt_.max_sequences, 1, nh_, mla_cfg_.dims.rank, cap * kPage);
+    else
+      attn_dec_ws_.reserve(opt_.max_sequences, nh_, hd_, cap * kPage);
+    if (attn_dec_ws_.bytes() != before || mla_dec_ws_.bytes() != before_mla) graphs_.clear();
   }
   const auto key = std::make_pair(B, cap);
   auto it = graphs_.find(key);
@@ -1043,10 +1102,8 @@ ModelState CudaBackend::download_state(const CudaSequence& s) const {
     if (conv_layer_bytes_) bf(convs(l, s.slot_), conv_layer_bytes_ / 2, st.linear[l].conv);
   }
   st.attention.resize(n_attn_);
-  // Pool rows [heads][P] (P = the pool's head size) to the model's K [heads][hd] and V [heads][v_dim] rows (MLA's
-  // pool rows are zero-padded; the others' are the rows themselves).
-  const int heads = attn_ == Attn::Mla ? nh_ : nkv_, P = int(kv_row_ / 2) / std::max(heads, 1);
-  const int kd = geom_.head_dim, vdim = geom_.v_dim();
+  // Pool rows are the model's K [kv_heads][head_dim] and V [kv_heads][v_dim] rows (MLA: the latent, no V).
+  const int heads = geom_.kv_heads, kd = geom_.head_dim, vdim = geom_.v_dim();
   for (int a = 0; a < n_attn_; ++a) {
     AttentionLayerState& A = st.attention[a];
     A.n_tokens = s.n_;
@@ -1055,13 +1112,12 @@ ModelState CudaBackend::download_state(const CudaSequence& s) const {
     std::vector<float> tmp;
     for (int64_t t = 0; t < s.n_; t += kPage) {
       const int64_t cnt = std::min<int64_t>(kPage, s.n_ - t);
-      const size_t off = size_t(page_row(s, t)) * kv_row_;
       for (int kvi = 0; kvi < 2; ++kvi) {
-        bf((kvi ? v_pool_[a] : k_pool_[a]).bytes_ptr(off), size_t(cnt) * heads * P, tmp);
         const int w = kvi ? vdim : kd;
-        std::vector<float>& dst = kvi ? A.v : A.k;
-        for (int64_t r = 0; r < cnt * heads; ++r)
-          std::copy_n(tmp.begin() + r * P, w, dst.begin() + (size_t(t) * heads + size_t(r)) * w);
+        if (!w) continue;
+        bf((kvi ? v_pool_[a] : k_pool_[a]).bytes_ptr(size_t(page_row(s, t)) * row_bytes(kvi)), size_t(cnt) * heads * w,
+           tmp);
+        std::copy(tmp.begin(), tmp.end(), (kvi ? A.v : A.k).begin() + size_t(t) * heads * w);
       }
     }
   }

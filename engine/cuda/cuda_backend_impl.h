@@ -303,7 +303,7 @@ class CudaBackend final : public Backend {
   }
   ModelState download_state(const CudaSequence& s) const;
   size_t sequence_state_bytes() const { return size_t(n_lin_) * (state_layer_bytes_ + conv_layer_bytes_); }
-  size_t page_bytes() const { return size_t(n_attn_) * 2 * kPage * kv_row_; }
+  size_t page_bytes() const { return size_t(n_attn_) * kPage * (kv_row_ + v_row_); }
   /// The prefill lane's whole-device stream (never switched; the partition stream's work is joined into it at the
   /// end of each engine-loop call).
   cudaStream_t stream() const { return full_stream_; }
@@ -423,12 +423,24 @@ class CudaBackend final : public Backend {
   /// Empty for every other family and for folds at base 0. Synchronizes the engine's stream.
   Placed place_states(const std::vector<const Fold*>& folds, DeviceMemory& mem);
   /// K/V rows of cached entries into the pool for attention layer a: Plain / Gated kv_import (K re-rotated by the
-  /// deltas), MLA mla_kv_import (padded, no RoPE).
+  /// deltas), MLA mla_latent_import (latent rows; v_src unused, no RoPE).
   void import_kv(int a, int rows, const kc::bf16* const* k_src, const kc::bf16* const* v_src, const int* deltas,
                  const int* dst);
-  /// Attention layer a of any family (Gated / Plain: attention_mixer; MLA: mla_mixer).
+  /// Attention layer a of any family (Gated / Plain: attention_mixer; MLA: mla_mixer, expanded over `mla_expand`'s
+  /// scratch pages when given, else absorbed).
   void attention_layer(const Lane& ln, const DevLayer& L, int a, int T, const int* positions, const int* kv_rows,
-                       const kc::AttnGroups& groups, bool decode);
+                       const kc::AttnGroups& groups, bool decode, const MlaExpandPass* mla_expand = nullptr);
+  /// MLA prefill passes: when some group is longer than kMlaAbsorbMaxQueries, the expansion plan's tables go into
+  /// `tb` (before its upload) and on = true; mla_expand_pass then gives the device view (after the upload) and grows
+  /// the expansion scratch to the plan's rows (RESOURCE_EXHAUSTED when the device has no room).
+  struct MlaExpandTables {
+    bool on = false;
+    int rows = 0, max_pages = 0;
+    size_t t_src = 0, t_bt = 0;
+  };
+  MlaExpandTables plan_mla_expand(Tables& tb, int G, const int* q_start, const int* slot0, const int* bt,
+                                  int max_pages, int max_q) const;
+  MlaExpandPass mla_expand_pass(const MlaExpandTables& x, const Tables& tb, const kc::AttnGroups& groups);
   void linear_finish(const Lane& ln, const DevLinear& L, int T);
   void attention_gemms(const Lane& ln, const DevAttention& A, int T);
   void attention_mixer(const Lane& ln, const DevAttention& A, int a, int T, const int* positions, const int* kv_rows,
@@ -461,7 +473,7 @@ class CudaBackend final : public Backend {
 
   // Prefix checkpoints (prefix mode): states at segment ends and each segment's KV rows, keyed by the chain digest.
   size_t checkpoint_bytes(int64_t tokens) const {
-    return size_t(n_lin_) * (state_layer_bytes_ + conv_layer_bytes_) + size_t(n_attn_) * 2 * size_t(tokens) * kv_row_;
+    return size_t(n_lin_) * (state_layer_bytes_ + conv_layer_bytes_) + size_t(n_attn_) * size_t(tokens) * (kv_row_ + v_row_);
   }
   float* checkpoint_state(const Checkpoint& c, int l) const {
     return reinterpret_cast<float*>(c.mem.bytes_ptr(size_t(l) * (state_layer_bytes_ + conv_layer_bytes_)));
@@ -471,7 +483,7 @@ class CudaBackend final : public Backend {
   }
   char* checkpoint_kv(const Checkpoint& c, int a, int kvi) const {
     return c.mem.bytes_ptr(size_t(n_lin_) * (state_layer_bytes_ + conv_layer_bytes_) +
-                           (size_t(a) * 2 + size_t(kvi)) * size_t(c.n - c.start) * kv_row_);
+                           (size_t(a) * (kv_row_ + v_row_) + size_t(kvi) * kv_row_) * size_t(c.n - c.start));
   }
   // The slot's linear states and conv tails into checkpoint cp (the state after the pass that ended at cp.n).
   void save_checkpoint_states(const CudaSequence& s, Checkpoint& cp);
@@ -487,9 +499,11 @@ class CudaBackend final : public Backend {
   EntryGeometry geom_;
   int n_lin_ = 0, n_attn_ = 0;
   int nk_ = 0, nv_ = 0, C_ = 0, K_ = 0, qd_ = 0, vd_ = 0, nh_ = 0, nkv_ = 0, hd_ = 0, H_ = 0;
-  // kv_row_: bytes of one token's K (or V) row in the pool, [nkv][hd] bf16 ([nh][P] padded for MLA); entry rows
-  // follow the geometry (EntryLayout). trans_layer_bytes_: one linear layer's T (dense or scalar).
-  size_t state_layer_bytes_ = 0, trans_layer_bytes_ = 0, conv_layer_bytes_ = 0, kv_row_ = 0;
+  // kv_row_ / v_row_: bytes of one token's K / V row in the pool, [nkv][hd] bf16 (MLA: K is the latent row [R + rope],
+  // v_row_ 0, no V pool); pool rows are entry rows (EntryLayout). trans_layer_bytes_: one linear layer's T (dense or
+  // scalar).
+  size_t state_layer_bytes_ = 0, trans_layer_bytes_ = 0, conv_layer_bytes_ = 0, kv_row_ = 0, v_row_ = 0;
+  size_t row_bytes(int kvi) const { return kvi ? v_row_ : kv_row_; }
   Lin lin_ = Lin::Gdn;
   Attn attn_ = Attn::Gated;
   bool zc_ = true;         // zero-centred RMSNorms (Qwen)
@@ -542,6 +556,10 @@ class CudaBackend final : public Backend {
   kc::GdnWorkspace ws_a_, ws_c_, ws_seam_, ws_pieces_;
   kc::AttnDecodeWorkspace attn_ws_;      // attention split-KV scratch of prefill passes
   kc::AttnDecodeWorkspace attn_dec_ws_;  // decode steps' own: the CUDA graphs point at it
+  kc::MlaAttnWorkspace mla_ws_, mla_dec_ws_;  // MLA's absorbed attention: prefill passes', decode steps' (graphs)
+  DeviceMemory mla_uk_t_;                     // W_UK^T of every MLA layer ([nh][R][nope] each)
+  DeviceMemory mla_x_mem_;                    // MLA's expansion scratch (grown to the longest expanded pass)
+  MlaExpandScratch mla_xs_;
   // Pools.
   std::vector<DeviceMemory> ssm_pool_, conv_pool_, k_pool_, v_pool_;
   std::vector<int> free_slots_, free_pages_;  // guarded by pool_mu_ (sequences may be released on any thread)

@@ -334,11 +334,13 @@ std::vector<float> CudaBackend::run_pass(CudaSequence& s, const std::vector<Run>
                t_cst = tb.add(cut_states), t_cconv = tb.add(cut_convs);
   std::vector<size_t> t_k(n_attn_), t_v(n_attn_);
   for (int a = 0; a < n_attn_; ++a) t_k[a] = tb.add(kp[a]), t_v[a] = tb.add(vp[a]);
+  const MlaExpandTables mla_x = plan_mla_expand(tb, G, q_start.data(), slot0.data(), bt.data(), max_pages, max_q);
   tb.upload(tables_dev_, stream_);
   check_cuda(cudaMemcpyAsync(pre_.ids, tb.dev<int32_t>(t_ids), size_t(T) * 4, cudaMemcpyDeviceToDevice, stream_), "ids");
 
   const kc::AttnGroups groups =
       attn_groups(G, tb.dev<int>(t_qs), tb.dev<int>(t_s0), tb.dev<int>(t_bt), max_pages, T, max_q, int(top));
+  const MlaExpandPass mla_pass = mla_x.on ? mla_expand_pass(mla_x, tb, groups) : MlaExpandPass{};
   const int import_rows = int(kv_dst.size());
 
   kc::embed_gather(T, H_, pre_.ids, w_.embed, pre_.x, stream_);
@@ -398,11 +400,15 @@ std::vector<float> CudaBackend::run_pass(CudaSequence& s, const std::vector<Run>
       if (import_rows)  // the folded entries' K (re-rotated to real positions) and V, before anything attends to them
         import_kv(a, import_rows, tb.dev<const kc::bf16*>(t_k[a]), tb.dev<const kc::bf16*>(t_v[a]), tb.dev<int>(t_kd),
                   tb.dev<int>(t_kdst));
-      attention_layer(pre_, L, a, T, tb.dev<int>(t_pos), tb.dev<int>(t_rows), groups, false);
+      attention_layer(pre_, L, a, T, tb.dev<int>(t_pos), tb.dev<int>(t_rows), groups, false,
+                      mla_x.on ? &mla_pass : nullptr);
       if (mass_dev) {  // the last span's last token over every slot it sees (PrefillOptions::attention_mass)
-        const bool mla = attn_ == Attn::Mla;
-        const int hd = mla ? mla_cfg_.dims.padded() : hd_, nkv = mla ? nh_ : nkv_;
-        const kc::bf16* q = (mla ? pre_.mla.q_pad : pre_.aq) + size_t(T - 1) * nh_ * hd;
+        const bool mla = attn_ == Attn::Mla;  // MLA: the absorbed query over the latent rows (MQA at R + rope)
+        const int hd = mla ? mla_cfg_.dims.rank + mla_cfg_.dims.rope : hd_, nkv = mla ? 1 : nkv_;
+        const kc::bf16* q = mla ? pre_.mla.qx + size_t(T - 1) * nh_ * hd : pre_.aq + size_t(T - 1) * nh_ * hd;
+        if (mla && mla_x.on)  // the expanded form left q_pad in qx: the last token's absorbed query into row T - 1
+          mla_absorb_query(gemm_, L.mla, mla_cfg_, 1, pre_.mla.q + size_t(T - 1) * nh_ * (mla_cfg_.dims.nope + mla_cfg_.dims.rope),
+                           pre_.mla.qx + size_t(T - 1) * nh_ * hd, stream_);
         kc::attention_key_mass(1, nh_, nkv, hd, q, slot0[G - 1] + (T - 1 - q_start[G - 1]),
                                tb.dev<int>(t_bt) + size_t(G - 1) * max_pages, k_pool_[a].as<kc::bf16>(), attn_scale_,
                                mass_dev, stream_);
@@ -546,12 +552,13 @@ void CudaBackend::save_checkpoint_kv(const CudaSequence& s, std::span<const Chec
   std::vector<kc::CopyDesc> c;
   for (const CheckpointCut& cut : cuts)
     for (int a = 0; a < n_attn_; ++a)
-      for (int kvi = 0; kvi < 2; ++kvi) {
+      for (int kvi = 0; kvi < (v_row_ ? 2 : 1); ++kvi) {
         char* p = checkpoint_kv(*cut.cp, a, kvi);
+        const size_t rb = row_bytes(kvi);
         for (int64_t t = cut.cp->start; t < cut.cp->n;) {  // runs of rows within one page
           const int64_t cnt = std::min<int64_t>(kPage - t % kPage, cut.cp->n - t);
-          const char* src = (kvi ? v_pool_[a] : k_pool_[a]).bytes_ptr(size_t(page_row(s, t)) * kv_row_);
-          c.push_back({src, p, long(cnt * kv_row_)}), p += cnt * kv_row_;
+          const char* src = (kvi ? v_pool_[a] : k_pool_[a]).bytes_ptr(size_t(page_row(s, t)) * rb);
+          c.push_back({src, p, long(cnt * rb)}), p += cnt * rb;
           t += cnt;
         }
       }
@@ -573,12 +580,13 @@ void CudaBackend::restore_chain(CudaSequence& s, const std::vector<const Checkpo
   }
   for (const Checkpoint* cp : chain)
     for (int a = 0; a < n_attn_; ++a)
-      for (int kvi = 0; kvi < 2; ++kvi) {
+      for (int kvi = 0; kvi < (v_row_ ? 2 : 1); ++kvi) {
         const char* p = checkpoint_kv(*cp, a, kvi);
+        const size_t rb = row_bytes(kvi);
         for (int64_t t = cp->start; t < cp->n;) {
           const int64_t cnt = std::min<int64_t>(kPage - t % kPage, cp->n - t);
-          char* dst = (kvi ? v_pool_[a] : k_pool_[a]).bytes_ptr(size_t(page_row(s, t)) * kv_row_);
-          c.push_back({p, dst, long(cnt * kv_row_)}), p += cnt * kv_row_;
+          char* dst = (kvi ? v_pool_[a] : k_pool_[a]).bytes_ptr(size_t(page_row(s, t)) * rb);
+          c.push_back({p, dst, long(cnt * rb)}), p += cnt * rb;
           t += cnt;
         }
       }
@@ -837,7 +845,7 @@ void CudaBackend::build_batch(std::span<const std::vector<int32_t>> segs, int w,
     }
   }
   std::vector<int32_t> ids, pos, rows;
-  std::vector<int> cu{0}, pieces{0}, seam_cu{0}, seam_rows, bt(size_t(N) * max_pages, 0), slot0(N, 0), seg_of;
+  std::vector<int> cu{0}, pieces{0}, seam_cu{0}, seam_rows, bt(size_t(N) * max_pages, 0), slot0(N, 0);
   int max_q = 0, max_kv = 1;
   std::vector<std::shared_ptr<CudaEntry>> entries;
   for (int i = 0; i < N; ++i) {
@@ -845,7 +853,6 @@ void CudaBackend::build_batch(std::span<const std::vector<int32_t>> segs, int w,
     const int base = int(ids.size());
     for (int t = 0; t < n; ++t) {
       ids.push_back(segs[i][t]);
-      seg_of.push_back(i);
       pos.push_back(t);
       rows.push_back(n_attn_ ? pages[i][t / kPage] * kPage + t % kPage : 0);
     }
@@ -911,10 +918,12 @@ void CudaBackend::build_batch(std::span<const std::vector<int32_t>> segs, int w,
                t_s0 = tb.add(slot0), t_sr = tb.add(seam_rows), t_ic = tb.add(init_copy), t_ec = tb.add(entry_copy),
                t_sub = tb.add(sub), t_si = tb.add(sub_init), t_sf = tb.add(sub_fin), t_pc = tb.add(pieces),
                t_scu = tb.add(seam_cu);
+  const MlaExpandTables mla_x = plan_mla_expand(tb, N, cu.data(), slot0.data(), bt.data(), max_pages, max_q);
   tb.upload(tables_dev_, stream_);
   check_cuda(cudaMemcpyAsync(pre_.ids, tb.dev<int32_t>(t_ids), size_t(T) * 4, cudaMemcpyDeviceToDevice, stream_), "ids");
   const kc::AttnGroups groups =
       attn_groups(N, tb.dev<int>(t_cu), tb.dev<int>(t_s0), tb.dev<int>(t_bt), max_pages, T, max_q, max_kv);
+  const MlaExpandPass mla_pass = mla_x.on ? mla_expand_pass(mla_x, tb, groups) : MlaExpandPass{};
   const int per_layer_copies = n_lin_ ? int(entry_copy.size()) / n_lin_ : 0;  // the same for every layer
 
   kc::embed_gather(T, H_, pre_.ids, w_.embed, pre_.x, stream_);
@@ -989,34 +998,12 @@ void CudaBackend::build_batch(std::span<const std::vector<int32_t>> segs, int w,
       kc::batched_copy(per_layer_copies, tb.dev<kc::CopyDesc>(t_ec) + size_t(l) * per_layer_copies, stream_);
       linear_finish(pre_, L.linear, T);
     } else {
-      attention_layer(pre_, L, cfg_.attention_index(i), T, tb.dev<int>(t_pos), tb.dev<int>(t_rows), groups, false);
+      attention_layer(pre_, L, cfg_.attention_index(i), T, tb.dev<int>(t_pos), tb.dev<int>(t_rows), groups, false,
+                      mla_x.on ? &mla_pass : nullptr);
     }
     ffn(pre_, L, T);
   }
-  // K/V out of the pages into the entries: MLA's padded pool rows packed row by row, the others' pages copied.
-  if (attn_ == Attn::Mla && n_attn_ && T > 0) {
-    check_cuda(cudaStreamSynchronize(stream_), "entry build");  // the tables buffer is reused below
-    const size_t ke = size_t(geom_.kv_heads) * geom_.head_dim, ve = size_t(geom_.kv_heads) * geom_.v_dim();
-    Tables t2;
-    const size_t o_rows = t2.add(rows);
-    std::vector<size_t> o_k(n_attn_), o_v(n_attn_);
-    for (int a = 0; a < n_attn_; ++a) {
-      std::vector<kc::bf16*> kd(static_cast<size_t>(T)), vd(static_cast<size_t>(T));
-      for (int t = 0; t < T; ++t) {
-        const int seg = seg_of[size_t(t)], j = t - cu[size_t(seg)];
-        kd[size_t(t)] = entries[size_t(seg)]->K(a) + size_t(j) * ke;
-        vd[size_t(t)] = entries[size_t(seg)]->V(a) + size_t(j) * ve;
-      }
-      o_k[a] = t2.add(kd), o_v[a] = t2.add(vd);
-    }
-    t2.upload(tables_dev_, stream_);
-    for (int a = 0; a < n_attn_; ++a)
-      kc::mla_kv_export(T, mla_cfg_.dims, k_pool_[a].as<kc::bf16>(), v_pool_[a].as<kc::bf16>(), t2.dev<int>(o_rows),
-                        t2.dev<kc::bf16* const>(o_k[a]), t2.dev<kc::bf16* const>(o_v[a]), stream_);
-    check_cuda(cudaStreamSynchronize(stream_), "entry build");
-    out.insert(out.end(), entries.begin(), entries.end());
-    return;
-  }
+  // K/V out of the pages into the entries (pool rows are entry rows; MLA's latent has no V).
   std::vector<kc::CopyDesc> kvc;
   for (int i = 0; i < N; ++i) {
     const int n = int(segs[i].size());
@@ -1026,8 +1013,9 @@ void CudaBackend::build_batch(std::span<const std::vector<int32_t>> segs, int w,
         const size_t src = size_t(pages[i][p]) * kPage * kv_row_;
         kvc.push_back({k_pool_[a].bytes_ptr(src), reinterpret_cast<char*>(entries[i]->K(a)) + size_t(p) * kPage * kv_row_,
                        long(cnt * kv_row_)});
-        kvc.push_back({v_pool_[a].bytes_ptr(src), reinterpret_cast<char*>(entries[i]->V(a)) + size_t(p) * kPage * kv_row_,
-                       long(cnt * kv_row_)});
+        if (v_row_)
+          kvc.push_back({v_pool_[a].bytes_ptr(size_t(pages[i][p]) * kPage * v_row_),
+                         reinterpret_cast<char*>(entries[i]->V(a)) + size_t(p) * kPage * v_row_, long(cnt * v_row_)});
       }
   }
   if (!kvc.empty()) {

@@ -1,9 +1,12 @@
 // Kimi-Linear's full-attention layer (multi-head latent attention, HF KimiLinearAttention in transformers 5.17: no
-// rotary embedding) on the GPU, run expanded (kernels/cuda/mla.h): the projections through cuBLASLt around the
-// latent norm, the expansion of every head's K = [k_nope | k_rot] and V into the paged KV pool at a padded head size,
-// the attention kernels of kernels/cuda/attention.h, and o_proj into the residual. The CPU form is
-// engine/families/kimi_linear mla_layer (the test oracle). All pointers are DEVICE pointers; every call is
-// asynchronous on `stream`.
+// rotary embedding) on the GPU over a latent KV cache (kernels/cuda/mla.h): the projections through cuBLASLt, the
+// token's latent row [normed c_kv | k_rot] into the layer's pool, then attention in one of two forms, chosen per pass:
+//  - absorbed (decode and passes whose groups are all short, max_q <= kMlaAbsorbMaxQueries): q_lat = [q_nope W_UK |
+//    q_rope] per head, mla_attention_latent over the pool, o = o_lat W_UV^T per head (batched GEMMs);
+//  - expanded (longer groups, prefill): the context rows of each sequence gathered into scratch (MlaExpandPlan),
+//    kv_b_proj applied, K / V expanded at a padded head size, the attention kernels of kernels/cuda/attention.h.
+// Then o_proj into the residual. The CPU form is engine/families/kimi_linear mla_layer (the test oracle). All pointers
+// are DEVICE pointers unless said; every call is asynchronous on `stream`.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
@@ -12,6 +15,8 @@
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/mla.h"
+
+#include <vector>
 
 namespace hypic::engine::cuda {
 
@@ -22,7 +27,11 @@ struct DevMla {
   const __nv_bfloat16* kv_a_layernorm = nullptr;  ///< [R] (applied as w)
   const __nv_bfloat16* kv_b_proj = nullptr;       ///< [nh (nope + v)][R], per head k_nope rows then v rows
   const __nv_bfloat16* o_proj = nullptr;          ///< [hidden][nh v]
+  const __nv_bfloat16* w_uk_t = nullptr;          ///< [nh][R][nope]: W_UK^T per head (kernels mla_transpose_uk of kv_b)
 };
+
+/// Groups of at most this many queries attend in the absorbed form (a pass with a longer group expands).
+inline constexpr int kMlaAbsorbMaxQueries = 64;
 
 /// What the model config says about its MLA layers.
 struct MlaLayerConfig {
@@ -36,21 +45,60 @@ struct MlaLayerConfig {
   static MlaLayerConfig of(const ModelConfig& c);
 };
 
-/// Scratch of one call of T tokens, bf16: q [T][nh (nope + rope)], ckv [T][R + rope], latent [T][R], kvb
-/// [T][nh (nope + v)], q_pad and attn [T][nh][P], packed [T][nh v] (P = dims.padded()).
+/// Scratch of one call of T tokens, bf16: q [T][nh (nope + rope)], ckv [T][R + rope], qx [T][nh][max(R + rope, P)]
+/// (q_lat, or q_pad when expanded), ox [T][nh][max(R, P)] (o_lat, or the expanded attention output), packed
+/// [T][nh v] (P = dims.padded()).
 struct MlaScratch {
-  __nv_bfloat16 *q = nullptr, *ckv = nullptr, *latent = nullptr, *kvb = nullptr, *q_pad = nullptr, *attn = nullptr,
-                *packed = nullptr;
+  __nv_bfloat16 *q = nullptr, *ckv = nullptr, *qx = nullptr, *ox = nullptr, *packed = nullptr;
+  /// Elements per token of qx and ox.
+  static size_t qx_width(const kernels::cuda::MlaDims& d);
+  static size_t ox_width(const kernels::cuda::MlaDims& d);
 };
 
-/// The layer over T tokens: xn [T][hidden] bf16 (normed input); token t's K/V go to pool rows kv_rows[t] of
-/// k_pool / v_pool ([rows][nh][P] bf16, kernels/cuda/attention.h layout); `groups` says which queries attend which
-/// KV slots (prefill: varlen groups; decode: one query per group with `decode`); ws: the attention workspace
-/// (required for decode; for prefill nullptr runs attention_prefill without the split-KV path); y [T][hidden] fp32
-/// += the output. Throws what the kernels and GemmRunner throw.
+/// How a pass with long groups expands its context (host side, built with the pass's tables): each distinct
+/// sequence (groups with the same block-table row) gets scratch pages holding its slots 0 .. its longest group's KV
+/// end; src_rows[i] is the pool row of scratch row i (-1 past a sequence's end: zeros); block_table [groups][max_pages]
+/// gives each group its sequence's scratch pages.
+struct MlaExpandPlan {
+  int rows = 0;  ///< scratch rows, a multiple of kernels::cuda::kKvPageTokens
+  std::vector<int> src_rows;
+  std::vector<int> block_table;
+  int max_pages = 0;
+  /// From the pass's host groups: q_start [G + 1], slot0 [G], block_table [G][max_pages] (pool pages).
+  static MlaExpandPlan of(int G, const int* q_start, const int* slot0, const int* block_table, int max_pages);
+};
+
+/// Scratch of an expanded pass over n context rows, bf16: lat [n][R + rope], kvb [n][nh][nope + v], k and v
+/// [n][nh][P].
+struct MlaExpandScratch {
+  __nv_bfloat16 *lat = nullptr, *kvb = nullptr, *k = nullptr, *v = nullptr;
+  int rows = 0;  ///< capacity
+  /// Bytes for n rows.
+  static size_t bytes(const kernels::cuda::MlaDims& d, size_t n);
+};
+
+/// An expanded pass's device view: the plan's src_rows (DEVICE [rows]) and the groups re-pointed at the scratch pages.
+struct MlaExpandPass {
+  int rows = 0;
+  const int* src_rows = nullptr;
+  kernels::cuda::AttnGroups groups;
+};
+
+/// The layer over T tokens: xn [T][hidden] bf16 (normed input); token t's latent row goes to pool row kv_rows[t] of
+/// `pool` ([rows][R + rope] bf16, pages of kKvPageTokens rows); `groups` says which queries attend which slots
+/// (prefill: varlen groups; decode: one query per group). With `expand` (a pass whose groups are not all short) the
+/// context is expanded into `xs` (xs->rows >= expand->rows) and attention_prefill runs over expand->groups with `aws`;
+/// without, the absorbed form runs over `groups` with `lws`. y [T][hidden] fp32 += the output. Throws what the
+/// kernels and GemmRunner throw, std::invalid_argument when the expansion scratch is too small.
 void mla_mixer(kernels::cuda::GemmRunner& gemm, const DevMla& w, const MlaLayerConfig& c, int T,
                const __nv_bfloat16* xn, const int* kv_rows, const kernels::cuda::AttnGroups& groups,
-               __nv_bfloat16* k_pool, __nv_bfloat16* v_pool, kernels::cuda::AttnDecodeWorkspace* ws, bool decode,
-               const MlaScratch& s, float* y, cudaStream_t stream);
+               __nv_bfloat16* pool, const MlaExpandPass* expand, const MlaExpandScratch* xs,
+               kernels::cuda::AttnDecodeWorkspace* aws, kernels::cuda::MlaAttnWorkspace* lws, const MlaScratch& s,
+               float* y, cudaStream_t stream);
+
+/// The absorbed queries of T tokens: q_lat [T][nh][R + rope] = [q_nope W_UK | q_rope] per head, from q [T][nh][nope +
+/// rope] (the refresh probe of a splice uses it for the last token).
+void mla_absorb_query(kernels::cuda::GemmRunner& gemm, const DevMla& w, const MlaLayerConfig& c, int T,
+                      const __nv_bfloat16* q, __nv_bfloat16* q_lat, cudaStream_t stream);
 
 }  // namespace hypic::engine::cuda

@@ -72,8 +72,9 @@ GemmRunner::~GemmRunner() {
 const GemmRunner::Plan& GemmRunner::plan_for(const Key& key) {
   auto it = plans_.find(key);
   if (it != plans_.end()) return it->second;
-  const auto [M, N, K, ldx, ldy, ytype, al_x, al_w, al_y] = key;
-  const std::string what = "GemmRunner::linear " + shape_str(M, N, K);
+  const auto [M, N, K, ldx, ldy, ytype, al_x, al_w, al_y, batch, sx, sw, sy] = key;
+  const std::string what = std::string(std::get<9>(key) > 1 ? "GemmRunner::linear_batched " : "GemmRunner::linear ") +
+                           shape_str(M, N, K);
   Plan p;
   cublasLtMatmulPreference_t pref = nullptr;
   try {
@@ -87,6 +88,18 @@ const GemmRunner::Plan& GemmRunner::plan_for(const Key& key) {
     check_lt(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_16BF, uint64_t(K), uint64_t(M), int64_t(ldx)), what + ": layout B");
     check_lt(cublasLtMatrixLayoutCreate(&p.c, cudaDataType_t(ytype), uint64_t(N), uint64_t(M), int64_t(ldy)),
              what + ": layout C");
+    if (batch > 1) {
+      const int32_t bc = batch;
+      const int64_t strides[3] = {sw, sx, sy};
+      cublasLtMatrixLayout_t lays[3] = {p.a, p.b, p.c};
+      for (int i = 0; i < 3; ++i) {
+        check_lt(cublasLtMatrixLayoutSetAttribute(lays[i], CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &bc, sizeof(bc)),
+                 what + ": batch count");
+        check_lt(cublasLtMatrixLayoutSetAttribute(lays[i], CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &strides[i],
+                                                  sizeof(strides[i])),
+                 what + ": batch stride");
+      }
+    }
     check_lt(cublasLtMatmulPreferenceCreate(&pref), what + ": cublasLtMatmulPreferenceCreate");
     const uint64_t ws = workspace_bytes_;
     check_lt(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)),
@@ -117,23 +130,39 @@ const GemmRunner::Plan& GemmRunner::plan_for(const Key& key) {
 
 void GemmRunner::linear(int M, int N, int K, const bf16* x, long ldx, const bf16* W, void* y, cudaDataType_t y_type,
                         long ldy, float beta, cudaStream_t stream, float alpha) {
-  auto bad = [&](const std::string& why) {
-    throw std::invalid_argument("GemmRunner::linear " + shape_str(M, N, K) + ": " + why);
-  };
+  linear_batched(1, M, N, K, x, ldx, 0, W, 0, y, y_type, ldy, 0, beta, stream, alpha);
+}
+
+void GemmRunner::linear_batched(int batch, int M, int N, int K, const bf16* x, long ldx, long stride_x,
+                                const bf16* W, long stride_w, void* y, cudaDataType_t y_type, long ldy, long stride_y,
+                                float beta, cudaStream_t stream, float alpha) {
+  const std::string name = batch == 1 ? "GemmRunner::linear " : "GemmRunner::linear_batched ";
+  auto bad = [&](const std::string& why) { throw std::invalid_argument(name + shape_str(M, N, K) + ": " + why); };
+  if (batch < 1) bad("batch < 1");
   if (M < 0) bad("M < 0");
   if (N <= 0) bad("N <= 0");
   if (K <= 0) bad("K <= 0");
   if (ldx < K) bad("ldx = " + std::to_string(ldx) + " < K");
   if (ldy < N) bad("ldy = " + std::to_string(ldy) + " < N");
   if (ldx > INT_MAX || ldy > INT_MAX) bad("leading dimension beyond the int range");
+  if (stride_x < 0 || stride_w < 0 || stride_y < 0) bad("negative batch stride");
   if (y_type != CUDA_R_16BF && y_type != CUDA_R_32F) bad("y_type must be CUDA_R_16BF or CUDA_R_32F");
   if (M == 0) return;
   if (!x || !W || !y) bad("null pointer");
-  const Key key{M, N, K, ldx, ldy, int(y_type), pointer_alignment(x), pointer_alignment(W), pointer_alignment(y)};
+  const bool b1 = batch == 1;
+  // Every batch member's alignment: the base's, lowered by the stride's (bytes).
+  const size_t ysz = y_type == CUDA_R_32F ? 4 : 2;
+  auto align = [&](const void* base, long stride, size_t elem) {
+    int al = pointer_alignment(base);
+    if (!b1 && stride) al = std::min(al, pointer_alignment(reinterpret_cast<const void*>(uintptr_t(stride) * elem)));
+    return al;
+  };
+  const Key key{M, N, K, ldx, ldy, int(y_type), align(x, stride_x, 2), align(W, stride_w, 2), align(y, stride_y, ysz),
+                batch, b1 ? 0 : stride_x, b1 ? 0 : stride_w, b1 ? 0 : stride_y};
   const Plan& p = plan_for(key);
   check_lt(cublasLtMatmul(lt_, p.op, &alpha, W, p.a, x, p.b, &beta, y, p.c, y, p.c, &p.algo, workspace_,
                           workspace_bytes_, stream),
-           "GemmRunner::linear " + shape_str(M, N, K) + ": cublasLtMatmul");
+           name + shape_str(M, N, K) + ": cublasLtMatmul");
 }
 
 namespace {

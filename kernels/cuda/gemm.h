@@ -48,6 +48,14 @@ class GemmRunner {
   void linear(int M, int N, int K, const bf16* x, long ldx, const bf16* W, void* y, cudaDataType_t y_type, long ldy,
               float beta, cudaStream_t stream, float alpha = 1.0f);
 
+  /// `batch` independent products of linear's form, the i-th on x + i stride_x, W + i stride_w, y + i stride_y
+  /// (elements; cuBLASLt strided batch): y_i[M][N] = alpha x_i[M][K] W_i[N][K]^T + beta y_i. Used per head (MLA's
+  /// absorbed W_UK / W_UV, engine/cuda/mla_mixer.h). batch = 1 is linear. Same contract and errors as linear, plus
+  /// std::invalid_argument on batch < 1 or negative strides.
+  void linear_batched(int batch, int M, int N, int K, const bf16* x, long ldx, long stride_x, const bf16* W,
+                      long stride_w, void* y, cudaDataType_t y_type, long ldy, long stride_y, float beta,
+                      cudaStream_t stream, float alpha = 1.0f);
+
   /// The raw cuBLASLt handle (for callers that need one on the same device).
   cublasLtHandle_t handle() const { return lt_; }
   /// Number of distinct shapes planned so far (each cost one heuristic query).
@@ -59,8 +67,8 @@ class GemmRunner {
     cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
     cublasLtMatmulAlgo_t algo{};
   };
-  // (M, N, K, ldx, ldy, y_type, align_x, align_w, align_y)
-  using Key = std::tuple<int, int, int, long, long, int, int, int, int>;
+  // (M, N, K, ldx, ldy, y_type, align_x, align_w, align_y, batch, stride_x, stride_w, stride_y)
+  using Key = std::tuple<int, int, int, long, long, int, int, int, int, int, long, long, long>;
   const Plan& plan_for(const Key& key);
 
   cublasLtHandle_t lt_ = nullptr;

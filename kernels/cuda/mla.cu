@@ -1,4 +1,4 @@
-// MLA expansion kernels. Contracts: mla.h.
+// MLA kernels around the latent KV cache (store, gather, expansion, query layouts). Contracts: mla.h.
 #include "kernels/cuda/mla.h"
 
 #include <cuda_runtime.h>
@@ -28,11 +28,15 @@ void check_dims(const char* fn, const MlaDims& d) {
                                 " (nope + rope and v at most 256)");
 }
 
-__global__ void mla_latent_norm_kernel(int T, int R, int ld, const bf16* __restrict__ ckv, const bf16* __restrict__ w,
-                                       float eps, bf16* __restrict__ latent) {
+// One warp per token: the normed latent and the copied k_rot into pool row kv_rows[t].
+__global__ void mla_latent_store_kernel(int T, int R, int rope, const bf16* __restrict__ ckv,
+                                        const bf16* __restrict__ w, float eps, const int* __restrict__ kv_rows,
+                                        bf16* __restrict__ pool) {
   const int t = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
   if (t >= T) return;
-  const bf16* x = ckv + size_t(t) * ld;
+  const int D = R + rope;
+  const bf16* x = ckv + size_t(t) * D;
+  bf16* row = pool + size_t(kv_rows[t]) * D;
   float ss = 0.f;
   for (int i = lane; i < R; i += 32) {
     const float v = __bfloat162float(x[i]);
@@ -41,24 +45,59 @@ __global__ void mla_latent_norm_kernel(int T, int R, int ld, const bf16* __restr
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
   const float inv = 1.0f / sqrtf(ss / R + eps);
-  for (int i = lane; i < R; i += 32)
-    latent[size_t(t) * R + i] = __float2bfloat16_rn(__bfloat162float(w[i]) * (__bfloat162float(x[i]) * inv));
+  for (int i = lane; i < R; i += 32) row[i] = __float2bfloat16_rn(__bfloat162float(w[i]) * (__bfloat162float(x[i]) * inv));
+  for (int i = R + lane; i < D; i += 32) row[i] = x[i];
 }
 
-// One block per (token, head): thread j < P writes element j of q_pad, K and V.
-__global__ void mla_expand_kernel(int nh, int nope, int rope, int v, int R, int P, const bf16* __restrict__ q,
-                                  const bf16* __restrict__ ckv, const bf16* __restrict__ kvb,
-                                  const int* __restrict__ kv_rows, bf16* __restrict__ q_pad, bf16* __restrict__ k_pool,
-                                  bf16* __restrict__ v_pool) {
-  const int t = blockIdx.x, h = blockIdx.y, qk = nope + rope;
+__global__ void mla_gather_kernel(int n, int D, const int* __restrict__ src_rows, const bf16* __restrict__ pool,
+                                  bf16* __restrict__ out) {
+  const int i = blockIdx.x;
+  const int src = src_rows[i];
+  for (int j = threadIdx.x; j < D; j += blockDim.x)
+    out[size_t(i) * D + j] = src >= 0 ? pool[size_t(src) * D + j] : __float2bfloat16_rn(0.f);
+}
+
+__global__ void mla_import_kernel(int D, const bf16* const* __restrict__ src, const int* __restrict__ kv_rows,
+                                  bf16* __restrict__ pool) {
+  const int i = blockIdx.x;
+  const bf16* s = src[i];
+  bf16* d = pool + size_t(kv_rows[i]) * D;
+  for (int j = threadIdx.x; j < D; j += blockDim.x) d[j] = s[j];
+}
+
+// One block per (row, head): thread j < P writes element j of K and V.
+__global__ void mla_expand_kv_kernel(int nh, int nope, int rope, int v, int R, int P, const bf16* __restrict__ lat,
+                                     const bf16* __restrict__ kvb, bf16* __restrict__ k_out, bf16* __restrict__ v_out) {
+  const int i = blockIdx.x, h = blockIdx.y, qk = nope + rope;
   const bf16 zero = __float2bfloat16_rn(0.f);
-  const size_t row = size_t(kv_rows[t]);
-  const bf16* kv = kvb + (size_t(t) * nh + h) * (nope + v);
+  const bf16* kv = kvb + (size_t(i) * nh + h) * (nope + v);
+  const size_t o = (size_t(i) * nh + h) * P;
   for (int j = threadIdx.x; j < P; j += blockDim.x) {
-    q_pad[(size_t(t) * nh + h) * P + j] = j < qk ? q[(size_t(t) * nh + h) * qk + j] : zero;
-    k_pool[(row * nh + h) * P + j] = j < nope ? kv[j] : j < qk ? ckv[size_t(t) * (R + rope) + R + (j - nope)] : zero;
-    v_pool[(row * nh + h) * P + j] = j < v ? kv[nope + j] : zero;
+    k_out[o + j] = j < nope ? kv[j] : j < qk ? lat[size_t(i) * (R + rope) + R + (j - nope)] : zero;
+    v_out[o + j] = j < v ? kv[nope + j] : zero;
   }
+}
+
+// Grid-stride over (t, h, j): q_pad (j < P) or the rope part of q_lat (j < rope).
+__global__ void mla_query_copy_kernel(int T, int nh, int qk, int nope, int width, int out_ld, int out_off, bool pad,
+                                      const bf16* __restrict__ q, bf16* __restrict__ out) {
+  const size_t n = size_t(T) * nh * width;
+  const bf16 zero = __float2bfloat16_rn(0.f);
+  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    const size_t th = i / width;
+    const int j = int(i % width);
+    const bf16* src = q + th * qk;
+    if (pad)
+      out[th * out_ld + j] = j < qk ? src[j] : zero;
+    else
+      out[th * out_ld + out_off + j] = src[nope + j];
+  }
+}
+
+__global__ void mla_transpose_uk_kernel(int nope, int v, int R, const bf16* __restrict__ kv_b, bf16* __restrict__ out) {
+  const int h = blockIdx.y, r = blockIdx.x;
+  for (int i = threadIdx.x; i < nope; i += blockDim.x)
+    out[(size_t(h) * R + r) * nope + i] = kv_b[(size_t(h) * (nope + v) + i) * R + r];
 }
 
 __global__ void mla_pack_kernel(int T, int nh, int v, int P, const bf16* __restrict__ attn, bf16* __restrict__ out) {
@@ -70,53 +109,82 @@ __global__ void mla_pack_kernel(int T, int nh, int v, int P, const bf16* __restr
   }
 }
 
-// One block per (row, head): pool row [P] <-> entry rows [qk] and [v] (to_pool: entry -> pool, zero-padded).
-__global__ void mla_kv_rows_kernel(int nh, int qk, int v, int P, bool to_pool, const bf16* const* __restrict__ k_rows,
-                                   const bf16* const* __restrict__ v_rows, bf16* const* __restrict__ k_out,
-                                   bf16* const* __restrict__ v_out, const int* __restrict__ kv_rows,
-                                   bf16* __restrict__ k_pool, bf16* __restrict__ v_pool) {
-  const int i = blockIdx.x, h = blockIdx.y;
-  const size_t prow = (size_t(kv_rows[i]) * nh + h) * P;
-  const bf16 zero = __float2bfloat16_rn(0.f);
-  if (to_pool) {
-    const bf16* ks = k_rows[i] + size_t(h) * qk;
-    const bf16* vs = v_rows[i] + size_t(h) * v;
-    for (int j = threadIdx.x; j < P; j += blockDim.x) {
-      k_pool[prow + j] = j < qk ? ks[j] : zero;
-      v_pool[prow + j] = j < v ? vs[j] : zero;
-    }
-  } else {
-    bf16* kd = k_out[i] + size_t(h) * qk;
-    bf16* vd = v_out[i] + size_t(h) * v;
-    for (int j = threadIdx.x; j < qk; j += blockDim.x) kd[j] = k_pool[prow + j];
-    for (int j = threadIdx.x; j < v; j += blockDim.x) vd[j] = v_pool[prow + j];
-  }
-}
+int grid_for(size_t n) { return static_cast<int>(std::max<size_t>(1, std::min<size_t>((n + 255) / 256, size_t(sm_count()) * 8))); }
 
 }  // namespace
 
-void mla_latent_norm(int T, const MlaDims& d, const bf16* ckv, const bf16* w, float eps, bf16* latent,
-                     cudaStream_t stream) {
-  check_dims("mla_latent_norm", d);
-  if (T < 0) throw std::invalid_argument("mla_latent_norm: T " + std::to_string(T) + " < 0");
+void mla_latent_store(int T, const MlaDims& d, const bf16* ckv, const bf16* w, float eps, const int* kv_rows,
+                      bf16* pool, cudaStream_t stream) {
+  check_dims("mla_latent_store", d);
+  if (T < 0) throw std::invalid_argument("mla_latent_store: T " + std::to_string(T) + " < 0");
   if (T == 0) return;
-  if (!ckv || !w || !latent) throw std::invalid_argument("mla_latent_norm: null pointer");
-  mla_latent_norm_kernel<<<(T + 7) / 8, 256, 0, stream>>>(T, d.rank, d.rank + d.rope, ckv, w, eps, latent);
-  check_cuda(cudaGetLastError(), "mla_latent_norm launch");
+  if (!ckv || !w || !kv_rows || !pool) throw std::invalid_argument("mla_latent_store: null pointer");
+  mla_latent_store_kernel<<<(T + 7) / 8, 256, 0, stream>>>(T, d.rank, d.rope, ckv, w, eps, kv_rows, pool);
+  check_cuda(cudaGetLastError(), "mla_latent_store launch");
 }
 
-void mla_expand(int T, const MlaDims& d, const bf16* q, const bf16* ckv, const bf16* kvb, const int* kv_rows,
-                bf16* q_pad, bf16* k_pool, bf16* v_pool, cudaStream_t stream) {
-  check_dims("mla_expand", d);
-  if (T < 0) throw std::invalid_argument("mla_expand: T " + std::to_string(T) + " < 0");
-  if (T == 0) return;
-  if (!q || !ckv || !kvb || !kv_rows || !q_pad || !k_pool || !v_pool)
-    throw std::invalid_argument("mla_expand: null pointer");
-  if (d.heads > 65535) throw std::invalid_argument("mla_expand: heads > 65535");
+void mla_gather_latent(int n, const MlaDims& d, const int* src_rows, const bf16* pool, bf16* out, cudaStream_t stream) {
+  check_dims("mla_gather_latent", d);
+  if (n < 0) throw std::invalid_argument("mla_gather_latent: n " + std::to_string(n) + " < 0");
+  if (n == 0) return;
+  if (!src_rows || !pool || !out) throw std::invalid_argument("mla_gather_latent: null pointer");
+  mla_gather_kernel<<<n, 128, 0, stream>>>(n, d.rank + d.rope, src_rows, pool, out);
+  check_cuda(cudaGetLastError(), "mla_gather_latent launch");
+}
+
+void mla_latent_import(int n, const MlaDims& d, const bf16* const* src, const int* kv_rows, bf16* pool,
+                       cudaStream_t stream) {
+  check_dims("mla_latent_import", d);
+  if (n < 0) throw std::invalid_argument("mla_latent_import: n " + std::to_string(n) + " < 0");
+  if (n == 0) return;
+  if (!src || !kv_rows || !pool) throw std::invalid_argument("mla_latent_import: null pointer");
+  mla_import_kernel<<<n, 128, 0, stream>>>(d.rank + d.rope, src, kv_rows, pool);
+  check_cuda(cudaGetLastError(), "mla_latent_import launch");
+}
+
+void mla_expand_kv(int n, const MlaDims& d, const bf16* lat, const bf16* kvb, bf16* k_out, bf16* v_out,
+                   cudaStream_t stream) {
+  check_dims("mla_expand_kv", d);
+  if (n < 0) throw std::invalid_argument("mla_expand_kv: n " + std::to_string(n) + " < 0");
+  if (n == 0) return;
+  if (!lat || !kvb || !k_out || !v_out) throw std::invalid_argument("mla_expand_kv: null pointer");
+  if (d.heads > 65535) throw std::invalid_argument("mla_expand_kv: heads > 65535");
   const int P = d.padded();
-  mla_expand_kernel<<<dim3(unsigned(T), unsigned(d.heads)), std::min(P, 256), 0, stream>>>(
-      d.heads, d.nope, d.rope, d.v, d.rank, P, q, ckv, kvb, kv_rows, q_pad, k_pool, v_pool);
-  check_cuda(cudaGetLastError(), "mla_expand launch");
+  mla_expand_kv_kernel<<<dim3(unsigned(n), unsigned(d.heads)), std::min(P, 256), 0, stream>>>(
+      d.heads, d.nope, d.rope, d.v, d.rank, P, lat, kvb, k_out, v_out);
+  check_cuda(cudaGetLastError(), "mla_expand_kv launch");
+}
+
+void mla_pad_query(int T, const MlaDims& d, const bf16* q, bf16* q_pad, cudaStream_t stream) {
+  check_dims("mla_pad_query", d);
+  if (T < 0) throw std::invalid_argument("mla_pad_query: T " + std::to_string(T) + " < 0");
+  if (T == 0) return;
+  if (!q || !q_pad) throw std::invalid_argument("mla_pad_query: null pointer");
+  const int P = d.padded(), qk = d.nope + d.rope;
+  mla_query_copy_kernel<<<grid_for(size_t(T) * d.heads * P), 256, 0, stream>>>(T, d.heads, qk, d.nope, P, P, 0, true,
+                                                                               q, q_pad);
+  check_cuda(cudaGetLastError(), "mla_pad_query launch");
+}
+
+void mla_query_rope(int T, const MlaDims& d, const bf16* q, bf16* q_lat, cudaStream_t stream) {
+  check_dims("mla_query_rope", d);
+  if (T < 0) throw std::invalid_argument("mla_query_rope: T " + std::to_string(T) + " < 0");
+  if (T == 0 || d.rope == 0) return;
+  if (!q || !q_lat) throw std::invalid_argument("mla_query_rope: null pointer");
+  const int qk = d.nope + d.rope, D = d.rank + d.rope;
+  mla_query_copy_kernel<<<grid_for(size_t(T) * d.heads * d.rope), 256, 0, stream>>>(T, d.heads, qk, d.nope, d.rope, D,
+                                                                                     d.rank, false, q, q_lat);
+  check_cuda(cudaGetLastError(), "mla_query_rope launch");
+}
+
+void mla_transpose_uk(const MlaDims& d, const bf16* kv_b, bf16* w_uk_t, cudaStream_t stream) {
+  check_dims("mla_transpose_uk", d);
+  if (d.nope == 0) return;
+  if (!kv_b || !w_uk_t) throw std::invalid_argument("mla_transpose_uk: null pointer");
+  if (d.heads > 65535) throw std::invalid_argument("mla_transpose_uk: heads > 65535");
+  mla_transpose_uk_kernel<<<dim3(unsigned(d.rank), unsigned(d.heads)), 128, 0, stream>>>(d.nope, d.v, d.rank, kv_b,
+                                                                                        w_uk_t);
+  check_cuda(cudaGetLastError(), "mla_transpose_uk launch");
 }
 
 void mla_pack_output(int T, const MlaDims& d, const bf16* attn, bf16* out, cudaStream_t stream) {
@@ -124,35 +192,8 @@ void mla_pack_output(int T, const MlaDims& d, const bf16* attn, bf16* out, cudaS
   if (T < 0) throw std::invalid_argument("mla_pack_output: T " + std::to_string(T) + " < 0");
   if (T == 0) return;
   if (!attn || !out) throw std::invalid_argument("mla_pack_output: null pointer");
-  const size_t n = size_t(T) * d.heads * d.v;
-  const int blocks = static_cast<int>(std::min<size_t>((n + 255) / 256, size_t(sm_count()) * 8));
-  mla_pack_kernel<<<blocks, 256, 0, stream>>>(T, d.heads, d.v, d.padded(), attn, out);
+  mla_pack_kernel<<<grid_for(size_t(T) * d.heads * d.v), 256, 0, stream>>>(T, d.heads, d.v, d.padded(), attn, out);
   check_cuda(cudaGetLastError(), "mla_pack_output launch");
-}
-
-void mla_kv_import(int n, const MlaDims& d, const bf16* const* k_src, const bf16* const* v_src, const int* kv_rows,
-                   bf16* k_pool, bf16* v_pool, cudaStream_t stream) {
-  check_dims("mla_kv_import", d);
-  if (n < 0) throw std::invalid_argument("mla_kv_import: n " + std::to_string(n) + " < 0");
-  if (n == 0) return;
-  if (!k_src || !v_src || !kv_rows || !k_pool || !v_pool) throw std::invalid_argument("mla_kv_import: null pointer");
-  const int P = d.padded();
-  mla_kv_rows_kernel<<<dim3(unsigned(n), unsigned(d.heads)), std::min(P, 256), 0, stream>>>(
-      d.heads, d.nope + d.rope, d.v, P, true, k_src, v_src, nullptr, nullptr, kv_rows, k_pool, v_pool);
-  check_cuda(cudaGetLastError(), "mla_kv_import launch");
-}
-
-void mla_kv_export(int n, const MlaDims& d, const bf16* k_pool, const bf16* v_pool, const int* kv_rows,
-                   bf16* const* k_dst, bf16* const* v_dst, cudaStream_t stream) {
-  check_dims("mla_kv_export", d);
-  if (n < 0) throw std::invalid_argument("mla_kv_export: n " + std::to_string(n) + " < 0");
-  if (n == 0) return;
-  if (!k_dst || !v_dst || !kv_rows || !k_pool || !v_pool) throw std::invalid_argument("mla_kv_export: null pointer");
-  const int P = d.padded();
-  mla_kv_rows_kernel<<<dim3(unsigned(n), unsigned(d.heads)), std::min(P, 256), 0, stream>>>(
-      d.heads, d.nope + d.rope, d.v, P, false, nullptr, nullptr, k_dst, v_dst, kv_rows, const_cast<bf16*>(k_pool),
-      const_cast<bf16*>(v_pool));
-  check_cuda(cudaGetLastError(), "mla_kv_export launch");
 }
 
 }  // namespace hypic::kernels::cuda

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <numeric>
 #include <random>
 #include <memory>
 #include <tuple>
@@ -1268,9 +1269,98 @@ TEST_CASE("attention_prepare with Ring-linear's plain qk-norm and MiniMax's unno
   }
 }
 
+// ---- MLA's absorbed attention over the latent pool (kernels/cuda/mla.h) against a host reference --------------------
+
+TEST_CASE("mla_attention_latent (absorbed MLA over the latent pool) matches a host MQA reference",
+          "[gpu][families][mla][kernel]") {
+  if (!cuda_device_present()) FAIL("no CUDA device: the GPU tests need an NVIDIA GPU (scripts/test_gpu.sh)");
+  std::mt19937 rng(157);
+  struct Case {
+    int heads, rank, rope;
+    std::vector<int> lens, slot0;  // per group: queries, KV slot of its first query
+    bool shared;                   // every group reads one sequence's pages (a splice's seams) or its own
+  };
+  // Ragged groups, length 1, KV lengths that are no multiple of a page, heads that straddle 32-row tiles (5, 48),
+  // the three ranks, rope 0 / 32 / 64, long contexts (split-KV chunks + combine) and short ones (one chunk).
+  const std::vector<Case> cases = {
+      {32, 512, 64, {1}, {4000}, false},                      // decode, one request: many chunks
+      {32, 512, 64, {1, 1, 1, 1}, {0, 63, 64, 700}, false},   // decode batch, slot 0 and page edges
+      {5, 512, 64, {8, 1, 17, 3}, {100, 5000, 0, 2047}, true},  // seam windows of one sequence, odd heads
+      {48, 256, 32, {2, 64}, {333, 1000}, false},
+      {16, 128, 0, {40, 1}, {0, 129}, false},
+  };
+  for (const Case& cs : cases) {
+    const int G = int(cs.lens.size()), D = cs.rank + cs.rope, nh = cs.heads, R = cs.rank;
+    const kc::MlaDims d{nh, 128, cs.rope, 128, cs.rank};
+    REQUIRE(kc::mla_latent_supported(d));
+    std::vector<int> q_start{0}, kv_end(G);
+    int max_kv = 0, max_q = 0;
+    for (int g = 0; g < G; ++g) {
+      q_start.push_back(q_start.back() + cs.lens[g]);
+      kv_end[g] = cs.slot0[g] + cs.lens[g];
+      max_kv = std::max(max_kv, kv_end[g]), max_q = std::max(max_q, cs.lens[g]);
+    }
+    const int total_q = q_start.back(), max_pages = (max_kv + 63) / 64;
+    // Pages: each sequence its own pages, shuffled across the pool (shared: one sequence for every group).
+    const int nseq = cs.shared ? 1 : G, pool_pages = nseq * max_pages;
+    std::vector<int> perm(pool_pages);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    std::vector<int> bt(size_t(G) * max_pages);
+    for (int g = 0; g < G; ++g)
+      for (int p = 0; p < max_pages; ++p) bt[size_t(g) * max_pages + p] = perm[size_t(cs.shared ? 0 : g) * max_pages + p];
+    std::vector<float> qf, pf;
+    auto qh = random_bf16(rng, size_t(total_q) * nh * D, 1.0f, qf);
+    auto ph = random_bf16(rng, size_t(pool_pages) * 64 * D, 1.0f, pf);
+    const float scale = 1.0f / std::sqrt(192.0f);
+    // Host reference: softmax(scale q . row) over the visible slots, times the rows' first R values (double).
+    std::vector<float> ref(size_t(total_q) * nh * R);
+    for (int g = 0; g < G; ++g)
+      for (int i = 0; i < cs.lens[g]; ++i)
+        for (int h = 0; h < nh; ++h) {
+          const float* q = qf.data() + (size_t(q_start[g] + i) * nh + h) * D;
+          const int n = cs.slot0[g] + i + 1;
+          std::vector<double> sc(n);
+          double mx = -1e300;
+          for (int j = 0; j < n; ++j) {
+            const float* row = pf.data() + (size_t(bt[size_t(g) * max_pages + j / 64]) * 64 + j % 64) * D;
+            double dot = 0;
+            for (int e = 0; e < D; ++e) dot += double(q[e]) * row[e];
+            sc[j] = dot * scale, mx = std::max(mx, sc[j]);
+          }
+          double sum = 0;
+          for (double& v : sc) v = std::exp(v - mx), sum += v;
+          float* o = ref.data() + (size_t(q_start[g] + i) * nh + h) * R;
+          std::vector<double> acc(R, 0.0);
+          for (int j = 0; j < n; ++j) {
+            const float* row = pf.data() + (size_t(bt[size_t(g) * max_pages + j / 64]) * 64 + j % 64) * D;
+            for (int e = 0; e < R; ++e) acc[e] += sc[j] * row[e];
+          }
+          for (int e = 0; e < R; ++e) o[e] = float(acc[e] / sum);
+        }
+    DeviceBuffer<bf16> dq(qh), dp(ph), dout(size_t(total_q) * nh * R);
+    dout.poison();
+    DeviceBuffer<int> dqs(q_start), ds0(cs.slot0), dbt(bt);
+    const kc::AttnGroups g = {G, dqs.get(), ds0.get(), dbt.get(), max_pages, total_q, max_q, max_kv};
+    kc::MlaAttnWorkspace ws;
+    kc::mla_attention_latent(g, d, dq.get(), dp.get(), scale, dout.get(), ws);
+    check_cuda(cudaDeviceSynchronize(), "mla_attention_latent");
+    const auto got = to_float(dout.download());
+    const double e = rel_err(got.data(), ref.data(), ref.size());
+    std::printf("[mla latent attention] heads %d rank %d rope %d groups %d max_kv %d: rel err %.3e\n", nh, R, cs.rope,
+                G, max_kv, e);
+    CHECK(e < 1e-2);
+  }
+  SECTION("sizes the kernel does not take are refused by name") {
+    CHECK_FALSE(kc::mla_latent_supported(kc::MlaDims{32, 128, 64, 128, 384}));
+    CHECK_FALSE(kc::mla_latent_supported(kc::MlaDims{32, 128, 72, 128, 512}));
+    CHECK_FALSE(kc::mla_latent_supported(kc::MlaDims{32, 128, 8, 128, 128}));
+  }
+}
+
 // ---- Kimi-Linear's MLA layer (engine/cuda/mla_mixer.h) against the CPU model's layer --------------------------------
 
-TEST_CASE("the MLA layer on the GPU (expanded, padded heads) matches the CPU model's Kimi-Linear layer",
+TEST_CASE("the MLA layer on the GPU (latent cache, absorbed and expanded) matches the CPU model's Kimi-Linear layer",
           "[gpu][families][mla][layer]") {
   if (!cuda_device_present()) FAIL("no CUDA device: the GPU tests need an NVIDIA GPU (scripts/test_gpu.sh)");
   namespace ec = hypic::engine::cuda;
@@ -1282,7 +1372,7 @@ TEST_CASE("the MLA layer on the GPU (expanded, padded heads) matches the CPU mod
   const kc::MlaDims& dm = lc.dims;
   REQUIRE(dm.padded() == 256);
   std::mt19937 rng(161);
-  const int Hd = c.hidden_size, nh = dm.heads, qk = dm.nope + dm.rope, R = dm.rank, P = dm.padded();
+  const int Hd = c.hidden_size, nh = dm.heads, qk = dm.nope + dm.rope, R = dm.rank, D = R + dm.rope;
   hypic::engine::MlaWeights w;
   auto mat = [&](Tensor& t, std::vector<int64_t> shape, float sigma, float mean = 0.f) {
     return DeviceBuffer<bf16>(random_weight(rng, t, std::move(shape), sigma, mean));
@@ -1291,7 +1381,9 @@ TEST_CASE("the MLA layer on the GPU (expanded, padded heads) matches the CPU mod
   auto d_q = mat(w.q_proj, {nh * qk, Hd}, sh), d_kva = mat(w.kv_a_proj, {R + dm.rope, Hd}, sh);
   auto d_ln = mat(w.kv_a_layernorm, {R}, 0.1f, 1.0f), d_kvb = mat(w.kv_b_proj, {nh * (dm.nope + dm.v), R}, 1.0f / std::sqrt(float(R)));
   auto d_o = mat(w.o_proj, {Hd, nh * dm.v}, 1.0f / std::sqrt(float(nh * dm.v)));
-  const ec::DevMla dw{d_q.get(), d_kva.get(), d_ln.get(), d_kvb.get(), d_o.get()};
+  DeviceBuffer<bf16> d_uk(size_t(nh) * R * dm.nope);
+  kc::mla_transpose_uk(dm, d_kvb.get(), d_uk.get());
+  const ec::DevMla dw{d_q.get(), d_kva.get(), d_ln.get(), d_kvb.get(), d_o.get(), d_uk.get()};
 
   const int T1 = 150, T2 = 20, Tmax = T1 + T2 + 1, pages = (Tmax + 63) / 64;
   std::vector<float> xf;
@@ -1304,42 +1396,68 @@ TEST_CASE("the MLA layer on the GPU (expanded, padded heads) matches the CPU mod
                               nullptr);
 
   kc::GemmRunner gemm;
-  kc::AttnDecodeWorkspace ws;
-  DeviceBuffer<bf16> dx(x), kp(size_t(pages) * 64 * nh * P), vp(size_t(pages) * 64 * nh * P);
-  DeviceBuffer<bf16> q(size_t(T1) * nh * qk), ckv(size_t(T1) * (R + dm.rope)), lat(size_t(T1) * R),
-      kvb(size_t(T1) * nh * (dm.nope + dm.v)), qpad(size_t(T1) * nh * P), attn(size_t(T1) * nh * P),
-      packed(size_t(T1) * nh * dm.v);
-  const ec::MlaScratch sc{q.get(), ckv.get(), lat.get(), kvb.get(), qpad.get(), attn.get(), packed.get()};
+  kc::AttnDecodeWorkspace aws;
+  kc::MlaAttnWorkspace lws;
+  DeviceBuffer<bf16> dx(x), pool(size_t(pages) * 64 * D);
+  DeviceBuffer<bf16> q(size_t(T1) * nh * qk), ckv(size_t(T1) * D), qx(size_t(T1) * ec::MlaScratch::qx_width(dm)),
+      ox(size_t(T1) * ec::MlaScratch::ox_width(dm)), packed(size_t(T1) * nh * dm.v);
+  const ec::MlaScratch sc{q.get(), ckv.get(), qx.get(), ox.get(), packed.get()};
+  DeviceBuffer<char> xmem(ec::MlaExpandScratch::bytes(dm, size_t(pages) * 64));
+  ec::MlaExpandScratch xs;
+  {
+    const size_t n = size_t(pages) * 64, P = size_t(dm.padded());
+    auto* b = reinterpret_cast<bf16*>(xmem.get());
+    xs.lat = b, xs.kvb = xs.lat + n * D, xs.k = xs.kvb + n * nh * (dm.nope + dm.v), xs.v = xs.k + n * nh * P;
+    xs.rows = int(n);
+  }
   std::vector<int> rows(Tmax), bt(pages);
   std::iota(rows.begin(), rows.end(), 0);
   std::iota(bt.begin(), bt.end(), 0);
   DeviceBuffer<int> drows(rows), dbt(bt);
-  DeviceBuffer<float> dy(std::vector<float>(size_t(Tmax) * Hd, 0.f));
   struct Call {
     int t0, n;
-    bool decode;
+    bool expand;
   };
-  for (const Call& call : {Call{0, T1, false}, Call{T1, T2, false}, Call{T1 + T2, 1, true}}) {
-    DeviceBuffer<int> qs(std::vector<int>{0, call.n}), s0(std::vector<int>{call.t0});
-    const kc::AttnGroups g = {1, qs.get(), s0.get(), dbt.get(), pages, call.n, call.n, call.t0 + call.n};
-    ec::mla_mixer(gemm, dw, lc, call.n, dx.get() + size_t(call.t0) * Hd, drows.get() + call.t0, g, kp.get(), vp.get(),
-                  call.decode ? &ws : nullptr, call.decode, sc, dy.get() + size_t(call.t0) * Hd, nullptr);
-    check_cuda(cudaDeviceSynchronize(), "mla_mixer");
+  // The prefill expanded; the continuation over the cached latent both ways; the decode step absorbed.
+  for (bool cont_expanded : {false, true}) {
+    DeviceBuffer<float> dy(std::vector<float>(size_t(Tmax) * Hd, 0.f));
+    for (const Call& call : {Call{0, T1, true}, Call{T1, T2, cont_expanded}, Call{T1 + T2, 1, false}}) {
+      std::vector<int> qs_h{0, call.n}, s0_h{call.t0};
+      DeviceBuffer<int> qs(qs_h), s0(s0_h);
+      const kc::AttnGroups g = {1, qs.get(), s0.get(), dbt.get(), pages, call.n, call.n, call.t0 + call.n};
+      const ec::MlaExpandPlan plan = ec::MlaExpandPlan::of(1, qs_h.data(), s0_h.data(), bt.data(), pages);
+      REQUIRE(plan.rows == (call.t0 + call.n + 63) / 64 * 64);
+      DeviceBuffer<int> src(plan.src_rows), xbt(plan.block_table);
+      ec::MlaExpandPass xp;
+      xp.rows = plan.rows, xp.src_rows = src.get(), xp.groups = g;
+      xp.groups.block_table = xbt.get(), xp.groups.max_pages = plan.max_pages, xp.groups.max_kv = plan.rows;
+      ec::mla_mixer(gemm, dw, lc, call.n, dx.get() + size_t(call.t0) * Hd, drows.get() + call.t0, g, pool.get(),
+                    call.expand ? &xp : nullptr, &xs, &aws, &lws, sc, dy.get() + size_t(call.t0) * Hd, nullptr);
+      check_cuda(cudaDeviceSynchronize(), "mla_mixer");
+    }
+    const auto y = dy.download();
+    const double e1 = scaled_err(y.data(), ref.data(), size_t(T1) * Hd);
+    const double e2 = scaled_err(y.data() + size_t(T1) * Hd, ref.data() + size_t(T1) * Hd, size_t(T2) * Hd);
+    const double e3 = scaled_err(y.data() + size_t(T1 + T2) * Hd, ref.data() + size_t(T1 + T2) * Hd, Hd);
+    std::printf("[mla layer] prefill %.3e, continuation over the cached latent (%s) %.3e, decode %.3e\n", e1,
+                cont_expanded ? "expanded" : "absorbed", e2, e3);
+    CHECK(e1 < 3e-2);
+    CHECK(e2 < 3e-2);
+    CHECK(e3 < 3e-2);
   }
-  const auto y = dy.download();
-  const double e1 = scaled_err(y.data(), ref.data(), size_t(T1) * Hd);
-  const double e2 = scaled_err(y.data() + size_t(T1) * Hd, ref.data() + size_t(T1) * Hd, size_t(T2) * Hd);
-  const double e3 = scaled_err(y.data() + size_t(T1 + T2) * Hd, ref.data() + size_t(T1 + T2) * Hd, Hd);
-  std::printf("[mla layer] prefill %.3e, continuation over cached KV %.3e, decode %.3e\n", e1, e2, e3);
-  CHECK(e1 < 3e-2);
-  CHECK(e2 < 3e-2);
-  CHECK(e3 < 3e-2);
+  // The pool holds the latent rows [RMSNorm(c_kv) w | k_rot] the CPU layer cached (its state's K rows).
+  const auto pl = to_float(pool.download());
+  REQUIRE(st.k.size() == size_t(Tmax) * D);
+  CHECK(rel_err(pl.data(), st.k.data(), size_t(Tmax) * D) < 1e-2);
   SECTION("configs the GPU path does not take are refused by name") {
     hypic::engine::ModelConfig bad = c;
     bad.q_lora_rank = 64;
     CHECK_THROWS_AS(ec::MlaLayerConfig::of(bad), std::invalid_argument);
     bad = c;
     bad.v_head_dim = 300;
+    CHECK_THROWS_AS(ec::MlaLayerConfig::of(bad), std::invalid_argument);
+    bad = c;
+    bad.kv_lora_rank = 384;
     CHECK_THROWS_AS(ec::MlaLayerConfig::of(bad), std::invalid_argument);
   }
 }

@@ -22,7 +22,9 @@
 #include "engine/checkpoint/safetensors.h"
 #include "engine/checkpoint/weights.h"
 #include "engine/cpu/model.h"
+#include "engine/families/kimi_linear/layers.h"
 #include "engine/families/linear_families.h"
+#include "engine/segment.h"
 #include "engine/transition.h"
 #include "kernels/cpu/kda.h"
 #include "kernels/cpu/lightning.h"
@@ -90,9 +92,14 @@ TEST_CASE("Kimi-Linear config: released layout", "[families][config]") {
   CHECK(c.rms_norm_eps == 1e-5);
   CHECK_FALSE(c.is_moe_layer(0));
   for (int i = 1; i < 5; ++i) CHECK(c.is_moe_layer(i));
-  // State geometry: S 2*16*16 + conv tail 3*96; KV per token 2 layers * 3 heads * (16 + 14) floats.
+  // State geometry: S 2*16*16 + conv tail 3*96; KV per token 2 layers * 1 latent row of kv_lora_rank 12 +
+  // qk_rope 6 floats (no V).
   CHECK(c.linear_state_bytes() == (2 * 16 * 16 + 3 * 96) * 4);
-  CHECK(c.kv_bytes_per_token() == 2 * 3 * (16 + 14) * 4);
+  CHECK(c.attention_is_latent());
+  CHECK(c.kv_cache_heads() == 1);
+  CHECK(c.kv_cache_k_dim() == 12 + 6);
+  CHECK(c.kv_cache_v_dim() == 0);
+  CHECK(c.kv_bytes_per_token() == 2 * 1 * (12 + 6) * 4);
   // The same model as transformers 5.17 save_pretrained writes it (explicit lists, attribute_map spellings).
   const ModelConfig saved = parse_config(R"({
     "model_type": "kimi_linear", "vocab_size": 97, "hidden_size": 48, "num_hidden_layers": 5,
@@ -137,8 +144,18 @@ TEST_CASE("Kimi-Linear-48B-A3B architecture numbers (bench/gpu/kimi_linear_48b_a
   const int64_t embeddings = 2 * c.vocab_size * c.hidden_size;
   CHECK(n.active_per_token - embeddings > 2'500'000'000LL);
   CHECK(n.active_per_token - embeddings < 3'300'000'000LL);
-  // Expanded MLA K (32 x 192) and V (32 x 128) per attention layer and token, fp32: 7 * 10240 * 4 bytes.
-  CHECK(c.kv_bytes_per_token() == 7 * 32 * (192 + 128) * 4);
+  // MLA's latent per attention layer and token, fp32: one row of kv_lora_rank 512 + qk_rope 64, no V: 7 * 576 * 4
+  // bytes, 1/17.8 of what the expanded K (32 x 192) and V (32 x 128) took.
+  CHECK(c.kv_cache_heads() == 1);
+  CHECK(c.kv_cache_k_dim() == 576);
+  CHECK(c.kv_cache_v_dim() == 0);
+  CHECK(c.kv_bytes_per_token() == 7 * 1 * (512 + 64) * 4);
+  const EntryGeometry g = EntryGeometry::of(c);
+  CHECK(g.kv_heads == 1);
+  CHECK(g.head_dim == 576);
+  CHECK(g.kv_latent_rank == 512);
+  CHECK(g.v_dim() == 0);
+  CHECK(entry_format_version(c) == 6);
 }
 
 TEST_CASE("MiniMax-Text-01 architecture numbers (bench/gpu/minimax_text_01.json)", "[families][config]") {
@@ -479,20 +496,141 @@ TEST_CASE("Kimi-Linear random model: prefill == decode, spans, T_C composition, 
   const auto rb = m.prefill(b, ids, 12345, {.all_logits = true});
   CHECK(ra.logits == rb.logits);
   CHECK(a.attention[0].k == b.attention[0].k);
-  // The K cache is expanded per head: [n][nh][qk_nope + qk_rope], the k_rot slice shared by every head.
+  // The KV cache holds MLA's latent: one row [kv_lora_rank normed c_kv | qk_rope k_rot] per token, no V.
   const auto& c = m.config();
-  const int nh = c.num_attention_heads, qk = c.head_dim, nope = c.qk_nope_head_dim;
-  REQUIRE(a.attention[0].k.size() == size_t(40) * nh * qk);
-  REQUIRE(a.attention[0].v.size() == size_t(40) * nh * c.v_head_dim);
-  for (int t = 0; t < 40; ++t)
-    for (int h = 1; h < nh; ++h)
-      for (int d = nope; d < qk; ++d)
-        CHECK(a.attention[0].k[(size_t(t) * nh + h) * qk + d] == a.attention[0].k[(size_t(t) * nh) * qk + d]);
-  CHECK_THROWS_WITH(m.rope_rotate(a.attention[0].k.data(), 40, nh, 5), Catch::Contains("no RoPE"));
+  const size_t row = size_t(c.kv_lora_rank) + c.qk_rope_head_dim;
+  for (const auto& at : a.attention) {
+    CHECK(at.n_tokens == 40);
+    CHECK(at.k.size() == size_t(40) * row);
+    CHECK(at.v.empty());
+  }
+  CHECK_THROWS_WITH(m.rope_rotate(a.attention[0].k.data(), 40, 1, 5), Catch::Contains("no RoPE"));
   // With a q LoRA.
   const Model lora = random_model(parse_config(with(kKimiReleased, R"("q_lora_rank": null)", R"("q_lora_rank": 10)")),
                                   "kimi_lora");
   check_forward_identities(lora, "kimi_linear q_lora_rank 10");
+}
+
+namespace {
+
+// MLA (KimiLinearAttention, eager) computed directly in double from the weights, for the span x [T][H] after
+// `cached` latent rows: the span's latent rows [R normed c_kv | k_rot] (appended to `cached`) and the layer output
+// [T][H], expanding every cached row through kv_b_proj.
+std::vector<double> mla_reference(const ModelConfig& c, const MlaWeights& w, const std::vector<float>& x, int64_t T,
+                                  std::vector<double>& cached) {
+  const int64_t H = c.hidden_size, nh = c.num_attention_heads, nope = c.qk_nope_head_dim, rope = c.qk_rope_head_dim,
+                vd = c.v_head_dim, qk = nope + rope, R = c.kv_lora_rank, row = R + rope, Q = c.q_lora_rank;
+  auto matvec = [](const std::vector<float>& W, int64_t out, int64_t in, const double* v) {
+    std::vector<double> y(size_t(out), 0.0);
+    for (int64_t o = 0; o < out; ++o)
+      for (int64_t i = 0; i < in; ++i) y[size_t(o)] += double(W[size_t(o * in + i)]) * v[i];
+    return y;
+  };
+  auto rms = [](std::vector<double>& v, int64_t n, const std::vector<float>& wt) {
+    double ms = 0;
+    for (int64_t i = 0; i < n; ++i) ms += v[size_t(i)] * v[size_t(i)];
+    const double inv = 1.0 / std::sqrt(ms / double(n) + 1e-6);  // KimiLinearRMSNorm's default eps
+    for (int64_t i = 0; i < n; ++i) v[size_t(i)] = double(wt[size_t(i)]) * (v[size_t(i)] * inv);
+  };
+  const int64_t before = int64_t(cached.size()) / row;
+  std::vector<std::vector<double>> q(static_cast<size_t>(T));
+  for (int64_t t = 0; t < T; ++t) {
+    const std::vector<double> xt(x.begin() + t * H, x.begin() + (t + 1) * H);
+    if (Q > 0) {
+      std::vector<double> qa = matvec(w.q_a_proj.data, Q, H, xt.data());
+      rms(qa, Q, w.q_a_layernorm.data);
+      q[size_t(t)] = matvec(w.q_b_proj.data, nh * qk, Q, qa.data());
+    } else {
+      q[size_t(t)] = matvec(w.q_proj.data, nh * qk, H, xt.data());
+    }
+    std::vector<double> ckv = matvec(w.kv_a_proj.data, row, H, xt.data());
+    rms(ckv, R, w.kv_a_layernorm.data);  // the first R values only; k_rot stays raw
+    cached.insert(cached.end(), ckv.begin(), ckv.end());
+  }
+  const int64_t n = before + T;
+  std::vector<std::vector<double>> kvb(static_cast<size_t>(n));
+  for (int64_t s = 0; s < n; ++s) kvb[size_t(s)] = matvec(w.kv_b_proj.data, nh * (nope + vd), R, &cached[size_t(s * row)]);
+  std::vector<double> out(size_t(T * H), 0.0);
+  for (int64_t t = 0; t < T; ++t) {
+    std::vector<double> attn(size_t(nh * vd), 0.0);
+    for (int64_t h = 0; h < nh; ++h) {
+      const double* qh = &q[size_t(t)][size_t(h * qk)];
+      std::vector<double> sc(size_t(before + t + 1));
+      double mx = -1e300;
+      for (int64_t s = 0; s <= before + t; ++s) {
+        const double* kn = &kvb[size_t(s)][size_t(h * (nope + vd))];  // k_nope of head h
+        const double* kr = &cached[size_t(s * row + R)];             // the shared k_rot
+        double d = 0;
+        for (int64_t e = 0; e < nope; ++e) d += qh[e] * kn[e];
+        for (int64_t e = 0; e < rope; ++e) d += qh[nope + e] * kr[e];
+        sc[size_t(s)] = d / std::sqrt(double(qk));
+        mx = std::max(mx, sc[size_t(s)]);
+      }
+      double z = 0;
+      for (auto& v : sc) z += (v = std::exp(v - mx));
+      for (int64_t s = 0; s <= before + t; ++s)
+        for (int64_t e = 0; e < vd; ++e)
+          attn[size_t(h * vd + e)] += sc[size_t(s)] / z * kvb[size_t(s)][size_t(h * (nope + vd) + nope + e)];
+    }
+    const std::vector<double> o = matvec(w.o_proj.data, H, nh * vd, attn.data());
+    std::copy(o.begin(), o.end(), out.begin() + t * H);
+  }
+  return out;
+}
+
+std::vector<float> to_float(const std::vector<double>& v) { return std::vector<float>(v.begin(), v.end()); }
+
+}  // namespace
+
+TEST_CASE("Kimi-Linear MLA caches its latent: rows and attention equal a direct computation from the weights",
+          "[families][model]") {
+  for (const char* q_lora : {"null", "10"}) {
+    INFO("q_lora_rank " << q_lora);
+    const Model m = random_model(
+        parse_config(with(kKimiReleased, R"("q_lora_rank": null)", std::string(R"("q_lora_rank": )") + q_lora)),
+        std::string("kimi_latent_") + (q_lora[0] == 'n' ? "plain" : "lora"));
+    const ModelConfig& c = m.config();
+    REQUIRE(c.layer_types[2] == F);
+    const MlaWeights& w = m.weights().layers[2].mla;
+    const int64_t H = c.hidden_size, row = c.kv_lora_rank + c.qk_rope_head_dim;
+    std::mt19937 rng(31);
+    AttentionLayerState st;
+    std::vector<double> cached;
+    // A prefill of 6 tokens, a span of 3, then a single token: each call expands every row cached so far.
+    for (const int64_t T : {6, 3, 1}) {
+      INFO("span of " << T << " after " << st.n_tokens);
+      const std::vector<float> x = randn(size_t(T * H), rng);
+      std::vector<float> out(size_t(T * H));
+      families::kimi_linear::mla_layer(c, w, st, x.data(), T, out.data());
+      const std::vector<double> want = mla_reference(c, w, x, T, cached);
+      REQUIRE(st.n_tokens == int64_t(cached.size()) / row);
+      REQUIRE(st.k.size() == cached.size());  // [n][1][R + rope]
+      CHECK(st.v.empty());
+      // The first R columns are the normed c_kv, the last rope kv_a_proj's raw k_rot (not normed with it).
+      CHECK(rel_err(st.k, to_float(cached)) < 1e-5);
+      CHECK(rel_err(out, to_float(want)) < 1e-5);
+    }
+    // The same through the model: every attention layer's state is the latent of its layer input, no V, and a state
+    // of the wrong layout (expanded K/V as earlier builds kept it) is refused.
+    ModelState s = m.initial_state();
+    m.prefill(s, random_ids(9, int(c.vocab_size), 4), 0);
+    for (const auto& a : s.attention) {
+      CHECK(a.k.size() == size_t(9 * row));
+      CHECK(a.v.empty());
+    }
+    ModelState expanded = m.initial_state();
+    expanded.attention[0].n_tokens = 1;
+    expanded.attention[0].k.resize(size_t(c.num_key_value_heads) * c.head_dim);
+    expanded.attention[0].v.resize(size_t(c.num_key_value_heads) * c.v_head_dim);
+    CHECK_THROWS_WITH(m.decode(expanded, 1, 1), Catch::Contains("attention layer state 0"));
+    AttentionLayerState bad;
+    bad.n_tokens = 1;
+    bad.k.resize(size_t(row));
+    bad.v.resize(1);
+    std::vector<float> x1(static_cast<size_t>(H), 0.5f), o1(static_cast<size_t>(H));
+    CHECK_THROWS_WITH(families::kimi_linear::mla_layer(c, w, bad, x1.data(), 1, o1.data()),
+                      Catch::Contains("no V"));
+  }
 }
 
 TEST_CASE("MiniMax random model: prefill == decode, spans, scalar T_C, RoPE shift", "[families][model]") {
@@ -697,7 +835,7 @@ TEST_CASE("the CPU model refuses family weights that do not match the config", "
   ModelState s = m.initial_state();
   s.attention[0].v.resize(3);
   s.attention[0].n_tokens = 1;
-  s.attention[0].k.resize(size_t(m.config().num_key_value_heads) * m.config().head_dim);
+  s.attention[0].k.resize(size_t(m.config().kv_cache_heads()) * m.config().kv_cache_k_dim());  // V must be empty
   CHECK_THROWS_WITH(m.decode(s, 1, 0), Catch::Contains("attention layer state 0"));
 }
 
@@ -781,8 +919,9 @@ void check_family_fixture(const fs::path& dir) {
     }
   }
   // KV caches. GQA layers: key / value [H_kv][T][hd] (ours token-major). MLA (Kimi): HF caches the latents
-  // kv_latent [T][R] (after kv_a_layernorm) and k_rope [T][qk_rope]; ours holds them expanded per head, so compare
-  // the k_rope slice of every head, and kv_b_proj(kv_latent) with our k_nope | v.
+  // kv_latent [T][R] (after kv_a_layernorm) and k_rope [T][qk_rope]; ours holds them too, as one row
+  // [kv_latent | k_rope] per token: compare both parts, and kv_b_proj of our latent (the per-head k_nope | v every
+  // call expands) with kv_b_proj of HF's.
   double kv_rel = 0;
   for (int i = 0; i < c.num_hidden_layers; ++i) {
     if (c.layer_types[size_t(i)] != LayerType::FullAttention) continue;
@@ -791,6 +930,7 @@ void check_family_fixture(const fs::path& dir) {
     REQUIRE(as.n_tokens == T);
     const int64_t nkv = c.num_key_value_heads, hd = c.head_dim, vd = c.attn_v_head_dim();
     if (ref.find(p + "key") && ref.find(p + "value")) {
+      REQUIRE_FALSE(c.attention_is_latent());
       for (const char* which : {"key", "value"}) {
         const int64_t d = std::string(which) == "key" ? hd : vd;
         const auto hf = ref.read_f32(ref.at(p + which));
@@ -805,33 +945,38 @@ void check_family_fixture(const fs::path& dir) {
       }
     }
     if (ref.find(p + "kv_latent") && ref.find(p + "k_rope")) {
-      const int64_t nope = c.qk_nope_head_dim, rope = c.qk_rope_head_dim, R = c.kv_lora_rank;
+      REQUIRE(c.attention_is_latent());
+      const int64_t nope = c.qk_nope_head_dim, rope = c.qk_rope_head_dim, R = c.kv_lora_rank, row = R + rope;
       const auto latent = ref.read_f32(ref.at(p + "kv_latent"));
       const auto krope = ref.read_f32(ref.at(p + "k_rope"));
       REQUIRE(latent.size() == size_t(T * R));
       REQUIRE(krope.size() == size_t(T * rope));
-      std::vector<float> ours_rope(size_t(T * nkv * rope)), hf_rope(ours_rope.size());
+      REQUIRE(as.k.size() == size_t(T * row));  // [T][1][R + rope]
+      REQUIRE(as.v.empty());
+      std::vector<float> ours_latent(size_t(T * R)), ours_rope(size_t(T * rope));
+      for (int64_t t = 0; t < T; ++t) {
+        std::copy_n(as.k.begin() + t * row, R, ours_latent.begin() + t * R);
+        std::copy_n(as.k.begin() + t * row + R, rope, ours_rope.begin() + t * rope);
+      }
       std::vector<float> hf_kv(size_t(T * nkv * (nope + vd))), ours_kv(hf_kv.size());
       const auto& kvb = m.weights().layers[size_t(i)].mla.kv_b_proj.data;  // [nkv*(nope+vd)][R]
       for (int64_t t = 0; t < T; ++t)
-        for (int64_t h = 0; h < nkv; ++h) {
-          for (int64_t e = 0; e < rope; ++e) {
-            ours_rope[size_t((t * nkv + h) * rope + e)] = as.k[size_t((t * nkv + h) * hd + nope + e)];
-            hf_rope[size_t((t * nkv + h) * rope + e)] = krope[size_t(t * rope + e)];
-          }
+        for (int64_t h = 0; h < nkv; ++h)
           for (int64_t r = 0; r < nope + vd; ++r) {
-            double acc = 0;
-            for (int64_t j = 0; j < R; ++j)
-              acc += double(kvb[size_t((h * (nope + vd) + r) * R + j)]) * latent[size_t(t * R + j)];
-            hf_kv[size_t((t * nkv + h) * (nope + vd) + r)] = float(acc);
-            ours_kv[size_t((t * nkv + h) * (nope + vd) + r)] =
-                r < nope ? as.k[size_t((t * nkv + h) * hd + r)] : as.v[size_t((t * nkv + h) * vd + r - nope)];
+            double hf_acc = 0, our_acc = 0;
+            for (int64_t j = 0; j < R; ++j) {
+              const double wj = kvb[size_t((h * (nope + vd) + r) * R + j)];
+              hf_acc += wj * latent[size_t(t * R + j)];
+              our_acc += wj * ours_latent[size_t(t * R + j)];
+            }
+            hf_kv[size_t((t * nkv + h) * (nope + vd) + r)] = float(hf_acc);
+            ours_kv[size_t((t * nkv + h) * (nope + vd) + r)] = float(our_acc);
           }
-        }
-      const double r1 = rel_err(ours_rope, hf_rope), r2 = rel_err(ours_kv, hf_kv);
+      const double r0 = rel_err(ours_latent, latent), r1 = rel_err(ours_rope, krope), r2 = rel_err(ours_kv, hf_kv);
+      CHECK(r0 <= kHfTol);
       CHECK(r1 <= kHfTol);
       CHECK(r2 <= kHfTol);
-      kv_rel = std::max({kv_rel, r1, r2});
+      kv_rel = std::max({kv_rel, r0, r1, r2});
     }
   }
   std::printf("[family-fixture] %-24s KV rel %.3g\n", name.c_str(), kv_rel);

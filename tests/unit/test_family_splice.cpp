@@ -1,6 +1,7 @@
 // Segment entries and splicing of the Kimi-Linear, MiniMax and Ring-linear families (issue 14, stage 2; DESIGN.md
 // 3.1-3.4): T_C in the family's compact form (dense for KDA, one scalar per head for lightning), KDA's conv tails,
-// MLA's V width, format versions (Qwen entries stay version 2 byte for byte, the other families are version 3),
+// MLA's latent (one K head of kv_lora_rank + qk_rope, no V), format versions (Qwen entries stay version 4 byte for
+// byte, the other families are version 6),
 // the composition law at every linear layer, position independence at layer 0 after any prefix, Ring-linear's state
 // re-rotation (a segment cached at position a and used at b), and every splice mode. Models: the small random-weight
 // models of tests/unit/family_models.h and the HF / Ring reference fixtures (tests/fixtures).
@@ -74,9 +75,54 @@ std::string with_version(std::string bytes, uint32_t version) {
   return bytes;
 }
 
+// An fp32 entry's bytes written from the documented layout (engine/segment.h), independently of the serialiser:
+// "HYPICSEG", u32 header length, the header (version, fingerprint, numerics, w, n, ids, 9 geometry values, the family
+// fields from version 6 on, a kind per linear layer, K/V type 1), its XXH3-64, the tensors in wire order, the XXH3-64
+// of everything before.
+std::string spec_bytes(const SegmentEntry& e) {
+  auto put32 = [](std::string& o, uint32_t v) { o.append(reinterpret_cast<const char*>(&v), 4); };
+  auto put64 = [](std::string& o, uint64_t v) { o.append(reinterpret_cast<const char*>(&v), 8); };
+  auto floats = [](std::string& o, const std::vector<float>& v) {
+    o.append(reinterpret_cast<const char*>(v.data()), v.size() * 4);
+  };
+  const EntryGeometry& g = e.geometry;
+  std::string h;
+  put32(h, e.format_version);
+  put32(h, uint32_t(e.model_fingerprint.size()));
+  h += e.model_fingerprint;
+  put32(h, uint32_t(e.numerics.size()));
+  h += e.numerics;
+  put32(h, uint32_t(e.seam_width));
+  put32(h, uint32_t(e.token_ids.size()));
+  for (int32_t id : e.token_ids) put32(h, uint32_t(id));
+  for (int v : {g.linear_heads, g.d_k, g.d_v, g.conv_dim, g.conv_rows, g.kv_heads, g.head_dim, g.num_linear,
+                g.num_attention})
+    put32(h, uint32_t(v));
+  if (e.format_version == 6)
+    for (int v : {g.family, g.kv_latent_rank, g.linear_rotary_dim}) put32(h, uint32_t(v));
+  for (const auto& l : e.linear) h += char(uint8_t(l.interior_transition.kind));
+  h += char(1);  // fp32 K, V and conv tails
+  std::string out = "HYPICSEG";
+  put32(out, uint32_t(h.size()));
+  out += h;
+  put64(out, XXH3_64bits(h.data(), h.size()));
+  for (const auto& l : e.linear) {
+    floats(out, l.seam_state);
+    floats(out, l.interior_transition.data);
+    floats(out, l.interior_state);
+    floats(out, l.conv_tail);
+  }
+  for (const auto& a : e.attention) {
+    floats(out, a.k);
+    floats(out, a.v);
+  }
+  put64(out, XXH3_64bits(out.data(), out.size()));
+  return out;
+}
+
 }  // namespace
 
-TEST_CASE("family entries: compact T_C, conv tails, MLA V width, version 5, round trip through bytes",
+TEST_CASE("family entries: compact T_C, conv tails, MLA latent, version 6, round trip through bytes",
           "[families][segment]") {
   for (const char* name : kModels) {
     DYNAMIC_SECTION(name) {
@@ -107,13 +153,35 @@ TEST_CASE("family entries: compact T_C, conv tails, MLA V width, version 5, roun
         REQUIRE(whole.kind == TransitionKind::Scalar);
         for (float t : whole.data) CHECK((t > 0.0f && t <= 1.0f));
       }
-      if (c.family == ModelFamily::KimiLinear) {  // MLA: K [n][nh][nope + rope], V [n][nh][v_head_dim]
-        CHECK(g.v_head_dim == (c.v_head_dim != c.head_dim ? c.v_head_dim : 0));  // 0: V as wide as K
-        CHECK(g.v_dim() == c.v_head_dim);
-        CHECK(e.attention[0].k.size() == ids.size() * c.num_attention_heads * c.head_dim);
-        CHECK(e.attention[0].v.size() == ids.size() * c.num_attention_heads * c.v_head_dim);
+      if (c.family == ModelFamily::KimiLinear) {  // MLA: the latent K [n][1][R + rope], no V
+        CHECK(g.kv_latent_rank == c.kv_lora_rank);
+        CHECK(g.kv_heads == 1);
+        CHECK(g.head_dim == c.kv_lora_rank + c.qk_rope_head_dim);
+        CHECK(g.v_dim() == 0);
+        for (const auto& a : e.attention) {
+          CHECK(a.k.size() == ids.size() * size_t(c.kv_lora_rank + c.qk_rope_head_dim));
+          CHECK(a.v.empty());
+        }
+        // The entry's rows are the standalone prefill's latent cache.
+        ModelState st = m.initial_state();
+        m.prefill(st, ids, 0);
+        for (size_t a = 0; a < e.attention.size(); ++a) CHECK(rel_err(e.attention[a].k, st.attention[a].k) < kTol);
+        // Serialised size: the header (version 6: 9 geometry values + 3 family fields) and per attention layer
+        // n * (R + rope) fp32 values of K and none of V.
+        size_t tensors = 0;
+        for (const auto& l : e.linear)
+          tensors += (l.seam_state.size() + l.interior_transition.data.size() + l.interior_state.size() +
+                      l.conv_tail.size()) * 4;
+        tensors += e.attention.size() * ids.size() * size_t(c.kv_lora_rank + c.qk_rope_head_dim) * 4;
+        const size_t header = 4 + 4 + e.model_fingerprint.size() + 4 + e.numerics.size() + 4 + 4 + 4 * ids.size() +
+                              12 * 4 + e.linear.size() + 1;
+        CHECK(e.byte_size() == 8 + 4 + header + 8 + tensors + 8);
+        CHECK(serialize_entry(e) == spec_bytes(e));
       } else {
-        CHECK(g.v_head_dim == 0);
+        CHECK(g.kv_latent_rank == 0);
+        CHECK(g.kv_heads == c.num_key_value_heads);
+        CHECK(g.head_dim == c.head_dim);
+        CHECK(g.v_dim() == c.head_dim);
       }
       CHECK(g.linear_rotary_dim == (c.family == ModelFamily::RingLinear ? c.rotary_dim() : 0));
 
@@ -130,10 +198,12 @@ TEST_CASE("family entries: compact T_C, conv tails, MLA V width, version 5, roun
       CHECK(streamed == bytes);
 
       // Version errors are clear: an unknown version, and an entry whose version does not fit its geometry.
-      CHECK_THROWS_WITH(deserialize_entry(with_version(bytes, 6)),
-                        Catch::Contains("format version 6") && Catch::Contains("reads 4 and 5"));
+      CHECK_THROWS_WITH(deserialize_entry(with_version(bytes, 7)),
+                        Catch::Contains("format version 7") && Catch::Contains("reads 4 and 6"));
       CHECK_THROWS_WITH(deserialize_entry(with_version(bytes, 3)),  // the earlier format (with T_seam)
-                        Catch::Contains("format version 3") && Catch::Contains("reads 4 and 5"));
+                        Catch::Contains("format version 3") && Catch::Contains("reads 4 and 6"));
+      CHECK_THROWS_WITH(deserialize_entry(with_version(bytes, 5)),  // MLA expanded per head
+                        Catch::Contains("format version 5") && Catch::Contains("reads 4 and 6"));
       SegmentEntry v4 = e;
       v4.format_version = kSegmentFormatVersion;
       CHECK_THROWS_WITH(serialize_entry(v4), Catch::Contains("format version 4"));
@@ -150,8 +220,11 @@ TEST_CASE("Qwen entries are format version 4 and its header layout byte for byte
   const Model m = Model::load(std::string(HYPIC_SOURCE_DIR) + "/tests/fixtures/qwen3_5_dense");
   const EntryGeometry g = EntryGeometry::of(m.config());
   CHECK(g.family == 0);
-  CHECK(g.v_head_dim == 0);
+  CHECK(g.kv_latent_rank == 0);
   CHECK(g.linear_rotary_dim == 0);
+  CHECK(g.kv_heads == m.config().num_key_value_heads);
+  CHECK(g.head_dim == m.config().head_dim);
+  CHECK(g.v_dim() == m.config().head_dim);
   CHECK(entry_format_version(g) == kSegmentFormatVersion);
   const auto ids = random_ids(20, int(m.config().vocab_size), 3);
   const SegmentEntry e = build_segment_entry(m, ids, 8);
@@ -166,9 +239,11 @@ TEST_CASE("Qwen entries are format version 4 and its header layout byte for byte
   const size_t want = 4 + 4 + e.model_fingerprint.size() + 4 + e.numerics.size() + 4 + 4 + 4 * ids.size() + 9 * 4 +
                       e.linear.size() + 1;
   CHECK(len == want);
+  CHECK(bytes == spec_bytes(e));  // the version-4 layout, byte for byte (no family fields)
+  CHECK(e.digest() == segment_digest(e.model_fingerprint, 4, 8, ids));
   require_entries_equal(deserialize_entry(bytes), e);
-  // Promoted to version 5 (checksums fixed), a Qwen entry is refused: its geometry is written as version 4.
-  CHECK_THROWS_AS(deserialize_entry(with_version(bytes, 5)), EntryError);
+  // Promoted to version 6 (checksums fixed), a Qwen entry is refused: its geometry is written as version 4.
+  CHECK_THROWS_AS(deserialize_entry(with_version(bytes, 6)), EntryError);
 }
 
 TEST_CASE("lightning entries are far smaller than dense ones in the linear part", "[families][segment]") {

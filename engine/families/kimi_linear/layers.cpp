@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <stdexcept>
 #include <string>
 
 #include "engine/families/shared/layers.h"
@@ -91,11 +92,13 @@ void mla_layer(const ModelConfig& c, const MlaWeights& w, AttentionLayerState& s
   const int64_t H = c.hidden_size;
   const int nh = c.num_attention_heads, nope = c.qk_nope_head_dim, rope = c.qk_rope_head_dim, vd = c.v_head_dim;
   const int qk = nope + rope;
-  const int64_t R = c.kv_lora_rank;
+  const int64_t R = c.kv_lora_rank, row = R + rope;  // one cached latent row: [normed c_kv | k_rot]
   constexpr float kLatentEps = 1e-6f;  // KimiLinearRMSNorm(kv_lora_rank) / (q_lora_rank): the default eps
-  std::vector<float> q(size_t(T) * nh * qk), ckv(size_t(T) * (R + rope)), latent(size_t(T) * R);
-  std::vector<float> kvb(size_t(T) * nh * (nope + vd)), k(size_t(T) * nh * qk), v(size_t(T) * nh * vd);
-  std::vector<float> attn(size_t(T) * nh * vd);
+  if (st.n_tokens < 0 || st.k.size() != size_t(st.n_tokens) * size_t(row) || !st.v.empty())
+    throw std::invalid_argument("mla_layer: the latent cache holds " + std::to_string(st.k.size()) + " / " +
+                                std::to_string(st.v.size()) + " K / V values for " + std::to_string(st.n_tokens) +
+                                " tokens (expected " + std::to_string(row) + " K values per token and no V)");
+  std::vector<float> q(size_t(T) * nh * qk), ckv(size_t(T) * row), attn(size_t(T) * nh * vd);
   if (c.q_lora_rank > 0) {
     const int64_t Q = c.q_lora_rank;
     std::vector<float> qa(size_t(T) * Q);
@@ -105,13 +108,21 @@ void mla_layer(const ModelConfig& c, const MlaWeights& w, AttentionLayerState& s
   } else {
     cpu::linear(T, H, int64_t(nh) * qk, x, w.q_proj.ptr(), q.data());
   }
-  cpu::linear(T, H, R + rope, x, w.kv_a_proj.ptr(), ckv.data());
+  // The span's latent rows: kv_a_proj_with_mqa x = [c_kv | k_rot], c_kv normed in place (kv_a_layernorm), k_rot raw.
+  cpu::linear(T, H, row, x, w.kv_a_proj.ptr(), ckv.data());
   for (int64_t t = 0; t < T; ++t)
-    std::copy(ckv.begin() + t * (R + rope), ckv.begin() + t * (R + rope) + R, latent.begin() + t * R);
-  cpu::rms_norm(T, R, latent.data(), w.kv_a_layernorm.ptr(), kLatentEps, latent.data());
-  cpu::linear(T, R, int64_t(nh) * (nope + vd), latent.data(), w.kv_b_proj.ptr(), kvb.data());
-  for (int64_t t = 0; t < T; ++t) {
-    const float* krot = ckv.data() + t * (R + rope) + R;
+    cpu::rms_norm(1, R, ckv.data() + t * row, w.kv_a_layernorm.ptr(), kLatentEps, ckv.data() + t * row);
+  st.k.insert(st.k.end(), ckv.begin(), ckv.end());
+  st.n_tokens += T;
+  const int64_t n = st.n_tokens;
+  // Expand every cached row: [k_nope | v] per head = kv_b_proj(normed c_kv), K = [k_nope | k_rot] (k_rot shared).
+  std::vector<float> latent(size_t(n) * R), kvb(size_t(n) * nh * (nope + vd));
+  std::vector<float> k(size_t(n) * nh * qk), v(size_t(n) * nh * vd);
+  for (int64_t t = 0; t < n; ++t)
+    std::copy(st.k.begin() + t * row, st.k.begin() + t * row + R, latent.begin() + t * R);
+  cpu::linear(n, R, int64_t(nh) * (nope + vd), latent.data(), w.kv_b_proj.ptr(), kvb.data());
+  for (int64_t t = 0; t < n; ++t) {
+    const float* krot = st.k.data() + t * row + R;
     for (int h = 0; h < nh; ++h) {
       const float* src = kvb.data() + (t * nh + h) * (nope + vd);
       float* kd = k.data() + (t * nh + h) * qk;
@@ -120,12 +131,9 @@ void mla_layer(const ModelConfig& c, const MlaWeights& w, AttentionLayerState& s
       std::copy(src + nope, src + nope + vd, v.data() + (t * nh + h) * vd);
     }
   }
-  st.k.insert(st.k.end(), k.begin(), k.end());
-  st.v.insert(st.v.end(), v.begin(), v.end());
-  st.n_tokens += T;
-  cpu::AttentionShape shape{T, st.n_tokens, nh, nh, qk};
+  cpu::AttentionShape shape{T, n, nh, nh, qk};
   shape.v_head_dim = vd;
-  cpu::attention_causal(shape, q.data(), st.k.data(), st.v.data(),
+  cpu::attention_causal(shape, q.data(), k.data(), v.data(),
                         static_cast<float>(1.0 / std::sqrt(static_cast<double>(qk))), attn.data(), key_mass, 1);
   cpu::linear(T, int64_t(nh) * vd, H, attn.data(), w.o_proj.ptr(), out);
 }

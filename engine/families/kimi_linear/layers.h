@@ -2,7 +2,8 @@
 // (KimiLinearDeltaAttention) for linear layers, MLA without RoPE (KimiLinearAttention) for full-attention layers.
 // Its MoE routes with shared::route_sigmoid (KimiLinearTopkRouter). Part of hypic_engine_core. Shapes and state
 // layouts follow engine/cpu/model.h (LinearLayerState::ssm [H][d_k][d_v], conv tail [K-1][conv_dim];
-// AttentionLayerState K [n][H_kv][head_dim], V [n][H_kv][attn_v_head_dim()]). x is the mixer input [T][hidden]
+// AttentionLayerState K [n][kv_cache_heads()][kv_cache_k_dim()], V [n][kv_cache_heads()][kv_cache_v_dim()]: for MLA
+// the latent K [n][1][kv_lora_rank + qk_rope] and no V). x is the mixer input [T][hidden]
 // (already normed), out [T][hidden] the mixer output (before the residual).
 #pragma once
 #include <cstdint>
@@ -27,8 +28,11 @@ void kda_layer(const ModelConfig& c, const KdaWeights& w, LinearLayerState& st, 
 /// MLA layer without RoPE (KimiLinearAttention.forward, transformers 5.17, eager): q = q_proj x (or
 /// q_b(RMSNorm(q_a x))), [c_kv | k_rot] = kv_a_proj_with_mqa x, c_kv <- RMSNorm(c_kv) (kv_a_layernorm, eps 1e-6 as
 /// KimiLinearRMSNorm's default), [k_nope | v] per head = kv_b_proj c_kv, K = [k_nope | k_rot] (k_rot shared by every
-/// head), causal softmax attention with scale (qk_nope + qk_rope)^-1/2, o_proj. Appends the span's expanded K
-/// [T][nh][qk_nope + qk_rope] and V [T][nh][v_head_dim] to `st` (no rotation: the layer has no positions).
+/// head), causal softmax attention with scale (qk_nope + qk_rope)^-1/2, o_proj. Appends the span's latent rows
+/// [T][1][kv_lora_rank + qk_rope] = [RMSNorm(c_kv) * kv_a_layernorm.weight | k_rot] to st.k (st.v stays empty; no
+/// rotation: the layer has no positions), then expands every cached row through kv_b_proj into per-head K
+/// [n][nh][qk_nope + qk_rope] and V [n][nh][v_head_dim] for the attention. Throws std::invalid_argument when st does
+/// not hold that layout.
 /// key_mass: as cpu::attention_causal's for the span's last token (optional, [n_tokens after the call], accumulated).
 void mla_layer(const ModelConfig& c, const MlaWeights& w, AttentionLayerState& st, const float* x, int64_t T,
                float* out, float* key_mass = nullptr);

@@ -29,6 +29,7 @@ std::string error_of(const std::string& doc) {
 }  // namespace
 
 TEST_CASE("segments JSON: every form of segment, ids exact", "[client]") {
+  std::filesystem::create_directories(std::string(HYPIC_BINARY_DIR) + "/test_scratch");  // a fresh build has none
   const std::string path = std::string(HYPIC_BINARY_DIR) + "/test_scratch/client_input_doc.txt";
   std::ofstream(path) << "file text";
   v1::GenerateRequest req;

@@ -395,4 +395,16 @@ TEST_CASE("tier budgets: derived from device memory, host memory and the entry s
   CHECK_THAT(ring, Catch::Contains("2 x 16.8 MB of linear states"));  // 16 x 16 x 128 x 128 x 4 bytes
   CHECK_THAT(ring, Catch::Contains("1024 bytes of scalar T_int"));     // 16 x 16 x 4
   CHECK_THAT(ring, Catch::StartsWith("2048 tokens: 50.3 MB"));        // 2 x 16.78 + 0.001 + 16.78 MB of KV
+  // Kimi-Linear-48B-A3B: 20 KDA layers of 32 heads of 128 x 128 (conv tails 3 x 3 x 32 x 128), 7 MLA layers whose
+  // entries keep the latent: one row of 512 + 64 values per token and layer, no V.
+  hypic::engine::EntryGeometry k;
+  k.linear_heads = 32, k.d_k = 128, k.d_v = 128, k.conv_rows = 3, k.conv_dim = 3 * 32 * 128, k.kv_heads = 1,
+  k.head_dim = 512 + 64, k.num_linear = 20, k.num_attention = 7;
+  k.family = int(hypic::engine::ModelFamily::KimiLinear), k.kv_latent_rank = 512;
+  REQUIRE(k.v_dim() == 0);
+  const std::string kimi = hypic::combine::describe_entry_parts(k, 2048, 2);
+  CHECK_THAT(kimi, Catch::Contains("(8064 bytes per token)"));          // 7 x 1 x (576 + 0) x 2 bytes
+  CHECK_THAT(kimi, Catch::Contains("16.5 MB of MLA latent KV"));        // 2048 x 8064
+  CHECK_THAT(kimi, Catch::Contains("3 x 41.9 MB of linear operators"));  // 20 x 32 x 128 x 128 x 4 bytes
+  CHECK_THAT(kimi, Catch::StartsWith("2048 tokens: 143.8 MB"));         // 3 x 41.94 + 1.47 + 16.51
 }
