@@ -275,6 +275,11 @@ void CudaBackend::allocate_pools() {
     }
     ensure_capacity(lin_ws_, need, "KDA / lightning prefill workspace");
   }
+  // MLA's expansion scratch for a pass over Tmax_ context rows (longer expanded passes grow it when there is room).
+  if (n_attn_ && attn_ == Attn::Mla && !grow_mla_scratch(int(std::min<size_t>(Tmax_ + kPage, 1 << 30))))
+    throw ResourceExhausted("MLA expansion scratch for " + std::to_string(Tmax_) + " tokens (--max-batch-tokens): " +
+                            std::to_string(MlaExpandScratch::bytes(mla_cfg_.dims, Tmax_ + kPage)) +
+                            " bytes of device memory");
   // KV pool: what the budget allows, else 40% of what is free now.
   if (n_attn_) {
     size_t budget = opt_.kv_pool_bytes;
@@ -395,7 +400,7 @@ void CudaBackend::release(int slot, const std::vector<int>& pages) {
 
 BackendMemory CudaBackend::memory() const {
   BackendMemory m;
-  m.weights = w_.bytes();
+  m.weights = w_.bytes() + mla_uk_t_.size();
   m.kv_budget = size_t(num_pages_) * page_bytes();
   {
     std::lock_guard lock(pool_mu_);
@@ -403,7 +408,7 @@ BackendMemory CudaBackend::memory() const {
   }
   m.workspace = act_.size() + dec_act_.size() + moe_ws_.bytes() + dec_moe_ws_.bytes() + ws_a_.bytes() + ws_c_.bytes() + ws_seam_.bytes() + ws_pieces_.bytes() +
                 attn_ws_.bytes() + attn_dec_ws_.bytes() + run_scratch_.size() + tables_dev_.size() + logits_dev_.size() +
-                lin_ws_.size();
+                lin_ws_.size() + mla_ws_.bytes() + mla_dec_ws_.bytes() + mla_x_mem_.size();
   m.entries_used += prefix_.bytes();
   size_t free = 0, total = 0;
   if (cudaSetDevice(dev_.index) == cudaSuccess && cudaMemGetInfo(&free, &total) == cudaSuccess) {
@@ -531,16 +536,19 @@ void CudaBackend::attention_layer(const Lane& ln, const DevLayer& L, int a, int 
 }
 
 CudaBackend::MlaExpandTables CudaBackend::plan_mla_expand(Tables& tb, int G, const int* q_start, const int* slot0,
-                                                          const int* bt, int max_pages, int max_q) const {
+                                                          const int* bt, int max_pages) {
   MlaExpandTables x;
-  if (attn_ != Attn::Mla || !n_attn_ || max_q <= kMlaAbsorbMaxQueries) return x;
+  if (attn_ != Attn::Mla || !n_attn_ || G == 0) return x;
   MlaExpandPlan p = MlaExpandPlan::of(G, q_start, slot0, bt, max_pages);
+  if (mla_pass_form(mla_cfg_.dims, G, q_start, slot0, p.rows) != MlaForm::Expanded || !grow_mla_scratch(p.rows))
+    return x;
   x.on = true, x.rows = p.rows, x.max_pages = p.max_pages;
   x.t_src = tb.add(p.src_rows), x.t_bt = tb.add(p.block_table);
   return x;
 }
 
-MlaExpandPass CudaBackend::mla_expand_pass(const MlaExpandTables& x, const Tables& tb, const kc::AttnGroups& groups) {
+MlaExpandPass CudaBackend::mla_expand_pass(const MlaExpandTables& x, const Tables& tb,
+                                           const kc::AttnGroups& groups) const {
   MlaExpandPass p;
   p.rows = x.rows;
   p.src_rows = tb.dev<int>(x.t_src);
@@ -548,26 +556,32 @@ MlaExpandPass CudaBackend::mla_expand_pass(const MlaExpandTables& x, const Table
   p.groups.block_table = tb.dev<int>(x.t_bt);
   p.groups.max_pages = x.max_pages;
   p.groups.max_kv = x.rows;
-  if (mla_xs_.rows < x.rows) {  // grow (uncaptured prefill passes only), to the next 4096 rows
-    const int rows = (x.rows + 4095) / 4096 * 4096;
-    const kc::MlaDims& d = mla_cfg_.dims;
-    check_cuda(cudaStreamSynchronize(stream_), "MLA expansion scratch");
-    mla_x_mem_ = DeviceMemory();
-    mla_xs_ = MlaExpandScratch{};
-    try {
-      mla_x_mem_ = DeviceMemory(MlaExpandScratch::bytes(d, size_t(rows)), "MLA expansion scratch");
-    } catch (const std::exception& e) {
-      throw ResourceExhausted(std::string("MLA expansion scratch for a pass over ") + std::to_string(x.rows) +
-                              " context tokens: " + e.what());
-    }
-    Layout lay;
-    const size_t n = size_t(rows), P = size_t(d.padded());
-    const size_t o_lat = lay.add(n * (d.rank + d.rope) * 2), o_kvb = lay.add(n * d.heads * (d.nope + d.v) * 2),
-                 o_k = lay.add(n * d.heads * P * 2), o_v = lay.add(n * d.heads * P * 2);
-    auto bp = [&](size_t off) { return reinterpret_cast<kc::bf16*>(mla_x_mem_.bytes_ptr(off)); };
-    mla_xs_.lat = bp(o_lat), mla_xs_.kvb = bp(o_kvb), mla_xs_.k = bp(o_k), mla_xs_.v = bp(o_v), mla_xs_.rows = rows;
-  }
   return p;
+}
+
+bool CudaBackend::grow_mla_scratch(int rows) {
+  if (mla_xs_.rows >= rows) return true;
+  if (mla_x_failed_rows_ && rows >= mla_x_failed_rows_) return false;
+  const int want = (rows + 4095) / 4096 * 4096;
+  const kc::MlaDims& d = mla_cfg_.dims;
+  check_cuda(cudaStreamSynchronize(stream_), "MLA expansion scratch");  // earlier passes may still read the old one
+  DeviceMemory mem;
+  try {
+    mem = DeviceMemory(MlaExpandScratch::bytes(d, size_t(want)), "MLA expansion scratch");
+  } catch (const std::exception& e) {
+    spdlog::warn("cuda backend: no room for the MLA expansion scratch of {} rows ({}); such passes run absorbed",
+                 want, e.what());
+    mla_x_failed_rows_ = mla_x_failed_rows_ ? std::min(mla_x_failed_rows_, rows) : rows;
+    return false;
+  }
+  mla_x_mem_ = std::move(mem);
+  Layout lay;
+  const size_t n = size_t(want), P = size_t(d.padded());
+  const size_t o_lat = lay.add(n * (d.rank + d.rope) * 2), o_kvb = lay.add(n * d.heads * (d.nope + d.v) * 2),
+               o_k = lay.add(n * d.heads * P * 2), o_v = lay.add(n * d.heads * P * 2);
+  auto bp = [&](size_t off) { return reinterpret_cast<kc::bf16*>(mla_x_mem_.bytes_ptr(off)); };
+  mla_xs_.lat = bp(o_lat), mla_xs_.kvb = bp(o_kvb), mla_xs_.k = bp(o_k), mla_xs_.v = bp(o_v), mla_xs_.rows = want;
+  return true;
 }
 
 void CudaBackend::linear_gemms(const Lane& ln, const DevLinear& L, int T) {

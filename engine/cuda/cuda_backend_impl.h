@@ -430,17 +430,21 @@ class CudaBackend final : public Backend {
   /// scratch pages when given, else absorbed).
   void attention_layer(const Lane& ln, const DevLayer& L, int a, int T, const int* positions, const int* kv_rows,
                        const kc::AttnGroups& groups, bool decode, const MlaExpandPass* mla_expand = nullptr);
-  /// MLA prefill passes: when some group is longer than kMlaAbsorbMaxQueries, the expansion plan's tables go into
-  /// `tb` (before its upload) and on = true; mla_expand_pass then gives the device view (after the upload) and grows
-  /// the expansion scratch to the plan's rows (RESOURCE_EXHAUSTED when the device has no room).
+  /// MLA prefill passes: when the expanded form is the cheaper (mla_pass_form) and its scratch holds the plan's rows
+  /// (grown here when the device has room; else the pass stays absorbed, which takes any length), the expansion
+  /// plan's tables go into `tb` (before its upload) and on = true; mla_expand_pass then gives the device view (after
+  /// the upload).
   struct MlaExpandTables {
     bool on = false;
     int rows = 0, max_pages = 0;
     size_t t_src = 0, t_bt = 0;
   };
   MlaExpandTables plan_mla_expand(Tables& tb, int G, const int* q_start, const int* slot0, const int* bt,
-                                  int max_pages, int max_q) const;
-  MlaExpandPass mla_expand_pass(const MlaExpandTables& x, const Tables& tb, const kc::AttnGroups& groups);
+                                  int max_pages);
+  MlaExpandPass mla_expand_pass(const MlaExpandTables& x, const Tables& tb, const kc::AttnGroups& groups) const;
+  /// Grows the MLA expansion scratch to at least `rows` rows; false (and the scratch unchanged) when the device has
+  /// no room (a size that failed is not tried again until a smaller one is).
+  bool grow_mla_scratch(int rows);
   void linear_finish(const Lane& ln, const DevLinear& L, int T);
   void attention_gemms(const Lane& ln, const DevAttention& A, int T);
   void attention_mixer(const Lane& ln, const DevAttention& A, int a, int T, const int* positions, const int* kv_rows,
@@ -560,6 +564,7 @@ class CudaBackend final : public Backend {
   DeviceMemory mla_uk_t_;                     // W_UK^T of every MLA layer ([nh][R][nope] each)
   DeviceMemory mla_x_mem_;                    // MLA's expansion scratch (grown to the longest expanded pass)
   MlaExpandScratch mla_xs_;
+  int mla_x_failed_rows_ = 0;                 // the smallest scratch size whose allocation failed (0: none)
   // Pools.
   std::vector<DeviceMemory> ssm_pool_, conv_pool_, k_pool_, v_pool_;
   std::vector<int> free_slots_, free_pages_;  // guarded by pool_mu_ (sequences may be released on any thread)

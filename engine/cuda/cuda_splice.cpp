@@ -334,7 +334,7 @@ std::vector<float> CudaBackend::run_pass(CudaSequence& s, const std::vector<Run>
                t_cst = tb.add(cut_states), t_cconv = tb.add(cut_convs);
   std::vector<size_t> t_k(n_attn_), t_v(n_attn_);
   for (int a = 0; a < n_attn_; ++a) t_k[a] = tb.add(kp[a]), t_v[a] = tb.add(vp[a]);
-  const MlaExpandTables mla_x = plan_mla_expand(tb, G, q_start.data(), slot0.data(), bt.data(), max_pages, max_q);
+  const MlaExpandTables mla_x = plan_mla_expand(tb, G, q_start.data(), slot0.data(), bt.data(), max_pages);
   tb.upload(tables_dev_, stream_);
   check_cuda(cudaMemcpyAsync(pre_.ids, tb.dev<int32_t>(t_ids), size_t(T) * 4, cudaMemcpyDeviceToDevice, stream_), "ids");
 
@@ -918,7 +918,7 @@ void CudaBackend::build_batch(std::span<const std::vector<int32_t>> segs, int w,
                t_s0 = tb.add(slot0), t_sr = tb.add(seam_rows), t_ic = tb.add(init_copy), t_ec = tb.add(entry_copy),
                t_sub = tb.add(sub), t_si = tb.add(sub_init), t_sf = tb.add(sub_fin), t_pc = tb.add(pieces),
                t_scu = tb.add(seam_cu);
-  const MlaExpandTables mla_x = plan_mla_expand(tb, N, cu.data(), slot0.data(), bt.data(), max_pages, max_q);
+  const MlaExpandTables mla_x = plan_mla_expand(tb, N, cu.data(), slot0.data(), bt.data(), max_pages);
   tb.upload(tables_dev_, stream_);
   check_cuda(cudaMemcpyAsync(pre_.ids, tb.dev<int32_t>(t_ids), size_t(T) * 4, cudaMemcpyDeviceToDevice, stream_), "ids");
   const kc::AttnGroups groups =

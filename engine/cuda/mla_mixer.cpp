@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <map>
 #include <stdexcept>
 #include <string>
@@ -24,6 +25,9 @@ MlaLayerConfig MlaLayerConfig::of(const ModelConfig& c) {
   if (l.dims.padded() == 0)
     throw std::invalid_argument(f + "qk head dim " + std::to_string(c.qk_nope_head_dim + c.qk_rope_head_dim) +
                                 " or v head dim " + std::to_string(c.v_head_dim) + " is over 256");
+  if (c.qk_nope_head_dim < 1)
+    throw std::invalid_argument(f + "qk_nope_head_dim " + std::to_string(c.qk_nope_head_dim) +
+                                " (the absorbed query q_nope W_UK needs at least 1)");
   if (!kc::mla_latent_supported(l.dims))
     throw std::invalid_argument(f + "kv_lora_rank " + std::to_string(c.kv_lora_rank) + " with qk_rope_head_dim " +
                                 std::to_string(c.qk_rope_head_dim) +
@@ -77,6 +81,25 @@ MlaExpandPlan MlaExpandPlan::of(int G, const int* q_start, const int* slot0, con
     for (int i = 0; i < np; ++i) p.block_table[size_t(g) * p.max_pages + i] = first_page[size_t(s)] + i;
   }
   return p;
+}
+
+MlaForm mla_pass_form(const kc::MlaDims& d, int G, const int* q_start, const int* slot0, int expand_rows) {
+  static const int forced = [] {
+    const char* e = std::getenv("HYPIC_MLA_FORM");
+    const std::string v = e ? e : "";
+    return v == "absorbed" ? 1 : v == "expanded" ? 2 : 0;
+  }();
+  if (forced) return forced == 1 ? MlaForm::Absorbed : MlaForm::Expanded;
+  double W = 0;  // (query, visible slot) pairs
+  for (int g = 0; g < G; ++g) {
+    const double len = q_start[g + 1] - q_start[g];
+    W += len * slot0[g] + len * (len + 1) / 2;
+  }
+  const double nh = d.heads, P = d.padded(), rows = expand_rows;
+  const double t_abs = W * nh * (2.0 * d.rank + d.rope) * 2 / kMlaAbsorbedFlops;
+  const double t_exp = rows * 2.0 * d.rank * nh * (d.nope + d.v) / kMlaGemmFlops +
+                       rows * nh * (2 * P + d.nope + d.v) * 2 / kMlaWriteBytes + W * nh * 4 * P / kMlaAttnFlops;
+  return t_exp < t_abs ? MlaForm::Expanded : MlaForm::Absorbed;
 }
 
 void mla_absorb_query(kc::GemmRunner& gemm, const DevMla& w, const MlaLayerConfig& c, int T, const __nv_bfloat16* q,

@@ -1,9 +1,10 @@
 // Kimi-Linear's full-attention layer (multi-head latent attention, HF KimiLinearAttention in transformers 5.17: no
 // rotary embedding) on the GPU over a latent KV cache (kernels/cuda/mla.h): the projections through cuBLASLt, the
-// token's latent row [normed c_kv | k_rot] into the layer's pool, then attention in one of two forms, chosen per pass:
-//  - absorbed (decode and passes whose groups are all short, max_q <= kMlaAbsorbMaxQueries): q_lat = [q_nope W_UK |
-//    q_rope] per head, mla_attention_latent over the pool, o = o_lat W_UV^T per head (batched GEMMs);
-//  - expanded (longer groups, prefill): the context rows of each sequence gathered into scratch (MlaExpandPlan),
+// token's latent row [normed c_kv | k_rot] into the layer's pool, then attention in one of two forms:
+//  - absorbed (every decode step; prefill passes where mla_pass_form says so, e.g. seam windows and short queries over
+//    long contexts): q_lat = [q_nope W_UK | q_rope] per head, mla_attention_latent over the pool, o = o_lat W_UV^T
+//    per head (batched GEMMs);
+//  - expanded (long spans, prefill): the context rows of each sequence gathered into scratch (MlaExpandPlan),
 //    kv_b_proj applied, K / V expanded at a padded head size, the attention kernels of kernels/cuda/attention.h.
 // Then o_proj into the residual. The CPU form is engine/families/kimi_linear mla_layer (the test oracle). All pointers
 // are DEVICE pointers unless said; every call is asynchronous on `stream`.
@@ -30,8 +31,17 @@ struct DevMla {
   const __nv_bfloat16* w_uk_t = nullptr;          ///< [nh][R][nope]: W_UK^T per head (kernels mla_transpose_uk of kv_b)
 };
 
-/// Groups of at most this many queries attend in the absorbed form (a pass with a longer group expands).
-inline constexpr int kMlaAbsorbMaxQueries = 64;
+/// Which form a prefill pass's MLA attention takes (decode steps are always absorbed).
+enum class MlaForm { Absorbed, Expanded };
+
+/// The cheaper form for a pass of G groups (host q_start [G + 1], slot0 [G]) whose expansion would cover
+/// `expand_rows` context rows, by a time model of one H200 (2026-12-04): absorbed, W (query, slot) pairs (causal) x
+/// nh x (2R + rope) x 2 FLOPs at kMlaAbsorbedFlops; expanded, the kv_b GEMM over the rows at kMlaGemmFlops, the
+/// padded K/V written at kMlaWriteBytes and attention at head size P (4P FLOPs per pair and head) at kMlaAttnFlops.
+/// HYPIC_MLA_FORM=absorbed / expanded in the environment (read once) forces one form (comparisons).
+MlaForm mla_pass_form(const kernels::cuda::MlaDims& d, int G, const int* q_start, const int* slot0, int expand_rows);
+inline constexpr double kMlaAbsorbedFlops = 150e12, kMlaGemmFlops = 600e12, kMlaAttnFlops = 400e12,
+                        kMlaWriteBytes = 3e12;
 
 /// What the model config says about its MLA layers.
 struct MlaLayerConfig {

@@ -14,6 +14,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
+#include <array>
 #include <cstddef>
 
 #include "kernels/cuda/attention.h"
@@ -80,7 +81,7 @@ void mla_pack_output(int T, const MlaDims& d, const bf16* attn, bf16* out, cudaS
 bool mla_latent_supported(const MlaDims& d);
 
 /// Device scratch of mla_attention_latent's split-KV chunks (per (group, 32-row tile, chunk) the rows' (m, l) and fp32
-/// accumulators [32][R]). Grows on demand (a growth synchronises the device before freeing the old buffer); not
+/// accumulators [32][R]; at most 512 MiB: a larger launch runs unsplit). Grows on demand (a growth synchronises the device before freeing the old buffer); not
 /// thread-safe (one per stream). A captured graph reads its buffer: reserve before capturing.
 class MlaAttnWorkspace {
  public:
@@ -101,6 +102,7 @@ class MlaAttnWorkspace {
   void ensure(size_t bytes, cudaStream_t stream, const char* fn);
   void* mem_ = nullptr;
   size_t bytes_ = 0;
+  std::array<int, 5> reserved_for_{};  // the last reserve's arguments
 };
 
 /// Multi-head latent attention in the absorbed form (DeepSeek-V2 paper section 2.1.2, "absorb W_UK into W_Q and W_UV

@@ -12,6 +12,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <stdexcept>
 #include <string>
@@ -92,12 +93,17 @@ __global__ void __launch_bounds__(kThreads, 1) mla_attn_kernel(const MlaAttnPara
   }
   if (tid < kRows) m_s[tid] = -INFINITY, l_s[tid] = 0.f;
   const int* bt = p.block_table + size_t(g) * p.max_pages;
+  // Rows past the group's KV end are zeros: their P is 0, but 0 times unwritten pool memory could be NaN.
   auto load_page = [&](int pg, int buf) {
     const bf16* src = p.pool + size_t(bt[pg]) * kPage * D;
     bf16* dst = Ks + size_t(buf) * kPage * ld;
+    const int valid = min(kPage, kv_end - pg * kPage);
     for (int i = tid; i < kPage * chunks_per_row; i += kThreads) {
       const int r = i / chunks_per_row, c = i % chunks_per_row;
-      cp_async16(dst + r * ld + c * 8, src + size_t(r) * D + c * 8);
+      if (r < valid)
+        cp_async16(dst + r * ld + c * 8, src + size_t(r) * D + c * 8);
+      else
+        *reinterpret_cast<uint4*>(dst + r * ld + c * 8) = make_uint4(0, 0, 0, 0);
     }
   };
   if (pg0 < pg1) load_page(pg0, 0);
@@ -227,6 +233,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_attn_kernel(const MlaAttnPara
 }
 
 constexpr int kMaxSplit = 256;
+constexpr int kMaxRank = 512;
+constexpr int64_t kMaxWorkspaceBytes = int64_t(512) << 20;
 constexpr int kCombineThreads = 128;
 
 // One block per (group, row): merges that (query, head) row's chunks (m, l, O); float4 columns.
@@ -279,9 +287,11 @@ int row_tiles_of(int max_q, int heads) { return int((int64_t(max_q) * heads + kR
 // Chunks per item (one block per SM: ~200 KB of shared memory each): the count whose modelled time, waves of blocks
 // times pages per chunk (ceil(items ns / SMs) * ceil(pages / ns)), is lowest; the smallest such count, at most one per
 // page and kMaxSplit. Fewer chunks also mean less combine work.
-int nsplit_of(int items, int max_kv) {
-  const int pages = std::max(1, (max_kv + kPage - 1) / kPage), sms = sm_count();
-  const int top = std::min(pages, kMaxSplit);
+int nsplit_of(int items, int max_kv, int sms = sm_count()) {
+  const int pages = std::max(1, (max_kv + kPage - 1) / kPage);
+  // The split's partial rows are at most kMaxWorkspaceBytes (a prefill-sized launch runs unsplit).
+  const int64_t per = int64_t(items) * kRows * (kMaxRank + 2) * int64_t(sizeof(float));
+  const int top = int(std::min<int64_t>({pages, kMaxSplit, std::max<int64_t>(1, kMaxWorkspaceBytes / per)}));
   int best = 1;
   double best_t = 1e300;
   for (int ns = 1; ns <= top; ++ns) {
@@ -324,13 +334,16 @@ void MlaAttnWorkspace::reserve(int max_groups, int max_q, int heads, int rank, i
   if (max_groups <= 0 || max_q <= 0 || heads <= 0 || rank <= 0 || max_kv <= 0)
     throw std::invalid_argument("MlaAttnWorkspace::reserve: sizes must be positive");
   // The chunk count depends on the launch's item count: the largest need over every group count up to max_groups.
-  const int tiles = row_tiles_of(max_q, heads);
+  const std::array<int, 5> key{max_groups, max_q, heads, rank, max_kv};
+  if (key == reserved_for_) return;  // decode steps reserve every step: the answer is the same
+  const int tiles = row_tiles_of(max_q, heads), sms = sm_count();
   size_t need = 0;
   for (int g = 1; g <= max_groups; ++g) {
     const size_t items = size_t(g) * tiles;
-    need = std::max(need, ws_bytes_of(items, nsplit_of(int(std::min<size_t>(items, 1 << 30)), max_kv), rank));
+    need = std::max(need, ws_bytes_of(items, nsplit_of(int(std::min<size_t>(items, 1 << 30)), max_kv, sms), rank));
   }
   ensure(need, nullptr, "MlaAttnWorkspace::reserve");
+  reserved_for_ = key;
 }
 
 void MlaAttnWorkspace::ensure(size_t bytes, cudaStream_t stream, const char* fn) {

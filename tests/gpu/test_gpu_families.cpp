@@ -1449,6 +1449,13 @@ TEST_CASE("the MLA layer on the GPU (latent cache, absorbed and expanded) matche
   const auto pl = to_float(pool.download());
   REQUIRE(st.k.size() == size_t(Tmax) * D);
   CHECK(rel_err(pl.data(), st.k.data(), size_t(Tmax) * D) < 1e-2);
+  SECTION("the pass form: fresh long spans expand, short queries over long contexts stay absorbed") {
+    const kc::MlaDims kimi{32, 128, 64, 128, 512};
+    const int fresh_qs[2] = {0, 4096}, fresh_s0[1] = {0};
+    CHECK(ec::mla_pass_form(kimi, 1, fresh_qs, fresh_s0, 4096) == ec::MlaForm::Expanded);
+    const int seam_qs[3] = {0, 8, 16}, seam_s0[2] = {2048, 30000};  // two seam windows over a 30k context
+    CHECK(ec::mla_pass_form(kimi, 2, seam_qs, seam_s0, 30016) == ec::MlaForm::Absorbed);
+  }
   SECTION("configs the GPU path does not take are refused by name") {
     hypic::engine::ModelConfig bad = c;
     bad.q_lora_rank = 64;
@@ -1458,6 +1465,9 @@ TEST_CASE("the MLA layer on the GPU (latent cache, absorbed and expanded) matche
     CHECK_THROWS_AS(ec::MlaLayerConfig::of(bad), std::invalid_argument);
     bad = c;
     bad.kv_lora_rank = 384;
+    CHECK_THROWS_AS(ec::MlaLayerConfig::of(bad), std::invalid_argument);
+    bad = c;
+    bad.qk_nope_head_dim = 0;
     CHECK_THROWS_AS(ec::MlaLayerConfig::of(bad), std::invalid_argument);
   }
 }
