@@ -575,12 +575,7 @@ bool CudaBackend::grow_mla_scratch(int rows) {
     return false;
   }
   mla_x_mem_ = std::move(mem);
-  Layout lay;
-  const size_t n = size_t(want), P = size_t(d.padded());
-  const size_t o_lat = lay.add(n * (d.rank + d.rope) * 2), o_kvb = lay.add(n * d.heads * (d.nope + d.v) * 2),
-               o_k = lay.add(n * d.heads * P * 2), o_v = lay.add(n * d.heads * P * 2);
-  auto bp = [&](size_t off) { return reinterpret_cast<kc::bf16*>(mla_x_mem_.bytes_ptr(off)); };
-  mla_xs_.lat = bp(o_lat), mla_xs_.kvb = bp(o_kvb), mla_xs_.k = bp(o_k), mla_xs_.v = bp(o_v), mla_xs_.rows = want;
+  mla_xs_ = MlaExpandScratch::carve(mla_x_mem_.as<char>(), d, size_t(want), stream_);
   return true;
 }
 

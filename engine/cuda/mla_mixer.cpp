@@ -5,6 +5,8 @@
 #include <cmath>
 #include <cstdlib>
 #include <map>
+
+#include "kernels/cuda/cuda_check.h"
 #include <stdexcept>
 #include <string>
 
@@ -45,7 +47,20 @@ size_t MlaScratch::ox_width(const kc::MlaDims& d) { return size_t(d.heads) * std
 
 size_t MlaExpandScratch::bytes(const kc::MlaDims& d, size_t n) {
   const size_t P = size_t(d.padded());
-  return n * 2 * (size_t(d.rank + d.rope) + size_t(d.heads) * (d.nope + d.v) + 2 * size_t(d.heads) * P) + 4 * 256;
+  return n * 2 * (size_t(d.rank + d.rope) + 2 * size_t(d.heads) * P) + 3 * 256;
+}
+
+MlaExpandScratch MlaExpandScratch::carve(void* mem, const kc::MlaDims& d, size_t n, cudaStream_t stream) {
+  auto up = [](size_t b) { return (b + 255) / 256 * 256; };
+  const size_t P = size_t(d.padded()), lat = up(n * (d.rank + d.rope) * 2), kv = up(n * d.heads * P * 2);
+  char* b = static_cast<char*>(mem);
+  kc::check_cuda(cudaMemsetAsync(b, 0, lat + 2 * kv, stream), "MlaExpandScratch::carve");
+  MlaExpandScratch s;
+  s.lat = reinterpret_cast<__nv_bfloat16*>(b);
+  s.k = reinterpret_cast<__nv_bfloat16*>(b + lat);
+  s.v = reinterpret_cast<__nv_bfloat16*>(b + lat + kv);
+  s.rows = int(n);
+  return s;
 }
 
 MlaExpandPlan MlaExpandPlan::of(int G, const int* q_start, const int* slot0, const int* block_table, int max_pages) {
@@ -98,7 +113,7 @@ MlaForm mla_pass_form(const kc::MlaDims& d, int G, const int* q_start, const int
   const double nh = d.heads, P = d.padded(), rows = expand_rows;
   const double t_abs = W * nh * (2.0 * d.rank + d.rope) * 2 / kMlaAbsorbedFlops;
   const double t_exp = rows * 2.0 * d.rank * nh * (d.nope + d.v) / kMlaGemmFlops +
-                       rows * nh * (2 * P + d.nope + d.v) * 2 / kMlaWriteBytes + W * nh * 4 * P / kMlaAttnFlops;
+                       rows * nh * (d.nope + d.rope + d.v) * 2 / kMlaWriteBytes + W * nh * 4 * P / kMlaAttnFlops;
   return t_exp < t_abs ? MlaForm::Expanded : MlaForm::Absorbed;
 }
 
@@ -129,9 +144,14 @@ void mla_mixer(kc::GemmRunner& gemm, const DevMla& w, const MlaLayerConfig& c, i
                                   " scratch rows and an attention workspace");
     const int n = expand->rows, P = d.padded();
     kc::mla_gather_latent(n, d, expand->src_rows, pool, xs->lat, stream);
-    gemm.linear(n, nh * (d.nope + d.v), d.rank, xs->lat, D, w.kv_b_proj, xs->kvb, CUDA_R_16BF, nh * (d.nope + d.v),
-                0.0f, stream);
-    kc::mla_expand_kv(n, d, xs->lat, xs->kvb, xs->k, xs->v, stream);
+    // Per head h, straight into the padded K / V rows: k_nope = c W_UK_h^T (kv_b rows h (nope + v) ..), v = c W_UV_h^T.
+    const long kvb_head = long(d.nope + d.v) * d.rank;
+    if (d.nope > 0)
+      gemm.linear_batched(nh, n, d.nope, d.rank, xs->lat, D, 0, w.kv_b_proj, kvb_head, xs->k, CUDA_R_16BF, long(nh) * P,
+                          P, 0.0f, stream);
+    gemm.linear_batched(nh, n, d.v, d.rank, xs->lat, D, 0, w.kv_b_proj + size_t(d.nope) * d.rank, kvb_head, xs->v,
+                        CUDA_R_16BF, long(nh) * P, P, 0.0f, stream);
+    kc::mla_expand_rope(n, d, xs->lat, xs->k, stream);
     kc::mla_pad_query(T, d, s.q, s.qx, stream);
     kc::attention_prefill(expand->groups, nh, nh, P, s.qx, xs->k, xs->v, c.scale, nullptr, 0, 0, s.ox, *aws, stream);
     kc::mla_pack_output(T, d, s.ox, s.packed, stream);

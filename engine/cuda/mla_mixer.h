@@ -35,13 +35,18 @@ struct DevMla {
 enum class MlaForm { Absorbed, Expanded };
 
 /// The cheaper form for a pass of G groups (host q_start [G + 1], slot0 [G]) whose expansion would cover
-/// `expand_rows` context rows, by a time model of one H200 (2026-12-04): absorbed, W (query, slot) pairs (causal) x
-/// nh x (2R + rope) x 2 FLOPs at kMlaAbsorbedFlops; expanded, the kv_b GEMM over the rows at kMlaGemmFlops, the
-/// padded K/V written at kMlaWriteBytes and attention at head size P (4P FLOPs per pair and head) at kMlaAttnFlops.
+/// `expand_rows` context rows, by a time model of the forms on one H200: absorbed, W (query, visible slot) pairs x nh x
+/// (2R + rope) x 2 FLOPs at kMlaAbsorbedFlops; expanded, per context row the per-head kv_b GEMM (2R nh (nope + v)
+/// FLOPs at kMlaGemmFlops) and its K / V rows written (nh (nope + rope + v) bf16 at kMlaWriteBytes), then attention at
+/// the padded head size P (4P FLOPs per pair and head at kMlaAttnFlops). The rates are effective ones, fitted on
+/// 2026-12-04 to Kimi-Linear-48B with each form forced: a 16 x 2k splice with a query of 64 / 512 / 2048 tokens
+/// (absorbed 69.0 / 146.6 / 396.2 ms, expanded 71.5 / 98.0 / 131.2) and 1k / 4k / 16k prefills (absorbed 45.5 /
+/// 153.5 / 1420.8 ms, expanded 40.8 / 86.8 / 339.4): fresh prefills and long queries expand, seam windows and short
+/// queries over long contexts stay absorbed (as does any pass whose context outgrows the scratch).
 /// HYPIC_MLA_FORM=absorbed / expanded in the environment (read once) forces one form (comparisons).
 MlaForm mla_pass_form(const kernels::cuda::MlaDims& d, int G, const int* q_start, const int* slot0, int expand_rows);
-inline constexpr double kMlaAbsorbedFlops = 150e12, kMlaGemmFlops = 600e12, kMlaAttnFlops = 400e12,
-                        kMlaWriteBytes = 3e12;
+inline constexpr double kMlaAbsorbedFlops = 80e12, kMlaGemmFlops = 120e12, kMlaAttnFlops = 400e12,
+                        kMlaWriteBytes = 1e12;
 
 /// What the model config says about its MLA layers.
 struct MlaLayerConfig {
@@ -78,13 +83,16 @@ struct MlaExpandPlan {
   static MlaExpandPlan of(int G, const int* q_start, const int* slot0, const int* block_table, int max_pages);
 };
 
-/// Scratch of an expanded pass over n context rows, bf16: lat [n][R + rope], kvb [n][nh][nope + v], k and v
-/// [n][nh][P].
+/// Scratch of an expanded pass over n context rows, bf16: lat [n][R + rope] (the gathered latent rows), k and v
+/// [n][nh][P] (the expanded K and V; their padding columns, K's past nope + rope and V's past v, are zeros written
+/// once by carve and never overwritten).
 struct MlaExpandScratch {
-  __nv_bfloat16 *lat = nullptr, *kvb = nullptr, *k = nullptr, *v = nullptr;
+  __nv_bfloat16 *lat = nullptr, *k = nullptr, *v = nullptr;
   int rows = 0;  ///< capacity
   /// Bytes for n rows.
   static size_t bytes(const kernels::cuda::MlaDims& d, size_t n);
+  /// Points a scratch of n rows into `mem` (DEVICE, bytes(d, n) bytes) and zero-fills it (asynchronous on `stream`).
+  static MlaExpandScratch carve(void* mem, const kernels::cuda::MlaDims& d, size_t n, cudaStream_t stream);
 };
 
 /// An expanded pass's device view: the plan's src_rows (DEVICE [rows]) and the groups re-pointed at the scratch pages.

@@ -65,16 +65,22 @@ __global__ void mla_import_kernel(int D, const bf16* const* __restrict__ src, co
   for (int j = threadIdx.x; j < D; j += blockDim.x) d[j] = s[j];
 }
 
-// One block per (row, head): thread j < P writes element j of K and V.
-__global__ void mla_expand_kv_kernel(int nh, int nope, int rope, int v, int R, int P, const bf16* __restrict__ lat,
-                                     const bf16* __restrict__ kvb, bf16* __restrict__ k_out, bf16* __restrict__ v_out) {
-  const int i = blockIdx.x, h = blockIdx.y, qk = nope + rope;
-  const bf16 zero = __float2bfloat16_rn(0.f);
-  const bf16* kv = kvb + (size_t(i) * nh + h) * (nope + v);
-  const size_t o = (size_t(i) * nh + h) * P;
-  for (int j = threadIdx.x; j < P; j += blockDim.x) {
-    k_out[o + j] = j < nope ? kv[j] : j < qk ? lat[size_t(i) * (R + rope) + R + (j - nope)] : zero;
-    v_out[o + j] = j < v ? kv[nope + j] : zero;
+// Grid-stride over (row, head, 8-value chunk of rope): k_out[i][h][nope + 8c ..] = lat[i][R + 8c ..], 16-byte moves
+// (vec) or element by element.
+__global__ void mla_expand_rope_kernel(int n, int nh, int nope, int rope, int R, int P, bool vec,
+                                       const bf16* __restrict__ lat, bf16* __restrict__ k_out) {
+  const int chunks = (rope + 7) / 8;
+  const size_t total = size_t(n) * nh * chunks;
+  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += size_t(gridDim.x) * blockDim.x) {
+    const int c = int(i % chunks);
+    const size_t th = i / chunks, row = th / nh;
+    const bf16* src = lat + row * (R + rope) + R + c * 8;
+    bf16* dst = k_out + th * P + nope + c * 8;
+    if (vec) {
+      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+    } else {
+      for (int j = 0; j < 8 && c * 8 + j < rope; ++j) dst[j] = src[j];
+    }
   }
 }
 
@@ -142,17 +148,17 @@ void mla_latent_import(int n, const MlaDims& d, const bf16* const* src, const in
   check_cuda(cudaGetLastError(), "mla_latent_import launch");
 }
 
-void mla_expand_kv(int n, const MlaDims& d, const bf16* lat, const bf16* kvb, bf16* k_out, bf16* v_out,
-                   cudaStream_t stream) {
-  check_dims("mla_expand_kv", d);
-  if (n < 0) throw std::invalid_argument("mla_expand_kv: n " + std::to_string(n) + " < 0");
-  if (n == 0) return;
-  if (!lat || !kvb || !k_out || !v_out) throw std::invalid_argument("mla_expand_kv: null pointer");
-  if (d.heads > 65535) throw std::invalid_argument("mla_expand_kv: heads > 65535");
-  const int P = d.padded();
-  mla_expand_kv_kernel<<<dim3(unsigned(n), unsigned(d.heads)), std::min(P, 256), 0, stream>>>(
-      d.heads, d.nope, d.rope, d.v, d.rank, P, lat, kvb, k_out, v_out);
-  check_cuda(cudaGetLastError(), "mla_expand_kv launch");
+void mla_expand_rope(int n, const MlaDims& d, const bf16* lat, bf16* k_out, cudaStream_t stream) {
+  check_dims("mla_expand_rope", d);
+  if (n < 0) throw std::invalid_argument("mla_expand_rope: n " + std::to_string(n) + " < 0");
+  if (n == 0 || d.rope == 0) return;
+  if (!lat || !k_out) throw std::invalid_argument("mla_expand_rope: null pointer");
+  const int P = d.padded(), D = d.rank + d.rope;
+  const bool vec = d.nope % 8 == 0 && d.rope % 8 == 0 && P % 8 == 0 && D % 8 == 0 && d.rank % 8 == 0 &&
+                   reinterpret_cast<uintptr_t>(lat) % 16 == 0 && reinterpret_cast<uintptr_t>(k_out) % 16 == 0;
+  mla_expand_rope_kernel<<<grid_for(size_t(n) * d.heads * ((d.rope + 7) / 8)), 256, 0, stream>>>(
+      n, d.heads, d.nope, d.rope, d.rank, P, vec, lat, k_out);
+  check_cuda(cudaGetLastError(), "mla_expand_rope launch");
 }
 
 void mla_pad_query(int T, const MlaDims& d, const bf16* q, bf16* q_pad, cudaStream_t stream) {

@@ -3,8 +3,8 @@
 // kv_a_proj_with_mqa -> RMSNorm -> kv_b_proj). The KV cache holds the latent: one row of D = R + rope values per token
 // ([normed c_kv | k_rot], mla_latent_store), 1152 bytes at Kimi-Linear's 512 + 64 against 32 KB expanded. Two ways to
 // attend over it (engine/cuda/mla_mixer.h picks per pass):
-//  - expanded (long query spans, prefill): the context's latent rows gathered, kv_b_proj applied, every head's
-//    K = [k_nope | k_rot] and V written to scratch at a padded head size P (the smallest of 64, 128, 256 that holds
+//  - expanded (long query spans, prefill): the context's latent rows gathered, kv_b_proj applied per head straight into
+//    every head's K = [k_nope | k_rot] and V in scratch at a padded head size P (the smallest of 64, 128, 256 that holds
 //    both qk = nope + rope and v dims; the padding is zeros, so q.k and the outputs are unchanged), and the attention
 //    kernels of kernels/cuda/attention.h run at that head size with scale qk^-1/2;
 //  - absorbed (decode, seam windows): mla_attention_latent, W_UK folded into the query and W_UV applied after.
@@ -49,12 +49,10 @@ void mla_latent_store(int T, const MlaDims& d, const bf16* ckv, const bf16* w, f
 void mla_gather_latent(int n, const MlaDims& d, const int* src_rows, const bf16* pool, bf16* out,
                        cudaStream_t stream = nullptr);
 
-/// The expanded K and V of n latent rows at the padded head size P = d.padded() (rows 0 .. n-1 of k_out / v_out,
-/// [n][nh][P] bf16, the attention kernels' pool layout):
-///   K[i][h] = [kvb[i][h][0, nope) | lat[i][R, R + rope) | 0],  V[i][h] = [kvb[i][h][nope, nope + v) | 0],
-/// lat: [n][R + rope] (mla_gather_latent's out); kvb: [n][nh][nope + v] (kv_b_proj of lat's first R columns).
-void mla_expand_kv(int n, const MlaDims& d, const bf16* lat, const bf16* kvb, bf16* k_out, bf16* v_out,
-                   cudaStream_t stream = nullptr);
+/// The shared k_rot of n latent rows into every head of the expanded K (the k_nope and V columns come from GEMMs, the
+/// padding stays as it is): k_out[i][h][nope + j] = lat[i][R + j] for j < rope; lat: [n][R + rope]; k_out: [n][nh][P]
+/// (P = d.padded()). 16-byte stores where nope, rope and P allow.
+void mla_expand_rope(int n, const MlaDims& d, const bf16* lat, bf16* k_out, cudaStream_t stream = nullptr);
 
 /// Cached latent rows into the pool: pool[kv_rows[i]] = src[i][0, D) for i < n (src: DEVICE array of n row pointers,
 /// each a [D] bf16 row of a segment entry; no RoPE to re-apply in Kimi-Linear). Copies only.

@@ -1403,13 +1403,8 @@ TEST_CASE("the MLA layer on the GPU (latent cache, absorbed and expanded) matche
       ox(size_t(T1) * ec::MlaScratch::ox_width(dm)), packed(size_t(T1) * nh * dm.v);
   const ec::MlaScratch sc{q.get(), ckv.get(), qx.get(), ox.get(), packed.get()};
   DeviceBuffer<char> xmem(ec::MlaExpandScratch::bytes(dm, size_t(pages) * 64));
-  ec::MlaExpandScratch xs;
-  {
-    const size_t n = size_t(pages) * 64, P = size_t(dm.padded());
-    auto* b = reinterpret_cast<bf16*>(xmem.get());
-    xs.lat = b, xs.kvb = xs.lat + n * D, xs.k = xs.kvb + n * nh * (dm.nope + dm.v), xs.v = xs.k + n * nh * P;
-    xs.rows = int(n);
-  }
+  xmem.poison();  // carve zero-fills: the padding must not carry NaN into the products
+  const ec::MlaExpandScratch xs = ec::MlaExpandScratch::carve(xmem.get(), dm, size_t(pages) * 64, nullptr);
   std::vector<int> rows(Tmax), bt(pages);
   std::iota(rows.begin(), rows.end(), 0);
   std::iota(bt.begin(), bt.end(), 0);
