@@ -143,9 +143,11 @@ def main():
     if out["decode_runs"]:
         md.append("## Decode at shorter contexts")
         md.append("")
-        md.append("Kimi-Linear keeps MLA's K and V expanded per head at a padded head size of 256 (229 KB per token over "
-                  "its 7 MLA layers), so 64 contexts of 32k tokens do not fit one H200; its batch sizes at contexts of "
-                  "4 segments x 512 tokens + the query instead (`--segments 4 --segment-tokens 512`):")
+        md.append("The same batch sizes at contexts of 4 segments x 512 tokens + the query (`--segments 4 "
+                  "--segment-tokens 512`), where the weights rather than the KV dominate each step. (Kimi-Linear's KV "
+                  "cache holds MLA's latent, 576 values per token and layer: 8 KB per token over its 7 MLA layers, so "
+                  "64 contexts of 32k take 16.9 GB; expanded per head at the attention's padded head size it was "
+                  "229 KB per token and did not fit one H200.)")
         md.append("")
         md.append("| run | batch | context tokens | ms per step | greedy ms |")
         md.append("|---|---|---|---|---|")
