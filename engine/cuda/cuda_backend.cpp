@@ -278,7 +278,7 @@ void CudaBackend::allocate_pools() {
   // MLA's expansion scratch for a pass over Tmax_ context rows (longer expanded passes grow it when there is room).
   if (n_attn_ && attn_ == Attn::Mla && !grow_mla_scratch(int(std::min<size_t>(Tmax_ + kPage, 1 << 30))))
     throw ResourceExhausted("MLA expansion scratch for " + std::to_string(Tmax_) + " tokens (--max-batch-tokens): " +
-                            std::to_string(MlaExpandScratch::bytes(mla_cfg_.dims, Tmax_ + kPage)) +
+                            std::to_string(MlaExpandScratch::bytes(mla_cfg_.dims, (Tmax_ + kPage + 4095) / 4096 * 4096)) +
                             " bytes of device memory");
   // KV pool: what the budget allows, else 40% of what is free now.
   if (n_attn_) {
@@ -561,20 +561,35 @@ MlaExpandPass CudaBackend::mla_expand_pass(const MlaExpandTables& x, const Table
 
 bool CudaBackend::grow_mla_scratch(int rows) {
   if (mla_xs_.rows >= rows) return true;
-  if (mla_x_failed_rows_ && rows >= mla_x_failed_rows_) return false;
   const int want = (rows + 4095) / 4096 * 4096;
   const kc::MlaDims& d = mla_cfg_.dims;
+  const size_t bytes = MlaExpandScratch::bytes(d, size_t(want));
+  if (mla_x_failed_rows_ && want >= mla_x_failed_rows_) {  // failed before: only when the device has room now
+    size_t free = 0, total = 0;
+    if (cudaMemGetInfo(&free, &total) != cudaSuccess || free + mla_x_mem_.size() < bytes + (size_t(256) << 20))
+      return false;
+  }
   check_cuda(cudaStreamSynchronize(stream_), "MLA expansion scratch");  // earlier passes may still read the old one
-  DeviceMemory mem;
+  const int old_rows = mla_xs_.rows;
+  mla_x_mem_ = DeviceMemory();  // the old one first: growth needs only the new size free
+  mla_xs_ = MlaExpandScratch{};
   try {
-    mem = DeviceMemory(MlaExpandScratch::bytes(d, size_t(want)), "MLA expansion scratch");
+    mla_x_mem_ = DeviceMemory(bytes, "MLA expansion scratch");
   } catch (const std::exception& e) {
-    spdlog::warn("cuda backend: no room for the MLA expansion scratch of {} rows ({}); such passes run absorbed",
-                 want, e.what());
-    mla_x_failed_rows_ = mla_x_failed_rows_ ? std::min(mla_x_failed_rows_, rows) : rows;
+    spdlog::warn("cuda backend: no room for the MLA expansion scratch of {} rows ({}); such passes run absorbed{}",
+                 want, e.what(), std::getenv("HYPIC_MLA_FORM") ? " (HYPIC_MLA_FORM is overridden)" : "");
+    mla_x_failed_rows_ = mla_x_failed_rows_ ? std::min(mla_x_failed_rows_, want) : want;
+    if (old_rows) {  // back to the old size where possible
+      try {
+        mla_x_mem_ = DeviceMemory(MlaExpandScratch::bytes(d, size_t(old_rows)), "MLA expansion scratch");
+        mla_xs_ = MlaExpandScratch::carve(mla_x_mem_.as<char>(), d, size_t(old_rows), stream_);
+      } catch (const std::exception&) {
+        mla_x_mem_ = DeviceMemory();
+      }
+    }
     return false;
   }
-  mla_x_mem_ = std::move(mem);
+  if (mla_x_failed_rows_ && want >= mla_x_failed_rows_) mla_x_failed_rows_ = 0;
   mla_xs_ = MlaExpandScratch::carve(mla_x_mem_.as<char>(), d, size_t(want), stream_);
   return true;
 }

@@ -15,6 +15,7 @@
 #include <functional>
 #include <initializer_list>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <list>
 #include <mutex>
@@ -431,7 +432,7 @@ class CudaBackend final : public Backend {
   void attention_layer(const Lane& ln, const DevLayer& L, int a, int T, const int* positions, const int* kv_rows,
                        const kc::AttnGroups& groups, bool decode, const MlaExpandPass* mla_expand = nullptr);
   /// MLA prefill passes: when the expanded form is the cheaper (mla_pass_form) and its scratch holds the plan's rows
-  /// (grown here when the device has room; else the pass stays absorbed, which takes any length), the expansion
+  /// (grown here when the device has room; else the pass stays absorbed, which takes any length, only slower), the expansion
   /// plan's tables go into `tb` (before its upload) and on = true; mla_expand_pass then gives the device view (after
   /// the upload).
   struct MlaExpandTables {
@@ -442,8 +443,9 @@ class CudaBackend final : public Backend {
   MlaExpandTables plan_mla_expand(Tables& tb, int G, const int* q_start, const int* slot0, const int* bt,
                                   int max_pages);
   MlaExpandPass mla_expand_pass(const MlaExpandTables& x, const Tables& tb, const kc::AttnGroups& groups) const;
-  /// Grows the MLA expansion scratch to at least `rows` rows; false (and the scratch unchanged) when the device has
-  /// no room (a size that failed is not tried again until a smaller one is).
+  /// Grows the MLA expansion scratch to at least `rows` rows (to a multiple of 4096); false when the device has no
+  /// room (the scratch then keeps its old size where it can; a size that failed is tried again only when
+  /// cudaMemGetInfo shows room for it).
   bool grow_mla_scratch(int rows);
   void linear_finish(const Lane& ln, const DevLinear& L, int T);
   void attention_gemms(const Lane& ln, const DevAttention& A, int T);
@@ -564,7 +566,7 @@ class CudaBackend final : public Backend {
   DeviceMemory mla_uk_t_;                     // W_UK^T of every MLA layer ([nh][R][nope] each)
   DeviceMemory mla_x_mem_;                    // MLA's expansion scratch (grown to the longest expanded pass)
   MlaExpandScratch mla_xs_;
-  int mla_x_failed_rows_ = 0;                 // the smallest scratch size whose allocation failed (0: none)
+  int mla_x_failed_rows_ = 0;                 // the smallest scratch rows whose allocation failed (0: none)
   // Pools.
   std::vector<DeviceMemory> ssm_pool_, conv_pool_, k_pool_, v_pool_;
   std::vector<int> free_slots_, free_pages_;  // guarded by pool_mu_ (sequences may be released on any thread)

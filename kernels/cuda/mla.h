@@ -114,7 +114,8 @@ class MlaAttnWorkspace {
 /// Numerics as attention_prefill: fp32 scores and online softmax (exp2), P rounded to bf16 for the tensor-core
 /// product, fp32 accumulators, split-KV chunks merged in fp32. Any group length; meant for short groups over long
 /// contexts (decode, seam windows): the work grows with nh * (2R + rope) per (query, slot), 2-3x the expanded form's.
-/// 256-thread blocks, one per (group, tile of 32 (query, head) rows, KV chunk), about 200 KB of shared memory.
+/// 256-thread blocks, one per (tile of 32 (query, head) rows, KV chunk, group), about 200 KB of shared memory; any
+/// group length (max_q * nh up to 2^31 - 1).
 /// Requires 16-byte aligned q_lat, pool and out, g.max_kv >= the groups' KV lengths for the split (a longer one is
 /// still computed, by its last chunk), num_groups <= 65535. Throws std::invalid_argument on unsupported sizes
 /// (mla_latent_supported), null / misaligned pointers, or a workspace that must grow while `stream` captures;

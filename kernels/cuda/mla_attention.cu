@@ -13,7 +13,9 @@
 
 #include <algorithm>
 #include <array>
+#include <climits>
 #include <cmath>
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 
@@ -57,7 +59,7 @@ size_t smem_bytes(int D) {
 template <int NT>
 __global__ void __launch_bounds__(kThreads, 1) mla_attn_kernel(const MlaAttnParams p) {
   constexpr int R = NT * 64;
-  const int chunk = blockIdx.x, rt = blockIdx.y, g = blockIdx.z;
+  const int rt = blockIdx.x, chunk = blockIdx.y, g = blockIdx.z;
   const int q0 = p.q_start[g], len = p.q_start[g + 1] - q0, s0 = p.slot0[g];
   const int rows_g = len * p.heads;
   if (rt * kRows >= rows_g) return;
@@ -378,7 +380,8 @@ void mla_attention_latent(const AttnGroups& g, const MlaDims& d, const bf16* q_l
       16)
     throw std::invalid_argument(std::string(fn) + ": q_lat, pool and out must be 16-byte aligned");
   const int row_tiles = row_tiles_of(g.max_q, d.heads);
-  if (row_tiles > 65535) throw std::invalid_argument(std::string(fn) + ": max_q * heads over 65535 * 32");
+  if (int64_t(row_tiles) * kRows > INT32_MAX)
+    throw std::invalid_argument(std::string(fn) + ": max_q * heads over 2^31 - 1");
   const size_t items = size_t(g.num_groups) * row_tiles;
   MlaAttnParams p{};
   p.num_groups = g.num_groups, p.heads = d.heads, p.R = d.rank, p.D = d.rank + d.rope;
@@ -394,7 +397,7 @@ void mla_attention_latent(const AttnGroups& g, const MlaDims& d, const bf16* q_l
     p.ws_o = p.ws_ml + items * p.nsplit * kRows * 2;
   }
   const size_t smem = smem_bytes(p.D);
-  const dim3 grid(unsigned(p.nsplit), unsigned(row_tiles), unsigned(g.num_groups));
+  const dim3 grid(unsigned(row_tiles), unsigned(p.nsplit), unsigned(g.num_groups));  // nsplit <= kMaxSplit
   auto launch = [&](auto kernel) {
     check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)), fn);
     kernel<<<grid, kThreads, smem, stream>>>(p);
