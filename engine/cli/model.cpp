@@ -118,10 +118,10 @@ int run_info(const std::string& model, int64_t segment_tokens, bool as_json) {
   const bool scalar_tc = linear_transition_kind(c) == TransitionKind::Scalar;
   // T_C: dense (gated delta rule, KDA) or one scalar per head (lightning).
   const int64_t transition_bytes = scalar_tc ? nv * f : nv * dk * dk * f;
-  // Segment entry tensors (DESIGN.md 3.2): per linear layer (T, S) of the seam and of the interior plus the
-  // conv tail; per attention layer K and V of every token (MLA: its latent row, no V); plus the token ids. Header
-  // bytes excluded.
-  const int64_t per_linear_entry = 2 * (transition_bytes + ssm_bytes) + conv_bytes;
+  // Segment entry tensors (DESIGN.md 3.2, engine/segment.h) of an entry made with a seam (w > 0): per linear layer
+  // S of the seam, (T, S) of the interior and the conv tail (T_seam is not stored; w = 0 entries also drop S_seam);
+  // per attention layer K and V of every token (MLA: its latent row, no V); plus the token ids. Header bytes excluded.
+  const int64_t per_linear_entry = transition_bytes + 2 * ssm_bytes + conv_bytes;
   const int64_t per_attention_entry =
       segment_tokens * c.kv_cache_heads() * (int64_t(c.kv_cache_k_dim()) + c.kv_cache_v_dim()) * f;
   const int64_t entry = c.num_linear_layers() * per_linear_entry + c.num_attention_layers() * per_attention_entry +
@@ -181,7 +181,7 @@ int run_info(const std::string& model, int64_t segment_tokens, bool as_json) {
                                         : std::string())
             << "\n"
             << "segment entry     " << human_bytes(double(entry)) << " for " << segment_tokens << " tokens (linear "
-            << human_bytes(double(per_linear_entry)) << " per layer: seam and interior T+S, "
+            << human_bytes(double(per_linear_entry)) << " per layer: S of the seam, T+S of the interior, "
             << "conv tail; attention " << human_bytes(double(per_attention_entry)) << " per layer: "
             << (c.attention_is_latent() ? "MLA latent" : "K+V") << ")\n";
   return 0;
