@@ -13,6 +13,10 @@
 // splice, build_entries); the rest of the class is in cuda_backend.cpp, its definition in cuda_backend_impl.h.
 #include "engine/cuda/cuda_backend_impl.h"
 
+#include <chrono>
+#include <cstdlib>
+#include <string>
+
 namespace hypic::engine::cuda::impl {
 
 // ---- folds -----------------------------------------------------------------------------------------------------
@@ -186,8 +190,66 @@ void CudaBackend::apply_folds(CudaSequence& s, const std::vector<Fold>& folds) {
 
 // ---- one forward pass over runs of spans ----------------------------------------------------------------------
 
+namespace {
+
+// HYPIC_PASS_TRACE=1 (read once): each forward pass logs where its time went, host and device, so that a splice's
+// TTFT can be split into table building, launching, and waiting for the GPU (spdlog info).
+struct PassTrace {
+  static bool enabled() {
+    static const bool on = [] {
+      const char* e = std::getenv("HYPIC_PASS_TRACE");
+      return e && std::string(e) == "1";
+    }();
+    return on;
+  }
+  using Clock = std::chrono::steady_clock;
+  bool on = enabled();
+  Clock::time_point t0 = Clock::now(), t_up, t_launched;
+  std::vector<std::pair<const char*, Clock::time_point>> marks;  // host checkpoints while the tables are built
+  void mark(const char* what) {
+    if (on) marks.emplace_back(what, Clock::now());
+  }
+  cudaEvent_t ev[2] = {nullptr, nullptr};
+  PassTrace() {
+    if (on) check_cuda(cudaEventCreate(&ev[0]), "pass trace"), check_cuda(cudaEventCreate(&ev[1]), "pass trace");
+  }
+  ~PassTrace() {
+    for (cudaEvent_t e : ev)
+      if (e) cudaEventDestroy(e);
+  }
+  void uploaded(cudaStream_t st) {
+    if (!on) return;
+    t_up = Clock::now();
+    check_cuda(cudaEventRecord(ev[0], st), "pass trace");
+  }
+  void launched(cudaStream_t st) {
+    if (!on) return;
+    t_launched = Clock::now();
+    check_cuda(cudaEventRecord(ev[1], st), "pass trace");
+  }
+  // After the pass's final synchronisation.
+  void done(int T, int G, int R, int folds, int import_rows) {
+    if (!on) return;
+    const auto t_end = Clock::now();
+    auto ms = [](Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double, std::milli>(b - a).count(); };
+    float gpu = 0.f;
+    check_cuda(cudaEventElapsedTime(&gpu, ev[0], ev[1]), "pass trace");
+    std::string parts;
+    Clock::time_point prev = t0;
+    for (const auto& [what, t] : marks) parts += fmt::format(" {} {:.2f},", what, ms(prev, t)), prev = t;
+    spdlog::info("pass trace: {} tokens, {} groups, {} runs, {} folds, {} KV rows imported: host tables {:.2f} ms "
+                 "({} upload {:.2f}), launches {:.2f} ms, wait {:.2f} ms, total {:.2f} ms; device from the upload to "
+                 "the last layer {:.2f} ms",
+                 T, G, R, folds, import_rows, ms(t0, t_up), parts, ms(prev, t_up), ms(t_up, t_launched),
+                 ms(t_launched, t_end), ms(t0, t_end), gpu);
+  }
+};
+
+}  // namespace
+
 std::vector<float> CudaBackend::run_pass(CudaSequence& s, const std::vector<Run>& runs, bool want_logits,
                                          bool all_logits, float* mass_dev, std::span<const CheckpointCut> cuts) {
+  PassTrace trace;
   const int R = int(runs.size());
   // Tokens, positions, KV rows, attention groups, run boundaries.
   std::vector<int32_t> ids, pos, rows;
@@ -199,6 +261,7 @@ std::vector<float> CudaBackend::run_pass(CudaSequence& s, const std::vector<Run>
     for (const Fold& f : r.folds_before) top = std::max<int64_t>(top, f.base + f.e->n());
   }
   ensure_pages(s, top);
+  trace.mark("pages");
   for (const Run& r : runs) {
     for (const Span& sp : r.spans) {
       for (size_t t = 0; t < sp.ids.size(); ++t) {
@@ -221,6 +284,7 @@ std::vector<float> CudaBackend::run_pass(CudaSequence& s, const std::vector<Run>
     bt.insert(bt.end(), s.pages_.begin(), s.pages_.end());
     bt.resize(size_t(g + 1) * max_pages, 0);
   }
+  trace.mark("spans");
   // Linear layers: chain steps, conv initial states, run states.
   const bool chain = R > 1;
   const size_t S1 = state_layer_bytes_;
@@ -232,6 +296,7 @@ std::vector<float> CudaBackend::run_pass(CudaSequence& s, const std::vector<Run>
   auto rs_f = [&](size_t off, int i) { return reinterpret_cast<float*>(run_scratch_.bytes_ptr(off + i * S1)); };
   auto rs_t = [&](size_t off, int i) { return reinterpret_cast<float*>(run_scratch_.bytes_ptr(off + i * TR)); };
   kc::bf16* conv_states = n_lin_ && conv_layer_bytes_ ? reinterpret_cast<kc::bf16*>(run_scratch_.bytes_ptr(o_cs)) : nullptr;
+  trace.mark("run scratch");
   // Ring-linear: the folds' cached states rotated to their bases.
   DeviceMemory placed_mem;
   std::vector<const Fold*> fold_ptrs;
@@ -273,10 +338,18 @@ std::vector<float> CudaBackend::run_pass(CudaSequence& s, const std::vector<Run>
   for (const Run& r : runs)
     for (const Fold& f : r.folds_before)
       if (f.kind == Fold::Naive) throw std::logic_error("run_pass: naive folds go through apply_folds");
+  trace.mark("chain steps");
   // KV rows of the folds inside the pass.
   std::vector<std::vector<const kc::bf16*>> kp(n_attn_), vp(n_attn_);
   std::vector<int> kv_delta, kv_dst;
   const size_t ke = size_t(geom_.kv_heads) * geom_.head_dim, ve = size_t(geom_.kv_heads) * geom_.v_dim();
+  {
+    size_t n_rows = 0;
+    for (const Run& r : runs)
+      for (const Fold& f : r.folds_before) n_rows += size_t(std::max(f.e->n() - f.from(), 0));
+    kv_delta.reserve(n_rows), kv_dst.reserve(n_rows);
+    for (int a = 0; a < n_attn_; ++a) kp[a].reserve(n_rows), vp[a].reserve(n_rows);
+  }
   for (const Run& r : runs)
     for (const Fold& f : r.folds_before)
       for (int j = f.from(); j < f.e->n(); ++j) {
@@ -287,6 +360,7 @@ std::vector<float> CudaBackend::run_pass(CudaSequence& s, const std::vector<Run>
           vp[a].push_back(f.e->V(a) + size_t(j) * ve);
         }
       }
+  trace.mark("kv rows");
   // Prefix checkpoints ending in this pass: the pass-local token count at each; per linear layer the state pointers
   // (written by the scan) and the conv tails (the K-1 conv inputs before the cut: this pass's rows, or the history
   // the pass starts from where the cut is within K-1 tokens of the pass's start).
@@ -320,13 +394,15 @@ std::vector<float> CudaBackend::run_pass(CudaSequence& s, const std::vector<Run>
         cut_convs.push_back({src, dst + size_t(j) * conv_row, long(conv_row)});
       }
     }
+  trace.mark("cuts");
   // Logit rows: the last span's tokens (all_logits) or its last token.
   std::vector<int> logit_rows;
   if (want_logits) {
     const int last_start = q_start[G - 1];
     for (int t = all_logits ? last_start : T - 1; t < T; ++t) logit_rows.push_back(t);
   }
-  Tables tb;
+  Tables& tb = pass_tables_;
+  tb.clear();
   const size_t t_ids = tb.add(ids), t_pos = tb.add(pos), t_rows = tb.add(rows), t_qs = tb.add(q_start),
                t_s0 = tb.add(slot0), t_bt = tb.add(bt), t_cu = tb.add(run_cu), t_steps = tb.add(steps),
                t_cinit = tb.add(chain_init), t_cin = tb.add(conv_in), t_cout = tb.add(conv_out_copy),
@@ -335,7 +411,9 @@ std::vector<float> CudaBackend::run_pass(CudaSequence& s, const std::vector<Run>
   std::vector<size_t> t_k(n_attn_), t_v(n_attn_);
   for (int a = 0; a < n_attn_; ++a) t_k[a] = tb.add(kp[a]), t_v[a] = tb.add(vp[a]);
   const MlaExpandTables mla_x = plan_mla_expand(tb, G, q_start.data(), slot0.data(), bt.data(), max_pages);
+  trace.mark("tables");
   tb.upload(tables_dev_, stream_);
+  trace.uploaded(stream_);
   check_cuda(cudaMemcpyAsync(pre_.ids, tb.dev<int32_t>(t_ids), size_t(T) * 4, cudaMemcpyDeviceToDevice, stream_), "ids");
 
   const kc::AttnGroups groups =
@@ -420,8 +498,14 @@ std::vector<float> CudaBackend::run_pass(CudaSequence& s, const std::vector<Run>
     for (const Fold& f : r.folds_before) s.n_ = std::max<int64_t>(s.n_, f.base + f.e->n());
   s.n_ = std::max<int64_t>(s.n_, top);
   std::vector<float> logits;
+  trace.launched(stream_);
   if (want_logits) lm_head(int(logit_rows.size()), tb.dev<int>(t_lr), logits);
   check_cuda(cudaStreamSynchronize(stream_), "forward pass");
+  if (trace.on) {
+    int folds = 0;
+    for (const Run& r : runs) folds += int(r.folds_before.size());
+    trace.done(T, G, R, folds, import_rows);
+  }
   return logits;
 }
 
