@@ -343,23 +343,30 @@ std::vector<float> CudaBackend::run_pass(CudaSequence& s, const std::vector<Run>
   std::vector<std::vector<const kc::bf16*>> kp(n_attn_), vp(n_attn_);
   std::vector<int> kv_delta, kv_dst;
   const size_t ke = size_t(geom_.kv_heads) * geom_.head_dim, ve = size_t(geom_.kv_heads) * geom_.v_dim();
-  {
+  {  // per fold and layer one run of row pointers (the rows of an entry's K / V are contiguous)
     size_t n_rows = 0;
     for (const Run& r : runs)
       for (const Fold& f : r.folds_before) n_rows += size_t(std::max(f.e->n() - f.from(), 0));
-    kv_delta.reserve(n_rows), kv_dst.reserve(n_rows);
-    for (int a = 0; a < n_attn_; ++a) kp[a].reserve(n_rows), vp[a].reserve(n_rows);
-  }
-  for (const Run& r : runs)
-    for (const Fold& f : r.folds_before)
-      for (int j = f.from(); j < f.e->n(); ++j) {
-        kv_delta.push_back(int(f.base));
-        kv_dst.push_back(page_row(s, f.base + j));
+    kv_delta.resize(n_rows), kv_dst.resize(n_rows);
+    for (int a = 0; a < n_attn_; ++a) kp[a].resize(n_rows), vp[a].resize(n_rows);
+    size_t at = 0;
+    for (const Run& r : runs)
+      for (const Fold& f : r.folds_before) {
+        const int from = f.from(), n = f.e->n();
+        if (n <= from) continue;
+        const size_t cnt = size_t(n - from);
+        std::fill_n(kv_delta.begin() + ptrdiff_t(at), cnt, int(f.base));
+        for (size_t i = 0; i < cnt; ++i) kv_dst[at + i] = page_row(s, f.base + from + int64_t(i));
         for (int a = 0; a < n_attn_; ++a) {
-          kp[a].push_back(f.e->K(a) + size_t(j) * ke);
-          vp[a].push_back(f.e->V(a) + size_t(j) * ve);
+          const kc::bf16* kb = f.e->K(a) + size_t(from) * ke;
+          const kc::bf16* vb = f.e->V(a) + size_t(from) * ve;
+          const kc::bf16** kd = kp[a].data() + at;
+          const kc::bf16** vd = vp[a].data() + at;
+          for (size_t i = 0; i < cnt; ++i) kd[i] = kb + i * ke, vd[i] = vb + i * ve;
         }
+        at += cnt;
       }
+  }
   trace.mark("kv rows");
   // Prefix checkpoints ending in this pass: the pass-local token count at each; per linear layer the state pointers
   // (written by the scan) and the conv tails (the K-1 conv inputs before the cut: this pass's rows, or the history
