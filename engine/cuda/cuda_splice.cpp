@@ -492,7 +492,7 @@ std::vector<float> CudaBackend::run_pass(CudaSequence& s, const std::vector<Run>
         const int hd = mla ? mla_cfg_.dims.rank + mla_cfg_.dims.rope : hd_, nkv = mla ? 1 : nkv_;
         const kc::bf16* q = mla ? pre_.mla.qx + size_t(T - 1) * nh_ * hd : pre_.aq + size_t(T - 1) * nh_ * hd;
         if (mla && mla_x.on)  // the expanded form left q_pad in qx: the last token's absorbed query into row T - 1
-          mla_absorb_query(gemm_, L.mla, mla_cfg_, 1, pre_.mla.q + size_t(T - 1) * nh_ * (mla_cfg_.dims.nope + mla_cfg_.dims.rope),
+          mla_absorb_query(*pre_.gemm, L.mla, mla_cfg_, 1, pre_.mla.q + size_t(T - 1) * nh_ * (mla_cfg_.dims.nope + mla_cfg_.dims.rope),
                            pre_.mla.qx + size_t(T - 1) * nh_ * hd, stream_);
         kc::attention_key_mass(1, nh_, nkv, hd, q, slot0[G - 1] + (T - 1 - q_start[G - 1]),
                                tb.dev<int>(t_bt) + size_t(G - 1) * max_pages, k_pool_[a].as<kc::bf16>(), attn_scale_,

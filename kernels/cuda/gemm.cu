@@ -136,8 +136,10 @@ void GemmRunner::linear(int M, int N, int K, const bf16* x, long ldx, const bf16
 void GemmRunner::linear_batched(int batch, int M, int N, int K, const bf16* x, long ldx, long stride_x,
                                 const bf16* W, long stride_w, void* y, cudaDataType_t y_type, long ldy, long stride_y,
                                 float beta, cudaStream_t stream, float alpha) {
-  const std::string name = batch == 1 ? "GemmRunner::linear " : "GemmRunner::linear_batched ";
-  auto bad = [&](const std::string& why) { throw std::invalid_argument(name + shape_str(M, N, K) + ": " + why); };
+  const char* name = batch == 1 ? "GemmRunner::linear " : "GemmRunner::linear_batched ";  // messages built on failure only
+  auto bad = [&](const std::string& why) {
+    throw std::invalid_argument(std::string(name) + shape_str(M, N, K) + ": " + why);
+  };
   if (batch < 1) bad("batch < 1");
   if (M < 0) bad("M < 0");
   if (N <= 0) bad("N <= 0");
@@ -160,9 +162,9 @@ void GemmRunner::linear_batched(int batch, int M, int N, int K, const bf16* x, l
   const Key key{M, N, K, ldx, ldy, int(y_type), align(x, stride_x, 2), align(W, stride_w, 2), align(y, stride_y, ysz),
                 batch, b1 ? 0 : stride_x, b1 ? 0 : stride_w, b1 ? 0 : stride_y};
   const Plan& p = plan_for(key);
-  check_lt(cublasLtMatmul(lt_, p.op, &alpha, W, p.a, x, p.b, &beta, y, p.c, y, p.c, &p.algo, workspace_,
-                          workspace_bytes_, stream),
-           name + shape_str(M, N, K) + ": cublasLtMatmul");
+  const cublasStatus_t st = cublasLtMatmul(lt_, p.op, &alpha, W, p.a, x, p.b, &beta, y, p.c, y, p.c, &p.algo,
+                                           workspace_, workspace_bytes_, stream);
+  if (st != CUBLAS_STATUS_SUCCESS) check_lt(st, std::string(name) + shape_str(M, N, K) + ": cublasLtMatmul");
 }
 
 namespace {
