@@ -64,7 +64,7 @@ constexpr unsigned kFull = 0xffffffffu;
 constexpr int kChunk = 32;       // tokens per routing chunk (one bit each in the scatter bitmask)
 constexpr int kMaxE = 512;
 constexpr int kMaxTopk = 16;
-constexpr int kRouteThreads = 256;  // 8 warps, 4 tokens each = one chunk
+constexpr int kRouteThreads = 1024;  // 32 warps, one token each = one chunk (splice-sized passes: 6 blocks at 184 tokens)
 
 // ---------------------------------------------------------------------------------------------
 // Routing
@@ -231,7 +231,7 @@ __device__ __forceinline__ float shared_gate_token(const bf16* xr, const bf16* w
   return 1.0f / (1.0f + expf(-d));
 }
 
-// One block per chunk of 32 tokens, one warp per token (4 tokens per warp).
+// One block per chunk of 32 tokens, one warp per token.
 template <bool kSigmoid>
 __global__ void __launch_bounds__(kRouteThreads) route_kernel(int T, RouteCfg rc, const float* logits,
                                                               const bf16* x, int H, const bf16* sgate_w,

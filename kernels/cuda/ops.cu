@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
@@ -238,6 +239,148 @@ __global__ void __launch_bounds__(256) affine_chain_kernel(int heads, int steps_
   }
 }
 
+// Affine chain on the tensor cores, 3xTF32 (the fp32-accurate split of CUTLASS's "fast accurate" TF32 GEMMs): each
+// fp32 operand x = hi + lo with hi = tf32(x), lo = tf32(x - hi); T R = T_hi R_hi + T_hi R_lo + T_lo R_hi (the dropped
+// T_lo R_lo and the rounding of lo are ~2^-22 relative, the size of fp32's own 128-term rounding), fp32 accumulation
+// in mma.sync m16n8k8. One block per (chain, head, 32-column block) as affine_chain_kernel; warp w owns rows
+// 16 w .. 16 w + 15 and all 32 columns (four 16 x 8 accumulator tiles). The running block R stays in the warps'
+// registers (fp32, accumulator layout); a tf32 hi / lo copy of it in shared memory feeds the B fragments of the next
+// step (row stride 40: lanes' (k = t, n = g) reads fall in banks 8 t + g, conflict-free); T streams by cp.async into
+// two fp32 buffers (row stride 132: A reads in banks 4 g + t) and each warp splits its own 16 rows.
+constexpr int kLdRt = kBN + 8;
+constexpr int kChainTcSmem = (2 * D * kLdT + 2 * D * kLdRt) * 4;
+
+__device__ __forceinline__ uint32_t to_tf32(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+  return r;
+}
+
+/// d += a b (m16n8k8, tf32 operands, fp32 accumulators; fragments as mma.cuh's with k halved: a (g, t), (g + 8, t),
+/// (g, t + 4), (g + 8, t + 4); b (k t, col g), (k t + 4, col g)).
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__global__ void __launch_bounds__(256) affine_chain_tc_kernel(int heads, int steps_per_chain,
+                                                              const AffineStep* __restrict__ steps,
+                                                              const float* const* __restrict__ init,
+                                                              float* const* __restrict__ final_states) {
+  constexpr int NT = kBN / 8;  // accumulator tiles per warp
+  extern __shared__ __align__(16) float chain_smem[];
+  float* sTbuf[2] = {chain_smem, chain_smem + D * kLdT};
+  uint32_t* sRh = reinterpret_cast<uint32_t*>(chain_smem + 2 * D * kLdT);
+  uint32_t* sRl = sRh + D * kLdRt;
+  const int c = blockIdx.x, h = blockIdx.y, c0 = blockIdx.z * kBN, tid = threadIdx.x;
+  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3, m0 = warp * 16;
+  const size_t head_off = size_t(h) * D * D + c0;
+  const AffineStep* chain = steps + size_t(c) * steps_per_chain;
+  auto load_T = [&](int s, float* dst) {
+    const float* T = chain[s].T;
+    if (!T) return;
+    T += size_t(h) * D * D;
+    for (int i = tid; i < D * D / 4; i += 256) {
+      const int row = i >> 5, col = (i & 31) * 4;
+      detail::cp_async16(dst + row * kLdT + col, T + row * D + col);
+    }
+  };
+  // Element (row, col) of this lane's accumulator slot (n, i): row m0 + g + 8 (i >> 1), col 8 n + 2 t + (i & 1).
+  auto off = [&](int n, int half) { return size_t(m0 + g + 8 * half) * D + 8 * n + 2 * t; };
+  auto store_split = [&](const float (&r)[NT][4]) {  // R -> its tf32 hi / lo copy (each lane its own elements)
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const float x0 = r[n][2 * half], x1 = r[n][2 * half + 1];
+        const uint32_t h0 = to_tf32(x0), h1 = to_tf32(x1);
+        const uint32_t l0 = to_tf32(x0 - __uint_as_float(h0)), l1 = to_tf32(x1 - __uint_as_float(h1));
+        const int o = (m0 + g + 8 * half) * kLdRt + 8 * n + 2 * t;
+        *reinterpret_cast<uint2*>(sRh + o) = make_uint2(h0, h1);
+        *reinterpret_cast<uint2*>(sRl + o) = make_uint2(l0, l1);
+      }
+  };
+  if (steps_per_chain > 0) load_T(0, sTbuf[0]);
+  detail::cp_async_commit();
+  float cur[NT][4];
+  const float* R0 = init ? init[c] : nullptr;
+#pragma unroll
+  for (int n = 0; n < NT; ++n)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const float2 v = R0 ? *reinterpret_cast<const float2*>(R0 + head_off + off(n, half)) : make_float2(0.f, 0.f);
+      cur[n][2 * half] = v.x, cur[n][2 * half + 1] = v.y;
+    }
+  store_split(cur);
+  for (int s = 0; s < steps_per_chain; ++s) {
+    const AffineStep st = chain[s];
+    const float* sT = sTbuf[s & 1];
+    if (s + 1 < steps_per_chain) load_T(s + 1, sTbuf[(s + 1) & 1]);  // read by step s - 1: past its last barrier
+    detail::cp_async_commit();
+    float2 sv[NT][2];
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+        sv[n][half] = st.S ? __ldg(reinterpret_cast<const float2*>(st.S + head_off + off(n, half))) : make_float2(0.f, 0.f);
+    float acc[NT][4];
+#pragma unroll
+    for (int n = 0; n < NT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+    detail::cp_async_wait<1>();  // this step's T
+    __syncthreads();             // ... and the hi / lo copy of the previous step's R, visible to every thread
+    if (st.T) {
+#pragma unroll 4
+      for (int k0 = 0; k0 < D; k0 += 8) {
+        const float* ta = sT + (m0 + g) * kLdT + k0 + t;
+        const float av[4] = {ta[0], ta[8 * kLdT], ta[4], ta[8 * kLdT + 4]};
+        uint32_t ah[4], al[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) ah[i] = to_tf32(av[i]), al[i] = to_tf32(av[i] - __uint_as_float(ah[i]));
+        const int b = (k0 + t) * kLdRt + g;
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+          const uint32_t bh0 = sRh[b + 8 * n], bh1 = sRh[b + 4 * kLdRt + 8 * n];
+          const uint32_t bl0 = sRl[b + 8 * n], bl1 = sRl[b + 4 * kLdRt + 8 * n];
+          mma_tf32(acc[n], al, bh0, bh1);  // the small terms first
+          mma_tf32(acc[n], ah, bl0, bl1);
+          mma_tf32(acc[n], ah, bh0, bh1);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[n][i] = cur[n][i];
+    }
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        cur[n][2 * half] = fmaf(st.alpha, acc[n][2 * half], sv[n][half].x);
+        cur[n][2 * half + 1] = fmaf(st.alpha, acc[n][2 * half + 1], sv[n][half].y);
+        if (st.out)
+          *reinterpret_cast<float2*>(st.out + head_off + off(n, half)) =
+              make_float2(cur[n][2 * half], cur[n][2 * half + 1]);
+      }
+    if (s + 1 < steps_per_chain) {
+      __syncthreads();  // every warp has read the hi / lo copy (and sT) before it is overwritten
+      store_split(cur);
+    }
+  }
+  detail::cp_async_wait<0>();
+  float* F = final_states ? final_states[c] : nullptr;
+  if (F) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+        *reinterpret_cast<float2*>(F + head_off + off(n, half)) = make_float2(cur[n][2 * half], cur[n][2 * half + 1]);
+  }
+}
+
 __global__ void fp32_to_bf16_kernel(long n, const float* __restrict__ x, bf16* __restrict__ y) {
   for (long i = blockIdx.x * long(blockDim.x) + threadIdx.x; i < n; i += long(gridDim.x) * blockDim.x)
     y[i] = __float2bfloat16_rn(x[i]);
@@ -404,8 +547,23 @@ void affine_chain_scalar(int num_chains, int heads, int head_floats, int steps_p
   check_cuda(cudaGetLastError(), "affine_chain_scalar launch");
 }
 
+ChainMath affine_chain_math() {
+  static const ChainMath m = [] {
+    const char* e = std::getenv("HYPIC_CHAIN_MATH");
+    if (!e || !*e || std::string(e) == "tf32x3") return ChainMath::Tf32x3;
+    if (std::string(e) == "fp32") return ChainMath::Fp32Fma;
+    throw std::invalid_argument(std::string("HYPIC_CHAIN_MATH must be tf32x3 or fp32, got '") + e + "'");
+  }();
+  return m;
+}
+
 void affine_chain(int num_chains, int heads, int steps_per_chain, const AffineStep* steps, const float* const* init,
                   float* const* final_states, cudaStream_t stream) {
+  affine_chain(num_chains, heads, steps_per_chain, steps, init, final_states, stream, affine_chain_math());
+}
+
+void affine_chain(int num_chains, int heads, int steps_per_chain, const AffineStep* steps, const float* const* init,
+                  float* const* final_states, cudaStream_t stream, ChainMath math) {
   need(num_chains >= 0 && heads > 0 && heads <= 65535 && steps_per_chain >= 0 && num_chains <= (1 << 30),
        "affine_chain: bad sizes num_chains=" + std::to_string(num_chains) + " heads=" + std::to_string(heads) +
            " steps=" + std::to_string(steps_per_chain));
@@ -415,10 +573,15 @@ void affine_chain(int num_chains, int heads, int steps_per_chain, const AffineSt
   once.run(current_device(), [](int) {
     check_cuda(cudaFuncSetAttribute(affine_chain_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kChainSmem),
                "affine_chain smem opt-in");
+    check_cuda(cudaFuncSetAttribute(affine_chain_tc_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kChainTcSmem),
+               "affine_chain (tensor cores) smem opt-in");
     return 0;
   });
   dim3 grid(num_chains, heads, D / kBN);
-  affine_chain_kernel<<<grid, 256, kChainSmem, stream>>>(heads, steps_per_chain, steps, init, final_states);
+  if (math == ChainMath::Fp32Fma)
+    affine_chain_kernel<<<grid, 256, kChainSmem, stream>>>(heads, steps_per_chain, steps, init, final_states);
+  else
+    affine_chain_tc_kernel<<<grid, 256, kChainTcSmem, stream>>>(heads, steps_per_chain, steps, init, final_states);
   check_cuda(cudaGetLastError(), "affine_chain launch");
 }
 

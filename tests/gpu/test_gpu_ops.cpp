@@ -126,40 +126,45 @@ TEST_CASE("affine_chain folds (T, S) steps like the plain matrix products", "[op
   DeviceBuffer<unsigned char> dtable(raw);
   DeviceBuffer<const float*> dinitp(init_ptr);
   DeviceBuffer<float*> dfinp(fin_ptr);
-  gpu::affine_chain(chains, heads, steps, reinterpret_cast<const gpu::AffineStep*>(dtable.get()), dinitp.get(),
-                    dfinp.get());
-  for (int c = 0; c < chains; ++c) {
-    std::vector<double> R(M, 0.0), out1;
-    if (c != 1)
-      for (size_t i = 0; i < M; ++i) R[i] = inits[c][i];
-    for (int s = 0; s < steps; ++s) {
-      const auto& T = Ts[size_t(c) * steps + s];
-      const auto& S = Ss[size_t(c) * steps + s];
-      const double alpha = s == 1 ? -0.5 : 1.0;
-      std::vector<double> nR(M);
-      for (int h = 0; h < heads; ++h)
-        for (int i = 0; i < D; ++i)
-          for (int j = 0; j < D; ++j) {
-            double acc = 0;
-            if (s == 2) acc = R[size_t(h) * D * D + size_t(i) * D + j];
-            else
-              for (int k = 0; k < D; ++k)
-                acc += double(T[size_t(h) * D * D + size_t(i) * D + k]) * R[size_t(h) * D * D + size_t(k) * D + j];
-            const size_t o = size_t(h) * D * D + size_t(i) * D + j;
-            nR[o] = alpha * acc + (s == 3 ? 0.0 : double(S[o]));
-          }
-      R = nR;
-      if (s == 1) out1 = R;
+  for (const gpu::ChainMath math : {gpu::ChainMath::Tf32x3, gpu::ChainMath::Fp32Fma}) {
+    const char* math_name = math == gpu::ChainMath::Tf32x3 ? "tf32x3" : "fp32";
+    for (auto& f : dfin) f.upload(std::vector<float>(M, std::nanf("")));
+    for (auto& o : dout) o.upload(std::vector<float>(M, std::nanf("")));
+    gpu::affine_chain(chains, heads, steps, reinterpret_cast<const gpu::AffineStep*>(dtable.get()), dinitp.get(),
+                      dfinp.get(), nullptr, math);
+    for (int c = 0; c < chains; ++c) {
+      std::vector<double> R(M, 0.0), out1;
+      if (c != 1)
+        for (size_t i = 0; i < M; ++i) R[i] = inits[c][i];
+      for (int s = 0; s < steps; ++s) {
+        const auto& T = Ts[size_t(c) * steps + s];
+        const auto& S = Ss[size_t(c) * steps + s];
+        const double alpha = s == 1 ? -0.5 : 1.0;
+        std::vector<double> nR(M);
+        for (int h = 0; h < heads; ++h)
+          for (int i = 0; i < D; ++i)
+            for (int j = 0; j < D; ++j) {
+              double acc = 0;
+              if (s == 2) acc = R[size_t(h) * D * D + size_t(i) * D + j];
+              else
+                for (int k = 0; k < D; ++k)
+                  acc += double(T[size_t(h) * D * D + size_t(i) * D + k]) * R[size_t(h) * D * D + size_t(k) * D + j];
+              const size_t o = size_t(h) * D * D + size_t(i) * D + j;
+              nR[o] = alpha * acc + (s == 3 ? 0.0 : double(S[o]));
+            }
+        R = nR;
+        if (s == 1) out1 = R;
+      }
+      auto err = [](const std::vector<float>& g, const std::vector<double>& r) {
+        double n = 0, dd = 0;
+        for (size_t i = 0; i < r.size(); ++i) n += (g[i] - r[i]) * (g[i] - r[i]), dd += r[i] * r[i];
+        return std::sqrt(n / dd);
+      };
+      const double ef = err(dfin[c].download(), R), eo = err(dout[c].download(), out1);
+      std::printf("[ops] affine_chain (%s) chain %d: final %.3e, step-1 output %.3e\n", math_name, c, ef, eo);
+      CHECK(ef <= 1e-5);
+      CHECK(eo <= 1e-5);
     }
-    auto err = [](const std::vector<float>& g, const std::vector<double>& r) {
-      double n = 0, dd = 0;
-      for (size_t i = 0; i < r.size(); ++i) n += (g[i] - r[i]) * (g[i] - r[i]), dd += r[i] * r[i];
-      return std::sqrt(n / dd);
-    };
-    const double ef = err(dfin[c].download(), R), eo = err(dout[c].download(), out1);
-    std::printf("[ops] affine_chain chain %d: final %.3e, step-1 output %.3e\n", c, ef, eo);
-    CHECK(ef <= 1e-5);
-    CHECK(eo <= 1e-5);
   }
 }
 
