@@ -163,6 +163,17 @@ __global__ void rms_norm_gated_kernel(int rows, int dim, const bf16* x, const bf
 constexpr int kBN = 32, kLdT = D + 4, kLdR = kBN + 4;
 constexpr int kChainSmem = (2 * D * kLdT + D * kLdR) * 4;
 
+// Step T's head h (fp32 [heads][128][128], nullptr: nothing to load) into shared memory at dst (row stride kLdT) by
+// cp.async, 256 threads; the caller commits and waits.
+__device__ __forceinline__ void chain_load_T(const float* T, int h, int tid, float* dst) {
+  if (!T) return;
+  T += size_t(h) * D * D;
+  for (int i = tid; i < D * D / 4; i += 256) {
+    const int row = i >> 5, col = (i & 31) * 4;
+    detail::cp_async16(dst + row * kLdT + col, T + row * D + col);
+  }
+}
+
 __global__ void __launch_bounds__(256) affine_chain_kernel(int heads, int steps_per_chain,
                                                            const AffineStep* __restrict__ steps,
                                                            const float* const* __restrict__ init,
@@ -175,15 +186,7 @@ __global__ void __launch_bounds__(256) affine_chain_kernel(int heads, int steps_
   const int rg = tid / CG, cg = tid % CG;
   const size_t head_off = size_t(h) * D * D + c0;
   const AffineStep* chain = steps + size_t(c) * steps_per_chain;
-  auto load_T = [&](int s, float* dst) {
-    const float* T = chain[s].T;
-    if (!T) return;
-    T += size_t(h) * D * D;
-    for (int i = tid; i < D * D / 4; i += 256) {
-      const int row = i >> 5, col = (i & 31) * 4;
-      detail::cp_async16(dst + row * kLdT + col, T + row * D + col);
-    }
-  };
+  auto load_T = [&](int s, float* dst) { chain_load_T(chain[s].T, h, tid, dst); };
   if (steps_per_chain > 0) load_T(0, sTbuf[0]);
   detail::cp_async_commit();
   const float* R0 = init ? init[c] : nullptr;
@@ -250,22 +253,6 @@ __global__ void __launch_bounds__(256) affine_chain_kernel(int heads, int steps_
 constexpr int kLdRt = kBN + 8;
 constexpr int kChainTcSmem = (2 * D * kLdT + 2 * D * kLdRt) * 4;
 
-__device__ __forceinline__ uint32_t to_tf32(float x) {
-  uint32_t r;
-  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
-  return r;
-}
-
-/// d += a b (m16n8k8, tf32 operands, fp32 accumulators; fragments as mma.cuh's with k halved: a (g, t), (g + 8, t),
-/// (g, t + 4), (g + 8, t + 4); b (k t, col g), (k t + 4, col g)).
-__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 __global__ void __launch_bounds__(256) affine_chain_tc_kernel(int heads, int steps_per_chain,
                                                               const AffineStep* __restrict__ steps,
                                                               const float* const* __restrict__ init,
@@ -279,15 +266,7 @@ __global__ void __launch_bounds__(256) affine_chain_tc_kernel(int heads, int ste
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3, m0 = warp * 16;
   const size_t head_off = size_t(h) * D * D + c0;
   const AffineStep* chain = steps + size_t(c) * steps_per_chain;
-  auto load_T = [&](int s, float* dst) {
-    const float* T = chain[s].T;
-    if (!T) return;
-    T += size_t(h) * D * D;
-    for (int i = tid; i < D * D / 4; i += 256) {
-      const int row = i >> 5, col = (i & 31) * 4;
-      detail::cp_async16(dst + row * kLdT + col, T + row * D + col);
-    }
-  };
+  auto load_T = [&](int s, float* dst) { chain_load_T(chain[s].T, h, tid, dst); };
   // Element (row, col) of this lane's accumulator slot (n, i): row m0 + g + 8 (i >> 1), col 8 n + 2 t + (i & 1).
   auto off = [&](int n, int half) { return size_t(m0 + g + 8 * half) * D + 8 * n + 2 * t; };
   auto store_split = [&](const float (&r)[NT][4]) {  // R -> its tf32 hi / lo copy (each lane its own elements)
@@ -296,8 +275,9 @@ __global__ void __launch_bounds__(256) affine_chain_tc_kernel(int heads, int ste
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const float x0 = r[n][2 * half], x1 = r[n][2 * half + 1];
-        const uint32_t h0 = to_tf32(x0), h1 = to_tf32(x1);
-        const uint32_t l0 = to_tf32(x0 - __uint_as_float(h0)), l1 = to_tf32(x1 - __uint_as_float(h1));
+        const uint32_t h0 = detail::to_tf32(x0), h1 = detail::to_tf32(x1);
+        const uint32_t l0 = detail::to_tf32(x0 - __uint_as_float(h0));
+        const uint32_t l1 = detail::to_tf32(x1 - __uint_as_float(h1));
         const int o = (m0 + g + 8 * half) * kLdRt + 8 * n + 2 * t;
         *reinterpret_cast<uint2*>(sRh + o) = make_uint2(h0, h1);
         *reinterpret_cast<uint2*>(sRl + o) = make_uint2(l0, l1);
@@ -325,7 +305,8 @@ __global__ void __launch_bounds__(256) affine_chain_tc_kernel(int heads, int ste
     for (int n = 0; n < NT; ++n)
 #pragma unroll
       for (int half = 0; half < 2; ++half)
-        sv[n][half] = st.S ? __ldg(reinterpret_cast<const float2*>(st.S + head_off + off(n, half))) : make_float2(0.f, 0.f);
+        sv[n][half] =
+            st.S ? __ldg(reinterpret_cast<const float2*>(st.S + head_off + off(n, half))) : make_float2(0.f, 0.f);
     float acc[NT][4];
 #pragma unroll
     for (int n = 0; n < NT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
@@ -338,15 +319,18 @@ __global__ void __launch_bounds__(256) affine_chain_tc_kernel(int heads, int ste
         const float av[4] = {ta[0], ta[8 * kLdT], ta[4], ta[8 * kLdT + 4]};
         uint32_t ah[4], al[4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) ah[i] = to_tf32(av[i]), al[i] = to_tf32(av[i] - __uint_as_float(ah[i]));
+        for (int i = 0; i < 4; ++i) {
+          ah[i] = detail::to_tf32(av[i]);
+          al[i] = detail::to_tf32(av[i] - __uint_as_float(ah[i]));
+        }
         const int b = (k0 + t) * kLdRt + g;
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
           const uint32_t bh0 = sRh[b + 8 * n], bh1 = sRh[b + 4 * kLdRt + 8 * n];
           const uint32_t bl0 = sRl[b + 8 * n], bl1 = sRl[b + 4 * kLdRt + 8 * n];
-          mma_tf32(acc[n], al, bh0, bh1);  // the small terms first
-          mma_tf32(acc[n], ah, bl0, bl1);
-          mma_tf32(acc[n], ah, bh0, bh1);
+          detail::mma_tf32(acc[n], al, bh0, bh1);  // the small terms first
+          detail::mma_tf32(acc[n], ah, bl0, bl1);
+          detail::mma_tf32(acc[n], ah, bh0, bh1);
         }
       }
     } else {

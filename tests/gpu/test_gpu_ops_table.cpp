@@ -977,7 +977,7 @@ std::vector<Op> ops_table() {
                  {"5 copies of 64..8192 floats, 16-byte aligned", {{64, 8192, 4, 1024, 128}, 0}}},
                 run_batched_copy),
       op<ChainP>("affine_chain", "T, S, init fp32 [heads][128][128] -> final, out fp32",
-                 {{"final.fro", 1e-5, "3xTF32 tensor-core products (the default) vs double, 128-term sums over a few steps"},
+                 {{"final.fro", 1e-5, "3xTF32 tensor-core products (default) vs double, 128-term sums, steps"},
                   {"out.fro", 1e-5, "as final, after step 1 (0 with one step)"}},
                  {{"1 chain 1 head 1 step", {1, 1, 1}}, {"2 chains 3 heads 4 steps", {2, 3, 4}},
                   {"1 chain 32 heads 3 steps", {1, 32, 3}},
