@@ -999,7 +999,10 @@ void CudaBackend::build_batch(std::span<const std::vector<int32_t>> segs, int w,
       entry_copy.push_back({rs_t(o_pt, 2 * i + 1), e.T_int(l), long(TR)});
       if (conv_layer_bytes_)
         entry_copy.push_back({conv_states + size_t(i) * conv_layer_bytes_ / 2, e.conv(l), long(conv_layer_bytes_)});
-      sub.push_back({rs_t(o_pt, 2 * i + 1), rs_f(o_pf, 2 * i + 1), nullptr, -1.f});
+      if (int(segs[i].size()) > w)
+        sub.push_back({rs_t(o_pt, 2 * i + 1), rs_f(o_pf, 2 * i + 1), nullptr, -1.f});
+      else  // an empty interior: S_int = 0 exactly (T_int = I, and I S_seam through the chain's 3xTF32 split is
+        sub.push_back({nullptr, nullptr, nullptr, 0.f});  // S_seam only to ~1e-7, not bit for bit)
       sub_init.push_back(rs_f(o_pf, 2 * i));
       sub_fin.push_back(e.S_int(l));
     }
