@@ -243,48 +243,67 @@ __global__ void __launch_bounds__(256) affine_chain_kernel(int heads, int steps_
 }
 
 // Affine chain on the tensor cores, 3xTF32 (the fp32-accurate split of CUTLASS's "fast accurate" TF32 GEMMs): each
-// fp32 operand x = hi + lo with hi = tf32(x), lo = tf32(x - hi); T R = T_hi R_hi + T_hi R_lo + T_lo R_hi (the dropped
-// T_lo R_lo and the rounding of lo are ~2^-22 relative, the size of fp32's own 128-term rounding), fp32 accumulation
-// in mma.sync m16n8k8. One block per (chain, head, 32-column block) as affine_chain_kernel; warp w owns rows
+// fp32 operand x = hi + lo with hi = tf32(x), lo = tf32(x - hi); T R = T_hi R_hi + (T_lo R_hi + T_hi R_lo) (the
+// dropped T_lo R_lo and the rounding of lo are ~2^-22 relative, the size of fp32's own 128-term rounding), fp32
+// accumulation in mma.sync m16n8k8, the main product and the two corrections in separate accumulators (shorter
+// dependency chains). One block per (chain, head, 32-column block) as affine_chain_kernel; warp w owns rows
 // 16 w .. 16 w + 15 and all 32 columns (four 16 x 8 accumulator tiles). The running block R stays in the warps'
-// registers (fp32, accumulator layout); a tf32 hi / lo copy of it in shared memory feeds the B fragments of the next
-// step (row stride 40: lanes' (k = t, n = g) reads fall in banks 8 t + g, conflict-free); T streams by cp.async into
-// two fp32 buffers (row stride 132: A reads in banks 4 g + t) and each warp splits its own 16 rows.
-constexpr int kLdRt = kBN + 8;
-constexpr int kChainTcSmem = (2 * D * kLdT + 2 * D * kLdRt) * 4;
+// registers (fp32, accumulator layout); its tf32 hi / lo copy, transposed ([column][k]), and the step's T split into
+// hi / lo ([row][k]) sit in shared memory (row stride 132 words: every 8-row ldmatrix phase conflict-free), and
+// every fragment comes by ldmatrix.x4 (on 32-bit words: lane l gets word l % 4 of row l / 4 of each 8 x 4 block,
+// the tf32 A / B fragment layout). The next step's T is read into registers while this step multiplies, then split
+// into the (single) T buffers between the step's two barriers.
+constexpr int kLdS = D + 4;                         // row stride (words) of the split T and R^T copies
+constexpr int kChainTcSmem = (2 * D + 2 * kBN) * kLdS * 4;  // T hi, T lo [128][132]; R^T hi, lo [32][132]
+constexpr int kTVec = D * D / 4 / 256;               // float4 of T per thread
 
-__global__ void __launch_bounds__(256) affine_chain_tc_kernel(int heads, int steps_per_chain,
-                                                              const AffineStep* __restrict__ steps,
-                                                              const float* const* __restrict__ init,
-                                                              float* const* __restrict__ final_states) {
+__global__ void __launch_bounds__(256, 1) affine_chain_tc_kernel(int heads, int steps_per_chain,
+                                                                 const AffineStep* __restrict__ steps,
+                                                                 const float* const* __restrict__ init,
+                                                                 float* const* __restrict__ final_states) {
   constexpr int NT = kBN / 8;  // accumulator tiles per warp
-  extern __shared__ __align__(16) float chain_smem[];
-  float* sTbuf[2] = {chain_smem, chain_smem + D * kLdT};
-  uint32_t* sRh = reinterpret_cast<uint32_t*>(chain_smem + 2 * D * kLdT);
-  uint32_t* sRl = sRh + D * kLdRt;
+  extern __shared__ __align__(16) uint32_t chain_words[];
+  uint32_t* sTh = chain_words;
+  uint32_t* sTl = sTh + D * kLdS;
+  uint32_t* sRh = sTl + D * kLdS;  // R^T: [column][k]
+  uint32_t* sRl = sRh + kBN * kLdS;
   const int c = blockIdx.x, h = blockIdx.y, c0 = blockIdx.z * kBN, tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3, m0 = warp * 16;
+  const int mi = lane >> 3, r8 = lane & 7;  // ldmatrix: this lane's row address is row r8 of 8 x 4 block mi
   const size_t head_off = size_t(h) * D * D + c0;
   const AffineStep* chain = steps + size_t(c) * steps_per_chain;
-  auto load_T = [&](int s, float* dst) { chain_load_T(chain[s].T, h, tid, dst); };
+  float4 tv[kTVec];
+  auto fetch_T = [&](const float* T) {  // T's head h into registers (thread: rows i >> 5, 4 columns, i = tid + 256 j)
+    if (!T) return;
+    T += size_t(h) * D * D;
+#pragma unroll
+    for (int j = 0; j < kTVec; ++j) tv[j] = __ldg(reinterpret_cast<const float4*>(T) + tid + 256 * j);
+  };
+  auto store_T = [&] {  // the fetched T, split
+#pragma unroll
+    for (int j = 0; j < kTVec; ++j) {
+      const int i = tid + 256 * j, o = (i >> 5) * kLdS + (i & 31) * 4;
+      const float x[4] = {tv[j].x, tv[j].y, tv[j].z, tv[j].w};
+      uint32_t hi[4], lo[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) hi[e] = detail::to_tf32(x[e]), lo[e] = detail::to_tf32(x[e] - __uint_as_float(hi[e]));
+      *reinterpret_cast<uint4*>(sTh + o) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+      *reinterpret_cast<uint4*>(sTl + o) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+    }
+  };
   // Element (row, col) of this lane's accumulator slot (n, i): row m0 + g + 8 (i >> 1), col 8 n + 2 t + (i & 1).
   auto off = [&](int n, int half) { return size_t(m0 + g + 8 * half) * D + 8 * n + 2 * t; };
-  auto store_split = [&](const float (&r)[NT][4]) {  // R -> its tf32 hi / lo copy (each lane its own elements)
+  auto store_R = [&](const float (&r)[NT][4]) {  // R -> its transposed tf32 hi / lo copy (each lane its elements)
 #pragma unroll
     for (int n = 0; n < NT; ++n)
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const float x0 = r[n][2 * half], x1 = r[n][2 * half + 1];
-        const uint32_t h0 = detail::to_tf32(x0), h1 = detail::to_tf32(x1);
-        const uint32_t l0 = detail::to_tf32(x0 - __uint_as_float(h0));
-        const uint32_t l1 = detail::to_tf32(x1 - __uint_as_float(h1));
-        const int o = (m0 + g + 8 * half) * kLdRt + 8 * n + 2 * t;
-        *reinterpret_cast<uint2*>(sRh + o) = make_uint2(h0, h1);
-        *reinterpret_cast<uint2*>(sRl + o) = make_uint2(l0, l1);
+      for (int i = 0; i < 4; ++i) {
+        const int o = (8 * n + 2 * t + (i & 1)) * kLdS + m0 + g + 8 * (i >> 1);
+        const uint32_t hi = detail::to_tf32(r[n][i]);
+        sRh[o] = hi;
+        sRl[o] = detail::to_tf32(r[n][i] - __uint_as_float(hi));
       }
   };
-  if (steps_per_chain > 0) load_T(0, sTbuf[0]);
-  detail::cp_async_commit();
   float cur[NT][4];
   const float* R0 = init ? init[c] : nullptr;
 #pragma unroll
@@ -294,12 +313,16 @@ __global__ void __launch_bounds__(256) affine_chain_tc_kernel(int heads, int ste
       const float2 v = R0 ? *reinterpret_cast<const float2*>(R0 + head_off + off(n, half)) : make_float2(0.f, 0.f);
       cur[n][2 * half] = v.x, cur[n][2 * half + 1] = v.y;
     }
-  store_split(cur);
+  if (steps_per_chain > 0 && chain[0].T) {
+    fetch_T(chain[0].T);
+    store_T();
+  }
+  store_R(cur);
+  __syncthreads();
   for (int s = 0; s < steps_per_chain; ++s) {
     const AffineStep st = chain[s];
-    const float* sT = sTbuf[s & 1];
-    if (s + 1 < steps_per_chain) load_T(s + 1, sTbuf[(s + 1) & 1]);  // read by step s - 1: past its last barrier
-    detail::cp_async_commit();
+    const float* next_T = s + 1 < steps_per_chain ? chain[s + 1].T : nullptr;
+    fetch_T(next_T);  // lands while this step multiplies
     float2 sv[NT][2];
 #pragma unroll
     for (int n = 0; n < NT; ++n)
@@ -307,32 +330,39 @@ __global__ void __launch_bounds__(256) affine_chain_tc_kernel(int heads, int ste
       for (int half = 0; half < 2; ++half)
         sv[n][half] =
             st.S ? __ldg(reinterpret_cast<const float2*>(st.S + head_off + off(n, half))) : make_float2(0.f, 0.f);
-    float acc[NT][4];
-#pragma unroll
-    for (int n = 0; n < NT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
-    detail::cp_async_wait<1>();  // this step's T
-    __syncthreads();             // ... and the hi / lo copy of the previous step's R, visible to every thread
+    float acc[NT][4], cor[NT][4];
     if (st.T) {
+#pragma unroll
+      for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[n][i] = cor[n][i] = 0.f;
+      const uint32_t* aH = sTh + (m0 + r8 + 8 * (mi & 1)) * kLdS + 4 * (mi >> 1);
+      const uint32_t* aL = aH + D * kLdS;
+      const uint32_t* bH = sRh + (r8 + 8 * (mi >> 1)) * kLdS + 4 * (mi & 1);
+      const uint32_t* bL = bH + kBN * kLdS;
 #pragma unroll 4
       for (int k0 = 0; k0 < D; k0 += 8) {
-        const float* ta = sT + (m0 + g) * kLdT + k0 + t;
-        const float av[4] = {ta[0], ta[8 * kLdT], ta[4], ta[8 * kLdT + 4]};
-        uint32_t ah[4], al[4];
+        uint32_t ah[4], al[4], bh[NT / 2][4], bl[NT / 2][4];
+        detail::ldsm_x4(ah, aH + k0);
+        detail::ldsm_x4(al, aL + k0);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          ah[i] = detail::to_tf32(av[i]);
-          al[i] = detail::to_tf32(av[i] - __uint_as_float(ah[i]));
+        for (int p = 0; p < NT / 2; ++p) {
+          detail::ldsm_x4(bh[p], bH + 16 * p * kLdS + k0);
+          detail::ldsm_x4(bl[p], bL + 16 * p * kLdS + k0);
         }
-        const int b = (k0 + t) * kLdRt + g;
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
-          const uint32_t bh0 = sRh[b + 8 * n], bh1 = sRh[b + 4 * kLdRt + 8 * n];
-          const uint32_t bl0 = sRl[b + 8 * n], bl1 = sRl[b + 4 * kLdRt + 8 * n];
-          detail::mma_tf32(acc[n], al, bh0, bh1);  // the small terms first
-          detail::mma_tf32(acc[n], ah, bl0, bl1);
-          detail::mma_tf32(acc[n], ah, bh0, bh1);
+          const uint32_t* h2 = &bh[n >> 1][2 * (n & 1)];
+          const uint32_t* l2 = &bl[n >> 1][2 * (n & 1)];
+          detail::mma_tf32(cor[n], al, h2[0], h2[1]);
+          detail::mma_tf32(cor[n], ah, l2[0], l2[1]);
+          detail::mma_tf32(acc[n], ah, h2[0], h2[1]);
         }
       }
+#pragma unroll
+      for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[n][i] += cor[n][i];
     } else {
 #pragma unroll
       for (int n = 0; n < NT; ++n)
@@ -350,11 +380,12 @@ __global__ void __launch_bounds__(256) affine_chain_tc_kernel(int heads, int ste
               make_float2(cur[n][2 * half], cur[n][2 * half + 1]);
       }
     if (s + 1 < steps_per_chain) {
-      __syncthreads();  // every warp has read the hi / lo copy (and sT) before it is overwritten
-      store_split(cur);
+      __syncthreads();  // every warp has read this step's T and R copies
+      if (next_T) store_T();
+      store_R(cur);
+      __syncthreads();
     }
   }
-  detail::cp_async_wait<0>();
   float* F = final_states ? final_states[c] : nullptr;
   if (F) {
 #pragma unroll
