@@ -39,11 +39,14 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-/// x rounded to TF32 (10-bit mantissa, round to nearest, ties away), as a 32-bit pattern with the low 13 bits zero.
-__device__ __forceinline__ uint32_t to_tf32(float x) {
-  uint32_t r;
-  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
-  return r;
+/// The 3xTF32 split of an fp32 x (as CUTLASS's "big + small" fast-accurate TF32): hi = x rounded to TF32's 10
+/// mantissa bits (half away from zero, by integer add and mask: two instructions, where cvt.rna.tf32.f32 is a
+/// dozen on sm_90), lo = x - hi exactly in fp32, handed to mma as it is: the tensor cores read a .tf32 operand's
+/// top 19 bits, so lo is truncated to TF32 there (relative error 2^-21 of lo, 2^-32 of x). Inf stays inf; NaN
+/// inputs give NaN products. Both as 32-bit patterns for mma_tf32.
+__device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
+  hi = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
+  lo = __float_as_uint(x - __uint_as_float(hi));
 }
 
 /// d += a b (m16n8k8, tf32 operands, fp32 accumulators; fragments as above with k halved: a (g, t), (g + 8, t),

@@ -243,10 +243,10 @@ __global__ void __launch_bounds__(256) affine_chain_kernel(int heads, int steps_
 }
 
 // Affine chain on the tensor cores, 3xTF32 (the fp32-accurate split of CUTLASS's "fast accurate" TF32 GEMMs): each
-// fp32 operand x = hi + lo with hi = tf32(x), lo = tf32(x - hi); T R = T_hi R_hi + (T_lo R_hi + T_hi R_lo) (the
-// dropped T_lo R_lo and the rounding of lo are ~2^-22 relative, the size of fp32's own 128-term rounding), fp32
-// accumulation in mma.sync m16n8k8, the main product and the two corrections in separate accumulators (shorter
-// dependency chains). One block per (chain, head, 32-column block) as affine_chain_kernel; warp w owns rows
+// fp32 operand x = hi + lo (detail::split_tf32); T R = T_hi R_hi + (T_lo R_hi + T_hi R_lo) (the dropped T_lo R_lo
+// and the truncation of lo are ~2^-22 relative, the size of fp32's own 128-term rounding), fp32
+// accumulation in mma.sync m16n8k8, the main product and each correction in its own accumulator (12 independent
+// mma per k step and warp). One block per (chain, head, 32-column block) as affine_chain_kernel; warp w owns rows
 // 16 w .. 16 w + 15 and all 32 columns (four 16 x 8 accumulator tiles). The running block R stays in the warps'
 // registers (fp32, accumulator layout); its tf32 hi / lo copy, transposed ([column][k]), and the step's T split into
 // hi / lo ([row][k]) sit in shared memory (row stride 132 words: every 8-row ldmatrix phase conflict-free), and
@@ -286,7 +286,7 @@ __global__ void __launch_bounds__(256, 1) affine_chain_tc_kernel(int heads, int 
       const float x[4] = {tv[j].x, tv[j].y, tv[j].z, tv[j].w};
       uint32_t hi[4], lo[4];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) hi[e] = detail::to_tf32(x[e]), lo[e] = detail::to_tf32(x[e] - __uint_as_float(hi[e]));
+      for (int e = 0; e < 4; ++e) detail::split_tf32(x[e], hi[e], lo[e]);
       *reinterpret_cast<uint4*>(sTh + o) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
       *reinterpret_cast<uint4*>(sTl + o) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
     }
@@ -299,9 +299,7 @@ __global__ void __launch_bounds__(256, 1) affine_chain_tc_kernel(int heads, int 
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int o = (8 * n + 2 * t + (i & 1)) * kLdS + m0 + g + 8 * (i >> 1);
-        const uint32_t hi = detail::to_tf32(r[n][i]);
-        sRh[o] = hi;
-        sRl[o] = detail::to_tf32(r[n][i] - __uint_as_float(hi));
+        detail::split_tf32(r[n][i], sRh[o], sRl[o]);
       }
   };
   float cur[NT][4];
@@ -313,15 +311,16 @@ __global__ void __launch_bounds__(256, 1) affine_chain_tc_kernel(int heads, int 
       const float2 v = R0 ? *reinterpret_cast<const float2*>(R0 + head_off + off(n, half)) : make_float2(0.f, 0.f);
       cur[n][2 * half] = v.x, cur[n][2 * half + 1] = v.y;
     }
-  if (steps_per_chain > 0 && chain[0].T) {
-    fetch_T(chain[0].T);
+  AffineStep st = steps_per_chain > 0 ? chain[0] : AffineStep{};
+  if (st.T) {
+    fetch_T(st.T);
     store_T();
   }
   store_R(cur);
   __syncthreads();
   for (int s = 0; s < steps_per_chain; ++s) {
-    const AffineStep st = chain[s];
-    const float* next_T = s + 1 < steps_per_chain ? chain[s + 1].T : nullptr;
+    const AffineStep next = s + 1 < steps_per_chain ? chain[s + 1] : AffineStep{};  // (its pointers in hand early)
+    const float* next_T = next.T;
     fetch_T(next_T);  // lands while this step multiplies
     float2 sv[NT][2];
 #pragma unroll
@@ -330,12 +329,12 @@ __global__ void __launch_bounds__(256, 1) affine_chain_tc_kernel(int heads, int 
       for (int half = 0; half < 2; ++half)
         sv[n][half] =
             st.S ? __ldg(reinterpret_cast<const float2*>(st.S + head_off + off(n, half))) : make_float2(0.f, 0.f);
-    float acc[NT][4], cor[NT][4];
+    float acc[NT][4], cor[NT][4], cor2[NT][4];
     if (st.T) {
 #pragma unroll
       for (int n = 0; n < NT; ++n)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) acc[n][i] = cor[n][i] = 0.f;
+        for (int i = 0; i < 4; ++i) acc[n][i] = cor[n][i] = cor2[n][i] = 0.f;
       const uint32_t* aH = sTh + (m0 + r8 + 8 * (mi & 1)) * kLdS + 4 * (mi >> 1);
       const uint32_t* aL = aH + D * kLdS;
       const uint32_t* bH = sRh + (r8 + 8 * (mi >> 1)) * kLdS + 4 * (mi & 1);
@@ -355,14 +354,14 @@ __global__ void __launch_bounds__(256, 1) affine_chain_tc_kernel(int heads, int 
           const uint32_t* h2 = &bh[n >> 1][2 * (n & 1)];
           const uint32_t* l2 = &bl[n >> 1][2 * (n & 1)];
           detail::mma_tf32(cor[n], al, h2[0], h2[1]);
-          detail::mma_tf32(cor[n], ah, l2[0], l2[1]);
+          detail::mma_tf32(cor2[n], ah, l2[0], l2[1]);
           detail::mma_tf32(acc[n], ah, h2[0], h2[1]);
         }
       }
 #pragma unroll
       for (int n = 0; n < NT; ++n)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) acc[n][i] += cor[n][i];
+        for (int i = 0; i < 4; ++i) acc[n][i] += cor[n][i] + cor2[n][i];
     } else {
 #pragma unroll
       for (int n = 0; n < NT; ++n)
@@ -385,6 +384,7 @@ __global__ void __launch_bounds__(256, 1) affine_chain_tc_kernel(int heads, int 
       store_R(cur);
       __syncthreads();
     }
+    st = next;
   }
   float* F = final_states ? final_states[c] : nullptr;
   if (F) {
