@@ -339,23 +339,29 @@ __global__ void __launch_bounds__(256, 1) affine_chain_tc_kernel(int heads, int 
       const uint32_t* aL = aH + D * kLdS;
       const uint32_t* bH = sRh + (r8 + 8 * (mi >> 1)) * kLdS + 4 * (mi & 1);
       const uint32_t* bL = bH + kBN * kLdS;
-#pragma unroll 4
-      for (int k0 = 0; k0 < D; k0 += 8) {
-        uint32_t ah[4], al[4], bh[NT / 2][4], bl[NT / 2][4];
-        detail::ldsm_x4(ah, aH + k0);
-        detail::ldsm_x4(al, aL + k0);
+      // Fragments of k step kk + 1 load while step kk multiplies (double-buffered registers).
+      uint32_t ah[2][4], al[2][4], bh[2][NT / 2][4], bl[2][NT / 2][4];
+      auto load_frags = [&](int buf, int k0) {
+        detail::ldsm_x4(ah[buf], aH + k0);
+        detail::ldsm_x4(al[buf], aL + k0);
 #pragma unroll
         for (int p = 0; p < NT / 2; ++p) {
-          detail::ldsm_x4(bh[p], bH + 16 * p * kLdS + k0);
-          detail::ldsm_x4(bl[p], bL + 16 * p * kLdS + k0);
+          detail::ldsm_x4(bh[buf][p], bH + 16 * p * kLdS + k0);
+          detail::ldsm_x4(bl[buf][p], bL + 16 * p * kLdS + k0);
         }
+      };
+      load_frags(0, 0);
+#pragma unroll
+      for (int kk = 0; kk < D / 8; ++kk) {
+        const int cb = kk & 1;
+        if (kk + 1 < D / 8) load_frags(cb ^ 1, 8 * (kk + 1));
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
-          const uint32_t* h2 = &bh[n >> 1][2 * (n & 1)];
-          const uint32_t* l2 = &bl[n >> 1][2 * (n & 1)];
-          detail::mma_tf32(cor[n], al, h2[0], h2[1]);
-          detail::mma_tf32(cor2[n], ah, l2[0], l2[1]);
-          detail::mma_tf32(acc[n], ah, h2[0], h2[1]);
+          const uint32_t* h2 = &bh[cb][n >> 1][2 * (n & 1)];
+          const uint32_t* l2 = &bl[cb][n >> 1][2 * (n & 1)];
+          detail::mma_tf32(cor[n], al[cb], h2[0], h2[1]);
+          detail::mma_tf32(cor2[n], ah[cb], l2[0], l2[1]);
+          detail::mma_tf32(acc[n], ah[cb], h2[0], h2[1]);
         }
       }
 #pragma unroll
