@@ -517,14 +517,17 @@ void CudaBackend::chain(int num_chains, int steps_per_chain, const kc::AffineSte
     kc::affine_chain(num_chains, state_heads_, steps_per_chain, steps, init, fin, stream);
 }
 
-void CudaBackend::import_kv(int a, int rows, const kc::bf16* const* k_src, const kc::bf16* const* v_src,
-                            const int* deltas, const int* dst) {
-  if (!rows) return;
+void CudaBackend::import_kv(int a, const KvImport& kv, const KvImportTables& t, const Tables& tb) {
+  if (!kv.rows()) return;
+  const int* run_start = tb.dev<int>(t.run_start);
+  const kc::bf16* const* k_src = tb.dev<const kc::bf16*>(t.k[a]);
   if (attn_ == Attn::Mla)
-    kc::mla_latent_import(rows, mla_cfg_.dims, k_src, dst, k_pool_[a].as<kc::bf16>(), stream_);
+    kc::mla_latent_import(kv.rows(), kv.runs(), mla_cfg_.dims, run_start, k_src, tb.dev<int>(t.dst),
+                          k_pool_[a].as<kc::bf16>(), stream_);
   else
-    kc::kv_import(rows, nkv_, hd_, cfg_.rotary_dim(), k_src, v_src, deltas, inv_freq_.as<float>(), dst,
-                  k_pool_[a].as<kc::bf16>(), v_pool_[a].as<kc::bf16>(), stream_);
+    kc::kv_import(kv.rows(), kv.runs(), nkv_, hd_, cfg_.rotary_dim(), run_start, k_src, tb.dev<const kc::bf16*>(t.v[a]),
+                  tb.dev<int>(t.deltas), inv_freq_.as<float>(), tb.dev<int>(t.dst), k_pool_[a].as<kc::bf16>(),
+                  v_pool_[a].as<kc::bf16>(), stream_);
 }
 
 void CudaBackend::attention_layer(const Lane& ln, const DevLayer& L, int a, int T, const int* positions,

@@ -427,10 +427,28 @@ class CudaBackend final : public Backend {
   /// (kernels/cuda/lightning.h rope_key_axis; DESIGN.md 3.3), in `mem`; fold_steps reads them through the map.
   /// Empty for every other family and for folds at base 0. Synchronizes the engine's stream.
   Placed place_states(const std::vector<const Fold*>& folds, DeviceMemory& mem);
-  /// K/V rows of cached entries into the pool for attention layer a: Plain / Gated kv_import (K re-rotated by the
-  /// deltas), MLA mla_latent_import (latent rows; v_src unused, no RoPE).
-  void import_kv(int a, int rows, const kc::bf16* const* k_src, const kc::bf16* const* v_src, const int* deltas,
-                 const int* dst);
+  /// The K/V rows that folds bring into the pool (host tables of kv_import / mla_latent_import): per fold with rows
+  /// past its from(), one run of the entry's consecutive rows [from, n) going to the pool rows of real positions
+  /// base + from .. base + n - 1, K re-rotated by base. k / v: per attention layer, each run's first row (device).
+  struct KvImport {
+    std::vector<int> run_start{0};                   // [runs + 1], import rows
+    std::vector<int> deltas;                         // [runs]: the fold's base
+    std::vector<int> dst;                            // [rows]: pool rows
+    std::vector<std::vector<const kc::bf16*>> k, v;  // [n_attn][runs]
+    int rows() const { return run_start.back(); }
+    int runs() const { return int(deltas.size()); }
+  };
+  /// Offsets of a KvImport's vectors in a pass's Tables.
+  struct KvImportTables {
+    size_t run_start = 0, deltas = 0, dst = 0;
+    std::vector<size_t> k, v;  // [n_attn]
+  };
+  /// The import of `folds`' rows into s's pages (which must already cover them: ensure_pages).
+  KvImport plan_kv_import(const CudaSequence& s, const std::vector<const Fold*>& folds) const;
+  KvImportTables add_kv_import(Tables& tb, const KvImport& kv) const;
+  /// K/V rows of cached entries into the pool for attention layer a, from tables uploaded in tb: Plain / Gated
+  /// kv_import (K re-rotated by the runs' deltas), MLA mla_latent_import (latent rows; no V, no RoPE).
+  void import_kv(int a, const KvImport& kv, const KvImportTables& t, const Tables& tb);
   /// Attention layer a of any family (Gated / Plain: attention_mixer; MLA: mla_mixer, expanded over `mla_expand`'s
   /// scratch pages when given, else absorbed).
   void attention_layer(const Lane& ln, const DevLayer& L, int a, int T, const int* positions, const int* kv_rows,

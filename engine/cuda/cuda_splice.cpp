@@ -87,11 +87,35 @@ Placed CudaBackend::place_states(const std::vector<const Fold*>& folds, DeviceMe
   return placed;
 }
 
-// KV rows a fold brings in, per attention layer: the entry's rows [from, n) at real positions base + from ...
-struct KvRows {
-  std::vector<const kc::bf16*> k, v;  // [n_attn][rows]
-  std::vector<int> deltas, dst;        // [rows]
-};
+
+CudaBackend::KvImport CudaBackend::plan_kv_import(const CudaSequence& s, const std::vector<const Fold*>& folds) const {
+  KvImport kv;
+  const size_t ke = size_t(geom_.kv_heads) * geom_.head_dim, ve = size_t(geom_.kv_heads) * geom_.v_dim();
+  kv.k.resize(n_attn_), kv.v.resize(n_attn_);
+  size_t n_rows = 0;
+  for (const Fold* f : folds) n_rows += size_t(std::max(f->e->n() - f->from(), 0));
+  kv.dst.resize(n_rows);
+  size_t at = 0;
+  for (const Fold* f : folds) {
+    const int from = f->from(), n = f->e->n();
+    if (n <= from) continue;
+    for (int j = from; j < n; ++j) kv.dst[at++] = page_row(s, f->base + j);
+    kv.run_start.push_back(int(at));
+    kv.deltas.push_back(int(f->base));
+    for (int a = 0; a < n_attn_; ++a) {
+      kv.k[a].push_back(f->e->K(a) + size_t(from) * ke);
+      kv.v[a].push_back(f->e->V(a) + size_t(from) * ve);
+    }
+  }
+  return kv;
+}
+
+CudaBackend::KvImportTables CudaBackend::add_kv_import(Tables& tb, const KvImport& kv) const {
+  KvImportTables t;
+  t.run_start = tb.add(kv.run_start), t.deltas = tb.add(kv.deltas), t.dst = tb.add(kv.dst);
+  for (int a = 0; a < n_attn_; ++a) t.k.push_back(tb.add(kv.k[a])), t.v.push_back(tb.add(kv.v[a]));
+  return t;
+}
 
 void CudaBackend::apply_folds(CudaSequence& s, const std::vector<Fold>& folds) {
   if (folds.empty()) return;
@@ -154,36 +178,18 @@ void CudaBackend::apply_folds(CudaSequence& s, const std::vector<Fold>& folds) {
     if (conv_layer_bytes_) copies.push_back({folds.back().e->conv(l), convs(l, s.slot_), long(conv_layer_bytes_)});
   }
   // Attention layers: K/V rows of every fold.
-  KvRows kv;
-  kv.k.resize(n_attn_), kv.v.resize(n_attn_);
-  std::vector<std::vector<const kc::bf16*>> kp(n_attn_), vp(n_attn_);
-  const size_t ke = size_t(geom_.kv_heads) * geom_.head_dim, ve = size_t(geom_.kv_heads) * geom_.v_dim();
   int64_t top = s.n_;
   for (const Fold& f : folds) top = std::max<int64_t>(top, f.base + f.e->n());
   ensure_pages(s, top);
-  for (const Fold& f : folds) {
-    for (int j = f.from(); j < f.e->n(); ++j) {
-      kv.deltas.push_back(int(f.base));
-      kv.dst.push_back(page_row(s, f.base + j));
-      for (int a = 0; a < n_attn_; ++a) {
-        kp[a].push_back(f.e->K(a) + size_t(j) * ke);
-        vp[a].push_back(f.e->V(a) + size_t(j) * ve);
-      }
-    }
-  }
+  const KvImport kv = plan_kv_import(s, fold_ptrs);
   const size_t o_steps = tb.add(steps), o_init = tb.add(init), o_fin = tb.add(fin), o_cp = tb.add(copies);
-  const size_t o_delta = tb.add(kv.deltas), o_dst = tb.add(kv.dst);
-  std::vector<size_t> o_k(n_attn_), o_v(n_attn_);
-  for (int a = 0; a < n_attn_; ++a) o_k[a] = tb.add(kp[a]), o_v[a] = tb.add(vp[a]);
+  const KvImportTables kvt = add_kv_import(tb, kv);
   tb.upload(tables_dev_, stream_);
   if (n_lin_)
     chain(n_lin_, steps_per_chain, tb.dev<kc::AffineStep>(o_steps), tb.dev<const float*>(o_init), tb.dev<float*>(o_fin),
           stream_);
   if (!copies.empty()) kc::batched_copy(int(copies.size()), tb.dev<kc::CopyDesc>(o_cp), stream_);
-  const int rows = int(kv.dst.size());
-  for (int a = 0; a < n_attn_ && rows; ++a)
-    import_kv(a, rows, tb.dev<const kc::bf16*>(o_k[a]), tb.dev<const kc::bf16*>(o_v[a]), tb.dev<int>(o_delta),
-              tb.dev<int>(o_dst));
+  for (int a = 0; a < n_attn_ && kv.rows(); ++a) import_kv(a, kv, kvt, tb);
   for (const Fold& f : folds) s.n_ = std::max<int64_t>(s.n_, f.base + f.e->n());
   check_cuda(cudaStreamSynchronize(stream_), "apply_folds");
 }
@@ -339,34 +345,8 @@ std::vector<float> CudaBackend::run_pass(CudaSequence& s, const std::vector<Run>
     for (const Fold& f : r.folds_before)
       if (f.kind == Fold::Naive) throw std::logic_error("run_pass: naive folds go through apply_folds");
   trace.mark("chain steps");
-  // KV rows of the folds inside the pass.
-  std::vector<std::vector<const kc::bf16*>> kp(n_attn_), vp(n_attn_);
-  std::vector<int> kv_delta, kv_dst;
-  const size_t ke = size_t(geom_.kv_heads) * geom_.head_dim, ve = size_t(geom_.kv_heads) * geom_.v_dim();
-  {  // per fold and layer one run of row pointers (the rows of an entry's K / V are contiguous)
-    size_t n_rows = 0;
-    for (const Run& r : runs)
-      for (const Fold& f : r.folds_before) n_rows += size_t(std::max(f.e->n() - f.from(), 0));
-    kv_delta.resize(n_rows), kv_dst.resize(n_rows);
-    for (int a = 0; a < n_attn_; ++a) kp[a].resize(n_rows), vp[a].resize(n_rows);
-    size_t at = 0;
-    for (const Run& r : runs)
-      for (const Fold& f : r.folds_before) {
-        const int from = f.from(), n = f.e->n();
-        if (n <= from) continue;
-        const size_t cnt = size_t(n - from);
-        std::fill_n(kv_delta.begin() + ptrdiff_t(at), cnt, int(f.base));
-        for (size_t i = 0; i < cnt; ++i) kv_dst[at + i] = page_row(s, f.base + from + int64_t(i));
-        for (int a = 0; a < n_attn_; ++a) {
-          const kc::bf16* kb = f.e->K(a) + size_t(from) * ke;
-          const kc::bf16* vb = f.e->V(a) + size_t(from) * ve;
-          const kc::bf16** kd = kp[a].data() + at;
-          const kc::bf16** vd = vp[a].data() + at;
-          for (size_t i = 0; i < cnt; ++i) kd[i] = kb + i * ke, vd[i] = vb + i * ve;
-        }
-        at += cnt;
-      }
-  }
+  // KV rows of the folds inside the pass: one kv_import run per fold.
+  const KvImport kv = plan_kv_import(s, fold_ptrs);
   trace.mark("kv rows");
   // Prefix checkpoints ending in this pass: the pass-local token count at each; per linear layer the state pointers
   // (written by the scan) and the conv tails (the K-1 conv inputs before the cut: this pass's rows, or the history
@@ -413,10 +393,9 @@ std::vector<float> CudaBackend::run_pass(CudaSequence& s, const std::vector<Run>
   const size_t t_ids = tb.add(ids), t_pos = tb.add(pos), t_rows = tb.add(rows), t_qs = tb.add(q_start),
                t_s0 = tb.add(slot0), t_bt = tb.add(bt), t_cu = tb.add(run_cu), t_steps = tb.add(steps),
                t_cinit = tb.add(chain_init), t_cin = tb.add(conv_in), t_cout = tb.add(conv_out_copy),
-               t_fin = tb.add(fin_copy), t_kd = tb.add(kv_delta), t_kdst = tb.add(kv_dst), t_lr = tb.add(logit_rows),
+               t_fin = tb.add(fin_copy), t_lr = tb.add(logit_rows),
                t_cst = tb.add(cut_states), t_cconv = tb.add(cut_convs);
-  std::vector<size_t> t_k(n_attn_), t_v(n_attn_);
-  for (int a = 0; a < n_attn_; ++a) t_k[a] = tb.add(kp[a]), t_v[a] = tb.add(vp[a]);
+  const KvImportTables kvt = add_kv_import(tb, kv);
   const MlaExpandTables mla_x = plan_mla_expand(tb, G, q_start.data(), slot0.data(), bt.data(), max_pages);
   trace.mark("tables");
   tb.upload(tables_dev_, stream_);
@@ -426,7 +405,7 @@ std::vector<float> CudaBackend::run_pass(CudaSequence& s, const std::vector<Run>
   const kc::AttnGroups groups =
       attn_groups(G, tb.dev<int>(t_qs), tb.dev<int>(t_s0), tb.dev<int>(t_bt), max_pages, T, max_q, int(top));
   const MlaExpandPass mla_pass = mla_x.on ? mla_expand_pass(mla_x, tb, groups) : MlaExpandPass{};
-  const int import_rows = int(kv_dst.size());
+  const int import_rows = kv.rows();
 
   kc::embed_gather(T, H_, pre_.ids, w_.embed, pre_.x, stream_);
   for (int i = 0; i < cfg_.num_hidden_layers; ++i) {
@@ -483,8 +462,7 @@ std::vector<float> CudaBackend::run_pass(CudaSequence& s, const std::vector<Run>
     } else {
       const int a = cfg_.attention_index(i);
       if (import_rows)  // the folded entries' K (re-rotated to real positions) and V, before anything attends to them
-        import_kv(a, import_rows, tb.dev<const kc::bf16*>(t_k[a]), tb.dev<const kc::bf16*>(t_v[a]), tb.dev<int>(t_kd),
-                  tb.dev<int>(t_kdst));
+        import_kv(a, kv, kvt, tb);
       attention_layer(pre_, L, a, T, tb.dev<int>(t_pos), tb.dev<int>(t_rows), groups, false,
                       mla_x.on ? &mla_pass : nullptr);
       if (mass_dev) {  // the last span's last token over every slot it sees (PrefillOptions::attention_mass)

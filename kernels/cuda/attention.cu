@@ -465,19 +465,6 @@ __global__ void __launch_bounds__(kPlanThreads) attn_split_plan_kernel(const Att
   }
 }
 
-// Largest g in [0, n) with off[g] <= x, for a non-decreasing off with off[0] <= x < off[n].
-__device__ __forceinline__ int find_group(const int* off, int n, int x) {
-  int lo = 0, hi = n;
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) >> 1;
-    if (off[mid] <= x)
-      lo = mid;
-    else
-      hi = mid;
-  }
-  return lo;
-}
-
 // Persistent: each block takes work items from the counter until none is left.
 template <int HD>
 __global__ void __launch_bounds__(SplitCfg<HD>::kThreads, SplitCfg<HD>::kMinBlocks)

@@ -188,15 +188,19 @@ void attention_prepare(int T, int num_heads, int num_kv_heads, int head_dim, int
                        bf16* q_out, bf16* k_pool, bf16* v_pool, cudaStream_t stream = nullptr,
                        QkNorm norm = QkNorm::ZeroCentred);
 
-/// Copies n cached K/V rows into the pool, re-rotating K by a position delta (R(p + d) = R(d) R(p)):
-/// for i < n, k_src[i] / v_src[i] (DEVICE array of device pointers) point at one token's
-/// [num_kv_heads][head_dim] bf16 row; K is rotated on its first rotary_dim dims by angle
-/// float(deltas[i]) * inv_freq[j] (x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin, fp32, rounded to bf16
-/// once; kernels/cpu apply_rope_uniform), V copied; both written to pool row kv_rows[i].
-/// deltas: DEVICE int32 [n] (0 or negative allowed; delta 0 copies K bit for bit); kv_rows: DEVICE int32
-/// [n]. rotary_dim even, 0 <= rotary_dim <= head_dim. 16-byte vectorised where every pointer allows.
-void kv_import(int n, int num_kv_heads, int head_dim, int rotary_dim, const bf16* const* k_src,
-               const bf16* const* v_src, const int* deltas, const float* inv_freq, const int* kv_rows, bf16* k_pool,
-               bf16* v_pool, cudaStream_t stream = nullptr);
+/// Copies n cached K/V rows into the pool, re-rotating K by a position delta (R(p + d) = R(d) R(p)). The rows come
+/// in num_runs runs of consecutive rows of one source (a cached segment's K / V, DESIGN.md 3.2): run r is import
+/// rows [run_start[r], run_start[r + 1]) and its j-th row is the [num_kv_heads][head_dim] bf16 row at
+/// k_src[r] + j * num_kv_heads * head_dim (V: v_src[r] + j * num_kv_heads * head_dim). K is rotated on its first
+/// rotary_dim dims by angle float(deltas[r]) * inv_freq[j] (x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin, fp32,
+/// rounded to bf16 once; kernels/cpu apply_rope_uniform), V copied; import row i goes to pool row kv_rows[i].
+/// run_start: DEVICE int32 [num_runs + 1], non-decreasing, run_start[0] = 0, run_start[num_runs] = n (empty runs
+/// allowed); k_src, v_src: DEVICE arrays of num_runs device pointers; deltas: DEVICE int32 [num_runs] (0 or negative
+/// allowed; delta 0 copies K bit for bit); kv_rows: DEVICE int32 [n]. rotary_dim even, 0 <= rotary_dim <= head_dim.
+/// 16-byte vectorised where every pointer allows. The tables are per run, not per row: a 16 x 2k splice's import
+/// is 16 pointers per layer and tensor, not 32k. Throws std::invalid_argument on bad sizes or null pointers.
+void kv_import(int n, int num_runs, int num_kv_heads, int head_dim, int rotary_dim, const int* run_start,
+               const bf16* const* k_src, const bf16* const* v_src, const int* deltas, const float* inv_freq,
+               const int* kv_rows, bf16* k_pool, bf16* v_pool, cudaStream_t stream = nullptr);
 
 }  // namespace hypic::kernels::cuda

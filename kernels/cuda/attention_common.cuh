@@ -16,6 +16,19 @@
 
 namespace hypic::kernels::cuda::detail {
 
+// Largest g in [0, n) with off[g] <= x, for a non-decreasing off with off[0] <= x < off[n].
+__device__ __forceinline__ int find_group(const int* off, int n, int x) {
+  int lo = 0, hi = n;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) >> 1;
+    if (off[mid] <= x)
+      lo = mid;
+    else
+      hi = mid;
+  }
+  return lo;
+}
+
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr int kBN = kKvPageTokens;  // KV tile = one page: one block-table lookup per tile
 static_assert(kBN == 64, "the kernels assume 64-slot KV tiles");

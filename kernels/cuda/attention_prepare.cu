@@ -175,7 +175,8 @@ __global__ void __launch_bounds__(32 * kRowWarps, 4) attn_prepare_kernel(const P
 }
 
 struct ImportParams {
-  int n, num_kv_heads, rot;
+  int n, num_runs, num_kv_heads, rot;
+  const int* run_start;
   const bf16* const* k_src;
   const bf16* const* v_src;
   const int* deltas;
@@ -194,11 +195,13 @@ __global__ void __launch_bounds__(32 * kRowWarps, 4) kv_import_kernel(const Impo
   for (long w = static_cast<long>(blockIdx.x) * kRowWarps + warp; w < total;
        w += static_cast<long>(gridDim.x) * kRowWarps) {
     const int i = static_cast<int>(w / p.num_kv_heads), kh = static_cast<int>(w % p.num_kv_heads);
+    const int r = find_group(p.run_start, p.num_runs, i);  // the run of row i (the last of equal starts)
     const size_t row = static_cast<size_t>(p.kv_rows[i]);
     const size_t off = (row * p.num_kv_heads + kh) * HD + lane * E;
-    const bf16* ks = p.k_src[i] + static_cast<size_t>(kh) * HD + lane * E;
-    copy_lane<E>(p.v_src[i] + static_cast<size_t>(kh) * HD + lane * E, p.v_pool + off);
-    const int delta = p.deltas[i];
+    const size_t src = (static_cast<size_t>(i - p.run_start[r]) * p.num_kv_heads + kh) * HD + lane * E;
+    const bf16* ks = p.k_src[r] + src;
+    copy_lane<E>(p.v_src[r] + src, p.v_pool + off);
+    const int delta = p.deltas[r];
     if (delta == 0 || p.rot == 0) {  // warp-uniform
       copy_lane<E>(ks, p.k_pool + off);
       continue;
@@ -280,15 +283,18 @@ void attention_prepare(int T, int num_heads, int num_kv_heads, int head_dim, int
   check_cuda(cudaGetLastError(), "attn_prepare_kernel launch");
 }
 
-void kv_import(int n, int num_kv_heads, int head_dim, int rotary_dim, const bf16* const* k_src,
-               const bf16* const* v_src, const int* deltas, const float* inv_freq, const int* kv_rows, bf16* k_pool,
-               bf16* v_pool, cudaStream_t stream) {
+void kv_import(int n, int num_runs, int num_kv_heads, int head_dim, int rotary_dim, const int* run_start,
+               const bf16* const* k_src, const bf16* const* v_src, const int* deltas, const float* inv_freq,
+               const int* kv_rows, bf16* k_pool, bf16* v_pool, cudaStream_t stream) {
   const char* fn = "kv_import";
   if (n < 0) bad(fn, "n " + std::to_string(n) + " is negative");
+  if (num_runs < 0 || (n > 0 && num_runs == 0))
+    bad(fn, "num_runs " + std::to_string(num_runs) + " for " + std::to_string(n) + " rows");
   if (num_kv_heads <= 0) bad(fn, "num_kv_heads " + std::to_string(num_kv_heads) + " must be positive");
   check_head_dim(fn, head_dim);
   check_rot(fn, rotary_dim, head_dim, inv_freq);
   if (n == 0) return;
+  check_ptr(fn, run_start, "run_start");
   check_ptr(fn, k_src, "k_src");
   check_ptr(fn, v_src, "v_src");
   check_ptr(fn, deltas, "deltas");
@@ -297,8 +303,10 @@ void kv_import(int n, int num_kv_heads, int head_dim, int rotary_dim, const bf16
   check_ptr(fn, v_pool, "v_pool");
   ImportParams p{};
   p.n = n;
+  p.num_runs = num_runs;
   p.num_kv_heads = num_kv_heads;
   p.rot = rotary_dim;
+  p.run_start = run_start;
   p.k_src = k_src;
   p.v_src = v_src;
   p.deltas = deltas;

@@ -7,6 +7,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "kernels/cuda/attention_common.cuh"
 #include "kernels/cuda/cuda_check.h"
 
 namespace hypic::kernels::cuda {
@@ -57,10 +58,12 @@ __global__ void mla_gather_kernel(int n, int D, const int* __restrict__ src_rows
     out[size_t(i) * D + j] = src >= 0 ? pool[size_t(src) * D + j] : __float2bfloat16_rn(0.f);
 }
 
-__global__ void mla_import_kernel(int D, const bf16* const* __restrict__ src, const int* __restrict__ kv_rows,
+__global__ void mla_import_kernel(int D, int num_runs, const int* __restrict__ run_start,
+                                  const bf16* const* __restrict__ src, const int* __restrict__ kv_rows,
                                   bf16* __restrict__ pool) {
   const int i = blockIdx.x;
-  const bf16* s = src[i];
+  const int r = detail::find_group(run_start, num_runs, i);
+  const bf16* s = src[r] + size_t(i - run_start[r]) * D;
   bf16* d = pool + size_t(kv_rows[i]) * D;
   for (int j = threadIdx.x; j < D; j += blockDim.x) d[j] = s[j];
 }
@@ -138,13 +141,16 @@ void mla_gather_latent(int n, const MlaDims& d, const int* src_rows, const bf16*
   check_cuda(cudaGetLastError(), "mla_gather_latent launch");
 }
 
-void mla_latent_import(int n, const MlaDims& d, const bf16* const* src, const int* kv_rows, bf16* pool,
-                       cudaStream_t stream) {
+void mla_latent_import(int n, int num_runs, const MlaDims& d, const int* run_start, const bf16* const* src,
+                       const int* kv_rows, bf16* pool, cudaStream_t stream) {
   check_dims("mla_latent_import", d);
   if (n < 0) throw std::invalid_argument("mla_latent_import: n " + std::to_string(n) + " < 0");
+  if (num_runs < 0 || (n > 0 && num_runs == 0))
+    throw std::invalid_argument("mla_latent_import: num_runs " + std::to_string(num_runs) + " for " +
+                                std::to_string(n) + " rows");
   if (n == 0) return;
-  if (!src || !kv_rows || !pool) throw std::invalid_argument("mla_latent_import: null pointer");
-  mla_import_kernel<<<n, 128, 0, stream>>>(d.rank + d.rope, src, kv_rows, pool);
+  if (!run_start || !src || !kv_rows || !pool) throw std::invalid_argument("mla_latent_import: null pointer");
+  mla_import_kernel<<<n, 128, 0, stream>>>(d.rank + d.rope, num_runs, run_start, src, kv_rows, pool);
   check_cuda(cudaGetLastError(), "mla_latent_import launch");
 }
 

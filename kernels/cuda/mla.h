@@ -54,10 +54,13 @@ void mla_gather_latent(int n, const MlaDims& d, const int* src_rows, const bf16*
 /// (P = d.padded()). 16-byte stores where nope, rope and P allow.
 void mla_expand_rope(int n, const MlaDims& d, const bf16* lat, bf16* k_out, cudaStream_t stream = nullptr);
 
-/// Cached latent rows into the pool: pool[kv_rows[i]] = src[i][0, D) for i < n (src: DEVICE array of n row pointers,
-/// each a [D] bf16 row of a segment entry; no RoPE to re-apply in Kimi-Linear). Copies only.
-void mla_latent_import(int n, const MlaDims& d, const bf16* const* src, const int* kv_rows, bf16* pool,
-                       cudaStream_t stream = nullptr);
+/// Cached latent rows into the pool, in runs of consecutive rows as kv_import (attention.h): import row i of run r
+/// (run_start[r] <= i < run_start[r + 1]) is the [D] bf16 row src[r] + (i - run_start[r]) D (D = rank + rope), copied
+/// to pool[kv_rows[i]] (no RoPE to re-apply in Kimi-Linear). run_start: DEVICE int32 [num_runs + 1] (0 .. n,
+/// non-decreasing); src: DEVICE array of num_runs row pointers; kv_rows: DEVICE int32 [n]. Copies only. Throws
+/// std::invalid_argument on bad sizes or null pointers.
+void mla_latent_import(int n, int num_runs, const MlaDims& d, const int* run_start, const bf16* const* src,
+                       const int* kv_rows, bf16* pool, cudaStream_t stream = nullptr);
 
 /// q_pad[t][h] = [q[t][h] (nope + rope) | 0]: q [T][nh][nope + rope] (q_proj output) to [T][nh][P].
 void mla_pad_query(int T, const MlaDims& d, const bf16* q, bf16* q_pad, cudaStream_t stream = nullptr);

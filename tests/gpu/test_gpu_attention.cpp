@@ -722,10 +722,12 @@ void run_import_case(const std::string& name, int n, int nkv, int hd, int rot, b
     vp[i] = dvs.get() + base + size_t(src[i]) * row;
   }
   DeviceBuffer<const bf16*> dkp(kp), dvp(vp);
-  DeviceBuffer<int> ddel(deltas), drows(rows);
+  std::vector<int> one_row_runs(n + 1);  // every row its own run (per-row sources and deltas)
+  std::iota(one_row_runs.begin(), one_row_runs.end(), 0);
+  DeviceBuffer<int> ddel(deltas), drows(rows), dstart(one_row_runs);
   DeviceBuffer<float> dinv(inv.empty() ? std::vector<float>{0.f} : inv);
-  gpu::kv_import(n, nkv, hd, rot, dkp.get(), dvp.get(), ddel.get(), rot ? dinv.get() : nullptr, drows.get(), dk.get(),
-                 dv.get());
+  gpu::kv_import(n, n, nkv, hd, rot, dstart.get(), dkp.get(), dvp.get(), ddel.get(), rot ? dinv.get() : nullptr,
+                 drows.get(), dk.get(), dv.get());
   check_cuda(cudaDeviceSynchronize(), name);
   const auto k = dk.download(), v = dv.download();
   RowStats ks;
@@ -805,8 +807,11 @@ TEST_CASE("kv_import(delta) after attention_prepare at p equals attention_prepar
         vp[t] = poolA_v.get() + size_t(t) * row;
       }
       DeviceBuffer<const bf16*> dkp(kp), dvp(vp);
-      gpu::kv_import(T, nkv, hd, rot, dkp.get(), dvp.get(), dd.get(), dinv.get(), drows.get(), poolB_k.get(),
-                     poolB_v.get());
+      std::vector<int> one_row_runs(T + 1);  // per-row deltas: every row its own run
+      std::iota(one_row_runs.begin(), one_row_runs.end(), 0);
+      DeviceBuffer<int> dstart(one_row_runs);
+      gpu::kv_import(T, T, nkv, hd, rot, dstart.get(), dkp.get(), dvp.get(), dd.get(), dinv.get(), drows.get(),
+                     poolB_k.get(), poolB_v.get());
       check_cuda(cudaDeviceSynchronize(), "prepare / import composition");
       const auto B = poolB_k.download(), C = poolC_k.download(), BV = poolB_v.download(), CV = poolC_v.download();
       RowStats st;
@@ -916,10 +921,15 @@ TEST_CASE("attention kernels reject bad arguments with invalid_argument naming t
   CHECK_THROWS_WITH(gpu::attention_prepare(1, 4, 4, 80, 0, false, p, p, p, 512, p, p, 1e-6f, ibuf.get(), nullptr,
                                            ibuf.get(), p, p, p),
                     Contains("head_dim 80"));
-  CHECK_THROWS_WITH(gpu::kv_import(1, 2, 256, 300, nullptr, nullptr, nullptr, nullptr, nullptr, p, p),
+  CHECK_THROWS_WITH(gpu::kv_import(1, 1, 2, 256, 300, ibuf.get(), nullptr, nullptr, nullptr, nullptr, nullptr, p, p),
                     Contains("rotary_dim 300"));
-  CHECK_THROWS_WITH(gpu::kv_import(1, 2, 256, 64, nullptr, nullptr, ibuf.get(), nullptr, ibuf.get(), p, p),
+  const int* ib = ibuf.get();
+  CHECK_THROWS_WITH(gpu::kv_import(1, 1, 2, 256, 64, ib, nullptr, nullptr, ib, nullptr, ib, p, p),
                     Contains("inv_freq is null"));
+  CHECK_THROWS_WITH(gpu::kv_import(3, 0, 2, 256, 64, ib, nullptr, nullptr, ib, nullptr, ib, p, p),
+                    Contains("num_runs 0 for 3 rows"));
+  CHECK_THROWS_WITH(gpu::kv_import(3, 1, 2, 256, 0, nullptr, nullptr, nullptr, ibuf.get(), nullptr, ibuf.get(), p, p),
+                    Contains("run_start"));
   CHECK_THROWS_WITH(ws.reserve(0, 16, 256, 100), Contains("max_batch 0"));
   check_cuda(cudaDeviceSynchronize(), "nothing was launched");
 }

@@ -600,39 +600,52 @@ Errs run_attention_prepare(const PrepareP& c, std::mt19937& rng) {
 struct ImportP {
   int n, nkv, hd, rot;
 };
-// Cached rows re-rotated by deltas in [-5000, 5000] (every fifth 0: K copied bit for bit), sources in shuffled order.
+// Cached rows in runs of 0..9 consecutive source rows (empty and one-row runs included), the runs' order shuffled, each
+// run re-rotated by its delta in [-5000, 5000] (every fifth 0: K copied bit for bit), to shuffled pool rows.
 Errs run_kv_import(const ImportP& c, std::mt19937& rng) {
   const size_t row = size_t(c.nkv) * c.hd;
   std::vector<float> kf, vf;
   const auto kh = random_bf16(rng, size_t(c.n) * row, 1.f, kf), vh = random_bf16(rng, size_t(c.n) * row, 1.f, vf);
-  const std::vector<int> src = shuffled(c.n, rng);
+  std::vector<std::pair<int, int>> runs;  // (first source row, length), in source order
+  std::uniform_int_distribution<int> len_d(0, 9);
+  for (int at = 0; at < c.n;) {
+    const int len = std::min(len_d(rng), c.n - at);
+    runs.push_back({at, len});
+    at += len;
+  }
+  std::shuffle(runs.begin(), runs.end(), rng);
   std::uniform_int_distribution<int> ud(-5000, 5000);
-  std::vector<int> deltas(c.n);
-  for (int i = 0; i < c.n; ++i) deltas[i] = i % 5 == 0 ? 0 : ud(rng);
+  std::vector<int> run_start{0}, deltas, src;  // src: each import row's source row
+  for (size_t r = 0; r < runs.size(); ++r) {
+    for (int j = 0; j < runs[r].second; ++j) src.push_back(runs[r].first + j);
+    run_start.push_back(int(src.size()));
+    deltas.push_back(r % 5 == 0 ? 0 : ud(rng));
+  }
   const int pages = (c.n + kPage - 1) / kPage + 1;
   std::vector<int> rows = shuffled(pages * kPage, rng);
   rows.resize(c.n);
   const auto inv = c.rot ? cpu::rope_inv_freq(1e7, c.rot) : std::vector<float>{};
   DeviceBuffer<bf16> dks(kh), dvs(vh), dk(size_t(pages) * kPage * row), dv(dk.size());
   dk.poison(), dv.poison();
-  std::vector<const bf16*> kp(c.n), vp(c.n);
-  for (int i = 0; i < c.n; ++i) kp[i] = dks.get() + src[i] * row, vp[i] = dvs.get() + src[i] * row;
+  std::vector<const bf16*> kp, vp;
+  for (const auto& r : runs) kp.push_back(dks.get() + r.first * row), vp.push_back(dvs.get() + r.first * row);
   DeviceBuffer<const bf16*> dkp(kp), dvp(vp);
-  DeviceBuffer<int> ddel(deltas), drows(rows);
+  DeviceBuffer<int> dstart(run_start), ddel(deltas), drows(rows);
   DeviceBuffer<float> dinv(inv.empty() ? std::vector<float>{0.f} : inv);
-  gpu::kv_import(c.n, c.nkv, c.hd, c.rot, dkp.get(), dvp.get(), ddel.get(), c.rot ? dinv.get() : nullptr, drows.get(),
-                 dk.get(), dv.get());
+  gpu::kv_import(c.n, int(runs.size()), c.nkv, c.hd, c.rot, dstart.get(), dkp.get(), dvp.get(), ddel.get(),
+                 c.rot ? dinv.get() : nullptr, drows.get(), dk.get(), dv.get());
   const auto k = to_float(dk.download());
   const auto v = dv.download();
   double ek = 0, ev = 0;
   std::vector<float> y(row);
-  for (int i = 0; i < c.n; ++i) {
-    std::copy_n(&kf[src[i] * row], row, y.begin());
-    if (c.rot) cpu::apply_rope_uniform(y.data(), 1, c.nkv, c.hd, inv, deltas[i]);
-    for (auto& x : y) x = bfr(x);
-    for (int h = 0; h < c.nkv; ++h) ek = std::max(ek, max_rel(&k[rows[i] * row + h * c.hd], &y[h * c.hd], c.hd));
-    for (size_t e = 0; e < row; ++e) ev += bits(v[rows[i] * row + e]) != bits(vh[src[i] * row + e]);
-  }
+  for (size_t r = 0; r < runs.size(); ++r)
+    for (int i = run_start[r]; i < run_start[r + 1]; ++i) {
+      std::copy_n(&kf[src[i] * row], row, y.begin());
+      if (c.rot) cpu::apply_rope_uniform(y.data(), 1, c.nkv, c.hd, inv, deltas[r]);
+      for (auto& x : y) x = bfr(x);
+      for (int h = 0; h < c.nkv; ++h) ek = std::max(ek, max_rel(&k[rows[i] * row + h * c.hd], &y[h * c.hd], c.hd));
+      for (size_t e = 0; e < row; ++e) ev += bits(v[rows[i] * row + e]) != bits(vh[src[i] * row + e]);
+    }
   return {ek, ev};
 }
 
@@ -1031,7 +1044,7 @@ std::vector<Op> ops_table() {
                     {"T130 hd256 16/2 rot64 gate odd stride", {130, 16, 2, 256, 64, true, 1, 5000}},
                     {"T65 hd64 4/4 rot32 gate", {65, 4, 4, 64, 32, true, 0, 5000}}},
                    run_attention_prepare),
-      op<ImportP>("kv_import", "K/V rows bf16 (pointer tables), deltas int32, inv_freq fp32 -> K/V pool rows bf16",
+      op<ImportP>("kv_import", "K/V row runs bf16 (run tables), deltas int32, inv_freq fp32 -> K/V pool rows bf16",
                   {named(row_1_64, "k.max_rel"), {"v.exact", 0, "V copied"}},
                   {{"n1 2kv hd128 rot64", {1, 2, 128, 64}}, {"n130 2kv hd256 rot64", {130, 2, 256, 64}},
                    {"n65 4kv hd128 rot128", {65, 4, 128, 128}}},
