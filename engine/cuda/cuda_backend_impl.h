@@ -430,6 +430,7 @@ class CudaBackend final : public Backend {
   /// The K/V rows that folds bring into the pool (host tables of kv_import / mla_latent_import): per fold with rows
   /// past its from(), one run of the entry's consecutive rows [from, n) going to the pool rows of real positions
   /// base + from .. base + n - 1, K re-rotated by base. k / v: per attention layer, each run's first row (device).
+  /// (MLA reads k and run_start / dst only: latent rows, no V, no RoPE.)
   struct KvImport {
     std::vector<int> run_start{0};                   // [runs + 1], import rows
     std::vector<int> deltas;                         // [runs]: the fold's base

@@ -26,6 +26,11 @@ namespace hypic::engine::cuda::impl {
 // (check_entry) is T_int, S_int; Interior S <- T_int S + S_int; Naive S <- S + S(C|0) (S(C|0) precomputed in
 // `naive_whole` at [fold index][layer]). The cached states are read through `placed` where it holds a copy rotated to
 // the fold's base (Ring-linear).
+// An entry's T_int for linear layer l as an affine step's T: nullptr (the chain's exact identity) when the interior is
+// empty (all its tokens in the seam), where the stored T_int is the identity matrix and a product with it through the
+// chain's 3xTF32 split would pass R on only to ~1 ulp.
+const float* interior_T(const CudaEntry& e, int l) { return e.n() > e.header().seam_tokens() ? e.T_int(l) : nullptr; }
+
 void fold_steps(const Fold& f, int l, std::vector<kc::AffineStep>& out, const float* naive_whole,
                 const Placed* placed = nullptr) {
   auto P = [&](const float* st) -> const float* {
@@ -37,16 +42,16 @@ void fold_steps(const Fold& f, int l, std::vector<kc::AffineStep>& out, const fl
     case Fold::Install:
       if (f.e->has_seam()) {
         out.push_back({nullptr, P(f.e->S_seam(l)), nullptr, 0.f});
-        out.push_back({f.e->T_int(l), P(f.e->S_int(l)), nullptr, 1.f});
+        out.push_back({interior_T(*f.e, l), P(f.e->S_int(l)), nullptr, 1.f});
       } else {
         out.push_back({nullptr, P(f.e->S_int(l)), nullptr, 0.f});
       }
       break;
     case Fold::Transition:
       if (f.e->has_seam()) throw std::logic_error("fold_steps: transition mode folds entries made with w = 0");
-      out.push_back({f.e->T_int(l), P(f.e->S_int(l)), nullptr, 1.f});
+      out.push_back({interior_T(*f.e, l), P(f.e->S_int(l)), nullptr, 1.f});
       break;
-    case Fold::Interior: out.push_back({f.e->T_int(l), P(f.e->S_int(l)), nullptr, 1.f}); break;
+    case Fold::Interior: out.push_back({interior_T(*f.e, l), P(f.e->S_int(l)), nullptr, 1.f}); break;
     case Fold::Naive: out.push_back({nullptr, naive_whole, nullptr, 1.f}); break;
   }
 }
@@ -86,7 +91,6 @@ Placed CudaBackend::place_states(const std::vector<const Fold*>& folds, DeviceMe
   check_cuda(cudaStreamSynchronize(stream_), "rotated segment states");  // before `table` goes
   return placed;
 }
-
 
 CudaBackend::KvImport CudaBackend::plan_kv_import(const CudaSequence& s, const std::vector<const Fold*>& folds) const {
   KvImport kv;
@@ -144,7 +148,7 @@ void CudaBackend::apply_folds(CudaSequence& s, const std::vector<Fold>& folds) {
       for (int l = 0; l < n_lin_; ++l) {
         if (f.e->has_seam()) {  // S(C|0) = T_int S_seam + S_int
           st.push_back({nullptr, P(f.e->S_seam(l), f.base), nullptr, 0.f});
-          st.push_back({f.e->T_int(l), P(f.e->S_int(l), f.base), nullptr, 1.f});
+          st.push_back({interior_T(*f.e, l), P(f.e->S_int(l), f.base), nullptr, 1.f});
         } else {  // S_int, then an identity step (every chain has two)
           st.push_back({nullptr, P(f.e->S_int(l), f.base), nullptr, 0.f});
           st.push_back({nullptr, nullptr, nullptr, 1.f});

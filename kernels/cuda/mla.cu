@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "kernels/cuda/attention_common.cuh"
 #include "kernels/cuda/cuda_check.h"
@@ -149,7 +150,9 @@ void mla_latent_import(int n, int num_runs, const MlaDims& d, const int* run_sta
     throw std::invalid_argument("mla_latent_import: num_runs " + std::to_string(num_runs) + " for " +
                                 std::to_string(n) + " rows");
   if (n == 0) return;
-  if (!run_start || !src || !kv_rows || !pool) throw std::invalid_argument("mla_latent_import: null pointer");
+  for (const auto& [ptr, name] : {std::pair<const void*, const char*>{run_start, "run_start"}, {src, "src"},
+                                  {kv_rows, "kv_rows"}, {pool, "pool"}})
+    if (!ptr) throw std::invalid_argument(std::string("mla_latent_import: ") + name + " is null");
   mla_import_kernel<<<n, 128, 0, stream>>>(d.rank + d.rope, num_runs, run_start, src, kv_rows, pool);
   check_cuda(cudaGetLastError(), "mla_latent_import launch");
 }

@@ -41,9 +41,11 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], 
 
 /// The 3xTF32 split of an fp32 x (as CUTLASS's "big + small" fast-accurate TF32): hi = x rounded to TF32's 10
 /// mantissa bits (half away from zero, by integer add and mask: two instructions, where cvt.rna.tf32.f32 is a
-/// dozen on sm_90), lo = x - hi exactly in fp32, handed to mma as it is: the tensor cores read a .tf32 operand's
-/// top 19 bits, so lo is truncated to TF32 there (relative error 2^-21 of lo, 2^-32 of x). Inf stays inf; NaN
-/// inputs give NaN products. Both as 32-bit patterns for mma_tf32.
+/// dozen on sm_90), lo = x - hi exactly in fp32 (at most 12 significant bits), handed to mma as it is: the tensor
+/// cores read a .tf32 operand's top 19 bits (undocumented in PTX but relied on by CUTLASS's fast 3xTF32 too), so lo
+/// loses at most its last bit there: hi + lo(mma) is within 1 ulp (2^-23 relative) of x. Finite inputs only: an inf,
+/// a NaN or |x| >= 3.4025e38 (hi rounds to inf) makes lo inf or NaN, so products with it are NaN (the fp32 kernel
+/// would give inf for an inf). Both as 32-bit patterns for mma_tf32.
 __device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
   hi = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
   lo = __float_as_uint(x - __uint_as_float(hi));

@@ -64,7 +64,8 @@ constexpr unsigned kFull = 0xffffffffu;
 constexpr int kChunk = 32;       // tokens per routing chunk (one bit each in the scatter bitmask)
 constexpr int kMaxE = 512;
 constexpr int kMaxTopk = 16;
-constexpr int kRouteThreads = 1024;  // 32 warps, one token each = one chunk (splice-sized passes: 6 blocks at 184 tokens)
+constexpr int kRouteThreads = 1024;  // 32 warps, one token each = one chunk (184 splice tokens: 6 blocks)
+static_assert(kChunk % (kRouteThreads / 32) == 0, "route_kernel: a chunk's tokens split evenly over its warps");
 
 // ---------------------------------------------------------------------------------------------
 // Routing

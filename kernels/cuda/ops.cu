@@ -590,19 +590,24 @@ void affine_chain(int num_chains, int heads, int steps_per_chain, const AffineSt
            " steps=" + std::to_string(steps_per_chain));
   if (num_chains == 0) return;
   need(steps || steps_per_chain == 0, "affine_chain: steps is null");
-  static DeviceOnce once;
-  once.run(current_device(), [](int) {
-    check_cuda(cudaFuncSetAttribute(affine_chain_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kChainSmem),
-               "affine_chain smem opt-in");
-    check_cuda(cudaFuncSetAttribute(affine_chain_tc_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kChainTcSmem),
-               "affine_chain (tensor cores) smem opt-in");
-    return 0;
-  });
+  static DeviceOnce fma_once, tc_once;  // (each kernel opts in on first use: their shared memory differs)
   dim3 grid(num_chains, heads, D / kBN);
-  if (math == ChainMath::Fp32Fma)
+  if (math == ChainMath::Fp32Fma) {
+    fma_once.run(current_device(), [](int) {
+      check_cuda(cudaFuncSetAttribute(affine_chain_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kChainSmem),
+                 "affine_chain smem opt-in");
+      return 0;
+    });
     affine_chain_kernel<<<grid, 256, kChainSmem, stream>>>(heads, steps_per_chain, steps, init, final_states);
-  else
+  } else {
+    tc_once.run(current_device(), [](int) {
+      check_cuda(cudaFuncSetAttribute(affine_chain_tc_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      kChainTcSmem),
+                 "affine_chain (tensor cores) smem opt-in");
+      return 0;
+    });
     affine_chain_tc_kernel<<<grid, 256, kChainTcSmem, stream>>>(heads, steps_per_chain, steps, init, final_states);
+  }
   check_cuda(cudaGetLastError(), "affine_chain launch");
 }
 

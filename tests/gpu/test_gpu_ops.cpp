@@ -83,6 +83,64 @@ TEST_CASE("rms_norm_gated equals the gated RMSNorm of the delta-rule output", "[
   check_close(to_float(dx.download()), ref, 1e-2, 1e-3, "rms_norm_gated");
 }
 
+TEST_CASE("affine_chain edge cases on both kernels: no steps, a T-less first step, init aliasing final", "[ops]") {
+  require_gpu();
+  std::mt19937 rng(11);
+  const int heads = 2, D = 128;
+  const size_t M = size_t(D) * D * heads;
+  std::normal_distribution<float> d(0.f, 1.f / D);
+  auto rnd = [&](bool near_identity) {
+    std::vector<float> v(M);
+    for (auto& x : v) x = d(rng);
+    if (near_identity)
+      for (size_t h = 0; h < M; h += size_t(D) * D)
+        for (int i = 0; i < D; ++i) v[h + size_t(i) * (D + 1)] += 1.f;
+    return v;
+  };
+  const auto X = rnd(false), S0 = rnd(false), T1 = rnd(true), S1 = rnd(false);
+  // The reference of B: R = S0 (alpha 0 kills the init), R = T1 R + S1, then an identity step.
+  std::vector<double> ref(M);
+  for (int h = 0; h < heads; ++h)
+    for (int i = 0; i < D; ++i)
+      for (int j = 0; j < D; ++j) {
+        const size_t b = size_t(h) * D * D;
+        double acc = S1[b + size_t(i) * D + j];
+        for (int k = 0; k < D; ++k) acc += double(T1[b + size_t(i) * D + k]) * S0[b + size_t(k) * D + j];
+        ref[b + size_t(i) * D + j] = acc;
+      }
+  DeviceBuffer<float> dS0(S0), dT1(T1), dS1(S1), dX(X), dF(M), dout(M);
+  for (const gpu::ChainMath math : {gpu::ChainMath::Tf32x3, gpu::ChainMath::Fp32Fma}) {
+    INFO("math " << (math == gpu::ChainMath::Tf32x3 ? "tf32x3" : "fp32"));
+    // A: no steps: final = init bit for bit.
+    dF.upload(std::vector<float>(M, std::nanf("")));
+    DeviceBuffer<const float*> a_init(std::vector<const float*>{dX.get()});
+    DeviceBuffer<float*> a_fin(std::vector<float*>{dF.get()});
+    gpu::affine_chain(1, heads, 0, nullptr, a_init.get(), a_fin.get(), nullptr, math);
+    CHECK(dF.download() == X);
+    // B: init aliasing final (the slot state, as apply_folds), a T-less first step writing out (exactly S0), a T step,
+    // then an identity step.
+    dF.upload(X);
+    dout.upload(std::vector<float>(M, std::nanf("")));
+    std::vector<gpu::AffineStep> st(3);
+    st[0].S = dS0.get(), st[0].alpha = 0.f, st[0].out = dout.get();
+    st[1].T = dT1.get(), st[1].S = dS1.get();
+    std::vector<unsigned char> raw(st.size() * sizeof(gpu::AffineStep));
+    std::memcpy(raw.data(), st.data(), raw.size());
+    DeviceBuffer<unsigned char> dsteps(raw);
+    DeviceBuffer<const float*> b_init(std::vector<const float*>{dF.get()});
+    DeviceBuffer<float*> b_fin(std::vector<float*>{dF.get()});
+    gpu::affine_chain(1, heads, 3, reinterpret_cast<const gpu::AffineStep*>(dsteps.get()), b_init.get(), b_fin.get(),
+                      nullptr, math);
+    CHECK(dout.download() == S0);
+    const auto F = dF.download();
+    double n = 0, dd = 0;
+    for (size_t i = 0; i < M; ++i) n += (F[i] - ref[i]) * (F[i] - ref[i]), dd += ref[i] * ref[i];
+    std::printf("[ops] affine_chain edge cases (%s): aliased final %.3e\n",
+                math == gpu::ChainMath::Tf32x3 ? "tf32x3" : "fp32", std::sqrt(n / dd));
+    CHECK(std::sqrt(n / dd) <= 1e-5);
+  }
+}
+
 TEST_CASE("affine_chain folds (T, S) steps like the plain matrix products", "[ops]") {
   require_gpu();
   std::mt19937 rng(3);
