@@ -738,18 +738,28 @@ static_assert(BigCfg::BM == kWgmmaBM, "Own's prefill schedule serves both the mm
 // capability 9.0 device, and impl OwnWgmma, or Own (its prefill tiles) with HYPIC_MOE_WGMMA != 0. Returns false
 // (nothing launched) otherwise, or when wgmma_supported refuses the sizes (never below 2^31 blocks): the caller
 // runs the mma.sync kernel.
-bool try_launch_wgmma(GroupedGemm impl, const MoeWeightsView& w, size_t P, const bf16* x, MoeWorkspace& ws,
+bool try_launch_wgmma(GroupedGemm impl, const MoeWeightsView& w, size_t P, const bf16* x, MoeWorkspace& ws, int bm,
                       cudaStream_t stream) {
 #if HYPIC_MOE_WGMMA_BUILT
   const int mode = wgmma_env_mode();
   const bool on = impl == GroupedGemm::OwnWgmma || (impl == GroupedGemm::Own && mode != 0);
   if (!on || !wgmma_device() || !wgmma_supported(w, P)) return false;
-  launch_wgmma(w, P, x, ws, mode == 0 ? 1 : mode, stream);
+  launch_wgmma(w, P, x, ws, mode == 0 ? 1 : mode, bm, stream);
   return true;
 #else
-  (void)impl, (void)w, (void)P, (void)x, (void)ws, (void)stream;
+  (void)impl, (void)w, (void)P, (void)x, (void)ws, (void)bm, (void)stream;
   return false;
 #endif
+}
+
+// The schedule's m-tile rows for OwnWgmma: its kernels' wgmma_bm where they run, else the mma.sync tiles'.
+int own_wgmma_bm(const MoeWeightsView& w, size_t P) {
+#if HYPIC_MOE_WGMMA_BUILT
+  if (wgmma_device() && wgmma_supported(w, P)) return wgmma_bm(P, w.E, wgmma_env_mode() == 0 ? 1 : wgmma_env_mode());
+#else
+  (void)w, (void)P;
+#endif
+  return kWgmmaBM;
 }
 
 template <class C>
@@ -1004,7 +1014,7 @@ void moe_forward(int T, const bf16* x, const MoeWeightsView& w, float* out, MoeW
   switch (impl) {
     case GroupedGemm::OwnSmallM: bm = SmallCfg::BM; break;
     case GroupedGemm::OwnLargeM: bm = BigCfg::BM; break;
-    case GroupedGemm::OwnWgmma: bm = kWgmmaBM; break;
+    case GroupedGemm::OwnWgmma: bm = own_wgmma_bm(w, P); break;
     case GroupedGemm::OwnLargeN: bm = WideCfg::BM; break;
     case GroupedGemm::OwnDecode: bm = kDecBM; break;
     case GroupedGemm::Own:
@@ -1065,7 +1075,7 @@ void moe_forward(int T, const bf16* x, const MoeWeightsView& w, float* out, MoeW
     launch_grouped<SmallCfg>(w, P, x, ws, stream);
   } else if (impl == GroupedGemm::OwnLargeN) {
     launch_grouped<WideCfg>(w, P, x, ws, stream);
-  } else if (impl == GroupedGemm::OwnLargeM || !try_launch_wgmma(impl, w, P, x, ws, stream)) {
+  } else if (impl == GroupedGemm::OwnLargeM || !try_launch_wgmma(impl, w, P, x, ws, bm, stream)) {
     launch_grouped<BigCfg>(w, P, x, ws, stream);  // (else: Own's prefill tiles / OwnWgmma ran on wgmma)
   }
   // 6. shared expert (cuBLASLt) unless the decode GEMMs ran it.

@@ -93,27 +93,37 @@ void launch_decode(const MoeWeightsView& w, int T, size_t P, const bf16* x, MoeW
 // ---------------------------------------------------------------------------------------------
 
 constexpr int kWgmmaBM = 128;  // rows per m-tile of the wgmma kernels (the schedule's bm)
+// Below this many routed rows per expert on average, OwnWgmma schedules 64-row m-tiles (wgmma_bm).
+constexpr int kWgmmaSmallRowsPerExpert = 64;
 
 // True when the current device can run the wgmma kernels: compute capability 9.0 (the sm_90a build). Host only.
 bool wgmma_device();
 
 // The HYPIC_MOE_WGMMA environment variable, read once: 0 = off (Own keeps the mma.sync tiles); the variants (for
-// comparisons) 1 = default (unset or anything else): one block per tile, 128 x 256 tiles for both GEMMs; 2 = the
-// down GEMM on 128 x 128 tiles (2 blocks per SM); 3 = persistent blocks (one per SM) walking the tiles with the
-// copies running ahead across tile boundaries; 4 = 3 with the down GEMM on persistent 128 x 128 tiles (2 per SM).
+// comparisons) 1 = default (unset or anything else): one block per tile, 128 x 256 tiles for both GEMMs, or for
+// OwnWgmma with fewer than kWgmmaSmallRowsPerExpert rows per expert 64 x 256 tiles (wgmma_bm); 2 = the down GEMM on
+// 128 x 128 tiles (2 blocks per SM); 3 = persistent blocks (one per SM) walking the tiles with the copies running
+// ahead across tile boundaries; 4 = 3 with the down GEMM on persistent 128 x 128 tiles (2 per SM); 5 = 1 without the
+// 64-row tiles.
 int wgmma_env_mode();
+
+// The m-tile rows (the routing schedule's bm) of OwnWgmma's kernels for P routed rows over E experts under
+// `variant` (wgmma_env_mode): 64 for variant 1 below kWgmmaSmallRowsPerExpert rows per expert on average (a
+// splice's seams and query: tiles mostly empty, the GEMMs stream weights), else kWgmmaBM.
+int wgmma_bm(size_t P, int E, int variant);
 
 // Whether the wgmma kernels take a layer of these sizes with P routed rows: K (H and I) a multiple of 8, N (I and H)
 // even, and the grid (m-tile bound x n-tiles) within 2^31 - 1 blocks. True at every size moe_forward accepts except
 // grids that large; moe.cu runs the mma.sync kernel otherwise. Host only.
 bool wgmma_supported(const MoeWeightsView& w, size_t P);
 
-// Both prefill GEMMs of moe_forward on wgmma over the kWgmmaBM-row schedule already in ws (tiles, num_tiles,
-// offsets, sorted_tok): gate_up + SwiGLU -> ws.act [P][I] bf16, then down -> ws.y [P][H] bf16; same buffers,
-// roundings and masking as launch_grouped's mma.sync kernels. variant: 1 .. 4 as wgmma_env_mode. Throws
-// std::invalid_argument when the grid does not fit (see wgmma_supported), std::runtime_error on CUDA errors.
-// Requires wgmma_device().
-void launch_wgmma(const MoeWeightsView& w, size_t P, const bf16* x, MoeWorkspace& ws, int variant,
+// Both prefill GEMMs of moe_forward on wgmma over the bm-row schedule already in ws (tiles, num_tiles, offsets,
+// sorted_tok; bm 64 or kWgmmaBM): gate_up + SwiGLU -> ws.act [P][I] bf16, then down -> ws.y [P][H] bf16; same
+// buffers, roundings and masking as launch_grouped's mma.sync kernels (a row's result does not depend on bm: the
+// k order of its products is the same). variant: 1 .. 5 as wgmma_env_mode (bm 64 runs the 64 x 256 tiles whatever
+// the variant). Throws std::invalid_argument when the grid does not fit (see wgmma_supported) or on a bad bm,
+// std::runtime_error on CUDA errors. Requires wgmma_device().
+void launch_wgmma(const MoeWeightsView& w, size_t P, const bf16* x, MoeWorkspace& ws, int variant, int bm,
                   cudaStream_t stream);
 
 }  // namespace hypic::kernels::cuda::moe_detail

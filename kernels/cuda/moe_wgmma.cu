@@ -64,19 +64,24 @@ using namespace sm90;
 using detail::pack_bf16;
 using detail::smem_addr;
 
-// Tile configuration: BM = 128 rows (2 warpgroups of 64), BN columns of B (weight rows), BK = 64 (one 128-byte
-// swizzled row of bf16 per operand row), STAGES shared-memory slots, MINB blocks per SM (launch bounds).
-template <int BN_, int STAGES_, int MINB_>
+// Tile configuration: BM rows, BN columns of B (weight rows), BK = 64 (one 128-byte swizzled row of bf16 per operand
+// row), STAGES shared-memory slots, MINB blocks per SM (launch bounds). BM = 128: warpgroup w computes rows
+// 64 w .. 64 w + 63 over all BN columns (m64nBNk16); BM = 64 (few rows per expert, as a splice's 184 tokens give:
+// half the A bytes per slot buys a fifth slot, so more weight bytes are in flight): both warpgroups compute all
+// 64 rows, warpgroup w over B rows w BN/2 .. (w + 1) BN/2 - 1 (m64n(BN/2)k16). NF: n8 accumulator fragments per
+// thread.
+template <int BN_, int STAGES_, int MINB_, int BM_ = kWgmmaBM>
 struct WgCfg {
-  static constexpr int BM = kWgmmaBM, BN = BN_, BK = 64, STAGES = STAGES_, MINB = MINB_;
+  static constexpr int BM = BM_, BN = BN_, BK = 64, STAGES = STAGES_, MINB = MINB_;
   static constexpr int THREADS = 256;
-  static constexpr int NF = BN / 8;                           // n8 accumulator fragments per thread
+  static constexpr int WG_N = BM == 128 ? BN : BN / 2;        // B rows (output columns) per warpgroup
+  static constexpr int NF = WG_N / 8;                         // n8 accumulator fragments per thread
   static constexpr int A_BYTES = BM * 128, B_BYTES = BN * 128;  // one k-step of A and of B
   static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
   static constexpr int SMEM = STAGES * STAGE_BYTES + 1024;    // + slack for the 1024-byte alignment
   static constexpr int ROWS_PER_PASS = THREADS / 8;           // a pass copies 8 units (128 bytes) of 32 rows
   static constexpr int A_IT = BM / ROWS_PER_PASS, B_IT = BN / ROWS_PER_PASS;
-  static_assert(BM == 128 && (BN == 128 || BN == 256), "tile shape");
+  static_assert((BM == 128 || BM == 64) && (BN == 128 || BN == 256) && (NF == 16 || NF == 32), "tile shape");
   static_assert(STAGES >= 3, "the slot of k-step kt - 2 is refilled at kt");
   static_assert(SMEM * MINB <= 228 * 1024 && SMEM <= 227 * 1024, "shared memory per SM / block");
 };
@@ -85,6 +90,9 @@ using GateUpCfg = WgCfg<256, 4, 1>;
 // down: 128 x 256, 4 stages (default) or 128 x 128, 3 stages: 97 KiB, 2 blocks per SM (HYPIC_MOE_WGMMA=2).
 using DownCfg = WgCfg<256, 4, 1>;
 using Down128Cfg = WgCfg<128, 3, 2>;
+// Few rows per expert (moe_wgmma_bm): 64 x 256 tiles, 5 stages (201 KiB), for both GEMMs.
+using GateUpSmallCfg = WgCfg<256, 5, 1, 64>;
+using DownSmallCfg = WgCfg<256, 5, 1, 64>;
 
 // cp.async of 16 bytes into shared address dst; src_bytes = 0 writes zeros (src is not read).
 __device__ __forceinline__ void cp_async16_zfill(uint32_t dst, const void* src, uint32_t src_bytes) {
@@ -170,10 +178,11 @@ __device__ __forceinline__ void tile_src(const GroupedArgs& a, const TileInfo& t
     const int r = r0 + i * C::ROWS_PER_PASS;
     int wrow;
     bool on;
-    if (GATE_UP) {
-      const int j = t.n0 + (r % (C::BN / 2));
+    if (GATE_UP) {  // each warpgroup's B rows: its gate rows, then the matching up rows
+      const int half = C::WG_N / 2, w = r / C::WG_N, rr = r % C::WG_N;
+      const int j = t.n0 + w * half + (rr % half);
       on = j < N;
-      wrow = r < C::BN / 2 ? j : N + j;
+      wrow = rr < half ? j : N + j;
     } else {
       wrow = t.n0 + r;
       on = wrow < N;
@@ -218,7 +227,9 @@ __device__ __forceinline__ void store_tile(const GroupedArgs& a, const TileInfo&
                                            int tid) {
   const int N = a.N;
   const int lane = tid & 31, g = lane >> 2, c2 = (lane & 3) * 2;
-  const int row0 = t.m0 + (tid >> 7) * 64 + ((tid >> 5) & 3) * 16 + g;
+  const int wg = tid >> 7;
+  const int row0 = t.m0 + (C::BM == 128 ? wg * 64 : 0) + ((tid >> 5) & 3) * 16 + g;
+  const int col0 = C::BM == 128 ? 0 : wg * (GATE_UP ? C::WG_N / 2 : C::WG_N);  // this warpgroup's first column
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int m = row0 + h * 8;
@@ -227,7 +238,7 @@ __device__ __forceinline__ void store_tile(const GroupedArgs& a, const TileInfo&
     if (GATE_UP) {
 #pragma unroll
       for (int f = 0; f < C::NF / 2; ++f) {
-        const int j = t.n0 + f * 8 + c2;
+        const int j = t.n0 + col0 + f * 8 + c2;
         if (j >= N) continue;
         const float g0 = round_bf16(acc[f][2 * h]), g1 = round_bf16(acc[f][2 * h + 1]);
         const float u0 = round_bf16(acc[f + C::NF / 2][2 * h]), u1 = round_bf16(acc[f + C::NF / 2][2 * h + 1]);
@@ -236,7 +247,7 @@ __device__ __forceinline__ void store_tile(const GroupedArgs& a, const TileInfo&
     } else {
 #pragma unroll
       for (int f = 0; f < C::NF; ++f) {
-        const int n = t.n0 + f * 8 + c2;
+        const int n = t.n0 + col0 + f * 8 + c2;
         if (n >= N) continue;
         *reinterpret_cast<uint32_t*>(orow + n) = pack_bf16(acc[f][2 * h], acc[f][2 * h + 1]);
       }
@@ -271,10 +282,10 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) moe_wgmma_kernel(const Gr
   float acc[C::NF][4];
 #pragma unroll
   for (int f = 0; f < C::NF; ++f) acc[f][0] = acc[f][1] = acc[f][2] = acc[f][3] = 0.f;
-  // Warpgroup-uniform: a warpgroup whose 64 rows all lie past the count issues no wgmma.
-  const bool wg_active = t.m0 + wg * 64 < t.cnt;
-  const uint64_t da0 = sw128_desc(s_base + uint32_t(wg * 64 * 128), 16, 1024);
-  const uint64_t db0 = sw128_desc(s_base + uint32_t(C::A_BYTES), 16, 1024);
+  // Warpgroup-uniform: a warpgroup whose 64 rows all lie past the count issues no wgmma (BM = 64: both share them).
+  const bool wg_active = t.m0 + (C::BM == 128 ? wg * 64 : 0) < t.cnt;
+  const uint64_t da0 = sw128_desc(s_base + uint32_t(C::BM == 128 ? wg * 64 * 128 : 0), 16, 1024);
+  const uint64_t db0 = sw128_desc(s_base + uint32_t(C::A_BYTES + (C::BM == 128 ? 0 : wg * C::WG_N * 128)), 16, 1024);
 #pragma unroll 1
   for (int kt = 0; kt < KT; ++kt) {
     cp_async_wait<C::STAGES - 3>();  // this thread's copies of k-step kt have landed ...
@@ -310,6 +321,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) moe_wgmma_kernel(const Gr
 // loader enters the tile (at least one barrier before the consumer reads it; the loader is < 4 tiles ahead).
 template <class C, bool GATE_UP>
 __global__ void __launch_bounds__(C::THREADS, C::MINB) moe_wgmma_persistent_kernel(const GroupedArgs a, int n_tiles) {
+  static_assert(C::BM == 128, "the persistent variant runs 128-row tiles");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   __shared__ int4 ring[4];
   const int total = *a.num_tiles * n_tiles, G = int(gridDim.x), b = int(blockIdx.x);
@@ -418,9 +430,10 @@ template <class C, bool GATE_UP>
 void set_smem(const char* what) {
   check_cuda(cudaFuncSetAttribute(moe_wgmma_kernel<C, GATE_UP>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM),
              std::string("cudaFuncSetAttribute(moe_wgmma_kernel ") + what + ")");
-  check_cuda(cudaFuncSetAttribute(moe_wgmma_persistent_kernel<C, GATE_UP>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  C::SMEM),
-             std::string("cudaFuncSetAttribute(moe_wgmma_persistent_kernel ") + what + ")");
+  if constexpr (C::BM == 128)
+    check_cuda(cudaFuncSetAttribute(moe_wgmma_persistent_kernel<C, GATE_UP>,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM),
+               std::string("cudaFuncSetAttribute(moe_wgmma_persistent_kernel ") + what + ")");
 }
 
 // Per device: the shared-memory opt-in of every kernel; returns the multiprocessor count.
@@ -428,6 +441,8 @@ int setup_device(int dev) {
   set_smem<GateUpCfg, true>("gate_up");
   set_smem<DownCfg, false>("down");
   set_smem<Down128Cfg, false>("down 128");
+  set_smem<GateUpSmallCfg, true>("gate_up, 64-row tiles");
+  set_smem<DownSmallCfg, false>("down, 64-row tiles");
   int sms = 0;
   check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute(SMs)");
   return sms;
@@ -442,10 +457,15 @@ void launch_one(const GroupedArgs& g, size_t grid_m, bool persistent, int sms, c
   const size_t blocks = grid_m * size_t(n_tiles);
   if (blocks > size_t(INT_MAX))
     throw std::invalid_argument(std::string(what) + ": " + std::to_string(blocks) + " tiles do not fit a grid");
-  if (persistent) {
-    const unsigned grid = unsigned(std::min(blocks, size_t(sms) * C::MINB));
-    moe_wgmma_persistent_kernel<C, GATE_UP><<<grid, C::THREADS, C::SMEM, stream>>>(g, n_tiles);
-  } else {
+  if constexpr (C::BM == 128) {
+    if (persistent) {
+      const unsigned grid = unsigned(std::min(blocks, size_t(sms) * C::MINB));
+      moe_wgmma_persistent_kernel<C, GATE_UP><<<grid, C::THREADS, C::SMEM, stream>>>(g, n_tiles);
+      check_cuda(cudaGetLastError(), what);
+      return;
+    }
+  }
+  {
     moe_wgmma_kernel<C, GATE_UP><<<unsigned(blocks), C::THREADS, C::SMEM, stream>>>(g, n_tiles);
   }
   check_cuda(cudaGetLastError(), what);
@@ -457,7 +477,7 @@ bool wgmma_device() { return current_device_is_sm90(); }
 
 bool wgmma_supported(const MoeWeightsView& w, size_t P) {
   if (w.H % 8 || w.I % 8 || w.H % 2 || w.I % 2) return false;
-  const size_t grid_m = max_tiles(P, w.E, kWgmmaBM);
+  const size_t grid_m = max_tiles(P, w.E, 64);  // (the 64-row schedule's bound covers the 128-row one)
   const size_t n1 = size_t((w.I + GateUpCfg::BN / 2 - 1) / (GateUpCfg::BN / 2));
   const size_t n2 = size_t((w.H + Down128Cfg::BN - 1) / Down128Cfg::BN);  // the most down n-tiles of the variants
   return grid_m * std::max(n1, n2) <= size_t(INT_MAX);
@@ -468,15 +488,28 @@ int wgmma_env_mode() {
     const char* v = std::getenv("HYPIC_MOE_WGMMA");
     if (!v) return 1;
     const std::string s(v);
-    return s == "0" ? 0 : s == "2" ? 2 : s == "3" ? 3 : s == "4" ? 4 : 1;
+    return s == "0" ? 0 : s == "2" ? 2 : s == "3" ? 3 : s == "4" ? 4 : s == "5" ? 5 : 1;
   }();
   return mode;
 }
 
-void launch_wgmma(const MoeWeightsView& w, size_t P, const bf16* x, MoeWorkspace& ws, int variant,
+int wgmma_bm(size_t P, int E, int variant) {
+  return variant == 1 && P < size_t(kWgmmaSmallRowsPerExpert) * size_t(E) ? 64 : kWgmmaBM;
+}
+
+void launch_wgmma(const MoeWeightsView& w, size_t P, const bf16* x, MoeWorkspace& ws, int variant, int bm,
                   cudaStream_t stream) {
   static DeviceOnce once;
   const int sms = once.run(current_device(), setup_device);
+  if (bm != 64 && bm != kWgmmaBM) throw std::invalid_argument("launch_wgmma: bm " + std::to_string(bm));
+  if (bm == 64) {
+    const size_t grid_m = max_tiles(P, w.E, 64);
+    launch_one<GateUpSmallCfg, true>(gate_up_args(w, x, ws), grid_m, false, sms, stream,
+                                     "moe_forward: wgmma gate_up GEMM launch (64-row tiles)");
+    launch_one<DownSmallCfg, false>(down_args(w, ws), grid_m, false, sms, stream,
+                                    "moe_forward: wgmma down GEMM launch (64-row tiles)");
+    return;
+  }
   const bool persistent = variant == 3 || variant == 4, down_128 = variant == 2 || variant == 4;
   const size_t grid_m = max_tiles(P, w.E, kWgmmaBM);
   const GroupedArgs g1 = gate_up_args(w, x, ws);
