@@ -21,7 +21,8 @@
 //
 // On Hopper (compute capability 9.0, sm_90a build: HYPIC_MOE_WGMMA_BUILT) the prefill tiles (Own at
 // T * topk > 16 E, OwnWgmma) run the wgmma kernels of moe_wgmma.cu instead, on the same schedule
-// (128-row m-tiles), buffers, roundings and masking; HYPIC_MOE_WGMMA=0 keeps the mma.sync kernel.
+// (128-row m-tiles; OwnWgmma with few rows per expert: 64-row, wgmma_bm), buffers, roundings and masking;
+// HYPIC_MOE_WGMMA=0 keeps the mma.sync kernel.
 //
 // Decode path (GroupedGemm::OwnDecode; Own for T <= kSmallT = 64): router logits, routing, two
 // grouped GEMMs covering routed AND shared experts, combine = 5 launches chained by PDL (no
@@ -1076,6 +1077,8 @@ void moe_forward(int T, const bf16* x, const MoeWeightsView& w, float* out, MoeW
   } else if (impl == GroupedGemm::OwnLargeN) {
     launch_grouped<WideCfg>(w, P, x, ws, stream);
   } else if (impl == GroupedGemm::OwnLargeM || !try_launch_wgmma(impl, w, P, x, ws, bm, stream)) {
+    if (bm != BigCfg::BM)  // own_wgmma_bm and try_launch_wgmma disagree: the schedule would not fit the tiles
+      throw std::logic_error("moe_forward: a " + std::to_string(bm) + "-row schedule for the mma.sync tiles");
     launch_grouped<BigCfg>(w, P, x, ws, stream);  // (else: Own's prefill tiles / OwnWgmma ran on wgmma)
   }
   // 6. shared expert (cuBLASLt) unless the decode GEMMs ran it.

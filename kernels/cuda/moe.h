@@ -18,10 +18,12 @@
 //   4. grouped GEMM gate_up on the gathered rows, SwiGLU fused in the epilogue:
 //      act[p][j] = bf16( silu(bf16(g)) * bf16(u) ) (fp32 math on the bf16-rounded GEMM outputs)
 //   5. grouped GEMM down: y[p][H] bf16 = act[p] D_e^T
-//      Steps 4-5 on the prefill tiles (128-row m-tiles of one expert each): on Hopper (compute
-//      capability 9.0, library built with CUDA >= 12 for sm_90a) wgmma kernels (moe_wgmma.cu:
-//      128 x 256 tiles, two warpgroups of m64n256k16, both operands from 128-byte-swizzled shared
-//      memory filled by a 4-stage cp.async pipeline; gate_up writes 128 act columns per tile),
+//      Steps 4-5 on the prefill tiles (128-row m-tiles of one expert each; OwnWgmma below 32 routed
+//      rows per expert on average: 64-row m-tiles): on Hopper (compute capability 9.0, library built
+//      with CUDA >= 12 for sm_90a) wgmma kernels (moe_wgmma.cu: 128 x 256 tiles, two warpgroups of
+//      m64n256k16, a 4-stage cp.async pipeline; or 64 x 256 tiles, two warpgroups of m64n128k16 over
+//      the same 64 rows, 5 stages; both operands from 128-byte-swizzled shared memory; gate_up writes
+//      128 act columns per tile),
 //      elsewhere (or HYPIC_MOE_WGMMA=0 in the environment, read once) mma.sync kernels; same
 //      inputs, outputs, roundings and schedule, only the fp32 summation order differs.
 //   6. shared expert (when Is > 0): GemmRunner gate_up (bf16), silu_mul, down (fp32 [T][H]);
@@ -96,7 +98,7 @@ enum class GroupedGemm {
                ///< reduction), the shared expert as one more expert of the same launches, PDL
                ///< launches, and for T <= 64 the whole routing in one block (tests, benchmarks)
   OwnLargeN,   ///< wide prefill tiles (128 x 256, 64 x 64 warp tiles) forced (tests, benchmarks)
-  OwnWgmma,    ///< the Hopper wgmma prefill tiles (128 x 256) forced at any T, whatever HYPIC_MOE_WGMMA
+  OwnWgmma,    ///< the Hopper wgmma prefill tiles (128 x 256, or 64 x 256 for few rows per expert) forced at any T
                ///< says (tests, benchmarks); on devices without them (not compute capability 9.0, or a
                ///< build without sm_90a) the mma.sync prefill tiles (OwnLargeM)
 };
@@ -106,7 +108,8 @@ enum class GroupedGemm {
 /// environment variable HYPIC_MOE_WGMMA is not "0" (read once). Variants for comparisons (also for
 /// OwnWgmma): "2" the down GEMM on 128 x 128 tiles (two blocks per SM), "3" persistent blocks (one
 /// per SM, the copies of the next tile overlapping the current one's last k-steps and epilogue),
-/// "4" both; unset or anything else the default (one block per 128 x 256 tile). Host only; throws
+/// "4" both, "5" the default without OwnWgmma's 64 x 256 tiles; unset or anything else the default (one
+/// block per 128 x 256 tile; OwnWgmma below 32 routed rows per expert: 64 x 256). Host only; throws
 /// std::runtime_error on CUDA errors.
 bool moe_wgmma_available();
 

@@ -93,8 +93,9 @@ void launch_decode(const MoeWeightsView& w, int T, size_t P, const bf16* x, MoeW
 // ---------------------------------------------------------------------------------------------
 
 constexpr int kWgmmaBM = 128;  // rows per m-tile of the wgmma kernels (the schedule's bm)
-// Below this many routed rows per expert on average, OwnWgmma schedules 64-row m-tiles (wgmma_bm).
-constexpr int kWgmmaSmallRowsPerExpert = 64;
+// Below this many routed rows per expert on average, OwnWgmma schedules 64-row m-tiles (wgmma_bm): well under 64, so
+// that few experts need two m-tiles (each of which streams the expert's weights). Measured at 5.75 (a splice).
+constexpr int kWgmmaSmallRowsPerExpert = 32;
 
 // True when the current device can run the wgmma kernels: compute capability 9.0 (the sm_90a build). Host only.
 bool wgmma_device();
@@ -114,7 +115,8 @@ int wgmma_bm(size_t P, int E, int variant);
 
 // Whether the wgmma kernels take a layer of these sizes with P routed rows: K (H and I) a multiple of 8, N (I and H)
 // even, and the grid (m-tile bound x n-tiles) within 2^31 - 1 blocks. True at every size moe_forward accepts except
-// grids that large; moe.cu runs the mma.sync kernel otherwise. Host only.
+// grids that large (counted with 64-row m-tiles, which bound the 128-row count); moe.cu runs the mma.sync kernel
+// otherwise. Host only.
 bool wgmma_supported(const MoeWeightsView& w, size_t P);
 
 // Both prefill GEMMs of moe_forward on wgmma over the bm-row schedule already in ws (tiles, num_tiles, offsets,

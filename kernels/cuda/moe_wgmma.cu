@@ -1,11 +1,14 @@
 // The prefill grouped GEMMs of moe_forward (gate_up with the SwiGLU epilogue, and down) on Hopper's warpgroup
 // tensor-core instructions (sm_90a: wgmma.mma_async with both operands in shared memory), driven by the same
 // 128-row m-tile schedule, buffers and roundings as moe.cu's mma.sync grouped_gemm_kernel, so routing, gather
-// and combine are unchanged and only the fp32 summation order inside the tensor-core products differs.
+// and combine are unchanged and only the fp32 summation order inside the tensor-core products differs. With few
+// rows per expert (OwnWgmma, wgmma_bm) the schedule has 64-row m-tiles and the 64 x 256 configuration runs.
 //
 // Block = 2 warpgroups (256 threads) on a 128 x BN output tile of one expert: warpgroup w computes rows
 // 64 w .. 64 w + 63 as m64nBNk16 wgmmas, A (128 x 64 bf16 per k-step) and B (BN x 64) read from shared memory
-// through descriptors. Both operands are K-major (A = rows of x / act, B = rows of the weight [N][K], exactly the
+// through descriptors. On a 64 x BN tile both warpgroups compute the 64 rows, warpgroup w over B rows
+// w BN/2 .. (w + 1) BN/2 - 1 as m64n(BN/2)k16 wgmmas (WgCfg::WG_N columns each). Both operands are K-major
+// (A = rows of x / act, B = rows of the weight [N][K], exactly the
 // layout of S = Q K^T in attention_wgmma.cu) and stored 128-byte swizzled (PTX ISA, "Shared Memory Matrix
 // Layout", K-major 128B swizzling): row r of a tile is 128 bytes at r * 128 with its 16-byte unit u stored at
 // unit u ^ (r % 8); tiles start on 1024-byte boundaries; descriptor SBO = 1024 (8 rows), LBO unused (16), and the
@@ -24,10 +27,11 @@
 // independent); k beyond K (K % 64 != 0) is zero-filled in both operands (cp.async with src-size 0), so any K
 // that is a multiple of 8 works.
 //
-// gate_up (GATE_UP): the B tile's BN weight rows are BN/2 gate rows j = n0 .. n0 + BN/2 - 1 followed by the
-// matching up rows I + j, so accumulator fragment f < BN/16 (columns 8 f .. 8 f + 7) holds gate and fragment
-// f + BN/16 the up values of the same intermediate columns in the same thread: SwiGLU runs in registers,
-// act[p][j] = bf16( silu(bf16(g)) * bf16(u) ) (fp32 math, moe.h step 4), BN/2 act columns per block.
+// gate_up (GATE_UP): each warpgroup's WG_N B rows are WG_N/2 gate rows j followed by the matching up rows I + j
+// (128-row tiles: the whole tile, j = n0 .. n0 + BN/2 - 1; 64-row tiles: warpgroup w's j = n0 + w BN/4 ..), so
+// accumulator fragment f < NF/2 (columns 8 f .. 8 f + 7) holds gate and fragment f + NF/2 the up values of the same
+// intermediate columns in the same thread: SwiGLU runs in registers, act[p][j] = bf16( silu(bf16(g)) * bf16(u) )
+// (fp32 math, moe.h step 4), BN/2 act columns per block.
 // down: y[p][n] = bf16(acc), BN columns per block.
 //
 // Grid: one block per (m-tile, n-tile), n-tile fastest (the blocks of one m-tile run together and share its A
@@ -36,7 +40,8 @@
 // the down GEMM on 128 x 128 tiles (2 blocks per SM), and persistent blocks (moe_wgmma_persistent_kernel).
 //
 // Shapes, layouts, memory: x [T][H], act [P][I], y [P][H] bf16 row-major in device memory; weights gate_up
-// [E][2I][H] and down [E][H][I] bf16 row-major; fp32 accumulators in registers (m64n256: 128 per thread).
+// [E][2I][H] and down [E][H][I] bf16 row-major; fp32 accumulators in registers (m64n256: 128 per thread,
+// m64n128: 64).
 //
 // Built for sm_90a only (kernels/cuda/CMakeLists.txt, HYPIC_MOE_WGMMA_BUILT); moe.cu calls it on compute
 // capability 9.0 devices.
@@ -90,7 +95,7 @@ using GateUpCfg = WgCfg<256, 4, 1>;
 // down: 128 x 256, 4 stages (default) or 128 x 128, 3 stages: 97 KiB, 2 blocks per SM (HYPIC_MOE_WGMMA=2).
 using DownCfg = WgCfg<256, 4, 1>;
 using Down128Cfg = WgCfg<128, 3, 2>;
-// Few rows per expert (moe_wgmma_bm): 64 x 256 tiles, 5 stages (201 KiB), for both GEMMs.
+// Few rows per expert (wgmma_bm): 64 x 256 tiles, 5 stages (201 KiB), for both GEMMs.
 using GateUpSmallCfg = WgCfg<256, 5, 1, 64>;
 using DownSmallCfg = WgCfg<256, 5, 1, 64>;
 
@@ -159,8 +164,8 @@ __device__ __forceinline__ void a_rows_of(const GroupedArgs& a, const TileInfo& 
 }
 
 // Global sources of this thread's copies for one tile: its 16-byte unit u (k = 8 u .. 8 u + 7 of each k-step) of
-// A rows r0 + 32 i and B rows r0 + 32 i, at k-step 0; null where the row is not loaded. gate_up's B rows: rows
-// 0 .. BN/2 - 1 of the tile are gate rows n0 + r, rows BN/2 .. BN - 1 the up rows N + n0 + r - BN/2.
+// A rows r0 + 32 i and B rows r0 + 32 i, at k-step 0; null where the row is not loaded. gate_up's B rows: per
+// warpgroup block of WG_N rows, WG_N/2 gate rows then the matching up rows (see the top of the file).
 template <class C>
 struct TileSrc {
   const bf16* a[C::A_IT];
@@ -219,7 +224,8 @@ __device__ __forceinline__ void mma_kstep(float (&acc)[C::NF][4], uint64_t da, u
 }
 
 // Epilogue of warpgroup wg: fragment f of warp w (of the warpgroup), lane (g, q) holds rows 16 w + g
-// (acc[f][0..1]) and + 8 (acc[f][2..3]), columns 8 f + 2 q, + 1 (the m16n8 accumulator layout per n8 block).
+// (acc[f][0..1]) and + 8 (acc[f][2..3]), columns col0 + 8 f + 2 q, + 1 (the m16n8 accumulator layout per n8 block;
+// col0 the warpgroup's first column on 64-row tiles, else 0).
 // gate_up: act[p][j] = bf16(silu(bf16(g)) * bf16(u)) with g in fragment f < NF / 2 and u in f + NF / 2; down:
 // y[p][n] = bf16(acc). Rows past the count and columns past N are not stored.
 template <class C, bool GATE_UP>

@@ -441,8 +441,10 @@ TEST_CASE("moe_forward decode sizes (T <= 64): OwnDecode / Own vs CPU, Cublas, O
 // odd sizes: N not a multiple of the tile (gate_up N = I = 96 / 160 < or not a multiple of 128 act columns, down
 // N = H = 320 / 192 not a multiple of 256), K not a multiple of 64 (down K = I = 96 / 160), experts with 0 and
 // with 1 row, T not a multiple of 128. The forced-routing layer sends token t to expert 0 and to expert 4 (t = 0)
-// or 1 + t % 3 (t > 0): expert 0 takes all T rows (3 tiles at T = 300, the last partial), expert 4 exactly one,
-// experts 5 .. 15 none. On devices without the wgmma kernels OwnWgmma runs the mma.sync tiles (warning).
+// or 1 + t % 3 (t > 0): expert 0 takes all T rows (3 tiles at T = 300, the last partial; at T = 200, 400 routed rows
+// below 32 per expert, OwnWgmma's 64-row tiles: 4, the last partial), expert 4 exactly one, experts 5 .. 15 none.
+// OwnWgmma runs 64-row tiles wherever P < 32 E (moe_internal.cuh wgmma_bm): T = 1 / 37 / 300 at E = 256, 1 / 37 /
+// 200 at E = 16, 5 at E = 8. On devices without the wgmma kernels OwnWgmma runs the mma.sync tiles (warning).
 TEST_CASE("moe_forward wgmma prefill tiles (OwnWgmma / Own) vs CPU and the mma.sync tiles, odd sizes", "[moe]") {
   require_gpu();
   Stream st;
@@ -459,7 +461,7 @@ TEST_CASE("moe_forward wgmma prefill tiles (OwnWgmma / Own) vs CPU and the mma.s
     std::vector<int> Ts;
   };
   const std::vector<WgCase> cases = {{{256, 8, 2048, 512, 512}, false, {1, 37, 300, 4096}},
-                                     {{16, 2, 320, 96, 32}, true, {1, 37, 300}},
+                                     {{16, 2, 320, 96, 32}, true, {1, 37, 200, 300}},
                                      {{8, 2, 192, 160, 0}, false, {5, 130, 1000}}};
   constexpr int kHot = 5;  // forced routing: experts 0 .. 4 have a hot router feature (their own index)
   uint64_t seed = 900;
