@@ -20,6 +20,8 @@ namespace {
 constexpr int kMaxKernel = 8;
 constexpr int kConvThreads = 128;  // channel groups of 8 per block
 constexpr int kConvRun = 16;       // tokens per thread (one sliding window)
+constexpr int kConvRunShort = 4;   // ... when kConvRun leaves fewer than kConvMinBlocks blocks (a splice's seams)
+constexpr int kConvMinBlocks = 256;
 
 __device__ __forceinline__ float silu(float x) { return x / (1.f + __expf(-x)); }
 
@@ -57,11 +59,11 @@ __device__ __forceinline__ uint4 history(const int* __restrict__ cu, int s, int 
   return make_uint4(0, 0, 0, 0);
 }
 
-// Thread (token run r, channel group g): channels c0 = 8 g .. c0 + 7 of tokens [r kConvRun, (r + 1) kConvRun),
-// sliding the window of the last K-1 inputs in registers; each input row is read once (plus K-1 rows of
-// history per run) and each output written once. A sequence boundary inside the run restarts the window from
-// that sequence's history.
-template <int K>
+// Thread (token run r, channel group g): channels c0 = 8 g .. c0 + 7 of tokens [r RUN, (r + 1) RUN), sliding the
+// window of the last K-1 inputs in registers; each input row is read once (plus K-1 rows of history per run) and
+// each output written once. A sequence boundary inside the run restarts the window from that sequence's history.
+// Outputs do not depend on RUN (a run's window starts from the same inputs the previous run slid over).
+template <int K, int RUN>
 __global__ void __launch_bounds__(kConvThreads) conv_prefill_kernel(int num_seqs, const int* __restrict__ cu,
                                                                     int total, int channels,
                                                                     const bf16* __restrict__ x,
@@ -81,12 +83,12 @@ __global__ void __launch_bounds__(kConvThreads) conv_prefill_kernel(int num_seqs
 #pragma unroll
       for (int j = 0; j < K; ++j) wf[j][e] = __bfloat162float(wv[e * K + j]);
   }
-  const int runs = (total + kConvRun - 1) / kConvRun;
+  const int runs = (total + RUN - 1) / RUN;
   for (int r = blockIdx.y; r < runs; r += gridDim.y) {
-    const int t0 = r * kConvRun, n = min(kConvRun, total - t0);
-    uint4 xr[kConvRun];
+    const int t0 = r * RUN, n = min(RUN, total - t0);
+    uint4 xr[RUN];
 #pragma unroll
-    for (int i = 0; i < kConvRun; ++i)
+    for (int i = 0; i < RUN; ++i)
       if (i < n) xr[i] = __ldcs(reinterpret_cast<const uint4*>(x + size_t(t0 + i) * channels + c0));
     int lo = 0, hi = num_seqs;  // largest s with cu[s] <= t0: a sequence holding t0 (empty ones skipped)
     while (hi - lo > 1) {
@@ -98,7 +100,7 @@ __global__ void __launch_bounds__(kConvThreads) conv_prefill_kernel(int num_seqs
 #pragma unroll
     for (int j = 0; j < K - 1; ++j) to_float8(history(cu, s, t0 - cu[s] - (K - 1) + j, K, channels, c0, x, state), win[j]);
 #pragma unroll
-    for (int i = 0; i < kConvRun; ++i) {
+    for (int i = 0; i < RUN; ++i) {
       if (i >= n) break;
       const int t = t0 + i;
       if (t == next) {  // a new sequence starts here (block-uniform): its history, not the previous inputs
@@ -182,9 +184,16 @@ void check_conv(int channels, int kernel, const char* fn) {
 template <int K>
 void launch_conv_prefill(int num_seqs, const int* cu, int total, int channels, const bf16* x, const bf16* w,
                          const bf16* state, const ConvDst& dst, cudaStream_t stream) {
+  const int gx = (channels / 8 + kConvThreads - 1) / kConvThreads;
   const int runs = (total + kConvRun - 1) / kConvRun;
-  const dim3 grid((channels / 8 + kConvThreads - 1) / kConvThreads, std::min(runs, 65535));
-  conv_prefill_kernel<K><<<grid, kConvThreads, 0, stream>>>(num_seqs, cu, total, channels, x, w, state, dst);
+  if (long(gx) * runs < kConvMinBlocks) {  // few tokens: shorter runs, more blocks (a latency-bound launch)
+    const int short_runs = (total + kConvRunShort - 1) / kConvRunShort;
+    conv_prefill_kernel<K, kConvRunShort><<<dim3(gx, std::min(short_runs, 65535)), kConvThreads, 0, stream>>>(
+        num_seqs, cu, total, channels, x, w, state, dst);
+    return;
+  }
+  const dim3 grid(gx, std::min(runs, 65535));
+  conv_prefill_kernel<K, kConvRun><<<grid, kConvThreads, 0, stream>>>(num_seqs, cu, total, channels, x, w, state, dst);
 }
 
 void conv_prefill(int num_seqs, const int* cu_seqlens, int total_tokens, int channels, int kernel, const bf16* x,
