@@ -65,8 +65,9 @@ constexpr unsigned kFull = 0xffffffffu;
 constexpr int kChunk = 32;       // tokens per routing chunk (one bit each in the scatter bitmask)
 constexpr int kMaxE = 512;
 constexpr int kMaxTopk = 16;
-constexpr int kRouteThreads = 1024;  // 32 warps, one token each = one chunk (184 splice tokens: 6 blocks)
-static_assert(kChunk % (kRouteThreads / 32) == 0, "route_kernel: a chunk's tokens split evenly over its warps");
+constexpr int kRouteThreads = 256;  // 8 warps, one token each: kChunk / 8 blocks per chunk (184 splice tokens: 24)
+constexpr int kRouteBlocksPerChunk = kChunk / (kRouteThreads / 32);
+static_assert(kChunk % (kRouteThreads / 32) == 0, "route_kernel: a chunk's tokens split evenly over its blocks");
 
 // ---------------------------------------------------------------------------------------------
 // Routing
@@ -233,7 +234,10 @@ __device__ __forceinline__ float shared_gate_token(const bf16* xr, const bf16* w
   return 1.0f / (1.0f + expf(-d));
 }
 
-// One block per chunk of 32 tokens, one warp per token.
+// kRouteBlocksPerChunk blocks per chunk of 32 tokens (blockIdx.y: which 8), one warp per token; each block adds its
+// expert histogram into the chunk's counts (zeroed before the launch; integer sums, so the same whatever the order).
+// Spread over that many SMs because a token's softmax, top-k and shared gate are a few thousand instructions of one
+// warp: 32 of them on one SM took 33 us, 24 blocks of 8 take a fraction.
 template <bool kSigmoid>
 __global__ void __launch_bounds__(kRouteThreads) route_kernel(int T, RouteCfg rc, const float* logits,
                                                               const bf16* x, int H, const bf16* sgate_w,
@@ -244,9 +248,8 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(int T, RouteCfg rc
   for (int i = threadIdx.x; i < E; i += blockDim.x) hist[i] = 0;
   __syncthreads();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  for (int q = 0; q < kChunk / (kRouteThreads / 32); ++q) {
-    const int t = blockIdx.x * kChunk + warp * (kChunk / (kRouteThreads / 32)) + q;
-    if (t >= T) break;  // warp-uniform
+  const int t = blockIdx.x * kChunk + blockIdx.y * (kRouteThreads / 32) + warp;
+  if (t < T) {  // warp-uniform
     int my_e, rank;
     float wgt;
     route_token<kSigmoid>(logits + size_t(t) * E, rc, lane, my_e, wgt, rank);
@@ -261,7 +264,8 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(int T, RouteCfg rc
     }
   }
   __syncthreads();
-  for (int e = threadIdx.x; e < E; e += blockDim.x) chunk_counts[size_t(e) * nch + blockIdx.x] = hist[e];
+  for (int e = threadIdx.x; e < E; e += blockDim.x)
+    if (hist[e]) atomicAdd(&chunk_counts[size_t(e) * nch + blockIdx.x], hist[e]);
 }
 
 // Decode routing (T <= kSmallT) in ONE block of kMaxE threads: softmax / top-k / shared gate per
@@ -1056,7 +1060,9 @@ void moe_forward(int T, const bf16* x, const MoeWeightsView& w, float* out, MoeW
   } else {
     // 2. softmax, top-k, shared gate, chunk histograms.
     const RouteCfg rc = route_cfg(w);
-    (rc.sigmoid ? route_kernel<true> : route_kernel<false>)<<<nch, kRouteThreads, 0, stream>>>(
+    check_cuda(cudaMemsetAsync(chunk_counts, 0, size_t(E) * nch * sizeof(int), stream), "moe_forward: chunk counts");
+    (rc.sigmoid ? route_kernel<true> : route_kernel<false>)<<<dim3(nch, kRouteBlocksPerChunk), kRouteThreads, 0,
+                                                              stream>>>(
         T, rc, logits, x, H, w.shared_gate, w.Is > 0 ? sgate : nullptr, topk_e, topk_w, chunk_counts, nch);
     check_cuda(cudaGetLastError(), "moe_forward: route launch");
     // 3. counting sort by expert and the tile schedule.
