@@ -237,7 +237,7 @@ int main(int argc, char** argv) try {
     for (float* p : {T, S, R0, R, R2, scratch}) cudaFree(p);
   }
 
-  // ---- affine chain (the splice's fold): 3xTF32 tensor cores vs fp32 FMA, side by side ------------
+  // ---- affine chain (the splice's fold): 3xTF32 tensor cores (wgmma, mma.sync) vs fp32 FMA, side by side ---------
   // A warm 16-segment hypic splice folds, per linear layer, one chain of 33 steps over 32 heads (an initial copy, then
   // per segment the seam run's (T, S) and the entry's (T_int, S_int), the running state written out after each
   // entry); an entry build of 30 layers runs the same as 30 chains in one launch.
@@ -247,7 +247,7 @@ int main(int argc, char** argv) try {
     auto* T = dalloc<float>(nmat * mat);
     auto* S = dalloc<float>(nmat * mat);
     auto* R0 = dalloc<float>(30 * mat);
-    auto* fin = dalloc<float>(2 * 30 * mat);
+    auto* fin = dalloc<float>(3 * 30 * mat);
     auto* outs = dalloc<float>(16 * mat);
     fill_f32<<<4096, 256>>>(T, nmat * mat, 41, 1.5f / std::sqrt(float(D)));
     fill_f32<<<4096, 256>>>(S, nmat * mat, 42, 1.f);
@@ -256,7 +256,7 @@ int main(int argc, char** argv) try {
     for (const int chains : {1, 30}) {
       std::vector<gpu::AffineStep> table;
       std::vector<const float*> init;
-      std::vector<float*> fins[2];
+      std::vector<float*> fins[3];
       for (int c = 0; c < chains; ++c) {
         for (int k = 0; k < steps; ++k) {
           gpu::AffineStep st;
@@ -265,34 +265,42 @@ int main(int argc, char** argv) try {
           table.push_back(st);
         }
         init.push_back(R0 + size_t(c) * mat);
-        for (int m = 0; m < 2; ++m) fins[m].push_back(fin + (size_t(m) * 30 + c) * mat);
+        for (int m = 0; m < 3; ++m) fins[m].push_back(fin + (size_t(m) * 30 + c) * mat);
       }
       gpu::AffineStep* dt = dalloc<gpu::AffineStep>(table.size());
       const float** di = dalloc<const float*>(init.size());
-      float** df[2] = {dalloc<float*>(chains), dalloc<float*>(chains)};
+      float** df[3] = {dalloc<float*>(chains), dalloc<float*>(chains), dalloc<float*>(chains)};
       cudaMemcpy(dt, table.data(), table.size() * sizeof(gpu::AffineStep), cudaMemcpyHostToDevice);
       cudaMemcpy(di, init.data(), init.size() * sizeof(float*), cudaMemcpyHostToDevice);
-      for (int m = 0; m < 2; ++m) cudaMemcpy(df[m], fins[m].data(), chains * sizeof(float*), cudaMemcpyHostToDevice);
-      const gpu::ChainMath maths[2] = {gpu::ChainMath::Tf32x3, gpu::ChainMath::Fp32Fma};
-      double ms[2];
-      for (int m = 0; m < 2; ++m)
+      for (int m = 0; m < 3; ++m) cudaMemcpy(df[m], fins[m].data(), chains * sizeof(float*), cudaMemcpyHostToDevice);
+      // Default 3xTF32 (wgmma on Hopper), the same products on mma.sync, fp32 FMA: side by side.
+      const gpu::ChainMath maths[3] = {gpu::ChainMath::Tf32x3, gpu::ChainMath::Tf32x3Mma, gpu::ChainMath::Fp32Fma};
+      double ms[3];
+      for (int m = 0; m < 3; ++m)
         ms[m] = time_ms([&] { gpu::affine_chain(chains, HV, steps, dt, di, df[m], nullptr, maths[m]); }, reps);
       check_cuda(cudaDeviceSynchronize(), "affine chain");
-      std::vector<float> a(chains * mat), b(chains * mat);
+      std::vector<float> a(chains * mat), am(chains * mat), b(chains * mat);
       cudaMemcpy(a.data(), fin, a.size() * 4, cudaMemcpyDeviceToHost);
-      cudaMemcpy(b.data(), fin + 30 * mat, b.size() * 4, cudaMemcpyDeviceToHost);
-      double num = 0, den = 0;
-      for (size_t i = 0; i < a.size(); ++i)
-        num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]), den += double(b[i]) * b[i];
+      cudaMemcpy(am.data(), fin + 30 * mat, am.size() * 4, cudaMemcpyDeviceToHost);
+      cudaMemcpy(b.data(), fin + 60 * mat, b.size() * 4, cudaMemcpyDeviceToHost);
+      auto rel = [&](const std::vector<float>& x) {
+        double num = 0, den = 0;
+        for (size_t i = 0; i < x.size(); ++i)
+          num += (double(x[i]) - b[i]) * (double(x[i]) - b[i]), den += double(b[i]) * b[i];
+        return std::sqrt(num / den);
+      };
       const double flop = 2.0 * D * D * D * HV * chains * (steps - 1);
-      std::printf("affine chain, %d chain(s) x %d heads x %d steps: 3xTF32 %.3f ms (%.1f us/step), fp32 FMA %.3f ms "
-                  "(%.1f us/step): fp32 / 3xTF32 %.2fx; rel diff %.2e\n",
-                  chains, HV, steps, ms[0], ms[0] * 1e3 / steps, ms[1], ms[1] * 1e3 / steps, ms[1] / ms[0],
-                  std::sqrt(num / den));
-      jc.push_back({{"chains", chains}, {"heads", HV}, {"steps", steps}, {"tf32x3_ms", ms[0]}, {"fp32_ms", ms[1]},
-                    {"tf32x3_TFLOPs", flop / (ms[0] * 1e-3) / 1e12}, {"fp32_TFLOPs", flop / (ms[1] * 1e-3) / 1e12},
-                    {"fp32_over_tf32x3", ms[1] / ms[0]}, {"rel_diff", std::sqrt(num / den)}});
-      cudaFree(dt), cudaFree(di), cudaFree(df[0]), cudaFree(df[1]);
+      std::printf("affine chain, %d chain(s) x %d heads x %d steps: 3xTF32 %.3f ms (%.1f us/step), 3xTF32 on mma.sync "
+                  "%.3f ms (%.1f us/step), fp32 FMA %.3f ms (%.1f us/step): mma.sync / default %.2fx, fp32 / default "
+                  "%.2fx; rel diff to fp32 %.2e (mma.sync %.2e)\n",
+                  chains, HV, steps, ms[0], ms[0] * 1e3 / steps, ms[1], ms[1] * 1e3 / steps, ms[2],
+                  ms[2] * 1e3 / steps, ms[1] / ms[0], ms[2] / ms[0], rel(a), rel(am));
+      jc.push_back({{"chains", chains}, {"heads", HV}, {"steps", steps}, {"tf32x3_ms", ms[0]}, {"tf32x3_mma_ms", ms[1]},
+                    {"fp32_ms", ms[2]}, {"tf32x3_TFLOPs", flop / (ms[0] * 1e-3) / 1e12},
+                    {"tf32x3_mma_TFLOPs", flop / (ms[1] * 1e-3) / 1e12}, {"fp32_TFLOPs", flop / (ms[2] * 1e-3) / 1e12},
+                    {"mma_over_tf32x3", ms[1] / ms[0]}, {"fp32_over_tf32x3", ms[2] / ms[0]}, {"rel_diff", rel(a)},
+                    {"rel_diff_mma", rel(am)}});
+      cudaFree(dt), cudaFree(di), cudaFree(df[0]), cudaFree(df[1]), cudaFree(df[2]);
     }
     J["affine_chain"] = jc;
     for (float* p : {T, S, R0, fin, outs}) cudaFree(p);

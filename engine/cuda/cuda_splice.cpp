@@ -451,7 +451,8 @@ std::vector<float> CudaBackend::run_pass(CudaSequence& s, const std::vector<Run>
         kc::gdn_prefill(a, ws_a_, stream_);
         kc::affine_chain(1, nv_, steps_per_chain, tb.dev<kc::AffineStep>(t_steps) + size_t(l) * steps_per_chain,
                          tb.dev<const float*>(t_cinit) + l, nullptr, stream_);
-        g.initial_state = rs_f(o_init, 0), g.final_state = rs_f(o_fin, 0);
+        // Phase C writes only the last run's final state, straight into the slot's state.
+        g.initial_state = rs_f(o_init, 0), g.final_state = ssm(l, s.slot_), g.final_state_last_only = true;
       } else {
         g.initial_state = ssm(l, s.slot_), g.final_state = ssm(l, s.slot_);
       }
@@ -461,7 +462,6 @@ std::vector<float> CudaBackend::run_pass(CudaSequence& s, const std::vector<Run>
         g.checkpoint_states = tb.dev<float* const>(t_cst) + size_t(l) * ncut;
       }
       kc::gdn_prefill(g, ws_c_, stream_);
-      if (chain) kc::batched_copy(1, tb.dev<kc::CopyDesc>(t_fin) + l, stream_);
       linear_finish(pre_, L.linear, T);
     } else {
       const int a = cfg_.attention_index(i);

@@ -87,6 +87,8 @@ struct SplitArgs {
   int num_groups;
   int* item_off;    // [num_groups + 1]: first work item of group g (exclusive prefix; [num_groups] = item count)
   int* qoff;        // [num_groups + 1]: first split-path query of group g among all split-path queries
+  int* order;       // [items]: the k-th item a persistent block takes (attn_split_plan_kernel: chunk-major)
+  int chunk_major;  // 0: order[k] = items - 1 - k instead (HYPIC_ATTN_SPLIT_ORDER=group, for comparisons)
   int* counter;     // work-item counter of the persistent split kernel (reset by the plan kernel)
   float* ws_acc;    // [item][kSplitBM][HD] partial accumulators
   float* ws_ml;     // [item][kSplitBM][2] partial (m in the log2 domain, l)
@@ -408,59 +410,89 @@ __global__ void __launch_bounds__(HD) attn_decode_combine_kernel(const AttnParam
 // r / ratio of the group at head kv_head * ratio + r % ratio; chunk c covers slots [c * chunk_len,
 // (c+1) * chunk_len), the group's last chunk (n_c - 1, n_c = min(nsplit, ceil(kv_len / chunk_len)))
 // up to its KV length kv_len = slot0 + len. Item numbering: group g's items are item_off[g] + local,
-// local = rt + n_rt * (kv_head + num_kv_heads * (n_c - 1 - c)); the persistent blocks take items from
-// the last one down (largest group index first, full chunks before each group's partial last chunk).
+// local = rt + n_rt * (kv_head + num_kv_heads * (n_c - 1 - c)) (the workspace slot of its partial results); the
+// persistent blocks take them in the plan kernel's chunk-major order (sa.order).
 
-// One block: per group its item count and split-path query count, exclusive prefix sums into item_off /
-// qoff ([sa.num_groups] = totals); resets the work counter.
-__global__ void __launch_bounds__(kPlanThreads) attn_split_plan_kernel(const AttnParams p, const SplitArgs sa) {
-  __shared__ int s_wi[32], s_wq[32];
-  __shared__ int s_ci, s_cq;
+// Exclusive block-wide scan (kPlanThreads threads, all calling) of value(i) over i in [0, n), in order: emit(i, v,
+// prefix) for every i, v = value(i); returns the total. s_w: 32 ints of shared scratch.
+template <class Value, class Emit>
+__device__ int plan_scan(int n, Value value, Emit emit, int* s_w) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  if (tid == 0) s_ci = s_cq = 0;
-  __syncthreads();
-  for (int base = 0; base < sa.num_groups; base += kPlanThreads) {
-    const int g = base + tid;
-    int items = 0, qn = 0;
-    if (g < sa.num_groups) {
-      const int len = p.q_start[g + 1] - p.q_start[g];
-      if (len >= 1 && len <= sa.split_max_q) {
-        const int kv_len = p.slot0[g] + len;
-        const int n_rt = (len * p.ratio + kSplitBM - 1) / kSplitBM;
-        const int n_c = min(sa.nsplit, (kv_len + sa.chunk_len - 1) / sa.chunk_len);
-        items = n_rt * n_c * p.num_kv_heads;
-        qn = len;
-      }
-    }
-    int xi = items, xq = qn;  // inclusive warp scans
+  int carry = 0;  // (every thread keeps the same running total)
+  for (int base = 0; base < n; base += kPlanThreads) {
+    const int i = base + tid;
+    const int v = i < n ? value(i) : 0;
+    int x = v;  // inclusive warp scan
 #pragma unroll
     for (int off = 1; off < 32; off <<= 1) {
-      const int yi = __shfl_up_sync(0xffffffffu, xi, off), yq = __shfl_up_sync(0xffffffffu, xq, off);
-      if (lane >= off) xi += yi, xq += yq;
+      const int y = __shfl_up_sync(0xffffffffu, x, off);
+      if (lane >= off) x += y;
     }
-    if (lane == 31) s_wi[warp] = xi, s_wq[warp] = xq;
+    if (lane == 31) s_w[warp] = x;
     __syncthreads();
     if (warp == 0) {  // kPlanThreads / 32 == 32 warp sums
-      int wi = s_wi[lane], wq = s_wq[lane];
+      int w = s_w[lane];
 #pragma unroll
       for (int off = 1; off < 32; off <<= 1) {
-        const int yi = __shfl_up_sync(0xffffffffu, wi, off), yq = __shfl_up_sync(0xffffffffu, wq, off);
-        if (lane >= off) wi += yi, wq += yq;
+        const int y = __shfl_up_sync(0xffffffffu, w, off);
+        if (lane >= off) w += y;
       }
-      s_wi[lane] = wi, s_wq[lane] = wq;
+      s_w[lane] = w;
     }
     __syncthreads();
-    if (g < sa.num_groups) {
-      sa.item_off[g] = s_ci + (warp ? s_wi[warp - 1] : 0) + xi - items;
-      sa.qoff[g] = s_cq + (warp ? s_wq[warp - 1] : 0) + xq - qn;
-    }
-    __syncthreads();
-    if (tid == 0) s_ci += s_wi[31], s_cq += s_wq[31];
-    __syncthreads();
+    if (i < n) emit(i, v, carry + (warp ? s_w[warp - 1] : 0) + x - v);
+    carry += s_w[31];
+    __syncthreads();  // s_w is rewritten by the next round
   }
-  if (tid == 0) {
-    sa.item_off[sa.num_groups] = s_ci;
-    sa.qoff[sa.num_groups] = s_cq;
+  return carry;
+}
+
+// One block: per group its item count and split-path query count, exclusive prefix sums into item_off / qoff
+// ([sa.num_groups] = totals); then the order in which the persistent blocks take the items, chunk-major: every
+// group's items of chunk 0 (group by group, each group's n_rt x num_kv_heads items of that chunk in item order), then
+// chunk 1, ... Chunk c covers the same slots in every group, and the groups of one launch are mostly windows of one
+// sequence (a splice's seams and query): blocks running at the same time then read the same pages, from L2 (item by
+// item, the group-major order streamed each group's whole KV range from memory again). Resets the work counter.
+__global__ void __launch_bounds__(kPlanThreads) attn_split_plan_kernel(const AttnParams p, const SplitArgs sa) {
+  __shared__ int s_w[32];
+  const int G = sa.num_groups;
+  auto split_len = [&](int g) {  // the group's query count if it takes the split path, else 0
+    const int len = p.q_start[g + 1] - p.q_start[g];
+    return len >= 1 && len <= sa.split_max_q ? len : 0;
+  };
+  auto n_rt = [&](int len) { return (len * p.ratio + kSplitBM - 1) / kSplitBM; };
+  auto n_chunks = [&](int g, int len) { return min(sa.nsplit, (p.slot0[g] + len + sa.chunk_len - 1) / sa.chunk_len); };
+  const int items = plan_scan(
+      G,
+      [&](int g) {
+        const int len = split_len(g);
+        return len ? n_rt(len) * n_chunks(g, len) * p.num_kv_heads : 0;
+      },
+      [&](int g, int, int prefix) { sa.item_off[g] = prefix; }, s_w);
+  const int queries = plan_scan(G, split_len, [&](int g, int, int prefix) { sa.qoff[g] = prefix; }, s_w);
+  __syncthreads();  // item_off of every group, for the order below
+  if (!sa.chunk_major) {  // group by group from the last item down (the order before the chunk-major one)
+    for (int k = threadIdx.x; k < items; k += kPlanThreads) sa.order[k] = items - 1 - k;
+  } else {
+    // Pair i = c * G + g: group g's items of chunk c (n_rt x num_kv_heads of them, consecutive item numbers from
+    // item_off[g] + n_rt num_kv_heads (n_c - 1 - c)), if the group has a chunk c.
+    plan_scan(
+        sa.nsplit * G,
+        [&](int i) {
+          const int c = i / G, g = i - c * G, len = split_len(g);
+          return len && c < n_chunks(g, len) ? n_rt(len) * p.num_kv_heads : 0;
+        },
+        [&](int i, int v, int prefix) {
+          const int c = i / G, g = i - c * G;
+          if (!v) return;
+          const int first = sa.item_off[g] + v * (n_chunks(g, split_len(g)) - 1 - c);
+          for (int j = 0; j < v; ++j) sa.order[prefix + j] = first + j;
+        },
+        s_w);
+  }
+  if (threadIdx.x == 0) {
+    sa.item_off[G] = items;
+    sa.qoff[G] = queries;
     *sa.counter = 0;
   }
 }
@@ -492,7 +524,7 @@ __global__ void __launch_bounds__(SplitCfg<HD>::kThreads, SplitCfg<HD>::kMinBloc
     __syncthreads();  // s_item is rewritten at the next item
     const int total = sa.item_off[sa.num_groups];  // (re-read per item: one register less in the KV loop)
     if (k >= total) break;
-    const int item = total - 1 - k;
+    const int item = sa.order[k];
     const int grp = find_group(sa.item_off, sa.num_groups, item);
     const int qs = p.q_start[grp];
     const int len = p.q_start[grp + 1] - qs;
@@ -785,6 +817,18 @@ size_t decode_ws_bytes(long entries, int head_dim) {
   return static_cast<size_t>(entries) * (head_dim + 2) * sizeof(float);
 }
 
+// HYPIC_ATTN_SPLIT_ORDER (read once): unset or "chunk" takes the split path's items chunk-major (see
+// attn_split_plan_kernel); "group" group by group, as before (comparisons); anything else throws.
+bool split_chunk_major() {
+  static const bool on = [] {
+    const char* e = std::getenv("HYPIC_ATTN_SPLIT_ORDER");
+    if (!e || !*e || std::string(e) == "chunk") return true;
+    if (std::string(e) == "group") return false;
+    throw std::invalid_argument(std::string("HYPIC_ATTN_SPLIT_ORDER must be chunk or group, got '") + e + "'");
+  }();
+  return on;
+}
+
 bool split_enabled() {
   static const bool on = [] {
     const char* e = std::getenv("HYPIC_ATTN_PREFILL_SPLIT");
@@ -801,7 +845,7 @@ struct SplitPlan {
   long items_bound = 0;  // work items at most
   long q_bound = 0;      // split-path queries at most (combine grid)
   int grid = 0;          // persistent blocks
-  size_t int_bytes = 0;  // item_off, qoff, counter (rounded up to 256 bytes)
+  size_t int_bytes = 0;  // item_off, qoff, counter, order (rounded up to 256 bytes)
   size_t bytes = 0;      // whole workspace
 };
 
@@ -830,7 +874,7 @@ SplitPlan plan_split(const AttnGroups& g, int num_heads, int num_kv_heads, int h
   sp.items_bound = items;
   sp.q_bound = q_bound;
   sp.grid = static_cast<int>(std::max(1L, std::min(items, resident)));
-  sp.int_bytes = (static_cast<size_t>(2 * (G + 1) + 1) * sizeof(int) + 255) / 256 * 256;
+  sp.int_bytes = (static_cast<size_t>(2 * (G + 1) + 1 + items) * sizeof(int) + 255) / 256 * 256;
   sp.bytes = sp.int_bytes + (nsplit > 1 ? static_cast<size_t>(items) * kSplitBM * (head_dim + 2) * sizeof(float) : 0);
   return sp;
 }
@@ -969,11 +1013,13 @@ void attention_prefill(const AttnGroups& g, int num_heads, int num_kv_heads, int
   sa.item_off = reinterpret_cast<int*>(base);
   sa.qoff = sa.item_off + (g.num_groups + 1);
   sa.counter = sa.qoff + (g.num_groups + 1);
+  sa.order = sa.counter + 1;
   if (sp.nsplit > 1) {
     sa.ws_acc = reinterpret_cast<float*>(base + sp.int_bytes);
     sa.ws_ml = sa.ws_acc + static_cast<size_t>(sp.items_bound) * kSplitBM * head_dim;
   }
   sa.split_max_q = kSplitMaxQ;
+  sa.chunk_major = split_chunk_major();
   sa.nsplit = sp.nsplit;
   sa.chunk_len = sp.chunk_len;
   sa.num_groups = g.num_groups;

@@ -54,6 +54,10 @@ struct GdnPrefillArgs {
   float scale = 0.08838834764831845f;    ///< q multiplier after the l2 norm (d_k^-1/2)
   const float* initial_state = nullptr;  ///< [num_seqs][H_v][128][128] or nullptr (zero state)
   float* final_state = nullptr;          ///< [num_seqs][H_v][128][128] or nullptr; may alias initial_state
+  /// Only the last sequence's final state is wanted: final_state then addresses [H_v][128][128] (that sequence's),
+  /// and the other sequences' final states are not written (a splice's seam runs, whose states only the last
+  /// matters: 64 KB per run and head less to write). The buffer must not overlap another sequence's initial state.
+  bool final_state_last_only = false;
   float* transition = nullptr;           ///< [num_seqs][H_v][128][128] T_C or nullptr (not computed)
   bf16* out = nullptr;                   ///< [T][H_v][128] o_t = S_t^T q_t, bf16; nullptr = not computed
   /// Block layout of the state scan, for benchmarks and tests (results are bitwise identical in

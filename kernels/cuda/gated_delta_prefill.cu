@@ -494,7 +494,8 @@ enum ScanRole { kRecS, kRecT, kOut };
 // serves every layer of a forward pass: each state is a reference resolved against the launch's
 // pointers, kRefNone (zero start / not written), kRefUser (the caller's [num_seqs][H_v][128][128]
 // buffer at `seq`) or a slot >= 0 of the workspace's split-state arena ([slot][H_v][128][128]).
-constexpr int kRefNone = -1, kRefUser = -2;
+// kRefUserLast: the caller's final_state buffer itself (GdnPrefillArgs::final_state_last_only).
+constexpr int kRefNone = -1, kRefUser = -2, kRefUserLast = -3;
 struct ScanJob {
   int c_begin, nc;
   int out;  // 1: the job's outputs are computed (needs output warps in the launch)
@@ -527,6 +528,7 @@ struct ScanParams {
 __host__ __device__ __forceinline__ float* state_ref(int ref, int seq, const float* user, float* split, int Hv) {
   const size_t elems = size_t(Hv) * kGdnHeadDim * kGdnHeadDim;
   if (ref == kRefUser) return user ? const_cast<float*>(user) + size_t(seq) * elems : nullptr;
+  if (ref == kRefUserLast) return const_cast<float*>(user);
   if (ref >= 0) return split + size_t(ref) * elems;
   return nullptr;
 }
@@ -941,7 +943,7 @@ namespace {
 std::vector<int> plan_key(const GdnPrefillArgs& a) {
   std::vector<int> key(a.cu_seqlens_host, a.cu_seqlens_host + a.num_seqs + 1);
   key.insert(key.end(), {a.num_seqs, a.num_k_heads, a.num_v_heads, a.out != nullptr, a.transition != nullptr,
-                         a.seq_parts, a.num_checkpoints});
+                         a.seq_parts, a.num_checkpoints, a.final_state_last_only});
   key.insert(key.end(), a.checkpoint_tokens_host, a.checkpoint_tokens_host + a.num_checkpoints);
   return key;
 }
@@ -991,6 +993,11 @@ void build_plan(const GdnPrefillArgs& a, GdnPlan& plan, std::vector<unsigned cha
     n = hi - lo;
   };
   std::vector<ScanJob> jobs1, jobs2;
+  // Where sequence s's final state goes (GdnPrefillArgs::final_state_last_only: the last one's only).
+  auto final_ref = [&](int s) {
+    if (!a.final_state_last_only) return kRefUser;
+    return s == a.num_seqs - 1 ? kRefUserLast : kRefNone;
+  };
   // Launch 1: parts of split sequences first (they carry the critical path), then whole sequences.
   for (const GdnPlan::Split& sp : plan.splits) {
     const int last1 = with_out ? sp.P - 2 : sp.P - 1;  // without outputs every part runs here
@@ -1010,7 +1017,7 @@ void build_plan(const GdnPrefillArgs& a, GdnPlan& plan, std::vector<unsigned cha
   }
   for (int s = 0; s < a.num_seqs; ++s) {
     if (parts[s] > 1) continue;
-    jobs1.push_back({seq_start[s], seq_start[s + 1] - seq_start[s], with_out, s, kRefUser, kRefNone, kRefUser,
+    jobs1.push_back({seq_start[s], seq_start[s + 1] - seq_start[s], with_out, s, kRefUser, kRefNone, final_ref(s),
                      kRefUser, 1});
   }
   // Launch 2 (with outputs): parts 1 .. P-1 from their composed initial states I[1] = F[0], I[p].
@@ -1022,7 +1029,7 @@ void build_plan(const GdnPrefillArgs& a, GdnPlan& plan, std::vector<unsigned cha
         j.seq = sp.seq;
         j.out = 1;
         j.init = pp == 1 ? sp.F : sp.I + pp;
-        j.final_state = pp == sp.P - 1 ? kRefUser : kRefNone;
+        j.final_state = pp == sp.P - 1 ? final_ref(sp.seq) : kRefNone;
         // T_C = T[P-1] (T[P-2] ... T[0]): the last part's T columns start from the prefix in I[0].
         const bool last_t = pp == sp.P - 1 && with_t;
         j.init_t = last_t ? (sp.P == 2 ? sp.Tp : sp.I) : kRefNone;
@@ -1176,7 +1183,8 @@ void gdn_prefill(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t stream)
       compose_fold(Hv, q.P - 2, slot(q.I), slot(q.Tp + 1), nullptr, ts);
     }
     if (!with_out) {
-      float* fin = state_ref(kRefUser, q.seq, a.final_state, split, Hv);
+      const int fin_ref = !a.final_state_last_only ? kRefUser : q.seq == a.num_seqs - 1 ? kRefUserLast : kRefNone;
+      float* fin = state_ref(fin_ref, q.seq, a.final_state, split, Hv);
       if (fin) {
         check_cuda(cudaMemcpyAsync(fin, prev, state_bytes, cudaMemcpyDeviceToDevice, stream),
                    "copy of the final state");

@@ -7,6 +7,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "kernels/cuda/chain_wgmma.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/fold.cuh"
 #include "kernels/cuda/mma.cuh"
@@ -182,7 +183,7 @@ __global__ void __launch_bounds__(256) affine_chain_kernel(int heads, int steps_
   extern __shared__ __align__(16) float chain_smem[];
   float* sTbuf[2] = {chain_smem, chain_smem + D * kLdT};
   float* sR = chain_smem + 2 * D * kLdT;
-  const int c = blockIdx.x, h = blockIdx.y, c0 = blockIdx.z * kBN, tid = threadIdx.x;
+  const int c = blockIdx.x / (D / kBN), h = blockIdx.y, c0 = (blockIdx.x % (D / kBN)) * kBN, tid = threadIdx.x;
   const int rg = tid / CG, cg = tid % CG;
   const size_t head_off = size_t(h) * D * D + c0;
   const AffineStep* chain = steps + size_t(c) * steps_per_chain;
@@ -267,7 +268,7 @@ __global__ void __launch_bounds__(256, 1) affine_chain_tc_kernel(int heads, int 
   uint32_t* sTl = sTh + D * kLdS;
   uint32_t* sRh = sTl + D * kLdS;  // R^T: [column][k]
   uint32_t* sRl = sRh + kBN * kLdS;
-  const int c = blockIdx.x, h = blockIdx.y, c0 = blockIdx.z * kBN, tid = threadIdx.x;
+  const int c = blockIdx.x / (D / kBN), h = blockIdx.y, c0 = (blockIdx.x % (D / kBN)) * kBN, tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3, m0 = warp * 16;
   const int mi = lane >> 3, r8 = lane & 7;  // ldmatrix: this lane's row address is row r8 of 8 x 4 block mi
   const size_t head_off = size_t(h) * D * D + c0;
@@ -572,8 +573,9 @@ ChainMath affine_chain_math() {
   static const ChainMath m = [] {
     const char* e = std::getenv("HYPIC_CHAIN_MATH");
     if (!e || !*e || std::string(e) == "tf32x3") return ChainMath::Tf32x3;
+    if (std::string(e) == "tf32x3-mma") return ChainMath::Tf32x3Mma;
     if (std::string(e) == "fp32") return ChainMath::Fp32Fma;
-    throw std::invalid_argument(std::string("HYPIC_CHAIN_MATH must be tf32x3 or fp32, got '") + e + "'");
+    throw std::invalid_argument(std::string("HYPIC_CHAIN_MATH must be tf32x3, tf32x3-mma or fp32, got '") + e + "'");
   }();
   return m;
 }
@@ -585,13 +587,20 @@ void affine_chain(int num_chains, int heads, int steps_per_chain, const AffineSt
 
 void affine_chain(int num_chains, int heads, int steps_per_chain, const AffineStep* steps, const float* const* init,
                   float* const* final_states, cudaStream_t stream, ChainMath math) {
-  need(num_chains >= 0 && heads > 0 && heads <= 65535 && steps_per_chain >= 0 && num_chains <= (1 << 30),
+  need(num_chains >= 0 && heads > 0 && heads <= 65535 && steps_per_chain >= 0 && num_chains <= (1 << 29),
        "affine_chain: bad sizes num_chains=" + std::to_string(num_chains) + " heads=" + std::to_string(heads) +
            " steps=" + std::to_string(steps_per_chain));
   if (num_chains == 0) return;
   need(steps || steps_per_chain == 0, "affine_chain: steps is null");
   static DeviceOnce fma_once, tc_once;  // (each kernel opts in on first use: their shared memory differs)
-  dim3 grid(num_chains, heads, D / kBN);
+#if HYPIC_CHAIN_WGMMA_BUILT
+  if (math == ChainMath::Tf32x3 && detail::chain_wgmma_available()) {
+    detail::launch_affine_chain_wgmma(num_chains, heads, steps_per_chain, steps, init, final_states, stream);
+    return;
+  }
+#endif
+  // Column blocks of one (chain, head) adjacent in blockIdx.x: they read the same T at about the same time (L2).
+  const dim3 grid(static_cast<unsigned>(num_chains) * (D / kBN), heads);
   if (math == ChainMath::Fp32Fma) {
     fma_once.run(current_device(), [](int) {
       check_cuda(cudaFuncSetAttribute(affine_chain_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kChainSmem),

@@ -49,9 +49,11 @@ enum class NormGate {
 void rms_norm_gated(int rows, int dim, const bf16* x, const bf16* z, const bf16* w, float eps, bf16* y,
                     cudaStream_t stream = nullptr, NormGate gate = NormGate::Silu, int w_rows = 1);
 
-/// How affine_chain multiplies: Tf32x3 (tensor cores, fp32-accurate split) or Fp32Fma (CUDA cores). Read once
-/// from HYPIC_CHAIN_MATH (unset or "tf32x3": Tf32x3; "fp32": Fp32Fma; anything else: std::invalid_argument).
-enum class ChainMath { Tf32x3, Fp32Fma };
+/// How affine_chain multiplies: Tf32x3 (tensor cores, fp32-accurate split: on compute capability 9.0 with the
+/// sm_90a build, warpgroup MMAs (wgmma, kernels/cuda/chain_wgmma.cu), elsewhere mma.sync), Tf32x3Mma (the same
+/// products on mma.sync on every device: comparisons) or Fp32Fma (CUDA cores). Read once from HYPIC_CHAIN_MATH
+/// (unset or "tf32x3": Tf32x3; "tf32x3-mma": Tf32x3Mma; "fp32": Fp32Fma; anything else: std::invalid_argument).
+enum class ChainMath { Tf32x3, Tf32x3Mma, Fp32Fma };
 ChainMath affine_chain_math();
 
 /// One step of an affine chain: R <- alpha (T R) + S; T == nullptr means the identity, S == nullptr zero; then
@@ -70,12 +72,14 @@ struct AffineStep {
 /// then steps[c * steps_per_chain + i] for i in order, then final[c] <- R (nullptr entry / array: not written).
 /// steps, init, final: DEVICE arrays. init may alias final. Arithmetic (affine_chain_math()): by default the
 /// products T R on the tensor cores as 3xTF32 (each fp32 operand split into a TF32 high part and a residual,
-/// T_hi R_hi + T_hi R_lo + T_lo R_hi accumulated in fp32 by mma.sync; deterministic): measured against products in
+/// T_hi R_hi + T_hi R_lo + T_lo R_hi accumulated in fp32 by wgmma on Hopper, mma.sync elsewhere; deterministic):
+/// measured (mma.sync) against products in
 /// double, 2-5e-7 relative (Frobenius) after one to four steps and 1.9e-6 after 16 (fp32 FMA: 1-2e-7), and 1.5-1.7x
 /// faster than the fp32-FMA kernel on an H200 (gdn_bench, 33 steps over 32 heads). Non-finite values become NaN
 /// (kernels/cuda/mma.cuh split_tf32). A T that is exactly the identity is not exact through the split (R to ~1
 /// ulp): pass nullptr for identity steps, which copy R exactly either way. HYPIC_CHAIN_MATH=fp32 selects fp32 FMA on
-/// the CUDA cores in a fixed k order. Throws std::invalid_argument on bad sizes or a bad HYPIC_CHAIN_MATH.
+/// the CUDA cores in a fixed k order. At most 2^29 chains. Throws std::invalid_argument on bad sizes or a bad
+/// HYPIC_CHAIN_MATH.
 void affine_chain(int num_chains, int heads, int steps_per_chain, const AffineStep* steps, const float* const* init,
                   float* const* final_states, cudaStream_t stream = nullptr);
 /// affine_chain with the arithmetic chosen by the caller (tests, benchmarks).

@@ -597,6 +597,61 @@ TEST_CASE("gdn_prefill splits: running two halves through initial_state equals o
   WARN("composition of GPU (T_C, S) halves vs one pass: worst rel err " << worst);
 }
 
+TEST_CASE("gdn_prefill final_state_last_only writes the last sequence's final state, as the full call does",
+          "[gpu][gated_delta]") {
+  require_gpu();
+  // Same inputs twice: every final state into [num_seqs][H_v][128][128], then only the last one into its own
+  // buffer (pre-filled with a sentinel). The last state and the outputs must agree bit for bit; covered with
+  // and without outputs, whole sequences and the sequence-parallel scan (parts), and a last sequence of length 0.
+  std::mt19937 rng(33);
+  const int hk = 2, hv = 4;
+  for (const bool with_out : {true, false})
+    for (const int parts : {1, 3})
+      for (const bool empty_last : {false, true}) {
+        const std::vector<int> cu = empty_last ? std::vector<int>{0, 9, 70, 3300, 3300}
+                                               : std::vector<int>{0, 9, 70, 3300, 3308};
+        const int S = int(cu.size()) - 1, L = cu.back();
+        INFO("with_out " << with_out << " seq_parts " << parts << " empty last " << empty_last);
+        std::vector<float> tmp;
+        auto qh = random_bf16(rng, size_t(L) * hk * D, 1.f, tmp);
+        auto kh = random_bf16(rng, size_t(L) * hk * D, 1.f, tmp);
+        auto vh = random_bf16(rng, size_t(L) * hv * D, 1.f, tmp);
+        auto g = random_log_decay(rng, size_t(L) * hv);
+        auto beta = random_beta(rng, size_t(L) * hv);
+        const size_t se = size_t(hv) * D * D;
+        std::vector<float> init(S * se);
+        std::normal_distribution<float> nd(0.f, 0.5f);
+        for (auto& x : init) x = nd(rng);
+        DeviceBuffer<bf16> dq(qh), dk(kh), dv(vh), dout_all(size_t(L) * hv * D), dout_last(size_t(L) * hv * D);
+        DeviceBuffer<float> dg(g), db(beta), dinit(init), dall(S * se), dlast(std::vector<float>(se, 12345.f));
+        gpu::GdnWorkspace ws;
+        gpu::GdnPrefillArgs a;
+        a.num_seqs = S;
+        a.cu_seqlens_host = cu.data();
+        a.num_k_heads = hk;
+        a.num_v_heads = hv;
+        a.q = dq.get(), a.k = dk.get(), a.v = dv.get(), a.g = dg.get(), a.beta = db.get();
+        a.initial_state = dinit.get();
+        a.seq_parts = parts;
+        a.out = with_out ? dout_all.get() : nullptr;
+        a.final_state = dall.get();
+        gpu::gdn_prefill(a, ws);
+        a.out = with_out ? dout_last.get() : nullptr;
+        a.final_state = dlast.get();
+        a.final_state_last_only = true;
+        gpu::gdn_prefill(a, ws);
+        check_cuda(cudaDeviceSynchronize(), "prefill");
+        const auto all = dall.download(), last = dlast.download();
+        CHECK(std::memcmp(last.data(), all.data() + (S - 1) * se, se * sizeof(float)) == 0);
+        if (empty_last)  // length 0: final = initial
+          CHECK(std::memcmp(last.data(), init.data() + (S - 1) * se, se * sizeof(float)) == 0);
+        if (with_out) {
+          const auto o1 = dout_all.download(), o2 = dout_last.download();
+          CHECK(std::memcmp(o1.data(), o2.data(), o1.size() * sizeof(bf16)) == 0);
+        }
+      }
+}
+
 TEST_CASE("gdn_prefill checkpoints: the states at chosen tokens, written in the same pass", "[gpu][gated_delta]") {
   require_gpu();
   // Prefix mode's checkpoints: the state after token t - 1 of the call, for t anywhere in a sequence (inside a

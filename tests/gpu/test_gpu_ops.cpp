@@ -20,6 +20,14 @@ using bf16 = __nv_bfloat16;
 
 namespace {
 
+const char* chain_math_name(gpu::ChainMath m) {
+  switch (m) {
+    case gpu::ChainMath::Tf32x3: return "tf32x3 (wgmma on Hopper)";
+    case gpu::ChainMath::Tf32x3Mma: return "tf32x3 mma.sync";
+    default: return "fp32";
+  }
+}
+
 void require_gpu() {
   if (!cuda_device_present()) FAIL("no CUDA device: the GPU tests need an NVIDIA GPU (scripts/test_gpu.sh)");
 }
@@ -83,7 +91,8 @@ TEST_CASE("rms_norm_gated equals the gated RMSNorm of the delta-rule output", "[
   check_close(to_float(dx.download()), ref, 1e-2, 1e-3, "rms_norm_gated");
 }
 
-TEST_CASE("affine_chain edge cases on both kernels: no steps, a T-less first step, init aliasing final", "[ops]") {
+TEST_CASE("affine_chain edge cases on every kernel: no steps, a T-less first step, init aliasing final, a step adding "
+          "an earlier step's output", "[ops]") {
   require_gpu();
   std::mt19937 rng(11);
   const int heads = 2, D = 128;
@@ -109,8 +118,8 @@ TEST_CASE("affine_chain edge cases on both kernels: no steps, a T-less first ste
         ref[b + size_t(i) * D + j] = acc;
       }
   DeviceBuffer<float> dS0(S0), dT1(T1), dS1(S1), dX(X), dF(M), dout(M);
-  for (const gpu::ChainMath math : {gpu::ChainMath::Tf32x3, gpu::ChainMath::Fp32Fma}) {
-    INFO("math " << (math == gpu::ChainMath::Tf32x3 ? "tf32x3" : "fp32"));
+  for (const gpu::ChainMath math : {gpu::ChainMath::Tf32x3, gpu::ChainMath::Tf32x3Mma, gpu::ChainMath::Fp32Fma}) {
+    INFO("math " << chain_math_name(math));
     // A: no steps: final = init bit for bit.
     dF.upload(std::vector<float>(M, std::nanf("")));
     DeviceBuffer<const float*> a_init(std::vector<const float*>{dX.get()});
@@ -135,9 +144,30 @@ TEST_CASE("affine_chain edge cases on both kernels: no steps, a T-less first ste
     const auto F = dF.download();
     double n = 0, dd = 0;
     for (size_t i = 0; i < M; ++i) n += (F[i] - ref[i]) * (F[i] - ref[i]), dd += ref[i] * ref[i];
-    std::printf("[ops] affine_chain edge cases (%s): aliased final %.3e\n",
-                math == gpu::ChainMath::Tf32x3 ? "tf32x3" : "fp32", std::sqrt(n / dd));
+    std::printf("[ops] affine_chain edge cases (%s): aliased final %.3e\n", chain_math_name(math), std::sqrt(n / dd));
     CHECK(std::sqrt(n / dd) <= 1e-5);
+    // C: step 1 adds what step 0 wrote (S = step 0's out): R = S0, then R = T1 R + R (the S read after the write).
+    dout.upload(std::vector<float>(M, std::nanf("")));
+    std::vector<gpu::AffineStep> sc(2);
+    sc[0].S = dS0.get(), sc[0].alpha = 0.f, sc[0].out = dout.get();
+    sc[1].T = dT1.get(), sc[1].S = dout.get();
+    std::vector<unsigned char> rawc(sc.size() * sizeof(gpu::AffineStep));
+    std::memcpy(rawc.data(), sc.data(), rawc.size());
+    DeviceBuffer<unsigned char> dsteps_c(rawc);
+    gpu::affine_chain(1, heads, 2, reinterpret_cast<const gpu::AffineStep*>(dsteps_c.get()), nullptr, a_fin.get(),
+                      nullptr, math);
+    const auto FC = dF.download();
+    double nc = 0, dc = 0;
+    for (int h = 0; h < heads; ++h)
+      for (int i = 0; i < D; ++i)
+        for (int j = 0; j < D; ++j) {
+          const size_t b = size_t(h) * D * D, o = b + size_t(i) * D + j;
+          double acc = S0[o];
+          for (int k = 0; k < D; ++k) acc += double(T1[b + size_t(i) * D + k]) * S0[b + size_t(k) * D + j];
+          nc += (FC[o] - acc) * (FC[o] - acc), dc += acc * acc;
+        }
+    INFO("C: rel err " << std::sqrt(nc / dc));
+    CHECK(std::sqrt(nc / dc) <= 1e-5);
   }
 }
 
@@ -184,8 +214,8 @@ TEST_CASE("affine_chain folds (T, S) steps like the plain matrix products", "[op
   DeviceBuffer<unsigned char> dtable(raw);
   DeviceBuffer<const float*> dinitp(init_ptr);
   DeviceBuffer<float*> dfinp(fin_ptr);
-  for (const gpu::ChainMath math : {gpu::ChainMath::Tf32x3, gpu::ChainMath::Fp32Fma}) {
-    const char* math_name = math == gpu::ChainMath::Tf32x3 ? "tf32x3" : "fp32";
+  for (const gpu::ChainMath math : {gpu::ChainMath::Tf32x3, gpu::ChainMath::Tf32x3Mma, gpu::ChainMath::Fp32Fma}) {
+    const char* math_name = chain_math_name(math);
     for (auto& f : dfin) f.upload(std::vector<float>(M, std::nanf("")));
     for (auto& o : dout) o.upload(std::vector<float>(M, std::nanf("")));
     gpu::affine_chain(chains, heads, steps, reinterpret_cast<const gpu::AffineStep*>(dtable.get()), dinitp.get(),
