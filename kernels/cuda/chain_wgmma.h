@@ -10,8 +10,8 @@ namespace hypic::kernels::cuda::detail {
 bool chain_wgmma_available();
 
 /// affine_chain (ChainMath::Tf32x3) on warpgroup MMAs: arguments, layouts and numerics as affine_chain's, the same
-/// 3xTF32 products and fp32 sums, only the summation order inside each tensor-core product differs. Requires
-/// chain_wgmma_available() and num_chains <= 2^29, heads <= 65535 (checked by affine_chain). Host only; throws
+/// 3xTF32 products, summed in another order than the mma.sync kernel's (results agree to ~1e-6, not bit for bit). Requires
+/// chain_wgmma_available() and num_chains < 2^29, heads <= 65535 (checked by affine_chain). Host only; throws
 /// std::runtime_error on CUDA errors.
 void launch_affine_chain_wgmma(int num_chains, int heads, int steps_per_chain, const AffineStep* steps,
                                const float* const* init, float* const* final_states, cudaStream_t stream);

@@ -7,6 +7,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "kernels/cuda/chain_tile.cuh"
 #include "kernels/cuda/chain_wgmma.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/fold.cuh"
@@ -205,7 +206,7 @@ __global__ void __launch_bounds__(256) affine_chain_kernel(int heads, int steps_
     float4 sv[RPT];
 #pragma unroll
     for (int r = 0; r < RPT; ++r)
-      sv[r] = st.S ? __ldg(reinterpret_cast<const float4*>(st.S + head_off + size_t(rg + RG * r) * D + 4 * cg))
+      sv[r] = st.S ? __ldcg(reinterpret_cast<const float4*>(st.S + head_off + size_t(rg + RG * r) * D + 4 * cg))
                    : make_float4(0.f, 0.f, 0.f, 0.f);
     float acc[RPT][4];
 #pragma unroll
@@ -271,7 +272,7 @@ __global__ void __launch_bounds__(256, 1) affine_chain_tc_kernel(int heads, int 
   const int c = blockIdx.x / (D / kBN), h = blockIdx.y, c0 = (blockIdx.x % (D / kBN)) * kBN, tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3, m0 = warp * 16;
   const int mi = lane >> 3, r8 = lane & 7;  // ldmatrix: this lane's row address is row r8 of 8 x 4 block mi
-  const size_t head_off = size_t(h) * D * D + c0;
+  const detail::ChainTile<NT> tile(h, c0, warp, lane);
   const AffineStep* chain = steps + size_t(c) * steps_per_chain;
   float4 tv[kTVec];
   auto fetch_T = [&](const float* T) {  // T's head h into registers (thread: rows i >> 5, 4 columns, i = tid + 256 j)
@@ -292,8 +293,6 @@ __global__ void __launch_bounds__(256, 1) affine_chain_tc_kernel(int heads, int 
       *reinterpret_cast<uint4*>(sTl + o) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
     }
   };
-  // Element (row, col) of this lane's accumulator slot (n, i): row m0 + g + 8 (i >> 1), col 8 n + 2 t + (i & 1).
-  auto off = [&](int n, int half) { return size_t(m0 + g + 8 * half) * D + 8 * n + 2 * t; };
   auto store_R = [&](const float (&r)[NT][4]) {  // R -> its transposed tf32 hi / lo copy (each lane its elements)
 #pragma unroll
     for (int n = 0; n < NT; ++n)
@@ -304,14 +303,7 @@ __global__ void __launch_bounds__(256, 1) affine_chain_tc_kernel(int heads, int 
       }
   };
   float cur[NT][4];
-  const float* R0 = init ? init[c] : nullptr;
-#pragma unroll
-  for (int n = 0; n < NT; ++n)
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const float2 v = R0 ? *reinterpret_cast<const float2*>(R0 + head_off + off(n, half)) : make_float2(0.f, 0.f);
-      cur[n][2 * half] = v.x, cur[n][2 * half + 1] = v.y;
-    }
+  tile.load(cur, init ? init[c] : nullptr);
   AffineStep st = steps_per_chain > 0 ? chain[0] : AffineStep{};
   if (st.T) {
     fetch_T(st.T);
@@ -324,12 +316,7 @@ __global__ void __launch_bounds__(256, 1) affine_chain_tc_kernel(int heads, int 
     const float* next_T = next.T;
     fetch_T(next_T);  // lands while this step multiplies
     float2 sv[NT][2];
-#pragma unroll
-    for (int n = 0; n < NT; ++n)
-#pragma unroll
-      for (int half = 0; half < 2; ++half)
-        sv[n][half] =
-            st.S ? __ldg(reinterpret_cast<const float2*>(st.S + head_off + off(n, half))) : make_float2(0.f, 0.f);
+    tile.load_S(sv, st.S);
     float acc[NT][4], cor[NT][4], cor2[NT][4];
     if (st.T) {
 #pragma unroll
@@ -375,16 +362,7 @@ __global__ void __launch_bounds__(256, 1) affine_chain_tc_kernel(int heads, int 
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[n][i] = cur[n][i];
     }
-#pragma unroll
-    for (int n = 0; n < NT; ++n)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        cur[n][2 * half] = fmaf(st.alpha, acc[n][2 * half], sv[n][half].x);
-        cur[n][2 * half + 1] = fmaf(st.alpha, acc[n][2 * half + 1], sv[n][half].y);
-        if (st.out)
-          *reinterpret_cast<float2*>(st.out + head_off + off(n, half)) =
-              make_float2(cur[n][2 * half], cur[n][2 * half + 1]);
-      }
+    tile.step(cur, acc, sv, st.alpha, st.out);
     if (s + 1 < steps_per_chain) {
       __syncthreads();  // every warp has read this step's T and R copies
       if (next_T) store_T();
@@ -393,14 +371,7 @@ __global__ void __launch_bounds__(256, 1) affine_chain_tc_kernel(int heads, int 
     }
     st = next;
   }
-  float* F = final_states ? final_states[c] : nullptr;
-  if (F) {
-#pragma unroll
-    for (int n = 0; n < NT; ++n)
-#pragma unroll
-      for (int half = 0; half < 2; ++half)
-        *reinterpret_cast<float2*>(F + head_off + off(n, half)) = make_float2(cur[n][2 * half], cur[n][2 * half + 1]);
-  }
+  tile.store(cur, final_states ? final_states[c] : nullptr);
 }
 
 __global__ void fp32_to_bf16_kernel(long n, const float* __restrict__ x, bf16* __restrict__ y) {
@@ -587,7 +558,7 @@ void affine_chain(int num_chains, int heads, int steps_per_chain, const AffineSt
 
 void affine_chain(int num_chains, int heads, int steps_per_chain, const AffineStep* steps, const float* const* init,
                   float* const* final_states, cudaStream_t stream, ChainMath math) {
-  need(num_chains >= 0 && heads > 0 && heads <= 65535 && steps_per_chain >= 0 && num_chains <= (1 << 29),
+  need(num_chains >= 0 && heads > 0 && heads <= 65535 && steps_per_chain >= 0 && num_chains < (1 << 29),
        "affine_chain: bad sizes num_chains=" + std::to_string(num_chains) + " heads=" + std::to_string(heads) +
            " steps=" + std::to_string(steps_per_chain));
   if (num_chains == 0) return;

@@ -78,7 +78,7 @@ struct AffineStep {
 /// faster than the fp32-FMA kernel on an H200 (gdn_bench, 33 steps over 32 heads). Non-finite values become NaN
 /// (kernels/cuda/mma.cuh split_tf32). A T that is exactly the identity is not exact through the split (R to ~1
 /// ulp): pass nullptr for identity steps, which copy R exactly either way. HYPIC_CHAIN_MATH=fp32 selects fp32 FMA on
-/// the CUDA cores in a fixed k order. At most 2^29 chains. Throws std::invalid_argument on bad sizes or a bad
+/// the CUDA cores in a fixed k order. Fewer than 2^29 chains. Throws std::invalid_argument on bad sizes or a bad
 /// HYPIC_CHAIN_MATH.
 void affine_chain(int num_chains, int heads, int steps_per_chain, const AffineStep* steps, const float* const* init,
                   float* const* final_states, cudaStream_t stream = nullptr);

@@ -602,16 +602,19 @@ TEST_CASE("gdn_prefill final_state_last_only writes the last sequence's final st
   require_gpu();
   // Same inputs twice: every final state into [num_seqs][H_v][128][128], then only the last one into its own
   // buffer (pre-filled with a sentinel). The last state and the outputs must agree bit for bit; covered with
-  // and without outputs, whole sequences and the sequence-parallel scan (parts), and a last sequence of length 0.
+  // and without outputs, whole sequences and the sequence-parallel scan (parts), with a last sequence of length 0 and
+  // one long enough to be split in parts itself.
   std::mt19937 rng(33);
   const int hk = 2, hv = 4;
   for (const bool with_out : {true, false})
     for (const int parts : {1, 3})
-      for (const bool empty_last : {false, true}) {
-        const std::vector<int> cu = empty_last ? std::vector<int>{0, 9, 70, 3300, 3300}
-                                               : std::vector<int>{0, 9, 70, 3300, 3308};
+      for (const int last_case : {0, 1, 2}) {  // a short last sequence, an empty one, a long one (split in parts)
+        const bool empty_last = last_case == 1;
+        const std::vector<int> cu = last_case == 0   ? std::vector<int>{0, 9, 70, 3300, 3308}
+                                    : last_case == 1 ? std::vector<int>{0, 9, 70, 3300, 3300}
+                                                     : std::vector<int>{0, 9, 70, 3300};
         const int S = int(cu.size()) - 1, L = cu.back();
-        INFO("with_out " << with_out << " seq_parts " << parts << " empty last " << empty_last);
+        INFO("with_out " << with_out << " seq_parts " << parts << " last sequence case " << last_case);
         std::vector<float> tmp;
         auto qh = random_bf16(rng, size_t(L) * hk * D, 1.f, tmp);
         auto kh = random_bf16(rng, size_t(L) * hk * D, 1.f, tmp);
