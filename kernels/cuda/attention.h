@@ -127,7 +127,8 @@ class AttnDecodeWorkspace {
 /// environment variable HYPIC_ATTN_PREFILL_SPLIT=0 (read once) disables the split path (comparisons). The persistent
 /// blocks take the items chunk-major (every group's items of KV chunk 0, then chunk 1, ...: a splice's groups are
 /// windows of one sequence, so blocks running together read the same pages); HYPIC_ATTN_SPLIT_ORDER=group (read once)
-/// takes them group by group instead (comparisons; anything but "chunk" or "group" throws std::invalid_argument).
+/// takes them group by group instead (comparisons; unset, empty or "chunk": chunk-major; anything else but "group"
+/// throws std::invalid_argument).
 /// Throws as attention_prefill, and std::invalid_argument when `ws` would have to grow while `stream`
 /// is capturing (AttnDecodeWorkspace::reserve_prefill sizes it beforehand).
 void attention_prefill(const AttnGroups& g, int num_heads, int num_kv_heads, int head_dim, const bf16* q,

@@ -200,7 +200,7 @@ __global__ void __launch_bounds__(32 * kRowWarps, 4) kv_import_kernel(const Impo
   const long groups = (static_cast<long>(p.n) + kImportRows - 1) / kImportRows;
   for (long w = static_cast<long>(blockIdx.x) * kRowWarps + warp; w < groups;
        w += static_cast<long>(gridDim.x) * kRowWarps) {
-    const int i0 = static_cast<int>(w * kImportRows), i1 = min(p.n, i0 + kImportRows);
+    const int i0 = static_cast<int>(w * kImportRows), i1 = i0 + min(kImportRows, p.n - i0);
     int r = find_group(p.run_start, p.num_runs, i0);  // the run of row i0 (the last of equal starts)
     for (int i = i0; i < i1; ++i) {
       while (r + 1 < p.num_runs && p.run_start[r + 1] <= i) ++r;  // (skipping empty runs, as find_group)

@@ -518,7 +518,7 @@ __global__ void affine_chain_scalar_kernel(int heads, int head_floats, int steps
   for (int s = 0; s < steps_per_chain; ++s) {
     const AffineStep st = steps[size_t(c) * steps_per_chain + s];
     const float t = st.T ? st.T[h] * st.alpha : st.alpha;
-    const float4 sv = st.S ? __ldg(reinterpret_cast<const float4*>(st.S + off)) : make_float4(0.f, 0.f, 0.f, 0.f);
+    const float4 sv = st.S ? __ldcg(reinterpret_cast<const float4*>(st.S + off)) : make_float4(0.f, 0.f, 0.f, 0.f);
     r = make_float4(fmaf(t, r.x, sv.x), fmaf(t, r.y, sv.y), fmaf(t, r.z, sv.z), fmaf(t, r.w, sv.w));
     if (st.out) *reinterpret_cast<float4*>(st.out + off) = r;
   }
