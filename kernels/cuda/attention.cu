@@ -62,7 +62,6 @@ constexpr int kMinTilesPerChunk = 2;  // decode chunks of at least 128 slots
 // Split prefill (short groups over long contexts): 8 warps = 4 row warps (16 rows each: a 64-row tile of
 // (query, head) rows of one KV head) x 2 KV halves (32 slots of each 64-slot tile); Q, then K and V double
 // buffered. The two halves are merged through shared memory (the K buffers) at the end of an item.
-constexpr int kSplitBM = 64;
 constexpr int kSplitMaxQ = 512;    // groups of 1 ..= kSplitMaxQ queries take the split path
 constexpr int kSplitWaves = 8;     // aim at about this many items per resident block
 constexpr int kPlanThreads = 1024;
@@ -77,22 +76,6 @@ struct SplitCfg {
   static_assert(kBM * HD * 4 + 2 * kBM * 4 <= 2 * kBN * kLd * 2, "split staging fits the K buffers");
 };
 static_assert(SplitCfg<256>::kSmem <= 227 * 1024, "split smem");
-
-// The split path of attention_prefill (with a workspace); a separate kernel argument so that AttnParams,
-// and with it the prefill kernel's register allocation, stays as it was.
-struct SplitArgs {
-  int split_max_q;  // groups of 1 ..= split_max_q queries take the split path
-  int nsplit;       // chunks per group at most (the last one runs to the group's KV length)
-  int chunk_len;    // slots per chunk (whole pages)
-  int num_groups;
-  int* item_off;    // [num_groups + 1]: first work item of group g (exclusive prefix; [num_groups] = item count)
-  int* qoff;        // [num_groups + 1]: first split-path query of group g among all split-path queries
-  int* order;       // [items]: the k-th item a persistent block takes (attn_split_plan_kernel: chunk-major)
-  int chunk_major;  // 0: order[k] = items - 1 - k instead (HYPIC_ATTN_SPLIT_ORDER=group, for comparisons)
-  int* counter;     // work-item counter of the persistent split kernel (reset by the plan kernel)
-  float* ws_acc;    // [item][kSplitBM][HD] partial accumulators
-  float* ws_ml;     // [item][kSplitBM][2] partial (m in the log2 domain, l)
-};
 
 // K and V of KV tile `tile` (slots tile*64 .. +63) into shared memory; slots beyond last_slot are
 // zero-filled (never attended, but P = 0 times uninitialised pool memory could be NaN).
@@ -525,30 +508,13 @@ __global__ void __launch_bounds__(SplitCfg<HD>::kThreads, SplitCfg<HD>::kMinBloc
     const int total = sa.item_off[sa.num_groups];  // (re-read per item: one register less in the KV loop)
     if (k >= total) break;
     const int item = sa.order[k];
-    const int grp = find_group(sa.item_off, sa.num_groups, item);
-    const int qs = p.q_start[grp];
-    const int len = p.q_start[grp + 1] - qs;
-    const int s0 = p.slot0[grp];
-    const int kv_len = s0 + len;
-    const int rows_all = len * p.ratio;
-    const int n_rt = (rows_all + kBM - 1) / kBM;
-    const int n_c = min(sa.nsplit, (kv_len + sa.chunk_len - 1) / sa.chunk_len);
-    int local = item - sa.item_off[grp];
-    const int rt = local % n_rt;
-    local /= n_rt;
-    const int kvh = local % p.num_kv_heads;
-    const int c = n_c - 1 - local / p.num_kv_heads;
-    const int R0 = rt * kBM;                   // first group row of the tile
-    const int nrows = min(kBM, rows_all - R0);  // valid rows of the tile
-    const int tile_lim = s0 + (R0 + nrows - 1) / p.ratio;  // last slot any valid row sees
-    const int start = c * sa.chunk_len;
-    if (start > tile_lim) continue;  // every row of the tile ends before the chunk (block-uniform)
-    const int end = (c == n_c - 1) ? kv_len : start + sa.chunk_len;  // non-last chunks are full
-    const int last_slot = min(end - 1, tile_lim);
-    const int j0 = start / kBN;
+    SplitItem wi;
+    if (!split_item(p, sa, item, wi)) continue;
+    const int qs = wi.qs, s0 = wi.s0, R0 = wi.R0, nrows = wi.nrows, h0 = wi.h0, kvh = wi.kvh, n_c = wi.n_c;
+    const int last_slot = wi.last_slot;
+    const int j0 = wi.start / kBN;
     const int n_tiles = last_slot / kBN - j0 + 1;
-    const int h0 = kvh * p.ratio;
-    const int* bt = p.block_table + static_cast<size_t>(grp) * p.max_pages;
+    const int* bt = wi.bt;
     if (tid == 0) {  // read after the loop's first barrier; rewritten only after this item's last barrier
       s_meta[0] = qs, s_meta[1] = R0, s_meta[2] = nrows;
       s_meta[3] = h0, s_meta[4] = n_c, s_meta[5] = item;
@@ -653,34 +619,7 @@ __global__ void __launch_bounds__(SplitCfg<HD>::kThreads, SplitCfg<HD>::kMinBloc
           o[dt][2 * r] = w0 * o[dt][2 * r] + w1 * x.x;
           o[dt][2 * r + 1] = w0 * o[dt][2 * r + 1] + w1 * x.y;
         }
-        if (row >= nrows_) continue;  // padding row
-        if (n_c_ == 1) {  // the whole KV range: final output (chunk 0 holds slot 0, so L > 0)
-          const int R = R0_ + row, qi = R / p.ratio, h = h0_ + (R - qi * p.ratio);
-          const size_t t = static_cast<size_t>(qs_ + qi);
-          const float inv = 1.f / L;
-          bf16* orow = p.out + (t * p.num_heads + h) * HD;
-          const bf16* grow =
-              p.gate ? p.gate + static_cast<long>(t) * p.gate_ts + static_cast<long>(h) * p.gate_hs : nullptr;
-#pragma unroll
-          for (int dt = 0; dt < HD / 8; ++dt) {
-            const int d = dt * 8 + c2;
-            float v0 = o[dt][2 * r] * inv, v1 = o[dt][2 * r + 1] * inv;
-            if (grow) {
-              v0 *= sigmoidf_(__bfloat162float(grow[d]));
-              v1 *= sigmoidf_(__bfloat162float(grow[d + 1]));
-            }
-            *reinterpret_cast<__nv_bfloat162*>(orow + d) = __floats2bfloat162_rn(v0, v1);
-          }
-        } else {
-          const size_t e = static_cast<size_t>(item_) * kBM + row;
-#pragma unroll
-          for (int dt = 0; dt < HD / 8; ++dt)
-            *reinterpret_cast<float2*>(sa.ws_acc + e * HD + dt * 8 + c2) = make_float2(o[dt][2 * r], o[dt][2 * r + 1]);
-          if ((lane & 3) == 0) {
-            sa.ws_ml[2 * e] = M;
-            sa.ws_ml[2 * e + 1] = L;
-          }
-        }
+        if (row < nrows_) split_store_row<HD>(p, sa, o, r, M, L, row, qs_, R0_, h0_, n_c_, item_, c2);
       }
     }
     __syncthreads();  // sO / sQ are overwritten by the next item
@@ -950,8 +889,15 @@ void launch_split(const AttnParams& p, const SplitArgs& sa, const AttnGroups& g,
   split_setup<HD>();
   attn_split_plan_kernel<<<1, kPlanThreads, 0, stream>>>(p, sa);
   check_cuda(cudaGetLastError(), "attn_split_plan_kernel launch");
-  attn_split_kernel<HD><<<sp.grid, C::kThreads, C::kSmem, stream>>>(p, sa);
-  check_cuda(cudaGetLastError(), "attn_split_kernel<" + std::to_string(HD) + "> launch");
+#if HYPIC_ATTN_WGMMA_BUILT
+  if (wgmma_split_available(HD)) {  // Hopper: the wgmma split kernel (attention_wgmma.cu)
+    launch_split_wgmma(p, sa, HD, sp.items_bound, stream);
+  } else
+#endif
+  {
+    attn_split_kernel<HD><<<sp.grid, C::kThreads, C::kSmem, stream>>>(p, sa);
+    check_cuda(cudaGetLastError(), "attn_split_kernel<" + std::to_string(HD) + "> launch");
+  }
   if (g.max_q > sa.split_max_q) launch_prefill<HD>(p, g.num_groups, g.max_q, stream, sa.split_max_q);  // longer groups
   if (sp.nsplit > 1) {
     attn_split_combine_kernel<HD><<<dim3(static_cast<unsigned>(sp.q_bound), p.num_heads), HD, 0, stream>>>(p, sa);

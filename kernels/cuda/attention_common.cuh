@@ -56,6 +56,26 @@ struct AttnParams {
   float* ws_ml;   // [batch][num_heads][nsplit][2] (m in the log2 domain, l)
 };
 
+// Rows per work item of the split path of attention_prefill (with a workspace): a tile of (query, head) rows of one KV
+// head, row r = query r / ratio at head kv_head * ratio + r % ratio.
+constexpr int kSplitBM = 64;
+
+// The split path of attention_prefill (with a workspace); a separate kernel argument so that AttnParams,
+// and with it the prefill kernel's register allocation, stays as it was.
+struct SplitArgs {
+  int split_max_q;  // groups of 1 ..= split_max_q queries take the split path
+  int nsplit;       // chunks per group at most (the last one runs to the group's KV length)
+  int chunk_len;    // slots per chunk (whole pages)
+  int num_groups;
+  int* item_off;    // [num_groups + 1]: first work item of group g (exclusive prefix; [num_groups] = item count)
+  int* qoff;        // [num_groups + 1]: first split-path query of group g among all split-path queries
+  int* order;       // [items]: the k-th item a persistent block takes (attn_split_plan_kernel: chunk-major)
+  int chunk_major;  // 0: order[k] = items - 1 - k instead (HYPIC_ATTN_SPLIT_ORDER=group, for comparisons)
+  int* counter;     // work-item counter of the persistent split kernel (reset by the plan kernel)
+  float* ws_acc;    // [item][kSplitBM][HD] partial accumulators
+  float* ws_ml;     // [item][kSplitBM][2] partial (m in the log2 domain, l)
+};
+
 __device__ __forceinline__ float fast_exp2(float x) {  // 2^x; -inf -> +0
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -63,6 +83,79 @@ __device__ __forceinline__ float fast_exp2(float x) {  // 2^x; -inf -> +0
 }
 
 __device__ __forceinline__ float sigmoidf_(float x) { return 1.f / (1.f + __expf(-x)); }
+
+// One work item of the split path, decoded from its number (attn_split_plan_kernel's numbering: group g's items are
+// item_off[g] + rt + n_rt (kv_head + num_kv_heads (n_c - 1 - c))): the group, its 64-row tile and KV head, and the
+// chunk's slot range. The split kernels (attn_split_kernel, attn_split_wgmma_kernel) share it.
+struct SplitItem {
+  int qs, s0, n_c;         // the group's first q row, first query's slot, chunks
+  int R0, nrows, h0, kvh;  // first group row of the tile, its valid rows, first query head, KV head
+  int start, last_slot;    // the chunk's first slot, and the last slot the tile computes
+  const int* bt;           // the group's block-table row
+};
+// False when every row of the tile ends before the chunk (nothing to do; block-uniform).
+__device__ __forceinline__ bool split_item(const AttnParams& p, const SplitArgs& sa, int item, SplitItem& it) {
+  const int grp = find_group(sa.item_off, sa.num_groups, item);
+  it.qs = p.q_start[grp];
+  const int len = p.q_start[grp + 1] - it.qs;
+  it.s0 = p.slot0[grp];
+  const int kv_len = it.s0 + len;
+  const int rows_all = len * p.ratio;
+  const int n_rt = (rows_all + kSplitBM - 1) / kSplitBM;
+  it.n_c = min(sa.nsplit, (kv_len + sa.chunk_len - 1) / sa.chunk_len);
+  int local = item - sa.item_off[grp];
+  const int rt = local % n_rt;
+  local /= n_rt;
+  it.kvh = local % p.num_kv_heads;
+  const int c = it.n_c - 1 - local / p.num_kv_heads;
+  it.R0 = rt * kSplitBM;
+  it.nrows = min(kSplitBM, rows_all - it.R0);
+  const int tile_lim = it.s0 + (it.R0 + it.nrows - 1) / p.ratio;  // last slot any valid row sees
+  it.start = c * sa.chunk_len;
+  if (it.start > tile_lim) return false;
+  const int end = (c == it.n_c - 1) ? kv_len : it.start + sa.chunk_len;  // non-last chunks are full (whole pages)
+  it.last_slot = min(end - 1, tile_lim);
+  it.h0 = it.kvh * p.ratio;
+  it.bt = p.block_table + static_cast<size_t>(grp) * p.max_pages;
+  return true;
+}
+
+// Row `row` (< the tile's valid rows) of a split item, from this lane's accumulators o[.][2 r], o[.][2 r + 1] (columns
+// 8 dt + c2, + 1) with the row's max m (log2 domain) and full sum L: with one chunk (n_c == 1, chunk 0 holds slot 0, so
+// L > 0) the final output o / L, times sigmoid(gate) when p.gate, rounded to bf16 once; else the chunk's partial
+// (acc, m, L) into the workspace at the item's slot for the combine kernel (m and L written by the lane with c2 == 0).
+template <int HD>
+__device__ __forceinline__ void split_store_row(const AttnParams& p, const SplitArgs& sa, const float (&o)[HD / 8][4],
+                                                int r, float m, float L, int row, int qs, int R0, int h0, int n_c,
+                                                int item, int c2) {
+  if (n_c == 1) {
+    const int R = R0 + row, qi = R / p.ratio, h = h0 + (R - qi * p.ratio);
+    const size_t t = static_cast<size_t>(qs + qi);
+    const float inv = 1.f / L;
+    bf16* orow = p.out + (t * p.num_heads + h) * HD;
+    const bf16* grow = p.gate ? p.gate + static_cast<long>(t) * p.gate_ts + static_cast<long>(h) * p.gate_hs : nullptr;
+#pragma unroll
+    for (int dt = 0; dt < HD / 8; ++dt) {
+      const int d = dt * 8 + c2;
+      float v0 = o[dt][2 * r] * inv, v1 = o[dt][2 * r + 1] * inv;
+      if (grow) {
+        v0 *= sigmoidf_(__bfloat162float(grow[d]));
+        v1 *= sigmoidf_(__bfloat162float(grow[d + 1]));
+      }
+      *reinterpret_cast<__nv_bfloat162*>(orow + d) = __floats2bfloat162_rn(v0, v1);
+    }
+  } else {
+    const size_t e = static_cast<size_t>(item) * kSplitBM + row;
+#pragma unroll
+    for (int dt = 0; dt < HD / 8; ++dt)
+      *reinterpret_cast<float2*>(sa.ws_acc + e * HD + dt * 8 + c2) = make_float2(o[dt][2 * r], o[dt][2 * r + 1]);
+    if (c2 == 0) {
+      sa.ws_ml[2 * e] = m;
+      sa.ws_ml[2 * e + 1] = L;
+    }
+  }
+}
+
 
 // One KV tile of online softmax for one warp's 16 rows x 16 * NP slots (NP pairs of 8-column tiles).
 // s: raw q.k accumulators in (overwritten); pa: P (unnormalised) out, rounded to bf16 as the A fragments of
@@ -236,5 +329,16 @@ bool wgmma_prefill_available(int head_dim);
 /// and results (up to fp32 summation order) as attn_prefill_kernel. Host only; requires wgmma_prefill_available.
 void launch_prefill_wgmma(const AttnParams& p, int head_dim, int num_groups, int max_q, int split_max_q,
                           cudaStream_t stream);
+
+/// True when the split path of attention_prefill (with a workspace) runs on the wgmma kernel (attention_wgmma.cu): the
+/// current device is compute capability 9.0 (the sm_90a build), head_dim is 128 or 256, and the environment variable
+/// HYPIC_ATTN_SPLIT_WGMMA is not "0" (read once; comparisons). Host only; throws std::runtime_error on CUDA errors.
+bool wgmma_split_available(int head_dim);
+
+/// Launches the wgmma split kernel: min(max_items, resident blocks) persistent blocks of one warpgroup taking sa's
+/// items in sa.order (after attn_split_plan_kernel), each item's 64-row tile over its KV chunk in 32-slot tiles;
+/// writes the same partials and outputs as attn_split_kernel (up to fp32 summation order inside the products).
+/// Host only; requires wgmma_split_available(head_dim).
+void launch_split_wgmma(const AttnParams& p, const SplitArgs& sa, int head_dim, long max_items, cudaStream_t stream);
 
 }  // namespace hypic::kernels::cuda::detail

@@ -12,6 +12,7 @@
 // Built for sm_90a only (kernels/cuda/CMakeLists.txt); attention.cu calls it on compute capability 9.0 devices.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <string>
@@ -55,6 +56,20 @@ __device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[8][4], uint64_t da
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
       "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
       : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+
+// d (64 x 32 fp32, accumulator layout) = (scale_d ? d : 0) + A (64 x 16, K-major in shared memory, descriptor da)
+// * B (16 x 32, K-major in shared memory, descriptor db): wgmma.mma_async m64n32k16, bf16 in, fp32 accumulate.
+// Issued, not waited for.
+__device__ __forceinline__ void wgmma_m64n32k16_ss(float (&d)[4][4], uint64_t da, uint64_t db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
+        "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
+        "+f"(d[3][2]), "+f"(d[3][3])
       : "l"(da), "l"(db), "r"(scale_d));
 }
 
@@ -505,6 +520,195 @@ void launch_hd(const AttnParams& p, int num_groups, int max_q, int split_max_q, 
   check_cuda(cudaGetLastError(), "attention prefill (wgmma) <" + std::to_string(HD) + "> launch");
 }
 
+// ---- Split path (attention_prefill with a workspace: short groups over long contexts) ---------------------------
+// One warpgroup per block, two or more blocks per SM; each block takes work items (group, KV head, 64-row tile of
+// (query, head) rows, KV chunk) in the plan kernel's order (sa.order, attention.cu), exactly the items, partials and
+// outputs of attn_split_kernel: Q of the tile (row r: query r / ratio at head kv_head * ratio + r % ratio) and the
+// chunk's KV in 32-slot tiles (half a page; K and V double buffered, 128-byte swizzled), S = Q K^T by m64n32k16
+// wgmmas from shared memory, P in registers for O += P V (m64n{HD}k16, V MN-major), the softmax, masking and rounding
+// points of attention_common.cuh. Smaller KV tiles than the prefill kernel's so that two blocks of Q + 2 x (K, V)
+// (97 KB at head_dim 256) share an SM and hide each other's waits.
+template <int HD>
+struct SplitWgCfg {
+  static constexpr int kThreads = 128;
+  static constexpr int kBM = kSplitBM;   // 64 rows: one warpgroup
+  static constexpr int kBT = 32;         // KV slots per tile
+  static constexpr int kUnits = HD / 8;  // 16-byte units per row
+  static constexpr int kQBytes = kBM * HD * 2;
+  static constexpr int kTileBytes = kBT * HD * 2;
+  static constexpr int kSmem = kQBytes + 4 * kTileBytes + 1024;  // Q, K x 2, V x 2, + the 1024-byte alignment
+  static constexpr int kMinBlocks = HD == 256 ? 2 : 3;
+};
+static_assert(2 * SplitWgCfg<256>::kSmem <= 227 * 1024, "two split blocks per SM");
+static_assert(kBN % SplitWgCfg<256>::kBT == 0, "KV tiles within one page");
+
+// K and V of the 32-slot tile `tile` (slots 32 tile .. 32 tile + 31, within page bt[32 tile / 64]) into the swizzled
+// buffers; slots beyond last_slot are zero-filled.
+template <int HD>
+__device__ __forceinline__ void load_kv32_sw(unsigned char* sK, unsigned char* sV, const AttnParams& p, const int* bt,
+                                             int tile, int last_slot, int kvh, int tid) {
+  using C = SplitWgCfg<HD>;
+  const int slot_base = tile * C::kBT;
+  const size_t row0 = static_cast<size_t>(bt[slot_base / kBN]) * kBN + slot_base % kBN;
+  static_assert((C::kBT * C::kUnits) % C::kThreads == 0, "whole passes");
+#pragma unroll
+  for (int it = 0; it < C::kBT * C::kUnits / C::kThreads; ++it) {
+    const int i = tid + it * C::kThreads, r = i / C::kUnits, u = i % C::kUnits;
+    const uint32_t so = sw128<C::kBT>(r, u);
+    if (slot_base + r <= last_slot) {
+      const size_t off = ((row0 + r) * p.num_kv_heads + kvh) * HD + u * 8;
+      cp_async16(sK + so, p.k_pool + off);
+      cp_async16(sV + so, p.v_pool + off);
+    } else {
+      *reinterpret_cast<uint4*>(sK + so) = make_uint4(0, 0, 0, 0);
+      *reinterpret_cast<uint4*>(sV + so) = make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
+template <int HD>
+__global__ void __launch_bounds__(SplitWgCfg<HD>::kThreads, SplitWgCfg<HD>::kMinBlocks)
+    attn_split_wgmma_kernel(const AttnParams p, const SplitArgs sa) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using C = SplitWgCfg<HD>;
+  constexpr int kBM = C::kBM, kBT = C::kBT;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  unsigned char* sQ = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
+  unsigned char* sK0 = sQ + C::kQBytes;          // K buffers 0, 1
+  unsigned char* sV0 = sK0 + 2 * C::kTileBytes;  // V buffers 0, 1
+  __shared__ int s_item;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, c2 = (lane & 3) * 2;
+  for (;;) {
+    if (tid == 0) s_item = atomicAdd(sa.counter, 1);
+    __syncthreads();
+    const int k = s_item;
+    __syncthreads();  // s_item is rewritten at the next item
+    const int total = sa.item_off[sa.num_groups];
+    if (k >= total) break;
+    const int item = sa.order[k];
+    SplitItem wi;
+    if (!split_item(p, sa, item, wi)) continue;
+    const int qs = wi.qs, s0 = wi.s0, R0 = wi.R0, nrows = wi.nrows, h0 = wi.h0, kvh = wi.kvh;
+    const int last_slot = wi.last_slot;
+    const int j0 = wi.start / kBT;
+    const int n_tiles = last_slot / kBT - j0 + 1;
+    const int* bt = wi.bt;
+
+    // Q rows (rows past the group: zeros) and KV tile j0: one commit group.
+#pragma unroll 4
+    for (int it = 0; it < kBM * C::kUnits / C::kThreads; ++it) {
+      const int i = tid + it * C::kThreads, r = i / C::kUnits, u = i % C::kUnits;
+      unsigned char* dst = sQ + sw128<kBM>(r, u);
+      if (r < nrows) {
+        const int R = R0 + r, qi = R / p.ratio, hh = R - qi * p.ratio;
+        cp_async16(dst, p.q + (static_cast<size_t>(qs + qi) * p.num_heads + h0 + hh) * HD + u * 8);
+      } else {
+        *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+      }
+    }
+    load_kv32_sw<HD>(sK0, sV0, p, bt, j0, last_slot, kvh, tid);
+    cp_async_commit();
+
+    float o[HD / 8][4];
+#pragma unroll
+    for (int dt = 0; dt < HD / 8; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+    const int Rw = R0 + warp * 16;             // group row of the warp's row 0
+    const int wlim_lo = s0 + Rw / p.ratio;     // last visible slot of the warp's first row
+    const int lim0 = s0 + (Rw + g) / p.ratio, lim1 = s0 + (Rw + g + 8) / p.ratio;
+    const uint32_t q_addr = smem_addr(sQ);
+    uint32_t pa[2][4];  // P of the tile, bf16 A fragments of the P.V product
+
+    for (int j = 0; j < n_tiles; ++j) {
+      const int buf = j & 1;
+      if (j + 1 < n_tiles)
+        load_kv32_sw<HD>(sK0 + (buf ^ 1) * C::kTileBytes, sV0 + (buf ^ 1) * C::kTileBytes, p, bt, j0 + j + 1,
+                         last_slot, kvh, tid);
+      cp_async_commit();   // possibly empty group
+      cp_async_wait<1>();  // tile j (and Q) landed
+      fence_proxy_async();
+      __syncthreads();
+      const int n0 = (j0 + j) * kBT;
+      const uint32_t k_addr = smem_addr(sK0) + buf * C::kTileBytes;
+      const uint32_t v_addr = smem_addr(sV0) + buf * C::kTileBytes;
+      float s[4][4];
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < HD / 16; ++kk) {
+        const uint64_t da = sw128_desc(q_addr + (kk >> 2) * (kBM * 128) + (kk & 3) * 32, 16, 1024);
+        const uint64_t db = sw128_desc(k_addr + (kk >> 2) * (kBT * 128) + (kk & 3) * 32, 16, 1024);
+        wgmma_m64n32k16_ss(s, da, db, kk > 0);
+      }
+      wgmma_commit();
+      float alpha[2];
+      wgmma_wait<0>();
+      pin<4>(s);
+      // Slots past last_slot (zero-filled) lie past every valid row's limit: masked whenever present.
+      softmax_tile<4>(s, pa, m, l, alpha, p.scale_log2, n0 + kBT - 1 > wlim_lo, n0, c2, lim0, lim1);
+      rescale_rows<HD / 8>(o, alpha);
+      pin<HD / 8>(o);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBT / 16; ++kk) wgmma_pv<HD>(o, pa[kk], sw128_desc(v_addr + kk * 16 * 128, kBT * 128, 1024));
+      wgmma_commit();
+      wgmma_wait<0>();
+      pin<HD / 8>(o);
+      __syncthreads();  // buffer `buf` is refilled by the next iteration's prefetch
+    }
+    cp_async_wait<0>();
+
+    // The tile's rows: final output (one chunk) or the chunk's partial (m, l, acc) for the combine kernel.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+      l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = warp * 16 + g + r * 8;  // tile row
+      if (row < nrows) split_store_row<HD>(p, sa, o, r, m[r], l[r], row, qs, R0, h0, wi.n_c, item, c2);
+    }
+    __syncthreads();  // sQ is overwritten by the next item
+  }
+#else
+  __trap();  // built for sm_90a only; launch_split_wgmma checks the device
+#endif
+}
+
+bool split_wgmma_enabled() {
+  static const bool on = [] {
+    const char* e = std::getenv("HYPIC_ATTN_SPLIT_WGMMA");
+    return !(e && std::string(e) == "0");
+  }();
+  return on;
+}
+
+template <int HD>
+int split_wgmma_setup() {
+  using C = SplitWgCfg<HD>;
+  static DeviceOnce once;
+  return once.run(current_device(), [](int) {
+    check_cuda(cudaFuncSetAttribute(attn_split_wgmma_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    C::kSmem),
+               "cudaFuncSetAttribute(attn_split_wgmma_kernel<" + std::to_string(HD) + ">)");
+    int blocks = 0;
+    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, attn_split_wgmma_kernel<HD>, C::kThreads,
+                                                             C::kSmem),
+               "cudaOccupancyMaxActiveBlocksPerMultiprocessor(attn_split_wgmma_kernel)");
+    return std::max(blocks, 1);
+  });
+}
+
+template <int HD>
+void launch_split_hd(const AttnParams& p, const SplitArgs& sa, long max_items, cudaStream_t stream) {
+  using C = SplitWgCfg<HD>;
+  const long resident = static_cast<long>(sm_count()) * split_wgmma_setup<HD>();
+  const int grid = static_cast<int>(std::max(1L, std::min(max_items, resident)));
+  attn_split_wgmma_kernel<HD><<<grid, C::kThreads, C::kSmem, stream>>>(p, sa);
+  check_cuda(cudaGetLastError(), "attn_split_wgmma_kernel<" + std::to_string(HD) + "> launch");
+}
+
 }  // namespace
 
 bool wgmma_prefill_available(int head_dim) {
@@ -518,6 +722,18 @@ void launch_prefill_wgmma(const AttnParams& p, int head_dim, int num_groups, int
     launch_hd<256>(p, num_groups, max_q, split_max_q, stream);
   else
     launch_hd<128>(p, num_groups, max_q, split_max_q, stream);
+}
+
+bool wgmma_split_available(int head_dim) {
+  if (!split_wgmma_enabled() || (head_dim != 128 && head_dim != 256)) return false;
+  return current_device_is_sm90();
+}
+
+void launch_split_wgmma(const AttnParams& p, const SplitArgs& sa, int head_dim, long max_items, cudaStream_t stream) {
+  if (head_dim == 256)
+    launch_split_hd<256>(p, sa, max_items, stream);
+  else
+    launch_split_hd<128>(p, sa, max_items, stream);
 }
 
 }  // namespace hypic::kernels::cuda::detail
