@@ -129,9 +129,10 @@ class AttnDecodeWorkspace {
 /// windows of one sequence, so blocks running together read the same pages); HYPIC_ATTN_SPLIT_ORDER=group (read once)
 /// takes them group by group instead (comparisons; unset, empty or "chunk": chunk-major; anything else but "group"
 /// throws std::invalid_argument). On compute capability 9.0 at head_dim 128 / 256 the split kernel runs on warpgroup
-/// MMAs (attention_wgmma.cu: one warpgroup per item, 32-slot KV tiles, two or three blocks per SM; same items,
-/// partials and rounding points, fp32 sums in another order); HYPIC_ATTN_SPLIT_WGMMA=0 (read once) keeps the mma.sync
-/// kernel (comparisons).
+/// MMAs (attention_wgmma.cu: one warpgroup per item, 32-slot KV tiles, two or three blocks per SM; same items and
+/// partials, equal up to rounding: fp32 sums in another order, P rounded to bf16 against one running max per row where
+/// the mma.sync kernel keeps one per 32-slot half); HYPIC_ATTN_SPLIT_WGMMA=0 (read once) keeps the mma.sync kernel
+/// (comparisons).
 /// Throws as attention_prefill, and std::invalid_argument when `ws` would have to grow while `stream`
 /// is capturing (AttnDecodeWorkspace::reserve_prefill sizes it beforehand).
 void attention_prefill(const AttnGroups& g, int num_heads, int num_kv_heads, int head_dim, const bf16* q,

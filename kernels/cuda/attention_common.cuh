@@ -337,7 +337,8 @@ bool wgmma_split_available(int head_dim);
 
 /// Launches the wgmma split kernel: min(max_items, resident blocks) persistent blocks of one warpgroup taking sa's
 /// items in sa.order (after attn_split_plan_kernel), each item's 64-row tile over its KV chunk in 32-slot tiles;
-/// writes the same partials and outputs as attn_split_kernel (up to fp32 summation order inside the products).
+/// writes the partials and outputs attn_split_kernel writes, up to rounding (fp32 sums in another order, and P rounded
+/// to bf16 against one running max per row where the mma.sync kernel keeps one per 32-slot half).
 /// Host only; requires wgmma_split_available(head_dim).
 void launch_split_wgmma(const AttnParams& p, const SplitArgs& sa, int head_dim, long max_items, cudaStream_t stream);
 

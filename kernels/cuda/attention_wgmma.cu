@@ -9,6 +9,9 @@
 // attention_common.cuh's, so rows, numerics and the gate are those of attn_prefill_kernel (attention.cu); only
 // the fp32 summation order inside the tensor-core products differs.
 //
+// The split path of attention_prefill with a workspace (short groups over long contexts: a splice's seam windows and
+// query) has its wgmma kernel here too (attn_split_wgmma_kernel, below).
+//
 // Built for sm_90a only (kernels/cuda/CMakeLists.txt); attention.cu calls it on compute capability 9.0 devices.
 #include <cuda_runtime.h>
 
