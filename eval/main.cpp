@@ -9,6 +9,7 @@
 #include <fmt/chrono.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <ctime>
 #include <cmath>
@@ -289,12 +290,18 @@ int main(int argc, char** argv) {
     std::vector<SpliceMode> modes = {SpliceMode::Full};
     for (SpliceMode m : parse_modes(modes_text)) modes.push_back(m);
 
-    // Entries: built once, standalone, shared by naive / transition / hypic (as a cache would hold them).
+    // Entries: built once per segment, standalone, shared by naive / hypic at --seam-width and by transition at w = 0
+    // (transition mode folds T_C of entries made without a seam window), as a cache would hold them: both widths
+    // from one prefill of the segment (build_segment_entries).
+    const bool want_w0 = seam_width != 0 && std::find(modes.begin(), modes.end(), SpliceMode::Transition) != modes.end();
+    const std::vector<int> widths = want_w0 ? std::vector<int>{seam_width, 0} : std::vector<int>{seam_width};
     const auto t_build = Clock::now();
-    std::vector<SpliceSegment> segs;
+    std::vector<SpliceSegment> segs, segs_w0;  // entries at seam_width; at w = 0 (transition) when that differs
     int64_t prompt_tokens = 0;
     for (const auto& ids : segments) {
-      segs.push_back({ids, std::make_shared<const SegmentEntry>(build_segment_entry(model, ids, seam_width))});
+      std::vector<SegmentEntry> es = build_segment_entries(model, ids, widths);
+      segs.push_back({ids, std::make_shared<const SegmentEntry>(std::move(es[0]))});
+      if (want_w0) segs_w0.push_back({ids, std::make_shared<const SegmentEntry>(std::move(es[1]))});
       prompt_tokens += static_cast<int64_t>(ids.size());
     }
     const double build_seconds = seconds_since(t_build);
@@ -310,7 +317,7 @@ int main(int argc, char** argv) {
     PrefixStateCache prefix_cache(size_t(8) << 30);
     for (SpliceMode m : modes) {
       SpliceRequest req;
-      req.segments = segs;
+      req.segments = m == SpliceMode::Transition && want_w0 ? segs_w0 : segs;
       req.query = query;
       req.mode = m;
       req.seam_width = seam_width;
