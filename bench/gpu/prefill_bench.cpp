@@ -475,12 +475,16 @@ json measure_parts(const eng::ModelConfig& cfg, const Dims& d, const std::vector
     const Stats t_ffn = (d.n_moe + d.n_mlp) ? time_gpu(ffn, warm, reps, s) : Stats{0, 0, 0, 0};
     // Attention: prepare (norms, RoPE, K/V into the pool) + varlen causal prefill, once per attention layer.
     Stats t_attn{0, 0, 0, 0}, t_attn_core{0, 0, 0, 0};
+    long cudnn_launches = 0;  // attention_prefill's long group through cuDNN's SDPA (else our kernel)
     if (d.n_attn) {
       const int qs[2] = {0, Ti};
       check_cuda(cudaMemcpy(B.qstart.as(), qs, sizeof qs, cudaMemcpyHostToDevice), "q_start");
       kc::AttnGroups g;
       g.num_groups = 1, g.q_start = B.qstart.as<int>(), g.slot0 = B.slot0.as<int>(), g.block_table = B.btable.as<int>();
       g.max_pages = B.pages, g.total_q = Ti, g.max_q = Ti, g.max_kv = Ti;
+      const int slot0_host = 0;  // host tables, as the backend passes them: long groups may take cuDNN's SDPA
+      g.q_start_host = qs, g.slot0_host = &slot0_host;
+      kc::AttnDecodeWorkspace attn_ws;
       const bool gate = cfg.attn_output_gate;
       const float scale = float(1.0 / std::sqrt(double(d.hd)));
       auto attn = [&] {
@@ -491,7 +495,7 @@ json measure_parts(const eng::ModelConfig& cfg, const Dims& d, const std::vector
                                 B.aq.as<bf16>(), B.kpool.as<bf16>(), B.vpool.as<bf16>(), s);
           kc::attention_prefill(g, d.nh, d.nkv, d.hd, B.aq.as<bf16>(), B.kpool.as<bf16>(), B.vpool.as<bf16>(), scale,
                                 gate ? B.big.as<bf16>() + d.hd : nullptr, gate ? long(2) * d.nh * d.hd : 0,
-                                gate ? 2 * d.hd : 0, B.ao.as<bf16>(), s);
+                                gate ? 2 * d.hd : 0, B.ao.as<bf16>(), attn_ws, s);
         }
       };
       fill.bf(B.big.as<bf16>(), size_t(Ti) * d.qrows, kc::RandomFill::Normal, 0.f, 1.f);
@@ -500,9 +504,10 @@ json measure_parts(const eng::ModelConfig& cfg, const Dims& d, const std::vector
         for (int i = 0; i < d.n_attn; ++i)
           kc::attention_prefill(g, d.nh, d.nkv, d.hd, B.aq.as<bf16>(), B.kpool.as<bf16>(), B.vpool.as<bf16>(), scale,
                                 gate ? B.big.as<bf16>() + d.hd : nullptr, gate ? long(2) * d.nh * d.hd : 0,
-                                gate ? 2 * d.hd : 0, B.ao.as<bf16>(), s);
+                                gate ? 2 * d.hd : 0, B.ao.as<bf16>(), attn_ws, s);
       };
       t_attn_core = time_gpu(core, warm, reps, s);
+      cudnn_launches = attn_ws.cudnn_launches();
     }
     // Gated DeltaNet: conv1d + SiLU, split into q / k / v, chunked prefill with fused gates, once per linear layer.
     Stats t_gdn{0, 0, 0, 0};
@@ -540,9 +545,12 @@ json measure_parts(const eng::ModelConfig& cfg, const Dims& d, const std::vector
                       "on one layer's weights");
     row["attention"] = part(t_attn, d.attn_flops(T_d),
                             "attention_prepare (q/k norms, partial RoPE, K/V into the pool) + attention_prefill "
-                            "(causal, gate fused), once per attention layer");
+                            "(causal, with the output gate), once per attention layer");
+    const std::string attn_impl = cudnn_launches ? "cuDNN SDPA (K/V gathered from the pool) + output gate kernel"
+                                                 : "our kernel, gate fused";
     row["attention_core"] = part(t_attn_core, d.attn_flops(T_d),
-                                 "attention_prefill alone (causal, gate fused), once per attention layer");
+                                 ("attention_prefill alone (causal, gate), once per attention layer: " + attn_impl).c_str());
+    row["attention_impl"] = cudnn_launches ? "cudnn_sdpa" : "hypic";
     row["gdn"] = part(t_gdn, d.gdn_flops(T_d),
                       "conv1d_silu_prefill (q, k, v out) + gdn_prefill (gates fused, no T_C), once per linear layer");
     row["sum_ms"] = t_dense.median + t_ffn.median + t_attn.median + t_gdn.median;

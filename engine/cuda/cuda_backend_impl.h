@@ -647,11 +647,15 @@ class CudaBackend final : public Backend {
   std::vector<std::vector<int>> live_pages_unused_;
 };
 
+// q_start_host / slot0_host: optional host copies (kept alive through the pass) that let attention_prefill run the
+// long groups through cuDNN's SDPA (kernels/cuda/attention.h).
 inline kc::AttnGroups attn_groups(int num_groups, const int* q_start, const int* slot0, const int* block_table, int max_pages,
-                           int total_q, int max_q, int max_kv) {
+                           int total_q, int max_q, int max_kv, const int* q_start_host = nullptr,
+                           const int* slot0_host = nullptr) {
   kc::AttnGroups g;
   g.num_groups = num_groups, g.q_start = q_start, g.slot0 = slot0, g.block_table = block_table;
   g.max_pages = max_pages, g.total_q = total_q, g.max_q = max_q, g.max_kv = max_kv;
+  g.q_start_host = q_start_host, g.slot0_host = slot0_host;
   return g;
 }
 

@@ -407,7 +407,8 @@ std::vector<float> CudaBackend::run_pass(CudaSequence& s, const std::vector<Run>
   check_cuda(cudaMemcpyAsync(pre_.ids, tb.dev<int32_t>(t_ids), size_t(T) * 4, cudaMemcpyDeviceToDevice, stream_), "ids");
 
   const kc::AttnGroups groups =
-      attn_groups(G, tb.dev<int>(t_qs), tb.dev<int>(t_s0), tb.dev<int>(t_bt), max_pages, T, max_q, int(top));
+      attn_groups(G, tb.dev<int>(t_qs), tb.dev<int>(t_s0), tb.dev<int>(t_bt), max_pages, T, max_q, int(top),
+                  q_start.data(), slot0.data());
   const MlaExpandPass mla_pass = mla_x.on ? mla_expand_pass(mla_x, tb, groups) : MlaExpandPass{};
   const int import_rows = kv.rows();
 
@@ -998,7 +999,8 @@ void CudaBackend::build_batch(std::span<const std::vector<int32_t>> segs, int w,
   tb.upload(tables_dev_, stream_);
   check_cuda(cudaMemcpyAsync(pre_.ids, tb.dev<int32_t>(t_ids), size_t(T) * 4, cudaMemcpyDeviceToDevice, stream_), "ids");
   const kc::AttnGroups groups =
-      attn_groups(N, tb.dev<int>(t_cu), tb.dev<int>(t_s0), tb.dev<int>(t_bt), max_pages, T, max_q, max_kv);
+      attn_groups(N, tb.dev<int>(t_cu), tb.dev<int>(t_s0), tb.dev<int>(t_bt), max_pages, T, max_q, max_kv, cu.data(),
+                  slot0.data());
   const MlaExpandPass mla_pass = mla_x.on ? mla_expand_pass(mla_x, tb, groups) : MlaExpandPass{};
   const int per_layer_copies = n_lin_ ? int(entry_copy.size()) / n_lin_ : 0;  // the same for every layer
 

@@ -15,11 +15,14 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <memory>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/attention_common.cuh"
+#include "kernels/cuda/attention_cudnn.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/mma.cuh"
 #include "kernels/cuda/pdl.cuh"
@@ -884,7 +887,7 @@ void launch_prefill(const AttnParams& p, int num_groups, int max_q, cudaStream_t
 
 template <int HD>
 void launch_split(const AttnParams& p, const SplitArgs& sa, const AttnGroups& g, const SplitPlan& sp,
-                  cudaStream_t stream) {
+                  cudaStream_t stream, bool long_groups = true) {
   using C = SplitCfg<HD>;
   split_setup<HD>();
   attn_split_plan_kernel<<<1, kPlanThreads, 0, stream>>>(p, sa);
@@ -898,10 +901,113 @@ void launch_split(const AttnParams& p, const SplitArgs& sa, const AttnGroups& g,
     attn_split_kernel<HD><<<sp.grid, C::kThreads, C::kSmem, stream>>>(p, sa);
     check_cuda(cudaGetLastError(), "attn_split_kernel<" + std::to_string(HD) + "> launch");
   }
-  if (g.max_q > sa.split_max_q) launch_prefill<HD>(p, g.num_groups, g.max_q, stream, sa.split_max_q);  // longer groups
+  if (long_groups && g.max_q > sa.split_max_q)  // longer groups (unless cuDNN runs them)
+    launch_prefill<HD>(p, g.num_groups, g.max_q, stream, sa.split_max_q);
   if (sp.nsplit > 1) {
     attn_split_combine_kernel<HD><<<dim3(static_cast<unsigned>(sp.q_bound), p.num_heads), HD, 0, stream>>>(p, sa);
     check_cuda(cudaGetLastError(), "attn_split_combine_kernel<" + std::to_string(HD) + "> launch");
+  }
+}
+
+// The split path's arguments over a workspace of sp.bytes at `base`.
+SplitArgs split_args(const AttnGroups& g, const SplitPlan& sp, unsigned char* base, int head_dim) {
+  SplitArgs sa{};
+  sa.item_off = reinterpret_cast<int*>(base);
+  sa.qoff = sa.item_off + (g.num_groups + 1);
+  sa.counter = sa.qoff + (g.num_groups + 1);
+  sa.order = sa.counter + 1;
+  if (sp.nsplit > 1) {
+    sa.ws_acc = reinterpret_cast<float*>(base + sp.int_bytes);
+    sa.ws_ml = sa.ws_acc + static_cast<size_t>(sp.items_bound) * kSplitBM * head_dim;
+  }
+  sa.split_max_q = kSplitMaxQ;
+  sa.chunk_major = split_chunk_major();
+  sa.nsplit = sp.nsplit;
+  sa.chunk_len = sp.chunk_len;
+  sa.num_groups = g.num_groups;
+  return sa;
+}
+
+// The long groups of one attention_prefill call that cuDNN runs: runs of consecutive groups of equal (length,
+// slot0), each one SDPA call over its groups' K/V gathered into the workspace.
+struct CudnnRun {
+  int group0 = 0, q0 = 0;
+  CudnnSdpaShape shape;
+  size_t plan_ws = 0;
+};
+struct CudnnRoute {
+  std::vector<CudnnRun> runs;
+  bool any_short = false;    // groups of 1 ..= kSplitMaxQ queries left to the split path
+  size_t scratch_bytes = 0;  // K/V gather + cuDNN workspace of the largest run
+};
+
+constexpr long kCudnnMaxRunRows = 1L << 17;  // gathered KV rows per run (bounds the scratch: 64 MB at 2 x 256)
+
+size_t cudnn_gather_bytes(const CudnnSdpaShape& s) {
+  return static_cast<size_t>(2) * s.b * s.s_kv * s.num_kv_heads * s.head_dim * sizeof(bf16);
+}
+
+// Plans the cuDNN route of attention_prefill(..., ws, ...) (see attention.h); false: our kernels run every group.
+// `sdpa` is the workspace's cuDNN state (created here on first use).
+bool plan_cudnn_route(const AttnGroups& g, int num_heads, int num_kv_heads, int head_dim, bool split_ok,
+                      std::unique_ptr<CudnnSdpa>& sdpa, cudaStream_t stream, CudnnRoute& r) {
+  if (!g.q_start_host || !g.slot0_host || g.max_q <= kSplitMaxQ || !cudnn_sdpa_available()) return false;
+  static const bool capable = [] {
+    int major = 0;
+    return cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, current_device()) == cudaSuccess &&
+           major >= 8;
+  }();
+  if (!capable) return false;
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  check_cuda(cudaStreamIsCapturing(stream, &capturing), "cudaStreamIsCapturing");
+  if (capturing != cudaStreamCaptureStatusNone) return false;  // plans are built eagerly only
+  for (int i = 0; i < g.num_groups; ++i) {
+    const int len = g.q_start_host[i + 1] - g.q_start_host[i], s0 = g.slot0_host[i];
+    if (len <= 0) continue;
+    if (len <= kSplitMaxQ) {
+      r.any_short = true;
+      continue;
+    }
+    CudnnRun* last = r.runs.empty() ? nullptr : &r.runs.back();
+    const bool extend = last && last->group0 + last->shape.b == i && last->shape.s_q == len &&
+                        last->shape.s_kv == s0 + len &&
+                        static_cast<long>(last->shape.b + 1) * (s0 + len) <= kCudnnMaxRunRows;
+    if (extend) {
+      ++last->shape.b;
+    } else {
+      CudnnRun run;
+      run.group0 = i;
+      run.q0 = g.q_start_host[i];
+      run.shape = CudnnSdpaShape{1, len, s0 + len, num_heads, num_kv_heads, head_dim};
+      r.runs.push_back(run);
+    }
+  }
+  if (r.runs.empty() || (r.any_short && !split_ok)) return false;
+  if (!sdpa) sdpa = std::make_unique<CudnnSdpa>();
+  for (CudnnRun& run : r.runs) {
+    if (!sdpa->prepare(run.shape, &run.plan_ws)) return false;
+    r.scratch_bytes = std::max(r.scratch_bytes, cudnn_gather_bytes(run.shape) + (run.plan_ws + 255) / 256 * 256);
+  }
+  return true;
+}
+
+void run_cudnn_route(const AttnGroups& g, const CudnnRoute& r, int num_heads, int num_kv_heads, int head_dim,
+                     const bf16* q, const bf16* k_pool, const bf16* v_pool, float scale, const bf16* gate,
+                     long gate_token_stride, int gate_head_stride, bf16* out, unsigned char* scratch,
+                     CudnnSdpa& sdpa, long& launches, cudaStream_t stream) {
+  for (const CudnnRun& run : r.runs) {  // one scratch for every run, in stream order
+    const CudnnSdpaShape& s = run.shape;
+    bf16* kg = reinterpret_cast<bf16*>(scratch);
+    bf16* vg = kg + static_cast<size_t>(s.b) * s.s_kv * num_kv_heads * head_dim;
+    void* plan_ws = run.plan_ws ? scratch + cudnn_gather_bytes(s) : nullptr;
+    gather_kv(s.b, s.s_kv, num_kv_heads, head_dim, g.block_table, g.max_pages, run.group0, k_pool, v_pool, kg, vg,
+              stream);
+    const size_t row0 = static_cast<size_t>(run.q0) * num_heads * head_dim;
+    sdpa.run(s, q + row0, kg, vg, scale, out + row0, plan_ws, stream);
+    ++launches;
+    if (gate)
+      apply_output_gate(s.b * s.s_q, num_heads, head_dim, gate + static_cast<long>(run.q0) * gate_token_stride,
+                        gate_token_stride, gate_head_stride, out + row0, stream);
   }
 }
 
@@ -946,6 +1052,34 @@ void attention_prefill(const AttnGroups& g, int num_heads, int num_kv_heads, int
   if (g.max_q > 65535L * PrefillCfg<64>::kBM) bad(fn, "max_q " + std::to_string(g.max_q) + " exceeds 65535 * 128");
   if (g.num_groups == 0 || g.total_q == 0) return;
   const SplitPlan sp = plan_split(g, num_heads, num_kv_heads, head_dim);
+  CudnnRoute route;
+  const size_t split_bytes = (sp.bytes + 255) / 256 * 256;
+  bool cudnn = plan_cudnn_route(g, num_heads, num_kv_heads, head_dim, sp.use, ws.cudnn_, stream, route);
+  if (cudnn && split_bytes + route.scratch_bytes > ws.bytes_) {
+    try {  // the gathered K/V of a long context may not fit: our kernels then run it (they need no gather)
+      ws.ensure(split_bytes + route.scratch_bytes, stream, fn);
+    } catch (const std::runtime_error&) {
+      (void)cudaGetLastError();
+      cudnn = false;
+    }
+  }
+  if (cudnn) {
+    unsigned char* base = static_cast<unsigned char*>(ws.mem_);
+    if (route.any_short) {
+      const AttnParams p = make_params(g, num_heads, num_kv_heads, q, k_pool, v_pool, scale, gate, gate_token_stride,
+                                       gate_head_stride, out);
+      const SplitArgs sa = split_args(g, sp, base, head_dim);
+      switch (head_dim) {
+        case 64: launch_split<64>(p, sa, g, sp, stream, false); break;
+        case 128: launch_split<128>(p, sa, g, sp, stream, false); break;
+        default: launch_split<256>(p, sa, g, sp, stream, false); break;
+      }
+    }
+    run_cudnn_route(g, route, num_heads, num_kv_heads, head_dim, q, k_pool, v_pool, scale, gate, gate_token_stride,
+                    gate_head_stride, out, base + split_bytes, *ws.cudnn_,
+                    ws.cudnn_launches_, stream);
+    return;
+  }
   if (!sp.use) {
     attention_prefill(g, num_heads, num_kv_heads, head_dim, q, k_pool, v_pool, scale, gate, gate_token_stride,
                       gate_head_stride, out, stream);
@@ -954,27 +1088,17 @@ void attention_prefill(const AttnGroups& g, int num_heads, int num_kv_heads, int
   const AttnParams p =
       make_params(g, num_heads, num_kv_heads, q, k_pool, v_pool, scale, gate, gate_token_stride, gate_head_stride, out);
   ws.ensure(sp.bytes, stream, fn);
-  SplitArgs sa{};
-  unsigned char* base = static_cast<unsigned char*>(ws.mem_);
-  sa.item_off = reinterpret_cast<int*>(base);
-  sa.qoff = sa.item_off + (g.num_groups + 1);
-  sa.counter = sa.qoff + (g.num_groups + 1);
-  sa.order = sa.counter + 1;
-  if (sp.nsplit > 1) {
-    sa.ws_acc = reinterpret_cast<float*>(base + sp.int_bytes);
-    sa.ws_ml = sa.ws_acc + static_cast<size_t>(sp.items_bound) * kSplitBM * head_dim;
-  }
-  sa.split_max_q = kSplitMaxQ;
-  sa.chunk_major = split_chunk_major();
-  sa.nsplit = sp.nsplit;
-  sa.chunk_len = sp.chunk_len;
-  sa.num_groups = g.num_groups;
+  const SplitArgs sa = split_args(g, sp, static_cast<unsigned char*>(ws.mem_), head_dim);
   switch (head_dim) {
     case 64: launch_split<64>(p, sa, g, sp, stream); break;
     case 128: launch_split<128>(p, sa, g, sp, stream); break;
     default: launch_split<256>(p, sa, g, sp, stream); break;
   }
 }
+
+bool attention_cudnn_available() { return cudnn_sdpa_available(); }
+
+std::string attention_cudnn_status() { return cudnn_sdpa_unavailable_reason(); }
 
 void AttnDecodeWorkspace::reserve_prefill(const AttnGroups& g, int num_heads, int num_kv_heads, int head_dim) {
   const char* fn = "AttnDecodeWorkspace::reserve_prefill";
@@ -984,6 +1108,8 @@ void AttnDecodeWorkspace::reserve_prefill(const AttnGroups& g, int num_heads, in
   const SplitPlan sp = plan_split(g, num_heads, num_kv_heads, head_dim);
   if (sp.use) ensure(sp.bytes, nullptr, fn);
 }
+
+AttnDecodeWorkspace::AttnDecodeWorkspace() = default;
 
 AttnDecodeWorkspace::~AttnDecodeWorkspace() {
   if (mem_) cudaFree(mem_);

@@ -23,8 +23,13 @@
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
+#include <memory>
+#include <string>
 
 namespace hypic::kernels::cuda {
+namespace detail {
+class CudnnSdpa;
+}
 
 using bf16 = __nv_bfloat16;
 
@@ -48,6 +53,11 @@ struct AttnGroups {
   int total_q = 0;                  ///< host copy of q_start[num_groups]
   int max_q = 0;                    ///< host: longest group (upper bound of len(g))
   int max_kv = 0;                   ///< host: upper bound of slot0[g] + len(g) (the KV length); used by decode
+  /// Optional HOST copies of q_start [num_groups + 1] and slot0 [num_groups] (read during the call only). With both
+  /// set, attention_prefill(..., ws, ...) may run the groups of more than 512 queries through cuDNN's fused SDPA
+  /// (see there); without them every group takes our kernels.
+  const int* q_start_host = nullptr;
+  const int* slot0_host = nullptr;
 };
 
 /// Varlen causal attention over the paged pool (FlashAttention-2 style: 128-query tiles of one head
@@ -84,7 +94,7 @@ void attention_prefill(const AttnGroups& g, int num_heads, int num_kv_heads, int
 /// its buffer: between a capture and the graph's last replay the workspace must not grow.
 class AttnDecodeWorkspace {
  public:
-  AttnDecodeWorkspace() = default;
+  AttnDecodeWorkspace();
   AttnDecodeWorkspace(const AttnDecodeWorkspace&) = delete;
   AttnDecodeWorkspace& operator=(const AttnDecodeWorkspace&) = delete;
   ~AttnDecodeWorkspace();
@@ -100,6 +110,8 @@ class AttnDecodeWorkspace {
   void reserve_prefill(const AttnGroups& g, int num_heads, int num_kv_heads, int head_dim);
   /// Bytes held on the device.
   size_t bytes() const { return bytes_; }
+  /// cuDNN SDPA launches made through this workspace so far (attention_prefill's long groups; tests, benchmarks).
+  long cudnn_launches() const { return cudnn_launches_; }
 
  private:
   friend void attention_decode(const AttnGroups&, int, int, int, const bf16*, const bf16*, const bf16*, float,
@@ -109,7 +121,16 @@ class AttnDecodeWorkspace {
   void ensure(size_t bytes, cudaStream_t stream, const char* fn);
   void* mem_ = nullptr;
   size_t bytes_ = 0;
+  std::unique_ptr<detail::CudnnSdpa> cudnn_;  // created on first use: a cuDNN handle and its plans
+  long cudnn_launches_ = 0;
 };
+
+/// Whether attention_prefill(..., ws, ...) can take cuDNN's SDPA for long groups in this process: libcudnn.so.9
+/// (9.0 or later) loadable at run time and HYPIC_ATTN_CUDNN not "0" (read once; any value but "", "0" or "1" makes
+/// this throw std::invalid_argument). attention_cudnn_status() says why not (empty when available). Never loads
+/// cuDNN into a process that does not call them or attention_prefill.
+bool attention_cudnn_available();
+std::string attention_cudnn_status();
 
 /// attention_prefill with a workspace: the same result (up to fp32 summation order), faster for short
 /// groups over long contexts (the hypic splice: seam windows of a few tokens and a short query, each
@@ -133,6 +154,13 @@ class AttnDecodeWorkspace {
 /// partials, equal up to rounding: fp32 sums in another order, P rounded to bf16 against one running max per row where
 /// the mma.sync kernel keeps one per 32-slot half); HYPIC_ATTN_SPLIT_WGMMA=0 (read once) keeps the mma.sync kernel
 /// (comparisons).
+/// Long groups through cuDNN: when g.q_start_host and g.slot0_host are given, attention_cudnn_available(), the device
+/// has compute capability 8.0 or later, the stream is not capturing, and every group of more than 512 queries gets a
+/// cuDNN plan (and either all groups are that long or the split path serves the rest), each run of consecutive long
+/// groups of equal (length, slot0) is one cuDNN SDPA call (graph API, bottom-right causal mask; plans cached per
+/// shape in `ws`, at most 64): their K/V slots are first gathered from the pool into `ws` (2 x groups x KV length x
+/// num_kv_heads x head_dim bf16), the gate applied after cuDNN's bf16 output (as HF rounds it). Same tolerance
+/// against the reference; not bit-equal to our kernels. Otherwise the call runs as described above.
 /// Throws as attention_prefill, and std::invalid_argument when `ws` would have to grow while `stream`
 /// is capturing (AttnDecodeWorkspace::reserve_prefill sizes it beforehand).
 void attention_prefill(const AttnGroups& g, int num_heads, int num_kv_heads, int head_dim, const bf16* q,

@@ -18,6 +18,7 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -58,12 +59,13 @@ struct AttnCase {
   bool gate = true;
   bool decode = false;
   int max_kv_override = 0;  // decode: the max_kv passed (0: the true bound)
+  bool host_tables = false;  // prefill with workspace: also pass host copies of q_start / slot0 (the cuDNN route)
 };
 
 // Device copies of one case's inputs.
 struct AttnSetup {
   int G = 0, total_q = 0, max_q = 0, max_kv = 0, max_pages = 0;
-  std::vector<int> q_start;
+  std::vector<int> q_start, slot0;
   std::vector<float> qf, gf;  // [total_q][nh][hd] query and gate values
   std::optional<DeviceBuffer<bf16>> dk, dv, dq, dqg, dout;
   std::optional<DeviceBuffer<int>> dqs, ds0, dbt;
@@ -90,7 +92,8 @@ void build_case(const AttnCase& c, std::mt19937& rng, std::vector<Seq>& seqs, At
   for (int kv : c.seq_kv) seqs.push_back(make_seq(pool, kv, rng));
   s.G = static_cast<int>(c.groups.size());
   s.q_start.assign(s.G + 1, 0);
-  std::vector<int> slot0(s.G);
+  std::vector<int>& slot0 = s.slot0;
+  slot0.assign(s.G, 0);
   for (int g = 0; g < s.G; ++g) {
     const auto& gs = c.groups[g];
     if (gs.slot0 + gs.len > c.seq_kv[gs.seq]) throw std::logic_error("group beyond its sequence");
@@ -129,6 +132,7 @@ void build_case(const AttnCase& c, std::mt19937& rng, std::vector<Seq>& seqs, At
 void run_attention(const AttnCase& c, AttnSetup& s, gpu::AttnDecodeWorkspace* ws, cudaStream_t st = nullptr) {
   gpu::AttnGroups g = s.groups();
   if (c.max_kv_override) g.max_kv = c.max_kv_override;
+  if (c.host_tables) g.q_start_host = s.q_start.data(), g.slot0_host = s.slot0.data();
   const float scale = 1.0f / std::sqrt(float(c.hd));
   const bf16* gate = c.gate ? s.dqg->get() + c.hd : nullptr;
   const long gts = long(c.nh) * 2 * c.hd;
@@ -194,7 +198,7 @@ void check_against_cpu(const AttnCase& c, const std::vector<Seq>& seqs, const At
 }
 
 // Prefill cases run through the workspace overload (split path for short groups) unless no_ws.
-void run_attention_case(const AttnCase& c, uint32_t seed, bool no_ws = false) {
+long run_attention_case(const AttnCase& c, uint32_t seed, bool no_ws = false) {
   std::mt19937 rng(seed);
   std::vector<Seq> seqs;
   AttnSetup s;
@@ -202,9 +206,11 @@ void run_attention_case(const AttnCase& c, uint32_t seed, bool no_ws = false) {
   gpu::AttnDecodeWorkspace ws;
   run_attention(c, s, no_ws && !c.decode ? nullptr : &ws);
   check_cuda(cudaDeviceSynchronize(), c.name);
-  std::printf("[%s] %s, workspace %zu bytes\n", c.name.c_str(),
-              c.decode ? "decode" : no_ws ? "prefill without workspace" : "prefill with workspace", ws.bytes());
+  std::printf("[%s] %s, workspace %zu bytes, cuDNN SDPA launches %ld\n", c.name.c_str(),
+              c.decode ? "decode" : no_ws ? "prefill without workspace" : "prefill with workspace", ws.bytes(),
+              ws.cudnn_launches());
   check_against_cpu(c, seqs, s, s.dout->download());
+  return ws.cudnn_launches();
 }
 
 // Groups of the listed (len, slot0), each on its own sequence of KV length slot0 + len.
@@ -334,6 +340,68 @@ TEST_CASE("attention_prefill split path: groups of 1..64 queries over contexts o
     AttnCase c{"split hd128 max_kv 5000", 128, 8, 2, seq_kv, groups, true};
     c.max_kv_override = 5000;
     run_attention_case(c, 951);
+  }
+}
+
+// -------------------------------------------------------------------------------------------------------
+// Groups of more than 512 queries through cuDNN's SDPA (attention_prefill with a workspace and host tables): runs of
+// consecutive long groups of equal (length, slot0) are one cuDNN call each; short groups in the same launch take the
+// split path. The number of cuDNN launches is counted from the group list independently.
+TEST_CASE("attention_prefill long groups through cuDNN SDPA match attention_causal", "[gpu][attention][cudnn]") {
+  require_gpu();
+  if (!gpu::attention_cudnn_available()) {
+    WARN("cuDNN SDPA unavailable (" << gpu::attention_cudnn_status() << "): the cuDNN route is not tested here");
+    return;
+  }
+  // (len, slot0): 513 and 600 alone, three equal 1000-query groups at slot0 0 (one batched call), short groups
+  // between them (split path), 777 over 1234 cached slots (bottom-right causal), a 2048-query group at slot0 0.
+  const std::vector<std::pair<int, int>> mixed = {{513, 0},   {1, 5},     {600, 100}, {64, 0},   {1000, 0},
+                                                  {1000, 0},  {1000, 0},  {300, 40},  {777, 1234}, {2048, 0}};
+  auto runs_of = [](const std::vector<std::pair<int, int>>& gs) {
+    long runs = 0;
+    for (size_t i = 0; i < gs.size(); ++i)
+      if (gs[i].first > 512 && (i == 0 || gs[i - 1] != gs[i])) ++runs;
+    return runs;
+  };
+  struct Shape {
+    int hd, nh, nkv;
+    bool gate;
+  };
+  for (const Shape sh : {Shape{256, 16, 2, true}, Shape{256, 16, 2, false}, Shape{128, 8, 2, true},
+                         Shape{128, 6, 2, false}, Shape{64, 4, 4, true}}) {
+    AttnCase c = own_sequences("cudnn hd" + std::to_string(sh.hd) + " " + std::to_string(sh.nh) + "/" +
+                                   std::to_string(sh.nkv) + (sh.gate ? " gate" : ""),
+                               sh.hd, sh.nh, sh.nkv, mixed, sh.gate);
+    c.host_tables = true;
+    DYNAMIC_SECTION(c.name) { CHECK(run_attention_case(c, 1500 + sh.hd + sh.nh) == runs_of(mixed)); }
+  }
+  SECTION("one long group alone (no split path), hd 256 16/2 gate") {
+    AttnCase c = own_sequences("cudnn single 3000", 256, 16, 2, {{3000, 0}}, true);
+    c.host_tables = true;
+    CHECK(run_attention_case(c, 1600) == 1);
+  }
+  SECTION("a new shape builds its plan once (host time printed, not asserted)") {
+    AttnCase c = own_sequences("cudnn plan 4000", 128, 8, 2, {{4000, 0}}, true);
+    c.host_tables = true;
+    std::mt19937 rng(1602);
+    std::vector<Seq> seqs;
+    AttnSetup s;
+    build_case(c, rng, seqs, s);
+    gpu::AttnDecodeWorkspace ws;
+    double ms[2];
+    for (double& m : ms) {
+      const auto t0 = std::chrono::steady_clock::now();
+      run_attention(c, s, &ws);
+      check_cuda(cudaDeviceSynchronize(), c.name);
+      m = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    }
+    std::printf("[%s] first call (plan built) %.1f ms, second (plan cached) %.1f ms\n", c.name.c_str(), ms[0], ms[1]);
+    CHECK(ws.cudnn_launches() == 2);
+    check_against_cpu(c, seqs, s, s.dout->download());
+  }
+  SECTION("without host tables the same groups take our kernels") {
+    AttnCase c = own_sequences("no host tables", 256, 16, 2, mixed, true);
+    CHECK(run_attention_case(c, 1601) == 0);
   }
 }
 

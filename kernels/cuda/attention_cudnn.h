@@ -1,0 +1,80 @@
+// Causal attention through cuDNN's fused scaled-dot-product attention (the graph API's runtime-fusion SDPA forward,
+// the kernels PyTorch's SDPA cudnn backend runs), for the long query groups of attention_prefill (attention.h).
+// Internal to kernels/cuda: attention.cu routes to it; the public switch is HYPIC_ATTN_CUDNN (attention.h).
+//
+// cuDNN is loaded at run time (dlopen of libcudnn.so.9 and dlsym of the backend API): a build or a machine without
+// cuDNN still runs, on our own kernels. The operation graph is the composite form of SDPA that cuDNN's engines
+// recognise and fuse into one kernel (cuDNN developer guide, "Scaled Dot Product Attention" fprop pattern):
+//   S = Q K^T (fp32) -> S * scale -> causal mask (row + s_kv - s_q >= col, else -inf; GEN_INDEX / CMP_GE /
+//   BINARY_SELECT) -> row max -> exp(S - max) -> row sum -> P = exp / sum (bf16) -> O = P V (fp32 accumulate, bf16).
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <map>
+#include <memory>
+#include <string>
+#include <tuple>
+
+namespace hypic::kernels::cuda::detail {
+
+/// One SDPA problem shape: b sequences of s_q queries each over s_kv keys, bottom-right causal (query i of a sequence
+/// sees keys 0 ..= s_kv - s_q + i), num_heads query heads over num_kv_heads K/V heads (GQA), head_dim.
+struct CudnnSdpaShape {
+  int b = 0, s_q = 0, s_kv = 0, num_heads = 0, num_kv_heads = 0, head_dim = 0;
+  auto key() const { return std::make_tuple(b, s_q, s_kv, num_heads, num_kv_heads, head_dim); }
+  bool operator<(const CudnnSdpaShape& o) const { return key() < o.key(); }
+};
+
+/// Whether cuDNN could be loaded on this machine (libcudnn.so.9 found, every backend symbol resolved, a handle
+/// created on the current device) and HYPIC_ATTN_CUDNN is not "0". Read once per process; never throws.
+bool cudnn_sdpa_available();
+
+/// Why cudnn_sdpa_available() is false (empty when it is true): the library missing, a symbol, the variable.
+std::string cudnn_sdpa_unavailable_reason();
+
+/// A cuDNN handle and its execution plans, one per shape (at most kMaxPlans, least recently used dropped), for one
+/// stream at a time (as AttnDecodeWorkspace, which owns one). Layouts (all bf16, DEVICE, 16-byte aligned):
+///   q, out: sequence j's query i, head h at element ((j * s_q + i) * num_heads + h) * head_dim (row-major
+///           [b][s_q][num_heads][head_dim]: attention_prefill's q / out rows of consecutive equal groups; a
+///           head-major copy measured no faster on the H200, 2026-12-04: 142.7 against 141.2 ms for ten 32k layers);
+///   k, v:   [b][num_kv_heads][s_kv][head_dim] contiguous (gather_kv's layout: each head's keys contiguous).
+/// Numerics: fp32 scores and softmax, P rounded to bf16 for the P.V product, fp32 accumulation, out rounded to bf16
+/// once (cuDNN's flash kernels; not bit-equal to our kernels).
+class CudnnSdpa {
+ public:
+  static constexpr int kMaxPlans = 64;
+  CudnnSdpa();
+  ~CudnnSdpa();
+  CudnnSdpa(const CudnnSdpa&) = delete;
+  CudnnSdpa& operator=(const CudnnSdpa&) = delete;
+  /// Builds (or finds) the plan of `s` on the current device. False when no cuDNN engine supports the shape (the
+  /// caller takes its own kernels; the answer is remembered), true with *workspace_bytes set otherwise. Throws
+  /// std::runtime_error on cuDNN errors other than "not supported".
+  bool prepare(const CudnnSdpaShape& s, size_t* workspace_bytes);
+  /// Runs the plan of `s` (prepare(s) must have returned true) on `stream`; `workspace` holds the bytes prepare
+  /// returned (may be null when 0). Asynchronous. Throws std::runtime_error on cuDNN errors.
+  void run(const CudnnSdpaShape& s, const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
+           float scale, __nv_bfloat16* out, void* workspace, cudaStream_t stream);
+
+ private:
+  struct Plan;
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+/// Copies slots 0 .. s_kv-1 of `num_seqs` sequences from the paged pool into contiguous k_out / v_out
+/// ([num_seqs][num_kv_heads][s_kv][head_dim] bf16, head-major): sequence j's slot s is pool row
+/// block_table[(group0 + j) * max_pages + s / 64] * 64 + s % 64. DEVICE pointers; asynchronous.
+void gather_kv(int num_seqs, int s_kv, int num_kv_heads, int head_dim, const int* block_table, int max_pages,
+               int group0, const __nv_bfloat16* k_pool, const __nv_bfloat16* v_pool, __nv_bfloat16* k_out,
+               __nv_bfloat16* v_out, cudaStream_t stream);
+
+/// The output gate of HF Qwen3NextAttention on cuDNN's bf16 output, in place, for t < rows (token-major rows):
+/// out[t][h][d] = bf16(float(out[t][h][d]) * sigmoid(float(gate[t * gate_ts + h * gate_hs + d]))) (fp32, rounded
+/// once; HF likewise gates SDPA's rounded output). head_dim a multiple of 8, out 16-byte aligned. Asynchronous.
+void apply_output_gate(int rows, int num_heads, int head_dim, const __nv_bfloat16* gate, long gate_ts, int gate_hs,
+                       __nv_bfloat16* out, cudaStream_t stream);
+
+}  // namespace hypic::kernels::cuda::detail
