@@ -13,6 +13,9 @@
 #   --bin-dir DIR       binaries of the CPU build (default: build/bin)
 #   --gpu-bin-dir DIR   binaries of the CUDA build (default: build-gpu/bin)
 #   --cuda-lib-dir DIR  the CUDA runtime libraries (default: /usr/local/cuda/lib64)
+#   --cudnn-lib-dir DIR also copy cuDNN 9 (libcudnn*.so.9 from DIR) into the GPU runtime layer, so that the workers'
+#                       long prefill attention runs on cuDNN's fused SDPA (kernels/cuda/attention.h; opened at run
+#                       time, so without it they run our own kernels). About 1 GB more; off by default
 #   --no-gpu            do not build the GPU variant even when the CUDA libraries and binaries exist
 #   --cache-dir DIR     where the base image's OCI archive is kept (default: $HYPIC_IMAGE_CACHE, else
 #                       ${HYPIC_CACHE_DIR:-~/.cache/hypic}/images); a second run loads it instead of running debootstrap
@@ -42,6 +45,7 @@ VERSION="$(sed -n 's/^project(hypic[^)]*VERSION \([0-9][0-9.]*\).*/\1/p' "$ROOT/
 BIN_DIR="$ROOT/build/bin"
 GPU_BIN_DIR="$ROOT/build-gpu/bin"
 CUDA_LIB_DIR="/usr/local/cuda/lib64"
+CUDNN_LIB_DIR=""
 GPU=1
 REBUILD_BASE=0
 MIRROR="${HYPIC_DEBIAN_MIRROR:-http://deb.debian.org/debian}"
@@ -51,6 +55,7 @@ while (($#)); do
     --bin-dir) BIN_DIR="$2"; shift 2 ;;
     --gpu-bin-dir) GPU_BIN_DIR="$2"; shift 2 ;;
     --cuda-lib-dir) CUDA_LIB_DIR="$2"; shift 2 ;;
+    --cudnn-lib-dir) CUDNN_LIB_DIR="$2"; shift 2 ;;
     --no-gpu) GPU=0; shift ;;
     --cache-dir) export HYPIC_IMAGE_CACHE="$2"; shift 2 ;;
     --rebuild-base) REBUILD_BASE=1; shift ;;
@@ -238,6 +243,10 @@ if [[ -z "$gpu_reason" ]]; then
   # The GPU layer adds only cuda/: anything else the CUDA build loads must be in the CPU runtime already.
   if (($(wc -l < "$CTX/libs.txt") != before)); then
     die "the CUDA build loads libraries the CPU build does not: $(tail -n +$((before + 1)) "$CTX/libs.txt" | tr '\n' ' ')"
+  fi
+  if [[ -n "$CUDNN_LIB_DIR" ]]; then  # dlopen'd (not in ldd's list): the whole cuDNN 9 set, sub-libraries included
+    ls "$CUDNN_LIB_DIR"/libcudnn.so.9 > /dev/null 2>&1 || die "--cudnn-lib-dir: no libcudnn.so.9 in $CUDNN_LIB_DIR"
+    for f in "$CUDNN_LIB_DIR"/libcudnn*.so.9; do cp -L "$f" "$CTX/cuda/"; done
   fi
   note "CUDA libraries: $(cd "$CTX/cuda" && echo *) ($(du -sh "$CTX/cuda" | cut -f1))"
   RUNTIME_GPU="localhost/hypic-runtime-gpu:$VERSION"

@@ -941,7 +941,12 @@ struct CudnnRoute {
   size_t scratch_bytes = 0;  // K/V gather + cuDNN workspace of the largest run
 };
 
-constexpr long kCudnnMaxRunRows = 1L << 17;  // gathered KV rows per run (bounds the scratch: 64 MB at 2 x 256)
+constexpr long kCudnnMaxRunRows = 1L << 17;  // gathered KV rows per run (bounds the scratch: 256 MB at 2 x 256)
+
+// Seconds cuDNN's SDPA saves per counted FLOP (4 x causal pairs x heads x head_dim) against our kernels: 7.6e-16 to
+// 1.1e-15 on the H200 at Qwen3.5-35B-A3B's attention shapes, 4k..32k tokens (bench/results/prefill_h200.md,
+// 2026-12-04: 209.4 against 139.2 ms for ten 32k layers). Weighs a new shape's calls against its plan build.
+constexpr double kCudnnSavingPerFlop = 8e-16;
 
 size_t cudnn_gather_bytes(const CudnnSdpaShape& s) {
   return static_cast<size_t>(2) * s.b * s.s_kv * s.num_kv_heads * s.head_dim * sizeof(bf16);
@@ -950,7 +955,7 @@ size_t cudnn_gather_bytes(const CudnnSdpaShape& s) {
 // Plans the cuDNN route of attention_prefill(..., ws, ...) (see attention.h); false: our kernels run every group.
 // `sdpa` is the workspace's cuDNN state (created here on first use).
 bool plan_cudnn_route(const AttnGroups& g, int num_heads, int num_kv_heads, int head_dim, bool split_ok,
-                      std::unique_ptr<CudnnSdpa>& sdpa, cudaStream_t stream, CudnnRoute& r) {
+                      std::unique_ptr<CudnnSdpa>& sdpa, bool eager, cudaStream_t stream, CudnnRoute& r) {
   if (!g.q_start_host || !g.slot0_host || g.max_q <= kSplitMaxQ || !cudnn_sdpa_available()) return false;
   static const bool capable = [] {
     int major = 0;
@@ -984,11 +989,19 @@ bool plan_cudnn_route(const AttnGroups& g, int num_heads, int num_kv_heads, int 
   }
   if (r.runs.empty() || (r.any_short && !split_ok)) return false;
   if (!sdpa) sdpa = std::make_unique<CudnnSdpa>();
-  for (CudnnRun& run : r.runs) {
-    if (!sdpa->prepare(run.shape, &run.plan_ws)) return false;
-    r.scratch_bytes = std::max(r.scratch_bytes, cudnn_gather_bytes(run.shape) + (run.plan_ws + 255) / 256 * 256);
+  sdpa->build_eagerly(eager);
+  bool ready = true;
+  for (CudnnRun& run : r.runs) {  // every run, so that each new shape's savings add up
+    const CudnnSdpaShape& s = run.shape;
+    const double keys = double(s.s_q) * (s.s_kv - s.s_q) + double(s.s_q) * (s.s_q + 1) / 2;  // causal pairs
+    const double flops = 4.0 * s.b * keys * s.num_heads * s.head_dim;
+    if (!sdpa->prepare(s, flops * kCudnnSavingPerFlop, &run.plan_ws)) {
+      ready = false;
+      continue;
+    }
+    r.scratch_bytes = std::max(r.scratch_bytes, cudnn_gather_bytes(s) + (run.plan_ws + 255) / 256 * 256);
   }
-  return true;
+  return ready;
 }
 
 void run_cudnn_route(const AttnGroups& g, const CudnnRoute& r, int num_heads, int num_kv_heads, int head_dim,
@@ -1054,7 +1067,8 @@ void attention_prefill(const AttnGroups& g, int num_heads, int num_kv_heads, int
   const SplitPlan sp = plan_split(g, num_heads, num_kv_heads, head_dim);
   CudnnRoute route;
   const size_t split_bytes = (sp.bytes + 255) / 256 * 256;
-  bool cudnn = plan_cudnn_route(g, num_heads, num_kv_heads, head_dim, sp.use, ws.cudnn_, stream, route);
+  bool cudnn =
+      plan_cudnn_route(g, num_heads, num_kv_heads, head_dim, sp.use, ws.cudnn_, ws.cudnn_eager_, stream, route);
   if (cudnn && split_bytes + route.scratch_bytes > ws.bytes_) {
     try {  // the gathered K/V of a long context may not fit: our kernels then run it (they need no gather)
       ws.ensure(split_bytes + route.scratch_bytes, stream, fn);

@@ -112,6 +112,9 @@ class AttnDecodeWorkspace {
   size_t bytes() const { return bytes_; }
   /// cuDNN SDPA launches made through this workspace so far (attention_prefill's long groups; tests, benchmarks).
   long cudnn_launches() const { return cudnn_launches_; }
+  /// Build each cuDNN plan on its shape's first sight instead of once its calls have paid for the build (see
+  /// attention_prefill with a workspace): for tests and benchmarks of the cuDNN path itself.
+  void build_cudnn_plans_eagerly(bool on) { cudnn_eager_ = on; }
 
  private:
   friend void attention_decode(const AttnGroups&, int, int, int, const bf16*, const bf16*, const bf16*, float,
@@ -123,6 +126,7 @@ class AttnDecodeWorkspace {
   size_t bytes_ = 0;
   std::unique_ptr<detail::CudnnSdpa> cudnn_;  // created on first use: a cuDNN handle and its plans
   long cudnn_launches_ = 0;
+  bool cudnn_eager_ = false;
 };
 
 /// Whether attention_prefill(..., ws, ...) can take cuDNN's SDPA for long groups in this process: libcudnn.so.9
@@ -155,12 +159,17 @@ std::string attention_cudnn_status();
 /// the mma.sync kernel keeps one per 32-slot half); HYPIC_ATTN_SPLIT_WGMMA=0 (read once) keeps the mma.sync kernel
 /// (comparisons).
 /// Long groups through cuDNN: when g.q_start_host and g.slot0_host are given, attention_cudnn_available(), the device
-/// has compute capability 8.0 or later, the stream is not capturing, and every group of more than 512 queries gets a
-/// cuDNN plan (and either all groups are that long or the split path serves the rest), each run of consecutive long
-/// groups of equal (length, slot0) is one cuDNN SDPA call (graph API, bottom-right causal mask; plans cached per
+/// has compute capability 8.0 or later, the stream is not capturing, and every group of more than 512 queries has a
+/// cuDNN plan ready (and either all groups are that long or the split path serves the rest), each run of consecutive
+/// long groups of equal (length, slot0) is one cuDNN SDPA call (graph API, bottom-right causal mask; plans cached per
 /// shape in `ws`, at most 64): their K/V slots are first gathered from the pool into `ws` (2 x groups x KV length x
-/// num_kv_heads x head_dim bf16), the gate applied after cuDNN's bf16 output (as HF rounds it). Same tolerance
-/// against the reference; not bit-equal to our kernels. Otherwise the call runs as described above.
+/// num_kv_heads x head_dim bf16; if that allocation fails, our kernels run the call), the gate applied after cuDNN's
+/// bf16 output (as HF rounds it). Same tolerance against the reference; not bit-equal to our kernels. A plan costs
+/// 50-70 ms to build (cuDNN compiles its kernel), so a new shape's calls run on our kernels until the time cuDNN would
+/// have saved them (8e-16 s per counted FLOP, measured on the H200) adds up to the measured build time; then the plan
+/// is built (rent or buy; AttnDecodeWorkspace::build_cudnn_plans_eagerly builds on first sight). A 32k-token prefill's
+/// ten attention layers pay for their plan within the first prefill; a 4k one's after about 40 prefills of that length.
+/// Otherwise the call runs as described above.
 /// Throws as attention_prefill, and std::invalid_argument when `ws` would have to grow while `stream`
 /// is capturing (AttnDecodeWorkspace::reserve_prefill sizes it beforehand).
 void attention_prefill(const AttnGroups& g, int num_heads, int num_kv_heads, int head_dim, const bf16* q,

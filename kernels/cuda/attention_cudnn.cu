@@ -5,6 +5,7 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -134,6 +135,9 @@ struct CudnnSdpa::Impl {
   int device = -1;
   std::map<CudnnSdpaShape, std::unique_ptr<Plan>> plans;
   std::list<CudnnSdpaShape> lru;  // front: most recent
+  std::map<CudnnSdpaShape, double> pending;  // shapes without a plan: the savings their calls would have made, s
+  double build_s = 0.06;                     // plan build time, s: a running mean of those measured (first guess)
+  int builds = 0;
 
   // Tensor ids of the variant pack.
   enum : int64_t { kQ = 1, kK, kV, kO, kScale, kNegInf, kSkv, kSq, kVirtual = 100 };
@@ -330,7 +334,7 @@ CudnnSdpa::~CudnnSdpa() {
   if (impl_->handle) api().Destroy(impl_->handle);
 }
 
-bool CudnnSdpa::prepare(const CudnnSdpaShape& s, size_t* workspace_bytes) {
+bool CudnnSdpa::prepare(const CudnnSdpaShape& s, double saving_s, size_t* workspace_bytes) {
   if (!cudnn_sdpa_available()) return false;
   Impl& m = *impl_;
   int dev = 0;
@@ -346,12 +350,23 @@ bool CudnnSdpa::prepare(const CudnnSdpaShape& s, size_t* workspace_bytes) {
     m.device = dev;
   }
   auto it = m.plans.find(s);
+  if (it == m.plans.end() && !eager_) {  // rent or buy: build once the calls without a plan have paid for it
+    if (m.pending.size() > 4096) m.pending.clear();
+    double& owed = m.pending[s];
+    owed += saving_s;
+    if (owed < m.build_s) return false;
+    m.pending.erase(s);
+  }
   if (it == m.plans.end()) {
     while (int(m.plans.size()) >= kMaxPlans && !m.lru.empty()) {
       m.plans.erase(m.lru.back());
       m.lru.pop_back();
     }
+    const auto t0 = std::chrono::steady_clock::now();
     it = m.plans.emplace(s, m.build(s)).first;
+    const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    m.build_s = (m.build_s * (m.builds + 1) + t) / (m.builds + 2);  // the first guess counts as one sample
+    ++m.builds;
     m.lru.push_front(s);
     if (!it->second->supported)  // once per shape while it stays cached: our kernel runs these groups
       std::fprintf(stderr,
@@ -404,7 +419,7 @@ struct CudnnSdpa::Plan {};
 struct CudnnSdpa::Impl {};
 CudnnSdpa::CudnnSdpa() = default;
 CudnnSdpa::~CudnnSdpa() = default;
-bool CudnnSdpa::prepare(const CudnnSdpaShape&, size_t*) { return false; }
+bool CudnnSdpa::prepare(const CudnnSdpaShape&, double, size_t*) { return false; }
 void CudnnSdpa::run(const CudnnSdpaShape&, const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, float,
                     __nv_bfloat16*, void*, cudaStream_t) {
   throw std::logic_error("CudnnSdpa::run: built without cuDNN");

@@ -49,10 +49,16 @@ class CudnnSdpa {
   ~CudnnSdpa();
   CudnnSdpa(const CudnnSdpa&) = delete;
   CudnnSdpa& operator=(const CudnnSdpa&) = delete;
-  /// Builds (or finds) the plan of `s` on the current device. False when no cuDNN engine supports the shape (the
-  /// caller takes its own kernels; the answer is remembered), true with *workspace_bytes set otherwise. Throws
-  /// std::runtime_error on cuDNN errors other than "not supported".
-  bool prepare(const CudnnSdpaShape& s, size_t* workspace_bytes);
+  /// Finds the plan of `s` on the current device, or builds it once it pays: a plan costs tens of milliseconds to
+  /// build (cuDNN compiles its kernel: 52-72 ms on the H200, 2026-12-04), so a new shape's calls first add up
+  /// `saving_s`, the time cuDNN would save on each (the caller's estimate), and the plan is built when their sum
+  /// reaches the build time measured so far (rent or buy: at most twice the best choice in hindsight). With
+  /// build_eagerly() the plan is built on first sight. True (with *workspace_bytes) when the plan is ready; false when
+  /// not yet worth building or when no cuDNN engine supports the shape (remembered). Throws std::runtime_error on
+  /// cuDNN errors other than "not supported".
+  bool prepare(const CudnnSdpaShape& s, double saving_s, size_t* workspace_bytes);
+  /// Plans built on a shape's first sight (tests, benchmarks of the cuDNN path itself).
+  void build_eagerly(bool on) { eager_ = on; }
   /// Runs the plan of `s` (prepare(s) must have returned true) on `stream`; `workspace` holds the bytes prepare
   /// returned (may be null when 0). Asynchronous. Throws std::runtime_error on cuDNN errors.
   void run(const CudnnSdpaShape& s, const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
@@ -62,6 +68,7 @@ class CudnnSdpa {
   struct Plan;
   struct Impl;
   std::unique_ptr<Impl> impl_;
+  bool eager_ = false;
 };
 
 /// Copies slots 0 .. s_kv-1 of `num_seqs` sequences from the paged pool into contiguous k_out / v_out
