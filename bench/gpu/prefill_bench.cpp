@@ -484,8 +484,7 @@ json measure_parts(const eng::ModelConfig& cfg, const Dims& d, const std::vector
       g.max_pages = B.pages, g.total_q = Ti, g.max_q = Ti, g.max_kv = Ti;
       const int slot0_host = 0;  // host tables, as the backend passes them: long groups may take cuDNN's SDPA
       g.q_start_host = qs, g.slot0_host = &slot0_host;
-      kc::AttnDecodeWorkspace attn_ws;
-      attn_ws.build_cudnn_plans_eagerly(true);  // the parts are kernels at steady state (the backend amortizes)
+      kc::AttnDecodeWorkspace attn_ws;  // (the backend's rule: HYPIC_ATTN_CUDNN=all routes every long group)
       const bool gate = cfg.attn_output_gate;
       const float scale = float(1.0 / std::sqrt(double(d.hd)));
       auto attn = [&] {

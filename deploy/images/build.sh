@@ -13,9 +13,10 @@
 #   --bin-dir DIR       binaries of the CPU build (default: build/bin)
 #   --gpu-bin-dir DIR   binaries of the CUDA build (default: build-gpu/bin)
 #   --cuda-lib-dir DIR  the CUDA runtime libraries (default: /usr/local/cuda/lib64)
-#   --cudnn-lib-dir DIR also copy cuDNN 9 (libcudnn*.so.9 from DIR) into the GPU runtime layer, so that the workers'
-#                       long prefill attention runs on cuDNN's fused SDPA (kernels/cuda/attention.h; opened at run
-#                       time, so without it they run our own kernels). About 1 GB more; off by default
+#   --cudnn-lib-dir DIR also copy cuDNN 9 (libcudnn*.so.9 from DIR, and NVRTC from --cuda-lib-dir, which its
+#                       runtime-compiled engines open) into the GPU runtime layer, so that the workers' long prefill
+#                       attention runs on cuDNN's fused SDPA (kernels/cuda/attention.h; opened at run time, so without
+#                       it they run our own kernels). About 1 GB more; off by default
 #   --no-gpu            do not build the GPU variant even when the CUDA libraries and binaries exist
 #   --cache-dir DIR     where the base image's OCI archive is kept (default: $HYPIC_IMAGE_CACHE, else
 #                       ${HYPIC_CACHE_DIR:-~/.cache/hypic}/images); a second run loads it instead of running debootstrap
@@ -247,6 +248,11 @@ if [[ -z "$gpu_reason" ]]; then
   if [[ -n "$CUDNN_LIB_DIR" ]]; then  # dlopen'd (not in ldd's list): the whole cuDNN 9 set, sub-libraries included
     ls "$CUDNN_LIB_DIR"/libcudnn.so.9 > /dev/null 2>&1 || die "--cudnn-lib-dir: no libcudnn.so.9 in $CUDNN_LIB_DIR"
     for f in "$CUDNN_LIB_DIR"/libcudnn*.so.9; do cp -L "$f" "$CTX/cuda/"; done
+    # cuDNN's runtime-compiled engines (the fused SDPA among them) open NVRTC at run time: the toolkit's copy.
+    ls "$CUDA_LIB_DIR"/libnvrtc.so.[0-9]* > /dev/null 2>&1 || die "--cudnn-lib-dir: no libnvrtc in $CUDA_LIB_DIR"
+    for f in "$CUDA_LIB_DIR"/libnvrtc.so.[0-9]* "$CUDA_LIB_DIR"/libnvrtc-builtins.so.[0-9]*; do
+      [[ -e "$f" ]] && cp -L "$f" "$CTX/cuda/"
+    done
   fi
   note "CUDA libraries: $(cd "$CTX/cuda" && echo *) ($(du -sh "$CTX/cuda" | cut -f1))"
   RUNTIME_GPU="localhost/hypic-runtime-gpu:$VERSION"

@@ -145,6 +145,12 @@ CudaBackend::CudaBackend(const DeviceSpec& dev, ModelConfig cfg, const ModelWeig
                "for {} tokens ({})",
                dev_.name(), mib(w_.bytes()), opt_.max_sequences, mib(sequence_state_bytes()), num_pages_, kPage,
                mib(size_t(num_pages_) * page_bytes()), Tmax_, mib(act_.size()));
+  if (n_attn_) {  // (also surfaces a bad HYPIC_ATTN_CUDNN at start: std::invalid_argument)
+    if (kc::attention_cudnn_available())
+      spdlog::info("cuda backend: long prefill attention groups on cuDNN's fused SDPA (HYPIC_ATTN_CUDNN=0: our kernels)");
+    else
+      spdlog::info("cuda backend: prefill attention on our kernels only ({})", kc::attention_cudnn_status());
+  }
 }
 
 CudaBackend::~CudaBackend() {

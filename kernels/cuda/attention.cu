@@ -863,6 +863,7 @@ AttnParams make_params(const AttnGroups& g, int num_heads, int num_kv_heads, con
   p.gate_ts = gate_ts;
   p.gate_hs = gate_hs;
   p.out = out;
+  p.long_min_q = INT_MAX;
   return p;
 }
 
@@ -887,7 +888,7 @@ void launch_prefill(const AttnParams& p, int num_groups, int max_q, cudaStream_t
 
 template <int HD>
 void launch_split(const AttnParams& p, const SplitArgs& sa, const AttnGroups& g, const SplitPlan& sp,
-                  cudaStream_t stream, bool long_groups = true) {
+                  cudaStream_t stream) {
   using C = SplitCfg<HD>;
   split_setup<HD>();
   attn_split_plan_kernel<<<1, kPlanThreads, 0, stream>>>(p, sa);
@@ -901,7 +902,7 @@ void launch_split(const AttnParams& p, const SplitArgs& sa, const AttnGroups& g,
     attn_split_kernel<HD><<<sp.grid, C::kThreads, C::kSmem, stream>>>(p, sa);
     check_cuda(cudaGetLastError(), "attn_split_kernel<" + std::to_string(HD) + "> launch");
   }
-  if (long_groups && g.max_q > sa.split_max_q)  // longer groups (unless cuDNN runs them)
+  if (g.max_q > sa.split_max_q)  // longer groups (those of at least p.long_min_q are cuDNN's: skipped)
     launch_prefill<HD>(p, g.num_groups, g.max_q, stream, sa.split_max_q);
   if (sp.nsplit > 1) {
     attn_split_combine_kernel<HD><<<dim3(static_cast<unsigned>(sp.q_bound), p.num_heads), HD, 0, stream>>>(p, sa);
@@ -937,42 +938,75 @@ struct CudnnRun {
 };
 struct CudnnRoute {
   std::vector<CudnnRun> runs;
-  bool any_short = false;    // groups of 1 ..= kSplitMaxQ queries left to the split path
+  int min_q = INT_MAX;       // groups of at least this many queries are cuDNN's (our kernels skip them)
+  bool all_routed = false;   // every non-empty group is cuDNN's: our kernels have nothing to do
   size_t scratch_bytes = 0;  // K/V gather + cuDNN workspace of the largest run
 };
 
-constexpr long kCudnnMaxRunRows = 1L << 17;  // gathered KV rows per run (bounds the scratch: 256 MB at 2 x 256)
+// KV slots gathered per run (batched groups together; a longer single group stays on our kernels): bounds the
+// gather scratch to 2 x 2^17 x num_kv_heads x head_dim bf16 (256 MiB at 2 x 256).
+constexpr long kCudnnMaxRunRows = 1L << 17;
 
-// Seconds cuDNN's SDPA saves per counted FLOP (4 x causal pairs x heads x head_dim) against our kernels: 7.6e-16 to
-// 1.1e-15 on the H200 at Qwen3.5-35B-A3B's attention shapes, 4k..32k tokens (bench/results/prefill_h200.md,
-// 2026-12-04: 209.4 against 139.2 ms for ten 32k layers). Weighs a new shape's calls against its plan build.
-constexpr double kCudnnSavingPerFlop = 8e-16;
+// The counted FLOP (4 x len^2 / 2 x heads x head_dim, a group at slot0 0) from which a group goes to cuDNN by
+// default: its plan costs 43-72 ms to build, once per shape (cuDNN compiles its kernel), and cuDNN saves about
+// 8e-16 s per FLOP against our kernels on the H200 (209.4 against 139.2 ms for ten 32k layers, 2026-12-04), so at
+// 6e12 one ten-layer prefill of a new length pays for its plan: 27k queries at 16 x 256 heads. The rule depends on
+// the group alone (not on what ran before), so a prompt's bits do not change with the process's history.
+constexpr double kCudnnMinFlops = 6e12;
+
+// The smallest group length that cuDNN takes: kSplitMaxQ + 1 with HYPIC_ATTN_CUDNN=all, else the length whose
+// counted FLOP reach kCudnnMinFlops.
+int cudnn_min_q(int num_heads, int head_dim) {
+  if (cudnn_sdpa_all_long_groups()) return kSplitMaxQ + 1;
+  const double len = std::ceil(std::sqrt(2.0 * kCudnnMinFlops / (4.0 * num_heads * head_dim)));
+  return static_cast<int>(std::min<double>(std::max<double>(len, kSplitMaxQ + 1), INT_MAX));
+}
 
 size_t cudnn_gather_bytes(const CudnnSdpaShape& s) {
   return static_cast<size_t>(2) * s.b * s.s_kv * s.num_kv_heads * s.head_dim * sizeof(bf16);
 }
 
+// The host copies of q_start / slot0 against the call's bounds (they index q, out and the block table).
+void check_host_tables(const char* fn, const AttnGroups& g) {
+  if (g.q_start_host[0] != 0) bad(fn, "q_start_host[0] is " + std::to_string(g.q_start_host[0]) + ", not 0");
+  for (int i = 0; i < g.num_groups; ++i) {
+    const int len = g.q_start_host[i + 1] - g.q_start_host[i], s0 = g.slot0_host[i];
+    if (len < 0 || len > g.max_q)
+      bad(fn, "q_start_host gives group " + std::to_string(i) + " " + std::to_string(len) + " queries (max_q " +
+                  std::to_string(g.max_q) + ")");
+    if (s0 < 0 || static_cast<long>(s0) + len > static_cast<long>(g.max_pages) * kKvPageTokens)
+      bad(fn, "slot0_host[" + std::to_string(i) + "] " + std::to_string(s0) + " + " + std::to_string(len) +
+                  " queries exceed the block table's " + std::to_string(g.max_pages) + " pages");
+  }
+  if (g.q_start_host[g.num_groups] != g.total_q)
+    bad(fn, "q_start_host[num_groups] " + std::to_string(g.q_start_host[g.num_groups]) + " differs from total_q " +
+                std::to_string(g.total_q));
+}
+
 // Plans the cuDNN route of attention_prefill(..., ws, ...) (see attention.h); false: our kernels run every group.
 // `sdpa` is the workspace's cuDNN state (created here on first use).
-bool plan_cudnn_route(const AttnGroups& g, int num_heads, int num_kv_heads, int head_dim, bool split_ok,
-                      std::unique_ptr<CudnnSdpa>& sdpa, bool eager, cudaStream_t stream, CudnnRoute& r) {
-  if (!g.q_start_host || !g.slot0_host || g.max_q <= kSplitMaxQ || !cudnn_sdpa_available()) return false;
-  static const bool capable = [] {
-    int major = 0;
-    return cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, current_device()) == cudaSuccess &&
-           major >= 8;
-  }();
-  if (!capable) return false;
+bool plan_cudnn_route(const char* fn, const AttnGroups& g, int num_heads, int num_kv_heads, int head_dim,
+                      std::unique_ptr<CudnnSdpa>& sdpa, cudaStream_t stream, CudnnRoute& r) {
+  if (!g.q_start_host || !g.slot0_host || g.max_q <= kSplitMaxQ) return false;
+  check_host_tables(fn, g);
+  if (!cudnn_sdpa_available()) return false;
+  int major = 0;
+  check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, current_device()),
+             "cudaDeviceGetAttribute");
+  if (major < 8) return false;
   cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
   check_cuda(cudaStreamIsCapturing(stream, &capturing), "cudaStreamIsCapturing");
   if (capturing != cudaStreamCaptureStatusNone) return false;  // plans are built eagerly only
+  r.min_q = cudnn_min_q(num_heads, head_dim);
+  bool others = false;  // a non-empty group left to our kernels
   for (int i = 0; i < g.num_groups; ++i) {
     const int len = g.q_start_host[i + 1] - g.q_start_host[i], s0 = g.slot0_host[i];
     if (len <= 0) continue;
-    if (len <= kSplitMaxQ) {
-      r.any_short = true;
+    if (len < r.min_q) {
+      others = true;
       continue;
     }
+    if (static_cast<long>(s0) + len > kCudnnMaxRunRows) return false;  // its gather would be too large: ours
     CudnnRun* last = r.runs.empty() ? nullptr : &r.runs.back();
     const bool extend = last && last->group0 + last->shape.b == i && last->shape.s_q == len &&
                         last->shape.s_kv == s0 + len &&
@@ -987,21 +1021,15 @@ bool plan_cudnn_route(const AttnGroups& g, int num_heads, int num_kv_heads, int 
       r.runs.push_back(run);
     }
   }
-  if (r.runs.empty() || (r.any_short && !split_ok)) return false;
+  if (r.runs.empty()) return false;
+  r.all_routed = !others;
   if (!sdpa) sdpa = std::make_unique<CudnnSdpa>();
-  sdpa->build_eagerly(eager);
-  bool ready = true;
-  for (CudnnRun& run : r.runs) {  // every run, so that each new shape's savings add up
-    const CudnnSdpaShape& s = run.shape;
-    const double keys = double(s.s_q) * (s.s_kv - s.s_q) + double(s.s_q) * (s.s_q + 1) / 2;  // causal pairs
-    const double flops = 4.0 * s.b * keys * s.num_heads * s.head_dim;
-    if (!sdpa->prepare(s, flops * kCudnnSavingPerFlop, &run.plan_ws)) {
-      ready = false;
-      continue;
-    }
-    r.scratch_bytes = std::max(r.scratch_bytes, cudnn_gather_bytes(s) + (run.plan_ws + 255) / 256 * 256);
+  sdpa->trim(stream);
+  for (CudnnRun& run : r.runs) {
+    if (!sdpa->prepare(run.shape, &run.plan_ws)) return false;  // (no engine: our kernels run every group)
+    r.scratch_bytes = std::max(r.scratch_bytes, cudnn_gather_bytes(run.shape) + (run.plan_ws + 255) / 256 * 256);
   }
-  return ready;
+  return true;
 }
 
 void run_cudnn_route(const AttnGroups& g, const CudnnRoute& r, int num_heads, int num_kv_heads, int head_dim,
@@ -1066,48 +1094,45 @@ void attention_prefill(const AttnGroups& g, int num_heads, int num_kv_heads, int
   if (g.num_groups == 0 || g.total_q == 0) return;
   const SplitPlan sp = plan_split(g, num_heads, num_kv_heads, head_dim);
   CudnnRoute route;
-  const size_t split_bytes = (sp.bytes + 255) / 256 * 256;
-  bool cudnn =
-      plan_cudnn_route(g, num_heads, num_kv_heads, head_dim, sp.use, ws.cudnn_, ws.cudnn_eager_, stream, route);
+  const size_t split_bytes = sp.use ? (sp.bytes + 255) / 256 * 256 : 0;
+  bool cudnn = plan_cudnn_route(fn, g, num_heads, num_kv_heads, head_dim, ws.cudnn_, stream, route);
   if (cudnn && split_bytes + route.scratch_bytes > ws.bytes_) {
-    try {  // the gathered K/V of a long context may not fit: our kernels then run it (they need no gather)
-      ws.ensure(split_bytes + route.scratch_bytes, stream, fn);
-    } catch (const std::runtime_error&) {
-      (void)cudaGetLastError();
-      cudnn = false;
-    }
-  }
-  if (cudnn) {
-    unsigned char* base = static_cast<unsigned char*>(ws.mem_);
-    if (route.any_short) {
-      const AttnParams p = make_params(g, num_heads, num_kv_heads, q, k_pool, v_pool, scale, gate, gate_token_stride,
-                                       gate_head_stride, out);
-      const SplitArgs sa = split_args(g, sp, base, head_dim);
-      switch (head_dim) {
-        case 64: launch_split<64>(p, sa, g, sp, stream, false); break;
-        case 128: launch_split<128>(p, sa, g, sp, stream, false); break;
-        default: launch_split<256>(p, sa, g, sp, stream, false); break;
+    if (ws.cudnn_failed_bytes_ && split_bytes + route.scratch_bytes >= ws.cudnn_failed_bytes_) {
+      cudnn = false;  // did not fit before: our kernels (they need no gather)
+    } else {
+      try {
+        ws.ensure(split_bytes + route.scratch_bytes, stream, fn);
+      } catch (const std::runtime_error&) {
+        if (cudaGetLastError() != cudaErrorMemoryAllocation) throw;  // not an allocation failure: report it
+        ws.cudnn_failed_bytes_ = split_bytes + route.scratch_bytes;
+        cudnn = false;
       }
     }
-    run_cudnn_route(g, route, num_heads, num_kv_heads, head_dim, q, k_pool, v_pool, scale, gate, gate_token_stride,
-                    gate_head_stride, out, base + split_bytes, *ws.cudnn_,
-                    ws.cudnn_launches_, stream);
-    return;
   }
-  if (!sp.use) {
-    attention_prefill(g, num_heads, num_kv_heads, head_dim, q, k_pool, v_pool, scale, gate, gate_token_stride,
-                      gate_head_stride, out, stream);
-    return;
-  }
-  const AttnParams p =
+  AttnParams p =
       make_params(g, num_heads, num_kv_heads, q, k_pool, v_pool, scale, gate, gate_token_stride, gate_head_stride, out);
-  ws.ensure(sp.bytes, stream, fn);
-  const SplitArgs sa = split_args(g, sp, static_cast<unsigned char*>(ws.mem_), head_dim);
-  switch (head_dim) {
-    case 64: launch_split<64>(p, sa, g, sp, stream); break;
-    case 128: launch_split<128>(p, sa, g, sp, stream); break;
-    default: launch_split<256>(p, sa, g, sp, stream); break;
+  if (cudnn) p.long_min_q = route.min_q;  // our kernels skip cuDNN's groups
+  if (!(cudnn && route.all_routed)) {
+    if (sp.use) {
+      ws.ensure(sp.bytes, stream, fn);  // (no growth when the cuDNN route reserved more)
+      const SplitArgs sa = split_args(g, sp, static_cast<unsigned char*>(ws.mem_), head_dim);
+      switch (head_dim) {
+        case 64: launch_split<64>(p, sa, g, sp, stream); break;
+        case 128: launch_split<128>(p, sa, g, sp, stream); break;
+        default: launch_split<256>(p, sa, g, sp, stream); break;
+      }
+    } else {
+      switch (head_dim) {
+        case 64: launch_prefill<64>(p, g.num_groups, g.max_q, stream); break;
+        case 128: launch_prefill<128>(p, g.num_groups, g.max_q, stream); break;
+        default: launch_prefill<256>(p, g.num_groups, g.max_q, stream); break;
+      }
+    }
   }
+  if (cudnn)
+    run_cudnn_route(g, route, num_heads, num_kv_heads, head_dim, q, k_pool, v_pool, scale, gate, gate_token_stride,
+                    gate_head_stride, out, static_cast<unsigned char*>(ws.mem_) + split_bytes, *ws.cudnn_,
+                    ws.cudnn_launches_, stream);
 }
 
 bool attention_cudnn_available() { return cudnn_sdpa_available(); }

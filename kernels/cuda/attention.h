@@ -89,7 +89,8 @@ void attention_prefill(const AttnGroups& g, int num_heads, int num_kv_heads, int
 
 /// Device scratch of attention_decode (per (request, query head, KV chunk) the partial (m, l) and the
 /// fp32 accumulator [head_dim]) and of attention_prefill(..., ws, ...) (per work item 64 rows of partial
-/// (m, l, acc) and the launch's item / query offsets); one workspace may serve both, in stream order. Grows on demand (a growth synchronises the device before freeing the
+/// (m, l, acc) and the launch's item / query offsets; for cuDNN's groups the gathered K/V, up to 2 x 2^17 KV slots,
+/// and a cuDNN handle with its plans); one workspace may serve both, in stream order. Grows on demand (a growth synchronises the device before freeing the
 /// old buffer) and is reused across calls; not thread-safe (one per stream). A captured graph reads
 /// its buffer: between a capture and the graph's last replay the workspace must not grow.
 class AttnDecodeWorkspace {
@@ -112,9 +113,7 @@ class AttnDecodeWorkspace {
   size_t bytes() const { return bytes_; }
   /// cuDNN SDPA launches made through this workspace so far (attention_prefill's long groups; tests, benchmarks).
   long cudnn_launches() const { return cudnn_launches_; }
-  /// Build each cuDNN plan on its shape's first sight instead of once its calls have paid for the build (see
-  /// attention_prefill with a workspace): for tests and benchmarks of the cuDNN path itself.
-  void build_cudnn_plans_eagerly(bool on) { cudnn_eager_ = on; }
+
 
  private:
   friend void attention_decode(const AttnGroups&, int, int, int, const bf16*, const bf16*, const bf16*, float,
@@ -126,13 +125,14 @@ class AttnDecodeWorkspace {
   size_t bytes_ = 0;
   std::unique_ptr<detail::CudnnSdpa> cudnn_;  // created on first use: a cuDNN handle and its plans
   long cudnn_launches_ = 0;
-  bool cudnn_eager_ = false;
+  size_t cudnn_failed_bytes_ = 0;  // a cuDNN-route size that could not be allocated (not retried at or above it)
 };
 
 /// Whether attention_prefill(..., ws, ...) can take cuDNN's SDPA for long groups in this process: libcudnn.so.9
-/// (9.0 or later) loadable at run time and HYPIC_ATTN_CUDNN not "0" (read once; any value but "", "0" or "1" makes
-/// this throw std::invalid_argument). attention_cudnn_status() says why not (empty when available). Never loads
-/// cuDNN into a process that does not call them or attention_prefill.
+/// (9.0 or later; its runtime-compiled engines also need libnvrtc on the loader path) loadable at run time and
+/// HYPIC_ATTN_CUDNN not "0" (read once). Both throw std::invalid_argument when HYPIC_ATTN_CUDNN is not "", "0", "1" or
+/// "all". attention_cudnn_status() says why not (empty when available). cuDNN is loaded by the first call of either
+/// or of attention_prefill with host tables, never otherwise.
 bool attention_cudnn_available();
 std::string attention_cudnn_status();
 
@@ -158,18 +158,21 @@ std::string attention_cudnn_status();
 /// partials, equal up to rounding: fp32 sums in another order, P rounded to bf16 against one running max per row where
 /// the mma.sync kernel keeps one per 32-slot half); HYPIC_ATTN_SPLIT_WGMMA=0 (read once) keeps the mma.sync kernel
 /// (comparisons).
-/// Long groups through cuDNN: when g.q_start_host and g.slot0_host are given, attention_cudnn_available(), the device
-/// has compute capability 8.0 or later, the stream is not capturing, and every group of more than 512 queries has a
-/// cuDNN plan ready (and either all groups are that long or the split path serves the rest), each run of consecutive
-/// long groups of equal (length, slot0) is one cuDNN SDPA call (graph API, bottom-right causal mask; plans cached per
-/// shape in `ws`, at most 64): their K/V slots are first gathered from the pool into `ws` (2 x groups x KV length x
-/// num_kv_heads x head_dim bf16; if that allocation fails, our kernels run the call), the gate applied after cuDNN's
-/// bf16 output (as HF rounds it). Same tolerance against the reference; not bit-equal to our kernels. A plan costs
-/// 50-70 ms to build (cuDNN compiles its kernel), so a new shape's calls run on our kernels until the time cuDNN would
-/// have saved them (8e-16 s per counted FLOP, measured on the H200) adds up to the measured build time; then the plan
-/// is built (rent or buy; AttnDecodeWorkspace::build_cudnn_plans_eagerly builds on first sight). A 32k-token prefill's
-/// ten attention layers pay for their plan within the first prefill; a 4k one's after about 40 prefills of that length.
-/// Otherwise the call runs as described above.
+/// Long groups through cuDNN: when g.q_start_host and g.slot0_host are given (checked against total_q, max_q and the
+/// block table: std::invalid_argument naming the bad entry), attention_cudnn_available(), the device has compute
+/// capability 8.0 or later and the stream is not capturing, the groups of at least min_q queries run on cuDNN's fused
+/// SDPA (graph API, bottom-right causal mask), each run of consecutive such groups of equal (length, slot0) one call:
+/// their K/V slots are gathered from the pool into `ws` head-major (2 x groups x KV length x num_kv_heads x head_dim
+/// bf16; at most 2^17 KV slots per call: a longer group stays on our kernels, as when the allocation fails), the
+/// gate applied after cuDNN's bf16 output (as HF gates SDPA's). Our kernels run the other groups in the same call
+/// (they skip cuDNN's). min_q = ceil(sqrt(2 x 6e12 / (4 x num_heads x head_dim))) (27064 at 16 x 256: a cuDNN plan
+/// costs 35-72 ms to build once per shape, and cuDNN saves about 8e-16 s per counted FLOP on the H200, so one
+/// ten-layer prefill of a new length pays for its plan), or 513 with HYPIC_ATTN_CUDNN=all (for workloads that
+/// repeat their lengths). The choice depends on the group's length alone, not on history: a prompt gives the same
+/// bits on every run (a worker without cuDNN gives other bits, within the same tolerance, for such groups). Plans
+/// are cached per shape in `ws` (at most 64, least recently used dropped between calls); a shape without a cuDNN
+/// engine runs on our kernels (one line on stderr). reserve_prefill does not reserve the gather: a captured call runs
+/// our kernels. Same tolerance against the reference; not bit-equal to our kernels.
 /// Throws as attention_prefill, and std::invalid_argument when `ws` would have to grow while `stream`
 /// is capturing (AttnDecodeWorkspace::reserve_prefill sizes it beforehand).
 void attention_prefill(const AttnGroups& g, int num_heads, int num_kv_heads, int head_dim, const bf16* q,

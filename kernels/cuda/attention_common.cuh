@@ -49,6 +49,7 @@ struct AttnParams {
   long gate_ts;
   int gate_hs;
   bf16* out;
+  int long_min_q;  // prefill: groups of at least this many queries run elsewhere (cuDNN): skipped; INT_MAX: none
   // decode only
   int chunk_len;
   int head_blocks;
@@ -252,6 +253,7 @@ __device__ __forceinline__ bool prefill_tile(const AttnParams& p, int split_max_
   t.m0 = tile_q * kBM;
   if (t.m0 >= t.len) return false;
   if (kSkipSplit && t.len <= split_max_q) return false;
+  if (t.len >= p.long_min_q) return false;
   t.s0 = p.slot0[t.grp];
   t.rows = min(kBM, t.len - t.m0);
   t.last_slot = t.s0 + t.m0 + t.rows - 1;  // last slot any row of this tile sees

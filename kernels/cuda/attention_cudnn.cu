@@ -5,7 +5,6 @@
 #include <dlfcn.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -52,16 +51,23 @@ bool resolve(void* lib, const char* name, F& f, std::string& why) {
   return f != nullptr;
 }
 
+// HYPIC_ATTN_CUDNN, checked: "" (unset), "0", "1" or "all"; anything else throws std::invalid_argument.
+std::string cudnn_sdpa_mode_env() {
+  const char* e = std::getenv("HYPIC_ATTN_CUDNN");
+  const std::string v = e ? e : "";
+  if (v.empty() || v == "0" || v == "1" || v == "all") return v;
+  throw std::invalid_argument("HYPIC_ATTN_CUDNN must be 0, 1 or all, got '" + v + "'");
+}
+
 const CudnnApi& api() {
-  static const CudnnApi a = [] {
+  // Leaked on purpose: workspaces with static lifetime may destroy their plans after this would have been destroyed.
+  static const CudnnApi& a = *new CudnnApi([] {
     CudnnApi r;
-    const char* env = std::getenv("HYPIC_ATTN_CUDNN");
-    if (env && std::string(env) == "0") {
+    const std::string env = cudnn_sdpa_mode_env();
+    if (env == "0") {
       r.why_not = "HYPIC_ATTN_CUDNN=0";
       return r;
     }
-    if (env && *env && std::string(env) != "1")
-      throw std::invalid_argument(std::string("HYPIC_ATTN_CUDNN must be 0 or 1, got '") + env + "'");
     void* lib = dlopen("libcudnn.so.9", RTLD_NOW | RTLD_LOCAL);
     if (!lib) {
       const char* e = dlerror();
@@ -84,7 +90,7 @@ const CudnnApi& api() {
     if (w.empty() && r.GetVersion() < 90000)
       w = "libcudnn.so.9 reports version " + std::to_string(r.GetVersion()) + " (9.0 or later needed)";
     return r;
-  }();
+  }());
   return a;
 }
 
@@ -135,9 +141,7 @@ struct CudnnSdpa::Impl {
   int device = -1;
   std::map<CudnnSdpaShape, std::unique_ptr<Plan>> plans;
   std::list<CudnnSdpaShape> lru;  // front: most recent
-  std::map<CudnnSdpaShape, double> pending;  // shapes without a plan: the savings their calls would have made, s
-  double build_s = 0.06;                     // plan build time, s: a running mean of those measured (first guess)
-  int builds = 0;
+  std::string broken;  // a cuDNN failure outside one shape's plan (the handle, the library): cuDNN off, why
 
   // Tensor ids of the variant pack.
   enum : int64_t { kQ = 1, kK, kV, kO, kScale, kNegInf, kSkv, kSq, kVirtual = 100 };
@@ -334,43 +338,57 @@ CudnnSdpa::~CudnnSdpa() {
   if (impl_->handle) api().Destroy(impl_->handle);
 }
 
-bool CudnnSdpa::prepare(const CudnnSdpaShape& s, double saving_s, size_t* workspace_bytes) {
+void CudnnSdpa::trim(cudaStream_t stream) {
+  Impl& m = *impl_;
+  if (int(m.plans.size()) <= kMaxPlans) return;
+  check_cuda(cudaStreamSynchronize(stream), "CudnnSdpa::trim");  // a plan's last launch may still run
+  while (int(m.plans.size()) > kMaxPlans && !m.lru.empty()) {  // least recently used first
+    m.plans.erase(m.lru.back());
+    m.lru.pop_back();
+  }
+}
+
+bool CudnnSdpa::prepare(const CudnnSdpaShape& s, size_t* workspace_bytes) {
   if (!cudnn_sdpa_available()) return false;
   Impl& m = *impl_;
+  if (!m.broken.empty()) return false;
   int dev = 0;
   check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
-  if (m.handle && dev != m.device) {  // another device: its plans do not carry over
-    m.plans.clear();
-    m.lru.clear();
-    api().Destroy(m.handle);
-    m.handle = nullptr;
-  }
-  if (!m.handle) {
-    ok(api().Create(&m.handle), "cudnnCreate");
-    m.device = dev;
+  try {
+    if (m.handle && dev != m.device) {  // another device: its plans do not carry over
+      int cur = dev;
+      check_cuda(cudaSetDevice(m.device), "cudaSetDevice");  // their last launches done first
+      const cudaError_t e = cudaDeviceSynchronize();
+      check_cuda(cudaSetDevice(cur), "cudaSetDevice");
+      check_cuda(e, "CudnnSdpa: synchronise the previous device");
+      m.plans.clear();
+      m.lru.clear();
+      api().Destroy(m.handle);
+      m.handle = nullptr;
+    }
+    if (!m.handle) {
+      ok(api().Create(&m.handle), "cudnnCreate");
+      m.device = dev;
+    }
+  } catch (const std::exception& e) {  // the library cannot serve this process: our kernels from now on
+    m.broken = e.what();
+    std::fprintf(stderr, "hypic attention: cuDNN SDPA disabled (%s); our kernels run every group\n", e.what());
+    return false;
   }
   auto it = m.plans.find(s);
-  if (it == m.plans.end() && !eager_) {  // rent or buy: build once the calls without a plan have paid for it
-    if (m.pending.size() > 4096) m.pending.clear();
-    double& owed = m.pending[s];
-    owed += saving_s;
-    if (owed < m.build_s) return false;
-    m.pending.erase(s);
-  }
-  if (it == m.plans.end()) {
-    while (int(m.plans.size()) >= kMaxPlans && !m.lru.empty()) {
-      m.plans.erase(m.lru.back());
-      m.lru.pop_back();
+  if (it == m.plans.end()) {  // built on first sight (no eviction here: the caller's other runs may hold plans)
+    std::unique_ptr<Plan> plan;
+    try {
+      plan = m.build(s);
+    } catch (const std::exception& e) {  // any cuDNN error while building: this shape runs on our kernels
+      plan = std::make_unique<Plan>();
+      plan->why_not = e.what();
     }
-    const auto t0 = std::chrono::steady_clock::now();
-    it = m.plans.emplace(s, m.build(s)).first;
-    const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    m.build_s = (m.build_s * (m.builds + 1) + t) / (m.builds + 2);  // the first guess counts as one sample
-    ++m.builds;
+    it = m.plans.emplace(s, std::move(plan)).first;
     m.lru.push_front(s);
     if (!it->second->supported)  // once per shape while it stays cached: our kernel runs these groups
       std::fprintf(stderr,
-                   "hypic attention: cuDNN SDPA has no engine for b %d, s_q %d, s_kv %d, heads %d/%d, head_dim %d "
+                   "hypic attention: cuDNN SDPA has no plan for b %d, s_q %d, s_kv %d, heads %d/%d, head_dim %d "
                    "(%s); our kernel runs it\n",
                    s.b, s.s_q, s.s_kv, s.num_heads, s.num_kv_heads, s.head_dim, it->second->why_not.c_str());
   } else {
@@ -390,7 +408,8 @@ void CudnnSdpa::run(const CudnnSdpaShape& s, const __nv_bfloat16* q, const __nv_
   Impl& m = *impl_;
   auto it = m.plans.find(s);
   if (it == m.plans.end() || !it->second->supported)
-    throw std::logic_error("CudnnSdpa::run: no plan for this shape (prepare first)");
+    throw std::logic_error("CudnnSdpa::run: no plan for b " + std::to_string(s.b) + ", s_q " + std::to_string(s.s_q) +
+                           ", s_kv " + std::to_string(s.s_kv) + " (prepare it first)");
   ok(api().SetStream(m.handle, stream), "cudnnSetStream");
   float neg_inf = -INFINITY;
   int32_t skv = s.s_kv, sq = s.s_q;
@@ -411,6 +430,8 @@ void CudnnSdpa::run(const CudnnSdpaShape& s, const __nv_bfloat16* q, const __nv_
 
 bool cudnn_sdpa_available() { return api().why_not.empty(); }
 
+bool cudnn_sdpa_all_long_groups() { return cudnn_sdpa_mode_env() == "all"; }
+
 std::string cudnn_sdpa_unavailable_reason() { return api().why_not; }
 
 #else  // built without cuDNN's headers
@@ -419,12 +440,14 @@ struct CudnnSdpa::Plan {};
 struct CudnnSdpa::Impl {};
 CudnnSdpa::CudnnSdpa() = default;
 CudnnSdpa::~CudnnSdpa() = default;
-bool CudnnSdpa::prepare(const CudnnSdpaShape&, double, size_t*) { return false; }
+void CudnnSdpa::trim(cudaStream_t) {}
+bool CudnnSdpa::prepare(const CudnnSdpaShape&, size_t*) { return false; }
 void CudnnSdpa::run(const CudnnSdpaShape&, const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, float,
                     __nv_bfloat16*, void*, cudaStream_t) {
   throw std::logic_error("CudnnSdpa::run: built without cuDNN");
 }
 bool cudnn_sdpa_available() { return false; }
+bool cudnn_sdpa_all_long_groups() { return false; }
 std::string cudnn_sdpa_unavailable_reason() { return "built without cuDNN's headers"; }
 
 #endif

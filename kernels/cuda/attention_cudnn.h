@@ -27,9 +27,15 @@ struct CudnnSdpaShape {
   bool operator<(const CudnnSdpaShape& o) const { return key() < o.key(); }
 };
 
-/// Whether cuDNN could be loaded on this machine (libcudnn.so.9 found, every backend symbol resolved, a handle
-/// created on the current device) and HYPIC_ATTN_CUDNN is not "0". Read once per process; never throws.
+/// Whether cuDNN could be loaded on this machine (libcudnn.so.9 found, every backend symbol resolved, version 9.0 or
+/// later) and HYPIC_ATTN_CUDNN is not "0". Read once per process. Throws std::invalid_argument when HYPIC_ATTN_CUDNN
+/// is not "", "0", "1" or "all". (A handle is created by the first CudnnSdpa::prepare; if that fails, that object
+/// runs our kernels from then on.)
 bool cudnn_sdpa_available();
+
+/// HYPIC_ATTN_CUDNN=all: every group of more than 512 queries goes to cuDNN (else only those of at least
+/// kCudnnMinFlops, attention.cu). Same throws as cudnn_sdpa_available.
+bool cudnn_sdpa_all_long_groups();
 
 /// Why cudnn_sdpa_available() is false (empty when it is true): the library missing, a symbol, the variable.
 std::string cudnn_sdpa_unavailable_reason();
@@ -49,16 +55,16 @@ class CudnnSdpa {
   ~CudnnSdpa();
   CudnnSdpa(const CudnnSdpa&) = delete;
   CudnnSdpa& operator=(const CudnnSdpa&) = delete;
-  /// Finds the plan of `s` on the current device, or builds it once it pays: a plan costs tens of milliseconds to
-  /// build (cuDNN compiles its kernel: 52-72 ms on the H200, 2026-12-04), so a new shape's calls first add up
-  /// `saving_s`, the time cuDNN would save on each (the caller's estimate), and the plan is built when their sum
-  /// reaches the build time measured so far (rent or buy: at most twice the best choice in hindsight). With
-  /// build_eagerly() the plan is built on first sight. True (with *workspace_bytes) when the plan is ready; false when
-  /// not yet worth building or when no cuDNN engine supports the shape (remembered). Throws std::runtime_error on
-  /// cuDNN errors other than "not supported".
-  bool prepare(const CudnnSdpaShape& s, double saving_s, size_t* workspace_bytes);
-  /// Plans built on a shape's first sight (tests, benchmarks of the cuDNN path itself).
-  void build_eagerly(bool on) { eager_ = on; }
+  /// Finds the plan of `s` on the current device or builds it (43-72 ms on the H200, 2026-12-04: cuDNN compiles its
+  /// kernel; once per shape while cached). True with *workspace_bytes (DEVICE bytes run needs) when the plan is ready;
+  /// false when no cuDNN engine supports the shape or building it failed (remembered; one line on stderr), or when
+  /// the cuDNN handle cannot be created (then false for every shape). Never evicts: trim() does, between calls.
+  /// Throws std::runtime_error only on CUDA errors (cudaGetDevice).
+  bool prepare(const CudnnSdpaShape& s, size_t* workspace_bytes);
+  /// Drops the least recently used plans beyond kMaxPlans (call before preparing a new call's shapes), after
+  /// synchronising `stream` (the stream their launches went to) when any is dropped. Throws std::runtime_error on
+  /// CUDA errors.
+  void trim(cudaStream_t stream);
   /// Runs the plan of `s` (prepare(s) must have returned true) on `stream`; `workspace` holds the bytes prepare
   /// returned (may be null when 0). Asynchronous. Throws std::runtime_error on cuDNN errors.
   void run(const CudnnSdpaShape& s, const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
@@ -68,19 +74,20 @@ class CudnnSdpa {
   struct Plan;
   struct Impl;
   std::unique_ptr<Impl> impl_;
-  bool eager_ = false;
 };
 
 /// Copies slots 0 .. s_kv-1 of `num_seqs` sequences from the paged pool into contiguous k_out / v_out
 /// ([num_seqs][num_kv_heads][s_kv][head_dim] bf16, head-major): sequence j's slot s is pool row
-/// block_table[(group0 + j) * max_pages + s / 64] * 64 + s % 64. DEVICE pointers; asynchronous.
+/// block_table[(group0 + j) * max_pages + s / 64] * 64 + s % 64. DEVICE pointers, all 16-byte aligned; head_dim a
+/// multiple of 8; num_seqs <= 65535. Asynchronous; throws std::runtime_error on a launch error.
 void gather_kv(int num_seqs, int s_kv, int num_kv_heads, int head_dim, const int* block_table, int max_pages,
                int group0, const __nv_bfloat16* k_pool, const __nv_bfloat16* v_pool, __nv_bfloat16* k_out,
                __nv_bfloat16* v_out, cudaStream_t stream);
 
 /// The output gate of HF Qwen3NextAttention on cuDNN's bf16 output, in place, for t < rows (token-major rows):
 /// out[t][h][d] = bf16(float(out[t][h][d]) * sigmoid(float(gate[t * gate_ts + h * gate_hs + d]))) (fp32, rounded
-/// once; HF likewise gates SDPA's rounded output). head_dim a multiple of 8, out 16-byte aligned. Asynchronous.
+/// once; HF likewise gates SDPA's rounded output). head_dim a multiple of 8, out 16-byte aligned (gate: any
+/// alignment). Asynchronous; throws std::runtime_error on a launch error.
 void apply_output_gate(int rows, int num_heads, int head_dim, const __nv_bfloat16* gate, long gate_ts, int gate_hs,
                        __nv_bfloat16* out, cudaStream_t stream);
 

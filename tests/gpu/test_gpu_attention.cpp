@@ -204,7 +204,6 @@ long run_attention_case(const AttnCase& c, uint32_t seed, bool no_ws = false) {
   AttnSetup s;
   build_case(c, rng, seqs, s);
   gpu::AttnDecodeWorkspace ws;
-  ws.build_cudnn_plans_eagerly(c.host_tables);  // the cuDNN cases test the cuDNN path on every shape
   run_attention(c, s, no_ws && !c.decode ? nullptr : &ws);
   check_cuda(cudaDeviceSynchronize(), c.name);
   std::printf("[%s] %s, workspace %zu bytes, cuDNN SDPA launches %ld\n", c.name.c_str(),
@@ -348,12 +347,30 @@ TEST_CASE("attention_prefill split path: groups of 1..64 queries over contexts o
 // Groups of more than 512 queries through cuDNN's SDPA (attention_prefill with a workspace and host tables): runs of
 // consecutive long groups of equal (length, slot0) are one cuDNN call each; short groups in the same launch take the
 // split path. The number of cuDNN launches is counted from the group list independently.
+namespace {
+// Sets HYPIC_ATTN_CUDNN for one scope (read on every call for the routing rule), restoring it after.
+struct CudnnModeScope {
+  std::optional<std::string> old;
+  explicit CudnnModeScope(const char* v) {
+    if (const char* e = std::getenv("HYPIC_ATTN_CUDNN")) old = e;
+    setenv("HYPIC_ATTN_CUDNN", v, 1);
+  }
+  ~CudnnModeScope() {
+    if (old)
+      setenv("HYPIC_ATTN_CUDNN", old->c_str(), 1);
+    else
+      unsetenv("HYPIC_ATTN_CUDNN");
+  }
+};
+}  // namespace
+
 TEST_CASE("attention_prefill long groups through cuDNN SDPA match attention_causal", "[gpu][attention][cudnn]") {
   require_gpu();
   if (!gpu::attention_cudnn_available()) {
     WARN("cuDNN SDPA unavailable (" << gpu::attention_cudnn_status() << "): the cuDNN route is not tested here");
     return;
   }
+  const CudnnModeScope all("all");  // every group of more than 512 queries to cuDNN (default: >= ~27k at 16 x 256)
   // (len, slot0): 513 and 600 alone, three equal 1000-query groups at slot0 0 (one batched call), short groups
   // between them (split path), 777 over 1234 cached slots (bottom-right causal), a 2048-query group at slot0 0.
   const std::vector<std::pair<int, int>> mixed = {{513, 0},   {1, 5},     {600, 100}, {64, 0},   {1000, 0},
@@ -383,7 +400,6 @@ TEST_CASE("attention_prefill long groups through cuDNN SDPA match attention_caus
   }
   SECTION("plans: built once per shape, later shapes from the kernel cache (host times printed, not asserted)") {
     gpu::AttnDecodeWorkspace ws;  // shared by the calls: its plans persist
-    ws.build_cudnn_plans_eagerly(true);
     auto timed_case = [&](int len, int slot0, uint32_t seed) {
       AttnCase c = own_sequences("cudnn plan " + std::to_string(len) + "@" + std::to_string(slot0), 128, 8, 2,
                                  {{len, slot0}}, true);
@@ -407,28 +423,41 @@ TEST_CASE("attention_prefill long groups through cuDNN SDPA match attention_caus
     timed_case(2500, 700, 1604); // another, bottom-right
     CHECK(ws.cudnn_launches() == 6);
   }
-  SECTION("without eager plans a new shape runs our kernels until its calls have paid for the plan") {
-    // 16384 queries at slot0 0, 32/4 heads, head_dim 256: each call would save 4 x (16384 x 16385 / 2 causal pairs)
-    // x 32 x 256 FLOP x 8e-16 s = 3.52 ms (attention.h's constant); the first plan's build is weighed at 60 ms (the
-    // first guess), so calls 1..17 take our kernels and call 18 builds the plan and runs cuDNN.
-    AttnCase c = own_sequences("cudnn amortized 16384", 256, 32, 4, {{16384, 0}}, false);
+  SECTION("default rule: groups from ceil(sqrt(2 x 6e12 / (4 x heads x head_dim))) queries on, by length alone") {
+    const CudnnModeScope def("1");
+    const int nh = 4, nkv = 1, hd = 256;
+    const int min_q = static_cast<int>(std::ceil(std::sqrt(2.0 * 6e12 / (4.0 * nh * hd))));  // 54127
+    // One group just below the bound, one at it: only the second goes to cuDNN; both checked against our kernel
+    // without a workspace (itself checked against the CPU reference in the cases above).
+    AttnCase c = own_sequences("cudnn default rule", hd, nh, nkv, {{min_q - 1, 0}, {min_q, 0}}, true);
     c.host_tables = true;
     std::mt19937 rng(1610);
     std::vector<Seq> seqs;
     AttnSetup s;
     build_case(c, rng, seqs, s);
     gpu::AttnDecodeWorkspace ws;
-    const double saving = 4.0 * (16384.0 * 16385.0 / 2) * 32 * 256 * 8e-16;
-    const int expect = static_cast<int>(std::ceil(0.06 / saving));
-    int first = 0;
-    for (int call = 1; call <= expect + 2 && !first; ++call) {
-      run_attention(c, s, &ws);
-      if (ws.cudnn_launches() > 0) first = call;
-    }
+    run_attention(c, s, &ws);
     check_cuda(cudaDeviceSynchronize(), c.name);
-    std::printf("[%s] saving %.2f ms per call: cuDNN from call %d (expected %d)\n", c.name.c_str(), saving * 1e3,
-                first, expect);
-    CHECK(first == expect);
+    const auto routed = s.dout->download();
+    s.dout->poison();
+    run_attention(c, s, nullptr);  // our kernel for both
+    check_cuda(cudaDeviceSynchronize(), c.name);
+    const auto ours = s.dout->download();
+    std::printf("[%s] min_q %d: cuDNN launches %ld\n", c.name.c_str(), min_q, ws.cudnn_launches());
+    CHECK(ws.cudnn_launches() == 1);
+    const size_t row = size_t(nh) * hd, split = size_t(min_q - 1) * row;
+    CHECK(std::memcmp(routed.data(), ours.data(), split * sizeof(bf16)) == 0);  // the first group: the same kernel
+    double max_d = 0, max_ref = 0;
+    size_t nonfinite = 0;
+    for (size_t i = split; i < ours.size(); ++i) {
+      const float a = bf16_to_float(routed[i]), b = bf16_to_float(ours[i]);
+      if (!std::isfinite(a)) ++nonfinite;
+      max_d = std::max(max_d, double(std::fabs(a - b)));
+      max_ref = std::max(max_ref, double(std::fabs(b)));
+    }
+    std::printf("[%s] second group, cuDNN vs our kernel: max|d|/max|ref| = %.3e\n", c.name.c_str(), max_d / max_ref);
+    CHECK(nonfinite == 0);
+    CHECK(max_d <= 1e-2 * max_ref);
   }
   SECTION("without host tables the same groups take our kernels") {
     AttnCase c = own_sequences("no host tables", 256, 16, 2, mixed, true);
