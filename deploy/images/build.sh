@@ -251,8 +251,13 @@ if [[ -z "$gpu_reason" ]]; then
     # cuDNN's runtime-compiled engines (the fused SDPA among them) open NVRTC at run time: the toolkit's copy.
     ls "$CUDA_LIB_DIR"/libnvrtc.so.[0-9]* > /dev/null 2>&1 || die "--cudnn-lib-dir: no libnvrtc in $CUDA_LIB_DIR"
     for f in "$CUDA_LIB_DIR"/libnvrtc.so.[0-9]* "$CUDA_LIB_DIR"/libnvrtc-builtins.so.[0-9]*; do
-      [[ -e "$f" ]] && cp -L "$f" "$CTX/cuda/"
+      [[ -e "$f" ]] && cp -P "$f" "$CTX/cuda/"  # links stay links: one copy of each library
     done
+    for f in "$CTX"/cuda/libnvrtc.so.[0-9]* "$CTX"/cuda/libnvrtc-builtins.so.[0-9]*; do  # dangling: copy the target
+      [[ -L "$f" && ! -e "$f" ]] && cp -L "$CUDA_LIB_DIR/$(basename "$f")" "$f.tmp" && mv -f "$f.tmp" "$f"
+    done
+    nvrtc="$(cd "$CTX/cuda" && ls libnvrtc.so.[0-9]* | sort | head -n1)"  # the soname (shortest)
+    ln -sf "$nvrtc" "$CTX/cuda/libnvrtc.so"  # cuDNN may open the unversioned name
   fi
   note "CUDA libraries: $(cd "$CTX/cuda" && echo *) ($(du -sh "$CTX/cuda" | cut -f1))"
   RUNTIME_GPU="localhost/hypic-runtime-gpu:$VERSION"

@@ -948,10 +948,10 @@ struct CudnnRoute {
 constexpr long kCudnnMaxRunRows = 1L << 17;
 
 // The counted FLOP (4 x len^2 / 2 x heads x head_dim, a group at slot0 0) from which a group goes to cuDNN by
-// default: its plan costs 43-72 ms to build, once per shape (cuDNN compiles its kernel), and cuDNN saves about
+// default: its plan costs 35-72 ms to build, once per shape (cuDNN compiles its kernel), and cuDNN saves about
 // 8e-16 s per FLOP against our kernels on the H200 (209.4 against 139.2 ms for ten 32k layers, 2026-12-04), so at
-// 6e12 one ten-layer prefill of a new length pays for its plan: 27k queries at 16 x 256 heads. The rule depends on
-// the group alone (not on what ran before), so a prompt's bits do not change with the process's history.
+// 6e12 one prefill of a new length with ten attention layers roughly pays for its plan (48 ms): 27k queries at
+// 16 x 256 heads. The rule depends on the call's groups alone (not on what ran before).
 constexpr double kCudnnMinFlops = 6e12;
 
 // The smallest group length that cuDNN takes: kSplitMaxQ + 1 with HYPIC_ATTN_CUDNN=all, else the length whose
@@ -970,11 +970,13 @@ size_t cudnn_gather_bytes(const CudnnSdpaShape& s) {
 void check_host_tables(const char* fn, const AttnGroups& g) {
   if (g.q_start_host[0] != 0) bad(fn, "q_start_host[0] is " + std::to_string(g.q_start_host[0]) + ", not 0");
   for (int i = 0; i < g.num_groups; ++i) {
-    const int len = g.q_start_host[i + 1] - g.q_start_host[i], s0 = g.slot0_host[i];
+    const long len = static_cast<long>(g.q_start_host[i + 1]) - g.q_start_host[i];
+    const int s0 = g.slot0_host[i];
     if (len < 0 || len > g.max_q)
       bad(fn, "q_start_host gives group " + std::to_string(i) + " " + std::to_string(len) + " queries (max_q " +
                   std::to_string(g.max_q) + ")");
-    if (s0 < 0 || static_cast<long>(s0) + len > static_cast<long>(g.max_pages) * kKvPageTokens)
+    if (s0 < 0) bad(fn, "slot0_host[" + std::to_string(i) + "] " + std::to_string(s0) + " is negative");
+    if (static_cast<long>(s0) + len > static_cast<long>(g.max_pages) * kKvPageTokens)
       bad(fn, "slot0_host[" + std::to_string(i) + "] " + std::to_string(s0) + " + " + std::to_string(len) +
                   " queries exceed the block table's " + std::to_string(g.max_pages) + " pages");
   }
@@ -1094,8 +1096,9 @@ void attention_prefill(const AttnGroups& g, int num_heads, int num_kv_heads, int
   if (g.num_groups == 0 || g.total_q == 0) return;
   const SplitPlan sp = plan_split(g, num_heads, num_kv_heads, head_dim);
   CudnnRoute route;
-  const size_t split_bytes = sp.use ? (sp.bytes + 255) / 256 * 256 : 0;
   bool cudnn = plan_cudnn_route(fn, g, num_heads, num_kv_heads, head_dim, ws.cudnn_, stream, route);
+  // The split path's area first (none when cuDNN takes every group), then cuDNN's scratch.
+  const size_t split_bytes = sp.use && !(cudnn && route.all_routed) ? (sp.bytes + 255) / 256 * 256 : 0;
   if (cudnn && split_bytes + route.scratch_bytes > ws.bytes_) {
     if (ws.cudnn_failed_bytes_ && split_bytes + route.scratch_bytes >= ws.cudnn_failed_bytes_) {
       cudnn = false;  // did not fit before: our kernels (they need no gather)
@@ -1105,6 +1108,10 @@ void attention_prefill(const AttnGroups& g, int num_heads, int num_kv_heads, int
       } catch (const std::runtime_error&) {
         if (cudaGetLastError() != cudaErrorMemoryAllocation) throw;  // not an allocation failure: report it
         ws.cudnn_failed_bytes_ = split_bytes + route.scratch_bytes;
+        std::fprintf(stderr,
+                     "hypic attention: no room for cuDNN's %zu-byte K/V gather; calls needing that much run on our "
+                     "kernels\n",
+                     ws.cudnn_failed_bytes_);
         cudnn = false;
       }
     }

@@ -130,7 +130,7 @@ class AttnDecodeWorkspace {
 
 /// Whether attention_prefill(..., ws, ...) can take cuDNN's SDPA for long groups in this process: libcudnn.so.9
 /// (9.0 or later; its runtime-compiled engines also need libnvrtc on the loader path) loadable at run time and
-/// HYPIC_ATTN_CUDNN not "0" (read once). Both throw std::invalid_argument when HYPIC_ATTN_CUDNN is not "", "0", "1" or
+/// HYPIC_ATTN_CUDNN not "0" ("0" read once). Both throw std::invalid_argument when HYPIC_ATTN_CUDNN is not "", "0", "1" or
 /// "all". attention_cudnn_status() says why not (empty when available). cuDNN is loaded by the first call of either
 /// or of attention_prefill with host tables, never otherwise.
 bool attention_cudnn_available();
@@ -163,16 +163,18 @@ std::string attention_cudnn_status();
 /// capability 8.0 or later and the stream is not capturing, the groups of at least min_q queries run on cuDNN's fused
 /// SDPA (graph API, bottom-right causal mask), each run of consecutive such groups of equal (length, slot0) one call:
 /// their K/V slots are gathered from the pool into `ws` head-major (2 x groups x KV length x num_kv_heads x head_dim
-/// bf16; at most 2^17 KV slots per call: a longer group stays on our kernels, as when the allocation fails), the
-/// gate applied after cuDNN's bf16 output (as HF gates SDPA's). Our kernels run the other groups in the same call
-/// (they skip cuDNN's). min_q = ceil(sqrt(2 x 6e12 / (4 x num_heads x head_dim))) (27064 at 16 x 256: a cuDNN plan
-/// costs 35-72 ms to build once per shape, and cuDNN saves about 8e-16 s per counted FLOP on the H200, so one
-/// ten-layer prefill of a new length pays for its plan), or 513 with HYPIC_ATTN_CUDNN=all (for workloads that
-/// repeat their lengths). The choice depends on the group's length alone, not on history: a prompt gives the same
-/// bits on every run (a worker without cuDNN gives other bits, within the same tolerance, for such groups). Plans
-/// are cached per shape in `ws` (at most 64, least recently used dropped between calls); a shape without a cuDNN
-/// engine runs on our kernels (one line on stderr). reserve_prefill does not reserve the gather: a captured call runs
-/// our kernels. Same tolerance against the reference; not bit-equal to our kernels.
+/// bf16), the gate applied after cuDNN's bf16 output (as HF gates SDPA's). Our kernels run the other groups in the
+/// same call (they skip cuDNN's). min_q = ceil(sqrt(2 x 6e12 / (4 x num_heads x head_dim))) (27064 at 16 x 256: a
+/// cuDNN plan costs 35-72 ms to build once per shape, and cuDNN saves about 8e-16 s per counted FLOP on the H200, so
+/// one prefill of a new length with ten attention layers roughly pays for its plan), or 513 with
+/// HYPIC_ATTN_CUDNN=all (re-read on every call; for workloads that repeat their lengths). Our kernels run the whole
+/// call instead when one of its cuDNN groups reaches past 2^17 KV slots, when a shape has no cuDNN engine or its
+/// plan fails to build (one line on stderr; remembered while cached), or when the gather cannot be allocated (one
+/// line; not retried at that size for this workspace). So the choice depends on the call's groups, not on what ran
+/// before, except after such an allocation failure; a worker without cuDNN gives other bits for cuDNN's groups
+/// (within the same tolerance). Plans are cached per shape in `ws` (at most 64, the least recently used dropped
+/// between calls). One device per workspace. reserve_prefill does not reserve the gather: a captured call runs our
+/// kernels. Same tolerance against the reference; not bit-equal to our kernels.
 /// Throws as attention_prefill, and std::invalid_argument when `ws` would have to grow while `stream`
 /// is capturing (AttnDecodeWorkspace::reserve_prefill sizes it beforehand).
 void attention_prefill(const AttnGroups& g, int num_heads, int num_kv_heads, int head_dim, const bf16* q,

@@ -55,7 +55,7 @@ class CudnnSdpa {
   ~CudnnSdpa();
   CudnnSdpa(const CudnnSdpa&) = delete;
   CudnnSdpa& operator=(const CudnnSdpa&) = delete;
-  /// Finds the plan of `s` on the current device or builds it (43-72 ms on the H200, 2026-12-04: cuDNN compiles its
+  /// Finds the plan of `s` on the current device or builds it (35-72 ms on the H200, 2026-12-04: cuDNN compiles its
   /// kernel; once per shape while cached). True with *workspace_bytes (DEVICE bytes run needs) when the plan is ready;
   /// false when no cuDNN engine supports the shape or building it failed (remembered; one line on stderr), or when
   /// the cuDNN handle cannot be created (then false for every shape). Never evicts: trim() does, between calls.

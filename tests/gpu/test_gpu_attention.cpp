@@ -393,6 +393,11 @@ TEST_CASE("attention_prefill long groups through cuDNN SDPA match attention_caus
     c.host_tables = true;
     DYNAMIC_SECTION(c.name) { CHECK(run_attention_case(c, 1500 + sh.hd + sh.nh) == runs_of(mixed)); }
   }
+  SECTION("two equal long groups, nothing for our kernels (split plan made, unused): one batched call") {
+    AttnCase c = own_sequences("cudnn two equal", 256, 16, 2, {{1000, 0}, {1000, 0}}, true);
+    c.host_tables = true;
+    CHECK(run_attention_case(c, 1605) == 1);
+  }
   SECTION("one long group alone (no split path), hd 256 16/2 gate") {
     AttnCase c = own_sequences("cudnn single 3000", 256, 16, 2, {{3000, 0}}, true);
     c.host_tables = true;
