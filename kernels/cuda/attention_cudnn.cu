@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "kernels/cuda/attention.h"
+#include "kernels/cuda/attention_common.cuh"
 #include "kernels/cuda/cuda_check.h"
 
 #if HYPIC_CUDNN_HEADERS
@@ -488,8 +489,7 @@ __global__ void output_gate_kernel(long n_vec, int num_heads, int head_dim, cons
     const __nv_bfloat16* g = gate + t * gate_ts + long(h) * gate_hs + e * 8;
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
-      const float gv = __bfloat162float(g[k]);
-      x[k] = __float2bfloat16(__bfloat162float(x[k]) * (1.f / (1.f + __expf(-gv))));
+      x[k] = __float2bfloat16(__bfloat162float(x[k]) * sigmoidf_(__bfloat162float(g[k])));
     }
     out[i] = v;
   }
