@@ -29,11 +29,37 @@ bool cuda_available() {
 
 std::optional<DeviceBlock> Backend::device_block(const ResidentEntry&) const { return std::nullopt; }
 
+void Backend::check_step_rows(size_t batch, std::span<const uint8_t> modes, std::span<const SampleDraw> draws) {
+  if (modes.size() != batch)
+    throw std::invalid_argument("decode_step: " + std::to_string(batch) + " sequences but " +
+                                std::to_string(modes.size()) + " row modes");
+  bool sampling = false;
+  for (size_t b = 0; b < batch; ++b) {
+    if (modes[b] > kStepSample)
+      throw std::invalid_argument("decode_step: row " + std::to_string(b) + " has mode " + std::to_string(modes[b]) +
+                                  " (0 greedy, 1 logits, 2 sample)");
+    sampling |= modes[b] == kStepSample;
+  }
+  if (!sampling) return;
+  if (draws.size() != batch)
+    throw std::invalid_argument("decode_step: " + std::to_string(batch) + " sequences but " +
+                                std::to_string(draws.size()) + " draws for the sampling rows");
+  for (size_t b = 0; b < batch; ++b) {
+    if (modes[b] != kStepSample) continue;
+    const SampleDraw& d = draws[b];
+    const std::string row = "decode_step: row " + std::to_string(b) + ": ";
+    if (!std::isfinite(d.temperature) || d.temperature <= 0.0f)
+      throw std::invalid_argument(row + "temperature must be a finite number > 0, got " + std::to_string(d.temperature));
+    if (d.top_k < 0) throw std::invalid_argument(row + "top_k must be >= 0, got " + std::to_string(d.top_k));
+    if (!(d.top_p > 0.0f && d.top_p <= 1.0f))
+      throw std::invalid_argument(row + "top_p must be in (0, 1], got " + std::to_string(d.top_p));
+    if (!(d.u >= 0.0 && d.u < 1.0)) throw std::invalid_argument(row + "u must be in [0, 1), got " + std::to_string(d.u));
+  }
+}
+
 void Backend::decode_step(std::span<Sequence* const> sequences, std::span<const int32_t> tokens,
-                          std::span<const uint8_t> want_logits, DecodeStepOutput& out) {
-  if (want_logits.size() != sequences.size())
-    throw std::invalid_argument("decode_step: " + std::to_string(sequences.size()) + " sequences but " +
-                                std::to_string(want_logits.size()) + " want_logits flags");
+                          std::span<const uint8_t> modes, DecodeStepOutput& out, std::span<const SampleDraw> draws) {
+  check_step_rows(sequences.size(), modes, draws);
   std::vector<float> all;
   decode(sequences, tokens, all);
   const size_t B = sequences.size(), V = B ? all.size() / B : 0;
@@ -41,13 +67,28 @@ void Backend::decode_step(std::span<Sequence* const> sequences, std::span<const 
   out.logits.clear();
   for (size_t b = 0; b < B; ++b) {
     const std::span<const float> row(all.data() + b * V, V);
-    if (want_logits[b]) {
+    if (modes[b] == kStepLogits) {
       out.logits.insert(out.logits.end(), row.begin(), row.end());
       continue;
     }
     const auto nan = std::find_if(row.begin(), row.end(), [](float v) { return std::isnan(v); });
-    out.argmax[b] = nan != row.end() ? nan_logits_code(int32_t(nan - row.begin())) : argmax(row);
+    if (nan != row.end()) {
+      out.argmax[b] = nan_logits_code(int32_t(nan - row.begin()));
+    } else if (modes[b] == kStepGreedy) {
+      out.argmax[b] = argmax(row);
+    } else {
+      out.argmax[b] = sample_row(row, draws[b]);
+    }
   }
+}
+
+int32_t Backend::sample_row(std::span<const float> logits, const SampleDraw& d) {
+  float mx = -INFINITY;
+  for (const float v : logits) mx = std::max(mx, v);
+  if (!std::isfinite(mx)) return kNoFiniteLogitCode;  // (Sampler::pick would throw "no finite logit")
+  SamplingConfig cfg;
+  cfg.temperature = d.temperature, cfg.top_k = d.top_k, cfg.top_p = d.top_p;
+  return Sampler::pick(logits, cfg, d.u);
 }
 
 std::pair<std::shared_ptr<const ResidentEntry>, DeviceBlock> Backend::allocate_entry(const SegmentEntry&) const {

@@ -281,23 +281,47 @@ class Backend {
 
   /// What decode_step returns to the host.
   struct DecodeStepOutput {
-    /// [B]: for each row with want_logits[b] == 0, the argmax of its logits (the greedy token: lowest id on ties, as
-    /// engine/sampling.h argmax), or, when the row has a NaN logit, nan_logits_code(j) (<= -2) with j the lowest
-    /// id of a NaN; -1 for the other rows.
+    /// [B]: for a greedy row (kStepGreedy) the argmax of its logits (lowest id on ties, as engine/sampling.h
+    /// argmax); for a sampling row (kStepSample) the token Sampler::pick gives for its draw; -1 for a logits row
+    /// (kStepLogits). A greedy or sampling row with a NaN logit gets nan_logits_code(j) (<= -2, j the lowest id of a
+    /// NaN); a sampling row without a finite logit to sample from (all -inf, or a +inf) gets kNoFiniteLogitCode.
     std::vector<int32_t> argmax;
-    /// [n][V] fp32: the logits of the rows with want_logits[b] != 0, in batch order (n = their count).
+    /// [n][V] fp32: the logits of the kStepLogits rows, in batch order (n = their count).
     std::vector<float> logits;
   };
   /// DecodeStepOutput::argmax of a greedy row whose logit j (the lowest such id) is NaN, and back.
   static constexpr int32_t nan_logits_code(int32_t j) { return -2 - j; }
   static constexpr int32_t nan_logits_id(int32_t code) { return -2 - code; }
-  /// One decode step as decode() for a batch whose rows need either their full logits (a sampling request:
-  /// want_logits[b] != 0) or only their greedy token (the others): the CUDA backend takes the argmax on the device
-  /// and copies only the rows that need logits (a batch of 64 greedy rows would copy 64 x V x 4 bytes = 63 MB at
-  /// V = 248k); the default runs decode() and takes the argmax on the host. Same preconditions, errors and
-  /// all-or-nothing advance as decode(); want_logits.size() must equal sequences.size() (std::invalid_argument).
+  /// DecodeStepOutput::argmax of a sampling row whose logits have no finite maximum (Sampler::pick's
+  /// "no finite logit to sample from").
+  static constexpr int32_t kNoFiniteLogitCode = INT32_MIN;
+  /// What decode_step does with a row (`modes[b]`).
+  static constexpr uint8_t kStepGreedy = 0;  ///< the argmax
+  static constexpr uint8_t kStepLogits = 1;  ///< the whole logits row back to the host
+  static constexpr uint8_t kStepSample = 2;  ///< the token of draws[b] (Sampler::pick over the row's logits)
+  /// A sampling row's draw: the request's SamplingConfig (temperature > 0, top_k >= 0, top_p in (0, 1]) and the
+  /// uniform u in [0, 1) its Sampler drew for this step (Sampler::next_uniform).
+  struct SampleDraw {
+    float temperature = 1.0f;
+    int32_t top_k = 0;
+    float top_p = 1.0f;
+    double u = 0.0;
+  };
+  /// One decode step as decode() for a batch whose rows need their greedy token, a sampled token or their full
+  /// logits (`modes`, kStep*): the CUDA backend takes the argmax on the device and copies only the rows that need
+  /// logits (a batch of 64 rows would copy 64 x V x 4 bytes = 63 MB at V = 248k); the default runs decode() and picks
+  /// on the host. A sampling row's token is Sampler::pick(logits, its draw's config, draw.u), so a request that draws
+  /// u from its Sampler gets the tokens Sampler::sample would give. Same preconditions, errors and all-or-nothing
+  /// advance as decode(); modes.size() must equal sequences.size(), draws.size() too when a row samples, modes[b] <= 2
+  /// and each sampling row's draw valid (std::invalid_argument naming the row, before anything advances).
   virtual void decode_step(std::span<Sequence* const> sequences, std::span<const int32_t> tokens,
-                           std::span<const uint8_t> want_logits, DecodeStepOutput& out);
+                           std::span<const uint8_t> modes, DecodeStepOutput& out,
+                           std::span<const SampleDraw> draws = {});
+  /// Checks decode_step's modes and draws against a batch of `batch` rows (std::invalid_argument as there).
+  static void check_step_rows(size_t batch, std::span<const uint8_t> modes, std::span<const SampleDraw> draws);
+  /// A sampling row's DecodeStepOutput::argmax on the host: Sampler::pick(logits [V], the draw's config, d.u), or
+  /// kNoFiniteLogitCode when the logits have no finite maximum (the caller handles NaN rows first).
+  static int32_t sample_row(std::span<const float> logits, const SampleDraw& d);
 
   virtual BackendMemory memory() const = 0;
 

@@ -532,10 +532,16 @@ void EngineLoop::decode_step() {
     seqs.push_back(a.sequence.get());
     tokens.push_back(a.next_token);
   }
-  // Greedy requests need only their argmax (taken on the device by the CUDA backend: no logits copy); sampling
-  // requests get their full logits row.
-  std::vector<uint8_t> want_logits(active_.size());
-  for (size_t b = 0; b < active_.size(); ++b) want_logits[b] = active_[b].sampler->config().temperature != 0.0f;
+  // Greedy rows take their argmax, sampling rows the token of the uniform their Sampler draws now (the CUDA backend
+  // picks both on the device: no logits copy); the draws are made once, so a retry below reuses them.
+  std::vector<uint8_t> modes(active_.size(), Backend::kStepGreedy);
+  std::vector<Backend::SampleDraw> draws(active_.size());
+  for (size_t b = 0; b < active_.size(); ++b) {
+    const SamplingConfig& c = active_[b].sampler->config();
+    if (c.temperature == 0.0f) continue;
+    modes[b] = Backend::kStepSample;
+    draws[b] = {c.temperature, c.top_k, c.top_p, active_[b].sampler->next_uniform()};
+  }
   Backend::DecodeStepOutput out;
   auto fail = [this](Active& a, EngineErrorKind kind, const std::string& msg) {
     GenerateEnd end;
@@ -547,7 +553,7 @@ void EngineLoop::decode_step() {
     if (a.gen->on_end) a.gen->on_end(end);
   };
   try {
-    backend_.decode_step(seqs, tokens, want_logits, out);
+    backend_.decode_step(seqs, tokens, modes, out, draws);
   } catch (...) {
     // A backend refuses a whole batch before advancing any sequence (engine/backend.h), e.g. when one sequence needs
     // a KV page the pool no longer has: step each sequence alone so that only the ones that fail end.
@@ -561,25 +567,22 @@ void EngineLoop::decode_step() {
     }
     Backend::DecodeStepOutput kept_out;
     std::vector<Active> kept;
-    std::vector<uint8_t> kept_want;
     for (size_t b = 0; b < active_.size(); ++b) {
       Sequence* one[1] = {seqs[b]};
       Backend::DecodeStepOutput o1;
       try {
         backend_.decode_step(std::span<Sequence* const>(one, 1), std::span<const int32_t>(&tokens[b], 1),
-                             std::span<const uint8_t>(&want_logits[b], 1), o1);
+                             std::span<const uint8_t>(&modes[b], 1), o1,
+                             std::span<const Backend::SampleDraw>(&draws[b], 1));
       } catch (...) {
         fail(active_[b], classify_engine_error(std::current_exception()),
              "decode failed: " + message_of(std::current_exception()));
         continue;
       }
       kept.push_back(std::move(active_[b]));
-      kept_want.push_back(want_logits[b]);
       kept_out.argmax.push_back(o1.argmax.at(0));
-      kept_out.logits.insert(kept_out.logits.end(), o1.logits.begin(), o1.logits.end());
     }
     active_ = std::move(kept);
-    want_logits = std::move(kept_want);
     out = std::move(kept_out);
     publish_active_count();
     if (active_.empty()) return;
@@ -589,21 +592,16 @@ void EngineLoop::decode_step() {
   const size_t vocab = size_t(backend_.config().vocab_size);
   std::vector<Active> still;
   still.reserve(active_.size());
-  size_t row = 0;  // next row of out.logits
   for (size_t b = 0; b < active_.size(); ++b) {
     Active& a = active_[b];
     int32_t tok = 0;
-    const size_t my_row = want_logits[b] ? row++ : 0;
-    try {  // a sampler error (e.g. NaN logits) ends this request only
-      if (want_logits[b]) {
-        tok = a.sampler->sample(std::span<const float>(out.logits).subspan(my_row * vocab, vocab));
-      } else {
-        tok = out.argmax.at(b);
-        if (tok <= -2)  // as Sampler::sample's message for the same logits
-          throw std::invalid_argument("logits: NaN at token id " + std::to_string(Backend::nan_logits_id(tok)));
-        if (tok < 0 || tok >= int32_t(vocab))
-          throw std::logic_error("decode_step returned token " + std::to_string(tok) + " for a greedy row");
-      }
+    try {  // a sampler error (e.g. NaN logits) ends this request only; the messages are Sampler::sample's
+      tok = out.argmax.at(b);
+      if (tok == Backend::kNoFiniteLogitCode) throw std::invalid_argument("logits: no finite logit to sample from");
+      if (tok <= -2)
+        throw std::invalid_argument("logits: NaN at token id " + std::to_string(Backend::nan_logits_id(tok)));
+      if (tok < 0 || tok >= int32_t(vocab))
+        throw std::logic_error("decode_step returned token " + std::to_string(tok) + " for row " + std::to_string(b));
     } catch (...) {
       fail(a, classify_engine_error(std::current_exception()), "sampling failed: " + message_of(std::current_exception()));
       continue;

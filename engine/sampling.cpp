@@ -83,8 +83,15 @@ Sampler::Sampler(SamplingConfig config) : cfg_(std::move(config)), rng_(cfg_.see
 
 int32_t Sampler::sample(std::span<const float> logits) {
   if (cfg_.temperature == 0.0f) return argmax(logits);
-  const auto cand = distribution(logits, cfg_);
-  const double u = double(rng_() >> 11) * 0x1.0p-53;  // uniform in [0, 1), 53 random bits
+  check_logits(logits);  // (before the draw, as before pick existed)
+  return pick(logits, cfg_, next_uniform());
+}
+
+double Sampler::next_uniform() { return double(rng_() >> 11) * 0x1.0p-53; }  // uniform in [0, 1), 53 random bits
+
+int32_t Sampler::pick(std::span<const float> logits, const SamplingConfig& cfg, double u) {
+  if (cfg.temperature == 0.0f) return argmax(logits);
+  const auto cand = distribution(logits, cfg);
   double cum = 0.0;
   for (const auto& [id, p] : cand) {
     cum += p;

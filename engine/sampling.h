@@ -38,8 +38,16 @@ class Sampler {
   /// Validates `config` (see SamplingConfig::validate) and seeds the generator.
   explicit Sampler(SamplingConfig config);
   /// The next token from logits [V] (fp32, before any softmax). Advances the generator by one draw
-  /// unless greedy. Throws std::invalid_argument for empty logits or a NaN logit (naming its id).
+  /// unless greedy: pick(logits, config(), next_uniform()). Throws std::invalid_argument for empty logits or a NaN
+  /// logit (naming its id).
   int32_t sample(std::span<const float> logits);
+  /// The next uniform draw u = (x >> 11) * 2^-53 in [0, 1) of the generator (advances it by one): what sample()
+  /// draws, for a caller that picks the token elsewhere (Backend::decode_step's sampling rows).
+  double next_uniform();
+  /// The token a draw u in [0, 1) selects from logits [V] under `config` (temperature > 0): the first candidate of
+  /// distribution(logits, config) whose cumulative probability exceeds u (rounding that leaves the total below u:
+  /// the last candidate with non-zero probability). With temperature 0 the argmax. Throws like distribution().
+  static int32_t pick(std::span<const float> logits, const SamplingConfig& config, double u);
   bool is_stop_token(int32_t id) const;
   const SamplingConfig& config() const { return cfg_; }
 

@@ -703,46 +703,54 @@ void CudaBackend::decode(std::span<Sequence* const> sequences, std::span<const i
 }
 
 void CudaBackend::decode_step(std::span<Sequence* const> sequences, std::span<const int32_t> tokens,
-                              std::span<const uint8_t> want_logits, DecodeStepOutput& out) {
-  if (want_logits.size() != sequences.size())
-    throw std::invalid_argument("decode_step: " + std::to_string(sequences.size()) + " sequences but " +
-                                std::to_string(want_logits.size()) + " want_logits flags");
+                              std::span<const uint8_t> modes, DecodeStepOutput& out, std::span<const SampleDraw> draws) {
+  check_step_rows(sequences.size(), modes, draws);
   out.argmax.clear();
   out.logits.clear();
+  const size_t V = size_t(cfg_.vocab_size);
+  std::vector<float> sampled;  // [rows in kStepSample mode][V]: picked on the host after the step
   decode_device(sequences, tokens, [&](int B) {
-    const size_t V = size_t(cfg_.vocab_size);
     out.argmax.assign(size_t(B), -1);
-    size_t n = 0;
-    for (int b = 0; b < B; ++b) n += want_logits[b] != 0;
-    if (n < size_t(B)) {  // some greedy rows: their argmax on the device, 4 bytes each
+    size_t n_logits = 0, n_sample = 0;
+    for (int b = 0; b < B; ++b) n_logits += modes[b] == kStepLogits, n_sample += modes[b] == kStepSample;
+    if (n_logits + n_sample < size_t(B)) {  // some greedy rows: their argmax on the device, 4 bytes each
       kc::argmax_rows(B, int(V), dec_logits_.as<float>(), long(V), dec_argmax_.as<int32_t>(), dec_stream_);
       check_cuda(cudaMemcpyAsync(out.argmax.data(), dec_argmax_.as(), size_t(B) * 4, cudaMemcpyDeviceToHost,
                                  dec_stream_),
                  "greedy tokens download");
     }
-    out.logits.resize(n * V);
-    size_t row = 0;
-    for (int b = 0; b < B;) {  // runs of consecutive rows that want logits, one copy each
-      if (!want_logits[b]) {
+    out.logits.resize(n_logits * V);
+    sampled.resize(n_sample * V);
+    size_t row_l = 0, row_s = 0;
+    for (int b = 0; b < B;) {  // runs of consecutive rows of one copied mode, one copy each
+      const uint8_t m = modes[b];
+      if (m == kStepGreedy) {
         ++b;
         continue;
       }
       int e = b;
-      while (e < B && want_logits[e]) ++e;
-      check_cuda(cudaMemcpyAsync(out.logits.data() + row * V, dec_logits_.as<float>() + size_t(b) * V,
-                                 size_t(e - b) * V * 4, cudaMemcpyDeviceToHost, dec_stream_),
+      while (e < B && modes[e] == m) ++e;
+      float* dst = m == kStepLogits ? out.logits.data() + row_l * V : sampled.data() + row_s * V;
+      check_cuda(cudaMemcpyAsync(dst, dec_logits_.as<float>() + size_t(b) * V, size_t(e - b) * V * 4,
+                                 cudaMemcpyDeviceToHost, dec_stream_),
                  "logits download");
-      row += size_t(e - b);
+      (m == kStepLogits ? row_l : row_s) += size_t(e - b);
       b = e;
     }
   });
   // After the step's synchronisation: greedy rows' tokens (argmax_rows' -1 - j for a NaN at j -> nan_logits_code(j)),
-  // -1 for the others.
+  // sampling rows picked on the host, -1 for the logits rows.
+  size_t row_s = 0;
   for (size_t b = 0; b < out.argmax.size(); ++b) {
-    if (want_logits[b])
+    if (modes[b] == kStepLogits) {
       out.argmax[b] = -1;
-    else if (out.argmax[b] < 0)
+    } else if (modes[b] == kStepSample) {
+      const std::span<const float> row(sampled.data() + row_s++ * V, V);
+      const auto nan = std::find_if(row.begin(), row.end(), [](float v) { return std::isnan(v); });
+      out.argmax[b] = nan != row.end() ? nan_logits_code(int32_t(nan - row.begin())) : sample_row(row, draws[b]);
+    } else if (out.argmax[b] < 0) {
       out.argmax[b] = nan_logits_code(-1 - out.argmax[b]);
+    }
   }
 }
 

@@ -285,9 +285,11 @@ class CudaBackend final : public Backend {
   SpliceOutput splice(const SplicePlan& plan) override;
   void decode(std::span<Sequence* const> sequences, std::span<const int32_t> tokens,
               std::vector<float>& logits) override;
-  /// Greedy rows' argmax on the device (kernels/cuda/ops.h argmax_rows); only the rows that want logits are copied.
+  /// Greedy rows' argmax on the device (kernels/cuda/ops.h argmax_rows); the logits rows are copied, and the
+  /// sampling rows' logits too, picked on the host (Backend::sample_row).
   void decode_step(std::span<Sequence* const> sequences, std::span<const int32_t> tokens,
-                   std::span<const uint8_t> want_logits, DecodeStepOutput& out) override;
+                   std::span<const uint8_t> modes, DecodeStepOutput& out,
+                   std::span<const SampleDraw> draws = {}) override;
   BackendMemory memory() const override;
   bool concurrent_decode() const override { return opt_.concurrent_decode; }
   void set_decoding_sequences(int n) override { decoders_.store(n); }

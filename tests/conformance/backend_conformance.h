@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "engine/backend.h"
+#include "engine/sampling.h"
 #include "engine/splice_schedule.h"
 
 namespace hypic::testing {
@@ -196,7 +197,8 @@ inline void check_backend_conformance(engine::Backend& b, const ConformanceOptio
     INFO("decode step vs prefill of one more token: " << e);
     CHECK(e <= o.tol);
   }
-  {  // decode_step is decode: greedy rows get the argmax of decode()'s logits, the others their logits bit for bit
+  {  // decode_step is decode: greedy rows get the argmax of decode()'s logits, logits rows their logits bit for bit,
+     // sampling rows Sampler::pick of decode()'s logits for their draw
     const eng::SplicePlan p = plan_of(eng::SpliceMode::Hypic, segs.size(), query);
     std::vector<eng::SpliceOutput> ref_runs, step_runs;
     for (int i = 0; i < 3; ++i) ref_runs.push_back(run(p));
@@ -213,6 +215,14 @@ inline void check_backend_conformance(engine::Backend& b, const ConformanceOptio
     eng::Backend::DecodeStepOutput out;
     const std::vector<uint8_t> short_want{0, 1};
     CHECK_THROWS_AS(b.decode_step(step_seqs, toks, short_want, out), std::invalid_argument);
+    const std::vector<uint8_t> bad_mode{0, 3, 0}, sampling{2, 1, 2};
+    CHECK_THROWS_WITH(b.decode_step(step_seqs, toks, bad_mode, out), Catch::Contains("row 1 has mode 3"));
+    CHECK_THROWS_WITH(b.decode_step(step_seqs, toks, sampling, out), Catch::Contains("0 draws"));
+    std::vector<eng::Backend::SampleDraw> bad_draws(3);
+    bad_draws[2].u = 1.0;
+    CHECK_THROWS_WITH(b.decode_step(step_seqs, toks, sampling, out, bad_draws), Catch::Contains("row 2: u must be"));
+    bad_draws[2].u = 0.5, bad_draws[0].top_p = 0.0f;
+    CHECK_THROWS_WITH(b.decode_step(step_seqs, toks, sampling, out, bad_draws), Catch::Contains("row 0: top_p"));
     CHECK(step_runs[0].sequence->num_tokens() == ref_runs[0].sequence->num_tokens() - 1);  // nothing advanced
     b.decode_step(step_seqs, toks, want, out);
     REQUIRE(out.argmax.size() == 3);
@@ -222,6 +232,25 @@ inline void check_backend_conformance(engine::Backend& b, const ConformanceOptio
     CHECK(out.argmax[1] == -1);
     CHECK(out.argmax[2] == conformance_argmax(row(2)));
     CHECK(out.logits == row(1));
+    // Sampling rows, one more step of each sequence against decode() of the reference ones: top-k with top-p, plain
+    // temperature (the walk in id order), top-p alone, at draws near both ends.
+    const std::vector<int32_t> toks2(out.argmax.begin(), out.argmax.end());
+    std::vector<int32_t> toks2_fixed = toks2;
+    toks2_fixed[1] = t;  // (the logits row has no token: any valid one)
+    std::vector<float> ref2;
+    b.decode(ref_seqs, toks2_fixed, ref2);
+    const std::vector<eng::Backend::SampleDraw> draws{{0.8f, 40, 0.9f, 0.37}, {1.0f, 0, 1.0f, 0.999}, {1.3f, 0, 0.5f, 0.01}};
+    const std::vector<uint8_t> all_sampling{2, 2, 2};
+    b.decode_step(step_seqs, toks2_fixed, all_sampling, out, draws);
+    REQUIRE(out.argmax.size() == 3);
+    CHECK(out.logits.empty());
+    auto row2 = [&](int r) { return std::vector<float>(ref2.begin() + r * V, ref2.begin() + (r + 1) * V); };
+    for (int r : {0, 1, 2}) {
+      eng::SamplingConfig sc;
+      sc.temperature = draws[r].temperature, sc.top_k = draws[r].top_k, sc.top_p = draws[r].top_p;
+      INFO("sampling row " << r);
+      CHECK(out.argmax[r] == eng::Sampler::pick(row2(r), sc, draws[r].u));
+    }
     for (auto& r : step_runs) CHECK(r.sequence->num_tokens() == ref_runs[0].sequence->num_tokens());
   }
   {  // hit == miss, bit for bit: entries built again, and the same request again, splice and decode identically

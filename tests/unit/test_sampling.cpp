@@ -57,6 +57,32 @@ TEST_CASE("a draw follows the documented generator contract", "[sampling]") {
   }
 }
 
+TEST_CASE("next_uniform and pick split a draw: pick at the reference u, the walk order of each filter", "[sampling]") {
+  // u from the documented generator contract; pick walks the candidates in id order without a filter, else by
+  // decreasing probability (ties: lower id first).
+  const std::vector<float> logits = {0.3f, 1.1f, -0.2f, 1.1f, 0.0f};
+  std::mt19937_64 ref(77);
+  Sampler s(SamplingConfig{.temperature = 0.7f, .seed = 77});
+  for (int draw = 0; draw < 50; ++draw) REQUIRE(s.next_uniform() == double(ref() >> 11) * 0x1.0p-53);
+  // Hand-computed walks at T = 1: p = softmax(logits).
+  const auto p = softmax(logits, 1.0);
+  const SamplingConfig plain{.temperature = 1.0f};
+  CHECK(Sampler::pick(logits, plain, 0.0) == 0);                      // id order: token 0 first
+  CHECK(Sampler::pick(logits, plain, p[0] + 0.5 * p[1]) == 1);
+  CHECK(Sampler::pick(logits, plain, 1.0 - 0.5 * p[4]) == 4);
+  const SamplingConfig topk{.temperature = 1.0f, .top_k = 2};           // {1, 3} (tie at 1.1: id 1 first), 1/2 each
+  CHECK(Sampler::pick(logits, topk, 0.0) == 1);
+  CHECK(Sampler::pick(logits, topk, 0.49) == 1);
+  CHECK(Sampler::pick(logits, topk, 0.51) == 3);
+  const SamplingConfig topp{.temperature = 1.0f, .top_p = 0.3f};       // p[1] = 0.31 > 0.3: {1} alone
+  REQUIRE(p[1] >= 0.3);
+  CHECK(Sampler::pick(logits, topp, 0.99) == 1);
+  // sample() is pick at the next draw.
+  Sampler a(SamplingConfig{.temperature = 1.3f, .top_k = 3, .top_p = 0.9f, .seed = 5});
+  Sampler b(SamplingConfig{.temperature = 1.3f, .top_k = 3, .top_p = 0.9f, .seed = 5});
+  for (int i = 0; i < 100; ++i) REQUIRE(a.sample(logits) == Sampler::pick(logits, b.config(), b.next_uniform()));
+}
+
 TEST_CASE("same seed gives the same tokens, another seed other tokens", "[sampling]") {
   std::vector<float> logits(64);
   for (size_t i = 0; i < logits.size(); ++i) logits[i] = float(std::sin(double(i)));
