@@ -224,13 +224,20 @@ inline void check_backend_conformance(engine::Backend& b, const ConformanceOptio
     bad_draws[2].u = 0.5, bad_draws[0].top_p = 0.0f;
     CHECK_THROWS_WITH(b.decode_step(step_seqs, toks, sampling, out, bad_draws), Catch::Contains("row 0: top_p"));
     CHECK(step_runs[0].sequence->num_tokens() == ref_runs[0].sequence->num_tokens() - 1);  // nothing advanced
-    b.decode_step(step_seqs, toks, want, out);
+    const std::vector<uint8_t> mixed{0, 1, 2};  // greedy, logits and sampling rows in one step
+    std::vector<eng::Backend::SampleDraw> mixed_draws(3);
+    mixed_draws[2] = {0.9f, 20, 0.8f, 0.6};
+    b.decode_step(step_seqs, toks, mixed, out, mixed_draws);
     REQUIRE(out.argmax.size() == 3);
     REQUIRE(out.logits.size() == size_t(V));
     auto row = [&](int r) { return std::vector<float>(ref.begin() + r * V, ref.begin() + (r + 1) * V); };
     CHECK(out.argmax[0] == conformance_argmax(row(0)));
     CHECK(out.argmax[1] == -1);
-    CHECK(out.argmax[2] == conformance_argmax(row(2)));
+    {
+      eng::SamplingConfig sc;
+      sc.temperature = 0.9f, sc.top_k = 20, sc.top_p = 0.8f;
+      CHECK(out.argmax[2] == eng::Sampler::pick(row(2), sc, 0.6));
+    }
     CHECK(out.logits == row(1));
     // Sampling rows, one more step of each sequence against decode() of the reference ones: top-k with top-p, plain
     // temperature (the walk in id order), top-p alone, at draws near both ends.
