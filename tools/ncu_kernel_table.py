@@ -5,11 +5,12 @@ Input: the CSV that `ncu --metrics gpu__time_duration.sum --print-summary per-ke
 (one row per kernel name and launch shape with `Invocations` and the metric's `Average` in ns; the tool's own log
 lines before the header are skipped). Output: a Markdown table, largest total first, with each kernel's calls and
 microseconds per profiled call of the section (`--calls N`: e.g. 6 decode steps, 3 splices inside an NVTX range),
-and optionally the same rows as JSON.
+and optionally the same rows as JSON, and (--parts) the time by part of the forward pass: attention, MoE, linear
+attention, cuBLASLt GEMMs, norms, other (tools/ncu_kernel_table.py PARTS).
 
     ncu --nvtx --nvtx-include "hypic_splice/" --clock-control none --metrics gpu__time_duration.sum \\
         --print-summary per-kernel --csv hypic-bench-prefill-gpu ... > splice.csv
-    tools/ncu_kernel_table.py splice.csv --calls 3 --top 25 [--json rows.json]
+    tools/ncu_kernel_table.py splice.csv --calls 3 --top 25 [--json rows.json] [--parts]
 
 Times are serialised kernel times (ncu runs one kernel at a time): their sum exceeds the section's wall time when
 kernels overlap, and misses host gaps.
@@ -93,20 +94,59 @@ def markdown(rows, total_ms):
     return "\n".join(lines)
 
 
+# --parts: each kernel's part of a hypic forward pass, by the first pattern its short name matches (order matters:
+# attention's split combine before the MoE combine). cuBLASLt's kernels (nvjet, cutlass, xmma) are the dense
+# projections plus, in a MoE layer, the router and the shared expert; "other" holds what no pattern names.
+PARTS = [
+    ("attention", r"^(attn_|cudnn_generated.*sdpa|gather_kv|output_gate|mla_|attention_)"),
+    ("moe", r"^(moe_|grouped_gemm|decode_gemm|combine_kernel|route_|scatter_kernel|offsets_kernel|chunk_scan_kernel|"
+            r"silu_mul|gather_rows)"),
+    ("linear attention (GDN / KDA / lightning)", r"^(gdn_|conv_|compose_fold|rms_norm_gated|affine_chain|chain_|kda_|"
+                                               r"lightning_)"),
+    ("cuBLASLt GEMMs (projections, router, shared expert, LM head)", r"^(nvjet|cutlass|sm90_xmma|.*gemm.*cublas|"
+                                                                     r"decode_linear)"),
+    ("norms", r"^rms_norm_residual"),
+]
+
+
+def parts(rows, total_ms):
+    """Sums of ms per call by part (PARTS, then "other"), largest first: [(part, ms, share %)]."""
+    acc = {}
+    for r in rows:
+        name = next((p for p, pat in PARTS if re.search(pat, r["kernel"])), "other")
+        acc[name] = acc.get(name, 0.0) + r["ms_per_call"]
+    out = [(p, ms, 100.0 * ms / total_ms if total_ms > 0 else 0.0) for p, ms in acc.items()]
+    out.sort(key=lambda x: -x[1])
+    return out
+
+
+def parts_markdown(part_rows):
+    lines = ["| part | ms per call | share |", "|---|---|---|"]
+    lines += [f"| {p} | {ms:.3f} | {sh:.1f}% |" for p, ms, sh in part_rows]
+    return "\n".join(lines)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("csv", help="ncu --print-summary per-kernel --csv output (file, or - for stdin)")
     ap.add_argument("--calls", type=float, default=1.0, help="profiled calls of the section (divides the totals)")
     ap.add_argument("--top", type=int, default=30, help="rows to print (0 = all)")
     ap.add_argument("--json", help="also write the rows as JSON here")
+    ap.add_argument("--parts", action="store_true",
+                    help="also print the time by part of the forward pass (attention, MoE, linear attention, "
+                         "cuBLASLt GEMMs, norms, other), over every row")
     a = ap.parse_args(argv)
     text = sys.stdin.read() if a.csv == "-" else open(a.csv, encoding="utf-8", errors="replace").read()
     try:
-        rows, total = table(parse(text), a.calls, a.top)
+        parsed = parse(text)
+        rows, total = table(parsed, a.calls, a.top)
     except ValueError as e:
         print(f"ncu_kernel_table: {e}", file=sys.stderr)
         return 2
     print(markdown(rows, total))
+    if a.parts:
+        print()
+        print(parts_markdown(parts(table(parsed, a.calls, 0)[0], total)))
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"total_ms_per_call": total, "rows": rows}, f, indent=1)

@@ -48,6 +48,28 @@ def main():
         pass
     else:
         raise AssertionError("calls = 0 accepted")
+    # --parts: by the first pattern a short name matches (the attention split combine is attention's, the MoE
+    # combine the MoE's); unmatched names are "other". ms per call by hand: 1 call, Invocations x Average.
+    named = [{"kernel": k, "grid": "", "block": "", "invocations": n, "avg_ns": ns} for k, n, ns in (
+        ("void ns::attn_split_combine_kernel<256>(P)", 2, 1e6),  # 2 ms
+        ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_kernel0_0", 1, 3e6),  # 3 ms
+        ("void ns::combine_kernel(int)", 4, 1e6),  # 4 ms
+        ("ns::moe_detail::moe_wgmma_kernel<C, 1>(A)", 1, 5e6),  # 5 ms
+        ("ns::<unnamed>::gdn_scan_kernel(P)", 1, 6e6),  # 6 ms
+        ("void ns::rms_norm_gated_kernel<0>(int)", 1, 1e6),  # 1 ms: linear attention's output norm
+        ("nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopB_TNN", 7, 1e6),  # 7 ms
+        ("void ns::rms_norm_residual_kernel<1, 0>(int)", 8, 1e5),  # 0.8 ms
+        ("void ns::embed_gather_kernel(int)", 1, 2e5))]  # 0.2 ms
+    prow, ptotal = t.table(named, calls=1, top=0)
+    assert close(ptotal, 29.0), ptotal
+    got = {p: (ms, sh) for p, ms, sh in t.parts(prow, ptotal)}
+    want = {"attention": 5.0, "moe": 9.0, "linear attention (GDN / KDA / lightning)": 7.0,
+            "cuBLASLt GEMMs (projections, router, shared expert, LM head)": 7.0, "norms": 0.8, "other": 0.2}
+    assert set(got) == set(want), got
+    for p, ms in want.items():
+        assert close(got[p][0], ms) and close(got[p][1], 100.0 * ms / 29.0), (p, got[p])
+    assert [p for p, _, _ in t.parts(prow, ptotal)][0] == "moe"  # largest first
+    assert "| moe | 9.000 | 31.0% |" in t.parts_markdown(t.parts(prow, ptotal))
     print("ncu_kernel_table: all checks passed")
 
 
