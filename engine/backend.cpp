@@ -71,18 +71,18 @@ void Backend::decode_step(std::span<Sequence* const> sequences, std::span<const 
       out.logits.insert(out.logits.end(), row.begin(), row.end());
       continue;
     }
-    const auto nan = std::find_if(row.begin(), row.end(), [](float v) { return std::isnan(v); });
-    if (nan != row.end()) {
-      out.argmax[b] = nan_logits_code(int32_t(nan - row.begin()));
-    } else if (modes[b] == kStepGreedy) {
-      out.argmax[b] = argmax(row);
-    } else {
+    if (modes[b] == kStepSample) {
       out.argmax[b] = sample_row(row, draws[b]);
+      continue;
     }
+    const auto nan = std::find_if(row.begin(), row.end(), [](float v) { return std::isnan(v); });
+    out.argmax[b] = nan != row.end() ? nan_logits_code(int32_t(nan - row.begin())) : argmax(row);
   }
 }
 
 int32_t Backend::sample_row(std::span<const float> logits, const SampleDraw& d) {
+  const auto nan = std::find_if(logits.begin(), logits.end(), [](float v) { return std::isnan(v); });
+  if (nan != logits.end()) return nan_logits_code(int32_t(nan - logits.begin()));
   float mx = -INFINITY;
   for (const float v : logits) mx = std::max(mx, v);
   if (!std::isfinite(mx)) return kNoFiniteLogitCode;  // (Sampler::pick would throw "no finite logit")

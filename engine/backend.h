@@ -319,8 +319,8 @@ class Backend {
                            std::span<const SampleDraw> draws = {});
   /// Checks decode_step's modes and draws against a batch of `batch` rows (std::invalid_argument as there).
   static void check_step_rows(size_t batch, std::span<const uint8_t> modes, std::span<const SampleDraw> draws);
-  /// A sampling row's DecodeStepOutput::argmax on the host: Sampler::pick(logits [V], the draw's config, d.u), or
-  /// kNoFiniteLogitCode when the logits have no finite maximum (the caller handles NaN rows first).
+  /// A sampling row's DecodeStepOutput::argmax on the host: Sampler::pick(logits [V], the draw's config, d.u);
+  /// nan_logits_code(j) for a NaN at j (the lowest), kNoFiniteLogitCode when the logits have no finite maximum.
   static int32_t sample_row(std::span<const float> logits, const SampleDraw& d);
 
   virtual BackendMemory memory() const = 0;

@@ -746,8 +746,7 @@ void CudaBackend::decode_step(std::span<Sequence* const> sequences, std::span<co
       out.argmax[b] = -1;
     } else if (modes[b] == kStepSample) {
       const std::span<const float> row(sampled.data() + row_s++ * V, V);
-      const auto nan = std::find_if(row.begin(), row.end(), [](float v) { return std::isnan(v); });
-      out.argmax[b] = nan != row.end() ? nan_logits_code(int32_t(nan - row.begin())) : sample_row(row, draws[b]);
+      out.argmax[b] = sample_row(row, draws[b]);
     } else if (out.argmax[b] < 0) {
       out.argmax[b] = nan_logits_code(-1 - out.argmax[b]);
     }
