@@ -16,6 +16,9 @@
 #                                       gdn_h200.md and logs into OUTDIR
 #   ... --fla-path DIR                  a flash-linear-attention checkout for the reference (optional)
 #   ... --bench-args "ARGS"             extra arguments for bench_fla_reference.py (--layouts, --profile, --rounds N)
+#   ... --candidates                    also rerun every test_gpu_* binary with HYPIC_CANDIDATES=1: the kernel paths
+#                                       written but not yet measured on a GPU, off by default (kernels/cuda/switches.h;
+#                                       README "Kernel switches")
 #   ... -h | --help                     this text
 # Extra arguments after -- go to the Catch2 test binary (e.g. -- "[conv]").
 # Needs the CUDA toolkit (nvcc; kernels built for sm_90, Hopper) and an NVIDIA GPU of that architecture;
@@ -23,7 +26,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
-BIN="" BENCH_OUT="" FLA_PATH="" BENCH_ARGS="" CATCH_ARGS=()
+BIN="" BENCH_OUT="" FLA_PATH="" BENCH_ARGS="" CATCH_ARGS=() CANDIDATES=0
 need_value() { [[ $# -ge 2 && -n "$2" ]] || { echo "test_gpu.sh: $1 needs a value (see --help)" >&2; exit 2; }; }
 while (($#)); do
   case "$1" in
@@ -32,6 +35,7 @@ while (($#)); do
     --bench) need_value "$@"; BENCH_OUT="$2"; shift 2 ;;
     --fla-path) need_value "$@"; FLA_PATH="$2"; shift 2 ;;
     --bench-args) need_value "$@"; BENCH_ARGS="$2"; shift 2 ;;
+    --candidates) CANDIDATES=1; shift ;;
     --) shift; CATCH_ARGS=("$@"); break ;;
     *) echo "test_gpu.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
@@ -56,6 +60,13 @@ for t in "$BIN"/test_gpu_*; do
   "$t" --durations yes "${CATCH_ARGS[@]}" || status=$?
 done
 ((found)) || { echo "test_gpu.sh: no test_gpu_* binaries in $BIN" >&2; exit 2; }
+if ((CANDIDATES)); then
+  for t in "$BIN"/test_gpu_*; do
+    [[ -x "$t" ]] || continue
+    echo "== $(basename "$t") (HYPIC_CANDIDATES=1)"
+    HYPIC_CANDIDATES=1 "$t" --durations yes "${CATCH_ARGS[@]}" || status=$?
+  done
+fi
 if [[ -x "$BIN/hypic-router" ]]; then
   echo "== test_gpu_data_plane_cluster.py"
   NCCL_NVLS_ENABLE=0 HYPIC_BIN_DIR="$BIN" python3 tests/gpu/test_gpu_data_plane_cluster.py -v || status=$?

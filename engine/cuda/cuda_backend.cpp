@@ -651,16 +651,24 @@ void CudaBackend::attention_gemms(const Lane& ln, const DevAttention& A, int T) 
           kc::DecodeLinearEpilogue::StoreBf16);
 }
 
-void CudaBackend::ffn(const Lane& ln, const DevLayer& L, int T, bool decode) {
+bool CudaBackend::ffn(const Lane& ln, const DevLayer& L, int T, bool decode, const kc::bf16* next_norm) {
   kc::rms_norm_residual(T, H_, ln.x, H_, nullptr, L.post_attention_layernorm, eps_, ln.hn, ln.stream, zc_,
                         post_norm_ ? float(cfg_.mlp_alpha) : 0.f, post_norm_ ? ln.x : nullptr);
   if (L.is_moe) {
     const kc::GroupedGemm impl = kc::grouped_gemm_for_tokens(T, decode);
-    kc::moe_forward(T, ln.hn, moe_view(L), ln.x, *ln.moe_ws, *ln.gemm, impl, ln.stream);
-  } else {
-    kc::mlp_forward(T, ln.hn, H_, int(cfg_.intermediate_size), L.ffn.gate_up, L.ffn.down, ln.x, *ln.moe_ws, *ln.gemm,
-                    ln.stream);
+    // The next norm rides on the MoE combine (post-norm residuals rescale x in their norm: kept separate).
+    const bool fuse = next_norm && !post_norm_;
+    const kc::MoeNextNorm next{next_norm, eps_, zc_, ln.hn};
+    kc::moe_forward(T, ln.hn, moe_view(L), ln.x, *ln.moe_ws, *ln.gemm, impl, ln.stream, fuse ? &next : nullptr);
+    return fuse;
   }
+  kc::mlp_forward(T, ln.hn, H_, int(cfg_.intermediate_size), L.ffn.gate_up, L.ffn.down, ln.x, *ln.moe_ws, *ln.gemm,
+                  ln.stream);
+  return false;
+}
+
+const kc::bf16* CudaBackend::next_input_norm(int i) const {
+  return i + 1 < cfg_.num_hidden_layers ? w_.layers[size_t(i) + 1].input_layernorm : nullptr;
 }
 
 kc::MoeWeightsView CudaBackend::moe_view(const DevLayer& L) const {
@@ -894,9 +902,10 @@ void CudaBackend::decode_body(int B, int cap, const DecodeTables& t) {
   const kc::AttnGroups groups = attn_groups(B, tab + t.qs, tab + t.pos, tab + t.bt, cap, B, 1, cap * kPage);
   const int* slots = tab + t.slots;
   kc::embed_gather(B, H_, tab + t.ids, w_.embed, ln.x, ln.stream);
+  bool normed = false;  // ln.hn already holds this layer's input norm (the previous MoE combine wrote it)
   for (int i = 0; i < cfg_.num_hidden_layers; ++i) {
     const DevLayer& L = w_.layers[i];
-    mixer_norm(ln, L, B);
+    if (!normed) mixer_norm(ln, L, B);
     if (L.type == LayerType::Linear && lin_ == Lin::Kda) {
       const int l = cfg_.linear_index(i);
       kda_mixer_decode(*ln.gemm, L.kda, kda_cfg_, B, ln.hn, ssm(l, 0), convs(l, 0), slots, ln.kda, ln.x, ln.stream);
@@ -915,10 +924,11 @@ void CudaBackend::decode_body(int B, int cap, const DecodeTables& t) {
     } else {
       attention_layer(dec_, L, cfg_.attention_index(i), B, tab + t.pos, tab + t.rows, groups, true);
     }
-    ffn(dec_, L, B, /*decode=*/true);
+    const bool last = i + 1 == cfg_.num_hidden_layers;
+    normed = ffn(dec_, L, B, /*decode=*/true, last ? w_.final_norm : next_input_norm(i));
   }
   const int V = int(cfg_.vocab_size);
-  kc::rms_norm_residual(B, H_, ln.x, H_, nullptr, w_.final_norm, eps_, ln.hn, ln.stream, zc_);
+  if (!normed) kc::rms_norm_residual(B, H_, ln.x, H_, nullptr, w_.final_norm, eps_, ln.hn, ln.stream, zc_);
   ln.gemm->linear(B, V, H_, ln.hn, H_, w_.lm_head, dec_logits_.as(), CUDA_R_32F, V, 0.f, ln.stream);
 }
 

@@ -477,7 +477,12 @@ class CudaBackend final : public Backend {
   void attention_mixer(const Lane& ln, const DevAttention& A, int a, int T, const int* positions, const int* kv_rows,
                        const kc::AttnGroups& groups, bool decode);
   /// Post-attention norm and MLP / MoE of T tokens added into the residual; decode: a (capturable) decode step.
-  void ffn(const Lane& ln, const DevLayer& L, int T, bool decode = false);
+  /// next_norm: the RMSNorm weight [H] bf16 of what reads the residual next (the next layer's input norm, or the final
+  /// norm before the LM head), or nullptr. Returns true when it also wrote ln.hn = norm(x) with it (a MoE layer
+  /// without post-norm residuals: kernels/cuda/moe.h MoeNextNorm), so the caller skips that norm.
+  bool ffn(const Lane& ln, const DevLayer& L, int T, bool decode = false, const kc::bf16* next_norm = nullptr);
+  /// The weight of layer i's successor's input norm (nullptr for the last layer): ffn's next_norm in the layer loops.
+  const kc::bf16* next_input_norm(int i) const;
   kc::MoeWeightsView moe_view(const DevLayer& L) const;
   void lm_head(int rows, const int* rows_index, std::vector<float>& logits);
   void snapshot_linear(const CudaSequence& s, std::vector<std::vector<float>>& out) const;

@@ -413,9 +413,10 @@ std::vector<float> CudaBackend::run_pass(CudaSequence& s, const std::vector<Run>
   const int import_rows = kv.rows();
 
   kc::embed_gather(T, H_, pre_.ids, w_.embed, pre_.x, stream_);
+  bool normed = false;  // pre_.hn already holds this layer's input norm (the previous MoE combine wrote it)
   for (int i = 0; i < cfg_.num_hidden_layers; ++i) {
     const DevLayer& L = w_.layers[i];
-    mixer_norm(pre_, L, T);
+    if (!normed) mixer_norm(pre_, L, T);
     if (L.type == LayerType::Linear && lin_ != Lin::Gdn) {  // KDA, lightning
       const int l = cfg_.linear_index(i);
       const int* cu = tb.dev<int>(t_cu);
@@ -482,7 +483,7 @@ std::vector<float> CudaBackend::run_pass(CudaSequence& s, const std::vector<Run>
                                mass_dev, stream_);
       }
     }
-    ffn(pre_, L, T);
+    normed = ffn(pre_, L, T, false, next_input_norm(i));
   }
   for (const Run& r : runs)
     for (const Fold& f : r.folds_before) s.n_ = std::max<int64_t>(s.n_, f.base + f.e->n());
@@ -1005,6 +1006,7 @@ void CudaBackend::build_batch(std::span<const std::vector<int32_t>> segs, int w,
   const int per_layer_copies = n_lin_ ? int(entry_copy.size()) / n_lin_ : 0;  // the same for every layer
 
   kc::embed_gather(T, H_, pre_.ids, w_.embed, pre_.x, stream_);
+  bool normed = false;  // pre_.hn already holds this layer's input norm (the previous MoE combine wrote it)
   for (int i = 0; i < cfg_.num_hidden_layers; ++i) {
     if (stop()) {  // cancelled: what was launched finishes (at most a layer), the pages go back, no entries
       check_cuda(cudaStreamSynchronize(stream_), "cancelled entry build");
@@ -1012,7 +1014,7 @@ void CudaBackend::build_batch(std::span<const std::vector<int32_t>> segs, int w,
       return;
     }
     const DevLayer& L = w_.layers[i];
-    mixer_norm(pre_, L, T);
+    if (!normed) mixer_norm(pre_, L, T);
     if (L.type == LayerType::Linear && lin_ != Lin::Gdn) {  // KDA, lightning: as below, with their scans
       const int l = cfg_.linear_index(i);
       const bool want_t = !opt_.benchmark_skip_transitions;
@@ -1079,7 +1081,7 @@ void CudaBackend::build_batch(std::span<const std::vector<int32_t>> segs, int w,
       attention_layer(pre_, L, cfg_.attention_index(i), T, tb.dev<int>(t_pos), tb.dev<int>(t_rows), groups, false,
                       mla_x.on ? &mla_pass : nullptr);
     }
-    ffn(pre_, L, T);
+    normed = ffn(pre_, L, T, false, next_input_norm(i));
   }
   // K/V out of the pages into the entries (pool rows are entry rows; MLA's latent has no V).
   std::vector<kc::CopyDesc> kvc;

@@ -24,6 +24,7 @@
 #include "kernels/cuda/attention_common.cuh"
 #include "kernels/cuda/attention_cudnn.h"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/switches.h"
 #include "kernels/cuda/mma.cuh"
 #include "kernels/cuda/pdl.cuh"
 
@@ -791,7 +792,24 @@ struct SplitPlan {
   size_t bytes = 0;      // whole workspace
 };
 
-SplitPlan plan_split(const AttnGroups& g, int num_heads, int num_kv_heads, int head_dim) {
+// A plan of nsplit chunks of chunk_len slots, `items` work items at most, q_bound split-path queries, over G groups
+// (use = false when the sizes overflow the kernels' int indexing).
+SplitPlan finish_split_plan(long G, long nsplit, long chunk_len, long items, long q_bound, long resident,
+                            int head_dim) {
+  SplitPlan sp;
+  if (items > INT_MAX / kSplitBM || chunk_len > INT_MAX / 2) return sp;
+  sp.use = true;
+  sp.nsplit = static_cast<int>(nsplit);
+  sp.chunk_len = static_cast<int>(chunk_len);
+  sp.items_bound = items;
+  sp.q_bound = q_bound;
+  sp.grid = static_cast<int>(std::max(1L, std::min(items, resident)));
+  sp.int_bytes = (static_cast<size_t>(2 * (G + 1) + 1 + items) * sizeof(int) + 255) / 256 * 256;
+  sp.bytes = sp.int_bytes + (nsplit > 1 ? static_cast<size_t>(items) * kSplitBM * (head_dim + 2) * sizeof(float) : 0);
+  return sp;
+}
+
+SplitPlan plan_split_bound(const AttnGroups& g, int num_heads, int num_kv_heads, int head_dim) {
   SplitPlan sp;
   if (!split_enabled() || g.num_groups <= 0 || g.total_q <= 0 || g.max_kv <= 0 || num_heads > 65535) return sp;
   if (g.num_groups == 1 && g.total_q > kSplitMaxQ) return sp;  // one long group
@@ -809,16 +827,55 @@ SplitPlan plan_split(const AttnGroups& g, int num_heads, int num_kv_heads, int h
   ct = std::min(ct, tiles);
   const long nsplit = ceil_div(tiles, ct);
   const long items = num_kv_heads * rt_bound * nsplit;
-  if (items > INT_MAX / kSplitBM || ct * kBN > INT_MAX / 2) return sp;
-  sp.use = true;
-  sp.nsplit = static_cast<int>(nsplit);
-  sp.chunk_len = static_cast<int>(ct * kBN);
-  sp.items_bound = items;
-  sp.q_bound = q_bound;
-  sp.grid = static_cast<int>(std::max(1L, std::min(items, resident)));
-  sp.int_bytes = (static_cast<size_t>(2 * (G + 1) + 1 + items) * sizeof(int) + 255) / 256 * 256;
-  sp.bytes = sp.int_bytes + (nsplit > 1 ? static_cast<size_t>(items) * kSplitBM * (head_dim + 2) * sizeof(float) : 0);
-  return sp;
+  return finish_split_plan(G, nsplit, ct * kBN, items, q_bound, resident, head_dim);
+}
+
+void check_host_tables(const char* fn, const AttnGroups& g);
+
+// The split path planned from the host copies of q_start / slot0 (HYPIC_ATTN_SPLIT_EXACT, a candidate: switches.h):
+// the real row tiles and KV lengths of the split groups instead of bounds from max_q / max_kv, so the chunks are
+// sized from the real work (the 1-token query of a 32k prefill: 18 items of ~28 pages each on 18 of 264 resident
+// blocks from the bounds, 478 us per layer; here 2-page chunks over every block). attn_split_plan_kernel computes the
+// same items from the device tables (same nsplit, chunk_len and per-group formulas), so the workspace is exact.
+// use = false when no group takes the split path.
+SplitPlan plan_split_exact(const char* fn, const AttnGroups& g, int num_heads, int num_kv_heads, int head_dim) {
+  SplitPlan sp;
+  if (!split_enabled() || g.num_groups <= 0 || g.total_q <= 0 || num_heads > 65535) return sp;
+  check_host_tables(fn, g);
+  const long ratio = num_heads / num_kv_heads;
+  long q = 0, work = 0, max_tiles = 0;
+  for (int i = 0; i < g.num_groups; ++i) {
+    const long len = g.q_start_host[i + 1] - g.q_start_host[i];
+    if (len < 1 || len > kSplitMaxQ) continue;
+    const long rt = ceil_div(ratio * len, kSplitBM), tiles = ceil_div(g.slot0_host[i] + len, kBN);
+    q += len;
+    work += num_kv_heads * rt * tiles;
+    max_tiles = std::max(max_tiles, tiles);
+  }
+  if (q == 0) return sp;
+  const long resident = static_cast<long>(sm_count()) * split_blocks_per_sm(head_dim);
+  const long ct = std::min(max_tiles, std::max<long>(kMinTilesPerChunk, ceil_div(work, kSplitWaves * resident)));
+  const long nsplit = ceil_div(max_tiles, ct), chunk_len = ct * kBN;
+  long items = 0;
+  for (int i = 0; i < g.num_groups; ++i) {
+    const long len = g.q_start_host[i + 1] - g.q_start_host[i];
+    if (len < 1 || len > kSplitMaxQ) continue;
+    items += num_kv_heads * ceil_div(ratio * len, kSplitBM) *
+             std::min(nsplit, ceil_div(g.slot0_host[i] + len, chunk_len));
+  }
+  return finish_split_plan(g.num_groups, nsplit, chunk_len, items, q, resident, head_dim);
+}
+
+bool split_exact_on() {
+  static CandidateSwitch on("HYPIC_ATTN_SPLIT_EXACT");
+  return on.on();
+}
+
+// The split plan of one call: exact from the host tables where given (and the candidate is on), else from bounds.
+SplitPlan plan_split(const char* fn, const AttnGroups& g, int num_heads, int num_kv_heads, int head_dim) {
+  if (g.q_start_host && g.slot0_host && split_exact_on())
+    return plan_split_exact(fn, g, num_heads, num_kv_heads, head_dim);
+  return plan_split_bound(g, num_heads, num_kv_heads, head_dim);
 }
 
 void check_groups(const char* fn, const AttnGroups& g) {
@@ -1094,7 +1151,14 @@ void attention_prefill(const AttnGroups& g, int num_heads, int num_kv_heads, int
   check_attn_args(fn, g, num_heads, num_kv_heads, head_dim, q, k_pool, v_pool, out);
   if (g.max_q > 65535L * PrefillCfg<64>::kBM) bad(fn, "max_q " + std::to_string(g.max_q) + " exceeds 65535 * 128");
   if (g.num_groups == 0 || g.total_q == 0) return;
-  const SplitPlan sp = plan_split(g, num_heads, num_kv_heads, head_dim);
+  SplitPlan sp = plan_split(fn, g, num_heads, num_kv_heads, head_dim);
+  if (sp.use && sp.bytes > ws.bytes_ && g.q_start_host && g.slot0_host && split_exact_on()) {
+    // Under graph capture the workspace cannot grow: the bound plan, which reserve_prefill sized, if it fits.
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    check_cuda(cudaStreamIsCapturing(stream, &capturing), "cudaStreamIsCapturing");
+    const SplitPlan bound = plan_split_bound(g, num_heads, num_kv_heads, head_dim);
+    if (capturing != cudaStreamCaptureStatusNone && bound.use && bound.bytes <= ws.bytes_) sp = bound;
+  }
   CudnnRoute route;
   bool cudnn = plan_cudnn_route(fn, g, num_heads, num_kv_heads, head_dim, ws.cudnn_, stream, route);
   // The split path's area first (none when cuDNN takes every group), then cuDNN's scratch.
@@ -1151,8 +1215,13 @@ void AttnDecodeWorkspace::reserve_prefill(const AttnGroups& g, int num_heads, in
   check_groups(fn, g);
   check_heads(fn, num_heads, num_kv_heads);
   check_head_dim(fn, head_dim);
-  const SplitPlan sp = plan_split(g, num_heads, num_kv_heads, head_dim);
+  // Room for the bound plan and, with host tables, the exact one (attention_prefill picks per call).
+  const SplitPlan sp = plan_split_bound(g, num_heads, num_kv_heads, head_dim);
   if (sp.use) ensure(sp.bytes, nullptr, fn);
+  if (g.q_start_host && g.slot0_host) {
+    const SplitPlan ex = plan_split_exact(fn, g, num_heads, num_kv_heads, head_dim);
+    if (ex.use) ensure(ex.bytes, nullptr, fn);
+  }
 }
 
 AttnDecodeWorkspace::AttnDecodeWorkspace() = default;

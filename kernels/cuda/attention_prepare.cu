@@ -6,10 +6,12 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/attention_common.cuh"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/switches.h"
 
 namespace hypic::kernels::cuda {
 namespace {
@@ -79,12 +81,11 @@ __device__ __forceinline__ void copy_lane(const bf16* src, bf16* dst) {  // bit-
   }
 }
 
-// NeoX rotate_half RoPE of one head row held by the warp (x: the lane's E values, elements lane*E ..),
-// by angle pos * inv_freq[i] (the product rounded to fp32), in fp32 without contraction (as the CPU
-// reference). sx: the warp's HD-float staging row.
-template <int HD>
-__device__ __forceinline__ void rope_lane(float (&x)[HD / 32], float* sx, int lane, int rot, float pos,
-                                          const float* __restrict__ inv_freq) {
+// NeoX rotate_half RoPE of one head row held by the warp (x: the lane's E values, elements lane*E ..), in fp32
+// without contraction (as the CPU reference): x_j cos - x_{j+half} sin below half, x_j cos + x_{j-half} sin above,
+// with (cos, sin) = cs_of(i) of pair i = j mod half. sx: the warp's HD-float staging row.
+template <int HD, class CosSin>
+__device__ __forceinline__ void rope_apply(float (&x)[HD / 32], float* sx, int lane, int rot, CosSin cs_of) {
   constexpr int E = HD / 32;
   const int half = rot / 2;
   __syncwarp();
@@ -95,15 +96,51 @@ __device__ __forceinline__ void rope_lane(float (&x)[HD / 32], float* sx, int la
   for (int e = 0; e < E; ++e) {
     const int jd = lane * E + e;
     if (jd < rot) {
-      const int i = jd < half ? jd : jd - half;
-      const float ang = __fmul_rn(pos, inv_freq[i]);
-      const float cs = cosf(ang), sn = sinf(ang);
+      const float2 cs = cs_of(jd < half ? jd : jd - half);
       if (jd < half)
-        x[e] = __fsub_rn(__fmul_rn(x[e], cs), __fmul_rn(sx[jd + half], sn));
+        x[e] = __fsub_rn(__fmul_rn(x[e], cs.x), __fmul_rn(sx[jd + half], cs.y));
       else
-        x[e] = __fadd_rn(__fmul_rn(x[e], cs), __fmul_rn(sx[jd - half], sn));
+        x[e] = __fadd_rn(__fmul_rn(x[e], cs.x), __fmul_rn(sx[jd - half], cs.y));
     }
   }
+}
+
+// The angle of pair i at position pos: pos * inv_freq[i] rounded to fp32, then cosf / sinf.
+__device__ __forceinline__ float2 rope_cos_sin(float pos, const float* __restrict__ inv_freq, int i) {
+  const float ang = __fmul_rn(pos, inv_freq[i]);
+  return make_float2(cosf(ang), sinf(ang));
+}
+
+// rope_apply with the trig per element (and head).
+template <int HD>
+__device__ __forceinline__ void rope_lane(float (&x)[HD / 32], float* sx, int lane, int rot, float pos,
+                                          const float* __restrict__ inv_freq) {
+  rope_apply<HD>(x, sx, lane, rot, [&](int i) { return rope_cos_sin(pos, inv_freq, i); });
+}
+
+// The rotation table of one position (or position delta) for rope_lane_tab: tab[i] = rope_cos_sin(pos, inv_freq,
+// i), i < rot / 2, filled by the warp's lanes i = lane, lane + 32, ... The warp's earlier readers of tab are done
+// (__syncwarp) before it is overwritten, and every lane sees the new table after it.
+__device__ __forceinline__ void rope_fill_tab(float2* tab, int lane, int rot, float pos,
+                                              const float* __restrict__ inv_freq) {
+  __syncwarp();
+  for (int i = lane; i < rot / 2; i += 32) tab[i] = rope_cos_sin(pos, inv_freq, i);
+  __syncwarp();
+}
+
+// rope_apply with the angles' cos / sin from tab (rope_fill_tab): the same arithmetic and bits as rope_lane, the
+// trig once per position instead of once per element and head (which dominated attn_prepare: 564 us per 32k-token
+// layer).
+template <int HD>
+__device__ __forceinline__ void rope_lane_tab(float (&x)[HD / 32], float* sx, int lane, int rot, const float2* tab) {
+  rope_apply<HD>(x, sx, lane, rot, [&](int i) { return tab[i]; });
+}
+
+// Whether attention_prepare / kv_import take the angles from a per-position table (rope_fill_tab; attention_prepare's
+// items then cover a token and a group of heads): HYPIC_ROPE_TABLE, a candidate (switches.h).
+bool rope_table_on() {
+  static CandidateSwitch on("HYPIC_ROPE_TABLE");
+  return on.on();
 }
 
 struct PrepareParams {
@@ -127,50 +164,63 @@ struct PrepareParams {
 
 constexpr int kRowWarps = 8;  // warps per block of the row kernels
 
-template <int HD>
-__global__ void __launch_bounds__(32 * kRowWarps, 4) attn_prepare_kernel(const PrepareParams p) {
+// One warp per item: a token t and the heads h0 .. h0 + hg - 1 of its num_heads + num_kv_heads rows (hg: heads per
+// item; TAB: the angles from the warp's per-position table, filled once per item; else hg = 1 and rope_lane).
+template <int HD, bool TAB>
+__global__ void __launch_bounds__(32 * kRowWarps, 4) attn_prepare_kernel(const PrepareParams p, int hg) {
   constexpr int E = HD / 32;
   __shared__ float sx[kRowWarps][HD];
+  __shared__ float2 stab[TAB ? kRowWarps : 1][TAB ? HD / 2 : 1];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int heads = p.num_heads + p.num_kv_heads;
-  const long total = static_cast<long>(p.T) * heads;
+  const int groups = (heads + hg - 1) / hg;
+  const long total = static_cast<long>(p.T) * groups;
   for (long w = static_cast<long>(blockIdx.x) * kRowWarps + warp; w < total;
        w += static_cast<long>(gridDim.x) * kRowWarps) {
-    const int t = static_cast<int>(w / heads), hh = static_cast<int>(w % heads);
-    const bf16* src;
-    const bf16* wn;
-    bf16* dst;
-    if (hh < p.num_heads) {
-      src = p.qg + (static_cast<size_t>(t) * p.num_heads + hh) * p.q_head_stride;
-      wn = p.q_norm;
-      dst = p.q_out + (static_cast<size_t>(t) * p.num_heads + hh) * HD;
-    } else {
-      const int kh = hh - p.num_heads;
-      const size_t row = static_cast<size_t>(p.kv_rows[t]);
-      src = p.k + static_cast<long>(t) * p.kv_in_stride + static_cast<long>(kh) * HD;
-      wn = p.k_norm;
-      dst = p.k_pool + (row * p.num_kv_heads + kh) * HD;
-      copy_lane<E>(p.v + static_cast<long>(t) * p.kv_in_stride + static_cast<long>(kh) * HD + lane * E,
-                   p.v_pool + (row * p.num_kv_heads + kh) * HD + lane * E);
+    const int t = static_cast<int>(w / groups), h0 = static_cast<int>(w % groups) * hg;
+    const int h1 = min(h0 + hg, heads);
+    if (TAB && p.rot > 0) rope_fill_tab(stab[warp], lane, p.rot, static_cast<float>(p.positions[t]), p.inv_freq);
+    for (int hh = h0; hh < h1; ++hh) {
+      const bf16* src;
+      const bf16* wn;
+      bf16* dst;
+      if (hh < p.num_heads) {
+        src = p.qg + (static_cast<size_t>(t) * p.num_heads + hh) * p.q_head_stride;
+        wn = p.q_norm;
+        dst = p.q_out + (static_cast<size_t>(t) * p.num_heads + hh) * HD;
+      } else {
+        const int kh = hh - p.num_heads;
+        const size_t row = static_cast<size_t>(p.kv_rows[t]);
+        src = p.k + static_cast<long>(t) * p.kv_in_stride + static_cast<long>(kh) * HD;
+        wn = p.k_norm;
+        dst = p.k_pool + (row * p.num_kv_heads + kh) * HD;
+        copy_lane<E>(p.v + static_cast<long>(t) * p.kv_in_stride + static_cast<long>(kh) * HD + lane * E,
+                     p.v_pool + (row * p.num_kv_heads + kh) * HD + lane * E);
+      }
+      float x[E];
+      load_lane<E>(src + lane * E, x);
+      if (p.norm != QkNorm::None) {  // block-uniform
+        float wv[E];
+        load_lane<E>(wn + lane * E, wv);
+        float ss = 0.f;
+#pragma unroll
+        for (int e = 0; e < E; ++e) ss = fmaf(x[e], x[e], ss);
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+        const float inv = 1.0f / sqrtf(ss / static_cast<float>(HD) + p.eps);
+        const float w0 = p.norm == QkNorm::ZeroCentred ? 1.0f : 0.0f;
+#pragma unroll
+        for (int e = 0; e < E; ++e)  // (x * inv) * (1 + w) or * w, rounded to bf16 (HF casts the norm output)
+          x[e] = __bfloat162float(__float2bfloat16_rn(__fmul_rn(__fmul_rn(x[e], inv), w0 + wv[e])));
+      }
+      if (p.rot > 0) {
+        if constexpr (TAB)
+          rope_lane_tab<HD>(x, sx[warp], lane, p.rot, stab[warp]);
+        else
+          rope_lane<HD>(x, sx[warp], lane, p.rot, static_cast<float>(p.positions[t]), p.inv_freq);
+      }
+      store_lane<E>(dst + lane * E, x);
     }
-    float x[E];
-    load_lane<E>(src + lane * E, x);
-    if (p.norm != QkNorm::None) {  // block-uniform
-      float wv[E];
-      load_lane<E>(wn + lane * E, wv);
-      float ss = 0.f;
-#pragma unroll
-      for (int e = 0; e < E; ++e) ss = fmaf(x[e], x[e], ss);
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-      const float inv = 1.0f / sqrtf(ss / static_cast<float>(HD) + p.eps);
-      const float w0 = p.norm == QkNorm::ZeroCentred ? 1.0f : 0.0f;
-#pragma unroll
-      for (int e = 0; e < E; ++e)  // (x * inv) * (1 + w) or * w, rounded to bf16 (HF casts the norm output)
-        x[e] = __bfloat162float(__float2bfloat16_rn(__fmul_rn(__fmul_rn(x[e], inv), w0 + wv[e])));
-    }
-    if (p.rot > 0) rope_lane<HD>(x, sx[warp], lane, p.rot, static_cast<float>(p.positions[t]), p.inv_freq);
-    store_lane<E>(dst + lane * E, x);
   }
 }
 
@@ -192,18 +242,26 @@ struct ImportParams {
 // 68 us for a 16 x 2k splice's 32k rows and 2 heads, 2 TB/s).
 constexpr int kImportRows = 8;
 
-template <int HD>
+// TAB: the rotation by a run's delta from the warp's table (rope_fill_tab), filled when the warp's rows enter a run
+// with a new delta, instead of the trig per row, head and element.
+template <int HD, bool TAB>
 __global__ void __launch_bounds__(32 * kRowWarps, 4) kv_import_kernel(const ImportParams p) {
   constexpr int E = HD / 32;
   __shared__ float sx[kRowWarps][HD];
+  __shared__ float2 stab[TAB ? kRowWarps : 1][TAB ? HD / 2 : 1];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const long groups = (static_cast<long>(p.n) + kImportRows - 1) / kImportRows;
   for (long w = static_cast<long>(blockIdx.x) * kRowWarps + warp; w < groups;
        w += static_cast<long>(gridDim.x) * kRowWarps) {
     const int i0 = static_cast<int>(w * kImportRows), i1 = i0 + min(kImportRows, p.n - i0);
     int r = find_group(p.run_start, p.num_runs, i0);  // the run of row i0 (the last of equal starts)
+    int tab_delta = 0;                                 // the delta in stab (0: none filled; delta 0 copies)
     for (int i = i0; i < i1; ++i) {
       while (r + 1 < p.num_runs && p.run_start[r + 1] <= i) ++r;  // (skipping empty runs, as find_group)
+      if (TAB && p.rot > 0 && p.deltas[r] != 0 && p.deltas[r] != tab_delta) {  // warp-uniform
+        tab_delta = p.deltas[r];
+        rope_fill_tab(stab[warp], lane, p.rot, static_cast<float>(tab_delta), p.inv_freq);
+      }
       const size_t row = static_cast<size_t>(p.kv_rows[i]);
       const size_t src_row = static_cast<size_t>(i - p.run_start[r]) * p.num_kv_heads;
       const bf16* k_run = p.k_src[r];
@@ -219,7 +277,10 @@ __global__ void __launch_bounds__(32 * kRowWarps, 4) kv_import_kernel(const Impo
         }
         float x[E];
         load_lane<E>(k_run + src, x);
-        rope_lane<HD>(x, sx[warp], lane, p.rot, static_cast<float>(delta), p.inv_freq);
+        if constexpr (TAB)
+          rope_lane_tab<HD>(x, sx[warp], lane, p.rot, stab[warp]);
+        else
+          rope_lane<HD>(x, sx[warp], lane, p.rot, static_cast<float>(delta), p.inv_freq);
         store_lane<E>(p.k_pool + off, x);
       }
     }
@@ -287,11 +348,28 @@ void attention_prepare(int T, int num_heads, int num_kv_heads, int head_dim, int
   p.q_out = q_out;
   p.k_pool = k_pool;
   p.v_pool = v_pool;
-  const int grid = row_grid(static_cast<long>(T) * (num_heads + num_kv_heads));
+  const int heads = num_heads + num_kv_heads;
+  const bool tab = rope_table_on() && rotary_dim > 0;
+  // With the table: as many heads per item as keep 32 warps per SM busy (a token's table then serves them all;
+  // decode's few tokens keep one head per warp).
+  int hg = 1;
+  if (tab) {
+    const long want = 32L * sm_count();
+    const long groups = std::min<long>(heads, std::max<long>(1, (want + T - 1) / T));
+    hg = static_cast<int>((heads + groups - 1) / groups);
+  }
+  const int grid = row_grid(static_cast<long>(T) * ((heads + hg - 1) / hg));
+  auto launch = [&](auto hd_tag) {
+    constexpr int HD = decltype(hd_tag)::value;
+    if (tab)
+      attn_prepare_kernel<HD, true><<<grid, 32 * kRowWarps, 0, stream>>>(p, hg);
+    else
+      attn_prepare_kernel<HD, false><<<grid, 32 * kRowWarps, 0, stream>>>(p, 1);
+  };
   switch (head_dim) {
-    case 64: attn_prepare_kernel<64><<<grid, 32 * kRowWarps, 0, stream>>>(p); break;
-    case 128: attn_prepare_kernel<128><<<grid, 32 * kRowWarps, 0, stream>>>(p); break;
-    default: attn_prepare_kernel<256><<<grid, 32 * kRowWarps, 0, stream>>>(p); break;
+    case 64: launch(std::integral_constant<int, 64>{}); break;
+    case 128: launch(std::integral_constant<int, 128>{}); break;
+    default: launch(std::integral_constant<int, 256>{}); break;
   }
   check_cuda(cudaGetLastError(), "attn_prepare_kernel launch");
 }
@@ -328,10 +406,17 @@ void kv_import(int n, int num_runs, int num_kv_heads, int head_dim, int rotary_d
   p.k_pool = k_pool;
   p.v_pool = v_pool;
   const int grid = row_grid((static_cast<long>(n) + kImportRows - 1) / kImportRows);
+  auto launch = [&](auto hd_tag) {
+    constexpr int HD = decltype(hd_tag)::value;
+    if (rope_table_on())
+      kv_import_kernel<HD, true><<<grid, 32 * kRowWarps, 0, stream>>>(p);
+    else
+      kv_import_kernel<HD, false><<<grid, 32 * kRowWarps, 0, stream>>>(p);
+  };
   switch (head_dim) {
-    case 64: kv_import_kernel<64><<<grid, 32 * kRowWarps, 0, stream>>>(p); break;
-    case 128: kv_import_kernel<128><<<grid, 32 * kRowWarps, 0, stream>>>(p); break;
-    default: kv_import_kernel<256><<<grid, 32 * kRowWarps, 0, stream>>>(p); break;
+    case 64: launch(std::integral_constant<int, 64>{}); break;
+    case 128: launch(std::integral_constant<int, 128>{}); break;
+    default: launch(std::integral_constant<int, 256>{}); break;
   }
   check_cuda(cudaGetLastError(), "kv_import_kernel launch");
 }

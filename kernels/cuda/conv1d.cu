@@ -13,6 +13,7 @@
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/gated_delta.h"
+#include "kernels/cuda/switches.h"
 
 namespace hypic::kernels::cuda {
 namespace {
@@ -24,6 +25,22 @@ constexpr int kConvRunShort = 4;   // ... when kConvRun leaves fewer than kConvM
 constexpr int kConvMinBlocks = 256;
 
 __device__ __forceinline__ float silu(float x) { return x / (1.f + __expf(-x)); }
+// The same with the approximate division (__fdividef: 2 ulp; 0 where 1 + e^-x overflows, silu's limit).
+__device__ __forceinline__ float silu_fast(float x) { return __fdividef(x, 1.f + __expf(-x)); }
+
+// CPT bf16 channels as one vector: 8 (16 bytes) or 4 (8 bytes).
+template <int CPT>
+struct ChanVec;
+template <>
+struct ChanVec<8> {
+  using T = uint4;
+  __device__ static T zero() { return make_uint4(0, 0, 0, 0); }
+};
+template <>
+struct ChanVec<4> {
+  using T = uint2;
+  __device__ static T zero() { return make_uint2(0, 0); }
+};
 
 // Destination of output channels (whole [T][channels] rows, or split [Q | K | V] rows; see ConvQkvOut).
 struct ConvDst {
@@ -44,61 +61,69 @@ ConvDst split(const ConvQkvOut& o, int channels, const char* fn) {
   return {{o.q, o.k, o.v}, o.q_dim, 2 * o.q_dim, {o.q_dim, o.q_dim, channels - 2 * o.q_dim}};
 }
 
-__device__ __forceinline__ void to_float8(const uint4& raw, float* f) {
+template <class V>
+__device__ __forceinline__ void to_float(const V& raw, float* f) {
   const bf16* v = reinterpret_cast<const bf16*>(&raw);
 #pragma unroll
-  for (int e = 0; e < 8; ++e) f[e] = __bfloat162float(v[e]);
+  for (int e = 0; e < int(sizeof(V) / 2); ++e) f[e] = __bfloat162float(v[e]);
 }
 
-// Input at local position p (< the run's first token) of sequence s for channels c0..c0+7: x inside the
+// Input at local position p (< the run's first token) of sequence s for channels c0..c0+CPT-1: x inside the
 // sequence, else the conv state's history (p in [-(K-1), 0)), else zero.
-__device__ __forceinline__ uint4 history(const int* __restrict__ cu, int s, int p, int K, int channels, int c0,
-                                         const bf16* __restrict__ x, const bf16* __restrict__ state) {
-  if (p >= 0) return __ldg(reinterpret_cast<const uint4*>(x + size_t(cu[s] + p) * channels + c0));
-  if (state) return __ldg(reinterpret_cast<const uint4*>(state + (size_t(s) * (K - 1) + (K - 1 + p)) * channels + c0));
-  return make_uint4(0, 0, 0, 0);
+template <int CPT>
+__device__ __forceinline__ typename ChanVec<CPT>::T history(const int* __restrict__ cu, int s, int p, int K,
+                                                            int channels, int c0, const bf16* __restrict__ x,
+                                                            const bf16* __restrict__ state) {
+  using V = typename ChanVec<CPT>::T;
+  if (p >= 0) return __ldg(reinterpret_cast<const V*>(x + size_t(cu[s] + p) * channels + c0));
+  if (state) return __ldg(reinterpret_cast<const V*>(state + (size_t(s) * (K - 1) + (K - 1 + p)) * channels + c0));
+  return ChanVec<CPT>::zero();
 }
 
-// Thread (token run r, channel group g): channels c0 = 8 g .. c0 + 7 of tokens [r RUN, (r + 1) RUN), sliding the
-// window of the last K-1 inputs in registers; each input row is read once (plus K-1 rows of history per run) and
+// Thread (token run r, channel group g): channels c0 = CPT g .. c0 + CPT - 1 of tokens [r RUN, (r + 1) RUN), sliding
+// the window of the last K-1 inputs in registers; each input row is read once (plus K-1 rows of history per run) and
 // each output written once. A sequence boundary inside the run restarts the window from that sequence's history.
-// Outputs do not depend on RUN (a run's window starts from the same inputs the previous run slid over).
-template <int K, int RUN>
+// Outputs do not depend on RUN (a run's window starts from the same inputs the previous run slid over) nor on CPT;
+// NARROW (CPT = 4, HYPIC_CONV_NARROW) also takes SiLU's division approximately (silu_fast): half the registers, so
+// twice the warps per SM to hide the FMA chains and the loads (the 8-channel kernel: 154 registers, 1.8 TB/s).
+template <int K, int RUN, int CPT = 8, bool NARROW = false>
 __global__ void __launch_bounds__(kConvThreads) conv_prefill_kernel(int num_seqs, const int* __restrict__ cu,
                                                                     int total, int channels,
                                                                     const bf16* __restrict__ x,
                                                                     const bf16* __restrict__ w,
                                                                     const bf16* __restrict__ state, ConvDst dst) {
+  using V = typename ChanVec<CPT>::T;
   const int g = blockIdx.x * kConvThreads + threadIdx.x;
-  if (g >= channels / 8) return;
-  const int c0 = g * 8;
-  float wf[K][8];  // w[c0 + e][j] -> wf[j][e]; the 8 K weights are contiguous, 16-byte aligned
+  if (g >= channels / CPT) return;
+  const int c0 = g * CPT;
+  float wf[K][CPT];  // w[c0 + e][j] -> wf[j][e]; the CPT K weights are contiguous, sizeof(V)-aligned
   {
-    uint4 raw[K];
+    V raw[K];
 #pragma unroll
-    for (int i = 0; i < K; ++i) raw[i] = __ldg(reinterpret_cast<const uint4*>(w + size_t(c0) * K) + i);
+    for (int i = 0; i < K; ++i) raw[i] = __ldg(reinterpret_cast<const V*>(w + size_t(c0) * K) + i);
     const bf16* wv = reinterpret_cast<const bf16*>(raw);
 #pragma unroll
-    for (int e = 0; e < 8; ++e)
+    for (int e = 0; e < CPT; ++e)
 #pragma unroll
       for (int j = 0; j < K; ++j) wf[j][e] = __bfloat162float(wv[e * K + j]);
   }
   const int runs = (total + RUN - 1) / RUN;
   for (int r = blockIdx.y; r < runs; r += gridDim.y) {
     const int t0 = r * RUN, n = min(RUN, total - t0);
-    uint4 xr[RUN];
+    V xr[RUN];
 #pragma unroll
     for (int i = 0; i < RUN; ++i)
-      if (i < n) xr[i] = __ldcs(reinterpret_cast<const uint4*>(x + size_t(t0 + i) * channels + c0));
+      if (i < n) xr[i] = __ldcs(reinterpret_cast<const V*>(x + size_t(t0 + i) * channels + c0));
     int lo = 0, hi = num_seqs;  // largest s with cu[s] <= t0: a sequence holding t0 (empty ones skipped)
     while (hi - lo > 1) {
       const int mid = (lo + hi) >> 1;
       if (cu[mid] <= t0) lo = mid; else hi = mid;
     }
     int s = lo, next = cu[s + 1];
-    float win[K - 1][8];
+    float win[K - 1][CPT];
 #pragma unroll
-    for (int j = 0; j < K - 1; ++j) to_float8(history(cu, s, t0 - cu[s] - (K - 1) + j, K, channels, c0, x, state), win[j]);
+    for (int j = 0; j < K - 1; ++j)
+      to_float(history<CPT>(cu, s, t0 - cu[s] - (K - 1) + j, K, channels, c0, x, state), win[j]);
 #pragma unroll
     for (int i = 0; i < RUN; ++i) {
       if (i >= n) break;
@@ -107,12 +132,12 @@ __global__ void __launch_bounds__(kConvThreads) conv_prefill_kernel(int num_seqs
         while (s + 1 < num_seqs && cu[s + 1] <= t) ++s;  // bounded even if cu[num_seqs] != total (bad input)
         next = s + 1 < num_seqs ? cu[s + 1] : INT_MAX;
 #pragma unroll
-        for (int j = 0; j < K - 1; ++j) to_float8(history(cu, s, j - (K - 1), K, channels, c0, x, state), win[j]);
+        for (int j = 0; j < K - 1; ++j) to_float(history<CPT>(cu, s, j - (K - 1), K, channels, c0, x, state), win[j]);
       }
-      float xt[8], acc[8];
-      to_float8(xr[i], xt);
+      float xt[CPT], acc[CPT];
+      to_float(xr[i], xt);
 #pragma unroll
-      for (int e = 0; e < 8; ++e) {
+      for (int e = 0; e < CPT; ++e) {
         float a = 0.f;
 #pragma unroll
         for (int j = 0; j < K - 1; ++j) a = fmaf(wf[j][e], win[j][e], a);
@@ -121,14 +146,14 @@ __global__ void __launch_bounds__(kConvThreads) conv_prefill_kernel(int num_seqs
 #pragma unroll
       for (int j = 0; j + 1 < K - 1; ++j)
 #pragma unroll
-        for (int e = 0; e < 8; ++e) win[j][e] = win[j + 1][e];
+        for (int e = 0; e < CPT; ++e) win[j][e] = win[j + 1][e];
 #pragma unroll
-      for (int e = 0; e < 8; ++e) win[K - 2][e] = xt[e];
-      uint4 o;
+      for (int e = 0; e < CPT; ++e) win[K - 2][e] = xt[e];
+      V o;
       bf16* ov = reinterpret_cast<bf16*>(&o);
 #pragma unroll
-      for (int e = 0; e < 8; ++e) ov[e] = __float2bfloat16_rn(silu(acc[e]));
-      __stcs(reinterpret_cast<uint4*>(dst.at(t, c0)), o);
+      for (int e = 0; e < CPT; ++e) ov[e] = __float2bfloat16_rn(NARROW ? silu_fast(acc[e]) : silu(acc[e]));
+      __stcs(reinterpret_cast<V*>(dst.at(t, c0)), o);
     }
   }
 }
@@ -181,19 +206,32 @@ void check_conv(int channels, int kernel, const char* fn) {
     throw std::invalid_argument(std::string(fn) + ": kernel must be in [2, 8], got " + std::to_string(kernel));
 }
 
-template <int K>
-void launch_conv_prefill(int num_seqs, const int* cu, int total, int channels, const bf16* x, const bf16* w,
-                         const bf16* state, const ConvDst& dst, cudaStream_t stream) {
-  const int gx = (channels / 8 + kConvThreads - 1) / kConvThreads;
+template <int K, int CPT, bool NARROW>
+void launch_conv_prefill_cpt(int num_seqs, const int* cu, int total, int channels, const bf16* x, const bf16* w,
+                             const bf16* state, const ConvDst& dst, cudaStream_t stream) {
+  const int gx = (channels / CPT + kConvThreads - 1) / kConvThreads;
   const int runs = (total + kConvRun - 1) / kConvRun;
   if (long(gx) * runs < kConvMinBlocks) {  // few tokens: shorter runs, more blocks (a latency-bound launch)
     const int short_runs = (total + kConvRunShort - 1) / kConvRunShort;
-    conv_prefill_kernel<K, kConvRunShort><<<dim3(gx, std::min(short_runs, 65535)), kConvThreads, 0, stream>>>(
-        num_seqs, cu, total, channels, x, w, state, dst);
+    conv_prefill_kernel<K, kConvRunShort, CPT, NARROW>
+        <<<dim3(gx, std::min(short_runs, 65535)), kConvThreads, 0, stream>>>(num_seqs, cu, total, channels, x, w,
+                                                                            state, dst);
     return;
   }
   const dim3 grid(gx, std::min(runs, 65535));
-  conv_prefill_kernel<K, kConvRun><<<grid, kConvThreads, 0, stream>>>(num_seqs, cu, total, channels, x, w, state, dst);
+  conv_prefill_kernel<K, kConvRun, CPT, NARROW>
+      <<<grid, kConvThreads, 0, stream>>>(num_seqs, cu, total, channels, x, w, state, dst);
+}
+
+// The 8-channel kernel, or with HYPIC_CONV_NARROW (a candidate, switches.h) the 4-channel one.
+template <int K>
+void launch_conv_prefill(int num_seqs, const int* cu, int total, int channels, const bf16* x, const bf16* w,
+                         const bf16* state, const ConvDst& dst, cudaStream_t stream) {
+  static CandidateSwitch narrow("HYPIC_CONV_NARROW");
+  if (narrow.on())
+    launch_conv_prefill_cpt<K, 4, true>(num_seqs, cu, total, channels, x, w, state, dst, stream);
+  else
+    launch_conv_prefill_cpt<K, 8, false>(num_seqs, cu, total, channels, x, w, state, dst, stream);
 }
 
 void conv_prefill(int num_seqs, const int* cu_seqlens, int total_tokens, int channels, int kernel, const bf16* x,

@@ -47,6 +47,9 @@
 #include "kernels/cuda/decode_linear.h"
 #include "kernels/cuda/mma.cuh"
 #include "kernels/cuda/moe_internal.cuh"
+#include "kernels/cuda/ops.h"
+#include "kernels/cuda/row_norm.cuh"
+#include "kernels/cuda/switches.h"
 
 namespace hypic::kernels::cuda {
 
@@ -382,34 +385,42 @@ __global__ void __launch_bounds__(256) chunk_scan_kernel(int E, int nch, int* ch
 
 // One block of 512 threads: offsets[E + 1] (exclusive prefix of counts), the tile schedule
 // tiles[i] = (expert, first row) for tiles of bm rows, then (decode GEMMs with a shared expert,
-// shared_rows > 0) the shared expert's tiles (E, m0) over rows 0..shared_rows, and num_tiles.
+// shared_rows > 0) the shared expert's tiles (E, m0) over rows 0..shared_rows, and num_tiles[0].
+// tail_at >= 0 (the wgmma tail tiles, wgmma_tail64): an expert's last tile of 1 .. bm / 2 rows goes instead to the
+// tail list tiles[tail_at + j] (in expert order), num_tiles[1] of them, for the 64-row kernels.
 __global__ void __launch_bounds__(kMaxE) offsets_kernel(int E, int bm, const int* counts, int* offsets, int2* tiles,
-                                                        int* num_tiles, int shared_rows) {
-  __shared__ int sc[kMaxE], st[kMaxE];
+                                                        int* num_tiles, int shared_rows, int tail_at) {
+  __shared__ int sc[kMaxE], st[kMaxE], stl[kMaxE];
   const int e = threadIdx.x;
   const int c = e < E ? counts[e] : 0;
-  const int nt = (c + bm - 1) / bm;
+  const int rem = c % bm;
+  const int tail = tail_at >= 0 && rem > 0 && rem <= bm / 2 ? 1 : 0;
+  const int nt = (c + bm - 1) / bm - tail;
   sc[e] = c;
   st[e] = nt;
+  stl[e] = tail;
   __syncthreads();
   for (int off = 1; off < kMaxE; off <<= 1) {
-    const int a = e >= off ? sc[e - off] : 0, b = e >= off ? st[e - off] : 0;
+    const int a = e >= off ? sc[e - off] : 0, b = e >= off ? st[e - off] : 0, d = e >= off ? stl[e - off] : 0;
     __syncthreads();
     sc[e] += a;
     st[e] += b;
+    stl[e] += d;
     __syncthreads();
   }
   if (e < E) {
     offsets[e] = sc[e] - c;
     const int tb = st[e] - nt;
     for (int i = 0; i < nt; ++i) tiles[tb + i] = make_int2(e, i * bm);
+    if (tail) tiles[tail_at + stl[e] - 1] = make_int2(e, nt * bm);
   }
   const int routed_tiles = st[kMaxE - 1];
   const int nsh = (shared_rows + bm - 1) / bm;
   for (int i = e; i < nsh; i += blockDim.x) tiles[routed_tiles + i] = make_int2(E, i * bm);
   if (e == 0) {
     offsets[E] = sc[kMaxE - 1];
-    *num_tiles = routed_tiles + nsh;
+    num_tiles[0] = routed_tiles + nsh;
+    num_tiles[1] = stl[kMaxE - 1];
   }
 }
 
@@ -632,6 +643,34 @@ __global__ void gather_rows_kernel(int P, int H, const int* sorted_tok, const bf
     *reinterpret_cast<uint4*>(dst + j) = *reinterpret_cast<const uint4*>(src + j);
 }
 
+// The MoE sum of token t's 4-column group j: sum_s w[s] y[pos[s]][j ..] (slots in ascending expert order, loads in
+// flight together) + sg shared_row[j ..], times scale (1: no rounding at all). sp / sw: the token's k slots.
+__device__ __forceinline__ float4 combine4(int H, int k, const int* sp, const float* sw, const bf16* y, float sg,
+                                          const float* shared_row, int j, float scale) {
+  float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+#pragma unroll
+  for (int s = 0; s < kMaxTopk; ++s) {  // unrolled: the k rows' loads in flight together, summed in order
+    if (s >= k) break;
+    const uint2 raw = *reinterpret_cast<const uint2*>(y + size_t(sp[s]) * H + j);
+    const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+    const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+    const float w = sw[s];
+    a0 += w * lo.x;
+    a1 += w * lo.y;
+    a2 += w * hi.x;
+    a3 += w * hi.y;
+  }
+  if (shared_row) {
+    const float4 sh = *reinterpret_cast<const float4*>(shared_row + j);
+    a0 += sg * sh.x;
+    a1 += sg * sh.y;
+    a2 += sg * sh.z;
+    a3 += sg * sh.w;
+  }
+  if (scale != 1.0f) a0 *= scale, a1 *= scale, a2 *= scale, a3 *= scale;
+  return make_float4(a0, a1, a2, a3);
+}
+
 // out[t][j] += sum_s w[t][s] y[pos[t][s]][j] (slots in ascending expert order) + sg[t] shared[t][j]. Grid (T, column
 // blocks of 512): each element's sum has the same order whatever the grid.
 __global__ void __launch_bounds__(128) combine_kernel(int H, int k, const int* pos_of, const float* topk_w,
@@ -648,35 +687,69 @@ __global__ void __launch_bounds__(128) combine_kernel(int H, int k, const int* p
   }
   __syncthreads();
   const float sg = shared ? sgate[t] : 0.f;
+  const float* shared_row = shared ? shared + size_t(t) * H : nullptr;
   for (int j = (blockIdx.y * blockDim.x + threadIdx.x) * 4; j < H; j += gridDim.y * blockDim.x * 4) {
-    float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
-#pragma unroll
-    for (int s = 0; s < kMaxTopk; ++s) {  // unrolled: the k rows' loads in flight together, summed in order
-      if (s >= k) break;
-      const uint2 raw = *reinterpret_cast<const uint2*>(y + size_t(sp[s]) * H + j);
-      const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
-      const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
-      const float w = sw[s];
-      a0 += w * lo.x;
-      a1 += w * lo.y;
-      a2 += w * hi.x;
-      a3 += w * hi.y;
-    }
-    if (shared) {
-      const float4 sh = *reinterpret_cast<const float4*>(shared + size_t(t) * H + j);
-      a0 += sg * sh.x;
-      a1 += sg * sh.y;
-      a2 += sg * sh.z;
-      a3 += sg * sh.w;
-    }
-    if (scale != 1.0f) a0 *= scale, a1 *= scale, a2 *= scale, a3 *= scale;  // (1: no rounding at all)
+    const float4 a = combine4(H, k, sp, sw, y, sg, shared_row, j, scale);
     float4* o = reinterpret_cast<float4*>(out + size_t(t) * H + j);
     float4 ov = *o;
-    ov.x += a0;
-    ov.y += a1;
-    ov.z += a2;
-    ov.w += a3;
+    ov.x += a.x;
+    ov.y += a.y;
+    ov.z += a.z;
+    ov.w += a.w;
     *o = ov;
+  }
+}
+
+// Rows of at most this many columns take combine_norm_kernel (its 4-column groups held in registers: 8 per thread).
+constexpr int kCombineNormVec = 8;
+constexpr int kCombineNormMaxH = 4 * detail::kNormThreads * kCombineNormVec;
+
+// combine_kernel's sum and the next layer's input RMSNorm of the updated row in one pass (MoeNextNorm): one block of
+// kNormThreads per token, thread tid owning the 4-column groups 4 tid + 4 kNormThreads i as rms_norm_residual_kernel
+// (row_norm.cuh), so out gets combine_kernel's bits and ny rms_norm_residual's. ny may alias the MoE input x (every
+// earlier reader of x finished before griddep_wait returns: the launches before this one are in order on the stream).
+template <bool kZeroCentred>
+__global__ void __launch_bounds__(detail::kNormThreads) combine_norm_kernel(
+    int H, int k, const int* pos_of, const float* topk_w, const bf16* y, const float* sgate, const float* shared,
+    float* out, float scale, const bf16* __restrict__ nw, float eps, bf16* ny) {
+  __shared__ int sp[kMaxTopk];
+  __shared__ float sw[kMaxTopk];
+  __shared__ float part[detail::kNormThreads / 32];
+  griddep_wait();
+  griddep_launch_dependents();
+  const int t = blockIdx.x, tid = threadIdx.x;
+  if (tid < k) {
+    sp[tid] = pos_of[size_t(t) * k + tid];
+    sw[tid] = topk_w[size_t(t) * k + tid];
+  }
+  __syncthreads();
+  const float sg = shared ? sgate[t] : 0.f;
+  const float* shared_row = shared ? shared + size_t(t) * H : nullptr;
+  float* orow = out + size_t(t) * H;
+  float4 v[kCombineNormVec];
+  float ss = 0.f;
+#pragma unroll
+  for (int i = 0; i < kCombineNormVec; ++i) {
+    const int j = tid * 4 + i * detail::kNormThreads * 4;
+    if (j < H) {
+      const float4 a = combine4(H, k, sp, sw, y, sg, shared_row, j, scale);
+      float4* o = reinterpret_cast<float4*>(orow + j);
+      float4 ov = *o;
+      ov.x += a.x;
+      ov.y += a.y;
+      ov.z += a.z;
+      ov.w += a.w;
+      *o = ov;
+      v[i] = ov;
+      ss = detail::norm_add_sq4(ss, ov);
+    }
+  }
+  const float inv = detail::norm_block_inv(ss, part, H, eps);
+  bf16* nrow = ny + size_t(t) * H;
+#pragma unroll
+  for (int i = 0; i < kCombineNormVec; ++i) {
+    const int j = tid * 4 + i * detail::kNormThreads * 4;
+    if (j < H) detail::norm_apply4<kZeroCentred>(v[i], inv, nw, nrow, j);
   }
 }
 
@@ -739,22 +812,39 @@ DeviceOnce g_setup;
 
 static_assert(BigCfg::BM == kWgmmaBM, "Own's prefill schedule serves both the mma.sync and the wgmma tiles");
 
-// The prefill GEMMs of impl on the wgmma kernels (moe_wgmma.cu) when they apply: built for sm_90a, a compute
-// capability 9.0 device, and impl OwnWgmma, or Own (its prefill tiles) with HYPIC_MOE_WGMMA != 0. Returns false
-// (nothing launched) otherwise, or when wgmma_supported refuses the sizes (never below 2^31 blocks): the caller
-// runs the mma.sync kernel.
-bool try_launch_wgmma(GroupedGemm impl, const MoeWeightsView& w, size_t P, const bf16* x, MoeWorkspace& ws, int bm,
-                      cudaStream_t stream) {
+// Whether the prefill GEMMs of impl run on the wgmma kernels (moe_wgmma.cu): built for sm_90a, a compute capability
+// 9.0 device, and impl OwnWgmma, or Own (its prefill tiles) with HYPIC_MOE_WGMMA != 0, at sizes wgmma_supported takes
+// (every size below 2^31 blocks). try_launch_wgmma launches them then (tail64: the schedule has the tail list,
+// wgmma_tail64) and returns true; else it launches nothing and returns false: the caller runs the mma.sync kernel.
+bool wgmma_runs(GroupedGemm impl, const MoeWeightsView& w, size_t P) {
 #if HYPIC_MOE_WGMMA_BUILT
   const int mode = wgmma_env_mode();
   const bool on = impl == GroupedGemm::OwnWgmma || (impl == GroupedGemm::Own && mode != 0);
-  if (!on || !wgmma_device() || !wgmma_supported(w, P)) return false;
-  launch_wgmma(w, P, x, ws, mode == 0 ? 1 : mode, bm, stream);
-  return true;
+  return on && wgmma_device() && wgmma_supported(w, P);
 #else
-  (void)impl, (void)w, (void)P, (void)x, (void)ws, (void)bm, (void)stream;
+  (void)impl, (void)w, (void)P;
   return false;
 #endif
+}
+
+bool try_launch_wgmma(GroupedGemm impl, const MoeWeightsView& w, size_t P, const bf16* x, MoeWorkspace& ws, int bm,
+                      bool tail64, cudaStream_t stream) {
+#if HYPIC_MOE_WGMMA_BUILT
+  if (!wgmma_runs(impl, w, P)) return false;
+  const int mode = wgmma_env_mode();
+  launch_wgmma(w, P, x, ws, mode == 0 ? 1 : mode, bm, tail64, stream);
+  return true;
+#else
+  (void)impl, (void)w, (void)P, (void)x, (void)ws, (void)bm, (void)tail64, (void)stream;
+  return false;
+#endif
+}
+
+// Whether the prefill schedule of this call puts experts' short last tiles on the 64-row wgmma kernels (offsets_kernel
+// tail_at; HYPIC_MOE_TAIL64, a candidate: switches.h): the wgmma kernels run 128-row tiles.
+bool wgmma_tail64(GroupedGemm impl, const MoeWeightsView& w, size_t P, int bm) {
+  static CandidateSwitch on("HYPIC_MOE_TAIL64");
+  return bm == kWgmmaBM && wgmma_env_mode() != 5 && wgmma_runs(impl, w, P) && on.on();
 }
 
 // The schedule's m-tile rows for OwnWgmma: its kernels' wgmma_bm where they run, else the mma.sync tiles'.
@@ -946,10 +1036,14 @@ void MoeWorkspace::reserve(int max_tokens, const MoeWeightsView& w) {
   grow(chunk_counts, E * nch * sizeof(int), "chunk_counts");
   grow(counts, E * sizeof(int), "counts");
   grow(offsets, (E + 1) * sizeof(int), "offsets");
-  // SmallCfg's BM (the smallest) bounds the Big / Wide schedules; the decode schedule adds the shared tiles.
-  grow(tiles, std::max(max_tiles(P, w.E, SmallCfg::BM), decode_grid_tiles(P, w.E, int(T), w.Is > 0)) * sizeof(int2),
+  // SmallCfg's BM (the smallest) bounds the Big / Wide schedules; the decode schedule adds the shared tiles; the
+  // wgmma tail list (wgmma_tail64) follows the 128-row tiles' bound.
+  grow(tiles,
+       std::max({max_tiles(P, w.E, SmallCfg::BM), decode_grid_tiles(P, w.E, int(T), w.Is > 0),
+                 tail_tiles_at(P, w.E) + std::min(P, size_t(w.E))}) *
+           sizeof(int2),
        "tiles");
-  grow(num_tiles, sizeof(int), "num_tiles");
+  grow(num_tiles, 2 * sizeof(int), "num_tiles");
   grow(sorted_tok, P * sizeof(int), "sorted_tok");
   grow(pos_of, P * sizeof(int), "pos_of");
   grow(act, P * size_t(w.I) * sizeof(bf16), "act");
@@ -995,10 +1089,13 @@ void silu_mul(int T, int I, const bf16* gu, bf16* act, cudaStream_t stream) {
 }
 
 void moe_forward(int T, const bf16* x, const MoeWeightsView& w, float* out, MoeWorkspace& ws, GemmRunner& gemm,
-                 GroupedGemm impl, cudaStream_t stream) {
+                 GroupedGemm impl, cudaStream_t stream, const MoeNextNorm* next) {
   constexpr const char* fn = "moe_forward";
   if (T < 0) bad_arg(fn, "T = " + std::to_string(T));
   validate_view(fn, w);
+  if (next && (!next->w || !next->y)) bad_arg(fn, "next norm: null weight or output");
+  if (next && (reinterpret_cast<uintptr_t>(next->w) % 4 || reinterpret_cast<uintptr_t>(next->y) % 4))
+    bad_arg(fn, "next norm: weight and output must be 4-byte aligned");
   if (T == 0) return;
   if (!x || !out) bad_arg(fn, "null x or out");
   if (!aligned16(x) || !aligned16(out)) bad_arg(fn, "x and out must be 16-byte aligned");
@@ -1030,6 +1127,7 @@ void moe_forward(int T, const bf16* x, const MoeWeightsView& w, float* out, MoeW
     default: bad_arg(fn, "unknown GroupedGemm value");
   }
   const int shared_rows = (decode && w.Is > 0) ? T : 0;
+  const bool tail64 = !decode && wgmma_tail64(impl, w, P, bm);  // (wgmma_runs: OwnWgmma or Own only)
 
   float* logits = static_cast<float*>(ws.logits.p);
   int* topk_e = static_cast<int*>(ws.topk_e.p);
@@ -1068,7 +1166,8 @@ void moe_forward(int T, const bf16* x, const MoeWeightsView& w, float* out, MoeW
     // 3. counting sort by expert and the tile schedule.
     chunk_scan_kernel<<<(E + 7) / 8, 256, 0, stream>>>(E, nch, chunk_counts, counts);
     check_cuda(cudaGetLastError(), "moe_forward: chunk_scan launch");
-    offsets_kernel<<<1, kMaxE, 0, stream>>>(E, bm, counts, offsets, tiles, num_tiles, shared_rows);
+    offsets_kernel<<<1, kMaxE, 0, stream>>>(E, bm, counts, offsets, tiles, num_tiles, shared_rows,
+                                            tail64 ? int(tail_tiles_at(P, E)) : -1);
     check_cuda(cudaGetLastError(), "moe_forward: offsets launch");
     scatter_kernel<<<nch, 256, 0, stream>>>(T, E, k, nch, topk_e, chunk_counts, offsets, sorted_tok, pos_of);
     check_cuda(cudaGetLastError(), "moe_forward: scatter launch");
@@ -1082,9 +1181,10 @@ void moe_forward(int T, const bf16* x, const MoeWeightsView& w, float* out, MoeW
     launch_grouped<SmallCfg>(w, P, x, ws, stream);
   } else if (impl == GroupedGemm::OwnLargeN) {
     launch_grouped<WideCfg>(w, P, x, ws, stream);
-  } else if (impl == GroupedGemm::OwnLargeM || !try_launch_wgmma(impl, w, P, x, ws, bm, stream)) {
-    if (bm != BigCfg::BM)  // own_wgmma_bm and try_launch_wgmma disagree: the schedule would not fit the tiles
-      throw std::logic_error("moe_forward: a " + std::to_string(bm) + "-row schedule for the mma.sync tiles");
+  } else if (impl == GroupedGemm::OwnLargeM || !try_launch_wgmma(impl, w, P, x, ws, bm, tail64, stream)) {
+    if (bm != BigCfg::BM || tail64)  // own_wgmma_bm / wgmma_tail64 and try_launch_wgmma disagree
+      throw std::logic_error("moe_forward: a " + std::to_string(bm) + "-row schedule" +
+                             (tail64 ? " with tail tiles" : "") + " for the mma.sync tiles");
     launch_grouped<BigCfg>(w, P, x, ws, stream);  // (else: Own's prefill tiles / OwnWgmma ran on wgmma)
   }
   // 6. shared expert (cuBLASLt) unless the decode GEMMs ran it.
@@ -1101,8 +1201,24 @@ void moe_forward(int T, const bf16* x, const MoeWeightsView& w, float* out, MoeW
     }
     shared = s_out;
   }
-  // 7. deterministic combine into out.
+  // 7. deterministic combine into out (and the next layer's input norm: fused where enabled and the row fits).
   const bf16* y = static_cast<const bf16*>(ws.y.p);
+  static CandidateSwitch fuse_next_norm("HYPIC_FUSE_NEXT_NORM");
+  if (next && H <= kCombineNormMaxH && fuse_next_norm.on()) {
+    auto kernel = next->zero_centred ? combine_norm_kernel<true> : combine_norm_kernel<false>;
+    const int* po = pos_of;
+    const float* tw = topk_w;
+    const float* sg = sgate;
+    if (decode) {
+      launch_pdl(kernel, dim3(T), dim3(detail::kNormThreads), 0, stream, "moe_forward: combine + next norm launch", H,
+                 k, po, tw, y, sg, shared, out, w.output_scale, next->w, next->eps, next->y);
+    } else {
+      kernel<<<T, detail::kNormThreads, 0, stream>>>(H, k, po, tw, y, sg, shared, out, w.output_scale, next->w,
+                                                      next->eps, next->y);
+      check_cuda(cudaGetLastError(), "moe_forward: combine + next norm launch");
+    }
+    return;
+  }
   if (decode) {
     launch_pdl(combine_kernel, dim3(T, (H + 511) / 512), dim3(128), 0, stream, "moe_forward: combine launch", H, k,
                static_cast<const int*>(pos_of), static_cast<const float*>(topk_w), y,
@@ -1112,6 +1228,7 @@ void moe_forward(int T, const bf16* x, const MoeWeightsView& w, float* out, MoeW
                                                                w.output_scale);
     check_cuda(cudaGetLastError(), "moe_forward: combine launch");
   }
+  if (next) rms_norm_residual(T, H, out, H, nullptr, next->w, next->eps, next->y, stream, next->zero_centred);
 }
 
 void mlp_forward(int T, const bf16* x, int H, int I, const bf16* gate_up, const bf16* down, float* out,

@@ -167,7 +167,21 @@ inline GroupedGemm grouped_gemm_for_tokens(int T, bool capturing = false) {
   return moe_wgmma_available() ? GroupedGemm::OwnWgmma : GroupedGemm::Cublas;
 }
 
-/// out[t][:] += MoE(x[t]) for t < T (see the pipeline above). x: [T][H] bf16 (the normed
+/// The next layer's input RMSNorm of the rows moe_forward updates (the forward pass's next step, done in the same
+/// pass as the combine that adds the MoE output into the residual): y[t] = bf16(out[t] * rsqrt(mean(out[t]^2) + eps)
+/// * (zero_centred ? 1 + w : w)), exactly rms_norm_residual's arithmetic and bits (kernels/cuda/ops.h; HF
+/// Qwen3_5RMSNorm / the plain RMSNorm of the other families) on the updated out rows. w: [H] bf16; y: [T][H] bf16,
+/// may alias moe_forward's x (its input, read before); both device memory, 4-byte aligned.
+struct MoeNextNorm {
+  const bf16* w = nullptr;
+  float eps = 1e-6f;
+  bool zero_centred = true;
+  bf16* y = nullptr;
+};
+
+/// out[t][:] += MoE(x[t]) for t < T (see the pipeline above); with next, then y = next norm(out) (MoeNextNorm:
+/// fused into the combine kernel for H <= 8192 where the candidate switch HYPIC_FUSE_NEXT_NORM is on
+/// (kernels/cuda/switches.h), else rms_norm_residual after it: the same bits either way). x: [T][H] bf16 (the normed
 /// hidden state); out: [T][H] fp32, ACCUMULATED. Routed results are bit-identical from run to
 /// run (no float atomics) and, for GroupedGemm::Own, a token's routed output does not depend on
 /// the other tokens of the batch (rows of a GEMM tile are independent and the k order is fixed).
@@ -177,7 +191,7 @@ inline GroupedGemm grouped_gemm_for_tokens(int T, bool capturing = false) {
 /// Throws std::invalid_argument on bad sizes (see the top of the file) or null pointers,
 /// std::runtime_error on CUDA / cuBLAS errors.
 void moe_forward(int T, const bf16* x, const MoeWeightsView& w, float* out, MoeWorkspace& ws, GemmRunner& gemm,
-                 GroupedGemm impl, cudaStream_t stream);
+                 GroupedGemm impl, cudaStream_t stream, const MoeNextNorm* next = nullptr);
 
 /// Dense SwiGLU MLP (HF Qwen3NextMLP): out[T][H] (fp32) += down(silu(gate) * up) with
 /// gate_up = x gate_up^T computed in bf16 (gate_up: [2I][H], gate rows then up rows),

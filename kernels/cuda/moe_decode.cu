@@ -12,6 +12,7 @@
 #include "kernels/cuda/moe.h"
 #include "kernels/cuda/moe_internal.cuh"
 #include "kernels/cuda/stream_gemm.cuh"
+#include "kernels/cuda/switches.h"
 
 namespace hypic::kernels::cuda::moe_detail {
 
@@ -50,6 +51,7 @@ struct DecodeArgs {
   void* sout;      // gate_up: s_act [T][sN] bf16; down: s_out [T][sN] fp32
   int sK, sN;
   int ks, sks;  // K slices per row group (stream_k_slices_for): routed experts, shared expert
+  int deep;     // NT >= 2: a tile with one token group streams W-only stages over the whole ring (decode_gemm_kernel)
   int E, T;
   const int2* tiles;
   const int* num_tiles;
@@ -123,7 +125,21 @@ __global__ void __launch_bounds__(kStreamThreads, detail::stream_blocks_per_sm(d
   for (int t = 0; t < NT; ++t)
 #pragma unroll
     for (int i = 0; i < 4; ++i) acc[t][i] = 0.f;
-  if (active) detail::stream_consume<NT, S>(wlo, whi, kb, ke, xp, ntl, ring, lane, acc);
+  // A tile whose rows fit one token group (most tiles at batch 9..64: 8 x 64 routed rows over 256 experts) leaves
+  // the ring's x region unused: with a.deep its weights stream through S1 W-only stages over the whole ring (12 at
+  // NT = 4 instead of 4: three times the weight bytes in flight), x read through L1 as at NT = 1. The same products in
+  // the same order: the same bits.
+  constexpr int S1 = NT >= 2 ? kRing / detail::kStreamWStage : S;
+  if (active && NT >= 2 && a.deep && ntl == 1) {
+    detail::stream_prologue_extend<S, S1>(wlo, whi, kb, ke, ring, lane);
+    const bf16* const xp1[1] = {xp[0]};
+    float acc1[1][4] = {{0.f, 0.f, 0.f, 0.f}};
+    detail::stream_consume<1, S1>(wlo, whi, kb, ke, xp1, 1, ring, lane, acc1);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[0][i] = acc1[0][i];
+  } else if (active) {
+    detail::stream_consume<NT, S>(wlo, whi, kb, ke, xp, ntl, ring, lane, acc);
+  }
   if (!detail::stream_reduce<NT, kRing>(acc, ntl, ks_count, ring_all) || !active) return;
 
   // Epilogue: acc[t][h] = (A row g, token t*8 + 2q + h), acc[t][2 + h] = (A row g + 8, same token).
@@ -194,6 +210,7 @@ int decode_k_slices(int mode, int K, int N, int Ns, int topk, bool shared) {
 // Routed + shared experts through the decode GEMMs (the schedule has kDecBM-row tiles and, with
 // Is > 0, the shared expert's tiles).
 void launch_decode(const MoeWeightsView& w, int T, size_t P, const bf16* x, MoeWorkspace& ws, cudaStream_t stream) {
+  static CandidateSwitch deep("HYPIC_MOE_DECODE_DEEP");
   const bool shared = w.Is > 0;
   const unsigned grid_m = unsigned(decode_grid_tiles(P, w.E, T, shared));
   DecodeArgs g1{};
@@ -209,6 +226,7 @@ void launch_decode(const MoeWeightsView& w, int T, size_t P, const bf16* x, MoeW
   g1.sout = shared ? ws.s_act.p : nullptr;
   g1.sK = w.H;
   g1.sN = shared ? w.Is : 0;
+  g1.deep = deep.on() ? 1 : 0;
   g1.E = w.E;
   g1.T = T;
   g1.tiles = static_cast<const int2*>(ws.tiles.p);

@@ -32,6 +32,10 @@ using detail::launch_pdl;
 // (each expert's last tile may be partial).
 inline size_t max_tiles(size_t P, int E, int bm) { return P / bm + std::min<size_t>(size_t(E), P); }
 
+// Where the wgmma tail list starts in the tiles buffer (offsets_kernel tail_at): past the 128-row schedule's bound.
+// It holds at most min(E, P) entries (one per expert).
+inline size_t tail_tiles_at(size_t P, int E) { return max_tiles(P, E, 128); }
+
 // Tiles of the decode schedule: routed kDecBM-row tiles, then the shared expert's over T rows.
 inline size_t decode_grid_tiles(size_t P, int E, int T, bool shared) {
   return max_tiles(P, E, kDecBM) + (shared ? size_t((T + kDecBM - 1) / kDecBM) : 0);
@@ -123,9 +127,11 @@ bool wgmma_supported(const MoeWeightsView& w, size_t P);
 // sorted_tok; bm 64 or kWgmmaBM): gate_up + SwiGLU -> ws.act [P][I] bf16, then down -> ws.y [P][H] bf16; same
 // buffers, roundings and masking as launch_grouped's mma.sync kernels (a row's result does not depend on bm: the
 // k order of its products is the same). variant: 1 .. 5 as wgmma_env_mode (bm 64 runs the 64 x 256 tiles whatever
-// the variant). Throws std::invalid_argument when the grid does not fit (see wgmma_supported) or on a bad bm,
+// the variant). tail64 (bm = kWgmmaBM only): the schedule also has the tail list (offsets_kernel tail_at: experts'
+// last tiles of 1 .. 64 rows at tiles + tail_tiles_at(P, E), their count in num_tiles[1]), run by the 64 x 256
+// kernels after each GEMM's 128-row tiles. Throws std::invalid_argument when the grid does not fit (see wgmma_supported) or on a bad bm,
 // std::runtime_error on CUDA errors. Requires wgmma_device().
 void launch_wgmma(const MoeWeightsView& w, size_t P, const bf16* x, MoeWorkspace& ws, int variant, int bm,
-                  cudaStream_t stream);
+                  bool tail64, cudaStream_t stream);
 
 }  // namespace hypic::kernels::cuda::moe_detail

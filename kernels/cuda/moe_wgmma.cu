@@ -59,6 +59,7 @@
 #include "kernels/cuda/mma.cuh"
 #include "kernels/cuda/moe.h"
 #include "kernels/cuda/moe_internal.cuh"
+#include "kernels/cuda/switches.h"
 #include "kernels/cuda/wgmma.cuh"
 
 namespace hypic::kernels::cuda::moe_detail {
@@ -98,6 +99,22 @@ using Down128Cfg = WgCfg<128, 3, 2>;
 // Few rows per expert (wgmma_bm): 64 x 256 tiles, 5 stages (201 KiB), for both GEMMs.
 using GateUpSmallCfg = WgCfg<256, 5, 1, 64>;
 using DownSmallCfg = WgCfg<256, 5, 1, 64>;
+
+// Vector epilogue (VEC, HYPIC_MOE_EPILOGUE_VEC): the weight row loaded into B row c of a warpgroup's block (c = 32 k + 8 j
+// + 2 q + e: n8 fragment 4 k + j, lane q of the quad, element e) is output column vec_col_of_row(c) = 32 k + 8 q + 2 j
+// + e of the block (j and q swapped), so lane q's fragments 4 k .. 4 k + 3 hold the 8 consecutive columns
+// 32 k + 8 q .. + 7 of each of its two rows: one 16-byte store each (the m16n8 layout alone gives 4-byte stores that
+// fill 16 of a sector's 32 bytes per warp instruction). Each column's dot product is the same; only which accumulator
+// register holds it moves. gate_up applies it within the gate half and within the up half (each a multiple of 32).
+__host__ __device__ constexpr int vec_col_of_row(int c) {
+  return (c & ~31) | (((c >> 1) & 3) << 3) | (((c >> 3) & 3) << 1) | (c & 1);
+}
+constexpr bool vec_col_is_involution() {
+  for (int c = 0; c < 256; ++c)
+    if (vec_col_of_row(vec_col_of_row(c)) != c || vec_col_of_row(c) / 32 != c / 32) return false;
+  return vec_col_of_row(2) == 8 && vec_col_of_row(8) == 2 && vec_col_of_row(31) == 31;
+}
+static_assert(vec_col_is_involution(), "vec_col_of_row: a permutation of each 32-column group");
 
 // cp.async of 16 bytes into shared address dst; src_bytes = 0 writes zeros (src is not read).
 __device__ __forceinline__ void cp_async16_zfill(uint32_t dst, const void* src, uint32_t src_bytes) {
@@ -171,7 +188,7 @@ struct TileSrc {
   const bf16* a[C::A_IT];
   const bf16* b[C::B_IT];
 };
-template <class C, bool GATE_UP>
+template <class C, bool GATE_UP, bool VEC>
 __device__ __forceinline__ void tile_src(const GroupedArgs& a, const TileInfo& t, const int (&rows)[C::A_IT], int u,
                                          int r0, TileSrc<C>& s) {
   const int K = a.K, N = a.N;
@@ -185,11 +202,11 @@ __device__ __forceinline__ void tile_src(const GroupedArgs& a, const TileInfo& t
     bool on;
     if (GATE_UP) {  // each warpgroup's B rows: its gate rows, then the matching up rows
       const int half = C::WG_N / 2, w = r / C::WG_N, rr = r % C::WG_N;
-      const int j = t.n0 + w * half + (rr % half);
+      const int j = t.n0 + w * half + (VEC ? vec_col_of_row(rr % half) : rr % half);
       on = j < N;
       wrow = rr < half ? j : N + j;
     } else {
-      wrow = t.n0 + r;
+      wrow = t.n0 + (VEC ? (r / C::WG_N) * C::WG_N + vec_col_of_row(r % C::WG_N) : r);
       on = wrow < N;
     }
     s.b[i] = on ? Bexp + size_t(wrow) * K + u * 8 : nullptr;  // weight rows past N: not loaded, never stored
@@ -228,7 +245,7 @@ __device__ __forceinline__ void mma_kstep(float (&acc)[C::NF][4], uint64_t da, u
 // col0 the warpgroup's first column on 64-row tiles, else 0).
 // gate_up: act[p][j] = bf16(silu(bf16(g)) * bf16(u)) with g in fragment f < NF / 2 and u in f + NF / 2; down:
 // y[p][n] = bf16(acc). Rows past the count and columns past N are not stored.
-template <class C, bool GATE_UP>
+template <class C, bool GATE_UP, bool VEC>
 __device__ __forceinline__ void store_tile(const GroupedArgs& a, const TileInfo& t, const float (&acc)[C::NF][4],
                                            int tid) {
   const int N = a.N;
@@ -241,7 +258,28 @@ __device__ __forceinline__ void store_tile(const GroupedArgs& a, const TileInfo&
     const int m = row0 + h * 8;
     if (m >= t.cnt) continue;
     bf16* orow = a.out + size_t(t.seg + m) * N;
-    if (GATE_UP) {
+    if (VEC) {  // fragments 4 k .. 4 k + 3: columns 32 k + 8 q .. + 7 (vec_col_of_row); N % 8 == 0, out 16-byte aligned
+      const int q8 = (lane & 3) * 8;
+      constexpr int groups = (GATE_UP ? C::NF / 2 : C::NF) / 4;
+#pragma unroll
+      for (int k = 0; k < groups; ++k) {
+        const int n = t.n0 + col0 + 32 * k + q8;
+        if (n >= N) continue;
+        uint32_t w[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int f = 4 * k + j;
+          if (GATE_UP) {
+            const float g0 = round_bf16(acc[f][2 * h]), g1 = round_bf16(acc[f][2 * h + 1]);
+            const float u0 = round_bf16(acc[f + C::NF / 2][2 * h]), u1 = round_bf16(acc[f + C::NF / 2][2 * h + 1]);
+            w[j] = pack_bf16(silu_f(g0) * u0, silu_f(g1) * u1);
+          } else {
+            w[j] = pack_bf16(acc[f][2 * h], acc[f][2 * h + 1]);
+          }
+        }
+        *reinterpret_cast<uint4*>(orow + n) = make_uint4(w[0], w[1], w[2], w[3]);
+      }
+    } else if (GATE_UP) {
 #pragma unroll
       for (int f = 0; f < C::NF / 2; ++f) {
         const int j = t.n0 + col0 + f * 8 + c2;
@@ -263,7 +301,7 @@ __device__ __forceinline__ void store_tile(const GroupedArgs& a, const TileInfo&
 
 // One block per (m-tile, n-tile): blockIdx.x = m-tile * n_tiles + n-tile (see the top of the file). a as for
 // grouped_gemm_kernel (moe_internal.cuh: GroupedArgs); K a multiple of 8, N even.
-template <class C, bool GATE_UP>
+template <class C, bool GATE_UP, bool VEC>
 __global__ void __launch_bounds__(C::THREADS, C::MINB) moe_wgmma_kernel(const GroupedArgs a, int n_tiles) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   const int mt = int(blockIdx.x) / n_tiles;
@@ -277,7 +315,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) moe_wgmma_kernel(const Gr
   {
     int rows[C::A_IT];
     a_rows_of<C, GATE_UP>(a, t, r0, rows);
-    tile_src<C, GATE_UP>(a, t, rows, u, r0, src);
+    tile_src<C, GATE_UP, VEC>(a, t, rows, u, r0, src);
   }
   const int K = a.K, KT = (K + C::BK - 1) / C::BK;
 #pragma unroll
@@ -310,7 +348,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) moe_wgmma_kernel(const Gr
   wgmma_wait<0>();
   pin<C::NF>(acc);
   cp_async_wait<0>();  // only empty groups remain; nothing may be in flight when the block exits
-  if (wg_active) store_tile<C, GATE_UP>(a, t, acc, tid);
+  if (wg_active) store_tile<C, GATE_UP, VEC>(a, t, acc, tid);
 #else
   (void)a;
   (void)n_tiles;
@@ -325,7 +363,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) moe_wgmma_kernel(const Gr
 // tile's first k-steps (schedule entry, offsets, gate_up's token rows), so no load latency remains at the switch;
 // the tile's (m0, seg, cnt, n0) reach the epilogue through a 4-entry shared ring written by thread 0 when the
 // loader enters the tile (at least one barrier before the consumer reads it; the loader is < 4 tiles ahead).
-template <class C, bool GATE_UP>
+template <class C, bool GATE_UP, bool VEC>
 __global__ void __launch_bounds__(C::THREADS, C::MINB) moe_wgmma_persistent_kernel(const GroupedArgs a, int n_tiles) {
   static_assert(C::BM == 128, "the persistent variant runs 128-row tiles");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -346,7 +384,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) moe_wgmma_persistent_kern
   {
     int rows[C::A_IT];
     a_rows_of<C, GATE_UP>(a, lt, r0, rows);
-    tile_src<C, GATE_UP>(a, lt, rows, u, r0, src);
+    tile_src<C, GATE_UP, VEC>(a, lt, rows, u, r0, src);
   }
   TileInfo ct = lt;  // the consumer's (wgmma, epilogue) tile
   int l_seq = 0, l_kt = 0, nx_mt = 0, nx_nt = 0, nx_seg = 0, nx_cnt = 0;
@@ -376,7 +414,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) moe_wgmma_persistent_kern
       ++l_seq;
       if (more) {
         lt = TileInfo{nx_tile.x, nx_tile.y, nx_seg, nx_cnt, nx_nt * (GATE_UP ? C::BN / 2 : C::BN)};
-        tile_src<C, GATE_UP>(a, lt, nx_rows, u, r0, src);
+        tile_src<C, GATE_UP, VEC>(a, lt, nx_rows, u, r0, src);
         if (tid == 0) ring[l_seq & 3] = make_int4(lt.m0, lt.seg, lt.cnt, lt.n0);
       }
     }
@@ -412,7 +450,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) moe_wgmma_persistent_kern
     if (c_kt == KT - 1) {  // the tile's last k-step: drain, store, move to the next tile
       wgmma_wait<0>();     // (in this block: ptxas then sees no use of in-flight accumulators)
       pin<C::NF>(acc);
-      if (wg_active) store_tile<C, GATE_UP>(a, ct, acc, tid);
+      if (wg_active) store_tile<C, GATE_UP, VEC>(a, ct, acc, tid);
       c_kt = 0;
       if (++c_seq < my_tiles) {
         const int4 r = ring[c_seq & 3];
@@ -432,14 +470,20 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) moe_wgmma_persistent_kern
 #endif
 }
 
-template <class C, bool GATE_UP>
-void set_smem(const char* what) {
-  check_cuda(cudaFuncSetAttribute(moe_wgmma_kernel<C, GATE_UP>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM),
+template <class C, bool GATE_UP, bool VEC>
+void set_smem_one(const char* what) {
+  check_cuda(cudaFuncSetAttribute(moe_wgmma_kernel<C, GATE_UP, VEC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  C::SMEM),
              std::string("cudaFuncSetAttribute(moe_wgmma_kernel ") + what + ")");
   if constexpr (C::BM == 128)
-    check_cuda(cudaFuncSetAttribute(moe_wgmma_persistent_kernel<C, GATE_UP>,
+    check_cuda(cudaFuncSetAttribute(moe_wgmma_persistent_kernel<C, GATE_UP, VEC>,
                                     cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM),
                std::string("cudaFuncSetAttribute(moe_wgmma_persistent_kernel ") + what + ")");
+}
+template <class C, bool GATE_UP>
+void set_smem(const char* what) {
+  set_smem_one<C, GATE_UP, false>(what);
+  set_smem_one<C, GATE_UP, true>(what);
 }
 
 // Per device: the shared-memory opt-in of every kernel; returns the multiprocessor count.
@@ -455,9 +499,9 @@ int setup_device(int dev) {
 }
 
 // grid_m m-tiles (an upper bound) x the n-tiles covering g.N; persistent: at most MINB blocks per SM.
-template <class C, bool GATE_UP>
-void launch_one(const GroupedArgs& g, size_t grid_m, bool persistent, int sms, cudaStream_t stream,
-                const char* what) {
+template <class C, bool GATE_UP, bool VEC>
+void launch_tiles(const GroupedArgs& g, size_t grid_m, bool persistent, int sms, cudaStream_t stream,
+                  const char* what) {
   constexpr int cols = GATE_UP ? C::BN / 2 : C::BN;
   const int n_tiles = (g.N + cols - 1) / cols;
   const size_t blocks = grid_m * size_t(n_tiles);
@@ -466,15 +510,32 @@ void launch_one(const GroupedArgs& g, size_t grid_m, bool persistent, int sms, c
   if constexpr (C::BM == 128) {
     if (persistent) {
       const unsigned grid = unsigned(std::min(blocks, size_t(sms) * C::MINB));
-      moe_wgmma_persistent_kernel<C, GATE_UP><<<grid, C::THREADS, C::SMEM, stream>>>(g, n_tiles);
+      moe_wgmma_persistent_kernel<C, GATE_UP, VEC><<<grid, C::THREADS, C::SMEM, stream>>>(g, n_tiles);
       check_cuda(cudaGetLastError(), what);
       return;
     }
   }
   {
-    moe_wgmma_kernel<C, GATE_UP><<<unsigned(blocks), C::THREADS, C::SMEM, stream>>>(g, n_tiles);
+    moe_wgmma_kernel<C, GATE_UP, VEC><<<unsigned(blocks), C::THREADS, C::SMEM, stream>>>(g, n_tiles);
   }
   check_cuda(cudaGetLastError(), what);
+}
+
+// launch_tiles with the vector epilogue (vec) or the m16n8 pairs.
+template <class C, bool GATE_UP>
+void launch_one(const GroupedArgs& g, size_t grid_m, bool persistent, bool vec, int sms, cudaStream_t stream,
+                const char* what) {
+  if (vec)
+    launch_tiles<C, GATE_UP, true>(g, grid_m, persistent, sms, stream, what);
+  else
+    launch_tiles<C, GATE_UP, false>(g, grid_m, persistent, sms, stream, what);
+}
+
+// The vector epilogue (vec_col_of_row) where HYPIC_MOE_EPILOGUE_VEC (a candidate, switches.h) is on and both outputs
+// start on 16 bytes (N % 8 == 0 is wgmma_supported's).
+bool use_vec_epilogue(const MoeWorkspace& ws) {
+  static CandidateSwitch on("HYPIC_MOE_EPILOGUE_VEC");
+  return on.on() && reinterpret_cast<uintptr_t>(ws.act.p) % 16 == 0 && reinterpret_cast<uintptr_t>(ws.y.p) % 16 == 0;
 }
 
 }  // namespace
@@ -504,27 +565,42 @@ int wgmma_bm(size_t P, int E, int variant) {
 }
 
 void launch_wgmma(const MoeWeightsView& w, size_t P, const bf16* x, MoeWorkspace& ws, int variant, int bm,
-                  cudaStream_t stream) {
+                  bool tail64, cudaStream_t stream) {
   static DeviceOnce once;
   const int sms = once.run(current_device(), setup_device);
   if (bm != 64 && bm != kWgmmaBM) throw std::invalid_argument("launch_wgmma: bm " + std::to_string(bm));
+  if (tail64 && bm != kWgmmaBM) throw std::invalid_argument("launch_wgmma: tail tiles with bm " + std::to_string(bm));
+  const bool vec = use_vec_epilogue(ws);
   if (bm == 64) {
     const size_t grid_m = max_tiles(P, w.E, 64);
-    launch_one<GateUpSmallCfg, true>(gate_up_args(w, x, ws), grid_m, false, sms, stream,
+    launch_one<GateUpSmallCfg, true>(gate_up_args(w, x, ws), grid_m, false, vec, sms, stream,
                                      "moe_forward: wgmma gate_up GEMM launch (64-row tiles)");
-    launch_one<DownSmallCfg, false>(down_args(w, ws), grid_m, false, sms, stream,
+    launch_one<DownSmallCfg, false>(down_args(w, ws), grid_m, false, vec, sms, stream,
                                     "moe_forward: wgmma down GEMM launch (64-row tiles)");
     return;
   }
   const bool persistent = variant == 3 || variant == 4, down_128 = variant == 2 || variant == 4;
   const size_t grid_m = max_tiles(P, w.E, kWgmmaBM);
   const GroupedArgs g1 = gate_up_args(w, x, ws);
-  launch_one<GateUpCfg, true>(g1, grid_m, persistent, sms, stream, "moe_forward: wgmma gate_up GEMM launch");
+  // The tail list (tail64): the same GEMMs over its tiles on the 64 x 256 kernels, at most one tile per expert.
+  const size_t tail_m = std::min(P, size_t(w.E));
+  auto tail = [&](GroupedArgs g) {
+    g.tiles += tail_tiles_at(P, w.E);
+    g.num_tiles += 1;
+    return g;
+  };
+  launch_one<GateUpCfg, true>(g1, grid_m, persistent, vec, sms, stream, "moe_forward: wgmma gate_up GEMM launch");
+  if (tail64)
+    launch_one<GateUpSmallCfg, true>(tail(g1), tail_m, false, vec, sms, stream,
+                                     "moe_forward: wgmma gate_up GEMM launch (tail tiles)");
   const GroupedArgs g2 = down_args(w, ws);
   if (down_128)
-    launch_one<Down128Cfg, false>(g2, grid_m, persistent, sms, stream, "moe_forward: wgmma down GEMM launch (128)");
+    launch_one<Down128Cfg, false>(g2, grid_m, persistent, vec, sms, stream, "moe_forward: wgmma down GEMM launch (128)");
   else
-    launch_one<DownCfg, false>(g2, grid_m, persistent, sms, stream, "moe_forward: wgmma down GEMM launch");
+    launch_one<DownCfg, false>(g2, grid_m, persistent, vec, sms, stream, "moe_forward: wgmma down GEMM launch");
+  if (tail64)
+    launch_one<DownSmallCfg, false>(tail(g2), tail_m, false, vec, sms, stream,
+                                    "moe_forward: wgmma down GEMM launch (tail tiles)");
 }
 
 }  // namespace hypic::kernels::cuda::moe_detail

@@ -32,7 +32,12 @@ constexpr int kStreamStages = 8;                            // the ring depth st
 /// blocks per SM and more weight bytes in flight, which measured faster at batch 1 (a GDN layer's 50 MB in_proj
 /// 20 us against 34 us with x in the ring), while from 9 tokens on the staged x won (batch 16: MoE gate_up 124 us
 /// against 137).
+/// Layout of a warp's ring of S stages: the weight region first (stage s: W rows lo at 64 s, hi at 64 s + 32), then
+/// (NT >= 2) the x region (stage s, group t at 64 S + 32 (s NT + t)), so a ring's first stages hold the same weight
+/// words whatever NT: a caller that learns after stream_prologue<NT, S> that only one token group has rows may turn
+/// the whole ring into W-only stages (stream_prologue_extend, then stream_consume<1, ..>).
 __host__ __device__ constexpr int stream_stage_uint4(int nt) { return (nt == 1 ? 2 : 2 + nt) * 32; }
+constexpr int kStreamWStage = 64;  // 16-byte words of a stage's weights (rows lo, hi)
 /// Dynamic shared memory of a block whose warps have rings of `stages` stages with NT token groups.
 __host__ __device__ constexpr int stream_smem_bytes(int stages, int nt) {
   return kStreamWarps * stages * stream_stage_uint4(nt) * 16;
@@ -78,15 +83,31 @@ __device__ __forceinline__ void cp_async_wait_stream() {
 template <int NT, int S>
 __device__ __forceinline__ void stream_prologue(const __nv_bfloat16* wlo, const __nv_bfloat16* whi, int kb, int ke,
                                                 uint4* ring, int lane) {
-  constexpr int kStage = stream_stage_uint4(NT);
   const int n = ke - kb;
 #pragma unroll
   for (int s = 0; s < S; ++s) {
     if (s < n) {
-      cp_async16_stream(ring + s * kStage + lane, wlo + (kb + s) * kStreamChunk);
-      cp_async16_stream(ring + s * kStage + 32 + lane, whi + (kb + s) * kStreamChunk);
+      cp_async16_stream(ring + s * kStreamWStage + lane, wlo + (kb + s) * kStreamChunk);
+      cp_async16_stream(ring + s * kStreamWStage + 32 + lane, whi + (kb + s) * kStreamChunk);
     }
     cp_async_commit_stream();  // the waits below count groups
+  }
+}
+
+/// After stream_prologue<NT, S>: the weight copies of chunks S .. S1 - 1 into W-only stages S .. S1 - 1 (one commit
+/// group each), which makes it stream_prologue<1, S1> on the same arguments; the ring must hold S1 W-only stages
+/// (S1 * kStreamWStage words: S stages of NT >= 2 groups hold S * stream_stage_uint4(NT) / kStreamWStage).
+template <int S, int S1>
+__device__ __forceinline__ void stream_prologue_extend(const __nv_bfloat16* wlo, const __nv_bfloat16* whi, int kb,
+                                                       int ke, uint4* ring, int lane) {
+  const int n = ke - kb;
+#pragma unroll
+  for (int s = S; s < S1; ++s) {
+    if (s < n) {
+      cp_async16_stream(ring + s * kStreamWStage + lane, wlo + (kb + s) * kStreamChunk);
+      cp_async16_stream(ring + s * kStreamWStage + 32 + lane, whi + (kb + s) * kStreamChunk);
+    }
+    cp_async_commit_stream();
   }
 }
 
@@ -101,8 +122,8 @@ template <int NT, int S>
 __device__ __forceinline__ void stream_consume(const __nv_bfloat16* wlo, const __nv_bfloat16* whi, int kb, int ke,
                                                const __nv_bfloat16* const (&xp)[NT], int ntl, uint4* ring, int lane,
                                                float (&acc)[NT][4]) {
-  constexpr int kStage = stream_stage_uint4(NT);
   constexpr bool kXInRing = NT >= 2;
+  uint4* const xring = ring + S * kStreamWStage;  // the x region (NT >= 2): stage s, group t at 32 (s NT + t)
   const int n = ke - kb;
   if constexpr (kXInRing) {
 #pragma unroll
@@ -110,7 +131,7 @@ __device__ __forceinline__ void stream_consume(const __nv_bfloat16* wlo, const _
       if (s < n)
 #pragma unroll
         for (int t = 0; t < NT; ++t)
-          if (t < ntl) cp_async16_stream(ring + s * kStage + (2 + t) * 32 + lane, xp[t] + (kb + s) * kStreamChunk);
+          if (t < ntl) cp_async16_stream(xring + (s * NT + t) * 32 + lane, xp[t] + (kb + s) * kStreamChunk);
   }
   cp_async_commit_stream();
   // Commit order: W of stages 0..S-1, x of stages 0..S-1 (empty with one token group), then one group per iteration
@@ -124,7 +145,8 @@ __device__ __forceinline__ void stream_consume(const __nv_bfloat16* wlo, const _
     cp_async_wait_stream<S>();
   for (int i = 0; i < n; ++i) {
     if (i > 0) cp_async_wait_stream<S - 1>();
-    uint4* st = ring + (i % S) * kStage;
+    uint4* st = ring + (i % S) * kStreamWStage;
+    uint4* sx = xring + (i % S) * NT * 32;
     const uint4 wl = st[lane], wh = st[32 + lane];
     const uint32_t a0[4] = {wl.x, wh.x, wl.y, wh.y};
     const uint32_t a1[4] = {wl.z, wh.z, wl.w, wh.w};
@@ -134,7 +156,7 @@ __device__ __forceinline__ void stream_consume(const __nv_bfloat16* wlo, const _
       if (t < ntl) {
         uint4 xv;
         if constexpr (kXInRing)
-          xv = st[(2 + t) * 32 + lane];
+          xv = sx[t * 32 + lane];
         else  // a coherent load: x may be the previous kernel's output (read after griddep_wait)
           xv = __ldca(reinterpret_cast<const uint4*>(xp[t] + k0));
         mma_bf16(acc[t], a0, xv.x, xv.y);
@@ -149,7 +171,7 @@ __device__ __forceinline__ void stream_consume(const __nv_bfloat16* wlo, const _
       if constexpr (kXInRing) {
 #pragma unroll
         for (int t = 0; t < NT; ++t)
-          if (t < ntl) cp_async16_stream(st + (2 + t) * 32 + lane, xp[t] + k1);
+          if (t < ntl) cp_async16_stream(sx + t * 32 + lane, xp[t] + k1);
       }
     }
     cp_async_commit_stream();

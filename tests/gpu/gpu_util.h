@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <numeric>
 #include <optional>
@@ -21,6 +22,7 @@
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/moe.h"
+#include "kernels/cuda/switches.h"
 
 namespace hypic::gputest {
 
@@ -60,6 +62,30 @@ class DeviceBuffer {
  private:
   T* p_ = nullptr;
   size_t n_ = 0;
+};
+
+// Sets the candidate switch `name` (kernels/cuda/switches.h) on or off for this scope, so one test runs a kernel's
+// candidate path and its default path in one process; the variable's old value comes back at the end of the scope.
+class ScopedCandidate {
+ public:
+  ScopedCandidate(const char* name, bool on) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old;
+    setenv(name, on ? "1" : "0", 1);
+    kernels::cuda::candidates_reread();
+  }
+  ~ScopedCandidate() {
+    if (old_)
+      setenv(name_.c_str(), old_->c_str(), 1);
+    else
+      unsetenv(name_.c_str());
+    kernels::cuda::candidates_reread();
+  }
+  ScopedCandidate(const ScopedCandidate&) = delete;
+  ScopedCandidate& operator=(const ScopedCandidate&) = delete;
+
+ private:
+  std::string name_;
+  std::optional<std::string> old_;
 };
 
 inline float bf16_to_float(__nv_bfloat16 x) {
@@ -178,6 +204,12 @@ struct CapturedGraph {
 // ---- attention: bf16 bits and a paged KV pool on the host (kernels/cuda/attention.h kKvPageTokens layout) ----
 
 inline float bfr(float x) { return bf16_to_float(float_to_bf16(x)); }
+
+// Whether two host arrays hold the same bits (NaN poison included, which == would call unequal).
+template <class T>
+inline bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0);
+}
 
 inline __nv_bfloat16 nan_bf16() {
   const uint16_t b = 0xFFFF;

@@ -27,6 +27,7 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "kernels/cpu/attention.h"
@@ -331,6 +332,18 @@ TEST_CASE("attention_prefill split path: groups of 1..64 queries over contexts o
                sh.hd, sh.nh, sh.nkv, seq_kv, groups, sh.gate};
     DYNAMIC_SECTION(c.name) { run_attention_case(c, 900 + sh.hd + sh.nh); }
   }
+  // The plan from the host tables (HYPIC_ATTN_SPLIT_EXACT: chunks sized from the real row tiles and KV lengths),
+  // against the CPU as the bound plan is; the 40000-slot groups then take many more, shorter chunks.
+  for (const Shape sh : {Shape{256, 16, 2, true}, Shape{128, 8, 2, false}, Shape{64, 6, 2, true}}) {
+    AttnCase c{"split exact hd" + std::to_string(sh.hd) + " " + std::to_string(sh.nh) + "/" + std::to_string(sh.nkv) +
+                   (sh.gate ? " gate" : ""),
+               sh.hd, sh.nh, sh.nkv, seq_kv, groups, sh.gate};
+    c.host_tables = true;
+    DYNAMIC_SECTION(c.name) {
+      ScopedCandidate sw("HYPIC_ATTN_SPLIT_EXACT", true);
+      run_attention_case(c, 960 + sh.hd + sh.nh);
+    }
+  }
   SECTION("hd 256 16/2, max_kv understated (100): the last chunk covers the rest") {
     AttnCase c{"split hd256 max_kv 100", 256, 16, 2, seq_kv, groups, true};
     c.max_kv_override = 100;
@@ -502,20 +515,38 @@ TEST_CASE("attention_prefill split path: the splice pattern (16 x 8 seam queries
   SECTION("hd 256 16/2, without workspace (reference path)") {
     run_attention_case(splice_case("splice16 hd256 16/2 no-ws", 256, 16, 2, false), 1001, true);
   }
+  SECTION("hd 256 16/2, the plan from the host tables (HYPIC_ATTN_SPLIT_EXACT)") {
+    ScopedCandidate sw("HYPIC_ATTN_SPLIT_EXACT", true);
+    AttnCase c = splice_case("splice16 exact hd256 16/2", 256, 16, 2, false);
+    c.host_tables = true;
+    run_attention_case(c, 1001);
+  }
+  SECTION("hd 128 8/2, with long groups, the plan from the host tables") {
+    ScopedCandidate sw("HYPIC_ATTN_SPLIT_EXACT", true);
+    AttnCase c = splice_case("splice16+long exact hd128 8/2", 128, 8, 2, true);
+    c.host_tables = true;
+    run_attention_case(c, 1003);
+  }
 }
 
 TEST_CASE("attention_prefill split path replays from a CUDA graph bit for bit (reserved workspace)",
           "[gpu][attention]") {
   require_gpu();
-  for (bool with_long : {false, true}) {
-    DYNAMIC_SECTION("splice pattern" << (with_long ? " with long groups" : "")) {
-      AttnCase c = splice_case(with_long ? "graph splice16+long" : "graph splice16", 256, 16, 2, with_long);
+  // (exact: host tables given and HYPIC_ATTN_SPLIT_EXACT on; reserve_prefill sees the host tables too.)
+  for (const auto& [with_long, exact] : {std::pair{false, false}, std::pair{true, false}, std::pair{false, true}}) {
+    DYNAMIC_SECTION("splice pattern" << (with_long ? " with long groups" : "") << (exact ? ", exact plan" : "")) {
+      ScopedCandidate sw("HYPIC_ATTN_SPLIT_EXACT", exact);
+      AttnCase c = splice_case(with_long ? "graph splice16+long" : exact ? "graph splice16 exact" : "graph splice16",
+                               256, 16, 2, with_long);
+      c.host_tables = exact;
       std::mt19937 rng(1100 + with_long);
       std::vector<Seq> seqs;
       AttnSetup s;
       build_case(c, rng, seqs, s);
       gpu::AttnDecodeWorkspace ws;
-      ws.reserve_prefill(s.groups(), c.nh, c.nkv, c.hd);
+      gpu::AttnGroups rg = s.groups();
+      if (exact) rg.q_start_host = s.q_start.data(), rg.slot0_host = s.slot0.data();
+      ws.reserve_prefill(rg, c.nh, c.nkv, c.hd);
       const size_t reserved = ws.bytes();
       std::printf("[%s] reserved workspace %zu bytes\n", c.name.c_str(), reserved);
       CHECK(reserved > 0);
@@ -762,14 +793,24 @@ void run_prepare_case(const PrepareCase& c, uint32_t seed) {
       dv(pool_elems);
   DeviceBuffer<int> dpos(pos), drows(rows);
   DeviceBuffer<float> dinv(inv.empty() ? std::vector<float>{0.f} : inv);
-  dq.poison();
-  dk.poison();
-  dv.poison();
-  gpu::attention_prepare(c.T, c.nh, c.nkv, c.hd, c.rot, c.gate, dqg.get(), dkv.get(), dkv.get() + c.nkv * c.hd, kvs,
-                         dqw.get(), dkw.get(), eps, dpos.get(), c.rot ? dinv.get() : nullptr, drows.get(), dq.get(),
-                         dk.get(), dv.get());
-  check_cuda(cudaDeviceSynchronize(), c.name);
-  const auto q = dq.download(), k = dk.download(), v = dv.download();
+  // Both RoPE paths (the per-position angle table, HYPIC_ROPE_TABLE, with several heads per warp at large T; and the
+  // trig per element): the same arithmetic, so the same bits.
+  auto prepare = [&](bool table) {
+    ScopedCandidate sw("HYPIC_ROPE_TABLE", table);
+    dq.poison();
+    dk.poison();
+    dv.poison();
+    gpu::attention_prepare(c.T, c.nh, c.nkv, c.hd, c.rot, c.gate, dqg.get(), dkv.get(), dkv.get() + c.nkv * c.hd,
+                           kvs, dqw.get(), dkw.get(), eps, dpos.get(), c.rot ? dinv.get() : nullptr, drows.get(),
+                           dq.get(), dk.get(), dv.get());
+    check_cuda(cudaDeviceSynchronize(), c.name);
+    return std::make_tuple(dq.download(), dk.download(), dv.download());
+  };
+  const auto [q0, k0, v0] = prepare(false);
+  const auto [q, k, v] = prepare(true);
+  const bool table_same = same_bits(q0, q) && same_bits(k0, k) && same_bits(v0, v);
+  std::printf("[%s] angle table vs trig per element: %s\n", c.name.c_str(), table_same ? "bit-identical" : "DIFFER");
+  CHECK(table_same);
 
   RowStats qs, ks;
   size_t v_mismatch = 0, stray = 0;
@@ -825,22 +866,41 @@ TEST_CASE("attention_prepare matches zero-centred RMSNorm + partial NeoX RoPE an
     run_prepare_case({"prepare hd64 rot32 odd stride", 65, 4, 4, 64, 32, true, 1, 5000}, 603);
   }
   SECTION("hd 128, 4/1 heads, no rotary") { run_prepare_case({"prepare hd128 rot0", 9, 4, 1, 128, 0, true, 0, 10}, 604); }
+  // Enough tokens that the table path gives each warp several heads of a token (attention_prepare: heads per item
+  // from 32 warps per SM; 9 of the 18 at T = 3000 on 132 SMs, all 18 at 5000, all 10 at 9000).
+  const std::vector<PrepareCase> many_tokens = {
+      {"prepare hd256 rot64 gate T3000", 3000, 16, 2, 256, 64, true, 0, 262144},
+      {"prepare hd256 rot64 gate T5000", 5000, 16, 2, 256, 64, true, 0, 32768},
+      {"prepare hd128 rot128 stride+8 T9000", 9000, 8, 2, 128, 128, false, 8, 100000}};
+  for (size_t i = 0; i < many_tokens.size(); ++i)
+    DYNAMIC_SECTION(many_tokens[i].name) { run_prepare_case(many_tokens[i], 605 + uint32_t(i)); }
 }
 
 namespace {
 
-void run_import_case(const std::string& name, int n, int nkv, int hd, int rot, bool misaligned, uint32_t seed) {
+// kv_import of n rows in runs of 1 .. max_run rows (each run: consecutive source rows from a random place, one delta;
+// every fifth run delta 0, every third one repeating the previous run's delta), against apply_rope_uniform, with the
+// angles from the per-delta table (HYPIC_ROPE_TABLE) and from the trig per element: the same bits.
+void run_import_case(const std::string& name, int n, int nkv, int hd, int rot, bool misaligned, uint32_t seed,
+                     int max_run = 1) {
   std::mt19937 rng(seed);
   const size_t row = size_t(nkv) * hd;
   std::vector<float> kf, vf;
   const auto kh = random_bf16(rng, size_t(n) * row + 8, 1.0f, kf);
   const auto vh = random_bf16(rng, size_t(n) * row + 8, 1.0f, vf);
   const size_t base = misaligned ? 1 : 0;  // 2-byte aligned rows: the scalar path
+  std::uniform_int_distribution<int> ud(-5000, 5000), ulen(1, max_run);
+  std::vector<int> run_start{0}, run_src, run_delta;  // run r: rows run_start[r] .., source rows run_src[r] ..
+  while (run_start.back() < n) {
+    const int len = std::min(ulen(rng), n - run_start.back()), r = int(run_delta.size());
+    run_src.push_back(std::uniform_int_distribution<int>(0, n - len)(rng));
+    run_delta.push_back(r % 5 == 0 ? 0 : r % 3 == 0 && r > 0 ? run_delta.back() : ud(rng));
+    run_start.push_back(run_start.back() + len);
+  }
+  const int runs = int(run_delta.size());
   std::vector<int> src(n), deltas(n);
-  std::iota(src.begin(), src.end(), 0);
-  std::shuffle(src.begin(), src.end(), rng);
-  std::uniform_int_distribution<int> ud(-5000, 5000);
-  for (int i = 0; i < n; ++i) deltas[i] = i % 5 == 0 ? 0 : ud(rng);
+  for (int r = 0; r < runs; ++r)
+    for (int i = run_start[r]; i < run_start[r + 1]; ++i) src[i] = run_src[r] + (i - run_start[r]), deltas[i] = run_delta[r];
   const int pages = (n + kPage - 1) / kPage + 1;
   std::vector<int> rows(size_t(pages) * kPage);
   std::iota(rows.begin(), rows.end(), 0);
@@ -849,22 +909,26 @@ void run_import_case(const std::string& name, int n, int nkv, int hd, int rot, b
   const auto inv = rot ? cpu::rope_inv_freq(1e7, rot) : std::vector<float>{};
 
   DeviceBuffer<bf16> dks(kh), dvs(vh), dk(size_t(pages) * kPage * row), dv(dk.size());
-  dk.poison();
-  dv.poison();
-  std::vector<const bf16*> kp(n), vp(n);
-  for (int i = 0; i < n; ++i) {
-    kp[i] = dks.get() + base + size_t(src[i]) * row;
-    vp[i] = dvs.get() + base + size_t(src[i]) * row;
+  std::vector<const bf16*> kp(runs), vp(runs);
+  for (int r = 0; r < runs; ++r) {
+    kp[r] = dks.get() + base + size_t(run_src[r]) * row;
+    vp[r] = dvs.get() + base + size_t(run_src[r]) * row;
   }
   DeviceBuffer<const bf16*> dkp(kp), dvp(vp);
-  std::vector<int> one_row_runs(n + 1);  // every row its own run (per-row sources and deltas)
-  std::iota(one_row_runs.begin(), one_row_runs.end(), 0);
-  DeviceBuffer<int> ddel(deltas), drows(rows), dstart(one_row_runs);
+  DeviceBuffer<int> ddel(run_delta), drows(rows), dstart(run_start);
   DeviceBuffer<float> dinv(inv.empty() ? std::vector<float>{0.f} : inv);
-  gpu::kv_import(n, n, nkv, hd, rot, dstart.get(), dkp.get(), dvp.get(), ddel.get(), rot ? dinv.get() : nullptr,
-                 drows.get(), dk.get(), dv.get());
-  check_cuda(cudaDeviceSynchronize(), name);
-  const auto k = dk.download(), v = dv.download();
+  auto import = [&](bool table) {
+    ScopedCandidate sw("HYPIC_ROPE_TABLE", table);
+    dk.poison();
+    dv.poison();
+    gpu::kv_import(n, runs, nkv, hd, rot, dstart.get(), dkp.get(), dvp.get(), ddel.get(), rot ? dinv.get() : nullptr,
+                   drows.get(), dk.get(), dv.get());
+    check_cuda(cudaDeviceSynchronize(), name);
+    return std::make_pair(dk.download(), dv.download());
+  };
+  const auto [k0, v0] = import(false);
+  const auto [k, v] = import(true);
+  const bool table_same = same_bits(k0, k) && same_bits(v0, v);
   RowStats ks;
   size_t v_mismatch = 0, zero_delta_mismatch = 0;
   std::vector<float> y(row), got(row);
@@ -880,10 +944,13 @@ void run_import_case(const std::string& name, int n, int nkv, int hd, int rot, b
     }
     for (int h = 0; h < nkv; ++h) ks.add(got.data() + h * hd, y.data() + h * hd, hd);
   }
-  std::printf("[%s] k: worst row max|d|/max|ref| %.3e, bitwise equal %.4f; delta-0 mismatches %zu; v mismatches %zu\n",
-              name.c_str(), ks.worst, ks.equal_fraction(), zero_delta_mismatch, v_mismatch);
+  std::printf("[%s] %d runs: k: worst row max|d|/max|ref| %.3e, bitwise equal %.4f; delta-0 mismatches %zu; v "
+              "mismatches %zu; angle table vs trig per element: %s\n",
+              name.c_str(), runs, ks.worst, ks.equal_fraction(), zero_delta_mismatch, v_mismatch,
+              table_same ? "bit-identical" : "DIFFER");
   std::fflush(stdout);
   INFO(name);
+  CHECK(table_same);
   CHECK(ks.nonfinite == 0);
   CHECK(ks.worst <= 1.0 / 64);
   CHECK(ks.equal_fraction() >= 0.95);
@@ -901,6 +968,12 @@ TEST_CASE("kv_import re-rotates cached K by position deltas like apply_rope_unif
   }
   SECTION("hd 64, 4 KV heads, rotary 32") { run_import_case("import hd64 rot32", 65, 4, 64, 32, false, 703); }
   SECTION("hd 256, no rotary (plain copy)") { run_import_case("import hd256 rot0", 17, 2, 256, 0, false, 704); }
+  SECTION("hd 256, 2 KV heads, rotary 64, runs of 1-40 rows") {
+    run_import_case("import hd256 rot64 runs", 2000, 2, 256, 64, false, 705, 40);
+  }
+  SECTION("hd 128, 2 KV heads, full rotary, runs of 1-9 rows, misaligned") {
+    run_import_case("import hd128 rot128 runs misaligned", 700, 2, 128, 128, true, 706, 9);
+  }
 }
 
 TEST_CASE("kv_import(delta) after attention_prepare at p equals attention_prepare at p + delta", "[gpu][attention]") {

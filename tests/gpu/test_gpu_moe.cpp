@@ -25,11 +25,13 @@
 #include <numeric>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/cpu/ops.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/moe.h"
+#include "kernels/cuda/ops.h"
 #include "tests/gpu/gpu_util.h"
 
 using namespace hypic::gputest;
@@ -387,6 +389,18 @@ TEST_CASE("moe_forward decode sizes (T <= 64): OwnDecode / Own vs CPU, Cublas, O
       const bool own_is_dec = std::memcmp(results[kOwn].data(), results[kDec].data(), n * sizeof(float)) == 0;
       std::printf("[moe] decode %s Own == OwnDecode bit-identical: %s\n", name.c_str(), own_is_dec ? "yes" : "NO");
       CHECK(own_is_dec);
+      // Tiles with one token group on the whole ring as W-only stages (HYPIC_MOE_DECODE_DEEP; T > 8: the rings have
+      // 2 or 4 token groups) against the staged x: the same products in the same order, the same bits.
+      for (bool deep : {true, false}) {
+        ScopedCandidate sw("HYPIC_MOE_DECODE_DEEP", deep);
+        DeviceBuffer<float> dout(base);
+        gpu::moe_forward(T, dx.get(), v, dout.get(), ws, gemm, gpu::GroupedGemm::Own, st.s);
+        check_cuda(cudaStreamSynchronize(st.s), "moe_forward");
+        const bool same = same_bits(dout.download(), results[kOwn]);
+        std::printf("[moe] decode %s Own with the deep ring %s == default: %s\n", name.c_str(), deep ? "on" : "off",
+                    same ? "yes" : "NO");
+        CHECK(same);
+      }
       // Token 0 is the first row of each of its experts' first tiles at every T, so its output must not
       // depend on the batch: bit-identical to T = 1.
       if (T == 1) tok0.assign(results[kOwn].begin(), results[kOwn].begin() + c.H);
@@ -530,6 +544,59 @@ TEST_CASE("moe_forward wgmma prefill tiles (OwnWgmma / Own) vs CPU and the mma.s
         std::printf("[moe] wgmma %s OwnWgmma run twice bit-identical: %s\n", name.c_str(), same ? "yes" : "NO");
         CHECK(same);
       }
+      // The vector epilogue (HYPIC_MOE_EPILOGUE_VEC: weight rows loaded permuted so a lane's fragments hold 8
+      // consecutive columns, 16-byte stores) against the m16n8 pairs: the same products in other registers, the same
+      // bits (64-row tiles at T = 1 / 37 / 200, 128-row ones at 300 / 4096 / 1000; N not a multiple of the tile).
+      if (wgmma) {
+        std::vector<float> vec, pairs;
+        {
+          ScopedCandidate sw("HYPIC_MOE_EPILOGUE_VEC", true);
+          vec = run(gpu::GroupedGemm::OwnWgmma);
+        }
+        {
+          ScopedCandidate sw("HYPIC_MOE_EPILOGUE_VEC", false);
+          pairs = run(gpu::GroupedGemm::OwnWgmma);
+        }
+        const bool same = same_bits(vec, pairs);
+        std::printf("[moe] wgmma %s vector epilogue == pairs bit-identical: %s\n", name.c_str(), same ? "yes" : "NO");
+        CHECK(same);
+      }
+      // Tail tiles (HYPIC_MOE_TAIL64: on 128-row schedules an expert's last tile of 1 .. 64 rows runs on the 64-row
+      // kernels): a row's products do not depend on its tile, so the same bits; the tail list holds exactly the
+      // experts whose count leaves 1 .. 64 rows past a multiple of 128 (none on 64-row schedules).
+      if (wgmma) {
+        std::vector<float> tails, whole;
+        std::vector<int> nt(2);
+        {
+          ScopedCandidate sw("HYPIC_MOE_TAIL64", true);
+          tails = run(gpu::GroupedGemm::OwnWgmma);
+          check_cuda(cudaMemcpy(nt.data(), ws.num_tiles.p, 2 * sizeof(int), cudaMemcpyDeviceToHost), "num_tiles");
+        }
+        {
+          ScopedCandidate sw("HYPIC_MOE_TAIL64", false);
+          whole = run(gpu::GroupedGemm::OwnWgmma);
+        }
+        // OwnWgmma's 128-row schedule (moe_internal.cuh wgmma_bm: variant 1 from 32 rows per expert, the others
+        // always); variant 5 has no 64-row kernels, so no tails.
+        const char* mv = std::getenv("HYPIC_MOE_WGMMA");
+        const std::string mode = mv ? mv : "1";
+        const bool variant1 = mode != "2" && mode != "3" && mode != "4" && mode != "5";
+        const bool bm128 = !variant1 || size_t(T) * c.topk >= size_t(32) * c.E, tails_on = bm128 && mode != "5";
+        int want_tails = 0, want_main = 0;
+        for (int cnt : counts) {
+          const bool tail = tails_on && cnt % 128 > 0 && cnt % 128 <= 64;
+          want_tails += tail;
+          want_main += (cnt + 127) / 128 - tail;
+        }
+        const bool same = same_bits(tails, whole);
+        std::printf("[moe] wgmma %s tail tiles: %d tail + %d 128-row tiles (want %d + %d), == without: %s\n",
+                    name.c_str(), nt[1], nt[0], want_tails, want_main, same ? "yes" : "NO");
+        CHECK(same);
+        if (bm128) {
+          CHECK(nt[1] == want_tails);
+          CHECK(nt[0] == want_main);
+        }
+      }
       // Own runs the same kernels (and schedule) where it takes the prefill tiles: bit-identical.
       const bool own_prefill = T > 64 && size_t(T) * c.topk > size_t(16) * std::min<size_t>(size_t(c.E), size_t(T) * c.topk);
       if (wgmma && own_prefill) {
@@ -559,6 +626,95 @@ TEST_CASE("moe_forward wgmma prefill tiles (OwnWgmma / Own) vs CPU and the mma.s
         CHECK(e2.max_rel <= 2e-2);
       }
     }
+  }
+}
+
+// moe_forward's next norm (MoeNextNorm: y = the next layer's input RMSNorm of the rows the MoE output was added
+// into), fused into the combine (HYPIC_FUSE_NEXT_NORM on: rows of H <= 8192) and separate (off), against moe_forward
+// without it followed by rms_norm_residual: out and y bit for bit, also with y written over the MoE input x (as the
+// engine does: hn is both); y also against a host RMSNorm of the downloaded out (one bf16 rounding: |d| <= 2^-8 |ref|
+// per element, plus fp32 slack). Decode (T <= 64, PDL launches) and prefill sizes, zero-centred and plain norms, and
+// H = 8256 (past the fused kernel's rows: the separate path whatever the switch).
+TEST_CASE("moe_forward with the next layer's input norm (MoeNextNorm) == moe_forward then rms_norm_residual", "[moe]") {
+  require_gpu();
+  Stream st;
+  gpu::GemmRunner gemm;
+  struct Case {
+    MoeCfg c;
+    int T;
+    gpu::GroupedGemm impl;
+    bool zero_centred;
+  };
+  const std::vector<Case> cases = {{{256, 8, 2048, 512, 512}, 1, gpu::GroupedGemm::Own, true},
+                                   {{256, 8, 2048, 512, 512}, 7, gpu::GroupedGemm::Own, true},
+                                   {{256, 8, 2048, 512, 512}, 300, gpu::GroupedGemm::Own, true},
+                                   {{16, 2, 320, 96, 32}, 37, gpu::GroupedGemm::OwnSmallM, false},
+                                   {{16, 2, 320, 96, 0}, 70, gpu::GroupedGemm::OwnLargeM, true},
+                                   {{8, 2, 8256, 64, 0}, 3, gpu::GroupedGemm::Own, false}};
+  uint64_t seed = 1300;
+  const float eps = 1e-6f;
+  for (const Case& k : cases) {
+    const MoeCfg& c = k.c;
+    const std::string name = cfg_str(c, true, k.T) + (k.zero_centred ? " zero-centred" : " plain");
+    INFO(name);
+    HostMoe m(c, seed++);
+    Rng r(seed++);
+    std::vector<float> xf, wf;
+    const std::vector<bf16> xb = rand_bf16(r, size_t(k.T) * c.H, 1.0f, xf);
+    const std::vector<bf16> wb = rand_bf16(r, size_t(c.H), 0.3f, wf);
+    const std::vector<float> base = rand_f32(r, size_t(k.T) * c.H, 1.0f);
+    DeviceBuffer<bf16> dx(xb), dw(wb), dy(xb.size());
+    DeviceBuffer<float> dout(base);
+    gpu::MoeWorkspace ws;
+    const gpu::MoeWeightsView v = m.view(true);
+    // The reference: moe_forward, then rms_norm_residual.
+    gpu::moe_forward(k.T, dx.get(), v, dout.get(), ws, gemm, k.impl, st.s);
+    dy.poison();
+    gpu::rms_norm_residual(k.T, c.H, dout.get(), c.H, nullptr, dw.get(), eps, dy.get(), st.s, k.zero_centred);
+    check_cuda(cudaStreamSynchronize(st.s), "reference");
+    const std::vector<float> out_ref = dout.download();
+    const std::vector<bf16> y_ref = dy.download();
+    // y_ref against a host RMSNorm of out_ref.
+    std::vector<float> host_y(out_ref.size());
+    if (k.zero_centred)
+      cpu::rms_norm_zero_centred(k.T, c.H, out_ref.data(), wf.data(), eps, host_y.data());
+    else
+      cpu::rms_norm(k.T, c.H, out_ref.data(), wf.data(), eps, host_y.data());
+    size_t host_bad = 0;
+    for (size_t i = 0; i < host_y.size(); ++i)
+      host_bad += !(std::fabs(bf16_to_float(y_ref[i]) - host_y[i]) <= std::ldexp(std::fabs(host_y[i]), -8) + 1e-6f);
+    auto with_next = [&](bool fused, bool alias) {
+      ScopedCandidate sw("HYPIC_FUSE_NEXT_NORM", fused);
+      dout.upload(base);
+      DeviceBuffer<bf16> dx2(xb);  // the MoE input; with alias also the norm's output
+      dy.poison();
+      const gpu::MoeNextNorm next{dw.get(), eps, k.zero_centred, alias ? dx2.get() : dy.get()};
+      gpu::moe_forward(k.T, dx2.get(), v, dout.get(), ws, gemm, k.impl, st.s, &next);
+      check_cuda(cudaStreamSynchronize(st.s), "moe_forward with next norm");
+      return std::make_pair(dout.download(), alias ? dx2.download() : dy.download());
+    };
+    for (const auto& [fused, alias] : {std::pair{true, false}, std::pair{false, false}, std::pair{true, true}}) {
+      const auto [out, y] = with_next(fused, alias);
+      const bool out_same = same_bits(out, out_ref), y_same = same_bits(y, y_ref);
+      std::printf("[moe] next norm %s %s%s: out %s, y %s (vs moe_forward + rms_norm_residual); y vs host RMSNorm: "
+                  "%zu elements past 2^-8\n",
+                  name.c_str(), fused ? "fused" : "separate", alias ? ", y over x" : "",
+                  out_same ? "bit-identical" : "DIFFER", y_same ? "bit-identical" : "DIFFER", host_bad);
+      CHECK(out_same);
+      CHECK(y_same);
+    }
+    CHECK(host_bad == 0);
+  }
+  // A null weight or output is refused before anything runs.
+  {
+    HostMoe m({8, 2, 64, 32, 32}, 3);
+    DeviceBuffer<bf16> dx(size_t(4) * 64), dw(64);
+    DeviceBuffer<float> dout(size_t(4) * 64);
+    gpu::MoeWorkspace ws;
+    const gpu::MoeNextNorm no_y{dw.get(), 1e-6f, true, nullptr};
+    CHECK_THROWS_AS(gpu::moe_forward(4, dx.get(), m.view(true), dout.get(), ws, gemm, gpu::GroupedGemm::Own, st.s,
+                                     &no_y),
+                    std::invalid_argument);
   }
 }
 

@@ -169,8 +169,10 @@ Errs run_rms_norm_residual(const NormP& p, std::mt19937& rng) {
 
 struct RowsP {
   int rows, dim;
+  bool vec = false;  // the 16-byte kernel (HYPIC_NORM_GATED_VEC on; dims 32 .. 256, multiples of 8), else the default
 };
 Errs run_rms_norm_gated(const RowsP& p, std::mt19937& rng) {
+  ScopedCandidate sw("HYPIC_NORM_GATED_VEC", p.vec);
   const size_t n = size_t(p.rows) * p.dim;
   std::vector<float> xf, zf, wf;
   const auto x = random_bf16(rng, n, 1.f, xf), z = random_bf16(rng, n, 1.f, zf), w = random_bf16(rng, p.dim, 1.f, wf);
@@ -327,6 +329,7 @@ struct ConvP {
   int C, K;
   bool history;  // conv_state given (the K-1 inputs before each sequence; the tail written back), else nullptr
   int qd = 0;    // > 0: the output split into q, k [T][qd] and v [T][C - 2 qd] (ConvQkvOut), else whole [T][C]
+  bool narrow = false;  // the 4-channel kernel with the approximate SiLU division (HYPIC_CONV_NARROW on)
 };
 
 // The [T][C] rows of a [Q | K | V] output split into q, k [T][qd] and v [T][C - 2 qd], joined back.
@@ -340,6 +343,7 @@ std::vector<float> join_qkv(const std::vector<float>& q, const std::vector<float
   return y;
 }
 Errs run_conv1d_prefill(const ConvP& p, std::mt19937& rng) {
+  ScopedCandidate sw("HYPIC_CONV_NARROW", p.narrow);
   const int n = int(p.lens.size()), KC = (p.K - 1) * p.C;
   std::vector<int> cu(n + 1, 0);
   for (int s = 0; s < n; ++s) cu[s + 1] = cu[s] + p.lens[s];
@@ -978,7 +982,10 @@ std::vector<Op> ops_table() {
                 run_rms_norm_residual),
       op<RowsP>("rms_norm_gated", "x, z, w bf16 -> y bf16 (in place)", {{"elem", 1e-2, one_rounding}},
                 {{"rows1 dim128", {1, 128}}, {"rows123 dim128", {123, 128}}, {"rows40 dim256", {40, 256}},
-                 {"rows7 dim66", {7, 66}}},
+                 {"rows7 dim66", {7, 66}}, {"rows1 dim128 vec", {1, 128, true}},
+                 {"rows4099 dim128 vec", {4099, 128, true}}, {"rows40 dim256 vec", {40, 256, true}},
+                 {"rows9 dim32 vec", {9, 32, true}}, {"rows33 dim64 vec", {33, 64, true}},
+                 {"rows5 dim96 vec (12 lanes: the default kernel)", {5, 96, true}}},
                 run_rms_norm_gated),
       op<GatherP>("gather_rows", "bf16 rows, int32 row ids -> bf16 rows", {exact},
                   {{"n1 width6 (4-byte path)", {3, 1, 6}}, {"n4 width1030", {29, 4, 1030}},
@@ -1009,7 +1016,12 @@ std::vector<Op> ops_table() {
                  {"lens{20,13} C64 K8", {{20, 13}, 64, 8, true}},
                  {"lens{17,0,100,31} C8192 K4 split qd2048", {{17, 0, 100, 31}, 8192, 4, true, 2048}},
                  {"lens{1,2,0,3,5,40} C776 K3 split qd264", {{1, 2, 0, 3, 5, 40}, 776, 3, true, 264}},
-                 {"lens{47} C776 K4 no history split qd264", {{47}, 776, 4, false, 264}}},
+                 {"lens{47} C776 K4 no history split qd264", {{47}, 776, 4, false, 264}},
+                 {"narrow lens{1,2,0,3,5,40} C776 K4", {{1, 2, 0, 3, 5, 40}, 776, 4, true, 0, true}},
+                 {"narrow lens{300,700,29} C8192 K4", {{300, 700, 29}, 8192, 4, true, 0, true}},
+                 {"narrow lens{20,13} C64 K8", {{20, 13}, 64, 8, true, 0, true}},
+                 {"narrow lens{7,33} C200 K3 no history", {{7, 33}, 200, 3, false, 0, true}},
+                 {"narrow lens{17,0,100,31} C8192 K4 split qd2048", {{17, 0, 100, 31}, 8192, 4, true, 2048, true}}},
                 run_conv1d_prefill),
       op<ConvDecP>("conv1d_silu_decode", "x, weight, conv_state bf16 (slot pool) -> y bf16, conv_state bf16",
                    {{"y.elem", 8e-3, "fp32 accumulation of K products, one bf16 rounding"},

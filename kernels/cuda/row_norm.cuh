@@ -1,0 +1,54 @@
+// The pieces of the residual stream's RMSNorm (HF Qwen3_5RMSNorm / Qwen3NextRMSNorm zero-centred, or the plain
+// RMSNorm of the other families) shared by ops.cu's rms_norm_residual_kernel and moe.cu's combine_norm_kernel (the
+// MoE combine with the next layer's input norm fused, MoeNextNorm), so both give the same bits: one block of
+// kNormThreads threads per row of `dim` fp32 values, thread tid owning the 4-column groups c = 4 tid + 4 kNormThreads i
+// in ascending i; the sum of squares is each thread's (in that order), then each warp's (xor shuffles), then the
+// warps' in ascending order; y = bf16(x * rsqrt(ss / dim + eps) * (w0 + w)), w0 = 1 zero-centred, else 0.
+#pragma once
+#include <cuda_bf16.h>
+
+namespace hypic::kernels::cuda::detail {
+
+constexpr int kNormThreads = 256;  // threads per row of the residual-stream norms
+
+__device__ __forceinline__ float norm_warp_sum(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+// The sum of squares of one 4-column group, added to a thread's running sum: ss + (((x^2 + y^2) + z^2) + w^2).
+__device__ __forceinline__ float norm_add_sq4(float ss, float4 v) {
+  return ss + (v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w);
+}
+
+// rsqrt(mean + eps) from each thread's sum of squares: every thread of the block returns the same value. part:
+// kNormThreads / 32 floats of shared memory (written, read after a barrier; the caller does not reuse it before the
+// block's next barrier).
+__device__ __forceinline__ float norm_block_inv(float ss, float* part, int dim, float eps) {
+  const int tid = threadIdx.x;
+  ss = norm_warp_sum(ss);
+  if ((tid & 31) == 0) part[tid >> 5] = ss;
+  __syncthreads();
+  float total = 0.f;
+#pragma unroll
+  for (int i = 0; i < kNormThreads / 32; ++i) total += part[i];
+  return rsqrtf(total / dim + eps);
+}
+
+// One 4-column group's normalised values (unrounded, fp32; w at column c) and their bf16 store into yr + c.
+template <bool kZeroCentred>
+__device__ __forceinline__ float4 norm_apply4(float4 v, float inv, const __nv_bfloat16* __restrict__ w,
+                                              __nv_bfloat16* yr, int c) {
+  const __nv_bfloat162 w01 = *reinterpret_cast<const __nv_bfloat162*>(w + c);
+  const __nv_bfloat162 w23 = *reinterpret_cast<const __nv_bfloat162*>(w + c + 2);
+  const float2 a = __bfloat1622float2(w01), b = __bfloat1622float2(w23);
+  const float w0 = kZeroCentred ? 1.f : 0.f;
+  const float n0 = v.x * inv * (w0 + a.x), n1 = v.y * inv * (w0 + a.y), n2 = v.z * inv * (w0 + b.x),
+              n3 = v.w * inv * (w0 + b.y);
+  *reinterpret_cast<__nv_bfloat162*>(yr + c) = __floats2bfloat162_rn(n0, n1);
+  *reinterpret_cast<__nv_bfloat162*>(yr + c + 2) = __floats2bfloat162_rn(n2, n3);
+  return make_float4(n0, n1, n2, n3);
+}
+
+}  // namespace hypic::kernels::cuda::detail

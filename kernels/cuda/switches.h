@@ -1,0 +1,57 @@
+// Environment switches of kernel paths that are written and tested against their references but not yet measured on
+// a GPU ("candidates"): each is off by default until a GPU session measures it (then its default flips and the switch
+// stays for side-by-side runs). Host only.
+#pragma once
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+
+namespace hypic::kernels::cuda {
+
+/// Whether the candidate path `name` (an environment variable such as "HYPIC_ROPE_TABLE") is on: the variable set to
+/// "1" / "on" turns it on and "0" / "off" off; unset (or any other value), HYPIC_CANDIDATES=1 turns every candidate
+/// on, else it is off. Reads the environment at each call (CandidateSwitch keeps the answer).
+/// scripts/test_gpu.sh --candidates reruns the GPU tests with HYPIC_CANDIDATES=1.
+inline bool candidate_enabled(const char* name) {
+  auto parse = [](const char* v) -> int {
+    if (!v) return -1;
+    if (!std::strcmp(v, "1") || !std::strcmp(v, "on")) return 1;
+    if (!std::strcmp(v, "0") || !std::strcmp(v, "off")) return 0;
+    return -1;
+  };
+  const int own = parse(std::getenv(name));
+  if (own >= 0) return own == 1;
+  return parse(std::getenv("HYPIC_CANDIDATES")) == 1;
+}
+
+/// The generation of the environment as the switches saw it: candidates_reread() moves it on.
+inline std::atomic<int>& candidate_generation() {
+  static std::atomic<int> g{0};
+  return g;
+}
+
+/// Makes every CandidateSwitch read its variable again at its next use: for tests that setenv() a switch to run both
+/// paths in one process (single-threaded; the serving processes never change their environment).
+inline void candidates_reread() { candidate_generation().fetch_add(1, std::memory_order_relaxed); }
+
+/// One candidate switch, read once per generation (an atomic load per use otherwise), e.g. at a launch site:
+///   static CandidateSwitch rope_table("HYPIC_ROPE_TABLE");  if (rope_table.on()) ...
+class CandidateSwitch {
+ public:
+  explicit constexpr CandidateSwitch(const char* name) : name_(name) {}
+  bool on() {
+    const int g = candidate_generation().load(std::memory_order_relaxed);
+    if (gen_.load(std::memory_order_acquire) != g) {
+      on_.store(candidate_enabled(name_), std::memory_order_relaxed);
+      gen_.store(g, std::memory_order_release);
+    }
+    return on_.load(std::memory_order_relaxed);
+  }
+
+ private:
+  const char* name_;
+  std::atomic<int> gen_{-1};
+  std::atomic<bool> on_{false};
+};
+
+}  // namespace hypic::kernels::cuda
