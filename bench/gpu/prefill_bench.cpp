@@ -74,6 +74,7 @@
 #include "kernels/cuda/mla.h"
 #include "kernels/cuda/moe.h"
 #include "kernels/cuda/ops.h"
+#include "kernels/cuda/switches.h"
 
 namespace kc = hypic::kernels::cuda;
 namespace eng = hypic::engine;
@@ -134,6 +135,37 @@ Stats time_wall(const std::function<void()>& fn, int warm, int reps, const std::
     t.push_back(std::chrono::duration<double, std::milli>(b - a).count());
   }
   return summarize(t);
+}
+
+/// Sets the candidate switch `name` (kernels/cuda/switches.h) on or off for the rest of the process.
+void set_candidate(const std::string& name, bool on) {
+  setenv(name.c_str(), on ? "1" : "0", 1);
+  kc::candidates_reread();
+}
+
+/// time_wall of fn() with the candidate switch `name` off and on, side by side: `warm` untimed runs of each, then
+/// `reps` timed runs of each, alternating off / on run by run so that both see the same machine state. The switch is
+/// left unset afterwards (the environment's default). Returns (off, on).
+std::pair<Stats, Stats> time_ab(const std::string& name, const std::function<void()>& fn, int warm, int reps) {
+  for (int i = 0; i < warm; ++i)
+    for (bool on : {false, true}) {
+      set_candidate(name, on);
+      fn();
+      check_cuda(cudaDeviceSynchronize(), "warm-up");
+    }
+  std::vector<double> t[2];
+  for (int i = 0; i < reps; ++i)
+    for (bool on : {false, true}) {
+      set_candidate(name, on);
+      check_cuda(cudaDeviceSynchronize(), "before a timed run");
+      const auto a = std::chrono::steady_clock::now();
+      fn();
+      check_cuda(cudaDeviceSynchronize(), "timed run");
+      t[on].push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - a).count());
+    }
+  unsetenv(name.c_str());
+  kc::candidates_reread();
+  return {summarize(t[0]), summarize(t[1])};
 }
 
 /// GPU ms of fn() (asynchronous work on `stream`) between two CUDA events; `warm` untimed runs first.
@@ -665,6 +697,7 @@ int main(int argc, char** argv) try {
   CLI::App app{"Whole-model benchmark of the CUDA backend at a model's real dimensions (Qwen3.5-35B-A3B by default; "
                "any config the backend serves), benchmark-only random weights"};
   std::string config = "bench/gpu/qwen3_5_35b_a3b.json", device = "cuda:0", lengths_s = "4096,16384,32768";
+  std::vector<std::string> ab_switches;
   std::string json_path, md_path, hf_json, best_json, commit, command, batches_s = "1,16,64", skip_s, refresh_s = "2,4",
               tails_s = "2";
   uint64_t seed = 1;
@@ -713,6 +746,10 @@ int main(int argc, char** argv) try {
   app.add_option("--skip", skip_s,
                  "sections to skip, comma-separated: parts,prefill,build,notc,splice,decode,beside");
   app.add_flag("--quick", quick, "quick mode: 1 warm-up, 2 timed runs, 1 + 3 decode steps");
+  app.add_option("--ab", ab_switches,
+                 "candidate switches (kernels/cuda/switches.h, e.g. HYPIC_ROPE_TABLE, or HYPIC_CANDIDATES for all) to "
+                 "time off and on side by side, run by run, for each full-prefill length and the warm splice")
+      ->delimiter(',');
   app.add_option("--json", json_path, "write the results as JSON here");
   app.add_option("--md", md_path, "write the Markdown report here");
   app.add_option("--hf-json", hf_json, "tools/hf_prefill_bench.py's JSON: fills hf_ms per prompt length");
@@ -742,6 +779,9 @@ int main(int argc, char** argv) try {
     throw std::invalid_argument("--reps / --decode-steps must be >= 1, warm-ups >= 0");
   if (segments < 1 || segment_tokens < 1 || query_tokens < 1 || decode_query < 1 || seam < 0)
     throw std::invalid_argument("--segments, --segment-tokens, --query-tokens, --decode-query-tokens must be >= 1");
+  for (const std::string& a : ab_switches)
+    if (!kc::is_candidate_switch(a.c_str()))
+      throw std::invalid_argument("--ab: " + a + " is not a candidate switch (kernels/cuda/switches.h)");
   const std::vector<int64_t> lengths = parse_list(lengths_s, "--lengths");
   const std::vector<int64_t> batches = parse_list(batches_s, "--decode-batches");
   std::vector<int> refresh_counts;
@@ -877,7 +917,7 @@ int main(int argc, char** argv) try {
   const std::vector<int32_t> query = random_ids(size_t(query_tokens), d.V, rng);
 
   json rows = json::array(), build = json::object(), splice = json::object(), decode = json::object(), memory;
-  json beside = json::object();
+  json beside = json::object(), ab = json::array();
   std::vector<std::shared_ptr<const eng::ResidentEntry>> entries;
   double build_with_tc = NAN;
   try {
@@ -1012,6 +1052,42 @@ int main(int argc, char** argv) try {
         std::printf("splice: FAILED: %s\n", e.what());
       }
       std::fflush(stdout);
+    }
+
+    // Candidate switches off and on side by side (--ab): each full-prefill length, then the warm splice.
+    for (const std::string& sw : ab_switches) {
+      auto record = [&](const std::string& what, const std::pair<Stats, Stats>& r) {
+        ab.push_back({{"switch", sw}, {"what", what}, {"off_ms", r.first.median}, {"on_ms", r.second.median},
+                      {"off", r.first.to_json()}, {"on", r.second.to_json()},
+                      {"on_over_off", r.second.median / r.first.median}});
+        std::printf("A/B %s, %s: off %.2f ms, on %.2f ms (on / off %.3f)\n", sw.c_str(), what.c_str(),
+                    r.first.median, r.second.median, r.second.median / r.first.median);
+        std::fflush(stdout);
+      };
+      try {
+        if (!skipped("prefill"))
+          for (int64_t N : lengths) {
+            eng::SplicePlan plan;
+            plan.mode = eng::SpliceMode::Full;
+            plan.segments.push_back({random_ids(size_t(N - 1), d.V, rng), nullptr});
+            plan.query = random_ids(1, d.V, rng);
+            record("full prefill " + std::to_string(N) + " tokens",
+                   time_ab(sw, [&] { (void)be->splice(plan); }, warm, reps));
+          }
+        if (!skipped("splice") && !entries.empty()) {
+          eng::SplicePlan hp;
+          hp.mode = eng::SpliceMode::Hypic;
+          hp.seam_width = seam;
+          for (size_t i = 0; i < entries.size(); ++i) hp.segments.push_back({segs[i], entries[i]});
+          hp.query = query;
+          record("warm splice " + std::to_string(segments) + " x " + std::to_string(segment_tokens) + " + " +
+                     std::to_string(query_tokens),
+                 time_ab(sw, [&] { (void)be->splice(hp); }, warm, reps));
+        }
+      } catch (const std::exception& e) {
+        ab.push_back({{"switch", sw}, {"error", e.what()}});
+        std::printf("A/B %s: FAILED: %s\n", sw.c_str(), e.what());
+      }
     }
 
     // Decode: contexts made by hypic splices of the cached segments + distinct queries, then batched steps.
@@ -1198,6 +1274,7 @@ int main(int argc, char** argv) try {
   J["splice"] = splice;
   J["decode"] = decode;
   J["decode_beside"] = beside;
+  J["ab"] = ab;
   J["memory"] = memory;
   J["hf"] = hf.is_object() ? hf : json(nullptr);
 

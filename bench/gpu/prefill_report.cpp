@@ -171,6 +171,18 @@ std::string markdown(const json& J) {
     }
     if (db.contains("error")) m << "\nError: " << db["error"].get<std::string>() << "\n";
   }
+  if (J.contains("ab") && J["ab"].is_array() && !J["ab"].empty()) {
+    m << "\n## Candidate switches off and on, side by side (`--ab`: run by run alternating, medians)\n\n"
+         "| switch | measurement | off ms | on ms | on / off |\n|---|---|---|---|---|\n";
+    for (const json& r : J["ab"]) {
+      if (r.contains("error")) {
+        m << "| " << r.value("switch", "") << " | failed: " << r["error"].get<std::string>() << " |||\n";
+        continue;
+      }
+      m << "| " << r.value("switch", "") << " | " << r.value("what", "") << " | " << fmt("%.2f", jnum(r, "off_ms"))
+        << " | " << fmt("%.2f", jnum(r, "on_ms")) << " | " << fmt("%.3f", jnum(r, "on_over_off")) << " |\n";
+    }
+  }
   if (J.contains("targets")) {
     m << "\n## Targets (issue 11, set for Qwen3.5-35B-A3B)\n\n";
     for (const json& t : J["targets"])

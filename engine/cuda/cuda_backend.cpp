@@ -829,6 +829,13 @@ void CudaBackend::decode_device(std::span<Sequence* const> sequences, std::span<
       attn_dec_ws_.reserve(opt_.max_sequences, nh_, hd_, cap * kPage);
     if (attn_dec_ws_.bytes() != before || mla_dec_ws_.bytes() != before_mla) graphs_.clear();
   }
+  // A candidate switch flipped in this process (kernels/cuda/switches.h: tests, bench --ab) changes which kernels a
+  // step launches: the graphs captured before are dropped, and each shape runs eagerly once again first.
+  if (const int gen = kc::candidate_generation().load(std::memory_order_relaxed); gen != graphs_generation_) {
+    graphs_.clear();
+    warmed_.clear();
+    graphs_generation_ = gen;
+  }
   const auto key = std::make_pair(B, cap);
   auto it = graphs_.find(key);
   std::unique_lock<std::recursive_mutex> capturing(capture_mu_, std::defer_lock);

@@ -46,6 +46,7 @@
 #include "kernels/cuda/mla.h"
 #include "kernels/cuda/moe.h"
 #include "kernels/cuda/ops.h"
+#include "kernels/cuda/switches.h"
 
 
 namespace hypic::engine::cuda::impl {
@@ -645,6 +646,7 @@ class CudaBackend final : public Backend {
   // graph capture, which only try-locks it (else the step runs eager and captures later): a capture never overlaps
   // the loop's allocations and frees, which synchronize the device and would invalidate it.
   std::recursive_mutex capture_mu_;  // recursive: without a concurrent decode, decode() runs inside splice()
+  int graphs_generation_ = 0;                         // kernels/cuda/switches.h candidate_generation of graphs_
   std::set<std::pair<int, int>> warmed_;              // shapes run once eagerly (GEMM plans made)
   DeviceMemory tables_dev_;
   DeviceMemory run_scratch_;  // per-run states of a pass

@@ -8,7 +8,21 @@
 
 namespace hypic::kernels::cuda {
 
-/// Whether the candidate path `name` (an environment variable such as "HYPIC_ROPE_TABLE") is on: the variable set to
+/// Every candidate switch (README "Candidate kernel paths" describes each); a path leaves this list when a GPU session
+/// makes it the default.
+inline constexpr const char* kCandidateSwitches[] = {
+    "HYPIC_MOE_EPILOGUE_VEC", "HYPIC_MOE_TAIL64",      "HYPIC_FUSE_NEXT_NORM", "HYPIC_ROPE_TABLE",
+    "HYPIC_MOE_DECODE_DEEP",  "HYPIC_NORM_GATED_VEC", "HYPIC_CONV_NARROW",    "HYPIC_ATTN_SPLIT_EXACT"};
+
+/// Whether `name` is a candidate switch of kCandidateSwitches or HYPIC_CANDIDATES (all of them).
+inline bool is_candidate_switch(const char* name) {
+  if (!std::strcmp(name, "HYPIC_CANDIDATES")) return true;
+  for (const char* c : kCandidateSwitches)
+    if (!std::strcmp(name, c)) return true;
+  return false;
+}
+
+/// Whether the candidate path `name` (an environment variable, one of kCandidateSwitches) is on: the variable set to
 /// "1" / "on" turns it on and "0" / "off" off; unset (or any other value), HYPIC_CANDIDATES=1 turns every candidate
 /// on, else it is off. Reads the environment at each call (CandidateSwitch keeps the answer).
 /// scripts/test_gpu.sh --candidates reruns the GPU tests with HYPIC_CANDIDATES=1.
@@ -35,7 +49,7 @@ inline std::atomic<int>& candidate_generation() {
 inline void candidates_reread() { candidate_generation().fetch_add(1, std::memory_order_relaxed); }
 
 /// One candidate switch, read once per generation (an atomic load per use otherwise), e.g. at a launch site:
-///   static CandidateSwitch rope_table("HYPIC_ROPE_TABLE");  if (rope_table.on()) ...
+///   static CandidateSwitch faster("HYPIC_SOME_PATH");  if (faster.on()) ...
 class CandidateSwitch {
  public:
   explicit constexpr CandidateSwitch(const char* name) : name_(name) {}

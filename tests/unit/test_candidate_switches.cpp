@@ -1,0 +1,108 @@
+// The candidate switches of kernels/cuda/switches.h (host code, no GPU needed): the environment rules, the per-
+// generation caching of CandidateSwitch, and that every listed candidate is wired to a CandidateSwitch in the CUDA
+// sources and described in the README's table.
+#include <catch2/catch.hpp>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include "kernels/cuda/switches.h"
+
+namespace kc = hypic::kernels::cuda;
+
+namespace {
+
+std::string slurp(const std::filesystem::path& p) {
+  std::ifstream f(p);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+// Restores an environment variable at the end of a scope.
+struct EnvGuard {
+  std::string name;
+  bool had = false;
+  std::string old;
+  explicit EnvGuard(const char* n) : name(n) {
+    if (const char* v = std::getenv(n)) had = true, old = v;
+  }
+  ~EnvGuard() {
+    if (had)
+      setenv(name.c_str(), old.c_str(), 1);
+    else
+      unsetenv(name.c_str());
+    kc::candidates_reread();
+  }
+};
+
+}  // namespace
+
+TEST_CASE("candidate_enabled: own variable first, then HYPIC_CANDIDATES, else off", "[switches]") {
+  EnvGuard all("HYPIC_CANDIDATES"), own("HYPIC_TEST_CANDIDATE_X");
+  unsetenv("HYPIC_CANDIDATES");
+  unsetenv("HYPIC_TEST_CANDIDATE_X");
+  CHECK_FALSE(kc::candidate_enabled("HYPIC_TEST_CANDIDATE_X"));
+  setenv("HYPIC_CANDIDATES", "1", 1);
+  CHECK(kc::candidate_enabled("HYPIC_TEST_CANDIDATE_X"));
+  setenv("HYPIC_TEST_CANDIDATE_X", "0", 1);
+  CHECK_FALSE(kc::candidate_enabled("HYPIC_TEST_CANDIDATE_X"));
+  setenv("HYPIC_TEST_CANDIDATE_X", "off", 1);
+  CHECK_FALSE(kc::candidate_enabled("HYPIC_TEST_CANDIDATE_X"));
+  setenv("HYPIC_TEST_CANDIDATE_X", "yes", 1);  // not a recognised value: HYPIC_CANDIDATES decides
+  CHECK(kc::candidate_enabled("HYPIC_TEST_CANDIDATE_X"));
+  setenv("HYPIC_CANDIDATES", "0", 1);
+  CHECK_FALSE(kc::candidate_enabled("HYPIC_TEST_CANDIDATE_X"));
+  setenv("HYPIC_TEST_CANDIDATE_X", "on", 1);
+  CHECK(kc::candidate_enabled("HYPIC_TEST_CANDIDATE_X"));
+  setenv("HYPIC_TEST_CANDIDATE_X", "1", 1);
+  CHECK(kc::candidate_enabled("HYPIC_TEST_CANDIDATE_X"));
+}
+
+TEST_CASE("CandidateSwitch keeps its answer until candidates_reread", "[switches]") {
+  EnvGuard all("HYPIC_CANDIDATES"), own("HYPIC_TEST_CANDIDATE_Y");
+  unsetenv("HYPIC_CANDIDATES");
+  setenv("HYPIC_TEST_CANDIDATE_Y", "1", 1);
+  kc::candidates_reread();
+  static kc::CandidateSwitch sw("HYPIC_TEST_CANDIDATE_Y");
+  CHECK(sw.on());
+  setenv("HYPIC_TEST_CANDIDATE_Y", "0", 1);
+  CHECK(sw.on());  // not re-read yet
+  const int gen = kc::candidate_generation().load();
+  kc::candidates_reread();
+  CHECK(kc::candidate_generation().load() == gen + 1);
+  CHECK_FALSE(sw.on());
+  unsetenv("HYPIC_TEST_CANDIDATE_Y");
+  setenv("HYPIC_CANDIDATES", "1", 1);
+  kc::candidates_reread();
+  CHECK(sw.on());
+}
+
+TEST_CASE("every candidate switch is wired in kernels/cuda and described in the README", "[switches]") {
+  const std::filesystem::path root(HYPIC_SOURCE_DIR);
+  std::string sources;
+  for (const auto& e : std::filesystem::directory_iterator(root / "kernels" / "cuda"))
+    if (e.path().extension() == ".cu" || e.path().extension() == ".cuh" || e.path().extension() == ".h")
+      sources += slurp(e.path());
+  const std::string readme = slurp(root / "README.md");
+  REQUIRE(!sources.empty());
+  REQUIRE(!readme.empty());
+  for (const char* name : kc::kCandidateSwitches) {
+    INFO(name);
+    CHECK(kc::is_candidate_switch(name));
+    // A CandidateSwitch reads it: `CandidateSwitch <var>("NAME")`.
+    const std::string wired = std::string("(\"") + name + "\")";
+    bool found = false;
+    for (size_t at = sources.find(wired); at != std::string::npos && !found; at = sources.find(wired, at + 1))
+      found = sources.rfind("CandidateSwitch", at) != std::string::npos &&
+              at - sources.rfind("CandidateSwitch", at) < 40;
+    CHECK(found);
+    CHECK(readme.find(std::string("| `") + name + "` |") != std::string::npos);
+  }
+  CHECK(kc::is_candidate_switch("HYPIC_CANDIDATES"));
+  CHECK_FALSE(kc::is_candidate_switch("HYPIC_ATTN_CUDNN"));
+  CHECK_FALSE(kc::is_candidate_switch(""));
+}
