@@ -43,23 +43,21 @@ struct EnvGuard {
 
 TEST_CASE("candidate_enabled: own variable first, then HYPIC_CANDIDATES, else off", "[switches]") {
   EnvGuard all("HYPIC_CANDIDATES"), own("HYPIC_TEST_CANDIDATE_X");
-  unsetenv("HYPIC_CANDIDATES");
-  unsetenv("HYPIC_TEST_CANDIDATE_X");
-  CHECK_FALSE(kc::candidate_enabled("HYPIC_TEST_CANDIDATE_X"));
-  setenv("HYPIC_CANDIDATES", "1", 1);
-  CHECK(kc::candidate_enabled("HYPIC_TEST_CANDIDATE_X"));
-  setenv("HYPIC_TEST_CANDIDATE_X", "0", 1);
-  CHECK_FALSE(kc::candidate_enabled("HYPIC_TEST_CANDIDATE_X"));
-  setenv("HYPIC_TEST_CANDIDATE_X", "off", 1);
-  CHECK_FALSE(kc::candidate_enabled("HYPIC_TEST_CANDIDATE_X"));
-  setenv("HYPIC_TEST_CANDIDATE_X", "yes", 1);  // not a recognised value: HYPIC_CANDIDATES decides
-  CHECK(kc::candidate_enabled("HYPIC_TEST_CANDIDATE_X"));
-  setenv("HYPIC_CANDIDATES", "0", 1);
-  CHECK_FALSE(kc::candidate_enabled("HYPIC_TEST_CANDIDATE_X"));
-  setenv("HYPIC_TEST_CANDIDATE_X", "on", 1);
-  CHECK(kc::candidate_enabled("HYPIC_TEST_CANDIDATE_X"));
-  setenv("HYPIC_TEST_CANDIDATE_X", "1", 1);
-  CHECK(kc::candidate_enabled("HYPIC_TEST_CANDIDATE_X"));
+  struct Row {
+    const char* own;  // nullptr: unset
+    const char* all;
+    bool want;
+  };
+  // "yes" is no recognised value: HYPIC_CANDIDATES decides.
+  const Row rows[] = {{nullptr, nullptr, false}, {nullptr, "1", true}, {"0", "1", false}, {"off", "1", false},
+                      {"yes", "1", true},        {"yes", "0", false},  {"on", "0", true},  {"1", nullptr, true},
+                      {nullptr, "on", true},     {nullptr, "2", false}};
+  for (const Row& r : rows) {
+    INFO("own " << (r.own ? r.own : "unset") << ", HYPIC_CANDIDATES " << (r.all ? r.all : "unset"));
+    r.own ? setenv("HYPIC_TEST_CANDIDATE_X", r.own, 1) : unsetenv("HYPIC_TEST_CANDIDATE_X");
+    r.all ? setenv("HYPIC_CANDIDATES", r.all, 1) : unsetenv("HYPIC_CANDIDATES");
+    CHECK(kc::candidate_enabled("HYPIC_TEST_CANDIDATE_X") == r.want);
+  }
 }
 
 TEST_CASE("CandidateSwitch keeps its answer until candidates_reread", "[switches]") {
