@@ -245,6 +245,8 @@ void CudaBackend::allocate_pools() {
   dec_.stream = dec_stream_, dec_.gemm = &dec_gemm_, dec_.moe_ws = &dec_moe_ws_, dec_.decode = true;
   dec_logits_ = DeviceMemory(size_t(opt_.max_sequences) * cfg_.vocab_size * 4, "decode logits (--max-sequences)");
   dec_argmax_ = DeviceMemory(size_t(opt_.max_sequences) * 4, "decode greedy tokens (--max-sequences)");
+  dec_sample_ = DeviceMemory(sample_draws_offset() + size_t(opt_.max_sequences) * sizeof(kc::SampleRowDraw),
+                             "decode sampling rows (--max-sequences)");
   if ((n_attn_ || cfg_.linear_rope) && cfg_.rotary_dim() > 0) {
     const std::vector<float> inv = kernels::cpu::rope_inv_freq(cfg_.rope_theta, cfg_.rotary_dim());
     inv_freq_ = DeviceMemory(inv.size() * 4, "rope inverse frequencies");
@@ -716,28 +718,59 @@ void CudaBackend::decode_step(std::span<Sequence* const> sequences, std::span<co
   out.argmax.clear();
   out.logits.clear();
   const size_t V = size_t(cfg_.vocab_size);
+  // Sampling rows picked on the device (kernels/cuda/sample.h; HYPIC_DEVICE_SAMPLING, a candidate): a temperature of 0,
+  // or top_k in 1 .. min(kSampleMaxTopK, V - 1); the others (no top-k: the whole vocabulary sorted) on the host.
+  static kc::CandidateSwitch device_sampling("HYPIC_DEVICE_SAMPLING");
+  const bool dev_sampling = device_sampling.on();
+  auto on_device = [&](size_t b) {
+    if (!dev_sampling || modes[b] != kStepSample) return false;  // (draws exist only with sampling rows)
+    const SampleDraw& d = draws[b];
+    return d.temperature == 0.f || (d.top_k >= 1 && d.top_k <= kc::kSampleMaxTopK && size_t(d.top_k) < V);
+  };
+  std::vector<int32_t> dev_rows;
+  std::vector<kc::SampleRowDraw> dev_draws;
+  std::vector<int32_t> dev_tokens;
+  for (size_t b = 0; b < modes.size(); ++b)
+    if (on_device(b)) {
+      dev_rows.push_back(int32_t(b));
+      dev_draws.push_back({draws[b].temperature, draws[b].top_k, draws[b].top_p, draws[b].u});
+    }
   std::vector<float> sampled;  // [rows in kStepSample mode][V]: picked on the host after the step
   decode_device(sequences, tokens, [&](int B) {
     out.argmax.assign(size_t(B), -1);
     size_t n_logits = 0, n_sample = 0;
-    for (int b = 0; b < B; ++b) n_logits += modes[b] == kStepLogits, n_sample += modes[b] == kStepSample;
-    if (n_logits + n_sample < size_t(B)) {  // some greedy rows: their argmax on the device, 4 bytes each
+    for (int b = 0; b < B; ++b) n_logits += modes[b] == kStepLogits, n_sample += modes[b] == kStepSample && !on_device(b);
+    if (n_logits + n_sample + dev_rows.size() < size_t(B)) {  // greedy rows: their argmax on the device, 4 bytes each
       kc::argmax_rows(B, int(V), dec_logits_.as<float>(), long(V), dec_argmax_.as<int32_t>(), dec_stream_);
       check_cuda(cudaMemcpyAsync(out.argmax.data(), dec_argmax_.as(), size_t(B) * 4, cudaMemcpyDeviceToHost,
                                  dec_stream_),
                  "greedy tokens download");
+    }
+    if (!dev_rows.empty()) {  // (after the greedy tokens' copy, in stream order: these overwrite their rows below)
+      const size_t n = dev_rows.size();
+      int32_t* d_rows = dec_sample_.as<int32_t>();
+      int32_t* d_tokens = d_rows + opt_.max_sequences;
+      auto* d_draws = reinterpret_cast<kc::SampleRowDraw*>(dec_sample_.as<char>() + sample_draws_offset());
+      check_cuda(cudaMemcpyAsync(d_rows, dev_rows.data(), n * 4, cudaMemcpyHostToDevice, dec_stream_), "sample rows");
+      check_cuda(cudaMemcpyAsync(d_draws, dev_draws.data(), n * sizeof(kc::SampleRowDraw), cudaMemcpyHostToDevice,
+                                 dec_stream_),
+                 "sample draws");
+      kc::sample_rows(int(n), int(V), dec_logits_.as<float>(), long(V), d_rows, d_draws, d_tokens, dec_stream_);
+      dev_tokens.resize(n);
+      check_cuda(cudaMemcpyAsync(dev_tokens.data(), d_tokens, n * 4, cudaMemcpyDeviceToHost, dec_stream_),
+                 "sampled tokens download");
     }
     out.logits.resize(n_logits * V);
     sampled.resize(n_sample * V);
     size_t row_l = 0, row_s = 0;
     for (int b = 0; b < B;) {  // runs of consecutive rows of one copied mode, one copy each
       const uint8_t m = modes[b];
-      if (m == kStepGreedy) {
+      if (m == kStepGreedy || on_device(size_t(b))) {
         ++b;
         continue;
       }
       int e = b;
-      while (e < B && modes[e] == m) ++e;
+      while (e < B && modes[e] == m && !on_device(size_t(e))) ++e;
       float* dst = m == kStepLogits ? out.logits.data() + row_l * V : sampled.data() + row_s * V;
       check_cuda(cudaMemcpyAsync(dst, dec_logits_.as<float>() + size_t(b) * V, size_t(e - b) * V * 4,
                                  cudaMemcpyDeviceToHost, dec_stream_),
@@ -747,11 +780,19 @@ void CudaBackend::decode_step(std::span<Sequence* const> sequences, std::span<co
     }
   });
   // After the step's synchronisation: greedy rows' tokens (argmax_rows' -1 - j for a NaN at j -> nan_logits_code(j)),
-  // sampling rows picked on the host, -1 for the logits rows.
+  // sampling rows picked on the device (the same codes; INT32_MIN == kNoFiniteLogitCode) or on the host, -1 for the
+  // logits rows.
+  static_assert(kNoFiniteLogitCode == INT32_MIN, "sample_rows' code for a row without a finite logit");
+  for (size_t i = 0; i < dev_rows.size(); ++i) {
+    const int32_t t = dev_tokens[i];
+    out.argmax[size_t(dev_rows[i])] = t >= 0 || t == kNoFiniteLogitCode ? t : nan_logits_code(-1 - t);
+  }
   size_t row_s = 0;
   for (size_t b = 0; b < out.argmax.size(); ++b) {
     if (modes[b] == kStepLogits) {
       out.argmax[b] = -1;
+    } else if (on_device(b)) {
+      continue;
     } else if (modes[b] == kStepSample) {
       const std::span<const float> row(sampled.data() + row_s++ * V, V);
       out.argmax[b] = sample_row(row, draws[b]);

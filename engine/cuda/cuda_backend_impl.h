@@ -46,6 +46,7 @@
 #include "kernels/cuda/mla.h"
 #include "kernels/cuda/moe.h"
 #include "kernels/cuda/ops.h"
+#include "kernels/cuda/sample.h"
 #include "kernels/cuda/switches.h"
 
 
@@ -639,6 +640,10 @@ class CudaBackend final : public Backend {
   DeviceMemory mass_dev_;  // the refresh probe's attention mass per KV slot (fp32)
   DeviceMemory dec_tables_, dec_logits_;          // decode steps (fixed, so that graphs can point at them)
   DeviceMemory dec_argmax_;                       // decode_step: greedy tokens [max_sequences] int32
+  // decode_step's device-sampled rows: row ids [max_sequences] int32, their tokens [max_sequences] int32, then (at
+  // sample_draws_offset(), 16-byte aligned) their draws [max_sequences] kernels::cuda::SampleRowDraw.
+  DeviceMemory dec_sample_;
+  size_t sample_draws_offset() const { return (size_t(opt_.max_sequences) * 8 + 15) / 16 * 16; }
   // Captured decode steps by (batch, block-table width), captured and launched on dec_full_stream_ only (a graph's
   // kernels keep the context, and so the SMs, of the stream they were captured on).
   std::map<std::pair<int, int>, GraphExec> graphs_;

@@ -871,10 +871,16 @@ bool split_exact_on() {
   return on.on();
 }
 
-// The split plan of one call: exact from the host tables where given (and the candidate is on), else from bounds.
-SplitPlan plan_split(const char* fn, const AttnGroups& g, int num_heads, int num_kv_heads, int head_dim) {
-  if (g.q_start_host && g.slot0_host && split_exact_on())
-    return plan_split_exact(fn, g, num_heads, num_kv_heads, head_dim);
+// The split plan of one call: exact from the host tables where given, the candidate is on and the stream is not
+// being captured (a graph replays its plan's chunking and workspace with whatever tables its replays hold: only the
+// bound plan holds for all of them), else from bounds.
+SplitPlan plan_split(const char* fn, const AttnGroups& g, int num_heads, int num_kv_heads, int head_dim,
+                     cudaStream_t stream) {
+  if (g.q_start_host && g.slot0_host && split_exact_on()) {
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    check_cuda(cudaStreamIsCapturing(stream, &capturing), "cudaStreamIsCapturing");
+    if (capturing == cudaStreamCaptureStatusNone) return plan_split_exact(fn, g, num_heads, num_kv_heads, head_dim);
+  }
   return plan_split_bound(g, num_heads, num_kv_heads, head_dim);
 }
 
@@ -1151,14 +1157,7 @@ void attention_prefill(const AttnGroups& g, int num_heads, int num_kv_heads, int
   check_attn_args(fn, g, num_heads, num_kv_heads, head_dim, q, k_pool, v_pool, out);
   if (g.max_q > 65535L * PrefillCfg<64>::kBM) bad(fn, "max_q " + std::to_string(g.max_q) + " exceeds 65535 * 128");
   if (g.num_groups == 0 || g.total_q == 0) return;
-  SplitPlan sp = plan_split(fn, g, num_heads, num_kv_heads, head_dim);
-  if (sp.use && sp.bytes > ws.bytes_ && g.q_start_host && g.slot0_host && split_exact_on()) {
-    // Under graph capture the workspace cannot grow: the bound plan, which reserve_prefill sized, if it fits.
-    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-    check_cuda(cudaStreamIsCapturing(stream, &capturing), "cudaStreamIsCapturing");
-    const SplitPlan bound = plan_split_bound(g, num_heads, num_kv_heads, head_dim);
-    if (capturing != cudaStreamCaptureStatusNone && bound.use && bound.bytes <= ws.bytes_) sp = bound;
-  }
+  const SplitPlan sp = plan_split(fn, g, num_heads, num_kv_heads, head_dim, stream);
   CudnnRoute route;
   bool cudnn = plan_cudnn_route(fn, g, num_heads, num_kv_heads, head_dim, ws.cudnn_, stream, route);
   // The split path's area first (none when cuDNN takes every group), then cuDNN's scratch.
@@ -1215,13 +1214,9 @@ void AttnDecodeWorkspace::reserve_prefill(const AttnGroups& g, int num_heads, in
   check_groups(fn, g);
   check_heads(fn, num_heads, num_kv_heads);
   check_head_dim(fn, head_dim);
-  // Room for the bound plan and, with host tables, the exact one (attention_prefill picks per call).
+  // The bound plan: what a captured call runs (plan_split); eager calls with the exact plan grow the workspace.
   const SplitPlan sp = plan_split_bound(g, num_heads, num_kv_heads, head_dim);
   if (sp.use) ensure(sp.bytes, nullptr, fn);
-  if (g.q_start_host && g.slot0_host) {
-    const SplitPlan ex = plan_split_exact(fn, g, num_heads, num_kv_heads, head_dim);
-    if (ex.use) ensure(ex.bytes, nullptr, fn);
-  }
 }
 
 AttnDecodeWorkspace::AttnDecodeWorkspace() = default;

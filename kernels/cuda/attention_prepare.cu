@@ -350,13 +350,12 @@ void attention_prepare(int T, int num_heads, int num_kv_heads, int head_dim, int
   p.v_pool = v_pool;
   const int heads = num_heads + num_kv_heads;
   const bool tab = rope_table_on() && rotary_dim > 0;
-  // With the table: as many heads per item as keep 32 warps per SM busy (a token's table then serves them all;
+  // With the table: as many heads per item as still leave 32 warps per SM (a token's table then serves them all;
   // decode's few tokens keep one head per warp).
   int hg = 1;
   if (tab) {
     const long want = 32L * sm_count();
-    const long groups = std::min<long>(heads, std::max<long>(1, (want + T - 1) / T));
-    hg = static_cast<int>((heads + groups - 1) / groups);
+    hg = static_cast<int>(std::clamp<long>(static_cast<long>(heads) * T / want, 1, heads));
   }
   const int grid = row_grid(static_cast<long>(T) * ((heads + hg - 1) / hg));
   auto launch = [&](auto hd_tag) {

@@ -809,6 +809,72 @@ TEST_CASE("cuda backend: decode steps replayed as CUDA graphs equal the eager st
   CHECK(same == int(a.size()));
 }
 
+// The candidate kernel paths that keep the arithmetic (kernels/cuda/switches.h: the next layer's norm in the MoE
+// combine, RoPE angle tables, the MoE wgmma vector epilogue, deep decode MoE rings, each checked bit for bit against
+// its default in its kernel test) through the whole model: full prefills of 10 prompts (MoE layers of 20 .. 47
+// tokens: the wgmma tiles), a hypic splice, then 12 greedy decode steps of the 10 (two token groups per MoE tile
+// ring), the CUDA graphs captured again after each flip. Every logit bit for bit, switch off against on.
+TEST_CASE("cuda backend: candidate paths that keep the arithmetic give the default's bits end to end", "[backend]") {
+  require_gpu();
+  Fixture& f = fixture("qwen3_5_moe_gpu");
+  const size_t V = size_t(f.cfg.vocab_size);
+  std::mt19937 rng(33);
+  const std::vector<std::vector<int32_t>> prompts = [&] {
+    std::vector<std::vector<int32_t>> p(10);
+    for (size_t i = 0; i < p.size(); ++i) p[i] = random_ids(rng, 20 + 3 * int(i), f.cfg.vocab_size);
+    return p;
+  }();
+  auto run = [&] {
+    std::vector<std::vector<float>> all;
+    std::vector<eng::SpliceOutput> outs;
+    for (const auto& p : prompts) {
+      outs.push_back(f.gpu->splice(full_plan(p, p.size() - 1, false)));
+      all.push_back(outs.back().logits);
+    }
+    {  // a hypic splice of two cached segments and a query
+      const std::vector<std::vector<int32_t>> segs = {prompts[0], prompts[1]};
+      const auto entries = f.gpu->build_entries(segs, 4);
+      eng::SplicePlan hp;
+      hp.mode = eng::SpliceMode::Hypic;
+      hp.seam_width = 4;
+      hp.segments.push_back({prompts[0], entries[0]});
+      hp.segments.push_back({prompts[1], entries[1]});
+      hp.query = prompts[2];
+      all.push_back(f.gpu->splice(hp).logits);
+    }
+    std::vector<int32_t> next;
+    for (auto& o : outs) next.push_back(argmax(o.logits.data(), V));
+    std::vector<float> lg;
+    for (int step = 0; step < 12; ++step) {
+      std::vector<eng::Sequence*> seqs;
+      for (auto& o : outs) seqs.push_back(o.sequence.get());
+      f.gpu->decode(seqs, next, lg);
+      all.push_back(lg);
+      for (size_t i = 0; i < outs.size(); ++i) next[i] = argmax(lg.data() + i * V, V);
+    }
+    return all;
+  };
+  for (const char* sw : {"HYPIC_FUSE_NEXT_NORM", "HYPIC_ROPE_TABLE", "HYPIC_MOE_EPILOGUE_VEC", "HYPIC_MOE_DECODE_DEEP"}) {
+    DYNAMIC_SECTION(sw) {
+      std::vector<std::vector<float>> off, on;
+      {
+        hypic::gputest::ScopedCandidate c(sw, false);
+        off = run();
+      }
+      {
+        hypic::gputest::ScopedCandidate c(sw, true);
+        on = run();
+      }
+      REQUIRE(off.size() == on.size());
+      size_t same = 0;
+      for (size_t i = 0; i < off.size(); ++i) same += hypic::gputest::same_bits(off[i], on[i]);
+      std::printf("[backend] %s on vs off: %zu of %zu prefill / splice / decode logit sets bit-identical\n", sw, same,
+                  off.size());
+      CHECK(same == off.size());
+    }
+  }
+}
+
 TEST_CASE("cuda backend: decode steps on another thread beside builds and splices equal them alone bit for bit",
           "[backend][concurrent_decode]") {
   require_gpu();

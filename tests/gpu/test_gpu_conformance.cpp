@@ -17,11 +17,15 @@
 TEST_CASE("backend conformance: the CUDA backend on the GPU test models", "[conformance]") {
   namespace eng = hypic::engine;
   if (!hypic::gputest::cuda_device_present()) FAIL("no CUDA device: the GPU tests need an NVIDIA GPU (scripts/test_gpu.sh)");
-  const char* names[] = {"qwen3_next_gpu", "qwen3_5_moe_gpu", "qwen3_5_dense_gpu"};
+  // The last entry again with the sampling rows of decode_step picked on the device (HYPIC_DEVICE_SAMPLING, a
+  // candidate: kernels/cuda/sample.h), against Sampler::pick of decode()'s logits as every backend is.
+  const char* names[] = {"qwen3_next_gpu", "qwen3_5_moe_gpu", "qwen3_5_dense_gpu", "qwen3_5_moe_gpu"};
   for (uint32_t i = 0; i < std::size(names); ++i) {
     const char* name = names[i];
     const uint32_t seed = i + 1;  // (outside the SECTION: Catch2 reruns the case once per section)
-    SECTION(name) {
+    const bool device_sampling = i == 3;
+    DYNAMIC_SECTION(name << (device_sampling ? ", sampling rows on the device" : "")) {
+      hypic::gputest::ScopedCandidate sampling("HYPIC_DEVICE_SAMPLING", device_sampling);
       const std::filesystem::path dir = std::filesystem::temp_directory_path() / ("hypic_conformance_" + std::string(name));
       if (!std::filesystem::exists(dir / "model.safetensors")) {
         const eng::ModelConfig c = eng::load_config("tests/gpu/configs/" + std::string(name) + ".json");

@@ -4,13 +4,20 @@
 // relative Frobenius <= 1e-5 against double; copies, gathers, splits and conversions exact.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstdio>
+#include <numeric>
 #include <random>
+#include <span>
+#include <string>
 #include <vector>
 
+#include "engine/backend.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cuda/ops.h"
+#include "kernels/cuda/sample.h"
 #include "tests/gpu/gpu_util.h"
 
 using namespace hypic::gputest;
@@ -336,4 +343,106 @@ TEST_CASE("fill_random is deterministic and has the requested moments", "[ops]")
   const auto [lo, hi] = std::minmax_element(lv.begin(), lv.end());
   CHECK(*lo >= 0.f);
   CHECK(*hi <= std::log(16.f) + 1e-6f);
+}
+
+// ---- sample_rows (kernels/cuda/sample.h) against the host's Backend::sample_row (Sampler::pick) ----------------------
+// Rows of random logits (normal, scaled; or quantised to 7 levels so that ties straddle the top-k boundary and the
+// candidate order must break them by id), with -inf and -0.0 / +0.0 entries, at the real vocabulary (248320), 1000
+// and 37; draws over temperature (0: the argmax), top_k (1 .. 1024, V - 1), top_p and u (0, interior, 1 - 2^-40);
+// rows with NaNs (the lowest NaN's code), all -inf or a +inf (no finite maximum). Tokens equal, row by row; the rows
+// picked through a shuffled row list and through none (rows 0 .. n-1).
+TEST_CASE("sample_rows picks the host's Sampler::pick token for every draw", "[ops][sample]") {
+  require_gpu();
+  namespace eng = hypic::engine;
+  std::mt19937 rng(77);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::uniform_real_distribution<double> ud(0.0, 1.0);
+  for (const int V : {248320, 1000, 37}) {
+    std::vector<float> logits;
+    std::vector<gpu::SampleRowDraw> draws;
+    std::vector<std::string> what;
+    auto add = [&](const std::vector<float>& row, gpu::SampleRowDraw d, std::string w) {
+      logits.insert(logits.end(), row.begin(), row.end());
+      draws.push_back(d);
+      what.push_back(std::move(w));
+    };
+    const int topks[] = {1, 2, 5, 20, 50, 300, 1024, V - 1};
+    const float temps[] = {0.f, 0.2f, 1.f, 3.f};
+    const float top_ps[] = {1.f, 0.9f, 0.5f, 0.05f};
+    int n = 0;
+    for (int tk : topks) {
+      if (tk < 1 || tk > gpu::kSampleMaxTopK || tk >= V) continue;
+      for (int variant = 0; variant < 4; ++variant) {
+        std::vector<float> row(V);
+        const float scale = variant == 1 ? 8.f : 2.f;
+        for (float& x : row) x = nd(rng) * scale;
+        if (variant == 2)  // 7 levels: ties at every boundary
+          for (float& x : row) x = std::round(x);
+        if (variant == 3) {  // -inf and signed zeros among the largest values
+          for (int i = 0; i < V; i += 3) row[size_t(i)] = -INFINITY;
+          for (int i = 1; i < V; i += 11) row[size_t(i)] = (i / 11) % 2 ? 0.f : -0.f;
+          for (float& x : row) x = x > 0.f ? -x : x;  // every finite value <= 0: the zeros are the largest
+        }
+        gpu::SampleRowDraw d;
+        d.temperature = temps[(n + variant) % 4];
+        d.top_k = tk;
+        d.top_p = top_ps[(n / 4 + variant) % 4];
+        d.u = n % 7 == 0 ? 0.0 : n % 7 == 1 ? 1.0 - 0x1.0p-40 : ud(rng);
+        add(row, d, "V " + std::to_string(V) + " top_k " + std::to_string(tk) + " variant " + std::to_string(variant));
+        ++n;
+      }
+    }
+    {  // NaNs at 5 and 3 (the lowest: 3), all -inf, a +inf
+      std::vector<float> row(V, 1.f);
+      row[size_t(5 % V)] = NAN;
+      row[size_t(3 % V)] = NAN;
+      add(row, {1.f, 5, 1.f, 0.5}, "NaN row");
+      add(std::vector<float>(V, -INFINITY), {1.f, 5, 1.f, 0.5}, "all -inf");
+      std::vector<float> inf_row(V, 0.f);
+      inf_row[size_t(V / 2)] = INFINITY;
+      add(inf_row, {0.7f, 3, 0.9f, 0.5}, "+inf");
+      add(inf_row, {0.f, 3, 1.f, 0.5}, "+inf, temperature 0");
+    }
+    const int rows = int(draws.size());
+    std::vector<int32_t> want(rows);
+    for (int r = 0; r < rows; ++r) {
+      eng::Backend::SampleDraw d{draws[size_t(r)].temperature, draws[size_t(r)].top_k, draws[size_t(r)].top_p,
+                                 draws[size_t(r)].u};
+      want[size_t(r)] = eng::Backend::sample_row(std::span<const float>(logits.data() + size_t(r) * V, size_t(V)), d);
+    }
+    DeviceBuffer<float> dl(logits);
+    DeviceBuffer<gpu::SampleRowDraw> dd(draws);
+    // Through a shuffled row list: entry i picks row perm[i] with draw i.
+    std::vector<int32_t> perm(rows);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    std::vector<gpu::SampleRowDraw> pdraws(rows);
+    for (int i = 0; i < rows; ++i) pdraws[size_t(i)] = draws[size_t(perm[size_t(i)])];
+    DeviceBuffer<gpu::SampleRowDraw> dpd(pdraws);
+    DeviceBuffer<int32_t> dperm(perm), dout{size_t(rows)}, dout2{size_t(rows)};
+    gpu::sample_rows(rows, V, dl.get(), long(V), nullptr, dd.get(), dout.get());
+    gpu::sample_rows(rows, V, dl.get(), long(V), dperm.get(), dpd.get(), dout2.get());
+    check_cuda(cudaDeviceSynchronize(), "sample_rows");
+    const auto got = dout.download(), got2 = dout2.download();
+    auto engine_code = [](int32_t t) { return t >= 0 || t == INT32_MIN ? t : eng::Backend::nan_logits_code(-1 - t); };
+    int bad = 0;
+    for (int r = 0; r < rows; ++r) {
+      const int32_t g = engine_code(got[size_t(r)]);
+      if (g != want[size_t(r)]) {
+        ++bad;
+        UNSCOPED_INFO(what[size_t(r)] << ": device " << g << ", host " << want[size_t(r)]);
+      }
+      const int src = perm[size_t(r)];
+      if (engine_code(got2[size_t(r)]) != want[size_t(src)]) {
+        ++bad;
+        UNSCOPED_INFO(what[size_t(src)] << " (shuffled): device " << engine_code(got2[size_t(r)]) << ", host "
+                                        << want[size_t(src)]);
+      }
+    }
+    std::printf("[sample_rows] V %d: %d rows, %d tokens differ from Sampler::pick\n", V, rows, bad);
+    CHECK(bad == 0);
+  }
+  CHECK_THROWS_AS(gpu::sample_rows(1, 0, nullptr, 0, nullptr, nullptr, nullptr), std::invalid_argument);
+  CHECK_THROWS_AS(gpu::sample_rows(-1, 10, nullptr, 10, nullptr, nullptr, nullptr), std::invalid_argument);
+  CHECK_NOTHROW(gpu::sample_rows(0, 10, nullptr, 10, nullptr, nullptr, nullptr));
 }

@@ -1,6 +1,6 @@
 // The candidate switches of kernels/cuda/switches.h (host code, no GPU needed): the environment rules, the per-
 // generation caching of CandidateSwitch, and that every listed candidate is wired to a CandidateSwitch in the CUDA
-// sources and described in the README's table.
+// kernels or backend and described in the README's table.
 #include <catch2/catch.hpp>
 
 #include <cstdlib>
@@ -79,12 +79,14 @@ TEST_CASE("CandidateSwitch keeps its answer until candidates_reread", "[switches
   CHECK(sw.on());
 }
 
-TEST_CASE("every candidate switch is wired in kernels/cuda and described in the README", "[switches]") {
+TEST_CASE("every candidate switch is wired in kernels/cuda or engine/cuda and described in the README", "[switches]") {
   const std::filesystem::path root(HYPIC_SOURCE_DIR);
-  std::string sources;
-  for (const auto& e : std::filesystem::directory_iterator(root / "kernels" / "cuda"))
-    if (e.path().extension() == ".cu" || e.path().extension() == ".cuh" || e.path().extension() == ".h")
-      sources += slurp(e.path());
+  std::string sources;  // the CUDA kernels and the CUDA backend (decode_step's device sampling)
+  for (const char* dir : {"kernels/cuda", "engine/cuda"})
+    for (const auto& e : std::filesystem::directory_iterator(root / dir))
+      if (e.path().extension() == ".cu" || e.path().extension() == ".cuh" || e.path().extension() == ".h" ||
+          e.path().extension() == ".cpp")
+        sources += slurp(e.path());
   const std::string readme = slurp(root / "README.md");
   REQUIRE(!sources.empty());
   REQUIRE(!readme.empty());
