@@ -890,9 +890,10 @@ int main(int argc, char** argv) try {
   const int decode_seqs = want_decode ? int(max_batch) : 0;
   // KV pages: each decode context (segments + query + every decode step it takes part in), or the longest prefill.
   const bool want_beside = want_decode && !skipped("beside") && beside_batch >= 1 && beside_batch <= max_batch;
-  // Each batch size is timed twice (logits to the host, then greedy with the argmax on the device).
+  // Each batch size is timed four times (logits to the host, greedy with the argmax on the device, sampling rows
+  // picked on the host and on the device).
   const int64_t steps_per_seq =
-      int64_t(batches.size()) * 2 * (decode_warm + decode_steps) + (want_beside ? 3 * (beside_steps + 1) : 0);
+      int64_t(batches.size()) * 4 * (decode_warm + decode_steps) + (want_beside ? 3 * (beside_steps + 1) : 0);
   const int64_t pages_per_ctx = (ctx_tokens + decode_query + steps_per_seq + 63) / 64;
   const int64_t pages_prefill = (longest + 63) / 64 + 1;
   // Beside: the decode contexts and one prefill (or build) alive at once.
@@ -1135,6 +1136,24 @@ int main(int argc, char** argv) try {
                 be->decode_step(ptr, toks, none, step_out);
               },
               decode_warm, decode_steps);
+          // Sampling requests (temperature 0.7, top_k 20, top_p 0.8: a common serving setting; a fresh u per row
+          // and step): picked on the host from the copied logits (the default), then on the device
+          // (HYPIC_DEVICE_SAMPLING, kernels/cuda/sample.h), in the same call.
+          const std::vector<uint8_t> sample_modes(size_t(Bn), eng::Backend::kStepSample);
+          std::vector<eng::Backend::SampleDraw> sample_draws(size_t(Bn), {0.7f, 20, 0.8f, 0.5});
+          std::uniform_real_distribution<double> uni(0.0, 1.0);
+          auto sampled_step = [&] {
+            for (auto& dr : sample_draws) dr.u = uni(rng);
+            NvtxRange r("decode_step_sampled");
+            be->decode_step(ptr, toks, sample_modes, step_out, sample_draws);
+          };
+          Stats sst_host, sst_dev;
+          for (const bool on_dev : {false, true}) {
+            set_candidate("HYPIC_DEVICE_SAMPLING", on_dev);
+            (on_dev ? sst_dev : sst_host) = time_wall(sampled_step, decode_warm, decode_steps);
+          }
+          unsetenv("HYPIC_DEVICE_SAMPLING");
+          kc::candidates_reread();
           // Bytes one step must read (an estimate): every dense weight, the experts the batch touches (uniform
           // routing: E (1 - (1 - k/E)^B) per layer), the LM head, KV of every context, linear states in and out.
           double ctx = 0;
@@ -1150,14 +1169,16 @@ int main(int argc, char** argv) try {
           const double est = w_bytes + kv_b + st_b;
           decode["batches"].push_back({{"batch", Bn}, {"ms", st.median}, {"min_ms", st.min}, {"max_ms", st.max},
                                        {"greedy_ms", gst.median}, {"greedy_min_ms", gst.min},
+                                       {"sampled_host_ms", sst_host.median}, {"sampled_device_ms", sst_dev.median},
                                        {"tokens_per_s", double(Bn) / (st.median * 1e-3)},
                                        {"mean_context_tokens", ctx / double(Bn)}, {"est_bytes", est},
                                        {"est_weight_bytes", w_bytes}, {"est_kv_bytes", kv_b},
                                        {"est_state_bytes", st_b}, {"est_GBps", est / (st.median * 1e-3) / 1e9}});
           std::printf("decode batch %3lld, contexts of %lld tokens: %.2f ms per step (min %.2f), %.0f tokens/s; greedy "
-                      "(argmax on the device) %.2f ms (min %.2f)\n",
+                      "(argmax on the device) %.2f ms (min %.2f); sampled (top-k 20, top-p 0.8) on the host %.2f ms, "
+                      "on the device %.2f ms\n",
                       (long long)Bn, (long long)(ctx / double(Bn)), st.median, st.min, double(Bn) / (st.median * 1e-3),
-                      gst.median, gst.min);
+                      gst.median, gst.min, sst_host.median, sst_dev.median);
           std::fflush(stdout);
         }
         if (want_beside) {

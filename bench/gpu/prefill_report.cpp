@@ -138,11 +138,15 @@ std::string markdown(const json& J) {
     m << "\n## Decode (Backend::decode of a batch, contexts of " << dc.value("context_tokens", 0)
       << " tokens, each a hypic splice of the cached segments + a distinct query)\n\n"
          "| batch | ms per step (inter-token latency) | greedy, argmax on the device (Backend::decode_step) ms | "
+         "sampled (top-k 20, top-p 0.8), picked on the host / on the device ms | "
          "tokens/s | est. bytes read per step | est. GB/s |\n"
-         "|---|---|---|---|---|---|\n";
+         "|---|---|---|---|---|---|---|\n";
+    auto opt_ms = [](const json& r, const char* k) {
+      return r.contains(k) ? fmt("%.2f", jnum(r, k)) : std::string("-");
+    };
     for (const json& r : dc.value("batches", json::array()))
-      m << "| " << r.value("batch", 0) << " | " << fmt("%.2f", jnum(r, "ms")) << " | "
-        << (r.contains("greedy_ms") ? fmt("%.2f", jnum(r, "greedy_ms")) : std::string("-")) << " | "
+      m << "| " << r.value("batch", 0) << " | " << fmt("%.2f", jnum(r, "ms")) << " | " << opt_ms(r, "greedy_ms")
+        << " | " << opt_ms(r, "sampled_host_ms") << " / " << opt_ms(r, "sampled_device_ms") << " | "
         << fmt("%.0f", jnum(r, "tokens_per_s")) << " | " << fmt("%.1f GB", jnum(r, "est_bytes") / 1e9) << " | "
         << fmt("%.0f", jnum(r, "est_GBps")) << " |\n";
     m << "\nEstimated bytes per step: every dense weight and the LM head, the experts the batch touches (uniform "
