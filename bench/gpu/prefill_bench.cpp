@@ -56,6 +56,7 @@
 #include <iostream>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <thread>
@@ -137,34 +138,54 @@ Stats time_wall(const std::function<void()>& fn, int warm, int reps, const std::
   return summarize(t);
 }
 
-/// Sets the candidate switch `name` (kernels/cuda/switches.h) on or off for the rest of the process.
-void set_candidate(const std::string& name, bool on) {
-  setenv(name.c_str(), on ? "1" : "0", 1);
-  kc::candidates_reread();
-}
+/// A candidate switch (kernels/cuda/switches.h) set by the benchmark for one scope: set() flips it; the variable's
+/// value from before comes back at the end of the scope (also when a measurement throws).
+class CandidateScope {
+ public:
+  explicit CandidateScope(std::string name) : name_(std::move(name)) {
+    if (const char* v = std::getenv(name_.c_str())) old_ = v;
+  }
+  void set(bool on) {
+    setenv(name_.c_str(), on ? "1" : "0", 1);
+    kc::candidates_reread();
+  }
+  ~CandidateScope() {
+    if (old_)
+      setenv(name_.c_str(), old_->c_str(), 1);
+    else
+      unsetenv(name_.c_str());
+    kc::candidates_reread();
+  }
+  CandidateScope(const CandidateScope&) = delete;
+  CandidateScope& operator=(const CandidateScope&) = delete;
+
+ private:
+  std::string name_;
+  std::optional<std::string> old_;
+};
 
 /// time_wall of fn() with the candidate switch `name` off and on, side by side: `warm` untimed runs of each, then
-/// `reps` timed runs of each, alternating off / on run by run so that both see the same machine state. The switch is
-/// left unset afterwards (the environment's default). Returns (off, on).
+/// `reps` timed pairs, off-on and on-off alternating, so that both see the same machine state and neither always
+/// runs first. The switch's value from before comes back afterwards. Returns (off, on).
 std::pair<Stats, Stats> time_ab(const std::string& name, const std::function<void()>& fn, int warm, int reps) {
+  CandidateScope sw(name);
   for (int i = 0; i < warm; ++i)
     for (bool on : {false, true}) {
-      set_candidate(name, on);
+      sw.set(on);
       fn();
       check_cuda(cudaDeviceSynchronize(), "warm-up");
     }
   std::vector<double> t[2];
   for (int i = 0; i < reps; ++i)
-    for (bool on : {false, true}) {
-      set_candidate(name, on);
+    for (int j = 0; j < 2; ++j) {
+      const bool on = (i + j) % 2 == 1;
+      sw.set(on);
       check_cuda(cudaDeviceSynchronize(), "before a timed run");
       const auto a = std::chrono::steady_clock::now();
       fn();
       check_cuda(cudaDeviceSynchronize(), "timed run");
       t[on].push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - a).count());
     }
-  unsetenv(name.c_str());
-  kc::candidates_reread();
   return {summarize(t[0]), summarize(t[1])};
 }
 
@@ -893,7 +914,7 @@ int main(int argc, char** argv) try {
   // Each batch size is timed four times (logits to the host, greedy with the argmax on the device, sampling rows
   // picked on the host and on the device).
   const int64_t steps_per_seq =
-      int64_t(batches.size()) * 4 * (decode_warm + decode_steps) + (want_beside ? 3 * (beside_steps + 1) : 0);
+      int64_t(batches.size()) * 4 * (std::max(decode_warm, 2) + decode_steps) + (want_beside ? 3 * (beside_steps + 1) : 0);
   const int64_t pages_per_ctx = (ctx_tokens + decode_query + steps_per_seq + 63) / 64;
   const int64_t pages_prefill = (longest + 63) / 64 + 1;
   // Beside: the decode contexts and one prefill (or build) alive at once.
@@ -1148,12 +1169,13 @@ int main(int argc, char** argv) try {
             be->decode_step(ptr, toks, sample_modes, step_out, sample_draws);
           };
           Stats sst_host, sst_dev;
-          for (const bool on_dev : {false, true}) {
-            set_candidate("HYPIC_DEVICE_SAMPLING", on_dev);
-            (on_dev ? sst_dev : sst_host) = time_wall(sampled_step, decode_warm, decode_steps);
+          {
+            CandidateScope sw("HYPIC_DEVICE_SAMPLING");
+            for (const bool on_dev : {false, true}) {
+              sw.set(on_dev);  // (a flip drops the decode graphs: the warm-ups capture them again, 2 at least)
+              (on_dev ? sst_dev : sst_host) = time_wall(sampled_step, std::max(decode_warm, 2), decode_steps);
+            }
           }
-          unsetenv("HYPIC_DEVICE_SAMPLING");
-          kc::candidates_reread();
           // Bytes one step must read (an estimate): every dense weight, the experts the batch touches (uniform
           // routing: E (1 - (1 - k/E)^B) per layer), the LM head, KV of every context, linear states in and out.
           double ctx = 0;

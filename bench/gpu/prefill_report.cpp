@@ -180,7 +180,7 @@ std::string markdown(const json& J) {
          "| switch | measurement | off ms | on ms | on / off |\n|---|---|---|---|---|\n";
     for (const json& r : J["ab"]) {
       if (r.contains("error")) {
-        m << "| " << r.value("switch", "") << " | failed: " << r["error"].get<std::string>() << " |||\n";
+        m << "| " << r.value("switch", "") << " | failed: " << r["error"].get<std::string>() << " | | | |\n";
         continue;
       }
       m << "| " << r.value("switch", "") << " | " << r.value("what", "") << " | " << fmt("%.2f", jnum(r, "off_ms"))

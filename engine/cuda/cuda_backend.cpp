@@ -718,14 +718,14 @@ void CudaBackend::decode_step(std::span<Sequence* const> sequences, std::span<co
   out.argmax.clear();
   out.logits.clear();
   const size_t V = size_t(cfg_.vocab_size);
-  // Sampling rows picked on the device (kernels/cuda/sample.h; HYPIC_DEVICE_SAMPLING, a candidate): a temperature of 0,
-  // or top_k in 1 .. min(kSampleMaxTopK, V - 1); the others (no top-k: the whole vocabulary sorted) on the host.
+  // Sampling rows picked on the device (kernels/cuda/sample.h; HYPIC_DEVICE_SAMPLING, a candidate): top_k in
+  // 1 .. min(kSampleMaxTopK, V - 1); the others (no top-k: the whole vocabulary sorted) on the host.
   static kc::CandidateSwitch device_sampling("HYPIC_DEVICE_SAMPLING");
   const bool dev_sampling = device_sampling.on();
   auto on_device = [&](size_t b) {
     if (!dev_sampling || modes[b] != kStepSample) return false;  // (draws exist only with sampling rows)
     const SampleDraw& d = draws[b];
-    return d.temperature == 0.f || (d.top_k >= 1 && d.top_k <= kc::kSampleMaxTopK && size_t(d.top_k) < V);
+    return d.top_k >= 1 && d.top_k <= kc::kSampleMaxTopK && size_t(d.top_k) < V;  // (temperature > 0: checked)
   };
   std::vector<int32_t> dev_rows;
   std::vector<kc::SampleRowDraw> dev_draws;

@@ -357,6 +357,28 @@ __global__ void __launch_bounds__(DecodeCfg<HD>::kThreads) attn_decode_kernel(co
 // loop over the chunks only waits for independent loads of acc (a batch-1 step at 32k has 128 chunks per head: a
 // loop of dependent m loads per thread took 14 us). Same arithmetic and order as a sequential loop over c.
 constexpr int kCombineMaxChunks = 1024;
+
+// The combine's first step, by all NT threads of the block: the nvalid chunks' (m, l) of entry e0 into s_m / s_l, and
+// their largest m (returned to every thread; s_red: NT / 32 floats of scratch).
+template <int NT>
+__device__ __forceinline__ float combine_stage_max(const AttnParams& p, size_t e0, int nvalid, float* s_m, float* s_l,
+                                                   float* s_red) {
+  const int tid = threadIdx.x;
+  float M = -INFINITY;
+  for (int c = tid; c < nvalid; c += NT) {
+    s_m[c] = p.ws_ml[2 * (e0 + c)];
+    s_l[c] = p.ws_ml[2 * (e0 + c) + 1];
+    M = fmaxf(M, s_m[c]);
+  }
+#pragma unroll
+  for (int off = 16; off; off >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, off));
+  if ((tid & 31) == 0) s_red[tid >> 5] = M;
+  __syncthreads();
+#pragma unroll
+  for (int w = 0; w < NT / 32; ++w) M = fmaxf(M, s_red[w]);
+  return M;
+}
+
 template <int HD>
 __global__ void __launch_bounds__(HD) attn_decode_combine_kernel(const AttnParams p, int nsplit) {
   detail::griddep_launch_dependents();  // o_proj (a PDL launch) may start streaming its weights; see pdl.cuh
@@ -367,18 +389,7 @@ __global__ void __launch_bounds__(HD) attn_decode_combine_kernel(const AttnParam
   const int kv_len = p.slot0[b] + 1;
   const int nvalid = min(nsplit, static_cast<int>((static_cast<long>(kv_len) + p.chunk_len - 1) / p.chunk_len));
   const size_t e0 = (static_cast<size_t>(b) * p.num_heads + h) * nsplit;
-  float M = -INFINITY;
-  for (int c = d; c < nvalid; c += HD) {
-    s_m[c] = p.ws_ml[2 * (e0 + c)];
-    s_l[c] = p.ws_ml[2 * (e0 + c) + 1];
-    M = fmaxf(M, s_m[c]);
-  }
-#pragma unroll
-  for (int off = 16; off; off >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, off));
-  if ((d & 31) == 0) s_red[d >> 5] = M;
-  __syncthreads();
-#pragma unroll
-  for (int w = 0; w < HD / 32; ++w) M = fmaxf(M, s_red[w]);
+  const float M = combine_stage_max<HD>(p, e0, nvalid, s_m, s_l, s_red);
   float L = 0.f, acc = 0.f;
 #pragma unroll 8
   for (int c = 0; c < nvalid; ++c) {
@@ -386,6 +397,47 @@ __global__ void __launch_bounds__(HD) attn_decode_combine_kernel(const AttnParam
     L += wt * s_l[c];
     acc += wt * p.ws_acc[(e0 + c) * HD + d];
   }
+  float v = acc / L;
+  if (p.gate) v *= sigmoidf_(__bfloat162float(p.gate[static_cast<long>(t) * p.gate_ts + static_cast<long>(h) * p.gate_hs + d]));
+  p.out[(static_cast<size_t>(t) * p.num_heads + h) * HD + d] = __float2bfloat16_rn(v);
+}
+
+// attn_decode_combine_kernel with the chunk loop spread over kCombineGroups thread groups of HD threads
+// (HYPIC_ATTN_COMBINE_GROUPS, a candidate: switches.h): group g sums the chunks [g n / 4, (g + 1) n / 4) of the n
+// valid ones in ascending order, then group 0 adds the groups' partial sums in group order (another fp32 order than
+// the one-group kernel's: a last-bit difference; fixed, so bit-identical from run to run and batch to batch). A
+// batch-1 step at 32k has 128 chunks per head: one thread's dependent loop of 128 loads of acc took 10.9 us.
+constexpr int kCombineGroups = 4;
+template <int HD>
+__global__ void __launch_bounds__(kCombineGroups * HD) attn_decode_combine_groups_kernel(const AttnParams p,
+                                                                                          int nsplit) {
+  detail::griddep_launch_dependents();  // as attn_decode_combine_kernel
+  constexpr int kT = kCombineGroups * HD;
+  __shared__ float s_m[kCombineMaxChunks], s_l[kCombineMaxChunks];
+  __shared__ float s_red[kT / 32];
+  __shared__ float s_acc[kCombineGroups - 1][HD], s_sum[kCombineGroups - 1];
+  const int h = blockIdx.x, b = blockIdx.y, tid = threadIdx.x, d = tid % HD, grp = tid / HD;
+  const int t = p.q_start[b];
+  const int kv_len = p.slot0[b] + 1;
+  const int nvalid = min(nsplit, static_cast<int>((static_cast<long>(kv_len) + p.chunk_len - 1) / p.chunk_len));
+  const size_t e0 = (static_cast<size_t>(b) * p.num_heads + h) * nsplit;
+  const float M = combine_stage_max<kT>(p, e0, nvalid, s_m, s_l, s_red);
+  const int c0 = grp * nvalid / kCombineGroups, c1 = (grp + 1) * nvalid / kCombineGroups;
+  float L = 0.f, acc = 0.f;
+#pragma unroll 8
+  for (int c = c0; c < c1; ++c) {
+    const float wt = fast_exp2(s_m[c] - M);
+    L += wt * s_l[c];
+    acc += wt * p.ws_acc[(e0 + c) * HD + d];
+  }
+  if (grp > 0) {
+    s_acc[grp - 1][d] = acc;
+    if (d == 0) s_sum[grp - 1] = L;
+  }
+  __syncthreads();
+  if (grp > 0) return;
+#pragma unroll
+  for (int g = 0; g < kCombineGroups - 1; ++g) acc += s_acc[g][d], L += s_sum[g];
   float v = acc / L;
   if (p.gate) v *= sigmoidf_(__bfloat162float(p.gate[static_cast<long>(t) * p.gate_ts + static_cast<long>(h) * p.gate_hs + d]));
   p.out[(static_cast<size_t>(t) * p.num_heads + h) * HD + d] = __float2bfloat16_rn(v);
@@ -1124,7 +1176,11 @@ void launch_decode(const AttnParams& p, int batch, int nsplit, cudaStream_t stre
   const dim3 grid(nsplit, p.num_kv_heads * p.head_blocks, batch);
   attn_decode_kernel<HD><<<grid, C::kThreads, C::kSmem, stream>>>(p);
   check_cuda(cudaGetLastError(), "attn_decode_kernel<" + std::to_string(HD) + "> launch");
-  if (nsplit > 1) {
+  static CandidateSwitch groups("HYPIC_ATTN_COMBINE_GROUPS");
+  if (nsplit > 1 && groups.on()) {
+    attn_decode_combine_groups_kernel<HD><<<dim3(p.num_heads, batch), kCombineGroups * HD, 0, stream>>>(p, nsplit);
+    check_cuda(cudaGetLastError(), "attn_decode_combine_groups_kernel<" + std::to_string(HD) + "> launch");
+  } else if (nsplit > 1) {
     attn_decode_combine_kernel<HD><<<dim3(p.num_heads, batch), HD, 0, stream>>>(p, nsplit);
     check_cuda(cudaGetLastError(), "attn_decode_combine_kernel<" + std::to_string(HD) + "> launch");
   }

@@ -13,6 +13,24 @@ namespace {
 
 constexpr int kThreads = 1024;
 constexpr int kWarps = kThreads / 32;
+constexpr int kLoads = 2;  // row elements each thread loads before using them (loads in flight per pass)
+
+// Every pass over a row: f(i, x) for each element i < V (x = row[i]; i >= V: f(i, 0.f) too, so that every thread
+// calls the warp and block collectives inside f the same number of times), in chunks of kThreads consecutive
+// elements in ascending order, each thread's kLoads loads issued before its first f.
+template <class F>
+__device__ __forceinline__ void for_row(const float* __restrict__ row, int V, F f) {
+  for (int base = 0; base < V; base += kLoads * kThreads) {
+    float x[kLoads];
+#pragma unroll
+    for (int j = 0; j < kLoads; ++j) {
+      const int i = base + j * kThreads + int(threadIdx.x);
+      x[j] = i < V ? row[i] : 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < kLoads; ++j) f(base + j * kThreads + int(threadIdx.x), x[j]);
+  }
+}
 static_assert(kSampleMaxTopK == kThreads, "one candidate slot per thread in the sort");
 
 // An order-preserving key of a non-NaN float: a larger float has a larger key; -0.0 and +0.0 get the same key (the
@@ -73,16 +91,14 @@ __global__ void __launch_bounds__(kThreads, 1) sample_rows_kernel(int V, const f
   // Pass 0: the lowest NaN, the largest key, the histogram of the keys' top bytes.
   int nan_i = INT_MAX;
   unsigned kmax = 0;
-  for (int base = 0; base < V; base += kThreads) {
-    const int i = base + tid;
-    const float f = i < V ? row[i] : 0.f;
+  for_row(row, V, [&](int i, float f) {
     const bool nan = i < V && isnan(f);
     if (nan && nan_i == INT_MAX) nan_i = i;
     const unsigned key = order_key(f);
     const bool valid = i < V && !nan;
     if (valid) kmax = max(kmax, key);
     hist_add(hist, key >> 24, valid);
-  }
+  });
   if (nan_i != INT_MAX) atomicMin(&s_nan, nan_i);
   atomicMax(&s_kmax, kmax);
   __syncthreads();
@@ -114,11 +130,10 @@ __global__ void __launch_bounds__(kThreads, 1) sample_rows_kernel(int V, const f
     const int shift = 24 - 8 * pass;
     if (pass > 0) {
       const unsigned mask = 0xFFFFFFFFu << (shift + 8), prefix = s_prefix;
-      for (int base = 0; base < V; base += kThreads) {
-        const int i = base + tid;
-        const unsigned key = i < V ? order_key(row[i]) : 0u;
+      for_row(row, V, [&](int i, float f) {
+        const unsigned key = order_key(f);
         hist_add(hist, (key >> shift) & 255u, i < V && (key & mask) == prefix);
-      }
+      });
       __syncthreads();
     }
     if (tid == 0) {  // the bin holding the krem-th largest of the prefix's keys
@@ -139,9 +154,8 @@ __global__ void __launch_bounds__(kThreads, 1) sample_rows_kernel(int V, const f
 
   // Gather the k candidates: keys above kth in any order, the ties in id order (block ranks, chunk by chunk).
   int eq_seen = 0;  // ties before this chunk (every thread keeps the same count)
-  for (int base = 0; base < V; base += kThreads) {
-    const int i = base + tid;
-    const unsigned key = i < V ? order_key(row[i]) : 0u;
+  for_row(row, V, [&](int i, float f) {
+    const unsigned key = order_key(f);
     const bool gt = i < V && key > kth, eq = i < V && key == kth;
     int eq_total = 0;
     const int rank = block_rank(eq, s_w, eq_total);
@@ -150,7 +164,7 @@ __global__ void __launch_bounds__(kThreads, 1) sample_rows_kernel(int V, const f
       if (slot < kThreads) cand[slot] = (static_cast<unsigned long long>(key) << 32) | (0xFFFFFFFFu - unsigned(i));
     }
     eq_seen += eq_total;
-  }
+  });
   __syncthreads();
   const int kc = min(s_count, kThreads);  // == k for a valid draw (1 <= top_k <= min(V - 1, kSampleMaxTopK))
   if (tid >= kc) cand[tid] = 0ull;        // below every real key (0 is the key of no float)

@@ -676,6 +676,16 @@ TEST_CASE("attention_decode matches attention_causal: batches 1/5/33, contexts 1
     c.max_kv_override = 64;
     run_attention_case(c, 407);
   }
+  // The split-KV combine over four thread groups (HYPIC_ATTN_COMBINE_GROUPS): fewer chunks than groups (context 1,
+  // 63), a few, and hundreds (20000 slots), every head size.
+  const std::vector<AttnCase> grouped = {decode_case("decode b1 hd256 16/2 gate, grouped combine", 256, 16, 2, {20000}, true),
+                                         decode_case("decode b5 hd128 8/2 gate, grouped combine", 128, 8, 2, mixed, true),
+                                         decode_case("decode b5 hd64 32/1 gate, grouped combine", 64, 32, 1, mixed, true)};
+  for (size_t i = 0; i < grouped.size(); ++i)
+    DYNAMIC_SECTION(grouped[i].name) {
+      ScopedCandidate sw("HYPIC_ATTN_COMBINE_GROUPS", true);
+      run_attention_case(grouped[i], 408 + uint32_t(i));
+    }
 }
 
 TEST_CASE("attention_prefill and attention_decode replay from CUDA graphs bit for bit", "[gpu][attention]") {

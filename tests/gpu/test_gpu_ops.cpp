@@ -384,13 +384,23 @@ TEST_CASE("sample_rows picks the host's Sampler::pick token for every draw", "[o
           for (float& x : row) x = x > 0.f ? -x : x;  // every finite value <= 0: the zeros are the largest
         }
         gpu::SampleRowDraw d;
-        d.temperature = temps[(n + variant) % 4];
+        d.temperature = temps[(n / 4 + variant) % 4];  // (n = 4 x top-k index + variant: every pair of the two)
         d.top_k = tk;
-        d.top_p = top_ps[(n / 4 + variant) % 4];
+        d.top_p = top_ps[(n / 4 + 3 * variant) % 4];
         d.u = n % 7 == 0 ? 0.0 : n % 7 == 1 ? 1.0 - 0x1.0p-40 : ud(rng);
         add(row, d, "V " + std::to_string(V) + " top_k " + std::to_string(tk) + " variant " + std::to_string(variant));
         ++n;
       }
+    }
+    {  // Exact boundaries: two equal maxima (ids 3 and 7), the rest -inf, top_k 3: probabilities 1/2, 1/2, 0. The
+       // top-p cut stops at cum >= top_p (top_p 1/2 keeps the lower id alone: u 0.75 takes it); the walk takes the
+       // first candidate with u < cum (u 1/2 is not below the first 1/2: the higher id).
+      std::vector<float> row(V, -INFINITY);
+      row[3] = 1.f;
+      row[7] = 1.f;
+      add(row, {1.f, 3, 0.5f, 0.75}, "two maxima, top_p 0.5, u 0.75");
+      add(row, {1.f, 3, 1.f, 0.5}, "two maxima, u 0.5");
+      add(row, {2.f, 3, 1.f, 0.25}, "two maxima, u 0.25");
     }
     {  // NaNs at 5 and 3 (the lowest: 3), all -inf, a +inf
       std::vector<float> row(V, 1.f);
@@ -402,6 +412,7 @@ TEST_CASE("sample_rows picks the host's Sampler::pick token for every draw", "[o
       inf_row[size_t(V / 2)] = INFINITY;
       add(inf_row, {0.7f, 3, 0.9f, 0.5}, "+inf");
       add(inf_row, {0.f, 3, 1.f, 0.5}, "+inf, temperature 0");
+      add(row, {0.f, 3, 1.f, 0.5}, "NaN row, temperature 0");
     }
     const int rows = int(draws.size());
     std::vector<int32_t> want(rows);

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Validates the candidate kernel paths (kernels/cuda/switches.h: written and tested against their references but not
+# yet measured, off by default) on a GPU host, in stages that each fit one device call of about 10 minutes:
+#
+#   scripts/validate_candidates.sh --bin DIR [--out DIR] STAGE
+#     kernels  the kernel tests, which run every candidate beside its default in one process (test_gpu_ops,
+#              test_gpu_ops_table, test_gpu_gated_delta, test_gpu_attention, test_gpu_moe), then test_gpu_moe "[moe]"
+#              with HYPIC_CANDIDATES=1 under the MoE wgmma variants 1 .. 4 (HYPIC_MOE_WGMMA, read once per process)
+#     backend  test_gpu_backend "[backend]" and test_gpu_conformance, as they are (the end-to-end bit checks and the
+#              device-sampling conformance run inside) and with HYPIC_CANDIDATES=1
+#     bench    hypic-bench-prefill-gpu (Qwen3.5-35B-A3B dimensions, random weights) with --ab over every candidate
+#              and HYPIC_CANDIDATES (each full-prefill length and the warm splice, off and on alternating run by run),
+#              decode batches 1 / 16 / 64 with sampling on the host and on the device: OUT/candidates_ab.{json,md,log}
+#     bench-all  the benchmark twice in one call, every measurement (decode included) with all candidates off
+#              (HYPIC_CANDIDATES=0), then on (=1): OUT/candidates_all_{0,1}.{json,md,log}
+#
+# DIR holds the binaries (a build with -DHYPIC_WITH_CUDA=ON, or scripts/gpu_bundle.sh's unpacked bin/ with its lib/ on
+# LD_LIBRARY_PATH). Exit status: non-zero when any test or the benchmark failed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
+BIN="" OUT="bench/results" STAGE=""
+while (($#)); do
+  case "$1" in
+    -h|--help) usage; exit 0 ;;
+    --bin) BIN="${2:?--bin needs a directory}"; shift 2 ;;
+    --out) OUT="${2:?--out needs a directory}"; shift 2 ;;
+    kernels|backend|bench|bench-all) STAGE="$1"; shift ;;
+    *) echo "validate_candidates.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
+  esac
+done
+[[ -n "$BIN" && -n "$STAGE" ]] || { usage >&2; exit 2; }
+candidates=$(sed -n '/kCandidateSwitches\[\] = {/,/};/p' kernels/cuda/switches.h | grep -o '"HYPIC_[A-Z0-9_]*"' | tr -d '"' |
+             paste -sd, -)
+[[ -n "$candidates" ]] || { echo "validate_candidates.sh: no candidates found in kernels/cuda/switches.h" >&2; exit 2; }
+echo "candidates: $candidates"
+status=0
+run() { echo "== $*"; "$@" || status=$?; }
+case "$STAGE" in
+  kernels)
+    for t in test_gpu_ops test_gpu_ops_table test_gpu_gated_delta test_gpu_attention test_gpu_moe; do
+      run "$BIN/$t" --durations yes
+    done
+    for v in 1 2 3 4; do run env HYPIC_CANDIDATES=1 HYPIC_MOE_WGMMA=$v "$BIN/test_gpu_moe" "[moe]"; done
+    ;;
+  backend)
+    run "$BIN/test_gpu_backend" "[backend]"
+    run "$BIN/test_gpu_conformance"
+    run env HYPIC_CANDIDATES=1 "$BIN/test_gpu_backend" "[backend]"
+    run env HYPIC_CANDIDATES=1 "$BIN/test_gpu_conformance"
+    ;;
+  bench)
+    mkdir -p "$OUT"
+    echo "== hypic-bench-prefill-gpu --ab"
+    "$BIN/hypic-bench-prefill-gpu" --config bench/gpu/qwen3_5_35b_a3b.json --lengths 4096,32768 \
+      --skip parts,build,notc,beside --refresh "" --refresh-tail "" --warmup 1 --reps 3 \
+      --decode-batches 1,16,64 --decode-warmup 2 --decode-steps 5 --ab "$candidates,HYPIC_CANDIDATES" \
+      --json "$OUT/candidates_ab.json" --md "$OUT/candidates_ab.md" 2>&1 | tee "$OUT/candidates_ab.log" || status=$?
+    ;;
+  bench-all)
+    mkdir -p "$OUT"
+    for on in 0 1; do
+      echo "== hypic-bench-prefill-gpu, HYPIC_CANDIDATES=$on"
+      HYPIC_CANDIDATES=$on "$BIN/hypic-bench-prefill-gpu" --config bench/gpu/qwen3_5_35b_a3b.json \
+        --lengths 4096,8192,32768 --skip parts,build,notc,beside --refresh "" --refresh-tail "" --warmup 1 --reps 3 \
+        --json "$OUT/candidates_all_$on.json" --md "$OUT/candidates_all_$on.md" 2>&1 |
+        tee "$OUT/candidates_all_$on.log" || status=$?
+    done
+    ;;
+esac
+exit $status
