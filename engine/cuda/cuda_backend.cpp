@@ -243,6 +243,9 @@ void CudaBackend::allocate_pools() {
   pre_.stream = stream_, pre_.gemm = &gemm_, pre_.moe_ws = &moe_ws_;
   carve_activations(dec_act_, size_t(opt_.max_sequences), "decode activations (--max-sequences)", dec_);
   dec_.stream = dec_stream_, dec_.gemm = &dec_gemm_, dec_.moe_ws = &dec_moe_ws_, dec_.decode = true;
+  dec_norm_counter_ = DeviceMemory(sizeof(unsigned), "decode norm counter");
+  check_cuda(cudaMemset(dec_norm_counter_.as(), 0, sizeof(unsigned)), "decode norm counter");
+  dec_.norm_counter = dec_norm_counter_.as<unsigned>();
   dec_logits_ = DeviceMemory(size_t(opt_.max_sequences) * cfg_.vocab_size * 4, "decode logits (--max-sequences)");
   dec_argmax_ = DeviceMemory(size_t(opt_.max_sequences) * 4, "decode greedy tokens (--max-sequences)");
   dec_sample_ = DeviceMemory(sample_draws_offset() + size_t(opt_.max_sequences) * sizeof(kc::SampleRowDraw),
@@ -447,19 +450,25 @@ bool decode_linear_enabled() {
 }
 }  // namespace
 
-void CudaBackend::project(const Lane& ln, int T, int K, const kc::bf16* x,
+bool CudaBackend::project(const Lane& ln, int T, int K, const kc::bf16* x,
                           std::initializer_list<kc::DecodeLinearOutput> outs, kc::DecodeLinearEpilogue epilogue,
-                          float alpha) {
+                          float alpha, const kc::bf16* then_norm) {
   const int n = int(outs.size());
   if (ln.decode && alpha == 1.f && T <= kc::kDecodeLinearProjectionTokens && decode_linear_enabled() &&
       kc::decode_linear_supported(T, K, x, K, outs.begin(), n)) {
-    kc::decode_linear(T, K, x, K, outs.begin(), n, epilogue, ln.stream);
-    return;
+    // The norm of the rows just added into (the residual) rides on the launch (decode_linear.h DecodeLinearNorm):
+    // one output, not MiniMax's post-norm residuals (their norm rescales x).
+    const bool fuse = then_norm && ln.norm_counter && n == 1 && epilogue == kc::DecodeLinearEpilogue::AddF32 &&
+                      !post_norm_ && outs.begin()->N % 4 == 0 && outs.begin()->ldy % 4 == 0;
+    const kc::DecodeLinearNorm norm{then_norm, eps_, zc_, ln.hn, ln.norm_counter};
+    kc::decode_linear(T, K, x, K, outs.begin(), n, epilogue, ln.stream, fuse ? &norm : nullptr);
+    return fuse;
   }
   const bool bf16_out = epilogue == kc::DecodeLinearEpilogue::StoreBf16;
   const float beta = epilogue == kc::DecodeLinearEpilogue::AddF32 ? 1.f : 0.f;
   for (const kc::DecodeLinearOutput& d : outs)
     ln.gemm->linear(T, d.N, K, x, K, d.W, d.y, bf16_out ? CUDA_R_16BF : CUDA_R_32F, d.ldy, beta, ln.stream, alpha);
+  return false;
 }
 
 void CudaBackend::mixer_norm(const Lane& ln, const DevLayer& L, int T) {
@@ -613,9 +622,9 @@ void CudaBackend::linear_gemms(const Lane& ln, const DevLinear& L, int T) {
 }
 
 // Gated RMSNorm of the delta-rule output times silu(z), then out_proj added into the residual stream.
-void CudaBackend::linear_finish(const Lane& ln, const DevLinear& L, int T) {
+bool CudaBackend::linear_finish(const Lane& ln, const DevLinear& L, int T, const kc::bf16* then_norm) {
   kc::rms_norm_gated(T * nv_, D, ln.o, ln.z, L.norm, eps_, ln.o, ln.stream);
-  project(ln, T, vd_, ln.o, {{L.out_proj, H_, ln.x, H_}}, kc::DecodeLinearEpilogue::AddF32);
+  return project(ln, T, vd_, ln.o, {{L.out_proj, H_, ln.x, H_}}, kc::DecodeLinearEpilogue::AddF32, 1.f, then_norm);
 }
 
 
@@ -653,9 +662,11 @@ void CudaBackend::attention_gemms(const Lane& ln, const DevAttention& A, int T) 
           kc::DecodeLinearEpilogue::StoreBf16);
 }
 
-bool CudaBackend::ffn(const Lane& ln, const DevLayer& L, int T, bool decode, const kc::bf16* next_norm) {
-  kc::rms_norm_residual(T, H_, ln.x, H_, nullptr, L.post_attention_layernorm, eps_, ln.hn, ln.stream, zc_,
-                        post_norm_ ? float(cfg_.mlp_alpha) : 0.f, post_norm_ ? ln.x : nullptr);
+bool CudaBackend::ffn(const Lane& ln, const DevLayer& L, int T, bool decode, const kc::bf16* next_norm,
+                      bool normed) {
+  if (!normed)
+    kc::rms_norm_residual(T, H_, ln.x, H_, nullptr, L.post_attention_layernorm, eps_, ln.hn, ln.stream, zc_,
+                          post_norm_ ? float(cfg_.mlp_alpha) : 0.f, post_norm_ ? ln.x : nullptr);
   if (L.is_moe) {
     const kc::GroupedGemm impl = kc::grouped_gemm_for_tokens(T, decode);
     // The next norm rides on the MoE combine (post-norm residuals rescale x in their norm: kept separate).
@@ -954,6 +965,7 @@ void CudaBackend::decode_body(int B, int cap, const DecodeTables& t) {
   for (int i = 0; i < cfg_.num_hidden_layers; ++i) {
     const DevLayer& L = w_.layers[i];
     if (!normed) mixer_norm(ln, L, B);
+    bool post_normed = false;  // ln.hn holds the post-attention norm (the mixer's out_proj launch did it)
     if (L.type == LayerType::Linear && lin_ == Lin::Kda) {
       const int l = cfg_.linear_index(i);
       kda_mixer_decode(*ln.gemm, L.kda, kda_cfg_, B, ln.hn, ssm(l, 0), convs(l, 0), slots, ln.kda, ln.x, ln.stream);
@@ -968,12 +980,12 @@ void CudaBackend::decode_body(int B, int cap, const DecodeTables& t) {
                              ln.stream, slots);
       kc::gdn_decode_gated(B, nk_, nv_, ln.q, ln.k, ln.v, ln.ga, ln.gb, L.linear.A_log, L.linear.dt_bias, true, gdn_scale_,
                            ssm(l, 0), ln.o, ln.stream, slots);
-      linear_finish(dec_, L.linear, B);
+      post_normed = linear_finish(dec_, L.linear, B, L.post_attention_layernorm);
     } else {
       attention_layer(dec_, L, cfg_.attention_index(i), B, tab + t.pos, tab + t.rows, groups, true);
     }
     const bool last = i + 1 == cfg_.num_hidden_layers;
-    normed = ffn(dec_, L, B, /*decode=*/true, last ? w_.final_norm : next_input_norm(i));
+    normed = ffn(dec_, L, B, /*decode=*/true, last ? w_.final_norm : next_input_norm(i), post_normed);
   }
   const int V = int(cfg_.vocab_size);
   if (!normed) kc::rms_norm_residual(B, H_, ln.x, H_, nullptr, w_.final_norm, eps_, ln.hn, ln.stream, zc_);

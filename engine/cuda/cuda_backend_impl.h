@@ -399,14 +399,18 @@ class CudaBackend final : public Backend {
     LightningScratch light;
     MlaScratch mla;
     bool decode = false;  ///< the decode lane (project: decode_linear for small batches)
+    unsigned* norm_counter = nullptr;  ///< DEVICE: decode_linear's last-block norm counter (decode lane only)
   };
   // Allocates `mem` for T tokens' activations and points a lane's buffers into it.
   void carve_activations(DeviceMemory& mem, size_t T, const std::string& what, Lane& lane);
   /// Projections of T tokens sharing the input x [T][K] (row stride K), DEVICE pointers: on the decode lane up to
   /// kDecodeLinearProjectionTokens tokens one weight-streaming decode_linear launch when it takes the shape
   /// (kernels/cuda/decode_linear.h), else one GemmRunner call per output (bf16 or fp32 y; AddF32 = beta 1).
-  void project(const Lane& ln, int T, int K, const kc::bf16* x, std::initializer_list<kc::DecodeLinearOutput> outs,
-               kc::DecodeLinearEpilogue epilogue, float alpha = 1.f);
+  /// then_norm (optional): the RMSNorm weight [H] of the next step; with one AddF32 output on decode_linear (no
+  /// post-norm residuals) the launch also writes ln.hn = norm(the output rows) (kernels/cuda/decode_linear.h
+  /// DecodeLinearNorm) and project returns true; otherwise it returns false and the caller runs the norm.
+  bool project(const Lane& ln, int T, int K, const kc::bf16* x, std::initializer_list<kc::DecodeLinearOutput> outs,
+               kc::DecodeLinearEpilogue epilogue, float alpha = 1.f, const kc::bf16* then_norm = nullptr);
   void linear_gemms(const Lane& ln, const DevLinear& L, int T);
   /// The layer's input norm: hn = norm(x) (zero-centred for Qwen, else w); MiniMax's post-norm layers also set
   /// x = alpha norm(x) (kernels/cuda/ops.h rms_norm_residual post_alpha) before the mixer adds beta f into it.
@@ -474,7 +478,9 @@ class CudaBackend final : public Backend {
   /// room (the scratch then keeps its old size where it can; a size that failed is tried again only when
   /// cudaMemGetInfo shows room for it).
   bool grow_mla_scratch(int rows);
-  void linear_finish(const Lane& ln, const DevLinear& L, int T);
+  /// The GDN layer's gated norm and out_proj added into the residual; with then_norm (the post-attention norm's
+  /// weight) returns whether the out_proj launch also wrote ln.hn = norm(x) (project).
+  bool linear_finish(const Lane& ln, const DevLinear& L, int T, const kc::bf16* then_norm = nullptr);
   void attention_gemms(const Lane& ln, const DevAttention& A, int T);
   void attention_mixer(const Lane& ln, const DevAttention& A, int a, int T, const int* positions, const int* kv_rows,
                        const kc::AttnGroups& groups, bool decode);
@@ -482,7 +488,9 @@ class CudaBackend final : public Backend {
   /// next_norm: the RMSNorm weight [H] bf16 of what reads the residual next (the next layer's input norm, or the final
   /// norm before the LM head), or nullptr. Returns true when it also wrote ln.hn = norm(x) with it (a MoE layer
   /// without post-norm residuals: kernels/cuda/moe.h MoeNextNorm), so the caller skips that norm.
-  bool ffn(const Lane& ln, const DevLayer& L, int T, bool decode = false, const kc::bf16* next_norm = nullptr);
+  /// normed: ln.hn already holds the post-attention norm of x (linear_finish did it), so ffn skips it.
+  bool ffn(const Lane& ln, const DevLayer& L, int T, bool decode = false, const kc::bf16* next_norm = nullptr,
+           bool normed = false);
   /// The weight of layer i's successor's input norm (nullptr for the last layer): ffn's next_norm in the layer loops.
   const kc::bf16* next_input_norm(int i) const;
   kc::MoeWeightsView moe_view(const DevLayer& L) const;
@@ -643,6 +651,7 @@ class CudaBackend final : public Backend {
   // decode_step's device-sampled rows: row ids [max_sequences] int32, their tokens [max_sequences] int32, then (at
   // sample_draws_offset(), 16-byte aligned) their draws [max_sequences] kernels::cuda::SampleRowDraw.
   DeviceMemory dec_sample_;
+  DeviceMemory dec_norm_counter_;  // decode lane: decode_linear's last-block norm counter (one unsigned)
   size_t sample_draws_offset() const { return (size_t(opt_.max_sequences) * 8 + 15) / 16 * 16; }
   // Captured decode steps by (batch, block-table width), captured and launched on dec_full_stream_ only (a graph's
   // kernels keep the context, and so the SMs, of the stream they were captured on).

@@ -8,7 +8,10 @@
 #include <string>
 
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/ops.h"
+#include "kernels/cuda/row_norm.cuh"
 #include "kernels/cuda/stream_gemm.cuh"
+#include "kernels/cuda/switches.h"
 
 namespace hypic::kernels::cuda {
 
@@ -31,10 +34,43 @@ struct LinearArgs {
   long ldx;
   int M, K, ks_count, n_out, rg_total;
   LinearOut out[kMaxDecodeLinearOutputs];
+  DecodeLinearNorm norm;  // NORM launches: the last block's norm of out[0]'s rows
 };
 
-// S: ring stages per warp (dense_stages).
-template <int NT, int EPI, int S>
+static_assert(kStreamThreads == detail::kNormThreads, "the last block's norm uses rms_norm_residual's thread mapping");
+
+// The last block's part of a NORM launch: every block counts itself done after its stores (each thread's stores
+// fenced first); the block that counts last normalises the M output rows, row after row, with rms_norm_residual's
+// thread mapping and order (row_norm.cuh), reading the rows from L2 (__ldcg: other blocks wrote them), and resets
+// the counter for the stream's next launch.
+template <bool kZeroCentred>
+__device__ __forceinline__ void last_block_norm(const LinearArgs& a) {
+  __shared__ float part[detail::kNormThreads / 32];
+  __shared__ bool last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(a.norm.counter, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  const LinearOut& o = a.out[0];
+  const float* y = static_cast<const float*>(o.y);
+  for (int m = 0; m < a.M; ++m) {
+    const float* xr = y + size_t(m) * o.ldy;
+    float ss = 0.f;
+    for (int c = threadIdx.x * 4; c < o.N; c += detail::kNormThreads * 4)
+      ss = detail::norm_add_sq4(ss, __ldcg(reinterpret_cast<const float4*>(xr + c)));
+    const float inv = detail::norm_block_inv(ss, part, o.N, a.norm.eps);
+    for (int c = threadIdx.x * 4; c < o.N; c += detail::kNormThreads * 4)
+      detail::norm_apply4<kZeroCentred>(__ldcg(reinterpret_cast<const float4*>(xr + c)), inv, a.norm.w,
+                                        a.norm.y + size_t(m) * o.N, c);
+    __syncthreads();  // part is rewritten by the next row
+  }
+  if (threadIdx.x == 0) *a.norm.counter = 0u;
+}
+
+// S: ring stages per warp (dense_stages). NORM: 0 none, 1 zero-centred, 2 plain (last_block_norm).
+template <int NT, int EPI, int S, int NORM = 0>
 __global__ void __launch_bounds__(kStreamThreads, detail::stream_blocks_per_sm(S, NT))
     decode_linear_kernel(const LinearArgs a) {
   constexpr int kRing = S * detail::stream_stage_uint4(NT);  // a warp's ring, 16-byte words
@@ -68,10 +104,11 @@ __global__ void __launch_bounds__(kStreamThreads, detail::stream_blocks_per_sm(S
   detail::griddep_wait();
   detail::griddep_launch_dependents();
   if (active) detail::stream_consume<NT, S>(wlo, whi, kb, ke, xp, ntl, ring, lane, acc);
-  if (!detail::stream_reduce<NT, kRing>(acc, ntl, a.ks_count, ring_all) || !active) return;
+  const bool store = detail::stream_reduce<NT, kRing>(acc, ntl, a.ks_count, ring_all) && active;
+  if (!NORM && !store) return;
 #pragma unroll
   for (int t = 0; t < NT; ++t) {
-    if (t >= ntl) continue;
+    if (t >= ntl || !store) continue;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int m = t * 8 + 2 * q + h;
@@ -91,11 +128,12 @@ __global__ void __launch_bounds__(kStreamThreads, detail::stream_blocks_per_sm(S
       }
     }
   }
+  if constexpr (NORM != 0) last_block_norm<NORM == 1>(a);
 }
 
-template <int NT, int EPI, int S>
+template <int NT, int EPI, int S, int NORM = 0>
 void launch_s(const LinearArgs& a, unsigned blocks, cudaStream_t stream) {
-  auto kernel = decode_linear_kernel<NT, EPI, S>;
+  auto kernel = decode_linear_kernel<NT, EPI, S, NORM>;
   constexpr int smem = detail::stream_smem_bytes(S, NT);
   static DeviceOnce once;  // the attribute is per device
   once.run(current_device(), [&](int) {
@@ -133,6 +171,15 @@ void launch_epi(const LinearArgs& a, unsigned blocks, cudaStream_t stream) {
     launch_s<8, EPI, 4>(a, blocks, stream);
 }
 
+// A NORM launch (M <= kDecodeLinearNormInBlockMaxTokens: one token group) of the AddF32 kernel.
+template <int NORM>
+void launch_norm(const LinearArgs& a, unsigned blocks, cudaStream_t stream) {
+  constexpr int kAdd = int(DecodeLinearEpilogue::AddF32);
+  const RingShape r = ring_shape(a.M, a.K);
+  r.stages == 16 ? launch_s<1, kAdd, 16, NORM>(a, blocks, stream) : launch_s<1, kAdd, 8, NORM>(a, blocks, stream);
+}
+static_assert(kDecodeLinearNormInBlockMaxTokens <= 8, "NORM launches have one token group");
+
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
 }  // namespace
@@ -151,7 +198,7 @@ bool decode_linear_supported(int M, int K, const bf16* x, long ldx, const Decode
 }
 
 void decode_linear(int M, int K, const bf16* x, long ldx, const DecodeLinearOutput* outputs, int n_outputs,
-                   DecodeLinearEpilogue epilogue, cudaStream_t stream) {
+                   DecodeLinearEpilogue epilogue, cudaStream_t stream, const DecodeLinearNorm* norm) {
   if (!decode_linear_supported(M, K, x, ldx, outputs, n_outputs))
     throw std::invalid_argument("decode_linear: unsupported arguments (M " + std::to_string(M) + " in 1.." +
                                 std::to_string(kMaxDecodeLinearTokens) + ", K " + std::to_string(K) +
@@ -159,6 +206,15 @@ void decode_linear(int M, int K, const bf16* x, long ldx, const DecodeLinearOutp
                                 std::to_string(n_outputs) + " outputs in 1.." +
                                 std::to_string(kMaxDecodeLinearOutputs) +
                                 ", 16-byte aligned x and weights, N >= 1, ldy >= N)");
+  if (norm) {
+    const bool ok = epilogue == DecodeLinearEpilogue::AddF32 && n_outputs == 1 && outputs[0].N % 4 == 0 &&
+                    outputs[0].ldy % 4 == 0 && norm->w && norm->y && norm->counter;
+    if (!ok)
+      throw std::invalid_argument("decode_linear: the norm needs the AddF32 epilogue, one output with N and ldy "
+                                  "multiples of 4 (got " + std::to_string(n_outputs) + " outputs, N " +
+                                  std::to_string(outputs[0].N) + ", ldy " + std::to_string(outputs[0].ldy) +
+                                  "), and non-null weight, output and counter");
+  }
   LinearArgs a{};
   a.x = x;
   a.ldx = ldx;
@@ -177,11 +233,20 @@ void decode_linear(int M, int K, const bf16* x, long ldx, const DecodeLinearOutp
   a.ks_count = detail::stream_k_slices_for(K / kStreamChunk, rg, long(sm_count()) * detail::stream_blocks_per_sm(8, 1));
   const int rg_per_block = kStreamWarps / a.ks_count;
   const unsigned blocks = unsigned((rg + rg_per_block - 1) / rg_per_block);
+  static CandidateSwitch fuse("HYPIC_FUSE_POST_NORM");
+  if (norm && M <= kDecodeLinearNormInBlockMaxTokens && fuse.on()) {
+    a.norm = *norm;
+    norm->zero_centred ? launch_norm<1>(a, blocks, stream) : launch_norm<2>(a, blocks, stream);
+    return;
+  }
   switch (epilogue) {
     case DecodeLinearEpilogue::StoreBf16: launch_epi<int(DecodeLinearEpilogue::StoreBf16)>(a, blocks, stream); break;
     case DecodeLinearEpilogue::StoreF32: launch_epi<int(DecodeLinearEpilogue::StoreF32)>(a, blocks, stream); break;
     case DecodeLinearEpilogue::AddF32: launch_epi<int(DecodeLinearEpilogue::AddF32)>(a, blocks, stream); break;
   }
+  if (norm)
+    rms_norm_residual(M, outputs[0].N, static_cast<const float*>(outputs[0].y), outputs[0].ldy, nullptr, norm->w,
+                      norm->eps, norm->y, stream, norm->zero_centred);
 }
 
 }  // namespace hypic::kernels::cuda

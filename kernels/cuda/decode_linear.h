@@ -46,6 +46,23 @@ struct DecodeLinearOutput {
   long ldy = 0;
 };
 
+/// The RMSNorm of the rows decode_linear adds into (AddF32, one output: the residual stream), done by the launch's
+/// last block once every block has added its part (the next step of a decode layer: the post-attention norm before
+/// the MoE), so no separate norm kernel runs: y[m] = bf16(r[m] * rsqrt(mean(r[m]^2) + eps) * (zero_centred ? 1 + w :
+/// w)) over the output's N columns of row m of r = the output (fp32, after the add), exactly rms_norm_residual's
+/// arithmetic and bits (kernels/cuda/row_norm.cuh). w: [N] bf16, y: [M][N] bf16, counter: one DEVICE
+/// unsigned, zero before the call and left zero (the caller's, one per stream: launches on one stream run in order).
+struct DecodeLinearNorm {
+  const bf16* w = nullptr;
+  float eps = 1e-6f;
+  bool zero_centred = true;
+  bf16* y = nullptr;
+  unsigned* counter = nullptr;
+};
+/// Largest M whose norm the last block does (one row after another: beyond it a separate norm kernel is faster);
+/// decode_linear runs rms_norm_residual after the launch for larger M.
+constexpr int kDecodeLinearNormInBlockMaxTokens = 2;
+
 /// True when decode_linear takes these arguments: 1 <= M <= kMaxDecodeLinearTokens, K > 0 a multiple of 32,
 /// 1 .. kMaxDecodeLinearOutputs outputs each with N >= 1 and ldy >= N, x and every W 16-byte aligned, ldx >= K and
 /// a multiple of 8, and the current device's shared memory holds the kernel's rings (up to 160 KiB). Host only (queries
@@ -58,7 +75,11 @@ bool decode_linear_supported(int M, int K, const bf16* x, long ldx, const Decode
 /// the first call sets the kernels' shared-memory attribute, do it uncaptured). Outputs must not overlap x or each
 /// other. Throws std::invalid_argument when !decode_linear_supported (naming the value), std::runtime_error on
 /// CUDA errors.
+/// norm (optional, see DecodeLinearNorm): also the RMSNorm of the output rows; needs epilogue AddF32, one output,
+/// its N and ldy multiples of 4, non-null w, y and counter (std::invalid_argument otherwise); the norm is done in the
+/// launch's last block for M <= kDecodeLinearNormInBlockMaxTokens where HYPIC_FUSE_POST_NORM (a candidate:
+/// kernels/cuda/switches.h) is on, else by rms_norm_residual after it (the same bits either way).
 void decode_linear(int M, int K, const bf16* x, long ldx, const DecodeLinearOutput* outputs, int n_outputs,
-                   DecodeLinearEpilogue epilogue, cudaStream_t stream);
+                   DecodeLinearEpilogue epilogue, cudaStream_t stream, const DecodeLinearNorm* norm = nullptr);
 
 }  // namespace hypic::kernels::cuda

@@ -811,9 +811,10 @@ TEST_CASE("cuda backend: decode steps replayed as CUDA graphs equal the eager st
 
 // The candidate kernel paths that keep the arithmetic (kernels/cuda/switches.h: the next layer's norm in the MoE
 // combine, RoPE angle tables, the MoE wgmma vector epilogue, deep decode MoE rings, each checked bit for bit against
-// its default in its kernel test) through the whole model: full prefills of 10 prompts (MoE layers of 20 .. 47
-// tokens: the wgmma tiles), a hypic splice, then 12 greedy decode steps of the 10 (two token groups per MoE tile
-// ring), the CUDA graphs captured again after each flip. Every logit bit for bit, switch off against on.
+// its default in its kernel test; the post-attention norm in decode_linear's last block) through the whole model: full
+// prefills of 10 prompts (MoE layers of 20 .. 47 tokens: the wgmma tiles), a hypic splice, then 12 greedy decode
+// steps of the 10 (two token groups per MoE tile ring) and 6 of one, the CUDA graphs captured again after each flip.
+// Every logit bit for bit, switch off against on.
 TEST_CASE("cuda backend: candidate paths that keep the arithmetic give the default's bits end to end", "[backend]") {
   require_gpu();
   Fixture& f = fixture("qwen3_5_moe_gpu");
@@ -852,9 +853,16 @@ TEST_CASE("cuda backend: candidate paths that keep the arithmetic give the defau
       all.push_back(lg);
       for (size_t i = 0; i < outs.size(); ++i) next[i] = argmax(lg.data() + i * V, V);
     }
+    for (int step = 0; step < 6; ++step) {  // batch 1 (the post-attention norm in the out_proj launch)
+      eng::Sequence* one = outs[0].sequence.get();
+      f.gpu->decode(std::span<eng::Sequence* const>(&one, 1), std::span<const int32_t>(&next[0], 1), lg);
+      all.push_back(lg);
+      next[0] = argmax(lg.data(), V);
+    }
     return all;
   };
-  for (const char* sw : {"HYPIC_FUSE_NEXT_NORM", "HYPIC_ROPE_TABLE", "HYPIC_MOE_EPILOGUE_VEC", "HYPIC_MOE_DECODE_DEEP"}) {
+  for (const char* sw : {"HYPIC_FUSE_NEXT_NORM", "HYPIC_ROPE_TABLE", "HYPIC_MOE_EPILOGUE_VEC", "HYPIC_MOE_DECODE_DEEP",
+                         "HYPIC_FUSE_POST_NORM"}) {
     DYNAMIC_SECTION(sw) {
       std::vector<std::vector<float>> off, on;
       {

@@ -1192,3 +1192,93 @@ TEST_CASE("decode_linear refuses the shapes it does not take, naming them", "[gp
     CHECK(std::string(e.what()).find("M 65") != std::string::npos);
   }
 }
+
+// decode_linear's last-block norm (DecodeLinearNorm; in the last block for M <= 2 with HYPIC_FUSE_POST_NORM on,
+// else rms_norm_residual after the launch) against decode_linear without it followed by rms_norm_residual: the
+// residual rows and the normed rows bit for bit; the normed rows also against a host RMSNorm of the residual rows
+// (one bf16 rounding); three launches in a row and two replays of a captured graph (the counter is reset each time);
+// a bad norm refused.
+TEST_CASE("decode_linear with the norm of its output rows == decode_linear then rms_norm_residual", "[gpu][ops_table]") {
+  if (!cuda_device_present()) FAIL("no CUDA device: the GPU tests need an NVIDIA GPU (scripts/test_gpu.sh)");
+  using E = gpu::DecodeLinearEpilogue;
+  struct Case {
+    int M, K, N, ldy_pad;
+    bool zero_centred;
+  };
+  const Case cases[] = {{1, 4096, 2048, 0, true}, {2, 4096, 2048, 4, false}, {1, 512, 1028, 0, true},
+                        {3, 1024, 2048, 0, true}, {16, 4096, 2048, 0, true}};
+  std::mt19937 rng(515);
+  Stream st;
+  DeviceBuffer<unsigned> counter(std::vector<unsigned>{0u});
+  for (const Case& c : cases) {
+    const std::string name = "M " + std::to_string(c.M) + " K " + std::to_string(c.K) + " N " + std::to_string(c.N) +
+                             (c.zero_centred ? " zero-centred" : " plain");
+    INFO(name);
+    const long ldy = c.N + c.ldy_pad;
+    std::vector<float> xf, wf, nf;
+    const auto x = random_bf16(rng, size_t(c.M) * c.K, 1.f, xf);
+    const auto w = random_bf16(rng, size_t(c.N) * c.K, 0.05f, wf);
+    const auto nw = random_bf16(rng, size_t(c.N), 0.3f, nf);
+    std::vector<float> resid0(size_t(c.M) * ldy);
+    for (float& v : resid0) v = std::normal_distribution<float>(0.f, 1.f)(rng);
+    DeviceBuffer<bf16> dx(x), dw(w), dnw(nw), dy(size_t(c.M) * c.N);
+    DeviceBuffer<float> dr(resid0);
+    const gpu::DecodeLinearOutput o{dw.get(), c.N, dr.get(), ldy};
+    // The reference: the add, then the norm kernel.
+    gpu::decode_linear(c.M, c.K, dx.get(), c.K, &o, 1, E::AddF32, st.s);
+    dy.poison();
+    gpu::rms_norm_residual(c.M, c.N, dr.get(), ldy, nullptr, dnw.get(), 1e-6f, dy.get(), st.s, c.zero_centred);
+    check_cuda(cudaStreamSynchronize(st.s), "reference");
+    const auto r_ref = dr.download();
+    const auto y_ref = dy.download();
+    std::vector<float> host(size_t(c.M) * c.N), rows(size_t(c.M) * c.N);
+    for (int m = 0; m < c.M; ++m)
+      std::copy(r_ref.begin() + size_t(m) * ldy, r_ref.begin() + size_t(m) * ldy + c.N, rows.begin() + size_t(m) * c.N);
+    if (c.zero_centred)
+      cpu::rms_norm_zero_centred(c.M, c.N, rows.data(), nf.data(), 1e-6f, host.data());
+    else
+      cpu::rms_norm(c.M, c.N, rows.data(), nf.data(), 1e-6f, host.data());
+    size_t host_bad = 0;
+    for (size_t i = 0; i < host.size(); ++i)
+      host_bad += !(std::fabs(bf16_to_float(y_ref[i]) - host[i]) <= std::ldexp(std::fabs(host[i]), -8) + 1e-6f);
+    CHECK(host_bad == 0);
+    const gpu::DecodeLinearNorm norm{dnw.get(), 1e-6f, c.zero_centred, dy.get(), counter.get()};
+    for (const bool fused : {true, false}) {
+      ScopedCandidate sw("HYPIC_FUSE_POST_NORM", fused);
+      bool same = true;
+      for (int rep = 0; rep < 3; ++rep) {
+        dr.upload(resid0);
+        dy.poison();
+        gpu::decode_linear(c.M, c.K, dx.get(), c.K, &o, 1, E::AddF32, st.s, &norm);
+        check_cuda(cudaStreamSynchronize(st.s), "decode_linear with the norm");
+        same = same && same_bits(dr.download(), r_ref) && same_bits(dy.download(), y_ref);
+      }
+      {  // captured (the add runs on the residual again per replay: compare the normed rows of the new residual)
+        dr.upload(resid0);
+        CapturedGraph cg(st.s, [&] { gpu::decode_linear(c.M, c.K, dx.get(), c.K, &o, 1, E::AddF32, st.s, &norm); });
+        dr.upload(resid0);
+        dy.poison();
+        cg.replay();
+        same = same && same_bits(dr.download(), r_ref) && same_bits(dy.download(), y_ref);
+        dr.upload(resid0);
+        dy.poison();
+        cg.replay();
+        same = same && same_bits(dr.download(), r_ref) && same_bits(dy.download(), y_ref);
+      }
+      const unsigned left = counter.download()[0];
+      std::printf("[decode_linear norm] %s, %s: residual and normed rows %s; counter after %u\n", name.c_str(),
+                  fused ? "fused" : "separate", same ? "bit-identical" : "DIFFER", left);
+      CHECK(same);
+      CHECK(left == 0u);
+    }
+  }
+  DeviceBuffer<bf16> x(size_t(2) * 64), w(size_t(16) * 64), y(size_t(2) * 16);
+  DeviceBuffer<float> r(size_t(2) * 16);
+  const gpu::DecodeLinearOutput o{w.get(), 16, r.get(), 16};
+  const gpu::DecodeLinearNorm no_counter{w.get(), 1e-6f, true, y.get(), nullptr};
+  CHECK_THROWS_WITH(gpu::decode_linear(2, 64, x.get(), 64, &o, 1, E::AddF32, nullptr, &no_counter),
+                    Catch::Contains("counter"));
+  const gpu::DecodeLinearNorm ok{w.get(), 1e-6f, true, y.get(), counter.get()};
+  CHECK_THROWS_WITH(gpu::decode_linear(2, 64, x.get(), 64, &o, 1, E::StoreF32, nullptr, &ok),
+                    Catch::Contains("AddF32"));
+}
