@@ -246,6 +246,10 @@ void CudaBackend::allocate_pools() {
   dec_norm_counter_ = DeviceMemory(sizeof(unsigned), "decode norm counter");
   check_cuda(cudaMemset(dec_norm_counter_.as(), 0, sizeof(unsigned)), "decode norm counter");
   dec_.norm_counter = dec_norm_counter_.as<unsigned>();
+  if (n_lin_ && lin_ == Lin::Gdn) {  // gdn_decode_gated's per-(request, value head) counters
+    dec_gdn_counters_ = DeviceMemory(size_t(opt_.max_sequences) * nv_ * sizeof(unsigned), "decode GDN norm counters");
+    check_cuda(cudaMemset(dec_gdn_counters_.as(), 0, dec_gdn_counters_.size()), "decode GDN norm counters");
+  }
   dec_logits_ = DeviceMemory(size_t(opt_.max_sequences) * cfg_.vocab_size * 4, "decode logits (--max-sequences)");
   dec_argmax_ = DeviceMemory(size_t(opt_.max_sequences) * 4, "decode greedy tokens (--max-sequences)");
   dec_sample_ = DeviceMemory(sample_draws_offset() + size_t(opt_.max_sequences) * sizeof(kc::SampleRowDraw),
@@ -622,8 +626,9 @@ void CudaBackend::linear_gemms(const Lane& ln, const DevLinear& L, int T) {
 }
 
 // Gated RMSNorm of the delta-rule output times silu(z), then out_proj added into the residual stream.
-bool CudaBackend::linear_finish(const Lane& ln, const DevLinear& L, int T, const kc::bf16* then_norm) {
-  kc::rms_norm_gated(T * nv_, D, ln.o, ln.z, L.norm, eps_, ln.o, ln.stream);
+bool CudaBackend::linear_finish(const Lane& ln, const DevLinear& L, int T, const kc::bf16* then_norm,
+                                bool gated_normed) {
+  if (!gated_normed) kc::rms_norm_gated(T * nv_, D, ln.o, ln.z, L.norm, eps_, ln.o, ln.stream);
   return project(ln, T, vd_, ln.o, {{L.out_proj, H_, ln.x, H_}}, kc::DecodeLinearEpilogue::AddF32, 1.f, then_norm);
 }
 
@@ -978,9 +983,11 @@ void CudaBackend::decode_body(int B, int cap, const DecodeTables& t) {
       linear_gemms(dec_, L.linear, B);
       kc::conv1d_silu_decode(B, C_, K_, ln.qkv, L.linear.conv1d, convs(l, 0), kc::ConvQkvOut{ln.q, ln.k, ln.v, qd_},
                              ln.stream, slots);
+      // The gated output norm rides on the recurrence launch (gated_delta.h GdnDecodeNorm).
+      const kc::GdnDecodeNorm gnorm{ln.z, L.linear.norm, eps_, dec_gdn_counters_.as<unsigned>()};
       kc::gdn_decode_gated(B, nk_, nv_, ln.q, ln.k, ln.v, ln.ga, ln.gb, L.linear.A_log, L.linear.dt_bias, true, gdn_scale_,
-                           ssm(l, 0), ln.o, ln.stream, slots);
-      post_normed = linear_finish(dec_, L.linear, B, L.post_attention_layernorm);
+                           ssm(l, 0), ln.o, ln.stream, slots, &gnorm);
+      post_normed = linear_finish(dec_, L.linear, B, L.post_attention_layernorm, /*gated_normed=*/true);
     } else {
       attention_layer(dec_, L, cfg_.attention_index(i), B, tab + t.pos, tab + t.rows, groups, true);
     }

@@ -480,7 +480,9 @@ class CudaBackend final : public Backend {
   bool grow_mla_scratch(int rows);
   /// The GDN layer's gated norm and out_proj added into the residual; with then_norm (the post-attention norm's
   /// weight) returns whether the out_proj launch also wrote ln.hn = norm(x) (project).
-  bool linear_finish(const Lane& ln, const DevLinear& L, int T, const kc::bf16* then_norm = nullptr);
+  /// gated_normed: ln.o already holds the gated norm (gdn_decode_gated did it).
+  bool linear_finish(const Lane& ln, const DevLinear& L, int T, const kc::bf16* then_norm = nullptr,
+                     bool gated_normed = false);
   void attention_gemms(const Lane& ln, const DevAttention& A, int T);
   void attention_mixer(const Lane& ln, const DevAttention& A, int a, int T, const int* positions, const int* kv_rows,
                        const kc::AttnGroups& groups, bool decode);
@@ -652,6 +654,7 @@ class CudaBackend final : public Backend {
   // sample_draws_offset(), 16-byte aligned) their draws [max_sequences] kernels::cuda::SampleRowDraw.
   DeviceMemory dec_sample_;
   DeviceMemory dec_norm_counter_;  // decode lane: decode_linear's last-block norm counter (one unsigned)
+  DeviceMemory dec_gdn_counters_;  // decode lane: gdn_decode_gated's norm counters [max_sequences][nv] unsigned
   size_t sample_draws_offset() const { return (size_t(opt_.max_sequences) * 8 + 15) / 16 * 16; }
   // Captured decode steps by (batch, block-table width), captured and launched on dec_full_stream_ only (a graph's
   // kernels keep the context, and so the SMs, of the stream they were captured on).

@@ -182,13 +182,26 @@ void gdn_decode(int batch, int num_k_heads, int num_v_heads, const bf16* q, cons
                 const float* g, const float* beta, bool l2norm_qk, float scale, float* state, bf16* out,
                 cudaStream_t stream = nullptr, const int* state_slots = nullptr);
 
+/// The layer's gated output norm after a decode step (HF Qwen3NextRMSNormGated, ops.h rms_norm_gated with the silu
+/// gate and one weight row): out[b][h] = norm(out[b][h]) * w * silu(z[b][h]) per (request, value head) row of 128.
+/// z: [batch][H_v][128] bf16, w: [128] bf16, counters: DEVICE unsigned [batch * H_v], zero before the call and left
+/// zero (the caller's, one array per stream).
+struct GdnDecodeNorm {
+  const bf16* z = nullptr;
+  const bf16* w = nullptr;
+  float eps = 1e-6f;
+  unsigned* counters = nullptr;
+};
+
 /// gdn_decode with the gates fused in (as GdnPrefillArgs::gate_a ..): g and beta of each request and
 /// value head computed from gate_a, gate_b [batch][H_v] bf16 and A_log, dt_bias [H_v] fp32, bit for
-/// bit as gdn_gates would, without its launch. Throws std::invalid_argument on null inputs.
+/// bit as gdn_gates would, without its launch. norm (optional): then the gated norm of out (GdnDecodeNorm), in the
+/// same launch (the last of each head's column blocks) where HYPIC_GDN_DECODE_NORM (a candidate: switches.h) is on,
+/// else rms_norm_gated after it: the same bits either way. Throws std::invalid_argument on null inputs.
 void gdn_decode_gated(int batch, int num_k_heads, int num_v_heads, const bf16* q, const bf16* k, const bf16* v,
                       const bf16* gate_a, const bf16* gate_b, const float* A_log, const float* dt_bias,
                       bool l2norm_qk, float scale, float* state, bf16* out, cudaStream_t stream = nullptr,
-                      const int* state_slots = nullptr);
+                      const int* state_slots = nullptr, const GdnDecodeNorm* norm = nullptr);
 
 /// Composition (DESIGN.md 3.1): folds `num_segments` cached (T, S) pairs into running states,
 ///   running[b] <- T[i][b] running[b] + S[i][b],  for i = 0 .. num_segments-1, every b < batch,

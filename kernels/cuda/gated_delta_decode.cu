@@ -11,6 +11,9 @@
 #include "kernels/cuda/fold.cuh"
 #include "kernels/cuda/gated_delta.h"
 #include "kernels/cuda/gates.cuh"
+#include "kernels/cuda/ops.h"
+#include "kernels/cuda/row_norm.cuh"
+#include "kernels/cuda/switches.h"
 
 namespace hypic::kernels::cuda {
 namespace {
@@ -34,12 +37,18 @@ __device__ __forceinline__ float block_sum128(float x, float* red) {
 // c0 + lane of rows 32 rg .. 32 rg + 31, held in registers between the two passes (all 32 loads in flight at
 // once); the column sums S^T k and S^T q are added over the four row groups in shared memory in a fixed order.
 constexpr int kDecCols = 32, kDecRowGroups = D / 32;
+static_assert(D / kDecCols == 4, "the counters count a head's four column blocks");
 
+// With nrm.counters (gdn_decode_gated's GdnDecodeNorm): after a block's outputs are stored, the last of the head's
+// D / kDecCols column blocks to finish (a per-(request, head) counter, reset by it) runs the gated RMSNorm of the
+// head's output row in place with rms_norm_gated_kernel's warp code (row_norm.cuh gated_norm_row_warp: the same
+// bits), reading the other blocks' columns through L2.
 __global__ void __launch_bounds__(D) gdn_decode_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                                        const bf16* __restrict__ v, const float* __restrict__ g,
                                                        const float* __restrict__ beta, GateInputs gates, int Hk,
                                                        int Hv, bool l2norm, float scale, float* __restrict__ state,
-                                                       bf16* __restrict__ out, const int* __restrict__ slots) {
+                                                       bf16* __restrict__ out, const int* __restrict__ slots,
+                                                       GdnDecodeNorm nrm = {}) {
   __shared__ float sq[D], sk[D], red[4], part[kDecRowGroups][kDecCols];
   const int b = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
   const int lane = tid & 31, rg = tid >> 5, c = blockIdx.z * kDecCols + lane;
@@ -83,6 +92,19 @@ __global__ void __launch_bounds__(D) gdn_decode_kernel(const bf16* __restrict__ 
   part[rg][lane] = o;
   __syncthreads();
   if (out && rg == 0) out[hv * D + c] = __float2bfloat16_rn((part[0][lane] + part[1][lane]) + (part[2][lane] + part[3][lane]));
+  if (nrm.counters && out) {
+    __shared__ bool last;
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) last = atomicAdd(nrm.counters + hv, 1u) == gridDim.z - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    if (rg == 0)
+      detail::gated_norm_row_warp<true>(out + hv * D, nrm.z + hv * D, nrm.w, D, nrm.eps, out + hv * D, lane,
+                                        [](const bf16* p) { return __ldcg(reinterpret_cast<const __nv_bfloat162*>(p)); });
+    if (tid == 0) nrm.counters[hv] = 0u;
+  }
 }
 
 // Composition: one block per (batch entry, BN-column block of the running state). The block keeps
@@ -195,7 +217,7 @@ void gdn_decode(int batch, int num_k_heads, int num_v_heads, const bf16* q, cons
 void gdn_decode_gated(int batch, int num_k_heads, int num_v_heads, const bf16* q, const bf16* k, const bf16* v,
                       const bf16* gate_a, const bf16* gate_b, const float* A_log, const float* dt_bias,
                       bool l2norm_qk, float scale, float* state, bf16* out, cudaStream_t stream,
-                      const int* state_slots) {
+                      const int* state_slots, const GdnDecodeNorm* norm) {
   check_heads(num_k_heads, num_v_heads, "gdn_decode_gated");
   if (batch < 0 || batch > (1 << 30))
     throw std::invalid_argument("gdn_decode_gated: bad batch " + std::to_string(batch));
@@ -203,10 +225,16 @@ void gdn_decode_gated(int batch, int num_k_heads, int num_v_heads, const bf16* q
   for (const auto& [ptr, name] : {std::pair<const void*, const char*>{q, "q"}, {k, "k"}, {v, "v"}, {gate_a, "gate_a"},
                                   {gate_b, "gate_b"}, {A_log, "A_log"}, {dt_bias, "dt_bias"}, {state, "state"}})
     if (!ptr) throw std::invalid_argument(std::string("gdn_decode_gated: ") + name + " is null");
+  if (norm && (!norm->z || !norm->w || !norm->counters || !out))
+    throw std::invalid_argument("gdn_decode_gated: the gated norm needs z, w, counters and out");
+  static CandidateSwitch fuse("HYPIC_GDN_DECODE_NORM");
+  const bool fused = norm && fuse.on();
   gdn_decode_kernel<<<dim3(batch, num_v_heads, D / kDecCols), D, 0, stream>>>(
       q, k, v, nullptr, nullptr, GateInputs{gate_a, gate_b, A_log, dt_bias}, num_k_heads, num_v_heads, l2norm_qk,
-      scale, state, out, state_slots);
+      scale, state, out, state_slots, fused ? *norm : GdnDecodeNorm{});
   check_cuda(cudaGetLastError(), "gdn_decode_kernel launch");
+  if (norm && !fused)
+    rms_norm_gated(batch * num_v_heads, D, out, norm->z, norm->w, norm->eps, out, stream, NormGate::Silu);
 }
 
 void compose_fold(int batch, int num_segments, float* running, const float* transitions, const float* states,

@@ -122,24 +122,9 @@ __global__ void rms_norm_gated_kernel(int rows, int dim, const bf16* x, const bf
   detail::griddep_launch_dependents();  // as rms_norm_residual_kernel
   const int r = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
   if (r >= rows) return;
-  const bf16* xr = x + long(r) * dim;
-  float ss = 0.f;
-  for (int c = lane * 2; c < dim; c += 64) {
-    const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(xr + c));
-    ss += v.x * v.x + v.y * v.y;
-  }
-  const float inv = rsqrtf(warp_sum(ss) / dim + eps);
-  const bf16* zr = z + long(r) * dim;
-  const bf16* wr = w + long(r % w_rows) * dim;
-  bf16* yr = y + long(r) * dim;
-  auto gate = [](float g) { return kGate == NormGate::Silu ? silu_f(g) : 1.f / (1.f + expf(-g)); };
-  for (int c = lane * 2; c < dim; c += 64) {
-    const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(xr + c));
-    const float2 g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(zr + c));
-    const float2 ww = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(wr + c));
-    *reinterpret_cast<__nv_bfloat162*>(yr + c) =
-        __floats2bfloat162_rn(v.x * inv * ww.x * gate(g.x), v.y * inv * ww.y * gate(g.y));
-  }
+  detail::gated_norm_row_warp<kGate == NormGate::Silu>(
+      x + long(r) * dim, z + long(r) * dim, w + long(r % w_rows) * dim, dim, eps, y + long(r) * dim, lane,
+      [](const bf16* p) { return *reinterpret_cast<const __nv_bfloat162*>(p); });
 }
 
 // Affine chain: one block per (chain, head, BN-column block); the 128 x BN running block stays in shared memory

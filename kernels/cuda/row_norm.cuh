@@ -51,4 +51,29 @@ __device__ __forceinline__ float4 norm_apply4(float4 v, float inv, const __nv_bf
   return make_float4(n0, n1, n2, n3);
 }
 
+// The gated RMSNorm of one row of `dim` bf16 values (ops.h rms_norm_gated: HF Qwen3NextRMSNormGated / KDA's sigmoid-
+// gated norm) by one warp: lane owns the pairs c = 2 lane + 64 i; the sum of squares is each lane's (ascending),
+// then the warp's (xor shuffles); y = bf16(x * inv * w * gate(z)) with gate(z) = z / (1 + e^-z) (silu) or
+// 1 / (1 + e^-z) (sigmoid). load2(p) reads a bf16 pair (callers pick the cache path); y may alias x (each lane reads
+// its pairs before writing them).
+template <bool kSilu, class Load2>
+__device__ __forceinline__ void gated_norm_row_warp(const __nv_bfloat16* xr, const __nv_bfloat16* zr,
+                                                    const __nv_bfloat16* wr, int dim, float eps, __nv_bfloat16* yr,
+                                                    int lane, Load2 load2) {
+  float ss = 0.f;
+  for (int c = lane * 2; c < dim; c += 64) {
+    const float2 v = __bfloat1622float2(load2(xr + c));
+    ss += v.x * v.x + v.y * v.y;
+  }
+  const float inv = rsqrtf(norm_warp_sum(ss) / dim + eps);
+  auto gate = [](float g) { return kSilu ? g / (1.f + expf(-g)) : 1.f / (1.f + expf(-g)); };
+  for (int c = lane * 2; c < dim; c += 64) {
+    const float2 v = __bfloat1622float2(load2(xr + c));
+    const float2 g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(zr + c));
+    const float2 ww = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(wr + c));
+    *reinterpret_cast<__nv_bfloat162*>(yr + c) =
+        __floats2bfloat162_rn(v.x * inv * ww.x * gate(g.x), v.y * inv * ww.y * gate(g.y));
+  }
+}
+
 }  // namespace hypic::kernels::cuda::detail

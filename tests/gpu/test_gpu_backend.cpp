@@ -862,7 +862,7 @@ TEST_CASE("cuda backend: candidate paths that keep the arithmetic give the defau
     return all;
   };
   for (const char* sw : {"HYPIC_FUSE_NEXT_NORM", "HYPIC_ROPE_TABLE", "HYPIC_MOE_EPILOGUE_VEC", "HYPIC_MOE_DECODE_DEEP",
-                         "HYPIC_FUSE_POST_NORM"}) {
+                         "HYPIC_FUSE_POST_NORM", "HYPIC_GDN_DECODE_NORM"}) {
     DYNAMIC_SECTION(sw) {
       std::vector<std::vector<float>> off, on;
       {

@@ -21,6 +21,7 @@
 #include "kernels/cpu/gated_delta.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cuda/gated_delta.h"
+#include "kernels/cuda/ops.h"
 #include "tests/gpu/gpu_util.h"
 
 using namespace hypic::gputest;
@@ -515,6 +516,55 @@ TEST_CASE("fused gates: gdn_gates matches the HF formula, and the prefill with f
     CHECK_THROWS_AS(gpu::gdn_decode_gated(B, hk, hv, q.get(), k.get(), v.get(), nullptr, b_d.get(), alog.get(),
                                           dtb.get(), true, sc, s2.get(), d2.get()),
                     std::invalid_argument);
+    // With the gated output norm (GdnDecodeNorm): in the launch's last column block per head
+    // (HYPIC_GDN_DECODE_NORM on) or rms_norm_gated after it, both bit for bit the step then rms_norm_gated; three
+    // steps in a row (the counters go back to 0) and a CUDA graph replay.
+    std::vector<float> zf, wf;
+    std::mt19937 zr(91);
+    DeviceBuffer<bf16> dz(random_bf16(zr, size_t(B) * hv * D, 1.f, zf)), dw(random_bf16(zr, D, 1.f, wf));
+    DeviceBuffer<unsigned> counters(std::vector<unsigned>(size_t(B) * hv, 0u));
+    const gpu::GdnDecodeNorm nrm{dz.get(), dw.get(), 1e-6f, counters.get()};
+    auto step = [&](bool with_norm, cudaStream_t s_) {
+      gpu::gdn_decode_gated(B, hk, hv, q.get(), k.get(), v.get(), a_d.get(), b_d.get(), alog.get(), dtb.get(), true,
+                            sc, s2.get(), d2.get(), s_, nullptr, with_norm ? &nrm : nullptr);
+    };
+    std::vector<std::vector<float>> ref_states;
+    std::vector<std::vector<bf16>> ref_outs;
+    s2.upload(st_h);
+    for (int rep = 0; rep < 3; ++rep) {  // the reference: the step, then rms_norm_gated
+      step(false, nullptr);
+      gpu::rms_norm_gated(B * hv, D, d2.get(), dz.get(), dw.get(), 1e-6f, d2.get());
+      check_cuda(cudaDeviceSynchronize(), "reference steps");
+      ref_states.push_back(s2.download());
+      ref_outs.push_back(d2.download());
+    }
+    for (const bool fused : {true, false}) {
+      ScopedCandidate sw("HYPIC_GDN_DECODE_NORM", fused);
+      s2.upload(st_h);
+      bool same = true;
+      for (int rep = 0; rep < 3; ++rep) {
+        d2.poison();
+        step(true, nullptr);
+        check_cuda(cudaDeviceSynchronize(), "steps with the norm");
+        same = same && s2.download() == ref_states[size_t(rep)] && same_bits(d2.download(), ref_outs[size_t(rep)]);
+      }
+      Stream gs;
+      s2.upload(st_h);
+      CapturedGraph cg(gs.s, [&] { step(true, gs.s); });
+      d2.poison();
+      cg.replay();
+      same = same && s2.download() == ref_states[0] && same_bits(d2.download(), ref_outs[0]);
+      const auto left = counters.download();
+      const bool zeroed = std::all_of(left.begin(), left.end(), [](unsigned c) { return c == 0u; });
+      std::printf("[gdn decode norm] %s: outputs and states %s; counters back at 0: %s\n",
+                  fused ? "fused" : "separate", same ? "bit-identical" : "DIFFER", zeroed ? "yes" : "NO");
+      CHECK(same);
+      CHECK(zeroed);
+    }
+    const gpu::GdnDecodeNorm no_counters{dz.get(), dw.get(), 1e-6f, nullptr};
+    CHECK_THROWS_WITH(gpu::gdn_decode_gated(B, hk, hv, q.get(), k.get(), v.get(), a_d.get(), b_d.get(), alog.get(),
+                                            dtb.get(), true, sc, s2.get(), d2.get(), nullptr, nullptr, &no_counters),
+                      Catch::Contains("counters"));
   }
   // Both gate forms at once, or a missing gate input, are named errors.
   gpu::GdnPrefillArgs both = fused;
