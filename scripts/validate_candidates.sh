@@ -2,14 +2,15 @@
 # Validates the candidate kernel paths (kernels/cuda/switches.h: written and tested against their references but not
 # yet measured, off by default) on a GPU host, in stages that each fit one device call of about 10 minutes:
 #
-#   scripts/validate_candidates.sh --bin DIR [--out DIR] STAGE
+#   scripts/validate_candidates.sh --bin DIR [--out DIR (default: bench/results)] STAGE
 #     kernels  the kernel tests, which run every candidate beside its default in one process (test_gpu_ops,
 #              test_gpu_ops_table, test_gpu_gated_delta, test_gpu_attention, test_gpu_moe), then test_gpu_moe "[moe]"
 #              with HYPIC_CANDIDATES=1 under the MoE wgmma variants 1 .. 4 (HYPIC_MOE_WGMMA, read once per process)
 #     backend  test_gpu_backend "[backend]" and test_gpu_conformance, as they are (the end-to-end bit checks and the
 #              device-sampling conformance run inside) and with HYPIC_CANDIDATES=1
 #     bench    hypic-bench-prefill-gpu (Qwen3.5-35B-A3B dimensions, random weights) with --ab over every candidate
-#              and HYPIC_CANDIDATES (each full-prefill length and the warm splice, off and on alternating run by run),
+#              and HYPIC_CANDIDATES (each full-prefill length and the warm splice, off and on alternating run by run;
+#              greedy decode at each batch in blocks of steps),
 #              decode batches 1 / 16 / 64 with sampling on the host and on the device: OUT/candidates_ab.{json,md,log}
 #     bench-all  the benchmark twice in one call, every measurement (decode included) with all candidates off
 #              (HYPIC_CANDIDATES=0), then on (=1): OUT/candidates_all_{0,1}.{json,md,log}
@@ -17,9 +18,9 @@
 # DIR holds the binaries (a build with -DHYPIC_WITH_CUDA=ON, or scripts/gpu_bundle.sh's unpacked bin/ with its lib/ on
 # LD_LIBRARY_PATH). Exit status: non-zero when any test or the benchmark failed.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
-BIN="" OUT="bench/results" STAGE=""
+SCRIPT="$0"
+usage() { sed -n '2,/^set -euo/p' "$SCRIPT" | sed '$d' | sed 's/^# \{0,1\}//'; }
+BIN="" OUT="" STAGE=""
 while (($#)); do
   case "$1" in
     -h|--help) usage; exit 0 ;;
@@ -30,8 +31,12 @@ while (($#)); do
   esac
 done
 [[ -n "$BIN" && -n "$STAGE" ]] || { usage >&2; exit 2; }
-candidates=$(sed -n '/kCandidateSwitches\[\] = {/,/};/p' kernels/cuda/switches.h | grep -o '"HYPIC_[A-Z0-9_]*"' | tr -d '"' |
-             paste -sd, -)
+BIN=$(realpath "$BIN")  # (relative to where the script was called from, before the cd below)
+if [[ -n "$OUT" ]]; then mkdir -p "$OUT" && OUT=$(realpath "$OUT"); fi
+cd "$(dirname "$SCRIPT")/.."
+[[ -n "$OUT" ]] || OUT="$PWD/bench/results"  # (default: the checkout's bench/results)
+candidates=$(sed -n '/kCandidateSwitches\[\] = {/,/};/p' kernels/cuda/switches.h | { grep -o '"HYPIC_[A-Z0-9_]*"' || true; } |
+             tr -d '"' | paste -sd, -)
 [[ -n "$candidates" ]] || { echo "validate_candidates.sh: no candidates found in kernels/cuda/switches.h" >&2; exit 2; }
 echo "candidates: $candidates"
 status=0

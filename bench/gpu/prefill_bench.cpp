@@ -769,7 +769,8 @@ int main(int argc, char** argv) try {
   app.add_flag("--quick", quick, "quick mode: 1 warm-up, 2 timed runs, 1 + 3 decode steps");
   app.add_option("--ab", ab_switches,
                  "candidate switches (kernels/cuda/switches.h, e.g. HYPIC_ROPE_TABLE, or HYPIC_CANDIDATES for all) to "
-                 "time off and on side by side, run by run, for each full-prefill length and the warm splice")
+                 "time off and on side by side: run by run for each full-prefill length and the warm splice, in "
+                 "blocks of steps (off, on, on, off) for greedy decode at each batch size")
       ->delimiter(',');
   app.add_option("--json", json_path, "write the results as JSON here");
   app.add_option("--md", md_path, "write the Markdown report here");
@@ -913,8 +914,10 @@ int main(int argc, char** argv) try {
   const bool want_beside = want_decode && !skipped("beside") && beside_batch >= 1 && beside_batch <= max_batch;
   // Each batch size is timed four times (logits to the host, greedy with the argmax on the device, sampling rows
   // picked on the host and on the device).
+  // Plus, with --ab, four blocks of greedy steps per switch and batch size.
   const int64_t steps_per_seq =
-      int64_t(batches.size()) * 4 * (std::max(decode_warm, 2) + decode_steps) + (want_beside ? 3 * (beside_steps + 1) : 0);
+      int64_t(batches.size()) * (4 + 4 * int64_t(ab_switches.size())) * (std::max(decode_warm, 2) + decode_steps) +
+      (want_beside ? 3 * (beside_steps + 1) : 0);
   const int64_t pages_per_ctx = (ctx_tokens + decode_query + steps_per_seq + 63) / 64;
   const int64_t pages_prefill = (longest + 63) / 64 + 1;
   // Beside: the decode contexts and one prefill (or build) alive at once.
@@ -1157,6 +1160,27 @@ int main(int argc, char** argv) try {
                 be->decode_step(ptr, toks, none, step_out);
               },
               decode_warm, decode_steps);
+          // --ab over greedy decode steps: each switch off, on, on, off in blocks of steps (a flip drops the decode
+          // graphs: at least 2 warm-up steps after each recapture them), each mode's time the mean of its two
+          // blocks' medians.
+          for (const std::string& sw : ab_switches) {
+            CandidateScope scope(sw);
+            double sum[2] = {0, 0};
+            for (const bool on : {false, true, true, false}) {
+              scope.set(on);
+              sum[on] += time_wall([&] { be->decode_step(ptr, toks, none, step_out); }, std::max(decode_warm, 2),
+                                   decode_steps)
+                             .median;
+            }
+            Stats off, on;
+            off.median = sum[0] / 2, on.median = sum[1] / 2, off.n = on.n = 2 * decode_steps;
+            ab.push_back({{"switch", sw}, {"what", "decode batch " + std::to_string(Bn) + " (greedy)"},
+                          {"off_ms", off.median}, {"on_ms", on.median}, {"off", off.to_json()}, {"on", on.to_json()},
+                          {"on_over_off", on.median / off.median}});
+            std::printf("A/B %s, decode batch %lld (greedy): off %.2f ms, on %.2f ms (on / off %.3f)\n", sw.c_str(),
+                        (long long)Bn, off.median, on.median, on.median / off.median);
+            std::fflush(stdout);
+          }
           // Sampling requests (temperature 0.7, top_k 20, top_p 0.8: a common serving setting; a fresh u per row
           // and step): picked on the host from the copied logits (the default), then on the device
           // (HYPIC_DEVICE_SAMPLING, kernels/cuda/sample.h), in the same call.

@@ -176,7 +176,8 @@ std::string markdown(const json& J) {
     if (db.contains("error")) m << "\nError: " << db["error"].get<std::string>() << "\n";
   }
   if (J.contains("ab") && J["ab"].is_array() && !J["ab"].empty()) {
-    m << "\n## Candidate switches off and on, side by side (`--ab`: run by run alternating, medians)\n\n"
+    m << "\n## Candidate switches off and on, side by side (`--ab`: prefills and splices run by run alternating, "
+         "medians; decode in blocks of steps off, on, on, off, the mean of each mode's block medians)\n\n"
          "| switch | measurement | off ms | on ms | on / off |\n|---|---|---|---|---|\n";
     for (const json& r : J["ab"]) {
       if (r.contains("error")) {

@@ -191,6 +191,7 @@ struct GdnDecodeNorm {
   const bf16* w = nullptr;
   float eps = 1e-6f;
   unsigned* counters = nullptr;
+  bool vec = false;  ///< set by gdn_decode_gated: rms_norm_gated's 16-byte order (ops.h rms_norm_gated_vectorized)
 };
 
 /// gdn_decode with the gates fused in (as GdnPrefillArgs::gate_a ..): g and beta of each request and

@@ -100,9 +100,17 @@ __global__ void __launch_bounds__(D) gdn_decode_kernel(const bf16* __restrict__ 
     __syncthreads();
     if (!last) return;
     __threadfence();
-    if (rg == 0)
+    if (rg == 0 && !nrm.vec) {
       detail::gated_norm_row_warp<true>(out + hv * D, nrm.z + hv * D, nrm.w, D, nrm.eps, out + hv * D, lane,
                                         [](const bf16* p) { return __ldcg(reinterpret_cast<const __nv_bfloat162*>(p)); });
+    } else if (rg == 0) {  // rms_norm_gated's 16-byte order: 16 lanes of 8 (lanes 16 .. 31 repeat them, unstored)
+      const int c8 = (lane & 15) * 8;
+      const uint4 xv = __ldcg(reinterpret_cast<const uint4*>(out + hv * D + c8));
+      const uint4 zv = *reinterpret_cast<const uint4*>(nrm.z + hv * D + c8);
+      const uint4 wv = *reinterpret_cast<const uint4*>(nrm.w + c8);
+      const uint4 y = detail::gated_norm_lanes8<true, D / 8>(xv, zv, wv, D, nrm.eps);
+      if (lane < 16) *reinterpret_cast<uint4*>(out + hv * D + c8) = y;
+    }
     if (tid == 0) nrm.counters[hv] = 0u;
   }
 }
@@ -229,9 +237,11 @@ void gdn_decode_gated(int batch, int num_k_heads, int num_v_heads, const bf16* q
     throw std::invalid_argument("gdn_decode_gated: the gated norm needs z, w, counters and out");
   static CandidateSwitch fuse("HYPIC_GDN_DECODE_NORM");
   const bool fused = norm && fuse.on();
+  GdnDecodeNorm nrm = fused ? *norm : GdnDecodeNorm{};
+  if (fused) nrm.vec = rms_norm_gated_vectorized(D, out, norm->z, norm->w, out);  // rms_norm_gated's own order
   gdn_decode_kernel<<<dim3(batch, num_v_heads, D / kDecCols), D, 0, stream>>>(
       q, k, v, nullptr, nullptr, GateInputs{gate_a, gate_b, A_log, dt_bias}, num_k_heads, num_v_heads, l2norm_qk,
-      scale, state, out, state_slots, fused ? *norm : GdnDecodeNorm{});
+      scale, state, out, state_slots, nrm);
   check_cuda(cudaGetLastError(), "gdn_decode_kernel launch");
   if (norm && !fused)
     rms_norm_gated(batch * num_v_heads, D, out, norm->z, norm->w, norm->eps, out, stream, NormGate::Silu);

@@ -22,14 +22,6 @@ namespace {
 
 constexpr int D = 128;  // state head size of the affine chain
 
-__device__ __forceinline__ float warp_sum(float x) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-  return x;
-}
-
-__device__ __forceinline__ float silu_f(float x) { return x / (1.f + expf(-x)); }
-
 int blocks_for(long work, int threads) {
   return static_cast<int>(std::min<long>((work + threads - 1) / threads, 1L << 20));
 }
@@ -480,39 +472,15 @@ __global__ void __launch_bounds__(256) rms_norm_gated_vec_kernel(int rows, int d
     zv = __ldg(reinterpret_cast<const uint4*>(z + rr * dim + c));
   }
   const uint4 wv = __ldg(reinterpret_cast<const uint4*>(w + (rr % w_rows) * dim + c));
-  const __nv_bfloat162* xp = reinterpret_cast<const __nv_bfloat162*>(&xv);
-  const __nv_bfloat162* zp = reinterpret_cast<const __nv_bfloat162*>(&zv);
-  const __nv_bfloat162* wp = reinterpret_cast<const __nv_bfloat162*>(&wv);
-  float2 v[4];
-  float ss = 0.f;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    v[i] = __bfloat1622float2(xp[i]);
-    ss += v[i].x * v[i].x + v[i].y * v[i].y;
-  }
-#pragma unroll
-  for (int o = L / 2; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-  const float inv = rsqrtf(ss / dim + eps);
-  auto gate = [](float g) { return kGate == NormGate::Silu ? silu_f(g) : 1.f / (1.f + expf(-g)); };
-  uint4 out;
-  __nv_bfloat162* op = reinterpret_cast<__nv_bfloat162*>(&out);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 g = __bfloat1622float2(zp[i]), ww = __bfloat1622float2(wp[i]);
-    op[i] = __floats2bfloat162_rn(v[i].x * inv * ww.x * gate(g.x), v[i].y * inv * ww.y * gate(g.y));
-  }
+  const uint4 out = detail::gated_norm_lanes8<kGate == NormGate::Silu, L>(xv, zv, wv, dim, eps);
   if (on) *reinterpret_cast<uint4*>(y + rr * dim + c) = out;
 }
 
-// rms_norm_gated_vec_kernel's launch for dim / 8 = L lanes per row; false when the shape or alignment does not fit
-// (16-byte rows) or HYPIC_NORM_GATED_VEC (a candidate, switches.h) is off.
+// rms_norm_gated_vec_kernel's launch for dim / 8 = L lanes per row; false when rms_norm_gated_vectorized says no.
 template <NormGate kGate>
 bool launch_rms_norm_gated_vec(int rows, int dim, const bf16* x, const bf16* z, const bf16* w, int w_rows, float eps,
                                bf16* y, cudaStream_t stream) {
-  static CandidateSwitch on("HYPIC_NORM_GATED_VEC");
-  const uintptr_t any = reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(z) |
-                        reinterpret_cast<uintptr_t>(w) | reinterpret_cast<uintptr_t>(y);
-  if (dim % 8 || (any & 15u) || !on.on()) return false;
+  if (!rms_norm_gated_vectorized(dim, x, z, w, y)) return false;
   const long threads = long(rows) * (dim / 8);
   const unsigned blocks = unsigned((threads + 255) / 256);
   switch (dim / 8) {
@@ -523,6 +491,14 @@ bool launch_rms_norm_gated_vec(int rows, int dim, const bf16* x, const bf16* z, 
     default: return false;
   }
   return true;
+}
+
+bool rms_norm_gated_vectorized(int dim, const bf16* x, const bf16* z, const bf16* w, const bf16* y) {
+  static CandidateSwitch on("HYPIC_NORM_GATED_VEC");
+  const uintptr_t any = reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(z) |
+                        reinterpret_cast<uintptr_t>(w) | reinterpret_cast<uintptr_t>(y);
+  const int L = dim / 8;
+  return dim % 8 == 0 && (L == 4 || L == 8 || L == 16 || L == 32) && !(any & 15u) && on.on();
 }
 
 void rms_norm_gated(int rows, int dim, const bf16* x, const bf16* z, const bf16* w, float eps, bf16* y,

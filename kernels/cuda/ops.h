@@ -49,6 +49,12 @@ enum class NormGate {
 void rms_norm_gated(int rows, int dim, const bf16* x, const bf16* z, const bf16* w, float eps, bf16* y,
                     cudaStream_t stream = nullptr, NormGate gate = NormGate::Silu, int w_rows = 1);
 
+/// Whether rms_norm_gated runs its 16-byte kernel for these arguments (row_norm.cuh gated_norm_lanes8: another
+/// summation order than the warp kernel's gated_norm_row_warp): the candidate switch HYPIC_NORM_GATED_VEC on, dim / 8
+/// lanes per row in {4, 8, 16, 32}, every pointer 16-byte aligned. Fused callers that must give rms_norm_gated's bits
+/// pick their order by it. Host only.
+bool rms_norm_gated_vectorized(int dim, const bf16* x, const bf16* z, const bf16* w, const bf16* y);
+
 /// How affine_chain multiplies: Tf32x3 (tensor cores, fp32-accurate split: on compute capability 9.0 with the
 /// sm_90a build, warpgroup MMAs (wgmma, kernels/cuda/chain_wgmma.cu), elsewhere mma.sync), Tf32x3Mma (the same
 /// products on mma.sync on every device: comparisons) or Fp32Fma (CUDA cores). Read once from HYPIC_CHAIN_MATH

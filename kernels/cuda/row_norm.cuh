@@ -76,4 +76,34 @@ __device__ __forceinline__ void gated_norm_row_warp(const __nv_bfloat16* xr, con
   }
 }
 
+// One lane's part of the 16-byte gated norm (ops.cu rms_norm_gated_vec_kernel): its 8 consecutive elements xv, gates
+// zv and weights wv (bf16 x 8 each) of a row of dim = 8 L elements held by an aligned group of L lanes (L in 4 .. 32);
+// the sum of squares is the lane's (ascending), then the group's (xor shuffles); returns the lane's 8 outputs,
+// bf16(x * inv * w * gate(z)), packed. Every lane of the warp calls it (full-mask shuffles).
+template <bool kSilu, int L>
+__device__ __forceinline__ uint4 gated_norm_lanes8(uint4 xv, uint4 zv, uint4 wv, int dim, float eps) {
+  const __nv_bfloat162* xp = reinterpret_cast<const __nv_bfloat162*>(&xv);
+  const __nv_bfloat162* zp = reinterpret_cast<const __nv_bfloat162*>(&zv);
+  const __nv_bfloat162* wp = reinterpret_cast<const __nv_bfloat162*>(&wv);
+  float2 v[4];
+  float ss = 0.f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    v[i] = __bfloat1622float2(xp[i]);
+    ss += v[i].x * v[i].x + v[i].y * v[i].y;
+  }
+#pragma unroll
+  for (int o = L / 2; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  const float inv = rsqrtf(ss / dim + eps);
+  auto gate = [](float g) { return kSilu ? g / (1.f + expf(-g)) : 1.f / (1.f + expf(-g)); };
+  uint4 out;
+  __nv_bfloat162* op = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 g = __bfloat1622float2(zp[i]), ww = __bfloat1622float2(wp[i]);
+    op[i] = __floats2bfloat162_rn(v[i].x * inv * ww.x * gate(g.x), v[i].y * inv * ww.y * gate(g.y));
+  }
+  return out;
+}
+
 }  // namespace hypic::kernels::cuda::detail

@@ -205,6 +205,34 @@ struct CapturedGraph {
 
 inline float bfr(float x) { return bf16_to_float(float_to_bf16(x)); }
 
+// The number of kernel nodes of a CUDA graph captured from fn() on stream st (fn launches on st): which kernels a
+// call runs (e.g. one fused launch or two).
+template <class F>
+inline size_t captured_kernels(cudaStream_t st, F&& fn) {
+  cudaGraph_t g = nullptr;
+  check_cuda(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), "begin capture");
+  try {
+    fn();
+  } catch (...) {
+    cudaStreamEndCapture(st, &g);
+    if (g) cudaGraphDestroy(g);
+    throw;
+  }
+  check_cuda(cudaStreamEndCapture(st, &g), "end capture");
+  size_t n = 0;
+  check_cuda(cudaGraphGetNodes(g, nullptr, &n), "cudaGraphGetNodes");
+  std::vector<cudaGraphNode_t> nodes(n);
+  if (n) check_cuda(cudaGraphGetNodes(g, nodes.data(), &n), "cudaGraphGetNodes");
+  size_t kernels = 0;
+  for (cudaGraphNode_t node : nodes) {
+    cudaGraphNodeType t;
+    check_cuda(cudaGraphNodeGetType(node, &t), "cudaGraphNodeGetType");
+    kernels += t == cudaGraphNodeTypeKernel;
+  }
+  cudaGraphDestroy(g);
+  return kernels;
+}
+
 // Whether two host arrays hold the same bits (NaN poison included, which == would call unequal).
 template <class T>
 inline bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {

@@ -528,38 +528,49 @@ TEST_CASE("fused gates: gdn_gates matches the HF formula, and the prefill with f
       gpu::gdn_decode_gated(B, hk, hv, q.get(), k.get(), v.get(), a_d.get(), b_d.get(), alog.get(), dtb.get(), true,
                             sc, s2.get(), d2.get(), s_, nullptr, with_norm ? &nrm : nullptr);
     };
-    std::vector<std::vector<float>> ref_states;
-    std::vector<std::vector<bf16>> ref_outs;
-    s2.upload(st_h);
-    for (int rep = 0; rep < 3; ++rep) {  // the reference: the step, then rms_norm_gated
-      step(false, nullptr);
-      gpu::rms_norm_gated(B * hv, D, d2.get(), dz.get(), dw.get(), 1e-6f, d2.get());
-      check_cuda(cudaDeviceSynchronize(), "reference steps");
-      ref_states.push_back(s2.download());
-      ref_outs.push_back(d2.download());
-    }
-    for (const bool fused : {true, false}) {
-      ScopedCandidate sw("HYPIC_GDN_DECODE_NORM", fused);
+    // Both orders of rms_norm_gated (its warp kernel, and the 16-byte one with HYPIC_NORM_GATED_VEC on): the fused
+    // norm follows the one rms_norm_gated would run.
+    for (const bool vec : {false, true}) {
+      ScopedCandidate vsw("HYPIC_NORM_GATED_VEC", vec);
+      std::vector<std::vector<float>> ref_states;
+      std::vector<std::vector<bf16>> ref_outs;
       s2.upload(st_h);
-      bool same = true;
-      for (int rep = 0; rep < 3; ++rep) {
-        d2.poison();
-        step(true, nullptr);
-        check_cuda(cudaDeviceSynchronize(), "steps with the norm");
-        same = same && s2.download() == ref_states[size_t(rep)] && same_bits(d2.download(), ref_outs[size_t(rep)]);
+      for (int rep = 0; rep < 3; ++rep) {  // the reference: the step, then rms_norm_gated
+        step(false, nullptr);
+        gpu::rms_norm_gated(B * hv, D, d2.get(), dz.get(), dw.get(), 1e-6f, d2.get());
+        check_cuda(cudaDeviceSynchronize(), "reference steps");
+        ref_states.push_back(s2.download());
+        ref_outs.push_back(d2.download());
       }
-      Stream gs;
-      s2.upload(st_h);
-      CapturedGraph cg(gs.s, [&] { step(true, gs.s); });
-      d2.poison();
-      cg.replay();
-      same = same && s2.download() == ref_states[0] && same_bits(d2.download(), ref_outs[0]);
-      const auto left = counters.download();
-      const bool zeroed = std::all_of(left.begin(), left.end(), [](unsigned c) { return c == 0u; });
-      std::printf("[gdn decode norm] %s: outputs and states %s; counters back at 0: %s\n",
-                  fused ? "fused" : "separate", same ? "bit-identical" : "DIFFER", zeroed ? "yes" : "NO");
-      CHECK(same);
-      CHECK(zeroed);
+      for (const bool fused : {true, false}) {
+        ScopedCandidate sw("HYPIC_GDN_DECODE_NORM", fused);
+        s2.upload(st_h);
+        bool same = true;
+        for (int rep = 0; rep < 3; ++rep) {
+          d2.poison();
+          check_cuda(cudaDeviceSynchronize(), "poison");
+          step(true, nullptr);
+          check_cuda(cudaDeviceSynchronize(), "steps with the norm");
+          same = same && s2.download() == ref_states[size_t(rep)] && same_bits(d2.download(), ref_outs[size_t(rep)]);
+        }
+        Stream gs;
+        s2.upload(st_h);
+        CapturedGraph cg(gs.s, [&] { step(true, gs.s); });
+        d2.poison();
+        check_cuda(cudaDeviceSynchronize(), "poison");
+        cg.replay();
+        same = same && s2.download() == ref_states[0] && same_bits(d2.download(), ref_outs[0]);
+        const size_t kernels = captured_kernels(gs.s, [&] { step(true, gs.s); });  // (captured: nothing runs)
+        const auto left = counters.download();
+        const bool zeroed = std::all_of(left.begin(), left.end(), [](unsigned c) { return c == 0u; });
+        std::printf("[gdn decode norm] %s, %s order: outputs and states %s; %zu kernel(s) per step; counters back at "
+                    "0: %s\n",
+                    fused ? "fused" : "separate", vec ? "16-byte" : "warp", same ? "bit-identical" : "DIFFER", kernels,
+                    zeroed ? "yes" : "NO");
+        CHECK(same);
+        CHECK(kernels == (fused ? 1u : 2u));
+        CHECK(zeroed);
+      }
     }
     const gpu::GdnDecodeNorm no_counters{dz.get(), dw.get(), 1e-6f, nullptr};
     CHECK_THROWS_WITH(gpu::gdn_decode_gated(B, hk, hv, q.get(), k.get(), v.get(), a_d.get(), b_d.get(), alog.get(),

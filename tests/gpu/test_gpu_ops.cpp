@@ -384,9 +384,10 @@ TEST_CASE("sample_rows picks the host's Sampler::pick token for every draw", "[o
           for (float& x : row) x = x > 0.f ? -x : x;  // every finite value <= 0: the zeros are the largest
         }
         gpu::SampleRowDraw d;
-        d.temperature = temps[(n / 4 + variant) % 4];  // (n = 4 x top-k index + variant: every pair of the two)
+        // (n / 4: the top-k index; the temperature index minus the top-p one is the variant: all 16 pairs)
+        d.temperature = temps[(n / 4 + variant) % 4];
         d.top_k = tk;
-        d.top_p = top_ps[(n / 4 + 3 * variant) % 4];
+        d.top_p = top_ps[(n / 4) % 4];
         d.u = n % 7 == 0 ? 0.0 : n % 7 == 1 ? 1.0 - 0x1.0p-40 : ud(rng);
         add(row, d, "V " + std::to_string(V) + " top_k " + std::to_string(tk) + " variant " + std::to_string(variant));
         ++n;

@@ -1226,7 +1226,9 @@ TEST_CASE("decode_linear with the norm of its output rows == decode_linear then 
     const gpu::DecodeLinearOutput o{dw.get(), c.N, dr.get(), ldy};
     // The reference: the add, then the norm kernel.
     gpu::decode_linear(c.M, c.K, dx.get(), c.K, &o, 1, E::AddF32, st.s);
+    check_cuda(cudaStreamSynchronize(st.s), "reference add");
     dy.poison();
+    check_cuda(cudaDeviceSynchronize(), "poison");
     gpu::rms_norm_residual(c.M, c.N, dr.get(), ldy, nullptr, dnw.get(), 1e-6f, dy.get(), st.s, c.zero_centred);
     check_cuda(cudaStreamSynchronize(st.s), "reference");
     const auto r_ref = dr.download();
@@ -1249,6 +1251,7 @@ TEST_CASE("decode_linear with the norm of its output rows == decode_linear then 
       for (int rep = 0; rep < 3; ++rep) {
         dr.upload(resid0);
         dy.poison();
+        check_cuda(cudaDeviceSynchronize(), "upload and poison");  // (legacy-stream copies; the launch is on st.s)
         gpu::decode_linear(c.M, c.K, dx.get(), c.K, &o, 1, E::AddF32, st.s, &norm);
         check_cuda(cudaStreamSynchronize(st.s), "decode_linear with the norm");
         same = same && same_bits(dr.download(), r_ref) && same_bits(dy.download(), y_ref);
@@ -1258,13 +1261,19 @@ TEST_CASE("decode_linear with the norm of its output rows == decode_linear then 
         CapturedGraph cg(st.s, [&] { gpu::decode_linear(c.M, c.K, dx.get(), c.K, &o, 1, E::AddF32, st.s, &norm); });
         dr.upload(resid0);
         dy.poison();
+        check_cuda(cudaDeviceSynchronize(), "upload and poison");
         cg.replay();
         same = same && same_bits(dr.download(), r_ref) && same_bits(dy.download(), y_ref);
         dr.upload(resid0);
         dy.poison();
+        check_cuda(cudaDeviceSynchronize(), "upload and poison");
         cg.replay();
         same = same && same_bits(dr.download(), r_ref) && same_bits(dy.download(), y_ref);
       }
+      // One launch when the last block does the norm (M <= 2, switch on), two otherwise.
+      const size_t kernels = captured_kernels(
+          st.s, [&] { gpu::decode_linear(c.M, c.K, dx.get(), c.K, &o, 1, E::AddF32, st.s, &norm); });
+      CHECK(kernels == (fused && c.M <= gpu::kDecodeLinearNormInBlockMaxTokens ? 1u : 2u));
       const unsigned left = counter.download()[0];
       std::printf("[decode_linear norm] %s, %s: residual and normed rows %s; counter after %u\n", name.c_str(),
                   fused ? "fused" : "separate", same ? "bit-identical" : "DIFFER", left);
