@@ -13,7 +13,8 @@ namespace hypic::kernels::cuda {
 inline constexpr const char* kCandidateSwitches[] = {
     "HYPIC_MOE_EPILOGUE_VEC", "HYPIC_MOE_TAIL64",      "HYPIC_FUSE_NEXT_NORM", "HYPIC_ROPE_TABLE",
     "HYPIC_MOE_DECODE_DEEP",  "HYPIC_NORM_GATED_VEC", "HYPIC_CONV_NARROW",    "HYPIC_ATTN_SPLIT_EXACT",
-    "HYPIC_DEVICE_SAMPLING",  "HYPIC_ATTN_COMBINE_GROUPS", "HYPIC_FUSE_POST_NORM", "HYPIC_GDN_DECODE_NORM"};
+    "HYPIC_DEVICE_SAMPLING",  "HYPIC_ATTN_COMBINE_GROUPS", "HYPIC_FUSE_POST_NORM", "HYPIC_GDN_DECODE_NORM",
+    "HYPIC_DECODE_LM_HEAD"};
 
 /// Whether `name` is a candidate switch of kCandidateSwitches or HYPIC_CANDIDATES (all of them).
 inline bool is_candidate_switch(const char* name) {
