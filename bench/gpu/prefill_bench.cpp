@@ -138,37 +138,11 @@ Stats time_wall(const std::function<void()>& fn, int warm, int reps, const std::
   return summarize(t);
 }
 
-/// A candidate switch (kernels/cuda/switches.h) set by the benchmark for one scope: set() flips it; the variable's
-/// value from before comes back at the end of the scope (also when a measurement throws).
-class CandidateScope {
- public:
-  explicit CandidateScope(std::string name) : name_(std::move(name)) {
-    if (const char* v = std::getenv(name_.c_str())) old_ = v;
-  }
-  void set(bool on) {
-    setenv(name_.c_str(), on ? "1" : "0", 1);
-    kc::candidates_reread();
-  }
-  ~CandidateScope() {
-    if (old_)
-      setenv(name_.c_str(), old_->c_str(), 1);
-    else
-      unsetenv(name_.c_str());
-    kc::candidates_reread();
-  }
-  CandidateScope(const CandidateScope&) = delete;
-  CandidateScope& operator=(const CandidateScope&) = delete;
-
- private:
-  std::string name_;
-  std::optional<std::string> old_;
-};
-
 /// time_wall of fn() with the candidate switch `name` off and on, side by side: `warm` untimed runs of each, then
 /// `reps` timed pairs, off-on and on-off alternating, so that both see the same machine state and neither always
 /// runs first. The switch's value from before comes back afterwards. Returns (off, on).
 std::pair<Stats, Stats> time_ab(const std::string& name, const std::function<void()>& fn, int warm, int reps) {
-  CandidateScope sw(name);
+  kc::CandidateScope sw(name);
   for (int i = 0; i < warm; ++i)
     for (bool on : {false, true}) {
       sw.set(on);
@@ -1164,7 +1138,7 @@ int main(int argc, char** argv) try {
           // graphs: at least 2 warm-up steps after each recapture them), each mode's time the mean of its two
           // blocks' medians.
           for (const std::string& sw : ab_switches) {
-            CandidateScope scope(sw);
+            kc::CandidateScope scope(sw);
             double sum[2] = {0, 0};
             for (const bool on : {false, true, true, false}) {
               scope.set(on);
@@ -1194,7 +1168,7 @@ int main(int argc, char** argv) try {
           };
           Stats sst_host, sst_dev;
           {
-            CandidateScope sw("HYPIC_DEVICE_SAMPLING");
+            kc::CandidateScope sw("HYPIC_DEVICE_SAMPLING");
             for (const bool on_dev : {false, true}) {
               sw.set(on_dev);  // (a flip drops the decode graphs: the warm-ups capture them again, 2 at least)
               (on_dev ? sst_dev : sst_host) = time_wall(sampled_step, std::max(decode_warm, 2), decode_steps);

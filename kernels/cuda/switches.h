@@ -5,6 +5,9 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
+#include <string>
+#include <utility>
 
 namespace hypic::kernels::cuda {
 
@@ -68,6 +71,33 @@ class CandidateSwitch {
   const char* name_;
   std::atomic<int> gen_{-1};
   std::atomic<bool> on_{false};
+};
+
+/// A candidate switch's environment variable held for one scope (tests, the benchmark's side-by-side runs): set()
+/// turns it on or off for every CandidateSwitch; the variable's value from before comes back at the end of the scope
+/// (also when an exception leaves it). Single-threaded use: setenv is not thread-safe.
+class CandidateScope {
+ public:
+  explicit CandidateScope(std::string name) : name_(std::move(name)) {
+    if (const char* v = std::getenv(name_.c_str())) old_ = v;
+  }
+  void set(bool on) {
+    setenv(name_.c_str(), on ? "1" : "0", 1);
+    candidates_reread();
+  }
+  ~CandidateScope() {
+    if (old_)
+      setenv(name_.c_str(), old_->c_str(), 1);
+    else
+      unsetenv(name_.c_str());
+    candidates_reread();
+  }
+  CandidateScope(const CandidateScope&) = delete;
+  CandidateScope& operator=(const CandidateScope&) = delete;
+
+ private:
+  std::string name_;
+  std::optional<std::string> old_;
 };
 
 }  // namespace hypic::kernels::cuda

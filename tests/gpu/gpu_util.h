@@ -66,26 +66,8 @@ class DeviceBuffer {
 
 // Sets the candidate switch `name` (kernels/cuda/switches.h) on or off for this scope, so one test runs a kernel's
 // candidate path and its default path in one process; the variable's old value comes back at the end of the scope.
-class ScopedCandidate {
- public:
-  ScopedCandidate(const char* name, bool on) : name_(name) {
-    if (const char* old = std::getenv(name)) old_ = old;
-    setenv(name, on ? "1" : "0", 1);
-    kernels::cuda::candidates_reread();
-  }
-  ~ScopedCandidate() {
-    if (old_)
-      setenv(name_.c_str(), old_->c_str(), 1);
-    else
-      unsetenv(name_.c_str());
-    kernels::cuda::candidates_reread();
-  }
-  ScopedCandidate(const ScopedCandidate&) = delete;
-  ScopedCandidate& operator=(const ScopedCandidate&) = delete;
-
- private:
-  std::string name_;
-  std::optional<std::string> old_;
+struct ScopedCandidate : kernels::cuda::CandidateScope {
+  ScopedCandidate(const char* name, bool on) : CandidateScope(name) { set(on); }
 };
 
 inline float bf16_to_float(__nv_bfloat16 x) {

@@ -22,27 +22,11 @@ std::string slurp(const std::filesystem::path& p) {
   return ss.str();
 }
 
-// Restores an environment variable at the end of a scope.
-struct EnvGuard {
-  std::string name;
-  bool had = false;
-  std::string old;
-  explicit EnvGuard(const char* n) : name(n) {
-    if (const char* v = std::getenv(n)) had = true, old = v;
-  }
-  ~EnvGuard() {
-    if (had)
-      setenv(name.c_str(), old.c_str(), 1);
-    else
-      unsetenv(name.c_str());
-    kc::candidates_reread();
-  }
-};
 
 }  // namespace
 
 TEST_CASE("candidate_enabled: own variable first, then HYPIC_CANDIDATES, else off", "[switches]") {
-  EnvGuard all("HYPIC_CANDIDATES"), own("HYPIC_TEST_CANDIDATE_X");
+  kc::CandidateScope all("HYPIC_CANDIDATES"), own("HYPIC_TEST_CANDIDATE_X");
   struct Row {
     const char* own;  // nullptr: unset
     const char* all;
@@ -61,7 +45,7 @@ TEST_CASE("candidate_enabled: own variable first, then HYPIC_CANDIDATES, else of
 }
 
 TEST_CASE("CandidateSwitch keeps its answer until candidates_reread", "[switches]") {
-  EnvGuard all("HYPIC_CANDIDATES"), own("HYPIC_TEST_CANDIDATE_Y");
+  kc::CandidateScope all("HYPIC_CANDIDATES"), own("HYPIC_TEST_CANDIDATE_Y");
   unsetenv("HYPIC_CANDIDATES");
   setenv("HYPIC_TEST_CANDIDATE_Y", "1", 1);
   kc::candidates_reread();
@@ -105,4 +89,29 @@ TEST_CASE("every candidate switch is wired in kernels/cuda or engine/cuda and de
   CHECK(kc::is_candidate_switch("HYPIC_CANDIDATES"));
   CHECK_FALSE(kc::is_candidate_switch("HYPIC_ATTN_CUDNN"));
   CHECK_FALSE(kc::is_candidate_switch(""));
+}
+
+TEST_CASE("CandidateScope sets a switch for its scope and restores the variable after it", "[switches]") {
+  kc::CandidateScope outer("HYPIC_TEST_CANDIDATE_Z");
+  setenv("HYPIC_TEST_CANDIDATE_Z", "off", 1);
+  static kc::CandidateSwitch sw("HYPIC_TEST_CANDIDATE_Z");
+  kc::candidates_reread();
+  CHECK_FALSE(sw.on());
+  {
+    kc::CandidateScope s("HYPIC_TEST_CANDIDATE_Z");
+    s.set(true);
+    CHECK(sw.on());
+    s.set(false);
+    CHECK_FALSE(sw.on());
+    s.set(true);
+  }
+  REQUIRE(std::getenv("HYPIC_TEST_CANDIDATE_Z") != nullptr);
+  CHECK(std::string(std::getenv("HYPIC_TEST_CANDIDATE_Z")) == "off");
+  CHECK_FALSE(sw.on());  // (the scope's end re-read it)
+  unsetenv("HYPIC_TEST_CANDIDATE_Z");
+  {
+    kc::CandidateScope s("HYPIC_TEST_CANDIDATE_Z");
+    s.set(true);
+  }
+  CHECK(std::getenv("HYPIC_TEST_CANDIDATE_Z") == nullptr);
 }
