@@ -776,8 +776,9 @@ int main(int argc, char** argv) try {
   if (segments < 1 || segment_tokens < 1 || query_tokens < 1 || decode_query < 1 || seam < 0)
     throw std::invalid_argument("--segments, --segment-tokens, --query-tokens, --decode-query-tokens must be >= 1");
   for (const std::string& a : ab_switches)
-    if (!kc::is_candidate_switch(a.c_str()))
-      throw std::invalid_argument("--ab: " + a + " is not a candidate switch (kernels/cuda/switches.h)");
+    if (!kc::is_candidate_switch(a.c_str()) && !kc::is_measured_default_switch(a.c_str()))
+      throw std::invalid_argument("--ab: " + a + " is neither a candidate nor a measured-default switch "
+                                  "(kernels/cuda/switches.h)");
   const std::vector<int64_t> lengths = parse_list(lengths_s, "--lengths");
   const std::vector<int64_t> batches = parse_list(batches_s, "--decode-batches");
   std::vector<int> refresh_counts;

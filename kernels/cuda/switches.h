@@ -1,6 +1,6 @@
-// Environment switches of kernel paths that are written and tested against their references but not yet measured on
-// a GPU ("candidates"): each is off by default until a GPU session measures it (then its default flips and the switch
-// stays for side-by-side runs). Host only.
+// Environment switches of kernel paths that are tested against their references but not the default ("candidates":
+// not yet measured, or measured no faster on a GPU: off by default), and of those a GPU session measured faster and
+// made the default ("measured defaults": on, the switch kept to run the old path side by side). Host only.
 #pragma once
 #include <atomic>
 #include <cstdlib>
@@ -11,14 +11,23 @@
 
 namespace hypic::kernels::cuda {
 
-/// Every candidate switch (README "Candidate kernel paths" describes each); a path leaves this list when a GPU session
-/// makes it the default.
+/// Every candidate switch (README "Candidate kernel paths" describes each): off by default. A path leaves this list
+/// for kMeasuredDefaultSwitches when a GPU session measures it faster side by side; one measured slower or level stays.
 inline constexpr const char* kCandidateSwitches[] = {
-    "HYPIC_MOE_EPILOGUE_VEC", "HYPIC_MOE_TAIL64",      "HYPIC_FUSE_NEXT_NORM", "HYPIC_ROPE_TABLE",
-    "HYPIC_MOE_DECODE_DEEP",  "HYPIC_NORM_GATED_VEC", "HYPIC_CONV_NARROW",    "HYPIC_ATTN_SPLIT_EXACT",
-    "HYPIC_DEVICE_SAMPLING",  "HYPIC_ATTN_COMBINE_GROUPS", "HYPIC_FUSE_POST_NORM", "HYPIC_GDN_DECODE_NORM",
-    "HYPIC_DECODE_LM_HEAD"};
-
+    "HYPIC_MOE_TAIL64",        "HYPIC_FUSE_NEXT_NORM", "HYPIC_MOE_DECODE_DEEP", "HYPIC_ATTN_COMBINE_GROUPS",
+    "HYPIC_FUSE_POST_NORM",    "HYPIC_GDN_DECODE_NORM", "HYPIC_DECODE_LM_HEAD"};
+/// Former candidates that a GPU session measured faster (H200, 2026-12-05, bench/results/candidates_ab_h200.md) and
+/// made the default: on unless their variable is "0" / "off" (the old path, kept for side-by-side runs);
+/// HYPIC_CANDIDATES does not touch them.
+inline constexpr const char* kMeasuredDefaultSwitches[] = {
+    "HYPIC_MOE_EPILOGUE_VEC", "HYPIC_ROPE_TABLE",       "HYPIC_NORM_GATED_VEC",
+    "HYPIC_CONV_NARROW",      "HYPIC_ATTN_SPLIT_EXACT", "HYPIC_DEVICE_SAMPLING"};
+/// Whether `name` is one of kMeasuredDefaultSwitches (on by default).
+inline bool is_measured_default_switch(const char* name) {
+  for (const char* c : kMeasuredDefaultSwitches)
+    if (!std::strcmp(name, c)) return true;
+  return false;
+}
 /// Whether `name` is a candidate switch of kCandidateSwitches or HYPIC_CANDIDATES (all of them).
 inline bool is_candidate_switch(const char* name) {
   if (!std::strcmp(name, "HYPIC_CANDIDATES")) return true;
@@ -27,10 +36,11 @@ inline bool is_candidate_switch(const char* name) {
   return false;
 }
 
-/// Whether the candidate path `name` (an environment variable, one of kCandidateSwitches) is on: the variable set to
-/// "1" / "on" turns it on and "0" / "off" off; unset (or any other value), HYPIC_CANDIDATES=1 turns every candidate
-/// on, else it is off. Reads the environment at each call (CandidateSwitch keeps the answer).
-/// scripts/test_gpu.sh --candidates reruns the GPU tests with HYPIC_CANDIDATES=1.
+/// Whether the path of switch `name` (an environment variable: one of kCandidateSwitches or kMeasuredDefaultSwitches)
+/// is on: the variable set to "1" / "on" turns it on and "0" / "off" off; unset (or any other value), a measured
+/// default is on, and a candidate is on when HYPIC_CANDIDATES=1 (every candidate), else off. Reads the environment at
+/// each call (CandidateSwitch keeps the answer). scripts/test_gpu.sh --candidates reruns the GPU tests with
+/// HYPIC_CANDIDATES=1.
 inline bool candidate_enabled(const char* name) {
   auto parse = [](const char* v) -> int {
     if (!v) return -1;
@@ -40,6 +50,7 @@ inline bool candidate_enabled(const char* name) {
   };
   const int own = parse(std::getenv(name));
   if (own >= 0) return own == 1;
+  if (is_measured_default_switch(name)) return true;
   return parse(std::getenv("HYPIC_CANDIDATES")) == 1;
 }
 

@@ -1,11 +1,12 @@
-// The candidate switches of kernels/cuda/switches.h (host code, no GPU needed): the environment rules, the per-
-// generation caching of CandidateSwitch, and that every listed candidate is wired to a CandidateSwitch in the CUDA
-// kernels or backend and described in the README's table.
+// The candidate and measured-default switches of kernels/cuda/switches.h (host code, no GPU needed): the environment
+// rules, the per-generation caching of CandidateSwitch, and that every listed switch is wired to a CandidateSwitch in
+// the CUDA kernels or backend and described in the README's table.
 #include <catch2/catch.hpp>
 
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <sstream>
 #include <string>
 
@@ -74,9 +75,7 @@ TEST_CASE("every candidate switch is wired in kernels/cuda or engine/cuda and de
   const std::string readme = slurp(root / "README.md");
   REQUIRE(!sources.empty());
   REQUIRE(!readme.empty());
-  for (const char* name : kc::kCandidateSwitches) {
-    INFO(name);
-    CHECK(kc::is_candidate_switch(name));
+  auto wired_and_described = [&](const char* name) {
     // A CandidateSwitch reads it: `CandidateSwitch <var>("NAME")`.
     const std::string wired = std::string("(\"") + name + "\")";
     bool found = false;
@@ -85,10 +84,41 @@ TEST_CASE("every candidate switch is wired in kernels/cuda or engine/cuda and de
               at - sources.rfind("CandidateSwitch", at) < 40;
     CHECK(found);
     CHECK(readme.find(std::string("| `") + name + "` |") != std::string::npos);
+  };
+  for (const char* name : kc::kCandidateSwitches) {
+    INFO(name);
+    CHECK(kc::is_candidate_switch(name));
+    CHECK_FALSE(kc::is_measured_default_switch(name));
+    wired_and_described(name);
+  }
+  for (const char* name : kc::kMeasuredDefaultSwitches) {
+    INFO(name);
+    CHECK_FALSE(kc::is_candidate_switch(name));
+    CHECK(kc::is_measured_default_switch(name));
+    wired_and_described(name);
   }
   CHECK(kc::is_candidate_switch("HYPIC_CANDIDATES"));
   CHECK_FALSE(kc::is_candidate_switch("HYPIC_ATTN_CUDNN"));
   CHECK_FALSE(kc::is_candidate_switch(""));
+}
+
+TEST_CASE("a measured default is on unless its own variable turns it off; HYPIC_CANDIDATES leaves it", "[switches]") {
+  REQUIRE(std::size(kc::kMeasuredDefaultSwitches) > 0);
+  const char* name = kc::kMeasuredDefaultSwitches[0];
+  kc::CandidateScope all("HYPIC_CANDIDATES"), own(name);
+  struct Row {
+    const char* own;  // nullptr: unset
+    const char* all;
+    bool want;
+  };
+  const Row rows[] = {{nullptr, nullptr, true}, {nullptr, "0", true}, {nullptr, "1", true}, {"0", nullptr, false},
+                      {"off", "1", false},      {"1", "0", true},     {"yes", "0", true}};
+  for (const Row& r : rows) {
+    INFO(name << ": own " << (r.own ? r.own : "unset") << ", HYPIC_CANDIDATES " << (r.all ? r.all : "unset"));
+    r.own ? setenv(name, r.own, 1) : unsetenv(name);
+    r.all ? setenv("HYPIC_CANDIDATES", r.all, 1) : unsetenv("HYPIC_CANDIDATES");
+    CHECK(kc::candidate_enabled(name) == r.want);
+  }
 }
 
 TEST_CASE("CandidateScope sets a switch for its scope and restores the variable after it", "[switches]") {
