@@ -734,8 +734,9 @@ void CudaBackend::decode_step(std::span<Sequence* const> sequences, std::span<co
   out.argmax.clear();
   out.logits.clear();
   const size_t V = size_t(cfg_.vocab_size);
-  // Sampling rows picked on the device (kernels/cuda/sample.h; HYPIC_DEVICE_SAMPLING, a candidate): top_k in
-  // 1 .. min(kSampleMaxTopK, V - 1); the others (no top-k: the whole vocabulary sorted) on the host.
+  // Sampling rows picked on the device (kernels/cuda/sample.h; HYPIC_DEVICE_SAMPLING, on by default: =0 copies their
+  // logits to the host): top_k in 1 .. min(kSampleMaxTopK, V - 1); the others (no top-k: the whole vocabulary
+  // sorted) on the host.
   static kc::CandidateSwitch device_sampling("HYPIC_DEVICE_SAMPLING");
   const bool dev_sampling = device_sampling.on();
   auto on_device = [&](size_t b) {

@@ -923,7 +923,7 @@ bool split_exact_on() {
   return on.on();
 }
 
-// The split plan of one call: exact from the host tables where given, the candidate is on and the stream is not
+// The split plan of one call: exact from the host tables where given, HYPIC_ATTN_SPLIT_EXACT is on (the default) and the stream is not
 // being captured (a graph replays its plan's chunking and workspace with whatever tables its replays hold: only the
 // bound plan holds for all of them), else from bounds.
 SplitPlan plan_split(const char* fn, const AttnGroups& g, int num_heads, int num_kv_heads, int head_dim,

@@ -50,7 +50,7 @@ void rms_norm_gated(int rows, int dim, const bf16* x, const bf16* z, const bf16*
                     cudaStream_t stream = nullptr, NormGate gate = NormGate::Silu, int w_rows = 1);
 
 /// Whether rms_norm_gated runs its 16-byte kernel for these arguments (row_norm.cuh gated_norm_lanes8: another
-/// summation order than the warp kernel's gated_norm_row_warp): the candidate switch HYPIC_NORM_GATED_VEC on, dim / 8
+/// summation order than the warp kernel's gated_norm_row_warp): the switch HYPIC_NORM_GATED_VEC on (the default), dim / 8
 /// lanes per row in {4, 8, 16, 32}, every pointer 16-byte aligned. Fused callers that must give rms_norm_gated's bits
 /// pick their order by it. Host only.
 bool rms_norm_gated_vectorized(int dim, const bf16* x, const bf16* z, const bf16* w, const bf16* y);
