@@ -10,9 +10,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <list>
-#include <memory>
-#include <tuple>
-#include <utility>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -21,7 +18,6 @@
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/attention_common.cuh"
 #include "kernels/cuda/cuda_check.h"
-#include "kernels/cuda/switches.h"
 
 #if HYPIC_CUDNN_HEADERS
 #include <cudnn_graph.h>
@@ -141,47 +137,18 @@ struct CudnnSdpa::Plan {
   std::string why_not;  // when not supported: the stage and cuDNN's message
 };
 
-// Dynamic-shape graphs with a kernel cache (cuDNN 9.5+: CUDNN_ATTR_OPERATIONGRAPH_IS_DYNAMIC_SHAPE_ENABLED, a
-// CUDNN_BACKEND_KERNEL_CACHE_DESCRIPTOR finalized with one graph of the topology, set on every execution plan): a
-// new shape of a topology binds the kernel compiled for an earlier one instead of compiling its own (cuDNN developer
-// guide, "Dynamic Shapes and Kernel Cache"). HYPIC_ATTN_CUDNN_KERNEL_CACHE, a candidate (kernels/cuda/switches.h).
-bool kernel_cache_on() {
-#if CUDNN_VERSION >= 90500
-  static CandidateSwitch on("HYPIC_ATTN_CUDNN_KERNEL_CACHE");
-  return on.on() && api().GetVersion() >= 90500;
-#else
-  return false;
-#endif
-}
-
 struct CudnnSdpa::Impl {
   cudnnHandle_t handle = nullptr;
   int device = -1;
-  // Plans by (shape, built with HYPIC_ATTN_CUDNN_KERNEL_CACHE on): a flip of the switch builds the other kind.
-  using PlanKey = std::pair<CudnnSdpaShape, bool>;
-  std::map<PlanKey, std::shared_ptr<Plan>> plans;
-  std::list<PlanKey> lru;  // front: most recent
+  std::map<CudnnSdpaShape, std::unique_ptr<Plan>> plans;
+  std::list<CudnnSdpaShape> lru;  // front: most recent
   std::string broken;  // a cuDNN failure outside one shape's plan (the handle, the library): cuDNN off, why
-
-  // The kernel cache of one graph topology (bottom-right shift or not, heads, K/V heads, head dim), with the plan
-  // whose operation graph it was finalized with (kept alive while the cache is).
-  struct KernelCache {
-    std::unique_ptr<Desc> desc;  // null: not made yet, or failed (then `failed`)
-    std::shared_ptr<Plan> anchor;
-    bool failed = false;
-    bool dynamic_refused = false;  // a dynamic-shape plan of this topology failed: static graphs from then on
-  };
-  std::map<std::tuple<bool, int, int, int>, KernelCache> kernel_caches;
-  static std::tuple<bool, int, int, int> topology(const CudnnSdpaShape& s) {
-    return std::make_tuple(s.s_kv != s.s_q, s.num_heads, s.num_kv_heads, s.head_dim);
-  }
 
   // Tensor ids of the variant pack.
   enum : int64_t { kQ = 1, kK, kV, kO, kScale, kNegInf, kSkv, kSq, kVirtual = 100 };
 
-  // The plan of shape `s`; `dynamic`: a dynamic-shape graph with its topology's kernel cache (kernel_cache_on()).
-  std::shared_ptr<Plan> build(const CudnnSdpaShape& s, bool dynamic) {
-    auto p = std::make_shared<Plan>();
+  std::unique_ptr<Plan> build(const CudnnSdpaShape& s) {
+    auto p = std::make_unique<Plan>();
     auto mk = [&](cudnnBackendDescriptorType_t t) -> Desc& {
       p->keep.push_back(std::make_unique<Desc>(t));
       return *p->keep.back();
@@ -303,12 +270,6 @@ struct CudnnSdpa::Impl {
     for (Desc* o : ops) raw.push_back(o->d);
     graph.set(CUDNN_ATTR_OPERATIONGRAPH_OPS, CUDNN_TYPE_BACKEND_DESCRIPTOR, raw.data(), int64_t(raw.size()))
         .set(CUDNN_ATTR_OPERATIONGRAPH_HANDLE, CUDNN_TYPE_HANDLE, &handle);
-#if CUDNN_VERSION >= 90500
-    if (dynamic) {
-      const bool on = true;
-      graph.set(CUDNN_ATTR_OPERATIONGRAPH_IS_DYNAMIC_SHAPE_ENABLED, CUDNN_TYPE_BOOLEAN, &on);
-    }
-#endif
     auto reject = [&](const char* stage, cudnnStatus_t st) {
       char msg[512] = {0};
       api().GetLastErrorString(msg, sizeof msg);
@@ -320,26 +281,6 @@ struct CudnnSdpa::Impl {
       return p;
     }
     ok(st, "operation graph");
-    Desc* kcache = nullptr;  // the topology's kernel cache (dynamic graphs), finalized with the first such graph
-#if CUDNN_VERSION >= 90500
-    if (dynamic) {
-      KernelCache& kc = kernel_caches[topology(s)];
-      if (!kc.desc && !kc.failed) {
-        try {
-          auto d = std::make_unique<Desc>(CUDNN_BACKEND_KERNEL_CACHE_DESCRIPTOR);
-          d->set(CUDNN_ATTR_KERNEL_CACHE_OPERATION_GRAPH, CUDNN_TYPE_BACKEND_DESCRIPTOR, &graph.d)
-              .finalize("kernel cache");
-          kc.desc = std::move(d);
-          kc.anchor = p;
-        } catch (const std::exception& e) {  // the dynamic graph still runs, compiling its own kernel
-          kc.failed = true;
-          std::fprintf(stderr, "hypic attention: cuDNN kernel cache unavailable (%s); plans compile per shape\n",
-                       e.what());
-        }
-      }
-      if (kc.desc) kcache = kc.desc.get();
-    }
-#endif
 
     Desc& heur = mk(CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR);
     const cudnnBackendHeurMode_t mode = CUDNN_HEUR_MODE_A;
@@ -372,9 +313,6 @@ struct CudnnSdpa::Impl {
       auto plan = std::make_unique<Desc>(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR);
       plan->set(CUDNN_ATTR_EXECUTION_PLAN_HANDLE, CUDNN_TYPE_HANDLE, &handle)
           .set_desc(CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, *cfgs[i]);
-#if CUDNN_VERSION >= 90500
-      if (kcache) plan->set_desc(CUDNN_ATTR_EXECUTION_PLAN_KERNEL_CACHE, *kcache);
-#endif
       st = api().Finalize(plan->d);
       if (st != CUDNN_STATUS_SUCCESS) {  // this engine cannot run it: the next one
         if (p->why_not.empty()) reject("execution plan", st);
@@ -398,7 +336,6 @@ CudnnSdpa::CudnnSdpa() : impl_(std::make_unique<Impl>()) {}
 CudnnSdpa::~CudnnSdpa() {
   if (!impl_) return;
   impl_->plans.clear();
-  impl_->kernel_caches.clear();
   if (impl_->handle) api().Destroy(impl_->handle);
 }
 
@@ -427,7 +364,6 @@ bool CudnnSdpa::prepare(const CudnnSdpaShape& s, size_t* workspace_bytes) {
       check_cuda(e, "CudnnSdpa: synchronise the previous device");
       m.plans.clear();
       m.lru.clear();
-      m.kernel_caches.clear();
       api().Destroy(m.handle);
       m.handle = nullptr;
     }
@@ -440,32 +376,17 @@ bool CudnnSdpa::prepare(const CudnnSdpaShape& s, size_t* workspace_bytes) {
     std::fprintf(stderr, "hypic attention: cuDNN SDPA disabled (%s); our kernels run every group\n", e.what());
     return false;
   }
-  const Impl::PlanKey key(s, kernel_cache_on());
-  auto it = m.plans.find(key);
+  auto it = m.plans.find(s);
   if (it == m.plans.end()) {  // built on first sight (no eviction here: the caller's other runs may hold plans)
-    std::shared_ptr<Plan> plan;
-    // A dynamic-shape graph with its topology's kernel cache first when that candidate is on; where cuDNN refuses
-    // it, the static graph of this shape (as with the switch off).
-    for (const bool dynamic : {true, false}) {
-      if (dynamic && (!key.second || m.kernel_caches[Impl::topology(s)].dynamic_refused)) continue;
-      try {
-        plan = m.build(s, dynamic);
-      } catch (const std::exception& e) {  // any cuDNN error while building: this shape runs on our kernels
-        plan = std::make_shared<Plan>();
-        plan->why_not = e.what();
-      }
-      if (plan->supported) break;
-      if (dynamic) {  // once per topology: its later shapes build static graphs directly
-        m.kernel_caches[Impl::topology(s)].dynamic_refused = true;
-        std::fprintf(stderr,
-                     "hypic attention: cuDNN dynamic-shape SDPA plan failed for s_q %d, s_kv %d (%s); static "
-                     "plans for these heads from now on\n",
-                     s.s_q, s.s_kv, plan->why_not.c_str());
-      }
+    std::unique_ptr<Plan> plan;
+    try {
+      plan = m.build(s);
+    } catch (const std::exception& e) {  // any cuDNN error while building: this shape runs on our kernels
+      plan = std::make_unique<Plan>();
+      plan->why_not = e.what();
     }
-
-    it = m.plans.emplace(key, std::move(plan)).first;
-    m.lru.push_front(key);
+    it = m.plans.emplace(s, std::move(plan)).first;
+    m.lru.push_front(s);
     if (!it->second->supported)  // once per shape while it stays cached: our kernel runs these groups
       std::fprintf(stderr,
                    "hypic attention: cuDNN SDPA has no plan for b %d, s_q %d, s_kv %d, heads %d/%d, head_dim %d "
@@ -473,7 +394,7 @@ bool CudnnSdpa::prepare(const CudnnSdpaShape& s, size_t* workspace_bytes) {
                    s.b, s.s_q, s.s_kv, s.num_heads, s.num_kv_heads, s.head_dim, it->second->why_not.c_str());
   } else {
     for (auto l = m.lru.begin(); l != m.lru.end(); ++l)
-      if (!(*l < key) && !(key < *l)) {
+      if (!(*l < s) && !(s < *l)) {
         m.lru.splice(m.lru.begin(), m.lru, l);
         break;
       }
@@ -486,7 +407,7 @@ bool CudnnSdpa::prepare(const CudnnSdpaShape& s, size_t* workspace_bytes) {
 void CudnnSdpa::run(const CudnnSdpaShape& s, const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
                     float scale, __nv_bfloat16* out, void* workspace, cudaStream_t stream) {
   Impl& m = *impl_;
-  auto it = m.plans.find(Impl::PlanKey(s, kernel_cache_on()));
+  auto it = m.plans.find(s);
   if (it == m.plans.end() || !it->second->supported)
     throw std::logic_error("CudnnSdpa::run: no plan for b " + std::to_string(s.b) + ", s_q " + std::to_string(s.s_q) +
                            ", s_kv " + std::to_string(s.s_kv) + " (prepare it first)");

@@ -56,10 +56,7 @@ class CudnnSdpa {
   CudnnSdpa(const CudnnSdpa&) = delete;
   CudnnSdpa& operator=(const CudnnSdpa&) = delete;
   /// Finds the plan of `s` on the current device or builds it (35-72 ms on the H200, 2026-12-04: cuDNN compiles its
-  /// kernel; once per shape while cached). With HYPIC_ATTN_CUDNN_KERNEL_CACHE on (a candidate; cuDNN 9.5+) from a
-  /// dynamic-shape graph with one kernel cache per head layout and causal form, so that a later shape binds the
-  /// kernel compiled for an earlier one; a static graph where cuDNN refuses that (then for that layout from then on).
-  /// Plans are kept per shape and per setting of that switch. True with *workspace_bytes (DEVICE bytes run needs) when the plan is ready;
+  /// kernel; once per shape while cached). True with *workspace_bytes (DEVICE bytes run needs) when the plan is ready;
   /// false when no cuDNN engine supports the shape or building it failed (remembered; one line on stderr), or when
   /// the cuDNN handle cannot be created (then false for every shape). Never evicts: trim() does, between calls.
   /// Throws std::runtime_error only on CUDA errors (cudaGetDevice).

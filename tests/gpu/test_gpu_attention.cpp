@@ -416,39 +416,37 @@ TEST_CASE("attention_prefill long groups through cuDNN SDPA match attention_caus
     c.host_tables = true;
     CHECK(run_attention_case(c, 1600) == 1);
   }
-  // Plans built once per shape: each new shape compiles its kernel (36-48 ms at 8 / 2 heads on the H200, 2026-12-05),
-  // unless HYPIC_ATTN_CUDNN_KERNEL_CACHE (a candidate) binds the kernel compiled for an earlier shape of the same heads
-  // (dynamic-shape graphs). Both ways against the reference; host times printed, not asserted.
-  for (const bool kernel_cache : {false, true}) {
-    DYNAMIC_SECTION("plans per shape, kernel cache " << (kernel_cache ? "on" : "off")) {
-      hypic::gputest::ScopedCandidate sw("HYPIC_ATTN_CUDNN_KERNEL_CACHE", kernel_cache);
-      gpu::AttnDecodeWorkspace ws;  // shared by the calls: its plans persist
-      auto timed_case = [&](int len, int slot0, uint32_t seed) {
-        AttnCase c = own_sequences(std::string("cudnn plan ") + (kernel_cache ? "kc " : "") + std::to_string(len) +
-                                       "@" + std::to_string(slot0),
-                                   128, 8, 2, {{len, slot0}}, true);
-        c.host_tables = true;
-        std::mt19937 rng(seed);
-        std::vector<Seq> seqs;
-        AttnSetup s;
-        build_case(c, rng, seqs, s);
-        double ms[2];
-        for (double& m : ms) {
-          const auto t0 = std::chrono::steady_clock::now();
-          run_attention(c, s, &ws);
-          check_cuda(cudaDeviceSynchronize(), c.name);
-          m = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-        }
-        std::printf("[%s] first call %.1f ms, second (plan cached) %.1f ms\n", c.name.c_str(), ms[0], ms[1]);
+  // Plans built once per shape: each new shape compiles its kernel (36-63 ms at 8 / 2 heads on the H200, 2026-12-05).
+  // cuDNN's dynamic-shape graphs with a kernel cache, which would bind an earlier shape's kernel, gave an illegal
+  // address on the second shape there (cuDNN 9.19, the backend API with CUDNN_ATTR_EXECUTION_PLAN_KERNEL_CACHE; not
+  // kept). Every call against the reference; host times printed, not asserted.
+  SECTION("plans: built once per shape (host times printed, not asserted)") {
+    gpu::AttnDecodeWorkspace ws;  // shared by the calls: its plans persist
+    auto timed_case = [&](int len, int slot0, uint32_t seed) {
+      AttnCase c = own_sequences("cudnn plan " + std::to_string(len) + "@" + std::to_string(slot0), 128, 8, 2,
+                                 {{len, slot0}}, true);
+      c.host_tables = true;
+      std::mt19937 rng(seed);
+      std::vector<Seq> seqs;
+      AttnSetup s;
+      build_case(c, rng, seqs, s);
+      double ms[2];
+      for (double& m : ms) {  // both calls checked: the first builds the plan, the second reuses it
+        s.dout->poison();
+        const auto t0 = std::chrono::steady_clock::now();
+        run_attention(c, s, &ws);
+        check_cuda(cudaDeviceSynchronize(), c.name);
+        m = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
         check_against_cpu(c, seqs, s, s.dout->download());
-      };
-      timed_case(4000, 0, 1602);    // the first plan of these heads: compiles
-      timed_case(3000, 0, 1603);    // a new shape
-      timed_case(2500, 700, 1604);  // another, bottom-right (another topology: compiles once more)
-      timed_case(3500, 900, 1605);  // bottom-right again, new lengths
-      timed_case(1500, 0, 1606);    // and plain again
-      CHECK(ws.cudnn_launches() == 10);
-    }
+      }
+      std::printf("[%s] first call %.1f ms, second (plan cached) %.1f ms\n", c.name.c_str(), ms[0], ms[1]);
+    };
+    timed_case(4000, 0, 1602);    // the first plan of these heads: compiles
+    timed_case(3000, 0, 1603);    // a new shape
+    timed_case(2500, 700, 1604);  // another, bottom-right
+    timed_case(3500, 900, 1605);  // bottom-right again, new lengths
+    timed_case(1500, 0, 1606);    // and plain again
+    CHECK(ws.cudnn_launches() == 10);
   }
   SECTION("default rule: groups from ceil(sqrt(2 x 6e12 / (4 x heads x head_dim))) queries on, by length alone") {
     const CudnnModeScope def("1");
