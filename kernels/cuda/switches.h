@@ -11,7 +11,7 @@
 
 namespace hypic::kernels::cuda {
 
-/// Every candidate switch (README "Candidate kernel paths" describes each): off by default. A path leaves this list
+/// Every candidate switch (README "Kernel path switches" describes each): off by default. A path leaves this list
 /// for kMeasuredDefaultSwitches when a GPU session measures it faster side by side; one measured slower or level stays.
 inline constexpr const char* kCandidateSwitches[] = {
     "HYPIC_MOE_TAIL64",     "HYPIC_FUSE_NEXT_NORM",  "HYPIC_MOE_DECODE_DEEP", "HYPIC_ATTN_COMBINE_GROUPS",
