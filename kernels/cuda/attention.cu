@@ -1048,8 +1048,10 @@ SplitArgs split_args(const AttnGroups& g, const SplitPlan& sp, unsigned char* ba
 // slot0), each one SDPA call over its groups' K/V gathered into the workspace.
 struct CudnnRun {
   int group0 = 0, q0 = 0;
-  CudnnSdpaShape shape;
+  int q_len = 0, kv_len = 0;  // each group's queries and KV slots (slot0 + q_len)
+  CudnnSdpaShape shape;       // the plan's: (q_len, kv_len), or their length buckets (shape.runtime_offset)
   size_t plan_ws = 0;
+  bool pad_q() const { return shape.s_q != q_len; }  // q / out through padded scratch
 };
 struct CudnnRoute {
   std::vector<CudnnRun> runs;
@@ -1069,6 +1071,20 @@ constexpr long kCudnnMaxRunRows = 1L << 17;
 // 16 x 256 heads. The rule depends on the call's groups alone (not on what ran before).
 constexpr double kCudnnMinFlops = 6e12;
 
+// HYPIC_ATTN_CUDNN_BUCKETS (a candidate, kernels/cuda/switches.h): the length bucket a group's queries (and, from
+// the padded queries on, its KV slots) are padded to for cuDNN, so that a plan (compiled per shape) serves every
+// length of its bucket: the smallest multiple of 2^(floor(log2 len) - 4) at or above len (16 buckets per octave, at
+// most len / 16 padding: 4096, 4352, ..., 7936, 8192, 8704, ...; len itself below 16). Exact by the mask's runtime
+// lengths (CudnnSdpaShape::runtime_offset): a real query i sees keys 0 ..= kv_len - q_len + i, never a padding key
+// (those sit at kv_len and beyond, seen only by padding queries, whose rows are dropped).
+int cudnn_length_bucket(int len) {
+  if (len < 16) return len;
+  int k = 0;
+  while ((2L << k) <= len) ++k;  // 2^k <= len < 2^(k+1)
+  const long step = 1L << (k - 4);
+  return static_cast<int>(std::min<long>((len + step - 1) / step * step, INT_MAX));
+}
+
 // The smallest group length that cuDNN takes: kSplitMaxQ + 1 with HYPIC_ATTN_CUDNN=all, else the length whose
 // counted FLOP reach kCudnnMinFlops.
 int cudnn_min_q(int num_heads, int head_dim) {
@@ -1080,6 +1096,13 @@ int cudnn_min_q(int num_heads, int head_dim) {
 size_t cudnn_gather_bytes(const CudnnSdpaShape& s) {
   return static_cast<size_t>(2) * s.b * s.s_kv * s.num_kv_heads * s.head_dim * sizeof(bf16);
 }
+
+// Bytes of one padded q (or out) copy of a run: [b][s_q][num_heads][head_dim] bf16.
+size_t cudnn_q_bytes(const CudnnSdpaShape& s) {
+  return static_cast<size_t>(s.b) * s.s_q * s.num_heads * s.head_dim * sizeof(bf16);
+}
+
+size_t align256(size_t n) { return (n + 255) / 256 * 256; }
 
 // The host copies of q_start / slot0 against the call's bounds (they index q, out and the block table).
 void check_host_tables(const char* fn, const AttnGroups& g) {
@@ -1114,7 +1137,9 @@ bool plan_cudnn_route(const char* fn, const AttnGroups& g, int num_heads, int nu
   cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
   check_cuda(cudaStreamIsCapturing(stream, &capturing), "cudaStreamIsCapturing");
   if (capturing != cudaStreamCaptureStatusNone) return false;  // plans are built eagerly only
-  r.min_q = cudnn_min_q(num_heads, head_dim);
+  static CandidateSwitch buckets_switch("HYPIC_ATTN_CUDNN_BUCKETS");
+  const bool buckets = buckets_switch.on();
+  r.min_q = buckets ? kSplitMaxQ + 1 : cudnn_min_q(num_heads, head_dim);
   bool others = false;  // a non-empty group left to our kernels
   for (int i = 0; i < g.num_groups; ++i) {
     const int len = g.q_start_host[i + 1] - g.q_start_host[i], s0 = g.slot0_host[i];
@@ -1123,18 +1148,25 @@ bool plan_cudnn_route(const char* fn, const AttnGroups& g, int num_heads, int nu
       others = true;
       continue;
     }
-    if (static_cast<long>(s0) + len > kCudnnMaxRunRows) return false;  // its gather would be too large: ours
+    // Buckets: the queries' bucket, and the KV slots' from the padded queries on (not from kv itself), so that the
+    // plan's own diagonal offset s_kv - s_q is at least the real one, slot0 (whatever cuDNN derives from the dims, it
+    // then never skips a tile that a real query needs).
+    const int kv = s0 + len, q_plan = buckets ? cudnn_length_bucket(len) : len;
+    const long kv_plan =
+        buckets ? cudnn_length_bucket(static_cast<int>(std::min<long>(long(q_plan) + s0, INT_MAX))) : kv;
+    if (kv_plan > kCudnnMaxRunRows) return false;  // its gather would be too large: ours
     CudnnRun* last = r.runs.empty() ? nullptr : &r.runs.back();
-    const bool extend = last && last->group0 + last->shape.b == i && last->shape.s_q == len &&
-                        last->shape.s_kv == s0 + len &&
-                        static_cast<long>(last->shape.b + 1) * (s0 + len) <= kCudnnMaxRunRows;
+    const bool extend = last && last->group0 + last->shape.b == i && last->q_len == len && last->kv_len == kv &&
+                        static_cast<long>(last->shape.b + 1) * kv_plan <= kCudnnMaxRunRows;
     if (extend) {
       ++last->shape.b;
     } else {
       CudnnRun run;
       run.group0 = i;
       run.q0 = g.q_start_host[i];
-      run.shape = CudnnSdpaShape{1, len, s0 + len, num_heads, num_kv_heads, head_dim};
+      run.q_len = len;
+      run.kv_len = kv;
+      run.shape = CudnnSdpaShape{1, q_plan, static_cast<int>(kv_plan), num_heads, num_kv_heads, head_dim, buckets};
       r.runs.push_back(run);
     }
   }
@@ -1144,7 +1176,9 @@ bool plan_cudnn_route(const char* fn, const AttnGroups& g, int num_heads, int nu
   sdpa->trim(stream);
   for (CudnnRun& run : r.runs) {
     if (!sdpa->prepare(run.shape, &run.plan_ws)) return false;  // (no engine: our kernels run every group)
-    r.scratch_bytes = std::max(r.scratch_bytes, cudnn_gather_bytes(run.shape) + (run.plan_ws + 255) / 256 * 256);
+    const size_t q_copies = run.pad_q() ? 2 * align256(cudnn_q_bytes(run.shape)) : 0;
+    r.scratch_bytes =
+        std::max(r.scratch_bytes, align256(cudnn_gather_bytes(run.shape)) + q_copies + align256(run.plan_ws));
   }
   return true;
 }
@@ -1155,16 +1189,42 @@ void run_cudnn_route(const AttnGroups& g, const CudnnRoute& r, int num_heads, in
                      CudnnSdpa& sdpa, long& launches, cudaStream_t stream) {
   for (const CudnnRun& run : r.runs) {  // one scratch for every run, in stream order
     const CudnnSdpaShape& s = run.shape;
+    // Scratch: gathered K, V | padded q, out copies (when the queries are padded) | cuDNN's workspace.
     bf16* kg = reinterpret_cast<bf16*>(scratch);
     bf16* vg = kg + static_cast<size_t>(s.b) * s.s_kv * num_kv_heads * head_dim;
-    void* plan_ws = run.plan_ws ? scratch + cudnn_gather_bytes(s) : nullptr;
-    gather_kv(s.b, s.s_kv, num_kv_heads, head_dim, g.block_table, g.max_pages, run.group0, k_pool, v_pool, kg, vg,
-              stream);
+    unsigned char* next = scratch + align256(cudnn_gather_bytes(s));
+    bf16* q_pad = nullptr;
+    bf16* out_pad = nullptr;
+    if (run.pad_q()) {
+      q_pad = reinterpret_cast<bf16*>(next);
+      out_pad = reinterpret_cast<bf16*>(next + align256(cudnn_q_bytes(s)));
+      next += 2 * align256(cudnn_q_bytes(s));
+    }
+    void* plan_ws = run.plan_ws ? next : nullptr;
+    gather_kv(s.b, run.kv_len, s.s_kv, num_kv_heads, head_dim, g.block_table, g.max_pages, run.group0, k_pool, v_pool,
+              kg, vg, stream);
     const size_t row0 = static_cast<size_t>(run.q0) * num_heads * head_dim;
-    sdpa.run(s, q + row0, kg, vg, scale, out + row0, plan_ws, stream);
+    if (run.pad_q()) {  // each group's rows into its padded slot, the padding rows zero (their outputs are dropped)
+      const size_t row = static_cast<size_t>(num_heads) * head_dim;  // elements per query row
+      const size_t real = static_cast<size_t>(run.q_len) * row, padded = static_cast<size_t>(s.s_q) * row;
+      for (int j = 0; j < s.b; ++j)  // (1D copies: a 2D copy's pitch may pass the device's limit at long s_q)
+        check_cuda(cudaMemcpyAsync(q_pad + j * padded, q + row0 + j * real, real * sizeof(bf16),
+                                   cudaMemcpyDeviceToDevice, stream),
+                   "cuDNN route: padded q copy");
+      for (int j = 0; j < s.b; ++j)
+        check_cuda(cudaMemsetAsync(q_pad + j * padded + real, 0, (padded - real) * sizeof(bf16), stream),
+                   "cuDNN route: q padding");
+      sdpa.run(s, q_pad, kg, vg, scale, out_pad, plan_ws, run.q_len, run.kv_len, stream);
+      for (int j = 0; j < s.b; ++j)
+        check_cuda(cudaMemcpyAsync(out + row0 + j * real, out_pad + j * padded, real * sizeof(bf16),
+                                   cudaMemcpyDeviceToDevice, stream),
+                   "cuDNN route: output copy");
+    } else {
+      sdpa.run(s, q + row0, kg, vg, scale, out + row0, plan_ws, run.q_len, run.kv_len, stream);
+    }
     ++launches;
     if (gate)
-      apply_output_gate(s.b * s.s_q, num_heads, head_dim, gate + static_cast<long>(run.q0) * gate_token_stride,
+      apply_output_gate(s.b * run.q_len, num_heads, head_dim, gate + static_cast<long>(run.q0) * gate_token_stride,
                         gate_token_stride, gate_head_stride, out + row0, stream);
   }
 }
@@ -1260,6 +1320,8 @@ void attention_prefill(const AttnGroups& g, int num_heads, int num_kv_heads, int
                     gate_head_stride, out, static_cast<unsigned char*>(ws.mem_) + split_bytes, *ws.cudnn_,
                     ws.cudnn_launches_, stream);
 }
+
+size_t AttnDecodeWorkspace::cudnn_plans() const { return cudnn_ ? cudnn_->plans() : 0; }
 
 bool attention_cudnn_available() { return cudnn_sdpa_available(); }
 

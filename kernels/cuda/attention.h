@@ -113,6 +113,8 @@ class AttnDecodeWorkspace {
   size_t bytes() const { return bytes_; }
   /// cuDNN SDPA launches made through this workspace so far (attention_prefill's long groups; tests, benchmarks).
   long cudnn_launches() const { return cudnn_launches_; }
+  /// cuDNN SDPA plans this workspace holds (one per shape, attention_prefill's cuDNN route; tests).
+  size_t cudnn_plans() const;
 
 
  private:
@@ -167,7 +169,13 @@ std::string attention_cudnn_status();
 /// same call (they skip cuDNN's). min_q = ceil(sqrt(2 x 6e12 / (4 x num_heads x head_dim))) (27064 at 16 x 256: a
 /// cuDNN plan costs 35-72 ms to build once per shape, and cuDNN saves about 8e-16 s per counted FLOP on the H200, so
 /// one prefill of a new length with ten attention layers roughly pays for its plan), or 513 with
-/// HYPIC_ATTN_CUDNN=all (re-read on every call; for workloads that repeat their lengths). Our kernels run the whole
+/// HYPIC_ATTN_CUDNN=all (re-read on every call; for workloads that repeat their lengths). With the candidate switch
+/// HYPIC_ATTN_CUDNN_BUCKETS (kernels/cuda/switches.h) min_q is 513 and each run's plan has padded dimensions, so that
+/// one plan serves a range of lengths: the queries rounded up to the next multiple of 2^(floor(log2 len) - 4) (16
+/// buckets per octave, at most 1/16 padding) and the KV slots to the bucket of padded queries + slot0 (so the plan's
+/// diagonal offset is at least the real one), the mask's diagonal taken from the real lengths at run time, the
+/// padding K/V rows zero, q / out through padded copies in `ws` when the queries are padded (their padding rows
+/// dropped); results as the unpadded call's (a padding key is seen by padding queries only). Our kernels run the whole
 /// call instead when one of its cuDNN groups reaches past 2^17 KV slots, when a shape has no cuDNN engine or its
 /// plan fails to build (one line on stderr; remembered while cached), or when the gather cannot be allocated (one
 /// line; not retried at that size for this workspace). So the choice depends on the call's groups, not on what ran

@@ -233,7 +233,7 @@ struct CudnnSdpa::Impl {
     Desc& col = virt(i32, sd, ss);
     pointwise(CUDNN_POINTWISE_GEN_INDEX, f32, S1, nullptr, nullptr, col, 3);
     Desc* shifted = &row;
-    if (skv != sq) {
+    if (skv != sq || s.runtime_offset) {  // (the lengths are by-value tensors: run() passes them)
       Desc& skv_t = tensor(CUDNN_DATA_INT32, one, one, kSkv, false, true);
       Desc& sq_t = tensor(CUDNN_DATA_INT32, one, one, kSq, false, true);
       Desc& r1 = virt(i32, sd, ss);
@@ -349,6 +349,8 @@ void CudnnSdpa::trim(cudaStream_t stream) {
   }
 }
 
+size_t CudnnSdpa::plans() const { return impl_->plans.size(); }
+
 bool CudnnSdpa::prepare(const CudnnSdpaShape& s, size_t* workspace_bytes) {
   if (!cudnn_sdpa_available()) return false;
   Impl& m = *impl_;
@@ -405,19 +407,25 @@ bool CudnnSdpa::prepare(const CudnnSdpaShape& s, size_t* workspace_bytes) {
 }
 
 void CudnnSdpa::run(const CudnnSdpaShape& s, const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
-                    float scale, __nv_bfloat16* out, void* workspace, cudaStream_t stream) {
+                    float scale, __nv_bfloat16* out, void* workspace, int q_len, int kv_len, cudaStream_t stream) {
   Impl& m = *impl_;
   auto it = m.plans.find(s);
   if (it == m.plans.end() || !it->second->supported)
     throw std::logic_error("CudnnSdpa::run: no plan for b " + std::to_string(s.b) + ", s_q " + std::to_string(s.s_q) +
                            ", s_kv " + std::to_string(s.s_kv) + " (prepare it first)");
+  const bool lengths_ok = s.runtime_offset ? q_len >= 1 && q_len <= s.s_q && kv_len >= q_len && kv_len <= s.s_kv
+                                           : q_len == s.s_q && kv_len == s.s_kv;
+  if (!lengths_ok)
+    throw std::logic_error("CudnnSdpa::run: lengths q " + std::to_string(q_len) + ", kv " + std::to_string(kv_len) +
+                           " do not fit the plan's s_q " + std::to_string(s.s_q) + ", s_kv " + std::to_string(s.s_kv) +
+                           (s.runtime_offset ? " (padded)" : ""));
   ok(api().SetStream(m.handle, stream), "cudnnSetStream");
   float neg_inf = -INFINITY;
-  int32_t skv = s.s_kv, sq = s.s_q;
+  int32_t skv = kv_len, sq = q_len;
   std::vector<int64_t> uids{Impl::kQ, Impl::kK, Impl::kV, Impl::kO, Impl::kScale, Impl::kNegInf};
   std::vector<void*> ptrs{const_cast<__nv_bfloat16*>(q), const_cast<__nv_bfloat16*>(k), const_cast<__nv_bfloat16*>(v),
                           out, &scale, &neg_inf};
-  if (s.s_kv != s.s_q) {
+  if (s.s_kv != s.s_q || s.runtime_offset) {
     uids.push_back(Impl::kSkv), ptrs.push_back(&skv);
     uids.push_back(Impl::kSq), ptrs.push_back(&sq);
   }
@@ -442,9 +450,10 @@ struct CudnnSdpa::Impl {};
 CudnnSdpa::CudnnSdpa() = default;
 CudnnSdpa::~CudnnSdpa() = default;
 void CudnnSdpa::trim(cudaStream_t) {}
+size_t CudnnSdpa::plans() const { return 0; }
 bool CudnnSdpa::prepare(const CudnnSdpaShape&, size_t*) { return false; }
 void CudnnSdpa::run(const CudnnSdpaShape&, const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, float,
-                    __nv_bfloat16*, void*, cudaStream_t) {
+                    __nv_bfloat16*, void*, int, int, cudaStream_t) {
   throw std::logic_error("CudnnSdpa::run: built without cuDNN");
 }
 bool cudnn_sdpa_available() { return false; }
@@ -456,20 +465,29 @@ std::string cudnn_sdpa_unavailable_reason() { return "built without cuDNN's head
 namespace {
 
 // One block per (sequence, 8 slots): each warp copies one slot's K and V rows ([num_kv_heads][head_dim] bf16) in
-// 16-byte pieces.
-__global__ void gather_kv_kernel(int s_kv, int num_kv_heads, int head_vec, const int* __restrict__ block_table,
-                                 int max_pages, int group0, const uint4* __restrict__ k_pool,
-                                 const uint4* __restrict__ v_pool, uint4* __restrict__ k_out,
-                                 uint4* __restrict__ v_out) {
+// 16-byte pieces, or zeroes them for the padding slots s_kv .. s_kv_pad-1.
+__global__ void gather_kv_kernel(int s_kv, int s_kv_pad, int num_kv_heads, int head_vec,
+                                 const int* __restrict__ block_table, int max_pages, int group0,
+                                 const uint4* __restrict__ k_pool, const uint4* __restrict__ v_pool,
+                                 uint4* __restrict__ k_out, uint4* __restrict__ v_out) {
   const int j = blockIdx.y;
   const int slot = blockIdx.x * 8 + threadIdx.y;
-  if (slot >= s_kv) return;
+  if (slot >= s_kv_pad) return;
   const int row_vec = num_kv_heads * head_vec;
+  if (slot >= s_kv) {
+    for (int i = threadIdx.x; i < row_vec; i += 32) {
+      const int h = i / head_vec, e = i - h * head_vec;
+      const long dst = ((static_cast<long>(j) * num_kv_heads + h) * s_kv_pad + slot) * head_vec + e;
+      k_out[dst] = make_uint4(0, 0, 0, 0);
+      v_out[dst] = make_uint4(0, 0, 0, 0);
+    }
+    return;
+  }
   const long page = block_table[static_cast<long>(group0 + j) * max_pages + slot / kKvPageTokens];
   const long src = (page * kKvPageTokens + slot % kKvPageTokens) * row_vec;
   for (int i = threadIdx.x; i < row_vec; i += 32) {
     const int h = i / head_vec, e = i - h * head_vec;
-    const long dst = ((static_cast<long>(j) * num_kv_heads + h) * s_kv + slot) * head_vec + e;
+    const long dst = ((static_cast<long>(j) * num_kv_heads + h) * s_kv_pad + slot) * head_vec + e;
     k_out[dst] = __ldg(k_pool + src + i);
     v_out[dst] = __ldg(v_pool + src + i);
   }
@@ -499,13 +517,15 @@ int grid_for(long n) { return static_cast<int>(std::min<long>((n + 255) / 256, 1
 
 }  // namespace
 
-void gather_kv(int num_seqs, int s_kv, int num_kv_heads, int head_dim, const int* block_table, int max_pages,
-               int group0, const __nv_bfloat16* k_pool, const __nv_bfloat16* v_pool, __nv_bfloat16* k_out,
-               __nv_bfloat16* v_out, cudaStream_t stream) {
-  if (num_seqs <= 0 || s_kv <= 0) return;
-  const dim3 grid(static_cast<unsigned>((s_kv + 7) / 8), static_cast<unsigned>(num_seqs));
-  gather_kv_kernel<<<grid, dim3(32, 8), 0, stream>>>(s_kv, num_kv_heads, head_dim / 8, block_table, max_pages, group0,
-                                                     reinterpret_cast<const uint4*>(k_pool),
+void gather_kv(int num_seqs, int s_kv, int s_kv_pad, int num_kv_heads, int head_dim, const int* block_table,
+               int max_pages, int group0, const __nv_bfloat16* k_pool, const __nv_bfloat16* v_pool,
+               __nv_bfloat16* k_out, __nv_bfloat16* v_out, cudaStream_t stream) {
+  if (s_kv_pad < s_kv)
+    throw std::logic_error("gather_kv: s_kv_pad " + std::to_string(s_kv_pad) + " < s_kv " + std::to_string(s_kv));
+  if (num_seqs <= 0 || s_kv_pad <= 0) return;
+  const dim3 grid(static_cast<unsigned>((s_kv_pad + 7) / 8), static_cast<unsigned>(num_seqs));
+  gather_kv_kernel<<<grid, dim3(32, 8), 0, stream>>>(s_kv, s_kv_pad, num_kv_heads, head_dim / 8, block_table,
+                                                     max_pages, group0, reinterpret_cast<const uint4*>(k_pool),
                                                      reinterpret_cast<const uint4*>(v_pool),
                                                      reinterpret_cast<uint4*>(k_out), reinterpret_cast<uint4*>(v_out));
   check_cuda(cudaGetLastError(), "gather_kv_kernel launch");

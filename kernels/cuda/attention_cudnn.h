@@ -21,9 +21,14 @@ namespace hypic::kernels::cuda::detail {
 
 /// One SDPA problem shape: b sequences of s_q queries each over s_kv keys, bottom-right causal (query i of a sequence
 /// sees keys 0 ..= s_kv - s_q + i), num_heads query heads over num_kv_heads K/V heads (GQA), head_dim.
+/// runtime_offset: the plan takes the mask's diagonal from the two lengths CudnnSdpa::run is given (query i sees keys
+/// 0 ..= kv_len - q_len + i) rather than from s_kv - s_q: the padded length buckets (attention.cu), where a plan of
+/// bucket dimensions serves every shorter q_len <= s_q, kv_len <= s_kv (padded queries' rows are garbage, padded keys
+/// are seen by padded queries only).
 struct CudnnSdpaShape {
   int b = 0, s_q = 0, s_kv = 0, num_heads = 0, num_kv_heads = 0, head_dim = 0;
-  auto key() const { return std::make_tuple(b, s_q, s_kv, num_heads, num_kv_heads, head_dim); }
+  bool runtime_offset = false;
+  auto key() const { return std::make_tuple(b, s_q, s_kv, num_heads, num_kv_heads, head_dim, runtime_offset); }
   bool operator<(const CudnnSdpaShape& o) const { return key() < o.key(); }
 };
 
@@ -50,7 +55,8 @@ std::string cudnn_sdpa_unavailable_reason();
 /// once (cuDNN's flash kernels; not bit-equal to our kernels).
 class CudnnSdpa {
  public:
-  static constexpr int kMaxPlans = 64;
+  /// Plans kept (the padded buckets of HYPIC_ATTN_CUDNN_BUCKETS are 16 per octave: 128 from 513 to 2^17 queries).
+  static constexpr int kMaxPlans = 160;
   CudnnSdpa();
   ~CudnnSdpa();
   CudnnSdpa(const CudnnSdpa&) = delete;
@@ -65,10 +71,15 @@ class CudnnSdpa {
   /// synchronising `stream` (the stream their launches went to) when any is dropped. Throws std::runtime_error on
   /// CUDA errors.
   void trim(cudaStream_t stream);
+  /// Plans held (built or found unsupported), for tests.
+  size_t plans() const;
   /// Runs the plan of `s` (prepare(s) must have returned true) on `stream`; `workspace` holds the bytes prepare
-  /// returned (may be null when 0). Asynchronous. Throws std::runtime_error on cuDNN errors.
+  /// returned (may be null when 0). q_len / kv_len: the mask's lengths (query i sees keys 0 ..= kv_len - q_len + i);
+  /// they must be s.s_q / s.s_kv unless s.runtime_offset, and 1 <= q_len <= s.s_q, q_len <= kv_len <= s.s_kv with it
+  /// (then the key rows kv_len .. s_kv-1 must hold finite values: a masked score still multiplies its V row by 0).
+  /// Asynchronous. Throws std::runtime_error on cuDNN errors, std::logic_error on lengths that break these rules.
   void run(const CudnnSdpaShape& s, const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
-           float scale, __nv_bfloat16* out, void* workspace, cudaStream_t stream);
+           float scale, __nv_bfloat16* out, void* workspace, int q_len, int kv_len, cudaStream_t stream);
 
  private:
   struct Plan;
@@ -77,12 +88,13 @@ class CudnnSdpa {
 };
 
 /// Copies slots 0 .. s_kv-1 of `num_seqs` sequences from the paged pool into contiguous k_out / v_out
-/// ([num_seqs][num_kv_heads][s_kv][head_dim] bf16, head-major): sequence j's slot s is pool row
-/// block_table[(group0 + j) * max_pages + s / 64] * 64 + s % 64. DEVICE pointers, all 16-byte aligned; head_dim a
-/// multiple of 8; num_seqs <= 65535. Asynchronous; throws std::runtime_error on a launch error.
-void gather_kv(int num_seqs, int s_kv, int num_kv_heads, int head_dim, const int* block_table, int max_pages,
-               int group0, const __nv_bfloat16* k_pool, const __nv_bfloat16* v_pool, __nv_bfloat16* k_out,
-               __nv_bfloat16* v_out, cudaStream_t stream);
+/// ([num_seqs][num_kv_heads][s_kv_pad][head_dim] bf16, head-major) and zeroes their slots s_kv .. s_kv_pad-1 (the
+/// padding of a length bucket): sequence j's slot s is pool row block_table[(group0 + j) * max_pages + s / 64] * 64 +
+/// s % 64. DEVICE pointers, all 16-byte aligned; head_dim a multiple of 8; num_seqs <= 65535. Asynchronous; throws
+/// std::logic_error when s_kv_pad < s_kv, std::runtime_error on a launch error.
+void gather_kv(int num_seqs, int s_kv, int s_kv_pad, int num_kv_heads, int head_dim, const int* block_table,
+               int max_pages, int group0, const __nv_bfloat16* k_pool, const __nv_bfloat16* v_pool,
+               __nv_bfloat16* k_out, __nv_bfloat16* v_out, cudaStream_t stream);
 
 /// The output gate of HF Qwen3NextAttention on cuDNN's bf16 output, in place, for t < rows (token-major rows):
 /// out[t][h][d] = bf16(float(out[t][h][d]) * sigmoid(float(gate[t * gate_ts + h * gate_hs + d]))) (fp32, rounded

@@ -33,6 +33,7 @@
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cuda/attention.h"
+#include "kernels/cuda/switches.h"
 #include "tests/gpu/gpu_util.h"
 
 using namespace hypic::gputest;
@@ -375,6 +376,29 @@ struct CudnnModeScope {
       unsetenv("HYPIC_ATTN_CUDNN");
   }
 };
+
+// `calls` calls of one gated group of `len` queries over `slot0` cached slots (hd 128, 8 / 2 heads) through `ws`
+// (whose cuDNN plans persist across calls), each checked against the CPU reference; the host ms of each call.
+std::vector<double> checked_calls(gpu::AttnDecodeWorkspace& ws, const std::string& prefix, int len, int slot0,
+                                  uint32_t seed, int calls) {
+  AttnCase c = own_sequences(prefix + " " + std::to_string(len) + "@" + std::to_string(slot0), 128, 8, 2,
+                             {{len, slot0}}, true);
+  c.host_tables = true;
+  std::mt19937 rng(seed);
+  std::vector<Seq> seqs;
+  AttnSetup s;
+  build_case(c, rng, seqs, s);
+  std::vector<double> ms;
+  for (int i = 0; i < calls; ++i) {
+    s.dout->poison();
+    const auto t0 = std::chrono::steady_clock::now();
+    run_attention(c, s, &ws);
+    check_cuda(cudaDeviceSynchronize(), c.name);
+    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    check_against_cpu(c, seqs, s, s.dout->download());
+  }
+  return ms;
+}
 }  // namespace
 
 TEST_CASE("attention_prefill long groups through cuDNN SDPA match attention_causal", "[gpu][attention][cudnn]") {
@@ -423,23 +447,9 @@ TEST_CASE("attention_prefill long groups through cuDNN SDPA match attention_caus
   SECTION("plans: built once per shape (host times printed, not asserted)") {
     gpu::AttnDecodeWorkspace ws;  // shared by the calls: its plans persist
     auto timed_case = [&](int len, int slot0, uint32_t seed) {
-      AttnCase c = own_sequences("cudnn plan " + std::to_string(len) + "@" + std::to_string(slot0), 128, 8, 2,
-                                 {{len, slot0}}, true);
-      c.host_tables = true;
-      std::mt19937 rng(seed);
-      std::vector<Seq> seqs;
-      AttnSetup s;
-      build_case(c, rng, seqs, s);
-      double ms[2];
-      for (double& m : ms) {  // both calls checked: the first builds the plan, the second reuses it
-        s.dout->poison();
-        const auto t0 = std::chrono::steady_clock::now();
-        run_attention(c, s, &ws);
-        check_cuda(cudaDeviceSynchronize(), c.name);
-        m = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-        check_against_cpu(c, seqs, s, s.dout->download());
-      }
-      std::printf("[%s] first call %.1f ms, second (plan cached) %.1f ms\n", c.name.c_str(), ms[0], ms[1]);
+      // Both calls checked: the first builds the plan, the second reuses it.
+      const std::vector<double> ms = checked_calls(ws, "cudnn plan", len, slot0, seed, 2);
+      std::printf("[cudnn plan %d@%d] first call %.1f ms, second (plan cached) %.1f ms\n", len, slot0, ms[0], ms[1]);
     };
     timed_case(4000, 0, 1602);    // the first plan of these heads: compiles
     timed_case(3000, 0, 1603);    // a new shape
@@ -447,6 +457,50 @@ TEST_CASE("attention_prefill long groups through cuDNN SDPA match attention_caus
     timed_case(3500, 900, 1605);  // bottom-right again, new lengths
     timed_case(1500, 0, 1606);    // and plain again
     CHECK(ws.cudnn_launches() == 10);
+  }
+  // HYPIC_ATTN_CUDNN_BUCKETS: every group of more than 512 queries on cuDNN (under HYPIC_ATTN_CUDNN=1, whose own rule
+  // would take none of these), padded to its length bucket (16 per octave). Groups whose queries, KV slots or both
+  // are padded, batched equal groups, short groups between them; against the CPU reference like every case here.
+  SECTION("length buckets: padded plans match the reference") {
+    const CudnnModeScope def("1");
+    gpu::CandidateScope on("HYPIC_ATTN_CUDNN_BUCKETS");
+    on.set(true);
+    // (len, slot0) -> plan (s_q, s_kv) = (bucket(len), bucket(bucket(len) + slot0)): 1000 at 0 -> 1024 / 1024 twice
+    // (one batched call, queries padded); 1000 over 24 cached -> 1024 / 1088 (plan offset 64 against the real 24,
+    // taken at run time); 1024 over 100 -> 1024 / 1152 (KV padded only); 777 over 1234 -> 800 / 2048; 2048 at 0
+    // exact; 3001 at 0 -> 3072 / 3072; 513 over 5 -> 544 / 576.
+    const std::vector<std::pair<int, int>> groups = {{1000, 0}, {1000, 0}, {1000, 24}, {3, 7},     {1024, 100},
+                                                     {777, 1234}, {64, 0}, {2048, 0}, {3001, 0}, {513, 5}};
+    for (const bool gate : {true, false}) {
+      AttnCase c = own_sequences(std::string("cudnn buckets hd256 16/2") + (gate ? " gate" : ""), 256, 16, 2, groups,
+                                 gate);
+      c.host_tables = true;
+      CHECK(run_attention_case(c, 1620 + gate) == 7);
+    }
+    AttnCase c = own_sequences("cudnn buckets hd128 8/2 gate", 128, 8, 2, groups, true);
+    c.host_tables = true;
+    CHECK(run_attention_case(c, 1622) == 7);
+  }
+  SECTION("length buckets: one plan per bucket, shared by its lengths") {
+    const CudnnModeScope def("1");
+    gpu::CandidateScope on("HYPIC_ATTN_CUDNN_BUCKETS");
+    on.set(true);
+    gpu::AttnDecodeWorkspace ws;  // shared by the calls: its plans persist
+    auto checked_call = [&](int len, int slot0, uint32_t seed) {
+      const double ms = checked_calls(ws, "cudnn bucket", len, slot0, seed, 1)[0];
+      std::printf("[cudnn bucket %d@%d] %.1f ms (host), plans held %zu\n", len, slot0, ms, ws.cudnn_plans());
+    };
+    checked_call(3000, 0, 1630);  // bucket 3072 / 3072: compiled
+    CHECK(ws.cudnn_plans() == 1);
+    checked_call(3050, 0, 1631);  // the same bucket: no new plan
+    checked_call(2945, 0, 1632);  // 2945 -> 3072 too
+    CHECK(ws.cudnn_plans() == 1);
+    checked_call(2944, 0, 1633);  // 2944 is a bucket of its own (23 x 128)
+    CHECK(ws.cudnn_plans() == 2);
+    checked_call(2000, 1000, 1634);  // 2000 -> 2048 queries, 2048 + 1000 -> 3072 slots: a third plan
+    checked_call(2030, 1010, 1635);  // 2048 / 3072 again (another diagonal offset, passed at run time)
+    CHECK(ws.cudnn_plans() == 3);
+    CHECK(ws.cudnn_launches() == 6);
   }
   SECTION("default rule: groups from ceil(sqrt(2 x 6e12 / (4 x heads x head_dim))) queries on, by length alone") {
     const CudnnModeScope def("1");
