@@ -14,6 +14,9 @@
 #              decode batches 1 / 16 / 64 with sampling on the host and on the device: OUT/candidates_ab.{json,md,log}
 #     bench-all  the benchmark twice in one call, every measurement (decode included) with all candidates off
 #              (HYPIC_CANDIDATES=0), then on (=1): OUT/candidates_all_{0,1}.{json,md,log}
+#     bench-lengths  full prefills at prompt lengths off the powers of two (1000 .. 24000 tokens, each off and on)
+#              with --ab HYPIC_ATTN_CUDNN_BUCKETS, the padded cuDNN buckets (where the bench stage's 4k / 32k are
+#              exact buckets): OUT/candidates_ab_lengths.{json,md,log}
 #
 # DIR holds the binaries (a build with -DHYPIC_WITH_CUDA=ON, or scripts/gpu_bundle.sh's unpacked bin/ with its lib/ on
 # LD_LIBRARY_PATH). Exit status: non-zero when any test or the benchmark failed.
@@ -26,7 +29,7 @@ while (($#)); do
     -h|--help) usage; exit 0 ;;
     --bin) BIN="${2:?--bin needs a directory}"; shift 2 ;;
     --out) OUT="${2:?--out needs a directory}"; shift 2 ;;
-    kernels|backend|bench|bench-all) STAGE="$1"; shift ;;
+    kernels|backend|bench|bench-all|bench-lengths) STAGE="$1"; shift ;;
     *) echo "validate_candidates.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -61,6 +64,14 @@ case "$STAGE" in
       --skip parts,build,notc,beside --refresh "" --refresh-tail "" --warmup 1 --reps 3 \
       --decode-batches 1,16,64 --decode-warmup 2 --decode-steps 5 --ab "$candidates,HYPIC_CANDIDATES" \
       --json "$OUT/candidates_ab.json" --md "$OUT/candidates_ab.md" 2>&1 | tee "$OUT/candidates_ab.log" || status=$?
+    ;;
+  bench-lengths)
+    mkdir -p "$OUT"
+    echo "== hypic-bench-prefill-gpu --ab HYPIC_ATTN_CUDNN_BUCKETS"
+    "$BIN/hypic-bench-prefill-gpu" --config bench/gpu/qwen3_5_35b_a3b.json --lengths 1000,2000,3000,6000,12000,24000 \
+      --skip parts,build,notc,beside,splice,decode --refresh "" --refresh-tail "" --warmup 1 --reps 3 \
+      --ab HYPIC_ATTN_CUDNN_BUCKETS --json "$OUT/candidates_ab_lengths.json" --md "$OUT/candidates_ab_lengths.md" 2>&1 |
+      tee "$OUT/candidates_ab_lengths.log" || status=$?
     ;;
   bench-all)
     mkdir -p "$OUT"
