@@ -16,7 +16,8 @@
 #              (HYPIC_CANDIDATES=0), then on (=1): OUT/candidates_all_{0,1}.{json,md,log}
 #     bench-lengths  full prefills at prompt lengths off the powers of two (1000 .. 24000 tokens, each off and on)
 #              with --ab HYPIC_ATTN_CUDNN_BUCKETS, the padded cuDNN buckets (where the bench stage's 4k / 32k are
-#              exact buckets): OUT/candidates_ab_lengths.{json,md,log}
+#              exact buckets; a plan's compile falls in the warm-up run: steady state, as every later prompt of an
+#              already seen bucket): OUT/candidates_ab_lengths.{json,md,log}
 #
 # DIR holds the binaries (a build with -DHYPIC_WITH_CUDA=ON, or scripts/gpu_bundle.sh's unpacked bin/ with its lib/ on
 # LD_LIBRARY_PATH). Exit status: non-zero when any test or the benchmark failed.

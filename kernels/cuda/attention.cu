@@ -1148,13 +1148,14 @@ bool plan_cudnn_route(const char* fn, const AttnGroups& g, int num_heads, int nu
       others = true;
       continue;
     }
+    if (static_cast<long>(s0) + len > kCudnnMaxRunRows) return false;  // its gather would be too large: ours
     // Buckets: the queries' bucket, and the KV slots' from the padded queries on (not from kv itself), so that the
-    // plan's own diagonal offset s_kv - s_q is at least the real one, slot0 (whatever cuDNN derives from the dims, it
-    // then never skips a tile that a real query needs).
+    // plan's own diagonal offset s_kv - s_q is at least the real one, slot0: cuDNN reads the real lengths at run time
+    // (by-value tensors of the mask), and should an engine also derive tile skipping from the dims, it would then
+    // compute more tiles than needed, never fewer (test_gpu_attention "[cudnn]" has plan offsets above the real ones).
     const int kv = s0 + len, q_plan = buckets ? cudnn_length_bucket(len) : len;
-    const long kv_plan =
-        buckets ? cudnn_length_bucket(static_cast<int>(std::min<long>(long(q_plan) + s0, INT_MAX))) : kv;
-    if (kv_plan > kCudnnMaxRunRows) return false;  // its gather would be too large: ours
+    const long kv_plan = buckets ? cudnn_length_bucket(q_plan + s0) : kv;  // (q_plan + s0 <= 2^18: no overflow)
+    if (kv_plan > kCudnnMaxRunRows) return false;  // the padded gather would be too large: ours
     CudnnRun* last = r.runs.empty() ? nullptr : &r.runs.back();
     const bool extend = last && last->group0 + last->shape.b == i && last->q_len == len && last->kv_len == kv &&
                         static_cast<long>(last->shape.b + 1) * kv_plan <= kCudnnMaxRunRows;

@@ -173,16 +173,18 @@ std::string attention_cudnn_status();
 /// HYPIC_ATTN_CUDNN_BUCKETS (kernels/cuda/switches.h) min_q is 513 and each run's plan has padded dimensions, so that
 /// one plan serves a range of lengths: the queries rounded up to the next multiple of 2^(floor(log2 len) - 4) (16
 /// buckets per octave, at most 1/16 padding) and the KV slots to the bucket of padded queries + slot0 (so the plan's
-/// diagonal offset is at least the real one), the mask's diagonal taken from the real lengths at run time, the
-/// padding K/V rows zero, q / out through padded copies in `ws` when the queries are padded (their padding rows
-/// dropped); results as the unpadded call's (a padding key is seen by padding queries only). Our kernels run the whole
-/// call instead when one of its cuDNN groups reaches past 2^17 KV slots, when a shape has no cuDNN engine or its
-/// plan fails to build (one line on stderr; remembered while cached), or when the gather cannot be allocated (one
-/// line; not retried at that size for this workspace). So the choice depends on the call's groups, not on what ran
-/// before, except after such an allocation failure; a worker without cuDNN gives other bits for cuDNN's groups
-/// (within the same tolerance). Plans are cached per shape in `ws` (at most 64, the least recently used dropped
-/// between calls). One device per workspace. reserve_prefill does not reserve the gather: a captured call runs our
-/// kernels. Same tolerance against the reference; not bit-equal to our kernels.
+/// diagonal offset is at least the real one; up to about 1/8 padding), the mask's diagonal taken from the real lengths
+/// at run time, the padding K/V rows zero, q / out through padded copies in `ws` when the queries are padded (their
+/// padding rows dropped; 2 x b x s_q x num_heads x head_dim bf16 more scratch: 256 MiB at 16384 queries of 16 x 256
+/// heads, the engine's default prefill chunk). A padding key is seen by padding queries only, so the real rows are
+/// those of the unpadded problem, within the same tolerance (another plan shape: other bits). Our kernels run the whole
+/// call instead when one of its cuDNN groups reaches past 2^17 KV slots (padded ones with the buckets), when a shape
+/// has no cuDNN engine or its plan fails to build (one line on stderr; remembered while cached), or when the gather
+/// (and copies) cannot be allocated (one line; not retried at that size for this workspace). So the choice depends on
+/// the call's groups, not on what ran before, except after such an allocation failure; a worker without cuDNN gives
+/// other bits for cuDNN's groups (within the same tolerance). Plans are cached per shape in `ws` (at most 160, the
+/// least recently used dropped between calls). One device per workspace. reserve_prefill does not reserve the gather: a
+/// captured call runs our kernels. Same tolerance against the reference; not bit-equal to our kernels.
 /// Throws as attention_prefill, and std::invalid_argument when `ws` would have to grow while `stream`
 /// is capturing (AttnDecodeWorkspace::reserve_prefill sizes it beforehand).
 void attention_prefill(const AttnGroups& g, int num_heads, int num_kv_heads, int head_dim, const bf16* q,

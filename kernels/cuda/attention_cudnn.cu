@@ -413,7 +413,8 @@ void CudnnSdpa::run(const CudnnSdpaShape& s, const __nv_bfloat16* q, const __nv_
   if (it == m.plans.end() || !it->second->supported)
     throw std::logic_error("CudnnSdpa::run: no plan for b " + std::to_string(s.b) + ", s_q " + std::to_string(s.s_q) +
                            ", s_kv " + std::to_string(s.s_kv) + " (prepare it first)");
-  const bool lengths_ok = s.runtime_offset ? q_len >= 1 && q_len <= s.s_q && kv_len >= q_len && kv_len <= s.s_kv
+  const bool lengths_ok = s.runtime_offset ? q_len >= 1 && q_len <= s.s_q && kv_len >= q_len && kv_len <= s.s_kv &&
+                                               kv_len - q_len <= s.s_kv - s.s_q
                                            : q_len == s.s_q && kv_len == s.s_kv;
   if (!lengths_ok)
     throw std::logic_error("CudnnSdpa::run: lengths q " + std::to_string(q_len) + ", kv " + std::to_string(kv_len) +

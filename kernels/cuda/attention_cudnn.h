@@ -23,8 +23,8 @@ namespace hypic::kernels::cuda::detail {
 /// sees keys 0 ..= s_kv - s_q + i), num_heads query heads over num_kv_heads K/V heads (GQA), head_dim.
 /// runtime_offset: the plan takes the mask's diagonal from the two lengths CudnnSdpa::run is given (query i sees keys
 /// 0 ..= kv_len - q_len + i) rather than from s_kv - s_q: the padded length buckets (attention.cu), where a plan of
-/// bucket dimensions serves every shorter q_len <= s_q, kv_len <= s_kv (padded queries' rows are garbage, padded keys
-/// are seen by padded queries only).
+/// bucket dimensions serves every q_len <= s_q, kv_len <= s_kv whose offset kv_len - q_len is at most the plan's
+/// s_kv - s_q (padded queries' rows are garbage, padded keys are seen by padded queries only).
 struct CudnnSdpaShape {
   int b = 0, s_q = 0, s_kv = 0, num_heads = 0, num_kv_heads = 0, head_dim = 0;
   bool runtime_offset = false;
@@ -55,7 +55,8 @@ std::string cudnn_sdpa_unavailable_reason();
 /// once (cuDNN's flash kernels; not bit-equal to our kernels).
 class CudnnSdpa {
  public:
-  /// Plans kept (the padded buckets of HYPIC_ATTN_CUDNN_BUCKETS are 16 per octave: 128 from 513 to 2^17 queries).
+  /// Plans kept (HYPIC_ATTN_CUDNN_BUCKETS pads the queries to 16 buckets per octave, 128 from 513 to 2^17, and with a
+  /// cached prefix each query bucket meets several KV buckets: the cap holds the common ones, not every pair).
   static constexpr int kMaxPlans = 160;
   CudnnSdpa();
   ~CudnnSdpa();
@@ -75,8 +76,9 @@ class CudnnSdpa {
   size_t plans() const;
   /// Runs the plan of `s` (prepare(s) must have returned true) on `stream`; `workspace` holds the bytes prepare
   /// returned (may be null when 0). q_len / kv_len: the mask's lengths (query i sees keys 0 ..= kv_len - q_len + i);
-  /// they must be s.s_q / s.s_kv unless s.runtime_offset, and 1 <= q_len <= s.s_q, q_len <= kv_len <= s.s_kv with it
-  /// (then the key rows kv_len .. s_kv-1 must hold finite values: a masked score still multiplies its V row by 0).
+  /// they must be s.s_q / s.s_kv unless s.runtime_offset, and 1 <= q_len <= s.s_q, q_len <= kv_len <= s.s_kv,
+  /// kv_len - q_len <= s.s_kv - s.s_q with it (then the key rows kv_len .. s_kv-1 must hold finite values: a masked
+  /// score still multiplies its V row by 0).
   /// Asynchronous. Throws std::runtime_error on cuDNN errors, std::logic_error on lengths that break these rules.
   void run(const CudnnSdpaShape& s, const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
            float scale, __nv_bfloat16* out, void* workspace, int q_len, int kv_len, cudaStream_t stream);

@@ -504,6 +504,8 @@ TEST_CASE("attention_prefill long groups through cuDNN SDPA match attention_caus
   }
   SECTION("default rule: groups from ceil(sqrt(2 x 6e12 / (4 x heads x head_dim))) queries on, by length alone") {
     const CudnnModeScope def("1");
+    gpu::CandidateScope no_buckets("HYPIC_ATTN_CUDNN_BUCKETS");  // (which takes every group over 512 queries)
+    no_buckets.set(false);
     const int nh = 4, nkv = 1, hd = 256;
     const int min_q = static_cast<int>(std::ceil(std::sqrt(2.0 * 6e12 / (4.0 * nh * hd))));  // 54127
     // One group just below the bound, one at it: only the second goes to cuDNN; both checked against our kernel
