@@ -24,6 +24,7 @@
 #include "kernels/cuda/attention_common.cuh"
 #include "kernels/cuda/attention_cudnn.h"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/cudnn_route.h"
 #include "kernels/cuda/switches.h"
 #include "kernels/cuda/mma.cuh"
 #include "kernels/cuda/pdl.cuh"
@@ -1045,13 +1046,11 @@ SplitArgs split_args(const AttnGroups& g, const SplitPlan& sp, unsigned char* ba
 }
 
 // The long groups of one attention_prefill call that cuDNN runs: runs of consecutive groups of equal (length,
-// slot0), each one SDPA call over its groups' K/V gathered into the workspace.
-struct CudnnRun {
-  int group0 = 0, q0 = 0;
-  int q_len = 0, kv_len = 0;  // each group's queries and KV slots (slot0 + q_len)
-  CudnnSdpaShape shape;       // the plan's: (q_len, kv_len), or their length buckets (shape.runtime_offset)
+// slot0) (plan_cudnn_runs, cudnn_route.h), each one SDPA call over its groups' K/V gathered into the workspace.
+struct CudnnRun : CudnnRunPlan {
+  CudnnSdpaShape shape;  // the plan's: (b, s_q, s_kv) and the heads; runtime_offset with the buckets
   size_t plan_ws = 0;
-  bool pad_q() const { return shape.s_q != q_len; }  // q / out through padded scratch
+  bool pad_q() const { return s_q != q_len; }  // q / out through padded scratch
 };
 struct CudnnRoute {
   std::vector<CudnnRun> runs;
@@ -1060,30 +1059,12 @@ struct CudnnRoute {
   size_t scratch_bytes = 0;  // K/V gather + cuDNN workspace of the largest run
 };
 
-// KV slots gathered per run (batched groups together; a longer single group stays on our kernels): bounds the
-// gather scratch to 2 x 2^17 x num_kv_heads x head_dim bf16 (256 MiB at 2 x 256).
-constexpr long kCudnnMaxRunRows = 1L << 17;
-
 // The counted FLOP (4 x len^2 / 2 x heads x head_dim, a group at slot0 0) from which a group goes to cuDNN by
 // default: its plan costs 35-72 ms to build, once per shape (cuDNN compiles its kernel), and cuDNN saves about
 // 8e-16 s per FLOP against our kernels on the H200 (209.4 against 139.2 ms for ten 32k layers, 2026-12-04), so at
 // 6e12 one prefill of a new length with ten attention layers roughly pays for its plan (48 ms): 27k queries at
 // 16 x 256 heads. The rule depends on the call's groups alone (not on what ran before).
 constexpr double kCudnnMinFlops = 6e12;
-
-// HYPIC_ATTN_CUDNN_BUCKETS (a candidate, kernels/cuda/switches.h): the length bucket a group's queries (and, from
-// the padded queries on, its KV slots) are padded to for cuDNN, so that a plan (compiled per shape) serves every
-// length of its bucket: the smallest multiple of 2^(floor(log2 len) - 4) at or above len (16 buckets per octave, at
-// most len / 16 padding: 4096, 4352, ..., 7936, 8192, 8704, ...; len itself below 16). Exact by the mask's runtime
-// lengths (CudnnSdpaShape::runtime_offset): a real query i sees keys 0 ..= kv_len - q_len + i, never a padding key
-// (those sit at kv_len and beyond, seen only by padding queries, whose rows are dropped).
-int cudnn_length_bucket(int len) {
-  if (len < 16) return len;
-  int k = 0;
-  while ((2L << k) <= len) ++k;  // 2^k <= len < 2^(k+1)
-  const long step = 1L << (k - 4);
-  return static_cast<int>(std::min<long>((len + step - 1) / step * step, INT_MAX));
-}
 
 // The smallest group length that cuDNN takes: kSplitMaxQ + 1 with HYPIC_ATTN_CUDNN=all, else the length whose
 // counted FLOP reach kCudnnMinFlops.
@@ -1137,41 +1118,23 @@ bool plan_cudnn_route(const char* fn, const AttnGroups& g, int num_heads, int nu
   cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
   check_cuda(cudaStreamIsCapturing(stream, &capturing), "cudaStreamIsCapturing");
   if (capturing != cudaStreamCaptureStatusNone) return false;  // plans are built eagerly only
+  // HYPIC_ATTN_CUDNN_BUCKETS: every group of more than kSplitMaxQ queries, on plans of padded length buckets (the
+  // mask's lengths are by-value tensors that each call passes, CudnnSdpaShape::runtime_offset; the KV bucket keeps
+  // the plan's diagonal offset at or above the real one, so should an engine also derive tile skipping from the dims,
+  // it computes more tiles than needed, never fewer; test_gpu_attention "[cudnn]" has plan offsets above the real).
   static CandidateSwitch buckets_switch("HYPIC_ATTN_CUDNN_BUCKETS");
   const bool buckets = buckets_switch.on();
   r.min_q = buckets ? kSplitMaxQ + 1 : cudnn_min_q(num_heads, head_dim);
+  std::vector<CudnnRunPlan> plans;
   bool others = false;  // a non-empty group left to our kernels
-  for (int i = 0; i < g.num_groups; ++i) {
-    const int len = g.q_start_host[i + 1] - g.q_start_host[i], s0 = g.slot0_host[i];
-    if (len <= 0) continue;
-    if (len < r.min_q) {
-      others = true;
-      continue;
-    }
-    if (static_cast<long>(s0) + len > kCudnnMaxRunRows) return false;  // its gather would be too large: ours
-    // Buckets: the queries' bucket, and the KV slots' from the padded queries on (not from kv itself), so that the
-    // plan's own diagonal offset s_kv - s_q is at least the real one, slot0: cuDNN reads the real lengths at run time
-    // (by-value tensors of the mask), and should an engine also derive tile skipping from the dims, it would then
-    // compute more tiles than needed, never fewer (test_gpu_attention "[cudnn]" has plan offsets above the real ones).
-    const int kv = s0 + len, q_plan = buckets ? cudnn_length_bucket(len) : len;
-    const long kv_plan = buckets ? cudnn_length_bucket(q_plan + s0) : kv;  // (q_plan + s0 <= 2^18: no overflow)
-    if (kv_plan > kCudnnMaxRunRows) return false;  // the padded gather would be too large: ours
-    CudnnRun* last = r.runs.empty() ? nullptr : &r.runs.back();
-    const bool extend = last && last->group0 + last->shape.b == i && last->q_len == len && last->kv_len == kv &&
-                        static_cast<long>(last->shape.b + 1) * kv_plan <= kCudnnMaxRunRows;
-    if (extend) {
-      ++last->shape.b;
-    } else {
-      CudnnRun run;
-      run.group0 = i;
-      run.q0 = g.q_start_host[i];
-      run.q_len = len;
-      run.kv_len = kv;
-      run.shape = CudnnSdpaShape{1, q_plan, static_cast<int>(kv_plan), num_heads, num_kv_heads, head_dim, buckets};
-      r.runs.push_back(run);
-    }
+  if (!plan_cudnn_runs(g.num_groups, g.q_start_host, g.slot0_host, r.min_q, buckets, plans, others)) return false;
+  if (plans.empty()) return false;
+  for (const CudnnRunPlan& p : plans) {
+    CudnnRun run;
+    static_cast<CudnnRunPlan&>(run) = p;
+    run.shape = CudnnSdpaShape{p.b, p.s_q, p.s_kv, num_heads, num_kv_heads, head_dim, buckets};
+    r.runs.push_back(run);
   }
-  if (r.runs.empty()) return false;
   r.all_routed = !others;
   if (!sdpa) sdpa = std::make_unique<CudnnSdpa>();
   sdpa->trim(stream);

@@ -1,0 +1,181 @@
+// The host-side plan of attention_prefill's cuDNN route (kernels/cuda/cudnn_route.h): the length buckets of
+// HYPIC_ATTN_CUDNN_BUCKETS and the batching of query groups into cuDNN calls. Host only: runs in the CPU build.
+// References: bucket values worked out by hand from the definition (the smallest multiple of 2^(floor(log2 len) - 4)
+// at or above len), the bucket count per octave, and, for the runs, a brute-force check of every group against the
+// properties the GPU path relies on.
+#include <catch2/catch.hpp>
+
+#include <random>
+#include <set>
+#include <utility>
+#include <vector>
+
+#include "kernels/cuda/cudnn_route.h"
+
+namespace kd = hypic::kernels::cuda::detail;
+
+TEST_CASE("cudnn_length_bucket: hand-worked values", "[cudnn_route]") {
+  const std::pair<int, int> cases[] = {
+      {-3, -3},     {0, 0},       {1, 1},       {15, 15},     {16, 16},     {31, 31},       {32, 32},
+      {33, 34},     {513, 544},   {777, 800},   {1000, 1024}, {1024, 1024}, {1025, 1088},   {2944, 2944},
+      {2945, 3072}, {3001, 3072}, {4096, 4096}, {4097, 4352}, {8000, 8192}, {16385, 17408}, {32767, 32768},
+      {131072, 131072}};
+  for (const auto& [len, want] : cases) {
+    INFO("len " << len);
+    CHECK(kd::cudnn_length_bucket(len) == want);
+  }
+}
+
+TEST_CASE("cudnn_length_bucket: at most 1/16 padding, idempotent, monotone, 16 buckets per octave", "[cudnn_route]") {
+  int prev = 0;
+  std::set<int> octave;  // distinct buckets of the lengths in [2^k, 2^(k+1))
+  for (int len = 1; len <= (1 << 18); ++len) {
+    const int b = kd::cudnn_length_bucket(len);
+    INFO("len " << len << " -> " << b);
+    REQUIRE(b >= len);
+    REQUIRE(16L * (b - len) < std::max(16L, static_cast<long>(len)));  // pad < len / 16 (none below 16)
+    REQUIRE(kd::cudnn_length_bucket(b) == b);
+    REQUIRE(b >= prev);
+    prev = b;
+    if ((len & (len - 1)) == 0 && len >= 64) {  // a new octave starts: the previous one [len / 2, len) is complete
+      // 16 buckets in [len / 2, len), and len itself for the lengths of the last sixteenth (from 32 on: below, the
+      // step is 1).
+      CHECK(octave.size() == 17);
+      CHECK(*octave.rbegin() == len);
+      octave.clear();
+    }
+    if (len >= 32) octave.insert(b);
+  }
+}
+
+namespace {
+
+struct Group {
+  int len, slot0;
+};
+
+std::vector<kd::CudnnRunPlan> plan(const std::vector<Group>& gs, int min_q, bool buckets, bool& ok, bool& others) {
+  std::vector<int> q_start{0}, slot0;
+  for (const Group& g : gs) q_start.push_back(q_start.back() + g.len), slot0.push_back(g.slot0);
+  std::vector<kd::CudnnRunPlan> runs;
+  ok = kd::plan_cudnn_runs(int(gs.size()), q_start.data(), slot0.data(), min_q, buckets, runs, others);
+  return runs;
+}
+
+}  // namespace
+
+TEST_CASE("plan_cudnn_runs: the GPU test's groups, with and without buckets", "[cudnn_route]") {
+  // tests/gpu/test_gpu_attention.cpp "length buckets: padded plans match the reference".
+  const std::vector<Group> gs = {{1000, 0}, {1000, 0}, {1000, 24}, {3, 7},   {1024, 100},
+                                 {777, 1234}, {64, 0}, {2048, 0},  {3001, 0}, {513, 5}};
+  bool ok = false, others = false;
+  const auto runs = plan(gs, 513, true, ok, others);
+  REQUIRE(ok);
+  CHECK(others);  // (3 queries, 64 queries: the split path)
+  struct Want {
+    int group0, q0, b, q_len, kv_len, s_q, s_kv;
+  };
+  const Want want[] = {{0, 0, 2, 1000, 1000, 1024, 1024},    {2, 2000, 1, 1000, 1024, 1024, 1088},
+                       {4, 3003, 1, 1024, 1124, 1024, 1152}, {5, 4027, 1, 777, 2011, 800, 2048},
+                       {7, 4868, 1, 2048, 2048, 2048, 2048}, {8, 6916, 1, 3001, 3001, 3072, 3072},
+                       {9, 9917, 1, 513, 518, 544, 576}};
+  REQUIRE(runs.size() == std::size(want));
+  for (size_t i = 0; i < runs.size(); ++i) {
+    INFO("run " << i);
+    const kd::CudnnRunPlan& r = runs[i];
+    const Want& w = want[i];
+    CHECK(r.group0 == w.group0);
+    CHECK(r.q0 == w.q0);
+    CHECK(r.b == w.b);
+    CHECK(r.q_len == w.q_len);
+    CHECK(r.kv_len == w.kv_len);
+    CHECK(r.s_q == w.s_q);
+    CHECK(r.s_kv == w.s_kv);
+  }
+  // Without buckets, under the rule of 27064 queries (16 x 256 heads): none of them.
+  CHECK(plan(gs, 27064, false, ok, others).empty());
+  CHECK(ok);
+  CHECK(others);
+  // Without buckets, every group over 512 (HYPIC_ATTN_CUDNN=all): the same runs, unpadded.
+  const auto exact = plan(gs, 513, false, ok, others);
+  REQUIRE(exact.size() == runs.size());
+  for (size_t i = 0; i < exact.size(); ++i) {
+    CHECK(exact[i].s_q == exact[i].q_len);
+    CHECK(exact[i].s_kv == exact[i].kv_len);
+    CHECK(exact[i].b == runs[i].b);
+  }
+}
+
+TEST_CASE("plan_cudnn_runs: groups past 2^17 KV slots, real or padded, leave the whole call to our kernels",
+          "[cudnn_route]") {
+  bool ok = true, others = false;
+  plan({{1000, 0}, {1024, kd::kCudnnMaxRunRows - 1023}}, 513, false, ok, others);  // 131073 slots
+  CHECK_FALSE(ok);
+  plan({{1000, 0}, {1024, kd::kCudnnMaxRunRows - 1024}}, 513, false, ok, others);  // exactly 2^17
+  CHECK(ok);
+  plan({{1025, 130047}}, 513, true, ok, others);  // 131072 real slots, padded to 1088 + 130047 -> 139264
+  CHECK_FALSE(ok);
+  plan({{1025, 130047}}, 513, false, ok, others);
+  CHECK(ok);
+  // Equal groups batch while b x s_kv <= 2^17: 40 groups of 4000 queries (bucket 4096) make runs of 32 and 8.
+  const auto runs = plan(std::vector<Group>(40, Group{4000, 0}), 513, true, ok, others);
+  REQUIRE(ok);
+  REQUIRE(runs.size() == 2);
+  CHECK(runs[0].b == 32);
+  CHECK(runs[1].b == 8);
+  CHECK(runs[1].group0 == 32);
+  CHECK(runs[1].q0 == 32 * 4000);
+  CHECK_FALSE(others);
+}
+
+TEST_CASE("plan_cudnn_runs: random group lists keep the properties the GPU path relies on", "[cudnn_route]") {
+  std::mt19937 rng(20261205);
+  for (int trial = 0; trial < 2000; ++trial) {
+    const bool buckets = trial % 2 == 0;
+    const int min_q = buckets ? 513 : 513 + int(rng() % 4000);
+    std::vector<Group> gs;
+    const int n = 1 + int(rng() % 12);
+    for (int i = 0; i < n; ++i) {
+      const int len = rng() % 4 == 0 ? int(rng() % 600) : int(rng() % 9000);
+      const int s0 = rng() % 3 == 0 ? 0 : int(rng() % 40000);
+      gs.push_back({len, s0});
+      if (rng() % 3 == 0) gs.push_back(gs.back());  // an equal neighbour: batched
+    }
+    bool ok = false, others = false;
+    const auto runs = plan(gs, min_q, buckets, ok, others);
+    REQUIRE(ok);  // (every KV length here is below 2^17)
+    std::vector<int> q_start{0};
+    for (const Group& g : gs) q_start.push_back(q_start.back() + g.len);
+    std::vector<int> run_of(gs.size(), -1);
+    for (size_t r = 0; r < runs.size(); ++r)
+      for (int j = 0; j < runs[r].b; ++j) {
+        REQUIRE(runs[r].group0 + j < int(gs.size()));
+        REQUIRE(run_of[size_t(runs[r].group0 + j)] == -1);  // one run per group
+        run_of[size_t(runs[r].group0 + j)] = int(r);
+      }
+    bool want_others = false;
+    for (size_t i = 0; i < gs.size(); ++i) {
+      const Group& g = gs[i];
+      INFO("trial " << trial << " group " << i << " (" << g.len << " @ " << g.slot0 << ")");
+      const bool cudnn = g.len > 0 && g.len >= min_q;
+      want_others |= g.len > 0 && !cudnn;
+      REQUIRE((run_of[i] >= 0) == cudnn);
+      if (!cudnn) continue;
+      const kd::CudnnRunPlan& r = runs[size_t(run_of[i])];
+      CHECK(r.q_len == g.len);
+      CHECK(r.kv_len == g.slot0 + g.len);
+      CHECK(r.q0 + (int(i) - r.group0) * r.q_len == q_start[i]);  // the run's rows are its groups' rows
+      CHECK(r.s_q >= r.q_len);
+      CHECK(r.s_kv >= r.kv_len);
+      CHECK(r.s_kv - r.s_q >= r.kv_len - r.q_len);  // the plan's diagonal offset covers the real one
+      CHECK(long(r.b) * r.s_kv <= kd::kCudnnMaxRunRows);
+      if (buckets) {
+        CHECK(16L * (r.s_q - r.q_len) < std::max(16L, long(r.q_len)));
+      } else {
+        CHECK(r.s_q == r.q_len);
+        CHECK(r.s_kv == r.kv_len);
+      }
+    }
+    CHECK(others == want_others);
+  }
+}
