@@ -1056,7 +1056,7 @@ struct CudnnRoute {
   std::vector<CudnnRun> runs;
   int min_q = INT_MAX;       // groups of at least this many queries are cuDNN's (our kernels skip them)
   bool all_routed = false;   // every non-empty group is cuDNN's: our kernels have nothing to do
-  size_t scratch_bytes = 0;  // K/V gather + cuDNN workspace of the largest run
+  size_t scratch_bytes = 0;  // K/V gather (+ padded q / out copies) + cuDNN workspace of the largest run
 };
 
 // The counted FLOP (4 x len^2 / 2 x heads x head_dim, a group at slot0 0) from which a group goes to cuDNN by
@@ -1171,13 +1171,13 @@ void run_cudnn_route(const AttnGroups& g, const CudnnRoute& r, int num_heads, in
     if (run.pad_q()) {  // each group's rows into its padded slot, the padding rows zero (their outputs are dropped)
       const size_t row = static_cast<size_t>(num_heads) * head_dim;  // elements per query row
       const size_t real = static_cast<size_t>(run.q_len) * row, padded = static_cast<size_t>(s.s_q) * row;
-      for (int j = 0; j < s.b; ++j)  // (1D copies: a 2D copy's pitch may pass the device's limit at long s_q)
+      for (int j = 0; j < s.b; ++j) {  // (1D copies: a 2D copy's pitch may pass the device's limit at long s_q)
         check_cuda(cudaMemcpyAsync(q_pad + j * padded, q + row0 + j * real, real * sizeof(bf16),
                                    cudaMemcpyDeviceToDevice, stream),
                    "cuDNN route: padded q copy");
-      for (int j = 0; j < s.b; ++j)
         check_cuda(cudaMemsetAsync(q_pad + j * padded + real, 0, (padded - real) * sizeof(bf16), stream),
                    "cuDNN route: q padding");
+      }
       sdpa.run(s, q_pad, kg, vg, scale, out_pad, plan_ws, run.q_len, run.kv_len, stream);
       for (int j = 0; j < s.b; ++j)
         check_cuda(cudaMemcpyAsync(out + row0 + j * real, out_pad + j * padded, real * sizeof(bf16),

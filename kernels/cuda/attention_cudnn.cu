@@ -475,22 +475,15 @@ __global__ void gather_kv_kernel(int s_kv, int s_kv_pad, int num_kv_heads, int h
   const int slot = blockIdx.x * 8 + threadIdx.y;
   if (slot >= s_kv_pad) return;
   const int row_vec = num_kv_heads * head_vec;
-  if (slot >= s_kv) {
-    for (int i = threadIdx.x; i < row_vec; i += 32) {
-      const int h = i / head_vec, e = i - h * head_vec;
-      const long dst = ((static_cast<long>(j) * num_kv_heads + h) * s_kv_pad + slot) * head_vec + e;
-      k_out[dst] = make_uint4(0, 0, 0, 0);
-      v_out[dst] = make_uint4(0, 0, 0, 0);
-    }
-    return;
-  }
-  const long page = block_table[static_cast<long>(group0 + j) * max_pages + slot / kKvPageTokens];
+  const bool pad = slot >= s_kv;  // (warp-uniform)
+  const long page = pad ? 0 : block_table[static_cast<long>(group0 + j) * max_pages + slot / kKvPageTokens];
   const long src = (page * kKvPageTokens + slot % kKvPageTokens) * row_vec;
+  const uint4 zero = make_uint4(0, 0, 0, 0);
   for (int i = threadIdx.x; i < row_vec; i += 32) {
     const int h = i / head_vec, e = i - h * head_vec;
     const long dst = ((static_cast<long>(j) * num_kv_heads + h) * s_kv_pad + slot) * head_vec + e;
-    k_out[dst] = __ldg(k_pool + src + i);
-    v_out[dst] = __ldg(v_pool + src + i);
+    k_out[dst] = pad ? zero : __ldg(k_pool + src + i);
+    v_out[dst] = pad ? zero : __ldg(v_pool + src + i);
   }
 }
 
