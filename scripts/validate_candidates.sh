@@ -17,9 +17,10 @@
 #     bench-lengths  full prefills at prompt lengths off the powers of two (1000 .. 24000 tokens, each off and on)
 #              with --ab HYPIC_ATTN_CUDNN_BUCKETS, the padded cuDNN buckets (where the bench stage's 4k / 32k are
 #              exact buckets; a plan's compile falls in the warm-up run: steady state, as every later prompt of an
-#              already seen bucket): OUT/candidates_ab_lengths.{json,md,log}; then 16k and 32k prompts in the workers'
-#              default passes of 16384 tokens (--max-batch-tokens 16384: no group reaches the default rule's 27064
-#              queries): OUT/candidates_ab_passes.{json,md,log}
+#              already seen bucket): OUT/candidates_ab_lengths.{json,md,log}; then 16k, 32k and 48k prompts in the
+#              workers' default passes of 16384 tokens (--max-batch-tokens 16384: no group reaches the default rule's
+#              27064 queries) with --ab over the buckets and HYPIC_ATTN_CUDNN_PREFIX (the rule counting a chunk's
+#              cached slots: the later chunks of the 32k / 48k prompts go to cuDNN): OUT/candidates_ab_passes.*
 #
 # DIR holds the binaries (a build with -DHYPIC_WITH_CUDA=ON, or scripts/gpu_bundle.sh's unpacked bin/ with its lib/ on
 # LD_LIBRARY_PATH). Exit status: non-zero when any test or the benchmark failed.
@@ -70,14 +71,15 @@ case "$STAGE" in
     ;;
   bench-lengths)
     mkdir -p "$OUT"
-    echo "== hypic-bench-prefill-gpu --ab HYPIC_ATTN_CUDNN_BUCKETS"
+    echo "== hypic-bench-prefill-gpu --ab HYPIC_ATTN_CUDNN_BUCKETS (then also HYPIC_ATTN_CUDNN_PREFIX, in passes)"
     "$BIN/hypic-bench-prefill-gpu" --config bench/gpu/qwen3_5_35b_a3b.json --lengths 1000,2000,3000,6000,12000,24000 \
       --skip parts,build,notc,beside,splice,decode --refresh "" --refresh-tail "" --warmup 1 --reps 3 \
       --ab HYPIC_ATTN_CUDNN_BUCKETS --json "$OUT/candidates_ab_lengths.json" --md "$OUT/candidates_ab_lengths.md" 2>&1 |
       tee "$OUT/candidates_ab_lengths.log" || status=$?
-    "$BIN/hypic-bench-prefill-gpu" --config bench/gpu/qwen3_5_35b_a3b.json --lengths 16384,32768 \
+    "$BIN/hypic-bench-prefill-gpu" --config bench/gpu/qwen3_5_35b_a3b.json --lengths 16384,32768,49152 \
       --max-batch-tokens 16384 --skip parts,build,notc,beside,splice,decode --refresh "" --refresh-tail "" \
-      --warmup 1 --reps 3 --ab HYPIC_ATTN_CUDNN_BUCKETS --json "$OUT/candidates_ab_passes.json" \
+      --warmup 1 --reps 3 --ab HYPIC_ATTN_CUDNN_BUCKETS,HYPIC_ATTN_CUDNN_PREFIX \
+      --json "$OUT/candidates_ab_passes.json" \
       --md "$OUT/candidates_ab_passes.md" 2>&1 | tee "$OUT/candidates_ab_passes.log" || status=$?
     ;;
   bench-all)

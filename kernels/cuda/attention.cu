@@ -979,7 +979,7 @@ AttnParams make_params(const AttnGroups& g, int num_heads, int num_kv_heads, con
   p.gate_ts = gate_ts;
   p.gate_hs = gate_hs;
   p.out = out;
-  p.long_min_q = INT_MAX;
+  p.long_rule = CudnnRule{};  // (takes no group)
   return p;
 }
 
@@ -1018,7 +1018,7 @@ void launch_split(const AttnParams& p, const SplitArgs& sa, const AttnGroups& g,
     attn_split_kernel<HD><<<sp.grid, C::kThreads, C::kSmem, stream>>>(p, sa);
     check_cuda(cudaGetLastError(), "attn_split_kernel<" + std::to_string(HD) + "> launch");
   }
-  if (g.max_q > sa.split_max_q)  // longer groups (those of at least p.long_min_q are cuDNN's: skipped)
+  if (g.max_q > sa.split_max_q)  // longer groups (those p.long_rule takes are cuDNN's: skipped)
     launch_prefill<HD>(p, g.num_groups, g.max_q, stream, sa.split_max_q);
   if (sp.nsplit > 1) {
     attn_split_combine_kernel<HD><<<dim3(static_cast<unsigned>(sp.q_bound), p.num_heads), HD, 0, stream>>>(p, sa);
@@ -1054,24 +1054,30 @@ struct CudnnRun : CudnnRunPlan {
 };
 struct CudnnRoute {
   std::vector<CudnnRun> runs;
-  int min_q = INT_MAX;       // groups of at least this many queries are cuDNN's (our kernels skip them)
+  CudnnRule rule;            // the groups it takes are cuDNN's (our kernels skip them)
   bool all_routed = false;   // every non-empty group is cuDNN's: our kernels have nothing to do
   size_t scratch_bytes = 0;  // K/V gather (+ padded q / out copies) + cuDNN workspace of the largest run
 };
 
-// The counted FLOP (4 x len^2 / 2 x heads x head_dim, a group at slot0 0) from which a group goes to cuDNN by
-// default: its plan costs 35-72 ms to build, once per shape (cuDNN compiles its kernel), and cuDNN saves about
-// 8e-16 s per FLOP against our kernels on the H200 (209.4 against 139.2 ms for ten 32k layers, 2026-12-04), so at
-// 6e12 one prefill of a new length with ten attention layers roughly pays for its plan (48 ms): 27k queries at
-// 16 x 256 heads. The rule depends on the call's groups alone (not on what ran before).
+// The counted FLOP (4 x len x (slot0 + len / 2) x heads x head_dim; by default a group is counted as if at slot0 0)
+// from which a group goes to cuDNN: its plan costs 35-72 ms to build, once per shape (cuDNN compiles its kernel), and
+// cuDNN saves about 8e-16 s per FLOP against our kernels on the H200 (209.4 against 139.2 ms for ten 32k layers,
+// 2026-12-04), so at 6e12 one prefill of a new length with ten attention layers roughly pays for its plan (48 ms):
+// 27k queries at 16 x 256 heads. The rule depends on the call's groups alone (not on what ran before).
 constexpr double kCudnnMinFlops = 6e12;
 
-// The smallest group length that cuDNN takes: kSplitMaxQ + 1 with HYPIC_ATTN_CUDNN=all, else the length whose
-// counted FLOP reach kCudnnMinFlops.
-int cudnn_min_q(int num_heads, int head_dim) {
-  if (cudnn_sdpa_all_long_groups()) return kSplitMaxQ + 1;
-  const double len = std::ceil(std::sqrt(2.0 * kCudnnMinFlops / (4.0 * num_heads * head_dim)));
-  return static_cast<int>(std::min<double>(std::max<double>(len, kSplitMaxQ + 1), INT_MAX));
+// Which groups cuDNN takes (cudnn_route.h): every group of more than kSplitMaxQ queries with HYPIC_ATTN_CUDNN=all or
+// the buckets; else those whose counted FLOP reach kCudnnMinFlops, counted at slot0 0 (by length alone) or, with the
+// candidate HYPIC_ATTN_CUDNN_PREFIX, with their cached slots (the later chunks of a prompt cut into the workers'
+// 16384-token passes: the second chunk of a 32k prompt does 6.6e12 at 16 x 256 heads, the first 2.2e12).
+CudnnRule cudnn_rule(int num_heads, int head_dim, bool buckets) {
+  if (buckets || cudnn_sdpa_all_long_groups()) {
+    CudnnRule r;
+    r.min_len = r.min_q = kSplitMaxQ + 1;
+    return r;
+  }
+  static CandidateSwitch prefix_switch("HYPIC_ATTN_CUDNN_PREFIX");
+  return cudnn_flop_rule(kCudnnMinFlops, num_heads, head_dim, kSplitMaxQ + 1, prefix_switch.on());
 }
 
 size_t cudnn_gather_bytes(const CudnnSdpaShape& s) {
@@ -1124,10 +1130,10 @@ bool plan_cudnn_route(const char* fn, const AttnGroups& g, int num_heads, int nu
   // it computes more tiles than needed, never fewer; test_gpu_attention "[cudnn]" has plan offsets above the real).
   static CandidateSwitch buckets_switch("HYPIC_ATTN_CUDNN_BUCKETS");
   const bool buckets = buckets_switch.on();
-  r.min_q = buckets ? kSplitMaxQ + 1 : cudnn_min_q(num_heads, head_dim);
+  r.rule = cudnn_rule(num_heads, head_dim, buckets);
   std::vector<CudnnRunPlan> plans;
   bool others = false;  // a non-empty group left to our kernels
-  if (!plan_cudnn_runs(g.num_groups, g.q_start_host, g.slot0_host, r.min_q, buckets, plans, others)) return false;
+  if (!plan_cudnn_runs(g.num_groups, g.q_start_host, g.slot0_host, r.rule, buckets, plans, others)) return false;
   if (plans.empty()) return false;
   for (const CudnnRunPlan& p : plans) {
     CudnnRun run;
@@ -1261,7 +1267,7 @@ void attention_prefill(const AttnGroups& g, int num_heads, int num_kv_heads, int
   }
   AttnParams p =
       make_params(g, num_heads, num_kv_heads, q, k_pool, v_pool, scale, gate, gate_token_stride, gate_head_stride, out);
-  if (cudnn) p.long_min_q = route.min_q;  // our kernels skip cuDNN's groups
+  if (cudnn) p.long_rule = route.rule;  // our kernels skip cuDNN's groups
   if (!(cudnn && route.all_routed)) {
     if (sp.use) {
       ws.ensure(sp.bytes, stream, fn);  // (no growth when the cuDNN route reserved more)

@@ -170,6 +170,10 @@ std::string attention_cudnn_status();
 /// cuDNN plan costs 35-72 ms to build once per shape, and cuDNN saves about 8e-16 s per counted FLOP on the H200, so
 /// one prefill of a new length with ten attention layers roughly pays for its plan), or 513 with
 /// HYPIC_ATTN_CUDNN=all (re-read on every call; for workloads that repeat their lengths). With the candidate switch
+/// HYPIC_ATTN_CUDNN_PREFIX the rule counts a group's cached slots too: groups of more than 512 queries whose
+/// 4 x len x (slot0 + len / 2) x num_heads x head_dim counted FLOP reach 6e12 (cudnn_route.h CudnnRule, the same
+/// integer test on the host and in the kernels' skip), such as the second 16384-query chunk of a 32k prompt cut into
+/// the workers' default passes. With the candidate switch
 /// HYPIC_ATTN_CUDNN_BUCKETS (kernels/cuda/switches.h) min_q is 513 and each run's plan has padded dimensions, so that
 /// one plan serves a range of lengths: the queries rounded up to the next multiple of 2^(floor(log2 len) - 4) (16
 /// buckets per octave, at most 1/16 padding) and the KV slots to the bucket of padded queries + slot0 (so the plan's

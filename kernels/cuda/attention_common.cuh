@@ -12,6 +12,7 @@
 
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/cudnn_route.h"
 #include "kernels/cuda/mma.cuh"
 
 namespace hypic::kernels::cuda::detail {
@@ -49,7 +50,7 @@ struct AttnParams {
   long gate_ts;
   int gate_hs;
   bf16* out;
-  int long_min_q;  // prefill: groups of at least this many queries run elsewhere (cuDNN): skipped; INT_MAX: none
+  CudnnRule long_rule;  // prefill: the groups it takes run elsewhere (cuDNN): skipped; default: none
   // decode only
   int chunk_len;
   int head_blocks;
@@ -253,8 +254,8 @@ __device__ __forceinline__ bool prefill_tile(const AttnParams& p, int split_max_
   t.m0 = tile_q * kBM;
   if (t.m0 >= t.len) return false;
   if (kSkipSplit && t.len <= split_max_q) return false;
-  if (t.len >= p.long_min_q) return false;
   t.s0 = p.slot0[t.grp];
+  if (p.long_rule.takes(t.len, t.s0)) return false;
   t.rows = min(kBM, t.len - t.m0);
   t.last_slot = t.s0 + t.m0 + t.rows - 1;  // last slot any row of this tile sees
   t.n_tiles = t.last_slot / kBN + 1;

@@ -401,6 +401,47 @@ std::vector<double> checked_calls(gpu::AttnDecodeWorkspace& ws, const std::strin
 }
 }  // namespace
 
+namespace {
+
+// Runs `c` with host tables through a workspace (the cuDNN route) and again without one (our kernel for every group,
+// itself checked against the CPU reference in the cases above); checks the cuDNN launches, that the first ours_rows
+// query rows are the same bits both times (our kernel ran them) and that the rest, cuDNN's, are finite and within
+// 1e-2 of the largest |value| of ours (bf16 outputs, other summation orders).
+void check_routed_against_ours(AttnCase c, uint32_t seed, long want_launches, size_t ours_rows) {
+  c.host_tables = true;
+  std::mt19937 rng(seed);
+  std::vector<Seq> seqs;
+  AttnSetup s;
+  build_case(c, rng, seqs, s);
+  gpu::AttnDecodeWorkspace ws;
+  run_attention(c, s, &ws);
+  check_cuda(cudaDeviceSynchronize(), c.name);
+  const auto routed = s.dout->download();
+  s.dout->poison();
+  run_attention(c, s, nullptr);  // our kernel for every group
+  check_cuda(cudaDeviceSynchronize(), c.name);
+  const auto ours = s.dout->download();
+  std::printf("[%s] cuDNN launches %ld\n", c.name.c_str(), ws.cudnn_launches());
+  CHECK(ws.cudnn_launches() == want_launches);
+  const size_t row = size_t(c.nh) * c.hd, split = std::min(ours_rows * row, ours.size());
+  REQUIRE(routed.size() == ours.size());
+  CHECK(std::memcmp(routed.data(), ours.data(), split * sizeof(bf16)) == 0);
+  double max_d = 0, max_ref = 0;
+  size_t nonfinite = 0;
+  for (size_t i = split; i < ours.size(); ++i) {
+    const float a = bf16_to_float(routed[i]), b = bf16_to_float(ours[i]);
+    if (!std::isfinite(a)) ++nonfinite;
+    max_d = std::max(max_d, double(std::fabs(a - b)));
+    max_ref = std::max(max_ref, double(std::fabs(b)));
+  }
+  if (split < ours.size())
+    std::printf("[%s] cuDNN's rows vs our kernel: max|d|/max|ref| = %.3e\n", c.name.c_str(), max_d / max_ref);
+  CHECK(nonfinite == 0);
+  CHECK(max_d <= 1e-2 * max_ref);
+}
+
+}  // namespace
+
 TEST_CASE("attention_prefill long groups through cuDNN SDPA match attention_causal", "[gpu][attention][cudnn]") {
   require_gpu();
   if (!gpu::attention_cudnn_available()) {
@@ -508,37 +549,23 @@ TEST_CASE("attention_prefill long groups through cuDNN SDPA match attention_caus
     no_buckets.set(false);
     const int nh = 4, nkv = 1, hd = 256;
     const int min_q = static_cast<int>(std::ceil(std::sqrt(2.0 * 6e12 / (4.0 * nh * hd))));  // 54127
-    // One group just below the bound, one at it: only the second goes to cuDNN; both checked against our kernel
-    // without a workspace (itself checked against the CPU reference in the cases above).
-    AttnCase c = own_sequences("cudnn default rule", hd, nh, nkv, {{min_q - 1, 0}, {min_q, 0}}, true);
-    c.host_tables = true;
-    std::mt19937 rng(1610);
-    std::vector<Seq> seqs;
-    AttnSetup s;
-    build_case(c, rng, seqs, s);
-    gpu::AttnDecodeWorkspace ws;
-    run_attention(c, s, &ws);
-    check_cuda(cudaDeviceSynchronize(), c.name);
-    const auto routed = s.dout->download();
-    s.dout->poison();
-    run_attention(c, s, nullptr);  // our kernel for both
-    check_cuda(cudaDeviceSynchronize(), c.name);
-    const auto ours = s.dout->download();
-    std::printf("[%s] min_q %d: cuDNN launches %ld\n", c.name.c_str(), min_q, ws.cudnn_launches());
-    CHECK(ws.cudnn_launches() == 1);
-    const size_t row = size_t(nh) * hd, split = size_t(min_q - 1) * row;
-    CHECK(std::memcmp(routed.data(), ours.data(), split * sizeof(bf16)) == 0);  // the first group: the same kernel
-    double max_d = 0, max_ref = 0;
-    size_t nonfinite = 0;
-    for (size_t i = split; i < ours.size(); ++i) {
-      const float a = bf16_to_float(routed[i]), b = bf16_to_float(ours[i]);
-      if (!std::isfinite(a)) ++nonfinite;
-      max_d = std::max(max_d, double(std::fabs(a - b)));
-      max_ref = std::max(max_ref, double(std::fabs(b)));
-    }
-    std::printf("[%s] second group, cuDNN vs our kernel: max|d|/max|ref| = %.3e\n", c.name.c_str(), max_d / max_ref);
-    CHECK(nonfinite == 0);
-    CHECK(max_d <= 1e-2 * max_ref);
+    // One group just below the bound, one at it: only the second goes to cuDNN.
+    check_routed_against_ours(own_sequences("cudnn default rule", hd, nh, nkv, {{min_q - 1, 0}, {min_q, 0}}, true),
+                              1610, 1, min_q - 1);
+  }
+  // HYPIC_ATTN_CUDNN_PREFIX: the rule counts the cached slots, 4 x len x (slot0 + len / 2) x heads x head_dim >= 6e12,
+  // i.e. len x (2 slot0 + len) >= 2929687500 at 4 x 256 heads: 20000 queries over 63242 cached slots fall short
+  // (2929680000), over 63243 reach it (2929720000). Each group its own sequence; the first stays on our kernel.
+  SECTION("prefix rule: a group's cached slots count, to the exact integer bound") {
+    const CudnnModeScope def("1");
+    gpu::CandidateScope no_buckets("HYPIC_ATTN_CUDNN_BUCKETS");
+    no_buckets.set(false);
+    gpu::CandidateScope prefix("HYPIC_ATTN_CUDNN_PREFIX");
+    const AttnCase c = own_sequences("cudnn prefix rule", 256, 4, 1, {{20000, 63242}, {20000, 63243}}, true);
+    prefix.set(true);
+    check_routed_against_ours(c, 1611, 1, 20000);
+    prefix.set(false);  // by length alone: neither
+    check_routed_against_ours(c, 1611, 0, 40000);
   }
   SECTION("without host tables the same groups take our kernels") {
     AttnCase c = own_sequences("no host tables", 256, 16, 2, mixed, true);

@@ -5,6 +5,8 @@
 // properties the GPU path relies on.
 #include <catch2/catch.hpp>
 
+#include <climits>
+#include <cmath>
 #include <random>
 #include <set>
 #include <utility>
@@ -54,12 +56,24 @@ struct Group {
   int len, slot0;
 };
 
-std::vector<kd::CudnnRunPlan> plan(const std::vector<Group>& gs, int min_q, bool buckets, bool& ok, bool& others) {
+// The rule by length alone: groups of at least min_q queries (and more than 512).
+kd::CudnnRule length_rule(int min_q) {
+  kd::CudnnRule r;
+  r.min_len = 513;
+  r.min_q = min_q;
+  return r;
+}
+
+std::vector<kd::CudnnRunPlan> plan(const std::vector<Group>& gs, const kd::CudnnRule& rule, bool buckets, bool& ok,
+                                   bool& others) {
   std::vector<int> q_start{0}, slot0;
   for (const Group& g : gs) q_start.push_back(q_start.back() + g.len), slot0.push_back(g.slot0);
   std::vector<kd::CudnnRunPlan> runs;
-  ok = kd::plan_cudnn_runs(int(gs.size()), q_start.data(), slot0.data(), min_q, buckets, runs, others);
+  ok = kd::plan_cudnn_runs(int(gs.size()), q_start.data(), slot0.data(), rule, buckets, runs, others);
   return runs;
+}
+std::vector<kd::CudnnRunPlan> plan(const std::vector<Group>& gs, int min_q, bool buckets, bool& ok, bool& others) {
+  return plan(gs, length_rule(min_q), buckets, ok, others);
 }
 
 }  // namespace
@@ -133,6 +147,11 @@ TEST_CASE("plan_cudnn_runs: random group lists keep the properties the GPU path 
   for (int trial = 0; trial < 2000; ++trial) {
     const bool buckets = trial % 2 == 0;
     const int min_q = buckets ? 513 : 513 + int(rng() % 4000);
+    // Without buckets, every third trial counts the cached slots too (a threshold that 600..9000-query groups reach
+    // at some of the slot0 below).
+    const kd::CudnnRule rule = !buckets && trial % 3 == 0
+                                   ? kd::cudnn_flop_rule(1e9 * (1 + rng() % 64), 16, 256, 513, true)
+                                   : length_rule(min_q);
     std::vector<Group> gs;
     const int n = 1 + int(rng() % 12);
     for (int i = 0; i < n; ++i) {
@@ -142,7 +161,7 @@ TEST_CASE("plan_cudnn_runs: random group lists keep the properties the GPU path 
       if (rng() % 3 == 0) gs.push_back(gs.back());  // an equal neighbour: batched
     }
     bool ok = false, others = false;
-    const auto runs = plan(gs, min_q, buckets, ok, others);
+    const auto runs = plan(gs, rule, buckets, ok, others);
     REQUIRE(ok);  // (every KV length here is below 2^17)
     std::vector<int> q_start{0};
     for (const Group& g : gs) q_start.push_back(q_start.back() + g.len);
@@ -157,7 +176,8 @@ TEST_CASE("plan_cudnn_runs: random group lists keep the properties the GPU path 
     for (size_t i = 0; i < gs.size(); ++i) {
       const Group& g = gs[i];
       INFO("trial " << trial << " group " << i << " (" << g.len << " @ " << g.slot0 << ")");
-      const bool cudnn = g.len > 0 && g.len >= min_q;
+      const bool cudnn = g.len > 0 && g.len > 512 &&
+                         (g.len >= rule.min_q || (long long)g.len * (2LL * g.slot0 + g.len) >= rule.min_work);
       want_others |= g.len > 0 && !cudnn;
       REQUIRE((run_of[i] >= 0) == cudnn);
       if (!cudnn) continue;
@@ -178,4 +198,77 @@ TEST_CASE("plan_cudnn_runs: random group lists keep the properties the GPU path 
     }
     CHECK(others == want_others);
   }
+}
+
+TEST_CASE("cudnn_flop_rule: the thresholds worked by hand, and the integer test against the FLOP count",
+          "[cudnn_route]") {
+  // 6e12 / (2 x 16 x 256) = 732421875 exactly; 27063^2 = 732405969 < it <= 27064^2 = 732460096.
+  const kd::CudnnRule len_rule = kd::cudnn_flop_rule(6e12, 16, 256, 513, false);
+  CHECK(len_rule.min_len == 513);
+  CHECK(len_rule.min_q == 27064);
+  CHECK(len_rule.min_work == LLONG_MAX);
+  const kd::CudnnRule pre = kd::cudnn_flop_rule(6e12, 16, 256, 513, true);
+  CHECK(pre.min_q == 27064);
+  CHECK(pre.min_work == 732421875LL);
+  // 4 / 1 heads at 256 (the GPU test's shape): 6e12 / 2048 = 2929687500; sqrt = 54126.6 -> 54127.
+  const kd::CudnnRule small = kd::cudnn_flop_rule(6e12, 4, 256, 513, true);
+  CHECK(small.min_q == 54127);
+  CHECK(small.min_work == 2929687500LL);
+  // Small thresholds: min_q never below min_len; ceil of a fraction.
+  CHECK(kd::cudnn_flop_rule(1e3, 16, 256, 513, true).min_q == 513);
+  CHECK(kd::cudnn_flop_rule(1e3, 16, 256, 513, true).min_work == 1);
+  CHECK(kd::cudnn_flop_rule(8193, 1, 1, 1, true).min_work == 4097);  // ceil(8193 / 2)
+  CHECK(kd::cudnn_flop_rule(8193, 1, 1, 1, true).min_q == 65);       // 64^2 = 4096 < 4097 <= 65^2
+  // Beyond any int length: takes nothing.
+  const kd::CudnnRule none = kd::cudnn_flop_rule(1e30, 1, 1, 513, true);
+  CHECK_FALSE(none.takes(INT_MAX - 1, INT_MAX / 4));
+  CHECK_FALSE(kd::CudnnRule{}.takes(100000, 100000));
+
+  // The workers' 16384-token passes of a 32k prompt at 16 x 256: the second chunk only, with the prefix counted.
+  CHECK_FALSE(len_rule.takes(16384, 0));
+  CHECK_FALSE(len_rule.takes(16384, 16384));
+  CHECK_FALSE(pre.takes(16384, 0));            // 16384^2 = 2.7e8
+  CHECK(pre.takes(16384, 16384));              // 16384 x 49152 = 8.1e8
+  CHECK_FALSE(pre.takes(13616, 16384));        // a 30000-token prompt's second chunk: 6.3e8
+  CHECK_FALSE(pre.takes(7232, 32768));         // a 40000-token prompt's third: 5.3e8
+  CHECK(pre.takes(27064, 0));
+  CHECK_FALSE(pre.takes(27063, 0));
+  CHECK_FALSE(pre.takes(512, 1 << 30));        // the split path's groups never
+  // At the boundary: 20000 x (2 x 63243 + 20000) = 2929720000 >= 2929687500 > 20000 x (2 x 63242 + 20000).
+  CHECK(small.takes(20000, 63243));
+  CHECK_FALSE(small.takes(20000, 63242));
+
+  // Against the counted FLOP in long double, away from rounding: the rule takes exactly the groups that reach 6e12.
+  std::mt19937 rng(20261206);
+  const int shapes[][2] = {{16, 256}, {8, 128}, {4, 256}, {32, 64}};
+  for (const auto& sh : shapes) {
+    const kd::CudnnRule r = kd::cudnn_flop_rule(6e12, sh[0], sh[1], 513, true);
+    for (int i = 0; i < 20000; ++i) {
+      const int len = 1 + int(rng() % 70000), s0 = int(rng() % 140000);
+      const long double flop = 4.0L * len * (s0 + len / 2.0L) * sh[0] * sh[1];
+      if (std::fabs(static_cast<double>(flop - 6e12L)) < 1e7 * sh[0] * sh[1]) continue;  // (the ceil's slack)
+      INFO(sh[0] << " x " << sh[1] << ": " << len << " @ " << s0);
+      REQUIRE(r.takes(len, s0) == (len > 512 && flop >= 6e12L));
+    }
+  }
+}
+
+TEST_CASE("plan_cudnn_runs under the prefix rule: the chunks of long prompts", "[cudnn_route]") {
+  const kd::CudnnRule pre = kd::cudnn_flop_rule(6e12, 16, 256, 513, true);
+  bool ok = false, others = false;
+  // A 32k prompt's second chunk, batched with a 40k prompt's (the same (len, slot0)); their first chunks and a 40k
+  // prompt's third stay on our kernels.
+  const auto runs = plan({{16384, 0}, {16384, 16384}, {16384, 16384}, {7232, 32768}}, pre, false, ok, others);
+  REQUIRE(ok);
+  CHECK(others);
+  REQUIRE(runs.size() == 1);
+  CHECK(runs[0].group0 == 1);
+  CHECK(runs[0].b == 2);
+  CHECK(runs[0].q0 == 16384);
+  CHECK(runs[0].q_len == 16384);
+  CHECK(runs[0].kv_len == 32768);
+  CHECK(runs[0].s_q == 16384);
+  CHECK(runs[0].s_kv == 32768);
+  // Without the prefix: nothing.
+  CHECK(plan({{16384, 0}, {16384, 16384}}, kd::cudnn_flop_rule(6e12, 16, 256, 513, false), false, ok, others).empty());
 }
