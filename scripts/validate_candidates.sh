@@ -5,7 +5,8 @@
 #   scripts/validate_candidates.sh --bin DIR [--out DIR (default: bench/results)] STAGE
 #     kernels  the kernel tests, which run every candidate beside its default in one process (test_gpu_ops,
 #              test_gpu_ops_table, test_gpu_gated_delta, test_gpu_attention, test_gpu_moe), then test_gpu_moe "[moe]"
-#              with HYPIC_CANDIDATES=1 under the MoE wgmma variants 1 .. 4 (HYPIC_MOE_WGMMA, read once per process)
+#              with HYPIC_CANDIDATES=1 under the MoE wgmma variants 1 .. 4 (HYPIC_MOE_WGMMA, read once per process),
+#              test_gpu_gated_delta "[gated_delta]" with HYPIC_GDN_SCAN_WGMMA=1 (every prefill case on the wgmma scan)
 #     backend  test_gpu_backend "[backend]" and test_gpu_conformance, as they are (the end-to-end bit checks and the
 #              device-sampling conformance run inside) and with HYPIC_CANDIDATES=1
 #     bench    hypic-bench-prefill-gpu (Qwen3.5-35B-A3B dimensions, random weights) with --ab over every candidate
@@ -54,6 +55,7 @@ case "$STAGE" in
       run "$BIN/$t" --durations yes
     done
     for v in 1 2 3 4; do run env HYPIC_CANDIDATES=1 HYPIC_MOE_WGMMA=$v "$BIN/test_gpu_moe" "[moe]"; done
+    run env HYPIC_GDN_SCAN_WGMMA=1 "$BIN/test_gpu_gated_delta" "[gated_delta]"  # (splits, checkpoints, graphs)
     ;;
   backend)
     run "$BIN/test_gpu_backend" "[backend]"

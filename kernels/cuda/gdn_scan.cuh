@@ -1,0 +1,594 @@
+// The chunk scan of the gated delta rule prefill (gated_delta_prefill.cu, which describes the whole pipeline; section
+// 2 there), as a kernel template shared by two translation units: gated_delta_prefill.cu instantiates the mma.sync
+// recurrence (kWgmma = false, compute capability 9.0 machine code with compute_90 PTX), gdn_scan_wgmma.cu (sm_90a only)
+// the recurrence on Hopper's warpgroup MMAs (kWgmma = true, the candidate switch HYPIC_GDN_SCAN_WGMMA). Also the
+// per-(chunk, value head) workspace layout that the WY kernel writes and the scan reads. Internal to kernels/cuda.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/gated_delta.h"
+#include "kernels/cuda/mma.cuh"
+#include "kernels/cuda/wgmma.cuh"
+
+namespace hypic::kernels::cuda::detail::gdn {
+
+
+constexpr int D = kGdnHeadDim;  // 128
+constexpr int C = kGdnChunk;    // 64
+constexpr int LD = D + 8;       // padded row of a [*][128] bf16 tile
+constexpr int LDP = C + 8;      // padded row of a [*][64] bf16 tile
+
+// Workspace layout per (chunk, value head), in elements.
+constexpr size_t kWElems = size_t(C) * D;  // W [64][128] and U^T [128][64], bf16
+constexpr size_t kPElems = size_t(C) * C;  // P [64][64] bf16
+constexpr int kScal = 3 * C;               // kf[64], qf[64], G[64] fp32
+constexpr size_t kPerChunkHeadBytes = 2 * kWElems * 2 + kPElems * 2 + kScal * sizeof(float);
+
+struct ChunkInfo {
+  int seq, t0, len;
+  int checkpoint;  // 1 + index into GdnPrefillArgs::checkpoint_states written after this chunk; 0 = none
+};
+
+struct WsView {
+  bf16* W;
+  bf16* UT;
+  bf16* P;
+  float* scal;
+  const ChunkInfo* chunks;
+};
+
+__device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
+               "r"(valid ? 16 : 0));
+}
+
+// Rows t < len of a raw [T][H][128] bf16 input (row stride `stride` elements) into a [64][LD] tile;
+// rows >= len are zero-filled.
+__device__ __forceinline__ void cp_async_rows(bf16* s, const bf16* g, size_t stride, int len, int tid, int nthreads) {
+  for (int p = tid; p < C * 16; p += nthreads) {
+    const int row = p >> 4, col = (p & 15) * 8;
+    const bool valid = row < len;
+    cp_async16_zfill(s + row * LD + col, g + (valid ? size_t(row) * stride + col : 0), valid);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 2. Sequential scan over chunks with fused outputs.
+// A column block is 64 columns (four 16-column groups) of S or of T for one (sequence, value
+// head). Warps have one of three roles for one group: S recurrence, T recurrence (they keep h^T of
+// their group in accumulators and run v_new and the state update) and output (o^T of an S group,
+// one chunk behind its recurrence warp, from the bf16 fragments of h^T and v_new^T that the
+// recurrence warp leaves in shared memory). Output warps also stage the tiles, so the recurrence
+// warps, which carry the sequential dependency, do nothing else. Block layouts (ScanParams):
+//   separate: S blocks of 4 S-recurrence (+ 4 output) warps, T blocks of T-recurrence warps (8 when
+//             S blocks have 8 warps, one T block per head; else 4);
+//   mixed:    blocks of 4 S-recurrence (+ 4 output) + 4 T-recurrence warps sharing the staged tiles.
+// Shared memory: ring A (2 slots: W, K, U^T of the block's columns, kf, G) for the recurrence
+// warps, ring B (3 slots: Q, P, qf) for the output warps, the h^T / v_new^T fragment exchange
+// (double-buffered) and one output staging tile per output warp.
+constexpr int kGroupsPerBlock = 4;
+constexpr int kRingA = 2, kRingB = 3;
+constexpr int kStageA = 2 * C * LD * 2 + kGroupsPerBlock * 16 * LDP * 2 + 2 * C * 4;  // W, K, U^T, kf, G
+constexpr int kStageB = C * LD * 2 + C * LDP * 2 + C * 4;                             // Q, P, qf
+constexpr int kExchUint4 = 12 * 32;  // per group and buffer: 8 k-steps of h^T, 4 of v_new^T, per lane
+constexpr int kExchBytes = 2 * kGroupsPerBlock * kExchUint4 * 16;
+constexpr int kOutLd = 24;  // staging row: 16 columns + 8 pad (48 bytes: conflict-free, 16-byte aligned)
+constexpr int kOutStageBytes = kGroupsPerBlock * C * kOutLd * 2;
+constexpr int kScanSmem = kRingA * kStageA + kRingB * kStageB + kExchBytes + kOutStageBytes;
+// The wgmma recurrence (kWgmma): ring A's W and K tiles in the 128-byte-swizzled layout that wgmma descriptors name
+// (PTX ISA, "Shared Memory Matrix Layout": a [64][128] bf16 tile as two column chunks of [64 rows][128 bytes], each
+// row's 16-byte unit u at u ^ (row % 8), chunks on 1024-byte boundaries; the layout of attention_wgmma.cu's K / V
+// tiles): W0 K0 W1 K1 first (64 KiB), then U^T, kf, G of stage 0 and 1; ring B, the exchange and the output staging
+// follow as in the mma.sync layout. + 1024 bytes to align the base.
+constexpr int kSwTile = C * D * 2;                                             // 16384
+constexpr int kStageAUtWg = kGroupsPerBlock * 16 * LDP * 2 + 2 * C * 4;        // U^T, kf, G of one stage
+constexpr int kRingABytesWg = kRingA * 2 * kSwTile + kRingA * kStageAUtWg;
+constexpr int kScanSmemWg = kRingABytesWg + kRingB * kStageB + kExchBytes + kOutStageBytes + 1024;
+static_assert(kScanSmemWg <= 227 * 1024, "wgmma scan shared memory over the per-block limit");
+template <bool kWgmma>
+constexpr int ring_a_bytes() {
+  return kWgmma ? kRingABytesWg : kRingA * kStageA;
+}
+constexpr int kScanMaxThreads = 3 * kGroupsPerBlock * 32;
+constexpr int kPrefetchAhead = 4;  // chunks ahead that the L2 prefetch runs
+static_assert(kScanSmem <= 227 * 1024, "scan shared memory over the per-block limit");
+
+enum ScanRole { kRecS, kRecT, kOut };
+
+// One scan job (blockIdx.z): chunks [c_begin, c_begin + nc) of sequence `seq` (all of it, or one
+// part of a split sequence). Jobs hold no pointers, so that a plan (the job table on the device)
+// serves every layer of a forward pass: each state is a reference resolved against the launch's
+// pointers, kRefNone (zero start / not written), kRefUser (the caller's [num_seqs][H_v][128][128]
+// buffer at `seq`) or a slot >= 0 of the workspace's split-state arena ([slot][H_v][128][128]).
+// kRefUserLast: the caller's final_state buffer itself (GdnPrefillArgs::final_state_last_only).
+constexpr int kRefNone = -1, kRefUser = -2, kRefUserLast = -3;
+struct ScanJob {
+  int c_begin, nc;
+  int out;  // 1: the job's outputs are computed (needs output warps in the launch)
+  int seq;
+  int init;         // S columns start from this state (kRefNone: zero)
+  int init_t;       // T columns start from this transition (a prefix's T; kRefNone: I)
+  int final_state;  // S columns end here
+  int transition;   // T columns end here (kRefNone: the job wants no T)
+  int checkpoints;  // 1: the job's S starts from the true state, so it writes the checkpoints of its chunks
+};
+
+struct ScanParams {
+  int Hk, Hv;
+  bool mixed;     // block layout (see above)
+  bool with_out;  // the launch has output warps
+  int s_blocks;   // separate layout: blocks per head carrying S columns (the rest carry T)
+  const bf16* q;  // raw inputs
+  const bf16* k;
+  bf16* out;
+  const float* user_init;  // the caller's state buffers (each may be null)
+  float* user_final;
+  float* user_transition;
+  float* split;  // split-state arena
+  float* const* checkpoints;  // GdnPrefillArgs::checkpoint_states (device), or null
+  const ScanJob* jobs;
+  WsView ws;
+};
+
+// Address of a job's [H_v][128][128] state reference (see ScanJob), or null.
+__host__ __device__ __forceinline__ float* state_ref(int ref, int seq, const float* user, float* split, int Hv) {
+  const size_t elems = size_t(Hv) * kGdnHeadDim * kGdnHeadDim;
+  if (ref == kRefUser) return user ? const_cast<float*>(user) + size_t(seq) * elems : nullptr;
+  if (ref == kRefUserLast) return const_cast<float*>(user);
+  if (ref >= 0) return split + size_t(ref) * elems;
+  return nullptr;
+}
+
+// Role, 16-column group (0..7) and column block (0..1) of warp w in block b.
+__device__ __forceinline__ void scan_role(const ScanParams& p, int b, int w, ScanRole& role, int& group, int& cb) {
+  const int nout = p.with_out ? 4 : 0;
+  if (p.mixed) {
+    cb = b;
+    if (w < 4) role = kRecS, group = 4 * cb + w;
+    else if (w < 4 + nout) role = kOut, group = 4 * cb + w - 4;
+    else role = kRecT, group = 4 * cb + w - 4 - nout;
+  } else if (b < p.s_blocks) {
+    cb = b;
+    role = w < 4 ? kRecS : kOut;
+    group = 4 * cb + (w & 3);
+  } else {  // T block: all warps T recurrence; 8 warps cover both column blocks
+    role = kRecT;
+    cb = (b - p.s_blocks) + (w >> 2);
+    group = 4 * cb + (w & 3);
+  }
+}
+
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
+}
+
+// A dense [rows][cols] bf16 global block (row stride gstride) into a [rows][ld] shared tile.
+__device__ __forceinline__ void cp_async_dense(bf16* s, int ld, const bf16* g, int gstride, int rows, int cols,
+                                               int tid, int nthreads) {
+  const int per_row = cols / 8;
+  for (int p = tid; p < rows * per_row; p += nthreads) {
+    const int row = p / per_row, col = (p % per_row) * 8;
+    cp_async16(s + row * ld + col, g + row * gstride + col);
+  }
+}
+
+struct StageA {
+  bf16 *W, *K, *UT;  // W, K [64][LD] (kWgmma: swizzled [2][64][64], see kScanSmemWg); U^T [64 block columns][LDP]
+  float *kf, *G;
+};
+struct StageB {
+  bf16 *Q, *P;  // Q [64][LD], P [64][LDP]
+  float* qf;
+};
+
+template <bool kWgmma>
+__device__ __forceinline__ StageA stage_a(unsigned char* smem, int i) {
+  StageA s;
+  if constexpr (kWgmma) {
+    s.W = reinterpret_cast<bf16*>(smem + i * 2 * kSwTile);
+    s.K = reinterpret_cast<bf16*>(smem + i * 2 * kSwTile + kSwTile);
+    s.UT = reinterpret_cast<bf16*>(smem + kRingA * 2 * kSwTile + i * kStageAUtWg);
+  } else {
+    unsigned char* b = smem + i * kStageA;
+    s.W = reinterpret_cast<bf16*>(b);
+    s.K = s.W + C * LD;
+    s.UT = s.K + C * LD;
+  }
+  s.kf = reinterpret_cast<float*>(s.UT + kGroupsPerBlock * 16 * LDP);
+  s.G = s.kf + C;
+  return s;
+}
+
+template <bool kWgmma>
+__device__ __forceinline__ StageB stage_b(unsigned char* smem, int i) {
+  unsigned char* b = smem + ring_a_bytes<kWgmma>() + i * kStageB;
+  StageB s;
+  s.Q = reinterpret_cast<bf16*>(b);
+  s.P = s.Q + C * LD;
+  s.qf = reinterpret_cast<float*>(s.P + C * LDP);
+  return s;
+}
+
+// Rows t < len of a [64][128] bf16 global tile (row stride `stride` elements) into the swizzled layout of
+// kScanSmemWg at s; rows >= len are zero-filled.
+__device__ __forceinline__ void cp_async_rows_sw(unsigned char* s, const bf16* g, size_t stride, int len, int tid,
+                                                 int nthreads) {
+  for (int p = tid; p < C * 16; p += nthreads) {
+    const int row = p >> 4, u = p & 15;
+    const bool valid = row < len;
+    cp_async16_zfill(s + (u >> 3) * (C * 128) + row * 128 + (((u & 7) ^ (row & 7)) << 4),
+                     g + (valid ? size_t(row) * stride + u * 8 : 0), valid);
+  }
+}
+
+// Stages chunk `chunk` (tokens t0 .. t0 + len - 1) for value head h / key head kh: ring A (U^T only
+// for blocks with S columns, the 64 columns of column block s_cb) and, for blocks with output warps,
+// ring B.
+template <bool kWgmma>
+__device__ __forceinline__ void scan_issue(unsigned char* smem, const ScanParams& p, int chunk, int t0, int len, int h,
+                                           int kh, bool block_s, int s_cb, bool block_out, int tid, int nthreads) {
+  const size_t slot = size_t(chunk) * p.Hv + h;
+  const StageA a = stage_a<kWgmma>(smem, (chunk & 1));
+  const size_t stride = size_t(p.Hk) * D, base = (size_t(t0) * p.Hk + kh) * D;
+  if constexpr (kWgmma) {
+    cp_async_rows_sw(reinterpret_cast<unsigned char*>(a.W), p.ws.W + slot * kWElems, D, C, tid, nthreads);
+    cp_async_rows_sw(reinterpret_cast<unsigned char*>(a.K), p.k + base, stride, len, tid, nthreads);
+  } else {
+    cp_async_dense(a.W, LD, p.ws.W + slot * kWElems, D, C, D, tid, nthreads);
+    cp_async_rows(a.K, p.k + base, stride, len, tid, nthreads);
+  }
+  if (block_s) cp_async_dense(a.UT, LDP, p.ws.UT + slot * kWElems + s_cb * 64 * C, C, 64, C, tid, nthreads);
+  const float* sc = p.ws.scal + slot * kScal;
+  for (int i = tid; i < 2 * C / 4; i += nthreads)  // kf (scal[0..63]) and G (scal[128..191])
+    cp_async16(a.kf + 4 * i, sc + (i < C / 4 ? 4 * i : C + 4 * i));
+  if (block_out) {
+    const StageB b = stage_b<kWgmma>(smem, chunk % kRingB);
+    cp_async_rows(b.Q, p.q + base, stride, len, tid, nthreads);
+    cp_async_dense(b.P, LDP, p.ws.P + slot * kPElems, C, C, C, tid, nthreads);
+    for (int i = tid; i < C / 4; i += nthreads) cp_async16(b.qf + 4 * i, sc + C + 4 * i);
+  }
+}
+
+// L2 prefetch of what scan_issue will stage for `chunk`.
+__device__ __forceinline__ void scan_prefetch(const ScanParams& p, int chunk, int t0, int len, int h, int kh,
+                                              bool block_s, int s_cb, bool block_out, int tid, int nthreads) {
+  const size_t slot = size_t(chunk) * p.Hv + h;
+  const size_t stride = size_t(p.Hk) * D, base = (size_t(t0) * p.Hk + kh) * D;
+  // 128-byte lines: W 128, K rows 128, U^T (64 columns) 64, Q rows 128, P 64, scal 6.
+  for (int i = tid; i < 518; i += nthreads) {
+    const void* a;
+    if (i < 128) a = p.ws.W + slot * kWElems + i * 64;
+    else if (i < 256) a = p.k + base + size_t(min((i - 128) >> 1, len - 1)) * stride + ((i - 128) & 1) * 64;
+    else if (i < 262) a = p.ws.scal + slot * kScal + (i - 256) * 32;
+    else if (i < 326) {
+      if (!block_s) continue;
+      a = p.ws.UT + slot * kWElems + s_cb * 64 * C + (i - 262) * 64;
+    } else if (!block_out) break;
+    else if (i < 454) a = p.q + base + size_t(min((i - 326) >> 1, len - 1)) * stride + ((i - 326) & 1) * 64;
+    else a = p.ws.P + slot * kPElems + (i - 454) * 64;
+    prefetch_l2(a);
+  }
+}
+
+// bf16 A fragment (16 x 16, k-step of two n-tiles) from the C fragments lo (n-tile 2s) and hi
+// (2s + 1) of a 16 x 8n accumulator, each column scaled: lo's columns by fa, hi's by fb.
+__device__ __forceinline__ void pack_a(uint32_t (&a)[4], const float (&lo)[4], const float (&hi)[4],
+                                       float2 fa = make_float2(1.f, 1.f), float2 fb = make_float2(1.f, 1.f)) {
+  a[0] = pack_bf16(lo[0] * fa.x, lo[1] * fa.y);
+  a[1] = pack_bf16(lo[2] * fa.x, lo[3] * fa.y);
+  a[2] = pack_bf16(hi[0] * fb.x, hi[1] * fb.y);
+  a[3] = pack_bf16(hi[2] * fb.x, hi[3] * fb.y);
+}
+
+// The recurrence warp's v_new^T = -vn as bf16 A fragments (its four k-steps of 16 tokens) into the exchange slots
+// 8 .. 11 of the lane (ex: the lane's first slot) for the output warp.
+__device__ __forceinline__ void export_vnew(uint4* ex, const float (&vn)[8][4]) {
+#pragma unroll
+  for (int s = 0; s < C / 16; ++s) {
+    uint32_t a[4];
+    pack_a(a, vn[2 * s], vn[2 * s + 1], make_float2(-1.f, -1.f), make_float2(-1.f, -1.f));
+    ex[(8 + s) * 32] = make_uint4(a[0], a[1], a[2], a[3]);
+  }
+}
+
+// c0 += a b(n-tile 0), c1 += a b(n-tile 1) for the B fragments bb of two n-tiles (load_b_*).
+__device__ __forceinline__ void mma_x2(float (&c0)[4], float (&c1)[4], const uint32_t (&a)[4],
+                                       const uint32_t (&bb)[4]) {
+  mma_bf16(c0, a, bb[0], bb[1]);
+  mma_bf16(c1, a, bb[2], bb[3]);
+}
+
+// kWgmma: the recurrence warps (a warpgroup: S warps 0..3, T warps 4..7 or 8..11 in mixed blocks, 0..7 in T blocks)
+// run their two products as warpgroup MMAs (sm_90a only: gdn_scan_wgmma.cu) on the same register layouts: h^T is
+// the m64n128 accumulator (warp w: columns 16 w .. of the warpgroup's 64), vn the m64n64 one, and the bf16 A
+// fragments are packed from them exactly as for mma.sync; W and K come from the swizzled tiles through
+// descriptors (v_new^T: B = W K-major; the state update: B = K MN-major, attention_wgmma.cu's V operand). Same
+// inputs, outputs, exchange and output warps; only the fp32 summation order inside the products differs.
+template <bool kWgmma>
+__global__ void __launch_bounds__(kScanMaxThreads, 1) gdn_scan_kernel(ScanParams p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];  // (kWgmma aligns its base to 1024 below)
+  unsigned char* smem = smem_raw;
+  if constexpr (kWgmma) smem += (1024u - (smem_addr(smem_raw) & 1023u)) & 1023u;
+  const int b = blockIdx.x, h = blockIdx.y;
+  const int tid = threadIdx.x, nwarps = blockDim.x >> 5, lane = tid & 31;
+  // (kWgmma: the warp index through a shuffle, so that the compiler sees the role branches as warp-uniform and keeps
+  // the wgmmas pipelined instead of serialising them.)
+  const int warp = kWgmma ? __shfl_sync(0xffffffffu, tid >> 5, 0) : tid >> 5;
+  const int gi = lane >> 2, cc = (lane & 3) * 2;
+  const int kh = h / (p.Hv / p.Hk);
+  const WsView& ws = p.ws;
+  const ScanJob job = p.jobs[blockIdx.z];
+  const int c_begin = job.c_begin, nc = job.nc;
+  const float* j_init = state_ref(job.init, job.seq, p.user_init, p.split, p.Hv);
+  const float* j_init_t = state_ref(job.init_t, job.seq, p.user_transition, p.split, p.Hv);
+  float* j_final = state_ref(job.final_state, job.seq, p.user_final, p.split, p.Hv);
+  float* j_trans = state_ref(job.transition, job.seq, p.user_transition, p.split, p.Hv);
+  const size_t head_off = size_t(h) * D * D;
+  const bool job_out = p.with_out && job.out;
+  // Chunk c of the job: its entry of the chunk table (64 tokens, fewer at a sequence's end or a checkpoint).
+  auto chunk_t0 = [&](int c) { return ws.chunks[c_begin + c].t0; };
+  auto chunk_len = [&](int c) { return ws.chunks[c_begin + c].len; };
+
+  ScanRole role;
+  int group, cb;
+  scan_role(p, b, warp, role, group, cb);
+  bool block_s = false, has_out_warps = false, block_t = false;
+  int s_cb = 0, first_out = nwarps;
+  for (int w = 0; w < nwarps; ++w) {
+    ScanRole r;
+    int g, c2;
+    scan_role(p, b, w, r, g, c2);
+    if (r == kRecS) block_s = true, s_cb = c2;
+    if (r == kRecT) block_t = true;
+    if (r == kOut && !has_out_warps) has_out_warps = true, first_out = w;
+  }
+  // A block of T columns only, for a job that wants no T: nothing to do.
+  if (!block_s && block_t && !j_trans) return;
+  const bool block_out = has_out_warps && job_out;  // ring B staged, outputs computed
+  // Output warps stage the tiles where they exist; otherwise every warp does.
+  const bool issuer = has_out_warps ? role == kOut : true;
+  const int itid = has_out_warps ? tid - 32 * first_out : tid;
+  const int nissue = has_out_warps ? 32 * kGroupsPerBlock : blockDim.x;
+  // T warps of a job that wants no T only keep the barriers.
+  const bool rec_active = role == kRecS || (role == kRecT && j_trans);
+  const int col0 = 16 * group;  // the warp's first column of S (or T)
+  const int gl = group & 3;     // group within its column block
+  uint4* exch = reinterpret_cast<uint4*>(smem + ring_a_bytes<kWgmma>() + kRingB * kStageB);
+
+  auto issue = [&](int c) {
+    scan_issue<kWgmma>(smem, p, c_begin + c, chunk_t0(c), chunk_len(c), h, kh, block_s, s_cb, block_out, itid,
+                       nissue);
+  };
+  if (issuer && nc > 0) issue(0);
+  cp_async_commit();
+
+  // Recurrence warps: acc[n][e] = h^T[col0 + gi (+8 for e >= 2)][d], d = 8n + cc + (e & 1), i.e.
+  // S[d][col] (or T[d][col]).
+  float acc[16][4];
+  if (role != kOut) {
+#pragma unroll
+    for (int n = 0; n < 16; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int d = 8 * n + cc + (e & 1), col = col0 + gi + (e >= 2 ? 8 : 0);
+        float val;
+        if (role == kRecS)
+          val = j_init ? j_init[head_off + size_t(d) * D + col] : 0.f;
+        else
+          val = j_init_t ? j_init_t[head_off + size_t(d) * D + col] : (d == col ? 1.f : 0.f);
+        acc[n][e] = val;
+      }
+  }
+
+  const int steps = nc + (block_out ? 1 : 0);  // output warps trail by one chunk
+  for (int c = 0; c < steps; ++c) {
+    cp_async_wait<0>();
+    if constexpr (kWgmma) sm90::fence_proxy_async();  // cp.async's writes, read next by wgmma (async proxy)
+    __syncthreads();  // chunk c staged; every warp is done with the slots and exchange buffer it reuses
+    if (issuer && c + 1 < nc) issue(c + 1);
+    cp_async_commit();
+    if (issuer && c + kPrefetchAhead < nc) {
+      const int cn = c + kPrefetchAhead;
+      scan_prefetch(p, c_begin + cn, chunk_t0(cn), chunk_len(cn), h, kh, block_s, s_cb, block_out, itid, nissue);
+    }
+
+    if (rec_active && c < nc) {
+      const StageA st = stage_a<kWgmma>(smem, (c_begin + c) & 1);
+      uint4* ex = exch + ((c & 1) * kGroupsPerBlock + gl) * kExchUint4 + lane;
+      const bool share = role == kRecS && block_out;
+      // vn = -(v_new^T) = h^T W^T - U^T, C fragments over t = 8j + cc (+1), rows col0 + gi (+8).
+      float vn[8][4];
+      if (role == kRecS) {
+        const bf16* ut = st.UT + (16 * gl + gi) * LDP + cc;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const float2 u0 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(ut + 8 * j));
+          const float2 u1 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(ut + 8 * LDP + 8 * j));
+          vn[j][0] = -u0.x;
+          vn[j][1] = -u0.y;
+          vn[j][2] = -u1.x;
+          vn[j][3] = -u1.y;
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) vn[j][0] = vn[j][1] = vn[j][2] = vn[j][3] = 0.f;
+      }
+      if constexpr (kWgmma) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+        // vn += h^T W^T: eight m64n64k16 over the 128 state rows, A = h^T packed to bf16 (kept until the wait).
+        uint32_t ha[D / 16][4];
+#pragma unroll
+        for (int s = 0; s < D / 16; ++s) {
+          pack_a(ha[s], acc[2 * s], acc[2 * s + 1]);
+          if (share) ex[s * 32] = make_uint4(ha[s][0], ha[s][1], ha[s][2], ha[s][3]);
+        }
+        const uint32_t w_addr = smem_addr(st.W), k_addr = smem_addr(st.K);
+        sm90::pin(vn);
+        sm90::wgmma_fence();
+#pragma unroll
+        for (int s = 0; s < D / 16; ++s)
+          sm90::wgmma_m64n64k16_rs(vn, ha[s], sm90::sw128_desc(w_addr + (s >> 2) * (C * 128) + (s & 3) * 32, 16, 1024));
+        sm90::wgmma_commit();
+        const float gamma = __expf(st.G[C - 1]);
+        sm90::wgmma_wait<0>();
+        sm90::pin(vn);
+        sm90::pin_u(ha);
+        // (Scaling acc while the products above run made ptxas wait for them anyway: acc was last written by the
+        // previous chunk's wgmmas.)
+#pragma unroll
+        for (int n = 0; n < 16; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[n][e] *= gamma;
+        if (share) export_vnew(ex, vn);  // v_new^T = -vn as bf16 A fragments for the output warp
+        // h^T += v_new^T diag(kf) K: four m64n128k16 over the chunk's 64 tokens, B = K read MN-major.
+        uint32_t va[C / 16][4];
+#pragma unroll
+        for (int s = 0; s < C / 16; ++s) {
+          const float2 fa = *reinterpret_cast<const float2*>(st.kf + 16 * s + cc);
+          const float2 fb = *reinterpret_cast<const float2*>(st.kf + 16 * s + 8 + cc);
+          pack_a(va[s], vn[2 * s], vn[2 * s + 1], make_float2(-fa.x, -fa.y), make_float2(-fb.x, -fb.y));
+        }
+        sm90::pin(acc);
+        sm90::wgmma_fence();
+#pragma unroll
+        for (int s = 0; s < C / 16; ++s)
+          sm90::wgmma_m64n128k16_rs_tb(acc, va[s], sm90::sw128_desc(k_addr + s * 16 * 128, C * 128, 1024));
+        sm90::wgmma_commit();
+        sm90::wgmma_wait<0>();
+        sm90::pin(acc);
+        sm90::pin_u(va);
+#else
+        __trap();  // built for sm_90a only (gdn_scan_wgmma.cu); the host checks the device
+#endif
+      } else {
+#pragma unroll
+        for (int s = 0; s < D / 16; ++s) {
+          uint32_t a[4];
+          pack_a(a, acc[2 * s], acc[2 * s + 1]);
+          if (share) ex[s * 32] = make_uint4(a[0], a[1], a[2], a[3]);
+#pragma unroll
+          for (int jp = 0; jp < 4; ++jp) {
+            uint32_t bb[4];
+            load_b_nk(bb, st.W, LD, 16 * s, 16 * jp, lane);
+            mma_x2(vn[2 * jp], vn[2 * jp + 1], a, bb);
+          }
+        }
+        if (share) export_vnew(ex, vn);  // v_new^T = -vn as bf16 A fragments for the output warp
+        // h^T = gamma h^T + v_new^T diag(kf) K.
+        const float gamma = __expf(st.G[C - 1]);
+#pragma unroll
+        for (int n = 0; n < 16; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[n][e] *= gamma;
+#pragma unroll
+        for (int s = 0; s < C / 16; ++s) {
+          const float2 fa = *reinterpret_cast<const float2*>(st.kf + 16 * s + cc);
+          const float2 fb = *reinterpret_cast<const float2*>(st.kf + 16 * s + 8 + cc);
+          uint32_t a[4];  // v_new^T diag(kf) = -vn diag(kf)
+          pack_a(a, vn[2 * s], vn[2 * s + 1], make_float2(-fa.x, -fa.y), make_float2(-fb.x, -fb.y));
+#pragma unroll
+          for (int np = 0; np < 8; ++np) {
+            uint32_t bb[4];
+            load_b_kn(bb, st.K, LD, 16 * s, 16 * np, lane);
+            mma_x2(acc[2 * np], acc[2 * np + 1], a, bb);
+          }
+        }
+      }
+      if (role == kRecS && job.checkpoints) {  // the state after this chunk, when a checkpoint ends here
+        const int ck = ws.chunks[c_begin + c].checkpoint;
+        if (ck > 0) {
+          float* dst = p.checkpoints[ck - 1] + head_off;
+#pragma unroll
+          for (int n = 0; n < 16; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+              dst[size_t(8 * n + cc + (e & 1)) * D + col0 + gi + (e >= 2 ? 8 : 0)] = acc[n][e];
+        }
+      }
+    } else if (role == kOut && block_out && c >= 1) {
+      // Chunk c - 1: o^T = (h^T Q^T) diag(qf) + v_new^T P^T, bf16 rows of out through the staging tile.
+      const int co = c - 1;
+      const StageB st = stage_b<kWgmma>(smem, (c_begin + co) % kRingB);
+      const uint4* ex = exch + ((co & 1) * kGroupsPerBlock + gl) * kExchUint4 + lane;
+      float o[8][4] = {};
+#pragma unroll
+      for (int s = 0; s < D / 16; ++s) {
+        const uint4 av = ex[s * 32];
+        const uint32_t a[4] = {av.x, av.y, av.z, av.w};
+#pragma unroll
+        for (int jp = 0; jp < 4; ++jp) {
+          uint32_t bb[4];
+          load_b_nk(bb, st.Q, LD, 16 * s, 16 * jp, lane);
+          mma_x2(o[2 * jp], o[2 * jp + 1], a, bb);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float2 f = *reinterpret_cast<const float2*>(st.qf + 8 * j + cc);
+        o[j][0] *= f.x;
+        o[j][1] *= f.y;
+        o[j][2] *= f.x;
+        o[j][3] *= f.y;
+      }
+#pragma unroll
+      for (int s = 0; s < C / 16; ++s) {
+        const uint4 av = ex[(8 + s) * 32];
+        const uint32_t a[4] = {av.x, av.y, av.z, av.w};
+#pragma unroll
+        for (int jp = 0; jp < 4; ++jp) {
+          if (jp >= s) {  // P is lower triangular
+            uint32_t bb[4];
+            load_b_nk(bb, st.P, LDP, 16 * s, 16 * jp, lane);
+            mma_x2(o[2 * jp], o[2 * jp + 1], a, bb);
+          }
+        }
+      }
+      bf16* sOut =
+          reinterpret_cast<bf16*>(smem + ring_a_bytes<kWgmma>() + kRingB * kStageB + kExchBytes) + gl * C * kOutLd;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int t = 8 * j + cc;
+        sOut[t * kOutLd + gi] = __float2bfloat16_rn(o[j][0]);
+        sOut[(t + 1) * kOutLd + gi] = __float2bfloat16_rn(o[j][1]);
+        sOut[t * kOutLd + gi + 8] = __float2bfloat16_rn(o[j][2]);
+        sOut[(t + 1) * kOutLd + gi + 8] = __float2bfloat16_rn(o[j][3]);
+      }
+      __syncwarp();
+      const int t0 = chunk_t0(co), len = chunk_len(co);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int pidx = lane + 32 * i, t = pidx >> 1, half = pidx & 1;
+        if (t < len)
+          *reinterpret_cast<uint4*>(p.out + (size_t(t0 + t) * p.Hv + h) * D + col0 + 8 * half) =
+              *reinterpret_cast<const uint4*>(sOut + t * kOutLd + 8 * half);
+      }
+      __syncwarp();
+    }
+  }
+  cp_async_wait<0>();
+
+  if (rec_active) {
+    float* dst = role == kRecS ? j_final : j_trans;
+    if (dst) {
+      dst += head_off;
+#pragma unroll
+      for (int n = 0; n < 16; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int d = 8 * n + cc + (e & 1), col = col0 + gi + (e >= 2 ? 8 : 0);
+          dst[size_t(d) * D + col] = acc[n][e];
+        }
+    }
+  }
+}
+
+/// Launches gdn_scan_kernel<true> (the wgmma recurrence) on `grid` x `threads` with kScanSmemWg bytes of dynamic
+/// shared memory, the attribute set once per device. Defined in gdn_scan_wgmma.cu, built for sm_90a only
+/// (HYPIC_GDN_SCAN_WGMMA_BUILT): call it on compute capability 9.0 devices only. Throws std::runtime_error on a CUDA
+/// error.
+void launch_scan_wgmma(dim3 grid, int threads, const ScanParams& p, cudaStream_t stream);
+
+}  // namespace hypic::kernels::cuda::detail::gdn
