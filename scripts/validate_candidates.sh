@@ -13,6 +13,12 @@
 #              and HYPIC_CANDIDATES (each full-prefill length and the warm splice, off and on alternating run by run;
 #              greedy decode at each batch in blocks of steps),
 #              decode batches 1 / 16 / 64 with sampling on the host and on the device: OUT/candidates_ab.{json,md,log}
+#     kernel-bench  kernels alone: gdn_bench (one Gated DeltaNet layer at 4k / 16k / 32k / 16 x 2k tokens, with the
+#              scan on wgmma, HYPIC_GDN_SCAN_WGMMA, beside the default in the same process): OUT/gdn_bench.{json,log};
+#              then the MoE layer at 512 .. 32768 tokens (test_gpu_moe "[.bench_wgmma]": our wgmma tiles, the mma.sync
+#              tiles and cuBLAS's grouped GEMM, ms and TFLOP/s) under each wgmma variant of HYPIC_MOE_WGMMA (1 default,
+#              2 the down GEMM on 128 x 128 tiles at 2 blocks per SM, 3 persistent blocks, 4 both, 5 without the
+#              64-row tiles; read once per process): OUT/moe_variants.log
 #     bench-all  the benchmark twice in one call, every measurement (decode included) with all candidates off
 #              (HYPIC_CANDIDATES=0), then on (=1): OUT/candidates_all_{0,1}.{json,md,log}
 #     bench-lengths  full prefills at prompt lengths off the powers of two (1000 .. 24000 tokens, each off and on)
@@ -34,7 +40,7 @@ while (($#)); do
     -h|--help) usage; exit 0 ;;
     --bin) BIN="${2:?--bin needs a directory}"; shift 2 ;;
     --out) OUT="${2:?--out needs a directory}"; shift 2 ;;
-    kernels|backend|bench|bench-all|bench-lengths) STAGE="$1"; shift ;;
+    kernels|backend|bench|bench-all|bench-lengths|kernel-bench) STAGE="$1"; shift ;;
     *) echo "validate_candidates.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -83,6 +89,15 @@ case "$STAGE" in
       --warmup 1 --reps 3 --ab HYPIC_ATTN_CUDNN_BUCKETS,HYPIC_ATTN_CUDNN_PREFIX \
       --json "$OUT/candidates_ab_passes.json" \
       --md "$OUT/candidates_ab_passes.md" 2>&1 | tee "$OUT/candidates_ab_passes.log" || status=$?
+    ;;
+  kernel-bench)
+    mkdir -p "$OUT"
+    echo "== gdn_bench"
+    "$BIN/gdn_bench" --json "$OUT/gdn_bench.json" 2>&1 | tee "$OUT/gdn_bench.log" || status=$?
+    for v in 1 2 3 4 5; do
+      echo "== HYPIC_MOE_WGMMA=$v test_gpu_moe [.bench_wgmma]"
+      HYPIC_MOE_WGMMA=$v "$BIN/test_gpu_moe" "[.bench_wgmma]" || status=$?
+    done 2>&1 | tee "$OUT/moe_variants.log"
     ;;
   bench-all)
     mkdir -p "$OUT"
