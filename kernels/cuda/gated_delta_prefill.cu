@@ -598,6 +598,17 @@ void build_plan(const GdnPrefillArgs& a, GdnPlan& plan, std::vector<unsigned cha
 
 }  // namespace
 
+bool gdn_scan_wgmma_active() {
+  // The candidate HYPIC_GDN_SCAN_WGMMA: the scan's products on warpgroup MMAs (gdn_scan_wgmma.cu).
+  static CandidateSwitch scan_wgmma_switch("HYPIC_GDN_SCAN_WGMMA");
+#if HYPIC_GDN_SCAN_WGMMA_BUILT
+  return scan_wgmma_switch.on() && current_device_is_sm90();
+#else
+  (void)scan_wgmma_switch;  // (no sm_90a code in this build)
+  return false;
+#endif
+}
+
 void gdn_prefill(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t stream) {
   detail::validate_gdn_args(a, "gdn_prefill");
   const int total_tokens = a.cu_seqlens_host[a.num_seqs];
@@ -679,9 +690,7 @@ void gdn_prefill(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t stream)
   sp.checkpoints = a.checkpoint_states;
   sp.ws = v;
   sp.s_blocks = 2;
-  // The candidate HYPIC_GDN_SCAN_WGMMA: the recurrence on warpgroup MMAs (gdn_scan_wgmma.cu) on compute capability 9.0.
-  static CandidateSwitch scan_wgmma_switch("HYPIC_GDN_SCAN_WGMMA");
-  const bool scan_wgmma = scan_wgmma_switch.on() && current_device_is_sm90();
+  const bool scan_wgmma = gdn_scan_wgmma_active();
   (void)scan_wgmma;  // (unused in a build without sm_90a code)
   auto launch = [&](const ScanJob* jobs, int njobs, bool need_t, bool mixed_forced) {
     if (njobs == 0) return;

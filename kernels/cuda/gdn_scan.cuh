@@ -1,7 +1,7 @@
 // The chunk scan of the gated delta rule prefill (gated_delta_prefill.cu, which describes the whole pipeline; section
 // 2 there), as a kernel template shared by two translation units: gated_delta_prefill.cu instantiates the mma.sync
-// recurrence (kWgmma = false, compute capability 9.0 machine code with compute_90 PTX), gdn_scan_wgmma.cu (sm_90a only)
-// the recurrence on Hopper's warpgroup MMAs (kWgmma = true, the candidate switch HYPIC_GDN_SCAN_WGMMA). Also the
+// products (kWgmma = false, compute capability 9.0 machine code with compute_90 PTX), gdn_scan_wgmma.cu (sm_90a only)
+// the products on Hopper's warpgroup MMAs (kWgmma = true, the candidate switch HYPIC_GDN_SCAN_WGMMA). Also the
 // per-(chunk, value head) workspace layout that the WY kernel writes and the scan reads. Internal to kernels/cuda.
 #pragma once
 #include <cuda_bf16.h>
@@ -78,19 +78,27 @@ constexpr int kExchBytes = 2 * kGroupsPerBlock * kExchUint4 * 16;
 constexpr int kOutLd = 24;  // staging row: 16 columns + 8 pad (48 bytes: conflict-free, 16-byte aligned)
 constexpr int kOutStageBytes = kGroupsPerBlock * C * kOutLd * 2;
 constexpr int kScanSmem = kRingA * kStageA + kRingB * kStageB + kExchBytes + kOutStageBytes;
-// The wgmma recurrence (kWgmma): ring A's W and K tiles in the 128-byte-swizzled layout that wgmma descriptors name
-// (PTX ISA, "Shared Memory Matrix Layout": a [64][128] bf16 tile as two column chunks of [64 rows][128 bytes], each
-// row's 16-byte unit u at u ^ (row % 8), chunks on 1024-byte boundaries; the layout of attention_wgmma.cu's K / V
-// tiles): W0 K0 W1 K1 first (64 KiB), then U^T, kf, G of stage 0 and 1; ring B, the exchange and the output staging
-// follow as in the mma.sync layout. + 1024 bytes to align the base.
-constexpr int kSwTile = C * D * 2;                                             // 16384
+// The wgmma scan (kWgmma): the tiles that wgmma reads (W, K in ring A; Q, P in ring B) in the 128-byte-swizzled
+// layout that wgmma descriptors name (PTX ISA, "Shared Memory Matrix Layout": a [64][8 u] bf16 tile as u / 8 column
+// chunks of [64 rows][128 bytes], each row's 16-byte unit u at u % 8 ^ (row % 8), chunks on 1024-byte boundaries; the
+// layout of attention_wgmma.cu's K / V tiles). Ring A: W0 K0 W1 K1 (64 KiB), then U^T, kf, G of stage 0 and 1;
+// ring B: Q0 P0 Q1 P1 Q2 P2 (72 KiB), then qf of the three stages; the exchange and the output staging follow as in
+// the mma.sync layout. + 1024 bytes to align the base.
+constexpr int kSwTile = C * D * 2;                                             // a [64][128] tile: 16384
+constexpr int kSwTileP = C * C * 2;                                            // a [64][64] tile: 8192
 constexpr int kStageAUtWg = kGroupsPerBlock * 16 * LDP * 2 + 2 * C * 4;        // U^T, kf, G of one stage
 constexpr int kRingABytesWg = kRingA * 2 * kSwTile + kRingA * kStageAUtWg;
-constexpr int kScanSmemWg = kRingABytesWg + kRingB * kStageB + kExchBytes + kOutStageBytes + 1024;
+constexpr int kRingBBytesWg = kRingB * (kSwTile + kSwTileP) + kRingB * C * 4;
+constexpr int kScanSmemWg = kRingABytesWg + kRingBBytesWg + kExchBytes + kOutStageBytes + 1024;
 static_assert(kScanSmemWg <= 227 * 1024, "wgmma scan shared memory over the per-block limit");
+static_assert(kRingABytesWg % 1024 == 0 && (kSwTile + kSwTileP) % 1024 == 0, "swizzled tiles on 1024-byte bounds");
 template <bool kWgmma>
 constexpr int ring_a_bytes() {
   return kWgmma ? kRingABytesWg : kRingA * kStageA;
+}
+template <bool kWgmma>
+constexpr int ring_b_bytes() {
+  return kWgmma ? kRingBBytesWg : kRingB * kStageB;
 }
 constexpr int kScanMaxThreads = 3 * kGroupsPerBlock * 32;
 constexpr int kPrefetchAhead = 4;  // chunks ahead that the L2 prefetch runs
@@ -180,7 +188,7 @@ struct StageA {
   float *kf, *G;
 };
 struct StageB {
-  bf16 *Q, *P;  // Q [64][LD], P [64][LDP]
+  bf16 *Q, *P;  // Q [64][LD], P [64][LDP] (kWgmma: swizzled, see kScanSmemWg)
   float* qf;
 };
 
@@ -204,20 +212,28 @@ __device__ __forceinline__ StageA stage_a(unsigned char* smem, int i) {
 
 template <bool kWgmma>
 __device__ __forceinline__ StageB stage_b(unsigned char* smem, int i) {
-  unsigned char* b = smem + ring_a_bytes<kWgmma>() + i * kStageB;
+  unsigned char* b = smem + ring_a_bytes<kWgmma>();
   StageB s;
-  s.Q = reinterpret_cast<bf16*>(b);
-  s.P = s.Q + C * LD;
-  s.qf = reinterpret_cast<float*>(s.P + C * LDP);
+  if constexpr (kWgmma) {
+    s.Q = reinterpret_cast<bf16*>(b + i * (kSwTile + kSwTileP));
+    s.P = reinterpret_cast<bf16*>(b + i * (kSwTile + kSwTileP) + kSwTile);
+    s.qf = reinterpret_cast<float*>(b + kRingB * (kSwTile + kSwTileP) + i * C * 4);
+  } else {
+    b += i * kStageB;
+    s.Q = reinterpret_cast<bf16*>(b);
+    s.P = s.Q + C * LD;
+    s.qf = reinterpret_cast<float*>(s.P + C * LDP);
+  }
   return s;
 }
 
-// Rows t < len of a [64][128] bf16 global tile (row stride `stride` elements) into the swizzled layout of
+// Rows t < len of a [64][8 UNITS] bf16 global tile (row stride `stride` elements) into the swizzled layout of
 // kScanSmemWg at s; rows >= len are zero-filled.
+template <int UNITS>
 __device__ __forceinline__ void cp_async_rows_sw(unsigned char* s, const bf16* g, size_t stride, int len, int tid,
                                                  int nthreads) {
-  for (int p = tid; p < C * 16; p += nthreads) {
-    const int row = p >> 4, u = p & 15;
+  for (int p = tid; p < C * UNITS; p += nthreads) {
+    const int row = p / UNITS, u = p % UNITS;
     const bool valid = row < len;
     cp_async16_zfill(s + (u >> 3) * (C * 128) + row * 128 + (((u & 7) ^ (row & 7)) << 4),
                      g + (valid ? size_t(row) * stride + u * 8 : 0), valid);
@@ -234,8 +250,8 @@ __device__ __forceinline__ void scan_issue(unsigned char* smem, const ScanParams
   const StageA a = stage_a<kWgmma>(smem, (chunk & 1));
   const size_t stride = size_t(p.Hk) * D, base = (size_t(t0) * p.Hk + kh) * D;
   if constexpr (kWgmma) {
-    cp_async_rows_sw(reinterpret_cast<unsigned char*>(a.W), p.ws.W + slot * kWElems, D, C, tid, nthreads);
-    cp_async_rows_sw(reinterpret_cast<unsigned char*>(a.K), p.k + base, stride, len, tid, nthreads);
+    cp_async_rows_sw<D / 8>(reinterpret_cast<unsigned char*>(a.W), p.ws.W + slot * kWElems, D, C, tid, nthreads);
+    cp_async_rows_sw<D / 8>(reinterpret_cast<unsigned char*>(a.K), p.k + base, stride, len, tid, nthreads);
   } else {
     cp_async_dense(a.W, LD, p.ws.W + slot * kWElems, D, C, D, tid, nthreads);
     cp_async_rows(a.K, p.k + base, stride, len, tid, nthreads);
@@ -246,8 +262,13 @@ __device__ __forceinline__ void scan_issue(unsigned char* smem, const ScanParams
     cp_async16(a.kf + 4 * i, sc + (i < C / 4 ? 4 * i : C + 4 * i));
   if (block_out) {
     const StageB b = stage_b<kWgmma>(smem, chunk % kRingB);
-    cp_async_rows(b.Q, p.q + base, stride, len, tid, nthreads);
-    cp_async_dense(b.P, LDP, p.ws.P + slot * kPElems, C, C, C, tid, nthreads);
+    if constexpr (kWgmma) {
+      cp_async_rows_sw<D / 8>(reinterpret_cast<unsigned char*>(b.Q), p.q + base, stride, len, tid, nthreads);
+      cp_async_rows_sw<C / 8>(reinterpret_cast<unsigned char*>(b.P), p.ws.P + slot * kPElems, C, C, tid, nthreads);
+    } else {
+      cp_async_rows(b.Q, p.q + base, stride, len, tid, nthreads);
+      cp_async_dense(b.P, LDP, p.ws.P + slot * kPElems, C, C, C, tid, nthreads);
+    }
     for (int i = tid; i < C / 4; i += nthreads) cp_async16(b.qf + 4 * i, sc + C + 4 * i);
   }
 }
@@ -294,6 +315,19 @@ __device__ __forceinline__ void export_vnew(uint4* ex, const float (&vn)[8][4]) 
   }
 }
 
+// o[j][e] (token 8 j + cc + (e & 1)) *= f[token]: the C fragments of a 16 x 64 (tokens) accumulator scaled per token
+// (f: 64 fp32 in shared memory).
+__device__ __forceinline__ void scale_tokens(float (&o)[8][4], const float* f, int cc) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const float2 v = *reinterpret_cast<const float2*>(f + 8 * j + cc);
+    o[j][0] *= v.x;
+    o[j][1] *= v.y;
+    o[j][2] *= v.x;
+    o[j][3] *= v.y;
+  }
+}
+
 // c0 += a b(n-tile 0), c1 += a b(n-tile 1) for the B fragments bb of two n-tiles (load_b_*).
 __device__ __forceinline__ void mma_x2(float (&c0)[4], float (&c1)[4], const uint32_t (&a)[4],
                                        const uint32_t (&bb)[4]) {
@@ -301,12 +335,14 @@ __device__ __forceinline__ void mma_x2(float (&c0)[4], float (&c1)[4], const uin
   mma_bf16(c1, a, bb[2], bb[3]);
 }
 
-// kWgmma: the recurrence warps (a warpgroup: S warps 0..3, T warps 4..7 or 8..11 in mixed blocks, 0..7 in T blocks)
-// run their two products as warpgroup MMAs (sm_90a only: gdn_scan_wgmma.cu) on the same register layouts: h^T is
-// the m64n128 accumulator (warp w: columns 16 w .. of the warpgroup's 64), vn the m64n64 one, and the bf16 A
-// fragments are packed from them exactly as for mma.sync; W and K come from the swizzled tiles through
-// descriptors (v_new^T: B = W K-major; the state update: B = K MN-major, attention_wgmma.cu's V operand). Same
-// inputs, outputs, exchange and output warps; only the fp32 summation order inside the products differs.
+// kWgmma: every product runs on warpgroup MMAs (sm_90a only: gdn_scan_wgmma.cu) with the same register layouts.
+// The recurrence warpgroups (S warps 0..3, T warps 4..7 or 8..11 in mixed blocks, 0..7 in T blocks) keep h^T as the
+// m64n128 accumulator (warp w: columns 16 w .. of the warpgroup's 64) and vn as the m64n64 one, with the bf16 A
+// fragments packed from them exactly as for mma.sync: v_new^T takes eight m64n64k16 (B = W, K-major), the state update
+// four m64n128k16 (B = K, MN-major: attention_wgmma.cu's V operand). The output warpgroup (warps 4..7) takes the
+// exchange's fragments as A: o = h^T Q^T (eight m64n64k16, B = Q K-major), scaled by qf, then + v_new^T P^T (four,
+// B = P K-major, whose zeros above the diagonal the WY kernel writes). Q, P, W and K are staged swizzled
+// (kScanSmemWg). Same inputs, outputs and exchange; only the fp32 summation order inside the products differs.
 template <bool kWgmma>
 __global__ void __launch_bounds__(kScanMaxThreads, 1) gdn_scan_kernel(ScanParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];  // (kWgmma aligns its base to 1024 below)
@@ -356,7 +392,7 @@ __global__ void __launch_bounds__(kScanMaxThreads, 1) gdn_scan_kernel(ScanParams
   const bool rec_active = role == kRecS || (role == kRecT && j_trans);
   const int col0 = 16 * group;  // the warp's first column of S (or T)
   const int gl = group & 3;     // group within its column block
-  uint4* exch = reinterpret_cast<uint4*>(smem + ring_a_bytes<kWgmma>() + kRingB * kStageB);
+  uint4* exch = reinterpret_cast<uint4*>(smem + ring_a_bytes<kWgmma>() + ring_b_bytes<kWgmma>());
 
   auto issue = [&](int c) {
     scan_issue<kWgmma>(smem, p, c_begin + c, chunk_t0(c), chunk_len(c), h, kh, block_s, s_cb, block_out, itid,
@@ -427,10 +463,12 @@ __global__ void __launch_bounds__(kScanMaxThreads, 1) gdn_scan_kernel(ScanParams
         }
         const uint32_t w_addr = smem_addr(st.W), k_addr = smem_addr(st.K);
         sm90::pin(vn);
+        sm90::pin_u(ha);  // (the fragments complete before the fence)
         sm90::wgmma_fence();
 #pragma unroll
         for (int s = 0; s < D / 16; ++s)
-          sm90::wgmma_m64n64k16_rs(vn, ha[s], sm90::sw128_desc(w_addr + (s >> 2) * (C * 128) + (s & 3) * 32, 16, 1024));
+          sm90::wgmma_m64n64k16_rs(vn, ha[s],
+                                   sm90::sw128_desc(w_addr + (s >> 2) * (C * 128) + (s & 3) * 32, 16, 1024));
         sm90::wgmma_commit();
         const float gamma = __expf(st.G[C - 1]);
         sm90::wgmma_wait<0>();
@@ -452,6 +490,7 @@ __global__ void __launch_bounds__(kScanMaxThreads, 1) gdn_scan_kernel(ScanParams
           pack_a(va[s], vn[2 * s], vn[2 * s + 1], make_float2(-fa.x, -fa.y), make_float2(-fb.x, -fb.y));
         }
         sm90::pin(acc);
+        sm90::pin_u(va);
         sm90::wgmma_fence();
 #pragma unroll
         for (int s = 0; s < C / 16; ++s)
@@ -514,40 +553,78 @@ __global__ void __launch_bounds__(kScanMaxThreads, 1) gdn_scan_kernel(ScanParams
       const StageB st = stage_b<kWgmma>(smem, (c_begin + co) % kRingB);
       const uint4* ex = exch + ((co & 1) * kGroupsPerBlock + gl) * kExchUint4 + lane;
       float o[8][4] = {};
+      if constexpr (kWgmma) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+        // o = h^T Q^T (eight m64n64k16, B = Q K-major), scaled by qf per token, then o += v_new^T P^T (four
+        // m64n64k16, B = P K-major: P[i][j] at row i; its zeros above the diagonal written by the WY kernel).
+        // (ha and va live one after the other: the registers of this warp's unused acc stay allocated here.)
+        uint32_t ha[D / 16][4];
 #pragma unroll
-      for (int s = 0; s < D / 16; ++s) {
-        const uint4 av = ex[s * 32];
-        const uint32_t a[4] = {av.x, av.y, av.z, av.w};
-#pragma unroll
-        for (int jp = 0; jp < 4; ++jp) {
-          uint32_t bb[4];
-          load_b_nk(bb, st.Q, LD, 16 * s, 16 * jp, lane);
-          mma_x2(o[2 * jp], o[2 * jp + 1], a, bb);
+        for (int s = 0; s < D / 16; ++s) {
+          const uint4 av = ex[s * 32];
+          ha[s][0] = av.x, ha[s][1] = av.y, ha[s][2] = av.z, ha[s][3] = av.w;
         }
-      }
+        const uint32_t q_addr = smem_addr(st.Q), p_addr = smem_addr(st.P);
+        sm90::pin(o);
+        sm90::pin_u(ha);
+        sm90::wgmma_fence();
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const float2 f = *reinterpret_cast<const float2*>(st.qf + 8 * j + cc);
-        o[j][0] *= f.x;
-        o[j][1] *= f.y;
-        o[j][2] *= f.x;
-        o[j][3] *= f.y;
-      }
+        for (int s = 0; s < D / 16; ++s)
+          sm90::wgmma_m64n64k16_rs(o, ha[s],
+                                   sm90::sw128_desc(q_addr + (s >> 2) * (C * 128) + (s & 3) * 32, 16, 1024));
+        sm90::wgmma_commit();
+        sm90::wgmma_wait<0>();
+        sm90::pin(o);
+        sm90::pin_u(ha);
+        scale_tokens(o, st.qf, cc);  // (h^T Q^T) diag(qf)
+        uint32_t va[C / 16][4];
 #pragma unroll
-      for (int s = 0; s < C / 16; ++s) {
-        const uint4 av = ex[(8 + s) * 32];
-        const uint32_t a[4] = {av.x, av.y, av.z, av.w};
+        for (int s = 0; s < C / 16; ++s) {
+          const uint4 av = ex[(8 + s) * 32];
+          va[s][0] = av.x, va[s][1] = av.y, va[s][2] = av.z, va[s][3] = av.w;
+        }
+        sm90::pin(o);
+        sm90::pin_u(va);
+        sm90::wgmma_fence();
 #pragma unroll
-        for (int jp = 0; jp < 4; ++jp) {
-          if (jp >= s) {  // P is lower triangular
+        for (int s = 0; s < C / 16; ++s)
+          sm90::wgmma_m64n64k16_rs(o, va[s], sm90::sw128_desc(p_addr + s * 32, 16, 1024));
+        sm90::wgmma_commit();
+        sm90::wgmma_wait<0>();
+        sm90::pin(o);
+        sm90::pin_u(va);
+#else
+        __trap();  // built for sm_90a only (gdn_scan_wgmma.cu); the host checks the device
+#endif
+      } else {
+#pragma unroll
+        for (int s = 0; s < D / 16; ++s) {
+          const uint4 av = ex[s * 32];
+          const uint32_t a[4] = {av.x, av.y, av.z, av.w};
+#pragma unroll
+          for (int jp = 0; jp < 4; ++jp) {
             uint32_t bb[4];
-            load_b_nk(bb, st.P, LDP, 16 * s, 16 * jp, lane);
+            load_b_nk(bb, st.Q, LD, 16 * s, 16 * jp, lane);
             mma_x2(o[2 * jp], o[2 * jp + 1], a, bb);
           }
         }
+        scale_tokens(o, st.qf, cc);  // (h^T Q^T) diag(qf)
+#pragma unroll
+        for (int s = 0; s < C / 16; ++s) {
+          const uint4 av = ex[(8 + s) * 32];
+          const uint32_t a[4] = {av.x, av.y, av.z, av.w};
+#pragma unroll
+          for (int jp = 0; jp < 4; ++jp) {
+            if (jp >= s) {  // P is lower triangular
+              uint32_t bb[4];
+              load_b_nk(bb, st.P, LDP, 16 * s, 16 * jp, lane);
+              mma_x2(o[2 * jp], o[2 * jp + 1], a, bb);
+            }
+          }
+        }
       }
-      bf16* sOut =
-          reinterpret_cast<bf16*>(smem + ring_a_bytes<kWgmma>() + kRingB * kStageB + kExchBytes) + gl * C * kOutLd;
+      unsigned char* out_stage = smem + ring_a_bytes<kWgmma>() + ring_b_bytes<kWgmma>() + kExchBytes;
+      bf16* sOut = reinterpret_cast<bf16*>(out_stage) + gl * C * kOutLd;
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         const int t = 8 * j + cc;
