@@ -6,7 +6,8 @@
 #     kernels  the kernel tests, which run every candidate beside its default in one process (test_gpu_ops,
 #              test_gpu_ops_table, test_gpu_gated_delta, test_gpu_attention, test_gpu_moe), then test_gpu_moe "[moe]"
 #              with HYPIC_CANDIDATES=1 under the MoE wgmma variants 1 .. 4 (HYPIC_MOE_WGMMA, read once per process),
-#              test_gpu_gated_delta "[gated_delta]" with HYPIC_GDN_SCAN_WGMMA=1 (every prefill case on the wgmma scan)
+#              test_gpu_gated_delta "[gated_delta]" with HYPIC_GDN_SCAN_WGMMA=1 HYPIC_GDN_WY_WGMMA=1 (every prefill
+#              case on the wgmma kernels)
 #     backend  test_gpu_backend "[backend]" and test_gpu_conformance, as they are (the end-to-end bit checks and the
 #              device-sampling conformance run inside) and with HYPIC_CANDIDATES=1
 #     bench    hypic-bench-prefill-gpu (Qwen3.5-35B-A3B dimensions, random weights) with --ab over every candidate
@@ -14,7 +15,8 @@
 #              greedy decode at each batch in blocks of steps),
 #              decode batches 1 / 16 / 64 with sampling on the host and on the device: OUT/candidates_ab.{json,md,log}
 #     kernel-bench  kernels alone: gdn_bench (one Gated DeltaNet layer at 4k / 16k / 32k / 16 x 2k tokens, with the
-#              scan on wgmma, HYPIC_GDN_SCAN_WGMMA, beside the default in the same process): OUT/gdn_bench.{json,log};
+#              scan and / or the WY kernel on wgmma, HYPIC_GDN_SCAN_WGMMA / HYPIC_GDN_WY_WGMMA, beside the default in
+#              the same process): OUT/gdn_bench.{json,log};
 #              then the MoE layer at 512 .. 32768 tokens (test_gpu_moe "[.bench_wgmma]": our wgmma tiles, the mma.sync
 #              tiles and cuBLAS's grouped GEMM, ms and TFLOP/s) under each wgmma variant of HYPIC_MOE_WGMMA (1 default,
 #              2 the down GEMM on 128 x 128 tiles at 2 blocks per SM, 3 persistent blocks, 4 both, 5 without the
@@ -61,7 +63,7 @@ case "$STAGE" in
       run "$BIN/$t" --durations yes
     done
     for v in 1 2 3 4; do run env HYPIC_CANDIDATES=1 HYPIC_MOE_WGMMA=$v "$BIN/test_gpu_moe" "[moe]"; done
-    run env HYPIC_GDN_SCAN_WGMMA=1 "$BIN/test_gpu_gated_delta" "[gated_delta]"  # (splits, checkpoints, graphs)
+    run env HYPIC_GDN_SCAN_WGMMA=1 HYPIC_GDN_WY_WGMMA=1 "$BIN/test_gpu_gated_delta" "[gated_delta]"  # (splits, graphs)
     ;;
   backend)
     run "$BIN/test_gpu_backend" "[backend]"

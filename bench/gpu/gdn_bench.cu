@@ -139,18 +139,18 @@ int main(int argc, char** argv) try {
     a.transition = nullptr;
     const double t_noout = time_ms([&] { gpu::gdn_prefill(a, ws); }, reps);
     a.out = out;
-    // The candidate HYPIC_GDN_SCAN_WGMMA (the scan's recurrence on warpgroup MMAs) beside the default, in rounds of
-    // default / wgmma / wgmma / default; the mean of each side's two rounds.
-    std::vector<double> r_def, r_wg;
+    // The candidates HYPIC_GDN_SCAN_WGMMA and HYPIC_GDN_WY_WGMMA (the scan's / the WY kernel's products on warpgroup
+    // MMAs) beside the default, in rounds default, scan, WY, both, then the reverse; the mean of each mode's two rounds.
+    double t_mode[4] = {0, 0, 0, 0};  // default, scan, WY, both
     {
-      gpu::CandidateScope wg("HYPIC_GDN_SCAN_WGMMA");
-      for (int round = 0; round < 4; ++round) {
-        const bool on = round == 1 || round == 2;
-        wg.set(on);
-        (on ? r_wg : r_def).push_back(time_ms([&] { gpu::gdn_prefill(a, ws); }, reps));
+      gpu::CandidateScope scan_sw("HYPIC_GDN_SCAN_WGMMA"), wy_sw("HYPIC_GDN_WY_WGMMA");
+      for (int round = 0; round < 8; ++round) {
+        const int mode = round < 4 ? round : 7 - round;
+        scan_sw.set(mode & 1);
+        wy_sw.set(mode & 2);
+        t_mode[mode] += time_ms([&] { gpu::gdn_prefill(a, ws); }, reps) / 2;
       }
     }
-    const double t_def_ab = (r_def[0] + r_def[1]) / 2, t_wg = (r_wg[0] + r_wg[1]) / 2;
     // Gates: a separate gdn_gates kernel before the prefill, against the gates fused into it.
     gpu::GdnPrefillArgs ag = a;
     ag.g = g2;
@@ -181,8 +181,10 @@ int main(int argc, char** argv) try {
                 100.0 * gbps / peak_bw);
     std::printf("        gates: gdn_gates + prefill %.3f ms, fused into the prefill %.3f ms (%.2fx)\n", t_gates_sep,
                 t_gates_fused, t_gates_sep / t_gates_fused);
-    std::printf("        scan on wgmma (HYPIC_GDN_SCAN_WGMMA): %.3f ms against %.3f ms by default (%.3fx)\n", t_wg,
-                t_def_ab, t_wg / t_def_ab);
+    std::printf("        on wgmma: scan (HYPIC_GDN_SCAN_WGMMA) %.3f ms, WY (HYPIC_GDN_WY_WGMMA) %.3f ms, both %.3f ms "
+                "against %.3f ms by default (%.3fx / %.3fx / %.3fx)\n",
+                t_mode[1], t_mode[2], t_mode[3], t_mode[0], t_mode[1] / t_mode[0], t_mode[2] / t_mode[0],
+                t_mode[3] / t_mode[0]);
     J["prefill"].push_back({{"shape", c.name},
                             {"num_seqs", c.nseq},
                             {"seq_len", c.len},
@@ -195,8 +197,10 @@ int main(int argc, char** argv) try {
                             {"ms_wy_plus_scan_no_output", t_noout},
                             {"ms_gates_separate_kernel_plus_prefill", t_gates_sep},
                             {"ms_gates_fused", t_gates_fused},
-                            {"ms_default_beside_wgmma_scan", t_def_ab},
-                            {"ms_wgmma_scan", t_wg},
+                            {"ms_default_beside_wgmma", t_mode[0]},
+                            {"ms_wgmma_scan", t_mode[1]},
+                            {"ms_wgmma_wy", t_mode[2]},
+                            {"ms_wgmma_wy_and_scan", t_mode[3]},
                             {"nominal_gflop", flops / 1e9},
                             {"nominal_gflop_with_tc", flops_tc / 1e9},
                             {"compulsory_MB", bytes / 1e6},

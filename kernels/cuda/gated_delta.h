@@ -164,10 +164,19 @@ void gdn_prefill(const GdnPrefillArgs& args, GdnWorkspace& ws, cudaStream_t stre
 /// cu_seqlens, seq_parts, scan_layout).
 std::vector<int> gdn_scan_parts(const GdnPrefillArgs& a);
 
+/// Whether this build carries the sm_90a kernels of gdn_wgmma.cu (a CUDA toolkit of 12.0 or later built them). Host
+/// only.
+bool gdn_wgmma_built();
+
 /// Whether gdn_prefill runs its chunk scan's products on warpgroup MMAs now (gdn_scan.cuh, the candidate switch
 /// HYPIC_GDN_SCAN_WGMMA): the switch on, this build's sm_90a code present and the current device of compute
 /// capability 9.0. Host only; throws std::runtime_error on a CUDA error querying the device.
 bool gdn_scan_wgmma_active();
+
+/// Whether gdn_prefill runs its WY kernel's products (P, K K^T, W, U) on warpgroup MMAs now (gdn_wy.cuh, the
+/// candidate switch HYPIC_GDN_WY_WGMMA): the switch on, this build's sm_90a code present and the current device of
+/// compute capability 9.0. Host only; throws std::runtime_error on a CUDA error querying the device.
+bool gdn_wy_wgmma_active();
 
 /// Gated DeltaNet gates as a separate kernel (for the decode step, or when the prefill does not
 /// fuse them): g[t][h] = -exp(A_log[h]) softplus(a[t][h] + dt_bias[h]) (softplus threshold 20) and

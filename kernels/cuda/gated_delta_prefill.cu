@@ -27,8 +27,9 @@
 //     I_{p+1} = T_p I_p + S(p|0) (DESIGN.md 3.1); scan launch 2 reruns parts 1 .. P-1 from I_p for
 //     their outputs (without outputs all parts run in launch 1 and the chain gives the final
 //     state). About 2n/P chunk steps instead of n: P = 3 for 32 value heads on 132 SMs.
-// The scan kernel (a template: the recurrence on mma.sync here, on warpgroup MMAs in gdn_scan_wgmma.cu under the
-// candidate switch HYPIC_GDN_SCAN_WGMMA) and the workspace layout it shares with the WY kernel are in gdn_scan.cuh.
+// The two kernels are templates in gdn_wy.cuh and gdn_scan.cuh (with the workspace layout they share): their products
+// on mma.sync here, on warpgroup MMAs in gdn_wgmma.cu (sm_90a) under the candidate switches HYPIC_GDN_WY_WGMMA and
+// HYPIC_GDN_SCAN_WGMMA.
 // The host side that needs none of the kernels' internals (gates kernel, workspace streams, argument checks, the
 // split) is in gated_delta_host.cu.
 #include <cuda_runtime.h>
@@ -45,6 +46,7 @@
 #include "kernels/cuda/gated_delta_internal.h"
 #include "kernels/cuda/gates.cuh"
 #include "kernels/cuda/gdn_scan.cuh"
+#include "kernels/cuda/gdn_wy.cuh"
 #include "kernels/cuda/mma.cuh"
 #include "kernels/cuda/switches.h"
 
@@ -54,388 +56,13 @@ namespace {
 using namespace detail;
 using namespace detail::gdn;
 
-constexpr int kThreads = 128;
-
-// 64 rows of 128 bf16 (row r at src + r * row_stride, rows >= len zero) by 128 threads: thread t
-// holds the 16-byte piece t % 16 of rows t / 16 + 8 i (i < 8), so each load instruction of a warp
-// reads two whole 256-byte rows. load_raw fetches the pieces into registers (so that several
-// tiles' loads are in flight together); finish_rows optionally l2-normalises each row in fp32
-// (x * rsqrt(sum x^2 + 1e-6), the sum over the 16 lanes of a row), multiplies by `mul`, rounds to
-// bf16 once, writes the [64][LD] tile and the rows' factors (mul * rsqrt(...), or mul) to f[64].
-__device__ __forceinline__ void load_raw(uint4 (&raw)[8], const bf16* src, size_t row_stride, int len, int tid) {
-  const int r0 = tid >> 4, piece = tid & 15;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const int r = r0 + 8 * i;
-    raw[i] = r < len ? *reinterpret_cast<const uint4*>(src + size_t(r) * row_stride + piece * 8)
-                     : make_uint4(0, 0, 0, 0);
-  }
-}
-
-__device__ __forceinline__ void finish_rows(bf16* s, const uint4 (&raw)[8], bool norm, float mul, int tid,
-                                            float* f_out) {
-  const int r0 = tid >> 4, piece = tid & 15;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    float f = mul;
-    if (norm) {
-      const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&raw[i]);
-      float ss = 0.f;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float2 x = __bfloat1622float2(h2[e]);
-        ss += x.x * x.x + x.y * x.y;
-      }
-#pragma unroll
-      for (int o = 1; o < 16; o <<= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-      f = mul * rsqrtf(ss + 1e-6f);
-    }
-    uint4 o = raw[i];
-    if (norm || mul != 1.f) {
-      __nv_bfloat162* h2 = reinterpret_cast<__nv_bfloat162*>(&o);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float2 x = __bfloat1622float2(h2[e]);
-        h2[e] = __floats2bfloat162_rn(x.x * f, x.y * f);
-      }
-    }
-    const int r = r0 + 8 * i;
-    *reinterpret_cast<uint4*>(s + r * LD + piece * 8) = o;
-    if (piece == 0) f_out[r] = f;
-  }
-}
-
-
-// Copies a [64][LD] bf16 tile to a dense [64][128] global block (16-byte stores).
-__device__ __forceinline__ void store_tile(bf16* dst, const bf16* s, int tid) {
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const int p = tid + i * kThreads, row = p >> 4, col = (p & 15) * 8;
-    *reinterpret_cast<uint4*>(dst + row * D + col) = *reinterpret_cast<const uint4*>(s + row * LD + col);
-  }
-}
-
-// acc[n] (n < 2 NP: columns n0 + 8n ..) += A B for the 16 rows m0.. of A ([*][lda] bf16, row-major
-// [m][k]) and B ([k][n] row-major, [*][ldb] bf16), over k-steps ks < min(KS, ks_end) of 16.
-template <int KS, int NP>
-__device__ __forceinline__ void mma_rows16(float (&acc)[2 * NP][4], const bf16* sA, int lda, int m0, const bf16* sB,
-                                           int ldb, int n0, int lane, int ks_end = KS) {
-#pragma unroll
-  for (int ks = 0; ks < KS; ++ks) {
-    if (ks < ks_end) {
-      uint32_t a[4];
-      load_a(a, sA, lda, m0, 16 * ks, lane);
-#pragma unroll
-      for (int np = 0; np < NP; ++np) {
-        uint32_t b[4];
-        load_b_kn(b, sB, ldb, 16 * ks, n0 + 16 * np, lane);
-        mma_bf16(acc[2 * np], a, b[0], b[1]);
-        mma_bf16(acc[2 * np + 1], a, b[2], b[3]);
-      }
-    }
-  }
-}
-
-// acc[t] (t < 8: columns 8t..8t+7) += X Y^T for the warp's rows 16 warp .. + 15, where X and Y are
-// [64][LD] bf16 tiles; only column tiles t <= 2 warp + 1 (the causal part) are computed.
-__device__ __forceinline__ void causal_xyt(float (&acc)[8][4], const bf16* sX, const bf16* sY, int warp, int lane) {
-#pragma unroll
-  for (int ks = 0; ks < D / 16; ++ks) {
-    uint32_t a[4];
-    load_a(a, sX, LD, 16 * warp, 16 * ks, lane);
-#pragma unroll
-    for (int tp = 0; tp < 4; ++tp) {
-      if (tp <= warp) {
-        uint32_t b[4];
-        load_b_nk(b, sY, LD, 16 * ks, 16 * tp, lane);
-        mma_bf16(acc[2 * tp], a, b[0], b[1]);
-        mma_bf16(acc[2 * tp + 1], a, b[2], b[3]);
-      }
-    }
-  }
-}
-
-// acc[c] += a * row[c] for c < 8 (row: 8 consecutive fp32 in shared memory, 16-byte aligned).
-__device__ __forceinline__ void fma8(float (&acc)[8], float a, const float* row) {
-  const float4 r0 = *reinterpret_cast<const float4*>(row);
-  const float4 r1 = *reinterpret_cast<const float4*>(row + 4);
-  acc[0] = fmaf(a, r0.x, acc[0]);
-  acc[1] = fmaf(a, r0.y, acc[1]);
-  acc[2] = fmaf(a, r0.z, acc[2]);
-  acc[3] = fmaf(a, r0.w, acc[3]);
-  acc[4] = fmaf(a, r1.x, acc[4]);
-  acc[5] = fmaf(a, r1.y, acc[5]);
-  acc[6] = fmaf(a, r1.z, acc[6]);
-  acc[7] = fmaf(a, r1.w, acc[7]);
-}
-
-// ---------------------------------------------------------------------------------------------
-// 1. WY factors, P and the token factors per (chunk, value head).
-// Shared memory (54 KB: four blocks per SM): sK [64][LD] bf16, later the W and U^T stages; a 17 KB
-// region R used in turn as sQ ([64][LD] bf16), the fp32 matrix A / X ([64][68]), then V ([64][LD]
-// bf16, loaded by cp.async while W is computed); sXb, sXbg [64][72] bf16 (sXb first holds the
-// inverse's M blocks); G, b, |k|^-1, scale |q|^-1 [64] fp32 each.
-constexpr int kRegion = C * 68 * 4;
-constexpr int kWySmem = C * LD * 2 + kRegion + 2 * C * LDP * 2 + 4 * C * 4;
-static_assert(C * LD * 2 <= kRegion && D * 68 * 2 <= C * LD * 2, "region R or the U^T stage too small");
-static_assert(kWySmem <= 56 * 1024, "the WY kernel should fit four blocks per SM");
-
-__global__ void __launch_bounds__(kThreads) gdn_wy_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
-                                                          const bf16* __restrict__ v, const float* __restrict__ g,
-                                                          const float* __restrict__ beta, GateInputs gates, int Hk,
-                                                          int Hv, bool l2norm, float scale, WsView ws) {
-  extern __shared__ __align__(16) unsigned char smem[];
-  bf16* sK = reinterpret_cast<bf16*>(smem);
-  unsigned char* region = reinterpret_cast<unsigned char*>(sK + C * LD);
-  bf16* sQ = reinterpret_cast<bf16*>(region);
-  float* sA = reinterpret_cast<float*>(region);
-  bf16* sV = reinterpret_cast<bf16*>(region);
-  bf16* sStage = sK;  // W and U^T stages, once K is no longer read
-  bf16* sXb = reinterpret_cast<bf16*>(region + kRegion);  // [64][72]
-  bf16* sXbg = sXb + C * LDP;
-  float* sG = reinterpret_cast<float*>(sXbg + C * LDP);
-  float* sB = sG + C;
-  float* sFk = sB + C;
-  float* sFq = sFk + C;
-
-  // Value heads vary fastest, so the heads that share a key head (GVA) read its q, k rows from L2.
-  const int h = blockIdx.x % Hv, chunk = blockIdx.x / Hv;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int gi = lane >> 2, cc = (lane & 3) * 2;
-  const ChunkInfo ci = ws.chunks[chunk];
-  const int kh = h / (Hv / Hk);
-  const size_t slot = size_t(chunk) * Hv + h;
-
-  {
-    uint4 rk[8], rq[8];  // both tiles in flight before the first use
-    load_raw(rk, k + (size_t(ci.t0) * Hk + kh) * D, size_t(Hk) * D, ci.len, tid);
-    load_raw(rq, q ? q + (size_t(ci.t0) * Hk + kh) * D : k, size_t(Hk) * D, q ? ci.len : 0, tid);
-    finish_rows(sK, rk, l2norm, 1.f, tid, sFk);
-    if (q) finish_rows(sQ, rq, l2norm, scale, tid, sFq);
-    else if (tid < C) sFq[tid] = 0.f;
-  }
-  if (warp == 0) {  // inclusive cumsum of g over the chunk, two tokens per lane
-    const int r0 = 2 * lane;
-    float g0 = 0.f, g1 = 0.f;
-    const size_t i0 = size_t(ci.t0 + r0) * Hv + h;
-    if (r0 < ci.len) g0 = gates.a ? gate_log_decay(gates, i0, h) : g[i0];
-    if (r0 + 1 < ci.len) g1 = gates.a ? gate_log_decay(gates, i0 + Hv, h) : g[i0 + Hv];
-    float s = g0 + g1;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const float t = __shfl_up_sync(0xffffffffu, s, o);
-      if (lane >= o) s += t;
-    }
-    sG[r0] = s - g1;
-    sG[r0 + 1] = s;
-  } else if (warp == 1) {
-    for (int r = lane; r < C; r += 32) {
-      const size_t i = size_t(ci.t0 + r) * Hv + h;
-      sB[r] = r < ci.len ? (gates.a ? gate_beta(gates, i) : beta[i]) : 0.f;
-    }
-  }
-  __syncthreads();
-
-  // P = (Q K^T) masked causally (j <= i) and decayed by e^{G_i - G_j}, straight to the workspace
-  // (zeros above the diagonal: the scan reads whole 16 x 16 diagonal blocks). Skipped without q
-  // (no outputs requested).
-  if (q) {
-    float acc[8][4] = {};
-    causal_xyt(acc, sQ, sK, warp, lane);
-    bf16* sP = sXbg;  // P staged as [64][LDP] bf16 (sXbg is written later), stored coalesced below
-    const int i0 = 16 * warp + gi, i1 = i0 + 8;
-    const float G0 = sG[i0], G1 = sG[i1];
-#pragma unroll
-    for (int t = 0; t < 8; ++t) {
-      const int j = 8 * t + cc;
-      const float Gj0 = sG[j], Gj1 = sG[j + 1];
-      const float p00 = j <= i0 ? acc[t][0] * __expf(G0 - Gj0) : 0.f;
-      const float p01 = j + 1 <= i0 ? acc[t][1] * __expf(G0 - Gj1) : 0.f;
-      const float p10 = j <= i1 ? acc[t][2] * __expf(G1 - Gj0) : 0.f;
-      const float p11 = j + 1 <= i1 ? acc[t][3] * __expf(G1 - Gj1) : 0.f;
-      *reinterpret_cast<uint32_t*>(sP + i0 * LDP + j) = pack_bf16(p00, p01);
-      *reinterpret_cast<uint32_t*>(sP + i1 * LDP + j) = pack_bf16(p10, p11);
-    }
-  }
-  __syncthreads();  // region R (sQ) is reused for A below
-  if (q) {
-    bf16* P = ws.P + slot * kPElems;
-#pragma unroll
-    for (int i = 0; i < C * C / 8 / kThreads; ++i) {
-      const int p = tid + i * kThreads, row = p >> 3, col = (p & 7) * 8;
-      *reinterpret_cast<uint4*>(P + row * C + col) = *reinterpret_cast<const uint4*>(sXbg + row * LDP + col);
-    }
-  }
-
-  // A = K K^T (strictly lower part), scaled by b_i e^{G_i - G_j}.
-  {
-    float acc[8][4] = {};
-    causal_xyt(acc, sK, sK, warp, lane);
-#pragma unroll
-    for (int t = 0; t < 8; ++t) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = 16 * warp + gi + (e >= 2 ? 8 : 0), j = 8 * t + cc + (e & 1);
-        float val = 0.f;
-        if (j < i) val = acc[t][e] * sB[i] * __expf(sG[i] - sG[j]);
-        sA[i * 68 + j] = val;
-      }
-    }
-  }
-  __syncthreads();
-
-  // X = (I + A)^{-1} in 16 x 16 blocks (A is strictly lower triangular, so X is unit lower
-  // triangular): the diagonal blocks X_II = (I + A_II)^{-1} by forward substitution (one column per
-  // thread, depth 16), then block rows I = 1, 2, 3 in turn,
-  //   X_IJ = -X_II M_IJ,  M_IJ = sum_{K=J}^{I-1} A_IK X_KJ  (J < I),
-  // all in fp32. X overwrites A block by block (row I of A is read only while row I is computed).
-  // Meanwhile threads 64.. write the token factors for the scan: kf_t = |k_t|^-1 e^{G_C - G_t} and
-  // qf_t = scale |q_t|^-1 e^{G_t} (both zero past the chunk's end, where the raw rows the scan reads
-  // are zero-filled anyway), and G_t (past the end it stays G_{len-1}, as the cumsum of g = 0: the
-  // scan's chunk decay e^{G_63} needs exactly that).
-  {
-    float x[16];
-    const int blk = (tid >> 4) & 3, c = tid & 15;
-    if (tid < C) {
-      const float* Ab = sA + (16 * blk) * 68 + 16 * blk;
-#pragma unroll
-      for (int r = 0; r < 16; ++r) {
-        float s0 = r == c ? 1.f : 0.f, s1 = 0.f;
-#pragma unroll
-        for (int jj = 0; jj + 1 < r; jj += 2) {
-          s0 = fmaf(-Ab[r * 68 + jj], x[jj], s0);
-          s1 = fmaf(-Ab[r * 68 + jj + 1], x[jj + 1], s1);
-        }
-        if (r & 1) s0 = fmaf(-Ab[r * 68 + r - 1], x[r - 1], s0);
-        x[r] = s0 + s1;
-      }
-    } else {
-      const int t = tid - C;
-      const bool in = t < ci.len;
-      float* sc = ws.scal + slot * kScal;
-      sc[t] = in ? sFk[t] * __expf(sG[C - 1] - sG[t]) : 0.f;
-      sc[C + t] = in ? sFq[t] * __expf(sG[t]) : 0.f;
-      sc[2 * C + t] = sG[t];
-    }
-    __syncthreads();
-    if (tid < C) {
-      float* Xb = sA + (16 * blk) * 68 + 16 * blk + c;
-#pragma unroll
-      for (int r = 0; r < 16; ++r) Xb[r * 68] = x[r];
-    }
-    __syncthreads();
-  }
-  {
-    // Warp J computes block column J (J < I) of block row I; lane: row r = lane / 2, columns
-    // c8 .. c8 + 7 with c8 = 8 (lane % 2), so each shared-memory load feeds 8 FMAs. A_IJ is still
-    // read by warps J' < J (term K = J of their M), so X_IJ is written after a block barrier.
-    float* sM = reinterpret_cast<float*>(sXb);  // M_IJ scratch [3][16][20] fp32 (sXb is written later)
-    const int J = warp, r = lane >> 1, c8 = (lane & 1) * 8;
-#pragma unroll
-    for (int I = 1; I < 4; ++I) {
-      float x[8] = {};
-      if (J < I) {
-        float m[8] = {};
-        const float* arow = sA + (16 * I + r) * 68;
-#pragma unroll
-        for (int K = 0; K < 3; ++K) {
-          if (K < J || K >= I) continue;
-#pragma unroll
-          for (int m4 = 0; m4 < 4; ++m4) {
-            const float4 av = *reinterpret_cast<const float4*>(arow + 16 * K + 4 * m4);
-            const float aa[4] = {av.x, av.y, av.z, av.w};
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              fma8(m, aa[e], sA + (16 * K + 4 * m4 + e) * 68 + 16 * J + c8);
-            }
-          }
-        }
-        float* mrow = sM + (J * 16 + r) * 20 + c8;
-        *reinterpret_cast<float4*>(mrow) = make_float4(m[0], m[1], m[2], m[3]);
-        *reinterpret_cast<float4*>(mrow + 4) = make_float4(m[4], m[5], m[6], m[7]);
-        __syncwarp();  // M_IJ is read by warp J alone
-        const float* xrow = sA + (16 * I + r) * 68 + 16 * I;  // X_II row r (unit lower triangular)
-#pragma unroll
-        for (int m4 = 0; m4 < 4; ++m4) {
-          const float4 xv = *reinterpret_cast<const float4*>(xrow + 4 * m4);
-          const float xx[4] = {xv.x, xv.y, xv.z, xv.w};
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            fma8(x, xx[e], sM + (J * 16 + 4 * m4 + e) * 20 + c8);
-          }
-        }
-      }
-      __syncthreads();  // every warp is done reading row I of A
-      if (J < I) {
-        float* dst = sA + (16 * I + r) * 68 + 16 * J + c8;
-        *reinterpret_cast<float4*>(dst) = make_float4(-x[0], -x[1], -x[2], -x[3]);
-        *reinterpret_cast<float4*>(dst + 4) = make_float4(-x[4], -x[5], -x[6], -x[7]);
-      }
-      __syncthreads();  // X_IJ visible to the next block row
-    }
-  }
-  // X diag(b) and X diag(b e^G) as bf16 tiles for the tensor cores (X is zero above the diagonal).
-  {
-    const int cidx = tid & (C - 1);
-    const float bc = sB[cidx], bgc = sB[cidx] * __expf(sG[cidx]);
-#pragma unroll 8
-    for (int i = tid >> 6; i < C; i += 2) {
-      const float xv = sA[i * 68 + cidx];
-      sXb[i * LDP + cidx] = __float2bfloat16_rn(xv * bc);
-      sXbg[i * LDP + cidx] = __float2bfloat16_rn(xv * bgc);
-    }
-  }
-  __syncthreads();
-
-  // V into region R (X is in sXb / sXbg now), in flight while W = Xbg K is computed and stored.
-  cp_async_rows(sV, v + (size_t(ci.t0) * Hv + h) * D, size_t(Hv) * D, ci.len, tid, kThreads);
-  cp_async_commit();
-  // W = Xbg K and U = Xb V (X is lower triangular: k-steps past the warp's rows are zero).
-  {
-    float acc[16][4] = {};
-    mma_rows16<C / 16, 8>(acc, sXbg, LDP, 16 * warp, sK, LD, 0, lane, warp + 1);
-    __syncthreads();  // every warp is done with K: its tile becomes the W stage
-#pragma unroll
-    for (int n = 0; n < 16; ++n) {
-      *reinterpret_cast<uint32_t*>(sStage + (16 * warp + gi) * LD + n * 8 + cc) = pack_bf16(acc[n][0], acc[n][1]);
-      *reinterpret_cast<uint32_t*>(sStage + (16 * warp + gi + 8) * LD + n * 8 + cc) = pack_bf16(acc[n][2], acc[n][3]);
-    }
-    cp_async_wait<0>();
-    __syncthreads();  // W staged, V landed
-    store_tile(ws.W + slot * kWElems, sStage, tid);
-  }
-  {
-    float acc[16][4] = {};
-    mma_rows16<C / 16, 8>(acc, sXb, LDP, 16 * warp, sV, LD, 0, lane, warp + 1);
-    __syncthreads();  // the W stage is stored: it becomes the U^T stage
-    bf16* sUT = sStage;  // [128][68]: U^T, row = value column
-    const int t0 = 16 * warp + gi;
-#pragma unroll
-    for (int n = 0; n < 16; ++n) {
-      const int col = 8 * n + cc;
-      sUT[col * 68 + t0] = __float2bfloat16_rn(acc[n][0]);
-      sUT[(col + 1) * 68 + t0] = __float2bfloat16_rn(acc[n][1]);
-      sUT[col * 68 + t0 + 8] = __float2bfloat16_rn(acc[n][2]);
-      sUT[(col + 1) * 68 + t0 + 8] = __float2bfloat16_rn(acc[n][3]);
-    }
-    __syncthreads();
-    bf16* UT = ws.UT + slot * kWElems;
-#pragma unroll
-    for (int i = 0; i < D * C / 4 / kThreads; ++i) {  // 8-byte pieces
-      const int p = tid + i * kThreads, row = p >> 4, c4 = (p & 15) * 4;
-      *reinterpret_cast<uint2*>(UT + row * C + c4) = *reinterpret_cast<const uint2*>(sUT + row * 68 + c4);
-    }
-  }
-}
-
-
 // Once per device (the shared-memory opt-in is a per-device function attribute): returns the
 // current device's SM count.
 int configure() {
   const int dev = current_device();
   static DeviceOnce once;
   return once.run(dev, [](int d) {
-    check_cuda(cudaFuncSetAttribute(gdn_wy_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kWySmem),
+    check_cuda(cudaFuncSetAttribute(gdn_wy_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, kWySmem),
                "cudaFuncSetAttribute(gdn_wy_kernel)");
     check_cuda(cudaFuncSetAttribute(gdn_scan_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, kScanSmem),
                "cudaFuncSetAttribute(gdn_scan_kernel)");
@@ -598,15 +225,39 @@ void build_plan(const GdnPrefillArgs& a, GdnPlan& plan, std::vector<unsigned cha
 
 }  // namespace
 
-bool gdn_scan_wgmma_active() {
-  // The candidate HYPIC_GDN_SCAN_WGMMA: the scan's products on warpgroup MMAs (gdn_scan_wgmma.cu).
-  static CandidateSwitch scan_wgmma_switch("HYPIC_GDN_SCAN_WGMMA");
-#if HYPIC_GDN_SCAN_WGMMA_BUILT
-  return scan_wgmma_switch.on() && current_device_is_sm90();
+namespace {
+
+// Whether a wgmma kernel of gdn_wgmma.cu whose candidate switch is `on` runs: this build has the sm_90a code and the
+// current device has compute capability 9.0.
+bool wgmma_kernel_runs(bool on) {
+#if HYPIC_GDN_WGMMA_BUILT
+  return on && current_device_is_sm90();
 #else
-  (void)scan_wgmma_switch;  // (no sm_90a code in this build)
+  (void)on;  // (no sm_90a code in this build)
   return false;
 #endif
+}
+
+}  // namespace
+
+bool gdn_wgmma_built() {
+#if HYPIC_GDN_WGMMA_BUILT
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool gdn_scan_wgmma_active() {
+  // The candidate HYPIC_GDN_SCAN_WGMMA: the scan's products on warpgroup MMAs (gdn_wgmma.cu).
+  static CandidateSwitch scan_wgmma_switch("HYPIC_GDN_SCAN_WGMMA");
+  return wgmma_kernel_runs(scan_wgmma_switch.on());
+}
+
+bool gdn_wy_wgmma_active() {
+  // The candidate HYPIC_GDN_WY_WGMMA: the WY kernel's products on warpgroup MMAs (gdn_wgmma.cu).
+  static CandidateSwitch wy_wgmma_switch("HYPIC_GDN_WY_WGMMA");
+  return wgmma_kernel_runs(wy_wgmma_switch.on());
 }
 
 void gdn_prefill(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t stream) {
@@ -671,10 +322,20 @@ void gdn_prefill(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t stream)
   const auto* jobs_dev = reinterpret_cast<const ScanJob*>(table_dev + plan.chunk_table_bytes);
   auto* split = static_cast<float*>(ws.split_mem_);
   if (nchunks > 0) {
-    gdn_wy_kernel<<<unsigned(nchunks) * unsigned(a.num_v_heads), kThreads, kWySmem, stream>>>(
-        a.out ? a.q : nullptr, a.k, a.v, a.g, a.beta, GateInputs{a.gate_a, a.gate_b, a.A_log, a.dt_bias},
-        a.num_k_heads, a.num_v_heads, a.l2norm_qk, a.scale, v);
-    check_cuda(cudaGetLastError(), "gdn_wy_kernel launch");
+    const unsigned blocks = unsigned(nchunks) * unsigned(a.num_v_heads);
+    const GateInputs gates{a.gate_a, a.gate_b, a.A_log, a.dt_bias};
+#if HYPIC_GDN_WGMMA_BUILT
+    if (gdn_wy_wgmma_active()) {
+      launch_wy_wgmma(blocks, a.out ? a.q : nullptr, a.k, a.v, a.g, a.beta, gates, a.num_k_heads, a.num_v_heads,
+                      a.l2norm_qk, a.scale, v, stream);
+    } else
+#endif
+    {
+      gdn_wy_kernel<false><<<blocks, kWyThreads, kWySmem, stream>>>(a.out ? a.q : nullptr, a.k, a.v, a.g, a.beta,
+                                                                    gates, a.num_k_heads, a.num_v_heads, a.l2norm_qk,
+                                                                    a.scale, v);
+      check_cuda(cudaGetLastError(), "gdn_wy_kernel launch");
+    }
   }
 
   ScanParams sp{};
@@ -707,7 +368,7 @@ void gdn_prefill(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t stream)
     const int warps = 4 * (1 + (with_out ? 1 : 0) + (sp.mixed ? 1 : 0));
     const int blocks_per_head = sp.mixed ? 2 : sp.s_blocks + t_blocks;
     const dim3 grid(blocks_per_head, a.num_v_heads, njobs);
-#if HYPIC_GDN_SCAN_WGMMA_BUILT
+#if HYPIC_GDN_WGMMA_BUILT
     if (scan_wgmma) {
       launch_scan_wgmma(grid, warps * 32, sp, stream);
       return;

@@ -1,6 +1,6 @@
 // The chunk scan of the gated delta rule prefill (gated_delta_prefill.cu, which describes the whole pipeline; section
 // 2 there), as a kernel template shared by two translation units: gated_delta_prefill.cu instantiates the mma.sync
-// products (kWgmma = false, compute capability 9.0 machine code with compute_90 PTX), gdn_scan_wgmma.cu (sm_90a only)
+// products (kWgmma = false, compute capability 9.0 machine code with compute_90 PTX), gdn_wgmma.cu (sm_90a only)
 // the products on Hopper's warpgroup MMAs (kWgmma = true, the candidate switch HYPIC_GDN_SCAN_WGMMA). Also the
 // per-(chunk, value head) workspace layout that the WY kernel writes and the scan reads. Internal to kernels/cuda.
 #pragma once
@@ -227,6 +227,12 @@ __device__ __forceinline__ StageB stage_b(unsigned char* smem, int i) {
   return s;
 }
 
+// Byte offset of the 16-byte unit `unit` (elements 8 unit .. 8 unit + 7) of row `row` in a [64][8 u] bf16 tile in the
+// 128-byte-swizzled layout of kScanSmemWg (u / 8 column chunks of [64 rows][128 bytes], the unit at unit % 8 ^ row % 8).
+__device__ __forceinline__ uint32_t sw_off(int row, int unit) {
+  return static_cast<uint32_t>((unit >> 3) * (C * 128) + row * 128 + (((unit & 7) ^ (row & 7)) << 4));
+}
+
 // Rows t < len of a [64][8 UNITS] bf16 global tile (row stride `stride` elements) into the swizzled layout of
 // kScanSmemWg at s; rows >= len are zero-filled.
 template <int UNITS>
@@ -235,8 +241,7 @@ __device__ __forceinline__ void cp_async_rows_sw(unsigned char* s, const bf16* g
   for (int p = tid; p < C * UNITS; p += nthreads) {
     const int row = p / UNITS, u = p % UNITS;
     const bool valid = row < len;
-    cp_async16_zfill(s + (u >> 3) * (C * 128) + row * 128 + (((u & 7) ^ (row & 7)) << 4),
-                     g + (valid ? size_t(row) * stride + u * 8 : 0), valid);
+    cp_async16_zfill(s + sw_off(row, u), g + (valid ? size_t(row) * stride + u * 8 : 0), valid);
   }
 }
 
@@ -335,7 +340,7 @@ __device__ __forceinline__ void mma_x2(float (&c0)[4], float (&c1)[4], const uin
   mma_bf16(c1, a, bb[2], bb[3]);
 }
 
-// kWgmma: every product runs on warpgroup MMAs (sm_90a only: gdn_scan_wgmma.cu) with the same register layouts.
+// kWgmma: every product runs on warpgroup MMAs (sm_90a only: gdn_wgmma.cu) with the same register layouts.
 // The recurrence warpgroups (S warps 0..3, T warps 4..7 or 8..11 in mixed blocks, 0..7 in T blocks) keep h^T as the
 // m64n128 accumulator (warp w: columns 16 w .. of the warpgroup's 64) and vn as the m64n64 one, with the bf16 A
 // fragments packed from them exactly as for mma.sync: v_new^T takes eight m64n64k16 (B = W, K-major), the state update
@@ -500,7 +505,7 @@ __global__ void __launch_bounds__(kScanMaxThreads, 1) gdn_scan_kernel(ScanParams
         sm90::pin(acc);
         sm90::pin_u(va);
 #else
-        __trap();  // built for sm_90a only (gdn_scan_wgmma.cu); the host checks the device
+        __trap();  // built for sm_90a only (gdn_wgmma.cu); the host checks the device
 #endif
       } else {
 #pragma unroll
@@ -594,7 +599,7 @@ __global__ void __launch_bounds__(kScanMaxThreads, 1) gdn_scan_kernel(ScanParams
         sm90::pin(o);
         sm90::pin_u(va);
 #else
-        __trap();  // built for sm_90a only (gdn_scan_wgmma.cu); the host checks the device
+        __trap();  // built for sm_90a only (gdn_wgmma.cu); the host checks the device
 #endif
       } else {
 #pragma unroll
@@ -663,8 +668,8 @@ __global__ void __launch_bounds__(kScanMaxThreads, 1) gdn_scan_kernel(ScanParams
 }
 
 /// Launches gdn_scan_kernel<true> (the wgmma recurrence) on `grid` x `threads` with kScanSmemWg bytes of dynamic
-/// shared memory, the attribute set once per device. Defined in gdn_scan_wgmma.cu, built for sm_90a only
-/// (HYPIC_GDN_SCAN_WGMMA_BUILT): call it on compute capability 9.0 devices only. Throws std::runtime_error on a CUDA
+/// shared memory, the attribute set once per device. Defined in gdn_wgmma.cu, built for sm_90a only
+/// (HYPIC_GDN_WGMMA_BUILT): call it on compute capability 9.0 devices only. Throws std::runtime_error on a CUDA
 /// error.
 void launch_scan_wgmma(dim3 grid, int threads, const ScanParams& p, cudaStream_t stream);
 

@@ -248,74 +248,93 @@ TEST_CASE("gdn_prefill sequence-parallel scan (parts composed through T) matches
   SECTION("automatic, without outputs") { run_prefill_case({1, 2, {3200, 3000}, true, 0, false, {3, 1}, 0.05f}, 43); }
 }
 
-// The candidate HYPIC_GDN_SCAN_WGMMA (gdn_scan.cuh: the recurrence on warpgroup MMAs, sm_90a): the same cases as the
-// two tests above against the CPU recurrence (outputs, final states and T_C within the same bounds; with and without
-// T_C and across scan layouts bit for bit among themselves), and the state within rounding of the default kernel's.
-// On a device without sm_90a code the default kernel runs and the cases pass as above.
-TEST_CASE("gdn_prefill with the scan's recurrence on wgmma (HYPIC_GDN_SCAN_WGMMA) matches the CPU recurrence",
+// The candidates HYPIC_GDN_WY_WGMMA (gdn_wy.cuh) and HYPIC_GDN_SCAN_WGMMA (gdn_scan.cuh): the products of the WY
+// kernel, of the scan, or of both on warpgroup MMAs (sm_90a). The same cases as the two tests above against the CPU
+// recurrence (outputs, final states and T_C within the same bounds; with and without T_C and across scan layouts bit
+// for bit among themselves), and outputs, states and T_C within rounding of the default kernels'. On an H100 / H200
+// the wgmma kernels must be what runs (when the build has them); elsewhere the default kernels run and the cases pass
+// as above.
+TEST_CASE("gdn_prefill with its products on wgmma (HYPIC_GDN_WY_WGMMA / _SCAN_WGMMA) matches the CPU recurrence",
           "[gpu][gated_delta][candidate]") {
   require_gpu();
-  gpu::CandidateScope wgmma("HYPIC_GDN_SCAN_WGMMA");
-  wgmma.set(true);
-  // On an H100 / H200 the wgmma kernel must be what runs (else the cases below would test the default twice).
+  gpu::CandidateScope wy("HYPIC_GDN_WY_WGMMA"), scan("HYPIC_GDN_SCAN_WGMMA");
   int major = 0, minor = 0;
   check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0), "compute capability");
   check_cuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0), "compute capability");
-  if (major == 9 && minor == 0) REQUIRE(gpu::gdn_scan_wgmma_active());
-  if (!gpu::gdn_scan_wgmma_active()) WARN("the wgmma scan is not active here: these cases run the default kernel");
-  const std::vector<int> lens = {1, 64, 65, 200, 0, 127, 3, 300};
-  SECTION("GVA ratio 1, zero initial state") { run_prefill_case({2, 2, lens, false}, 111); }
-  SECTION("GVA ratio 2, random initial state") { run_prefill_case({2, 4, lens, true}, 113); }
-  SECTION("one long sequence with initial state") { run_prefill_case({1, 1, {1000}, true}, 114); }
-  for (int P : {2, 3}) {
-    for (bool out : {true, false}) {
-      DYNAMIC_SECTION("forced " << P << " parts, outputs " << out) {
-        const std::vector<int> plens = {1, 64, 65, 200, 0, 127, 3, 300, 1000};
-        std::vector<int> expect;
-        for (int L : plens) expect.push_back((L + 63) / 64 >= P ? P : 1);
-        run_prefill_case({2, 4, plens, true, P, out, expect, 0.05f}, 130 + P * 2 + out);
+  const bool sm90 = major == 9 && minor == 0 && gpu::gdn_wgmma_built();
+  struct Mode {
+    const char* name;
+    bool wy, scan;
+  };
+  for (const Mode m : {Mode{"WY on wgmma", true, false}, Mode{"scan on wgmma", false, true},
+                       Mode{"both on wgmma", true, true}}) {
+    DYNAMIC_SECTION(m.name) {
+      auto set = [&](bool on) {
+        wy.set(on && m.wy);
+        scan.set(on && m.scan);
+      };
+      set(true);
+      if (sm90) {
+        REQUIRE(gpu::gdn_wy_wgmma_active() == m.wy);
+        REQUIRE(gpu::gdn_scan_wgmma_active() == m.scan);
+      }
+      const bool active = gpu::gdn_wy_wgmma_active() || gpu::gdn_scan_wgmma_active();
+      if (!active) WARN("no wgmma kernel is active here: these cases run the default kernels");
+      const std::vector<int> lens = {1, 64, 65, 200, 0, 127, 3, 300};
+      SECTION("GVA ratio 1, zero initial state") { run_prefill_case({2, 2, lens, false}, 111); }
+      SECTION("GVA ratio 2, random initial state") { run_prefill_case({2, 4, lens, true}, 113); }
+      SECTION("one long sequence with initial state") { run_prefill_case({1, 1, {1000}, true}, 114); }
+      for (int P : {2, 3}) {
+        for (bool out : {true, false}) {
+          DYNAMIC_SECTION("forced " << P << " parts, outputs " << out) {
+            const std::vector<int> plens = {1, 64, 65, 200, 0, 127, 3, 300, 1000};
+            std::vector<int> expect;
+            for (int L : plens) expect.push_back((L + 63) / 64 >= P ? P : 1);
+            run_prefill_case({2, 4, plens, true, P, out, expect, 0.05f}, 130 + P * 2 + out);
+          }
+        }
+      }
+      SECTION("automatic parts, with outputs") { run_prefill_case({1, 1, {3200}, true, 0, true, {3}, 0.05f}, 142); }
+      SECTION("the same inputs on the default and the wgmma kernels: within rounding of each other") {
+        std::mt19937 rng(150);
+        const int hk = 2, hv = 4, L = 700;
+        std::vector<int> cu = {0, 300, L};
+        std::vector<float> qf, kf, vf;
+        auto qh = random_bf16(rng, size_t(L) * hk * D, 1.0f, qf);
+        auto kh = random_bf16(rng, size_t(L) * hk * D, 1.0f, kf);
+        auto vh = random_bf16(rng, size_t(L) * hv * D, 1.0f, vf);
+        auto g = random_log_decay(rng, size_t(L) * hv);
+        auto beta = random_beta(rng, size_t(L) * hv);
+        DeviceBuffer<bf16> dq(qh), dk(kh), dv(vh);
+        DeviceBuffer<float> dg(g), db(beta);
+        const size_t state_elems = size_t(2) * hv * D * D;
+        std::vector<std::vector<float>> fins, trs;
+        std::vector<std::vector<bf16>> outs;
+        for (bool on : {false, true}) {
+          set(on);
+          DeviceBuffer<float> fin(state_elems), tr(state_elems);
+          DeviceBuffer<bf16> out(size_t(L) * hv * D);
+          gpu::GdnWorkspace ws;
+          gpu::GdnPrefillArgs a = make_args(2, cu.data(), hk, hv, dq.get(), dk.get(), dv.get(), dg.get(), db.get(),
+                                            fin.get(), tr.get(), out.get());
+          gpu::gdn_prefill(a, ws);
+          check_cuda(cudaDeviceSynchronize(), "prefill, wgmma kernels side by side");
+          fins.push_back(fin.download());
+          trs.push_back(tr.download());
+          outs.push_back(out.download());
+        }
+        const double es = rel_err(fins[1].data(), fins[0].data(), state_elems);
+        const double et = rel_err(trs[1].data(), trs[0].data(), state_elems);
+        std::vector<float> o0(outs[0].size()), o1(outs[1].size());
+        for (size_t i = 0; i < o0.size(); ++i) o0[i] = bf16_to_float(outs[0][i]), o1[i] = bf16_to_float(outs[1][i]);
+        const double eo = rel_err(o1.data(), o0.data(), o0.size());
+        WARN(m.name << " vs the default kernels: rel err out " << eo << ", state " << es << ", T_C " << et);
+        if (active) CHECK(es > 0);  // other kernels, other summation orders: not the same bits
+        CHECK(eo <= 1e-2);
+        CHECK(es <= 1e-2);
+        CHECK(et <= 1e-2);
       }
     }
-  }
-  SECTION("automatic parts, with outputs") { run_prefill_case({1, 1, {3200}, true, 0, true, {3}, 0.05f}, 142); }
-  SECTION("the same inputs on both kernels: states within rounding of each other") {
-    std::mt19937 rng(150);
-    const int hk = 2, hv = 4, L = 700;
-    std::vector<int> cu = {0, 300, L};
-    std::vector<float> qf, kf, vf;
-    auto qh = random_bf16(rng, size_t(L) * hk * D, 1.0f, qf);
-    auto kh = random_bf16(rng, size_t(L) * hk * D, 1.0f, kf);
-    auto vh = random_bf16(rng, size_t(L) * hv * D, 1.0f, vf);
-    auto g = random_log_decay(rng, size_t(L) * hv);
-    auto beta = random_beta(rng, size_t(L) * hv);
-    DeviceBuffer<bf16> dq(qh), dk(kh), dv(vh);
-    DeviceBuffer<float> dg(g), db(beta);
-    const size_t state_elems = size_t(2) * hv * D * D;
-    std::vector<std::vector<float>> fins, trs;
-    std::vector<std::vector<bf16>> outs;
-    for (bool on : {false, true}) {
-      wgmma.set(on);
-      DeviceBuffer<float> fin(state_elems), tr(state_elems);
-      DeviceBuffer<bf16> out(size_t(L) * hv * D);
-      gpu::GdnWorkspace ws;
-      gpu::GdnPrefillArgs a = make_args(2, cu.data(), hk, hv, dq.get(), dk.get(), dv.get(), dg.get(), db.get(),
-                                        fin.get(), tr.get(), out.get());
-      gpu::gdn_prefill(a, ws);
-      check_cuda(cudaDeviceSynchronize(), "prefill, wgmma scan side by side");
-      fins.push_back(fin.download());
-      trs.push_back(tr.download());
-      outs.push_back(out.download());
-    }
-    const double es = rel_err(fins[1].data(), fins[0].data(), state_elems);
-    const double et = rel_err(trs[1].data(), trs[0].data(), state_elems);
-    std::vector<float> o0(outs[0].size()), o1(outs[1].size());
-    for (size_t i = 0; i < o0.size(); ++i) o0[i] = bf16_to_float(outs[0][i]), o1[i] = bf16_to_float(outs[1][i]);
-    const double eo = rel_err(o1.data(), o0.data(), o0.size());
-    WARN("wgmma scan vs mma.sync scan: rel err out " << eo << ", state " << es << ", T_C " << et);
-    if (gpu::gdn_scan_wgmma_active()) CHECK(es > 0);  // two kernels, two summation orders: not the same bits
-    CHECK(eo <= 1e-2);
-    CHECK(es <= 1e-2);
-    CHECK(et <= 1e-2);
   }
 }
 
