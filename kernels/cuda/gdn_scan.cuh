@@ -347,7 +347,9 @@ __device__ __forceinline__ void mma_x2(float (&c0)[4], float (&c1)[4], const uin
 // four m64n128k16 (B = K, MN-major: attention_wgmma.cu's V operand). The output warpgroup (warps 4..7) takes the
 // exchange's fragments as A: o = h^T Q^T (eight m64n64k16, B = Q K-major), scaled by qf, then + v_new^T P^T (four,
 // B = P K-major, whose zeros above the diagonal the WY kernel writes). Q, P, W and K are staged swizzled
-// (kScanSmemWg). Same inputs, outputs and exchange; only the fp32 summation order inside the products differs.
+// (kScanSmemWg). Same inputs, outputs and exchange; only the fp32 summation order inside the products differs (and,
+// with a non-finite v_new, the zero blocks of P that mma.sync skips carry its NaN to earlier tokens' outputs of the
+// chunk, whose state is NaN either way).
 template <bool kWgmma>
 __global__ void __launch_bounds__(kScanMaxThreads, 1) gdn_scan_kernel(ScanParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];  // (kWgmma aligns its base to 1024 below)

@@ -151,7 +151,10 @@ constexpr int kWySmem = C * LD * 2 + kRegion + 2 * C * LDP * 2 + 4 * C * 4;
 static_assert(C * LD * 2 <= kRegion && D * 68 * 2 <= C * LD * 2, "region R or the U^T stage too small");
 static_assert(kWySmem <= 56 * 1024, "the WY kernel should fit four blocks per SM");
 // kWgmma: the four products on warpgroup MMAs (the block's four warps are one warpgroup; all k-steps and column tiles
-// computed, the causal masks applied in the epilogues as before and X's zeros above the diagonal exact), with K, Q,
+// computed, the causal masks applied in the epilogues as before and X's zeros above the diagonal exact, so finite
+// inputs give the sums of the mma.sync path in another order; a non-finite k or v row j also reaches the W / U rows
+// before j in the chunk through 0 x Inf, where the mma.sync path skips those k-steps: the chunk's state is NaN either
+// way), with K, Q,
 // V, Xb and Xbg in the 128-byte-swizzled layout of sw_off: sK (16 KiB) at 0, region R at 16 KiB (sQ, then A / X
 // fp32 [64][68], then V, then the U^T stage [128][68]), sXb and sXbg [64][64] (8 KiB each), the fp32 vectors;
 // + 1024 bytes to align the base.
