@@ -227,8 +227,9 @@ __device__ __forceinline__ StageB stage_b(unsigned char* smem, int i) {
   return s;
 }
 
-// Byte offset of the 16-byte unit `unit` (elements 8 unit .. 8 unit + 7) of row `row` in a [64][8 u] bf16 tile in the
-// 128-byte-swizzled layout of kScanSmemWg (u / 8 column chunks of [64 rows][128 bytes], the unit at unit % 8 ^ row % 8).
+// Byte offset of the 16-byte unit `unit` (elements 8 unit .. 8 unit + 7) of row `row` in a [64][8 u] bf16 tile in
+// the 128-byte-swizzled layout of kScanSmemWg (u / 8 column chunks of [64 rows][128 bytes], the unit at
+// unit % 8 ^ row % 8).
 __device__ __forceinline__ uint32_t sw_off(int row, int unit) {
   return static_cast<uint32_t>((unit >> 3) * (C * 128) + row * 128 + (((unit & 7) ^ (row & 7)) << 4));
 }
