@@ -25,6 +25,11 @@ namespace hypic::kernels::cuda {
 
 using bf16 = __nv_bfloat16;
 
+namespace detail {
+struct GdnFactorsAccess;  // gated_delta_prefill.cu: the checks, plan and WY launch that gdn_prefill and
+                          // gdn_fold_short_runs share
+}  // namespace detail
+
 /// Head size the GPU gated-delta kernels are built for (d_k = d_v).
 inline constexpr int kGdnHeadDim = 128;
 /// Chunk length of the chunked prefill.
@@ -117,6 +122,7 @@ class GdnWorkspace {
 
  private:
   friend void gdn_prefill(const GdnPrefillArgs&, GdnWorkspace&, cudaStream_t);
+  friend struct detail::GdnFactorsAccess;
   void reserve(size_t chunk_heads);
   void reserve_split(size_t state_bytes, size_t job_bytes);
   void* mem_ = nullptr;
@@ -153,6 +159,31 @@ class GdnWorkspace {
 /// graph capture; std::runtime_error on CUDA errors (an out-of-memory workspace leaves no plan
 /// behind: the next call rebuilds it).
 void gdn_prefill(const GdnPrefillArgs& args, GdnWorkspace& ws, cudaStream_t stream = nullptr);
+
+/// One fold of gdn_fold_short_runs: the affine step (T, S) that follows run i in a chain, and where the composed step
+/// goes. T, S: DEVICE [H_v][128][128] fp32 (T nullptr: the identity; S nullptr: zero); T_out, S_out: DEVICE
+/// [H_v][128][128] fp32, 16-byte aligned, written (either may be nullptr: not written; both: run i is skipped).
+struct GdnRunFold {
+  const float* T = nullptr;
+  const float* S = nullptr;
+  float* T_out = nullptr;
+  float* S_out = nullptr;
+};
+
+/// The composition of each short zero-start run with the affine step after it, without the scan: for run i of `a`
+/// (tokens cu_seqlens_host[i] .. [i + 1], at most kGdnChunk = 64 of them, from the zero state) and value head h, its
+/// transition and state from zero are, in the chunk form of gdn_prefill (hybrid_models.md 5.4, DESIGN.md 3.1),
+///   T_run = gamma I - K~^T W,  S_run = K~^T U,  K~ = diag(kf) K,  gamma = e^{G_C}
+/// (W, U and kf from the WY kernel, K the raw k rows), so with Z = T K~^T (128 x len)
+///   T_out = T T_run = gamma T - Z W,   S_out = T S_run + S = Z U + S
+/// in fp32 from the bf16 factors (rank len: about 3 x 128 x 128 x len multiply-adds instead of a 128^3 product and a
+/// scan). This folds a splice's seam windows into the cached segment after each (the affine chain then takes one
+/// step per pair instead of two). `a` as for gdn_prefill with num_seqs runs, no initial state, no outputs, final
+/// state, transition or checkpoints (those fields must be null / zero); folds: DEVICE [num_seqs]. Runs of length 0
+/// compose as the identity (T_out = T, S_out = S). Throws std::invalid_argument on a run longer than 64 tokens, the
+/// fields above set, and what gdn_prefill rejects; std::runtime_error on CUDA errors.
+void gdn_fold_short_runs(const GdnPrefillArgs& a, const GdnRunFold* folds, GdnWorkspace& ws,
+                         cudaStream_t stream = nullptr);
 
 /// How gdn_prefill will scan each sequence of `a`: the number of parts (1 = whole; see
 /// GdnPrefillArgs::seq_parts). With seq_parts = 0 a sequence of n >= 48 chunks is cut into

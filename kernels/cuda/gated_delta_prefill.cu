@@ -260,41 +260,155 @@ bool gdn_wy_wgmma_active() {
   return wgmma_kernel_runs(wy_wgmma_switch.on());
 }
 
-void gdn_prefill(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t stream) {
-  detail::validate_gdn_args(a, "gdn_prefill");
+namespace {
+
+// gdn_fold_short_runs: one block per (run, value head); the run's factors in shared memory (K~ fp32 [len][128], W bf16
+// [len][128], U^T bf16 [128][len]), then the 128 state rows in slabs of 16: Z = T K~^T, T_out = gamma T - Z W,
+// S_out = Z U + S, fp32 on the CUDA cores in a fixed order (deterministic). ml: the longest run (<= C), the row
+// length of the shared arrays.
+constexpr int kFoldThreads = 256, kFoldSlab = 16;
+
+size_t fold_smem_bytes(int ml) {
+  return size_t(ml) * D * 4 + size_t(ml) * D * 2 + size_t(D) * ml * 2 + size_t(kFoldSlab) * D * 4 +
+         size_t(kFoldSlab) * ml * 4;
+}
+
+__global__ void __launch_bounds__(kFoldThreads) fold_short_runs_kernel(int Hk, int Hv, const bf16* __restrict__ k,
+                                                                     WsView ws, int nchunks, int ml,
+                                                                     const GdnRunFold* __restrict__ folds) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int run = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
+  const GdnRunFold fo = folds[run];
+  if (!fo.T_out && !fo.S_out) return;
+  float* sKt = reinterpret_cast<float*>(smem);                       // [ml][128]
+  bf16* sW = reinterpret_cast<bf16*>(sKt + size_t(ml) * D);         // [ml][128]
+  bf16* sUT = sW + size_t(ml) * D;                                   // [128][ml]
+  float* sT = reinterpret_cast<float*>(sUT + size_t(D) * ml);       // [16][128]: the slab of T
+  float* sZ = sT + kFoldSlab * D;                                    // [16][ml]
+  // The run's chunk (one per non-empty run, in order): chunks[c].seq == run; none for an empty run.
+  int lo = 0, hi = nchunks;
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    if (ws.chunks[mid].seq < run) lo = mid + 1;
+    else hi = mid;
+  }
+  const bool has = lo < nchunks && ws.chunks[lo].seq == run;
+  const int len = has ? ws.chunks[lo].len : 0, t0 = has ? ws.chunks[lo].t0 : 0;
+  const size_t slot = size_t(lo) * Hv + h;
+  const int kh = h / (Hv / Hk);
+  const float gamma = has ? __expf(ws.scal[slot * kScal + 2 * C + C - 1]) : 1.f;
+  for (int i = tid; i < len * D; i += kFoldThreads) {
+    const int t = i / D, e = i % D;
+    sKt[i] = ws.scal[slot * kScal + t] * __bfloat162float(k[(size_t(t0 + t) * Hk + kh) * D + e]);
+    sW[i] = ws.W[slot * kWElems + i];
+  }
+  for (int i = tid; i < D * len; i += kFoldThreads) {
+    const int vcol = i / len, t = i % len;
+    sUT[vcol * ml + t] = ws.UT[slot * kWElems + size_t(vcol) * C + t];
+  }
+  const size_t head = size_t(h) * D * D;
+  const float* Tg = fo.T ? fo.T + head : nullptr;
+  const float* Sg = fo.S ? fo.S + head : nullptr;
+  for (int d0 = 0; d0 < D; d0 += kFoldSlab) {
+    __syncthreads();  // the factors staged; the previous slab's sT / sZ read
+    for (int i = tid; i < kFoldSlab * D; i += kFoldThreads) {
+      const int r = i / D, e = i % D;
+      sT[i] = Tg ? Tg[size_t(d0 + r) * D + e] : (d0 + r == e ? 1.f : 0.f);
+    }
+    __syncthreads();
+    for (int i = tid; i < kFoldSlab * len; i += kFoldThreads) {  // Z[r][t] = sum_e T[r][e] K~[t][e]
+      const int r = i / len, t = i % len;
+      const float* tr = sT + r * D;
+      const float* kr = sKt + size_t(t) * D;
+      float z = 0.f;
+      for (int e = 0; e < D; ++e) z = fmaf(tr[e], kr[e], z);
+      sZ[r * ml + t] = z;
+    }
+    __syncthreads();
+    // Thread: row r = tid / 16 of the slab, columns c0 = 8 (tid % 16) .. + 7 of T_out and S_out.
+    const int r = tid / 16, c0 = (tid % 16) * 8;
+    float to[8], so[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      to[j] = gamma * sT[r * D + c0 + j];
+      so[j] = Sg ? Sg[size_t(d0 + r) * D + c0 + j] : 0.f;
+    }
+    for (int t = 0; t < len; ++t) {
+      const float z = sZ[r * ml + t];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        to[j] = fmaf(-z, __bfloat162float(sW[size_t(t) * D + c0 + j]), to[j]);
+        so[j] = fmaf(z, __bfloat162float(sUT[size_t(c0 + j) * ml + t]), so[j]);
+      }
+    }
+    const size_t o = head + size_t(d0 + r) * D + c0;
+    if (fo.T_out) {
+      *reinterpret_cast<float4*>(fo.T_out + o) = make_float4(to[0], to[1], to[2], to[3]);
+      *reinterpret_cast<float4*>(fo.T_out + o + 4) = make_float4(to[4], to[5], to[6], to[7]);
+    }
+    if (fo.S_out) {
+      *reinterpret_cast<float4*>(fo.S_out + o) = make_float4(so[0], so[1], so[2], so[3]);
+      *reinterpret_cast<float4*>(fo.S_out + o + 4) = make_float4(so[4], so[5], so[6], so[7]);
+    }
+  }
+}
+
+}  // namespace
+
+namespace detail {
+
+// What gdn_prefill and gdn_fold_short_runs share: the argument checks (messages naming `fn`), the plan (chunk table
+// and scan jobs, built when the call shape changes), the workspace's factor arrays and the WY launch. Fills the
+// factors' view, the device scan jobs, the split-state arena, the chunk count and the device's SM count.
+struct GdnFactors {
+  WsView v{};
+  const ScanJob* jobs_dev = nullptr;
+  float* split = nullptr;
+  int nchunks = 0;
+  int num_sms = 0;
+};
+struct GdnFactorsAccess {
+  static GdnFactors prepare(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t stream, const char* fn);
+};
+
+GdnFactors GdnFactorsAccess::prepare(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t stream,
+                                     const char* fn) {
+  GdnFactors out;
+  WsView& v = out.v;
+  const std::string f = fn;
+  detail::validate_gdn_args(a, fn);
   const int total_tokens = a.cu_seqlens_host[a.num_seqs];
   const bool fused_gates = a.gate_a || a.gate_b || a.A_log || a.dt_bias;
   if (fused_gates && (a.g || a.beta))
-    throw std::invalid_argument("gdn_prefill: give either g and beta or the fused gate inputs, not both");
+    throw std::invalid_argument(f + ": give either g and beta or the fused gate inputs, not both");
   if (total_tokens > 0) {
     for (const auto& [ptr, name] : {std::pair<const void*, const char*>{a.k, "k"}, {a.v, "v"}})
-      if (!ptr) throw std::invalid_argument(std::string("gdn_prefill: ") + name + " is null");
+      if (!ptr) throw std::invalid_argument(f + ": " + name + " is null");
     if (fused_gates) {
       for (const auto& [ptr, name] : {std::pair<const void*, const char*>{a.gate_a, "gate_a"}, {a.gate_b, "gate_b"},
                                       {a.A_log, "A_log"}, {a.dt_bias, "dt_bias"}})
-        if (!ptr) throw std::invalid_argument(std::string("gdn_prefill: ") + name + " is null (fused gates)");
+        if (!ptr) throw std::invalid_argument(f + ": " + name + " is null (fused gates)");
     } else {
       for (const auto& [ptr, name] : {std::pair<const void*, const char*>{a.g, "g"}, {a.beta, "beta"}})
-        if (!ptr) throw std::invalid_argument(std::string("gdn_prefill: ") + name + " is null");
+        if (!ptr) throw std::invalid_argument(f + ": " + name + " is null");
     }
   }
-  if (a.out && total_tokens > 0 && !a.q) throw std::invalid_argument("gdn_prefill: q is null but out is requested");
+  if (a.out && total_tokens > 0 && !a.q) throw std::invalid_argument(f + ": q is null but out is requested");
   // 16-byte vector accesses: q, k, v rows (uint4, cp.async), out rows, states (float4 in compose_fold).
   for (const auto& [ptr, name] :
        {std::pair<const void*, const char*>{a.q, "q"}, {a.k, "k"}, {a.v, "v"}, {a.out, "out"},
         {a.initial_state, "initial_state"}, {a.final_state, "final_state"}, {a.transition, "transition"}})
     if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0)
-      throw std::invalid_argument(std::string("gdn_prefill: ") + name + " must be 16-byte aligned");
+      throw std::invalid_argument(f + ": " + name + " must be 16-byte aligned");
 
-  const int num_sms = configure();
-  const bool with_t = a.transition != nullptr, with_out = a.out != nullptr;
+  out.num_sms = configure();
   // The plan: reused while cu_seqlens, head counts and requested outputs stay the same.
   if (!ws.plan_ || ws.plan_->key != plan_key(a)) {
     cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
     check_cuda(cudaStreamIsCapturing(stream, &capturing), "cudaStreamIsCapturing");
     if (capturing != cudaStreamCaptureStatusNone)
       throw std::invalid_argument(
-          "gdn_prefill: a new call shape (cu_seqlens, heads, requested outputs, seq_parts) during CUDA graph "
+          f + ": a new call shape (cu_seqlens, heads, requested outputs, seq_parts) during CUDA graph "
           "capture: make one uncaptured call of this shape on this workspace first");
     auto plan = std::make_unique<GdnPlan>();
     std::vector<unsigned char> table;
@@ -309,9 +423,9 @@ void gdn_prefill(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t stream)
   }
   const GdnPlan& plan = *ws.plan_;
   const int nchunks = plan.nchunks;
+  out.nchunks = nchunks;
   ws.reserve(size_t(nchunks) * a.num_v_heads);
   auto* base = static_cast<unsigned char*>(ws.mem_);
-  WsView v{};
   const size_t cap = ws.chunk_heads_cap_;
   v.W = reinterpret_cast<bf16*>(base);
   v.UT = v.W + cap * kWElems;
@@ -319,8 +433,8 @@ void gdn_prefill(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t stream)
   v.scal = reinterpret_cast<float*>(v.P + cap * kPElems);
   auto* table_dev = static_cast<unsigned char*>(ws.job_mem_);
   v.chunks = reinterpret_cast<const ChunkInfo*>(table_dev);
-  const auto* jobs_dev = reinterpret_cast<const ScanJob*>(table_dev + plan.chunk_table_bytes);
-  auto* split = static_cast<float*>(ws.split_mem_);
+  out.jobs_dev = reinterpret_cast<const ScanJob*>(table_dev + plan.chunk_table_bytes);
+  out.split = static_cast<float*>(ws.split_mem_);
   if (nchunks > 0) {
     const unsigned blocks = unsigned(nchunks) * unsigned(a.num_v_heads);
     const GateInputs gates{a.gate_a, a.gate_b, a.A_log, a.dt_bias};
@@ -337,6 +451,19 @@ void gdn_prefill(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t stream)
       check_cuda(cudaGetLastError(), "gdn_wy_kernel launch");
     }
   }
+  return out;
+}
+
+}  // namespace detail
+
+void gdn_prefill(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t stream) {
+  const detail::GdnFactors fac = detail::GdnFactorsAccess::prepare(a, ws, stream, "gdn_prefill");
+  const WsView& v = fac.v;
+  const ScanJob* jobs_dev = fac.jobs_dev;
+  float* split = fac.split;
+  const int num_sms = fac.num_sms;
+  const GdnPlan& plan = *ws.plan_;
+  const bool with_t = a.transition != nullptr, with_out = a.out != nullptr;
 
   ScanParams sp{};
   sp.Hk = a.num_k_heads;
@@ -430,6 +557,38 @@ void gdn_prefill(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t stream)
     check_cuda(cudaStreamWaitEvent(stream, ws.join_, 0), "cudaStreamWaitEvent(join)");
   }
   launch(jobs_dev + plan.njobs1, plan.njobs2, with_t, with_t);
+}
+
+void gdn_fold_short_runs(const GdnPrefillArgs& a, const GdnRunFold* folds, GdnWorkspace& ws, cudaStream_t stream) {
+  const char* fn = "gdn_fold_short_runs";
+  detail::validate_gdn_args(a, fn);
+  if (a.initial_state || a.out || a.final_state || a.transition || a.num_checkpoints)
+    throw std::invalid_argument(std::string(fn) + ": runs start from zero and write no outputs, states, transitions "
+                                                   "or checkpoints (initial_state, out, final_state, transition, "
+                                                   "num_checkpoints must be unset)");
+  int ml = 0;
+  for (int i = 0; i < a.num_seqs; ++i) {
+    const int len = a.cu_seqlens_host[i + 1] - a.cu_seqlens_host[i];
+    if (len > C)
+      throw std::invalid_argument(std::string(fn) + ": run " + std::to_string(i) + " has " + std::to_string(len) +
+                                  " tokens, more than one chunk (" + std::to_string(C) + ")");
+    ml = std::max(ml, len);
+  }
+  if (a.num_seqs > 0 && !folds) throw std::invalid_argument(std::string(fn) + ": folds is null");
+  if (a.num_seqs == 0) return;
+  const detail::GdnFactors fac = detail::GdnFactorsAccess::prepare(a, ws, stream, fn);
+  ml = std::max(ml, 1);
+  const size_t smem = fold_smem_bytes(ml);  // 76 KiB at ml = 64, 17 KiB at a seam window's 8
+  static DeviceOnce once;
+  once.run(current_device(), [](int) {
+    check_cuda(cudaFuncSetAttribute(fold_short_runs_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    int(fold_smem_bytes(C))),
+               "cudaFuncSetAttribute(fold_short_runs_kernel)");
+    return 0;
+  });
+  fold_short_runs_kernel<<<dim3(unsigned(a.num_seqs), unsigned(a.num_v_heads)), kFoldThreads, smem, stream>>>(
+      a.num_k_heads, a.num_v_heads, a.k, fac.v, fac.nchunks, ml, folds);
+  check_cuda(cudaGetLastError(), "fold_short_runs_kernel launch");
 }
 
 }  // namespace hypic::kernels::cuda

@@ -36,6 +36,7 @@
 #include "engine/checkpoint/config.h"
 #include "engine/cuda/cuda_backend.h"
 #include "engine/cuda/sm_partition.h"
+#include "kernels/cuda/gated_delta.h"
 #include "kernels/cuda/ops.h"
 #include "engine/cpu/model.h"
 #include "engine/checkpoint/safetensors.h"
@@ -879,6 +880,54 @@ TEST_CASE("cuda backend: switched kernel paths that keep the arithmetic give the
       std::printf("[backend] %s on vs off: %zu of %zu prefill / splice / decode logit sets bit-identical\n", sw, same,
                   off.size());
       CHECK(same == off.size());
+    }
+  }
+}
+
+// The candidate HYPIC_SPLICE_SEAM_FOLD: a hypic splice's seam runs composed into the cached segment after each
+// (gdn_fold_short_runs) instead of scanned and chained as steps of their own. Another arithmetic (fp32 rank-w products
+// from the bf16 WY factors instead of the scan's T columns), so the logits are compared within rounding: seam widths
+// 4 and 8 over five segments (on: other bits, the path taken), and a seam wider than one chunk (72 tokens: the
+// default path, the same bits).
+TEST_CASE("cuda backend: seam windows folded into the next segment (HYPIC_SPLICE_SEAM_FOLD) give the splice within "
+          "rounding", "[backend]") {
+  require_gpu();
+  Fixture& f = fixture("qwen3_5_moe_gpu");
+  std::mt19937 rng(41);
+  std::vector<std::vector<int32_t>> segs;
+  for (int i = 0; i < 5; ++i) segs.push_back(random_ids(rng, 90 + 7 * i, f.cfg.vocab_size));
+  const std::vector<int32_t> query = random_ids(rng, 12, f.cfg.vocab_size);
+  for (const int w : {4, 8, 72}) {
+    DYNAMIC_SECTION("seam width " << w) {
+      const auto entries = f.gpu->build_entries(segs, w);
+      auto splice = [&] {
+        eng::SplicePlan hp;
+        hp.mode = eng::SpliceMode::Hypic;
+        hp.seam_width = w;
+        for (size_t i = 0; i < segs.size(); ++i) hp.segments.push_back({segs[i], entries[i]});
+        hp.query = query;
+        return f.gpu->splice(hp).logits;
+      };
+      std::vector<float> off, on;
+      {
+        hypic::gputest::ScopedCandidate c("HYPIC_SPLICE_SEAM_FOLD", false);
+        off = splice();
+      }
+      {
+        hypic::gputest::ScopedCandidate c("HYPIC_SPLICE_SEAM_FOLD", true);
+        on = splice();
+      }
+      REQUIRE(off.size() == on.size());
+      const hypic::gputest::Err e = hypic::gputest::compare(on.data(), off.data(), off.size());
+      const bool same = hypic::gputest::same_bits(off, on);
+      std::printf("[backend] seam fold, w = %d: logits max rel %.3e, fro %.3e, bit-identical %d\n", w, e.max_rel, e.fro,
+                  int(same));
+      if (w > kc::kGdnChunk) {
+        CHECK(same);  // a run longer than a chunk: the default path
+      } else {
+        CHECK_FALSE(same);
+        CHECK(e.max_rel <= 2e-2);
+      }
     }
   }
 }

@@ -49,6 +49,29 @@ void normalise(const float* x, float mul, float* y, bool round_bf16 = false) {
 }
 
 
+// The CPU recurrence (cpu::gated_delta_recurrent, the oracle) over tokens t0 .. t0 + L - 1 of packed inputs
+// ([T][H][128] q, k, v as fp32, [T][H_v] g and beta), q and k l2-normalised and rounded to bf16 as the prefill kernel
+// does: state [H_v][128][128] in / out, out [L][H_v][128] (nullptr: a scratch), transition [H_v][128][128] (nullptr:
+// not computed).
+void cpu_run(const std::vector<float>& qf, const std::vector<float>& kf, const std::vector<float>& vf,
+             const std::vector<float>& g, const std::vector<float>& beta, int hk, int hv, int t0, int L, float scale,
+             float* state, float* out, float* transition) {
+  std::vector<float> q(size_t(L) * hk * D), k(q.size()), v(size_t(L) * hv * D), gs(size_t(L) * hv), bs(gs.size());
+  for (int t = 0; t < L; ++t)
+    for (int h = 0; h < hk; ++h) {
+      const size_t src = (size_t(t0 + t) * hk + h) * D, dst = (size_t(t) * hk + h) * D;
+      normalise(&qf[src], scale, &q[dst], true);
+      normalise(&kf[src], 1.0f, &k[dst], true);
+    }
+  std::copy(vf.begin() + size_t(t0) * hv * D, vf.begin() + size_t(t0 + L) * hv * D, v.begin());
+  std::copy(g.begin() + size_t(t0) * hv, g.begin() + size_t(t0 + L) * hv, gs.begin());
+  std::copy(beta.begin() + size_t(t0) * hv, beta.begin() + size_t(t0 + L) * hv, bs.begin());
+  std::vector<float> scratch(out ? 0 : size_t(L) * hv * D);
+  cpu::GatedDeltaShape shape{L, hk, hv, D, D};
+  cpu::GatedDeltaInputs in{q.data(), k.data(), v.data(), gs.data(), bs.data()};
+  cpu::gated_delta_recurrent(shape, in, state, out ? out : scratch.data(), transition);
+}
+
 // GdnPrefillArgs for n sequences (cu: host offsets) with explicit g and beta.
 gpu::GdnPrefillArgs make_args(int n, const int* cu, int hk, int hv, const bf16* q, const bf16* k, const bf16* v,
                               const float* g, const float* beta, float* final_state, float* transition, bf16* out) {
@@ -161,22 +184,9 @@ void run_prefill_case(const PrefillCase& pc, uint32_t seed) {
   double worst_o = 0, worst_s = 0, worst_t = 0;
   for (int s = 0; s < n; ++s) {
     const int L = pc.lens[s], t0 = cu[s];
-    std::vector<float> q(size_t(L) * pc.hk * D), k(q.size()), v(size_t(L) * pc.hv * D), gs(size_t(L) * pc.hv),
-        bs(gs.size());
-    for (int t = 0; t < L; ++t)
-      for (int h = 0; h < pc.hk; ++h) {
-        const size_t src = (size_t(t0 + t) * pc.hk + h) * D, dst = (size_t(t) * pc.hk + h) * D;
-        normalise(&qf[src], scale, &q[dst], true);
-        normalise(&kf[src], 1.0f, &k[dst], true);
-      }
-    std::copy(vf.begin() + size_t(t0) * pc.hv * D, vf.begin() + size_t(t0 + L) * pc.hv * D, v.begin());
-    std::copy(g.begin() + size_t(t0) * pc.hv, g.begin() + size_t(t0 + L) * pc.hv, gs.begin());
-    std::copy(beta.begin() + size_t(t0) * pc.hv, beta.begin() + size_t(t0 + L) * pc.hv, bs.begin());
     std::vector<float> state(init.begin() + size_t(s) * pc.hv * D * D, init.begin() + size_t(s + 1) * pc.hv * D * D);
     std::vector<float> ref_out(size_t(L) * pc.hv * D), ref_tr(size_t(pc.hv) * D * D);
-    cpu::GatedDeltaShape shape{L, pc.hk, pc.hv, D, D};
-    cpu::GatedDeltaInputs in{q.data(), k.data(), v.data(), gs.data(), bs.data()};
-    cpu::gated_delta_recurrent(shape, in, state.data(), ref_out.data(), ref_tr.data());
+    cpu_run(qf, kf, vf, g, beta, pc.hk, pc.hv, t0, L, scale, state.data(), ref_out.data(), ref_tr.data());
 
     for (int h = 0; h < pc.hv; ++h) {
       const size_t off = (size_t(s) * pc.hv + h) * D * D;
@@ -336,6 +346,103 @@ TEST_CASE("gdn_prefill with its products on wgmma (HYPIC_GDN_WY_WGMMA / _SCAN_WG
       }
     }
   }
+}
+
+// gdn_fold_short_runs: each zero-start run of at most one chunk composed with the affine step after it, against the
+// CPU recurrence (the run's transition and state from zero, as in the tests above) composed in double:
+// T_out = T T_run, S_out = T S_run + S. Runs of 8, 1, 64, 0 (the identity) and 37 tokens, one fold with T = nullptr
+// (the identity), one with S = nullptr, one skipped; GVA 2.
+TEST_CASE("gdn_fold_short_runs composes short runs with the next affine step as the recurrence does",
+          "[gpu][gated_delta]") {
+  require_gpu();
+  std::mt19937 rng(71);
+  const int hk = 2, hv = 4;
+  const std::vector<int> lens = {8, 1, 64, 0, 37, 5};
+  const int n = int(lens.size());
+  std::vector<int> cu(n + 1, 0);
+  for (int i = 0; i < n; ++i) cu[i + 1] = cu[i] + lens[i];
+  const int T = cu[n];
+  const float scale = 1.0f / std::sqrt(float(D));
+  std::vector<float> qf, kf, vf;
+  auto qh = random_bf16(rng, size_t(T) * hk * D, 1.0f, qf);
+  auto kh = random_bf16(rng, size_t(T) * hk * D, 1.0f, kf);
+  auto vh = random_bf16(rng, size_t(T) * hv * D, 1.0f, vf);
+  auto g = random_log_decay(rng, size_t(T) * hv);
+  auto beta = random_beta(rng, size_t(T) * hv);
+  DeviceBuffer<bf16> dq(qh), dk(kh), dv(vh);
+  DeviceBuffer<float> dg(g), db(beta);
+  const size_t mat = size_t(D) * D, per = size_t(hv) * mat;
+  std::normal_distribution<float> nd(0.f, 0.1f);
+  std::vector<float> Tf(size_t(n) * per), Sf(size_t(n) * per);
+  for (size_t i = 0; i < Tf.size(); ++i) Tf[i] = nd(rng) + ((i % mat) / D == (i % mat) % D ? 0.9f : 0.f);
+  for (auto& x : Sf) x = nd(rng) * 3.f;
+  DeviceBuffer<float> dTf(Tf), dSf(Sf), dTo(size_t(n) * per), dSo(size_t(n) * per);
+  dTo.poison();
+  dSo.poison();
+  std::vector<gpu::GdnRunFold> folds(n);
+  for (int i = 0; i < n; ++i)
+    folds[i] = {dTf.get() + i * per, dSf.get() + i * per, dTo.get() + i * per, dSo.get() + i * per};
+  folds[1].T = nullptr;  // the identity
+  folds[4].S = nullptr;  // zero
+  folds[5] = {};         // skipped: its outputs stay poisoned
+  DeviceBuffer<gpu::GdnRunFold> dfolds(folds.size());
+  check_cuda(cudaMemcpy(dfolds.get(), folds.data(), folds.size() * sizeof(gpu::GdnRunFold), cudaMemcpyHostToDevice),
+             "folds");
+  gpu::GdnWorkspace ws;
+  gpu::GdnPrefillArgs a = make_args(n, cu.data(), hk, hv, dq.get(), dk.get(), dv.get(), dg.get(), db.get(), nullptr,
+                                    nullptr, nullptr);
+  a.scale = scale;
+  gpu::gdn_fold_short_runs(a, dfolds.get(), ws);
+  check_cuda(cudaDeviceSynchronize(), "gdn_fold_short_runs");
+  const auto To = dTo.download(), So = dSo.download();
+  double worst_t = 0, worst_s = 0;
+  for (int i = 0; i < n; ++i) {
+    const int L = lens[i], t0 = cu[i];
+    if (i == 5) {  // skipped
+      CHECK(std::all_of(To.begin() + i * per, To.begin() + (i + 1) * per, [](float x) { return std::isnan(x); }));
+      continue;
+    }
+    std::vector<float> state(per, 0.f), ref_tr(per);
+    cpu_run(qf, kf, vf, g, beta, hk, hv, t0, L, scale, state.data(), nullptr, ref_tr.data());
+    for (int h = 0; h < hv; ++h) {
+      const float* Tr = ref_tr.data() + h * mat;
+      const float* Sr = state.data() + h * mat;
+      const float* F = folds[i].T ? Tf.data() + i * per + h * mat : nullptr;
+      std::vector<float> wt(mat), ws_(mat);
+      for (int d = 0; d < D; ++d)
+        for (int e = 0; e < D; ++e) {
+          double t = 0, st = folds[i].S ? double(Sf[i * per + h * mat + size_t(d) * D + e]) : 0.0;
+          for (int m = 0; m < D; ++m) {
+            const double f = F ? double(F[size_t(d) * D + m]) : (d == m ? 1.0 : 0.0);
+            t += f * Tr[size_t(m) * D + e];
+            st += f * Sr[size_t(m) * D + e];
+          }
+          wt[size_t(d) * D + e] = float(t);
+          ws_[size_t(d) * D + e] = float(st);
+        }
+      const double et = rel_err(To.data() + i * per + h * mat, wt.data(), mat);
+      const double es = rel_err(So.data() + i * per + h * mat, ws_.data(), mat);
+      INFO("run " << i << " (len " << L << ") head " << h << ": T " << et << " S " << es);
+      CHECK(et <= 2e-2);
+      CHECK(es <= 2e-2);
+      if (L == 0) {  // the identity run: T_out = T and S_out = S exactly
+        CHECK(et == 0);
+        CHECK(es == 0);
+      }
+      worst_t = std::max(worst_t, et);
+      worst_s = std::max(worst_s, es);
+    }
+  }
+  WARN("gdn_fold_short_runs: worst rel err T " << worst_t << ", S " << worst_s);
+  // What it refuses: a run longer than a chunk, outputs or states requested.
+  std::vector<int> cu_long = {0, 65};
+  gpu::GdnPrefillArgs bad = a;
+  bad.num_seqs = 1;
+  bad.cu_seqlens_host = cu_long.data();
+  CHECK_THROWS_AS(gpu::gdn_fold_short_runs(bad, dfolds.get(), ws), std::invalid_argument);
+  bad = a;
+  bad.transition = dTo.get();
+  CHECK_THROWS_AS(gpu::gdn_fold_short_runs(bad, dfolds.get(), ws), std::invalid_argument);
 }
 
 TEST_CASE("gdn_prefill keeps its plan across calls of one shape and replays from a CUDA graph",
@@ -847,21 +954,8 @@ TEST_CASE("gdn_prefill checkpoints: the states at chosen tokens, written in the 
   std::vector<std::vector<float>> cpu_state(ncp);
   for (int i = 0; i < ncp; ++i) {
     const int s = at[i] > cu[1] ? 1 : 0, t0 = cu[s], L = at[i] - t0;
-    std::vector<float> q(size_t(L) * hk * D), k(q.size()), v(size_t(L) * hv * D), gs(size_t(L) * hv), bs(gs.size());
-    for (int t = 0; t < L; ++t)
-      for (int h = 0; h < hk; ++h) {
-        const size_t src = (size_t(t0 + t) * hk + h) * D, dst = (size_t(t) * hk + h) * D;
-        normalise(&qf[src], scale, &q[dst], true);
-        normalise(&kf[src], 1.0f, &k[dst], true);
-      }
-    std::copy(vf.begin() + size_t(t0) * hv * D, vf.begin() + size_t(t0 + L) * hv * D, v.begin());
-    std::copy(g.begin() + size_t(t0) * hv, g.begin() + size_t(t0 + L) * hv, gs.begin());
-    std::copy(beta.begin() + size_t(t0) * hv, beta.begin() + size_t(t0 + L) * hv, bs.begin());
     cpu_state[i].assign(init.begin() + size_t(s) * se, init.begin() + size_t(s + 1) * se);
-    std::vector<float> o(size_t(L) * hv * D);
-    cpu::GatedDeltaShape shape{L, hk, hv, D, D};
-    cpu::GatedDeltaInputs in{q.data(), k.data(), v.data(), gs.data(), bs.data()};
-    cpu::gated_delta_recurrent(shape, in, cpu_state[i].data(), o.data(), nullptr);
+    cpu_run(qf, kf, vf, g, beta, hk, hv, t0, L, scale, cpu_state[i].data(), nullptr, nullptr);
   }
   for (const auto& [parts, with_out] : std::vector<std::pair<int, bool>>{{1, true}, {3, true}, {3, false}, {0, true}}) {
     INFO("seq_parts " << parts << ", outputs " << with_out);
