@@ -2,7 +2,7 @@
 # Validates the candidate kernel paths (kernels/cuda/switches.h: written and tested against their references but not
 # yet measured, off by default) on a GPU host, in stages that each fit one device call of about 10 minutes:
 #
-#   scripts/validate_candidates.sh --bin DIR [--out DIR (default: bench/results)] STAGE
+#   scripts/validate_candidates.sh --bin DIR [--out DIR (default: bench/results)] [--all] STAGE
 #     kernels  the kernel tests, which run every candidate beside its default in one process (test_gpu_ops,
 #              test_gpu_ops_table, test_gpu_gated_delta, test_gpu_attention, test_gpu_moe), then test_gpu_moe "[moe]"
 #              with HYPIC_CANDIDATES=1 under the MoE wgmma variants 1 .. 4 (HYPIC_MOE_WGMMA, read once per process),
@@ -10,8 +10,8 @@
 #              case on the wgmma kernels)
 #     backend  test_gpu_backend "[backend]" and test_gpu_conformance, as they are (the end-to-end bit checks and the
 #              device-sampling conformance run inside) and with HYPIC_CANDIDATES=1
-#     bench    hypic-bench-prefill-gpu (Qwen3.5-35B-A3B dimensions, random weights) with --ab over every candidate
-#              and HYPIC_CANDIDATES (each full-prefill length and the warm splice, off and on alternating run by run;
+#     bench    hypic-bench-prefill-gpu (Qwen3.5-35B-A3B dimensions, random weights) with --ab over the candidates
+#              not measured yet (their README row says so; --all: every candidate) and HYPIC_CANDIDATES (each full-prefill length and the warm splice, off and on alternating run by run;
 #              greedy decode at each batch in blocks of steps),
 #              decode batches 1 / 16 / 64 with sampling on the host and on the device: OUT/candidates_ab.{json,md,log}
 #     kernel-bench  kernels alone: gdn_bench (one Gated DeltaNet layer at 4k / 16k / 32k / 16 x 2k tokens, with the
@@ -36,12 +36,13 @@
 set -euo pipefail
 SCRIPT="$0"
 usage() { sed -n '2,/^set -euo/p' "$SCRIPT" | sed '$d' | sed 's/^# \{0,1\}//'; }
-BIN="" OUT="" STAGE=""
+BIN="" OUT="" STAGE="" ALL=0
 while (($#)); do
   case "$1" in
     -h|--help) usage; exit 0 ;;
     --bin) BIN="${2:?--bin needs a directory}"; shift 2 ;;
     --out) OUT="${2:?--out needs a directory}"; shift 2 ;;
+    --all) ALL=1; shift ;;
     kernels|backend|bench|bench-all|bench-lengths|kernel-bench) STAGE="$1"; shift ;;
     *) echo "validate_candidates.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
@@ -55,6 +56,12 @@ candidates=$(sed -n '/kCandidateSwitches\[\] = {/,/};/p' kernels/cuda/switches.h
              tr -d '"' | paste -sd, -)
 [[ -n "$candidates" ]] || { echo "validate_candidates.sh: no candidates found in kernels/cuda/switches.h" >&2; exit 2; }
 echo "candidates: $candidates"
+# The candidates whose README row still says "not measured yet" (the bench stage's default set).
+unmeasured=$(grep -o '^| `HYPIC_[A-Z0-9_]*` |.*not measured yet' README.md | grep -o '^| `HYPIC_[A-Z0-9_]*`' |
+             tr -d '|` ' | paste -sd, -)
+ab=$candidates
+if [[ $ALL == 0 && -n "$unmeasured" ]]; then ab=$unmeasured; fi
+echo "benchmarked side by side (bench): $ab"
 status=0
 run() { echo "== $*"; "$@" || status=$?; }
 case "$STAGE" in
@@ -76,7 +83,7 @@ case "$STAGE" in
     echo "== hypic-bench-prefill-gpu --ab"
     "$BIN/hypic-bench-prefill-gpu" --config bench/gpu/qwen3_5_35b_a3b.json --lengths 4096,32768 \
       --skip parts,build,notc,beside --refresh "" --refresh-tail "" --warmup 1 --reps 3 \
-      --decode-batches 1,16,64 --decode-warmup 2 --decode-steps 5 --ab "$candidates,HYPIC_CANDIDATES" \
+      --decode-batches 1,16,64 --decode-warmup 2 --decode-steps 5 --ab "$ab,HYPIC_CANDIDATES" \
       --json "$OUT/candidates_ab.json" --md "$OUT/candidates_ab.md" 2>&1 | tee "$OUT/candidates_ab.log" || status=$?
     ;;
   bench-lengths)
