@@ -262,14 +262,15 @@ bool gdn_wy_wgmma_active() {
 
 namespace {
 
-// gdn_fold_short_runs: one block per (run, value head); the run's factors in shared memory (K~ fp32 [len][128], W bf16
-// [len][128], U^T bf16 [128][len]), then the 128 state rows in slabs of 16: Z = T K~^T, T_out = gamma T - Z W,
-// S_out = Z U + S, fp32 on the CUDA cores in a fixed order (deterministic). ml: the longest run (<= C), the row
-// length of the shared arrays.
-constexpr int kFoldThreads = 256, kFoldSlab = 16;
+// gdn_fold_short_runs: one block per (run, value head); the run's factors in shared memory (K~ fp32 [len][128 + 4],
+// W and U bf16 [len][128], U transposed from the workspace's U^T), then the 128 state rows in slabs of 16 (T fp32
+// [16][128 + 4]): Z = T K~^T, T_out = gamma T - Z W, S_out = Z U + S, fp32 on the CUDA cores in a fixed order
+// (deterministic). The fp32 rows are padded by 4 floats so that the Z loop's rows of K~ fall on distinct banks; W
+// and U rows are read 16 bytes per thread. ml: the longest run (<= C), the row count of the shared arrays.
+constexpr int kFoldThreads = 256, kFoldSlab = 16, kFoldLd = D + 4;
 
 size_t fold_smem_bytes(int ml) {
-  return size_t(ml) * D * 4 + size_t(ml) * D * 2 + size_t(D) * ml * 2 + size_t(kFoldSlab) * D * 4 +
+  return size_t(ml) * kFoldLd * 4 + 2 * size_t(ml) * D * 2 + size_t(kFoldSlab) * kFoldLd * 4 +
          size_t(kFoldSlab) * ml * 4;
 }
 
@@ -280,11 +281,11 @@ __global__ void __launch_bounds__(kFoldThreads) fold_short_runs_kernel(int Hk, i
   const int run = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
   const GdnRunFold fo = folds[run];
   if (!fo.T_out && !fo.S_out) return;
-  float* sKt = reinterpret_cast<float*>(smem);                       // [ml][128]
-  bf16* sW = reinterpret_cast<bf16*>(sKt + size_t(ml) * D);         // [ml][128]
-  bf16* sUT = sW + size_t(ml) * D;                                   // [128][ml]
-  float* sT = reinterpret_cast<float*>(sUT + size_t(D) * ml);       // [16][128]: the slab of T
-  float* sZ = sT + kFoldSlab * D;                                    // [16][ml]
+  float* sKt = reinterpret_cast<float*>(smem);                       // [ml][kFoldLd]
+  bf16* sW = reinterpret_cast<bf16*>(sKt + size_t(ml) * kFoldLd);    // [ml][128]
+  bf16* sU = sW + size_t(ml) * D;                                    // [ml][128]
+  float* sT = reinterpret_cast<float*>(sU + size_t(ml) * D);        // [16][kFoldLd]: the slab of T
+  float* sZ = sT + kFoldSlab * kFoldLd;                              // [16][ml]
   // The run's chunk (one per non-empty run, in order): chunks[c].seq == run; none for an empty run.
   int lo = 0, hi = nchunks;
   while (lo < hi) {
@@ -299,46 +300,53 @@ __global__ void __launch_bounds__(kFoldThreads) fold_short_runs_kernel(int Hk, i
   const float gamma = has ? __expf(ws.scal[slot * kScal + 2 * C + C - 1]) : 1.f;
   for (int i = tid; i < len * D; i += kFoldThreads) {
     const int t = i / D, e = i % D;
-    sKt[i] = ws.scal[slot * kScal + t] * __bfloat162float(k[(size_t(t0 + t) * Hk + kh) * D + e]);
+    sKt[t * kFoldLd + e] = ws.scal[slot * kScal + t] * __bfloat162float(k[(size_t(t0 + t) * Hk + kh) * D + e]);
     sW[i] = ws.W[slot * kWElems + i];
   }
-  for (int i = tid; i < D * len; i += kFoldThreads) {
+  for (int i = tid; i < D * len; i += kFoldThreads) {  // U[t][v] = U^T[v][t] (coalesced reads of U^T's rows)
     const int vcol = i / len, t = i % len;
-    sUT[vcol * ml + t] = ws.UT[slot * kWElems + size_t(vcol) * C + t];
+    sU[t * D + vcol] = ws.UT[slot * kWElems + size_t(vcol) * C + t];
   }
   const size_t head = size_t(h) * D * D;
   const float* Tg = fo.T ? fo.T + head : nullptr;
   const float* Sg = fo.S ? fo.S + head : nullptr;
+  // Thread: row r = tid / 16 of the slab, columns c0 = 8 (tid % 16) .. + 7 of T_out and S_out.
+  const int r = tid / 16, c0 = (tid % 16) * 8;
   for (int d0 = 0; d0 < D; d0 += kFoldSlab) {
     __syncthreads();  // the factors staged; the previous slab's sT / sZ read
     for (int i = tid; i < kFoldSlab * D; i += kFoldThreads) {
-      const int r = i / D, e = i % D;
-      sT[i] = Tg ? Tg[size_t(d0 + r) * D + e] : (d0 + r == e ? 1.f : 0.f);
+      const int rr = i / D, e = i % D;
+      sT[rr * kFoldLd + e] = Tg ? Tg[size_t(d0 + rr) * D + e] : (d0 + rr == e ? 1.f : 0.f);
     }
     __syncthreads();
     for (int i = tid; i < kFoldSlab * len; i += kFoldThreads) {  // Z[r][t] = sum_e T[r][e] K~[t][e]
-      const int r = i / len, t = i % len;
-      const float* tr = sT + r * D;
-      const float* kr = sKt + size_t(t) * D;
+      const int rr = i / len, t = i % len;
+      const float* tr = sT + rr * kFoldLd;
+      const float* kr = sKt + t * kFoldLd;
       float z = 0.f;
       for (int e = 0; e < D; ++e) z = fmaf(tr[e], kr[e], z);
-      sZ[r * ml + t] = z;
+      sZ[rr * ml + t] = z;
     }
     __syncthreads();
-    // Thread: row r = tid / 16 of the slab, columns c0 = 8 (tid % 16) .. + 7 of T_out and S_out.
-    const int r = tid / 16, c0 = (tid % 16) * 8;
     float to[8], so[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      to[j] = gamma * sT[r * D + c0 + j];
+      to[j] = gamma * sT[r * kFoldLd + c0 + j];
       so[j] = Sg ? Sg[size_t(d0 + r) * D + c0 + j] : 0.f;
     }
     for (int t = 0; t < len; ++t) {
       const float z = sZ[r * ml + t];
+      const uint4 wv = *reinterpret_cast<const uint4*>(sW + t * D + c0);
+      const uint4 uv = *reinterpret_cast<const uint4*>(sU + t * D + c0);
+      const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&wv);
+      const __nv_bfloat162* u2 = reinterpret_cast<const __nv_bfloat162*>(&uv);
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        to[j] = fmaf(-z, __bfloat162float(sW[size_t(t) * D + c0 + j]), to[j]);
-        so[j] = fmaf(z, __bfloat162float(sUT[size_t(c0 + j) * ml + t]), so[j]);
+      for (int j = 0; j < 4; ++j) {
+        const float2 wf = __bfloat1622float2(w2[j]), uf = __bfloat1622float2(u2[j]);
+        to[2 * j] = fmaf(-z, wf.x, to[2 * j]);
+        to[2 * j + 1] = fmaf(-z, wf.y, to[2 * j + 1]);
+        so[2 * j] = fmaf(z, uf.x, so[2 * j]);
+        so[2 * j + 1] = fmaf(z, uf.y, so[2 * j + 1]);
       }
     }
     const size_t o = head + size_t(d0 + r) * D + c0;
@@ -578,7 +586,7 @@ void gdn_fold_short_runs(const GdnPrefillArgs& a, const GdnRunFold* folds, GdnWo
   if (a.num_seqs == 0) return;
   const detail::GdnFactors fac = detail::GdnFactorsAccess::prepare(a, ws, stream, fn);
   ml = std::max(ml, 1);
-  const size_t smem = fold_smem_bytes(ml);  // 76 KiB at ml = 64, 17 KiB at a seam window's 8
+  const size_t smem = fold_smem_bytes(ml);  // 77 KiB at ml = 64, 17 KiB at a seam window's 8
   static DeviceOnce once;
   once.run(current_device(), [](int) {
     check_cuda(cudaFuncSetAttribute(fold_short_runs_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,

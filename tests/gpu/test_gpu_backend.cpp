@@ -886,9 +886,9 @@ TEST_CASE("cuda backend: switched kernel paths that keep the arithmetic give the
 
 // The candidate HYPIC_SPLICE_SEAM_FOLD: a hypic splice's seam runs composed into the cached segment after each
 // (gdn_fold_short_runs) instead of scanned and chained as steps of their own. Another arithmetic (fp32 rank-w products
-// from the bf16 WY factors instead of the scan's T columns), so the logits are compared within rounding: seam widths
-// 4 and 8 over five segments (on: other bits, the path taken), and a seam wider than one chunk (72 tokens: the
-// default path, the same bits).
+// from the bf16 WY factors instead of the scan's T columns), so the logits and every linear layer's state after the
+// splice are compared within rounding: seam widths 4 and 8 over five segments (on: other bits, the path taken), and a
+// seam wider than one chunk (72 tokens: the default path, the same bits).
 TEST_CASE("cuda backend: seam windows folded into the next segment (HYPIC_SPLICE_SEAM_FOLD) give the splice within "
           "rounding", "[backend]") {
   require_gpu();
@@ -900,33 +900,34 @@ TEST_CASE("cuda backend: seam windows folded into the next segment (HYPIC_SPLICE
   for (const int w : {4, 8, 72}) {
     DYNAMIC_SECTION("seam width " << w) {
       const auto entries = f.gpu->build_entries(segs, w);
-      auto splice = [&] {
+      auto splice = [&](bool fold, eng::ModelState& state) {
+        hypic::gputest::ScopedCandidate c("HYPIC_SPLICE_SEAM_FOLD", fold);
         eng::SplicePlan hp;
         hp.mode = eng::SpliceMode::Hypic;
         hp.seam_width = w;
         for (size_t i = 0; i < segs.size(); ++i) hp.segments.push_back({segs[i], entries[i]});
         hp.query = query;
-        return f.gpu->splice(hp).logits;
+        eng::SpliceOutput out = f.gpu->splice(hp);
+        state = out.sequence->to_host();
+        return out.logits;
       };
-      std::vector<float> off, on;
-      {
-        hypic::gputest::ScopedCandidate c("HYPIC_SPLICE_SEAM_FOLD", false);
-        off = splice();
-      }
-      {
-        hypic::gputest::ScopedCandidate c("HYPIC_SPLICE_SEAM_FOLD", true);
-        on = splice();
-      }
+      eng::ModelState s_off, s_on;
+      const std::vector<float> off = splice(false, s_off), on = splice(true, s_on);
+      REQUIRE(s_off.linear.size() == s_on.linear.size());
+      double es = 0;
+      for (size_t l = 0; l < s_off.linear.size(); ++l) es = std::max(es, rel(s_on.linear[l].ssm, s_off.linear[l].ssm));
       REQUIRE(off.size() == on.size());
       const hypic::gputest::Err e = hypic::gputest::compare(on.data(), off.data(), off.size());
       const bool same = hypic::gputest::same_bits(off, on);
-      std::printf("[backend] seam fold, w = %d: logits max rel %.3e, fro %.3e, bit-identical %d\n", w, e.max_rel, e.fro,
-                  int(same));
+      std::printf("[backend] seam fold, w = %d: logits max rel %.3e, fro %.3e, bit-identical %d; linear states %.3e\n",
+                  w, e.max_rel, e.fro, int(same), es);
       if (w > kc::kGdnChunk) {
         CHECK(same);  // a run longer than a chunk: the default path
+        CHECK(es == 0);
       } else {
         CHECK_FALSE(same);
         CHECK(e.max_rel <= 2e-2);
+        CHECK(es <= 1e-2);
       }
     }
   }

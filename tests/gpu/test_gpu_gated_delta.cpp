@@ -400,6 +400,7 @@ TEST_CASE("gdn_fold_short_runs composes short runs with the next affine step as 
     const int L = lens[i], t0 = cu[i];
     if (i == 5) {  // skipped
       CHECK(std::all_of(To.begin() + i * per, To.begin() + (i + 1) * per, [](float x) { return std::isnan(x); }));
+      CHECK(std::all_of(So.begin() + i * per, So.begin() + (i + 1) * per, [](float x) { return std::isnan(x); }));
       continue;
     }
     std::vector<float> state(per, 0.f), ref_tr(per);
@@ -434,6 +435,62 @@ TEST_CASE("gdn_fold_short_runs composes short runs with the next affine step as 
     }
   }
   WARN("gdn_fold_short_runs: worst rel err T " << worst_t << ", S " << worst_s);
+  // Only short runs (shared arrays of 8 rows, not 64): runs 0, 3 and 5's tokens again, against the first call's
+  // results for the same runs and folds (the kernel's arithmetic does not depend on the other runs: the same bits).
+  {
+    std::vector<int> cu2 = {0, 8, 8, 13};
+    const int t_5 = cu[5];  // run 5's tokens follow run 4's; rebuild the inputs of runs 0 and 5 back to back
+    std::vector<bf16> q2, k2, v2;
+    std::vector<float> g2, b2;
+    auto take = [&](int t0, int L) {
+      q2.insert(q2.end(), qh.begin() + size_t(t0) * hk * D, qh.begin() + size_t(t0 + L) * hk * D);
+      k2.insert(k2.end(), kh.begin() + size_t(t0) * hk * D, kh.begin() + size_t(t0 + L) * hk * D);
+      v2.insert(v2.end(), vh.begin() + size_t(t0) * hv * D, vh.begin() + size_t(t0 + L) * hv * D);
+      g2.insert(g2.end(), g.begin() + size_t(t0) * hv, g.begin() + size_t(t0 + L) * hv);
+      b2.insert(b2.end(), beta.begin() + size_t(t0) * hv, beta.begin() + size_t(t0 + L) * hv);
+    };
+    take(cu[0], 8);
+    take(t_5, 5);
+    DeviceBuffer<bf16> dq2(q2), dk2(k2), dv2(v2);
+    DeviceBuffer<float> dg2(g2), db2(b2), dTo2(3 * per), dSo2(3 * per);
+    std::vector<gpu::GdnRunFold> f2 = {{dTf.get(), dSf.get(), dTo2.get(), dSo2.get()},
+                                       {dTf.get() + 3 * per, dSf.get() + 3 * per, dTo2.get() + per, dSo2.get() + per},
+                                       {dTf.get() + 5 * per, dSf.get() + 5 * per, dTo2.get() + 2 * per,
+                                        dSo2.get() + 2 * per}};
+    DeviceBuffer<gpu::GdnRunFold> df2(f2.size());
+    check_cuda(cudaMemcpy(df2.get(), f2.data(), f2.size() * sizeof(gpu::GdnRunFold), cudaMemcpyHostToDevice), "f2");
+    gpu::GdnWorkspace ws2;
+    gpu::GdnPrefillArgs a2 = make_args(3, cu2.data(), hk, hv, dq2.get(), dk2.get(), dv2.get(), dg2.get(), db2.get(),
+                                       nullptr, nullptr, nullptr);
+    a2.scale = scale;
+    gpu::gdn_fold_short_runs(a2, df2.get(), ws2);
+    check_cuda(cudaDeviceSynchronize(), "gdn_fold_short_runs, short runs only");
+    const auto To2 = dTo2.download(), So2 = dSo2.download();
+    CHECK(std::equal(To2.begin(), To2.begin() + per, To.begin()));  // run 0
+    CHECK(std::equal(So2.begin(), So2.begin() + per, So.begin()));
+    CHECK(std::equal(To2.begin() + per, To2.begin() + 2 * per, To.begin() + 3 * per));  // run 3 (empty)
+    CHECK(std::equal(So2.begin() + per, So2.begin() + 2 * per, So.begin() + 3 * per));
+    // Run 5 was skipped in the first call: against the CPU recurrence here.
+    std::vector<float> state(per, 0.f), ref_tr(per);
+    cpu_run(qf, kf, vf, g, beta, hk, hv, t_5, 5, scale, state.data(), nullptr, ref_tr.data());
+    for (int h = 0; h < hv; ++h) {
+      std::vector<float> wt(mat), ws_(mat);
+      const float* F = Tf.data() + 5 * per + h * mat;
+      for (int d = 0; d < D; ++d)
+        for (int e = 0; e < D; ++e) {
+          double t = 0, st = Sf[5 * per + h * mat + size_t(d) * D + e];
+          for (int m = 0; m < D; ++m) {
+            t += double(F[size_t(d) * D + m]) * ref_tr[h * mat + size_t(m) * D + e];
+            st += double(F[size_t(d) * D + m]) * state[h * mat + size_t(m) * D + e];
+          }
+          wt[size_t(d) * D + e] = float(t);
+          ws_[size_t(d) * D + e] = float(st);
+        }
+      INFO("short runs only, run 5, head " << h);
+      CHECK(rel_err(To2.data() + 2 * per + h * mat, wt.data(), mat) <= 2e-2);
+      CHECK(rel_err(So2.data() + 2 * per + h * mat, ws_.data(), mat) <= 2e-2);
+    }
+  }
   // What it refuses: a run longer than a chunk, outputs or states requested.
   std::vector<int> cu_long = {0, 65};
   gpu::GdnPrefillArgs bad = a;
