@@ -161,8 +161,9 @@ class GdnWorkspace {
 void gdn_prefill(const GdnPrefillArgs& args, GdnWorkspace& ws, cudaStream_t stream = nullptr);
 
 /// One fold of gdn_fold_short_runs: the affine step (T, S) that follows run i in a chain, and where the composed step
-/// goes. T, S: DEVICE [H_v][128][128] fp32 (T nullptr: the identity; S nullptr: zero); T_out, S_out: DEVICE
-/// [H_v][128][128] fp32, 16-byte aligned, written (either may be nullptr: not written; both: run i is skipped).
+/// goes. T, S: DEVICE [H_v][128][128] fp32, 16-byte aligned (T nullptr: the identity; S nullptr: zero); T_out, S_out:
+/// DEVICE [H_v][128][128] fp32, 16-byte aligned, written (either may be nullptr: not written; both: run i is skipped;
+/// T_out may be T and S_out S).
 struct GdnRunFold {
   const float* T = nullptr;
   const float* S = nullptr;

@@ -271,7 +271,7 @@ constexpr int kFoldThreads = 256, kFoldSlab = 16, kFoldLd = D + 4;
 
 size_t fold_smem_bytes(int ml) {
   return size_t(ml) * kFoldLd * 4 + 2 * size_t(ml) * D * 2 + size_t(kFoldSlab) * kFoldLd * 4 +
-         size_t(kFoldSlab) * ml * 4;
+         size_t(kFoldSlab) * (ml + 1) * 4;
 }
 
 __global__ void __launch_bounds__(kFoldThreads) fold_short_runs_kernel(int Hk, int Hv, const bf16* __restrict__ k,
@@ -285,7 +285,8 @@ __global__ void __launch_bounds__(kFoldThreads) fold_short_runs_kernel(int Hk, i
   bf16* sW = reinterpret_cast<bf16*>(sKt + size_t(ml) * kFoldLd);    // [ml][128]
   bf16* sU = sW + size_t(ml) * D;                                    // [ml][128]
   float* sT = reinterpret_cast<float*>(sU + size_t(ml) * D);        // [16][kFoldLd]: the slab of T
-  float* sZ = sT + kFoldSlab * kFoldLd;                              // [16][ml]
+  float* sZ = sT + kFoldSlab * kFoldLd;                              // [16][ml + 1] (odd stride: no shared bank)
+  const int zs = ml + 1;
   // The run's chunk (one per non-empty run, in order): chunks[c].seq == run; none for an empty run.
   int lo = 0, hi = nchunks;
   while (lo < hi) {
@@ -303,9 +304,15 @@ __global__ void __launch_bounds__(kFoldThreads) fold_short_runs_kernel(int Hk, i
     sKt[t * kFoldLd + e] = ws.scal[slot * kScal + t] * __bfloat162float(k[(size_t(t0 + t) * Hk + kh) * D + e]);
     sW[i] = ws.W[slot * kWElems + i];
   }
-  for (int i = tid; i < D * len; i += kFoldThreads) {  // U[t][v] = U^T[v][t] (coalesced reads of U^T's rows)
-    const int vcol = i / len, t = i % len;
-    sU[t * D + vcol] = ws.UT[slot * kWElems + size_t(vcol) * C + t];
+  // U[t][v] = U^T[v][t]: 8 tokens of one U^T row per 16-byte load (the rows hold C entries, so reading past len stays
+  // in the slot), consecutive threads on consecutive v (conflict-free 2-byte stores).
+  for (int i = tid; i < D * ((len + 7) / 8); i += kFoldThreads) {
+    const int vcol = i % D, tb = (i / D) * 8;
+    const uint4 u8 = *reinterpret_cast<const uint4*>(ws.UT + slot * kWElems + size_t(vcol) * C + tb);
+    const bf16* u = reinterpret_cast<const bf16*>(&u8);
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      if (tb + j < len) sU[(tb + j) * D + vcol] = u[j];
   }
   const size_t head = size_t(h) * D * D;
   const float* Tg = fo.T ? fo.T + head : nullptr;
@@ -325,17 +332,22 @@ __global__ void __launch_bounds__(kFoldThreads) fold_short_runs_kernel(int Hk, i
       const float* kr = sKt + t * kFoldLd;
       float z = 0.f;
       for (int e = 0; e < D; ++e) z = fmaf(tr[e], kr[e], z);
-      sZ[rr * ml + t] = z;
+      sZ[rr * zs + t] = z;
     }
     __syncthreads();
     float to[8], so[8];
+    {
+      const float4 a = *reinterpret_cast<const float4*>(sT + r * kFoldLd + c0);
+      const float4 b = *reinterpret_cast<const float4*>(sT + r * kFoldLd + c0 + 4);
+      const float4* srow = Sg ? reinterpret_cast<const float4*>(Sg + size_t(d0 + r) * D + c0) : nullptr;
+      const float4 sa = srow ? srow[0] : make_float4(0, 0, 0, 0), sb = srow ? srow[1] : make_float4(0, 0, 0, 0);
+      const float tv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+      const float sv[8] = {sa.x, sa.y, sa.z, sa.w, sb.x, sb.y, sb.z, sb.w};
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      to[j] = gamma * sT[r * kFoldLd + c0 + j];
-      so[j] = Sg ? Sg[size_t(d0 + r) * D + c0 + j] : 0.f;
+      for (int j = 0; j < 8; ++j) to[j] = gamma * tv[j], so[j] = sv[j];
     }
     for (int t = 0; t < len; ++t) {
-      const float z = sZ[r * ml + t];
+      const float z = sZ[r * zs + t];
       const uint4 wv = *reinterpret_cast<const uint4*>(sW + t * D + c0);
       const uint4 uv = *reinterpret_cast<const uint4*>(sU + t * D + c0);
       const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&wv);

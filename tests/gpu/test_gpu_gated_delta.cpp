@@ -453,6 +453,8 @@ TEST_CASE("gdn_fold_short_runs composes short runs with the next affine step as 
     take(t_5, 5);
     DeviceBuffer<bf16> dq2(q2), dk2(k2), dv2(v2);
     DeviceBuffer<float> dg2(g2), db2(b2), dTo2(3 * per), dSo2(3 * per);
+    dTo2.poison();
+    dSo2.poison();
     std::vector<gpu::GdnRunFold> f2 = {{dTf.get(), dSf.get(), dTo2.get(), dSo2.get()},
                                        {dTf.get() + 3 * per, dSf.get() + 3 * per, dTo2.get() + per, dSo2.get() + per},
                                        {dTf.get() + 5 * per, dSf.get() + 5 * per, dTo2.get() + 2 * per,
