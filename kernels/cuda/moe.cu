@@ -360,6 +360,51 @@ __global__ void __launch_bounds__(kMaxE) route_small_kernel(int T, RouteCfg rc, 
   }
 }
 
+// route_small_kernel's outputs for one token (T = 1, a batch-1 decode step; the candidate HYPIC_ROUTE_ONE_TOKEN) by
+// two warps and no block barrier: warp 0 routes the token (route_token, the same picks and weights) and writes what
+// the counting sort gives for a single token: the k picks in ascending expert order are positions 0 .. k-1, so
+// topk_e / topk_w[rank], sorted_tok[rank] = 0, pos_of[rank] = rank, tiles[rank] = (expert, 0), offsets[e] = the
+// number of picks below e (offsets[E] = k), then the shared expert's tiles (E, m0) over shared_rows and num_tiles[0];
+// warp 1 computes the shared gate. The same values as route_small_kernel at T = 1 (tests/gpu/test_gpu_moe.cpp).
+template <bool kSigmoid>
+__global__ void __launch_bounds__(64) route_one_kernel(RouteCfg rc, const float* logits, const bf16* x, int H,
+                                                       const bf16* sgate_w, float* sgate_out, int* topk_e,
+                                                       float* topk_w, int* offsets, int2* tiles, int* num_tiles,
+                                                       int* sorted_tok, int* pos_of, int shared_rows) {
+  griddep_wait();
+  griddep_launch_dependents();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (warp == 1) {
+    if (sgate_out) {
+      const float sg = shared_gate_token(x, sgate_w, H, lane);
+      if (lane == 0) sgate_out[0] = sg;
+    }
+    return;
+  }
+  const int E = rc.E, k = rc.k;
+  int my_e, rank;
+  float wgt;
+  route_token<kSigmoid>(logits, rc, lane, my_e, wgt, rank);
+  if (lane < k) {
+    topk_e[rank] = my_e;
+    topk_w[rank] = wgt;
+    sorted_tok[rank] = 0;
+    pos_of[rank] = rank;
+    tiles[rank] = make_int2(my_e, 0);
+  }
+  for (int e = lane; e < E; e += 32) {
+    int below = 0;
+    for (int r = 0; r < k; ++r) below += __shfl_sync(kFull, my_e, r) < e ? 1 : 0;
+    offsets[e] = below;
+  }
+  const int nsh = (shared_rows + kDecBM - 1) / kDecBM;
+  for (int i = lane; i < nsh; i += 32) tiles[k + i] = make_int2(E, i * kDecBM);
+  if (lane == 0) {
+    offsets[E] = k;
+    *num_tiles = k + nsh;
+  }
+}
+
 // One warp per expert: chunk_counts[e][*] -> exclusive prefix over the chunks (in place), counts[e].
 __global__ void __launch_bounds__(256) chunk_scan_kernel(int E, int nch, int* chunk_counts, int* counts) {
   const int e = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
@@ -1148,7 +1193,14 @@ void moe_forward(int T, const bf16* x, const MoeWeightsView& w, float* out, MoeW
   } else {
     gemm.linear(T, E, H, x, H, w.router, logits, CUDA_R_32F, E, 0.0f, stream);
   }
-  if (decode && T <= kSmallT) {
+  static CandidateSwitch one_token_switch("HYPIC_ROUTE_ONE_TOKEN");
+  if (decode && T == 1 && one_token_switch.on()) {
+    // 2-3. the same for one token by two warps (route_one_kernel).
+    const RouteCfg rc = route_cfg(w);
+    launch_pdl(rc.sigmoid ? route_one_kernel<true> : route_one_kernel<false>, dim3(1), dim3(64), 0, stream,
+               "moe_forward: route_one launch", rc, logits, x, H, w.shared_gate, w.Is > 0 ? sgate : nullptr, topk_e,
+               topk_w, offsets, tiles, num_tiles, sorted_tok, pos_of, shared_rows);
+  } else if (decode && T <= kSmallT) {
     // 2-3. softmax, top-k, shared gate, counting sort and tile schedule in one block.
     const RouteCfg rc = route_cfg(w);
     launch_pdl(rc.sigmoid ? route_small_kernel<true> : route_small_kernel<false>, dim3(1), dim3(kMaxE), 0, stream,

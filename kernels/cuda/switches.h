@@ -16,7 +16,8 @@ namespace hypic::kernels::cuda {
 inline constexpr const char* kCandidateSwitches[] = {
     "HYPIC_MOE_TAIL64",     "HYPIC_FUSE_NEXT_NORM",  "HYPIC_MOE_DECODE_DEEP", "HYPIC_ATTN_COMBINE_GROUPS",
     "HYPIC_FUSE_POST_NORM", "HYPIC_GDN_DECODE_NORM", "HYPIC_DECODE_LM_HEAD",  "HYPIC_ATTN_CUDNN_BUCKETS",
-    "HYPIC_ATTN_CUDNN_PREFIX", "HYPIC_GDN_SCAN_WGMMA",  "HYPIC_GDN_WY_WGMMA",    "HYPIC_SPLICE_SEAM_FOLD"};
+    "HYPIC_ATTN_CUDNN_PREFIX", "HYPIC_GDN_SCAN_WGMMA",  "HYPIC_GDN_WY_WGMMA",    "HYPIC_SPLICE_SEAM_FOLD",
+    "HYPIC_ROUTE_ONE_TOKEN"};
 /// Former candidates that a GPU session measured faster (H200, 2026-12-05, bench/results/candidates_ab_h200.md) and
 /// made the default: on unless their variable is "0" / "off" (the old path, kept for side-by-side runs);
 /// HYPIC_CANDIDATES does not touch them.

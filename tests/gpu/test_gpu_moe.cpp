@@ -401,6 +401,44 @@ TEST_CASE("moe_forward decode sizes (T <= 64): OwnDecode / Own vs CPU, Cublas, O
                     same ? "yes" : "NO");
         CHECK(same);
       }
+      // One token (HYPIC_ROUTE_ONE_TOKEN: the routing and schedule of route_small_kernel by two warps): the same
+      // routing arrays, schedule and outputs, bit for bit.
+      if (T == 1) {
+        auto routing = [&] {
+          auto get = [&](const gpu::MoeWorkspace::Buf& b, size_t bytes) {
+            std::vector<unsigned char> h(bytes);
+            check_cuda(cudaMemcpy(h.data(), b.p, bytes, cudaMemcpyDeviceToHost), "routing download");
+            return h;
+          };
+          std::vector<std::vector<unsigned char>> r;
+          r.push_back(get(ws.topk_e, size_t(c.topk) * 4));
+          r.push_back(get(ws.topk_w, size_t(c.topk) * 4));
+          if (c.Is > 0) r.push_back(get(ws.sgate, 4));
+          r.push_back(get(ws.offsets, size_t(c.E + 1) * 4));
+          r.push_back(get(ws.num_tiles, 4));
+          int nt = 0;
+          std::memcpy(&nt, r.back().data(), 4);
+          r.push_back(get(ws.tiles, size_t(nt) * sizeof(int2)));
+          r.push_back(get(ws.sorted_tok, size_t(c.topk) * 4));
+          r.push_back(get(ws.pos_of, size_t(c.topk) * 4));
+          return r;
+        };
+        std::vector<std::vector<float>> outs;
+        std::vector<std::vector<std::vector<unsigned char>>> routes;
+        for (bool one : {false, true}) {
+          ScopedCandidate sw("HYPIC_ROUTE_ONE_TOKEN", one);
+          DeviceBuffer<float> dout(base);
+          gpu::moe_forward(T, dx.get(), v, dout.get(), ws, gemm, gpu::GroupedGemm::OwnDecode, st.s);
+          check_cuda(cudaStreamSynchronize(st.s), "moe_forward");
+          outs.push_back(dout.download());
+          routes.push_back(routing());
+        }
+        const bool same = same_bits(outs[0], outs[1]);
+        std::printf("[moe] decode %s one-token routing == route_small: outputs %s, routing arrays %s\n",
+                    name.c_str(), same ? "yes" : "NO", routes[0] == routes[1] ? "yes" : "NO");
+        CHECK(same);
+        CHECK(routes[0] == routes[1]);
+      }
       // Token 0 is the first row of each of its experts' first tiles at every T, so its output must not
       // depend on the batch: bit-identical to T = 1.
       if (T == 1) tok0.assign(results[kOwn].begin(), results[kOwn].begin() + c.H);
