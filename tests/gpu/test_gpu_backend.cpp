@@ -813,7 +813,7 @@ TEST_CASE("cuda backend: decode steps replayed as CUDA graphs equal the eager st
 // The switched kernel paths that keep the arithmetic (kernels/cuda/switches.h, candidates and measured defaults: the
 // next layer's norm in the MoE combine, RoPE angle tables, the MoE wgmma vector epilogue, deep decode MoE rings, each
 // checked bit for bit against the other path in its kernel test; the post-attention norm in decode_linear's last
-// block) through the whole model: full prefills of 10 prompts (MoE layers of 20 .. 47 tokens: the wgmma tiles), a
+// block, the one-token MoE routing) through the whole model: full prefills of 10 prompts (MoE layers of 20 .. 47 tokens: the wgmma tiles), a
 // hypic splice, then 12 greedy decode steps of the 10 (two token groups per MoE tile ring) and 6 of one, the CUDA
 // graphs captured again after each flip. Every logit bit for bit, switch off against on.
 TEST_CASE("cuda backend: switched kernel paths that keep the arithmetic give the same bits end to end", "[backend]") {
@@ -863,7 +863,7 @@ TEST_CASE("cuda backend: switched kernel paths that keep the arithmetic give the
     return all;
   };
   for (const char* sw : {"HYPIC_FUSE_NEXT_NORM", "HYPIC_ROPE_TABLE", "HYPIC_MOE_EPILOGUE_VEC", "HYPIC_MOE_DECODE_DEEP",
-                         "HYPIC_FUSE_POST_NORM", "HYPIC_GDN_DECODE_NORM"}) {
+                         "HYPIC_FUSE_POST_NORM", "HYPIC_GDN_DECODE_NORM", "HYPIC_ROUTE_ONE_TOKEN"}) {
     DYNAMIC_SECTION(sw) {
       std::vector<std::vector<float>> off, on;
       {
