@@ -813,9 +813,9 @@ TEST_CASE("cuda backend: decode steps replayed as CUDA graphs equal the eager st
 // The switched kernel paths that keep the arithmetic (kernels/cuda/switches.h, candidates and measured defaults: the
 // next layer's norm in the MoE combine, RoPE angle tables, the MoE wgmma vector epilogue, deep decode MoE rings, each
 // checked bit for bit against the other path in its kernel test; the post-attention norm in decode_linear's last
-// block, the one-token MoE routing) through the whole model: full prefills of 10 prompts (MoE layers of 20 .. 47 tokens: the wgmma tiles), a
-// hypic splice, then 12 greedy decode steps of the 10 (two token groups per MoE tile ring) and 6 of one, the CUDA
-// graphs captured again after each flip. Every logit bit for bit, switch off against on.
+// block, the one-token MoE routing) through the whole model: full prefills of 10 prompts (MoE layers of 20 .. 47
+// tokens: the wgmma tiles), a hypic splice, then 12 greedy decode steps of the 10 (two token groups per MoE tile ring)
+// and 6 of one, the CUDA graphs captured again after each flip. Every logit bit for bit, switch off against on.
 TEST_CASE("cuda backend: switched kernel paths that keep the arithmetic give the same bits end to end", "[backend]") {
   require_gpu();
   Fixture& f = fixture("qwen3_5_moe_gpu");
