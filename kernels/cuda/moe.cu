@@ -28,7 +28,8 @@
 // grouped GEMMs covering routed AND shared experts, combine = 5 launches chained by PDL (no
 // GemmRunner / cuBLASLt call for T <= 16, where the router is a decode_linear). The GEMMs stream the weights through per-warp cp.async rings into mma
 // fragments (moe_decode.cu, the router GEMM a decode_linear); for T <= 64 the routing (softmax / top-k / shared gate / counting
-// sort / tile schedule) is one single-block kernel (route_small_kernel).
+// sort / tile schedule) is one single-block kernel (route_small_kernel; at T = 1 with the candidate switch
+// HYPIC_ROUTE_ONE_TOKEN two warps of route_one_kernel).
 #include "kernels/cuda/moe.h"
 
 #include <cublas_v2.h>
@@ -392,9 +393,17 @@ __global__ void __launch_bounds__(64) route_one_kernel(RouteCfg rc, const float*
     pos_of[rank] = rank;
     tiles[rank] = make_int2(my_e, 0);
   }
+  // The k picks' experts in every lane (INT_MAX past k), gathered by the whole warp before the lane-dependent loop.
+  int pk[kMaxTopk];
+#pragma unroll
+  for (int r = 0; r < kMaxTopk; ++r) {
+    const int pe = __shfl_sync(kFull, my_e, r);
+    pk[r] = r < k ? pe : INT_MAX;
+  }
   for (int e = lane; e < E; e += 32) {
     int below = 0;
-    for (int r = 0; r < k; ++r) below += __shfl_sync(kFull, my_e, r) < e ? 1 : 0;
+#pragma unroll
+    for (int r = 0; r < kMaxTopk; ++r) below += pk[r] < e ? 1 : 0;
     offsets[e] = below;
   }
   const int nsh = (shared_rows + kDecBM - 1) / kDecBM;

@@ -312,7 +312,8 @@ TEST_CASE("moe_forward decode sizes (T <= 64): OwnDecode / Own vs CPU, Cublas, O
   };
   const std::vector<DecCase> cases = {{{256, 8, 2048, 512, 512}, false},
                                       {{256, 8, 2048, 512, 0}, false},
-                                      {{16, 4, 128, 64, 64}, true}};
+                                      {{16, 4, 128, 64, 64}, true},
+                                      {{40, 16, 128, 64, 64}, false}};  // E not a multiple of 32, k = kMaxTopk
   const std::vector<int> Ts = {1, 2, 7, 16, 33, 64};
   const int Tmax = 64;
   const gpu::GroupedGemm impls[] = {gpu::GroupedGemm::Own, gpu::GroupedGemm::OwnDecode, gpu::GroupedGemm::OwnSmallM,
@@ -418,6 +419,8 @@ TEST_CASE("moe_forward decode sizes (T <= 64): OwnDecode / Own vs CPU, Cublas, O
           r.push_back(get(ws.num_tiles, 4));
           int nt = 0;
           std::memcpy(&nt, r.back().data(), 4);
+          CHECK(nt == c.topk + (c.Is > 0 ? 1 : 0));  // one tile per pick, then the shared expert's
+          nt = std::clamp(nt, 0, c.topk + 1);
           r.push_back(get(ws.tiles, size_t(nt) * sizeof(int2)));
           r.push_back(get(ws.sorted_tok, size_t(c.topk) * 4));
           r.push_back(get(ws.pos_of, size_t(c.topk) * 4));
@@ -425,8 +428,13 @@ TEST_CASE("moe_forward decode sizes (T <= 64): OwnDecode / Own vs CPU, Cublas, O
         };
         std::vector<std::vector<float>> outs;
         std::vector<std::vector<std::vector<unsigned char>>> routes;
-        for (bool one : {false, true}) {
+        for (bool one : {true, false}) {
           ScopedCandidate sw("HYPIC_ROUTE_ONE_TOKEN", one);
+          // Poison every routing array, so that an element a kernel fails to write cannot pass on the other
+          // kernel's value (both runs share ws, and earlier runs at this T left route_small's values in it).
+          for (const gpu::MoeWorkspace::Buf* b : {&ws.topk_e, &ws.topk_w, &ws.sgate, &ws.offsets, &ws.tiles,
+                                                  &ws.num_tiles, &ws.sorted_tok, &ws.pos_of})
+            if (b->p) check_cuda(cudaMemsetAsync(b->p, 0xFF, b->bytes, st.s), "poison routing");
           DeviceBuffer<float> dout(base);
           gpu::moe_forward(T, dx.get(), v, dout.get(), ws, gemm, gpu::GroupedGemm::OwnDecode, st.s);
           check_cuda(cudaStreamSynchronize(st.s), "moe_forward");
