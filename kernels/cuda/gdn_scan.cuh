@@ -470,18 +470,13 @@ __global__ void __launch_bounds__(kScanMaxThreads, 1) gdn_scan_kernel(ScanParams
           if (share) ex[s * 32] = make_uint4(ha[s][0], ha[s][1], ha[s][2], ha[s][3]);
         }
         const uint32_t w_addr = smem_addr(st.W), k_addr = smem_addr(st.K);
-        sm90::pin(vn);
-        sm90::pin_u(ha);  // (the fragments complete before the fence)
-        sm90::wgmma_fence();
+        sm90::wgmma_batch_rs(vn, ha, [&] {
 #pragma unroll
-        for (int s = 0; s < D / 16; ++s)
-          sm90::wgmma_m64n64k16_rs(vn, ha[s],
-                                   sm90::sw128_desc(w_addr + (s >> 2) * (C * 128) + (s & 3) * 32, 16, 1024));
-        sm90::wgmma_commit();
+          for (int s = 0; s < D / 16; ++s)
+            sm90::wgmma_m64n64k16_rs(vn, ha[s],
+                                     sm90::sw128_desc(w_addr + (s >> 2) * (C * 128) + (s & 3) * 32, 16, 1024));
+        });
         const float gamma = __expf(st.G[C - 1]);
-        sm90::wgmma_wait<0>();
-        sm90::pin(vn);
-        sm90::pin_u(ha);
         // (Scaling acc while the products above run made ptxas wait for them anyway: acc was last written by the
         // previous chunk's wgmmas.)
 #pragma unroll
@@ -497,16 +492,11 @@ __global__ void __launch_bounds__(kScanMaxThreads, 1) gdn_scan_kernel(ScanParams
           const float2 fb = *reinterpret_cast<const float2*>(st.kf + 16 * s + 8 + cc);
           pack_a(va[s], vn[2 * s], vn[2 * s + 1], make_float2(-fa.x, -fa.y), make_float2(-fb.x, -fb.y));
         }
-        sm90::pin(acc);
-        sm90::pin_u(va);
-        sm90::wgmma_fence();
+        sm90::wgmma_batch_rs(acc, va, [&] {
 #pragma unroll
-        for (int s = 0; s < C / 16; ++s)
-          sm90::wgmma_m64n128k16_rs_tb(acc, va[s], sm90::sw128_desc(k_addr + s * 16 * 128, C * 128, 1024));
-        sm90::wgmma_commit();
-        sm90::wgmma_wait<0>();
-        sm90::pin(acc);
-        sm90::pin_u(va);
+          for (int s = 0; s < C / 16; ++s)
+            sm90::wgmma_m64n128k16_rs_tb(acc, va[s], sm90::sw128_desc(k_addr + s * 16 * 128, C * 128, 1024));
+        });
 #else
         __trap();  // built for sm_90a only (gdn_wgmma.cu); the host checks the device
 #endif
@@ -573,17 +563,12 @@ __global__ void __launch_bounds__(kScanMaxThreads, 1) gdn_scan_kernel(ScanParams
           ha[s][0] = av.x, ha[s][1] = av.y, ha[s][2] = av.z, ha[s][3] = av.w;
         }
         const uint32_t q_addr = smem_addr(st.Q), p_addr = smem_addr(st.P);
-        sm90::pin(o);
-        sm90::pin_u(ha);
-        sm90::wgmma_fence();
+        sm90::wgmma_batch_rs(o, ha, [&] {
 #pragma unroll
-        for (int s = 0; s < D / 16; ++s)
-          sm90::wgmma_m64n64k16_rs(o, ha[s],
-                                   sm90::sw128_desc(q_addr + (s >> 2) * (C * 128) + (s & 3) * 32, 16, 1024));
-        sm90::wgmma_commit();
-        sm90::wgmma_wait<0>();
-        sm90::pin(o);
-        sm90::pin_u(ha);
+          for (int s = 0; s < D / 16; ++s)
+            sm90::wgmma_m64n64k16_rs(o, ha[s],
+                                     sm90::sw128_desc(q_addr + (s >> 2) * (C * 128) + (s & 3) * 32, 16, 1024));
+        });
         scale_tokens(o, st.qf, cc);  // (h^T Q^T) diag(qf)
         uint32_t va[C / 16][4];
 #pragma unroll
@@ -591,16 +576,11 @@ __global__ void __launch_bounds__(kScanMaxThreads, 1) gdn_scan_kernel(ScanParams
           const uint4 av = ex[(8 + s) * 32];
           va[s][0] = av.x, va[s][1] = av.y, va[s][2] = av.z, va[s][3] = av.w;
         }
-        sm90::pin(o);
-        sm90::pin_u(va);
-        sm90::wgmma_fence();
+        sm90::wgmma_batch_rs(o, va, [&] {
 #pragma unroll
-        for (int s = 0; s < C / 16; ++s)
-          sm90::wgmma_m64n64k16_rs(o, va[s], sm90::sw128_desc(p_addr + s * 32, 16, 1024));
-        sm90::wgmma_commit();
-        sm90::wgmma_wait<0>();
-        sm90::pin(o);
-        sm90::pin_u(va);
+          for (int s = 0; s < C / 16; ++s)
+            sm90::wgmma_m64n64k16_rs(o, va[s], sm90::sw128_desc(p_addr + s * 32, 16, 1024));
+        });
 #else
         __trap();  // built for sm_90a only (gdn_wgmma.cu); the host checks the device
 #endif

@@ -110,6 +110,20 @@ __device__ __forceinline__ void wgmma_batch(float (&d)[N][4], Issue&& issue) {
   pin(d);
 }
 
+/// wgmma_batch for products with register A operands `a` (N2 k-steps of fragments): they are pinned too, before the
+/// fence and until the wait (the wgmmas read them asynchronously).
+template <int N, int N2, class Issue>
+__device__ __forceinline__ void wgmma_batch_rs(float (&d)[N][4], uint32_t (&a)[N2][4], Issue&& issue) {
+  pin(d);
+  pin_u(a);
+  wgmma_fence();
+  issue();
+  wgmma_commit();
+  wgmma_wait<0>();
+  pin(d);
+  pin_u(a);
+}
+
 /// Shared-memory address of a generic pointer into shared memory.
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
