@@ -334,6 +334,17 @@ __device__ __forceinline__ void scale_tokens(float (&o)[8][4], const float* f, i
   }
 }
 
+// kWgmma (sm_90a code only): d (64 x 64 tokens) += A B^T over the 128 state rows, A the bf16 fragments a[s] of k-step
+// s (register operand), B a swizzled [64 tokens][128] tile at shared address b (K-major: W or Q): eight m64n64k16,
+// waited for (wgmma_batch_rs).
+__device__ __forceinline__ void rs_times_tile_t(float (&d)[8][4], uint32_t (&a)[D / 16][4], uint32_t b) {
+  sm90::wgmma_batch_rs(d, a, [&] {
+#pragma unroll
+    for (int s = 0; s < D / 16; ++s)
+      sm90::wgmma_m64n64k16_rs(d, a[s], sm90::sw128_desc(b + (s >> 2) * (C * 128) + (s & 3) * 32, 16, 1024));
+  });
+}
+
 // c0 += a b(n-tile 0), c1 += a b(n-tile 1) for the B fragments bb of two n-tiles (load_b_*).
 __device__ __forceinline__ void mma_x2(float (&c0)[4], float (&c1)[4], const uint32_t (&a)[4],
                                        const uint32_t (&bb)[4]) {
@@ -470,12 +481,7 @@ __global__ void __launch_bounds__(kScanMaxThreads, 1) gdn_scan_kernel(ScanParams
           if (share) ex[s * 32] = make_uint4(ha[s][0], ha[s][1], ha[s][2], ha[s][3]);
         }
         const uint32_t w_addr = smem_addr(st.W), k_addr = smem_addr(st.K);
-        sm90::wgmma_batch_rs(vn, ha, [&] {
-#pragma unroll
-          for (int s = 0; s < D / 16; ++s)
-            sm90::wgmma_m64n64k16_rs(vn, ha[s],
-                                     sm90::sw128_desc(w_addr + (s >> 2) * (C * 128) + (s & 3) * 32, 16, 1024));
-        });
+        rs_times_tile_t(vn, ha, w_addr);
         const float gamma = __expf(st.G[C - 1]);
         // (Scaling acc while the products above run made ptxas wait for them anyway: acc was last written by the
         // previous chunk's wgmmas.)
@@ -563,12 +569,7 @@ __global__ void __launch_bounds__(kScanMaxThreads, 1) gdn_scan_kernel(ScanParams
           ha[s][0] = av.x, ha[s][1] = av.y, ha[s][2] = av.z, ha[s][3] = av.w;
         }
         const uint32_t q_addr = smem_addr(st.Q), p_addr = smem_addr(st.P);
-        sm90::wgmma_batch_rs(o, ha, [&] {
-#pragma unroll
-          for (int s = 0; s < D / 16; ++s)
-            sm90::wgmma_m64n64k16_rs(o, ha[s],
-                                     sm90::sw128_desc(q_addr + (s >> 2) * (C * 128) + (s & 3) * 32, 16, 1024));
-        });
+        rs_times_tile_t(o, ha, q_addr);
         scale_tokens(o, st.qf, cc);  // (h^T Q^T) diag(qf)
         uint32_t va[C / 16][4];
 #pragma unroll
