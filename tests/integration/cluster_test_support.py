@@ -180,3 +180,19 @@ class ClusterTestCase(unittest.TestCase):
                 return
             time.sleep(0.05)
         self.fail(f"the cache holds {total} entries after {timeout} s, expected {n}")
+
+    def wait_cached(self, *reports: dict, timeout: float = 20.0) -> None:
+        """Cache puts are asynchronous: waits until every segment entry of the given generate reports can be read
+        (cache-get by digest) from one of the replicas. Unlike a count of entries, an entry that an earlier test of
+        the class left in the cache cannot stand in for one whose put is still in flight."""
+        import time
+        deadline = time.monotonic() + timeout
+        digests = sorted({s["digest_hex"] for r in reports for s in r["segments"]})
+        with tempfile.TemporaryDirectory() as d:
+            for digest in digests:
+                while not any(self.client("cache-get", "--cache", self.cluster.address(f"cache-{i}"), "--digest",
+                                          digest, "--out", str(Path(d) / "entry")).returncode == 0
+                              for i in range(self.cache_replicas)):
+                    if time.monotonic() > deadline:
+                        self.fail(f"entry {digest} is not in the cache after {timeout} s (of {len(digests)} awaited)")
+                    time.sleep(0.05)

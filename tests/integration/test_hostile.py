@@ -55,8 +55,8 @@ class PoisonTest(ClusterTestCase):
         doc_a, doc_b, query = words(2601, 60), words(2602, 60), "What is said?"
         first_b = self.generate([doc_b], query)
         rep_b = self.ok(first_b)
-        self.ok(self.generate([doc_a], query))
-        self.wait_cache_entries(2)
+        rep_a = self.ok(self.generate([doc_a], query))
+        self.wait_cached(rep_b, rep_a)
         cache = self.cluster.address("cache-0")
         digest_a = self.ok(self.generate([doc_a], query))["segments"][0]["digest_hex"]
         digest_b = rep_b["segments"][0]["digest_hex"]
@@ -123,7 +123,7 @@ class PoisonTest(ClusterTestCase):
         digest hex, cache-get's JSON (token ids, MAC), the entry's bytes)."""
         first = self.generate([doc], query)
         rep = self.ok(first)
-        self.wait_cache_entries(1)
+        self.wait_cached(rep)
         cache = self.cluster.address("cache-0")
         digest = rep["segments"][0]["digest_hex"]
         with tempfile.TemporaryDirectory() as d:
