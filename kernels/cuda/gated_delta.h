@@ -210,6 +210,15 @@ bool gdn_scan_wgmma_active();
 /// compute capability 9.0. Host only; throws std::runtime_error on a CUDA error querying the device.
 bool gdn_wy_wgmma_active();
 
+/// Launches of the wgmma kernels (gdn_scan_kernel<true>, gdn_wy_kernel<true>) that gdn_prefill and
+/// gdn_fold_short_runs' factor pass have issued in this process, counted on the host as each is issued (a launch
+/// captured into a CUDA graph counts once, its replays not at all). Lets a test tell which kernels ran where both
+/// give the same bits (on Hopper the wgmma and mma.sync products add the same k16 dot products in the same order).
+struct GdnWgmmaLaunches {
+  uint64_t scan = 0, wy = 0;
+};
+GdnWgmmaLaunches gdn_wgmma_launches();
+
 /// Gated DeltaNet gates as a separate kernel (for the decode step, or when the prefill does not
 /// fuse them): g[t][h] = -exp(A_log[h]) softplus(a[t][h] + dt_bias[h]) (softplus threshold 20) and
 /// beta[t][h] = sigmoid(b[t][h]), fp32 (HF Qwen3NextGatedDeltaNet). a, b: [tokens][H_v] bf16;

@@ -35,6 +35,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <mutex>
 #include <stdexcept>
@@ -239,6 +240,14 @@ bool wgmma_kernel_runs(bool on) {
 }
 
 }  // namespace
+
+namespace {
+std::atomic<uint64_t> g_scan_wgmma_launches{0}, g_wy_wgmma_launches{0};  // (gdn_wgmma_launches)
+}  // namespace
+
+GdnWgmmaLaunches gdn_wgmma_launches() {
+  return GdnWgmmaLaunches{g_scan_wgmma_launches.load(), g_wy_wgmma_launches.load()};
+}
 
 bool gdn_wgmma_built() {
 #if HYPIC_GDN_WGMMA_BUILT
@@ -462,6 +471,7 @@ GdnFactors GdnFactorsAccess::prepare(const GdnPrefillArgs& a, GdnWorkspace& ws, 
     if (gdn_wy_wgmma_active()) {
       launch_wy_wgmma(blocks, a.out ? a.q : nullptr, a.k, a.v, a.g, a.beta, gates, a.num_k_heads, a.num_v_heads,
                       a.l2norm_qk, a.scale, v, stream);
+      g_wy_wgmma_launches.fetch_add(1);
     } else
 #endif
     {
@@ -518,6 +528,7 @@ void gdn_prefill(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t stream)
 #if HYPIC_GDN_WGMMA_BUILT
     if (scan_wgmma) {
       launch_scan_wgmma(grid, warps * 32, sp, stream);
+      g_scan_wgmma_launches.fetch_add(1);
       return;
     }
 #endif
