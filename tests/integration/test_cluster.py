@@ -71,7 +71,7 @@ class CacheReuseTest(ClusterTestCase):
         self.assertGreater(t["splice_ms"], 0)
         self.assertEqual(t["prefill_ms"], 0)  # hypic mode splices: no in-context prefill phase
 
-        self.wait_cache_entries(4)
+        self.wait_cached(rep)
         warm = self.generate(segs, query)
         wrep = self.ok(warm)
         self.assertEqual([s["cache_hit"] for s in wrep["segments"]], [True] * 4)

@@ -112,7 +112,6 @@ class SharedBuildTest(ReliabilityTestCase):
         query = "Why say it three times?"
         expected = self.reference(segs, query)
         before = self.scatter_counters()
-        entries = int(self.cache_stats()["entries"])
         cold = self.generate(segs, query)
         rep = self.ok(cold)
         self.assertEqual(cold["token_ids"], expected)
@@ -129,7 +128,7 @@ class SharedBuildTest(ReliabilityTestCase):
         self.assertEqual(delta(after, before)["builds_joined"], 0)
 
         # Warm: the same prompt is all hits, the repeats still use their first copy's entry; nothing is built.
-        self.wait_cache_entries(entries + 2)
+        self.wait_cached(rep)
         warm = self.generate(segs, query)
         wrep = self.ok(warm)
         self.assertEqual(warm["token_ids"], expected)
