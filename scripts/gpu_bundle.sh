@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Packs prebuilt binaries and the shared libraries they load (except the C library's, CUDA's and NCCL's, which the GPU
 # host has) into parts small enough to travel to a GPU host one per call (the device machine takes the working tree
-# plus at most 64 MiB: the tracked tree leaves about 10 MiB). Each file is stripped (binaries) and compressed with xz
-# on its own; the parts are plain tars of those files, filled greedily up to --part-mib.
+# and what a call carries, at most 64 MiB together, counted as the files' disk usage). Each file is stripped
+# (binaries) and compressed with xz on its own; the parts are plain tars of those files, filled greedily up to
+# --part-mib, by default what the tracked tree leaves of the 64 MiB less 256 KiB (about 6.3 MiB on 2026-12-05).
 #
-#   scripts/gpu_bundle.sh --bin build-gpu/bin --out .carry [--part-mib 9] NAME...
+#   scripts/gpu_bundle.sh --bin build-gpu/bin --out .carry [--part-mib N] NAME...
 #       NAME: binaries of --bin (e.g. hypic-router hypic-combine-worker test_gpu_backend)
 # Writes OUT/part1.tar, OUT/part2.tar, ... and prints how many. On the GPU host, for each part in turn (the machine
 # keeps /tmp between calls while it is warm):
@@ -12,7 +13,7 @@
 # then run with LD_LIBRARY_PATH=/tmp/hypic/lib:<CUDA and NCCL lib dirs> and binaries from /tmp/hypic/bin.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-BIN="" OUT="" PART_MIB=9 NAMES=()
+BIN="" OUT="" PART_MIB="" NAMES=()
 while (($#)); do
   case "$1" in
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
@@ -27,6 +28,7 @@ done
 STAGE=$(mktemp -d)
 trap 'rm -rf "$STAGE"' EXIT
 mkdir -p "$STAGE/bin" "$STAGE/lib" "$OUT"
+OUT=$(cd "$OUT" && pwd)  # (absolute: the tars are written from inside the stage)
 rm -f "$OUT"/part*.tar
 libs=()
 for n in "${NAMES[@]}"; do
@@ -42,20 +44,27 @@ for l in $(printf '%s\n' "${libs[@]}" | sort -u); do
 done
 xz -T0 -6 "$STAGE"/bin/* "$STAGE"/lib/*
 # Greedy: largest first into the first part with room.
-limit=$((PART_MIB * 1024 * 1024))
+if [[ -n "$PART_MIB" ]]; then
+  limit=$((PART_MIB * 1024 * 1024))
+else  # the headroom the tracked tree leaves (its disk usage, as the device transfer counts it), less a margin
+  tracked=$(git ls-files -z | du -c -B1 --files0-from=- | tail -1 | cut -f1)
+  limit=$((64 * 1024 * 1024 - tracked - 256 * 1024))
+  ((limit > 0)) || { echo "gpu_bundle.sh: the tracked tree ($tracked bytes) leaves no room under 64 MiB" >&2; exit 1; }
+  echo "parts of at most $limit bytes (64 MiB less the tracked tree's $tracked bytes and 256 KiB)"
+fi
 declare -a sizes=()
 n=0
 while read -r size f; do
   placed=0
   for ((p = 0; p < n; p++)); do
     if ((sizes[p] + size <= limit)); then
-      (cd "$STAGE" && tar rf "$OLDPWD/$OUT/part$((p + 1)).tar" "$f")
+      (cd "$STAGE" && tar rf "$OUT/part$((p + 1)).tar" "$f")
       sizes[p]=$((sizes[p] + size)); placed=1; break
     fi
   done
   if ((!placed)); then
-    ((size <= limit)) || { echo "gpu_bundle.sh: $f is $size bytes compressed, above --part-mib" >&2; exit 1; }
-    (cd "$STAGE" && tar cf "$OLDPWD/$OUT/part$((n + 1)).tar" "$f")
+    ((size <= limit)) || { echo "gpu_bundle.sh: $f is $size bytes compressed, above the part size ($limit bytes)" >&2; exit 1; }
+    (cd "$STAGE" && tar cf "$OUT/part$((n + 1)).tar" "$f")
     sizes[n]=$size; n=$((n + 1))
   fi
 done < <(cd "$STAGE" && find bin lib -type f -printf '%s %p\n' | sort -rn)
