@@ -1125,9 +1125,9 @@ bool plan_cudnn_route(const char* fn, const AttnGroups& g, int num_heads, int nu
   check_cuda(cudaStreamIsCapturing(stream, &capturing), "cudaStreamIsCapturing");
   if (capturing != cudaStreamCaptureStatusNone) return false;  // plans are built eagerly only
   // HYPIC_ATTN_CUDNN_BUCKETS: every group of more than kSplitMaxQ queries, on plans of padded length buckets (the
-  // mask's lengths are by-value tensors that each call passes, CudnnSdpaShape::runtime_offset; the KV bucket keeps
-  // the plan's diagonal offset at or above the real one, so should an engine also derive tile skipping from the dims,
-  // it computes more tiles than needed, never fewer; test_gpu_attention "[cudnn]" has plan offsets above the real).
+  // KV padded by as many rows as the queries, so that the plan's diagonal offset is the real slot0: cuDNN's engine
+  // took the diagonal from the plan's dims, not from the by-value lengths each call passes, CudnnSdpaShape::
+  // runtime_offset, which stay as the graph's inputs; test_gpu_attention "[cudnn]" checks groups with cached slots).
   static CandidateSwitch buckets_switch("HYPIC_ATTN_CUDNN_BUCKETS");
   const bool buckets = buckets_switch.on();
   r.rule = cudnn_rule(num_heads, head_dim, buckets);

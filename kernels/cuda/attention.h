@@ -176,9 +176,9 @@ std::string attention_cudnn_status();
 /// the workers' default passes. With the candidate switch
 /// HYPIC_ATTN_CUDNN_BUCKETS (kernels/cuda/switches.h) min_q is 513 and each run's plan has padded dimensions, so that
 /// one plan serves a range of lengths: the queries rounded up to the next multiple of 2^(floor(log2 len) - 4) (16
-/// buckets per octave, at most 1/16 padding) and the KV slots to the bucket of padded queries + slot0 (so the plan's
-/// diagonal offset is at least the real one; up to about 1/8 padding), the mask's diagonal taken from the real lengths
-/// at run time, the padding K/V rows zero, q / out through padded copies in `ws` when the queries are padded (their
+/// buckets per octave, at most 1/16 padding) and the KV slots by as many rows (padded queries + slot0: the plan's
+/// diagonal offset is the real slot0, so plans are shared within a bucket at one slot0; cuDNN took the diagonal from
+/// the plan's shape, not from the lengths passed at run time, on the H200 on 2026-12-05), the padding K/V rows zero, q / out through padded copies in `ws` when the queries are padded (their
 /// padding rows dropped; 2 x b x s_q x num_heads x head_dim bf16 more scratch: 256 MiB at 16384 queries of 16 x 256
 /// heads, the engine's default prefill chunk). A padding key is seen by padding queries only, so the real rows are
 /// those of the unpadded problem, within the same tolerance (another plan shape: other bits). Our kernels run the whole

@@ -70,8 +70,8 @@ inline int cudnn_length_bucket(int len) {
 
 /// One cuDNN call: the b consecutive groups group0 .. group0 + b - 1, each of q_len queries over kv_len KV slots
 /// (slot0 + q_len; their query rows q0 .. q0 + b * q_len - 1), on a plan of s_q queries over s_kv slots per group:
-/// (q_len, kv_len) unpadded, or with buckets (q_len's bucket, the bucket of that + slot0: so that the plan's diagonal
-/// offset s_kv - s_q is at least the real kv_len - q_len).
+/// (q_len, kv_len) unpadded, or with buckets (q_len's bucket, that + slot0: the plan's diagonal offset s_kv - s_q is
+/// the real kv_len - q_len, so plans are shared by the query lengths of a bucket at one slot0).
 struct CudnnRunPlan {
   int group0 = 0, q0 = 0, b = 0;
   int q_len = 0, kv_len = 0;
@@ -97,8 +97,12 @@ inline bool plan_cudnn_runs(int num_groups, const int* q_start, const int* slot0
     }
     if (static_cast<long>(s0) + len > kCudnnMaxRunRows) return false;  // its gather would be too large
     const int kv = s0 + len, s_q = buckets ? cudnn_length_bucket(len) : len;
-    const int s_kv = buckets ? cudnn_length_bucket(s_q + s0) : kv;  // (s_q + s0 <= 2^18: no overflow)
-    if (s_kv > kCudnnMaxRunRows) return false;                      // the padded gather would be too large
+    // With buckets the KV slots are padded by as many rows as the queries, so that the plan's diagonal offset
+    // s_kv - s_q is the real slot0: on the H200 (2026-12-05) cuDNN's engine took the diagonal from the plan's
+    // shape, not from the by-value lengths of each call, and a KV bucket of its own (offset above slot0) gave wrong
+    // outputs for every group with cached slots. Real row i then sees slots <= slot0 + i < kv_len: never a padded one.
+    const int s_kv = buckets ? s_q + s0 : kv;  // (s_q + s0 <= 2^18: no overflow)
+    if (s_kv > kCudnnMaxRunRows) return false;  // the padded gather would be too large
     CudnnRunPlan* last = runs.empty() ? nullptr : &runs.back();
     if (last && last->group0 + last->b == i && last->q_len == len && last->kv_len == kv &&
         static_cast<long>(last->b + 1) * s_kv <= kCudnnMaxRunRows) {

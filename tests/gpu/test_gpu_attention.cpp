@@ -506,10 +506,12 @@ TEST_CASE("attention_prefill long groups through cuDNN SDPA match attention_caus
     const CudnnModeScope def("1");
     gpu::CandidateScope on("HYPIC_ATTN_CUDNN_BUCKETS");
     on.set(true);
-    // (len, slot0) -> plan (s_q, s_kv) = (bucket(len), bucket(bucket(len) + slot0)): 1000 at 0 -> 1024 / 1024 twice
-    // (one batched call, queries padded); 1000 over 24 cached -> 1024 / 1088 (plan offset 64 against the real 24,
-    // taken at run time); 1024 over 100 -> 1024 / 1152 (KV padded only); 777 over 1234 -> 800 / 2048; 2048 at 0
-    // exact; 3001 at 0 -> 3072 / 3072; 513 over 5 -> 544 / 576.
+    // (len, slot0) -> plan (s_q, s_kv) = (bucket(len), bucket(len) + slot0): 1000 at 0 -> 1024 / 1024 twice (one
+    // batched call, queries padded); 1000 over 24 cached -> 1024 / 1048 (queries and KV padded by 24 rows); 1024
+    // over 100 -> 1024 / 1124 (exact); 777 over 1234 -> 800 / 2034; 2048 at 0 exact; 3001 at 0 -> 3072 / 3072; 513
+    // over 5 -> 544 / 549. (With a KV bucket of its own, 1088 / 1152 / 2048 / 576 here, the plan's diagonal offset
+    // exceeded slot0 and every group with cached slots was wrong on the H200, 2026-12-05: cuDNN took the diagonal from
+    // the plan's shape, not from the lengths passed at run time.)
     const std::vector<std::pair<int, int>> groups = {{1000, 0}, {1000, 0}, {1000, 24}, {3, 7},     {1024, 100},
                                                      {777, 1234}, {64, 0}, {2048, 0}, {3001, 0}, {513, 5}};
     for (const bool gate : {true, false}) {
@@ -538,10 +540,12 @@ TEST_CASE("attention_prefill long groups through cuDNN SDPA match attention_caus
     CHECK(ws.cudnn_plans() == 1);
     checked_call(2944, 0, 1633);  // 2944 is a bucket of its own (23 x 128)
     CHECK(ws.cudnn_plans() == 2);
-    checked_call(2000, 1000, 1634);  // 2000 -> 2048 queries, 2048 + 1000 -> 3072 slots: a third plan
-    checked_call(2030, 1010, 1635);  // 2048 / 3072 again (another diagonal offset, passed at run time)
+    checked_call(2000, 1000, 1634);  // 2000 -> 2048 queries over 2048 + 1000 slots: a third plan
+    checked_call(2030, 1000, 1635);  // 2048 / 3048 again: the same bucket at the same slot0
     CHECK(ws.cudnn_plans() == 3);
-    CHECK(ws.cudnn_launches() == 6);
+    checked_call(2030, 1010, 1636);  // another slot0, another diagonal: a fourth plan (2048 / 3058)
+    CHECK(ws.cudnn_plans() == 4);
+    CHECK(ws.cudnn_launches() == 7);
   }
   SECTION("default rule: groups from ceil(sqrt(2 x 6e12 / (4 x heads x head_dim))) queries on, by length alone") {
     const CudnnModeScope def("1");
