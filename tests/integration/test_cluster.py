@@ -377,8 +377,12 @@ class CombineAffinityTest(ClusterTestCase):
                             "hypic.v1.CombineWorker", 0)
         c._start_all([second])
         c._wait_ready([second])
+        # Affinity needs the holder's answer to the router's tier lookup: a worker that misses the lookup's budget
+        # (100 ms by default) counts as holding nothing for 5 s, and on a loaded machine (parallel tests) a lookup
+        # can take that long. A budget of 1 s keeps the frozen worker below a hang guard all the same.
         router = c._service("router-b", "router", ["--model", model, "--tokenizer", tok, "--combine", c.combine_address,
-                                                   "--combine", second.address] + cache_flags, "hypic.v1.Router", 0)
+                                                   "--combine", second.address, "--tier-lookup-timeout-ms", "1000"]
+                            + cache_flags, "hypic.v1.Router", 0)
         c._start_all([router])
         c._wait_ready([router])
         cls.router_b = router.address
@@ -414,7 +418,7 @@ class CombineAffinityTest(ClusterTestCase):
             rep = self.ok(self.generate(list(reversed(other)), f"Who {i}?", router=self.router_b))
             self.assertEqual(rep["combine_worker"], first)
             self.assertEqual(sources(rep), ["SEGMENT_SOURCE_COMBINE_MEMORY"] * 3)
-        # The other worker frozen (SIGSTOP): its tier lookup misses its 100 ms budget once and it is then left out of
+        # The other worker frozen (SIGSTOP): its tier lookup misses its 1 s budget once and it is then left out of
         # the lookups, so requests to the holder are not held up by it (a hang guard, not a measurement).
         frozen = self.cluster.services["combine" if holder != self.cluster.address("combine") else "combine-b"]
         frozen.signal_group(signal.SIGSTOP)
