@@ -436,7 +436,13 @@ class CorruptEntryTest(ClusterTestCase):
     """A corrupt cache entry is detected, dropped and recomputed: (a) bytes the engine rejects
     (EntryError, with a valid transport checksum) and (b) a bit flipped in the disk tier (the
     cache's XXH3 check). Entries live on disk only (--memory-bytes 1) and the combine worker has
-    no memory tier, so every warm read goes through the cache's disk tier."""
+    no memory tier, so every warm read goes through the cache's disk tier.
+
+    With a memory budget of 1 byte the cache receives one put at a time: a put that arrives while another is being
+    received is refused ("retry later") and the writer drops it (the cache is an optimisation). So that the entries
+    the tests read back are stored, puts never overlap here: one scatter worker (its puts go out one after another),
+    and each test waits for the put of an entry it had recomputed before it ends."""
+    scatter_workers = 1
     extra_args = {"combine": ["--memory-tier-bytes", "0"]}
 
     @classmethod
@@ -510,6 +516,9 @@ class CorruptEntryTest(ClusterTestCase):
         self.assertIn("integrity", rep2["segments"][0]["note"])
         self.assertEqual(second["token_ids"], first["token_ids"])
         self.assertEqual(int(self.cache_stats()["corruptions"]), before + 1)
+        # The recomputed entry is put back: wait for it, so that its put cannot overlap (and be refused beside) the
+        # puts of the class's other test.
+        self.wait_cached(rep2)
 
 
 class BadInputTest(ClusterTestCase):
