@@ -84,10 +84,13 @@ class PoisonTest(ClusterTestCase):
             self.assertEqual(second_b["token_ids"], first_b["token_ids"])
             self.assertEqual(second_b["token_ids"], self.reference([doc_b], query))
             self.assertEqual(self.combine_metric("hypic:cache_entries_refused_total"), refused + 1)
-            # The forged entry was dropped: B's entry in the cache, if any (the recomputed one, put back), is not A's.
+            # The forged entry was dropped (before the answer) and the recomputed one is put back (after it, off the
+            # request's path): wait for it, so that the entry read and forged below is not replaced by a late put.
+            self.wait_cached(rep)
+            # B's entry in the cache now is the recomputed one, not A's.
             again = run("cache-get", "--cache", cache, "--digest", digest_b, "--out", str(entry_b))
-            if again.returncode == 0:
-                self.assertNotEqual(entry_b.read_bytes(), entry_a.read_bytes())
+            self.assertEqual(again.returncode, 0, again.stderr)
+            self.assertNotEqual(entry_b.read_bytes(), entry_a.read_bytes())
             # B's own bytes under B's label but with A's MAC: everything else checks out, the MAC does not.
             got_b = run("cache-get", "--cache", cache, "--digest", digest_b, "--out", str(entry_b))
             self.assertEqual(got_b.returncode, 0, got_b.stderr)
@@ -96,9 +99,11 @@ class PoisonTest(ClusterTestCase):
                       ",".join(map(str, b["token_ids"])), "--in", str(entry_b), "--mac-hex", a["mac_hex"])
             self.assertEqual(put.returncode, 0, put.stderr)
             third_b = self.generate([doc_b], query)
-            self.assertIn("MAC does not verify", self.ok(third_b)["segments"][0].get("note", ""))
+            rep = self.ok(third_b)
+            self.assertIn("MAC does not verify", rep["segments"][0].get("note", ""))
             self.assertEqual(third_b["token_ids"], first_b["token_ids"])
             self.assertEqual(self.combine_metric("hypic:entry_mac_failures_total"), failures + 1)
+            self.wait_cached(rep)  # the recomputed entry, put back (as above)
             # Without a MAC it is refused too (a plain cache-put of B's own bytes under its own label).
             got_b = run("cache-get", "--cache", cache, "--digest", digest_b, "--out", str(entry_b))
             self.assertEqual(got_b.returncode, 0, got_b.stderr)
