@@ -257,9 +257,11 @@ class CancelTest(ClusterTestCase):
     extra_args = {"combine": ["--max-pass-tokens", "512"]}
 
     def small(self) -> float:
-        t0 = time.monotonic()
-        self.ok(self.generate([words(2611, 20)], "Who?", "--mode", "full", max_tokens=2))
-        return time.monotonic() - t0
+        """A small request's time to first token as the router measured it (from its arrival), in seconds: what a
+        prefill still running would delay, without the client process's start-up, which on a loaded machine varies by
+        more than the half second asserted below."""
+        rep = self.ok(self.generate([words(2611, 20)], "Who?", "--mode", "full", max_tokens=2))
+        return rep["ttft"]["total_ms"] / 1000
 
     def test_a_cancelled_long_prompt_delays_the_next_request_by_at_most_half_a_second(self):
         self.small()  # warm
@@ -273,8 +275,8 @@ class CancelTest(ClusterTestCase):
         long_request.join()
         self.assertNotEqual(result[0]["rc"], 0)
         self.assertIn("DEADLINE_EXCEEDED", result[0]["stderr"])
-        self.assertLess(after - alone, 0.5, f"the small request took {after:.2f} s after the cancellation, "
-                                            f"{alone:.2f} s alone")
+        self.assertLess(after - alone, 0.5, f"the small request's TTFT was {after:.2f} s after the "
+                                            f"cancellation, {alone:.2f} s alone")
 
 
 class CancelScatterTest(ClusterTestCase):
@@ -286,10 +288,11 @@ class CancelScatterTest(ClusterTestCase):
     tokenizer_file = CancelTest.tokenizer_file
     scatter_workers = 1
 
-    def small(self, seed: int) -> float:  # cold, through the scatter worker
-        t0 = time.monotonic()
-        self.ok(self.generate([words(seed, 20)], "Who?", "--no-cache-write", max_tokens=2))
-        return time.monotonic() - t0
+    def small(self, seed: int) -> float:
+        """A small cold request (through the scatter worker): its time to first token as the router measured it, in
+        seconds (CancelTest.small)."""
+        rep = self.ok(self.generate([words(seed, 20)], "Who?", "--no-cache-write", max_tokens=2))
+        return rep["ttft"]["total_ms"] / 1000
 
     def test_a_cancelled_cold_document_stops_being_built(self):
         self.small(2630)
@@ -303,8 +306,8 @@ class CancelScatterTest(ClusterTestCase):
         long_request.join()
         self.assertNotEqual(result[0]["rc"], 0)
         self.assertIn("DEADLINE_EXCEEDED", result[0]["stderr"])
-        self.assertLess(after - alone, 0.5, f"the small request took {after:.2f} s after the cancellation, "
-                                            f"{alone:.2f} s alone")
+        self.assertLess(after - alone, 0.5, f"the small request's TTFT was {after:.2f} s after the "
+                                            f"cancellation, {alone:.2f} s alone")
         log = self.cluster.services["scatter-0"].log_path.read_text()
         self.assertNotIn("finished after every request waiting for it had gone", log)
 
