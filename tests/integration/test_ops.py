@@ -74,9 +74,12 @@ class MetricsTest(ClusterTestCase):
             r = self.generate(segs, "What is said?", max_tokens=6)
             reports.append(self.ok(r))
             self.assertEqual(len(r["token_ids"]), 6)
-        # The third request waits until the puts landed, so that its lookup hits the cache.
+        # The third request waits until the puts landed, so that its lookup hits the cache. (Counted from `before`:
+        # the class's other tests store entries too.)
+        stored_before = total(before["cache-0"], "hypic:cache_stored_total")
         deadline = time.monotonic() + 20
-        while total(self.scrape("cache-0"), "hypic:cache_stored_total") < 3 and time.monotonic() < deadline:
+        while (total(self.scrape("cache-0"), "hypic:cache_stored_total") - stored_before < 3
+               and time.monotonic() < deadline):
             time.sleep(0.1)
         reports.append(self.ok(self.generate(segs, "What is said?", max_tokens=6)))
         # Some counters are raised on other threads just after the work they count (a scatter worker's sent bytes
@@ -162,12 +165,31 @@ class MetricsTest(ClusterTestCase):
         key = 'hypic:request_failures_total{code="INVALID_ARGUMENT"}'
         self.assertEqual(after.get(key, 0) - before.get(key, 0), 1)
 
+    def watch_cache_events(self, cache: str) -> subprocess.Popen:
+        """Starts `hypic-client cache-events --count 1` and returns once the cache has subscribed it (its log says so),
+        so that no event it should see can come before it listens."""
+        log = self.cluster.services["cache-0"].log_path
+
+        def subscribed() -> int:  # "event subscriber PEER joined (N existing entries listed)"
+            return len(re.findall(r"\] event subscriber \S+ joined \(", log.read_text(errors="replace")))
+        joined = subscribed()
+        watcher = subprocess.Popen([str(BIN_DIR / "hypic-client"), "cache-events", "--cache", cache, "--count", "1"],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 30
+        while subscribed() == joined:
+            if watcher.poll() is not None:
+                self.fail(f"cache-events exited with {watcher.returncode} before subscribing: {watcher.stderr.read()}")
+            if time.monotonic() > deadline:
+                watcher.kill()
+                watcher.communicate()
+                self.fail("cache-events did not subscribe within 30 s")
+            time.sleep(0.02)
+        return watcher
+
     def test_cache_events_list_and_follow_the_entries(self):
         cache = self.cluster.address("cache-0")
         seg = words(950, 60)
-        watcher = subprocess.Popen([str(BIN_DIR / "hypic-client"), "cache-events", "--cache", cache, "--count", "1"],
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        time.sleep(0.5)  # subscribed
+        watcher = self.watch_cache_events(cache)
         report = self.ok(self.generate([seg], "Which?", max_tokens=2))
         out, err = watcher.communicate(timeout=30)
         self.assertEqual(watcher.returncode, 0, err)
@@ -183,9 +205,7 @@ class MetricsTest(ClusterTestCase):
         listed = [json.loads(l) for l in r.stdout.splitlines()]
         self.assertIn(report["segments"][0]["digest_hex"], [e["digest_hex"] for e in listed])
         self.assertTrue(all(e["kind"] == "STORED" and int(e["sequence"]) == 0 for e in listed))
-        watcher = subprocess.Popen([str(BIN_DIR / "hypic-client"), "cache-events", "--cache", cache, "--count", "1"],
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        time.sleep(0.5)
+        watcher = self.watch_cache_events(cache)
         self.assertEqual(self.client("cache-delete", "--cache", cache, "--digest",
                                      report["segments"][0]["digest_hex"]).returncode, 0)
         out, err = watcher.communicate(timeout=30)
