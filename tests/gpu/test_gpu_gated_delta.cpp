@@ -293,7 +293,9 @@ TEST_CASE("gdn_prefill with its products on wgmma (HYPIC_GDN_WY_WGMMA / _SCAN_WG
       const std::vector<int> lens = {1, 64, 65, 200, 0, 127, 3, 300};
       SECTION("GVA ratio 1, zero initial state") { run_prefill_case({2, 2, lens, false}, 111); }
       SECTION("GVA ratio 2, random initial state") { run_prefill_case({2, 4, lens, true}, 113); }
-      SECTION("one long sequence with initial state") { run_prefill_case({1, 1, {1000}, true}, 114); }
+      // (seed 14 as in the default kernels' case: under seed 114 the 1000 tokens' decays took T_C's norm to 1.1e-9,
+      // below the 1e-6 at which the comparison means anything; H200, 2026-12-05)
+      SECTION("one long sequence with initial state") { run_prefill_case({1, 1, {1000}, true}, 14); }
       for (int P : {2, 3}) {
         for (bool out : {true, false}) {
           DYNAMIC_SECTION("forced " << P << " parts, outputs " << out) {
