@@ -91,6 +91,22 @@ gpu::GdnPrefillArgs make_args(int n, const int* cu, int hk, int hv, const bf16* 
   return a;
 }
 
+// Random prefill inputs for T tokens, drawn from rng in the order q, k, v, g, beta: bf16 q, k [T][hk][128] and
+// v [T][hv][128] with their fp32 values, log decays g and beta [T][hv] (fp32).
+struct GdnInputs {
+  std::vector<float> qf, kf, vf, g, beta;
+  std::vector<bf16> qh, kh, vh;
+};
+GdnInputs random_inputs(std::mt19937& rng, int T, int hk, int hv) {
+  GdnInputs in;
+  in.qh = random_bf16(rng, size_t(T) * hk * D, 1.0f, in.qf);
+  in.kh = random_bf16(rng, size_t(T) * hk * D, 1.0f, in.kf);
+  in.vh = random_bf16(rng, size_t(T) * hv * D, 1.0f, in.vf);
+  in.g = random_log_decay(rng, size_t(T) * hv);
+  in.beta = random_beta(rng, size_t(T) * hv);
+  return in;
+}
+
 struct PrefillCase {
   int hk, hv;
   std::vector<int> lens;
@@ -109,13 +125,8 @@ void run_prefill_case(const PrefillCase& pc, uint32_t seed) {
   for (int s = 0; s < n; ++s) cu[s + 1] = cu[s] + pc.lens[s];
   const int T = cu[n];
   const float scale = 1.0f / std::sqrt(float(D));
-  std::vector<float> qf, kf, vf;
-  auto qh = random_bf16(rng, size_t(T) * pc.hk * D, 1.0f, qf);
-  auto kh = random_bf16(rng, size_t(T) * pc.hk * D, 1.0f, kf);
-  auto vh = random_bf16(rng, size_t(T) * pc.hv * D, 1.0f, vf);
-  auto g = random_log_decay(rng, size_t(T) * pc.hv);
+  auto [qf, kf, vf, g, beta, qh, kh, vh] = random_inputs(rng, T, pc.hk, pc.hv);
   for (auto& x : g) x *= pc.decay_scale;
-  auto beta = random_beta(rng, size_t(T) * pc.hv);
   const size_t state_elems = size_t(n) * pc.hv * D * D;
   std::vector<float> init(state_elems, 0.f);
   if (pc.with_initial) {
@@ -311,12 +322,7 @@ TEST_CASE("gdn_prefill with its products on wgmma (HYPIC_GDN_WY_WGMMA / _SCAN_WG
         std::mt19937 rng(150);
         const int hk = 2, hv = 4, L = 700;
         std::vector<int> cu = {0, 300, L};
-        std::vector<float> qf, kf, vf;
-        auto qh = random_bf16(rng, size_t(L) * hk * D, 1.0f, qf);
-        auto kh = random_bf16(rng, size_t(L) * hk * D, 1.0f, kf);
-        auto vh = random_bf16(rng, size_t(L) * hv * D, 1.0f, vf);
-        auto g = random_log_decay(rng, size_t(L) * hv);
-        auto beta = random_beta(rng, size_t(L) * hv);
+        const auto [qf, kf, vf, g, beta, qh, kh, vh] = random_inputs(rng, L, hk, hv);
         DeviceBuffer<bf16> dq(qh), dk(kh), dv(vh);
         DeviceBuffer<float> dg(g), db(beta);
         const size_t state_elems = size_t(2) * hv * D * D;
@@ -372,12 +378,7 @@ TEST_CASE("gdn_fold_short_runs composes short runs with the next affine step as 
   for (int i = 0; i < n; ++i) cu[i + 1] = cu[i] + lens[i];
   const int T = cu[n];
   const float scale = 1.0f / std::sqrt(float(D));
-  std::vector<float> qf, kf, vf;
-  auto qh = random_bf16(rng, size_t(T) * hk * D, 1.0f, qf);
-  auto kh = random_bf16(rng, size_t(T) * hk * D, 1.0f, kf);
-  auto vh = random_bf16(rng, size_t(T) * hv * D, 1.0f, vf);
-  auto g = random_log_decay(rng, size_t(T) * hv);
-  auto beta = random_beta(rng, size_t(T) * hv);
+  const auto [qf, kf, vf, g, beta, qh, kh, vh] = random_inputs(rng, T, hk, hv);
   DeviceBuffer<bf16> dq(qh), dk(kh), dv(vh);
   DeviceBuffer<float> dg(g), db(beta);
   const size_t mat = size_t(D) * D, per = size_t(hv) * mat;
@@ -991,13 +992,8 @@ TEST_CASE("gdn_prefill checkpoints: the states at chosen tokens, written in the 
   const std::vector<int> cu = {0, 300, 817};
   const int n = 2, T = cu[2];
   const float scale = 1.0f / std::sqrt(float(D));
-  std::vector<float> qf, kf, vf;
-  auto qh = random_bf16(rng, size_t(T) * hk * D, 1.f, qf);
-  auto kh = random_bf16(rng, size_t(T) * hk * D, 1.f, kf);
-  auto vh = random_bf16(rng, size_t(T) * hv * D, 1.f, vf);
-  auto g = random_log_decay(rng, size_t(T) * hv);
+  auto [qf, kf, vf, g, beta, qh, kh, vh] = random_inputs(rng, T, hk, hv);
   for (auto& x : g) x *= 0.1f;  // slow decay: the initial state still matters at the later checkpoints
-  auto beta = random_beta(rng, size_t(T) * hv);
   const size_t se = size_t(hv) * D * D;
   std::vector<float> init(n * se);
   std::normal_distribution<float> nd(0.f, 0.3f);
