@@ -39,6 +39,11 @@ int main(int argc, char** argv) {
                  "WatchEvents: events a subscriber may fall behind before its stream is ended (RESOURCE_EXHAUSTED)")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
+  uint32_t max_put_wait_ms = 30000;
+  app.add_option("--max-put-wait-ms", max_put_wait_ms,
+                 "a Put that would put the bytes being received past --memory-bytes waits at most this long (or its "
+                 "deadline) for other puts to end, then is refused with RESOURCE_EXHAUSTED")
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   try {
     hypic::rpc::init_service("segment-cache", server);
@@ -50,7 +55,8 @@ int main(int argc, char** argv) {
     store.disk_dir = disk_dir;
     hypic::cache::SegmentStore st(store);
     hypic::rpc::Lifecycle life("segment cache");
-    hypic::cache::SegmentCacheService svc(st, life, chunk_bytes, max_lease_ms, max_queued_events);
+    hypic::cache::SegmentCacheService svc(st, life, chunk_bytes, max_lease_ms, max_queued_events,
+                                          std::chrono::milliseconds(max_put_wait_ms));
     spdlog::info("memory budget {} bytes (leases up to {:.0f}% of it){}", store.memory_budget_bytes,
                  100.0 * store.max_leased_fraction,
                  disk_dir.empty() ? std::string(", no disk tier")

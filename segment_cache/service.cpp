@@ -1,5 +1,7 @@
 #include "segment_cache/service.h"
 
+#include <algorithm>
+
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
@@ -22,9 +24,10 @@ rpc::Counter& bytes_counter(const char* direction) {
 }  // namespace
 
 SegmentCacheService::SegmentCacheService(SegmentStore& store, rpc::Lifecycle& life, size_t chunk_bytes,
-                                         uint32_t max_lease_ms, size_t max_queued_events)
+                                         uint32_t max_lease_ms, size_t max_queued_events,
+                                         std::chrono::milliseconds max_put_wait)
     : store_(store), life_(life), chunk_bytes_(chunk_bytes), max_lease_ms_(max_lease_ms), events_(max_queued_events),
-      max_receiving_bytes_(store.stats().memory_budget_bytes) {
+      max_receiving_bytes_(store.stats().memory_budget_bytes), max_put_wait_(max_put_wait) {
   store_.set_event_sink([this](const StoreEvent& e) { events_.publish(e); });
   auto& reg = rpc::MetricsRegistry::global();
   auto stat = [&store](uint64_t StoreStats::*field) { return [&store, field] { return double(store.stats().*field); }; };
@@ -41,6 +44,8 @@ SegmentCacheService::SegmentCacheService(SegmentStore& store, rpc::Lifecycle& li
   reg.gauge_fn("hypic:cache_entries", "Segment entries held, by tier", stat(&StoreStats::disk_entries),
                {{"tier", "disk"}});
   reg.gauge_fn("hypic:cache_leased_bytes", "Bytes of entries under a hit lease", stat(&StoreStats::leased_bytes));
+  reg.gauge_fn("hypic:cache_receiving_bytes", "Announced bytes of the puts being received (admitted past their header)",
+               [this] { return double(receiving_bytes()); });
   reg.counter_fn("hypic:cache_lookups_total", "Lookups and gets of a digest", stat(&StoreStats::lookups));
   reg.counter_fn("hypic:cache_hits_total", "Lookups and gets that found the entry", stat(&StoreStats::hits));
   reg.counter_fn("hypic:cache_evictions_total", "Entries evicted to make room (memory spills to disk not included)",
@@ -193,20 +198,51 @@ grpc::Status SegmentCacheService::Put(grpc::ServerContext* ctx, grpc::ServerRead
                                                 "bytes; refused before reading it",
                                                 rpc::digest_hex(d), header.total_bytes(), store_.max_entry_bytes()));
     }
-    struct Receiving {
-      std::atomic<uint64_t>& total;
-      uint64_t n;
-      ~Receiving() { total -= n; }
-    } receiving{receiving_bytes_, header.total_bytes()};
     // One put alone may stream an entry up to max_entry_bytes (one larger than memory goes to the disk tier); beside
-    // others, the bytes being received stay within the memory budget.
-    if (const uint64_t before = receiving_bytes_.fetch_add(receiving.n);
-        before > 0 && before + receiving.n > max_receiving_bytes_) {
-      store_.count_rejected_put();
-      throw rpc::resource_exhausted(fmt::format("put {}: {} bytes would put the puts being received past {} bytes (the "
-                                                "memory budget); retry later",
-                                                rpc::digest_hex(d), header.total_bytes(), max_receiving_bytes_));
+    // others, the bytes being received stay within the memory budget: a put past it waits for room (the sender is held
+    // by flow control meanwhile) rather than being dropped, up to its deadline or max_put_wait_.
+    const uint64_t n = header.total_bytes();
+    {
+      using Clock = std::chrono::system_clock;
+      const auto start = Clock::now();
+      // (ServerContext::deadline() converts from gRPC's monotonic clock at each call: read it once.)
+      const auto deadline = ctx->deadline();
+      const bool by_deadline = deadline < start + max_put_wait_;
+      const auto limit = by_deadline ? deadline : start + max_put_wait_;
+      std::unique_lock<std::mutex> lock(receive_mu_);
+      auto fits = [&] { return receiving_bytes_ == 0 || receiving_bytes_ + n <= max_receiving_bytes_; };
+      for (;;) {
+        // A caller that gave up is never admitted, even when room frees just then.
+        if (ctx->IsCancelled()) throw rpc::RpcError(grpc::StatusCode::CANCELLED, "put cancelled while waiting");
+        const auto now = Clock::now();
+        if (by_deadline && now >= deadline) {
+          throw rpc::RpcError(grpc::StatusCode::DEADLINE_EXCEEDED, "put's deadline passed while waiting for room");
+        }
+        if (fits()) break;
+        if (now >= limit) {
+          store_.count_rejected_put();
+          throw rpc::resource_exhausted(fmt::format(
+              "put {}: {} bytes would put the puts being received ({} bytes) past {} bytes (the memory budget), and "
+              "none ended within {} ms; retry later",
+              rpc::digest_hex(d), n, receiving_bytes_, max_receiving_bytes_,
+              std::chrono::duration_cast<std::chrono::milliseconds>(now - start).count()));
+        }
+        // Slices of at most 50 ms: a cancelled call or a shutting-down server is noticed without a notification.
+        receive_cv_.wait_until(lock, std::min(limit, now + std::chrono::milliseconds(50)));
+      }
+      receiving_bytes_ += n;
     }
+    struct Receiving {
+      SegmentCacheService& self;
+      uint64_t n;
+      ~Receiving() {
+        {
+          std::lock_guard<std::mutex> lock(self.receive_mu_);
+          self.receiving_bytes_ -= n;
+        }
+        self.receive_cv_.notify_all();
+      }
+    } receiving{*this, n};
     rpc::ChunkAssembler assembler;
     assembler.begin(header.total_bytes(), header.checksum(), fmt::format("put {}", rpc::digest_hex(d)));
     while (reader->Read(&msg)) {

@@ -1,6 +1,8 @@
 // gRPC front of the segment store (hypic.v1.SegmentCache; semantics in segment_cache.proto).
 #pragma once
-#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
 
 #include "hypic/v1/segment_cache.grpc.pb.h"
 #include "proto/rpc/server.h"
@@ -20,7 +22,8 @@ class SegmentCacheService final : public hypic::v1::SegmentCache::Service {
   /// than store.max_entry_bytes() or, while other puts are being received, when the bytes of all would pass the memory
   /// budget (so puts in flight hold at most the memory budget, or one entry).
   SegmentCacheService(SegmentStore& store, rpc::Lifecycle& life, size_t chunk_bytes, uint32_t max_lease_ms,
-                      size_t max_queued_events = 65536);
+                      size_t max_queued_events = 65536,
+                      std::chrono::milliseconds max_put_wait = std::chrono::seconds(30));
   ~SegmentCacheService() override;
 
   grpc::Status Lookup(grpc::ServerContext* ctx, const hypic::v1::LookupRequest* req,
@@ -35,6 +38,12 @@ class SegmentCacheService final : public hypic::v1::SegmentCache::Service {
                      hypic::v1::CacheStats* resp) override;
   grpc::Status ReleaseLeases(grpc::ServerContext* ctx, const hypic::v1::ReleaseLeasesRequest* req,
                              hypic::v1::ReleaseLeasesResponse* resp) override;
+  /// Announced bytes of the puts being received now (admitted past their header), for tests and logs.
+  uint64_t receiving_bytes() const {
+    std::lock_guard<std::mutex> lock(receive_mu_);
+    return receiving_bytes_;
+  }
+
   grpc::Status WatchEvents(grpc::ServerContext* ctx, const hypic::v1::WatchEventsRequest* req,
                            grpc::ServerWriter<hypic::v1::CacheEvent>* writer) override;
 
@@ -44,8 +53,11 @@ class SegmentCacheService final : public hypic::v1::SegmentCache::Service {
   size_t chunk_bytes_;
   uint32_t max_lease_ms_;
   CacheEventHub events_;
-  std::atomic<uint64_t> receiving_bytes_{0};  // announced bytes of the puts being received now
-  uint64_t max_receiving_bytes_;              // their cap beside another put: the memory budget
+  mutable std::mutex receive_mu_;
+  std::condition_variable receive_cv_;      // notified as a put being received ends
+  uint64_t receiving_bytes_ = 0;            // announced bytes of the puts being received now (under receive_mu_)
+  uint64_t max_receiving_bytes_;            // their cap beside another put: the memory budget
+  std::chrono::milliseconds max_put_wait_;  // longest wait of a put for room among those being received
 };
 
 }  // namespace hypic::cache

@@ -439,9 +439,9 @@ class CorruptEntryTest(ClusterTestCase):
     no memory tier, so every warm read goes through the cache's disk tier.
 
     With a memory budget of 1 byte the cache receives one put at a time: a put that arrives while another is being
-    received is refused ("retry later") and the writer drops it (the cache is an optimisation). So that the entries
-    the tests read back are stored, puts never overlap here: one scatter worker (its puts go out one after another),
-    and each test waits for the put of an entry it had recomputed before it ends."""
+    received waits for it (up to the writer's put timeout, then the writer drops it: the cache is an optimisation).
+    So that the entries the tests read back are stored, puts never overlap here: one scatter worker (its puts go out
+    one after another), and each test waits for the put of an entry it had recomputed before it ends."""
     scatter_workers = 1
     extra_args = {"combine": ["--memory-tier-bytes", "0"]}
 

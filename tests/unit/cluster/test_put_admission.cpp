@@ -1,0 +1,158 @@
+// Segment cache put admission (segment_cache/service.cpp, SegmentCacheService::Put): beside other puts being
+// received, a put that would take the received bytes past the memory budget waits for room instead of being dropped;
+// it is refused (RESOURCE_EXHAUSTED, "retry later") only once max_put_wait passes, and a waiting put whose caller gives
+// up leaves nothing counted. A real gRPC server on loopback, a put held open half-sent by a raw stream.
+#include <catch2/catch.hpp>
+
+#include <future>
+#include <thread>
+
+#include <grpcpp/grpcpp.h>
+
+#include "proto/rpc/chunks.h"
+#include "proto/rpc/status.h"
+#include "segment_cache/client.h"
+#include "segment_cache/service.h"
+
+using namespace hypic;
+using namespace std::chrono_literals;
+
+namespace {
+
+constexpr uint64_t kBudget = 1 << 20;  // memory budget, bytes: two entries of kEntry do not fit beside each other
+constexpr size_t kEntry = 600 << 10;
+
+// A segment cache service on a free loopback port.
+struct CacheServer {
+  cache::SegmentStore store;
+  rpc::Lifecycle life{"segment cache"};
+  cache::SegmentCacheService service;
+  std::unique_ptr<grpc::Server> server;
+  int port = 0;
+  explicit CacheServer(std::chrono::milliseconds max_put_wait)
+      : store(cache::StoreOptions{.memory_budget_bytes = kBudget}),
+        service(store, life, rpc::kChunkBytes, 60000, 1024, max_put_wait) {
+    grpc::ServerBuilder b;
+    b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    b.RegisterService(&service);
+    server = b.BuildAndStart();
+    REQUIRE(server);
+    REQUIRE(port > 0);
+  }
+  ~CacheServer() { server->Shutdown(std::chrono::system_clock::now() + 2s); }
+  std::string address() const { return "127.0.0.1:" + std::to_string(port); }
+};
+
+rpc::Digest digest_of(uint8_t n) {
+  rpc::Digest d{};
+  d.fill(n);
+  return d;
+}
+
+// A put sent by hand: its header and the first half of its bytes, then held until finish().
+struct HeldPut {
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<v1::SegmentCache::Stub> stub;
+  grpc::ClientContext ctx;
+  v1::PutResponse resp;
+  std::unique_ptr<grpc::ClientWriter<v1::PutRequest>> writer;
+  std::string bytes;
+  HeldPut(const std::string& address, uint8_t n, size_t size)
+      : channel(grpc::CreateChannel(address, grpc::InsecureChannelCredentials())),
+        stub(v1::SegmentCache::NewStub(channel)), bytes(size, char(n)) {
+    ctx.set_deadline(std::chrono::system_clock::now() + 30s);
+    writer = stub->Put(&ctx, &resp);
+    v1::PutRequest head;
+    head.mutable_header()->mutable_key()->set_digest(rpc::digest_bytes(digest_of(n)));
+    head.mutable_header()->mutable_key()->add_token_ids(n);
+    head.mutable_header()->set_total_bytes(bytes.size());
+    head.mutable_header()->set_checksum(rpc::checksum64(bytes));
+    REQUIRE(writer->Write(head));
+    v1::PutRequest part;
+    part.set_data(bytes.substr(0, bytes.size() / 2));
+    REQUIRE(writer->Write(part));
+  }
+  grpc::Status finish() {
+    v1::PutRequest part;
+    part.set_data(bytes.substr(bytes.size() / 2));
+    REQUIRE(writer->Write(part));
+    writer->WritesDone();
+    return writer->Finish();
+  }
+};
+
+void wait_receiving(const cache::SegmentCacheService& s, uint64_t bytes) {
+  const auto until = std::chrono::steady_clock::now() + 10s;
+  while (s.receiving_bytes() != bytes && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(5ms);
+  REQUIRE(s.receiving_bytes() == bytes);
+}
+
+void put_entry(const cache::SegmentCacheClient& client, uint8_t n, size_t size) {
+  const std::string b(size, char(n));
+  const std::vector<int32_t> ids{n};
+  client.put(cache::CacheKey{digest_of(n), ids}, b);
+}
+
+}  // namespace
+
+TEST_CASE("put admission: a put past the receive budget waits for the put in flight, then is stored",
+          "[put_admission]") {
+  CacheServer cache(30s);
+  HeldPut first(cache.address(), 1, kEntry);
+  wait_receiving(cache.service, kEntry);
+
+  cache::SegmentCacheClient client({cache.address()}, {.timeout = 20s});
+  auto second = std::async(std::launch::async, [&] { put_entry(client, 2, kEntry); });
+  // It is not admitted beside the first (600 + 600 KiB > 1 MiB): it waits, counted nowhere.
+  CHECK(second.wait_for(300ms) == std::future_status::timeout);
+  CHECK(cache.service.receiving_bytes() == kEntry);
+  // A put that fits beside the first is not held up.
+  put_entry(client, 3, 1000);
+
+  REQUIRE(first.finish().ok());
+  REQUIRE(second.wait_for(20s) == std::future_status::ready);
+  second.get();  // throws if the put failed
+  wait_receiving(cache.service, 0);
+  const auto stats = cache.store.stats();
+  CHECK(stats.puts == 3);  // (the memory tier then holds what fits of them)
+  CHECK(stats.rejected_puts == 0);
+}
+
+TEST_CASE("put admission: a put that finds no room within max_put_wait is refused; one whose caller gives up while "
+          "waiting leaves nothing counted",
+          "[put_admission]") {
+  CacheServer cache(400ms);
+  HeldPut first(cache.address(), 1, kEntry);
+  wait_receiving(cache.service, kEntry);
+
+  cache::SegmentCacheClient patient({cache.address()}, {.timeout = 20s});
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    put_entry(patient, 2, kEntry);
+    FAIL("the put was not refused");
+  } catch (const rpc::RpcError& e) {
+    CHECK(e.code() == grpc::StatusCode::RESOURCE_EXHAUSTED);
+    CHECK_THAT(e.what(), Catch::Contains("retry later") && Catch::Contains("memory budget"));
+  }
+  CHECK(std::chrono::steady_clock::now() - t0 >= 400ms);
+  CHECK(cache.store.stats().rejected_puts == 1);
+
+  cache::SegmentCacheClient hasty({cache.address()}, {.timeout = 150ms});
+  try {
+    put_entry(hasty, 4, kEntry);
+    FAIL("the put was not refused");
+  } catch (const rpc::RpcError& e) {
+    CHECK(e.code() == grpc::StatusCode::DEADLINE_EXCEEDED);
+  }
+  CHECK(cache.service.receiving_bytes() == kEntry);
+  // The server's deadline of that call is the client's plus the header's transit: let it pass before room frees, so
+  // that what this checks is that a put past its deadline is never admitted.
+  std::this_thread::sleep_for(200ms);
+
+  REQUIRE(first.finish().ok());
+  wait_receiving(cache.service, 0);
+  put_entry(patient, 2, kEntry);  // room again: stored at once
+  const auto stats = cache.store.stats();
+  CHECK(stats.puts == 2);  // the first and the last: neither refused put was stored
+  CHECK(stats.rejected_puts == 1);
+}
