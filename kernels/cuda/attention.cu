@@ -1066,18 +1066,23 @@ struct CudnnRoute {
 // 27k queries at 16 x 256 heads. The rule depends on the call's groups alone (not on what ran before).
 constexpr double kCudnnMinFlops = 6e12;
 
-// Which groups cuDNN takes (cudnn_route.h): every group of more than kSplitMaxQ queries with HYPIC_ATTN_CUDNN=all or
-// the buckets; else those whose counted FLOP reach kCudnnMinFlops, counted at slot0 0 (by length alone) or, with the
-// candidate HYPIC_ATTN_CUDNN_PREFIX, with their cached slots (the later chunks of a prompt cut into the workers'
-// 16384-token passes: the second chunk of a 32k prompt does 6.6e12 at 16 x 256 heads, the first 2.2e12).
+// Which groups cuDNN takes (cudnn_route.h): every group of more than kSplitMaxQ queries with HYPIC_ATTN_CUDNN=all;
+// else those whose counted FLOP reach kCudnnMinFlops, counted at slot0 0 (by length alone) or, with
+// HYPIC_ATTN_CUDNN_PREFIX (default on), with their cached slots (the later chunks of a prompt cut into the workers'
+// 16384-token passes: the second chunk of a 32k prompt does 6.6e12 at 16 x 256 heads, the first 2.2e12); and with the
+// buckets (HYPIC_ATTN_CUDNN_BUCKETS, default on) also every group of more than kSplitMaxQ queries at slot0 0 (one plan
+// per length bucket, a bounded set; a group with cached slots would need a plan per slot0, compiled within its
+// request's TTFT: only its own work pays for that).
 CudnnRule cudnn_rule(int num_heads, int head_dim, bool buckets) {
-  if (buckets || cudnn_sdpa_all_long_groups()) {
+  if (cudnn_sdpa_all_long_groups()) {
     CudnnRule r;
     r.min_len = r.min_q = kSplitMaxQ + 1;
     return r;
   }
   static CandidateSwitch prefix_switch("HYPIC_ATTN_CUDNN_PREFIX");
-  return cudnn_flop_rule(kCudnnMinFlops, num_heads, head_dim, kSplitMaxQ + 1, prefix_switch.on());
+  CudnnRule r = cudnn_flop_rule(kCudnnMinFlops, num_heads, head_dim, kSplitMaxQ + 1, prefix_switch.on());
+  if (buckets) r.min_q0 = kSplitMaxQ + 1;
+  return r;
 }
 
 size_t cudnn_gather_bytes(const CudnnSdpaShape& s) {

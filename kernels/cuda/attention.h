@@ -169,12 +169,13 @@ std::string attention_cudnn_status();
 /// same call (they skip cuDNN's). min_q = ceil(sqrt(2 x 6e12 / (4 x num_heads x head_dim))) (27064 at 16 x 256: a
 /// cuDNN plan costs 35-72 ms to build once per shape, and cuDNN saves about 8e-16 s per counted FLOP on the H200, so
 /// one prefill of a new length with ten attention layers roughly pays for its plan), or 513 with
-/// HYPIC_ATTN_CUDNN=all (re-read on every call; for workloads that repeat their lengths). With the candidate switch
-/// HYPIC_ATTN_CUDNN_PREFIX the rule counts a group's cached slots too: groups of more than 512 queries whose
+/// HYPIC_ATTN_CUDNN=all (re-read on every call; for workloads that repeat their lengths). With the switch
+/// HYPIC_ATTN_CUDNN_PREFIX (default on) the rule counts a group's cached slots too: groups of more than 512 queries whose
 /// 4 x len x (slot0 + len / 2) x num_heads x head_dim counted FLOP reach 6e12 (cudnn_route.h CudnnRule, the same
 /// integer test on the host and in the kernels' skip), such as the second 16384-query chunk of a 32k prompt cut into
-/// the workers' default passes. With the candidate switch
-/// HYPIC_ATTN_CUDNN_BUCKETS (kernels/cuda/switches.h) min_q is 513 and each run's plan has padded dimensions, so that
+/// the workers' default passes. With the switch HYPIC_ATTN_CUDNN_BUCKETS (kernels/cuda/switches.h, default on) every
+/// group at slot0 0 of more than 512 queries goes to cuDNN too (CudnnRule::min_q0; a group with cached slots needs a
+/// plan per slot0, so it still goes by the rule above), and each run's plan has padded dimensions, so that
 /// one plan serves a range of lengths: the queries rounded up to the next multiple of 2^(floor(log2 len) - 4) (16
 /// buckets per octave, at most 1/16 padding) and the KV slots by as many rows (padded queries + slot0: the plan's
 /// diagonal offset is the real slot0, so plans are shared within a bucket at one slot0; cuDNN took the diagonal from

@@ -1,5 +1,5 @@
 // The host-side plan of attention_prefill's cuDNN route (kernels/cuda/attention.h): which query groups go to cuDNN's
-// fused SDPA, batched into which calls, on which plan shapes (the padded length buckets of the candidate switch
+// fused SDPA, batched into which calls, on which plan shapes (the padded length buckets of the switch
 // HYPIC_ATTN_CUDNN_BUCKETS included). No CUDA needed: attention.cu runs it (CudnnRule::takes also on the device, in
 // the prefill kernels' skip), tests/unit/test_cudnn_route.cpp checks it on the CPU.
 #pragma once
@@ -17,17 +17,22 @@
 namespace hypic::kernels::cuda::detail {
 
 /// Which query groups of an attention_prefill call go to cuDNN: a group of len queries whose first query sits at KV
-/// slot slot0 does when len >= min_len and (len >= min_q or len x (2 slot0 + len) >= min_work). The work term is the
+/// slot slot0 does when len >= min_len and (slot0 == 0 and len >= min_q0, or len >= min_q, or len x (2 slot0 + len) >=
+/// min_work). min_q0 is the buckets' (HYPIC_ATTN_CUDNN_BUCKETS): a group without cached slots has one plan per length
+/// bucket, a bounded set compiled once per server, where a group with cached slots needs a plan per slot0 (the
+/// plan's diagonal), so it goes to cuDNN only when its own work pays for a compile (min_q / min_work). The work term is the
 /// group's counted FLOP over 2 x heads x head_dim (4 x len x (slot0 + len / 2) x heads x head_dim: every query sees
 /// the slot0 cached slots and, on average, half of its own group), in exact 64-bit integers, so that the host's plan
 /// and the device kernels' skip (AttnParams, attention_common.cuh) always agree. The default-constructed rule takes
 /// no group.
 struct CudnnRule {
   int min_len = INT_MAX;           // shorter groups never (the split path's are at most kSplitMaxQ queries)
+  int min_q0 = INT_MAX;            // groups at slot0 0 of at least this many queries
   int min_q = INT_MAX;             // groups of at least this many queries
   long long min_work = LLONG_MAX;  // or whose len x (2 slot0 + len) reaches this
   HYPIC_CUDNN_ROUTE_HD bool takes(int len, int slot0) const {
-    return len >= min_len && (len >= min_q || static_cast<long long>(len) * (2LL * slot0 + len) >= min_work);
+    return len >= min_len && ((slot0 == 0 && len >= min_q0) || len >= min_q ||
+                              static_cast<long long>(len) * (2LL * slot0 + len) >= min_work);
   }
 };
 

@@ -499,11 +499,12 @@ TEST_CASE("attention_prefill long groups through cuDNN SDPA match attention_caus
     timed_case(1500, 0, 1606);    // and plain again
     CHECK(ws.cudnn_launches() == 10);
   }
-  // HYPIC_ATTN_CUDNN_BUCKETS: every group of more than 512 queries on cuDNN (under HYPIC_ATTN_CUDNN=1, whose own rule
-  // would take none of these), padded to its length bucket (16 per octave). Groups whose queries, KV slots or both
-  // are padded, batched equal groups, short groups between them; against the CPU reference like every case here.
+  // HYPIC_ATTN_CUDNN_BUCKETS (default on): plans padded to the groups' length buckets (16 per octave). Under
+  // HYPIC_ATTN_CUDNN=all every group of more than 512 queries goes to cuDNN, those with cached slots too (by default
+  // only those at slot0 0 or whose work reaches the rule's: the section after next). Groups whose queries, KV slots or
+  // both are padded, batched equal groups, short groups between them; against the CPU reference like every case here.
   SECTION("length buckets: padded plans match the reference") {
-    const CudnnModeScope def("1");
+    const CudnnModeScope def("all");
     gpu::CandidateScope on("HYPIC_ATTN_CUDNN_BUCKETS");
     on.set(true);
     // (len, slot0) -> plan (s_q, s_kv) = (bucket(len), bucket(len) + slot0): 1000 at 0 -> 1024 / 1024 twice (one
@@ -525,7 +526,7 @@ TEST_CASE("attention_prefill long groups through cuDNN SDPA match attention_caus
     CHECK(run_attention_case(c, 1622) == 7);
   }
   SECTION("length buckets: one plan per bucket, shared by its lengths") {
-    const CudnnModeScope def("1");
+    const CudnnModeScope def("all");
     gpu::CandidateScope on("HYPIC_ATTN_CUDNN_BUCKETS");
     on.set(true);
     gpu::AttnDecodeWorkspace ws;  // shared by the calls: its plans persist
@@ -546,6 +547,17 @@ TEST_CASE("attention_prefill long groups through cuDNN SDPA match attention_caus
     checked_call(2030, 1010, 1636);  // another slot0, another diagonal: a fourth plan (2048 / 3058)
     CHECK(ws.cudnn_plans() == 4);
     CHECK(ws.cudnn_launches() == 7);
+  }
+  // By default (HYPIC_ATTN_CUDNN=1 with the buckets): a group at slot0 0 of more than 512 queries goes to cuDNN (one
+  // plan per bucket), one with cached slots stays on our kernel unless its work reaches the rule's (a plan per slot0
+  // would be compiled within its request). 1000 queries over 3000 cached slots first (our kernel: the same bits as
+  // ours alone), then 1000 at slot0 0 (cuDNN, bucket 1024).
+  SECTION("default rule with buckets: groups at slot0 0 past 512 queries, not those with cached slots") {
+    const CudnnModeScope def("1");
+    gpu::CandidateScope buckets("HYPIC_ATTN_CUDNN_BUCKETS");
+    buckets.set(true);
+    check_routed_against_ours(own_sequences("cudnn buckets default", 256, 16, 2, {{1000, 3000}, {1000, 0}}, true),
+                              1612, 1, 1000);
   }
   SECTION("default rule: groups from ceil(sqrt(2 x 6e12 / (4 x heads x head_dim))) queries on, by length alone") {
     const CudnnModeScope def("1");

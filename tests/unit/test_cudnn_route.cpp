@@ -148,11 +148,12 @@ TEST_CASE("plan_cudnn_runs: random group lists keep the properties the GPU path 
   for (int trial = 0; trial < 2000; ++trial) {
     const bool buckets = trial % 2 == 0;
     const int min_q = buckets ? 513 : 513 + int(rng() % 4000);
-    // Without buckets, every third trial counts the cached slots too (a threshold that 600..9000-query groups reach
-    // at some of the slot0 below).
-    const kd::CudnnRule rule = !buckets && trial % 3 == 0
-                                   ? kd::cudnn_flop_rule(1e9 * (1 + rng() % 64), 16, 256, 513, true)
-                                   : length_rule(min_q);
+    // Every third trial counts the cached slots too (a threshold that 600..9000-query groups reach at some of the
+    // slot0 below); with buckets that is the default rule (cudnn_rule in attention.cu: every group at slot0 0 past
+    // 512 queries, min_q0), the other bucket trials take every group past 512 queries (HYPIC_ATTN_CUDNN=all).
+    kd::CudnnRule rule = trial % 3 == 0 ? kd::cudnn_flop_rule(1e9 * (1 + rng() % 64), 16, 256, 513, true)
+                                        : length_rule(min_q);
+    if (buckets && trial % 3 == 0) rule.min_q0 = 513;
     std::vector<Group> gs;
     const int n = 1 + int(rng() % 12);
     for (int i = 0; i < n; ++i) {
@@ -178,7 +179,8 @@ TEST_CASE("plan_cudnn_runs: random group lists keep the properties the GPU path 
       const Group& g = gs[i];
       INFO("trial " << trial << " group " << i << " (" << g.len << " @ " << g.slot0 << ")");
       const bool cudnn = g.len > 0 && g.len > 512 &&
-                         (g.len >= rule.min_q || (long long)g.len * (2LL * g.slot0 + g.len) >= rule.min_work);
+                         ((g.slot0 == 0 && g.len >= rule.min_q0) || g.len >= rule.min_q ||
+                          (long long)g.len * (2LL * g.slot0 + g.len) >= rule.min_work);
       want_others |= g.len > 0 && !cudnn;
       REQUIRE((run_of[i] >= 0) == cudnn);
       if (!cudnn) continue;
@@ -272,4 +274,31 @@ TEST_CASE("plan_cudnn_runs under the prefix rule: the chunks of long prompts", "
   CHECK(runs[0].s_kv == 32768);
   // Without the prefix: nothing.
   CHECK(plan({{16384, 0}, {16384, 16384}}, kd::cudnn_flop_rule(6e12, 16, 256, 513, false), false, ok, others).empty());
+}
+
+TEST_CASE("the default rule with buckets: every group at slot0 0 past 512 queries, one with cached slots only when its "
+          "work pays for a plan of its own",
+          "[cudnn_route]") {
+  // cudnn_rule (attention.cu) at 16 x 256 heads with HYPIC_ATTN_CUDNN_BUCKETS and HYPIC_ATTN_CUDNN_PREFIX (defaults).
+  kd::CudnnRule r = kd::cudnn_flop_rule(6e12, 16, 256, 513, true);
+  r.min_q0 = 513;
+  CHECK(r.takes(513, 0));
+  CHECK(r.takes(600, 0));
+  CHECK_FALSE(r.takes(512, 0));
+  // A 1000-query hypic query after 20000 cached slots: 1000 x 41000 = 4.1e7 < 732421875 (a plan per slot0 would be
+  // compiled within that request's TTFT): our kernel.
+  CHECK_FALSE(r.takes(1000, 20000));
+  CHECK_FALSE(r.takes(513, 1));
+  // The second 16384-query chunk of a 32k prompt: 16384 x 49152 = 8.05e8 >= 732421875.
+  CHECK(r.takes(16384, 16384));
+  CHECK_FALSE(r.takes(16384 / 2, 16384));  // 8192 x 40960 = 3.4e8
+  CHECK(r.takes(27064, 1));                 // min_q
+  bool ok = false, others = false;
+  const auto runs = plan({{600, 0}, {1000, 20000}, {3000, 0}, {16384, 16384}}, r, true, ok, others);
+  REQUIRE(ok);
+  CHECK(others);
+  REQUIRE(runs.size() == 3);
+  CHECK((runs[0].group0 == 0 && runs[0].s_q == 608 && runs[0].s_kv == 608));
+  CHECK((runs[1].group0 == 2 && runs[1].s_q == 3072 && runs[1].s_kv == 3072));
+  CHECK((runs[2].group0 == 3 && runs[2].s_q == 16384 && runs[2].s_kv == 32768));
 }
