@@ -200,13 +200,13 @@ std::vector<int> gdn_scan_parts(const GdnPrefillArgs& a);
 /// only.
 bool gdn_wgmma_built();
 
-/// Whether gdn_prefill runs its chunk scan's products on warpgroup MMAs now (gdn_scan.cuh, the candidate switch
+/// Whether gdn_prefill runs its chunk scan's products on warpgroup MMAs now (gdn_scan.cuh, the switch
 /// HYPIC_GDN_SCAN_WGMMA): the switch on, this build's sm_90a code present and the current device of compute
 /// capability 9.0. Host only; throws std::runtime_error on a CUDA error querying the device.
 bool gdn_scan_wgmma_active();
 
 /// Whether gdn_prefill runs its WY kernel's products (P, K K^T, W, U) on warpgroup MMAs now (gdn_wy.cuh, the
-/// candidate switch HYPIC_GDN_WY_WGMMA): the switch on, this build's sm_90a code present and the current device of
+/// switch HYPIC_GDN_WY_WGMMA): the switch on, this build's sm_90a code present and the current device of
 /// compute capability 9.0. Host only; throws std::runtime_error on a CUDA error querying the device.
 bool gdn_wy_wgmma_active();
 

@@ -28,7 +28,7 @@
 //     their outputs (without outputs all parts run in launch 1 and the chain gives the final
 //     state). About 2n/P chunk steps instead of n: P = 3 for 32 value heads on 132 SMs.
 // The two kernels are templates in gdn_wy.cuh and gdn_scan.cuh (with the workspace layout they share): their products
-// on mma.sync here, on warpgroup MMAs in gdn_wgmma.cu (sm_90a) under the candidate switches HYPIC_GDN_WY_WGMMA and
+// on mma.sync here, on warpgroup MMAs in gdn_wgmma.cu (sm_90a) under the switches (default on) HYPIC_GDN_WY_WGMMA and
 // HYPIC_GDN_SCAN_WGMMA.
 // The host side that needs none of the kernels' internals (gates kernel, workspace streams, argument checks, the
 // split) is in gated_delta_host.cu.
@@ -228,7 +228,7 @@ void build_plan(const GdnPrefillArgs& a, GdnPlan& plan, std::vector<unsigned cha
 
 namespace {
 
-// Whether a wgmma kernel of gdn_wgmma.cu whose candidate switch is `on` runs: this build has the sm_90a code and the
+// Whether a wgmma kernel of gdn_wgmma.cu whose switch is `on` runs: this build has the sm_90a code and the
 // current device has compute capability 9.0.
 bool wgmma_kernel_runs(bool on) {
 #if HYPIC_GDN_WGMMA_BUILT
@@ -258,13 +258,13 @@ bool gdn_wgmma_built() {
 }
 
 bool gdn_scan_wgmma_active() {
-  // The candidate HYPIC_GDN_SCAN_WGMMA: the scan's products on warpgroup MMAs (gdn_wgmma.cu).
+  // HYPIC_GDN_SCAN_WGMMA (default on): the scan's products on warpgroup MMAs (gdn_wgmma.cu).
   static CandidateSwitch scan_wgmma_switch("HYPIC_GDN_SCAN_WGMMA");
   return wgmma_kernel_runs(scan_wgmma_switch.on());
 }
 
 bool gdn_wy_wgmma_active() {
-  // The candidate HYPIC_GDN_WY_WGMMA: the WY kernel's products on warpgroup MMAs (gdn_wgmma.cu).
+  // HYPIC_GDN_WY_WGMMA (default on): the WY kernel's products on warpgroup MMAs (gdn_wgmma.cu).
   static CandidateSwitch wy_wgmma_switch("HYPIC_GDN_WY_WGMMA");
   return wgmma_kernel_runs(wy_wgmma_switch.on());
 }

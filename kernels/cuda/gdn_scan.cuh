@@ -1,7 +1,7 @@
 // The chunk scan of the gated delta rule prefill (gated_delta_prefill.cu, which describes the whole pipeline; section
 // 2 there), as a kernel template shared by two translation units: gated_delta_prefill.cu instantiates the mma.sync
 // products (kWgmma = false, compute capability 9.0 machine code with compute_90 PTX), gdn_wgmma.cu (sm_90a only)
-// the products on Hopper's warpgroup MMAs (kWgmma = true, the candidate switch HYPIC_GDN_SCAN_WGMMA). Also the
+// the products on Hopper's warpgroup MMAs (kWgmma = true, the switch HYPIC_GDN_SCAN_WGMMA, default on). Also the
 // per-(chunk, value head) workspace layout that the WY kernel writes and the scan reads. Internal to kernels/cuda.
 #pragma once
 #include <cuda_bf16.h>

@@ -1,6 +1,6 @@
 // The gated delta rule prefill's kernels with their products on Hopper's warpgroup MMAs: gdn_scan_kernel<true>
 // (gdn_scan.cuh) and gdn_wy_kernel<true> (gdn_wy.cuh), where the kernels and their shared-memory layouts are
-// described; gdn_prefill (gated_delta_prefill.cu) launches them when the candidate switches HYPIC_GDN_SCAN_WGMMA /
+// described; gdn_prefill (gated_delta_prefill.cu) launches them when the switches HYPIC_GDN_SCAN_WGMMA /
 // HYPIC_GDN_WY_WGMMA are on and the device has compute capability 9.0. Built for sm_90a only
 // (kernels/cuda/CMakeLists.txt, HYPIC_GDN_WGMMA_BUILT).
 #include <cuda_runtime.h>

@@ -2,7 +2,7 @@
 // 1 there): per (chunk, value head), the l2-normalised q / k, the cumulative gates, P, the inverse X = (I + A)^-1 and
 // the WY factors W, U^T and the token factors, into the workspace the scan (gdn_scan.cuh) reads. A kernel template
 // shared by two translation units: gated_delta_prefill.cu instantiates the mma.sync products (kWgmma = false),
-// gdn_wgmma.cu (sm_90a only) the products on warpgroup MMAs (kWgmma = true, the candidate switch HYPIC_GDN_WY_WGMMA).
+// gdn_wgmma.cu (sm_90a only) the products on warpgroup MMAs (kWgmma = true, the switch HYPIC_GDN_WY_WGMMA, default on).
 // Internal to kernels/cuda.
 #pragma once
 #include <cuda_bf16.h>

@@ -28,7 +28,7 @@
 // grouped GEMMs covering routed AND shared experts, combine = 5 launches chained by PDL (no
 // GemmRunner / cuBLASLt call for T <= 16, where the router is a decode_linear). The GEMMs stream the weights through per-warp cp.async rings into mma
 // fragments (moe_decode.cu, the router GEMM a decode_linear); for T <= 64 the routing (softmax / top-k / shared gate / counting
-// sort / tile schedule) is one single-block kernel (route_small_kernel; at T = 1 with the candidate switch
+// sort / tile schedule) is one single-block kernel (route_small_kernel; at T = 1 with the switch (default on)
 // HYPIC_ROUTE_ONE_TOKEN two warps of route_one_kernel).
 #include "kernels/cuda/moe.h"
 
@@ -361,7 +361,7 @@ __global__ void __launch_bounds__(kMaxE) route_small_kernel(int T, RouteCfg rc, 
   }
 }
 
-// route_small_kernel's outputs for one token (T = 1, a batch-1 decode step; the candidate HYPIC_ROUTE_ONE_TOKEN) by
+// route_small_kernel's outputs for one token (T = 1, a batch-1 decode step; HYPIC_ROUTE_ONE_TOKEN, default on) by
 // two warps and no block barrier: warp 0 routes the token (route_token, the same picks and weights) and writes what
 // the counting sort gives for a single token: the k picks in ascending expert order are positions 0 .. k-1, so
 // topk_e / topk_w[rank], sorted_tok[rank] = 0, pos_of[rank] = rank, tiles[rank] = (expert, 0), offsets[e] = the
