@@ -118,8 +118,8 @@ TEST_CASE("put admission: a put past the receive budget waits for the put in fli
   CHECK(stats.rejected_puts == 0);
 }
 
-TEST_CASE("put admission: a put that finds no room within max_put_wait is refused; one whose caller gives up while "
-          "waiting leaves nothing counted",
+TEST_CASE("put admission: a put that finds no room within max_put_wait is refused, and one whose caller gives up "
+          "while waiting leaves nothing counted",
           "[put_admission]") {
   CacheServer cache(400ms);
   HeldPut first(cache.address(), 1, kEntry);
