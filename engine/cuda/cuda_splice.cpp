@@ -317,7 +317,7 @@ std::vector<float> CudaBackend::run_pass(CudaSequence& s, const std::vector<Run>
   std::vector<kc::GdnRunFold> seam_folds;  // [n_lin][R - 1]: the seam runs folded into the step after each
   std::vector<const float*> chain_init;
   std::vector<kc::CopyDesc> conv_in, conv_out_copy, fin_copy;
-  // HYPIC_SPLICE_SEAM_FOLD (default on; Gated DeltaNet, every run before the last at most one chunk long): phase A
+  // The candidate HYPIC_SPLICE_SEAM_FOLD (Gated DeltaNet, every run before the last at most one chunk long): phase A
   // computes no scan; each seam run's (T, S) is composed with the step after it (gdn_fold_short_runs: rank-len
   // products from the WY factors), so the chain takes one step per pair instead of two.
   static kc::CandidateSwitch seam_fold_switch("HYPIC_SPLICE_SEAM_FOLD");
