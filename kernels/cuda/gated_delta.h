@@ -218,6 +218,9 @@ struct GdnWgmmaLaunches {
   uint64_t scan = 0, wy = 0;
 };
 GdnWgmmaLaunches gdn_wgmma_launches();
+/// Launches of fold_short_runs_kernel (gdn_fold_short_runs with at least one run) in this process, counted on the host
+/// as each is issued: lets a test tell whether a splice folded its seam runs (HYPIC_SPLICE_SEAM_FOLD).
+uint64_t gdn_fold_launches();
 
 /// Gated DeltaNet gates as a separate kernel (for the decode step, or when the prefill does not
 /// fuse them): g[t][h] = -exp(A_log[h]) softplus(a[t][h] + dt_bias[h]) (softplus threshold 20) and

@@ -243,7 +243,10 @@ bool wgmma_kernel_runs(bool on) {
 
 namespace {
 std::atomic<uint64_t> g_scan_wgmma_launches{0}, g_wy_wgmma_launches{0};  // (gdn_wgmma_launches)
+std::atomic<uint64_t> g_fold_launches{0};                                 // (gdn_fold_launches)
 }  // namespace
+
+uint64_t gdn_fold_launches() { return g_fold_launches.load(); }
 
 GdnWgmmaLaunches gdn_wgmma_launches() {
   return GdnWgmmaLaunches{g_scan_wgmma_launches.load(), g_wy_wgmma_launches.load()};
@@ -620,6 +623,7 @@ void gdn_fold_short_runs(const GdnPrefillArgs& a, const GdnRunFold* folds, GdnWo
   fold_short_runs_kernel<<<dim3(unsigned(a.num_seqs), unsigned(a.num_v_heads)), kFoldThreads, smem, stream>>>(
       a.num_k_heads, a.num_v_heads, a.k, fac.v, fac.nchunks, ml, folds);
   check_cuda(cudaGetLastError(), "fold_short_runs_kernel launch");
+  g_fold_launches.fetch_add(1);
 }
 
 }  // namespace hypic::kernels::cuda

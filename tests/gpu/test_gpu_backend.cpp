@@ -912,7 +912,16 @@ TEST_CASE("cuda backend: seam windows folded into the next segment (HYPIC_SPLICE
         return out.logits;
       };
       eng::ModelState s_off, s_on;
-      const std::vector<float> off = splice(false, s_off), on = splice(true, s_on);
+      const uint64_t folds0 = kc::gdn_fold_launches();
+      const std::vector<float> off = splice(false, s_off);
+      const uint64_t folds1 = kc::gdn_fold_launches();
+      const std::vector<float> on = splice(true, s_on);
+      const uint64_t folds2 = kc::gdn_fold_launches();
+      // (Which path ran, told apart by the fold kernel's launches: none with the switch off, one per linear layer on
+      // with every seam run within a chunk.)
+      std::printf("[backend] seam fold, w = %d: fold launches off %llu, on %llu\n", w,
+                  static_cast<unsigned long long>(folds1 - folds0), static_cast<unsigned long long>(folds2 - folds1));
+      CHECK(folds1 == folds0);
       REQUIRE(s_off.linear.size() == s_on.linear.size());
       double es = 0;
       for (size_t l = 0; l < s_off.linear.size(); ++l) es = std::max(es, rel(s_on.linear[l].ssm, s_off.linear[l].ssm));
@@ -924,7 +933,9 @@ TEST_CASE("cuda backend: seam windows folded into the next segment (HYPIC_SPLICE
       if (w > kc::kGdnChunk) {
         CHECK(same);  // a run longer than a chunk: the default path
         CHECK(es == 0);
+        CHECK(folds2 == folds1);
       } else {
+        CHECK(folds2 > folds1);
         CHECK_FALSE(same);
         CHECK(e.max_rel <= 2e-2);
         CHECK(es <= kPassShapeTol);  // (the states through another arithmetic: as the pass-shape comparisons)
