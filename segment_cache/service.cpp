@@ -177,6 +177,70 @@ grpc::Status SegmentCacheService::Get(grpc::ServerContext* ctx, const v1::GetReq
   });
 }
 
+void SegmentCacheService::admit_put(grpc::ServerContext* ctx, const rpc::Digest& d, uint64_t n) {
+  using Steady = std::chrono::steady_clock;
+  const auto start = Steady::now();
+  // The call's deadline, read once (ServerContext::deadline() converts from gRPC's clock at each call) and moved to
+  // the steady clock, so that a step of the wall clock neither refuses nor stretches a wait.
+  const auto deadline = ctx->deadline();
+  const auto sys_now = std::chrono::system_clock::now();
+  const bool by_deadline = deadline < sys_now + max_put_wait_;
+  const auto limit = by_deadline ? start + std::chrono::duration_cast<Steady::duration>(deadline - sys_now)
+                                 : start + std::chrono::duration_cast<Steady::duration>(max_put_wait_);
+  std::unique_lock<std::mutex> lock(receive_mu_);
+  auto fits = [&] { return receiving_bytes_ == 0 || receiving_bytes_ + n <= max_receiving_bytes_; };
+  if (waiting_.empty() && fits()) {
+    receiving_bytes_ += n;
+    return;
+  }
+  auto refuse = [&](std::string_view why) {
+    store_.count_rejected_put();
+    return rpc::resource_exhausted(fmt::format(
+        "put {}: {} bytes would put the puts being received ({} bytes) past {} bytes (the memory budget), and {}; "
+        "retry later",
+        rpc::digest_hex(d), n, receiving_bytes_, max_receiving_bytes_, why));
+  };
+  if (!waiting_.empty() && waiting_bytes_ + n > max_receiving_bytes_) {
+    throw refuse(fmt::format("the {} puts already waiting announce {} bytes", waiting_.size(), waiting_bytes_));
+  }
+  const uint64_t ticket = next_ticket_++;
+  waiting_.push_back(ticket);
+  waiting_bytes_ += n;
+  struct Waiting {  // leaves the line however the wait ends (the lock held)
+    SegmentCacheService& self;
+    uint64_t ticket, n;
+    ~Waiting() {
+      self.waiting_.erase(std::find(self.waiting_.begin(), self.waiting_.end(), ticket));
+      self.waiting_bytes_ -= n;
+      self.receive_cv_.notify_all();  // (the next in line may be admitted now)
+    }
+  } waiting{*this, ticket, n};
+  for (;;) {
+    // A caller that gave up is never admitted, even when room frees just then; counted as refused.
+    if (ctx->IsCancelled()) {
+      store_.count_rejected_put();
+      throw rpc::RpcError(grpc::StatusCode::CANCELLED, "put cancelled while waiting for room");
+    }
+    if (life_.draining()) {
+      store_.count_rejected_put();
+      throw rpc::unavailable("the segment cache is shutting down (a put was waiting for room)");
+    }
+    const auto now = Steady::now();
+    if (by_deadline && now >= limit) {
+      store_.count_rejected_put();
+      throw rpc::RpcError(grpc::StatusCode::DEADLINE_EXCEEDED, "put's deadline passed while waiting for room");
+    }
+    if (waiting_.front() == ticket && fits()) break;
+    if (now >= limit) {
+      throw refuse(fmt::format("no room freed for it within {} ms (--max-put-wait-ms)",
+                               std::chrono::duration_cast<std::chrono::milliseconds>(now - start).count()));
+    }
+    // Slices of at most 100 ms: a cancelled call or a draining server is noticed without a notification.
+    receive_cv_.wait_until(lock, std::min(limit, now + std::chrono::milliseconds(100)));
+  }
+  receiving_bytes_ += n;
+}
+
 grpc::Status SegmentCacheService::Put(grpc::ServerContext* ctx, grpc::ServerReader<v1::PutRequest>* reader,
                                       v1::PutResponse* resp) {
   if (auto st = rpc::require_service_caller(*ctx, "SegmentCache.Put"); !st.ok()) return st;
@@ -199,39 +263,12 @@ grpc::Status SegmentCacheService::Put(grpc::ServerContext* ctx, grpc::ServerRead
                                                 rpc::digest_hex(d), header.total_bytes(), store_.max_entry_bytes()));
     }
     // One put alone may stream an entry up to max_entry_bytes (one larger than memory goes to the disk tier); beside
-    // others, the bytes being received stay within the memory budget: a put past it waits for room (the sender is held
-    // by flow control meanwhile) rather than being dropped, up to its deadline or max_put_wait_.
+    // others, the bytes being received stay within the memory budget. A put past it waits for room, in arrival order
+    // (a large put is not passed forever by small ones), up to its deadline or max_put_wait_. Waiting puts are bounded
+    // too: gRPC's flow-control window lets a waiting sender's bytes pile up in the server, so a put that would take the
+    // announced bytes of the waiting puts past the memory budget (when another waits) is refused at once.
     const uint64_t n = header.total_bytes();
-    {
-      using Clock = std::chrono::system_clock;
-      const auto start = Clock::now();
-      // (ServerContext::deadline() converts from gRPC's monotonic clock at each call: read it once.)
-      const auto deadline = ctx->deadline();
-      const bool by_deadline = deadline < start + max_put_wait_;
-      const auto limit = by_deadline ? deadline : start + max_put_wait_;
-      std::unique_lock<std::mutex> lock(receive_mu_);
-      auto fits = [&] { return receiving_bytes_ == 0 || receiving_bytes_ + n <= max_receiving_bytes_; };
-      for (;;) {
-        // A caller that gave up is never admitted, even when room frees just then.
-        if (ctx->IsCancelled()) throw rpc::RpcError(grpc::StatusCode::CANCELLED, "put cancelled while waiting");
-        const auto now = Clock::now();
-        if (by_deadline && now >= deadline) {
-          throw rpc::RpcError(grpc::StatusCode::DEADLINE_EXCEEDED, "put's deadline passed while waiting for room");
-        }
-        if (fits()) break;
-        if (now >= limit) {
-          store_.count_rejected_put();
-          throw rpc::resource_exhausted(fmt::format(
-              "put {}: {} bytes would put the puts being received ({} bytes) past {} bytes (the memory budget), and "
-              "none ended within {} ms; retry later",
-              rpc::digest_hex(d), n, receiving_bytes_, max_receiving_bytes_,
-              std::chrono::duration_cast<std::chrono::milliseconds>(now - start).count()));
-        }
-        // Slices of at most 50 ms: a cancelled call or a shutting-down server is noticed without a notification.
-        receive_cv_.wait_until(lock, std::min(limit, now + std::chrono::milliseconds(50)));
-      }
-      receiving_bytes_ += n;
-    }
+    admit_put(ctx, d, n);
     struct Receiving {
       SegmentCacheService& self;
       uint64_t n;

@@ -2,6 +2,7 @@
 #pragma once
 #include <chrono>
 #include <condition_variable>
+#include <deque>
 #include <mutex>
 
 #include "hypic/v1/segment_cache.grpc.pb.h"
@@ -19,8 +20,13 @@ class SegmentCacheService final : public hypic::v1::SegmentCache::Service {
   /// Becomes `store`'s event sink (WatchEvents; a subscriber may be `max_queued_events` behind) until destroyed.
   /// Under mutual TLS every RPC but Stats is refused (PERMISSION_DENIED) to callers without a service identity
   /// (rpc::require_service_caller). A Put is refused (RESOURCE_EXHAUSTED) from its header when its entry is larger
-  /// than store.max_entry_bytes() or, while other puts are being received, when the bytes of all would pass the memory
-  /// budget (so puts in flight hold at most the memory budget, or one entry).
+  /// than store.max_entry_bytes(). While other puts are being received and the bytes of all would pass the memory
+  /// budget (so puts in flight hold at most the memory budget, or one entry), a Put waits for room after its header,
+  /// in arrival order behind the puts already waiting; it is refused (RESOURCE_EXHAUSTED, "retry later") at once when
+  /// the announced bytes of the waiting puts with its own would pass the memory budget (gRPC's flow control lets a
+  /// waiting sender's bytes pile up in the server; one waiter alone may be larger), or when no room frees within
+  /// `max_put_wait`; a wait ends with DEADLINE_EXCEEDED at the call's deadline, CANCELLED when the caller cancels and
+  /// UNAVAILABLE when the server drains. Every refusal and every wait that ends so counts in rejected_puts.
   SegmentCacheService(SegmentStore& store, rpc::Lifecycle& life, size_t chunk_bytes, uint32_t max_lease_ms,
                       size_t max_queued_events = 65536,
                       std::chrono::milliseconds max_put_wait = std::chrono::seconds(30));
@@ -53,8 +59,15 @@ class SegmentCacheService final : public hypic::v1::SegmentCache::Service {
   size_t chunk_bytes_;
   uint32_t max_lease_ms_;
   CacheEventHub events_;
+  /// Waits (if needed) until a put of `n` announced bytes may be received beside the others, then counts it in
+  /// receiving_bytes_; throws RpcError as the constructor's comment says.
+  void admit_put(grpc::ServerContext* ctx, const rpc::Digest& d, uint64_t n);
+
   mutable std::mutex receive_mu_;
-  std::condition_variable receive_cv_;      // notified as a put being received ends
+  std::condition_variable receive_cv_;      // notified as a put being received ends or a waiting one leaves
+  std::deque<uint64_t> waiting_;            // tickets of the puts waiting for room, in arrival order
+  uint64_t waiting_bytes_ = 0;              // their announced bytes
+  uint64_t next_ticket_ = 0;
   uint64_t receiving_bytes_ = 0;            // announced bytes of the puts being received now (under receive_mu_)
   uint64_t max_receiving_bytes_;            // their cap beside another put: the memory budget
   std::chrono::milliseconds max_put_wait_;  // longest wait of a put for room among those being received

@@ -1,7 +1,8 @@
 // Segment cache put admission (segment_cache/service.cpp, SegmentCacheService::Put): beside other puts being
 // received, a put that would take the received bytes past the memory budget waits for room instead of being dropped;
-// it is refused (RESOURCE_EXHAUSTED, "retry later") only once max_put_wait passes, and a waiting put whose caller gives
-// up leaves nothing counted. A real gRPC server on loopback, a put held open half-sent by a raw stream.
+// it is refused (RESOURCE_EXHAUSTED, "retry later") once max_put_wait passes, or at once when the waiting puts' bytes
+// with its own would pass the budget; puts wait in arrival order; a waiting put whose caller gives up leaves no bytes
+// counted. A real gRPC server on loopback, a put held open half-sent by a raw stream.
 #include <catch2/catch.hpp>
 
 #include <future>
@@ -95,7 +96,8 @@ void put_entry(const cache::SegmentCacheClient& client, uint8_t n, size_t size) 
 
 }  // namespace
 
-TEST_CASE("put admission: a put past the receive budget waits for the put in flight, then is stored",
+TEST_CASE("put admission: a put past the receive budget waits for the put in flight, then is stored; later puts "
+          "wait in line behind it, and one that would take the waiting bytes past the budget is refused at once",
           "[put_admission]") {
   CacheServer cache(30s);
   HeldPut first(cache.address(), 1, kEntry);
@@ -106,20 +108,34 @@ TEST_CASE("put admission: a put past the receive budget waits for the put in fli
   // It is not admitted beside the first (600 + 600 KiB > 1 MiB): it waits, counted nowhere.
   CHECK(second.wait_for(300ms) == std::future_status::timeout);
   CHECK(cache.service.receiving_bytes() == kEntry);
-  // A put that fits beside the first is not held up.
-  put_entry(client, 3, 1000);
+  // A small put that would fit beside the first waits in line behind the second (arrival order: a large put is not
+  // passed forever by small ones).
+  auto third = std::async(std::launch::async, [&] { put_entry(client, 3, 1000); });
+  CHECK(third.wait_for(300ms) == std::future_status::timeout);
+  // A put whose bytes with the waiting ones' would pass the budget (600 KiB + 1000 + 600 KiB): refused at once.
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    put_entry(client, 4, kEntry);
+    FAIL("the put was not refused");
+  } catch (const rpc::RpcError& e) {
+    CHECK(e.code() == grpc::StatusCode::RESOURCE_EXHAUSTED);
+    CHECK_THAT(e.what(), Catch::Contains("already waiting") && Catch::Contains("retry later"));
+  }
+  CHECK(std::chrono::steady_clock::now() - t0 < 5s);
 
   REQUIRE(first.finish().ok());
   REQUIRE(second.wait_for(20s) == std::future_status::ready);
-  second.get();  // throws if the put failed
+  REQUIRE(third.wait_for(20s) == std::future_status::ready);
+  second.get();  // throw if the put failed
+  third.get();
   wait_receiving(cache.service, 0);
   const auto stats = cache.store.stats();
   CHECK(stats.puts == 3);  // (the memory tier then holds what fits of them)
-  CHECK(stats.rejected_puts == 0);
+  CHECK(stats.rejected_puts == 1);
 }
 
 TEST_CASE("put admission: a put that finds no room within max_put_wait is refused, and one whose caller gives up "
-          "while waiting leaves nothing counted",
+          "while waiting leaves no bytes counted",
           "[put_admission]") {
   CacheServer cache(400ms);
   HeldPut first(cache.address(), 1, kEntry);
@@ -154,5 +170,5 @@ TEST_CASE("put admission: a put that finds no room within max_put_wait is refuse
   put_entry(patient, 2, kEntry);  // room again: stored at once
   const auto stats = cache.store.stats();
   CHECK(stats.puts == 2);  // the first and the last: neither refused put was stored
-  CHECK(stats.rejected_puts == 1);
+  CHECK(stats.rejected_puts == 2);  // the refused one and the one whose caller gave up
 }
