@@ -94,6 +94,18 @@ void put_entry(const cache::SegmentCacheClient& client, uint8_t n, size_t size) 
   client.put(cache::CacheKey{digest_of(n), ids}, b);
 }
 
+// The put of entry n (size bytes) fails with `code`, its message containing every one of `words`.
+void put_refused(const cache::SegmentCacheClient& client, uint8_t n, size_t size, grpc::StatusCode code,
+                 std::initializer_list<const char*> words = {}) {
+  try {
+    put_entry(client, n, size);
+    FAIL("the put of entry " << int(n) << " was not refused");
+  } catch (const rpc::RpcError& e) {
+    CHECK(e.code() == code);
+    for (const char* w : words) CHECK_THAT(e.what(), Catch::Contains(w));
+  }
+}
+
 }  // namespace
 
 TEST_CASE("put admission: a put past the receive budget waits for the put in flight, then is stored; later puts "
@@ -114,13 +126,7 @@ TEST_CASE("put admission: a put past the receive budget waits for the put in fli
   CHECK(third.wait_for(300ms) == std::future_status::timeout);
   // A put whose bytes with the waiting ones' would pass the budget (600 KiB + 1000 + 600 KiB): refused at once.
   const auto t0 = std::chrono::steady_clock::now();
-  try {
-    put_entry(client, 4, kEntry);
-    FAIL("the put was not refused");
-  } catch (const rpc::RpcError& e) {
-    CHECK(e.code() == grpc::StatusCode::RESOURCE_EXHAUSTED);
-    CHECK_THAT(e.what(), Catch::Contains("already waiting") && Catch::Contains("retry later"));
-  }
+  put_refused(client, 4, kEntry, grpc::StatusCode::RESOURCE_EXHAUSTED, {"already waiting", "retry later"});
   CHECK(std::chrono::steady_clock::now() - t0 < 5s);
 
   REQUIRE(first.finish().ok());
@@ -143,23 +149,12 @@ TEST_CASE("put admission: a put that finds no room within max_put_wait is refuse
 
   cache::SegmentCacheClient patient({cache.address()}, {.timeout = 20s});
   const auto t0 = std::chrono::steady_clock::now();
-  try {
-    put_entry(patient, 2, kEntry);
-    FAIL("the put was not refused");
-  } catch (const rpc::RpcError& e) {
-    CHECK(e.code() == grpc::StatusCode::RESOURCE_EXHAUSTED);
-    CHECK_THAT(e.what(), Catch::Contains("retry later") && Catch::Contains("memory budget"));
-  }
+  put_refused(patient, 2, kEntry, grpc::StatusCode::RESOURCE_EXHAUSTED, {"retry later", "memory budget"});
   CHECK(std::chrono::steady_clock::now() - t0 >= 400ms);
   CHECK(cache.store.stats().rejected_puts == 1);
 
   cache::SegmentCacheClient hasty({cache.address()}, {.timeout = 150ms});
-  try {
-    put_entry(hasty, 4, kEntry);
-    FAIL("the put was not refused");
-  } catch (const rpc::RpcError& e) {
-    CHECK(e.code() == grpc::StatusCode::DEADLINE_EXCEEDED);
-  }
+  put_refused(hasty, 4, kEntry, grpc::StatusCode::DEADLINE_EXCEEDED);
   CHECK(cache.service.receiving_bytes() == kEntry);
   // The server's deadline of that call is the client's plus the header's transit: let it pass before room frees, so
   // that what this checks is that a put past its deadline is never admitted.
