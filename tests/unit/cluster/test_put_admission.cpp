@@ -108,7 +108,7 @@ void put_refused(const cache::SegmentCacheClient& client, uint8_t n, size_t size
 
 }  // namespace
 
-TEST_CASE("put admission: a put past the receive budget waits for the put in flight, then is stored; later puts "
+TEST_CASE("put admission: a put past the receive budget waits for the put in flight, then is stored, later puts "
           "wait in line behind it, and one that would take the waiting bytes past the budget is refused at once",
           "[put_admission]") {
   CacheServer cache(30s);
