@@ -17,9 +17,9 @@ inline constexpr const char* kCandidateSwitches[] = {
     "HYPIC_MOE_TAIL64",     "HYPIC_FUSE_NEXT_NORM",  "HYPIC_MOE_DECODE_DEEP", "HYPIC_ATTN_COMBINE_GROUPS",
     "HYPIC_FUSE_POST_NORM", "HYPIC_GDN_DECODE_NORM", "HYPIC_DECODE_LM_HEAD",  "HYPIC_SPLICE_SEAM_FOLD"};
 /// Former candidates that a GPU session measured faster (H200, 2026-12-05: bench/results/candidates_ab_h200.md, the
-/// first six; bench/results/candidates_ab2_h200.md, the rest; HYPIC_SPLICE_SEAM_FOLD, faster there, stays a candidate
-/// while its GPU test fails: test_gpu_backend found its splice bit-identical to the unfolded one) and made the default: on unless their variable is "0" /
-/// "off" (the old path, kept for side-by-side runs); HYPIC_CANDIDATES does not touch them.
+/// first six; bench/results/candidates_ab2_h200.md, the rest) and made the default: on unless their variable is "0" /
+/// "off" (the old path, kept for side-by-side runs); HYPIC_CANDIDATES does not touch them. (HYPIC_SPLICE_SEAM_FOLD,
+/// faster there, stays a candidate while its GPU test fails: its splice came out bit-identical to the unfolded one.)
 inline constexpr const char* kMeasuredDefaultSwitches[] = {
     "HYPIC_MOE_EPILOGUE_VEC",   "HYPIC_ROPE_TABLE",        "HYPIC_NORM_GATED_VEC", "HYPIC_CONV_NARROW",
     "HYPIC_ATTN_SPLIT_EXACT",   "HYPIC_DEVICE_SAMPLING",   "HYPIC_ATTN_CUDNN_BUCKETS", "HYPIC_ATTN_CUDNN_PREFIX",
