@@ -317,9 +317,9 @@ std::vector<float> CudaBackend::run_pass(CudaSequence& s, const std::vector<Run>
   std::vector<kc::GdnRunFold> seam_folds;  // [n_lin][R - 1]: the seam runs folded into the step after each
   std::vector<const float*> chain_init;
   std::vector<kc::CopyDesc> conv_in, conv_out_copy, fin_copy;
-  // The candidate HYPIC_SPLICE_SEAM_FOLD (Gated DeltaNet, every run before the last at most one chunk long): phase A
-  // computes no scan; each seam run's (T, S) is composed with the step after it (gdn_fold_short_runs: rank-len
-  // products from the WY factors), so the chain takes one step per pair instead of two.
+  // HYPIC_SPLICE_SEAM_FOLD (a measured default; Gated DeltaNet, every run before the last at most one chunk long):
+  // phase A computes no scan; each seam run's (T, S) is composed with the step after it (gdn_fold_prepared_runs:
+  // rank-len products from the WY factors phase C then reuses), so the chain takes one step per pair instead of two.
   static kc::CandidateSwitch seam_fold_switch("HYPIC_SPLICE_SEAM_FOLD");
   bool seam_fold = chain && lin_ == Lin::Gdn && seam_fold_switch.on();
   for (int r = 0; seam_fold && r + 1 < R; ++r) seam_fold = run_cu[r + 1] - run_cu[r] <= kc::kGdnChunk;
@@ -463,23 +463,27 @@ std::vector<float> CudaBackend::run_pass(CudaSequence& s, const std::vector<Run>
       g.num_k_heads = nk_, g.num_v_heads = nv_, g.q = pre_.q, g.k = pre_.k, g.v = pre_.v;
       g.gate_a = pre_.ga, g.gate_b = pre_.gb, g.A_log = L.linear.A_log, g.dt_bias = L.linear.dt_bias;
       g.l2norm_qk = true, g.scale = gdn_scale_;
+      g.num_seqs = R, g.cu_seqlens_host = run_cu.data(), g.out = pre_.o;
       if (chain) {
-        kc::GdnPrefillArgs a = g;  // phase A: runs 0..R-2 from zero: (T, S(run|0))
-        a.num_seqs = R - 1, a.cu_seqlens_host = run_cu.data();
-        if (seam_fold) {  // (T_f T_run, T_f S_run + S_f) of each run and the fold step after it
-          kc::gdn_fold_short_runs(a, tb.dev<kc::GdnRunFold>(t_seam) + size_t(l) * (R - 1), ws_a_, stream_);
+        // Phase C writes only the last run's final state, straight into the slot's state.
+        g.initial_state = rs_f(o_init, 0), g.final_state = ssm(l, s.slot_), g.final_state_last_only = true;
+        if (seam_fold) {
+          // Phase C's factors first: the seam runs' (T_f T_run, T_f S_run + S_f) are folded from them, and phase C
+          // reuses them (each seam run's factors computed once).
+          kc::gdn_prefill_factors(g, ws_c_, stream_);
+          kc::gdn_fold_prepared_runs(g, R - 1, tb.dev<kc::GdnRunFold>(t_seam) + size_t(l) * (R - 1), ws_c_, stream_);
+          g.reuse_factors = true;
         } else {
+          kc::GdnPrefillArgs a = g;  // phase A: runs 0..R-2 from zero: (T, S(run|0))
+          a.num_seqs = R - 1, a.initial_state = nullptr, a.final_state_last_only = false;
           a.final_state = rs_f(o_sz, 0), a.transition = rs_t(o_tz, 0), a.out = nullptr;
           kc::gdn_prefill(a, ws_a_, stream_);
         }
         kc::affine_chain(1, nv_, steps_per_chain, tb.dev<kc::AffineStep>(t_steps) + size_t(l) * steps_per_chain,
                          tb.dev<const float*>(t_cinit) + l, nullptr, stream_);
-        // Phase C writes only the last run's final state, straight into the slot's state.
-        g.initial_state = rs_f(o_init, 0), g.final_state = ssm(l, s.slot_), g.final_state_last_only = true;
       } else {
         g.initial_state = ssm(l, s.slot_), g.final_state = ssm(l, s.slot_);
       }
-      g.num_seqs = R, g.cu_seqlens_host = run_cu.data(), g.out = pre_.o;
       if (ncut) {
         g.num_checkpoints = ncut, g.checkpoint_tokens_host = cut_at.data();
         g.checkpoint_states = tb.dev<float* const>(t_cst) + size_t(l) * ncut;

@@ -88,6 +88,11 @@ struct GdnPrefillArgs {
   int num_checkpoints = 0;
   const int* checkpoint_tokens_host = nullptr;
   float* const* checkpoint_states = nullptr;
+  /// The per-chunk factors of these arguments are in the workspace already (gdn_prefill_factors with the same
+  /// arguments, every field but this one equal, and no other gdn_* call on the workspace since): the WY launch is
+  /// skipped, the results are the same bits. gdn_prefill throws std::invalid_argument when the workspace's factors
+  /// are of other arguments (or of none).
+  bool reuse_factors = false;
 };
 
 struct GdnPlan;
@@ -124,6 +129,9 @@ class GdnWorkspace {
   friend void gdn_prefill(const GdnPrefillArgs&, GdnWorkspace&, cudaStream_t);
   friend struct detail::GdnFactorsAccess;
   void reserve(size_t chunk_heads);
+  // What the factors in mem_ were computed from (the plan key, the input pointers, scale, l2 norm; empty: none):
+  // GdnPrefillArgs::reuse_factors and gdn_fold_prepared_runs check it.
+  std::vector<uintptr_t> factors_key_;
   void reserve_split(size_t state_bytes, size_t job_bytes);
   void* mem_ = nullptr;
   size_t bytes_ = 0;
@@ -185,6 +193,21 @@ struct GdnRunFold {
 /// fields above set, and what gdn_prefill rejects; std::runtime_error on CUDA errors.
 void gdn_fold_short_runs(const GdnPrefillArgs& a, const GdnRunFold* folds, GdnWorkspace& ws,
                          cudaStream_t stream = nullptr);
+
+/// gdn_prefill's first launch alone: the plan and the per-chunk factors (W, U^T, P, the per-token factors) of every
+/// chunk of `a` into `ws`, for a caller that reads them before the scan runs: a splice folds its seam runs
+/// (gdn_fold_prepared_runs) from the factors its last pass's scan then reuses (gdn_prefill with `reuse_factors`),
+/// instead of computing the seam runs' factors twice. `a` as for gdn_prefill (its outputs and states are not written
+/// here; reuse_factors ignored). Throws what gdn_prefill throws for its arguments; std::runtime_error on CUDA errors.
+void gdn_prefill_factors(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t stream = nullptr);
+
+/// gdn_fold_short_runs over the first `num_runs` sequences of `a` (each at most kGdnChunk tokens; the rest, e.g. a
+/// splice's query, are not folded), from the factors that gdn_prefill_factors(a, ws) left in `ws`: folds DEVICE
+/// [num_runs], as for gdn_fold_short_runs. The same bits as gdn_fold_short_runs on those runs alone. Throws
+/// std::invalid_argument on num_runs outside [0, num_seqs], a folded run longer than kGdnChunk, checkpoints in `a`,
+/// null folds, or a workspace whose factors are not of `a`; std::runtime_error on CUDA errors.
+void gdn_fold_prepared_runs(const GdnPrefillArgs& a, int num_runs, const GdnRunFold* folds, const GdnWorkspace& ws,
+                            cudaStream_t stream = nullptr);
 
 /// How gdn_prefill will scan each sequence of `a`: the number of parts (1 = whole; see
 /// GdnPrefillArgs::seq_parts). With seq_parts = 0 a sequence of n >= 48 chunks is cut into

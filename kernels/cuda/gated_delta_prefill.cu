@@ -89,6 +89,7 @@ GdnWorkspace::~GdnWorkspace() {
 void GdnWorkspace::reserve(size_t chunk_heads) {
   if (chunk_heads <= chunk_heads_cap_ && mem_) return;
   chunk_heads_cap_ = std::max(chunk_heads, chunk_heads_cap_);
+  factors_key_.clear();  // (the factors go with the buffer)
   if (mem_) {
     check_cuda(cudaFree(mem_), "cudaFree(GdnWorkspace)");
     mem_ = nullptr;
@@ -274,32 +275,41 @@ bool gdn_wy_wgmma_active() {
 
 namespace {
 
-// gdn_fold_short_runs: one block per (run, value head); the run's factors in shared memory (K~ fp32 [len][128 + 4],
-// W and U bf16 [len][128], U transposed from the workspace's U^T), then the 128 state rows in slabs of 16 (T fp32
-// [16][128 + 4]): Z = T K~^T, T_out = gamma T - Z W, S_out = Z U + S, fp32 on the CUDA cores in a fixed order
-// (deterministic). The fp32 rows are padded by 4 floats so that the Z loop's rows of K~ fall on distinct banks; W
-// and U rows are read 16 bytes per thread. ml: the longest run (<= C), the row count of the shared arrays.
-constexpr int kFoldThreads = 256, kFoldSlab = 16, kFoldLd = D + 4;
+// gdn_fold_short_runs: one block per (run, value head, 32 of the 128 state rows); the run's factors in shared memory
+// (K~ fp32 [len][128], W and U bf16 [len][128], U transposed from the workspace's U^T). A warp composes 4 rows, a
+// lane 4 columns of each (the same columns of T's row in Z's dot products and of T_out, S_out): per row r,
+// Z[r][t] = sum_e T[r][e] K~[t][e] as four products per lane and an xor-shuffle sum over the warp (every lane ends with
+// the same bits: each step adds a pair in either order), then T_out[r] = gamma T[r] - sum_t Z[r][t] W[t] and
+// S_out[r] = S[r] + sum_t Z[r][t] U[t] in token order. fp32 on the CUDA cores, deterministic. The rows of T and S are
+// loaded before the factors are staged; each element is read and written by one lane (T_out may be T). ml: the
+// longest folded run (<= C), the row count of the shared arrays.
+constexpr int kFoldThreads = 256, kFoldRows = 32, kFoldRowsPerWarp = kFoldRows / (kFoldThreads / 32);
+static_assert(D % kFoldRows == 0 && D == 4 * 32, "a lane's 4 columns cover a 128-wide row");
 
-size_t fold_smem_bytes(int ml) {
-  return size_t(ml) * kFoldLd * 4 + 2 * size_t(ml) * D * 2 + size_t(kFoldSlab) * kFoldLd * 4 +
-         size_t(kFoldSlab) * (ml + 1) * 4;
-}
+size_t fold_smem_bytes(int ml) { return size_t(ml) * D * 4 + 2 * size_t(ml) * D * 2; }
 
 __global__ void __launch_bounds__(kFoldThreads) fold_short_runs_kernel(int Hk, int Hv, const bf16* __restrict__ k,
                                                                      WsView ws, int nchunks, int ml,
                                                                      const GdnRunFold* __restrict__ folds) {
   extern __shared__ __align__(16) unsigned char smem[];
-  const int run = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
+  const int run = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const GdnRunFold fo = folds[run];
   if (!fo.T_out && !fo.S_out) return;
-  float* sKt = reinterpret_cast<float*>(smem);                       // [ml][kFoldLd]
-  bf16* sW = reinterpret_cast<bf16*>(sKt + size_t(ml) * kFoldLd);    // [ml][128]
-  bf16* sU = sW + size_t(ml) * D;                                    // [ml][128]
-  float* sT = reinterpret_cast<float*>(sU + size_t(ml) * D);        // [16][kFoldLd]: the slab of T
-  float* sZ = sT + kFoldSlab * kFoldLd;                              // [16][ml + 1] (odd stride: no shared bank)
-  const int zs = ml + 1;
-  // The run's chunk (one per non-empty run, in order): chunks[c].seq == run; none for an empty run.
+  float* sK = reinterpret_cast<float*>(smem);                 // [ml][128]
+  bf16* sW = reinterpret_cast<bf16*>(sK + size_t(ml) * D);    // [ml][128]
+  bf16* sU = sW + size_t(ml) * D;                             // [ml][128]
+  const size_t head = size_t(h) * D * D;
+  const int c0 = lane * 4, r0 = blockIdx.z * kFoldRows + warp * kFoldRowsPerWarp;
+  // This warp's rows of T (nullptr: the identity) and S (nullptr: zero), loaded first.
+  float4 tr[kFoldRowsPerWarp], sr[kFoldRowsPerWarp];
+#pragma unroll
+  for (int i = 0; i < kFoldRowsPerWarp; ++i) {
+    const int r = r0 + i;
+    tr[i] = fo.T ? __ldg(reinterpret_cast<const float4*>(fo.T + head + size_t(r) * D + c0))
+                 : make_float4(r == c0, r == c0 + 1, r == c0 + 2, r == c0 + 3);
+    sr[i] = fo.S ? __ldg(reinterpret_cast<const float4*>(fo.S + head + size_t(r) * D + c0)) : make_float4(0, 0, 0, 0);
+  }
+  // The run's chunk (one per non-empty run, chunks in sequence order): chunks[c].seq == run; none for an empty run.
   int lo = 0, hi = nchunks;
   while (lo < hi) {
     const int mid = (lo + hi) >> 1;
@@ -313,7 +323,7 @@ __global__ void __launch_bounds__(kFoldThreads) fold_short_runs_kernel(int Hk, i
   const float gamma = has ? __expf(ws.scal[slot * kScal + 2 * C + C - 1]) : 1.f;
   for (int i = tid; i < len * D; i += kFoldThreads) {
     const int t = i / D, e = i % D;
-    sKt[t * kFoldLd + e] = ws.scal[slot * kScal + t] * __bfloat162float(k[(size_t(t0 + t) * Hk + kh) * D + e]);
+    sK[i] = ws.scal[slot * kScal + t] * __bfloat162float(k[(size_t(t0 + t) * Hk + kh) * D + e]);
     sW[i] = ws.W[slot * kWElems + i];
   }
   // U[t][v] = U^T[v][t]: 8 tokens of one U^T row per 16-byte load (the rows hold C entries, so reading past len stays
@@ -326,63 +336,82 @@ __global__ void __launch_bounds__(kFoldThreads) fold_short_runs_kernel(int Hk, i
     for (int j = 0; j < 8; ++j)
       if (tb + j < len) sU[(tb + j) * D + vcol] = u[j];
   }
-  const size_t head = size_t(h) * D * D;
-  const float* Tg = fo.T ? fo.T + head : nullptr;
-  const float* Sg = fo.S ? fo.S + head : nullptr;
-  // Thread: row r = tid / 16 of the slab, columns c0 = 8 (tid % 16) .. + 7 of T_out and S_out.
-  const int r = tid / 16, c0 = (tid % 16) * 8;
-  for (int d0 = 0; d0 < D; d0 += kFoldSlab) {
-    __syncthreads();  // the factors staged; the previous slab's sT / sZ read
-    for (int i = tid; i < kFoldSlab * D; i += kFoldThreads) {
-      const int rr = i / D, e = i % D;
-      sT[rr * kFoldLd + e] = Tg ? Tg[size_t(d0 + rr) * D + e] : (d0 + rr == e ? 1.f : 0.f);
-    }
-    __syncthreads();
-    for (int i = tid; i < kFoldSlab * len; i += kFoldThreads) {  // Z[r][t] = sum_e T[r][e] K~[t][e]
-      const int rr = i / len, t = i % len;
-      const float* tr = sT + rr * kFoldLd;
-      const float* kr = sKt + t * kFoldLd;
-      float z = 0.f;
-      for (int e = 0; e < D; ++e) z = fmaf(tr[e], kr[e], z);
-      sZ[rr * zs + t] = z;
-    }
-    __syncthreads();
-    float to[8], so[8];
-    {
-      const float4 a = *reinterpret_cast<const float4*>(sT + r * kFoldLd + c0);
-      const float4 b = *reinterpret_cast<const float4*>(sT + r * kFoldLd + c0 + 4);
-      const float4* srow = Sg ? reinterpret_cast<const float4*>(Sg + size_t(d0 + r) * D + c0) : nullptr;
-      const float4 sa = srow ? srow[0] : make_float4(0, 0, 0, 0), sb = srow ? srow[1] : make_float4(0, 0, 0, 0);
-      const float tv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-      const float sv[8] = {sa.x, sa.y, sa.z, sa.w, sb.x, sb.y, sb.z, sb.w};
+  __syncthreads();
+#pragma unroll 1
+  for (int i = 0; i < kFoldRowsPerWarp; ++i) {
+    const float4 t4 = tr[i];
+    float to[4] = {gamma * t4.x, gamma * t4.y, gamma * t4.z, gamma * t4.w};
+    float so[4] = {sr[i].x, sr[i].y, sr[i].z, sr[i].w};
+#pragma unroll 1
+    for (int tb = 0; tb < len; tb += 8) {
+      float z[8];
 #pragma unroll
-      for (int j = 0; j < 8; ++j) to[j] = gamma * tv[j], so[j] = sv[j];
-    }
-    for (int t = 0; t < len; ++t) {
-      const float z = sZ[r * zs + t];
-      const uint4 wv = *reinterpret_cast<const uint4*>(sW + t * D + c0);
-      const uint4 uv = *reinterpret_cast<const uint4*>(sU + t * D + c0);
-      const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&wv);
-      const __nv_bfloat162* u2 = reinterpret_cast<const __nv_bfloat162*>(&uv);
+      for (int j = 0; j < 8; ++j) {
+        z[j] = 0.f;
+        if (tb + j < len) {
+          const float4 kk = *reinterpret_cast<const float4*>(sK + size_t(tb + j) * D + c0);
+          z[j] = fmaf(t4.w, kk.w, fmaf(t4.z, kk.z, fmaf(t4.y, kk.y, t4.x * kk.x)));
+        }
+      }
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float2 wf = __bfloat1622float2(w2[j]), uf = __bfloat1622float2(u2[j]);
-        to[2 * j] = fmaf(-z, wf.x, to[2 * j]);
-        to[2 * j + 1] = fmaf(-z, wf.y, to[2 * j + 1]);
-        so[2 * j] = fmaf(z, uf.x, so[2 * j]);
-        so[2 * j + 1] = fmaf(z, uf.y, so[2 * j + 1]);
+      for (int m = 16; m >= 1; m >>= 1)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) z[j] += __shfl_xor_sync(0xffffffffu, z[j], m);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        if (tb + j >= len) break;
+        const uint2 wv = *reinterpret_cast<const uint2*>(sW + size_t(tb + j) * D + c0);
+        const uint2 uv = *reinterpret_cast<const uint2*>(sU + size_t(tb + j) * D + c0);
+        const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&wv);
+        const __nv_bfloat162* u2 = reinterpret_cast<const __nv_bfloat162*>(&uv);
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+          const float2 wf = __bfloat1622float2(w2[q]), uf = __bfloat1622float2(u2[q]);
+          to[2 * q] = fmaf(-z[j], wf.x, to[2 * q]);
+          to[2 * q + 1] = fmaf(-z[j], wf.y, to[2 * q + 1]);
+          so[2 * q] = fmaf(z[j], uf.x, so[2 * q]);
+          so[2 * q + 1] = fmaf(z[j], uf.y, so[2 * q + 1]);
+        }
       }
     }
-    const size_t o = head + size_t(d0 + r) * D + c0;
-    if (fo.T_out) {
-      *reinterpret_cast<float4*>(fo.T_out + o) = make_float4(to[0], to[1], to[2], to[3]);
-      *reinterpret_cast<float4*>(fo.T_out + o + 4) = make_float4(to[4], to[5], to[6], to[7]);
-    }
-    if (fo.S_out) {
-      *reinterpret_cast<float4*>(fo.S_out + o) = make_float4(so[0], so[1], so[2], so[3]);
-      *reinterpret_cast<float4*>(fo.S_out + o + 4) = make_float4(so[4], so[5], so[6], so[7]);
-    }
+    const size_t o = head + size_t(r0 + i) * D + c0;
+    if (fo.T_out) *reinterpret_cast<float4*>(fo.T_out + o) = make_float4(to[0], to[1], to[2], to[3]);
+    if (fo.S_out) *reinterpret_cast<float4*>(fo.S_out + o) = make_float4(so[0], so[1], so[2], so[3]);
   }
+}
+
+// The fold kernel's launch over the first num_runs runs of a prepared workspace (ml: their longest).
+void launch_fold(const GdnPrefillArgs& a, int num_runs, int ml, const GdnRunFold* folds, const WsView& v, int nchunks,
+                 cudaStream_t stream) {
+  ml = std::max(ml, 1);
+  static DeviceOnce once;
+  once.run(current_device(), [](int) {
+    check_cuda(cudaFuncSetAttribute(fold_short_runs_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    int(fold_smem_bytes(C))),
+               "cudaFuncSetAttribute(fold_short_runs_kernel)");
+    return 0;
+  });
+  // 64 KiB of shared memory at ml = 64, 8 KiB at a seam window's 8.
+  fold_short_runs_kernel<<<dim3(unsigned(num_runs), unsigned(a.num_v_heads), unsigned(D / kFoldRows)), kFoldThreads,
+                           fold_smem_bytes(ml), stream>>>(a.num_k_heads, a.num_v_heads, a.k, v, nchunks, ml, folds);
+  check_cuda(cudaGetLastError(), "fold_short_runs_kernel launch");
+  g_fold_launches.fetch_add(1);
+}
+
+// What the factors in a workspace were computed from (GdnWorkspace::factors_key_).
+std::vector<uintptr_t> factors_key(const GdnPrefillArgs& a) {
+  const std::vector<int> pk = plan_key(a);
+  std::vector<uintptr_t> key(pk.begin(), pk.end());
+  for (const void* p : {static_cast<const void*>(a.q), static_cast<const void*>(a.k), static_cast<const void*>(a.v),
+                        static_cast<const void*>(a.g), static_cast<const void*>(a.beta),
+                        static_cast<const void*>(a.gate_a), static_cast<const void*>(a.gate_b),
+                        static_cast<const void*>(a.A_log), static_cast<const void*>(a.dt_bias)})
+    key.push_back(reinterpret_cast<uintptr_t>(p));
+  uint32_t scale_bits = 0;
+  std::memcpy(&scale_bits, &a.scale, 4);
+  key.push_back(scale_bits);
+  key.push_back(a.l2norm_qk);
+  return key;
 }
 
 }  // namespace
@@ -401,7 +430,33 @@ struct GdnFactors {
 };
 struct GdnFactorsAccess {
   static GdnFactors prepare(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t stream, const char* fn);
+  /// The factors' view of a workspace whose factors are of `a` (false, `out` untouched, when they are not).
+  static bool view(const GdnPrefillArgs& a, const GdnWorkspace& ws, GdnFactors& out);
+
+ private:
+  static void fill_view(const GdnWorkspace& ws, GdnFactors& out);
 };
+
+void GdnFactorsAccess::fill_view(const GdnWorkspace& ws, GdnFactors& out) {
+  WsView& v = out.v;
+  auto* base = static_cast<unsigned char*>(ws.mem_);
+  const size_t cap = ws.chunk_heads_cap_;
+  v.W = reinterpret_cast<bf16*>(base);
+  v.UT = v.W + cap * kWElems;
+  v.P = v.UT + cap * kWElems;
+  v.scal = reinterpret_cast<float*>(v.P + cap * kPElems);
+  auto* table_dev = static_cast<unsigned char*>(ws.job_mem_);
+  v.chunks = reinterpret_cast<const ChunkInfo*>(table_dev);
+  out.jobs_dev = reinterpret_cast<const ScanJob*>(table_dev + ws.plan_->chunk_table_bytes);
+  out.split = static_cast<float*>(ws.split_mem_);
+  out.nchunks = ws.plan_->nchunks;
+}
+
+bool GdnFactorsAccess::view(const GdnPrefillArgs& a, const GdnWorkspace& ws, GdnFactors& out) {
+  if (!ws.plan_ || ws.factors_key_.empty() || ws.factors_key_ != factors_key(a)) return false;
+  fill_view(ws, out);
+  return true;
+}
 
 GdnFactors GdnFactorsAccess::prepare(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t stream,
                                      const char* fn) {
@@ -447,26 +502,23 @@ GdnFactors GdnFactorsAccess::prepare(const GdnPrefillArgs& a, GdnWorkspace& ws, 
     size_t split_bytes = 0;
     build_plan(a, *plan, table, split_bytes);
     ws.plan_.reset();  // a failed allocation or copy below must not leave a plan over freed buffers
+    ws.factors_key_.clear();
     ws.reserve_split(split_bytes, table.size());
     check_cuda(cudaMemcpyAsync(ws.job_mem_, table.data(), table.size(), cudaMemcpyHostToDevice, stream),
                "cudaMemcpyAsync(chunk table and scan jobs)");
     ws.plan_ = std::move(plan);
     ++ws.plans_built_;
   }
-  const GdnPlan& plan = *ws.plan_;
-  const int nchunks = plan.nchunks;
-  out.nchunks = nchunks;
+  const int nchunks = ws.plan_->nchunks;
   ws.reserve(size_t(nchunks) * a.num_v_heads);
-  auto* base = static_cast<unsigned char*>(ws.mem_);
-  const size_t cap = ws.chunk_heads_cap_;
-  v.W = reinterpret_cast<bf16*>(base);
-  v.UT = v.W + cap * kWElems;
-  v.P = v.UT + cap * kWElems;
-  v.scal = reinterpret_cast<float*>(v.P + cap * kPElems);
-  auto* table_dev = static_cast<unsigned char*>(ws.job_mem_);
-  v.chunks = reinterpret_cast<const ChunkInfo*>(table_dev);
-  out.jobs_dev = reinterpret_cast<const ScanJob*>(table_dev + plan.chunk_table_bytes);
-  out.split = static_cast<float*>(ws.split_mem_);
+  fill_view(ws, out);
+  if (a.reuse_factors) {
+    if (ws.factors_key_.empty() || ws.factors_key_ != factors_key(a))
+      throw std::invalid_argument(f + ": reuse_factors is set, but the workspace holds no factors of these arguments "
+                                      "(call gdn_prefill_factors with the same arguments first)");
+    return out;
+  }
+  ws.factors_key_.clear();  // (set again once the WY launch is issued)
   if (nchunks > 0) {
     const unsigned blocks = unsigned(nchunks) * unsigned(a.num_v_heads);
     const GateInputs gates{a.gate_a, a.gate_b, a.A_log, a.dt_bias};
@@ -484,6 +536,7 @@ GdnFactors GdnFactorsAccess::prepare(const GdnPrefillArgs& a, GdnWorkspace& ws, 
       check_cuda(cudaGetLastError(), "gdn_wy_kernel launch");
     }
   }
+  ws.factors_key_ = factors_key(a);
   return out;
 }
 
@@ -593,37 +646,56 @@ void gdn_prefill(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t stream)
   launch(jobs_dev + plan.njobs1, plan.njobs2, with_t, with_t);
 }
 
-void gdn_fold_short_runs(const GdnPrefillArgs& a, const GdnRunFold* folds, GdnWorkspace& ws, cudaStream_t stream) {
-  const char* fn = "gdn_fold_short_runs";
-  detail::validate_gdn_args(a, fn);
-  if (a.initial_state || a.out || a.final_state || a.transition || a.num_checkpoints)
-    throw std::invalid_argument(std::string(fn) + ": runs start from zero and write no outputs, states, transitions "
-                                                   "or checkpoints (initial_state, out, final_state, transition, "
-                                                   "num_checkpoints must be unset)");
+// The longest of the first num_runs runs of `a`; throws when one is longer than a chunk.
+int longest_short_run(const GdnPrefillArgs& a, int num_runs, const char* fn) {
   int ml = 0;
-  for (int i = 0; i < a.num_seqs; ++i) {
+  for (int i = 0; i < num_runs; ++i) {
     const int len = a.cu_seqlens_host[i + 1] - a.cu_seqlens_host[i];
     if (len > C)
       throw std::invalid_argument(std::string(fn) + ": run " + std::to_string(i) + " has " + std::to_string(len) +
                                   " tokens, more than one chunk (" + std::to_string(C) + ")");
     ml = std::max(ml, len);
   }
+  return ml;
+}
+
+void gdn_fold_short_runs(const GdnPrefillArgs& a, const GdnRunFold* folds, GdnWorkspace& ws, cudaStream_t stream) {
+  const char* fn = "gdn_fold_short_runs";
+  detail::validate_gdn_args(a, fn);
+  if (a.initial_state || a.out || a.final_state || a.transition || a.num_checkpoints || a.reuse_factors)
+    throw std::invalid_argument(std::string(fn) + ": runs start from zero and write no outputs, states, transitions "
+                                                   "or checkpoints (initial_state, out, final_state, transition, "
+                                                   "num_checkpoints, reuse_factors must be unset)");
+  const int ml = longest_short_run(a, a.num_seqs, fn);
   if (a.num_seqs > 0 && !folds) throw std::invalid_argument(std::string(fn) + ": folds is null");
   if (a.num_seqs == 0) return;
   const detail::GdnFactors fac = detail::GdnFactorsAccess::prepare(a, ws, stream, fn);
-  ml = std::max(ml, 1);
-  const size_t smem = fold_smem_bytes(ml);  // 77 KiB at ml = 64, 17 KiB at a seam window's 8
-  static DeviceOnce once;
-  once.run(current_device(), [](int) {
-    check_cuda(cudaFuncSetAttribute(fold_short_runs_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    int(fold_smem_bytes(C))),
-               "cudaFuncSetAttribute(fold_short_runs_kernel)");
-    return 0;
-  });
-  fold_short_runs_kernel<<<dim3(unsigned(a.num_seqs), unsigned(a.num_v_heads)), kFoldThreads, smem, stream>>>(
-      a.num_k_heads, a.num_v_heads, a.k, fac.v, fac.nchunks, ml, folds);
-  check_cuda(cudaGetLastError(), "fold_short_runs_kernel launch");
-  g_fold_launches.fetch_add(1);
+  launch_fold(a, a.num_seqs, ml, folds, fac.v, fac.nchunks, stream);
+}
+
+void gdn_prefill_factors(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t stream) {
+  GdnPrefillArgs b = a;
+  b.reuse_factors = false;
+  detail::GdnFactorsAccess::prepare(b, ws, stream, "gdn_prefill_factors");
+}
+
+void gdn_fold_prepared_runs(const GdnPrefillArgs& a, int num_runs, const GdnRunFold* folds, const GdnWorkspace& ws,
+                            cudaStream_t stream) {
+  const char* fn = "gdn_fold_prepared_runs";
+  detail::validate_gdn_args(a, fn);
+  if (num_runs < 0 || num_runs > a.num_seqs)
+    throw std::invalid_argument(std::string(fn) + ": num_runs " + std::to_string(num_runs) + " is outside [0, " +
+                                std::to_string(a.num_seqs) + "]");
+  if (a.num_checkpoints)  // (a checkpoint restarts the chunking: a run could then span two chunks)
+    throw std::invalid_argument(std::string(fn) + ": the arguments have checkpoints");
+  const int ml = longest_short_run(a, num_runs, fn);
+  if (num_runs > 0 && !folds) throw std::invalid_argument(std::string(fn) + ": folds is null");
+  if (num_runs == 0) return;
+  detail::GdnFactors fac;
+  if (!detail::GdnFactorsAccess::view(a, ws, fac))
+    throw std::invalid_argument(std::string(fn) + ": the workspace holds no factors of these arguments (call "
+                                                   "gdn_prefill_factors with the same arguments first)");
+  launch_fold(a, num_runs, ml, folds, fac.v, fac.nchunks, stream);
 }
 
 }  // namespace hypic::kernels::cuda

@@ -514,6 +514,114 @@ TEST_CASE("gdn_fold_short_runs composes short runs with the next affine step as 
   CHECK_THROWS_AS(gpu::gdn_fold_short_runs(bad, dfolds.get(), ws), std::invalid_argument);
 }
 
+// A splice pass's Gated DeltaNet as the CUDA backend runs it with its seam runs folded: gdn_prefill_factors over
+// every run (seam runs of 8, 8, 5, 0, 8 tokens, then a 100-token query over two chunks), gdn_fold_prepared_runs on the
+// seam runs from those factors, then gdn_prefill reusing them. Against independent calls: the folds bit for bit as
+// gdn_fold_short_runs of the seam runs alone (another workspace, whose factors come from a call without q and
+// outputs), the scan's outputs and last final state bit for bit as gdn_prefill computing its own factors. And what
+// the reuse refuses: a workspace without those factors, other arguments, a folded run longer than a chunk.
+TEST_CASE("gdn_fold_prepared_runs folds seam runs from the factors that gdn_prefill then reuses, bit for bit",
+          "[gpu][gated_delta]") {
+  require_gpu();
+  std::mt19937 rng(83);
+  const int hk = 2, hv = 4;
+  const std::vector<int> lens = {8, 8, 5, 0, 8, 100};
+  const int n = int(lens.size()), nf = n - 1;
+  std::vector<int> cu(n + 1, 0);
+  for (int i = 0; i < n; ++i) cu[i + 1] = cu[i] + lens[i];
+  const int T = cu[n];
+  const auto [qf, kf, vf, g, beta, qh, kh, vh] = random_inputs(rng, T, hk, hv);
+  DeviceBuffer<bf16> dq(qh), dk(kh), dv(vh);
+  DeviceBuffer<float> dg(g), db(beta);
+  const size_t mat = size_t(D) * D, per = size_t(hv) * mat;
+  std::normal_distribution<float> nd(0.f, 0.1f);
+  std::vector<float> Tf(size_t(nf) * per), Sf(size_t(nf) * per), init(size_t(n) * per);
+  for (size_t i = 0; i < Tf.size(); ++i) Tf[i] = nd(rng) + ((i % mat) / D == (i % mat) % D ? 0.9f : 0.f);
+  for (auto& x : Sf) x = nd(rng) * 3.f;
+  for (auto& x : init) x = nd(rng) * 3.f;
+  DeviceBuffer<float> dTf(Tf), dSf(Sf), dinit(init);
+  // Folds into separate outputs for the two paths.
+  auto folds_into = [&](DeviceBuffer<float>& To, DeviceBuffer<float>& So) {
+    std::vector<gpu::GdnRunFold> f(nf);
+    for (int i = 0; i < nf; ++i) f[i] = {dTf.get() + i * per, dSf.get() + i * per, To.get() + i * per, So.get() + i * per};
+    f[1].T = nullptr;
+    DeviceBuffer<gpu::GdnRunFold> d(f.size());
+    check_cuda(cudaMemcpy(d.get(), f.data(), f.size() * sizeof(gpu::GdnRunFold), cudaMemcpyHostToDevice), "folds");
+    return d;
+  };
+  DeviceBuffer<float> To_a(size_t(nf) * per), So_a(size_t(nf) * per), To_b(size_t(nf) * per), So_b(size_t(nf) * per);
+  To_a.poison(), So_a.poison(), To_b.poison(), So_b.poison();
+  DeviceBuffer<gpu::GdnRunFold> folds_a = folds_into(To_a, So_a), folds_b = folds_into(To_b, So_b);
+  const float scale = 1.0f / std::sqrt(float(D));
+  // (a) the seam runs alone.
+  gpu::GdnWorkspace ws_a;
+  gpu::GdnPrefillArgs seams = make_args(nf, cu.data(), hk, hv, dq.get(), dk.get(), dv.get(), dg.get(), db.get(), nullptr,
+                                        nullptr, nullptr);
+  seams.scale = scale;
+  gpu::gdn_fold_short_runs(seams, folds_a.get(), ws_a);
+  // (b) the pass: factors of every run, the folds, the scan reusing the factors.
+  DeviceBuffer<bf16> out_b(size_t(T) * hv * D), out_c(size_t(T) * hv * D);
+  DeviceBuffer<float> fin_b(per), fin_c(per);
+  fin_b.poison(), fin_c.poison();
+  gpu::GdnPrefillArgs pass = make_args(n, cu.data(), hk, hv, dq.get(), dk.get(), dv.get(), dg.get(), db.get(),
+                                       fin_b.get(), nullptr, out_b.get());
+  pass.scale = scale;
+  pass.initial_state = dinit.get();
+  pass.final_state_last_only = true;
+  gpu::GdnWorkspace ws_b;
+  gpu::GdnPrefillArgs reuse = pass;
+  reuse.reuse_factors = true;
+  CHECK_THROWS_AS(gpu::gdn_prefill(reuse, ws_b), std::invalid_argument);  // no factors yet
+  CHECK_THROWS_AS(gpu::gdn_fold_prepared_runs(pass, nf, folds_b.get(), ws_b), std::invalid_argument);
+  gpu::gdn_prefill_factors(pass, ws_b);
+  gpu::gdn_fold_prepared_runs(pass, nf, folds_b.get(), ws_b);
+  gpu::gdn_prefill(reuse, ws_b);
+  // (c) the scan computing its own factors.
+  gpu::GdnWorkspace ws_c;
+  gpu::GdnPrefillArgs own = pass;
+  own.out = out_c.get(), own.final_state = fin_c.get();
+  gpu::gdn_prefill(own, ws_c);
+  check_cuda(cudaDeviceSynchronize(), "prepared folds");
+  CHECK(same_bits(To_a.download(), To_b.download()));
+  CHECK(same_bits(So_a.download(), So_b.download()));
+  CHECK(same_bits(out_b.download(), out_c.download()));
+  CHECK(same_bits(fin_b.download(), fin_c.download()));
+  // The folds are right (not only equal): run 2 (5 tokens) against the CPU recurrence composed in double.
+  {
+    std::vector<float> state(per, 0.f), ref_tr(per);
+    cpu_run(qf, kf, vf, g, beta, hk, hv, cu[2], lens[2], scale, state.data(), nullptr, ref_tr.data());
+    const auto To = To_b.download(), So = So_b.download();
+    for (int h = 0; h < hv; ++h) {
+      std::vector<float> wt(mat), ws_(mat);
+      const float* F = Tf.data() + 2 * per + h * mat;
+      for (int d = 0; d < D; ++d)
+        for (int e = 0; e < D; ++e) {
+          double t = 0, st = Sf[2 * per + h * mat + size_t(d) * D + e];
+          for (int m = 0; m < D; ++m) {
+            t += double(F[size_t(d) * D + m]) * ref_tr[h * mat + size_t(m) * D + e];
+            st += double(F[size_t(d) * D + m]) * state[h * mat + size_t(m) * D + e];
+          }
+          wt[size_t(d) * D + e] = float(t);
+          ws_[size_t(d) * D + e] = float(st);
+        }
+      INFO("run 2, head " << h);
+      CHECK(rel_err(To.data() + 2 * per + h * mat, wt.data(), mat) <= 2e-2);
+      CHECK(rel_err(So.data() + 2 * per + h * mat, ws_.data(), mat) <= 2e-2);
+    }
+  }
+  // Refused: the query run (100 tokens) folded, a run count past the runs, factors of other arguments.
+  CHECK_THROWS_AS(gpu::gdn_fold_prepared_runs(pass, n, folds_b.get(), ws_b), std::invalid_argument);
+  CHECK_THROWS_AS(gpu::gdn_fold_prepared_runs(pass, n + 1, folds_b.get(), ws_b), std::invalid_argument);
+  gpu::GdnPrefillArgs other = reuse;
+  other.scale = 0.5f * scale;
+  CHECK_THROWS_AS(gpu::gdn_prefill(other, ws_b), std::invalid_argument);
+  gpu::gdn_prefill(own, ws_b);  // the workspace's factors are now of `own` (other output pointers: the same key)
+  CHECK_NOTHROW(gpu::gdn_prefill(reuse, ws_b));
+  gpu::gdn_prefill(seams, ws_b);  // ... and now of the seam runs alone
+  CHECK_THROWS_AS(gpu::gdn_prefill(reuse, ws_b), std::invalid_argument);
+  check_cuda(cudaDeviceSynchronize(), "prepared folds, refusals");
+}
+
 TEST_CASE("gdn_prefill keeps its plan across calls of one shape and replays from a CUDA graph",
           "[gpu][gated_delta]") {
   require_gpu();
