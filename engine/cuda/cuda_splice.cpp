@@ -314,20 +314,26 @@ std::vector<float> CudaBackend::run_pass(CudaSequence& s, const std::vector<Run>
     for (const Fold& f : r.folds_before) fold_ptrs.push_back(&f);
   const Placed placed = place_states(fold_ptrs, placed_mem);
   std::vector<kc::AffineStep> steps;
-  std::vector<kc::GdnRunFold> seam_folds;  // [n_lin][R - 1]: the seam runs folded into the step after each
   std::vector<const float*> chain_init;
   std::vector<kc::CopyDesc> conv_in, conv_out_copy, fin_copy;
   // HYPIC_SPLICE_SEAM_FOLD (a measured default; Gated DeltaNet, every run before the last at most one chunk long):
-  // phase A computes no scan; each seam run's (T, S) is composed with the step after it (gdn_fold_prepared_runs:
-  // rank-len products from the WY factors phase C then reuses), so the chain takes one step per pair instead of two.
+  // phase A computes no scan; each seam run enters the chain as a low-rank step (R <- gamma R - K~^T (W R - U), from
+  // the WY factors that phase C's scan then reuses: gdn_prefill_factors, gdn_low_rank_step), instead of a full step
+  // with the (T, S) of a zero-start scan.
   static kc::CandidateSwitch seam_fold_switch("HYPIC_SPLICE_SEAM_FOLD");
   bool seam_fold = chain && lin_ == Lin::Gdn && seam_fold_switch.on();
   for (int r = 0; seam_fold && r + 1 < R; ++r) seam_fold = run_cu[r + 1] - run_cu[r] <= kc::kGdnChunk;
+  std::vector<kc::AffineStep> low_rank_steps;  // [R - 1]: each seam run's low-rank step (the same in every layer)
+  if (seam_fold) {
+    kc::GdnPrefillArgs shape;
+    shape.num_seqs = R, shape.cu_seqlens_host = run_cu.data(), shape.num_k_heads = nk_, shape.num_v_heads = nv_;
+    for (int r = 0; r + 1 < R; ++r) low_rank_steps.push_back(kc::gdn_low_rank_step(shape, r));
+  }
   int steps_per_chain = 0;
   if (chain) {
     steps_per_chain = 1;
     for (int r = 1; r < R; ++r) {
-      steps_per_chain += seam_fold ? 0 : 1;
+      steps_per_chain += 1;
       for (const Fold& f : runs[r].folds_before) steps_per_chain += f.steps();
       if (runs[r].folds_before.empty()) throw std::logic_error("run_pass: a run after the first has no fold");
     }
@@ -336,18 +342,11 @@ std::vector<float> CudaBackend::run_pass(CudaSequence& s, const std::vector<Run>
     if (chain) {
       steps.push_back({nullptr, nullptr, rs_f(o_init, 0), 1.f});
       for (int r = 1; r < R; ++r) {
-        const size_t first = steps.size();
-        if (!seam_fold) steps.push_back({rs_t(o_tz, r - 1), rs_f(o_sz, r - 1), nullptr, 1.f});
+        if (seam_fold)
+          steps.push_back(low_rank_steps[r - 1]);
+        else
+          steps.push_back({rs_t(o_tz, r - 1), rs_f(o_sz, r - 1), nullptr, 1.f});
         for (const Fold& f : runs[r].folds_before) fold_steps(f, l, steps, nullptr, &placed);
-        if (seam_fold) {  // the run's step composed into the first fold step: (T_f T_run, T_f S_run + S_f)
-          kc::AffineStep& st = steps[first];
-          if (st.alpha == 1.f) {
-            seam_folds.push_back({st.T, st.S, rs_t(o_tz, r - 1), rs_f(o_sz, r - 1)});
-            st.T = rs_t(o_tz, r - 1), st.S = rs_f(o_sz, r - 1);
-          } else {  // the fold step discards R (alpha 0): the run's step has no effect
-            seam_folds.push_back({});
-          }
-        }
         steps.back().out = rs_f(o_init, r);
       }
       chain_init.push_back(ssm(l, s.slot_));
@@ -415,7 +414,7 @@ std::vector<float> CudaBackend::run_pass(CudaSequence& s, const std::vector<Run>
                t_s0 = tb.add(slot0), t_bt = tb.add(bt), t_cu = tb.add(run_cu), t_steps = tb.add(steps),
                t_cinit = tb.add(chain_init), t_cin = tb.add(conv_in), t_cout = tb.add(conv_out_copy),
                t_fin = tb.add(fin_copy), t_lr = tb.add(logit_rows),
-               t_cst = tb.add(cut_states), t_cconv = tb.add(cut_convs), t_seam = tb.add(seam_folds);
+               t_cst = tb.add(cut_states), t_cconv = tb.add(cut_convs);
   const KvImportTables kvt = add_kv_import(tb, kv);
   const MlaExpandTables mla_x = plan_mla_expand(tb, G, q_start.data(), slot0.data(), bt.data(), max_pages);
   trace.mark("tables");
@@ -467,20 +466,22 @@ std::vector<float> CudaBackend::run_pass(CudaSequence& s, const std::vector<Run>
       if (chain) {
         // Phase C writes only the last run's final state, straight into the slot's state.
         g.initial_state = rs_f(o_init, 0), g.final_state = ssm(l, s.slot_), g.final_state_last_only = true;
+        const kc::AffineStep* chain_steps = tb.dev<kc::AffineStep>(t_steps) + size_t(l) * steps_per_chain;
         if (seam_fold) {
-          // Phase C's factors first: the seam runs' (T_f T_run, T_f S_run + S_f) are folded from them, and phase C
+          // Phase C's factors first: the chain's low-rank steps read the seam runs' from them, and phase C's scan
           // reuses them (each seam run's factors computed once).
           kc::gdn_prefill_factors(g, ws_c_, stream_);
-          kc::gdn_fold_prepared_runs(g, R - 1, tb.dev<kc::GdnRunFold>(t_seam) + size_t(l) * (R - 1), ws_c_, stream_);
+          const kc::ChainLowRankFactors lrf = kc::gdn_low_rank_factors(g, ws_c_);
+          kc::affine_chain(1, nv_, steps_per_chain, chain_steps, tb.dev<const float*>(t_cinit) + l, nullptr, stream_,
+                           &lrf);
           g.reuse_factors = true;
         } else {
           kc::GdnPrefillArgs a = g;  // phase A: runs 0..R-2 from zero: (T, S(run|0))
           a.num_seqs = R - 1, a.initial_state = nullptr, a.final_state_last_only = false;
           a.final_state = rs_f(o_sz, 0), a.transition = rs_t(o_tz, 0), a.out = nullptr;
           kc::gdn_prefill(a, ws_a_, stream_);
+          kc::affine_chain(1, nv_, steps_per_chain, chain_steps, tb.dev<const float*>(t_cinit) + l, nullptr, stream_);
         }
-        kc::affine_chain(1, nv_, steps_per_chain, tb.dev<kc::AffineStep>(t_steps) + size_t(l) * steps_per_chain,
-                         tb.dev<const float*>(t_cinit) + l, nullptr, stream_);
       } else {
         g.initial_state = ssm(l, s.slot_), g.final_state = ssm(l, s.slot_);
       }

@@ -33,7 +33,9 @@ constexpr int BN = 32;   // columns of R per block
 constexpr int kRBytes = BN * D * 4;   // one split copy of R^T, swizzled
 constexpr int kLdT = D + 4;           // staging row stride (floats): the fragment reads are bank-conflict free
 constexpr int kStageBytes = D * kLdT * 4;
-constexpr int kSmem = 2 * kRBytes + kStageBytes + 1024;  // + slack for the 1024-byte alignment
+constexpr int kLdRf = BN + 4;  // low-rank steps: R in fp32 [128][kLdRf], then Y [64][32]
+constexpr int kLowRankBytes = (D * kLdRf + kChainLowRankMaxLen * BN) * 4;
+constexpr int kSmem = 2 * kRBytes + kStageBytes + kLowRankBytes + 1024;  // + slack for the 1024-byte alignment
 constexpr int KS = D / 8;  // k steps of 8
 
 // Byte offset of the 16-byte unit `unit` (k = 4 unit .. 4 unit + 3) of row `row` in a [ROWS][128] tf32 tile stored as
@@ -60,7 +62,8 @@ __device__ __forceinline__ void wgmma_m64n32k8_tf32_rs(float (&d)[4][4], const u
 __global__ void __launch_bounds__(256, 1) affine_chain_wgmma_kernel(int steps_per_chain,
                                                                     const AffineStep* __restrict__ steps,
                                                                     const float* const* __restrict__ init,
-                                                                    float* const* __restrict__ final_states) {
+                                                                    float* const* __restrict__ final_states,
+                                                                    ChainLowRankFactors lr) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int NT = BN / 8;  // accumulator tiles (8 columns) per warp
   extern __shared__ __align__(16) unsigned char chain_raw[];
@@ -68,6 +71,8 @@ __global__ void __launch_bounds__(256, 1) affine_chain_wgmma_kernel(int steps_pe
   unsigned char* sRh = base;  // R^T hi, lo: [32 columns][128 k], swizzled
   unsigned char* sRl = sRh + kRBytes;
   float* sStage = reinterpret_cast<float*>(sRl + kRBytes);  // the next step's T, fp32 [128][kLdT]
+  float* sRf = sStage + D * kLdT;                           // low-rank steps: R in fp32, then Y
+  float* sY = sRf + D * kLdRf;
   const uint32_t aRh = smem_u32(sRh), aRl = smem_u32(sRl);
   // Chain and column block from blockIdx.x (the column blocks of one (chain, head) adjacent: they read the same T at
   // about the same time, from L2), head from blockIdx.y.
@@ -130,7 +135,13 @@ __global__ void __launch_bounds__(256, 1) affine_chain_wgmma_kernel(int steps_pe
     cp_async_commit();
     tile.load_S(sv_next, nxt.S);
     float acc[NT][4];
-    if (st.T) {
+    if (st.lr_len > 0) {  // a low-rank step on an fp32 copy of the block (the previous step's barrier is behind)
+      tile.to_smem(cur, sRf, kLdRf);
+      __syncthreads();
+      chain_low_rank_step(sRf, kLdRf, sY, c0, h, lr, st, tid);
+      tile.from_smem(cur, sRf, kLdRf);
+      tile.store(cur, st.out);
+    } else if (st.T) {
       float cor[NT][4];  // the two small products apart from the main one (added inside the tensor cores to the main
                          // sum, their low bits would be cut: relative errors 2-3x larger against double)
 #pragma unroll
@@ -167,7 +178,7 @@ __global__ void __launch_bounds__(256, 1) affine_chain_wgmma_kernel(int steps_pe
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[n][i] = cur[n][i];
     }
-    tile.step(cur, acc, sv, st.alpha, st.out);
+    if (st.lr_len <= 0) tile.step(cur, acc, sv, st.alpha, st.out);
     if (st.out && nxt.S == st.out)  // the next step adds what this one wrote: read a step early, it was stale
 #pragma unroll
       for (int n = 0; n < NT; ++n)
@@ -198,7 +209,8 @@ __global__ void __launch_bounds__(256, 1) affine_chain_wgmma_kernel(int steps_pe
 bool chain_wgmma_available() { return current_device_is_sm90(); }
 
 void launch_affine_chain_wgmma(int num_chains, int heads, int steps_per_chain, const AffineStep* steps,
-                               const float* const* init, float* const* final_states, cudaStream_t stream) {
+                               const float* const* init, float* const* final_states, const ChainLowRankFactors& lr,
+                               cudaStream_t stream) {
   static DeviceOnce once;
   once.run(current_device(), [](int) {
     check_cuda(cudaFuncSetAttribute(affine_chain_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
@@ -206,7 +218,7 @@ void launch_affine_chain_wgmma(int num_chains, int heads, int steps_per_chain, c
     return 0;
   });
   const dim3 grid(static_cast<unsigned>(num_chains) * (D / BN), heads);
-  affine_chain_wgmma_kernel<<<grid, 256, kSmem, stream>>>(steps_per_chain, steps, init, final_states);
+  affine_chain_wgmma_kernel<<<grid, 256, kSmem, stream>>>(steps_per_chain, steps, init, final_states, lr);
   check_cuda(cudaGetLastError(), "affine_chain (wgmma) launch");
 }
 

@@ -21,13 +21,15 @@
 #include <memory>
 #include <vector>
 
+#include "kernels/cuda/ops.h"  // AffineStep, ChainLowRankFactors
+
 namespace hypic::kernels::cuda {
 
 using bf16 = __nv_bfloat16;
 
 namespace detail {
 struct GdnFactorsAccess;  // gated_delta_prefill.cu: the checks, plan and WY launch that gdn_prefill and
-                          // gdn_fold_short_runs share
+                          // gdn_prefill_factors share
 }  // namespace detail
 
 /// Head size the GPU gated-delta kernels are built for (d_k = d_v).
@@ -130,7 +132,7 @@ class GdnWorkspace {
   friend struct detail::GdnFactorsAccess;
   void reserve(size_t chunk_heads);
   // What the factors in mem_ were computed from (the plan key, the input pointers, scale, l2 norm; empty: none):
-  // GdnPrefillArgs::reuse_factors and gdn_fold_prepared_runs check it.
+  // GdnPrefillArgs::reuse_factors and gdn_low_rank_factors check it.
   std::vector<uintptr_t> factors_key_;
   void reserve_split(size_t state_bytes, size_t job_bytes);
   void* mem_ = nullptr;
@@ -168,46 +170,24 @@ class GdnWorkspace {
 /// behind: the next call rebuilds it).
 void gdn_prefill(const GdnPrefillArgs& args, GdnWorkspace& ws, cudaStream_t stream = nullptr);
 
-/// One fold of gdn_fold_short_runs: the affine step (T, S) that follows run i in a chain, and where the composed step
-/// goes. T, S: DEVICE [H_v][128][128] fp32, 16-byte aligned (T nullptr: the identity; S nullptr: zero); T_out, S_out:
-/// DEVICE [H_v][128][128] fp32, 16-byte aligned, written (either may be nullptr: not written; both: run i is skipped;
-/// T_out may be T and S_out S).
-struct GdnRunFold {
-  const float* T = nullptr;
-  const float* S = nullptr;
-  float* T_out = nullptr;
-  float* S_out = nullptr;
-};
-
-/// The composition of each short zero-start run with the affine step after it, without the scan: for run i of `a`
-/// (tokens cu_seqlens_host[i] .. [i + 1], at most kGdnChunk = 64 of them, from the zero state) and value head h, its
-/// transition and state from zero are, in the chunk form of gdn_prefill (hybrid_models.md 5.4, DESIGN.md 3.1),
-///   T_run = gamma I - K~^T W,  S_run = K~^T U,  K~ = diag(kf) K,  gamma = e^{G_C}
-/// (W, U and kf from the WY kernel, K the raw k rows), so with Z = T K~^T (128 x len)
-///   T_out = T T_run = gamma T - Z W,   S_out = T S_run + S = Z U + S
-/// in fp32 from the bf16 factors (rank len: about 3 x 128 x 128 x len multiply-adds instead of a 128^3 product and a
-/// scan). This folds a splice's seam windows into the cached segment after each (the affine chain then takes one
-/// step per pair instead of two). `a` as for gdn_prefill with num_seqs runs, no initial state, no outputs, final
-/// state, transition or checkpoints (those fields must be null / zero); folds: DEVICE [num_seqs]. Runs of length 0
-/// compose as the identity (T_out = T, S_out = S). Throws std::invalid_argument on a run longer than 64 tokens, the
-/// fields above set, and what gdn_prefill rejects; std::runtime_error on CUDA errors.
-void gdn_fold_short_runs(const GdnPrefillArgs& a, const GdnRunFold* folds, GdnWorkspace& ws,
-                         cudaStream_t stream = nullptr);
-
 /// gdn_prefill's first launch alone: the plan and the per-chunk factors (W, U^T, P, the per-token factors) of every
-/// chunk of `a` into `ws`, for a caller that reads them before the scan runs: a splice folds its seam runs
-/// (gdn_fold_prepared_runs) from the factors its last pass's scan then reuses (gdn_prefill with `reuse_factors`),
-/// instead of computing the seam runs' factors twice. `a` as for gdn_prefill (its outputs and states are not written
-/// here; reuse_factors ignored). Throws what gdn_prefill throws for its arguments; std::runtime_error on CUDA errors.
+/// chunk of `a` into `ws`, for a caller that reads them before the scan runs: a splice takes its seam runs as low-rank
+/// chain steps (gdn_low_rank_factors, gdn_low_rank_step) from the factors its last pass's scan then reuses (gdn_prefill
+/// with `reuse_factors`), instead of computing the seam runs' factors twice. `a` as for gdn_prefill (its outputs and
+/// states are not written here; reuse_factors ignored). Throws what gdn_prefill throws for its arguments;
+/// std::runtime_error on CUDA errors.
 void gdn_prefill_factors(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t stream = nullptr);
 
-/// gdn_fold_short_runs over the first `num_runs` sequences of `a` (each at most kGdnChunk tokens; the rest, e.g. a
-/// splice's query, are not folded), from the factors that gdn_prefill_factors(a, ws) left in `ws`: folds DEVICE
-/// [num_runs], as for gdn_fold_short_runs. The same bits as gdn_fold_short_runs on those runs alone. Throws
-/// std::invalid_argument on num_runs outside [0, num_seqs], a folded run longer than kGdnChunk, checkpoints in `a`,
-/// null folds, or a workspace whose factors are not of `a`; std::runtime_error on CUDA errors.
-void gdn_fold_prepared_runs(const GdnPrefillArgs& a, int num_runs, const GdnRunFold* folds, const GdnWorkspace& ws,
-                            cudaStream_t stream = nullptr);
+/// Where affine_chain's low-rank steps find the factors that gdn_prefill_factors(a, ws) left in `ws` (and the raw k
+/// rows of `a`): valid until the next call on `ws` that computes factors. Host only. Throws std::invalid_argument when
+/// the workspace's factors are not of `a`.
+ChainLowRankFactors gdn_low_rank_factors(const GdnPrefillArgs& a, const GdnWorkspace& ws);
+
+/// The affine-chain step of sequence `seq` of `a` run from zero, (T, S(seq|0)), as a low-rank step over the factors of
+/// gdn_low_rank_factors (AffineStep::lr_chunk: its chunk in the plan, lr_t0, lr_len), or the identity step for an
+/// empty sequence. Host only. Throws std::invalid_argument on seq outside [0, num_seqs), a sequence longer than
+/// kGdnChunk tokens, or checkpoints in `a` (they cut the chunking).
+AffineStep gdn_low_rank_step(const GdnPrefillArgs& a, int seq);
 
 /// How gdn_prefill will scan each sequence of `a`: the number of parts (1 = whole; see
 /// GdnPrefillArgs::seq_parts). With seq_parts = 0 a sequence of n >= 48 chunks is cut into
@@ -234,16 +214,13 @@ bool gdn_scan_wgmma_active();
 bool gdn_wy_wgmma_active();
 
 /// Launches of the wgmma kernels (gdn_scan_kernel<true>, gdn_wy_kernel<true>) that gdn_prefill and
-/// gdn_fold_short_runs' factor pass have issued in this process, counted on the host as each is issued (a launch
+/// gdn_prefill_factors have issued in this process, counted on the host as each is issued (a launch
 /// captured into a CUDA graph counts once, its replays not at all). Lets a test tell which kernels ran where both
 /// give the same bits (on Hopper the wgmma and mma.sync products add the same k16 dot products in the same order).
 struct GdnWgmmaLaunches {
   uint64_t scan = 0, wy = 0;
 };
 GdnWgmmaLaunches gdn_wgmma_launches();
-/// Launches of fold_short_runs_kernel (gdn_fold_short_runs with at least one run) in this process, counted on the host
-/// as each is issued: lets a test tell whether a splice folded its seam runs (HYPIC_SPLICE_SEAM_FOLD).
-uint64_t gdn_fold_launches();
 
 /// Gated DeltaNet gates as a separate kernel (for the decode step, or when the prefill does not
 /// fuse them): g[t][h] = -exp(A_log[h]) softplus(a[t][h] + dt_bias[h]) (softplus threshold 20) and

@@ -244,10 +244,7 @@ bool wgmma_kernel_runs(bool on) {
 
 namespace {
 std::atomic<uint64_t> g_scan_wgmma_launches{0}, g_wy_wgmma_launches{0};  // (gdn_wgmma_launches)
-std::atomic<uint64_t> g_fold_launches{0};                                 // (gdn_fold_launches)
 }  // namespace
-
-uint64_t gdn_fold_launches() { return g_fold_launches.load(); }
 
 GdnWgmmaLaunches gdn_wgmma_launches() {
   return GdnWgmmaLaunches{g_scan_wgmma_launches.load(), g_wy_wgmma_launches.load()};
@@ -275,129 +272,6 @@ bool gdn_wy_wgmma_active() {
 
 namespace {
 
-// gdn_fold_short_runs: one block per (run, value head, 32 of the 128 state rows); the run's factors in shared memory
-// (K~ fp32 [len][128], W and U bf16 [len][128], U transposed from the workspace's U^T). A warp composes 4 rows, a
-// lane 4 columns of each (the same columns of T's row in Z's dot products and of T_out, S_out): per row r,
-// Z[r][t] = sum_e T[r][e] K~[t][e] as four products per lane and an xor-shuffle sum over the warp (every lane ends with
-// the same bits: each step adds a pair in either order), then T_out[r] = gamma T[r] - sum_t Z[r][t] W[t] and
-// S_out[r] = S[r] + sum_t Z[r][t] U[t] in token order. fp32 on the CUDA cores, deterministic. The rows of T and S are
-// loaded before the factors are staged; each element is read and written by one lane (T_out may be T). ml: the
-// longest folded run (<= C), the row count of the shared arrays.
-constexpr int kFoldThreads = 256, kFoldRows = 32, kFoldRowsPerWarp = kFoldRows / (kFoldThreads / 32);
-static_assert(D % kFoldRows == 0 && D == 4 * 32, "a lane's 4 columns cover a 128-wide row");
-
-size_t fold_smem_bytes(int ml) { return size_t(ml) * D * 4 + 2 * size_t(ml) * D * 2; }
-
-__global__ void __launch_bounds__(kFoldThreads) fold_short_runs_kernel(int Hk, int Hv, const bf16* __restrict__ k,
-                                                                     WsView ws, int nchunks, int ml,
-                                                                     const GdnRunFold* __restrict__ folds) {
-  extern __shared__ __align__(16) unsigned char smem[];
-  const int run = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const GdnRunFold fo = folds[run];
-  if (!fo.T_out && !fo.S_out) return;
-  float* sK = reinterpret_cast<float*>(smem);                 // [ml][128]
-  bf16* sW = reinterpret_cast<bf16*>(sK + size_t(ml) * D);    // [ml][128]
-  bf16* sU = sW + size_t(ml) * D;                             // [ml][128]
-  const size_t head = size_t(h) * D * D;
-  const int c0 = lane * 4, r0 = blockIdx.z * kFoldRows + warp * kFoldRowsPerWarp;
-  // This warp's rows of T (nullptr: the identity) and S (nullptr: zero), loaded first.
-  float4 tr[kFoldRowsPerWarp], sr[kFoldRowsPerWarp];
-#pragma unroll
-  for (int i = 0; i < kFoldRowsPerWarp; ++i) {
-    const int r = r0 + i;
-    tr[i] = fo.T ? __ldg(reinterpret_cast<const float4*>(fo.T + head + size_t(r) * D + c0))
-                 : make_float4(r == c0, r == c0 + 1, r == c0 + 2, r == c0 + 3);
-    sr[i] = fo.S ? __ldg(reinterpret_cast<const float4*>(fo.S + head + size_t(r) * D + c0)) : make_float4(0, 0, 0, 0);
-  }
-  // The run's chunk (one per non-empty run, chunks in sequence order): chunks[c].seq == run; none for an empty run.
-  int lo = 0, hi = nchunks;
-  while (lo < hi) {
-    const int mid = (lo + hi) >> 1;
-    if (ws.chunks[mid].seq < run) lo = mid + 1;
-    else hi = mid;
-  }
-  const bool has = lo < nchunks && ws.chunks[lo].seq == run;
-  const int len = has ? ws.chunks[lo].len : 0, t0 = has ? ws.chunks[lo].t0 : 0;
-  const size_t slot = size_t(lo) * Hv + h;
-  const int kh = h / (Hv / Hk);
-  const float gamma = has ? __expf(ws.scal[slot * kScal + 2 * C + C - 1]) : 1.f;
-  for (int i = tid; i < len * D; i += kFoldThreads) {
-    const int t = i / D, e = i % D;
-    sK[i] = ws.scal[slot * kScal + t] * __bfloat162float(k[(size_t(t0 + t) * Hk + kh) * D + e]);
-    sW[i] = ws.W[slot * kWElems + i];
-  }
-  // U[t][v] = U^T[v][t]: 8 tokens of one U^T row per 16-byte load (the rows hold C entries, so reading past len stays
-  // in the slot), consecutive threads on consecutive v (conflict-free 2-byte stores).
-  for (int i = tid; i < D * ((len + 7) / 8); i += kFoldThreads) {
-    const int vcol = i % D, tb = (i / D) * 8;
-    const uint4 u8 = *reinterpret_cast<const uint4*>(ws.UT + slot * kWElems + size_t(vcol) * C + tb);
-    const bf16* u = reinterpret_cast<const bf16*>(&u8);
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-      if (tb + j < len) sU[(tb + j) * D + vcol] = u[j];
-  }
-  __syncthreads();
-#pragma unroll 1
-  for (int i = 0; i < kFoldRowsPerWarp; ++i) {
-    const float4 t4 = tr[i];
-    float to[4] = {gamma * t4.x, gamma * t4.y, gamma * t4.z, gamma * t4.w};
-    float so[4] = {sr[i].x, sr[i].y, sr[i].z, sr[i].w};
-#pragma unroll 1
-    for (int tb = 0; tb < len; tb += 8) {
-      float z[8];
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        z[j] = 0.f;
-        if (tb + j < len) {
-          const float4 kk = *reinterpret_cast<const float4*>(sK + size_t(tb + j) * D + c0);
-          z[j] = fmaf(t4.w, kk.w, fmaf(t4.z, kk.z, fmaf(t4.y, kk.y, t4.x * kk.x)));
-        }
-      }
-#pragma unroll
-      for (int m = 16; m >= 1; m >>= 1)
-#pragma unroll
-        for (int j = 0; j < 8; ++j) z[j] += __shfl_xor_sync(0xffffffffu, z[j], m);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        if (tb + j >= len) break;
-        const uint2 wv = *reinterpret_cast<const uint2*>(sW + size_t(tb + j) * D + c0);
-        const uint2 uv = *reinterpret_cast<const uint2*>(sU + size_t(tb + j) * D + c0);
-        const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&wv);
-        const __nv_bfloat162* u2 = reinterpret_cast<const __nv_bfloat162*>(&uv);
-#pragma unroll
-        for (int q = 0; q < 2; ++q) {
-          const float2 wf = __bfloat1622float2(w2[q]), uf = __bfloat1622float2(u2[q]);
-          to[2 * q] = fmaf(-z[j], wf.x, to[2 * q]);
-          to[2 * q + 1] = fmaf(-z[j], wf.y, to[2 * q + 1]);
-          so[2 * q] = fmaf(z[j], uf.x, so[2 * q]);
-          so[2 * q + 1] = fmaf(z[j], uf.y, so[2 * q + 1]);
-        }
-      }
-    }
-    const size_t o = head + size_t(r0 + i) * D + c0;
-    if (fo.T_out) *reinterpret_cast<float4*>(fo.T_out + o) = make_float4(to[0], to[1], to[2], to[3]);
-    if (fo.S_out) *reinterpret_cast<float4*>(fo.S_out + o) = make_float4(so[0], so[1], so[2], so[3]);
-  }
-}
-
-// The fold kernel's launch over the first num_runs runs of a prepared workspace (ml: their longest).
-void launch_fold(const GdnPrefillArgs& a, int num_runs, int ml, const GdnRunFold* folds, const WsView& v, int nchunks,
-                 cudaStream_t stream) {
-  ml = std::max(ml, 1);
-  static DeviceOnce once;
-  once.run(current_device(), [](int) {
-    check_cuda(cudaFuncSetAttribute(fold_short_runs_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    int(fold_smem_bytes(C))),
-               "cudaFuncSetAttribute(fold_short_runs_kernel)");
-    return 0;
-  });
-  // 64 KiB of shared memory at ml = 64, 8 KiB at a seam window's 8.
-  fold_short_runs_kernel<<<dim3(unsigned(num_runs), unsigned(a.num_v_heads), unsigned(D / kFoldRows)), kFoldThreads,
-                           fold_smem_bytes(ml), stream>>>(a.num_k_heads, a.num_v_heads, a.k, v, nchunks, ml, folds);
-  check_cuda(cudaGetLastError(), "fold_short_runs_kernel launch");
-  g_fold_launches.fetch_add(1);
-}
-
 // What the factors in a workspace were computed from (GdnWorkspace::factors_key_).
 std::vector<uintptr_t> factors_key(const GdnPrefillArgs& a) {
   const std::vector<int> pk = plan_key(a);
@@ -418,7 +292,7 @@ std::vector<uintptr_t> factors_key(const GdnPrefillArgs& a) {
 
 namespace detail {
 
-// What gdn_prefill and gdn_fold_short_runs share: the argument checks (messages naming `fn`), the plan (chunk table
+// What gdn_prefill and gdn_prefill_factors share: the argument checks (messages naming `fn`), the plan (chunk table
 // and scan jobs, built when the call shape changes), the workspace's factor arrays and the WY launch. Fills the
 // factors' view, the device scan jobs, the split-state arena, the chunk count and the device's SM count.
 struct GdnFactors {
@@ -646,56 +520,42 @@ void gdn_prefill(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t stream)
   launch(jobs_dev + plan.njobs1, plan.njobs2, with_t, with_t);
 }
 
-// The longest of the first num_runs runs of `a`; throws when one is longer than a chunk.
-int longest_short_run(const GdnPrefillArgs& a, int num_runs, const char* fn) {
-  int ml = 0;
-  for (int i = 0; i < num_runs; ++i) {
-    const int len = a.cu_seqlens_host[i + 1] - a.cu_seqlens_host[i];
-    if (len > C)
-      throw std::invalid_argument(std::string(fn) + ": run " + std::to_string(i) + " has " + std::to_string(len) +
-                                  " tokens, more than one chunk (" + std::to_string(C) + ")");
-    ml = std::max(ml, len);
-  }
-  return ml;
-}
-
-void gdn_fold_short_runs(const GdnPrefillArgs& a, const GdnRunFold* folds, GdnWorkspace& ws, cudaStream_t stream) {
-  const char* fn = "gdn_fold_short_runs";
-  detail::validate_gdn_args(a, fn);
-  if (a.initial_state || a.out || a.final_state || a.transition || a.num_checkpoints || a.reuse_factors)
-    throw std::invalid_argument(std::string(fn) + ": runs start from zero and write no outputs, states, transitions "
-                                                   "or checkpoints (initial_state, out, final_state, transition, "
-                                                   "num_checkpoints, reuse_factors must be unset)");
-  const int ml = longest_short_run(a, a.num_seqs, fn);
-  if (a.num_seqs > 0 && !folds) throw std::invalid_argument(std::string(fn) + ": folds is null");
-  if (a.num_seqs == 0) return;
-  const detail::GdnFactors fac = detail::GdnFactorsAccess::prepare(a, ws, stream, fn);
-  launch_fold(a, a.num_seqs, ml, folds, fac.v, fac.nchunks, stream);
-}
-
 void gdn_prefill_factors(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t stream) {
   GdnPrefillArgs b = a;
   b.reuse_factors = false;
   detail::GdnFactorsAccess::prepare(b, ws, stream, "gdn_prefill_factors");
 }
 
-void gdn_fold_prepared_runs(const GdnPrefillArgs& a, int num_runs, const GdnRunFold* folds, const GdnWorkspace& ws,
-                            cudaStream_t stream) {
-  const char* fn = "gdn_fold_prepared_runs";
-  detail::validate_gdn_args(a, fn);
-  if (num_runs < 0 || num_runs > a.num_seqs)
-    throw std::invalid_argument(std::string(fn) + ": num_runs " + std::to_string(num_runs) + " is outside [0, " +
-                                std::to_string(a.num_seqs) + "]");
-  if (a.num_checkpoints)  // (a checkpoint restarts the chunking: a run could then span two chunks)
-    throw std::invalid_argument(std::string(fn) + ": the arguments have checkpoints");
-  const int ml = longest_short_run(a, num_runs, fn);
-  if (num_runs > 0 && !folds) throw std::invalid_argument(std::string(fn) + ": folds is null");
-  if (num_runs == 0) return;
+ChainLowRankFactors gdn_low_rank_factors(const GdnPrefillArgs& a, const GdnWorkspace& ws) {
+  detail::validate_gdn_args(a, "gdn_low_rank_factors");
   detail::GdnFactors fac;
   if (!detail::GdnFactorsAccess::view(a, ws, fac))
-    throw std::invalid_argument(std::string(fn) + ": the workspace holds no factors of these arguments (call "
-                                                   "gdn_prefill_factors with the same arguments first)");
-  launch_fold(a, num_runs, ml, folds, fac.v, fac.nchunks, stream);
+    throw std::invalid_argument("gdn_low_rank_factors: the workspace holds no factors of these arguments (call "
+                                "gdn_prefill_factors with the same arguments first)");
+  ChainLowRankFactors f;
+  f.W = fac.v.W, f.UT = fac.v.UT, f.scal = fac.v.scal, f.k = a.k;
+  f.w_stride = kWElems, f.scal_stride = kScal, f.ut_ld = C, f.gamma_at = 2 * C + C - 1;
+  f.num_k_heads = a.num_k_heads, f.heads = a.num_v_heads;
+  return f;
+}
+
+AffineStep gdn_low_rank_step(const GdnPrefillArgs& a, int seq) {
+  const std::string fn = "gdn_low_rank_step";
+  detail::validate_gdn_args(a, fn.c_str());
+  if (seq < 0 || seq >= a.num_seqs)
+    throw std::invalid_argument(fn + ": sequence " + std::to_string(seq) + " is outside [0, " +
+                                std::to_string(a.num_seqs) + ")");
+  if (a.num_checkpoints) throw std::invalid_argument(fn + ": the arguments have checkpoints (they cut the chunking)");
+  const int len = a.cu_seqlens_host[seq + 1] - a.cu_seqlens_host[seq];
+  if (len > C)
+    throw std::invalid_argument(fn + ": sequence " + std::to_string(seq) + " has " + std::to_string(len) +
+                                " tokens, more than one chunk (" + std::to_string(C) + ")");
+  AffineStep st;  // an empty sequence: the identity
+  if (len == 0) return st;
+  int chunk = 0;  // the plan's chunks: each sequence's in order, ceil(len / C) of them
+  for (int i = 0; i < seq; ++i) chunk += (a.cu_seqlens_host[i + 1] - a.cu_seqlens_host[i] + C - 1) / C;
+  st.lr_chunk = chunk, st.lr_t0 = a.cu_seqlens_host[seq], st.lr_len = len;
+  return st;
 }
 
 }  // namespace hypic::kernels::cuda

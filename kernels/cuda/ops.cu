@@ -2,6 +2,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cstdlib>
 #include <stdexcept>
@@ -125,7 +126,8 @@ __global__ void rms_norm_gated_kernel(int rows, int dim, const bf16* x, const bf
 // its product (measured side by side on the H200, 2026-12-04: a warm 16 x 2k Qwen3.5 splice's device time 40.0 ms
 // against 40.9 ms with T loaded at the start of each step; the steps are bound by the fp32 product itself).
 constexpr int kBN = 32, kLdT = D + 4, kLdR = kBN + 4;
-constexpr int kChainSmem = (2 * D * kLdT + D * kLdR) * 4;
+constexpr int kLowRankY = detail::kChainLowRankMaxLen * kBN;  // floats of a low-rank step's Y (chain_low_rank_step)
+constexpr int kChainSmem = (2 * D * kLdT + D * kLdR + kLowRankY) * 4;
 
 // Step T's head h (fp32 [heads][128][128], nullptr: nothing to load) into shared memory at dst (row stride kLdT) by
 // cp.async, 256 threads; the caller commits and waits.
@@ -141,11 +143,13 @@ __device__ __forceinline__ void chain_load_T(const float* T, int h, int tid, flo
 __global__ void __launch_bounds__(256) affine_chain_kernel(int heads, int steps_per_chain,
                                                            const AffineStep* __restrict__ steps,
                                                            const float* const* __restrict__ init,
-                                                           float* const* __restrict__ final_states) {
+                                                           float* const* __restrict__ final_states,
+                                                           ChainLowRankFactors lr) {
   constexpr int CG = kBN / 4, RG = 256 / CG, RPT = D / RG;
   extern __shared__ __align__(16) float chain_smem[];
   float* sTbuf[2] = {chain_smem, chain_smem + D * kLdT};
   float* sR = chain_smem + 2 * D * kLdT;
+  float* sY = sR + D * kLdR;
   const int c = blockIdx.x / (D / kBN), h = blockIdx.y, c0 = (blockIdx.x % (D / kBN)) * kBN, tid = threadIdx.x;
   const int rg = tid / CG, cg = tid % CG;
   const size_t head_off = size_t(h) * D * D + c0;
@@ -175,6 +179,17 @@ __global__ void __launch_bounds__(256) affine_chain_kernel(int heads, int steps_
     for (int r = 0; r < RPT; ++r) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = 0.f;
     detail::cp_async_wait<1>();  // this step's T
     __syncthreads();             // ... and sR of the previous step, visible to every thread
+    if (st.lr_len > 0) {         // a low-rank step, on sR in place (ends with a barrier)
+      detail::chain_low_rank_step(sR, kLdR, sY, c0, h, lr, st, tid);
+      if (st.out)
+#pragma unroll
+        for (int r = 0; r < RPT; ++r) {
+          const int row = rg + RG * r;
+          *reinterpret_cast<float4*>(st.out + head_off + size_t(row) * D + 4 * cg) =
+              *reinterpret_cast<const float4*>(sR + row * kLdR + 4 * cg);
+        }
+      continue;
+    }
     if (st.T) {
       detail::fold_rows<RPT, RG>(sT, kLdT, sR, kLdR, rg, cg, acc);
     } else {
@@ -218,19 +233,23 @@ __global__ void __launch_bounds__(256) affine_chain_kernel(int heads, int steps_
 // the tf32 A / B fragment layout). The next step's T is read into registers while this step multiplies, then split
 // into the (single) T buffers between the step's two barriers.
 constexpr int kLdS = D + 4;                         // row stride (words) of the split T and R^T copies
-constexpr int kChainTcSmem = (2 * D + 2 * kBN) * kLdS * 4;  // T hi, T lo [128][132]; R^T hi, lo [32][132]
+// T hi, T lo [128][132]; R^T hi, lo [32][132]; an fp32 copy of R [128][kLdR] and Y for low-rank steps.
+constexpr int kChainTcSmem = (2 * D + 2 * kBN) * kLdS * 4 + (D * kLdR + kLowRankY) * 4;
 constexpr int kTVec = D * D / 4 / 256;               // float4 of T per thread
 
 __global__ void __launch_bounds__(256, 1) affine_chain_tc_kernel(int heads, int steps_per_chain,
                                                                  const AffineStep* __restrict__ steps,
                                                                  const float* const* __restrict__ init,
-                                                                 float* const* __restrict__ final_states) {
+                                                                 float* const* __restrict__ final_states,
+                                                                 ChainLowRankFactors lr) {
   constexpr int NT = kBN / 8;  // accumulator tiles per warp
   extern __shared__ __align__(16) uint32_t chain_words[];
   uint32_t* sTh = chain_words;
   uint32_t* sTl = sTh + D * kLdS;
   uint32_t* sRh = sTl + D * kLdS;  // R^T: [column][k]
   uint32_t* sRl = sRh + kBN * kLdS;
+  float* sRf = reinterpret_cast<float*>(sRl + kBN * kLdS);  // low-rank steps: R in fp32 [128][kLdR], then Y
+  float* sY = sRf + D * kLdR;
   const int c = blockIdx.x / (D / kBN), h = blockIdx.y, c0 = (blockIdx.x % (D / kBN)) * kBN, tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3, m0 = warp * 16;
   const int mi = lane >> 3, r8 = lane & 7;  // ldmatrix: this lane's row address is row r8 of 8 x 4 block mi
@@ -280,7 +299,13 @@ __global__ void __launch_bounds__(256, 1) affine_chain_tc_kernel(int heads, int 
     float2 sv[NT][2];
     tile.load_S(sv, st.S);
     float acc[NT][4], cor[NT][4], cor2[NT][4];
-    if (st.T) {
+    if (st.lr_len > 0) {  // a low-rank step on an fp32 copy of the block (the previous step's barrier is behind)
+      tile.to_smem(cur, sRf, kLdR);
+      __syncthreads();
+      detail::chain_low_rank_step(sRf, kLdR, sY, c0, h, lr, st, tid);
+      tile.from_smem(cur, sRf, kLdR);
+      tile.store(cur, st.out);
+    } else if (st.T) {
 #pragma unroll
       for (int n = 0; n < NT; ++n)
 #pragma unroll
@@ -324,7 +349,7 @@ __global__ void __launch_bounds__(256, 1) affine_chain_tc_kernel(int heads, int 
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[n][i] = cur[n][i];
     }
-    tile.step(cur, acc, sv, st.alpha, st.out);
+    if (st.lr_len <= 0) tile.step(cur, acc, sv, st.alpha, st.out);
     if (s + 1 < steps_per_chain) {
       __syncthreads();  // every warp has read this step's T and R copies
       if (next_T) store_T();
@@ -567,22 +592,38 @@ ChainMath affine_chain_math() {
   return m;
 }
 
+namespace {
+std::atomic<uint64_t> g_low_rank_launches{0};  // (affine_chain_low_rank_launches)
+}  // namespace
+
+uint64_t affine_chain_low_rank_launches() { return g_low_rank_launches.load(); }
+
 void affine_chain(int num_chains, int heads, int steps_per_chain, const AffineStep* steps, const float* const* init,
-                  float* const* final_states, cudaStream_t stream) {
-  affine_chain(num_chains, heads, steps_per_chain, steps, init, final_states, stream, affine_chain_math());
+                  float* const* final_states, cudaStream_t stream, const ChainLowRankFactors* low_rank) {
+  affine_chain(num_chains, heads, steps_per_chain, steps, init, final_states, stream, affine_chain_math(), low_rank);
 }
 
 void affine_chain(int num_chains, int heads, int steps_per_chain, const AffineStep* steps, const float* const* init,
-                  float* const* final_states, cudaStream_t stream, ChainMath math) {
+                  float* const* final_states, cudaStream_t stream, ChainMath math,
+                  const ChainLowRankFactors* low_rank) {
   need(num_chains >= 0 && heads > 0 && heads <= 65535 && steps_per_chain >= 0 && num_chains < (1 << 29),
        "affine_chain: bad sizes num_chains=" + std::to_string(num_chains) + " heads=" + std::to_string(heads) +
            " steps=" + std::to_string(steps_per_chain));
   if (num_chains == 0) return;
   need(steps || steps_per_chain == 0, "affine_chain: steps is null");
+  ChainLowRankFactors lrf{};
+  if (low_rank) {
+    need(low_rank->W && low_rank->UT && low_rank->scal && low_rank->k && low_rank->heads == heads &&
+             low_rank->num_k_heads > 0 && heads % low_rank->num_k_heads == 0 && low_rank->ut_ld >= 1 &&
+             low_rank->w_stride > 0 && low_rank->scal_stride > 0,
+         "affine_chain: incomplete low-rank factors (null pointers, heads other than the chain's, or bad strides)");
+    lrf = *low_rank;
+    g_low_rank_launches.fetch_add(1);
+  }
   static DeviceOnce fma_once, tc_once;  // (each kernel opts in on first use: their shared memory differs)
 #if HYPIC_CHAIN_WGMMA_BUILT
   if (math == ChainMath::Tf32x3 && detail::chain_wgmma_available()) {
-    detail::launch_affine_chain_wgmma(num_chains, heads, steps_per_chain, steps, init, final_states, stream);
+    detail::launch_affine_chain_wgmma(num_chains, heads, steps_per_chain, steps, init, final_states, lrf, stream);
     return;
   }
 #endif
@@ -594,7 +635,7 @@ void affine_chain(int num_chains, int heads, int steps_per_chain, const AffineSt
                  "affine_chain smem opt-in");
       return 0;
     });
-    affine_chain_kernel<<<grid, 256, kChainSmem, stream>>>(heads, steps_per_chain, steps, init, final_states);
+    affine_chain_kernel<<<grid, 256, kChainSmem, stream>>>(heads, steps_per_chain, steps, init, final_states, lrf);
   } else {
     tc_once.run(current_device(), [](int) {
       check_cuda(cudaFuncSetAttribute(affine_chain_tc_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -602,7 +643,8 @@ void affine_chain(int num_chains, int heads, int steps_per_chain, const AffineSt
                  "affine_chain (tensor cores) smem opt-in");
       return 0;
     });
-    affine_chain_tc_kernel<<<grid, 256, kChainTcSmem, stream>>>(heads, steps_per_chain, steps, init, final_states);
+    affine_chain_tc_kernel<<<grid, 256, kChainTcSmem, stream>>>(heads, steps_per_chain, steps, init, final_states,
+                                                                lrf);
   }
   check_cuda(cudaGetLastError(), "affine_chain launch");
 }

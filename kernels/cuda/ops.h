@@ -62,15 +62,38 @@ bool rms_norm_gated_vectorized(int dim, const bf16* x, const bf16* z, const bf16
 enum class ChainMath { Tf32x3, Tf32x3Mma, Fp32Fma };
 ChainMath affine_chain_math();
 
+/// Where an affine chain's low-rank steps read their factors (affine_chain's `low_rank`): the chunk-form factors of
+/// zero-start Gated DeltaNet runs of at most 64 tokens each, as gdn_prefill's WY launch leaves them in its workspace
+/// (gdn_low_rank_factors, kernels/cuda/gated_delta.h, fills this). For chunk c and value head h (slot c * heads + h):
+/// W rows t < len at W + slot * w_stride + t * 128 (bf16), U^T at UT + slot * w_stride, row v (value column) holding
+/// U[t][v] at v * ut_ld + t (bf16), kf_t (fp32) at scal + slot * scal_stride + t and the chunk's log decay G_C at
+/// scal + slot * scal_stride + gamma_at; the raw k of the pass's token t for key head kh at k + (t * num_k_heads + kh)
+/// * 128 (bf16), kh = h / (heads / num_k_heads). All DEVICE pointers.
+struct ChainLowRankFactors {
+  const bf16* W = nullptr;
+  const bf16* UT = nullptr;
+  const float* scal = nullptr;
+  const bf16* k = nullptr;
+  long w_stride = 0, scal_stride = 0;
+  int ut_ld = 0, gamma_at = 0, num_k_heads = 0, heads = 0;
+};
+
 /// One step of an affine chain: R <- alpha (T R) + S; T == nullptr means the identity, S == nullptr zero; then
 /// if out != nullptr, out <- R. Every pointer addresses `heads` blocks [heads][128][128] fp32 (head h at
 /// h * 128 * 128); so does every init / final pointer. A step's S may be an earlier step's out (of the same chain);
 /// a T must not be any step's out in the same call (T is read a step ahead, by several blocks).
+/// A low-rank step instead (lr_len in 1..64; T, S, alpha unused): the transition and zero-start state of a Gated
+/// DeltaNet run of lr_len tokens in chunk form (hybrid_models.md 5.4, DESIGN.md 3.1), T_run = gamma I - K~^T W and
+/// S_run = K~^T U with K~ = diag(kf) K (kf, gamma = e^{G_C}, W, U of chunk lr_chunk, K the raw k rows of the pass's
+/// tokens lr_t0 ..), applied without forming T_run: R <- gamma R - K~^T (W R - U), in fp32 from the bf16 factors
+/// (about 2 x 128 x 128 x lr_len multiply-adds per head instead of a 128^3 product). A splice's seam windows take
+/// these steps, read from the factors its own scan then reuses.
 struct AffineStep {
   const float* T = nullptr;
   const float* S = nullptr;
   float* out = nullptr;
   float alpha = 1.f;
+  int lr_chunk = 0, lr_t0 = 0, lr_len = 0;
 };
 
 /// Folds cached segments into running states (DESIGN.md 3.1 composition law S <- T_C S + S(C|0)), for
@@ -85,13 +108,20 @@ struct AffineStep {
 /// heads) 3.7 us per step on wgmma, 4.5 on mma.sync, 6.8 in fp32 FMA. Non-finite values become NaN
 /// (kernels/cuda/mma.cuh split_tf32). A T that is exactly the identity is not exact through the split (R to ~1
 /// ulp): pass nullptr for identity steps, which copy R exactly either way. HYPIC_CHAIN_MATH=fp32 selects fp32 FMA on
-/// the CUDA cores in a fixed k order. Fewer than 2^29 chains. Throws std::invalid_argument on bad sizes or a bad
-/// HYPIC_CHAIN_MATH.
+/// the CUDA cores in a fixed k order. Low-rank steps (AffineStep::lr_len > 0) read `low_rank` (HOST pointer to the
+/// description, passed by value to the kernels; it must be given when any step has lr_len > 0: a kernel meeting such
+/// a step without it traps, a CUDA error), the same fp32 code in every arithmetic. Fewer than 2^29 chains. Throws
+/// std::invalid_argument on bad sizes or a bad HYPIC_CHAIN_MATH.
 void affine_chain(int num_chains, int heads, int steps_per_chain, const AffineStep* steps, const float* const* init,
-                  float* const* final_states, cudaStream_t stream = nullptr);
+                  float* const* final_states, cudaStream_t stream = nullptr,
+                  const ChainLowRankFactors* low_rank = nullptr);
 /// affine_chain with the arithmetic chosen by the caller (tests, benchmarks).
 void affine_chain(int num_chains, int heads, int steps_per_chain, const AffineStep* steps, const float* const* init,
-                  float* const* final_states, cudaStream_t stream, ChainMath math);
+                  float* const* final_states, cudaStream_t stream, ChainMath math,
+                  const ChainLowRankFactors* low_rank = nullptr);
+/// Launches of affine_chain given a `low_rank` description in this process, counted on the host as each is issued:
+/// lets a test tell whether a splice took its seam windows as low-rank steps (HYPIC_SPLICE_SEAM_FOLD).
+uint64_t affine_chain_low_rank_launches();
 
 /// affine_chain with scalar transitions (lightning attention's T_C: one scalar per head; DESIGN.md 3.1): per chain c
 /// and head h, R = init[c] (nullptr: zero), then for each step R <- alpha (t R) + S with t = step.T[h] (step.T an
