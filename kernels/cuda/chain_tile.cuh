@@ -88,41 +88,105 @@ struct ChainTile {
   }
 };
 
-/// Rows of the low-rank step's Y = W R - U kept in shared memory (the longest run it takes: one chunk).
-inline constexpr int kChainLowRankMaxLen = 64;
+/// The longest run a low-rank step takes (one chunk), and the tokens of it staged in shared memory at a time.
+inline constexpr int kChainLowRankMaxLen = 64, kChainLowRankTile = 16;
+/// Floats of shared memory chain_low_rank_step needs: W and K~ rows of a tile [16][128], U [16][32], Y [64][32].
+inline constexpr int kChainLowRankSmemFloats = 2 * kChainLowRankTile * 128 + kChainLowRankTile * 32 +
+                                               kChainLowRankMaxLen * 32;
 
 /// A low-rank step (AffineStep::lr_len > 0, ops.h) on a block's 32 columns c0 .. c0 + 31 of head h, held fp32 in shared
-/// memory sR [128][ldR]: Y = W R - U[:, c0 ..] (sY [lr_len][32]), then R <- gamma R - K~^T Y, K~[t][r] = kf_t k[t][r].
-/// Fixed summation orders (r ascending, then t ascending): the same bits in every chain kernel. 256 threads, all of
-/// which call it; it begins after the caller's barrier over sR's writes and ends with a barrier. Traps when the
-/// chain was given no factors (f.W null).
-__device__ __forceinline__ void chain_low_rank_step(float* sR, int ldR, float* sY, int c0, int h,
+/// memory sR [128][ldR] (ldR a multiple of 4): Y = W R - U[:, c0 ..] (lr_len x 32), then R <- gamma R - K~^T Y with
+/// K~[t][r] = kf_t k[t][r]; the factors staged as fp32 in sLr (kChainLowRankSmemFloats) 16 tokens at a time. Phase 1: a
+/// lane sums 4 columns of Y over 32 of the rows (r = 4 i + rq), the 4 row groups then by xor-shuffles; phase 2: a thread
+/// updates 4 columns of 4 rows over t ascending. Fixed orders: the same bits in every chain kernel. 256 threads, all of
+/// which call it after writing sR (its first barrier makes those writes visible); it ends with a barrier. Traps when
+/// the chain was given no factors (f.W null) or a step longer than kChainLowRankMaxLen.
+__device__ __forceinline__ void chain_low_rank_step(float* sR, int ldR, float* sLr, int c0, int h,
                                                     const ChainLowRankFactors& f, const AffineStep& st, int tid) {
-  if (!f.W) __trap();  // (affine_chain documents that a chain with low-rank steps needs its factors)
-  constexpr int D = 128, BN = 32;
+  // (affine_chain documents that a chain with low-rank steps needs its factors, and runs of at most one chunk)
+  if (!f.W || st.lr_len > kChainLowRankMaxLen) __trap();
+  constexpr int D = 128, BN = 32, TT = kChainLowRankTile;
+  float* sW = sLr;           // [TT][128]: W rows of the tile's tokens
+  float* sK = sW + TT * D;   // [TT][128]: K~ rows
+  float* sU = sK + TT * D;   // [TT][32]: U[t][c0 + j]
+  float* sY = sU + TT * BN;  // [64][32]: Y
   const int len = st.lr_len;
   const long slot = long(st.lr_chunk) * f.heads + h;
   const bf16* W = f.W + slot * f.w_stride;
   const bf16* UT = f.UT + slot * f.w_stride;
   const float* sc = f.scal + slot * f.scal_stride;
-  const float gamma = __expf(sc[f.gamma_at]);
   const int kh = h / (f.heads / f.num_k_heads);
-  for (int i = tid; i < len * BN; i += 256) {  // Y[t][j]: a warp on one t, lanes on the columns
-    const int t = i / BN, j = i % BN;
-    const bf16* w = W + size_t(t) * D;
-    float y = 0.f;
+  const float gamma = __expf(sc[f.gamma_at]);
+  auto stage_rows = [&](float* dst, int tb, int tn, bool k_rows) {  // W or K~ rows tb .. tb + tn - 1, fp32
+    for (int i = tid; i < tn * (D / 8); i += 256) {
+      const int t = i / (D / 8), e = (i % (D / 8)) * 8;
+      const bf16* src = k_rows ? f.k + (size_t(st.lr_t0 + tb + t) * f.num_k_heads + kh) * D + e
+                               : W + size_t(tb + t) * D + e;
+      const uint4 v8 = *reinterpret_cast<const uint4*>(src);
+      const bf16* v = reinterpret_cast<const bf16*>(&v8);
+      const float mul = k_rows ? sc[tb + t] : 1.f;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) dst[t * D + e + j] = mul * __bfloat162float(v[j]);
+    }
+  };
+  const int lane = tid & 31, warp = tid >> 5, jq = lane & 7, rq = lane >> 3;
+  for (int tb = 0; tb < len; tb += TT) {  // phase 1
+    const int tn = len - tb < TT ? len - tb : TT;
+    stage_rows(sW, tb, tn, false);
+    if (tb == 0) stage_rows(sK, 0, tn, true);  // (phase 2's first tile, staged with the first W rows)
+    for (int i = tid; i < tn * BN; i += 256) {
+      const int j = i / tn, t = i % tn;
+      sU[t * BN + j] = __bfloat162float(UT[size_t(c0 + j) * f.ut_ld + tb + t]);
+    }
+    __syncthreads();  // the tile staged (and, the first time, the caller's sR)
+    for (int t = warp; t < tn; t += 8) {
+      float a[4] = {0.f, 0.f, 0.f, 0.f};
+      const float* wr = sW + t * D + rq;
+      const float* rr = sR + rq * ldR + 4 * jq;
 #pragma unroll 8
-    for (int r = 0; r < D; ++r) y = fmaf(__bfloat162float(w[r]), sR[r * ldR + j], y);
-    sY[t * BN + j] = y - __bfloat162float(UT[size_t(c0 + j) * f.ut_ld + t]);
+      for (int i = 0; i < D / 4; ++i) {
+        const float w = wr[4 * i];
+        const float4 rv = *reinterpret_cast<const float4*>(rr + 4 * i * ldR);
+        a[0] = fmaf(w, rv.x, a[0]), a[1] = fmaf(w, rv.y, a[1]), a[2] = fmaf(w, rv.z, a[2]), a[3] = fmaf(w, rv.w, a[3]);
+      }
+#pragma unroll
+      for (int m = 8; m <= 16; m <<= 1)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) a[q] += __shfl_xor_sync(0xffffffffu, a[q], m);
+      if (rq == 0)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) sY[(tb + t) * BN + 4 * jq + q] = a[q] - sU[t * BN + 4 * jq + q];
+    }
+    __syncthreads();  // the tile's W and U read (and Y complete after the last tile)
   }
-  __syncthreads();
-  for (int i = tid; i < D * BN; i += 256) {  // R[r][j]: a warp on one row r, lanes on the columns
-    const int r = i / BN, j = i % BN;
-    float acc = 0.f;
-    for (int t = 0; t < len; ++t)
-      acc = fmaf(sc[t] * __bfloat162float(f.k[(size_t(st.lr_t0 + t) * f.num_k_heads + kh) * D + r]), sY[t * BN + j],
-                 acc);
-    sR[r * ldR + j] = fmaf(gamma, sR[r * ldR + j], -acc);
+  const int jq2 = tid & 7, r0 = tid >> 3;  // phase 2: rows r0 + 32 k, columns 4 jq2 .. + 3
+  float acc[4][4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) acc[k][0] = acc[k][1] = acc[k][2] = acc[k][3] = 0.f;
+  for (int tb = 0; tb < len; tb += TT) {
+    const int tn = len - tb < TT ? len - tb : TT;
+    if (tb > 0) {
+      stage_rows(sK, tb, tn, true);
+      __syncthreads();
+    }
+    for (int t = 0; t < tn; ++t) {
+      const float4 y = *reinterpret_cast<const float4*>(sY + (tb + t) * BN + 4 * jq2);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const float kk = sK[t * D + r0 + 32 * k];
+        acc[k][0] = fmaf(kk, y.x, acc[k][0]), acc[k][1] = fmaf(kk, y.y, acc[k][1]);
+        acc[k][2] = fmaf(kk, y.z, acc[k][2]), acc[k][3] = fmaf(kk, y.w, acc[k][3]);
+      }
+    }
+    if (tb + TT < len) __syncthreads();  // this tile's K~ read before the next is staged
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    float4* rp = reinterpret_cast<float4*>(sR + (r0 + 32 * k) * ldR + 4 * jq2);
+    float4 v = *rp;
+    v.x = fmaf(gamma, v.x, -acc[k][0]), v.y = fmaf(gamma, v.y, -acc[k][1]);
+    v.z = fmaf(gamma, v.z, -acc[k][2]), v.w = fmaf(gamma, v.w, -acc[k][3]);
+    *rp = v;
   }
   __syncthreads();
 }

@@ -33,8 +33,8 @@ constexpr int BN = 32;   // columns of R per block
 constexpr int kRBytes = BN * D * 4;   // one split copy of R^T, swizzled
 constexpr int kLdT = D + 4;           // staging row stride (floats): the fragment reads are bank-conflict free
 constexpr int kStageBytes = D * kLdT * 4;
-constexpr int kLdRf = BN + 4;  // low-rank steps: R in fp32 [128][kLdRf], then Y [64][32]
-constexpr int kLowRankBytes = (D * kLdRf + kChainLowRankMaxLen * BN) * 4;
+constexpr int kLdRf = BN + 4;  // low-rank steps: R in fp32 [128][kLdRf], then their staging
+constexpr int kLowRankBytes = (D * kLdRf + kChainLowRankSmemFloats) * 4;
 constexpr int kSmem = 2 * kRBytes + kStageBytes + kLowRankBytes + 1024;  // + slack for the 1024-byte alignment
 constexpr int KS = D / 8;  // k steps of 8
 
@@ -71,8 +71,8 @@ __global__ void __launch_bounds__(256, 1) affine_chain_wgmma_kernel(int steps_pe
   unsigned char* sRh = base;  // R^T hi, lo: [32 columns][128 k], swizzled
   unsigned char* sRl = sRh + kRBytes;
   float* sStage = reinterpret_cast<float*>(sRl + kRBytes);  // the next step's T, fp32 [128][kLdT]
-  float* sRf = sStage + D * kLdT;                           // low-rank steps: R in fp32, then Y
-  float* sY = sRf + D * kLdRf;
+  float* sRf = sStage + D * kLdT;                           // low-rank steps: R in fp32, then their staging
+  float* sLr = sRf + D * kLdRf;
   const uint32_t aRh = smem_u32(sRh), aRl = smem_u32(sRl);
   // Chain and column block from blockIdx.x (the column blocks of one (chain, head) adjacent: they read the same T at
   // about the same time, from L2), head from blockIdx.y.
@@ -137,8 +137,7 @@ __global__ void __launch_bounds__(256, 1) affine_chain_wgmma_kernel(int steps_pe
     float acc[NT][4];
     if (st.lr_len > 0) {  // a low-rank step on an fp32 copy of the block (the previous step's barrier is behind)
       tile.to_smem(cur, sRf, kLdRf);
-      __syncthreads();
-      chain_low_rank_step(sRf, kLdRf, sY, c0, h, lr, st, tid);
+      chain_low_rank_step(sRf, kLdRf, sLr, c0, h, lr, st, tid);
       tile.from_smem(cur, sRf, kLdRf);
       tile.store(cur, st.out);
     } else if (st.T) {

@@ -126,8 +126,8 @@ __global__ void rms_norm_gated_kernel(int rows, int dim, const bf16* x, const bf
 // its product (measured side by side on the H200, 2026-12-04: a warm 16 x 2k Qwen3.5 splice's device time 40.0 ms
 // against 40.9 ms with T loaded at the start of each step; the steps are bound by the fp32 product itself).
 constexpr int kBN = 32, kLdT = D + 4, kLdR = kBN + 4;
-constexpr int kLowRankY = detail::kChainLowRankMaxLen * kBN;  // floats of a low-rank step's Y (chain_low_rank_step)
-constexpr int kChainSmem = (2 * D * kLdT + D * kLdR + kLowRankY) * 4;
+constexpr int kLowRank = detail::kChainLowRankSmemFloats;  // floats of a low-rank step's staging (chain_low_rank_step)
+constexpr int kChainSmem = (2 * D * kLdT + D * kLdR + kLowRank) * 4;
 
 // Step T's head h (fp32 [heads][128][128], nullptr: nothing to load) into shared memory at dst (row stride kLdT) by
 // cp.async, 256 threads; the caller commits and waits.
@@ -149,7 +149,7 @@ __global__ void __launch_bounds__(256) affine_chain_kernel(int heads, int steps_
   extern __shared__ __align__(16) float chain_smem[];
   float* sTbuf[2] = {chain_smem, chain_smem + D * kLdT};
   float* sR = chain_smem + 2 * D * kLdT;
-  float* sY = sR + D * kLdR;
+  float* sLr = sR + D * kLdR;
   const int c = blockIdx.x / (D / kBN), h = blockIdx.y, c0 = (blockIdx.x % (D / kBN)) * kBN, tid = threadIdx.x;
   const int rg = tid / CG, cg = tid % CG;
   const size_t head_off = size_t(h) * D * D + c0;
@@ -180,7 +180,7 @@ __global__ void __launch_bounds__(256) affine_chain_kernel(int heads, int steps_
     detail::cp_async_wait<1>();  // this step's T
     __syncthreads();             // ... and sR of the previous step, visible to every thread
     if (st.lr_len > 0) {         // a low-rank step, on sR in place (ends with a barrier)
-      detail::chain_low_rank_step(sR, kLdR, sY, c0, h, lr, st, tid);
+      detail::chain_low_rank_step(sR, kLdR, sLr, c0, h, lr, st, tid);
       if (st.out)
 #pragma unroll
         for (int r = 0; r < RPT; ++r) {
@@ -233,8 +233,8 @@ __global__ void __launch_bounds__(256) affine_chain_kernel(int heads, int steps_
 // the tf32 A / B fragment layout). The next step's T is read into registers while this step multiplies, then split
 // into the (single) T buffers between the step's two barriers.
 constexpr int kLdS = D + 4;                         // row stride (words) of the split T and R^T copies
-// T hi, T lo [128][132]; R^T hi, lo [32][132]; an fp32 copy of R [128][kLdR] and Y for low-rank steps.
-constexpr int kChainTcSmem = (2 * D + 2 * kBN) * kLdS * 4 + (D * kLdR + kLowRankY) * 4;
+// T hi, T lo [128][132]; R^T hi, lo [32][132]; an fp32 copy of R [128][kLdR] and the staging of low-rank steps.
+constexpr int kChainTcSmem = (2 * D + 2 * kBN) * kLdS * 4 + (D * kLdR + kLowRank) * 4;
 constexpr int kTVec = D * D / 4 / 256;               // float4 of T per thread
 
 __global__ void __launch_bounds__(256, 1) affine_chain_tc_kernel(int heads, int steps_per_chain,
@@ -248,8 +248,8 @@ __global__ void __launch_bounds__(256, 1) affine_chain_tc_kernel(int heads, int 
   uint32_t* sTl = sTh + D * kLdS;
   uint32_t* sRh = sTl + D * kLdS;  // R^T: [column][k]
   uint32_t* sRl = sRh + kBN * kLdS;
-  float* sRf = reinterpret_cast<float*>(sRl + kBN * kLdS);  // low-rank steps: R in fp32 [128][kLdR], then Y
-  float* sY = sRf + D * kLdR;
+  float* sRf = reinterpret_cast<float*>(sRl + kBN * kLdS);  // low-rank steps: R in fp32 [128][kLdR], the staging
+  float* sLr = sRf + D * kLdR;
   const int c = blockIdx.x / (D / kBN), h = blockIdx.y, c0 = (blockIdx.x % (D / kBN)) * kBN, tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3, m0 = warp * 16;
   const int mi = lane >> 3, r8 = lane & 7;  // ldmatrix: this lane's row address is row r8 of 8 x 4 block mi
@@ -301,8 +301,7 @@ __global__ void __launch_bounds__(256, 1) affine_chain_tc_kernel(int heads, int 
     float acc[NT][4], cor[NT][4], cor2[NT][4];
     if (st.lr_len > 0) {  // a low-rank step on an fp32 copy of the block (the previous step's barrier is behind)
       tile.to_smem(cur, sRf, kLdR);
-      __syncthreads();
-      detail::chain_low_rank_step(sRf, kLdR, sY, c0, h, lr, st, tid);
+      detail::chain_low_rank_step(sRf, kLdR, sLr, c0, h, lr, st, tid);
       tile.from_smem(cur, sRf, kLdR);
       tile.store(cur, st.out);
     } else if (st.T) {
