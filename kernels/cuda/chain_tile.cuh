@@ -96,11 +96,11 @@ inline constexpr int kChainLowRankSmemFloats = 2 * kChainLowRankTile * 128 + kCh
 
 /// A low-rank step (AffineStep::lr_len > 0, ops.h) on a block's 32 columns c0 .. c0 + 31 of head h, held fp32 in shared
 /// memory sR [128][ldR] (ldR a multiple of 4): Y = W R - U[:, c0 ..] (lr_len x 32), then R <- gamma R - K~^T Y with
-/// K~[t][r] = kf_t k[t][r]; the factors staged as fp32 in sLr (kChainLowRankSmemFloats) 16 tokens at a time. Phase 1: a
-/// lane sums 4 columns of Y over 32 of the rows (r = 4 i + rq), the 4 row groups then by xor-shuffles; phase 2: a thread
-/// updates 4 columns of 4 rows over t ascending. Fixed orders: the same bits in every chain kernel. 256 threads, all of
-/// which call it after writing sR (its first barrier makes those writes visible); it ends with a barrier. Traps when
-/// the chain was given no factors (f.W null) or a step longer than kChainLowRankMaxLen.
+/// K~[t][r] = kf_t k[t][r]; the factors staged as fp32 in sLr (kChainLowRankSmemFloats) 16 tokens at a time.
+/// Phase 1: a lane sums 4 columns of Y over 32 of the rows (r = 4 i + rq), the 4 row groups then by xor-shuffles;
+/// phase 2: a thread updates 4 columns of 4 rows over t ascending. Fixed orders: the same bits in every chain kernel.
+/// 256 threads, all of which call it after writing sR (its first barrier makes those writes visible); it ends with a
+/// barrier. Traps when the chain was given no factors (f.W null) or a step longer than kChainLowRankMaxLen.
 __device__ __forceinline__ void chain_low_rank_step(float* sR, int ldR, float* sLr, int c0, int h,
                                                     const ChainLowRankFactors& f, const AffineStep& st, int tid) {
   // (affine_chain documents that a chain with low-rank steps needs its factors, and runs of at most one chunk)

@@ -35,7 +35,8 @@ constexpr int kLdT = D + 4;           // staging row stride (floats): the fragme
 constexpr int kStageBytes = D * kLdT * 4;
 constexpr int kLdRf = BN + 4;  // low-rank steps: R in fp32 [128][kLdRf], then their staging
 constexpr int kLowRankBytes = (D * kLdRf + kChainLowRankSmemFloats) * 4;
-constexpr int kSmem = 2 * kRBytes + kStageBytes + kLowRankBytes + 1024;  // + slack for the 1024-byte alignment
+// Shared memory of the kernel without / with low-rank steps (+ slack for the 1024-byte alignment).
+constexpr int kSmem = 2 * kRBytes + kStageBytes + 1024, kSmemLowRank = kSmem + kLowRankBytes;
 constexpr int KS = D / 8;  // k steps of 8
 
 // Byte offset of the 16-byte unit `unit` (k = 4 unit .. 4 unit + 3) of row `row` in a [ROWS][128] tf32 tile stored as
@@ -59,6 +60,8 @@ __device__ __forceinline__ void wgmma_m64n32k8_tf32_rs(float (&d)[4][4], const u
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
 }
 
+// LR: the chain has low-rank steps (their shared memory and code; without, a step with lr_len > 0 traps).
+template <bool LR>
 __global__ void __launch_bounds__(256, 1) affine_chain_wgmma_kernel(int steps_per_chain,
                                                                     const AffineStep* __restrict__ steps,
                                                                     const float* const* __restrict__ init,
@@ -71,7 +74,7 @@ __global__ void __launch_bounds__(256, 1) affine_chain_wgmma_kernel(int steps_pe
   unsigned char* sRh = base;  // R^T hi, lo: [32 columns][128 k], swizzled
   unsigned char* sRl = sRh + kRBytes;
   float* sStage = reinterpret_cast<float*>(sRl + kRBytes);  // the next step's T, fp32 [128][kLdT]
-  float* sRf = sStage + D * kLdT;                           // low-rank steps: R in fp32, then their staging
+  float* sRf = sStage + D * kLdT;                           // (LR) low-rank steps: R in fp32, then their staging
   float* sLr = sRf + D * kLdRf;
   const uint32_t aRh = smem_u32(sRh), aRl = smem_u32(sRl);
   // Chain and column block from blockIdx.x (the column blocks of one (chain, head) adjacent: they read the same T at
@@ -129,13 +132,28 @@ __global__ void __launch_bounds__(256, 1) affine_chain_wgmma_kernel(int steps_pe
   store_R(cur);
   fence_proxy_async();  // the generic-proxy stores above are read by wgmma (async proxy)
   __syncthreads();      // (also: every thread has read its fragments before the staging buffer is refilled)
+  // The step whose T sits (or lands) in the staging buffer, not yet in fragments (-1: the buffer is free). When the
+  // next step has no T (a low-rank or identity step), the T of the step after it is staged a step early, so that a
+  // short low-rank step does not wait for the 64 KB of T behind it.
+  int staged = -1;
   for (int s = 0; s < steps_per_chain; ++s) {
     const AffineStep after = s + 2 < steps_per_chain ? chain[s + 2] : AffineStep{};
-    if (nxt.T) stage_T(nxt.T);  // lands while this step multiplies
+    if constexpr (!LR) {
+      if (st.lr_len > 0) __trap();  // (a low-rank step in a chain given no factors: affine_chain documents the trap)
+    }
+    if (staged < 0) {  // lands while this step multiplies
+      if (nxt.T) {
+        stage_T(nxt.T);
+        staged = s + 1;
+      } else if (after.T) {
+        stage_T(after.T);
+        staged = s + 2;
+      }
+    }
     cp_async_commit();
     tile.load_S(sv_next, nxt.S);
     float acc[NT][4];
-    if (st.lr_len > 0) {  // a low-rank step on an fp32 copy of the block (the previous step's barrier is behind)
+    if (LR && st.lr_len > 0) {  // a low-rank step on an fp32 copy of the block (the previous step's barrier is behind)
       tile.to_smem(cur, sRf, kLdRf);
       chain_low_rank_step(sRf, kLdRf, sLr, c0, h, lr, st, tid);
       tile.from_smem(cur, sRf, kLdRf);
@@ -177,7 +195,7 @@ __global__ void __launch_bounds__(256, 1) affine_chain_wgmma_kernel(int steps_pe
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[n][i] = cur[n][i];
     }
-    if (st.lr_len <= 0) tile.step(cur, acc, sv, st.alpha, st.out);
+    if (!(LR && st.lr_len > 0)) tile.step(cur, acc, sv, st.alpha, st.out);
     if (st.out && nxt.S == st.out)  // the next step adds what this one wrote: read a step early, it was stale
 #pragma unroll
       for (int n = 0; n < NT; ++n)
@@ -186,7 +204,10 @@ __global__ void __launch_bounds__(256, 1) affine_chain_wgmma_kernel(int steps_pe
     if (s + 1 < steps_per_chain) {
       cp_async_wait<0>();
       __syncthreads();  // the next T staged by every thread; both warpgroups' wgmmas have read this step's R copy
-      if (nxt.T) load_frags();
+      if (staged == s + 1) {
+        load_frags();
+        staged = -1;
+      }
       store_R(cur);
       fence_proxy_async();
       __syncthreads();  // the new R copy visible; every thread has read its fragments (the staging buffer is free)
@@ -212,12 +233,20 @@ void launch_affine_chain_wgmma(int num_chains, int heads, int steps_per_chain, c
                                cudaStream_t stream) {
   static DeviceOnce once;
   once.run(current_device(), [](int) {
-    check_cuda(cudaFuncSetAttribute(affine_chain_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
+    check_cuda(cudaFuncSetAttribute(affine_chain_wgmma_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    kSmem),
                "affine_chain (wgmma) smem opt-in");
+    check_cuda(cudaFuncSetAttribute(affine_chain_wgmma_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    kSmemLowRank),
+               "affine_chain (wgmma, low-rank steps) smem opt-in");
     return 0;
   });
   const dim3 grid(static_cast<unsigned>(num_chains) * (D / BN), heads);
-  affine_chain_wgmma_kernel<<<grid, 256, kSmem, stream>>>(steps_per_chain, steps, init, final_states, lr);
+  if (lr.W)
+    affine_chain_wgmma_kernel<true>
+        <<<grid, 256, kSmemLowRank, stream>>>(steps_per_chain, steps, init, final_states, lr);
+  else
+    affine_chain_wgmma_kernel<false><<<grid, 256, kSmem, stream>>>(steps_per_chain, steps, init, final_states, lr);
   check_cuda(cudaGetLastError(), "affine_chain (wgmma) launch");
 }
 

@@ -127,7 +127,7 @@ __global__ void rms_norm_gated_kernel(int rows, int dim, const bf16* x, const bf
 // against 40.9 ms with T loaded at the start of each step; the steps are bound by the fp32 product itself).
 constexpr int kBN = 32, kLdT = D + 4, kLdR = kBN + 4;
 constexpr int kLowRank = detail::kChainLowRankSmemFloats;  // floats of a low-rank step's staging (chain_low_rank_step)
-constexpr int kChainSmem = (2 * D * kLdT + D * kLdR + kLowRank) * 4;
+constexpr int kChainSmem = (2 * D * kLdT + D * kLdR) * 4, kChainSmemLowRank = kChainSmem + kLowRank * 4;
 
 // Step T's head h (fp32 [heads][128][128], nullptr: nothing to load) into shared memory at dst (row stride kLdT) by
 // cp.async, 256 threads; the caller commits and waits.
@@ -140,6 +140,8 @@ __device__ __forceinline__ void chain_load_T(const float* T, int h, int tid, flo
   }
 }
 
+// LR: the chain has low-rank steps (their shared memory and code; without, a step with lr_len > 0 traps).
+template <bool LR>
 __global__ void __launch_bounds__(256) affine_chain_kernel(int heads, int steps_per_chain,
                                                            const AffineStep* __restrict__ steps,
                                                            const float* const* __restrict__ init,
@@ -179,7 +181,8 @@ __global__ void __launch_bounds__(256) affine_chain_kernel(int heads, int steps_
     for (int r = 0; r < RPT; ++r) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = 0.f;
     detail::cp_async_wait<1>();  // this step's T
     __syncthreads();             // ... and sR of the previous step, visible to every thread
-    if (st.lr_len > 0) {         // a low-rank step, on sR in place (ends with a barrier)
+    if (!LR && st.lr_len > 0) __trap();  // (a low-rank step in a chain given no factors: affine_chain documents it)
+    if (LR && st.lr_len > 0) {           // a low-rank step, on sR in place (ends with a barrier)
       detail::chain_low_rank_step(sR, kLdR, sLr, c0, h, lr, st, tid);
       if (st.out)
 #pragma unroll
@@ -233,10 +236,13 @@ __global__ void __launch_bounds__(256) affine_chain_kernel(int heads, int steps_
 // the tf32 A / B fragment layout). The next step's T is read into registers while this step multiplies, then split
 // into the (single) T buffers between the step's two barriers.
 constexpr int kLdS = D + 4;                         // row stride (words) of the split T and R^T copies
-// T hi, T lo [128][132]; R^T hi, lo [32][132]; an fp32 copy of R [128][kLdR] and the staging of low-rank steps.
-constexpr int kChainTcSmem = (2 * D + 2 * kBN) * kLdS * 4 + (D * kLdR + kLowRank) * 4;
+// T hi, T lo [128][132]; R^T hi, lo [32][132]; with low-rank steps also an fp32 copy of R [128][kLdR] and their
+// staging.
+constexpr int kChainTcSmem = (2 * D + 2 * kBN) * kLdS * 4;
+constexpr int kChainTcSmemLowRank = kChainTcSmem + (D * kLdR + kLowRank) * 4;
 constexpr int kTVec = D * D / 4 / 256;               // float4 of T per thread
 
+template <bool LR>  // as affine_chain_kernel's
 __global__ void __launch_bounds__(256, 1) affine_chain_tc_kernel(int heads, int steps_per_chain,
                                                                  const AffineStep* __restrict__ steps,
                                                                  const float* const* __restrict__ init,
@@ -299,7 +305,8 @@ __global__ void __launch_bounds__(256, 1) affine_chain_tc_kernel(int heads, int 
     float2 sv[NT][2];
     tile.load_S(sv, st.S);
     float acc[NT][4], cor[NT][4], cor2[NT][4];
-    if (st.lr_len > 0) {  // a low-rank step on an fp32 copy of the block (the previous step's barrier is behind)
+    if (!LR && st.lr_len > 0) __trap();  // (a low-rank step in a chain given no factors: affine_chain documents it)
+    if (LR && st.lr_len > 0) {  // a low-rank step on an fp32 copy of the block (the previous step's barrier is behind)
       tile.to_smem(cur, sRf, kLdR);
       detail::chain_low_rank_step(sRf, kLdR, sLr, c0, h, lr, st, tid);
       tile.from_smem(cur, sRf, kLdR);
@@ -348,7 +355,7 @@ __global__ void __launch_bounds__(256, 1) affine_chain_tc_kernel(int heads, int 
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[n][i] = cur[n][i];
     }
-    if (st.lr_len <= 0) tile.step(cur, acc, sv, st.alpha, st.out);
+    if (!(LR && st.lr_len > 0)) tile.step(cur, acc, sv, st.alpha, st.out);
     if (s + 1 < steps_per_chain) {
       __syncthreads();  // every warp has read this step's T and R copies
       if (next_T) store_T();
@@ -630,20 +637,36 @@ void affine_chain(int num_chains, int heads, int steps_per_chain, const AffineSt
   const dim3 grid(static_cast<unsigned>(num_chains) * (D / kBN), heads);
   if (math == ChainMath::Fp32Fma) {
     fma_once.run(current_device(), [](int) {
-      check_cuda(cudaFuncSetAttribute(affine_chain_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kChainSmem),
+      check_cuda(cudaFuncSetAttribute(affine_chain_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      kChainSmem),
                  "affine_chain smem opt-in");
+      check_cuda(cudaFuncSetAttribute(affine_chain_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      kChainSmemLowRank),
+                 "affine_chain (low-rank steps) smem opt-in");
       return 0;
     });
-    affine_chain_kernel<<<grid, 256, kChainSmem, stream>>>(heads, steps_per_chain, steps, init, final_states, lrf);
+    if (low_rank)
+      affine_chain_kernel<true><<<grid, 256, kChainSmemLowRank, stream>>>(heads, steps_per_chain, steps, init,
+                                                                         final_states, lrf);
+    else
+      affine_chain_kernel<false><<<grid, 256, kChainSmem, stream>>>(heads, steps_per_chain, steps, init, final_states,
+                                                                   lrf);
   } else {
     tc_once.run(current_device(), [](int) {
-      check_cuda(cudaFuncSetAttribute(affine_chain_tc_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+      check_cuda(cudaFuncSetAttribute(affine_chain_tc_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       kChainTcSmem),
                  "affine_chain (tensor cores) smem opt-in");
+      check_cuda(cudaFuncSetAttribute(affine_chain_tc_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      kChainTcSmemLowRank),
+                 "affine_chain (tensor cores, low-rank steps) smem opt-in");
       return 0;
     });
-    affine_chain_tc_kernel<<<grid, 256, kChainTcSmem, stream>>>(heads, steps_per_chain, steps, init, final_states,
-                                                                lrf);
+    if (low_rank)
+      affine_chain_tc_kernel<true><<<grid, 256, kChainTcSmemLowRank, stream>>>(heads, steps_per_chain, steps, init,
+                                                                              final_states, lrf);
+    else
+      affine_chain_tc_kernel<false><<<grid, 256, kChainTcSmem, stream>>>(heads, steps_per_chain, steps, init,
+                                                                        final_states, lrf);
   }
   check_cuda(cudaGetLastError(), "affine_chain launch");
 }
