@@ -239,7 +239,8 @@ constexpr int kLdS = D + 4;                         // row stride (words) of the
 // T hi, T lo [128][132]; R^T hi, lo [32][132]; with low-rank steps also an fp32 copy of R [128][kLdR] and their
 // staging.
 constexpr int kChainTcSmem = (2 * D + 2 * kBN) * kLdS * 4;
-constexpr int kChainTcSmemLowRank = kChainTcSmem + (D * kLdR + kLowRank) * 4;
+constexpr int kLdRf = kBN + 8;  // low-rank steps: R in fp32 [128][kLdRf] (the tile's float2 stores conflict-free)
+constexpr int kChainTcSmemLowRank = kChainTcSmem + (D * kLdRf + kLowRank) * 4;
 constexpr int kTVec = D * D / 4 / 256;               // float4 of T per thread
 
 template <bool LR>  // as affine_chain_kernel's
@@ -254,8 +255,8 @@ __global__ void __launch_bounds__(256, 1) affine_chain_tc_kernel(int heads, int 
   uint32_t* sTl = sTh + D * kLdS;
   uint32_t* sRh = sTl + D * kLdS;  // R^T: [column][k]
   uint32_t* sRl = sRh + kBN * kLdS;
-  float* sRf = reinterpret_cast<float*>(sRl + kBN * kLdS);  // low-rank steps: R in fp32 [128][kLdR], the staging
-  float* sLr = sRf + D * kLdR;
+  float* sRf = reinterpret_cast<float*>(sRl + kBN * kLdS);  // low-rank steps: R in fp32 [128][kLdRf], the staging
+  float* sLr = sRf + D * kLdRf;
   const int c = blockIdx.x / (D / kBN), h = blockIdx.y, c0 = (blockIdx.x % (D / kBN)) * kBN, tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3, m0 = warp * 16;
   const int mi = lane >> 3, r8 = lane & 7;  // ldmatrix: this lane's row address is row r8 of 8 x 4 block mi
@@ -307,9 +308,9 @@ __global__ void __launch_bounds__(256, 1) affine_chain_tc_kernel(int heads, int 
     float acc[NT][4], cor[NT][4], cor2[NT][4];
     if (!LR && st.lr_len > 0) __trap();  // (a low-rank step in a chain given no factors: affine_chain documents it)
     if (LR && st.lr_len > 0) {  // a low-rank step on an fp32 copy of the block (the previous step's barrier is behind)
-      tile.to_smem(cur, sRf, kLdR);
-      detail::chain_low_rank_step(sRf, kLdR, sLr, c0, h, lr, st, tid);
-      tile.from_smem(cur, sRf, kLdR);
+      tile.to_smem(cur, sRf, kLdRf);
+      detail::chain_low_rank_step(sRf, kLdRf, sLr, c0, h, lr, st, tid);
+      tile.from_smem(cur, sRf, kLdRf);
       tile.store(cur, st.out);
     } else if (st.T) {
 #pragma unroll
