@@ -899,7 +899,7 @@ TEST_CASE("cuda backend: switched kernel paths that keep the arithmetic give the
 // the checkpoint's random A_log (g about -0.7 per token) a 90-token segment scales the state before it by e^-60, so the
 // state after each fold is its S(interior|0) to the last bit whatever came before, and the seam runs, folded or not,
 // cannot change a bit of the splice (the first GPU run found on and off bit-identical for that reason).
-TEST_CASE("cuda backend: seam windows folded into the next segment (HYPIC_SPLICE_SEAM_FOLD) give the splice within "
+TEST_CASE("cuda backend: seam windows as low-rank chain steps (HYPIC_SPLICE_SEAM_FOLD) give the splice within "
           "rounding", "[backend]") {
   require_gpu();
   Fixture& f = fixture("qwen3_5_moe_gpu");
