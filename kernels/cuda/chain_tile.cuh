@@ -10,6 +10,7 @@
 
 #include <cstddef>
 
+#include "kernels/cuda/mma.cuh"  // cp_async16
 #include "kernels/cuda/ops.h"
 
 namespace hypic::kernels::cuda::detail {
@@ -94,15 +95,47 @@ inline constexpr int kChainLowRankMaxLen = 64, kChainLowRankTile = 16;
 inline constexpr int kChainLowRankSmemFloats = 2 * kChainLowRankTile * 128 + kChainLowRankTile * 32 +
                                                kChainLowRankMaxLen * 32;
 
+/// A low-rank step's first 16 tokens of factors as they are in memory (chain_low_rank_prefetch): W rows bf16 [16][128]
+/// at byte 0, raw k rows bf16 [16][128] at 4096, U^T bf16 [32 columns][16 tokens] at 8192, kf fp32 [16] at 9216 and
+/// the 16 bytes holding G_C at 9280.
+inline constexpr int kChainLowRankRawBytes = 9296;
+
+/// Issues cp.async copies of low-rank step st's first 16 tokens of factors (the block's 32 columns c0 .., head h) into
+/// `raw` (kChainLowRankRawBytes of shared memory, 16-byte aligned), so that a chain can fetch them during the step
+/// before; the caller commits, waits and syncs before chain_low_rank_step reads them. 256 threads.
+__device__ __forceinline__ void chain_low_rank_prefetch(unsigned char* raw, const ChainLowRankFactors& f,
+                                                        const AffineStep& st, int c0, int h, int tid) {
+  constexpr int D = 128, TT = kChainLowRankTile;
+  const int tn = st.lr_len < TT ? st.lr_len : TT, nq = (tn + 7) / 8;
+  const long slot = long(st.lr_chunk) * f.heads + h;
+  const bf16* W = f.W + slot * f.w_stride;
+  const bf16* UT = f.UT + slot * f.w_stride;
+  const float* sc = f.scal + slot * f.scal_stride;
+  const int kh = h / (f.heads / f.num_k_heads);
+  for (int i = tid; i < tn * (D / 8); i += 256) {  // W and k rows: 16 chunks of 8 bf16 per row
+    const int t = i / (D / 8), e = (i % (D / 8)) * 8;
+    cp_async16(raw + (t * D + e) * 2, W + size_t(t) * D + e);
+    cp_async16(raw + 4096 + (t * D + e) * 2, f.k + (size_t(st.lr_t0 + t) * f.num_k_heads + kh) * D + e);
+  }
+  for (int i = tid; i < 32 * nq; i += 256) {  // U^T: per column, the tokens' 8-entry chunks (the row holds 64)
+    const int j = i / nq, q = i % nq;
+    cp_async16(raw + 8192 + (j * TT + 8 * q) * 2, UT + size_t(c0 + j) * f.ut_ld + 8 * q);
+  }
+  if (tid < (tn + 3) / 4) cp_async16(raw + 9216 + tid * 16, sc + 4 * tid);
+  if (tid == 255) cp_async16(raw + 9280, sc + (f.gamma_at & ~3));
+}
+
 /// A low-rank step (AffineStep::lr_len > 0, ops.h) on a block's 32 columns c0 .. c0 + 31 of head h, held fp32 in shared
 /// memory sR [128][ldR] (ldR a multiple of 4): Y = W R - U[:, c0 ..] (lr_len x 32), then R <- gamma R - K~^T Y with
 /// K~[t][r] = kf_t k[t][r]; the factors staged as fp32 in sLr (kChainLowRankSmemFloats) 16 tokens at a time.
 /// Phase 1: a lane sums 4 columns of Y over 32 of the rows (r = 4 i + rq), the 4 row groups then by xor-shuffles;
-/// phase 2: a thread updates 4 columns of 4 rows over t ascending. Fixed orders: the same bits in every chain kernel.
+/// phase 2: a thread updates 4 columns of 4 rows over t ascending. Fixed orders: the same bits in every chain kernel
+/// (raw: the first 16 tokens' factors prefetched by chain_low_rank_prefetch, already visible; nullptr: read here).
 /// 256 threads, all of which call it after writing sR (its first barrier makes those writes visible); it ends with a
 /// barrier. Traps when the chain was given no factors (f.W null) or a step longer than kChainLowRankMaxLen.
 __device__ __forceinline__ void chain_low_rank_step(float* sR, int ldR, float* sLr, int c0, int h,
-                                                    const ChainLowRankFactors& f, const AffineStep& st, int tid) {
+                                                    const ChainLowRankFactors& f, const AffineStep& st, int tid,
+                                                    const unsigned char* raw = nullptr) {
   // (affine_chain documents that a chain with low-rank steps needs its factors, and runs of at most one chunk)
   if (!f.W || st.lr_len > kChainLowRankMaxLen) __trap();
   constexpr int D = 128, BN = 32, TT = kChainLowRankTile;
@@ -116,7 +149,7 @@ __device__ __forceinline__ void chain_low_rank_step(float* sR, int ldR, float* s
   const bf16* UT = f.UT + slot * f.w_stride;
   const float* sc = f.scal + slot * f.scal_stride;
   const int kh = h / (f.heads / f.num_k_heads);
-  const float gamma = __expf(sc[f.gamma_at]);
+  const float gamma = __expf(raw ? reinterpret_cast<const float*>(raw + 9280)[f.gamma_at & 3] : sc[f.gamma_at]);
   auto stage_rows = [&](float* dst, int tb, int tn, bool k_rows) {  // W or K~ rows tb .. tb + tn - 1, fp32
     for (int i = tid; i < tn * (D / 8); i += 256) {
       const int t = i / (D / 8), e = (i % (D / 8)) * 8;
@@ -132,11 +165,26 @@ __device__ __forceinline__ void chain_low_rank_step(float* sR, int ldR, float* s
   const int lane = tid & 31, warp = tid >> 5, jq = lane & 7, rq = lane >> 3;
   for (int tb = 0; tb < len; tb += TT) {  // phase 1
     const int tn = len - tb < TT ? len - tb : TT;
-    stage_rows(sW, tb, tn, false);
-    if (tb == 0) stage_rows(sK, 0, tn, true);  // (phase 2's first tile, staged with the first W rows)
-    for (int i = tid; i < tn * BN; i += 256) {
-      const int j = i / tn, t = i % tn;
-      sU[t * BN + j] = __bfloat162float(UT[size_t(c0 + j) * f.ut_ld + tb + t]);
+    if (tb == 0 && raw) {  // the first tile from the prefetched copy (chain_low_rank_prefetch's layout)
+      const bf16* rw = reinterpret_cast<const bf16*>(raw);
+      const bf16* rk = reinterpret_cast<const bf16*>(raw + 4096);
+      const bf16* ru = reinterpret_cast<const bf16*>(raw + 8192);
+      const float* rkf = reinterpret_cast<const float*>(raw + 9216);
+      for (int i = tid; i < tn * D; i += 256) {
+        sW[i] = __bfloat162float(rw[i]);
+        sK[i] = rkf[i / D] * __bfloat162float(rk[i]);
+      }
+      for (int i = tid; i < tn * BN; i += 256) {
+        const int j = i / tn, t = i % tn;
+        sU[t * BN + j] = __bfloat162float(ru[j * TT + t]);
+      }
+    } else {
+      stage_rows(sW, tb, tn, false);
+      if (tb == 0) stage_rows(sK, 0, tn, true);  // (phase 2's first tile, staged with the first W rows)
+      for (int i = tid; i < tn * BN; i += 256) {
+        const int j = i / tn, t = i % tn;
+        sU[t * BN + j] = __bfloat162float(UT[size_t(c0 + j) * f.ut_ld + tb + t]);
+      }
     }
     __syncthreads();  // the tile staged (and, the first time, the caller's sR)
     for (int t = warp; t < tn; t += 8) {

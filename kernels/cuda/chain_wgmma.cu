@@ -34,7 +34,7 @@ constexpr int kRBytes = BN * D * 4;   // one split copy of R^T, swizzled
 constexpr int kLdT = D + 4;           // staging row stride (floats): the fragment reads are bank-conflict free
 constexpr int kStageBytes = D * kLdT * 4;
 constexpr int kLdRf = BN + 8;  // low-rank steps: R in fp32 [128][kLdRf] (the tile's float2 stores conflict-free)
-constexpr int kLowRankBytes = (D * kLdRf + kChainLowRankSmemFloats) * 4;
+constexpr int kLowRankBytes = (D * kLdRf + kChainLowRankSmemFloats) * 4 + kChainLowRankRawBytes;
 // Shared memory of the kernel without / with low-rank steps (+ slack for the 1024-byte alignment).
 constexpr int kSmem = 2 * kRBytes + kStageBytes + 1024, kSmemLowRank = kSmem + kLowRankBytes;
 constexpr int KS = D / 8;  // k steps of 8
@@ -76,6 +76,7 @@ __global__ void __launch_bounds__(256, 1) affine_chain_wgmma_kernel(int steps_pe
   float* sStage = reinterpret_cast<float*>(sRl + kRBytes);  // the next step's T, fp32 [128][kLdT]
   float* sRf = sStage + D * kLdT;                           // (LR) low-rank steps: R in fp32, then their staging
   float* sLr = sRf + D * kLdRf;
+  unsigned char* sRaw = reinterpret_cast<unsigned char*>(sLr + kChainLowRankSmemFloats);  // a prefetched step's factors
   const uint32_t aRh = smem_u32(sRh), aRl = smem_u32(sRl);
   // Chain and column block from blockIdx.x (the column blocks of one (chain, head) adjacent: they read the same T at
   // about the same time, from L2), head from blockIdx.y.
@@ -137,6 +138,7 @@ __global__ void __launch_bounds__(256, 1) affine_chain_wgmma_kernel(int steps_pe
   // short low-rank step does not wait for the 64 KB of T behind it. (Issuing that copy after this step's math instead,
   // when the descriptor read at the top is surely in, measured slower: 151.6 against 137.0 us per splice chain, H100.)
   int staged = -1;
+  int prefetched = -1;  // (LR) the low-rank step whose first factors sRaw holds (fetched during the step before it)
   for (int s = 0; s < steps_per_chain; ++s) {
     const AffineStep after = s + 2 < steps_per_chain ? chain[s + 2] : AffineStep{};
     if constexpr (!LR) {
@@ -151,12 +153,16 @@ __global__ void __launch_bounds__(256, 1) affine_chain_wgmma_kernel(int steps_pe
         staged = s + 2;
       }
     }
+    if (LR && st.lr_len <= 0 && nxt.lr_len > 0) {  // the next low-rank step's factors land while this step multiplies
+      chain_low_rank_prefetch(sRaw, lr, nxt, c0, h, tid);
+      prefetched = s + 1;
+    }
     cp_async_commit();
     tile.load_S(sv_next, nxt.S);
     float acc[NT][4];
     if (LR && st.lr_len > 0) {  // a low-rank step on an fp32 copy of the block (the previous step's barrier is behind)
       tile.to_smem(cur, sRf, kLdRf);
-      chain_low_rank_step(sRf, kLdRf, sLr, c0, h, lr, st, tid);
+      chain_low_rank_step(sRf, kLdRf, sLr, c0, h, lr, st, tid, prefetched == s ? sRaw : nullptr);
       tile.from_smem(cur, sRf, kLdRf);
       tile.store(cur, st.out);
     } else if (st.T) {
