@@ -21,6 +21,7 @@
 #include "kernels/cuda/chain_wgmma.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/mma.cuh"
+#include "kernels/cuda/switches.h"
 #include "kernels/cuda/wgmma.cuh"
 
 namespace hypic::kernels::cuda::detail {
@@ -66,7 +67,7 @@ __global__ void __launch_bounds__(256, 1) affine_chain_wgmma_kernel(int steps_pe
                                                                     const AffineStep* __restrict__ steps,
                                                                     const float* const* __restrict__ init,
                                                                     float* const* __restrict__ final_states,
-                                                                    ChainLowRankFactors lr) {
+                                                                    ChainLowRankFactors lr, int lr_prefetch) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int NT = BN / 8;  // accumulator tiles (8 columns) per warp
   extern __shared__ __align__(16) unsigned char chain_raw[];
@@ -153,7 +154,8 @@ __global__ void __launch_bounds__(256, 1) affine_chain_wgmma_kernel(int steps_pe
         staged = s + 2;
       }
     }
-    if (LR && st.lr_len <= 0 && nxt.lr_len > 0) {  // the next low-rank step's factors land while this step multiplies
+    // (The candidate HYPIC_CHAIN_LR_PREFETCH) the next low-rank step's factors land while this step multiplies.
+    if (LR && lr_prefetch && st.lr_len <= 0 && nxt.lr_len > 0) {
       chain_low_rank_prefetch(sRaw, lr, nxt, c0, h, tid);
       prefetched = s + 1;
     }
@@ -249,11 +251,12 @@ void launch_affine_chain_wgmma(int num_chains, int heads, int steps_per_chain, c
     return 0;
   });
   const dim3 grid(static_cast<unsigned>(num_chains) * (D / BN), heads);
+  static CandidateSwitch lr_prefetch("HYPIC_CHAIN_LR_PREFETCH");
   if (lr.W)
-    affine_chain_wgmma_kernel<true>
-        <<<grid, 256, kSmemLowRank, stream>>>(steps_per_chain, steps, init, final_states, lr);
+    affine_chain_wgmma_kernel<true><<<grid, 256, kSmemLowRank, stream>>>(steps_per_chain, steps, init, final_states, lr,
+                                                                         lr_prefetch.on() ? 1 : 0);
   else
-    affine_chain_wgmma_kernel<false><<<grid, 256, kSmem, stream>>>(steps_per_chain, steps, init, final_states, lr);
+    affine_chain_wgmma_kernel<false><<<grid, 256, kSmem, stream>>>(steps_per_chain, steps, init, final_states, lr, 0);
   check_cuda(cudaGetLastError(), "affine_chain (wgmma) launch");
 }
 

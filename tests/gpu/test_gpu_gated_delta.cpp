@@ -435,6 +435,21 @@ TEST_CASE("affine_chain's low-rank steps compose zero-start runs as the recurren
     finals.push_back(fin.download());
   }
   CHECK(gpu::affine_chain_low_rank_launches() == launches0 + 3);
+  // The candidate HYPIC_CHAIN_LR_PREFETCH (the wgmma chain fetching a low-rank step's factors during the step before
+  // it): the same bits as reading them in the step, either way of the switch.
+  for (const bool prefetch : {false, true}) {
+    ScopedCandidate c("HYPIC_CHAIN_LR_PREFETCH", prefetch);
+    DeviceBuffer<float> fin(per);
+    fin.poison();
+    float* fin_ptr = fin.get();
+    DeviceBuffer<float*> dfin_ptr(1);
+    check_cuda(cudaMemcpy(dfin_ptr.get(), &fin_ptr, sizeof(fin_ptr), cudaMemcpyHostToDevice), "final");
+    gpu::affine_chain(1, hv, int(steps.size()), dsteps.get(), dinit_ptr.get(), dfin_ptr.get(), nullptr,
+                      gpu::ChainMath::Tf32x3, &lrf);
+    check_cuda(cudaDeviceSynchronize(), "affine_chain with low-rank steps, prefetch switch");
+    INFO("HYPIC_CHAIN_LR_PREFETCH " << prefetch);
+    CHECK(same_bits(fin.download(), finals[0]));
+  }
   // The reference: R <- T_run R + S_run (the CPU recurrence's, from zero), then R <- Tf R + Sf, in double.
   std::vector<double> R(R0.begin(), R0.end()), tmp(per);
   for (int i = 0; i < nf; ++i) {
