@@ -297,11 +297,19 @@ std::vector<float> CudaBackend::run_pass(CudaSequence& s, const std::vector<Run>
   trace.mark("spans");
   // Linear layers: chain steps, conv initial states, run states.
   const bool chain = R > 1;
+  // HYPIC_SPLICE_SEAM_FOLD (a measured default; Gated DeltaNet, every run before the last at most one chunk long):
+  // phase A computes no scan; each seam run enters the chain as a low-rank step (R <- gamma R - K~^T (W R - U), from
+  // the WY factors that phase C's scan then reuses: gdn_prefill_factors, gdn_low_rank_step), instead of a full step
+  // with the (T, S) of a zero-start scan.
+  static kc::CandidateSwitch seam_fold_switch("HYPIC_SPLICE_SEAM_FOLD");
+  bool seam_fold = chain && lin_ == Lin::Gdn && seam_fold_switch.on();
+  for (int r = 0; seam_fold && r + 1 < R; ++r) seam_fold = run_cu[r + 1] - run_cu[r] <= kc::kGdnChunk;
   const size_t S1 = state_layer_bytes_;
   Layout rl;
   const size_t TR = trans_layer_bytes_;
-  const size_t o_init = rl.add(R * S1), o_fin = rl.add(R * S1), o_tz = rl.add(std::max(R - 1, 0) * TR),
-               o_sz = rl.add(std::max(R - 1, 0) * S1), o_cs = rl.add(R * conv_layer_bytes_);
+  const int zero_start_runs = seam_fold ? 0 : std::max(R - 1, 0);  // phase A's (T, S) of runs 0 .. R-2
+  const size_t o_init = rl.add(R * S1), o_fin = rl.add(R * S1), o_tz = rl.add(zero_start_runs * TR),
+               o_sz = rl.add(zero_start_runs * S1), o_cs = rl.add(R * conv_layer_bytes_);
   if (n_lin_) ensure_capacity(run_scratch_, rl.total(), "per-run states of a pass");
   auto rs_f = [&](size_t off, int i) { return reinterpret_cast<float*>(run_scratch_.bytes_ptr(off + i * S1)); };
   auto rs_t = [&](size_t off, int i) { return reinterpret_cast<float*>(run_scratch_.bytes_ptr(off + i * TR)); };
@@ -316,13 +324,6 @@ std::vector<float> CudaBackend::run_pass(CudaSequence& s, const std::vector<Run>
   std::vector<kc::AffineStep> steps;
   std::vector<const float*> chain_init;
   std::vector<kc::CopyDesc> conv_in, conv_out_copy, fin_copy;
-  // HYPIC_SPLICE_SEAM_FOLD (a measured default; Gated DeltaNet, every run before the last at most one chunk long):
-  // phase A computes no scan; each seam run enters the chain as a low-rank step (R <- gamma R - K~^T (W R - U), from
-  // the WY factors that phase C's scan then reuses: gdn_prefill_factors, gdn_low_rank_step), instead of a full step
-  // with the (T, S) of a zero-start scan.
-  static kc::CandidateSwitch seam_fold_switch("HYPIC_SPLICE_SEAM_FOLD");
-  bool seam_fold = chain && lin_ == Lin::Gdn && seam_fold_switch.on();
-  for (int r = 0; seam_fold && r + 1 < R; ++r) seam_fold = run_cu[r + 1] - run_cu[r] <= kc::kGdnChunk;
   std::vector<kc::AffineStep> low_rank_steps;  // [R - 1]: each seam run's low-rank step (the same in every layer)
   if (seam_fold) {
     kc::GdnPrefillArgs shape;
@@ -469,7 +470,8 @@ std::vector<float> CudaBackend::run_pass(CudaSequence& s, const std::vector<Run>
         const kc::AffineStep* chain_steps = tb.dev<kc::AffineStep>(t_steps) + size_t(l) * steps_per_chain;
         if (seam_fold) {
           // Phase C's factors first: the chain's low-rank steps read the seam runs' from them, and phase C's scan
-          // reuses them (each seam run's factors computed once).
+          // reuses them (each seam run's factors computed once). (No checkpoints here: a pass with folds has none,
+          // checked above; they would change the plan between the two calls.)
           kc::gdn_prefill_factors(g, ws_c_, stream_);
           const kc::ChainLowRankFactors lrf = kc::gdn_low_rank_factors(g, ws_c_);
           kc::affine_chain(1, nv_, steps_per_chain, chain_steps, tb.dev<const float*>(t_cinit) + l, nullptr, stream_,

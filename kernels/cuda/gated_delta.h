@@ -90,10 +90,12 @@ struct GdnPrefillArgs {
   int num_checkpoints = 0;
   const int* checkpoint_tokens_host = nullptr;
   float* const* checkpoint_states = nullptr;
-  /// The per-chunk factors of these arguments are in the workspace already (gdn_prefill_factors with the same
-  /// arguments, every field but this one equal, and no other gdn_* call on the workspace since): the WY launch is
-  /// skipped, the results are the same bits. gdn_prefill throws std::invalid_argument when the workspace's factors
-  /// are of other arguments (or of none).
+  /// The per-chunk factors of these arguments are in the workspace already (gdn_prefill_factors, or a gdn_prefill, with
+  /// the same plan: cu_seqlens, heads, requested outputs, seq_parts, checkpoints; the same q, k, v and gate pointers,
+  /// scale and l2 norm; the output and state pointers may differ): the WY launch is skipped, the results are the same
+  /// bits. The workspace compares those, not the inputs' contents: rewriting them in between is the caller's error.
+  /// gdn_prefill throws std::invalid_argument when the workspace's factors are of other arguments (or of none, e.g.
+  /// after a call of another shape).
   bool reuse_factors = false;
 };
 
@@ -180,7 +182,7 @@ void gdn_prefill_factors(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t
 
 /// Where affine_chain's low-rank steps find the factors that gdn_prefill_factors(a, ws) left in `ws` (and the raw k
 /// rows of `a`): valid until the next call on `ws` that computes factors. Host only. Throws std::invalid_argument when
-/// the workspace's factors are not of `a`.
+/// the workspace's factors are not of `a`, or `a` has checkpoints (gdn_low_rank_step's chunk indices assume none).
 ChainLowRankFactors gdn_low_rank_factors(const GdnPrefillArgs& a, const GdnWorkspace& ws);
 
 /// The affine-chain step of sequence `seq` of `a` run from zero, (T, S(seq|0)), as a low-rank step over the factors of

@@ -528,6 +528,8 @@ void gdn_prefill_factors(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t
 
 ChainLowRankFactors gdn_low_rank_factors(const GdnPrefillArgs& a, const GdnWorkspace& ws) {
   detail::validate_gdn_args(a, "gdn_low_rank_factors");
+  if (a.num_checkpoints)
+    throw std::invalid_argument("gdn_low_rank_factors: the arguments have checkpoints (they cut the chunking)");
   detail::GdnFactors fac;
   if (!detail::GdnFactorsAccess::view(a, ws, fac))
     throw std::invalid_argument("gdn_low_rank_factors: the workspace holds no factors of these arguments (call "

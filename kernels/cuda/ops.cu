@@ -620,11 +620,25 @@ void affine_chain(int num_chains, int heads, int steps_per_chain, const AffineSt
   need(steps || steps_per_chain == 0, "affine_chain: steps is null");
   ChainLowRankFactors lrf{};
   if (low_rank) {
-    need(low_rank->W && low_rank->UT && low_rank->scal && low_rank->k && low_rank->heads == heads &&
-             low_rank->num_k_heads > 0 && heads % low_rank->num_k_heads == 0 && low_rank->ut_ld >= 1 &&
-             low_rank->w_stride > 0 && low_rank->scal_stride > 0,
-         "affine_chain: incomplete low-rank factors (null pointers, heads other than the chain's, or bad strides)");
-    lrf = *low_rank;
+    const ChainLowRankFactors& f = *low_rank;
+    auto aligned16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+    need(f.W && f.UT && f.scal && f.k, "affine_chain: low-rank factors with a null W, UT, scal or k");
+    need(aligned16(f.W) && aligned16(f.UT) && aligned16(f.scal) && aligned16(f.k),
+         "affine_chain: low-rank factors W, UT, scal and k must be 16-byte aligned");
+    need(f.heads == heads && f.num_k_heads > 0 && heads % f.num_k_heads == 0,
+         "affine_chain: low-rank factors of " + std::to_string(f.heads) + " value / " + std::to_string(f.num_k_heads) +
+             " key heads for a chain of " + std::to_string(heads) + " heads");
+    need(f.ut_ld >= detail::kChainLowRankMaxLen && f.ut_ld % 8 == 0,
+         "affine_chain: low-rank ut_ld " + std::to_string(f.ut_ld) + " must be a multiple of 8 and at least 64");
+    need(f.w_stride >= long(detail::kChainLowRankMaxLen) * D && f.w_stride % 8 == 0 &&
+             f.w_stride >= long(D) * f.ut_ld,
+         "affine_chain: low-rank w_stride " + std::to_string(f.w_stride) +
+             " must be a multiple of 8 holding 64 W rows and 128 U^T rows");
+    need(f.scal_stride >= detail::kChainLowRankMaxLen && f.scal_stride % 4 == 0 && f.gamma_at >= 0 &&
+             f.gamma_at < f.scal_stride,
+         "affine_chain: low-rank scal_stride " + std::to_string(f.scal_stride) + " (a multiple of 4, at least 64) or " +
+             "gamma_at " + std::to_string(f.gamma_at) + " (within it) out of range");
+    lrf = f;
     g_low_rank_launches.fetch_add(1);
   }
   static DeviceOnce fma_once, tc_once;  // (each kernel opts in on first use: their shared memory differs)

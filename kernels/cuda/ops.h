@@ -123,7 +123,8 @@ void affine_chain(int num_chains, int heads, int steps_per_chain, const AffineSt
 /// lets a test tell whether a splice took its seam windows as low-rank steps (HYPIC_SPLICE_SEAM_FOLD).
 uint64_t affine_chain_low_rank_launches();
 
-/// affine_chain with scalar transitions (lightning attention's T_C: one scalar per head; DESIGN.md 3.1): per chain c
+/// affine_chain with scalar transitions (lightning attention's T_C: one scalar per head; DESIGN.md 3.1; the steps'
+/// lr_* fields are ignored, a low-rank step being a Gated DeltaNet form): per chain c
 /// and head h, R = init[c] (nullptr: zero), then for each step R <- alpha (t R) + S with t = step.T[h] (step.T an
 /// fp32 [heads] array; nullptr: t = 1) and S = step.S's head h (nullptr: 0), written to step.out when set; then
 /// final[c] <- R. States are [heads][head_floats] fp32 (head_floats = d_k d_v, a multiple of 4, 16-byte aligned).
