@@ -484,6 +484,56 @@ TEST_CASE("affine_chain's low-rank steps compose zero-start runs as the recurren
   // The three arithmetics run the same low-rank code; their full steps differ by ~1e-6.
   CHECK(rel_err(finals[0].data(), finals[2].data(), per) <= 1e-4);
   CHECK(rel_err(finals[1].data(), finals[2].data(), per) <= 1e-4);
+  // Low-rank steps back to back (the wgmma chain then stages the next T two steps ahead, and prefetches only the
+  // first of two), one of 64 tokens (four staged tiles): runs 0, 2, fold 0, runs 4, 5, fold 2.
+  {
+    const int order[][2] = {{0, 0}, {0, 2}, {1, 0}, {0, 4}, {0, 5}, {1, 2}};  // {0: run i, 1: fold i}
+    std::vector<gpu::AffineStep> st2;
+    for (const auto& o : order)
+      st2.push_back(o[0] == 0 ? gpu::gdn_low_rank_step(pass, o[1])
+                              : gpu::AffineStep{dTf.get() + o[1] * per, dSf.get() + o[1] * per, nullptr, 1.f});
+    DeviceBuffer<gpu::AffineStep> dst2(st2.size());
+    check_cuda(cudaMemcpy(dst2.get(), st2.data(), st2.size() * sizeof(gpu::AffineStep), cudaMemcpyHostToDevice),
+               "steps");
+    std::vector<double> R2(R0.begin(), R0.end()), t2(per);
+    for (const auto& o : order) {
+      std::vector<float> s_run(per, 0.f), t_run(per);
+      if (o[0] == 0)
+        cpu_run(qf, kf, vf, g, beta, hk, hv, cu[o[1]], lens[o[1]], scale, s_run.data(), nullptr, t_run.data());
+      const float* Tm = o[0] == 0 ? t_run.data() : Tf.data() + o[1] * per;
+      const float* Sm = o[0] == 0 ? s_run.data() : Sf.data() + o[1] * per;
+      for (int h = 0; h < hv; ++h)
+        for (int d = 0; d < D; ++d)
+          for (int e = 0; e < D; ++e) {
+            double acc = Sm[h * mat + size_t(d) * D + e];
+            for (int m = 0; m < D; ++m)
+              acc += double(Tm[h * mat + size_t(d) * D + m]) * R2[h * mat + size_t(m) * D + e];
+            t2[h * mat + size_t(d) * D + e] = acc;
+          }
+      R2.swap(t2);
+    }
+    const std::vector<float> ref2(R2.begin(), R2.end());
+    std::vector<float> wgmma_bits;
+    for (const gpu::ChainMath math : {gpu::ChainMath::Tf32x3, gpu::ChainMath::Tf32x3Mma, gpu::ChainMath::Fp32Fma})
+      for (const bool prefetch : {false, true}) {
+        ScopedCandidate c("HYPIC_CHAIN_LR_PREFETCH", prefetch);
+        DeviceBuffer<float> fin(per);
+        fin.poison();
+        float* fin_ptr = fin.get();
+        DeviceBuffer<float*> dfin_ptr(1);
+        check_cuda(cudaMemcpy(dfin_ptr.get(), &fin_ptr, sizeof(fin_ptr), cudaMemcpyHostToDevice), "final");
+        gpu::affine_chain(1, hv, int(st2.size()), dst2.get(), dinit_ptr.get(), dfin_ptr.get(), nullptr, math, &lrf);
+        check_cuda(cudaDeviceSynchronize(), "affine_chain, low-rank steps back to back");
+        const std::vector<float> got = fin.download();
+        const double e = rel_err(got.data(), ref2.data(), per);
+        INFO("back to back, math " << int(math) << ", prefetch " << prefetch << ": rel err " << e);
+        CHECK(e <= 1e-2);
+        if (math == gpu::ChainMath::Tf32x3) {
+          if (wgmma_bits.empty()) wgmma_bits = got;
+          else CHECK(same_bits(got, wgmma_bits));  // (the prefetch gives the same bits)
+        }
+      }
+  }
   // The scan reusing the factors against one computing its own.
   gpu::gdn_prefill(reuse, ws_b);
   gpu::GdnWorkspace ws_c;
