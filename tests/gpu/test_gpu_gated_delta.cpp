@@ -422,33 +422,28 @@ TEST_CASE("affine_chain's low-rank steps compose zero-start runs as the recurren
   const float* init_ptr = dR0.get();
   DeviceBuffer<const float*> dinit_ptr(1);
   check_cuda(cudaMemcpy(dinit_ptr.get(), &init_ptr, sizeof(init_ptr), cudaMemcpyHostToDevice), "init");
-  std::vector<std::vector<float>> finals;
-  const uint64_t launches0 = gpu::affine_chain_low_rank_launches();
-  for (const gpu::ChainMath math : {gpu::ChainMath::Tf32x3, gpu::ChainMath::Tf32x3Mma, gpu::ChainMath::Fp32Fma}) {
+  // One chain from R0 over `n_steps` device steps in arithmetic `math`: its final state.
+  auto run_chain = [&](const gpu::AffineStep* dev_steps, int n_steps, gpu::ChainMath math) {
     DeviceBuffer<float> fin(per);
     fin.poison();
     float* fin_ptr = fin.get();
     DeviceBuffer<float*> dfin_ptr(1);
     check_cuda(cudaMemcpy(dfin_ptr.get(), &fin_ptr, sizeof(fin_ptr), cudaMemcpyHostToDevice), "final");
-    gpu::affine_chain(1, hv, int(steps.size()), dsteps.get(), dinit_ptr.get(), dfin_ptr.get(), nullptr, math, &lrf);
+    gpu::affine_chain(1, hv, n_steps, dev_steps, dinit_ptr.get(), dfin_ptr.get(), nullptr, math, &lrf);
     check_cuda(cudaDeviceSynchronize(), "affine_chain with low-rank steps");
-    finals.push_back(fin.download());
-  }
+    return fin.download();
+  };
+  std::vector<std::vector<float>> finals;
+  const uint64_t launches0 = gpu::affine_chain_low_rank_launches();
+  for (const gpu::ChainMath math : {gpu::ChainMath::Tf32x3, gpu::ChainMath::Tf32x3Mma, gpu::ChainMath::Fp32Fma})
+    finals.push_back(run_chain(dsteps.get(), int(steps.size()), math));
   CHECK(gpu::affine_chain_low_rank_launches() == launches0 + 3);
   // The candidate HYPIC_CHAIN_LR_PREFETCH (the wgmma chain fetching a low-rank step's factors during the step before
   // it): the same bits as reading them in the step, either way of the switch.
   for (const bool prefetch : {false, true}) {
     ScopedCandidate c("HYPIC_CHAIN_LR_PREFETCH", prefetch);
-    DeviceBuffer<float> fin(per);
-    fin.poison();
-    float* fin_ptr = fin.get();
-    DeviceBuffer<float*> dfin_ptr(1);
-    check_cuda(cudaMemcpy(dfin_ptr.get(), &fin_ptr, sizeof(fin_ptr), cudaMemcpyHostToDevice), "final");
-    gpu::affine_chain(1, hv, int(steps.size()), dsteps.get(), dinit_ptr.get(), dfin_ptr.get(), nullptr,
-                      gpu::ChainMath::Tf32x3, &lrf);
-    check_cuda(cudaDeviceSynchronize(), "affine_chain with low-rank steps, prefetch switch");
     INFO("HYPIC_CHAIN_LR_PREFETCH " << prefetch);
-    CHECK(same_bits(fin.download(), finals[0]));
+    CHECK(same_bits(run_chain(dsteps.get(), int(steps.size()), gpu::ChainMath::Tf32x3), finals[0]));
   }
   // The reference: R <- T_run R + S_run (the CPU recurrence's, from zero), then R <- Tf R + Sf, in double.
   std::vector<double> R(R0.begin(), R0.end()), tmp(per);
@@ -517,14 +512,7 @@ TEST_CASE("affine_chain's low-rank steps compose zero-start runs as the recurren
     for (const gpu::ChainMath math : {gpu::ChainMath::Tf32x3, gpu::ChainMath::Tf32x3Mma, gpu::ChainMath::Fp32Fma})
       for (const bool prefetch : {false, true}) {
         ScopedCandidate c("HYPIC_CHAIN_LR_PREFETCH", prefetch);
-        DeviceBuffer<float> fin(per);
-        fin.poison();
-        float* fin_ptr = fin.get();
-        DeviceBuffer<float*> dfin_ptr(1);
-        check_cuda(cudaMemcpy(dfin_ptr.get(), &fin_ptr, sizeof(fin_ptr), cudaMemcpyHostToDevice), "final");
-        gpu::affine_chain(1, hv, int(st2.size()), dst2.get(), dinit_ptr.get(), dfin_ptr.get(), nullptr, math, &lrf);
-        check_cuda(cudaDeviceSynchronize(), "affine_chain, low-rank steps back to back");
-        const std::vector<float> got = fin.download();
+        const std::vector<float> got = run_chain(dst2.get(), int(st2.size()), math);
         const double e = rel_err(got.data(), ref2.data(), per);
         INFO("back to back, math " << int(math) << ", prefetch " << prefetch << ": rel err " << e);
         CHECK(e <= 1e-2);
