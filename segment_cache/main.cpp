@@ -44,6 +44,11 @@ int main(int argc, char** argv) {
                  "a Put that would put the bytes being received past --memory-bytes waits at most this long (or its "
                  "deadline) for other puts to end, then is refused with RESOURCE_EXHAUSTED")
       ->capture_default_str();
+  uint32_t put_idle_ms = 30000;
+  app.add_option("--put-idle-ms", put_idle_ms,
+                 "a Put being received whose sender sends nothing for this long is cancelled, freeing its share of "
+                 "the receive budget (0: never)")
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   try {
     hypic::rpc::init_service("segment-cache", server);
@@ -56,7 +61,8 @@ int main(int argc, char** argv) {
     hypic::cache::SegmentStore st(store);
     hypic::rpc::Lifecycle life("segment cache");
     hypic::cache::SegmentCacheService svc(st, life, chunk_bytes, max_lease_ms, max_queued_events,
-                                          std::chrono::milliseconds(max_put_wait_ms));
+                                          std::chrono::milliseconds(max_put_wait_ms),
+                                          std::chrono::milliseconds(put_idle_ms));
     spdlog::info("memory budget {} bytes (leases up to {:.0f}% of it){}", store.memory_budget_bytes,
                  100.0 * store.max_leased_fraction,
                  disk_dir.empty() ? std::string(", no disk tier")

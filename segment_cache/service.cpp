@@ -25,9 +25,12 @@ rpc::Counter& bytes_counter(const char* direction) {
 
 SegmentCacheService::SegmentCacheService(SegmentStore& store, rpc::Lifecycle& life, size_t chunk_bytes,
                                          uint32_t max_lease_ms, size_t max_queued_events,
-                                         std::chrono::milliseconds max_put_wait)
+                                         std::chrono::milliseconds max_put_wait,
+                                         std::chrono::milliseconds put_idle_timeout)
     : store_(store), life_(life), chunk_bytes_(chunk_bytes), max_lease_ms_(max_lease_ms), events_(max_queued_events),
-      max_receiving_bytes_(store.stats().memory_budget_bytes), max_put_wait_(max_put_wait) {
+      max_receiving_bytes_(store.stats().memory_budget_bytes), max_put_wait_(max_put_wait),
+      put_idle_timeout_(put_idle_timeout) {
+  if (put_idle_timeout_.count() > 0) watchdog_ = std::thread([this] { watch_idle_puts(); });
   store_.set_event_sink([this](const StoreEvent& e) { events_.publish(e); });
   auto& reg = rpc::MetricsRegistry::global();
   auto stat = [&store](uint64_t StoreStats::*field) { return [&store, field] { return double(store.stats().*field); }; };
@@ -58,7 +61,33 @@ SegmentCacheService::SegmentCacheService(SegmentStore& store, rpc::Lifecycle& li
                  stat(&StoreStats::corruptions));
 }
 
-SegmentCacheService::~SegmentCacheService() { store_.set_event_sink(nullptr); }
+SegmentCacheService::~SegmentCacheService() {
+  {
+    std::lock_guard<std::mutex> lock(receive_mu_);
+    stop_watchdog_ = true;
+  }
+  watchdog_cv_.notify_all();
+  if (watchdog_.joinable()) watchdog_.join();
+  store_.set_event_sink(nullptr);
+}
+
+// Every put_idle_timeout_ / 4 (at most 1 s, at least 10 ms): cancels the puts being received that got no bytes for
+// put_idle_timeout_. ServerContext::TryCancel may be called from any thread; a put leaves active_ (under the same lock)
+// before its handler returns, so the context is alive while listed.
+void SegmentCacheService::watch_idle_puts() {
+  const auto period = std::clamp<std::chrono::milliseconds>(put_idle_timeout_ / 4, std::chrono::milliseconds(10),
+                                                             std::chrono::milliseconds(1000));
+  std::unique_lock<std::mutex> lock(receive_mu_);
+  while (!stop_watchdog_) {
+    watchdog_cv_.wait_for(lock, period, [this] { return stop_watchdog_; });
+    const auto now = std::chrono::steady_clock::now();
+    for (auto& [id, p] : active_)
+      if (!p.cancelled && now - p.last >= put_idle_timeout_) {
+        p.cancelled = true;
+        p.ctx->TryCancel();
+      }
+  }
+}
 
 namespace {
 void to_proto(const StoreEvent& e, uint64_t sequence, int64_t unix_micros, v1::CacheEvent* out) {
@@ -280,12 +309,45 @@ grpc::Status SegmentCacheService::Put(grpc::ServerContext* ctx, grpc::ServerRead
         self.receive_cv_.notify_all();
       }
     } receiving{*this, n};
+    // Listed for the idle watchdog while its bytes arrive (unlisted before the handler returns).
+    struct Listed {
+      SegmentCacheService& self;
+      uint64_t id;
+      ~Listed() {
+        std::lock_guard<std::mutex> lock(self.receive_mu_);
+        self.active_.erase(id);
+      }
+    };
+    uint64_t id = 0;
+    {
+      std::lock_guard<std::mutex> lock(receive_mu_);
+      id = next_active_++;
+      active_[id] = ActivePut{ctx, std::chrono::steady_clock::now(), 0, n};
+    }
+    Listed listed{*this, id};
     rpc::ChunkAssembler assembler;
     assembler.begin(header.total_bytes(), header.checksum(), fmt::format("put {}", rpc::digest_hex(d)));
+    auto idle_cancelled = [&] {
+      std::lock_guard<std::mutex> lock(receive_mu_);
+      const ActivePut& p = active_.at(id);
+      if (!p.cancelled) return false;
+      store_.count_rejected_put();
+      spdlog::warn("put {}: no bytes for {} ms after {} of {} bytes; cancelled (--put-idle-ms)", rpc::digest_hex(d),
+                   put_idle_timeout_.count(), p.received, p.total);
+      return true;
+    };
     while (reader->Read(&msg)) {
       if (msg.has_header()) throw rpc::invalid_argument("header", "a Put carries exactly one header");
       assembler.append(msg.data());
+      std::lock_guard<std::mutex> lock(receive_mu_);
+      ActivePut& p = active_.at(id);
+      p.last = std::chrono::steady_clock::now();
+      p.received += msg.data().size();
     }
+    if (idle_cancelled())
+      throw rpc::RpcError(grpc::StatusCode::CANCELLED,
+                          fmt::format("put {}: the sender sent nothing for {} ms; cancelled", rpc::digest_hex(d),
+                                      put_idle_timeout_.count()));
     std::string bytes = assembler.finish();
     static auto& in = bytes_counter("in");
     in.inc(double(bytes.size()));

@@ -3,7 +3,9 @@
 #include <chrono>
 #include <condition_variable>
 #include <deque>
+#include <map>
 #include <mutex>
+#include <thread>
 
 #include "hypic/v1/segment_cache.grpc.pb.h"
 #include "proto/rpc/server.h"
@@ -27,9 +29,13 @@ class SegmentCacheService final : public hypic::v1::SegmentCache::Service {
   /// waiting sender's bytes pile up in the server; one waiter alone may be larger), or when no room frees within
   /// `max_put_wait`; a wait ends with DEADLINE_EXCEEDED at the call's deadline, CANCELLED when the caller cancels and
   /// UNAVAILABLE when the server drains. Every refusal and every wait that ends so counts in rejected_puts.
+  /// An admitted put whose sender sends nothing for `put_idle_timeout` (0: never) is cancelled (the caller sees
+  /// CANCELLED; logged, counted in rejected_puts), so that a stalled sender does not hold the receive budget the
+  /// waiting puts need; a watchdog thread checks the puts being received every put_idle_timeout / 4 (at most 1 s).
   SegmentCacheService(SegmentStore& store, rpc::Lifecycle& life, size_t chunk_bytes, uint32_t max_lease_ms,
                       size_t max_queued_events = 65536,
-                      std::chrono::milliseconds max_put_wait = std::chrono::seconds(30));
+                      std::chrono::milliseconds max_put_wait = std::chrono::seconds(30),
+                      std::chrono::milliseconds put_idle_timeout = std::chrono::seconds(30));
   ~SegmentCacheService() override;
 
   grpc::Status Lookup(grpc::ServerContext* ctx, const hypic::v1::LookupRequest* req,
@@ -71,6 +77,21 @@ class SegmentCacheService final : public hypic::v1::SegmentCache::Service {
   uint64_t receiving_bytes_ = 0;            // announced bytes of the puts being received now (under receive_mu_)
   uint64_t max_receiving_bytes_;            // their cap beside another put: the memory budget
   std::chrono::milliseconds max_put_wait_;  // longest wait of a put for room among those being received
+
+  // The puts being received, for the idle watchdog (under receive_mu_): when each last received bytes.
+  struct ActivePut {
+    grpc::ServerContext* ctx;
+    std::chrono::steady_clock::time_point last;
+    uint64_t received = 0, total = 0;
+    bool cancelled = false;  // the watchdog cancelled it
+  };
+  std::map<uint64_t, ActivePut> active_;
+  uint64_t next_active_ = 0;
+  std::chrono::milliseconds put_idle_timeout_;
+  bool stop_watchdog_ = false;
+  std::condition_variable watchdog_cv_;
+  std::thread watchdog_;
+  void watch_idle_puts();
 };
 
 }  // namespace hypic::cache

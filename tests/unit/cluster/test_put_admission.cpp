@@ -2,7 +2,8 @@
 // received, a put that would take the received bytes past the memory budget waits for room instead of being dropped;
 // it is refused (RESOURCE_EXHAUSTED, "retry later") once max_put_wait passes, or at once when the waiting puts' bytes
 // with its own would pass the budget; puts wait in arrival order; a waiting put whose caller gives up leaves no bytes
-// counted. A real gRPC server on loopback, a put held open half-sent by a raw stream.
+// counted; a put whose sender stops sending is cancelled after put_idle (one that keeps sending is not). A real gRPC
+// server on loopback, a put held open half-sent by a raw stream.
 #include <catch2/catch.hpp>
 
 #include <future>
@@ -30,9 +31,9 @@ struct CacheServer {
   cache::SegmentCacheService service;
   std::unique_ptr<grpc::Server> server;
   int port = 0;
-  explicit CacheServer(std::chrono::milliseconds max_put_wait)
+  explicit CacheServer(std::chrono::milliseconds max_put_wait, std::chrono::milliseconds put_idle = 30s)
       : store(cache::StoreOptions{.memory_budget_bytes = kBudget}),
-        service(store, life, rpc::kChunkBytes, 60000, 1024, max_put_wait) {
+        service(store, life, rpc::kChunkBytes, 60000, 1024, max_put_wait, put_idle) {
     grpc::ServerBuilder b;
     b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
     b.RegisterService(&service);
@@ -166,4 +167,47 @@ TEST_CASE("put admission: a put that finds no room within max_put_wait is refuse
   const auto stats = cache.store.stats();
   CHECK(stats.puts == 2);  // the first and the last: neither refused put was stored
   CHECK(stats.rejected_puts == 2);  // the refused one and the one whose caller gave up
+}
+
+TEST_CASE("put admission: a sender that stops sending in the middle of a put is cancelled after put_idle, and the "
+          "put waiting for its room is then stored",
+          "[put_admission]") {
+  CacheServer cache(30s, 300ms);
+  HeldPut stalled(cache.address(), 1, kEntry);  // its header and half its bytes, then nothing
+  wait_receiving(cache.service, kEntry);
+  cache::SegmentCacheClient client({cache.address()}, {.timeout = 20s});
+  const auto t0 = std::chrono::steady_clock::now();
+  auto waiting = std::async(std::launch::async, [&] { put_entry(client, 2, kEntry); });
+  // The waiting put is admitted once the watchdog cancels the stalled one (300 ms without bytes, checked every 75).
+  REQUIRE(waiting.wait_for(10s) == std::future_status::ready);
+  waiting.get();  // throw if the put failed
+  CHECK(std::chrono::steady_clock::now() - t0 >= 200ms);
+  wait_receiving(cache.service, 0);
+  stalled.writer->WritesDone();
+  const grpc::Status st = stalled.writer->Finish();
+  CHECK(st.error_code() == grpc::StatusCode::CANCELLED);
+  const auto stats = cache.store.stats();
+  CHECK(stats.puts == 1);           // the waiting one; the stalled one was not stored
+  CHECK(stats.rejected_puts == 1);  // the cancelled one
+}
+
+TEST_CASE("put admission: a put that keeps sending, longer than put_idle in total, is not cancelled",
+          "[put_admission]") {
+  CacheServer cache(30s, 600ms);
+  HeldPut slow(cache.address(), 1, kEntry);  // its header and the first half at once
+  wait_receiving(cache.service, kEntry);
+  // The second half in three parts 250 ms apart: 750 ms from header to end, never 600 ms without bytes.
+  const size_t half = slow.bytes.size() / 2, third = (slow.bytes.size() - half) / 3;
+  for (int i = 0; i < 3; ++i) {
+    std::this_thread::sleep_for(250ms);
+    v1::PutRequest part;
+    const size_t from = half + i * third;
+    part.set_data(slow.bytes.substr(from, i < 2 ? third : std::string::npos));
+    REQUIRE(slow.writer->Write(part));
+  }
+  slow.writer->WritesDone();
+  REQUIRE(slow.writer->Finish().ok());
+  wait_receiving(cache.service, 0);
+  CHECK(cache.store.stats().puts == 1);
+  CHECK(cache.store.stats().rejected_puts == 0);
 }
