@@ -1,5 +1,6 @@
 // hypic-segment-cache: the segment cache service (hypic.v1.SegmentCache).
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <spdlog/spdlog.h>
 
 #include "proto/rpc/chunks.h"
@@ -46,8 +47,16 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   uint32_t put_idle_ms = 30000;
   app.add_option("--put-idle-ms", put_idle_ms,
-                 "a Put being received whose sender sends nothing for this long is cancelled, freeing its share of "
-                 "the receive budget (0: never)")
+                 "a Put whose sender sends nothing for this long (before its header, or between messages once "
+                 "admitted) is cancelled, freeing its thread and its share of the receive budget (0: never; else at "
+                 "least 1000: a message must arrive well within it)")
+      ->check([](const std::string& v) {
+        const bool digits = !v.empty() && v.size() <= 10 &&
+                            std::all_of(v.begin(), v.end(), [](char c) { return c >= '0' && c <= '9'; });
+        return v == "0" || (digits && std::stoull(v) >= 1000 && std::stoull(v) <= 0xFFFFFFFFull)
+                   ? std::string()
+                   : std::string("must be 0 or a whole number of milliseconds from 1000");
+      })
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   try {
@@ -63,10 +72,12 @@ int main(int argc, char** argv) {
     hypic::cache::SegmentCacheService svc(st, life, chunk_bytes, max_lease_ms, max_queued_events,
                                           std::chrono::milliseconds(max_put_wait_ms),
                                           std::chrono::milliseconds(put_idle_ms));
-    spdlog::info("memory budget {} bytes (leases up to {:.0f}% of it){}", store.memory_budget_bytes,
-                 100.0 * store.max_leased_fraction,
+    spdlog::info("memory budget {} bytes (leases up to {:.0f}% of it){}; puts wait for room up to {} ms, idle ones are "
+                 "cancelled after {}",
+                 store.memory_budget_bytes, 100.0 * store.max_leased_fraction,
                  disk_dir.empty() ? std::string(", no disk tier")
-                                  : fmt::format(", disk tier {} ({} bytes)", disk_dir, store.disk_budget_bytes));
+                                  : fmt::format(", disk tier {} ({} bytes)", disk_dir, store.disk_budget_bytes),
+                 max_put_wait_ms, put_idle_ms ? fmt::format("{} ms", put_idle_ms) : std::string("never"));
     return hypic::rpc::run_server(server, life, {"segment-cache", {&svc}, {"hypic.v1.SegmentCache"}, {}, {}});
   } catch (const std::exception& e) {
     spdlog::critical("{}", e.what());

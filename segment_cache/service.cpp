@@ -55,7 +55,8 @@ SegmentCacheService::SegmentCacheService(SegmentStore& store, rpc::Lifecycle& li
                  stat(&StoreStats::evictions));
   reg.counter_fn("hypic:cache_spills_total", "Entries moved from memory to the disk tier", stat(&StoreStats::spills));
   reg.counter_fn("hypic:cache_stored_total", "Entries stored by puts", stat(&StoreStats::puts));
-  reg.counter_fn("hypic:cache_rejected_puts_total", "Puts refused (no room left that is not pinned or leased)",
+  reg.counter_fn("hypic:cache_rejected_puts_total",
+                 "Puts refused (no room, or none freed within --max-put-wait-ms) or cancelled (--put-idle-ms)",
                  stat(&StoreStats::rejected_puts));
   reg.counter_fn("hypic:cache_corruptions_total", "Entries dropped for a failed integrity check",
                  stat(&StoreStats::corruptions));
@@ -82,7 +83,7 @@ void SegmentCacheService::watch_idle_puts() {
     watchdog_cv_.wait_for(lock, period, [this] { return stop_watchdog_; });
     const auto now = std::chrono::steady_clock::now();
     for (auto& [id, p] : active_)
-      if (!p.cancelled && now - p.last >= put_idle_timeout_) {
+      if (!p.cancelled && !p.paused && now - p.last >= put_idle_timeout_) {
         p.cancelled = true;
         p.ctx->TryCancel();
       }
@@ -275,10 +276,52 @@ grpc::Status SegmentCacheService::Put(grpc::ServerContext* ctx, grpc::ServerRead
   if (auto st = rpc::require_service_caller(*ctx, "SegmentCache.Put"); !st.ok()) return st;
   return rpc::handle_errors([&] {
     auto call = life_.enter();
+    // Listed for the idle watchdog from the start (a sender that never sends its header is cancelled too), paused
+    // while the put waits for room (that wait has its own bound), unlisted once its last byte is in.
+    struct Listed {
+      SegmentCacheService& self;
+      uint64_t id;
+      ~Listed() {
+        std::lock_guard<std::mutex> lock(self.receive_mu_);
+        self.active_.erase(id);
+      }
+    };
+    uint64_t id = 0;
+    {
+      std::lock_guard<std::mutex> lock(receive_mu_);
+      id = next_active_++;
+      active_[id] = ActivePut{ctx, std::chrono::steady_clock::now()};
+    }
+    Listed listed{*this, id};
+    // Whether the watchdog cancelled this put; with `unlist`, also takes it off the list (under the same lock, so the
+    // watchdog cannot cancel it afterwards). A cancelled put is counted and logged here.
+    auto idle_cancelled = [&](bool unlist, std::string_view digest) {
+      std::lock_guard<std::mutex> lock(receive_mu_);
+      const auto it = active_.find(id);
+      if (it == active_.end()) return false;
+      const ActivePut p = it->second;
+      if (unlist) active_.erase(it);
+      if (!p.cancelled) return false;
+      store_.count_rejected_put();
+      spdlog::warn("put {}: no bytes for {} ms after {} of {} bytes; cancelled (--put-idle-ms)", digest,
+                   put_idle_timeout_.count(), p.received, p.total);
+      return true;
+    };
+    auto pause_watch = [&](bool paused, uint64_t total) {
+      std::lock_guard<std::mutex> lock(receive_mu_);
+      ActivePut& p = active_.at(id);
+      p.paused = paused;
+      p.total = total;
+      p.last = std::chrono::steady_clock::now();
+    };
     v1::PutRequest msg;
     if (!reader->Read(&msg) || !msg.has_header()) {
+      if (idle_cancelled(true, "(no header yet)"))
+        throw rpc::RpcError(grpc::StatusCode::CANCELLED, fmt::format("put: the sender sent no header for {} ms; "
+                                                                     "cancelled", put_idle_timeout_.count()));
       throw rpc::invalid_argument("header", "the first message of a Put must be its header");
     }
+    pause_watch(true, 0);
     const v1::PutHeader header = msg.header();
     const rpc::Digest d = rpc::parse_digest(header.key().digest(), "header.key.digest");
     if (header.key().token_ids().empty()) throw rpc::invalid_argument("header.key.token_ids", "must not be empty");
@@ -309,33 +352,9 @@ grpc::Status SegmentCacheService::Put(grpc::ServerContext* ctx, grpc::ServerRead
         self.receive_cv_.notify_all();
       }
     } receiving{*this, n};
-    // Listed for the idle watchdog while its bytes arrive (unlisted before the handler returns).
-    struct Listed {
-      SegmentCacheService& self;
-      uint64_t id;
-      ~Listed() {
-        std::lock_guard<std::mutex> lock(self.receive_mu_);
-        self.active_.erase(id);
-      }
-    };
-    uint64_t id = 0;
-    {
-      std::lock_guard<std::mutex> lock(receive_mu_);
-      id = next_active_++;
-      active_[id] = ActivePut{ctx, std::chrono::steady_clock::now(), 0, n};
-    }
-    Listed listed{*this, id};
+    pause_watch(false, n);  // admitted: the watchdog counts from here
     rpc::ChunkAssembler assembler;
     assembler.begin(header.total_bytes(), header.checksum(), fmt::format("put {}", rpc::digest_hex(d)));
-    auto idle_cancelled = [&] {
-      std::lock_guard<std::mutex> lock(receive_mu_);
-      const ActivePut& p = active_.at(id);
-      if (!p.cancelled) return false;
-      store_.count_rejected_put();
-      spdlog::warn("put {}: no bytes for {} ms after {} of {} bytes; cancelled (--put-idle-ms)", rpc::digest_hex(d),
-                   put_idle_timeout_.count(), p.received, p.total);
-      return true;
-    };
     while (reader->Read(&msg)) {
       if (msg.has_header()) throw rpc::invalid_argument("header", "a Put carries exactly one header");
       assembler.append(msg.data());
@@ -344,7 +363,9 @@ grpc::Status SegmentCacheService::Put(grpc::ServerContext* ctx, grpc::ServerRead
       p.last = std::chrono::steady_clock::now();
       p.received += msg.data().size();
     }
-    if (idle_cancelled())
+    // Off the watchdog's list before the checks and the store (which may take longer than put_idle): a put whose bytes
+    // are all in is not cancelled.
+    if (idle_cancelled(true, rpc::digest_hex(d)))
       throw rpc::RpcError(grpc::StatusCode::CANCELLED,
                           fmt::format("put {}: the sender sent nothing for {} ms; cancelled", rpc::digest_hex(d),
                                       put_idle_timeout_.count()));

@@ -29,9 +29,12 @@ class SegmentCacheService final : public hypic::v1::SegmentCache::Service {
   /// waiting sender's bytes pile up in the server; one waiter alone may be larger), or when no room frees within
   /// `max_put_wait`; a wait ends with DEADLINE_EXCEEDED at the call's deadline, CANCELLED when the caller cancels and
   /// UNAVAILABLE when the server drains. Every refusal and every wait that ends so counts in rejected_puts.
-  /// An admitted put whose sender sends nothing for `put_idle_timeout` (0: never) is cancelled (the caller sees
-  /// CANCELLED; logged, counted in rejected_puts), so that a stalled sender does not hold the receive budget the
-  /// waiting puts need; a watchdog thread checks the puts being received every put_idle_timeout / 4 (at most 1 s).
+  /// A put whose sender sends nothing for `put_idle_timeout` (0: never) is cancelled (the caller sees CANCELLED;
+  /// logged, counted in rejected_puts), so that a stalled sender holds neither a handler thread nor the receive budget
+  /// the waiting puts need: counted from the call's start until its header, then from its admission between messages
+  /// (not while it waits for room, nor once its last byte is in: a put being checked and stored is not cancelled). A
+  /// watchdog thread checks every put_idle_timeout / 4 (at most 1 s). It is counted per message: it must be well
+  /// above the time one message takes to arrive (the CLI takes 0 or at least 1000 ms).
   SegmentCacheService(SegmentStore& store, rpc::Lifecycle& life, size_t chunk_bytes, uint32_t max_lease_ms,
                       size_t max_queued_events = 65536,
                       std::chrono::milliseconds max_put_wait = std::chrono::seconds(30),
@@ -83,6 +86,7 @@ class SegmentCacheService final : public hypic::v1::SegmentCache::Service {
     grpc::ServerContext* ctx;
     std::chrono::steady_clock::time_point last;
     uint64_t received = 0, total = 0;
+    bool paused = false;     // waiting for room (bounded by max_put_wait_ instead)
     bool cancelled = false;  // the watchdog cancelled it
   };
   std::map<uint64_t, ActivePut> active_;

@@ -211,3 +211,23 @@ TEST_CASE("put admission: a put that keeps sending, longer than put_idle in tota
   CHECK(cache.store.stats().puts == 1);
   CHECK(cache.store.stats().rejected_puts == 0);
 }
+
+TEST_CASE("put admission: a caller that opens a put and never sends its header is cancelled after put_idle",
+          "[put_admission]") {
+  CacheServer cache(30s, 300ms);
+  auto channel = grpc::CreateChannel(cache.address(), grpc::InsecureChannelCredentials());
+  auto stub = v1::SegmentCache::NewStub(channel);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + 30s);
+  v1::PutResponse resp;
+  auto writer = stub->Put(&ctx, &resp);
+  // Counted as a refused put once the watchdog cancels it (300 ms without a message, checked every 75 ms).
+  const auto until = std::chrono::steady_clock::now() + 10s;
+  while (cache.store.stats().rejected_puts == 0 && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(10ms);
+  CHECK(cache.store.stats().rejected_puts == 1);
+  writer->WritesDone();
+  CHECK(writer->Finish().error_code() == grpc::StatusCode::CANCELLED);
+  CHECK(cache.service.receiving_bytes() == 0);
+  CHECK(cache.store.stats().puts == 0);
+}
