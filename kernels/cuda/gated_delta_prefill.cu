@@ -272,9 +272,8 @@ bool gdn_wy_wgmma_active() {
 
 namespace {
 
-// What the factors in a workspace were computed from (GdnWorkspace::factors_key_).
-std::vector<uintptr_t> factors_key(const GdnPrefillArgs& a) {
-  const std::vector<int> pk = plan_key(a);
+// What the factors in a workspace were computed from (GdnWorkspace::factors_key_); pk: plan_key(a).
+std::vector<uintptr_t> factors_key(const GdnPrefillArgs& a, const std::vector<int>& pk) {
   std::vector<uintptr_t> key(pk.begin(), pk.end());
   for (const void* p : {static_cast<const void*>(a.q), static_cast<const void*>(a.k), static_cast<const void*>(a.v),
                         static_cast<const void*>(a.g), static_cast<const void*>(a.beta),
@@ -327,7 +326,7 @@ void GdnFactorsAccess::fill_view(const GdnWorkspace& ws, GdnFactors& out) {
 }
 
 bool GdnFactorsAccess::view(const GdnPrefillArgs& a, const GdnWorkspace& ws, GdnFactors& out) {
-  if (!ws.plan_ || ws.factors_key_.empty() || ws.factors_key_ != factors_key(a)) return false;
+  if (!ws.plan_ || ws.factors_key_.empty() || ws.factors_key_ != factors_key(a, plan_key(a))) return false;
   fill_view(ws, out);
   return true;
 }
@@ -364,7 +363,8 @@ GdnFactors GdnFactorsAccess::prepare(const GdnPrefillArgs& a, GdnWorkspace& ws, 
 
   out.num_sms = configure();
   // The plan: reused while cu_seqlens, head counts and requested outputs stay the same.
-  if (!ws.plan_ || ws.plan_->key != plan_key(a)) {
+  const std::vector<int> pk = plan_key(a);  // (once per call: the plan's key and the factors')
+  if (!ws.plan_ || ws.plan_->key != pk) {
     cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
     check_cuda(cudaStreamIsCapturing(stream, &capturing), "cudaStreamIsCapturing");
     if (capturing != cudaStreamCaptureStatusNone)
@@ -387,7 +387,7 @@ GdnFactors GdnFactorsAccess::prepare(const GdnPrefillArgs& a, GdnWorkspace& ws, 
   ws.reserve(size_t(nchunks) * a.num_v_heads);
   fill_view(ws, out);
   if (a.reuse_factors) {
-    if (ws.factors_key_.empty() || ws.factors_key_ != factors_key(a))
+    if (ws.factors_key_.empty() || ws.factors_key_ != factors_key(a, pk))
       throw std::invalid_argument(f + ": reuse_factors is set, but the workspace holds no factors of these arguments "
                                       "(call gdn_prefill_factors with the same arguments first)");
     return out;
@@ -410,7 +410,7 @@ GdnFactors GdnFactorsAccess::prepare(const GdnPrefillArgs& a, GdnWorkspace& ws, 
       check_cuda(cudaGetLastError(), "gdn_wy_kernel launch");
     }
   }
-  ws.factors_key_ = factors_key(a);
+  ws.factors_key_ = factors_key(a, pk);
   return out;
 }
 
