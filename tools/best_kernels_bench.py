@@ -8,24 +8,33 @@ for each prompt length T (batch 1, bf16, on cuda), in one process:
     [1, kv_heads, T, head_dim], restricted to cuDNN's fused attention (torch.nn.attention.sdpa_kernel with
     SDPBackend.CUDNN_ATTENTION; GQA through enable_gqa, else K/V expanded to every query head outside the timed
     call), then FlashAttention-2 (SDPBackend.FLASH_ATTENTION) for comparison; the fastest that runs is `best`.
-    Times one layer's core attention; `ms` = that times the config's full-attention layers.
+    With the config's attn_output_gate (Qwen), the part is what transformers' Qwen3-Next attention runs after its
+    projections, as hypic's attention_core does the same work: q in [1, T, heads, head_dim] rows viewed as
+    [1, heads, T, head_dim], SDPA, the output back to [1, T, heads x head_dim], times sigmoid(gate) (`ms`; the SDPA
+    alone is `sdpa_ms`).
   * moe: one sparse MoE block written in torch the way transformers' grouped_mm experts run it (router linear,
     fp32 softmax, top-k, renormalised when norm_topk_prob, tokens sorted by expert, torch._grouped_mm for the
     gate/up and down projections with SiLU-and-multiply between, weighted index_add combine, the shared expert
-    with its sigmoid gate), on random weights; also the two grouped GEMMs alone (`grouped_gemm_ms`). Times one
-    block; `ms` = that times the config's MoE layers. Routing: random hidden states, so about uniform.
+    with its sigmoid gate), on random weights; also the two grouped GEMMs alone (`grouped_gemm_ms`). Routing:
+    random hidden states, so about uniform.
   * gdn: flash-linear-attention's chunk_gated_delta_rule (when importable: --fla-path DIR puts a checkout on the
     path) at the linear-attention shapes (q / k [1, T, key_heads, d_k] expanded to the value heads as
     transformers does, v [1, T, value_heads, d_v], log-decay g and beta per value head, l2-normalised q / k in the
-    kernel); `ms` = one layer times the linear-attention layers. Not run (and said so) without fla.
-Timing: torch.cuda.Event around each call, median and min of --reps calls after --warmup calls.
+    kernel). Not run (and said so) without fla.
+Timing, as hypic-bench-prefill-gpu times its parts: each part runs once per layer of its kind in the config (full
+attention, MoE, linear attention), the layers back to back between two torch.cuda.Events (one layer's inputs and
+weights reused); `ms` is the median of --reps such runs after --warmup, `ms_per_layer` that over the layers. A
+GPU that runs long kernels back to back clocks lower than one timed call by call (2026-12-05, H100, cuDNN SDPA at
+32k tokens: 12.1 ms a call alone, 13.0 ms each of ten back to back), so both sides are timed the same way;
+`single_call_ms_per_layer` is one call timed alone, for reference.
 
     python3 tools/best_kernels_bench.py --out-json best.json [--config CFG] [--lengths 4096,16384,32768]
                                         [--fla-path DIR] [--warmup 2] [--reps 5]
 
-JSON: `rows`, one per length: {tokens, attention: {ms, ms_per_layer, min_ms_per_layer, layers, backend,
-candidates: {name: ms_per_layer or error}}, moe: {ms, ms_per_layer, grouped_gemm_ms_per_layer, layers, what},
-gdn: {ms, ms_per_layer, layers, what} or {error}}; plus versions, device, command and UTC time.
+JSON: `rows`, one per length: {tokens, attention: {ms, ms_per_layer, min_ms_per_layer, single_call_ms_per_layer,
+layers, backend, what, sdpa_ms, candidates: {name: {ms, min_ms} per layer or error}}, moe: {ms, ms_per_layer,
+min_ms_per_layer, single_call_ms_per_layer, grouped_gemm_ms_per_layer, layers, what}, gdn: {the same but
+grouped_gemm_ms_per_layer} or {error}}; plus versions, device, command and UTC time.
 """
 import argparse
 import json
@@ -36,6 +45,14 @@ import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hf_prefill_bench import timed  # noqa: E402 (median, min, samples) of CUDA-event-timed calls
+
+
+def timed_layers(torch, fn, layers, warmup, reps):
+    """fn run `layers` times back to back per timed run (as hypic-bench-prefill-gpu times its parts): (median,
+    min) ms per layer of --reps runs after `warmup`, and one call timed alone (median of reps) for reference."""
+    med, mn, _ = timed(torch, lambda: [fn() for _ in range(layers)], warmup, reps)
+    single, _, _ = timed(torch, fn, 1, reps)
+    return med / layers, mn / layers, single
 
 
 def log(*a):
@@ -57,7 +74,7 @@ def layer_counts(cfg):
     return n_attn, n_lin, n_moe
 
 
-def bench_attention(torch, F, cfg, T, warmup, reps):
+def bench_attention(torch, F, cfg, T, layers, warmup, reps):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     nh, nkv, hd = int(cfg["num_attention_heads"]), int(cfg["num_key_value_heads"]), int(cfg["head_dim"])
@@ -75,7 +92,7 @@ def bench_attention(torch, F, cfg, T, warmup, reps):
                         fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
                     else:
                         fn = lambda: F.scaled_dot_product_attention(q, ke, ve, is_causal=True)
-                    med, mn, _ = timed(torch, fn, warmup, reps)
+                    med, mn, _ = timed_layers(torch, fn, layers, warmup, reps)
                 cands[label] = {"ms": med, "min_ms": mn}
                 break  # GQA ran: the expanded variant is not needed
             except Exception as e:  # noqa: BLE001 (reported)
@@ -84,11 +101,42 @@ def bench_attention(torch, F, cfg, T, warmup, reps):
     if not ok:
         return {"error": "no SDPA backend ran", "candidates": cands}
     best = min(ok, key=lambda n: ok[n]["ms"])
-    return {"backend": best, "ms_per_layer": ok[best]["ms"], "min_ms_per_layer": ok[best]["min_ms"],
-            "candidates": cands, "TFLOPs": 4.0 * T * T / 2 * nh * hd / (ok[best]["ms"] * 1e-3) / 1e12}
+    backend = SDPBackend.CUDNN_ATTENTION if best.startswith("cudnn") else SDPBackend.FLASH_ATTENTION
+    r = {"backend": best, "sdpa_ms_per_layer": ok[best]["ms"], "candidates": cands,
+         "TFLOPs": 4.0 * T * T / 2 * nh * hd / (ok[best]["ms"] * 1e-3) / 1e12}
+    if not cfg.get("attn_output_gate", False):
+        r.update(ms_per_layer=ok[best]["ms"], min_ms_per_layer=ok[best]["min_ms"],
+                 what=f"torch SDPA {best}, {layers} layers back to back")
+        with sdpa_kernel([backend]):
+            r["single_call_ms_per_layer"] = timed(torch, fn_for(best, F, q, k, v, ke, ve), 1, reps)[0]
+        return r
+    # transformers' Qwen3-Next attention after its projections: q rows [T, heads, head_dim] viewed head-major, SDPA,
+    # the output back to rows, times sigmoid(gate) (hypic's attention_core does this work, the gate fused).
+    qr = torch.randn(1, T, nh, hd, device="cuda", dtype=torch.bfloat16)
+    gate = torch.randn(1, T, nh * hd, device="cuda", dtype=torch.bfloat16)
+    gqa = best.endswith("_gqa")
+    kk, vv = (k, v) if gqa else (ke, ve)
+
+    def gated():
+        o = F.scaled_dot_product_attention(qr.transpose(1, 2), kk, vv, is_causal=True, enable_gqa=gqa)
+        return o.transpose(1, 2).contiguous().reshape(1, T, nh * hd) * torch.sigmoid(gate)
+
+    with sdpa_kernel([backend]):
+        med, mn, single = timed_layers(torch, gated, layers, warmup, reps)
+    r.update(ms_per_layer=med, min_ms_per_layer=mn, single_call_ms_per_layer=single,
+             what=f"torch SDPA {best} + output gate (transformers' Qwen3-Next: out * sigmoid(gate)), {layers} "
+                  "layers back to back")
+    return r
 
 
-def bench_moe(torch, F, cfg, T, warmup, reps):
+def fn_for(label, F, q, k, v, ke, ve):
+    """The SDPA call of candidate `label` (cudnn_gqa, flash2_expanded_kv, ...)."""
+    if label.endswith("_gqa"):
+        return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    return lambda: F.scaled_dot_product_attention(q, ke, ve, is_causal=True)
+
+
+def bench_moe(torch, F, cfg, T, layers, warmup, reps):
     H, E, k, I = (int(cfg["hidden_size"]), int(cfg["num_experts"]), int(cfg["num_experts_per_tok"]),
                   int(cfg["moe_intermediate_size"]))
     Is = int(cfg.get("shared_expert_intermediate_size", 0) or 0)
@@ -128,16 +176,17 @@ def bench_moe(torch, F, cfg, T, warmup, reps):
             out = out + s * torch.sigmoid(F.linear(x, w_sg))
         return out
 
-    med, mn, _ = timed(torch, block, warmup, reps)
+    med, mn, single = timed_layers(torch, block, layers, warmup, reps)
     wts, rows, offs = route(x)
     xs = x[rows].contiguous()
-    gmed, _, _ = timed(torch, lambda: experts(xs, offs), warmup, reps)
-    return {"ms_per_layer": med, "min_ms_per_layer": mn, "grouped_gemm_ms_per_layer": gmed,
+    gmed, _, _ = timed_layers(torch, lambda: experts(xs, offs), layers, warmup, reps)
+    return {"ms_per_layer": med, "min_ms_per_layer": mn, "single_call_ms_per_layer": single,
+            "grouped_gemm_ms_per_layer": gmed,
             "what": "torch MoE block: router, fp32 softmax, top-k, sort by expert, torch._grouped_mm gate/up and "
                     "down, SiLU-and-multiply, weighted index_add combine, gated shared expert"}
 
 
-def bench_gdn(torch, cfg, T, warmup, reps, fla_error):
+def bench_gdn(torch, cfg, T, layers, warmup, reps, fla_error):
     if fla_error:
         return {"error": fla_error}
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
@@ -152,8 +201,8 @@ def bench_gdn(torch, cfg, T, warmup, reps, fla_error):
     beta = torch.rand(1, T, nv, device=dev, dtype=bf)
     fn = lambda: chunk_gated_delta_rule(q, kk, v, g=gl, beta=beta, scale=dk ** -0.5, use_qk_l2norm_in_kernel=True,
                                         output_final_state=True)
-    med, mn, _ = timed(torch, fn, warmup, reps)
-    return {"ms_per_layer": med, "min_ms_per_layer": mn,
+    med, mn, single = timed_layers(torch, fn, layers, warmup, reps)
+    return {"ms_per_layer": med, "min_ms_per_layer": mn, "single_call_ms_per_layer": single,
             "what": "fla chunk_gated_delta_rule (l2norm in kernel, final state out; no conv1d, no gates' math)"}
 
 
@@ -188,19 +237,22 @@ def main():
     rows = []
     for T in lengths:
         row = {"tokens": T}
-        for name, fn, layers in (("attention", lambda: bench_attention(torch, F, cfg, T, a.warmup, a.reps), n_attn),
-                                 ("moe", lambda: bench_moe(torch, F, cfg, T, a.warmup, a.reps), n_moe),
-                                 ("gdn", lambda: bench_gdn(torch, cfg, T, a.warmup, a.reps, fla_error), n_lin)):
+        w, n = a.warmup, a.reps
+        for name, fn, layers in (("attention", lambda L: bench_attention(torch, F, cfg, T, L, w, n), n_attn),
+                                 ("moe", lambda L: bench_moe(torch, F, cfg, T, L, w, n), n_moe),
+                                 ("gdn", lambda L: bench_gdn(torch, cfg, T, L, w, n, fla_error), n_lin)):
             if layers == 0:
                 continue
             try:
-                r = fn()
+                r = fn(layers)
             except Exception as e:  # noqa: BLE001 (reported)
                 traceback.print_exc()
                 r = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
             r["layers"] = layers
             if "ms_per_layer" in r:
                 r["ms"] = r["ms_per_layer"] * layers
+            if "sdpa_ms_per_layer" in r:
+                r["sdpa_ms"] = r["sdpa_ms_per_layer"] * layers
             row[name] = r
             torch.cuda.empty_cache()
         log(f"best kernels at {T} tokens: " + ", ".join(

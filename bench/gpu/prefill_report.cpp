@@ -99,6 +99,16 @@ std::string markdown(const json& J) {
         << (have ? fmt("%.2fx", jnum(e, "ours_over_best")) : std::string("n/a")) << " | "
         << (have ? e.value("best_what", "") : e.value("best_error", "")) << " |\n";
     }
+    m << "\nBoth sides run the part once per layer of its kind, the layers back to back between two CUDA events "
+         "(a GPU clocks lower under long kernels back to back than in one call timed alone).";
+    std::string sdpa_only;
+    for (const json& e : J["parts_vs_best"])
+      if (e.contains("best_sdpa_only_ms") && e["best_sdpa_only_ms"].is_number())
+        sdpa_only += (sdpa_only.empty() ? "" : ", ") + std::to_string(e.value("tokens", 0)) + " tokens " +
+                     fmt("%.1f", jnum(e, "best_sdpa_only_ms")) + " ms";
+    if (!sdpa_only.empty())
+      m << " The library's attention includes the output gate, as ours does; its SDPA alone: " << sdpa_only << ".";
+    m << "\n";
   }
   if (J.contains("build") && J["build"].is_object() && !J["build"].empty()) {
     const json& b = J["build"];

@@ -154,7 +154,7 @@ __global__ void __launch_bounds__(256, 1) affine_chain_wgmma_kernel(int steps_pe
         staged = s + 2;
       }
     }
-    // (The candidate HYPIC_CHAIN_LR_PREFETCH) the next low-rank step's factors land while this step multiplies.
+    // (HYPIC_CHAIN_LR_PREFETCH, a measured default) the next low-rank step's factors land while this step multiplies.
     if (LR && lr_prefetch && st.lr_len <= 0 && nxt.lr_len > 0) {
       chain_low_rank_prefetch(sRaw, lr, nxt, c0, h, tid);
       prefetched = s + 1;

@@ -881,12 +881,22 @@ bool wgmma_runs(GroupedGemm impl, const MoeWeightsView& w, size_t P) {
 #endif
 }
 
+// The wgmma variant of a call with P routed rows: HYPIC_MOE_WGMMA's (wgmma_env_mode; 0 runs variant 1 for OwnWgmma),
+// and with the candidate HYPIC_MOE_PERSISTENT_LONG variant 1 at 128-row tiles from kWgmmaPersistentRowsPerExpert
+// rows per expert becomes 3 (the persistent blocks; same tiles, same bits).
+int wgmma_variant(const MoeWeightsView& w, size_t P, int bm) {
+  static CandidateSwitch persistent_long("HYPIC_MOE_PERSISTENT_LONG");
+  const int mode = wgmma_env_mode() == 0 ? 1 : wgmma_env_mode();
+  if (mode == 1 && bm == kWgmmaBM && P >= size_t(kWgmmaPersistentRowsPerExpert) * size_t(w.E) && persistent_long.on())
+    return 3;
+  return mode;
+}
+
 bool try_launch_wgmma(GroupedGemm impl, const MoeWeightsView& w, size_t P, const bf16* x, MoeWorkspace& ws, int bm,
                       bool tail64, cudaStream_t stream) {
 #if HYPIC_MOE_WGMMA_BUILT
   if (!wgmma_runs(impl, w, P)) return false;
-  const int mode = wgmma_env_mode();
-  launch_wgmma(w, P, x, ws, mode == 0 ? 1 : mode, bm, tail64, stream);
+  launch_wgmma(w, P, x, ws, wgmma_variant(w, P, bm), bm, tail64, stream);
   return true;
 #else
   (void)impl, (void)w, (void)P, (void)x, (void)ws, (void)bm, (void)tail64, (void)stream;
@@ -1127,6 +1137,14 @@ bool moe_wgmma_available() {
   return wgmma_env_mode() != 0 && wgmma_device();
 #else
   return false;
+#endif
+}
+
+uint64_t moe_persistent_launches() {
+#if HYPIC_MOE_WGMMA_BUILT
+  return moe_detail::persistent_launches();
+#else
+  return 0;
 #endif
 }
 

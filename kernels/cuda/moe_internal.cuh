@@ -100,6 +100,11 @@ constexpr int kWgmmaBM = 128;  // rows per m-tile of the wgmma kernels (the sche
 // Below this many routed rows per expert on average, OwnWgmma schedules 64-row m-tiles (wgmma_bm): well under 64, so
 // that few experts need two m-tiles (each of which streams the expert's weights). Measured at 5.75 (a splice).
 constexpr int kWgmmaSmallRowsPerExpert = 32;
+// From this many routed rows per expert on average (8192 tokens at top-8 of 256 experts), the default variant runs
+// the persistent blocks of variant 3 under the candidate switch HYPIC_MOE_PERSISTENT_LONG (moe_persistent_rows):
+// H200, 2026-12-05 (bench/results/moe_variants_h200.md), variant 3 against 1 per layer: 4096 tokens 1.05x (slower),
+// 16384 0.95x, 32768 0.98x; 8192 not measured alone. The same tiles in the same k order: the same bits.
+constexpr int kWgmmaPersistentRowsPerExpert = 256;
 
 // True when the current device can run the wgmma kernels: compute capability 9.0 (the sm_90a build). Host only.
 bool wgmma_device();
@@ -111,6 +116,9 @@ bool wgmma_device();
 // ahead across tile boundaries; 4 = 3 with the down GEMM on persistent 128 x 128 tiles (2 per SM); 5 = 1 without the
 // 64-row tiles.
 int wgmma_env_mode();
+
+// Launches of moe_wgmma_persistent_kernel issued in this process (moe_persistent_launches). Host only.
+uint64_t persistent_launches();
 
 // The m-tile rows (the routing schedule's bm) of OwnWgmma's kernels for P routed rows over E experts under
 // `variant` (wgmma_env_mode): 64 for variant 1 below kWgmmaSmallRowsPerExpert rows per expert on average (a

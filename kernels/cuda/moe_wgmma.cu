@@ -49,6 +49,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cstdint>
 #include <cstdlib>
@@ -498,6 +499,8 @@ int setup_device(int dev) {
   return sms;
 }
 
+std::atomic<uint64_t> g_persistent_launches{0};  // (moe_persistent_launches)
+
 // grid_m m-tiles (an upper bound) x the n-tiles covering g.N; persistent: at most MINB blocks per SM.
 template <class C, bool GATE_UP, bool VEC>
 void launch_tiles(const GroupedArgs& g, size_t grid_m, bool persistent, int sms, cudaStream_t stream,
@@ -512,6 +515,7 @@ void launch_tiles(const GroupedArgs& g, size_t grid_m, bool persistent, int sms,
       const unsigned grid = unsigned(std::min(blocks, size_t(sms) * C::MINB));
       moe_wgmma_persistent_kernel<C, GATE_UP, VEC><<<grid, C::THREADS, C::SMEM, stream>>>(g, n_tiles);
       check_cuda(cudaGetLastError(), what);
+      g_persistent_launches.fetch_add(1, std::memory_order_relaxed);
       return;
     }
   }
@@ -541,6 +545,8 @@ bool use_vec_epilogue(const MoeWorkspace& ws) {
 }  // namespace
 
 bool wgmma_device() { return current_device_is_sm90(); }
+
+uint64_t persistent_launches() { return g_persistent_launches.load(std::memory_order_relaxed); }
 
 bool wgmma_supported(const MoeWeightsView& w, size_t P) {
   if (w.H % 8 || w.I % 8 || w.H % 2 || w.I % 2) return false;

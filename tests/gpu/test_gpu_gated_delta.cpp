@@ -438,8 +438,8 @@ TEST_CASE("affine_chain's low-rank steps compose zero-start runs as the recurren
   for (const gpu::ChainMath math : {gpu::ChainMath::Tf32x3, gpu::ChainMath::Tf32x3Mma, gpu::ChainMath::Fp32Fma})
     finals.push_back(run_chain(dsteps.get(), int(steps.size()), math));
   CHECK(gpu::affine_chain_low_rank_launches() == launches0 + 3);
-  // The candidate HYPIC_CHAIN_LR_PREFETCH (the wgmma chain fetching a low-rank step's factors during the step before
-  // it): the same bits as reading them in the step, either way of the switch.
+  // HYPIC_CHAIN_LR_PREFETCH (a measured default: the wgmma chain fetching a low-rank step's factors during the step
+  // before it): the same bits as reading them in the step, either way of the switch.
   for (const bool prefetch : {false, true}) {
     ScopedCandidate c("HYPIC_CHAIN_LR_PREFETCH", prefetch);
     INFO("HYPIC_CHAIN_LR_PREFETCH " << prefetch);

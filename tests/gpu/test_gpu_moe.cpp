@@ -521,8 +521,8 @@ TEST_CASE("moe_forward wgmma prefill tiles (OwnWgmma / Own) vs CPU and the mma.s
     std::vector<int> Ts;
   };
   const std::vector<WgCase> cases = {{{256, 8, 2048, 512, 512}, false, {1, 37, 300, 4096}},
-                                     {{16, 2, 320, 96, 32}, true, {1, 37, 200, 300}},
-                                     {{8, 2, 192, 160, 0}, false, {5, 130, 1000}}};
+                                     {{16, 2, 320, 96, 32}, true, {1, 37, 200, 300, 2048}},
+                                     {{8, 2, 192, 160, 0}, false, {5, 130, 1000, 1100}}};
   constexpr int kHot = 5;  // forced routing: experts 0 .. 4 have a hot router feature (their own index)
   uint64_t seed = 900;
   for (const WgCase& wc : cases) {
@@ -607,6 +607,35 @@ TEST_CASE("moe_forward wgmma prefill tiles (OwnWgmma / Own) vs CPU and the mma.s
         const bool same = same_bits(vec, pairs);
         std::printf("[moe] wgmma %s vector epilogue == pairs bit-identical: %s\n", name.c_str(), same ? "yes" : "NO");
         CHECK(same);
+      }
+      // The persistent blocks for long calls (the candidate HYPIC_MOE_PERSISTENT_LONG: from 256 routed rows per
+      // expert on average, variant 1's 128-row tiles walked by one block per SM): the same tiles in the same k order,
+      // so the same bits; the launch counter says whether they ran (both GEMMs) where the rule takes the call and
+      // not elsewhere (taken: T = 2048 of E = 16 at top-2 with the forced routing, 256 rows per expert on average:
+      // every token in expert 0, 16 tiles, and in one of experts 1 .. 4; T = 1100 of E = 8, 275 per expert).
+      if (wgmma) {
+        const char* mv = std::getenv("HYPIC_MOE_WGMMA");
+        const std::string mode = mv ? mv : "1";
+        const bool variant1 = mode != "2" && mode != "3" && mode != "4" && mode != "5";
+        const bool takes = variant1 && size_t(T) * c.topk >= size_t(256) * c.E;
+        std::vector<float> pers, tiles;
+        uint64_t launched = 0;
+        {
+          ScopedCandidate sw("HYPIC_MOE_PERSISTENT_LONG", true);
+          const uint64_t before = gpu::moe_persistent_launches();
+          pers = run(gpu::GroupedGemm::OwnWgmma);
+          launched = gpu::moe_persistent_launches() - before;
+        }
+        {
+          ScopedCandidate sw("HYPIC_MOE_PERSISTENT_LONG", false);
+          tiles = run(gpu::GroupedGemm::OwnWgmma);
+        }
+        const bool same = same_bits(pers, tiles);
+        std::printf("[moe] wgmma %s persistent long (rule takes it: %s, persistent launches %llu) == one block per "
+                    "tile bit-identical: %s\n",
+                    name.c_str(), takes ? "yes" : "no", (unsigned long long)launched, same ? "yes" : "NO");
+        CHECK(same);
+        if (variant1) CHECK(launched == (takes ? 2u : 0u));
       }
       // Tail tiles (HYPIC_MOE_TAIL64: on 128-row schedules an expert's last tile of 1 .. 64 rows runs on the 64-row
       // kernels): the same products of each row in the same k order, on m64n128k16 instead of m64n256k16 wgmmas, so
