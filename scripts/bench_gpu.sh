@@ -2,10 +2,10 @@
 # Whole-model GPU benchmark at Qwen3.5-35B-A3B dimensions (benchmark-only random weights), in one call on a host
 # with an NVIDIA GPU: first Hugging Face transformers (tools/hf_prefill_bench.py: bf16, fla GDN when --fla-path
 # is given, SDPA, grouped_mm experts; 8 layers timed, scaled to 40), then hypic's CUDA backend
-# (hypic-bench-prefill-gpu: full prefill at 4k/16k/32k with the time split by part, entry build with and
+# (hypic-bench-prefill-gpu: full prefill at 4k/8k/16k/32k with the time split by part, entry build with and
 # without T_C, the 16 x 2k hypic splice, batched decode), which merges the HF times and the best library kernels at
-# the parts' shapes (tools/best_kernels_bench.py: cuDNN SDPA, a torch grouped_mm MoE block, fla; the parts_vs_best
-# table) into OUT/prefill_h200.json and OUT/prefill_h200.md (command, UTC time, commit, measured ceilings, ratios).
+# the parts' shapes (tools/best_kernels_bench.py: cuDNN SDPA with the output gate, a torch grouped_mm MoE block, fla,
+# each timed over its layers back to back as hypic's parts are; the parts_vs_best table) into OUT/prefill_h200.json and OUT/prefill_h200.md (command, UTC time, commit, measured ceilings, ratios).
 #
 #   scripts/bench_gpu.sh --out OUT                 configure + build into build-gpu-bench/ (BUILD_DIR overrides), run
 #   scripts/bench_gpu.sh --bin DIR --out OUT       run prebuilt binaries from DIR (hypic-bench-prefill-gpu, and
@@ -35,6 +35,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
 BIN="" LIB="" OUT="" FLA_PATH="" QUICK=0 SKIP_HF=0 BENCH_ARGS="" HF_ARGS="" FIXTURES=0 NO_BENCH=0 COMMIT=""
+LENGTHS=4096,8192,16384,32768  # full-prefill lengths of both benchmarks (issue 27's targets: 4k, 8k, 32k)
 ARGS_SEEN="$*"
 need_value() { [[ $# -ge 2 && -n "$2" ]] || { echo "bench_gpu.sh: $1 needs a value (see --help)" >&2; exit 2; }; }
 while (($#)); do
@@ -98,13 +99,13 @@ if ((SKIP_HF == 0 && NO_BENCH == 0)); then
     --out-json "$OUT/hf_prefill.json" "${fla[@]}" "${quick[@]}" $HF_ARGS 2>&1 | tee "$OUT/hf_prefill.log" || status=$?
   [[ -s "$OUT/hf_prefill.json" ]] && hf=(--hf-json "$OUT/hf_prefill.json")
   # The best library kernels at our parts' shapes (cuDNN SDPA, a torch grouped_mm MoE block, fla): parts_vs_best.
-  PYTHONUNBUFFERED=1 timeout -k 10 240 python3 tools/best_kernels_bench.py --config bench/gpu/qwen3_5_35b_a3b.json \
-    --out-json "$OUT/best_kernels.json" "${fla[@]}" 2>&1 | tee "$OUT/best_kernels.log" || status=$?
+  PYTHONUNBUFFERED=1 timeout -k 10 300 python3 tools/best_kernels_bench.py --config bench/gpu/qwen3_5_35b_a3b.json \
+    --lengths "$LENGTHS" --out-json "$OUT/best_kernels.json" "${fla[@]}" 2>&1 | tee "$OUT/best_kernels.log" || status=$?
   [[ -s "$OUT/best_kernels.json" ]] && hf+=(--best-json "$OUT/best_kernels.json")
 fi
 if ((NO_BENCH == 0)); then
   # shellcheck disable=SC2086
-  timeout -k 10 240 "$BIN/hypic-bench-prefill-gpu" --config bench/gpu/qwen3_5_35b_a3b.json \
+  timeout -k 10 240 "$BIN/hypic-bench-prefill-gpu" --config bench/gpu/qwen3_5_35b_a3b.json --lengths "$LENGTHS" \
     --json "$OUT/prefill_h200.json" --md "$OUT/prefill_h200.md" "${hf[@]}" "${quick[@]}" \
     --git-commit "$HYPIC_GIT_COMMIT" --command "$COMMAND" $BENCH_ARGS 2>&1 | tee "$OUT/prefill_bench.log" || status=$?
 fi

@@ -99,8 +99,20 @@ std::string markdown(const json& J) {
         << (have ? fmt("%.2fx", jnum(e, "ours_over_best")) : std::string("n/a")) << " | "
         << (have ? e.value("best_what", "") : e.value("best_error", "")) << " |\n";
     }
-    m << "\nBoth sides run the part once per layer of its kind, the layers back to back between two CUDA events "
-         "(a GPU clocks lower under long kernels back to back than in one call timed alone).";
+    // (tools/best_kernels_bench.py has timed its parts over their layers back to back since 2026-12-05, and records
+    // single_call_ms_per_layer since; older results timed one call and multiplied.)
+    bool back_to_back = false;
+    if (J.contains("best") && J["best"].is_object())
+      for (const json& r : J["best"].value("rows", json::array()))
+        for (const char* part : {"attention", "moe", "gdn"})
+          if (r.contains(part) && r[part].is_object() && r[part].contains("single_call_ms_per_layer"))
+            back_to_back = true;
+    if (back_to_back)
+      m << "\nBoth sides run the part once per layer of its kind, the layers back to back between two CUDA events "
+           "(one call timed alone differs from the same call among its layers: the GPU's clocks, the host's launch "
+           "gaps).";
+    else
+      m << "\nThe library's times: one call timed alone, times the layers.";
     std::string sdpa_only;
     for (const json& e : J["parts_vs_best"])
       if (e.contains("best_sdpa_only_ms") && e["best_sdpa_only_ms"].is_number())

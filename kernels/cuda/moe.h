@@ -115,7 +115,8 @@ bool moe_wgmma_available();
 
 /// Launches of the persistent wgmma GEMM kernels (HYPIC_MOE_WGMMA=3 / 4, or variant 1's long calls under the
 /// candidate HYPIC_MOE_PERSISTENT_LONG: from 256 routed rows per expert on average) in this process, counted on the
-/// host as each is issued (two per moe_forward that takes them): lets a test tell which schedule ran. Host only.
+/// host as each is issued (two per moe_forward that takes them; a CUDA graph counts them once, at its capture, and
+/// none per replay): lets a test tell which schedule ran. Host only.
 uint64_t moe_persistent_launches();
 
 /// Device scratch of moe_forward / mlp_forward, grown on demand and then reused: after

@@ -101,7 +101,7 @@ constexpr int kWgmmaBM = 128;  // rows per m-tile of the wgmma kernels (the sche
 // that few experts need two m-tiles (each of which streams the expert's weights). Measured at 5.75 (a splice).
 constexpr int kWgmmaSmallRowsPerExpert = 32;
 // From this many routed rows per expert on average (8192 tokens at top-8 of 256 experts), the default variant runs
-// the persistent blocks of variant 3 under the candidate switch HYPIC_MOE_PERSISTENT_LONG (moe_persistent_rows):
+// the persistent blocks of variant 3 under the candidate switch HYPIC_MOE_PERSISTENT_LONG (moe.cu wgmma_variant):
 // H200, 2026-12-05 (bench/results/moe_variants_h200.md), variant 3 against 1 per layer: 4096 tokens 1.05x (slower),
 // 16384 0.95x, 32768 0.98x; 8192 not measured alone. The same tiles in the same k order: the same bits.
 constexpr int kWgmmaPersistentRowsPerExpert = 256;

@@ -504,7 +504,9 @@ TEST_CASE("moe_forward decode sizes (T <= 64): OwnDecode / Own vs CPU, Cublas, O
 // or 1 + t % 3 (t > 0): expert 0 takes all T rows (3 tiles at T = 300, the last partial; at T = 200, 400 routed rows
 // below 32 per expert, OwnWgmma's 64-row tiles: 4, the last partial), expert 4 exactly one, experts 5 .. 15 none.
 // OwnWgmma runs 64-row tiles wherever P < 32 E (moe_internal.cuh wgmma_bm): T = 1 / 37 / 300 at E = 256, 1 / 37 /
-// 200 at E = 16, 5 at E = 8. On devices without the wgmma kernels OwnWgmma runs the mma.sync tiles (warning).
+// 200 at E = 16, 5 at E = 8. T = 2048 at E = 16 (forced routing: expert 0's 2048 rows in 16 tiles) and T = 1100 at
+// E = 8 reach 256 routed rows per expert, where HYPIC_MOE_PERSISTENT_LONG's rule takes a call. On devices without
+// the wgmma kernels OwnWgmma runs the mma.sync tiles (warning).
 TEST_CASE("moe_forward wgmma prefill tiles (OwnWgmma / Own) vs CPU and the mma.sync tiles, odd sizes", "[moe]") {
   require_gpu();
   Stream st;
