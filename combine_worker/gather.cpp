@@ -140,7 +140,8 @@ void CombineService::fetch_warm(const std::shared_ptr<Pending>& p, size_t slot, 
                 size = total;
                 reader.emplace(entry_checks(total, ids, p->entry_seam_width));
               },
-              [&](std::string_view chunk) { reader->feed(chunk); }, ctx)) {
+              [&](std::string_view chunk) { reader->feed(chunk); }, ctx,
+              engine::wire_entry_bytes(backend_.config(), int64_t(ids.size())))) {  // (its deadline allows the bytes)
         why += "not in the segment cache any more (evicted after the lookup)";
       } else {
         const auto t1 = Clock::now();

@@ -19,6 +19,7 @@ AsyncCachePutter::~AsyncCachePutter() {
     for (const auto& item : queue_) queued_bytes_ -= item.bytes->size();  // the put in flight stays counted
     dropped.swap(queue_);
   }
+  cancel_.cancel();  // a put in flight ends now (CANCELLED), not after its deadline
   cv_.notify_all();
   thread_.join();
   for (auto& item : dropped)
@@ -75,7 +76,7 @@ void AsyncCachePutter::run() {
     bool ok = false;
     std::string error;
     try {
-      client_.put(CacheKey{item.digest, item.ids}, *item.bytes);
+      client_.put(CacheKey{item.digest, item.ids}, *item.bytes, std::nullopt, &cancel_);
       ok = true;
     } catch (const std::exception& e) {
       error = e.what();

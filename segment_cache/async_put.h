@@ -21,8 +21,9 @@ class AsyncCachePutter {
  public:
   /// `client` must outlive the putter. `max_queued_bytes` bounds the bytes waiting to be sent.
   AsyncCachePutter(const SegmentCacheClient& client, uint64_t max_queued_bytes);
-  /// Waits for the put in flight (bounded by the client timeout); entries still queued are dropped
-  /// (the cache is an optimisation, and a shutdown must not wait on a slow or dead cache).
+  /// Cancels the put in flight (it may be waiting at the cache for room, for up to the client's put_wait) and waits
+  /// for its call to end; entries still queued are dropped (the cache is an optimisation, and a shutdown must not
+  /// wait on a slow or dead cache).
   ~AsyncCachePutter();
   AsyncCachePutter(const AsyncCachePutter&) = delete;
   AsyncCachePutter& operator=(const AsyncCachePutter&) = delete;
@@ -63,6 +64,7 @@ class AsyncCachePutter {
   uint64_t queued_bytes_ = 0;
   bool busy_ = false, stop_ = false, last_failed_ = false;
   Counters counters_;
+  PutCancel cancel_;  // the put in flight, cancelled by the destructor
   std::thread thread_;
 };
 

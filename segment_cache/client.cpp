@@ -1,6 +1,7 @@
 #include "segment_cache/client.h"
 
 #include <future>
+#include <stdexcept>
 
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
@@ -112,11 +113,12 @@ std::string SegmentCacheClient::release_leases(const std::string& lease_owner,
 std::optional<std::vector<int32_t>> SegmentCacheClient::stream(const rpc::Digest& digest,
                                                                 std::span<const int32_t> ids, bool check_ids,
                                                                 const grpc::ServerContextBase* parent,
+                                                                uint64_t expected_bytes,
                                                                 const std::function<void(uint64_t)>& begin,
                                                                 const std::function<void(std::string_view)>& consume,
                                                                 std::string* mac_out) const {
   auto& stub = stub_for(digest);
-  auto ctx = rpc::make_client_context(parent, opt_.timeout);
+  auto ctx = rpc::make_client_context(parent, transfer_timeout(expected_bytes));
   v1::GetRequest req;
   req.set_digest(rpc::digest_bytes(digest));
   req.mutable_token_ids()->Add(ids.begin(), ids.end());
@@ -181,26 +183,28 @@ std::optional<std::vector<int32_t>> SegmentCacheClient::stream(const rpc::Digest
 
 std::optional<std::pair<std::string, std::vector<int32_t>>> SegmentCacheClient::fetch(
     const rpc::Digest& digest, std::span<const int32_t> ids, bool check_ids, const grpc::ServerContextBase* parent,
-    std::string* mac_out) const {
+    std::string* mac_out, uint64_t expected_bytes) const {
   rpc::ChunkAssembler assembler;  // its reservation policy: memory follows the bytes received
   auto stored = stream(
-      digest, ids, check_ids, parent, [&](uint64_t total) { assembler.begin(total, 0, "segment entry"); },
+      digest, ids, check_ids, parent, expected_bytes,
+      [&](uint64_t total) { assembler.begin(total, 0, "segment entry"); },
       [&](std::string_view chunk) { assembler.append(chunk); }, mac_out);
   if (!stored) return std::nullopt;
   std::string bytes = assembler.take();  // size and checksum verified by stream()
   return std::make_pair(std::move(bytes), std::move(*stored));
 }
 
-std::optional<std::string> SegmentCacheClient::get(const CacheKey& key, const grpc::ServerContextBase* parent) const {
-  auto got = fetch(key.digest, key.token_ids, true, parent);
+std::optional<std::string> SegmentCacheClient::get(const CacheKey& key, const grpc::ServerContextBase* parent,
+                                                   uint64_t expected_bytes) const {
+  auto got = fetch(key.digest, key.token_ids, true, parent, nullptr, expected_bytes);
   if (!got) return std::nullopt;
   return std::move(got->first);
 }
 
 bool SegmentCacheClient::get_stream(const CacheKey& key, const std::function<void(uint64_t)>& begin,
                                     const std::function<void(std::string_view)>& consume,
-                                    const grpc::ServerContextBase* parent) const {
-  return stream(key.digest, key.token_ids, true, parent, begin, consume, nullptr).has_value();
+                                    const grpc::ServerContextBase* parent, uint64_t expected_bytes) const {
+  return stream(key.digest, key.token_ids, true, parent, expected_bytes, begin, consume, nullptr).has_value();
 }
 
 std::optional<std::pair<std::string, std::vector<int32_t>>> SegmentCacheClient::get_unchecked(
@@ -208,9 +212,40 @@ std::optional<std::pair<std::string, std::vector<int32_t>>> SegmentCacheClient::
   return fetch(digest, {}, false, nullptr, mac);
 }
 
-bool SegmentCacheClient::put(const CacheKey& key, std::string_view bytes, const std::optional<std::string>& mac) const {
+void PutCancel::cancel() {
+  std::lock_guard<std::mutex> lock(mu_);
+  cancelled_ = true;
+  if (ctx_) ctx_->TryCancel();
+}
+
+std::chrono::milliseconds SegmentCacheClient::transfer_timeout(uint64_t bytes) const {
+  if (opt_.transfer_rate == 0) throw std::invalid_argument("SegmentCacheClient: transfer_rate must be positive");
+  // bytes * 1000 / rate, rounded up, in 128 bits (no overflow for any 64-bit size and rate); capped at 2^40 ms
+  const unsigned __int128 ms =
+      (static_cast<unsigned __int128>(bytes) * 1000 + opt_.transfer_rate - 1) / opt_.transfer_rate;
+  const uint64_t capped = ms > (uint64_t(1) << 40) ? uint64_t(1) << 40 : static_cast<uint64_t>(ms);
+  return opt_.timeout + std::chrono::milliseconds(static_cast<int64_t>(capped));
+}
+
+bool SegmentCacheClient::put(const CacheKey& key, std::string_view bytes, const std::optional<std::string>& mac,
+                             PutCancel* cancel) const {
   auto& stub = stub_for(key.digest);
-  auto ctx = rpc::make_client_context(nullptr, opt_.timeout);
+  auto ctx = rpc::make_client_context(nullptr, transfer_timeout(bytes.size()) + opt_.put_wait);
+  // Registered for `cancel` while the call runs (a cancel before the call starts cancels it at once).
+  struct Registration {
+    PutCancel* c;
+    Registration(PutCancel* c, grpc::ClientContext* ctx) : c(c) {
+      if (!c) return;
+      std::lock_guard<std::mutex> lock(c->mu_);
+      c->ctx_ = ctx;
+      if (c->cancelled_) ctx->TryCancel();
+    }
+    ~Registration() {
+      if (!c) return;
+      std::lock_guard<std::mutex> lock(c->mu_);
+      c->ctx_ = nullptr;
+    }
+  } registration(cancel, ctx.get());
   v1::PutResponse resp;
   auto writer = stub.Put(ctx.get(), &resp);
   v1::PutRequest head;

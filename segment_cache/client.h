@@ -5,7 +5,9 @@
 // Thread-safe; channels are created once per replica and shared.
 #pragma once
 #include <chrono>
+#include <cstdint>
 #include <functional>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -38,13 +40,37 @@ struct BatchLookup {
   std::string error;                 ///< the first failure, for logs and reports
 };
 
+/// A put in flight that another thread may cancel (AsyncCachePutter's shutdown): put() registers its call here while
+/// it runs; cancel() cancels the call running now (TryCancel: it ends with CANCELLED) and every later one at once.
+class PutCancel {
+ public:
+  void cancel();
+ private:
+  friend class SegmentCacheClient;
+  std::mutex mu_;
+  grpc::ClientContext* ctx_ = nullptr;
+  bool cancelled_ = false;
+};
+
 class SegmentCacheClient {
  public:
   struct Options {
     int vnodes = 160;                                   ///< ring points per replica
-    std::chrono::milliseconds timeout{5000};            ///< per call, capped by the parent deadline
+    std::chrono::milliseconds timeout{5000};            ///< per call, capped by the parent deadline; calls that
+                                                        ///< move an entry get more (transfer_timeout, put_wait)
     size_t chunk_bytes = rpc::kChunkBytes;
+    /// The slowest transfer a call's deadline allows for its bytes, bytes per second: a put of B bytes, and a get
+    /// told to expect B, get timeout + B / transfer_rate (a 280 MB entry: + 2.8 s at the default 100 MB/s), so
+    /// that an entry at real model size is not cut by a deadline sized for a small call.
+    uint64_t transfer_rate = 100'000'000;
+    /// How long a put may wait at the cache for room to receive it, on top of that: the segment cache's
+    /// --max-put-wait-ms (default 30 s), so that a put the cache would still admit is not given up before.
+    std::chrono::milliseconds put_wait{30000};
   };
+
+  /// The deadline of a call that moves `bytes`: timeout + bytes / transfer_rate, in ms rounded up (a put adds
+  /// put_wait). Throws std::invalid_argument when transfer_rate is 0.
+  std::chrono::milliseconds transfer_timeout(uint64_t bytes) const;
 
   /// `replicas`: host:port of every replica (may be empty: a client with no cache, every lookup
   /// misses and get/put fail with UNAVAILABLE).
@@ -73,7 +99,10 @@ class SegmentCacheClient {
   /// counted (hypic:entry_mac_failures_total), deleted from the cache and refused with DATA_LOSS.
   /// nullopt when the replica says NOT_FOUND; throws rpc::RpcError with the replica's code otherwise
   /// (UNAVAILABLE, DATA_LOSS for an entry the cache found corrupt, DEADLINE_EXCEEDED...).
-  std::optional<std::string> get(const CacheKey& key, const grpc::ServerContextBase* parent = nullptr) const;
+  /// `expected_bytes` (0: unknown): the entry's expected size, so that the call's deadline allows its transfer
+  /// (transfer_timeout; still capped by the parent's deadline).
+  std::optional<std::string> get(const CacheKey& key, const grpc::ServerContextBase* parent = nullptr,
+                                 uint64_t expected_bytes = 0) const;
   /// get() without assembling the entry: `begin(total_bytes)` once the size is known, then `consume(chunk)` for each
   /// piece as it arrives (the caller parses it straight into its destination; a 230 MB entry is never held twice).
   /// The checksum and MAC cover the whole stream, so they are verified after the last consume: use what was parsed
@@ -81,16 +110,18 @@ class SegmentCacheClient {
   /// the read and propagates.
   bool get_stream(const CacheKey& key, const std::function<void(uint64_t)>& begin,
                   const std::function<void(std::string_view)>& consume,
-                  const grpc::ServerContextBase* parent = nullptr) const;
+                  const grpc::ServerContextBase* parent = nullptr, uint64_t expected_bytes = 0) const;
   /// Fetch without the token-id or MAC check (administration): returns the bytes and the stored ids; *mac (when
   /// given) receives the stored MAC (empty: none).
   std::optional<std::pair<std::string, std::vector<int32_t>>> get_unchecked(const rpc::Digest& digest,
                                                                             std::string* mac = nullptr) const;
 
-  /// Stores an entry (chunked), with its MAC when the process has entry keys. Throws rpc::RpcError on failure.
-  /// Returns true if it replaced one.
+  /// Stores an entry (chunked), with its MAC when the process has entry keys. Throws rpc::RpcError on failure
+  /// (RESOURCE_EXHAUSTED when the cache found no room within its wait, DEADLINE_EXCEEDED past timeout + put_wait +
+  /// bytes / transfer_rate, CANCELLED through `cancel`). Returns true if it replaced one.
   /// `mac` (administration: an entry moved as is) replaces the MAC this process would make.
-  bool put(const CacheKey& key, std::string_view bytes, const std::optional<std::string>& mac = std::nullopt) const;
+  bool put(const CacheKey& key, std::string_view bytes, const std::optional<std::string>& mac = std::nullopt,
+           PutCancel* cancel = nullptr) const;
   /// Removes an entry; false if the owner did not have it. Throws rpc::RpcError on failure.
   bool erase(const rpc::Digest& digest) const;
   /// Stats of one replica. Throws rpc::RpcError on failure.
@@ -101,11 +132,12 @@ class SegmentCacheClient {
   std::optional<std::pair<std::string, std::vector<int32_t>>> fetch(const rpc::Digest& digest,
                                                                      std::span<const int32_t> ids, bool check_ids,
                                                                      const grpc::ServerContextBase* parent,
-                                                                     std::string* mac_out = nullptr) const;
+                                                                     std::string* mac_out = nullptr,
+                                                                     uint64_t expected_bytes = 0) const;
   // One Get streamed to begin / consume, with the checksum (and, when check_ids and keys are configured, the MAC)
   // verified once it ended; returns the stored token ids, nullopt for NOT_FOUND.
   std::optional<std::vector<int32_t>> stream(const rpc::Digest& digest, std::span<const int32_t> ids, bool check_ids,
-                                             const grpc::ServerContextBase* parent,
+                                             const grpc::ServerContextBase* parent, uint64_t expected_bytes,
                                              const std::function<void(uint64_t)>& begin,
                                              const std::function<void(std::string_view)>& consume,
                                              std::string* mac_out) const;

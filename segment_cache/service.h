@@ -58,6 +58,11 @@ class SegmentCacheService final : public hypic::v1::SegmentCache::Service {
     std::lock_guard<std::mutex> lock(receive_mu_);
     return receiving_bytes_;
   }
+  /// Puts waiting for room now (past their header, not admitted yet), for tests and logs.
+  size_t waiting_puts() const {
+    std::lock_guard<std::mutex> lock(receive_mu_);
+    return waiting_.size();
+  }
 
   grpc::Status WatchEvents(grpc::ServerContext* ctx, const hypic::v1::WatchEventsRequest* req,
                            grpc::ServerWriter<hypic::v1::CacheEvent>* writer) override;

@@ -2,8 +2,10 @@
 // received, a put that would take the received bytes past the memory budget waits for room instead of being dropped;
 // it is refused (RESOURCE_EXHAUSTED, "retry later") once max_put_wait passes, or at once when the waiting puts' bytes
 // with its own would pass the budget; puts wait in arrival order; a waiting put whose caller gives up leaves no bytes
-// counted; a put whose sender stops sending is cancelled after put_idle (one that keeps sending is not). A real gRPC
-// server on loopback, a put held open half-sent by a raw stream.
+// counted; a put whose sender stops sending is cancelled after put_idle (one that keeps sending is not). The client's
+// side: a put's deadline allows the cache's wait for room and its bytes (SegmentCacheClient::Options put_wait,
+// transfer_rate), a put can be cancelled from another thread (PutCancel), and AsyncCachePutter's shutdown cancels its
+// put in flight. A real gRPC server on loopback, a put held open half-sent by a raw stream.
 #include <catch2/catch.hpp>
 
 #include <future>
@@ -13,6 +15,7 @@
 
 #include "proto/rpc/chunks.h"
 #include "proto/rpc/status.h"
+#include "segment_cache/async_put.h"
 #include "segment_cache/client.h"
 #include "segment_cache/service.h"
 
@@ -89,6 +92,12 @@ void wait_receiving(const cache::SegmentCacheService& s, uint64_t bytes) {
   REQUIRE(s.receiving_bytes() == bytes);
 }
 
+void wait_waiting(const cache::SegmentCacheService& s, size_t puts) {
+  const auto until = std::chrono::steady_clock::now() + 10s;
+  while (s.waiting_puts() != puts && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(5ms);
+  REQUIRE(s.waiting_puts() == puts);
+}
+
 void put_entry(const cache::SegmentCacheClient& client, uint8_t n, size_t size) {
   const std::string b(size, char(n));
   const std::vector<int32_t> ids{n};
@@ -154,7 +163,7 @@ TEST_CASE("put admission: a put that finds no room within max_put_wait is refuse
   CHECK(std::chrono::steady_clock::now() - t0 >= 400ms);
   CHECK(cache.store.stats().rejected_puts == 1);
 
-  cache::SegmentCacheClient hasty({cache.address()}, {.timeout = 150ms});
+  cache::SegmentCacheClient hasty({cache.address()}, {.timeout = 150ms, .put_wait = 0ms});
   put_refused(hasty, 4, kEntry, grpc::StatusCode::DEADLINE_EXCEEDED);
   CHECK(cache.service.receiving_bytes() == kEntry);
   // The server's deadline of that call is the client's plus the header's transit: let it pass before room frees, so
@@ -230,4 +239,95 @@ TEST_CASE("put admission: a caller that opens a put and never sends its header i
   CHECK(writer->Finish().error_code() == grpc::StatusCode::CANCELLED);
   CHECK(cache.service.receiving_bytes() == 0);
   CHECK(cache.store.stats().puts == 0);
+}
+
+TEST_CASE("cache client deadlines: timeout + bytes / transfer_rate, rounded up to the millisecond", "[put_admission]") {
+  cache::SegmentCacheClient c({}, {.timeout = 5000ms, .transfer_rate = 100'000'000});
+  CHECK(c.transfer_timeout(0) == 5000ms);
+  CHECK(c.transfer_timeout(1) == 5001ms);              // 0.00001 ms, rounded up
+  CHECK(c.transfer_timeout(280'000'000) == 7800ms);    // a 280 MB entry: 2.8 s at 100 MB/s
+  CHECK(c.transfer_timeout(280'000'001) == 7801ms);
+  // No overflow at the largest sizes: capped at 2^40 ms.
+  CHECK(c.transfer_timeout(UINT64_MAX) == 5000ms + std::chrono::milliseconds(int64_t(1) << 40));
+  cache::SegmentCacheClient zero({}, {.transfer_rate = 0});
+  CHECK_THROWS_AS(zero.transfer_timeout(1), std::invalid_argument);
+}
+
+TEST_CASE("put admission, client side: a put that waits at the cache longer than the client's base timeout is stored "
+          "(its deadline allows put_wait); without put_wait it gives up",
+          "[put_admission]") {
+  CacheServer cache(30s);
+  HeldPut first(cache.address(), 1, kEntry);
+  wait_receiving(cache.service, kEntry);
+  // Base timeout 200 ms: the wait for room below (about 700 ms) is longer; put_wait covers it.
+  cache::SegmentCacheClient client({cache.address()}, {.timeout = 200ms, .put_wait = 10s});
+  auto waiting = std::async(std::launch::async, [&] { put_entry(client, 2, kEntry); });
+  CHECK(waiting.wait_for(700ms) == std::future_status::timeout);  // still waiting for room, past 200 ms
+  REQUIRE(first.finish().ok());
+  REQUIRE(waiting.wait_for(10s) == std::future_status::ready);
+  waiting.get();  // throw if the put failed
+  wait_receiving(cache.service, 0);
+  CHECK(cache.store.stats().puts == 2);
+
+  // The same wait with put_wait 0: the client's deadline (200 ms + its bytes at 100 MB/s) passes first.
+  HeldPut third(cache.address(), 3, kEntry);
+  wait_receiving(cache.service, kEntry);
+  cache::SegmentCacheClient hasty({cache.address()}, {.timeout = 200ms, .put_wait = 0ms});
+  put_refused(hasty, 4, kEntry, grpc::StatusCode::DEADLINE_EXCEEDED);
+  REQUIRE(third.finish().ok());
+}
+
+TEST_CASE("put admission, client side: a put waiting for room is cancelled by PutCancel from another thread, one "
+          "cancelled before it starts ends at once, and AsyncCachePutter's shutdown cancels its put in flight",
+          "[put_admission]") {
+  CacheServer cache(30s);
+  HeldPut first(cache.address(), 1, kEntry);
+  wait_receiving(cache.service, kEntry);
+  cache::SegmentCacheClient client({cache.address()}, {.timeout = 20s});
+  const std::string bytes(kEntry, char(2));
+  const std::vector<int32_t> ids{2};
+  {
+    cache::PutCancel cancel;
+    auto waiting =
+        std::async(std::launch::async, [&] { client.put(cache::CacheKey{digest_of(2), ids}, bytes, {}, &cancel); });
+    wait_waiting(cache.service, 1);  // waiting for room
+    CHECK(waiting.wait_for(100ms) == std::future_status::timeout);
+    const auto t0 = std::chrono::steady_clock::now();
+    cancel.cancel();
+    REQUIRE(waiting.wait_for(5s) == std::future_status::ready);
+    CHECK(std::chrono::steady_clock::now() - t0 < 2s);
+    try {
+      waiting.get();
+      FAIL("the cancelled put succeeded");
+    } catch (const rpc::RpcError& e) {
+      CHECK(e.code() == grpc::StatusCode::CANCELLED);
+    }
+    // Cancelled before the call: it ends at once, CANCELLED.
+    try {
+      client.put(cache::CacheKey{digest_of(2), ids}, bytes, {}, &cancel);
+      FAIL("a put after cancel() succeeded");
+    } catch (const rpc::RpcError& e) {
+      CHECK(e.code() == grpc::StatusCode::CANCELLED);
+    }
+  }
+  wait_waiting(cache.service, 0);  // the server saw both cancels (none of them left waiting)
+  {
+    std::atomic<int> done_calls{0}, stored_calls{0};
+    auto putter = std::make_unique<cache::AsyncCachePutter>(client, uint64_t(64) << 20);
+    auto entry = std::make_shared<const std::string>(kEntry, char(5));
+    REQUIRE(putter->enqueue(digest_of(5), {5}, entry, "test", [&](bool ok) {
+      ++done_calls;
+      stored_calls += ok;
+    }));
+    wait_waiting(cache.service, 1);  // its put is in flight, waiting at the cache for room
+    const auto t0 = std::chrono::steady_clock::now();
+    putter.reset();  // (the client's deadline would be 20 s + 30 s of put_wait away)
+    CHECK(std::chrono::steady_clock::now() - t0 < 3s);
+    CHECK(done_calls == 1);
+    CHECK(stored_calls == 0);
+    wait_waiting(cache.service, 0);
+  }
+  REQUIRE(first.finish().ok());
+  wait_receiving(cache.service, 0);
+  CHECK(cache.store.stats().puts == 1);  // the held one alone
 }
