@@ -3,6 +3,7 @@
 #include <spdlog/spdlog.h>
 
 #include "proto/rpc/log_limit.h"
+#include "proto/rpc/status.h"
 
 namespace hypic::cache {
 
@@ -73,17 +74,25 @@ void AsyncCachePutter::run() {
     queue_.pop_front();
     busy_ = true;
     lock.unlock();
-    bool ok = false;
+    bool ok = false, shutdown = false;
     std::string error;
     try {
       client_.put(CacheKey{item.digest, item.ids}, *item.bytes, std::nullopt, &cancel_);
       ok = true;
+    } catch (const rpc::RpcError& e) {
+      error = e.what();
+      shutdown = e.code() == grpc::StatusCode::CANCELLED;
     } catch (const std::exception& e) {
       error = e.what();
     }
     lock.lock();
     queued_bytes_ -= item.bytes->size();
-    if (ok) {
+    shutdown = shutdown && stop_;  // cancelled by the destructor
+    if (shutdown) {
+      ++counters_.dropped;
+      spdlog::info("[req {}] shutting down: cache put of {} in flight cancelled (entry not cached)", item.request_id,
+                   rpc::digest_hex(item.digest));
+    } else if (ok) {
       ++counters_.stored;
       last_failed_ = false;
       spdlog::debug("[req {}] stored {} in the segment cache ({} bytes)", item.request_id, rpc::digest_hex(item.digest),

@@ -22,8 +22,8 @@ class AsyncCachePutter {
   /// `client` must outlive the putter. `max_queued_bytes` bounds the bytes waiting to be sent.
   AsyncCachePutter(const SegmentCacheClient& client, uint64_t max_queued_bytes);
   /// Cancels the put in flight (it may be waiting at the cache for room, for up to the client's put_wait) and waits
-  /// for its call to end; entries still queued are dropped (the cache is an optimisation, and a shutdown must not
-  /// wait on a slow or dead cache).
+  /// for its call to end (counted as dropped, logged at info, if it ended CANCELLED); entries still queued are
+  /// dropped (the cache is an optimisation, and a shutdown must not wait on a slow or dead cache).
   ~AsyncCachePutter();
   AsyncCachePutter(const AsyncCachePutter&) = delete;
   AsyncCachePutter& operator=(const AsyncCachePutter&) = delete;

@@ -18,6 +18,7 @@ namespace v1 = hypic::v1;
 
 SegmentCacheClient::SegmentCacheClient(std::vector<std::string> replicas, Options options)
     : replicas_(std::move(replicas)), opt_(options) {
+  if (opt_.transfer_rate == 0) throw std::invalid_argument("SegmentCacheClient: transfer_rate must be positive");
   if (replicas_.empty()) return;
   ring_.emplace(replicas_, opt_.vnodes);
   for (const auto& r : replicas_) stubs_.push_back(v1::SegmentCache::NewStub(rpc::make_channel(r)));
@@ -219,7 +220,6 @@ void PutCancel::cancel() {
 }
 
 std::chrono::milliseconds SegmentCacheClient::transfer_timeout(uint64_t bytes) const {
-  if (opt_.transfer_rate == 0) throw std::invalid_argument("SegmentCacheClient: transfer_rate must be positive");
   // bytes * 1000 / rate, rounded up, in 128 bits (no overflow for any 64-bit size and rate); capped at 2^40 ms
   const unsigned __int128 ms =
       (static_cast<unsigned __int128>(bytes) * 1000 + opt_.transfer_rate - 1) / opt_.transfer_rate;

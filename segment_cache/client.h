@@ -41,7 +41,8 @@ struct BatchLookup {
 };
 
 /// A put in flight that another thread may cancel (AsyncCachePutter's shutdown): put() registers its call here while
-/// it runs; cancel() cancels the call running now (TryCancel: it ends with CANCELLED) and every later one at once.
+/// it runs; cancel() cancels the call running now (gRPC's TryCancel: it ends with CANCELLED unless it had already
+/// finished) and every later one at once. One put at a time per PutCancel.
 class PutCancel {
  public:
   void cancel();
@@ -68,12 +69,13 @@ class SegmentCacheClient {
     std::chrono::milliseconds put_wait{30000};
   };
 
-  /// The deadline of a call that moves `bytes`: timeout + bytes / transfer_rate, in ms rounded up (a put adds
-  /// put_wait). Throws std::invalid_argument when transfer_rate is 0.
+  /// The deadline of a call that moves `bytes`: timeout + bytes / transfer_rate, in ms rounded up, at most 2^40 ms
+  /// more (a put adds put_wait). Per call: parallel transfers sharing a link each get their own allowance.
   std::chrono::milliseconds transfer_timeout(uint64_t bytes) const;
 
   /// `replicas`: host:port of every replica (may be empty: a client with no cache, every lookup
   /// misses and get/put fail with UNAVAILABLE).
+  /// Throws std::invalid_argument when options.transfer_rate is 0.
   explicit SegmentCacheClient(std::vector<std::string> replicas, Options options);
   explicit SegmentCacheClient(std::vector<std::string> replicas) : SegmentCacheClient(std::move(replicas), Options{}) {}
 

@@ -8,6 +8,7 @@
 // put in flight. A real gRPC server on loopback, a put held open half-sent by a raw stream.
 #include <catch2/catch.hpp>
 
+#include <atomic>
 #include <future>
 #include <thread>
 
@@ -249,12 +250,11 @@ TEST_CASE("cache client deadlines: timeout + bytes / transfer_rate, rounded up t
   CHECK(c.transfer_timeout(280'000'001) == 7801ms);
   // No overflow at the largest sizes: capped at 2^40 ms.
   CHECK(c.transfer_timeout(UINT64_MAX) == 5000ms + std::chrono::milliseconds(int64_t(1) << 40));
-  cache::SegmentCacheClient zero({}, {.transfer_rate = 0});
-  CHECK_THROWS_AS(zero.transfer_timeout(1), std::invalid_argument);
+  CHECK_THROWS_AS(cache::SegmentCacheClient({}, {.transfer_rate = 0}), std::invalid_argument);
 }
 
 TEST_CASE("put admission, client side: a put that waits at the cache longer than the client's base timeout is stored "
-          "(its deadline allows put_wait); without put_wait it gives up",
+          "(its deadline allows put_wait), and without put_wait it gives up",
           "[put_admission]") {
   CacheServer cache(30s);
   HeldPut first(cache.address(), 1, kEntry);
@@ -262,7 +262,8 @@ TEST_CASE("put admission, client side: a put that waits at the cache longer than
   // Base timeout 200 ms: the wait for room below (about 700 ms) is longer; put_wait covers it.
   cache::SegmentCacheClient client({cache.address()}, {.timeout = 200ms, .put_wait = 10s});
   auto waiting = std::async(std::launch::async, [&] { put_entry(client, 2, kEntry); });
-  CHECK(waiting.wait_for(700ms) == std::future_status::timeout);  // still waiting for room, past 200 ms
+  wait_waiting(cache.service, 1);                                 // waiting at the cache for room
+  CHECK(waiting.wait_for(700ms) == std::future_status::timeout);  // still waiting, past 200 ms
   REQUIRE(first.finish().ok());
   REQUIRE(waiting.wait_for(10s) == std::future_status::ready);
   waiting.get();  // throw if the put failed
@@ -303,12 +304,14 @@ TEST_CASE("put admission, client side: a put waiting for room is cancelled by Pu
       CHECK(e.code() == grpc::StatusCode::CANCELLED);
     }
     // Cancelled before the call: it ends at once, CANCELLED.
+    const auto t1 = std::chrono::steady_clock::now();
     try {
       client.put(cache::CacheKey{digest_of(2), ids}, bytes, {}, &cancel);
       FAIL("a put after cancel() succeeded");
     } catch (const rpc::RpcError& e) {
       CHECK(e.code() == grpc::StatusCode::CANCELLED);
     }
+    CHECK(std::chrono::steady_clock::now() - t1 < 2s);
   }
   wait_waiting(cache.service, 0);  // the server saw both cancels (none of them left waiting)
   {
