@@ -95,10 +95,7 @@ def bench_attention(torch, F, cfg, T, layers, warmup, reps):
             label = name + ("_gqa" if gqa else "_expanded_kv")
             try:
                 with sdpa_kernel([backend]):
-                    if gqa:
-                        fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-                    else:
-                        fn = lambda: F.scaled_dot_product_attention(q, ke, ve, is_causal=True)
+                    fn = fn_for(label, F, q, k, v, ke, ve)
                     med, mn, _ = timed_layers(torch, fn, layers, warmup, reps, single=False)
                 cands[label] = {"ms": med, "min_ms": mn}
                 break  # GQA ran: the expanded variant is not needed
