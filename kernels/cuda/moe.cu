@@ -881,14 +881,17 @@ bool wgmma_runs(GroupedGemm impl, const MoeWeightsView& w, size_t P) {
 #endif
 }
 
-// The wgmma variant of a call with P routed rows: HYPIC_MOE_WGMMA's (wgmma_env_mode; 0 runs variant 1 for OwnWgmma),
-// and with the candidate HYPIC_MOE_PERSISTENT_LONG variant 1 at 128-row tiles from kWgmmaPersistentRowsPerExpert
-// rows per expert becomes 3 (the persistent blocks; same tiles, same bits).
+// The wgmma variant of a call with P routed rows: HYPIC_MOE_WGMMA's (wgmma_env_mode; 0 runs variant 1 for OwnWgmma);
+// variant 1 at 128-row tiles becomes 6 (the warp-specialised blocks) under the candidate HYPIC_MOE_WARP_SPECIALIZED,
+// else 3 (the persistent blocks) under the candidate HYPIC_MOE_PERSISTENT_LONG from kWgmmaPersistentRowsPerExpert
+// rows per expert. Same tiles, same bits.
 int wgmma_variant(const MoeWeightsView& w, size_t P, int bm) {
   static CandidateSwitch persistent_long("HYPIC_MOE_PERSISTENT_LONG");
+  static CandidateSwitch warp_specialized("HYPIC_MOE_WARP_SPECIALIZED");
   const int mode = wgmma_env_mode() == 0 ? 1 : wgmma_env_mode();
-  if (mode == 1 && bm == kWgmmaBM && P >= size_t(kWgmmaPersistentRowsPerExpert) * size_t(w.E) && persistent_long.on())
-    return 3;
+  if (mode != 1 || bm != kWgmmaBM) return mode;
+  if (warp_specialized.on()) return 6;
+  if (P >= size_t(kWgmmaPersistentRowsPerExpert) * size_t(w.E) && persistent_long.on()) return 3;
   return mode;
 }
 
@@ -1107,7 +1110,7 @@ void MoeWorkspace::reserve(int max_tokens, const MoeWeightsView& w) {
                  tail_tiles_at(P, w.E) + std::min(P, size_t(w.E))}) *
            sizeof(int2),
        "tiles");
-  grow(num_tiles, 2 * sizeof(int), "num_tiles");
+  grow(num_tiles, 4 * sizeof(int), "num_tiles");  // + the warp-specialised GEMMs' tile counters (moe_wgmma.cu)
   grow(sorted_tok, P * sizeof(int), "sorted_tok");
   grow(pos_of, P * sizeof(int), "pos_of");
   grow(act, P * size_t(w.I) * sizeof(bf16), "act");
@@ -1143,6 +1146,14 @@ bool moe_wgmma_available() {
 uint64_t moe_persistent_launches() {
 #if HYPIC_MOE_WGMMA_BUILT
   return moe_detail::persistent_launches();
+#else
+  return 0;
+#endif
+}
+
+uint64_t moe_warp_specialized_launches() {
+#if HYPIC_MOE_WGMMA_BUILT
+  return moe_detail::ws_launches();
 #else
   return 0;
 #endif

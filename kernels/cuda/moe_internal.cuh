@@ -114,11 +114,15 @@ bool wgmma_device();
 // OwnWgmma with fewer than kWgmmaSmallRowsPerExpert rows per expert 64 x 256 tiles (wgmma_bm); 2 = the down GEMM on
 // 128 x 128 tiles (2 blocks per SM); 3 = persistent blocks (one per SM) walking the tiles with the copies running
 // ahead across tile boundaries; 4 = 3 with the down GEMM on persistent 128 x 128 tiles (2 per SM); 5 = 1 without the
-// 64-row tiles.
+// 64-row tiles; 6 = persistent warp-specialised blocks (one per SM: a copying warpgroup and two wgmma warpgroups
+// synchronised by mbarriers, moe_wgmma_ws_kernel).
 int wgmma_env_mode();
 
 // Launches of moe_wgmma_persistent_kernel issued in this process (moe_persistent_launches). Host only.
 uint64_t persistent_launches();
+
+// Launches of moe_wgmma_ws_kernel issued in this process (moe_warp_specialized_launches). Host only.
+uint64_t ws_launches();
 
 // The m-tile rows (the routing schedule's bm) of OwnWgmma's kernels for P routed rows over E experts under
 // `variant` (wgmma_env_mode): 64 for variant 1 below kWgmmaSmallRowsPerExpert rows per expert on average (a
@@ -134,7 +138,7 @@ bool wgmma_supported(const MoeWeightsView& w, size_t P);
 // Both prefill GEMMs of moe_forward on wgmma over the bm-row schedule already in ws (tiles, num_tiles, offsets,
 // sorted_tok; bm 64 or kWgmmaBM): gate_up + SwiGLU -> ws.act [P][I] bf16, then down -> ws.y [P][H] bf16; same
 // buffers, roundings and masking as launch_grouped's mma.sync kernels (a row's result does not depend on bm: the
-// k order of its products is the same). variant: 1 .. 5 as wgmma_env_mode (bm 64 runs the 64 x 256 tiles whatever
+// k order of its products is the same). variant: 1 .. 6 as wgmma_env_mode (bm 64 runs the 64 x 256 tiles whatever
 // the variant). tail64 (bm = kWgmmaBM only): the schedule also has the tail list (offsets_kernel tail_at: experts'
 // last tiles of 1 .. 64 rows at tiles + tail_tiles_at(P, E), their count in num_tiles[1]), run by the 64 x 256
 // kernels after each GEMM's 128-row tiles. Throws std::invalid_argument when the grid does not fit (see wgmma_supported) or on a bad bm,

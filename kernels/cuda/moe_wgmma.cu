@@ -45,8 +45,10 @@
 //
 // Built for sm_90a only (kernels/cuda/CMakeLists.txt, HYPIC_MOE_WGMMA_BUILT); moe.cu calls it on compute
 // capability 9.0 devices.
+#include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
+#include <cudaTypedefs.h>
 
 #include <algorithm>
 #include <atomic>
@@ -241,6 +243,18 @@ __device__ __forceinline__ void mma_kstep(float (&acc)[C::NF][4], uint64_t da, u
   wgmma_commit();
 }
 
+// The packed bf16 pair that fragment f's row half h (accumulator elements 2 h, 2 h + 1) stores: gate_up act =
+// bf16(silu(bf16(g)) * bf16(u)) with u in fragment f + NF / 2; down y = bf16(acc).
+template <class C, bool GATE_UP>
+__device__ __forceinline__ uint32_t out_pair(const float (&acc)[C::NF][4], int f, int h) {
+  if (GATE_UP) {
+    const float g0 = round_bf16(acc[f][2 * h]), g1 = round_bf16(acc[f][2 * h + 1]);
+    const float u0 = round_bf16(acc[f + C::NF / 2][2 * h]), u1 = round_bf16(acc[f + C::NF / 2][2 * h + 1]);
+    return pack_bf16(silu_f(g0) * u0, silu_f(g1) * u1);
+  }
+  return pack_bf16(acc[f][2 * h], acc[f][2 * h + 1]);
+}
+
 // Epilogue of warpgroup wg: fragment f of warp w (of the warpgroup), lane (g, q) holds rows 16 w + g
 // (acc[f][0..1]) and + 8 (acc[f][2..3]), columns col0 + 8 f + 2 q, + 1 (the m16n8 accumulator layout per n8 block;
 // col0 the warpgroup's first column on 64-row tiles, else 0).
@@ -269,14 +283,7 @@ __device__ __forceinline__ void store_tile(const GroupedArgs& a, const TileInfo&
         uint32_t w[4];
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          const int f = 4 * k + j;
-          if (GATE_UP) {
-            const float g0 = round_bf16(acc[f][2 * h]), g1 = round_bf16(acc[f][2 * h + 1]);
-            const float u0 = round_bf16(acc[f + C::NF / 2][2 * h]), u1 = round_bf16(acc[f + C::NF / 2][2 * h + 1]);
-            w[j] = pack_bf16(silu_f(g0) * u0, silu_f(g1) * u1);
-          } else {
-            w[j] = pack_bf16(acc[f][2 * h], acc[f][2 * h + 1]);
-          }
+          w[j] = out_pair<C, GATE_UP>(acc, 4 * k + j, h);
         }
         *reinterpret_cast<uint4*>(orow + n) = make_uint4(w[0], w[1], w[2], w[3]);
       }
@@ -296,6 +303,45 @@ __device__ __forceinline__ void store_tile(const GroupedArgs& a, const TileInfo&
         if (n >= N) continue;
         *reinterpret_cast<uint32_t*>(orow + n) = pack_bf16(acc[f][2 * h], acc[f][2 * h + 1]);
       }
+    }
+  }
+}
+
+// store_tile of a 128-row tile loaded without the vector epilogue's row permutation (the warp-specialised kernel's TMA
+// boxes), with its 16-byte stores: lane q of a quad holds the pairs of columns 32 k + 8 j + 2 q (fragment 4 k + j)
+// and needs those of columns 32 k + 8 q + 2 j' (lane j''s fragment 4 k + q), a 4 x 4 transpose of packed pairs
+// across the quad (three shuffles per 4 fragments and row). Same values as store_tile; N % 8 == 0 and out 16-byte
+// aligned (use_vec_epilogue). Every lane runs the shuffles; only the stores are masked.
+template <class C, bool GATE_UP>
+__device__ __forceinline__ void store_tile_quad(const GroupedArgs& a, const TileInfo& t, const float (&acc)[C::NF][4],
+                                                int tid) {
+  static_assert(C::BM == 128, "128-row tiles");
+  const int N = a.N;
+  const int lane = tid & 31, q = lane & 3;
+  const int row0 = t.m0 + (tid >> 7) * 64 + ((tid >> 5) & 3) * 16 + (lane >> 2);
+  constexpr int groups = (GATE_UP ? C::NF / 2 : C::NF) / 4;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int m = row0 + h * 8;
+#pragma unroll
+    for (int k = 0; k < groups; ++k) {
+      uint32_t v[4], o[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        v[j] = out_pair<C, GATE_UP>(acc, 4 * k + j, h);
+      }
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {  // round s: send my fragment q ^ s to lane q ^ s, which sends me its q ^ s
+        const int j = q ^ s;
+        const uint32_t send = j == 0 ? v[0] : j == 1 ? v[1] : j == 2 ? v[2] : v[3];
+        const uint32_t got = s ? __shfl_xor_sync(0xffffffffu, send, s) : send;
+#pragma unroll
+        for (int jj = 0; jj < 4; ++jj)
+          if (jj == j) o[jj] = got;
+      }
+      const int n = t.n0 + 32 * k + 8 * q;
+      if (m < t.cnt && n < N)
+        *reinterpret_cast<uint4*>(a.out + size_t(t.seg + m) * N + n) = make_uint4(o[0], o[1], o[2], o[3]);
     }
   }
 }
@@ -471,15 +517,228 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) moe_wgmma_persistent_kern
 #endif
 }
 
+// Warp-specialised persistent variant (variant 6: HYPIC_MOE_WGMMA=6, or variant 1's 128-row tiles under the candidate
+// HYPIC_MOE_WARP_SPECIALIZED, moe.cu wgmma_variant), in the manner of FlashAttention-3's producer / consumer
+// warpgroups (section 3.1): 3 warpgroups per block, at most one block per SM, each taking the launch's tiles (m-tile
+// * n_tiles + n-tile, as moe_wgmma_kernel's blocks) in order from a counter in device memory whenever its loader is
+// ready for one, so the tiles in flight stay a narrow window (an expert's tiles run close together and share its
+// weights in L2; a static b, b + G, .. walk let the blocks drift apart and read the weights from DRAM again).
+// Warpgroup 0 only loads, into a ring of STAGES slots: each k-step's A rows (gathered token rows for gate_up:
+// cp.async, thread (u = tid % 8, r0 = tid / 8) copying unit u of rows r0 + 16 i, each thread's arrival made when its
+// copies land: cp.async.mbarrier.arrive.noinc) and its B rows, the expert's weight rows, as TMA boxes of the 3-D
+// tensor map [E][rows][K] (`bmap`, 64 x BOX_ROWS x 1 boxes, 128-byte swizzled, which is the wgmma operand layout
+// here; thread 0 arms the slot's `full` mbarrier with the boxes' bytes, 129 arrivals per phase), and refills a slot
+// once both consumer warpgroups released it (`empty`: 256 arrivals). Thread 0 takes each tile and writes its
+// (m0, seg, cnt, n0) to a shared ring that the consumers read once the tile's first slot is full (the arrival
+// releases it); past the last tile it writes an end mark and completes the next slot's phase without data. gate_up's
+// B rows are two boxes of BN/2 rows, the gate rows n0 .. and the up rows N + n0 .. (moe_wgmma_kernel's row order
+// without the vector epilogue's permutation); down's one box of BN rows. Rows past N and past K read as zeros or as
+// rows of other columns that are never stored. Warpgroups 1 and 2 are moe_wgmma_kernel's two warpgroups (rows
+// 64 w .. 64 w + 63, w = warpgroup - 1): per k-step they wait for its slot, issue its 4 wgmmas, wait until the
+// previous k-step's are done and release that slot; after a tile's last k-step they drain and store (VEC: 16-byte
+// stores after a transpose across each quad, store_tile_quad; else the m16n8 pairs). No block-wide barrier in the
+// loop: the loads run up to STAGES k-steps ahead, across tiles and while the consumers store. Same tiles, products
+// and k order as moe_wgmma_kernel: the same bits. tile_counter: zero before the launch (launch_ws).
+template <class C, bool GATE_UP>
+struct WsLayout {
+  static constexpr int THREADS = 384;
+  static constexpr int ROWS_PER_PASS = 16;  // 128 copying threads, 8 16-byte units per 128-byte row
+  static constexpr int A_IT = C::BM / ROWS_PER_PASS;
+  static constexpr int BOX_ROWS = GATE_UP ? C::BN / 2 : C::BN;  // TMA box rows (at most 256)
+  // Tile ring entries: the loader runs at most STAGES k-steps (so STAGES + 1 tiles with the end mark) ahead.
+  static constexpr int RING = 8;
+  static_assert(RING > C::STAGES + 1, "tile ring");
+  static constexpr int BAR_OFFSET = C::STAGES * C::STAGE_BYTES;  // from the 1024-byte aligned base: full[S], empty[S]
+  static constexpr int SMEM = BAR_OFFSET + 2 * C::STAGES * 8 + 1024;
+  // No register reallocation (setmaxnreg): the consumers fit the 168 registers per thread of 384-thread blocks.
+  static_assert(C::BM == 128 && C::WG_N == C::BN && BOX_ROWS <= 256, "the warp-specialised variant's tiles");
+  static_assert(SMEM <= 227 * 1024, "shared memory per block");
+};
+
+template <class C, bool GATE_UP, bool VEC>
+__global__ void __launch_bounds__(WsLayout<C, GATE_UP>::THREADS, 1)
+    moe_wgmma_ws_kernel(const GroupedArgs a, int n_tiles, int* tile_counter,
+                        const __grid_constant__ CUtensorMap bmap) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using L = WsLayout<C, GATE_UP>;
+  constexpr int S = C::STAGES;
+  __shared__ int4 ring[L::RING];  // the tiles the loader took, in order: (m0, seg, cnt, n0); cnt < 0: no more
+  __shared__ int ring_e[L::RING];
+  const int total = *a.num_tiles * n_tiles;
+  const int K = a.K, KT = (K + C::BK - 1) / C::BK;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const uint32_t pad = ((smem_addr(smem_raw) + 1023u) & ~1023u) - smem_addr(smem_raw);
+  const uint32_t s_base = smem_addr(smem_raw) + pad;  // slot s: A at s * STAGE_BYTES, then B
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem_raw + pad + L::BAR_OFFSET);
+  uint64_t* empty = full + S;
+  const int tid = threadIdx.x, wg = tid >> 7;
+  if (tid == 0) {
+    for (int s = 0; s < S; ++s) {
+      mbar_init(full + s, 128 + 1);
+      mbar_init(empty + s, 256);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (wg == 0) {  // loader: k-step `it` of the block's stream into slot it % S
+    const int u = tid & 7, r0 = tid >> 3;
+    const uint32_t dst0 = s_base + uint32_t(r0 * 128 + ((u ^ (r0 & 7)) << 4));  // r % 8 == r0 % 8 for every row
+    int it = 0;
+#pragma unroll 1
+    for (int seq = 0;; ++seq) {
+      const int ri = seq % L::RING;
+      if (tid == 0) {  // the next tile of the launch (taken in order by whichever block is ready first)
+        const int tt = atomicAdd(tile_counter, 1);
+        int4 e = make_int4(0, 0, -1, 0);
+        int ex = 0;
+        if (tt < total) {
+          const TileInfo t = tile_info<C, GATE_UP>(a, tt / n_tiles, tt % n_tiles);
+          e = make_int4(t.m0, t.seg, t.cnt, t.n0);
+          ex = t.e;
+        }
+        ring[ri] = e;
+        ring_e[ri] = ex;
+      }
+      named_sync(1, 128);
+      const int4 e = ring[ri];
+      const int s_first = it % S;
+      if (e.z < 0) {  // no more tiles: complete the next phase of the next slot with no data (the consumers exit)
+        if (it >= S) mbar_wait(empty + s_first, uint32_t((it / S - 1) & 1));
+        mbar_arrive(full + s_first);
+        if (tid == 0) mbar_arrive(full + s_first);
+        break;
+      }
+      const TileInfo t{ring_e[ri], e.x, e.y, e.z, e.w};
+      int rows[L::A_IT];
+#pragma unroll
+      for (int i = 0; i < L::A_IT; ++i) {
+        const int m = t.m0 + r0 + i * L::ROWS_PER_PASS;
+        rows[i] = m < t.cnt ? (GATE_UP ? a.a_rows[t.seg + m] : t.seg + m) : -1;
+      }
+#pragma unroll 1
+      for (int kt = 0; kt < KT; ++kt, ++it) {
+        const int s = it % S;
+        if (it >= S) mbar_wait(empty + s, uint32_t((it / S - 1) & 1));  // both consumers done with k-step it - S
+        const int k0 = kt * C::BK;
+        if (tid == 0) {  // (its arrival releases the ring entry written above to the consumers)
+          const uint32_t sb = s_base + uint32_t(s * C::STAGE_BYTES + C::A_BYTES);
+          mbar_arrive_expect_tx(full + s, uint32_t(C::B_BYTES));
+          tma_load_3d(sb, &bmap, full + s, k0, t.n0, t.e);
+          if (GATE_UP) tma_load_3d(sb + L::BOX_ROWS * 128, &bmap, full + s, k0, a.N + t.n0, t.e);
+        }
+        const uint32_t bytes = k0 + u * 8 < K ? 16u : 0u;  // K is a multiple of 8; past K: zeros
+        const int ko = (bytes ? k0 : 0) + u * 8;
+        const uint32_t st = dst0 + uint32_t(s * C::STAGE_BYTES);
+#pragma unroll
+        for (int i = 0; i < L::A_IT; ++i)
+          if (rows[i] >= 0)
+            cp_async16_zfill(st + uint32_t(i * L::ROWS_PER_PASS * 128), a.A + size_t(rows[i]) * K + ko, bytes);
+        cp_async_mbar_arrive(full + s);
+      }
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    return;
+  }
+
+  const int ct = tid - 128, cw = wg - 1;  // consumer thread 0 .. 255, its warpgroup's row half
+  const uint64_t da0 = sw128_desc(s_base + uint32_t(cw * 64 * 128), 16, 1024);
+  const uint64_t db0 = sw128_desc(s_base + uint32_t(C::A_BYTES), 16, 1024);
+  float acc[C::NF][4];
+#pragma unroll
+  for (int f = 0; f < C::NF; ++f) acc[f][0] = acc[f][1] = acc[f][2] = acc[f][3] = 0.f;
+  int it = 0;
+#pragma unroll 1
+  for (int seq = 0;; ++seq) {
+    mbar_wait(full + it % S, uint32_t((it / S) & 1));  // the tile's first k-step, or the end
+    const int4 e = ring[seq % L::RING];
+    if (e.z < 0) break;
+    const TileInfo t{0, e.x, e.y, e.z, e.w};
+    const bool active = t.m0 + cw * 64 < t.cnt;  // warpgroup-uniform: rows all past the count issue no wgmma
+#pragma unroll 1
+    for (int kt = 0; kt < KT; ++kt, ++it) {
+      const int s = it % S;
+      if (kt > 0) mbar_wait(full + s, uint32_t((it / S) & 1));
+      fence_proxy_async();  // A was written by cp.async (generic proxy), wgmma reads it (async proxy)
+      if (active) {
+        const uint64_t so = uint64_t((s * C::STAGE_BYTES) >> 4);
+        mma_kstep<C>(acc, da0 + so, db0 + so, kt != 0);
+      }
+      wgmma_wait<1>();  // k-step it - 1 done: its slot is free
+      pin<C::NF>(acc);
+      if (kt > 0) mbar_arrive(empty + (it - 1) % S);
+    }
+    wgmma_wait<0>();
+    pin<C::NF>(acc);
+    mbar_arrive(empty + (it - 1) % S);
+    if (active) {
+      if (VEC)
+        store_tile_quad<C, GATE_UP>(a, t, acc, ct);
+      else
+        store_tile<C, GATE_UP, false>(a, t, acc, ct);
+    }
+  }
+#else
+  (void)a;
+  (void)n_tiles;
+  (void)tile_counter;
+  (void)bmap;
+  __trap();  // built for sm_90a only; moe.cu checks the device (wgmma_device)
+#endif
+}
+
+// cuTensorMapEncodeTiled from the driver (through the runtime: no link against libcuda). Throws std::runtime_error.
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    check_cuda(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q),
+               "cudaGetDriverEntryPointByVersion(cuTensorMapEncodeTiled)");
+    if (q != cudaDriverEntryPointSuccess || !p)
+      throw std::runtime_error("moe_forward: the driver has no cuTensorMapEncodeTiled");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  }();
+  return fn;
+}
+
+// Whether g's weights can be a TMA tensor map: 16-byte aligned base and strides (K and the expert stride multiples
+// of 8 elements), at least one row and expert (the encoder checks the rest and launch_ws falls back if it refuses).
+bool weights_tma_ok(const GroupedArgs& g, int E, int rows) {
+  return reinterpret_cast<uintptr_t>(g.B) % 16 == 0 && g.K % 8 == 0 && g.b_expert_stride % 8 == 0 &&
+         size_t(rows) * size_t(g.K) <= g.b_expert_stride && rows > 0 && E > 0;
+}
+
+// The 3-D tensor map of g's weights [E][rows][K] bf16 (row stride K, expert stride b_expert_stride elements) in boxes
+// of 64 x box_rows x 1, 128-byte swizzled, zeros outside. Throws std::runtime_error when the driver refuses it.
+CUtensorMap weights_tensor_map(const GroupedArgs& g, int E, int rows, int box_rows) {
+  CUtensorMap m;
+  const cuuint64_t dims[3] = {cuuint64_t(g.K), cuuint64_t(rows), cuuint64_t(E)};
+  const cuuint64_t strides[2] = {cuuint64_t(g.K) * 2, cuuint64_t(g.b_expert_stride) * 2};  // bytes, dims 1 and 2
+  const cuuint32_t box[3] = {64, cuuint32_t(box_rows), 1};
+  const cuuint32_t elem_strides[3] = {1, 1, 1};
+  const CUresult r = tensor_map_encoder()(&m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<bf16*>(g.B), dims,
+                                          strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                          CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                          CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    throw std::runtime_error("moe_forward: cuTensorMapEncodeTiled failed (" + std::to_string(int(r)) + ")");
+  return m;
+}
+
 template <class C, bool GATE_UP, bool VEC>
 void set_smem_one(const char* what) {
   check_cuda(cudaFuncSetAttribute(moe_wgmma_kernel<C, GATE_UP, VEC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   C::SMEM),
              std::string("cudaFuncSetAttribute(moe_wgmma_kernel ") + what + ")");
-  if constexpr (C::BM == 128)
+  if constexpr (C::BM == 128) {
     check_cuda(cudaFuncSetAttribute(moe_wgmma_persistent_kernel<C, GATE_UP, VEC>,
                                     cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM),
                std::string("cudaFuncSetAttribute(moe_wgmma_persistent_kernel ") + what + ")");
+    if constexpr (C::BN == 256)
+      check_cuda(cudaFuncSetAttribute(moe_wgmma_ws_kernel<C, GATE_UP, VEC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      WsLayout<C, GATE_UP>::SMEM),
+                 std::string("cudaFuncSetAttribute(moe_wgmma_ws_kernel ") + what + ")");
+  }
 }
 template <class C, bool GATE_UP>
 void set_smem(const char* what) {
@@ -500,18 +759,23 @@ int setup_device(int dev) {
 }
 
 std::atomic<uint64_t> g_persistent_launches{0};  // (moe_persistent_launches)
+std::atomic<uint64_t> g_ws_launches{0};          // (moe_warp_specialized_launches)
 
-// grid_m m-tiles (an upper bound) x the n-tiles covering g.N; persistent: at most MINB blocks per SM.
+// How a GEMM's 128-row tiles are walked: one block per tile, persistent blocks (variants 3 / 4), or persistent
+// warp-specialised blocks (variant 6).
+enum class Sched { kPerTile, kPersistent, kWarpSpecialized };
+
+// grid_m m-tiles (an upper bound) x the n-tiles covering g.N; persistent schedules: at most MINB blocks per SM
+// (warp-specialised: one).
 template <class C, bool GATE_UP, bool VEC>
-void launch_tiles(const GroupedArgs& g, size_t grid_m, bool persistent, int sms, cudaStream_t stream,
-                  const char* what) {
+void launch_tiles(const GroupedArgs& g, size_t grid_m, Sched sched, int sms, cudaStream_t stream, const char* what) {
   constexpr int cols = GATE_UP ? C::BN / 2 : C::BN;
   const int n_tiles = (g.N + cols - 1) / cols;
   const size_t blocks = grid_m * size_t(n_tiles);
   if (blocks > size_t(INT_MAX))
     throw std::invalid_argument(std::string(what) + ": " + std::to_string(blocks) + " tiles do not fit a grid");
   if constexpr (C::BM == 128) {
-    if (persistent) {
+    if (sched == Sched::kPersistent) {
       const unsigned grid = unsigned(std::min(blocks, size_t(sms) * C::MINB));
       moe_wgmma_persistent_kernel<C, GATE_UP, VEC><<<grid, C::THREADS, C::SMEM, stream>>>(g, n_tiles);
       check_cuda(cudaGetLastError(), what);
@@ -519,20 +783,51 @@ void launch_tiles(const GroupedArgs& g, size_t grid_m, bool persistent, int sms,
       return;
     }
   }
-  {
-    moe_wgmma_kernel<C, GATE_UP, VEC><<<unsigned(blocks), C::THREADS, C::SMEM, stream>>>(g, n_tiles);
-  }
+  if (sched != Sched::kPerTile) throw std::logic_error(std::string(what) + ": no such schedule for this tile shape");
+  moe_wgmma_kernel<C, GATE_UP, VEC><<<unsigned(blocks), C::THREADS, C::SMEM, stream>>>(g, n_tiles);
   check_cuda(cudaGetLastError(), what);
 }
 
+// The warp-specialised kernel over grid_m m-tiles (an upper bound) of expert weights with `rows` rows each (gate_up
+// 2N, down N): one block per SM at most. False (nothing launched) where the weights cannot be a TMA tensor map.
+template <class C, bool GATE_UP>
+bool launch_ws(const GroupedArgs& g, int E, int rows, size_t grid_m, bool vec, int* tile_counter, int sms,
+               cudaStream_t stream, const char* what) {
+  using L = WsLayout<C, GATE_UP>;
+  if (!weights_tma_ok(g, E, rows)) return false;
+  constexpr int cols = GATE_UP ? C::BN / 2 : C::BN;
+  const int n_tiles = (g.N + cols - 1) / cols;
+  const size_t blocks = grid_m * size_t(n_tiles);
+  if (blocks > size_t(INT_MAX))
+    throw std::invalid_argument(std::string(what) + ": " + std::to_string(blocks) + " tiles do not fit a grid");
+  CUtensorMap map;
+  try {
+    map = weights_tensor_map(g, E, rows, L::BOX_ROWS);
+  } catch (const std::runtime_error&) {
+    return false;  // a driver without the encoder, or one that refuses the map: one block per tile instead
+  }
+  check_cuda(cudaMemsetAsync(tile_counter, 0, sizeof(int), stream), std::string(what) + " (tile counter)");
+  const unsigned grid = unsigned(std::min(blocks, size_t(sms)));
+  if (vec)
+    moe_wgmma_ws_kernel<C, GATE_UP, true><<<grid, L::THREADS, L::SMEM, stream>>>(g, n_tiles, tile_counter, map);
+  else
+    moe_wgmma_ws_kernel<C, GATE_UP, false><<<grid, L::THREADS, L::SMEM, stream>>>(g, n_tiles, tile_counter, map);
+  check_cuda(cudaGetLastError(), what);
+  g_ws_launches.fetch_add(1, std::memory_order_relaxed);
+  return true;
+}
+
+// The warp-specialised kernels' tile counters (gemm 0: gate_up, 1: down): ints 2 and 3 of ws.num_tiles.
+int* ws_counter(MoeWorkspace& ws, int gemm) { return static_cast<int*>(ws.num_tiles.p) + 2 + gemm; }
+
 // launch_tiles with the vector epilogue (vec) or the m16n8 pairs.
 template <class C, bool GATE_UP>
-void launch_one(const GroupedArgs& g, size_t grid_m, bool persistent, bool vec, int sms, cudaStream_t stream,
+void launch_one(const GroupedArgs& g, size_t grid_m, Sched sched, bool vec, int sms, cudaStream_t stream,
                 const char* what) {
   if (vec)
-    launch_tiles<C, GATE_UP, true>(g, grid_m, persistent, sms, stream, what);
+    launch_tiles<C, GATE_UP, true>(g, grid_m, sched, sms, stream, what);
   else
-    launch_tiles<C, GATE_UP, false>(g, grid_m, persistent, sms, stream, what);
+    launch_tiles<C, GATE_UP, false>(g, grid_m, sched, sms, stream, what);
 }
 
 // The vector epilogue (vec_col_of_row) where HYPIC_MOE_EPILOGUE_VEC (a candidate, switches.h) is on and both outputs
@@ -548,6 +843,8 @@ bool wgmma_device() { return current_device_is_sm90(); }
 
 uint64_t persistent_launches() { return g_persistent_launches.load(std::memory_order_relaxed); }
 
+uint64_t ws_launches() { return g_ws_launches.load(std::memory_order_relaxed); }
+
 bool wgmma_supported(const MoeWeightsView& w, size_t P) {
   if (w.H % 8 || w.I % 8 || w.H % 2 || w.I % 2) return false;
   const size_t grid_m = max_tiles(P, w.E, 64);  // (the 64-row schedule's bound covers the 128-row one)
@@ -561,7 +858,7 @@ int wgmma_env_mode() {
     const char* v = std::getenv("HYPIC_MOE_WGMMA");
     if (!v) return 1;
     const std::string s(v);
-    return s == "0" ? 0 : s == "2" ? 2 : s == "3" ? 3 : s == "4" ? 4 : s == "5" ? 5 : 1;
+    return s == "0" ? 0 : s == "2" ? 2 : s == "3" ? 3 : s == "4" ? 4 : s == "5" ? 5 : s == "6" ? 6 : 1;
   }();
   return mode;
 }
@@ -579,13 +876,16 @@ void launch_wgmma(const MoeWeightsView& w, size_t P, const bf16* x, MoeWorkspace
   const bool vec = use_vec_epilogue(ws);
   if (bm == 64) {
     const size_t grid_m = max_tiles(P, w.E, 64);
-    launch_one<GateUpSmallCfg, true>(gate_up_args(w, x, ws), grid_m, false, vec, sms, stream,
+    launch_one<GateUpSmallCfg, true>(gate_up_args(w, x, ws), grid_m, Sched::kPerTile, vec, sms, stream,
                                      "moe_forward: wgmma gate_up GEMM launch (64-row tiles)");
-    launch_one<DownSmallCfg, false>(down_args(w, ws), grid_m, false, vec, sms, stream,
+    launch_one<DownSmallCfg, false>(down_args(w, ws), grid_m, Sched::kPerTile, vec, sms, stream,
                                     "moe_forward: wgmma down GEMM launch (64-row tiles)");
     return;
   }
-  const bool persistent = variant == 3 || variant == 4, down_128 = variant == 2 || variant == 4;
+  const Sched sched = variant == 3 || variant == 4 ? Sched::kPersistent
+                      : variant == 6                ? Sched::kWarpSpecialized
+                                                    : Sched::kPerTile;
+  const bool down_128 = variant == 2 || variant == 4;
   const size_t grid_m = max_tiles(P, w.E, kWgmmaBM);
   const GroupedArgs g1 = gate_up_args(w, x, ws);
   // The tail list (tail64): the same GEMMs over its tiles on the 64 x 256 kernels, at most one tile per expert.
@@ -595,17 +895,22 @@ void launch_wgmma(const MoeWeightsView& w, size_t P, const bf16* x, MoeWorkspace
     g.num_tiles += 1;
     return g;
   };
-  launch_one<GateUpCfg, true>(g1, grid_m, persistent, vec, sms, stream, "moe_forward: wgmma gate_up GEMM launch");
+  const bool ws_on = sched == Sched::kWarpSpecialized;  // (falls back to one block per tile where TMA cannot load)
+  const Sched tiles_sched = ws_on ? Sched::kPerTile : sched;
+  if (!ws_on || !launch_ws<GateUpCfg, true>(g1, w.E, 2 * w.I, grid_m, vec, ws_counter(ws, 0), sms, stream,
+                                             "moe_forward: warp-specialised wgmma gate_up GEMM launch"))
+    launch_one<GateUpCfg, true>(g1, grid_m, tiles_sched, vec, sms, stream, "moe_forward: wgmma gate_up GEMM launch");
   if (tail64)
-    launch_one<GateUpSmallCfg, true>(tail(g1), tail_m, false, vec, sms, stream,
+    launch_one<GateUpSmallCfg, true>(tail(g1), tail_m, Sched::kPerTile, vec, sms, stream,
                                      "moe_forward: wgmma gate_up GEMM launch (tail tiles)");
   const GroupedArgs g2 = down_args(w, ws);
   if (down_128)
-    launch_one<Down128Cfg, false>(g2, grid_m, persistent, vec, sms, stream, "moe_forward: wgmma down GEMM launch (128)");
-  else
-    launch_one<DownCfg, false>(g2, grid_m, persistent, vec, sms, stream, "moe_forward: wgmma down GEMM launch");
+    launch_one<Down128Cfg, false>(g2, grid_m, sched, vec, sms, stream, "moe_forward: wgmma down GEMM launch (128)");
+  else if (!ws_on || !launch_ws<DownCfg, false>(g2, w.E, w.H, grid_m, vec, ws_counter(ws, 1), sms, stream,
+                                                "moe_forward: warp-specialised wgmma down GEMM launch"))
+    launch_one<DownCfg, false>(g2, grid_m, tiles_sched, vec, sms, stream, "moe_forward: wgmma down GEMM launch");
   if (tail64)
-    launch_one<DownSmallCfg, false>(tail(g2), tail_m, false, vec, sms, stream,
+    launch_one<DownSmallCfg, false>(tail(g2), tail_m, Sched::kPerTile, vec, sms, stream,
                                     "moe_forward: wgmma down GEMM launch (tail tiles)");
 }
 

@@ -3,10 +3,11 @@
 // wgmma shapes several of them use, the wgmma fences, commit and wait, the generic-to-async proxy fence, the
 // register pin that keeps accumulators in place across an asynchronous wgmma, and the synchronisation of
 // warp-specialised kernels (mbarriers, cp.async completion arrivals, named barriers, warpgroup register
-// reallocation). Device code only; its functions are emitted only where sm_90a code calls them. Source: PTX ISA,
-// "Asynchronous Warpgroup Level Matrix Multiply-Accumulate Instructions" (matrix descriptor format, wgmma.fence /
-// commit_group / wait_group), "fence.proxy.async", "mbarrier", "cp.async.mbarrier.arrive", "bar.sync / bar.arrive"
-// and "setmaxnreg".
+// reallocation), and the tensor-memory-accelerator (TMA) tile load that completes on an mbarrier. Device code only;
+// its functions are emitted only where sm_90a code calls them. Source: PTX ISA, "Asynchronous Warpgroup Level Matrix
+// Multiply-Accumulate Instructions" (matrix descriptor format, wgmma.fence / commit_group / wait_group),
+// "fence.proxy.async", "mbarrier" (incl. expect-tx), "cp.async.mbarrier.arrive", "cp.async.bulk.tensor",
+// "bar.sync / bar.arrive" and "setmaxnreg".
 #pragma once
 #include <cstdint>
 
@@ -154,6 +155,22 @@ __device__ __forceinline__ void cp_async_mbar_arrive(uint64_t* bar) {
 /// 16 bytes global -> shared through the L2 only; src_bytes 0 writes 16 zero bytes and reads nothing.
 __device__ __forceinline__ void cp_async16_zfill(uint32_t saddr, const void* gmem, uint32_t src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(gmem), "r"(src_bytes) : "memory");
+}
+/// One arrival on `bar` that also raises the bytes its current phase waits for by `bytes` (the TMA loads that will
+/// complete on it: mbarrier.arrive.expect_tx).
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+/// TMA load of the box at coordinates (c0 innermost, c1, c2) of the 3-D tensor map `map` (a __grid_constant__
+/// kernel parameter, created by cuTensorMapEncodeTiled) into shared memory at `saddr` (aligned as the map's swizzle
+/// needs: 1024 bytes for 128-byte swizzling); the bytes complete on `bar` (complete_tx). Elements outside the tensor
+/// are written as zeros.
+__device__ __forceinline__ void tma_load_3d(uint32_t saddr, const void* map, uint64_t* bar, int c0, int c1, int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
+      "[%5];\n" ::"r"(saddr),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(smem_u32(bar))
+      : "memory");
 }
 /// Named barrier `id` (1..15; 0 is __syncthreads) over `count` threads (a multiple of 32): sync waits, arrive
 /// does not.

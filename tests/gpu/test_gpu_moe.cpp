@@ -505,8 +505,20 @@ TEST_CASE("moe_forward decode sizes (T <= 64): OwnDecode / Own vs CPU, Cublas, O
 // below 32 per expert, OwnWgmma's 64-row tiles: 4, the last partial), expert 4 exactly one, experts 5 .. 15 none.
 // OwnWgmma runs 64-row tiles wherever P < 32 E (moe_internal.cuh wgmma_bm): T = 1 / 37 / 300 at E = 256, 1 / 37 /
 // 200 at E = 16, 5 at E = 8. T = 2048 at E = 16 (forced routing: expert 0's 2048 rows in 16 tiles) and T = 1100 at
-// E = 8 reach 256 routed rows per expert, where HYPIC_MOE_PERSISTENT_LONG's rule takes a call. On devices without
+// E = 8 reach 256 routed rows per expert, where HYPIC_MOE_PERSISTENT_LONG's rule takes a call. H = 128, I = 64 at E = 8:
+// K <= 64 (one k-step: down's K = I = 64) and N < 128 (gate_up's N = I = 64: one TMA box of gate rows holds up rows,
+// the warp-specialised kernels). On devices without
 // the wgmma kernels OwnWgmma runs the mma.sync tiles (warning).
+// HYPIC_MOE_WGMMA as the library reads it ("1" when unset), and whether that is variant 1 (the default schedule, which
+// the candidate switches change).
+std::string wgmma_mode() {
+  const char* mv = std::getenv("HYPIC_MOE_WGMMA");
+  return mv ? mv : "1";
+}
+bool wgmma_variant1(const std::string& mode) {
+  return mode != "2" && mode != "3" && mode != "4" && mode != "5" && mode != "6";
+}
+
 TEST_CASE("moe_forward wgmma prefill tiles (OwnWgmma / Own) vs CPU and the mma.sync tiles, odd sizes", "[moe]") {
   require_gpu();
   Stream st;
@@ -524,7 +536,8 @@ TEST_CASE("moe_forward wgmma prefill tiles (OwnWgmma / Own) vs CPU and the mma.s
   };
   const std::vector<WgCase> cases = {{{256, 8, 2048, 512, 512}, false, {1, 37, 300, 4096}},
                                      {{16, 2, 320, 96, 32}, true, {1, 37, 200, 300, 2048}},
-                                     {{8, 2, 192, 160, 0}, false, {5, 130, 1000, 1100}}};
+                                     {{8, 2, 192, 160, 0}, false, {5, 130, 1000, 1100}},
+                                     {{8, 2, 128, 64, 0}, false, {300}}};
   constexpr int kHot = 5;  // forced routing: experts 0 .. 4 have a hot router feature (their own index)
   uint64_t seed = 900;
   for (const WgCase& wc : cases) {
@@ -616,12 +629,12 @@ TEST_CASE("moe_forward wgmma prefill tiles (OwnWgmma / Own) vs CPU and the mma.s
       // not elsewhere (taken: T = 2048 of E = 16 at top-2 with the forced routing, 256 rows per expert on average:
       // every token in expert 0, 16 tiles, and in one of experts 1 .. 4; T = 1100 of E = 8, 275 per expert).
       if (wgmma) {
-        const char* mv = std::getenv("HYPIC_MOE_WGMMA");
-        const std::string mode = mv ? mv : "1";
-        const bool variant1 = mode != "2" && mode != "3" && mode != "4" && mode != "5";
+        const std::string mode = wgmma_mode();
+        const bool variant1 = wgmma_variant1(mode);
         const bool takes = variant1 && size_t(T) * c.topk >= size_t(256) * c.E;
         std::vector<float> pers, tiles;
         uint64_t launched = 0;
+        ScopedCandidate no_ws("HYPIC_MOE_WARP_SPECIALIZED", false);  // (it takes precedence over the rule)
         {
           ScopedCandidate sw("HYPIC_MOE_PERSISTENT_LONG", true);
           const uint64_t before = gpu::moe_persistent_launches();
@@ -638,6 +651,44 @@ TEST_CASE("moe_forward wgmma prefill tiles (OwnWgmma / Own) vs CPU and the mma.s
                     name.c_str(), takes ? "yes" : "no", (unsigned long long)launched, same ? "yes" : "NO");
         CHECK(same);
         if (variant1) CHECK(launched == (takes ? 2u : 0u));
+      }
+      // The warp-specialised blocks (the candidate HYPIC_MOE_WARP_SPECIALIZED: variant 1's 128-row tiles walked by one
+      // block per SM whose first warpgroup only copies, mbarriers between it and the two wgmma warpgroups): the same
+      // tiles in the same k order, so the same bits; both GEMMs launched on them exactly where the 128-row schedule
+      // runs (OwnWgmma from 32 routed rows per expert: T = 4096 of E = 256, 300 / 2048 of E = 16, 130 / 1000 / 1100
+      // of E = 8; a tile count not a multiple of the grid, experts with 0 and 1 rows, K not a multiple of 64).
+      if (wgmma) {
+        const std::string mode = wgmma_mode();
+        const bool variant1 = wgmma_variant1(mode);
+        const bool takes = variant1 && size_t(T) * c.topk >= size_t(32) * c.E;
+        std::vector<float> ws_out, tiles;
+        uint64_t launched = 0;
+        {
+          ScopedCandidate sw("HYPIC_MOE_WARP_SPECIALIZED", true);
+          const uint64_t before = gpu::moe_warp_specialized_launches();
+          ws_out = run(gpu::GroupedGemm::OwnWgmma);
+          launched = gpu::moe_warp_specialized_launches() - before;
+        }
+        {
+          ScopedCandidate sw("HYPIC_MOE_WARP_SPECIALIZED", false);
+          ScopedCandidate per_tile("HYPIC_MOE_PERSISTENT_LONG", false);
+          tiles = run(gpu::GroupedGemm::OwnWgmma);
+        }
+        std::vector<float> ws_pairs;  // its epilogue without the 16-byte stores (HYPIC_MOE_EPILOGUE_VEC off)
+        {
+          ScopedCandidate sw("HYPIC_MOE_WARP_SPECIALIZED", true);
+          ScopedCandidate pairs("HYPIC_MOE_EPILOGUE_VEC", false);
+          ws_pairs = run(gpu::GroupedGemm::OwnWgmma);
+        }
+        const bool same = same_bits(ws_out, tiles), same_pairs = same_bits(ws_pairs, tiles);
+        std::printf("[moe] wgmma %s warp-specialised (128-row schedule: %s, launches %llu) == one block per tile "
+                    "bit-identical: %s (pairs epilogue: %s)\n",
+                    name.c_str(), takes ? "yes" : "no", (unsigned long long)launched, same ? "yes" : "NO",
+                    same_pairs ? "yes" : "NO");
+        CHECK(same);
+        CHECK(same_pairs);
+        if (variant1) CHECK(launched == (takes ? 2u : 0u));
+        if (mode == "6") CHECK(launched == 2u);  // (variant 6 runs 128-row tiles at every size)
       }
       // Tail tiles (HYPIC_MOE_TAIL64: on 128-row schedules an expert's last tile of 1 .. 64 rows runs on the 64-row
       // kernels): the same products of each row in the same k order, on m64n128k16 instead of m64n256k16 wgmmas, so
@@ -660,9 +711,8 @@ TEST_CASE("moe_forward wgmma prefill tiles (OwnWgmma / Own) vs CPU and the mma.s
         }
         // OwnWgmma's 128-row schedule (moe_internal.cuh wgmma_bm: variant 1 from 32 rows per expert, the others
         // always); variant 5 has no 64-row kernels, so no tails.
-        const char* mv = std::getenv("HYPIC_MOE_WGMMA");
-        const std::string mode = mv ? mv : "1";
-        const bool variant1 = mode != "2" && mode != "3" && mode != "4" && mode != "5";
+        const std::string mode = wgmma_mode();
+        const bool variant1 = wgmma_variant1(mode);
         const bool bm128 = !variant1 || size_t(T) * c.topk >= size_t(32) * c.E, tails_on = bm128 && mode != "5";
         int want_tails = 0, want_main = 0;
         for (int cnt : counts) {
@@ -1065,6 +1115,17 @@ TEST_CASE("bench: moe_forward wgmma prefill tiles vs mma.sync and cuBLAS (prefil
       const double ms = time_ms(st.s, [&] { gpu::moe_forward(T, dx.get(), v, dout.get(), ws, gemm, impl, st.s); });
       std::printf("[bench] moe T=%-6d %-9s %9.3f ms  %7.1f TFLOP/s\n", T, impl_name(impl), ms,
                   flops / (ms * 1e-3) / 1e12);
+    }
+    // Own beside itself with the warp-specialised blocks (candidate HYPIC_MOE_WARP_SPECIALIZED), alternating.
+    for (int rep = 0; rep < 2; ++rep) {
+      for (bool on : {false, true}) {
+        ScopedCandidate sw("HYPIC_MOE_WARP_SPECIALIZED", on);
+        const double ms = time_ms(st.s, [&] {
+          gpu::moe_forward(T, dx.get(), v, dout.get(), ws, gemm, gpu::GroupedGemm::Own, st.s);
+        });
+        std::printf("[bench] moe T=%-6d Own ws=%d  %9.3f ms  %7.1f TFLOP/s\n", T, on ? 1 : 0, ms,
+                    flops / (ms * 1e-3) / 1e12);
+      }
     }
   }
 }
