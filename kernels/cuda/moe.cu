@@ -882,15 +882,15 @@ bool wgmma_runs(GroupedGemm impl, const MoeWeightsView& w, size_t P) {
 }
 
 // The wgmma variant of a call with P routed rows: HYPIC_MOE_WGMMA's (wgmma_env_mode; 0 runs variant 1 for OwnWgmma);
-// variant 1 at 128-row tiles becomes 6 (the warp-specialised blocks) under the candidate HYPIC_MOE_WARP_SPECIALIZED,
-// else 3 (the persistent blocks) under the candidate HYPIC_MOE_PERSISTENT_LONG from kWgmmaPersistentRowsPerExpert
-// rows per expert. Same tiles, same bits.
+// variant 1 at 128-row tiles becomes 6 (the warp-specialised blocks) below kWgmmaWsMaxRowsPerExpert rows per expert
+// under the measured default HYPIC_MOE_WARP_SPECIALIZED, else 3 (the persistent blocks) under the candidate
+// HYPIC_MOE_PERSISTENT_LONG from kWgmmaPersistentRowsPerExpert rows per expert. Same tiles, same bits.
 int wgmma_variant(const MoeWeightsView& w, size_t P, int bm) {
   static CandidateSwitch persistent_long("HYPIC_MOE_PERSISTENT_LONG");
   static CandidateSwitch warp_specialized("HYPIC_MOE_WARP_SPECIALIZED");
   const int mode = wgmma_env_mode() == 0 ? 1 : wgmma_env_mode();
   if (mode != 1 || bm != kWgmmaBM) return mode;
-  if (warp_specialized.on()) return 6;
+  if (P < size_t(kWgmmaWsMaxRowsPerExpert) * size_t(w.E) && warp_specialized.on()) return 6;
   if (P >= size_t(kWgmmaPersistentRowsPerExpert) * size_t(w.E) && persistent_long.on()) return 3;
   return mode;
 }

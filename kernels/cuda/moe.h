@@ -109,8 +109,9 @@ enum class GroupedGemm {
 /// OwnWgmma): "2" the down GEMM on 128 x 128 tiles (two blocks per SM), "3" persistent blocks (one
 /// per SM, the copies of the next tile overlapping the current one's last k-steps and epilogue),
 /// "4" both, "5" the default without OwnWgmma's 64 x 256 tiles, "6" persistent warp-specialised blocks (a
-/// copying warpgroup and two wgmma warpgroups per SM, synchronised by mbarriers; also variant 1's 128-row tiles
-/// under the candidate HYPIC_MOE_WARP_SPECIALIZED); unset or anything else the default (one
+/// loading warpgroup and two wgmma warpgroups per SM, synchronised by mbarriers; also variant 1's 128-row tiles
+/// below 512 routed rows per expert under the measured default HYPIC_MOE_WARP_SPECIALIZED); unset or anything else
+/// the default (one
 /// block per 128 x 256 tile; OwnWgmma below 32 routed rows per expert: 64 x 256). Host only; throws
 /// std::runtime_error on CUDA errors.
 bool moe_wgmma_available();
@@ -121,8 +122,8 @@ bool moe_wgmma_available();
 /// none per replay): lets a test tell which schedule ran. Host only.
 uint64_t moe_persistent_launches();
 
-/// Launches of the warp-specialised wgmma GEMM kernels (HYPIC_MOE_WGMMA=6, or variant 1's 128-row tiles under the
-/// candidate HYPIC_MOE_WARP_SPECIALIZED), counted as moe_persistent_launches counts. Host only.
+/// Launches of the warp-specialised wgmma GEMM kernels (HYPIC_MOE_WGMMA=6, or variant 1's 128-row tiles below 512
+/// routed rows per expert under HYPIC_MOE_WARP_SPECIALIZED), counted as moe_persistent_launches counts. Host only.
 uint64_t moe_warp_specialized_launches();
 
 /// Device scratch of moe_forward / mlp_forward, grown on demand and then reused: after

@@ -105,6 +105,11 @@ constexpr int kWgmmaSmallRowsPerExpert = 32;
 // H200, 2026-12-05 (bench/results/moe_variants_h200.md), variant 3 against 1 per layer: 4096 tokens 1.05x (slower),
 // 16384 0.95x, 32768 0.98x; 8192 not measured alone. The same tiles in the same k order: the same bits.
 constexpr int kWgmmaPersistentRowsPerExpert = 256;
+// Below this many routed rows per expert on average (16384 tokens at top-8 of 256 experts), variant 1's 128-row tiles
+// run on the warp-specialised blocks (variant 6) under the measured default HYPIC_MOE_WARP_SPECIALIZED (moe.cu
+// wgmma_variant). H100, 2026-12-05 (bench/results/moe_warp_specialized.md), whole model side by side: 4096 / 8192
+// tokens 0.983x / 0.986x, 16384 0.999x, 32768 1.005x (one MoE layer: 0.97x at 1k-4k, 1.00-1.02x at 16k, 1.02x at 32k).
+constexpr int kWgmmaWsMaxRowsPerExpert = 512;
 
 // True when the current device can run the wgmma kernels: compute capability 9.0 (the sm_90a build). Host only.
 bool wgmma_device();

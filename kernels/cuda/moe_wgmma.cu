@@ -517,8 +517,8 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) moe_wgmma_persistent_kern
 #endif
 }
 
-// Warp-specialised persistent variant (variant 6: HYPIC_MOE_WGMMA=6, or variant 1's 128-row tiles under the candidate
-// HYPIC_MOE_WARP_SPECIALIZED, moe.cu wgmma_variant), in the manner of FlashAttention-3's producer / consumer
+// Warp-specialised persistent variant (variant 6: HYPIC_MOE_WGMMA=6, or variant 1's 128-row tiles below 512 rows per
+// expert under the measured default HYPIC_MOE_WARP_SPECIALIZED, moe.cu wgmma_variant), in the manner of FlashAttention-3's producer / consumer
 // warpgroups (section 3.1): 3 warpgroups per block, at most one block per SM, each taking the launch's tiles (m-tile
 // * n_tiles + n-tile, as moe_wgmma_kernel's blocks) in order from a counter in device memory whenever its loader is
 // ready for one, so the tiles in flight stay a narrow window (an expert's tiles run close together and share its

@@ -536,7 +536,7 @@ TEST_CASE("moe_forward wgmma prefill tiles (OwnWgmma / Own) vs CPU and the mma.s
   };
   const std::vector<WgCase> cases = {{{256, 8, 2048, 512, 512}, false, {1, 37, 300, 4096}},
                                      {{16, 2, 320, 96, 32}, true, {1, 37, 200, 300, 2048}},
-                                     {{8, 2, 192, 160, 0}, false, {5, 130, 1000, 1100}},
+                                     {{8, 2, 192, 160, 0}, false, {5, 130, 1000, 1100, 2100}},
                                      {{8, 2, 128, 64, 0}, false, {300}}};
   constexpr int kHot = 5;  // forced routing: experts 0 .. 4 have a hot router feature (their own index)
   uint64_t seed = 900;
@@ -652,15 +652,17 @@ TEST_CASE("moe_forward wgmma prefill tiles (OwnWgmma / Own) vs CPU and the mma.s
         CHECK(same);
         if (variant1) CHECK(launched == (takes ? 2u : 0u));
       }
-      // The warp-specialised blocks (the candidate HYPIC_MOE_WARP_SPECIALIZED: variant 1's 128-row tiles walked by one
-      // block per SM whose first warpgroup only copies, mbarriers between it and the two wgmma warpgroups): the same
-      // tiles in the same k order, so the same bits; both GEMMs launched on them exactly where the 128-row schedule
-      // runs (OwnWgmma from 32 routed rows per expert: T = 4096 of E = 256, 300 / 2048 of E = 16, 130 / 1000 / 1100
-      // of E = 8; a tile count not a multiple of the grid, experts with 0 and 1 rows, K not a multiple of 64).
+      // The warp-specialised blocks (HYPIC_MOE_WARP_SPECIALIZED, a measured default: variant 1's 128-row tiles taken
+      // by one block per SM whose first warpgroup only loads, mbarriers between it and the two wgmma warpgroups): the
+      // same tiles in the same k order, so the same bits; both GEMMs launched on them exactly where the 128-row
+      // schedule runs below 512 routed rows per expert (OwnWgmma from 32: T = 4096 of E = 256, 300 / 2048 of E = 16,
+      // 130 / 1000 / 1100 of E = 8, 300 of E = 8 at H = 128; not T = 2100 of E = 8, 525 per expert; a tile count not
+      // a multiple of the grid, experts with 0 and 1 rows, K not a multiple of 64 and K = 64).
       if (wgmma) {
         const std::string mode = wgmma_mode();
         const bool variant1 = wgmma_variant1(mode);
-        const bool takes = variant1 && size_t(T) * c.topk >= size_t(32) * c.E;
+        const size_t P = size_t(T) * c.topk;
+        const bool takes = variant1 && P >= size_t(32) * c.E && P < size_t(512) * c.E;
         std::vector<float> ws_out, tiles;
         uint64_t launched = 0;
         {
