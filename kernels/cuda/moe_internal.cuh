@@ -108,7 +108,8 @@ constexpr int kWgmmaPersistentRowsPerExpert = 256;
 // Below this many routed rows per expert on average (16384 tokens at top-8 of 256 experts), variant 1's 128-row tiles
 // run on the warp-specialised blocks (variant 6) under the measured default HYPIC_MOE_WARP_SPECIALIZED (moe.cu
 // wgmma_variant). H100, 2026-12-05 (bench/results/moe_warp_specialized.md), whole model side by side: 4096 / 8192
-// tokens 0.983x / 0.986x, 16384 0.999x, 32768 1.005x (one MoE layer: 0.97x at 1k-4k, 1.00-1.02x at 16k, 1.02x at 32k).
+// tokens 0.983x / 0.986x, 16384 0.999x, 32768 1.005x (one MoE layer: 0.97-0.98x at
+// 1k-4k, 1.00-1.02x at 16k, 1.02x at 32k).
 constexpr int kWgmmaWsMaxRowsPerExpert = 512;
 
 // True when the current device can run the wgmma kernels: compute capability 9.0 (the sm_90a build). Host only.

@@ -36,8 +36,9 @@
 //
 // Grid: one block per (m-tile, n-tile), n-tile fastest (the blocks of one m-tile run together and share its A
 // rows in L2; an expert's m-tiles follow each other and share its weights); an upper bound of the m-tile count
-// is launched and blocks past num_tiles exit. Variants for comparisons (HYPIC_MOE_WGMMA, moe_internal.cuh):
-// the down GEMM on 128 x 128 tiles (2 blocks per SM), and persistent blocks (moe_wgmma_persistent_kernel).
+// is launched and blocks past num_tiles exit. Variants (HYPIC_MOE_WGMMA, moe_internal.cuh): the down GEMM on
+// 128 x 128 tiles (2 blocks per SM), persistent blocks (moe_wgmma_persistent_kernel), and warp-specialised
+// persistent blocks with TMA weight loads (moe_wgmma_ws_kernel; the default below 512 routed rows per expert).
 //
 // Shapes, layouts, memory: x [T][H], act [P][I], y [P][H] bf16 row-major in device memory; weights gate_up
 // [E][2I][H] and down [E][H][I] bf16 row-major; fp32 accumulators in registers (m64n256: 128 per thread,
@@ -687,42 +688,42 @@ __global__ void __launch_bounds__(WsLayout<C, GATE_UP>::THREADS, 1)
 #endif
 }
 
-// cuTensorMapEncodeTiled from the driver (through the runtime: no link against libcuda). Throws std::runtime_error.
+// cuTensorMapEncodeTiled from the driver (through the runtime: no link against libcuda), looked up once; null when the
+// driver has none (the runtime's error is cleared).
 PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
     void* p = nullptr;
     cudaDriverEntryPointQueryResult q{};
-    check_cuda(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q),
-               "cudaGetDriverEntryPointByVersion(cuTensorMapEncodeTiled)");
-    if (q != cudaDriverEntryPointSuccess || !p)
-      throw std::runtime_error("moe_forward: the driver has no cuTensorMapEncodeTiled");
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      p = nullptr;
+    }
     return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
   }();
   return fn;
 }
 
 // Whether g's weights can be a TMA tensor map: 16-byte aligned base and strides (K and the expert stride multiples
-// of 8 elements), at least one row and expert (the encoder checks the rest and launch_ws falls back if it refuses).
+// of 8 elements), at least one row and expert (the encoder checks the rest; weights_tensor_map says if it refuses).
 bool weights_tma_ok(const GroupedArgs& g, int E, int rows) {
   return reinterpret_cast<uintptr_t>(g.B) % 16 == 0 && g.K % 8 == 0 && g.b_expert_stride % 8 == 0 &&
          size_t(rows) * size_t(g.K) <= g.b_expert_stride && rows > 0 && E > 0;
 }
 
 // The 3-D tensor map of g's weights [E][rows][K] bf16 (row stride K, expert stride b_expert_stride elements) in boxes
-// of 64 x box_rows x 1, 128-byte swizzled, zeros outside. Throws std::runtime_error when the driver refuses it.
-CUtensorMap weights_tensor_map(const GroupedArgs& g, int E, int rows, int box_rows) {
-  CUtensorMap m;
+// of 64 x box_rows x 1, 128-byte swizzled, zeros outside, into *m. False when the driver has no encoder or refuses the
+// map (the caller then runs one block per tile).
+bool weights_tensor_map(const GroupedArgs& g, int E, int rows, int box_rows, CUtensorMap* m) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (!encode) return false;
   const cuuint64_t dims[3] = {cuuint64_t(g.K), cuuint64_t(rows), cuuint64_t(E)};
   const cuuint64_t strides[2] = {cuuint64_t(g.K) * 2, cuuint64_t(g.b_expert_stride) * 2};  // bytes, dims 1 and 2
   const cuuint32_t box[3] = {64, cuuint32_t(box_rows), 1};
   const cuuint32_t elem_strides[3] = {1, 1, 1};
-  const CUresult r = tensor_map_encoder()(&m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<bf16*>(g.B), dims,
-                                          strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                                          CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                                          CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS)
-    throw std::runtime_error("moe_forward: cuTensorMapEncodeTiled failed (" + std::to_string(int(r)) + ")");
-  return m;
+  return encode(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<bf16*>(g.B), dims, strides, box, elem_strides,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
 template <class C, bool GATE_UP, bool VEC>
@@ -801,11 +802,7 @@ bool launch_ws(const GroupedArgs& g, int E, int rows, size_t grid_m, bool vec, i
   if (blocks > size_t(INT_MAX))
     throw std::invalid_argument(std::string(what) + ": " + std::to_string(blocks) + " tiles do not fit a grid");
   CUtensorMap map;
-  try {
-    map = weights_tensor_map(g, E, rows, L::BOX_ROWS);
-  } catch (const std::runtime_error&) {
-    return false;  // a driver without the encoder, or one that refuses the map: one block per tile instead
-  }
+  if (!weights_tensor_map(g, E, rows, L::BOX_ROWS, &map)) return false;  // one block per tile instead
   check_cuda(cudaMemsetAsync(tile_counter, 0, sizeof(int), stream), std::string(what) + " (tile counter)");
   const unsigned grid = unsigned(std::min(blocks, size_t(sms)));
   if (vec)

@@ -17,9 +17,9 @@ inline constexpr const char* kCandidateSwitches[] = {
     "HYPIC_MOE_TAIL64",     "HYPIC_FUSE_NEXT_NORM",  "HYPIC_MOE_DECODE_DEEP", "HYPIC_ATTN_COMBINE_GROUPS",
     "HYPIC_FUSE_POST_NORM", "HYPIC_GDN_DECODE_NORM", "HYPIC_DECODE_LM_HEAD",  "HYPIC_MOE_PERSISTENT_LONG"};
 /// Former candidates that a GPU session measured faster (H200, 2026-12-05: bench/results/candidates_ab_h200.md, the
-/// first six; bench/results/candidates_ab2_h200.md, the rest but the last two: bench/results/seam_fold_h100.md,
-/// bench/results/chain_lr_prefetch.md; the last: bench/results/moe_warp_specialized.md, an H100) and made the
-/// default: on unless their variable is "0" /
+/// first six; bench/results/candidates_ab2_h200.md, the rest but the last three: bench/results/seam_fold_h100.md,
+/// bench/results/chain_lr_prefetch.md, and bench/results/moe_warp_specialized.md on an H100) and made the default: on
+/// unless their variable is "0" /
 /// "off" (the old path, kept for side-by-side runs); HYPIC_CANDIDATES does not touch them.
 inline constexpr const char* kMeasuredDefaultSwitches[] = {
     "HYPIC_MOE_EPILOGUE_VEC",   "HYPIC_ROPE_TABLE",        "HYPIC_NORM_GATED_VEC", "HYPIC_CONV_NARROW",
