@@ -33,6 +33,8 @@ int main(int argc, char** argv) {
   app.add_option("--tokenizer", tokenizer_path, "tokenizer.json (detokenises the output, stop strings)")->required()
       ->check(CLI::ExistingFile);
   app.add_option("--cache", caches, "segment cache replica host:port (repeat for several; none: no caching)");
+  hypic::cache::SegmentCacheClient::Options cache_options;
+  hypic::cache::add_cache_client_flags(app, cache_options);
   hypic::rpc::add_engine_flags(app, engine, /*prefix_cache=*/true, /*inject_delay=*/false);
   app.add_option("--memory-tier-bytes", memory_tier_bytes,
                  "device tier: segment entries resident on the backend (device memory on CUDA), a hit needs no copy "
@@ -122,7 +124,7 @@ int main(int argc, char** argv) {
     spdlog::info("cache put queue {} [{}], host-copy queue {} [{}]",
                  hc::describe_budget(budgets.put_queue, in.wire_entry_bytes), how(put_queue_flag),
                  hc::describe_budget(budgets.host_copy_queue, in.entry_bytes), how(copy_queue_flag));
-    hypic::cache::SegmentCacheClient cache(caches);
+    hypic::cache::SegmentCacheClient cache(caches, cache_options);
     hypic::cache::AsyncCachePutter putter(cache, budgets.put_queue);
     if (in.device_entries && budgets.host_tier > 0 && in.host_memory > 0 && budgets.host_tier > in.host_memory / 4 * 3) {
       throw std::invalid_argument(fmt::format("--host-tier-bytes: {} bytes of pinned memory is more than 3/4 of this "

@@ -42,6 +42,8 @@ int main(int argc, char** argv) {
   app.add_option("--model", model_dir, "checkpoint directory (config.json + safetensors)")->required()
       ->check(CLI::ExistingDirectory);
   app.add_option("--cache", caches, "segment cache replica host:port (repeat for several; none: no caching)");
+  hypic::cache::SegmentCacheClient::Options cache_options;
+  hypic::cache::add_cache_client_flags(app, cache_options);
   hypic::rpc::add_engine_flags(app, engine, /*prefix_cache=*/false, /*inject_delay=*/true);
   app.add_option("--chunk-bytes", chunk_bytes, "size of streamed chunks")
       ->transform(CLI::AsSizeValue(false))
@@ -81,7 +83,7 @@ int main(int argc, char** argv) {
       spdlog::info("pinned {:.1f} GiB of host memory for entry copies in {:.1f} s", double(pin) / double(1ull << 30),
                    std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     }
-    hypic::cache::SegmentCacheClient cache(caches);
+    hypic::cache::SegmentCacheClient cache(caches, cache_options);
     hypic::cache::AsyncCachePutter putter(cache, put_queue_bytes);
     hypic::engine::EngineLoop loop(*backend, hypic::rpc::engine_loop_options(engine, *backend));
     hypic::rpc::Lifecycle life("scatter worker");

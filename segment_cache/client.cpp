@@ -1,8 +1,10 @@
 #include "segment_cache/client.h"
 
 #include <future>
+#include <limits>
 #include <stdexcept>
 
+#include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
@@ -286,6 +288,27 @@ v1::CacheStats SegmentCacheClient::stats(size_t replica) const {
   const grpc::Status st = stubs_[replica]->Stats(ctx.get(), v1::StatsRequest{}, &out);
   if (!st.ok()) rpc::throw_status(st, fmt::format("stats of {}", replicas_[replica]));
   return out;
+}
+
+void add_cache_client_flags(CLI::App& app, SegmentCacheClient::Options& options) {
+  constexpr int64_t kMaxMs = 3'600'000;
+  app.add_option_function<int64_t>(
+         "--cache-timeout-ms", [&options](int64_t ms) { options.timeout = std::chrono::milliseconds(ms); },
+         "segment cache calls' base deadline in ms (entry transfers add their bytes at --cache-transfer-rate)")
+      ->check(CLI::Range(int64_t{1}, kMaxMs))
+      ->default_str(std::to_string(options.timeout.count()));
+  app.add_option_function<uint64_t>(
+         "--cache-transfer-rate", [&options](uint64_t rate) { options.transfer_rate = rate; },
+         "slowest transfer rate a segment cache call's deadline allows for an entry's bytes, bytes per second")
+      ->transform(CLI::AsSizeValue(true))
+      ->check(CLI::Range(uint64_t{1}, std::numeric_limits<uint64_t>::max()))
+      ->default_str(std::to_string(options.transfer_rate));
+  app.add_option_function<int64_t>(
+         "--cache-put-wait-ms", [&options](int64_t ms) { options.put_wait = std::chrono::milliseconds(ms); },
+         "how long a put may wait at the segment cache for room, in ms, on top of its deadline (the cache's "
+         "--max-put-wait-ms)")
+      ->check(CLI::Range(int64_t{0}, kMaxMs))
+      ->default_str(std::to_string(options.put_wait.count()));
 }
 
 }  // namespace hypic::cache

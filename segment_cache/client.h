@@ -19,6 +19,10 @@
 #include "proto/rpc/chunks.h"
 #include "segment_cache/ring.h"
 
+namespace CLI {
+class App;
+}  // namespace CLI
+
 namespace hypic::cache {
 
 /// A segment key as the services handle it: digest plus the token ids that verify a hit.
@@ -149,5 +153,12 @@ class SegmentCacheClient {
   std::optional<HashRing> ring_;
   std::vector<std::unique_ptr<hypic::v1::SegmentCache::Stub>> stubs_;
 };
+
+/// The workers' flags for their segment-cache client, each defaulting to the value in `options` and written there
+/// when given: --cache-timeout-ms (Options::timeout, 1 .. 3,600,000), --cache-transfer-rate (Options::transfer_rate,
+/// bytes per second, >= 1; 1000-based suffixes: 100MB = 10^8) and --cache-put-wait-ms (Options::put_wait, 0 ..
+/// 3,600,000: set it to the segment cache's --max-put-wait-ms when that is raised). Out-of-range values fail the
+/// parse with CLI11's error naming the flag.
+void add_cache_client_flags(CLI::App& app, SegmentCacheClient::Options& options);
 
 }  // namespace hypic::cache

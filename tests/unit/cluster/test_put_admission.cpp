@@ -8,6 +8,8 @@
 // put in flight. A real gRPC server on loopback, a put held open half-sent by a raw stream.
 #include <catch2/catch.hpp>
 
+#include <CLI/CLI.hpp>
+
 #include <atomic>
 #include <future>
 #include <thread>
@@ -333,4 +335,58 @@ TEST_CASE("put admission, client side: a put waiting for room is cancelled by Pu
   REQUIRE(first.finish().ok());
   wait_receiving(cache.service, 0);
   CHECK(cache.store.stats().puts == 1);  // the held one alone
+}
+
+namespace {
+// Parses `args` (after a program name) into a fresh CLI::App with the workers' cache client flags over `o`.
+void parse_cache_flags(hypic::cache::SegmentCacheClient::Options& o, std::vector<std::string> args) {
+  CLI::App app{"worker"};
+  hypic::cache::add_cache_client_flags(app, o);
+  std::vector<const char*> argv{"worker"};
+  for (const auto& a : args) argv.push_back(a.c_str());
+  app.parse(int(argv.size()), argv.data());
+}
+}  // namespace
+
+TEST_CASE("cache client flags: the workers' --cache-timeout-ms, --cache-transfer-rate and --cache-put-wait-ms set the "
+          "client's deadlines, out-of-range values are refused",
+          "[put_admission]") {
+  using std::chrono::milliseconds;
+  using Options = hypic::cache::SegmentCacheClient::Options;
+  {
+    Options o;
+    parse_cache_flags(o, {});
+    CHECK(o.timeout == milliseconds(5000));
+    CHECK(o.transfer_rate == 100'000'000u);
+    CHECK(o.put_wait == milliseconds(30000));
+  }
+  {
+    Options o;
+    parse_cache_flags(o, {"--cache-timeout-ms", "250", "--cache-transfer-rate", "1GB", "--cache-put-wait-ms", "120000"});
+    CHECK(o.timeout == milliseconds(250));
+    CHECK(o.transfer_rate == 1'000'000'000u);
+    CHECK(o.put_wait == milliseconds(120000));
+    // A 280 MB entry at 1 GB/s: 250 + 280 ms.
+    const hypic::cache::SegmentCacheClient client({}, o);
+    CHECK(client.transfer_timeout(280'000'000) == milliseconds(530));
+  }
+  {
+    Options o;
+    parse_cache_flags(o, {"--cache-put-wait-ms", "0", "--cache-transfer-rate", "100000"});
+    CHECK(o.put_wait == milliseconds(0));
+    CHECK(o.transfer_rate == 100'000u);
+  }
+  for (const std::vector<std::string>& bad :
+       std::vector<std::vector<std::string>>{{"--cache-transfer-rate", "0"},
+                                             {"--cache-timeout-ms", "0"},
+                                             {"--cache-put-wait-ms", "-1"},
+                                             {"--cache-put-wait-ms", "3600001"},
+                                             {"--cache-timeout-ms", "soon"}}) {
+    INFO(bad[0] << " " << bad[1]);
+    Options o;
+    CHECK_THROWS_AS(parse_cache_flags(o, bad), CLI::ParseError);
+    CHECK(o.put_wait == milliseconds(30000));  // nothing written on a refused value
+    CHECK(o.timeout == milliseconds(5000));
+    CHECK(o.transfer_rate == 100'000'000u);
+  }
 }
