@@ -125,6 +125,7 @@ int main(int argc, char** argv) {
                  hc::describe_budget(budgets.put_queue, in.wire_entry_bytes), how(put_queue_flag),
                  hc::describe_budget(budgets.host_copy_queue, in.entry_bytes), how(copy_queue_flag));
     hypic::cache::SegmentCacheClient cache(caches, cache_options);
+    if (cache.enabled()) spdlog::info("segment cache client: {}", hypic::cache::describe(cache_options));
     hypic::cache::AsyncCachePutter putter(cache, budgets.put_queue);
     if (in.device_entries && budgets.host_tier > 0 && in.host_memory > 0 && budgets.host_tier > in.host_memory / 4 * 3) {
       throw std::invalid_argument(fmt::format("--host-tier-bytes: {} bytes of pinned memory is more than 3/4 of this "

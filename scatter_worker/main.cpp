@@ -84,6 +84,7 @@ int main(int argc, char** argv) {
                    std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     }
     hypic::cache::SegmentCacheClient cache(caches, cache_options);
+    if (cache.enabled()) spdlog::info("segment cache client: {}", hypic::cache::describe(cache_options));
     hypic::cache::AsyncCachePutter putter(cache, put_queue_bytes);
     hypic::engine::EngineLoop loop(*backend, hypic::rpc::engine_loop_options(engine, *backend));
     hypic::rpc::Lifecycle life("scatter worker");

@@ -1,8 +1,12 @@
 #include "segment_cache/client.h"
 
+#include <algorithm>
+#include <cmath>
 #include <future>
-#include <limits>
+#include <optional>
+#include <regex>
 #include <stdexcept>
+#include <string>
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
@@ -290,25 +294,70 @@ v1::CacheStats SegmentCacheClient::stats(size_t replica) const {
   return out;
 }
 
+namespace {
+
+// Whole decimal milliseconds in [lo, hi]: digits only ("08" is 8: no sign, base prefix, fraction or unit).
+std::optional<int64_t> parse_ms(const std::string& s, int64_t lo, int64_t hi) {
+  if (s.empty() || s.size() > 12 || !std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; }))
+    return std::nullopt;
+  const int64_t v = std::stoll(s, nullptr, 10);
+  if (v < lo || v > hi) return std::nullopt;
+  return v;
+}
+
+// Bytes per second: a decimal number (a fraction allowed) with an optional 1000-based unit k / M / G / T, an optional
+// B and /s: "12.5MB" = 12,500,000, "100MB/s", "1000000". At least 1, at most 10^18; anything else (signs, exponents,
+// 1024-based units, a unit alone) is refused.
+std::optional<uint64_t> parse_rate(const std::string& s) {
+  static const std::regex re(R"(^([0-9]+(\.[0-9]*)?|\.[0-9]+)([kKmMgGtT]?)[bB]?(/s)?$)");
+  std::smatch m;
+  if (s.size() > 40 || !std::regex_match(s, m, re)) return std::nullopt;
+  const std::string unit = m[3].str();
+  const int e3 = unit.empty() ? 0 : std::string("kmgt").find(char(std::tolower(unit[0]))) + 1;
+  const long double v = std::stold(m[1].str()) * std::pow(10.0L, 3 * e3);
+  if (!(v >= 1.0L) || v > 1e18L) return std::nullopt;
+  return static_cast<uint64_t>(std::llround(v));
+}
+
+}  // namespace
+
 void add_cache_client_flags(CLI::App& app, SegmentCacheClient::Options& options) {
   constexpr int64_t kMaxMs = 3'600'000;
-  app.add_option_function<int64_t>(
-         "--cache-timeout-ms", [&options](int64_t ms) { options.timeout = std::chrono::milliseconds(ms); },
-         "segment cache calls' base deadline in ms (entry transfers add their bytes at --cache-transfer-rate)")
-      ->check(CLI::Range(int64_t{1}, kMaxMs))
-      ->default_str(std::to_string(options.timeout.count()));
-  app.add_option_function<uint64_t>(
-         "--cache-transfer-rate", [&options](uint64_t rate) { options.transfer_rate = rate; },
-         "slowest transfer rate a segment cache call's deadline allows for an entry's bytes, bytes per second")
-      ->transform(CLI::AsSizeValue(true))
-      ->check(CLI::Range(uint64_t{1}, std::numeric_limits<uint64_t>::max()))
+  auto ms_flag = [&app](const std::string& name, std::chrono::milliseconds& out, int64_t lo, const std::string& what) {
+    const std::string range = "[" + std::to_string(lo) + ", " + std::to_string(kMaxMs) + "]";
+    app.add_option_function<std::string>(
+           name, [&out, lo](const std::string& v) { out = std::chrono::milliseconds(*parse_ms(v, lo, kMaxMs)); },
+           what)
+        ->check(CLI::Validator(
+            [lo, range](std::string& v) {
+              return parse_ms(v, lo, kMaxMs) ? std::string()
+                                             : "expected whole milliseconds in " + range + ", got '" + v + "'";
+            },
+            "MS in " + range, "ms"))
+        ->default_str(std::to_string(out.count()));
+  };
+  ms_flag("--cache-timeout-ms", options.timeout, 1,
+          "segment cache calls' base deadline in ms (entry transfers add their bytes at --cache-transfer-rate)");
+  app.add_option_function<std::string>(
+         "--cache-transfer-rate", [&options](const std::string& v) { options.transfer_rate = *parse_rate(v); },
+         "slowest transfer rate a segment cache call's deadline allows for an entry's bytes, bytes per second, "
+         "1000-based units (12.5MB = 12,500,000)")
+      ->check(CLI::Validator(
+          [](std::string& v) {
+            return parse_rate(v) ? std::string()
+                                 : "expected bytes per second from 1 to 10^18, a number with an optional 1000-based "
+                                   "unit k, M, G or T (e.g. 12.5MB), got '" + v + "'";
+          },
+          "RATE", "rate"))
       ->default_str(std::to_string(options.transfer_rate));
-  app.add_option_function<int64_t>(
-         "--cache-put-wait-ms", [&options](int64_t ms) { options.put_wait = std::chrono::milliseconds(ms); },
-         "how long a put may wait at the segment cache for room, in ms, on top of its deadline (the cache's "
-         "--max-put-wait-ms)")
-      ->check(CLI::Range(int64_t{0}, kMaxMs))
-      ->default_str(std::to_string(options.put_wait.count()));
+  ms_flag("--cache-put-wait-ms", options.put_wait, 0,
+          "how long a put may wait at the segment cache for room, in ms, on top of its deadline (set it to the "
+          "cache's --max-put-wait-ms)");
+}
+
+std::string describe(const SegmentCacheClient::Options& o) {
+  return fmt::format("base deadline {} ms, transfer rate {} B/s, put wait {} ms", o.timeout.count(), o.transfer_rate,
+                     o.put_wait.count());
 }
 
 }  // namespace hypic::cache

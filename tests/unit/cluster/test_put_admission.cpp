@@ -376,11 +376,34 @@ TEST_CASE("cache client flags: the workers' --cache-timeout-ms, --cache-transfer
     CHECK(o.put_wait == milliseconds(0));
     CHECK(o.transfer_rate == 100'000u);
   }
+  {  // decimal rates and units (1000-based), zero-padded milliseconds read in base 10
+    Options o;
+    parse_cache_flags(o, {"--cache-transfer-rate", "12.5MB", "--cache-timeout-ms", "08", "--cache-put-wait-ms", "060000"});
+    CHECK(o.transfer_rate == 12'500'000u);
+    CHECK(o.timeout == milliseconds(8));
+    CHECK(o.put_wait == milliseconds(60000));
+    parse_cache_flags(o, {"--cache-transfer-rate", "100MB/s"});
+    CHECK(o.transfer_rate == 100'000'000u);
+    parse_cache_flags(o, {"--cache-transfer-rate", "2k"});
+    CHECK(o.transfer_rate == 2000u);
+    parse_cache_flags(o, {"--cache-transfer-rate", "1.5G"});
+    CHECK(o.transfer_rate == 1'500'000'000u);
+  }
   for (const std::vector<std::string>& bad :
        std::vector<std::vector<std::string>>{{"--cache-transfer-rate", "0"},
+                                             {"--cache-transfer-rate", "-1"},
+                                             {"--cache-transfer-rate", "MB"},
+                                             {"--cache-transfer-rate", "1GiB"},
+                                             {"--cache-transfer-rate", "1e9"},
+                                             {"--cache-transfer-rate", "0.4"},
+                                             {"--cache-transfer-rate", "18446744073709551616"},
+                                             {"--cache-transfer-rate", "2000000T"},
                                              {"--cache-timeout-ms", "0"},
+                                             {"--cache-timeout-ms", "0x10"},
+                                             {"--cache-timeout-ms", "1.5"},
                                              {"--cache-put-wait-ms", "-1"},
                                              {"--cache-put-wait-ms", "3600001"},
+                                             {"--cache-put-wait-ms", ""},
                                              {"--cache-timeout-ms", "soon"}}) {
     INFO(bad[0] << " " << bad[1]);
     Options o;
