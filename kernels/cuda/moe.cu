@@ -438,37 +438,44 @@ __global__ void __launch_bounds__(256) chunk_scan_kernel(int E, int nch, int* ch
 }
 
 // One block of 512 threads: offsets[E + 1] (exclusive prefix of counts), the tile schedule
-// tiles[i] = (expert, first row) for tiles of bm rows, then (decode GEMMs with a shared expert,
-// shared_rows > 0) the shared expert's tiles (E, m0) over rows 0..shared_rows, and num_tiles[0].
+// tiles[i] = (expert, first row) for tiles of bm rows, each expert's tiles consecutive, the experts with an even tile
+// count first (then those with an odd one, each group in expert order: so the m-tile pairs (2 j, 2 j + 1) that the
+// cluster-pair wgmma kernels share weights over are one expert's wherever the counts allow), then (decode GEMMs with
+// a shared expert, shared_rows > 0) the shared expert's tiles (E, m0) over rows 0..shared_rows, and num_tiles[0].
 // tail_at >= 0 (the wgmma tail tiles, wgmma_tail64): an expert's last tile of 1 .. bm / 2 rows goes instead to the
 // tail list tiles[tail_at + j] (in expert order), num_tiles[1] of them, for the 64-row kernels.
 __global__ void __launch_bounds__(kMaxE) offsets_kernel(int E, int bm, const int* counts, int* offsets, int2* tiles,
                                                         int* num_tiles, int shared_rows, int tail_at) {
-  __shared__ int sc[kMaxE], st[kMaxE], stl[kMaxE];
+  __shared__ int sc[kMaxE], st[kMaxE], so[kMaxE], stl[kMaxE];
   const int e = threadIdx.x;
   const int c = e < E ? counts[e] : 0;
   const int rem = c % bm;
   const int tail = tail_at >= 0 && rem > 0 && rem <= bm / 2 ? 1 : 0;
   const int nt = (c + bm - 1) / bm - tail;
+  const bool even = (nt & 1) == 0;
   sc[e] = c;
-  st[e] = nt;
+  st[e] = even ? nt : 0;  // tiles of the experts with an even count, and of those with an odd one
+  so[e] = even ? 0 : nt;
   stl[e] = tail;
   __syncthreads();
   for (int off = 1; off < kMaxE; off <<= 1) {
     const int a = e >= off ? sc[e - off] : 0, b = e >= off ? st[e - off] : 0, d = e >= off ? stl[e - off] : 0;
+    const int o = e >= off ? so[e - off] : 0;
     __syncthreads();
     sc[e] += a;
     st[e] += b;
+    so[e] += o;
     stl[e] += d;
     __syncthreads();
   }
+  const int even_tiles = st[kMaxE - 1];
   if (e < E) {
     offsets[e] = sc[e] - c;
-    const int tb = st[e] - nt;
+    const int tb = even ? st[e] - nt : even_tiles + so[e] - nt;
     for (int i = 0; i < nt; ++i) tiles[tb + i] = make_int2(e, i * bm);
     if (tail) tiles[tail_at + stl[e] - 1] = make_int2(e, nt * bm);
   }
-  const int routed_tiles = st[kMaxE - 1];
+  const int routed_tiles = even_tiles + so[kMaxE - 1];
   const int nsh = (shared_rows + bm - 1) / bm;
   for (int i = e; i < nsh; i += blockDim.x) tiles[routed_tiles + i] = make_int2(E, i * bm);
   if (e == 0) {
@@ -884,12 +891,16 @@ bool wgmma_runs(GroupedGemm impl, const MoeWeightsView& w, size_t P) {
 // The wgmma variant of a call with P routed rows: HYPIC_MOE_WGMMA's (wgmma_env_mode; 0 runs variant 1 for OwnWgmma);
 // variant 1 at 128-row tiles becomes 6 (the warp-specialised blocks) below kWgmmaWsMaxRowsPerExpert rows per expert
 // under the measured default HYPIC_MOE_WARP_SPECIALIZED, else 3 (the persistent blocks) under the candidate
-// HYPIC_MOE_PERSISTENT_LONG from kWgmmaPersistentRowsPerExpert rows per expert. Same tiles, same bits.
+// HYPIC_MOE_PERSISTENT_LONG from kWgmmaPersistentRowsPerExpert rows per expert; at every size under the candidate
+// HYPIC_MOE_CLUSTER_PAIRS, 7 (the warp-specialised blocks in clusters of two, which takes precedence). Same tiles,
+// same bits.
 int wgmma_variant(const MoeWeightsView& w, size_t P, int bm) {
   static CandidateSwitch persistent_long("HYPIC_MOE_PERSISTENT_LONG");
   static CandidateSwitch warp_specialized("HYPIC_MOE_WARP_SPECIALIZED");
+  static CandidateSwitch cluster_pairs("HYPIC_MOE_CLUSTER_PAIRS");
   const int mode = wgmma_env_mode() == 0 ? 1 : wgmma_env_mode();
   if (mode != 1 || bm != kWgmmaBM) return mode;
+  if (cluster_pairs.on()) return 7;
   if (P < size_t(kWgmmaWsMaxRowsPerExpert) * size_t(w.E) && warp_specialized.on()) return 6;
   if (P >= size_t(kWgmmaPersistentRowsPerExpert) * size_t(w.E) && persistent_long.on()) return 3;
   return mode;
@@ -1154,6 +1165,14 @@ uint64_t moe_persistent_launches() {
 uint64_t moe_warp_specialized_launches() {
 #if HYPIC_MOE_WGMMA_BUILT
   return moe_detail::ws_launches();
+#else
+  return 0;
+#endif
+}
+
+uint64_t moe_cluster_pair_launches() {
+#if HYPIC_MOE_WGMMA_BUILT
+  return moe_detail::pair_launches();
 #else
   return 0;
 #endif

@@ -126,6 +126,11 @@ uint64_t moe_persistent_launches();
 /// routed rows per expert under HYPIC_MOE_WARP_SPECIALIZED), counted as moe_persistent_launches counts. Host only.
 uint64_t moe_warp_specialized_launches();
 
+/// Launches of the warp-specialised wgmma GEMM kernels in clusters of two on m-tile pairs (HYPIC_MOE_WGMMA=7, or
+/// variant 1's 128-row tiles under the candidate HYPIC_MOE_CLUSTER_PAIRS), counted as moe_persistent_launches counts
+/// (not among moe_warp_specialized_launches). Host only.
+uint64_t moe_cluster_pair_launches();
+
 /// Device scratch of moe_forward / mlp_forward, grown on demand and then reused: after
 /// reserve(max_tokens, view) (or one call with that many tokens and those sizes) calls with
 /// T <= max_tokens allocate nothing, so they can be captured in a CUDA graph (GroupedGemm::Own).

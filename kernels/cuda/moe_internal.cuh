@@ -121,7 +121,8 @@ bool wgmma_device();
 // 128 x 128 tiles (2 blocks per SM); 3 = persistent blocks (one per SM) walking the tiles with the copies running
 // ahead across tile boundaries; 4 = 3 with the down GEMM on persistent 128 x 128 tiles (2 per SM); 5 = 1 without the
 // 64-row tiles; 6 = persistent warp-specialised blocks (one per SM: a copying warpgroup and two wgmma warpgroups
-// synchronised by mbarriers, moe_wgmma_ws_kernel).
+// synchronised by mbarriers, moe_wgmma_ws_kernel); 7 = 6 in clusters of two blocks on m-tile pairs, the weights of a
+// pair of one expert multicast to both (moe_wgmma_ws_kernel's PAIR).
 int wgmma_env_mode();
 
 // Launches of moe_wgmma_persistent_kernel issued in this process (moe_persistent_launches). Host only.
@@ -129,6 +130,10 @@ uint64_t persistent_launches();
 
 // Launches of moe_wgmma_ws_kernel issued in this process (moe_warp_specialized_launches). Host only.
 uint64_t ws_launches();
+
+// Launches of moe_wgmma_ws_kernel in clusters of two (variant 7) issued in this process (moe_cluster_pair_launches).
+// Host only.
+uint64_t pair_launches();
 
 // The m-tile rows (the routing schedule's bm) of OwnWgmma's kernels for P routed rows over E experts under
 // `variant` (wgmma_env_mode): 64 for variant 1 below kWgmmaSmallRowsPerExpert rows per expert on average (a

@@ -540,15 +540,33 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) moe_wgmma_persistent_kern
 // stores after a transpose across each quad, store_tile_quad; else the m16n8 pairs). No block-wide barrier in the
 // loop: the loads run up to STAGES k-steps ahead, across tiles and while the consumers store. Same tiles, products
 // and k order as moe_wgmma_kernel: the same bits. tile_counter: zero before the launch (launch_ws).
-template <class C, bool GATE_UP>
+//
+// PAIR (variant 7: HYPIC_MOE_WGMMA=7, or the candidate HYPIC_MOE_CLUSTER_PAIRS): clusters of two such blocks on the
+// m-tile pairs (2 j, 2 j + 1) of the schedule, one m-tile each (rank r: m-tile 2 j + r, the same n-tile), so that
+// where both m-tiles belong to one expert (offsets_kernel puts the experts with an even m-tile count first, so each of
+// their pairs does; an odd count leaves one pair of two experts) the weights are read from L2 once for the two (the 128 x 256 tiles of one block read 48 KB per k-step, the
+// bandwidth between L2 and the SMs bounds them; CUTLASS's Hopper GEMMs use 2-CTA clusters for the same reason): each
+// block loads one 128-row TMA box of the slot's B (gate_up: rank 0 the gate rows, rank 1 the up rows; down: rows
+// n0 + 128 r ..) multicast into both blocks' slots, and each slot's `full` barrier expects the whole B in both. A pair
+// of two experts' m-tiles loads its own B in each block; a missing second m-tile (odd count) is an empty tile whose
+// block only loads its half of B. Rank 0's loader takes the pairs from the counter and hands each to both loaders
+// through a mailbox in each block's shared memory (st.shared::cluster + a remote mbarrier arrival); a slot is refilled
+// once the consumers of both blocks released it (`empty`: one arrival per consumer warp of each block, 16), since
+// the peer's multicast writes it; the blocks synchronise as a cluster before the first and after the last access to
+// each other's shared memory.
+template <class C, bool GATE_UP, bool PAIR = false>
 struct WsLayout {
   static constexpr int THREADS = 384;
   static constexpr int ROWS_PER_PASS = 16;  // 128 copying threads, 8 16-byte units per 128-byte row
   static constexpr int A_IT = C::BM / ROWS_PER_PASS;
-  static constexpr int BOX_ROWS = GATE_UP ? C::BN / 2 : C::BN;  // TMA box rows (at most 256)
-  // Tile ring entries: the loader runs at most STAGES k-steps (so STAGES + 1 tiles with the end mark) ahead.
+  // TMA box rows (at most 256): gate_up's gate and up halves; down's whole tile, or its halves in pairs
+  static constexpr int BOX_ROWS = GATE_UP || PAIR ? C::BN / 2 : C::BN;
+  // Tile ring entries: the loader runs at most STAGES k-steps (so STAGES + 1 tiles with the end mark) ahead. With
+  // PAIR, rank 0's loader also runs at most STAGES k-steps ahead of rank 1's consumers (the shared `empty`), so at
+  // most STAGES + 1 tiles ahead of rank 1's loader: the mailbox has RING entries too.
   static constexpr int RING = 8;
   static_assert(RING > C::STAGES + 1, "tile ring");
+  static constexpr int EMPTY_ARRIVALS = PAIR ? 2 * 8 : 256;
   static constexpr int BAR_OFFSET = C::STAGES * C::STAGE_BYTES;  // from the 1024-byte aligned base: full[S], empty[S]
   static constexpr int SMEM = BAR_OFFSET + 2 * C::STAGES * 8 + 1024;
   // No register reallocation (setmaxnreg): the consumers fit the 168 registers per thread of 384-thread blocks.
@@ -556,16 +574,21 @@ struct WsLayout {
   static_assert(SMEM <= 227 * 1024, "shared memory per block");
 };
 
-template <class C, bool GATE_UP, bool VEC>
-__global__ void __launch_bounds__(WsLayout<C, GATE_UP>::THREADS, 1)
+template <class C, bool GATE_UP, bool VEC, bool PAIR = false>
+__global__ void __launch_bounds__(WsLayout<C, GATE_UP, PAIR>::THREADS, 1)
     moe_wgmma_ws_kernel(const GroupedArgs a, int n_tiles, int* tile_counter,
                         const __grid_constant__ CUtensorMap bmap) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using L = WsLayout<C, GATE_UP>;
+  using L = WsLayout<C, GATE_UP, PAIR>;
   constexpr int S = C::STAGES;
   __shared__ int4 ring[L::RING];  // the tiles the loader took, in order: (m0, seg, cnt, n0); cnt < 0: no more
   __shared__ int ring_e[L::RING];
-  const int total = *a.num_tiles * n_tiles;
+  __shared__ int ring_mc[L::RING];          // PAIR: 1 where the pair's B is multicast (one expert)
+  __shared__ int4 mailbox[L::RING];         // PAIR: the pair index rank 0 took (x)
+  __shared__ uint64_t mail_bar[L::RING];    // PAIR: one arrival (rank 0's) per entry and use
+  const uint32_t rank = PAIR ? cluster_rank() : 0u;
+  // tiles (PAIR: m-tile pairs) of the launch
+  const int total = PAIR ? (*a.num_tiles + 1) / 2 * n_tiles : *a.num_tiles * n_tiles;
   const int K = a.K, KT = (K + C::BK - 1) / C::BK;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const uint32_t pad = ((smem_addr(smem_raw) + 1023u) & ~1023u) - smem_addr(smem_raw);
@@ -576,11 +599,23 @@ __global__ void __launch_bounds__(WsLayout<C, GATE_UP>::THREADS, 1)
   if (tid == 0) {
     for (int s = 0; s < S; ++s) {
       mbar_init(full + s, 128 + 1);
-      mbar_init(empty + s, 256);
+      mbar_init(empty + s, L::EMPTY_ARRIVALS);
     }
+    if (PAIR)
+      for (int i = 0; i < L::RING; ++i) mbar_init(mail_bar + i, 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
-  __syncthreads();
+  if (PAIR)
+    cluster_sync();  // the peer's barriers are initialised before this block arrives on them or multicasts
+  else
+    __syncthreads();
+  // (PAIR: the empty barriers gather the consumers of both blocks)
+  auto wait_empty = [&](int s, uint32_t parity) {
+    if (PAIR)
+      mbar_wait_cluster(empty + s, parity);
+    else
+      mbar_wait(empty + s, parity);
+  };
 
   if (wg == 0) {  // loader: k-step `it` of the block's stream into slot it % S
     const int u = tid & 7, r0 = tid >> 3;
@@ -590,27 +625,51 @@ __global__ void __launch_bounds__(WsLayout<C, GATE_UP>::THREADS, 1)
     for (int seq = 0;; ++seq) {
       const int ri = seq % L::RING;
       if (tid == 0) {  // the next tile of the launch (taken in order by whichever block is ready first)
-        const int tt = atomicAdd(tile_counter, 1);
         int4 e = make_int4(0, 0, -1, 0);
-        int ex = 0;
-        if (tt < total) {
-          const TileInfo t = tile_info<C, GATE_UP>(a, tt / n_tiles, tt % n_tiles);
-          e = make_int4(t.m0, t.seg, t.cnt, t.n0);
-          ex = t.e;
+        int ex = 0, mc = 0;
+        if constexpr (PAIR) {
+          if (rank == 0) {  // take the next pair, hand it to both blocks
+            const int q = atomicAdd(tile_counter, 1);
+            for (uint32_t cta = 0; cta < 2; ++cta) {
+              st_cluster_v4(mailbox + ri, cta, make_int4(q, 0, 0, 0));
+              mbar_arrive_cluster(mail_bar + ri, cta);
+            }
+          }
+          mbar_wait_cluster(mail_bar + ri, uint32_t((seq / L::RING) & 1));
+          const int q = mailbox[ri].x;
+          if (q < total) {
+            const int mt0 = 2 * (q / n_tiles), nt = q % n_tiles, mt = mt0 + int(rank);
+            const TileInfo t0 = tile_info<C, GATE_UP>(a, mt0, nt);
+            const bool second = mt0 + 1 < *a.num_tiles;
+            mc = !second || a.tiles[mt0 + 1].x == t0.e;
+            // the block's m-tile, or (no second m-tile) an empty one of rank 0's expert and columns
+            const TileInfo t = mt == mt0 ? t0 : second ? tile_info<C, GATE_UP>(a, mt, nt) : TileInfo{t0.e, 0, 0, 0, t0.n0};
+            e = make_int4(t.m0, t.seg, t.cnt, t.n0);
+            ex = t.e;
+          }
+        } else {
+          const int tt = atomicAdd(tile_counter, 1);
+          if (tt < total) {
+            const TileInfo t = tile_info<C, GATE_UP>(a, tt / n_tiles, tt % n_tiles);
+            e = make_int4(t.m0, t.seg, t.cnt, t.n0);
+            ex = t.e;
+          }
         }
         ring[ri] = e;
         ring_e[ri] = ex;
+        ring_mc[ri] = mc;
       }
       named_sync(1, 128);
       const int4 e = ring[ri];
       const int s_first = it % S;
       if (e.z < 0) {  // no more tiles: complete the next phase of the next slot with no data (the consumers exit)
-        if (it >= S) mbar_wait(empty + s_first, uint32_t((it / S - 1) & 1));
+        if (it >= S) wait_empty(s_first, uint32_t((it / S - 1) & 1));
         mbar_arrive(full + s_first);
         if (tid == 0) mbar_arrive(full + s_first);
         break;
       }
       const TileInfo t{ring_e[ri], e.x, e.y, e.z, e.w};
+      const bool multicast = PAIR && ring_mc[ri];
       int rows[L::A_IT];
 #pragma unroll
       for (int i = 0; i < L::A_IT; ++i) {
@@ -620,13 +679,21 @@ __global__ void __launch_bounds__(WsLayout<C, GATE_UP>::THREADS, 1)
 #pragma unroll 1
       for (int kt = 0; kt < KT; ++kt, ++it) {
         const int s = it % S;
-        if (it >= S) mbar_wait(empty + s, uint32_t((it / S - 1) & 1));  // both consumers done with k-step it - S
+        if (it >= S) wait_empty(s, uint32_t((it / S - 1) & 1));  // the consumers done with k-step it - S
         const int k0 = kt * C::BK;
         if (tid == 0) {  // (its arrival releases the ring entry written above to the consumers)
           const uint32_t sb = s_base + uint32_t(s * C::STAGE_BYTES + C::A_BYTES);
-          mbar_arrive_expect_tx(full + s, uint32_t(C::B_BYTES));
-          tma_load_3d(sb, &bmap, full + s, k0, t.n0, t.e);
-          if (GATE_UP) tma_load_3d(sb + L::BOX_ROWS * 128, &bmap, full + s, k0, a.N + t.n0, t.e);
+          mbar_arrive_expect_tx(full + s, uint32_t(C::B_BYTES));  // (PAIR: half from each block where multicast)
+          // box b holds B rows b * BOX_ROWS .. of the tile: gate_up's gate rows n0 .. / up rows N + n0 ..; down's
+          // rows n0 + b * BOX_ROWS ..
+          auto box_row = [&](int b) { return GATE_UP ? (b ? a.N : 0) + t.n0 : t.n0 + b * L::BOX_ROWS; };
+          if (multicast) {
+            tma_load_3d_multicast(sb + rank * uint32_t(L::BOX_ROWS * 128), &bmap, full + s, k0, box_row(int(rank)),
+                                  t.e, uint16_t(0x3));
+          } else {
+            tma_load_3d(sb, &bmap, full + s, k0, box_row(0), t.e);
+            if (L::BOX_ROWS < C::BN) tma_load_3d(sb + L::BOX_ROWS * 128, &bmap, full + s, k0, box_row(1), t.e);
+          }
         }
         const uint32_t bytes = k0 + u * 8 < K ? 16u : 0u;  // K is a multiple of 8; past K: zeros
         const int ko = (bytes ? k0 : 0) + u * 8;
@@ -639,12 +706,25 @@ __global__ void __launch_bounds__(WsLayout<C, GATE_UP>::THREADS, 1)
       }
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");
+    if (PAIR) cluster_sync();
     return;
   }
 
   const int ct = tid - 128, cw = wg - 1;  // consumer thread 0 .. 255, its warpgroup's row half
   const uint64_t da0 = sw128_desc(s_base + uint32_t(cw * 64 * 128), 16, 1024);
   const uint64_t db0 = sw128_desc(s_base + uint32_t(C::A_BYTES), 16, 1024);
+  // The slot's release by this thread (PAIR: by this warp, in both blocks, once every lane's wgmmas are done).
+  auto release = [&](int s) {
+    if constexpr (PAIR) {
+      __syncwarp();
+      if ((tid & 31) == 0) {
+        mbar_arrive_cluster(empty + s, 0);
+        mbar_arrive_cluster(empty + s, 1);
+      }
+    } else {
+      mbar_arrive(empty + s);
+    }
+  };
   float acc[C::NF][4];
 #pragma unroll
   for (int f = 0; f < C::NF; ++f) acc[f][0] = acc[f][1] = acc[f][2] = acc[f][3] = 0.f;
@@ -667,11 +747,11 @@ __global__ void __launch_bounds__(WsLayout<C, GATE_UP>::THREADS, 1)
       }
       wgmma_wait<1>();  // k-step it - 1 done: its slot is free
       pin<C::NF>(acc);
-      if (kt > 0) mbar_arrive(empty + (it - 1) % S);
+      if (kt > 0) release((it - 1) % S);
     }
     wgmma_wait<0>();
     pin<C::NF>(acc);
-    mbar_arrive(empty + (it - 1) % S);
+    release((it - 1) % S);
     if (active) {
       if (VEC)
         store_tile_quad<C, GATE_UP>(a, t, acc, ct);
@@ -679,6 +759,7 @@ __global__ void __launch_bounds__(WsLayout<C, GATE_UP>::THREADS, 1)
         store_tile<C, GATE_UP, false>(a, t, acc, ct);
     }
   }
+  if (PAIR) cluster_sync();  // (the peer's last multicast and remote arrivals on this block are done)
 #else
   (void)a;
   (void)n_tiles;
@@ -735,10 +816,14 @@ void set_smem_one(const char* what) {
     check_cuda(cudaFuncSetAttribute(moe_wgmma_persistent_kernel<C, GATE_UP, VEC>,
                                     cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM),
                std::string("cudaFuncSetAttribute(moe_wgmma_persistent_kernel ") + what + ")");
-    if constexpr (C::BN == 256)
+    if constexpr (C::BN == 256) {
       check_cuda(cudaFuncSetAttribute(moe_wgmma_ws_kernel<C, GATE_UP, VEC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       WsLayout<C, GATE_UP>::SMEM),
                  std::string("cudaFuncSetAttribute(moe_wgmma_ws_kernel ") + what + ")");
+      check_cuda(cudaFuncSetAttribute(moe_wgmma_ws_kernel<C, GATE_UP, VEC, true>,
+                                      cudaFuncAttributeMaxDynamicSharedMemorySize, WsLayout<C, GATE_UP, true>::SMEM),
+                 std::string("cudaFuncSetAttribute(moe_wgmma_ws_kernel, pairs ") + what + ")");
+    }
   }
 }
 template <class C, bool GATE_UP>
@@ -761,6 +846,7 @@ int setup_device(int dev) {
 
 std::atomic<uint64_t> g_persistent_launches{0};  // (moe_persistent_launches)
 std::atomic<uint64_t> g_ws_launches{0};          // (moe_warp_specialized_launches)
+std::atomic<uint64_t> g_pair_launches{0};        // (moe_cluster_pair_launches)
 
 // How a GEMM's 128-row tiles are walked: one block per tile, persistent blocks (variants 3 / 4), or persistent
 // warp-specialised blocks (variant 6).
@@ -789,12 +875,34 @@ void launch_tiles(const GroupedArgs& g, size_t grid_m, Sched sched, int sms, cud
   check_cuda(cudaGetLastError(), what);
 }
 
+// The most clusters of two blocks of moe_wgmma_ws_kernel<C, GATE_UP, VEC, true> that the current device runs at once
+// (cudaOccupancyMaxActiveClusters: pairs of SMs of one GPC), asked once per device and instantiation; at least 1.
+template <class C, bool GATE_UP, bool VEC>
+int max_pair_clusters(int dev) {
+  static std::atomic<int> cached[64];
+  if (dev < 0 || dev >= 64) throw std::invalid_argument("max_pair_clusters: device " + std::to_string(dev));
+  int n = cached[dev].load(std::memory_order_relaxed);
+  if (n > 0) return n;
+  cudaLaunchConfig_t cfg{};
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = 2, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
+  cfg.gridDim = dim3(2), cfg.blockDim = dim3(WsLayout<C, GATE_UP, true>::THREADS);
+  cfg.dynamicSmemBytes = WsLayout<C, GATE_UP, true>::SMEM;
+  cfg.attrs = &attr, cfg.numAttrs = 1;
+  check_cuda(cudaOccupancyMaxActiveClusters(&n, moe_wgmma_ws_kernel<C, GATE_UP, VEC, true>, &cfg),
+             "cudaOccupancyMaxActiveClusters(moe_wgmma_ws_kernel, pairs)");
+  n = std::max(n, 1);
+  cached[dev].store(n, std::memory_order_relaxed);
+  return n;
+}
+
 // The warp-specialised kernel over grid_m m-tiles (an upper bound) of expert weights with `rows` rows each (gate_up
-// 2N, down N): one block per SM at most. False (nothing launched) where the weights cannot be a TMA tensor map.
+// 2N, down N): one block per SM at most; `pair`: in clusters of two on m-tile pairs (as many clusters as run at once).
+// False (nothing launched) where the weights cannot be a TMA tensor map.
 template <class C, bool GATE_UP>
-bool launch_ws(const GroupedArgs& g, int E, int rows, size_t grid_m, bool vec, int* tile_counter, int sms,
+bool launch_ws(const GroupedArgs& g, int E, int rows, size_t grid_m, bool vec, bool pair, int* tile_counter, int sms,
                cudaStream_t stream, const char* what) {
-  using L = WsLayout<C, GATE_UP>;
   if (!weights_tma_ok(g, E, rows)) return false;
   constexpr int cols = GATE_UP ? C::BN / 2 : C::BN;
   const int n_tiles = (g.N + cols - 1) / cols;
@@ -802,8 +910,31 @@ bool launch_ws(const GroupedArgs& g, int E, int rows, size_t grid_m, bool vec, i
   if (blocks > size_t(INT_MAX))
     throw std::invalid_argument(std::string(what) + ": " + std::to_string(blocks) + " tiles do not fit a grid");
   CUtensorMap map;
-  if (!weights_tensor_map(g, E, rows, L::BOX_ROWS, &map)) return false;  // one block per tile instead
+  const int box_rows = pair ? WsLayout<C, GATE_UP, true>::BOX_ROWS : WsLayout<C, GATE_UP>::BOX_ROWS;
+  if (!weights_tensor_map(g, E, rows, box_rows, &map)) return false;  // one block per tile instead
   check_cuda(cudaMemsetAsync(tile_counter, 0, sizeof(int), stream), std::string(what) + " (tile counter)");
+  if (pair) {
+    using L = WsLayout<C, GATE_UP, true>;
+    const int clusters = vec ? max_pair_clusters<C, GATE_UP, true>(current_device())
+                             : max_pair_clusters<C, GATE_UP, false>(current_device());
+    const size_t pairs = (grid_m + 1) / 2 * size_t(n_tiles);
+    cudaLaunchConfig_t cfg{};
+    cudaLaunchAttribute attr{};
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = 2, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
+    cfg.gridDim = dim3(unsigned(2 * std::min(pairs, size_t(clusters)))), cfg.blockDim = dim3(L::THREADS);
+    cfg.dynamicSmemBytes = L::SMEM, cfg.stream = stream;
+    cfg.attrs = &attr, cfg.numAttrs = 1;
+    if (vec)
+      check_cuda(cudaLaunchKernelEx(&cfg, moe_wgmma_ws_kernel<C, GATE_UP, true, true>, g, n_tiles, tile_counter, map),
+                 what);
+    else
+      check_cuda(cudaLaunchKernelEx(&cfg, moe_wgmma_ws_kernel<C, GATE_UP, false, true>, g, n_tiles, tile_counter, map),
+                 what);
+    g_pair_launches.fetch_add(1, std::memory_order_relaxed);
+    return true;
+  }
+  using L = WsLayout<C, GATE_UP>;
   const unsigned grid = unsigned(std::min(blocks, size_t(sms)));
   if (vec)
     moe_wgmma_ws_kernel<C, GATE_UP, true><<<grid, L::THREADS, L::SMEM, stream>>>(g, n_tiles, tile_counter, map);
@@ -842,6 +973,8 @@ uint64_t persistent_launches() { return g_persistent_launches.load(std::memory_o
 
 uint64_t ws_launches() { return g_ws_launches.load(std::memory_order_relaxed); }
 
+uint64_t pair_launches() { return g_pair_launches.load(std::memory_order_relaxed); }
+
 bool wgmma_supported(const MoeWeightsView& w, size_t P) {
   if (w.H % 8 || w.I % 8 || w.H % 2 || w.I % 2) return false;
   const size_t grid_m = max_tiles(P, w.E, 64);  // (the 64-row schedule's bound covers the 128-row one)
@@ -855,7 +988,7 @@ int wgmma_env_mode() {
     const char* v = std::getenv("HYPIC_MOE_WGMMA");
     if (!v) return 1;
     const std::string s(v);
-    return s == "0" ? 0 : s == "2" ? 2 : s == "3" ? 3 : s == "4" ? 4 : s == "5" ? 5 : s == "6" ? 6 : 1;
+    return s == "0" ? 0 : s == "2" ? 2 : s == "3" ? 3 : s == "4" ? 4 : s == "5" ? 5 : s == "6" ? 6 : s == "7" ? 7 : 1;
   }();
   return mode;
 }
@@ -880,8 +1013,9 @@ void launch_wgmma(const MoeWeightsView& w, size_t P, const bf16* x, MoeWorkspace
     return;
   }
   const Sched sched = variant == 3 || variant == 4 ? Sched::kPersistent
-                      : variant == 6                ? Sched::kWarpSpecialized
-                                                    : Sched::kPerTile;
+                      : variant == 6 || variant == 7 ? Sched::kWarpSpecialized
+                                                     : Sched::kPerTile;
+  const bool pair = variant == 7;
   const bool down_128 = variant == 2 || variant == 4;
   const size_t grid_m = max_tiles(P, w.E, kWgmmaBM);
   const GroupedArgs g1 = gate_up_args(w, x, ws);
@@ -894,7 +1028,7 @@ void launch_wgmma(const MoeWeightsView& w, size_t P, const bf16* x, MoeWorkspace
   };
   const bool ws_on = sched == Sched::kWarpSpecialized;  // (falls back to one block per tile where TMA cannot load)
   const Sched tiles_sched = ws_on ? Sched::kPerTile : sched;
-  if (!ws_on || !launch_ws<GateUpCfg, true>(g1, w.E, 2 * w.I, grid_m, vec, ws_counter(ws, 0), sms, stream,
+  if (!ws_on || !launch_ws<GateUpCfg, true>(g1, w.E, 2 * w.I, grid_m, vec, pair, ws_counter(ws, 0), sms, stream,
                                              "moe_forward: warp-specialised wgmma gate_up GEMM launch"))
     launch_one<GateUpCfg, true>(g1, grid_m, tiles_sched, vec, sms, stream, "moe_forward: wgmma gate_up GEMM launch");
   if (tail64)
@@ -903,7 +1037,7 @@ void launch_wgmma(const MoeWeightsView& w, size_t P, const bf16* x, MoeWorkspace
   const GroupedArgs g2 = down_args(w, ws);
   if (down_128)
     launch_one<Down128Cfg, false>(g2, grid_m, sched, vec, sms, stream, "moe_forward: wgmma down GEMM launch (128)");
-  else if (!ws_on || !launch_ws<DownCfg, false>(g2, w.E, w.H, grid_m, vec, ws_counter(ws, 1), sms, stream,
+  else if (!ws_on || !launch_ws<DownCfg, false>(g2, w.E, w.H, grid_m, vec, pair, ws_counter(ws, 1), sms, stream,
                                                 "moe_forward: warp-specialised wgmma down GEMM launch"))
     launch_one<DownCfg, false>(g2, grid_m, tiles_sched, vec, sms, stream, "moe_forward: wgmma down GEMM launch");
   if (tail64)

@@ -172,6 +172,55 @@ __device__ __forceinline__ void tma_load_3d(uint32_t saddr, const void* map, uin
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(smem_u32(bar))
       : "memory");
 }
+/// tma_load_3d multicast to the CTAs of the cluster named by the bits of `cta_mask`: the box lands at `saddr` in each
+/// of them and its bytes complete on the mbarrier at `bar`'s offset in each (PTX ISA, cp.async.bulk.tensor,
+/// .multicast::cluster). Launch with a cluster dimension; every destination expects the bytes (expect_tx).
+__device__ __forceinline__ void tma_load_3d_multicast(uint32_t saddr, const void* map, uint64_t* bar, int c0, int c1,
+                                                      int c2, uint16_t cta_mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster "
+      "[%0], [%1, {%2, %3, %4}], [%5], %6;\n" ::"r"(saddr),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(smem_u32(bar)), "h"(cta_mask)
+      : "memory");
+}
+/// This CTA's rank in its cluster (%cluster_ctarank: 0 without a cluster launch).
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+/// The shared::cluster address of `p` (an address in this CTA's shared memory) in CTA `cta` of the cluster (mapa).
+__device__ __forceinline__ uint32_t cluster_addr(const void* p, uint32_t cta) {
+  uint32_t r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(smem_u32(p)), "r"(cta));
+  return r;
+}
+/// One arrival, with release semantics at cluster scope, on the mbarrier at `bar`'s offset in CTA `cta` of the
+/// cluster (this CTA's own rank arrives locally).
+__device__ __forceinline__ void mbar_arrive_cluster(uint64_t* bar, uint32_t cta) {
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(cluster_addr(bar, cta))
+               : "memory");
+}
+/// mbar_wait with acquire semantics at cluster scope (the phase's arrivals came from other CTAs of the cluster).
+__device__ __forceinline__ void mbar_wait_cluster(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred p;\nWAITC:\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%0], %1;\n@!p bra "
+      "WAITC;\n}\n" ::"r"(smem_u32(bar)),
+      "r"(parity)
+      : "memory");
+}
+/// 16 bytes (an int4) into the shared memory of CTA `cta` of the cluster, at `p`'s offset.
+__device__ __forceinline__ void st_cluster_v4(const void* p, uint32_t cta, int4 v) {
+  asm volatile("st.shared::cluster.v4.s32 [%0], {%1, %2, %3, %4};\n" ::"r"(cluster_addr(p, cta)), "r"(v.x), "r"(v.y),
+               "r"(v.z), "r"(v.w)
+               : "memory");
+}
+/// Every thread of every CTA of the cluster arrives and waits (barrier.cluster, release / acquire): for the start
+/// (mbarriers initialised before a peer uses them) and the end (no CTA exits while a peer may still reach its shared
+/// memory).
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
+}
 /// Named barrier `id` (1..15; 0 is __syncthreads) over `count` threads (a multiple of 32): sync waits, arrive
 /// does not.
 __device__ __forceinline__ void named_sync(int id, int count) {

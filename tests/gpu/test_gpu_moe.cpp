@@ -516,7 +516,7 @@ std::string wgmma_mode() {
   return mv ? mv : "1";
 }
 bool wgmma_variant1(const std::string& mode) {
-  return mode != "2" && mode != "3" && mode != "4" && mode != "5" && mode != "6";
+  return mode != "2" && mode != "3" && mode != "4" && mode != "5" && mode != "6" && mode != "7";
 }
 
 TEST_CASE("moe_forward wgmma prefill tiles (OwnWgmma / Own) vs CPU and the mma.sync tiles, odd sizes", "[moe]") {
@@ -635,6 +635,7 @@ TEST_CASE("moe_forward wgmma prefill tiles (OwnWgmma / Own) vs CPU and the mma.s
         std::vector<float> pers, tiles;
         uint64_t launched = 0;
         ScopedCandidate no_ws("HYPIC_MOE_WARP_SPECIALIZED", false);  // (it takes precedence over the rule)
+        ScopedCandidate no_pairs("HYPIC_MOE_CLUSTER_PAIRS", false);  // (and this over both)
         {
           ScopedCandidate sw("HYPIC_MOE_PERSISTENT_LONG", true);
           const uint64_t before = gpu::moe_persistent_launches();
@@ -665,6 +666,7 @@ TEST_CASE("moe_forward wgmma prefill tiles (OwnWgmma / Own) vs CPU and the mma.s
         const bool takes = variant1 && P >= size_t(32) * c.E && P < size_t(512) * c.E;
         std::vector<float> ws_out, tiles;
         uint64_t launched = 0;
+        ScopedCandidate no_pairs("HYPIC_MOE_CLUSTER_PAIRS", false);  // (it takes precedence)
         {
           ScopedCandidate sw("HYPIC_MOE_WARP_SPECIALIZED", true);
           const uint64_t before = gpu::moe_warp_specialized_launches();
@@ -691,6 +693,46 @@ TEST_CASE("moe_forward wgmma prefill tiles (OwnWgmma / Own) vs CPU and the mma.s
         CHECK(same_pairs);
         if (variant1) CHECK(launched == (takes ? 2u : 0u));
         if (mode == "6") CHECK(launched == 2u);  // (variant 6 runs 128-row tiles at every size)
+      }
+      // The same blocks in clusters of two on m-tile pairs (the candidate HYPIC_MOE_CLUSTER_PAIRS: rank r of a cluster
+      // takes m-tile 2 j + r; where both are one expert's, each block TMA-loads half of the weight rows multicast into
+      // both): the same tiles in the same k order, so the same bits, with both epilogues; both GEMMs launched on them
+      // wherever the 128-row schedule runs (P >= 32 E: T = 4096 of E = 256, 300 / 2048 of E = 16, 130 / 1000 / 1100 /
+      // 2100 of E = 8, 300 of E = 8 at H = 128). The sizes give pairs of one expert (multicast), of two experts
+      // (each block loads its own weights), an odd m-tile count (the last cluster's second block has no rows and only
+      // loads its half), and tile counts that are no multiple of the clusters in flight.
+      if (wgmma) {
+        const std::string mode = wgmma_mode();
+        const bool variant1 = wgmma_variant1(mode);
+        const size_t P = size_t(T) * c.topk;
+        const bool takes = (variant1 && P >= size_t(32) * c.E) || mode == "7";
+        std::vector<float> pair_out, pair_pairs, tiles;
+        uint64_t launched = 0;
+        {
+          ScopedCandidate sw("HYPIC_MOE_CLUSTER_PAIRS", true);
+          const uint64_t before = gpu::moe_cluster_pair_launches();
+          pair_out = run(gpu::GroupedGemm::OwnWgmma);
+          launched = gpu::moe_cluster_pair_launches() - before;
+        }
+        {
+          ScopedCandidate sw("HYPIC_MOE_CLUSTER_PAIRS", true);
+          ScopedCandidate pairs("HYPIC_MOE_EPILOGUE_VEC", false);
+          pair_pairs = run(gpu::GroupedGemm::OwnWgmma);
+        }
+        {
+          ScopedCandidate sw("HYPIC_MOE_CLUSTER_PAIRS", false);
+          ScopedCandidate no_ws("HYPIC_MOE_WARP_SPECIALIZED", false);
+          ScopedCandidate per_tile("HYPIC_MOE_PERSISTENT_LONG", false);
+          tiles = run(gpu::GroupedGemm::OwnWgmma);
+        }
+        const bool same = same_bits(pair_out, tiles), same_pairs = same_bits(pair_pairs, tiles);
+        std::printf("[moe] wgmma %s cluster pairs (128-row schedule: %s, launches %llu) == one block per tile "
+                    "bit-identical: %s (pairs epilogue: %s)\n",
+                    name.c_str(), takes ? "yes" : "no", (unsigned long long)launched, same ? "yes" : "NO",
+                    same_pairs ? "yes" : "NO");
+        CHECK(same);
+        CHECK(same_pairs);
+        if (variant1 || mode == "7") CHECK(launched == (takes ? 2u : 0u));
       }
       // Tail tiles (HYPIC_MOE_TAIL64: on 128-row schedules an expert's last tile of 1 .. 64 rows runs on the 64-row
       // kernels): the same products of each row in the same k order, on m64n128k16 instead of m64n256k16 wgmmas, so
@@ -1118,15 +1160,17 @@ TEST_CASE("bench: moe_forward wgmma prefill tiles vs mma.sync and cuBLAS (prefil
       std::printf("[bench] moe T=%-6d %-9s %9.3f ms  %7.1f TFLOP/s\n", T, impl_name(impl), ms,
                   flops / (ms * 1e-3) / 1e12);
     }
-    // Own beside itself with the warp-specialised blocks (candidate HYPIC_MOE_WARP_SPECIALIZED), alternating.
+    // Own beside itself alternating: one block per tile (ws=0 pairs=0), the warp-specialised blocks (ws=1,
+    // HYPIC_MOE_WARP_SPECIALIZED) and those in clusters of two on m-tile pairs (pairs=1, HYPIC_MOE_CLUSTER_PAIRS).
     for (int rep = 0; rep < 2; ++rep) {
-      for (bool on : {false, true}) {
-        ScopedCandidate sw("HYPIC_MOE_WARP_SPECIALIZED", on);
+      for (int way = 0; way < 3; ++way) {
+        ScopedCandidate sw("HYPIC_MOE_WARP_SPECIALIZED", way == 1);
+        ScopedCandidate pairs("HYPIC_MOE_CLUSTER_PAIRS", way == 2);
         const double ms = time_ms(st.s, [&] {
           gpu::moe_forward(T, dx.get(), v, dout.get(), ws, gemm, gpu::GroupedGemm::Own, st.s);
         });
-        std::printf("[bench] moe T=%-6d Own ws=%d  %9.3f ms  %7.1f TFLOP/s\n", T, on ? 1 : 0, ms,
-                    flops / (ms * 1e-3) / 1e12);
+        std::printf("[bench] moe T=%-6d Own ws=%d pairs=%d  %9.3f ms  %7.1f TFLOP/s\n", T, way == 1 ? 1 : 0,
+                    way == 2 ? 1 : 0, ms, flops / (ms * 1e-3) / 1e12);
       }
     }
   }
