@@ -1,5 +1,6 @@
 #include "client/input.h"
 #include "engine/io_error.h"
+#include "proto/rpc/flags.h"
 #include "proto/rpc/status.h"
 
 #include <cerrno>
@@ -78,25 +79,15 @@ double parse_seconds(std::string_view text, std::string_view flag, bool zero_mea
 }
 
 int64_t parse_integer(std::string_view text, std::string_view flag, int64_t min, int64_t max) {
-  int64_t v = 0;
-  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
-  const bool plus = !text.empty() && text[0] == '+';
-  if (text.empty() || plus || ec != std::errc() || end != text.data() + text.size() || v < min || v > max) {
-    throw std::invalid_argument(fmt::format("{}: {} is not an integer in [{}, {}]{}", flag, rpc::untrusted(text, 64),
-                                            min, max, ec == std::errc::result_out_of_range ? " (overflow)" : ""));
-  }
-  return v;
+  if (const auto v = rpc::parse_decimal_int(text, min, max)) return *v;
+  throw std::invalid_argument(fmt::format("{}: {}", flag, rpc::flag_value_refusal(text, "an integer in " +
+                                                                                          rpc::range_text(min, max))));
 }
 
 uint64_t parse_uint64(std::string_view text, std::string_view flag) {
-  uint64_t v = 0;
-  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
-  if (text.empty() || text[0] == '-' || text[0] == '+' || ec != std::errc() || end != text.data() + text.size()) {
-    throw std::invalid_argument(fmt::format("{}: {} is not an integer in [0, 18446744073709551615]{}", flag,
-                                            rpc::untrusted(text, 64),
-                                            ec == std::errc::result_out_of_range ? " (it overflows 64 bits)" : ""));
-  }
-  return v;
+  if (const auto v = rpc::parse_decimal_uint(text, 0, UINT64_MAX)) return *v;
+  throw std::invalid_argument(
+      fmt::format("{}: {}", flag, rpc::flag_value_refusal(text, "an integer in [0, 18446744073709551615]")));
 }
 
 std::string check_address(std::string_view text, std::string_view flag) {

@@ -32,9 +32,10 @@ std::string read_file(const std::string& path, uint64_t max_bytes = kMaxInputFil
 /// Seconds of a deadline or wait: a finite decimal number in (0, 31536000] (a year: beyond that a deadline overflows
 /// clocks); 0 only when `zero_means_none` (then it is returned as 0). NaN, infinities, negatives are refused.
 double parse_seconds(std::string_view text, std::string_view flag, bool zero_means_none);
-/// A decimal integer in [min, max] (no sign for min >= 0, no blanks, no fraction or exponent); overflow refused.
+/// A whole decimal integer in [min, max] as rpc::parse_decimal_int reads it (proto/rpc/flags.h: an optional '+', '-'
+/// only for min < 0, digits; no blanks, base prefix, fraction or exponent; "010" = 10); overflow refused.
 int64_t parse_integer(std::string_view text, std::string_view flag, int64_t min, int64_t max);
-/// A decimal integer in [0, 2^64 - 1]; 2^64 and more refused (not saturated).
+/// A whole decimal integer in [0, 2^64 - 1] (as parse_integer, no '-'); 2^64 and more refused (not saturated).
 uint64_t parse_uint64(std::string_view text, std::string_view flag);
 /// A HOST:PORT address (HOST may be [IPv6]) whose port is a decimal integer in [1, 65535]; the address is returned.
 std::string check_address(std::string_view text, std::string_view flag);

@@ -21,6 +21,7 @@
 #include <cmath>
 #include <fstream>
 #include <iostream>
+#include <limits>
 #include <sstream>
 #include <thread>
 
@@ -34,6 +35,7 @@
 #include "hypic/v1/combine.grpc.pb.h"
 #include "hypic/v1/router.grpc.pb.h"
 #include "hypic/v1/scatter.grpc.pb.h"
+#include "proto/rpc/flags.h"
 #include "proto/rpc/reflection_client.h"
 #include "proto/rpc/server.h"
 #include "proto/rpc/status.h"
@@ -359,28 +361,34 @@ int main(int argc, char** argv) {
   gen->add_option("--segment-file", seg_files, "file whose bytes are one segment (repeat; after --segment ones)");
   auto* q_opt = gen->add_option("--query", query, "query text");
   gen->add_option("--query-file", query_file, "file holding the query")->excludes(q_opt);
-  auto* mt_opt = gen->add_option("--max-tokens", max_tokens, "tokens to generate (default: the router's)");
+  // Integer values go to the router as they are (it names what it refuses), but only as whole decimal numbers that
+  // fit the request's int32 fields (proto/rpc/flags.h).
+  namespace hr = hypic::rpc;
+  constexpr int kI32Min = std::numeric_limits<int32_t>::min(), kI32Max = std::numeric_limits<int32_t>::max();
+  auto* mt_opt = hr::add_strict_int_option(*gen, "--max-tokens", max_tokens, kI32Min, kI32Max,
+                                           "tokens to generate (default: the router's)");
   gen->add_option("--temperature", temperature, "0 = greedy")->capture_default_str();
-  gen->add_option("--top-k", top_k, "0 = off")->capture_default_str();
+  hr::add_strict_int_option(*gen, "--top-k", top_k, kI32Min, kI32Max, "0 = off")->capture_default_str();
   auto* tp_opt = gen->add_option("--top-p", top_p, "nucleus sampling, (0, 1]");
   auto* seed_opt = gen->add_option("--seed", seed_text, "random seed, an integer in [0, 2^64) (default: chosen by the "
                                                        "router)");
   gen->add_option("--stop", stops, "stop string (repeat)");
-  gen->add_option("--stop-token-id", stop_ids, "stop token id (repeat)");
+  hr::add_strict_int_option(*gen, "--stop-token-id", stop_ids, 0, kI32Max, "stop token id (repeat)");
   gen->add_flag("--ignore-eos", ignore_eos, "do not stop at the end-of-text tokens");
   gen->add_flag("--allow-special-tokens", allow_special,
                 "let special-token strings (\"<|im_end|>\"...) in every text segment and the query be special tokens "
                 "(default: tokenised as plain text); for text you built yourself, e.g. a chat template");
   gen->add_option("--mode", mode, "hypic | transition | naive | prefix | full");
-  auto* sw_opt = gen->add_option("--seam-width", seam_width, "seam window w (default: the router's)");
+  auto* sw_opt = hr::add_strict_int_option(*gen, "--seam-width", seam_width, kI32Min, kI32Max,
+                                           "seam window w (default: the router's)");
   int refresh_segments = 0;
-  auto* refresh_opt = gen->add_option("--refresh-segments", refresh_segments,
-                                      "hypic: recompute whole in context the k segments the query attends to most "
-                                      "(default: the router's --refresh-segments)");
+  auto* refresh_opt = hr::add_strict_int_option(*gen, "--refresh-segments", refresh_segments, kI32Min, kI32Max,
+                                                "hypic: recompute whole in context the k segments the query attends "
+                                                "to most (default: the router's --refresh-segments)");
   int refresh_tail = 0;
-  auto* tail_opt = gen->add_option("--refresh-tail", refresh_tail,
-                                   "hypic: recompute whole in context the last t segments (default: the router's "
-                                   "--refresh-tail)");
+  auto* tail_opt = hr::add_strict_int_option(*gen, "--refresh-tail", refresh_tail, kI32Min, kI32Max,
+                                             "hypic: recompute whole in context the last t segments (default: the "
+                                             "router's --refresh-tail)");
   gen->add_flag("--no-cache-write", no_cache_write, "do not store this request's segments in the cache");
   gen->add_option("--request-id", request_id, "request id (default: made up by the router)");
   gen->add_option("--timeout-seconds", timeout_text, "deadline of the call: finite seconds > 0 (0: none)")

@@ -1,24 +1,26 @@
 #include "combine_worker/limits.h"
 
+#include <limits>
+
 #include <fmt/format.h>
 
+#include "proto/rpc/flags.h"
 #include "proto/rpc/status.h"
 
 namespace hypic::combine {
 
 void add_request_limit_flags(CLI::App& app, RequestLimits& l) {
-  app.add_option("--max-new-tokens", l.max_new_tokens,
-                 "most tokens a request may decode (sampling.max_tokens), whatever the router allows")
-      ->check(CLI::PositiveNumber)
+  constexpr int32_t kI32 = std::numeric_limits<int32_t>::max();
+  constexpr int64_t kI64 = std::numeric_limits<int64_t>::max();
+  rpc::add_strict_int_option(app, "--max-new-tokens", l.max_new_tokens, 1, kI32,
+                             "most tokens a request may decode (sampling.max_tokens), whatever the router allows")
       ->capture_default_str();
-  app.add_option("--max-segments", l.max_segments, "most segments per request")
-      ->check(CLI::PositiveNumber)
+  rpc::add_strict_int_option(app, "--max-segments", l.max_segments, 1, kI32, "most segments per request")
       ->capture_default_str();
-  app.add_option("--max-segment-tokens", l.max_segment_tokens, "most token ids per segment")
-      ->check(CLI::PositiveNumber)
+  rpc::add_strict_int_option(app, "--max-segment-tokens", l.max_segment_tokens, 1, kI64, "most token ids per segment")
       ->capture_default_str();
-  app.add_option("--max-prompt-tokens", l.max_prompt_tokens, "most token ids per request (segments and query)")
-      ->check(CLI::PositiveNumber)
+  rpc::add_strict_int_option(app, "--max-prompt-tokens", l.max_prompt_tokens, 1, kI64,
+                             "most token ids per request (segments and query)")
       ->capture_default_str();
 }
 

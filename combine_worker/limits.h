@@ -17,7 +17,9 @@ struct RequestLimits {
   int64_t max_prompt_tokens = 262144;    ///< --max-prompt-tokens: all segments' ids plus the query's
 };
 
-/// Registers --max-new-tokens, --max-segments, --max-segment-tokens and --max-prompt-tokens (each >= 1) on `app`.
+/// Registers --max-new-tokens, --max-segments, --max-segment-tokens and --max-prompt-tokens on `app`: each a whole
+/// decimal number from 1 to its field's largest value (proto/rpc/flags.h); anything else fails the parse with a
+/// CLI::ValidationError naming the flag and the value, and leaves `limits` as it was.
 void add_request_limit_flags(CLI::App& app, RequestLimits& limits);
 
 /// Throws rpc::RpcError(INVALID_ARGUMENT) naming the field, the value and the flag of the first cap `req` passes.

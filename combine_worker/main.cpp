@@ -1,4 +1,6 @@
 // hypic-combine-worker: gathers segment entries, splices, decodes (hypic.v1.CombineWorker).
+#include <limits>
+
 #include <CLI/CLI.hpp>
 #include <spdlog/spdlog.h>
 
@@ -8,6 +10,7 @@
 #include "proto/engine_rpc/engine_flags.h"
 #include "proto/rpc/chunks.h"
 #include "proto/rpc/entry_mac.h"
+#include "proto/rpc/flags.h"
 #include "proto/rpc/server.h"
 
 int main(int argc, char** argv) {
@@ -52,15 +55,14 @@ int main(int argc, char** argv) {
                  "resident entries waiting for their host copy; more are dropped (auto: the larger of 1 GiB and 16 "
                  "entries of 2048 tokens)")
       ->capture_default_str();
-  app.add_option("--chunk-bytes", opt.chunk_bytes, "size of streamed chunks")
-      ->transform(CLI::AsSizeValue(false))
-      ->check(CLI::Range(size_t{4096}, size_t{4} << 20))
+  hypic::rpc::add_strict_size_option(app, "--chunk-bytes", opt.chunk_bytes, 4096, uint64_t{4} << 20,
+                                     "size of streamed chunks")
       ->capture_default_str();
-  app.add_option("--gather-timeout-seconds", gather_timeout_s, "longest wait for a request's segment entries")
-      ->check(CLI::PositiveNumber)
+  hypic::rpc::add_strict_int_option(app, "--gather-timeout-seconds", gather_timeout_s, 1,
+                                    std::numeric_limits<int>::max(), "longest wait for a request's segment entries")
       ->capture_default_str();
-  app.add_option("--fetch-parallelism", opt.fetch_parallelism, "parallel segment-cache fetches per request")
-      ->check(CLI::Range(1, 64))
+  hypic::rpc::add_strict_int_option(app, "--fetch-parallelism", opt.fetch_parallelism, 1, 64,
+                                    "parallel segment-cache fetches per request")
       ->capture_default_str();
   std::string nccl = "auto";
   int nccl_join_timeout_ms = 20000;
@@ -69,8 +71,8 @@ int main(int argc, char** argv) {
                  "off: every entry over gRPC")
       ->check(CLI::IsMember({"auto", "off"}))
       ->capture_default_str();
-  app.add_option("--nccl-join-timeout-ms", nccl_join_timeout_ms, "how long both ranks get to join a communicator")
-      ->check(CLI::Range(100, 600000))
+  hypic::rpc::add_strict_int_option(app, "--nccl-join-timeout-ms", nccl_join_timeout_ms, 100, 600000,
+                                    "how long both ranks get to join a communicator")
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   try {

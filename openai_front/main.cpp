@@ -17,6 +17,7 @@
 #include <spdlog/spdlog.h>
 
 #include "openai_front/http_server.h"
+#include "proto/rpc/flags.h"
 #include "proto/rpc/http_server.h"
 #include "proto/rpc/metrics.h"
 #include "proto/rpc/security.h"
@@ -78,25 +79,25 @@ int main(int argc, char** argv) {
   app.add_option("--request-timeout-seconds", request_timeout_s, "deadline of each completion request at the router")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
-  app.add_option("--max-body-bytes", max_body_bytes, "largest request body accepted (413 above)")
-      ->capture_default_str()
-      ->check(CLI::Range(size_t{1024}, size_t{1} << 30));
-  app.add_option("--http-threads", http_threads,
-                 "completion requests handled at once (worker threads; each stream holds one, more wait in order)")
-      ->capture_default_str()
-      ->check(CLI::Range(size_t{1}, size_t{4096}));
-  app.add_option("--io-threads", io_threads, "threads running every connection's I/O (event-driven)")
-      ->capture_default_str()
-      ->check(CLI::Range(size_t{1}, size_t{64}));
-  app.add_option("--max-connections", max_connections,
-                 "open HTTP connections; past it a new one closes the longest idle (or gets 503 when all are busy)")
-      ->capture_default_str()
-      ->check(CLI::Range(size_t{1}, size_t{1} << 20));
-  app.add_option("--max-buffered-bytes", max_buffered_bytes,
-                 "request bodies held at once, all connections together (503 above, before reading); at least "
-                 "--max-body-bytes")
-      ->capture_default_str()
-      ->check(CLI::Range(size_t{1024}, size_t{1} << 40));
+  namespace hr = hypic::rpc;
+  hr::add_strict_int_option(app, "--max-body-bytes", max_body_bytes, 1024, size_t{1} << 30,
+                            "largest request body accepted (413 above)")
+      ->capture_default_str();
+  hr::add_strict_int_option(app, "--http-threads", http_threads, 1, 4096,
+                            "completion requests handled at once (worker threads; each stream holds one, more wait in "
+                            "order)")
+      ->capture_default_str();
+  hr::add_strict_int_option(app, "--io-threads", io_threads, 1, 64,
+                            "threads running every connection's I/O (event-driven)")
+      ->capture_default_str();
+  hr::add_strict_int_option(app, "--max-connections", max_connections, 1, size_t{1} << 20,
+                            "open HTTP connections; past it a new one closes the longest idle (or gets 503 when all "
+                            "are busy)")
+      ->capture_default_str();
+  hr::add_strict_int_option(app, "--max-buffered-bytes", max_buffered_bytes, 1024, size_t{1} << 40,
+                            "request bodies held at once, all connections together (503 above, before reading); at "
+                            "least --max-body-bytes")
+      ->capture_default_str();
   app.add_option("--header-timeout-seconds", header_timeout_s,
                  "a request head (or an idle keep-alive connection's next one, or a TLS handshake) must arrive "
                  "within this; slower clients are closed")

@@ -7,6 +7,7 @@
 
 #include "engine/checkpoint/config.h"
 #include "tokenizer/tokenizer.h"
+#include "proto/rpc/flags.h"
 #include "proto/rpc/server.h"
 #include "router/service.h"
 
@@ -34,59 +35,77 @@ int main(int argc, char** argv) {
   app.add_option("--combine", cfg.combine_workers, "combine worker host:port (repeat)")->required();
   app.add_option("--cache", cfg.cache_replicas, "segment cache replica host:port (repeat; none: no caching)");
   app.add_option("--schedule", policy, "cold-segment assignment: lpt | round-robin")->capture_default_str();
-  app.add_option("--max-concurrent-requests", l.max_concurrent_requests, "admission limit")->capture_default_str();
-  app.add_option("--max-segments", l.max_segments, "admission limit: segments per request")->capture_default_str();
-  app.add_option("--max-segment-tokens", l.max_segment_tokens, "admission limit: tokens per segment")->capture_default_str();
-  app.add_option("--max-prompt-tokens", l.max_prompt_tokens, "admission limit: segments + query tokens")->capture_default_str();
-  app.add_option("--max-segment-bytes", l.max_segment_bytes,
-                 "admission limit: text bytes per segment, checked before tokenising (0: 16 x --max-segment-tokens)")
+  namespace hr = hypic::rpc;
+  constexpr uint32_t kU32 = std::numeric_limits<uint32_t>::max();
+  constexpr uint64_t kU64 = std::numeric_limits<uint64_t>::max();
+  constexpr int kInt = std::numeric_limits<int>::max();
+  hr::add_strict_int_option(app, "--max-concurrent-requests", l.max_concurrent_requests, 0, kU32, "admission limit")
       ->capture_default_str();
-  app.add_option("--max-prompt-bytes", l.max_prompt_bytes,
-                 "admission limit: text bytes of all segments + the query, checked before tokenising (0: 16 x "
-                 "--max-prompt-tokens)")
+  hr::add_strict_int_option(app, "--max-segments", l.max_segments, 0, kU32, "admission limit: segments per request")
       ->capture_default_str();
-  app.add_option("--max-new-tokens", l.max_new_tokens, "admission limit: sampling.max_tokens")->capture_default_str();
-  app.add_option("--max-seam-width", l.max_seam_width, "largest seam width a request may ask for")->capture_default_str();
-  app.add_option("--seam-width", l.default_seam_width, "default seam width w")->capture_default_str();
-  app.add_option("--max-refresh-segments", l.max_refresh_segments,
-                 "largest query-aware refresh (cache.refresh_segments) and refresh tail (cache.refresh_tail) a "
-                 "request may ask for")
-      ->capture_default_str()
-      ->check(CLI::Range(0, std::numeric_limits<int>::max()));
-  app.add_option("--refresh-segments", l.default_refresh_segments,
-                 "default query-aware refresh of hypic requests: the k segments the query attends to most are "
-                 "recomputed whole in context (0 = off)")
-      ->capture_default_str()
-      ->check(CLI::Range(0, std::numeric_limits<int>::max()));
-  app.add_option("--refresh-tail", l.default_refresh_tail,
-                 "default refresh tail of hypic requests: the last t segments are recomputed whole in context (0 = off; "
-                 "questions about the documents' order need 2)")
-      ->capture_default_str()
-      ->check(CLI::Range(0, std::numeric_limits<int>::max()));
-  app.add_option("--default-max-tokens", l.default_max_tokens, "max_tokens when a request sets none")->capture_default_str();
-  app.add_option("--lookup-timeout-ms", lookup_timeout_ms, "budget of the batch cache lookup")->capture_default_str();
-  app.add_option("--lease-ms", cfg.lease_ms,
-                 "longest cache lease of a lookup hit (leases are released when the request has its entries or ends)")
+  hr::add_strict_int_option(app, "--max-segment-tokens", l.max_segment_tokens, 0, kU32,
+                            "admission limit: tokens per segment")
       ->capture_default_str();
-  app.add_option("--max-scatter-attempts", cfg.max_scatter_attempts,
-                 "assignments per segment before the combine worker prefills it")
+  hr::add_strict_int_option(app, "--max-prompt-tokens", l.max_prompt_tokens, 0, kU32,
+                            "admission limit: segments + query tokens")
       ->capture_default_str();
-  app.add_option("--default-deadline-seconds", default_deadline_s, "deadline of requests that carry none")
+  hr::add_strict_int_option(app, "--max-segment-bytes", l.max_segment_bytes, 0, kU64,
+                            "admission limit: text bytes per segment, checked before tokenising (0: 16 x "
+                            "--max-segment-tokens)")
       ->capture_default_str();
-  app.add_option("--health-interval-ms", health_interval_ms, "worker health probing period")->capture_default_str();
+  hr::add_strict_int_option(app, "--max-prompt-bytes", l.max_prompt_bytes, 0, kU64,
+                            "admission limit: text bytes of all segments + the query, checked before tokenising (0: 16 "
+                            "x --max-prompt-tokens)")
+      ->capture_default_str();
+  hr::add_strict_int_option(app, "--max-new-tokens", l.max_new_tokens, 0, kU32, "admission limit: sampling.max_tokens")
+      ->capture_default_str();
+  hr::add_strict_int_option(app, "--max-seam-width", l.max_seam_width, 0, kInt,
+                            "largest seam width a request may ask for")
+      ->capture_default_str();
+  hr::add_strict_int_option(app, "--seam-width", l.default_seam_width, 0, kInt, "default seam width w")
+      ->capture_default_str();
+  hr::add_strict_int_option(app, "--max-refresh-segments", l.max_refresh_segments, 0, kInt,
+                            "largest query-aware refresh (cache.refresh_segments) and refresh tail "
+                            "(cache.refresh_tail) a request may ask for")
+      ->capture_default_str();
+  hr::add_strict_int_option(app, "--refresh-segments", l.default_refresh_segments, 0, kInt,
+                            "default query-aware refresh of hypic requests: the k segments the query attends to most "
+                            "are recomputed whole in context (0 = off)")
+      ->capture_default_str();
+  hr::add_strict_int_option(app, "--refresh-tail", l.default_refresh_tail, 0, kInt,
+                            "default refresh tail of hypic requests: the last t segments are recomputed whole in "
+                            "context (0 = off; questions about the documents' order need 2)")
+      ->capture_default_str();
+  hr::add_strict_int_option(app, "--default-max-tokens", l.default_max_tokens, 1, kInt,
+                            "max_tokens when a request sets none")
+      ->capture_default_str();
+  hr::add_strict_int_option(app, "--lookup-timeout-ms", lookup_timeout_ms, 1, kInt, "budget of the batch cache lookup")
+      ->capture_default_str();
+  hr::add_strict_int_option(app, "--lease-ms", cfg.lease_ms, 0, kU32,
+                            "longest cache lease of a lookup hit (leases are released when the request has its entries "
+                            "or ends)")
+      ->capture_default_str();
+  hr::add_strict_int_option(app, "--max-scatter-attempts", cfg.max_scatter_attempts, 1, kInt,
+                            "assignments per segment before the combine worker prefills it")
+      ->capture_default_str();
+  hr::add_strict_int_option(app, "--default-deadline-seconds", default_deadline_s, 1, kInt,
+                            "deadline of requests that carry none")
+      ->capture_default_str();
+  hr::add_strict_int_option(app, "--health-interval-ms", health_interval_ms, 1, kInt, "worker health probing period")
+      ->capture_default_str();
   int64_t combine_wait_ms = 10000;
   int tier_lookup_timeout_ms = 100;
-  app.add_option("--tier-lookup-timeout-ms", tier_lookup_timeout_ms,
-                 "budget of each combine worker's tier lookup (in parallel with the cache lookup); a worker that misses "
-                 "it counts as holding nothing and is not asked for 5 s")
-      ->capture_default_str()->check(CLI::Range(1, 60000));
-  app.add_option("--combine-affinity-slack", cfg.combine_affinity_slack,
-                 "a request goes to the combine worker holding most of its segments among those with at most this "
-                 "many more active requests than the least busy one (0: always the least busy)")
-      ->capture_default_str()->check(CLI::Range(0, 1 << 20));
-  app.add_option("--combine-wait-ms", combine_wait_ms,
-                 "with no combine worker in rotation, how long a request waits for one to come back")
-      ->capture_default_str()->check(CLI::Range(int64_t(0), std::numeric_limits<int64_t>::max()));
+  hr::add_strict_int_option(app, "--tier-lookup-timeout-ms", tier_lookup_timeout_ms, 1, 60000,
+                            "budget of each combine worker's tier lookup (in parallel with the cache lookup); a worker "
+                            "that misses it counts as holding nothing and is not asked for 5 s")
+      ->capture_default_str();
+  hr::add_strict_int_option(app, "--combine-affinity-slack", cfg.combine_affinity_slack, 0, 1 << 20,
+                            "a request goes to the combine worker holding most of its segments among those with at "
+                            "most this many more active requests than the least busy one (0: always the least busy)")
+      ->capture_default_str();
+  hr::add_strict_int_option(app, "--combine-wait-ms", combine_wait_ms, 0, std::numeric_limits<int64_t>::max(),
+                            "with no combine worker in rotation, how long a request waits for one to come back")
+      ->capture_default_str();
   std::string auth_token_file;
   app.add_option("--auth-token-file", auth_token_file,
                  "accepted bearer tokens, one per line: Generate and GetServerInfo then require the metadata "

@@ -1,5 +1,6 @@
 // hypic-scatter-worker: standalone prefill of cold segments (hypic.v1.ScatterWorker).
 #include <chrono>
+#include <limits>
 
 #include <CLI/CLI.hpp>
 #include <fmt/ranges.h>
@@ -9,6 +10,7 @@
 #include "kernels/cpu/blas_env.h"
 #include "proto/rpc/chunks.h"
 #include "proto/rpc/entry_mac.h"
+#include "proto/rpc/flags.h"
 #include "proto/rpc/server.h"
 #include "scatter_worker/service.h"
 
@@ -28,11 +30,11 @@ int main(int argc, char** argv) {
                  "Prefill naming another is refused. None: any (not for a shared network)");
   int64_t max_segment_tokens = 32768;
   int max_segments = 256;
-  app.add_option("--max-segment-tokens", max_segment_tokens, "most token ids per segment")
-      ->check(CLI::PositiveNumber)
+  hypic::rpc::add_strict_int_option(app, "--max-segment-tokens", max_segment_tokens, 1,
+                                    std::numeric_limits<int64_t>::max(), "most token ids per segment")
       ->capture_default_str();
-  app.add_option("--max-segments", max_segments, "most segments per Prefill call")
-      ->check(CLI::PositiveNumber)
+  hypic::rpc::add_strict_int_option(app, "--max-segments", max_segments, 1, std::numeric_limits<int>::max(),
+                                    "most segments per Prefill call")
       ->capture_default_str();
   std::string model_dir;
   std::vector<std::string> caches;
@@ -45,12 +47,12 @@ int main(int argc, char** argv) {
   hypic::cache::SegmentCacheClient::Options cache_options;
   hypic::cache::add_cache_client_flags(app, cache_options);
   hypic::rpc::add_engine_flags(app, engine, /*prefix_cache=*/false, /*inject_delay=*/true);
-  app.add_option("--chunk-bytes", chunk_bytes, "size of streamed chunks")
-      ->transform(CLI::AsSizeValue(false))
-      ->check(CLI::Range(size_t{4096}, size_t{4} << 20))
+  hypic::rpc::add_strict_size_option(app, "--chunk-bytes", chunk_bytes, 4096, uint64_t{4} << 20,
+                                     "size of streamed chunks")
       ->capture_default_str();
-  app.add_option("--put-queue-bytes", put_queue_bytes, "bytes of cache puts that may wait; more are dropped")
-      ->transform(CLI::AsSizeValue(false))
+  hypic::rpc::add_strict_size_option(app, "--put-queue-bytes", put_queue_bytes, 0,
+                                     std::numeric_limits<uint64_t>::max(),
+                                     "bytes of cache puts that may wait; more are dropped")
       ->capture_default_str();
   hypic::worker::DataPlaneOptions data_plane;
   app.add_option("--entry-transport", data_plane.entry_transport,
@@ -58,14 +60,13 @@ int main(int argc, char** argv) {
                  "another GPU), else gRPC; grpc: always gRPC streaming")
       ->check(CLI::IsMember({"auto", "grpc"}))
       ->capture_default_str();
-  app.add_option("--nccl-chunk-bytes", data_plane.nccl_chunk_bytes, "bytes per NCCL send")
-      ->transform(CLI::AsSizeValue(false))
-      ->check(CLI::Range(size_t{4096}, size_t{1} << 32))
+  hypic::rpc::add_strict_size_option(app, "--nccl-chunk-bytes", data_plane.nccl_chunk_bytes, 4096, uint64_t{1} << 32,
+                                     "bytes per NCCL send")
       ->capture_default_str();
   int inject_transfer_stall_ms = 0;
-  app.add_option("--inject-transfer-stall-ms", inject_transfer_stall_ms,
-                 "TESTING ONLY: wait this long inside each NCCL delivery, after its header, before the send")
-      ->check(CLI::Range(0, 600000));
+  hypic::rpc::add_strict_int_option(app, "--inject-transfer-stall-ms", inject_transfer_stall_ms, 0, 600000,
+                                    "TESTING ONLY: wait this long inside each NCCL delivery, after its header, before "
+                                    "the send");
   CLI11_PARSE(app, argc, argv);
   data_plane.inject_transfer_stall = std::chrono::milliseconds(inject_transfer_stall_ms);
   try {

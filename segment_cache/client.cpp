@@ -13,6 +13,7 @@
 #include <spdlog/spdlog.h>
 
 #include "proto/rpc/entry_mac.h"
+#include "proto/rpc/flags.h"
 #include "proto/rpc/log_limit.h"
 #include "proto/rpc/metrics.h"
 #include "proto/rpc/server.h"
@@ -296,15 +297,6 @@ v1::CacheStats SegmentCacheClient::stats(size_t replica) const {
 
 namespace {
 
-// Whole decimal milliseconds in [lo, hi]: digits only ("08" is 8: no sign, base prefix, fraction or unit).
-std::optional<int64_t> parse_ms(const std::string& s, int64_t lo, int64_t hi) {
-  if (s.empty() || s.size() > 12 || !std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; }))
-    return std::nullopt;
-  const int64_t v = std::stoll(s, nullptr, 10);
-  if (v < lo || v > hi) return std::nullopt;
-  return v;
-}
-
 // Bytes per second: a decimal number (a fraction allowed) with an optional 1000-based unit k / M / G / T, an optional
 // B and /s: "12.5MB" = 12,500,000, "100MB/s", "1000000". At least 1, at most 10^18; anything else (signs, exponents,
 // 1024-based units, a unit alone) is refused.
@@ -323,21 +315,9 @@ std::optional<uint64_t> parse_rate(const std::string& s) {
 
 void add_cache_client_flags(CLI::App& app, SegmentCacheClient::Options& options) {
   constexpr int64_t kMaxMs = 3'600'000;
-  auto ms_flag = [&app](const std::string& name, std::chrono::milliseconds& out, int64_t lo, const std::string& what) {
-    const std::string range = "[" + std::to_string(lo) + ", " + std::to_string(kMaxMs) + "]";
-    app.add_option_function<std::string>(
-           name, [&out, lo](const std::string& v) { out = std::chrono::milliseconds(*parse_ms(v, lo, kMaxMs)); },
-           what)
-        ->check(CLI::Validator(
-            [lo, range](std::string& v) {
-              return parse_ms(v, lo, kMaxMs) ? std::string()
-                                             : "expected whole milliseconds in " + range + ", got '" + v + "'";
-            },
-            "MS in " + range, "ms"))
-        ->default_str(std::to_string(out.count()));
-  };
-  ms_flag("--cache-timeout-ms", options.timeout, 1,
-          "segment cache calls' base deadline in ms (entry transfers add their bytes at --cache-transfer-rate)");
+  rpc::add_strict_int_option(app, "--cache-timeout-ms", options.timeout, 1, kMaxMs,
+                             "segment cache calls' base deadline in ms (entry transfers add their bytes at "
+                             "--cache-transfer-rate)");
   app.add_option_function<std::string>(
          "--cache-transfer-rate", [&options](const std::string& v) { options.transfer_rate = *parse_rate(v); },
          "slowest transfer rate a segment cache call's deadline allows for an entry's bytes, bytes per second, "
@@ -345,14 +325,14 @@ void add_cache_client_flags(CLI::App& app, SegmentCacheClient::Options& options)
       ->check(CLI::Validator(
           [](std::string& v) {
             return parse_rate(v) ? std::string()
-                                 : "expected bytes per second from 1 to 10^18, a number with an optional 1000-based "
-                                   "unit k, M, G or T (e.g. 12.5MB), got '" + v + "'";
+                                 : rpc::flag_value_refusal(v, "bytes per second from 1 to 10^18, a number with an "
+                                                              "optional 1000-based unit k, M, G or T (e.g. 12.5MB)");
           },
           "RATE", "rate"))
       ->default_str(std::to_string(options.transfer_rate));
-  ms_flag("--cache-put-wait-ms", options.put_wait, 0,
-          "how long a put may wait at the segment cache for room, in ms, on top of its deadline (set it to the "
-          "cache's --max-put-wait-ms)");
+  rpc::add_strict_int_option(app, "--cache-put-wait-ms", options.put_wait, 0, kMaxMs,
+                             "how long a put may wait at the segment cache for room, in ms, on top of its deadline "
+                             "(set it to the cache's --max-put-wait-ms)");
 }
 
 std::string describe(const SegmentCacheClient::Options& o) {

@@ -155,11 +155,11 @@ class SegmentCacheClient {
 };
 
 /// The workers' flags for their segment-cache client, each defaulting to the value in `options` and written there
-/// when given: --cache-timeout-ms (Options::timeout, whole decimal ms in [1, 3,600,000]), --cache-transfer-rate
-/// (Options::transfer_rate, bytes per second in [1, 10^18], a decimal number with an optional 1000-based unit:
-/// 12.5MB = 12,500,000) and --cache-put-wait-ms (Options::put_wait, [0, 3,600,000]: set it to the segment cache's
-/// --max-put-wait-ms when that is raised). Anything else fails the parse (CLI::ValidationError naming the flag and the
-/// value); nothing is written then.
+/// when given: --cache-timeout-ms (Options::timeout, whole decimal ms in [1, 3,600,000] as rpc::add_strict_int_option
+/// reads them), --cache-transfer-rate (Options::transfer_rate, bytes per second in [1, 10^18], a decimal number with an
+/// optional 1000-based unit: 12.5MB = 12,500,000) and --cache-put-wait-ms (Options::put_wait, [0, 3,600,000]: set it
+/// to the segment cache's --max-put-wait-ms when that is raised). Anything else fails the parse (CLI::ValidationError
+/// naming the flag and the value); nothing is written then.
 void add_cache_client_flags(CLI::App& app, SegmentCacheClient::Options& options);
 
 /// "base deadline 5000 ms, transfer rate 100000000 B/s, put wait 30000 ms": the options for the workers' start-up log.

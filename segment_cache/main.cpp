@@ -1,9 +1,11 @@
 // hypic-segment-cache: the segment cache service (hypic.v1.SegmentCache).
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <limits>
 #include <spdlog/spdlog.h>
 
 #include "proto/rpc/chunks.h"
+#include "proto/rpc/flags.h"
 #include "proto/rpc/server.h"
 #include "segment_cache/service.h"
 
@@ -23,39 +25,40 @@ int main(int argc, char** argv) {
                  "memory-tier budget (e.g. 2GiB, 512MB); auto: a quarter of this host's memory, at least 1 GiB")
       ->capture_default_str();
   app.add_option("--disk-dir", disk_dir, "enable the disk tier in this directory (entries survive restarts)");
-  app.add_option("--disk-bytes", store.disk_budget_bytes, "disk-tier budget")
-      ->transform(CLI::AsSizeValue(false))
+  constexpr uint32_t kU32 = std::numeric_limits<uint32_t>::max();
+  hypic::rpc::add_strict_size_option(app, "--disk-bytes", store.disk_budget_bytes, 0,
+                                     std::numeric_limits<uint64_t>::max(), "disk-tier budget")
       ->capture_default_str();
-  app.add_option("--chunk-bytes", chunk_bytes, "size of streamed chunks")
-      ->transform(CLI::AsSizeValue(false))
-      ->check(CLI::Range(size_t{4096}, size_t{4} << 20))
+  hypic::rpc::add_strict_size_option(app, "--chunk-bytes", chunk_bytes, 4096, uint64_t{4} << 20,
+                                     "size of streamed chunks")
       ->capture_default_str();
-  app.add_option("--max-lease-ms", max_lease_ms, "longest lease a Lookup may ask for")->capture_default_str();
+  hypic::rpc::add_strict_int_option(app, "--max-lease-ms", max_lease_ms, 0, kU32, "longest lease a Lookup may ask for")
+      ->capture_default_str();
   app.add_option("--max-leased-fraction", store.max_leased_fraction,
                  "leased entries may hold at most this fraction of --memory-bytes; hits past it are not leased")
       ->check(CLI::Range(0.0, 1.0))
       ->capture_default_str();
   size_t max_queued_events = 65536;
-  app.add_option("--max-queued-events", max_queued_events,
-                 "WatchEvents: events a subscriber may fall behind before its stream is ended (RESOURCE_EXHAUSTED)")
-      ->check(CLI::PositiveNumber)
+  hypic::rpc::add_strict_int_option(app, "--max-queued-events", max_queued_events, 1,
+                                    std::numeric_limits<size_t>::max(),
+                                    "WatchEvents: events a subscriber may fall behind before its stream is ended "
+                                    "(RESOURCE_EXHAUSTED)")
       ->capture_default_str();
   uint32_t max_put_wait_ms = 30000;
-  app.add_option("--max-put-wait-ms", max_put_wait_ms,
-                 "a Put that would put the bytes being received past --memory-bytes waits at most this long (or its "
-                 "deadline) for other puts to end, then is refused with RESOURCE_EXHAUSTED")
+  hypic::rpc::add_strict_int_option(app, "--max-put-wait-ms", max_put_wait_ms, 0, kU32,
+                                    "a Put that would put the bytes being received past --memory-bytes waits at most "
+                                    "this long (or its deadline) for other puts to end, then is refused with "
+                                    "RESOURCE_EXHAUSTED")
       ->capture_default_str();
   uint32_t put_idle_ms = 30000;
-  app.add_option("--put-idle-ms", put_idle_ms,
-                 "a Put whose sender sends nothing for this long (before its header, or between messages once "
-                 "admitted) is cancelled, freeing its thread and its share of the receive budget (0: never; else at "
-                 "least 1000: a message must arrive well within it)")
-      ->check([](const std::string& v) {
-        const bool digits = !v.empty() && v.size() <= 10 &&
-                            std::all_of(v.begin(), v.end(), [](char c) { return c >= '0' && c <= '9'; });
-        return v == "0" || (digits && std::stoull(v) >= 1000 && std::stoull(v) <= 0xFFFFFFFFull)
-                   ? std::string()
-                   : std::string("must be 0 or a whole number of milliseconds from 1000");
+  hypic::rpc::add_strict_int_option(app, "--put-idle-ms", put_idle_ms, 0, kU32,
+                                    "a Put whose sender sends nothing for this long (before its header, or between "
+                                    "messages once admitted) is cancelled, freeing its thread and its share of the "
+                                    "receive budget (0: never; else at least 1000: a message must arrive well within "
+                                    "it)")
+      ->check([](const std::string& v) {  // after the strict transform: plain decimal in [0, 2^32 - 1]
+        return v == "0" || std::stoull(v) >= 1000 ? std::string()
+                                                   : v + " is not 0 or a whole number of milliseconds from 1000";
       })
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);

@@ -4,66 +4,64 @@
 
 #include <limits>
 
+#include "proto/rpc/flags.h"
+
 namespace hypic::rpc {
 
 void add_engine_flags(CLI::App& app, EngineFlags& f, bool prefix_cache, bool inject_delay) {
+  constexpr int kInt = std::numeric_limits<int>::max();
+  constexpr int64_t kI64 = std::numeric_limits<int64_t>::max();
+  constexpr uint64_t kU64 = std::numeric_limits<uint64_t>::max();
   f.device = engine::default_device().name();
   app.add_option("--device", f.device,
                  "where the engine computes: cpu | cuda | cuda:N (default: cuda:0 when this build has CUDA and a GPU "
                  "is visible, else cpu)")
       ->capture_default_str();
-  app.add_option("--compute-threads", f.compute_threads,
-                 "CPU backend: threads running a batch's segments / sequences in parallel")
-      ->check(CLI::PositiveNumber)
+  add_strict_int_option(app, "--compute-threads", f.compute_threads, 1, kInt,
+                        "CPU backend: threads running a batch's segments / sequences in parallel")
       ->capture_default_str();
-  app.add_option("--kv-pool-bytes", f.kv_pool_bytes,
-                 "CUDA backend: KV-cache pool of all sequences (0: 40% of the device memory free after the weights)")
-      ->transform(CLI::AsSizeValue(false))
+  add_strict_size_option(app, "--kv-pool-bytes", f.kv_pool_bytes, 0, kU64,
+                         "CUDA backend: KV-cache pool of all sequences (0: 40% of the device memory free after the "
+                         "weights)")
       ->capture_default_str();
-  app.add_option("--max-build-tokens-decoding", f.max_build_tokens_decoding,
-                 "most tokens of one batch of entry builds while sequences are decoding (a decode step runs between two "
-                 "batches; at most --max-batch-tokens)")
-      ->check(CLI::PositiveNumber)
+  add_strict_int_option(app, "--max-build-tokens-decoding", f.max_build_tokens_decoding, 1, kI64,
+                        "most tokens of one batch of entry builds while sequences are decoding (a decode step runs "
+                        "between two batches; at most --max-batch-tokens)")
       ->capture_default_str();
-  app.add_option("--max-pass-tokens-decoding", f.max_pass_tokens_decoding,
-                 "chunked prefill: most tokens of one forward pass of a splice while sequences are decoding (they "
-                 "take a decode step between two passes); 0 = never cut a splice")
-      ->check(CLI::NonNegativeNumber)
+  add_strict_int_option(app, "--max-pass-tokens-decoding", f.max_pass_tokens_decoding, 0, kI64,
+                        "chunked prefill: most tokens of one forward pass of a splice while sequences are decoding "
+                        "(they take a decode step between two passes); 0 = never cut a splice")
       ->capture_default_str();
-  app.add_option("--max-pass-tokens", f.max_pass_tokens,
-                 "most tokens of one forward pass of a splice when no sequence decodes: a cancelled or expired request "
-                 "stops at the end of its pass (-1 = auto: 1024 on the CPU backend, 0 on CUDA; 0 = the backend's "
-                 "largest pass)")
-      ->check(CLI::Range(int64_t{-1}, std::numeric_limits<int64_t>::max()))
+  add_strict_int_option(app, "--max-pass-tokens", f.max_pass_tokens, -1, kI64,
+                        "most tokens of one forward pass of a splice when no sequence decodes: a cancelled or expired "
+                        "request stops at the end of its pass (-1 = auto: 1024 on the CPU backend, 0 on CUDA; 0 = the "
+                        "backend's largest pass)")
       ->capture_default_str();
   app.add_option("--concurrent-decode", f.concurrent_decode,
                  "CUDA backend: running sequences take their decode steps on a stream of their own beside prefill "
                  "passes (false: between passes, chunked by --max-pass-tokens-decoding and --max-build-tokens-decoding)")
       ->capture_default_str();
-  app.add_option("--decode-sms", f.decode_sms,
-                 "CUDA backend, with --concurrent-decode: SMs set aside for decode steps while a splice or entry build "
-                 "runs beside them (green contexts; rounded up to 8 on Hopper); the prefill takes the rest then, the "
-                 "whole device otherwise (-1 = auto: about an eighth of the device, none where the driver cannot; 0 = "
-                 "no partition)")
-      ->check(CLI::Range(-1, 100000))
+  add_strict_int_option(app, "--decode-sms", f.decode_sms, -1, 100000,
+                        "CUDA backend, with --concurrent-decode: SMs set aside for decode steps while a splice or "
+                        "entry build runs beside them (green contexts; rounded up to 8 on Hopper); the prefill takes "
+                        "the rest then, the whole device otherwise (-1 = auto: about an eighth of the device, none "
+                        "where the driver cannot; 0 = no partition)")
       ->capture_default_str();
-  app.add_option("--max-batch-tokens", f.max_batch_tokens,
-                 "most tokens of one forward pass: entry builds queued together are batched up to it (CUDA: longer "
-                 "prefills are chunked)")
-      ->check(CLI::PositiveNumber)
+  add_strict_int_option(app, "--max-batch-tokens", f.max_batch_tokens, 1, kI64,
+                        "most tokens of one forward pass: entry builds queued together are batched up to it (CUDA: "
+                        "longer prefills are chunked)")
       ->capture_default_str();
-  app.add_option("--random-weights-seed", f.random_weights_seed,
-                 "BENCHMARK ONLY (CUDA): ignore the safetensors and make seeded random weights from config.json on the "
-                 "device; text is meaningless (0: load the real weights)");
+  add_strict_int_option(app, "--random-weights-seed", f.random_weights_seed, 0, kU64,
+                        "BENCHMARK ONLY (CUDA): ignore the safetensors and make seeded random weights from config.json "
+                        "on the device; text is meaningless (0: load the real weights)");
   if (prefix_cache) {
-    app.add_option("--prefix-cache-bytes", f.prefix_cache_bytes, "prefix-mode state checkpoints")
-        ->transform(CLI::AsSizeValue(false))
+    add_strict_size_option(app, "--prefix-cache-bytes", f.prefix_cache_bytes, 0, kU64, "prefix-mode state checkpoints")
         ->capture_default_str();
   }
   if (inject_delay) {
-    app.add_option("--inject-delay-ms", f.inject_delay_ms,
-                   "TESTING ONLY: each build runs this much longer (a sleep at its start; widens fault-injection "
-                   "windows)");
+    add_strict_int_option(app, "--inject-delay-ms", f.inject_delay_ms, 0, kInt,
+                          "TESTING ONLY: each build runs this much longer (a sleep at its start; widens "
+                          "fault-injection windows)");
   }
 }
 

@@ -30,7 +30,9 @@ struct EngineFlags {
 /// Adds --device, --compute-threads, --kv-pool-bytes, --max-batch-tokens, --max-build-tokens-decoding,
 /// --max-pass-tokens[-decoding], --concurrent-decode, --decode-sms, --random-weights-seed (benchmark only)
 /// and, when `prefix_cache` (combine worker), --prefix-cache-bytes; when `inject_delay` (scatter worker),
-/// --inject-delay-ms (testing only).
+/// --inject-delay-ms (testing only). Their numbers are whole decimal numbers, the byte sizes with an optional binary
+/// unit (proto/rpc/flags.h): anything else, or a value out of a flag's range, fails the parse with a
+/// CLI::ValidationError naming the flag and the value, and leaves `flags` as it was.
 void add_engine_flags(CLI::App& app, EngineFlags& flags, bool prefix_cache, bool inject_delay);
 
 /// The backend the flags describe, loaded from `model_dir` (engine::make_backend), with a log line naming the

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <thread>
 
 #include <fmt/format.h>
@@ -19,6 +20,7 @@
 #include <spdlog/spdlog.h>
 
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "proto/rpc/flags.h"
 #include "proto/rpc/metrics.h"
 #include "proto/rpc/status.h"
 
@@ -32,7 +34,8 @@ void add_server_flags(CLI::App& app, ServerFlags& flags) {
   app.add_option("--drain-seconds", flags.drain_seconds, "grace period for in-flight calls after SIGTERM")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
-  app.add_option("--parent-pid", flags.parent_pid, "exit when this process disappears (used by launchers)");
+  add_strict_int_option(app, "--parent-pid", flags.parent_pid, 0, std::numeric_limits<int>::max(),
+                        "exit when this process disappears (used by launchers; 0: none)");
   app.add_option("--metrics-listen", flags.metrics_listen,
                  "host:port of the Prometheus endpoint (GET /metrics; HTTPS with --tls-cert); port 0 picks one");
   app.add_option("--metrics-port-file", flags.metrics_port_file, "write the metrics endpoint's port to this file");
@@ -269,35 +272,10 @@ std::string advertised_host(const std::string& listen) {
 
 std::optional<uint64_t> parse_byte_budget(const std::string& text, const std::string& flag) {
   if (text == "auto") return std::nullopt;
-  const auto bad = [&](const std::string& why) {
-    return std::invalid_argument(flag + ": \"" + text + "\" " + why +
-                                 " (auto, or a whole number of bytes with an optional unit: 8GiB, 512MB, 1048576)");
-  };
-  size_t i = 0;
-  while (i < text.size() && text[i] == ' ') ++i;
-  uint64_t n = 0;
-  const size_t digits_from = i;
-  for (; i < text.size() && text[i] >= '0' && text[i] <= '9'; ++i) {
-    if (__builtin_mul_overflow(n, uint64_t{10}, &n) || __builtin_add_overflow(n, uint64_t(text[i] - '0'), &n))
-      throw bad("is too large");
-  }
-  if (i == digits_from) throw bad("is not a size");
-  if (i < text.size() && (text[i] == '.' || text[i] == ',')) throw bad("is not a whole number of bytes");
-  std::string unit;
-  for (; i < text.size(); ++i)
-    if (text[i] != ' ') unit += char(std::tolower(static_cast<unsigned char>(text[i])));
-  // Units as CLI11's AsSizeValue(false) reads them: binary multiples (k = kb = kib = 1024).
-  static const std::pair<const char*, int> kUnits[] = {{"", 0},   {"b", 0},   {"k", 1},   {"kb", 1},  {"kib", 1},
-                                                       {"m", 2},  {"mb", 2},  {"mib", 2}, {"g", 3},  {"gb", 3},
-                                                       {"gib", 3}, {"t", 4},  {"tb", 4},  {"tib", 4}, {"p", 5},
-                                                       {"pb", 5}, {"pib", 5}};
-  for (const auto& [name, power] : kUnits) {
-    if (unit != name) continue;
-    for (int p = 0; p < power; ++p)
-      if (__builtin_mul_overflow(n, uint64_t{1024}, &n)) throw bad("is too large");
-    return n;
-  }
-  throw bad("has an unknown unit");
+  if (const auto v = parse_byte_size(text, 0, UINT64_MAX)) return v;
+  throw std::invalid_argument(flag + ": " + flag_value_refusal(text, "auto or a byte size in [0, 2^64) (" +
+                                                                         std::string(kByteSizeForm) +
+                                                                         "; 8GiB, 512MB, 1048576)"));
 }
 
 uint64_t host_memory_bytes() {

@@ -46,10 +46,10 @@ std::string self_address(const ServerFlags& flags, int port);
 /// --metrics-port-file and the --tls-* flags (security.h) on `app`.
 void add_server_flags(CLI::App& app, ServerFlags& flags);
 
-/// A byte-budget flag that may be "auto" (the service derives it from the machine): "auto" -> nullopt, else a whole
-/// number of bytes with an optional unit read as CLI11's AsSizeValue(false) does (binary: k, kb, kib = 1024; m, g, t,
-/// p likewise; "8GiB", "512MB", "1048576"). Throws std::invalid_argument naming the flag and the text for anything
-/// else (fractions, exponents, unknown units, values that do not fit in 64 bits).
+/// A byte-budget flag that may be "auto" (the service derives it from the machine): "auto" -> nullopt, else a byte size
+/// as parse_byte_size (flags.h) reads it: decimal digits with an optional binary unit (k, kb, kib = 1024; m, g, t, p, e
+/// likewise; "8GiB", "512MB", "1048576"). Throws std::invalid_argument naming the flag and the text for anything else
+/// (blanks, signs, fractions, exponents, unknown units, values that do not fit in 64 bits).
 std::optional<uint64_t> parse_byte_budget(const std::string& text, const std::string& flag);
 
 /// Physical memory of this host (bytes; /proc/meminfo MemTotal, cgroup v2 memory.max when lower), 0 if unknown.

@@ -974,7 +974,10 @@ class LauncherTest(unittest.TestCase):
                 self.assertIn(f"{flag} 3 is above --max-refresh-segments 2", p.stdout + p.stderr)
                 p = router(flag, "-1")
                 self.assertNotEqual(p.returncode, 0)
-                self.assertIn(f"{flag}: Value -1 not in range 0 to 2147483647", p.stdout + p.stderr)
+                self.assertIn(f"{flag}: -1 is not a whole decimal number in [0, 2147483647]", p.stdout + p.stderr)
+                p = router(flag, "010", "--max-refresh-segments", "9")  # decimal 10, not octal 8
+                self.assertNotEqual(p.returncode, 0)
+                self.assertIn(f"{flag} 10 is above --max-refresh-segments 9", p.stdout + p.stderr)
 
 
 if __name__ == "__main__":

@@ -142,11 +142,14 @@ TEST_CASE("client flag values: finite seconds, whole integers, ports in range", 
   }
   CHECK_THROWS(parse_seconds("0", "--x", false));
   CHECK(parse_uint64("18446744073709551615", "--seed") == UINT64_MAX);
-  for (const char* bad : {"18446744073709551616", "-1", "+1", "1.0", "1e3", ""}) {
+  CHECK(parse_uint64("+1", "--seed") == 1u);
+  CHECK(parse_uint64("010", "--seed") == 10u);  // decimal, as every integer flag (proto/rpc/flags.h)
+  for (const char* bad : {"18446744073709551616", "-1", "1.0", "1e3", "", " 1", "0x10"}) {
     CHECK_THROWS_WITH(parse_uint64(bad, "--seed"), Catch::StartsWith("--seed: "));
   }
   CHECK_THROWS_WITH(parse_uint64("18446744073709551616", "--seed"), Catch::Contains("overflows"));
   CHECK(parse_integer("-3", "--n", -5, 5) == -3);
+  CHECK_THROWS_WITH(parse_integer("-1", "--count", 0, 5), "--count: -1 is not an integer in [0, 5]");
   CHECK_THROWS_WITH(parse_integer("99999999999999999999", "--n", 0, 10), Catch::Contains("overflow"));
   CHECK(check_address("127.0.0.1:65535", "--router") == "127.0.0.1:65535");
   CHECK(check_address("[::1]:80", "--router") == "[::1]:80");
