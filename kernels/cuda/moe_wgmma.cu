@@ -609,13 +609,9 @@ __global__ void __launch_bounds__(WsLayout<C, GATE_UP, PAIR>::THREADS, 1)
     cluster_sync();  // the peer's barriers are initialised before this block arrives on them or multicasts
   else
     __syncthreads();
-  // (PAIR: the empty barriers gather the consumers of both blocks)
-  auto wait_empty = [&](int s, uint32_t parity) {
-    if (PAIR)
-      mbar_wait_cluster(empty + s, parity);
-    else
-      mbar_wait(empty + s, parity);
-  };
+  // (PAIR: the empty barriers gather the consumers of both blocks; their arrivals order nothing but the async
+  // proxy's reads, so the waits need no cluster-scope acquire)
+  auto wait_empty = [&](int s, uint32_t parity) { mbar_wait(empty + s, parity); };
 
   if (wg == 0) {  // loader: k-step `it` of the block's stream into slot it % S
     const int u = tid & 7, r0 = tid >> 3;
@@ -632,7 +628,7 @@ __global__ void __launch_bounds__(WsLayout<C, GATE_UP, PAIR>::THREADS, 1)
             const int q = atomicAdd(tile_counter, 1);
             for (uint32_t cta = 0; cta < 2; ++cta) {
               st_cluster_v4(mailbox + ri, cta, make_int4(q, 0, 0, 0));
-              mbar_arrive_cluster(mail_bar + ri, cta);
+              mbar_arrive_cluster(mail_bar + ri, cta, true);
             }
           }
           mbar_wait_cluster(mail_bar + ri, uint32_t((seq / L::RING) & 1));

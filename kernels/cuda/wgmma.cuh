@@ -195,11 +195,17 @@ __device__ __forceinline__ uint32_t cluster_addr(const void* p, uint32_t cta) {
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(smem_u32(p)), "r"(cta));
   return r;
 }
-/// One arrival, with release semantics at cluster scope, on the mbarrier at `bar`'s offset in CTA `cta` of the
-/// cluster (this CTA's own rank arrives locally).
-__device__ __forceinline__ void mbar_arrive_cluster(uint64_t* bar, uint32_t cta) {
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(cluster_addr(bar, cta))
-               : "memory");
+/// One arrival on the mbarrier at `bar`'s offset in CTA `cta` of the cluster (this CTA's own rank arrives locally),
+/// with the default semantics (release at CTA scope, as CUTLASS's ClusterBarrier::arrive): enough to hand a slot
+/// whose reads were the async proxy's (wgmma) back to a peer's TMA; `cluster_release` orders this thread's earlier
+/// writes at cluster scope (for data the peer reads after its wait: mbar_wait_cluster), which costs a fence that waits
+/// for the thread's outstanding stores.
+__device__ __forceinline__ void mbar_arrive_cluster(uint64_t* bar, uint32_t cta, bool cluster_release = false) {
+  if (cluster_release)
+    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(cluster_addr(bar, cta))
+                 : "memory");
+  else
+    asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(cluster_addr(bar, cta)) : "memory");
 }
 /// mbar_wait with acquire semantics at cluster scope (the phase's arrivals came from other CTAs of the cluster).
 __device__ __forceinline__ void mbar_wait_cluster(uint64_t* bar, uint32_t parity) {
