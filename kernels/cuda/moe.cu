@@ -892,16 +892,20 @@ bool wgmma_runs(GroupedGemm impl, const MoeWeightsView& w, size_t P) {
 // variant 1 at 128-row tiles becomes 6 (the warp-specialised blocks) below kWgmmaWsMaxRowsPerExpert rows per expert
 // under the measured default HYPIC_MOE_WARP_SPECIALIZED, else 3 (the persistent blocks) under the candidate
 // HYPIC_MOE_PERSISTENT_LONG from kWgmmaPersistentRowsPerExpert rows per expert; at every size under the candidate
-// HYPIC_MOE_CLUSTER_PAIRS, 7 (the warp-specialised blocks in clusters of two, which takes precedence). Same tiles,
-// same bits.
+// HYPIC_MOE_CLUSTER_PAIRS, 7 (the warp-specialised blocks in clusters of two, which takes precedence); from
+// kWgmmaWsMaxRowsPerExpert rows per expert under the candidate HYPIC_MOE_WS_GATE_UP_LONG, 8 (gate_up on the
+// warp-specialised blocks, down one block per tile; before HYPIC_MOE_PERSISTENT_LONG). Same tiles, same bits.
 int wgmma_variant(const MoeWeightsView& w, size_t P, int bm) {
   static CandidateSwitch persistent_long("HYPIC_MOE_PERSISTENT_LONG");
   static CandidateSwitch warp_specialized("HYPIC_MOE_WARP_SPECIALIZED");
   static CandidateSwitch cluster_pairs("HYPIC_MOE_CLUSTER_PAIRS");
+  static CandidateSwitch ws_gate_up_long("HYPIC_MOE_WS_GATE_UP_LONG");
   const int mode = wgmma_env_mode() == 0 ? 1 : wgmma_env_mode();
   if (mode != 1 || bm != kWgmmaBM) return mode;
   if (cluster_pairs.on()) return 7;
-  if (P < size_t(kWgmmaWsMaxRowsPerExpert) * size_t(w.E) && warp_specialized.on()) return 6;
+  const bool long_call = P >= size_t(kWgmmaWsMaxRowsPerExpert) * size_t(w.E);
+  if (!long_call && warp_specialized.on()) return 6;
+  if (long_call && ws_gate_up_long.on()) return 8;
   if (P >= size_t(kWgmmaPersistentRowsPerExpert) * size_t(w.E) && persistent_long.on()) return 3;
   return mode;
 }

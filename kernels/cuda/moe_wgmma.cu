@@ -984,7 +984,9 @@ int wgmma_env_mode() {
     const char* v = std::getenv("HYPIC_MOE_WGMMA");
     if (!v) return 1;
     const std::string s(v);
-    return s == "0" ? 0 : s == "2" ? 2 : s == "3" ? 3 : s == "4" ? 4 : s == "5" ? 5 : s == "6" ? 6 : s == "7" ? 7 : 1;
+    for (const char* v : {"0", "2", "3", "4", "5", "6", "7", "8"})
+      if (s == v) return std::atoi(v);
+    return 1;
   }();
   return mode;
 }
@@ -1008,9 +1010,9 @@ void launch_wgmma(const MoeWeightsView& w, size_t P, const bf16* x, MoeWorkspace
                                     "moe_forward: wgmma down GEMM launch (64-row tiles)");
     return;
   }
-  const Sched sched = variant == 3 || variant == 4 ? Sched::kPersistent
-                      : variant == 6 || variant == 7 ? Sched::kWarpSpecialized
-                                                     : Sched::kPerTile;
+  const Sched sched = variant == 3 || variant == 4            ? Sched::kPersistent
+                      : variant == 6 || variant == 7 || variant == 8 ? Sched::kWarpSpecialized
+                                                                     : Sched::kPerTile;
   const bool pair = variant == 7;
   const bool down_128 = variant == 2 || variant == 4;
   const size_t grid_m = max_tiles(P, w.E, kWgmmaBM);
@@ -1023,6 +1025,7 @@ void launch_wgmma(const MoeWeightsView& w, size_t P, const bf16* x, MoeWorkspace
     return g;
   };
   const bool ws_on = sched == Sched::kWarpSpecialized;  // (falls back to one block per tile where TMA cannot load)
+  const bool ws_down = ws_on && variant != 8;           // (variant 8: gate_up only)
   const Sched tiles_sched = ws_on ? Sched::kPerTile : sched;
   if (!ws_on || !launch_ws<GateUpCfg, true>(g1, w.E, 2 * w.I, grid_m, vec, pair, ws_counter(ws, 0), sms, stream,
                                              "moe_forward: warp-specialised wgmma gate_up GEMM launch"))
@@ -1033,7 +1036,7 @@ void launch_wgmma(const MoeWeightsView& w, size_t P, const bf16* x, MoeWorkspace
   const GroupedArgs g2 = down_args(w, ws);
   if (down_128)
     launch_one<Down128Cfg, false>(g2, grid_m, sched, vec, sms, stream, "moe_forward: wgmma down GEMM launch (128)");
-  else if (!ws_on || !launch_ws<DownCfg, false>(g2, w.E, w.H, grid_m, vec, pair, ws_counter(ws, 1), sms, stream,
+  else if (!ws_down || !launch_ws<DownCfg, false>(g2, w.E, w.H, grid_m, vec, pair, ws_counter(ws, 1), sms, stream,
                                                 "moe_forward: warp-specialised wgmma down GEMM launch"))
     launch_one<DownCfg, false>(g2, grid_m, tiles_sched, vec, sms, stream, "moe_forward: wgmma down GEMM launch");
   if (tail64)

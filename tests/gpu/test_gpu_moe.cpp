@@ -636,6 +636,7 @@ TEST_CASE("moe_forward wgmma prefill tiles (OwnWgmma / Own) vs CPU and the mma.s
         uint64_t launched = 0;
         ScopedCandidate no_ws("HYPIC_MOE_WARP_SPECIALIZED", false);  // (it takes precedence over the rule)
         ScopedCandidate no_pairs("HYPIC_MOE_CLUSTER_PAIRS", false);  // (and this over both)
+        ScopedCandidate no_gate_up("HYPIC_MOE_WS_GATE_UP_LONG", false);  // (and this over the rule)
         {
           ScopedCandidate sw("HYPIC_MOE_PERSISTENT_LONG", true);
           const uint64_t before = gpu::moe_persistent_launches();
@@ -667,6 +668,7 @@ TEST_CASE("moe_forward wgmma prefill tiles (OwnWgmma / Own) vs CPU and the mma.s
         std::vector<float> ws_out, tiles;
         uint64_t launched = 0;
         ScopedCandidate no_pairs("HYPIC_MOE_CLUSTER_PAIRS", false);  // (it takes precedence)
+        ScopedCandidate no_gate_up("HYPIC_MOE_WS_GATE_UP_LONG", false);  // (checked below)
         {
           ScopedCandidate sw("HYPIC_MOE_WARP_SPECIALIZED", true);
           const uint64_t before = gpu::moe_warp_specialized_launches();
@@ -693,6 +695,24 @@ TEST_CASE("moe_forward wgmma prefill tiles (OwnWgmma / Own) vs CPU and the mma.s
         CHECK(same_pairs);
         if (variant1) CHECK(launched == (takes ? 2u : 0u));
         if (mode == "6") CHECK(launched == 2u);  // (variant 6 runs 128-row tiles at every size)
+        // From 512 routed rows per expert (T = 2100 of E = 8) the candidate HYPIC_MOE_WS_GATE_UP_LONG runs the
+        // gate_up GEMM alone on them (one launch), the down GEMM one block per tile: the same bits.
+        std::vector<float> gate_up_only;
+        uint64_t launched_gu = 0;
+        {
+          ScopedCandidate sw("HYPIC_MOE_WARP_SPECIALIZED", true);
+          ScopedCandidate gu("HYPIC_MOE_WS_GATE_UP_LONG", true);
+          const uint64_t before = gpu::moe_warp_specialized_launches();
+          gate_up_only = run(gpu::GroupedGemm::OwnWgmma);
+          launched_gu = gpu::moe_warp_specialized_launches() - before;
+        }
+        const bool long_call = variant1 && P >= size_t(512) * c.E;
+        const bool same_gu = same_bits(gate_up_only, tiles);
+        std::printf("[moe] wgmma %s warp-specialised gate_up only from 512 rows per expert (takes it: %s, launches "
+                    "%llu) == one block per tile bit-identical: %s\n",
+                    name.c_str(), long_call ? "yes" : "no", (unsigned long long)launched_gu, same_gu ? "yes" : "NO");
+        CHECK(same_gu);
+        if (variant1) CHECK(launched_gu == (takes ? 2u : long_call ? 1u : 0u));
       }
       // The same blocks in clusters of two on m-tile pairs (the candidate HYPIC_MOE_CLUSTER_PAIRS: rank r of a cluster
       // takes m-tile 2 j + r; where both are one expert's, each block TMA-loads half of the weight rows multicast into
@@ -1160,17 +1180,20 @@ TEST_CASE("bench: moe_forward wgmma prefill tiles vs mma.sync and cuBLAS (prefil
       std::printf("[bench] moe T=%-6d %-9s %9.3f ms  %7.1f TFLOP/s\n", T, impl_name(impl), ms,
                   flops / (ms * 1e-3) / 1e12);
     }
-    // Own beside itself alternating: one block per tile (ws=0 pairs=0), the warp-specialised blocks (ws=1,
-    // HYPIC_MOE_WARP_SPECIALIZED) and those in clusters of two on m-tile pairs (pairs=1, HYPIC_MOE_CLUSTER_PAIRS).
+    // Own beside itself alternating: one block per tile (ws=0), the warp-specialised blocks (ws=1,
+    // HYPIC_MOE_WARP_SPECIALIZED; from 512 rows per expert, where its rule stops, HYPIC_MOE_WGMMA=6 would be needed),
+    // those in clusters of two on m-tile pairs (pairs=1, HYPIC_MOE_CLUSTER_PAIRS) and gate_up alone on them from 512
+    // rows per expert (gu=1, HYPIC_MOE_WS_GATE_UP_LONG).
     for (int rep = 0; rep < 2; ++rep) {
-      for (int way = 0; way < 3; ++way) {
-        ScopedCandidate sw("HYPIC_MOE_WARP_SPECIALIZED", way == 1);
+      for (int way = 0; way < 4; ++way) {
+        ScopedCandidate sw("HYPIC_MOE_WARP_SPECIALIZED", way == 1 || way == 3);
         ScopedCandidate pairs("HYPIC_MOE_CLUSTER_PAIRS", way == 2);
+        ScopedCandidate gu("HYPIC_MOE_WS_GATE_UP_LONG", way == 3);
         const double ms = time_ms(st.s, [&] {
           gpu::moe_forward(T, dx.get(), v, dout.get(), ws, gemm, gpu::GroupedGemm::Own, st.s);
         });
-        std::printf("[bench] moe T=%-6d Own ws=%d pairs=%d  %9.3f ms  %7.1f TFLOP/s\n", T, way == 1 ? 1 : 0,
-                    way == 2 ? 1 : 0, ms, flops / (ms * 1e-3) / 1e12);
+        std::printf("[bench] moe T=%-6d Own ws=%d pairs=%d gu=%d  %9.3f ms  %7.1f TFLOP/s\n", T, way == 1 ? 1 : 0,
+                    way == 2 ? 1 : 0, way == 3 ? 1 : 0, ms, flops / (ms * 1e-3) / 1e12);
       }
     }
   }
