@@ -103,8 +103,10 @@ int main(int argc, char** argv) {
                             "a request goes to the combine worker holding most of its segments among those with at "
                             "most this many more active requests than the least busy one (0: always the least busy)")
       ->capture_default_str();
-  hr::add_strict_int_option(app, "--combine-wait-ms", combine_wait_ms, 0, std::numeric_limits<int64_t>::max(),
-                            "with no combine worker in rotation, how long a request waits for one to come back")
+  // (at most a day: the wait is added to the system clock's nanoseconds, which a larger value would overflow)
+  hr::add_strict_int_option(app, "--combine-wait-ms", combine_wait_ms, 0, int64_t{86'400'000},
+                            "with no combine worker in rotation, how long a request waits for one to come back "
+                            "(at most 86400000: a day; the request's deadline still bounds it)")
       ->capture_default_str();
   std::string auth_token_file;
   app.add_option("--auth-token-file", auth_token_file,
