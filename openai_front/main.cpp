@@ -76,9 +76,10 @@ int main(int argc, char** argv) {
   app.add_option("--model-name", model_name,
                  "the model id /v1/models lists and requests may name (default: the router's model directory's "
                  "name, or \"hypic\" when the router does not say)");
-  app.add_option("--request-timeout-seconds", request_timeout_s, "deadline of each completion request at the router")
+  app.add_option("--request-timeout-seconds", request_timeout_s,
+                 "deadline of each completion request at the router (0.001 .. 604800: a week)")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(hypic::rpc::strict_real(0.001, 604800.0));
   namespace hr = hypic::rpc;
   hr::add_strict_int_option(app, "--max-body-bytes", max_body_bytes, 1024, size_t{1} << 30,
                             "largest request body accepted (413 above)")
@@ -102,15 +103,15 @@ int main(int argc, char** argv) {
                  "a request head (or an idle keep-alive connection's next one, or a TLS handshake) must arrive "
                  "within this; slower clients are closed")
       ->capture_default_str()
-      ->check(CLI::Range(0.05, 3600.0));
+      ->check(hypic::rpc::strict_real(0.05, 3600.0));
   app.add_option("--body-timeout-seconds", body_timeout_s, "a request body must arrive within this after its head")
       ->capture_default_str()
-      ->check(CLI::Range(0.05, 3600.0));
+      ->check(hypic::rpc::strict_real(0.05, 3600.0));
   app.add_option("--write-timeout-seconds", write_timeout_s,
                  "each write to a client (an answer, a stream event) must complete within this, else the "
                  "connection is closed and its request cancelled")
       ->capture_default_str()
-      ->check(CLI::Range(0.05, 3600.0));
+      ->check(hypic::rpc::strict_real(0.05, 3600.0));
   app.add_option("--auth-token-file", auth_token_file,
                  "accepted bearer tokens, one per line: every path but /health then needs 'Authorization: Bearer "
                  "<token>' (401 otherwise)")

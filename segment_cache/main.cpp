@@ -36,7 +36,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--max-leased-fraction", store.max_leased_fraction,
                  "leased entries may hold at most this fraction of --memory-bytes; hits past it are not leased")
-      ->check(CLI::Range(0.0, 1.0))
+      ->check(hypic::rpc::strict_real(0.0, 1.0))
       ->capture_default_str();
   size_t max_queued_events = 65536;
   hypic::rpc::add_strict_int_option(app, "--max-queued-events", max_queued_events, 1,

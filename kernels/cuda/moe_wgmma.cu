@@ -871,14 +871,18 @@ void launch_tiles(const GroupedArgs& g, size_t grid_m, Sched sched, int sms, cud
   check_cuda(cudaGetLastError(), what);
 }
 
-// The most clusters of two blocks of moe_wgmma_ws_kernel<C, GATE_UP, VEC, true> that the current device runs at once
-// (cudaOccupancyMaxActiveClusters: pairs of SMs of one GPC), asked once per device and instantiation; at least 1.
+// The most clusters of two blocks of moe_wgmma_ws_kernel<C, GATE_UP, VEC, true> that the current device `dev` runs at
+// once (cudaOccupancyMaxActiveClusters: pairs of SMs of one GPC), asked once per device and instantiation (each time
+// for ordinals past 63); 0 where none fits (the caller then runs the blocks alone).
 template <class C, bool GATE_UP, bool VEC>
 int max_pair_clusters(int dev) {
-  static std::atomic<int> cached[64];
-  if (dev < 0 || dev >= 64) throw std::invalid_argument("max_pair_clusters: device " + std::to_string(dev));
-  int n = cached[dev].load(std::memory_order_relaxed);
-  if (n > 0) return n;
+  static std::atomic<int> cached[64];  // (+ 1: 0 = not asked yet)
+  const bool cacheable = dev >= 0 && dev < 64;
+  if (cacheable) {
+    const int c = cached[dev].load(std::memory_order_relaxed);
+    if (c > 0) return c - 1;
+  }
+  int n = 0;
   cudaLaunchConfig_t cfg{};
   cudaLaunchAttribute attr{};
   attr.id = cudaLaunchAttributeClusterDimension;
@@ -888,14 +892,14 @@ int max_pair_clusters(int dev) {
   cfg.attrs = &attr, cfg.numAttrs = 1;
   check_cuda(cudaOccupancyMaxActiveClusters(&n, moe_wgmma_ws_kernel<C, GATE_UP, VEC, true>, &cfg),
              "cudaOccupancyMaxActiveClusters(moe_wgmma_ws_kernel, pairs)");
-  n = std::max(n, 1);
-  cached[dev].store(n, std::memory_order_relaxed);
+  n = std::max(n, 0);
+  if (cacheable) cached[dev].store(n + 1, std::memory_order_relaxed);
   return n;
 }
 
 // The warp-specialised kernel over grid_m m-tiles (an upper bound) of expert weights with `rows` rows each (gate_up
 // 2N, down N): one block per SM at most; `pair`: in clusters of two on m-tile pairs (as many clusters as run at once).
-// False (nothing launched) where the weights cannot be a TMA tensor map.
+// False (nothing launched) where the weights cannot be a TMA tensor map, or (pair) no cluster of two fits the device.
 template <class C, bool GATE_UP>
 bool launch_ws(const GroupedArgs& g, int E, int rows, size_t grid_m, bool vec, bool pair, int* tile_counter, int sms,
                cudaStream_t stream, const char* what) {
@@ -905,14 +909,16 @@ bool launch_ws(const GroupedArgs& g, int E, int rows, size_t grid_m, bool vec, b
   const size_t blocks = grid_m * size_t(n_tiles);
   if (blocks > size_t(INT_MAX))
     throw std::invalid_argument(std::string(what) + ": " + std::to_string(blocks) + " tiles do not fit a grid");
+  const int clusters = !pair ? 0
+                       : vec  ? max_pair_clusters<C, GATE_UP, true>(current_device())
+                              : max_pair_clusters<C, GATE_UP, false>(current_device());
+  if (pair && clusters == 0) return false;  // one block per tile instead
   CUtensorMap map;
   const int box_rows = pair ? WsLayout<C, GATE_UP, true>::BOX_ROWS : WsLayout<C, GATE_UP>::BOX_ROWS;
   if (!weights_tensor_map(g, E, rows, box_rows, &map)) return false;  // one block per tile instead
   check_cuda(cudaMemsetAsync(tile_counter, 0, sizeof(int), stream), std::string(what) + " (tile counter)");
   if (pair) {
     using L = WsLayout<C, GATE_UP, true>;
-    const int clusters = vec ? max_pair_clusters<C, GATE_UP, true>(current_device())
-                             : max_pair_clusters<C, GATE_UP, false>(current_device());
     const size_t pairs = (grid_m + 1) / 2 * size_t(n_tiles);
     cudaLaunchConfig_t cfg{};
     cudaLaunchAttribute attr{};

@@ -3,6 +3,9 @@
 #include <algorithm>
 #include <cctype>
 #include <charconv>
+#include <cmath>
+
+#include <fmt/format.h>
 
 #include "proto/rpc/status.h"
 
@@ -84,6 +87,27 @@ CLI::Validator strict_byte_size(uint64_t lo, uint64_t hi) {
         return std::string();
       },
       "SIZE [b, kb(=1024b), ...] in " + range, "STRICT_SIZE");
+}
+
+std::optional<double> parse_finite_real(std::string_view text, double lo, double hi) {
+  std::string_view t = text;
+  if (!t.empty() && t[0] == '+') t.remove_prefix(1);
+  if (t.empty() || !(std::isdigit(static_cast<unsigned char>(t[0])) || t[0] == '-' || t[0] == '.')) return std::nullopt;
+  double v = 0;
+  const auto [end, ec] = std::from_chars(t.data(), t.data() + t.size(), v, std::chars_format::general);
+  if (ec != std::errc() || end != t.data() + t.size() || !std::isfinite(v) || v < lo || v > hi) return std::nullopt;
+  return v;
+}
+
+CLI::Validator strict_real(double lo, double hi) {
+  if (!std::isfinite(lo) || !std::isfinite(hi) || lo > hi)
+    throw std::invalid_argument("strict_real: bad range [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
+  const std::string range = "[" + fmt::format("{}", lo) + ", " + fmt::format("{}", hi) + "]";
+  return CLI::Validator(
+      [lo, hi, range](std::string& v) {
+        return parse_finite_real(v, lo, hi) ? std::string() : flag_value_refusal(v, "a finite number in " + range);
+      },
+      "NUMBER in " + range, "STRICT_REAL");
 }
 
 }  // namespace hypic::rpc

@@ -81,6 +81,16 @@ CLI::Validator strict_int(T lo, T hi) {
 /// anything else fails as strict_int's does. Throws std::invalid_argument when lo > hi.
 CLI::Validator strict_byte_size(uint64_t lo, uint64_t hi);
 
+/// The value of `text` when it is a finite real number in [lo, hi] written in decimal (an optional sign, digits with an
+/// optional '.', an optional exponent: 0.5, +2, 1e3, -0.25), else nullopt: blanks, hex floats, "inf", "nan" and
+/// trailing characters are refused.
+std::optional<double> parse_finite_real(std::string_view text, double lo, double hi);
+
+/// A CLI11 check for floating-point flags accepting what parse_finite_real accepts in [lo, hi] (CLI::Range and
+/// CLI::PositiveNumber let NaN through, which then reached the services' arithmetic); anything else fails as
+/// strict_int's does. Throws std::invalid_argument when lo > hi or a bound is not finite.
+CLI::Validator strict_real(double lo, double hi);
+
 namespace detail {
 /// The integer a strict option's target holds: T itself, a std::vector's element (a repeated flag) or a
 /// std::chrono::duration's count.

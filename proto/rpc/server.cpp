@@ -31,9 +31,10 @@ void add_server_flags(CLI::App& app, ServerFlags& flags) {
       ->capture_default_str();
   app.add_option("--port-file", flags.port_file, "write the bound port to this file once serving");
   app.add_option("--log-level", flags.log_level, "trace|debug|info|warn|error|critical|off")->capture_default_str();
-  app.add_option("--drain-seconds", flags.drain_seconds, "grace period for in-flight calls after SIGTERM")
+  app.add_option("--drain-seconds", flags.drain_seconds,
+                 "grace period for in-flight calls after SIGTERM (0 .. 86400: a day)")
       ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+      ->check(strict_real(0.0, 86400.0));
   add_strict_int_option(app, "--parent-pid", flags.parent_pid, 0, std::numeric_limits<int>::max(),
                         "exit when this process disappears (used by launchers; 0: none)");
   app.add_option("--metrics-listen", flags.metrics_listen,

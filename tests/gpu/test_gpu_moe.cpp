@@ -516,7 +516,7 @@ std::string wgmma_mode() {
   return mv ? mv : "1";
 }
 bool wgmma_variant1(const std::string& mode) {
-  return mode != "2" && mode != "3" && mode != "4" && mode != "5" && mode != "6" && mode != "7";
+  return mode != "2" && mode != "3" && mode != "4" && mode != "5" && mode != "6" && mode != "7" && mode != "8";
 }
 
 TEST_CASE("moe_forward wgmma prefill tiles (OwnWgmma / Own) vs CPU and the mma.sync tiles, odd sizes", "[moe]") {
@@ -695,6 +695,7 @@ TEST_CASE("moe_forward wgmma prefill tiles (OwnWgmma / Own) vs CPU and the mma.s
         CHECK(same_pairs);
         if (variant1) CHECK(launched == (takes ? 2u : 0u));
         if (mode == "6") CHECK(launched == 2u);  // (variant 6 runs 128-row tiles at every size)
+        if (mode == "8") CHECK(launched == 1u);  // (variant 8: gate_up alone, at every size)
         // From 512 routed rows per expert (T = 2100 of E = 8) the candidate HYPIC_MOE_WS_GATE_UP_LONG runs the
         // gate_up GEMM alone on them (one launch), the down GEMM one block per tile: the same bits.
         std::vector<float> gate_up_only;
@@ -713,6 +714,7 @@ TEST_CASE("moe_forward wgmma prefill tiles (OwnWgmma / Own) vs CPU and the mma.s
                     name.c_str(), long_call ? "yes" : "no", (unsigned long long)launched_gu, same_gu ? "yes" : "NO");
         CHECK(same_gu);
         if (variant1) CHECK(launched_gu == (takes ? 2u : long_call ? 1u : 0u));
+        if (mode == "8") CHECK(launched_gu == 1u);
       }
       // The same blocks in clusters of two on m-tile pairs (the candidate HYPIC_MOE_CLUSTER_PAIRS: rank r of a cluster
       // takes m-tile 2 j + r; where both are one expert's, each block TMA-loads half of the weight rows multicast into
@@ -742,6 +744,7 @@ TEST_CASE("moe_forward wgmma prefill tiles (OwnWgmma / Own) vs CPU and the mma.s
         {
           ScopedCandidate sw("HYPIC_MOE_CLUSTER_PAIRS", false);
           ScopedCandidate no_ws("HYPIC_MOE_WARP_SPECIALIZED", false);
+          ScopedCandidate no_gu("HYPIC_MOE_WS_GATE_UP_LONG", false);
           ScopedCandidate per_tile("HYPIC_MOE_PERSISTENT_LONG", false);
           tiles = run(gpu::GroupedGemm::OwnWgmma);
         }

@@ -284,3 +284,35 @@ TEST_CASE("strict decimal parsing without CLI11: parse_decimal and parse_byte_si
   CHECK(parse_byte_size("1e", 0, UINT64_MAX) == uint64_t{1} << 60);  // CLI11's e unit: 1024^6
   CHECK_FALSE(parse_byte_size("1eb5", 0, UINT64_MAX));
 }
+
+TEST_CASE("strict real flags: finite decimal numbers in range, NaN and infinities refused", "[flags]") {
+  using hypic::rpc::parse_finite_real;
+  // Accepted: the value as written (compared exactly: each is a short decimal that from_chars rounds correctly).
+  CHECK(parse_finite_real("0.5", 0, 1) == 0.5);
+  CHECK(parse_finite_real("+2", 0, 10) == 2.0);
+  CHECK(parse_finite_real("1e3", 0, 1e4) == 1000.0);
+  CHECK(parse_finite_real("-0.25", -1, 0) == -0.25);
+  CHECK(parse_finite_real(".5", 0, 1) == 0.5);
+  CHECK(parse_finite_real("0.05", 0.05, 3600) == 0.05);  // both range ends
+  CHECK(parse_finite_real("3600", 0.05, 3600) == 3600.0);
+  // Refused: not finite, not decimal, blanks, junk, outside the range.
+  for (const char* bad : {"nan", "NaN", "-nan", "inf", "+inf", "infinity", "1e400", "", " 1", "1 ", "0x1p3", "1,5",
+                          "1.2.3", "e5", "+", "-", "++1", "3601", "0.049", "-0.0001"})
+    CHECK_FALSE(parse_finite_real(bad, 0.05, 3600).has_value());
+  CHECK_THROWS_AS(hypic::rpc::strict_real(1, 0), std::invalid_argument);
+  // Through CLI11: the refusal names the flag and the value, and the target keeps its value.
+  double t = 600;
+  auto add = [&](CLI::App& app) {
+    app.add_option("--request-timeout-seconds", t)->check(hypic::rpc::strict_real(0.001, 604800.0));
+  };
+  CHECK(parse(add, {"--request-timeout-seconds", "2.5"}).empty());
+  CHECK(t == 2.5);
+  t = 600;
+  for (const char* bad : {"nan", "1e300", "0", "inf", "604801"}) {
+    const std::string err = parse(add, {"--request-timeout-seconds", bad});
+    INFO(err);
+    CHECK(err.find("--request-timeout-seconds") != std::string::npos);
+    CHECK(err.find(bad) != std::string::npos);
+    CHECK(t == 600);
+  }
+}
