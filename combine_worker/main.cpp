@@ -43,17 +43,21 @@ int main(int argc, char** argv) {
                  "device tier: segment entries resident on the backend (device memory on CUDA), a hit needs no copy "
                  "(0 disables; auto: the device memory left after weights, KV pool and workspace, minus a reserve; "
                  "CPU: an eighth of host memory, at least 1 GiB)")
+      ->check(hypic::rpc::byte_budget_check())
       ->capture_default_str();
   app.add_option("--host-tier-bytes", host_tier_bytes,
                  "host tier (CUDA): pinned host copies of device entries, a hit costs one host-to-device copy "
                  "(0 disables; auto: a quarter of host memory)")
+      ->check(hypic::rpc::byte_budget_check())
       ->capture_default_str();
   app.add_option("--put-queue-bytes", put_queue_bytes,
                  "bytes of cache puts that may wait; more are dropped (auto: the larger of 1 GiB and 16 entries of 2048 tokens)")
+      ->check(hypic::rpc::byte_budget_check())
       ->capture_default_str();
   app.add_option("--host-copy-queue-bytes", host_copy_queue_bytes,
                  "resident entries waiting for their host copy; more are dropped (auto: the larger of 1 GiB and 16 "
                  "entries of 2048 tokens)")
+      ->check(hypic::rpc::byte_budget_check())
       ->capture_default_str();
   hypic::rpc::add_strict_size_option(app, "--chunk-bytes", opt.chunk_bytes, 4096, uint64_t{4} << 20,
                                      "size of streamed chunks")

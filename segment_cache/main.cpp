@@ -23,6 +23,7 @@ int main(int argc, char** argv) {
   std::string memory_bytes = "auto";
   app.add_option("--memory-bytes", memory_bytes,
                  "memory-tier budget (e.g. 2GiB, 512MB); auto: a quarter of this host's memory, at least 1 GiB")
+      ->check(hypic::rpc::byte_budget_check())
       ->capture_default_str();
   app.add_option("--disk-dir", disk_dir, "enable the disk tier in this directory (entries survive restarts)");
   constexpr uint32_t kU32 = std::numeric_limits<uint32_t>::max();

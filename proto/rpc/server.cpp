@@ -271,12 +271,25 @@ std::string advertised_host(const std::string& listen) {
   return host;
 }
 
+namespace {
+std::string byte_budget_refusal(const std::string& text) {
+  return flag_value_refusal(text, "auto or a byte size in [0, 2^64) (" + std::string(kByteSizeForm) +
+                                      "; 8GiB, 512MB, 1048576)");
+}
+}  // namespace
+
 std::optional<uint64_t> parse_byte_budget(const std::string& text, const std::string& flag) {
   if (text == "auto") return std::nullopt;
   if (const auto v = parse_byte_size(text, 0, UINT64_MAX)) return v;
-  throw std::invalid_argument(flag + ": " + flag_value_refusal(text, "auto or a byte size in [0, 2^64) (" +
-                                                                         std::string(kByteSizeForm) +
-                                                                         "; 8GiB, 512MB, 1048576)"));
+  throw std::invalid_argument(flag + ": " + byte_budget_refusal(text));
+}
+
+CLI::Validator byte_budget_check() {
+  return CLI::Validator(
+      [](std::string& v) {
+        return v == "auto" || parse_byte_size(v, 0, UINT64_MAX) ? std::string() : byte_budget_refusal(v);
+      },
+      "auto|SIZE", "BYTE_BUDGET");
 }
 
 uint64_t host_memory_bytes() {

@@ -52,6 +52,10 @@ void add_server_flags(CLI::App& app, ServerFlags& flags);
 /// (blanks, signs, fractions, exponents, unknown units, values that do not fit in 64 bits).
 std::optional<uint64_t> parse_byte_budget(const std::string& text, const std::string& flag);
 
+/// A CLI11 check for such a flag: what parse_byte_budget accepts passes, anything else fails the parse at start-up
+/// (CLI::ValidationError naming the flag and the value, before the service logs or binds anything).
+CLI::Validator byte_budget_check();
+
 /// Physical memory of this host (bytes; /proc/meminfo MemTotal, cgroup v2 memory.max when lower), 0 if unknown.
 uint64_t host_memory_bytes();
 

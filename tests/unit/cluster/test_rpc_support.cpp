@@ -207,6 +207,26 @@ TEST_CASE("byte budgets: auto, sizes with binary units, and clear errors naming 
   CHECK_THROWS_WITH(parse_byte_budget("99999999999999999999999", "--x"), Catch::Contains("(it overflows 64 bits)"));
   CHECK_THROWS_WITH(parse_byte_budget("1.5GiB", "--x"), Catch::StartsWith("--x: 1.5GiB is not auto or a byte size"));
   CHECK_THROWS_WITH(parse_byte_budget("20000000PiB", "--x"), Catch::StartsWith("--x: 20000000PiB is not"));
+  // As a CLI11 check (byte_budget_check): the same values pass, the rest fail the parse naming the flag, and the
+  // option keeps its default.
+  for (const char* good : {"auto", "0", "8GiB", "0512mb"}) {
+    CLI::App app;
+    std::string v = "auto";
+    app.add_option("--memory-bytes", v)->check(hypic::rpc::byte_budget_check());
+    const char* argv[] = {"service", "--memory-bytes", good};
+    INFO(good);
+    CHECK_NOTHROW(app.parse(3, argv));
+    CHECK(v == good);
+  }
+  for (const char* bad : {"AUTO", "2 k", "-1", "1.5GiB", "0x10", ""}) {
+    CLI::App app;
+    std::string v = "auto";
+    app.add_option("--memory-bytes", v)->check(hypic::rpc::byte_budget_check());
+    const char* argv[] = {"service", "--memory-bytes", bad};
+    INFO(bad);
+    CHECK_THROWS_WITH(app.parse(3, argv), Catch::Contains("--memory-bytes") && Catch::Contains("is not auto"));
+    CHECK(v == "auto");
+  }
 }
 
 TEST_CASE("every segment source has a report name (metrics labels, hypic-client)", "[rpc]") {
