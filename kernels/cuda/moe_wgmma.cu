@@ -990,9 +990,9 @@ int wgmma_env_mode() {
     const char* v = std::getenv("HYPIC_MOE_WGMMA");
     if (!v) return 1;
     const std::string s(v);
-    for (const char* v : {"0", "2", "3", "4", "5", "6", "7", "8"})
-      if (s == v) return std::atoi(v);
-    return 1;
+    for (const char* known : {"0", "2", "3", "4", "5", "6", "7", "8"})
+      if (s == known) return std::atoi(known);
+    return 1;  // (unset, "1" or anything else: the default)
   }();
   return mode;
 }
