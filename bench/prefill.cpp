@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cstdio>
 #include <iostream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <sstream>
@@ -21,9 +22,11 @@
 
 #include "engine/cpu/model.h"
 #include "kernels/cpu/blas_env.h"
+#include "proto/rpc/flags.h"
 
 using hypic::engine::Model;
 using hypic::engine::PrefillOptions;
+using hypic::rpc::add_strict_int_option;
 
 namespace {
 
@@ -51,12 +54,8 @@ std::vector<int64_t> parse_lengths(const std::string& text) {
   std::vector<int64_t> out;
   std::stringstream ss(text);
   std::string item;
-  while (std::getline(ss, item, ',')) {
-    size_t used = 0;
-    const long long v = std::stoll(item, &used);
-    if (used != item.size() || v <= 0) throw std::invalid_argument("--tokens: bad length '" + item + "'");
-    out.push_back(v);
-  }
+  while (std::getline(ss, item, ','))
+    out.push_back(hypic::rpc::require_decimal<int64_t>(item, "--tokens", 1, std::numeric_limits<int64_t>::max()));
   if (out.empty()) throw std::invalid_argument("--tokens: no lengths given");
   return out;
 }
@@ -72,11 +71,13 @@ int main(int argc, char** argv) {
   bool no_transitions = false;
   app.add_option("--model", model_dir, "checkpoint directory (config.json + safetensors)")->required();
   app.add_option("--tokens", tokens, "comma-separated prompt lengths")->capture_default_str();
-  app.add_option("--repeats", repeats, "runs per length (best and median reported)")
-      ->check(CLI::PositiveNumber)
+  add_strict_int_option(app, "--repeats", repeats, 1, std::numeric_limits<int>::max(),
+                        "runs per length (best and median reported)")
       ->capture_default_str();
-  app.add_option("--threads", threads, "OpenBLAS threads (0 = OpenBLAS default)")->check(CLI::NonNegativeNumber);
-  app.add_option("--seed", seed, "seed of the random token ids")->capture_default_str();
+  add_strict_int_option(app, "--threads", threads, 0, std::numeric_limits<int>::max(),
+                        "OpenBLAS threads (0 = OpenBLAS default)");
+  add_strict_int_option(app, "--seed", seed, 0, std::numeric_limits<uint32_t>::max(), "seed of the random token ids")
+      ->capture_default_str();
   app.add_flag("--no-transitions", no_transitions, "skip the timing with capture_transitions");
   CLI11_PARSE(app, argc, argv);
 

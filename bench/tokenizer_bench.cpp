@@ -25,6 +25,7 @@
 
 #include "tokenizer/tokenizer.h"
 #include "engine/io_error.h"
+#include "proto/rpc/flags.h"
 
 namespace {
 
@@ -63,8 +64,9 @@ int main(int argc, char** argv) {
   int passes = 5;
   app.add_option("--tokenizer", tokenizer_path, "tokenizer.json")->required()->check(CLI::ExistingFile);
   app.add_option("--text", texts, "UTF-8 text file(s) to encode")->required()->check(CLI::ExistingFile);
-  app.add_option("--chunk-bytes", chunk_bytes, "maximum segment size in bytes")->check(CLI::Range(1, 1 << 30));
-  app.add_option("--passes", passes, "passes per file (first cold, rest warm)")->check(CLI::Range(2, 100));
+  hypic::rpc::add_strict_int_option(app, "--chunk-bytes", chunk_bytes, 1, size_t{1} << 30,
+                                    "maximum segment size in bytes");
+  hypic::rpc::add_strict_int_option(app, "--passes", passes, 2, 100, "passes per file (first cold, rest warm)");
   app.add_option("--json", json_out, "also write the JSON result here");
   app.add_option("--ids-out", ids_out, "write the ids of pass 1 (int32 little-endian)");
   CLI11_PARSE(app, argc, argv);

@@ -16,6 +16,7 @@
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <limits>
 #include <optional>
 #include <sstream>
 
@@ -27,9 +28,11 @@
 #include "tokenizer/tokenizer.h"
 #include "engine/checkpoint/weights.h"
 #include "kernels/cpu/blas_env.h"
+#include "proto/rpc/flags.h"
 
 using namespace hypic::engine;
 using Clock = std::chrono::steady_clock;
+using hypic::rpc::add_strict_int_option;
 
 namespace {
 
@@ -188,10 +191,10 @@ int main(int argc, char** argv) {
   app.add_option("--token-file", token_files, "a file of token ids (whitespace/comma separated) per segment");
   app.add_option("--query", query_text, "the query text");
   app.add_option("--query-ids", query_ids_text, "the query as token ids, e.g. 1,2,3");
-  app.add_option("--seam-width", seam_width, "seam window w in tokens (hypic mode)")->check(CLI::NonNegativeNumber);
-  app.add_option("--max-new-tokens", max_new_tokens,
-                 "greedy continuation length compared per mode (16; --dataset: the most per answer, 24)")
-      ->check(CLI::NonNegativeNumber);
+  constexpr int kIntMax = std::numeric_limits<int>::max();
+  add_strict_int_option(app, "--seam-width", seam_width, 0, kIntMax, "seam window w in tokens (hypic mode)");
+  add_strict_int_option(app, "--max-new-tokens", max_new_tokens, 0, kIntMax,
+                        "greedy continuation length compared per mode (16; --dataset: the most per answer, 24)");
   app.add_option("--modes", modes_text,
                  "comma-separated modes; full is always run as the reference (--dataset: naive and transition also "
                  "run as naive_local and transition_local unless --no-local-ablations)");
@@ -202,24 +205,22 @@ int main(int argc, char** argv) {
                                      "JSONL of prompts with known answers (eval/quality.h): the quality benchmark "
                                      "instead of one prompt; needs --tokenizer");
   std::vector<CLI::Option*> dataset_only = {
-      app.add_option("--seam-widths", run.options.seam_widths,
-                     "--dataset: comma-separated hypic seam widths, one mode hypic_w<w> each (0,2,4,8,16,32)")
-          ->delimiter(',')
-          ->check(CLI::NonNegativeNumber),
-      app.add_option("--refresh", run.options.refresh_counts,
-                     "--dataset: comma-separated k, one mode hypic_w<w>_r<k> each: hypic at w = --refresh-seam-width "
-                     "that recomputes whole the k segments the query attends to most (SpliceRequest::refresh_segments)")
-          ->delimiter(',')
-          ->check(CLI::PositiveNumber),
-      app.add_option("--refresh-tail", run.options.refresh_tails,
-                     "--dataset: comma-separated t, modes hypic_w<w>_t<t> (the last t segments recomputed whole, "
-                     "SpliceRequest::refresh_tail) and hypic_w<w>_r<k>_t<t> for each --refresh k")
-          ->delimiter(',')
-          ->check(CLI::PositiveNumber),
-      app.add_option("--refresh-seam-width", run.options.refresh_seam_width,
-                     "--dataset: w of the --refresh and --refresh-tail modes, tokens (8)")
-          ->check(CLI::NonNegativeNumber),
-      app.add_option("--limit", run.limit, "--dataset: only the first N prompts (0 = all)"),
+      add_strict_int_option(app, "--seam-widths", run.options.seam_widths, 0, kIntMax,
+                            "--dataset: comma-separated hypic seam widths, one mode hypic_w<w> each (0,2,4,8,16,32)")
+          ->delimiter(','),
+      add_strict_int_option(app, "--refresh", run.options.refresh_counts, 1, kIntMax,
+                            "--dataset: comma-separated k, one mode hypic_w<w>_r<k> each: hypic at w = "
+                            "--refresh-seam-width that recomputes whole the k segments the query attends to most "
+                            "(SpliceRequest::refresh_segments)")
+          ->delimiter(','),
+      add_strict_int_option(app, "--refresh-tail", run.options.refresh_tails, 1, kIntMax,
+                            "--dataset: comma-separated t, modes hypic_w<w>_t<t> (the last t segments recomputed "
+                            "whole, SpliceRequest::refresh_tail) and hypic_w<w>_r<k>_t<t> for each --refresh k")
+          ->delimiter(','),
+      add_strict_int_option(app, "--refresh-seam-width", run.options.refresh_seam_width, 0, kIntMax,
+                            "--dataset: w of the --refresh and --refresh-tail modes, tokens (8)"),
+      add_strict_int_option(app, "--limit", run.limit, 0, std::numeric_limits<size_t>::max(),
+                            "--dataset: only the first N prompts (0 = all)"),
       app.add_option("--shard", shard_text, "--dataset: shard I/N, the prompts with index % N == I"),
       app.add_option("--json-out", run.json_out, "--dataset: write the report (summary, per-prompt rows, settings)"),
       app.add_flag("!--no-local-ablations", run.options.local_position_ablations,

@@ -32,6 +32,7 @@
 #include <ctime>
 #include <fstream>
 #include <iostream>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -53,6 +54,7 @@
 #include "tokenizer/tokenizer.h"
 #include "kernels/cpu/blas_env.h"
 #include "hypic/v1/combine.grpc.pb.h"
+#include "proto/rpc/flags.h"
 #include "proto/rpc/server.h"
 #include "proto/rpc/status.h"
 
@@ -887,6 +889,8 @@ int main(int argc, char** argv) {
   Options o;
   std::string self_dir = fs::canonical("/proc/self/exe").parent_path().string();
   o.bin_dir = self_dir;
+  using hypic::rpc::add_strict_int_option;
+  using hypic::rpc::strict_real;
   app.add_option("--model", o.model, "checkpoint directory served by the clusters")->required()->check(CLI::ExistingDirectory);
   app.add_option("--tokenizer", o.tokenizer, "tokenizer.json")->required()->check(CLI::ExistingFile);
   app.add_option("--bin-dir", o.bin_dir, "where the hypic-* service binaries are (default: next to this binary)")
@@ -902,57 +906,66 @@ int main(int argc, char** argv) {
   app.add_option("--scenarios", o.scenarios,
                  "comma-separated subset of modes,scaling,schedule,serving,load (serving is not in the default list)")
       ->capture_default_str();
-  app.add_option("--scatter-workers", o.scatter_workers,
-                 "scatter workers for the modes, schedule, serving and load scenarios (0: the combine worker "
-                 "prefills cold segments itself; schedule needs >= 2)")
-      ->check(CLI::Range(0, 1024))
+  add_strict_int_option(app, "--scatter-workers", o.scatter_workers, 0, 1024,
+                        "scatter workers for the modes, schedule, serving and load scenarios (0: the combine worker "
+                        "prefills cold segments itself; schedule needs >= 2)")
       ->capture_default_str();
   app.add_option("--worker-counts", o.worker_counts, "scatter-worker counts of the scaling scenario")->capture_default_str();
-  app.add_option("--ready-timeout-s", o.ready_timeout_s, "longest wait for a cluster to start")->capture_default_str();
-  app.add_option("--request-timeout-s", o.request_timeout_s, "deadline of each request")->capture_default_str();
-  app.add_option("--seed", o.seed, "workload seed")->capture_default_str();
+  constexpr double kWeekS = 604800;  // the longest wait or deadline in seconds, as the services' timeouts
+  app.add_option("--ready-timeout-s", o.ready_timeout_s, "longest wait for a cluster to start")
+      ->check(strict_real(0.001, kWeekS))
+      ->capture_default_str();
+  app.add_option("--request-timeout-s", o.request_timeout_s, "deadline of each request")
+      ->check(strict_real(0.001, kWeekS))
+      ->capture_default_str();
+  add_strict_int_option(app, "--seed", o.seed, 0, std::numeric_limits<uint64_t>::max(), "workload seed")
+      ->capture_default_str();
   app.add_option("--corpus", o.corpus, "text file(s) to cut segments from (repeat); default: random token ids")
       ->check(CLI::ExistingFile);
-  app.add_option("--query-tokens", o.query_tokens, "tokens per query")->check(CLI::Range(1, 1 << 20))->capture_default_str();
-  app.add_option("--max-tokens", o.max_tokens, "tokens decoded per request")->check(CLI::Range(1, 4096))->capture_default_str();
-  app.add_option("--prompts", o.prompts, "modes: prompts per mode")->check(CLI::Range(1, 100000))->capture_default_str();
-  app.add_option("--segments", o.segments, "modes: segments per prompt")->check(CLI::Range(1, 4096))->capture_default_str();
-  app.add_option("--segment-tokens", o.segment_tokens, "modes: tokens per segment, N or MIN:MAX")->capture_default_str();
-  app.add_option("--hit-ratio", o.hit_ratio, "modes: warm fraction of the mixed row")->check(CLI::Range(0.0, 1.0))
+  add_strict_int_option(app, "--query-tokens", o.query_tokens, 1, 1 << 20, "tokens per query")->capture_default_str();
+  add_strict_int_option(app, "--max-tokens", o.max_tokens, 1, 4096, "tokens decoded per request")
       ->capture_default_str();
-  app.add_option("--scaling-requests", o.scaling_requests, "scaling: prompts per worker count")
-      ->check(CLI::Range(1, 100000))->capture_default_str();
-  app.add_option("--scaling-segments", o.scaling_segments, "scaling: cold segments per prompt")
-      ->check(CLI::Range(1, 4096))->capture_default_str();
+  add_strict_int_option(app, "--prompts", o.prompts, 1, 100000, "modes: prompts per mode")->capture_default_str();
+  add_strict_int_option(app, "--segments", o.segments, 1, 4096, "modes: segments per prompt")->capture_default_str();
+  app.add_option("--segment-tokens", o.segment_tokens, "modes: tokens per segment, N or MIN:MAX")->capture_default_str();
+  app.add_option("--hit-ratio", o.hit_ratio, "modes: warm fraction of the mixed row")->check(strict_real(0, 1))
+      ->capture_default_str();
+  add_strict_int_option(app, "--scaling-requests", o.scaling_requests, 1, 100000, "scaling: prompts per worker count")
+      ->capture_default_str();
+  add_strict_int_option(app, "--scaling-segments", o.scaling_segments, 1, 4096, "scaling: cold segments per prompt")
+      ->capture_default_str();
   app.add_option("--scaling-segment-tokens", o.scaling_segment_tokens, "scaling: tokens per segment, N or MIN:MAX")
       ->capture_default_str();
-  app.add_option("--schedule-requests", o.schedule_requests, "schedule: prompts per policy")
-      ->check(CLI::Range(1, 100000))->capture_default_str();
-  app.add_option("--long-tokens", o.long_tokens, "schedule: tokens of the long segments")->check(CLI::Range(1, 1 << 20))
+  add_strict_int_option(app, "--schedule-requests", o.schedule_requests, 1, 100000, "schedule: prompts per policy")
       ->capture_default_str();
-  app.add_option("--short-tokens", o.short_tokens, "schedule: tokens of the short segments")->check(CLI::Range(1, 1 << 20))
+  add_strict_int_option(app, "--long-tokens", o.long_tokens, 1, 1 << 20, "schedule: tokens of the long segments")
       ->capture_default_str();
-  app.add_option("--serving-prompts", o.serving_prompts, "serving: prompts (each gives one request per row)")
-      ->check(CLI::Range(1, 100000))->capture_default_str();
-  app.add_option("--serving-segments", o.serving_segments, "serving: segments per prompt")
-      ->check(CLI::Range(1, 4096))->capture_default_str();
+  add_strict_int_option(app, "--short-tokens", o.short_tokens, 1, 1 << 20, "schedule: tokens of the short segments")
+      ->capture_default_str();
+  add_strict_int_option(app, "--serving-prompts", o.serving_prompts, 1, 100000,
+                        "serving: prompts (each gives one request per row)")
+      ->capture_default_str();
+  add_strict_int_option(app, "--serving-segments", o.serving_segments, 1, 4096, "serving: segments per prompt")
+      ->capture_default_str();
   app.add_option("--serving-segment-tokens", o.serving_segment_tokens, "serving: tokens per segment, N or MIN:MAX")
       ->capture_default_str();
   app.add_option("--load-modes", o.load_modes,
                  "load: modes run on the same arrival trace, comma-separated subset of hypic,prefix,full")
       ->capture_default_str();
   app.add_option("--rates", o.rates, "load: offered request rates (req/s), comma-separated")->capture_default_str();
-  app.add_option("--load-requests", o.load_requests, "load: requests per rate")->check(CLI::Range(1, 100000))
+  add_strict_int_option(app, "--load-requests", o.load_requests, 1, 100000, "load: requests per rate")
       ->capture_default_str();
-  app.add_option("--load-segments", o.load_segments, "load: segments per request")->check(CLI::Range(1, 4096))
+  add_strict_int_option(app, "--load-segments", o.load_segments, 1, 4096, "load: segments per request")
       ->capture_default_str();
   app.add_option("--load-segment-tokens", o.load_segment_tokens, "load: tokens per segment, N or MIN:MAX")
       ->capture_default_str();
   app.add_option("--load-hit-ratio", o.load_hit_ratio, "load: probability that a segment is warm")
-      ->check(CLI::Range(0.0, 1.0))->capture_default_str();
-  app.add_option("--load-pool", o.load_pool, "load: warm segments cached before the load")->check(CLI::Range(1, 100000))
+      ->check(strict_real(0, 1))->capture_default_str();
+  add_strict_int_option(app, "--load-pool", o.load_pool, 1, 100000, "load: warm segments cached before the load")
       ->capture_default_str();
-  app.add_option("--slo-ms", o.slo_ms, "load: p90 TTFT objective")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--slo-ms", o.slo_ms, "load: p90 TTFT objective")
+      ->check(strict_real(0.001, 86400000))  // up to a day
+      ->capture_default_str();
   app.add_flag("--all-rates", o.all_rates, "load: keep going after a rate misses the SLO");
   std::vector<std::string> user_notes;
   app.add_option("--note", user_notes, "a line for the report's notes (repeat), e.g. the commit measured");

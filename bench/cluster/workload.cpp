@@ -1,8 +1,10 @@
 #include "bench/cluster/workload.h"
 #include "engine/io_error.h"
+#include "proto/rpc/flags.h"
 
 #include <cmath>
 #include <fstream>
+#include <limits>
 #include <sstream>
 #include <stdexcept>
 
@@ -11,31 +13,18 @@
 
 namespace hypic::bench {
 
-namespace {
-
-int64_t parse_int(std::string_view text, std::string_view flag) {
-  const std::string s(text);
-  size_t used = 0;
-  long long v = 0;
-  try {
-    v = std::stoll(s, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (s.empty() || used != s.size()) throw std::invalid_argument(fmt::format("{}: '{}' is not an integer", flag, s));
-  return v;
-}
-
-}  // namespace
-
 LengthSpec parse_length_spec(std::string_view text, std::string_view flag) {
   LengthSpec spec;
+  // Signed, so that "0" and "-3" get the message below; whole decimal numbers only (rpc/flags.h).
+  const auto number = [flag](std::string_view t) {
+    return rpc::require_decimal<int64_t>(t, flag, INT64_MIN, INT64_MAX);
+  };
   const size_t colon = text.find(':');
   if (colon == std::string_view::npos) {
-    spec.min = spec.max = parse_int(text, flag);
+    spec.min = spec.max = number(text);
   } else {
-    spec.min = parse_int(text.substr(0, colon), flag);
-    spec.max = parse_int(text.substr(colon + 1), flag);
+    spec.min = number(text.substr(0, colon));
+    spec.max = number(text.substr(colon + 1));
   }
   if (spec.min < 1) throw std::invalid_argument(fmt::format("{}: lengths must be >= 1 token, got '{}'", flag, text));
   if (spec.min > spec.max) {
@@ -49,17 +38,10 @@ std::vector<double> parse_positive_list(std::string_view text, std::string_view 
   std::stringstream ss{std::string(text)};
   std::string item;
   while (std::getline(ss, item, ',')) {
-    size_t used = 0;
-    double v = 0;
-    try {
-      v = std::stod(item, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    if (item.empty() || used != item.size() || !(v > 0) || !std::isfinite(v)) {
-      throw std::invalid_argument(fmt::format("{}: '{}' is not a positive number", flag, item));
-    }
-    out.push_back(v);
+    // Finite decimal numbers only (rpc/flags.h): no blanks, hex, "inf" or "nan".
+    const auto v = rpc::parse_finite_real(item, 0, std::numeric_limits<double>::max());
+    if (!v || !(*v > 0)) throw std::invalid_argument(fmt::format("{}: '{}' is not a positive number", flag, item));
+    out.push_back(*v);
   }
   if (out.empty()) throw std::invalid_argument(fmt::format("{}: the list is empty", flag));
   return out;

@@ -21,6 +21,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -33,6 +34,7 @@
 #include "bench/cluster/runner.h"
 #include "bench/cluster/stats.h"
 #include "bench/cluster/workload.h"
+#include "proto/rpc/flags.h"
 #include "tokenizer/tokenizer.h"
 
 namespace fs = std::filesystem;
@@ -73,19 +75,33 @@ int main(int argc, char** argv) {
   uint64_t seed = 1;
   app.add_option("--router", router, "router address host:port")->required();
   app.add_option("--tokenizer", tokenizer_path, "tokenizer.json (prompts use its ordinary ids)")->required();
-  app.add_option("--streams", streams, "concurrent client streams (threads)")->capture_default_str()->check(CLI::PositiveNumber);
-  app.add_option("--channels", channels, "gRPC channels the streams share")->capture_default_str()->check(CLI::PositiveNumber);
-  app.add_option("--requests", requests, "requests in all (default: one per stream unless --duration-s)");
-  app.add_option("--duration-s", duration_s, "send for this long instead of a request count");
-  app.add_option("--pool", pool_size, "distinct prompts")->capture_default_str()->check(CLI::PositiveNumber);
-  app.add_option("--segments", segments, "segments per prompt")->capture_default_str()->check(CLI::PositiveNumber);
+  using hypic::rpc::add_strict_int_option;
+  using hypic::rpc::strict_real;
+  constexpr int kIntMax = std::numeric_limits<int>::max();
+  constexpr double kWeekS = 604800;  // the longest duration or deadline in seconds, as the services' timeouts
+  add_strict_int_option(app, "--streams", streams, 1, kIntMax, "concurrent client streams (threads)")
+      ->capture_default_str();
+  add_strict_int_option(app, "--channels", channels, 1, kIntMax, "gRPC channels the streams share")
+      ->capture_default_str();
+  add_strict_int_option(app, "--requests", requests, 0, std::numeric_limits<int64_t>::max(),
+                        "requests in all (default: one per stream unless --duration-s)");
+  app.add_option("--duration-s", duration_s, "send for this long instead of a request count")
+      ->check(strict_real(0, kWeekS));
+  add_strict_int_option(app, "--pool", pool_size, 1, kIntMax, "distinct prompts")->capture_default_str();
+  add_strict_int_option(app, "--segments", segments, 1, kIntMax, "segments per prompt")->capture_default_str();
   app.add_option("--segment-tokens", segment_tokens, "segment length: N or MIN:MAX")->capture_default_str();
-  app.add_option("--query-tokens", query_tokens, "query tokens")->capture_default_str()->check(CLI::PositiveNumber);
-  app.add_option("--max-tokens", max_tokens, "tokens decoded per request")->capture_default_str()->check(CLI::PositiveNumber);
+  add_strict_int_option(app, "--query-tokens", query_tokens, 1, kIntMax, "query tokens")->capture_default_str();
+  add_strict_int_option(app, "--max-tokens", max_tokens, 1, kIntMax, "tokens decoded per request")
+      ->capture_default_str();
   app.add_option("--mode", mode, "cache mode of every request")->capture_default_str();
-  app.add_option("--timeout-s", timeout_s, "deadline of each request")->capture_default_str();
-  app.add_option("--refused-backoff-ms", backoff_ms, "pause of a stream after RESOURCE_EXHAUSTED")->capture_default_str();
-  app.add_option("--seed", seed, "workload seed")->capture_default_str();
+  app.add_option("--timeout-s", timeout_s, "deadline of each request")
+      ->capture_default_str()
+      ->check(strict_real(0.001, kWeekS));
+  app.add_option("--refused-backoff-ms", backoff_ms, "pause of a stream after RESOURCE_EXHAUSTED")
+      ->capture_default_str()
+      ->check(strict_real(0, 3600000));  // at most an hour
+  add_strict_int_option(app, "--seed", seed, 0, std::numeric_limits<uint64_t>::max(), "workload seed")
+      ->capture_default_str();
   app.add_option("--pause-file", pause_file, "no new request starts while this file exists");
   app.add_option("--status-file", status_file, "written every 100 ms: in_flight, sent, done");
   app.add_option("--out-json", out_json, "also write the JSON result here");

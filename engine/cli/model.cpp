@@ -22,6 +22,7 @@
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <limits>
 #include <optional>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -32,8 +33,10 @@
 #include "engine/checkpoint/safetensors.h"
 #include "engine/checkpoint/weights.h"
 #include "engine/io_error.h"
+#include "proto/rpc/flags.h"
 
 using namespace hypic::engine;
+using hypic::rpc::add_strict_int_option;
 namespace fs = std::filesystem;
 
 namespace {
@@ -238,14 +241,17 @@ int main(int argc, char** argv) {
 
   auto* init = app.add_subcommand("init", "write a deterministic random checkpoint in save_pretrained layout");
   init->add_option("--config", config, "config.json to instantiate")->required()->check(CLI::ExistingFile);
-  init->add_option("--seed", seed, "random seed")->required();
+  add_strict_int_option(*init, "--seed", seed, 0, std::numeric_limits<uint64_t>::max(), "random seed")->required();
   init->add_option("--out", out, "output directory (created)")->required();
   init->add_option("--dtype", dtype, "stored dtype: bf16 (default), f32 or f16");
-  init->add_option("--std", std, "std of the projection / embedding weights (HF initializer_range, 0.02)");
+  // write_random_checkpoint refuses the two ends itself: std in (0, 10).
+  init->add_option("--std", std, "std of the projection / embedding weights (HF initializer_range, 0.02)")
+      ->check(hypic::rpc::strict_real(0, 10));
 
   auto* info = app.add_subcommand("info", "layer pattern, parameter counts, state / KV / segment-entry bytes");
   info->add_option("--model", model, "checkpoint directory or config.json")->required()->check(CLI::ExistingPath);
-  info->add_option("--segment-tokens", segment_tokens, "segment length for the entry size (default 2048)");
+  add_strict_int_option(*info, "--segment-tokens", segment_tokens, 1, std::numeric_limits<int32_t>::max(),
+                        "segment length for the entry size (default 2048)");
   info->add_flag("--json", as_json, "print JSON");
 
   auto* logits = app.add_subcommand("logits", "prefill ids from position 0 and write every position's logits");
@@ -258,8 +264,10 @@ int main(int argc, char** argv) {
   gen->add_option("--model", model, "checkpoint directory")->required()->check(CLI::ExistingDirectory);
   auto* gen_ids = gen->add_option("--ids", ids, "comma-separated prompt token ids");
   gen->add_option("--ids-file", ids_file, "file of whitespace-separated prompt token ids")->excludes(gen_ids);
-  gen->add_option("--max-new-tokens", max_new, "tokens to generate (default 16)");
-  gen->add_option("--eos", eos, "stop after generating this id");
+  add_strict_int_option(*gen, "--max-new-tokens", max_new, 0, std::numeric_limits<int>::max(),
+                        "tokens to generate (default 16)");
+  add_strict_int_option(*gen, "--eos", eos, -1, std::numeric_limits<int32_t>::max(),
+                        "stop after generating this id");
 
   CLI11_PARSE(app, argc, argv);
   try {

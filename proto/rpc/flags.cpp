@@ -7,7 +7,7 @@
 
 #include <fmt/format.h>
 
-#include "proto/rpc/status.h"
+#include "proto/rpc/escape.h"
 
 namespace hypic::rpc {
 

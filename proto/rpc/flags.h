@@ -1,8 +1,10 @@
-// Strict command-line values for the services' integer flags: counts, milliseconds, seconds, byte sizes. CLI11 2.1's
-// own conversions read "0100" as octal (64) and "0x10" as hex, wrap "-1" to 2^64 - 1 for an unsigned option and clamp
-// or wrap values past its type before any range check. The options added here read whole decimal numbers only (byte
-// sizes with an optional binary unit) and refuse anything else before anything is written, with a CLI::ValidationError
-// naming the flag, the value and the range: "--max-segments: 0x10 is not a whole decimal number in [1, 2147483647]".
+// Strict command-line values for integer and real-number flags: counts, milliseconds, seconds, byte sizes, ratios, of
+// the services and of the command-line tools (hypic-model, hypic-eval, the benchmarks). CLI11 2.1's own conversions
+// read "0100" as octal (64) and "0x10" as hex, wrap "-1" to 2^64 - 1 for an unsigned option and clamp or wrap values
+// past its type before any range check. The options added here read whole decimal numbers only (byte sizes with an
+// optional binary unit) and refuse anything else before anything is written, with a CLI::ValidationError naming the
+// flag, the value and the range: "--max-segments: 0x10 is not a whole decimal number in [1, 2147483647]".
+// Library hypic_flags (proto/CMakeLists.txt): CLI11 and fmt only, no gRPC, so that the tools link it without gRPC.
 #pragma once
 #include <chrono>
 #include <cstdint>
@@ -57,6 +59,16 @@ std::optional<T> parse_decimal(std::string_view text, T lo, T hi) {
     const auto v = parse_decimal_uint(text, lo, hi);
     return v ? std::optional<T>(T(*v)) : std::nullopt;
   }
+}
+
+/// parse_decimal<T>(text, lo, hi), else a std::invalid_argument "FLAG: TEXT is not a whole decimal number in [LO, HI]"
+/// (strict_int's message): for the numbers inside a flag's own value (a list "512,2048", a range "256:1024"), which
+/// CLI11 does not convert.
+template <class T>
+T require_decimal(std::string_view text, std::string_view flag, T lo, T hi) {
+  if (const auto v = parse_decimal<T>(text, lo, hi)) return *v;
+  throw std::invalid_argument(std::string(flag) + ": " +
+                              flag_value_refusal(text, "a whole decimal number in " + range_text(lo, hi)));
 }
 
 /// A CLI11 transform accepting what parse_decimal<T> accepts in [lo, hi] and rewriting the value in plain decimal (so

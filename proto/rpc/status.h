@@ -9,6 +9,8 @@
 
 #include <grpcpp/support/status.h>
 
+#include "proto/rpc/escape.h"  // untrusted(), capped_message(): status messages and logs use them
+
 namespace hypic::rpc {
 
 /// An error that must reach the caller with a specific gRPC code (e.g. INVALID_ARGUMENT naming a
@@ -38,23 +40,6 @@ std::string_view segment_source_name(int source);
 std::string describe(const grpc::Status& status);
 /// Re-raises a failed status as RpcError with `context` prepended to the message, keeping the code.
 [[noreturn]] void throw_status(const grpc::Status& status, std::string_view context);
-
-/// Default cap of untrusted(): a few hundred bytes of a client-supplied string in a log line or an error message.
-inline constexpr size_t kUntrustedMaxBytes = 200;
-/// Cap of every status message handle_errors() returns (bytes, before gRPC's percent-encoding): far under gRPC's
-/// 8 KiB metadata limit, so that an error that echoes a long input is still delivered with its own code.
-inline constexpr size_t kMaxStatusMessageBytes = 1024;
-
-/// Client-supplied text (request ids, cache modes, addresses, lease owners, any string field) made safe for a log
-/// line or an error message. Text of at most `max_bytes` visible ASCII characters (0x21..0x7e) other than '"' and
-/// '\\' (a well-formed request id, a mode name) is returned as is; anything else is quoted ("...") with bytes outside
-/// printable ASCII, '\\' and '"' escaped (\n, \r, \t, \\, \", \xNN), so no newline or terminal control reaches a
-/// log, and cut to at most `max_bytes` of escaped text, a cut one ending in `..." (N bytes)` with the original size.
-/// Never throws (but std::bad_alloc).
-std::string untrusted(std::string_view text, size_t max_bytes = kUntrustedMaxBytes);
-/// `message` cut to kMaxStatusMessageBytes (a cut one ends in "... (N bytes)"), control bytes (newlines included)
-/// escaped as untrusted() does, UTF-8 kept: what a grpc::Status built from it may carry.
-std::string capped_message(std::string_view message);
 
 /// Runs `body` (returning grpc::Status) and maps what it throws: RpcError -> its code,
 /// std::invalid_argument -> INVALID_ARGUMENT, std::out_of_range -> OUT_OF_RANGE, anything else

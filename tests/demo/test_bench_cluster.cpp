@@ -58,12 +58,17 @@ TEST_CASE("length specs and rate lists parse or name the flag", "[bench]") {
   const LengthSpec range = parse_length_spec("256:1024", "--segment-tokens");
   CHECK(range.min == 256);
   CHECK(range.max == 1024);
-  for (const char* bad : {"0", "5:3", "abc", "12x", "", ":4", "-3"}) {
+  // Whole decimal numbers only (proto/rpc/flags.h): std::stoll took blanks, and "010" stays 10.
+  CHECK(parse_length_spec("010:+020", "--segment-tokens").max == 20);
+  for (const char* bad : {"0", "5:3", "abc", "12x", "", ":4", "-3", "0x10", " 512", "512 ", "1e3", "256:0x400", "+",
+                          "99999999999999999999"}) {
     INFO(bad);
     CHECK_THROWS_WITH(parse_length_spec(bad, "--segment-tokens"), Catch::Contains("--segment-tokens"));
   }
   CHECK(parse_positive_list("0.5,1,2", "--rates") == std::vector<double>{0.5, 1.0, 2.0});
-  for (const char* bad : {"", "1,,2", "-1", "0", "1,x", "nan"}) {
+  CHECK(parse_positive_list("1e3,.5,+2", "--rates") == std::vector<double>{1000.0, 0.5, 2.0});
+  // Finite decimal numbers only: std::stod read "0x10" as 16 and took blanks.
+  for (const char* bad : {"", "1,,2", "-1", "0", "1,x", "nan", "inf", "1e400", "0x10", " 1", "1 ", "-0"}) {
     INFO(bad);
     CHECK_THROWS_WITH(parse_positive_list(bad, "--rates"), Catch::Contains("--rates"));
   }

@@ -285,6 +285,21 @@ TEST_CASE("strict decimal parsing without CLI11: parse_decimal and parse_byte_si
   CHECK_FALSE(parse_byte_size("1eb5", 0, UINT64_MAX));
 }
 
+TEST_CASE("numbers inside a flag's own value: require_decimal names the flag, the text and the range", "[flags]") {
+  using hypic::rpc::require_decimal;
+  CHECK(require_decimal<int64_t>("0100", "--tokens", 1, INT64_MAX) == 100);  // stoll and CLI11 alike: not octal
+  CHECK(require_decimal<int>("+7", "--tokens", 1, 10) == 7);
+  CHECK(require_decimal<int>("-3", "--segment-tokens", -5, 5) == -3);
+  CHECK_THROWS_WITH(require_decimal<int64_t>("0x10", "--tokens", 1, 100),
+                    "--tokens: 0x10 is not a whole decimal number in [1, 100]");
+  CHECK_THROWS_WITH(require_decimal<int64_t>(" 512", "--tokens", 1, 1000),
+                    "--tokens: \" 512\" is not a whole decimal number in [1, 1000]");
+  for (const char* bad : {"", "0", "101", "-1", "1e2", "12.5", "5k", "nan"})
+    CHECK_THROWS_AS(require_decimal<uint32_t>(bad, "--n", 1, 100), std::invalid_argument);
+  CHECK_THROWS_WITH(require_decimal<uint64_t>("18446744073709551616", "--n", 0, UINT64_MAX),
+                    Catch::StartsWith("--n: 18446744073709551616 is not") && Catch::EndsWith("(it overflows 64 bits)"));
+}
+
 TEST_CASE("strict real flags: finite decimal numbers in range, NaN and infinities refused", "[flags]") {
   using hypic::rpc::parse_finite_real;
   // Accepted: the value as written (compared exactly: each is a short decimal that from_chars rounds correctly).
