@@ -67,9 +67,9 @@ if ((CANDIDATES)); then
     HYPIC_CANDIDATES=1 "$t" --durations yes "${CATCH_ARGS[@]}" || status=$?
   done
   # The MoE wgmma variants (read once per process: the 128 x 128 down tiles, the persistent kernels, the
-  # warp-specialised ones, alone, in cluster pairs and for gate_up only) with them.
+  # warp-specialised ones, alone, in cluster pairs, for gate_up only and on 64-row tiles) with them.
   if [[ -x "$BIN/test_gpu_moe" ]]; then
-    for v in 2 3 4 6 7 8; do
+    for v in 2 3 4 6 7 8 9; do
       echo "== test_gpu_moe [moe] (HYPIC_CANDIDATES=1 HYPIC_MOE_WGMMA=$v)"
       HYPIC_CANDIDATES=1 HYPIC_MOE_WGMMA=$v "$BIN/test_gpu_moe" "[moe]" || status=$?
     done

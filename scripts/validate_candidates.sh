@@ -5,7 +5,7 @@
 #   scripts/validate_candidates.sh --bin DIR [--out DIR (default: bench/results)] [--all] STAGE
 #     kernels  the kernel tests, which run every candidate beside its default in one process (test_gpu_ops,
 #              test_gpu_ops_table, test_gpu_gated_delta, test_gpu_attention, test_gpu_moe), then test_gpu_moe "[moe]"
-#              with HYPIC_CANDIDATES=1 under the MoE wgmma variants 1 .. 4 and 6 .. 8 (HYPIC_MOE_WGMMA, read once per process),
+#              with HYPIC_CANDIDATES=1 under the MoE wgmma variants 1 .. 4 and 6 .. 9 (HYPIC_MOE_WGMMA, read once per process),
 #              test_gpu_gated_delta "[gated_delta]" with HYPIC_GDN_SCAN_WGMMA=1 HYPIC_GDN_WY_WGMMA=1 (every prefill
 #              case on the wgmma kernels)
 #     backend  test_gpu_backend "[backend]" and test_gpu_conformance, as they are (the end-to-end bit checks and the
@@ -21,7 +21,7 @@
 #              tiles and cuBLAS's grouped GEMM, ms and TFLOP/s) under each wgmma variant of HYPIC_MOE_WGMMA (1 default,
 #              2 the down GEMM on 128 x 128 tiles at 2 blocks per SM, 3 persistent blocks, 4 both, 5 without the
 #              64-row tiles, 6 warp-specialised persistent blocks with TMA weight loads, 7 those in clusters of two on
-#              m-tile pairs, 8 gate_up alone on them; read once per process):
+#              m-tile pairs, 8 gate_up alone on them, 9 the 64-row tiles on them; read once per process):
 #              OUT/moe_variants.log
 #     bench-all  the benchmark twice in one call, every measurement (decode included) with all candidates off
 #              (HYPIC_CANDIDATES=0), then on (=1): OUT/candidates_all_{0,1}.{json,md,log}
@@ -71,7 +71,7 @@ case "$STAGE" in
     for t in test_gpu_ops test_gpu_ops_table test_gpu_gated_delta test_gpu_attention test_gpu_moe; do
       run "$BIN/$t" --durations yes
     done
-    for v in 1 2 3 4 6 7 8; do run env HYPIC_CANDIDATES=1 HYPIC_MOE_WGMMA=$v "$BIN/test_gpu_moe" "[moe]"; done
+    for v in 1 2 3 4 6 7 8 9; do run env HYPIC_CANDIDATES=1 HYPIC_MOE_WGMMA=$v "$BIN/test_gpu_moe" "[moe]"; done
     run env HYPIC_GDN_SCAN_WGMMA=1 HYPIC_GDN_WY_WGMMA=1 "$BIN/test_gpu_gated_delta" "[gated_delta]"  # (splits, graphs)
     ;;
   backend)
@@ -105,7 +105,7 @@ case "$STAGE" in
     mkdir -p "$OUT"
     echo "== gdn_bench"
     "$BIN/gdn_bench" --json "$OUT/gdn_bench.json" 2>&1 | tee "$OUT/gdn_bench.log" || status=$?
-    for v in 1 2 3 4 5 6 7 8; do
+    for v in 1 2 3 4 5 6 7 8 9; do
       echo "== HYPIC_MOE_WGMMA=$v test_gpu_moe [.bench_wgmma]"
       HYPIC_MOE_WGMMA=$v "$BIN/test_gpu_moe" "[.bench_wgmma]" || status=$?
     done 2>&1 | tee "$OUT/moe_variants.log"

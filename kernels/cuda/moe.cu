@@ -894,14 +894,19 @@ bool wgmma_runs(GroupedGemm impl, const MoeWeightsView& w, size_t P) {
 // HYPIC_MOE_PERSISTENT_LONG from kWgmmaPersistentRowsPerExpert rows per expert; at every size under the candidate
 // HYPIC_MOE_CLUSTER_PAIRS, 7 (the warp-specialised blocks in clusters of two, which takes precedence); from
 // kWgmmaWsMaxRowsPerExpert rows per expert under the candidate HYPIC_MOE_WS_GATE_UP_LONG, 8 (gate_up on the
-// warp-specialised blocks, down one block per tile; before HYPIC_MOE_PERSISTENT_LONG). Same tiles, same bits.
+// warp-specialised blocks, down one block per tile; before HYPIC_MOE_PERSISTENT_LONG). Variant 1's 64-row tiles
+// become 9 (on the warp-specialised blocks) under the candidate HYPIC_MOE_WS_SMALL; HYPIC_MOE_WGMMA=9 is variant 1
+// with 9 for its 64-row tiles. Same tiles, same bits.
 int wgmma_variant(const MoeWeightsView& w, size_t P, int bm) {
   static CandidateSwitch persistent_long("HYPIC_MOE_PERSISTENT_LONG");
   static CandidateSwitch warp_specialized("HYPIC_MOE_WARP_SPECIALIZED");
   static CandidateSwitch cluster_pairs("HYPIC_MOE_CLUSTER_PAIRS");
   static CandidateSwitch ws_gate_up_long("HYPIC_MOE_WS_GATE_UP_LONG");
-  const int mode = wgmma_env_mode() == 0 ? 1 : wgmma_env_mode();
-  if (mode != 1 || bm != kWgmmaBM) return mode;
+  static CandidateSwitch ws_small("HYPIC_MOE_WS_SMALL");
+  const int env = wgmma_env_mode();
+  const int mode = env == 0 || env == 9 ? 1 : env;
+  if (bm != kWgmmaBM) return mode == 1 && (env == 9 || ws_small.on()) ? 9 : mode;
+  if (mode != 1) return mode;
   if (cluster_pairs.on()) return 7;
   const bool long_call = P >= size_t(kWgmmaWsMaxRowsPerExpert) * size_t(w.E);
   if (!long_call && warp_specialized.on()) return 6;

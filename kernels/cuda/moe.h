@@ -110,7 +110,9 @@ enum class GroupedGemm {
 /// per SM, the copies of the next tile overlapping the current one's last k-steps and epilogue),
 /// "4" both, "5" the default without OwnWgmma's 64 x 256 tiles, "6" persistent warp-specialised blocks (a
 /// loading warpgroup and two wgmma warpgroups per SM, synchronised by mbarriers; also variant 1's 128-row tiles
-/// below 512 routed rows per expert under the measured default HYPIC_MOE_WARP_SPECIALIZED); unset or anything else
+/// below 512 routed rows per expert under the measured default HYPIC_MOE_WARP_SPECIALIZED), "7" 6 in clusters of two
+/// on m-tile pairs, "8" gate_up as 6 and down as the default, "9" the default with its 64 x 256 tiles on the
+/// warp-specialised blocks (also variant 1 under the candidate HYPIC_MOE_WS_SMALL); unset or anything else
 /// the default (one
 /// block per 128 x 256 tile; OwnWgmma below 32 routed rows per expert: 64 x 256). Host only; throws
 /// std::runtime_error on CUDA errors.
@@ -123,7 +125,8 @@ bool moe_wgmma_available();
 uint64_t moe_persistent_launches();
 
 /// Launches of the warp-specialised wgmma GEMM kernels (HYPIC_MOE_WGMMA=6, or variant 1's 128-row tiles below 512
-/// routed rows per expert under HYPIC_MOE_WARP_SPECIALIZED), counted as moe_persistent_launches counts. Host only.
+/// routed rows per expert under HYPIC_MOE_WARP_SPECIALIZED; their 64-row tiles: HYPIC_MOE_WGMMA=9, or variant 1's
+/// below 32 routed rows per expert under HYPIC_MOE_WS_SMALL), counted as moe_persistent_launches counts. Host only.
 uint64_t moe_warp_specialized_launches();
 
 /// Launches of the warp-specialised wgmma GEMM kernels in clusters of two on m-tile pairs (HYPIC_MOE_WGMMA=7, or

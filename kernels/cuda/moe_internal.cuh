@@ -129,7 +129,8 @@ bool wgmma_device();
 // 64-row tiles; 6 = persistent warp-specialised blocks (one per SM: a copying warpgroup and two wgmma warpgroups
 // synchronised by mbarriers, moe_wgmma_ws_kernel); 7 = 6 in clusters of two blocks on m-tile pairs, the weights of a
 // pair of one expert multicast to both (moe_wgmma_ws_kernel's PAIR); 8 = gate_up as 6, down as 1 (one block per
-// tile).
+// tile); 9 = 1 with its 64-row tiles on the warp-specialised blocks (the default under the candidate
+// HYPIC_MOE_WS_SMALL).
 int wgmma_env_mode();
 
 // Launches of moe_wgmma_persistent_kernel issued in this process (moe_persistent_launches). Host only.

@@ -308,7 +308,7 @@ __device__ __forceinline__ void store_tile(const GroupedArgs& a, const TileInfo&
   }
 }
 
-// store_tile of a 128-row tile loaded without the vector epilogue's row permutation (the warp-specialised kernel's TMA
+// store_tile of a tile loaded without the vector epilogue's row permutation (the warp-specialised kernel's TMA
 // boxes), with its 16-byte stores: lane q of a quad holds the pairs of columns 32 k + 8 j + 2 q (fragment 4 k + j)
 // and needs those of columns 32 k + 8 q + 2 j' (lane j''s fragment 4 k + q), a 4 x 4 transpose of packed pairs
 // across the quad (three shuffles per 4 fragments and row). Same values as store_tile; N % 8 == 0 and out 16-byte
@@ -316,10 +316,10 @@ __device__ __forceinline__ void store_tile(const GroupedArgs& a, const TileInfo&
 template <class C, bool GATE_UP>
 __device__ __forceinline__ void store_tile_quad(const GroupedArgs& a, const TileInfo& t, const float (&acc)[C::NF][4],
                                                 int tid) {
-  static_assert(C::BM == 128, "128-row tiles");
   const int N = a.N;
-  const int lane = tid & 31, q = lane & 3;
-  const int row0 = t.m0 + (tid >> 7) * 64 + ((tid >> 5) & 3) * 16 + (lane >> 2);
+  const int lane = tid & 31, q = lane & 3, wg = tid >> 7;
+  const int row0 = t.m0 + (C::BM == 128 ? wg * 64 : 0) + ((tid >> 5) & 3) * 16 + (lane >> 2);
+  const int col0 = C::BM == 128 ? 0 : wg * (GATE_UP ? C::WG_N / 2 : C::WG_N);  // as store_tile
   constexpr int groups = (GATE_UP ? C::NF / 2 : C::NF) / 4;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -340,7 +340,7 @@ __device__ __forceinline__ void store_tile_quad(const GroupedArgs& a, const Tile
         for (int jj = 0; jj < 4; ++jj)
           if (jj == j) o[jj] = got;
       }
-      const int n = t.n0 + 32 * k + 8 * q;
+      const int n = t.n0 + col0 + 32 * k + 8 * q;
       if (m < t.cnt && n < N)
         *reinterpret_cast<uint4*>(a.out + size_t(t.seg + m) * N + n) = make_uint4(o[0], o[1], o[2], o[3]);
     }
@@ -535,11 +535,20 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) moe_wgmma_persistent_kern
 // B rows are two boxes of BN/2 rows, the gate rows n0 .. and the up rows N + n0 .. (moe_wgmma_kernel's row order
 // without the vector epilogue's permutation); down's one box of BN rows. Rows past N and past K read as zeros or as
 // rows of other columns that are never stored. Warpgroups 1 and 2 are moe_wgmma_kernel's two warpgroups (rows
-// 64 w .. 64 w + 63, w = warpgroup - 1): per k-step they wait for its slot, issue its 4 wgmmas, wait until the
+// 64 w .. 64 w + 63, w = warpgroup - 1; on 64-row tiles both the tile's 64 rows, each over its BN/2 B rows):
+// per k-step they wait for its slot, issue its 4 wgmmas, wait until the
 // previous k-step's are done and release that slot; after a tile's last k-step they drain and store (VEC: 16-byte
 // stores after a transpose across each quad, store_tile_quad; else the m16n8 pairs). No block-wide barrier in the
 // loop: the loads run up to STAGES k-steps ahead, across tiles and while the consumers store. Same tiles, products
 // and k order as moe_wgmma_kernel: the same bits. tile_counter: zero before the launch (launch_ws).
+//
+// 64-row tiles (variant 9: HYPIC_MOE_WGMMA=9, or the 64-row schedule of few rows per expert under the candidate
+// HYPIC_MOE_WS_SMALL): the same blocks with moe_wgmma_kernel's 64 x 256 configuration (5 slots of 8 KB of A and 32 KB
+// of B): gate_up's B rows are four boxes of 64, warpgroup w's gate rows n0 + 64 w .. then its up rows N + n0 + 64 w ..
+// (the 64-row order of moe_wgmma_kernel); down's one box of 256. Where a splice's 184 tokens or a short prompt give a
+// few rows per expert the GEMMs stream every expert's weights once, one tile after another on each SM: the loader
+// keeps streaming the next tile's weights through a tile's last k-steps and its epilogue, where one block per tile
+// leaves DRAM idle from its last loads until the next block's first land.
 //
 // PAIR (variant 7: HYPIC_MOE_WGMMA=7, or the candidate HYPIC_MOE_CLUSTER_PAIRS): clusters of two such blocks on the
 // m-tile pairs (2 j, 2 j + 1) of the schedule, one m-tile each (rank r: m-tile 2 j + r, the same n-tile), so that
@@ -559,8 +568,10 @@ struct WsLayout {
   static constexpr int THREADS = 384;
   static constexpr int ROWS_PER_PASS = 16;  // 128 copying threads, 8 16-byte units per 128-byte row
   static constexpr int A_IT = C::BM / ROWS_PER_PASS;
-  // TMA box rows (at most 256): gate_up's gate and up halves; down's whole tile, or its halves in pairs
-  static constexpr int BOX_ROWS = GATE_UP || PAIR ? C::BN / 2 : C::BN;
+  // TMA box rows (at most 256): gate_up's gate and up rows of each warpgroup (128-row tiles: the tile's two halves;
+  // 64-row tiles: warpgroup w's gate rows, then its up rows, 64 each); down's whole tile, or its halves in pairs
+  static constexpr int BOX_ROWS = GATE_UP ? C::WG_N / 2 : PAIR ? C::BN / 2 : C::BN;
+  static constexpr int BOXES = C::BN / BOX_ROWS;  // per slot (PAIR: one per block where multicast)
   // Tile ring entries: the loader runs at most STAGES k-steps (so STAGES + 1 tiles with the end mark) ahead. With
   // PAIR, rank 0's loader also runs at most STAGES k-steps ahead of rank 1's consumers (the shared `empty`), so at
   // most STAGES + 1 tiles ahead of rank 1's loader: the mailbox has RING entries too.
@@ -570,7 +581,9 @@ struct WsLayout {
   static constexpr int BAR_OFFSET = C::STAGES * C::STAGE_BYTES;  // from the 1024-byte aligned base: full[S], empty[S]
   static constexpr int SMEM = BAR_OFFSET + 2 * C::STAGES * 8 + 1024;
   // No register reallocation (setmaxnreg): the consumers fit the 168 registers per thread of 384-thread blocks.
-  static_assert(C::BM == 128 && C::WG_N == C::BN && BOX_ROWS <= 256, "the warp-specialised variant's tiles");
+  static_assert(((C::BM == 128 && C::WG_N == C::BN) || (C::BM == 64 && C::WG_N == C::BN / 2 && !PAIR)) &&
+                    BOX_ROWS <= 256 && (!PAIR || BOXES == 2),
+                "the warp-specialised variant's tiles (clusters of two: 128-row tiles)");
   static_assert(SMEM <= 227 * 1024, "shared memory per block");
 };
 
@@ -680,15 +693,18 @@ __global__ void __launch_bounds__(WsLayout<C, GATE_UP, PAIR>::THREADS, 1)
         if (tid == 0) {  // (its arrival releases the ring entry written above to the consumers)
           const uint32_t sb = s_base + uint32_t(s * C::STAGE_BYTES + C::A_BYTES);
           mbar_arrive_expect_tx(full + s, uint32_t(C::B_BYTES));  // (PAIR: half from each block where multicast)
-          // box b holds B rows b * BOX_ROWS .. of the tile: gate_up's gate rows n0 .. / up rows N + n0 ..; down's
-          // rows n0 + b * BOX_ROWS ..
-          auto box_row = [&](int b) { return GATE_UP ? (b ? a.N : 0) + t.n0 : t.n0 + b * L::BOX_ROWS; };
+          // box b holds B rows b * BOX_ROWS .. of the slot: gate_up's gate rows n0 + (b / 2) BOX_ROWS .. (b even) or
+          // the matching up rows N + .. (b odd); down's rows n0 + b * BOX_ROWS ..
+          auto box_row = [&](int b) {
+            return GATE_UP ? (b & 1 ? a.N : 0) + t.n0 + (b >> 1) * L::BOX_ROWS : t.n0 + b * L::BOX_ROWS;
+          };
           if (multicast) {
             tma_load_3d_multicast(sb + rank * uint32_t(L::BOX_ROWS * 128), &bmap, full + s, k0, box_row(int(rank)),
                                   t.e, uint16_t(0x3));
           } else {
-            tma_load_3d(sb, &bmap, full + s, k0, box_row(0), t.e);
-            if (L::BOX_ROWS < C::BN) tma_load_3d(sb + L::BOX_ROWS * 128, &bmap, full + s, k0, box_row(1), t.e);
+#pragma unroll
+            for (int b = 0; b < L::BOXES; ++b)
+              tma_load_3d(sb + uint32_t(b * L::BOX_ROWS * 128), &bmap, full + s, k0, box_row(b), t.e);
           }
         }
         const uint32_t bytes = k0 + u * 8 < K ? 16u : 0u;  // K is a multiple of 8; past K: zeros
@@ -706,9 +722,10 @@ __global__ void __launch_bounds__(WsLayout<C, GATE_UP, PAIR>::THREADS, 1)
     return;
   }
 
-  const int ct = tid - 128, cw = wg - 1;  // consumer thread 0 .. 255, its warpgroup's row half
-  const uint64_t da0 = sw128_desc(s_base + uint32_t(cw * 64 * 128), 16, 1024);
-  const uint64_t db0 = sw128_desc(s_base + uint32_t(C::A_BYTES), 16, 1024);
+  // consumer thread 0 .. 255; its warpgroup's row half (128-row tiles) or column half (64-row tiles)
+  const int ct = tid - 128, cw = wg - 1;
+  const uint64_t da0 = sw128_desc(s_base + uint32_t(C::BM == 128 ? cw * 64 * 128 : 0), 16, 1024);
+  const uint64_t db0 = sw128_desc(s_base + uint32_t(C::A_BYTES + (C::BM == 128 ? 0 : cw * C::WG_N * 128)), 16, 1024);
   // The slot's release by this thread (PAIR: by this warp, in both blocks, once every lane's wgmmas are done).
   auto release = [&](int s) {
     if constexpr (PAIR) {
@@ -731,7 +748,8 @@ __global__ void __launch_bounds__(WsLayout<C, GATE_UP, PAIR>::THREADS, 1)
     const int4 e = ring[seq % L::RING];
     if (e.z < 0) break;
     const TileInfo t{0, e.x, e.y, e.z, e.w};
-    const bool active = t.m0 + cw * 64 < t.cnt;  // warpgroup-uniform: rows all past the count issue no wgmma
+    // warpgroup-uniform: rows all past the count issue no wgmma (64-row tiles: both share the rows)
+    const bool active = t.m0 + (C::BM == 128 ? cw * 64 : 0) < t.cnt;
 #pragma unroll 1
     for (int kt = 0; kt < KT; ++kt, ++it) {
       const int s = it % S;
@@ -812,15 +830,15 @@ void set_smem_one(const char* what) {
     check_cuda(cudaFuncSetAttribute(moe_wgmma_persistent_kernel<C, GATE_UP, VEC>,
                                     cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM),
                std::string("cudaFuncSetAttribute(moe_wgmma_persistent_kernel ") + what + ")");
-    if constexpr (C::BN == 256) {
-      check_cuda(cudaFuncSetAttribute(moe_wgmma_ws_kernel<C, GATE_UP, VEC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      WsLayout<C, GATE_UP>::SMEM),
-                 std::string("cudaFuncSetAttribute(moe_wgmma_ws_kernel ") + what + ")");
+    if constexpr (C::BN == 256)
       check_cuda(cudaFuncSetAttribute(moe_wgmma_ws_kernel<C, GATE_UP, VEC, true>,
                                       cudaFuncAttributeMaxDynamicSharedMemorySize, WsLayout<C, GATE_UP, true>::SMEM),
                  std::string("cudaFuncSetAttribute(moe_wgmma_ws_kernel, pairs ") + what + ")");
-    }
   }
+  if constexpr (C::BN == 256)
+    check_cuda(cudaFuncSetAttribute(moe_wgmma_ws_kernel<C, GATE_UP, VEC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    WsLayout<C, GATE_UP>::SMEM),
+               std::string("cudaFuncSetAttribute(moe_wgmma_ws_kernel ") + what + ")");
 }
 template <class C, bool GATE_UP>
 void set_smem(const char* what) {
@@ -897,9 +915,10 @@ int max_pair_clusters(int dev) {
   return n;
 }
 
-// The warp-specialised kernel over grid_m m-tiles (an upper bound) of expert weights with `rows` rows each (gate_up
-// 2N, down N): one block per SM at most; `pair`: in clusters of two on m-tile pairs (as many clusters as run at once).
-// False (nothing launched) where the weights cannot be a TMA tensor map, or (pair) no cluster of two fits the device.
+// The warp-specialised kernel over grid_m m-tiles (an upper bound; C::BM rows each: 128, or 64 for variant 9) of
+// expert weights with `rows` rows each (gate_up 2N, down N): one block per SM at most; `pair` (128-row tiles only,
+// else std::logic_error): in clusters of two on m-tile pairs (as many clusters as run at once). False (nothing
+// launched) where the weights cannot be a TMA tensor map, or (pair) no cluster of two fits the device.
 template <class C, bool GATE_UP>
 bool launch_ws(const GroupedArgs& g, int E, int rows, size_t grid_m, bool vec, bool pair, int* tile_counter, int sms,
                cudaStream_t stream, const char* what) {
@@ -909,32 +928,34 @@ bool launch_ws(const GroupedArgs& g, int E, int rows, size_t grid_m, bool vec, b
   const size_t blocks = grid_m * size_t(n_tiles);
   if (blocks > size_t(INT_MAX))
     throw std::invalid_argument(std::string(what) + ": " + std::to_string(blocks) + " tiles do not fit a grid");
-  const int clusters = !pair ? 0
-                       : vec  ? max_pair_clusters<C, GATE_UP, true>(current_device())
-                              : max_pair_clusters<C, GATE_UP, false>(current_device());
-  if (pair && clusters == 0) return false;  // one block per tile instead
+  if (pair && C::BM != 128) throw std::logic_error(std::string(what) + ": clusters of two run 128-row tiles");
   CUtensorMap map;
-  const int box_rows = pair ? WsLayout<C, GATE_UP, true>::BOX_ROWS : WsLayout<C, GATE_UP>::BOX_ROWS;
-  if (!weights_tensor_map(g, E, rows, box_rows, &map)) return false;  // one block per tile instead
-  check_cuda(cudaMemsetAsync(tile_counter, 0, sizeof(int), stream), std::string(what) + " (tile counter)");
-  if (pair) {
-    using L = WsLayout<C, GATE_UP, true>;
-    const size_t pairs = (grid_m + 1) / 2 * size_t(n_tiles);
-    cudaLaunchConfig_t cfg{};
-    cudaLaunchAttribute attr{};
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = 2, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
-    cfg.gridDim = dim3(unsigned(2 * std::min(pairs, size_t(clusters)))), cfg.blockDim = dim3(L::THREADS);
-    cfg.dynamicSmemBytes = L::SMEM, cfg.stream = stream;
-    cfg.attrs = &attr, cfg.numAttrs = 1;
-    if (vec)
-      check_cuda(cudaLaunchKernelEx(&cfg, moe_wgmma_ws_kernel<C, GATE_UP, true, true>, g, n_tiles, tile_counter, map),
-                 what);
-    else
-      check_cuda(cudaLaunchKernelEx(&cfg, moe_wgmma_ws_kernel<C, GATE_UP, false, true>, g, n_tiles, tile_counter, map),
-                 what);
-    g_pair_launches.fetch_add(1, std::memory_order_relaxed);
-    return true;
+  if constexpr (C::BM == 128) {
+    const int clusters = !pair ? 0
+                         : vec  ? max_pair_clusters<C, GATE_UP, true>(current_device())
+                                : max_pair_clusters<C, GATE_UP, false>(current_device());
+    if (pair && clusters == 0) return false;  // one block per tile instead
+    const int box_rows = pair ? WsLayout<C, GATE_UP, true>::BOX_ROWS : WsLayout<C, GATE_UP>::BOX_ROWS;
+    if (!weights_tensor_map(g, E, rows, box_rows, &map)) return false;  // one block per tile instead
+    check_cuda(cudaMemsetAsync(tile_counter, 0, sizeof(int), stream), std::string(what) + " (tile counter)");
+    if (pair) {
+      using L = WsLayout<C, GATE_UP, true>;
+      const size_t pairs = (grid_m + 1) / 2 * size_t(n_tiles);
+      cudaLaunchConfig_t cfg{};
+      cudaLaunchAttribute attr{};
+      attr.id = cudaLaunchAttributeClusterDimension;
+      attr.val.clusterDim.x = 2, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
+      cfg.gridDim = dim3(unsigned(2 * std::min(pairs, size_t(clusters)))), cfg.blockDim = dim3(L::THREADS);
+      cfg.dynamicSmemBytes = L::SMEM, cfg.stream = stream;
+      cfg.attrs = &attr, cfg.numAttrs = 1;
+      auto kernel = vec ? moe_wgmma_ws_kernel<C, GATE_UP, true, true> : moe_wgmma_ws_kernel<C, GATE_UP, false, true>;
+      check_cuda(cudaLaunchKernelEx(&cfg, kernel, g, n_tiles, tile_counter, map), what);
+      g_pair_launches.fetch_add(1, std::memory_order_relaxed);
+      return true;
+    }
+  } else {
+    if (!weights_tensor_map(g, E, rows, WsLayout<C, GATE_UP>::BOX_ROWS, &map)) return false;  // one block per tile
+    check_cuda(cudaMemsetAsync(tile_counter, 0, sizeof(int), stream), std::string(what) + " (tile counter)");
   }
   using L = WsLayout<C, GATE_UP>;
   const unsigned grid = unsigned(std::min(blocks, size_t(sms)));
@@ -990,7 +1011,7 @@ int wgmma_env_mode() {
     const char* v = std::getenv("HYPIC_MOE_WGMMA");
     if (!v) return 1;
     const std::string s(v);
-    for (const char* known : {"0", "2", "3", "4", "5", "6", "7", "8"})
+    for (const char* known : {"0", "2", "3", "4", "5", "6", "7", "8", "9"})
       if (s == known) return std::atoi(known);
     return 1;  // (unset, "1" or anything else: the default)
   }();
@@ -998,7 +1019,7 @@ int wgmma_env_mode() {
 }
 
 int wgmma_bm(size_t P, int E, int variant) {
-  return variant == 1 && P < size_t(kWgmmaSmallRowsPerExpert) * size_t(E) ? 64 : kWgmmaBM;
+  return (variant == 1 || variant == 9) && P < size_t(kWgmmaSmallRowsPerExpert) * size_t(E) ? 64 : kWgmmaBM;
 }
 
 void launch_wgmma(const MoeWeightsView& w, size_t P, const bf16* x, MoeWorkspace& ws, int variant, int bm,
@@ -1008,12 +1029,19 @@ void launch_wgmma(const MoeWeightsView& w, size_t P, const bf16* x, MoeWorkspace
   if (bm != 64 && bm != kWgmmaBM) throw std::invalid_argument("launch_wgmma: bm " + std::to_string(bm));
   if (tail64 && bm != kWgmmaBM) throw std::invalid_argument("launch_wgmma: tail tiles with bm " + std::to_string(bm));
   const bool vec = use_vec_epilogue(ws);
-  if (bm == 64) {
+  if (bm == 64) {  // variant 9: on the warp-specialised blocks (each falls back to one block per tile without TMA)
     const size_t grid_m = max_tiles(P, w.E, 64);
-    launch_one<GateUpSmallCfg, true>(gate_up_args(w, x, ws), grid_m, Sched::kPerTile, vec, sms, stream,
-                                     "moe_forward: wgmma gate_up GEMM launch (64-row tiles)");
-    launch_one<DownSmallCfg, false>(down_args(w, ws), grid_m, Sched::kPerTile, vec, sms, stream,
-                                    "moe_forward: wgmma down GEMM launch (64-row tiles)");
+    const GroupedArgs g1 = gate_up_args(w, x, ws), g2 = down_args(w, ws);
+    if (variant != 9 || !launch_ws<GateUpSmallCfg, true>(g1, w.E, 2 * w.I, grid_m, vec, false, ws_counter(ws, 0), sms,
+                                                          stream, "moe_forward: warp-specialised wgmma gate_up GEMM "
+                                                                  "launch (64-row tiles)"))
+      launch_one<GateUpSmallCfg, true>(g1, grid_m, Sched::kPerTile, vec, sms, stream,
+                                       "moe_forward: wgmma gate_up GEMM launch (64-row tiles)");
+    if (variant != 9 || !launch_ws<DownSmallCfg, false>(g2, w.E, w.H, grid_m, vec, false, ws_counter(ws, 1), sms,
+                                                         stream, "moe_forward: warp-specialised wgmma down GEMM launch "
+                                                                 "(64-row tiles)"))
+      launch_one<DownSmallCfg, false>(g2, grid_m, Sched::kPerTile, vec, sms, stream,
+                                      "moe_forward: wgmma down GEMM launch (64-row tiles)");
     return;
   }
   const Sched sched = variant == 3 || variant == 4            ? Sched::kPersistent

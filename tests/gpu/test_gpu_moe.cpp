@@ -516,6 +516,7 @@ std::string wgmma_mode() {
   return mv ? mv : "1";
 }
 bool wgmma_variant1(const std::string& mode) {
+  // ("9" is variant 1 with its 64-row tiles on the warp-specialised blocks: the default schedule)
   return mode != "2" && mode != "3" && mode != "4" && mode != "5" && mode != "6" && mode != "7" && mode != "8";
 }
 
@@ -669,6 +670,7 @@ TEST_CASE("moe_forward wgmma prefill tiles (OwnWgmma / Own) vs CPU and the mma.s
         uint64_t launched = 0;
         ScopedCandidate no_pairs("HYPIC_MOE_CLUSTER_PAIRS", false);  // (it takes precedence)
         ScopedCandidate no_gate_up("HYPIC_MOE_WS_GATE_UP_LONG", false);  // (checked below)
+        ScopedCandidate no_small("HYPIC_MOE_WS_SMALL", false);  // (its 64-row tiles: the next block)
         {
           ScopedCandidate sw("HYPIC_MOE_WARP_SPECIALIZED", true);
           const uint64_t before = gpu::moe_warp_specialized_launches();
@@ -693,7 +695,7 @@ TEST_CASE("moe_forward wgmma prefill tiles (OwnWgmma / Own) vs CPU and the mma.s
                     same_pairs ? "yes" : "NO");
         CHECK(same);
         CHECK(same_pairs);
-        if (variant1) CHECK(launched == (takes ? 2u : 0u));
+        if (variant1) CHECK(launched == (takes ? 2u : mode == "9" && P < size_t(32) * c.E ? 2u : 0u));
         if (mode == "6") CHECK(launched == 2u);  // (variant 6 runs 128-row tiles at every size)
         if (mode == "8") CHECK(launched == 1u);  // (variant 8: gate_up alone, at every size)
         // From 512 routed rows per expert (T = 2100 of E = 8) the candidate HYPIC_MOE_WS_GATE_UP_LONG runs the
@@ -713,8 +715,53 @@ TEST_CASE("moe_forward wgmma prefill tiles (OwnWgmma / Own) vs CPU and the mma.s
                     "%llu) == one block per tile bit-identical: %s\n",
                     name.c_str(), long_call ? "yes" : "no", (unsigned long long)launched_gu, same_gu ? "yes" : "NO");
         CHECK(same_gu);
-        if (variant1) CHECK(launched_gu == (takes ? 2u : long_call ? 1u : 0u));
+        const bool small9 = mode == "9" && P < size_t(32) * c.E;  // (variant 9's 64-row tiles)
+        if (variant1) CHECK(launched_gu == (takes ? 2u : long_call ? 1u : small9 ? 2u : 0u));
         if (mode == "8") CHECK(launched_gu == 1u);
+      }
+      // The warp-specialised blocks on the 64-row tiles (the candidate HYPIC_MOE_WS_SMALL, variant 9: the 64 x 256
+      // configuration, gate_up's weight rows as four TMA boxes of 64, both wgmma warpgroups on the tile's 64 rows,
+      // each over half of its columns): the same tiles in the same k order, so the same bits as one block per tile,
+      // with both epilogues; both GEMMs launched on them exactly where the 64-row schedule runs (below 32 routed rows
+      // per expert: T = 1 / 37 / 300 of E = 256, 1 / 37 / 200 of E = 16, 5 of E = 8; experts with 0 and 1 rows, gate_up
+      // N = 320 / 96 / 160 not a multiple of the 128 columns of a tile, K = 2048 / 320 / 192: a last k-step of
+      // zeros), none on the 128-row schedule.
+      if (wgmma) {
+        const std::string mode = wgmma_mode();
+        const bool variant1 = wgmma_variant1(mode);
+        const size_t P = size_t(T) * c.topk;
+        const bool takes = variant1 && P < size_t(32) * c.E;
+        std::vector<float> small_out, small_pairs, tiles;
+        uint64_t launched = 0;
+        ScopedCandidate no_pairs("HYPIC_MOE_CLUSTER_PAIRS", false);
+        ScopedCandidate no_ws("HYPIC_MOE_WARP_SPECIALIZED", false);  // (the 128-row tiles: one block per tile)
+        ScopedCandidate no_gu("HYPIC_MOE_WS_GATE_UP_LONG", false);
+        ScopedCandidate per_tile("HYPIC_MOE_PERSISTENT_LONG", false);
+        {
+          ScopedCandidate sw("HYPIC_MOE_WS_SMALL", true);
+          const uint64_t before = gpu::moe_warp_specialized_launches();
+          small_out = run(gpu::GroupedGemm::OwnWgmma);
+          launched = gpu::moe_warp_specialized_launches() - before;
+        }
+        {
+          ScopedCandidate sw("HYPIC_MOE_WS_SMALL", true);
+          ScopedCandidate pairs("HYPIC_MOE_EPILOGUE_VEC", false);
+          small_pairs = run(gpu::GroupedGemm::OwnWgmma);
+        }
+        if (mode != "9") {
+          ScopedCandidate sw("HYPIC_MOE_WS_SMALL", false);
+          tiles = run(gpu::GroupedGemm::OwnWgmma);
+        } else {  // (HYPIC_MOE_WGMMA=9 takes the 64-row tiles whatever the switch: the CPU-checked wg run is ours)
+          tiles = wg;
+        }
+        const bool same = same_bits(small_out, tiles), same_pairs = same_bits(small_pairs, tiles);
+        std::printf("[moe] wgmma %s warp-specialised 64-row tiles (64-row schedule: %s, launches %llu) == one block "
+                    "per tile bit-identical: %s (pairs epilogue: %s)\n",
+                    name.c_str(), takes ? "yes" : "no", (unsigned long long)launched, same ? "yes" : "NO",
+                    same_pairs ? "yes" : "NO");
+        CHECK(same);
+        CHECK(same_pairs);
+        if (variant1) CHECK(launched == (takes ? 2u : 0u));
       }
       // The same blocks in clusters of two on m-tile pairs (the candidate HYPIC_MOE_CLUSTER_PAIRS: rank r of a cluster
       // takes m-tile 2 j + r; where both are one expert's, each block TMA-loads half of the weight rows multicast into
@@ -1174,7 +1221,7 @@ TEST_CASE("bench: moe_forward wgmma prefill tiles vs mma.sync and cuBLAS (prefil
               gpu::moe_wgmma_available() ? "yes" : "no", env ? env : "unset");
   gpu::MoeWorkspace ws;
   const gpu::MoeWeightsView v = m.view(true);
-  for (int T : {512, 1024, 2048, 4096, 16384, 32768}) {
+  for (int T : {184, 512, 1024, 2048, 4096, 16384, 32768}) {
     const double flops = 2.0 * T * c.topk * 3.0 * c.H * c.I + 2.0 * T * 3.0 * c.H * c.Is;
     std::printf("[bench] moe T=%-6d grouped_gemm_for_tokens: %s\n", T, impl_name(gpu::grouped_gemm_for_tokens(T)));
     for (gpu::GroupedGemm impl : {gpu::GroupedGemm::Own, gpu::GroupedGemm::OwnWgmma, gpu::GroupedGemm::OwnLargeM,
@@ -1186,8 +1233,21 @@ TEST_CASE("bench: moe_forward wgmma prefill tiles vs mma.sync and cuBLAS (prefil
     // Own beside itself alternating: one block per tile (ws=0), the warp-specialised blocks (ws=1,
     // HYPIC_MOE_WARP_SPECIALIZED; from 512 rows per expert, where its rule stops, HYPIC_MOE_WGMMA=6 would be needed),
     // those in clusters of two on m-tile pairs (pairs=1, HYPIC_MOE_CLUSTER_PAIRS) and gate_up alone on them from 512
-    // rows per expert (gu=1, HYPIC_MOE_WS_GATE_UP_LONG).
-    for (int rep = 0; rep < 2; ++rep) {
+    // rows per expert (gu=1, HYPIC_MOE_WS_GATE_UP_LONG); below 32 rows per expert (T < 1024: 64-row tiles, which
+    // the first three leave one block per tile) one block per tile (small=0) and the warp-specialised blocks
+    // (small=1, HYPIC_MOE_WS_SMALL) instead.
+    const bool small_tiles = size_t(T) * c.topk < size_t(32) * c.E;
+    for (int rep = 0; rep < 2 && small_tiles; ++rep) {
+      for (int way = 0; way < 2; ++way) {
+        ScopedCandidate sw("HYPIC_MOE_WS_SMALL", way == 1);
+        const double ms = time_ms(st.s, [&] {
+          gpu::moe_forward(T, dx.get(), v, dout.get(), ws, gemm, gpu::GroupedGemm::Own, st.s);
+        });
+        std::printf("[bench] moe T=%-6d Own small=%d  %9.3f ms  %7.1f TFLOP/s\n", T, way, ms,
+                    flops / (ms * 1e-3) / 1e12);
+      }
+    }
+    for (int rep = 0; rep < 2 && !small_tiles; ++rep) {
       for (int way = 0; way < 4; ++way) {
         ScopedCandidate sw("HYPIC_MOE_WARP_SPECIALIZED", way == 1 || way == 3);
         ScopedCandidate pairs("HYPIC_MOE_CLUSTER_PAIRS", way == 2);
