@@ -144,7 +144,7 @@ uint64_t ws_launches();
 uint64_t pair_launches();
 
 // The m-tile rows (the routing schedule's bm) of OwnWgmma's kernels for P routed rows over E experts under
-// `variant` (wgmma_env_mode): 64 for variant 1 below kWgmmaSmallRowsPerExpert rows per expert on average (a
+// `variant` (wgmma_env_mode): 64 for variants 1 and 9 below kWgmmaSmallRowsPerExpert rows per expert on average (a
 // splice's seams and query: tiles mostly empty, the GEMMs stream weights), else kWgmmaBM.
 int wgmma_bm(size_t P, int E, int variant);
 
@@ -157,8 +157,8 @@ bool wgmma_supported(const MoeWeightsView& w, size_t P);
 // Both prefill GEMMs of moe_forward on wgmma over the bm-row schedule already in ws (tiles, num_tiles, offsets,
 // sorted_tok; bm 64 or kWgmmaBM): gate_up + SwiGLU -> ws.act [P][I] bf16, then down -> ws.y [P][H] bf16; same
 // buffers, roundings and masking as launch_grouped's mma.sync kernels (a row's result does not depend on bm: the
-// k order of its products is the same). variant: 1 .. 6 as wgmma_env_mode (bm 64 runs the 64 x 256 tiles whatever
-// the variant). tail64 (bm = kWgmmaBM only): the schedule also has the tail list (offsets_kernel tail_at: experts'
+// k order of its products is the same). variant: 1 .. 9 as wgmma_env_mode (bm 64 runs the 64 x 256 tiles one block
+// per tile, on the warp-specialised blocks for variant 9, whatever the other variants). tail64 (bm = kWgmmaBM only): the schedule also has the tail list (offsets_kernel tail_at: experts'
 // last tiles of 1 .. 64 rows at tiles + tail_tiles_at(P, E), their count in num_tiles[1]), run by the 64 x 256
 // kernels after each GEMM's 128-row tiles. Throws std::invalid_argument when the grid does not fit (see wgmma_supported) or on a bad bm,
 // std::runtime_error on CUDA errors. Requires wgmma_device().

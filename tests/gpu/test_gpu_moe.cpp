@@ -724,8 +724,9 @@ TEST_CASE("moe_forward wgmma prefill tiles (OwnWgmma / Own) vs CPU and the mma.s
       // each over half of its columns): the same tiles in the same k order, so the same bits as one block per tile,
       // with both epilogues; both GEMMs launched on them exactly where the 64-row schedule runs (below 32 routed rows
       // per expert: T = 1 / 37 / 300 of E = 256, 1 / 37 / 200 of E = 16, 5 of E = 8; experts with 0 and 1 rows, gate_up
-      // N = 320 / 96 / 160 not a multiple of the 128 columns of a tile, K = 2048 / 320 / 192: a last k-step of
-      // zeros), none on the 128-row schedule.
+      // N = I = 96 / 160 not a multiple of the 128 columns of a tile (at I = 160 the second warpgroup's up box lies
+      // wholly past the 2 I weight rows: zeros by TMA), down K = I = 96 / 160: a last k-step of zeros), none on the
+      // 128-row schedule.
       if (wgmma) {
         const std::string mode = wgmma_mode();
         const bool variant1 = wgmma_variant1(mode);
@@ -1233,17 +1234,17 @@ TEST_CASE("bench: moe_forward wgmma prefill tiles vs mma.sync and cuBLAS (prefil
     // Own beside itself alternating: one block per tile (ws=0), the warp-specialised blocks (ws=1,
     // HYPIC_MOE_WARP_SPECIALIZED; from 512 rows per expert, where its rule stops, HYPIC_MOE_WGMMA=6 would be needed),
     // those in clusters of two on m-tile pairs (pairs=1, HYPIC_MOE_CLUSTER_PAIRS) and gate_up alone on them from 512
-    // rows per expert (gu=1, HYPIC_MOE_WS_GATE_UP_LONG); below 32 rows per expert (T < 1024: 64-row tiles, which
-    // the first three leave one block per tile) one block per tile (small=0) and the warp-specialised blocks
-    // (small=1, HYPIC_MOE_WS_SMALL) instead.
+    // rows per expert (gu=1, HYPIC_MOE_WS_GATE_UP_LONG); below 32 rows per expert (T < 1024, where OwnWgmma, which
+    // grouped_gemm_for_tokens picks from 32 tokens, runs 64-row tiles and Own its mma.sync tiles) OwnWgmma one block
+    // per tile (small=0) and on the warp-specialised blocks (small=1, HYPIC_MOE_WS_SMALL) instead.
     const bool small_tiles = size_t(T) * c.topk < size_t(32) * c.E;
     for (int rep = 0; rep < 2 && small_tiles; ++rep) {
       for (int way = 0; way < 2; ++way) {
         ScopedCandidate sw("HYPIC_MOE_WS_SMALL", way == 1);
         const double ms = time_ms(st.s, [&] {
-          gpu::moe_forward(T, dx.get(), v, dout.get(), ws, gemm, gpu::GroupedGemm::Own, st.s);
+          gpu::moe_forward(T, dx.get(), v, dout.get(), ws, gemm, gpu::GroupedGemm::OwnWgmma, st.s);
         });
-        std::printf("[bench] moe T=%-6d Own small=%d  %9.3f ms  %7.1f TFLOP/s\n", T, way, ms,
+        std::printf("[bench] moe T=%-6d OwnWgmma small=%d  %9.3f ms  %7.1f TFLOP/s\n", T, way, ms,
                     flops / (ms * 1e-3) / 1e12);
       }
     }
