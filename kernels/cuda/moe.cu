@@ -893,10 +893,10 @@ bool wgmma_runs(GroupedGemm impl, const MoeWeightsView& w, size_t P) {
 // under the measured default HYPIC_MOE_WARP_SPECIALIZED, else 3 (the persistent blocks) under the candidate
 // HYPIC_MOE_PERSISTENT_LONG from kWgmmaPersistentRowsPerExpert rows per expert; at every size under the candidate
 // HYPIC_MOE_CLUSTER_PAIRS, 7 (the warp-specialised blocks in clusters of two, which takes precedence); from
-// kWgmmaWsMaxRowsPerExpert rows per expert under the candidate HYPIC_MOE_WS_GATE_UP_LONG, 8 (gate_up on the
+// kWgmmaWsMaxRowsPerExpert rows per expert under the measured default HYPIC_MOE_WS_GATE_UP_LONG, 8 (gate_up on the
 // warp-specialised blocks, down one block per tile; before HYPIC_MOE_PERSISTENT_LONG). Variant 1's 64-row tiles
-// become 9 (on the warp-specialised blocks) under the candidate HYPIC_MOE_WS_SMALL; HYPIC_MOE_WGMMA=9 is variant 1
-// with 9 for its 64-row tiles. Same tiles, same bits.
+// become 9 (on the warp-specialised blocks) under the measured default HYPIC_MOE_WS_SMALL; HYPIC_MOE_WGMMA=9 is
+// variant 1 with 9 for its 64-row tiles. Same tiles, same bits.
 int wgmma_variant(const MoeWeightsView& w, size_t P, int bm) {
   static CandidateSwitch persistent_long("HYPIC_MOE_PERSISTENT_LONG");
   static CandidateSwitch warp_specialized("HYPIC_MOE_WARP_SPECIALIZED");

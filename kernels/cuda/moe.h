@@ -112,7 +112,7 @@ enum class GroupedGemm {
 /// loading warpgroup and two wgmma warpgroups per SM, synchronised by mbarriers; also variant 1's 128-row tiles
 /// below 512 routed rows per expert under the measured default HYPIC_MOE_WARP_SPECIALIZED), "7" 6 in clusters of two
 /// on m-tile pairs, "8" gate_up as 6 and down as the default, "9" the default with its 64 x 256 tiles on the
-/// warp-specialised blocks (also variant 1 under the candidate HYPIC_MOE_WS_SMALL); unset or anything else
+/// warp-specialised blocks (also variant 1 under the measured default HYPIC_MOE_WS_SMALL); unset or anything else
 /// the default (one
 /// block per 128 x 256 tile; OwnWgmma below 32 routed rows per expert: 64 x 256). Host only; throws
 /// std::runtime_error on CUDA errors.

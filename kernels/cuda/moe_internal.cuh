@@ -111,12 +111,15 @@ constexpr int kWgmmaPersistentRowsPerExpert = 256;
 // tokens 0.983x / 0.986x, 16384 0.999x, 32768 1.005x (one MoE layer: 0.97-0.98x at
 // 1k-4k, 1.00-1.02x at 16k, 1.02x at 32k).
 constexpr int kWgmmaWsMaxRowsPerExpert = 512;
-// From kWgmmaWsMaxRowsPerExpert routed rows per expert on, the candidate HYPIC_MOE_WS_GATE_UP_LONG runs the gate_up GEMM
-// alone on the warp-specialised blocks (variant 8, moe.cu wgmma_variant): H100, 2026-12-06, one layer at 32768 tokens
-// under Nsight Compute (one launch each, locked clocks): gate_up 2.07 ms on them against 2.16 ms one block per tile
-// (tensor pipes 72% / 69% active), down 1.38 against 1.28 ms (53% / 58%: its 8 k-steps per tile leave the
-// warp-specialised blocks' exposed epilogue, the shuffles of store_tile_quad, a larger share than the prologue they
-// hide).
+// From kWgmmaWsMaxRowsPerExpert routed rows per expert on, the measured default HYPIC_MOE_WS_GATE_UP_LONG runs the
+// gate_up GEMM alone on the warp-specialised blocks (variant 8, moe.cu wgmma_variant): H100, 2026-12-06, one layer at
+// 32768 tokens under Nsight Compute (one launch each, locked clocks): gate_up 2.07 ms on them against 2.16 ms one
+// block per tile (tensor pipes 72% / 69% active), down 1.38 against 1.28 ms (53% / 58%: its 8 k-steps per tile leave
+// the warp-specialised blocks' exposed epilogue, the shuffles of store_tile_quad, a larger share than the prologue
+// they hide); whole model side by side (bench/results/moe_ws_small.md): 16384 tokens 0.981x, 32768 0.993x.
+// Below kWgmmaSmallRowsPerExpert (the 64-row tiles), the measured default HYPIC_MOE_WS_SMALL runs both GEMMs on the
+// warp-specialised blocks (variant 9): H100, 2026-12-06, whole model side by side: 512-token prefill 0.973x, warm
+// 16 x 2k splice 0.981x (every run faster).
 
 // True when the current device can run the wgmma kernels: compute capability 9.0 (the sm_90a build). Host only.
 bool wgmma_device();
@@ -129,7 +132,7 @@ bool wgmma_device();
 // 64-row tiles; 6 = persistent warp-specialised blocks (one per SM: a copying warpgroup and two wgmma warpgroups
 // synchronised by mbarriers, moe_wgmma_ws_kernel); 7 = 6 in clusters of two blocks on m-tile pairs, the weights of a
 // pair of one expert multicast to both (moe_wgmma_ws_kernel's PAIR); 8 = gate_up as 6, down as 1 (one block per
-// tile); 9 = 1 with its 64-row tiles on the warp-specialised blocks (the default under the candidate
+// tile); 9 = 1 with its 64-row tiles on the warp-specialised blocks (what variant 1 runs under the measured default
 // HYPIC_MOE_WS_SMALL).
 int wgmma_env_mode();
 

@@ -542,8 +542,8 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) moe_wgmma_persistent_kern
 // loop: the loads run up to STAGES k-steps ahead, across tiles and while the consumers store. Same tiles, products
 // and k order as moe_wgmma_kernel: the same bits. tile_counter: zero before the launch (launch_ws).
 //
-// 64-row tiles (variant 9: HYPIC_MOE_WGMMA=9, or the 64-row schedule of few rows per expert under the candidate
-// HYPIC_MOE_WS_SMALL): the same blocks with moe_wgmma_kernel's 64 x 256 configuration (5 slots of 8 KB of A and 32 KB
+// 64-row tiles (variant 9: HYPIC_MOE_WGMMA=9, or the 64-row schedule of few rows per expert under the measured
+// default HYPIC_MOE_WS_SMALL): the same blocks with moe_wgmma_kernel's 64 x 256 configuration (5 slots of 8 KB of A and 32 KB
 // of B): gate_up's B rows are four boxes of 64, warpgroup w's gate rows n0 + 64 w .. then its up rows N + n0 + 64 w ..
 // (the 64-row order of moe_wgmma_kernel); down's one box of 256. Where a splice's 184 tokens or a short prompt give a
 // few rows per expert the GEMMs stream every expert's weights once, one tile after another on each SM: the loader

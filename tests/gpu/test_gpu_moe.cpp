@@ -698,7 +698,7 @@ TEST_CASE("moe_forward wgmma prefill tiles (OwnWgmma / Own) vs CPU and the mma.s
         if (variant1) CHECK(launched == (takes ? 2u : mode == "9" && P < size_t(32) * c.E ? 2u : 0u));
         if (mode == "6") CHECK(launched == 2u);  // (variant 6 runs 128-row tiles at every size)
         if (mode == "8") CHECK(launched == 1u);  // (variant 8: gate_up alone, at every size)
-        // From 512 routed rows per expert (T = 2100 of E = 8) the candidate HYPIC_MOE_WS_GATE_UP_LONG runs the
+        // From 512 routed rows per expert (T = 2100 of E = 8) the measured default HYPIC_MOE_WS_GATE_UP_LONG runs the
         // gate_up GEMM alone on them (one launch), the down GEMM one block per tile: the same bits.
         std::vector<float> gate_up_only;
         uint64_t launched_gu = 0;
@@ -719,14 +719,14 @@ TEST_CASE("moe_forward wgmma prefill tiles (OwnWgmma / Own) vs CPU and the mma.s
         if (variant1) CHECK(launched_gu == (takes ? 2u : long_call ? 1u : small9 ? 2u : 0u));
         if (mode == "8") CHECK(launched_gu == 1u);
       }
-      // The warp-specialised blocks on the 64-row tiles (the candidate HYPIC_MOE_WS_SMALL, variant 9: the 64 x 256
-      // configuration, gate_up's weight rows as four TMA boxes of 64, both wgmma warpgroups on the tile's 64 rows,
-      // each over half of its columns): the same tiles in the same k order, so the same bits as one block per tile,
-      // with both epilogues; both GEMMs launched on them exactly where the 64-row schedule runs (below 32 routed rows
-      // per expert: T = 1 / 37 / 300 of E = 256, 1 / 37 / 200 of E = 16, 5 of E = 8; experts with 0 and 1 rows, gate_up
-      // N = I = 96 / 160 not a multiple of the 128 columns of a tile (at I = 160 the second warpgroup's up box lies
-      // wholly past the 2 I weight rows: zeros by TMA), down K = I = 96 / 160: a last k-step of zeros), none on the
-      // 128-row schedule.
+      // The warp-specialised blocks on the 64-row tiles (the measured default HYPIC_MOE_WS_SMALL, variant 9: the
+      // 64 x 256 configuration, gate_up's weight rows as four TMA boxes of 64, both wgmma warpgroups on the tile's 64
+      // rows, each over half of its columns): the same tiles in the same k order, so the same bits as one block per
+      // tile, with both epilogues; both GEMMs launched on them exactly where the 64-row schedule runs (below 32
+      // routed rows per expert: T = 1 / 37 / 300 of E = 256, 1 / 37 / 200 of E = 16, 5 of E = 8; experts with 0 and 1
+      // rows, gate_up N = I = 96 / 160 not a multiple of the 128 columns of a tile (at I = 160 the second warpgroup's
+      // up box lies wholly past the 2 I weight rows: zeros by TMA), down K = I = 96 / 160: a last k-step of zeros),
+      // none on the 128-row schedule.
       if (wgmma) {
         const std::string mode = wgmma_mode();
         const bool variant1 = wgmma_variant1(mode);
