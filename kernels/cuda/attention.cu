@@ -762,6 +762,19 @@ int split_blocks_per_sm(int head_dim) {
   }
 }
 
+// Resident blocks of the split kernel that will run (the split plans size their chunks for kSplitWaves items per
+// resident block): the mma.sync kernel's, or under the candidate HYPIC_ATTN_SPLIT_WG_PLAN (switches.h) the wgmma
+// kernel's where it runs (launch_split: two blocks per SM at head_dim 256 against one, so the mma.sync kernel's
+// count gave it about half the items per block the plan aims at).
+long split_resident_blocks(int head_dim) {
+  int per_sm = split_blocks_per_sm(head_dim);
+#if HYPIC_ATTN_WGMMA_BUILT
+  static CandidateSwitch wg_plan("HYPIC_ATTN_SPLIT_WG_PLAN");
+  if (wg_plan.on() && wgmma_split_available(head_dim)) per_sm = split_wgmma_blocks_per_sm(head_dim);
+#endif
+  return static_cast<long>(sm_count()) * per_sm;
+}
+
 // Sets the decode kernel's shared-memory limit; returns its resident blocks per SM.
 template <int HD>
 int decode_setup() {
@@ -873,7 +886,7 @@ SplitPlan plan_split_bound(const AttnGroups& g, int num_heads, int num_kv_heads,
   // <= G ceil(ratio max len / BM).
   const long rt_bound = std::min(ceil_div(ratio * q_bound, kSplitBM) + G, G * ceil_div(ratio * len_bound, kSplitBM));
   const long tiles = ceil_div(g.max_kv, kBN);
-  const long resident = static_cast<long>(sm_count()) * split_blocks_per_sm(head_dim);
+  const long resident = split_resident_blocks(head_dim);
   // Chunks sized so that the (over-)estimated work, every tile's KV at max_kv, makes ~kSplitWaves items
   // per resident block; at least kMinTilesPerChunk pages per chunk.
   long ct = std::max<long>(kMinTilesPerChunk, ceil_div(num_kv_heads * rt_bound * tiles, kSplitWaves * resident));
@@ -906,7 +919,7 @@ SplitPlan plan_split_exact(const char* fn, const AttnGroups& g, int num_heads, i
     max_tiles = std::max(max_tiles, tiles);
   }
   if (q == 0) return sp;
-  const long resident = static_cast<long>(sm_count()) * split_blocks_per_sm(head_dim);
+  const long resident = split_resident_blocks(head_dim);
   const long ct = std::min(max_tiles, std::max<long>(kMinTilesPerChunk, ceil_div(work, kSplitWaves * resident)));
   const long nsplit = ceil_div(max_tiles, ct), chunk_len = ct * kBN;
   long items = 0;

@@ -345,4 +345,10 @@ bool wgmma_split_available(int head_dim);
 /// Host only; requires wgmma_split_available(head_dim).
 void launch_split_wgmma(const AttnParams& p, const SplitArgs& sa, int head_dim, long max_items, cudaStream_t stream);
 
+/// Blocks of the wgmma split kernel resident per SM at this head_dim (cudaOccupancyMaxActiveBlocksPerMultiprocessor
+/// after its shared-memory opt-in, asked once per device; at least 1): 2 at head_dim 256 on an H100 / H200 (97 KB of
+/// shared memory each), where the mma.sync split kernel fits 1. Host only; requires wgmma_split_available(head_dim);
+/// throws std::runtime_error on CUDA errors.
+int split_wgmma_blocks_per_sm(int head_dim);
+
 }  // namespace hypic::kernels::cuda::detail

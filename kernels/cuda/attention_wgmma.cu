@@ -715,4 +715,8 @@ void launch_split_wgmma(const AttnParams& p, const SplitArgs& sa, int head_dim, 
     launch_split_hd<128>(p, sa, max_items, stream);
 }
 
+int split_wgmma_blocks_per_sm(int head_dim) {
+  return head_dim == 256 ? split_wgmma_setup<256>() : split_wgmma_setup<128>();
+}
+
 }  // namespace hypic::kernels::cuda::detail

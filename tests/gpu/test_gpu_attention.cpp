@@ -345,6 +345,23 @@ TEST_CASE("attention_prefill split path: groups of 1..64 queries over contexts o
       run_attention_case(c, 960 + sh.hd + sh.nh);
     }
   }
+  // Chunks sized for the wgmma split kernel's resident blocks (HYPIC_ATTN_SPLIT_WG_PLAN: two per SM at head_dim 256
+  // where the mma.sync kernel's count is one, so about twice the items, each over half the slots), from bounds and
+  // from the host tables, against the CPU as the default plans are (on devices without the wgmma split kernel the
+  // switch changes nothing).
+  for (const bool exact : {false, true}) {
+    for (const Shape sh : {Shape{256, 16, 2, true}, Shape{128, 8, 2, false}}) {
+      AttnCase c{std::string("split wg-plan") + (exact ? " exact" : "") + " hd" + std::to_string(sh.hd) + " " +
+                     std::to_string(sh.nh) + "/" + std::to_string(sh.nkv) + (sh.gate ? " gate" : ""),
+                 sh.hd, sh.nh, sh.nkv, seq_kv, groups, sh.gate};
+      c.host_tables = exact;
+      DYNAMIC_SECTION(c.name) {
+        ScopedCandidate sw("HYPIC_ATTN_SPLIT_WG_PLAN", true);
+        ScopedCandidate ex("HYPIC_ATTN_SPLIT_EXACT", exact);
+        run_attention_case(c, 970 + sh.hd + sh.nh);
+      }
+    }
+  }
   SECTION("hd 256 16/2, max_kv understated (100): the last chunk covers the rest") {
     AttnCase c{"split hd256 max_kv 100", 256, 16, 2, seq_kv, groups, true};
     c.max_kv_override = 100;
@@ -632,6 +649,13 @@ TEST_CASE("attention_prefill split path: the splice pattern (16 x 8 seam queries
     AttnCase c = splice_case("splice16+long exact hd128 8/2", 128, 8, 2, true);
     c.host_tables = true;
     run_attention_case(c, 1003);
+  }
+  SECTION("hd 256 16/2, host tables, chunks for the wgmma kernel's resident blocks (HYPIC_ATTN_SPLIT_WG_PLAN)") {
+    ScopedCandidate sw("HYPIC_ATTN_SPLIT_EXACT", true);
+    ScopedCandidate wg("HYPIC_ATTN_SPLIT_WG_PLAN", true);
+    AttnCase c = splice_case("splice16 exact wg-plan hd256 16/2", 256, 16, 2, false);
+    c.host_tables = true;
+    run_attention_case(c, 1001);
   }
 }
 
