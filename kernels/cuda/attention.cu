@@ -764,8 +764,9 @@ int split_blocks_per_sm(int head_dim) {
 
 // Resident blocks of the split kernel that will run (the split plans size their chunks for kSplitWaves items per
 // resident block): the mma.sync kernel's, or under the candidate HYPIC_ATTN_SPLIT_WG_PLAN (switches.h) the wgmma
-// kernel's where it runs (launch_split: two blocks per SM at head_dim 256 against one, so the mma.sync kernel's
-// count gave it about half the items per block the plan aims at).
+// kernel's where it runs (launch_split: on an H100 / H200 two blocks per SM at head_dim 256 against one, three at
+// 128 against two, so the mma.sync kernel's count gave it fewer items per block than the plan aims at). Under the
+// switch the chunks are shorter and the items (and the workspace's partials) about twice as many at head_dim 256.
 long split_resident_blocks(int head_dim) {
   int per_sm = split_blocks_per_sm(head_dim);
 #if HYPIC_ATTN_WGMMA_BUILT
@@ -1314,6 +1315,15 @@ size_t AttnDecodeWorkspace::cudnn_plans() const { return cudnn_ ? cudnn_->plans(
 bool attention_cudnn_available() { return cudnn_sdpa_available(); }
 
 std::string attention_cudnn_status() { return cudnn_sdpa_unavailable_reason(); }
+
+bool attention_split_wgmma_available(int head_dim) {
+#if HYPIC_ATTN_WGMMA_BUILT
+  return detail::wgmma_split_available(head_dim);
+#else
+  (void)head_dim;
+  return false;
+#endif
+}
 
 void AttnDecodeWorkspace::reserve_prefill(const AttnGroups& g, int num_heads, int num_kv_heads, int head_dim) {
   const char* fn = "AttnDecodeWorkspace::reserve_prefill";

@@ -138,6 +138,12 @@ class AttnDecodeWorkspace {
 bool attention_cudnn_available();
 std::string attention_cudnn_status();
 
+/// Whether attention_prefill's split path (with a workspace) runs the wgmma split kernel at this head_dim on the
+/// current device: a build with the sm_90a kernels, compute capability 9.0, head_dim 128 or 256, HYPIC_ATTN_SPLIT_WGMMA
+/// not "0" (tests, benchmarks: where the candidate HYPIC_ATTN_SPLIT_WG_PLAN changes the split plans). Host only; throws
+/// std::runtime_error on CUDA errors.
+bool attention_split_wgmma_available(int head_dim);
+
 /// attention_prefill with a workspace: the same result (up to fp32 summation order), faster for short
 /// groups over long contexts (the hypic splice: seam windows of a few tokens and a short query, each
 /// attending to up to tens of thousands of slots). Groups of 1 ..= 512 queries take a split-KV path

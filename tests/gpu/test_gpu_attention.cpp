@@ -345,10 +345,10 @@ TEST_CASE("attention_prefill split path: groups of 1..64 queries over contexts o
       run_attention_case(c, 960 + sh.hd + sh.nh);
     }
   }
-  // Chunks sized for the wgmma split kernel's resident blocks (HYPIC_ATTN_SPLIT_WG_PLAN: two per SM at head_dim 256
-  // where the mma.sync kernel's count is one, so about twice the items, each over half the slots), from bounds and
-  // from the host tables, against the CPU as the default plans are (on devices without the wgmma split kernel the
-  // switch changes nothing).
+  // Chunks sized for the wgmma split kernel's resident blocks (HYPIC_ATTN_SPLIT_WG_PLAN: on an H100 / H200 two per
+  // SM at head_dim 256 where the mma.sync kernel's count is one, three against two at 128, so more items over shorter
+  // chunks), from bounds and from the host tables, against the CPU as the default plans are (on devices without the
+  // wgmma split kernel the switch changes nothing; the graph test below checks that it changes the plan).
   for (const bool exact : {false, true}) {
     for (const Shape sh : {Shape{256, 16, 2, true}, Shape{128, 8, 2, false}}) {
       AttnCase c{std::string("split wg-plan") + (exact ? " exact" : "") + " hd" + std::to_string(sh.hd) + " " +
@@ -665,10 +665,21 @@ TEST_CASE("attention_prefill split path replays from a CUDA graph bit for bit (r
   // (exact: host tables given and HYPIC_ATTN_SPLIT_EXACT on: a captured call still runs the bound plan, which holds
   // for any tables a replay may see, so the replays equal an eager run with the switch off, and reserve_prefill's
   // bound plan suffices.)
-  for (const auto& [with_long, exact] : {std::pair{false, false}, std::pair{true, false}, std::pair{false, true}}) {
-    DYNAMIC_SECTION("splice pattern" << (with_long ? " with long groups" : "") << (exact ? ", exact plan" : "")) {
+  // (wg_plan: HYPIC_ATTN_SPLIT_WG_PLAN, chunks for the wgmma split kernel's resident blocks: where that kernel runs,
+  // its reserved workspace is larger than the default plan's, i.e. the switch reached the plan.)
+  struct GraphCase {
+    bool with_long, exact, wg_plan;
+  };
+  for (const auto& [with_long, exact, wg_plan] : {GraphCase{false, false, false}, GraphCase{true, false, false},
+                                                  GraphCase{false, true, false}, GraphCase{false, false, true}}) {
+    DYNAMIC_SECTION("splice pattern" << (with_long ? " with long groups" : "") << (exact ? ", exact plan" : "")
+                                     << (wg_plan ? ", wgmma kernel's plan" : "")) {
       ScopedCandidate sw("HYPIC_ATTN_SPLIT_EXACT", exact);
-      AttnCase c = splice_case(with_long ? "graph splice16+long" : exact ? "graph splice16 exact" : "graph splice16",
+      ScopedCandidate wgp("HYPIC_ATTN_SPLIT_WG_PLAN", wg_plan);
+      AttnCase c = splice_case(with_long ? "graph splice16+long"
+                               : exact   ? "graph splice16 exact"
+                               : wg_plan ? "graph splice16 wg-plan"
+                                         : "graph splice16",
                                256, 16, 2, with_long);
       c.host_tables = exact;
       std::mt19937 rng(1100 + with_long);
@@ -682,6 +693,18 @@ TEST_CASE("attention_prefill split path replays from a CUDA graph bit for bit (r
       const size_t reserved = ws.bytes();
       std::printf("[%s] reserved workspace %zu bytes\n", c.name.c_str(), reserved);
       CHECK(reserved > 0);
+      if (wg_plan) {  // the same reservation under the default plan
+        ScopedCandidate off("HYPIC_ATTN_SPLIT_WG_PLAN", false);
+        gpu::AttnDecodeWorkspace ws0;
+        ws0.reserve_prefill(rg, c.nh, c.nkv, c.hd);
+        const bool wg_runs = gpu::attention_split_wgmma_available(c.hd);
+        std::printf("[%s] default plan's workspace %zu bytes (wgmma split kernel: %s)\n", c.name.c_str(), ws0.bytes(),
+                    wg_runs ? "yes" : "no");
+        if (wg_runs)
+          CHECK(reserved > ws0.bytes());
+        else
+          CHECK(reserved == ws0.bytes());
+      }
       {
         ScopedCandidate bound("HYPIC_ATTN_SPLIT_EXACT", false);
         run_attention(c, s, &ws);
