@@ -138,6 +138,12 @@ class AttnDecodeWorkspace {
 bool attention_cudnn_available();
 std::string attention_cudnn_status();
 
+/// How many KV chunks attention_decode splits each request's context into on the current device for `batch` requests
+/// of one query each, contexts of at most max_kv slots (tokens): 1 = no split-KV combine. Host only; throws
+/// std::invalid_argument on a non-positive size, heads that do not group (num_heads % num_kv_heads) or an unsupported
+/// head_dim, std::runtime_error on CUDA errors.
+int attention_decode_splits(int batch, int num_heads, int num_kv_heads, int head_dim, int max_kv);
+
 /// Whether attention_prefill's split path (with a workspace) runs the wgmma split kernel at this head_dim on the
 /// current device: a build with the sm_90a kernels, compute capability 9.0, head_dim 128 or 256, HYPIC_ATTN_SPLIT_WGMMA
 /// not "0" (tests, benchmarks: where the candidate HYPIC_ATTN_SPLIT_WG_PLAN changes the split plans). Host only; throws

@@ -98,16 +98,18 @@ RouteCfg route_cfg(const MoeWeightsView& w) {
 // order as the CPU reference, when renorm) and its rank among the k picks in ascending expert order.
 // Ties: lower expert (group) first.
 // kSigmoid == rc.sigmoid: a template parameter, so that the softmax routers' kernels carry none of the sigmoid
-// path's code or registers (the decode step's single-block routing is latency-bound).
-template <bool kSigmoid>
+// path's code or registers (the decode step's single-block routing is latency-bound). kNR: registers per lane, at
+// least ceil(E / 32) (route_regs: 8 up to 256 experts, else 16); the registers past E hold -inf scores and 0
+// probabilities, so the picks, weights and sums are the same bits at either size.
+template <bool kSigmoid, int kNR>
 __device__ __forceinline__ void route_token(const float* lg, const RouteCfg& rc, int lane, int& out_e, float& out_w,
                                             int& out_rank) {
   const int E = rc.E, k = rc.k;
-  float v[kMaxE / 32];
+  float v[kNR];
   if constexpr (!kSigmoid) {
     float m = -INFINITY;
 #pragma unroll
-    for (int i = 0; i < kMaxE / 32; ++i) {
+    for (int i = 0; i < kNR; ++i) {
       const int e = i * 32 + lane;
       v[i] = e < E ? lg[e] : -INFINITY;
       m = fmaxf(m, v[i]);
@@ -116,7 +118,7 @@ __device__ __forceinline__ void route_token(const float* lg, const RouteCfg& rc,
     for (int off = 16; off; off >>= 1) m = fmaxf(m, __shfl_xor_sync(kFull, m, off));
     float s = 0.f;
 #pragma unroll
-    for (int i = 0; i < kMaxE / 32; ++i) {
+    for (int i = 0; i < kNR; ++i) {
       const int e = i * 32 + lane;
       v[i] = e < E ? expf(v[i] - m) : 0.f;
       s += v[i];
@@ -124,18 +126,18 @@ __device__ __forceinline__ void route_token(const float* lg, const RouteCfg& rc,
 #pragma unroll
     for (int off = 16; off; off >>= 1) s += __shfl_xor_sync(kFull, s, off);
 #pragma unroll
-    for (int i = 0; i < kMaxE / 32; ++i) {
+    for (int i = 0; i < kNR; ++i) {
       v[i] = v[i] / s;
       if (isnan(v[i])) v[i] = -INFINITY;  // NaN logits: every pick still a valid expert (the weights carry the NaN)
     }
   } else {
 #pragma unroll
-    for (int i = 0; i < kMaxE / 32; ++i) {
+    for (int i = 0; i < kNR; ++i) {
       const int e = i * 32 + lane;
       v[i] = e < E ? 1.0f / (1.0f + expf(-lg[e])) + (rc.bias ? rc.bias[e] : 0.0f) : -INFINITY;
     }
 #pragma unroll
-    for (int i = 0; i < kMaxE / 32; ++i)
+    for (int i = 0; i < kNR; ++i)
       if (isnan(v[i])) v[i] = -INFINITY;  // a NaN logit is never preferred (and never breaks the picks below)
     if (rc.n_group > 1) {
       // Group g's score (the sum of its two best choices) ends in lane g; then the topk_group best groups.
@@ -144,7 +146,7 @@ __device__ __forceinline__ void route_token(const float* lg, const RouteCfg& rc,
       for (int g = 0; g < rc.n_group; ++g) {
         float a = -INFINITY, b = -INFINITY;  // this lane's best two in group g
 #pragma unroll
-        for (int i = 0; i < kMaxE / 32; ++i) {
+        for (int i = 0; i < kNR; ++i) {
           const int e = i * 32 + lane;
           if (e < E && e / per == g) {
             if (v[i] > a) b = a, a = v[i];
@@ -174,7 +176,7 @@ __device__ __forceinline__ void route_token(const float* lg, const RouteCfg& rc,
         keep |= 1u << bi;
       }
 #pragma unroll
-      for (int i = 0; i < kMaxE / 32; ++i) {
+      for (int i = 0; i < kNR; ++i) {
         const int e = i * 32 + lane;
         if (e < E && !(keep >> (e / per) & 1u)) v[i] = -INFINITY;
       }
@@ -190,7 +192,7 @@ __device__ __forceinline__ void route_token(const float* lg, const RouteCfg& rc,
     float bv = -INFINITY;
     int bi = INT_MAX;
 #pragma unroll
-    for (int i = 0; i < kMaxE / 32; ++i) {
+    for (int i = 0; i < kNR; ++i) {
       const int e = i * 32 + lane;
       if (e < E && !(taken >> i & 1u) && (bi == INT_MAX || v[i] > bv)) bv = v[i], bi = e;  // ascending e: lower first
     }
@@ -242,7 +244,7 @@ __device__ __forceinline__ float shared_gate_token(const bf16* xr, const bf16* w
 // expert histogram into the chunk's counts (zeroed before the launch; integer sums, so the same whatever the order).
 // Spread over that many SMs because a token's softmax, top-k and shared gate are a few thousand instructions of one
 // warp: 32 of them on one SM took 33 us, 24 blocks of 8 take a fraction.
-template <bool kSigmoid>
+template <bool kSigmoid, int kNR>
 __global__ void __launch_bounds__(kRouteThreads) route_kernel(int T, RouteCfg rc, const float* logits,
                                                               const bf16* x, int H, const bf16* sgate_w,
                                                               float* sgate_out, int* topk_e, float* topk_w,
@@ -256,7 +258,7 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(int T, RouteCfg rc
   if (t < T) {  // warp-uniform
     int my_e, rank;
     float wgt;
-    route_token<kSigmoid>(logits + size_t(t) * E, rc, lane, my_e, wgt, rank);
+    route_token<kSigmoid, kNR>(logits + size_t(t) * E, rc, lane, my_e, wgt, rank);
     if (lane < k) {
       topk_e[size_t(t) * k + rank] = my_e;
       topk_w[size_t(t) * k + rank] = wgt;
@@ -272,49 +274,71 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(int T, RouteCfg rc
     if (hist[e]) atomicAdd(&chunk_counts[size_t(e) * nch + blockIdx.x], hist[e]);
 }
 
-// Decode routing (T <= kSmallT) in ONE block of kMaxE threads: softmax / top-k / shared gate per
-// token (one warp per token), then the whole counting sort of route_kernel + chunk_scan_kernel +
-// offsets_kernel + scatter_kernel in shared memory: per-expert token bitmasks, offsets[E + 1], the
-// tile schedule of the decode GEMMs (tiles of kDecBM rows; then, when shared_rows > 0, the shared
-// expert's tiles (E, m0) over rows 0..shared_rows), num_tiles, sorted_tok and pos_of. Positions
-// are in ascending token order within each expert, as on the multi-kernel path (same results).
+// Decode routing (T <= kSmallT) by nb <= kSmallBlocksMax blocks of kMaxE threads: softmax / top-k / shared gate per
+// token, one warp each (warp tasks 0 .. T-1 route token t, T .. 2T-1 the shared gate of token t - T, dealt over the
+// blocks' warps block-major, so with nb = 1 one block runs them all); the last block to finish (a ticket in
+// route_ticket, which it sets back to 0 for the next launch; nb = 1: the only block) then does the whole counting sort
+// of route_kernel + chunk_scan_kernel + offsets_kernel + scatter_kernel in shared memory from the picks in topk_e:
+// per-expert token bitmasks, offsets[E + 1], the tile schedule of the decode GEMMs (tiles of kDecBM rows; then, when
+// shared_rows > 0, the shared expert's tiles (E, m0) over rows 0..shared_rows), num_tiles, sorted_tok and pos_of.
+// Positions are in ascending token order within each expert, as on the multi-kernel path; the outputs do not depend
+// on nb (integer bitmasks and sums). A token's routing is a few thousand dependent instructions of one warp: 128
+// tasks (T = 64 with a shared expert) on one block's 16 warps took 48 us on an H200 (2026-12-06). No co-scheduling
+// is assumed (the blocks may run one after another, e.g. in a small SM partition).
 constexpr int kSmallW = kSmallT / 32;
+constexpr int kSmallBlocksMax = 8;
 
-template <bool kSigmoid>
+template <bool kSigmoid, int kNR>
 __global__ void __launch_bounds__(kMaxE) route_small_kernel(int T, RouteCfg rc, const float* logits,
                                                             const bf16* x, int H, const bf16* sgate_w,
                                                             float* sgate_out, int* topk_e, float* topk_w,
                                                             int* offsets, int2* tiles, int* num_tiles,
-                                                            int* sorted_tok, int* pos_of, int shared_rows) {
+                                                            int* sorted_tok, int* pos_of, int shared_rows,
+                                                            int* route_ticket) {
   __shared__ unsigned mask[kMaxE][kSmallW];
   __shared__ int s_e[kSmallT * kMaxTopk];
   __shared__ int sc[kMaxE], st[kMaxE], so[kMaxE];
-  const int E = rc.E, k = rc.k;
+  __shared__ int last_block;
+  const int E = rc.E, k = rc.k, nb = int(gridDim.x);
   griddep_wait();
   griddep_launch_dependents();
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-#pragma unroll
-  for (int w = 0; w < kSmallW; ++w) mask[tid][w] = 0u;  // blockDim.x == kMaxE
-  __syncthreads();
-  // Warp tasks: 0 .. T-1 route token t, T .. 2T-1 the shared gate of token t - T (in parallel when T is small).
   const int tasks = sgate_out ? 2 * T : T;
-  for (int task = warp; task < tasks; task += kMaxE / 32) {
+  for (int task = int(blockIdx.x) * (kMaxE / 32) + warp; task < tasks; task += nb * (kMaxE / 32)) {
     if (task < T) {
       const int t = task;
       int my_e, rank;
       float wgt;
-      route_token<kSigmoid>(logits + size_t(t) * E, rc, lane, my_e, wgt, rank);
+      route_token<kSigmoid, kNR>(logits + size_t(t) * E, rc, lane, my_e, wgt, rank);
       if (lane < k) {
         topk_e[t * k + rank] = my_e;
         topk_w[t * k + rank] = wgt;
-        s_e[t * k + rank] = my_e;
-        atomicOr(&mask[my_e][t >> 5], 1u << (t & 31));
       }
     } else {
       const int t = task - T;
       const float sg = shared_gate_token(x + size_t(t) * H, sgate_w, H, lane);
       if (lane == 0) sgate_out[t] = sg;
     }
+  }
+#pragma unroll
+  for (int w = 0; w < kSmallW; ++w) mask[tid][w] = 0u;  // blockDim.x == kMaxE
+  if (nb > 1) {
+    __threadfence();  // this thread's picks visible device-wide ...
+    __syncthreads();  // ... for every thread of the block, before its ticket
+    if (tid == 0) {
+      const int ticket = atomicAdd(route_ticket, 1);
+      last_block = ticket == nb - 1;
+      if (last_block) *route_ticket = 0;  // every block has taken its ticket: ready for the next launch
+    }
+    __syncthreads();
+    if (!last_block) return;
+    __threadfence();  // the other blocks' picks (read through L2 below)
+  }
+  __syncthreads();  // bitmasks zeroed (and, nb = 1, this block's picks written)
+  for (int i = tid; i < T * k; i += blockDim.x) {
+    const int ee = __ldcg(topk_e + i), t = i / k;
+    s_e[i] = ee;
+    atomicOr(&mask[ee][t >> 5], 1u << (t & 31));
   }
   __syncthreads();
   const int e = tid;
@@ -367,7 +391,7 @@ __global__ void __launch_bounds__(kMaxE) route_small_kernel(int T, RouteCfg rc, 
 // topk_e / topk_w[rank], sorted_tok[rank] = 0, pos_of[rank] = rank, tiles[rank] = (expert, 0), offsets[e] = the
 // number of picks below e (offsets[E] = k), then the shared expert's tiles (E, m0) over shared_rows and num_tiles[0];
 // warp 1 computes the shared gate. The same values as route_small_kernel at T = 1 (tests/gpu/test_gpu_moe.cpp).
-template <bool kSigmoid>
+template <bool kSigmoid, int kNR>
 __global__ void __launch_bounds__(64) route_one_kernel(RouteCfg rc, const float* logits, const bf16* x, int H,
                                                        const bf16* sgate_w, float* sgate_out, int* topk_e,
                                                        float* topk_w, int* offsets, int2* tiles, int* num_tiles,
@@ -385,7 +409,7 @@ __global__ void __launch_bounds__(64) route_one_kernel(RouteCfg rc, const float*
   const int E = rc.E, k = rc.k;
   int my_e, rank;
   float wgt;
-  route_token<kSigmoid>(logits, rc, lane, my_e, wgt, rank);
+  route_token<kSigmoid, kNR>(logits, rc, lane, my_e, wgt, rank);
   if (lane < k) {
     topk_e[rank] = my_e;
     topk_w[rank] = wgt;
@@ -1097,8 +1121,8 @@ size_t MoeWorkspace::bytes() const {
   return s;
 }
 
-void MoeWorkspace::grow(Buf& b, size_t bytes, const char* name) {
-  if (bytes <= b.bytes) return;
+bool MoeWorkspace::grow(Buf& b, size_t bytes, const char* name) {
+  if (bytes <= b.bytes) return false;
   if (capturing)
     throw std::invalid_argument(std::string("MoeWorkspace: buffer '") + name + "' must grow to " +
                                 std::to_string(bytes) +
@@ -1109,6 +1133,7 @@ void MoeWorkspace::grow(Buf& b, size_t bytes, const char* name) {
   check_cuda(cudaMalloc(&b.p, bytes), std::string("MoeWorkspace: cudaMalloc(") + name + ", " +
                                           std::to_string(bytes) + " bytes)");
   b.bytes = bytes;
+  return true;
 }
 
 void MoeWorkspace::reserve(int max_tokens, const MoeWeightsView& w) {
@@ -1130,7 +1155,10 @@ void MoeWorkspace::reserve(int max_tokens, const MoeWeightsView& w) {
                  tail_tiles_at(P, w.E) + std::min(P, size_t(w.E))}) *
            sizeof(int2),
        "tiles");
-  grow(num_tiles, 4 * sizeof(int), "num_tiles");  // + the warp-specialised GEMMs' tile counters (moe_wgmma.cu)
+  // + the warp-specialised GEMMs' tile counters (moe_wgmma.cu) and the decode routing's ticket (kRouteTicket), which
+  // its kernel expects zero at launch and leaves zero.
+  if (grow(num_tiles, (kRouteTicket + 1) * sizeof(int), "num_tiles"))
+    check_cuda(cudaMemset(num_tiles.p, 0, num_tiles.bytes), "MoeWorkspace: zero num_tiles");
   grow(sorted_tok, P * sizeof(int), "sorted_tok");
   grow(pos_of, P * sizeof(int), "pos_of");
   grow(act, P * size_t(w.I) * sizeof(bf16), "act");
@@ -1260,25 +1288,32 @@ void moe_forward(int T, const bf16* x, const MoeWeightsView& w, float* out, MoeW
     gemm.linear(T, E, H, x, H, w.router, logits, CUDA_R_32F, E, 0.0f, stream);
   }
   static CandidateSwitch one_token_switch("HYPIC_ROUTE_ONE_TOKEN");
+  static CandidateSwitch spread_switch("HYPIC_ROUTE_SPREAD");
+  const RouteCfg rc = route_cfg(w);
+  const bool wide = E > 256;  // registers per lane of route_token: 16 above 256 experts, else 8
   if (decode && T == 1 && one_token_switch.on()) {
     // 2-3. the same for one token by two warps (route_one_kernel).
-    const RouteCfg rc = route_cfg(w);
-    launch_pdl(rc.sigmoid ? route_one_kernel<true> : route_one_kernel<false>, dim3(1), dim3(64), 0, stream,
-               "moe_forward: route_one launch", rc, logits, x, H, w.shared_gate, w.Is > 0 ? sgate : nullptr, topk_e,
-               topk_w, offsets, tiles, num_tiles, sorted_tok, pos_of, shared_rows);
+    auto* kern = rc.sigmoid ? (wide ? route_one_kernel<true, 16> : route_one_kernel<true, 8>)
+                            : (wide ? route_one_kernel<false, 16> : route_one_kernel<false, 8>);
+    launch_pdl(kern, dim3(1), dim3(64), 0, stream, "moe_forward: route_one launch", rc, logits, x, H, w.shared_gate,
+               w.Is > 0 ? sgate : nullptr, topk_e, topk_w, offsets, tiles, num_tiles, sorted_tok, pos_of,
+               shared_rows);
   } else if (decode && T <= kSmallT) {
-    // 2-3. softmax, top-k, shared gate, counting sort and tile schedule in one block.
-    const RouteCfg rc = route_cfg(w);
-    launch_pdl(rc.sigmoid ? route_small_kernel<true> : route_small_kernel<false>, dim3(1), dim3(kMaxE), 0, stream,
-               "moe_forward: route_small launch", T,
-               rc, logits, x, H, w.shared_gate, w.Is > 0 ? sgate : nullptr, topk_e, topk_w, offsets, tiles,
-               num_tiles, sorted_tok, pos_of, shared_rows);
+    // 2-3. softmax, top-k, shared gate, counting sort and tile schedule: one block, or (HYPIC_ROUTE_CLUSTER) one warp
+    // task per warp over up to kSmallBlocksMax blocks, the last of which sorts.
+    const int tasks = w.Is > 0 ? 2 * T : T;
+    const int nb = spread_switch.on() ? std::clamp((tasks + kMaxE / 32 - 1) / (kMaxE / 32), 1, kSmallBlocksMax) : 1;
+    auto* kern = rc.sigmoid ? (wide ? route_small_kernel<true, 16> : route_small_kernel<true, 8>)
+                            : (wide ? route_small_kernel<false, 16> : route_small_kernel<false, 8>);
+    launch_pdl(kern, dim3(nb), dim3(kMaxE), 0, stream, "moe_forward: route_small launch", T, rc, logits, x, H,
+               w.shared_gate, w.Is > 0 ? sgate : nullptr, topk_e, topk_w, offsets, tiles, num_tiles, sorted_tok, pos_of,
+               shared_rows, num_tiles + kRouteTicket);
   } else {
     // 2. softmax, top-k, shared gate, chunk histograms.
-    const RouteCfg rc = route_cfg(w);
     check_cuda(cudaMemsetAsync(chunk_counts, 0, size_t(E) * nch * sizeof(int), stream), "moe_forward: chunk counts");
-    (rc.sigmoid ? route_kernel<true> : route_kernel<false>)<<<dim3(nch, kRouteBlocksPerChunk), kRouteThreads, 0,
-                                                              stream>>>(
+    auto* kern = rc.sigmoid ? (wide ? route_kernel<true, 16> : route_kernel<true, 8>)
+                            : (wide ? route_kernel<false, 16> : route_kernel<false, 8>);
+    kern<<<dim3(nch, kRouteBlocksPerChunk), kRouteThreads, 0, stream>>>(
         T, rc, logits, x, H, w.shared_gate, w.Is > 0 ? sgate : nullptr, topk_e, topk_w, chunk_counts, nch);
     check_cuda(cudaGetLastError(), "moe_forward: route launch");
     // 3. counting sort by expert and the tile schedule.

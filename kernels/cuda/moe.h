@@ -162,7 +162,9 @@ class MoeWorkspace {
     void* p = nullptr;
     size_t bytes = 0;
   };
-  void grow(Buf& b, size_t bytes, const char* name);
+  /// Reallocates b (contents lost) when it holds fewer than `bytes`; returns whether it did. Throws
+  /// std::invalid_argument while capturing, std::runtime_error when cudaMalloc fails.
+  bool grow(Buf& b, size_t bytes, const char* name);
   Buf logits, topk_e, topk_w, sgate, chunk_counts, counts, offsets, tiles, num_tiles, sorted_tok, pos_of, act, y,
       s_gu, s_act, s_out, mlp_gu, mlp_act;
   // Cublas path only.

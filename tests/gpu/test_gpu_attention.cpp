@@ -862,6 +862,37 @@ TEST_CASE("attention_decode matches attention_causal: batches 1/5/33, contexts 1
       CHECK(far == 0);
       check_against_cpu(c, seqs, s, four);
     }
+  // The decode split sized by waves of resident blocks (HYPIC_ATTN_DECODE_WAVES): never more chunks than the default
+  // plan, the outputs against the CPU either way (other chunk bounds: another fp32 order in the combine). The first
+  // case is the benchmark's batch 16 over 32k-slot contexts, where an H200's plan goes from 9 chunks to 4.
+  const std::vector<AttnCase> waves = {
+      decode_case("decode b16 hd256 16/2 gate, 32768 slots, wave plan", 256, 16, 2, std::vector<int>(16, 32768), true),
+      decode_case("decode b1 hd256 16/2 gate, wave plan", 256, 16, 2, {20000}, true),
+      decode_case("decode b5 hd128 8/2 gate, wave plan", 128, 8, 2, mixed, true),
+      decode_case("decode b5 hd64 32/1 gate, wave plan", 64, 32, 1, mixed, true)};
+  for (size_t i = 0; i < waves.size(); ++i)
+    DYNAMIC_SECTION(waves[i].name) {
+      const AttnCase& c = waves[i];
+      std::mt19937 rng(420 + uint32_t(i));
+      std::vector<Seq> seqs;
+      AttnSetup s;
+      build_case(c, rng, seqs, s);
+      gpu::AttnDecodeWorkspace ws;
+      const int batch = static_cast<int>(c.seq_kv.size());
+      const int max_kv = *std::max_element(c.seq_kv.begin(), c.seq_kv.end());
+      int splits[2] = {0, 0};
+      for (bool on : {false, true}) {
+        ScopedCandidate sw("HYPIC_ATTN_DECODE_WAVES", on);
+        splits[on] = gpu::attention_decode_splits(batch, c.nh, c.nkv, c.hd, max_kv);
+        s.dout->poison();
+        run_attention(c, s, &ws);
+        check_cuda(cudaDeviceSynchronize(), c.name);
+        std::printf("[%s] HYPIC_ATTN_DECODE_WAVES=%d: %d chunks per context\n", c.name.c_str(), int(on), splits[on]);
+        check_against_cpu(c, seqs, s, s.dout->download());
+      }
+      CHECK(splits[1] >= 1);
+      CHECK(splits[1] <= splits[0]);
+    }
 }
 
 TEST_CASE("attention_prefill and attention_decode replay from CUDA graphs bit for bit", "[gpu][attention]") {

@@ -313,7 +313,8 @@ TEST_CASE("moe_forward decode sizes (T <= 64): OwnDecode / Own vs CPU, Cublas, O
   const std::vector<DecCase> cases = {{{256, 8, 2048, 512, 512}, false},
                                       {{256, 8, 2048, 512, 0}, false},
                                       {{16, 4, 128, 64, 64}, true},
-                                      {{40, 16, 128, 64, 64}, false}};  // E not a multiple of 32, k = kMaxTopk
+                                      {{40, 16, 128, 64, 64}, false},   // E not a multiple of 32, k = kMaxTopk
+                                      {{320, 8, 128, 64, 64}, false}};  // E > 256: 16 routing registers per lane
   const std::vector<int> Ts = {1, 2, 7, 16, 33, 64};
   const int Tmax = 64;
   const gpu::GroupedGemm impls[] = {gpu::GroupedGemm::Own, gpu::GroupedGemm::OwnDecode, gpu::GroupedGemm::OwnSmallM,
@@ -402,50 +403,75 @@ TEST_CASE("moe_forward decode sizes (T <= 64): OwnDecode / Own vs CPU, Cublas, O
                     same ? "yes" : "NO");
         CHECK(same);
       }
-      // One token (HYPIC_ROUTE_ONE_TOKEN: the routing and schedule of route_small_kernel by two warps): the same
-      // routing arrays, schedule and outputs, bit for bit.
-      if (T == 1) {
+      // The routing variants against route_small_kernel on one block: one token by two warps (HYPIC_ROUTE_ONE_TOKEN,
+      // T = 1), up to 8 blocks, a warp task each, the last one sorting (HYPIC_ROUTE_SPREAD, T > 1): the same routing
+      // arrays, schedule and outputs, bit for bit; and the schedule checked on the host against a counting sort of the
+      // picks.
+      {
+        const size_t Tk = size_t(T) * c.topk;
+        auto get = [&](const gpu::MoeWorkspace::Buf& b, size_t count) {
+          std::vector<int> h(count);
+          check_cuda(cudaMemcpy(h.data(), b.p, count * 4, cudaMemcpyDeviceToHost), "routing download");
+          return h;
+        };
         auto routing = [&] {
-          auto get = [&](const gpu::MoeWorkspace::Buf& b, size_t bytes) {
-            std::vector<unsigned char> h(bytes);
-            check_cuda(cudaMemcpy(h.data(), b.p, bytes, cudaMemcpyDeviceToHost), "routing download");
-            return h;
-          };
-          std::vector<std::vector<unsigned char>> r;
-          r.push_back(get(ws.topk_e, size_t(c.topk) * 4));
-          r.push_back(get(ws.topk_w, size_t(c.topk) * 4));
-          if (c.Is > 0) r.push_back(get(ws.sgate, 4));
-          r.push_back(get(ws.offsets, size_t(c.E + 1) * 4));
-          r.push_back(get(ws.num_tiles, 4));
-          int nt = 0;
-          std::memcpy(&nt, r.back().data(), 4);
-          CHECK(nt == c.topk + (c.Is > 0 ? 1 : 0));  // one tile per pick, then the shared expert's
-          nt = std::clamp(nt, 0, c.topk + 1);
-          r.push_back(get(ws.tiles, size_t(nt) * sizeof(int2)));
-          r.push_back(get(ws.sorted_tok, size_t(c.topk) * 4));
-          r.push_back(get(ws.pos_of, size_t(c.topk) * 4));
+          // topk_e, topk_w (bits), sgate (bits), offsets, num_tiles, tiles, sorted_tok, pos_of
+          std::vector<std::vector<int>> r;
+          r.push_back(get(ws.topk_e, Tk));
+          r.push_back(get(ws.topk_w, Tk));
+          r.push_back(c.Is > 0 ? get(ws.sgate, size_t(T)) : std::vector<int>{});
+          r.push_back(get(ws.offsets, size_t(c.E) + 1));
+          r.push_back(get(ws.num_tiles, 1));
+          const int most = int(Tk) + (T + 31) / 32;  // no more tiles than picks plus the shared expert's
+          r.push_back(get(ws.tiles, size_t(std::clamp(r.back()[0], 0, most)) * 2));
+          r.push_back(get(ws.sorted_tok, Tk));
+          r.push_back(get(ws.pos_of, Tk));
           return r;
         };
-        std::vector<std::vector<float>> outs;
-        std::vector<std::vector<std::vector<unsigned char>>> routes;
-        for (bool one : {true, false}) {
-          ScopedCandidate sw("HYPIC_ROUTE_ONE_TOKEN", one);
+        auto run = [&](bool one, bool spread) {
+          ScopedCandidate a("HYPIC_ROUTE_ONE_TOKEN", one), b("HYPIC_ROUTE_SPREAD", spread);
           // Poison every routing array, so that an element a kernel fails to write cannot pass on the other
-          // kernel's value (both runs share ws, and earlier runs at this T left route_small's values in it).
-          for (const gpu::MoeWorkspace::Buf* b : {&ws.topk_e, &ws.topk_w, &ws.sgate, &ws.offsets, &ws.tiles,
-                                                  &ws.num_tiles, &ws.sorted_tok, &ws.pos_of})
-            if (b->p) check_cuda(cudaMemsetAsync(b->p, 0xFF, b->bytes, st.s), "poison routing");
+          // kernel's value (the runs share ws, and earlier runs at this T left their values in it).
+          for (const gpu::MoeWorkspace::Buf* buf : {&ws.topk_e, &ws.topk_w, &ws.sgate, &ws.offsets, &ws.tiles,
+                                                    &ws.num_tiles, &ws.sorted_tok, &ws.pos_of})
+            if (buf->p) check_cuda(cudaMemsetAsync(buf->p, 0xFF, buf->bytes, st.s), "poison routing");
           DeviceBuffer<float> dout(base);
           gpu::moe_forward(T, dx.get(), v, dout.get(), ws, gemm, gpu::GroupedGemm::OwnDecode, st.s);
           check_cuda(cudaStreamSynchronize(st.s), "moe_forward");
-          outs.push_back(dout.download());
-          routes.push_back(routing());
+          return std::make_pair(dout.download(), routing());
+        };
+        const auto one_block = run(false, false);
+        // Host counting sort of the picks: per expert its (token, slot) pairs in ascending token order, tiles of 32
+        // rows in expert order, then the shared expert's tiles over the T rows.
+        const std::vector<int>& te = one_block.second[0];
+        std::vector<int> cnt(c.E, 0), offs(size_t(c.E) + 1, 0), pos(Tk, -1), sorted(Tk, -1);
+        std::vector<int> tiles;
+        bool picks_valid = true;
+        for (int e : te) picks_valid = picks_valid && e >= 0 && e < c.E;
+        CHECK(picks_valid);
+        if (picks_valid) {
+          for (int e : te) ++cnt[e];
+          for (int e = 0; e < c.E; ++e) offs[e + 1] = offs[e] + cnt[e];
+          std::vector<int> next(offs.begin(), offs.end() - 1);
+          for (size_t i = 0; i < Tk; ++i) pos[i] = next[te[i]]++, sorted[pos[i]] = int(i / c.topk);
+          for (int e = 0; e < c.E; ++e)
+            for (int m0 = 0; m0 < cnt[e]; m0 += 32) tiles.insert(tiles.end(), {e, m0});
+          if (c.Is > 0)
+            for (int m0 = 0; m0 < T; m0 += 32) tiles.insert(tiles.end(), {c.E, m0});
         }
-        const bool same = same_bits(outs[0], outs[1]);
-        std::printf("[moe] decode %s one-token routing == route_small: outputs %s, routing arrays %s\n",
-                    name.c_str(), same ? "yes" : "NO", routes[0] == routes[1] ? "yes" : "NO");
+        const auto& rt = one_block.second;
+        const bool sched_ok = rt[3] == offs && rt[4][0] == int(tiles.size() / 2) && rt[5] == tiles &&
+                              rt[6] == sorted && rt[7] == pos;
+        std::printf("[moe] decode %s one-block routing schedule == host counting sort: %s\n", name.c_str(),
+                    sched_ok ? "yes" : "NO");
+        CHECK(sched_ok);
+        const bool one = T == 1;
+        const auto other = run(one, !one);
+        const bool same = same_bits(other.first, one_block.first);
+        std::printf("[moe] decode %s %s routing == one block: outputs %s, routing arrays %s\n", name.c_str(),
+                    one ? "one-token" : "spread", same ? "yes" : "NO", other.second == rt ? "yes" : "NO");
         CHECK(same);
-        CHECK(routes[0] == routes[1]);
+        CHECK(other.second == rt);
       }
       // Token 0 is the first row of each of its experts' first tiles at every T, so its output must not
       // depend on the batch: bit-identical to T = 1.
