@@ -28,8 +28,8 @@
 // grouped GEMMs covering routed AND shared experts, combine = 5 launches chained by PDL (no
 // GemmRunner / cuBLASLt call for T <= 16, where the router is a decode_linear). The GEMMs stream the weights through per-warp cp.async rings into mma
 // fragments (moe_decode.cu, the router GEMM a decode_linear); for T <= 64 the routing (softmax / top-k / shared gate / counting
-// sort / tile schedule) is one single-block kernel (route_small_kernel; at T = 1 with the switch (default on)
-// HYPIC_ROUTE_ONE_TOKEN two warps of route_one_kernel).
+// sort / tile schedule) is one kernel (route_small_kernel: one block, or with HYPIC_ROUTE_SPREAD up to 8, the last
+// sorting; at T = 1 with the switch (default on) HYPIC_ROUTE_ONE_TOKEN two warps of route_one_kernel).
 #include "kernels/cuda/moe.h"
 
 #include <cublas_v2.h>
