@@ -277,12 +277,12 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(int T, RouteCfg rc
 // Decode routing (T <= kSmallT) by nb <= kSmallBlocksMax blocks of kMaxE threads: softmax / top-k / shared gate per
 // token, one warp each (warp tasks 0 .. T-1 route token t, T .. 2T-1 the shared gate of token t - T, dealt over the
 // blocks' warps block-major, so with nb = 1 one block runs them all); the last block to finish (a ticket in
-// route_ticket, which it sets back to 0 for the next launch; nb = 1: the only block) then does the whole counting sort
-// of route_kernel + chunk_scan_kernel + offsets_kernel + scatter_kernel in shared memory from the picks in topk_e:
-// per-expert token bitmasks, offsets[E + 1], the tile schedule of the decode GEMMs (tiles of kDecBM rows; then, when
-// shared_rows > 0, the shared expert's tiles (E, m0) over rows 0..shared_rows), num_tiles, sorted_tok and pos_of.
-// Positions are in ascending token order within each expert, as on the multi-kernel path; the outputs do not depend
-// on nb (integer bitmasks and sums). A token's routing is a few thousand dependent instructions of one warp: 128
+// MoeWorkspace::route_ticket, which it sets back to 0 for the next launch; nb = 1: the only block) then does the whole
+// counting sort of route_kernel + chunk_scan_kernel + offsets_kernel + scatter_kernel in shared memory from the picks
+// in topk_e: per-expert token bitmasks, offsets[E + 1], the tile schedule of the decode GEMMs (tiles of kDecBM rows;
+// then, when shared_rows > 0, the shared expert's tiles (E, m0) over rows 0..shared_rows), num_tiles, sorted_tok and
+// pos_of. Positions are in ascending token order within each expert, as on the multi-kernel path; the outputs do not
+// depend on nb (integer bitmasks and sums). A token's routing is a few thousand dependent instructions of one warp: 128
 // tasks (T = 64 with a shared expert) on one block's 16 warps took 48 us on an H200 (2026-12-06). No co-scheduling
 // is assumed (the blocks may run one after another, e.g. in a small SM partition).
 constexpr int kSmallW = kSmallT / 32;
@@ -1107,7 +1107,8 @@ struct CaptureFlag {
 
 MoeWorkspace::~MoeWorkspace() {
   for (Buf* b : {&logits, &topk_e, &topk_w, &sgate, &chunk_counts, &counts, &offsets, &tiles, &num_tiles,
-                 &sorted_tok, &pos_of, &act, &y, &s_gu, &s_act, &s_out, &mlp_gu, &mlp_act, &xs, &gu, &ptrs})
+                 &sorted_tok, &pos_of, &act, &y, &s_gu, &s_act, &s_out, &mlp_gu, &mlp_act, &xs, &gu, &ptrs,
+                 &route_ticket})
     if (b->p) cudaFree(b->p);
   if (host_pinned) cudaFreeHost(host_pinned);
   if (cublas) cublasDestroy(static_cast<cublasHandle_t>(cublas));
@@ -1116,7 +1117,8 @@ MoeWorkspace::~MoeWorkspace() {
 size_t MoeWorkspace::bytes() const {
   size_t s = 0;
   for (const Buf* b : {&logits, &topk_e, &topk_w, &sgate, &chunk_counts, &counts, &offsets, &tiles, &num_tiles,
-                       &sorted_tok, &pos_of, &act, &y, &s_gu, &s_act, &s_out, &mlp_gu, &mlp_act, &xs, &gu, &ptrs})
+                       &sorted_tok, &pos_of, &act, &y, &s_gu, &s_act, &s_out, &mlp_gu, &mlp_act, &xs, &gu, &ptrs,
+                       &route_ticket})
     s += b->bytes;
   return s;
 }
@@ -1155,10 +1157,12 @@ void MoeWorkspace::reserve(int max_tokens, const MoeWeightsView& w) {
                  tail_tiles_at(P, w.E) + std::min(P, size_t(w.E))}) *
            sizeof(int2),
        "tiles");
-  // + the warp-specialised GEMMs' tile counters (moe_wgmma.cu) and the decode routing's ticket (kRouteTicket), which
-  // its kernel expects zero at launch and leaves zero.
-  if (grow(num_tiles, (kRouteTicket + 1) * sizeof(int), "num_tiles"))
-    check_cuda(cudaMemset(num_tiles.p, 0, num_tiles.bytes), "MoeWorkspace: zero num_tiles");
+  grow(num_tiles, 4 * sizeof(int), "num_tiles");  // + the warp-specialised GEMMs' tile counters (moe_wgmma.cu)
+  if (grow(route_ticket, sizeof(int), "route_ticket")) {  // zero at launch, and each launch leaves it zero
+    check_cuda(cudaMemset(route_ticket.p, 0, sizeof(int)), "MoeWorkspace: zero route_ticket");
+    // (done before any stream of the caller uses it: the memset runs on the legacy stream, not ordered with those)
+    check_cuda(cudaStreamSynchronize(cudaStreamLegacy), "MoeWorkspace: zero route_ticket");
+  }
   grow(sorted_tok, P * sizeof(int), "sorted_tok");
   grow(pos_of, P * sizeof(int), "pos_of");
   grow(act, P * size_t(w.I) * sizeof(bf16), "act");
@@ -1307,7 +1311,7 @@ void moe_forward(int T, const bf16* x, const MoeWeightsView& w, float* out, MoeW
                             : (wide ? route_small_kernel<false, 16> : route_small_kernel<false, 8>);
     launch_pdl(kern, dim3(nb), dim3(kMaxE), 0, stream, "moe_forward: route_small launch", T, rc, logits, x, H,
                w.shared_gate, w.Is > 0 ? sgate : nullptr, topk_e, topk_w, offsets, tiles, num_tiles, sorted_tok, pos_of,
-               shared_rows, num_tiles + kRouteTicket);
+               shared_rows, static_cast<int*>(ws.route_ticket.p));
   } else {
     // 2. softmax, top-k, shared gate, chunk histograms.
     check_cuda(cudaMemsetAsync(chunk_counts, 0, size_t(E) * nch * sizeof(int), stream), "moe_forward: chunk counts");

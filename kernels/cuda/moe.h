@@ -167,6 +167,9 @@ class MoeWorkspace {
   bool grow(Buf& b, size_t bytes, const char* name);
   Buf logits, topk_e, topk_w, sgate, chunk_counts, counts, offsets, tiles, num_tiles, sorted_tok, pos_of, act, y,
       s_gu, s_act, s_out, mlp_gu, mlp_act;
+  // One int: the decode routing's ticket (route_small_kernel over several blocks), zero when allocated and left zero
+  // by every launch; nothing else may write it.
+  Buf route_ticket;
   // Cublas path only.
   Buf xs, gu, ptrs;
   bool capturing = false;  // set by moe_forward / mlp_forward: growth then throws

@@ -18,10 +18,6 @@ namespace hypic::kernels::cuda::moe_detail {
 
 constexpr int kSmallT = 64;  // largest T of the single-block routing (and of Own's decode path)
 constexpr int kDecBM = 32;   // rows (tokens) per tile of the decode GEMMs
-// MoeWorkspace::num_tiles: [0] the tile count, [1] the wgmma tail tiles' count, [2..3] the warp-specialised GEMMs'
-// tile counters (moe_wgmma.cu ws_counter), [kRouteTicket] the decode routing's ticket (route_small_kernel: zero
-// between launches).
-constexpr int kRouteTicket = 4;
 
 // SwiGLU's silu in fp32 (HF: x * sigmoid(x)); every MoE kernel uses this one formula.
 __device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
