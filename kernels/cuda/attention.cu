@@ -1333,13 +1333,12 @@ std::string attention_cudnn_status() { return cudnn_sdpa_unavailable_reason(); }
 
 int attention_decode_splits(int batch, int num_heads, int num_kv_heads, int head_dim, int max_kv) {
   const char* fn = "attention_decode_splits";
-  if (batch <= 0) bad(fn, "batch " + std::to_string(batch) + " must be positive");
-  if (num_kv_heads <= 0 || num_heads <= 0 || num_heads % num_kv_heads != 0)
-    bad(fn, "num_heads " + std::to_string(num_heads) + " must be a positive multiple of num_kv_heads " +
-                std::to_string(num_kv_heads));
+  if (batch <= 0 || batch > 65535) bad(fn, "batch " + std::to_string(batch) + " must be in 1 .. 65535");
+  check_heads(fn, num_heads, num_kv_heads);
   if (max_kv <= 0) bad(fn, "max_kv " + std::to_string(max_kv) + " must be positive");
   check_head_dim(fn, head_dim);
   const long head_blocks = ceil_div(num_heads / num_kv_heads, 16);
+  if (num_kv_heads * head_blocks > 65535) bad(fn, "num_kv_heads " + std::to_string(num_kv_heads) + " too large");
   return plan_decode(batch, num_kv_heads * head_blocks, max_kv, sm_count(), decode_blocks_per_sm(head_dim)).nsplit;
 }
 

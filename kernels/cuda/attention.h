@@ -140,8 +140,8 @@ std::string attention_cudnn_status();
 
 /// How many KV chunks attention_decode splits each request's context into on the current device for `batch` requests
 /// of one query each, contexts of at most max_kv slots (tokens): 1 = no split-KV combine. Host only; throws
-/// std::invalid_argument on a non-positive size, heads that do not group (num_heads % num_kv_heads) or an unsupported
-/// head_dim, std::runtime_error on CUDA errors.
+/// std::invalid_argument where attention_decode would (batch outside 1 .. 65535, non-positive max_kv, heads that do
+/// not group, an unsupported head_dim, too many KV heads), std::runtime_error on CUDA errors.
 int attention_decode_splits(int batch, int num_heads, int num_kv_heads, int head_dim, int max_kv);
 
 /// Whether attention_prefill's split path (with a workspace) runs the wgmma split kernel at this head_dim on the

@@ -320,23 +320,25 @@ __global__ void __launch_bounds__(kMaxE) route_small_kernel(int T, RouteCfg rc, 
       if (lane == 0) sgate_out[t] = sg;
     }
   }
-#pragma unroll
-  for (int w = 0; w < kSmallW; ++w) mask[tid][w] = 0u;  // blockDim.x == kMaxE
   if (nb > 1) {
     __threadfence();  // this thread's picks visible device-wide ...
     __syncthreads();  // ... for every thread of the block, before its ticket
     if (tid == 0) {
-      const int ticket = atomicAdd(route_ticket, 1);
-      last_block = ticket == nb - 1;
-      if (last_block) *route_ticket = 0;  // every block has taken its ticket: ready for the next launch
+      __threadfence();
+      // Wraps to 0 at the last ticket, ready for the next launch.
+      const unsigned ticket = atomicInc(reinterpret_cast<unsigned*>(route_ticket), unsigned(nb - 1));
+      last_block = ticket == unsigned(nb - 1);
     }
     __syncthreads();
     if (!last_block) return;
     __threadfence();  // the other blocks' picks (read through L2 below)
   }
+#pragma unroll
+  for (int w = 0; w < kSmallW; ++w) mask[tid][w] = 0u;  // blockDim.x == kMaxE
   __syncthreads();  // bitmasks zeroed (and, nb = 1, this block's picks written)
   for (int i = tid; i < T * k; i += blockDim.x) {
-    const int ee = __ldcg(topk_e + i), t = i / k;
+    // (always in [0, E): the clamp only keeps a misused workspace, e.g. two streams at once, inside shared memory)
+    const int ee = min(max(__ldcg(topk_e + i), 0), E - 1), t = i / k;
     s_e[i] = ee;
     atomicOr(&mask[ee][t >> 5], 1u << (t & 31));
   }
@@ -1159,8 +1161,8 @@ void MoeWorkspace::reserve(int max_tokens, const MoeWeightsView& w) {
        "tiles");
   grow(num_tiles, 4 * sizeof(int), "num_tiles");  // + the warp-specialised GEMMs' tile counters (moe_wgmma.cu)
   if (grow(route_ticket, sizeof(int), "route_ticket")) {  // zero at launch, and each launch leaves it zero
-    check_cuda(cudaMemset(route_ticket.p, 0, sizeof(int)), "MoeWorkspace: zero route_ticket");
-    // (done before any stream of the caller uses it: the memset runs on the legacy stream, not ordered with those)
+    // (finished before any stream of the caller can use it: the legacy stream is not ordered with those)
+    check_cuda(cudaMemsetAsync(route_ticket.p, 0, sizeof(int), cudaStreamLegacy), "MoeWorkspace: zero route_ticket");
     check_cuda(cudaStreamSynchronize(cudaStreamLegacy), "MoeWorkspace: zero route_ticket");
   }
   grow(sorted_tok, P * sizeof(int), "sorted_tok");
@@ -1303,7 +1305,7 @@ void moe_forward(int T, const bf16* x, const MoeWeightsView& w, float* out, MoeW
                w.Is > 0 ? sgate : nullptr, topk_e, topk_w, offsets, tiles, num_tiles, sorted_tok, pos_of,
                shared_rows);
   } else if (decode && T <= kSmallT) {
-    // 2-3. softmax, top-k, shared gate, counting sort and tile schedule: one block, or (HYPIC_ROUTE_CLUSTER) one warp
+    // 2-3. softmax, top-k, shared gate, counting sort and tile schedule: one block, or (HYPIC_ROUTE_SPREAD) one warp
     // task per warp over up to kSmallBlocksMax blocks, the last of which sorts.
     const int tasks = w.Is > 0 ? 2 * T : T;
     const int nb = spread_switch.on() ? std::clamp((tasks + kMaxE / 32 - 1) / (kMaxE / 32), 1, kSmallBlocksMax) : 1;

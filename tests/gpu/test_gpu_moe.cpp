@@ -315,7 +315,9 @@ TEST_CASE("moe_forward decode sizes (T <= 64): OwnDecode / Own vs CPU, Cublas, O
                                       {{16, 4, 128, 64, 64}, true},
                                       {{40, 16, 128, 64, 64}, false},   // E not a multiple of 32, k = kMaxTopk
                                       {{320, 8, 128, 64, 64}, false}};  // E > 256: 16 routing registers per lane
-  const std::vector<int> Ts = {1, 2, 7, 16, 33, 64};
+  // (HYPIC_ROUTE_SPREAD's blocks, ceil(tasks / 16) for 2T tasks with a shared expert, T without: 2 at T = 9 and 16,
+  // 5 at 33, 6 at 48, 8 at 64 with; 3 at 33 and 48, 4 at 64 without; one block below)
+  const std::vector<int> Ts = {1, 2, 7, 9, 16, 33, 48, 64};
   const int Tmax = 64;
   const gpu::GroupedGemm impls[] = {gpu::GroupedGemm::Own, gpu::GroupedGemm::OwnDecode, gpu::GroupedGemm::OwnSmallM,
                                     gpu::GroupedGemm::Cublas};
@@ -467,6 +469,9 @@ TEST_CASE("moe_forward decode sizes (T <= 64): OwnDecode / Own vs CPU, Cublas, O
         CHECK(sched_ok);
         const bool one = T == 1;
         const auto other = run(one, !one);
+        int ticket = -1;
+        check_cuda(cudaMemcpy(&ticket, ws.route_ticket.p, sizeof(int), cudaMemcpyDeviceToHost), "ticket download");
+        CHECK(ticket == 0);  // left zero for the next launch
         const bool same = same_bits(other.first, one_block.first);
         std::printf("[moe] decode %s %s routing == one block: outputs %s, routing arrays %s\n", name.c_str(),
                     one ? "one-token" : "spread", same ? "yes" : "NO", other.second == rt ? "yes" : "NO");
