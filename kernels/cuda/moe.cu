@@ -294,7 +294,7 @@ __global__ void __launch_bounds__(kMaxE) route_small_kernel(int T, RouteCfg rc, 
                                                             float* sgate_out, int* topk_e, float* topk_w,
                                                             int* offsets, int2* tiles, int* num_tiles,
                                                             int* sorted_tok, int* pos_of, int shared_rows,
-                                                            int* route_ticket) {
+                                                            int* route_ticket, int4* tile_info) {
   __shared__ unsigned mask[kMaxE][kSmallW];
   __shared__ int s_e[kSmallT * kMaxTopk];
   __shared__ int sc[kMaxE], st[kMaxE], so[kMaxE];
@@ -367,11 +367,17 @@ __global__ void __launch_bounds__(kMaxE) route_small_kernel(int T, RouteCfg rc, 
   if (e < E) {
     offsets[e] = sc[e] - c;
     const int tb = st[e] - nt;
-    for (int i = 0; i < nt; ++i) tiles[tb + i] = make_int2(e, i * kDecBM);
+    for (int i = 0; i < nt; ++i) {
+      tiles[tb + i] = make_int2(e, i * kDecBM);
+      if (tile_info) tile_info[tb + i] = make_int4(e, i * kDecBM, sc[e] - c, c);
+    }
   }
   const int routed_tiles = st[kMaxE - 1];
   const int nsh = (shared_rows + kDecBM - 1) / kDecBM;
-  for (int i = tid; i < nsh; i += blockDim.x) tiles[routed_tiles + i] = make_int2(E, i * kDecBM);
+  for (int i = tid; i < nsh; i += blockDim.x) {
+    tiles[routed_tiles + i] = make_int2(E, i * kDecBM);
+    if (tile_info) tile_info[routed_tiles + i] = make_int4(E, i * kDecBM, 0, shared_rows);
+  }
   if (tid == 0) {
     offsets[E] = sc[kMaxE - 1];
     *num_tiles = routed_tiles + nsh;
@@ -397,7 +403,8 @@ template <bool kSigmoid, int kNR>
 __global__ void __launch_bounds__(64) route_one_kernel(RouteCfg rc, const float* logits, const bf16* x, int H,
                                                        const bf16* sgate_w, float* sgate_out, int* topk_e,
                                                        float* topk_w, int* offsets, int2* tiles, int* num_tiles,
-                                                       int* sorted_tok, int* pos_of, int shared_rows) {
+                                                       int* sorted_tok, int* pos_of, int shared_rows,
+                                                       int4* tile_info) {
   griddep_wait();
   griddep_launch_dependents();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -418,6 +425,7 @@ __global__ void __launch_bounds__(64) route_one_kernel(RouteCfg rc, const float*
     sorted_tok[rank] = 0;
     pos_of[rank] = rank;
     tiles[rank] = make_int2(my_e, 0);
+    if (tile_info) tile_info[rank] = make_int4(my_e, 0, rank, 1);  // (the picks below my_e come first)
   }
   // The k picks' experts in every lane (INT_MAX past k), gathered by the whole warp before the lane-dependent loop.
   int pk[kMaxTopk];
@@ -433,7 +441,10 @@ __global__ void __launch_bounds__(64) route_one_kernel(RouteCfg rc, const float*
     offsets[e] = below;
   }
   const int nsh = (shared_rows + kDecBM - 1) / kDecBM;
-  for (int i = lane; i < nsh; i += 32) tiles[k + i] = make_int2(E, i * kDecBM);
+  for (int i = lane; i < nsh; i += 32) {
+    tiles[k + i] = make_int2(E, i * kDecBM);
+    if (tile_info) tile_info[k + i] = make_int4(E, i * kDecBM, 0, shared_rows);
+  }
   if (lane == 0) {
     offsets[E] = k;
     *num_tiles = k + nsh;
@@ -1110,7 +1121,7 @@ struct CaptureFlag {
 MoeWorkspace::~MoeWorkspace() {
   for (Buf* b : {&logits, &topk_e, &topk_w, &sgate, &chunk_counts, &counts, &offsets, &tiles, &num_tiles,
                  &sorted_tok, &pos_of, &act, &y, &s_gu, &s_act, &s_out, &mlp_gu, &mlp_act, &xs, &gu, &ptrs,
-                 &route_ticket})
+                 &route_ticket, &dec_tiles})
     if (b->p) cudaFree(b->p);
   if (host_pinned) cudaFreeHost(host_pinned);
   if (cublas) cublasDestroy(static_cast<cublasHandle_t>(cublas));
@@ -1120,7 +1131,7 @@ size_t MoeWorkspace::bytes() const {
   size_t s = 0;
   for (const Buf* b : {&logits, &topk_e, &topk_w, &sgate, &chunk_counts, &counts, &offsets, &tiles, &num_tiles,
                        &sorted_tok, &pos_of, &act, &y, &s_gu, &s_act, &s_out, &mlp_gu, &mlp_act, &xs, &gu, &ptrs,
-                       &route_ticket})
+                       &route_ticket, &dec_tiles})
     s += b->bytes;
   return s;
 }
@@ -1165,6 +1176,9 @@ void MoeWorkspace::reserve(int max_tokens, const MoeWeightsView& w) {
     check_cuda(cudaMemsetAsync(route_ticket.p, 0, sizeof(int), cudaStreamLegacy), "MoeWorkspace: zero route_ticket");
     check_cuda(cudaStreamSynchronize(cudaStreamLegacy), "MoeWorkspace: zero route_ticket");
   }
+  // The single-kernel decode routings' tiles (HYPIC_MOE_DECODE_TILE_INFO): every T <= kSmallT up to max_tokens.
+  const size_t Td = std::min(T, size_t(kSmallT));
+  grow(dec_tiles, decode_grid_tiles(Td * k, w.E, int(Td), w.Is > 0) * sizeof(int4), "dec_tiles");
   grow(sorted_tok, P * sizeof(int), "sorted_tok");
   grow(pos_of, P * sizeof(int), "pos_of");
   grow(act, P * size_t(w.I) * sizeof(bf16), "act");
@@ -1295,7 +1309,10 @@ void moe_forward(int T, const bf16* x, const MoeWeightsView& w, float* out, MoeW
   }
   static CandidateSwitch one_token_switch("HYPIC_ROUTE_ONE_TOKEN");
   static CandidateSwitch spread_switch("HYPIC_ROUTE_SPREAD");
+  static CandidateSwitch tile_info_switch("HYPIC_MOE_DECODE_TILE_INFO");
   const RouteCfg rc = route_cfg(w);
+  // The decode GEMMs' per-tile (expert, first row, expert offset, expert rows) from the single-kernel routings below.
+  int4* tile_info = decode && T <= kSmallT && tile_info_switch.on() ? static_cast<int4*>(ws.dec_tiles.p) : nullptr;
   const bool wide = E > 256;  // registers per lane of route_token: 16 above 256 experts, else 8
   if (decode && T == 1 && one_token_switch.on()) {
     // 2-3. the same for one token by two warps (route_one_kernel).
@@ -1303,7 +1320,7 @@ void moe_forward(int T, const bf16* x, const MoeWeightsView& w, float* out, MoeW
                             : (wide ? route_one_kernel<false, 16> : route_one_kernel<false, 8>);
     launch_pdl(kern, dim3(1), dim3(64), 0, stream, "moe_forward: route_one launch", rc, logits, x, H, w.shared_gate,
                w.Is > 0 ? sgate : nullptr, topk_e, topk_w, offsets, tiles, num_tiles, sorted_tok, pos_of,
-               shared_rows);
+               shared_rows, tile_info);
   } else if (decode && T <= kSmallT) {
     // 2-3. softmax, top-k, shared gate, counting sort and tile schedule: one block, or (HYPIC_ROUTE_SPREAD) one warp
     // task per warp over up to kSmallBlocksMax blocks, the last of which sorts.
@@ -1313,7 +1330,7 @@ void moe_forward(int T, const bf16* x, const MoeWeightsView& w, float* out, MoeW
                             : (wide ? route_small_kernel<false, 16> : route_small_kernel<false, 8>);
     launch_pdl(kern, dim3(nb), dim3(kMaxE), 0, stream, "moe_forward: route_small launch", T, rc, logits, x, H,
                w.shared_gate, w.Is > 0 ? sgate : nullptr, topk_e, topk_w, offsets, tiles, num_tiles, sorted_tok, pos_of,
-               shared_rows, static_cast<int*>(ws.route_ticket.p));
+               shared_rows, static_cast<int*>(ws.route_ticket.p), tile_info);
   } else {
     // 2. softmax, top-k, shared gate, chunk histograms.
     check_cuda(cudaMemsetAsync(chunk_counts, 0, size_t(E) * nch * sizeof(int), stream), "moe_forward: chunk counts");
@@ -1335,7 +1352,7 @@ void moe_forward(int T, const bf16* x, const MoeWeightsView& w, float* out, MoeW
   if (impl == GroupedGemm::Cublas) {
     launch_cublas_grouped(w, T, P, x, ws, stream);
   } else if (decode) {
-    launch_decode(w, T, P, x, ws, stream);
+    launch_decode(w, T, P, x, ws, tile_info, stream);
   } else if (bm == SmallCfg::BM) {
     launch_grouped<SmallCfg>(w, P, x, ws, stream);
   } else if (impl == GroupedGemm::OwnLargeN) {

@@ -170,6 +170,9 @@ class MoeWorkspace {
   // One int: the decode routing's ticket (route_small_kernel over several blocks), zero when allocated and left zero
   // by every launch; nothing else may write it.
   Buf route_ticket;
+  // Decode GEMM tiles as int4 (expert, first row, expert's offset, expert's rows) for T <= 64, written by the
+  // routing beside `tiles` (HYPIC_MOE_DECODE_TILE_INFO).
+  Buf dec_tiles;
   // Cublas path only.
   Buf xs, gu, ptrs;
   bool capturing = false;  // set by moe_forward / mlp_forward: growth then throws

@@ -55,7 +55,9 @@ struct DecodeArgs {
   int E, T;
   const int2* tiles;
   const int* num_tiles;
-  const int* offsets;  // [E + 1]
+  const int* offsets;      // [E + 1]
+  const int4* tile_info;   // null, or per tile (expert, first row, expert's offset, expert's rows): replaces tiles and
+                           // offsets (shared tiles: (E, first row, 0, T))
 };
 
 enum DecodeMode { kDecDown = 0, kDecGateUp = 1 };
@@ -84,9 +86,19 @@ __global__ void __launch_bounds__(kStreamThreads, detail::stream_blocks_per_sm(d
   static_assert(NT * 8 <= kDecBM, "tile rows");
   griddep_wait();  // the tile schedule comes from the routing kernel
   griddep_launch_dependents();
-  if (int(blockIdx.x) >= __ldcg(a.num_tiles)) return;
-  const int2 tile = __ldcg(a.tiles + blockIdx.x);
-  const int e = tile.x, m0 = tile.y;
+  int e, m0;
+  int4 info = make_int4(0, 0, 0, 0);
+  if (a.tile_info) {
+    // Both loads in flight at once (the buffer holds the launched grid's tiles; past num_tiles stale, unused).
+    const int n_tiles = __ldcg(a.num_tiles);
+    info = __ldcg(a.tile_info + blockIdx.x);
+    if (int(blockIdx.x) >= n_tiles) return;
+    e = info.x, m0 = info.y;
+  } else {
+    if (int(blockIdx.x) >= __ldcg(a.num_tiles)) return;
+    const int2 tile = __ldcg(a.tiles + blockIdx.x);
+    e = tile.x, m0 = tile.y;
+  }
   const bool sh = e >= a.E;
   const int K = sh ? a.sK : a.K, N = sh ? a.sN : a.N;
   const bf16* W = sh ? a.sB : a.B + size_t(e) * a.b_expert_stride;
@@ -106,8 +118,8 @@ __global__ void __launch_bounds__(kStreamThreads, detail::stream_blocks_per_sm(d
   // The weight copies go out as soon as the expert is known; the token rows' lookups overlap them.
   if (active) detail::stream_prologue<NT, S>(wlo, whi, kb, ke, ring, lane);
 
-  const int seg = sh ? 0 : __ldcg(a.offsets + e);
-  const int cnt = sh ? a.T : __ldcg(a.offsets + e + 1) - seg;
+  const int seg = sh ? 0 : a.tile_info ? info.z : __ldcg(a.offsets + e);
+  const int cnt = sh ? a.T : a.tile_info ? info.w : __ldcg(a.offsets + e + 1) - seg;
   const bf16* A = sh ? a.sA : a.A;
   const int nrows = min(kDecBM, cnt - m0);  // >= 1
   const int ntl = (nrows + 7) >> 3;         // token groups with at least one row, 1..NT
@@ -209,7 +221,8 @@ int decode_k_slices(int mode, int K, int N, int Ns, int topk, bool shared) {
 
 // Routed + shared experts through the decode GEMMs (the schedule has kDecBM-row tiles and, with
 // Is > 0, the shared expert's tiles).
-void launch_decode(const MoeWeightsView& w, int T, size_t P, const bf16* x, MoeWorkspace& ws, cudaStream_t stream) {
+void launch_decode(const MoeWeightsView& w, int T, size_t P, const bf16* x, MoeWorkspace& ws, const int4* tile_info,
+                   cudaStream_t stream) {
   static CandidateSwitch deep("HYPIC_MOE_DECODE_DEEP");
   const bool shared = w.Is > 0;
   const unsigned grid_m = unsigned(decode_grid_tiles(P, w.E, T, shared));
@@ -232,6 +245,7 @@ void launch_decode(const MoeWeightsView& w, int T, size_t P, const bf16* x, MoeW
   g1.tiles = static_cast<const int2*>(ws.tiles.p);
   g1.num_tiles = static_cast<const int*>(ws.num_tiles.p);
   g1.offsets = static_cast<const int*>(ws.offsets.p);
+  g1.tile_info = tile_info;
   g1.ks = decode_k_slices(kDecGateUp, w.H, w.I, w.Is, w.topk, shared);
   g1.sks = g1.ks;  // same K (H)
   unsigned cb1 = column_blocks(kDecGateUp, g1.ks, w.I);

@@ -89,8 +89,11 @@ inline GroupedArgs down_args(const MoeWeightsView& w, const MoeWorkspace& ws) {
 // ---------------------------------------------------------------------------------------------
 
 // Routed + shared experts through the decode GEMMs (the schedule has kDecBM-row tiles and, with
-// Is > 0, the shared expert's tiles).
-void launch_decode(const MoeWeightsView& w, int T, size_t P, const bf16* x, MoeWorkspace& ws, cudaStream_t stream);
+// Is > 0, the shared expert's tiles). tile_info: the schedule as (expert, first row, expert's offset, expert's rows)
+// per tile (HYPIC_MOE_DECODE_TILE_INFO: one lookup per block instead of the tile, then the expert's offsets), or
+// null (tiles, offsets).
+void launch_decode(const MoeWeightsView& w, int T, size_t P, const bf16* x, MoeWorkspace& ws, const int4* tile_info,
+                   cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------------
 // Hopper wgmma prefill GEMMs (moe_wgmma.cu, built for sm_90a only: HYPIC_MOE_WGMMA_BUILT)

@@ -405,6 +405,35 @@ TEST_CASE("moe_forward decode sizes (T <= 64): OwnDecode / Own vs CPU, Cublas, O
                     same ? "yes" : "NO");
         CHECK(same);
       }
+      // The decode GEMMs reading each tile's (expert, first row, expert's offset, expert's rows) from one int4 that the
+      // routing wrote (HYPIC_MOE_DECODE_TILE_INFO): the same tiles, rows and products, the same bits; and the int4
+      // schedule equal to the int2 tiles with the offsets beside them (shared tiles: offset 0, T rows).
+      {
+        ScopedCandidate sw("HYPIC_MOE_DECODE_TILE_INFO", true);
+        DeviceBuffer<float> dout(base);
+        gpu::moe_forward(T, dx.get(), v, dout.get(), ws, gemm, gpu::GroupedGemm::Own, st.s);
+        check_cuda(cudaStreamSynchronize(st.s), "moe_forward");
+        const bool same = same_bits(dout.download(), results[kOwn]);
+        int nt = 0;
+        check_cuda(cudaMemcpy(&nt, ws.num_tiles.p, sizeof(int), cudaMemcpyDeviceToHost), "num_tiles");
+        nt = std::clamp(nt, 0, T * c.topk + (T + 31) / 32);
+        std::vector<int> t2(size_t(nt) * 2), t4(size_t(nt) * 4), offs(size_t(c.E) + 1);
+        check_cuda(cudaMemcpy(t2.data(), ws.tiles.p, t2.size() * 4, cudaMemcpyDeviceToHost), "tiles");
+        check_cuda(cudaMemcpy(t4.data(), ws.dec_tiles.p, t4.size() * 4, cudaMemcpyDeviceToHost), "dec_tiles");
+        check_cuda(cudaMemcpy(offs.data(), ws.offsets.p, offs.size() * 4, cudaMemcpyDeviceToHost), "offsets");
+        int bad = 0;
+        for (int i = 0; i < nt; ++i) {
+          const int e = t2[2 * i];
+          const bool routed = e >= 0 && e < c.E;
+          const int want[4] = {e, t2[2 * i + 1], routed ? offs[e] : 0, routed ? offs[e + 1] - offs[e] : T};
+          bad += !std::equal(want, want + 4, t4.begin() + 4 * i);
+        }
+        std::printf("[moe] decode %s Own with the int4 tile schedule == default: %s (%d tiles, %d differ)\n",
+                    name.c_str(), same ? "yes" : "NO", nt, bad);
+        CHECK(nt >= 1);
+        CHECK(bad == 0);
+        CHECK(same);
+      }
       // The routing variants against route_small_kernel on one block: one token by two warps (HYPIC_ROUTE_ONE_TOKEN,
       // T = 1), up to 8 blocks, a warp task each, the last one sorting (HYPIC_ROUTE_SPREAD, T > 1): the same routing
       // arrays, schedule and outputs, bit for bit; and the schedule checked on the host against a counting sort of the
