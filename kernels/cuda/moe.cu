@@ -1178,7 +1178,11 @@ void MoeWorkspace::reserve(int max_tokens, const MoeWeightsView& w) {
   }
   // The single-kernel decode routings' tiles (HYPIC_MOE_DECODE_TILE_INFO): every T <= kSmallT up to max_tokens.
   const size_t Td = std::min(T, size_t(kSmallT));
-  grow(dec_tiles, decode_grid_tiles(Td * k, w.E, int(Td), w.Is > 0) * sizeof(int4), "dec_tiles");
+  if (grow(dec_tiles, decode_grid_tiles(Td * k, w.E, int(Td), w.Is > 0) * sizeof(int4), "dec_tiles")) {
+    // (defined contents: the decode GEMMs' blocks past the tile count read their entry before they exit)
+    check_cuda(cudaMemsetAsync(dec_tiles.p, 0, dec_tiles.bytes, cudaStreamLegacy), "MoeWorkspace: zero dec_tiles");
+    check_cuda(cudaStreamSynchronize(cudaStreamLegacy), "MoeWorkspace: zero dec_tiles");
+  }
   grow(sorted_tok, P * sizeof(int), "sorted_tok");
   grow(pos_of, P * sizeof(int), "pos_of");
   grow(act, P * size_t(w.I) * sizeof(bf16), "act");

@@ -406,17 +406,24 @@ TEST_CASE("moe_forward decode sizes (T <= 64): OwnDecode / Own vs CPU, Cublas, O
         CHECK(same);
       }
       // The decode GEMMs reading each tile's (expert, first row, expert's offset, expert's rows) from one int4 that the
-      // routing wrote (HYPIC_MOE_DECODE_TILE_INFO): the same tiles, rows and products, the same bits; and the int4
-      // schedule equal to the int2 tiles with the offsets beside them (shared tiles: offset 0, T rows).
-      {
-        ScopedCandidate sw("HYPIC_MOE_DECODE_TILE_INFO", true);
-        DeviceBuffer<float> dout(base);
-        gpu::moe_forward(T, dx.get(), v, dout.get(), ws, gemm, gpu::GroupedGemm::Own, st.s);
-        check_cuda(cudaStreamSynchronize(st.s), "moe_forward");
-        const bool same = same_bits(dout.download(), results[kOwn]);
+      // routing wrote (HYPIC_MOE_DECODE_TILE_INFO), with the routing on one block and spread (HYPIC_ROUTE_SPREAD):
+      // the same tiles, rows and products as without it, the same bits; and the int4 schedule equal to the int2 tiles
+      // with the offsets beside them (shared tiles: offset 0, T rows).
+      for (bool spread : {false, true}) {
+        ScopedCandidate sp("HYPIC_ROUTE_SPREAD", spread);
+        auto run = [&](bool info) {
+          ScopedCandidate sw("HYPIC_MOE_DECODE_TILE_INFO", info);
+          if (ws.dec_tiles.p) check_cuda(cudaMemsetAsync(ws.dec_tiles.p, 0xFF, ws.dec_tiles.bytes, st.s), "poison");
+          DeviceBuffer<float> dout(base);
+          gpu::moe_forward(T, dx.get(), v, dout.get(), ws, gemm, gpu::GroupedGemm::Own, st.s);
+          check_cuda(cudaStreamSynchronize(st.s), "moe_forward");
+          return dout.download();
+        };
+        const auto plain = run(false), with_info = run(true);
+        const bool same = same_bits(with_info, plain);
         int nt = 0;
         check_cuda(cudaMemcpy(&nt, ws.num_tiles.p, sizeof(int), cudaMemcpyDeviceToHost), "num_tiles");
-        nt = std::clamp(nt, 0, T * c.topk + (T + 31) / 32);
+        nt = std::clamp(nt, 0, int(std::min(ws.dec_tiles.bytes / 16, ws.tiles.bytes / 8)));
         std::vector<int> t2(size_t(nt) * 2), t4(size_t(nt) * 4), offs(size_t(c.E) + 1);
         check_cuda(cudaMemcpy(t2.data(), ws.tiles.p, t2.size() * 4, cudaMemcpyDeviceToHost), "tiles");
         check_cuda(cudaMemcpy(t4.data(), ws.dec_tiles.p, t4.size() * 4, cudaMemcpyDeviceToHost), "dec_tiles");
@@ -428,8 +435,9 @@ TEST_CASE("moe_forward decode sizes (T <= 64): OwnDecode / Own vs CPU, Cublas, O
           const int want[4] = {e, t2[2 * i + 1], routed ? offs[e] : 0, routed ? offs[e + 1] - offs[e] : T};
           bad += !std::equal(want, want + 4, t4.begin() + 4 * i);
         }
-        std::printf("[moe] decode %s Own with the int4 tile schedule == default: %s (%d tiles, %d differ)\n",
-                    name.c_str(), same ? "yes" : "NO", nt, bad);
+        std::printf("[moe] decode %s Own with the int4 tile schedule (routing %s) == without: %s (%d tiles, %d "
+                    "differ)\n",
+                    name.c_str(), spread ? "spread" : "one block", same ? "yes" : "NO", nt, bad);
         CHECK(nt >= 1);
         CHECK(bad == 0);
         CHECK(same);
