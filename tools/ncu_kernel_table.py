@@ -13,7 +13,9 @@ attention, cuBLASLt GEMMs, norms, other (tools/ncu_kernel_table.py PARTS).
     tools/ncu_kernel_table.py splice.csv --calls 3 --top 25 [--json rows.json] [--parts]
 
 Times are serialised kernel times (ncu runs one kernel at a time): their sum exceeds the section's wall time when
-kernels overlap, and misses host gaps.
+kernels overlap, and misses host gaps. When the summary also holds DRAM traffic (`--metrics
+gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum`, or `dram__bytes.sum`), the table adds each
+kernel's DRAM GB/s: its average bytes read plus written per launch over its average time (bytes per ns = GB/s).
 """
 import argparse
 import csv
@@ -41,14 +43,32 @@ def short_name(full):
 
 
 def parse(text):
-    """Rows {kernel, grid, block, invocations, avg_ns} of the gpu__time_duration.sum summary."""
+    """Rows {kernel, grid, block, invocations, avg_ns[, dram_bytes]} of the gpu__time_duration.sum summary (dram_bytes:
+    average DRAM bytes per launch, where the summary has them)."""
     lines = text.splitlines()
     start = next((i for i, l in enumerate(lines) if '"Kernel Name"' in l or l.startswith("Kernel Name")
                   or ",Kernel Name," in l), None)
     if start is None:
         raise ValueError("no ncu per-kernel summary header (a 'Kernel Name' column) in the input")
     rows = []
-    for r in csv.DictReader(io.StringIO("\n".join(lines[start:]))):
+    records = list(csv.DictReader(io.StringIO("\n".join(lines[start:]))))
+    # DRAM bytes per launch by (kernel, grid, block): read + write where either is given, else dram__bytes.sum.
+    rw, total = {}, {}
+    for r in records:
+        name = r.get("Metric Name")
+        if name not in ("dram__bytes_read.sum", "dram__bytes_write.sum", "dram__bytes.sum"):
+            continue
+        unit = (r.get("Metric Unit") or "byte").strip()
+        scale = {"byte": 1.0, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "KB": 1e3, "MB": 1e6, "GB": 1e9}.get(unit)
+        if scale is None:
+            raise ValueError(f"unknown byte unit {unit!r}")
+        key = (r["Kernel Name"], r.get("Grid Size", ""), r.get("Block Size", ""))
+        value = float(r["Average"].replace(",", "")) * scale
+        if name == "dram__bytes.sum":
+            total[key] = value
+        else:
+            rw[key] = rw.get(key, 0.0) + value
+    for r in records:
         if r.get("Metric Name") != "gpu__time_duration.sum":
             continue
         unit = (r.get("Metric Unit") or "ns").strip()
@@ -62,6 +82,9 @@ def parse(text):
             "invocations": int(r["Invocations"].replace(",", "")),
             "avg_ns": float(r["Average"].replace(",", "")) * scale,
         })
+        key = (r["Kernel Name"], r.get("Grid Size", ""), r.get("Block Size", ""))
+        if key in rw or key in total:
+            rows[-1]["dram_bytes"] = rw.get(key, total.get(key))
     if not rows:
         raise ValueError("the summary has no gpu__time_duration.sum rows")
     return rows
@@ -75,22 +98,31 @@ def table(rows, calls, top):
     out = []
     for r in rows:
         total_us = r["invocations"] * r["avg_ns"] / 1e3
-        out.append({"kernel": short_name(r["kernel"]), "grid": r["grid"],
-                    "calls_per_call": r["invocations"] / calls, "us_per_launch": r["avg_ns"] / 1e3,
-                    "ms_per_call": total_us / calls / 1e3})
+        row = {"kernel": short_name(r["kernel"]), "grid": r["grid"],
+               "calls_per_call": r["invocations"] / calls, "us_per_launch": r["avg_ns"] / 1e3,
+               "ms_per_call": total_us / calls / 1e3}
+        if r.get("dram_bytes") is not None and r["avg_ns"] > 0:
+            row["dram_gb_per_s"] = r["dram_bytes"] / r["avg_ns"]
+        out.append(row)
     out.sort(key=lambda x: -x["ms_per_call"])
     total_ms = sum(x["ms_per_call"] for x in out)
     return out[:top] if top > 0 else out, total_ms
 
 
 def markdown(rows, total_ms):
+    """The table; with a DRAM GB/s column when any row has DRAM bytes ("n/a" in the rows without)."""
+    dram = any("dram_gb_per_s" in r for r in rows)
     lines = [f"Kernel time per profiled call: {total_ms:.2f} ms (serialised kernels).", "",
-             "| kernel | grid | launches per call | us per launch | ms per call | share |",
-             "|---|---|---|---|---|---|"]
+             "| kernel | grid | launches per call | us per launch | ms per call | share |" +
+             (" DRAM GB/s (read + write) |" if dram else ""),
+             "|---|---|---|---|---|---|" + ("---|" if dram else "")]
     for r in rows:
         share = 100.0 * r["ms_per_call"] / total_ms if total_ms > 0 else 0.0
-        lines.append(f"| {r['kernel']} | {r['grid']} | {r['calls_per_call']:.1f} | {r['us_per_launch']:.2f} | "
-                     f"{r['ms_per_call']:.3f} | {share:.1f}% |")
+        line = (f"| {r['kernel']} | {r['grid']} | {r['calls_per_call']:.1f} | {r['us_per_launch']:.2f} | "
+                f"{r['ms_per_call']:.3f} | {share:.1f}% |")
+        if dram:
+            line += f" {r['dram_gb_per_s']:.0f} |" if "dram_gb_per_s" in r else " n/a |"
+        lines.append(line)
     return "\n".join(lines)
 
 

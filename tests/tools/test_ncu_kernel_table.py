@@ -70,6 +70,31 @@ def main():
         assert close(got[p][0], ms) and close(got[p][1], 100.0 * ms / 29.0), (p, got[p])
     assert [p for p, _, _ in t.parts(prow, ptotal)][0] == "moe"  # largest first
     assert "| moe | 9.000 | 31.0% |" in t.parts_markdown(t.parts(prow, ptotal))
+    # DRAM traffic: a_kernel reads 3.0 MB and writes 1.0 MB per launch on average in 2000 ns: 4e6 / 2000 = 2000 GB/s;
+    # b_kernel has only dram__bytes.sum, 0.3 Mbyte in 1.5 us: 200 GB/s; Kernel2 none ("n/a").
+    dcsv = CSV + "".join(
+        f'"1","b","h","{k}","{blk}","{grid}","0","9.0","{n}","S","{m}","{u}","0","0","{v}"\n' for k, blk, grid, n, m, u, v in (
+            ("void ns::a_kernel<4>(int, const float *)", "(128, 1, 1)", "(8, 1, 1)", 6, "dram__bytes_read.sum", "byte",
+             "3,000,000.00"),
+            ("void ns::a_kernel<4>(int, const float *)", "(128, 1, 1)", "(8, 1, 1)", 6, "dram__bytes_write.sum", "byte",
+             "1,000,000.00"),
+            ("ns::<unnamed>::b_kernel(int)", "(256, 1, 1)", "(1, 32, 1)", 30, "dram__bytes.sum", "Mbyte", "0.30")))
+    drows = t.parse(dcsv)
+    dout, dtotal = t.table(drows, calls=3, top=0)
+    by = {r["kernel"]: r for r in dout}
+    assert close(by["a_kernel<4>"]["dram_gb_per_s"], 2000.0), by["a_kernel<4>"]
+    assert close(by["b_kernel"]["dram_gb_per_s"], 200.0), by["b_kernel"]
+    assert "dram_gb_per_s" not in by["Kernel2<gemm_128x64>"]
+    dmd = t.markdown(dout, dtotal)
+    assert "| a_kernel<4> | (8, 1, 1) | 2.0 | 2.00 | 0.004 | 3.4% | 2000 |" in dmd, dmd
+    assert "| Kernel2<gemm_128x64> | (264, 1, 1) | 1.0 | 100.00 | 0.100 | 84.0% | n/a |" in dmd, dmd
+    assert "DRAM GB/s" not in md  # no DRAM metrics: the old columns only
+    try:
+        t.parse(dcsv.replace('"Mbyte"', '"furlong"'))
+    except ValueError as e:
+        assert "byte unit" in str(e), e
+    else:
+        raise AssertionError("parse accepted an unknown byte unit")
     print("ncu_kernel_table: all checks passed")
 
 
