@@ -54,6 +54,7 @@ struct AttnParams {
   // decode only
   int chunk_len;
   int head_blocks;
+  int l2_ahead;   // KV tiles past the shared-memory ring prefetched into L2 (HYPIC_ATTN_DECODE_L2_AHEAD; 0: none)
   float* ws_acc;  // [batch][num_heads][nsplit][HD]
   float* ws_ml;   // [batch][num_heads][nsplit][2] (m in the log2 domain, l)
 };

@@ -864,7 +864,8 @@ TEST_CASE("attention_decode matches attention_causal: batches 1/5/33, contexts 1
     }
   // The decode split sized by waves of resident blocks (HYPIC_ATTN_DECODE_WAVES): never more chunks than the default
   // plan, the outputs against the CPU either way (other chunk bounds: another fp32 order in the combine). The first
-  // case is the benchmark's batch 16 over 32k-slot contexts, where an H200's plan goes from 9 chunks to 4.
+  // case is the benchmark's batch 16 over 32k-slot contexts, where an H200's plan goes from 9 chunks to 4. And the
+  // L2 prefetch ahead of the KV ring (HYPIC_ATTN_DECODE_L2_AHEAD) bit for bit against the plain run.
   const std::vector<AttnCase> waves = {
       decode_case("decode b16 hd256 16/2 gate, 32768 slots, wave plan", 256, 16, 2, std::vector<int>(16, 32768), true),
       decode_case("decode b1 hd256 16/2 gate, wave plan", 256, 16, 2, {20000}, true),
@@ -881,14 +882,28 @@ TEST_CASE("attention_decode matches attention_causal: batches 1/5/33, contexts 1
       const int batch = static_cast<int>(c.seq_kv.size());
       const int max_kv = *std::max_element(c.seq_kv.begin(), c.seq_kv.end());
       int splits[2] = {0, 0};
+      std::vector<bf16> plain;
       for (bool on : {false, true}) {
-        ScopedCandidate sw("HYPIC_ATTN_DECODE_WAVES", on);
+        ScopedCandidate sw("HYPIC_ATTN_DECODE_WAVES", on), l2("HYPIC_ATTN_DECODE_L2_AHEAD", false);
         splits[on] = gpu::attention_decode_splits(batch, c.nh, c.nkv, c.hd, max_kv);
         s.dout->poison();
         run_attention(c, s, &ws);
         check_cuda(cudaDeviceSynchronize(), c.name);
         std::printf("[%s] HYPIC_ATTN_DECODE_WAVES=%d: %d chunks per context\n", c.name.c_str(), int(on), splits[on]);
-        check_against_cpu(c, seqs, s, s.dout->download());
+        const auto got = s.dout->download();
+        check_against_cpu(c, seqs, s, got);
+        if (!on) plain = got;
+      }
+      {  // KV tiles asked of L2 ahead of the ring (HYPIC_ATTN_DECODE_L2_AHEAD): a hint, the same bits
+        ScopedCandidate sw("HYPIC_ATTN_DECODE_WAVES", false), l2("HYPIC_ATTN_DECODE_L2_AHEAD", true);
+        s.dout->poison();
+        run_attention(c, s, &ws);
+        check_cuda(cudaDeviceSynchronize(), c.name);
+        const auto got = s.dout->download();
+        const bool same = got.size() == plain.size() &&
+                          std::memcmp(got.data(), plain.data(), got.size() * sizeof(bf16)) == 0;
+        std::printf("[%s] HYPIC_ATTN_DECODE_L2_AHEAD=1 == off: %s\n", c.name.c_str(), same ? "yes" : "NO");
+        CHECK(same);
       }
       CHECK(splits[1] >= 1);
       CHECK(splits[1] <= splits[0]);
