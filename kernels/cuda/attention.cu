@@ -860,6 +860,20 @@ DecodeSplit plan_decode(int batch, long units_per_request, int max_kv, int sms, 
   return {static_cast<int>(ceil_div(tiles, tpc)), static_cast<int>(tpc * kBN)};
 }
 
+// attention_decode's launch shape for `batch` one-query requests on the current device: blocks of up to 16 query
+// heads per KV head, and the split. Throws std::invalid_argument (naming fn) when the grid's y passes 65535.
+struct DecodeShape {
+  int head_blocks;
+  DecodeSplit split;
+};
+DecodeShape decode_shape(const char* fn, int batch, int num_heads, int num_kv_heads, int head_dim, int max_kv) {
+  const int head_blocks = static_cast<int>(ceil_div(num_heads / num_kv_heads, 16));
+  if (static_cast<long>(num_kv_heads) * head_blocks > 65535)
+    bad(fn, "num_kv_heads " + std::to_string(num_kv_heads) + " too large");
+  return {head_blocks, plan_decode(batch, static_cast<long>(num_kv_heads) * head_blocks, max_kv, sm_count(),
+                                   decode_blocks_per_sm(head_dim))};
+}
+
 size_t decode_ws_bytes(long entries, int head_dim) {
   return static_cast<size_t>(entries) * (head_dim + 2) * sizeof(float);
 }
@@ -1359,9 +1373,7 @@ int attention_decode_splits(int batch, int num_heads, int num_kv_heads, int head
   check_heads(fn, num_heads, num_kv_heads);
   if (max_kv <= 0) bad(fn, "max_kv " + std::to_string(max_kv) + " must be positive");
   check_head_dim(fn, head_dim);
-  const long head_blocks = ceil_div(num_heads / num_kv_heads, 16);
-  if (num_kv_heads * head_blocks > 65535) bad(fn, "num_kv_heads " + std::to_string(num_kv_heads) + " too large");
-  return plan_decode(batch, num_kv_heads * head_blocks, max_kv, sm_count(), decode_blocks_per_sm(head_dim)).nsplit;
+  return decode_shape(fn, batch, num_heads, num_kv_heads, head_dim, max_kv).split.nsplit;
 }
 
 bool attention_split_wgmma_available(int head_dim) {
@@ -1437,12 +1449,9 @@ void attention_decode(const AttnGroups& g, int num_heads, int num_kv_heads, int 
   if (g.max_kv <= 0) bad(fn, "max_kv " + std::to_string(g.max_kv) + " must be positive");
   AttnParams p =
       make_params(g, num_heads, num_kv_heads, q, k_pool, v_pool, scale, gate, gate_token_stride, gate_head_stride, out);
-  p.head_blocks = static_cast<int>(ceil_div(p.ratio, 16));
-  if (static_cast<long>(num_kv_heads) * p.head_blocks > 65535)
-    bad(fn, "num_kv_heads " + std::to_string(num_kv_heads) + " too large");
-  const int sms = sm_count(), bps = decode_blocks_per_sm(head_dim);
-  const DecodeSplit sp =
-      plan_decode(g.num_groups, static_cast<long>(num_kv_heads) * p.head_blocks, g.max_kv, sms, bps);
+  const DecodeShape shape = decode_shape(fn, g.num_groups, num_heads, num_kv_heads, head_dim, g.max_kv);
+  p.head_blocks = shape.head_blocks;
+  const DecodeSplit sp = shape.split;
   p.chunk_len = sp.chunk_len;
   static CandidateSwitch l2_ahead("HYPIC_ATTN_DECODE_L2_AHEAD");
   p.l2_ahead = l2_ahead.on() ? kDecodeL2Ahead : 0;

@@ -77,6 +77,13 @@ static_assert(kChunk % (kRouteThreads / 32) == 0, "route_kernel: a chunk's token
 // Routing
 // ---------------------------------------------------------------------------------------------
 
+// HYPIC_MOE_DECODE_TILE_INFO, one object for MoeWorkspace::reserve (which grows dec_tiles only under it) and
+// moe_forward (which hands dec_tiles to the routing and the decode GEMMs).
+CandidateSwitch& decode_tile_info_switch() {
+  static CandidateSwitch s("HYPIC_MOE_DECODE_TILE_INFO");
+  return s;
+}
+
 // How route_token scores and picks (MoeWeightsView's routing fields).
 struct RouteCfg {
   int E, k;
@@ -277,11 +284,11 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(int T, RouteCfg rc
 // Decode routing (T <= kSmallT) by nb <= kSmallBlocksMax blocks of kMaxE threads: softmax / top-k / shared gate per
 // token, one warp each (warp tasks 0 .. T-1 route token t, T .. 2T-1 the shared gate of token t - T, dealt over the
 // blocks' warps block-major, so with nb = 1 one block runs them all); the last block to finish (a ticket in
-// MoeWorkspace::route_ticket, which it sets back to 0 for the next launch; nb = 1: the only block) then does the whole
-// counting sort of route_kernel + chunk_scan_kernel + offsets_kernel + scatter_kernel in shared memory from the picks
-// in topk_e: per-expert token bitmasks, offsets[E + 1], the tile schedule of the decode GEMMs (tiles of kDecBM rows;
-// then, when shared_rows > 0, the shared expert's tiles (E, m0) over rows 0..shared_rows), num_tiles, sorted_tok and
-// pos_of. Positions are in ascending token order within each expert, as on the multi-kernel path; the outputs do not
+// MoeWorkspace::route_ticket, which wraps back to 0 for the next launch; nb = 1: the only block, which records each
+// pick in shared memory as it goes) then does the whole counting sort of route_kernel + chunk_scan_kernel +
+// offsets_kernel + scatter_kernel in shared memory from the picks (nb > 1: re-read from topk_e): per-expert token
+// bitmasks, offsets[E + 1], the tile schedule of the decode GEMMs (tiles of kDecBM rows; then, when shared_rows > 0,
+// the shared expert's tiles (E, m0) over rows 0..shared_rows), num_tiles, sorted_tok and pos_of. Positions are in ascending token order within each expert, as on the multi-kernel path; the outputs do not
 // depend on nb (integer bitmasks and sums). A token's routing is a few thousand dependent instructions of one warp: 128
 // tasks (T = 64 with a shared expert) on one block's 16 warps took 48 us on an H200 (2026-12-06). No co-scheduling
 // is assumed (the blocks may run one after another, e.g. in a small SM partition).
@@ -304,6 +311,11 @@ __global__ void __launch_bounds__(kMaxE) route_small_kernel(int T, RouteCfg rc, 
   griddep_launch_dependents();
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int tasks = sgate_out ? 2 * T : T;
+  if (nb == 1) {  // one block: each pick goes straight into its expert's bitmask
+#pragma unroll
+    for (int w = 0; w < kSmallW; ++w) mask[tid][w] = 0u;  // blockDim.x == kMaxE
+    __syncthreads();
+  }
   for (int task = int(blockIdx.x) * (kMaxE / 32) + warp; task < tasks; task += nb * (kMaxE / 32)) {
     if (task < T) {
       const int t = task;
@@ -313,6 +325,10 @@ __global__ void __launch_bounds__(kMaxE) route_small_kernel(int T, RouteCfg rc, 
       if (lane < k) {
         topk_e[t * k + rank] = my_e;
         topk_w[t * k + rank] = wgt;
+        if (nb == 1) {
+          s_e[t * k + rank] = my_e;
+          atomicOr(&mask[my_e][t >> 5], 1u << (t & 31));
+        }
       }
     } else {
       const int t = task - T;
@@ -332,15 +348,15 @@ __global__ void __launch_bounds__(kMaxE) route_small_kernel(int T, RouteCfg rc, 
     __syncthreads();
     if (!last_block) return;
     __threadfence();  // the other blocks' picks (read through L2 below)
-  }
 #pragma unroll
-  for (int w = 0; w < kSmallW; ++w) mask[tid][w] = 0u;  // blockDim.x == kMaxE
-  __syncthreads();  // bitmasks zeroed (and, nb = 1, this block's picks written)
-  for (int i = tid; i < T * k; i += blockDim.x) {
-    // (always in [0, E): the clamp only keeps a misused workspace, e.g. two streams at once, inside shared memory)
-    const int ee = min(max(__ldcg(topk_e + i), 0), E - 1), t = i / k;
-    s_e[i] = ee;
-    atomicOr(&mask[ee][t >> 5], 1u << (t & 31));
+    for (int w = 0; w < kSmallW; ++w) mask[tid][w] = 0u;
+    __syncthreads();
+    for (int i = tid; i < T * k; i += blockDim.x) {
+      // (always in [0, E): the clamp only keeps a misused workspace, e.g. two streams at once, inside shared memory)
+      const int ee = min(max(__ldcg(topk_e + i), 0), E - 1), t = i / k;
+      s_e[i] = ee;
+      atomicOr(&mask[ee][t >> 5], 1u << (t & 31));
+    }
   }
   __syncthreads();
   const int e = tid;
@@ -1171,17 +1187,19 @@ void MoeWorkspace::reserve(int max_tokens, const MoeWeightsView& w) {
            sizeof(int2),
        "tiles");
   grow(num_tiles, 4 * sizeof(int), "num_tiles");  // + the warp-specialised GEMMs' tile counters (moe_wgmma.cu)
-  if (grow(route_ticket, sizeof(int), "route_ticket")) {  // zero at launch, and each launch leaves it zero
-    // (finished before any stream of the caller can use it: the legacy stream is not ordered with those)
-    check_cuda(cudaMemsetAsync(route_ticket.p, 0, sizeof(int), cudaStreamLegacy), "MoeWorkspace: zero route_ticket");
-    check_cuda(cudaStreamSynchronize(cudaStreamLegacy), "MoeWorkspace: zero route_ticket");
-  }
-  // The single-kernel decode routings' tiles (HYPIC_MOE_DECODE_TILE_INFO): every T <= kSmallT up to max_tokens.
-  const size_t Td = std::min(T, size_t(kSmallT));
-  if (grow(dec_tiles, decode_grid_tiles(Td * k, w.E, int(Td), w.Is > 0) * sizeof(int4), "dec_tiles")) {
-    // (defined contents: the decode GEMMs' blocks past the tile count read their entry before they exit)
-    check_cuda(cudaMemsetAsync(dec_tiles.p, 0, dec_tiles.bytes, cudaStreamLegacy), "MoeWorkspace: zero dec_tiles");
-    check_cuda(cudaStreamSynchronize(cudaStreamLegacy), "MoeWorkspace: zero dec_tiles");
+  // Buffers zeroed when (re)allocated, before any stream of the caller can use them (the legacy stream is not
+  // ordered with those).
+  auto grow_zeroed = [&](Buf& b, size_t bytes, const char* name) {
+    if (!grow(b, bytes, name)) return;
+    check_cuda(cudaMemsetAsync(b.p, 0, b.bytes, cudaStreamLegacy), std::string("MoeWorkspace: zero ") + name);
+    check_cuda(cudaStreamSynchronize(cudaStreamLegacy), std::string("MoeWorkspace: zero ") + name);
+  };
+  grow_zeroed(route_ticket, sizeof(int), "route_ticket");  // zero at launch, and each launch leaves it zero
+  if (decode_tile_info_switch().on()) {
+    // The single-kernel decode routings' tiles, every T <= kSmallT up to max_tokens (zeroed: the decode GEMMs' blocks
+    // past the tile count read their entry before they exit).
+    const size_t Td = std::min(T, size_t(kSmallT));
+    grow_zeroed(dec_tiles, decode_grid_tiles(Td * k, w.E, int(Td), w.Is > 0) * sizeof(int4), "dec_tiles");
   }
   grow(sorted_tok, P * sizeof(int), "sorted_tok");
   grow(pos_of, P * sizeof(int), "pos_of");
@@ -1313,10 +1331,11 @@ void moe_forward(int T, const bf16* x, const MoeWeightsView& w, float* out, MoeW
   }
   static CandidateSwitch one_token_switch("HYPIC_ROUTE_ONE_TOKEN");
   static CandidateSwitch spread_switch("HYPIC_ROUTE_SPREAD");
-  static CandidateSwitch tile_info_switch("HYPIC_MOE_DECODE_TILE_INFO");
   const RouteCfg rc = route_cfg(w);
-  // The decode GEMMs' per-tile (expert, first row, expert offset, expert rows) from the single-kernel routings below.
-  int4* tile_info = decode && T <= kSmallT && tile_info_switch.on() ? static_cast<int4*>(ws.dec_tiles.p) : nullptr;
+  // The decode GEMMs' per-tile (expert, first row, expert offset, expert rows) from the single-kernel routings below
+  // (reserve grew dec_tiles under the same switch).
+  int4* tile_info =
+      decode && T <= kSmallT && decode_tile_info_switch().on() ? static_cast<int4*>(ws.dec_tiles.p) : nullptr;
   const bool wide = E > 256;  // registers per lane of route_token: 16 above 256 experts, else 8
   if (decode && T == 1 && one_token_switch.on()) {
     // 2-3. the same for one token by two warps (route_one_kernel).

@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <numeric>
 #include <optional>
 #include <random>
@@ -801,6 +802,27 @@ TEST_CASE("attention_prefill: a long causal span, spot-checked rows against a do
               nonfinite);
 }
 
+// One decode case on the device (inputs from `seed`, its own workspace), run under switch settings: the outputs,
+// written over a poisoned output buffer.
+struct DecodeSwitchRun {
+  const AttnCase& c;
+  std::vector<Seq> seqs;
+  AttnSetup s;
+  gpu::AttnDecodeWorkspace ws;
+  DecodeSwitchRun(const AttnCase& cs, uint32_t seed) : c(cs) {
+    std::mt19937 rng(seed);
+    build_case(c, rng, seqs, s);
+  }
+  std::vector<bf16> run(std::initializer_list<std::pair<const char*, bool>> switches) {
+    std::vector<std::unique_ptr<ScopedCandidate>> set;
+    for (const auto& [name, on] : switches) set.push_back(std::make_unique<ScopedCandidate>(name, on));
+    s.dout->poison();
+    run_attention(c, s, &ws);
+    check_cuda(cudaDeviceSynchronize(), c.name);
+    return s.dout->download();
+  }
+};
+
 TEST_CASE("attention_decode matches attention_causal: batches 1/5/33, contexts 1 .. 20000", "[gpu][attention]") {
   require_gpu();
   const std::vector<int> mixed = {1, 63, 64, 1000, 20000};
@@ -837,19 +859,9 @@ TEST_CASE("attention_decode matches attention_causal: batches 1/5/33, contexts 1
   for (size_t i = 0; i < grouped.size(); ++i)
     DYNAMIC_SECTION(grouped[i].name) {
       const AttnCase& c = grouped[i];
-      std::mt19937 rng(408 + uint32_t(i));
-      std::vector<Seq> seqs;
-      AttnSetup s;
-      build_case(c, rng, seqs, s);
-      gpu::AttnDecodeWorkspace ws;
-      auto run = [&](bool groups) {
-        ScopedCandidate sw("HYPIC_ATTN_COMBINE_GROUPS", groups);
-        s.dout->poison();
-        run_attention(c, s, &ws);
-        check_cuda(cudaDeviceSynchronize(), c.name);
-        return s.dout->download();
-      };
-      const auto one = run(false), four = run(true);
+      DecodeSwitchRun r(c, 408 + uint32_t(i));
+      const auto one = r.run({{"HYPIC_ATTN_COMBINE_GROUPS", false}});
+      const auto four = r.run({{"HYPIC_ATTN_COMBINE_GROUPS", true}});
       // Against the one-group combine: only the fp32 order of the chunk sums differs, so at most a bf16 rounding
       // apart (2^-8 of the value, plus the summation's few fp32 ulps of the row's scale).
       size_t far = 0;
@@ -860,12 +872,12 @@ TEST_CASE("attention_decode matches attention_causal: batches 1/5/33, contexts 1
       std::printf("[%s] vs the one-group combine: %zu of %zu outputs beyond one bf16 rounding\n", c.name.c_str(), far,
                   one.size());
       CHECK(far == 0);
-      check_against_cpu(c, seqs, s, four);
+      check_against_cpu(c, r.seqs, r.s, four);
     }
   // The decode split sized by waves of resident blocks (HYPIC_ATTN_DECODE_WAVES): never more chunks than the default
   // plan, the outputs against the CPU either way (other chunk bounds: another fp32 order in the combine). The first
   // case is the benchmark's batch 16 over 32k-slot contexts, where an H200's plan goes from 9 chunks to 4. And the
-  // L2 prefetch ahead of the KV ring (HYPIC_ATTN_DECODE_L2_AHEAD) bit for bit against the plain run.
+  // L2 prefetch ahead of the KV ring (HYPIC_ATTN_DECODE_L2_AHEAD, a hint) bit for bit against the plain run.
   const std::vector<AttnCase> waves = {
       decode_case("decode b16 hd256 16/2 gate, 32768 slots, wave plan", 256, 16, 2, std::vector<int>(16, 32768), true),
       decode_case("decode b1 hd256 16/2 gate, wave plan", 256, 16, 2, {20000}, true),
@@ -874,37 +886,24 @@ TEST_CASE("attention_decode matches attention_causal: batches 1/5/33, contexts 1
   for (size_t i = 0; i < waves.size(); ++i)
     DYNAMIC_SECTION(waves[i].name) {
       const AttnCase& c = waves[i];
-      std::mt19937 rng(420 + uint32_t(i));
-      std::vector<Seq> seqs;
-      AttnSetup s;
-      build_case(c, rng, seqs, s);
-      gpu::AttnDecodeWorkspace ws;
+      DecodeSwitchRun r(c, 420 + uint32_t(i));
       const int batch = static_cast<int>(c.seq_kv.size());
       const int max_kv = *std::max_element(c.seq_kv.begin(), c.seq_kv.end());
       int splits[2] = {0, 0};
-      std::vector<bf16> plain;
       for (bool on : {false, true}) {
-        ScopedCandidate sw("HYPIC_ATTN_DECODE_WAVES", on), l2("HYPIC_ATTN_DECODE_L2_AHEAD", false);
+        ScopedCandidate sw("HYPIC_ATTN_DECODE_WAVES", on);
         splits[on] = gpu::attention_decode_splits(batch, c.nh, c.nkv, c.hd, max_kv);
-        s.dout->poison();
-        run_attention(c, s, &ws);
-        check_cuda(cudaDeviceSynchronize(), c.name);
         std::printf("[%s] HYPIC_ATTN_DECODE_WAVES=%d: %d chunks per context\n", c.name.c_str(), int(on), splits[on]);
-        const auto got = s.dout->download();
-        check_against_cpu(c, seqs, s, got);
-        if (!on) plain = got;
       }
-      {  // KV tiles asked of L2 ahead of the ring (HYPIC_ATTN_DECODE_L2_AHEAD): a hint, the same bits
-        ScopedCandidate sw("HYPIC_ATTN_DECODE_WAVES", false), l2("HYPIC_ATTN_DECODE_L2_AHEAD", true);
-        s.dout->poison();
-        run_attention(c, s, &ws);
-        check_cuda(cudaDeviceSynchronize(), c.name);
-        const auto got = s.dout->download();
-        const bool same = got.size() == plain.size() &&
-                          std::memcmp(got.data(), plain.data(), got.size() * sizeof(bf16)) == 0;
-        std::printf("[%s] HYPIC_ATTN_DECODE_L2_AHEAD=1 == off: %s\n", c.name.c_str(), same ? "yes" : "NO");
-        CHECK(same);
-      }
+      const auto plain = r.run({{"HYPIC_ATTN_DECODE_WAVES", false}, {"HYPIC_ATTN_DECODE_L2_AHEAD", false}});
+      check_against_cpu(c, r.seqs, r.s, plain);
+      check_against_cpu(c, r.seqs, r.s,
+                        r.run({{"HYPIC_ATTN_DECODE_WAVES", true}, {"HYPIC_ATTN_DECODE_L2_AHEAD", false}}));
+      const auto ahead = r.run({{"HYPIC_ATTN_DECODE_WAVES", false}, {"HYPIC_ATTN_DECODE_L2_AHEAD", true}});
+      const bool same = ahead.size() == plain.size() &&
+                        std::memcmp(ahead.data(), plain.data(), ahead.size() * sizeof(bf16)) == 0;
+      std::printf("[%s] HYPIC_ATTN_DECODE_L2_AHEAD=1 == off: %s\n", c.name.c_str(), same ? "yes" : "NO");
+      CHECK(same);
       CHECK(splits[1] >= 1);
       CHECK(splits[1] <= splits[0]);
       int sms = 0;
