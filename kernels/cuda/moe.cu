@@ -288,10 +288,11 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(int T, RouteCfg rc
 // pick in shared memory as it goes) then does the whole counting sort of route_kernel + chunk_scan_kernel +
 // offsets_kernel + scatter_kernel in shared memory from the picks (nb > 1: re-read from topk_e): per-expert token
 // bitmasks, offsets[E + 1], the tile schedule of the decode GEMMs (tiles of kDecBM rows; then, when shared_rows > 0,
-// the shared expert's tiles (E, m0) over rows 0..shared_rows), num_tiles, sorted_tok and pos_of. Positions are in ascending token order within each expert, as on the multi-kernel path; the outputs do not
-// depend on nb (integer bitmasks and sums). A token's routing is a few thousand dependent instructions of one warp: 128
-// tasks (T = 64 with a shared expert) on one block's 16 warps took 48 us on an H200 (2026-12-06). No co-scheduling
-// is assumed (the blocks may run one after another, e.g. in a small SM partition).
+// the shared expert's tiles (E, m0) over rows 0..shared_rows), num_tiles, sorted_tok and pos_of. Positions are in
+// ascending token order within each expert, as on the multi-kernel path; the outputs do not depend on nb (integer
+// bitmasks and sums). A token's routing is a few thousand dependent instructions of one warp: 128 tasks (T = 64 with
+// a shared expert) on one block's 16 warps took 48 us on an H200 (2026-12-06). No co-scheduling is assumed (the
+// blocks may run one after another, e.g. in a small SM partition).
 constexpr int kSmallW = kSmallT / 32;
 constexpr int kSmallBlocksMax = 8;
 
