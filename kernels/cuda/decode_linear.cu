@@ -69,8 +69,9 @@ __device__ __forceinline__ void last_block_norm(const LinearArgs& a) {
   if (threadIdx.x == 0) *a.norm.counter = 0u;
 }
 
-// S: ring stages per warp (dense_stages). NORM: 0 none, 1 zero-centred, 2 plain (last_block_norm).
-template <int NT, int EPI, int S, int NORM = 0>
+// S: ring stages per warp (dense_stages). NORM: 0 none, 1 zero-centred, 2 plain (last_block_norm). XD: x loads
+// ahead (stream_consume; NT = 1).
+template <int NT, int EPI, int S, int NORM = 0, int XD = 0>
 __global__ void __launch_bounds__(kStreamThreads, detail::stream_blocks_per_sm(S, NT))
     decode_linear_kernel(const LinearArgs a) {
   constexpr int kRing = S * detail::stream_stage_uint4(NT);  // a warp's ring, 16-byte words
@@ -103,7 +104,7 @@ __global__ void __launch_bounds__(kStreamThreads, detail::stream_blocks_per_sm(S
   if (active) detail::stream_prologue<NT, S>(wlo, whi, kb, ke, ring, lane);  // weights: before the wait (pdl.cuh)
   detail::griddep_wait();
   detail::griddep_launch_dependents();
-  if (active) detail::stream_consume<NT, S>(wlo, whi, kb, ke, xp, ntl, ring, lane, acc);
+  if (active) detail::stream_consume<NT, S, XD>(wlo, whi, kb, ke, xp, ntl, ring, lane, acc);
   const bool store = detail::stream_reduce<NT, kRing>(acc, ntl, a.ks_count, ring_all) && active;
   if (!NORM && !store) return;
 #pragma unroll
@@ -131,9 +132,9 @@ __global__ void __launch_bounds__(kStreamThreads, detail::stream_blocks_per_sm(S
   if constexpr (NORM != 0) last_block_norm<NORM == 1>(a);
 }
 
-template <int NT, int EPI, int S, int NORM = 0>
+template <int NT, int EPI, int S, int NORM = 0, int XD = 0>
 void launch_s(const LinearArgs& a, unsigned blocks, cudaStream_t stream) {
-  auto kernel = decode_linear_kernel<NT, EPI, S, NORM>;
+  auto kernel = decode_linear_kernel<NT, EPI, S, NORM, XD>;
   constexpr int smem = detail::stream_smem_bytes(S, NT);
   static DeviceOnce once;  // the attribute is per device
   once.run(current_device(), [&](int) {
@@ -158,10 +159,20 @@ RingShape ring_shape(int M, int K) {
   return {M <= 32 ? 4 : 8, 4};
 }
 
+// x loads ahead at one token group (HYPIC_STREAM_X_AHEAD; stream_consume's XD): the register queue's depth.
+constexpr int kXAhead = 4;
+bool x_ahead() {
+  static CandidateSwitch sw("HYPIC_STREAM_X_AHEAD");
+  return sw.on();
+}
+
 template <int EPI>
 void launch_epi(const LinearArgs& a, unsigned blocks, cudaStream_t stream) {
   const RingShape r = ring_shape(a.M, a.K);
-  if (r.nt == 1)
+  if (r.nt == 1 && x_ahead())
+    r.stages == 16 ? launch_s<1, EPI, 16, 0, kXAhead>(a, blocks, stream)
+                   : launch_s<1, EPI, 8, 0, kXAhead>(a, blocks, stream);
+  else if (r.nt == 1)
     r.stages == 16 ? launch_s<1, EPI, 16>(a, blocks, stream) : launch_s<1, EPI, 8>(a, blocks, stream);
   else if (r.nt == 2)
     r.stages == 8 ? launch_s<2, EPI, 8>(a, blocks, stream) : launch_s<2, EPI, 4>(a, blocks, stream);
@@ -176,7 +187,11 @@ template <int NORM>
 void launch_norm(const LinearArgs& a, unsigned blocks, cudaStream_t stream) {
   constexpr int kAdd = int(DecodeLinearEpilogue::AddF32);
   const RingShape r = ring_shape(a.M, a.K);
-  r.stages == 16 ? launch_s<1, kAdd, 16, NORM>(a, blocks, stream) : launch_s<1, kAdd, 8, NORM>(a, blocks, stream);
+  if (x_ahead())
+    r.stages == 16 ? launch_s<1, kAdd, 16, NORM, kXAhead>(a, blocks, stream)
+                   : launch_s<1, kAdd, 8, NORM, kXAhead>(a, blocks, stream);
+  else
+    r.stages == 16 ? launch_s<1, kAdd, 16, NORM>(a, blocks, stream) : launch_s<1, kAdd, 8, NORM>(a, blocks, stream);
 }
 static_assert(kDecodeLinearNormInBlockMaxTokens <= 8, "NORM launches have one token group");
 

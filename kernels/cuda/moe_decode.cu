@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/moe.h"
@@ -75,7 +76,8 @@ constexpr int decode_stages() {
   return NT == 1 ? 8 : 4;
 }
 
-template <int MODE, int NT>
+// XD: x loads ahead on the one-token-group paths (stream_consume; HYPIC_STREAM_X_AHEAD), 0 for none.
+template <int MODE, int NT, int XD = 0>
 __global__ void __launch_bounds__(kStreamThreads, detail::stream_blocks_per_sm(decode_stages<NT>(), NT))
     decode_gemm_kernel(DecodeArgs a) {
   extern __shared__ uint4 ring_all[];
@@ -146,11 +148,11 @@ __global__ void __launch_bounds__(kStreamThreads, detail::stream_blocks_per_sm(d
     detail::stream_prologue_extend<S, S1>(wlo, whi, kb, ke, ring, lane);
     const bf16* const xp1[1] = {xp[0]};
     float acc1[1][4] = {{0.f, 0.f, 0.f, 0.f}};
-    detail::stream_consume<1, S1>(wlo, whi, kb, ke, xp1, 1, ring, lane, acc1);
+    detail::stream_consume<1, S1, XD>(wlo, whi, kb, ke, xp1, 1, ring, lane, acc1);
 #pragma unroll
     for (int i = 0; i < 4; ++i) acc[0][i] = acc1[0][i];
   } else if (active) {
-    detail::stream_consume<NT, S>(wlo, whi, kb, ke, xp, ntl, ring, lane, acc);
+    detail::stream_consume<NT, S, NT == 1 ? XD : 0>(wlo, whi, kb, ke, xp, ntl, ring, lane, acc);
   }
   if (!detail::stream_reduce<NT, kRing>(acc, ntl, ks_count, ring_all) || !active) return;
 
@@ -179,9 +181,9 @@ __global__ void __launch_bounds__(kStreamThreads, detail::stream_blocks_per_sm(d
   }
 }
 
-template <int MODE, int NT>
+template <int MODE, int NT, int XD>
 void launch_decode_gemm(dim3 grid, const DecodeArgs& g, cudaStream_t stream, const char* what) {
-  auto kernel = decode_gemm_kernel<MODE, NT>;
+  auto kernel = decode_gemm_kernel<MODE, NT, XD>;
   constexpr int smem = detail::stream_smem_bytes(decode_stages<NT>(), NT);
   static DeviceOnce once;  // the attribute is per device
   once.run(current_device(), [&](int) {
@@ -193,13 +195,21 @@ void launch_decode_gemm(dim3 grid, const DecodeArgs& g, cudaStream_t stream, con
 
 template <int MODE>
 void launch_decode_nt(int T, dim3 grid, const DecodeArgs& g, cudaStream_t stream, const char* what) {
+  static CandidateSwitch x_ahead("HYPIC_STREAM_X_AHEAD");
+  constexpr int kXAhead = 4;  // the register queue's depth (decode_linear's)
   const int rows = std::min(T, kDecBM);
+  const bool xa = x_ahead.on();
+  auto launch = [&](auto nt) {
+    constexpr int NT = decltype(nt)::value;
+    xa ? launch_decode_gemm<MODE, NT, kXAhead>(grid, g, stream, what)
+       : launch_decode_gemm<MODE, NT, 0>(grid, g, stream, what);
+  };
   if (rows <= 8)
-    launch_decode_gemm<MODE, 1>(grid, g, stream, what);
+    launch(std::integral_constant<int, 1>{});
   else if (rows <= 16)
-    launch_decode_gemm<MODE, 2>(grid, g, stream, what);
+    launch(std::integral_constant<int, 2>{});
   else
-    launch_decode_gemm<MODE, 4>(grid, g, stream, what);
+    launch(std::integral_constant<int, 4>{});
 }
 
 unsigned column_blocks(int mode, int ks, int N) {

@@ -118,11 +118,49 @@ __device__ __forceinline__ void stream_prologue_extend(const __nv_bfloat16* wlo,
 /// rows past the count may point at any valid row, their results are not stored; with NT = 1 read in the loop
 /// through L1, so x must not change while the kernel runs), refilling each stage with the weights (and x)
 /// of chunk + S once consumed. Returns with no copy in flight (the ring is free).
-template <int NT, int S>
+/// XD (NT = 1 only; HYPIC_STREAM_X_AHEAD): x of chunk i is loaded XD chunks ahead into a queue of XD registers
+/// (16 bytes each), so that its L2 round trip overlaps the waits and products of the chunks before it instead of
+/// following each stage's wait (the ring wait's memory clobber keeps a load issued after it); the same products in
+/// the same order: the same bits as XD = 0.
+template <int NT, int S, int XD = 0>
 __device__ __forceinline__ void stream_consume(const __nv_bfloat16* wlo, const __nv_bfloat16* whi, int kb, int ke,
                                                const __nv_bfloat16* const (&xp)[NT], int ntl, uint4* ring, int lane,
                                                float (&acc)[NT][4]) {
   constexpr bool kXInRing = NT >= 2;
+  static_assert(XD == 0 || NT == 1, "x ahead in registers is the one-token-group path");
+  if constexpr (XD > 0) {
+    const int n = ke - kb;
+    uint4 xq[XD];
+#pragma unroll
+    for (int d = 0; d < XD; ++d)
+      xq[d] = d < n ? __ldca(reinterpret_cast<const uint4*>(xp[0] + (kb + d) * kStreamChunk)) : make_uint4(0, 0, 0, 0);
+    cp_async_commit_stream();  // the (empty) x group of the commit order below
+    cp_async_wait_stream<S>();
+    for (int i0 = 0; i0 < n; i0 += XD) {
+#pragma unroll
+      for (int d = 0; d < XD; ++d) {
+        const int i = i0 + d;
+        if (i < n) {
+          if (i > 0) cp_async_wait_stream<S - 1>();
+          uint4* st = ring + (i % S) * kStreamWStage;
+          const uint4 wl = st[lane], wh = st[32 + lane];
+          const uint32_t a0[4] = {wl.x, wh.x, wl.y, wh.y};
+          const uint32_t a1[4] = {wl.z, wh.z, wl.w, wh.w};
+          mma_bf16(acc[0], a0, xq[d].x, xq[d].y);
+          mma_bf16(acc[0], a1, xq[d].z, xq[d].w);
+          if (i + XD < n) xq[d] = __ldca(reinterpret_cast<const uint4*>(xp[0] + (kb + i + XD) * kStreamChunk));
+          if (i + S < n) {
+            const int k1 = (kb + i + S) * kStreamChunk;
+            cp_async16_stream(st + lane, wlo + k1);
+            cp_async16_stream(st + 32 + lane, whi + k1);
+          }
+          cp_async_commit_stream();
+        }
+      }
+    }
+    cp_async_wait_stream<0>();
+    return;
+  }
   uint4* const xring = ring + S * kStreamWStage;  // the x region (NT >= 2): stage s, group t at 32 (s NT + t)
   const int n = ke - kb;
   if constexpr (kXInRing) {

@@ -395,16 +395,19 @@ TEST_CASE("moe_forward decode sizes (T <= 64): OwnDecode / Own vs CPU, Cublas, O
       CHECK(own_is_dec);
       // Tiles with one token group on the whole ring as W-only stages (HYPIC_MOE_DECODE_DEEP; T > 8: the rings have
       // 2 or 4 token groups) against the staged x: the same products in the same order, the same bits.
-      for (bool deep : {true, false}) {
-        ScopedCandidate sw("HYPIC_MOE_DECODE_DEEP", deep);
-        DeviceBuffer<float> dout(base);
-        gpu::moe_forward(T, dx.get(), v, dout.get(), ws, gemm, gpu::GroupedGemm::Own, st.s);
-        check_cuda(cudaStreamSynchronize(st.s), "moe_forward");
-        const bool same = same_bits(dout.download(), results[kOwn]);
-        std::printf("[moe] decode %s Own with the deep ring %s == default: %s\n", name.c_str(), deep ? "on" : "off",
-                    same ? "yes" : "NO");
-        CHECK(same);
-      }
+      // Each with x of the one-token-group paths loaded 4 chunks ahead into registers (HYPIC_STREAM_X_AHEAD: at
+      // T <= 8 every tile, above it the deep ring's tiles) and without: the same bits.
+      for (bool deep : {true, false})
+        for (bool ahead : {false, true}) {
+          ScopedCandidate sw("HYPIC_MOE_DECODE_DEEP", deep), xa("HYPIC_STREAM_X_AHEAD", ahead);
+          DeviceBuffer<float> dout(base);
+          gpu::moe_forward(T, dx.get(), v, dout.get(), ws, gemm, gpu::GroupedGemm::Own, st.s);
+          check_cuda(cudaStreamSynchronize(st.s), "moe_forward");
+          const bool same = same_bits(dout.download(), results[kOwn]);
+          std::printf("[moe] decode %s Own with the deep ring %s, x ahead %s == default: %s\n", name.c_str(),
+                      deep ? "on" : "off", ahead ? "on" : "off", same ? "yes" : "NO");
+          CHECK(same);
+        }
       // The decode GEMMs reading each tile's (expert, first row, expert's offset, expert's rows) from one int4 that the
       // routing wrote (HYPIC_MOE_DECODE_TILE_INFO), with the routing on one block and spread (HYPIC_ROUTE_SPREAD):
       // the same tiles, rows and products as without it, the same bits; and the int4 schedule equal to the int2 tiles

@@ -1194,6 +1194,81 @@ TEST_CASE("decode_linear refuses the shapes it does not take, naming them", "[gp
   }
 }
 
+// decode_linear with x loaded 4 chunks ahead into registers (HYPIC_STREAM_X_AHEAD, the one-token-group kernels:
+// M <= 8) against the same launch without it: the same products in the same order, so every output bit equal, for
+// each epilogue, 1-3 outputs, warp K slices of 1-16 chunks (shorter and longer than the queue, not multiples of
+// it), a row stride past K, and the last-block norm; the plain launch is checked against the CPU in the ops table.
+TEST_CASE("decode_linear with x loads ahead == without, bit for bit", "[gpu][ops_table]") {
+  if (!cuda_device_present()) FAIL("no CUDA device: the GPU tests need an NVIDIA GPU (scripts/test_gpu.sh)");
+  using E = gpu::DecodeLinearEpilogue;
+  struct Case {
+    int M, K, ldx_pad;
+    std::vector<int> Ns;
+  };
+  const std::vector<Case> cases = {{1, 4096, 0, {2048}},      {1, 2048, 8, {8192, 4096, 64}}, {3, 2048, 0, {256}},
+                                   {8, 512, 0, {2048, 1028}}, {1, 96, 0, {40}},                {5, 4160, 16, {528}},
+                                   {2, 1056, 0, {2048}}};
+  std::mt19937 rng(812);
+  Stream st;
+  DeviceBuffer<unsigned> counter(std::vector<unsigned>{0u});
+  for (const Case& c : cases) {
+    std::string name = "M " + std::to_string(c.M) + " K " + std::to_string(c.K) + " N";
+    for (int N : c.Ns) name += " " + std::to_string(N);
+    INFO(name);
+    const long ldx = c.K + c.ldx_pad;
+    std::vector<float> xf, wf, rf;
+    DeviceBuffer<bf16> dx(random_bf16(rng, size_t(c.M) * ldx, 1.f, xf));
+    std::vector<DeviceBuffer<bf16>> dw;
+    std::vector<std::vector<float>> resid(c.Ns.size());
+    for (size_t i = 0; i < c.Ns.size(); ++i) {
+      dw.emplace_back(random_bf16(rng, size_t(c.Ns[i]) * c.K, 1.f / std::sqrt(float(c.K)), wf));
+      random_bf16(rng, size_t(c.M) * c.Ns[i], 1.f, resid[i]);
+    }
+    DeviceBuffer<bf16> nw(random_bf16(rng, size_t(c.Ns[0]), 0.3f, rf));
+    // Every epilogue, then (one output, N a multiple of 4) the add with the last block's norm; outputs as raw bytes.
+    auto run = [&](bool ahead) {
+      ScopedCandidate xa("HYPIC_STREAM_X_AHEAD", ahead), fuse("HYPIC_FUSE_POST_NORM", true);
+      std::vector<std::vector<uint8_t>> got;
+      for (const E epi : {E::StoreBf16, E::StoreF32, E::AddF32}) {
+        std::vector<DeviceBuffer<float>> ys;  // fp32-sized buffers serve the bf16 store too
+        std::vector<gpu::DecodeLinearOutput> o;
+        for (size_t i = 0; i < c.Ns.size(); ++i) {
+          ys.emplace_back(resid[i]);
+          o.push_back({dw[i].get(), c.Ns[i], ys.back().get(), c.Ns[i]});
+        }
+        gpu::decode_linear(c.M, c.K, dx.get(), ldx, o.data(), int(o.size()), epi, st.s);
+        check_cuda(cudaStreamSynchronize(st.s), "decode_linear");
+        for (auto& y : ys) {
+          const auto h = y.download();
+          got.emplace_back(reinterpret_cast<const uint8_t*>(h.data()),
+                           reinterpret_cast<const uint8_t*>(h.data()) + h.size() * 4);
+        }
+      }
+      if (c.Ns[0] % 4 == 0) {
+        DeviceBuffer<float> r(resid[0]);
+        DeviceBuffer<bf16> y(size_t(c.M) * c.Ns[0]);
+        y.poison();
+        const gpu::DecodeLinearOutput o{dw[0].get(), c.Ns[0], r.get(), c.Ns[0]};
+        const gpu::DecodeLinearNorm norm{nw.get(), 1e-6f, true, y.get(), counter.get()};
+        gpu::decode_linear(c.M, c.K, dx.get(), ldx, &o, 1, E::AddF32, st.s, &norm);
+        check_cuda(cudaStreamSynchronize(st.s), "decode_linear with the norm");
+        const auto hr = r.download();
+        const auto hy = y.download();
+        got.emplace_back(reinterpret_cast<const uint8_t*>(hr.data()),
+                         reinterpret_cast<const uint8_t*>(hr.data()) + hr.size() * 4);
+        got.emplace_back(reinterpret_cast<const uint8_t*>(hy.data()),
+                         reinterpret_cast<const uint8_t*>(hy.data()) + hy.size() * 2);
+      }
+      return got;
+    };
+    const auto off = run(false), on = run(true);
+    const bool same = off == on;
+    std::printf("[decode_linear x ahead] %s: %zu outputs %s\n", name.c_str(), off.size(),
+                same ? "bit-identical" : "DIFFER");
+    CHECK(same);
+  }
+}
+
 // decode_linear's last-block norm (DecodeLinearNorm; in the last block for M <= 2 with HYPIC_FUSE_POST_NORM on,
 // else rms_norm_residual after the launch) against decode_linear without it followed by rms_norm_residual: the
 // residual rows and the normed rows bit for bit; the normed rows also against a host RMSNorm of the residual rows
