@@ -1,6 +1,7 @@
 // Weight-streaming read rate at batch-1 decode shapes: how fast a grid of few blocks reads a bf16 weight matrix that
 // is not in L2, by four load paths side by side in one run:
-//   decode_linear  the production kernel (kernels/cuda/decode_linear.h: per-lane 16-byte cp.async rings, M = 1);
+//   decode_linear  the production kernel (kernels/cuda/decode_linear.h: per-lane 16-byte cp.async rings, M = 1),
+//                  with x loaded after each stage's wait and ahead (HYPIC_STREAM_X_AHEAD);
 //   cp.async ring  the same per-lane cp.async rings with no math (what the copies alone cost);
 //   bulk ring      one thread per block issuing 1-D bulk copies (cp.async.bulk, the TMA engine) into a ring of
 //                  shared-memory stages completed on mbarriers, every thread reading each stage back;
@@ -310,18 +311,19 @@ int main(int argc, char** argv) {
                   path.c_str(), blocks, us, gbps);
       row["paths"].push_back({{"path", path}, {"blocks", blocks}, {"us", us}, {"GBps", gbps}});
     };
+    // decode_linear's launched blocks: K slices for one wave at one token's ring shape, 8 / slices row groups each.
+    const int kt_all = sh.K / hypic::kernels::cuda::detail::kStreamChunk;
+    const int dl_ks = hypic::kernels::cuda::detail::stream_k_slices_for(
+        kt_all, rg, long(sms) * hypic::kernels::cuda::detail::stream_blocks_per_sm(8, 1));
+    const int dl_blocks = (rg + 8 / dl_ks - 1) / (8 / dl_ks);
     // decode_linear picks its own grid (one wave, K slices); the copy-only paths run at 1, 2 and 3 blocks per SM
     // and at the decode_linear grid (whole 16-row groups, 8 per block at most).
-    report("decode_linear", rg,
-           graph_ms(copies, reps, [&](int i, cudaStream_t st) {
-             hypic::kernels::cuda::DecodeLinearOutput o{W[i], sh.N, y, sh.N};
-             hypic::kernels::cuda::decode_linear(1, sh.K, x, sh.K, &o, 1,
-                                                 hypic::kernels::cuda::DecodeLinearEpilogue::StoreF32, st);
-           }));
-    {
+    // decode_linear with x loaded after each stage's wait (HYPIC_STREAM_X_AHEAD=0) and ahead (the default).
+    for (const bool ahead : {false, true}) {
       hypic::kernels::cuda::CandidateScope xa("HYPIC_STREAM_X_AHEAD");
-      xa.set(true);
-      report("decode_linear x ahead", rg, graph_ms(copies, reps, [&](int i, cudaStream_t st) {
+      xa.set(ahead);
+      report(ahead ? "decode_linear x ahead" : "decode_linear", dl_blocks,
+             graph_ms(copies, reps, [&](int i, cudaStream_t st) {
                hypic::kernels::cuda::DecodeLinearOutput o{W[i], sh.N, y, sh.N};
                hypic::kernels::cuda::decode_linear(1, sh.K, x, sh.K, &o, 1,
                                                    hypic::kernels::cuda::DecodeLinearEpilogue::StoreF32, st);
@@ -330,9 +332,7 @@ int main(int argc, char** argv) {
     // decode_linear's grid and addressing with the copies alone: 64 and 256 contiguous bytes per row and stage.
     {
       using namespace hypic::kernels::cuda::detail;
-      const int kt = sh.K / kStreamChunk;
-      const int ks = stream_k_slices_for(kt, rg, long(sms) * stream_blocks_per_sm(8, 1));
-      const int blocks = (rg + kStreamWarps / ks - 1) / (kStreamWarps / ks);
+      const int kt = kt_all, ks = dl_ks, blocks = dl_blocks;
       const bool long_slices = kt / stream_k_slices(kt) >= 16;
       report("cp.async rows 64B", blocks, graph_ms(copies, reps, [&](int i, cudaStream_t st) {
                if (long_slices)

@@ -28,8 +28,8 @@
 // grouped GEMMs covering routed AND shared experts, combine = 5 launches chained by PDL (no
 // GemmRunner / cuBLASLt call for T <= 16, where the router is a decode_linear). The GEMMs stream the weights through per-warp cp.async rings into mma
 // fragments (moe_decode.cu, the router GEMM a decode_linear); for T <= 64 the routing (softmax / top-k / shared gate / counting
-// sort / tile schedule) is one kernel (route_small_kernel: one block, or with HYPIC_ROUTE_SPREAD up to 8, the last
-// sorting; at T = 1 with the switch (default on) HYPIC_ROUTE_ONE_TOKEN two warps of route_one_kernel).
+// sort / tile schedule) is one kernel (route_small_kernel over up to 8 blocks, the last sorting: HYPIC_ROUTE_SPREAD, on
+// by default; one block with it off; at T = 1 with HYPIC_ROUTE_ONE_TOKEN, default on, two warps of route_one_kernel).
 #include "kernels/cuda/moe.h"
 
 #include <cublas_v2.h>
@@ -77,12 +77,6 @@ static_assert(kChunk % (kRouteThreads / 32) == 0, "route_kernel: a chunk's token
 // Routing
 // ---------------------------------------------------------------------------------------------
 
-// HYPIC_MOE_DECODE_TILE_INFO, one object for MoeWorkspace::reserve (which grows dec_tiles only under it) and
-// moe_forward (which hands dec_tiles to the routing and the decode GEMMs).
-CandidateSwitch& decode_tile_info_switch() {
-  static CandidateSwitch s("HYPIC_MOE_DECODE_TILE_INFO");
-  return s;
-}
 
 // How route_token scores and picks (MoeWeightsView's routing fields).
 struct RouteCfg {
@@ -1196,9 +1190,10 @@ void MoeWorkspace::reserve(int max_tokens, const MoeWeightsView& w) {
     check_cuda(cudaStreamSynchronize(cudaStreamLegacy), std::string("MoeWorkspace: zero ") + name);
   };
   grow_zeroed(route_ticket, sizeof(int), "route_ticket");  // zero at launch, and each launch leaves it zero
-  if (decode_tile_info_switch().on()) {
+  {
     // The single-kernel decode routings' tiles, every T <= kSmallT up to max_tokens (zeroed: the decode GEMMs' blocks
-    // past the tile count read their entry before they exit).
+    // past the tile count read their entry before they exit); grown whatever HYPIC_MOE_DECODE_TILE_INFO says (a few
+    // KB), so that the switch may change between reserve and moe_forward.
     const size_t Td = std::min(T, size_t(kSmallT));
     grow_zeroed(dec_tiles, decode_grid_tiles(Td * k, w.E, int(Td), w.Is > 0) * sizeof(int4), "dec_tiles");
   }
@@ -1334,9 +1329,9 @@ void moe_forward(int T, const bf16* x, const MoeWeightsView& w, float* out, MoeW
   static CandidateSwitch spread_switch("HYPIC_ROUTE_SPREAD");
   const RouteCfg rc = route_cfg(w);
   // The decode GEMMs' per-tile (expert, first row, expert offset, expert rows) from the single-kernel routings below
-  // (reserve grew dec_tiles under the same switch).
-  int4* tile_info =
-      decode && T <= kSmallT && decode_tile_info_switch().on() ? static_cast<int4*>(ws.dec_tiles.p) : nullptr;
+  // (HYPIC_MOE_DECODE_TILE_INFO; reserve grew dec_tiles for every T <= kSmallT it was asked for).
+  static CandidateSwitch tile_info_switch("HYPIC_MOE_DECODE_TILE_INFO");
+  int4* tile_info = decode && T <= kSmallT && tile_info_switch.on() ? static_cast<int4*>(ws.dec_tiles.p) : nullptr;
   const bool wide = E > 256;  // registers per lane of route_token: 16 above 256 experts, else 8
   if (decode && T == 1 && one_token_switch.on()) {
     // 2-3. the same for one token by two warps (route_one_kernel).

@@ -171,7 +171,8 @@ class MoeWorkspace {
   // by every launch; nothing else may write it.
   Buf route_ticket;
   // Decode GEMM tiles as int4 (expert, first row, expert's offset, expert's rows) for T <= 64, written by the
-  // routing beside `tiles` (HYPIC_MOE_DECODE_TILE_INFO; allocated only under it).
+  // routing beside `tiles` and read by the decode GEMMs (HYPIC_MOE_DECODE_TILE_INFO, on by default; allocated
+  // whatever the switch says).
   Buf dec_tiles;
   // Cublas path only.
   Buf xs, gu, ptrs;
