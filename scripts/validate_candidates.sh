@@ -14,6 +14,11 @@
 #              not measured yet (their README row says so; --all: every candidate) and HYPIC_CANDIDATES (each full-prefill length and the warm splice, off and on alternating run by run;
 #              greedy decode at each batch in blocks of steps),
 #              decode batches 1 / 16 / 64 with sampling on the host and on the device: OUT/candidates_ab.{json,md,log}
+#     bench-decode-80g  greedy decode only, side by side (--ab as the bench stage), sized for an 80 GB card (an H100,
+#              when no H200 is lent: 64.6 GiB of weights leave no room for batches 16 / 64 at 32k contexts): batch 1 at
+#              32k contexts, batch 16 at 4k (--segments 2), batch 64 at 2k (--segments 1 --max-batch-tokens 4096), 16
+#              steps per block: OUT/candidates_ab_decode_80g_b{1,16,64}.{json,md,log}. The MoE routing and decode
+#              GEMMs do not depend on the context length; the attention decode does: its switches want the H200 rows
 #     kernel-bench  kernels alone: gdn_bench (one Gated DeltaNet layer at 4k / 16k / 32k / 16 x 2k tokens, with the
 #              scan and / or the WY kernel on wgmma, HYPIC_GDN_SCAN_WGMMA / HYPIC_GDN_WY_WGMMA, beside the default in
 #              the same process): OUT/gdn_bench.{json,log};
@@ -45,7 +50,7 @@ while (($#)); do
     --bin) BIN="${2:?--bin needs a directory}"; shift 2 ;;
     --out) OUT="${2:?--out needs a directory}"; shift 2 ;;
     --all) ALL=1; shift ;;
-    kernels|backend|bench|bench-all|bench-lengths|kernel-bench) STAGE="$1"; shift ;;
+    kernels|backend|bench|bench-all|bench-lengths|bench-decode-80g|kernel-bench) STAGE="$1"; shift ;;
     *) echo "validate_candidates.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -87,6 +92,19 @@ case "$STAGE" in
       --skip parts,build,notc,beside --refresh "" --refresh-tail "" --warmup 1 --reps 3 \
       --decode-batches 1,16,64 --decode-warmup 2 --decode-steps 5 --ab "$ab,HYPIC_CANDIDATES" \
       --json "$OUT/candidates_ab.json" --md "$OUT/candidates_ab.md" 2>&1 | tee "$OUT/candidates_ab.log" || status=$?
+    ;;
+  bench-decode-80g)
+    mkdir -p "$OUT"
+    for shape in "1:" "16:--segments 2" "64:--segments 1 --max-batch-tokens 4096"; do
+      b=${shape%%:*}
+      echo "== hypic-bench-prefill-gpu decode batch $b ${shape#*:} --ab"
+      # shellcheck disable=SC2086  # (the shape's options split into words)
+      "$BIN/hypic-bench-prefill-gpu" --config bench/gpu/qwen3_5_35b_a3b.json --lengths 512 \
+        --skip parts,prefill,splice,build,notc,beside --refresh "" --refresh-tail "" ${shape#*:} \
+        --decode-batches "$b" --decode-warmup 2 --decode-steps 16 --ab "$ab,HYPIC_CANDIDATES" \
+        --json "$OUT/candidates_ab_decode_80g_b$b.json" --md "$OUT/candidates_ab_decode_80g_b$b.md" 2>&1 |
+        tee "$OUT/candidates_ab_decode_80g_b$b.log" || status=$?
+    done
     ;;
   bench-lengths)
     mkdir -p "$OUT"
