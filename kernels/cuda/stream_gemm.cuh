@@ -111,6 +111,34 @@ __device__ __forceinline__ void stream_prologue_extend(const __nv_bfloat16* wlo,
   }
 }
 
+/// The start of a consume loop over a warp's sequence of `total` positions over the K slice [kb, kb + n) (position s:
+/// chunk kb + s % n; stream_consume: total = n; stream_consume_seq: R row groups, total = R n): with NT >= 2 the x
+/// copies of the first S positions into the x region (stage s, group t at 32 (s NT + t)), then one commit group
+/// (empty with one token group) and the wait before position 0. Commit order: W of stages 0..S-1, this x group, then
+/// one group per position (the refill of position i + S). Position 0 needs W of stage 0 and, with x in the ring, the x
+/// group (the last): wait_group S (one token group: at most S of the S + 1 pending, so the oldest is done) or 0.
+/// Position i >= 1 needs W of stage i (i < S) or refill group i - S, which wait_group S - 1 guarantees (at most S - 1
+/// of the S + 1 + i groups pending: the oldest i + 2 are done).
+template <int NT, int S>
+__device__ __forceinline__ void stream_x_first(const __nv_bfloat16* const (&xp)[NT], int ntl, int kb, int n,
+                                               int total, uint4* xring, int lane) {
+  if constexpr (NT >= 2) {
+#pragma unroll
+    for (int s = 0; s < S; ++s)
+      if (s < total) {
+        const int k = (kb + s % n) * kStreamChunk;
+#pragma unroll
+        for (int t = 0; t < NT; ++t)
+          if (t < ntl) cp_async16_stream(xring + (s * NT + t) * 32 + lane, xp[t] + k);
+      }
+  }
+  cp_async_commit_stream();
+  if constexpr (NT >= 2)
+    cp_async_wait_stream<0>();
+  else
+    cp_async_wait_stream<S>();
+}
+
 /// After stream_prologue<NT, S> on the same arguments (and, with PDL, griddep_wait: x may come from the previous
 /// kernel): copies x of the first S chunks (one more commit group; NT >= 2), then acc += W[rows][k] x[tokens][k] over
 /// chunks
@@ -134,8 +162,7 @@ __device__ __forceinline__ void stream_consume(const __nv_bfloat16* wlo, const _
 #pragma unroll
     for (int d = 0; d < XD; ++d)
       xq[d] = d < n ? __ldca(reinterpret_cast<const uint4*>(xp[0] + (kb + d) * kStreamChunk)) : make_uint4(0, 0, 0, 0);
-    cp_async_commit_stream();  // the (empty) x group of the commit order below
-    cp_async_wait_stream<S>();
+    stream_x_first<NT, S>(xp, ntl, kb, n, n, ring + S * kStreamWStage, lane);  // (the empty x group)
     for (int i0 = 0; i0 < n; i0 += XD) {
 #pragma unroll
       for (int d = 0; d < XD; ++d) {
@@ -163,24 +190,7 @@ __device__ __forceinline__ void stream_consume(const __nv_bfloat16* wlo, const _
   }
   uint4* const xring = ring + S * kStreamWStage;  // the x region (NT >= 2): stage s, group t at 32 (s NT + t)
   const int n = ke - kb;
-  if constexpr (kXInRing) {
-#pragma unroll
-    for (int s = 0; s < S; ++s)
-      if (s < n)
-#pragma unroll
-        for (int t = 0; t < NT; ++t)
-          if (t < ntl) cp_async16_stream(xring + (s * NT + t) * 32 + lane, xp[t] + (kb + s) * kStreamChunk);
-  }
-  cp_async_commit_stream();
-  // Commit order: W of stages 0..S-1, x of stages 0..S-1 (empty with one token group), then one group per iteration
-  // (the refill of chunk i + S). Iteration 0 needs W of stage 0 and, with x in the ring, the x group (the last):
-  // wait_group S (one token group: at most S of the S + 1 pending, so the oldest is done) or 0. Iteration i >= 1
-  // needs W of stage i (i < S) or refill group i - S, which wait_group S - 1 guarantees (at most S - 1 of the
-  // S + 1 + i groups pending: the oldest i + 2 are done).
-  if constexpr (kXInRing)
-    cp_async_wait_stream<0>();
-  else
-    cp_async_wait_stream<S>();
+  stream_x_first<NT, S>(xp, ntl, kb, n, n, xring, lane);
   for (int i = 0; i < n; ++i) {
     if (i > 0) cp_async_wait_stream<S - 1>();
     uint4* st = ring + (i % S) * kStreamWStage;
@@ -261,21 +271,7 @@ __device__ __forceinline__ void stream_consume_seq(const __nv_bfloat16* const (&
   static_assert(XD == 0 || NT == 1, "x ahead in registers is the one-token-group path");
   uint4* const xring = ring + S * kStreamWStage;
   const int n = ke - kb, total = R * n;
-  if constexpr (kXInRing) {
-#pragma unroll
-    for (int s = 0; s < S; ++s)
-      if (s < total) {
-        const int k = (kb + s % n) * kStreamChunk;
-#pragma unroll
-        for (int t = 0; t < NT; ++t)
-          if (t < ntl) cp_async16_stream(xring + (s * NT + t) * 32 + lane, xp[t] + k);
-      }
-  }
-  cp_async_commit_stream();
-  if constexpr (kXInRing)
-    cp_async_wait_stream<0>();
-  else
-    cp_async_wait_stream<S>();
+  stream_x_first<NT, S>(xp, ntl, kb, n, total, xring, lane);
   constexpr int D = XD > 0 ? XD : 1;
 #pragma unroll
   for (int r = 0; r < R; ++r) {
