@@ -2,7 +2,9 @@
 // is not in L2, by four load paths side by side in one run:
 //   decode_linear  the production kernel (kernels/cuda/decode_linear.h: per-lane 16-byte cp.async rings, M = 1),
 //                  with x loaded after each stage's wait and ahead (HYPIC_STREAM_X_AHEAD);
-//   cp.async ring  the same per-lane cp.async rings with no math (what the copies alone cost);
+//   cp.async rows  decode_linear's grid, warps and addressing with the copies alone (64 or 256 contiguous bytes
+//                  per row and stage);
+//   cp.async ring  per-lane cp.async rings with no math over contiguous bytes (what the copies alone cost);
 //   bulk ring      one thread per block issuing 1-D bulk copies (cp.async.bulk, the TMA engine) into a ring of
 //                  shared-memory stages completed on mbarriers, every thread reading each stage back;
 //   ld.global      plain 16-byte loads, 8 in flight per thread.
@@ -232,7 +234,9 @@ double graph_ms(int launches, int reps, const std::function<void(int, cudaStream
 
 int main(int argc, char** argv) {
   CLI::App app{"hypic-bench-stream: weight-streaming read rate of few-block grids at batch-1 decode shapes"};
-  std::string shapes_s = "2048x4096,12352x2048,256x2048,8192x2048";
+  // The batch-1 projections of Qwen3.5-35B-A3B (out_proj / o_proj, the GDN in_proj, the router, a dense 8192-row
+  // one) and a 256 MiB matrix: the read rate a long stream reaches (the ceiling the short ones are measured against).
+  std::string shapes_s = "2048x4096,12352x2048,256x2048,8192x2048,65536x2048";
   std::string json_path;
   int reps = 20;
   int stage_kb = 16;
