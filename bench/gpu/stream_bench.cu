@@ -264,10 +264,19 @@ int main(int argc, char** argv) {
   hypic::bench::measure_ceilings(blas, J);
   const int sms = prop.multiProcessorCount;
   const long l2 = prop.l2CacheSize;
-  uint4* out = dalloc<uint4>(size_t(4096) * kThreads);
+  // The kernels' sink (written only when a block's xor of what it read hits a magic value): one 16-byte word per
+  // thread of the largest grid any shape launches (at most one 16-row group per block, or 3 blocks per SM).
+  long max_blocks = 3L * prop.multiProcessorCount;
+  for (const Shape& sh : shapes) max_blocks = std::max<long>(max_blocks, (sh.N + 15) / 16);
+  uint4* out = dalloc<uint4>(size_t(max_blocks) * kThreads);
   std::printf("device %s, %d SMs, L2 %ld MB, copy ceiling %.0f GB/s\n", prop.name, sms, l2 >> 20,
               J["ceiling"]["copy_GBps"].get<double>());
   std::printf("%-12s %-22s %7s %9s %9s\n", "shape", "path", "blocks", "us", "GB/s");
+  if (stage_kb < 1 || stage_kb > 96) {
+    std::fprintf(stderr, "--stage-kb %d: a bulk ring stage is 1 to 96 KiB (two stages fit an SM's shared memory)\n",
+                 stage_kb);
+    return 2;
+  }
   const int stage_words = stage_kb * 1024 / 16;
   // Shared memory per block: about 200 KiB per SM split among the blocks an SM holds.
   auto bulk_stages = [&](int per_sm) {
@@ -378,5 +387,7 @@ int main(int argc, char** argv) {
     cudaFree(y);
   }
   if (!json_path.empty()) std::ofstream(json_path) << J.dump(2) << "\n";
+  cudaFree(out);
+  cublasDestroy(blas);
   return 0;
 }

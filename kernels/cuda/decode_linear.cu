@@ -159,8 +159,8 @@ RingShape ring_shape(int M, int K) {
   return {M <= 32 ? 4 : 8, 4};
 }
 
-// x loads ahead at one token group (HYPIC_STREAM_X_AHEAD; stream_consume's XD): the register queue's depth.
-constexpr int kXAhead = 4;
+// x loads ahead at one token group (HYPIC_STREAM_X_AHEAD; stream_consume's XD).
+constexpr int kXAhead = detail::kStreamXAhead;
 bool x_ahead() {
   static CandidateSwitch sw("HYPIC_STREAM_X_AHEAD");
   return sw.on();

@@ -225,15 +225,15 @@ template <int MODE>
 void launch_decode_nt(int T, dim3 grid, const DecodeArgs& g, cudaStream_t stream, const char* what) {
   static CandidateSwitch x_ahead("HYPIC_STREAM_X_AHEAD");
   static CandidateSwitch row_pairs("HYPIC_MOE_DECODE_ROW_PAIRS");
-  constexpr int kXAhead = 4;  // the register queue's depth (decode_linear's)
+  constexpr int kXAhead = detail::kStreamXAhead;
   const int rows = std::min(T, kDecBM);
   const bool xa = x_ahead.on(), pairs = row_pairs.on();
   auto launch = [&](auto nt) {
     constexpr int NT = decltype(nt)::value;
-    if (pairs) {  // each block two row groups per warp: half the column blocks
+    if (pairs) {  // each block two row groups per warp: half the column blocks (x ahead: NT = 1 only, no deep ring)
       const dim3 g2(grid.x, (grid.y + 1) / 2, grid.z);
-      xa ? launch_decode_gemm<MODE, NT, kXAhead, 2>(g2, g, stream, what)
-         : launch_decode_gemm<MODE, NT, 0, 2>(g2, g, stream, what);
+      xa && NT == 1 ? launch_decode_gemm<MODE, NT, NT == 1 ? kXAhead : 0, 2>(g2, g, stream, what)
+                    : launch_decode_gemm<MODE, NT, 0, 2>(g2, g, stream, what);
     } else {
       xa ? launch_decode_gemm<MODE, NT, kXAhead, 1>(grid, g, stream, what)
          : launch_decode_gemm<MODE, NT, 0, 1>(grid, g, stream, what);

@@ -119,14 +119,14 @@ __device__ __forceinline__ void stream_prologue_extend(const __nv_bfloat16* wlo,
 /// group (the last): wait_group S (one token group: at most S of the S + 1 pending, so the oldest is done) or 0.
 /// Position i >= 1 needs W of stage i (i < S) or refill group i - S, which wait_group S - 1 guarantees (at most S - 1
 /// of the S + 1 + i groups pending: the oldest i + 2 are done).
-template <int NT, int S>
+template <int NT, int S, bool kSeq = false>
 __device__ __forceinline__ void stream_x_first(const __nv_bfloat16* const (&xp)[NT], int ntl, int kb, int n,
                                                int total, uint4* xring, int lane) {
   if constexpr (NT >= 2) {
 #pragma unroll
     for (int s = 0; s < S; ++s)
       if (s < total) {
-        const int k = (kb + s % n) * kStreamChunk;
+        const int k = (kb + (kSeq ? s % n : s)) * kStreamChunk;  // (one row group: total = n, s < n)
 #pragma unroll
         for (int t = 0; t < NT; ++t)
           if (t < ntl) cp_async16_stream(xring + (s * NT + t) * 32 + lane, xp[t] + k);
@@ -148,8 +148,12 @@ __device__ __forceinline__ void stream_x_first(const __nv_bfloat16* const (&xp)[
 /// of chunk + S once consumed. Returns with no copy in flight (the ring is free).
 /// XD (NT = 1 only; HYPIC_STREAM_X_AHEAD): x of chunk i is loaded XD chunks ahead into a queue of XD registers
 /// (16 bytes each), so that its L2 round trip overlaps the waits and products of the chunks before it instead of
-/// following each stage's wait (the ring wait's memory clobber keeps a load issued after it); the same products in
-/// the same order: the same bits as XD = 0.
+/// following each stage's wait (a load issued after the wait stays after it: both are ordered asm); the same
+/// products in the same order: the same bits as XD = 0.
+/// The x register queue's depth of the one-token-group weight streams (HYPIC_STREAM_X_AHEAD: decode_linear and the
+/// MoE decode GEMMs).
+constexpr int kStreamXAhead = 4;
+
 template <int NT, int S, int XD = 0>
 __device__ __forceinline__ void stream_consume(const __nv_bfloat16* wlo, const __nv_bfloat16* whi, int kb, int ke,
                                                const __nv_bfloat16* const (&xp)[NT], int ntl, uint4* ring, int lane,
@@ -271,7 +275,7 @@ __device__ __forceinline__ void stream_consume_seq(const __nv_bfloat16* const (&
   static_assert(XD == 0 || NT == 1, "x ahead in registers is the one-token-group path");
   uint4* const xring = ring + S * kStreamWStage;
   const int n = ke - kb, total = R * n;
-  stream_x_first<NT, S>(xp, ntl, kb, n, total, xring, lane);
+  stream_x_first<NT, S, true>(xp, ntl, kb, n, total, xring, lane);
   constexpr int D = XD > 0 ? XD : 1;
 #pragma unroll
   for (int r = 0; r < R; ++r) {

@@ -20,9 +20,9 @@ inline constexpr const char* kCandidateSwitches[] = {
     "HYPIC_ATTN_DECODE_L2_AHEAD", "HYPIC_MOE_DECODE_ROW_PAIRS"};
 /// Former candidates that a GPU session measured faster (H200, 2026-12-05: bench/results/candidates_ab_h200.md, the
 /// first six; bench/results/candidates_ab2_h200.md, the rest but the last three: bench/results/seam_fold_h100.md,
-/// bench/results/chain_lr_prefetch.md, bench/results/moe_warp_specialized.md on an H100, and the last two
-/// bench/results/moe_ws_small.md on an H100; the decode three after them bench/results/decode_candidates_h100.md, an
-/// H100 on 2026-12-06 at shorter contexts, the H200 not lent) and made the default: on
+/// bench/results/chain_lr_prefetch.md, bench/results/moe_warp_specialized.md on an H100, the two after them
+/// bench/results/moe_ws_small.md on an H100, and the last three, the decode ones, bench/results/decode_candidates_h100.md,
+/// an H100 on 2026-12-06 at shorter contexts, the H200 not lent) and made the default: on
 /// unless their variable is "0" /
 /// "off" (the old path, kept for side-by-side runs); HYPIC_CANDIDATES does not touch them.
 inline constexpr const char* kMeasuredDefaultSwitches[] = {

@@ -315,7 +315,8 @@ TEST_CASE("moe_forward decode sizes (T <= 64): OwnDecode / Own vs CPU, Cublas, O
                                       {{16, 4, 128, 64, 64}, true},
                                       {{40, 16, 128, 64, 64}, false},   // E not a multiple of 32, k = kMaxTopk
                                       {{320, 8, 128, 64, 64}, false},   // E > 256: 16 routing registers per lane
-                                      {{64, 4, 128, 96, 96}, false}};   // I = 96: a block of row pairs half past I
+                                      {{64, 4, 128, 96, 96}, false},    // I = 96: a block of row pairs half past I
+                                      {{64, 4, 512, 96, 96}, false}};   // the same with 2 K slices in gate_up
   // (HYPIC_ROUTE_SPREAD's blocks, ceil(tasks / 16) for 2T tasks with a shared expert, T without: 2 at T = 9 and 16,
   // 5 at 33, 6 at 48, 8 at 64 with; 3 at 33 and 48, 4 at 64 without; one block below)
   const std::vector<int> Ts = {1, 2, 7, 9, 16, 33, 48, 64};

@@ -1196,8 +1196,9 @@ TEST_CASE("decode_linear refuses the shapes it does not take, naming them", "[gp
 
 // decode_linear with x loaded 4 chunks ahead into registers (HYPIC_STREAM_X_AHEAD, the one-token-group kernels:
 // M <= 8) against the same launch without it: the same products in the same order, so every output bit equal, for
-// each epilogue, 1-3 outputs, warp K slices of 1-16 chunks (shorter and longer than the queue, not multiples of
-// it), a row stride past K, and the last-block norm; the plain launch is checked against the CPU in the ops table.
+// each epilogue, 1-3 outputs, warp K slices of 3, 8, 16 and 17 chunks (shorter and longer than the queue, not
+// multiples of it; the ring's 8 or 16 stages refilled or not), a row stride past K, and the add with its norm (in the
+// last block at M <= 2, after the launch above); the plain launch is checked against the CPU in the ops table.
 TEST_CASE("decode_linear with x loads ahead == without, bit for bit", "[gpu][ops_table]") {
   if (!cuda_device_present()) FAIL("no CUDA device: the GPU tests need an NVIDIA GPU (scripts/test_gpu.sh)");
   using E = gpu::DecodeLinearEpilogue;
