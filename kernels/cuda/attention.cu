@@ -50,16 +50,19 @@ static_assert(PrefillCfg<256>::kSmem <= 227 * 1024, "prefill smem");
 
 // Decode: 4 warps; warp w takes slots 16w .. 16w+15 of each 64-slot tile; 16 tile rows = query heads.
 // K/V tiles in a 3-stage cp.async ring (two tiles in flight while one is consumed: decode is bound by
-// the HBM stream of K and V).
-template <int HD>
+// the HBM stream of K and V). DS = 2 (HYPIC_ATTN_DECODE_D_SPLIT): 8 warps, warps w and w + 4 both take slots
+// 16w .. 16w+15 (the same Q K^T and softmax, computed twice) and each the P V product of one half of the head dim,
+// so two warps per scheduler hide each other's latencies (one 211 KB block per SM at head dim 256 had one).
+template <int HD, int DS = 1>
 struct DecodeCfg {
-  static constexpr int kWarps = 4;
+  static constexpr int kSlotWarps = 4;                // warps over a tile's slots
+  static constexpr int kWarps = kSlotWarps * DS;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kLd = HD + 8;
   static constexpr int kStages = 3;
   static constexpr int kSmem = (16 + 2 * kStages * kBN) * kLd * 2;
   // cross-warp combine staging (O [4][16][HD] fp32, m and l [4][16]) reuses the K/V buffers
-  static_assert(kWarps * 16 * HD * 4 + 2 * kWarps * 16 * 4 <= 2 * kStages * kBN * kLd * 2, "decode staging");
+  static_assert(kSlotWarps * 16 * HD * 4 + 2 * kSlotWarps * 16 * 4 <= 2 * kStages * kBN * kLd * 2, "decode staging");
 };
 static_assert(DecodeCfg<256>::kSmem <= 227 * 1024, "decode smem");
 constexpr int kMinTilesPerChunk = 2;  // decode chunks of at least 128 slots
@@ -129,18 +132,18 @@ __device__ __forceinline__ void prefetch_kv_tile_l2(const AttnParams& p, const i
 }
 
 // o += P V for one warp: P = pa (16 rows x 16 * NK slots, bf16 A fragments), V rows v_row0 .. of the
-// tile in shared memory.
-template <int NK, int HD>
-__device__ __forceinline__ void pv_product(const uint32_t (&pa)[NK][4], float (&o)[HD / 8][4], const bf16* sV,
-                                           int v_row0, int lane) {
+// tile in shared memory (rows of HD + 8 elements), output columns d0 .. d0 + DC - 1 (all HD by default).
+template <int NK, int HD, int DC = HD>
+__device__ __forceinline__ void pv_product(const uint32_t (&pa)[NK][4], float (&o)[DC / 8][4], const bf16* sV,
+                                           int v_row0, int lane, int d0 = 0) {
   constexpr int kLd = HD + 8;
 #pragma unroll
   for (int kk = 0; kk < NK; ++kk) {
     const uint32_t(&a)[4] = pa[kk];
 #pragma unroll
-    for (int dp = 0; dp < HD / 16; ++dp) {
+    for (int dp = 0; dp < DC / 16; ++dp) {
       uint32_t b[4];
-      load_b_kn(b, sV, kLd, v_row0 + kk * 16, dp * 16, lane);
+      load_b_kn(b, sV, kLd, v_row0 + kk * 16, d0 + dp * 16, lane);
       mma_bf16(o[2 * dp], a, b[0], b[1]);
       mma_bf16(o[2 * dp + 1], a, b[2], b[3]);
     }
@@ -240,9 +243,10 @@ __global__ void __launch_bounds__(PrefillCfg<HD>::kThreads, PrefillCfg<HD>::kMin
 // Decode. Grid (nsplit, num_kv_heads * head_blocks, batch): one block per (request, KV head, block of up to
 // 16 query heads of that KV head, KV chunk). Chunk c covers slots [c * chunk_len, (c+1) * chunk_len), the
 // last chunk up to the request's KV length (whatever max_kv said).
-template <int HD>
-__global__ void __launch_bounds__(DecodeCfg<HD>::kThreads) attn_decode_kernel(const AttnParams p) {
-  using C = DecodeCfg<HD>;
+template <int HD, int DS = 1>
+__global__ void __launch_bounds__(DecodeCfg<HD, DS>::kThreads) attn_decode_kernel(const AttnParams p) {
+  using C = DecodeCfg<HD, DS>;
+  constexpr int DC = HD / DS;  // head-dim columns of a warp's P V
   constexpr int kLd = C::kLd, NT = C::kThreads;
   constexpr int kChunks = HD / 8;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -286,9 +290,11 @@ __global__ void __launch_bounds__(DecodeCfg<HD>::kThreads) attn_decode_kernel(co
   for (int d = 0; d < p.l2_ahead; ++d)
     if (S - 1 + d < n_tiles) prefetch_kv_tile_l2<HD, NT>(p, bt, j0 + S - 1 + d, kvh, tid);
 
-  float o[HD / 8][4];
+  // The warp's slot quarter sw and head-dim part dh (DS = 2: warps sw and sw + 4 share a quarter).
+  const int sw = warp % C::kSlotWarps, dh = warp / C::kSlotWarps;
+  float o[DC / 8][4];
 #pragma unroll
-  for (int dt = 0; dt < HD / 8; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
+  for (int dt = 0; dt < DC / 8; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
   const int g = lane >> 2, c2 = (lane & 3) * 2;
 
@@ -303,7 +309,7 @@ __global__ void __launch_bounds__(DecodeCfg<HD>::kThreads) attn_decode_kernel(co
     cp_async_commit();
     cp_async_wait<S - 1>();
     __syncthreads();
-    const int n0 = (j0 + j) * kBN + warp * 16;  // the warp's first slot
+    const int n0 = (j0 + j) * kBN + sw * 16;  // the warp's first slot
     if (n0 <= last_slot) {
       const bf16* sK = sK0 + buf * kBN * kLd;
       const bf16* sV = sV0 + buf * kBN * kLd;
@@ -312,19 +318,20 @@ __global__ void __launch_bounds__(DecodeCfg<HD>::kThreads) attn_decode_kernel(co
       for (int kk = 0; kk < HD / 16; ++kk) {
         uint32_t a[4], bb[4];
         load_a(a, sQ, kLd, 0, kk * 16, lane);
-        load_b_nk(bb, sK, kLd, kk * 16, warp * 16, lane);
+        load_b_nk(bb, sK, kLd, kk * 16, sw * 16, lane);
         mma_bf16(s[0], a, bb[0], bb[1]);
         mma_bf16(s[1], a, bb[2], bb[3]);
       }
       uint32_t pa[1][4];
-      online_softmax<2, HD / 8>(s, pa, o, m, l, p.scale_log2, n0 + 15 > last_slot, n0, c2, last_slot, last_slot);
-      pv_product<1, HD>(pa, o, sV, warp * 16, lane);
+      online_softmax<2, DC / 8>(s, pa, o, m, l, p.scale_log2, n0 + 15 > last_slot, n0, c2, last_slot, last_slot);
+      pv_product<1, HD, DC>(pa, o, sV, sw * 16, lane, dh * DC);
     }
     __syncthreads();
   }
   cp_async_wait<0>();
 
-  // Combine the 4 warps (each saw a quarter of every tile) through shared memory (the K/V buffers).
+  // Combine the 4 slot quarters (each saw a quarter of every tile) through shared memory (the K/V buffers): warp
+  // (sw, dh) holds columns dh DC .. + DC of quarter sw; m and l are the same in both warps of a quarter.
   float* sO = reinterpret_cast<float*>(sK0);  // [4][16][HD]
   float* sM = sO + 4 * 16 * HD;               // [4][16]
   float* sL = sM + 4 * 16;                    // [4][16]
@@ -334,16 +341,16 @@ __global__ void __launch_bounds__(DecodeCfg<HD>::kThreads) attn_decode_kernel(co
     l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
   }
 #pragma unroll
-  for (int dt = 0; dt < HD / 8; ++dt) {
-    const int d = dt * 8 + c2;
-    *reinterpret_cast<float2*>(sO + (warp * 16 + g) * HD + d) = make_float2(o[dt][0], o[dt][1]);
-    *reinterpret_cast<float2*>(sO + (warp * 16 + g + 8) * HD + d) = make_float2(o[dt][2], o[dt][3]);
+  for (int dt = 0; dt < DC / 8; ++dt) {
+    const int d = dh * DC + dt * 8 + c2;
+    *reinterpret_cast<float2*>(sO + (sw * 16 + g) * HD + d) = make_float2(o[dt][0], o[dt][1]);
+    *reinterpret_cast<float2*>(sO + (sw * 16 + g + 8) * HD + d) = make_float2(o[dt][2], o[dt][3]);
   }
-  if ((lane & 3) == 0) {
-    sM[warp * 16 + g] = m[0];
-    sM[warp * 16 + g + 8] = m[1];
-    sL[warp * 16 + g] = l[0];
-    sL[warp * 16 + g + 8] = l[1];
+  if (dh == 0 && (lane & 3) == 0) {
+    sM[sw * 16 + g] = m[0];
+    sM[sw * 16 + g + 8] = m[1];
+    sL[sw * 16 + g] = l[0];
+    sL[sw * 16 + g + 8] = l[1];
   }
   __syncthreads();
   for (int idx = tid; idx < nrows * HD; idx += NT) {
@@ -799,26 +806,33 @@ long split_resident_blocks(int head_dim) {
 }
 
 // Sets the decode kernel's shared-memory limit; returns its resident blocks per SM.
-template <int HD>
+template <int HD, int DS>
 int decode_setup() {
   static DeviceOnce once;
   return once.run(current_device(), [](int) {
-    check_cuda(cudaFuncSetAttribute(attn_decode_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    DecodeCfg<HD>::kSmem),
-               "cudaFuncSetAttribute(attn_decode_kernel<" + std::to_string(HD) + ">)");
+    check_cuda(cudaFuncSetAttribute(attn_decode_kernel<HD, DS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    DecodeCfg<HD, DS>::kSmem),
+               "cudaFuncSetAttribute(attn_decode_kernel<" + std::to_string(HD) + ", " + std::to_string(DS) + ">)");
     int blocks = 0;
-    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, attn_decode_kernel<HD>,
-                                                             DecodeCfg<HD>::kThreads, DecodeCfg<HD>::kSmem),
+    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, attn_decode_kernel<HD, DS>,
+                                                             DecodeCfg<HD, DS>::kThreads, DecodeCfg<HD, DS>::kSmem),
                "cudaOccupancyMaxActiveBlocksPerMultiprocessor(attn_decode_kernel)");
     return std::max(blocks, 1);
   });
 }
 
+// HYPIC_ATTN_DECODE_D_SPLIT: the decode kernel's 8-warp form (DecodeCfg DS = 2), one object for the plan and the launch.
+int decode_d_split() {
+  static CandidateSwitch sw("HYPIC_ATTN_DECODE_D_SPLIT");
+  return sw.on() ? 2 : 1;
+}
+
 int decode_blocks_per_sm(int head_dim) {
+  const bool ds = decode_d_split() == 2;
   switch (head_dim) {
-    case 64: return decode_setup<64>();
-    case 128: return decode_setup<128>();
-    default: return decode_setup<256>();
+    case 64: return ds ? decode_setup<64, 2>() : decode_setup<64, 1>();
+    case 128: return ds ? decode_setup<128, 2>() : decode_setup<128, 1>();
+    default: return ds ? decode_setup<256, 2>() : decode_setup<256, 1>();
   }
 }
 
@@ -1271,10 +1285,16 @@ void run_cudnn_route(const AttnGroups& g, const CudnnRoute& r, int num_heads, in
 
 template <int HD>
 void launch_decode(const AttnParams& p, int batch, int nsplit, cudaStream_t stream) {
-  using C = DecodeCfg<HD>;
-  decode_setup<HD>();
   const dim3 grid(nsplit, p.num_kv_heads * p.head_blocks, batch);
-  attn_decode_kernel<HD><<<grid, C::kThreads, C::kSmem, stream>>>(p);
+  if (decode_d_split() == 2) {
+    using C = DecodeCfg<HD, 2>;
+    decode_setup<HD, 2>();
+    attn_decode_kernel<HD, 2><<<grid, C::kThreads, C::kSmem, stream>>>(p);
+  } else {
+    using C = DecodeCfg<HD, 1>;
+    decode_setup<HD, 1>();
+    attn_decode_kernel<HD, 1><<<grid, C::kThreads, C::kSmem, stream>>>(p);
+  }
   check_cuda(cudaGetLastError(), "attn_decode_kernel<" + std::to_string(HD) + "> launch");
   static CandidateSwitch groups("HYPIC_ATTN_COMBINE_GROUPS");
   if (nsplit > 1 && groups.on()) {

@@ -904,6 +904,29 @@ TEST_CASE("attention_decode matches attention_causal: batches 1/5/33, contexts 1
                         std::memcmp(ahead.data(), plain.data(), ahead.size() * sizeof(bf16)) == 0;
       std::printf("[%s] HYPIC_ATTN_DECODE_L2_AHEAD=1 == off: %s\n", c.name.c_str(), same ? "yes" : "NO");
       CHECK(same);
+      // The 8-warp kernel (HYPIC_ATTN_DECODE_D_SPLIT: warp pairs share a slot quarter, each the P V of half the head
+      // dim): the same products per output, so the same bits when its plan has the same chunks (the same resident
+      // blocks per SM; else against the CPU), alone and with the L2 prefetch.
+      int dsplit_splits = 0;
+      {
+        ScopedCandidate sw("HYPIC_ATTN_DECODE_D_SPLIT", true), wv("HYPIC_ATTN_DECODE_WAVES", false);
+        dsplit_splits = gpu::attention_decode_splits(batch, c.nh, c.nkv, c.hd, max_kv);
+      }
+      for (bool l2 : {false, true}) {
+        const auto dsplit = r.run({{"HYPIC_ATTN_DECODE_WAVES", false}, {"HYPIC_ATTN_DECODE_L2_AHEAD", l2},
+                                   {"HYPIC_ATTN_DECODE_D_SPLIT", true}});
+        if (dsplit_splits == splits[0]) {
+          const bool same_ds = dsplit.size() == plain.size() &&
+                               std::memcmp(dsplit.data(), plain.data(), dsplit.size() * sizeof(bf16)) == 0;
+          std::printf("[%s] HYPIC_ATTN_DECODE_D_SPLIT=1 (L2 ahead %s) == off: %s\n", c.name.c_str(),
+                      l2 ? "on" : "off", same_ds ? "yes" : "NO");
+          CHECK(same_ds);
+        } else {
+          std::printf("[%s] HYPIC_ATTN_DECODE_D_SPLIT=1: %d chunks against %d: checked against the CPU\n",
+                      c.name.c_str(), dsplit_splits, splits[0]);
+          check_against_cpu(c, r.seqs, r.s, dsplit);
+        }
+      }
       CHECK(splits[1] >= 1);
       CHECK(splits[1] <= splits[0]);
       int sms = 0;
