@@ -243,6 +243,8 @@ __global__ void __launch_bounds__(PrefillCfg<HD>::kThreads, PrefillCfg<HD>::kMin
 // Decode. Grid (nsplit, num_kv_heads * head_blocks, batch): one block per (request, KV head, block of up to
 // 16 query heads of that KV head, KV chunk). Chunk c covers slots [c * chunk_len, (c+1) * chunk_len), the
 // last chunk up to the request's KV length (whatever max_kv said).
+// (DS = 2 on sm_90: 125 / 116 / 57 registers at hd 256 / 128 / 64, so the shared memory sets the resident blocks per
+// SM as for DS = 1 and the split plan is the same; test_gpu_attention checks the plans agree.)
 template <int HD, int DS = 1>
 __global__ void __launch_bounds__(DecodeCfg<HD, DS>::kThreads) attn_decode_kernel(const AttnParams p) {
   using C = DecodeCfg<HD, DS>;
@@ -827,14 +829,16 @@ int decode_d_split() {
   return sw.on() ? 2 : 1;
 }
 
-int decode_blocks_per_sm(int head_dim) {
-  const bool ds = decode_d_split() == 2;
+// Resident blocks per SM of the decode kernel in its form `ds` (1 or 2 : decode_d_split()).
+int decode_blocks_per_sm(int head_dim, int ds) {
   switch (head_dim) {
-    case 64: return ds ? decode_setup<64, 2>() : decode_setup<64, 1>();
-    case 128: return ds ? decode_setup<128, 2>() : decode_setup<128, 1>();
-    default: return ds ? decode_setup<256, 2>() : decode_setup<256, 1>();
+    case 64: return ds == 2 ? decode_setup<64, 2>() : decode_setup<64, 1>();
+    case 128: return ds == 2 ? decode_setup<128, 2>() : decode_setup<128, 1>();
+    default: return ds == 2 ? decode_setup<256, 2>() : decode_setup<256, 1>();
   }
 }
+
+int decode_blocks_per_sm(int head_dim) { return decode_blocks_per_sm(head_dim, decode_d_split()); }
 
 struct DecodeSplit {
   int nsplit;
@@ -1295,7 +1299,8 @@ void launch_decode(const AttnParams& p, int batch, int nsplit, cudaStream_t stre
     decode_setup<HD, 1>();
     attn_decode_kernel<HD, 1><<<grid, C::kThreads, C::kSmem, stream>>>(p);
   }
-  check_cuda(cudaGetLastError(), "attn_decode_kernel<" + std::to_string(HD) + "> launch");
+  check_cuda(cudaGetLastError(),
+             "attn_decode_kernel<" + std::to_string(HD) + ", " + std::to_string(decode_d_split()) + "> launch");
   static CandidateSwitch groups("HYPIC_ATTN_COMBINE_GROUPS");
   if (nsplit > 1 && groups.on()) {
     attn_decode_combine_groups_kernel<HD><<<dim3(p.num_heads, batch), kCombineGroups * HD, 0, stream>>>(p, nsplit);
@@ -1446,7 +1451,9 @@ void AttnDecodeWorkspace::reserve(int max_batch, int num_heads, int head_dim, in
   if (num_heads <= 0) bad(fn, "num_heads " + std::to_string(num_heads) + " must be positive");
   if (max_kv <= 0) bad(fn, "max_kv " + std::to_string(max_kv) + " must be positive");
   check_head_dim(fn, head_dim);
-  const int sms = sm_count(), bps = decode_blocks_per_sm(head_dim);
+  // Either form of the decode kernel (HYPIC_ATTN_DECODE_D_SPLIT may change after the reserve): the more resident
+  // blocks, the more splits.
+  const int sms = sm_count(), bps = std::max(decode_blocks_per_sm(head_dim, 1), decode_blocks_per_sm(head_dim, 2));
   // Upper bound over every batch <= max_batch, KV head count and max_kv' <= max_kv (splits do not grow
   // with more units per request or a shorter max_kv).
   long entries = 0;

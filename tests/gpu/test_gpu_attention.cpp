@@ -882,7 +882,8 @@ TEST_CASE("attention_decode matches attention_causal: batches 1/5/33, contexts 1
       decode_case("decode b16 hd256 16/2 gate, 32768 slots, wave plan", 256, 16, 2, std::vector<int>(16, 32768), true),
       decode_case("decode b1 hd256 16/2 gate, wave plan", 256, 16, 2, {20000}, true),
       decode_case("decode b5 hd128 8/2 gate, wave plan", 128, 8, 2, mixed, true),
-      decode_case("decode b5 hd64 32/1 gate, wave plan", 64, 32, 1, mixed, true)};
+      decode_case("decode b5 hd64 32/1 gate, wave plan", 64, 32, 1, mixed, true),
+      decode_case("decode b3 hd256 16/2 gate, short contexts, wave plan", 256, 16, 2, {100, 1, 64}, true)};
   for (size_t i = 0; i < waves.size(); ++i)
     DYNAMIC_SECTION(waves[i].name) {
       const AttnCase& c = waves[i];
@@ -891,15 +892,19 @@ TEST_CASE("attention_decode matches attention_causal: batches 1/5/33, contexts 1
       const int max_kv = *std::max_element(c.seq_kv.begin(), c.seq_kv.end());
       int splits[2] = {0, 0};
       for (bool on : {false, true}) {
-        ScopedCandidate sw("HYPIC_ATTN_DECODE_WAVES", on);
+        ScopedCandidate sw("HYPIC_ATTN_DECODE_WAVES", on), ds("HYPIC_ATTN_DECODE_D_SPLIT", false);
         splits[on] = gpu::attention_decode_splits(batch, c.nh, c.nkv, c.hd, max_kv);
         std::printf("[%s] HYPIC_ATTN_DECODE_WAVES=%d: %d chunks per context\n", c.name.c_str(), int(on), splits[on]);
       }
-      const auto plain = r.run({{"HYPIC_ATTN_DECODE_WAVES", false}, {"HYPIC_ATTN_DECODE_L2_AHEAD", false}});
+      // (every switch named: HYPIC_CANDIDATES=1 turns the others on)
+      const auto plain = r.run({{"HYPIC_ATTN_DECODE_WAVES", false}, {"HYPIC_ATTN_DECODE_L2_AHEAD", false},
+                                {"HYPIC_ATTN_DECODE_D_SPLIT", false}});
       check_against_cpu(c, r.seqs, r.s, plain);
       check_against_cpu(c, r.seqs, r.s,
-                        r.run({{"HYPIC_ATTN_DECODE_WAVES", true}, {"HYPIC_ATTN_DECODE_L2_AHEAD", false}}));
-      const auto ahead = r.run({{"HYPIC_ATTN_DECODE_WAVES", false}, {"HYPIC_ATTN_DECODE_L2_AHEAD", true}});
+                        r.run({{"HYPIC_ATTN_DECODE_WAVES", true}, {"HYPIC_ATTN_DECODE_L2_AHEAD", false},
+                               {"HYPIC_ATTN_DECODE_D_SPLIT", false}}));
+      const auto ahead = r.run({{"HYPIC_ATTN_DECODE_WAVES", false}, {"HYPIC_ATTN_DECODE_L2_AHEAD", true},
+                                {"HYPIC_ATTN_DECODE_D_SPLIT", false}});
       const bool same = ahead.size() == plain.size() &&
                         std::memcmp(ahead.data(), plain.data(), ahead.size() * sizeof(bf16)) == 0;
       std::printf("[%s] HYPIC_ATTN_DECODE_L2_AHEAD=1 == off: %s\n", c.name.c_str(), same ? "yes" : "NO");
@@ -912,6 +917,7 @@ TEST_CASE("attention_decode matches attention_causal: batches 1/5/33, contexts 1
         ScopedCandidate sw("HYPIC_ATTN_DECODE_D_SPLIT", true), wv("HYPIC_ATTN_DECODE_WAVES", false);
         dsplit_splits = gpu::attention_decode_splits(batch, c.nh, c.nkv, c.hd, max_kv);
       }
+      CHECK(dsplit_splits == splits[0]);  // the same resident blocks per SM (shared memory decides on sm_90)
       for (bool l2 : {false, true}) {
         const auto dsplit = r.run({{"HYPIC_ATTN_DECODE_WAVES", false}, {"HYPIC_ATTN_DECODE_L2_AHEAD", l2},
                                    {"HYPIC_ATTN_DECODE_D_SPLIT", true}});
