@@ -77,7 +77,6 @@ static_assert(kChunk % (kRouteThreads / 32) == 0, "route_kernel: a chunk's token
 // Routing
 // ---------------------------------------------------------------------------------------------
 
-
 // How route_token scores and picks (MoeWeightsView's routing fields).
 struct RouteCfg {
   int E, k;

@@ -76,10 +76,8 @@ constexpr int decode_stages() {
   return NT == 1 ? 8 : 4;
 }
 
-// XD: x loads ahead on the one-token-group paths (stream_consume; HYPIC_STREAM_X_AHEAD), 0 for none. R: row groups
-// per warp, streamed back to back through its ring (HYPIC_MOE_DECODE_ROW_PAIRS: R = 2, a block covers R times the
-// columns, the grid's y R times fewer blocks), 1 for one.
-template <int MODE, int NT, int XD = 0, int R = 1>
+// XD: x loads ahead on the one-token-group paths (stream_consume; HYPIC_STREAM_X_AHEAD), 0 for none.
+template <int MODE, int NT, int XD = 0>
 __global__ void __launch_bounds__(kStreamThreads, detail::stream_blocks_per_sm(decode_stages<NT>(), NT))
     decode_gemm_kernel(DecodeArgs a) {
   extern __shared__ uint4 ring_all[];
@@ -107,37 +105,20 @@ __global__ void __launch_bounds__(kStreamThreads, detail::stream_blocks_per_sm(d
   const int K = sh ? a.sK : a.K, N = sh ? a.sN : a.N;
   const bf16* W = sh ? a.sB : a.B + size_t(e) * a.b_expert_stride;
   const int kt = K / kStreamChunk, ks_count = sh ? a.sks : a.ks;
-  const int col_block = blockIdx.y * decode_block_cols(MODE, ks_count) * R;
+  const int col_block = blockIdx.y * decode_block_cols(MODE, ks_count);
   if (col_block >= N) return;  // block-uniform (the grid covers the larger of routed / shared column blocks)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
   const int rg = warp / ks_count, ks = warp % ks_count;
-  // Row group r of the warp: columns c0[r] .. + COLS (r steps over the block's row groups: kStreamWarps / ks_count
-  // each). A row group past N (N is a multiple of 32 >= COLS: a row group is all in or all out) streams row group 0's
-  // rows again, unstored, so the warp's sequence keeps its length.
-  int c0[R];
-  bool act[R];
-  const bf16* wlo[R];
-  const bf16* whi[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    c0[r] = col_block + (r * (kStreamWarps / ks_count) + rg) * COLS;
-    act[r] = c0[r] < N;
-    const int cr = act[r] ? c0[r] : c0[0];
-    const int r_lo = act[0] ? cr + g : 0;
-    const int r_hi = !act[0] ? 0 : GATE_UP ? N + cr + g : cr + 8 + g;
-    wlo[r] = W + size_t(r_lo) * K + q * 8;
-    whi[r] = W + size_t(r_hi) * K + q * 8;
-  }
-  const bool active = act[0];
+  const int c0 = col_block + rg * COLS;
+  const bool active = c0 < N;  // N is a multiple of 32 >= COLS: a row group is all in or all out
+  const int r_lo = active ? c0 + g : 0;
+  const int r_hi = !active ? 0 : GATE_UP ? N + c0 + g : c0 + 8 + g;
+  const bf16* wlo = W + size_t(r_lo) * K + q * 8;
+  const bf16* whi = W + size_t(r_hi) * K + q * 8;
   const int kb = (ks * kt) / ks_count, ke = ((ks + 1) * kt) / ks_count;
   uint4* ring = ring_all + warp * kRing;
   // The weight copies go out as soon as the expert is known; the token rows' lookups overlap them.
-  if (active) {
-    if constexpr (R == 1)
-      detail::stream_prologue<NT, S>(wlo[0], whi[0], kb, ke, ring, lane);
-    else
-      detail::stream_prologue_seq<NT, S, R>(wlo, whi, kb, ke, ring, lane);
-  }
+  if (active) detail::stream_prologue<NT, S>(wlo, whi, kb, ke, ring, lane);
 
   const int seg = sh ? 0 : a.tile_info ? info.z : __ldcg(a.offsets + e);
   const int cnt = sh ? a.T : a.tile_info ? info.w : __ldcg(a.offsets + e + 1) - seg;
@@ -153,65 +134,56 @@ __global__ void __launch_bounds__(kStreamThreads, detail::stream_blocks_per_sm(d
     xp[t] = A + size_t(src) * K + q * 8;
   }
 
-  float acc[R][NT][4];
+  float acc[NT][4];
 #pragma unroll
-  for (int r = 0; r < R; ++r)
+  for (int t = 0; t < NT; ++t)
 #pragma unroll
-    for (int t = 0; t < NT; ++t)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[r][t][i] = 0.f;
+    for (int i = 0; i < 4; ++i) acc[t][i] = 0.f;
   // A tile whose rows fit one token group (most tiles at batch 9..64: 8 x 64 routed rows over 256 experts) leaves
   // the ring's x region unused: with a.deep its weights stream through S1 W-only stages over the whole ring (12 at
   // NT = 4 instead of 4: three times the weight bytes in flight), x read through L1 as at NT = 1. The same products in
-  // the same order: the same bits. (One row group per warp only: with R > 1 a.deep is not used.)
+  // the same order: the same bits.
   constexpr int S1 = NT >= 2 ? kRing / detail::kStreamWStage : S;
-  if (active && R == 1 && NT >= 2 && a.deep && ntl == 1) {
-    detail::stream_prologue_extend<S, S1>(wlo[0], whi[0], kb, ke, ring, lane);
+  if (active && NT >= 2 && a.deep && ntl == 1) {
+    detail::stream_prologue_extend<S, S1>(wlo, whi, kb, ke, ring, lane);
     const bf16* const xp1[1] = {xp[0]};
     float acc1[1][4] = {{0.f, 0.f, 0.f, 0.f}};
-    detail::stream_consume<1, S1, XD>(wlo[0], whi[0], kb, ke, xp1, 1, ring, lane, acc1);
+    detail::stream_consume<1, S1, XD>(wlo, whi, kb, ke, xp1, 1, ring, lane, acc1);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) acc[0][0][i] = acc1[0][i];
+    for (int i = 0; i < 4; ++i) acc[0][i] = acc1[0][i];
   } else if (active) {
-    if constexpr (R == 1)
-      detail::stream_consume<NT, S, NT == 1 ? XD : 0>(wlo[0], whi[0], kb, ke, xp, ntl, ring, lane, acc[0]);
-    else
-      detail::stream_consume_seq<NT, S, R, NT == 1 ? XD : 0>(wlo, whi, kb, ke, xp, ntl, ring, lane, acc);
+    detail::stream_consume<NT, S, NT == 1 ? XD : 0>(wlo, whi, kb, ke, xp, ntl, ring, lane, acc);
   }
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    if (r > 0) __syncthreads();  // row group r - 1's partials are read before row group r's are written over them
-    if (!detail::stream_reduce<NT, kRing>(acc[r], ntl, ks_count, ring_all) || !act[r]) continue;
+  if (!detail::stream_reduce<NT, kRing>(acc, ntl, ks_count, ring_all) || !active) return;
 
-    // Epilogue: acc[r][t][h] = (A row g, token t*8 + 2q + h), acc[r][t][2 + h] = (A row g + 8, same token).
+  // Epilogue: acc[t][h] = (A row g, token t*8 + 2q + h), acc[t][2 + h] = (A row g + 8, same token).
 #pragma unroll
-    for (int t = 0; t < NT; ++t) {
-      if (t >= ntl) continue;
+  for (int t = 0; t < NT; ++t) {
+    if (t >= ntl) continue;
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int m = m0 + t * 8 + 2 * q + h;
-        if (m >= cnt) continue;
-        const size_t orow = size_t(sh ? m : seg + m) * N;
-        if (GATE_UP) {
-          const float gv = round_bf16(acc[r][t][h]), uv = round_bf16(acc[r][t][2 + h]);
-          bf16* o = sh ? static_cast<bf16*>(a.sout) : a.out;
-          o[orow + c0[r] + g] = __float2bfloat16(silu_f(gv) * uv);
-        } else if (sh) {
-          float* o = static_cast<float*>(a.sout);
-          o[orow + c0[r] + g] = acc[r][t][h];
-          o[orow + c0[r] + 8 + g] = acc[r][t][2 + h];
-        } else {
-          a.out[orow + c0[r] + g] = __float2bfloat16(acc[r][t][h]);
-          a.out[orow + c0[r] + 8 + g] = __float2bfloat16(acc[r][t][2 + h]);
-        }
+    for (int h = 0; h < 2; ++h) {
+      const int m = m0 + t * 8 + 2 * q + h;
+      if (m >= cnt) continue;
+      const size_t orow = size_t(sh ? m : seg + m) * N;
+      if (GATE_UP) {
+        const float gv = round_bf16(acc[t][h]), uv = round_bf16(acc[t][2 + h]);
+        bf16* o = sh ? static_cast<bf16*>(a.sout) : a.out;
+        o[orow + c0 + g] = __float2bfloat16(silu_f(gv) * uv);
+      } else if (sh) {
+        float* o = static_cast<float*>(a.sout);
+        o[orow + c0 + g] = acc[t][h];
+        o[orow + c0 + 8 + g] = acc[t][2 + h];
+      } else {
+        a.out[orow + c0 + g] = __float2bfloat16(acc[t][h]);
+        a.out[orow + c0 + 8 + g] = __float2bfloat16(acc[t][2 + h]);
       }
     }
   }
 }
 
-template <int MODE, int NT, int XD, int R>
+template <int MODE, int NT, int XD>
 void launch_decode_gemm(dim3 grid, const DecodeArgs& g, cudaStream_t stream, const char* what) {
-  auto kernel = decode_gemm_kernel<MODE, NT, XD, R>;
+  auto kernel = decode_gemm_kernel<MODE, NT, XD>;
   constexpr int smem = detail::stream_smem_bytes(decode_stages<NT>(), NT);
   static DeviceOnce once;  // the attribute is per device
   once.run(current_device(), [&](int) {
@@ -224,20 +196,13 @@ void launch_decode_gemm(dim3 grid, const DecodeArgs& g, cudaStream_t stream, con
 template <int MODE>
 void launch_decode_nt(int T, dim3 grid, const DecodeArgs& g, cudaStream_t stream, const char* what) {
   static CandidateSwitch x_ahead("HYPIC_STREAM_X_AHEAD");
-  static CandidateSwitch row_pairs("HYPIC_MOE_DECODE_ROW_PAIRS");
   constexpr int kXAhead = detail::kStreamXAhead;
   const int rows = std::min(T, kDecBM);
-  const bool xa = x_ahead.on(), pairs = row_pairs.on();
+  const bool xa = x_ahead.on();
   auto launch = [&](auto nt) {
     constexpr int NT = decltype(nt)::value;
-    if (pairs) {  // each block two row groups per warp: half the column blocks (x ahead: NT = 1 only, no deep ring)
-      const dim3 g2(grid.x, (grid.y + 1) / 2, grid.z);
-      xa && NT == 1 ? launch_decode_gemm<MODE, NT, NT == 1 ? kXAhead : 0, 2>(g2, g, stream, what)
-                    : launch_decode_gemm<MODE, NT, 0, 2>(g2, g, stream, what);
-    } else {
-      xa ? launch_decode_gemm<MODE, NT, kXAhead, 1>(grid, g, stream, what)
-         : launch_decode_gemm<MODE, NT, 0, 1>(grid, g, stream, what);
-    }
+    xa ? launch_decode_gemm<MODE, NT, kXAhead>(grid, g, stream, what)
+       : launch_decode_gemm<MODE, NT, 0>(grid, g, stream, what);
   };
   if (rows <= 8)
     launch(std::integral_constant<int, 1>{});

@@ -111,22 +111,21 @@ __device__ __forceinline__ void stream_prologue_extend(const __nv_bfloat16* wlo,
   }
 }
 
-/// The start of a consume loop over a warp's sequence of `total` positions over the K slice [kb, kb + n) (position s:
-/// chunk kb + s % n; stream_consume: total = n; stream_consume_seq: R row groups, total = R n): with NT >= 2 the x
-/// copies of the first S positions into the x region (stage s, group t at 32 (s NT + t)), then one commit group
-/// (empty with one token group) and the wait before position 0. Commit order: W of stages 0..S-1, this x group, then
-/// one group per position (the refill of position i + S). Position 0 needs W of stage 0 and, with x in the ring, the x
-/// group (the last): wait_group S (one token group: at most S of the S + 1 pending, so the oldest is done) or 0.
-/// Position i >= 1 needs W of stage i (i < S) or refill group i - S, which wait_group S - 1 guarantees (at most S - 1
-/// of the S + 1 + i groups pending: the oldest i + 2 are done).
-template <int NT, int S, bool kSeq = false>
+/// The start of stream_consume's loop over the K slice [kb, kb + n): with NT >= 2 the x copies of the first S chunks
+/// into the x region (stage s, group t at 32 (s NT + t)), then one commit group (empty with one token group) and the
+/// wait before chunk 0. Commit order: W of stages 0..S-1, this x group, then one group per chunk (the refill of chunk
+/// i + S). Chunk 0 needs W of stage 0 and, with x in the ring, the x group (the last): wait_group S (one token group:
+/// at most S of the S + 1 pending, so the oldest is done) or 0. Chunk i >= 1 needs W of stage i (i < S) or refill
+/// group i - S, which wait_group S - 1 guarantees (at most S - 1 of the S + 1 + i groups pending: the oldest i + 2 are
+/// done).
+template <int NT, int S>
 __device__ __forceinline__ void stream_x_first(const __nv_bfloat16* const (&xp)[NT], int ntl, int kb, int n,
-                                               int total, uint4* xring, int lane) {
+                                               uint4* xring, int lane) {
   if constexpr (NT >= 2) {
 #pragma unroll
     for (int s = 0; s < S; ++s)
-      if (s < total) {
-        const int k = (kb + (kSeq ? s % n : s)) * kStreamChunk;  // (one row group: total = n, s < n)
+      if (s < n) {
+        const int k = (kb + s) * kStreamChunk;
 #pragma unroll
         for (int t = 0; t < NT; ++t)
           if (t < ntl) cp_async16_stream(xring + (s * NT + t) * 32 + lane, xp[t] + k);
@@ -166,7 +165,7 @@ __device__ __forceinline__ void stream_consume(const __nv_bfloat16* wlo, const _
 #pragma unroll
     for (int d = 0; d < XD; ++d)
       xq[d] = d < n ? __ldca(reinterpret_cast<const uint4*>(xp[0] + (kb + d) * kStreamChunk)) : make_uint4(0, 0, 0, 0);
-    stream_x_first<NT, S>(xp, ntl, kb, n, n, ring + S * kStreamWStage, lane);  // (the empty x group)
+    stream_x_first<NT, S>(xp, ntl, kb, n, ring + S * kStreamWStage, lane);  // (the empty x group)
     for (int i0 = 0; i0 < n; i0 += XD) {
 #pragma unroll
       for (int d = 0; d < XD; ++d) {
@@ -194,7 +193,7 @@ __device__ __forceinline__ void stream_consume(const __nv_bfloat16* wlo, const _
   }
   uint4* const xring = ring + S * kStreamWStage;  // the x region (NT >= 2): stage s, group t at 32 (s NT + t)
   const int n = ke - kb;
-  stream_x_first<NT, S>(xp, ntl, kb, n, n, xring, lane);
+  stream_x_first<NT, S>(xp, ntl, kb, n, xring, lane);
   for (int i = 0; i < n; ++i) {
     if (i > 0) cp_async_wait_stream<S - 1>();
     uint4* st = ring + (i % S) * kStreamWStage;
@@ -227,107 +226,6 @@ __device__ __forceinline__ void stream_consume(const __nv_bfloat16* wlo, const _
       }
     }
     cp_async_commit_stream();
-  }
-  cp_async_wait_stream<0>();
-}
-
-/// Row group r (a compile-time loop over R, so the pointer arrays stay in registers) of a runtime index.
-template <int R>
-__device__ __forceinline__ const __nv_bfloat16* stream_pick(const __nv_bfloat16* const (&p)[R], int r) {
-  const __nv_bfloat16* out = p[0];
-#pragma unroll
-  for (int j = 1; j < R; ++j)
-    if (r == j) out = p[j];
-  return out;
-}
-
-/// stream_prologue for a warp that streams R row groups back to back over the same K slice [kb, ke) (HYPIC_MOE_
-/// DECODE_ROW_PAIRS): the sequence of R (ke - kb) chunks, row group r's chunk i at position r (ke - kb) + i, fills
-/// the ring's first S stages (one commit group each), so the next row group's first chunks are in flight while the
-/// current one's last are consumed. wlo[r] / whi[r]: row group r's lane rows (+ 8q applied).
-template <int NT, int S, int R>
-__device__ __forceinline__ void stream_prologue_seq(const __nv_bfloat16* const (&wlo)[R],
-                                                    const __nv_bfloat16* const (&whi)[R], int kb, int ke,
-                                                    uint4* ring, int lane) {
-  const int n = ke - kb;
-#pragma unroll
-  for (int s = 0; s < S; ++s) {
-    if (s < R * n) {
-      const int r = s / n, k = (kb + s - r * n) * kStreamChunk;
-      cp_async16_stream(ring + s * kStreamWStage + lane, stream_pick<R>(wlo, r) + k);
-      cp_async16_stream(ring + s * kStreamWStage + 32 + lane, stream_pick<R>(whi, r) + k);
-    }
-    cp_async_commit_stream();
-  }
-}
-
-/// stream_consume over stream_prologue_seq's sequence (same arguments): acc[r] += row group r's W x over [kb, ke), each
-/// row group's chunks in ascending k, so each acc[r] gets the bits stream_consume gives that row group alone (x as
-/// there: NT >= 2 staged in the ring, the chunk's x copied again for each row group; NT = 1 read through L1, with XD
-/// the same register queue, restarted at each row group). Commit order as stream_consume's: W of the first S
-/// positions, the x group, then one group per position. Returns with no copy in flight.
-template <int NT, int S, int R, int XD = 0>
-__device__ __forceinline__ void stream_consume_seq(const __nv_bfloat16* const (&wlo)[R],
-                                                   const __nv_bfloat16* const (&whi)[R], int kb, int ke,
-                                                   const __nv_bfloat16* const (&xp)[NT], int ntl, uint4* ring,
-                                                   int lane, float (&acc)[R][NT][4]) {
-  constexpr bool kXInRing = NT >= 2;
-  static_assert(XD == 0 || NT == 1, "x ahead in registers is the one-token-group path");
-  uint4* const xring = ring + S * kStreamWStage;
-  const int n = ke - kb, total = R * n;
-  stream_x_first<NT, S, true>(xp, ntl, kb, n, total, xring, lane);
-  constexpr int D = XD > 0 ? XD : 1;
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    uint4 xq[D];
-    if constexpr (XD > 0) {
-#pragma unroll
-      for (int d = 0; d < XD; ++d)
-        xq[d] = d < n ? __ldca(reinterpret_cast<const uint4*>(xp[0] + (kb + d) * kStreamChunk)) : make_uint4(0, 0, 0, 0);
-    }
-    for (int i0 = 0; i0 < n; i0 += D) {
-#pragma unroll
-      for (int d = 0; d < D; ++d) {
-        const int i = i0 + d, pos = r * n + i;
-        if (i < n) {
-          if (pos > 0) cp_async_wait_stream<S - 1>();
-          uint4* st = ring + (pos % S) * kStreamWStage;
-          uint4* sx = xring + (pos % S) * NT * 32;
-          const uint4 wl = st[lane], wh = st[32 + lane];
-          const uint32_t a0[4] = {wl.x, wh.x, wl.y, wh.y};
-          const uint32_t a1[4] = {wl.z, wh.z, wl.w, wh.w};
-          const int k0 = (kb + i) * kStreamChunk;
-#pragma unroll
-          for (int t = 0; t < NT; ++t) {
-            if (t < ntl) {
-              uint4 xv;
-              if constexpr (kXInRing)
-                xv = sx[t * 32 + lane];
-              else if constexpr (XD > 0)
-                xv = xq[d];
-              else
-                xv = __ldca(reinterpret_cast<const uint4*>(xp[t] + k0));
-              mma_bf16(acc[r][t], a0, xv.x, xv.y);
-              mma_bf16(acc[r][t], a1, xv.z, xv.w);
-            }
-          }
-          if constexpr (XD > 0) {
-            if (i + XD < n) xq[d] = __ldca(reinterpret_cast<const uint4*>(xp[0] + (kb + i + XD) * kStreamChunk));
-          }
-          if (pos + S < total) {  // the position S ahead: row group r2's chunk i2
-            const int r2 = (pos + S) / n, k1 = (kb + pos + S - r2 * n) * kStreamChunk;
-            cp_async16_stream(st + lane, stream_pick<R>(wlo, r2) + k1);
-            cp_async16_stream(st + 32 + lane, stream_pick<R>(whi, r2) + k1);
-            if constexpr (kXInRing) {
-#pragma unroll
-              for (int t = 0; t < NT; ++t)
-                if (t < ntl) cp_async16_stream(sx + t * 32 + lane, xp[t] + k1);
-            }
-          }
-          cp_async_commit_stream();
-        }
-      }
-    }
   }
   cp_async_wait_stream<0>();
 }

@@ -315,8 +315,7 @@ TEST_CASE("moe_forward decode sizes (T <= 64): OwnDecode / Own vs CPU, Cublas, O
                                       {{16, 4, 128, 64, 64}, true},
                                       {{40, 16, 128, 64, 64}, false},   // E not a multiple of 32, k = kMaxTopk
                                       {{320, 8, 128, 64, 64}, false},   // E > 256: 16 routing registers per lane
-                                      {{64, 4, 128, 96, 96}, false},    // I = 96: a block of row pairs half past I
-                                      {{64, 4, 512, 96, 96}, false}};   // the same with 2 K slices in gate_up
+                                      {{64, 4, 128, 96, 96}, false}};   // I = 96: a column block half past I
   // (HYPIC_ROUTE_SPREAD's blocks, ceil(tasks / 16) for 2T tasks with a shared expert, T without: 2 at T = 9 and 16,
   // 5 at 33, 6 at 48, 8 at 64 with; 3 at 33 and 48, 4 at 64 without; one block below)
   const std::vector<int> Ts = {1, 2, 7, 9, 16, 33, 48, 64};
@@ -398,23 +397,18 @@ TEST_CASE("moe_forward decode sizes (T <= 64): OwnDecode / Own vs CPU, Cublas, O
       // Tiles with one token group on the whole ring as W-only stages (HYPIC_MOE_DECODE_DEEP; T > 8: the rings have
       // 2 or 4 token groups) against the staged x: the same products in the same order, the same bits.
       // Each with x of the one-token-group paths loaded 4 chunks ahead into registers (HYPIC_STREAM_X_AHEAD: at
-      // T <= 8 every tile, above it the deep ring's tiles) and without, and with each warp streaming two row groups
-      // back to back (HYPIC_MOE_DECODE_ROW_PAIRS: half the column blocks; the deep ring then unused) and one: the
-      // same products in the same order per output, the same bits.
+      // T <= 8 every tile, above it the deep ring's tiles) and without: the same bits.
       for (bool deep : {true, false})
-        for (bool ahead : {false, true})
-          for (bool pairs : {false, true}) {
-            ScopedCandidate sw("HYPIC_MOE_DECODE_DEEP", deep), xa("HYPIC_STREAM_X_AHEAD", ahead),
-                rp("HYPIC_MOE_DECODE_ROW_PAIRS", pairs);
-            DeviceBuffer<float> dout(base);
-            gpu::moe_forward(T, dx.get(), v, dout.get(), ws, gemm, gpu::GroupedGemm::Own, st.s);
-            check_cuda(cudaStreamSynchronize(st.s), "moe_forward");
-            const bool same = same_bits(dout.download(), results[kOwn]);
-            std::printf("[moe] decode %s Own with the deep ring %s, x ahead %s, row pairs %s == default: %s\n",
-                        name.c_str(), deep ? "on" : "off", ahead ? "on" : "off", pairs ? "on" : "off",
-                        same ? "yes" : "NO");
-            CHECK(same);
-          }
+        for (bool ahead : {false, true}) {
+          ScopedCandidate sw("HYPIC_MOE_DECODE_DEEP", deep), xa("HYPIC_STREAM_X_AHEAD", ahead);
+          DeviceBuffer<float> dout(base);
+          gpu::moe_forward(T, dx.get(), v, dout.get(), ws, gemm, gpu::GroupedGemm::Own, st.s);
+          check_cuda(cudaStreamSynchronize(st.s), "moe_forward");
+          const bool same = same_bits(dout.download(), results[kOwn]);
+          std::printf("[moe] decode %s Own with the deep ring %s, x ahead %s == default: %s\n", name.c_str(),
+                      deep ? "on" : "off", ahead ? "on" : "off", same ? "yes" : "NO");
+          CHECK(same);
+        }
       // The decode GEMMs reading each tile's (expert, first row, expert's offset, expert's rows) from one int4 that the
       // routing wrote (HYPIC_MOE_DECODE_TILE_INFO), with the routing on one block and spread (HYPIC_ROUTE_SPREAD):
       // the same tiles, rows and products as without it, the same bits; and the int4 schedule equal to the int2 tiles
