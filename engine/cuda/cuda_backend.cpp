@@ -55,9 +55,6 @@ CudaBackend::CudaBackend(const DeviceSpec& dev, ModelConfig cfg, const ModelWeig
     check_cuda(cudaDeviceGetStreamPriorityRange(&least, &greatest), "cudaDeviceGetStreamPriorityRange");
     check_cuda(cudaStreamCreateWithPriority(&dec_stream_, cudaStreamNonBlocking, greatest), "cudaStreamCreate");
     dec_full_stream_ = dec_stream_;
-    check_cuda(cudaStreamCreateWithPriority(&dec_side_stream_, cudaStreamNonBlocking, greatest), "cudaStreamCreate");
-    check_cuda(cudaEventCreateWithFlags(&dec_fork_ev_, cudaEventDisableTiming), "cudaEventCreate(decode fork)");
-    check_cuda(cudaEventCreateWithFlags(&dec_join_ev_, cudaEventDisableTiming), "cudaEventCreate(decode join)");
   }
   if (opt_.decode_sms < -1)
     throw std::invalid_argument("decode_sms must be >= 0 (or -1: auto), got " + std::to_string(opt_.decode_sms));
@@ -172,9 +169,7 @@ CudaBackend::~CudaBackend() {
     cudaStreamDestroy(stream_);
   }
   if (lane_ev_) cudaEventDestroy(lane_ev_);
-  for (cudaEvent_t ev : {dec_fork_ev_, dec_join_ev_})
-    if (ev) cudaEventDestroy(ev);
-  for (cudaStream_t st : {d2h_stream_, h2d_stream_, dec_full_stream_, dec_side_stream_}) {
+  for (cudaStream_t st : {d2h_stream_, h2d_stream_, dec_full_stream_}) {
     if (!st) continue;
     cudaStreamSynchronize(st);
     cudaStreamDestroy(st);
@@ -558,9 +553,8 @@ void CudaBackend::import_kv(int a, const KvImport& kv, const KvImportTables& t, 
 
 void CudaBackend::attention_layer(const Lane& ln, const DevLayer& L, int a, int T, const int* positions,
                                   const int* kv_rows, const kc::AttnGroups& groups, bool decode,
-                                  const MlaExpandPass* mla_expand, const PrefetchSet* after_core) {
-  if (attn_ != Attn::Mla)
-    return attention_mixer(ln, L.attention, a, T, positions, kv_rows, groups, decode, after_core);
+                                  const MlaExpandPass* mla_expand) {
+  if (attn_ != Attn::Mla) return attention_mixer(ln, L.attention, a, T, positions, kv_rows, groups, decode);
   mla_mixer(*ln.gemm, L.mla, mla_cfg_, T, ln.hn, kv_rows, groups, k_pool_[a].as<kc::bf16>(), mla_expand, &mla_xs_,
             &attn_ws_, decode ? &mla_dec_ws_ : &mla_ws_, ln.mla, ln.x, ln.stream);
 }
@@ -642,9 +636,8 @@ bool CudaBackend::linear_finish(const Lane& ln, const DevLinear& L, int T, const
 // Gated attention layer a over T tokens (HF Qwen3NextAttention): projections, q/k norms and RoPE with K and V written
 // to the pool rows kv_rows (DEVICE [T]) at positions (DEVICE [T]), attention over the groups (prefill, or one query
 // per group in decode), the output gate, o_proj added into the residual stream.
-void CudaBackend::attention_mixer(const Lane& ln, const DevAttention& A, int a, int T, const int* positions,
-                                  const int* kv_rows, const kc::AttnGroups& groups, bool decode,
-                                  const PrefetchSet* after_core) {
+void CudaBackend::attention_mixer(const Lane& ln, const DevAttention& A, int a, int T, const int* positions, const int* kv_rows,
+                                  const kc::AttnGroups& groups, bool decode) {
   attention_gemms(ln, A, T);
   kc::bf16* kp = k_pool_[a].as<kc::bf16>();
   kc::bf16* vp = v_pool_[a].as<kc::bf16>();
@@ -658,11 +651,10 @@ void CudaBackend::attention_mixer(const Lane& ln, const DevAttention& A, int a, 
   const kc::bf16* g = gate ? ln.qg + hd_ : nullptr;
   const long g_token = gate ? long(2) * nh_ * hd_ : 0;
   const int g_head = gate ? 2 * hd_ : 0;
-  if (decode) {
+  if (decode)
     kc::attention_decode(groups, nh_, nkv_, hd_, ln.aq, kp, vp, attn_scale_, g, g_token, g_head, ln.ao, attn_dec_ws_,
                          ln.stream);
-    if (after_core) decode_prefetch(ln, *after_core);  // (after the KV stream, which would evict it)
-  } else
+  else
     kc::attention_prefill(groups, nh_, nkv_, hd_, ln.aq, kp, vp, attn_scale_, g, g_token, g_head, ln.ao, attn_ws_, ln.stream);
   project(ln, T, nh_ * hd_, ln.ao, {{A.o_proj, H_, ln.x, H_}}, kc::DecodeLinearEpilogue::AddF32,
           float(cfg_.full_attn_beta));
@@ -968,51 +960,12 @@ CudaBackend::PartitionScope::~PartitionScope() {
   for (kc::GdnWorkspace* ws : {&b.ws_a_, &b.ws_c_, &b.ws_seam_, &b.ws_pieces_}) ws->set_side_stream(nullptr);
 }
 
-CudaBackend::PrefetchSet CudaBackend::after_core_prefetch(const DevLayer& L) const {
-  PrefetchSet p;
-  auto add = [&](const void* w, size_t bytes) {
-    if (w && bytes) p.r[p.n++] = {w, bytes};
-  };
-  const size_t h = size_t(H_) * sizeof(kc::bf16);
-  if (L.type == LayerType::Linear && lin_ == Lin::Gdn)
-    add(L.linear.out_proj, h * vd_);
-  else if (L.type == LayerType::FullAttention && attn_ != Attn::Mla)
-    add(L.attention.o_proj, h * nh_ * hd_);
-  else
-    return p;
-  if (L.is_moe) {
-    const size_t is = size_t(cfg_.shared_expert_intermediate_size);
-    add(L.ffn.router, h * cfg_.num_experts);
-    add(L.ffn.shared_gate, h);
-    add(L.ffn.shared_gate_up, h * 2 * is);
-    add(L.ffn.shared_down, h * is);
-  }
-  p.n = kc::l2_prefetch_fit(p.r, p.n, kc::l2_prefetch_budget());
-  return p;
-}
-
-void CudaBackend::decode_prefetch(const Lane& ln, const PrefetchSet& set) {
-  if (!dec_prefetch_ || set.n == 0) return;
-  kc::fork_stream(ln.stream, dec_fork_ev_, dec_side_stream_);
-  kc::l2_prefetch(set.r, set.n, dec_side_stream_);
-  dec_forked_ = true;
-}
-
 // One decode step of B sequences from the fixed tables (no host work, no allocation: capturable).
 void CudaBackend::decode_body(int B, int cap, const DecodeTables& t) {
   const Lane& ln = dec_;
   const int* tab = dec_tables_.as<int>();
   const kc::AttnGroups groups = attn_groups(B, tab + t.qs, tab + t.pos, tab + t.bt, cap, B, 1, cap * kPage);
   const int* slots = tab + t.slots;
-  // Weights prefetched into the L2 in the windows where the DRAM idles (HYPIC_DECODE_L2_PREFETCH, small batches:
-  // kernels/cuda/l2_prefetch.h): after a GDN layer's in_proj and an attention layer's KV stream, the layer's output
-  // projection, router and shared expert; after the routing, the picked experts' down weights (moe_forward).
-  static kc::CandidateSwitch l2_prefetch("HYPIC_DECODE_L2_PREFETCH");
-  dec_prefetch_ = B <= kc::kDecodeL2PrefetchMaxTokens && l2_prefetch.on();
-  dec_forked_ = false;
-  ln.moe_ws->l2_side = dec_prefetch_ ? dec_side_stream_ : nullptr;
-  ln.moe_ws->l2_fork = dec_prefetch_ ? dec_fork_ev_ : nullptr;
-  ln.moe_ws->l2_forked = false;
   kc::embed_gather(B, H_, tab + t.ids, w_.embed, ln.x, ln.stream);
   bool normed = false;  // ln.hn already holds this layer's input norm (the previous MoE combine wrote it)
   for (int i = 0; i < cfg_.num_hidden_layers; ++i) {
@@ -1029,7 +982,6 @@ void CudaBackend::decode_body(int B, int cap, const DecodeTables& t) {
     } else if (L.type == LayerType::Linear) {
       const int l = cfg_.linear_index(i);
       linear_gemms(dec_, L.linear, B);
-      if (dec_prefetch_) decode_prefetch(ln, after_core_prefetch(L));
       kc::conv1d_silu_decode(B, C_, K_, ln.qkv, L.linear.conv1d, convs(l, 0), kc::ConvQkvOut{ln.q, ln.k, ln.v, qd_},
                              ln.stream, slots);
       // The gated output norm rides on the recurrence launch (gated_delta.h GdnDecodeNorm).
@@ -1038,9 +990,7 @@ void CudaBackend::decode_body(int B, int cap, const DecodeTables& t) {
                            ssm(l, 0), ln.o, ln.stream, slots, &gnorm);
       post_normed = linear_finish(dec_, L.linear, B, L.post_attention_layernorm, /*gated_normed=*/true);
     } else {
-      const PrefetchSet after_core = dec_prefetch_ ? after_core_prefetch(L) : PrefetchSet{};
-      attention_layer(dec_, L, cfg_.attention_index(i), B, tab + t.pos, tab + t.rows, groups, true, nullptr,
-                      &after_core);
+      attention_layer(dec_, L, cfg_.attention_index(i), B, tab + t.pos, tab + t.rows, groups, true);
     }
     const bool last = i + 1 == cfg_.num_hidden_layers;
     normed = ffn(dec_, L, B, /*decode=*/true, last ? w_.final_norm : next_input_norm(i), post_normed);
@@ -1056,10 +1006,6 @@ void CudaBackend::decode_body(int B, int cap, const DecodeTables& t) {
     kc::decode_linear(B, H_, ln.hn, H_, &head, 1, kc::DecodeLinearEpilogue::StoreF32, ln.stream);
   else
     ln.gemm->linear(B, V, H_, ln.hn, H_, w_.lm_head, dec_logits_.as(), CUDA_R_32F, V, 0.f, ln.stream);
-  if (dec_forked_ || ln.moe_ws->l2_forked) {  // the side stream joins back: a capture ends with every branch joined
-    check_cuda(cudaEventRecord(dec_join_ev_, dec_side_stream_), "decode prefetch join");
-    check_cuda(cudaStreamWaitEvent(ln.stream, dec_join_ev_, 0), "decode prefetch join");
-  }
 }
 
 // ---- entry builds ----------------------------------------------------------------------------------------------

@@ -42,7 +42,6 @@
 #include "kernels/cuda/gated_delta.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/kda.h"
-#include "kernels/cuda/l2_prefetch.h"
 #include "kernels/cuda/lightning.h"
 #include "kernels/cuda/mla.h"
 #include "kernels/cuda/moe.h"
@@ -461,24 +460,8 @@ class CudaBackend final : public Backend {
   void import_kv(int a, const KvImport& kv, const KvImportTables& t, const Tables& tb);
   /// Attention layer a of any family (Gated / Plain: attention_mixer; MLA: mla_mixer, expanded over `mla_expand`'s
   /// scratch pages when given, else absorbed).
-  /// Weights a decode step prefetches into the L2 in one window (HYPIC_DECODE_L2_PREFETCH): at most
-  /// kPrefetchRanges ranges in the order their readers come.
-  static constexpr int kPrefetchRanges = 5;
-  struct PrefetchSet {
-    kc::L2Range r[kPrefetchRanges];
-    int n = 0;
-  };
-  /// Layer L's weights read after its mixer's core (the recurrence, the attention over the KV) at decode: the
-  /// mixer's output projection, then the MoE router, shared gate and shared expert (Qwen's GDN and gated attention
-  /// layers; empty for the other mixers and dense MLPs), cut to the L2 budget (kc::l2_prefetch_budget).
-  PrefetchSet after_core_prefetch(const DevLayer& L) const;
-  /// Forks a prefetch of `set` onto dec_side_stream_ (dec_prefetch_ must be on; nothing for an empty set).
-  void decode_prefetch(const Lane& ln, const PrefetchSet& set);
-  /// after_core (decode, Gated / Plain attention): prefetched (decode_prefetch) once the attention kernel is
-  /// launched.
   void attention_layer(const Lane& ln, const DevLayer& L, int a, int T, const int* positions, const int* kv_rows,
-                       const kc::AttnGroups& groups, bool decode, const MlaExpandPass* mla_expand = nullptr,
-                       const PrefetchSet* after_core = nullptr);
+                       const kc::AttnGroups& groups, bool decode, const MlaExpandPass* mla_expand = nullptr);
   /// MLA prefill passes: when the expanded form is the cheaper (mla_pass_form) and its scratch holds the plan's rows
   /// (grown here when the device has room; else the pass stays absorbed, which takes any length, only slower), the expansion
   /// plan's tables go into `tb` (before its upload) and on = true; mla_expand_pass then gives the device view (after
@@ -502,7 +485,7 @@ class CudaBackend final : public Backend {
                      bool gated_normed = false);
   void attention_gemms(const Lane& ln, const DevAttention& A, int T);
   void attention_mixer(const Lane& ln, const DevAttention& A, int a, int T, const int* positions, const int* kv_rows,
-                       const kc::AttnGroups& groups, bool decode, const PrefetchSet* after_core = nullptr);
+                       const kc::AttnGroups& groups, bool decode);
   /// Post-attention norm and MLP / MoE of T tokens added into the residual; decode: a (capturable) decode step.
   /// next_norm: the RMSNorm weight [H] bf16 of what reads the residual next (the next layer's input norm, or the final
   /// norm before the LM head), or nullptr. Returns true when it also wrote ln.hn = norm(x) with it (a MoE layer
@@ -661,12 +644,6 @@ class CudaBackend final : public Backend {
   // The decode lane's own stream (whole device, the highest priority; dec_stream_ == dec_full_stream_), GEMM runner
   // and MoE workspace.
   cudaStream_t dec_stream_ = nullptr, dec_full_stream_ = nullptr;
-  // HYPIC_DECODE_L2_PREFETCH: the decode lane's side stream for the L2 prefetches of weights (kernels/cuda/
-  // l2_prefetch.h; the same priority), its fork and join events; dec_prefetch_: this step prefetches (decode_body),
-  // dec_forked_: it forked at least once (joined back at the step's end).
-  cudaStream_t dec_side_stream_ = nullptr;
-  cudaEvent_t dec_fork_ev_ = nullptr, dec_join_ev_ = nullptr;
-  bool dec_prefetch_ = false, dec_forked_ = false;
   kc::GemmRunner dec_gemm_;
   kc::MoeWorkspace dec_moe_ws_;
   DeviceMemory logits_dev_;

@@ -46,7 +46,6 @@
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/decode_linear.h"
-#include "kernels/cuda/l2_prefetch.h"
 #include "kernels/cuda/mma.cuh"
 #include "kernels/cuda/moe_internal.cuh"
 #include "kernels/cuda/ops.h"
@@ -1371,15 +1370,6 @@ void moe_forward(int T, const bf16* x, const MoeWeightsView& w, float* out, MoeW
   if (impl == GroupedGemm::Cublas) {
     launch_cublas_grouped(w, T, P, x, ws, stream);
   } else if (decode) {
-    if (ws.l2_side && ws.l2_fork && T <= kDecodeL2PrefetchMaxTokens) {
-      // The picked experts' down weights into the L2 beside the gate_up GEMM (which leaves the DRAM idle part of its
-      // time at these sizes): at most the L2 budget's worth of picks, the first ones.
-      const size_t expert_bytes = size_t(H) * w.I * sizeof(bf16);
-      const int picks = int(std::min<size_t>(P, l2_prefetch_budget() / expert_bytes));
-      fork_stream(stream, ws.l2_fork, ws.l2_side);
-      l2_prefetch_experts(picks, topk_e, E, w.experts_down, expert_bytes, ws.l2_side);
-      ws.l2_forked = true;
-    }
     launch_decode(w, T, P, x, ws, tile_info, stream);
   } else if (bm == SmallCfg::BM) {
     launch_grouped<SmallCfg>(w, P, x, ws, stream);

@@ -176,13 +176,6 @@ class MoeWorkspace {
   Buf dec_tiles;
   // Cublas path only.
   Buf xs, gu, ptrs;
-  /// Decode steps (HYPIC_DECODE_L2_PREFETCH, set by the caller per step; null: off): a side stream and an event of
-  /// the caller's. When set, moe_forward's decode path at up to kDecodeL2PrefetchMaxTokens tokens forks onto it after
-  /// the routing a prefetch of the picked experts' down weights into the L2 (kernels/cuda/l2_prefetch.h), which runs
-  /// beside the gate_up GEMM; the caller joins l2_side back into its stream before its step (or capture) ends.
-  cudaStream_t l2_side = nullptr;
-  cudaEvent_t l2_fork = nullptr;
-  bool l2_forked = false;  ///< set by moe_forward when it forked onto l2_side (the caller clears it)
   bool capturing = false;  // set by moe_forward / mlp_forward: growth then throws
   void* host_pinned = nullptr;
   size_t host_pinned_bytes = 0;

@@ -16,7 +16,6 @@
 
 #include "engine/backend.h"
 #include "kernels/cpu/ops.h"
-#include "kernels/cuda/l2_prefetch.h"
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/sample.h"
 #include "tests/gpu/gpu_util.h"
@@ -458,78 +457,4 @@ TEST_CASE("sample_rows picks the host's Sampler::pick token for every draw", "[o
   CHECK_THROWS_AS(gpu::sample_rows(1, 0, nullptr, 0, nullptr, nullptr, nullptr), std::invalid_argument);
   CHECK_THROWS_AS(gpu::sample_rows(-1, 10, nullptr, 10, nullptr, nullptr, nullptr), std::invalid_argument);
   CHECK_NOTHROW(gpu::sample_rows(0, 10, nullptr, 10, nullptr, nullptr, nullptr));
-}
-
-// kernels/cuda/l2_prefetch.h: the budget is half the device's L2, the fit keeps a prefix cut to the budget, and the
-// prefetch kernels (ranges of ragged sizes above the L2, picked experts with entries out of range) run eagerly and as
-// a forked branch of a captured CUDA graph, write nothing and reject bad arguments naming them.
-TEST_CASE("l2_prefetch: budget, fit, eager and captured launches, bad arguments", "[ops][l2_prefetch]") {
-  require_gpu();
-  int l2 = 0;
-  check_cuda(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, 0), "L2 size");
-  CHECK(gpu::l2_prefetch_budget() == size_t(l2) / 2);
-  {
-    gpu::L2Range r[3] = {{nullptr, 100}, {nullptr, 200}, {nullptr, 300}};
-    CHECK(gpu::l2_prefetch_fit(r, 3, 600) == 3);
-    CHECK(r[2].bytes == 300);
-    CHECK(gpu::l2_prefetch_fit(r, 3, 250) == 2);
-    CHECK(r[0].bytes == 100);
-    CHECK(r[1].bytes == 150);
-    gpu::L2Range q[3] = {{nullptr, 100}, {nullptr, 200}, {nullptr, 300}};
-    CHECK(gpu::l2_prefetch_fit(q, 3, 300) == 2);
-    CHECK(q[1].bytes == 200);
-    CHECK(gpu::l2_prefetch_fit(q, 3, 0) == 0);
-  }
-  // 80 MB of "weights" (past any L2) with a byte pattern, 8 experts of 1 MB + 48 bytes each in the first part.
-  const size_t n = (size_t(80) << 20) / 4;
-  std::vector<uint32_t> host(n);
-  for (size_t i = 0; i < n; ++i) host[i] = uint32_t(i * 2654435761u);
-  DeviceBuffer<uint32_t> w(host);
-  const size_t expert_bytes = (size_t(1) << 20) + 48;
-  DeviceBuffer<int> picks(std::vector<int>{3, -1, 0, 7, 8, 3, 100, 5});
-  const char* base = reinterpret_cast<const char*>(w.get());
-  const gpu::L2Range ranges[4] = {{base, 40 << 20}, {base + (41 << 20), (30 << 20) + 17}, {nullptr, 64}, {base, 0}};
-  gpu::l2_prefetch(ranges, 4, nullptr);
-  gpu::l2_prefetch_experts(8, picks.get(), 8, base, expert_bytes, nullptr);
-  check_cuda(cudaDeviceSynchronize(), "eager prefetch");
-  // Captured: the prefetches forked onto a side stream, joined back, the graph replayed.
-  cudaStream_t main = nullptr, side = nullptr;
-  cudaEvent_t fork = nullptr, join = nullptr;
-  check_cuda(cudaStreamCreateWithFlags(&main, cudaStreamNonBlocking), "stream");
-  check_cuda(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking), "stream");
-  check_cuda(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming), "event");
-  check_cuda(cudaEventCreateWithFlags(&join, cudaEventDisableTiming), "event");
-  DeviceBuffer<uint32_t> copy(n);
-  cudaGraph_t graph = nullptr;
-  check_cuda(cudaStreamBeginCapture(main, cudaStreamCaptureModeThreadLocal), "capture");
-  gpu::fork_stream(main, fork, side);
-  gpu::l2_prefetch(ranges, 2, side);
-  gpu::fork_stream(main, fork, side);
-  gpu::l2_prefetch_experts(8, picks.get(), 8, base, expert_bytes, side);
-  check_cuda(cudaMemcpyAsync(copy.get(), w.get(), n * 4, cudaMemcpyDeviceToDevice, main), "copy");
-  check_cuda(cudaEventRecord(join, side), "join");
-  check_cuda(cudaStreamWaitEvent(main, join, 0), "join wait");
-  check_cuda(cudaStreamEndCapture(main, &graph), "end capture");
-  cudaGraphExec_t exec = nullptr;
-  check_cuda(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
-  for (int i = 0; i < 3; ++i) check_cuda(cudaGraphLaunch(exec, main), "graph launch");
-  check_cuda(cudaStreamSynchronize(main), "graph replay");
-  CHECK(w.download() == host);
-  CHECK(copy.download() == host);
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaEventDestroy(fork);
-  cudaEventDestroy(join);
-  cudaStreamDestroy(main);
-  cudaStreamDestroy(side);
-  using Catch::Matchers::Contains;
-  gpu::L2Range nine[9];
-  CHECK_THROWS_WITH(gpu::l2_prefetch(nine, 9, nullptr), Contains("9 ranges"));
-  CHECK_THROWS_WITH(gpu::l2_prefetch(nullptr, 1, nullptr), Contains("1 ranges"));
-  const gpu::L2Range odd{base + 4, 64};
-  CHECK_THROWS_WITH(gpu::l2_prefetch(&odd, 1, nullptr), Contains("16-byte aligned"));
-  CHECK_THROWS_WITH(gpu::l2_prefetch_experts(-1, picks.get(), 8, base, expert_bytes, nullptr), Contains("picks = -1"));
-  CHECK_THROWS_WITH(gpu::l2_prefetch_experts(8, picks.get(), 8, base + 8, expert_bytes, nullptr),
-                    Contains("multiples of 16"));
-  check_cuda(cudaDeviceSynchronize(), "nothing left failing");
 }
