@@ -242,7 +242,18 @@ __global__ void __launch_bounds__(PrefillCfg<HD>::kThreads, PrefillCfg<HD>::kMin
 // ---------------------------------------------------------------------------------------------------------
 // Decode. Grid (nsplit, num_kv_heads * head_blocks, batch): one block per (request, KV head, block of up to
 // 16 query heads of that KV head, KV chunk). Chunk c covers slots [c * chunk_len, (c+1) * chunk_len), the
-// last chunk up to the request's KV length (whatever max_kv said).
+// last chunk up to the request's KV length (whatever max_kv said). With p.seq_chunks the chunk length is the
+// request's own (decode_chunk_len): its KV length in whole tiles over the nsplit chunks.
+
+// Slots per KV chunk of a decode request with kv_len slots: p.chunk_len (planned from max_kv), or with p.seq_chunks
+// ceil(ceil(kv_len / kBN) / nsplit) whole tiles, so that every chunk of every request has work however far below
+// max_kv its length is (the CUDA backend's decode steps plan at the block table's power-of-two width: a 32784-slot
+// context is planned as 65536, and only half of the planned chunks held any slot).
+__device__ __forceinline__ int decode_chunk_len(const AttnParams& p, int kv_len, int nsplit) {
+  if (!p.seq_chunks) return p.chunk_len;
+  const int tiles = (kv_len + kBN - 1) / kBN;
+  return (tiles + nsplit - 1) / nsplit * kBN;
+}
 // (DS = 2 on sm_90: 125 / 116 / 57 registers at hd 256 / 128 / 64, so the shared memory sets the resident blocks per
 // SM as for DS = 1 and the split plan is the same; test_gpu_attention checks the plans agree.)
 template <int HD, int DS = 1>
@@ -262,9 +273,10 @@ __global__ void __launch_bounds__(DecodeCfg<HD, DS>::kThreads) attn_decode_kerne
   const int b = blockIdx.z;
   const int t = p.q_start[b];
   const int kv_len = p.slot0[b] + 1;
-  const int start = c * p.chunk_len;
+  const int chunk_len = decode_chunk_len(p, kv_len, nsplit);
+  const int start = c * chunk_len;
   if (start >= kv_len) return;
-  const int end = (c == nsplit - 1) ? kv_len : min(start + p.chunk_len, kv_len);
+  const int end = (c == nsplit - 1) ? kv_len : min(start + chunk_len, kv_len);
   const int last_slot = end - 1;
   const int h0 = kvh * p.ratio + hb * 16;
   const int nrows = min(16, p.ratio - hb * 16);
@@ -419,7 +431,8 @@ __global__ void __launch_bounds__(HD) attn_decode_combine_kernel(const AttnParam
   const int h = blockIdx.x, b = blockIdx.y, d = threadIdx.x;
   const int t = p.q_start[b];
   const int kv_len = p.slot0[b] + 1;
-  const int nvalid = min(nsplit, static_cast<int>((static_cast<long>(kv_len) + p.chunk_len - 1) / p.chunk_len));
+  const int chunk_len = decode_chunk_len(p, kv_len, nsplit);
+  const int nvalid = min(nsplit, static_cast<int>((static_cast<long>(kv_len) + chunk_len - 1) / chunk_len));
   const size_t e0 = (static_cast<size_t>(b) * p.num_heads + h) * nsplit;
   const float M = combine_stage_max<HD>(p, e0, nvalid, s_m, s_l, s_red);
   float L = 0.f, acc = 0.f;
@@ -451,7 +464,8 @@ __global__ void __launch_bounds__(kCombineGroups * HD) attn_decode_combine_group
   const int h = blockIdx.x, b = blockIdx.y, tid = threadIdx.x, d = tid % HD, grp = tid / HD;
   const int t = p.q_start[b];
   const int kv_len = p.slot0[b] + 1;
-  const int nvalid = min(nsplit, static_cast<int>((static_cast<long>(kv_len) + p.chunk_len - 1) / p.chunk_len));
+  const int chunk_len = decode_chunk_len(p, kv_len, nsplit);
+  const int nvalid = min(nsplit, static_cast<int>((static_cast<long>(kv_len) + chunk_len - 1) / chunk_len));
   const size_t e0 = (static_cast<size_t>(b) * p.num_heads + h) * nsplit;
   const float M = combine_stage_max<kT>(p, e0, nvalid, s_m, s_l, s_red);
   const int c0 = grp * nvalid / kCombineGroups, c1 = (grp + 1) * nvalid / kCombineGroups;
@@ -1482,6 +1496,8 @@ void attention_decode(const AttnGroups& g, int num_heads, int num_kv_heads, int 
   p.chunk_len = sp.chunk_len;
   static CandidateSwitch l2_ahead("HYPIC_ATTN_DECODE_L2_AHEAD");
   p.l2_ahead = l2_ahead.on() ? kDecodeL2Ahead : 0;
+  static CandidateSwitch seq_chunks("HYPIC_ATTN_DECODE_SEQ_CHUNKS");
+  p.seq_chunks = seq_chunks.on() ? 1 : 0;
   if (sp.nsplit > 1) {
     const long entries = static_cast<long>(g.num_groups) * num_heads * sp.nsplit;
     ws.ensure(decode_ws_bytes(entries, head_dim), stream, fn);

@@ -55,6 +55,7 @@ struct AttnParams {
   int chunk_len;
   int head_blocks;
   int l2_ahead;   // KV tiles past the shared-memory ring prefetched into L2 (HYPIC_ATTN_DECODE_L2_AHEAD; 0: none)
+  int seq_chunks;  // 1: each request's chunks cut from its own KV length (HYPIC_ATTN_DECODE_SEQ_CHUNKS); 0: chunk_len
   float* ws_acc;  // [batch][num_heads][nsplit][HD]
   float* ws_ml;   // [batch][num_heads][nsplit][2] (m in the log2 domain, l)
 };

@@ -944,6 +944,41 @@ TEST_CASE("attention_decode matches attention_causal: batches 1/5/33, contexts 1
     }
 }
 
+// Each request's KV chunks cut from its own length (HYPIC_ATTN_DECODE_SEQ_CHUNKS) against the CPU: max_kv as the
+// CUDA backend passes it (the block table's power-of-two width, up to twice the longest context: the planned chunks
+// past a request's length were empty before), exact, understated (one chunk takes the rest), mixed lengths where the
+// short requests get chunks of a tile, the grouped combine.
+TEST_CASE("attention_decode with per-request KV chunks matches attention_causal", "[gpu][attention]") {
+  require_gpu();
+  const std::vector<int> mixed = {1, 63, 64, 1000, 20000};
+  struct Run {
+    AttnCase c;
+    bool grouped;
+  };
+  std::vector<Run> runs;
+  auto add = [&](AttnCase c, int max_kv, bool grouped) {
+    c.max_kv_override = max_kv;
+    runs.push_back({std::move(c), grouped});
+  };
+  add(decode_case("decode b16 hd256 16/2 gate, 32784 slots, max_kv 65536", 256, 16, 2, std::vector<int>(16, 32784),
+                  true), 65536, false);
+  add(decode_case("decode b1 hd256 16/2 gate, 20000 slots, max_kv 32768", 256, 16, 2, {20000}, true), 32768, false);
+  add(decode_case("decode b5 hd128 8/2 gate, mixed, max_kv 32768", 128, 8, 2, mixed, true), 32768, false);
+  add(decode_case("decode b5 hd64 32/1 gate, mixed, exact max_kv", 64, 32, 1, mixed, true), 0, false);
+  add(decode_case("decode b5 hd128 8/2 gate, mixed, max_kv 64 (understated)", 128, 8, 2, mixed, true), 64, false);
+  add(decode_case("decode b5 hd256 16/2 gate, mixed, max_kv 32768, grouped combine", 256, 16, 2, mixed, true), 32768,
+      true);
+  add(decode_case("decode b3 hd256 16/2 gate, short, max_kv 256", 256, 16, 2, {100, 1, 64}, true), 256, false);
+  for (size_t i = 0; i < runs.size(); ++i)
+    DYNAMIC_SECTION(runs[i].c.name) {
+      const AttnCase& c = runs[i].c;
+      DecodeSwitchRun r(c, 440 + uint32_t(i));
+      const auto on = r.run({{"HYPIC_ATTN_DECODE_SEQ_CHUNKS", true}, {"HYPIC_ATTN_COMBINE_GROUPS", runs[i].grouped},
+                             {"HYPIC_ATTN_DECODE_WAVES", false}, {"HYPIC_ATTN_DECODE_D_SPLIT", false}});
+      check_against_cpu(c, r.seqs, r.s, on);
+    }
+}
+
 TEST_CASE("attention_prefill and attention_decode replay from CUDA graphs bit for bit", "[gpu][attention]") {
   require_gpu();
   SECTION("prefill") {
@@ -1528,9 +1563,12 @@ TEST_CASE("attention benchmark: 32k causal prefill and 32k-context decode, hd 25
                   qlen, hd, nh, nkv, ms_old, flops_s / ms_old * 1e-9, ms_new, flops_s / ms_new * 1e-9, ws.bytes());
     }
   }
-  {  // decode: batch 1 / 16 / 64 requests with 32768-slot contexts
-    const int ctx = 32768, per = ctx / kPage, max_b = 64;
-    DeviceBuffer<bf16> k(size_t(max_b) * ctx * nkv * hd), v(k.size()), q(size_t(max_b) * nh * hd),
+  // decode: batch 1 / 16 / 64 requests with 32768-slot contexts planned at max_kv 32768, then contexts of 32784 slots
+  // planned at 65536 (the CUDA backend's decode step after a 32768-token prompt and 16 tokens: the block table's
+  // power-of-two width, 1024 pages, gives max_kv)
+  for (const auto [ctx, max_kv] : {std::pair<int, int>{32768, 32768}, std::pair<int, int>{32784, 65536}}) {
+    const int per = (ctx + kPage - 1) / kPage, max_b = 64;
+    DeviceBuffer<bf16> k(size_t(max_b) * per * kPage * nkv * hd), v(k.size()), q(size_t(max_b) * nh * hd),
         qg(size_t(max_b) * nh * 2 * hd), out(q.size());
     check_cuda(cudaMemset(k.get(), 0x3B, k.size() * 2), "memset");
     check_cuda(cudaMemset(v.get(), 0x3C, v.size() * 2), "memset");
@@ -1541,7 +1579,7 @@ TEST_CASE("attention benchmark: 32k causal prefill and 32k-context decode, hd 25
     std::iota(qs.begin(), qs.end(), 0);
     DeviceBuffer<int> dbt(bt), dqs(qs), ds0(s0);
     gpu::AttnDecodeWorkspace ws;
-    ws.reserve(max_b, nh, hd, ctx);
+    ws.reserve(max_b, nh, hd, max_kv);
     for (int b : {1, 16, 64}) {
       gpu::AttnGroups g;
       g.num_groups = b;
@@ -1551,15 +1589,40 @@ TEST_CASE("attention benchmark: 32k causal prefill and 32k-context decode, hd 25
       g.max_pages = per;
       g.total_q = b;
       g.max_q = 1;
-      g.max_kv = ctx;
-      const double ms = time_ms(20, [&] {
-        gpu::attention_decode(g, nh, nkv, hd, q.get(), k.get(), v.get(), scale, qg.get() + hd, long(nh) * 2 * hd,
+      g.max_kv = max_kv;
+      // Each call on the next b of the 64 contexts (block-table rows), so that batches below 64 read their KV from
+      // DRAM as a decode step does (one 32k context is 67 MB, about the L2's size: the same one again hits in it).
+      int rot = 0;
+      auto decode = [&] {
+        gpu::AttnGroups gr = g;
+        gr.block_table = dbt.get() + size_t(rot) * b * per;
+        rot = (rot + 1) % (max_b / b);
+        gpu::attention_decode(gr, nh, nkv, hd, q.get(), k.get(), v.get(), scale, qg.get() + hd, long(nh) * 2 * hd,
                               2 * hd, out.get(), ws);
-      });
+      };
       const double bytes = double(b) * ctx * nkv * hd * 2 * 2;
       const double flops = 4.0 * b * ctx * nh * hd;
-      std::printf("attention_decode batch %d ctx %d hd=%d heads %d/%d: %.3f ms, KV read %.0f GB/s, %.2f TFLOP/s\n", b,
-                  ctx, hd, nh, nkv, ms, bytes / ms * 1e-6, flops / ms * 1e-9);
+      // The decode candidates side by side (each: off, on, on, off; every switch named, so HYPIC_CANDIDATES=1 turns
+      // no other on): the mean of each mode's two timings.
+      constexpr int kNs = 4;
+      const char* kSw[kNs] = {"HYPIC_ATTN_DECODE_D_SPLIT", "HYPIC_ATTN_DECODE_WAVES", "HYPIC_ATTN_DECODE_L2_AHEAD",
+                              "HYPIC_ATTN_DECODE_SEQ_CHUNKS"};
+      for (int variant = 0; variant <= kNs; ++variant) {  // 0: all off; 1..kNs: kSw[variant - 1] on
+        double t[2] = {0, 0};
+        for (int on : {0, 1, 1, 0}) {
+          std::vector<std::unique_ptr<ScopedCandidate>> set;
+          for (int i = 0; i < kNs; ++i) set.push_back(std::make_unique<ScopedCandidate>(kSw[i], on && variant == i + 1));
+          t[on] += time_ms(20, decode) / 2;
+        }
+        if (variant == 0)
+          std::printf("attention_decode batch %d ctx %d (max_kv %d) hd=%d heads %d/%d: %.3f ms, KV read %.0f GB/s, "
+                      "%.2f TFLOP/s\n",
+                      b, ctx, max_kv, hd, nh, nkv, t[0], bytes / t[0] * 1e-6, flops / t[0] * 1e-9);
+        else
+          std::printf("attention_decode batch %d ctx %d (max_kv %d), %s: off %.3f ms, on %.3f ms (%.0f GB/s), on / "
+                      "off %.3f\n",
+                      b, ctx, max_kv, kSw[variant - 1], t[0], t[1], bytes / t[1] * 1e-6, t[1] / t[0]);
+      }
     }
   }
   cudaEventDestroy(e0);
