@@ -862,12 +862,14 @@ TEST_CASE("attention_decode matches attention_causal: batches 1/5/33, contexts 1
       DecodeSwitchRun r(c, 408 + uint32_t(i));
       const auto one = r.run({{"HYPIC_ATTN_COMBINE_GROUPS", false}});
       const auto four = r.run({{"HYPIC_ATTN_COMBINE_GROUPS", true}});
-      // Against the one-group combine: only the fp32 order of the chunk sums differs, so at most a bf16 rounding
-      // apart (2^-8 of the value, plus the summation's few fp32 ulps of the row's scale).
+      // Against the one-group combine: only the fp32 order of the chunk sums differs, so two fp32 values a few ulps
+      // apart, which round to the same bf16 or to neighbours: at most one bf16 ulp apart (2^-7 of the value at the
+      // bottom of a binade; 2^-8 failed there once the wave plan's chunks were the default), plus the summation's few
+      // fp32 ulps of the row's scale.
       size_t far = 0;
       for (size_t e = 0; e < one.size(); ++e) {
         const float a = bf16_to_float(four[e]), b = bf16_to_float(one[e]);
-        far += !(std::fabs(a - b) <= std::ldexp(std::fabs(b), -8) + 1e-6f);
+        far += !(std::fabs(a - b) <= std::ldexp(std::fabs(b), -7) + 1e-6f);
       }
       std::printf("[%s] vs the one-group combine: %zu of %zu outputs beyond one bf16 rounding\n", c.name.c_str(), far,
                   one.size());
@@ -1607,21 +1609,25 @@ TEST_CASE("attention benchmark: 32k causal prefill and 32k-context decode, hd 25
       constexpr int kNs = 4;
       const char* kSw[kNs] = {"HYPIC_ATTN_DECODE_D_SPLIT", "HYPIC_ATTN_DECODE_WAVES", "HYPIC_ATTN_DECODE_L2_AHEAD",
                               "HYPIC_ATTN_DECODE_SEQ_CHUNKS"};
-      for (int variant = 0; variant <= kNs; ++variant) {  // 0: all off; 1..kNs: kSw[variant - 1] on
+      // 0: all off; then each switch alone, then per-request chunks with the wave plan (bits of kSw).
+      for (const int mask : {0, 1, 2, 4, 8, 8 | 2}) {
         double t[2] = {0, 0};
         for (int on : {0, 1, 1, 0}) {
           std::vector<std::unique_ptr<ScopedCandidate>> set;
-          for (int i = 0; i < kNs; ++i) set.push_back(std::make_unique<ScopedCandidate>(kSw[i], on && variant == i + 1));
+          for (int i = 0; i < kNs; ++i) set.push_back(std::make_unique<ScopedCandidate>(kSw[i], on && (mask >> i & 1)));
           t[on] += time_ms(20, decode) / 2;
         }
-        if (variant == 0)
+        std::string name;
+        for (int i = 0; i < kNs; ++i)
+          if (mask >> i & 1) name += std::string(name.empty() ? "" : " + ") + kSw[i];
+        if (mask == 0)
           std::printf("attention_decode batch %d ctx %d (max_kv %d) hd=%d heads %d/%d: %.3f ms, KV read %.0f GB/s, "
                       "%.2f TFLOP/s\n",
                       b, ctx, max_kv, hd, nh, nkv, t[0], bytes / t[0] * 1e-6, flops / t[0] * 1e-9);
         else
           std::printf("attention_decode batch %d ctx %d (max_kv %d), %s: off %.3f ms, on %.3f ms (%.0f GB/s), on / "
                       "off %.3f\n",
-                      b, ctx, max_kv, kSw[variant - 1], t[0], t[1], bytes / t[1] * 1e-6, t[1] / t[0]);
+                      b, ctx, max_kv, name.c_str(), t[0], t[1], bytes / t[1] * 1e-6, t[1] / t[0]);
       }
     }
   }
