@@ -258,6 +258,9 @@ __device__ __forceinline__ int decode_chunk_len(const AttnParams& p, int kv_len,
 // SM as for DS = 1 and the split plan is the same; test_gpu_attention checks the plans agree.)
 template <int HD, int DS = 1>
 __global__ void __launch_bounds__(DecodeCfg<HD, DS>::kThreads) attn_decode_kernel(const AttnParams p) {
+  // (launched with PDL under HYPIC_DECODE_PDL_MIXERS: q and the new KV row come from attention_prepare; pdl.cuh)
+  detail::griddep_wait();
+  detail::griddep_launch_dependents();
   using C = DecodeCfg<HD, DS>;
   constexpr int DC = HD / DS;  // head-dim columns of a warp's P V
   constexpr int kLd = C::kLd, NT = C::kThreads;
@@ -426,6 +429,7 @@ __device__ __forceinline__ float combine_stage_max(const AttnParams& p, size_t e
 template <int HD>
 __global__ void __launch_bounds__(HD) attn_decode_combine_kernel(const AttnParams p, int nsplit) {
   detail::griddep_launch_dependents();  // o_proj (a PDL launch) may start streaming its weights; see pdl.cuh
+  detail::griddep_wait();               // (the chunks' partials: launched with PDL under HYPIC_DECODE_PDL_MIXERS)
   __shared__ float s_m[kCombineMaxChunks], s_l[kCombineMaxChunks];
   __shared__ float s_red[HD / 32];
   const int h = blockIdx.x, b = blockIdx.y, d = threadIdx.x;
@@ -457,6 +461,7 @@ template <int HD>
 __global__ void __launch_bounds__(kCombineGroups * HD) attn_decode_combine_groups_kernel(const AttnParams p,
                                                                                           int nsplit) {
   detail::griddep_launch_dependents();  // as attn_decode_combine_kernel
+  detail::griddep_wait();
   constexpr int kT = kCombineGroups * HD;
   __shared__ float s_m[kCombineMaxChunks], s_l[kCombineMaxChunks];
   __shared__ float s_red[kT / 32];
@@ -1304,24 +1309,26 @@ void run_cudnn_route(const AttnGroups& g, const CudnnRoute& r, int num_heads, in
 template <int HD>
 void launch_decode(const AttnParams& p, int batch, int nsplit, cudaStream_t stream) {
   const dim3 grid(nsplit, p.num_kv_heads * p.head_blocks, batch);
+  const bool pdl = detail::mixer_pdl();
+  const std::string what =
+      "attn_decode_kernel<" + std::to_string(HD) + ", " + std::to_string(decode_d_split()) + "> launch";
   if (decode_d_split() == 2) {
     using C = DecodeCfg<HD, 2>;
     decode_setup<HD, 2>();
-    attn_decode_kernel<HD, 2><<<grid, C::kThreads, C::kSmem, stream>>>(p);
+    detail::launch_pdl_if(pdl, attn_decode_kernel<HD, 2>, grid, dim3(C::kThreads), C::kSmem, stream, what, p);
   } else {
     using C = DecodeCfg<HD, 1>;
     decode_setup<HD, 1>();
-    attn_decode_kernel<HD, 1><<<grid, C::kThreads, C::kSmem, stream>>>(p);
+    detail::launch_pdl_if(pdl, attn_decode_kernel<HD, 1>, grid, dim3(C::kThreads), C::kSmem, stream, what, p);
   }
-  check_cuda(cudaGetLastError(),
-             "attn_decode_kernel<" + std::to_string(HD) + ", " + std::to_string(decode_d_split()) + "> launch");
   static CandidateSwitch groups("HYPIC_ATTN_COMBINE_GROUPS");
   if (nsplit > 1 && groups.on()) {
-    attn_decode_combine_groups_kernel<HD><<<dim3(p.num_heads, batch), kCombineGroups * HD, 0, stream>>>(p, nsplit);
-    check_cuda(cudaGetLastError(), "attn_decode_combine_groups_kernel<" + std::to_string(HD) + "> launch");
+    detail::launch_pdl_if(pdl, attn_decode_combine_groups_kernel<HD>, dim3(p.num_heads, batch),
+                          dim3(kCombineGroups * HD), 0, stream,
+                          "attn_decode_combine_groups_kernel<" + std::to_string(HD) + "> launch", p, nsplit);
   } else if (nsplit > 1) {
-    attn_decode_combine_kernel<HD><<<dim3(p.num_heads, batch), HD, 0, stream>>>(p, nsplit);
-    check_cuda(cudaGetLastError(), "attn_decode_combine_kernel<" + std::to_string(HD) + "> launch");
+    detail::launch_pdl_if(pdl, attn_decode_combine_kernel<HD>, dim3(p.num_heads, batch), dim3(HD), 0, stream,
+                          "attn_decode_combine_kernel<" + std::to_string(HD) + "> launch", p, nsplit);
   }
 }
 

@@ -11,6 +11,7 @@
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/attention_common.cuh"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/pdl.cuh"
 #include "kernels/cuda/switches.h"
 
 namespace hypic::kernels::cuda {
@@ -168,6 +169,9 @@ constexpr int kRowWarps = 8;  // warps per block of the row kernels
 // item; TAB: the angles from the warp's per-position table, filled once per item; else hg = 1 and rope_lane).
 template <int HD, bool TAB>
 __global__ void __launch_bounds__(32 * kRowWarps, 4) attn_prepare_kernel(const PrepareParams p, int hg) {
+  // (launched with PDL under HYPIC_DECODE_PDL_MIXERS: q / k / v are the projections' output; see pdl.cuh)
+  detail::griddep_wait();
+  detail::griddep_launch_dependents();
   constexpr int E = HD / 32;
   __shared__ float sx[kRowWarps][HD];
   __shared__ float2 stab[TAB ? kRowWarps : 1][TAB ? HD / 2 : 1];
@@ -361,16 +365,17 @@ void attention_prepare(int T, int num_heads, int num_kv_heads, int head_dim, int
   auto launch = [&](auto hd_tag) {
     constexpr int HD = decltype(hd_tag)::value;
     if (tab)
-      attn_prepare_kernel<HD, true><<<grid, 32 * kRowWarps, 0, stream>>>(p, hg);
+      detail::launch_pdl_if(detail::mixer_pdl(), attn_prepare_kernel<HD, true>, dim3(grid), dim3(32 * kRowWarps), 0,
+                            stream, "attn_prepare_kernel launch", p, hg);
     else
-      attn_prepare_kernel<HD, false><<<grid, 32 * kRowWarps, 0, stream>>>(p, 1);
+      detail::launch_pdl_if(detail::mixer_pdl(), attn_prepare_kernel<HD, false>, dim3(grid), dim3(32 * kRowWarps), 0,
+                            stream, "attn_prepare_kernel launch", p, 1);
   };
   switch (head_dim) {
     case 64: launch(std::integral_constant<int, 64>{}); break;
     case 128: launch(std::integral_constant<int, 128>{}); break;
     default: launch(std::integral_constant<int, 256>{}); break;
   }
-  check_cuda(cudaGetLastError(), "attn_prepare_kernel launch");
 }
 
 void kv_import(int n, int num_runs, int num_kv_heads, int head_dim, int rotary_dim, const int* run_start,

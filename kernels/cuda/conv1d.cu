@@ -13,6 +13,7 @@
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/gated_delta.h"
+#include "kernels/cuda/pdl.cuh"
 #include "kernels/cuda/switches.h"
 
 namespace hypic::kernels::cuda {
@@ -177,6 +178,9 @@ __global__ void conv_tail_kernel(int num_seqs, const int* __restrict__ cu, int c
 __global__ void conv_decode_kernel(int batch, int channels, int K, const bf16* __restrict__ x,
                                    const bf16* __restrict__ w, bf16* state, ConvDst dst,
                                    const int* __restrict__ slots) {
+  // (launched with PDL under HYPIC_DECODE_PDL_MIXERS: x is the previous kernel's output; see pdl.cuh)
+  detail::griddep_wait();
+  detail::griddep_launch_dependents();
   const long long idx = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
   if (idx >= static_cast<long long>(batch) * channels) return;
   const int b = static_cast<int>(idx / channels), c = static_cast<int>(idx % channels);
@@ -275,9 +279,9 @@ void conv_decode(int batch, int channels, int kernel, const bf16* x, const bf16*
   if (!x || !weight || !conv_state || !dst.p[0] || !dst.p[1] || !dst.p[2])
     throw std::invalid_argument("conv1d_silu_decode: x, weight, conv_state and the outputs must be non-null");
   const long long work = static_cast<long long>(batch) * channels;
-  conv_decode_kernel<<<static_cast<int>((work + 255) / 256), 256, 0, stream>>>(batch, channels, kernel, x, weight,
-                                                                              conv_state, dst, state_slots);
-  check_cuda(cudaGetLastError(), "conv_decode_kernel launch");
+  detail::launch_pdl_if(detail::mixer_pdl(), conv_decode_kernel, dim3(static_cast<int>((work + 255) / 256)), dim3(256),
+                        0, stream, "conv_decode_kernel launch", batch, channels, kernel, x, weight, conv_state, dst,
+                        state_slots);
 }
 
 }  // namespace

@@ -12,6 +12,7 @@
 #include "kernels/cuda/gated_delta.h"
 #include "kernels/cuda/gates.cuh"
 #include "kernels/cuda/ops.h"
+#include "kernels/cuda/pdl.cuh"
 #include "kernels/cuda/row_norm.cuh"
 #include "kernels/cuda/switches.h"
 
@@ -49,6 +50,9 @@ __global__ void __launch_bounds__(D) gdn_decode_kernel(const bf16* __restrict__ 
                                                        int Hv, bool l2norm, float scale, float* __restrict__ state,
                                                        bf16* __restrict__ out, const int* __restrict__ slots,
                                                        GdnDecodeNorm nrm = {}) {
+  // (launched with PDL under HYPIC_DECODE_PDL_MIXERS: q, k, v come from the conv kernel; see pdl.cuh)
+  detail::griddep_wait();
+  detail::griddep_launch_dependents();
   __shared__ float sq[D], sk[D], red[4], part[kDecRowGroups][kDecCols];
   const int b = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
   const int lane = tid & 31, rg = tid >> 5, c = blockIdx.z * kDecCols + lane;
@@ -216,10 +220,9 @@ void gdn_decode(int batch, int num_k_heads, int num_v_heads, const bf16* q, cons
   if (batch == 0) return;
   if (!q || !k || !v || !g || !beta || !state)
     throw std::invalid_argument("gdn_decode: q, k, v, g, beta and state must be non-null");
-  gdn_decode_kernel<<<dim3(batch, num_v_heads, D / kDecCols), D, 0, stream>>>(q, k, v, g, beta, GateInputs{}, num_k_heads,
-                                                                 num_v_heads, l2norm_qk, scale, state, out,
-                                                                 state_slots);
-  check_cuda(cudaGetLastError(), "gdn_decode_kernel launch");
+  detail::launch_pdl_if(detail::mixer_pdl(), gdn_decode_kernel, dim3(batch, num_v_heads, D / kDecCols), dim3(D), 0,
+                        stream, "gdn_decode_kernel launch", q, k, v, g, beta, GateInputs{}, num_k_heads, num_v_heads,
+                        l2norm_qk, scale, state, out, state_slots, GdnDecodeNorm{});
 }
 
 void gdn_decode_gated(int batch, int num_k_heads, int num_v_heads, const bf16* q, const bf16* k, const bf16* v,
@@ -239,10 +242,10 @@ void gdn_decode_gated(int batch, int num_k_heads, int num_v_heads, const bf16* q
   const bool fused = norm && fuse.on();
   GdnDecodeNorm nrm = fused ? *norm : GdnDecodeNorm{};
   if (fused) nrm.vec = rms_norm_gated_vectorized(D, out, norm->z, norm->w, out);  // rms_norm_gated's own order
-  gdn_decode_kernel<<<dim3(batch, num_v_heads, D / kDecCols), D, 0, stream>>>(
-      q, k, v, nullptr, nullptr, GateInputs{gate_a, gate_b, A_log, dt_bias}, num_k_heads, num_v_heads, l2norm_qk,
-      scale, state, out, state_slots, nrm);
-  check_cuda(cudaGetLastError(), "gdn_decode_kernel launch");
+  detail::launch_pdl_if(detail::mixer_pdl(), gdn_decode_kernel, dim3(batch, num_v_heads, D / kDecCols), dim3(D), 0,
+                        stream, "gdn_decode_kernel launch", q, k, v, static_cast<const float*>(nullptr),
+                        static_cast<const float*>(nullptr), GateInputs{gate_a, gate_b, A_log, dt_bias}, num_k_heads,
+                        num_v_heads, l2norm_qk, scale, state, out, state_slots, nrm);
   if (norm && !fused)
     rms_norm_gated(batch * num_v_heads, D, out, norm->z, norm->w, norm->eps, out, stream, NormGate::Silu);
 }

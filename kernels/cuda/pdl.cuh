@@ -10,8 +10,10 @@
 #include <cuda_runtime.h>
 
 #include <cstdlib>
+#include <string>
 
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/switches.h"
 
 namespace hypic::kernels::cuda::detail {
 
@@ -35,12 +37,12 @@ inline bool pdl_enabled() {
   return on;
 }
 
-/// kernel<<<grid, block, smem, stream>>>(args...) with programmatic stream serialization (see the top of this file):
-/// the kernel must call griddep_wait() before it touches memory an earlier kernel writes. Host only; throws
-/// std::runtime_error (naming `what`) when the launch fails.
+/// kernel<<<grid, block, smem, stream>>>(args...), with programmatic stream serialization (see the top of this file)
+/// when `pdl` (and pdl_enabled()): the kernel must then call griddep_wait() before it touches memory an earlier kernel
+/// writes. Host only; throws std::runtime_error (naming `what`) when the launch fails.
 template <class... KArgs, class... Args>
-void launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, const char* what,
-                Args... args) {
+void launch_pdl_if(bool pdl, void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                   const std::string& what, Args... args) {
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
@@ -50,8 +52,26 @@ void launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cu
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cfg.attrs = attr;
-  cfg.numAttrs = pdl_enabled() ? 1 : 0;
+  cfg.numAttrs = pdl && pdl_enabled() ? 1 : 0;
   check_cuda(cudaLaunchKernelEx(&cfg, kernel, static_cast<KArgs>(args)...), what);
+}
+
+/// launch_pdl_if(true, ...): the decode chains' weight-streaming GEMMs, routing and combines.
+template <class... KArgs, class... Args>
+void launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, const char* what,
+                Args... args) {
+  launch_pdl_if(true, kernel, grid, block, smem, stream, what, args...);
+}
+
+/// HYPIC_DECODE_PDL_MIXERS (a candidate, kernels/cuda/switches.h): the mixers' small kernels of a decode step (conv1d +
+/// SiLU, the Gated DeltaNet recurrence, attention prepare, decode and its split-KV combine) launched with PDL too. Each
+/// of them waits for its predecessor first thing (griddep_wait, a no-op without the attribute) and lets its successor
+/// be scheduled at once (griddep_launch_dependents): without it, every boundary between them and the weight GEMMs
+/// around them paid a whole launch, and out_proj / o_proj could not start their weight copies before the recurrence
+/// or the attention had exited. Same kernels, same bits. Host only.
+inline bool mixer_pdl() {
+  static CandidateSwitch sw("HYPIC_DECODE_PDL_MIXERS");
+  return sw.on();
 }
 
 }  // namespace hypic::kernels::cuda::detail

@@ -949,7 +949,7 @@ TEST_CASE("attention_decode matches attention_causal: batches 1/5/33, contexts 1
 // Each request's KV chunks cut from its own length (HYPIC_ATTN_DECODE_SEQ_CHUNKS) against the CPU: max_kv as the
 // CUDA backend passes it (the block table's power-of-two width, up to twice the longest context: the planned chunks
 // past a request's length were empty before), exact, understated (one chunk takes the rest), mixed lengths where the
-// short requests get chunks of a tile, the grouped combine.
+// short requests get chunks of a tile, the grouped combine; and each launched with PDL, bit for bit.
 TEST_CASE("attention_decode with per-request KV chunks matches attention_causal", "[gpu][attention]") {
   require_gpu();
   const std::vector<int> mixed = {1, 63, 64, 1000, 20000};
@@ -976,8 +976,14 @@ TEST_CASE("attention_decode with per-request KV chunks matches attention_causal"
       const AttnCase& c = runs[i].c;
       DecodeSwitchRun r(c, 440 + uint32_t(i));
       const auto on = r.run({{"HYPIC_ATTN_DECODE_SEQ_CHUNKS", true}, {"HYPIC_ATTN_COMBINE_GROUPS", runs[i].grouped},
-                             {"HYPIC_ATTN_DECODE_WAVES", false}, {"HYPIC_ATTN_DECODE_D_SPLIT", false}});
+                             {"HYPIC_ATTN_DECODE_WAVES", false}, {"HYPIC_ATTN_DECODE_D_SPLIT", false},
+                             {"HYPIC_DECODE_PDL_MIXERS", false}});
       check_against_cpu(c, r.seqs, r.s, on);
+      // The same launches with programmatic dependent launch (HYPIC_DECODE_PDL_MIXERS): the same bits.
+      const auto pdl = r.run({{"HYPIC_ATTN_DECODE_SEQ_CHUNKS", true}, {"HYPIC_ATTN_COMBINE_GROUPS", runs[i].grouped},
+                              {"HYPIC_ATTN_DECODE_WAVES", false}, {"HYPIC_ATTN_DECODE_D_SPLIT", false},
+                              {"HYPIC_DECODE_PDL_MIXERS", true}});
+      CHECK(std::memcmp(pdl.data(), on.data(), on.size() * sizeof(bf16)) == 0);
     }
 }
 
