@@ -55,8 +55,10 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_residual_kernel(int row
     return kPost ? *reinterpret_cast<const float4*>(p) : __ldg(reinterpret_cast<const float4*>(p));
   };
   // The next kernel of a decode step (a weight-streaming projection launched with PDL) may start its weight loads
-  // now; it reads y only after its griddep_wait (kernels/cuda/pdl.cuh).
+  // now; it reads y only after its griddep_wait (kernels/cuda/pdl.cuh). Under HYPIC_DECODE_PDL_MIXERS this kernel is
+  // a PDL launch itself: x comes from the kernel before.
   detail::griddep_launch_dependents();
+  detail::griddep_wait();
   __shared__ float part[kNormThreads / 32];
   const int r = blockIdx.x, tid = threadIdx.x;
   float* xr = x + long(rows_index ? rows_index[r] : r) * ldx;
@@ -113,6 +115,7 @@ template <NormGate kGate>
 __global__ void rms_norm_gated_kernel(int rows, int dim, const bf16* x, const bf16* __restrict__ z,
                                       const bf16* __restrict__ w, int w_rows, float eps, bf16* y) {
   detail::griddep_launch_dependents();  // as rms_norm_residual_kernel
+  detail::griddep_wait();
   const int r = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
   if (r >= rows) return;
   detail::gated_norm_row_warp<kGate == NormGate::Silu>(
@@ -478,8 +481,8 @@ void rms_norm_residual(int rows, int dim, const float* x, long ldx, const int* r
   const bool post = post_alpha != 0.f;
   auto kernel = zero_centred ? (post ? rms_norm_residual_kernel<true, true> : rms_norm_residual_kernel<true, false>)
                              : (post ? rms_norm_residual_kernel<false, true> : rms_norm_residual_kernel<false, false>);
-  kernel<<<rows, kNormThreads, 0, stream>>>(rows, dim, xm, ldx, rows_index, w, eps, y, post_alpha);
-  check_cuda(cudaGetLastError(), "rms_norm_residual launch");
+  detail::launch_pdl_if(detail::mixer_pdl(), kernel, dim3(rows), dim3(kNormThreads), 0, stream,
+                        "rms_norm_residual launch", rows, dim, xm, ldx, rows_index, w, eps, y, post_alpha);
 }
 
 // rms_norm_gated_kernel with 16-byte accesses: L = dim / 8 lanes per row (L in {4, 8, 16, 32}: dim 32 .. 256), lane
@@ -493,6 +496,7 @@ __global__ void __launch_bounds__(256) rms_norm_gated_vec_kernel(int rows, int d
                                                                  const bf16* __restrict__ w, int w_rows, float eps,
                                                                  bf16* y) {
   detail::griddep_launch_dependents();  // as rms_norm_residual_kernel
+  detail::griddep_wait();
   const long r = (long(blockIdx.x) * blockDim.x + threadIdx.x) / L;
   const int sub = threadIdx.x % L;
   const bool on = r < rows;  // (the whole group of L lanes agrees; shuffles stay within it)
@@ -515,11 +519,15 @@ bool launch_rms_norm_gated_vec(int rows, int dim, const bf16* x, const bf16* z, 
   if (!rms_norm_gated_vectorized(dim, x, z, w, y)) return false;
   const long threads = long(rows) * (dim / 8);
   const unsigned blocks = unsigned((threads + 255) / 256);
+  auto launch = [&](auto kernel) {
+    detail::launch_pdl_if(detail::mixer_pdl(), kernel, dim3(blocks), dim3(256), 0, stream, "rms_norm_gated launch",
+                          rows, dim, x, z, w, w_rows, eps, y);
+  };
   switch (dim / 8) {
-    case 4: rms_norm_gated_vec_kernel<kGate, 4><<<blocks, 256, 0, stream>>>(rows, dim, x, z, w, w_rows, eps, y); break;
-    case 8: rms_norm_gated_vec_kernel<kGate, 8><<<blocks, 256, 0, stream>>>(rows, dim, x, z, w, w_rows, eps, y); break;
-    case 16: rms_norm_gated_vec_kernel<kGate, 16><<<blocks, 256, 0, stream>>>(rows, dim, x, z, w, w_rows, eps, y); break;
-    case 32: rms_norm_gated_vec_kernel<kGate, 32><<<blocks, 256, 0, stream>>>(rows, dim, x, z, w, w_rows, eps, y); break;
+    case 4: launch(rms_norm_gated_vec_kernel<kGate, 4>); break;
+    case 8: launch(rms_norm_gated_vec_kernel<kGate, 8>); break;
+    case 16: launch(rms_norm_gated_vec_kernel<kGate, 16>); break;
+    case 32: launch(rms_norm_gated_vec_kernel<kGate, 32>); break;
     default: return false;
   }
   return true;
@@ -546,11 +554,12 @@ void rms_norm_gated(int rows, int dim, const bf16* x, const bf16* z, const bf16*
   const bool vec = gate == NormGate::Silu
                        ? launch_rms_norm_gated_vec<NormGate::Silu>(rows, dim, x, z, w, w_rows, eps, y, stream)
                        : launch_rms_norm_gated_vec<NormGate::Sigmoid>(rows, dim, x, z, w, w_rows, eps, y, stream);
-  if (!vec && gate == NormGate::Silu)
-    rms_norm_gated_kernel<NormGate::Silu><<<(rows + 3) / 4, 128, 0, stream>>>(rows, dim, x, z, w, w_rows, eps, y);
-  else if (!vec)
-    rms_norm_gated_kernel<NormGate::Sigmoid><<<(rows + 3) / 4, 128, 0, stream>>>(rows, dim, x, z, w, w_rows, eps, y);
-  check_cuda(cudaGetLastError(), "rms_norm_gated launch");
+  if (!vec)
+    detail::launch_pdl_if(detail::mixer_pdl(),
+                          gate == NormGate::Silu ? rms_norm_gated_kernel<NormGate::Silu>
+                                                 : rms_norm_gated_kernel<NormGate::Sigmoid>,
+                          dim3((rows + 3) / 4), dim3(128), 0, stream, "rms_norm_gated launch", rows, dim, x, z, w,
+                          w_rows, eps, y);
 }
 
 // One thread per 4 floats of one chain's head: R in registers across the steps.
