@@ -22,6 +22,7 @@
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/mla.h"
 #include "kernels/cuda/mma.cuh"
+#include "kernels/cuda/switches.h"
 
 namespace hypic::kernels::cuda {
 
@@ -36,6 +37,7 @@ constexpr float kLog2e = 1.4426950408889634f;
 
 struct MlaAttnParams {
   int num_groups, heads, R, D, nsplit, chunk_pages, row_tiles;
+  int seq_chunks;  // 1: each group's pages cut into nsplit chunks from its own KV end (HYPIC_MLA_SEQ_CHUNKS)
   const int* q_start;
   const int* slot0;
   const int* block_table;
@@ -65,8 +67,11 @@ __global__ void __launch_bounds__(kThreads, 1) mla_attn_kernel(const MlaAttnPara
   if (rt * kRows >= rows_g) return;
   const int kv_end = s0 + len;  // slots 0 .. kv_end - 1 are visible to the group's last query
   const int pages = (kv_end + kPage - 1) / kPage;
-  const int pg0 = chunk * p.chunk_pages;
-  const int pg1 = chunk == p.nsplit - 1 ? pages : min(pages, pg0 + p.chunk_pages);
+  // Pages per chunk: planned from max_kv, or (seq_chunks) from the group's own pages, so that no planned chunk of a
+  // group far below max_kv is empty (a decode step's max_kv is the block table's power-of-two width).
+  const int chunk_pages = p.seq_chunks ? (pages + p.nsplit - 1) / p.nsplit : p.chunk_pages;
+  const int pg0 = chunk * chunk_pages;
+  const int pg1 = chunk == p.nsplit - 1 ? pages : min(pages, pg0 + chunk_pages);
   const int D = p.D, ld = ld_of(D);
 
   extern __shared__ __align__(16) unsigned char smem[];
@@ -388,6 +393,8 @@ void mla_attention_latent(const AttnGroups& g, const MlaDims& d, const bf16* q_l
   p.nsplit = nsplit_of(int(std::min<size_t>(items, 1 << 30)), g.max_kv);
   const int pages = (g.max_kv + kPage - 1) / kPage;
   p.chunk_pages = (pages + p.nsplit - 1) / p.nsplit;
+  static CandidateSwitch seq_chunks("HYPIC_MLA_SEQ_CHUNKS");
+  p.seq_chunks = seq_chunks.on() ? 1 : 0;
   p.row_tiles = row_tiles;
   p.q_start = g.q_start, p.slot0 = g.slot0, p.block_table = g.block_table, p.max_pages = g.max_pages;
   p.q = q_lat, p.pool = pool, p.scale_log2 = scale * kLog2e, p.out = out;

@@ -1349,17 +1349,25 @@ TEST_CASE("mla_attention_latent (absorbed MLA over the latent pool) matches a ho
           for (int e = 0; e < R; ++e) o[e] = float(acc[e] / sum);
         }
     DeviceBuffer<bf16> dq(qh), dp(ph), dout(size_t(total_q) * nh * R);
-    dout.poison();
     DeviceBuffer<int> dqs(q_start), ds0(cs.slot0), dbt(bt);
-    const kc::AttnGroups g = {G, dqs.get(), ds0.get(), dbt.get(), max_pages, total_q, max_q, max_kv};
-    kc::MlaAttnWorkspace ws;
-    kc::mla_attention_latent(g, d, dq.get(), dp.get(), scale, dout.get(), ws);
-    check_cuda(cudaDeviceSynchronize(), "mla_attention_latent");
-    const auto got = to_float(dout.download());
-    const double e = rel_err(got.data(), ref.data(), ref.size());
-    std::printf("[mla latent attention] heads %d rank %d rope %d groups %d max_kv %d: rel err %.3e\n", nh, R, cs.rope,
-                G, max_kv, e);
-    CHECK(e < 1e-2);
+    // max_kv exact, and twice the longest KV end as a decode step's block-table width gives it (the planned chunks
+    // past a group's end are empty), each with the chunks planned from max_kv and cut from each group's own pages
+    // (HYPIC_MLA_SEQ_CHUNKS).
+    for (const int kv_bound : {max_kv, 2 * max_kv})
+      for (const bool seq : {false, true}) {
+        hypic::gputest::ScopedCandidate sc("HYPIC_MLA_SEQ_CHUNKS", seq);
+        dout.poison();
+        const kc::AttnGroups g = {G, dqs.get(), ds0.get(), dbt.get(), max_pages, total_q, max_q, kv_bound};
+        kc::MlaAttnWorkspace ws;
+        kc::mla_attention_latent(g, d, dq.get(), dp.get(), scale, dout.get(), ws);
+        check_cuda(cudaDeviceSynchronize(), "mla_attention_latent");
+        const auto got = to_float(dout.download());
+        const double e = rel_err(got.data(), ref.data(), ref.size());
+        std::printf("[mla latent attention] heads %d rank %d rope %d groups %d max_kv %d (bound %d, per-group chunks "
+                    "%d): rel err %.3e\n",
+                    nh, R, cs.rope, G, max_kv, kv_bound, int(seq), e);
+        CHECK(e < 1e-2);
+      }
   }
   SECTION("sizes the kernel does not take are refused by name") {
     CHECK_FALSE(kc::mla_latent_supported(kc::MlaDims{32, 128, 64, 128, 384}));
