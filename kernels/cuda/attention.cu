@@ -251,7 +251,7 @@ __global__ void __launch_bounds__(PrefillCfg<HD>::kThreads, PrefillCfg<HD>::kMin
 // context is planned as 65536, and only half of the planned chunks held any slot).
 __device__ __forceinline__ int decode_chunk_len(const AttnParams& p, int kv_len, int nsplit) {
   if (!p.seq_chunks) return p.chunk_len;
-  const int tiles = (kv_len + kBN - 1) / kBN;
+  const int tiles = max((kv_len + kBN - 1) / kBN, 1);  // (>= 1 tile: the combines divide by it)
   return (tiles + nsplit - 1) / nsplit * kBN;
 }
 // (DS = 2 on sm_90: 125 / 116 / 57 registers at hd 256 / 128 / 64, so the shared memory sets the resident blocks per

@@ -175,10 +175,11 @@ __global__ void conv_tail_kernel(int num_seqs, const int* __restrict__ cu, int c
   }
 }
 
-__global__ void conv_decode_kernel(int batch, int channels, int K, const bf16* __restrict__ x,
+__global__ void conv_decode_kernel(int batch, int channels, int K, const bf16* x,
                                    const bf16* __restrict__ w, bf16* state, ConvDst dst,
                                    const int* __restrict__ slots) {
-  // (launched with PDL under HYPIC_DECODE_PDL_MIXERS: x is the previous kernel's output; see pdl.cuh)
+  // (launched with PDL under HYPIC_DECODE_PDL_MIXERS: x is the previous kernel's output, so no __restrict__ on it:
+  // a coherent load after the wait; see pdl.cuh)
   detail::griddep_wait();
   detail::griddep_launch_dependents();
   const long long idx = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;

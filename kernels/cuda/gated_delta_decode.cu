@@ -44,13 +44,13 @@ static_assert(D / kDecCols == 4, "the counters count a head's four column blocks
 // D / kDecCols column blocks to finish (a per-(request, head) counter, reset by it) runs the gated RMSNorm of the
 // head's output row in place with rms_norm_gated_kernel's warp code (row_norm.cuh gated_norm_row_warp: the same
 // bits), reading the other blocks' columns through L2.
-__global__ void __launch_bounds__(D) gdn_decode_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
-                                                       const bf16* __restrict__ v, const float* __restrict__ g,
-                                                       const float* __restrict__ beta, GateInputs gates, int Hk,
+__global__ void __launch_bounds__(D) gdn_decode_kernel(const bf16* q, const bf16* k, const bf16* v, const float* g,
+                                                       const float* beta, GateInputs gates, int Hk,
                                                        int Hv, bool l2norm, float scale, float* __restrict__ state,
                                                        bf16* __restrict__ out, const int* __restrict__ slots,
                                                        GdnDecodeNorm nrm = {}) {
-  // (launched with PDL under HYPIC_DECODE_PDL_MIXERS: q, k, v come from the conv kernel; see pdl.cuh)
+  // (launched with PDL under HYPIC_DECODE_PDL_MIXERS: q, k, v come from the conv kernel, so no __restrict__ on the
+  // inputs: coherent loads after the wait; see pdl.cuh)
   detail::griddep_wait();
   detail::griddep_launch_dependents();
   __shared__ float sq[D], sk[D], red[4], part[kDecRowGroups][kDecCols];

@@ -813,11 +813,12 @@ struct DecodeSwitchRun {
     std::mt19937 rng(seed);
     build_case(c, rng, seqs, s);
   }
+  gpu::AttnDecodeWorkspace* ws_override = nullptr;  // another run's workspace (the PDL ordering check)
   std::vector<bf16> run(std::initializer_list<std::pair<const char*, bool>> switches) {
     std::vector<std::unique_ptr<ScopedCandidate>> set;
     for (const auto& [name, on] : switches) set.push_back(std::make_unique<ScopedCandidate>(name, on));
     s.dout->poison();
-    run_attention(c, s, &ws);
+    run_attention(c, s, ws_override ? ws_override : &ws);
     check_cuda(cudaDeviceSynchronize(), c.name);
     return s.dout->download();
   }
@@ -968,6 +969,8 @@ TEST_CASE("attention_decode with per-request KV chunks matches attention_causal"
   add(decode_case("decode b5 hd128 8/2 gate, mixed, max_kv 32768", 128, 8, 2, mixed, true), 32768, false);
   add(decode_case("decode b5 hd64 32/1 gate, mixed, exact max_kv", 64, 32, 1, mixed, true), 0, false);
   add(decode_case("decode b5 hd128 8/2 gate, mixed, max_kv 64 (understated)", 128, 8, 2, mixed, true), 64, false);
+  add(decode_case("decode b5 hd128 8/2 gate, mixed, max_kv 4096 (understated, split)", 128, 8, 2, mixed, true), 4096,
+      false);
   add(decode_case("decode b5 hd256 16/2 gate, mixed, max_kv 32768, grouped combine", 256, 16, 2, mixed, true), 32768,
       true);
   add(decode_case("decode b3 hd256 16/2 gate, short, max_kv 256", 256, 16, 2, {100, 1, 64}, true), 256, false);
@@ -979,7 +982,14 @@ TEST_CASE("attention_decode with per-request KV chunks matches attention_causal"
                              {"HYPIC_ATTN_DECODE_WAVES", false}, {"HYPIC_ATTN_DECODE_D_SPLIT", false},
                              {"HYPIC_DECODE_PDL_MIXERS", false}});
       check_against_cpu(c, r.seqs, r.s, on);
-      // The same launches with programmatic dependent launch (HYPIC_DECODE_PDL_MIXERS): the same bits.
+      // The same launches with programmatic dependent launch (HYPIC_DECODE_PDL_MIXERS): the same bits. In between,
+      // other inputs of the same shape run through this workspace, so that a combine reading the chunks' partials
+      // before the decode kernel wrote them would see the other run's and give other bits.
+      DecodeSwitchRun other(c, 540 + uint32_t(i));
+      other.ws_override = &r.ws;
+      other.run({{"HYPIC_ATTN_DECODE_SEQ_CHUNKS", true}, {"HYPIC_ATTN_COMBINE_GROUPS", runs[i].grouped},
+                 {"HYPIC_ATTN_DECODE_WAVES", false}, {"HYPIC_ATTN_DECODE_D_SPLIT", false},
+                 {"HYPIC_DECODE_PDL_MIXERS", false}});
       const auto pdl = r.run({{"HYPIC_ATTN_DECODE_SEQ_CHUNKS", true}, {"HYPIC_ATTN_COMBINE_GROUPS", runs[i].grouped},
                               {"HYPIC_ATTN_DECODE_WAVES", false}, {"HYPIC_ATTN_DECODE_D_SPLIT", false},
                               {"HYPIC_DECODE_PDL_MIXERS", true}});
