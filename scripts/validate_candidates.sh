@@ -7,7 +7,8 @@
 #              test_gpu_ops_table, test_gpu_gated_delta, test_gpu_attention, test_gpu_moe), then test_gpu_moe "[moe]"
 #              with HYPIC_CANDIDATES=1 under the MoE wgmma variants 1 .. 4 and 6 .. 9 (HYPIC_MOE_WGMMA, read once per process),
 #              test_gpu_gated_delta "[gated_delta]" with HYPIC_GDN_SCAN_WGMMA=1 HYPIC_GDN_WY_WGMMA=1 (every prefill
-#              case on the wgmma kernels)
+#              case on the wgmma kernels), test_gpu_attention "[attention]" and test_gpu_families "[mla]" with
+#              HYPIC_CANDIDATES=1 (the decode kernels' PDL launches, the MLA per-group chunks)
 #     backend  test_gpu_backend "[backend]" and test_gpu_conformance, as they are (the end-to-end bit checks and the
 #              device-sampling conformance run inside) and with HYPIC_CANDIDATES=1
 #     bench    hypic-bench-prefill-gpu (Qwen3.5-35B-A3B dimensions, random weights) with --ab over the candidates
@@ -78,6 +79,8 @@ case "$STAGE" in
     done
     for v in 1 2 3 4 6 7 8 9; do run env HYPIC_CANDIDATES=1 HYPIC_MOE_WGMMA=$v "$BIN/test_gpu_moe" "[moe]"; done
     run env HYPIC_GDN_SCAN_WGMMA=1 HYPIC_GDN_WY_WGMMA=1 "$BIN/test_gpu_gated_delta" "[gated_delta]"  # (splits, graphs)
+    run env HYPIC_CANDIDATES=1 "$BIN/test_gpu_attention" "[attention]"
+    run env HYPIC_CANDIDATES=1 "$BIN/test_gpu_families" "[mla]"
     ;;
   backend)
     run "$BIN/test_gpu_backend" "[backend]"
