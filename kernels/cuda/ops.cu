@@ -52,8 +52,9 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_residual_kernel(int row
                                                                          const bf16* __restrict__ w, float eps,
                                                                          bf16* __restrict__ y, float post_alpha) {
   auto load4 = [](const float* p) {
-    // (coherent: under HYPIC_DECODE_PDL_MIXERS the kernel is resident while its predecessor writes x)
-    return kPost ? *reinterpret_cast<const float4*>(p) : __ldcg(reinterpret_cast<const float4*>(p));
+    // (ld.global.ca, not the read-only path: under HYPIC_DECODE_PDL_MIXERS the kernel is resident while its
+    // predecessor writes x; the second pass still finds the row in L1, as stream_gemm.cuh reads x)
+    return kPost ? *reinterpret_cast<const float4*>(p) : __ldca(reinterpret_cast<const float4*>(p));
   };
   // The next kernel of a decode step (a weight-streaming projection launched with PDL) may start its weight loads
   // now; it reads y only after its griddep_wait (kernels/cuda/pdl.cuh). Under HYPIC_DECODE_PDL_MIXERS this kernel is
@@ -506,7 +507,7 @@ __global__ void __launch_bounds__(256) rms_norm_gated_vec_kernel(int rows, int d
   uint4 xv = make_uint4(0, 0, 0, 0), zv = xv;
   if (on) {
     xv = *reinterpret_cast<const uint4*>(x + rr * dim + c);
-    zv = __ldcg(reinterpret_cast<const uint4*>(z + rr * dim + c));  // (coherent: a PDL launch, as x)
+    zv = __ldca(reinterpret_cast<const uint4*>(z + rr * dim + c));  // (coherent: a PDL launch, as x)
   }
   const uint4 wv = __ldg(reinterpret_cast<const uint4*>(w + (rr % w_rows) * dim + c));
   const uint4 out = detail::gated_norm_lanes8<kGate == NormGate::Silu, L>(xv, zv, wv, dim, eps);
