@@ -1,4 +1,5 @@
 // Elementwise building blocks of the CUDA forward pass (contracts in ops.h).
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -20,6 +21,8 @@
 
 namespace hypic::kernels::cuda {
 namespace {
+
+namespace cg = cooperative_groups;
 
 constexpr int D = 128;  // state head size of the affine chain
 
@@ -75,42 +78,91 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_residual_kernel(int row
   }
 }
 
-// One block per row: each thread scans its strided elements in ascending index (strict > keeps the lowest index of
-// equal values), then the block combines (value, index) pairs by the larger value, ties to the lower index.
+// Argmax of one row (ops.h argmax_rows): each thread scans its elements in ascending index (strict > keeps the lowest
+// index of equal values; the first element a thread sees seeds it, so an all -inf row gives its lowest index), then
+// (value, index) pairs combine by the larger value, ties to the lower index, and the first NaN's index by min.
+struct ArgmaxPick {
+  float v;
+  int i, nan;  // best index (INT_MAX: none seen), lowest NaN index (INT_MAX: none)
+};
+__device__ __forceinline__ void argmax_see(ArgmaxPick& p, float v, int i) {
+  if (isnan(v) && p.nan == INT_MAX) p.nan = i;
+  if (v > p.v || p.i == INT_MAX) p.v = v, p.i = i;
+}
+__device__ __forceinline__ void argmax_merge(ArgmaxPick& p, const ArgmaxPick& o) {
+  if (o.v > p.v || (o.v == p.v && o.i < p.i)) p.v = o.v, p.i = o.i;
+  p.nan = min(p.nan, o.nan);
+}
+// The block's pick into `*out` (thread 0's copy; every thread of the block calls this).
+template <int kThreads>
+__device__ __forceinline__ void argmax_block(ArgmaxPick p, ArgmaxPick* warp_picks, ArgmaxPick* out) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    const ArgmaxPick o{__shfl_down_sync(0xffffffffu, p.v, off), __shfl_down_sync(0xffffffffu, p.i, off),
+                       __shfl_down_sync(0xffffffffu, p.nan, off)};
+    argmax_merge(p, o);
+  }
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (lane == 0) warp_picks[warp] = p;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    ArgmaxPick b = warp_picks[0];
+    for (int w = 1; w < kThreads / 32; ++w) argmax_merge(b, warp_picks[w]);  // warps in index order
+    *out = b;
+  }
+}
+
+// One block per row (the path without HYPIC_ARGMAX_CLUSTER): thread t takes elements t, t + 1024, ...
 constexpr int kArgmaxThreads = 1024;
 __global__ void __launch_bounds__(kArgmaxThreads) argmax_rows_kernel(int V, const float* __restrict__ x, long ldx,
                                                                      int32_t* __restrict__ out) {
-  __shared__ float sv[kArgmaxThreads / 32];
-  __shared__ int si[kArgmaxThreads / 32];
+  __shared__ ArgmaxPick warp_picks[kArgmaxThreads / 32];
+  __shared__ ArgmaxPick pick;
   const float* xr = x + long(blockIdx.x) * ldx;
-  __shared__ int s_nan;
-  if (threadIdx.x == 0) s_nan = INT_MAX;
-  __syncthreads();
-  float bv = -INFINITY;
-  int bi = INT_MAX, first_nan = INT_MAX;
-  for (int i = threadIdx.x; i < V; i += kArgmaxThreads) {
-    const float v = xr[i];
-    if (isnan(v) && first_nan == INT_MAX) first_nan = i;
-    if (v > bv || bi == INT_MAX) bv = v, bi = i;  // the first element a thread sees seeds it (all -inf rows)
+  ArgmaxPick p{-INFINITY, INT_MAX, INT_MAX};
+  for (int i = threadIdx.x; i < V; i += kArgmaxThreads) argmax_see(p, xr[i], i);
+  argmax_block<kArgmaxThreads>(p, warp_picks, &pick);
+  if (threadIdx.x == 0) out[blockIdx.x] = pick.nan != INT_MAX ? -1 - pick.nan : pick.i;
+}
+
+// HYPIC_ARGMAX_CLUSTER: a cluster of kArgmaxCluster blocks per row (blockIdx.x / kArgmaxCluster), block rank r taking
+// the contiguous slice [r per, (r + 1) per) of the row (per a multiple of 4: 16-byte loads where the row is 16-byte
+// aligned), so that a 248k-entry row is read by 8 SMs instead of one; rank 0 merges the blocks' picks from their
+// shared memory (distributed shared memory, in rank order: lower ranks hold lower indices).
+constexpr int kArgmaxCluster = 8;
+constexpr int kArgmaxClusterThreads = 512;
+__global__ void __cluster_dims__(kArgmaxCluster, 1, 1) __launch_bounds__(kArgmaxClusterThreads)
+    argmax_rows_cluster_kernel(int V, const float* __restrict__ x, long ldx, int32_t* __restrict__ out) {
+  __shared__ ArgmaxPick warp_picks[kArgmaxClusterThreads / 32];
+  __shared__ ArgmaxPick pick;
+  cg::cluster_group cluster = cg::this_cluster();
+  const int rank = int(cluster.block_rank());
+  const long row = long(blockIdx.x) / kArgmaxCluster;
+  const float* xr = x + row * ldx;
+  const int per = ((V + kArgmaxCluster - 1) / kArgmaxCluster + 3) & ~3;
+  const int lo = min(V, rank * per), hi = min(V, lo + per);
+  ArgmaxPick p{-INFINITY, INT_MAX, INT_MAX};
+  int i = lo + int(threadIdx.x);
+  if ((reinterpret_cast<uintptr_t>(xr) & 15) == 0) {  // lo is a multiple of 4: 16-byte aligned too
+    const int n4 = (hi - lo) >> 2;
+    const float4* x4 = reinterpret_cast<const float4*>(xr + lo);
+#pragma unroll 4
+    for (int j = threadIdx.x; j < n4; j += kArgmaxClusterThreads) {
+      const float4 f = x4[j];
+      const int e = lo + 4 * j;
+      argmax_see(p, f.x, e), argmax_see(p, f.y, e + 1), argmax_see(p, f.z, e + 2), argmax_see(p, f.w, e + 3);
+    }
+    i = lo + 4 * n4 + int(threadIdx.x);  // the slice's last 0..3 elements (the row's end)
   }
-  if (first_nan != INT_MAX) atomicMin(&s_nan, first_nan);
-  auto better = [](float v, int i, float bv_, int bi_) { return v > bv_ || (v == bv_ && i < bi_); };
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
-    const float ov = __shfl_down_sync(0xffffffffu, bv, off);
-    const int oi = __shfl_down_sync(0xffffffffu, bi, off);
-    if (better(ov, oi, bv, bi)) bv = ov, bi = oi;
+  for (; i < hi; i += kArgmaxClusterThreads) argmax_see(p, xr[i], i);
+  argmax_block<kArgmaxClusterThreads>(p, warp_picks, &pick);
+  cluster.sync();  // every block's pick written and visible to the cluster
+  if (rank == 0 && threadIdx.x == 0) {
+    ArgmaxPick b = pick;
+    for (int r = 1; r < kArgmaxCluster; ++r) argmax_merge(b, *cluster.map_shared_rank(&pick, r));
+    out[row] = b.nan != INT_MAX ? -1 - b.nan : b.i;
   }
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  if (lane == 0) sv[warp] = bv, si[warp] = bi;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    float v = sv[0];
-    int i = si[0];
-    for (int w = 1; w < kArgmaxThreads / 32; ++w)
-      if (better(sv[w], si[w], v, i)) v = sv[w], i = si[w];
-    out[blockIdx.x] = s_nan != INT_MAX ? -1 - s_nan : i;
-  }
+  cluster.sync();  // the other blocks' shared memory stays until rank 0 has read it
 }
 
 template <NormGate kGate>
@@ -466,7 +518,11 @@ void argmax_rows(int rows, int V, const float* x, long ldx, int32_t* out, cudaSt
                                            std::to_string(ldx));
   if (rows == 0) return;
   need(x && out, "argmax_rows: null pointer");
-  argmax_rows_kernel<<<rows, kArgmaxThreads, 0, stream>>>(V, x, ldx, out);
+  static CandidateSwitch cluster("HYPIC_ARGMAX_CLUSTER");
+  if (cluster.on() && long(rows) * kArgmaxCluster <= INT_MAX)
+    argmax_rows_cluster_kernel<<<unsigned(rows) * kArgmaxCluster, kArgmaxClusterThreads, 0, stream>>>(V, x, ldx, out);
+  else
+    argmax_rows_kernel<<<rows, kArgmaxThreads, 0, stream>>>(V, x, ldx, out);
   check_cuda(cudaGetLastError(), "argmax_rows launch");
 }
 

@@ -47,6 +47,7 @@
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/moe.h"
 #include "kernels/cuda/ops.h"
+#include "kernels/cuda/switches.h"
 #include "tests/gpu/gpu_util.h"
 
 using namespace hypic::gputest;
@@ -808,11 +809,18 @@ Errs run_argmax(const ArgmaxP& p, std::mt19937& rng) {
   }
   DeviceBuffer<float> dx(x);
   DeviceBuffer<int32_t> dout(size_t(p.rows));
-  dout.poison();
   Stream st;
-  gpu::argmax_rows(p.rows, p.V, dx.get(), ld, dout.get(), st.s);
-  check_cuda(cudaStreamSynchronize(st.s), "argmax_rows");
-  return {mismatches(dout.download(), want)};
+  // Both paths: one block per row, and a cluster of blocks per row (HYPIC_ARGMAX_CLUSTER, each a slice of the row).
+  gpu::CandidateScope cluster("HYPIC_ARGMAX_CLUSTER");
+  double bad = 0;
+  for (bool on : {false, true}) {
+    cluster.set(on);
+    dout.poison();
+    gpu::argmax_rows(p.rows, p.V, dx.get(), ld, dout.get(), st.s);
+    check_cuda(cudaStreamSynchronize(st.s), "argmax_rows");
+    bad += mismatches(dout.download(), want);
+  }
+  return {bad};
 }
 
 struct DecLinP {
@@ -1099,7 +1107,9 @@ std::vector<Op> ops_table() {
       op<ArgmaxP>("argmax_rows", "logits fp32 (row stride ld) -> token int32 (greedy decoding)",
                   {{"exact", 0, "a selection: the same index as the loop, ties to the lowest, NaN rows give their first NaN"}},
                   {{"1 row V 248320 (Qwen3.5 vocabulary)", {1, 248320, 0}}, {"5 rows V 1000 ld+3 (tie, -inf, NaN)", {5, 1000, 3}},
-                   {"4 rows V 5 (fewer elements than threads)", {4, 5, 0}}, {"64 rows V 151936", {64, 151936, 0}}},
+                   {"4 rows V 5 (fewer elements than threads)", {4, 5, 0}}, {"64 rows V 151936", {64, 151936, 0}},
+                   {"6 rows V 248321 ld+1 (rows off 16 bytes, ties across slices)", {6, 248321, 1}},
+                   {"4 rows V 33 (slices shorter than 4)", {4, 33, 0}}},
                   run_argmax),
       op<DecLinP>("decode_linear", "x bf16 (row stride ldx), 1-4 W bf16 -> y bf16 / fp32 / fp32 += residual",
                    {{"bf16.max_rel", 1e-2, "one bf16 rounding (2^-9 relative)"},
