@@ -112,7 +112,7 @@ __device__ __forceinline__ void argmax_block(ArgmaxPick p, ArgmaxPick* warp_pick
   }
 }
 
-// One block per row (the path without HYPIC_ARGMAX_CLUSTER): thread t takes elements t, t + 1024, ...
+// One block per row (HYPIC_ARGMAX_CLUSTER=0): thread t takes elements t, t + 1024, ...
 constexpr int kArgmaxThreads = 1024;
 __global__ void __launch_bounds__(kArgmaxThreads) argmax_rows_kernel(int V, const float* __restrict__ x, long ldx,
                                                                      int32_t* __restrict__ out) {

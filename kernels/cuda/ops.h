@@ -135,8 +135,8 @@ void affine_chain_scalar(int num_chains, int heads, int head_floats, int steps_p
 /// Greedy decoding on the device: out[r] = the index of the largest of x[r][0..V) (fp32, row stride ldx; the lowest
 /// index on ties, as engine/sampling.h argmax), or, when the row holds a NaN, -1 - j with j the lowest index of a NaN
 /// (so out[r] < 0 exactly for NaN rows). x, out (int32 [rows]): DEVICE. One block per row, or under
-/// HYPIC_ARGMAX_CLUSTER (a candidate, switches.h) a cluster of 8 blocks per row, each a contiguous eighth (one block
-/// read a 248k-entry row in 37 us on the H200, bench/results/decode_kernels_h200.md). Throws
+/// HYPIC_ARGMAX_CLUSTER (a measured default, switches.h) a cluster of 8 blocks per row, each a contiguous eighth (one
+/// block read a 248k-entry row in 37 us on the H200, bench/results/decode_kernels_h200.md). Throws
 /// std::invalid_argument for rows < 0, V <= 0, ldx < V or null pointers.
 void argmax_rows(int rows, int V, const float* x, long ldx, int32_t* out, cudaStream_t stream = nullptr);
 
