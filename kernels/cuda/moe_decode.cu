@@ -53,6 +53,7 @@ struct DecodeArgs {
   int sK, sN;
   int ks, sks;  // K slices per row group (stream_k_slices_for): routed experts, shared expert
   int deep;     // NT >= 2: a tile with one token group streams W-only stages over the whole ring (decode_gemm_kernel)
+  int early;    // down: the schedule read and the weight copies issued before griddep_wait (HYPIC_MOE_DOWN_EARLY)
   int E, T;
   const int2* tiles;
   const int* num_tiles;
@@ -86,8 +87,16 @@ __global__ void __launch_bounds__(kStreamThreads, detail::stream_blocks_per_sm(d
   constexpr bool GATE_UP = MODE == kDecGateUp;
   constexpr int COLS = GATE_UP ? 8 : 16;  // output columns per row group
   static_assert(NT * 8 <= kDecBM, "tile rows");
-  griddep_wait();  // the tile schedule comes from the routing kernel
-  griddep_launch_dependents();
+  // The tile schedule comes from the routing kernel. gate_up waits for it (its predecessor). The down GEMM's
+  // predecessor is gate_up, which this launch follows only once every gate_up block has passed its own wait for the
+  // routing kernel, so with a.early the down blocks read the schedule and issue their weight copies before their wait
+  // (the weights are never written during a step): they stream while gate_up finishes; the act rows it writes are
+  // read only after the wait below.
+  const bool early = MODE == kDecDown && a.early;
+  if (!early) {
+    griddep_wait();
+    griddep_launch_dependents();
+  }
   int e, m0;
   int4 info = make_int4(0, 0, 0, 0);
   if (a.tile_info) {
@@ -119,6 +128,10 @@ __global__ void __launch_bounds__(kStreamThreads, detail::stream_blocks_per_sm(d
   uint4* ring = ring_all + warp * kRing;
   // The weight copies go out as soon as the expert is known; the token rows' lookups overlap them.
   if (active) detail::stream_prologue<NT, S>(wlo, whi, kb, ke, ring, lane);
+  if (early) {
+    griddep_wait();  // act: gate_up's output
+    griddep_launch_dependents();
+  }
 
   const int seg = sh ? 0 : a.tile_info ? info.z : __ldcg(a.offsets + e);
   const int cnt = sh ? a.T : a.tile_info ? info.w : __ldcg(a.offsets + e + 1) - seg;
@@ -274,6 +287,8 @@ void launch_decode(const MoeWeightsView& w, int T, size_t P, const bf16* x, MoeW
   g2.sout = shared ? ws.s_out.p : nullptr;
   g2.sK = shared ? w.Is : 0;
   g2.sN = w.H;
+  static CandidateSwitch down_early("HYPIC_MOE_DOWN_EARLY");
+  g2.early = down_early.on() ? 1 : 0;
   g2.ks = decode_k_slices(kDecDown, w.I, w.H, w.H, w.topk, shared);
   g2.sks = shared ? decode_k_slices(kDecDown, w.Is, w.H, w.H, w.topk, shared) : g2.ks;
   unsigned cb2 = column_blocks(kDecDown, g2.ks, w.H);

@@ -415,9 +415,12 @@ TEST_CASE("moe_forward decode sizes (T <= 64): OwnDecode / Own vs CPU, Cublas, O
       // with the offsets beside them (shared tiles: offset 0, T rows).
       for (bool spread : {false, true}) {
         ScopedCandidate sp("HYPIC_ROUTE_SPREAD", spread);
-        auto run = [&](bool info) {
-          ScopedCandidate sw("HYPIC_MOE_DECODE_TILE_INFO", info);
-          if (ws.dec_tiles.p) check_cuda(cudaMemsetAsync(ws.dec_tiles.p, 0xFF, ws.dec_tiles.bytes, st.s), "poison");
+        auto run = [&](bool info, bool early = false) {
+          ScopedCandidate sw("HYPIC_MOE_DECODE_TILE_INFO", info), de("HYPIC_MOE_DOWN_EARLY", early);
+          // The schedule and the GEMMs' outputs poisoned before each call: a kernel that read them before the kernel
+          // writing them had (a down GEMM reading its schedule early) would give other results.
+          for (gpu::MoeWorkspace::Buf* m : {&ws.dec_tiles, &ws.tiles, &ws.num_tiles, &ws.offsets, &ws.act, &ws.y})
+            if (m->p) check_cuda(cudaMemsetAsync(m->p, 0xFF, m->bytes, st.s), "poison");
           DeviceBuffer<float> dout(base);
           gpu::moe_forward(T, dx.get(), v, dout.get(), ws, gemm, gpu::GroupedGemm::Own, st.s);
           check_cuda(cudaStreamSynchronize(st.s), "moe_forward");
@@ -425,6 +428,13 @@ TEST_CASE("moe_forward decode sizes (T <= 64): OwnDecode / Own vs CPU, Cublas, O
         };
         const auto plain = run(false), with_info = run(true);
         const bool same = same_bits(with_info, plain);
+        // The down GEMM reading its schedule and issuing its weight copies before its griddep_wait
+        // (HYPIC_MOE_DOWN_EARLY; the schedule comes from the routing kernel, which the gate_up launch before it waited
+        // for): the same bits, with the tile schedule either way.
+        const bool early_same = same_bits(run(true, true), plain) && same_bits(run(false, true), plain);
+        std::printf("[moe] decode %s down GEMM's weights before its wait == default: %s\n", name.c_str(),
+                    early_same ? "yes" : "NO");
+        CHECK(early_same);
         int nt = 0;
         check_cuda(cudaMemcpy(&nt, ws.num_tiles.p, sizeof(int), cudaMemcpyDeviceToHost), "num_tiles");
         nt = std::clamp(nt, 0, int(std::min(ws.dec_tiles.bytes / 16, ws.tiles.bytes / 8)));
