@@ -238,6 +238,11 @@ void gdn_gates(int tokens, int num_v_heads, const bf16* a, const bf16* b, const 
 ///   state_slots: nullptr, or DEVICE int32 [batch]: request b's state is state[state_slots[b]] of a larger
 ///   slot pool [slots][H_v][128][128] (an engine's per-sequence state slots; slots distinct).
 /// Same math as gdn_prefill for T = 1 (HF torch_recurrent_gated_delta_rule), fp32 throughout.
+/// Launched with programmatic dependent launch under HYPIC_DECODE_PDL_MIXERS (on by default): q, k, v (and the gates)
+/// may come from the kernel launched just before on the stream. Under HYPIC_GDN_STATE_EARLY (a candidate, switches.h)
+/// the state rows are read before the kernel waits for that kernel, so the state (and state_slots) must not be
+/// written by it, nor by anything still running once it has passed its own wait (a decode step: the state's writer is
+/// the previous step's call, and the conv kernel before this one waits before it lets this one start).
 void gdn_decode(int batch, int num_k_heads, int num_v_heads, const bf16* q, const bf16* k, const bf16* v,
                 const float* g, const float* beta, bool l2norm_qk, float scale, float* state, bf16* out,
                 cudaStream_t stream = nullptr, const int* state_slots = nullptr);

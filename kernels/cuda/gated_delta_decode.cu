@@ -48,15 +48,24 @@ __global__ void __launch_bounds__(D) gdn_decode_kernel(const bf16* q, const bf16
                                                        const float* beta, GateInputs gates, int Hk,
                                                        int Hv, bool l2norm, float scale, float* __restrict__ state,
                                                        bf16* __restrict__ out, const int* __restrict__ slots,
-                                                       GdnDecodeNorm nrm = {}) {
-  // (launched with PDL under HYPIC_DECODE_PDL_MIXERS: q, k, v come from the conv kernel, so no __restrict__ on the
-  // inputs: coherent loads after the wait; see pdl.cuh)
-  detail::griddep_wait();
-  detail::griddep_launch_dependents();
+                                                       GdnDecodeNorm nrm = {}, bool state_early = false) {
   __shared__ float sq[D], sk[D], red[4], part[kDecRowGroups][kDecCols];
   const int b = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
   const int lane = tid & 31, rg = tid >> 5, c = blockIdx.z * kDecCols + lane;
   const int kh = h / (Hv / Hk);
+  const size_t hv = size_t(b) * Hv + h;
+  float* S = state + ((slots ? size_t(slots[b]) * Hv + h : hv) * D + size_t(rg) * 32) * D + c;
+  float sv[32];
+  // state_early (HYPIC_GDN_STATE_EARLY): the state rows are loaded before the wait for the previous kernel (the
+  // conv, whose outputs q, k, v are), since no kernel of the chain before it writes them (gdn_decode's contract).
+  if (state_early) {
+#pragma unroll
+    for (int r = 0; r < 32; ++r) sv[r] = S[size_t(r) * D];
+  }
+  // (launched with PDL under HYPIC_DECODE_PDL_MIXERS: q, k, v come from the conv kernel, so no __restrict__ on the
+  // inputs: coherent loads after the wait; see pdl.cuh)
+  detail::griddep_wait();
+  detail::griddep_launch_dependents();
   float qj = __bfloat162float(q[(size_t(b) * Hk + kh) * D + tid]);
   float kj = __bfloat162float(k[(size_t(b) * Hk + kh) * D + tid]);
   if (l2norm) {
@@ -67,13 +76,12 @@ __global__ void __launch_bounds__(D) gdn_decode_kernel(const bf16* q, const bf16
   }
   sq[tid] = qj * scale;
   sk[tid] = kj;
-  const size_t hv = size_t(b) * Hv + h;
   const float decay = expf(gates.a ? detail::gate_log_decay(gates, hv, h) : g[hv]);
   const float bt = gates.a ? detail::gate_beta(gates, hv) : beta[hv];
-  float* S = state + ((slots ? size_t(slots[b]) * Hv + h : hv) * D + size_t(rg) * 32) * D + c;
-  float sv[32];
+  if (!state_early) {
 #pragma unroll
-  for (int r = 0; r < 32; ++r) sv[r] = S[size_t(r) * D];
+    for (int r = 0; r < 32; ++r) sv[r] = S[size_t(r) * D];
+  }
   __syncthreads();  // sq, sk
   float kv = 0.f;
 #pragma unroll
@@ -210,6 +218,12 @@ void check_compose(int batch, int num_segments, const void* running, const void*
   (void)s;  // states may be null: S = 0
 }
 
+// HYPIC_GDN_STATE_EARLY (a candidate): gdn_decode_kernel loads its state rows before griddepcontrol.wait.
+bool state_early() {
+  static CandidateSwitch sw("HYPIC_GDN_STATE_EARLY");
+  return sw.on();
+}
+
 }  // namespace
 
 void gdn_decode(int batch, int num_k_heads, int num_v_heads, const bf16* q, const bf16* k, const bf16* v,
@@ -222,7 +236,7 @@ void gdn_decode(int batch, int num_k_heads, int num_v_heads, const bf16* q, cons
     throw std::invalid_argument("gdn_decode: q, k, v, g, beta and state must be non-null");
   detail::launch_pdl_if(detail::mixer_pdl(), gdn_decode_kernel, dim3(batch, num_v_heads, D / kDecCols), dim3(D), 0,
                         stream, "gdn_decode_kernel launch", q, k, v, g, beta, GateInputs{}, num_k_heads, num_v_heads,
-                        l2norm_qk, scale, state, out, state_slots, GdnDecodeNorm{});
+                        l2norm_qk, scale, state, out, state_slots, GdnDecodeNorm{}, state_early());
 }
 
 void gdn_decode_gated(int batch, int num_k_heads, int num_v_heads, const bf16* q, const bf16* k, const bf16* v,
@@ -245,7 +259,7 @@ void gdn_decode_gated(int batch, int num_k_heads, int num_v_heads, const bf16* q
   detail::launch_pdl_if(detail::mixer_pdl(), gdn_decode_kernel, dim3(batch, num_v_heads, D / kDecCols), dim3(D), 0,
                         stream, "gdn_decode_kernel launch", q, k, v, static_cast<const float*>(nullptr),
                         static_cast<const float*>(nullptr), GateInputs{gate_a, gate_b, A_log, dt_bias}, num_k_heads,
-                        num_v_heads, l2norm_qk, scale, state, out, state_slots, nrm);
+                        num_v_heads, l2norm_qk, scale, state, out, state_slots, nrm, state_early());
   if (norm && !fused)
     rms_norm_gated(batch * num_v_heads, D, out, norm->z, norm->w, norm->eps, out, stream, NormGate::Silu);
 }

@@ -13,6 +13,7 @@
 #include <cublas_v2.h>
 
 #include <algorithm>
+#include <numeric>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -1107,6 +1108,63 @@ TEST_CASE("gdn_prefill checkpoints: the states at chosen tokens, written in the 
   a.checkpoint_tokens_host = at.data();
   a.checkpoint_states = nullptr;
   CHECK_THROWS_AS(gpu::gdn_prefill(a, ws), std::invalid_argument);
+}
+
+// HYPIC_GDN_STATE_EARLY: gdn_decode_gated loads its state rows before griddepcontrol.wait. Decode steps chained as the
+// engine runs them, on one stream with no host synchronisation in between: conv1d_silu_decode writing q, k, v, then
+// gdn_decode_gated (PDL: HYPIC_DECODE_PDL_MIXERS, on by default) over a slot pool in shuffled order, five steps, each
+// reading the state the step before wrote. The same bits with the switch on and off: outputs of every step, the
+// final state pool and the conv states.
+TEST_CASE("gdn_decode_gated with its state read before the wait gives the same bits in a chain of steps",
+          "[gpu][gated_delta]") {
+  require_gpu();
+  std::mt19937 rng(97);
+  const int B = 6, hk = 4, hv = 8, K = 4, pool = 9, steps = 5;
+  const int qd = hk * D, C = 2 * qd + hv * D;
+  std::vector<float> tmp;
+  std::vector<std::vector<bf16>> xs;
+  for (int s = 0; s < steps; ++s) xs.push_back(random_bf16(rng, size_t(B) * C, 1.f, tmp));
+  const auto w = random_bf16(rng, size_t(C) * K, 0.5f, tmp);
+  const auto conv0 = random_bf16(rng, size_t(pool) * (K - 1) * C, 1.f, tmp);
+  const auto ga = random_bf16(rng, size_t(B) * hv, 1.f, tmp), gb = random_bf16(rng, size_t(B) * hv, 1.f, tmp);
+  std::vector<float> alog(hv), dtb(hv), st0(size_t(pool) * hv * D * D);
+  std::normal_distribution<float> nd(0.f, 0.5f);
+  for (int h = 0; h < hv; ++h) alog[h] = std::log(0.5f + 0.1f * h), dtb[h] = nd(rng);
+  for (float& x : st0) x = nd(rng);
+  std::vector<int> slots(pool);
+  std::iota(slots.begin(), slots.end(), 0);
+  std::shuffle(slots.begin(), slots.end(), rng);
+  slots.resize(B);
+  struct Result {
+    std::vector<bf16> out;
+    std::vector<float> state;
+    std::vector<bf16> conv;
+  };
+  auto run = [&](bool early) {
+    ScopedCandidate sw("HYPIC_GDN_STATE_EARLY", early);
+    std::vector<DeviceBuffer<bf16>> dx;
+    for (const auto& x : xs) dx.emplace_back(x);
+    DeviceBuffer<bf16> dw(w), dconv(conv0), dga(ga), dgb(gb), dq(size_t(B) * qd), dk(size_t(B) * qd),
+        dv(size_t(B) * hv * D), dout(size_t(steps) * B * hv * D);
+    DeviceBuffer<float> dal(alog), ddt(dtb), dst(st0);
+    DeviceBuffer<int> dslots(slots);
+    Stream st;
+    for (int s = 0; s < steps; ++s) {
+      const gpu::ConvQkvOut qkv{dq.get(), dk.get(), dv.get(), qd};
+      gpu::conv1d_silu_decode(B, C, K, dx[s].get(), dw.get(), dconv.get(), qkv, st.s, dslots.get());
+      gpu::gdn_decode_gated(B, hk, hv, dq.get(), dk.get(), dv.get(), dga.get(), dgb.get(), dal.get(), ddt.get(), true,
+                            1.0f / std::sqrt(float(D)), dst.get(), dout.get() + size_t(s) * B * hv * D, st.s,
+                            dslots.get());
+    }
+    check_cuda(cudaStreamSynchronize(st.s), "decode chain");
+    return Result{dout.download(), dst.download(), dconv.download()};
+  };
+  const Result off = run(false), on = run(true);
+  CHECK(same_bits(on.out, off.out));
+  CHECK(same_bits(on.state, off.state));
+  CHECK(same_bits(on.conv, off.conv));
+  // The chain did move the state: every step's output differs from the step before's.
+  CHECK_FALSE(std::equal(off.out.begin(), off.out.begin() + size_t(B) * hv * D, off.out.begin() + size_t(B) * hv * D));
 }
 
 TEST_CASE("gdn_decode matches the CPU recurrence for one token per request", "[gpu][gated_delta]") {
