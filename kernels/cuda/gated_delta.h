@@ -239,7 +239,7 @@ void gdn_gates(int tokens, int num_v_heads, const bf16* a, const bf16* b, const 
 ///   slot pool [slots][H_v][128][128] (an engine's per-sequence state slots; slots distinct).
 /// Same math as gdn_prefill for T = 1 (HF torch_recurrent_gated_delta_rule), fp32 throughout.
 /// Launched with programmatic dependent launch under HYPIC_DECODE_PDL_MIXERS (on by default): q, k, v (and the gates)
-/// may come from the kernel launched just before on the stream. Under HYPIC_GDN_STATE_EARLY (a candidate, switches.h)
+/// may come from the kernel launched just before on the stream. Under HYPIC_GDN_STATE_EARLY (a measured default, switches.h)
 /// the state rows are read before the kernel waits for that kernel, so the state (and state_slots) must not be
 /// written by it, nor by anything still running once it has passed its own wait (a decode step: the state's writer is
 /// the previous step's call, and the conv kernel before this one waits before it lets this one start).

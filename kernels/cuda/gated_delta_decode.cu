@@ -218,7 +218,7 @@ void check_compose(int batch, int num_segments, const void* running, const void*
   (void)s;  // states may be null: S = 0
 }
 
-// HYPIC_GDN_STATE_EARLY (a candidate): gdn_decode_kernel loads its state rows before griddepcontrol.wait.
+// HYPIC_GDN_STATE_EARLY (a measured default; =0 reads it after the wait): gdn_decode_kernel loads its state rows before griddepcontrol.wait.
 bool state_early() {
   static CandidateSwitch sw("HYPIC_GDN_STATE_EARLY");
   return sw.on();
