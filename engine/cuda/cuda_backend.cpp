@@ -982,12 +982,14 @@ void CudaBackend::decode_body(int B, int cap, const DecodeTables& t) {
     } else if (L.type == LayerType::Linear) {
       const int l = cfg_.linear_index(i);
       linear_gemms(dec_, L.linear, B);
+      // (Both read their state before waiting for the kernel before them: its writer is the previous step's call,
+      // and the in_proj GEMM and the conv wait before they let their successor start; gated_delta.h.)
       kc::conv1d_silu_decode(B, C_, K_, ln.qkv, L.linear.conv1d, convs(l, 0), kc::ConvQkvOut{ln.q, ln.k, ln.v, qd_},
-                             ln.stream, slots);
+                             ln.stream, slots, /*state_read_early=*/true);
       // The gated output norm rides on the recurrence launch (gated_delta.h GdnDecodeNorm).
       const kc::GdnDecodeNorm gnorm{ln.z, L.linear.norm, eps_, dec_gdn_counters_.as<unsigned>()};
       kc::gdn_decode_gated(B, nk_, nv_, ln.q, ln.k, ln.v, ln.ga, ln.gb, L.linear.A_log, L.linear.dt_bias, true, gdn_scale_,
-                           ssm(l, 0), ln.o, ln.stream, slots, &gnorm);
+                           ssm(l, 0), ln.o, ln.stream, slots, &gnorm, /*state_read_early=*/true);
       post_normed = linear_finish(dec_, L.linear, B, L.post_attention_layernorm, /*gated_normed=*/true);
     } else {
       attention_layer(dec_, L, cfg_.attention_index(i), B, tab + t.pos, tab + t.rows, groups, true);

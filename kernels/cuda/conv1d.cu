@@ -177,17 +177,24 @@ __global__ void conv_tail_kernel(int num_seqs, const int* __restrict__ cu, int c
 
 __global__ void conv_decode_kernel(int batch, int channels, int K, const bf16* x,
                                    const bf16* __restrict__ w, bf16* state, ConvDst dst,
-                                   const int* __restrict__ slots) {
+                                   const int* __restrict__ slots, int state_early) {
+  const long long idx = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
+  const bool in = idx < static_cast<long long>(batch) * channels;
+  const int b = in ? static_cast<int>(idx / channels) : 0, c = in ? static_cast<int>(idx % channels) : 0;
+  bf16* st = state + size_t(in && slots ? slots[b] : b) * (K - 1) * channels + c;
+  float z[kMaxKernel];
+  // state_early (the caller's state_read_early and HYPIC_CONV_STATE_EARLY): the conv state before the wait for the
+  // previous kernel (x's writer), through L2: its writer completed before that kernel started waiting
+  // (conv1d_silu_decode's contract; pdl.cuh).
+  if (in && state_early)
+    for (int j = 0; j < K - 1; ++j) z[j] = __bfloat162float(__ldcg(st + size_t(j) * channels));
   // (launched with PDL under HYPIC_DECODE_PDL_MIXERS: x is the previous kernel's output, so no __restrict__ on it:
   // a coherent load after the wait; see pdl.cuh)
   detail::griddep_wait();
   detail::griddep_launch_dependents();
-  const long long idx = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
-  if (idx >= static_cast<long long>(batch) * channels) return;
-  const int b = static_cast<int>(idx / channels), c = static_cast<int>(idx % channels);
-  bf16* st = state + size_t(slots ? slots[b] : b) * (K - 1) * channels + c;
-  float z[kMaxKernel];
-  for (int j = 0; j < K - 1; ++j) z[j] = __bfloat162float(st[size_t(j) * channels]);
+  if (!in) return;
+  if (!state_early)
+    for (int j = 0; j < K - 1; ++j) z[j] = __bfloat162float(st[size_t(j) * channels]);
   const bf16 xin = x[idx];
   z[K - 1] = __bfloat162float(xin);
   float acc = 0.f;
@@ -273,16 +280,17 @@ void conv_prefill(int num_seqs, const int* cu_seqlens, int total_tokens, int cha
 }
 
 void conv_decode(int batch, int channels, int kernel, const bf16* x, const bf16* weight, bf16* conv_state,
-                 const ConvDst& dst, cudaStream_t stream, const int* state_slots) {
+                 const ConvDst& dst, cudaStream_t stream, const int* state_slots, bool state_read_early = false) {
   check_conv(channels, kernel, "conv1d_silu_decode");
   if (batch < 0) throw std::invalid_argument("conv1d_silu_decode: negative batch " + std::to_string(batch));
   if (batch == 0) return;
   if (!x || !weight || !conv_state || !dst.p[0] || !dst.p[1] || !dst.p[2])
     throw std::invalid_argument("conv1d_silu_decode: x, weight, conv_state and the outputs must be non-null");
   const long long work = static_cast<long long>(batch) * channels;
+  static CandidateSwitch state_early("HYPIC_CONV_STATE_EARLY");
   detail::launch_pdl_if(detail::mixer_pdl(), conv_decode_kernel, dim3(static_cast<int>((work + 255) / 256)), dim3(256),
                         0, stream, "conv_decode_kernel launch", batch, channels, kernel, x, weight, conv_state, dst,
-                        state_slots);
+                        state_slots, state_read_early && state_early.on() ? 1 : 0);
 }
 
 }  // namespace
@@ -306,10 +314,10 @@ void conv1d_silu_decode(int batch, int channels, int kernel, const bf16* x, cons
 }
 
 void conv1d_silu_decode(int batch, int channels, int kernel, const bf16* x, const bf16* weight, bf16* conv_state,
-                        const ConvQkvOut& out, cudaStream_t stream, const int* state_slots) {
+                        const ConvQkvOut& out, cudaStream_t stream, const int* state_slots, bool state_read_early) {
   check_conv(channels, kernel, "conv1d_silu_decode");
   conv_decode(batch, channels, kernel, x, weight, conv_state, split(out, channels, "conv1d_silu_decode"), stream,
-              state_slots);
+              state_slots, state_read_early);
 }
 
 }  // namespace hypic::kernels::cuda

@@ -239,10 +239,7 @@ void gdn_gates(int tokens, int num_v_heads, const bf16* a, const bf16* b, const 
 ///   slot pool [slots][H_v][128][128] (an engine's per-sequence state slots; slots distinct).
 /// Same math as gdn_prefill for T = 1 (HF torch_recurrent_gated_delta_rule), fp32 throughout.
 /// Launched with programmatic dependent launch under HYPIC_DECODE_PDL_MIXERS (on by default): q, k, v (and the gates)
-/// may come from the kernel launched just before on the stream. Under HYPIC_GDN_STATE_EARLY (a measured default, switches.h)
-/// the state rows are read before the kernel waits for that kernel, so the state (and state_slots) must not be
-/// written by it, nor by anything still running once it has passed its own wait (a decode step: the state's writer is
-/// the previous step's call, and the conv kernel before this one waits before it lets this one start).
+/// may come from the kernel launched just before on the stream; the state is read after the wait.
 void gdn_decode(int batch, int num_k_heads, int num_v_heads, const bf16* q, const bf16* k, const bf16* v,
                 const float* g, const float* beta, bool l2norm_qk, float scale, float* state, bf16* out,
                 cudaStream_t stream = nullptr, const int* state_slots = nullptr);
@@ -264,10 +261,16 @@ struct GdnDecodeNorm {
 /// bit as gdn_gates would, without its launch. norm (optional): then the gated norm of out (GdnDecodeNorm), in the
 /// same launch (the last of each head's column blocks) where HYPIC_GDN_DECODE_NORM (a candidate: switches.h) is on,
 /// else rms_norm_gated after it: the same bits either way. Throws std::invalid_argument on null inputs.
+/// state_read_early: the caller's promise that the state's (and state_slots') last writer completed before the kernel
+/// launched just before this one on the stream began waiting for its own predecessor (pdl.cuh; a decode step: the
+/// writer is the previous step's call, and conv1d_silu_decode, launched just before, waits before it lets this one
+/// start). Never pass it for a call right after another call on the same state. With it, and HYPIC_GDN_STATE_EARLY
+/// (a measured default, switches.h), the state rows are read (through L2) before the wait; the same values either way.
 void gdn_decode_gated(int batch, int num_k_heads, int num_v_heads, const bf16* q, const bf16* k, const bf16* v,
                       const bf16* gate_a, const bf16* gate_b, const float* A_log, const float* dt_bias,
                       bool l2norm_qk, float scale, float* state, bf16* out, cudaStream_t stream = nullptr,
-                      const int* state_slots = nullptr, const GdnDecodeNorm* norm = nullptr);
+                      const int* state_slots = nullptr, const GdnDecodeNorm* norm = nullptr,
+                      bool state_read_early = false);
 
 /// Composition (DESIGN.md 3.1): folds `num_segments` cached (T, S) pairs into running states,
 ///   running[b] <- T[i][b] running[b] + S[i][b],  for i = 0 .. num_segments-1, every b < batch,
@@ -318,11 +321,19 @@ void conv1d_silu_prefill(int num_seqs, const int* cu_seqlens, int total_tokens, 
 
 /// Decode step of the conv: x, y: [batch][channels]; conv_state [batch][kernel-1][channels] in place, or with
 /// state_slots (DEVICE int32 [batch], distinct) request b's state is conv_state[state_slots[b]] of a slot pool.
+/// Launched with programmatic dependent launch under HYPIC_DECODE_PDL_MIXERS (x may be the output of the kernel just
+/// before on the stream; the state is read after the wait).
 void conv1d_silu_decode(int batch, int channels, int kernel, const bf16* x, const bf16* weight, bf16* conv_state,
                         bf16* y, cudaStream_t stream = nullptr, const int* state_slots = nullptr);
 
 /// conv1d_silu_decode with its output split into q, k, v ([batch][..] each, see ConvQkvOut).
+/// state_read_early: the caller's promise that the conv state's (and state_slots') last writer completed before the
+/// kernel launched just before this one on the stream began waiting for its own predecessor (pdl.cuh; a decode step:
+/// the writer is the previous step's conv, and the in_proj GEMM before this call waits before it lets this one
+/// start). Never pass it for a call right after another call on the same state. With it, and HYPIC_CONV_STATE_EARLY
+/// (a candidate, switches.h), the state is read before the wait; the same values either way.
 void conv1d_silu_decode(int batch, int channels, int kernel, const bf16* x, const bf16* weight, bf16* conv_state,
-                        const ConvQkvOut& out, cudaStream_t stream = nullptr, const int* state_slots = nullptr);
+                        const ConvQkvOut& out, cudaStream_t stream = nullptr, const int* state_slots = nullptr,
+                        bool state_read_early = false);
 
 }  // namespace hypic::kernels::cuda

@@ -56,11 +56,12 @@ __global__ void __launch_bounds__(D) gdn_decode_kernel(const bf16* q, const bf16
   const size_t hv = size_t(b) * Hv + h;
   float* S = state + ((slots ? size_t(slots[b]) * Hv + h : hv) * D + size_t(rg) * 32) * D + c;
   float sv[32];
-  // state_early (HYPIC_GDN_STATE_EARLY): the state rows are loaded before the wait for the previous kernel (the
-  // conv, whose outputs q, k, v are), since no kernel of the chain before it writes them (gdn_decode's contract).
+  // state_early (the caller's state_read_early and HYPIC_GDN_STATE_EARLY): the state rows are loaded, through L2,
+  // before the wait for the previous kernel (the conv, whose outputs q, k, v are): their last writer completed before
+  // that kernel began waiting (gdn_decode_gated's contract; pdl.cuh).
   if (state_early) {
 #pragma unroll
-    for (int r = 0; r < 32; ++r) sv[r] = S[size_t(r) * D];
+    for (int r = 0; r < 32; ++r) sv[r] = __ldcg(S + size_t(r) * D);
   }
   // (launched with PDL under HYPIC_DECODE_PDL_MIXERS: q, k, v come from the conv kernel, so no __restrict__ on the
   // inputs: coherent loads after the wait; see pdl.cuh)
@@ -236,13 +237,13 @@ void gdn_decode(int batch, int num_k_heads, int num_v_heads, const bf16* q, cons
     throw std::invalid_argument("gdn_decode: q, k, v, g, beta and state must be non-null");
   detail::launch_pdl_if(detail::mixer_pdl(), gdn_decode_kernel, dim3(batch, num_v_heads, D / kDecCols), dim3(D), 0,
                         stream, "gdn_decode_kernel launch", q, k, v, g, beta, GateInputs{}, num_k_heads, num_v_heads,
-                        l2norm_qk, scale, state, out, state_slots, GdnDecodeNorm{}, state_early());
+                        l2norm_qk, scale, state, out, state_slots, GdnDecodeNorm{}, false);
 }
 
 void gdn_decode_gated(int batch, int num_k_heads, int num_v_heads, const bf16* q, const bf16* k, const bf16* v,
                       const bf16* gate_a, const bf16* gate_b, const float* A_log, const float* dt_bias,
                       bool l2norm_qk, float scale, float* state, bf16* out, cudaStream_t stream,
-                      const int* state_slots, const GdnDecodeNorm* norm) {
+                      const int* state_slots, const GdnDecodeNorm* norm, bool state_read_early) {
   check_heads(num_k_heads, num_v_heads, "gdn_decode_gated");
   if (batch < 0 || batch > (1 << 30))
     throw std::invalid_argument("gdn_decode_gated: bad batch " + std::to_string(batch));
@@ -259,7 +260,7 @@ void gdn_decode_gated(int batch, int num_k_heads, int num_v_heads, const bf16* q
   detail::launch_pdl_if(detail::mixer_pdl(), gdn_decode_kernel, dim3(batch, num_v_heads, D / kDecCols), dim3(D), 0,
                         stream, "gdn_decode_kernel launch", q, k, v, static_cast<const float*>(nullptr),
                         static_cast<const float*>(nullptr), GateInputs{gate_a, gate_b, A_log, dt_bias}, num_k_heads,
-                        num_v_heads, l2norm_qk, scale, state, out, state_slots, nrm, state_early());
+                        num_v_heads, l2norm_qk, scale, state, out, state_slots, nrm, state_read_early && state_early());
   if (norm && !fused)
     rms_norm_gated(batch * num_v_heads, D, out, norm->z, norm->w, norm->eps, out, stream, NormGate::Silu);
 }

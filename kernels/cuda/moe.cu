@@ -218,13 +218,15 @@ __device__ __forceinline__ void route_token(const float* lg, const RouteCfg& rc,
   out_rank = rank;
 }
 
-// sigmoid(x_t . w) of one token by one warp (all lanes return it); 1 when w is null.
+// sigmoid(x_t . w) of one token by one warp (all lanes return it); 1 when w is null. kL2: x read through L2 (ld.cg:
+// read before griddep_wait, route_one_kernel).
+template <bool kL2 = false>
 __device__ __forceinline__ float shared_gate_token(const bf16* xr, const bf16* w, int H, int lane) {
   if (!w) return 1.0f;
   float d = 0.f;
 #pragma unroll 4
   for (int h = lane * 8; h < H; h += 256) {
-    const uint4 xv = *reinterpret_cast<const uint4*>(xr + h);
+    const uint4 xv = kL2 ? __ldcg(reinterpret_cast<const uint4*>(xr + h)) : *reinterpret_cast<const uint4*>(xr + h);
     const uint4 wv = *reinterpret_cast<const uint4*>(w + h);
     const __nv_bfloat162* xp = reinterpret_cast<const __nv_bfloat162*>(&xv);
     const __nv_bfloat162* wp = reinterpret_cast<const __nv_bfloat162*>(&wv);
@@ -414,17 +416,24 @@ __global__ void __launch_bounds__(64) route_one_kernel(RouteCfg rc, const float*
                                                        const bf16* sgate_w, float* sgate_out, int* topk_e,
                                                        float* topk_w, int* offsets, int2* tiles, int* num_tiles,
                                                        int* sorted_tok, int* pos_of, int shared_rows,
-                                                       int4* tile_info) {
-  griddep_wait();
-  griddep_launch_dependents();
+                                                       int4* tile_info, int sgate_early) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   if (warp == 1) {
+    // sgate_early (HYPIC_ROUTE_SGATE_EARLY): the shared gate before the wait. x, the MoE input, is not the previous
+    // kernel's output but the router GEMM's input: the router (decode_linear, or a cuBLASLt GEMM launched without
+    // PDL) waits for x's writer before it lets this kernel start. Stored after the wait, as every output here.
+    float sg = 0.f;
+    if (sgate_out && sgate_early) sg = shared_gate_token<true>(x, sgate_w, H, lane);
+    griddep_wait();
+    griddep_launch_dependents();
     if (sgate_out) {
-      const float sg = shared_gate_token(x, sgate_w, H, lane);
+      if (!sgate_early) sg = shared_gate_token(x, sgate_w, H, lane);
       if (lane == 0) sgate_out[0] = sg;
     }
     return;
   }
+  griddep_wait();
+  griddep_launch_dependents();
   const int E = rc.E, k = rc.k;
   int my_e, rank;
   float wgt;
@@ -1326,6 +1335,7 @@ void moe_forward(int T, const bf16* x, const MoeWeightsView& w, float* out, MoeW
   }
   static CandidateSwitch one_token_switch("HYPIC_ROUTE_ONE_TOKEN");
   static CandidateSwitch spread_switch("HYPIC_ROUTE_SPREAD");
+  static CandidateSwitch sgate_early_switch("HYPIC_ROUTE_SGATE_EARLY");
   const RouteCfg rc = route_cfg(w);
   // The decode GEMMs' per-tile (expert, first row, expert offset, expert rows) from the single-kernel routings below
   // (HYPIC_MOE_DECODE_TILE_INFO; reserve grew dec_tiles for every T <= kSmallT it was asked for).
@@ -1338,7 +1348,7 @@ void moe_forward(int T, const bf16* x, const MoeWeightsView& w, float* out, MoeW
                             : (wide ? route_one_kernel<false, 16> : route_one_kernel<false, 8>);
     launch_pdl(kern, dim3(1), dim3(64), 0, stream, "moe_forward: route_one launch", rc, logits, x, H, w.shared_gate,
                w.Is > 0 ? sgate : nullptr, topk_e, topk_w, offsets, tiles, num_tiles, sorted_tok, pos_of,
-               shared_rows, tile_info);
+               shared_rows, tile_info, sgate_early_switch.on() ? 1 : 0);
   } else if (decode && T <= kSmallT) {
     // 2-3. softmax, top-k, shared gate, counting sort and tile schedule: one block, or (HYPIC_ROUTE_SPREAD) one warp
     // task per warp over up to kSmallBlocksMax blocks, the last of which sorts.

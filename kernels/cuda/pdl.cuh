@@ -5,7 +5,13 @@
 // that an earlier kernel of the stream writes (or reads, if it writes it): griddepcontrol.wait returns once the
 // preceding grid has completed and its memory is visible, so stream-order semantics are unchanged. Memory no kernel
 // of the step writes (weights) may be read before it: that is what lets a weight-streaming GEMM start its loads
-// while its predecessor drains. Without the launch attribute both instructions are no-ops.
+// while its predecessor drains. So may memory whose last writer completed before the predecessor began its own
+// griddep_wait(), read through L2 (ld.cg): when the predecessor waits before it calls griddep_launch_dependents(),
+// this kernel starts only after that wait returned, so after that writer (and everything before the predecessor's
+// predecessor) completed. The decode MoE down GEMM reads its tile schedule that way (the routing kernel wrote it; the
+// gate_up GEMM between them waits first), the one-token routing its shared gate's input, and with the caller's
+// promise (gated_delta.h state_read_early) the decode conv and recurrence their states. A predecessor that triggers
+// before it waits (the norms) gives no such guarantee. Without the launch attribute both instructions are no-ops.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -39,7 +45,8 @@ inline bool pdl_enabled() {
 
 /// kernel<<<grid, block, smem, stream>>>(args...), with programmatic stream serialization (see the top of this file)
 /// when `pdl` (and pdl_enabled()): the kernel must then call griddep_wait() before it touches memory an earlier kernel
-/// writes. Host only; throws std::runtime_error (naming `what`) when the launch fails.
+/// writes (except as the top of this file allows). Host only; throws std::runtime_error (naming `what`) when the launch
+/// fails.
 template <class... KArgs, class... Args>
 void launch_pdl_if(bool pdl, void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
                    const std::string& what, Args... args) {

@@ -1110,11 +1110,12 @@ TEST_CASE("gdn_prefill checkpoints: the states at chosen tokens, written in the 
   CHECK_THROWS_AS(gpu::gdn_prefill(a, ws), std::invalid_argument);
 }
 
-// HYPIC_GDN_STATE_EARLY: gdn_decode_gated loads its state rows before griddepcontrol.wait. Decode steps chained as the
+// HYPIC_GDN_STATE_EARLY: gdn_decode_gated loads its state rows before griddepcontrol.wait (HYPIC_CONV_STATE_EARLY:
+// conv1d_silu_decode its conv state). Decode steps chained as the
 // engine runs them, on one stream with no host synchronisation in between: conv1d_silu_decode writing q, k, v, then
 // gdn_decode_gated (PDL: HYPIC_DECODE_PDL_MIXERS, on by default) over a slot pool in shuffled order, five steps, each
 // reading the state the step before wrote. The same bits with the switch on and off: outputs of every step, the
-// final state pool and the conv states.
+// final state pool and the conv states, each switch alone and both.
 TEST_CASE("gdn_decode_gated with its state read before the wait gives the same bits in a chain of steps",
           "[gpu][gated_delta]") {
   require_gpu();
@@ -1140,8 +1141,8 @@ TEST_CASE("gdn_decode_gated with its state read before the wait gives the same b
     std::vector<float> state;
     std::vector<bf16> conv;
   };
-  auto run = [&](bool early) {
-    ScopedCandidate sw("HYPIC_GDN_STATE_EARLY", early);
+  auto run = [&](bool early, bool conv_early) {
+    ScopedCandidate sw("HYPIC_GDN_STATE_EARLY", early), cw("HYPIC_CONV_STATE_EARLY", conv_early);
     std::vector<DeviceBuffer<bf16>> dx;
     for (const auto& x : xs) dx.emplace_back(x);
     DeviceBuffer<bf16> dw(w), dconv(conv0), dga(ga), dgb(gb), dq(size_t(B) * qd), dk(size_t(B) * qd),
@@ -1151,20 +1152,22 @@ TEST_CASE("gdn_decode_gated with its state read before the wait gives the same b
     Stream st;
     for (int s = 0; s < steps; ++s) {
       const gpu::ConvQkvOut qkv{dq.get(), dk.get(), dv.get(), qd};
-      gpu::conv1d_silu_decode(B, C, K, dx[s].get(), dw.get(), dconv.get(), qkv, st.s, dslots.get());
+      gpu::conv1d_silu_decode(B, C, K, dx[s].get(), dw.get(), dconv.get(), qkv, st.s, dslots.get(), true);
       gpu::gdn_decode_gated(B, hk, hv, dq.get(), dk.get(), dv.get(), dga.get(), dgb.get(), dal.get(), ddt.get(), true,
                             1.0f / std::sqrt(float(D)), dst.get(), dout.get() + size_t(s) * B * hv * D, st.s,
-                            dslots.get());
+                            dslots.get(), nullptr, true);
     }
     check_cuda(cudaStreamSynchronize(st.s), "decode chain");
     return Result{dout.download(), dst.download(), dconv.download()};
   };
-  const Result off = run(false), on = run(true);
-  CHECK(same_bits(on.out, off.out));
-  CHECK(same_bits(on.state, off.state));
-  CHECK(same_bits(on.conv, off.conv));
-  // The chain did move the state: every step's output differs from the step before's.
-  CHECK_FALSE(std::equal(off.out.begin(), off.out.begin() + size_t(B) * hv * D, off.out.begin() + size_t(B) * hv * D));
+  const Result off = run(false, false);
+  for (const auto& [early, conv_early] : {std::pair{true, false}, std::pair{false, true}, std::pair{true, true}}) {
+    const Result on = run(early, conv_early);
+    INFO("recurrence state early " << early << ", conv state early " << conv_early);
+    CHECK(same_bits(on.out, off.out));
+    CHECK(same_bits(on.state, off.state));
+    CHECK(same_bits(on.conv, off.conv));
+  }
 }
 
 TEST_CASE("gdn_decode matches the CPU recurrence for one token per request", "[gpu][gated_delta]") {

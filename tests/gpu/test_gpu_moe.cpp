@@ -482,8 +482,9 @@ TEST_CASE("moe_forward decode sizes (T <= 64): OwnDecode / Own vs CPU, Cublas, O
           r.push_back(get(ws.pos_of, Tk));
           return r;
         };
-        auto run = [&](bool one, bool spread) {
-          ScopedCandidate a("HYPIC_ROUTE_ONE_TOKEN", one), b("HYPIC_ROUTE_SPREAD", spread);
+        auto run = [&](bool one, bool spread, bool sgate_early = false) {
+          ScopedCandidate a("HYPIC_ROUTE_ONE_TOKEN", one), b("HYPIC_ROUTE_SPREAD", spread),
+              e("HYPIC_ROUTE_SGATE_EARLY", sgate_early);
           // Poison every routing array, so that an element a kernel fails to write cannot pass on the other
           // kernel's value (the runs share ws, and earlier runs at this T left their values in it).
           for (const gpu::MoeWorkspace::Buf* buf : {&ws.topk_e, &ws.topk_w, &ws.sgate, &ws.offsets, &ws.tiles,
@@ -528,6 +529,13 @@ TEST_CASE("moe_forward decode sizes (T <= 64): OwnDecode / Own vs CPU, Cublas, O
         std::printf("[moe] decode %s %s routing == one block: outputs %s, routing arrays %s\n", name.c_str(),
                     one ? "one-token" : "spread", same ? "yes" : "NO", other.second == rt ? "yes" : "NO");
         CHECK(same);
+        if (one) {  // the one-token routing with its shared gate computed before the wait (HYPIC_ROUTE_SGATE_EARLY)
+          const auto early = run(true, false, true);
+          const bool early_same = same_bits(early.first, one_block.first) && early.second == rt;
+          std::printf("[moe] decode %s one-token routing, shared gate before the wait == one block: %s\n",
+                      name.c_str(), early_same ? "yes" : "NO");
+          CHECK(early_same);
+        }
         CHECK(other.second == rt);
       }
       // Token 0 is the first row of each of its experts' first tiles at every T, so its output must not
