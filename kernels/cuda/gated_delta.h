@@ -331,7 +331,7 @@ void conv1d_silu_decode(int batch, int channels, int kernel, const bf16* x, cons
 /// kernel launched just before this one on the stream began waiting for its own predecessor (pdl.cuh; a decode step:
 /// the writer is the previous step's conv, and the in_proj GEMM before this call waits before it lets this one
 /// start). Never pass it for a call right after another call on the same state. With it, and HYPIC_CONV_STATE_EARLY
-/// (a candidate, switches.h), the state is read before the wait; the same values either way.
+/// (a measured default, switches.h), the state is read before the wait; the same values either way.
 void conv1d_silu_decode(int batch, int channels, int kernel, const bf16* x, const bf16* weight, bf16* conv_state,
                         const ConvQkvOut& out, cudaStream_t stream = nullptr, const int* state_slots = nullptr,
                         bool state_read_early = false);
