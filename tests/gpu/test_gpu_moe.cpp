@@ -415,11 +415,14 @@ TEST_CASE("moe_forward decode sizes (T <= 64): OwnDecode / Own vs CPU, Cublas, O
       // with the offsets beside them (shared tiles: offset 0, T rows).
       for (bool spread : {false, true}) {
         ScopedCandidate sp("HYPIC_ROUTE_SPREAD", spread);
-        auto run = [&](bool info, bool early = false) {
-          ScopedCandidate sw("HYPIC_MOE_DECODE_TILE_INFO", info), de("HYPIC_MOE_DOWN_EARLY", early);
-          // The schedule and the GEMMs' outputs poisoned before each call: a kernel that read them before the kernel
-          // writing them had (a down GEMM reading its schedule early) would give other results.
-          for (gpu::MoeWorkspace::Buf* m : {&ws.dec_tiles, &ws.tiles, &ws.num_tiles, &ws.offsets, &ws.act, &ws.y})
+        auto run = [&](bool info, bool early = false, bool combine_early = false) {
+          ScopedCandidate sw("HYPIC_MOE_DECODE_TILE_INFO", info), de("HYPIC_MOE_DOWN_EARLY", early),
+              ce("HYPIC_COMBINE_EARLY", combine_early);
+          // The schedule, the routing's picks and the GEMMs' outputs poisoned before each call: a kernel that read
+          // them before the kernel writing them had (a down GEMM reading its schedule early, a combine its routing
+          // weights) would give other results.
+          for (gpu::MoeWorkspace::Buf* m : {&ws.dec_tiles, &ws.tiles, &ws.num_tiles, &ws.offsets, &ws.act, &ws.y,
+                                            &ws.topk_w, &ws.pos_of, &ws.sgate})
             if (m->p) check_cuda(cudaMemsetAsync(m->p, 0xFF, m->bytes, st.s), "poison");
           DeviceBuffer<float> dout(base);
           gpu::moe_forward(T, dx.get(), v, dout.get(), ws, gemm, gpu::GroupedGemm::Own, st.s);
@@ -431,11 +434,15 @@ TEST_CASE("moe_forward decode sizes (T <= 64): OwnDecode / Own vs CPU, Cublas, O
         // The down GEMM reading its schedule and issuing its weight copies before its griddep_wait
         // (HYPIC_MOE_DOWN_EARLY; the schedule comes from the routing kernel, which the gate_up launch before it waited
         // for): the same bits, with the tile schedule either way.
-        // (The run with the int4 schedule last: the check below reads the schedule it wrote.)
-        const bool early_same = same_bits(run(false, true), plain) && same_bits(run(true, true), plain);
-        std::printf("[moe] decode %s down GEMM's weights before its wait == default: %s\n", name.c_str(),
-                    early_same ? "yes" : "NO");
+        // And the combine reading the routing's picks and the residual row before its wait (HYPIC_COMBINE_EARLY), alone
+        // and with the early down GEMM. (The run with the int4 schedule last: the check below reads the schedule it
+        // wrote.)
+        const bool early_same = same_bits(run(false, true), plain);
+        const bool combine_same = same_bits(run(false, false, true), plain) && same_bits(run(true, true, true), plain);
+        std::printf("[moe] decode %s down GEMM's weights before its wait == default: %s; combine's inputs before its "
+                    "wait == default: %s\n", name.c_str(), early_same ? "yes" : "NO", combine_same ? "yes" : "NO");
         CHECK(early_same);
+        CHECK(combine_same);
         int nt = 0;
         check_cuda(cudaMemcpy(&nt, ws.num_tiles.p, sizeof(int), cudaMemcpyDeviceToHost), "num_tiles");
         nt = std::clamp(nt, 0, int(std::min(ws.dec_tiles.bytes / 16, ws.tiles.bytes / 8)));
