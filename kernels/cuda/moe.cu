@@ -794,38 +794,39 @@ __device__ __forceinline__ float4 combine4(int H, int k, const int* sp, const fl
 // launch start): the routing's pos_of / topk_w / sgate and the thread's first 4 columns of the residual row are read,
 // through L2, before the wait (pdl.cuh: their writers, the routing and the out_proj / o_proj GEMM, completed before
 // the down GEMM's wait returned); y and the shared expert's output after it. The same values either way.
+template <bool kEarly>
 __global__ void __launch_bounds__(128) combine_kernel(int H, int k, const int* pos_of, const float* topk_w,
                                                       const bf16* y, const float* sgate, const float* shared,
-                                                      float* out, float scale, int early) {
+                                                      float* out, float scale) {
   __shared__ int sp[kMaxTopk];
   __shared__ float sw[kMaxTopk];
   const int t = blockIdx.x;
   const int j0 = (blockIdx.y * blockDim.x + threadIdx.x) * 4;
-  float sg = 0.f;
+  float sg_early = 0.f;
   float4 ov0 = make_float4(0.f, 0.f, 0.f, 0.f);
-  if (early) {
+  if constexpr (kEarly) {
     if (threadIdx.x < k) {
       sp[threadIdx.x] = __ldcg(pos_of + size_t(t) * k + threadIdx.x);
       sw[threadIdx.x] = __ldcg(topk_w + size_t(t) * k + threadIdx.x);
     }
-    if (shared) sg = __ldcg(sgate + t);
+    if (shared) sg_early = __ldcg(sgate + t);
     if (j0 < H) ov0 = __ldcg(reinterpret_cast<const float4*>(out + size_t(t) * H + j0));
   }
   griddep_wait();
   griddep_launch_dependents();
-  if (!early) {
+  if constexpr (!kEarly) {
     if (threadIdx.x < k) {
       sp[threadIdx.x] = pos_of[size_t(t) * k + threadIdx.x];
       sw[threadIdx.x] = topk_w[size_t(t) * k + threadIdx.x];
     }
-    if (shared) sg = sgate[t];
   }
   __syncthreads();
+  const float sg = kEarly ? sg_early : shared ? sgate[t] : 0.f;
   const float* shared_row = shared ? shared + size_t(t) * H : nullptr;
   for (int j = j0; j < H; j += gridDim.y * blockDim.x * 4) {
     const float4 a = combine4(H, k, sp, sw, y, sg, shared_row, j, scale);
     float4* o = reinterpret_cast<float4*>(out + size_t(t) * H + j);
-    float4 ov = early && j == j0 ? ov0 : *o;
+    float4 ov = kEarly && j == j0 ? ov0 : *o;
     ov.x += a.x;
     ov.y += a.y;
     ov.z += a.z;
@@ -1442,12 +1443,12 @@ void moe_forward(int T, const bf16* x, const MoeWeightsView& w, float* out, MoeW
   }
   if (decode) {
     static CandidateSwitch combine_early("HYPIC_COMBINE_EARLY");  // (the decode GEMMs ran: launch_decode)
-    launch_pdl(combine_kernel, dim3(T, (H + 511) / 512), dim3(128), 0, stream, "moe_forward: combine launch", H, k,
-               static_cast<const int*>(pos_of), static_cast<const float*>(topk_w), y,
-               static_cast<const float*>(sgate), shared, out, w.output_scale, combine_early.on() ? 1 : 0);
+    launch_pdl(combine_early.on() ? combine_kernel<true> : combine_kernel<false>, dim3(T, (H + 511) / 512), dim3(128),
+               0, stream, "moe_forward: combine launch", H, k, static_cast<const int*>(pos_of),
+               static_cast<const float*>(topk_w), y, static_cast<const float*>(sgate), shared, out, w.output_scale);
   } else {
-    combine_kernel<<<dim3(T, (H + 511) / 512), 128, 0, stream>>>(H, k, pos_of, topk_w, y, sgate, shared, out,
-                                                               w.output_scale, 0);
+    combine_kernel<false><<<dim3(T, (H + 511) / 512), 128, 0, stream>>>(H, k, pos_of, topk_w, y, sgate, shared, out,
+                                                                      w.output_scale);
     check_cuda(cudaGetLastError(), "moe_forward: combine launch");
   }
   if (next) rms_norm_residual(T, H, out, H, nullptr, next->w, next->eps, next->y, stream, next->zero_centred);
