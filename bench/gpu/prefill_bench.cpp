@@ -36,7 +36,8 @@
 // attention, the MoE block and GDN next to cuDNN SDPA, a torch._grouped_mm MoE block and fla at the same shapes.
 //
 // Output: a human table on stdout; --json FILE (one row per prompt length with tokens, ours_ms, hf_ms, plus the
-// sections ceilings, parts, build, splice, decode, command, utc, git_commit); --md FILE (the Markdown report).
+// sections ceilings, parts, build, splice, decode, command, utc, git_commit, build_commit:
+// the commit this binary was built from, cmake/build_info.cmake); --md FILE (the Markdown report).
 // Usage: hypic-bench-prefill-gpu [--config FILE] [--json FILE] [--md FILE] [--hf-json FILE] [--quick] ...
 //        (--help lists every flag); hypic-bench-prefill-gpu --render RESULTS.json [--md FILE] re-renders a report.
 // Profiling: the timed full prefills, hypic splices and decode steps run inside NVTX ranges "full_prefill",
@@ -76,6 +77,7 @@
 #include "kernels/cuda/moe.h"
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/switches.h"
+#include "hypic_build_info.h"  // HYPIC_BUILD_COMMIT (generated: cmake/build_info.cmake)
 
 namespace kc = hypic::kernels::cuda;
 namespace eng = hypic::engine;
@@ -751,7 +753,9 @@ int main(int argc, char** argv) try {
   app.add_option("--hf-json", hf_json, "tools/hf_prefill_bench.py's JSON: fills hf_ms per prompt length");
   app.add_option("--best-json", best_json,
                  "tools/best_kernels_bench.py's JSON: the parts_vs_best table (each part next to the library's best)");
-  app.add_option("--git-commit", commit, "commit recorded in the results (default: $HYPIC_GIT_COMMIT, else git)");
+  app.add_option("--git-commit", commit,
+                 "commit recorded in the results as git_commit (default: $HYPIC_GIT_COMMIT, else git); build_commit "
+                 "is always the commit the binary was built from");
   app.add_option("--command", command, "command line recorded in the results (default: this program's argv)");
   std::string render;
   app.add_option("--render", render, "no GPU work: re-render the Markdown of a results JSON (to stdout and --md)");
@@ -815,6 +819,7 @@ int main(int argc, char** argv) try {
   J["command"] = command;
   J["utc"] = utc_now();
   J["git_commit"] = commit;
+  J["build_commit"] = HYPIC_BUILD_COMMIT;  // the sources this binary was built from
   cudaDeviceProp prop{};
   check_cuda(cudaGetDeviceProperties(&prop, dev.index), "cudaGetDeviceProperties");
   int driver = 0, runtime = 0;

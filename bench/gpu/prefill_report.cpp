@@ -217,7 +217,9 @@ std::string markdown(const json& J) {
         << (t["met"].is_boolean() ? (t["met"].get<bool>() ? "met" : "MISSED") : "not measured") << "\n";
   }
   m << "\n## Run\n\n- Command: `" << J.value("command", "") << "`\n- Time: " << J.value("utc", "")
-    << "\n- Commit: " << J.value("git_commit", "") << "\n- Device: " << dev.value("name", "?") << ", "
+    << "\n- Commit: " << J.value("git_commit", "")
+    << (J.contains("build_commit") ? "; binary built from " + J.value("build_commit", "") : std::string())
+    << "\n- Device: " << dev.value("name", "?") << ", "
     << dev.value("sms", 0) << " SMs, " << fmt("%.0f", jnum(dev, "memory_bytes") / double(1 << 30))
     << " GiB, driver " << dev.value("driver", 0) << ", runtime " << dev.value("runtime", 0)
     << "\n";
