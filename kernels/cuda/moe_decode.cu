@@ -54,6 +54,8 @@ struct DecodeArgs {
   int ks, sks;  // K slices per row group (stream_k_slices_for): routed experts, shared expert
   int deep;     // NT >= 2: a tile with one token group streams W-only stages over the whole ring (decode_gemm_kernel)
   int early;    // down: the schedule read and the weight copies issued before griddep_wait (HYPIC_MOE_DOWN_EARLY)
+  int shared_fixed;  // HYPIC_MOE_SHARED_EARLY: the shared expert's ceil(T / kDecBM) tiles on the grid's last blocks
+                     // (their weight copies before griddep_wait), the schedule's shared tiles skipped; 0: off
   int E, T;
   const int2* tiles;
   const int* num_tiles;
@@ -92,14 +94,21 @@ __global__ void __launch_bounds__(kStreamThreads, detail::stream_blocks_per_sm(d
   // routing kernel, so with a.early the down blocks read the schedule and issue their weight copies before their wait
   // (the weights are never written during a step): they stream while gate_up finishes; the act rows it writes are
   // read only after the wait below.
-  const bool early = MODE == kDecDown && a.early;
+  // With a.shared_fixed the shared expert's tiles are the grid's last blocks, known without the schedule, so they issue
+  // their weight copies before the wait too (gate_up: while the routing kernel runs); the schedule's own shared tiles
+  // return.
+  const int fixed0 = int(gridDim.x) - a.shared_fixed;
+  const bool fixed_sh = a.shared_fixed > 0 && int(blockIdx.x) >= fixed0;
+  const bool early = (MODE == kDecDown && a.early) || fixed_sh;
   if (!early) {
     griddep_wait();
     griddep_launch_dependents();
   }
   int e, m0;
   int4 info = make_int4(0, 0, 0, 0);
-  if (a.tile_info) {
+  if (fixed_sh) {
+    e = a.E, m0 = (int(blockIdx.x) - fixed0) * kDecBM;
+  } else if (a.tile_info) {
     // Both loads in flight at once (the buffer holds the launched grid's tiles; past num_tiles stale, unused).
     const int n_tiles = __ldcg(a.num_tiles);
     info = __ldcg(a.tile_info + blockIdx.x);
@@ -110,6 +119,7 @@ __global__ void __launch_bounds__(kStreamThreads, detail::stream_blocks_per_sm(d
     const int2 tile = __ldcg(a.tiles + blockIdx.x);
     e = tile.x, m0 = tile.y;
   }
+  if (a.shared_fixed > 0 && !fixed_sh && e >= a.E) return;  // (done by the fixed blocks)
   const bool sh = e >= a.E;
   const int K = sh ? a.sK : a.K, N = sh ? a.sN : a.N;
   const bf16* W = sh ? a.sB : a.B + size_t(e) * a.b_expert_stride;
@@ -129,7 +139,7 @@ __global__ void __launch_bounds__(kStreamThreads, detail::stream_blocks_per_sm(d
   // The weight copies go out as soon as the expert is known; the token rows' lookups overlap them.
   if (active) detail::stream_prologue<NT, S>(wlo, whi, kb, ke, ring, lane);
   if (early) {
-    griddep_wait();  // act: gate_up's output
+    griddep_wait();  // act: gate_up's output; x (gate_up's shared tiles) and s_act
     griddep_launch_dependents();
   }
 
@@ -247,8 +257,10 @@ int decode_k_slices(int mode, int K, int N, int Ns, int topk, bool shared) {
 void launch_decode(const MoeWeightsView& w, int T, size_t P, const bf16* x, MoeWorkspace& ws, const int4* tile_info,
                    cudaStream_t stream) {
   static CandidateSwitch deep("HYPIC_MOE_DECODE_DEEP");
+  static CandidateSwitch shared_early("HYPIC_MOE_SHARED_EARLY");
   const bool shared = w.Is > 0;
-  const unsigned grid_m = unsigned(decode_grid_tiles(P, w.E, T, shared));
+  const int fixed = shared && shared_early.on() ? (T + kDecBM - 1) / kDecBM : 0;
+  const unsigned grid_m = unsigned(decode_grid_tiles(P, w.E, T, shared)) + unsigned(fixed);
   DecodeArgs g1{};
   g1.A = x;
   g1.a_rows = static_cast<const int*>(ws.sorted_tok.p);
@@ -263,6 +275,7 @@ void launch_decode(const MoeWeightsView& w, int T, size_t P, const bf16* x, MoeW
   g1.sK = w.H;
   g1.sN = shared ? w.Is : 0;
   g1.deep = deep.on() ? 1 : 0;
+  g1.shared_fixed = fixed;
   g1.E = w.E;
   g1.T = T;
   g1.tiles = static_cast<const int2*>(ws.tiles.p);

@@ -415,9 +415,9 @@ TEST_CASE("moe_forward decode sizes (T <= 64): OwnDecode / Own vs CPU, Cublas, O
       // with the offsets beside them (shared tiles: offset 0, T rows).
       for (bool spread : {false, true}) {
         ScopedCandidate sp("HYPIC_ROUTE_SPREAD", spread);
-        auto run = [&](bool info, bool early = false, bool combine_early = false) {
+        auto run = [&](bool info, bool early = false, bool combine_early = false, bool shared_early = false) {
           ScopedCandidate sw("HYPIC_MOE_DECODE_TILE_INFO", info), de("HYPIC_MOE_DOWN_EARLY", early),
-              ce("HYPIC_COMBINE_EARLY", combine_early);
+              ce("HYPIC_COMBINE_EARLY", combine_early), se("HYPIC_MOE_SHARED_EARLY", shared_early);
           // The schedule, the routing's picks and the GEMMs' outputs poisoned before each call: a kernel that read
           // them before the kernel writing them had (a down GEMM reading its schedule early, a combine its routing
           // weights) would give other results.
@@ -437,11 +437,17 @@ TEST_CASE("moe_forward decode sizes (T <= 64): OwnDecode / Own vs CPU, Cublas, O
         // And the combine reading the routing's picks and the residual row before its wait (HYPIC_COMBINE_EARLY), alone
         // and with the early down GEMM. (The run with the int4 schedule last: the check below reads the schedule it
         // wrote.)
+        // And the shared expert's tiles on the grids' last blocks, their weights before the wait
+        // (HYPIC_MOE_SHARED_EARLY), alone and with the others.
         const bool early_same = same_bits(run(false, true), plain);
-        const bool combine_same = same_bits(run(false, false, true), plain) && same_bits(run(true, true, true), plain);
-        std::printf("[moe] decode %s down GEMM's weights before its wait == default: %s; combine's inputs before its "
-                    "wait == default: %s\n", name.c_str(), early_same ? "yes" : "NO", combine_same ? "yes" : "NO");
+        const bool shared_same = same_bits(run(false, false, false, true), plain);
+        const bool combine_same = same_bits(run(false, false, true), plain) &&
+                                  same_bits(run(true, true, true, true), plain);
+        std::printf("[moe] decode %s down GEMM's weights before its wait == default: %s; shared expert's weights "
+                    "before the wait == default: %s; combine's inputs before its wait == default: %s\n", name.c_str(),
+                    early_same ? "yes" : "NO", shared_same ? "yes" : "NO", combine_same ? "yes" : "NO");
         CHECK(early_same);
+        CHECK(shared_same);
         CHECK(combine_same);
         int nt = 0;
         check_cuda(cudaMemcpy(&nt, ws.num_tiles.p, sizeof(int), cudaMemcpyDeviceToHost), "num_tiles");
