@@ -418,11 +418,12 @@ TEST_CASE("moe_forward decode sizes (T <= 64): OwnDecode / Own vs CPU, Cublas, O
         auto run = [&](bool info, bool early = false, bool combine_early = false, bool shared_early = false) {
           ScopedCandidate sw("HYPIC_MOE_DECODE_TILE_INFO", info), de("HYPIC_MOE_DOWN_EARLY", early),
               ce("HYPIC_COMBINE_EARLY", combine_early), se("HYPIC_MOE_SHARED_EARLY", shared_early);
-          // The schedule, the routing's picks and the GEMMs' outputs poisoned before each call: a kernel that read
-          // them before the kernel writing them had (a down GEMM reading its schedule early, a combine its routing
-          // weights) would give other results.
+          // The schedule, the routing's picks and the GEMMs' outputs (the shared expert's too) poisoned before each
+          // call: a block that read a wrong schedule entry or buffer, or skipped its tile, leaves poison in the
+          // result. (Reads made too early against a kernel still running are for test_gpu_backend's chained steps:
+          // here the routing is done long before.)
           for (gpu::MoeWorkspace::Buf* m : {&ws.dec_tiles, &ws.tiles, &ws.num_tiles, &ws.offsets, &ws.act, &ws.y,
-                                            &ws.topk_w, &ws.pos_of, &ws.sgate})
+                                            &ws.topk_w, &ws.pos_of, &ws.sgate, &ws.s_act, &ws.s_out})
             if (m->p) check_cuda(cudaMemsetAsync(m->p, 0xFF, m->bytes, st.s), "poison");
           DeviceBuffer<float> dout(base);
           gpu::moe_forward(T, dx.get(), v, dout.get(), ws, gemm, gpu::GroupedGemm::Own, st.s);
@@ -439,8 +440,9 @@ TEST_CASE("moe_forward decode sizes (T <= 64): OwnDecode / Own vs CPU, Cublas, O
         // wrote.)
         // And the shared expert's tiles on the grids' last blocks, their weights before the wait
         // (HYPIC_MOE_SHARED_EARLY), alone and with the others.
-        const bool early_same = same_bits(run(false, true), plain);
-        const bool shared_same = same_bits(run(false, false, false, true), plain);
+        const bool early_same = same_bits(run(false, true), plain) && same_bits(run(true, true), plain);
+        const bool shared_same = same_bits(run(false, false, false, true), plain) &&
+                                 same_bits(run(true, false, false, true), plain);
         const bool combine_same = same_bits(run(false, false, true), plain) &&
                                   same_bits(run(true, true, true, true), plain);
         std::printf("[moe] decode %s down GEMM's weights before its wait == default: %s; shared expert's weights "
