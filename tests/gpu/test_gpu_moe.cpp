@@ -271,6 +271,19 @@ TEST_CASE("moe_forward (Own, OwnSmallM, OwnLargeM, Cublas, OwnDecode, OwnLargeN,
             std::printf("[moe] %s %s run twice bit-identical: %s\n", name.c_str(), impl_name(impl), same ? "yes" : "NO");
             CHECK(same);
           }
+          if (impl == gpu::GroupedGemm::OwnDecode) {
+            // The decode GEMMs' shared tiles on fixed blocks and the combine's inputs read before its wait
+            // (HYPIC_MOE_SHARED_EARLY, HYPIC_COMBINE_EARLY) at every T here, above 64 tokens after the plain routing
+            // kernels too: the same bits.
+            ScopedCandidate a("HYPIC_MOE_SHARED_EARLY", true), b("HYPIC_COMBINE_EARLY", true);
+            DeviceBuffer<float> dout(base);
+            gpu::moe_forward(T, dx.get(), v, dout.get(), ws, gemm, impl, st.s);
+            check_cuda(cudaStreamSynchronize(st.s), "moe_forward");
+            const bool same = std::memcmp(dout.download().data(), results[ii].data(), n * sizeof(float)) == 0;
+            std::printf("[moe] %s OwnDecode with the shared tiles and the combine's inputs early bit-identical: %s\n",
+                        name.c_str(), same ? "yes" : "NO");
+            CHECK(same);
+          }
           {
             DeviceBuffer<float> dout(base);
             const size_t ws_bytes = ws.bytes(), plans = gemm.plans();
