@@ -183,18 +183,19 @@ __global__ void conv_decode_kernel(int batch, int channels, int K, const bf16* x
   const int b = in ? static_cast<int>(idx / channels) : 0, c = in ? static_cast<int>(idx % channels) : 0;
   bf16* st = state + size_t(in && slots ? slots[b] : b) * (K - 1) * channels + c;
   float z[kMaxKernel];
-  // state_early (the caller's state_read_early and HYPIC_CONV_STATE_EARLY): the conv state before the wait for the
-  // previous kernel (x's writer), through L2: its writer completed before that kernel started waiting
-  // (conv1d_silu_decode's contract; pdl.cuh).
-  if (in && state_early)
+  auto load_state = [&] {  // (through L2: read once, and before the wait with state_early)
     for (int j = 0; j < K - 1; ++j) z[j] = __bfloat162float(__ldcg(st + size_t(j) * channels));
+  };
+  // state_early (the caller's state_read_early and HYPIC_CONV_STATE_EARLY): the conv state before the wait for the
+  // previous kernel (x's writer): its writer completed before that kernel started waiting (conv1d_silu_decode's
+  // contract; pdl.cuh).
+  if (in && state_early) load_state();
   // (launched with PDL under HYPIC_DECODE_PDL_MIXERS: x is the previous kernel's output, so no __restrict__ on it:
   // a coherent load after the wait; see pdl.cuh)
   detail::griddep_wait();
   detail::griddep_launch_dependents();
   if (!in) return;
-  if (!state_early)
-    for (int j = 0; j < K - 1; ++j) z[j] = __bfloat162float(st[size_t(j) * channels]);
+  if (!state_early) load_state();
   const bf16 xin = x[idx];
   z[K - 1] = __bfloat162float(xin);
   float acc = 0.f;

@@ -56,13 +56,14 @@ __global__ void __launch_bounds__(D) gdn_decode_kernel(const bf16* q, const bf16
   const size_t hv = size_t(b) * Hv + h;
   float* S = state + ((slots ? size_t(slots[b]) * Hv + h : hv) * D + size_t(rg) * 32) * D + c;
   float sv[32];
-  // state_early (the caller's state_read_early and HYPIC_GDN_STATE_EARLY): the state rows are loaded, through L2,
-  // before the wait for the previous kernel (the conv, whose outputs q, k, v are): their last writer completed before
-  // that kernel began waiting (gdn_decode_gated's contract; pdl.cuh).
-  if (state_early) {
+  auto load_state = [&] {  // (through L2: read once, and before the wait with state_early)
 #pragma unroll
     for (int r = 0; r < 32; ++r) sv[r] = __ldcg(S + size_t(r) * D);
-  }
+  };
+  // state_early (the caller's state_read_early and HYPIC_GDN_STATE_EARLY): the state rows are loaded before the wait
+  // for the previous kernel (the conv, whose outputs q, k, v are): their last writer completed before that kernel
+  // began waiting (gdn_decode_gated's contract; pdl.cuh).
+  if (state_early) load_state();
   // (launched with PDL under HYPIC_DECODE_PDL_MIXERS: q, k, v come from the conv kernel, so no __restrict__ on the
   // inputs: coherent loads after the wait; see pdl.cuh)
   detail::griddep_wait();
@@ -79,10 +80,7 @@ __global__ void __launch_bounds__(D) gdn_decode_kernel(const bf16* q, const bf16
   sk[tid] = kj;
   const float decay = expf(gates.a ? detail::gate_log_decay(gates, hv, h) : g[hv]);
   const float bt = gates.a ? detail::gate_beta(gates, hv) : beta[hv];
-  if (!state_early) {
-#pragma unroll
-    for (int r = 0; r < 32; ++r) sv[r] = S[size_t(r) * D];
-  }
+  if (!state_early) load_state();
   __syncthreads();  // sq, sk
   float kv = 0.f;
 #pragma unroll
@@ -219,7 +217,8 @@ void check_compose(int batch, int num_segments, const void* running, const void*
   (void)s;  // states may be null: S = 0
 }
 
-// HYPIC_GDN_STATE_EARLY (a measured default; =0 reads it after the wait): gdn_decode_kernel loads its state rows before griddepcontrol.wait.
+// HYPIC_GDN_STATE_EARLY (a measured default; =0 reads it after the wait): gdn_decode_kernel loads its state rows
+// before griddepcontrol.wait.
 bool state_early() {
   static CandidateSwitch sw("HYPIC_GDN_STATE_EARLY");
   return sw.on();
