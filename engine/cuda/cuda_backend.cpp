@@ -653,7 +653,7 @@ void CudaBackend::attention_mixer(const Lane& ln, const DevAttention& A, int a, 
   const int g_head = gate ? 2 * hd_ : 0;
   if (decode)
     kc::attention_decode(groups, nh_, nkv_, hd_, ln.aq, kp, vp, attn_scale_, g, g_token, g_head, ln.ao, attn_dec_ws_,
-                         ln.stream);
+                         ln.stream, /*kv_read_early=*/true);  // (attention_prepare, just before, writes the new rows)
   else
     kc::attention_prefill(groups, nh_, nkv_, hd_, ln.aq, kp, vp, attn_scale_, g, g_token, g_head, ln.ao, attn_ws_, ln.stream);
   project(ln, T, nh_ * hd_, ln.ao, {{A.o_proj, H_, ln.x, H_}}, kc::DecodeLinearEpilogue::AddF32,

@@ -90,7 +90,8 @@ static_assert(SplitCfg<256>::kSmem <= 227 * 1024, "split smem");
 
 // K and V of KV tile `tile` (slots tile*64 .. +63) into shared memory; slots beyond last_slot are
 // zero-filled (never attended, but P = 0 times uninitialised pool memory could be NaN).
-template <int HD, int NT>
+// kCg: the block-table entry read through L2 (ld.cg: the decode kernel's reads before its PDL wait, pdl.cuh).
+template <int HD, int NT, bool kCg = false>
 __device__ __forceinline__ void load_kv_tile(bf16* sK, bf16* sV, const AttnParams& p, const int* bt, int tile,
                                              int last_slot, int kvh, int tid) {
   constexpr int kChunks = HD / 8;  // 16-byte chunks per row
@@ -99,7 +100,8 @@ __device__ __forceinline__ void load_kv_tile(bf16* sK, bf16* sV, const AttnParam
   constexpr int kRowStep = NT / kChunks;  // rows covered by one pass of the block
   const int r0 = tid / kChunks, ch = tid % kChunks;
   const int slot_base = tile * kBN;
-  const size_t off0 = ((static_cast<size_t>(bt[tile]) * kBN + r0) * p.num_kv_heads + kvh) * HD + ch * 8;
+  const int page = kCg ? __ldcg(bt + tile) : bt[tile];
+  const size_t off0 = ((static_cast<size_t>(page) * kBN + r0) * p.num_kv_heads + kvh) * HD + ch * 8;
   const size_t step = static_cast<size_t>(kRowStep) * p.num_kv_heads * HD;
   const bf16* gk = p.k_pool + off0;
   const bf16* gv = p.v_pool + off0;
@@ -256,18 +258,50 @@ __device__ __forceinline__ int decode_chunk_len(const AttnParams& p, int kv_len,
 }
 // (DS = 2 on sm_90: 125 / 116 / 57 registers at hd 256 / 128 / 64, so the shared memory sets the resident blocks per
 // SM as for DS = 1 and the split plan is the same; test_gpu_attention checks the plans agree.)
+//
+// kv_early (1: the caller's promise kv_read_early and HYPIC_ATTN_DECODE_KV_EARLY; a separate argument, so that
+// AttnParams and the prefill kernels' register allocation stay as they were): the prologue's KV tiles that hold
+// none of the request's last slot (slot0[b], the row attention_prepare writes just before this kernel) are issued
+// before the wait, through L2 (cp.async.cg; the block table and slot0 by ld.cg), by the rule at the top of pdl.cuh;
+// Q and the tiles with the last slot follow the wait as one more commit group, so iteration j waits for
+// min(j + 1, S - 1) pending groups instead of S - 1 (the same tiles in the same slots: the same bits).
 template <int HD, int DS = 1>
-__global__ void __launch_bounds__(DecodeCfg<HD, DS>::kThreads) attn_decode_kernel(const AttnParams p) {
+__global__ void __launch_bounds__(DecodeCfg<HD, DS>::kThreads) attn_decode_kernel(const AttnParams p, int kv_early) {
+  using C = DecodeCfg<HD, DS>;
+  constexpr int S = C::kStages;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const bool early = kv_early != 0;
+  // (early) prologue tiles issued before the wait: bit st for tile st < S - 1
+  unsigned issued = 0;
+  if (early) {
+    const int b = blockIdx.z, nsplit = gridDim.x;
+    const int kv_len = __ldcg(p.slot0 + b) + 1;
+    const int chunk_len = decode_chunk_len(p, kv_len, nsplit);
+    const int start = blockIdx.x * chunk_len;
+    if (start >= kv_len) return;  // (touches nothing: as after the wait below)
+    const int end = (blockIdx.x == nsplit - 1) ? kv_len : min(start + chunk_len, kv_len);
+    const int j0 = start / kBN, n_tiles = (end - 1) / kBN - j0 + 1;
+    const int* bt = p.block_table + static_cast<size_t>(b) * p.max_pages;
+    bf16* sK0 = reinterpret_cast<bf16*>(smem_raw) + 16 * C::kLd;
+    bf16* sV0 = sK0 + S * kBN * C::kLd;
+#pragma unroll
+    for (int st = 0; st < S - 1; ++st) {
+      // tile j0 + st holds slots up to min((j0 + st + 1) kBN, end) - 1: early when that is below the last slot
+      if (st < n_tiles && min((j0 + st + 1) * kBN, end) < kv_len) {
+        load_kv_tile<HD, C::kThreads, true>(sK0 + st * kBN * C::kLd, sV0 + st * kBN * C::kLd, p, bt, j0 + st, end - 1,
+                                            blockIdx.y / p.head_blocks, threadIdx.x);
+        issued |= 1u << st;
+      }
+      cp_async_commit();
+    }
+  }
   // (launched with PDL under HYPIC_DECODE_PDL_MIXERS: q and the new KV row come from attention_prepare; pdl.cuh)
   detail::griddep_wait();
   detail::griddep_launch_dependents();
-  using C = DecodeCfg<HD, DS>;
   constexpr int DC = HD / DS;  // head-dim columns of a warp's P V
   constexpr int kLd = C::kLd, NT = C::kThreads;
   constexpr int kChunks = HD / 8;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
   bf16* sQ = reinterpret_cast<bf16*>(smem_raw);
-  constexpr int S = C::kStages;
   bf16* sK0 = sQ + 16 * kLd;        // K stages 0 .. S-1
   bf16* sV0 = sK0 + S * kBN * kLd;  // V stages 0 .. S-1
 
@@ -297,12 +331,15 @@ __global__ void __launch_bounds__(DecodeCfg<HD, DS>::kThreads) attn_decode_kerne
   const int j0 = start / kBN;
   const int n_tiles = last_slot / kBN - j0 + 1;
   // Prologue: tiles 0 .. S-2 (with Q in the first group); one commit group per tile, empty ones included,
-  // so that before iteration j's wait exactly j + S groups exist and wait<S-1> means tile j landed.
+  // so that before iteration j's wait exactly j + S groups exist and wait<S-1> means tile j landed. (early: the
+  // S - 1 groups before the wait, then Q and the tiles not issued there as one group: j + S + 1 groups.)
 #pragma unroll
   for (int st = 0; st < S - 1; ++st) {
-    if (st < n_tiles) load_kv_tile<HD, NT>(sK0 + st * kBN * kLd, sV0 + st * kBN * kLd, p, bt, j0 + st, last_slot, kvh, tid);
-    cp_async_commit();
+    if (st < n_tiles && !(issued >> st & 1u))
+      load_kv_tile<HD, NT>(sK0 + st * kBN * kLd, sV0 + st * kBN * kLd, p, bt, j0 + st, last_slot, kvh, tid);
+    if (!early) cp_async_commit();
   }
+  if (early) cp_async_commit();
   // (p.l2_ahead > 0) tiles S - 1 .. S - 2 + l2_ahead into L2; the loop keeps that distance past the ring.
   for (int d = 0; d < p.l2_ahead; ++d)
     if (S - 1 + d < n_tiles) prefetch_kv_tile_l2<HD, NT>(p, bt, j0 + S - 1 + d, kvh, tid);
@@ -324,7 +361,10 @@ __global__ void __launch_bounds__(DecodeCfg<HD, DS>::kThreads) attn_decode_kerne
         prefetch_kv_tile_l2<HD, NT>(p, bt, j0 + j + S - 1 + p.l2_ahead, kvh, tid);
     }
     cp_async_commit();
-    cp_async_wait<S - 1>();
+    if (early && j + 1 < S - 1)
+      cp_async_wait_upto<S - 2>(j + 1);  // (early: Q's group follows the prologue's; see above)
+    else
+      cp_async_wait<S - 1>();
     __syncthreads();
     const int n0 = (j0 + j) * kBN + sw * 16;  // the warp's first slot
     if (n0 <= last_slot) {
@@ -1307,19 +1347,24 @@ void run_cudnn_route(const AttnGroups& g, const CudnnRoute& r, int num_heads, in
 }
 
 template <int HD>
-void launch_decode(const AttnParams& p, int batch, int nsplit, cudaStream_t stream) {
+void launch_decode(const AttnParams& p, int batch, int nsplit, bool kv_read_early, cudaStream_t stream) {
   const dim3 grid(nsplit, p.num_kv_heads * p.head_blocks, batch);
   const bool pdl = detail::mixer_pdl();
+  // (without PDL the kernel starts after its predecessor completed: nothing to gain)
+  static CandidateSwitch kv_early_switch("HYPIC_ATTN_DECODE_KV_EARLY");
+  const int kv_early = kv_read_early && pdl && kv_early_switch.on() ? 1 : 0;
   const std::string what =
       "attn_decode_kernel<" + std::to_string(HD) + ", " + std::to_string(decode_d_split()) + "> launch";
   if (decode_d_split() == 2) {
     using C = DecodeCfg<HD, 2>;
     decode_setup<HD, 2>();
-    detail::launch_pdl_if(pdl, attn_decode_kernel<HD, 2>, grid, dim3(C::kThreads), C::kSmem, stream, what, p);
+    detail::launch_pdl_if(pdl, attn_decode_kernel<HD, 2>, grid, dim3(C::kThreads), C::kSmem, stream, what, p,
+                          kv_early);
   } else {
     using C = DecodeCfg<HD, 1>;
     decode_setup<HD, 1>();
-    detail::launch_pdl_if(pdl, attn_decode_kernel<HD, 1>, grid, dim3(C::kThreads), C::kSmem, stream, what, p);
+    detail::launch_pdl_if(pdl, attn_decode_kernel<HD, 1>, grid, dim3(C::kThreads), C::kSmem, stream, what, p,
+                          kv_early);
   }
   static CandidateSwitch groups("HYPIC_ATTN_COMBINE_GROUPS");
   if (nsplit > 1 && groups.on()) {
@@ -1487,7 +1532,8 @@ void AttnDecodeWorkspace::reserve(int max_batch, int num_heads, int head_dim, in
 
 void attention_decode(const AttnGroups& g, int num_heads, int num_kv_heads, int head_dim, const bf16* q,
                       const bf16* k_pool, const bf16* v_pool, float scale, const bf16* gate, long gate_token_stride,
-                      int gate_head_stride, bf16* out, AttnDecodeWorkspace& ws, cudaStream_t stream) {
+                      int gate_head_stride, bf16* out, AttnDecodeWorkspace& ws, cudaStream_t stream,
+                      bool kv_read_early) {
   const char* fn = "attention_decode";
   check_attn_args(fn, g, num_heads, num_kv_heads, head_dim, q, k_pool, v_pool, out);
   if (g.num_groups == 0) return;
@@ -1505,6 +1551,7 @@ void attention_decode(const AttnGroups& g, int num_heads, int num_kv_heads, int 
   p.l2_ahead = l2_ahead.on() ? kDecodeL2Ahead : 0;
   static CandidateSwitch seq_chunks("HYPIC_ATTN_DECODE_SEQ_CHUNKS");
   p.seq_chunks = seq_chunks.on() ? 1 : 0;
+
   if (sp.nsplit > 1) {
     const long entries = static_cast<long>(g.num_groups) * num_heads * sp.nsplit;
     ws.ensure(decode_ws_bytes(entries, head_dim), stream, fn);
@@ -1512,9 +1559,9 @@ void attention_decode(const AttnGroups& g, int num_heads, int num_kv_heads, int 
     p.ws_ml = p.ws_acc + static_cast<size_t>(entries) * head_dim;
   }
   switch (head_dim) {
-    case 64: launch_decode<64>(p, g.num_groups, sp.nsplit, stream); break;
-    case 128: launch_decode<128>(p, g.num_groups, sp.nsplit, stream); break;
-    default: launch_decode<256>(p, g.num_groups, sp.nsplit, stream); break;
+    case 64: launch_decode<64>(p, g.num_groups, sp.nsplit, kv_read_early, stream); break;
+    case 128: launch_decode<128>(p, g.num_groups, sp.nsplit, kv_read_early, stream); break;
+    default: launch_decode<256>(p, g.num_groups, sp.nsplit, kv_read_early, stream); break;
   }
 }
 

@@ -119,7 +119,7 @@ class AttnDecodeWorkspace {
 
  private:
   friend void attention_decode(const AttnGroups&, int, int, int, const bf16*, const bf16*, const bf16*, float,
-                               const bf16*, long, int, bf16*, AttnDecodeWorkspace&, cudaStream_t);
+                               const bf16*, long, int, bf16*, AttnDecodeWorkspace&, cudaStream_t, bool);
   friend void attention_prefill(const AttnGroups&, int, int, int, const bf16*, const bf16*, const bf16*, float,
                                 const bf16*, long, int, bf16*, AttnDecodeWorkspace&, cudaStream_t);
   void ensure(size_t bytes, cudaStream_t stream, const char* fn);
@@ -216,11 +216,17 @@ void attention_prefill(const AttnGroups& g, int num_heads, int num_kv_heads, int
 /// 16 tile rows (GQA ratio up to 16 per block; larger ratios take several blocks), partial (m, l,
 /// acc) in `ws`, then a combine kernel (skipped when one chunk suffices: the block writes `out`).
 /// Arguments and numerics as attention_prefill (fp32 softmax, gate fused). g.max_kv >= 1 required.
+/// kv_read_early: the caller's promise that every KV slot of every request except its last (slot0[b]), the block
+/// table and slot0 were last written before the kernel launched just before this call on `stream` began, and that
+/// that kernel waits (griddepcontrol.wait) before it triggers its dependents (attention_prepare's kernel does); then,
+/// with HYPIC_ATTN_DECODE_KV_EARLY (a candidate) and the decode PDL launches (HYPIC_DECODE_PDL_MIXERS), the decode
+/// kernel issues its first KV tiles before its PDL wait (pdl.cuh). The same outputs bit for bit either way.
 /// Throws std::invalid_argument as attention_prefill, when g.max_q != 1 or total_q != num_groups,
 /// num_groups > 65535, or when `ws` would have to grow while `stream` is capturing.
 void attention_decode(const AttnGroups& g, int num_heads, int num_kv_heads, int head_dim, const bf16* q,
                       const bf16* k_pool, const bf16* v_pool, float scale, const bf16* gate, long gate_token_stride,
-                      int gate_head_stride, bf16* out, AttnDecodeWorkspace& ws, cudaStream_t stream = nullptr);
+                      int gate_head_stride, bf16* out, AttnDecodeWorkspace& ws, cudaStream_t stream = nullptr,
+                      bool kv_read_early = false);
 
 /// The attention probability one sequence's span of queries pays each KV slot (the probe of a splice's query-aware
 /// refresh, engine/cpu/splice.h SpliceRequest::refresh_segments; CPU counterpart: cpu::attention_causal's key_mass):

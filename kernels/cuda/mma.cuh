@@ -101,5 +101,19 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
+// cp.async.wait_group with a run-time count n in [0, MAX] (the instruction takes an immediate): at most n of the
+// thread's most recent commit groups still pending; n above MAX waits as for MAX.
+template <int MAX>
+__device__ __forceinline__ void cp_async_wait_upto(int n) {
+  if constexpr (MAX > 0) {
+    if (n >= MAX) {
+      cp_async_wait<MAX>();
+      return;
+    }
+    cp_async_wait_upto<MAX - 1>(n);
+  } else {
+    cp_async_wait<0>();
+  }
+}
 
 }  // namespace hypic::kernels::cuda::detail

@@ -63,6 +63,7 @@ struct AttnCase {
   bool decode = false;
   int max_kv_override = 0;  // decode: the max_kv passed (0: the true bound)
   bool host_tables = false;  // prefill with workspace: also pass host copies of q_start / slot0 (the cuDNN route)
+  bool kv_read_early = false;  // decode: attention_decode's kv_read_early promise (nothing writes the pool before it)
 };
 
 // Device copies of one case's inputs.
@@ -142,7 +143,7 @@ void run_attention(const AttnCase& c, AttnSetup& s, gpu::AttnDecodeWorkspace* ws
   const int ghs = 2 * c.hd;
   if (c.decode)
     gpu::attention_decode(g, c.nh, c.nkv, c.hd, s.dq->get(), s.dk->get(), s.dv->get(), scale, gate, gts, ghs,
-                          s.dout->get(), *ws, st);
+                          s.dout->get(), *ws, st, c.kv_read_early);
   else if (ws)  // the workspace overload: split-KV path for groups of <= 512 queries
     gpu::attention_prefill(g, c.nh, c.nkv, c.hd, s.dq->get(), s.dk->get(), s.dv->get(), scale, gate, gts, ghs,
                            s.dout->get(), *ws, st);
@@ -994,6 +995,32 @@ TEST_CASE("attention_decode with per-request KV chunks matches attention_causal"
                               {"HYPIC_ATTN_DECODE_WAVES", false}, {"HYPIC_ATTN_DECODE_D_SPLIT", false},
                               {"HYPIC_DECODE_PDL_MIXERS", true}});
       CHECK(std::memcmp(pdl.data(), on.data(), on.size() * sizeof(bf16)) == 0);
+      // The first KV tiles issued before the PDL wait (HYPIC_ATTN_DECODE_KV_EARLY with the kv_read_early promise: the
+      // tiles without a request's last slot; Q and the rest after the wait, one commit group more): the same tiles in
+      // the same slots, so the same bits, with per-request chunks and with the planned chunk length (other chunk
+      // bounds: checked against the CPU and against its own run without the early tiles).
+      AttnCase ce = c;
+      ce.kv_read_early = true;
+      DecodeSwitchRun re(ce, 440 + uint32_t(i));
+      const auto early = re.run({{"HYPIC_ATTN_DECODE_SEQ_CHUNKS", true}, {"HYPIC_ATTN_COMBINE_GROUPS", runs[i].grouped},
+                                 {"HYPIC_ATTN_DECODE_WAVES", false}, {"HYPIC_ATTN_DECODE_D_SPLIT", false},
+                                 {"HYPIC_DECODE_PDL_MIXERS", true}, {"HYPIC_ATTN_DECODE_KV_EARLY", true}});
+      const bool same_early = std::memcmp(early.data(), on.data(), on.size() * sizeof(bf16)) == 0;
+      std::printf("[%s] HYPIC_ATTN_DECODE_KV_EARLY=1 == off: %s\n", c.name.c_str(), same_early ? "yes" : "NO");
+      CHECK(same_early);
+      for (bool ds : {false, true}) {
+        auto sw = [&](bool kv_early) {
+          return re.run({{"HYPIC_ATTN_DECODE_SEQ_CHUNKS", false}, {"HYPIC_ATTN_COMBINE_GROUPS", runs[i].grouped},
+                         {"HYPIC_ATTN_DECODE_WAVES", false}, {"HYPIC_ATTN_DECODE_D_SPLIT", ds},
+                         {"HYPIC_DECODE_PDL_MIXERS", true}, {"HYPIC_ATTN_DECODE_KV_EARLY", kv_early}});
+        };
+        const auto planned = sw(false), planned_early = sw(true);
+        check_against_cpu(c, re.seqs, re.s, planned_early);
+        const bool same_planned = std::memcmp(planned_early.data(), planned.data(), planned.size() * sizeof(bf16)) == 0;
+        std::printf("[%s] planned chunks%s: HYPIC_ATTN_DECODE_KV_EARLY=1 == off: %s\n", c.name.c_str(),
+                    ds ? ", HYPIC_ATTN_DECODE_D_SPLIT" : "", same_planned ? "yes" : "NO");
+        CHECK(same_planned);
+      }
     }
 }
 

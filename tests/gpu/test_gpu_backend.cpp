@@ -874,7 +874,7 @@ TEST_CASE("cuda backend: switched kernel paths that keep the arithmetic give the
                          "HYPIC_ATTN_DECODE_D_SPLIT", "HYPIC_DECODE_PDL_MIXERS", "HYPIC_MOE_DOWN_EARLY",
                          "HYPIC_GDN_STATE_EARLY", "HYPIC_ROUTE_SGATE_EARLY",
                          "HYPIC_CONV_STATE_EARLY", "HYPIC_COMBINE_EARLY",
-                         "HYPIC_MOE_SHARED_EARLY"}) {
+                         "HYPIC_MOE_SHARED_EARLY", "HYPIC_ATTN_DECODE_KV_EARLY"}) {
     DYNAMIC_SECTION(sw) {
       std::vector<std::vector<float>> off, on;
       {
