@@ -6,7 +6,10 @@
 // Prints a human table and writes JSON (--json PATH) that tools/bench_fla_reference.py merges with
 // its interleaved comparison against flash-linear-attention.
 //
-// Usage: gdn_bench [--json out.json] [--reps N]
+// Usage: gdn_bench [--json out.json] [--reps N] [--scan-profile]
+// --scan-profile: also one call of each prefill shape (the split scan and the whole-sequence scan, no T_C) with
+// GdnPrefillArgs::scan_profile: where the first scan block's chunk steps go, per warp role (cp.async wait, block
+// barrier, staging, role work), in SM cycles and microseconds per chunk step.
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
@@ -64,12 +67,82 @@ struct GdnInputs {
   }
 };
 
+struct ProfileCase {
+  const char* name;
+  int nseq, len;
+};
+
+// --scan-profile: per shape, one prefill (no T_C) with the split scan (seq_parts 0) and one with the whole-sequence
+// scan (seq_parts 1), each with GdnPrefillArgs::scan_profile; prints per warp group of four (the layout's roles: S
+// recurrence, outputs, T recurrence) the mean SM cycles per chunk step in each phase, and adds them to J.
+template <size_t N>
+void profile_scans(const ProfileCase (&cases)[N], const GdnInputs& in, bf16* out, float* fin, json& J) {
+  int khz = 0;
+  check_cuda(cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, 0), "cudaDevAttrClockRate");
+  auto* prof = dalloc<long long>(gpu::kGdnScanProfileSlots);
+  gpu::GdnWorkspace ws;
+  std::printf("\nchunk scan profile: the first scan block of each launch, SM cycles per chunk step (us at %.0f MHz)\n",
+              khz / 1e3);
+  std::printf("%-7s %-6s %6s %-9s %10s %10s %10s %10s %12s\n", "shape", "scan", "steps", "warps", "tile wait",
+              "barrier", "staging", "role work", "block total");
+  const char* group_names[3] = {"0-3", "4-7", "8-11"};
+  for (const ProfileCase& c : cases) {
+    std::vector<int> cu(c.nseq + 1);
+    for (int s = 0; s <= c.nseq; ++s) cu[s] = s * c.len;
+    for (int parts : {0, 1}) {
+      gpu::GdnPrefillArgs a;
+      a.num_seqs = c.nseq;
+      a.cu_seqlens_host = cu.data();
+      a.num_k_heads = HK;
+      a.num_v_heads = HV;
+      a.q = in.q;
+      a.k = in.k;
+      a.v = in.v;
+      a.g = in.g;
+      a.beta = in.beta;
+      a.final_state = fin;
+      a.out = out;
+      a.seq_parts = parts;
+      gpu::gdn_prefill(a, ws);  // (warm: plan and factors)
+      check_cuda(cudaMemset(prof, 0, gpu::kGdnScanProfileSlots * sizeof(long long)), "memset(profile)");
+      a.scan_profile = prof;
+      gpu::gdn_prefill(a, ws);
+      std::vector<long long> h(gpu::kGdnScanProfileSlots);
+      check_cuda(cudaMemcpy(h.data(), prof, h.size() * sizeof(long long), cudaMemcpyDeviceToHost), "profile copy");
+      const long long steps = std::max(1LL, h[60]);
+      const char* scan = parts ? "whole" : "split";
+      for (int grp = 0; grp < 3; ++grp) {
+        double ph[4] = {0, 0, 0, 0};
+        long long wsteps = 0;  // the group's warps' chunk steps (a launch without such warps adds none)
+        for (int w = 4 * grp; w < 4 * grp + 4; ++w) wsteps += h[5 * w + 4];
+        if (wsteps == 0) continue;
+        for (int w = 4 * grp; w < 4 * grp + 4; ++w)
+          for (int i = 0; i < 4; ++i) ph[i] += double(h[5 * w + i]) / wsteps;
+        auto us = [&](double cyc) { return cyc / khz * 1e3; };
+        std::printf("%-7s %-6s %6lld %-9s %5.0f (%4.2f) %5.0f (%4.2f) %5.0f (%4.2f) %5.0f (%4.2f) %6.0f (%5.2f)\n", c.name,
+                    scan, wsteps / 4, group_names[grp], ph[0], us(ph[0]), ph[1], us(ph[1]), ph[2], us(ph[2]), ph[3],
+                    us(ph[3]), double(h[61]) / steps, us(double(h[61]) / steps));
+        J["scan_profile"].push_back({{"shape", c.name}, {"scan", scan}, {"steps", wsteps / 4}, {"warps", group_names[grp]},
+                                     {"cycles_per_step_tile_wait", ph[0]}, {"cycles_per_step_barrier", ph[1]},
+                                     {"cycles_per_step_staging", ph[2]}, {"cycles_per_step_role_work", ph[3]},
+                                     {"cycles_per_step_block", double(h[61]) / steps}, {"clock_khz", khz}});
+      }
+    }
+  }
+  cudaFree(prof);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) try {
   std::string json_path;
   int reps = 20;
-  if (!parse_json_reps(argc, argv, "gdn_bench", json_path, reps)) return 2;
+  bool scan_profile = false;
+  std::vector<char*> args;  // argv without --scan-profile, for parse_json_reps
+  for (int i = 0; i < argc; ++i)
+    if (i > 0 && std::strcmp(argv[i], "--scan-profile") == 0) scan_profile = true;
+    else args.push_back(argv[i]);
+  if (!parse_json_reps(int(args.size()), args.data(), "gdn_bench [--scan-profile]", json_path, reps)) return 2;
   cudaDeviceProp prop{};
   json J = device_header(reps, prop);
   J["shapes"] = {{"num_k_heads", HK}, {"num_v_heads", HV}, {"d_k", D}, {"d_v", D}, {"chunk", gpu::kGdnChunk}};
@@ -82,11 +155,8 @@ int main(int argc, char** argv) try {
   const double peak_tf = J["ceiling"]["bf16_gemm_TFLOPs"], peak_bw = J["ceiling"]["copy_GBps"];
 
   // ---- chunked prefill ------------------------------------------------------------------------
-  struct Case {
-    const char* name;
-    int nseq, len;
-  };
-  const Case cases[] = {{"1x4k", 1, 4096}, {"1x16k", 1, 16384}, {"1x32k", 1, 32768}, {"16x2k", 16, 2048}};
+  const ProfileCase cases[] = {{"1x4k", 1, 4096}, {"1x16k", 1, 16384}, {"1x32k", 1, 32768}, {"16x2k", 16, 2048}};
+  using Case = ProfileCase;
   const size_t maxT = 32768;
   GdnInputs in(maxT, 11);
   bf16 *q = in.q, *k = in.k, *v = in.v;
@@ -209,6 +279,7 @@ int main(int argc, char** argv) try {
                             {"GBps", gbps},
                             {"GBps_with_tc", bytes_tc / (t_tc * 1e-3) / 1e9}});
   }
+  if (scan_profile) profile_scans(cases, in, out, fin, J);
   J["workspace_bytes"] = ws.bytes();
   cudaFree(out);
   cudaFree(fin);

@@ -67,6 +67,9 @@ int configure() {
                "cudaFuncSetAttribute(gdn_wy_kernel)");
     check_cuda(cudaFuncSetAttribute(gdn_scan_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, kScanSmem),
                "cudaFuncSetAttribute(gdn_scan_kernel)");
+    check_cuda(cudaFuncSetAttribute(gdn_scan_kernel<false, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    kScanSmem),
+               "cudaFuncSetAttribute(gdn_scan_kernel<profile>)");
     int sms = 0;
     check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, d), "cudaDeviceGetAttribute(SMs)");
     return sms;
@@ -437,6 +440,7 @@ void gdn_prefill(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t stream)
   sp.split = split;
   sp.checkpoints = a.checkpoint_states;
   sp.ws = v;
+  sp.profile = a.scan_profile;
   sp.s_blocks = 2;
   const bool scan_wgmma = gdn_scan_wgmma_active();
   (void)scan_wgmma;  // (unused in a build without sm_90a code)
@@ -462,7 +466,10 @@ void gdn_prefill(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t stream)
       return;
     }
 #endif
-    gdn_scan_kernel<false><<<grid, warps * 32, kScanSmem, stream>>>(sp);
+    if (sp.profile)
+      gdn_scan_kernel<false, true><<<grid, warps * 32, kScanSmem, stream>>>(sp);
+    else
+      gdn_scan_kernel<false><<<grid, warps * 32, kScanSmem, stream>>>(sp);
     check_cuda(cudaGetLastError(), "gdn_scan_kernel launch");
   };
   // Launch 1 needs T warps for the middle parts of split sequences (mixed blocks keep those at

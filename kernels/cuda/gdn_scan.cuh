@@ -139,6 +139,7 @@ struct ScanParams {
   float* const* checkpoints;  // GdnPrefillArgs::checkpoint_states (device), or null
   const ScanJob* jobs;
   WsView ws;
+  long long* profile;  // GdnPrefillArgs::scan_profile (null: no clock reads)
 };
 
 // Address of a job's [H_v][128][128] state reference (see ScanJob), or null.
@@ -362,7 +363,9 @@ __device__ __forceinline__ void mma_x2(float (&c0)[4], float (&c1)[4], const uin
 // (kScanSmemWg). Same inputs, outputs and exchange; only the fp32 summation order inside the products differs (and,
 // with a non-finite v_new, the zero blocks of P that mma.sync skips carry its NaN to earlier tokens' outputs of the
 // chunk, whose state is NaN either way).
-template <bool kWgmma>
+// kProf: the instantiation with the clock reads of GdnPrefillArgs::scan_profile (launched only when it is set, so the
+// serving kernels keep their registers).
+template <bool kWgmma, bool kProf = false>
 __global__ void __launch_bounds__(kScanMaxThreads, 1) gdn_scan_kernel(ScanParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];  // (kWgmma aligns its base to 1024 below)
   unsigned char* smem = smem_raw;
@@ -439,16 +442,31 @@ __global__ void __launch_bounds__(kScanMaxThreads, 1) gdn_scan_kernel(ScanParams
   }
 
   const int steps = nc + (block_out ? 1 : 0);  // output warps trail by one chunk
+  // (GdnPrefillArgs::scan_profile: the first block's per-warp cycles by phase; block-uniform)
+  const bool prof = kProf && p.profile && b == 0 && h == 0 && blockIdx.z == 0;
+  long long pt[4] = {0, 0, 0, 0}, t_prev = prof ? clock64() : 0;
+  const long long t_first = t_prev;
+  auto mark = [&](int i) {
+    if (prof) {
+      const long long t = clock64();
+      pt[i] += t - t_prev;
+      t_prev = t;
+    }
+  };
   for (int c = 0; c < steps; ++c) {
+    mark(3);  // (the previous step's role work)
     cp_async_wait<0>();
     if constexpr (kWgmma) sm90::fence_proxy_async();  // cp.async's writes, read next by wgmma (async proxy)
+    mark(0);
     __syncthreads();  // chunk c staged; every warp is done with the slots and exchange buffer it reuses
+    mark(1);
     if (issuer && c + 1 < nc) issue(c + 1);
     cp_async_commit();
     if (issuer && c + kPrefetchAhead < nc) {
       const int cn = c + kPrefetchAhead;
       scan_prefetch(p, c_begin + cn, chunk_t0(cn), chunk_len(cn), h, kh, block_s, s_cb, block_out, itid, nissue);
     }
+    mark(2);
 
     if (rec_active && c < nc) {
       const StageA st = stage_a<kWgmma>(smem, (c_begin + c) & 1);
@@ -635,6 +653,19 @@ __global__ void __launch_bounds__(kScanMaxThreads, 1) gdn_scan_kernel(ScanParams
     }
   }
   cp_async_wait<0>();
+  mark(3);
+  if (prof && lane == 0) {  // (GdnPrefillArgs::scan_profile's slots)
+    auto add = [&](int slot, long long v) {
+      atomicAdd(reinterpret_cast<unsigned long long*>(p.profile + slot), static_cast<unsigned long long>(v));
+    };
+    for (int i = 0; i < 4; ++i) add(5 * warp + i, pt[i]);
+    add(5 * warp + 4, steps);
+    if (warp == 0) {
+      add(60, steps);
+      add(61, clock64() - t_first);
+      add(62, 1);
+    }
+  }
 
   if (rec_active) {
     float* dst = role == kRecS ? j_final : j_trans;
@@ -651,7 +682,8 @@ __global__ void __launch_bounds__(kScanMaxThreads, 1) gdn_scan_kernel(ScanParams
   }
 }
 
-/// Launches gdn_scan_kernel<true> (the wgmma recurrence) on `grid` x `threads` with kScanSmemWg bytes of dynamic
+/// Launches gdn_scan_kernel<true> (the wgmma recurrence; with p.profile its clock-reading instantiation) on `grid` x
+/// `threads` with kScanSmemWg bytes of dynamic
 /// shared memory, the attribute set once per device. Defined in gdn_wgmma.cu, built for sm_90a only
 /// (HYPIC_GDN_WGMMA_BUILT): call it on compute capability 9.0 devices only. Throws std::runtime_error on a CUDA
 /// error.

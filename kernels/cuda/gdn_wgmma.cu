@@ -16,9 +16,15 @@ void launch_scan_wgmma(dim3 grid, int threads, const ScanParams& p, cudaStream_t
   once.run(current_device(), [](int) {
     check_cuda(cudaFuncSetAttribute(gdn_scan_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, kScanSmemWg),
                "cudaFuncSetAttribute(gdn_scan_kernel<wgmma>)");
+    check_cuda(cudaFuncSetAttribute(gdn_scan_kernel<true, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    kScanSmemWg),
+               "cudaFuncSetAttribute(gdn_scan_kernel<wgmma, profile>)");
     return 0;
   });
-  gdn_scan_kernel<true><<<grid, threads, kScanSmemWg, stream>>>(p);
+  if (p.profile)
+    gdn_scan_kernel<true, true><<<grid, threads, kScanSmemWg, stream>>>(p);
+  else
+    gdn_scan_kernel<true><<<grid, threads, kScanSmemWg, stream>>>(p);
   check_cuda(cudaGetLastError(), "gdn_scan_kernel<wgmma> launch");
 }
 
