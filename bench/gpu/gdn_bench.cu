@@ -67,6 +67,24 @@ struct GdnInputs {
   }
 };
 
+// The prefill arguments of one layer over the sequences cu (HOST cu_seqlens, kept alive by the caller) of `in`:
+// outputs into out, final states into fin, no T_C.
+gpu::GdnPrefillArgs layer_args(const std::vector<int>& cu, const GdnInputs& in, bf16* out, float* fin) {
+  gpu::GdnPrefillArgs a;
+  a.num_seqs = int(cu.size()) - 1;
+  a.cu_seqlens_host = cu.data();
+  a.num_k_heads = HK;
+  a.num_v_heads = HV;
+  a.q = in.q;
+  a.k = in.k;
+  a.v = in.v;
+  a.g = in.g;
+  a.beta = in.beta;
+  a.final_state = fin;
+  a.out = out;
+  return a;
+}
+
 struct ProfileCase {
   const char* name;
   int nseq, len;
@@ -90,18 +108,7 @@ void profile_scans(const ProfileCase (&cases)[N], const GdnInputs& in, bf16* out
     std::vector<int> cu(c.nseq + 1);
     for (int s = 0; s <= c.nseq; ++s) cu[s] = s * c.len;
     for (int parts : {0, 1}) {
-      gpu::GdnPrefillArgs a;
-      a.num_seqs = c.nseq;
-      a.cu_seqlens_host = cu.data();
-      a.num_k_heads = HK;
-      a.num_v_heads = HV;
-      a.q = in.q;
-      a.k = in.k;
-      a.v = in.v;
-      a.g = in.g;
-      a.beta = in.beta;
-      a.final_state = fin;
-      a.out = out;
+      gpu::GdnPrefillArgs a = layer_args(cu, in, out, fin);
       a.seq_parts = parts;
       gpu::gdn_prefill(a, ws);  // (warm: plan and factors)
       check_cuda(cudaMemset(prof, 0, gpu::kGdnScanProfileSlots * sizeof(long long)), "memset(profile)");
@@ -119,13 +126,20 @@ void profile_scans(const ProfileCase (&cases)[N], const GdnInputs& in, bf16* out
         for (int w = 4 * grp; w < 4 * grp + 4; ++w)
           for (int i = 0; i < 4; ++i) ph[i] += double(h[5 * w + i]) / wsteps;
         auto us = [&](double cyc) { return cyc / khz * 1e3; };
-        std::printf("%-7s %-6s %6lld %-9s %5.0f (%4.2f) %5.0f (%4.2f) %5.0f (%4.2f) %5.0f (%4.2f) %6.0f (%5.2f)\n", c.name,
-                    scan, wsteps / 4, group_names[grp], ph[0], us(ph[0]), ph[1], us(ph[1]), ph[2], us(ph[2]), ph[3],
-                    us(ph[3]), double(h[61]) / steps, us(double(h[61]) / steps));
-        J["scan_profile"].push_back({{"shape", c.name}, {"scan", scan}, {"steps", wsteps / 4}, {"warps", group_names[grp]},
-                                     {"cycles_per_step_tile_wait", ph[0]}, {"cycles_per_step_barrier", ph[1]},
-                                     {"cycles_per_step_staging", ph[2]}, {"cycles_per_step_role_work", ph[3]},
-                                     {"cycles_per_step_block", double(h[61]) / steps}, {"clock_khz", khz}});
+        const double block = double(h[61]) / steps;
+        std::printf("%-7s %-6s %6lld %-9s %5.0f (%4.2f) %5.0f (%4.2f) %5.0f (%4.2f) %5.0f (%4.2f) %6.0f (%5.2f)\n",
+                    c.name, scan, wsteps / 4, group_names[grp], ph[0], us(ph[0]), ph[1], us(ph[1]), ph[2], us(ph[2]),
+                    ph[3], us(ph[3]), block, us(block));
+        J["scan_profile"].push_back({{"shape", c.name},
+                                     {"scan", scan},
+                                     {"steps", wsteps / 4},
+                                     {"warps", group_names[grp]},
+                                     {"cycles_per_step_tile_wait", ph[0]},
+                                     {"cycles_per_step_barrier", ph[1]},
+                                     {"cycles_per_step_staging", ph[2]},
+                                     {"cycles_per_step_role_work", ph[3]},
+                                     {"cycles_per_step_block", block},
+                                     {"clock_khz", khz}});
       }
     }
   }
@@ -159,8 +173,6 @@ int main(int argc, char** argv) try {
   using Case = ProfileCase;
   const size_t maxT = 32768;
   GdnInputs in(maxT, 11);
-  bf16 *q = in.q, *k = in.k, *v = in.v;
-  float *g = in.g, *beta = in.beta;
   auto* out = dalloc<bf16>(maxT * HV * D);
   auto* fin = dalloc<float>(size_t(16) * HV * D * D);
   auto* tr = dalloc<float>(size_t(16) * HV * D * D);
@@ -186,18 +198,7 @@ int main(int argc, char** argv) try {
     std::vector<int> cu(c.nseq + 1);
     for (int s = 0; s <= c.nseq; ++s) cu[s] = s * c.len;
     const int T = c.nseq * c.len;
-    gpu::GdnPrefillArgs a;
-    a.num_seqs = c.nseq;
-    a.cu_seqlens_host = cu.data();
-    a.num_k_heads = HK;
-    a.num_v_heads = HV;
-    a.q = q;
-    a.k = k;
-    a.v = v;
-    a.g = g;
-    a.beta = beta;
-    a.final_state = fin;
-    a.out = out;
+    gpu::GdnPrefillArgs a = layer_args(cu, in, out, fin);
     const int parts = gpu::gdn_scan_parts(a)[0];
     const double t_plain = time_ms([&] { gpu::gdn_prefill(a, ws); }, reps);
     a.seq_parts = 1;  // the whole-sequence scan, for the sequence-parallel split's gain
