@@ -90,9 +90,11 @@ struct ProfileCase {
   int nseq, len;
 };
 
-// --scan-profile: per shape, one prefill (no T_C) with the split scan (seq_parts 0) and one with the whole-sequence
-// scan (seq_parts 1), each with GdnPrefillArgs::scan_profile; prints per warp group of four (the layout's roles: S
-// recurrence, outputs, T recurrence) the mean SM cycles per chunk step in each phase, and adds them to J.
+// --scan-profile: per shape, one prefill (no T_C) with the default scan (seq_parts 0: "P=n" where it is split, else
+// "whole") and one with the whole-sequence scan (seq_parts 1), each with GdnPrefillArgs::scan_profile; prints per warp
+// group of four (the layout's roles: S recurrence, outputs, T recurrence; the profiled block is part 0 of a split
+// sequence, whose T warps only keep the barriers) the mean SM cycles per chunk step in each phase, and adds them to
+// J. Microseconds from the device's nominal clock (cudaDevAttrClockRate), so approximate.
 template <size_t N>
 void profile_scans(const ProfileCase (&cases)[N], const GdnInputs& in, bf16* out, float* fin, json& J) {
   int khz = 0;
@@ -110,6 +112,7 @@ void profile_scans(const ProfileCase (&cases)[N], const GdnInputs& in, bf16* out
     for (int parts : {0, 1}) {
       gpu::GdnPrefillArgs a = layer_args(cu, in, out, fin);
       a.seq_parts = parts;
+      const int scan_parts = gpu::gdn_scan_parts(a)[0];
       gpu::gdn_prefill(a, ws);  // (warm: plan and factors)
       check_cuda(cudaMemset(prof, 0, gpu::kGdnScanProfileSlots * sizeof(long long)), "memset(profile)");
       a.scan_profile = prof;
@@ -117,7 +120,7 @@ void profile_scans(const ProfileCase (&cases)[N], const GdnInputs& in, bf16* out
       std::vector<long long> h(gpu::kGdnScanProfileSlots);
       check_cuda(cudaMemcpy(h.data(), prof, h.size() * sizeof(long long), cudaMemcpyDeviceToHost), "profile copy");
       const long long steps = std::max(1LL, h[60]);
-      const char* scan = parts ? "whole" : "split";
+      const std::string scan = scan_parts > 1 ? "P=" + std::to_string(scan_parts) : "whole";
       for (int grp = 0; grp < 3; ++grp) {
         double ph[4] = {0, 0, 0, 0};
         long long wsteps = 0;  // the group's warps' chunk steps (a launch without such warps adds none)
@@ -128,8 +131,8 @@ void profile_scans(const ProfileCase (&cases)[N], const GdnInputs& in, bf16* out
         auto us = [&](double cyc) { return cyc / khz * 1e3; };
         const double block = double(h[61]) / steps;
         std::printf("%-7s %-6s %6lld %-9s %5.0f (%4.2f) %5.0f (%4.2f) %5.0f (%4.2f) %5.0f (%4.2f) %6.0f (%5.2f)\n",
-                    c.name, scan, wsteps / 4, group_names[grp], ph[0], us(ph[0]), ph[1], us(ph[1]), ph[2], us(ph[2]),
-                    ph[3], us(ph[3]), block, us(block));
+                    c.name, scan.c_str(), wsteps / 4, group_names[grp], ph[0], us(ph[0]), ph[1], us(ph[1]), ph[2],
+                    us(ph[2]), ph[3], us(ph[3]), block, us(block));
         J["scan_profile"].push_back({{"shape", c.name},
                                      {"scan", scan},
                                      {"steps", wsteps / 4},

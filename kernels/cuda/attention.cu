@@ -256,7 +256,7 @@ __device__ __forceinline__ int decode_chunk_len(const AttnParams& p, int kv_len,
   const int tiles = max((kv_len + kBN - 1) / kBN, 1);  // (>= 1 tile: the combines divide by it)
   return (tiles + nsplit - 1) / nsplit * kBN;
 }
-// (DS = 2 on sm_90: 125 / 116 / 57 registers at hd 256 / 128 / 64, so the shared memory sets the resident blocks per
+// (DS = 2 on sm_90: 126 / 116 / 63 registers at hd 256 / 128 / 64, so the shared memory sets the resident blocks per
 // SM as for DS = 1 and the split plan is the same; test_gpu_attention checks the plans agree.)
 //
 // kv_early (1: the caller's promise kv_read_early and HYPIC_ATTN_DECODE_KV_EARLY; a separate argument, so that
@@ -1352,7 +1352,7 @@ void launch_decode(const AttnParams& p, int batch, int nsplit, bool kv_read_earl
   const bool pdl = detail::mixer_pdl();
   // (without PDL the kernel starts after its predecessor completed: nothing to gain)
   static CandidateSwitch kv_early_switch("HYPIC_ATTN_DECODE_KV_EARLY");
-  const int kv_early = kv_read_early && pdl && kv_early_switch.on() ? 1 : 0;
+  const int kv_early = kv_read_early && pdl && detail::pdl_enabled() && kv_early_switch.on() ? 1 : 0;
   const std::string what =
       "attn_decode_kernel<" + std::to_string(HD) + ", " + std::to_string(decode_d_split()) + "> launch";
   if (decode_d_split() == 2) {
@@ -1551,7 +1551,6 @@ void attention_decode(const AttnGroups& g, int num_heads, int num_kv_heads, int 
   p.l2_ahead = l2_ahead.on() ? kDecodeL2Ahead : 0;
   static CandidateSwitch seq_chunks("HYPIC_ATTN_DECODE_SEQ_CHUNKS");
   p.seq_chunks = seq_chunks.on() ? 1 : 0;
-
   if (sp.nsplit > 1) {
     const long entries = static_cast<long>(g.num_groups) * num_heads * sp.nsplit;
     ws.ensure(decode_ws_bytes(entries, head_dim), stream, fn);

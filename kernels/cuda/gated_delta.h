@@ -104,7 +104,8 @@ struct GdnPrefillArgs {
   /// step's staged tiles, 5 w + 1: the block barrier after it, 5 w + 2: staging the next chunk's tiles (issue and L2
   /// prefetch), 5 w + 3: the warp's role work (recurrence or outputs, their MMA waits included), and in 5 w + 4 its
   /// chunk steps; slot 60: the block's chunk steps, 61: its cycles from the first step to the end, 62: the launches.
-  /// Sums over the launches of every call that passes it.
+  /// Sums over the launches of every call that passes it. The profiled wgmma kernel spills a few registers, so its
+  /// times are near, not equal to, the serving kernel's; outputs and states are the same.
   long long* scan_profile = nullptr;
 };
 /// Slots of GdnPrefillArgs::scan_profile.

@@ -67,9 +67,6 @@ int configure() {
                "cudaFuncSetAttribute(gdn_wy_kernel)");
     check_cuda(cudaFuncSetAttribute(gdn_scan_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, kScanSmem),
                "cudaFuncSetAttribute(gdn_scan_kernel)");
-    check_cuda(cudaFuncSetAttribute(gdn_scan_kernel<false, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    kScanSmem),
-               "cudaFuncSetAttribute(gdn_scan_kernel<profile>)");
     int sms = 0;
     check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, d), "cudaDeviceGetAttribute(SMs)");
     return sms;
@@ -440,7 +437,6 @@ void gdn_prefill(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t stream)
   sp.split = split;
   sp.checkpoints = a.checkpoint_states;
   sp.ws = v;
-  sp.profile = a.scan_profile;
   sp.s_blocks = 2;
   const bool scan_wgmma = gdn_scan_wgmma_active();
   (void)scan_wgmma;  // (unused in a build without sm_90a code)
@@ -461,15 +457,23 @@ void gdn_prefill(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t stream)
     const dim3 grid(blocks_per_head, a.num_v_heads, njobs);
 #if HYPIC_GDN_WGMMA_BUILT
     if (scan_wgmma) {
-      launch_scan_wgmma(grid, warps * 32, sp, stream);
+      launch_scan_wgmma(grid, warps * 32, sp, a.scan_profile, stream);
       g_scan_wgmma_launches.fetch_add(1);
       return;
     }
 #endif
-    if (sp.profile)
-      gdn_scan_kernel<false, true><<<grid, warps * 32, kScanSmem, stream>>>(sp);
-    else
+    if (a.scan_profile) {
+      static DeviceOnce once_prof;  // (the profiled instantiation's shared-memory opt-in, at its first launch)
+      once_prof.run(current_device(), [](int) {
+        check_cuda(cudaFuncSetAttribute(gdn_scan_kernel<false, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        kScanSmem),
+                   "cudaFuncSetAttribute(gdn_scan_kernel<profile>)");
+        return 0;
+      });
+      gdn_scan_kernel<false, true><<<grid, warps * 32, kScanSmem, stream>>>(sp, a.scan_profile);
+    } else {
       gdn_scan_kernel<false><<<grid, warps * 32, kScanSmem, stream>>>(sp);
+    }
     check_cuda(cudaGetLastError(), "gdn_scan_kernel launch");
   };
   // Launch 1 needs T warps for the middle parts of split sequences (mixed blocks keep those at

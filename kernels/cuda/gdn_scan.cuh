@@ -139,7 +139,6 @@ struct ScanParams {
   float* const* checkpoints;  // GdnPrefillArgs::checkpoint_states (device), or null
   const ScanJob* jobs;
   WsView ws;
-  long long* profile;  // GdnPrefillArgs::scan_profile (null: no clock reads)
 };
 
 // Address of a job's [H_v][128][128] state reference (see ScanJob), or null.
@@ -363,10 +362,11 @@ __device__ __forceinline__ void mma_x2(float (&c0)[4], float (&c1)[4], const uin
 // (kScanSmemWg). Same inputs, outputs and exchange; only the fp32 summation order inside the products differs (and,
 // with a non-finite v_new, the zero blocks of P that mma.sync skips carry its NaN to earlier tokens' outputs of the
 // chunk, whose state is NaN either way).
-// kProf: the instantiation with the clock reads of GdnPrefillArgs::scan_profile (launched only when it is set, so the
-// serving kernels keep their registers).
+// kProf: the instantiation with the clock reads of GdnPrefillArgs::scan_profile into `profile` (launched only when it
+// is set; a separate argument, not a ScanParams field, so that the serving kernels' code stays as it was). The wgmma
+// one spills a few registers (120 bytes): it times nearly, not exactly, the serving kernel.
 template <bool kWgmma, bool kProf = false>
-__global__ void __launch_bounds__(kScanMaxThreads, 1) gdn_scan_kernel(ScanParams p) {
+__global__ void __launch_bounds__(kScanMaxThreads, 1) gdn_scan_kernel(ScanParams p, long long* profile = nullptr) {
   extern __shared__ __align__(16) unsigned char smem_raw[];  // (kWgmma aligns its base to 1024 below)
   unsigned char* smem = smem_raw;
   if constexpr (kWgmma) smem += (1024u - (smem_addr(smem_raw) & 1023u)) & 1023u;
@@ -443,7 +443,7 @@ __global__ void __launch_bounds__(kScanMaxThreads, 1) gdn_scan_kernel(ScanParams
 
   const int steps = nc + (block_out ? 1 : 0);  // output warps trail by one chunk
   // (GdnPrefillArgs::scan_profile: the first block's per-warp cycles by phase; block-uniform)
-  const bool prof = kProf && p.profile && b == 0 && h == 0 && blockIdx.z == 0;
+  const bool prof = kProf && profile && b == 0 && h == 0 && blockIdx.z == 0;
   long long pt[4] = {0, 0, 0, 0}, t_prev = prof ? clock64() : 0;
   const long long t_first = t_prev;
   auto mark = [&](int i) {
@@ -656,7 +656,7 @@ __global__ void __launch_bounds__(kScanMaxThreads, 1) gdn_scan_kernel(ScanParams
   mark(3);
   if (prof && lane == 0) {  // (GdnPrefillArgs::scan_profile's slots)
     auto add = [&](int slot, long long v) {
-      atomicAdd(reinterpret_cast<unsigned long long*>(p.profile + slot), static_cast<unsigned long long>(v));
+      atomicAdd(reinterpret_cast<unsigned long long*>(profile + slot), static_cast<unsigned long long>(v));
     };
     for (int i = 0; i < 4; ++i) add(5 * warp + i, pt[i]);
     add(5 * warp + 4, steps);
@@ -682,11 +682,11 @@ __global__ void __launch_bounds__(kScanMaxThreads, 1) gdn_scan_kernel(ScanParams
   }
 }
 
-/// Launches gdn_scan_kernel<true> (the wgmma recurrence; with p.profile its clock-reading instantiation) on `grid` x
-/// `threads` with kScanSmemWg bytes of dynamic
+/// Launches gdn_scan_kernel<true> (the wgmma recurrence; with `profile`, GdnPrefillArgs::scan_profile, its
+/// clock-reading instantiation) on `grid` x `threads` with kScanSmemWg bytes of dynamic
 /// shared memory, the attribute set once per device. Defined in gdn_wgmma.cu, built for sm_90a only
 /// (HYPIC_GDN_WGMMA_BUILT): call it on compute capability 9.0 devices only. Throws std::runtime_error on a CUDA
 /// error.
-void launch_scan_wgmma(dim3 grid, int threads, const ScanParams& p, cudaStream_t stream);
+void launch_scan_wgmma(dim3 grid, int threads, const ScanParams& p, long long* profile, cudaStream_t stream);
 
 }  // namespace hypic::kernels::cuda::detail::gdn

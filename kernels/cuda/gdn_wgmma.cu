@@ -11,20 +11,24 @@
 
 namespace hypic::kernels::cuda::detail::gdn {
 
-void launch_scan_wgmma(dim3 grid, int threads, const ScanParams& p, cudaStream_t stream) {
-  static DeviceOnce once;  // the shared-memory opt-in is a per-device function attribute
-  once.run(current_device(), [](int) {
-    check_cuda(cudaFuncSetAttribute(gdn_scan_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, kScanSmemWg),
-               "cudaFuncSetAttribute(gdn_scan_kernel<wgmma>)");
-    check_cuda(cudaFuncSetAttribute(gdn_scan_kernel<true, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    kScanSmemWg),
-               "cudaFuncSetAttribute(gdn_scan_kernel<wgmma, profile>)");
-    return 0;
-  });
-  if (p.profile)
-    gdn_scan_kernel<true, true><<<grid, threads, kScanSmemWg, stream>>>(p);
-  else
+void launch_scan_wgmma(dim3 grid, int threads, const ScanParams& p, long long* profile, cudaStream_t stream) {
+  static DeviceOnce once, once_prof;  // the shared-memory opt-in is a per-device function attribute
+  if (profile) {
+    once_prof.run(current_device(), [](int) {
+      check_cuda(cudaFuncSetAttribute(gdn_scan_kernel<true, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      kScanSmemWg),
+                 "cudaFuncSetAttribute(gdn_scan_kernel<wgmma, profile>)");
+      return 0;
+    });
+    gdn_scan_kernel<true, true><<<grid, threads, kScanSmemWg, stream>>>(p, profile);
+  } else {
+    once.run(current_device(), [](int) {
+      check_cuda(cudaFuncSetAttribute(gdn_scan_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, kScanSmemWg),
+                 "cudaFuncSetAttribute(gdn_scan_kernel<wgmma>)");
+      return 0;
+    });
     gdn_scan_kernel<true><<<grid, threads, kScanSmemWg, stream>>>(p);
+  }
   check_cuda(cudaGetLastError(), "gdn_scan_kernel<wgmma> launch");
 }
 

@@ -12,7 +12,8 @@
 // gate_up GEMM between them waits first), the MoE combine the routing's picks and the residual row, the one-token
 // routing its shared gate's input, and with the caller's promise (gated_delta.h state_read_early) the decode conv and
 // recurrence their states, (attention.h kv_read_early) the decode attention its first KV tiles. A predecessor that
-// triggers before it waits (the norms) gives no such guarantee. Without the launch attribute both instructions are no-ops.
+// triggers before it waits (the norms) gives no such guarantee. Without the launch attribute both instructions are
+// no-ops.
 #pragma once
 #include <cuda_runtime.h>
 

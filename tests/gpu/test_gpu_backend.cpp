@@ -821,7 +821,9 @@ TEST_CASE("cuda backend: decode steps replayed as CUDA graphs equal the eager st
 // checked bit for bit against the other path in its kernel test; the post-attention norm in decode_linear's last
 // block, the one-token MoE routing) through the whole model: full prefills of 10 prompts (MoE layers of 20 .. 47
 // tokens: the wgmma tiles), a hypic splice, then 12 greedy decode steps of the 10 (two token groups per MoE tile ring)
-// and 6 of one, the CUDA graphs captured again after each flip. Every logit bit for bit, switch off against on.
+// and 6 of one, then 6 of the splice's 69-slot sequence beside a 150-token prompt's (contexts past a 64-slot KV page:
+// the decode attention's whole tiles before the last slot, HYPIC_ATTN_DECODE_KV_EARLY's early loads), the CUDA graphs
+// captured again after each flip. Every logit bit for bit, switch off against on.
 TEST_CASE("cuda backend: switched kernel paths that keep the arithmetic give the same bits end to end", "[backend]") {
   require_gpu();
   Fixture& f = fixture("qwen3_5_moe_gpu");
@@ -832,9 +834,10 @@ TEST_CASE("cuda backend: switched kernel paths that keep the arithmetic give the
     for (size_t i = 0; i < p.size(); ++i) p[i] = random_ids(rng, 20 + 3 * int(i), f.cfg.vocab_size);
     return p;
   }();
+  const std::vector<int32_t> long_prompt = random_ids(rng, 150, f.cfg.vocab_size);
   auto run = [&] {
     std::vector<std::vector<float>> all;
-    std::vector<eng::SpliceOutput> outs;
+    std::vector<eng::SpliceOutput> outs, longer;  // longer: contexts past one KV page (69 and 150 slots)
     for (const auto& p : prompts) {
       outs.push_back(f.gpu->splice(full_plan(p, p.size() - 1, false)));
       all.push_back(outs.back().logits);
@@ -848,8 +851,11 @@ TEST_CASE("cuda backend: switched kernel paths that keep the arithmetic give the
       hp.segments.push_back({prompts[0], entries[0]});
       hp.segments.push_back({prompts[1], entries[1]});
       hp.query = prompts[2];
-      all.push_back(f.gpu->splice(hp).logits);
+      longer.push_back(f.gpu->splice(hp));
+      all.push_back(longer.back().logits);
     }
+    longer.push_back(f.gpu->splice(full_plan(long_prompt, long_prompt.size() - 1, false)));
+    all.push_back(longer.back().logits);
     std::vector<int32_t> next;
     for (auto& o : outs) next.push_back(argmax(o.logits.data(), V));
     std::vector<float> lg;
@@ -865,6 +871,14 @@ TEST_CASE("cuda backend: switched kernel paths that keep the arithmetic give the
       f.gpu->decode(std::span<eng::Sequence* const>(&one, 1), std::span<const int32_t>(&next[0], 1), lg);
       all.push_back(lg);
       next[0] = argmax(lg.data(), V);
+    }
+    std::vector<int32_t> next_long;
+    std::vector<eng::Sequence*> long_seqs;
+    for (auto& o : longer) next_long.push_back(argmax(o.logits.data(), V)), long_seqs.push_back(o.sequence.get());
+    for (int step = 0; step < 6; ++step) {
+      f.gpu->decode(long_seqs, next_long, lg);
+      all.push_back(lg);
+      for (size_t i = 0; i < longer.size(); ++i) next_long[i] = argmax(lg.data() + i * V, V);
     }
     return all;
   };
