@@ -896,6 +896,64 @@ TEST_CASE("fused gates: gdn_gates matches the HF formula, and the prefill with f
                   std::invalid_argument);
 }
 
+// GdnPrefillArgs::scan_profile (gdn_bench --scan-profile): the profiled kernels give the same outputs and states bit for
+// bit, and fill the slots as documented: per warp its chunk steps (slot 5 w + 4), cycles in each phase, the block's
+// steps (60, the sequence's chunks in a whole-sequence scan), cycles (61) and launches (62), for the mma.sync and the
+// wgmma scan; with a split scan two launches.
+TEST_CASE("gdn_prefill with scan_profile: same bits, the slots filled as documented", "[gpu][gated_delta]") {
+  require_gpu();
+  std::mt19937 rng(61);
+  const int hk = 2, hv = 4, L = 64 * 60 + 17;  // 61 chunks: split in parts when asked
+  const GdnInputs in = random_inputs(rng, L, hk, hv);
+  DeviceBuffer<bf16> dq(in.qh), dk(in.kh), dv(in.vh), out(size_t(L) * hv * D);
+  DeviceBuffer<float> dg(in.g), db(in.beta), fin(size_t(hv) * D * D);
+  DeviceBuffer<long long> prof(gpu::kGdnScanProfileSlots);
+  const int cu[2] = {0, L};
+  for (bool wgmma : {false, true})
+    for (int parts : {1, 3}) {
+      DYNAMIC_SECTION((wgmma ? "wgmma" : "mma.sync") << " scan, seq_parts " << parts) {
+        if (wgmma && !gpu::gdn_scan_wgmma_active()) {
+          WARN("no sm_90a scan on this device or build: the wgmma case is not run");
+          return;  // (ends this run of the test case; Catch runs the other sections in their own)
+        }
+        ScopedCandidate sw("HYPIC_GDN_SCAN_WGMMA", wgmma);
+        gpu::GdnWorkspace ws;
+        gpu::GdnPrefillArgs a = make_args(1, cu, hk, hv, dq.get(), dk.get(), dv.get(), dg.get(), db.get(), fin.get(),
+                                          nullptr, out.get());
+        a.seq_parts = parts;
+        REQUIRE(gpu::gdn_scan_parts(a)[0] == parts);
+        out.poison();
+        fin.poison();
+        gpu::gdn_prefill(a, ws);
+        check_cuda(cudaDeviceSynchronize(), "prefill");
+        const auto out0 = out.download();
+        const auto fin0 = fin.download();
+        check_cuda(cudaMemset(prof.get(), 0, gpu::kGdnScanProfileSlots * sizeof(long long)), "memset");
+        out.poison();
+        fin.poison();
+        a.scan_profile = prof.get();
+        gpu::gdn_prefill(a, ws);
+        check_cuda(cudaDeviceSynchronize(), "profiled prefill");
+        CHECK(same_bits(out.download(), out0));
+        CHECK(same_bits(fin.download(), fin0));
+        const auto h = prof.download();
+        const int launches = parts > 1 ? 2 : 1;
+        CHECK(h[62] == launches);
+        if (parts == 1) CHECK(h[60] == 61 + 1);  // 61 chunks, the output warps one step behind
+        CHECK(h[61] > 0);
+        for (int w = 0; w < 4; ++w) {  // the S recurrence warps: every step, time in each phase but staging
+          CHECK(h[5 * w + 4] == h[60]);
+          CHECK(h[5 * w + 1] > 0);
+          CHECK(h[5 * w + 3] > 0);
+        }
+        long long phases = 0;  // warp 0's phases add up to about the block's cycles (less what precedes the loop)
+        for (int i = 0; i < 4; ++i) phases += h[i];
+        CHECK(phases <= h[61]);
+        CHECK(phases * 10 >= h[61] * 9);
+      }
+    }
+}
+
 TEST_CASE("gdn_prefill splits: running two halves through initial_state equals one pass", "[gpu][gated_delta]") {
   require_gpu();
   // Composition law on the GPU outputs: S(C1 C2 | P) = T_C2 S(C1 | P) + S(C2 | 0), and the two-pass
