@@ -896,10 +896,10 @@ TEST_CASE("fused gates: gdn_gates matches the HF formula, and the prefill with f
                   std::invalid_argument);
 }
 
-// GdnPrefillArgs::scan_profile (gdn_bench --scan-profile): the profiled kernels give the same outputs and states bit for
-// bit, and fill the slots as documented: per warp its chunk steps (slot 5 w + 4), cycles in each phase, the block's
-// steps (60, the sequence's chunks in a whole-sequence scan), cycles (61) and launches (62), for the mma.sync and the
-// wgmma scan; with a split scan two launches.
+// GdnPrefillArgs::scan_profile (gdn_bench --scan-profile): the profiled kernels give the same outputs and states bit
+// for bit, and fill the slots as documented: per warp its chunk steps (slot 5 w + 4), cycles in each phase, the
+// block's steps (60, the sequence's chunks in a whole-sequence scan), cycles (61) and launches (62), for the mma.sync
+// and the wgmma scan; with a split scan two launches.
 TEST_CASE("gdn_prefill with scan_profile: same bits, the slots filled as documented", "[gpu][gated_delta]") {
   require_gpu();
   std::mt19937 rng(61);
