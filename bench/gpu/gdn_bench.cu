@@ -9,7 +9,7 @@
 // Usage: gdn_bench [--json out.json] [--reps N] [--scan-profile]
 // --scan-profile: also one call of each prefill shape (the split scan and the whole-sequence scan, no T_C) with
 // GdnPrefillArgs::scan_profile: where the first scan block's chunk steps go, per warp role (cp.async wait, block
-// barrier, staging, role work), in SM cycles and microseconds per chunk step.
+// barrier, issuing the next chunk's copies, the L2 prefetch, role work), in SM cycles and microseconds per chunk step.
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
@@ -103,8 +103,8 @@ void profile_scans(const ProfileCase (&cases)[N], const GdnInputs& in, bf16* out
   gpu::GdnWorkspace ws;
   std::printf("\nchunk scan profile: the first scan block of each launch, SM cycles per chunk step (us at %.0f MHz)\n",
               khz / 1e3);
-  std::printf("%-7s %-6s %6s %-9s %10s %10s %10s %10s %12s\n", "shape", "scan", "steps", "warps", "tile wait",
-              "barrier", "staging", "role work", "block total");
+  std::printf("%-7s %-6s %6s %-5s %12s %12s %12s %12s %12s %13s\n", "shape", "scan", "steps", "warps", "tile wait",
+              "barrier", "cp.async", "L2 prefetch", "role work", "block total");
   const char* group_names[3] = {"0-3", "4-7", "8-11"};
   for (const ProfileCase& c : cases) {
     std::vector<int> cu(c.nseq + 1);
@@ -119,28 +119,29 @@ void profile_scans(const ProfileCase (&cases)[N], const GdnInputs& in, bf16* out
       gpu::gdn_prefill(a, ws);
       std::vector<long long> h(gpu::kGdnScanProfileSlots);
       check_cuda(cudaMemcpy(h.data(), prof, h.size() * sizeof(long long), cudaMemcpyDeviceToHost), "profile copy");
-      const long long steps = std::max(1LL, h[60]);
+      const long long steps = std::max(1LL, h[72]);
       const std::string scan = scan_parts > 1 ? "P=" + std::to_string(scan_parts) : "whole";
       for (int grp = 0; grp < 3; ++grp) {
-        double ph[4] = {0, 0, 0, 0};
+        double ph[5] = {0, 0, 0, 0, 0};
         long long wsteps = 0;  // the group's warps' chunk steps (a launch without such warps adds none)
-        for (int w = 4 * grp; w < 4 * grp + 4; ++w) wsteps += h[5 * w + 4];
+        for (int w = 4 * grp; w < 4 * grp + 4; ++w) wsteps += h[6 * w + 5];
         if (wsteps == 0) continue;
         for (int w = 4 * grp; w < 4 * grp + 4; ++w)
-          for (int i = 0; i < 4; ++i) ph[i] += double(h[5 * w + i]) / wsteps;
+          for (int i = 0; i < 5; ++i) ph[i] += double(h[6 * w + i]) / wsteps;
         auto us = [&](double cyc) { return cyc / khz * 1e3; };
-        const double block = double(h[61]) / steps;
-        std::printf("%-7s %-6s %6lld %-9s %5.0f (%4.2f) %5.0f (%4.2f) %5.0f (%4.2f) %5.0f (%4.2f) %6.0f (%5.2f)\n",
-                    c.name, scan.c_str(), wsteps / 4, group_names[grp], ph[0], us(ph[0]), ph[1], us(ph[1]), ph[2],
-                    us(ph[2]), ph[3], us(ph[3]), block, us(block));
+        const double block = double(h[73]) / steps;
+        std::printf("%-7s %-6s %6lld %-5s", c.name, scan.c_str(), wsteps / 4, group_names[grp]);
+        for (int i = 0; i < 5; ++i) std::printf(" %5.0f (%4.2f)", ph[i], us(ph[i]));
+        std::printf(" %6.0f (%4.2f)\n", block, us(block));
         J["scan_profile"].push_back({{"shape", c.name},
                                      {"scan", scan},
                                      {"steps", wsteps / 4},
                                      {"warps", group_names[grp]},
                                      {"cycles_per_step_tile_wait", ph[0]},
                                      {"cycles_per_step_barrier", ph[1]},
-                                     {"cycles_per_step_staging", ph[2]},
-                                     {"cycles_per_step_role_work", ph[3]},
+                                     {"cycles_per_step_cp_async_issue", ph[2]},
+                                     {"cycles_per_step_l2_prefetch", ph[3]},
+                                     {"cycles_per_step_role_work", ph[4]},
                                      {"cycles_per_step_block", block},
                                      {"clock_khz", khz}});
       }

@@ -100,16 +100,17 @@ struct GdnPrefillArgs {
   /// Diagnostics (gdn_bench --scan-profile): DEVICE int64 [kGdnScanProfileSlots], or null (the default: nothing is
   /// recorded; the serving kernels have no clock reads, a separate instantiation runs when it is set). When set, the
   /// first block (column block 0, value head 0, job 0) of each chunk-scan launch adds to it, per warp w < 12 (its role
-  /// by the launch's layout), the SM cycles (clock64) its chunk steps spent in slot 5 w: the cp.async wait for the
-  /// step's staged tiles, 5 w + 1: the block barrier after it, 5 w + 2: staging the next chunk's tiles (issue and L2
-  /// prefetch), 5 w + 3: the warp's role work (recurrence or outputs, their MMA waits included), and in 5 w + 4 its
-  /// chunk steps; slot 60: the block's chunk steps, 61: its cycles from the first step to the end, 62: the launches.
-  /// Sums over the launches of every call that passes it. The profiled wgmma kernel spills a few registers, so its
-  /// times are near, not equal to, the serving kernel's; outputs and states are the same.
+  /// by the launch's layout), the SM cycles (clock64) its chunk steps spent in slot 6 w: the cp.async wait for the
+  /// step's staged tiles, 6 w + 1: the block barrier after it, 6 w + 2: issuing the next chunk's tile copies
+  /// (cp.async), 6 w + 3: the L2 prefetch of a later chunk, 6 w + 4: the warp's role work (recurrence or outputs,
+  /// their MMA waits included), and in 6 w + 5 its chunk steps; slot 72: the block's chunk steps, 73: its cycles from
+  /// the first step to the end, 74: the launches. Sums over the launches of every call that passes it. The profiled
+  /// wgmma kernel spills a few registers, so its times are near, not equal to, the serving kernel's; outputs and
+  /// states are the same.
   long long* scan_profile = nullptr;
 };
 /// Slots of GdnPrefillArgs::scan_profile.
-inline constexpr int kGdnScanProfileSlots = 64;
+inline constexpr int kGdnScanProfileSlots = 80;
 
 struct GdnPlan;
 

@@ -444,17 +444,24 @@ __global__ void __launch_bounds__(kScanMaxThreads, 1) gdn_scan_kernel(ScanParams
   const int steps = nc + (block_out ? 1 : 0);  // output warps trail by one chunk
   // (GdnPrefillArgs::scan_profile: the first block's per-warp cycles by phase; block-uniform)
   const bool prof = kProf && profile && b == 0 && h == 0 && blockIdx.z == 0;
-  long long pt[4] = {0, 0, 0, 0}, t_prev = prof ? clock64() : 0;
+  // (the clock read as volatile asm with a memory clobber: the builtin's read was scheduled across the block barrier,
+  // which then measured about 30 cycles for every warp)
+  auto clock_now = [] {
+    long long t;
+    asm volatile("mov.u64 %0, %%clock64;\n" : "=l"(t)::"memory");
+    return t;
+  };
+  long long pt[5] = {0, 0, 0, 0, 0}, t_prev = prof ? clock_now() : 0;
   const long long t_first = t_prev;
   auto mark = [&](int i) {
     if (prof) {
-      const long long t = clock64();
+      const long long t = clock_now();
       pt[i] += t - t_prev;
       t_prev = t;
     }
   };
   for (int c = 0; c < steps; ++c) {
-    mark(3);  // (the previous step's role work)
+    mark(4);  // (the previous step's role work)
     cp_async_wait<0>();
     if constexpr (kWgmma) sm90::fence_proxy_async();  // cp.async's writes, read next by wgmma (async proxy)
     mark(0);
@@ -462,11 +469,12 @@ __global__ void __launch_bounds__(kScanMaxThreads, 1) gdn_scan_kernel(ScanParams
     mark(1);
     if (issuer && c + 1 < nc) issue(c + 1);
     cp_async_commit();
+    mark(2);
     if (issuer && c + kPrefetchAhead < nc) {
       const int cn = c + kPrefetchAhead;
       scan_prefetch(p, c_begin + cn, chunk_t0(cn), chunk_len(cn), h, kh, block_s, s_cb, block_out, itid, nissue);
     }
-    mark(2);
+    mark(3);
 
     if (rec_active && c < nc) {
       const StageA st = stage_a<kWgmma>(smem, (c_begin + c) & 1);
@@ -653,17 +661,17 @@ __global__ void __launch_bounds__(kScanMaxThreads, 1) gdn_scan_kernel(ScanParams
     }
   }
   cp_async_wait<0>();
-  mark(3);
+  mark(4);
   if (prof && lane == 0) {  // (GdnPrefillArgs::scan_profile's slots)
     auto add = [&](int slot, long long v) {
       atomicAdd(reinterpret_cast<unsigned long long*>(profile + slot), static_cast<unsigned long long>(v));
     };
-    for (int i = 0; i < 4; ++i) add(5 * warp + i, pt[i]);
-    add(5 * warp + 4, steps);
+    for (int i = 0; i < 5; ++i) add(6 * warp + i, pt[i]);
+    add(6 * warp + 5, steps);
     if (warp == 0) {
-      add(60, steps);
-      add(61, clock64() - t_first);
-      add(62, 1);
+      add(72, steps);
+      add(73, clock_now() - t_first);
+      add(74, 1);
     }
   }
 

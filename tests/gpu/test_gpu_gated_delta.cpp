@@ -897,8 +897,8 @@ TEST_CASE("fused gates: gdn_gates matches the HF formula, and the prefill with f
 }
 
 // GdnPrefillArgs::scan_profile (gdn_bench --scan-profile): the profiled kernels give the same outputs and states bit
-// for bit, and fill the slots as documented: per warp its chunk steps (slot 5 w + 4), cycles in each phase, the
-// block's steps (60, the sequence's chunks in a whole-sequence scan), cycles (61) and launches (62), for the mma.sync
+// for bit, and fill the slots as documented: per warp its chunk steps (slot 6 w + 5), cycles in each phase, the
+// block's steps (72, the sequence's chunks in a whole-sequence scan), cycles (73) and launches (74), for the mma.sync
 // and the wgmma scan; with a split scan two launches.
 TEST_CASE("gdn_prefill with scan_profile: same bits, the slots filled as documented", "[gpu][gated_delta]") {
   require_gpu();
@@ -938,18 +938,19 @@ TEST_CASE("gdn_prefill with scan_profile: same bits, the slots filled as documen
         CHECK(same_bits(fin.download(), fin0));
         const auto h = prof.download();
         const int launches = parts > 1 ? 2 : 1;
-        CHECK(h[62] == launches);
-        if (parts == 1) CHECK(h[60] == 61 + 1);  // 61 chunks, the output warps one step behind
-        CHECK(h[61] > 0);
-        for (int w = 0; w < 4; ++w) {  // the S recurrence warps: every step, time in each phase but staging
-          CHECK(h[5 * w + 4] == h[60]);
-          CHECK(h[5 * w + 1] > 0);
-          CHECK(h[5 * w + 3] > 0);
+        CHECK(h[74] == launches);
+        if (parts == 1) CHECK(h[72] == 61 + 1);  // 61 chunks, the output warps one step behind
+        CHECK(h[73] > 0);
+        for (int w = 0; w < 4; ++w) {  // the S recurrence warps: every step, time at the barrier and in their work
+          CHECK(h[6 * w + 5] == h[72]);
+          CHECK(h[6 * w + 1] > 0);
+          CHECK(h[6 * w + 4] > 0);
         }
+        for (int w = 4; w < 8; ++w) CHECK(h[6 * w + 2] > 0);  // the output warps issue the copies
         long long phases = 0;  // warp 0's phases add up to about the block's cycles (less what precedes the loop)
-        for (int i = 0; i < 4; ++i) phases += h[i];
-        CHECK(phases <= h[61]);
-        CHECK(phases * 10 >= h[61] * 9);
+        for (int i = 0; i < 5; ++i) phases += h[i];
+        CHECK(phases <= h[73]);
+        CHECK(phases * 10 >= h[73] * 9);
       }
     }
 }
