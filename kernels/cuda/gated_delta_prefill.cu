@@ -439,6 +439,7 @@ void gdn_prefill(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t stream)
   sp.ws = v;
   sp.s_blocks = 2;
   const bool scan_wgmma = gdn_scan_wgmma_active();
+  static CandidateSwitch no_l2_prefetch("HYPIC_GDN_SCAN_NO_L2_PREFETCH");  // (the wgmma scan only)
   (void)scan_wgmma;  // (unused in a build without sm_90a code)
   auto launch = [&](const ScanJob* jobs, int njobs, bool need_t, bool mixed_forced) {
     if (njobs == 0) return;
@@ -457,7 +458,7 @@ void gdn_prefill(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t stream)
     const dim3 grid(blocks_per_head, a.num_v_heads, njobs);
 #if HYPIC_GDN_WGMMA_BUILT
     if (scan_wgmma) {
-      launch_scan_wgmma(grid, warps * 32, sp, a.scan_profile, stream);
+      launch_scan_wgmma(grid, warps * 32, sp, a.scan_profile, !no_l2_prefetch.on(), stream);
       g_scan_wgmma_launches.fetch_add(1);
       return;
     }

@@ -365,7 +365,10 @@ __device__ __forceinline__ void mma_x2(float (&c0)[4], float (&c1)[4], const uin
 // kProf: the instantiation with the clock reads of GdnPrefillArgs::scan_profile into `profile` (launched only when it
 // is set; a separate argument, not a ScanParams field, so that the serving kernels' code stays as it was). The wgmma
 // one spills a few registers (120 bytes): it times nearly, not exactly, the serving kernel.
-template <bool kWgmma, bool kProf = false>
+// kL2Prefetch (HYPIC_GDN_SCAN_NO_L2_PREFETCH, a candidate, turns it off in the wgmma scan): the issuing warps ask L2
+// for the chunk kPrefetchAhead ahead (518 prefetch instructions per step, about 1050 of a step's 6300 cycles on the
+// output warps' path on an H100: bench/results/gdn_scan_profile_h100.md).
+template <bool kWgmma, bool kProf = false, bool kL2Prefetch = true>
 __global__ void __launch_bounds__(kScanMaxThreads, 1) gdn_scan_kernel(ScanParams p, long long* profile = nullptr) {
   extern __shared__ __align__(16) unsigned char smem_raw[];  // (kWgmma aligns its base to 1024 below)
   unsigned char* smem = smem_raw;
@@ -470,7 +473,7 @@ __global__ void __launch_bounds__(kScanMaxThreads, 1) gdn_scan_kernel(ScanParams
     if (issuer && c + 1 < nc) issue(c + 1);
     cp_async_commit();
     mark(2);
-    if (issuer && c + kPrefetchAhead < nc) {
+    if (kL2Prefetch && issuer && c + kPrefetchAhead < nc) {
       const int cn = c + kPrefetchAhead;
       scan_prefetch(p, c_begin + cn, chunk_t0(cn), chunk_len(cn), h, kh, block_s, s_cb, block_out, itid, nissue);
     }
@@ -695,6 +698,8 @@ __global__ void __launch_bounds__(kScanMaxThreads, 1) gdn_scan_kernel(ScanParams
 /// shared memory, the attribute set once per device. Defined in gdn_wgmma.cu, built for sm_90a only
 /// (HYPIC_GDN_WGMMA_BUILT): call it on compute capability 9.0 devices only. Throws std::runtime_error on a CUDA
 /// error.
-void launch_scan_wgmma(dim3 grid, int threads, const ScanParams& p, long long* profile, cudaStream_t stream);
+/// l2_prefetch: the kL2Prefetch instantiations (false: HYPIC_GDN_SCAN_NO_L2_PREFETCH).
+void launch_scan_wgmma(dim3 grid, int threads, const ScanParams& p, long long* profile, bool l2_prefetch,
+                       cudaStream_t stream);
 
 }  // namespace hypic::kernels::cuda::detail::gdn

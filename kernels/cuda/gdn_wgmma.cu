@@ -11,25 +11,32 @@
 
 namespace hypic::kernels::cuda::detail::gdn {
 
-void launch_scan_wgmma(dim3 grid, int threads, const ScanParams& p, long long* profile, cudaStream_t stream) {
-  static DeviceOnce once, once_prof;  // the shared-memory opt-in is a per-device function attribute
-  if (profile) {
-    once_prof.run(current_device(), [](int) {
-      check_cuda(cudaFuncSetAttribute(gdn_scan_kernel<true, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      kScanSmemWg),
-                 "cudaFuncSetAttribute(gdn_scan_kernel<wgmma, profile>)");
-      return 0;
-    });
-    gdn_scan_kernel<true, true><<<grid, threads, kScanSmemWg, stream>>>(p, profile);
-  } else {
-    once.run(current_device(), [](int) {
-      check_cuda(cudaFuncSetAttribute(gdn_scan_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, kScanSmemWg),
-                 "cudaFuncSetAttribute(gdn_scan_kernel<wgmma>)");
-      return 0;
-    });
-    gdn_scan_kernel<true><<<grid, threads, kScanSmemWg, stream>>>(p);
-  }
+namespace {
+
+// Launches one instantiation of the wgmma scan, its shared-memory opt-in set once per device.
+template <bool kProf, bool kL2Prefetch>
+void launch_scan_wgmma_as(dim3 grid, int threads, const ScanParams& p, long long* profile, cudaStream_t stream) {
+  static DeviceOnce once;  // the shared-memory opt-in is a per-device function attribute
+  once.run(current_device(), [](int) {
+    check_cuda(cudaFuncSetAttribute(gdn_scan_kernel<true, kProf, kL2Prefetch>,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize, kScanSmemWg),
+               "cudaFuncSetAttribute(gdn_scan_kernel<wgmma>)");
+    return 0;
+  });
+  gdn_scan_kernel<true, kProf, kL2Prefetch><<<grid, threads, kScanSmemWg, stream>>>(p, profile);
   check_cuda(cudaGetLastError(), "gdn_scan_kernel<wgmma> launch");
+}
+
+}  // namespace
+
+void launch_scan_wgmma(dim3 grid, int threads, const ScanParams& p, long long* profile, bool l2_prefetch,
+                       cudaStream_t stream) {
+  if (profile)
+    l2_prefetch ? launch_scan_wgmma_as<true, true>(grid, threads, p, profile, stream)
+                : launch_scan_wgmma_as<true, false>(grid, threads, p, profile, stream);
+  else
+    l2_prefetch ? launch_scan_wgmma_as<false, true>(grid, threads, p, nullptr, stream)
+                : launch_scan_wgmma_as<false, false>(grid, threads, p, nullptr, stream);
 }
 
 void launch_wy_wgmma(unsigned blocks, const bf16* q, const bf16* k, const bf16* v, const float* g, const float* beta,
