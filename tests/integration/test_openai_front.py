@@ -409,31 +409,6 @@ class OpenAIFrontTest(FrontTestCase):
                                      headers={"Authorization": "Bearer beta"})
         self.assertEqual((status, events[-1]), (200, "[DONE]"))
 
-    def test_sigterm_drains_streams_in_flight(self):
-        d = self.start_front("draining", "--drain-seconds", "20")
-        conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=60)
-        conn.request("POST", "/v1/chat/completions", json.dumps(chat_body(max_tokens=800, stream=True)),
-                     {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        self.assertEqual(resp.status, 200)
-        first = resp.readline()
-        self.assertTrue(first.startswith(b"data: "))
-        d.proc.send_signal(signal.SIGTERM)
-        # New requests are refused while the stream finishes.
-        deadline = time.monotonic() + 5
-        while d.request("GET", "/health")[0] != 503:
-            self.assertLess(time.monotonic(), deadline, "health never turned 503 after SIGTERM")
-            time.sleep(0.02)
-        self.assert_error(d.request("GET", "/health"), 503, None, "shutting down", "server_error")
-        self.assert_error(d.request("POST", "/v1/chat/completions", chat_body(max_tokens=2)), 503, None,
-                          "shutting down", "server_error")
-        rest = resp.read().decode()
-        conn.close()
-        self.assertTrue(rest.rstrip().endswith("data: [DONE]"), rest[-300:])
-        self.assertIn('"finish_reason":"length"', rest)
-        self.assertEqual(d.proc.wait(timeout=30), 0)
-
-
 def raw_exchange(port: int, data: bytes, until: bytes = b"\r\n\r\n", timeout: float = 10) -> bytes:
     """Sends `data` on a new TCP connection and reads until `until` appears, the server closes, or `timeout`."""
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
@@ -599,8 +574,9 @@ class HostileHttpTest(FrontTestCase):
 
 
 class DisconnectTest(FrontTestCase):
-    """Clients that go away cancel their router request. Cold segments take 4 s to build (--inject-delay-ms), a
-    window in which a request waits for its first token; the router admits one request at a time."""
+    """Clients that go away cancel their router request, and SIGTERM drains a stream still in flight. Cold segments
+    take 4 s to build (--inject-delay-ms), a window in which a request waits for its first token; the router admits
+    one request at a time."""
     extra_args = {"scatter": ["--inject-delay-ms", "4000"], "router": ["--max-concurrent-requests", "1"]}
 
     def combine_log(self) -> str:
@@ -660,6 +636,36 @@ class DisconnectTest(FrontTestCase):
                     time.sleep(0.05)
         # The cluster still answers.
         self.assertEqual(self.front.request("POST", "/v1/chat/completions", chat_body(max_tokens=2))[0], 200)
+
+    def test_sigterm_drains_streams_in_flight(self):
+        # A stream waiting for a cold segment's 4 s build when SIGTERM arrives: a window no CPU load can close (a
+        # warm decode of the tiny model can finish before the first health probe). The drain refuses new requests
+        # with 503 while that stream goes on to its end, then the front exits 0.
+        d = self.start_front("draining", "--drain-seconds", "20")
+        body = chat_body(documents=[words(700, 50)], max_tokens=40, stream=True, hypic={"request_id": "drained-1"})
+        conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=60)
+        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+        deadline = time.monotonic() + 5
+        while self.active_requests() != 1:
+            self.assertLess(time.monotonic(), deadline, "the request never reached the router")
+            time.sleep(0.02)
+        d.proc.send_signal(signal.SIGTERM)
+        # New requests are refused while the stream is in flight.
+        deadline = time.monotonic() + 3
+        while d.request("GET", "/health")[0] != 503:
+            self.assertLess(time.monotonic(), deadline, "health never turned 503 after SIGTERM")
+            time.sleep(0.02)
+        self.assert_error(d.request("GET", "/health"), 503, None, "shutting down", "server_error")
+        self.assert_error(d.request("POST", "/v1/chat/completions", chat_body(max_tokens=2)), 503, None,
+                          "shutting down", "server_error")
+        self.assertIsNone(d.proc.poll(), "the front exited with a stream in flight")
+        resp = conn.getresponse()
+        self.assertEqual(resp.status, 200)
+        rest = resp.read().decode()
+        conn.close()
+        self.assertTrue(rest.rstrip().endswith("data: [DONE]"), rest[-300:])
+        self.assertIn('"finish_reason":"length"', rest)
+        self.assertEqual(d.proc.wait(timeout=30), 0)
 
 
 class RouterAuthTest(FrontTestCase):
