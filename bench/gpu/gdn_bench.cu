@@ -3,6 +3,8 @@
 // without the segment transition T_C, the decode step, composition of 16 cached segments over
 // 30 layers x 32 heads (own kernel vs cuBLAS), the causal conv1d, and the H200 ceilings measured
 // in the same run (device-to-device copy bandwidth; bf16 tensor-core rate through cuBLAS).
+// Per prefill shape also the scan's products on wgmma or mma.sync and its tile staging (cp.async with and without the
+// L2 prefetch, TMA) side by side in alternating rounds.
 // Prints a human table and writes JSON (--json PATH) that tools/bench_fla_reference.py merges with
 // its interleaved comparison against flash-linear-attention.
 //
@@ -226,6 +228,24 @@ int main(int argc, char** argv) try {
         t_mode[mode] += time_ms([&] { gpu::gdn_prefill(a, ws); }, reps) / 2;
       }
     }
+    // The wgmma scan's staging (default on wgmma): cp.async with its L2 prefetch (default), without the prefetch
+    // (HYPIC_GDN_SCAN_NO_L2_PREFETCH), W / K / Q / P by TMA (HYPIC_GDN_SCAN_TMA), in rounds 0 1 2 2 1 0; the mean of
+    // each mode's two rounds. tma_ran: the TMA rounds' scans all staged by TMA (gdn_wgmma_launches().scan_tma).
+    double t_stage[3] = {0, 0, 0};  // cp.async, no L2 prefetch, TMA
+    bool tma_ran = false;
+    if (gpu::gdn_scan_wgmma_active()) {
+      gpu::CandidateScope nopf_sw("HYPIC_GDN_SCAN_NO_L2_PREFETCH"), tma_sw("HYPIC_GDN_SCAN_TMA");
+      tma_ran = true;
+      for (int round = 0; round < 6; ++round) {
+        const int mode = round < 3 ? round : 5 - round;
+        nopf_sw.set(mode == 1);
+        tma_sw.set(mode == 2);
+        const gpu::GdnWgmmaLaunches before = gpu::gdn_wgmma_launches();
+        t_stage[mode] += time_ms([&] { gpu::gdn_prefill(a, ws); }, reps) / 2;
+        const gpu::GdnWgmmaLaunches after = gpu::gdn_wgmma_launches();
+        if (mode == 2) tma_ran = tma_ran && after.scan_tma - before.scan_tma == after.scan - before.scan;
+      }
+    }
     // Gates: a separate gdn_gates kernel before the prefill, against the gates fused into it.
     gpu::GdnPrefillArgs ag = a;
     ag.g = g2;
@@ -260,6 +280,11 @@ int main(int argc, char** argv) try {
                 "against %.3f ms by default (%.3fx / %.3fx / %.3fx)\n",
                 t_mode[1], t_mode[2], t_mode[3], t_mode[0], t_mode[1] / t_mode[0], t_mode[2] / t_mode[0],
                 t_mode[3] / t_mode[0]);
+    if (t_stage[0] > 0)
+      std::printf("        scan staging: cp.async %.3f ms, without its L2 prefetch (HYPIC_GDN_SCAN_NO_L2_PREFETCH) "
+                  "%.3f ms (%.3fx), W/K/Q/P by TMA (HYPIC_GDN_SCAN_TMA) %.3f ms (%.3fx)%s\n",
+                  t_stage[0], t_stage[1], t_stage[1] / t_stage[0], t_stage[2], t_stage[2] / t_stage[0],
+                  tma_ran ? "" : " [TMA maps refused: the cp.async staging ran]");
     J["prefill"].push_back({{"shape", c.name},
                             {"num_seqs", c.nseq},
                             {"seq_len", c.len},
@@ -276,6 +301,10 @@ int main(int argc, char** argv) try {
                             {"ms_wgmma_scan", t_mode[1]},
                             {"ms_wgmma_wy", t_mode[2]},
                             {"ms_wgmma_wy_and_scan", t_mode[3]},
+                            {"ms_scan_staging_cp_async", t_stage[0]},
+                            {"ms_scan_staging_no_l2_prefetch", t_stage[1]},
+                            {"ms_scan_staging_tma", t_stage[2]},
+                            {"scan_staging_tma_ran", tma_ran},
                             {"nominal_gflop", flops / 1e9},
                             {"nominal_gflop_with_tc", flops_tc / 1e9},
                             {"compulsory_MB", bytes / 1e6},

@@ -243,11 +243,11 @@ bool wgmma_kernel_runs(bool on) {
 }  // namespace
 
 namespace {
-std::atomic<uint64_t> g_scan_wgmma_launches{0}, g_wy_wgmma_launches{0};  // (gdn_wgmma_launches)
+std::atomic<uint64_t> g_scan_wgmma_launches{0}, g_wy_wgmma_launches{0}, g_scan_tma_launches{0};  // (gdn_wgmma_launches)
 }  // namespace
 
 GdnWgmmaLaunches gdn_wgmma_launches() {
-  return GdnWgmmaLaunches{g_scan_wgmma_launches.load(), g_wy_wgmma_launches.load()};
+  return GdnWgmmaLaunches{g_scan_wgmma_launches.load(), g_wy_wgmma_launches.load(), g_scan_tma_launches.load()};
 }
 
 bool gdn_wgmma_built() {
@@ -300,6 +300,7 @@ struct GdnFactors {
   float* split = nullptr;
   int nchunks = 0;
   int num_sms = 0;
+  size_t slots = 0;  // the workspace's (chunk, value head) capacity
 };
 struct GdnFactorsAccess {
   static GdnFactors prepare(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t stream, const char* fn);
@@ -323,6 +324,7 @@ void GdnFactorsAccess::fill_view(const GdnWorkspace& ws, GdnFactors& out) {
   out.jobs_dev = reinterpret_cast<const ScanJob*>(table_dev + ws.plan_->chunk_table_bytes);
   out.split = static_cast<float*>(ws.split_mem_);
   out.nchunks = ws.plan_->nchunks;
+  out.slots = cap;
 }
 
 bool GdnFactorsAccess::view(const GdnPrefillArgs& a, const GdnWorkspace& ws, GdnFactors& out) {
@@ -440,6 +442,7 @@ void gdn_prefill(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t stream)
   sp.s_blocks = 2;
   const bool scan_wgmma = gdn_scan_wgmma_active();
   static CandidateSwitch no_l2_prefetch("HYPIC_GDN_SCAN_NO_L2_PREFETCH");  // (the wgmma scan only)
+  static CandidateSwitch scan_tma("HYPIC_GDN_SCAN_TMA");                      // (the wgmma scan only)
   (void)scan_wgmma;  // (unused in a build without sm_90a code)
   auto launch = [&](const ScanJob* jobs, int njobs, bool need_t, bool mixed_forced) {
     if (njobs == 0) return;
@@ -458,7 +461,12 @@ void gdn_prefill(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t stream)
     const dim3 grid(blocks_per_head, a.num_v_heads, njobs);
 #if HYPIC_GDN_WGMMA_BUILT
     if (scan_wgmma) {
-      launch_scan_wgmma(grid, warps * 32, sp, a.scan_profile, !no_l2_prefetch.on(), stream);
+      ScanStaging staging;
+      staging.l2_prefetch = !no_l2_prefetch.on();
+      staging.tma = scan_tma.on();
+      staging.total_tokens = a.cu_seqlens_host[a.num_seqs];
+      staging.ws_slots = fac.slots;
+      if (launch_scan_wgmma(grid, warps * 32, sp, a.scan_profile, staging, stream)) g_scan_tma_launches.fetch_add(1);
       g_scan_wgmma_launches.fetch_add(1);
       return;
     }

@@ -4,6 +4,7 @@
 // the products on Hopper's warpgroup MMAs (kWgmma = true, the switch HYPIC_GDN_SCAN_WGMMA, default on). Also the
 // per-(chunk, value head) workspace layout that the WY kernel writes and the scan reads. Internal to kernels/cuda.
 #pragma once
+#include <cuda.h>  // CUtensorMap
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -92,6 +93,12 @@ constexpr int kRingBBytesWg = kRingB * (kSwTile + kSwTileP) + kRingB * C * 4;
 constexpr int kScanSmemWg = kRingABytesWg + kRingBBytesWg + kExchBytes + kOutStageBytes + 1024;
 static_assert(kScanSmemWg <= 227 * 1024, "wgmma scan shared memory over the per-block limit");
 static_assert(kRingABytesWg % 1024 == 0 && (kSwTile + kSwTileP) % 1024 == 0, "swizzled tiles on 1024-byte bounds");
+// The TMA staging (gdn_scan_tma_kernel, the candidate HYPIC_GDN_SCAN_TMA): the wgmma layout, plus two mbarriers
+// after the output staging, one per parity of the job's chunk index, on which a chunk's TMA boxes complete.
+constexpr int kScanTmaBarOffset = kRingABytesWg + kRingBBytesWg + kExchBytes + kOutStageBytes;
+constexpr int kScanSmemWgTma = kScanSmemWg + 2 * 8;
+static_assert(kScanSmemWgTma <= 227 * 1024, "TMA scan shared memory over the per-block limit");
+static_assert(kScanTmaBarOffset % 8 == 0, "mbarriers 8-byte aligned");
 template <bool kWgmma>
 constexpr int ring_a_bytes() {
   return kWgmma ? kRingABytesWg : kRingA * kStageA;
@@ -139,6 +146,16 @@ struct ScanParams {
   float* const* checkpoints;  // GdnPrefillArgs::checkpoint_states (device), or null
   const ScanJob* jobs;
   WsView ws;
+};
+
+// The TMA tensor maps of the tiles that gdn_scan_tma_kernel stages by TMA (tensor_map.h's encode_bf16_map_3d: bf16,
+// 128-byte swizzled, zeros outside), made on the host per launch (launch_scan_wgmma):
+//   w: the workspace's W, [slots][64][128] as dims {128, 64, slots}, boxes {64, 64, 1} (two per tile);
+//   p: the workspace's P, [slots][64][64] as dims {64, 64, slots}, boxes {64, 64, 1};
+//   k, q: the raw inputs [T][H_k][128] as dims {128, H_k, T}, boxes {64, 1, 64} (two per tile; q only with outputs).
+// slots: the workspace's (chunk, value head) capacity; T: the call's tokens.
+struct ScanMaps {
+  CUtensorMap w, p, k, q;
 };
 
 // Address of a job's [H_v][128][128] state reference (see ScanJob), or null.
@@ -246,6 +263,20 @@ __device__ __forceinline__ void cp_async_rows_sw(unsigned char* s, const bf16* g
   }
 }
 
+// cp.async of workspace slot `slot`'s U^T columns of column block s_cb (when block_s) and its kf, G into stage a.
+__device__ __forceinline__ void issue_ut_scalars(const StageA& a, const ScanParams& p, size_t slot, bool block_s,
+                                                 int s_cb, int tid, int nthreads) {
+  if (block_s) cp_async_dense(a.UT, LDP, p.ws.UT + slot * kWElems + s_cb * 64 * C, C, 64, C, tid, nthreads);
+  const float* sc = p.ws.scal + slot * kScal;
+  for (int i = tid; i < 2 * C / 4; i += nthreads)  // kf (scal[0..63]) and G (scal[128..191])
+    cp_async16(a.kf + 4 * i, sc + (i < C / 4 ? 4 * i : C + 4 * i));
+}
+// cp.async of workspace slot `slot`'s qf (scal[64..127]) into stage b.
+__device__ __forceinline__ void issue_qf(const StageB& b, const ScanParams& p, size_t slot, int tid, int nthreads) {
+  const float* sc = p.ws.scal + slot * kScal;
+  for (int i = tid; i < C / 4; i += nthreads) cp_async16(b.qf + 4 * i, sc + C + 4 * i);
+}
+
 // Stages chunk `chunk` (tokens t0 .. t0 + len - 1) for value head h / key head kh: ring A (U^T only
 // for blocks with S columns, the 64 columns of column block s_cb) and, for blocks with output warps,
 // ring B.
@@ -262,10 +293,7 @@ __device__ __forceinline__ void scan_issue(unsigned char* smem, const ScanParams
     cp_async_dense(a.W, LD, p.ws.W + slot * kWElems, D, C, D, tid, nthreads);
     cp_async_rows(a.K, p.k + base, stride, len, tid, nthreads);
   }
-  if (block_s) cp_async_dense(a.UT, LDP, p.ws.UT + slot * kWElems + s_cb * 64 * C, C, 64, C, tid, nthreads);
-  const float* sc = p.ws.scal + slot * kScal;
-  for (int i = tid; i < 2 * C / 4; i += nthreads)  // kf (scal[0..63]) and G (scal[128..191])
-    cp_async16(a.kf + 4 * i, sc + (i < C / 4 ? 4 * i : C + 4 * i));
+  issue_ut_scalars(a, p, slot, block_s, s_cb, tid, nthreads);
   if (block_out) {
     const StageB b = stage_b<kWgmma>(smem, chunk % kRingB);
     if constexpr (kWgmma) {
@@ -275,8 +303,49 @@ __device__ __forceinline__ void scan_issue(unsigned char* smem, const ScanParams
       cp_async_rows(b.Q, p.q + base, stride, len, tid, nthreads);
       cp_async_dense(b.P, LDP, p.ws.P + slot * kPElems, C, C, C, tid, nthreads);
     }
-    for (int i = tid; i < C / 4; i += nthreads) cp_async16(b.qf + 4 * i, sc + C + 4 * i);
+    issue_qf(b, p, slot, tid, nthreads);
   }
+}
+
+// scan_issue with the tiles that wgmma reads staged by TMA (sm_90a only): thread 0 of the issuers raises `bar`'s
+// expected bytes and issues the boxes of W and P and, for a whole chunk (len == 64), of K and Q; a partial chunk's K
+// and Q rows go by cp.async as in scan_issue (rows past len must be zeros, and the tensor's next rows belong to the
+// next sequence or checkpoint run), as do U^T, kf, G and qf (U^T is read by ld.shared in its padded layout). The
+// caller waits on `bar` (parity of its use) and for the cp.async group before reading the stage.
+__device__ __forceinline__ void scan_issue_tma(unsigned char* smem, const ScanParams& p, const ScanMaps& maps,
+                                               uint64_t* bar, int chunk, int t0, int len, int h, int kh, bool block_s,
+                                               int s_cb, bool block_out, int tid, int nthreads) {
+  const int slot = chunk * p.Hv + h;
+  const StageA a = stage_a<true>(smem, (chunk & 1));
+  const StageB b = stage_b<true>(smem, chunk % kRingB);
+  const bool whole = len == C;
+  const size_t stride = size_t(p.Hk) * D, base = (size_t(t0) * p.Hk + kh) * D;
+  if (tid == 0) {
+    const uint32_t bytes = kSwTile + (whole ? kSwTile : 0) + (block_out ? kSwTileP + (whole ? kSwTile : 0) : 0);
+    sm90::mbar_arrive_expect_tx(bar, bytes);
+    const uint32_t w = smem_addr(a.W), k = smem_addr(a.K);
+    sm90::tma_load_3d(w, &maps.w, bar, 0, 0, slot);  // columns 0..63, then 64..127 (the next 64 x 128-byte chunk)
+    sm90::tma_load_3d(w + C * 128, &maps.w, bar, 64, 0, slot);
+    if (whole) {
+      sm90::tma_load_3d(k, &maps.k, bar, 0, kh, t0);
+      sm90::tma_load_3d(k + C * 128, &maps.k, bar, 64, kh, t0);
+    }
+    if (block_out) {
+      const uint32_t q = smem_addr(b.Q);
+      if (whole) {
+        sm90::tma_load_3d(q, &maps.q, bar, 0, kh, t0);
+        sm90::tma_load_3d(q + C * 128, &maps.q, bar, 64, kh, t0);
+      }
+      sm90::tma_load_3d(smem_addr(b.P), &maps.p, bar, 0, 0, slot);
+    }
+  }
+  if (!whole) {
+    cp_async_rows_sw<D / 8>(reinterpret_cast<unsigned char*>(a.K), p.k + base, stride, len, tid, nthreads);
+    if (block_out)
+      cp_async_rows_sw<D / 8>(reinterpret_cast<unsigned char*>(b.Q), p.q + base, stride, len, tid, nthreads);
+  }
+  issue_ut_scalars(a, p, size_t(slot), block_s, s_cb, tid, nthreads);
+  if (block_out) issue_qf(b, p, size_t(slot), tid, nthreads);
 }
 
 // L2 prefetch of what scan_issue will stage for `chunk`.
@@ -368,8 +437,11 @@ __device__ __forceinline__ void mma_x2(float (&c0)[4], float (&c1)[4], const uin
 // kL2Prefetch (HYPIC_GDN_SCAN_NO_L2_PREFETCH, a candidate, turns it off in the wgmma scan): the issuing warps ask L2
 // for the chunk kPrefetchAhead ahead (518 prefetch instructions per step, about 1050 of a step's 6300 cycles on the
 // output warps' path on an H100: bench/results/gdn_scan_profile_h100.md).
-template <bool kWgmma, bool kProf = false, bool kL2Prefetch = true>
-__global__ void __launch_bounds__(kScanMaxThreads, 1) gdn_scan_kernel(ScanParams p, long long* profile = nullptr) {
+// kTma (gdn_scan_tma_kernel, kWgmma only): W, K, Q, P staged by TMA (scan_issue_tma, `maps`), the rest by cp.async;
+// the same tiles in the same layout, so the same products and bits as the cp.async staging.
+template <bool kWgmma, bool kProf, bool kL2Prefetch, bool kTma>
+__device__ __forceinline__ void gdn_scan_body(const ScanParams& p, const ScanMaps* maps, long long* profile) {
+  static_assert(!kTma || kWgmma, "the TMA staging writes the wgmma scan's swizzled layout");
   extern __shared__ __align__(16) unsigned char smem_raw[];  // (kWgmma aligns its base to 1024 below)
   unsigned char* smem = smem_raw;
   if constexpr (kWgmma) smem += (1024u - (smem_addr(smem_raw) & 1023u)) & 1023u;
@@ -419,9 +491,23 @@ __global__ void __launch_bounds__(kScanMaxThreads, 1) gdn_scan_kernel(ScanParams
   const int gl = group & 3;     // group within its column block
   uint4* exch = reinterpret_cast<uint4*>(smem + ring_a_bytes<kWgmma>() + ring_b_bytes<kWgmma>());
 
+  // (kTma: the mbarriers of chunk parities 0 and 1, initialised before the first issue)
+  uint64_t* tma_bar = reinterpret_cast<uint64_t*>(smem + kScanTmaBarOffset);
+  if constexpr (kTma) {
+    if (tid == 0) {
+      sm90::mbar_init(tma_bar, 1);
+      sm90::mbar_init(tma_bar + 1, 1);
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+  }
   auto issue = [&](int c) {
-    scan_issue<kWgmma>(smem, p, c_begin + c, chunk_t0(c), chunk_len(c), h, kh, block_s, s_cb, block_out, itid,
-                       nissue);
+    if constexpr (kTma)
+      scan_issue_tma(smem, p, *maps, tma_bar + (c & 1), c_begin + c, chunk_t0(c), chunk_len(c), h, kh, block_s, s_cb,
+                     block_out, itid, nissue);
+    else
+      scan_issue<kWgmma>(smem, p, c_begin + c, chunk_t0(c), chunk_len(c), h, kh, block_s, s_cb, block_out, itid,
+                         nissue);
   };
   if (issuer && nc > 0) issue(0);
   cp_async_commit();
@@ -466,6 +552,9 @@ __global__ void __launch_bounds__(kScanMaxThreads, 1) gdn_scan_kernel(ScanParams
   for (int c = 0; c < steps; ++c) {
     mark(4);  // (the previous step's role work)
     cp_async_wait<0>();
+    if constexpr (kTma) {  // chunk c's TMA boxes: use (c >> 1) of its parity's mbarrier
+      if (c < nc) sm90::mbar_wait(tma_bar + (c & 1), (c >> 1) & 1);
+    }
     if constexpr (kWgmma) sm90::fence_proxy_async();  // cp.async's writes, read next by wgmma (async proxy)
     mark(0);
     __syncthreads();  // chunk c staged; every warp is done with the slots and exchange buffer it reuses
@@ -473,7 +562,7 @@ __global__ void __launch_bounds__(kScanMaxThreads, 1) gdn_scan_kernel(ScanParams
     if (issuer && c + 1 < nc) issue(c + 1);
     cp_async_commit();
     mark(2);
-    if (kL2Prefetch && issuer && c + kPrefetchAhead < nc) {
+    if (kL2Prefetch && !kTma && issuer && c + kPrefetchAhead < nc) {
       const int cn = c + kPrefetchAhead;
       scan_prefetch(p, c_begin + cn, chunk_t0(cn), chunk_len(cn), h, kh, block_s, s_cb, block_out, itid, nissue);
     }
@@ -693,13 +782,35 @@ __global__ void __launch_bounds__(kScanMaxThreads, 1) gdn_scan_kernel(ScanParams
   }
 }
 
-/// Launches gdn_scan_kernel<true> (the wgmma recurrence; with `profile`, GdnPrefillArgs::scan_profile, its
-/// clock-reading instantiation) on `grid` x `threads` with kScanSmemWg bytes of dynamic
-/// shared memory, the attribute set once per device. Defined in gdn_wgmma.cu, built for sm_90a only
+template <bool kWgmma, bool kProf = false, bool kL2Prefetch = true>
+__global__ void __launch_bounds__(kScanMaxThreads, 1) gdn_scan_kernel(ScanParams p, long long* profile = nullptr) {
+  gdn_scan_body<kWgmma, kProf, kL2Prefetch, false>(p, nullptr, profile);
+}
+
+// The wgmma scan with its W, K, Q, P tiles staged by TMA (kTma above; sm_90a only, gdn_wgmma.cu): `maps` as ScanMaps
+// describes, kScanSmemWgTma bytes of dynamic shared memory.
+template <bool kProf>
+__global__ void __launch_bounds__(kScanMaxThreads, 1)
+    gdn_scan_tma_kernel(ScanParams p, const __grid_constant__ ScanMaps maps, long long* profile) {
+  gdn_scan_body<true, kProf, false, true>(p, &maps, profile);
+}
+
+/// How launch_scan_wgmma stages the chunk scan's tiles.
+struct ScanStaging {
+  bool l2_prefetch = true;  // the cp.async staging's kL2Prefetch (false: HYPIC_GDN_SCAN_NO_L2_PREFETCH)
+  bool tma = false;         // W, K, Q, P by TMA (gdn_scan_tma_kernel, HYPIC_GDN_SCAN_TMA) where the maps can be made
+  int total_tokens = 0;     // tokens T of the raw inputs q, k ([T][H_k][128] bf16): the K / Q maps' extent
+  size_t ws_slots = 0;      // the workspace's (chunk, value head) capacity: the W / P maps' extent
+};
+
+/// Launches the wgmma chunk scan (gdn_scan_kernel<true>, or gdn_scan_tma_kernel with staging.tma; with `profile`,
+/// GdnPrefillArgs::scan_profile, their clock-reading instantiations) on `grid` x `threads` with kScanSmemWg
+/// (kScanSmemWgTma) bytes of dynamic shared memory, the attribute set once per device. The TMA kernel's tensor maps
+/// (ScanMaps) are encoded here, on the host, per launch; where the driver has no encoder or refuses one, the cp.async
+/// staging runs instead. Returns whether the TMA staging ran. Defined in gdn_wgmma.cu, built for sm_90a only
 /// (HYPIC_GDN_WGMMA_BUILT): call it on compute capability 9.0 devices only. Throws std::runtime_error on a CUDA
 /// error.
-/// l2_prefetch: the kL2Prefetch instantiations (false: HYPIC_GDN_SCAN_NO_L2_PREFETCH).
-void launch_scan_wgmma(dim3 grid, int threads, const ScanParams& p, long long* profile, bool l2_prefetch,
+bool launch_scan_wgmma(dim3 grid, int threads, const ScanParams& p, long long* profile, const ScanStaging& staging,
                        cudaStream_t stream);
 
 }  // namespace hypic::kernels::cuda::detail::gdn

@@ -8,6 +8,7 @@
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/gdn_scan.cuh"
 #include "kernels/cuda/gdn_wy.cuh"
+#include "kernels/cuda/tensor_map.h"
 
 namespace hypic::kernels::cuda::detail::gdn {
 
@@ -27,16 +28,54 @@ void launch_scan_wgmma_as(dim3 grid, int threads, const ScanParams& p, long long
   check_cuda(cudaGetLastError(), "gdn_scan_kernel<wgmma> launch");
 }
 
+// Launches one instantiation of the TMA-staged scan (gdn_scan_tma_kernel), its shared-memory opt-in set once per
+// device.
+template <bool kProf>
+void launch_scan_tma_as(dim3 grid, int threads, const ScanParams& p, const ScanMaps& maps, long long* profile,
+                        cudaStream_t stream) {
+  static DeviceOnce once;
+  once.run(current_device(), [](int) {
+    check_cuda(cudaFuncSetAttribute(gdn_scan_tma_kernel<kProf>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    kScanSmemWgTma),
+               "cudaFuncSetAttribute(gdn_scan_tma_kernel)");
+    return 0;
+  });
+  gdn_scan_tma_kernel<kProf><<<grid, threads, kScanSmemWgTma, stream>>>(p, maps, profile);
+  check_cuda(cudaGetLastError(), "gdn_scan_tma_kernel launch");
+}
+
+// ScanMaps of p's tiles (see there): false where a map cannot be made (no encoder, a refused map, no tokens or slots).
+bool scan_tensor_maps(const ScanParams& p, const ScanStaging& st, ScanMaps* m) {
+  if (st.total_tokens <= 0 || st.ws_slots == 0 || !p.k || (p.with_out && !p.q)) return false;
+  const uint64_t T = uint64_t(st.total_tokens), Hk = uint64_t(p.Hk), slots = st.ws_slots;
+  constexpr uint64_t row = D * 2;  // bytes of a 128-wide bf16 row
+  if (!encode_bf16_map_3d(&m->w, p.ws.W, {D, C, slots}, {row, C * row}, {64, C, 1})) return false;
+  if (!encode_bf16_map_3d(&m->p, p.ws.P, {C, C, slots}, {C * 2, C * C * 2}, {64, C, 1})) return false;
+  if (!encode_bf16_map_3d(&m->k, p.k, {D, Hk, T}, {row, Hk * row}, {64, 1, C})) return false;
+  if (!p.with_out) {
+    m->q = m->k;  // (never read: no block stages Q without outputs)
+    return true;
+  }
+  return encode_bf16_map_3d(&m->q, p.q, {D, Hk, T}, {row, Hk * row}, {64, 1, C});
+}
+
 }  // namespace
 
-void launch_scan_wgmma(dim3 grid, int threads, const ScanParams& p, long long* profile, bool l2_prefetch,
+bool launch_scan_wgmma(dim3 grid, int threads, const ScanParams& p, long long* profile, const ScanStaging& staging,
                        cudaStream_t stream) {
+  ScanMaps maps;
+  if (staging.tma && scan_tensor_maps(p, staging, &maps)) {
+    profile ? launch_scan_tma_as<true>(grid, threads, p, maps, profile, stream)
+            : launch_scan_tma_as<false>(grid, threads, p, maps, nullptr, stream);
+    return true;
+  }
   if (profile)
-    l2_prefetch ? launch_scan_wgmma_as<true, true>(grid, threads, p, profile, stream)
-                : launch_scan_wgmma_as<true, false>(grid, threads, p, profile, stream);
+    staging.l2_prefetch ? launch_scan_wgmma_as<true, true>(grid, threads, p, profile, stream)
+                        : launch_scan_wgmma_as<true, false>(grid, threads, p, profile, stream);
   else
-    l2_prefetch ? launch_scan_wgmma_as<false, true>(grid, threads, p, nullptr, stream)
-                : launch_scan_wgmma_as<false, false>(grid, threads, p, nullptr, stream);
+    staging.l2_prefetch ? launch_scan_wgmma_as<false, true>(grid, threads, p, nullptr, stream)
+                        : launch_scan_wgmma_as<false, false>(grid, threads, p, nullptr, stream);
+  return false;
 }
 
 void launch_wy_wgmma(unsigned blocks, const bf16* q, const bf16* k, const bf16* v, const float* g, const float* beta,

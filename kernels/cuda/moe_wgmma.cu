@@ -64,6 +64,7 @@
 #include "kernels/cuda/moe.h"
 #include "kernels/cuda/moe_internal.cuh"
 #include "kernels/cuda/switches.h"
+#include "kernels/cuda/tensor_map.h"
 #include "kernels/cuda/wgmma.cuh"
 
 namespace hypic::kernels::cuda::moe_detail {
@@ -783,22 +784,6 @@ __global__ void __launch_bounds__(WsLayout<C, GATE_UP, PAIR>::THREADS, 1)
 #endif
 }
 
-// cuTensorMapEncodeTiled from the driver (through the runtime: no link against libcuda), looked up once; null when the
-// driver has none (the runtime's error is cleared).
-PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) != cudaSuccess ||
-        q != cudaDriverEntryPointSuccess) {
-      (void)cudaGetLastError();
-      p = nullptr;
-    }
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
-  }();
-  return fn;
-}
-
 // Whether g's weights can be a TMA tensor map: 16-byte aligned base and strides (K and the expert stride multiples
 // of 8 elements), at least one row and expert (the encoder checks the rest; weights_tensor_map says if it refuses).
 bool weights_tma_ok(const GroupedArgs& g, int E, int rows) {
@@ -810,15 +795,8 @@ bool weights_tma_ok(const GroupedArgs& g, int E, int rows) {
 // of 64 x box_rows x 1, 128-byte swizzled, zeros outside, into *m. False when the driver has no encoder or refuses the
 // map (the caller then runs one block per tile).
 bool weights_tensor_map(const GroupedArgs& g, int E, int rows, int box_rows, CUtensorMap* m) {
-  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
-  if (!encode) return false;
-  const cuuint64_t dims[3] = {cuuint64_t(g.K), cuuint64_t(rows), cuuint64_t(E)};
-  const cuuint64_t strides[2] = {cuuint64_t(g.K) * 2, cuuint64_t(g.b_expert_stride) * 2};  // bytes, dims 1 and 2
-  const cuuint32_t box[3] = {64, cuuint32_t(box_rows), 1};
-  const cuuint32_t elem_strides[3] = {1, 1, 1};
-  return encode(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<bf16*>(g.B), dims, strides, box, elem_strides,
-                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+  return encode_bf16_map_3d(m, g.B, {uint64_t(g.K), uint64_t(rows), uint64_t(E)},
+                            {uint64_t(g.K) * 2, uint64_t(g.b_expert_stride) * 2}, {64, uint32_t(box_rows), 1});
 }
 
 template <class C, bool GATE_UP, bool VEC>

@@ -955,6 +955,99 @@ TEST_CASE("gdn_prefill with scan_profile: same bits, the slots filled as documen
     }
 }
 
+// HYPIC_GDN_SCAN_TMA: the wgmma scan with its W, K, Q, P tiles staged by TMA boxes (a partial chunk's K and Q rows by
+// cp.async) gives the bits of the cp.async staging: outputs, final states, T_C and checkpoints, over ragged sequences
+// (lengths 1, one whole chunk, no multiple of 64, empty, 1000), GVA ratio 2 from random initial states, the scan whole
+// and split in parts, with and without outputs, both block layouts, checkpoints inside chunks (partial chunks in the
+// middle of a sequence) and the profiled instantiation. The TMA launches are counted (gdn_wgmma_launches().scan_tma),
+// so a fallback to the cp.async staging cannot pass for the TMA path.
+TEST_CASE("gdn_prefill with the scan's tiles staged by TMA (HYPIC_GDN_SCAN_TMA): the bits of the cp.async staging",
+          "[gpu][gated_delta][candidate]") {
+  require_gpu();
+  if (!gpu::gdn_scan_wgmma_active()) {
+    WARN("no sm_90a scan on this device or build: the TMA staging is not run");
+    return;
+  }
+  std::mt19937 rng(71);
+  const int hk = 2, hv = 4;
+  const std::vector<int> lens = {1, 64, 65, 200, 0, 127, 3, 300, 1000};
+  std::vector<int> cu = {0};
+  for (int L : lens) cu.push_back(cu.back() + L);
+  const int n = int(lens.size()), T = cu.back();
+  GdnInputs in = random_inputs(rng, T, hk, hv);
+  for (auto& x : in.g) x *= 0.1f;  // slow decay: T_C of the long sequences stays far from zero
+  const size_t se = size_t(hv) * D * D;
+  std::vector<float> init(n * se);
+  std::normal_distribution<float> nd(0.f, 0.3f);
+  for (auto& x : init) x = nd(rng);
+  // Checkpoints (the state after token t - 1): inside chunks, on a chunk boundary, at sequence ends.
+  const std::vector<int> at = {1, 40, 65, 100, 200, 400, 459, 600, 1000, T};
+  const int ncp = int(at.size());
+  DeviceBuffer<bf16> dq(in.qh), dk(in.kh), dv(in.vh), dout(size_t(T) * hv * D);
+  DeviceBuffer<float> dg(in.g), db(in.beta), dinit(init), dfin(n * se), dtr(n * se), dcp(ncp * se);
+  DeviceBuffer<long long> prof(gpu::kGdnScanProfileSlots);
+  std::vector<float*> cp_ptrs;
+  for (int i = 0; i < ncp; ++i) cp_ptrs.push_back(dcp.get() + size_t(i) * se);
+  DeviceBuffer<float*> dptrs(cp_ptrs);
+  struct Config {
+    int parts;
+    bool out, transition, checkpoints, profile;
+    int layout;
+  };
+  for (const Config c : {Config{1, true, true, false, false, 0}, Config{3, true, true, false, false, 0},
+                         Config{3, false, true, false, false, 0}, Config{1, true, true, false, false, 1},
+                         Config{1, true, true, false, false, 2}, Config{0, true, false, true, false, 0},
+                         Config{3, false, true, true, false, 2}, Config{1, true, false, false, true, 0},
+                         Config{3, true, true, false, true, 0}}) {
+    DYNAMIC_SECTION("seq_parts " << c.parts << ", outputs " << c.out << ", T_C " << c.transition << ", checkpoints "
+                                 << c.checkpoints << ", profile " << c.profile << ", layout " << c.layout) {
+      std::vector<std::vector<bf16>> outs;
+      std::vector<std::vector<float>> fins, trs, cps;
+      for (bool tma : {false, true}) {
+        ScopedCandidate sw("HYPIC_GDN_SCAN_TMA", tma);
+        gpu::GdnWorkspace ws;
+        gpu::GdnPrefillArgs a = make_args(n, cu.data(), hk, hv, dq.get(), dk.get(), dv.get(), dg.get(), db.get(),
+                                          dfin.get(), c.transition ? dtr.get() : nullptr,
+                                          c.out ? dout.get() : nullptr);
+        a.initial_state = dinit.get();
+        a.seq_parts = c.parts;
+        a.scan_layout = c.layout;
+        if (c.checkpoints) {
+          a.num_checkpoints = ncp;
+          a.checkpoint_tokens_host = at.data();
+          a.checkpoint_states = dptrs.get();
+        }
+        if (c.profile) {
+          check_cuda(cudaMemset(prof.get(), 0, gpu::kGdnScanProfileSlots * sizeof(long long)), "memset");
+          a.scan_profile = prof.get();
+        }
+        dout.poison();
+        dfin.poison();
+        dtr.poison();
+        dcp.poison();
+        const gpu::GdnWgmmaLaunches before = gpu::gdn_wgmma_launches();
+        gpu::gdn_prefill(a, ws);
+        check_cuda(cudaDeviceSynchronize(), tma ? "prefill, TMA staging" : "prefill, cp.async staging");
+        const gpu::GdnWgmmaLaunches after = gpu::gdn_wgmma_launches();
+        CHECK(after.scan > before.scan);
+        // Every wgmma scan launch of the call staged by TMA when the switch is on, none when it is off.
+        CHECK(after.scan_tma - before.scan_tma == (tma ? after.scan - before.scan : 0));
+        if (c.profile) CHECK(prof.download()[74] == int64_t(after.scan - before.scan));
+        outs.push_back(dout.download());
+        fins.push_back(dfin.download());
+        trs.push_back(dtr.download());
+        cps.push_back(dcp.download());
+      }
+      if (c.out) CHECK(same_bits(outs[1], outs[0]));
+      CHECK(same_bits(fins[1], fins[0]));
+      if (c.transition) CHECK(same_bits(trs[1], trs[0]));
+      if (c.checkpoints) CHECK(same_bits(cps[1], cps[0]));
+      // (not a comparison of two copies of garbage: the reference wrote finite states)
+      CHECK(std::isfinite(fins[0][se * (n - 1)]));
+    }
+  }
+}
+
 TEST_CASE("gdn_prefill splits: running two halves through initial_state equals one pass", "[gpu][gated_delta]") {
   require_gpu();
   // Composition law on the GPU outputs: S(C1 C2 | P) = T_C2 S(C1 | P) + S(C2 | 0), and the two-pass
