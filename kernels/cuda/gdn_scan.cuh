@@ -492,8 +492,9 @@ __device__ __forceinline__ void gdn_scan_body(const ScanParams& p, const ScanMap
   uint4* exch = reinterpret_cast<uint4*>(smem + ring_a_bytes<kWgmma>() + ring_b_bytes<kWgmma>());
 
   // (kTma: the mbarriers of chunk parities 0 and 1, initialised before the first issue)
-  uint64_t* tma_bar = reinterpret_cast<uint64_t*>(smem + kScanTmaBarOffset);
+  uint64_t* tma_bar = nullptr;
   if constexpr (kTma) {
+    tma_bar = reinterpret_cast<uint64_t*>(smem + kScanTmaBarOffset);
     if (tid == 0) {
       sm90::mbar_init(tma_bar, 1);
       sm90::mbar_init(tma_bar + 1, 1);

@@ -959,8 +959,10 @@ TEST_CASE("gdn_prefill with scan_profile: same bits, the slots filled as documen
 // cp.async) gives the bits of the cp.async staging: outputs, final states, T_C and checkpoints, over ragged sequences
 // (lengths 1, one whole chunk, no multiple of 64, empty, 1000), GVA ratio 2 from random initial states, the scan whole
 // and split in parts, with and without outputs, both block layouts, checkpoints inside chunks (partial chunks in the
-// middle of a sequence) and the profiled instantiation. The TMA launches are counted (gdn_wgmma_launches().scan_tma),
-// so a fallback to the cp.async staging cannot pass for the TMA path.
+// middle of a sequence, also in split parts) and the profiled instantiation; and a call of 3 tokens in all (boxes of
+// 64 tokens over a 3-token tensor). The TMA launches are counted (gdn_wgmma_launches().scan_tma), so a fallback to the
+// cp.async staging cannot pass for the TMA path. (What this cannot see: a missing or early mbarrier wait, since a
+// chunk's boxes are issued a whole step, about 3 us, before it is read; the phase arithmetic is reviewed instead.)
 TEST_CASE("gdn_prefill with the scan's tiles staged by TMA (HYPIC_GDN_SCAN_TMA): the bits of the cp.async staging",
           "[gpu][gated_delta][candidate]") {
   require_gpu();
@@ -998,7 +1000,7 @@ TEST_CASE("gdn_prefill with the scan's tiles staged by TMA (HYPIC_GDN_SCAN_TMA):
                          Config{3, false, true, false, false, 0}, Config{1, true, true, false, false, 1},
                          Config{1, true, true, false, false, 2}, Config{0, true, false, true, false, 0},
                          Config{3, false, true, true, false, 2}, Config{1, true, false, false, true, 0},
-                         Config{3, true, true, false, true, 0}}) {
+                         Config{3, true, true, false, true, 0}, Config{3, true, true, true, false, 0}}) {
     DYNAMIC_SECTION("seq_parts " << c.parts << ", outputs " << c.out << ", T_C " << c.transition << ", checkpoints "
                                  << c.checkpoints << ", profile " << c.profile << ", layout " << c.layout) {
       std::vector<std::vector<bf16>> outs;
@@ -1045,6 +1047,31 @@ TEST_CASE("gdn_prefill with the scan's tiles staged by TMA (HYPIC_GDN_SCAN_TMA):
       // (not a comparison of two copies of garbage: the reference wrote finite states)
       CHECK(std::isfinite(fins[0][se * (n - 1)]));
     }
+  }
+  SECTION("3 tokens in all: boxes past the tensor's end") {
+    const int cu3[2] = {0, 3};
+    std::vector<std::vector<bf16>> outs;
+    std::vector<std::vector<float>> fins;
+    for (bool tma : {false, true}) {
+      ScopedCandidate sw("HYPIC_GDN_SCAN_TMA", tma);
+      gpu::GdnWorkspace ws;
+      gpu::GdnPrefillArgs a = make_args(1, cu3, hk, hv, dq.get(), dk.get(), dv.get(), dg.get(), db.get(), dfin.get(),
+                                        dtr.get(), dout.get());
+      dout.poison();
+      dfin.poison();
+      const gpu::GdnWgmmaLaunches before = gpu::gdn_wgmma_launches();
+      gpu::gdn_prefill(a, ws);
+      check_cuda(cudaDeviceSynchronize(), "3-token prefill");
+      const gpu::GdnWgmmaLaunches after = gpu::gdn_wgmma_launches();
+      CHECK(after.scan_tma - before.scan_tma == (tma ? after.scan - before.scan : 0));
+      outs.push_back(dout.download());
+      fins.push_back(dfin.download());
+    }
+    CHECK(same_bits(std::vector<bf16>(outs[1].begin(), outs[1].begin() + 3 * hv * D),
+                    std::vector<bf16>(outs[0].begin(), outs[0].begin() + 3 * hv * D)));
+    CHECK(same_bits(std::vector<float>(fins[1].begin(), fins[1].begin() + se),
+                    std::vector<float>(fins[0].begin(), fins[0].begin() + se)));
+    CHECK(std::isfinite(fins[0][0]));
   }
 }
 
