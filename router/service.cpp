@@ -167,10 +167,11 @@ void RouterService::probe_workers() {
 }
 
 RouterService::Worker* RouterService::wait_for_combine(std::chrono::system_clock::time_point deadline,
-                                                       const std::vector<size_t>* held) {
+                                                       const std::vector<size_t>* held, grpc::ServerContextBase* call) {
   if (Worker* w = pick_combine(held)) return w;
   const auto until = std::min(deadline, std::chrono::system_clock::now() + cfg_.combine_wait);
   while (std::chrono::system_clock::now() < until) {
+    if (call && call->IsCancelled()) return nullptr;
     {
       std::lock_guard<std::mutex> lock(probe_mu_);
       if (stop_probe_) return nullptr;
@@ -600,7 +601,10 @@ void GenerateCall::choose_combine(const std::vector<std::vector<v1::EntryTier>>&
   std::vector<size_t> held(tiers.size(), 0);
   for (size_t w = 0; w < tiers.size(); ++w)
     for (auto t : tiers[w]) held[w] += t != v1::ENTRY_TIER_NONE;
-  combine_ = svc_.wait_for_combine(ctx_->deadline(), &held);
+  combine_ = svc_.wait_for_combine(ctx_->deadline(), &held, ctx_);
+  if (!combine_ && ctx_->IsCancelled())
+    throw rpc::RpcError(grpc::StatusCode::CANCELLED,
+                        "request cancelled by the client while waiting for a combine worker");
   if (!combine_) {
     throw rpc::unavailable(fmt::format("no combine worker is available ({} configured, none healthy after waiting "
                                        "{} ms for one)", svc_.combine_.size(), svc_.cfg_.combine_wait.count()));

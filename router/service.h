@@ -103,8 +103,10 @@ class RouterService final : public hypic::v1::Router::Service {
   friend class GenerateCall;
   void probe_workers();
   /// A combine worker in rotation, waiting up to cfg_.combine_wait (and at most until `deadline`) for one to come
-  /// back when none is, with the prober woken at once; nullptr when none came back in time.
-  Worker* wait_for_combine(std::chrono::system_clock::time_point deadline, const std::vector<size_t>* held = nullptr);
+  /// back when none is, with the prober woken at once; nullptr when none came back in time, or as soon as `call`
+  /// (the client's call, when given) is cancelled, so that a client that gave up frees its admission slot at once.
+  Worker* wait_for_combine(std::chrono::system_clock::time_point deadline, const std::vector<size_t>* held = nullptr,
+                           grpc::ServerContextBase* call = nullptr);
   /// Health and identity of one worker: SERVING, the router's model, the cluster's numerics (adopted from it in
   /// auto mode when none is known yet). Logs each refusal once.
   template <class Service>

@@ -11,13 +11,14 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import random
+import subprocess
 import sys
 import time
 import unittest
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cluster_test_support import ClusterTestCase, words  # noqa: E402
+from cluster_test_support import BIN_DIR, ClusterTestCase, words  # noqa: E402
 
 COUNTERS = ("entries_built", "builds_joined", "builds_dropped", "orphan_builds_stored")
 
@@ -313,6 +314,46 @@ class CombineFailureTest(ReliabilityTestCase):
                 self.assertEqual(r["token_ids"], self.reference(segs, q))
         info = json.loads(self.client("info", "--router", self.cluster.router_address).stdout)
         self.assertEqual(int(info.get("active_requests", 0)), 0)
+
+    def active_requests(self) -> int:
+        r = self.client("info", "--router", self.cluster.router_address)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        return int(json.loads(r.stdout).get("active_requests", 0))
+
+    def test_clients_gone_while_no_combine_worker_is_up_free_their_slots_at_once(self):
+        # Two clients killed (no deadline passed, nothing streamed) while the router holds their requests, waiting up
+        # to --combine-wait-ms (10 s by default) for a combine worker: the router sees the cancellation and ends them
+        # at once, so their admission slots are free again well before that wait would have ended.
+        self.cluster.kill("combine")
+        self.cluster.wait_exit("combine")
+        self.wait_log_count("router", "is out of rotation", 1)
+        work = Path(self.work.name)
+        procs = []
+        try:
+            for k in range(2):
+                path = work / f"gone-{k}.json"
+                path.write_text(json.dumps({"segments": [words(470 + k, 40)], "query": f"Gone {k}?"}))
+                procs.append(subprocess.Popen(
+                    [str(BIN_DIR / "hypic-client"), "generate", "--router", self.cluster.router_address,
+                     "--segments-json", str(path), "--max-tokens", "4", "--timeout-seconds", "60",
+                     "--request-id", f"gone-{k}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            deadline = time.monotonic() + 10
+            while self.active_requests() != 2:
+                self.assertLess(time.monotonic(), deadline, "the two requests never reached the router")
+                time.sleep(0.05)
+        finally:
+            for proc in procs:
+                proc.kill()
+                proc.wait()
+        t0 = time.monotonic()
+        while self.active_requests() != 0:
+            self.assertLess(time.monotonic() - t0, 3.0, "the gone clients' requests still hold their slots")
+            time.sleep(0.05)
+        self.cluster.restart("combine")
+        segs, q = [words(470, 40)], "Gone 0?"
+        r = self.generate(segs, q, request_id="back")
+        self.ok(r)
+        self.assertEqual(r["token_ids"], self.reference(segs, q))
 
 
 if __name__ == "__main__":
