@@ -647,6 +647,10 @@ ApiError map_grpc_status(const grpc::Status& status, const ParsedRequest& req) {
       // Other capacity limits (a worker's device memory budget, ...): transient.
       return ApiError(429, "rate_limit_error", message, "", "capacity_exceeded");
     }
+    case C::ALREADY_EXISTS: {  // a client-given request_id already in flight (the router's or a combine worker's)
+      auto [param, message] = user_field(msg, req);
+      return ApiError(409, "invalid_request_error", message, param, "request_id_in_use");
+    }
     case C::UNAVAILABLE: return ApiError(503, "server_error", msg, "", "service_unavailable");
     case C::CANCELLED: return ApiError(503, "server_error", "the request was cancelled: " + msg, "", "cancelled");
     case C::DEADLINE_EXCEEDED:
@@ -664,7 +668,6 @@ ApiError map_grpc_status(const grpc::Status& status, const ParsedRequest& req) {
     case C::OK:  // not an error; should not be asked
     case C::UNKNOWN:
     case C::NOT_FOUND:
-    case C::ALREADY_EXISTS:
     case C::FAILED_PRECONDITION:
     case C::ABORTED:
     default:

@@ -537,6 +537,26 @@ grpc::Status GenerateCall::run() {
   Phase phase(RouterMetrics::get());
   opts_ = validate_request(req_, svc_.cfg_.limits, svc_.model_.vocab_size);
   rid_ = req_.request_id().empty() ? rpc::make_request_id() : req_.request_id();
+  // A client-given id names one request in flight (logs, cancellation, the combine worker's table): a second call
+  // with the same id while the first runs is the client's mistake, refused before any work.
+  struct ClientIdGuard {
+    RouterService& svc;
+    std::string id;
+    ~ClientIdGuard() {
+      if (id.empty()) return;
+      std::lock_guard<std::mutex> lock(svc.ids_mu_);
+      svc.client_ids_.erase(id);
+    }
+  } id_guard{svc_, ""};
+  if (!req_.request_id().empty()) {
+    std::lock_guard<std::mutex> lock(svc_.ids_mu_);
+    if (!svc_.client_ids_.insert(rid_).second)
+      throw rpc::RpcError(grpc::StatusCode::ALREADY_EXISTS,
+                          fmt::format("request_id: {} is already in use by a request in flight; give each request "
+                                      "its own id, or none (the router then makes one)",
+                                      rpc::untrusted(rid_)));
+    id_guard.id = rid_;
+  }
   tokenise();
   choose_combine(lookup());
   ++combine_->active;

@@ -10,6 +10,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <unordered_set>
 #include <vector>
 
 #include "engine/checkpoint/config.h"
@@ -132,6 +133,8 @@ class RouterService final : public hypic::v1::Router::Service {
   std::unique_ptr<ScatterScheduler> scheduler_;  // null without scatter workers
   std::unique_ptr<InflightBuilds> builds_;       // over scheduler_ (null without scatter workers)
   std::atomic<uint32_t> active_requests_{0};
+  std::mutex ids_mu_;
+  std::unordered_set<std::string> client_ids_;  ///< ids_mu_: the client-given request_ids of calls in flight
   std::atomic<size_t> combine_turn_{0};
   mutable std::mutex numerics_mu_;
   std::string numerics_, fingerprint_;  ///< numerics_mu_; empty until known

@@ -315,6 +315,32 @@ class CombineFailureTest(ReliabilityTestCase):
         info = json.loads(self.client("info", "--router", self.cluster.router_address).stdout)
         self.assertEqual(int(info.get("active_requests", 0)), 0)
 
+    def test_a_request_id_in_flight_is_refused_for_a_second_request(self):
+        # A client-given request_id names one request in flight: a second request with it while the first waits for
+        # its cold segment (2 s build) is refused at once with ALREADY_EXISTS naming the field; the first one is
+        # unharmed, and once it has ended the id can be used again.
+        segs, q = [words(480, 40)], "Twice?"
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+            first = pool.submit(self.generate, segs, q, request_id="twice", deadline_s=60)
+            deadline = time.monotonic() + 10
+            while self.active_requests() != 1:
+                self.assertLess(time.monotonic(), deadline, "the first request never reached the router")
+                time.sleep(0.02)
+            t0 = time.monotonic()
+            second = self.generate([words(481, 40)], q, request_id="twice")
+            refused_s = time.monotonic() - t0
+            result = first.result(timeout=60)
+        self.assertNotEqual(second["rc"], 0)
+        self.assertIn("ALREADY_EXISTS", second["stderr"])
+        self.assertIn("request_id: twice is already in use", second["stderr"])
+        self.assertLess(refused_s, 1.5)  # refused before any work, not after the first one's build
+        expected = self.reference(segs, q)
+        self.ok(result)
+        self.assertEqual(result["token_ids"], expected)
+        again = self.generate(segs, q, request_id="twice")
+        self.ok(again)
+        self.assertEqual(again["token_ids"], expected)
+
     def active_requests(self) -> int:
         r = self.client("info", "--router", self.cluster.router_address)
         self.assertEqual(r.returncode, 0, r.stderr)

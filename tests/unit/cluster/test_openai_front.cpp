@@ -384,11 +384,15 @@ TEST_CASE("gRPC statuses map to HTTP errors naming the user's field", "[openai]"
   CHECK(map(C::RESOURCE_EXHAUSTED, "segments: 300 segments exceed the limit of 256 (--max-segments)").status() == 413);
   CHECK(map(C::RESOURCE_EXHAUSTED, "Received message larger than max (70000000 vs. 67108864)").status() == 413);
   CHECK(map(C::RESOURCE_EXHAUSTED, "kv pool exhausted (--kv-pool-bytes)").status() == 429);
+  // A client-given request id already in flight (the router's refusal): the client's mistake, naming the field.
+  e = map(C::ALREADY_EXISTS, "request_id: r1 is already in use by a request in flight; give each request its own id");
+  CHECK((e.status() == 409 && e.param() == "hypic.request_id" && e.code() == "request_id_in_use"));
+  CHECK(e.type() == "invalid_request_error");
 
   // Every code has its HTTP status.
   const std::vector<std::pair<C, int>> table = {
       {C::CANCELLED, 503},          {C::UNKNOWN, 502},           {C::INVALID_ARGUMENT, 400},
-      {C::DEADLINE_EXCEEDED, 504},  {C::NOT_FOUND, 502},         {C::ALREADY_EXISTS, 502},
+      {C::DEADLINE_EXCEEDED, 504},  {C::NOT_FOUND, 502},         {C::ALREADY_EXISTS, 409},
       {C::PERMISSION_DENIED, 502},  {C::RESOURCE_EXHAUSTED, 429}, {C::FAILED_PRECONDITION, 502},
       {C::ABORTED, 502},            {C::OUT_OF_RANGE, 400},      {C::UNIMPLEMENTED, 501},
       {C::INTERNAL, 500},           {C::UNAVAILABLE, 503},       {C::DATA_LOSS, 500},
