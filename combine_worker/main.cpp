@@ -15,7 +15,7 @@
 
 int main(int argc, char** argv) {
   hypic::kernels::cpu::reexec_with_recommended_blas_core(argv);  // before OpenBLAS is used
-  hypic::rpc::block_termination_signals();
+  hypic::rpc::init_service_process();
   CLI::App app{"hypic combine worker: gathers segment entries, splices them with the query, decodes"};
   hypic::rpc::ServerFlags server;
   server.listen = "127.0.0.1:50071";

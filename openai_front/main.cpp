@@ -57,7 +57,7 @@ int main(int argc, char** argv) {
   // Large request bodies are mmapped and returned when freed, and the heap is trimmed after each (http_server.h):
   // resident memory comes back down after a burst of 15 MiB requests.
   hypic::rpc::bound_heap_retention();
-  hypic::rpc::block_termination_signals();
+  hypic::rpc::init_service_process();
   CLI::App app{"hypic OpenAI front: /v1/chat/completions, /v1/completions, /v1/models and /health over HTTP(S), "
                "answered by a hypic router"};
   hypic::rpc::ServerFlags server;

@@ -12,7 +12,7 @@
 #include "router/service.h"
 
 int main(int argc, char** argv) {
-  hypic::rpc::block_termination_signals();
+  hypic::rpc::init_service_process();
   CLI::App app{"hypic router: tokenises, looks segments up, schedules cold ones, relays the combine worker's tokens"};
   hypic::rpc::ServerFlags server;
   server.listen = "127.0.0.1:50050";

@@ -16,7 +16,7 @@
 
 int main(int argc, char** argv) {
   hypic::kernels::cpu::reexec_with_recommended_blas_core(argv);  // before OpenBLAS is used
-  hypic::rpc::block_termination_signals();
+  hypic::rpc::init_service_process();
   CLI::App app{"hypic scatter worker: prefills cold segments standalone and streams their entries"};
   hypic::rpc::ServerFlags server;
   server.listen = "127.0.0.1:50061";

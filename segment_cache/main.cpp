@@ -10,7 +10,7 @@
 #include "segment_cache/service.h"
 
 int main(int argc, char** argv) {
-  hypic::rpc::block_termination_signals();
+  hypic::rpc::init_service_process();
   CLI::App app{"hypic segment cache: content-addressed store of serialized segment entries"};
   hypic::rpc::ServerFlags server;
   server.listen = "127.0.0.1:50051";

@@ -7,6 +7,7 @@
 
 #include <cctype>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -86,6 +87,14 @@ void block_termination_signals() {
   sigset_t set = termination_set();
   pthread_sigmask(SIG_BLOCK, &set, nullptr);
   signal(SIGPIPE, SIG_IGN);
+}
+
+void init_service_process() {
+  block_termination_signals();
+  // gRPC's backup poller (gRPC doc/environment_variables.md) drives a client channel's reconnection while no call is
+  // polling it; at its default 5 s a channel whose calls fail fast while its peer is down (the OpenAI front's calls to
+  // a restarted router) stayed in TRANSIENT_FAILURE for 5-10 s after the peer was back. A value the user set wins.
+  setenv("GRPC_CLIENT_CHANNEL_BACKUP_POLL_INTERVAL_MS", "100", 0);
 }
 
 Lifecycle::Call::~Call() {

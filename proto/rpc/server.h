@@ -73,6 +73,11 @@ void setup_logging(const std::string& role, const std::string& level);
 /// receives the signals with sigwait.
 void block_termination_signals();
 
+/// What every service's main() does first, before gRPC starts: block_termination_signals(), and gRPC's client-channel
+/// backup poll interval (GRPC_CLIENT_CHANNEL_BACKUP_POLL_INTERVAL_MS) set to 100 ms unless the environment sets it,
+/// so that a channel whose peer restarted reconnects within about a second even while its calls fail fast.
+void init_service_process();
+
 /// Waits for SIGINT, SIGTERM or SIGHUP (blocked by block_termination_signals) or, with parent_pid > 0, for that
 /// process to vanish. Returns the signal number, 0 for a vanished parent.
 int wait_for_termination(int parent_pid);

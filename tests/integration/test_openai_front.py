@@ -186,6 +186,25 @@ class OpenAIFrontTest(FrontTestCase):
     its limit (413)."""
     extra_args = {"router": ["--max-segment-tokens", "256"]}
 
+    def test_answers_again_within_three_seconds_of_a_router_restart(self):
+        # Requests through the front while the router is down (each a 503 at once), then the router restarted on its
+        # address: the front's channel reconnects within about a second (gRPC's backup poller every 100 ms,
+        # rpc::init_service_process), not after the 5-10 s that gRPC's default 5 s poll gave.
+        body = chat_body(max_tokens=2)
+        self.cluster.kill("router")
+        self.cluster.wait_exit("router")
+        end = time.monotonic() + 1.5
+        while time.monotonic() < end:
+            self.assertEqual(self.front.request("POST", "/v1/chat/completions", body, timeout=10)[0], 503)
+            time.sleep(0.2)
+        self.cluster.restart("router")
+        t0 = time.monotonic()
+        while (status := self.front.request("POST", "/v1/chat/completions", body, timeout=30)[0]) != 200:
+            self.assertEqual(status, 503)
+            self.assertLess(time.monotonic() - t0, 3.0, "the front still answers 503 after the router came back")
+            time.sleep(0.1)
+        self.assertEqual(self.front.request("GET", "/health")[0], 200)
+
     def test_chat_stream_and_router_agree(self):
         f = self.front
         status, hdrs, a = f.request("POST", "/v1/chat/completions", chat_body())
