@@ -637,6 +637,8 @@ ApiError map_grpc_status(const grpc::Status& status, const ParsedRequest& req) {
         return ApiError(429, "rate_limit_error", message, "", "rate_limit_exceeded");
       }
       if (contains(msg, "--max-new-tokens")) return ApiError(400, "invalid_request_error", message, param);
+      if (contains(msg, "--max-model-len"))  // prompt + max_tokens past the model's context (OpenAI: a 400)
+        return ApiError(400, "invalid_request_error", message, param, "context_length_exceeded");
       if (contains(msg, "--max-segments") || contains(msg, "--max-segment-bytes") || contains(msg, "--max-prompt-bytes") ||
           contains(msg, "--max-segment-tokens") || contains(msg, "--max-prompt-tokens")) {
         return ApiError(413, "invalid_request_error", message, param, "context_length_exceeded");

@@ -1,5 +1,6 @@
 #include "router/admission.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include <fmt/format.h>
@@ -164,6 +165,17 @@ void check_token_limits(std::span<const size_t> segment_tokens, size_t query_tok
     throw resource_exhausted(fmt::format("prompt: {} tokens (segments + query) exceed the limit of {} "
                                          "(--max-prompt-tokens)",
                                          total, limits.max_prompt_tokens));
+  }
+}
+
+void check_context_length(size_t prompt_tokens, int max_tokens, const RouterLimits& limits) {
+  if (limits.max_model_len == 0) return;
+  const uint64_t total = uint64_t(prompt_tokens) + uint64_t(std::max(max_tokens, 0));
+  if (total > limits.max_model_len) {
+    throw resource_exhausted(fmt::format("prompt: {} tokens (segments + query) + max_tokens {} exceed the model's "
+                                         "context of {} tokens (--max-model-len; by default the model's "
+                                         "max_position_embeddings): shorten the prompt or ask for fewer tokens",
+                                         prompt_tokens, max_tokens, limits.max_model_len));
   }
 }
 

@@ -22,6 +22,9 @@ struct RouterLimits {
   uint32_t max_segment_tokens = 32768;    ///< --max-segment-tokens
   uint32_t max_prompt_tokens = 262144;    ///< --max-prompt-tokens (segments + query)
   uint32_t max_new_tokens = 4096;         ///< --max-new-tokens (upper bound of sampling.max_tokens)
+  /// --max-model-len: prompt tokens + sampling.max_tokens of one request (the model's context); 0 = no limit. The
+  /// router resolves its default (flag 0) to the model's max_position_embeddings (config.json) where it gives one.
+  uint32_t max_model_len = 0;
   /// --max-segment-bytes: text bytes per segment, checked before tokenising; 0 = kBytesPerToken x max_segment_tokens.
   uint64_t max_segment_bytes = 0;
   /// --max-prompt-bytes: text bytes of all segments and the query; 0 = kBytesPerToken x max_prompt_tokens.
@@ -84,5 +87,11 @@ std::vector<int32_t> segment_token_ids(const engine::Tokenizer& tokenizer, const
 /// Token-count limits after tokenisation: each segment <= max_segment_tokens and the whole prompt
 /// <= max_prompt_tokens (RESOURCE_EXHAUSTED); an empty tokenisation is INVALID_ARGUMENT.
 void check_token_limits(std::span<const size_t> segment_tokens, size_t query_tokens, const RouterLimits& limits);
+
+/// The context limit: prompt_tokens (segments + query) + max_tokens (the request's sampling.max_tokens, defaults
+/// applied) at most limits.max_model_len when it is set, else RESOURCE_EXHAUSTED "prompt: N tokens (segments +
+/// query) + max_tokens M exceed the model's context of L tokens (--max-model-len ...)", so that a prompt past the
+/// positions the model was trained for is refused instead of answered with degraded text (vLLM's max_model_len).
+void check_context_length(size_t prompt_tokens, int max_tokens, const RouterLimits& limits);
 
 }  // namespace hypic::router

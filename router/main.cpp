@@ -1,4 +1,5 @@
 // hypic-router: the public API of a hypic cluster (hypic.v1.Router).
+#include <algorithm>
 #include <filesystem>
 #include <limits>
 
@@ -58,6 +59,10 @@ int main(int argc, char** argv) {
                             "x --max-prompt-tokens)")
       ->capture_default_str();
   hr::add_strict_int_option(app, "--max-new-tokens", l.max_new_tokens, 0, kU32, "admission limit: sampling.max_tokens")
+      ->capture_default_str();
+  hr::add_strict_int_option(app, "--max-model-len", l.max_model_len, 0, kU32,
+                            "admission limit: prompt tokens + sampling.max_tokens of a request (0: the model's "
+                            "max_position_embeddings from config.json, no limit where it gives none)")
       ->capture_default_str();
   hr::add_strict_int_option(app, "--max-seam-width", l.max_seam_width, 0, kInt,
                             "largest seam width a request may ask for")
@@ -130,6 +135,8 @@ int main(int argc, char** argv) {
     cfg.tier_lookup_timeout = std::chrono::milliseconds(tier_lookup_timeout_ms);
     cfg.default_deadline = std::chrono::seconds(default_deadline_s);
     const auto config = hypic::engine::load_config(model_dir);
+    if (l.max_model_len == 0 && config.max_position_embeddings > 0)
+      l.max_model_len = uint32_t(std::min<int64_t>(config.max_position_embeddings, kU32));
     const auto tokenizer = hypic::engine::Tokenizer::load(tokenizer_path);
     hypic::router::RouterModel model{config, config.vocab_size, {}, numerics == "auto" ? "" : numerics};
     {
@@ -150,8 +157,9 @@ int main(int argc, char** argv) {
                  "replicas, schedule {}",
                  config.fingerprint(), numerics, cfg.scatter_workers.size(), cfg.combine_workers.size(), cfg.cache_replicas.size(),
                  policy);
-    spdlog::info("admission: {} tokens and {} bytes per segment, {} tokens and {} bytes per prompt", l.max_segment_tokens,
-                 l.segment_bytes_limit(), l.max_prompt_tokens, l.prompt_bytes_limit());
+    spdlog::info("admission: {} tokens and {} bytes per segment, {} tokens and {} bytes per prompt, context {}",
+                 l.max_segment_tokens, l.segment_bytes_limit(), l.max_prompt_tokens, l.prompt_bytes_limit(),
+                 l.max_model_len ? fmt::format("{} tokens (prompt + max_tokens)", l.max_model_len) : "unlimited");
     hypic::rpc::Lifecycle life("router");
     hypic::router::RouterService svc(tokenizer, model, cfg, life);
     return hypic::rpc::run_server(server, life, {"router", {&svc}, {"hypic.v1.Router"}, {}, {}});

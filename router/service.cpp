@@ -369,6 +369,9 @@ void GenerateCall::tokenise() {
   }
   query_ = segment_token_ids(svc_.tokenizer_, req_.query(), "query");
   check_token_limits(counts, query_.size(), svc_.cfg_.limits);
+  size_t prompt_tokens = query_.size();
+  for (const size_t c : counts) prompt_tokens += c;
+  check_context_length(prompt_tokens, opts_.max_tokens, svc_.cfg_.limits);
   const std::string fingerprint = svc_.numerics_and_fingerprint().second;
   if (fingerprint.empty())
     throw rpc::unavailable("no worker has reported its numerics yet (--numerics auto): none is reachable");
@@ -969,6 +972,7 @@ grpc::Status RouterService::GetServerInfo(grpc::ServerContext* ctx, const v1::Ge
   resp->set_max_segment_tokens(l.max_segment_tokens);
   resp->set_max_prompt_tokens(l.max_prompt_tokens);
   resp->set_max_new_tokens(l.max_new_tokens);
+  resp->set_max_model_len(l.max_model_len);
   return grpc::Status::OK;
 }
 

@@ -56,7 +56,8 @@ struct ModelConfig {
   std::vector<LayerType> layer_types;   ///< one per layer (explicit, or derived from full_attention_interval)
   double rms_norm_eps = 1e-6;           ///< every RMSNorm, including the gated norm of the linear layers (MiniMax's
                                         ///< lightning norm excepted: linear_norm_eps)
-  int64_t max_position_embeddings = 0;  ///< informational (RoPE is computed for any position)
+  int64_t max_position_embeddings = 0;  ///< the trained context (RoPE is computed for any position); the router's
+                                       ///< default --max-model-len
 
   // Full attention (Qwen3NextAttention / Qwen3_5Attention gated; MiniMaxAttention and Ring's softmax layers plain
   // GQA; KimiLinearAttention MLA, whose attention math runs per head with num_key_value_heads = nh,

@@ -658,11 +658,37 @@ def free_port() -> int:
 
 
 class ClientTest(ClusterTestCase):
-    """What hypic-client tells a new user: where warm entries came from, the model it talks to, a hint when nothing
-    answers, and what an address is when it is the wrong kind of service. The combine worker keeps its memory tier
-    (the default), so warm entries come from it."""
+    """What hypic-client tells a new user: where warm entries came from, the model it talks to (and its context), a
+    hint when nothing answers, and what an address is when it is the wrong kind of service; a prompt past the model's
+    context. The combine worker keeps its memory tier (the default), so warm entries come from it."""
     scatter_workers = 1
     extra_args = {"router": ["--combine-wait-ms", "0"]}
+
+    def test_prompt_past_the_models_context_is_refused(self):
+        # The router's default context (--max-model-len 0) is the model's max_position_embeddings; prompt tokens +
+        # max_tokens past it is RESOURCE_EXHAUSTED naming the flag, before any work (the tiny model: 32768).
+        cfg = json.loads((Path(self.cluster.model) / "config.json").read_text())
+        ctx = int(cfg["max_position_embeddings"])
+        info = json.loads(self.client("info", "--router", self.cluster.router_address).stdout)
+        self.assertEqual(int(info["max_model_len"]), ctx)
+        # Two segments given as token ids (exact counts) and a one-token query; max_tokens one past the context.
+        half = (ctx - 1000) // 2
+        prompt = 2 * half + 1
+        max_tokens = ctx - prompt + 1
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+            json.dump({"segments": [{"tokens": [100 + k] * half} for k in range(2)], "query": {"tokens": [7]}}, f)
+            path = f.name
+        try:
+            r = subprocess.run([str(BIN_DIR / "hypic-client"), "generate", "--router", self.cluster.router_address,
+                                "--segments-json", path, "--max-tokens", str(max_tokens), "--json"],
+                               capture_output=True, text=True, timeout=60)
+        finally:
+            os.unlink(path)
+        self.assertEqual(r.returncode, 2, r.stderr)
+        err = json.loads(r.stdout)["error"]
+        self.assertEqual(err["code"], "RESOURCE_EXHAUSTED")
+        self.assertIn(f"prompt: {prompt} tokens (segments + query) + max_tokens {max_tokens} exceed the model's "
+                      f"context of {ctx} tokens (--max-model-len", err["message"])
 
     def test_warm_rows_say_where_they_came_from(self):
         segs = [SEGMENTS[0], SEGMENTS[1]]

@@ -384,6 +384,9 @@ TEST_CASE("gRPC statuses map to HTTP errors naming the user's field", "[openai]"
   CHECK(map(C::RESOURCE_EXHAUSTED, "segments: 300 segments exceed the limit of 256 (--max-segments)").status() == 413);
   CHECK(map(C::RESOURCE_EXHAUSTED, "Received message larger than max (70000000 vs. 67108864)").status() == 413);
   CHECK(map(C::RESOURCE_EXHAUSTED, "kv pool exhausted (--kv-pool-bytes)").status() == 429);
+  e = map(C::RESOURCE_EXHAUSTED, "prompt: 40000 tokens (segments + query) + max_tokens 9 exceed the model's context of "
+                                 "32768 tokens (--max-model-len; by default the model's max_position_embeddings)");
+  CHECK((e.status() == 400 && e.param() == "messages" && e.code() == "context_length_exceeded"));
   // A client-given request id already in flight (the router's refusal): the client's mistake, naming the field.
   e = map(C::ALREADY_EXISTS, "request_id: r1 is already in use by a request in flight; give each request its own id");
   CHECK((e.status() == 409 && e.param() == "hypic.request_id" && e.code() == "request_id_in_use"));

@@ -207,6 +207,26 @@ TEST_CASE("admission limits get RESOURCE_EXHAUSTED naming the flag", "[admission
   }
 }
 
+TEST_CASE("the context limit: prompt + max_tokens at most --max-model-len, RESOURCE_EXHAUSTED past it", "[admission]") {
+  RouterLimits l;
+  CHECK_NOTHROW(check_context_length(1u << 30, 4096, l));  // 0: no limit
+  l.max_model_len = 1000;
+  CHECK_NOTHROW(check_context_length(900, 100, l));  // exactly the context
+  CHECK_NOTHROW(check_context_length(999, 1, l));
+  for (const auto& [prompt, max_tokens] : std::vector<std::pair<size_t, int>>{{900, 101}, {1000, 1}, {1001, 0}}) {
+    INFO(prompt << " + " << max_tokens);
+    try {
+      check_context_length(prompt, max_tokens, l);
+      FAIL("no error");
+    } catch (const RpcError& err) {
+      CHECK(err.code() == grpc::StatusCode::RESOURCE_EXHAUSTED);
+      CHECK_THAT(err.what(), Catch::StartsWith("prompt: " + std::to_string(prompt) + " tokens (segments + query) + "
+                                               "max_tokens " + std::to_string(max_tokens) +
+                                               " exceed the model's context of 1000 tokens (--max-model-len"));
+    }
+  }
+}
+
 TEST_CASE("token ids: out of the vocabulary is INVALID_ARGUMENT naming the segment, the index and the value",
           "[admission]") {
   // The router checks ids against the model's vocabulary (hypic-client refuses ids >= 2^31 itself: the wire is int32).
