@@ -118,7 +118,15 @@ RequestOptions validate_request(const v1::GenerateRequest& req, const RouterLimi
   o.top_k = s.top_k();
   o.top_p = s.has_top_p() ? s.top_p() : 1.0f;
   if (s.has_seed()) o.seed = s.seed();
+  if (s.stop_token_ids_size() > kMaxStops)
+    throw invalid_argument("sampling.stop_token_ids",
+                           fmt::format("at most {} stop token ids, got {}", kMaxStops, s.stop_token_ids_size()));
+  if (s.stop_size() > kMaxStops)
+    throw invalid_argument("sampling.stop", fmt::format("at most {} stop strings, got {}", kMaxStops, s.stop_size()));
   o.stop_token_ids.assign(s.stop_token_ids().begin(), s.stop_token_ids().end());
+  if (!o.stop_token_ids.empty())
+    rpc::check_token_ids(std::span<const int32_t>(o.stop_token_ids.data(), o.stop_token_ids.size()), vocab_size,
+                         "sampling.stop_token_ids");
   try {
     engine::SamplingConfig{o.temperature, o.top_k, o.top_p, 0, o.stop_token_ids}.validate();
   } catch (const std::invalid_argument& e) {
@@ -127,6 +135,9 @@ RequestOptions validate_request(const v1::GenerateRequest& req, const RouterLimi
   for (int i = 0; i < s.stop_size(); ++i) {
     const std::string field = fmt::format("sampling.stop[{}]", i);
     if (s.stop(i).empty()) throw invalid_argument(field, "must not be empty");
+    if (s.stop(i).size() > kMaxStopBytes)
+      throw invalid_argument(field, fmt::format("{} bytes, more than the {} a stop string may have", s.stop(i).size(),
+                                                kMaxStopBytes));
     if (auto bad = engine::find_invalid_utf8(s.stop(i))) {
       throw invalid_argument(field, fmt::format("invalid UTF-8 at byte {}", *bad));
     }

@@ -48,6 +48,10 @@ struct RouterLimits {
   uint64_t prompt_bytes_limit() const { return max_prompt_bytes ? max_prompt_bytes : kBytesPerToken * max_prompt_tokens; }
 };
 
+/// Most stop strings (each at most kMaxStopBytes bytes) and stop token ids one request may give (SamplingParams).
+inline constexpr int kMaxStops = 64;
+inline constexpr size_t kMaxStopBytes = 1024;
+
 /// The request's options with defaults applied.
 struct RequestOptions {
   engine::SpliceMode mode = engine::SpliceMode::Hypic;
@@ -74,7 +78,9 @@ struct RequestOptions {
 /// segment_bytes_limit() bytes and all text at most prompt_bytes_limit() (RESOURCE_EXHAUSTED naming the
 /// segment, its size and the limit: checked before any tokenisation), each segment and the query
 /// non-empty, text valid UTF-8, token ids within [0, vocab_size) (INVALID_ARGUMENT naming the segment,
-/// the index and the value), sampling and cache options in range. Returns the options with defaults applied.
+/// the index and the value), sampling and cache options in range (stop strings and stop token ids: at most
+/// kMaxStops each, strings of at most kMaxStopBytes, ids within the vocabulary). Returns the options with defaults
+/// applied.
 RequestOptions validate_request(const hypic::v1::GenerateRequest& req, const RouterLimits& limits, int64_t vocab_size);
 
 /// Token ids of a validated segment or query (`field` names it: "segments[3]", "query"): the ids as sent, or

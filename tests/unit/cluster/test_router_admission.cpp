@@ -164,6 +164,28 @@ TEST_CASE("bad requests get INVALID_ARGUMENT naming the field", "[admission]") {
   r = good();
   r.mutable_sampling()->add_stop("");
   CHECK(error_of(r).second == "sampling.stop[0]: must not be empty");
+  // Stop strings and stop token ids: at most 64 of each, strings of at most 1024 bytes, ids in the vocabulary.
+  r = good();
+  for (int i = 0; i < 64; ++i) r.mutable_sampling()->add_stop(std::string(1024, 'a' + i % 26));
+  for (int i = 0; i < 64; ++i) r.mutable_sampling()->add_stop_token_ids(int32_t(kVocab) - 1 - i);
+  CHECK(error_of(r).first == C::OK);
+  r.mutable_sampling()->add_stop("x");
+  CHECK(error_of(r).second == "sampling.stop: at most 64 stop strings, got 65");
+  r.mutable_sampling()->add_stop_token_ids(1);
+  CHECK(error_of(r).second == "sampling.stop_token_ids: at most 64 stop token ids, got 65");
+  r = good();
+  r.mutable_sampling()->add_stop("ok");
+  r.mutable_sampling()->add_stop(std::string(1025, 'z'));
+  e = error_of(r);
+  CHECK(e.first == C::INVALID_ARGUMENT);
+  CHECK(e.second == "sampling.stop[1]: 1025 bytes, more than the 1024 a stop string may have");
+  r = good();
+  r.mutable_sampling()->add_stop_token_ids(3);
+  r.mutable_sampling()->add_stop_token_ids(int32_t(kVocab));
+  e = error_of(r);
+  CHECK(e.first == C::INVALID_ARGUMENT);
+  CHECK_THAT(e.second, Catch::StartsWith("sampling.stop_token_ids[1]: " + std::to_string(kVocab) +
+                                         " is outside the vocabulary"));
   r = good();
   r.set_request_id("has space");
   CHECK_THAT(error_of(r).second, Catch::StartsWith("request_id:"));
