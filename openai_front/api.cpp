@@ -473,6 +473,10 @@ ParsedRequest parse_request(Endpoint endpoint, std::string_view body_text, const
   if (auto p = opt_number(body, "top_p", "top_p", 0.0, 1.0, /*lo_open=*/true)) r.top_p = float(*p);
   if (auto k = opt_int(body, "top_k", "top_k", -1, kInt32Max)) r.top_k = *k < 0 ? 0 : int32_t(*k);
   if (const json* s = member(body, "seed")) {
+    // (an integer literal beyond the 64-bit range parses as a float: say so, not "must be an integer")
+    if (s->is_number_float() && std::isfinite(s->get<double>()) && std::floor(s->get<double>()) == s->get<double>())
+      throw invalid_request("seed", fmt::format("out of range: an integer in [-2^63, 2^64) is expected, got {}",
+                                                shown(*s)));
     if (!s->is_number_integer()) wrong_type("seed", "an integer", *s);
     r.seed = s->is_number_unsigned() ? s->get<uint64_t>() : uint64_t(s->get<int64_t>());  // negative: two's complement
   }
@@ -541,6 +545,10 @@ ParsedRequest parse_request(Endpoint endpoint, std::string_view body_text, const
     if (p->is_string()) {
       prompt = p->get<std::string>();
     } else if (p->is_array()) {
+      if (!p->empty() && ((*p)[0].is_number_integer() || (*p)[0].is_array())) {
+        throw invalid_request("prompt", "token id prompts are not supported: give the prompt as text (a string, or an "
+                                        "array of one string)", "unsupported_parameter");
+      }
       if (p->size() != 1) {
         throw invalid_request("prompt", fmt::format("one prompt per request (a string, or an array of one string), got "
                                                     "an array of {}",
@@ -605,7 +613,14 @@ std::pair<std::string, std::string> user_field(const std::string& message, const
     if (index < req.prompt.segments.size()) return named(req.prompt.segments[index].origin);
     return {"", message};
   }
-  if (field == "segments") return {req.endpoint == Endpoint::Chat ? "messages" : "documents", message};
+  if (field == "segments") {
+    // (the router counts segments; the user gave documents, and the prompt adds its own opening segment(s))
+    size_t docs = 0;
+    for (const auto& seg : req.prompt.segments) docs += seg.origin.rfind("documents[", 0) == 0;
+    if (docs == 0) return {req.endpoint == Endpoint::Chat ? "messages" : "prompt", message};
+    return {"documents", fmt::format("documents: {} documents make {} segments with the rest of the prompt{}", docs,
+                                     req.prompt.segments.size(), rest)};
+  }
   if (field.rfind("query", 0) == 0) return named(req.prompt.query_origin);
   if (field == "sampling.max_tokens") return named(req.max_tokens_param);
   if (field.rfind("sampling.stop", 0) == 0) return named("stop");

@@ -296,6 +296,8 @@ TEST_CASE("request parsing: every error names its field", "[openai]") {
       {C, "{" + ok_msgs + R"(, "top_p": 0})", 400, "top_p", "must be in (0, 1]"},
       {C, "{" + ok_msgs + R"(, "top_p": 1.5})", 400, "top_p", "must be in (0, 1]"},
       {C, "{" + ok_msgs + R"(, "seed": 1.5})", 400, "seed", "must be an integer"},
+      {C, "{" + ok_msgs + R"(, "seed": 18446744073709551616})", 400, "seed", "out of range: an integer in [-2^63"},
+      {C, "{" + ok_msgs + R"(, "seed": -9223372036854775809})", 400, "seed", "out of range"},
       {C, "{" + ok_msgs + R"(, "n": 2})", 400, "n", "only n = 1"},
       {C, "{" + ok_msgs + R"(, "n": 0})", 400, "n", "must be >= 1"},
       {C, "{" + ok_msgs + R"(, "stop": 5})", 400, "stop", "a string or an array of strings"},
@@ -328,7 +330,8 @@ TEST_CASE("request parsing: every error names its field", "[openai]") {
       {P, R"({"prompt": ""})", 400, "prompt", "must not be empty"},
       {P, R"({"prompt": []})", 400, "prompt", "an array of 0"},
       {P, R"({"prompt": ["a", "b"]})", 400, "prompt", "an array of 2"},
-      {P, R"({"prompt": [[1, 2]]})", 400, "prompt[0]", "token id prompts are not supported"},
+      {P, R"({"prompt": [[1, 2]]})", 400, "prompt", "token id prompts are not supported"},
+      {P, R"({"prompt": [1, 2, 3]})", 400, "prompt", "token id prompts are not supported"},
       {P, R"({"prompt": 5})", 400, "prompt", "a string or an array of one string"},
       {P, R"({"prompt": "hello world", "echo": true})", 400, "echo", "not supported"},
       {P, R"({"prompt": "hello world", "best_of": 3})", 400, "best_of", "only best_of = 1"},
@@ -381,7 +384,10 @@ TEST_CASE("gRPC statuses map to HTTP errors naming the user's field", "[openai]"
   CHECK((e.status() == 413 && e.param() == "documents[0]" && e.code() == "context_length_exceeded"));
   e = map(C::RESOURCE_EXHAUSTED, "prompt: 300000 tokens (segments + query) exceed the limit of 262144 (--max-prompt-tokens)");
   CHECK((e.status() == 413 && e.param() == "messages"));
-  CHECK(map(C::RESOURCE_EXHAUSTED, "segments: 300 segments exceed the limit of 256 (--max-segments)").status() == 413);
+  e = map(C::RESOURCE_EXHAUSTED, "segments: 300 segments exceed the limit of 256 (--max-segments)");
+  CHECK((e.status() == 413 && e.param() == "documents"));  // the user's documents, counted as the router counts them
+  CHECK_THAT(e.what(), Catch::StartsWith("documents: 2 documents make " + std::to_string(r.prompt.segments.size()) +
+                                         " segments with the rest of the prompt: 300 segments exceed the limit"));
   CHECK(map(C::RESOURCE_EXHAUSTED, "Received message larger than max (70000000 vs. 67108864)").status() == 413);
   CHECK(map(C::RESOURCE_EXHAUSTED, "kv pool exhausted (--kv-pool-bytes)").status() == 429);
   e = map(C::RESOURCE_EXHAUSTED, "prompt: 40000 tokens (segments + query) + max_tokens 9 exceed the model's context of "
