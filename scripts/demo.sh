@@ -29,7 +29,8 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 SELF="$ROOT/scripts/demo.sh"
-NEEDED_BINS=(hypic-segment-cache hypic-scatter-worker hypic-combine-worker hypic-router hypic-client hypic-model)
+NEEDED_BINS=(hypic-segment-cache hypic-scatter-worker hypic-combine-worker hypic-router hypic-client hypic-model
+             hypic-tokenizer)
 
 die() { echo "demo.sh: error: $*" >&2; exit 1; }
 say() { echo "$*"; }
@@ -336,6 +337,42 @@ if ((${#DOCS[@]} == 0)); then
       DOCS+=("$LICENSES/$name")
     done
   fi
+  # The license texts are cut to fit a model with a short context (config.json max_position_embeddings, the router's
+  # default --max-model-len: the test fixtures have 4096): each keeps its share of what the context leaves after the
+  # answer and about 512 tokens for the question and the prompt's opening, counted with the run's tokenizer.
+  mapfile -t DOCS < <(python3 - "$BIN_DIR/hypic-model" "$MODEL" "$BIN_DIR/hypic-tokenizer" "$TOKENIZER" \
+                              "$MAX_TOKENS" "$RUNDIR" "${DOCS[@]}" <<'EOF'
+import json, os, subprocess, sys
+model_bin, model, tok_bin, tokenizer, max_tokens, rundir = sys.argv[1:7]
+docs = sys.argv[7:]
+# (hypic-model reads the context as the router does, with each family's field names)
+info = subprocess.run([model_bin, "info", "--model", model, "--json"], text=True, capture_output=True, check=True)
+ctx = int(json.loads(info.stdout).get("context_tokens") or 0)
+budget = ctx - int(max_tokens) - 512
+texts = [open(d, encoding="utf-8", errors="replace").read() for d in docs]
+if ctx <= 0 or budget <= 0:
+    print("\n".join(docs))
+    sys.exit(0)
+counts = [len(json.loads(subprocess.run([tok_bin, "encode", "--tokenizer", tokenizer], input=t, text=True,
+                                        capture_output=True, check=True).stdout)) for t in texts]
+if sum(counts) <= budget:
+    print("\n".join(docs))
+    sys.exit(0)
+keep = budget / sum(counts) * 0.9  # (a cut text tokenises a little differently)
+out = []
+for d, t in zip(docs, texts):
+    cut = t[:int(len(t) * keep)]
+    cut = cut[:cut.rfind(" ")] if " " in cut else cut
+    path = os.path.join(rundir, os.path.basename(d) + ".txt")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(cut)
+    out.append(path)
+print(f"demo.sh: the license texts ({sum(counts)} tokens) cut to about {int(keep * 100)}% each to fit the model's "
+      f"context of {ctx} tokens", file=sys.stderr)
+print("\n".join(out))
+EOF
+  )
+  ((${#DOCS[@]})) || die "could not fit the documents to the model's context (see above); pass --doc FILE"
 fi
 if [[ -z "$QUERY" ]]; then
   QUERY="Which of these licenses require keeping the copyright notice when the work is redistributed, and which let you waive all rights?"

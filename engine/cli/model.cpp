@@ -147,6 +147,7 @@ int run_info(const std::string& model, int64_t segment_tokens, bool as_json) {
       {"attention_layers", c.num_attention_layers()},
       {"vocab_size", c.vocab_size},
       {"hidden_size", c.hidden_size},
+      {"context_tokens", c.max_position_embeddings},
       {"parameters_total", n.total},
       {"parameters_active_per_token", n.active_per_token},
       {"linear_state_bytes_per_layer", c.linear_state_bytes()},
@@ -174,6 +175,9 @@ int run_info(const std::string& model, int64_t segment_tokens, bool as_json) {
             << (layer_pattern(c).find('d') != std::string::npos ? ", d dense MLP in a MoE model" : "") << ")\n"
             << "weights           " << weights << "\n"
             << "hidden / vocab    " << c.hidden_size << " / " << c.vocab_size << "\n"
+            << "context           "
+            << (c.max_position_embeddings > 0 ? std::to_string(c.max_position_embeddings) + " tokens" : "not given")
+            << " (config.json; the router's default --max-model-len)\n"
             << "parameters        " << n.total << " total, " << n.active_per_token << " active per token\n"
             << "linear state      " << human_bytes(double(c.linear_state_bytes())) << " per layer (S "
             << human_bytes(double(ssm_bytes)) << " + conv tail " << human_bytes(double(conv_bytes)) << "), "
