@@ -59,6 +59,8 @@ struct Delivery {
 
 struct CombineService::Pending {
   std::string id;
+  // Its Combine call (set by run_combine; valid while this Pending is in CombineService::active_).
+  const grpc::ServerContextBase* call = nullptr;
   // The request, parsed (parse_combine).
   engine::SpliceMode mode = engine::SpliceMode::Hypic;
   bool uses_entries = true;  // not full / prefix mode (which compute in context)

@@ -305,12 +305,22 @@ grpc::Status CombineService::run_combine(grpc::ServerContext* ctx, const v1::Com
     auto life_call = d_.life.enter();
     const auto t_start = Clock::now();
     const std::shared_ptr<Pending> p = parse_combine(*req);
+    p->call = ctx;
     {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!active_.emplace(p->id, p).second) {
-        throw rpc::RpcError(grpc::StatusCode::ALREADY_EXISTS,
-                            fmt::format("request_id: {} is already active on this combine worker", p->id));
+      // The id's previous call may still be ending here: the router cancels a call whose client went away and may
+      // take the id up again for a new request before this worker has cleaned the old call up (milliseconds). Wait
+      // for such a call, at most 2 s; a call with the same id that is not ending is a real duplicate.
+      std::unique_lock<std::mutex> lock(mu_);
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+      for (auto it = active_.find(p->id); it != active_.end(); it = active_.find(p->id)) {
+        const bool ending = it->second->cancel->load() || it->second->call->IsCancelled();
+        if (!ending || std::chrono::steady_clock::now() >= until) {
+          throw rpc::RpcError(grpc::StatusCode::ALREADY_EXISTS,
+                              fmt::format("request_id: {} is already active on this combine worker", p->id));
+        }
+        active_cv_.wait_until(lock, std::min(until, std::chrono::steady_clock::now() + std::chrono::milliseconds(20)));
       }
+      active_.emplace(p->id, p);
     }
     Fetchers fetch;  // declared before the cleanup that joins its threads
     struct Cleanup {
@@ -322,6 +332,7 @@ grpc::Status CombineService::run_combine(grpc::ServerContext* ctx, const v1::Com
         for (auto& t : fetch.threads) t.join();
         std::lock_guard<std::mutex> lock(svc.mu_);
         svc.active_.erase(p.id);
+        svc.active_cv_.notify_all();
       }
     } cleanup{*this, *p, fetch};
     auto send = [&](const v1::CombineEvent& ev) {

@@ -157,6 +157,7 @@ class CombineService final : public hypic::v1::CombineWorker::Service {
   std::string address_;
   std::mutex mu_;
   std::map<std::string, std::shared_ptr<Pending>> active_;
+  std::condition_variable active_cv_;  // mu_: notified when a call leaves active_
   transport::NcclAccepts accepts_;  // the NCCL communicators scatter workers opened here
 };
 

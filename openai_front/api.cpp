@@ -474,7 +474,8 @@ ParsedRequest parse_request(Endpoint endpoint, std::string_view body_text, const
   if (auto k = opt_int(body, "top_k", "top_k", -1, kInt32Max)) r.top_k = *k < 0 ? 0 : int32_t(*k);
   if (const json* s = member(body, "seed")) {
     // (an integer literal beyond the 64-bit range parses as a float: say so, not "must be an integer")
-    if (s->is_number_float() && std::isfinite(s->get<double>()) && std::floor(s->get<double>()) == s->get<double>())
+    if (s->is_number_float() && std::isfinite(s->get<double>()) && std::floor(s->get<double>()) == s->get<double>() &&
+        (s->get<double>() >= 18446744073709551616.0 || s->get<double>() <= -9223372036854775808.0))
       throw invalid_request("seed", fmt::format("out of range: an integer in [-2^63, 2^64) is expected, got {}",
                                                 shown(*s)));
     if (!s->is_number_integer()) wrong_type("seed", "an integer", *s);
@@ -545,7 +546,8 @@ ParsedRequest parse_request(Endpoint endpoint, std::string_view body_text, const
     if (p->is_string()) {
       prompt = p->get<std::string>();
     } else if (p->is_array()) {
-      if (!p->empty() && ((*p)[0].is_number_integer() || (*p)[0].is_array())) {
+      const auto token_ids = [](const json& x) { return x.is_number_integer(); };
+      if (!p->empty() && (token_ids((*p)[0]) || ((*p)[0].is_array() && !(*p)[0].empty() && token_ids((*p)[0][0])))) {
         throw invalid_request("prompt", "token id prompts are not supported: give the prompt as text (a string, or an "
                                         "array of one string)", "unsupported_parameter");
       }
@@ -617,9 +619,11 @@ std::pair<std::string, std::string> user_field(const std::string& message, const
     // (the router counts segments; the user gave documents, and the prompt adds its own opening segment(s))
     size_t docs = 0;
     for (const auto& seg : req.prompt.segments) docs += seg.origin.rfind("documents[", 0) == 0;
-    if (docs == 0) return {req.endpoint == Endpoint::Chat ? "messages" : "prompt", message};
-    return {"documents", fmt::format("documents: {} documents make {} segments with the rest of the prompt{}", docs,
-                                     req.prompt.segments.size(), rest)};
+    const std::string whole = req.endpoint == Endpoint::Chat ? "messages" : "prompt";
+    if (docs == 0) return {whole, message};
+    return {docs * 2 >= req.prompt.segments.size() ? "documents" : whole,
+            fmt::format("the prompt makes {} segments ({} of them documents, the rest from {}){}",
+                        req.prompt.segments.size(), docs, whole, rest)};
   }
   if (field.rfind("query", 0) == 0) return named(req.prompt.query_origin);
   if (field == "sampling.max_tokens") return named(req.max_tokens_param);
@@ -664,10 +668,8 @@ ApiError map_grpc_status(const grpc::Status& status, const ParsedRequest& req) {
       // Other capacity limits (a worker's device memory budget, ...): transient.
       return ApiError(429, "rate_limit_error", message, "", "capacity_exceeded");
     }
-    case C::ALREADY_EXISTS: {  // a client-given request_id already in flight (the router's or a combine worker's)
-      auto [param, message] = user_field(msg, req);
-      return ApiError(409, "invalid_request_error", message, param, "request_id_in_use");
-    }
+    case C::ALREADY_EXISTS:  // a client-given request_id already in flight (the router's or a combine worker's)
+      return ApiError(409, "invalid_request_error", msg, "hypic.request_id", "request_id_in_use");
     case C::UNAVAILABLE: return ApiError(503, "server_error", msg, "", "service_unavailable");
     case C::CANCELLED: return ApiError(503, "server_error", "the request was cancelled: " + msg, "", "cancelled");
     case C::DEADLINE_EXCEEDED:

@@ -109,6 +109,7 @@ RequestOptions validate_request(const v1::GenerateRequest& req, const RouterLimi
 
   const auto& s = req.sampling();
   o.max_tokens = s.has_max_tokens() ? s.max_tokens() : limits.default_max_tokens;
+  o.max_tokens_given = s.has_max_tokens();
   if (o.max_tokens < 1) throw invalid_argument("sampling.max_tokens", fmt::format("must be >= 1, got {}", o.max_tokens));
   if (uint32_t(o.max_tokens) > limits.max_new_tokens) {
     throw resource_exhausted(fmt::format("sampling.max_tokens: {} exceeds the limit of {} (--max-new-tokens)",
@@ -179,14 +180,24 @@ void check_token_limits(std::span<const size_t> segment_tokens, size_t query_tok
   }
 }
 
-void check_context_length(size_t prompt_tokens, int max_tokens, const RouterLimits& limits) {
-  if (limits.max_model_len == 0) return;
-  const uint64_t total = uint64_t(prompt_tokens) + uint64_t(std::max(max_tokens, 0));
-  if (total > limits.max_model_len) {
+void fit_context(size_t prompt_tokens, RequestOptions& o, const RouterLimits& limits) {
+  const uint64_t ctx = limits.max_model_len;
+  if (ctx == 0) return;
+  constexpr std::string_view kFlag = "(--max-model-len; by default the model's max_position_embeddings)";
+  if (prompt_tokens >= ctx) {
+    throw resource_exhausted(fmt::format("prompt: {} tokens (segments + query) leave no room in the model's context "
+                                         "of {} tokens {}: shorten the prompt",
+                                         prompt_tokens, ctx, kFlag));
+  }
+  const uint64_t left = ctx - prompt_tokens;
+  if (!o.max_tokens_given) {
+    o.max_tokens = int(std::min<uint64_t>(uint64_t(std::max(o.max_tokens, 1)), left));
+    return;
+  }
+  if (uint64_t(std::max(o.max_tokens, 0)) > left) {
     throw resource_exhausted(fmt::format("prompt: {} tokens (segments + query) + max_tokens {} exceed the model's "
-                                         "context of {} tokens (--max-model-len; by default the model's "
-                                         "max_position_embeddings): shorten the prompt or ask for fewer tokens",
-                                         prompt_tokens, max_tokens, limits.max_model_len));
+                                         "context of {} tokens {}: shorten the prompt or ask for at most {} tokens",
+                                         prompt_tokens, o.max_tokens, ctx, kFlag, left));
   }
 }
 

@@ -64,6 +64,7 @@ struct RequestOptions {
   /// which compute segments in context on the combine worker.
   bool uses_entries = true;
   int max_tokens = 128;
+  bool max_tokens_given = false;  ///< sampling.max_tokens was set (else max_tokens is --default-max-tokens)
   float temperature = 0.0f;
   int top_k = 0;
   float top_p = 1.0f;
@@ -94,10 +95,12 @@ std::vector<int32_t> segment_token_ids(const engine::Tokenizer& tokenizer, const
 /// <= max_prompt_tokens (RESOURCE_EXHAUSTED); an empty tokenisation is INVALID_ARGUMENT.
 void check_token_limits(std::span<const size_t> segment_tokens, size_t query_tokens, const RouterLimits& limits);
 
-/// The context limit: prompt_tokens (segments + query) + max_tokens (the request's sampling.max_tokens, defaults
-/// applied) at most limits.max_model_len when it is set, else RESOURCE_EXHAUSTED "prompt: N tokens (segments +
-/// query) + max_tokens M exceed the model's context of L tokens (--max-model-len ...)", so that a prompt past the
-/// positions the model was trained for is refused instead of answered with degraded text (vLLM's max_model_len).
-void check_context_length(size_t prompt_tokens, int max_tokens, const RouterLimits& limits);
+/// The context limit limits.max_model_len (when set) on prompt_tokens (segments + query) + o.max_tokens, so that a
+/// prompt past the positions the model was trained for is refused instead of answered with degraded text (vLLM's
+/// max_model_len): a prompt that fills the context is RESOURCE_EXHAUSTED "prompt: N tokens (segments + query) leave
+/// no room ..."; a max_tokens the request gave (o.max_tokens_given) past what is left is RESOURCE_EXHAUSTED "prompt:
+/// N tokens (segments + query) + max_tokens M exceed the model's context of L tokens (--max-model-len ...)"; the
+/// default max_tokens is lowered to what is left instead (as OpenAI and vLLM do).
+void fit_context(size_t prompt_tokens, RequestOptions& o, const RouterLimits& limits);
 
 }  // namespace hypic::router

@@ -137,6 +137,10 @@ int main(int argc, char** argv) {
     const auto config = hypic::engine::load_config(model_dir);
     if (l.max_model_len == 0 && config.max_position_embeddings > 0)
       l.max_model_len = uint32_t(std::min<int64_t>(config.max_position_embeddings, kU32));
+    else if (config.max_position_embeddings > 0 && l.max_model_len > config.max_position_embeddings)
+      spdlog::warn("--max-model-len {} is above the model's max_position_embeddings {}: prompts past the positions it "
+                   "was trained for are answered, with degraded text",
+                   l.max_model_len, config.max_position_embeddings);
     const auto tokenizer = hypic::engine::Tokenizer::load(tokenizer_path);
     hypic::router::RouterModel model{config, config.vocab_size, {}, numerics == "auto" ? "" : numerics};
     {

@@ -371,7 +371,7 @@ void GenerateCall::tokenise() {
   check_token_limits(counts, query_.size(), svc_.cfg_.limits);
   size_t prompt_tokens = query_.size();
   for (const size_t c : counts) prompt_tokens += c;
-  check_context_length(prompt_tokens, opts_.max_tokens, svc_.cfg_.limits);
+  fit_context(prompt_tokens, opts_, svc_.cfg_.limits);
   const std::string fingerprint = svc_.numerics_and_fingerprint().second;
   if (fingerprint.empty())
     throw rpc::unavailable("no worker has reported its numerics yet (--numerics auto): none is reachable");

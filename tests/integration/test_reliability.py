@@ -341,6 +341,37 @@ class CombineFailureTest(ReliabilityTestCase):
         self.ok(again)
         self.assertEqual(again["token_ids"], expected)
 
+    def test_a_request_id_is_free_again_once_its_client_is_gone(self):
+        # A client killed while its cold segment builds: the router cancels the request and frees its id; a new
+        # request with that id, sent at once, runs (the router may still be ending the old one for a few ms: its
+        # "already in use" is retried here; the combine worker's table must not refuse it once the router has let it
+        # through, which it did while the cancelled call was still being cleaned up).
+        work = Path(self.work.name)
+        path = work / "reuse.json"
+        path.write_text(json.dumps({"segments": [words(490, 40)], "query": "Reuse?"}))
+        for trial in range(3):
+            rid = f"reuse-{trial}"
+            proc = subprocess.Popen([str(BIN_DIR / "hypic-client"), "generate", "--router", self.cluster.router_address,
+                                     "--segments-json", str(path), "--max-tokens", "4", "--timeout-seconds", "60",
+                                     "--request-id", rid], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            try:
+                self.wait_log_count("combine", f"[req {rid}] combine:", 1)  # the combine worker has the call
+                time.sleep(0.3)
+            finally:
+                proc.kill()
+                proc.wait()
+            segs, q = [words(491 + trial, 30)], "Again?"
+            deadline = time.monotonic() + 10
+            while True:
+                r = self.generate(segs, q, request_id=rid)
+                if r["rc"] == 0 or "already in use by a request in flight" not in r["stderr"]:
+                    break
+                self.assertLess(time.monotonic(), deadline, "the router never freed the id")
+                time.sleep(0.02)
+            self.assertNotIn("already active on this combine worker", r["stderr"])
+            self.ok(r)
+            self.assertEqual(r["token_ids"], self.reference(segs, q))
+
     def active_requests(self) -> int:
         r = self.client("info", "--router", self.cluster.router_address)
         self.assertEqual(r.returncode, 0, r.stderr)

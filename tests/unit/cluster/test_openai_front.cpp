@@ -298,6 +298,8 @@ TEST_CASE("request parsing: every error names its field", "[openai]") {
       {C, "{" + ok_msgs + R"(, "seed": 1.5})", 400, "seed", "must be an integer"},
       {C, "{" + ok_msgs + R"(, "seed": 18446744073709551616})", 400, "seed", "out of range: an integer in [-2^63"},
       {C, "{" + ok_msgs + R"(, "seed": -9223372036854775809})", 400, "seed", "out of range"},
+      {C, "{" + ok_msgs + R"(, "seed": 5.0})", 400, "seed", "must be an integer"},
+      {C, "{" + ok_msgs + R"(, "seed": 1e19})", 400, "seed", "must be an integer"},
       {C, "{" + ok_msgs + R"(, "n": 2})", 400, "n", "only n = 1"},
       {C, "{" + ok_msgs + R"(, "n": 0})", 400, "n", "must be >= 1"},
       {C, "{" + ok_msgs + R"(, "stop": 5})", 400, "stop", "a string or an array of strings"},
@@ -332,6 +334,7 @@ TEST_CASE("request parsing: every error names its field", "[openai]") {
       {P, R"({"prompt": ["a", "b"]})", 400, "prompt", "an array of 2"},
       {P, R"({"prompt": [[1, 2]]})", 400, "prompt", "token id prompts are not supported"},
       {P, R"({"prompt": [1, 2, 3]})", 400, "prompt", "token id prompts are not supported"},
+      {P, R"({"prompt": [["a"]]})", 400, "prompt[0]", "must be a string"},
       {P, R"({"prompt": 5})", 400, "prompt", "a string or an array of one string"},
       {P, R"({"prompt": "hello world", "echo": true})", 400, "echo", "not supported"},
       {P, R"({"prompt": "hello world", "best_of": 3})", 400, "best_of", "only best_of = 1"},
@@ -386,8 +389,9 @@ TEST_CASE("gRPC statuses map to HTTP errors naming the user's field", "[openai]"
   CHECK((e.status() == 413 && e.param() == "messages"));
   e = map(C::RESOURCE_EXHAUSTED, "segments: 300 segments exceed the limit of 256 (--max-segments)");
   CHECK((e.status() == 413 && e.param() == "documents"));  // the user's documents, counted as the router counts them
-  CHECK_THAT(e.what(), Catch::StartsWith("documents: 2 documents make " + std::to_string(r.prompt.segments.size()) +
-                                         " segments with the rest of the prompt: 300 segments exceed the limit"));
+  CHECK_THAT(e.what(), Catch::StartsWith("the prompt makes " + std::to_string(r.prompt.segments.size()) +
+                                         " segments (2 of them documents, the rest from messages): 300 segments "
+                                         "exceed the limit"));
   CHECK(map(C::RESOURCE_EXHAUSTED, "Received message larger than max (70000000 vs. 67108864)").status() == 413);
   CHECK(map(C::RESOURCE_EXHAUSTED, "kv pool exhausted (--kv-pool-bytes)").status() == 429);
   e = map(C::RESOURCE_EXHAUSTED, "prompt: 40000 tokens (segments + query) + max_tokens 9 exceed the model's context of "
@@ -397,6 +401,8 @@ TEST_CASE("gRPC statuses map to HTTP errors naming the user's field", "[openai]"
   e = map(C::ALREADY_EXISTS, "request_id: r1 is already in use by a request in flight; give each request its own id");
   CHECK((e.status() == 409 && e.param() == "hypic.request_id" && e.code() == "request_id_in_use"));
   CHECK(e.type() == "invalid_request_error");
+  e = map(C::ALREADY_EXISTS, "combine worker 10.0.0.2:7002: request_id: r1 is already active on this combine worker");
+  CHECK((e.status() == 409 && e.param() == "hypic.request_id" && e.code() == "request_id_in_use"));
 
   // Every code has its HTTP status.
   const std::vector<std::pair<C, int>> table = {

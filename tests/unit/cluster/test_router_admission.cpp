@@ -1,10 +1,17 @@
 // Router request validation and admission limits: codes and messages naming the field.
 #include <catch2/catch.hpp>
 
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
 #include "proto/rpc/status.h"
 #include "router/admission.h"
 
 using hypic::router::check_token_limits;
+using hypic::router::fit_context;
+using hypic::router::RequestOptions;
 using hypic::router::RouterLimits;
 using hypic::router::validate_request;
 using hypic::rpc::RpcError;
@@ -229,24 +236,57 @@ TEST_CASE("admission limits get RESOURCE_EXHAUSTED naming the flag", "[admission
   }
 }
 
-TEST_CASE("the context limit: prompt + max_tokens at most --max-model-len, RESOURCE_EXHAUSTED past it", "[admission]") {
+TEST_CASE("the context limit: prompt + max_tokens at most --max-model-len; the default max_tokens fits what is left",
+          "[admission]") {
   RouterLimits l;
-  CHECK_NOTHROW(check_context_length(1u << 30, 4096, l));  // 0: no limit
+  RequestOptions o;
+  o.max_tokens = 4096;
+  o.max_tokens_given = true;
+  CHECK_NOTHROW(fit_context(1u << 30, o, l));  // 0: no limit
   l.max_model_len = 1000;
-  CHECK_NOTHROW(check_context_length(900, 100, l));  // exactly the context
-  CHECK_NOTHROW(check_context_length(999, 1, l));
-  for (const auto& [prompt, max_tokens] : std::vector<std::pair<size_t, int>>{{900, 101}, {1000, 1}, {1001, 0}}) {
+  o.max_tokens = 100;
+  CHECK_NOTHROW(fit_context(900, o, l));  // exactly the context
+  CHECK(o.max_tokens == 100);
+  for (const auto& [prompt, max_tokens] : std::vector<std::pair<size_t, int>>{{900, 101}, {999, 2}}) {
     INFO(prompt << " + " << max_tokens);
+    o.max_tokens = max_tokens;
     try {
-      check_context_length(prompt, max_tokens, l);
+      fit_context(prompt, o, l);
       FAIL("no error");
     } catch (const RpcError& err) {
       CHECK(err.code() == grpc::StatusCode::RESOURCE_EXHAUSTED);
       CHECK_THAT(err.what(), Catch::StartsWith("prompt: " + std::to_string(prompt) + " tokens (segments + query) + "
                                                "max_tokens " + std::to_string(max_tokens) +
                                                " exceed the model's context of 1000 tokens (--max-model-len"));
+      CHECK_THAT(err.what(), Catch::EndsWith("ask for at most " + std::to_string(1000 - prompt) + " tokens"));
     }
   }
+  // A prompt that fills the context leaves no room, whatever max_tokens.
+  for (bool given : {true, false}) {
+    o.max_tokens = 1;
+    o.max_tokens_given = given;
+    try {
+      fit_context(1000, o, l);
+      FAIL("no error");
+    } catch (const RpcError& err) {
+      CHECK(err.code() == grpc::StatusCode::RESOURCE_EXHAUSTED);
+      CHECK_THAT(err.what(), Catch::StartsWith("prompt: 1000 tokens (segments + query) leave no room in the model's "
+                                               "context of 1000 tokens (--max-model-len"));
+    }
+  }
+  // The default (--default-max-tokens, not given by the request) is lowered to what is left, never refused.
+  o.max_tokens_given = false;
+  for (const auto& [prompt, def, want] : std::vector<std::tuple<size_t, int, int>>{{900, 128, 100}, {999, 128, 1},
+                                                                                   {100, 128, 128}}) {
+    o.max_tokens = def;
+    CHECK_NOTHROW(fit_context(prompt, o, l));
+    CHECK(o.max_tokens == want);
+  }
+  // validate_request says which it was.
+  auto r = good();
+  CHECK_FALSE(validate_request(r, RouterLimits{}, kVocab).max_tokens_given);
+  r.mutable_sampling()->set_max_tokens(5);
+  CHECK(validate_request(r, RouterLimits{}, kVocab).max_tokens_given);
 }
 
 TEST_CASE("token ids: out of the vocabulary is INVALID_ARGUMENT naming the segment, the index and the value",
