@@ -430,9 +430,10 @@ int main(int argc, char** argv) {
 
   // ---- worker info (operators; under mutual TLS it needs a service certificate) ----
   auto* winfo = app.add_subcommand("worker-info", "print a scatter or combine worker's GetWorkerInfo as JSON");
-  std::string worker_role = "scatter";
+  std::string worker_role = "auto";
   winfo->add_option("--target", target, "worker host:port")->required();
-  winfo->add_option("--role", worker_role, "scatter | combine")->check(CLI::IsMember({"scatter", "combine"}))
+  winfo->add_option("--role", worker_role, "scatter | combine | auto (the one the worker serves)")
+      ->check(CLI::IsMember({"scatter", "combine", "auto"}))
       ->capture_default_str();
   auto* cevents = app.add_subcommand("cache-events", "follow a cache replica's events (stored, evicted, cleared, "
                                                      "moved) as JSON lines (SegmentCache.WatchEvents)");
@@ -515,10 +516,19 @@ int main(int argc, char** argv) {
       ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
       v1::WorkerInfo out;
       grpc::Status st;
-      if (worker_role == "scatter") {
+      if (worker_role != "combine") {
         st = v1::ScatterWorker::NewStub(channel)->GetWorkerInfo(&ctx, v1::WorkerInfoRequest{}, &out);
-      } else {
-        st = v1::CombineWorker::NewStub(channel)->GetWorkerInfo(&ctx, v1::WorkerInfoRequest{}, &out);
+      }
+      // auto: a combine worker answers the scatter worker's method with UNIMPLEMENTED; ask it as a combine worker
+      if (worker_role == "combine" || (worker_role == "auto" && st.error_code() == grpc::StatusCode::UNIMPLEMENTED)) {
+        grpc::ClientContext ctx2;
+        ctx2.set_deadline(ctx.deadline());
+        st = v1::CombineWorker::NewStub(channel)->GetWorkerInfo(&ctx2, v1::WorkerInfoRequest{}, &out);
+      }
+      if (st.error_code() == grpc::StatusCode::UNIMPLEMENTED) {
+        return rpc_failed(st, false, fmt::format("{} is not a {}: `hypic-client services --target {}` lists what it "
+                                                 "serves", target, worker_role == "auto" ? "scatter or combine worker"
+                                                 : worker_role + " worker", target));
       }
       if (!st.ok()) return rpc_failed(st, false);
       std::cout << proto_json(out).dump(2) << std::endl;

@@ -664,6 +664,22 @@ class ClientTest(ClusterTestCase):
     scatter_workers = 1
     extra_args = {"router": ["--combine-wait-ms", "0"]}
 
+    def test_worker_info_finds_the_workers_role(self):
+        # worker-info without --role asks a scatter worker and a combine worker alike; at another service it says
+        # what the address is not and how to find out what it serves.
+        for name in ("scatter-0", "combine"):
+            r = self.client("worker-info", "--target", self.cluster.address(name))
+            self.assertEqual(r.returncode, 0, r.stderr)
+            self.assertIn("numerics", json.loads(r.stdout))
+        r = self.client("worker-info", "--target", self.cluster.router_address)
+        self.assertEqual(r.returncode, 2)
+        self.assertIn("UNIMPLEMENTED", r.stderr)
+        self.assertIn(f"{self.cluster.router_address} is not a scatter or combine worker: `hypic-client services "
+                      f"--target", r.stderr)
+        r = self.client("worker-info", "--target", self.cluster.address("combine"), "--role", "scatter")
+        self.assertEqual(r.returncode, 2)
+        self.assertIn("is not a scatter worker", r.stderr)
+
     def test_prompt_past_the_models_context_is_refused(self):
         # The router's default context (--max-model-len 0) is the model's max_position_embeddings; prompt tokens +
         # max_tokens past it is RESOURCE_EXHAUSTED naming the flag, before any work (the tiny model: 32768).
