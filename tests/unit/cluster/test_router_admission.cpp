@@ -236,7 +236,7 @@ TEST_CASE("admission limits get RESOURCE_EXHAUSTED naming the flag", "[admission
   }
 }
 
-TEST_CASE("the context limit: prompt + max_tokens at most --max-model-len; the default max_tokens fits what is left",
+TEST_CASE("the context limit: prompt + max_tokens at most --max-model-len, the default max_tokens fits what is left",
           "[admission]") {
   RouterLimits l;
   RequestOptions o;
