@@ -350,7 +350,8 @@ info = subprocess.run([model_bin, "info", "--model", model, "--json"], text=True
 ctx = int(json.loads(info.stdout).get("context_tokens") or 0)
 budget = ctx - int(max_tokens) - 512
 texts = [open(d, encoding="utf-8", errors="replace").read() for d in docs]
-if ctx <= 0 or budget <= 0:
+# (a token covers at least one byte: texts of fewer bytes than the budget fit without counting)
+if ctx <= 0 or budget <= 0 or sum(len(t.encode()) for t in texts) <= budget:
     print("\n".join(docs))
     sys.exit(0)
 counts = [len(json.loads(subprocess.run([tok_bin, "encode", "--tokenizer", tokenizer], input=t, text=True,
