@@ -228,8 +228,9 @@ int main(int argc, char** argv) try {
         t_mode[mode] += time_ms([&] { gpu::gdn_prefill(a, ws); }, reps) / 2;
       }
     }
-    // The wgmma scan's staging (default on wgmma): cp.async with its L2 prefetch (default), without the prefetch
-    // (HYPIC_GDN_SCAN_NO_L2_PREFETCH), W / K / Q / P by TMA (HYPIC_GDN_SCAN_TMA), in rounds 0 1 2 2 1 0; the mean of
+    // The wgmma scan's staging (default on wgmma): cp.async with its L2 prefetch (the old default), without the
+    // prefetch (HYPIC_GDN_SCAN_NO_L2_PREFETCH), W / K / Q / P by TMA (HYPIC_GDN_SCAN_TMA, the default since
+    // bench/results/gdn_scan_tma_h100.md), each set explicitly, in rounds 0 1 2 2 1 0; the mean of
     // each mode's two rounds. tma_ran: the TMA rounds' scans all staged by TMA (gdn_wgmma_launches().scan_tma).
     double t_stage[3] = {0, 0, 0};  // cp.async, no L2 prefetch, TMA
     bool tma_ran = false;

@@ -93,7 +93,7 @@ constexpr int kRingBBytesWg = kRingB * (kSwTile + kSwTileP) + kRingB * C * 4;
 constexpr int kScanSmemWg = kRingABytesWg + kRingBBytesWg + kExchBytes + kOutStageBytes + 1024;
 static_assert(kScanSmemWg <= 227 * 1024, "wgmma scan shared memory over the per-block limit");
 static_assert(kRingABytesWg % 1024 == 0 && (kSwTile + kSwTileP) % 1024 == 0, "swizzled tiles on 1024-byte bounds");
-// The TMA staging (gdn_scan_tma_kernel, the candidate HYPIC_GDN_SCAN_TMA): the wgmma layout, plus two mbarriers
+// The TMA staging (gdn_scan_tma_kernel, HYPIC_GDN_SCAN_TMA, the default): the wgmma layout, plus two mbarriers
 // after the output staging, one per parity of the job's chunk index, on which a chunk's TMA boxes complete.
 constexpr int kScanTmaBarOffset = kRingABytesWg + kRingBBytesWg + kExchBytes + kOutStageBytes;
 constexpr int kScanSmemWgTma = kScanSmemWg + 2 * 8;
@@ -434,7 +434,7 @@ __device__ __forceinline__ void mma_x2(float (&c0)[4], float (&c1)[4], const uin
 // kProf: the instantiation with the clock reads of GdnPrefillArgs::scan_profile into `profile` (launched only when it
 // is set; a separate argument, not a ScanParams field, so that the serving kernels' code stays as it was). The wgmma
 // one spills a few registers (120 bytes): it times nearly, not exactly, the serving kernel.
-// kL2Prefetch (HYPIC_GDN_SCAN_NO_L2_PREFETCH, a candidate, turns it off in the wgmma scan): the issuing warps ask L2
+// kL2Prefetch (HYPIC_GDN_SCAN_NO_L2_PREFETCH, on by default, turns it off in the wgmma scan): the issuing warps ask L2
 // for the chunk kPrefetchAhead ahead (518 prefetch instructions per step, about 1050 of a step's 6300 cycles on the
 // output warps' path on an H100: bench/results/gdn_scan_profile_h100.md).
 // kTma (gdn_scan_tma_kernel, kWgmma only): W, K, Q, P staged by TMA (scan_issue_tma, `maps`), the rest by cp.async;

@@ -99,8 +99,8 @@ bool launch_scan_wgmma(dim3 grid, int threads, const ScanParams& p, long long* p
     static std::once_flag told;
     std::call_once(told, [] {
       std::fprintf(stderr,
-                   "hypic gdn_prefill: HYPIC_GDN_SCAN_TMA is on but the driver made no tensor map for the chunk "
-                   "scan; its tiles are staged by cp.async\n");
+                   "hypic gdn_prefill: HYPIC_GDN_SCAN_TMA is on (the default) but the driver made no tensor map for "
+                   "the chunk scan; its tiles are staged by cp.async\n");
     });
   }
   if (profile)
