@@ -1008,10 +1008,19 @@ bool wgmma_tail64(GroupedGemm impl, const MoeWeightsView& w, size_t P, int bm) {
   return bm == kWgmmaBM && wgmma_env_mode() != 5 && wgmma_runs(impl, w, P) && on.on();
 }
 
-// The schedule's m-tile rows for OwnWgmma: its kernels' wgmma_bm where they run, else the mma.sync tiles'.
+// The schedule's m-tile rows for OwnWgmma: kSwapBM where the swap-AB kernels take the call (the candidate
+// HYPIC_MOE_SWAP_AB, below kSwapMaxRowsPerExpert routed rows per expert on average, variant 1, the weights' tensor
+// maps made), else its kernels' wgmma_bm where they run, else the mma.sync tiles'.
 int own_wgmma_bm(const MoeWeightsView& w, size_t P) {
 #if HYPIC_MOE_WGMMA_BUILT
-  if (wgmma_device() && wgmma_supported(w, P)) return wgmma_bm(P, w.E, wgmma_env_mode() == 0 ? 1 : wgmma_env_mode());
+  if (wgmma_device() && wgmma_supported(w, P)) {
+    static CandidateSwitch swap_ab("HYPIC_MOE_SWAP_AB");
+    const int env = wgmma_env_mode();
+    if (swap_ab.on() && (env == 0 || env == 1) && P < size_t(kSwapMaxRowsPerExpert) * size_t(w.E) &&
+        swap_ab_supported(w))
+      return kSwapBM;
+    return wgmma_bm(P, w.E, env == 0 ? 1 : env);
+  }
 #else
   (void)w, (void)P;
 #endif
@@ -1274,6 +1283,14 @@ uint64_t moe_warp_specialized_launches() {
 uint64_t moe_cluster_pair_launches() {
 #if HYPIC_MOE_WGMMA_BUILT
   return moe_detail::pair_launches();
+#else
+  return 0;
+#endif
+}
+
+uint64_t moe_swap_ab_launches() {
+#if HYPIC_MOE_WGMMA_BUILT
+  return moe_detail::swap_launches();
 #else
   return 0;
 #endif

@@ -134,6 +134,11 @@ uint64_t moe_warp_specialized_launches();
 /// (not among moe_warp_specialized_launches). Host only.
 uint64_t moe_cluster_pair_launches();
 
+/// Launches of the swap-AB wgmma GEMM kernels (the candidate HYPIC_MOE_SWAP_AB: OwnWgmma below 512 routed rows per
+/// expert on average, the expert weights as the wgmma M side and its tokens as N in steps of 16), counted as
+/// moe_persistent_launches counts (two per moe_forward that takes them). Host only.
+uint64_t moe_swap_ab_launches();
+
 /// Device scratch of moe_forward / mlp_forward, grown on demand and then reused: after
 /// reserve(max_tokens, view) (or one call with that many tokens and those sizes) calls with
 /// T <= max_tokens allocate nothing, so they can be captured in a CUDA graph (GroupedGemm::Own).

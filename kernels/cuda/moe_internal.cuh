@@ -124,6 +124,12 @@ constexpr int kWgmmaWsMaxRowsPerExpert = 512;
 // warp-specialised blocks (variant 9): H100, 2026-12-06, whole model side by side: 512-token prefill 0.973x, warm
 // 16 x 2k splice 0.981x (every run faster).
 
+// The swap-AB kernels (moe_swap_ws_kernel, the candidate HYPIC_MOE_SWAP_AB): the schedule's m-tile rows when they run
+// (an m-tile is at most this many of an expert's tokens, the wgmma N side of its tiles, in steps of 16), and the
+// routed rows per expert on average below which OwnWgmma takes them (own_wgmma_bm in moe.cu).
+constexpr int kSwapBM = 256;
+constexpr int kSwapMaxRowsPerExpert = 512;
+
 // True when the current device can run the wgmma kernels: compute capability 9.0 (the sm_90a build). Host only.
 bool wgmma_device();
 
@@ -149,6 +155,13 @@ uint64_t ws_launches();
 // Host only.
 uint64_t pair_launches();
 
+// Launches of moe_swap_ws_kernel issued in this process (moe_swap_ab_launches). Host only.
+uint64_t swap_launches();
+
+// Whether the swap-AB kernels can take w's expert weights: 16-byte aligned, K (H and I) multiples of 8, and the
+// driver encodes both GEMMs' tensor maps (gate_up [E][2I][H] in 64 x 8 boxes, down [E][H][I] in 64 x 128). Host only.
+bool swap_ab_supported(const MoeWeightsView& w);
+
 // The m-tile rows (the routing schedule's bm) of OwnWgmma's kernels for P routed rows over E experts under
 // `variant` (wgmma_env_mode): 64 for variants 1 and 9 below kWgmmaSmallRowsPerExpert rows per expert on average (a
 // splice's seams and query: tiles mostly empty, the GEMMs stream weights), else kWgmmaBM.
@@ -161,7 +174,8 @@ int wgmma_bm(size_t P, int E, int variant);
 bool wgmma_supported(const MoeWeightsView& w, size_t P);
 
 // Both prefill GEMMs of moe_forward on wgmma over the bm-row schedule already in ws (tiles, num_tiles, offsets,
-// sorted_tok; bm 64 or kWgmmaBM): gate_up + SwiGLU -> ws.act [P][I] bf16, then down -> ws.y [P][H] bf16; same
+// sorted_tok; bm 64 or kWgmmaBM, or kSwapBM: the swap-AB kernels, whatever the variant; std::runtime_error if the
+// driver then makes no tensor map of the weights, which swap_ab_supported checks first): gate_up + SwiGLU -> ws.act [P][I] bf16, then down -> ws.y [P][H] bf16; same
 // buffers, roundings and masking as launch_grouped's mma.sync kernels (a row's result does not depend on bm: the
 // k order of its products is the same). variant: 1 .. 9 as wgmma_env_mode (bm 64 runs the 64 x 256 tiles one block
 // per tile, on the warp-specialised blocks for variant 9, whatever the other variants). tail64 (bm = kWgmmaBM only): the schedule also has the tail list (offsets_kernel tail_at: experts'

@@ -66,6 +66,7 @@
 #include "kernels/cuda/switches.h"
 #include "kernels/cuda/tensor_map.h"
 #include "kernels/cuda/wgmma.cuh"
+#include "kernels/cuda/wgmma_ss_n.cuh"
 
 namespace hypic::kernels::cuda::moe_detail {
 
@@ -784,6 +785,231 @@ __global__ void __launch_bounds__(WsLayout<C, GATE_UP, PAIR>::THREADS, 1)
 #endif
 }
 
+// Swap-AB tiles (the candidate HYPIC_MOE_SWAP_AB; moe.cu own_wgmma_bm): the expert's weights are the wgmma M side and
+// its tokens the N side, D[w][t] = W[w][:] . X[t][:], so a tile is 128 weight rows (64 per consumer warpgroup) by the
+// expert's tokens of one 256-row m-tile of the schedule (kSwapBM), in steps of 16 (m64nNk16, N = 16 ceil(cnt / 16):
+// at most 15 padded rows per m-tile, where the 128-row tiles above pad up to 127 and stream the expert's weights once
+// per m-tile). Both operands stay K-major and 128-byte swizzled, as above with their roles exchanged: A = the weight
+// rows by TMA (the slot's first 16 KB), B = the token rows by cp.async (gate_up: x rows gathered through a_rows; down:
+// act rows seg + m), each at most 256 x 128 bytes per k-step. Same k order (k-steps of 64, four k16 each) as the
+// kernels above.
+//
+// gate_up (SWAP_GATE_UP): a tile's 128 weight rows are eight pairs of 8-row TMA boxes, box 2 p the gate rows
+// n0 + 8 p .. + 7 and box 2 p + 1 the matching up rows I + n0 + 8 p .., n0 = 64 wb (wb: the tile's weight block), so
+// warp w of consumer warpgroup c holds the gate rows of act columns j = n0 + 8 (4 c + w) + g in its accumulator rows
+// g and their up rows in rows g + 8 (the m64 accumulator layout): SwiGLU in registers, act[p][j] =
+// bf16(silu(bf16(g)) * bf16(u)), 64 act columns per tile. down: one 128-row box, rows n0 = 128 wb .., y[p][n] =
+// bf16(acc). Stores: lane (g, q) of fragment f holds columns (tokens) 8 f + 2 q, + 1 of rows g (and g + 8); one
+// shuffle with lane g ^ 1 gives each lane two adjacent output columns of one token, one 4-byte store (N even).
+//
+// Block: as moe_wgmma_ws_kernel (warpgroup 0 loads into a ring of 4 slots of 16 + 32 KB, `full` / `empty`
+// mbarriers, tiles from a counter in device memory, tile t = m-tile (t / wblocks) x weight block (t % wblocks), an
+// m-tile's weight blocks consecutive so that an expert's next m-tile finds its weights in L2; warpgroups 1 and 2
+// compute). Token rows past the tile's count are not loaded (stale shared memory reaching accumulator columns that
+// are never stored); weight rows past the tensor (and k past K) are zeros, gate rows past I are up rows whose act
+// columns are not stored.
+struct SwapCfg {
+  static constexpr int BW = 128;       // weight rows per tile
+  static constexpr int NT = kSwapBM;   // tokens per tile at most (the schedule's m-tile rows)
+  static constexpr int BK = 64, STAGES = 4, THREADS = 384, RING = 8;
+  static constexpr int A_BYTES = BW * 128, B_BYTES = NT * 128, STAGE_BYTES = A_BYTES + B_BYTES;
+  static constexpr int ROWS_PER_PASS = 16, B_IT = NT / ROWS_PER_PASS;  // 128 copying threads, 8 units per row
+  static constexpr int BAR_OFFSET = STAGES * STAGE_BYTES;
+  static constexpr int SMEM = BAR_OFFSET + 2 * STAGES * 8 + 1024;
+  static_assert(NT % 16 == 0 && NT <= 256 && RING > STAGES + 1 && SMEM <= 227 * 1024, "swap-AB tile");
+};
+// Output columns per tile: gate_up 64 act columns, down 128.
+template <bool GATE_UP>
+constexpr int swap_cols() {
+  return GATE_UP ? SwapCfg::BW / 2 : SwapCfg::BW;
+}
+
+// The stores of one swap-AB tile of consumer thread ct (0 .. 255) over its first 2 J fragments (N = 16 J tokens):
+// e = (expert, first sorted row, token count, weight block).
+template <int J, bool GATE_UP>
+__device__ __forceinline__ void swap_store(const GroupedArgs& a, int4 e, const float (&acc)[32][4], int ct) {
+  const int lane = ct & 31, g = lane >> 2, q = lane & 3, w = (ct >> 5) & 3, c = ct >> 7;
+  const int odd = g & 1, N = a.N, cnt = e.z;
+  bf16* out = a.out + size_t(e.y) * N;
+  if constexpr (GATE_UP) {
+    const int jp = e.w * 64 + 8 * (4 * c + w) + (g & ~1);  // the pair of act columns this lane stores
+#pragma unroll
+    for (int f = 0; f < 2 * J; ++f) {
+      const float a0 = silu_f(round_bf16(acc[f][0])) * round_bf16(acc[f][2]);  // token 8 f + 2 q, column g
+      const float a1 = silu_f(round_bf16(acc[f][1])) * round_bf16(acc[f][3]);  // token 8 f + 2 q + 1
+      const float r = __shfl_xor_sync(0xffffffffu, odd ? a0 : a1, 4);
+      const int tok = 8 * f + 2 * q + odd;
+      if (tok < cnt && jp < N)
+        *reinterpret_cast<uint32_t*>(out + size_t(tok) * N + jp) = odd ? pack_bf16(r, a1) : pack_bf16(a0, r);
+    }
+  } else {
+    const int np0 = e.w * 128 + 64 * c + 16 * w + (g & ~1);
+#pragma unroll
+    for (int f = 0; f < 2 * J; ++f) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float v0 = acc[f][2 * h], v1 = acc[f][2 * h + 1];
+        const float r = __shfl_xor_sync(0xffffffffu, odd ? v0 : v1, 4);
+        const int tok = 8 * f + 2 * q + odd, np = np0 + 8 * h;
+        if (tok < cnt && np < N)
+          *reinterpret_cast<uint32_t*>(out + size_t(tok) * N + np) = odd ? pack_bf16(r, v1) : pack_bf16(v0, r);
+      }
+    }
+  }
+}
+
+// One swap-AB tile of a consumer warpgroup over N = 16 J tokens: its KT k-steps from the ring (it: the block's
+// k-step count so far, advanced), then the stores.
+template <int J, bool GATE_UP>
+__device__ __forceinline__ void swap_tile(const GroupedArgs& a, int4 e, float (&acc)[32][4], uint64_t da0,
+                                          uint64_t db0, uint64_t* full, uint64_t* empty, int& it, int KT, int ct) {
+  constexpr int S = SwapCfg::STAGES;
+#pragma unroll 1
+  for (int kt = 0; kt < KT; ++kt, ++it) {
+    const int s = it % S;
+    if (kt > 0) mbar_wait(full + s, uint32_t((it / S) & 1));
+    fence_proxy_async();  // B was written by cp.async (generic proxy), wgmma reads it (async proxy)
+    const uint64_t so = uint64_t((s * SwapCfg::STAGE_BYTES) >> 4);
+    wgmma_fence();
+    wgmma_m64nk16_ss<16 * J>(acc, da0 + so, db0 + so, kt != 0 ? 1 : 0);
+#pragma unroll
+    for (int kk = 1; kk < SwapCfg::BK / 16; ++kk) wgmma_m64nk16_ss<16 * J>(acc, da0 + so + kk * 2, db0 + so + kk * 2, 1);
+    wgmma_commit();
+    wgmma_wait<1>();  // k-step it - 1 done: its slot is free
+    pin<32>(acc);
+    if (kt > 0) mbar_arrive(empty + (it - 1) % S);
+  }
+  wgmma_wait<0>();
+  pin<32>(acc);
+  mbar_arrive(empty + (it - 1) % S);
+  swap_store<J, GATE_UP>(a, e, acc, ct);
+}
+
+// The warp-specialised swap-AB kernel (see SwapCfg): a as for moe_wgmma_ws_kernel with the schedule's m-tiles of
+// kSwapBM rows; wblocks: weight blocks per expert (gate_up ceil(I / 64), down ceil(H / 128)); wmap: the weights'
+// 3-D tensor map [E][rows][K] in boxes of 64 x 8 (gate_up) or 64 x 128 (down) rows, 128-byte swizzled; tile_counter
+// zero before the launch.
+template <bool GATE_UP>
+__global__ void __launch_bounds__(SwapCfg::THREADS, 1)
+    moe_swap_ws_kernel(const GroupedArgs a, int wblocks, int* tile_counter, const __grid_constant__ CUtensorMap wmap) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using C = SwapCfg;
+  constexpr int S = C::STAGES;
+  __shared__ int4 ring[C::RING];  // (expert, first sorted row, token count, weight block); count < 0: no more
+  const int total = *a.num_tiles * wblocks;
+  const int K = a.K, KT = (K + C::BK - 1) / C::BK;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const uint32_t pad = ((smem_addr(smem_raw) + 1023u) & ~1023u) - smem_addr(smem_raw);
+  const uint32_t s_base = smem_addr(smem_raw) + pad;  // slot s: the weight rows at s * STAGE_BYTES, then the tokens
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem_raw + pad + C::BAR_OFFSET);
+  uint64_t* empty = full + S;
+  const int tid = threadIdx.x, wg = tid >> 7;
+  if (tid == 0) {
+    for (int s = 0; s < S; ++s) {
+      mbar_init(full + s, 128 + 1);
+      mbar_init(empty + s, 256);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (wg == 0) {  // loader
+    const int u = tid & 7, r0 = tid >> 3;
+    const uint32_t dst0 = s_base + uint32_t(C::A_BYTES + r0 * 128 + ((u ^ (r0 & 7)) << 4));
+    int it = 0;
+#pragma unroll 1
+    for (int seq = 0;; ++seq) {
+      const int ri = seq % C::RING;
+      if (tid == 0) {
+        int4 e = make_int4(0, 0, -1, 0);
+        const int tt = atomicAdd(tile_counter, 1);
+        if (tt < total) {
+          const int2 tile = a.tiles[tt / wblocks];
+          const int seg = a.offsets[tile.x];
+          e = make_int4(tile.x, seg + tile.y, min(C::NT, a.offsets[tile.x + 1] - seg - tile.y), tt % wblocks);
+        }
+        ring[ri] = e;
+      }
+      named_sync(1, 128);
+      const int4 e = ring[ri];
+      const int s_first = it % S;
+      if (e.z < 0) {  // no more tiles: complete the next phase of the next slot with no data (the consumers exit)
+        if (it >= S) mbar_wait(empty + s_first, uint32_t((it / S - 1) & 1));
+        mbar_arrive(full + s_first);
+        if (tid == 0) mbar_arrive(full + s_first);
+        break;
+      }
+      int rows[C::B_IT];
+#pragma unroll
+      for (int i = 0; i < C::B_IT; ++i) {
+        const int m = r0 + i * C::ROWS_PER_PASS;
+        rows[i] = m < e.z ? (GATE_UP ? a.a_rows[e.y + m] : e.y + m) : -1;
+      }
+#pragma unroll 1
+      for (int kt = 0; kt < KT; ++kt, ++it) {
+        const int s = it % S;
+        if (it >= S) mbar_wait(empty + s, uint32_t((it / S - 1) & 1));  // the consumers done with k-step it - S
+        const int k0 = kt * C::BK;
+        if (tid == 0) {  // (its arrival releases the ring entry written above to the consumers)
+          const uint32_t sa = s_base + uint32_t(s * C::STAGE_BYTES);
+          mbar_arrive_expect_tx(full + s, uint32_t(C::A_BYTES));
+          if constexpr (GATE_UP) {
+#pragma unroll
+            for (int p = 0; p < 8; ++p) {
+              const int j = e.w * 64 + 8 * p;
+              tma_load_3d(sa + uint32_t(2 * p * 1024), &wmap, full + s, k0, j, e.x);
+              tma_load_3d(sa + uint32_t((2 * p + 1) * 1024), &wmap, full + s, k0, a.N + j, e.x);
+            }
+          } else {
+            tma_load_3d(sa, &wmap, full + s, k0, e.w * C::BW, e.x);
+          }
+        }
+        const uint32_t bytes = k0 + u * 8 < K ? 16u : 0u;  // K is a multiple of 8; past K: zeros
+        const int ko = (bytes ? k0 : 0) + u * 8;
+        const uint32_t st = dst0 + uint32_t(s * C::STAGE_BYTES);
+#pragma unroll
+        for (int i = 0; i < C::B_IT; ++i)
+          if (rows[i] >= 0)
+            cp_async16_zfill(st + uint32_t(i * C::ROWS_PER_PASS * 128), a.A + size_t(rows[i]) * K + ko, bytes);
+        cp_async_mbar_arrive(full + s);
+      }
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    return;
+  }
+
+  // consumer thread 0 .. 255 of warpgroup c = wg - 1: weight rows 64 c .. 64 c + 63 of the tile, every token
+  const int ct = tid - 128, c = wg - 1;
+  const uint64_t da0 = sw128_desc(s_base + uint32_t(c * 64 * 128), 16, 1024);
+  const uint64_t db0 = sw128_desc(s_base + uint32_t(C::A_BYTES), 16, 1024);
+  float acc[32][4];
+#pragma unroll
+  for (int f = 0; f < 32; ++f) acc[f][0] = acc[f][1] = acc[f][2] = acc[f][3] = 0.f;
+  int it = 0;
+#pragma unroll 1
+  for (int seq = 0;; ++seq) {
+    mbar_wait(full + it % S, uint32_t((it / S) & 1));  // the tile's first k-step, or the end
+    const int4 e = ring[seq % C::RING];
+    if (e.z < 0) break;
+    switch ((e.z + 15) >> 4) {  // N = 16 J tokens
+#define HYPIC_SWAP_CASE(J) \
+  case J: swap_tile<J, GATE_UP>(a, e, acc, da0, db0, full, empty, it, KT, ct); break;
+      HYPIC_SWAP_CASE(1) HYPIC_SWAP_CASE(2) HYPIC_SWAP_CASE(3) HYPIC_SWAP_CASE(4) HYPIC_SWAP_CASE(5)
+      HYPIC_SWAP_CASE(6) HYPIC_SWAP_CASE(7) HYPIC_SWAP_CASE(8) HYPIC_SWAP_CASE(9) HYPIC_SWAP_CASE(10)
+      HYPIC_SWAP_CASE(11) HYPIC_SWAP_CASE(12) HYPIC_SWAP_CASE(13) HYPIC_SWAP_CASE(14) HYPIC_SWAP_CASE(15)
+      default: swap_tile<16, GATE_UP>(a, e, acc, da0, db0, full, empty, it, KT, ct); break;
+#undef HYPIC_SWAP_CASE
+    }
+  }
+#else
+  (void)a;
+  (void)wblocks;
+  (void)tile_counter;
+  (void)wmap;
+  __trap();  // built for sm_90a only; moe.cu checks the device (wgmma_device)
+#endif
+}
+
 // Whether g's weights can be a TMA tensor map: 16-byte aligned base and strides (K and the expert stride multiples
 // of 8 elements), at least one row and expert (the encoder checks the rest; weights_tensor_map says if it refuses).
 bool weights_tma_ok(const GroupedArgs& g, int E, int rows) {
@@ -831,6 +1057,11 @@ int setup_device(int dev) {
   set_smem<Down128Cfg, false>("down 128");
   set_smem<GateUpSmallCfg, true>("gate_up, 64-row tiles");
   set_smem<DownSmallCfg, false>("down, 64-row tiles");
+  check_cuda(cudaFuncSetAttribute(moe_swap_ws_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, SwapCfg::SMEM),
+             "cudaFuncSetAttribute(moe_swap_ws_kernel gate_up)");
+  check_cuda(cudaFuncSetAttribute(moe_swap_ws_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  SwapCfg::SMEM),
+             "cudaFuncSetAttribute(moe_swap_ws_kernel down)");
   int sms = 0;
   check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute(SMs)");
   return sms;
@@ -949,6 +1180,33 @@ bool launch_ws(const GroupedArgs& g, int E, int rows, size_t grid_m, bool vec, b
 // The warp-specialised kernels' tile counters (gemm 0: gate_up, 1: down): ints 2 and 3 of ws.num_tiles.
 int* ws_counter(MoeWorkspace& ws, int gemm) { return static_cast<int*>(ws.num_tiles.p) + 2 + gemm; }
 
+// The swap-AB kernels' weight map: [E][rows][K] (gate_up rows = 2 I, down rows = H) in boxes of 64 x 8 rows (gate_up:
+// eight pairs of gate and up boxes per k-step) or 64 x 128 (down); false where TMA cannot load g's weights.
+bool swap_map(const GroupedArgs& g, int E, int rows, bool gate_up, CUtensorMap* m) {
+  return weights_tma_ok(g, E, rows) && weights_tensor_map(g, E, rows, gate_up ? 8 : SwapCfg::BW, m);
+}
+
+std::atomic<uint64_t> g_swap_launches{0};  // (moe_swap_ab_launches)
+
+// moe_swap_ws_kernel over grid_m m-tiles (an upper bound, kSwapBM rows each) of expert weights with `rows` rows each:
+// one block per SM at most. std::runtime_error where the driver makes no tensor map (swap_ab_supported said it would).
+template <bool GATE_UP>
+void launch_swap(const GroupedArgs& g, int E, int rows, size_t grid_m, int* tile_counter, int sms,
+                 cudaStream_t stream, const char* what) {
+  CUtensorMap map;
+  if (!swap_map(g, E, rows, GATE_UP, &map))
+    throw std::runtime_error(std::string(what) + ": the driver made no tensor map of the expert weights");
+  const int wblocks = (g.N + swap_cols<GATE_UP>() - 1) / swap_cols<GATE_UP>();
+  const size_t tiles = grid_m * size_t(wblocks);
+  if (tiles > size_t(INT_MAX))
+    throw std::invalid_argument(std::string(what) + ": " + std::to_string(tiles) + " tiles do not fit a counter");
+  check_cuda(cudaMemsetAsync(tile_counter, 0, sizeof(int), stream), std::string(what) + " (tile counter)");
+  const unsigned grid = unsigned(std::max<size_t>(1, std::min(tiles, size_t(sms))));
+  moe_swap_ws_kernel<GATE_UP><<<grid, SwapCfg::THREADS, SwapCfg::SMEM, stream>>>(g, wblocks, tile_counter, map);
+  check_cuda(cudaGetLastError(), what);
+  g_swap_launches.fetch_add(1, std::memory_order_relaxed);
+}
+
 // launch_tiles with the vector epilogue (vec) or the m16n8 pairs.
 template <class C, bool GATE_UP>
 void launch_one(const GroupedArgs& g, size_t grid_m, Sched sched, bool vec, int sms, cudaStream_t stream,
@@ -975,6 +1233,16 @@ uint64_t persistent_launches() { return g_persistent_launches.load(std::memory_o
 uint64_t ws_launches() { return g_ws_launches.load(std::memory_order_relaxed); }
 
 uint64_t pair_launches() { return g_pair_launches.load(std::memory_order_relaxed); }
+
+uint64_t swap_launches() { return g_swap_launches.load(std::memory_order_relaxed); }
+
+bool swap_ab_supported(const MoeWeightsView& w) {
+  GroupedArgs gu{}, dn{};
+  gu.B = w.experts_gate_up, gu.b_expert_stride = size_t(2) * w.I * w.H, gu.K = w.H, gu.N = w.I;
+  dn.B = w.experts_down, dn.b_expert_stride = size_t(w.H) * w.I, dn.K = w.I, dn.N = w.H;
+  CUtensorMap m;
+  return w.H % 2 == 0 && w.I % 2 == 0 && swap_map(gu, w.E, 2 * w.I, true, &m) && swap_map(dn, w.E, w.H, false, &m);
+}
 
 bool wgmma_supported(const MoeWeightsView& w, size_t P) {
   if (w.H % 8 || w.I % 8 || w.H % 2 || w.I % 2) return false;
@@ -1004,6 +1272,14 @@ void launch_wgmma(const MoeWeightsView& w, size_t P, const bf16* x, MoeWorkspace
                   bool tail64, cudaStream_t stream) {
   static DeviceOnce once;
   const int sms = once.run(current_device(), setup_device);
+  if (bm == kSwapBM) {  // the swap-AB kernels (own_wgmma_bm chose them)
+    const size_t grid_m = max_tiles(P, w.E, kSwapBM);
+    launch_swap<true>(gate_up_args(w, x, ws), w.E, 2 * w.I, grid_m, ws_counter(ws, 0), sms, stream,
+                      "moe_forward: swap-AB wgmma gate_up GEMM launch");
+    launch_swap<false>(down_args(w, ws), w.E, w.H, grid_m, ws_counter(ws, 1), sms, stream,
+                       "moe_forward: swap-AB wgmma down GEMM launch");
+    return;
+  }
   if (bm != 64 && bm != kWgmmaBM) throw std::invalid_argument("launch_wgmma: bm " + std::to_string(bm));
   if (tail64 && bm != kWgmmaBM) throw std::invalid_argument("launch_wgmma: tail tiles with bm " + std::to_string(bm));
   const bool vec = use_vec_epilogue(ws);

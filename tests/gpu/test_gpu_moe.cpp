@@ -967,6 +967,50 @@ TEST_CASE("moe_forward wgmma prefill tiles (OwnWgmma / Own) vs CPU and the mma.s
           CHECK(nt[0] == want_main);
         }
       }
+      // The swap-AB kernels (the candidate HYPIC_MOE_SWAP_AB: below 512 routed rows per expert on average OwnWgmma
+      // runs a 256-row schedule whose tiles are 128 weight rows, the wgmma M side, by the m-tile's tokens in steps of
+      // 16, gate_up's gate and up rows interleaved in 8-row TMA boxes so that SwiGLU stays in registers): against the
+      // CPU reference (OwnWgmma's tolerances) and within 1e-2 of the default wgmma tiles (the printout says whether
+      // the bits agree too: the same k order, the operands' roles exchanged); run twice and in a CUDA graph
+      // bit-identical; both GEMMs launched on them exactly where the rule takes the call (variant 1 at every size
+      // here but T = 2100 of E = 8, 525 rows per expert: m-tiles of 1 .. 256 tokens, the forced routing's expert 0
+      // with T = 2048 in 8 m-tiles, I = 96 / 160 not a multiple of a tile's 64 act columns, H = 320 / 192 of its 128
+      // down rows, K = 96 / 160 with a last k-step of zeros).
+      if (wgmma) {
+        const std::string mode = wgmma_mode();
+        const size_t P = size_t(T) * c.topk;
+        const bool takes = wgmma_variant1(mode) && mode != "9" && P < size_t(512) * c.E;
+        std::vector<float> sw_out, sw_again, sw_graph;
+        uint64_t launched = 0;
+        {
+          ScopedCandidate sw("HYPIC_MOE_SWAP_AB", true);
+          const uint64_t before = gpu::moe_swap_ab_launches();
+          sw_out = run(gpu::GroupedGemm::OwnWgmma);
+          launched = gpu::moe_swap_ab_launches() - before;
+          sw_again = run(gpu::GroupedGemm::OwnWgmma);
+          DeviceBuffer<float> dout(base);
+          poison_gemm_outputs(ws, T, v);
+          CapturedGraph cg(st.s,
+                           [&] { gpu::moe_forward(T, dx.get(), v, dout.get(), ws, gemm, gpu::GroupedGemm::OwnWgmma, st.s); });
+          cg.replay();
+          sw_graph = dout.download();
+        }
+        std::vector<float> wg_moe(n);
+        for (size_t i = 0; i < n; ++i) wg_moe[i] = wg[i] - base[i];
+        const Err e_ref = compare(sw_out.data(), ref.data(), n, base.data());
+        const Err e_wg = compare(sw_out.data(), wg_moe.data(), n, base.data());
+        const bool again = same_bits(sw_out, sw_again), graph = same_bits(sw_out, sw_graph);
+        std::printf("[moe] wgmma %s swap-AB (rule takes it: %s, launches %llu): err %.3e fro %.3e (tol 2e-2 / 1e-2), "
+                    "vs the default wgmma tiles err %.3e (tol 1e-2) bit-identical %s; run twice %s, CUDA graph %s\n",
+                    name.c_str(), takes ? "yes" : "no", (unsigned long long)launched, e_ref.max_rel, e_ref.fro,
+                    e_wg.max_rel, same_bits(sw_out, wg) ? "yes" : "no", again ? "yes" : "NO", graph ? "yes" : "NO");
+        CHECK(e_ref.max_rel <= 2e-2);
+        CHECK(e_ref.fro <= 1e-2);
+        CHECK(e_wg.max_rel <= 1e-2);
+        CHECK(again);
+        CHECK(graph);
+        CHECK(launched == (takes ? 2u : 0u));
+      }
       // Own runs the same kernels (and schedule) where it takes the prefill tiles: bit-identical.
       const bool own_prefill = T > 64 && size_t(T) * c.topk > size_t(16) * std::min<size_t>(size_t(c.E), size_t(T) * c.topk);
       if (wgmma && own_prefill) {
