@@ -1423,5 +1423,17 @@ TEST_CASE("bench: moe_forward wgmma prefill tiles vs mma.sync and cuBLAS (prefil
                     way == 2 ? 1 : 0, way == 3 ? 1 : 0, ms, flops / (ms * 1e-3) / 1e12);
       }
     }
+    // OwnWgmma with its default kernels (swap=0) against the swap-AB kernels (swap=1, the candidate HYPIC_MOE_SWAP_AB,
+    // which takes calls below 512 routed rows per expert: T < 16384 here), alternating.
+    for (int rep = 0; rep < 2; ++rep) {
+      for (int way = 0; way < 2; ++way) {
+        ScopedCandidate sw("HYPIC_MOE_SWAP_AB", way == 1);
+        const double ms = time_ms(st.s, [&] {
+          gpu::moe_forward(T, dx.get(), v, dout.get(), ws, gemm, gpu::GroupedGemm::OwnWgmma, st.s);
+        });
+        std::printf("[bench] moe T=%-6d OwnWgmma swap=%d  %9.3f ms  %7.1f TFLOP/s\n", T, way, ms,
+                    flops / (ms * 1e-3) / 1e12);
+      }
+    }
   }
 }
