@@ -219,8 +219,8 @@ void attention_prefill(const AttnGroups& g, int num_heads, int num_kv_heads, int
 /// kv_read_early: the caller's promise that every KV slot of every request except its last (slot0[b]), the block
 /// table and slot0 were last written before the kernel launched just before this call on `stream` began, and that
 /// that kernel waits (griddepcontrol.wait) before it triggers its dependents (attention_prepare's kernel does); then,
-/// with HYPIC_ATTN_DECODE_KV_EARLY (a candidate) and the decode PDL launches (HYPIC_DECODE_PDL_MIXERS), the decode
-/// kernel issues its first KV tiles before its PDL wait (pdl.cuh). The same outputs bit for bit either way.
+/// with HYPIC_ATTN_DECODE_KV_EARLY (a measured default) and the decode PDL launches (HYPIC_DECODE_PDL_MIXERS), the
+/// decode kernel issues its first KV tiles before its PDL wait (pdl.cuh). The same outputs bit for bit either way.
 /// Throws std::invalid_argument as attention_prefill, when g.max_q != 1 or total_q != num_groups,
 /// num_groups > 65535, or when `ws` would have to grow while `stream` is capturing.
 void attention_decode(const AttnGroups& g, int num_heads, int num_kv_heads, int head_dim, const bf16* q,

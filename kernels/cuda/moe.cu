@@ -1296,6 +1296,14 @@ uint64_t moe_swap_ab_launches() {
 #endif
 }
 
+uint64_t moe_swap_ab_5d_launches() {
+#if HYPIC_MOE_WGMMA_BUILT
+  return moe_detail::swap_5d_launches();
+#else
+  return 0;
+#endif
+}
+
 void silu_mul(int T, int I, const bf16* gu, bf16* act, cudaStream_t stream) {
   if (T < 0) bad_arg("silu_mul", "T = " + std::to_string(T));
   if (I <= 0 || I % 8) bad_arg("silu_mul", "I = " + std::to_string(I) + " is not a positive multiple of 8");

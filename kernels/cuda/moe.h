@@ -139,6 +139,11 @@ uint64_t moe_cluster_pair_launches();
 /// moe_persistent_launches counts (two per moe_forward that takes them). Host only.
 uint64_t moe_swap_ab_launches();
 
+/// The swap-AB gate_up launches that loaded each k-step's 128 weight rows as one TMA box of a 5-D view of the weights
+/// (the candidate HYPIC_MOE_SWAP_AB's HYPIC_MOE_SWAP_5D, where the driver encodes that view), counted as
+/// moe_swap_ab_launches counts; the others load 16 boxes of 8 rows. Host only.
+uint64_t moe_swap_ab_5d_launches();
+
 /// Device scratch of moe_forward / mlp_forward, grown on demand and then reused: after
 /// reserve(max_tokens, view) (or one call with that many tokens and those sizes) calls with
 /// T <= max_tokens allocate nothing, so they can be captured in a CUDA graph (GroupedGemm::Own).

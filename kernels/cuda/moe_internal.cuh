@@ -157,6 +157,8 @@ uint64_t pair_launches();
 
 // Launches of moe_swap_ws_kernel issued in this process (moe_swap_ab_launches). Host only.
 uint64_t swap_launches();
+// Those of the gate_up launches among them that loaded the weights by the one-box 5-D map (HYPIC_MOE_SWAP_5D). Host only.
+uint64_t swap_5d_launches();
 
 // Whether the swap-AB kernels can take w's expert weights: 16-byte aligned, K (H and I) multiples of 8, and the
 // driver encodes both GEMMs' tensor maps (gate_up [E][2I][H] in 64 x 8 boxes, down [E][H][I] in 64 x 128). Host only.

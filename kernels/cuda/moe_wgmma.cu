@@ -887,11 +887,13 @@ __device__ __forceinline__ void swap_tile(const GroupedArgs& a, int4 e, float (&
 
 // The warp-specialised swap-AB kernel (see SwapCfg): a as for moe_wgmma_ws_kernel with the schedule's m-tiles of
 // kSwapBM rows; wblocks: weight blocks per expert (gate_up ceil(I / 64), down ceil(H / 128)); wmap: the weights'
-// 3-D tensor map [E][rows][K] in boxes of 64 x 8 (gate_up) or 64 x 128 (down) rows, 128-byte swizzled; tile_counter
-// zero before the launch.
+// 3-D tensor map [E][rows][K] in boxes of 64 x 8 (gate_up) or 64 x 128 (down) rows, 128-byte swizzled, or with
+// gate_up_5d (gate_up only) the 5-D view of swap_map_5d whose one box per k-step is the tile's 128 interleaved rows;
+// tile_counter zero before the launch.
 template <bool GATE_UP>
 __global__ void __launch_bounds__(SwapCfg::THREADS, 1)
-    moe_swap_ws_kernel(const GroupedArgs a, int wblocks, int* tile_counter, const __grid_constant__ CUtensorMap wmap) {
+    moe_swap_ws_kernel(const GroupedArgs a, int wblocks, int* tile_counter, const __grid_constant__ CUtensorMap wmap,
+                       int gate_up_5d) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using C = SwapCfg;
   constexpr int S = C::STAGES;
@@ -953,7 +955,9 @@ __global__ void __launch_bounds__(SwapCfg::THREADS, 1)
         if (tid == 0) {  // (its arrival releases the ring entry written above to the consumers)
           const uint32_t sa = s_base + uint32_t(s * C::STAGE_BYTES);
           mbar_arrive_expect_tx(full + s, uint32_t(C::A_BYTES));
-          if constexpr (GATE_UP) {
+          if (GATE_UP && gate_up_5d) {  // one box: 8 groups x (8 gate rows, 8 up rows)
+            tma_load_5d(sa, &wmap, full + s, k0, 0, 0, e.w * 8, e.x);
+          } else if constexpr (GATE_UP) {
 #pragma unroll
             for (int p = 0; p < 8; ++p) {
               const int j = e.w * 64 + 8 * p;
@@ -1006,6 +1010,7 @@ __global__ void __launch_bounds__(SwapCfg::THREADS, 1)
   (void)wblocks;
   (void)tile_counter;
   (void)wmap;
+  (void)gate_up_5d;
   __trap();  // built for sm_90a only; moe.cu checks the device (wgmma_device)
 #endif
 }
@@ -1186,23 +1191,39 @@ bool swap_map(const GroupedArgs& g, int E, int rows, bool gate_up, CUtensorMap* 
   return weights_tma_ok(g, E, rows) && weights_tensor_map(g, E, rows, gate_up ? 8 : SwapCfg::BW, m);
 }
 
-std::atomic<uint64_t> g_swap_launches{0};  // (moe_swap_ab_launches)
+std::atomic<uint64_t> g_swap_launches{0};     // (moe_swap_ab_launches)
+std::atomic<uint64_t> g_swap_5d_launches{0};  // gate_up launches on the 5-D map (printed by test_gpu_moe)
 
 // moe_swap_ws_kernel over grid_m m-tiles (an upper bound, kSwapBM rows each) of expert weights with `rows` rows each:
 // one block per SM at most. std::runtime_error where the driver makes no tensor map (swap_ab_supported said it would).
+// gate_up's weights [E][2 I][H] as the 5-D view (H, 8, 2, I / 8, E): dimension 1 the row in an 8-row group (stride
+// H), 2 gate or up (stride I H), 3 the group (stride 8 H), 4 the expert, in boxes of 64 x 8 x 2 x 8 x 1, which land as
+// eight (8 gate rows, 8 up rows) pairs: the 16 boxes of swap_map's 3-D map in one. False where the driver refuses it
+// (its strides are not in increasing order) or I % 8 != 0; the caller then loads the 16 boxes.
+bool swap_map_5d(const GroupedArgs& g, int E, CUtensorMap* m) {
+  if (g.N % 8 || !weights_tma_ok(g, E, 2 * g.N)) return false;
+  const uint64_t K = uint64_t(g.K), I = uint64_t(g.N);
+  return encode_bf16_map_5d(m, g.B, {K, 8, 2, I / 8, uint64_t(E)},
+                            {K * 2, I * K * 2, 8 * K * 2, uint64_t(g.b_expert_stride) * 2}, {64, 8, 2, 8, 1});
+}
+
 template <bool GATE_UP>
 void launch_swap(const GroupedArgs& g, int E, int rows, size_t grid_m, int* tile_counter, int sms,
                  cudaStream_t stream, const char* what) {
   CUtensorMap map;
-  if (!swap_map(g, E, rows, GATE_UP, &map))
+  static CandidateSwitch one_box("HYPIC_MOE_SWAP_5D");
+  const bool five = GATE_UP && one_box.on() && swap_map_5d(g, E, &map);
+  if (!five && !swap_map(g, E, rows, GATE_UP, &map))
     throw std::runtime_error(std::string(what) + ": the driver made no tensor map of the expert weights");
+  if (five) g_swap_5d_launches.fetch_add(1, std::memory_order_relaxed);
   const int wblocks = (g.N + swap_cols<GATE_UP>() - 1) / swap_cols<GATE_UP>();
   const size_t tiles = grid_m * size_t(wblocks);
   if (tiles > size_t(INT_MAX))
     throw std::invalid_argument(std::string(what) + ": " + std::to_string(tiles) + " tiles do not fit a counter");
   check_cuda(cudaMemsetAsync(tile_counter, 0, sizeof(int), stream), std::string(what) + " (tile counter)");
   const unsigned grid = unsigned(std::max<size_t>(1, std::min(tiles, size_t(sms))));
-  moe_swap_ws_kernel<GATE_UP><<<grid, SwapCfg::THREADS, SwapCfg::SMEM, stream>>>(g, wblocks, tile_counter, map);
+  moe_swap_ws_kernel<GATE_UP>
+      <<<grid, SwapCfg::THREADS, SwapCfg::SMEM, stream>>>(g, wblocks, tile_counter, map, five ? 1 : 0);
   check_cuda(cudaGetLastError(), what);
   g_swap_launches.fetch_add(1, std::memory_order_relaxed);
 }
@@ -1235,6 +1256,8 @@ uint64_t ws_launches() { return g_ws_launches.load(std::memory_order_relaxed); }
 uint64_t pair_launches() { return g_pair_launches.load(std::memory_order_relaxed); }
 
 uint64_t swap_launches() { return g_swap_launches.load(std::memory_order_relaxed); }
+
+uint64_t swap_5d_launches() { return g_swap_5d_launches.load(std::memory_order_relaxed); }
 
 bool swap_ab_supported(const MoeWeightsView& w) {
   GroupedArgs gu{}, dn{};

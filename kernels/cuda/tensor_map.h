@@ -22,4 +22,11 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder();
 bool encode_bf16_map_3d(CUtensorMap* m, const void* base, const uint64_t (&dims)[3], const uint64_t (&strides_bytes)[2],
                         const uint32_t (&box)[3]);
 
+/// encode_bf16_map_3d for a 5-D view (extents dims[0] innermost .. dims[4], byte strides strides_bytes[i] of
+/// dimension i + 1, in any order: the swap-AB gate_up weights' view interleaves 8-row groups of two halves of a matrix),
+/// boxes box[0] x .. x box[4] written in dimension order (dimension 0 fastest), 128-byte swizzled. False (m unspecified)
+/// when the driver has no encoder or refuses the map; never throws.
+bool encode_bf16_map_5d(CUtensorMap* m, const void* base, const uint64_t (&dims)[5], const uint64_t (&strides_bytes)[4],
+                        const uint32_t (&box)[5]);
+
 }  // namespace hypic::kernels::cuda

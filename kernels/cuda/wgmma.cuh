@@ -172,6 +172,15 @@ __device__ __forceinline__ void tma_load_3d(uint32_t saddr, const void* map, uin
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(smem_u32(bar))
       : "memory");
 }
+/// tma_load_3d for a 5-D tensor map: the box at coordinates (c0 innermost .. c4).
+__device__ __forceinline__ void tma_load_5d(uint32_t saddr, const void* map, uint64_t* bar, int c0, int c1, int c2,
+                                            int c3, int c4) {
+  asm volatile(
+      "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5, "
+      "%6}], [%7];\n" ::"r"(saddr),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(smem_u32(bar))
+      : "memory");
+}
 /// tma_load_3d multicast to the CTAs of the cluster named by the bits of `cta_mask`: the box lands at `saddr` in each
 /// of them and its bytes complete on the mbarrier at `bar`'s offset in each (PTX ISA, cp.async.bulk.tensor,
 /// .multicast::cluster). Launch with a cluster dimension; every destination expects the bytes (expect_tx).

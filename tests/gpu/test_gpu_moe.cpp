@@ -980,9 +980,17 @@ TEST_CASE("moe_forward wgmma prefill tiles (OwnWgmma / Own) vs CPU and the mma.s
         const std::string mode = wgmma_mode();
         const size_t P = size_t(T) * c.topk;
         const bool takes = wgmma_variant1(mode) && mode != "9" && P < size_t(512) * c.E;
-        std::vector<float> sw_out, sw_again, sw_graph;
-        uint64_t launched = 0;
+        std::vector<float> sw_out, sw_again, sw_graph, sw_5d;
+        uint64_t launched = 0, launched_5d = 0;
+        {  // gate_up's weights by one box per k-step of a 5-D view (HYPIC_MOE_SWAP_5D, where the driver encodes it)
+          ScopedCandidate sw("HYPIC_MOE_SWAP_AB", true);
+          ScopedCandidate five("HYPIC_MOE_SWAP_5D", true);
+          const uint64_t before = gpu::moe_swap_ab_5d_launches();
+          sw_5d = run(gpu::GroupedGemm::OwnWgmma);
+          launched_5d = gpu::moe_swap_ab_5d_launches() - before;
+        }
         {
+          ScopedCandidate five("HYPIC_MOE_SWAP_5D", false);
           ScopedCandidate sw("HYPIC_MOE_SWAP_AB", true);
           const uint64_t before = gpu::moe_swap_ab_launches();
           sw_out = run(gpu::GroupedGemm::OwnWgmma);
@@ -1010,6 +1018,11 @@ TEST_CASE("moe_forward wgmma prefill tiles (OwnWgmma / Own) vs CPU and the mma.s
         CHECK(again);
         CHECK(graph);
         CHECK(launched == (takes ? 2u : 0u));
+        const bool same_5d = same_bits(sw_5d, sw_out);
+        std::printf("[moe] wgmma %s swap-AB gate_up by one 5-D box per k-step (launches %llu) == 16 boxes: %s\n",
+                    name.c_str(), (unsigned long long)launched_5d, same_5d ? "yes" : "NO");
+        CHECK(same_5d);
+        CHECK(launched_5d <= (takes ? 1u : 0u));
       }
       // Own runs the same kernels (and schedule) where it takes the prefill tiles: bit-identical.
       const bool own_prefill = T > 64 && size_t(T) * c.topk > size_t(16) * std::min<size_t>(size_t(c.E), size_t(T) * c.topk);
@@ -1425,9 +1438,11 @@ TEST_CASE("bench: moe_forward wgmma prefill tiles vs mma.sync and cuBLAS (prefil
     }
     // OwnWgmma with its default kernels (swap=0) against the swap-AB kernels (swap=1, the candidate HYPIC_MOE_SWAP_AB,
     // which takes calls below 512 routed rows per expert: T < 16384 here), alternating.
+    // swap=2: gate_up's weights by one TMA box per k-step (HYPIC_MOE_SWAP_5D) instead of 16.
     for (int rep = 0; rep < 2; ++rep) {
-      for (int way = 0; way < 2; ++way) {
-        ScopedCandidate sw("HYPIC_MOE_SWAP_AB", way == 1);
+      for (int way = 0; way < 3; ++way) {
+        ScopedCandidate sw("HYPIC_MOE_SWAP_AB", way >= 1);
+        ScopedCandidate five("HYPIC_MOE_SWAP_5D", way == 2);
         const double ms = time_ms(st.s, [&] {
           gpu::moe_forward(T, dx.get(), v, dout.get(), ws, gemm, gpu::GroupedGemm::OwnWgmma, st.s);
         });
