@@ -127,7 +127,7 @@ constexpr int kWgmmaWsMaxRowsPerExpert = 512;
 // The swap-AB kernels (moe_swap_ws_kernel, the candidate HYPIC_MOE_SWAP_AB): the schedule's m-tile rows when they run
 // (an m-tile is at most this many of an expert's tokens, the wgmma N side of its tiles, in steps of 16), and the
 // routed rows per expert on average below which OwnWgmma takes them (own_wgmma_bm in moe.cu).
-constexpr int kSwapBM = 256;
+constexpr int kSwapBM = 128;
 constexpr int kSwapMaxRowsPerExpert = 512;
 
 // True when the current device can run the wgmma kernels: compute capability 9.0 (the sm_90a build). Host only.

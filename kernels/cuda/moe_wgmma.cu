@@ -786,84 +786,91 @@ __global__ void __launch_bounds__(WsLayout<C, GATE_UP, PAIR>::THREADS, 1)
 }
 
 // Swap-AB tiles (the candidate HYPIC_MOE_SWAP_AB; moe.cu own_wgmma_bm): the expert's weights are the wgmma M side and
-// its tokens the N side, D[w][t] = W[w][:] . X[t][:], so a tile is 128 weight rows (64 per consumer warpgroup) by the
-// expert's tokens of one 256-row m-tile of the schedule (kSwapBM), in steps of 16 (m64nNk16, N = 16 ceil(cnt / 16):
-// at most 15 padded rows per m-tile, where the 128-row tiles above pad up to 127 and stream the expert's weights once
-// per m-tile). Both operands stay K-major and 128-byte swizzled, as above with their roles exchanged: A = the weight
-// rows by TMA (the slot's first 16 KB), B = the token rows by cp.async (gate_up: x rows gathered through a_rows; down:
-// act rows seg + m), each at most 256 x 128 bytes per k-step. Same k order (k-steps of 64, four k16 each) as the
-// kernels above.
+// its tokens the N side, D[w][t] = W[w][:] . X[t][:], so a tile is 256 weight rows (128 per consumer warpgroup, as two
+// m64 halves) by the expert's tokens of one 128-row m-tile of the schedule (kSwapBM), in steps of 16 (m64nNk16,
+// N = 16 ceil(cnt / 16): at most 15 padded rows per m-tile, where the 128-row tiles above pad up to 127 and stream the
+// expert's weights once per m-tile). Both operands stay K-major and 128-byte swizzled, as above with their roles
+// exchanged: A = the weight rows by TMA (the slot's first 32 KB), B = the token rows by cp.async (gate_up: x rows
+// gathered through a_rows; down: act rows seg + m), at most 128 x 128 bytes per k-step. Same k order (k-steps of 64,
+// four k16 each) as the kernels above. 256 weight rows per tile (not 128 with up to 256 tokens) halve the token rows
+// read from L2 per weight byte: at 128 rows the L2 ran at 83% of its rate beside DRAM at 75% (H100, 4096 tokens).
 //
-// gate_up (SWAP_GATE_UP): a tile's 128 weight rows are eight pairs of 8-row TMA boxes, box 2 p the gate rows
-// n0 + 8 p .. + 7 and box 2 p + 1 the matching up rows I + n0 + 8 p .., n0 = 64 wb (wb: the tile's weight block), so
-// warp w of consumer warpgroup c holds the gate rows of act columns j = n0 + 8 (4 c + w) + g in its accumulator rows
-// g and their up rows in rows g + 8 (the m64 accumulator layout): SwiGLU in registers, act[p][j] =
-// bf16(silu(bf16(g)) * bf16(u)), 64 act columns per tile. down: one 128-row box, rows n0 = 128 wb .., y[p][n] =
+// gate_up (GATE_UP): a tile's 256 weight rows are sixteen (8 gate rows, 8 up rows) pairs, pair p the gate rows
+// n0 + 8 p .. + 7 and the matching up rows I + n0 + 8 p .., n0 = 128 wb (wb: the tile's weight block): one TMA box of
+// the 5-D view of swap_map_5d per k-step (HYPIC_MOE_SWAP_5D, where the driver encodes it) or 32 boxes of 8 rows. Warp
+// w of half h of consumer warpgroup c holds the gate rows of act columns j = n0 + 8 (8 c + 4 h + w) + g in its
+// accumulator rows g and their up rows in rows g + 8 (the m64 accumulator layout): SwiGLU in registers, act[p][j] =
+// bf16(silu(bf16(g)) * bf16(u)), 128 act columns per tile. down: one 256-row box, rows n0 = 256 wb .., y[p][n] =
 // bf16(acc). Stores: lane (g, q) of fragment f holds columns (tokens) 8 f + 2 q, + 1 of rows g (and g + 8); one
 // shuffle with lane g ^ 1 gives each lane two adjacent output columns of one token, one 4-byte store (N even).
 //
-// Block: as moe_wgmma_ws_kernel (warpgroup 0 loads into a ring of 4 slots of 16 + 32 KB, `full` / `empty`
+// Block: as moe_wgmma_ws_kernel (warpgroup 0 loads into a ring of 4 slots of 32 + 16 KB, `full` / `empty`
 // mbarriers, tiles from a counter in device memory, tile t = m-tile (t / wblocks) x weight block (t % wblocks), an
 // m-tile's weight blocks consecutive so that an expert's next m-tile finds its weights in L2; warpgroups 1 and 2
 // compute). Token rows past the tile's count are not loaded (stale shared memory reaching accumulator columns that
 // are never stored); weight rows past the tensor (and k past K) are zeros, gate rows past I are up rows whose act
 // columns are not stored.
 struct SwapCfg {
-  static constexpr int BW = 128;       // weight rows per tile
+  static constexpr int BW = 256;       // weight rows per tile
   static constexpr int NT = kSwapBM;   // tokens per tile at most (the schedule's m-tile rows)
   static constexpr int BK = 64, STAGES = 4, THREADS = 384, RING = 8;
   static constexpr int A_BYTES = BW * 128, B_BYTES = NT * 128, STAGE_BYTES = A_BYTES + B_BYTES;
   static constexpr int ROWS_PER_PASS = 16, B_IT = NT / ROWS_PER_PASS;  // 128 copying threads, 8 units per row
   static constexpr int BAR_OFFSET = STAGES * STAGE_BYTES;
   static constexpr int SMEM = BAR_OFFSET + 2 * STAGES * 8 + 1024;
-  static_assert(NT % 16 == 0 && NT <= 256 && RING > STAGES + 1 && SMEM <= 227 * 1024, "swap-AB tile");
+  static_assert(NT % 16 == 0 && NT <= 128 && BW == 256 && RING > STAGES + 1 && SMEM <= 227 * 1024, "swap-AB tile");
 };
-// Output columns per tile: gate_up 64 act columns, down 128.
+// Output columns per tile: gate_up 128 act columns, down 256.
 template <bool GATE_UP>
 constexpr int swap_cols() {
   return GATE_UP ? SwapCfg::BW / 2 : SwapCfg::BW;
 }
 
-// The stores of one swap-AB tile of consumer thread ct (0 .. 255) over its first 2 J fragments (N = 16 J tokens):
-// e = (expert, first sorted row, token count, weight block).
+// The stores of one swap-AB tile of consumer thread ct (0 .. 255) over the first 2 J fragments of each half's
+// accumulators (N = 16 J tokens): e = (expert, first sorted row, token count, weight block).
 template <int J, bool GATE_UP>
-__device__ __forceinline__ void swap_store(const GroupedArgs& a, int4 e, const float (&acc)[32][4], int ct) {
+__device__ __forceinline__ void swap_store(const GroupedArgs& a, int4 e, const float (&acc)[2][16][4], int ct) {
   const int lane = ct & 31, g = lane >> 2, q = lane & 3, w = (ct >> 5) & 3, c = ct >> 7;
   const int odd = g & 1, N = a.N, cnt = e.z;
   bf16* out = a.out + size_t(e.y) * N;
-  if constexpr (GATE_UP) {
-    const int jp = e.w * 64 + 8 * (4 * c + w) + (g & ~1);  // the pair of act columns this lane stores
 #pragma unroll
-    for (int f = 0; f < 2 * J; ++f) {
-      const float a0 = silu_f(round_bf16(acc[f][0])) * round_bf16(acc[f][2]);  // token 8 f + 2 q, column g
-      const float a1 = silu_f(round_bf16(acc[f][1])) * round_bf16(acc[f][3]);  // token 8 f + 2 q + 1
-      const float r = __shfl_xor_sync(0xffffffffu, odd ? a0 : a1, 4);
-      const int tok = 8 * f + 2 * q + odd;
-      if (tok < cnt && jp < N)
-        *reinterpret_cast<uint32_t*>(out + size_t(tok) * N + jp) = odd ? pack_bf16(r, a1) : pack_bf16(a0, r);
-    }
-  } else {
-    const int np0 = e.w * 128 + 64 * c + 16 * w + (g & ~1);
+  for (int h = 0; h < 2; ++h) {
+    if constexpr (GATE_UP) {
+      const int jp = e.w * 128 + 8 * (8 * c + 4 * h + w) + (g & ~1);  // the pair of act columns this lane stores
 #pragma unroll
-    for (int f = 0; f < 2 * J; ++f) {
+      for (int f = 0; f < 2 * J; ++f) {
+        const float a0 = silu_f(round_bf16(acc[h][f][0])) * round_bf16(acc[h][f][2]);  // token 8 f + 2 q, column g
+        const float a1 = silu_f(round_bf16(acc[h][f][1])) * round_bf16(acc[h][f][3]);  // token 8 f + 2 q + 1
+        const float r = __shfl_xor_sync(0xffffffffu, odd ? a0 : a1, 4);
+        const int tok = 8 * f + 2 * q + odd;
+        if (tok < cnt && jp < N)
+          *reinterpret_cast<uint32_t*>(out + size_t(tok) * N + jp) = odd ? pack_bf16(r, a1) : pack_bf16(a0, r);
+      }
+    } else {
+      const int np0 = e.w * 256 + 128 * c + 64 * h + 16 * w + (g & ~1);
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float v0 = acc[f][2 * h], v1 = acc[f][2 * h + 1];
-        const float r = __shfl_xor_sync(0xffffffffu, odd ? v0 : v1, 4);
-        const int tok = 8 * f + 2 * q + odd, np = np0 + 8 * h;
-        if (tok < cnt && np < N)
-          *reinterpret_cast<uint32_t*>(out + size_t(tok) * N + np) = odd ? pack_bf16(r, v1) : pack_bf16(v0, r);
+      for (int f = 0; f < 2 * J; ++f) {
+#pragma unroll
+        for (int r8 = 0; r8 < 2; ++r8) {
+          const float v0 = acc[h][f][2 * r8], v1 = acc[h][f][2 * r8 + 1];
+          const float r = __shfl_xor_sync(0xffffffffu, odd ? v0 : v1, 4);
+          const int tok = 8 * f + 2 * q + odd, np = np0 + 8 * r8;
+          if (tok < cnt && np < N)
+            *reinterpret_cast<uint32_t*>(out + size_t(tok) * N + np) = odd ? pack_bf16(r, v1) : pack_bf16(v0, r);
+        }
       }
     }
   }
 }
 
 // One swap-AB tile of a consumer warpgroup over N = 16 J tokens: its KT k-steps from the ring (it: the block's
-// k-step count so far, advanced), then the stores.
+// k-step count so far, advanced; da0: the descriptor of its first 64 weight rows, the second half 64 rows on), then
+// the stores.
 template <int J, bool GATE_UP>
-__device__ __forceinline__ void swap_tile(const GroupedArgs& a, int4 e, float (&acc)[32][4], uint64_t da0,
+__device__ __forceinline__ void swap_tile(const GroupedArgs& a, int4 e, float (&acc)[2][16][4], uint64_t da0,
                                           uint64_t db0, uint64_t* full, uint64_t* empty, int& it, int KT, int ct) {
   constexpr int S = SwapCfg::STAGES;
+  constexpr uint64_t kHalf = (64 * 128) >> 4;  // descriptor units from the first half's rows to the second's
 #pragma unroll 1
   for (int kt = 0; kt < KT; ++kt, ++it) {
     const int s = it % S;
@@ -871,24 +878,29 @@ __device__ __forceinline__ void swap_tile(const GroupedArgs& a, int4 e, float (&
     fence_proxy_async();  // B was written by cp.async (generic proxy), wgmma reads it (async proxy)
     const uint64_t so = uint64_t((s * SwapCfg::STAGE_BYTES) >> 4);
     wgmma_fence();
-    wgmma_m64nk16_ss<16 * J>(acc, da0 + so, db0 + so, kt != 0 ? 1 : 0);
 #pragma unroll
-    for (int kk = 1; kk < SwapCfg::BK / 16; ++kk) wgmma_m64nk16_ss<16 * J>(acc, da0 + so + kk * 2, db0 + so + kk * 2, 1);
+    for (int kk = 0; kk < SwapCfg::BK / 16; ++kk) {
+      const int acc_on = kt != 0 || kk != 0 ? 1 : 0;
+      wgmma_m64nk16_ss<16 * J>(acc[0], da0 + so + kk * 2, db0 + so + kk * 2, acc_on);
+      wgmma_m64nk16_ss<16 * J>(acc[1], da0 + kHalf + so + kk * 2, db0 + so + kk * 2, acc_on);
+    }
     wgmma_commit();
     wgmma_wait<1>();  // k-step it - 1 done: its slot is free
-    pin<32>(acc);
+    pin<16>(acc[0]);
+    pin<16>(acc[1]);
     if (kt > 0) mbar_arrive(empty + (it - 1) % S);
   }
   wgmma_wait<0>();
-  pin<32>(acc);
+  pin<16>(acc[0]);
+  pin<16>(acc[1]);
   mbar_arrive(empty + (it - 1) % S);
   swap_store<J, GATE_UP>(a, e, acc, ct);
 }
 
 // The warp-specialised swap-AB kernel (see SwapCfg): a as for moe_wgmma_ws_kernel with the schedule's m-tiles of
-// kSwapBM rows; wblocks: weight blocks per expert (gate_up ceil(I / 64), down ceil(H / 128)); wmap: the weights'
-// 3-D tensor map [E][rows][K] in boxes of 64 x 8 (gate_up) or 64 x 128 (down) rows, 128-byte swizzled, or with
-// gate_up_5d (gate_up only) the 5-D view of swap_map_5d whose one box per k-step is the tile's 128 interleaved rows;
+// kSwapBM rows; wblocks: weight blocks per expert (gate_up ceil(I / 128), down ceil(H / 256)); wmap: the weights'
+// 3-D tensor map [E][rows][K] in boxes of 64 x 8 (gate_up) or 64 x 256 (down) rows, 128-byte swizzled, or with
+// gate_up_5d (gate_up only) the 5-D view of swap_map_5d whose one box per k-step is the tile's 256 interleaved rows;
 // tile_counter zero before the launch.
 template <bool GATE_UP>
 __global__ void __launch_bounds__(SwapCfg::THREADS, 1)
@@ -915,7 +927,8 @@ __global__ void __launch_bounds__(SwapCfg::THREADS, 1)
   }
   __syncthreads();
 
-  if (wg == 0) {  // loader
+  if (wg == 0) {  // loader (its registers lowered, the consumers' raised: 128 x 48 + 256 x 232 = 64 K)
+    regs_dec<48>();
     const int u = tid & 7, r0 = tid >> 3;
     const uint32_t dst0 = s_base + uint32_t(C::A_BYTES + r0 * 128 + ((u ^ (r0 & 7)) << 4));
     int it = 0;
@@ -955,12 +968,12 @@ __global__ void __launch_bounds__(SwapCfg::THREADS, 1)
         if (tid == 0) {  // (its arrival releases the ring entry written above to the consumers)
           const uint32_t sa = s_base + uint32_t(s * C::STAGE_BYTES);
           mbar_arrive_expect_tx(full + s, uint32_t(C::A_BYTES));
-          if (GATE_UP && gate_up_5d) {  // one box: 8 groups x (8 gate rows, 8 up rows)
-            tma_load_5d(sa, &wmap, full + s, k0, 0, 0, e.w * 8, e.x);
+          if (GATE_UP && gate_up_5d) {  // one box: 16 groups x (8 gate rows, 8 up rows)
+            tma_load_5d(sa, &wmap, full + s, k0, 0, 0, e.w * 16, e.x);
           } else if constexpr (GATE_UP) {
-#pragma unroll
-            for (int p = 0; p < 8; ++p) {
-              const int j = e.w * 64 + 8 * p;
+#pragma unroll 1
+            for (int p = 0; p < 16; ++p) {
+              const int j = e.w * 128 + 8 * p;
               tma_load_3d(sa + uint32_t(2 * p * 1024), &wmap, full + s, k0, j, e.x);
               tma_load_3d(sa + uint32_t((2 * p + 1) * 1024), &wmap, full + s, k0, a.N + j, e.x);
             }
@@ -982,13 +995,16 @@ __global__ void __launch_bounds__(SwapCfg::THREADS, 1)
     return;
   }
 
-  // consumer thread 0 .. 255 of warpgroup c = wg - 1: weight rows 64 c .. 64 c + 63 of the tile, every token
+  // consumer thread 0 .. 255 of warpgroup c = wg - 1: weight rows 128 c .. 128 c + 127 of the tile, every token
+  regs_inc<232>();
   const int ct = tid - 128, c = wg - 1;
-  const uint64_t da0 = sw128_desc(s_base + uint32_t(c * 64 * 128), 16, 1024);
+  const uint64_t da0 = sw128_desc(s_base + uint32_t(c * 128 * 128), 16, 1024);
   const uint64_t db0 = sw128_desc(s_base + uint32_t(C::A_BYTES), 16, 1024);
-  float acc[32][4];
+  float acc[2][16][4];
 #pragma unroll
-  for (int f = 0; f < 32; ++f) acc[f][0] = acc[f][1] = acc[f][2] = acc[f][3] = 0.f;
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int f = 0; f < 16; ++f) acc[h][f][0] = acc[h][f][1] = acc[h][f][2] = acc[h][f][3] = 0.f;
   int it = 0;
 #pragma unroll 1
   for (int seq = 0;; ++seq) {
@@ -999,9 +1015,8 @@ __global__ void __launch_bounds__(SwapCfg::THREADS, 1)
 #define HYPIC_SWAP_CASE(J) \
   case J: swap_tile<J, GATE_UP>(a, e, acc, da0, db0, full, empty, it, KT, ct); break;
       HYPIC_SWAP_CASE(1) HYPIC_SWAP_CASE(2) HYPIC_SWAP_CASE(3) HYPIC_SWAP_CASE(4) HYPIC_SWAP_CASE(5)
-      HYPIC_SWAP_CASE(6) HYPIC_SWAP_CASE(7) HYPIC_SWAP_CASE(8) HYPIC_SWAP_CASE(9) HYPIC_SWAP_CASE(10)
-      HYPIC_SWAP_CASE(11) HYPIC_SWAP_CASE(12) HYPIC_SWAP_CASE(13) HYPIC_SWAP_CASE(14) HYPIC_SWAP_CASE(15)
-      default: swap_tile<16, GATE_UP>(a, e, acc, da0, db0, full, empty, it, KT, ct); break;
+      HYPIC_SWAP_CASE(6) HYPIC_SWAP_CASE(7)
+      default: swap_tile<8, GATE_UP>(a, e, acc, da0, db0, full, empty, it, KT, ct); break;
 #undef HYPIC_SWAP_CASE
     }
   }
@@ -1186,7 +1201,7 @@ bool launch_ws(const GroupedArgs& g, int E, int rows, size_t grid_m, bool vec, b
 int* ws_counter(MoeWorkspace& ws, int gemm) { return static_cast<int*>(ws.num_tiles.p) + 2 + gemm; }
 
 // The swap-AB kernels' weight map: [E][rows][K] (gate_up rows = 2 I, down rows = H) in boxes of 64 x 8 rows (gate_up:
-// eight pairs of gate and up boxes per k-step) or 64 x 128 (down); false where TMA cannot load g's weights.
+// sixteen pairs of gate and up boxes per k-step) or 64 x 256 (down); false where TMA cannot load g's weights.
 bool swap_map(const GroupedArgs& g, int E, int rows, bool gate_up, CUtensorMap* m) {
   return weights_tma_ok(g, E, rows) && weights_tensor_map(g, E, rows, gate_up ? 8 : SwapCfg::BW, m);
 }
@@ -1194,19 +1209,19 @@ bool swap_map(const GroupedArgs& g, int E, int rows, bool gate_up, CUtensorMap* 
 std::atomic<uint64_t> g_swap_launches{0};     // (moe_swap_ab_launches)
 std::atomic<uint64_t> g_swap_5d_launches{0};  // gate_up launches on the 5-D map (printed by test_gpu_moe)
 
-// moe_swap_ws_kernel over grid_m m-tiles (an upper bound, kSwapBM rows each) of expert weights with `rows` rows each:
-// one block per SM at most. std::runtime_error where the driver makes no tensor map (swap_ab_supported said it would).
 // gate_up's weights [E][2 I][H] as the 5-D view (H, 8, 2, I / 8, E): dimension 1 the row in an 8-row group (stride
-// H), 2 gate or up (stride I H), 3 the group (stride 8 H), 4 the expert, in boxes of 64 x 8 x 2 x 8 x 1, which land as
-// eight (8 gate rows, 8 up rows) pairs: the 16 boxes of swap_map's 3-D map in one. False where the driver refuses it
-// (its strides are not in increasing order) or I % 8 != 0; the caller then loads the 16 boxes.
+// H), 2 gate or up (stride I H), 3 the group (stride 8 H), 4 the expert, in boxes of 64 x 8 x 2 x 16 x 1, which land
+// as sixteen (8 gate rows, 8 up rows) pairs: the 32 boxes of swap_map's 3-D map in one. False where the driver refuses
+// it (its strides are not in increasing order) or I % 8 != 0; the caller then loads the 32 boxes.
 bool swap_map_5d(const GroupedArgs& g, int E, CUtensorMap* m) {
   if (g.N % 8 || !weights_tma_ok(g, E, 2 * g.N)) return false;
   const uint64_t K = uint64_t(g.K), I = uint64_t(g.N);
   return encode_bf16_map_5d(m, g.B, {K, 8, 2, I / 8, uint64_t(E)},
-                            {K * 2, I * K * 2, 8 * K * 2, uint64_t(g.b_expert_stride) * 2}, {64, 8, 2, 8, 1});
+                            {K * 2, I * K * 2, 8 * K * 2, uint64_t(g.b_expert_stride) * 2}, {64, 8, 2, 16, 1});
 }
 
+// moe_swap_ws_kernel over grid_m m-tiles (an upper bound, kSwapBM rows each) of expert weights with `rows` rows each:
+// one block per SM at most. std::runtime_error where the driver makes no tensor map (swap_ab_supported said it would).
 template <bool GATE_UP>
 void launch_swap(const GroupedArgs& g, int E, int rows, size_t grid_m, int* tile_counter, int sms,
                  cudaStream_t stream, const char* what) {

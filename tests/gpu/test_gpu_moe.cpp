@@ -968,14 +968,14 @@ TEST_CASE("moe_forward wgmma prefill tiles (OwnWgmma / Own) vs CPU and the mma.s
         }
       }
       // The swap-AB kernels (the candidate HYPIC_MOE_SWAP_AB: below 512 routed rows per expert on average OwnWgmma
-      // runs a 256-row schedule whose tiles are 128 weight rows, the wgmma M side, by the m-tile's tokens in steps of
+      // runs a 128-row schedule whose tiles are 256 weight rows, the wgmma M side, by the m-tile's tokens in steps of
       // 16, gate_up's gate and up rows interleaved in 8-row TMA boxes so that SwiGLU stays in registers): against the
       // CPU reference (OwnWgmma's tolerances) and within 1e-2 of the default wgmma tiles (the printout says whether
       // the bits agree too: the same k order, the operands' roles exchanged); run twice and in a CUDA graph
       // bit-identical; both GEMMs launched on them exactly where the rule takes the call (variant 1 at every size
-      // here but T = 2100 of E = 8, 525 rows per expert: m-tiles of 1 .. 256 tokens, the forced routing's expert 0
-      // with T = 2048 in 8 m-tiles, I = 96 / 160 not a multiple of a tile's 64 act columns, H = 320 / 192 of its 128
-      // down rows, K = 96 / 160 with a last k-step of zeros).
+      // here but T = 2100 of E = 8, 525 rows per expert: m-tiles of 1 .. 128 tokens, the forced routing's expert 0
+      // with T = 2048 in 16 m-tiles, I = 96 / 160 not a multiple of a tile's 128 act columns, H = 320 / 192 of its
+      // 256 down rows, K = 96 / 160 with a last k-step of zeros).
       if (wgmma) {
         const std::string mode = wgmma_mode();
         const size_t P = size_t(T) * c.topk;
