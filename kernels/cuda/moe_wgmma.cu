@@ -927,8 +927,12 @@ __global__ void __launch_bounds__(SwapCfg::THREADS, 1)
   }
   __syncthreads();
 
-  if (wg == 0) {  // loader (its registers lowered, the consumers' raised: 128 x 48 + 256 x 232 = 64 K)
-    regs_dec<48>();
+  // The loader's registers lowered and the consumers' raised within the block's allocation (384 x 168 under the
+  // launch bounds): setmaxnreg.inc waits until the block's pool has the registers, so a larger sum never returns.
+  constexpr int kLoaderRegs = 48, kConsumerRegs = 224;
+  static_assert(128 * kLoaderRegs + 256 * kConsumerRegs <= C::THREADS * 168, "setmaxnreg within the allocation");
+  if (wg == 0) {  // loader
+    regs_dec<kLoaderRegs>();
     const int u = tid & 7, r0 = tid >> 3;
     const uint32_t dst0 = s_base + uint32_t(C::A_BYTES + r0 * 128 + ((u ^ (r0 & 7)) << 4));
     int it = 0;
@@ -996,7 +1000,7 @@ __global__ void __launch_bounds__(SwapCfg::THREADS, 1)
   }
 
   // consumer thread 0 .. 255 of warpgroup c = wg - 1: weight rows 128 c .. 128 c + 127 of the tile, every token
-  regs_inc<232>();
+  regs_inc<kConsumerRegs>();
   const int ct = tid - 128, c = wg - 1;
   const uint64_t da0 = sw128_desc(s_base + uint32_t(c * 128 * 128), 16, 1024);
   const uint64_t db0 = sw128_desc(s_base + uint32_t(C::A_BYTES), 16, 1024);
