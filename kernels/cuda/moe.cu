@@ -990,13 +990,13 @@ int wgmma_variant(const MoeWeightsView& w, size_t P, int bm) {
 }
 
 bool try_launch_wgmma(GroupedGemm impl, const MoeWeightsView& w, size_t P, const bf16* x, MoeWorkspace& ws, int bm,
-                      bool tail64, cudaStream_t stream) {
+                      bool tail64, bool swap, cudaStream_t stream) {
 #if HYPIC_MOE_WGMMA_BUILT
   if (!wgmma_runs(impl, w, P)) return false;
-  launch_wgmma(w, P, x, ws, wgmma_variant(w, P, bm), bm, tail64, stream);
+  launch_wgmma(w, P, x, ws, wgmma_variant(w, P, bm), bm, tail64, swap, stream);
   return true;
 #else
-  (void)impl, (void)w, (void)P, (void)x, (void)ws, (void)bm, (void)tail64, (void)stream;
+  (void)impl, (void)w, (void)P, (void)x, (void)ws, (void)bm, (void)tail64, (void)swap, (void)stream;
   return false;
 #endif
 }
@@ -1008,19 +1008,26 @@ bool wgmma_tail64(GroupedGemm impl, const MoeWeightsView& w, size_t P, int bm) {
   return bm == kWgmmaBM && wgmma_env_mode() != 5 && wgmma_runs(impl, w, P) && on.on();
 }
 
-// The schedule's m-tile rows for OwnWgmma: kSwapBM where the swap-AB kernels take the call (the candidate
-// HYPIC_MOE_SWAP_AB, below kSwapMaxRowsPerExpert routed rows per expert on average, variant 1, the weights' tensor
-// maps made), else its kernels' wgmma_bm where they run, else the mma.sync tiles'.
+// Whether an OwnWgmma prefill call with P routed rows runs the swap-AB kernels (on a kSwapBM-row schedule): the
+// candidate HYPIC_MOE_SWAP_AB on, variant 1 (HYPIC_MOE_WGMMA unset, 0 or 1), below kSwapMaxRowsPerExpert routed rows
+// per expert on average, the wgmma kernels runnable and swap_ab_supported (the weights' tensor maps made, the
+// kernels' registers enough for their setmaxnreg split).
+bool own_wgmma_swap(const MoeWeightsView& w, size_t P) {
+#if HYPIC_MOE_WGMMA_BUILT
+  static CandidateSwitch swap_ab("HYPIC_MOE_SWAP_AB");
+  if (!swap_ab.on() || !wgmma_device() || !wgmma_supported(w, P)) return false;
+  const int env = wgmma_env_mode();
+  return (env == 0 || env == 1) && P < size_t(kSwapMaxRowsPerExpert) * size_t(w.E) && swap_ab_supported(w);
+#else
+  (void)w, (void)P;
+  return false;
+#endif
+}
+
+// The schedule's m-tile rows for OwnWgmma: its kernels' wgmma_bm where they run, else the mma.sync tiles'.
 int own_wgmma_bm(const MoeWeightsView& w, size_t P) {
 #if HYPIC_MOE_WGMMA_BUILT
-  if (wgmma_device() && wgmma_supported(w, P)) {
-    static CandidateSwitch swap_ab("HYPIC_MOE_SWAP_AB");
-    const int env = wgmma_env_mode();
-    if (swap_ab.on() && (env == 0 || env == 1) && P < size_t(kSwapMaxRowsPerExpert) * size_t(w.E) &&
-        swap_ab_supported(w))
-      return kSwapBM;
-    return wgmma_bm(P, w.E, env == 0 ? 1 : env);
-  }
+  if (wgmma_device() && wgmma_supported(w, P)) return wgmma_bm(P, w.E, wgmma_env_mode() == 0 ? 1 : wgmma_env_mode());
 #else
   (void)w, (void)P;
 #endif
@@ -1340,11 +1347,12 @@ void moe_forward(int T, const bf16* x, const MoeWeightsView& w, float* out, MoeW
   // Decode path: weight-streaming GEMMs with the shared expert as one more tile expert, PDL launches,
   // and for T <= kSmallT the whole routing in one block.
   const bool decode = impl == GroupedGemm::OwnDecode || (impl == GroupedGemm::Own && T <= kSmallT);
+  const bool swap = impl == GroupedGemm::OwnWgmma && own_wgmma_swap(w, P);  // (the swap-AB kernels, kSwapBM rows)
   int bm;
   switch (impl) {
     case GroupedGemm::OwnSmallM: bm = SmallCfg::BM; break;
     case GroupedGemm::OwnLargeM: bm = BigCfg::BM; break;
-    case GroupedGemm::OwnWgmma: bm = own_wgmma_bm(w, P); break;
+    case GroupedGemm::OwnWgmma: bm = swap ? kSwapBM : own_wgmma_bm(w, P); break;
     case GroupedGemm::OwnLargeN: bm = WideCfg::BM; break;
     case GroupedGemm::OwnDecode: bm = kDecBM; break;
     case GroupedGemm::Own:
@@ -1355,7 +1363,7 @@ void moe_forward(int T, const bf16* x, const MoeWeightsView& w, float* out, MoeW
     default: bad_arg(fn, "unknown GroupedGemm value");
   }
   const int shared_rows = (decode && w.Is > 0) ? T : 0;
-  const bool tail64 = !decode && wgmma_tail64(impl, w, P, bm);  // (wgmma_runs: OwnWgmma or Own only)
+  const bool tail64 = !decode && !swap && wgmma_tail64(impl, w, P, bm);  // (wgmma_runs: OwnWgmma or Own only)
 
   float* logits = static_cast<float*>(ws.logits.p);
   int* topk_e = static_cast<int*>(ws.topk_e.p);
@@ -1428,7 +1436,7 @@ void moe_forward(int T, const bf16* x, const MoeWeightsView& w, float* out, MoeW
     launch_grouped<SmallCfg>(w, P, x, ws, stream);
   } else if (impl == GroupedGemm::OwnLargeN) {
     launch_grouped<WideCfg>(w, P, x, ws, stream);
-  } else if (impl == GroupedGemm::OwnLargeM || !try_launch_wgmma(impl, w, P, x, ws, bm, tail64, stream)) {
+  } else if (impl == GroupedGemm::OwnLargeM || !try_launch_wgmma(impl, w, P, x, ws, bm, tail64, swap, stream)) {
     if (bm != BigCfg::BM || tail64)  // own_wgmma_bm / wgmma_tail64 and try_launch_wgmma disagree
       throw std::logic_error("moe_forward: a " + std::to_string(bm) + "-row schedule" +
                              (tail64 ? " with tail tiles" : "") + " for the mma.sync tiles");

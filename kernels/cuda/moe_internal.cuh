@@ -125,8 +125,9 @@ constexpr int kWgmmaWsMaxRowsPerExpert = 512;
 // 16 x 2k splice 0.981x (every run faster).
 
 // The swap-AB kernels (moe_swap_ws_kernel, the candidate HYPIC_MOE_SWAP_AB): the schedule's m-tile rows when they run
-// (an m-tile is at most this many of an expert's tokens, the wgmma N side of its tiles, in steps of 16), and the
-// routed rows per expert on average below which OwnWgmma takes them (own_wgmma_bm in moe.cu).
+// (an m-tile is at most this many of an expert's tokens, the wgmma N side of its tiles, in steps of 16; equal to
+// kWgmmaBM, so the choice travels as its own flag, not as bm), and the routed rows per expert on average below which
+// OwnWgmma takes them (own_wgmma_swap in moe.cu).
 constexpr int kSwapBM = 128;
 constexpr int kSwapMaxRowsPerExpert = 512;
 
@@ -161,7 +162,8 @@ uint64_t swap_launches();
 uint64_t swap_5d_launches();
 
 // Whether the swap-AB kernels can take w's expert weights: 16-byte aligned, K (H and I) multiples of 8, and the
-// driver encodes both GEMMs' tensor maps (gate_up [E][2I][H] in 64 x 8 boxes, down [E][H][I] in 64 x 128). Host only.
+// driver encodes both GEMMs' tensor maps (gate_up [E][2I][H] in 64 x 8 boxes, down [E][H][I] in 64 x 256), and the
+// kernels were given enough registers for their setmaxnreg split. Host only.
 bool swap_ab_supported(const MoeWeightsView& w);
 
 // The m-tile rows (the routing schedule's bm) of OwnWgmma's kernels for P routed rows over E experts under
@@ -176,8 +178,9 @@ int wgmma_bm(size_t P, int E, int variant);
 bool wgmma_supported(const MoeWeightsView& w, size_t P);
 
 // Both prefill GEMMs of moe_forward on wgmma over the bm-row schedule already in ws (tiles, num_tiles, offsets,
-// sorted_tok; bm 64 or kWgmmaBM, or kSwapBM: the swap-AB kernels, whatever the variant; std::runtime_error if the
-// driver then makes no tensor map of the weights, which swap_ab_supported checks first): gate_up + SwiGLU -> ws.act [P][I] bf16, then down -> ws.y [P][H] bf16; same
+// sorted_tok; bm 64 or kWgmmaBM; swap: the swap-AB kernels over a kSwapBM-row schedule without tail tiles, whatever
+// the variant, std::logic_error otherwise, std::runtime_error if the driver then makes no tensor map of the weights,
+// which swap_ab_supported checks first): gate_up + SwiGLU -> ws.act [P][I] bf16, then down -> ws.y [P][H] bf16; same
 // buffers, roundings and masking as launch_grouped's mma.sync kernels (a row's result does not depend on bm: the
 // k order of its products is the same). variant: 1 .. 9 as wgmma_env_mode (bm 64 runs the 64 x 256 tiles one block
 // per tile, on the warp-specialised blocks for variant 9, whatever the other variants). tail64 (bm = kWgmmaBM only): the schedule also has the tail list (offsets_kernel tail_at: experts'
@@ -185,6 +188,6 @@ bool wgmma_supported(const MoeWeightsView& w, size_t P);
 // kernels after each GEMM's 128-row tiles. Throws std::invalid_argument when the grid does not fit (see wgmma_supported) or on a bad bm,
 // std::runtime_error on CUDA errors. Requires wgmma_device().
 void launch_wgmma(const MoeWeightsView& w, size_t P, const bf16* x, MoeWorkspace& ws, int variant, int bm,
-                  bool tail64, cudaStream_t stream);
+                  bool tail64, bool swap, cudaStream_t stream);
 
 }  // namespace hypic::kernels::cuda::moe_detail

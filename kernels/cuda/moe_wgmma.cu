@@ -810,6 +810,11 @@ __global__ void __launch_bounds__(WsLayout<C, GATE_UP, PAIR>::THREADS, 1)
 // compute). Token rows past the tile's count are not loaded (stale shared memory reaching accumulator columns that
 // are never stored); weight rows past the tensor (and k past K) are zeros, gate rows past I are up rows whose act
 // columns are not stored.
+// setmaxnreg split of the swap-AB blocks: the loader warpgroup's registers per thread and the two consumer
+// warpgroups' (multiples of 8 in [24, 256]); their sum over the block must not pass its allocation.
+constexpr int kSwapLoaderRegs = 48, kSwapConsumerRegs = 224;
+constexpr int kSwapSetmaxnregRegs = 128 * kSwapLoaderRegs + 256 * kSwapConsumerRegs;
+static_assert(kSwapSetmaxnregRegs <= 384 * 168, "setmaxnreg within the allocation under __launch_bounds__(384, 1)");
 struct SwapCfg {
   static constexpr int BW = 256;       // weight rows per tile
   static constexpr int NT = kSwapBM;   // tokens per tile at most (the schedule's m-tile rows)
@@ -928,11 +933,10 @@ __global__ void __launch_bounds__(SwapCfg::THREADS, 1)
   __syncthreads();
 
   // The loader's registers lowered and the consumers' raised within the block's allocation (384 x 168 under the
-  // launch bounds): setmaxnreg.inc waits until the block's pool has the registers, so a larger sum never returns.
-  constexpr int kLoaderRegs = 48, kConsumerRegs = 224;
-  static_assert(128 * kLoaderRegs + 256 * kConsumerRegs <= C::THREADS * 168, "setmaxnreg within the allocation");
+  // launch bounds; swap_regs_ok checks the count the toolkit gave): setmaxnreg.inc waits until the block's pool has
+  // the registers, so a larger sum never returns.
   if (wg == 0) {  // loader
-    regs_dec<kLoaderRegs>();
+    regs_dec<kSwapLoaderRegs>();
     const int u = tid & 7, r0 = tid >> 3;
     const uint32_t dst0 = s_base + uint32_t(C::A_BYTES + r0 * 128 + ((u ^ (r0 & 7)) << 4));
     int it = 0;
@@ -1000,7 +1004,7 @@ __global__ void __launch_bounds__(SwapCfg::THREADS, 1)
   }
 
   // consumer thread 0 .. 255 of warpgroup c = wg - 1: weight rows 128 c .. 128 c + 127 of the tile, every token
-  regs_inc<kConsumerRegs>();
+  regs_inc<kSwapConsumerRegs>();
   const int ct = tid - 128, c = wg - 1;
   const uint64_t da0 = sw128_desc(s_base + uint32_t(c * 128 * 128), 16, 1024);
   const uint64_t db0 = sw128_desc(s_base + uint32_t(C::A_BYTES), 16, 1024);
@@ -1278,7 +1282,26 @@ uint64_t swap_launches() { return g_swap_launches.load(std::memory_order_relaxed
 
 uint64_t swap_5d_launches() { return g_swap_5d_launches.load(std::memory_order_relaxed); }
 
+// Whether both swap-AB instantiations start with enough registers per thread for their setmaxnreg split (asked once
+// per process; a toolkit or flags that gave them fewer would make setmaxnreg.inc wait for ever).
+bool swap_regs_ok() {
+  static const bool ok = [] {
+    for (const void* k : {reinterpret_cast<const void*>(moe_swap_ws_kernel<true>),
+                          reinterpret_cast<const void*>(moe_swap_ws_kernel<false>)}) {
+      cudaFuncAttributes attr{};
+      if (cudaFuncGetAttributes(&attr, k) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return false;
+      }
+      if (attr.numRegs * SwapCfg::THREADS < kSwapSetmaxnregRegs) return false;
+    }
+    return true;
+  }();
+  return ok;
+}
+
 bool swap_ab_supported(const MoeWeightsView& w) {
+  if (!swap_regs_ok()) return false;
   GroupedArgs gu{}, dn{};
   gu.B = w.experts_gate_up, gu.b_expert_stride = size_t(2) * w.I * w.H, gu.K = w.H, gu.N = w.I;
   dn.B = w.experts_down, dn.b_expert_stride = size_t(w.H) * w.I, dn.K = w.I, dn.N = w.H;
@@ -1311,10 +1334,13 @@ int wgmma_bm(size_t P, int E, int variant) {
 }
 
 void launch_wgmma(const MoeWeightsView& w, size_t P, const bf16* x, MoeWorkspace& ws, int variant, int bm,
-                  bool tail64, cudaStream_t stream) {
+                  bool tail64, bool swap, cudaStream_t stream) {
   static DeviceOnce once;
   const int sms = once.run(current_device(), setup_device);
-  if (bm == kSwapBM) {  // the swap-AB kernels (own_wgmma_bm chose them)
+  if (swap) {  // the swap-AB kernels (moe.cu own_wgmma_swap chose them)
+    if (bm != kSwapBM || tail64)
+      throw std::logic_error("launch_wgmma: the swap-AB kernels on a " + std::to_string(bm) + "-row schedule" +
+                             (tail64 ? " with tail tiles" : ""));
     const size_t grid_m = max_tiles(P, w.E, kSwapBM);
     launch_swap<true>(gate_up_args(w, x, ws), w.E, 2 * w.I, grid_m, ws_counter(ws, 0), sms, stream,
                       "moe_forward: swap-AB wgmma gate_up GEMM launch");

@@ -1019,7 +1019,7 @@ TEST_CASE("moe_forward wgmma prefill tiles (OwnWgmma / Own) vs CPU and the mma.s
         CHECK(graph);
         CHECK(launched == (takes ? 2u : 0u));
         const bool same_5d = same_bits(sw_5d, sw_out);
-        std::printf("[moe] wgmma %s swap-AB gate_up by one 5-D box per k-step (launches %llu) == 16 boxes: %s\n",
+        std::printf("[moe] wgmma %s swap-AB gate_up by one 5-D box per k-step (launches %llu) == 32 boxes of 8 rows: %s\n",
                     name.c_str(), (unsigned long long)launched_5d, same_5d ? "yes" : "NO");
         CHECK(same_5d);
         CHECK(launched_5d <= (takes ? 1u : 0u));
