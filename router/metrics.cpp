@@ -21,6 +21,8 @@ RouterMetrics& RouterMetrics::get() {
       r.counter("hypic:request_success_total", "Requests that finished with their report"),
       r.counter("hypic:requests_refused_total", "Requests refused over the concurrency limit"),
       r.counter("hypic:scatter_failures_total", "Scatter-worker calls that failed"),
+      r.counter("hypic:combine_retries_total",
+                "Requests planned again on another combine worker after theirs was unavailable before starting"),
   };
   return m;
 }

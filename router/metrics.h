@@ -24,6 +24,8 @@ struct RouterMetrics {
   rpc::Counter& success;             ///< hypic:request_success_total: requests that sent their report
   rpc::Counter& refused;             ///< hypic:requests_refused_total: over --max-concurrent-requests
   rpc::Counter& scatter_failures;    ///< hypic:scatter_failures_total: scatter-worker calls that failed
+  rpc::Counter& combine_retries;     ///< hypic:combine_retries_total: requests planned again on another combine
+                                     ///< worker after theirs was unavailable before starting
 
   static RouterMetrics& get();
   /// hypic:request_failures_total{code="..."}: requests that ended with that gRPC status code.

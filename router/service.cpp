@@ -287,6 +287,7 @@ class GenerateCall {
     std::vector<int32_t> ids;
     rpc::Digest digest{};
     bool hit = false;
+    bool cache_hit = false;  // hit in the segment cache (hit also counts the chosen combine worker's tiers)
     bool whole = false;  // cold and in the refresh's tail: recomputed whole by the splice, nothing built for it now
     v1::EntryTier combine_tier = v1::ENTRY_TIER_NONE;  // the chosen combine worker holds it in this tier
     std::optional<uint32_t> repeat_of;  // an earlier segment of the same digest: planned once, as that one
@@ -299,11 +300,17 @@ class GenerateCall {
 
   void tokenise();
   std::vector<std::vector<v1::EntryTier>> lookup();
-  void choose_combine(const std::vector<std::vector<v1::EntryTier>>& tiers);
+  /// count_metrics: false on a second attempt (the hits and queries were counted by the first).
+  void choose_combine(const std::vector<std::vector<v1::EntryTier>>& tiers, bool count_metrics);
+  /// Undoes one attempt's plan before planning again on another combine worker: releases its held builds, keeps
+  /// only the segment cache's hits. Nothing was launched or streamed (the combine worker failed before Started).
+  void reset_plan();
   std::map<size_t, std::vector<uint32_t>> plan();
   v1::CombineRequest combine_request();
+  /// *retryable: set when the call failed with UNAVAILABLE before the combine worker's Started event (nothing
+  /// launched, nothing streamed: the request may be planned again on another combine worker).
   grpc::Status stream_combine(const v1::CombineRequest& creq, const std::map<size_t, std::vector<uint32_t>>& by_worker,
-                              Phase& phase);
+                              Phase& phase, bool* retryable);
   grpc::Status write_report();
   void launch_locked(size_t worker, const std::vector<uint32_t>& segments);
   void on_event(size_t worker, const v1::PrefillEvent& ev);
@@ -561,16 +568,55 @@ grpc::Status GenerateCall::run() {
     id_guard.id = rid_;
   }
   tokenise();
-  choose_combine(lookup());
-  ++combine_->active;
-  struct ActiveGuard {
-    RouterService::Worker* w;
-    ~ActiveGuard() { --w->active; }
-  } active_guard{combine_};
-  const std::map<size_t, std::vector<uint32_t>> by_worker = plan();
-  const v1::CombineRequest creq = combine_request();
-  if (grpc::Status st = stream_combine(creq, by_worker, phase); !st.ok()) return st;
+  std::vector<std::vector<v1::EntryTier>> tiers = lookup();
+  struct ActiveGuard {  // the chosen combine worker's count of this router's requests on it
+    RouterService::Worker* w = nullptr;
+    void set(RouterService::Worker* next) {
+      if (w) --w->active;
+      w = next;
+      ++w->active;
+    }
+    ~ActiveGuard() {
+      if (w) --w->active;
+    }
+  } active_guard;
+  // A combine worker that died since the router's last probe refuses the call (UNAVAILABLE) before it has started:
+  // nothing was launched or streamed, so the request is planned once more on another (or, waiting up to
+  // --combine-wait-ms, on the same one back); it leaves the rotation until a probe finds it healthy again.
+  constexpr int kAttempts = 2;
+  for (int attempt = 0;; ++attempt) {
+    choose_combine(tiers, attempt == 0);
+    active_guard.set(combine_);
+    const std::map<size_t, std::vector<uint32_t>> by_worker = plan();
+    const v1::CombineRequest creq = combine_request();
+    bool retryable = false;
+    const grpc::Status st = stream_combine(creq, by_worker, phase, &retryable);
+    if (st.ok()) break;
+    if (!retryable || attempt + 1 >= kAttempts || ctx_->IsCancelled()) return st;
+    spdlog::warn("[req {}] {} before it started; planning the request again on another combine worker", rid_,
+                 st.error_message());
+    RouterMetrics::get().combine_retries.inc();
+    reset_plan();
+    tiers.clear();
+    if (opts_.uses_entries) {
+      std::vector<rpc::Digest> digests;
+      for (const auto& sg : segs_) digests.push_back(sg.digest);
+      tiers = svc_.lookup_combine_tiers(digests, ctx_);
+    }
+  }
   return write_report();
+}
+
+void GenerateCall::reset_plan() {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (SegState& sg : segs_) {
+    release_build_locked(sg);
+    sg.hit = sg.cache_hit;
+    sg.combine_tier = v1::ENTRY_TIER_NONE;
+    sg.worker = kLocal;
+    sg.attempts = 0;
+  }
+  jobs_.clear();
 }
 
 // The segment cache (leasing its hits) and, at the same time, every combine worker's own tiers: an entry a combine
@@ -605,7 +651,7 @@ std::vector<std::vector<v1::EntryTier>> GenerateCall::lookup() {
     cache_available_ = res.all_reachable;
     if (!res.all_reachable) spdlog::warn("[req {}] segment cache lookup failed, computing: {}", rid_, res.error);
     for (size_t i = 0; i < n; ++i) {
-      segs_[i].hit = res.results[i].hit;
+      segs_[i].hit = segs_[i].cache_hit = res.results[i].hit;
       if (res.results[i].leased) leased_.push_back(segs_[i].digest);
     }
     metrics.cache_queries.inc(double(n));
@@ -618,7 +664,7 @@ std::vector<std::vector<v1::EntryTier>> GenerateCall::lookup() {
 
 // The combine worker that holds most of the segments (waiting for one to be healthy, UNAVAILABLE past the wait);
 // its tiers count as hits.
-void GenerateCall::choose_combine(const std::vector<std::vector<v1::EntryTier>>& tiers) {
+void GenerateCall::choose_combine(const std::vector<std::vector<v1::EntryTier>>& tiers, bool count_metrics) {
   auto& metrics = RouterMetrics::get();
   const size_t n = segs_.size();
   std::vector<size_t> held(tiers.size(), 0);
@@ -642,6 +688,7 @@ void GenerateCall::choose_combine(const std::vector<std::vector<v1::EntryTier>>&
         segs_[i].hit = true;
       }
     }
+    if (!count_metrics) continue;
     metrics.cache_hits.inc(double(tier_hits));
     if (!svc_.cache_.enabled()) metrics.cache_queries.inc(double(n));
   }
@@ -721,7 +768,8 @@ v1::CombineRequest GenerateCall::combine_request() {
 // the client; fills the phase times and the combine worker's report. The call's first error, the client's
 // cancellation, or the combine worker's status.
 grpc::Status GenerateCall::stream_combine(const v1::CombineRequest& creq,
-                                          const std::map<size_t, std::vector<uint32_t>>& by_worker, Phase& phase) {
+                                          const std::map<size_t, std::vector<uint32_t>>& by_worker, Phase& phase,
+                                          bool* retryable) {
   auto& metrics = RouterMetrics::get();
   auto cctx = child_context();
   {
@@ -741,6 +789,7 @@ grpc::Status GenerateCall::stream_combine(const v1::CombineRequest& creq,
       std::lock_guard<std::mutex> lock(mu_);
       combine_ctx_ = nullptr;  // cctx ends with this function
     }
+    *retryable = st.error_code() == grpc::StatusCode::UNAVAILABLE && !ctx_->IsCancelled();
     return combine_error(st.ok() ? grpc::Status(grpc::StatusCode::INTERNAL, "stream did not start with Started") : st);
   }
   {

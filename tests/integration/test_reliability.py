@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 import unittest
+import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -280,6 +281,37 @@ class AbandonedBuildTest(ReliabilityTestCase):
         # Its put (off the request's path) has landed before the test ends: the class's other test counts the cache's
         # entries (its request fails, so it has no report whose digests it could wait for).
         self.wait_cached(rep)
+
+
+class CombineRestartTest(ReliabilityTestCase):
+    """The combine worker SIGKILLed between two requests, with the router's probes 60 s apart so that it has not
+    noticed: the next request's call fails with UNAVAILABLE before it has started (nothing launched, nothing
+    streamed), and the router plans that request once more, waiting (--combine-wait-ms) for a healthy combine worker:
+    the same one, restarted. Before, that request failed with UNAVAILABLE."""
+    extra_args = {"router": ["--health-interval-ms", "60000", "--combine-wait-ms", "30000"]}
+
+    def test_a_request_to_a_combine_worker_dead_since_the_last_probe_is_planned_again(self):
+        segs, q = [words(510, 40)], "After the crash?"
+        expected = self.reference(segs, q)
+        first = self.generate(segs, q, request_id="before-crash")
+        self.ok(first)
+        self.assertEqual(first["token_ids"], expected)
+        self.cluster.kill("combine")
+        self.cluster.wait_exit("combine")
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+            future = pool.submit(self.generate, segs, q, request_id="after-crash", deadline_s=90)
+            self.wait_log_count("router", "planning the request again on another combine worker", 1)
+            self.cluster.restart("combine")
+            result = future.result(timeout=120)
+        self.ok(result)
+        self.assertEqual(result["token_ids"], expected)
+        router_log = self.cluster.services["router"].log_path.read_text()
+        self.assertIn("[req after-crash] combine worker", router_log)
+        self.assertNotIn("[req before-crash] combine worker", router_log)  # (the first request needed no retry)
+        address = self.cluster.metrics_address("router")
+        self.assertIsNotNone(address, "the launcher starts the router with --metrics-listen")
+        text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+        self.assertIn("hypic:combine_retries_total 1", text.splitlines())
 
 
 class CombineFailureTest(ReliabilityTestCase):
