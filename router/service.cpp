@@ -300,8 +300,9 @@ class GenerateCall {
 
   void tokenise();
   std::vector<std::vector<v1::EntryTier>> lookup();
-  /// count_metrics: false on a second attempt (the hits and queries were counted by the first).
-  void choose_combine(const std::vector<std::vector<v1::EntryTier>>& tiers, bool count_metrics);
+  /// refused: the previous attempt's combine worker's refusal (empty on the first), named in the error when no
+  /// combine worker becomes available. Sets tier_hits_.
+  void choose_combine(const std::vector<std::vector<v1::EntryTier>>& tiers, const std::string& refused);
   /// Undoes one attempt's plan before planning again on another combine worker: releases its held builds, keeps
   /// only the segment cache's hits. Nothing was launched or streamed (the combine worker failed before Started).
   void reset_plan();
@@ -359,6 +360,7 @@ class GenerateCall {
   std::optional<Clock::time_point> last_computed_;
   grpc::ClientContext* combine_ctx_ = nullptr;
   uint32_t joined_builds_ = 0;  // plans that joined a build in flight (re-plans after a failure included)
+  size_t tier_hits_ = 0;        // segments that are hits only through the chosen combine worker's tiers
 
   std::string lease_owner_;              // this request's lease owner id in the segment cache
   std::vector<rpc::Digest> leased_;      // hits the cache leased to it
@@ -581,20 +583,23 @@ grpc::Status GenerateCall::run() {
     }
   } active_guard;
   // A combine worker that died since the router's last probe refuses the call (UNAVAILABLE) before it has started:
-  // nothing was launched or streamed, so the request is planned once more on another (or, waiting up to
-  // --combine-wait-ms, on the same one back); it leaves the rotation until a probe finds it healthy again.
-  constexpr int kAttempts = 2;
-  for (int attempt = 0;; ++attempt) {
-    choose_combine(tiers, attempt == 0);
+  // nothing was launched or streamed, so the request is planned again on another (or, waiting up to
+  // --combine-wait-ms, on one back in rotation); each refusal takes that worker out of the rotation until a probe
+  // finds it healthy, so at most one attempt per configured worker and a last one after the wait.
+  const size_t max_attempts = svc_.combine_.size() + 1;
+  std::string refused;  // the last refusal, named if no combine worker comes back
+  grpc::Status st;
+  for (size_t attempt = 1;; ++attempt) {
+    choose_combine(tiers, refused);
     active_guard.set(combine_);
     const std::map<size_t, std::vector<uint32_t>> by_worker = plan();
     const v1::CombineRequest creq = combine_request();
     bool retryable = false;
-    const grpc::Status st = stream_combine(creq, by_worker, phase, &retryable);
-    if (st.ok()) break;
-    if (!retryable || attempt + 1 >= kAttempts || ctx_->IsCancelled()) return st;
-    spdlog::warn("[req {}] {} before it started; planning the request again on another combine worker", rid_,
-                 st.error_message());
+    st = stream_combine(creq, by_worker, phase, &retryable);
+    if (st.ok() || !retryable || attempt >= max_attempts || ctx_->IsCancelled()) break;
+    refused = st.error_message();
+    spdlog::warn("[req {}] {} before it started; planning the request again (another combine worker, or one back in "
+                 "rotation)", rid_, refused);
     RouterMetrics::get().combine_retries.inc();
     reset_plan();
     tiers.clear();
@@ -604,6 +609,12 @@ grpc::Status GenerateCall::run() {
       tiers = svc_.lookup_combine_tiers(digests, ctx_);
     }
   }
+  // The chosen combine worker's tier hits (and, without a segment cache, the lookup itself), counted once, for the
+  // attempt that ran.
+  auto& metrics = RouterMetrics::get();
+  metrics.cache_hits.inc(double(tier_hits_));
+  if (opts_.uses_entries && !svc_.cache_.enabled()) metrics.cache_queries.inc(double(segs_.size()));
+  if (!st.ok()) return st;
   return write_report();
 }
 
@@ -617,6 +628,7 @@ void GenerateCall::reset_plan() {
     sg.attempts = 0;
   }
   jobs_.clear();
+  joined_builds_ = 0;
 }
 
 // The segment cache (leasing its hits) and, at the same time, every combine worker's own tiers: an entry a combine
@@ -664,8 +676,7 @@ std::vector<std::vector<v1::EntryTier>> GenerateCall::lookup() {
 
 // The combine worker that holds most of the segments (waiting for one to be healthy, UNAVAILABLE past the wait);
 // its tiers count as hits.
-void GenerateCall::choose_combine(const std::vector<std::vector<v1::EntryTier>>& tiers, bool count_metrics) {
-  auto& metrics = RouterMetrics::get();
+void GenerateCall::choose_combine(const std::vector<std::vector<v1::EntryTier>>& tiers, const std::string& refused) {
   const size_t n = segs_.size();
   std::vector<size_t> held(tiers.size(), 0);
   for (size_t w = 0; w < tiers.size(); ++w)
@@ -676,21 +687,19 @@ void GenerateCall::choose_combine(const std::vector<std::vector<v1::EntryTier>>&
                         "request cancelled by the client while waiting for a combine worker");
   if (!combine_) {
     throw rpc::unavailable(fmt::format("no combine worker is available ({} configured, none healthy after waiting "
-                                       "{} ms for one)", svc_.combine_.size(), svc_.cfg_.combine_wait.count()));
+                                       "{} ms for one){}", svc_.combine_.size(), svc_.cfg_.combine_wait.count(),
+                                       refused.empty() ? "" : "; before that, " + refused));
   }
+  tier_hits_ = 0;
   for (size_t w = 0; w < tiers.size(); ++w) {
     if (svc_.combine_[w].get() != combine_ || tiers[w].size() != n) continue;
-    size_t tier_hits = 0;
     for (size_t i = 0; i < n; ++i) {
       segs_[i].combine_tier = tiers[w][i];
       if (tiers[w][i] != v1::ENTRY_TIER_NONE) {
-        tier_hits += !segs_[i].hit;
+        tier_hits_ += !segs_[i].hit;
         segs_[i].hit = true;
       }
     }
-    if (!count_metrics) continue;
-    metrics.cache_hits.inc(double(tier_hits));
-    if (!svc_.cache_.enabled()) metrics.cache_queries.inc(double(n));
   }
 }
 

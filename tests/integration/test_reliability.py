@@ -19,7 +19,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cluster_test_support import BIN_DIR, ClusterTestCase, words  # noqa: E402
+from cluster_test_support import BIN_DIR, ClusterTestCase, Env, words  # noqa: E402
 
 COUNTERS = ("entries_built", "builds_joined", "builds_dropped", "orphan_builds_stored")
 
@@ -300,7 +300,7 @@ class CombineRestartTest(ReliabilityTestCase):
         self.cluster.wait_exit("combine")
         with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
             future = pool.submit(self.generate, segs, q, request_id="after-crash", deadline_s=90)
-            self.wait_log_count("router", "planning the request again on another combine worker", 1)
+            self.wait_log_count("router", "planning the request again", 1)
             self.cluster.restart("combine")
             result = future.result(timeout=120)
         self.ok(result)
@@ -312,6 +312,48 @@ class CombineRestartTest(ReliabilityTestCase):
         self.assertIsNotNone(address, "the launcher starts the router with --metrics-listen")
         text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
         self.assertIn("hypic:combine_retries_total 1", text.splitlines())
+
+
+class CombineRestartTwoWorkersTest(ReliabilityTestCase):
+    """Two combine workers behind a second router whose probes are 60 s apart, both SIGKILLed between two requests:
+    the next request is refused by each in turn before it starts (one attempt per worker, each taking that worker out
+    of the rotation), then waits (--combine-wait-ms) and runs on the one restarted. Before, it failed after the
+    second refusal although a worker came back within the wait."""
+    scatter_workers = 0
+
+    @classmethod
+    def setUpClass(cls) -> None:
+        super().setUpClass()
+        c = cls.cluster
+        model, tok = cls.model_dir or Env.model, cls.tokenizer_file or Env.tokenizer
+        second = c._service("combine-b", "combine", ["--model", model, "--tokenizer", tok], "hypic.v1.CombineWorker", 0)
+        c._start_all([second])
+        c._wait_ready([second])
+        router = c._service("router-b", "router", ["--model", model, "--tokenizer", tok, "--combine", c.combine_address,
+                                                   "--combine", second.address, "--health-interval-ms", "60000",
+                                                   "--combine-wait-ms", "30000"], "hypic.v1.Router", 0)
+        c._start_all([router])
+        c._wait_ready([router])
+        cls.router_b = router.address
+
+    def test_a_request_refused_by_every_stale_combine_worker_waits_for_one_back(self):
+        segs, q = [words(520, 40), words(521, 30)], "Both down?"
+        expected = self.reference(segs, q)
+        first = self.generate(segs, q, router=self.router_b, request_id="two-before")
+        self.ok(first)
+        self.assertEqual(first["token_ids"], expected)
+        for name in ("combine", "combine-b"):
+            self.cluster.kill(name)
+            self.cluster.wait_exit(name)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+            future = pool.submit(self.generate, segs, q, router=self.router_b, request_id="two-after", deadline_s=90)
+            self.wait_log_count("router-b", "planning the request again", 2)  # refused by both, now waiting
+            self.cluster.restart("combine-b")
+            result = future.result(timeout=120)
+        self.ok(result)
+        self.assertEqual(result["token_ids"], expected)
+        self.assertEqual(result["report"]["combine_worker"], self.cluster.address("combine-b"))
+        self.cluster.restart("combine")
 
 
 class CombineFailureTest(ReliabilityTestCase):
