@@ -107,6 +107,25 @@ class ClusterTestCase(unittest.TestCase):
         cls.cluster.start()
 
     @classmethod
+    def start_second_router(cls, router_args: list[str], cache: bool = True) -> str:
+        """Starts a second combine worker ("combine-b", on the cluster's cache replicas unless cache is False) and a
+        second router ("router-b") in front of both combine workers, with router_args added; returns that router's
+        address."""
+        c = cls.cluster
+        model, tok = cls.model_dir or Env.model, cls.tokenizer_file or Env.tokenizer
+        cache_flags = [f for a in c.cache_addresses for f in ("--cache", a)] if cache else []
+        second = c._service("combine-b", "combine", ["--model", model, "--tokenizer", tok] + cache_flags,
+                            "hypic.v1.CombineWorker", 0)
+        c._start_all([second])
+        c._wait_ready([second])
+        router = c._service("router-b", "router", ["--model", model, "--tokenizer", tok, "--combine", c.combine_address,
+                                                   "--combine", second.address] + cache_flags + router_args,
+                            "hypic.v1.Router", 0)
+        c._start_all([router])
+        c._wait_ready([router])
+        return router.address
+
+    @classmethod
     def tearDownClass(cls) -> None:
         cls.cluster.stop()
         left = processes_mentioning(cls.work.name)

@@ -370,22 +370,10 @@ class CombineAffinityTest(ClusterTestCase):
     @classmethod
     def setUpClass(cls) -> None:
         super().setUpClass()
-        c = cls.cluster
-        model, tok = cls.model_dir or Env.model, cls.tokenizer_file or Env.tokenizer
-        cache_flags = [f for a in c.cache_addresses for f in ("--cache", a)]
-        second = c._service("combine-b", "combine", ["--model", model, "--tokenizer", tok] + cache_flags,
-                            "hypic.v1.CombineWorker", 0)
-        c._start_all([second])
-        c._wait_ready([second])
         # Affinity needs the holder's answer to the router's tier lookup: a worker that misses the lookup's budget
         # (100 ms by default) counts as holding nothing for 5 s, and on a loaded machine (parallel tests) a lookup
         # can take that long. A budget of 1 s keeps the frozen worker below a hang guard all the same.
-        router = c._service("router-b", "router", ["--model", model, "--tokenizer", tok, "--combine", c.combine_address,
-                                                   "--combine", second.address, "--tier-lookup-timeout-ms", "1000"]
-                            + cache_flags, "hypic.v1.Router", 0)
-        c._start_all([router])
-        c._wait_ready([router])
-        cls.router_b = router.address
+        cls.router_b = cls.start_second_router(["--tier-lookup-timeout-ms", "1000"])
 
     def test_requests_follow_the_worker_holding_their_entries(self):
         segs = SEGMENTS[:3]

@@ -19,7 +19,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cluster_test_support import BIN_DIR, ClusterTestCase, Env, words  # noqa: E402
+from cluster_test_support import BIN_DIR, ClusterTestCase, words  # noqa: E402
 
 COUNTERS = ("entries_built", "builds_joined", "builds_dropped", "orphan_builds_stored")
 
@@ -324,17 +324,8 @@ class CombineRestartTwoWorkersTest(ReliabilityTestCase):
     @classmethod
     def setUpClass(cls) -> None:
         super().setUpClass()
-        c = cls.cluster
-        model, tok = cls.model_dir or Env.model, cls.tokenizer_file or Env.tokenizer
-        second = c._service("combine-b", "combine", ["--model", model, "--tokenizer", tok], "hypic.v1.CombineWorker", 0)
-        c._start_all([second])
-        c._wait_ready([second])
-        router = c._service("router-b", "router", ["--model", model, "--tokenizer", tok, "--combine", c.combine_address,
-                                                   "--combine", second.address, "--health-interval-ms", "60000",
-                                                   "--combine-wait-ms", "30000"], "hypic.v1.Router", 0)
-        c._start_all([router])
-        c._wait_ready([router])
-        cls.router_b = router.address
+        cls.router_b = cls.start_second_router(["--health-interval-ms", "60000", "--combine-wait-ms", "30000"],
+                                               cache=False)
 
     def test_a_request_refused_by_every_stale_combine_worker_waits_for_one_back(self):
         segs, q = [words(520, 40), words(521, 30)], "Both down?"
