@@ -230,21 +230,26 @@ int main(int argc, char** argv) try {
     }
     // The wgmma scan's staging (default on wgmma): cp.async with its L2 prefetch (the old default), without the
     // prefetch (HYPIC_GDN_SCAN_NO_L2_PREFETCH), W / K / Q / P by TMA (HYPIC_GDN_SCAN_TMA, the default since
-    // bench/results/gdn_scan_tma_h100.md), each set explicitly, in rounds 0 1 2 2 1 0; the mean of
-    // each mode's two rounds. tma_ran: the TMA rounds' scans all staged by TMA (gdn_wgmma_launches().scan_tma).
-    double t_stage[3] = {0, 0, 0};  // cp.async, no L2 prefetch, TMA
+    // bench/results/gdn_scan_tma_h100.md), U^T and the gate scalars by TMA too (the candidate
+    // HYPIC_GDN_SCAN_TMA_ALL), each set explicitly, in rounds 0 1 2 3 3 2 1 0; the mean of each mode's two rounds.
+    // tma_ran: the TMA rounds' scans all staged by TMA (gdn_wgmma_launches().scan_tma, .scan_tma_all).
+    double t_stage[4] = {0, 0, 0, 0};  // cp.async, no L2 prefetch, TMA, TMA_ALL
     bool tma_ran = false;
     if (gpu::gdn_scan_wgmma_active()) {
-      gpu::CandidateScope nopf_sw("HYPIC_GDN_SCAN_NO_L2_PREFETCH"), tma_sw("HYPIC_GDN_SCAN_TMA");
+      gpu::CandidateScope nopf_sw("HYPIC_GDN_SCAN_NO_L2_PREFETCH"), tma_sw("HYPIC_GDN_SCAN_TMA"),
+          all_sw("HYPIC_GDN_SCAN_TMA_ALL");
       tma_ran = true;
-      for (int round = 0; round < 6; ++round) {
-        const int mode = round < 3 ? round : 5 - round;
+      for (int round = 0; round < 8; ++round) {
+        const int mode = round < 4 ? round : 7 - round;
         nopf_sw.set(mode == 1);
-        tma_sw.set(mode == 2);
+        tma_sw.set(mode >= 2);
+        all_sw.set(mode == 3);
         const gpu::GdnWgmmaLaunches before = gpu::gdn_wgmma_launches();
         t_stage[mode] += time_ms([&] { gpu::gdn_prefill(a, ws); }, reps) / 2;
         const gpu::GdnWgmmaLaunches after = gpu::gdn_wgmma_launches();
-        if (mode == 2) tma_ran = tma_ran && after.scan_tma - before.scan_tma == after.scan - before.scan;
+        const uint64_t launches = after.scan - before.scan;
+        if (mode >= 2) tma_ran = tma_ran && after.scan_tma - before.scan_tma == launches;
+        if (mode == 3) tma_ran = tma_ran && after.scan_tma_all - before.scan_tma_all == launches;
       }
     }
     // Gates: a separate gdn_gates kernel before the prefill, against the gates fused into it.
@@ -283,9 +288,10 @@ int main(int argc, char** argv) try {
                 t_mode[3] / t_mode[0]);
     if (t_stage[0] > 0)
       std::printf("        scan staging: cp.async %.3f ms, without its L2 prefetch (HYPIC_GDN_SCAN_NO_L2_PREFETCH) "
-                  "%.3f ms (%.3fx), W/K/Q/P by TMA (HYPIC_GDN_SCAN_TMA) %.3f ms (%.3fx)%s\n",
-                  t_stage[0], t_stage[1], t_stage[1] / t_stage[0], t_stage[2], t_stage[2] / t_stage[0],
-                  tma_ran ? "" : " [TMA maps refused: the cp.async staging ran]");
+                  "%.3f ms (%.3fx), W/K/Q/P by TMA (HYPIC_GDN_SCAN_TMA) %.3f ms (%.3fx), all by TMA "
+                  "(HYPIC_GDN_SCAN_TMA_ALL) %.3f ms (%.3fx of TMA)%s\n",
+                  t_stage[0], t_stage[1], t_stage[1] / t_stage[0], t_stage[2], t_stage[2] / t_stage[0], t_stage[3],
+                  t_stage[3] / t_stage[2], tma_ran ? "" : " [TMA maps refused: the cp.async staging ran]");
     J["prefill"].push_back({{"shape", c.name},
                             {"num_seqs", c.nseq},
                             {"seq_len", c.len},
@@ -305,6 +311,7 @@ int main(int argc, char** argv) try {
                             {"ms_scan_staging_cp_async", t_stage[0]},
                             {"ms_scan_staging_no_l2_prefetch", t_stage[1]},
                             {"ms_scan_staging_tma", t_stage[2]},
+                            {"ms_scan_staging_tma_all", t_stage[3]},
                             {"scan_staging_tma_ran", tma_ran},
                             {"nominal_gflop", flops / 1e9},
                             {"nominal_gflop_with_tc", flops_tc / 1e9},

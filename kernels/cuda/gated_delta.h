@@ -232,9 +232,10 @@ bool gdn_wy_wgmma_active();
 /// gdn_prefill_factors have issued in this process, counted on the host as each is issued (a launch
 /// captured into a CUDA graph counts once, its replays not at all). Lets a test tell which kernels ran where both
 /// give the same bits (on Hopper the wgmma and mma.sync products add the same k16 dot products in the same order).
-/// scan_tma: those of the wgmma scans that staged their tiles by TMA (HYPIC_GDN_SCAN_TMA; also counted in scan).
+/// scan_tma: those of the wgmma scans that staged their tiles by TMA (HYPIC_GDN_SCAN_TMA; also counted in scan);
+/// scan_tma_all: those of them that staged U^T and the gate scalars by TMA too (HYPIC_GDN_SCAN_TMA_ALL).
 struct GdnWgmmaLaunches {
-  uint64_t scan = 0, wy = 0, scan_tma = 0;
+  uint64_t scan = 0, wy = 0, scan_tma = 0, scan_tma_all = 0;
 };
 GdnWgmmaLaunches gdn_wgmma_launches();
 

@@ -243,11 +243,13 @@ bool wgmma_kernel_runs(bool on) {
 }  // namespace
 
 namespace {
-std::atomic<uint64_t> g_scan_wgmma_launches{0}, g_wy_wgmma_launches{0}, g_scan_tma_launches{0};  // (gdn_wgmma_launches)
+std::atomic<uint64_t> g_scan_wgmma_launches{0}, g_wy_wgmma_launches{0}, g_scan_tma_launches{0},
+    g_scan_tma_all_launches{0};  // (gdn_wgmma_launches)
 }  // namespace
 
 GdnWgmmaLaunches gdn_wgmma_launches() {
-  return GdnWgmmaLaunches{g_scan_wgmma_launches.load(), g_wy_wgmma_launches.load(), g_scan_tma_launches.load()};
+  return GdnWgmmaLaunches{g_scan_wgmma_launches.load(), g_wy_wgmma_launches.load(), g_scan_tma_launches.load(),
+                          g_scan_tma_all_launches.load()};
 }
 
 bool gdn_wgmma_built() {
@@ -443,6 +445,7 @@ void gdn_prefill(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t stream)
   const bool scan_wgmma = gdn_scan_wgmma_active();
   static CandidateSwitch no_l2_prefetch("HYPIC_GDN_SCAN_NO_L2_PREFETCH");  // (the wgmma scan only)
   static CandidateSwitch scan_tma("HYPIC_GDN_SCAN_TMA");                      // (the wgmma scan only)
+  static CandidateSwitch scan_tma_all("HYPIC_GDN_SCAN_TMA_ALL");              // (with HYPIC_GDN_SCAN_TMA)
   (void)scan_wgmma;  // (unused in a build without sm_90a code)
   auto launch = [&](const ScanJob* jobs, int njobs, bool need_t, bool mixed_forced) {
     if (njobs == 0) return;
@@ -464,9 +467,13 @@ void gdn_prefill(const GdnPrefillArgs& a, GdnWorkspace& ws, cudaStream_t stream)
       ScanStaging staging;
       staging.l2_prefetch = !no_l2_prefetch.on();
       staging.tma = scan_tma.on();
+      staging.tma_all = staging.tma && scan_tma_all.on();
       staging.total_tokens = a.cu_seqlens_host[a.num_seqs];
       staging.ws_slots = fac.slots;
-      if (launch_scan_wgmma(grid, warps * 32, sp, a.scan_profile, staging, stream)) g_scan_tma_launches.fetch_add(1);
+      if (launch_scan_wgmma(grid, warps * 32, sp, a.scan_profile, staging, stream)) {
+        g_scan_tma_launches.fetch_add(1);
+        if (staging.tma_all) g_scan_tma_all_launches.fetch_add(1);
+      }
       g_scan_wgmma_launches.fetch_add(1);
       return;
     }

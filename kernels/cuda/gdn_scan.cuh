@@ -93,6 +93,13 @@ constexpr int kRingBBytesWg = kRingB * (kSwTile + kSwTileP) + kRingB * C * 4;
 constexpr int kScanSmemWg = kRingABytesWg + kRingBBytesWg + kExchBytes + kOutStageBytes + 1024;
 static_assert(kScanSmemWg <= 227 * 1024, "wgmma scan shared memory over the per-block limit");
 static_assert(kRingABytesWg % 1024 == 0 && (kSwTile + kSwTileP) % 1024 == 0, "swizzled tiles on 1024-byte bounds");
+// The whole-TMA staging (gdn_scan_tma_kernel<kProf, true>, the candidate HYPIC_GDN_SCAN_TMA_ALL) places ring A's U^T,
+// kf and G differently inside the same bytes: U^T of stage 0 and 1 swizzled as [64 block columns][64 tokens] (8 KiB
+// each, 1024-byte aligned, a TMA box), then kf, G of stage 0 and 1 (512 bytes each, bulk copies).
+constexpr int kUtSwOffset = kRingA * 2 * kSwTile;
+constexpr int kScalSwOffset = kUtSwOffset + kRingA * kSwTileP;
+static_assert(kScalSwOffset + kRingA * 2 * C * 4 <= kRingABytesWg && kUtSwOffset % 1024 == 0,
+              "the whole-TMA staging's ring A fits the wgmma layout's");
 // The TMA staging (gdn_scan_tma_kernel, HYPIC_GDN_SCAN_TMA, the default): the wgmma layout, plus two mbarriers
 // after the output staging, one per parity of the job's chunk index, on which a chunk's TMA boxes complete.
 constexpr int kScanTmaBarOffset = kRingABytesWg + kRingBBytesWg + kExchBytes + kOutStageBytes;
@@ -152,10 +159,12 @@ struct ScanParams {
 // 128-byte swizzled, zeros outside), made on the host per launch (launch_scan_wgmma):
 //   w: the workspace's W, [slots][64][128] as dims {128, 64, slots}, boxes {64, 64, 1} (two per tile);
 //   p: the workspace's P, [slots][64][64] as dims {64, 64, slots}, boxes {64, 64, 1};
+//   ut: the workspace's U^T, [slots][128][64] as dims {64, 128, slots}, boxes {64, 64, 1} (a column block's 64 rows;
+//       read by the whole-TMA staging only);
 //   k, q: the raw inputs [T][H_k][128] as dims {128, H_k, T}, boxes {64, 1, 64} (two per tile; q only with outputs).
 // slots: the workspace's (chunk, value head) capacity; T: the call's tokens.
 struct ScanMaps {
-  CUtensorMap w, p, k, q;
+  CUtensorMap w, p, ut, k, q;
 };
 
 // Address of a job's [H_v][128][128] state reference (see ScanJob), or null.
@@ -209,10 +218,19 @@ struct StageB {
   float* qf;
 };
 
-template <bool kWgmma>
+// Stage i of ring A (kUtSw: the whole-TMA staging's U^T, kf, G; kWgmma only).
+template <bool kWgmma, bool kUtSw = false>
 __device__ __forceinline__ StageA stage_a(unsigned char* smem, int i) {
+  static_assert(kWgmma || !kUtSw, "the swizzled U^T is the wgmma scan's");
   StageA s;
-  if constexpr (kWgmma) {
+  if constexpr (kUtSw) {
+    s.W = reinterpret_cast<bf16*>(smem + i * 2 * kSwTile);
+    s.K = reinterpret_cast<bf16*>(smem + i * 2 * kSwTile + kSwTile);
+    s.UT = reinterpret_cast<bf16*>(smem + kUtSwOffset + i * kSwTileP);
+    s.kf = reinterpret_cast<float*>(smem + kScalSwOffset + i * 2 * C * 4);
+    s.G = s.kf + C;
+    return s;
+  } else if constexpr (kWgmma) {
     s.W = reinterpret_cast<bf16*>(smem + i * 2 * kSwTile);
     s.K = reinterpret_cast<bf16*>(smem + i * 2 * kSwTile + kSwTile);
     s.UT = reinterpret_cast<bf16*>(smem + kRingA * 2 * kSwTile + i * kStageAUtWg);
@@ -310,18 +328,23 @@ __device__ __forceinline__ void scan_issue(unsigned char* smem, const ScanParams
 // scan_issue with the tiles that wgmma reads staged by TMA (sm_90a only): thread 0 of the issuers raises `bar`'s
 // expected bytes and issues the boxes of W and P and, for a whole chunk (len == 64), of K and Q; a partial chunk's K
 // and Q rows go by cp.async as in scan_issue (rows past len must be zeros, and the tensor's next rows belong to the
-// next sequence or checkpoint run), as do U^T, kf, G and qf (U^T is read by ld.shared in its padded layout). The
-// caller waits on `bar` (parity of its use) and for the cp.async group before reading the stage.
+// next sequence or checkpoint run), as do U^T, kf, G and qf (U^T is read by ld.shared in its padded layout). kAll
+// (the candidate HYPIC_GDN_SCAN_TMA_ALL): U^T as one swizzled box (block_s) and kf, G, qf as bulk copies on the same
+// mbarrier too, into stage_a<true, true>'s places: no cp.async for a whole chunk. The caller waits on `bar` (parity
+// of its use) and for the cp.async group before reading the stage.
+template <bool kAll>
 __device__ __forceinline__ void scan_issue_tma(unsigned char* smem, const ScanParams& p, const ScanMaps& maps,
                                                uint64_t* bar, int chunk, int t0, int len, int h, int kh, bool block_s,
                                                int s_cb, bool block_out, int tid, int nthreads) {
   const int slot = chunk * p.Hv + h;
-  const StageA a = stage_a<true>(smem, (chunk & 1));
+  const StageA a = stage_a<true, kAll>(smem, (chunk & 1));
   const StageB b = stage_b<true>(smem, chunk % kRingB);
   const bool whole = len == C;
   const size_t stride = size_t(p.Hk) * D, base = (size_t(t0) * p.Hk + kh) * D;
+  constexpr uint32_t kScalBytes = C * 4;  // one of kf, G, qf
   if (tid == 0) {
-    const uint32_t bytes = kSwTile + (whole ? kSwTile : 0) + (block_out ? kSwTileP + (whole ? kSwTile : 0) : 0);
+    uint32_t bytes = kSwTile + (whole ? kSwTile : 0) + (block_out ? kSwTileP + (whole ? kSwTile : 0) : 0);
+    if constexpr (kAll) bytes += (block_s ? kSwTileP : 0) + 2 * kScalBytes + (block_out ? kScalBytes : 0);
     sm90::mbar_arrive_expect_tx(bar, bytes);
     const uint32_t w = smem_addr(a.W), k = smem_addr(a.K);
     sm90::tma_load_3d(w, &maps.w, bar, 0, 0, slot);  // columns 0..63, then 64..127 (the next 64 x 128-byte chunk)
@@ -338,14 +361,23 @@ __device__ __forceinline__ void scan_issue_tma(unsigned char* smem, const ScanPa
       }
       sm90::tma_load_3d(smem_addr(b.P), &maps.p, bar, 0, 0, slot);
     }
+    if constexpr (kAll) {
+      if (block_s) sm90::tma_load_3d(smem_addr(a.UT), &maps.ut, bar, 0, s_cb * 64, slot);
+      const float* sc = p.ws.scal + size_t(slot) * kScal;  // kf [0, 64), qf [64, 128), G [128, 192)
+      sm90::bulk_load(smem_addr(a.kf), sc, kScalBytes, bar);
+      sm90::bulk_load(smem_addr(a.G), sc + 2 * C, kScalBytes, bar);
+      if (block_out) sm90::bulk_load(smem_addr(b.qf), sc + C, kScalBytes, bar);
+    }
   }
   if (!whole) {
     cp_async_rows_sw<D / 8>(reinterpret_cast<unsigned char*>(a.K), p.k + base, stride, len, tid, nthreads);
     if (block_out)
       cp_async_rows_sw<D / 8>(reinterpret_cast<unsigned char*>(b.Q), p.q + base, stride, len, tid, nthreads);
   }
-  issue_ut_scalars(a, p, size_t(slot), block_s, s_cb, tid, nthreads);
-  if (block_out) issue_qf(b, p, size_t(slot), tid, nthreads);
+  if constexpr (!kAll) {
+    issue_ut_scalars(a, p, size_t(slot), block_s, s_cb, tid, nthreads);
+    if (block_out) issue_qf(b, p, size_t(slot), tid, nthreads);
+  }
 }
 
 // L2 prefetch of what scan_issue will stage for `chunk`.
@@ -438,10 +470,12 @@ __device__ __forceinline__ void mma_x2(float (&c0)[4], float (&c1)[4], const uin
 // for the chunk kPrefetchAhead ahead (518 prefetch instructions per step, about 1050 of a step's 6300 cycles on the
 // output warps' path on an H100: bench/results/gdn_scan_profile_h100.md).
 // kTma (gdn_scan_tma_kernel, kWgmma only): W, K, Q, P staged by TMA (scan_issue_tma, `maps`), the rest by cp.async;
-// the same tiles in the same layout, so the same products and bits as the cp.async staging.
-template <bool kWgmma, bool kProf, bool kL2Prefetch, bool kTma>
+// the same tiles in the same layout, so the same products and bits as the cp.async staging. kAll (with kTma, the
+// candidate HYPIC_GDN_SCAN_TMA_ALL): U^T and the scalars by TMA too, U^T read from its swizzled layout; same bits.
+template <bool kWgmma, bool kProf, bool kL2Prefetch, bool kTma, bool kAll = false>
 __device__ __forceinline__ void gdn_scan_body(const ScanParams& p, const ScanMaps* maps, long long* profile) {
   static_assert(!kTma || kWgmma, "the TMA staging writes the wgmma scan's swizzled layout");
+  static_assert(kTma || !kAll, "the whole-TMA staging is a TMA staging");
   extern __shared__ __align__(16) unsigned char smem_raw[];  // (kWgmma aligns its base to 1024 below)
   unsigned char* smem = smem_raw;
   if constexpr (kWgmma) smem += (1024u - (smem_addr(smem_raw) & 1023u)) & 1023u;
@@ -504,8 +538,8 @@ __device__ __forceinline__ void gdn_scan_body(const ScanParams& p, const ScanMap
   }
   auto issue = [&](int c) {
     if constexpr (kTma)
-      scan_issue_tma(smem, p, *maps, tma_bar + (c & 1), c_begin + c, chunk_t0(c), chunk_len(c), h, kh, block_s, s_cb,
-                     block_out, itid, nissue);
+      scan_issue_tma<kAll>(smem, p, *maps, tma_bar + (c & 1), c_begin + c, chunk_t0(c), chunk_len(c), h, kh, block_s,
+                           s_cb, block_out, itid, nissue);
     else
       scan_issue<kWgmma>(smem, p, c_begin + c, chunk_t0(c), chunk_len(c), h, kh, block_s, s_cb, block_out, itid,
                          nissue);
@@ -570,17 +604,21 @@ __device__ __forceinline__ void gdn_scan_body(const ScanParams& p, const ScanMap
     mark(3);
 
     if (rec_active && c < nc) {
-      const StageA st = stage_a<kWgmma>(smem, (c_begin + c) & 1);
+      const StageA st = stage_a<kWgmma, kAll>(smem, (c_begin + c) & 1);
       uint4* ex = exch + ((c & 1) * kGroupsPerBlock + gl) * kExchUint4 + lane;
       const bool share = role == kRecS && block_out;
       // vn = -(v_new^T) = h^T W^T - U^T, C fragments over t = 8j + cc (+1), rows col0 + gi (+8).
       float vn[8][4];
       if (role == kRecS) {
-        const bf16* ut = st.UT + (16 * gl + gi) * LDP + cc;
+        // (kAll: U^T swizzled as sw_off, [64][8 units]; rows r and r + 8 share r % 8, so one unit offset serves both)
+        const int r = 16 * gl + gi;
+        const unsigned char* ut = reinterpret_cast<const unsigned char*>(st.UT) + (kAll ? r * 128 : r * LDP * 2);
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-          const float2 u0 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(ut + 8 * j));
-          const float2 u1 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(ut + 8 * LDP + 8 * j));
+          const int o = kAll ? int(sw_off(0, j ^ (r & 7))) + cc * 2 : (8 * j + cc) * 2;
+          const int o8 = o + (kAll ? 8 * 128 : 8 * LDP * 2);
+          const float2 u0 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(ut + o));
+          const float2 u1 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(ut + o8));
           vn[j][0] = -u0.x;
           vn[j][1] = -u0.y;
           vn[j][2] = -u1.x;
@@ -788,18 +826,19 @@ __global__ void __launch_bounds__(kScanMaxThreads, 1) gdn_scan_kernel(ScanParams
   gdn_scan_body<kWgmma, kProf, kL2Prefetch, false>(p, nullptr, profile);
 }
 
-// The wgmma scan with its W, K, Q, P tiles staged by TMA (kTma above; sm_90a only, gdn_wgmma.cu): `maps` as ScanMaps
-// describes, kScanSmemWgTma bytes of dynamic shared memory.
-template <bool kProf>
+// The wgmma scan with its W, K, Q, P tiles staged by TMA (kTma above; sm_90a only, gdn_wgmma.cu), kAll: and U^T and the
+// scalars (kAll above): `maps` as ScanMaps describes, kScanSmemWgTma bytes of dynamic shared memory.
+template <bool kProf, bool kAll>
 __global__ void __launch_bounds__(kScanMaxThreads, 1)
     gdn_scan_tma_kernel(ScanParams p, const __grid_constant__ ScanMaps maps, long long* profile) {
-  gdn_scan_body<true, kProf, false, true>(p, &maps, profile);
+  gdn_scan_body<true, kProf, false, true, kAll>(p, &maps, profile);
 }
 
 /// How launch_scan_wgmma stages the chunk scan's tiles.
 struct ScanStaging {
   bool l2_prefetch = true;  // the cp.async staging's kL2Prefetch (false: HYPIC_GDN_SCAN_NO_L2_PREFETCH)
   bool tma = false;         // W, K, Q, P by TMA (gdn_scan_tma_kernel, HYPIC_GDN_SCAN_TMA) where the maps can be made
+  bool tma_all = false;     // with tma: U^T, kf, G, qf too (HYPIC_GDN_SCAN_TMA_ALL, a candidate)
   int total_tokens = 0;     // tokens T of the raw inputs q, k ([T][H_k][128] bf16): the K / Q maps' extent
   size_t ws_slots = 0;      // the workspace's (chunk, value head) capacity: the W / P maps' extent
 };

@@ -33,17 +33,17 @@ void launch_scan_wgmma_as(dim3 grid, int threads, const ScanParams& p, long long
 
 // Launches one instantiation of the TMA-staged scan (gdn_scan_tma_kernel), its shared-memory opt-in set once per
 // device.
-template <bool kProf>
+template <bool kProf, bool kAll>
 void launch_scan_tma_as(dim3 grid, int threads, const ScanParams& p, const ScanMaps& maps, long long* profile,
                         cudaStream_t stream) {
   static DeviceOnce once;
   once.run(current_device(), [](int) {
-    check_cuda(cudaFuncSetAttribute(gdn_scan_tma_kernel<kProf>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    check_cuda(cudaFuncSetAttribute(gdn_scan_tma_kernel<kProf, kAll>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     kScanSmemWgTma),
                "cudaFuncSetAttribute(gdn_scan_tma_kernel)");
     return 0;
   });
-  gdn_scan_tma_kernel<kProf><<<grid, threads, kScanSmemWgTma, stream>>>(p, maps, profile);
+  gdn_scan_tma_kernel<kProf, kAll><<<grid, threads, kScanSmemWgTma, stream>>>(p, maps, profile);
   check_cuda(cudaGetLastError(), "gdn_scan_tma_kernel launch");
 }
 
@@ -53,24 +53,25 @@ void launch_scan_tma_as(dim3 grid, int threads, const ScanParams& p, const ScanM
 bool scan_tensor_maps(const ScanParams& p, const ScanStaging& st, ScanMaps* m) {
   if (st.total_tokens <= 0 || st.ws_slots == 0 || !p.k || (p.with_out && !p.q)) return false;
   struct Cached {
-    const void *W = nullptr, *P = nullptr, *k = nullptr, *q = nullptr;
+    const void *W = nullptr, *P = nullptr, *UT = nullptr, *k = nullptr, *q = nullptr;
     size_t slots = 0;
     int Hk = 0, T = 0;
     bool with_out = false;
     ScanMaps maps;
   };
   thread_local Cached cache;
-  const bool ws_same = cache.W == p.ws.W && cache.P == p.ws.P && cache.slots == st.ws_slots;
+  const bool ws_same = cache.W == p.ws.W && cache.P == p.ws.P && cache.UT == p.ws.UT && cache.slots == st.ws_slots;
   const bool in_same = cache.k == p.k && cache.q == p.q && cache.Hk == p.Hk && cache.T == st.total_tokens &&
                        cache.with_out == p.with_out;
   const uint64_t T = uint64_t(st.total_tokens), Hk = uint64_t(p.Hk), slots = st.ws_slots;
   constexpr uint64_t row = D * 2;  // bytes of a 128-wide bf16 row
   if (!ws_same) {
-    cache.W = cache.P = nullptr;  // (invalid until both maps are made)
+    cache.W = cache.P = cache.UT = nullptr;  // (invalid until the three maps are made)
     if (!encode_bf16_map_3d(&cache.maps.w, p.ws.W, {D, C, slots}, {row, C * row}, {64, C, 1}) ||
-        !encode_bf16_map_3d(&cache.maps.p, p.ws.P, {C, C, slots}, {C * 2, C * C * 2}, {64, C, 1}))
+        !encode_bf16_map_3d(&cache.maps.p, p.ws.P, {C, C, slots}, {C * 2, C * C * 2}, {64, C, 1}) ||
+        !encode_bf16_map_3d(&cache.maps.ut, p.ws.UT, {C, D, slots}, {C * 2, C * row}, {64, 64, 1}))
       return false;
-    cache.W = p.ws.W, cache.P = p.ws.P, cache.slots = st.ws_slots;
+    cache.W = p.ws.W, cache.P = p.ws.P, cache.UT = p.ws.UT, cache.slots = st.ws_slots;
   }
   if (!in_same) {
     cache.k = nullptr;  // (invalid until both maps are made)
@@ -92,8 +93,12 @@ bool launch_scan_wgmma(dim3 grid, int threads, const ScanParams& p, long long* p
   if (staging.tma) {
     ScanMaps maps;
     if (scan_tensor_maps(p, staging, &maps)) {
-      profile ? launch_scan_tma_as<true>(grid, threads, p, maps, profile, stream)
-              : launch_scan_tma_as<false>(grid, threads, p, maps, nullptr, stream);
+      if (staging.tma_all)
+        profile ? launch_scan_tma_as<true, true>(grid, threads, p, maps, profile, stream)
+                : launch_scan_tma_as<false, true>(grid, threads, p, maps, nullptr, stream);
+      else
+        profile ? launch_scan_tma_as<true, false>(grid, threads, p, maps, profile, stream)
+                : launch_scan_tma_as<false, false>(grid, threads, p, maps, nullptr, stream);
       return true;
     }
     static std::once_flag told;

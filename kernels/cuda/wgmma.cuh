@@ -172,6 +172,14 @@ __device__ __forceinline__ void tma_load_3d(uint32_t saddr, const void* map, uin
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(smem_u32(bar))
       : "memory");
 }
+/// Bulk copy (TMA, no tensor map) of `bytes` contiguous bytes of global memory at `gmem` into shared memory at
+/// `saddr`; both 16-byte aligned, bytes a multiple of 16; the bytes complete on `bar` (PTX ISA, cp.async.bulk,
+/// .mbarrier::complete_tx::bytes).
+__device__ __forceinline__ void bulk_load(uint32_t saddr, const void* gmem, uint32_t bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(saddr),
+               "l"(gmem), "r"(bytes), "r"(smem_u32(bar))
+               : "memory");
+}
 /// tma_load_3d for a 5-D tensor map: the box at coordinates (c0 innermost .. c4).
 __device__ __forceinline__ void tma_load_5d(uint32_t saddr, const void* map, uint64_t* bar, int c0, int c1, int c2,
                                             int c3, int c4) {

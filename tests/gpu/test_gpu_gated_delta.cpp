@@ -963,6 +963,8 @@ TEST_CASE("gdn_prefill with scan_profile: same bits, the slots filled as documen
 // 64 tokens over a 3-token tensor). The TMA launches are counted (gdn_wgmma_launches().scan_tma), so a fallback to the
 // cp.async staging cannot pass for the TMA path. (What this cannot see: a missing or early mbarrier wait, since a
 // chunk's boxes are issued a whole step, about 3 us, before it is read; the phase arithmetic is reviewed instead.)
+// The same for the candidate HYPIC_GDN_SCAN_TMA_ALL (U^T as a swizzled box, the gate scalars as bulk copies; its
+// launches counted as gdn_wgmma_launches().scan_tma_all): staging mode 2 below.
 TEST_CASE("gdn_prefill with the scan's tiles staged by TMA (HYPIC_GDN_SCAN_TMA): the bits of the cp.async staging",
           "[gpu][gated_delta][candidate]") {
   require_gpu();
@@ -1005,8 +1007,9 @@ TEST_CASE("gdn_prefill with the scan's tiles staged by TMA (HYPIC_GDN_SCAN_TMA):
                                  << c.checkpoints << ", profile " << c.profile << ", layout " << c.layout) {
       std::vector<std::vector<bf16>> outs;
       std::vector<std::vector<float>> fins, trs, cps;
-      for (bool tma : {false, true}) {
-        ScopedCandidate sw("HYPIC_GDN_SCAN_TMA", tma);
+      for (int mode : {0, 1, 2}) {  // cp.async, TMA, TMA_ALL
+        const bool tma = mode > 0;
+        ScopedCandidate sw("HYPIC_GDN_SCAN_TMA", tma), sw_all("HYPIC_GDN_SCAN_TMA_ALL", mode == 2);
         gpu::GdnWorkspace ws;
         gpu::GdnPrefillArgs a = make_args(n, cu.data(), hk, hv, dq.get(), dk.get(), dv.get(), dg.get(), db.get(),
                                           dfin.get(), c.transition ? dtr.get() : nullptr,
@@ -1034,16 +1037,20 @@ TEST_CASE("gdn_prefill with the scan's tiles staged by TMA (HYPIC_GDN_SCAN_TMA):
         CHECK(after.scan > before.scan);
         // Every wgmma scan launch of the call staged by TMA when the switch is on, none when it is off.
         CHECK(after.scan_tma - before.scan_tma == (tma ? after.scan - before.scan : 0));
+        CHECK(after.scan_tma_all - before.scan_tma_all == (mode == 2 ? after.scan - before.scan : 0));
         if (c.profile) CHECK(prof.download()[74] == int64_t(after.scan - before.scan));
         outs.push_back(dout.download());
         fins.push_back(dfin.download());
         trs.push_back(dtr.download());
         cps.push_back(dcp.download());
       }
-      if (c.out) CHECK(same_bits(outs[1], outs[0]));
-      CHECK(same_bits(fins[1], fins[0]));
-      if (c.transition) CHECK(same_bits(trs[1], trs[0]));
-      if (c.checkpoints) CHECK(same_bits(cps[1], cps[0]));
+      for (int m : {1, 2}) {
+        INFO("staging mode " << m << " (1: TMA, 2: TMA_ALL) against cp.async");
+        if (c.out) CHECK(same_bits(outs[m], outs[0]));
+        CHECK(same_bits(fins[m], fins[0]));
+        if (c.transition) CHECK(same_bits(trs[m], trs[0]));
+        if (c.checkpoints) CHECK(same_bits(cps[m], cps[0]));
+      }
       // (not a comparison of two copies of garbage: the reference wrote finite states)
       CHECK(std::isfinite(fins[0][se * (n - 1)]));
     }
@@ -1052,8 +1059,9 @@ TEST_CASE("gdn_prefill with the scan's tiles staged by TMA (HYPIC_GDN_SCAN_TMA):
     const int cu3[2] = {0, 3};
     std::vector<std::vector<bf16>> outs;
     std::vector<std::vector<float>> fins;
-    for (bool tma : {false, true}) {
-      ScopedCandidate sw("HYPIC_GDN_SCAN_TMA", tma);
+    for (int mode : {0, 1, 2}) {
+      const bool tma = mode > 0;
+      ScopedCandidate sw("HYPIC_GDN_SCAN_TMA", tma), sw_all("HYPIC_GDN_SCAN_TMA_ALL", mode == 2);
       gpu::GdnWorkspace ws;
       gpu::GdnPrefillArgs a = make_args(1, cu3, hk, hv, dq.get(), dk.get(), dv.get(), dg.get(), db.get(), dfin.get(),
                                         dtr.get(), dout.get());
@@ -1064,13 +1072,16 @@ TEST_CASE("gdn_prefill with the scan's tiles staged by TMA (HYPIC_GDN_SCAN_TMA):
       check_cuda(cudaDeviceSynchronize(), "3-token prefill");
       const gpu::GdnWgmmaLaunches after = gpu::gdn_wgmma_launches();
       CHECK(after.scan_tma - before.scan_tma == (tma ? after.scan - before.scan : 0));
+      CHECK(after.scan_tma_all - before.scan_tma_all == (mode == 2 ? after.scan - before.scan : 0));
       outs.push_back(dout.download());
       fins.push_back(dfin.download());
     }
-    CHECK(same_bits(std::vector<bf16>(outs[1].begin(), outs[1].begin() + 3 * hv * D),
-                    std::vector<bf16>(outs[0].begin(), outs[0].begin() + 3 * hv * D)));
-    CHECK(same_bits(std::vector<float>(fins[1].begin(), fins[1].begin() + se),
-                    std::vector<float>(fins[0].begin(), fins[0].begin() + se)));
+    for (int m : {1, 2}) {
+      CHECK(same_bits(std::vector<bf16>(outs[m].begin(), outs[m].begin() + 3 * hv * D),
+                      std::vector<bf16>(outs[0].begin(), outs[0].begin() + 3 * hv * D)));
+      CHECK(same_bits(std::vector<float>(fins[m].begin(), fins[m].begin() + se),
+                      std::vector<float>(fins[0].begin(), fins[0].begin() + se)));
+    }
     CHECK(std::isfinite(fins[0][0]));
   }
 }
