@@ -88,6 +88,7 @@ void CombineService::finish_local_build(const std::shared_ptr<Pending>& p, size_
   // Spliced as it is (resident, no host round trip); its host copy (host tier, cache put) is made afterwards, off the
   // critical path.
   const rpc::Digest digest = p->slots[slot].digest;  // immutable after registration
+  fetch_costs_.observe_build(int64_t(p->slots[slot].ids.size()), r.compute_ms);
   d_.memory_tier.put(digest, r.entry);
   d_.copier.enqueue(digest, r.entry, p->cache_segments, p->id);
   count_segment(v1::SEGMENT_SOURCE_COMBINE_COMPUTED);
@@ -159,6 +160,7 @@ void CombineService::fetch_warm(const std::shared_ptr<Pending>& p, size_t slot, 
                      rpc::ms_between(t2, Clock::now()));
         count_received("cache", size);
         count_segment(v1::SEGMENT_SOURCE_CACHE);
+        fetch_costs_.observe_fetch(size, d.fetch_ms);
         if (resident) entry.reset();  // spliced resident; the host form is not needed any more
         p->fill(slot, entry, v1::SEGMENT_SOURCE_CACHE, "", 0, size, "", std::move(resident), "", d);
         return;
@@ -192,6 +194,36 @@ void CombineService::fetch_warm(const std::shared_ptr<Pending>& p, size_t slot, 
     spdlog::warn("[req {}] segment {}: {}", p->id, slot, why);
   }
   build_locally(p, slot, why + "; prefilled by the combine worker");
+}
+
+void CombineService::rebuild_cache_only(const std::shared_ptr<Pending>& p, std::vector<size_t>& warm,
+                                        std::vector<std::pair<size_t, std::string>>& local) {
+  if (opt_.cache_fetch_policy != CacheFetchPolicy::Auto || !d_.cache.enabled() || warm.empty()) return;
+  std::vector<FetchCandidate> candidates;  // WARM slots this worker's tiers do not hold: the cache's alone
+  for (size_t i : warm) {
+    const Slot& s = p->slots[i];  // digest and ids are immutable after registration
+    if (d_.memory_tier.contains(s.digest) || d_.host_tier.contains(s.digest)) continue;
+    const auto tokens = int64_t(s.ids.size());
+    candidates.push_back({i, tokens, engine::wire_entry_bytes(backend_.config(), tokens)});
+  }
+  int64_t local_tokens = 0;
+  for (const auto& l : local) local_tokens += int64_t(p->slots[l.first].ids.size());
+  const FetchPlan plan = fetch_costs_.plan(candidates, local_tokens, opt_.fetch_parallelism);
+  if (plan.rebuild.empty()) return;
+  const double mb_s = 1e-3 / *fetch_costs_.fetch_ms_per_byte(), tok_s = 1e3 / *fetch_costs_.build_ms_per_token();
+  const std::string note =
+      fmt::format("in the segment cache, prefilled here instead: {} of its {} cache-only segments rebuilt, their entries "
+                  "estimated in {:.0f} ms against {:.0f} ms fetching them all (this worker's rates: fetch {:.0f} MB/s "
+                  "per entry, build {:.0f} tokens/s; --cache-fetch-policy auto)",
+                  plan.rebuild.size(), candidates.size(), plan.chosen_ms, plan.fetch_all_ms, mb_s, tok_s);
+  spdlog::info("[req {}] segments {}: {}", p->id, fmt::join(plan.rebuild, ","), note);
+  static auto& rebuilt = rpc::MetricsRegistry::global().counter(
+      "hypic:cache_hits_rebuilt_total",
+      "Segments the segment cache held that this combine worker prefilled again because its measured fetch and build "
+      "rates said their entries would arrive sooner (--cache-fetch-policy auto)");
+  rebuilt.inc(double(plan.rebuild.size()));
+  for (size_t i : plan.rebuild) local.emplace_back(i, note);
+  std::erase_if(warm, [&](size_t i) { return std::binary_search(plan.rebuild.begin(), plan.rebuild.end(), i); });
 }
 
 engine::EntryReaderChecks CombineService::entry_checks(uint64_t total_bytes, std::span<const int32_t> ids,
@@ -235,6 +267,7 @@ void CombineService::gather(const std::shared_ptr<Pending>& p, const v1::Combine
       ++p->filled;
     }
   }
+  rebuild_cache_only(p, warm, local);
   build_locally(p, local);
   auto next = std::make_shared<std::atomic<size_t>>(0);
   const int nf = std::min<int>(opt_.fetch_parallelism, int(warm.size()));

@@ -68,6 +68,21 @@ int main(int argc, char** argv) {
   hypic::rpc::add_strict_int_option(app, "--fetch-parallelism", opt.fetch_parallelism, 1, 64,
                                     "parallel segment-cache fetches per request")
       ->capture_default_str();
+  std::string cache_fetch_policy = "auto";
+  app.add_option("--cache-fetch-policy", cache_fetch_policy,
+                 "a segment only the segment cache holds: auto: fetched, or prefilled here when this worker's measured "
+                 "fetch and build rates say that is sooner; always: fetched")
+      ->check(CLI::IsMember({"auto", "always"}))
+      ->capture_default_str();
+  app.add_option("--fetch-rate-prior-mb-per-s", opt.fetch_prior_mb_per_s,
+                 "auto: the cache fetch rate (MB/s per entry) assumed until this worker has timed its own fetches "
+                 "(0: unknown, fetch until both rates are known)")
+      ->check(CLI::Range(0.0, 1e12))
+      ->capture_default_str();
+  app.add_option("--build-rate-prior-tokens-per-s", opt.build_prior_tokens_per_s,
+                 "auto: the prefill rate (tokens/s) assumed until this worker has timed its own builds (0: unknown)")
+      ->check(CLI::Range(0.0, 1e12))
+      ->capture_default_str();
   std::string nccl = "auto";
   int nccl_join_timeout_ms = 20000;
   app.add_option("--nccl", nccl,
@@ -86,6 +101,7 @@ int main(int argc, char** argv) {
     hypic::transport::disable_nvls();
     opt.gather_timeout = std::chrono::seconds(gather_timeout_s);
     opt.nccl = nccl == "auto";
+    opt.cache_fetch_policy = hypic::combine::parse_cache_fetch_policy(cache_fetch_policy);
     opt.nccl_join_timeout = std::chrono::milliseconds(nccl_join_timeout_ms);
     const auto device_tier_flag = hypic::rpc::parse_byte_budget(memory_tier_bytes, "--memory-tier-bytes");
     const auto host_tier_flag = hypic::rpc::parse_byte_budget(host_tier_bytes, "--host-tier-bytes");

@@ -36,6 +36,7 @@ CombineService::CombineService(CombineDeps deps, CombineOptions options)
       accepts_({backend_.device().index, options.nccl_join_timeout,
                 std::chrono::duration_cast<std::chrono::milliseconds>(options.nccl_idle_timeout),
                 options.nccl_max_links}) {
+  fetch_costs_.set_priors(opt_.fetch_prior_mb_per_s, opt_.build_prior_tokens_per_s);
   // Prometheus metrics (proto/rpc/metrics.h), read at each scrape; this service lives until the server stopped.
   auto& reg = rpc::MetricsRegistry::global();
   auto& tier = d_.memory_tier;

@@ -15,6 +15,7 @@
 #include <vector>
 #include <string>
 
+#include "combine_worker/fetch_policy.h"
 #include "combine_worker/host_copies.h"
 #include "combine_worker/limits.h"
 #include "combine_worker/memory_tier.h"
@@ -37,6 +38,12 @@ struct CombineOptions {
   /// Parallel cache fetches per request. 8: a 16k-token prompt of 8 segments fetches all at once (its 8 x 232 MB from
   /// the cache at 35B dims in 1245 ms where 4 at a time took 1611 ms, H200, bench/results/serving_rows_fetch8_h200.md).
   int fetch_parallelism = 8;
+  /// A segment only the segment cache holds: fetched, or (Auto) prefilled here instead where this worker's measured
+  /// fetch and build rates say its entries arrive sooner that way (fetch_policy.h).
+  CacheFetchPolicy cache_fetch_policy = CacheFetchPolicy::Auto;
+  /// Starting estimates of this worker's cache fetch rate (MB/s per entry) and build rate (tokens/s) for Auto, until
+  /// its own fetches and builds move them (FetchCostModel::set_priors); 0: unknown (fetch until both were seen).
+  double fetch_prior_mb_per_s = 0, build_prior_tokens_per_s = 0;
   /// Accept NCCL communicators from scatter workers (OpenPeer) when this build and backend can (CUDA, NCCL); false:
   /// every entry comes over gRPC (--nccl off).
   bool nccl = true;
@@ -130,6 +137,11 @@ class CombineService final : public hypic::v1::CombineWorker::Service {
   /// A local build's outcome: into the device tier, its host copy queued, its slot filled; or the request failed.
   void finish_local_build(const std::shared_ptr<Pending>& p, size_t slot, engine::BuildOutcome r);
   void fetch_warm(const std::shared_ptr<Pending>& p, size_t slot, const grpc::ServerContextBase* ctx);
+  /// --cache-fetch-policy auto: moves from `warm` to `local` (with a note) the WARM slots that only the segment cache
+  /// holds and that fetch_costs_ says are sooner prefilled here (FetchCostModel::plan, given the LOCAL builds'
+  /// tokens); counted in hypic:cache_hits_rebuilt_total. `warm` stays in order.
+  void rebuild_cache_only(const std::shared_ptr<Pending>& p, std::vector<size_t>& warm,
+                          std::vector<std::pair<size_t, std::string>>& local);
   /// Makes a host entry (fetched or delivered over gRPC) resident on a device backend here, on the calling thread
   /// (Backend::block_of_entry + import_block: never on the engine loop), keeping its pinned block in the host tier;
   /// on the CPU backend returns null (the engine imports it, for free).
@@ -152,6 +164,7 @@ class CombineService final : public hypic::v1::CombineWorker::Service {
 
   CombineDeps d_;
   CombineOptions opt_;
+  FetchCostModel fetch_costs_;  // this worker's cache fetch and local build rates (cache_fetch_policy Auto)
   const engine::Backend& backend_;  // d_.loop's: immutable facts only (config, fingerprint, numerics, device)
   std::string device_;
   std::string address_;

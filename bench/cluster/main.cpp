@@ -643,7 +643,15 @@ void Bench::count_tiers(Target& t, const RequestResult& ref, json& counts) {
 
 json Bench::run_serving() {
   const LengthSpec len = parse_length_spec(opt_.serving_segment_tokens, "--serving-segment-tokens");
-  Target t = cluster(opt_.scatter_workers, {}, "serving");
+  // The rows measure each source as it is: hypic_warm_remote fetches from the segment cache (its GB/s), so the
+  // combine worker's --cache-fetch-policy auto, which may prefill such segments instead once it has timed both, is
+  // pinned to always here unless the caller set it (--launcher-arg=--combine-arg=--cache-fetch-policy=...).
+  const bool policy_given = std::any_of(opt_.launcher_args.begin(), opt_.launcher_args.end(), [](const std::string& a) {
+    return a.find("--cache-fetch-policy") != std::string::npos;
+  });
+  std::vector<std::string> pin;
+  if (!policy_given) pin.push_back("--combine-arg=--cache-fetch-policy=always");
+  Target t = cluster(opt_.scatter_workers, pin, "serving");
   const int n = opt_.serving_segments;
   std::cerr << fmt::format("[bench] serving: {} prompts of {} segments\n", opt_.serving_prompts, n);
   warm_up(t, {"hypic", "prefix", "full"}, len, n);

@@ -98,12 +98,24 @@ class ClusterTestCase(unittest.TestCase):
     cluster: LocalCluster
 
     @classmethod
+    def cluster_extra_args(cls) -> dict[str, list[str]]:
+        """extra_args, with the combine worker's --cache-fetch-policy pinned to always unless the class sets it: the
+        default (auto) may prefill a segment the cache holds where this machine's fetches look slower than its builds,
+        which on the tiny test model can flip with load; CacheFetchPolicyTest covers auto."""
+        args = {role: list(flags) for role, flags in cls.extra_args.items()}
+        combine = args.setdefault("combine", [])
+        if "--cache-fetch-policy" not in combine:
+            combine += ["--cache-fetch-policy", "always"]
+        return args
+
+    @classmethod
     def setUpClass(cls) -> None:
         Env.ensure()
         cls.work = tempfile.TemporaryDirectory(prefix=f"hypic-it-{cls.__name__}-")
-        cls.cluster = LocalCluster(BIN_DIR, cls.model_dir or Env.model, cls.tokenizer_file or Env.tokenizer, scatter_workers=cls.scatter_workers,
-                                   cache_replicas=cls.cache_replicas, work_dir=cls.work.name,
-                                   extra_args=cls.extra_args, device=cls.device, tls=cls.tls)
+        cls.cluster = LocalCluster(BIN_DIR, cls.model_dir or Env.model, cls.tokenizer_file or Env.tokenizer,
+                                   scatter_workers=cls.scatter_workers, cache_replicas=cls.cache_replicas,
+                                   work_dir=cls.work.name, extra_args=cls.cluster_extra_args(), device=cls.device,
+                                   tls=cls.tls)
         cls.cluster.start()
 
     @classmethod
@@ -182,6 +194,15 @@ class ClusterTestCase(unittest.TestCase):
 
     def client(self, *args: str) -> subprocess.CompletedProcess:
         return subprocess.run([str(BIN_DIR / "hypic-client"), *args], capture_output=True, text=True, timeout=60)
+
+    def combine_metric(self, name: str) -> float:
+        """The first sample of `name` on the combine worker's /metrics (0 when it has none yet)."""
+        import urllib.request
+        text = urllib.request.urlopen(f"http://{self.cluster.metrics_address('combine')}/metrics", timeout=10).read()
+        for line in text.decode().splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
 
     def cache_stats(self, replica: str = "cache-0") -> dict:
         r = self.client("cache-stats", "--cache", self.cluster.address(replica))

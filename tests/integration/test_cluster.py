@@ -332,6 +332,55 @@ class ScatterFailureTest(ClusterTestCase):
         self.assertEqual(res3["token_ids"], self.reference(segs3, query))
 
 
+class CacheFetchPolicyTest(ClusterTestCase):
+    """--cache-fetch-policy auto (the default): a segment that only the segment cache holds is prefilled again on the
+    combine worker when its rates say that is sooner than fetching it. The combine worker keeps no tier of its own
+    (--memory-tier-bytes 0), so every warm segment is the cache's alone, and starts from a fetch rate of 1 kB/s and a
+    build rate of 10^6 tokens/s (--fetch-rate-prior-mb-per-s, --build-rate-prior-tokens-per-s): its own builds then
+    move the build rate to what this machine does, but a kB/s fetch stays far slower, so the choice is certain."""
+    scatter_workers = 0
+    extra_args = {"combine": ["--memory-tier-bytes", "0", "--cache-fetch-policy", "auto",
+                              "--fetch-rate-prior-mb-per-s", "0.001", "--build-rate-prior-tokens-per-s", "1000000"]}
+
+    def test_slow_fetch_is_rebuilt_with_the_same_tokens(self):
+        segs, query = [SEGMENTS[0], SEGMENTS[3]], "Which letters come first?"
+        cold = self.ok(self.generate(segs, query))
+        self.assertEqual(sources(cold), ["SEGMENT_SOURCE_COMBINE_COMPUTED"] * 2)
+        self.wait_cached(cold)
+        before = self.combine_metric("hypic:cache_hits_rebuilt_total")
+        warm = self.generate(segs, query)
+        rep = self.ok(warm)
+        # The router found both in the cache; the combine worker prefilled them instead of fetching them.
+        self.assertEqual([s["cache_hit"] for s in rep["segments"]], [True, True])
+        self.assertEqual(sources(rep), ["SEGMENT_SOURCE_COMBINE_COMPUTED"] * 2)
+        for s in rep["segments"]:
+            self.assertIn("prefilled here instead", s.get("note", ""))
+            self.assertIn("--cache-fetch-policy auto", s.get("note", ""))
+        self.assertEqual(warm["token_ids"], self.reference(segs, query))
+        self.assertEqual(self.combine_metric("hypic:cache_hits_rebuilt_total") - before, 2)
+        log = self.cluster.services["combine"].log_path.read_text()
+        self.assertIn("prefilled here instead", log)
+        self.assertNotIn("from the segment cache:", log)  # nothing was fetched
+
+
+class CacheFetchAlwaysTest(ClusterTestCase):
+    """--cache-fetch-policy always: the same slow-fetch estimates as CacheFetchPolicyTest, but every segment the
+    cache holds is fetched."""
+    scatter_workers = 0
+    extra_args = {"combine": ["--memory-tier-bytes", "0", "--cache-fetch-policy", "always",
+                              "--fetch-rate-prior-mb-per-s", "0.001", "--build-rate-prior-tokens-per-s", "1000000"]}
+
+    def test_cache_hits_are_fetched(self):
+        segs, query = [SEGMENTS[1], SEGMENTS[2]], "Which letters come last?"
+        cold = self.ok(self.generate(segs, query))
+        self.wait_cached(cold)
+        warm = self.generate(segs, query)
+        rep = self.ok(warm)
+        self.assertEqual(sources(rep), ["SEGMENT_SOURCE_CACHE"] * 2)
+        self.assertEqual(warm["token_ids"], self.reference(segs, query))
+        self.assertEqual(self.combine_metric("hypic:cache_hits_rebuilt_total"), 0)
+
+
 class CacheDownTest(ClusterTestCase):
     """With the segment cache stopped, requests still complete: by computing, or from the combine worker's own
     tier, which the router counts as hits."""

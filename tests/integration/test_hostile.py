@@ -24,7 +24,6 @@ import tempfile
 import threading
 import time
 import unittest
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -43,13 +42,6 @@ class PoisonTest(ClusterTestCase):
     the router's."""
     scatter_workers = 1
     extra_args = {"combine": ["--memory-tier-bytes", "0", "--max-new-tokens", "16"]}
-
-    def combine_metric(self, name: str) -> float:
-        text = urllib.request.urlopen(f"http://{self.cluster.metrics_address('combine')}/metrics", timeout=10).read()
-        for line in text.decode().splitlines():
-            if line.startswith(name + " ") or line.startswith(name + "{"):
-                return float(line.rsplit(" ", 1)[1])
-        return 0.0
 
     def test_relabelled_entry_is_refused_and_the_answer_unchanged(self):
         doc_a, doc_b, query = words(2601, 60), words(2602, 60), "What is said?"

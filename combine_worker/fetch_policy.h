@@ -1,0 +1,78 @@
+// Fetch or rebuild: whether a segment whose entry only the segment cache holds is fetched over the network or
+// prefilled again on this worker, whichever its measured rates say gives the request its entries sooner. At real model
+// size an entry is large (232 MB for 2048 tokens at Qwen3.5-35B-A3B dimensions) and a gRPC fetch moves about 0.2 GB/s
+// per entry, so eight cache-only entries took 1.5 s where prefilling the same eight segments took 0.4 s
+// (bench/results/serving_h200.md, hypic_warm_remote against hypic_cold): a cached segment must not make a request
+// slower than recomputing it. The rates are learned from this worker's own fetches and builds; until both have been
+// seen, everything is fetched.
+#pragma once
+#include <cstdint>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace hypic::combine {
+
+/// How the combine worker treats a segment that only the segment cache holds (--cache-fetch-policy).
+enum class CacheFetchPolicy {
+  Auto,    ///< fetch, or rebuild here where the measured rates say that is sooner (FetchCostModel::plan)
+  Always,  ///< always fetch (the behaviour before this policy)
+};
+
+/// Parses "auto" / "always"; std::invalid_argument naming the value otherwise.
+CacheFetchPolicy parse_cache_fetch_policy(const std::string& s);
+
+/// One cache-only segment of a request: its slot, tokens, and the bytes its entry has on the wire.
+struct FetchCandidate {
+  size_t slot = 0;
+  int64_t tokens = 0;
+  uint64_t wire_bytes = 0;
+};
+
+/// The plan for a request's cache-only segments: which to rebuild here (slots), and the estimates behind it (ms;
+/// zero when no rates are known yet).
+struct FetchPlan {
+  std::vector<size_t> rebuild;  ///< slots to prefill here instead of fetching; the rest are fetched
+  double fetch_all_ms = 0;      ///< estimated time to the last entry if every candidate were fetched
+  double chosen_ms = 0;         ///< estimated time to the last entry under the plan
+};
+
+/// Rates learned from this worker's cache fetches (ms per wire byte, each fetch timed under whatever concurrency it
+/// ran with) and local builds (ms per token: a build's share of its batch), as exponentially weighted means (weight
+/// `alpha` for the newest observation). Thread-safe.
+class FetchCostModel {
+ public:
+  /// std::invalid_argument unless 0 < alpha <= 1 and margin >= 1.
+  explicit FetchCostModel(double alpha = 0.3, double margin = 1.25);
+
+  /// Starting estimates, used until observations move them (each observation is weighted in as above): a fetch rate
+  /// in MB/s (10^6 bytes per second) per entry and a build rate in tokens/s; 0 leaves that rate unknown.
+  /// std::invalid_argument on a negative or non-finite rate.
+  void set_priors(double fetch_mb_per_s, double build_tokens_per_s);
+
+  /// A cache fetch of `bytes` wire bytes that took `ms` (transfer, parse, verify, device copy). Ignored when either
+  /// is not positive.
+  void observe_fetch(uint64_t bytes, double ms);
+  /// A local build of `tokens` tokens whose share of its batch took `ms`. Ignored when either is not positive.
+  void observe_build(int64_t tokens, double ms);
+
+  /// The plan for `candidates` (cache-only segments) of a request that also builds `local_tokens` tokens here
+  /// (LOCAL segments), with up to `parallelism` fetches at once. With both rates known, the time to the last entry is
+  /// estimated as max(fetch time, build time): fetch time = ceil(fetched / parallelism) x the mean fetched entry's
+  /// bytes x ms per byte (0 with none fetched), build time = (local_tokens + rebuilt tokens) x ms per token (0 with
+  /// none); candidates are rebuilt shortest first, and the count with the lowest estimate is chosen, rebuilding any
+  /// only when that beats fetching every one by `margin` (1.25: a 25% win, so that noise in the rates does not flip
+  /// the choice). Without both rates, or parallelism < 1: fetch every one.
+  FetchPlan plan(std::vector<FetchCandidate> candidates, int64_t local_tokens, int parallelism) const;
+
+  std::optional<double> fetch_ms_per_byte() const;
+  std::optional<double> build_ms_per_token() const;
+
+ private:
+  mutable std::mutex mu_;
+  double alpha_, margin_;
+  std::optional<double> fetch_ms_per_byte_, build_ms_per_token_;
+};
+
+}  // namespace hypic::combine

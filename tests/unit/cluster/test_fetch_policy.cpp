@@ -1,0 +1,138 @@
+// combine_worker/fetch_policy.h: the fetch-or-rebuild choice for segments only the segment cache holds. Expected
+// plans are worked out by hand from the model's formula: time to the last entry = max(ceil(fetched / P) x mean
+// fetched bytes x ms/byte, (local + rebuilt tokens) x ms/token), rebuilt shortest first, a rebuild only when it beats
+// fetching everything by the margin.
+#include <catch2/catch.hpp>
+
+#include <limits>
+#include <stdexcept>
+
+#include "combine_worker/fetch_policy.h"
+
+using hypic::combine::CacheFetchPolicy;
+using hypic::combine::FetchCandidate;
+using hypic::combine::FetchCostModel;
+using hypic::combine::parse_cache_fetch_policy;
+
+namespace {
+constexpr uint64_t MB = 1'000'000;
+}
+
+TEST_CASE("parse_cache_fetch_policy: auto, always, and a clear error otherwise", "[fetch_policy]") {
+  CHECK(parse_cache_fetch_policy("auto") == CacheFetchPolicy::Auto);
+  CHECK(parse_cache_fetch_policy("always") == CacheFetchPolicy::Always);
+  CHECK_THROWS_WITH(parse_cache_fetch_policy("never"), Catch::Contains("'never'") && Catch::Contains("auto, always"));
+}
+
+TEST_CASE("FetchCostModel: no rates, no rebuild", "[fetch_policy]") {
+  FetchCostModel m;
+  const std::vector<FetchCandidate> c = {{0, 2048, 232 * MB}, {1, 2048, 232 * MB}};
+  CHECK(m.plan(c, 0, 8).rebuild.empty());
+  m.observe_fetch(232 * MB, 1000.0);  // a fetch seen, no build yet
+  CHECK(m.plan(c, 0, 8).rebuild.empty());
+  FetchCostModel b;
+  b.observe_build(2048, 50.0);  // a build seen, no fetch yet
+  CHECK(b.plan(c, 0, 8).rebuild.empty());
+}
+
+TEST_CASE("FetchCostModel: real-size entries over a slow fetch are rebuilt (the H200 cluster's rates)", "[fetch_policy]") {
+  // bench/results/serving_h200.md: a 232 MB entry in about 1200 ms under 8 fetches at once (0.19 GB/s per entry),
+  // 8 x 2048 tokens built in one pass in about 400 ms (about 0.0244 ms per token).
+  FetchCostModel m;
+  m.observe_fetch(232 * MB, 1200.0);
+  m.observe_build(2048, 50.0);
+  REQUIRE(*m.fetch_ms_per_byte() == Approx(1200.0 / (232.0 * MB)));
+  REQUIRE(*m.build_ms_per_token() == Approx(50.0 / 2048.0));
+  std::vector<FetchCandidate> c;
+  for (size_t i = 0; i < 8; ++i) c.push_back({i, 2048, 232 * MB});
+  const auto plan = m.plan(c, 0, 8);
+  // Fetching all 8 at once: ceil(8 / 8) x 1200 = 1200 ms. Rebuilding all: 8 x 2048 x 50 / 2048 = 400 ms; rebuilding
+  // m < 8 leaves at least one fetch of 1200 ms. Best: all 8.
+  CHECK(plan.fetch_all_ms == Approx(1200.0));
+  CHECK(plan.chosen_ms == Approx(400.0));
+  CHECK(plan.rebuild == std::vector<size_t>{0, 1, 2, 3, 4, 5, 6, 7});
+}
+
+TEST_CASE("FetchCostModel: small entries over a fast fetch stay fetched", "[fetch_policy]") {
+  // A CPU-backend-like worker: a 5 MB entry in 10 ms, 64 tokens built in 40 ms.
+  FetchCostModel m;
+  m.observe_fetch(5 * MB, 10.0);
+  m.observe_build(64, 40.0);
+  std::vector<FetchCandidate> c;
+  for (size_t i = 0; i < 4; ++i) c.push_back({i, 64, 5 * MB});
+  const auto plan = m.plan(c, 0, 8);
+  CHECK(plan.rebuild.empty());
+  CHECK(plan.fetch_all_ms == Approx(10.0));
+  CHECK(plan.chosen_ms == Approx(10.0));
+}
+
+TEST_CASE("FetchCostModel: a partial rebuild overlaps the builds with the rest of the fetches", "[fetch_policy]") {
+  // 1 ms per MB fetched, 1 ms per token built; parallelism 1. Candidates of 100 tokens (entries of 300 MB).
+  FetchCostModel m;
+  m.observe_fetch(300 * MB, 300.0);
+  m.observe_build(100, 100.0);
+  std::vector<FetchCandidate> c;
+  for (size_t i = 0; i < 4; ++i) c.push_back({10 + i, 100, 300 * MB});
+  // m rebuilt: max((4 - m) x 300, m x 100): m = 0: 1200, 1: 900, 2: 600, 3: max(300, 300) = 300, 4: 400. Best m = 3.
+  const auto plan = m.plan(c, 0, 1);
+  CHECK(plan.fetch_all_ms == Approx(1200.0));
+  CHECK(plan.chosen_ms == Approx(300.0));
+  CHECK(plan.rebuild == std::vector<size_t>{10, 11, 12});
+  SECTION("LOCAL builds already planned count against rebuilding") {
+    // 1000 local tokens: m rebuilt: max((4 - m) x 300, 1000 + 100 m): 0: 1200, 1: 1100, 2: 1200, 3: 1300, 4: 1400.
+    // Best m = 1 at 1100, but 1100 x 1.25 > 1200: not worth switching.
+    const auto p2 = m.plan(c, 1000, 1);
+    CHECK(p2.rebuild.empty());
+    CHECK(p2.chosen_ms == Approx(1200.0));
+  }
+}
+
+TEST_CASE("FetchCostModel: shortest candidates are rebuilt first", "[fetch_policy]") {
+  FetchCostModel m;
+  m.observe_fetch(100 * MB, 100.0);  // 1 ms per MB
+  m.observe_build(10, 10.0);         // 1 ms per token
+  // Slots 5 (400 tokens, 100 MB), 6 (50 tokens, 100 MB), 7 (200 tokens, 100 MB); parallelism 1.
+  // Sorted by tokens: 6, 7, 5. m = 0: 3 x 100 = 300; m = 1 (slot 6): max(2 x 100, 50) = 200; m = 2: max(100, 250) =
+  // 250; m = 3: 650. Best m = 1 at 200 (200 x 1.25 = 250 <= 300).
+  const auto plan = m.plan({{5, 400, 100 * MB}, {6, 50, 100 * MB}, {7, 200, 100 * MB}}, 0, 1);
+  CHECK(plan.rebuild == std::vector<size_t>{6});
+  CHECK(plan.chosen_ms == Approx(200.0));
+}
+
+TEST_CASE("FetchCostModel: rates are exponentially weighted means, bad observations are ignored", "[fetch_policy]") {
+  FetchCostModel m(0.5, 1.0);
+  m.observe_fetch(1000, 10.0);  // 0.01 ms per byte
+  m.observe_fetch(1000, 30.0);  // 0.03: mean 0.5 x 0.01 + 0.5 x 0.03 = 0.02
+  CHECK(*m.fetch_ms_per_byte() == Approx(0.02));
+  m.observe_fetch(0, 5.0);
+  m.observe_fetch(1000, 0.0);
+  m.observe_fetch(1000, -1.0);
+  CHECK(*m.fetch_ms_per_byte() == Approx(0.02));
+  m.observe_build(0, 5.0);
+  m.observe_build(-3, 5.0);
+  m.observe_build(10, 0.0);
+  CHECK_FALSE(m.build_ms_per_token().has_value());
+  CHECK(m.plan({{0, 10, 1000}}, 0, 0).rebuild.empty());  // parallelism < 1: fetch
+  CHECK_THROWS_AS(FetchCostModel(0.0, 1.25), std::invalid_argument);
+  CHECK_THROWS_AS(FetchCostModel(0.3, 0.5), std::invalid_argument);
+}
+
+TEST_CASE("FetchCostModel::set_priors: starting rates that observations then move", "[fetch_policy]") {
+  FetchCostModel m(0.5, 1.25);
+  m.set_priors(100.0, 2000.0);  // 100 MB/s: 1e-5 ms per byte; 2000 tokens/s: 0.5 ms per token
+  REQUIRE(m.fetch_ms_per_byte().has_value());
+  CHECK(*m.fetch_ms_per_byte() == Approx(1e-5));
+  CHECK(*m.build_ms_per_token() == Approx(0.5));
+  m.observe_build(100, 150.0);  // 1.5 ms per token: 0.5 x 0.5 + 0.5 x 1.5 = 1.0
+  CHECK(*m.build_ms_per_token() == Approx(1.0));
+  // 4 entries of 100 MB (1000 ms each at 100 MB/s), parallelism 4, 100 tokens each (100 ms each at 1 ms per token):
+  // fetch all = 1000 ms; rebuild all = 400 ms; rebuild 3 = max(1000, 300). Best: all 4.
+  const auto plan = m.plan({{0, 100, 100 * MB}, {1, 100, 100 * MB}, {2, 100, 100 * MB}, {3, 100, 100 * MB}}, 0, 4);
+  CHECK(plan.rebuild.size() == 4);
+  CHECK(plan.chosen_ms == Approx(400.0));
+  m.set_priors(0.0, 0.0);  // both unknown again
+  CHECK_FALSE(m.fetch_ms_per_byte().has_value());
+  CHECK_FALSE(m.build_ms_per_token().has_value());
+  CHECK_THROWS_AS(m.set_priors(-1.0, 0.0), std::invalid_argument);
+  CHECK_THROWS_AS(m.set_priors(0.0, std::numeric_limits<double>::infinity()), std::invalid_argument);
+}
