@@ -12,19 +12,25 @@ CacheFetchPolicy parse_cache_fetch_policy(const std::string& s) {
   throw std::invalid_argument("--cache-fetch-policy: '" + s + "' is not one of auto, always");
 }
 
-FetchCostModel::FetchCostModel(double alpha, double margin) : alpha_(alpha), margin_(margin) {
+FetchCostModel::FetchCostModel(double alpha, double margin, int probe_every)
+    : alpha_(alpha), margin_(margin), probe_every_(probe_every) {
   if (!(alpha > 0 && alpha <= 1)) throw std::invalid_argument("FetchCostModel: alpha must be in (0, 1]");
   if (!(margin >= 1)) throw std::invalid_argument("FetchCostModel: margin must be at least 1");
+  if (probe_every < 1) throw std::invalid_argument("FetchCostModel: probe_every must be at least 1");
 }
 
 void FetchCostModel::set_priors(double fetch_mb_per_s, double build_tokens_per_s) {
   if (!std::isfinite(fetch_mb_per_s) || fetch_mb_per_s < 0 || !std::isfinite(build_tokens_per_s) ||
       build_tokens_per_s < 0)
     throw std::invalid_argument("FetchCostModel: prior rates must be finite and non-negative");
+  const double f = fetch_mb_per_s > 0 ? 1e-3 / fetch_mb_per_s : 0;  // 1 MB/s = 10^6 bytes per 1000 ms
+  const double b = build_tokens_per_s > 0 ? 1e3 / build_tokens_per_s : 0;
+  if (!std::isfinite(f) || !std::isfinite(b)) throw std::invalid_argument("FetchCostModel: prior rate too small");
   std::lock_guard<std::mutex> lock(mu_);
   fetch_ms_per_byte_ = build_ms_per_token_ = std::nullopt;
-  if (fetch_mb_per_s > 0) fetch_ms_per_byte_ = 1e-3 / fetch_mb_per_s;  // 1 MB/s = 10^6 bytes per 1000 ms
-  if (build_tokens_per_s > 0) build_ms_per_token_ = 1e3 / build_tokens_per_s;
+  if (fetch_mb_per_s > 0) fetch_ms_per_byte_ = f;
+  if (build_tokens_per_s > 0) build_ms_per_token_ = b;
+  plans_without_fetch_ = 0;
 }
 
 namespace {
@@ -37,6 +43,7 @@ void FetchCostModel::observe_fetch(uint64_t bytes, double ms) {
   if (bytes == 0 || !(ms > 0)) return;
   std::lock_guard<std::mutex> lock(mu_);
   ewma(fetch_ms_per_byte_, ms / double(bytes), alpha_);
+  plans_without_fetch_ = 0;
 }
 
 void FetchCostModel::observe_build(int64_t tokens, double ms) {
@@ -55,37 +62,57 @@ std::optional<double> FetchCostModel::build_ms_per_token() const {
   return build_ms_per_token_;
 }
 
-FetchPlan FetchCostModel::plan(std::vector<FetchCandidate> candidates, int64_t local_tokens, int parallelism) const {
+FetchPlan FetchCostModel::plan(std::vector<FetchCandidate> candidates, int64_t local_tokens, int parallelism) {
   FetchPlan out;
   const auto f = fetch_ms_per_byte();
   const auto b = build_ms_per_token();
   if (candidates.empty() || !f || !b || parallelism < 1) return out;
-  // Shortest first: the first m are rebuilt, the rest fetched.
-  std::stable_sort(candidates.begin(), candidates.end(),
-                   [](const FetchCandidate& x, const FetchCandidate& y) { return x.tokens < y.tokens; });
   const size_t n = candidates.size();
-  std::vector<double> suffix_bytes(n + 1, 0.0);  // bytes of candidates m .. n - 1
-  for (size_t i = n; i-- > 0;) suffix_bytes[i] = suffix_bytes[i + 1] + double(candidates[i].wire_bytes);
-  auto estimate = [&](size_t m, double rebuilt_tokens) {
-    const size_t fetched = n - m;
-    const double fetch_ms =
-        fetched == 0 ? 0.0
-                     : double((fetched + size_t(parallelism) - 1) / size_t(parallelism)) *
-                           (suffix_bytes[m] / double(fetched)) * *f;
-    const double build_tokens = double(std::max<int64_t>(local_tokens, 0)) + rebuilt_tokens;
-    return std::max(fetch_ms, build_tokens * *b);
+  const double local = double(std::max<int64_t>(local_tokens, 0));
+  // The time to the last entry when the first m of `order` are rebuilt and the rest fetched.
+  auto estimate = [&](const std::vector<FetchCandidate>& order, size_t m) {
+    double bytes = 0, largest = 0, tokens = local;
+    for (size_t i = 0; i < n; ++i) {
+      if (i < m) {
+        tokens += double(order[i].tokens);
+      } else {
+        bytes += double(order[i].wire_bytes);
+        largest = std::max(largest, double(order[i].wire_bytes));
+      }
+    }
+    return std::max(std::max(largest, bytes / double(parallelism)) * *f, tokens * *b);
   };
-  out.fetch_all_ms = estimate(0, 0.0);
+  std::vector<FetchCandidate> shortest = candidates, longest = candidates;
+  std::stable_sort(shortest.begin(), shortest.end(),
+                   [](const FetchCandidate& x, const FetchCandidate& y) { return x.tokens < y.tokens; });
+  std::stable_sort(longest.begin(), longest.end(),
+                   [](const FetchCandidate& x, const FetchCandidate& y) { return x.tokens > y.tokens; });
+  out.fetch_all_ms = estimate(shortest, 0);
+  const std::vector<FetchCandidate>* best_order = &shortest;
   size_t best_m = 0;
-  double best = out.fetch_all_ms, rebuilt = 0;
-  for (size_t m = 1; m <= n; ++m) {
-    rebuilt += double(candidates[m - 1].tokens);
-    const double e = estimate(m, rebuilt);
-    if (e < best) best = e, best_m = m;
-  }
+  double best = out.fetch_all_ms;
+  for (const auto* order : {&shortest, &longest})
+    for (size_t m = 1; m <= n; ++m)
+      if (const double e = estimate(*order, m); e < best) best = e, best_m = m, best_order = order;
   if (best_m > 0 && best * margin_ > out.fetch_all_ms) best_m = 0, best = out.fetch_all_ms;  // not worth the switch
+  if (best_m == n) {  // nothing fetched: a probe now and then keeps the smallest entry fetched
+    std::lock_guard<std::mutex> lock(mu_);
+    if (++plans_without_fetch_ >= probe_every_) {
+      plans_without_fetch_ = 0;
+      std::vector<FetchCandidate> order = *best_order;
+      const auto smallest = std::min_element(order.begin(), order.end(), [](const auto& x, const auto& y) {
+        return x.wire_bytes < y.wire_bytes;
+      });
+      std::rotate(smallest, smallest + 1, order.end());  // the smallest last: the one fetched
+      shortest = std::move(order);
+      best_order = &shortest;
+      best = estimate(shortest, n - 1);
+      best_m = n - 1;
+      out.probe = true;
+    }
+  }
   out.chosen_ms = best;
-  for (size_t i = 0; i < best_m; ++i) out.rebuild.push_back(candidates[i].slot);
+  for (size_t i = 0; i < best_m; ++i) out.rebuild.push_back((*best_order)[i].slot);
   std::sort(out.rebuild.begin(), out.rebuild.end());
   return out;
 }

@@ -36,19 +36,22 @@ struct FetchPlan {
   std::vector<size_t> rebuild;  ///< slots to prefill here instead of fetching; the rest are fetched
   double fetch_all_ms = 0;      ///< estimated time to the last entry if every candidate were fetched
   double chosen_ms = 0;         ///< estimated time to the last entry under the plan
+  bool probe = false;           ///< one candidate kept fetched only to measure the fetch rate again (FetchCostModel)
 };
 
 /// Rates learned from this worker's cache fetches (ms per wire byte, each fetch timed under whatever concurrency it
 /// ran with) and local builds (ms per token: a build's share of its batch), as exponentially weighted means (weight
-/// `alpha` for the newest observation). Thread-safe.
+/// `alpha` for the newest observation). A plan that would fetch nothing counts towards a probe: the `probe_every`-th
+/// such plan since the last fetch observed keeps its smallest candidate fetched, so that a fetch rate measured once in
+/// a bad moment (or a pessimistic prior) is measured again. Thread-safe.
 class FetchCostModel {
  public:
-  /// std::invalid_argument unless 0 < alpha <= 1 and margin >= 1.
-  explicit FetchCostModel(double alpha = 0.3, double margin = 1.25);
+  /// std::invalid_argument unless 0 < alpha <= 1, margin >= 1 and probe_every >= 1.
+  explicit FetchCostModel(double alpha = 0.3, double margin = 1.25, int probe_every = 16);
 
   /// Starting estimates, used until observations move them (each observation is weighted in as above): a fetch rate
   /// in MB/s (10^6 bytes per second) per entry and a build rate in tokens/s; 0 leaves that rate unknown.
-  /// std::invalid_argument on a negative or non-finite rate.
+  /// std::invalid_argument on a negative or non-finite rate, or one so small that its inverse is not finite.
   void set_priors(double fetch_mb_per_s, double build_tokens_per_s);
 
   /// A cache fetch of `bytes` wire bytes that took `ms` (transfer, parse, verify, device copy). Ignored when either
@@ -59,12 +62,14 @@ class FetchCostModel {
 
   /// The plan for `candidates` (cache-only segments) of a request that also builds `local_tokens` tokens here
   /// (LOCAL segments), with up to `parallelism` fetches at once. With both rates known, the time to the last entry is
-  /// estimated as max(fetch time, build time): fetch time = ceil(fetched / parallelism) x the mean fetched entry's
-  /// bytes x ms per byte (0 with none fetched), build time = (local_tokens + rebuilt tokens) x ms per token (0 with
-  /// none); candidates are rebuilt shortest first, and the count with the lowest estimate is chosen, rebuilding any
-  /// only when that beats fetching every one by `margin` (1.25: a 25% win, so that noise in the rates does not flip
-  /// the choice). Without both rates, or parallelism < 1: fetch every one.
-  FetchPlan plan(std::vector<FetchCandidate> candidates, int64_t local_tokens, int parallelism) const;
+  /// estimated as max(fetch time, build time): fetch time = max(the largest fetched entry's bytes, the fetched bytes /
+  /// parallelism) x ms per byte (the last of parallel streams ends no sooner than either; 0 with none fetched), build
+  /// time = (local_tokens + rebuilt tokens) x ms per token (0 with none). The rebuilt set is a prefix of the
+  /// candidates shortest first or longest first (a long entry can be the fetches' straggler), whichever estimate is
+  /// lowest (shortest first on ties), and any are rebuilt only when that beats fetching every one by `margin` (1.25:
+  /// a 25% win, so that noise in the rates does not flip the choice); a probe (above) keeps the smallest entry
+  /// fetched. Without both rates, or parallelism < 1: fetch every one.
+  FetchPlan plan(std::vector<FetchCandidate> candidates, int64_t local_tokens, int parallelism);
 
   std::optional<double> fetch_ms_per_byte() const;
   std::optional<double> build_ms_per_token() const;
@@ -72,6 +77,8 @@ class FetchCostModel {
  private:
   mutable std::mutex mu_;
   double alpha_, margin_;
+  int probe_every_;
+  int plans_without_fetch_ = 0;  // plans that fetched nothing since the last fetch observed
   std::optional<double> fetch_ms_per_byte_, build_ms_per_token_;
 };
 

@@ -89,8 +89,13 @@ void CombineService::finish_local_build(const std::shared_ptr<Pending>& p, size_
   // critical path.
   const rpc::Digest digest = p->slots[slot].digest;  // immutable after registration
   fetch_costs_.observe_build(int64_t(p->slots[slot].ids.size()), r.compute_ms);
+  bool in_cache;
+  {
+    std::lock_guard<std::mutex> lock(p->mu);
+    in_cache = p->slots[slot].in_cache;
+  }
   d_.memory_tier.put(digest, r.entry);
-  d_.copier.enqueue(digest, r.entry, p->cache_segments, p->id);
+  d_.copier.enqueue(digest, r.entry, p->cache_segments && !in_cache, p->id);  // (the cache holds a rebuilt one)
   count_segment(v1::SEGMENT_SOURCE_COMBINE_COMPUTED);
   const size_t bytes = r.entry->resident_bytes();
   p->fill(slot, nullptr, v1::SEGMENT_SOURCE_COMBINE_COMPUTED, address_, r.compute_ms, bytes, device_, std::move(r.entry));
@@ -196,13 +201,20 @@ void CombineService::fetch_warm(const std::shared_ptr<Pending>& p, size_t slot, 
   build_locally(p, slot, why + "; prefilled by the combine worker");
 }
 
-void CombineService::rebuild_cache_only(const std::shared_ptr<Pending>& p, std::vector<size_t>& warm,
+void CombineService::rebuild_cache_only(const std::shared_ptr<Pending>& p, const v1::CombineRequest& req,
+                                        std::vector<size_t>& warm,
                                         std::vector<std::pair<size_t, std::string>>& local) {
   if (opt_.cache_fetch_policy != CacheFetchPolicy::Auto || !d_.cache.enabled() || warm.empty()) return;
+  // The refresh's tail (hypic mode) is recomputed in context by the splice: a tail segment's entry is fetched as
+  // before (building it would put on the critical path the work that WHOLE keeps off it).
+  const size_t n = p->slots.size();
+  const size_t tail_from = p->mode == engine::SpliceMode::Hypic && req.refresh_tail() > 0
+                               ? std::max<size_t>(1, n - std::min<size_t>(n, size_t(req.refresh_tail())))
+                               : n;
   std::vector<FetchCandidate> candidates;  // WARM slots this worker's tiers do not hold: the cache's alone
   for (size_t i : warm) {
     const Slot& s = p->slots[i];  // digest and ids are immutable after registration
-    if (d_.memory_tier.contains(s.digest) || d_.host_tier.contains(s.digest)) continue;
+    if (i >= tail_from || d_.memory_tier.contains(s.digest) || d_.host_tier.contains(s.digest)) continue;
     const auto tokens = int64_t(s.ids.size());
     candidates.push_back({i, tokens, engine::wire_entry_bytes(backend_.config(), tokens)});
   }
@@ -212,16 +224,21 @@ void CombineService::rebuild_cache_only(const std::shared_ptr<Pending>& p, std::
   if (plan.rebuild.empty()) return;
   const double mb_s = 1e-3 / *fetch_costs_.fetch_ms_per_byte(), tok_s = 1e3 / *fetch_costs_.build_ms_per_token();
   const std::string note =
-      fmt::format("in the segment cache, prefilled here instead: {} of its {} cache-only segments rebuilt, their entries "
-                  "estimated in {:.0f} ms against {:.0f} ms fetching them all (this worker's rates: fetch {:.0f} MB/s "
-                  "per entry, build {:.0f} tokens/s; --cache-fetch-policy auto)",
-                  plan.rebuild.size(), candidates.size(), plan.chosen_ms, plan.fetch_all_ms, mb_s, tok_s);
+      fmt::format("in the segment cache, prefilled here instead: {} of its {} cache-only segments rebuilt, their "
+                  "entries estimated in {:.0f} ms against {:.0f} ms fetching them all (this worker's rates: fetch "
+                  "{:.3g} MB/s per entry, build {:.3g} tokens/s; --cache-fetch-policy auto)",
+                  plan.rebuild.size(), candidates.size(), plan.chosen_ms, plan.fetch_all_ms, mb_s, tok_s) +
+      (plan.probe ? "; one kept fetched to time the segment cache again" : "");
   spdlog::info("[req {}] segments {}: {}", p->id, fmt::join(plan.rebuild, ","), note);
   static auto& rebuilt = rpc::MetricsRegistry::global().counter(
       "hypic:cache_hits_rebuilt_total",
       "Segments the segment cache held that this combine worker prefilled again because its measured fetch and build "
       "rates said their entries would arrive sooner (--cache-fetch-policy auto)");
   rebuilt.inc(double(plan.rebuild.size()));
+  {
+    std::lock_guard<std::mutex> lock(p->mu);
+    for (size_t i : plan.rebuild) p->slots[i].in_cache = true;
+  }
   for (size_t i : plan.rebuild) local.emplace_back(i, note);
   std::erase_if(warm, [&](size_t i) { return std::binary_search(plan.rebuild.begin(), plan.rebuild.end(), i); });
 }
@@ -267,7 +284,7 @@ void CombineService::gather(const std::shared_ptr<Pending>& p, const v1::Combine
       ++p->filled;
     }
   }
-  rebuild_cache_only(p, warm, local);
+  rebuild_cache_only(p, req, warm, local);
   build_locally(p, local);
   auto next = std::make_shared<std::atomic<size_t>>(0);
   const int nf = std::min<int>(opt_.fetch_parallelism, int(warm.size()));

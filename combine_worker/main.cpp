@@ -1,5 +1,7 @@
 // hypic-combine-worker: gathers segment entries, splices, decodes (hypic.v1.CombineWorker).
 #include <limits>
+#include <stdexcept>
+#include <string>
 
 #include <CLI/CLI.hpp>
 #include <spdlog/spdlog.h>
@@ -74,14 +76,32 @@ int main(int argc, char** argv) {
                  "fetch and build rates say that is sooner; always: fetched")
       ->check(CLI::IsMember({"auto", "always"}))
       ->capture_default_str();
+  // A rate flag: 0 (unknown) or a finite value in [1e-6, 1e12] (NaN, inf and denormal rates have no usable inverse).
+  const CLI::Validator rate_check(
+      [](std::string& s) -> std::string {
+        size_t used = 0;
+        double v = 0;
+        try {
+          v = std::stod(s, &used);
+        } catch (const std::out_of_range&) {
+          return "must be 0 or in [1e-6, 1e12], got '" + s + "'";
+        } catch (const std::exception&) {
+          return "not a number: '" + s + "'";
+        }
+        if (used != s.size()) return "not a number: '" + s + "'";
+        if (!(v == 0 || (v >= 1e-6 && v <= 1e12))) return "must be 0 or in [1e-6, 1e12], got '" + s + "'";
+        return "";
+      },
+      "RATE");
   app.add_option("--fetch-rate-prior-mb-per-s", opt.fetch_prior_mb_per_s,
-                 "auto: the cache fetch rate (MB/s per entry) assumed until this worker has timed its own fetches "
-                 "(0: unknown, fetch until both rates are known)")
-      ->check(CLI::Range(0.0, 1e12))
+                 "auto: the cache fetch rate (MB/s per entry) to start from; this worker's timed fetches are averaged "
+                 "in (0: unknown, fetch until both rates are known)")
+      ->check(rate_check)
       ->capture_default_str();
   app.add_option("--build-rate-prior-tokens-per-s", opt.build_prior_tokens_per_s,
-                 "auto: the prefill rate (tokens/s) assumed until this worker has timed its own builds (0: unknown)")
-      ->check(CLI::Range(0.0, 1e12))
+                 "auto: the prefill rate (tokens/s) to start from; this worker's timed builds are averaged in (0: "
+                 "unknown)")
+      ->check(rate_check)
       ->capture_default_str();
   std::string nccl = "auto";
   int nccl_join_timeout_ms = 20000;

@@ -39,6 +39,7 @@ struct Slot {
   uint64_t entry_bytes = 0;
   bool local_started = false;
   bool retried_after_eviction = false;  // a local build refused for memory was retried once after evicting
+  bool in_cache = false;  // prefilled here although the segment cache holds it (--cache-fetch-policy): no put back
   // Delivered by a scatter worker: how ("grpc", "nccl"), how long from its header to acceptance, bytes moved.
   std::string transport;
   double transfer_ms = 0;

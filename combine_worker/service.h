@@ -139,9 +139,10 @@ class CombineService final : public hypic::v1::CombineWorker::Service {
   void fetch_warm(const std::shared_ptr<Pending>& p, size_t slot, const grpc::ServerContextBase* ctx);
   /// --cache-fetch-policy auto: moves from `warm` to `local` (with a note) the WARM slots that only the segment cache
   /// holds and that fetch_costs_ says are sooner prefilled here (FetchCostModel::plan, given the LOCAL builds'
-  /// tokens); counted in hypic:cache_hits_rebuilt_total. `warm` stays in order.
-  void rebuild_cache_only(const std::shared_ptr<Pending>& p, std::vector<size_t>& warm,
-                          std::vector<std::pair<size_t, std::string>>& local);
+  /// tokens), never the refresh's tail (hypic mode); counted in hypic:cache_hits_rebuilt_total, not put back in the
+  /// cache once built. `warm` stays in order.
+  void rebuild_cache_only(const std::shared_ptr<Pending>& p, const hypic::v1::CombineRequest& req,
+                          std::vector<size_t>& warm, std::vector<std::pair<size_t, std::string>>& local);
   /// Makes a host entry (fetched or delivered over gRPC) resident on a device backend here, on the calling thread
   /// (Backend::block_of_entry + import_block: never on the engine loop), keeping its pinned block in the host tier;
   /// on the CPU backend returns null (the engine imports it, for free).

@@ -104,7 +104,7 @@ class ClusterTestCase(unittest.TestCase):
         which on the tiny test model can flip with load; CacheFetchPolicyTest covers auto."""
         args = {role: list(flags) for role, flags in cls.extra_args.items()}
         combine = args.setdefault("combine", [])
-        if "--cache-fetch-policy" not in combine:
+        if not any(a == "--cache-fetch-policy" or a.startswith("--cache-fetch-policy=") for a in combine):
             combine += ["--cache-fetch-policy", "always"]
         return args
 

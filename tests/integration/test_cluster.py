@@ -348,6 +348,9 @@ class CacheFetchPolicyTest(ClusterTestCase):
         self.assertEqual(sources(cold), ["SEGMENT_SOURCE_COMBINE_COMPUTED"] * 2)
         self.wait_cached(cold)
         before = self.combine_metric("hypic:cache_hits_rebuilt_total")
+        puts_before = int(self.cache_stats()["puts"])
+        log_path = self.cluster.services["combine"].log_path
+        fetches_before = log_path.read_text().count("from the segment cache:")
         warm = self.generate(segs, query)
         rep = self.ok(warm)
         # The router found both in the cache; the combine worker prefilled them instead of fetching them.
@@ -358,9 +361,24 @@ class CacheFetchPolicyTest(ClusterTestCase):
             self.assertIn("--cache-fetch-policy auto", s.get("note", ""))
         self.assertEqual(warm["token_ids"], self.reference(segs, query))
         self.assertEqual(self.combine_metric("hypic:cache_hits_rebuilt_total") - before, 2)
-        log = self.cluster.services["combine"].log_path.read_text()
+        log = log_path.read_text()
         self.assertIn("prefilled here instead", log)
-        self.assertNotIn("from the segment cache:", log)  # nothing was fetched
+        self.assertEqual(log.count("from the segment cache:"), fetches_before)  # nothing was fetched
+        # The cache holds them already: the rebuilt entries are not put again (puts are asynchronous: given time).
+        time.sleep(1.0)
+        self.assertEqual(int(self.cache_stats()["puts"]), puts_before)
+
+    def test_refresh_tail_is_fetched_not_rebuilt(self):
+        """A router with --refresh-tail 1: the last segment is recomputed in context by the splice, so building its
+        entry first would only delay the request; it is fetched as before, the others rebuilt."""
+        router_b = self.start_second_router(["--refresh-tail", "1"])
+        segs, query = [SEGMENTS[4], SEGMENTS[5], SEGMENTS[1]], "What does the last letter ask?"
+        cold = self.ok(self.generate(segs, query))
+        self.wait_cached(cold)
+        rep = self.ok(self.generate(segs, query, router=router_b))
+        self.assertEqual([s["cache_hit"] for s in rep["segments"]], [True] * 3)
+        self.assertEqual(sources(rep), ["SEGMENT_SOURCE_COMBINE_COMPUTED"] * 2 + ["SEGMENT_SOURCE_CACHE"])
+        self.assertTrue(rep["segments"][2].get("refreshed"))
 
 
 class CacheFetchAlwaysTest(ClusterTestCase):

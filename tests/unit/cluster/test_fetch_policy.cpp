@@ -35,7 +35,8 @@ TEST_CASE("FetchCostModel: no rates, no rebuild", "[fetch_policy]") {
   CHECK(b.plan(c, 0, 8).rebuild.empty());
 }
 
-TEST_CASE("FetchCostModel: real-size entries over a slow fetch are rebuilt (the H200 cluster's rates)", "[fetch_policy]") {
+TEST_CASE("FetchCostModel: real-size entries over a slow fetch are rebuilt (the H200 cluster's rates)",
+          "[fetch_policy]") {
   // bench/results/serving_h200.md: a 232 MB entry in about 1200 ms under 8 fetches at once (0.19 GB/s per entry),
   // 8 x 2048 tokens built in one pass in about 400 ms (about 0.0244 ms per token).
   FetchCostModel m;
@@ -135,4 +136,51 @@ TEST_CASE("FetchCostModel::set_priors: starting rates that observations then mov
   CHECK_FALSE(m.build_ms_per_token().has_value());
   CHECK_THROWS_AS(m.set_priors(-1.0, 0.0), std::invalid_argument);
   CHECK_THROWS_AS(m.set_priors(0.0, std::numeric_limits<double>::infinity()), std::invalid_argument);
+}
+
+TEST_CASE("FetchCostModel: a long entry is the fetches' straggler and is rebuilt first", "[fetch_policy]") {
+  FetchCostModel m;
+  m.set_priors(190.0, 10000.0);  // 1 / 190000 ms per byte, 0.1 ms per token
+  // One 8192-token segment (928 MB) and seven of 16 tokens (1.8 MB each), 8 fetches at once.
+  std::vector<FetchCandidate> c = {{0, 16, 1'800'000}, {1, 8192, 928'000'000}};
+  for (size_t i = 2; i < 8; ++i) c.push_back({i, 16, 1'800'000});
+  // Fetch all: max(928 MB, 940.6 MB / 8) / 190000 = 4884.2 ms (the long one's stream, not the mean entry's).
+  // Rebuild all: 8304 tokens x 0.1 = 830.4 ms. Shortest first never drops the long fetch below 4884 ms until all are
+  // rebuilt; longest first, m = 1: max(max(1.8 MB, 12.6 MB / 8) / 190000 = 9.5 ms, 8192 x 0.1 = 819.2 ms) = 819.2.
+  const auto plan = m.plan(c, 0, 8);
+  CHECK(plan.fetch_all_ms == Approx(928'000'000.0 / 190'000.0));
+  CHECK(plan.chosen_ms == Approx(819.2));
+  CHECK(plan.rebuild == std::vector<size_t>{1});
+  CHECK_FALSE(plan.probe);
+}
+
+TEST_CASE("FetchCostModel: every probe_every-th plan that fetches nothing keeps the smallest entry fetched",
+          "[fetch_policy]") {
+  FetchCostModel m(0.3, 1.25, 3);
+  m.observe_fetch(232 * MB, 1200.0);
+  m.observe_build(2048, 50.0);
+  // Slot 2 has the smallest entry. Rebuilding all 3 (150 ms) beats fetching them (1200 ms).
+  const std::vector<FetchCandidate> c = {{0, 2048, 232 * MB}, {1, 2048, 232 * MB}, {2, 2000, 230 * MB}};
+  auto all = [&] { return m.plan(c, 0, 8); };
+  CHECK(all().rebuild.size() == 3);
+  CHECK(all().rebuild.size() == 3);
+  const auto probe = all();  // the third plan in a row with nothing fetched: a probe
+  CHECK(probe.probe);
+  CHECK(probe.rebuild == std::vector<size_t>{0, 1});
+  // The probe's estimate: fetch slot 2 (230 MB at 1200 / 232 ms per MB) beside 4096 tokens built.
+  CHECK(probe.chosen_ms == Approx(std::max(230.0 * 1200.0 / 232.0, 4096.0 * 50.0 / 2048.0)));
+  CHECK(all().rebuild.size() == 3);  // counting starts again
+  CHECK(all().rebuild.size() == 3);
+  m.observe_fetch(230 * MB, 1190.0);  // a fetch timed: counting starts again too
+  CHECK_FALSE(all().probe);
+  CHECK_FALSE(all().probe);
+  CHECK(all().probe);
+  CHECK_THROWS_AS(FetchCostModel(0.3, 1.25, 0), std::invalid_argument);
+}
+
+TEST_CASE("FetchCostModel::set_priors: a rate whose inverse overflows is refused", "[fetch_policy]") {
+  FetchCostModel m;
+  CHECK_THROWS_AS(m.set_priors(1e-320, 0.0), std::invalid_argument);
+  CHECK_THROWS_AS(m.set_priors(0.0, 1e-320), std::invalid_argument);
+  CHECK_THROWS_AS(m.set_priors(std::numeric_limits<double>::quiet_NaN(), 0.0), std::invalid_argument);
 }
