@@ -230,8 +230,9 @@ int main(int argc, char** argv) try {
     }
     // The wgmma scan's staging (default on wgmma): cp.async with its L2 prefetch (the old default), without the
     // prefetch (HYPIC_GDN_SCAN_NO_L2_PREFETCH), W / K / Q / P by TMA (HYPIC_GDN_SCAN_TMA, the default since
-    // bench/results/gdn_scan_tma_h100.md), U^T and the gate scalars by TMA too (the candidate
-    // HYPIC_GDN_SCAN_TMA_ALL), each set explicitly, in rounds 0 1 2 3 3 2 1 0; the mean of each mode's two rounds.
+    // bench/results/gdn_scan_tma_h100.md), U^T and the gate scalars by TMA too (HYPIC_GDN_SCAN_TMA_ALL, the default
+    // since gdn_scan_tma_all_h100.md), each set explicitly, in rounds 0 1 2 3 3 2 1 0; the mean of each mode's two
+    // rounds.
     // tma_ran: the TMA rounds' scans all staged by TMA (gdn_wgmma_launches().scan_tma, .scan_tma_all).
     double t_stage[4] = {0, 0, 0, 0};  // cp.async, no L2 prefetch, TMA, TMA_ALL
     bool tma_ran = false;

@@ -93,7 +93,7 @@ constexpr int kRingBBytesWg = kRingB * (kSwTile + kSwTileP) + kRingB * C * 4;
 constexpr int kScanSmemWg = kRingABytesWg + kRingBBytesWg + kExchBytes + kOutStageBytes + 1024;
 static_assert(kScanSmemWg <= 227 * 1024, "wgmma scan shared memory over the per-block limit");
 static_assert(kRingABytesWg % 1024 == 0 && (kSwTile + kSwTileP) % 1024 == 0, "swizzled tiles on 1024-byte bounds");
-// The whole-TMA staging (gdn_scan_tma_kernel<kProf, true>, the candidate HYPIC_GDN_SCAN_TMA_ALL) places ring A's U^T,
+// The whole-TMA staging (gdn_scan_tma_kernel<kProf, true>, HYPIC_GDN_SCAN_TMA_ALL, default) places ring A's U^T,
 // kf and G differently inside the same bytes: U^T of stage 0 and 1 swizzled as [64 block columns][64 tokens] (8 KiB
 // each, 1024-byte aligned, a TMA box), then kf, G of stage 0 and 1 (512 bytes each, bulk copies).
 constexpr int kUtSwOffset = kRingA * 2 * kSwTile;
@@ -329,7 +329,7 @@ __device__ __forceinline__ void scan_issue(unsigned char* smem, const ScanParams
 // expected bytes and issues the boxes of W and P and, for a whole chunk (len == 64), of K and Q; a partial chunk's K
 // and Q rows go by cp.async as in scan_issue (rows past len must be zeros, and the tensor's next rows belong to the
 // next sequence or checkpoint run), as do U^T, kf, G and qf (U^T is read by ld.shared in its padded layout). kAll
-// (the candidate HYPIC_GDN_SCAN_TMA_ALL): U^T as one swizzled box (block_s) and kf, G, qf as bulk copies on the same
+// (HYPIC_GDN_SCAN_TMA_ALL, default): U^T as one swizzled box (block_s) and kf, G, qf as bulk copies on the same
 // mbarrier too, into stage_a<true, true>'s places: no cp.async for a whole chunk. The caller waits on `bar` (parity
 // of its use) and for the cp.async group before reading the stage.
 template <bool kAll>
@@ -470,8 +470,8 @@ __device__ __forceinline__ void mma_x2(float (&c0)[4], float (&c1)[4], const uin
 // for the chunk kPrefetchAhead ahead (518 prefetch instructions per step, about 1050 of a step's 6300 cycles on the
 // output warps' path on an H100: bench/results/gdn_scan_profile_h100.md).
 // kTma (gdn_scan_tma_kernel, kWgmma only): W, K, Q, P staged by TMA (scan_issue_tma, `maps`), the rest by cp.async;
-// the same tiles in the same layout, so the same products and bits as the cp.async staging. kAll (with kTma, the
-// candidate HYPIC_GDN_SCAN_TMA_ALL): U^T and the scalars by TMA too, U^T read from its swizzled layout; same bits.
+// the same tiles in the same layout, so the same products and bits as the cp.async staging. kAll (with kTma,
+// HYPIC_GDN_SCAN_TMA_ALL, default): U^T and the scalars by TMA too, U^T read from its swizzled layout; same bits.
 template <bool kWgmma, bool kProf, bool kL2Prefetch, bool kTma, bool kAll = false>
 __device__ __forceinline__ void gdn_scan_body(const ScanParams& p, const ScanMaps* maps, long long* profile) {
   static_assert(!kTma || kWgmma, "the TMA staging writes the wgmma scan's swizzled layout");
@@ -838,7 +838,7 @@ __global__ void __launch_bounds__(kScanMaxThreads, 1)
 struct ScanStaging {
   bool l2_prefetch = true;  // the cp.async staging's kL2Prefetch (false: HYPIC_GDN_SCAN_NO_L2_PREFETCH)
   bool tma = false;         // W, K, Q, P by TMA (gdn_scan_tma_kernel, HYPIC_GDN_SCAN_TMA) where the maps can be made
-  bool tma_all = false;     // with tma: U^T, kf, G, qf too (HYPIC_GDN_SCAN_TMA_ALL, a candidate)
+  bool tma_all = false;     // with tma: U^T, kf, G, qf too (HYPIC_GDN_SCAN_TMA_ALL, default)
   int total_tokens = 0;     // tokens T of the raw inputs q, k ([T][H_k][128] bf16): the K / Q maps' extent
   size_t ws_slots = 0;      // the workspace's (chunk, value head) capacity: the W / P maps' extent
 };

@@ -963,8 +963,8 @@ TEST_CASE("gdn_prefill with scan_profile: same bits, the slots filled as documen
 // 64 tokens over a 3-token tensor). The TMA launches are counted (gdn_wgmma_launches().scan_tma), so a fallback to the
 // cp.async staging cannot pass for the TMA path. (What this cannot see: a missing or early mbarrier wait, since a
 // chunk's boxes are issued a whole step, about 3 us, before it is read; the phase arithmetic is reviewed instead.)
-// The same for the candidate HYPIC_GDN_SCAN_TMA_ALL (U^T as a swizzled box, the gate scalars as bulk copies; its
-// launches counted as gdn_wgmma_launches().scan_tma_all): staging mode 2 below.
+// The same for HYPIC_GDN_SCAN_TMA_ALL (the default since bench/results/gdn_scan_tma_all_h100.md: U^T as a swizzled
+// box, the gate scalars as bulk copies; its launches counted as gdn_wgmma_launches().scan_tma_all): staging mode 2.
 TEST_CASE("gdn_prefill with the scan's tiles staged by TMA (HYPIC_GDN_SCAN_TMA): the bits of the cp.async staging",
           "[gpu][gated_delta][candidate]") {
   require_gpu();
