@@ -31,7 +31,22 @@ void CombineService::build_locally(const std::shared_ptr<Pending>& p,
     {
       std::lock_guard<std::mutex> lock(p->mu);
       Slot& s = p->slots[slot];
-      if (s.has_entry() || s.local_started) continue;
+      if (s.has_entry()) continue;
+      if (s.local_started) {
+        // The fallback fetch of a failed policy rebuild failed too (fetch_warm ends here): the request fails with
+        // both reasons, the build's code.
+        if (s.fetch_fallback && p->failure.empty()) {
+          std::string_view why = note;  // fetch_warm's reason, less its "; prefilled by the combine worker"
+          if (const size_t at = why.rfind("; prefilled by the combine worker"); at != std::string_view::npos)
+            why = why.substr(0, at);
+          p->failure = fmt::format("segment {}: prefilling it failed ({}), and so did fetching it from the segment "
+                                   "cache instead ({})",
+                                   slot, s.build_error, why);
+          p->failure_code = s.build_error_code;
+          p->cv.notify_all();
+        }
+        continue;
+      }
       s.local_started = true;
       ids = s.ids;
       if (!note.empty()) s.note = s.note.empty() ? note : s.note + "; " + note;
@@ -76,9 +91,21 @@ void CombineService::build_locally(const std::shared_ptr<Pending>& p,
 void CombineService::finish_local_build(const std::shared_ptr<Pending>& p, size_t slot, engine::BuildOutcome r) {
   if (r.cancelled) return;
   if (!r.error.empty()) {
-    spdlog::error("[req {}] segment {}: local prefill failed: {}", p->id, slot, r.error);
     {
       std::lock_guard<std::mutex> lock(p->mu);
+      Slot& s = p->slots[slot];
+      if (s.in_cache && !s.fetch_fallback) {
+        // Prefilled here by the fetch policy's choice although the segment cache holds it: fetched after all
+        // (gather's wait starts the fetch; a failure there fails the request with both reasons, build_locally).
+        s.fetch_fallback = true;
+        s.in_cache = false;
+        s.build_error = r.error;
+        s.build_error_code = rpc::engine_error_code(r.error_kind);
+        p->refetch.push_back(slot);
+        p->cv.notify_all();
+        return;
+      }
+      spdlog::error("[req {}] segment {}: local prefill failed: {}", p->id, slot, r.error);
       p->failure = fmt::format("segment {}: prefill failed: {}", slot, r.error);
       p->failure_code = rpc::engine_error_code(r.error_kind);
     }
@@ -201,6 +228,26 @@ void CombineService::fetch_warm(const std::shared_ptr<Pending>& p, size_t slot, 
   build_locally(p, slot, why + "; prefilled by the combine worker");
 }
 
+void CombineService::fetch_or_fail(const std::shared_ptr<Pending>& p, size_t slot,
+                                   const grpc::ServerContextBase* ctx) {
+  try {
+    fetch_warm(p, slot, ctx);
+  } catch (const std::exception& e) {  // never out of the thread (std::terminate): the segment is computed
+    try {
+      build_locally(p, slot,
+                    fmt::format("fetching it failed ({}); prefilled by the combine worker", rpc::untrusted(e.what())));
+    } catch (const std::exception& again) {  // the request fails with the reason
+      std::lock_guard<std::mutex> lock(p->mu);
+      if (p->failure.empty()) {
+        p->failure = fmt::format("segment {}: fetching it failed ({}), and so did computing it ({})", slot,
+                                 rpc::untrusted(e.what()), rpc::untrusted(again.what()));
+        p->failure_code = grpc::StatusCode::INTERNAL;
+      }
+      p->cv.notify_all();
+    }
+  }
+}
+
 void CombineService::rebuild_cache_only(const std::shared_ptr<Pending>& p, const v1::CombineRequest& req,
                                         std::vector<size_t>& warm,
                                         std::vector<std::pair<size_t, std::string>>& local) {
@@ -291,30 +338,27 @@ void CombineService::gather(const std::shared_ptr<Pending>& p, const v1::Combine
   for (int f = 0; f < nf; ++f) {
     // The threads outlive this call (joined by run_combine's cleanup): by reference only what run_combine owns.
     fetchers.emplace_back([this, p, ctx, next, &warm = fetch.warm] {
-      for (size_t k; (k = next->fetch_add(1)) < warm.size() && !p->cancel->load();) {
-        try {
-          fetch_warm(p, warm[k], ctx);
-        } catch (const std::exception& e) {  // never out of the thread (std::terminate): the segment is computed
-          try {
-            build_locally(p, warm[k], fmt::format("fetching it failed ({}); prefilled by the combine worker",
-                                                  rpc::untrusted(e.what())));
-          } catch (const std::exception& again) {  // the request fails with the reason
-            std::lock_guard<std::mutex> lock(p->mu);
-            if (p->failure.empty()) {
-              p->failure = fmt::format("segment {}: fetching it failed ({}), and so did computing it ({})", warm[k],
-                                       rpc::untrusted(e.what()), rpc::untrusted(again.what()));
-              p->failure_code = grpc::StatusCode::INTERNAL;
-            }
-            p->cv.notify_all();
-          }
-        }
-      }
+      for (size_t k; (k = next->fetch_add(1)) < warm.size() && !p->cancel->load();) fetch_or_fail(p, warm[k], ctx);
     });
   }
   const auto give_up = Clock::now() + opt_.gather_timeout;
   std::unique_lock<std::mutex> lock(p->mu);
   while (p->filled < p->slots.size()) {
     if (!p->failure.empty()) throw rpc::RpcError(p->failure_code, p->failure);
+    if (!p->refetch.empty()) {  // failed policy rebuilds: each fetched on a thread of its own, as the warm ones
+      std::vector<size_t> slots;
+      slots.swap(p->refetch);
+      for (size_t i : slots) {
+        spdlog::warn("[req {}] segment {}: prefilling it failed ({}); fetched from the segment cache instead", p->id,
+                     i, p->slots[i].build_error);
+        p->slots[i].note += fmt::format("; prefilling it failed ({}): fetched from the segment cache instead",
+                                        p->slots[i].build_error);
+      }
+      lock.unlock();
+      for (size_t i : slots) fetchers.emplace_back([this, p, ctx, i] { fetch_or_fail(p, i, ctx); });
+      lock.lock();
+      continue;
+    }
     if (ctx->IsCancelled()) throw rpc::RpcError(grpc::StatusCode::CANCELLED, "request cancelled by the router");
     if (Clock::now() > give_up) {
       std::vector<size_t> missing;

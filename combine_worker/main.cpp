@@ -73,7 +73,7 @@ int main(int argc, char** argv) {
   std::string cache_fetch_policy = "auto";
   app.add_option("--cache-fetch-policy", cache_fetch_policy,
                  "a segment only the segment cache holds: auto: fetched, or prefilled here when this worker's measured "
-                 "fetch and build rates say that is sooner; always: fetched")
+                 "fetch and build rates say that is sooner (fetched after all if that prefill fails); always: fetched")
       ->check(CLI::IsMember({"auto", "always"}))
       ->capture_default_str();
   // A rate flag: 0 (unknown) or a finite value in [1e-6, 1e12] (NaN, inf and denormal rates have no usable inverse).

@@ -40,6 +40,10 @@ struct Slot {
   bool local_started = false;
   bool retried_after_eviction = false;  // a local build refused for memory was retried once after evicting
   bool in_cache = false;  // prefilled here although the segment cache holds it (--cache-fetch-policy): no put back
+  // That prefill failed: the slot is fetched from the cache after all (gather's fallback); why the prefill failed.
+  bool fetch_fallback = false;
+  std::string build_error;
+  grpc::StatusCode build_error_code = grpc::StatusCode::INTERNAL;
   // Delivered by a scatter worker: how ("grpc", "nccl"), how long from its header to acceptance, bytes moved.
   std::string transport;
   double transfer_ms = 0;
@@ -75,6 +79,9 @@ struct CombineService::Pending {
   std::vector<Slot> slots;
   std::vector<std::vector<size_t>> repeats;  // per slot, the REPEAT slots that take its entry (immutable)
   size_t filled = 0;
+  // Policy rebuilds (Slot::in_cache) that failed, to be fetched from the segment cache instead: queued by the engine
+  // loop's build callback, taken by gather's wait (which owns the request's fetch threads and its call).
+  std::vector<size_t> refetch;
   std::string failure;  // a local build failed: the request cannot complete
   grpc::StatusCode failure_code = grpc::StatusCode::INTERNAL;  // what the build's error maps to
   std::shared_ptr<std::atomic<bool>> cancel = std::make_shared<std::atomic<bool>>(false);

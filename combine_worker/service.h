@@ -137,6 +137,8 @@ class CombineService final : public hypic::v1::CombineWorker::Service {
   /// A local build's outcome: into the device tier, its host copy queued, its slot filled; or the request failed.
   void finish_local_build(const std::shared_ptr<Pending>& p, size_t slot, engine::BuildOutcome r);
   void fetch_warm(const std::shared_ptr<Pending>& p, size_t slot, const grpc::ServerContextBase* ctx);
+  /// fetch_warm on a fetch thread: an exception out of it is a local build instead, or the request's failure.
+  void fetch_or_fail(const std::shared_ptr<Pending>& p, size_t slot, const grpc::ServerContextBase* ctx);
   /// --cache-fetch-policy auto: moves from `warm` to `local` (with a note) the WARM slots that only the segment cache
   /// holds and that fetch_costs_ says are sooner prefilled here (FetchCostModel::plan, given the LOCAL builds'
   /// tokens), never the refresh's tail (hypic mode); counted in hypic:cache_hits_rebuilt_total, not put back in the

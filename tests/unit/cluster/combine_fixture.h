@@ -1,5 +1,6 @@
 // A combine worker (hypic.v1.CombineWorker) served in-process on a free loopback port, over a backend the test owns,
-// with no segment cache: for the cluster unit tests of the combine worker (test_data_plane, test_memory_tier).
+// with no segment cache unless the test names one: for the cluster unit tests of the combine worker
+// (test_data_plane, test_memory_tier).
 #pragma once
 #include <catch2/catch.hpp>
 #include <grpcpp/grpcpp.h>
@@ -7,6 +8,7 @@
 #include <chrono>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "combine_worker/service.h"
 #include "engine/backend.h"
@@ -20,7 +22,7 @@ inline const std::string kCombineTokenizer = std::string(HYPIC_SOURCE_DIR) + "/t
 struct CombineServer {
   engine::Backend& backend;
   engine::Tokenizer tokenizer = engine::Tokenizer::load(kCombineTokenizer);
-  cache::SegmentCacheClient cache{std::vector<std::string>{}};
+  cache::SegmentCacheClient cache;
   cache::AsyncCachePutter putter{cache, 1 << 20};
   combine::EntryMemoryTier tier;
   combine::HostBlockTier host_tier{0};
@@ -32,8 +34,10 @@ struct CombineServer {
   std::unique_ptr<hypic::v1::CombineWorker::Stub> stub;
   int port = 0;
 
-  CombineServer(engine::Backend& b, combine::CombineOptions opt, size_t tier_bytes = 1 << 20)
-      : backend(b), tier(tier_bytes) {
+  /// `tier_bytes`: the device tier's budget; `cache_replicas`: segment cache addresses (none: no cache).
+  CombineServer(engine::Backend& b, combine::CombineOptions opt, size_t tier_bytes = 1 << 20,
+                std::vector<std::string> cache_replicas = {})
+      : backend(b), cache(std::move(cache_replicas)), tier(tier_bytes) {
     svc = std::make_unique<combine::CombineService>(
         combine::CombineDeps{tokenizer, cache, putter, loop, tier, host_tier, copier, life}, opt);
     grpc::ServerBuilder sb;

@@ -1,13 +1,20 @@
 // The combine worker's tiers: the device tier of resident entries and the host tier of pinned blocks (LRU under a byte
 // budget, id check), host copies off the critical path, the default budgets, and the service around them (local
-// builds spliced with no host round trip, LookupEntries, ClearTiers).
+// builds spliced with no host round trip, LookupEntries, ClearTiers, a failed policy rebuild fetched instead).
 #include <catch2/catch.hpp>
+
+#include <thread>
 
 #include "combine_worker/budgets.h"
 #include "combine_worker/host_copies.h"
 #include "combine_worker/memory_tier.h"
 #include "engine/checkpoint/config.h"
+#include "proto/rpc/chunks.h"
+#include "segment_cache/service.h"
+#include "segment_cache/store.h"
 #include "tests/unit/cluster/combine_fixture.h"
+
+using namespace std::chrono_literals;
 
 using hypic::combine::EntryMemoryTier;
 using hypic::engine::SegmentEntry;
@@ -150,11 +157,13 @@ struct Combined {
   std::vector<int32_t> tokens;
 };
 
-// One Combine call: `segs` planned as `source`, a fixed query, 4 greedy tokens.
+// One Combine call: `segs` planned as `source`, a fixed query, 4 greedy tokens; `cache_segments`: built entries are
+// put in the segment cache.
 Combined combine(hypic::test::CombineServer& c, const std::string& id, const std::vector<std::vector<int32_t>>& segs,
-                 v1::PlannedSegment::Source source, grpc::Status* status = nullptr) {
+                 v1::PlannedSegment::Source source, grpc::Status* status = nullptr, bool cache_segments = false) {
   v1::CombineRequest req;
   req.set_request_id(id);
+  req.set_cache_segments(cache_segments);
   for (size_t i = 0; i < segs.size(); ++i) {
     auto* ps = req.add_segments();
     ps->set_index(uint32_t(i));
@@ -340,6 +349,62 @@ TEST_CASE("combine worker: local builds are spliced resident (no host round trip
   CHECK(info.device_tier_bytes() == c.tier.bytes());
   CHECK(info.device_tier_budget() == size_t(1) << 30);
   CHECK(info.host_tier_budget() == 0);
+}
+
+TEST_CASE("combine worker: a cache-only segment the fetch policy prefills is fetched after all when its prefill fails",
+          "[memory_tier]") {
+  // A segment cache served in-process; a combine worker with no tiers of its own, so that a segment the router plans
+  // warm is the cache's alone, and rates that make --cache-fetch-policy auto prefill it (a fetch of 1 kB/s).
+  hypic::cache::SegmentStore store{hypic::cache::StoreOptions{}};
+  hypic::rpc::Lifecycle life{"segment cache"};
+  hypic::cache::SegmentCacheService cache_svc(store, life, hypic::rpc::kChunkBytes, 60000);
+  int cache_port = 0;
+  grpc::ServerBuilder sb;
+  sb.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &cache_port);
+  sb.RegisterService(&cache_svc);
+  auto cache_server = sb.BuildAndStart();
+  REQUIRE(cache_server);
+  CountingBackend backend(hypic::engine::make_backend(hypic::engine::DeviceSpec{}, hypic::test::kCombineModel));
+  hypic::combine::CombineOptions opt;
+  opt.cache_fetch_policy = hypic::combine::CacheFetchPolicy::Auto;
+  opt.fetch_prior_mb_per_s = 0.001;
+  opt.build_prior_tokens_per_s = 1e6;
+  hypic::test::CombineServer c(backend, opt, 0, {"127.0.0.1:" + std::to_string(cache_port)});
+
+  const std::vector<std::vector<int32_t>> segs = {{61, 62, 63, 64, 65, 66, 67}, {71, 72, 73, 74, 75}};
+  const Combined cold = combine(c, "r-cold", segs, v1::PlannedSegment::LOCAL, nullptr, /*cache_segments=*/true);
+  CHECK(sources(cold) == std::vector<v1::SegmentSource>(2, v1::SEGMENT_SOURCE_COMBINE_COMPUTED));
+  for (int i = 0; i < 200 && store.stats().memory_entries < 2; ++i) std::this_thread::sleep_for(50ms);
+  REQUIRE(store.stats().memory_entries == 2);  // the cold entries were put (asynchronously)
+
+  // Planned warm: the policy prefills both here; the first build fails (device memory short, and no tier entries
+  // to give up), so both are fetched from the cache after all: the same tokens, a note saying so, nothing put back.
+  const int built_before = backend.built;
+  backend.fail_builds = 1;
+  const Combined warm = combine(c, "r-warm", segs, v1::PlannedSegment::WARM);
+  CHECK(sources(warm) == std::vector<v1::SegmentSource>(2, v1::SEGMENT_SOURCE_CACHE));
+  for (const auto& s : warm.report.segments()) {
+    CHECK_THAT(s.note(), Catch::Contains("prefilled here instead"));
+    CHECK_THAT(s.note(), Catch::Contains("prefilling it failed (device memory exhausted (test))"));
+    CHECK_THAT(s.note(), Catch::Contains("fetched from the segment cache instead"));
+  }
+  CHECK(warm.tokens == cold.tokens);
+  CHECK(backend.built == built_before);  // the one build call (both segments in one batch) threw
+  CHECK(backend.fail_builds == 0);
+
+  // Planned warm but gone from the cache (evicted after the router's lookup), and the prefill fails: the request
+  // fails at once with both reasons and the build's code, not at the gather deadline.
+  backend.fail_builds = 1;
+  grpc::Status st;
+  const auto t0 = std::chrono::steady_clock::now();
+  combine(c, "r-gone", {{81, 82, 83, 84}}, v1::PlannedSegment::WARM, &st);
+  CHECK(std::chrono::steady_clock::now() - t0 < 5s);
+  CHECK(st.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED);
+  CHECK_THAT(st.error_message(), Catch::Contains("prefilling it failed (device memory exhausted (test))"));
+  CHECK_THAT(st.error_message(), Catch::Contains("not in the segment cache any more"));
+  CHECK_THAT(st.error_message(), !Catch::Contains("prefilled by the combine worker"));
+  backend.fail_builds = 0;
+  cache_server->Shutdown(std::chrono::system_clock::now() + 2s);
 }
 
 TEST_CASE("tier budgets: derived from device memory, host memory and the entry size", "[memory_tier]") {
