@@ -61,7 +61,7 @@ class FetchCostModel {
   void observe_build(int64_t tokens, double ms);
 
   /// The plan for `candidates` (cache-only segments) of a request that also builds `local_tokens` tokens here
-  /// (LOCAL segments), with up to `parallelism` fetches at once. With both rates known, the time to the last entry is
+  /// (its LOCAL segments, and the builds queued ahead of them on the engine loop), with up to `parallelism` fetches at once. With both rates known, the time to the last entry is
   /// estimated as max(fetch time, build time): fetch time = max(the largest fetched entry's bytes, the fetched bytes /
   /// parallelism) x ms per byte (the last of parallel streams ends no sooner than either; 0 with none fetched), build
   /// time = (local_tokens + rebuilt tokens) x ms per token (0 with none). The rebuilt set is a prefix of the

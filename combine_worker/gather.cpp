@@ -25,9 +25,12 @@ void CombineService::build_locally(const std::shared_ptr<Pending>& p, size_t slo
 
 void CombineService::build_locally(const std::shared_ptr<Pending>& p,
                                    const std::vector<std::pair<size_t, std::string>>& slots) {
+  static auto& joined_metric = rpc::MetricsRegistry::global().counter(
+      "hypic:combine_builds_joined_total",
+      "Segments this combine worker was to prefill that joined its build of the same segment for another request "
+      "(one build for both)");
   std::vector<engine::EngineLoop::BuildSubmission> builds;
   for (const auto& [slot, note] : slots) {
-    std::vector<int32_t> ids;
     {
       std::lock_guard<std::mutex> lock(p->mu);
       Slot& s = p->slots[slot];
@@ -48,86 +51,157 @@ void CombineService::build_locally(const std::shared_ptr<Pending>& p,
         continue;
       }
       s.local_started = true;
-      ids = s.ids;
       if (!note.empty()) s.note = s.note.empty() ? note : s.note + "; " + note;
     }
-    auto done = [this, p, slot](engine::BuildOutcome r) {
-      if (r.cancelled) return;
-      if (r.error_kind == engine::EngineErrorKind::ResourceExhausted && d_.memory_tier.entries() > 0) {
-        // Device memory short (other work on the GPU took what the device tier was sized from): the tier gives up
-        // entries, as many bytes as the build needs, and the build is retried once.
-        bool retry = false;
-        std::vector<int32_t> ids;
-        {
-          std::lock_guard<std::mutex> lock(p->mu);
-          Slot& s = p->slots[slot];
-          if (!s.retried_after_eviction) {
-            s.retried_after_eviction = true;
-            retry = true;
-            ids = s.ids;
-          }
-        }
-        if (retry) {
-          const size_t freed = d_.memory_tier.evict(backend_.entry_bytes(int64_t(ids.size())) * 2);
-          spdlog::warn("[req {}] segment {}: device memory short ({}); {} bytes of the device tier evicted, build retried",
-                       p->id, slot, r.error, freed);
-          p->add_note(slot, "device memory short: device-tier entries evicted and the build retried");
-          std::vector<engine::EngineLoop::BuildSubmission> again;
-          again.push_back({std::move(ids), p->entry_seam_width, p->cancel,
-                           [this, p, slot](engine::BuildOutcome r2) { finish_local_build(p, slot, std::move(r2)); },
-                           engine::BuildHandover::Resident});
-          d_.loop.submit_builds(std::move(again));
-          return;
-        }
+    const Slot& s = p->slots[slot];  // digest and ids are immutable after registration
+    std::string joined_for;
+    uint64_t id = 0;
+    std::shared_ptr<std::atomic<bool>> cancel;
+    {
+      std::lock_guard<std::mutex> lock(local_mu_);
+      auto it = local_builds_.find(s.digest);
+      if (it != local_builds_.end() && it->second.ids == s.ids && it->second.seam_width == p->entry_seam_width) {
+        it->second.waiters.emplace_back(p, slot);
+        joined_for = it->second.started_for;
+        ++local_joined_;
+      } else if (it == local_builds_.end()) {
+        id = next_local_build_++;
+        cancel = std::make_shared<std::atomic<bool>>(false);
+        LocalBuild& b = local_builds_[s.digest];
+        b.id = id, b.ids = s.ids, b.seam_width = p->entry_seam_width, b.started_for = p->id, b.cancel = cancel;
+        b.waiters.emplace_back(p, slot);
       }
-      finish_local_build(p, slot, std::move(r));
-    };
-    builds.push_back({std::move(ids), p->entry_seam_width, p->cancel, std::move(done), engine::BuildHandover::Resident});
+      // (else: the same digest of other ids or seam width -- a collision -- is built on its own, unshared)
+    }
+    if (!joined_for.empty()) {
+      joined_metric.inc();
+      p->add_note(slot, joined_for == p->id ? "joined this request's own build of the same segment"
+                                            : fmt::format("joined this worker's build of the same segment for "
+                                                          "request {} (one build for both)",
+                                                          joined_for));
+      continue;
+    }
+    if (id == 0) {  // unshared: its own cancel flag is the request's
+      builds.push_back({s.ids, p->entry_seam_width, p->cancel,
+                        [this, p, slot](engine::BuildOutcome r) {
+                          if (r.cancelled) return;
+                          if (!r.error.empty()) return local_build_failed(p, slot, r);
+                          fill_local_build(p->slots[slot].digest, {{p, slot}}, std::move(r));
+                        },
+                        engine::BuildHandover::Resident});
+      continue;
+    }
+    builds.push_back({s.ids, p->entry_seam_width, cancel,
+                      [this, digest = s.digest, id](engine::BuildOutcome r) { on_local_built(digest, id, std::move(r)); },
+                      engine::BuildHandover::Resident});
   }
   // In one submission, so that they share one batch (one forward pass) on the engine loop.
   if (!builds.empty()) d_.loop.submit_builds(std::move(builds));
 }
 
-void CombineService::finish_local_build(const std::shared_ptr<Pending>& p, size_t slot, engine::BuildOutcome r) {
-  if (r.cancelled) return;
-  if (!r.error.empty()) {
-    {
-      std::lock_guard<std::mutex> lock(p->mu);
-      Slot& s = p->slots[slot];
-      if (s.in_cache && !s.fetch_fallback) {
-        // Prefilled here by the fetch policy's choice although the segment cache holds it: fetched after all
-        // (gather's wait starts the fetch; a failure there fails the request with both reasons, build_locally).
-        s.fetch_fallback = true;
-        s.in_cache = false;
-        s.build_error = r.error;
-        s.build_error_code = rpc::engine_error_code(r.error_kind);
-        p->refetch.push_back(slot);
-        p->cv.notify_all();
-        return;
-      }
-      spdlog::error("[req {}] segment {}: local prefill failed: {}", p->id, slot, r.error);
-      p->failure = fmt::format("segment {}: prefill failed: {}", slot, r.error);
-      p->failure_code = rpc::engine_error_code(r.error_kind);
+void CombineService::on_local_built(const rpc::Digest& digest, uint64_t build, engine::BuildOutcome r) {
+  LocalBuild b;
+  bool retry = false;
+  {
+    std::lock_guard<std::mutex> lock(local_mu_);
+    auto it = local_builds_.find(digest);
+    if (it == local_builds_.end() || it->second.id != build) return;  // every request waiting for it ended
+    if (!r.cancelled && r.error_kind == engine::EngineErrorKind::ResourceExhausted && !it->second.retried &&
+        d_.memory_tier.entries() > 0) {
+      it->second.retried = true;
+      retry = true;
+      b.ids = it->second.ids, b.seam_width = it->second.seam_width, b.cancel = it->second.cancel;
+      b.waiters = it->second.waiters;
+    } else {
+      b = std::move(it->second);
+      local_builds_.erase(it);
     }
-    p->cv.notify_all();
+  }
+  if (r.cancelled) return;  // the engine loop stopped, or nobody waits any more
+  if (retry) {
+    // Device memory short (other work on the GPU took what the device tier was sized from): the tier gives up
+    // entries, as many bytes as the build needs, and the build is retried once.
+    const size_t freed = d_.memory_tier.evict(backend_.entry_bytes(int64_t(b.ids.size())) * 2);
+    for (const auto& [p, slot] : b.waiters) {
+      spdlog::warn("[req {}] segment {}: device memory short ({}); {} bytes of the device tier evicted, build retried",
+                   p->id, slot, r.error, freed);
+      p->add_note(slot, "device memory short: device-tier entries evicted and the build retried");
+    }
+    std::vector<engine::EngineLoop::BuildSubmission> again;
+    again.push_back({std::move(b.ids), b.seam_width, b.cancel,
+                     [this, digest, build](engine::BuildOutcome r2) { on_local_built(digest, build, std::move(r2)); },
+                     engine::BuildHandover::Resident});
+    d_.loop.submit_builds(std::move(again));
     return;
   }
-  // Spliced as it is (resident, no host round trip); its host copy (host tier, cache put) is made afterwards, off the
-  // critical path.
-  const rpc::Digest digest = p->slots[slot].digest;  // immutable after registration
-  fetch_costs_.observe_build(int64_t(p->slots[slot].ids.size()), r.compute_ms);
-  bool in_cache;
-  {
-    std::lock_guard<std::mutex> lock(p->mu);
-    in_cache = p->slots[slot].in_cache;
+  if (!r.error.empty()) {
+    for (const auto& [p, slot] : b.waiters) local_build_failed(p, slot, r);
+    return;
   }
-  d_.memory_tier.put(digest, r.entry);
-  d_.copier.enqueue(digest, r.entry, p->cache_segments && !in_cache, p->id);  // (the cache holds a rebuilt one)
-  count_segment(v1::SEGMENT_SOURCE_COMBINE_COMPUTED);
-  const size_t bytes = r.entry->resident_bytes();
-  p->fill(slot, nullptr, v1::SEGMENT_SOURCE_COMBINE_COMPUTED, address_, r.compute_ms, bytes, device_, std::move(r.entry));
+  fill_local_build(digest, b.waiters, std::move(r));
 }
 
+void CombineService::fill_local_build(const rpc::Digest& digest,
+                                      const std::vector<std::pair<std::shared_ptr<Pending>, size_t>>& waiters,
+                                      engine::BuildOutcome r) {
+  // Spliced as it is (resident, no host round trip); its host copy (host tier, cache put) is made afterwards, off the
+  // critical path, once. Put in the cache when a waiter asked for that and none rebuilt it from the cache's copy.
+  fetch_costs_.observe_build(int64_t(r.entry->header().token_ids.size()), r.compute_ms);
+  bool put = false, in_cache = false;
+  for (const auto& [p, slot] : waiters) {
+    std::lock_guard<std::mutex> lock(p->mu);
+    put = put || p->cache_segments;
+    in_cache = in_cache || p->slots[slot].in_cache;
+  }
+  d_.memory_tier.put(digest, r.entry);
+  d_.copier.enqueue(digest, r.entry, put && !in_cache, waiters.front().first->id);
+  const size_t bytes = r.entry->resident_bytes();
+  for (const auto& [p, slot] : waiters) {
+    count_segment(v1::SEGMENT_SOURCE_COMBINE_COMPUTED);
+    p->fill(slot, nullptr, v1::SEGMENT_SOURCE_COMBINE_COMPUTED, address_, r.compute_ms, bytes, device_, r.entry);
+  }
+}
+
+void CombineService::local_build_failed(const std::shared_ptr<Pending>& p, size_t slot,
+                                        const engine::BuildOutcome& r) {
+  {
+    std::lock_guard<std::mutex> lock(p->mu);
+    Slot& s = p->slots[slot];
+    if (s.in_cache && !s.fetch_fallback) {
+      // Prefilled here by the fetch policy's choice although the segment cache holds it: fetched after all (gather's
+      // wait starts the fetch; a failure there fails the request with both reasons, build_locally).
+      s.fetch_fallback = true;
+      s.in_cache = false;
+      s.build_error = r.error;
+      s.build_error_code = rpc::engine_error_code(r.error_kind);
+      p->refetch.push_back(slot);
+      p->cv.notify_all();
+      return;
+    }
+    spdlog::error("[req {}] segment {}: local prefill failed: {}", p->id, slot, r.error);
+    p->failure = fmt::format("segment {}: prefill failed: {}", slot, r.error);
+    p->failure_code = rpc::engine_error_code(r.error_kind);
+  }
+  p->cv.notify_all();
+}
+
+void CombineService::leave_local_builds(const Pending& p) {
+  std::lock_guard<std::mutex> lock(local_mu_);
+  for (const Slot& s : p.slots) {  // (digests are immutable after registration)
+    auto it = local_builds_.find(s.digest);
+    if (it == local_builds_.end()) continue;
+    std::erase_if(it->second.waiters, [&](const auto& w) { return w.first.get() == &p; });
+    if (it->second.waiters.empty()) {
+      it->second.cancel->store(true);
+      local_builds_.erase(it);
+    }
+  }
+}
+
+CombineService::LocalBuildCounts CombineService::local_build_counts() const {
+  std::lock_guard<std::mutex> lock(local_mu_);
+  return {local_builds_.size(), local_joined_};
+}
 void CombineService::fetch_warm(const std::shared_ptr<Pending>& p, size_t slot, const grpc::ServerContextBase* ctx) {
   const rpc::Digest digest = p->slots[slot].digest;
   const std::vector<int32_t>& ids = p->slots[slot].ids;
@@ -265,7 +339,9 @@ void CombineService::rebuild_cache_only(const std::shared_ptr<Pending>& p, const
     const auto tokens = int64_t(s.ids.size());
     candidates.push_back({i, tokens, engine::wire_entry_bytes(backend_.config(), tokens)});
   }
-  int64_t local_tokens = 0;
+  // Builds here wait behind what the engine loop has queued (other requests' builds): those tokens count as this
+  // request's LOCAL ones do, in both estimates.
+  int64_t local_tokens = d_.loop.queued_tokens();
   for (const auto& l : local) local_tokens += int64_t(p->slots[l.first].ids.size());
   const FetchPlan plan = fetch_costs_.plan(candidates, local_tokens, opt_.fetch_parallelism);
   if (plan.rebuild.empty()) return;

@@ -38,7 +38,6 @@ struct Slot {
   double compute_ms = 0;
   uint64_t entry_bytes = 0;
   bool local_started = false;
-  bool retried_after_eviction = false;  // a local build refused for memory was retried once after evicting
   bool in_cache = false;  // prefilled here although the segment cache holds it (--cache-fetch-policy): no put back
   // That prefill failed: the slot is fetched from the cache after all (gather's fallback); why the prefill failed.
   bool fetch_fallback = false;

@@ -330,6 +330,7 @@ grpc::Status CombineService::run_combine(grpc::ServerContext* ctx, const v1::Com
       Fetchers& fetch;
       ~Cleanup() {
         p.cancel->store(true);
+        svc.leave_local_builds(p);
         for (auto& t : fetch.threads) t.join();
         std::lock_guard<std::mutex> lock(svc.mu_);
         svc.active_.erase(p.id);

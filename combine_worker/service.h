@@ -102,6 +102,13 @@ class CombineService final : public hypic::v1::CombineWorker::Service {
                           hypic::v1::ClearTiersResponse* resp) override;
   /// NCCL communicators held now (joined or joining), for tests and logs.
   size_t nccl_peers() const;
+  /// This worker's own entry builds shared between requests (build_locally): builds in flight now, and joins of a
+  /// build started for another request since start (also hypic:combine_builds_joined_total).
+  struct LocalBuildCounts {
+    size_t in_flight = 0;
+    uint64_t joined = 0;
+  };
+  LocalBuildCounts local_build_counts() const;
 
   struct Pending;  // one active request (defined in service.cpp)
 
@@ -131,11 +138,25 @@ class CombineService final : public hypic::v1::CombineWorker::Service {
                                  double gather_ms) const;
   std::shared_ptr<Pending> find(const std::string& request_id);
   /// Queues local builds of the given slots (with a note each) on the engine loop, in one submission; each is spliced
-  /// resident as built and its host copy made afterwards (HostCopier).
+  /// resident as built and its host copy made afterwards (HostCopier). A slot whose digest is being built here for
+  /// another active request (same ids and seam width) joins that build instead: one build fills every waiting slot.
   void build_locally(const std::shared_ptr<Pending>& p, const std::vector<std::pair<size_t, std::string>>& slots);
   void build_locally(const std::shared_ptr<Pending>& p, size_t slot, std::string note);
-  /// A local build's outcome: into the device tier, its host copy queued, its slot filled; or the request failed.
-  void finish_local_build(const std::shared_ptr<Pending>& p, size_t slot, engine::BuildOutcome r);
+  /// A local build's outcome (on the engine loop's thread): device memory short with device-tier entries to give up,
+  /// retried once after evicting; else into the device tier, its host copy queued once (a cache put when some waiter
+  /// asked for one and none was a policy rebuild), every waiting slot filled; or each waiter's failure
+  /// (local_build_failed).
+  void on_local_built(const rpc::Digest& digest, uint64_t build, engine::BuildOutcome r);
+  /// A finished local build: into the device tier, its host copy queued once, every waiting slot filled.
+  void fill_local_build(const rpc::Digest& digest,
+                        const std::vector<std::pair<std::shared_ptr<Pending>, size_t>>& waiters,
+                        engine::BuildOutcome r);
+  /// A failed local build, for one waiting slot: a policy rebuild is fetched from the cache instead (gather's wait
+  /// starts it), any other fails the request with the build's code.
+  void local_build_failed(const std::shared_ptr<Pending>& p, size_t slot, const engine::BuildOutcome& r);
+  /// A request ends: its slots stop waiting for shared local builds; a build nobody waits for any more is cancelled
+  /// (dropped while queued, stopped while running) and forgotten.
+  void leave_local_builds(const Pending& p);
   void fetch_warm(const std::shared_ptr<Pending>& p, size_t slot, const grpc::ServerContextBase* ctx);
   /// fetch_warm on a fetch thread: an exception out of it is a local build instead, or the request's failure.
   void fetch_or_fail(const std::shared_ptr<Pending>& p, size_t slot, const grpc::ServerContextBase* ctx);
@@ -175,6 +196,20 @@ class CombineService final : public hypic::v1::CombineWorker::Service {
   std::map<std::string, std::shared_ptr<Pending>> active_;
   std::condition_variable active_cv_;  // mu_: notified when a call leaves active_
   transport::NcclAccepts accepts_;  // the NCCL communicators scatter workers opened here
+  // This worker's own entry builds in flight, by digest, with the slots waiting for each (build_locally).
+  struct LocalBuild {
+    uint64_t id = 0;  // the submission's (a build forgotten and started again gets a new one)
+    std::vector<int32_t> ids;
+    int seam_width = 0;
+    std::string started_for;  // the request id
+    std::shared_ptr<std::atomic<bool>> cancel;  // the engine's cancel flag: set when no slot waits any more
+    std::vector<std::pair<std::shared_ptr<Pending>, size_t>> waiters;
+    bool retried = false;  // refused for device memory once, retried after evicting
+  };
+  mutable std::mutex local_mu_;  // never held together with a Pending::mu
+  std::map<rpc::Digest, LocalBuild> local_builds_;
+  uint64_t next_local_build_ = 1;
+  uint64_t local_joined_ = 0;
 };
 
 }  // namespace hypic::combine

@@ -3,6 +3,8 @@
 // builds spliced with no host round trip, LookupEntries, ClearTiers, a failed policy rebuild fetched instead).
 #include <catch2/catch.hpp>
 
+#include <functional>
+#include <future>
 #include <thread>
 
 #include "combine_worker/budgets.h"
@@ -107,6 +109,8 @@ class CountingBackend final : public hypic::engine::Backend {
   std::vector<std::shared_ptr<const hypic::engine::ResidentEntry>> build_entries(
       std::span<const std::vector<int32_t>> segments, int seam_width,
       const hypic::engine::BuildCancelled& cancelled = {}) override {
+    ++entered;
+    while (hold) std::this_thread::sleep_for(std::chrono::milliseconds(1));
     if (fail_builds > 0) {  // device memory short, as a CUDA backend reports it
       --fail_builds;
       throw hypic::engine::ResourceExhausted("device memory exhausted (test)");
@@ -144,6 +148,8 @@ class CountingBackend final : public hypic::engine::Backend {
   hypic::engine::BackendMemory memory() const override { return b_->memory(); }
   std::atomic<int> built{0}, imported{0}, host_calls{0};
   std::atomic<int> fail_builds{0};  ///< the next this many build_entries calls throw ResourceExhausted
+  std::atomic<bool> hold{false};    ///< build_entries waits while set (a build kept running)
+  std::atomic<int> entered{0};      ///< build_entries calls begun
   std::vector<int> host_calls_before_splice;  // engine loop thread only
 
  private:
@@ -158,9 +164,10 @@ struct Combined {
 };
 
 // One Combine call: `segs` planned as `source`, a fixed query, 4 greedy tokens; `cache_segments`: built entries are
-// put in the segment cache.
+// put in the segment cache; `call`: the client context (else one with a 10 s deadline).
 Combined combine(hypic::test::CombineServer& c, const std::string& id, const std::vector<std::vector<int32_t>>& segs,
-                 v1::PlannedSegment::Source source, grpc::Status* status = nullptr, bool cache_segments = false) {
+                 v1::PlannedSegment::Source source, grpc::Status* status = nullptr, bool cache_segments = false,
+                 grpc::ClientContext* call = nullptr) {
   v1::CombineRequest req;
   req.set_request_id(id);
   req.set_cache_segments(cache_segments);
@@ -179,7 +186,7 @@ Combined combine(hypic::test::CombineServer& c, const std::string& id, const std
   req.set_mode("hypic");
   req.set_seam_width(4);
   auto ctx = hypic::test::context();
-  auto reader = c.stub->Combine(ctx.get(), req);
+  auto reader = c.stub->Combine(call ? call : ctx.get(), req);
   Combined out;
   v1::CombineEvent ev;
   while (reader->Read(&ev)) {
@@ -405,6 +412,78 @@ TEST_CASE("combine worker: a cache-only segment the fetch policy prefills is fet
   CHECK_THAT(st.error_message(), !Catch::Contains("prefilled by the combine worker"));
   backend.fail_builds = 0;
   cache_server->Shutdown(std::chrono::system_clock::now() + 2s);
+}
+
+TEST_CASE("combine worker: concurrent requests prefilling the same segment share one build", "[memory_tier]") {
+  CountingBackend backend(hypic::engine::make_backend(hypic::engine::DeviceSpec{}, hypic::test::kCombineModel));
+  hypic::test::CombineServer c(backend, {}, size_t(1) << 30);
+  const auto wait_for = [](const std::function<bool()>& done) {
+    for (int i = 0; i < 1000 && !done(); ++i) std::this_thread::sleep_for(5ms);
+    return done();
+  };
+  // B arrives while A's builds run (held in the backend): B's segments join them; one build per segment fills both.
+  const std::vector<std::vector<int32_t>> segs = {{91, 92, 93, 94, 95, 96, 97}, {101, 102, 103, 104, 105}};
+  backend.hold = true;
+  auto a = std::async(std::launch::async, [&] { return combine(c, "r-a", segs, v1::PlannedSegment::LOCAL); });
+  REQUIRE(wait_for([&] { return backend.entered >= 1; }));
+  auto b = std::async(std::launch::async, [&] { return combine(c, "r-b", segs, v1::PlannedSegment::LOCAL); });
+  REQUIRE(wait_for([&] { return c.svc->local_build_counts().joined == 2; }));
+  CHECK(c.svc->local_build_counts().in_flight == 2);
+  backend.hold = false;
+  const Combined ra = a.get(), rb = b.get();
+  CHECK(backend.built == 2);  // each segment once
+  CHECK(sources(ra) == std::vector<v1::SegmentSource>(2, v1::SEGMENT_SOURCE_COMBINE_COMPUTED));
+  CHECK(sources(rb) == std::vector<v1::SegmentSource>(2, v1::SEGMENT_SOURCE_COMBINE_COMPUTED));
+  for (const auto& s : rb.report.segments())
+    CHECK_THAT(s.note(), Catch::Contains("joined this worker's build of the same segment for request r-a"));
+  CHECK(rb.tokens == ra.tokens);
+  CHECK(c.svc->local_build_counts().in_flight == 0);
+
+  // The request the builds were started for goes away mid-build: they go on for the one that joined them.
+  const std::vector<std::vector<int32_t>> segs2 = {{111, 112, 113, 114, 115, 116}, {121, 122, 123}};
+  backend.hold = true;
+  const int entered = backend.entered;
+  grpc::ClientContext ctx_a;
+  grpc::Status st_a;
+  auto a2 = std::async(std::launch::async,
+                       [&] { return combine(c, "r-a2", segs2, v1::PlannedSegment::LOCAL, &st_a, false, &ctx_a); });
+  REQUIRE(wait_for([&] { return backend.entered > entered; }));
+  auto b2 = std::async(std::launch::async, [&] { return combine(c, "r-b2", segs2, v1::PlannedSegment::LOCAL); });
+  REQUIRE(wait_for([&] { return c.svc->local_build_counts().joined == 4; }));
+  ctx_a.TryCancel();
+  a2.get();
+  CHECK(st_a.error_code() == grpc::StatusCode::CANCELLED);
+  // (the client sees CANCELLED at once; A's handler notices within its 50 ms wait, leaves, then ends its call)
+  REQUIRE(wait_for([&] { return c.life.active() == 1; }));
+  CHECK(c.svc->local_build_counts().in_flight == 2);  // B still waits for both
+  backend.hold = false;
+  const Combined rb2 = b2.get();
+  CHECK(sources(rb2) == std::vector<v1::SegmentSource>(2, v1::SEGMENT_SOURCE_COMBINE_COMPUTED));
+  CHECK(backend.built == 4);
+  // The same tokens as the entries spliced from the device tier (hit and miss agree).
+  const Combined warm = combine(c, "r-warm2", segs2, v1::PlannedSegment::WARM);
+  CHECK(sources(warm) == std::vector<v1::SegmentSource>(2, v1::SEGMENT_SOURCE_COMBINE_MEMORY));
+  CHECK(warm.tokens == rb2.tokens);
+
+  // Everyone waiting goes away: the builds are forgotten (and cancelled); the next request builds again.
+  const std::vector<std::vector<int32_t>> segs3 = {{131, 132, 133, 134}};
+  backend.hold = true;
+  const int entered3 = backend.entered;
+  grpc::ClientContext ctx_3;
+  grpc::Status st_3;
+  auto a3 = std::async(std::launch::async,
+                       [&] { return combine(c, "r-a3", segs3, v1::PlannedSegment::LOCAL, &st_3, false, &ctx_3); });
+  REQUIRE(wait_for([&] { return backend.entered > entered3; }));
+  CHECK(c.svc->local_build_counts().in_flight == 1);
+  ctx_3.TryCancel();
+  a3.get();
+  CHECK(st_3.error_code() == grpc::StatusCode::CANCELLED);
+  // (the client sees CANCELLED at once; the handler notices within its 50 ms wait and leaves then)
+  CHECK(wait_for([&] { return c.svc->local_build_counts().in_flight == 0; }));
+  backend.hold = false;
+  const Combined again = combine(c, "r-again3", segs3, v1::PlannedSegment::LOCAL);
+  CHECK(again.tokens.size() == 4);
+  CHECK(c.svc->local_build_counts().joined == 4);
 }
 
 TEST_CASE("tier budgets: derived from device memory, host memory and the entry size", "[memory_tier]") {
