@@ -57,6 +57,7 @@ void CombineService::build_locally(const std::shared_ptr<Pending>& p,
     std::string joined_for;
     uint64_t id = 0;
     std::shared_ptr<std::atomic<bool>> cancel;
+    std::shared_ptr<const engine::ResidentEntry> held;
     {
       std::lock_guard<std::mutex> lock(local_mu_);
       auto it = local_builds_.find(s.digest);
@@ -64,6 +65,9 @@ void CombineService::build_locally(const std::shared_ptr<Pending>& p,
         it->second.waiters.emplace_back(p, slot);
         joined_for = it->second.started_for;
         ++local_joined_;
+      } else if (it == local_builds_.end() && (held = d_.memory_tier.get(s.digest, s.ids))) {
+        // Built here for another request since this one was planned (a finished build is in the device tier before
+        // it leaves local_builds_, on_local_built): spliced from the tier.
       } else if (it == local_builds_.end()) {
         id = next_local_build_++;
         cancel = std::make_shared<std::atomic<bool>>(false);
@@ -72,6 +76,13 @@ void CombineService::build_locally(const std::shared_ptr<Pending>& p,
         b.waiters.emplace_back(p, slot);
       }
       // (else: the same digest of other ids or seam width -- a collision -- is built on its own, unshared)
+    }
+    if (held) {
+      count_segment(v1::SEGMENT_SOURCE_COMBINE_MEMORY);
+      const size_t bytes = held->resident_bytes();
+      p->fill(slot, nullptr, v1::SEGMENT_SOURCE_COMBINE_MEMORY, "", 0, bytes, "", std::move(held),
+              "built on this worker for another request since this request was planned: from its device tier");
+      continue;
     }
     if (!joined_for.empty()) {
       joined_metric.inc();
@@ -86,6 +97,7 @@ void CombineService::build_locally(const std::shared_ptr<Pending>& p,
                         [this, p, slot](engine::BuildOutcome r) {
                           if (r.cancelled) return;
                           if (!r.error.empty()) return local_build_failed(p, slot, r);
+                          d_.memory_tier.put(p->slots[slot].digest, r.entry);
                           fill_local_build(p->slots[slot].digest, {{p, slot}}, std::move(r));
                         },
                         engine::BuildHandover::Resident});
@@ -100,6 +112,9 @@ void CombineService::build_locally(const std::shared_ptr<Pending>& p,
 }
 
 void CombineService::on_local_built(const rpc::Digest& digest, uint64_t build, engine::BuildOutcome r) {
+  // Into the device tier before the build leaves local_builds_, so that a request arriving in between finds it in one
+  // or the other (build_locally); also when every request waiting for it ended (the next one hits).
+  if (!r.cancelled && r.error.empty() && r.entry) d_.memory_tier.put(digest, r.entry);
   LocalBuild b;
   bool retry = false;
   {
@@ -144,8 +159,9 @@ void CombineService::on_local_built(const rpc::Digest& digest, uint64_t build, e
 void CombineService::fill_local_build(const rpc::Digest& digest,
                                       const std::vector<std::pair<std::shared_ptr<Pending>, size_t>>& waiters,
                                       engine::BuildOutcome r) {
-  // Spliced as it is (resident, no host round trip); its host copy (host tier, cache put) is made afterwards, off the
-  // critical path, once. Put in the cache when a waiter asked for that and none rebuilt it from the cache's copy.
+  // Spliced as it is (resident, no host round trip; the caller put it in the device tier); its host copy (host tier,
+  // cache put) is made afterwards, off the critical path, once. Put in the cache when a waiter asked for that and
+  // none rebuilt it from the cache's copy.
   fetch_costs_.observe_build(int64_t(r.entry->header().token_ids.size()), r.compute_ms);
   bool put = false, in_cache = false;
   for (const auto& [p, slot] : waiters) {
@@ -153,7 +169,6 @@ void CombineService::fill_local_build(const rpc::Digest& digest,
     put = put || p->cache_segments;
     in_cache = in_cache || p->slots[slot].in_cache;
   }
-  d_.memory_tier.put(digest, r.entry);
   d_.copier.enqueue(digest, r.entry, put && !in_cache, waiters.front().first->id);
   const size_t bytes = r.entry->resident_bytes();
   for (const auto& [p, slot] : waiters) {

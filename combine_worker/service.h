@@ -139,7 +139,8 @@ class CombineService final : public hypic::v1::CombineWorker::Service {
   std::shared_ptr<Pending> find(const std::string& request_id);
   /// Queues local builds of the given slots (with a note each) on the engine loop, in one submission; each is spliced
   /// resident as built and its host copy made afterwards (HostCopier). A slot whose digest is being built here for
-  /// another active request (same ids and seam width) joins that build instead: one build fills every waiting slot.
+  /// another active request (same ids and seam width) joins that build instead: one build fills every waiting slot;
+  /// one whose build finished since (for another request) is taken from the device tier.
   void build_locally(const std::shared_ptr<Pending>& p, const std::vector<std::pair<size_t, std::string>>& slots);
   void build_locally(const std::shared_ptr<Pending>& p, size_t slot, std::string note);
   /// A local build's outcome (on the engine loop's thread): device memory short with device-tier entries to give up,
@@ -147,7 +148,7 @@ class CombineService final : public hypic::v1::CombineWorker::Service {
   /// asked for one and none was a policy rebuild), every waiting slot filled; or each waiter's failure
   /// (local_build_failed).
   void on_local_built(const rpc::Digest& digest, uint64_t build, engine::BuildOutcome r);
-  /// A finished local build: into the device tier, its host copy queued once, every waiting slot filled.
+  /// A finished local build (already in the device tier): its host copy queued once, every waiting slot filled.
   void fill_local_build(const rpc::Digest& digest,
                         const std::vector<std::pair<std::shared_ptr<Pending>, size_t>>& waiters,
                         engine::BuildOutcome r);

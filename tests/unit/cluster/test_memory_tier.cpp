@@ -438,6 +438,12 @@ TEST_CASE("combine worker: concurrent requests prefilling the same segment share
     CHECK_THAT(s.note(), Catch::Contains("joined this worker's build of the same segment for request r-a"));
   CHECK(rb.tokens == ra.tokens);
   CHECK(c.svc->local_build_counts().in_flight == 0);
+  // C was planned to prefill them too (planned before the builds ended, say): they are in the device tier now.
+  const Combined rc = combine(c, "r-c", segs, v1::PlannedSegment::LOCAL);
+  CHECK(sources(rc) == std::vector<v1::SegmentSource>(2, v1::SEGMENT_SOURCE_COMBINE_MEMORY));
+  for (const auto& s : rc.report.segments()) CHECK_THAT(s.note(), Catch::Contains("from its device tier"));
+  CHECK(rc.tokens == ra.tokens);
+  CHECK(backend.built == 2);
 
   // The request the builds were started for goes away mid-build: they go on for the one that joined them.
   const std::vector<std::vector<int32_t>> segs2 = {{111, 112, 113, 114, 115, 116}, {121, 122, 123}};
