@@ -5,6 +5,7 @@
 #include "combine_worker/pending.h"
 
 #include <algorithm>
+#include <system_error>
 #include <thread>
 
 #include <fmt/format.h>
@@ -60,6 +61,9 @@ void CombineService::build_locally(const std::shared_ptr<Pending>& p,
     std::shared_ptr<const engine::ResidentEntry> held;
     {
       std::lock_guard<std::mutex> lock(local_mu_);
+      // A request that is ending (its cleanup set the flag, then leaves local_builds_ under this lock) starts and
+      // joins nothing: a late fetch failure or ComputeLocally would otherwise leave a build nobody waits for.
+      if (p->cancel->load()) continue;
       auto it = local_builds_.find(s.digest);
       if (it != local_builds_.end() && it->second.ids == s.ids && it->second.seam_width == p->entry_seam_width) {
         it->second.waiters.emplace_back(p, slot);
@@ -446,7 +450,20 @@ void CombineService::gather(const std::shared_ptr<Pending>& p, const v1::Combine
                                         p->slots[i].build_error);
       }
       lock.unlock();
-      for (size_t i : slots) fetchers.emplace_back([this, p, ctx, i] { fetch_or_fail(p, i, ctx); });
+      for (size_t i : slots) {
+        try {
+          fetchers.emplace_back([this, p, ctx, i] { fetch_or_fail(p, i, ctx); });
+        } catch (const std::system_error& e) {  // no thread to be had: the request fails with both reasons
+          lock.lock();
+          if (p->failure.empty()) {
+            p->failure = fmt::format("segment {}: prefilling it failed ({}), and no thread could be started to fetch "
+                                     "it from the segment cache instead ({})",
+                                     i, p->slots[i].build_error, e.what());
+            p->failure_code = p->slots[i].build_error_code;
+          }
+          lock.unlock();
+        }
+      }
       lock.lock();
       continue;
     }

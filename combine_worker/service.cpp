@@ -330,8 +330,8 @@ grpc::Status CombineService::run_combine(grpc::ServerContext* ctx, const v1::Com
       Fetchers& fetch;
       ~Cleanup() {
         p.cancel->store(true);
-        svc.leave_local_builds(p);
         for (auto& t : fetch.threads) t.join();
+        svc.leave_local_builds(p);  // (build_locally starts nothing for a cancelled request: p.cancel is set first)
         std::lock_guard<std::mutex> lock(svc.mu_);
         svc.active_.erase(p.id);
         svc.active_cv_.notify_all();
