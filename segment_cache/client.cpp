@@ -26,9 +26,13 @@ namespace v1 = hypic::v1;
 SegmentCacheClient::SegmentCacheClient(std::vector<std::string> replicas, Options options)
     : replicas_(std::move(replicas)), opt_(options) {
   if (opt_.transfer_rate == 0) throw std::invalid_argument("SegmentCacheClient: transfer_rate must be positive");
+  if (opt_.connections < 1) throw std::invalid_argument("SegmentCacheClient: connections must be at least 1");
   if (replicas_.empty()) return;
   ring_.emplace(replicas_, opt_.vnodes);
-  for (const auto& r : replicas_) stubs_.push_back(v1::SegmentCache::NewStub(rpc::make_channel(r)));
+  for (const auto& r : replicas_) {
+    auto& per = stubs_.emplace_back();
+    for (int c = 0; c < opt_.connections; ++c) per.push_back(v1::SegmentCache::NewStub(rpc::make_channel(r, c)));
+  }
 }
 
 std::string SegmentCacheClient::owner(const rpc::Digest& digest) const {
@@ -37,7 +41,8 @@ std::string SegmentCacheClient::owner(const rpc::Digest& digest) const {
 
 v1::SegmentCache::Stub& SegmentCacheClient::stub_for(const rpc::Digest& digest) const {
   if (!ring_) throw rpc::unavailable("no segment cache replica is configured");
-  return *stubs_[ring_->owner(digest)];
+  const auto& per = stubs_[ring_->owner(digest)];
+  return *per[per.size() == 1 ? 0 : next_connection_.fetch_add(1, std::memory_order_relaxed) % per.size()];
 }
 
 BatchLookup SegmentCacheClient::lookup(std::span<const CacheKey> keys, uint32_t lease_ms,
@@ -69,7 +74,7 @@ BatchLookup SegmentCacheClient::lookup(std::span<const CacheKey> keys, uint32_t 
     }
     contexts[r] = rpc::make_client_context(parent, opt_.timeout);
     calls[r] = std::async(std::launch::async, [this, r, req = std::move(req), ctx = contexts[r].get(), &responses] {
-      return stubs_[r]->Lookup(ctx, req, &responses[r]);
+      return stubs_[r][0]->Lookup(ctx, req, &responses[r]);
     });
   }
   for (size_t r = 0; r < replicas_.size(); ++r) {
@@ -106,7 +111,7 @@ std::string SegmentCacheClient::release_leases(const std::string& lease_owner,
       v1::ReleaseLeasesRequest req;
       req.set_lease_owner(lease_owner);
       v1::ReleaseLeasesResponse resp;
-      return stubs_[r]->ReleaseLeases(ctx.get(), req, &resp);
+      return stubs_[r][0]->ReleaseLeases(ctx.get(), req, &resp);
     });
   }
   std::string error;
@@ -290,7 +295,7 @@ v1::CacheStats SegmentCacheClient::stats(size_t replica) const {
   }
   auto ctx = rpc::make_client_context(nullptr, opt_.timeout);
   v1::CacheStats out;
-  const grpc::Status st = stubs_[replica]->Stats(ctx.get(), v1::StatsRequest{}, &out);
+  const grpc::Status st = stubs_[replica][0]->Stats(ctx.get(), v1::StatsRequest{}, &out);
   if (!st.ok()) rpc::throw_status(st, fmt::format("stats of {}", replicas_[replica]));
   return out;
 }
@@ -333,11 +338,15 @@ void add_cache_client_flags(CLI::App& app, SegmentCacheClient::Options& options)
   rpc::add_strict_int_option(app, "--cache-put-wait-ms", options.put_wait, 0, kMaxMs,
                              "how long a put may wait at the segment cache for room, in ms, on top of its deadline "
                              "(set it to the cache's --max-put-wait-ms)");
+  rpc::add_strict_int_option(app, "--cache-connections", options.connections, 1, 64,
+                             "TCP connections to each segment cache replica; calls take them in turn, so that "
+                             "parallel fetches of large entries do not share one connection")
+      ->capture_default_str();
 }
 
 std::string describe(const SegmentCacheClient::Options& o) {
-  return fmt::format("base deadline {} ms, transfer rate {} B/s, put wait {} ms", o.timeout.count(), o.transfer_rate,
-                     o.put_wait.count());
+  return fmt::format("base deadline {} ms, transfer rate {} B/s, put wait {} ms, {} connection(s) per replica",
+                     o.timeout.count(), o.transfer_rate, o.put_wait.count(), o.connections);
 }
 
 }  // namespace hypic::cache

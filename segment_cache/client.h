@@ -4,6 +4,7 @@
 // (lookup) or fails the call with UNAVAILABLE (get/put) — callers then compute instead.
 // Thread-safe; channels are created once per replica and shared.
 #pragma once
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -71,6 +72,9 @@ class SegmentCacheClient {
     /// How long a put may wait at the cache for room to receive it, on top of that: the segment cache's
     /// --max-put-wait-ms (default 30 s), so that a put the cache would still admit is not given up before.
     std::chrono::milliseconds put_wait{30000};
+    /// TCP connections per replica (at least 1); calls take them in turn, so that parallel fetches of large entries
+    /// do not share one connection's HTTP/2 stream (rpc::make_channel).
+    int connections = 1;
   };
 
   /// The deadline of a call that moves `bytes`: timeout + bytes / transfer_rate, in ms rounded up, at most 2^40 ms
@@ -79,7 +83,7 @@ class SegmentCacheClient {
 
   /// `replicas`: host:port of every replica (may be empty: a client with no cache, every lookup
   /// misses and get/put fail with UNAVAILABLE).
-  /// Throws std::invalid_argument when options.transfer_rate is 0.
+  /// Throws std::invalid_argument when options.transfer_rate is 0 or options.connections < 1.
   explicit SegmentCacheClient(std::vector<std::string> replicas, Options options);
   explicit SegmentCacheClient(std::vector<std::string> replicas) : SegmentCacheClient(std::move(replicas), Options{}) {}
 
@@ -151,14 +155,16 @@ class SegmentCacheClient {
   std::vector<std::string> replicas_;
   Options opt_;
   std::optional<HashRing> ring_;
-  std::vector<std::unique_ptr<hypic::v1::SegmentCache::Stub>> stubs_;
+  std::vector<std::vector<std::unique_ptr<hypic::v1::SegmentCache::Stub>>> stubs_;  // [replica][connection]
+  mutable std::atomic<uint64_t> next_connection_{0};
 };
 
 /// The workers' flags for their segment-cache client, each defaulting to the value in `options` and written there
 /// when given: --cache-timeout-ms (Options::timeout, whole decimal ms in [1, 3,600,000] as rpc::add_strict_int_option
 /// reads them), --cache-transfer-rate (Options::transfer_rate, bytes per second in [1, 10^18], a decimal number with an
 /// optional 1000-based unit: 12.5MB = 12,500,000) and --cache-put-wait-ms (Options::put_wait, [0, 3,600,000]: set it
-/// to the segment cache's --max-put-wait-ms when that is raised). Anything else fails the parse (CLI::ValidationError
+/// to the segment cache's --max-put-wait-ms when that is raised), --cache-connections (Options::connections, [1, 64]).
+/// Anything else fails the parse (CLI::ValidationError
 /// naming the flag and the value); nothing is written then.
 void add_cache_client_flags(CLI::App& app, SegmentCacheClient::Options& options);
 

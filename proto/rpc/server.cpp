@@ -230,9 +230,10 @@ int run_server(const ServerFlags& flags, Lifecycle& lifecycle, ServerSpec spec) 
   return 0;
 }
 
-std::shared_ptr<grpc::Channel> make_channel(const std::string& target) {
+std::shared_ptr<grpc::Channel> make_channel(const std::string& target, int connection) {
   grpc::ChannelArguments args;
   apply_common_args(args);
+  if (connection > 0) args.SetInt("hypic.connection", connection);
   if (!tls_material().server_name.empty()) args.SetSslTargetNameOverride(tls_material().server_name);
   return grpc::CreateCustomChannel(target, channel_credentials(), args);
 }

@@ -141,8 +141,10 @@ int run_server(const ServerFlags& flags, Lifecycle& lifecycle, ServerSpec spec);
 
 /// gRPC channel to host:port with the channel arguments hypic uses (large messages allowed,
 /// keepalive so that a vanished peer is noticed within seconds), over TLS when the process's TLS configuration has
-/// a CA (security.h, --tls-ca).
-std::shared_ptr<grpc::Channel> make_channel(const std::string& target);
+/// a CA (security.h, --tls-ca). gRPC gives channels of equal target and arguments one TCP connection between them:
+/// `connection` > 0 makes a channel of its own connection (one more argument, hypic.connection = N), so that bulk
+/// streams spread over several connections (SegmentCacheClient::Options::connections).
+std::shared_ptr<grpc::Channel> make_channel(const std::string& target, int connection = 0);
 
 /// Health status of `service` ("" for the whole server) at `target`, as the grpc.health.v1 enum
 /// value (1 = SERVING); -1 when the call failed (the status is written to *error if given).

@@ -359,6 +359,12 @@ TEST_CASE("cache client flags: the workers' --cache-timeout-ms, --cache-transfer
     CHECK(o.timeout == milliseconds(5000));
     CHECK(o.transfer_rate == 100'000'000u);
     CHECK(o.put_wait == milliseconds(30000));
+    CHECK(o.connections == 1);
+  }
+  {
+    Options o;
+    parse_cache_flags(o, {"--cache-connections", "4"});
+    CHECK(o.connections == 4);
   }
   {
     Options o;
@@ -404,12 +410,34 @@ TEST_CASE("cache client flags: the workers' --cache-timeout-ms, --cache-transfer
                                              {"--cache-put-wait-ms", "-1"},
                                              {"--cache-put-wait-ms", "3600001"},
                                              {"--cache-put-wait-ms", ""},
-                                             {"--cache-timeout-ms", "soon"}}) {
+                                             {"--cache-timeout-ms", "soon"},
+                                             {"--cache-connections", "0"},
+                                             {"--cache-connections", "65"},
+                                             {"--cache-connections", "two"}}) {
     INFO(bad[0] << " " << bad[1]);
     Options o;
     CHECK_THROWS_AS(parse_cache_flags(o, bad), CLI::ParseError);
     CHECK(o.put_wait == milliseconds(30000));  // nothing written on a refused value
     CHECK(o.timeout == milliseconds(5000));
     CHECK(o.transfer_rate == 100'000'000u);
+    CHECK(o.connections == 1);
   }
+}
+
+TEST_CASE("cache client connections: calls take a replica's connections in turn, every entry whole", "[put_admission]") {
+  CacheServer server(30s);
+  hypic::cache::SegmentCacheClient::Options opt;
+  opt.connections = 0;
+  CHECK_THROWS_AS(hypic::cache::SegmentCacheClient({server.address()}, opt), std::invalid_argument);
+  opt.connections = 3;
+  const hypic::cache::SegmentCacheClient client({server.address()}, opt);
+  std::vector<int32_t> ids{7};
+  for (uint8_t n = 1; n <= 7; ++n) {  // more calls than connections: each one's put and get on its own turn
+    const std::string bytes(100'000 + n, char('a' + n));
+    client.put({digest_of(n), ids}, bytes);
+    const auto got = client.get({digest_of(n), ids});
+    REQUIRE(got.has_value());
+    CHECK(*got == bytes);
+  }
+  CHECK(client.stats(0).memory_entries() == 7);
 }

@@ -1,0 +1,183 @@
+// hypic-bench-cache-fetch: how fast entries at real model size come out of a segment cache over gRPC, by the number
+// of TCP connections the client spreads its calls over (SegmentCacheClient::Options::connections) and the number
+// of fetches in flight at once (the combine worker's --fetch-parallelism).
+//
+//   hypic-segment-cache --listen 127.0.0.1:0 --port-file /tmp/port --memory-bytes 4GiB &
+//   hypic-bench-cache-fetch --cache 127.0.0.1:$(cat /tmp/port) [--entry-mb 232] [--entries 8] [--parallel 8]
+//                           [--connections 1,2,4,8] [--reps 3] [--json out.json] [--md out.md]
+//
+// Puts --entries entries of --entry-mb MB (1e6 bytes) of random bytes (fresh digests, one token id each), then for
+// each connection count makes a new client and fetches every entry --reps times, --parallel at once (a round: all
+// entries, as a request of that many cache-only segments does), each entry's bytes streamed into a buffer of its own
+// (get_stream, the combine worker's path without the entry parse) with the checksum (and MAC, with --cache-key-file
+// as the workers take it) verified. Reports per connection count the best and median round's wall time, the
+// aggregate GB/s (1e9 bytes) and the median fetch's ms, as JSON on stdout (and --json) and a markdown table on
+// stderr (and --md). Not a test: run it by hand; the machine's load moves the figures, so compare rows of one run.
+#include <CLI/CLI.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <iostream>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "proto/rpc/entry_mac.h"
+#include "proto/rpc/flags.h"
+#include "segment_cache/client.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"Segment cache fetch throughput by client connections and fetches in flight"};
+  std::string cache, json_out, md_out, key_file;
+  double entry_mb = 232;
+  int entries = 8, parallel = 8, reps = 3;
+  std::vector<int> connections{1, 2, 4, 8};
+  app.add_option("--cache", cache, "host:port of a running hypic-segment-cache")->required();
+  app.add_option("--entry-mb", entry_mb, "entry size, MB (1e6 bytes); 232: a 2048-token Qwen3.5-35B-A3B entry")
+      ->check(CLI::Range(0.001, 4000.0));
+  hypic::rpc::add_strict_int_option(app, "--entries", entries, 1, 4096, "entries put, then fetched in each round");
+  hypic::rpc::add_strict_int_option(app, "--parallel", parallel, 1, 256, "fetches in flight at once");
+  hypic::rpc::add_strict_int_option(app, "--reps", reps, 1, 1000, "rounds per connection count");
+  app.add_option("--connections", connections, "connection counts to compare (comma separated)")
+      ->delimiter(',')
+      ->check(CLI::Range(1, 256));
+  hypic::rpc::add_entry_mac_flag(app, key_file);
+  app.add_option("--json", json_out, "also write the JSON result here");
+  app.add_option("--md", md_out, "also write the markdown table here");
+  CLI11_PARSE(app, argc, argv);
+
+  try {
+    hypic::rpc::configure_entry_mac(key_file, "bench");
+    const auto bytes = uint64_t(entry_mb * 1e6);
+    // The entries: random bytes (incompressible; gRPC does not compress here anyway), fresh digests.
+    std::mt19937_64 rng(std::random_device{}());
+    std::string payload(bytes, '\0');
+    for (size_t i = 0; i + 8 <= payload.size(); i += 8) {
+      const uint64_t v = rng();
+      std::memcpy(payload.data() + i, &v, 8);
+    }
+    std::vector<hypic::rpc::Digest> digests(static_cast<size_t>(entries));
+    std::vector<int32_t> ids(static_cast<size_t>(entries));
+    {
+      hypic::cache::SegmentCacheClient put_client({cache});
+      for (int e = 0; e < entries; ++e) {
+        for (auto& b : digests[size_t(e)]) b = uint8_t(rng());
+        ids[size_t(e)] = int32_t(e);
+        payload[0] = char(e);  // (each entry's bytes differ)
+        put_client.put({digests[size_t(e)], std::span<const int32_t>(&ids[size_t(e)], 1)}, payload);
+      }
+    }
+    payload = std::string();
+
+    nlohmann::json result;
+    result["tool"] = "hypic-bench-cache-fetch";
+    result["cache"] = cache;
+    result["entry_bytes"] = bytes;
+    result["entries"] = entries;
+    result["parallel"] = parallel;
+    result["reps"] = reps;
+    result["host_threads"] = std::thread::hardware_concurrency();
+    result["rows"] = nlohmann::json::array();
+    std::string md = fmt::format(
+        "| connections | round best ms | round median ms | GB/s (best round) | fetch median ms | fetch GB/s (median) "
+        "|\n|---|---|---|---|---|---|\n");
+    std::vector<std::string> buffers(static_cast<size_t>(parallel));
+    for (const int conns : connections) {
+      hypic::cache::SegmentCacheClient::Options opt;
+      opt.connections = conns;
+      hypic::cache::SegmentCacheClient client({cache}, opt);
+      std::vector<double> rounds, fetches;
+      std::mutex fetches_mu;
+      for (int r = 0; r < reps; ++r) {
+        std::atomic<int> next{0};
+        std::atomic<bool> failed{false};
+        std::string error;
+        const auto t0 = Clock::now();
+        std::vector<std::thread> threads;
+        for (int w = 0; w < parallel; ++w) {
+          threads.emplace_back([&, w] {
+            std::string& buf = buffers[size_t(w)];
+            for (int e; (e = next.fetch_add(1)) < entries && !failed;) {
+              try {
+                const auto f0 = Clock::now();
+                size_t at = 0;
+                const bool found = client.get_stream(
+                    {digests[size_t(e)], std::span<const int32_t>(&ids[size_t(e)], 1)},
+                    [&](uint64_t total) {
+                      buf.resize(total);
+                      at = 0;
+                    },
+                    [&](std::string_view chunk) {
+                      if (at + chunk.size() > buf.size()) throw std::runtime_error("more bytes than announced");
+                      std::memcpy(buf.data() + at, chunk.data(), chunk.size());
+                      at += chunk.size();
+                    },
+                    nullptr, bytes);
+                if (!found || at != bytes) throw std::runtime_error(fmt::format("entry {} not fetched whole", e));
+                const double ms = std::chrono::duration<double, std::milli>(Clock::now() - f0).count();
+                std::lock_guard<std::mutex> lock(fetches_mu);
+                fetches.push_back(ms);
+              } catch (const std::exception& ex) {
+                std::lock_guard<std::mutex> lock(fetches_mu);
+                if (!failed.exchange(true)) error = ex.what();
+              }
+            }
+          });
+        }
+        for (auto& t : threads) t.join();
+        if (failed) throw std::runtime_error(fmt::format("{} connection(s): {}", conns, error));
+        rounds.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+      }
+      const double best = *std::min_element(rounds.begin(), rounds.end()), med = median(rounds);
+      const double fetch_med = median(fetches);
+      const double gbps = double(bytes) * entries / (best * 1e6), fetch_gbps = double(bytes) / (fetch_med * 1e6);
+      result["rows"].push_back({{"connections", conns},
+                                {"round_ms_best", best},
+                                {"round_ms_median", med},
+                                {"round_ms_all", rounds},
+                                {"gb_per_s_best_round", gbps},
+                                {"fetch_ms_median", fetch_med},
+                                {"fetch_gb_per_s_median", fetch_gbps}});
+      md += fmt::format("| {} | {:.0f} | {:.0f} | {:.2f} | {:.0f} | {:.2f} |\n", conns, best, med, gbps, fetch_med,
+                        fetch_gbps);
+    }
+    const std::string head =
+        fmt::format("{} entries of {:.1f} MB, {} fetches in flight, {} rounds each, {} host threads\n\n", entries,
+                    double(bytes) / 1e6, parallel, reps, std::thread::hardware_concurrency());
+    std::cerr << head << md;
+    if (!md_out.empty()) {
+      std::ofstream f(md_out);
+      f << head << md;
+      if (!f) throw std::runtime_error("cannot write " + md_out);
+    }
+    if (!json_out.empty()) {
+      std::ofstream f(json_out);
+      f << result.dump(1) << "\n";
+      if (!f) throw std::runtime_error("cannot write " + json_out);
+    }
+    std::cout << result.dump() << std::endl;
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "hypic-bench-cache-fetch: %s\n", e.what());
+    return 1;
+  }
+}
