@@ -2,8 +2,8 @@
 // of TCP connections the client spreads its calls over (SegmentCacheClient::Options::connections) and the number
 // of fetches in flight at once (the combine worker's --fetch-parallelism).
 //
-//   hypic-segment-cache --listen 127.0.0.1:0 --port-file /tmp/port --memory-bytes 4GiB &
-//   hypic-bench-cache-fetch --cache 127.0.0.1:$(cat /tmp/port) [--entry-mb 232] [--entries 8] [--parallel 8]
+//   build/bin/hypic-segment-cache --listen 127.0.0.1:0 --port-file /tmp/port --memory-bytes 4GiB &
+//   build/bin/hypic-bench-cache-fetch --cache 127.0.0.1:$(cat /tmp/port) [--entry-mb 232] [--entries 8] [--parallel 8]
 //                           [--connections 1,2,4,8] [--reps 3] [--json out.json] [--md out.md]
 //
 // Puts --entries entries of --entry-mb MB (1e6 bytes) of random bytes (fresh digests, one token id each), then for
@@ -53,13 +53,16 @@ int main(int argc, char** argv) {
   std::vector<int> connections{1, 2, 4, 8};
   app.add_option("--cache", cache, "host:port of a running hypic-segment-cache")->required();
   app.add_option("--entry-mb", entry_mb, "entry size, MB (1e6 bytes); 232: a 2048-token Qwen3.5-35B-A3B entry")
-      ->check(CLI::Range(0.001, 4000.0));
-  hypic::rpc::add_strict_int_option(app, "--entries", entries, 1, 4096, "entries put, then fetched in each round");
-  hypic::rpc::add_strict_int_option(app, "--parallel", parallel, 1, 256, "fetches in flight at once");
-  hypic::rpc::add_strict_int_option(app, "--reps", reps, 1, 1000, "rounds per connection count");
+      ->check(CLI::Range(0.001, 4000.0))
+      ->capture_default_str();
+  hypic::rpc::add_strict_int_option(app, "--entries", entries, 1, 4096, "entries put, then fetched in each round")
+      ->capture_default_str();
+  hypic::rpc::add_strict_int_option(app, "--parallel", parallel, 1, 256, "fetches in flight at once")->capture_default_str();
+  hypic::rpc::add_strict_int_option(app, "--reps", reps, 1, 1000, "rounds per connection count")->capture_default_str();
   app.add_option("--connections", connections, "connection counts to compare (comma separated)")
       ->delimiter(',')
-      ->check(CLI::Range(1, 256));
+      ->check(CLI::Range(1, 256))
+      ->capture_default_str();
   hypic::rpc::add_entry_mac_flag(app, key_file);
   app.add_option("--json", json_out, "also write the JSON result here");
   app.add_option("--md", md_out, "also write the markdown table here");

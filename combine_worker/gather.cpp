@@ -26,10 +26,6 @@ void CombineService::build_locally(const std::shared_ptr<Pending>& p, size_t slo
 
 void CombineService::build_locally(const std::shared_ptr<Pending>& p,
                                    const std::vector<std::pair<size_t, std::string>>& slots) {
-  static auto& joined_metric = rpc::MetricsRegistry::global().counter(
-      "hypic:combine_builds_joined_total",
-      "Segments this combine worker was to prefill that joined its build of the same segment for another request "
-      "(one build for both)");
   std::vector<engine::EngineLoop::BuildSubmission> builds;
   for (const auto& [slot, note] : slots) {
     {
@@ -89,7 +85,7 @@ void CombineService::build_locally(const std::shared_ptr<Pending>& p,
       continue;
     }
     if (!joined_for.empty()) {
-      joined_metric.inc();
+      builds_joined_counter().inc();
       p->add_note(slot, joined_for == p->id ? "joined this request's own build of the same segment"
                                             : fmt::format("joined this worker's build of the same segment for "
                                                           "request {} (one build for both)",
@@ -372,11 +368,7 @@ void CombineService::rebuild_cache_only(const std::shared_ptr<Pending>& p, const
                   plan.rebuild.size(), candidates.size(), plan.chosen_ms, plan.fetch_all_ms, mb_s, tok_s) +
       (plan.probe ? "; one kept fetched to time the segment cache again" : "");
   spdlog::info("[req {}] segments {}: {}", p->id, fmt::join(plan.rebuild, ","), note);
-  static auto& rebuilt = rpc::MetricsRegistry::global().counter(
-      "hypic:cache_hits_rebuilt_total",
-      "Segments the segment cache held that this combine worker prefilled again because its measured fetch and build "
-      "rates said their entries would arrive sooner (--cache-fetch-policy auto)");
-  rebuilt.inc(double(plan.rebuild.size()));
+  cache_hits_rebuilt_counter().inc(double(plan.rebuild.size()));
   {
     std::lock_guard<std::mutex> lock(p->mu);
     for (size_t i : plan.rebuild) p->slots[i].in_cache = true;

@@ -137,6 +137,22 @@ inline void count_received(const char* from, size_t bytes) {
       .counter("hypic:entry_bytes_received_total", "Segment entry bytes received, by sender", {{"from", from}})
       .inc(double(bytes));
 }
+/// hypic:combine_builds_joined_total: segments that joined a local build of the same segment for another request.
+inline rpc::Counter& builds_joined_counter() {
+  static auto& c = rpc::MetricsRegistry::global().counter(
+      "hypic:combine_builds_joined_total",
+      "Segments this combine worker was to prefill that joined its build of the same segment for another request "
+      "(one build for both)");
+  return c;
+}
+/// hypic:cache_hits_rebuilt_total: cache-only segments the fetch policy prefilled here instead.
+inline rpc::Counter& cache_hits_rebuilt_counter() {
+  static auto& c = rpc::MetricsRegistry::global().counter(
+      "hypic:cache_hits_rebuilt_total",
+      "Segments the segment cache held that this combine worker prefilled again because its measured fetch and build "
+      "rates said their entries would arrive sooner (--cache-fetch-policy auto)");
+  return c;
+}
 /// hypic:combine_segments_total{source}: segments this combine worker used, by where the entry came from.
 inline void count_segment(v1::SegmentSource source) {
   rpc::MetricsRegistry::global()

@@ -39,6 +39,8 @@ CombineService::CombineService(CombineDeps deps, CombineOptions options)
   fetch_costs_.set_priors(opt_.fetch_prior_mb_per_s, opt_.build_prior_tokens_per_s);
   // Prometheus metrics (proto/rpc/metrics.h), read at each scrape; this service lives until the server stopped.
   auto& reg = rpc::MetricsRegistry::global();
+  builds_joined_counter();  // (registered now: scraped as 0 before the first one)
+  cache_hits_rebuilt_counter();
   auto& tier = d_.memory_tier;
   auto& loop = d_.loop;
   reg.gauge_fn("hypic:cache_bytes", "Bytes of segment entries held, by tier", [&tier] { return double(tier.bytes()); },

@@ -195,14 +195,14 @@ class ClusterTestCase(unittest.TestCase):
     def client(self, *args: str) -> subprocess.CompletedProcess:
         return subprocess.run([str(BIN_DIR / "hypic-client"), *args], capture_output=True, text=True, timeout=60)
 
-    def combine_metric(self, name: str) -> float:
-        """The first sample of `name` on the combine worker's /metrics (0 when it has none yet)."""
+    def combine_metric(self, name: str, default: float | None = 0.0) -> float | None:
+        """The first sample of `name` on the combine worker's /metrics (`default` when it has none)."""
         import urllib.request
         text = urllib.request.urlopen(f"http://{self.cluster.metrics_address('combine')}/metrics", timeout=10).read()
         for line in text.decode().splitlines():
             if line.startswith(name + " ") or line.startswith(name + "{"):
                 return float(line.rsplit(" ", 1)[1])
-        return 0.0
+        return default
 
     def cache_stats(self, replica: str = "cache-0") -> dict:
         r = self.client("cache-stats", "--cache", self.cluster.address(replica))

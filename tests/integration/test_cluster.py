@@ -389,6 +389,9 @@ class CacheFetchAlwaysTest(ClusterTestCase):
                               "--fetch-rate-prior-mb-per-s", "0.001", "--build-rate-prior-tokens-per-s", "1000000"]}
 
     def test_cache_hits_are_fetched(self):
+        # The combine worker's counters are scraped from its start (as 0), not only once counted.
+        for name in ("hypic:cache_hits_rebuilt_total", "hypic:combine_builds_joined_total"):
+            self.assertEqual(self.combine_metric(name, default=None), 0.0, name)
         segs, query = [SEGMENTS[1], SEGMENTS[2]], "Which letters come last?"
         cold = self.ok(self.generate(segs, query))
         self.wait_cached(cold)
