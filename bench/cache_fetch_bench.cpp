@@ -29,6 +29,8 @@
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
 
 #include "proto/rpc/entry_mac.h"
 #include "proto/rpc/flags.h"
@@ -69,6 +71,7 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
 
   try {
+    spdlog::set_default_logger(spdlog::stderr_color_mt("bench"));  // (stdout carries the JSON alone)
     hypic::rpc::configure_entry_mac(key_file, "bench");
     const auto bytes = uint64_t(entry_mb * 1e6);
     // The entries: random bytes (incompressible; gRPC does not compress here anyway), fresh digests.
