@@ -10,6 +10,9 @@
 # Writes OUT/part1.tar, OUT/part2.tar, ... and prints how many. On the GPU host, for each part in turn (the machine
 # keeps /tmp between calls while it is warm):
 #   mkdir -p /tmp/hypic && tar xf .carry/partN.tar -C /tmp/hypic && xz -d -f /tmp/hypic/*/*.xz
+# A file too large for one part travels as pieces (NAME.xz.piece00, 01, ... in successive parts); after the last part:
+#   cd /tmp/hypic && for p in */*.xz.piece00; do [[ -e $p ]] || continue; b=${p%.piece00}; cat $b.piece* > $b &&
+#     rm $b.piece* && xz -d -f $b; done; chmod +x bin/*
 # then run with LD_LIBRARY_PATH=/tmp/hypic/lib:<CUDA and NCCL lib dirs> and binaries from /tmp/hypic/bin.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -52,6 +55,15 @@ else  # the headroom the tracked tree leaves (its disk usage, as the device tran
   ((limit > 0)) || { echo "gpu_bundle.sh: the tracked tree ($tracked bytes) leaves no room under 64 MiB" >&2; exit 1; }
   echo "parts of at most $limit bytes (64 MiB less the tracked tree's $tracked bytes and 256 KiB)"
 fi
+# A compressed file larger than a part (the combine worker: about 6.3 MB) is split into pieces NAME.xz.piece00, 01 ...
+# of at most a part less 64 KiB (tar headers), placed like any file; the host joins them after the last part.
+piece=$((limit - 64 * 1024))
+while read -r size f; do
+  if ((size > piece)); then
+    (cd "$STAGE" && split -b "$piece" -d "$f" "$f.piece" && rm "$f")
+    echo "$f: $size bytes compressed, split into pieces of at most $piece bytes (joined on the host, see --help)"
+  fi
+done < <(cd "$STAGE" && find bin lib -type f -printf '%s %p\n')
 declare -a sizes=()
 n=0
 while read -r size f; do
