@@ -5,6 +5,7 @@
 #include "combine_worker/pending.h"
 
 #include <algorithm>
+#include <string_view>
 #include <system_error>
 #include <thread>
 
@@ -19,6 +20,10 @@
 namespace hypic::combine {
 
 using Clock = std::chrono::steady_clock;
+
+// How a fetch's failure note ends when the segment is prefilled here instead (build_locally strips it where that
+// prefill already failed and the request fails with both reasons).
+constexpr std::string_view kPrefilledHere = "; prefilled by the combine worker";
 
 void CombineService::build_locally(const std::shared_ptr<Pending>& p, size_t slot, std::string note) {
   build_locally(p, {{slot, std::move(note)}});
@@ -36,9 +41,8 @@ void CombineService::build_locally(const std::shared_ptr<Pending>& p,
         // The fallback fetch of a failed policy rebuild failed too (fetch_warm ends here): the request fails with
         // both reasons, the build's code.
         if (s.fetch_fallback && p->failure.empty()) {
-          std::string_view why = note;  // fetch_warm's reason, less its "; prefilled by the combine worker"
-          if (const size_t at = why.rfind("; prefilled by the combine worker"); at != std::string_view::npos)
-            why = why.substr(0, at);
+          std::string_view why = note;  // fetch_warm's reason, less kPrefilledHere
+          if (why.ends_with(kPrefilledHere)) why.remove_suffix(kPrefilledHere.size());
           p->failure = fmt::format("segment {}: prefilling it failed ({}), and so did fetching it from the segment "
                                    "cache instead ({})",
                                    slot, s.build_error, why);
@@ -246,7 +250,7 @@ void CombineService::fetch_warm(const std::shared_ptr<Pending>& p, size_t slot, 
   }
   if (!d_.cache.enabled()) {  // it was in this worker's tiers at the router's lookup
     build_locally(p, slot, why + "not in this worker's tiers any more (evicted or cleared after the lookup) and no "
-                                 "segment cache is configured; prefilled by the combine worker");
+                                 "segment cache is configured" + std::string(kPrefilledHere));
     return;
   }
   try {
@@ -314,7 +318,7 @@ void CombineService::fetch_warm(const std::shared_ptr<Pending>& p, size_t slot, 
     }
     spdlog::warn("[req {}] segment {}: {}", p->id, slot, why);
   }
-  build_locally(p, slot, why + "; prefilled by the combine worker");
+  build_locally(p, slot, why + std::string(kPrefilledHere));
 }
 
 void CombineService::fetch_or_fail(const std::shared_ptr<Pending>& p, size_t slot,
@@ -324,7 +328,7 @@ void CombineService::fetch_or_fail(const std::shared_ptr<Pending>& p, size_t slo
   } catch (const std::exception& e) {  // never out of the thread (std::terminate): the segment is computed
     try {
       build_locally(p, slot,
-                    fmt::format("fetching it failed ({}); prefilled by the combine worker", rpc::untrusted(e.what())));
+                    fmt::format("fetching it failed ({}){}", rpc::untrusted(e.what()), kPrefilledHere));
     } catch (const std::exception& again) {  // the request fails with the reason
       std::lock_guard<std::mutex> lock(p->mu);
       if (p->failure.empty()) {
