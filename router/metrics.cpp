@@ -22,7 +22,8 @@ RouterMetrics& RouterMetrics::get() {
       r.counter("hypic:requests_refused_total", "Requests refused over the concurrency limit"),
       r.counter("hypic:scatter_failures_total", "Scatter-worker calls that failed"),
       r.counter("hypic:combine_retries_total",
-                "Requests planned again on another combine worker after theirs was unavailable before starting"),
+                "Requests planned again on another combine worker (or the same one back) after theirs was unavailable "
+                "before starting or died before the first token"),
   };
   return m;
 }

@@ -308,10 +308,15 @@ class GenerateCall {
   void reset_plan();
   std::map<size_t, std::vector<uint32_t>> plan();
   v1::CombineRequest combine_request();
-  /// *retryable: set when the call failed with UNAVAILABLE before the combine worker's Started event (nothing
-  /// launched, nothing streamed: the request may be planned again on another combine worker).
+  /// *retryable: set when the call failed with UNAVAILABLE (a combine worker that died, or one shutting down) before
+  /// anything reached the client: before the combine worker's Started event (nothing launched), or after it with no
+  /// token streamed yet (*started also set: the attempt's scatter builds are stopped). The request may then be
+  /// planned again on another combine worker, or on the same one back.
   grpc::Status stream_combine(const v1::CombineRequest& creq, const std::map<size_t, std::vector<uint32_t>>& by_worker,
-                              Phase& phase, bool* retryable);
+                              Phase& phase, bool* retryable, bool* started);
+  /// Clears what an attempt that had started left (its scatter calls, deliveries, the combine worker's events) before
+  /// the request is planned again; its scatter threads are joined (stop_scatter).
+  void reset_started_attempt();
   grpc::Status write_report();
   void launch_locked(size_t worker, const std::vector<uint32_t>& segments);
   void on_event(size_t worker, const v1::PrefillEvent& ev);
@@ -585,21 +590,31 @@ grpc::Status GenerateCall::run() {
   // A combine worker that died since the router's last probe refuses the call (UNAVAILABLE) before it has started:
   // nothing was launched or streamed, so the request is planned again on another (or, waiting up to
   // --combine-wait-ms, on one back in rotation); each refusal takes that worker out of the rotation until a probe
-  // finds it healthy, so at most one attempt per configured worker and a last one after the wait.
+  // finds it healthy, so at most one attempt per configured worker and a last one after the wait. One that dies
+  // after starting but before the request's first token reached the client (a long prefill, entries in transit) is
+  // planned again the same way, once: a request that kills every worker it runs on stops after two.
   const size_t max_attempts = svc_.combine_.size() + 1;
   std::string refused;  // the last refusal, named if no combine worker comes back
+  bool restarted = false;  // planned again after an attempt that had started
   grpc::Status st;
   for (size_t attempt = 1;; ++attempt) {
     choose_combine(tiers, refused);
     active_guard.set(combine_);
     const std::map<size_t, std::vector<uint32_t>> by_worker = plan();
     const v1::CombineRequest creq = combine_request();
-    bool retryable = false;
-    st = stream_combine(creq, by_worker, phase, &retryable);
-    if (st.ok() || !retryable || attempt >= max_attempts || ctx_->IsCancelled()) break;
+    bool retryable = false, started = false;
+    st = stream_combine(creq, by_worker, phase, &retryable, &started);
+    if (st.ok() || !retryable || attempt >= max_attempts || ctx_->IsCancelled() || (started && restarted)) break;
     refused = st.error_message();
-    spdlog::warn("[req {}] {} before it started; planning the request again (another combine worker, or one back in "
-                 "rotation)", rid_, refused);
+    if (started) {
+      spdlog::warn("[req {}] {} after it started, before the first token; planning the request again once (another "
+                   "combine worker, or one back in rotation)", rid_, refused);
+      restarted = true;
+      reset_started_attempt();
+    } else {
+      spdlog::warn("[req {}] {} before it started; planning the request again (another combine worker, or one back "
+                   "in rotation)", rid_, refused);
+    }
     RouterMetrics::get().combine_retries.inc();
     reset_plan();
     tiers.clear();
@@ -616,6 +631,21 @@ grpc::Status GenerateCall::run() {
   if (opts_.uses_entries && !svc_.cache_.enabled()) metrics.cache_queries.inc(double(segs_.size()));
   if (!st.ok()) return st;
   return write_report();
+}
+
+void GenerateCall::reset_started_attempt() {
+  std::lock_guard<std::mutex> lock(mu_);
+  stopping_ = false;
+  scatter_ctxs_.clear();  // (their threads were joined by stop_scatter)
+  for (SegState& sg : segs_) {
+    sg.delivered = false;
+    sg.delivery_note.clear();
+  }
+  last_computed_.reset();
+  t_ready_.reset();
+  t_spliced_.reset();
+  creport_.reset();
+  engine_ms_ = 0;
 }
 
 void GenerateCall::reset_plan() {
@@ -778,7 +808,7 @@ v1::CombineRequest GenerateCall::combine_request() {
 // cancellation, or the combine worker's status.
 grpc::Status GenerateCall::stream_combine(const v1::CombineRequest& creq,
                                           const std::map<size_t, std::vector<uint32_t>>& by_worker, Phase& phase,
-                                          bool* retryable) {
+                                          bool* retryable, bool* started) {
   auto& metrics = RouterMetrics::get();
   auto cctx = child_context();
   {
@@ -808,6 +838,7 @@ grpc::Status GenerateCall::stream_combine(const v1::CombineRequest& creq,
   t_dispatch_ = Clock::now();
   std::optional<Clock::time_point> t_last;
   bool client_gone = false;
+  bool sent = false;  // a delta written to the client
   while (reader->Read(&ev)) {
     if (ev.has_entries_ready()) {
       t_ready_ = Clock::now();
@@ -819,6 +850,7 @@ grpc::Status GenerateCall::stream_combine(const v1::CombineRequest& creq,
       v1::GenerateResponse out;
       *out.mutable_delta() = ev.delta();
       completion_ += uint32_t(ev.delta().token_ids_size());
+      sent = true;
       if (!writer_->Write(out)) {
         client_gone = true;
         cctx->TryCancel();
@@ -850,7 +882,12 @@ grpc::Status GenerateCall::stream_combine(const v1::CombineRequest& creq,
     if (!fatal_.ok()) return fatal_;
   }
   if (client_gone || ctx_->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "request cancelled by the client");
-  if (!st.ok()) return combine_error(st);
+  if (!st.ok()) {
+    // Nothing reached the client yet (no token, no report): the request may run again from its plan.
+    *started = true;
+    *retryable = st.error_code() == grpc::StatusCode::UNAVAILABLE && !sent && completion_ == 0 && !t_first_;
+    return combine_error(st);
+  }
   if (!creport_ || !t_ready_ || !t_spliced_ || !t_first_) {
     return grpc::Status(grpc::StatusCode::INTERNAL,
                         fmt::format("combine worker {} ended the stream without a complete report", combine_->address));

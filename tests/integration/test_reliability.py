@@ -349,29 +349,65 @@ class CombineRestartTwoWorkersTest(ReliabilityTestCase):
 
 
 class CombineFailureTest(ReliabilityTestCase):
-    """The combine worker SIGKILLed while requests are in flight on it (their scatter builds take 2 s more): each of
-    them ends at once with UNAVAILABLE naming the combine worker (no hang, no silent truncation); once it is back
-    (the router waits --combine-wait-ms for it), the same prompts give the reference tokens."""
+    """The combine worker SIGKILLed while requests are in flight on it, before their first token (their scatter builds
+    take 2 s more): the router plans each of them again once, waiting (--combine-wait-ms, 10 s) for a combine worker
+    to come back; restarted within the wait, it gives every one of them the reference tokens (before, they failed
+    with UNAVAILABLE). Not restarted, they end with UNAVAILABLE naming the dead worker once the wait is over (no hang,
+    no silent truncation), and the next requests succeed once it is back."""
     extra_args = {"scatter": ["--inject-delay-ms", "2000"], "router": ["--health-interval-ms", "100"]}
 
-    def test_requests_in_flight_fail_cleanly_and_the_next_ones_succeed(self):
+    def kill_with_requests_in_flight(self, prompts, prefix: str, pool):
+        futures = [pool.submit(self.generate, segs, q, request_id=f"{prefix}-{k}", deadline_s=60)
+                   for k, (segs, q) in enumerate(prompts)]
+        self.wait_log_count("combine", f"[req {prefix}-", len(prompts))  # every request reached the combine worker
+        t_kill = time.monotonic()
+        self.cluster.kill("combine")
+        self.cluster.wait_exit("combine")
+        # Each is planned again once (nothing had reached its client), then waits for a combine worker.
+        for k in range(len(prompts)):
+            self.wait_log_count("router", f"[req {prefix}-{k}] combine worker", 1)
+        self.assertEqual(self.log_count("router", "after it started, before the first token; planning the request "
+                                        f"again once") - self.restarts_before, len(prompts))
+        return futures, t_kill
+
+    def log_count(self, name: str, text: str) -> int:
+        return self.cluster.services[name].log_path.read_text().count(text)
+
+    def setUp(self) -> None:
+        self.restarts_before = self.log_count("router", "after it started, before the first token")
+
+    def test_requests_in_flight_before_their_first_token_run_again_on_the_worker_back(self):
         prompts = [([words(400 + k, 60)], f"Question {k}?") for k in range(3)]
-        combine = self.cluster.address("combine")
         with concurrent.futures.ThreadPoolExecutor(max_workers=3) as pool:
-            futures = [pool.submit(self.generate, segs, q, request_id=f"doomed-{k}", deadline_s=60)
-                       for k, (segs, q) in enumerate(prompts)]
-            self.wait_log_count("combine", "[req doomed-", 3)  # every request reached the combine worker
-            t_kill = time.monotonic()
-            self.cluster.kill("combine")
-            self.cluster.wait_exit("combine")
+            futures, _ = self.kill_with_requests_in_flight(prompts, "again", pool)
+            self.cluster.restart("combine")
+            results = [f.result(timeout=90) for f in futures]
+        for k, ((segs, q), r) in enumerate(zip(prompts, results)):
+            with self.subTest(request=k):
+                self.ok(r)
+                self.assertEqual(r["token_ids"], self.reference(segs, q))
+        text = urllib.request.urlopen(f"http://{self.cluster.metrics_address('router')}/metrics", timeout=10)
+        counts = [line for line in text.read().decode().splitlines()
+                  if line.startswith("hypic:combine_retries_total ")]
+        self.assertEqual(len(counts), 1)
+        self.assertGreaterEqual(float(counts[0].split()[1]), 3)
+        info = json.loads(self.client("info", "--router", self.cluster.router_address).stdout)
+        self.assertEqual(int(info.get("active_requests", 0)), 0)
+
+    def test_requests_in_flight_fail_cleanly_when_no_worker_comes_back(self):
+        prompts = [([words(410 + k, 60)], f"Question {k}?") for k in range(2)]
+        combine = self.cluster.address("combine")
+        with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+            futures, t_kill = self.kill_with_requests_in_flight(prompts, "doomed", pool)
             results = [f.result(timeout=60) for f in futures]
         ended_s = time.monotonic() - t_kill
         for k, r in enumerate(results):
             with self.subTest(request=k):
                 self.assertNotEqual(r["rc"], 0)
                 self.assertIn("UNAVAILABLE", r["stderr"])
-                self.assertIn(f"combine worker {combine}", r["stderr"])
-        self.assertLess(ended_s, 30)  # ended by the failure, not by their 60 s deadline
+                self.assertIn("no combine worker is available", r["stderr"])
+                self.assertIn(f"combine worker {combine}", r["stderr"])  # the failure before the wait, named
+        self.assertLess(ended_s, 30)  # ended by --combine-wait-ms (10 s), not by their 60 s deadline
         self.cluster.restart("combine")
         for k, (segs, q) in enumerate(prompts):
             with self.subTest(retry=k):
