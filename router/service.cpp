@@ -308,10 +308,11 @@ class GenerateCall {
   void reset_plan();
   std::map<size_t, std::vector<uint32_t>> plan();
   v1::CombineRequest combine_request();
-  /// *retryable: set when the call failed with UNAVAILABLE (a combine worker that died, or one shutting down) before
-  /// anything reached the client: before the combine worker's Started event (nothing launched), or after it with no
-  /// token streamed yet (*started also set: the attempt's scatter builds are stopped). The request may then be
-  /// planned again on another combine worker, or on the same one back.
+  /// *retryable: set when the call failed with UNAVAILABLE (a combine worker that died, or one shutting down; or its
+  /// ComputeLocally did, which ended the call) before anything reached the client: before the combine worker's
+  /// Started event (nothing launched), or after it with no token streamed yet (*started also set: the attempt's
+  /// scatter builds are stopped). The request may then be planned again on another combine worker, or on the same
+  /// one back.
   grpc::Status stream_combine(const v1::CombineRequest& creq, const std::map<size_t, std::vector<uint32_t>>& by_worker,
                               Phase& phase, bool* retryable, bool* started);
   /// Clears what an attempt that had started left (its scatter calls, deliveries, the combine worker's events) before
@@ -361,6 +362,7 @@ class GenerateCall {
   std::vector<bool> failed_;  // scatter workers that failed during this request
   bool stopping_ = false;
   grpc::Status fatal_;
+  bool combine_lost_ = false;  // fatal_ is the combine worker's UNAVAILABLE answer to ComputeLocally (it died)
   uint32_t scatter_failures_ = 0;
   std::optional<Clock::time_point> last_computed_;
   grpc::ClientContext* combine_ctx_ = nullptr;
@@ -524,6 +526,7 @@ void GenerateCall::compute_locally(const std::vector<uint32_t>& segments, const 
   if (st.ok()) return;
   std::lock_guard<std::mutex> lock(mu_);
   if (stopping_) return;
+  combine_lost_ = st.error_code() == grpc::StatusCode::UNAVAILABLE;
   fatal_ = grpc::Status(grpc::StatusCode::UNAVAILABLE,
                         fmt::format("{}; and combine worker {} could not take the segments over: {}", reason,
                                     combine_->address, rpc::describe(st)));
@@ -637,6 +640,11 @@ void GenerateCall::reset_started_attempt() {
   std::lock_guard<std::mutex> lock(mu_);
   stopping_ = false;
   scatter_ctxs_.clear();  // (their threads were joined by stop_scatter)
+  // What failed with the combine worker (a scatter worker's delivery to it, its ComputeLocally) is not held against
+  // the scatter workers or the new attempt; a scatter worker that is really gone is out of rotation already.
+  failed_.assign(svc_.scatter_.size(), false);
+  fatal_ = grpc::Status::OK;
+  combine_lost_ = false;
   for (SegState& sg : segs_) {
     sg.delivered = false;
     sg.delivery_note.clear();
@@ -876,18 +884,26 @@ grpc::Status GenerateCall::stream_combine(const v1::CombineRequest& creq,
   }
   const grpc::Status st = reader->Finish();
   stop_scatter();
+  grpc::Status fatal;
+  bool combine_lost = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
     combine_ctx_ = nullptr;
-    if (!fatal_.ok()) return fatal_;
+    fatal = fatal_;
+    combine_lost = combine_lost_;
   }
+  // The combine worker gone (its call's UNAVAILABLE, or ComputeLocally's, which cancelled the call) with nothing sent
+  // to the client yet (no token, no report): the request may run again from its plan.
+  *started = true;
+  *retryable = (st.error_code() == grpc::StatusCode::UNAVAILABLE || combine_lost) && !sent && completion_ == 0 &&
+               !t_first_ && !client_gone && !ctx_->IsCancelled();
+  if (*retryable) {
+    combine_->available.store(false);
+    return st.error_code() == grpc::StatusCode::UNAVAILABLE ? combine_error(st) : fatal;
+  }
+  if (!fatal.ok()) return fatal;
   if (client_gone || ctx_->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "request cancelled by the client");
-  if (!st.ok()) {
-    // Nothing reached the client yet (no token, no report): the request may run again from its plan.
-    *started = true;
-    *retryable = st.error_code() == grpc::StatusCode::UNAVAILABLE && !sent && completion_ == 0 && !t_first_;
-    return combine_error(st);
-  }
+  if (!st.ok()) return combine_error(st);
   if (!creport_ || !t_ready_ || !t_spliced_ || !t_first_) {
     return grpc::Status(grpc::StatusCode::INTERNAL,
                         fmt::format("combine worker {} ended the stream without a complete report", combine_->address));
