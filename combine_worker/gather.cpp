@@ -291,12 +291,7 @@ void CombineService::fetch_warm(const std::shared_ptr<Pending>& p, size_t slot, 
         return;
       }
     } catch (const engine::EntryError& e) {  // while parsing (the stream was cut there), or after
-      static auto& refused = rpc::MetricsRegistry::global().counter(
-          "hypic:cache_entries_refused_total",
-          "Segment entries read from the cache that did not parse or did not fit this model, these token ids or the "
-          "size of their stream (corrupt, forged or foreign): dropped from the cache and recomputed (MAC failures: "
-          "hypic:entry_mac_failures_total)");
-      refused.inc();
+      cache_entries_refused_counter().inc();
       why += fmt::format("cache entry corrupt ({}): dropped from the cache", e.what());
       spdlog::error("[req {}] segment {} ({}): {}", p->id, slot, rpc::digest_hex(digest), why);
       try {
@@ -523,11 +518,7 @@ grpc::Status CombineService::DeliverEntry(grpc::ServerContext* ctx, grpc::Server
       }
       check.finish();
       if (mac.enabled() && !(mac_sent && mac.verify(*mac_sent))) {
-        static auto& failures = rpc::MetricsRegistry::global().counter(
-            "hypic:delivery_mac_failures_total",
-            "Segment entries delivered by scatter workers over gRPC whose MAC was missing or did not verify: refused "
-            "(DATA_LOSS)");
-        failures.inc();
+        delivery_mac_failures_counter().inc();
         const std::string why = mac_sent ? "its MAC does not verify under this cluster's keys"
                                          : "it carries no MAC (is --cache-key-file the same on every worker?)";
         spdlog::error("[req {}] refused {}: {}", p->id, what, why);

@@ -153,6 +153,23 @@ inline rpc::Counter& cache_hits_rebuilt_counter() {
       "rates said their entries would arrive sooner (--cache-fetch-policy auto)");
   return c;
 }
+/// hypic:cache_entries_refused_total: cache entries that did not parse or fit (MAC failures counted apart).
+inline rpc::Counter& cache_entries_refused_counter() {
+  static auto& c = rpc::MetricsRegistry::global().counter(
+      "hypic:cache_entries_refused_total",
+      "Segment entries read from the cache that did not parse or did not fit this model, these token ids or the "
+      "size of their stream (corrupt, forged or foreign): dropped from the cache and recomputed (MAC failures: "
+      "hypic:entry_mac_failures_total)");
+  return c;
+}
+/// hypic:delivery_mac_failures_total: scatter workers' gRPC deliveries refused for their MAC.
+inline rpc::Counter& delivery_mac_failures_counter() {
+  static auto& c = rpc::MetricsRegistry::global().counter(
+      "hypic:delivery_mac_failures_total",
+      "Segment entries delivered by scatter workers over gRPC whose MAC was missing or did not verify: refused "
+      "(DATA_LOSS)");
+  return c;
+}
 /// hypic:combine_segments_total{source}: segments this combine worker used, by where the entry came from.
 inline void count_segment(v1::SegmentSource source) {
   rpc::MetricsRegistry::global()

@@ -41,6 +41,8 @@ CombineService::CombineService(CombineDeps deps, CombineOptions options)
   auto& reg = rpc::MetricsRegistry::global();
   builds_joined_counter();  // (registered now: scraped as 0 before the first one)
   cache_hits_rebuilt_counter();
+  cache_entries_refused_counter();
+  delivery_mac_failures_counter();
   auto& tier = d_.memory_tier;
   auto& loop = d_.loop;
   reg.gauge_fn("hypic:cache_bytes", "Bytes of segment entries held, by tier", [&tier] { return double(tier.bytes()); },

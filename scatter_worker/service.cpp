@@ -19,6 +19,27 @@
 
 namespace hypic::worker {
 
+namespace {
+/// hypic:entry_bytes_sent_total{transport}: entry bytes sent to combine workers (transport "grpc" or "nccl").
+rpc::Counter& bytes_sent_counter(const char* transport) {
+  return rpc::MetricsRegistry::global().counter(
+      "hypic:entry_bytes_sent_total", "Segment entry bytes sent to combine workers, by transport",
+      {{"transport", transport}});
+}
+/// hypic:prefill_tokens_total: segment tokens this worker prefilled (a build joined by another request counts once).
+rpc::Counter& prefill_tokens_counter() {
+  static auto& c = rpc::MetricsRegistry::global().counter("hypic:prefill_tokens_total",
+                                                          "Segment tokens prefilled by this worker");
+  return c;
+}
+/// hypic:segment_build_seconds: compute time of one segment entry build, seconds.
+rpc::Histogram& build_seconds_histogram() {
+  static auto& h = rpc::MetricsRegistry::global().histogram(
+      "hypic:segment_build_seconds", "Compute time of one segment entry build", rpc::latency_buckets_seconds());
+  return h;
+}
+}  // namespace
+
 namespace v1 = hypic::v1;
 
 v1::CombineWorker::Stub& CombineStubs::get(const std::string& address) {
@@ -179,6 +200,10 @@ ScatterService::ScatterService(engine::EngineLoop& loop, cache::AsyncCachePutter
   links_ = std::make_unique<NcclLinks>(std::move(o));
   // Prometheus metrics (proto/rpc/metrics.h), read at each scrape; this service lives until the server stopped.
   auto& reg = rpc::MetricsRegistry::global();
+  bytes_sent_counter("grpc");  // (registered now: scraped as 0 before the first build or send)
+  bytes_sent_counter("nccl");
+  prefill_tokens_counter();
+  build_seconds_histogram();
   reg.gauge_fn("hypic:scatter_queued_tokens", "Tokens of builds queued or running on this scatter worker",
                [this] { return double(loop_.queued_tokens()); });
   reg.counter_fn("hypic:segments_built_total", "Segment entries built (prefilled) by this worker",
@@ -319,9 +344,7 @@ bool ScatterService::deliver_one(grpc::ServerContext* ctx, PrefillCall& call, ui
                             data_plane_.inject_transfer_stall);
     call.set_delivering(nullptr);
     if (broken) links_->drop(call.req.combine_address(), link->epoch, rpc::describe(st));
-    static auto& nccl_sent = rpc::MetricsRegistry::global().counter(
-        "hypic:entry_bytes_sent_total", "Segment entry bytes sent to combine workers, by transport",
-        {{"transport", "nccl"}});
+    static auto& nccl_sent = bytes_sent_counter("nccl");
     if (st.ok()) {
       transport = "nccl";
       nccl_sent.inc(double(block->bytes));
@@ -347,9 +370,7 @@ bool ScatterService::deliver_one(grpc::ServerContext* ctx, PrefillCall& call, ui
                        call.ids[size_t(i)], &duplicate, &written);
     // Bytes count as sent once the stream took them, whatever the call's end: the router cancels this call
     // when its request is done, which can land after the combine worker used the entry but before its reply.
-    static auto& sent = rpc::MetricsRegistry::global().counter(
-        "hypic:entry_bytes_sent_total", "Segment entry bytes sent to combine workers, by transport",
-        {{"transport", "grpc"}});
+    static auto& sent = bytes_sent_counter("grpc");
     sent.inc(double(written));
     call.set_delivering(nullptr);
   }
@@ -406,12 +427,8 @@ grpc::Status ScatterService::computed_event(const PrefillCall& call, uint32_t po
                 call.ids[position].size(), b.compute_ms, b.queue_ms, b.bytes->size(),
                 built.joined ? fmt::format(", shared with request {}", built.started_for) : "");
   if (!built.joined) {
-    static auto& tokens = rpc::MetricsRegistry::global().counter(
-        "hypic:prefill_tokens_total", "Segment tokens prefilled by this worker");
-    static auto& seconds = rpc::MetricsRegistry::global().histogram(
-        "hypic:segment_build_seconds", "Compute time of one segment entry build", rpc::latency_buckets_seconds());
-    tokens.inc(double(call.ids[position].size()));
-    seconds.observe(b.compute_ms / 1000.0);
+    prefill_tokens_counter().inc(double(call.ids[position].size()));
+    build_seconds_histogram().observe(b.compute_ms / 1000.0);
   }
   auto* c = out.mutable_computed();
   c->set_queue_ms(b.queue_ms);

@@ -23,11 +23,23 @@ namespace hypic::cache {
 
 namespace v1 = hypic::v1;
 
+namespace {
+/// hypic:entry_mac_failures_total: entries read from the cache whose MAC did not verify.
+rpc::Counter& entry_mac_failures_counter() {
+  static auto& c = rpc::MetricsRegistry::global().counter(
+      "hypic:entry_mac_failures_total",
+      "Segment entries read from the cache whose MAC did not verify (forged, relabelled, corrupt, or made with a "
+      "key no longer configured): refused and deleted from the cache");
+  return c;
+}
+}  // namespace
+
 SegmentCacheClient::SegmentCacheClient(std::vector<std::string> replicas, Options options)
     : replicas_(std::move(replicas)), opt_(options) {
   if (opt_.transfer_rate == 0) throw std::invalid_argument("SegmentCacheClient: transfer_rate must be positive");
   if (opt_.connections < 1) throw std::invalid_argument("SegmentCacheClient: connections must be at least 1");
   if (replicas_.empty()) return;
+  entry_mac_failures_counter();  // (registered now: scraped as 0 before the first failure)
   ring_.emplace(replicas_, opt_.vnodes);
   for (const auto& r : replicas_) {
     auto& per = stubs_.emplace_back();
@@ -169,11 +181,7 @@ std::optional<std::vector<int32_t>> SegmentCacheClient::stream(const rpc::Digest
   if (!st.ok()) rpc::throw_status(st, what);
   check.finish();
   if (mac_stream && !mac_stream->verify(mac)) {
-    static auto& failures = rpc::MetricsRegistry::global().counter(
-        "hypic:entry_mac_failures_total",
-        "Segment entries read from the cache whose MAC did not verify (forged, relabelled, corrupt, or made with a "
-        "key no longer configured): refused and deleted from the cache");
-    failures.inc();
+    entry_mac_failures_counter().inc();
     static rpc::LogLimit limit;
     uint64_t suppressed = 0;
     std::string dropped = "deleted from the cache";

@@ -33,6 +33,8 @@ SegmentCacheService::SegmentCacheService(SegmentStore& store, rpc::Lifecycle& li
   if (put_idle_timeout_.count() > 0) watchdog_ = std::thread([this] { watch_idle_puts(); });
   store_.set_event_sink([this](const StoreEvent& e) { events_.publish(e); });
   auto& reg = rpc::MetricsRegistry::global();
+  bytes_counter("in");  // (registered now: scraped as 0 before the first put or get)
+  bytes_counter("out");
   auto stat = [&store](uint64_t StoreStats::*field) { return [&store, field] { return double(store.stats().*field); }; };
   reg.gauge_fn("hypic:cache_bytes", "Bytes of segment entries held, by tier", stat(&StoreStats::memory_bytes),
                {{"tier", "memory"}});

@@ -66,6 +66,30 @@ class MetricsTest(ClusterTestCase):
     def all_scrapes(self) -> dict[str, dict[str, float]]:
         return {n: self.scrape(n) for n in self.cluster.services}
 
+    def test_counters_are_scraped_before_they_first_count(self):
+        # Every service's counters are registered at start: a failure counter reads 0 (an alert on it needs the
+        # series) and the bytes counters exist, whatever the requests so far did.
+        scrapes = self.all_scrapes()
+        want = {
+            "router": ["hypic:combine_retries_total", "hypic:scatter_failures_total", "hypic:request_success_total"],
+            "combine": ["hypic:cache_entries_refused_total", "hypic:delivery_mac_failures_total",
+                        "hypic:entry_mac_failures_total", "hypic:cache_hits_rebuilt_total",
+                        "hypic:combine_builds_joined_total"],
+            "scatter-0": ["hypic:entry_mac_failures_total", 'hypic:entry_bytes_sent_total{transport="grpc"}',
+                          'hypic:entry_bytes_sent_total{transport="nccl"}', "hypic:prefill_tokens_total",
+                          "hypic:segment_build_seconds_count"],
+            "cache-0": ['hypic:cache_entry_bytes_total{direction="in"}',
+                        'hypic:cache_entry_bytes_total{direction="out"}'],
+        }
+        zero = {"hypic:combine_retries_total", "hypic:scatter_failures_total", "hypic:cache_entries_refused_total",
+                "hypic:delivery_mac_failures_total", "hypic:entry_mac_failures_total"}
+        for service, names in want.items():
+            for name in names:
+                with self.subTest(service=service, metric=name):
+                    self.assertIn(name, scrapes[service])
+                    if name in zero:
+                        self.assertEqual(scrapes[service][name], 0.0)
+
     def test_counters_follow_the_reports(self):
         segs = [words(900 + i, 80 + 40 * i) for i in range(3)]
         before = self.all_scrapes()
