@@ -309,10 +309,10 @@ class GenerateCall {
   std::map<size_t, std::vector<uint32_t>> plan();
   v1::CombineRequest combine_request();
   /// *retryable: set when the call failed with UNAVAILABLE (a combine worker that died, or one shutting down; or its
-  /// ComputeLocally did, which ended the call) before anything reached the client: before the combine worker's
-  /// Started event (nothing launched), or after it with no token streamed yet (*started also set: the attempt's
-  /// scatter builds are stopped). The request may then be planned again on another combine worker, or on the same
-  /// one back.
+  /// ComputeLocally did, which ended the call; a worker whose drain ran out ends its calls so too) before anything
+  /// reached the client: before the combine worker's Started event (nothing launched), or after it with no token
+  /// streamed yet (*started also set: the attempt's scatter builds are stopped). The request may then be planned
+  /// again on another combine worker, or on the same one back.
   grpc::Status stream_combine(const v1::CombineRequest& creq, const std::map<size_t, std::vector<uint32_t>>& by_worker,
                               Phase& phase, bool* retryable, bool* started);
   /// Clears what an attempt that had started left (its scatter calls, deliveries, the combine worker's events) before
@@ -892,14 +892,15 @@ grpc::Status GenerateCall::stream_combine(const v1::CombineRequest& creq,
     fatal = fatal_;
     combine_lost = combine_lost_;
   }
-  // The combine worker gone (its call's UNAVAILABLE, or ComputeLocally's, which cancelled the call) with nothing sent
-  // to the client yet (no token, no report): the request may run again from its plan.
+  // The combine worker gone (its call's UNAVAILABLE: it died, or its drain ran out, --drain-seconds; or
+  // ComputeLocally's, which cancelled the call) with nothing sent to the client yet (no token, no report): the
+  // request may run again from its plan.
+  const bool worker_ended = st.error_code() == grpc::StatusCode::UNAVAILABLE || combine_lost;
   *started = true;
-  *retryable = (st.error_code() == grpc::StatusCode::UNAVAILABLE || combine_lost) && !sent && completion_ == 0 &&
-               !t_first_ && !client_gone && !ctx_->IsCancelled();
+  *retryable = worker_ended && !sent && completion_ == 0 && !t_first_ && !client_gone && !ctx_->IsCancelled();
   if (*retryable) {
     combine_->available.store(false);
-    return st.error_code() == grpc::StatusCode::UNAVAILABLE ? combine_error(st) : fatal;
+    return combine_lost ? fatal : combine_error(st);
   }
   if (!fatal.ok()) return fatal;
   if (client_gone || ctx_->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "request cancelled by the client");

@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -354,14 +355,15 @@ class CombineFailureTest(ReliabilityTestCase):
     to come back; restarted within the wait, it gives every one of them the reference tokens (before, they failed
     with UNAVAILABLE). Not restarted, they end with UNAVAILABLE naming the dead worker once the wait is over (no hang,
     no silent truncation), and the next requests succeed once it is back."""
-    extra_args = {"scatter": ["--inject-delay-ms", "2000"], "router": ["--health-interval-ms", "100"]}
+    extra_args = {"scatter": ["--inject-delay-ms", "2000"], "router": ["--health-interval-ms", "100"],
+                  "combine": ["--drain-seconds", "0.5"]}
 
-    def kill_with_requests_in_flight(self, prompts, prefix: str, pool):
+    def kill_with_requests_in_flight(self, prompts, prefix: str, pool, sig: int = signal.SIGKILL):
         futures = [pool.submit(self.generate, segs, q, request_id=f"{prefix}-{k}", deadline_s=60)
                    for k, (segs, q) in enumerate(prompts)]
         self.wait_log_count("combine", f"[req {prefix}-", len(prompts))  # every request reached the combine worker
         t_kill = time.monotonic()
-        self.cluster.kill("combine")
+        self.cluster.kill("combine", sig)
         self.cluster.wait_exit("combine")
         # Each is planned again once (nothing had reached its client), then waits for a combine worker.
         for k in range(len(prompts)):
@@ -376,16 +378,21 @@ class CombineFailureTest(ReliabilityTestCase):
     def setUp(self) -> None:
         self.restarts_before = self.log_count("router", "after it started, before the first token")
 
-    def test_requests_in_flight_before_their_first_token_run_again_on_the_worker_back(self):
-        prompts = [([words(400 + k, 60)], f"Question {k}?") for k in range(3)]
-        with concurrent.futures.ThreadPoolExecutor(max_workers=3) as pool:
-            futures, _ = self.kill_with_requests_in_flight(prompts, "again", pool)
+    def assert_run_again_on_the_worker_back(self, prompts, prefix: str, sig: int) -> None:
+        """Requests in flight when the combine worker ends (signal `sig`), restarted at once: each gives its
+        reference tokens."""
+        with concurrent.futures.ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+            futures, _ = self.kill_with_requests_in_flight(prompts, prefix, pool, sig)
             self.cluster.restart("combine")
             results = [f.result(timeout=90) for f in futures]
         for k, ((segs, q), r) in enumerate(zip(prompts, results)):
             with self.subTest(request=k):
                 self.ok(r)
                 self.assertEqual(r["token_ids"], self.reference(segs, q))
+
+    def test_requests_in_flight_before_their_first_token_run_again_on_the_worker_back(self):
+        self.assert_run_again_on_the_worker_back([([words(400 + k, 60)], f"Question {k}?") for k in range(3)],
+                                                 "again", signal.SIGKILL)
         text = urllib.request.urlopen(f"http://{self.cluster.metrics_address('router')}/metrics", timeout=10)
         counts = [line for line in text.read().decode().splitlines()
                   if line.startswith("hypic:combine_retries_total ")]
@@ -393,6 +400,13 @@ class CombineFailureTest(ReliabilityTestCase):
         self.assertGreaterEqual(float(counts[0].split()[1]), 3)
         info = json.loads(self.client("info", "--router", self.cluster.router_address).stdout)
         self.assertEqual(int(info.get("active_requests", 0)), 0)
+
+    def test_requests_cut_by_a_drain_run_again_on_the_worker_back(self):
+        # SIGTERM: the combine worker drains for --drain-seconds (0.5 s here), then ends the calls still in flight
+        # (their builds take 2 s) and exits: nothing reached their clients, so they are planned again like those of a
+        # worker that died (before, they failed with UNAVAILABLE), and run on it restarted (a rolling update).
+        self.assert_run_again_on_the_worker_back([([words(420 + k, 60)], f"Drained {k}?") for k in range(2)],
+                                                 "drained", signal.SIGTERM)
 
     def test_requests_in_flight_fail_cleanly_when_no_worker_comes_back(self):
         prompts = [([words(410 + k, 60)], f"Question {k}?") for k in range(2)]
