@@ -303,8 +303,9 @@ class GenerateCall {
   /// refused: the previous attempt's combine worker's refusal (empty on the first), named in the error when no
   /// combine worker becomes available. Sets tier_hits_.
   void choose_combine(const std::vector<std::vector<v1::EntryTier>>& tiers, const std::string& refused);
-  /// Undoes one attempt's plan before planning again on another combine worker: releases its held builds, keeps
-  /// only the segment cache's hits. Nothing was launched or streamed (the combine worker failed before Started).
+  /// Undoes one attempt before planning again on another combine worker: releases its held builds, keeps only the
+  /// segment cache's hits, and clears what an attempt that had started left (its scatter calls, joined by
+  /// stop_scatter; deliveries; the combine worker's events). Nothing reached the client.
   void reset_plan();
   std::map<size_t, std::vector<uint32_t>> plan();
   v1::CombineRequest combine_request();
@@ -315,9 +316,6 @@ class GenerateCall {
   /// again on another combine worker, or on the same one back.
   grpc::Status stream_combine(const v1::CombineRequest& creq, const std::map<size_t, std::vector<uint32_t>>& by_worker,
                               Phase& phase, bool* retryable, bool* started);
-  /// Clears what an attempt that had started left (its scatter calls, deliveries, the combine worker's events) before
-  /// the request is planned again; its scatter threads are joined (stop_scatter).
-  void reset_started_attempt();
   grpc::Status write_report();
   void launch_locked(size_t worker, const std::vector<uint32_t>& segments);
   void on_event(size_t worker, const v1::PrefillEvent& ev);
@@ -613,7 +611,6 @@ grpc::Status GenerateCall::run() {
       spdlog::warn("[req {}] {} after it started, before the first token; planning the request again once (another "
                    "combine worker, or one back in rotation)", rid_, refused);
       restarted = true;
-      reset_started_attempt();
     } else {
       spdlog::warn("[req {}] {} before it started; planning the request again (another combine worker, or one back "
                    "in rotation)", rid_, refused);
@@ -636,26 +633,6 @@ grpc::Status GenerateCall::run() {
   return write_report();
 }
 
-void GenerateCall::reset_started_attempt() {
-  std::lock_guard<std::mutex> lock(mu_);
-  stopping_ = false;
-  scatter_ctxs_.clear();  // (their threads were joined by stop_scatter)
-  // What failed with the combine worker (a scatter worker's delivery to it, its ComputeLocally) is not held against
-  // the scatter workers or the new attempt; a scatter worker that is really gone is out of rotation already.
-  failed_.assign(svc_.scatter_.size(), false);
-  fatal_ = grpc::Status::OK;
-  combine_lost_ = false;
-  for (SegState& sg : segs_) {
-    sg.delivered = false;
-    sg.delivery_note.clear();
-  }
-  last_computed_.reset();
-  t_ready_.reset();
-  t_spliced_.reset();
-  creport_.reset();
-  engine_ms_ = 0;
-}
-
 void GenerateCall::reset_plan() {
   std::lock_guard<std::mutex> lock(mu_);
   for (SegState& sg : segs_) {
@@ -664,9 +641,23 @@ void GenerateCall::reset_plan() {
     sg.combine_tier = v1::ENTRY_TIER_NONE;
     sg.worker = kLocal;
     sg.attempts = 0;
+    sg.delivered = false;
+    sg.delivery_note.clear();
   }
   jobs_.clear();
   joined_builds_ = 0;
+  stopping_ = false;
+  scatter_ctxs_.clear();  // (their threads were joined by stop_scatter)
+  // What failed with the combine worker (a scatter worker's delivery to it, its ComputeLocally) is not held against
+  // the scatter workers or the new attempt; a scatter worker that is really gone is out of rotation already.
+  failed_.assign(svc_.scatter_.size(), false);
+  fatal_ = grpc::Status::OK;
+  combine_lost_ = false;
+  last_computed_.reset();
+  t_ready_.reset();
+  t_spliced_.reset();
+  creport_.reset();
+  engine_ms_ = 0;
 }
 
 // The segment cache (leasing its hits) and, at the same time, every combine worker's own tiers: an entry a combine
@@ -897,7 +888,7 @@ grpc::Status GenerateCall::stream_combine(const v1::CombineRequest& creq,
   // request may run again from its plan.
   const bool worker_ended = st.error_code() == grpc::StatusCode::UNAVAILABLE || combine_lost;
   *started = true;
-  *retryable = worker_ended && !sent && completion_ == 0 && !t_first_ && !client_gone && !ctx_->IsCancelled();
+  *retryable = worker_ended && !sent && !client_gone && !ctx_->IsCancelled();
   if (*retryable) {
     combine_->available.store(false);
     return combine_lost ? fatal : combine_error(st);
