@@ -1,18 +1,22 @@
-// hypic-bench-cache-fetch: how fast entries at real model size come out of a segment cache over gRPC, by the number
-// of TCP connections the client spreads its calls over (SegmentCacheClient::Options::connections) and the number
-// of fetches in flight at once (the combine worker's --fetch-parallelism).
+// hypic-bench-cache-fetch: how fast entries at real model size come out of a segment cache on this host, streamed over
+// gRPC or mapped from the cache's sealed memfds (SegmentCacheClient::Options::shared_memory; the cache's
+// --shared-memory), by the number of TCP connections the client spreads its calls over (Options::connections) and the
+// number of fetches in flight at once (the combine worker's --fetch-parallelism).
 //
 //   build/bin/hypic-segment-cache --listen 127.0.0.1:0 --port-file /tmp/port --memory-bytes 4GiB &
 //   build/bin/hypic-bench-cache-fetch --cache 127.0.0.1:$(cat /tmp/port) [--entry-mb 232] [--entries 8] [--parallel 8]
-//                           [--connections 1,2,4,8] [--reps 3] [--json out.json] [--md out.md]
+//                           [--connections 1,2,4,8] [--transports grpc,shared_memory] [--reps 3] [--json out.json]
+//                           [--md out.md]
 //
 // Puts --entries entries of --entry-mb MB (1e6 bytes) of random bytes (fresh digests, one token id each), then for
-// each connection count makes a new client and fetches every entry --reps times, --parallel at once (a round: all
-// entries, as a request of that many cache-only segments does), each entry's bytes streamed into a buffer of its own
-// (get_stream, the combine worker's path without the entry parse) with the checksum (and MAC, with --cache-key-file
-// as the workers take it) verified. Reports per connection count the best and median round's wall time, the
-// aggregate GB/s (1e9 bytes) and the median fetch's ms, as JSON on stdout (and --json) and a markdown table on
-// stderr (and --md). Not a test: run it by hand; the machine's load moves the figures, so compare rows of one run.
+// each transport and connection count makes a new client and fetches every entry --reps times, --parallel at once (a
+// round: all entries, as a request of that many cache-only segments does), each entry's bytes handed into a buffer of
+// its own (get_stream, the combine worker's path without the entry parse) with the checksum (and MAC, with
+// --cache-key-file as the workers take it) verified. A shared_memory row checks that every fetch was mapped (the
+// cache on this host with its default --shared-memory true), else fails naming why. Reports per transport and
+// connection count the best and median round's wall time, the aggregate GB/s (1e9 bytes) and the median fetch's ms,
+// as JSON on stdout (and --json) and a markdown table on stderr (and --md). Not a test: run it by hand; the
+// machine's load moves the figures, so compare rows of one run.
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
@@ -34,6 +38,7 @@
 
 #include "proto/rpc/entry_mac.h"
 #include "proto/rpc/flags.h"
+#include "proto/rpc/metrics.h"
 #include "segment_cache/client.h"
 
 namespace {
@@ -53,6 +58,7 @@ int main(int argc, char** argv) {
   double entry_mb = 232;
   int entries = 8, parallel = 8, reps = 3;
   std::vector<int> connections{1, 2, 4, 8};
+  std::vector<std::string> transports{"grpc", "shared_memory"};
   app.add_option("--cache", cache, "host:port of a running hypic-segment-cache")->required();
   app.add_option("--entry-mb", entry_mb, "entry size, MB (1e6 bytes); 232: a 2048-token Qwen3.5-35B-A3B entry")
       ->check(CLI::Range(0.001, 4000.0))
@@ -64,6 +70,10 @@ int main(int argc, char** argv) {
   app.add_option("--connections", connections, "connection counts to compare (comma separated)")
       ->delimiter(',')
       ->check(CLI::Range(1, 256))
+      ->capture_default_str();
+  app.add_option("--transports", transports, "transports to compare (comma separated: grpc, shared_memory)")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"grpc", "shared_memory"}))
       ->capture_default_str();
   hypic::rpc::add_entry_mac_flag(app, key_file);
   app.add_option("--json", json_out, "also write the JSON result here");
@@ -104,13 +114,18 @@ int main(int argc, char** argv) {
     result["host_threads"] = std::thread::hardware_concurrency();
     result["rows"] = nlohmann::json::array();
     std::string md = fmt::format(
-        "| connections | round best ms | round median ms | GB/s (best round) | fetch median ms | fetch GB/s (median) "
-        "|\n|---|---|---|---|---|---|\n");
+        "| transport | connections | round best ms | round median ms | GB/s (best round) | fetch median ms "
+        "| fetch GB/s (median) |\n|---|---|---|---|---|---|---|\n");
     std::vector<std::string> buffers(static_cast<size_t>(parallel));
+    auto& mapped = hypic::rpc::MetricsRegistry::global().counter(
+        "hypic:cache_fetched_total", "", {{"transport", "shared_memory"}});  // (the client's own counter)
+    for (const auto& transport : transports)
     for (const int conns : connections) {
       hypic::cache::SegmentCacheClient::Options opt;
       opt.connections = conns;
+      opt.shared_memory = transport == "shared_memory";
       hypic::cache::SegmentCacheClient client({cache}, opt);
+      const double mapped_before = mapped.value();
       std::vector<double> rounds, fetches;
       std::mutex fetches_mu;
       for (int r = 0; r < reps; ++r) {
@@ -153,18 +168,26 @@ int main(int argc, char** argv) {
         if (failed) throw std::runtime_error(fmt::format("{} connection(s): {}", conns, error));
         rounds.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
       }
+      const double mapped_n = mapped.value() - mapped_before;
+      if (opt.shared_memory && mapped_n != double(entries) * reps) {
+        throw std::runtime_error(fmt::format(
+            "shared_memory: {} of {} fetches were mapped (the rest streamed): is the cache on this host, with "
+            "--shared-memory true and entries of at least its --shared-memory-min-bytes? (its log says)",
+            mapped_n, entries * reps));
+      }
       const double best = *std::min_element(rounds.begin(), rounds.end()), med = median(rounds);
       const double fetch_med = median(fetches);
       const double gbps = double(bytes) * entries / (best * 1e6), fetch_gbps = double(bytes) / (fetch_med * 1e6);
-      result["rows"].push_back({{"connections", conns},
+      result["rows"].push_back({{"transport", transport},
+                                {"connections", conns},
                                 {"round_ms_best", best},
                                 {"round_ms_median", med},
                                 {"round_ms_all", rounds},
                                 {"gb_per_s_best_round", gbps},
                                 {"fetch_ms_median", fetch_med},
                                 {"fetch_gb_per_s_median", fetch_gbps}});
-      md += fmt::format("| {} | {:.0f} | {:.0f} | {:.2f} | {:.0f} | {:.2f} |\n", conns, best, med, gbps, fetch_med,
-                        fetch_gbps);
+      md += fmt::format("| {} | {} | {:.0f} | {:.0f} | {:.2f} | {:.0f} | {:.2f} |\n", transport, conns, best, med, gbps,
+                        fetch_med, fetch_gbps);
     }
     const std::string head =
         fmt::format("{} entries of {:.1f} MB, {} fetches in flight, {} rounds each, {} host threads\n\n", entries,

@@ -17,11 +17,15 @@
 #include "proto/rpc/log_limit.h"
 #include "proto/rpc/metrics.h"
 #include "proto/rpc/server.h"
+#include "proto/rpc/shared_memory.h"
 #include "proto/rpc/status.h"
 
 namespace hypic::cache {
 
 namespace v1 = hypic::v1;
+
+/// Pieces a mapped entry is handed to its consumer in (as a stream's chunks would be, larger: no messages to pay).
+constexpr size_t kSharedPieceBytes = size_t{4} << 20;
 
 namespace {
 /// hypic:entry_mac_failures_total: entries read from the cache whose MAC did not verify.
@@ -32,6 +36,16 @@ rpc::Counter& entry_mac_failures_counter() {
       "key no longer configured): refused and deleted from the cache");
   return c;
 }
+/// hypic:cache_fetched_total{transport}: entries this process read from the segment cache, by how they came.
+rpc::Counter& fetched_counter(bool shared_memory) {
+  static auto& grpc_count = rpc::MetricsRegistry::global().counter(
+      "hypic:cache_fetched_total", "Segment entries read from the segment cache, by transport (grpc: streamed; "
+      "shared_memory: a sealed memfd of a replica on this host, mapped)", {{"transport", "grpc"}});
+  static auto& shm_count = rpc::MetricsRegistry::global().counter(
+      "hypic:cache_fetched_total", "Segment entries read from the segment cache, by transport (grpc: streamed; "
+      "shared_memory: a sealed memfd of a replica on this host, mapped)", {{"transport", "shared_memory"}});
+  return shared_memory ? shm_count : grpc_count;
+}
 }  // namespace
 
 SegmentCacheClient::SegmentCacheClient(std::vector<std::string> replicas, Options options)
@@ -40,7 +54,11 @@ SegmentCacheClient::SegmentCacheClient(std::vector<std::string> replicas, Option
   if (opt_.connections < 1) throw std::invalid_argument("SegmentCacheClient: connections must be at least 1");
   if (replicas_.empty()) return;
   entry_mac_failures_counter();  // (registered now: scraped as 0 before the first failure)
+  fetched_counter(false);
+  fetched_counter(true);
   ring_.emplace(replicas_, opt_.vnodes);
+  no_shared_memory_ = std::make_unique<std::atomic<bool>[]>(replicas_.size());
+  for (size_t r = 0; r < replicas_.size(); ++r) no_shared_memory_[r] = !opt_.shared_memory;
   for (const auto& r : replicas_) {
     auto& per = stubs_.emplace_back();
     for (int c = 0; c < opt_.connections; ++c) per.push_back(v1::SegmentCache::NewStub(rpc::make_channel(r, c)));
@@ -143,63 +161,108 @@ std::optional<std::vector<int32_t>> SegmentCacheClient::stream(const rpc::Digest
                                                                 const std::function<void(std::string_view)>& consume,
                                                                 std::string* mac_out) const {
   auto& stub = stub_for(digest);
-  auto ctx = rpc::make_client_context(parent, transfer_timeout(expected_bytes));
-  v1::GetRequest req;
-  req.set_digest(rpc::digest_bytes(digest));
-  req.mutable_token_ids()->Add(ids.begin(), ids.end());
-  req.set_skip_token_check(!check_ids);
-  auto reader = stub.Get(ctx.get(), req);
-  v1::GetResponse msg;
-  rpc::ChunkVerifier check;
-  std::vector<int32_t> stored_ids;
-  std::string mac;
+  const size_t replica = ring_->owner(digest);
+  const std::string what = fmt::format("segment entry {} from {}", rpc::digest_hex(digest), owner(digest));
   const auto& keys = rpc::entry_mac_keys();
   const bool check_mac = check_ids && keys.enabled();
-  std::optional<rpc::EntryMacCheck> mac_stream;
-  const std::string what = fmt::format("segment entry {} from {}", rpc::digest_hex(digest), owner(digest));
-  try {
-    while (reader->Read(&msg)) {
-      if (msg.has_info()) {
-        check.begin(msg.info().total_bytes(), msg.info().checksum(), what);
-        stored_ids.assign(msg.info().token_ids().begin(), msg.info().token_ids().end());
-        mac = msg.info().mac();
-        if (check_mac) mac_stream.emplace(keys, digest, stored_ids, msg.info().total_bytes());
-        begin(msg.info().total_bytes());
-      } else {
-        check.append(msg.data());
-        consume(msg.data());
-        if (mac_stream) mac_stream->update(std::move(*msg.mutable_data()));  // hashed beside the receive
-      }
-    }
-  } catch (...) {  // a bad stream or a consumer that gave up: end the call before leaving
-    ctx->TryCancel();
-    (void)reader->Finish();
-    throw;
-  }
-  const grpc::Status st = reader->Finish();
-  if (st.error_code() == grpc::StatusCode::NOT_FOUND) return std::nullopt;
-  if (!st.ok()) rpc::throw_status(st, what);
-  check.finish();
-  if (mac_stream && !mac_stream->verify(mac)) {
-    entry_mac_failures_counter().inc();
-    static rpc::LogLimit limit;
-    uint64_t suppressed = 0;
-    std::string dropped = "deleted from the cache";
+  // At most two calls: one that accepts shared memory, then, when its memfd could not be opened here, a plain one.
+  for (bool accept = !no_shared_memory_[replica].load(std::memory_order_relaxed);; accept = false) {
+    auto ctx = rpc::make_client_context(parent, transfer_timeout(expected_bytes));
+    v1::GetRequest req;
+    req.set_digest(rpc::digest_bytes(digest));
+    req.mutable_token_ids()->Add(ids.begin(), ids.end());
+    req.set_skip_token_check(!check_ids);
+    req.set_accept_shared_memory(accept);
+    auto reader = stub.Get(ctx.get(), req);
+    v1::GetResponse msg;
+    rpc::ChunkVerifier check;
+    std::vector<int32_t> stored_ids;
+    std::string mac;
+    std::unique_ptr<rpc::PeerMemfd> mapped;  // (outlives the MAC check, which reads it in place)
+    std::optional<rpc::EntryMacCheck> mac_stream;
+    bool ask_again = false;
     try {
-      if (!erase(digest)) dropped = "already gone from the cache";
-    } catch (const std::exception& e) {
-      dropped = fmt::format("could not be deleted from the cache: {}", e.what());
+      while (reader->Read(&msg)) {
+        if (msg.has_info()) {
+          const auto& info = msg.info();
+          if (check.started()) throw rpc::RpcError(grpc::StatusCode::DATA_LOSS, what + ": a second EntryInfo");
+          if (info.has_shared_memory()) {
+            if (!accept) throw rpc::RpcError(grpc::StatusCode::DATA_LOSS, what + ": shared memory not asked for");
+            const auto& sm = info.shared_memory();
+            rpc::PeerMemfd::Failure failure{};
+            std::string why;
+            mapped = rpc::PeerMemfd::open(
+                rpc::MemfdRef{sm.pid(), sm.fd(), sm.name(), info.total_bytes(), sm.anchor_fd()}, &failure, &why);
+            if (!mapped) {
+              if (failure == rpc::PeerMemfd::Failure::Unreachable) {
+                if (!no_shared_memory_[replica].exchange(true)) {
+                  spdlog::info("segment cache {}: its shared memory cannot be opened from this process ({}); its "
+                               "entries are streamed over gRPC", owner(digest), why);
+                }
+              } else {
+                spdlog::warn("{}: its shared memory could not be mapped ({}); streaming it instead", what, why);
+              }
+              ask_again = true;
+              break;
+            }
+          }
+          check.begin(info.total_bytes(), info.checksum(), what);
+          stored_ids.assign(info.token_ids().begin(), info.token_ids().end());
+          mac = info.mac();
+          if (check_mac) mac_stream.emplace(keys, digest, stored_ids, info.total_bytes());
+          begin(info.total_bytes());
+          if (mapped) {  // read in place, in pieces, as the stream's chunks would come
+            const std::string_view all = mapped->view();
+            for (size_t off = 0; off < all.size(); off += kSharedPieceBytes) {
+              const std::string_view piece = all.substr(off, kSharedPieceBytes);
+              check.append(piece);
+              if (mac_stream) mac_stream->update_borrowed(piece);  // hashed beside the parse
+              consume(piece);
+            }
+          }
+        } else {
+          if (mapped) throw rpc::RpcError(grpc::StatusCode::DATA_LOSS, what + ": data after a shared memory answer");
+          check.append(msg.data());
+          consume(msg.data());
+          if (mac_stream) mac_stream->update(std::move(*msg.mutable_data()));  // hashed beside the receive
+        }
+      }
+    } catch (...) {  // a bad stream or a consumer that gave up: end the call before leaving
+      ctx->TryCancel();
+      (void)reader->Finish();
+      throw;
     }
-    const std::string msg = fmt::format("{}: {} (forged, relabelled or corrupt entry, or signed with a key no longer "
-                                        "configured): refused, {}",
-                                        what, mac.empty() ? "it carries no MAC" : "its MAC does not verify", dropped);
-    if (limit.allow(&suppressed)) {
-      spdlog::error("{}{}", msg, suppressed ? fmt::format(" ({} more not logged)", suppressed) : std::string());
+    if (ask_again) {
+      ctx->TryCancel();
+      (void)reader->Finish();
+      continue;
     }
-    throw rpc::RpcError(grpc::StatusCode::DATA_LOSS, msg);
+    const grpc::Status st = reader->Finish();
+    if (st.error_code() == grpc::StatusCode::NOT_FOUND) return std::nullopt;
+    if (!st.ok()) rpc::throw_status(st, what);
+    check.finish();
+    if (mac_stream && !mac_stream->verify(mac)) {
+      entry_mac_failures_counter().inc();
+      static rpc::LogLimit limit;
+      uint64_t suppressed = 0;
+      std::string dropped = "deleted from the cache";
+      try {
+        if (!erase(digest)) dropped = "already gone from the cache";
+      } catch (const std::exception& e) {
+        dropped = fmt::format("could not be deleted from the cache: {}", e.what());
+      }
+      const std::string msg = fmt::format("{}: {} (forged, relabelled or corrupt entry, or signed with a key no longer "
+                                          "configured): refused, {}",
+                                          what, mac.empty() ? "it carries no MAC" : "its MAC does not verify", dropped);
+      if (limit.allow(&suppressed)) {
+        spdlog::error("{}{}", msg, suppressed ? fmt::format(" ({} more not logged)", suppressed) : std::string());
+      }
+      throw rpc::RpcError(grpc::StatusCode::DATA_LOSS, msg);
+    }
+    fetched_counter(mapped != nullptr).inc();
+    if (mac_out) *mac_out = std::move(mac);
+    return stored_ids;
   }
-  if (mac_out) *mac_out = std::move(mac);
-  return stored_ids;
 }
 
 std::optional<std::pair<std::string, std::vector<int32_t>>> SegmentCacheClient::fetch(
@@ -350,11 +413,17 @@ void add_cache_client_flags(CLI::App& app, SegmentCacheClient::Options& options)
                              "TCP connections to each segment cache replica; calls take them in turn, so that "
                              "parallel fetches of large entries do not share one connection")
       ->capture_default_str();
+  app.add_option("--cache-shared-memory", options.shared_memory,
+                 "map the entries a segment cache replica on this host holds in sealed memfds instead of streaming "
+                 "them (a replica whose memfds cannot be opened from here is streamed from)")
+      ->capture_default_str();
 }
 
 std::string describe(const SegmentCacheClient::Options& o) {
-  return fmt::format("base deadline {} ms, transfer rate {} B/s, put wait {} ms, {} connection(s) per replica",
-                     o.timeout.count(), o.transfer_rate, o.put_wait.count(), o.connections);
+  return fmt::format("base deadline {} ms, transfer rate {} B/s, put wait {} ms, {} connection(s) per replica, shared "
+                     "memory {}",
+                     o.timeout.count(), o.transfer_rate, o.put_wait.count(), o.connections,
+                     o.shared_memory ? "where the replica is on this host" : "off");
 }
 
 }  // namespace hypic::cache

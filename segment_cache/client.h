@@ -75,6 +75,10 @@ class SegmentCacheClient {
     /// TCP connections per replica (at least 1); calls take them in turn, so that parallel fetches of large entries
     /// do not share one connection's HTTP/2 stream (rpc::make_channel).
     int connections = 1;
+    /// Ask for entries the cache holds in sealed memfds (segment_cache.proto Get, proto/rpc/shared_memory.h) and map
+    /// them when the replica runs on this host; a replica whose memfds cannot be opened from here is streamed from
+    /// (and not asked again).
+    bool shared_memory = true;
   };
 
   /// The deadline of a call that moves `bytes`: timeout + bytes / transfer_rate, in ms rounded up, at most 2^40 ms
@@ -156,6 +160,8 @@ class SegmentCacheClient {
   Options opt_;
   std::optional<HashRing> ring_;
   std::vector<std::vector<std::unique_ptr<hypic::v1::SegmentCache::Stub>>> stubs_;  // [replica][connection]
+  // [replica]: its shared memory cannot be opened from here (PeerMemfd::Failure::Unreachable); streamed from.
+  std::unique_ptr<std::atomic<bool>[]> no_shared_memory_;
   mutable std::atomic<uint64_t> next_connection_{0};
 };
 
@@ -163,7 +169,8 @@ class SegmentCacheClient {
 /// when given: --cache-timeout-ms (Options::timeout, whole decimal ms in [1, 3,600,000] as rpc::add_strict_int_option
 /// reads them), --cache-transfer-rate (Options::transfer_rate, bytes per second in [1, 10^18], a decimal number with an
 /// optional 1000-based unit: 12.5MB = 12,500,000) and --cache-put-wait-ms (Options::put_wait, [0, 3,600,000]: set it
-/// to the segment cache's --max-put-wait-ms when that is raised), --cache-connections (Options::connections, [1, 64]).
+/// to the segment cache's --max-put-wait-ms when that is raised), --cache-connections (Options::connections, [1, 64]),
+/// --cache-shared-memory (Options::shared_memory, true or false).
 /// Anything else fails the parse (CLI::ValidationError
 /// naming the flag and the value); nothing is written then.
 void add_cache_client_flags(CLI::App& app, SegmentCacheClient::Options& options);

@@ -62,6 +62,17 @@ int main(int argc, char** argv) {
                                                    : v + " is not 0 or a whole number of milliseconds from 1000";
       })
       ->capture_default_str();
+  bool shared_memory = true;
+  uint64_t shared_memory_min_bytes = uint64_t{1} << 20;
+  app.add_option("--shared-memory", shared_memory,
+                 "hold memory-tier entries of at least --shared-memory-min-bytes in sealed memfds, which readers on "
+                 "this host (same PID namespace and user) map instead of streaming them over gRPC; others stream as "
+                 "before")
+      ->capture_default_str();
+  hypic::rpc::add_strict_size_option(app, "--shared-memory-min-bytes", shared_memory_min_bytes, 0,
+                                     std::numeric_limits<uint64_t>::max(),
+                                     "smallest entry held in a sealed memfd with --shared-memory")
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   try {
     hypic::rpc::init_service("segment-cache", server);
@@ -71,17 +82,21 @@ int main(int argc, char** argv) {
     store.memory_budget_bytes = memory ? *memory : std::max<uint64_t>(uint64_t{1} << 30, hypic::rpc::host_memory_bytes() / 4);
     if (!memory) spdlog::info("--memory-bytes auto: a quarter of this host's {} bytes of memory", hypic::rpc::host_memory_bytes());
     store.disk_dir = disk_dir;
+    store.shared_memory_min_bytes = shared_memory ? shared_memory_min_bytes : std::numeric_limits<uint64_t>::max();
     hypic::cache::SegmentStore st(store);
     hypic::rpc::Lifecycle life("segment cache");
     hypic::cache::SegmentCacheService svc(st, life, chunk_bytes, max_lease_ms, max_queued_events,
                                           std::chrono::milliseconds(max_put_wait_ms),
                                           std::chrono::milliseconds(put_idle_ms));
     spdlog::info("memory budget {} bytes (leases up to {:.0f}% of it){}; puts wait for room up to {} ms, idle ones are "
-                 "cancelled after {}",
+                 "cancelled after {}; {}",
                  store.memory_budget_bytes, 100.0 * store.max_leased_fraction,
                  disk_dir.empty() ? std::string(", no disk tier")
                                   : fmt::format(", disk tier {} ({} bytes)", disk_dir, store.disk_budget_bytes),
-                 max_put_wait_ms, put_idle_ms ? fmt::format("{} ms", put_idle_ms) : std::string("never"));
+                 max_put_wait_ms, put_idle_ms ? fmt::format("{} ms", put_idle_ms) : std::string("never"),
+                 shared_memory ? fmt::format("entries of at least {} bytes in sealed memfds for readers on this host",
+                                             shared_memory_min_bytes)
+                               : std::string("no shared memory"));
     return hypic::rpc::run_server(server, life, {"segment-cache", {&svc}, {"hypic.v1.SegmentCache"}, {}, {}});
   } catch (const std::exception& e) {
     spdlog::critical("{}", e.what());

@@ -16,6 +16,13 @@ namespace v1 = hypic::v1;
 namespace {
 constexpr size_t kMaxLeaseOwnerBytes = 128;
 
+/// hypic:cache_gets_total{transport}: Gets answered with the bytes streamed, or with a sealed memfd to map.
+rpc::Counter& gets_counter(const char* transport) {
+  return rpc::MetricsRegistry::global().counter(
+      "hypic:cache_gets_total", "Entries read by Get, by transport (grpc: streamed; shared_memory: a sealed memfd the "
+      "reader on this host maps)", {{"transport", transport}});
+}
+
 rpc::Counter& bytes_counter(const char* direction) {
   return rpc::MetricsRegistry::global().counter("hypic:cache_entry_bytes_total",
                                                 "Entry bytes moved by the segment cache (in: puts, out: gets)",
@@ -35,6 +42,8 @@ SegmentCacheService::SegmentCacheService(SegmentStore& store, rpc::Lifecycle& li
   auto& reg = rpc::MetricsRegistry::global();
   bytes_counter("in");  // (registered now: scraped as 0 before the first put or get)
   bytes_counter("out");
+  gets_counter("grpc");
+  gets_counter("shared_memory");
   auto stat = [&store](uint64_t StoreStats::*field) { return [&store, field] { return double(store.stats().*field); }; };
   reg.gauge_fn("hypic:cache_bytes", "Bytes of segment entries held, by tier", stat(&StoreStats::memory_bytes),
                {{"tier", "memory"}});
@@ -198,12 +207,28 @@ grpc::Status SegmentCacheService::Get(grpc::ServerContext* ctx, const v1::GetReq
     info->set_tier(static_cast<v1::CacheTier>(handle->tier()));
     info->mutable_token_ids()->Add(handle->token_ids().begin(), handle->token_ids().end());
     info->set_mac(handle->mac());
+    static auto& out = bytes_counter("out");
+    if (req->accept_shared_memory()) {
+      if (const rpc::MemfdRef ref = handle->memfd_ref(); ref.fd >= 0) {
+        auto* shm = info->mutable_shared_memory();
+        shm->set_pid(ref.pid);
+        shm->set_fd(ref.fd);
+        shm->set_name(ref.name);
+        shm->set_anchor_fd(ref.anchor_fd);
+        if (!writer->Write(head)) return grpc::Status(grpc::StatusCode::CANCELLED, "reader went away");
+        static auto& by_memfd = gets_counter("shared_memory");
+        by_memfd.inc();
+        out.inc(double(handle->bytes().size()));
+        return grpc::Status::OK;
+      }
+    }
     bool ok = writer->Write(head) &&
               rpc::write_chunks<v1::GetResponse>(
                   handle->bytes(), chunk_bytes_, [](v1::GetResponse& m, std::string_view c) { m.set_data(std::string(c)); },
                   [&](const v1::GetResponse& m) { return writer->Write(m); });
     if (!ok || ctx->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "reader went away");
-    static auto& out = bytes_counter("out");
+    static auto& by_stream = gets_counter("grpc");
+    by_stream.inc();
     out.inc(double(handle->bytes().size()));
     return grpc::Status::OK;
   });
@@ -355,11 +380,22 @@ grpc::Status SegmentCacheService::Put(grpc::ServerContext* ctx, grpc::ServerRead
       }
     } receiving{*this, n};
     pause_watch(false, n);  // admitted: the watchdog counts from here
+    // A large entry goes straight into the sealed memfd it will be held in (StoreOptions::shared_memory_min_bytes),
+    // checked as it comes; others are assembled on the heap.
+    auto shared = store_.make_shared_writer(n);
+    rpc::ChunkVerifier verifier;
     rpc::ChunkAssembler assembler;
-    assembler.begin(header.total_bytes(), header.checksum(), fmt::format("put {}", rpc::digest_hex(d)));
+    const std::string what = fmt::format("put {}", rpc::digest_hex(d));
+    if (shared) verifier.begin(n, header.checksum(), what);
+    else assembler.begin(n, header.checksum(), what);
     while (reader->Read(&msg)) {
       if (msg.has_header()) throw rpc::invalid_argument("header", "a Put carries exactly one header");
-      assembler.append(msg.data());
+      if (shared) {
+        verifier.append(msg.data());  // (throws before an overflowing chunk is written)
+        shared->append(msg.data());
+      } else {
+        assembler.append(msg.data());
+      }
       std::lock_guard<std::mutex> lock(receive_mu_);
       ActivePut& p = active_.at(id);
       p.last = std::chrono::steady_clock::now();
@@ -371,9 +407,15 @@ grpc::Status SegmentCacheService::Put(grpc::ServerContext* ctx, grpc::ServerRead
       throw rpc::RpcError(grpc::StatusCode::CANCELLED,
                           fmt::format("put {}: the sender sent nothing for {} ms; cancelled", rpc::digest_hex(d),
                                       put_idle_timeout_.count()));
-    std::string bytes = assembler.finish();
+    std::shared_ptr<const rpc::SharedBytes> bytes;
+    if (shared) {
+      verifier.finish();
+      bytes = shared->seal();
+    } else {
+      bytes = rpc::SharedBytes::heap(assembler.finish());
+    }
     static auto& in = bytes_counter("in");
-    in.inc(double(bytes.size()));
+    in.inc(double(bytes->size()));
     std::vector<int32_t> ids(header.key().token_ids().begin(), header.key().token_ids().end());
     resp->set_replaced(store_.put(d, std::move(ids), std::move(bytes), header.checksum(), header.mac()));
     spdlog::debug("stored {} ({} bytes{})", rpc::digest_hex(d), header.total_bytes(),

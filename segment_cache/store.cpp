@@ -1,6 +1,7 @@
 #include "segment_cache/store.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <fstream>
 
@@ -79,7 +80,7 @@ size_t SegmentStore::DigestHash::operator()(const Digest& d) const noexcept {
   return h;
 }
 
-SegmentStore::Handle::Handle(SegmentStore* s, Digest d, uint64_t gen, std::shared_ptr<const std::string> b,
+SegmentStore::Handle::Handle(SegmentStore* s, Digest d, uint64_t gen, std::shared_ptr<const rpc::SharedBytes> b,
                              uint64_t c, Tier t, std::vector<int32_t> ids, std::string mac)
     : store_(s), digest_(d), generation_(gen), bytes_(std::move(b)), checksum_(c), tier_(t), ids_(std::move(ids)),
       mac_(std::move(mac)) {}
@@ -165,7 +166,7 @@ void SegmentStore::index_disk_dir() {
                                    opt_.disk_dir.string());
 }
 
-void SegmentStore::write_disk_file(const Digest& d, const Entry& e, const std::string& bytes) const {
+void SegmentStore::write_disk_file(const Digest& d, const Entry& e, std::string_view bytes) const {
   const auto path = file_of(d);
   const auto tmp = path.string() + ".tmp";
   {
@@ -189,7 +190,7 @@ void SegmentStore::write_disk_file(const Digest& d, const Entry& e, const std::s
   std::filesystem::rename(tmp, path);
 }
 
-std::shared_ptr<const std::string> SegmentStore::read_disk_file(const Digest& d, const Entry& e) const {
+std::shared_ptr<const rpc::SharedBytes> SegmentStore::read_disk_file(const Digest& d, const Entry& e) const {
   const auto path = file_of(d);
   errno = 0;
   std::ifstream in(path, std::ios::binary);
@@ -199,10 +200,24 @@ std::shared_ptr<const std::string> SegmentStore::read_disk_file(const Digest& d,
     throw std::runtime_error(fmt::format("{}: header does not match the index (checksum, size, token ids or MAC)",
                                          path.string()));
   }
-  auto bytes = std::make_shared<std::string>(h.size, '\0');
-  in.read(bytes->data(), std::streamsize(h.size));
-  if (!in) throw std::runtime_error(fmt::format("{}: truncated payload", path.string()));
-  const uint64_t got = rpc::checksum64(*bytes);
+  // Read into a sealed memfd when a promoted copy would be held in one, else into a string.
+  std::shared_ptr<const rpc::SharedBytes> bytes;
+  if (auto w = make_shared_writer(h.size)) {
+    std::string piece(std::min<uint64_t>(h.size, uint64_t{4} << 20), '\0');
+    while (w->written() < h.size) {
+      const size_t n = size_t(std::min<uint64_t>(piece.size(), h.size - w->written()));
+      in.read(piece.data(), std::streamsize(n));
+      if (!in) throw std::runtime_error(fmt::format("{}: truncated payload", path.string()));
+      w->append(std::string_view(piece.data(), n));
+    }
+    bytes = w->seal();
+  } else {
+    std::string b(h.size, '\0');
+    in.read(b.data(), std::streamsize(h.size));
+    if (!in) throw std::runtime_error(fmt::format("{}: truncated payload", path.string()));
+    bytes = rpc::SharedBytes::heap(std::move(b));
+  }
+  const uint64_t got = rpc::checksum64(bytes->view());
   if (got != e.checksum) {
     throw std::runtime_error(fmt::format("{}: XXH3-64 checksum {:016x} != stored {:016x}", path.string(), got,
                                          e.checksum));
@@ -286,13 +301,13 @@ bool SegmentStore::make_disk_room(uint64_t need) {
 void SegmentStore::spill(Map::iterator it) {
   Entry& e = it->second;
   const Digest d = it->first;
-  std::shared_ptr<const std::string> bytes = std::move(e.bytes);
+  std::shared_ptr<const rpc::SharedBytes> bytes = std::move(e.bytes);
   mem_lru_.erase(e.lru);
   mem_bytes_ -= e.size;
   e.tier = Tier::None;
   if (make_disk_room(e.size)) {
     try {
-      write_disk_file(d, e, *bytes);
+      write_disk_file(d, e, bytes->view());
       e.tier = Tier::Disk;
       disk_lru_.push_front(d);
       e.lru = disk_lru_.begin();
@@ -403,10 +418,10 @@ std::optional<SegmentStore::Handle> SegmentStore::get(const Digest& digest,
     return std::nullopt;
   }
   const Tier read_from = e.tier;
-  std::shared_ptr<const std::string> bytes;
+  std::shared_ptr<const rpc::SharedBytes> bytes;
   try {
     if (e.tier == Tier::Memory) {
-      const uint64_t got = rpc::checksum64(*e.bytes);
+      const uint64_t got = rpc::checksum64(e.bytes->view());
       if (got != e.checksum) {
         throw std::runtime_error(fmt::format("memory copy: XXH3-64 checksum {:016x} != stored {:016x}", got, e.checksum));
       }
@@ -449,9 +464,35 @@ std::optional<SegmentStore::Handle> SegmentStore::get(const Digest& digest,
   return Handle(this, digest, e.generation, std::move(bytes), e.checksum, read_from, e.ids, e.mac);
 }
 
+std::unique_ptr<rpc::SealedMemfdWriter> SegmentStore::make_shared_writer(uint64_t size) const {
+  if (size < opt_.shared_memory_min_bytes) return nullptr;
+  std::string why;
+  auto w = rpc::SealedMemfdWriter::create(size, &why);
+  if (!w) {
+    static std::atomic<bool> logged{false};
+    if (!logged.exchange(true)) {
+      spdlog::warn("segment store: an entry of {} bytes is held on the heap, not in shared memory ({}); readers on "
+                   "this host stream it (logged once)", size, why);
+    }
+  }
+  return w;
+}
+
 bool SegmentStore::put(const Digest& digest, std::vector<int32_t> token_ids, std::string bytes, uint64_t checksum,
                        std::string mac) {
-  const uint64_t got = rpc::checksum64(bytes);
+  std::shared_ptr<const rpc::SharedBytes> held;
+  if (auto w = make_shared_writer(bytes.size())) {
+    w->append(bytes);
+    held = w->seal();
+  } else {
+    held = rpc::SharedBytes::heap(std::move(bytes));
+  }
+  return put(digest, std::move(token_ids), std::move(held), checksum, std::move(mac));
+}
+
+bool SegmentStore::put(const Digest& digest, std::vector<int32_t> token_ids,
+                       std::shared_ptr<const rpc::SharedBytes> bytes, uint64_t checksum, std::string mac) {
+  const uint64_t got = rpc::checksum64(bytes->view());
   std::lock_guard<std::mutex> lock(mu_);
   expire_leases_locked();
   if (mac.size() > kMaxMacBytes) {
@@ -462,7 +503,7 @@ bool SegmentStore::put(const Digest& digest, std::vector<int32_t> token_ids, std
     ++counters_.rejected_puts;
     throw rpc::RpcError(grpc::StatusCode::DATA_LOSS,
                         fmt::format("put {}: XXH3-64 checksum of the {} bytes is {:016x}, the header says {:016x}",
-                                    rpc::digest_hex(digest), bytes.size(), got, checksum));
+                                    rpc::digest_hex(digest), bytes->size(), got, checksum));
   }
   ++counters_.puts;
   bool replaced = false;
@@ -474,11 +515,11 @@ bool SegmentStore::put(const Digest& digest, std::vector<int32_t> token_ids, std
   e.ids = std::move(token_ids);
   e.mac = std::move(mac);
   e.checksum = checksum;
-  e.size = bytes.size();
+  e.size = bytes->size();
   e.generation = next_generation_++;
   if (make_memory_room(e.size)) {
     e.tier = Tier::Memory;
-    e.bytes = std::make_shared<const std::string>(std::move(bytes));
+    e.bytes = std::move(bytes);
     mem_lru_.push_front(digest);
     e.lru = mem_lru_.begin();
     mem_bytes_ += e.size;
@@ -488,7 +529,7 @@ bool SegmentStore::put(const Digest& digest, std::vector<int32_t> token_ids, std
   }
   if (make_disk_room(e.size)) {
     try {
-      write_disk_file(digest, e, bytes);
+      write_disk_file(digest, e, bytes->view());
       e.tier = Tier::Disk;
       disk_lru_.push_front(digest);
       e.lru = disk_lru_.begin();

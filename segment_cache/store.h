@@ -34,6 +34,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "proto/rpc/shared_memory.h"
 #include "proto/rpc/status.h"
 
 namespace hypic::cache {
@@ -48,6 +49,10 @@ struct StoreOptions {
   uint64_t disk_budget_bytes = uint64_t{8} << 30;     ///< bytes of entry payload on disk
   /// Leased entries may hold at most this fraction of memory_budget_bytes, in [0, 1] (0: no leases).
   double max_leased_fraction = 0.5;
+  /// Memory-tier entries of at least this many bytes are held in sealed memfds (proto/rpc/shared_memory.h), which a
+  /// reader on the same host maps instead of streaming them (Get with accept_shared_memory); smaller ones, and every
+  /// one where no memfd can be made, on the heap. UINT64_MAX: none.
+  uint64_t shared_memory_min_bytes = UINT64_MAX;
   /// Clock for leases (tests inject a fake one); defaults to steady_clock::now.
   std::function<std::chrono::steady_clock::time_point()> clock;
 };
@@ -81,7 +86,9 @@ class SegmentStore {
     Handle& operator=(Handle&&) = delete;
     Handle(const Handle&) = delete;
     ~Handle();
-    const std::string& bytes() const { return *bytes_; }
+    std::string_view bytes() const { return bytes_->view(); }
+    /// Where a reader on this host maps the bytes (fd -1: they are on the heap or were read from disk).
+    rpc::MemfdRef memfd_ref() const { return bytes_->memfd_ref(); }
     uint64_t checksum() const { return checksum_; }
     Tier tier() const { return tier_; }  ///< the tier the entry was read from
     const std::vector<int32_t>& token_ids() const { return ids_; }
@@ -90,12 +97,12 @@ class SegmentStore {
 
    private:
     friend class SegmentStore;
-    Handle(SegmentStore* s, Digest d, uint64_t gen, std::shared_ptr<const std::string> b, uint64_t c, Tier t,
+    Handle(SegmentStore* s, Digest d, uint64_t gen, std::shared_ptr<const rpc::SharedBytes> b, uint64_t c, Tier t,
            std::vector<int32_t> ids, std::string mac);
     SegmentStore* store_;
     Digest digest_;
     uint64_t generation_;
-    std::shared_ptr<const std::string> bytes_;
+    std::shared_ptr<const rpc::SharedBytes> bytes_;
     uint64_t checksum_;
     Tier tier_;
     std::vector<int32_t> ids_;
@@ -144,6 +151,13 @@ class SegmentStore {
   /// worker does, proto/rpc/entry_mac.h).
   bool put(const Digest& digest, std::vector<int32_t> token_ids, std::string bytes, uint64_t checksum,
            std::string mac = {});
+  /// put() of bytes already held (the service receives a large entry straight into a sealed memfd,
+  /// make_shared_writer); kept as they are when they go to memory.
+  bool put(const Digest& digest, std::vector<int32_t> token_ids, std::shared_ptr<const rpc::SharedBytes> bytes,
+           uint64_t checksum, std::string mac = {});
+  /// A writer of a sealed memfd for an entry of `size` bytes when the store holds entries that large in shared memory
+  /// (StoreOptions::shared_memory_min_bytes) and a memfd can be made; nullptr otherwise (the first failure is logged).
+  std::unique_ptr<rpc::SealedMemfdWriter> make_shared_writer(uint64_t size) const;
   /// The largest entry put() could ever store: the memory budget, or the disk budget when it is larger (bytes).
   uint64_t max_entry_bytes() const {
     return opt_.disk_dir.empty() ? opt_.memory_budget_bytes : std::max(opt_.memory_budget_bytes, opt_.disk_budget_bytes);
@@ -175,7 +189,7 @@ class SegmentStore {
     uint64_t checksum = 0;
     uint64_t size = 0;
     Tier tier = Tier::None;
-    std::shared_ptr<const std::string> bytes;  // memory tier only
+    std::shared_ptr<const rpc::SharedBytes> bytes;  // memory tier only
     std::list<Digest>::iterator lru;           // in the list of its tier
     uint32_t pins = 0;
     uint32_t leases = 0;  // live leases (of distinct owners) on this generation of the entry
@@ -209,8 +223,8 @@ class SegmentStore {
   bool make_disk_room(uint64_t need);
   // Moves a memory entry to disk (or drops it when it cannot be written or does not fit).
   void spill(Map::iterator it);
-  void write_disk_file(const Digest& d, const Entry& e, const std::string& bytes) const;
-  std::shared_ptr<const std::string> read_disk_file(const Digest& d, const Entry& e) const;
+  void write_disk_file(const Digest& d, const Entry& e, std::string_view bytes) const;
+  std::shared_ptr<const rpc::SharedBytes> read_disk_file(const Digest& d, const Entry& e) const;
   void index_disk_dir();
 
   StoreOptions opt_;

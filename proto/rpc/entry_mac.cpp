@@ -200,7 +200,7 @@ EntryMacCheck::~EntryMacCheck() {
 
 void EntryMacCheck::run() {
   for (;;) {
-    std::string piece;
+    Piece piece;
     {
       std::unique_lock<std::mutex> lock(mu_);
       idle_ = queue_.empty();
@@ -212,7 +212,7 @@ void EntryMacCheck::run() {
       idle_ = false;
     }
     try {
-      if (!failed_) stream_->update(piece);
+      if (!failed_) stream_->update(piece.is_borrowed ? piece.borrowed : std::string_view(piece.owned));
     } catch (...) {
       failed_ = std::current_exception();
     }
@@ -223,7 +223,17 @@ void EntryMacCheck::update(std::string piece) {
   if (!stream_) return;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    queue_.push_back(std::move(piece));
+    queue_.push_back(Piece{std::move(piece), {}, false});
+    idle_ = false;
+  }
+  cv_.notify_all();
+}
+
+void EntryMacCheck::update_borrowed(std::string_view piece) {
+  if (!stream_) return;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.push_back(Piece{{}, piece, true});
     idle_ = false;
   }
   cv_.notify_all();

@@ -100,6 +100,9 @@ class EntryMacCheck {
   EntryMacCheck& operator=(const EntryMacCheck&) = delete;
   bool enabled() const { return stream_.has_value(); }
   void update(std::string piece);
+  /// update() without handing the bytes over: they must stay valid and unchanged until verify() returns (a sealed
+  /// memfd's mapping, proto/rpc/shared_memory.h).
+  void update_borrowed(std::string_view piece);
   /// Once: Stream::verify over every piece handed over. Rethrows an OpenSSL failure of the thread.
   bool verify(std::string_view mac);
 
@@ -108,7 +111,12 @@ class EntryMacCheck {
   std::optional<EntryMacKeys::Stream> stream_;
   std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<std::string> queue_;
+  struct Piece {
+    std::string owned;      // handed over (update)
+    std::string_view borrowed;  // or borrowed (update_borrowed)
+    bool is_borrowed = false;
+  };
+  std::deque<Piece> queue_;
   bool closed_ = false, idle_ = true;
   std::exception_ptr failed_;
   std::thread thread_;

@@ -381,6 +381,35 @@ class CacheFetchPolicyTest(ClusterTestCase):
         self.assertTrue(rep["segments"][2].get("refreshed"))
 
 
+class SharedMemoryCacheTest(ClusterTestCase):
+    """Warm entries mapped from the segment cache's sealed memfds (proto/rpc/shared_memory.h): the cache holds every
+    entry in one (--shared-memory-min-bytes 0; real-size entries pass the default 1 MiB), the combine worker, on the
+    same host, maps them instead of streaming them, and the tokens are the reference's, as over the stream."""
+    extra_args = {"combine": ["--memory-tier-bytes", "0"], "cache": ["--shared-memory-min-bytes", "0"]}
+
+    def fetched(self, transport: str) -> float:
+        import urllib.request
+        text = urllib.request.urlopen(f"http://{self.cluster.metrics_address('combine')}/metrics", timeout=10).read()
+        want = f'hypic:cache_fetched_total{{transport="{transport}"}} '
+        for line in text.decode().splitlines():
+            if line.startswith(want):
+                return float(line.rsplit(" ", 1)[1])
+        self.fail(f"no {want.strip()} on the combine worker's /metrics")
+
+    def test_warm_entries_are_mapped_and_give_the_reference_tokens(self):
+        segs = SEGMENTS[:4]
+        query = "Which city is mentioned first, and why?"
+        cold = self.generate(segs, query)
+        self.wait_cached(self.ok(cold))
+        mapped, streamed = self.fetched("shared_memory"), self.fetched("grpc")
+        warm = self.generate(list(reversed(segs)), query)
+        wrep = self.ok(warm)
+        self.assertEqual(sources(wrep), ["SEGMENT_SOURCE_CACHE"] * 4)
+        self.assertEqual(warm["token_ids"], self.reference(list(reversed(segs)), query))
+        self.assertEqual(self.fetched("shared_memory"), mapped + 4)
+        self.assertEqual(self.fetched("grpc"), streamed)
+
+
 class CacheFetchAlwaysTest(ClusterTestCase):
     """--cache-fetch-policy always: the same slow-fetch estimates as CacheFetchPolicyTest, but every segment the
     cache holds is fetched."""

@@ -549,7 +549,9 @@ class ServiceExitTest(unittest.TestCase):
                                     "--entry-mb", "10", "--entries", "4", "--parallel", "2", "--connections", "1,2",
                                     "--reps", "1"], capture_output=True, text=True, timeout=120)
                 self.assertEqual(r.returncode, 0, r.stderr)
-                self.assertEqual([row["connections"] for row in json.loads(r.stdout)["rows"]], [1, 2])
+                # Streamed, then mapped from the cache's memfds (it holds entries of 1 MiB and up in them).
+                self.assertEqual([(row["transport"], row["connections"]) for row in json.loads(r.stdout)["rows"]],
+                                 [("grpc", 1), ("grpc", 2), ("shared_memory", 1), ("shared_memory", 2)])
                 t0 = time.monotonic()
                 cache.terminate()
                 self.assertEqual(cache.wait(timeout=30), 0)

@@ -14,6 +14,7 @@
 #include "proto/rpc/chunks.h"
 #include "segment_cache/service.h"
 #include "segment_cache/store.h"
+#include "tests/unit/cluster/cache_fixture.h"
 #include "tests/unit/cluster/combine_fixture.h"
 
 using namespace std::chrono_literals;
@@ -362,27 +363,19 @@ TEST_CASE("combine worker: a cache-only segment the fetch policy prefills is fet
           "[memory_tier]") {
   // A segment cache served in-process; a combine worker with no tiers of its own, so that a segment the router plans
   // warm is the cache's alone, and rates that make --cache-fetch-policy auto prefill it (a fetch of 1 kB/s).
-  hypic::cache::SegmentStore store{hypic::cache::StoreOptions{}};
-  hypic::rpc::Lifecycle life{"segment cache"};
-  hypic::cache::SegmentCacheService cache_svc(store, life, hypic::rpc::kChunkBytes, 60000);
-  int cache_port = 0;
-  grpc::ServerBuilder sb;
-  sb.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &cache_port);
-  sb.RegisterService(&cache_svc);
-  auto cache_server = sb.BuildAndStart();
-  REQUIRE(cache_server);
+  hypic::test::CacheServer cache_srv(hypic::cache::StoreOptions{});
   CountingBackend backend(hypic::engine::make_backend(hypic::engine::DeviceSpec{}, hypic::test::kCombineModel));
   hypic::combine::CombineOptions opt;
   opt.cache_fetch_policy = hypic::combine::CacheFetchPolicy::Auto;
   opt.fetch_prior_mb_per_s = 0.001;
   opt.build_prior_tokens_per_s = 1e6;
-  hypic::test::CombineServer c(backend, opt, 0, {"127.0.0.1:" + std::to_string(cache_port)});
+  hypic::test::CombineServer c(backend, opt, 0, {cache_srv.address()});
 
   const std::vector<std::vector<int32_t>> segs = {{61, 62, 63, 64, 65, 66, 67}, {71, 72, 73, 74, 75}};
   const Combined cold = combine(c, "r-cold", segs, v1::PlannedSegment::LOCAL, nullptr, /*cache_segments=*/true);
   CHECK(sources(cold) == std::vector<v1::SegmentSource>(2, v1::SEGMENT_SOURCE_COMBINE_COMPUTED));
-  for (int i = 0; i < 200 && store.stats().memory_entries < 2; ++i) std::this_thread::sleep_for(50ms);
-  REQUIRE(store.stats().memory_entries == 2);  // the cold entries were put (asynchronously)
+  for (int i = 0; i < 200 && cache_srv.store.stats().memory_entries < 2; ++i) std::this_thread::sleep_for(50ms);
+  REQUIRE(cache_srv.store.stats().memory_entries == 2);  // the cold entries were put (asynchronously)
 
   // Planned warm: the policy prefills both here; the first build fails (device memory short, and no tier entries
   // to give up), so both are fetched from the cache after all: the same tokens, a note saying so, nothing put back.
@@ -411,7 +404,7 @@ TEST_CASE("combine worker: a cache-only segment the fetch policy prefills is fet
   CHECK_THAT(st.error_message(), Catch::Contains("not in the segment cache any more"));
   CHECK_THAT(st.error_message(), !Catch::Contains("prefilled by the combine worker"));
   backend.fail_builds = 0;
-  cache_server->Shutdown(std::chrono::system_clock::now() + 2s);
+  cache_srv.server->Shutdown(std::chrono::system_clock::now() + 2s);
 }
 
 TEST_CASE("combine worker: concurrent requests prefilling the same segment share one build", "[memory_tier]") {

@@ -21,6 +21,7 @@
 #include "segment_cache/async_put.h"
 #include "segment_cache/client.h"
 #include "segment_cache/service.h"
+#include "tests/unit/cluster/cache_fixture.h"
 
 using namespace hypic;
 using namespace std::chrono_literals;
@@ -30,25 +31,10 @@ namespace {
 constexpr uint64_t kBudget = 1 << 20;  // memory budget, bytes: two entries of kEntry do not fit beside each other
 constexpr size_t kEntry = 600 << 10;
 
-// A segment cache service on a free loopback port.
-struct CacheServer {
-  cache::SegmentStore store;
-  rpc::Lifecycle life{"segment cache"};
-  cache::SegmentCacheService service;
-  std::unique_ptr<grpc::Server> server;
-  int port = 0;
+// The cache of these tests: a memory budget of kBudget.
+struct CacheServer : test::CacheServer {
   explicit CacheServer(std::chrono::milliseconds max_put_wait, std::chrono::milliseconds put_idle = 30s)
-      : store(cache::StoreOptions{.memory_budget_bytes = kBudget}),
-        service(store, life, rpc::kChunkBytes, 60000, 1024, max_put_wait, put_idle) {
-    grpc::ServerBuilder b;
-    b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-    b.RegisterService(&service);
-    server = b.BuildAndStart();
-    REQUIRE(server);
-    REQUIRE(port > 0);
-  }
-  ~CacheServer() { server->Shutdown(std::chrono::system_clock::now() + 2s); }
-  std::string address() const { return "127.0.0.1:" + std::to_string(port); }
+      : test::CacheServer(cache::StoreOptions{.memory_budget_bytes = kBudget}, max_put_wait, put_idle) {}
 };
 
 rpc::Digest digest_of(uint8_t n) {

@@ -1,0 +1,261 @@
+#include "proto/rpc/shared_memory.h"
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <random>
+#include <stdexcept>
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <fmt/format.h>
+
+#include "proto/rpc/status.h"
+
+namespace hypic::rpc {
+
+namespace {
+
+constexpr unsigned kSeals = F_SEAL_WRITE | F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL;
+
+// "hypic-<16 hex digits>": this process's memfd names start with it (random per process, so a name is never
+// taken for another process's).
+const std::string& instance_prefix() {
+  static const std::string prefix = [] {
+    std::random_device rd;
+    const uint64_t r = (uint64_t(rd()) << 32) ^ rd();
+    return fmt::format("hypic-{:016x}", r);
+  }();
+  return prefix;
+}
+
+// The anchor memfd, made once and kept open for the process's lifetime; -1 if none could be made.
+int anchor_fd() {
+  static const int fd = [] {
+    return ::memfd_create((instance_prefix() + "-anchor").c_str(), MFD_CLOEXEC);
+  }();
+  return fd;
+}
+
+std::string errno_text(int e) { return std::strerror(e); }
+
+// Memfds of this process alive now (writers and SharedBytes), and the most it may hold: half of its descriptor limit
+// (the soft one, raised to the hard one first), so that held entries never take the descriptors that connections,
+// disk files and peers' memfds need.
+std::atomic<int64_t> g_live{0};
+
+int64_t max_live() {
+  static const int64_t m = [] {
+    rlimit r{};
+    if (::getrlimit(RLIMIT_NOFILE, &r) != 0) return int64_t{0};
+    if (r.rlim_cur < r.rlim_max) {
+      rlimit raised = r;
+      raised.rlim_cur = r.rlim_max;
+      if (::setrlimit(RLIMIT_NOFILE, &raised) == 0) r = raised;
+    }
+    const uint64_t soft = r.rlim_cur == RLIM_INFINITY ? uint64_t{1} << 20 : uint64_t(r.rlim_cur);
+    return int64_t(std::min<uint64_t>(soft / 2, uint64_t{1} << 20));
+  }();
+  return m;
+}
+
+// Counts one memfd for as long as it lives.
+struct LiveMemfd {
+  bool held = false;
+  bool take() {
+    if (g_live.fetch_add(1) >= max_live()) {
+      g_live.fetch_sub(1);
+      return false;
+    }
+    held = true;
+    return true;
+  }
+  void release() {
+    if (held) g_live.fetch_sub(1);
+    held = false;
+  }
+};
+
+// readlink(path) as a string ("" on failure, errno set).
+std::string read_link(const std::string& path) {
+  char buf[512];
+  const ssize_t n = ::readlink(path.c_str(), buf, sizeof buf);
+  if (n < 0) return {};
+  return std::string(buf, size_t(n));
+}
+
+// What /proc/*/fd/* reads as for a memfd named `name` (Linux shows the name after "/memfd:", and " (deleted)" since
+// it has no directory entry).
+std::string memfd_link(const std::string& name) { return "/memfd:" + name + " (deleted)"; }
+
+}  // namespace
+
+std::shared_ptr<const SharedBytes> SharedBytes::heap(std::string bytes) {
+  std::shared_ptr<SharedBytes> b(new SharedBytes);
+  b->heap_ = std::move(bytes);
+  b->view_ = b->heap_;
+  return b;
+}
+
+SharedBytes::~SharedBytes() {
+  if (map_) ::munmap(map_, view_.size());
+  if (fd_ >= 0) {
+    ::close(fd_);
+    g_live.fetch_sub(1);
+  }
+}
+
+MemfdRef SharedBytes::memfd_ref() const {
+  MemfdRef r;
+  if (fd_ < 0) return r;
+  r.pid = uint32_t(::getpid());
+  r.fd = fd_;
+  r.name = name_;
+  r.size = view_.size();
+  r.anchor_fd = anchor_fd();
+  return r;
+}
+
+std::unique_ptr<SealedMemfdWriter> SealedMemfdWriter::create(uint64_t size, std::string* why) {
+  static std::atomic<uint64_t> next{1};
+  if (size == 0) {
+    *why = "an empty payload is kept on the heap";
+    return nullptr;
+  }
+  if (anchor_fd() < 0) {
+    *why = fmt::format("memfd_create failed for the anchor: {}", errno_text(errno));
+    return nullptr;
+  }
+  LiveMemfd live;
+  if (!live.take()) {
+    *why = fmt::format("{} memfds are held already, half of this process's descriptor limit", max_live());
+    return nullptr;
+  }
+  std::unique_ptr<SealedMemfdWriter> w(new SealedMemfdWriter);
+  w->name_ = fmt::format("{}-{}", instance_prefix(), next.fetch_add(1));
+  w->fd_ = ::memfd_create(w->name_.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (w->fd_ < 0) {
+    *why = fmt::format("memfd_create failed: {}", errno_text(errno));
+    live.release();
+    return nullptr;
+  }
+  live.held = false;  // counted from here by the writer, then by its SharedBytes
+  if (::ftruncate(w->fd_, off_t(size)) != 0) {
+    *why = fmt::format("ftruncate of a memfd to {} bytes failed: {}", size, errno_text(errno));
+    return nullptr;
+  }
+  w->size_ = size;
+  return w;
+}
+
+SealedMemfdWriter::~SealedMemfdWriter() {
+  if (fd_ >= 0) {
+    ::close(fd_);
+    g_live.fetch_sub(1);
+  }
+}
+
+void SealedMemfdWriter::append(std::string_view bytes) {
+  if (fd_ < 0) throw std::logic_error("SealedMemfdWriter::append after seal()");
+  if (bytes.size() > size_ - written_) {
+    throw std::logic_error(
+        fmt::format("SealedMemfdWriter: {} more bytes past {} of {}", bytes.size(), written_, size_));
+  }
+  while (!bytes.empty()) {
+    const ssize_t n = ::pwrite(fd_, bytes.data(), bytes.size(), off_t(written_));
+    if (n < 0) {
+      const int e = errno;
+      if (e == EINTR) continue;
+      if (e == ENOSPC || e == ENOMEM) {
+        throw resource_exhausted(fmt::format("no host memory for {} more bytes of a {}-byte shared entry ({})",
+                                             bytes.size(), size_, errno_text(e)));
+      }
+      throw std::runtime_error(fmt::format("writing a shared entry's memfd failed: {}", errno_text(e)));
+    }
+    written_ += uint64_t(n);
+    bytes.remove_prefix(size_t(n));
+  }
+}
+
+std::shared_ptr<const SharedBytes> SealedMemfdWriter::seal() {
+  if (fd_ < 0) throw std::logic_error("SealedMemfdWriter::seal called twice");
+  if (written_ != size_) {
+    throw std::logic_error(fmt::format("SealedMemfdWriter::seal: {} of {} bytes written", written_, size_));
+  }
+  if (::fcntl(fd_, F_ADD_SEALS, kSeals) != 0) {
+    throw std::runtime_error(fmt::format("sealing a memfd failed: {}", errno_text(errno)));
+  }
+  void* map = ::mmap(nullptr, size_, PROT_READ, MAP_SHARED, fd_, 0);
+  if (map == MAP_FAILED) throw std::runtime_error(fmt::format("mapping a sealed memfd failed: {}", errno_text(errno)));
+  std::shared_ptr<SharedBytes> b(new SharedBytes);
+  b->fd_ = fd_;
+  b->map_ = map;
+  b->view_ = std::string_view(static_cast<const char*>(map), size_);
+  b->name_ = std::move(name_);
+  fd_ = -1;
+  return b;
+}
+
+std::unique_ptr<PeerMemfd> PeerMemfd::open(const MemfdRef& ref, Failure* failure, std::string* why) {
+  *failure = Failure::None;
+  const std::string dir = fmt::format("/proc/{}/fd/", ref.pid);
+  auto fail = [&](Failure f, std::string w) {
+    *failure = f;
+    *why = std::move(w);
+    return nullptr;
+  };
+  // The anchor's name is "<prefix>-anchor"; the entry's is "<prefix>-<n>" with the same prefix.
+  const auto dash = ref.name.rfind('-');
+  if (ref.pid == 0 || ref.fd < 0 || ref.anchor_fd < 0 || dash == std::string::npos || dash == 0 ||
+      ref.name.size() > 200) {
+    return fail(Failure::Invalid, fmt::format("malformed shared memory reference (pid {}, fd {}, anchor {}, name "
+                                              "'{}')", ref.pid, ref.fd, ref.anchor_fd, untrusted(ref.name)));
+  }
+  const std::string anchor = dir + std::to_string(ref.anchor_fd);
+  const std::string want_anchor = memfd_link(ref.name.substr(0, dash) + "-anchor");
+  const std::string got_anchor = read_link(anchor);
+  if (got_anchor != want_anchor) {
+    return fail(Failure::Unreachable,
+                got_anchor.empty()
+                    ? fmt::format("{} cannot be read here ({}): another host or PID namespace, or no permission",
+                                  anchor, errno_text(errno))
+                    : fmt::format("{} is not the creator's anchor (another host or PID namespace)", anchor));
+  }
+  const std::string path = dir + std::to_string(ref.fd);
+  std::unique_ptr<PeerMemfd> p(new PeerMemfd);
+  p->fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (p->fd_ < 0) return fail(Failure::Gone, fmt::format("{}: {} (released meanwhile)", path, errno_text(errno)));
+  // What this process opened, not what the path named a moment before: the creator may have reused the number.
+  if (read_link(fmt::format("/proc/self/fd/{}", p->fd_)) != memfd_link(ref.name)) {
+    return fail(Failure::Gone, fmt::format("{} is no longer the memfd '{}' (released meanwhile)", path,
+                                           untrusted(ref.name)));
+  }
+  const int seals = ::fcntl(p->fd_, F_GET_SEALS);
+  if (seals < 0 || (unsigned(seals) & kSeals) != kSeals) {
+    return fail(Failure::Invalid, fmt::format("{} is not sealed against writes ({}): refused", path,
+                                              seals < 0 ? errno_text(errno) : fmt::format("seals {:#x}", seals)));
+  }
+  struct stat st {};
+  if (::fstat(p->fd_, &st) != 0 || uint64_t(st.st_size) != ref.size || ref.size == 0) {
+    return fail(Failure::Invalid, fmt::format("{} holds {} bytes, {} announced: refused", path,
+                                              uint64_t(st.st_size), ref.size));
+  }
+  p->map_ = ::mmap(nullptr, ref.size, PROT_READ, MAP_SHARED | MAP_POPULATE, p->fd_, 0);
+  if (p->map_ == MAP_FAILED) {
+    p->map_ = nullptr;
+    return fail(Failure::Invalid, fmt::format("mapping {} ({} bytes) failed: {}", path, ref.size, errno_text(errno)));
+  }
+  p->size_ = ref.size;
+  return p;
+}
+
+PeerMemfd::~PeerMemfd() {
+  if (map_) ::munmap(map_, size_);
+  if (fd_ >= 0) ::close(fd_);
+}
+
+}  // namespace hypic::rpc

@@ -1,0 +1,397 @@
+// Entries shared through sealed memfds (proto/rpc/shared_memory.h) and the segment cache's Get over them
+// (segment_cache.proto accept_shared_memory; SegmentStore's shared_memory_min_bytes; SegmentCacheClient's
+// shared_memory): the bytes a reader maps are the bytes put, they cannot be changed once sealed, a reference that does
+// not name what it claims is refused with the right failure, and the client falls back to the stream (remembering a
+// replica it cannot reach) with the same checksum and MAC checks. A real gRPC server on loopback; the peer is this
+// process, through its own /proc entries, as a process on the same host would reach them.
+#include <catch2/catch.hpp>
+
+#include <atomic>
+#include <cerrno>
+#include <random>
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <grpcpp/grpcpp.h>
+
+#include "proto/rpc/chunks.h"
+#include "proto/rpc/entry_mac.h"
+#include "proto/rpc/metrics.h"
+#include "proto/rpc/shared_memory.h"
+#include "proto/rpc/status.h"
+#include "segment_cache/client.h"
+#include "segment_cache/service.h"
+#include "tests/unit/cluster/cache_fixture.h"
+
+using namespace hypic;
+using namespace std::chrono_literals;
+
+namespace {
+
+std::string random_bytes(size_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::string s(n, '\0');
+  for (auto& c : s) c = char(rng());
+  return s;
+}
+
+std::shared_ptr<const rpc::SharedBytes> sealed(const std::string& bytes) {
+  std::string why;
+  auto w = rpc::SealedMemfdWriter::create(bytes.size(), &why);
+  REQUIRE(w);
+  w->append(std::string_view(bytes).substr(0, bytes.size() / 3));  // (in two pieces)
+  w->append(std::string_view(bytes).substr(bytes.size() / 3));
+  return w->seal();
+}
+
+rpc::Digest digest_of(uint8_t n) {
+  rpc::Digest d{};
+  d.fill(n);
+  return d;
+}
+
+double fetched(const char* transport) {
+  return rpc::MetricsRegistry::global().counter("hypic:cache_fetched_total", "", {{"transport", transport}}).value();
+}
+
+}  // namespace
+
+TEST_CASE("sealed memfd: a peer maps exactly the bytes written, and nobody can change them after the seal",
+          "[shared_memory]") {
+  const std::string bytes = random_bytes(3 * 1000 * 1000 + 7, 1);  // (no multiple of a page)
+  auto held = sealed(bytes);
+  CHECK(held->shared());
+  CHECK(held->view() == bytes);
+  const rpc::MemfdRef ref = held->memfd_ref();
+  CHECK(ref.pid == uint32_t(::getpid()));
+  CHECK(ref.size == bytes.size());
+  rpc::PeerMemfd::Failure failure{};
+  std::string why;
+  auto peer = rpc::PeerMemfd::open(ref, &failure, &why);
+  INFO(why);
+  REQUIRE(peer);
+  CHECK(failure == rpc::PeerMemfd::Failure::None);
+  CHECK(peer->view() == bytes);
+  // Reopened for writing through /proc, the memfd still refuses writes and resizing: the seals hold for everyone.
+  const int w = ::open(("/proc/self/fd/" + std::to_string(ref.fd)).c_str(), O_RDWR | O_CLOEXEC);
+  REQUIRE(w >= 0);
+  CHECK(::pwrite(w, "x", 1, 0) == -1);
+  CHECK(errno == EPERM);
+  CHECK(::ftruncate(w, 10) == -1);
+  CHECK(::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, w, 0) == MAP_FAILED);
+  ::close(w);
+  // The creator lets go: the reader's mapping stays whole (the kernel keeps the pages while it is mapped).
+  held.reset();
+  CHECK(peer->view() == bytes);
+  // ... but the reference names nothing any more.
+  auto again = rpc::PeerMemfd::open(ref, &failure, &why);
+  CHECK_FALSE(again);
+  CHECK(failure == rpc::PeerMemfd::Failure::Gone);
+}
+
+TEST_CASE("sealed memfd: references that do not name what they claim are refused with the failure that says what to "
+          "do", "[shared_memory]") {
+  const std::string bytes = random_bytes(100000, 2);
+  auto held = sealed(bytes);
+  auto other = sealed(random_bytes(100000, 3));
+  const rpc::MemfdRef ref = held->memfd_ref();
+  rpc::PeerMemfd::Failure failure{};
+  std::string why;
+  auto open = [&](rpc::MemfdRef r) { return rpc::PeerMemfd::open(r, &failure, &why); };
+  SECTION("the anchor is not there: another host or PID namespace") {
+    auto r = ref;
+    r.anchor_fd = ref.fd;  // an entry's memfd, not the anchor
+    CHECK_FALSE(open(r));
+    CHECK(failure == rpc::PeerMemfd::Failure::Unreachable);
+    r = ref;
+    r.pid = 0x7ffffff0;  // no such process here
+    CHECK_FALSE(open(r));
+    CHECK(failure == rpc::PeerMemfd::Failure::Unreachable);
+    r = ref;
+    r.name = "hypic-0123456789abcdef-1";  // another creator's name: its anchor is not this process's
+    CHECK_FALSE(open(r));
+    CHECK(failure == rpc::PeerMemfd::Failure::Unreachable);
+  }
+  SECTION("the descriptor holds another memfd of the creator: released and reused") {
+    auto r = ref;
+    r.fd = other->memfd_ref().fd;
+    CHECK_FALSE(open(r));
+    CHECK(failure == rpc::PeerMemfd::Failure::Gone);
+    CHECK(why.find("no longer") != std::string::npos);
+  }
+  SECTION("the size differs from the announced one") {
+    auto r = ref;
+    r.size = bytes.size() + 1;
+    CHECK_FALSE(open(r));
+    CHECK(failure == rpc::PeerMemfd::Failure::Invalid);
+  }
+  SECTION("an unsealed memfd of the creator is refused: its bytes could change under the reader") {
+    std::string w;
+    auto writer = rpc::SealedMemfdWriter::create(bytes.size(), &w);
+    REQUIRE(writer);
+    writer->append(bytes);
+    // Find the writer's descriptor: the one memfd of this creator named after the next number that is not sealed.
+    const std::string prefix = ref.name.substr(0, ref.name.rfind('-'));
+    int fd = -1;
+    for (int i = 0; i < 4096 && fd < 0; ++i) {
+      char link[512];
+      const ssize_t n = ::readlink(("/proc/self/fd/" + std::to_string(i)).c_str(), link, sizeof link);
+      const std::string l = n > 0 ? std::string(link, size_t(n)) : "";
+      if (l.rfind("/memfd:" + prefix + "-", 0) == 0 && l.find("anchor") == std::string::npos &&
+          ::fcntl(i, F_GET_SEALS) == 0)
+        fd = i;
+    }
+    REQUIRE(fd >= 0);
+    char link[512];
+    const ssize_t n = ::readlink(("/proc/self/fd/" + std::to_string(fd)).c_str(), link, sizeof link);
+    std::string name(link, size_t(n));
+    name = name.substr(7, name.size() - 7 - 10);  // "/memfd:" ... " (deleted)"
+    auto r = ref;
+    r.fd = fd;
+    r.name = name;
+    CHECK_FALSE(open(r));
+    CHECK(failure == rpc::PeerMemfd::Failure::Invalid);
+    CHECK(why.find("not sealed") != std::string::npos);
+  }
+  SECTION("a malformed reference") {
+    auto r = ref;
+    r.name = "noname";
+    CHECK_FALSE(open(r));
+    CHECK(failure == rpc::PeerMemfd::Failure::Invalid);
+  }
+}
+
+TEST_CASE("sealed memfd writer: the announced size is kept exactly", "[shared_memory]") {
+  std::string why;
+  auto w = rpc::SealedMemfdWriter::create(10, &why);
+  REQUIRE(w);
+  w->append("12345");
+  CHECK_THROWS_AS(w->append("123456"), std::logic_error);  // past the size: nothing written
+  CHECK(w->written() == 5);
+  CHECK_THROWS_AS(w->seal(), std::logic_error);  // short
+  w->append("67890");
+  CHECK(w->seal()->view() == "1234567890");
+  CHECK_FALSE(rpc::SealedMemfdWriter::create(0, &why));
+  CHECK_FALSE(why.empty());
+  CHECK_FALSE(rpc::SharedBytes::heap("abc")->shared());
+  CHECK(rpc::SharedBytes::heap("abc")->memfd_ref().fd == -1);
+}
+
+TEST_CASE("EntryMacCheck: borrowed pieces verify as handed-over ones do", "[shared_memory]") {
+  const auto keys = rpc::EntryMacKeys::of({std::string(32, 'k')});
+  const std::string bytes = random_bytes(1 << 20, 4);
+  const std::vector<int32_t> ids = {1, 2, 3};
+  const std::string mac = keys.sign(digest_of(1), ids, bytes);
+  for (const bool borrowed : {false, true}) {
+    for (const bool right : {true, false}) {
+      rpc::EntryMacCheck check(keys, digest_of(right ? 1 : 2), ids, bytes.size());
+      for (size_t off = 0; off < bytes.size(); off += 300000) {
+        const std::string_view piece = std::string_view(bytes).substr(off, 300000);
+        if (borrowed) check.update_borrowed(piece);
+        else check.update(std::string(piece));
+      }
+      CHECK(check.verify(mac) == right);
+    }
+  }
+}
+
+TEST_CASE("segment store: entries from shared_memory_min_bytes up are held in sealed memfds, in memory and when "
+          "promoted from disk", "[shared_memory]") {
+  const auto dir = std::filesystem::temp_directory_path() / ("hypic-shm-store-" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  struct Cleanup {
+    std::filesystem::path d;
+    ~Cleanup() { std::filesystem::remove_all(d); }
+  } cleanup{dir};
+  cache::SegmentStore store(cache::StoreOptions{.memory_budget_bytes = 250000, .disk_dir = dir,
+                                                .shared_memory_min_bytes = 1000});
+  const std::string big = random_bytes(200000, 5), small = random_bytes(999, 6), big2 = random_bytes(200000, 7);
+  store.put(digest_of(1), {1}, big, rpc::checksum64(big));
+  store.put(digest_of(2), {2}, small, rpc::checksum64(small));
+  {
+    auto h = store.get(digest_of(1), std::vector<int32_t>{1});
+    REQUIRE(h);
+    CHECK(h->bytes() == big);
+    const auto ref = h->memfd_ref();
+    REQUIRE(ref.fd >= 0);
+    rpc::PeerMemfd::Failure failure{};
+    std::string why;
+    auto peer = rpc::PeerMemfd::open(ref, &failure, &why);
+    REQUIRE(peer);
+    CHECK(peer->view() == big);
+    auto s = store.get(digest_of(2), std::vector<int32_t>{2});
+    REQUIRE(s);
+    CHECK(s->bytes() == small);
+    CHECK(s->memfd_ref().fd == -1);  // below the threshold: on the heap
+  }
+  store.put(digest_of(3), {3}, big2, rpc::checksum64(big2));  // spills 1 to disk
+  auto h1 = store.get(digest_of(1), std::vector<int32_t>{1});   // read from disk, promoted (3 spills)
+  REQUIRE(h1);
+  CHECK(h1->tier() == cache::Tier::Disk);
+  CHECK(h1->bytes() == big);
+  CHECK(h1->memfd_ref().fd >= 0);
+  CHECK(store.stats().promotions == 1);
+}
+
+namespace {
+
+// A segment cache holding entries of `min_shared` bytes and up in sealed memfds.
+struct CacheServer : test::CacheServer {
+  explicit CacheServer(uint64_t min_shared)
+      : test::CacheServer(
+            cache::StoreOptions{.memory_budget_bytes = 64 << 20, .shared_memory_min_bytes = min_shared}) {}
+};
+
+// What a client's get_stream hands its consumer, assembled.
+std::optional<std::string> fetch(const cache::SegmentCacheClient& client, const rpc::Digest& d,
+                                 const std::vector<int32_t>& ids) {
+  std::string got;
+  uint64_t announced = 0;
+  const bool found = client.get_stream(
+      {d, ids}, [&](uint64_t total) { announced = total; }, [&](std::string_view c) { got.append(c); });
+  if (!found) return std::nullopt;
+  CHECK(announced == got.size());
+  return got;
+}
+
+}  // namespace
+
+TEST_CASE("segment cache over shared memory: a client on this host maps what was put, byte for byte, and one that "
+          "does not ask, or an entry on the heap, is streamed", "[shared_memory]") {
+  CacheServer cache(1000);
+  const std::string big = random_bytes(5 * 1000 * 1000 + 3, 8), small = random_bytes(500, 9);
+  const std::vector<int32_t> ids_big = {7, 8, 9}, ids_small = {4};
+  cache::SegmentCacheClient client({cache.address()});
+  client.put({digest_of(1), ids_big}, big);
+  client.put({digest_of(2), ids_small}, small);
+  const double shm0 = fetched("shared_memory"), grpc0 = fetched("grpc");
+  CHECK(fetch(client, digest_of(1), ids_big) == big);
+  CHECK(fetched("shared_memory") == shm0 + 1);
+  CHECK(fetch(client, digest_of(2), ids_small) == small);  // on the heap: streamed
+  CHECK(fetched("grpc") == grpc0 + 1);
+  CHECK(client.get({digest_of(1), ids_big}) == big);
+  CHECK(fetched("shared_memory") == shm0 + 2);
+  cache::SegmentCacheClient::Options off;
+  off.shared_memory = false;
+  cache::SegmentCacheClient streamed({cache.address()}, off);
+  CHECK(fetch(streamed, digest_of(1), ids_big) == big);
+  CHECK(fetched("grpc") == grpc0 + 2);
+  CHECK(fetched("shared_memory") == shm0 + 2);
+  // The token-id check happens before any memfd is handed out.
+  CHECK_FALSE(fetch(client, digest_of(1), std::vector<int32_t>{7, 8}));
+  // An entry the cache dropped meanwhile is a miss, as over the stream.
+  CHECK(client.erase(digest_of(1)));
+  CHECK_FALSE(fetch(client, digest_of(1), ids_big));
+}
+
+TEST_CASE("segment cache over shared memory: a forged MAC is refused and the entry deleted, as over the stream",
+          "[shared_memory][hostile]") {
+  const auto keys = rpc::EntryMacKeys::of({std::string(32, 'k')});
+  rpc::configure_entry_mac(keys);
+  struct Reset {
+    ~Reset() { rpc::configure_entry_mac(rpc::EntryMacKeys{}); }
+  } reset;
+  CacheServer cache(1000);
+  const std::string bytes = random_bytes(2 * 1000 * 1000, 10);
+  const std::vector<int32_t> ids = {5, 6};
+  cache::SegmentCacheClient client({cache.address()});
+  client.put({digest_of(1), ids}, bytes);  // signed with the key
+  client.put({digest_of(2), ids}, bytes, keys.sign(digest_of(1), ids, bytes));  // another digest's MAC: relabelled
+  const double shm0 = fetched("shared_memory");
+  CHECK(fetch(client, digest_of(1), ids) == bytes);
+  CHECK(fetched("shared_memory") == shm0 + 1);
+  try {
+    (void)fetch(client, digest_of(2), ids);
+    FAIL("a relabelled entry was accepted");
+  } catch (const rpc::RpcError& e) {
+    CHECK(e.code() == grpc::StatusCode::DATA_LOSS);
+    CHECK(std::string(e.what()).find("MAC does not verify") != std::string::npos);
+  }
+  CHECK_FALSE(cache.store.get(digest_of(2), std::nullopt));  // deleted from the cache
+}
+
+namespace {
+
+// A SegmentCache whose Get answers a request accepting shared memory with a reference it chooses (one that cannot
+// be opened here), and streams the entry to one that does not; counts both kinds.
+class FakeCache final : public v1::SegmentCache::Service {
+ public:
+  std::string bytes;
+  std::function<rpc::MemfdRef()> ref;
+  std::atomic<int> asked_shared{0}, asked_plain{0};
+  grpc::Status Get(grpc::ServerContext*, const v1::GetRequest* req,
+                   grpc::ServerWriter<v1::GetResponse>* w) override {
+    v1::GetResponse head;
+    auto* info = head.mutable_info();
+    info->set_total_bytes(bytes.size());
+    info->set_checksum(rpc::checksum64(bytes));
+    info->mutable_token_ids()->CopyFrom(req->token_ids());
+    if (req->accept_shared_memory()) {
+      ++asked_shared;
+      const rpc::MemfdRef r = ref();
+      auto* sm = info->mutable_shared_memory();
+      sm->set_pid(r.pid);
+      sm->set_fd(r.fd);
+      sm->set_name(r.name);
+      sm->set_anchor_fd(r.anchor_fd);
+      w->Write(head);
+      return grpc::Status::OK;
+    }
+    ++asked_plain;
+    w->Write(head);
+    v1::GetResponse data;
+    data.set_data(bytes);
+    w->Write(data);
+    return grpc::Status::OK;
+  }
+};
+
+struct FakeServer {
+  FakeCache fake;
+  std::unique_ptr<grpc::Server> server;
+  int port = 0;
+  FakeServer() {
+    grpc::ServerBuilder b;
+    b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    b.RegisterService(&fake);
+    server = b.BuildAndStart();
+    REQUIRE(server);
+  }
+  ~FakeServer() { server->Shutdown(std::chrono::system_clock::now() + 2s); }
+};
+
+}  // namespace
+
+TEST_CASE("segment cache client: a replica whose memfds cannot be opened here is streamed from, and not asked for "
+          "shared memory again; one whose memfd was released is asked again next time", "[shared_memory]") {
+  FakeServer s;
+  s.fake.bytes = random_bytes(300000, 11);
+  const std::vector<int32_t> ids = {1};
+  cache::SegmentCacheClient client({"127.0.0.1:" + std::to_string(s.port)});
+  SECTION("unreachable: another host's reference") {
+    s.fake.ref = [] { return rpc::MemfdRef{0x7ffffff0, 5, "hypic-0123456789abcdef-1", 300000, 4}; };
+    CHECK(fetch(client, digest_of(1), ids) == s.fake.bytes);
+    CHECK(fetch(client, digest_of(1), ids) == s.fake.bytes);
+    CHECK(s.fake.asked_shared == 1);  // once, then never again
+    CHECK(s.fake.asked_plain == 2);
+  }
+  SECTION("gone: released between the answer and the open") {
+    s.fake.ref = [] { return sealed(std::string(300000, 'x'))->memfd_ref(); };  // (closed when it returns)
+    CHECK(fetch(client, digest_of(1), ids) == s.fake.bytes);
+    CHECK(fetch(client, digest_of(1), ids) == s.fake.bytes);
+    CHECK(s.fake.asked_shared == 2);  // asked each time: the creator is reachable
+    CHECK(s.fake.asked_plain == 2);
+  }
+  SECTION("a mapped answer whose bytes are not the announced ones fails its checksum") {
+    auto other = sealed(random_bytes(300000, 12));
+    s.fake.ref = [&] { return other->memfd_ref(); };
+    try {
+      (void)fetch(client, digest_of(1), ids);
+      FAIL("wrong bytes were accepted");
+    } catch (const rpc::RpcError& e) {
+      CHECK(e.code() == grpc::StatusCode::DATA_LOSS);
+    }
+  }
+}
