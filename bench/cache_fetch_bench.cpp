@@ -9,14 +9,15 @@
 //                           [--md out.md]
 //
 // Puts --entries entries of --entry-mb MB (1e6 bytes) of random bytes (fresh digests, one token id each), then for
-// each transport and connection count makes a new client and fetches every entry --reps times, --parallel at once (a
-// round: all entries, as a request of that many cache-only segments does), each entry's bytes handed into a buffer of
-// its own (get_stream, the combine worker's path without the entry parse) with the checksum (and MAC, with
-// --cache-key-file as the workers take it) verified. A shared_memory row checks that every fetch was mapped (the
-// cache on this host with its default --shared-memory true), else fails naming why. Reports per transport and
-// connection count the best and median round's wall time, the aggregate GB/s (1e9 bytes) and the median fetch's ms,
-// as JSON on stdout (and --json) and a markdown table on stderr (and --md). Not a test: run it by hand; the
-// machine's load moves the figures, so compare rows of one run.
+// each transport and connection count makes a new client, which puts every entry again, one after another (a
+// worker's AsyncCachePutter: streamed, or a sealed memfd the cache adopts; timed), then fetches every entry --reps
+// times, --parallel at once (a round: all entries, as a request of that many cache-only segments does), each entry's
+// bytes handed into a buffer of its own (get_stream, the combine worker's path without the entry parse) with the
+// checksum (and MAC, with --cache-key-file as the workers take it) verified. A shared_memory row checks that every
+// fetch was mapped (the cache on this host with its default --shared-memory true), else fails naming why. Reports
+// per transport and connection count the best and median round's wall time, the aggregate GB/s (1e9 bytes), the
+// median fetch's ms and the median put's ms, as JSON on stdout (and --json) and a markdown table on stderr (and
+// --md). Not a test: run it by hand; the machine's load moves the figures, so compare rows of one run.
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
@@ -102,7 +103,6 @@ int main(int argc, char** argv) {
         put_client.put({digests[size_t(e)], std::span<const int32_t>(&ids[size_t(e)], 1)}, payload);
       }
     }
-    payload = std::string();
 
     nlohmann::json result;
     result["tool"] = "hypic-bench-cache-fetch";
@@ -115,7 +115,7 @@ int main(int argc, char** argv) {
     result["rows"] = nlohmann::json::array();
     std::string md = fmt::format(
         "| transport | connections | round best ms | round median ms | GB/s (best round) | fetch median ms "
-        "| fetch GB/s (median) |\n|---|---|---|---|---|---|---|\n");
+        "| fetch GB/s (median) | put median ms |\n|---|---|---|---|---|---|---|---|\n");
     std::vector<std::string> buffers(static_cast<size_t>(parallel));
     auto& mapped = hypic::rpc::MetricsRegistry::global().counter(
         "hypic:cache_fetched_total", "", {{"transport", "shared_memory"}});  // (the client's own counter)
@@ -125,6 +125,15 @@ int main(int argc, char** argv) {
       opt.connections = conns;
       opt.shared_memory = transport == "shared_memory";
       hypic::cache::SegmentCacheClient client({cache}, opt);
+      // Every entry put again by this client, one after another (as a worker's AsyncCachePutter sends them): replaced
+      // in place, timed.
+      std::vector<double> puts;
+      for (int e = 0; e < entries; ++e) {
+        payload[0] = char(e);
+        const auto p0 = Clock::now();
+        client.put({digests[size_t(e)], std::span<const int32_t>(&ids[size_t(e)], 1)}, payload);
+        puts.push_back(std::chrono::duration<double, std::milli>(Clock::now() - p0).count());
+      }
       const double mapped_before = mapped.value();
       std::vector<double> rounds, fetches;
       std::mutex fetches_mu;
@@ -185,9 +194,10 @@ int main(int argc, char** argv) {
                                 {"round_ms_all", rounds},
                                 {"gb_per_s_best_round", gbps},
                                 {"fetch_ms_median", fetch_med},
-                                {"fetch_gb_per_s_median", fetch_gbps}});
-      md += fmt::format("| {} | {} | {:.0f} | {:.0f} | {:.2f} | {:.0f} | {:.2f} |\n", transport, conns, best, med, gbps,
-                        fetch_med, fetch_gbps);
+                                {"fetch_gb_per_s_median", fetch_gbps},
+                                {"put_ms_median", median(puts)}});
+      md += fmt::format("| {} | {} | {:.0f} | {:.0f} | {:.2f} | {:.0f} | {:.2f} | {:.0f} |\n", transport, conns, best,
+                        med, gbps, fetch_med, fetch_gbps, median(puts));
     }
     const std::string head =
         fmt::format("{} entries of {:.1f} MB, {} fetches in flight, {} rounds each, {} host threads\n\n", entries,

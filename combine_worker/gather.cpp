@@ -259,6 +259,7 @@ void CombineService::fetch_warm(const std::shared_ptr<Pending>& p, size_t slot, 
     // header sizes nothing before it matched the stream's size, this model and these token ids (EntryReaderChecks).
     std::optional<engine::EntryReader> reader;
     uint64_t size = 0;
+    bool mapped = false;
     try {
       if (!d_.cache.get_stream(
               cache::CacheKey{digest, ids},
@@ -267,7 +268,8 @@ void CombineService::fetch_warm(const std::shared_ptr<Pending>& p, size_t slot, 
                 reader.emplace(entry_checks(total, ids, p->entry_seam_width));
               },
               [&](std::string_view chunk) { reader->feed(chunk); }, ctx,
-              engine::wire_entry_bytes(backend_.config(), int64_t(ids.size())))) {  // (its deadline allows the bytes)
+              engine::wire_entry_bytes(backend_.config(), int64_t(ids.size())),  // (its deadline allows the bytes)
+              &mapped)) {
         why += "not in the segment cache any more (evicted after the lookup)";
       } else {
         const auto t1 = Clock::now();
@@ -279,9 +281,10 @@ void CombineService::fetch_warm(const std::shared_ptr<Pending>& p, size_t slot, 
         Delivery d;
         d.fetch_ms = rpc::ms_between(t0, Clock::now());
         d.fetch_bytes = size;
-        spdlog::info("[req {}] segment {} from the segment cache: {:.1f} MB in {:.0f} ms (transfer and parse {:.0f}, "
-                     "verify {:.0f}, device layout and copy {:.0f})",
-                     p->id, slot, double(size) / 1e6, d.fetch_ms, rpc::ms_between(t0, t1), rpc::ms_between(t1, t2),
+        spdlog::info("[req {}] segment {} from the segment cache ({}): {:.1f} MB in {:.0f} ms (transfer and parse "
+                     "{:.0f}, verify {:.0f}, device layout and copy {:.0f})",
+                     p->id, slot, mapped ? "its memfd mapped" : "streamed", double(size) / 1e6, d.fetch_ms,
+                     rpc::ms_between(t0, t1), rpc::ms_between(t1, t2),
                      rpc::ms_between(t2, Clock::now()));
         count_received("cache", size);
         count_segment(v1::SEGMENT_SOURCE_CACHE);

@@ -26,6 +26,10 @@ namespace v1 = hypic::v1;
 
 /// Pieces a mapped entry is handed to its consumer in (as a stream's chunks would be, larger: no messages to pay).
 constexpr size_t kSharedPieceBytes = size_t{4} << 20;
+/// Answers in a row naming a holder with no process here before a replica counts as on another host.
+constexpr int kNoProcessTries = 3;
+/// Smallest entry put as a sealed memfd (the segment cache's default --shared-memory-min-bytes).
+constexpr size_t kMinSharedPutBytes = size_t{1} << 20;
 
 namespace {
 /// hypic:entry_mac_failures_total: entries read from the cache whose MAC did not verify.
@@ -58,7 +62,9 @@ SegmentCacheClient::SegmentCacheClient(std::vector<std::string> replicas, Option
   fetched_counter(true);
   ring_.emplace(replicas_, opt_.vnodes);
   no_shared_memory_ = std::make_unique<std::atomic<bool>[]>(replicas_.size());
-  for (size_t r = 0; r < replicas_.size(); ++r) no_shared_memory_[r] = !opt_.shared_memory;
+  no_shared_put_ = std::make_unique<std::atomic<bool>[]>(replicas_.size());
+  no_process_ = std::make_unique<std::atomic<int>[]>(replicas_.size());
+  for (size_t r = 0; r < replicas_.size(); ++r) no_shared_memory_[r] = no_shared_put_[r] = !opt_.shared_memory;
   for (const auto& r : replicas_) {
     auto& per = stubs_.emplace_back();
     for (int c = 0; c < opt_.connections; ++c) per.push_back(v1::SegmentCache::NewStub(rpc::make_channel(r, c)));
@@ -159,7 +165,7 @@ std::optional<std::vector<int32_t>> SegmentCacheClient::stream(const rpc::Digest
                                                                 uint64_t expected_bytes,
                                                                 const std::function<void(uint64_t)>& begin,
                                                                 const std::function<void(std::string_view)>& consume,
-                                                                std::string* mac_out) const {
+                                                                std::string* mac_out, bool* mapped_out) const {
   auto& stub = stub_for(digest);
   const size_t replica = ring_->owner(digest);
   const std::string what = fmt::format("segment entry {} from {}", rpc::digest_hex(digest), owner(digest));
@@ -191,16 +197,34 @@ std::optional<std::vector<int32_t>> SegmentCacheClient::stream(const rpc::Digest
             const auto& sm = info.shared_memory();
             rpc::PeerMemfd::Failure failure{};
             std::string why;
-            mapped = rpc::PeerMemfd::open(
-                rpc::MemfdRef{sm.pid(), sm.fd(), sm.name(), info.total_bytes(), sm.anchor_fd()}, &failure, &why);
+            // Far past the expected size (an estimate, engine::wire_entry_bytes): not mapped; the stream's checks say.
+            if (expected_bytes > 0 && info.total_bytes() > 2 * expected_bytes + (uint64_t{1} << 20)) {
+              failure = rpc::PeerMemfd::Failure::Invalid;
+              why = fmt::format("{} bytes announced where about {} were expected", info.total_bytes(), expected_bytes);
+            } else {
+              mapped = rpc::PeerMemfd::open(
+                  rpc::MemfdRef{sm.pid(), sm.fd(), sm.name(), info.total_bytes(), sm.anchor_fd(), sm.anchor_name()},
+                  &failure, &why);
+            }
+            // A holder with no process here: it exited meanwhile (a restart), or lives elsewhere; three in a row
+            // without a mapping between them say elsewhere.
+            const bool elsewhere = failure == rpc::PeerMemfd::Failure::Unreachable ||
+                                   (failure == rpc::PeerMemfd::Failure::NoProcess &&
+                                    no_process_[replica].fetch_add(1) + 1 >= kNoProcessTries);
+            if (mapped) no_process_[replica] = 0;
             if (!mapped) {
-              if (failure == rpc::PeerMemfd::Failure::Unreachable) {
+              if (elsewhere) {
                 if (!no_shared_memory_[replica].exchange(true)) {
                   spdlog::info("segment cache {}: its shared memory cannot be opened from this process ({}); its "
                                "entries are streamed over gRPC", owner(digest), why);
                 }
               } else {
-                spdlog::warn("{}: its shared memory could not be mapped ({}); streaming it instead", what, why);
+                static rpc::LogLimit limit;
+                uint64_t suppressed = 0;
+                if (limit.allow(&suppressed)) {
+                  spdlog::warn("{}: its shared memory could not be mapped ({}); streaming it instead{}", what, why,
+                               suppressed ? fmt::format(" ({} more not logged)", suppressed) : std::string());
+                }
               }
               ask_again = true;
               break;
@@ -260,6 +284,7 @@ std::optional<std::vector<int32_t>> SegmentCacheClient::stream(const rpc::Digest
       throw rpc::RpcError(grpc::StatusCode::DATA_LOSS, msg);
     }
     fetched_counter(mapped != nullptr).inc();
+    if (mapped_out) *mapped_out = mapped != nullptr;
     if (mac_out) *mac_out = std::move(mac);
     return stored_ids;
   }
@@ -287,8 +312,9 @@ std::optional<std::string> SegmentCacheClient::get(const CacheKey& key, const gr
 
 bool SegmentCacheClient::get_stream(const CacheKey& key, const std::function<void(uint64_t)>& begin,
                                     const std::function<void(std::string_view)>& consume,
-                                    const grpc::ServerContextBase* parent, uint64_t expected_bytes) const {
-  return stream(key.digest, key.token_ids, true, parent, expected_bytes, begin, consume, nullptr).has_value();
+                                    const grpc::ServerContextBase* parent, uint64_t expected_bytes,
+                                    bool* mapped) const {
+  return stream(key.digest, key.token_ids, true, parent, expected_bytes, begin, consume, nullptr, mapped).has_value();
 }
 
 std::optional<std::pair<std::string, std::vector<int32_t>>> SegmentCacheClient::get_unchecked(
@@ -312,6 +338,25 @@ std::chrono::milliseconds SegmentCacheClient::transfer_timeout(uint64_t bytes) c
 
 bool SegmentCacheClient::put(const CacheKey& key, std::string_view bytes, const std::optional<std::string>& mac,
                              PutCancel* cancel) const {
+  const std::string signature = mac ? *mac : rpc::entry_mac_keys().sign(key.digest, key.token_ids, bytes);
+  // A large entry goes to a replica on this host as a sealed memfd the cache adopts (one copy here, none there);
+  // where the cache cannot take it, as a stream.
+  if (ring_ && bytes.size() >= kMinSharedPutBytes && !no_shared_put_[ring_->owner(key.digest)].load()) {
+    std::string why;
+    if (auto w = rpc::SealedMemfdWriter::create(bytes.size(), &why)) {
+      w->append(bytes);
+      const auto held = w->seal();
+      const rpc::MemfdRef ref = held->memfd_ref();
+      bool refused = false;
+      const bool replaced = put_once(key, bytes, signature, cancel, &ref, &refused);
+      if (!refused) return replaced;
+    }
+  }
+  return put_once(key, bytes, signature, cancel, nullptr, nullptr);
+}
+
+bool SegmentCacheClient::put_once(const CacheKey& key, std::string_view bytes, const std::string& mac,
+                                  PutCancel* cancel, const rpc::MemfdRef* shared, bool* shared_refused) const {
   auto& stub = stub_for(key.digest);
   auto ctx = rpc::make_client_context(nullptr, transfer_timeout(bytes.size()) + opt_.put_wait);
   // Registered for `cancel` while the call runs (a cancel before the call starts cancels it at once).
@@ -337,14 +382,34 @@ bool SegmentCacheClient::put(const CacheKey& key, std::string_view bytes, const 
   h->mutable_key()->mutable_token_ids()->Add(key.token_ids.begin(), key.token_ids.end());
   h->set_total_bytes(bytes.size());
   h->set_checksum(rpc::checksum64(bytes));
-  h->set_mac(mac ? *mac : rpc::entry_mac_keys().sign(key.digest, key.token_ids, bytes));
-  if (writer->Write(head)) {
+  h->set_mac(mac);
+  if (shared) {
+    auto* sm = h->mutable_shared_memory();
+    sm->set_pid(shared->pid);
+    sm->set_fd(shared->fd);
+    sm->set_name(shared->name);
+    sm->set_anchor_fd(shared->anchor_fd);
+    sm->set_anchor_name(shared->anchor_name);
+    writer->Write(head);
+  } else if (writer->Write(head)) {
     rpc::write_chunks<v1::PutRequest>(
         bytes, opt_.chunk_bytes, [](v1::PutRequest& m, std::string_view c) { m.set_data(std::string(c)); },
         [&](const v1::PutRequest& m) { return writer->Write(m); });
   }
   writer->WritesDone();
   const grpc::Status st = writer->Finish();
+  if (shared && st.error_code() == grpc::StatusCode::FAILED_PRECONDITION) {
+    const auto& md = ctx->GetServerTrailingMetadata();
+    if (const auto it = md.find("hypic-shared-memory"); it != md.end()) {
+      const std::string kind(it->second.data(), it->second.size());
+      *shared_refused = true;
+      if (kind != "declined" && !no_shared_put_[ring_->owner(key.digest)].exchange(true)) {
+        spdlog::info("segment cache {} does not take this process's shared memory ({}); entries are put over gRPC",
+                     owner(key.digest), st.error_message());
+      }
+      return false;
+    }
+  }
   if (!st.ok()) rpc::throw_status(st, fmt::format("put {} to {}", rpc::digest_hex(key.digest), owner(key.digest)));
   return resp.replaced();
 }

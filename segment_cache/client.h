@@ -18,6 +18,7 @@
 
 #include "hypic/v1/segment_cache.grpc.pb.h"
 #include "proto/rpc/chunks.h"
+#include "proto/rpc/shared_memory.h"
 #include "segment_cache/ring.h"
 
 namespace CLI {
@@ -76,8 +77,8 @@ class SegmentCacheClient {
     /// do not share one connection's HTTP/2 stream (rpc::make_channel).
     int connections = 1;
     /// Ask for entries the cache holds in sealed memfds (segment_cache.proto Get, proto/rpc/shared_memory.h) and map
-    /// them when the replica runs on this host; a replica whose memfds cannot be opened from here is streamed from
-    /// (and not asked again).
+    /// them when the replica runs on this host, and put large entries as sealed memfds it adopts; a replica whose
+    /// memfds cannot be opened from here, or that cannot open ours, is streamed from, or to (and not asked again).
     bool shared_memory = true;
   };
 
@@ -121,16 +122,20 @@ class SegmentCacheClient {
   /// piece as it arrives (the caller parses it straight into its destination; a 230 MB entry is never held twice).
   /// The checksum and MAC cover the whole stream, so they are verified after the last consume: use what was parsed
   /// only when this returns true. false: NOT_FOUND. Throws as get() does; an exception from begin or consume cancels
-  /// the read and propagates.
+  /// the read and propagates. `*mapped` (when given) says whether the bytes came from the replica's sealed memfd
+  /// (Options::shared_memory) rather than a stream.
   bool get_stream(const CacheKey& key, const std::function<void(uint64_t)>& begin,
                   const std::function<void(std::string_view)>& consume,
-                  const grpc::ServerContextBase* parent = nullptr, uint64_t expected_bytes = 0) const;
+                  const grpc::ServerContextBase* parent = nullptr, uint64_t expected_bytes = 0,
+                  bool* mapped = nullptr) const;
   /// Fetch without the token-id or MAC check (administration): returns the bytes and the stored ids; *mac (when
   /// given) receives the stored MAC (empty: none).
   std::optional<std::pair<std::string, std::vector<int32_t>>> get_unchecked(const rpc::Digest& digest,
                                                                             std::string* mac = nullptr) const;
 
-  /// Stores an entry (chunked), with its MAC when the process has entry keys. Throws rpc::RpcError on failure
+  /// Stores an entry, with its MAC when the process has entry keys: an entry of 1 MiB or more is copied into a sealed
+  /// memfd that a replica on this host adopts (Options::shared_memory; segment_cache.proto PutHeader), else, or where
+  /// the replica does not take it, streamed in chunks. Throws rpc::RpcError on failure
   /// (RESOURCE_EXHAUSTED when the cache found no room within its wait, DEADLINE_EXCEEDED past timeout + put_wait +
   /// bytes / transfer_rate, CANCELLED through `cancel`). Returns true if it replaced one.
   /// `mac` (administration: an entry moved as is) replaces the MAC this process would make.
@@ -154,7 +159,7 @@ class SegmentCacheClient {
                                              const grpc::ServerContextBase* parent, uint64_t expected_bytes,
                                              const std::function<void(uint64_t)>& begin,
                                              const std::function<void(std::string_view)>& consume,
-                                             std::string* mac_out) const;
+                                             std::string* mac_out, bool* mapped = nullptr) const;
 
   std::vector<std::string> replicas_;
   Options opt_;
@@ -162,6 +167,16 @@ class SegmentCacheClient {
   std::vector<std::vector<std::unique_ptr<hypic::v1::SegmentCache::Stub>>> stubs_;  // [replica][connection]
   // [replica]: its shared memory cannot be opened from here (PeerMemfd::Failure::Unreachable); streamed from.
   std::unique_ptr<std::atomic<bool>[]> no_shared_memory_;
+  // [replica]: it does not take this process's memfds (it cannot open them, or runs without shared memory); put to by
+  // streaming.
+  std::unique_ptr<std::atomic<bool>[]> no_shared_put_;
+  // [replica]: its answers in a row whose holder had no process here (PeerMemfd::Failure::NoProcess).
+  std::unique_ptr<std::atomic<int>[]> no_process_;
+  // One Put call: the bytes streamed, or with `shared` the memfd holding them handed over instead; a shared put the
+  // cache refused with FAILED_PRECONDITION and hypic-shared-memory sets *shared_refused (and, unless it only
+  // declined this one, no_shared_put_) and returns false; other failures throw as put() does.
+  bool put_once(const CacheKey& key, std::string_view bytes, const std::string& mac, PutCancel* cancel,
+                const rpc::MemfdRef* shared, bool* shared_refused) const;
   mutable std::atomic<uint64_t> next_connection_{0};
 };
 

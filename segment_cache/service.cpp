@@ -23,6 +23,13 @@ rpc::Counter& gets_counter(const char* transport) {
       "reader on this host maps)", {{"transport", transport}});
 }
 
+/// hypic:cache_puts_received_total{transport}: Puts whose bytes were streamed, or whose sender's memfd was adopted.
+rpc::Counter& puts_counter(const char* transport) {
+  return rpc::MetricsRegistry::global().counter(
+      "hypic:cache_puts_received_total", "Entries received by Put, by transport (grpc: streamed; shared_memory: the "
+      "sender's sealed memfd adopted)", {{"transport", transport}});
+}
+
 rpc::Counter& bytes_counter(const char* direction) {
   return rpc::MetricsRegistry::global().counter("hypic:cache_entry_bytes_total",
                                                 "Entry bytes moved by the segment cache (in: puts, out: gets)",
@@ -44,6 +51,8 @@ SegmentCacheService::SegmentCacheService(SegmentStore& store, rpc::Lifecycle& li
   bytes_counter("out");
   gets_counter("grpc");
   gets_counter("shared_memory");
+  puts_counter("grpc");
+  puts_counter("shared_memory");
   auto stat = [&store](uint64_t StoreStats::*field) { return [&store, field] { return double(store.stats().*field); }; };
   reg.gauge_fn("hypic:cache_bytes", "Bytes of segment entries held, by tier", stat(&StoreStats::memory_bytes),
                {{"tier", "memory"}});
@@ -215,6 +224,7 @@ grpc::Status SegmentCacheService::Get(grpc::ServerContext* ctx, const v1::GetReq
         shm->set_fd(ref.fd);
         shm->set_name(ref.name);
         shm->set_anchor_fd(ref.anchor_fd);
+        shm->set_anchor_name(ref.anchor_name);
         if (!writer->Write(head)) return grpc::Status(grpc::StatusCode::CANCELLED, "reader went away");
         static auto& by_memfd = gets_counter("shared_memory");
         by_memfd.inc();
@@ -367,6 +377,10 @@ grpc::Status SegmentCacheService::Put(grpc::ServerContext* ctx, grpc::ServerRead
     // too: gRPC's flow-control window lets a waiting sender's bytes pile up in the server, so a put that would take the
     // announced bytes of the waiting puts past the memory budget (when another waits) is refused at once.
     const uint64_t n = header.total_bytes();
+    if (header.has_shared_memory()) {
+      resp->set_replaced(adopt_put(ctx, reader, header, d));
+      return grpc::Status::OK;
+    }
     admit_put(ctx, d, n);
     struct Receiving {
       SegmentCacheService& self;
@@ -416,12 +430,53 @@ grpc::Status SegmentCacheService::Put(grpc::ServerContext* ctx, grpc::ServerRead
     }
     static auto& in = bytes_counter("in");
     in.inc(double(bytes->size()));
+    static auto& streamed = puts_counter("grpc");
+    streamed.inc();
     std::vector<int32_t> ids(header.key().token_ids().begin(), header.key().token_ids().end());
     resp->set_replaced(store_.put(d, std::move(ids), std::move(bytes), header.checksum(), header.mac()));
     spdlog::debug("stored {} ({} bytes{})", rpc::digest_hex(d), header.total_bytes(),
                   resp->replaced() ? ", replaced" : "");
     return grpc::Status::OK;
   });
+}
+
+bool SegmentCacheService::adopt_put(grpc::ServerContext* ctx, grpc::ServerReader<v1::PutRequest>* reader,
+                                    const v1::PutHeader& header, const rpc::Digest& d) {
+  // No receive budget: the bytes are in the sender's memfd already, and only the store's put makes room for them.
+  auto refuse = [&](const char* kind, const std::string& why) {
+    store_.count_rejected_put();
+    ctx->AddTrailingMetadata("hypic-shared-memory", kind);
+    return rpc::RpcError(grpc::StatusCode::FAILED_PRECONDITION,
+                         fmt::format("put {}: the sender's shared memory was not taken: {}", rpc::digest_hex(d), why));
+  };
+  if (!store_.holds_shared_memory()) throw refuse("off", "this cache runs with --shared-memory false");
+  const auto& sm = header.shared_memory();
+  rpc::PeerMemfd::Failure failure{};
+  std::string why;
+  auto peer = rpc::PeerMemfd::open(rpc::MemfdRef{sm.pid(), sm.fd(), sm.name(), header.total_bytes(), sm.anchor_fd(),
+                                                 sm.anchor_name()},
+                                   &failure, &why);
+  if (!peer) {
+    if (failure == rpc::PeerMemfd::Failure::Unreachable) throw refuse("unreachable", why);
+    store_.count_rejected_put();
+    throw rpc::invalid_argument("header.shared_memory", why);
+  }
+  v1::PutRequest msg;
+  if (reader->Read(&msg)) {
+    store_.count_rejected_put();
+    throw rpc::invalid_argument("data", "a put that hands over shared memory carries no data messages");
+  }
+  auto bytes = rpc::SharedBytes::adopt(std::move(peer), &why);
+  if (!bytes) throw refuse("declined", why);
+  static auto& in = bytes_counter("in");
+  in.inc(double(bytes->size()));
+  static auto& adopted = puts_counter("shared_memory");
+  adopted.inc();
+  std::vector<int32_t> ids(header.key().token_ids().begin(), header.key().token_ids().end());
+  const bool replaced = store_.put(d, std::move(ids), std::move(bytes), header.checksum(), header.mac());
+  spdlog::debug("stored {} ({} bytes, the sender's memfd adopted{})", rpc::digest_hex(d), header.total_bytes(),
+                replaced ? ", replaced" : "");
+  return replaced;
 }
 
 grpc::Status SegmentCacheService::Delete(grpc::ServerContext* ctx, const v1::DeleteRequest* req,

@@ -68,6 +68,12 @@ class SegmentCacheService final : public hypic::v1::SegmentCache::Service {
                            grpc::ServerWriter<hypic::v1::CacheEvent>* writer) override;
 
  private:
+  // A Put whose header hands over the sender's sealed memfd (PutHeader.shared_memory): opened, checked and adopted
+  // as the entry's bytes (proto/rpc/shared_memory.h), no receive budget taken. Returns whether it replaced an entry.
+  // Throws RpcError: FAILED_PRECONDITION with trailing metadata hypic-shared-memory (segment_cache.proto), or
+  // INVALID_ARGUMENT for a memfd that is not as announced, or what SegmentStore::put throws.
+  bool adopt_put(grpc::ServerContext* ctx, grpc::ServerReader<hypic::v1::PutRequest>* reader,
+                 const hypic::v1::PutHeader& header, const rpc::Digest& d);
   SegmentStore& store_;
   rpc::Lifecycle& life_;
   size_t chunk_bytes_;

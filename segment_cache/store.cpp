@@ -200,23 +200,10 @@ std::shared_ptr<const rpc::SharedBytes> SegmentStore::read_disk_file(const Diges
     throw std::runtime_error(fmt::format("{}: header does not match the index (checksum, size, token ids or MAC)",
                                          path.string()));
   }
-  // Read into a sealed memfd when a promoted copy would be held in one, else into a string.
-  std::shared_ptr<const rpc::SharedBytes> bytes;
-  if (auto w = make_shared_writer(h.size)) {
-    std::string piece(std::min<uint64_t>(h.size, uint64_t{4} << 20), '\0');
-    while (w->written() < h.size) {
-      const size_t n = size_t(std::min<uint64_t>(piece.size(), h.size - w->written()));
-      in.read(piece.data(), std::streamsize(n));
-      if (!in) throw std::runtime_error(fmt::format("{}: truncated payload", path.string()));
-      w->append(std::string_view(piece.data(), n));
-    }
-    bytes = w->seal();
-  } else {
-    std::string b(h.size, '\0');
-    in.read(b.data(), std::streamsize(h.size));
-    if (!in) throw std::runtime_error(fmt::format("{}: truncated payload", path.string()));
-    bytes = rpc::SharedBytes::heap(std::move(b));
-  }
+  std::string b(h.size, '\0');
+  in.read(b.data(), std::streamsize(h.size));
+  if (!in) throw std::runtime_error(fmt::format("{}: truncated payload", path.string()));
+  auto bytes = rpc::SharedBytes::heap(std::move(b));
   const uint64_t got = rpc::checksum64(bytes->view());
   if (got != e.checksum) {
     throw std::runtime_error(fmt::format("{}: XXH3-64 checksum {:016x} != stored {:016x}", path.string(), got,
@@ -450,7 +437,8 @@ std::optional<SegmentStore::Handle> SegmentStore::get(const Digest& digest,
       std::error_code ec;
       std::filesystem::remove(file_of(digest), ec);
       e.tier = Tier::Memory;
-      e.bytes = bytes;
+      e.bytes = share(std::move(bytes));  // held in a sealed memfd from now on, where entries this large are
+      bytes = e.bytes;
       mem_lru_.push_front(digest);
       e.lru = mem_lru_.begin();
       mem_bytes_ += e.size;
@@ -465,7 +453,7 @@ std::optional<SegmentStore::Handle> SegmentStore::get(const Digest& digest,
 }
 
 std::unique_ptr<rpc::SealedMemfdWriter> SegmentStore::make_shared_writer(uint64_t size) const {
-  if (size < opt_.shared_memory_min_bytes) return nullptr;
+  if (size == 0 || size < opt_.shared_memory_min_bytes) return nullptr;
   std::string why;
   auto w = rpc::SealedMemfdWriter::create(size, &why);
   if (!w) {
@@ -478,16 +466,22 @@ std::unique_ptr<rpc::SealedMemfdWriter> SegmentStore::make_shared_writer(uint64_
   return w;
 }
 
+std::shared_ptr<const rpc::SharedBytes> SegmentStore::share(std::shared_ptr<const rpc::SharedBytes> bytes) const {
+  if (bytes->shared()) return bytes;
+  auto w = make_shared_writer(bytes->size());
+  if (!w) return bytes;
+  try {
+    w->append(bytes->view());
+    return w->seal();
+  } catch (const std::exception& e) {  // no memory for a second copy now: the heap copy serves (streamed)
+    spdlog::debug("segment store: an entry of {} bytes stays on the heap: {}", bytes->size(), e.what());
+    return bytes;
+  }
+}
+
 bool SegmentStore::put(const Digest& digest, std::vector<int32_t> token_ids, std::string bytes, uint64_t checksum,
                        std::string mac) {
-  std::shared_ptr<const rpc::SharedBytes> held;
-  if (auto w = make_shared_writer(bytes.size())) {
-    w->append(bytes);
-    held = w->seal();
-  } else {
-    held = rpc::SharedBytes::heap(std::move(bytes));
-  }
-  return put(digest, std::move(token_ids), std::move(held), checksum, std::move(mac));
+  return put(digest, std::move(token_ids), share(rpc::SharedBytes::heap(std::move(bytes))), checksum, std::move(mac));
 }
 
 bool SegmentStore::put(const Digest& digest, std::vector<int32_t> token_ids,

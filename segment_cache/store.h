@@ -87,7 +87,8 @@ class SegmentStore {
     Handle(const Handle&) = delete;
     ~Handle();
     std::string_view bytes() const { return bytes_->view(); }
-    /// Where a reader on this host maps the bytes (fd -1: they are on the heap or were read from disk).
+    /// Where a reader on this host maps the bytes (fd -1: they are on the heap: below the store's
+    /// shared_memory_min_bytes, read from the disk tier without being promoted, or no memfd could be made).
     rpc::MemfdRef memfd_ref() const { return bytes_->memfd_ref(); }
     uint64_t checksum() const { return checksum_; }
     Tier tier() const { return tier_; }  ///< the tier the entry was read from
@@ -158,6 +159,11 @@ class SegmentStore {
   /// A writer of a sealed memfd for an entry of `size` bytes when the store holds entries that large in shared memory
   /// (StoreOptions::shared_memory_min_bytes) and a memfd can be made; nullptr otherwise (the first failure is logged).
   std::unique_ptr<rpc::SealedMemfdWriter> make_shared_writer(uint64_t size) const;
+  /// `bytes` moved into a sealed memfd when the store holds entries that large in one and it can be made (else, or
+  /// when they are shared already, `bytes` itself).
+  std::shared_ptr<const rpc::SharedBytes> share(std::shared_ptr<const rpc::SharedBytes> bytes) const;
+  /// Whether this store holds entries in sealed memfds at all (StoreOptions::shared_memory_min_bytes set).
+  bool holds_shared_memory() const { return opt_.shared_memory_min_bytes != UINT64_MAX; }
   /// The largest entry put() could ever store: the memory budget, or the disk budget when it is larger (bytes).
   uint64_t max_entry_bytes() const {
     return opt_.disk_dir.empty() ? opt_.memory_budget_bytes : std::max(opt_.memory_budget_bytes, opt_.disk_budget_bytes);

@@ -2,6 +2,7 @@
 
 #include <atomic>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <random>
 #include <stdexcept>
@@ -13,6 +14,7 @@
 #include <unistd.h>
 
 #include <fmt/format.h>
+#include <spdlog/spdlog.h>
 
 #include "proto/rpc/status.h"
 
@@ -44,12 +46,14 @@ int anchor_fd() {
 std::string errno_text(int e) { return std::strerror(e); }
 
 // Memfds of this process alive now (writers and SharedBytes), and the most it may hold: half of its descriptor limit
-// (the soft one, raised to the hard one first), so that held entries never take the descriptors that connections,
-// disk files and peers' memfds need.
+// (the soft one, raised to the hard one first) and a quarter of the kernel's mappings per process (vm.max_map_count:
+// each held memfd is mapped once), so that held entries never take the descriptors and mappings that connections,
+// threads, large allocations, disk files and peers' memfds need.
 std::atomic<int64_t> g_live{0};
 
 int64_t max_live() {
   static const int64_t m = [] {
+    uint64_t cap = uint64_t{1} << 20;
     rlimit r{};
     if (::getrlimit(RLIMIT_NOFILE, &r) != 0) return int64_t{0};
     if (r.rlim_cur < r.rlim_max) {
@@ -57,33 +61,49 @@ int64_t max_live() {
       raised.rlim_cur = r.rlim_max;
       if (::setrlimit(RLIMIT_NOFILE, &raised) == 0) r = raised;
     }
-    const uint64_t soft = r.rlim_cur == RLIM_INFINITY ? uint64_t{1} << 20 : uint64_t(r.rlim_cur);
-    return int64_t(std::min<uint64_t>(soft / 2, uint64_t{1} << 20));
+    if (r.rlim_cur != RLIM_INFINITY) cap = std::min<uint64_t>(cap, uint64_t(r.rlim_cur) / 2);
+    uint64_t maps = 65530;  // the kernel's default, where /proc cannot be read
+    if (FILE* f = std::fopen("/proc/sys/vm/max_map_count", "r")) {
+      unsigned long long v = 0;
+      if (std::fscanf(f, "%llu", &v) == 1 && v > 0) maps = v;
+      std::fclose(f);
+    }
+    return int64_t(std::min<uint64_t>(cap, maps / 4));
   }();
   return m;
 }
 
-// Counts one memfd for as long as it lives.
-struct LiveMemfd {
-  bool held = false;
+// Counts one memfd for as long as it lives: take() reserves it, keep() hands the count on to the object that holds
+// the descriptor (which gives it back when it closes it); a reservation not kept is given back here.
+class LiveMemfd {
+ public:
   bool take() {
     if (g_live.fetch_add(1) >= max_live()) {
       g_live.fetch_sub(1);
       return false;
     }
-    held = true;
+    held_ = true;
     return true;
   }
-  void release() {
-    if (held) g_live.fetch_sub(1);
-    held = false;
+  void keep() { held_ = false; }
+  ~LiveMemfd() {
+    if (held_) g_live.fetch_sub(1);
   }
+
+ private:
+  bool held_ = false;
 };
 
+std::string budget_refusal() {
+  return fmt::format("{} memfds are held already (half this process's descriptor limit, or a quarter of "
+                     "vm.max_map_count)", max_live());
+}
+
 // readlink(path) as a string ("" on failure, errno set).
-std::string read_link(const std::string& path) {
+std::string read_link(const std::string& path, int* err = nullptr) {
   char buf[512];
   const ssize_t n = ::readlink(path.c_str(), buf, sizeof buf);
+  if (err) *err = n < 0 ? errno : 0;
   if (n < 0) return {};
   return std::string(buf, size_t(n));
 }
@@ -117,7 +137,25 @@ MemfdRef SharedBytes::memfd_ref() const {
   r.name = name_;
   r.size = view_.size();
   r.anchor_fd = anchor_fd();
+  r.anchor_name = instance_prefix() + "-anchor";
   return r;
+}
+
+std::shared_ptr<const SharedBytes> SharedBytes::adopt(std::unique_ptr<PeerMemfd> peer, std::string* why) {
+  LiveMemfd live;
+  if (!live.take()) {
+    *why = budget_refusal();
+    return nullptr;
+  }
+  std::shared_ptr<SharedBytes> b(new SharedBytes);
+  live.keep();  // counted from here by the SharedBytes
+  b->fd_ = peer->fd_;
+  b->map_ = peer->map_;
+  b->view_ = peer->view();
+  b->name_ = std::move(peer->name_);
+  peer->fd_ = -1;
+  peer->map_ = nullptr;
+  return b;
 }
 
 std::unique_ptr<SealedMemfdWriter> SealedMemfdWriter::create(uint64_t size, std::string* why) {
@@ -132,7 +170,7 @@ std::unique_ptr<SealedMemfdWriter> SealedMemfdWriter::create(uint64_t size, std:
   }
   LiveMemfd live;
   if (!live.take()) {
-    *why = fmt::format("{} memfds are held already, half of this process's descriptor limit", max_live());
+    *why = budget_refusal();
     return nullptr;
   }
   std::unique_ptr<SealedMemfdWriter> w(new SealedMemfdWriter);
@@ -140,10 +178,9 @@ std::unique_ptr<SealedMemfdWriter> SealedMemfdWriter::create(uint64_t size, std:
   w->fd_ = ::memfd_create(w->name_.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (w->fd_ < 0) {
     *why = fmt::format("memfd_create failed: {}", errno_text(errno));
-    live.release();
     return nullptr;
   }
-  live.held = false;  // counted from here by the writer, then by its SharedBytes
+  live.keep();  // counted from here by the writer, then by its SharedBytes
   if (::ftruncate(w->fd_, off_t(size)) != 0) {
     *why = fmt::format("ftruncate of a memfd to {} bytes failed: {}", size, errno_text(errno));
     return nullptr;
@@ -186,11 +223,27 @@ std::shared_ptr<const SharedBytes> SealedMemfdWriter::seal() {
   if (written_ != size_) {
     throw std::logic_error(fmt::format("SealedMemfdWriter::seal: {} of {} bytes written", written_, size_));
   }
-  if (::fcntl(fd_, F_ADD_SEALS, kSeals) != 0) {
-    throw std::runtime_error(fmt::format("sealing a memfd failed: {}", errno_text(errno)));
+  void* map = MAP_FAILED;
+  int err = 0;
+  if (::fcntl(fd_, F_ADD_SEALS, kSeals) != 0) err = errno;
+  else if ((map = ::mmap(nullptr, size_, PROT_READ, MAP_SHARED, fd_, 0)) == MAP_FAILED) err = errno;
+  if (map == MAP_FAILED) {
+    // The bytes are in the memfd, but it cannot be sealed or mapped (out of mappings or memory): read them back onto
+    // the heap (not shared; counted below so the caller's log can say why).
+    static std::atomic<bool> logged{false};
+    if (!logged.exchange(true)) {
+      spdlog::warn("a memfd of {} bytes could not be sealed or mapped ({}); its bytes are kept on the heap, not shared "
+                   "(logged once)", size_, errno_text(err));
+    }
+    std::string bytes(size_, '\0');
+    for (uint64_t off = 0; off < size_;) {
+      const ssize_t n = ::pread(fd_, bytes.data() + off, size_ - off, off_t(off));
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) throw std::runtime_error(fmt::format("reading back a memfd failed: {}", errno_text(errno)));
+      off += uint64_t(n);
+    }
+    return SharedBytes::heap(std::move(bytes));  // (the writer closes the memfd)
   }
-  void* map = ::mmap(nullptr, size_, PROT_READ, MAP_SHARED, fd_, 0);
-  if (map == MAP_FAILED) throw std::runtime_error(fmt::format("mapping a sealed memfd failed: {}", errno_text(errno)));
   std::shared_ptr<SharedBytes> b(new SharedBytes);
   b->fd_ = fd_;
   b->map_ = map;
@@ -208,41 +261,60 @@ std::unique_ptr<PeerMemfd> PeerMemfd::open(const MemfdRef& ref, Failure* failure
     *why = std::move(w);
     return nullptr;
   };
-  // The anchor's name is "<prefix>-anchor"; the entry's is "<prefix>-<n>" with the same prefix.
-  const auto dash = ref.name.rfind('-');
-  if (ref.pid == 0 || ref.fd < 0 || ref.anchor_fd < 0 || dash == std::string::npos || dash == 0 ||
-      ref.name.size() > 200) {
-    return fail(Failure::Invalid, fmt::format("malformed shared memory reference (pid {}, fd {}, anchor {}, name "
-                                              "'{}')", ref.pid, ref.fd, ref.anchor_fd, untrusted(ref.name)));
+  // Names are "hypic-<16 hex>-<n>" and "hypic-<16 hex>-anchor" (nothing a path could be made of).
+  auto well_formed = [](const std::string& n) {
+    if (n.size() < 24 || n.size() > 64 || n.rfind("hypic-", 0) != 0 || n[22] != '-') return false;
+    return n.find_first_not_of("abcdefghijklmnopqrstuvwxyz0123456789-") == std::string::npos;
+  };
+  if (ref.pid == 0 || ref.fd < 0 || ref.anchor_fd < 0 || !well_formed(ref.name) || !well_formed(ref.anchor_name) ||
+      ref.anchor_name.substr(22) != "-anchor") {
+    return fail(Failure::Invalid, fmt::format("malformed shared memory reference (pid {}, fd {}, name '{}', anchor {} "
+                                              "'{}')", ref.pid, ref.fd, untrusted(ref.name), ref.anchor_fd,
+                                              untrusted(ref.anchor_name)));
   }
   const std::string anchor = dir + std::to_string(ref.anchor_fd);
-  const std::string want_anchor = memfd_link(ref.name.substr(0, dash) + "-anchor");
-  const std::string got_anchor = read_link(anchor);
-  if (got_anchor != want_anchor) {
+  int err = 0;
+  const std::string got_anchor = read_link(anchor, &err);
+  if (got_anchor != memfd_link(ref.anchor_name)) {
+    const std::string proc = fmt::format("/proc/{}", ref.pid);
+    if (got_anchor.empty() && (err == ENOENT || err == ESRCH) && ::access(proc.c_str(), F_OK) != 0) {
+      return fail(Failure::NoProcess, fmt::format("no process {} here (it exited, or runs on another host or in "
+                                                  "another PID namespace)", ref.pid));
+    }
     return fail(Failure::Unreachable,
                 got_anchor.empty()
                     ? fmt::format("{} cannot be read here ({}): another host or PID namespace, or no permission",
-                                  anchor, errno_text(errno))
-                    : fmt::format("{} is not the creator's anchor (another host or PID namespace)", anchor));
+                                  anchor, errno_text(err))
+                    : fmt::format("{} is not the holder's anchor (another host or PID namespace)", anchor));
   }
   const std::string path = dir + std::to_string(ref.fd);
   std::unique_ptr<PeerMemfd> p(new PeerMemfd);
-  p->fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // Non-blocking and no controlling terminal: whatever the number names now (a FIFO, a tty), opening it returns at
+  // once; only a regular file with the announced name goes further.
+  p->fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
   if (p->fd_ < 0) return fail(Failure::Gone, fmt::format("{}: {} (released meanwhile)", path, errno_text(errno)));
-  // What this process opened, not what the path named a moment before: the creator may have reused the number.
+  // What this process opened, not what the path named a moment before: the holder may have reused the number.
   if (read_link(fmt::format("/proc/self/fd/{}", p->fd_)) != memfd_link(ref.name)) {
     return fail(Failure::Gone, fmt::format("{} is no longer the memfd '{}' (released meanwhile)", path,
                                            untrusted(ref.name)));
+  }
+  struct stat st {};
+  if (::fstat(p->fd_, &st) != 0 || !S_ISREG(st.st_mode)) {
+    return fail(Failure::Invalid, fmt::format("{} is not a regular memfd: refused", path));
   }
   const int seals = ::fcntl(p->fd_, F_GET_SEALS);
   if (seals < 0 || (unsigned(seals) & kSeals) != kSeals) {
     return fail(Failure::Invalid, fmt::format("{} is not sealed against writes ({}): refused", path,
                                               seals < 0 ? errno_text(errno) : fmt::format("seals {:#x}", seals)));
   }
-  struct stat st {};
-  if (::fstat(p->fd_, &st) != 0 || uint64_t(st.st_size) != ref.size || ref.size == 0) {
+  if (uint64_t(st.st_size) != ref.size || ref.size == 0) {
     return fail(Failure::Invalid, fmt::format("{} holds {} bytes, {} announced: refused", path,
                                               uint64_t(st.st_size), ref.size));
+  }
+  // Every page written: a sparse memfd would cost its holder nothing and the reader the whole size once mapped.
+  if (uint64_t(st.st_blocks) * 512 < ref.size) {
+    return fail(Failure::Invalid, fmt::format("{} has {} of its {} bytes allocated (sparse): refused", path,
+                                              uint64_t(st.st_blocks) * 512, ref.size));
   }
   p->map_ = ::mmap(nullptr, ref.size, PROT_READ, MAP_SHARED | MAP_POPULATE, p->fd_, 0);
   if (p->map_ == MAP_FAILED) {
@@ -250,6 +322,7 @@ std::unique_ptr<PeerMemfd> PeerMemfd::open(const MemfdRef& ref, Failure* failure
     return fail(Failure::Invalid, fmt::format("mapping {} ({} bytes) failed: {}", path, ref.size, errno_text(errno)));
   }
   p->size_ = ref.size;
+  p->name_ = ref.name;
   return p;
 }
 

@@ -14,16 +14,18 @@
 
 namespace hypic::rpc {
 
-/// Where a process on the same host finds a sealed memfd (hypic.v1.SharedMemory): the creator's pid, the descriptor
-/// number in the creator, the memfd's name ("hypic-<instance>-<n>", unique for the creator's lifetime), its size in
-/// bytes, and the creator's anchor memfd ("hypic-<instance>-anchor", alive as long as the creator), which tells a
-/// reader that /proc/<pid> is the creator and not some other process with the same pid (another host or namespace).
+/// Where a process on the same host finds a sealed memfd (hypic.v1.SharedMemory): the holder's pid, the descriptor
+/// number in the holder, the memfd's name ("hypic-<instance>-<n>" of the process that made it, unique for that
+/// process's lifetime: the holder may have adopted it from another), its size in bytes, and the holder's anchor memfd
+/// (descriptor and name "hypic-<instance>-anchor", alive as long as the holder), which tells a reader that /proc/<pid>
+/// is the holder and not some other process with the same pid (another host or PID namespace).
 struct MemfdRef {
   uint32_t pid = 0;
   int32_t fd = -1;
   std::string name;
   uint64_t size = 0;
   int32_t anchor_fd = -1;
+  std::string anchor_name;
 };
 
 /// Immutable bytes, held on the heap or in a sealed memfd mapped read-only. Thread-safe (const). The bytes stay valid
@@ -32,6 +34,10 @@ class SharedBytes {
  public:
   /// Heap-held bytes (no descriptor; memfd_ref() is empty).
   static std::shared_ptr<const SharedBytes> heap(std::string bytes);
+  /// Takes over a peer's sealed memfd (its descriptor and mapping): the bytes stay valid as long as this object,
+  /// however long the peer lives, and this process can hand them on (memfd_ref() names it as the holder). nullptr
+  /// and *why when this process holds memfds for half its descriptor limit already (SealedMemfdWriter::create).
+  static std::shared_ptr<const SharedBytes> adopt(std::unique_ptr<class PeerMemfd> peer, std::string* why);
   ~SharedBytes();
   SharedBytes(const SharedBytes&) = delete;
   SharedBytes& operator=(const SharedBytes&) = delete;
@@ -70,9 +76,10 @@ class SealedMemfdWriter {
   void append(std::string_view bytes);
   uint64_t written() const { return written_; }
   uint64_t size() const { return size_; }
-  /// Seals the memfd (no write, shrink or grow, no further seals) and maps it read-only; the writer is spent.
-  /// Throws std::logic_error unless exactly size() bytes were written, std::runtime_error when sealing or mapping
-  /// fails.
+  /// Seals the memfd (no write, shrink or grow, no further seals) and maps it read-only; the writer is spent. Where it
+  /// cannot be sealed or mapped (out of mappings or memory) the bytes are read back onto the heap instead (shared()
+  /// false; logged once). Throws std::logic_error unless exactly size() bytes were written,
+  /// std::runtime_error when even reading them back fails.
   std::shared_ptr<const SharedBytes> seal();
 
  private:
@@ -82,16 +89,21 @@ class SealedMemfdWriter {
   std::string name_;
 };
 
-/// A peer's sealed memfd, opened through /proc/<pid>/fd/<fd> and mapped read-only (MAP_POPULATE). The bytes cannot
-/// change while mapped (the seals are checked), so they are read in place. Movable only.
+/// A peer's sealed memfd, opened through /proc/<pid>/fd/<fd> (non-blocking, no controlling terminal: whatever the
+/// number names, the open returns) and mapped read-only (MAP_POPULATE) once it is a regular file with the announced
+/// name, seals and size, every page written. The bytes cannot change while mapped, so they are read in place. Not
+/// copyable.
 class PeerMemfd {
  public:
   enum class Failure {
     None,
-    Unreachable,  ///< the creator's /proc entries cannot be read here (another host or PID namespace, no permission,
-                  ///< its anchor not found): no ref from this creator can be opened, use the stream
+    Unreachable,  ///< the holder's /proc entries cannot be read here (another host or PID namespace, no permission,
+                  ///< another process's anchor there): no ref from this holder can be opened, use the stream
+    NoProcess,    ///< no process with the holder's pid here: it exited meanwhile, or runs on another host or in another
+                  ///< PID namespace (the caller tells them apart by repetition)
     Gone,         ///< the creator is reachable but this memfd is not there as announced (released meanwhile)
-    Invalid,      ///< it is there but not as announced (size, seals): refused
+    Invalid,      ///< it is there but not as announced (not a regular file, size, seals, not every page written):
+                  ///< refused
   };
   /// Opens and maps `ref`. nullptr on failure, with *failure and *why (a sentence naming the path and the reason).
   static std::unique_ptr<PeerMemfd> open(const MemfdRef& ref, Failure* failure, std::string* why);
@@ -99,12 +111,15 @@ class PeerMemfd {
   PeerMemfd(const PeerMemfd&) = delete;
   PeerMemfd& operator=(const PeerMemfd&) = delete;
   std::string_view view() const { return {static_cast<const char*>(map_), size_}; }
+  const std::string& name() const { return name_; }
 
  private:
+  friend class SharedBytes;
   PeerMemfd() = default;
   int fd_ = -1;
   void* map_ = nullptr;
   size_t size_ = 0;
+  std::string name_;
 };
 
 }  // namespace hypic::rpc

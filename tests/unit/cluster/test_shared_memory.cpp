@@ -7,10 +7,12 @@
 #include <catch2/catch.hpp>
 
 #include <atomic>
+#include <filesystem>
 #include <cerrno>
 #include <random>
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -106,11 +108,11 @@ TEST_CASE("sealed memfd: references that do not name what they claim are refused
     CHECK_FALSE(open(r));
     CHECK(failure == rpc::PeerMemfd::Failure::Unreachable);
     r = ref;
-    r.pid = 0x7ffffff0;  // no such process here
+    r.pid = 0x7ffffff0;  // no such process here (exited, or elsewhere)
     CHECK_FALSE(open(r));
-    CHECK(failure == rpc::PeerMemfd::Failure::Unreachable);
+    CHECK(failure == rpc::PeerMemfd::Failure::NoProcess);
     r = ref;
-    r.name = "hypic-0123456789abcdef-1";  // another creator's name: its anchor is not this process's
+    r.anchor_name = "hypic-0123456789abcdef-anchor";  // another holder's anchor: not this process's
     CHECK_FALSE(open(r));
     CHECK(failure == rpc::PeerMemfd::Failure::Unreachable);
   }
@@ -155,9 +157,49 @@ TEST_CASE("sealed memfd: references that do not name what they claim are refused
     CHECK(failure == rpc::PeerMemfd::Failure::Invalid);
     CHECK(why.find("not sealed") != std::string::npos);
   }
-  SECTION("a malformed reference") {
+  SECTION("a FIFO or a sparse memfd under a good name is refused, and opening it does not block") {
+    const auto fifo = std::filesystem::temp_directory_path() / ("hypic-shm-fifo-" + std::to_string(::getpid()));
+    std::filesystem::remove(fifo);
+    REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+    const int rd = ::open(fifo.c_str(), O_RDONLY | O_NONBLOCK);  // (no writer: a blocking open for reading would hang)
+    REQUIRE(rd >= 0);
     auto r = ref;
-    r.name = "noname";
+    r.fd = rd;
+    CHECK_FALSE(open(r));
+    CHECK(failure == rpc::PeerMemfd::Failure::Gone);
+    ::close(rd);
+    std::filesystem::remove(fifo);
+    // A memfd of the holder's, sealed, of the announced size, with no page written.
+    const std::string name = ref.name.substr(0, ref.name.rfind('-')) + "-999999";
+    const int sparse = ::memfd_create(name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    REQUIRE(sparse >= 0);
+    REQUIRE(::ftruncate(sparse, off_t(bytes.size())) == 0);
+    REQUIRE(::fcntl(sparse, F_ADD_SEALS, F_SEAL_WRITE | F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) == 0);
+    r = ref;
+    r.fd = sparse;
+    r.name = name;
+    CHECK_FALSE(open(r));
+    CHECK(failure == rpc::PeerMemfd::Failure::Invalid);
+    CHECK(why.find("sparse") != std::string::npos);
+    ::close(sparse);
+  }
+  SECTION("a malformed reference") {
+    for (const std::string bad : {"noname", "hypic-0123456789abcdef/../1", "../../etc/passwd", ""}) {
+      auto r = ref;
+      r.name = bad;
+      CHECK_FALSE(open(r));
+      CHECK(failure == rpc::PeerMemfd::Failure::Invalid);
+      r = ref;
+      r.anchor_name = bad;
+      CHECK_FALSE(open(r));
+      CHECK(failure == rpc::PeerMemfd::Failure::Invalid);
+    }
+    auto r = ref;
+    r.anchor_name = ref.name;  // an entry's name where the anchor's belongs
+    CHECK_FALSE(open(r));
+    CHECK(failure == rpc::PeerMemfd::Failure::Invalid);
+    r = ref;
+    r.fd = -1;
     CHECK_FALSE(open(r));
     CHECK(failure == rpc::PeerMemfd::Failure::Invalid);
   }
@@ -227,6 +269,14 @@ TEST_CASE("segment store: entries from shared_memory_min_bytes up are held in se
     CHECK(s->memfd_ref().fd == -1);  // below the threshold: on the heap
   }
   store.put(digest_of(3), {3}, big2, rpc::checksum64(big2));  // spills 1 to disk
+  {
+    auto h3 = store.get(digest_of(3), std::vector<int32_t>{3});  // pinned: no room to promote 1 while held
+    auto h1 = store.get(digest_of(1), std::vector<int32_t>{1});
+    REQUIRE(h1);
+    CHECK(h1->bytes() == big);
+    CHECK(h1->memfd_ref().fd == -1);  // read for this get alone: on the heap, streamed (a memfd would close at once)
+    CHECK(store.stats().promotions == 0);
+  }
   auto h1 = store.get(digest_of(1), std::vector<int32_t>{1});   // read from disk, promoted (3 spills)
   REQUIRE(h1);
   CHECK(h1->tier() == cache::Tier::Disk);
@@ -321,6 +371,24 @@ class FakeCache final : public v1::SegmentCache::Service {
   std::string bytes;
   std::function<rpc::MemfdRef()> ref;
   std::atomic<int> asked_shared{0}, asked_plain{0};
+  // Put: a shared-memory put is refused with FAILED_PRECONDITION and this hypic-shared-memory value; a streamed one
+  // is read whole and stored in `put_bytes`.
+  std::string put_refusal = "unreachable";
+  std::atomic<int> put_shared{0}, put_plain{0};
+  std::string put_bytes;
+  grpc::Status Put(grpc::ServerContext* ctx, grpc::ServerReader<v1::PutRequest>* r, v1::PutResponse*) override {
+    v1::PutRequest m;
+    if (!r->Read(&m)) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "no header");
+    if (m.header().has_shared_memory()) {
+      ++put_shared;
+      ctx->AddTrailingMetadata("hypic-shared-memory", put_refusal);
+      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "not taken (test)");
+    }
+    ++put_plain;
+    put_bytes.clear();
+    while (r->Read(&m)) put_bytes += m.data();
+    return grpc::Status::OK;
+  }
   grpc::Status Get(grpc::ServerContext*, const v1::GetRequest* req,
                    grpc::ServerWriter<v1::GetResponse>* w) override {
     v1::GetResponse head;
@@ -336,6 +404,7 @@ class FakeCache final : public v1::SegmentCache::Service {
       sm->set_fd(r.fd);
       sm->set_name(r.name);
       sm->set_anchor_fd(r.anchor_fd);
+      sm->set_anchor_name(r.anchor_name);
       w->Write(head);
       return grpc::Status::OK;
     }
@@ -365,17 +434,28 @@ struct FakeServer {
 }  // namespace
 
 TEST_CASE("segment cache client: a replica whose memfds cannot be opened here is streamed from, and not asked for "
-          "shared memory again; one whose memfd was released is asked again next time", "[shared_memory]") {
+          "shared memory again, and one whose memfd was released is asked again next time", "[shared_memory]") {
   FakeServer s;
   s.fake.bytes = random_bytes(300000, 11);
   const std::vector<int32_t> ids = {1};
   cache::SegmentCacheClient client({"127.0.0.1:" + std::to_string(s.port)});
-  SECTION("unreachable: another host's reference") {
-    s.fake.ref = [] { return rpc::MemfdRef{0x7ffffff0, 5, "hypic-0123456789abcdef-1", 300000, 4}; };
+  SECTION("unreachable: another holder's anchor under this pid (another PID namespace)") {
+    s.fake.ref = [] {
+      return rpc::MemfdRef{uint32_t(::getpid()), 5, "hypic-0123456789abcdef-1", 300000, 4,
+                           "hypic-0123456789abcdef-anchor"};
+    };
     CHECK(fetch(client, digest_of(1), ids) == s.fake.bytes);
     CHECK(fetch(client, digest_of(1), ids) == s.fake.bytes);
     CHECK(s.fake.asked_shared == 1);  // once, then never again
     CHECK(s.fake.asked_plain == 2);
+  }
+  SECTION("no such process here: a holder that exited is asked again, three in a row mean another host") {
+    s.fake.ref = [] {
+      return rpc::MemfdRef{0x7ffffff0, 5, "hypic-0123456789abcdef-1", 300000, 4, "hypic-0123456789abcdef-anchor"};
+    };
+    for (int i = 0; i < 5; ++i) CHECK(fetch(client, digest_of(1), ids) == s.fake.bytes);
+    CHECK(s.fake.asked_shared == 3);
+    CHECK(s.fake.asked_plain == 5);
   }
   SECTION("gone: released between the answer and the open") {
     s.fake.ref = [] { return sealed(std::string(300000, 'x'))->memfd_ref(); };  // (closed when it returns)
@@ -394,4 +474,118 @@ TEST_CASE("segment cache client: a replica whose memfds cannot be opened here is
       CHECK(e.code() == grpc::StatusCode::DATA_LOSS);
     }
   }
+}
+
+TEST_CASE("segment cache client: a put the replica does not take as shared memory is streamed, and a replica that "
+          "cannot open this process's memfds is not offered them again", "[shared_memory]") {
+  FakeServer s;
+  const std::string bytes = random_bytes(2 << 20, 13);
+  const std::vector<int32_t> ids = {1};
+  cache::SegmentCacheClient client({"127.0.0.1:" + std::to_string(s.port)});
+  SECTION("unreachable") {
+    client.put({digest_of(1), ids}, bytes);
+    CHECK(s.fake.put_bytes == bytes);
+    client.put({digest_of(2), ids}, bytes);
+    CHECK(s.fake.put_shared == 1);
+    CHECK(s.fake.put_plain == 2);
+  }
+  SECTION("declined: this one only") {
+    s.fake.put_refusal = "declined";
+    client.put({digest_of(1), ids}, bytes);
+    client.put({digest_of(2), ids}, bytes);
+    CHECK(s.fake.put_bytes == bytes);
+    CHECK(s.fake.put_shared == 2);
+    CHECK(s.fake.put_plain == 2);
+  }
+  SECTION("an entry below 1 MiB is streamed without asking") {
+    client.put({digest_of(1), ids}, std::string_view(bytes).substr(0, (1 << 20) - 1));
+    CHECK(s.fake.put_shared == 0);
+    CHECK(s.fake.put_plain == 1);
+  }
+}
+
+namespace {
+double cache_puts(const char* transport) {
+  return rpc::MetricsRegistry::global()
+      .counter("hypic:cache_puts_received_total", "", {{"transport", transport}})
+      .value();
+}
+}  // namespace
+
+TEST_CASE("segment cache over shared memory: a large put hands over a sealed memfd the cache adopts, which outlives "
+          "the sender's copy, and a cache without shared memory is streamed to", "[shared_memory]") {
+  const std::string bytes = random_bytes(3 << 20, 14);
+  const std::vector<int32_t> ids = {3, 4};
+  SECTION("adopted") {
+    CacheServer cache(1 << 20);
+    cache::SegmentCacheClient client({cache.address()});
+    const double shm0 = cache_puts("shared_memory"), grpc0 = cache_puts("grpc");
+    CHECK_FALSE(client.put({digest_of(1), ids}, bytes));
+    CHECK(cache_puts("shared_memory") == shm0 + 1);
+    CHECK(cache_puts("grpc") == grpc0);
+    auto h = cache.store.get(digest_of(1), ids);  // the sender's memfd is closed by now: the cache's copy is its own
+    REQUIRE(h);
+    CHECK(h->bytes() == bytes);
+    CHECK(h->memfd_ref().fd >= 0);
+    CHECK(fetch(client, digest_of(1), ids) == bytes);  // and handed on to readers
+    CHECK(client.put({digest_of(1), ids}, bytes));      // replaced
+  }
+  SECTION("the cache runs without shared memory") {
+    CacheServer cache(UINT64_MAX);
+    cache::SegmentCacheClient client({cache.address()});
+    const double shm0 = cache_puts("shared_memory"), grpc0 = cache_puts("grpc");
+    client.put({digest_of(1), ids}, bytes);
+    client.put({digest_of(2), ids}, bytes);
+    CHECK(cache_puts("shared_memory") == shm0);
+    CHECK(cache_puts("grpc") == grpc0 + 2);
+    CHECK(cache.store.stats().rejected_puts == 1);  // offered once ("off"), then never
+    auto h = cache.store.get(digest_of(2), ids);
+    REQUIRE(h);
+    CHECK(h->bytes() == bytes);
+    CHECK(h->memfd_ref().fd == -1);
+  }
+}
+
+TEST_CASE("segment cache: a put whose memfd is not what its header announces is refused and stores nothing",
+          "[shared_memory][hostile]") {
+  CacheServer cache(1 << 20);
+  const std::string bytes = random_bytes(2 << 20, 15);
+  auto held = sealed(bytes);
+  const rpc::MemfdRef ref = held->memfd_ref();
+  auto channel = grpc::CreateChannel(cache.address(), grpc::InsecureChannelCredentials());
+  auto stub = v1::SegmentCache::NewStub(channel);
+  auto put = [&](uint64_t total, uint64_t checksum, bool with_data) {
+    grpc::ClientContext ctx;
+    v1::PutResponse resp;
+    auto w = stub->Put(&ctx, &resp);
+    v1::PutRequest head;
+    auto* h = head.mutable_header();
+    h->mutable_key()->set_digest(rpc::digest_bytes(digest_of(9)));
+    h->mutable_key()->add_token_ids(9);
+    h->set_total_bytes(total);
+    h->set_checksum(checksum);
+    auto* sm = h->mutable_shared_memory();
+    sm->set_pid(ref.pid);
+    sm->set_fd(ref.fd);
+    sm->set_name(ref.name);
+    sm->set_anchor_fd(ref.anchor_fd);
+    sm->set_anchor_name(ref.anchor_name);
+    w->Write(head);
+    if (with_data) {
+      v1::PutRequest data;
+      data.set_data("x");
+      w->Write(data);
+    }
+    w->WritesDone();
+    return w->Finish();
+  };
+  CHECK(put(bytes.size() + 1, rpc::checksum64(bytes), false).error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK(put(bytes.size(), rpc::checksum64(bytes) ^ 1, false).error_code() == grpc::StatusCode::DATA_LOSS);
+  CHECK(put(bytes.size(), rpc::checksum64(bytes), true).error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK_FALSE(cache.store.get(digest_of(9), std::nullopt));
+  CHECK(put(bytes.size(), rpc::checksum64(bytes), false).ok());
+  held.reset();
+  auto h = cache.store.get(digest_of(9), std::nullopt);
+  REQUIRE(h);
+  CHECK(h->bytes() == bytes);
 }
