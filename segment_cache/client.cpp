@@ -18,6 +18,7 @@
 #include "proto/rpc/metrics.h"
 #include "proto/rpc/server.h"
 #include "proto/rpc/shared_memory.h"
+#include "segment_cache/shared_memory_proto.h"
 #include "proto/rpc/status.h"
 
 namespace hypic::cache {
@@ -28,6 +29,27 @@ namespace v1 = hypic::v1;
 constexpr size_t kSharedPieceBytes = size_t{4} << 20;
 /// Answers in a row naming a holder with no process here before a replica counts as on another host.
 constexpr int kNoProcessTries = 3;
+/// How long shared memory stays off for a replica found elsewhere, before it is tried again.
+constexpr std::chrono::milliseconds kSharedRetry{60000};
+
+int64_t steady_ms() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// Whether shared memory may be tried with a replica now (its "off until" has passed).
+bool shared_allowed(const std::atomic<int64_t>& until) { return until.load(std::memory_order_relaxed) <= steady_ms(); }
+
+// Turns it off for kSharedRetry (unless off for good); true when it was on (the caller logs).
+bool shared_off(std::atomic<int64_t>& until) {
+  int64_t was = until.load();
+  const int64_t now = steady_ms();
+  if (was == INT64_MAX) return false;
+  while (!until.compare_exchange_weak(was, now + kSharedRetry.count())) {
+    if (was == INT64_MAX) return false;
+  }
+  return was <= now;
+}
 /// Smallest entry put as a sealed memfd (the segment cache's default --shared-memory-min-bytes).
 constexpr size_t kMinSharedPutBytes = size_t{1} << 20;
 
@@ -61,10 +83,13 @@ SegmentCacheClient::SegmentCacheClient(std::vector<std::string> replicas, Option
   fetched_counter(false);
   fetched_counter(true);
   ring_.emplace(replicas_, opt_.vnodes);
-  no_shared_memory_ = std::make_unique<std::atomic<bool>[]>(replicas_.size());
-  no_shared_put_ = std::make_unique<std::atomic<bool>[]>(replicas_.size());
+  no_shared_memory_until_ = std::make_unique<std::atomic<int64_t>[]>(replicas_.size());
+  no_shared_put_until_ = std::make_unique<std::atomic<int64_t>[]>(replicas_.size());
   no_process_ = std::make_unique<std::atomic<int>[]>(replicas_.size());
-  for (size_t r = 0; r < replicas_.size(); ++r) no_shared_memory_[r] = no_shared_put_[r] = !opt_.shared_memory;
+  for (size_t r = 0; r < replicas_.size(); ++r) {
+    no_shared_memory_until_[r] = no_shared_put_until_[r] = opt_.shared_memory ? 0 : INT64_MAX;
+    no_process_[r] = 0;
+  }
   for (const auto& r : replicas_) {
     auto& per = stubs_.emplace_back();
     for (int c = 0; c < opt_.connections; ++c) per.push_back(v1::SegmentCache::NewStub(rpc::make_channel(r, c)));
@@ -172,7 +197,7 @@ std::optional<std::vector<int32_t>> SegmentCacheClient::stream(const rpc::Digest
   const auto& keys = rpc::entry_mac_keys();
   const bool check_mac = check_ids && keys.enabled();
   // At most two calls: one that accepts shared memory, then, when its memfd could not be opened here, a plain one.
-  for (bool accept = !no_shared_memory_[replica].load(std::memory_order_relaxed);; accept = false) {
+  for (bool accept = shared_allowed(no_shared_memory_until_[replica]);; accept = false) {
     auto ctx = rpc::make_client_context(parent, transfer_timeout(expected_bytes));
     v1::GetRequest req;
     req.set_digest(rpc::digest_bytes(digest));
@@ -202,9 +227,7 @@ std::optional<std::vector<int32_t>> SegmentCacheClient::stream(const rpc::Digest
               failure = rpc::PeerMemfd::Failure::Invalid;
               why = fmt::format("{} bytes announced where about {} were expected", info.total_bytes(), expected_bytes);
             } else {
-              mapped = rpc::PeerMemfd::open(
-                  rpc::MemfdRef{sm.pid(), sm.fd(), sm.name(), info.total_bytes(), sm.anchor_fd(), sm.anchor_name()},
-                  &failure, &why);
+              mapped = rpc::PeerMemfd::open(from_proto(sm, info.total_bytes()), &failure, &why);
             }
             // A holder with no process here: it exited meanwhile (a restart), or lives elsewhere; three in a row
             // without a mapping between them say elsewhere.
@@ -214,9 +237,10 @@ std::optional<std::vector<int32_t>> SegmentCacheClient::stream(const rpc::Digest
             if (mapped) no_process_[replica] = 0;
             if (!mapped) {
               if (elsewhere) {
-                if (!no_shared_memory_[replica].exchange(true)) {
+                if (shared_off(no_shared_memory_until_[replica])) {
                   spdlog::info("segment cache {}: its shared memory cannot be opened from this process ({}); its "
-                               "entries are streamed over gRPC", owner(digest), why);
+                               "entries are streamed over gRPC (tried again in {} s)", owner(digest), why,
+                               kSharedRetry.count() / 1000);
                 }
               } else {
                 static rpc::LogLimit limit;
@@ -341,11 +365,18 @@ bool SegmentCacheClient::put(const CacheKey& key, std::string_view bytes, const 
   const std::string signature = mac ? *mac : rpc::entry_mac_keys().sign(key.digest, key.token_ids, bytes);
   // A large entry goes to a replica on this host as a sealed memfd the cache adopts (one copy here, none there);
   // where the cache cannot take it, as a stream.
-  if (ring_ && bytes.size() >= kMinSharedPutBytes && !no_shared_put_[ring_->owner(key.digest)].load()) {
+  if (ring_ && bytes.size() >= kMinSharedPutBytes && shared_allowed(no_shared_put_until_[ring_->owner(key.digest)])) {
     std::string why;
+    std::shared_ptr<const rpc::SharedBytes> held;
     if (auto w = rpc::SealedMemfdWriter::create(bytes.size(), &why)) {
-      w->append(bytes);
-      const auto held = w->seal();
+      try {
+        w->append(bytes);
+        held = w->seal();
+      } catch (const std::exception& e) {  // no memory for the copy now: streamed
+        spdlog::debug("put {}: no sealed memfd for it ({}); streamed", rpc::digest_hex(key.digest), e.what());
+      }
+    }
+    if (held && held->shared()) {
       const rpc::MemfdRef ref = held->memfd_ref();
       bool refused = false;
       const bool replaced = put_once(key, bytes, signature, cancel, &ref, &refused);
@@ -384,12 +415,7 @@ bool SegmentCacheClient::put_once(const CacheKey& key, std::string_view bytes, c
   h->set_checksum(rpc::checksum64(bytes));
   h->set_mac(mac);
   if (shared) {
-    auto* sm = h->mutable_shared_memory();
-    sm->set_pid(shared->pid);
-    sm->set_fd(shared->fd);
-    sm->set_name(shared->name);
-    sm->set_anchor_fd(shared->anchor_fd);
-    sm->set_anchor_name(shared->anchor_name);
+    to_proto(*shared, h->mutable_shared_memory());
     writer->Write(head);
   } else if (writer->Write(head)) {
     rpc::write_chunks<v1::PutRequest>(
@@ -398,17 +424,18 @@ bool SegmentCacheClient::put_once(const CacheKey& key, std::string_view bytes, c
   }
   writer->WritesDone();
   const grpc::Status st = writer->Finish();
-  if (shared && st.error_code() == grpc::StatusCode::FAILED_PRECONDITION) {
+  if (shared && (st.error_code() == grpc::StatusCode::FAILED_PRECONDITION ||
+                 st.error_code() == grpc::StatusCode::INVALID_ARGUMENT)) {
+    // Not taken: streamed instead. Unless it declined this one alone, not offered to that replica for a while.
     const auto& md = ctx->GetServerTrailingMetadata();
-    if (const auto it = md.find("hypic-shared-memory"); it != md.end()) {
-      const std::string kind(it->second.data(), it->second.size());
-      *shared_refused = true;
-      if (kind != "declined" && !no_shared_put_[ring_->owner(key.digest)].exchange(true)) {
-        spdlog::info("segment cache {} does not take this process's shared memory ({}); entries are put over gRPC",
-                     owner(key.digest), st.error_message());
-      }
-      return false;
+    const auto it = md.find("hypic-shared-memory");
+    const std::string kind = it == md.end() ? std::string() : std::string(it->second.data(), it->second.size());
+    *shared_refused = true;
+    if (kind != "declined" && shared_off(no_shared_put_until_[ring_->owner(key.digest)])) {
+      spdlog::info("segment cache {} does not take this process's shared memory ({}); entries are put over gRPC",
+                   owner(key.digest), rpc::describe(st));
     }
+    return false;
   }
   if (!st.ok()) rpc::throw_status(st, fmt::format("put {} to {}", rpc::digest_hex(key.digest), owner(key.digest)));
   return resp.replaced();

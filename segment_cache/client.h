@@ -165,16 +165,17 @@ class SegmentCacheClient {
   Options opt_;
   std::optional<HashRing> ring_;
   std::vector<std::vector<std::unique_ptr<hypic::v1::SegmentCache::Stub>>> stubs_;  // [replica][connection]
-  // [replica]: its shared memory cannot be opened from here (PeerMemfd::Failure::Unreachable); streamed from.
-  std::unique_ptr<std::atomic<bool>[]> no_shared_memory_;
-  // [replica]: it does not take this process's memfds (it cannot open them, or runs without shared memory); put to by
-  // streaming.
-  std::unique_ptr<std::atomic<bool>[]> no_shared_put_;
+  // [replica]: until when (steady-clock ms; INT64_MAX: never again, Options::shared_memory off) its memfds are not
+  // asked for (they could not be opened from here: PeerMemfd::Failure::Unreachable), or ours not offered to it (it
+  // could not open them, or runs without shared memory); 0: they are. A replica that was elsewhere is tried again
+  // after kSharedRetry (it may have moved here: a restart).
+  std::unique_ptr<std::atomic<int64_t>[]> no_shared_memory_until_;
+  std::unique_ptr<std::atomic<int64_t>[]> no_shared_put_until_;
   // [replica]: its answers in a row whose holder had no process here (PeerMemfd::Failure::NoProcess).
   std::unique_ptr<std::atomic<int>[]> no_process_;
   // One Put call: the bytes streamed, or with `shared` the memfd holding them handed over instead; a shared put the
-  // cache refused with FAILED_PRECONDITION and hypic-shared-memory sets *shared_refused (and, unless it only
-  // declined this one, no_shared_put_) and returns false; other failures throw as put() does.
+  // cache did not take (FAILED_PRECONDITION or INVALID_ARGUMENT) sets *shared_refused (and, unless it only declined
+  // this one, no_shared_put_until_) and returns false; other failures throw as put() does.
   bool put_once(const CacheKey& key, std::string_view bytes, const std::string& mac, PutCancel* cancel,
                 const rpc::MemfdRef* shared, bool* shared_refused) const;
   mutable std::atomic<uint64_t> next_connection_{0};

@@ -8,6 +8,7 @@
 #include "proto/rpc/chunks.h"
 #include "proto/rpc/metrics.h"
 #include "proto/rpc/security.h"
+#include "segment_cache/shared_memory_proto.h"
 
 namespace hypic::cache {
 
@@ -219,12 +220,7 @@ grpc::Status SegmentCacheService::Get(grpc::ServerContext* ctx, const v1::GetReq
     static auto& out = bytes_counter("out");
     if (req->accept_shared_memory()) {
       if (const rpc::MemfdRef ref = handle->memfd_ref(); ref.fd >= 0) {
-        auto* shm = info->mutable_shared_memory();
-        shm->set_pid(ref.pid);
-        shm->set_fd(ref.fd);
-        shm->set_name(ref.name);
-        shm->set_anchor_fd(ref.anchor_fd);
-        shm->set_anchor_name(ref.anchor_name);
+        to_proto(ref, info->mutable_shared_memory());
         if (!writer->Write(head)) return grpc::Status(grpc::StatusCode::CANCELLED, "reader went away");
         static auto& by_memfd = gets_counter("shared_memory");
         by_memfd.inc();
@@ -377,9 +373,14 @@ grpc::Status SegmentCacheService::Put(grpc::ServerContext* ctx, grpc::ServerRead
     // too: gRPC's flow-control window lets a waiting sender's bytes pile up in the server, so a put that would take the
     // announced bytes of the waiting puts past the memory budget (when another waits) is refused at once.
     const uint64_t n = header.total_bytes();
-    if (header.has_shared_memory()) {
-      resp->set_replaced(adopt_put(ctx, reader, header, d));
-      return grpc::Status::OK;
+    if (header.has_shared_memory()) {  // the quick refusals, before any wait for room
+      if (!store_.holds_shared_memory()) {
+        throw refuse_shared(ctx, d, "off", "this cache runs with --shared-memory false");
+      }
+      if (n < store_.shared_memory_min_bytes()) {
+        throw refuse_shared(ctx, d, "declined", fmt::format("{} bytes, below this cache's --shared-memory-min-bytes {}",
+                                                            n, store_.shared_memory_min_bytes()));
+      }
     }
     admit_put(ctx, d, n);
     struct Receiving {
@@ -394,6 +395,19 @@ grpc::Status SegmentCacheService::Put(grpc::ServerContext* ctx, grpc::ServerRead
       }
     } receiving{*this, n};
     pause_watch(false, n);  // admitted: the watchdog counts from here
+    if (header.has_shared_memory()) {
+      // The stream ends after the header; read to its end under the watchdog (a sender that never half-closes is
+      // cancelled after put_idle), and store nothing for a sender that gave up.
+      if (reader->Read(&msg)) {
+        store_.count_rejected_put();
+        throw rpc::invalid_argument("data", "a put that hands over shared memory carries no data messages");
+      }
+      if (idle_cancelled(true, rpc::digest_hex(d)) || ctx->IsCancelled()) {
+        throw rpc::RpcError(grpc::StatusCode::CANCELLED, fmt::format("put {}: cancelled", rpc::digest_hex(d)));
+      }
+      resp->set_replaced(adopt_put(ctx, header, d));
+      return grpc::Status::OK;
+    }
     // A large entry goes straight into the sealed memfd it will be held in (StoreOptions::shared_memory_min_bytes),
     // checked as it comes; others are assembled on the heap.
     auto shared = store_.make_shared_writer(n);
@@ -440,34 +454,32 @@ grpc::Status SegmentCacheService::Put(grpc::ServerContext* ctx, grpc::ServerRead
   });
 }
 
-bool SegmentCacheService::adopt_put(grpc::ServerContext* ctx, grpc::ServerReader<v1::PutRequest>* reader,
-                                    const v1::PutHeader& header, const rpc::Digest& d) {
-  // No receive budget: the bytes are in the sender's memfd already, and only the store's put makes room for them.
-  auto refuse = [&](const char* kind, const std::string& why) {
-    store_.count_rejected_put();
-    ctx->AddTrailingMetadata("hypic-shared-memory", kind);
-    return rpc::RpcError(grpc::StatusCode::FAILED_PRECONDITION,
-                         fmt::format("put {}: the sender's shared memory was not taken: {}", rpc::digest_hex(d), why));
-  };
-  if (!store_.holds_shared_memory()) throw refuse("off", "this cache runs with --shared-memory false");
-  const auto& sm = header.shared_memory();
+rpc::RpcError SegmentCacheService::refuse_shared(grpc::ServerContext* ctx, const rpc::Digest& d, const char* kind,
+                                                const std::string& why) {
+  store_.count_rejected_put();
+  ctx->AddTrailingMetadata("hypic-shared-memory", kind);
+  return rpc::RpcError(grpc::StatusCode::FAILED_PRECONDITION,
+                       fmt::format("put {}: the sender's shared memory was not taken: {}", rpc::digest_hex(d), why));
+}
+
+bool SegmentCacheService::adopt_put(grpc::ServerContext* ctx, const v1::PutHeader& header, const rpc::Digest& d) {
   rpc::PeerMemfd::Failure failure{};
   std::string why;
-  auto peer = rpc::PeerMemfd::open(rpc::MemfdRef{sm.pid(), sm.fd(), sm.name(), header.total_bytes(), sm.anchor_fd(),
-                                                 sm.anchor_name()},
-                                   &failure, &why);
+  auto peer = rpc::PeerMemfd::open(from_proto(header.shared_memory(), header.total_bytes()), &failure, &why);
   if (!peer) {
-    if (failure == rpc::PeerMemfd::Failure::Unreachable) throw refuse("unreachable", why);
+    // The sender is alive and holds its memfd during the call: no process, or another one's anchor, under its pid
+    // here means another host or PID namespace.
+    if (failure == rpc::PeerMemfd::Failure::Unreachable || failure == rpc::PeerMemfd::Failure::NoProcess)
+      throw refuse_shared(ctx, d, "unreachable", why);
+    if (failure == rpc::PeerMemfd::Failure::Gone) throw refuse_shared(ctx, d, "declined", why);
     store_.count_rejected_put();
     throw rpc::invalid_argument("header.shared_memory", why);
   }
-  v1::PutRequest msg;
-  if (reader->Read(&msg)) {
-    store_.count_rejected_put();
-    throw rpc::invalid_argument("data", "a put that hands over shared memory carries no data messages");
+  if (store_.holds_memfd(peer->inode())) {  // (its own, handed back, or another entry's adopted already)
+    throw refuse_shared(ctx, d, "declined", "its memfd holds another entry of this cache already");
   }
   auto bytes = rpc::SharedBytes::adopt(std::move(peer), &why);
-  if (!bytes) throw refuse("declined", why);
+  if (!bytes) throw refuse_shared(ctx, d, "declined", why);
   static auto& in = bytes_counter("in");
   in.inc(double(bytes->size()));
   static auto& adopted = puts_counter("shared_memory");

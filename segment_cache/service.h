@@ -68,12 +68,13 @@ class SegmentCacheService final : public hypic::v1::SegmentCache::Service {
                            grpc::ServerWriter<hypic::v1::CacheEvent>* writer) override;
 
  private:
-  // A Put whose header hands over the sender's sealed memfd (PutHeader.shared_memory): opened, checked and adopted
-  // as the entry's bytes (proto/rpc/shared_memory.h), no receive budget taken. Returns whether it replaced an entry.
-  // Throws RpcError: FAILED_PRECONDITION with trailing metadata hypic-shared-memory (segment_cache.proto), or
+  // A Put whose header hands over the sender's sealed memfd (PutHeader.shared_memory), admitted and read to its end:
+  // opened, checked and adopted as the entry's bytes (proto/rpc/shared_memory.h). Returns whether it replaced an
+  // entry. Throws RpcError: FAILED_PRECONDITION with trailing metadata hypic-shared-memory (segment_cache.proto), or
   // INVALID_ARGUMENT for a memfd that is not as announced, or what SegmentStore::put throws.
-  bool adopt_put(grpc::ServerContext* ctx, grpc::ServerReader<hypic::v1::PutRequest>* reader,
-                 const hypic::v1::PutHeader& header, const rpc::Digest& d);
+  bool adopt_put(grpc::ServerContext* ctx, const hypic::v1::PutHeader& header, const rpc::Digest& d);
+  // FAILED_PRECONDITION for a shared-memory put not taken, `kind` in its trailing metadata; counted as rejected.
+  rpc::RpcError refuse_shared(grpc::ServerContext* ctx, const rpc::Digest& d, const char* kind, const std::string& why);
   SegmentStore& store_;
   rpc::Lifecycle& life_;
   size_t chunk_bytes_;

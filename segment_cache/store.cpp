@@ -219,6 +219,7 @@ void SegmentStore::drop(Map::iterator it, StoreEvent::Kind kind, const char* rea
   if (e.tier == Tier::Memory) {
     mem_lru_.erase(e.lru);
     mem_bytes_ -= e.size;
+    if (e.bytes && e.bytes->shared()) memfd_inodes_.erase(e.bytes->inode());
   } else if (e.tier == Tier::Disk) {
     disk_lru_.erase(e.lru);
     disk_bytes_ -= e.size;
@@ -289,6 +290,7 @@ void SegmentStore::spill(Map::iterator it) {
   Entry& e = it->second;
   const Digest d = it->first;
   std::shared_ptr<const rpc::SharedBytes> bytes = std::move(e.bytes);
+  if (bytes->shared()) memfd_inodes_.erase(bytes->inode());
   mem_lru_.erase(e.lru);
   mem_bytes_ -= e.size;
   e.tier = Tier::None;
@@ -439,6 +441,7 @@ std::optional<SegmentStore::Handle> SegmentStore::get(const Digest& digest,
       e.tier = Tier::Memory;
       e.bytes = share(std::move(bytes));  // held in a sealed memfd from now on, where entries this large are
       bytes = e.bytes;
+      if (bytes->shared()) memfd_inodes_[bytes->inode()] = digest;
       mem_lru_.push_front(digest);
       e.lru = mem_lru_.begin();
       mem_bytes_ += e.size;
@@ -499,6 +502,14 @@ bool SegmentStore::put(const Digest& digest, std::vector<int32_t> token_ids,
                         fmt::format("put {}: XXH3-64 checksum of the {} bytes is {:016x}, the header says {:016x}",
                                     rpc::digest_hex(digest), bytes->size(), got, checksum));
   }
+  if (bytes->shared()) {
+    if (const auto it = memfd_inodes_.find(bytes->inode()); it != memfd_inodes_.end() && it->second != digest) {
+      ++counters_.rejected_puts;
+      throw rpc::RpcError(grpc::StatusCode::FAILED_PRECONDITION,
+                          fmt::format("put {}: its memfd holds entry {} already (its pages would count twice)",
+                                      rpc::digest_hex(digest), rpc::digest_hex(it->second)));
+    }
+  }
   ++counters_.puts;
   bool replaced = false;
   if (auto it = map_.find(digest); it != map_.end()) {
@@ -514,6 +525,7 @@ bool SegmentStore::put(const Digest& digest, std::vector<int32_t> token_ids,
   if (make_memory_room(e.size)) {
     e.tier = Tier::Memory;
     e.bytes = std::move(bytes);
+    if (e.bytes->shared()) memfd_inodes_[e.bytes->inode()] = digest;
     mem_lru_.push_front(digest);
     e.lru = mem_lru_.begin();
     mem_bytes_ += e.size;

@@ -153,7 +153,8 @@ class SegmentStore {
   bool put(const Digest& digest, std::vector<int32_t> token_ids, std::string bytes, uint64_t checksum,
            std::string mac = {});
   /// put() of bytes already held (the service receives a large entry straight into a sealed memfd,
-  /// make_shared_writer); kept as they are when they go to memory.
+  /// make_shared_writer, or adopts the sender's); kept as they are when they go to memory. A memfd that another
+  /// entry's bytes are in already is refused (RpcError FAILED_PRECONDITION: its pages would count twice).
   bool put(const Digest& digest, std::vector<int32_t> token_ids, std::shared_ptr<const rpc::SharedBytes> bytes,
            uint64_t checksum, std::string mac = {});
   /// A writer of a sealed memfd for an entry of `size` bytes when the store holds entries that large in shared memory
@@ -164,6 +165,13 @@ class SegmentStore {
   std::shared_ptr<const rpc::SharedBytes> share(std::shared_ptr<const rpc::SharedBytes> bytes) const;
   /// Whether this store holds entries in sealed memfds at all (StoreOptions::shared_memory_min_bytes set).
   bool holds_shared_memory() const { return opt_.shared_memory_min_bytes != UINT64_MAX; }
+  uint64_t shared_memory_min_bytes() const { return opt_.shared_memory_min_bytes; }
+  /// Whether an entry held in memory is in the memfd of this inode (a put of the same pages under another digest
+  /// would count them twice against the budget: the service declines it).
+  bool holds_memfd(uint64_t inode) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return inode != 0 && memfd_inodes_.count(inode) > 0;
+  }
   /// The largest entry put() could ever store: the memory budget, or the disk budget when it is larger (bytes).
   uint64_t max_entry_bytes() const {
     return opt_.disk_dir.empty() ? opt_.memory_budget_bytes : std::max(opt_.memory_budget_bytes, opt_.disk_budget_bytes);
@@ -240,6 +248,7 @@ class SegmentStore {
   uint64_t mem_bytes_ = 0, disk_bytes_ = 0;
   uint64_t leased_bytes_ = 0, max_leased_bytes_ = 0;  // bytes of the entries with leases > 0, and the cap
   std::map<LeaseKey, Lease> leases_;
+  std::unordered_map<uint64_t, Digest> memfd_inodes_;  // inode of each memory-tier entry held in a memfd -> its digest
   std::multimap<std::chrono::steady_clock::time_point, LeaseKey> lease_expiry_;
   uint64_t next_generation_ = 1;
   StoreStats counters_;

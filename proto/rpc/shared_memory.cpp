@@ -99,6 +99,21 @@ std::string budget_refusal() {
                      "vm.max_map_count)", max_live());
 }
 
+// The device number of memfds (the kernel's internal tmpfs; the anchor's): a descriptor whose file is elsewhere is no
+// memfd, whatever its name reads as.
+dev_t memfd_device() {
+  static const dev_t dev = [] {
+    struct stat st {};
+    return anchor_fd() >= 0 && ::fstat(anchor_fd(), &st) == 0 ? st.st_dev : dev_t(-1);
+  }();
+  return dev;
+}
+
+uint64_t inode_of(int fd) {
+  struct stat st {};
+  return ::fstat(fd, &st) == 0 ? uint64_t(st.st_ino) : 0;
+}
+
 // readlink(path) as a string ("" on failure, errno set).
 std::string read_link(const std::string& path, int* err = nullptr) {
   char buf[512];
@@ -138,6 +153,7 @@ MemfdRef SharedBytes::memfd_ref() const {
   r.size = view_.size();
   r.anchor_fd = anchor_fd();
   r.anchor_name = instance_prefix() + "-anchor";
+  r.inode = inode_;
   return r;
 }
 
@@ -149,6 +165,7 @@ std::shared_ptr<const SharedBytes> SharedBytes::adopt(std::unique_ptr<PeerMemfd>
   }
   std::shared_ptr<SharedBytes> b(new SharedBytes);
   live.keep();  // counted from here by the SharedBytes
+  b->inode_ = peer->inode_;
   b->fd_ = peer->fd_;
   b->map_ = peer->map_;
   b->view_ = peer->view();
@@ -245,6 +262,7 @@ std::shared_ptr<const SharedBytes> SealedMemfdWriter::seal() {
     return SharedBytes::heap(std::move(bytes));  // (the writer closes the memfd)
   }
   std::shared_ptr<SharedBytes> b(new SharedBytes);
+  b->inode_ = inode_of(fd_);
   b->fd_ = fd_;
   b->map_ = map;
   b->view_ = std::string_view(static_cast<const char*>(map), size_);
@@ -288,20 +306,30 @@ std::unique_ptr<PeerMemfd> PeerMemfd::open(const MemfdRef& ref, Failure* failure
                     : fmt::format("{} is not the holder's anchor (another host or PID namespace)", anchor));
   }
   const std::string path = dir + std::to_string(ref.fd);
-  std::unique_ptr<PeerMemfd> p(new PeerMemfd);
-  // Non-blocking and no controlling terminal: whatever the number names now (a FIFO, a tty), opening it returns at
-  // once; only a regular file with the announced name goes further.
-  p->fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
-  if (p->fd_ < 0) return fail(Failure::Gone, fmt::format("{}: {} (released meanwhile)", path, errno_text(errno)));
-  // What this process opened, not what the path named a moment before: the holder may have reused the number.
-  if (read_link(fmt::format("/proc/self/fd/{}", p->fd_)) != memfd_link(ref.name)) {
+  // O_PATH first: it runs no filesystem's open (a FIFO, a tty, a FUSE file that never answers), and what it names is
+  // checked before anything is opened for reading: this process's own descriptor, whatever the number names now.
+  const int at = ::open(path.c_str(), O_PATH | O_CLOEXEC);
+  if (at < 0) return fail(Failure::Gone, fmt::format("{}: {} (released meanwhile)", path, errno_text(errno)));
+  struct Close {
+    int fd;
+    ~Close() { ::close(fd); }
+  } close_at{at};
+  const std::string self = fmt::format("/proc/self/fd/{}", at);
+  if (read_link(self) != memfd_link(ref.name)) {
     return fail(Failure::Gone, fmt::format("{} is no longer the memfd '{}' (released meanwhile)", path,
                                            untrusted(ref.name)));
   }
   struct stat st {};
-  if (::fstat(p->fd_, &st) != 0 || !S_ISREG(st.st_mode)) {
-    return fail(Failure::Invalid, fmt::format("{} is not a regular memfd: refused", path));
+  if (::fstat(at, &st) != 0 || !S_ISREG(st.st_mode) || st.st_dev != memfd_device()) {
+    return fail(Failure::Invalid, fmt::format("{} is not a memfd: refused", path));
   }
+  if (ref.inode != 0 && uint64_t(st.st_ino) != ref.inode) {  // the number reused for another memfd of that name
+    return fail(Failure::Gone, fmt::format("{} is no longer the memfd announced (inode {}, not {})", path,
+                                           uint64_t(st.st_ino), ref.inode));
+  }
+  std::unique_ptr<PeerMemfd> p(new PeerMemfd);
+  p->fd_ = ::open(self.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);  // (a memfd's open is a tmpfs open)
+  if (p->fd_ < 0) return fail(Failure::Gone, fmt::format("{}: {}", path, errno_text(errno)));
   const int seals = ::fcntl(p->fd_, F_GET_SEALS);
   if (seals < 0 || (unsigned(seals) & kSeals) != kSeals) {
     return fail(Failure::Invalid, fmt::format("{} is not sealed against writes ({}): refused", path,
@@ -321,6 +349,7 @@ std::unique_ptr<PeerMemfd> PeerMemfd::open(const MemfdRef& ref, Failure* failure
     p->map_ = nullptr;
     return fail(Failure::Invalid, fmt::format("mapping {} ({} bytes) failed: {}", path, ref.size, errno_text(errno)));
   }
+  p->inode_ = uint64_t(st.st_ino);
   p->size_ = ref.size;
   p->name_ = ref.name;
   return p;

@@ -26,6 +26,7 @@ struct MemfdRef {
   uint64_t size = 0;
   int32_t anchor_fd = -1;
   std::string anchor_name;
+  uint64_t inode = 0;  ///< the memfd's inode number (0: not checked), so a reused descriptor number is told apart
 };
 
 /// Immutable bytes, held on the heap or in a sealed memfd mapped read-only. Thread-safe (const). The bytes stay valid
@@ -36,7 +37,7 @@ class SharedBytes {
   static std::shared_ptr<const SharedBytes> heap(std::string bytes);
   /// Takes over a peer's sealed memfd (its descriptor and mapping): the bytes stay valid as long as this object,
   /// however long the peer lives, and this process can hand them on (memfd_ref() names it as the holder). nullptr
-  /// and *why when this process holds memfds for half its descriptor limit already (SealedMemfdWriter::create).
+  /// and *why when this process holds as many memfds as it may (SealedMemfdWriter::create).
   static std::shared_ptr<const SharedBytes> adopt(std::unique_ptr<class PeerMemfd> peer, std::string* why);
   ~SharedBytes();
   SharedBytes(const SharedBytes&) = delete;
@@ -45,6 +46,8 @@ class SharedBytes {
   size_t size() const { return view_.size(); }
   /// True when the bytes are in a sealed memfd that a peer on this host can open (memfd_ref()).
   bool shared() const { return fd_ >= 0; }
+  /// The memfd's inode number (0 for heap bytes): two SharedBytes of one inode hold the same pages.
+  uint64_t inode() const { return inode_; }
   /// The reference a peer opens with PeerMemfd::open (pid, descriptor, name, size, anchor); fd = -1 for heap bytes.
   MemfdRef memfd_ref() const;
 
@@ -56,6 +59,7 @@ class SharedBytes {
   int fd_ = -1;
   void* map_ = nullptr;
   std::string name_;
+  uint64_t inode_ = 0;
 };
 
 /// Fills a new memfd of a known size (pwrite: no writable mapping), then seals it and maps it read-only. Not
@@ -89,10 +93,10 @@ class SealedMemfdWriter {
   std::string name_;
 };
 
-/// A peer's sealed memfd, opened through /proc/<pid>/fd/<fd> (non-blocking, no controlling terminal: whatever the
-/// number names, the open returns) and mapped read-only (MAP_POPULATE) once it is a regular file with the announced
-/// name, seals and size, every page written. The bytes cannot change while mapped, so they are read in place. Not
-/// copyable.
+/// A peer's sealed memfd, reached through /proc/<pid>/fd/<fd> with O_PATH (no filesystem's open runs: a FIFO, a tty
+/// or a FUSE file never blocks it), checked there (the announced name, a regular file on the memfds' device, the
+/// announced inode), then opened read-only, checked again (seals, size, every page written) and mapped read-only
+/// (MAP_POPULATE). The bytes cannot change while mapped, so they are read in place. Not copyable.
 class PeerMemfd {
  public:
   enum class Failure {
@@ -112,6 +116,7 @@ class PeerMemfd {
   PeerMemfd& operator=(const PeerMemfd&) = delete;
   std::string_view view() const { return {static_cast<const char*>(map_), size_}; }
   const std::string& name() const { return name_; }
+  uint64_t inode() const { return inode_; }
 
  private:
   friend class SharedBytes;
@@ -120,6 +125,7 @@ class PeerMemfd {
   void* map_ = nullptr;
   size_t size_ = 0;
   std::string name_;
+  uint64_t inode_ = 0;
 };
 
 }  // namespace hypic::rpc

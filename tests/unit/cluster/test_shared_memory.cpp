@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <cerrno>
 #include <random>
+#include <thread>
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -25,6 +26,7 @@
 #include "proto/rpc/status.h"
 #include "segment_cache/client.h"
 #include "segment_cache/service.h"
+#include "segment_cache/shared_memory_proto.h"
 #include "tests/unit/cluster/cache_fixture.h"
 
 using namespace hypic;
@@ -123,6 +125,13 @@ TEST_CASE("sealed memfd: references that do not name what they claim are refused
     CHECK(failure == rpc::PeerMemfd::Failure::Gone);
     CHECK(why.find("no longer") != std::string::npos);
   }
+  SECTION("the descriptor holds a memfd of that name but another inode: released, and the number reused") {
+    auto r = ref;
+    r.inode = ref.inode + 1;
+    CHECK_FALSE(open(r));
+    CHECK(failure == rpc::PeerMemfd::Failure::Gone);
+    CHECK(why.find("inode") != std::string::npos);
+  }
   SECTION("the size differs from the announced one") {
     auto r = ref;
     r.size = bytes.size() + 1;
@@ -153,6 +162,7 @@ TEST_CASE("sealed memfd: references that do not name what they claim are refused
     auto r = ref;
     r.fd = fd;
     r.name = name;
+    r.inode = 0;  // (not checked)
     CHECK_FALSE(open(r));
     CHECK(failure == rpc::PeerMemfd::Failure::Invalid);
     CHECK(why.find("not sealed") != std::string::npos);
@@ -178,6 +188,7 @@ TEST_CASE("sealed memfd: references that do not name what they claim are refused
     r = ref;
     r.fd = sparse;
     r.name = name;
+    r.inode = 0;  // (not checked)
     CHECK_FALSE(open(r));
     CHECK(failure == rpc::PeerMemfd::Failure::Invalid);
     CHECK(why.find("sparse") != std::string::npos);
@@ -398,13 +409,7 @@ class FakeCache final : public v1::SegmentCache::Service {
     info->mutable_token_ids()->CopyFrom(req->token_ids());
     if (req->accept_shared_memory()) {
       ++asked_shared;
-      const rpc::MemfdRef r = ref();
-      auto* sm = info->mutable_shared_memory();
-      sm->set_pid(r.pid);
-      sm->set_fd(r.fd);
-      sm->set_name(r.name);
-      sm->set_anchor_fd(r.anchor_fd);
-      sm->set_anchor_name(r.anchor_name);
+      cache::to_proto(ref(), info->mutable_shared_memory());
       w->Write(head);
       return grpc::Status::OK;
     }
@@ -546,46 +551,84 @@ TEST_CASE("segment cache over shared memory: a large put hands over a sealed mem
   }
 }
 
-TEST_CASE("segment cache: a put whose memfd is not what its header announces is refused and stores nothing",
-          "[shared_memory][hostile]") {
+namespace {
+
+// A Put sent by hand whose header hands over the memfd `r` for digest_of(n) (total bytes, checksum as given); with
+// `data`, one data message follows; with `cancel_after`, the sender gives up that long after its header instead of
+// ending the stream. Returns the status and the trailing hypic-shared-memory value ("" without).
+std::pair<grpc::Status, std::string> raw_shared_put(v1::SegmentCache::Stub& stub, const rpc::MemfdRef& r, uint8_t n,
+                                                    uint64_t total, uint64_t checksum, bool data = false,
+                                                    std::chrono::milliseconds cancel_after = 0ms) {
+  grpc::ClientContext ctx;
+  v1::PutResponse resp;
+  auto w = stub.Put(&ctx, &resp);
+  v1::PutRequest head;
+  auto* h = head.mutable_header();
+  h->mutable_key()->set_digest(rpc::digest_bytes(digest_of(n)));
+  h->mutable_key()->add_token_ids(n);
+  h->set_total_bytes(total);
+  h->set_checksum(checksum);
+  cache::to_proto(r, h->mutable_shared_memory());
+  w->Write(head);
+  if (data) {
+    v1::PutRequest m;
+    m.set_data("x");
+    w->Write(m);
+  }
+  if (cancel_after.count() > 0) {
+    std::this_thread::sleep_for(cancel_after);
+    ctx.TryCancel();
+  } else {
+    w->WritesDone();
+  }
+  const grpc::Status st = w->Finish();
+  const auto& md = ctx.GetServerTrailingMetadata();
+  const auto it = md.find("hypic-shared-memory");
+  return {st, it == md.end() ? std::string() : std::string(it->second.data(), it->second.size())};
+}
+
+}  // namespace
+
+TEST_CASE("segment cache: a put whose memfd is not what its header announces is refused and stores nothing, and "
+          "one it should not take is declined or refused with the reason", "[shared_memory][hostile]") {
   CacheServer cache(1 << 20);
   const std::string bytes = random_bytes(2 << 20, 15);
+  const uint64_t sum = rpc::checksum64(bytes);
   auto held = sealed(bytes);
   const rpc::MemfdRef ref = held->memfd_ref();
-  auto channel = grpc::CreateChannel(cache.address(), grpc::InsecureChannelCredentials());
-  auto stub = v1::SegmentCache::NewStub(channel);
-  auto put = [&](uint64_t total, uint64_t checksum, bool with_data) {
-    grpc::ClientContext ctx;
-    v1::PutResponse resp;
-    auto w = stub->Put(&ctx, &resp);
-    v1::PutRequest head;
-    auto* h = head.mutable_header();
-    h->mutable_key()->set_digest(rpc::digest_bytes(digest_of(9)));
-    h->mutable_key()->add_token_ids(9);
-    h->set_total_bytes(total);
-    h->set_checksum(checksum);
-    auto* sm = h->mutable_shared_memory();
-    sm->set_pid(ref.pid);
-    sm->set_fd(ref.fd);
-    sm->set_name(ref.name);
-    sm->set_anchor_fd(ref.anchor_fd);
-    sm->set_anchor_name(ref.anchor_name);
-    w->Write(head);
-    if (with_data) {
-      v1::PutRequest data;
-      data.set_data("x");
-      w->Write(data);
-    }
-    w->WritesDone();
-    return w->Finish();
-  };
-  CHECK(put(bytes.size() + 1, rpc::checksum64(bytes), false).error_code() == grpc::StatusCode::INVALID_ARGUMENT);
-  CHECK(put(bytes.size(), rpc::checksum64(bytes) ^ 1, false).error_code() == grpc::StatusCode::DATA_LOSS);
-  CHECK(put(bytes.size(), rpc::checksum64(bytes), true).error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+  auto stub = v1::SegmentCache::NewStub(grpc::CreateChannel(cache.address(), grpc::InsecureChannelCredentials()));
+  CHECK(raw_shared_put(*stub, ref, 9, bytes.size() + 1, sum).first.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK(raw_shared_put(*stub, ref, 9, bytes.size(), sum ^ 1).first.error_code() == grpc::StatusCode::DATA_LOSS);
+  CHECK(raw_shared_put(*stub, ref, 9, bytes.size(), sum, true).first.error_code() ==
+        grpc::StatusCode::INVALID_ARGUMENT);
+  // A sender with no process here (another host or PID namespace): unreachable, nothing opened.
+  const rpc::MemfdRef elsewhere{0x7ffffff0, 5, "hypic-0123456789abcdef-1", bytes.size(), 4,
+                                "hypic-0123456789abcdef-anchor", 0};
+  const auto [st, kind] = raw_shared_put(*stub, elsewhere, 8, bytes.size(), sum);
+  CHECK(st.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
+  CHECK(kind == "unreachable");
+  // A sender that gives up after its header: nothing is stored.
+  CHECK(raw_shared_put(*stub, ref, 9, bytes.size(), sum, false, 200ms).first.error_code() ==
+        grpc::StatusCode::CANCELLED);
+  std::this_thread::sleep_for(200ms);
   CHECK_FALSE(cache.store.get(digest_of(9), std::nullopt));
-  CHECK(put(bytes.size(), rpc::checksum64(bytes), false).ok());
+  CHECK(raw_shared_put(*stub, ref, 9, bytes.size(), sum).first.ok());
   held.reset();
-  auto h = cache.store.get(digest_of(9), std::nullopt);
-  REQUIRE(h);
-  CHECK(h->bytes() == bytes);
+  {
+    auto h = cache.store.get(digest_of(9), std::nullopt);
+    REQUIRE(h);
+    CHECK(h->bytes() == bytes);
+    // The cache's own memfd handed back under another digest (a Get's reference): declined, its pages are not
+    // counted twice.
+    const auto [st2, kind2] = raw_shared_put(*stub, h->memfd_ref(), 10, bytes.size(), sum);
+    CHECK(st2.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
+    CHECK(kind2 == "declined");
+  }
+  // A memfd below the cache's --shared-memory-min-bytes: declined.
+  const std::string small(1000, 's');
+  auto tiny = sealed(small);
+  CHECK(raw_shared_put(*stub, tiny->memfd_ref(), 11, small.size(), rpc::checksum64(small)).second == "declined");
+  CHECK_FALSE(cache.store.get(digest_of(10), std::nullopt));
+  CHECK_FALSE(cache.store.get(digest_of(11), std::nullopt));
+  CHECK(cache.store.stats().memory_bytes == bytes.size());
 }
