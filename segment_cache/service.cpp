@@ -485,7 +485,14 @@ bool SegmentCacheService::adopt_put(grpc::ServerContext* ctx, const v1::PutHeade
   static auto& adopted = puts_counter("shared_memory");
   adopted.inc();
   std::vector<int32_t> ids(header.key().token_ids().begin(), header.key().token_ids().end());
-  const bool replaced = store_.put(d, std::move(ids), std::move(bytes), header.checksum(), header.mac());
+  bool replaced = false;
+  try {
+    replaced = store_.put(d, std::move(ids), std::move(bytes), header.checksum(), header.mac());
+  } catch (const rpc::RpcError& e) {  // the same memfd put under another digest meanwhile: this one declined
+    if (e.code() != grpc::StatusCode::FAILED_PRECONDITION) throw;
+    ctx->AddTrailingMetadata("hypic-shared-memory", "declined");
+    throw;
+  }
   spdlog::debug("stored {} ({} bytes, the sender's memfd adopted{})", rpc::digest_hex(d), header.total_bytes(),
                 replaced ? ", replaced" : "");
   return replaced;

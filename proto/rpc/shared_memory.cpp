@@ -11,6 +11,7 @@
 #include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <unistd.h>
 
 #include <fmt/format.h>
@@ -319,17 +320,24 @@ std::unique_ptr<PeerMemfd> PeerMemfd::open(const MemfdRef& ref, Failure* failure
     return fail(Failure::Gone, fmt::format("{} is no longer the memfd '{}' (released meanwhile)", path,
                                            untrusted(ref.name)));
   }
-  struct stat st {};
-  if (::fstat(at, &st) != 0 || !S_ISREG(st.st_mode) || st.st_dev != memfd_device()) {
+  // statx without syncing: the attributes as the kernel holds them, no filesystem asked (a FUSE file whose daemon
+  // never answers, named like a memfd, would block fstat).
+  struct statx sx {};
+  if (::statx(at, "", AT_EMPTY_PATH | AT_STATX_DONT_SYNC, STATX_TYPE | STATX_INO, &sx) != 0 ||
+      !S_ISREG(sx.stx_mode) || makedev(sx.stx_dev_major, sx.stx_dev_minor) != memfd_device()) {
     return fail(Failure::Invalid, fmt::format("{} is not a memfd: refused", path));
   }
-  if (ref.inode != 0 && uint64_t(st.st_ino) != ref.inode) {  // the number reused for another memfd of that name
+  if (ref.inode != 0 && uint64_t(sx.stx_ino) != ref.inode) {  // the number reused for another memfd of that name
     return fail(Failure::Gone, fmt::format("{} is no longer the memfd announced (inode {}, not {})", path,
-                                           uint64_t(st.st_ino), ref.inode));
+                                           uint64_t(sx.stx_ino), ref.inode));
   }
   std::unique_ptr<PeerMemfd> p(new PeerMemfd);
   p->fd_ = ::open(self.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);  // (a memfd's open is a tmpfs open)
   if (p->fd_ < 0) return fail(Failure::Gone, fmt::format("{}: {}", path, errno_text(errno)));
+  struct stat st {};
+  if (::fstat(p->fd_, &st) != 0 || uint64_t(st.st_ino) != uint64_t(sx.stx_ino)) {
+    return fail(Failure::Gone, fmt::format("{}: not the file checked a moment before", path));
+  }
   const int seals = ::fcntl(p->fd_, F_GET_SEALS);
   if (seals < 0 || (unsigned(seals) & kSeals) != kSeals) {
     return fail(Failure::Invalid, fmt::format("{} is not sealed against writes ({}): refused", path,
