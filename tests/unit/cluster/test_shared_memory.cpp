@@ -138,34 +138,26 @@ TEST_CASE("sealed memfd: references that do not name what they claim are refused
     CHECK_FALSE(open(r));
     CHECK(failure == rpc::PeerMemfd::Failure::Invalid);
   }
-  SECTION("an unsealed memfd of the creator is refused: its bytes could change under the reader") {
-    std::string w;
-    auto writer = rpc::SealedMemfdWriter::create(bytes.size(), &w);
-    REQUIRE(writer);
-    writer->append(bytes);
-    // Find the writer's descriptor: the one memfd of this creator named after the next number that is not sealed.
-    const std::string prefix = ref.name.substr(0, ref.name.rfind('-'));
-    int fd = -1;
-    for (int i = 0; i < 4096 && fd < 0; ++i) {
-      char link[512];
-      const ssize_t n = ::readlink(("/proc/self/fd/" + std::to_string(i)).c_str(), link, sizeof link);
-      const std::string l = n > 0 ? std::string(link, size_t(n)) : "";
-      if (l.rfind("/memfd:" + prefix + "-", 0) == 0 && l.find("anchor") == std::string::npos &&
-          ::fcntl(i, F_GET_SEALS) == 0)
-        fd = i;
-    }
-    REQUIRE(fd >= 0);
-    char link[512];
-    const ssize_t n = ::readlink(("/proc/self/fd/" + std::to_string(fd)).c_str(), link, sizeof link);
-    std::string name(link, size_t(n));
-    name = name.substr(7, name.size() - 7 - 10);  // "/memfd:" ... " (deleted)"
+  // A memfd of this holder's (its name prefix, number `n`) of the announced size: its bytes written or not, the
+  // seals given; the reference naming it (inode not checked).
+  auto holder_memfd = [&](const char* n, bool write, unsigned seals, int* fd) {
     auto r = ref;
-    r.fd = fd;
-    r.name = name;
-    r.inode = 0;  // (not checked)
-    CHECK_FALSE(open(r));
+    r.name = ref.name.substr(0, ref.name.rfind('-')) + "-" + n;
+    r.inode = 0;
+    *fd = ::memfd_create(r.name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    REQUIRE(*fd >= 0);
+    REQUIRE(::ftruncate(*fd, off_t(bytes.size())) == 0);
+    if (write) REQUIRE(::pwrite(*fd, bytes.data(), bytes.size(), 0) == ssize_t(bytes.size()));
+    if (seals) REQUIRE(::fcntl(*fd, F_ADD_SEALS, seals) == 0);
+    r.fd = *fd;
+    return r;
+  };
+  SECTION("an unsealed memfd of the holder is refused: its bytes could change under the reader") {
+    int fd = -1;
+    CHECK_FALSE(open(holder_memfd("999998", true, 0, &fd)));
     CHECK(failure == rpc::PeerMemfd::Failure::Invalid);
     CHECK(why.find("not sealed") != std::string::npos);
+    ::close(fd);
   }
   SECTION("a FIFO or a sparse memfd under a good name is refused, and opening it does not block") {
     const auto fifo = std::filesystem::temp_directory_path() / ("hypic-shm-fifo-" + std::to_string(::getpid()));
@@ -180,15 +172,8 @@ TEST_CASE("sealed memfd: references that do not name what they claim are refused
     ::close(rd);
     std::filesystem::remove(fifo);
     // A memfd of the holder's, sealed, of the announced size, with no page written.
-    const std::string name = ref.name.substr(0, ref.name.rfind('-')) + "-999999";
-    const int sparse = ::memfd_create(name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
-    REQUIRE(sparse >= 0);
-    REQUIRE(::ftruncate(sparse, off_t(bytes.size())) == 0);
-    REQUIRE(::fcntl(sparse, F_ADD_SEALS, F_SEAL_WRITE | F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) == 0);
-    r = ref;
-    r.fd = sparse;
-    r.name = name;
-    r.inode = 0;  // (not checked)
+    int sparse = -1;
+    r = holder_memfd("999999", false, F_SEAL_WRITE | F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL, &sparse);
     CHECK_FALSE(open(r));
     CHECK(failure == rpc::PeerMemfd::Failure::Invalid);
     CHECK(why.find("sparse") != std::string::npos);
