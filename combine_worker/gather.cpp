@@ -255,9 +255,10 @@ void CombineService::fetch_warm(const std::shared_ptr<Pending>& p, size_t slot, 
   }
   try {
     const auto t0 = Clock::now();
-    // Parsed as it arrives (no assembled copy of the bytes); used only once get_stream verified checksum and MAC. Its
-    // header sizes nothing before it matched the stream's size, this model and these token ids (EntryReaderChecks).
-    std::optional<engine::EntryReader> reader;
+    // Parsed as it arrives (no assembled copy of the bytes; on a device backend into a pinned block where the wire
+    // has its layout); used only once get_stream verified checksum and MAC. Its header sizes nothing before it
+    // matched the stream's size, this model and these token ids (EntryReaderChecks).
+    std::optional<engine::EntryReceiver> receiver;
     uint64_t size = 0;
     bool mapped = false;
     try {
@@ -265,25 +266,27 @@ void CombineService::fetch_warm(const std::shared_ptr<Pending>& p, size_t slot, 
               cache::CacheKey{digest, ids},
               [&](uint64_t total) {
                 size = total;
-                reader.emplace(entry_checks(total, ids, p->entry_seam_width));
+                receiver.emplace(backend_, entry_checks(total, ids, p->entry_seam_width));
               },
-              [&](std::string_view chunk) { reader->feed(chunk); }, ctx,
+              [&](std::string_view chunk) { receiver->feed(chunk); }, ctx,
               engine::wire_entry_bytes(backend_.config(), int64_t(ids.size())),  // (its deadline allows the bytes)
               &mapped)) {
         why += "not in the segment cache any more (evicted after the lookup)";
       } else {
         const auto t1 = Clock::now();
-        if (!reader) throw engine::EntryError("the cache's answer carried no entry");
-        auto entry = std::make_shared<const engine::SegmentEntry>(reader->finish());
-        rpc::verify_entry(*entry, ids, backend_, p->entry_seam_width);
+        if (!receiver) throw engine::EntryError("the cache's answer carried no entry");
+        engine::EntryReceiver::Received got = receiver->finish();
+        rpc::verify_entry(*got.entry, ids, backend_, p->entry_seam_width);
         const auto t2 = Clock::now();
-        auto resident = make_resident(digest, *entry);
+        auto resident = make_resident(digest, got);
+        std::shared_ptr<const engine::SegmentEntry> entry = std::move(got.entry);
         Delivery d;
         d.fetch_ms = rpc::ms_between(t0, Clock::now());
         d.fetch_bytes = size;
-        spdlog::info("[req {}] segment {} from the segment cache ({}): {:.1f} MB in {:.0f} ms (transfer and parse "
+        spdlog::info("[req {}] segment {} from the segment cache ({}{}): {:.1f} MB in {:.0f} ms (transfer and parse "
                      "{:.0f}, verify {:.0f}, device layout and copy {:.0f})",
-                     p->id, slot, mapped ? "its memfd mapped" : "streamed", double(size) / 1e6, d.fetch_ms,
+                     p->id, slot, mapped ? "its memfd mapped" : "streamed",
+                     got.block ? ", into a pinned block" : "", double(size) / 1e6, d.fetch_ms,
                      rpc::ms_between(t0, t1), rpc::ms_between(t1, t2),
                      rpc::ms_between(t2, Clock::now()));
         count_received("cache", size);
@@ -393,10 +396,10 @@ engine::EntryReaderChecks CombineService::entry_checks(uint64_t total_bytes, std
           }};
 }
 
-std::shared_ptr<const engine::ResidentEntry> CombineService::make_resident(const rpc::Digest& digest,
-                                                                           const engine::SegmentEntry& entry) {
+std::shared_ptr<const engine::ResidentEntry> CombineService::make_resident(
+    const rpc::Digest& digest, const engine::EntryReceiver::Received& got) {
   if (!backend_.device_entries()) return nullptr;
-  auto block = backend_.block_of_entry(entry);
+  auto block = got.block ? got.block : backend_.block_of_entry(*got.entry);
   auto resident = backend_.import_block(*block);
   d_.memory_tier.put(digest, resident);
   d_.copier.keep_block(digest, std::move(block));
@@ -501,7 +504,7 @@ grpc::Status CombineService::DeliverEntry(grpc::ServerContext* ctx, grpc::Server
     // Parsed as it arrives (no assembled copy of the bytes); used once the whole stream's size and checksum held.
     rpc::ChunkVerifier check;
     check.begin(h.total_bytes(), h.checksum(), what);
-    engine::EntryReader parser(entry_checks(h.total_bytes(), slot.ids, p->entry_seam_width));
+    engine::EntryReceiver parser(backend_, entry_checks(h.total_bytes(), slot.ids, p->entry_seam_width));
     // With entry keys the stream ends with the builder's MAC, checked before the entry is used.
     rpc::EntryMacCheck mac(rpc::entry_mac_keys(), slot.digest, slot.ids, h.total_bytes());
     std::optional<std::string> mac_sent;
@@ -527,10 +530,10 @@ grpc::Status CombineService::DeliverEntry(grpc::ServerContext* ctx, grpc::Server
         spdlog::error("[req {}] refused {}: {}", p->id, what, why);
         throw rpc::RpcError(grpc::StatusCode::DATA_LOSS, fmt::format("{} refused: {}", what, why));
       }
-      entry = std::make_shared<const engine::SegmentEntry>(parser.finish());
-      rpc::verify_entry(*entry, slot.ids, backend_, p->entry_seam_width);
-      resident = make_resident(slot.digest, *entry);  // on this thread, not the engine loop's (device backends)
-      if (resident) entry.reset();
+      engine::EntryReceiver::Received got = parser.finish();
+      rpc::verify_entry(*got.entry, slot.ids, backend_, p->entry_seam_width);
+      resident = make_resident(slot.digest, got);  // on this thread, not the engine loop's (device backends)
+      if (!resident) entry = std::move(got.entry);
     } catch (const engine::EntryError& e) {
       spdlog::error("[req {}] rejected {}: {}", p->id, what, e.what());
       throw rpc::RpcError(grpc::StatusCode::DATA_LOSS, fmt::format("{} rejected by the engine: {}", what, e.what()));

@@ -167,14 +167,15 @@ class CombineService final : public hypic::v1::CombineWorker::Service {
   /// cache once built. `warm` stays in order.
   void rebuild_cache_only(const std::shared_ptr<Pending>& p, const hypic::v1::CombineRequest& req,
                           std::vector<size_t>& warm, std::vector<std::pair<size_t, std::string>>& local);
-  /// Makes a host entry (fetched or delivered over gRPC) resident on a device backend here, on the calling thread
-  /// (Backend::block_of_entry + import_block: never on the engine loop), keeping its pinned block in the host tier;
-  /// on the CPU backend returns null (the engine imports it, for free).
   /// What a received entry's header must satisfy before its tensors are sized (engine::EntryReaderChecks): the stream's
   /// size, this worker's model, numerics and seam width, and the segment's token ids (rpc::verify_entry).
   engine::EntryReaderChecks entry_checks(uint64_t total_bytes, std::span<const int32_t> ids, int seam_width) const;
+  /// Makes an entry received over gRPC or mapped from the cache (engine::EntryReceiver) resident on a device backend
+  /// here, on the calling thread (import_block of its pinned block, made by Backend::block_of_entry where it arrived
+  /// as a host entry: never on the engine loop), puts it in the device tier and keeps its block in the host tier; on
+  /// the CPU backend returns null (the engine imports the host entry, for free).
   std::shared_ptr<const engine::ResidentEntry> make_resident(const rpc::Digest& digest,
-                                                             const engine::SegmentEntry& entry);
+                                                             const engine::EntryReceiver::Received& got);
   /// The active request a delivery names, its header's index and digest checked (NOT_FOUND, INVALID_ARGUMENT).
   std::shared_ptr<Pending> delivery_target(const hypic::v1::EntryHeader& h);
   /// Fills the delivered segment's slot (host entry and/or resident one), counts it, answers duplicate or not.

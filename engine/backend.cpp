@@ -112,7 +112,27 @@ std::shared_ptr<const HostBlock> Backend::block_of_entry(const SegmentEntry&) co
   no_host_blocks(*this, "block_of_entry");
 }
 
+std::optional<WireBlock> Backend::wire_block(const SegmentEntry&, const WireShape&) const { return std::nullopt; }
+
 std::string Backend::wire_of_block(const HostBlock& block) const { return serialize_entry(*entry_of_block(block)); }
+
+EntryReceiver::EntryReceiver(const Backend& backend, EntryReaderChecks checks)
+    : reader_([&] {
+        if (backend.device_entries()) {
+          checks.destination = [this, &backend](const SegmentEntry& header, const WireShape& shape) {
+            block_ = backend.wire_block(header, shape);
+            return block_ ? block_->regions : std::vector<std::span<char>>{};
+          };
+        }
+        return std::move(checks);
+      }()) {}
+
+EntryReceiver::Received EntryReceiver::finish() {
+  Received r;
+  r.entry = std::make_shared<const SegmentEntry>(reader_.finish());
+  if (reader_.laid_out()) r.block = std::move(block_->block);
+  return r;
+}
 
 std::string Backend::wire_of(const ResidentEntry& entry) const {
   return device_entries() ? wire_of_block(*copy_to_host(entry)) : serialize_entry(*entry.host());

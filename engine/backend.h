@@ -181,6 +181,13 @@ class HostBlock {
   int num_tokens() const { return header().num_tokens(); }
 };
 
+/// A host block being filled from an entry's wire bytes (Backend::wire_block): `regions` are byte spans of its pinned
+/// memory in wire order (EntryReaderChecks::destination), to be written once each before `block` is used.
+struct WireBlock {
+  std::shared_ptr<const HostBlock> block;
+  std::vector<std::span<char>> regions;
+};
+
 /// Memory a backend holds, by pool (bytes). Budgets of 0 mean unbounded.
 struct BackendMemory {
   size_t weights = 0;
@@ -370,6 +377,15 @@ class Backend {
   /// memory: import_block of it equals import_entry of `entry`, bit for bit. Host work only. Throws EntryError as
   /// import_entry does.
   virtual std::shared_ptr<const HostBlock> block_of_entry(const SegmentEntry& entry) const;
+  /// A pinned host block for the entry whose wire header is `header` (fingerprint, numerics, w, token ids, geometry)
+  /// and whose tensors the wire carries as `shape` says, where those bytes are the device layout's as they are (CUDA:
+  /// T dense, or one scalar per head for lightning; K, V and conv tails bf16): an entry received over the wire or
+  /// mapped from the segment cache becomes a block with one copy and no conversion (EntryReaderChecks::destination),
+  /// then resident with import_block, bit for bit what import_entry of the parsed entry makes. nullopt where the wire
+  /// form differs (fp32 K/V, other transition kinds: parse a SegmentEntry, then block_of_entry) and where entries live
+  /// in host memory (the default). Host work only; thread-safe. Throws EntryError as import_block does (another
+  /// model, numerics or geometry; no tokens), ResourceExhausted when pinned memory cannot be had.
+  virtual std::optional<WireBlock> wire_block(const SegmentEntry& header, const WireShape& shape) const;
   /// The wire form of a host block (serialize_entry of entry_of_block(block), bit for bit), written straight from the
   /// block where the backend can (CUDA: its states are fp32 and its K, V and conv tails bf16 in both layouts, so the
   /// bytes are copied as they are, with no fp32 SegmentEntry in between). Host work only; thread-safe. Throws
@@ -385,6 +401,33 @@ class Backend {
   virtual void reserve_host_blocks(size_t bytes) const { (void)bytes; }
   /// Bytes a device entry of `tokens` tokens takes here (its resident_bytes()), for budgets stated in entries.
   virtual size_t entry_bytes(int64_t tokens) const;
+};
+
+/// An entry arriving as wire bytes (engine/segment.h: a delivery, a segment cache fetch), parsed as it is fed: where
+/// `backend` keeps entries on a device and the wire carries its layout's dtypes (Backend::wire_block), straight into a
+/// pinned host block (one copy of each byte, no fp32 SegmentEntry in between; then Backend::import_block), else into a
+/// SegmentEntry (EntryReader). Not thread-safe; neither copyable nor movable (the reader points into it).
+class EntryReceiver {
+ public:
+  /// `checks` as EntryReader's; its destination is this receiver's. The backend must outlive the receiver.
+  EntryReceiver(const Backend& backend, EntryReaderChecks checks);
+  EntryReceiver(const EntryReceiver&) = delete;
+  EntryReceiver& operator=(const EntryReceiver&) = delete;
+  /// EntryReader::feed: throws EntryError (bad header, checks failed, bytes past the end), ResourceExhausted (no
+  /// pinned memory for the block).
+  void feed(std::string_view chunk) { reader_.feed(chunk); }
+  struct Received {
+    /// The entry: with its tensors when `block` is null, else its header fields alone (EntryReader::finish).
+    std::shared_ptr<const SegmentEntry> entry;
+    /// The complete pinned block the tensors went into, or null.
+    std::shared_ptr<const HostBlock> block;
+  };
+  /// Verifies the whole stream's checksum and returns what arrived. Throws EntryError (truncated, corrupt).
+  Received finish();
+
+ private:
+  std::optional<WireBlock> block_;
+  EntryReader reader_;
 };
 
 /// Raised when a request needs more memory than a budget allows; the message names the budget and the sizes.

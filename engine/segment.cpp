@@ -410,6 +410,23 @@ void EntryReader::parse_header() {
     throw EntryError("segment entry has " + std::to_string(checks_.total_bytes - announced) +
                      " bytes past its end (its header announces " + std::to_string(announced) + ")");
   if (checks_.header) checks_.header(e);
+  if (checks_.destination) {
+    const WireShape shape{kinds, bf16, tensors};
+    std::vector<std::span<char>> to = checks_.destination(e, shape);
+    if (!to.empty()) {
+      uint64_t sum = 0;
+      for (const auto& s : to) sum += s.size();
+      if (sum != tensors)
+        throw EntryError("segment entry: the destination of its tensors holds " + std::to_string(sum) +
+                         " bytes, the header announces " + std::to_string(tensors));
+      parts_ = std::move(to);
+      e.linear.clear();
+      e.attention.clear();
+      laid_out_ = true;
+      header_done_ = true;
+      return;
+    }
+  }
   // bf16 tensors arrive into staging buffers and are widened (exactly) in finish().
   auto kv_part = [&](std::vector<float>& v) {
     if (!bf16) return as_mut_bytes(v);
@@ -494,6 +511,7 @@ SegmentEntry EntryReader::finish() {
   std::memcpy(&want, tail_, 8);
   if (XXH3_64bits_digest(static_cast<XXH3_state_t*>(hash_)) != want)
     throw EntryError("segment entry checksum mismatch (corrupt data)");
+  if (laid_out_) return std::move(entry_);  // the header fields; the tensors are in the destination's spans
   for (Half& h : half_) {  // bf16 -> fp32, exact
     for (size_t i = 0; i < h.bits.size(); ++i) {
       const uint32_t b = uint32_t(h.bits[i]) << 16;

@@ -201,6 +201,15 @@ class EntryWriter {
   EntryWriter& operator=(const EntryWriter&) = delete;
 };
 
+/// The tensor part of an entry's wire form as its header announces it: each linear layer's interior transition kind,
+/// whether K, V and the conv tails travel as bf16 (else fp32), and the bytes of all tensors together (tensor blobs
+/// only: no header, no checksum).
+struct WireShape {
+  std::vector<TransitionKind> interior_kinds;
+  bool kv_bf16 = false;
+  uint64_t tensor_bytes = 0;
+};
+
 /// Checks an EntryReader makes as soon as the header has arrived, before it sizes any tensor: the header is not
 /// authenticated until the whole stream's checksum and MAC are verified (after the last byte), so what it announces
 /// must not allocate memory first.
@@ -214,11 +223,18 @@ struct EntryReaderChecks {
   /// Called with the header fields (version, fingerprint, numerics, w, token ids, geometry; no tensors); throw
   /// (EntryError) to refuse, e.g. an entry of another model or of other token ids.
   std::function<void(const SegmentEntry& header)> header;
+  /// Optional, called after `header` accepted the header: where the tensor bytes go instead of the entry's vectors,
+  /// as writable byte spans in wire order whose sizes sum to shape.tensor_bytes (the bytes are copied into them as
+  /// they arrive, unconverted: a backend's host block laid out as the wire is, Backend::wire_block). An empty vector
+  /// (or no function): into the SegmentEntry as usual. Spans of another total size make feed() throw EntryError.
+  std::function<std::vector<std::span<char>>(const SegmentEntry& header, const WireShape& shape)> destination;
 };
 
 /// Rebuilds an entry from chunks as they arrive, copying each byte once, straight into the tensors.
 /// feed() throws EntryError as soon as the header is invalid, fails `checks`, or more bytes arrive than the header
-/// announced; finish() verifies the checksum and returns the entry.
+/// announced; finish() verifies the checksum and returns the entry. Where checks.destination took the tensors
+/// (laid_out()), finish() verifies the same and returns the header fields alone (version, fingerprint, numerics, w,
+/// token ids, geometry; linear and attention empty): the tensors are in the caller's spans.
 class EntryReader {
  public:
   explicit EntryReader(EntryReaderChecks checks = {});
@@ -229,6 +245,8 @@ class EntryReader {
   /// Throws EntryError if bytes are missing or the checksum differs.
   SegmentEntry finish();
   size_t bytes_received() const { return received_; }
+  /// True once the header handed the tensors to checks.destination's spans.
+  bool laid_out() const { return laid_out_; }
 
  private:
   void parse_header();
@@ -236,6 +254,7 @@ class EntryReader {
   std::string head_;
   size_t head_need_ = 12;  // magic + header_len, then header + header checksum
   bool header_done_ = false;
+  bool laid_out_ = false;
   SegmentEntry entry_;
   struct Half {  // a tensor that travels as bf16: its bits, widened into `into` by finish()
     std::vector<uint16_t> bits;

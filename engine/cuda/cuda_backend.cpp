@@ -1149,10 +1149,31 @@ std::shared_ptr<const SegmentEntry> CudaBackend::entry_of_block(const HostBlock&
 }
 
 // The block's regions in wire order (engine/segment.h): per linear layer S_seam (with a seam), T_int (dense, or
-// scalar for lightning), S_int,
-// fp32 in both layouts, and the conv tail, then per attention layer K and V, bf16 in both (the wire's K/V type 2: every
-// value of a CUDA entry is a bf16 value, as serialize_entry finds). Views into the pinned pieces, copied once into the
-// wire buffer.
+// scalar for lightning), S_int, fp32 in both layouts, and the conv tail, then per attention layer K and V, bf16 in both
+// (the wire's K/V type 2: every value of a CUDA entry is a bf16 value, as serialize_entry finds): f(offset, bytes)
+// for each, in that order.
+template <class F>
+void for_each_wire_region(const EntryGeometry& g, int64_t n, const EntryLayout& lay, F&& f) {
+  const size_t kn = size_t(n) * lay.k_row, vn = size_t(n) * lay.v_row;
+  for (int l = 0; l < g.num_linear; ++l) {
+    if (lay.states == 2) f(lay.S_seam(l), lay.state);
+    f(lay.T_int(l), lay.trans);
+    f(lay.S_int(l), lay.state);
+    f(lay.conv_at(l), lay.conv);
+  }
+  for (int a = 0; a < g.num_attention; ++a) {
+    f(lay.K(a), kn);
+    f(lay.V(a), vn);
+  }
+}
+
+// Whether the wire carries K, V and the conv tails as bf16: serialize_entry's choice for a CUDA entry (every value a
+// bf16 value), which holds whenever there is at least one of them.
+bool wire_kv_bf16(const EntryGeometry& g, int64_t n, const EntryLayout& lay) {
+  return (g.num_linear > 0 && lay.conv > 0) || (g.num_attention > 0 && size_t(n) * lay.k_row > 0);
+}
+
+// Views into the pinned pieces, copied once into the wire buffer.
 std::string CudaBackend::wire_of_block(const HostBlock& hb) const {
   const auto* block = dynamic_cast<const CudaHostBlock*>(&hb);
   if (!block) throw EntryError("wire_of_block: not a host block of the CUDA backend");
@@ -1162,22 +1183,34 @@ std::string CudaBackend::wire_of_block(const HostBlock& hb) const {
   if (block->bytes() != lay.total) throw EntryError("wire_of_block: the block's size does not match its header");
   WireParts parts;
   parts.interior_kinds.assign(size_t(g.num_linear), scalar_transitions(g) ? TransitionKind::Scalar : TransitionKind::Dense);
-  const size_t conv = lay.conv, kn = size_t(h.num_tokens()) * lay.k_row, vn = size_t(h.num_tokens()) * lay.v_row;
-  parts.kv_bf16 = (g.num_linear > 0 && conv > 0) || (g.num_attention > 0 && kn > 0);
-  auto add = [&](size_t off, size_t n) {
+  parts.kv_bf16 = wire_kv_bf16(g, h.num_tokens(), lay);
+  for_each_wire_region(g, h.num_tokens(), lay, [&](size_t off, size_t n) {
     block->span(off, n, [&](const char* p, size_t, size_t len) { parts.bytes.emplace_back(p, len); });
-  };
-  for (int l = 0; l < g.num_linear; ++l) {
-    if (lay.states == 2) add(lay.S_seam(l), lay.state);
-    add(lay.T_int(l), lay.trans);
-    add(lay.S_int(l), lay.state);
-    add(lay.conv_at(l), conv);
-  }
-  for (int a = 0; a < g.num_attention; ++a) {
-    add(lay.K(a), kn);
-    add(lay.V(a), vn);
-  }
+  });
   return serialize_entry_parts(h, parts);
+}
+
+std::optional<WireBlock> CudaBackend::wire_block(const SegmentEntry& header, const WireShape& shape) const {
+  header.check_compatible(fingerprint_, geom_, -1, numerics());
+  if (header.num_tokens() < 1) throw EntryError("wire_block: an entry has at least one token");
+  const EntryLayout lay(geom_, header.num_tokens(), header.seam_tokens() > 0);
+  const TransitionKind kind = scalar_transitions(geom_) ? TransitionKind::Scalar : TransitionKind::Dense;
+  // Anything but this layout's kinds and dtypes (an entry another writer made: fp32 K/V, a diagonal T) is converted
+  // through a SegmentEntry instead.
+  if (shape.kv_bf16 != wire_kv_bf16(geom_, header.num_tokens(), lay) ||
+      shape.interior_kinds.size() != size_t(geom_.num_linear) ||
+      std::any_of(shape.interior_kinds.begin(), shape.interior_kinds.end(), [&](TransitionKind k) { return k != kind; }))
+    return std::nullopt;
+  auto block = std::make_shared<CudaHostBlock>(header_of(header), lay.total, pinned_);
+  WireBlock out;
+  uint64_t sum = 0;
+  for_each_wire_region(geom_, header.num_tokens(), lay, [&](size_t off, size_t n) {
+    sum += n;
+    block->span(off, n, [&](char* p, size_t, size_t len) { out.regions.emplace_back(p, len); });
+  });
+  if (sum != shape.tensor_bytes) return std::nullopt;  // (the kinds and dtypes above make them equal)
+  out.block = std::move(block);
+  return out;
 }
 
 std::shared_ptr<const HostBlock> CudaBackend::block_of_entry(const SegmentEntry& host) const {

@@ -642,6 +642,39 @@ TEST_CASE("cuda backend: host blocks round-trip bit for bit, on other threads wh
     back[i] = again;
   }
   CHECK(run(back) == reference);
+  // Received as wire bytes (a delivery, a cache fetch): straight into a pinned block whose wire form is those bytes, bit
+  // for bit, in chunks of any size; it imports to an entry that splices as the built one.
+  for (size_t i = 0; i < segs.size(); ++i) {
+    const std::string wire = f.gpu->wire_of_block(*blocks[i]);
+    for (size_t chunk : {size_t(4099), wire.size()}) {
+      eng::EntryReceiver rx(*f.gpu, {.total_bytes = wire.size()});
+      for (size_t off = 0; off < wire.size(); off += chunk) rx.feed(std::string_view(wire).substr(off, chunk));
+      const auto got = rx.finish();
+      REQUIRE(got.block);
+      CHECK(got.entry->token_ids == segs[i]);
+      CHECK(got.entry->linear.empty());
+      CHECK(got.block->bytes() == built[i]->resident_bytes());
+      CHECK(f.gpu->wire_of_block(*got.block) == wire);
+      back[i] = f.gpu->import_block(*got.block);
+    }
+  }
+  CHECK(run(back) == reference);
+  {
+    // A wire form of other dtypes (fp32 K/V: one value that is not a bf16 value) is parsed into a host entry instead.
+    auto fp32 = std::make_shared<eng::SegmentEntry>(*built[0]->host());
+    fp32->attention[0].k[0] = 1.0f + 1.0f / 1024 / 1024;
+    const std::string wire = eng::serialize_entry(*fp32);
+    eng::EntryReceiver rx(*f.gpu, {.total_bytes = wire.size()});
+    rx.feed(wire);
+    const auto got = rx.finish();
+    CHECK_FALSE(got.block);
+    CHECK(got.entry->attention.size() == fp32->attention.size());
+    eng::WireShape shape{std::vector<eng::TransitionKind>(fp32->linear.size(), eng::TransitionKind::Dense), false, 0};
+    CHECK_FALSE(f.gpu->wire_block(*fp32, shape));
+    shape.kv_bf16 = true;
+    shape.interior_kinds.back() = eng::TransitionKind::Diagonal;
+    CHECK_FALSE(f.gpu->wire_block(*fp32, shape));
+  }
   // Errors: a block of another backend's geometry is refused by import_block; the CPU backend has no host blocks.
   const auto host = built[0]->host();
   auto other = std::make_shared<eng::SegmentEntry>(*host);

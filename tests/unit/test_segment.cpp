@@ -197,6 +197,79 @@ TEST_CASE("K, V and conv tails travel as bf16 exactly when every value is a bf16
   CHECK_THROWS_WITH(deserialize_entry(bad), Catch::Contains("K/V tensor type 3"));
 }
 
+TEST_CASE("a destination takes the tensor bytes as they are, the entry keeps its header", "[segment]") {
+  SegmentEntry e = random_entry(29, 8, 21);
+  for (auto& l : e.linear)  // K, V and conv tails as bf16 values: they travel as bf16
+    for (float& x : l.conv_tail) x = bf16_to_f32(f32_to_bf16(x));
+  for (auto& a : e.attention)
+    for (auto* v : {&a.k, &a.v})
+      for (float& x : *v) x = bf16_to_f32(f32_to_bf16(x));
+  const std::string bytes = serialize_entry(e);
+  uint32_t len;
+  std::memcpy(&len, bytes.data() + 8, 4);
+  const size_t head = 12 + size_t(len) + 8;
+  // The tensor blobs: everything between the header's checksum and the whole stream's.
+  const std::string_view tensors(bytes.data() + head, bytes.size() - head - 8);
+  for (size_t chunk : {size_t(1), size_t(13), size_t(4096), bytes.size()}) {
+    DYNAMIC_SECTION("chunk " << chunk) {
+      std::string into(tensors.size(), '\0');
+      WireShape seen;
+      bool header_checked = false;
+      EntryReader r({.total_bytes = bytes.size(),
+                     .header = [&](const SegmentEntry&) { header_checked = true; },
+                     .destination = [&](const SegmentEntry& h, const WireShape& shape) {
+                       CHECK(header_checked);
+                       CHECK(h.token_ids == e.token_ids);
+                       seen = shape;
+                       // Uneven spans: 1 byte, 3 bytes, 1000 bytes, the rest.
+                       std::vector<std::span<char>> spans;
+                       size_t off = 0;
+                       for (size_t n : {size_t(1), size_t(3), size_t(1000), into.size() - 1004}) {
+                         spans.emplace_back(into.data() + off, n);
+                         off += n;
+                       }
+                       return spans;
+                     }});
+      for (size_t off = 0; off < bytes.size(); off += chunk) r.feed(std::string_view(bytes).substr(off, chunk));
+      CHECK(r.laid_out());
+      const SegmentEntry h = r.finish();
+      CHECK(into == tensors);
+      CHECK(seen.kv_bf16);
+      CHECK(seen.tensor_bytes == tensors.size());
+      REQUIRE(seen.interior_kinds.size() == e.linear.size());
+      for (size_t l = 0; l < e.linear.size(); ++l) CHECK(seen.interior_kinds[l] == e.linear[l].interior_transition.kind);
+      CHECK(h.token_ids == e.token_ids);
+      CHECK(h.geometry == e.geometry);
+      CHECK(h.seam_width == e.seam_width);
+      CHECK(h.model_fingerprint == e.model_fingerprint);
+      CHECK(h.linear.empty());
+      CHECK(h.attention.empty());
+    }
+  }
+  // A corrupt tensor byte still fails the checksum; spans of another total size are refused at the header; an empty
+  // answer parses the entry as usual.
+  std::string body = bytes;
+  body[head + tensors.size() / 2] ^= 0x10;
+  std::string into(tensors.size(), '\0');
+  auto all = [&](const SegmentEntry&, const WireShape&) { return std::vector<std::span<char>>{std::span<char>(into)}; };
+  EntryReader corrupt({.destination = all});
+  corrupt.feed(body);
+  CHECK_THROWS_WITH(corrupt.finish(), Catch::Contains("checksum mismatch"));
+  EntryReader truncated({.destination = all});
+  truncated.feed(std::string_view(bytes).substr(0, bytes.size() - 9));
+  CHECK_THROWS_WITH(truncated.finish(), Catch::Contains("truncated"));
+  EntryReader short_spans({.destination = [&](const SegmentEntry&, const WireShape&) {
+    return std::vector<std::span<char>>{std::span<char>(into).first(into.size() - 1)};
+  }});
+  CHECK_THROWS_WITH(short_spans.feed(bytes), Catch::Contains("destination of its tensors holds"));
+  EntryReader declined({.destination = [](const SegmentEntry&, const WireShape&) {
+    return std::vector<std::span<char>>{};
+  }});
+  declined.feed(bytes);
+  CHECK_FALSE(declined.laid_out());
+  hypic::testing::require_entries_equal(declined.finish(), e);
+}
+
 TEST_CASE("serialize_entry_parts writes serialize_entry's bytes from tensors given as views", "[segment]") {
   for (const bool bf16 : {false, true}) {
     for (const int w : {0, 8}) {
