@@ -1,9 +1,11 @@
 // libFuzzer target: the segment entry deserialiser (engine/segment.h, deserialize_entry and EntryReader).
 //
-// Feeds: the input bytes as a serialised entry, once whole (deserialize_entry) and once streamed through an
-// EntryReader in chunks whose sizes come from a generator seeded with the input's hash (so a crash reproduces).
+// Feeds: the input bytes as a serialised entry, once whole (deserialize_entry), once streamed through an
+// EntryReader in chunks whose sizes come from a generator seeded with the input's hash (so a crash reproduces), and
+// once with the tensors laid into a buffer of the header's announced size (EntryReaderChecks::destination).
 // Asserts, beyond "no crash, no leak, no UB" (and no allocation that a corrupt header could make huge):
-//  - both paths fail only with EntryError, and fail or succeed together;
+//  - all three paths fail only with EntryError, and fail or succeed together; the laid-out one's buffer holds the
+//    input's tensor bytes as they are;
 //  - an accepted entry is consistent (check_consistent), byte_size() equals the input size, and serialize_entry
 //    of it reproduces the input byte for byte (round trip), for the whole and the streamed result alike.
 // Seeds: written by this target itself (HYPIC_FUZZ_WRITE_SEEDS=DIR, see fuzz_common.h), entries serialised
@@ -74,7 +76,29 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   FUZZ_CHECK(whole.has_value() == streamed.has_value(),
              "whole vs streamed disagree: '" + whole_error + "' vs '" + streamed_error + "'");
+  // Once more with the tensors laid into a caller's buffer (EntryReaderChecks::destination, as a device backend's
+  // pinned block takes them), sized by the checked header only: the same verdict, the tensor bytes as they are.
+  std::string laid, laid_error;
+  std::optional<SegmentEntry> header;
+  try {
+    EntryReader r({.total_bytes = size, .destination = [&](const SegmentEntry&, const WireShape& shape) {
+                     laid.assign(size_t(shape.tensor_bytes), '\0');
+                     return std::vector<std::span<char>>{std::span<char>(laid)};
+                   }});
+    r.feed(bytes);
+    header.emplace(r.finish());
+    FUZZ_CHECK(r.laid_out(), "a destination was given but not used");
+  } catch (const EntryError& e) {
+    laid_error = e.what();
+  }
+  FUZZ_CHECK(whole.has_value() == header.has_value(),
+             "whole vs laid out disagree: '" + whole_error + "' vs '" + laid_error + "'");
   if (!whole) return 0;
+  FUZZ_CHECK(header->token_ids == whole->token_ids && header->geometry == whole->geometry &&
+                 header->model_fingerprint == whole->model_fingerprint && header->linear.empty(),
+             "laid-out header");
+  FUZZ_CHECK(size >= laid.size() + 8 && bytes.substr(size - 8 - laid.size(), laid.size()) == laid,
+             "laid-out tensors differ from the input's");
   for (const SegmentEntry* e : {&*whole, &*streamed}) {
     e->check_consistent();
     FUZZ_CHECK(e->byte_size() == size, "byte_size");
