@@ -128,6 +128,28 @@ void HostCopier::run_copies() {
   idle_cv_.notify_all();
 }
 
+std::shared_ptr<const rpc::SharedBytes> HostCopier::wire_bytes(const Item& item) const {
+  if (!item.block) return rpc::SharedBytes::heap(backend_.wire_of(*item.entry));
+  // Straight from the pinned block (no fp32 host entry in between), into the sealed memfd the cache on this host
+  // will adopt where the put offers one (no heap copy in between either), else onto the heap.
+  const bool memfd = putter_.offers_shared_memory(item.digest);
+  std::unique_ptr<rpc::SealedMemfdWriter> writer;
+  std::string heap;
+  backend_.write_wire_of_block(
+      *item.block,
+      [&](uint64_t total) {
+        std::string why;
+        if (memfd && total >= cache::SegmentCacheClient::kMinSharedPutBytes)
+          writer = rpc::SealedMemfdWriter::create(total, &why);
+        if (!writer) heap.reserve(total);
+      },
+      [&](std::string_view piece) {
+        if (writer) writer->append(piece);
+        else heap.append(piece);
+      });
+  return writer ? writer->seal() : rpc::SharedBytes::heap(std::move(heap));
+}
+
 void HostCopier::run_wire() {
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
@@ -139,11 +161,8 @@ void HostCopier::run_wire() {
     lock.unlock();
     bool ok = true;
     try {
-      // Straight from the block (or the device entry) where the backend can: no fp32 host entry in between.
-      auto bytes = std::make_shared<const std::string>(item.block ? backend_.wire_of_block(*item.block)
-                                                                  : backend_.wire_of(*item.entry));
       const auto& header = item.block ? item.block->header() : item.entry->header();
-      putter_.enqueue(item.digest, header.token_ids, std::move(bytes), item.request_id);
+      putter_.enqueue(item.digest, header.token_ids, wire_bytes(item), item.request_id);
     } catch (const std::exception& e) {
       ok = false;
       spdlog::warn("[req {}] wire form of {} failed: {}", item.request_id, rpc::digest_hex(item.digest), e.what());

@@ -3,9 +3,10 @@
 // threads of this worker's own do the rest, in two stages:
 //  1. copy: the device-to-host copy into pinned memory on the backend's copy stream (CUDA: Backend::copy_to_host),
 //     straight into the host tier (tens of ms for a 280 MB entry);
-//  2. wire, when a cache put was asked for: the host block converted to the wire form (Backend::entry_of_block),
-//     serialized and queued for the segment cache (cache::AsyncCachePutter): hundreds of ms of host work, which no
-//     longer holds device memory nor delays the next host copy.
+//  2. wire, when a cache put was asked for: the host block's wire form, written straight from the block
+//     (Backend::write_wire_of_block) into a sealed memfd that the segment cache on this host adopts as it is, or onto
+//     the heap where the put would be streamed, and queued for the segment cache (cache::AsyncCachePutter): host work
+//     that no longer holds device memory nor delays the next host copy.
 // Each stage's queue is bounded in bytes (stage 1: device memory its entries keep; stage 2: host memory its blocks
 // keep); beyond it, work is dropped, counted (hypic:host_copies_total{outcome="dropped"}) and logged at most once per
 // 10 s, since a dropped copy only costs a later recompute.
@@ -68,6 +69,9 @@ class HostCopier {
   void run_wire();
   /// Stage 1 of one item; returns the stage-2 item when a put is still to be made.
   std::optional<Item> copy(Item& item);
+  /// Stage 2's bytes: the wire form of the item's block (in a sealed memfd where the putter offers one for its digest)
+  /// or of its host entry. Throws what the backend or SealedMemfdWriter throw.
+  std::shared_ptr<const rpc::SharedBytes> wire_bytes(const Item& item) const;
   /// Stage 2 queue, under mu_: false (counted, logged) when full.
   bool push_wire_locked(Item item);
   void log_drop(const Item& item, const char* what, uint64_t queued, uint64_t limit);

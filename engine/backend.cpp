@@ -116,6 +116,13 @@ std::optional<WireBlock> Backend::wire_block(const SegmentEntry&, const WireShap
 
 std::string Backend::wire_of_block(const HostBlock& block) const { return serialize_entry(*entry_of_block(block)); }
 
+void Backend::write_wire_of_block(const HostBlock& block, const std::function<void(uint64_t)>& begin,
+                                  const std::function<void(std::string_view)>& out) const {
+  const std::string bytes = wire_of_block(block);
+  begin(bytes.size());
+  out(bytes);
+}
+
 EntryReceiver::EntryReceiver(const Backend& backend, EntryReaderChecks checks)
     : reader_([&] {
         if (backend.device_entries()) {

@@ -391,6 +391,13 @@ class Backend {
   /// bytes are copied as they are, with no fp32 SegmentEntry in between). Host work only; thread-safe. Throws
   /// EntryError for a block of another backend or size.
   virtual std::string wire_of_block(const HostBlock& block) const;
+  /// wire_of_block's bytes handed over in pieces (write_entry_parts: `begin` with the total, then `out` with each
+  /// piece in order, views valid during the call only), so that a caller can lay them where they go (a sealed memfd
+  /// for the segment cache) without a whole-entry buffer in between (CUDA: straight from the pinned block). The
+  /// default makes wire_of_block's buffer and hands it over whole. Same errors as wire_of_block, plus what the
+  /// callbacks throw.
+  virtual void write_wire_of_block(const HostBlock& block, const std::function<void(uint64_t)>& begin,
+                                   const std::function<void(std::string_view)>& out) const;
   /// The wire form of a resident entry: wire_of_block of its host copy where entries live on a device (a
   /// device-to-host copy, then host work), else serialize_entry(*entry.host()). Thread-safe (not the engine's thread).
   std::string wire_of(const ResidentEntry& entry) const;

@@ -296,7 +296,8 @@ std::string_view EntryWriter::next() {
   return chunk;
 }
 
-std::string serialize_entry_parts(const SegmentEntry& h, const WireParts& parts) {
+void write_entry_parts(const SegmentEntry& h, const WireParts& parts, const std::function<void(uint64_t)>& begin,
+                       const std::function<void(std::string_view)>& out) {
   const EntryGeometry& g = h.geometry;
   if (h.format_version != entry_format_version(g))
     throw EntryError("serialize_entry_parts: format version " + std::to_string(h.format_version) +
@@ -312,14 +313,32 @@ std::string serialize_entry_parts(const SegmentEntry& h, const WireParts& parts)
     throw EntryError("serialize_entry_parts: " + std::to_string(got) + " bytes of tensors, the header's geometry takes " +
                      std::to_string(want));
   const std::string header = build_header(h, parts.interior_kinds, parts.kv_bf16);
+  std::string head;
+  head.append(kMagic, sizeof(kMagic));
+  put<uint32_t>(head, static_cast<uint32_t>(header.size()));
+  head += header;
+  put<uint64_t>(head, XXH3_64bits(header.data(), header.size()));
+  begin(head.size() + got + 8);
+  XXH3_state_t* hash = new_hash();
+  struct Free {
+    XXH3_state_t* h;
+    ~Free() { XXH3_freeState(h); }
+  } free_hash{hash};
+  auto emit = [&](std::string_view piece) {
+    XXH3_64bits_update(hash, piece.data(), piece.size());
+    out(piece);
+  };
+  emit(head);
+  for (const auto& p : parts.bytes)
+    if (!p.empty()) emit(p);
+  std::string tail;
+  put<uint64_t>(tail, XXH3_64bits_digest(hash));
+  out(tail);
+}
+
+std::string serialize_entry_parts(const SegmentEntry& h, const WireParts& parts) {
   std::string out;
-  out.reserve(sizeof(kMagic) + 4 + header.size() + 8 + got + 8);
-  out.append(kMagic, sizeof(kMagic));
-  put<uint32_t>(out, static_cast<uint32_t>(header.size()));
-  out += header;
-  put<uint64_t>(out, XXH3_64bits(header.data(), header.size()));
-  for (const auto& p : parts.bytes) out += p;
-  put<uint64_t>(out, XXH3_64bits(out.data(), out.size()));
+  write_entry_parts(h, parts, [&](uint64_t total) { out.reserve(total); }, [&](std::string_view p) { out += p; });
   return out;
 }
 

@@ -174,6 +174,11 @@ struct WireParts {
 /// EntryError when the format version does not fit the geometry, or the kind count or the parts' total size does not
 /// match it.
 std::string serialize_entry_parts(const SegmentEntry& header, const WireParts& parts);
+/// serialize_entry_parts's bytes handed over in pieces instead of one buffer: `begin` first, with their total size,
+/// then `out` with each piece in order (views valid during the call only); nothing is called when the parts are
+/// refused. Same errors as serialize_entry_parts, plus whatever `begin` or `out` throw.
+void write_entry_parts(const SegmentEntry& header, const WireParts& parts, const std::function<void(uint64_t)>& begin,
+                       const std::function<void(std::string_view)>& out);
 /// Whole entry from bytes; throws EntryError on any corruption, truncation or version mismatch.
 SegmentEntry deserialize_entry(std::string_view bytes);
 

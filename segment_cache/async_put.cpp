@@ -31,6 +31,14 @@ bool AsyncCachePutter::enqueue(const rpc::Digest& digest, std::vector<int32_t> t
                                std::shared_ptr<const std::string> bytes, std::string request_id,
                                std::function<void(bool)> done) {
   if (!client_.enabled()) return false;
+  return enqueue(digest, std::move(token_ids), rpc::SharedBytes::heap(std::move(bytes)), std::move(request_id),
+                 std::move(done));
+}
+
+bool AsyncCachePutter::enqueue(const rpc::Digest& digest, std::vector<int32_t> token_ids,
+                               std::shared_ptr<const rpc::SharedBytes> bytes, std::string request_id,
+                               std::function<void(bool)> done) {
+  if (!client_.enabled()) return false;
   std::lock_guard<std::mutex> lock(mu_);
   if (queued_bytes_ + bytes->size() > max_bytes_) {
     ++counters_.dropped;

@@ -1,5 +1,5 @@
 // Puts entries into the segment cache off the critical path: callers hand over serialized
-// entries and return at once; one background thread sends them in order. The queue is bounded in
+// entries (on the heap, or in a sealed memfd the cache on this host adopts as it is) and return at once; one background thread sends them in order. The queue is bounded in
 // bytes; when it is full (the cache is slow or down) new entries are dropped, since the cache is
 // an optimisation and a dropped put only costs a later recompute. Failures are logged (the first
 // in a row at warn level, the rest at debug) and counted.
@@ -32,8 +32,14 @@ class AsyncCachePutter {
   /// When it returns true, `done` (optional) runs exactly once, on the putter's thread (or in the
   /// destructor, for a put dropped at shutdown), after the put ended: with true if the cache stored the
   /// entry, false if the put failed or was dropped. It must be quick and must not call enqueue.
+  bool enqueue(const rpc::Digest& digest, std::vector<int32_t> token_ids, std::shared_ptr<const rpc::SharedBytes> bytes,
+               std::string request_id, std::function<void(bool stored)> done = {});
+  /// enqueue() of heap bytes shared with their other holders (no copy).
   bool enqueue(const rpc::Digest& digest, std::vector<int32_t> token_ids, std::shared_ptr<const std::string> bytes,
                std::string request_id, std::function<void(bool stored)> done = {});
+  /// The client's SegmentCacheClient::offers_shared_memory: whether the bytes of `digest` are best made in a sealed
+  /// memfd (the put hands it over as it is).
+  bool offers_shared_memory(const rpc::Digest& digest) const { return client_.offers_shared_memory(digest); }
   /// False when the client has no replica (every enqueue would be refused): callers skip making the bytes.
   bool enabled() const { return client_.enabled(); }
   /// Puts queued or in flight.
@@ -50,7 +56,7 @@ class AsyncCachePutter {
   struct Item {
     rpc::Digest digest;
     std::vector<int32_t> ids;
-    std::shared_ptr<const std::string> bytes;
+    std::shared_ptr<const rpc::SharedBytes> bytes;
     std::string request_id;
     std::function<void(bool)> done;
   };

@@ -50,8 +50,6 @@ bool shared_off(std::atomic<int64_t>& until) {
   }
   return was <= now;
 }
-/// Smallest entry put as a sealed memfd (the segment cache's default --shared-memory-min-bytes).
-constexpr size_t kMinSharedPutBytes = size_t{1} << 20;
 
 namespace {
 /// hypic:entry_mac_failures_total: entries read from the cache whose MAC did not verify.
@@ -360,14 +358,17 @@ std::chrono::milliseconds SegmentCacheClient::transfer_timeout(uint64_t bytes) c
   return opt_.timeout + std::chrono::milliseconds(static_cast<int64_t>(capped));
 }
 
+bool SegmentCacheClient::offers_shared_memory(const rpc::Digest& digest) const {
+  return ring_ && shared_allowed(no_shared_put_until_[ring_->owner(digest)]);
+}
+
 bool SegmentCacheClient::put(const CacheKey& key, std::string_view bytes, const std::optional<std::string>& mac,
                              PutCancel* cancel) const {
-  const std::string signature = mac ? *mac : rpc::entry_mac_keys().sign(key.digest, key.token_ids, bytes);
   // A large entry goes to a replica on this host as a sealed memfd the cache adopts (one copy here, none there);
   // where the cache cannot take it, as a stream.
-  if (ring_ && bytes.size() >= kMinSharedPutBytes && shared_allowed(no_shared_put_until_[ring_->owner(key.digest)])) {
+  std::shared_ptr<const rpc::SharedBytes> held;
+  if (bytes.size() >= kMinSharedPutBytes && offers_shared_memory(key.digest)) {
     std::string why;
-    std::shared_ptr<const rpc::SharedBytes> held;
     if (auto w = rpc::SealedMemfdWriter::create(bytes.size(), &why)) {
       try {
         w->append(bytes);
@@ -376,12 +377,25 @@ bool SegmentCacheClient::put(const CacheKey& key, std::string_view bytes, const 
         spdlog::debug("put {}: no sealed memfd for it ({}); streamed", rpc::digest_hex(key.digest), e.what());
       }
     }
-    if (held && held->shared()) {
-      const rpc::MemfdRef ref = held->memfd_ref();
-      bool refused = false;
-      const bool replaced = put_once(key, bytes, signature, cancel, &ref, &refused);
-      if (!refused) return replaced;
-    }
+  }
+  return put_as(key, bytes, held && held->shared() ? held.get() : nullptr, mac, cancel);
+}
+
+bool SegmentCacheClient::put(const CacheKey& key, const rpc::SharedBytes& bytes, const std::optional<std::string>& mac,
+                             PutCancel* cancel) const {
+  if (!bytes.shared()) return put(key, bytes.view(), mac, cancel);
+  const bool offer = bytes.size() >= kMinSharedPutBytes && offers_shared_memory(key.digest);
+  return put_as(key, bytes.view(), offer ? &bytes : nullptr, mac, cancel);
+}
+
+bool SegmentCacheClient::put_as(const CacheKey& key, std::string_view bytes, const rpc::SharedBytes* memfd,
+                                const std::optional<std::string>& mac, PutCancel* cancel) const {
+  const std::string signature = mac ? *mac : rpc::entry_mac_keys().sign(key.digest, key.token_ids, bytes);
+  if (memfd) {
+    const rpc::MemfdRef ref = memfd->memfd_ref();
+    bool refused = false;
+    const bool replaced = put_once(key, bytes, signature, cancel, &ref, &refused);
+    if (!refused) return replaced;
   }
   return put_once(key, bytes, signature, cancel, nullptr, nullptr);
 }

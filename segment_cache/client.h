@@ -141,6 +141,17 @@ class SegmentCacheClient {
   /// `mac` (administration: an entry moved as is) replaces the MAC this process would make.
   bool put(const CacheKey& key, std::string_view bytes, const std::optional<std::string>& mac = std::nullopt,
            PutCancel* cancel = nullptr) const;
+  /// put() of bytes that may already be in a sealed memfd of this process (rpc::SharedBytes::shared()): that memfd is
+  /// offered as it is (no copy) where put() would offer one; heap bytes are put as put() does. Same errors.
+  bool put(const CacheKey& key, const rpc::SharedBytes& bytes, const std::optional<std::string>& mac = std::nullopt,
+           PutCancel* cancel = nullptr) const;
+  /// Whether a put of `digest` (of at least 1 MiB) would be offered to its replica as a sealed memfd now: shared memory
+  /// on (Options::shared_memory) and that replica not found unable to take this process's memfds within the last
+  /// minute. A caller that makes the bytes can then write them straight into a memfd (rpc::SealedMemfdWriter).
+  bool offers_shared_memory(const rpc::Digest& digest) const;
+  /// The smallest put offered as a sealed memfd (bytes; the segment cache's default --shared-memory-min-bytes);
+  /// smaller ones are streamed.
+  static constexpr size_t kMinSharedPutBytes = size_t{1} << 20;
   /// Removes an entry; false if the owner did not have it. Throws rpc::RpcError on failure.
   bool erase(const rpc::Digest& digest) const;
   /// Stats of one replica. Throws rpc::RpcError on failure.
@@ -178,6 +189,10 @@ class SegmentCacheClient {
   // this one, no_shared_put_until_) and returns false; other failures throw as put() does.
   bool put_once(const CacheKey& key, std::string_view bytes, const std::string& mac, PutCancel* cancel,
                 const rpc::MemfdRef* shared, bool* shared_refused) const;
+  /// Signs `bytes` (unless `mac` is given), offers `memfd` (the same bytes in a sealed memfd of this process) when not
+  /// null, and streams them where it is null or refused.
+  bool put_as(const CacheKey& key, std::string_view bytes, const rpc::SharedBytes* memfd,
+              const std::optional<std::string>& mac, PutCancel* cancel) const;
   mutable std::atomic<uint64_t> next_connection_{0};
 };
 

@@ -1173,8 +1173,8 @@ bool wire_kv_bf16(const EntryGeometry& g, int64_t n, const EntryLayout& lay) {
   return (g.num_linear > 0 && lay.conv > 0) || (g.num_attention > 0 && size_t(n) * lay.k_row > 0);
 }
 
-// Views into the pinned pieces, copied once into the wire buffer.
-std::string CudaBackend::wire_of_block(const HostBlock& hb) const {
+// The wire parts of a block: views into its pinned pieces.
+WireParts wire_parts_of(const HostBlock& hb) {
   const auto* block = dynamic_cast<const CudaHostBlock*>(&hb);
   if (!block) throw EntryError("wire_of_block: not a host block of the CUDA backend");
   const SegmentEntry& h = block->header();
@@ -1187,7 +1187,17 @@ std::string CudaBackend::wire_of_block(const HostBlock& hb) const {
   for_each_wire_region(g, h.num_tokens(), lay, [&](size_t off, size_t n) {
     block->span(off, n, [&](const char* p, size_t, size_t len) { parts.bytes.emplace_back(p, len); });
   });
-  return serialize_entry_parts(h, parts);
+  return parts;
+}
+
+// Copied once into the wire buffer.
+std::string CudaBackend::wire_of_block(const HostBlock& block) const {
+  return serialize_entry_parts(block.header(), wire_parts_of(block));
+}
+
+void CudaBackend::write_wire_of_block(const HostBlock& block, const std::function<void(uint64_t)>& begin,
+                                      const std::function<void(std::string_view)>& out) const {
+  write_entry_parts(block.header(), wire_parts_of(block), begin, out);
 }
 
 std::optional<WireBlock> CudaBackend::wire_block(const SegmentEntry& header, const WireShape& shape) const {

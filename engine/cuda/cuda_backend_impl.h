@@ -301,6 +301,8 @@ class CudaBackend final : public Backend {
   std::shared_ptr<const SegmentEntry> entry_of_block(const HostBlock& block) const override;
   std::shared_ptr<const HostBlock> block_of_entry(const SegmentEntry& entry) const override;
   std::string wire_of_block(const HostBlock& block) const override;
+  void write_wire_of_block(const HostBlock& block, const std::function<void(uint64_t)>& begin,
+                           const std::function<void(std::string_view)>& out) const override;
   std::optional<WireBlock> wire_block(const SegmentEntry& header, const WireShape& shape) const override;
   size_t entry_bytes(int64_t tokens) const override { return EntryLayout(geom_, tokens, true).total; }
   void reserve_host_blocks(size_t bytes) const override { pinned_->reserve(bytes); }

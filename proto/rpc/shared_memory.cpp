@@ -137,6 +137,14 @@ std::shared_ptr<const SharedBytes> SharedBytes::heap(std::string bytes) {
   return b;
 }
 
+std::shared_ptr<const SharedBytes> SharedBytes::heap(std::shared_ptr<const std::string> bytes) {
+  if (!bytes) throw std::invalid_argument("SharedBytes::heap: null bytes");
+  std::shared_ptr<SharedBytes> b(new SharedBytes);
+  b->shared_heap_ = std::move(bytes);
+  b->view_ = *b->shared_heap_;
+  return b;
+}
+
 SharedBytes::~SharedBytes() {
   if (map_) ::munmap(map_, view_.size());
   if (fd_ >= 0) {

@@ -35,6 +35,8 @@ class SharedBytes {
  public:
   /// Heap-held bytes (no descriptor; memfd_ref() is empty).
   static std::shared_ptr<const SharedBytes> heap(std::string bytes);
+  /// Heap-held bytes shared with their other holders (no copy).
+  static std::shared_ptr<const SharedBytes> heap(std::shared_ptr<const std::string> bytes);
   /// Takes over a peer's sealed memfd (its descriptor and mapping): the bytes stay valid as long as this object,
   /// however long the peer lives, and this process can hand them on (memfd_ref() names it as the holder). nullptr
   /// and *why when this process holds as many memfds as it may (SealedMemfdWriter::create).
@@ -55,6 +57,7 @@ class SharedBytes {
   friend class SealedMemfdWriter;
   SharedBytes() = default;
   std::string heap_;
+  std::shared_ptr<const std::string> shared_heap_;
   std::string_view view_;
   int fd_ = -1;
   void* map_ = nullptr;

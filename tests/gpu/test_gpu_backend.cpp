@@ -655,6 +655,11 @@ TEST_CASE("cuda backend: host blocks round-trip bit for bit, on other threads wh
       CHECK(got.entry->linear.empty());
       CHECK(got.block->bytes() == built[i]->resident_bytes());
       CHECK(f.gpu->wire_of_block(*got.block) == wire);
+      std::string pieces;
+      uint64_t total = 0;
+      f.gpu->write_wire_of_block(*got.block, [&](uint64_t n) { total = n; }, [&](std::string_view p) { pieces += p; });
+      CHECK(total == wire.size());
+      CHECK(pieces == wire);
       back[i] = f.gpu->import_block(*got.block);
     }
   }

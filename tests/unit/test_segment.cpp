@@ -4,6 +4,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cstring>
 #include <random>
 
@@ -304,12 +305,36 @@ TEST_CASE("serialize_entry_parts writes serialize_entry's bytes from tensors giv
       const std::string bytes = serialize_entry_parts(e, parts);
       CHECK(bytes == serialize_entry(e));  // the same entry, bit for bit (serialize_entry finds the same K/V type)
       hypic::testing::require_entries_equal(deserialize_entry(bytes), e);
+      // In pieces: the total first, then the pieces, whose concatenation is the same bytes.
+      uint64_t announced = 0;
+      std::string pieces;
+      size_t calls = 0;
+      write_entry_parts(
+          e, parts,
+          [&](uint64_t total) {
+            CHECK(pieces.empty());
+            announced = total;
+          },
+          [&](std::string_view p) {
+            pieces += p;
+            ++calls;
+          });
+      CHECK(announced == bytes.size());
+      CHECK(pieces == bytes);
+      // The header, each non-empty part as it is, the checksum: no whole-entry buffer in between.
+      CHECK(calls == 2 + size_t(std::count_if(parts.bytes.begin(), parts.bytes.end(),
+                                              [](std::string_view p) { return !p.empty(); })));
       WireParts short_parts = parts;
       short_parts.bytes.pop_back();
       CHECK_THROWS_WITH(serialize_entry_parts(e, short_parts), Catch::Contains("bytes of tensors"));
       WireParts few_kinds = parts;
       few_kinds.interior_kinds.pop_back();
       CHECK_THROWS_WITH(serialize_entry_parts(e, few_kinds), Catch::Contains("transition kinds"));
+      bool called = false;
+      CHECK_THROWS_WITH(write_entry_parts(
+                            e, short_parts, [&](uint64_t) { called = true; }, [&](std::string_view) { called = true; }),
+                        Catch::Contains("bytes of tensors"));
+      CHECK_FALSE(called);
     }
   }
 }

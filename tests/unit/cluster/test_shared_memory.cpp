@@ -520,6 +520,32 @@ TEST_CASE("segment cache over shared memory: a large put hands over a sealed mem
     CHECK(fetch(client, digest_of(1), ids) == bytes);  // and handed on to readers
     CHECK(client.put({digest_of(1), ids}, bytes));      // replaced
   }
+  SECTION("bytes the sender already holds in a sealed memfd are adopted as they are, heap ones copied into one") {
+    CacheServer cache(1 << 20);
+    cache::SegmentCacheClient client({cache.address()});
+    REQUIRE(client.offers_shared_memory(digest_of(1)));
+    std::string why;
+    auto w = rpc::SealedMemfdWriter::create(bytes.size(), &why);
+    REQUIRE(w);
+    w->append(std::string_view(bytes).substr(0, 1000));
+    w->append(std::string_view(bytes).substr(1000));
+    const auto held = w->seal();
+    REQUIRE(held->shared());
+    const double shm0 = cache_puts("shared_memory");
+    CHECK_FALSE(client.put({digest_of(1), ids}, *held));
+    auto h = cache.store.get(digest_of(1), ids);
+    REQUIRE(h);
+    CHECK(h->bytes() == bytes);
+    CHECK(h->memfd_ref().inode == held->inode());  // the same pages: no copy on either side
+    const auto on_heap = rpc::SharedBytes::heap(std::make_shared<const std::string>(bytes));
+    CHECK_FALSE(client.put({digest_of(2), ids}, *on_heap));
+    auto h2 = cache.store.get(digest_of(2), ids);
+    REQUIRE(h2);
+    CHECK(h2->bytes() == bytes);
+    CHECK(h2->memfd_ref().fd >= 0);
+    CHECK(h2->memfd_ref().inode != held->inode());
+    CHECK(cache_puts("shared_memory") == shm0 + 2);
+  }
   SECTION("the cache runs without shared memory") {
     CacheServer cache(UINT64_MAX);
     cache::SegmentCacheClient client({cache.address()});
