@@ -6,14 +6,15 @@
 //   build/bin/hypic-segment-cache --listen 127.0.0.1:0 --port-file /tmp/port --memory-bytes 4GiB &
 //   build/bin/hypic-bench-cache-fetch --cache 127.0.0.1:$(cat /tmp/port) [--entry-mb 232] [--entries 8] [--parallel 8]
 //                           [--connections 1,2,4,8] [--transports grpc,shared_memory] [--reps 3] [--json out.json]
-//                           [--md out.md]
+//                           [--md out.md] [--consumer-checksum true]
 //
 // Puts --entries entries of --entry-mb MB (1e6 bytes) of random bytes (fresh digests, one token id each), then for
 // each transport and connection count makes a new client, which puts every entry again, one after another (a
 // worker's AsyncCachePutter: streamed, or a sealed memfd the cache adopts; timed), then fetches every entry --reps
 // times, --parallel at once (a round: all entries, as a request of that many cache-only segments does), each entry's
-// bytes handed into a buffer of its own (get_stream, the combine worker's path without the entry parse) with the
-// checksum (and MAC, with --cache-key-file as the workers take it) verified. A shared_memory row checks that every
+// bytes handed into a buffer of its own (get_stream, the combine worker's path without the entry parse; with
+// --consumer-checksum also hashed there, as the parse hashes what it copies) with the checksum (and MAC, with
+// --cache-key-file as the workers take it) verified. A shared_memory row checks that every
 // fetch was mapped (the cache on this host with its default --shared-memory true), else fails naming why. Reports
 // per transport and connection count the best and median round's wall time, the aggregate GB/s (1e9 bytes), the
 // median fetch's ms and the median put's ms, as JSON on stdout (and --json) and a markdown table on stderr (and
@@ -33,6 +34,7 @@
 #include <vector>
 
 #include <fmt/format.h>
+#include <xxhash.h>
 #include <nlohmann/json.hpp>
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
@@ -75,6 +77,10 @@ int main(int argc, char** argv) {
   app.add_option("--transports", transports, "transports to compare (comma separated: grpc, shared_memory)")
       ->delimiter(',')
       ->check(CLI::IsMember({"grpc", "shared_memory"}))
+      ->capture_default_str();
+  bool consumer_checksum = false;
+  app.add_option("--consumer-checksum", consumer_checksum,
+                 "the consumer also hashes each piece it copies (XXH3, as the combine worker's entry parse does)")
       ->capture_default_str();
   hypic::rpc::add_entry_mac_flag(app, key_file);
   app.add_option("--json", json_out, "also write the JSON result here");
@@ -150,6 +156,12 @@ int main(int argc, char** argv) {
               try {
                 const auto f0 = Clock::now();
                 size_t at = 0;
+                XXH3_state_t* hash = XXH3_createState();
+                XXH3_64bits_reset(hash);
+                struct Free {
+                  XXH3_state_t* h;
+                  ~Free() { XXH3_freeState(h); }
+                } free_hash{hash};
                 const bool found = client.get_stream(
                     {digests[size_t(e)], std::span<const int32_t>(&ids[size_t(e)], 1)},
                     [&](uint64_t total) {
@@ -159,6 +171,7 @@ int main(int argc, char** argv) {
                     [&](std::string_view chunk) {
                       if (at + chunk.size() > buf.size()) throw std::runtime_error("more bytes than announced");
                       std::memcpy(buf.data() + at, chunk.data(), chunk.size());
+                      if (consumer_checksum) XXH3_64bits_update(hash, chunk.data(), chunk.size());
                       at += chunk.size();
                     },
                     nullptr, bytes);

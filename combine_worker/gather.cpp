@@ -260,7 +260,7 @@ void CombineService::fetch_warm(const std::shared_ptr<Pending>& p, size_t slot, 
     // matched the stream's size, this model and these token ids (EntryReaderChecks).
     std::optional<engine::EntryReceiver> receiver;
     uint64_t size = 0;
-    bool mapped = false;
+    cache::FetchReport how;
     try {
       if (!d_.cache.get_stream(
               cache::CacheKey{digest, ids},
@@ -270,7 +270,7 @@ void CombineService::fetch_warm(const std::shared_ptr<Pending>& p, size_t slot, 
               },
               [&](std::string_view chunk) { receiver->feed(chunk); }, ctx,
               engine::wire_entry_bytes(backend_.config(), int64_t(ids.size())),  // (its deadline allows the bytes)
-              &mapped)) {
+              &how)) {
         why += "not in the segment cache any more (evicted after the lookup)";
       } else {
         const auto t1 = Clock::now();
@@ -284,11 +284,12 @@ void CombineService::fetch_warm(const std::shared_ptr<Pending>& p, size_t slot, 
         d.fetch_ms = rpc::ms_between(t0, Clock::now());
         d.fetch_bytes = size;
         spdlog::info("[req {}] segment {} from the segment cache ({}{}): {:.1f} MB in {:.0f} ms (transfer and parse "
-                     "{:.0f}, verify {:.0f}, device layout and copy {:.0f})",
-                     p->id, slot, mapped ? "its memfd mapped" : "streamed",
+                     "{:.0f}: answer {:.0f}, map {:.0f}, read and parse {:.0f}, checks {:.0f}; verify {:.0f}, device "
+                     "layout and copy {:.0f})",
+                     p->id, slot, how.mapped ? "its memfd mapped" : "streamed",
                      got.block ? ", into a pinned block" : "", double(size) / 1e6, d.fetch_ms,
-                     rpc::ms_between(t0, t1), rpc::ms_between(t1, t2),
-                     rpc::ms_between(t2, Clock::now()));
+                     rpc::ms_between(t0, t1), how.answer_ms, how.map_ms, how.read_ms, how.verify_ms,
+                     rpc::ms_between(t1, t2), rpc::ms_between(t2, Clock::now()));
         count_received("cache", size);
         count_segment(v1::SEGMENT_SOURCE_CACHE);
         fetch_costs_.observe_fetch(size, d.fetch_ms);

@@ -59,6 +59,15 @@ class PutCancel {
   bool cancelled_ = false;
 };
 
+/// How one get_stream call went (wall-clock ms on the calling thread, of the call that delivered the bytes).
+struct FetchReport {
+  bool mapped = false;    ///< the bytes were read in place from the replica's sealed memfd, not streamed
+  double answer_ms = 0;   ///< from the call's start to the replica's first message (its EntryInfo)
+  double map_ms = 0;      ///< opening and mapping the replica's memfd (PeerMemfd::open), when mapped
+  double read_ms = 0;     ///< handing the bytes to the consumer (what it does with them included) and hashing them
+  double verify_ms = 0;   ///< the end of the call, the checksum and MAC verdicts (waiting for the MAC's thread)
+};
+
 class SegmentCacheClient {
  public:
   struct Options {
@@ -122,12 +131,11 @@ class SegmentCacheClient {
   /// piece as it arrives (the caller parses it straight into its destination; a 230 MB entry is never held twice).
   /// The checksum and MAC cover the whole stream, so they are verified after the last consume: use what was parsed
   /// only when this returns true. false: NOT_FOUND. Throws as get() does; an exception from begin or consume cancels
-  /// the read and propagates. `*mapped` (when given) says whether the bytes came from the replica's sealed memfd
-  /// (Options::shared_memory) rather than a stream.
+  /// the read and propagates. `*report` (when given) says how the bytes came and where the time went.
   bool get_stream(const CacheKey& key, const std::function<void(uint64_t)>& begin,
                   const std::function<void(std::string_view)>& consume,
                   const grpc::ServerContextBase* parent = nullptr, uint64_t expected_bytes = 0,
-                  bool* mapped = nullptr) const;
+                  FetchReport* report = nullptr) const;
   /// Fetch without the token-id or MAC check (administration): returns the bytes and the stored ids; *mac (when
   /// given) receives the stored MAC (empty: none).
   std::optional<std::pair<std::string, std::vector<int32_t>>> get_unchecked(const rpc::Digest& digest,
@@ -170,7 +178,7 @@ class SegmentCacheClient {
                                              const grpc::ServerContextBase* parent, uint64_t expected_bytes,
                                              const std::function<void(uint64_t)>& begin,
                                              const std::function<void(std::string_view)>& consume,
-                                             std::string* mac_out, bool* mapped = nullptr) const;
+                                             std::string* mac_out, FetchReport* report = nullptr) const;
 
   std::vector<std::string> replicas_;
   Options opt_;

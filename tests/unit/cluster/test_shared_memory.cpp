@@ -292,11 +292,12 @@ struct CacheServer : test::CacheServer {
 
 // What a client's get_stream hands its consumer, assembled.
 std::optional<std::string> fetch(const cache::SegmentCacheClient& client, const rpc::Digest& d,
-                                 const std::vector<int32_t>& ids) {
+                                 const std::vector<int32_t>& ids, cache::FetchReport* report = nullptr) {
   std::string got;
   uint64_t announced = 0;
   const bool found = client.get_stream(
-      {d, ids}, [&](uint64_t total) { announced = total; }, [&](std::string_view c) { got.append(c); });
+      {d, ids}, [&](uint64_t total) { announced = total; }, [&](std::string_view c) { got.append(c); }, nullptr, 0,
+      report);
   if (!found) return std::nullopt;
   CHECK(announced == got.size());
   return got;
@@ -313,10 +314,16 @@ TEST_CASE("segment cache over shared memory: a client on this host maps what was
   client.put({digest_of(1), ids_big}, big);
   client.put({digest_of(2), ids_small}, small);
   const double shm0 = fetched("shared_memory"), grpc0 = fetched("grpc");
-  CHECK(fetch(client, digest_of(1), ids_big) == big);
+  cache::FetchReport how;
+  CHECK(fetch(client, digest_of(1), ids_big, &how) == big);
   CHECK(fetched("shared_memory") == shm0 + 1);
-  CHECK(fetch(client, digest_of(2), ids_small) == small);  // on the heap: streamed
+  CHECK(how.mapped);
+  CHECK(how.answer_ms > 0);
+  CHECK(how.read_ms > 0);
+  CHECK(fetch(client, digest_of(2), ids_small, &how) == small);  // on the heap: streamed
   CHECK(fetched("grpc") == grpc0 + 1);
+  CHECK_FALSE(how.mapped);
+  CHECK(how.map_ms == 0);
   CHECK(client.get({digest_of(1), ids_big}) == big);
   CHECK(fetched("shared_memory") == shm0 + 2);
   cache::SegmentCacheClient::Options off;
