@@ -300,7 +300,23 @@ std::optional<std::vector<int32_t>> SegmentCacheClient::stream(const rpc::Digest
     const grpc::Status st = reader->Finish();
     if (st.error_code() == grpc::StatusCode::NOT_FOUND) return std::nullopt;
     if (!st.ok()) rpc::throw_status(st, what);
-    check.finish();
+    try {
+      check.finish();
+    } catch (const rpc::RpcError& e) {
+      if (!mapped || e.code() != grpc::StatusCode::DATA_LOSS) throw;
+      // The cache hands its memfds out unverified (their reader checks them; nobody can write a sealed memfd): one
+      // that fails here is corrupt in the cache's memory, and deleted there as the cache deletes one it finds so.
+      std::string dropped = "dropped from the cache";
+      try {
+        if (!erase(digest)) dropped = "already gone from the cache";
+      } catch (const std::exception& ex) {
+        dropped = fmt::format("could not be deleted from the cache: {}", ex.what());
+      }
+      spdlog::error("{}: its memfd failed its integrity check ({}); {}", what, e.what(), dropped);
+      throw rpc::RpcError(grpc::StatusCode::DATA_LOSS,
+                          fmt::format("{}: its memfd failed its integrity check and was {} ({})", what, dropped,
+                                      e.what()));
+    }
     if (mac_stream && !mac_stream->verify(mac)) {
       entry_mac_failures_counter().inc();
       static rpc::LogLimit limit;

@@ -206,7 +206,9 @@ grpc::Status SegmentCacheService::Get(grpc::ServerContext* ctx, const v1::GetReq
     }
     std::optional<std::span<const int32_t>> ids;
     if (!req->skip_token_check()) ids.emplace(req->token_ids().data(), size_t(req->token_ids().size()));
-    auto handle = store_.get(d, ids);  // throws DATA_LOSS for a corrupt entry
+    // Throws DATA_LOSS for a corrupt entry. One handed out as a sealed memfd is verified by its reader instead (its
+    // checksum and MAC over the mapping; it Deletes an entry that fails): not hashed twice on a request's path.
+    auto handle = store_.get(d, ids, /*verify_memfd=*/!req->accept_shared_memory());
     if (!handle) {
       return grpc::Status(grpc::StatusCode::NOT_FOUND, fmt::format("segment entry {} not in the cache", rpc::digest_hex(d)));
     }

@@ -391,7 +391,32 @@ SegmentStore::LookupResult SegmentStore::lookup(const Digest& digest, std::span<
 }
 
 std::optional<SegmentStore::Handle> SegmentStore::get(const Digest& digest,
-                                                      std::optional<std::span<const int32_t>> token_ids) {
+                                                      std::optional<std::span<const int32_t>> token_ids,
+                                                      bool verify_memfd) {
+  std::optional<Handle> h = get_unverified(digest, token_ids);
+  // A memory-tier copy is verified outside the store's lock (a 232 MB entry takes tens of ms to hash; Gets of
+  // several entries at once hash them in parallel), unless it is in a sealed memfd that the reader verifies itself.
+  if (!h || h->tier() != Tier::Memory || (!verify_memfd && h->bytes_->shared())) return h;
+  const uint64_t got = rpc::checksum64(h->bytes());
+  if (got == h->checksum()) return h;
+  const std::shared_ptr<const rpc::SharedBytes> bytes = h->bytes_;
+  const uint64_t generation = h->generation_, stored = h->checksum();
+  h.reset();  // unpinned
+  std::lock_guard<std::mutex> lock(mu_);
+  ++counters_.corruptions;
+  ++counters_.misses;
+  --counters_.hits;
+  auto it = map_.find(digest);
+  if (it != map_.end() && it->second.generation == generation && it->second.bytes == bytes)
+    drop(it, StoreEvent::Kind::Cleared, "corrupt");
+  const std::string why = fmt::format("memory copy: XXH3-64 checksum {:016x} != stored {:016x}", got, stored);
+  spdlog::error("entry {} is corrupt and was dropped: {}", rpc::digest_hex(digest), why);
+  throw rpc::RpcError(grpc::StatusCode::DATA_LOSS, fmt::format("segment entry {} failed its integrity check and was "
+                                                               "dropped: {}", rpc::digest_hex(digest), why));
+}
+
+std::optional<SegmentStore::Handle> SegmentStore::get_unverified(const Digest& digest,
+                                                                 std::optional<std::span<const int32_t>> token_ids) {
   std::lock_guard<std::mutex> lock(mu_);
   expire_leases_locked();
   ++counters_.lookups;
@@ -410,11 +435,7 @@ std::optional<SegmentStore::Handle> SegmentStore::get(const Digest& digest,
   std::shared_ptr<const rpc::SharedBytes> bytes;
   try {
     if (e.tier == Tier::Memory) {
-      const uint64_t got = rpc::checksum64(e.bytes->view());
-      if (got != e.checksum) {
-        throw std::runtime_error(fmt::format("memory copy: XXH3-64 checksum {:016x} != stored {:016x}", got, e.checksum));
-      }
-      bytes = e.bytes;
+      bytes = e.bytes;  // verified by get(), outside the lock
     } else {
       bytes = read_disk_file(digest, e);
     }

@@ -137,11 +137,14 @@ class SegmentStore {
   /// leases ended. The empty owner's anonymous leases are not released (they only expire).
   size_t release_leases(std::string_view owner);
 
-  /// Reads and pins an entry, verifying its checksum. `token_ids` == nullopt skips the id check
-  /// (administration). Returns nullopt on a miss or an id mismatch. A disk hit is promoted to
-  /// memory when it fits. Throws RpcError(DATA_LOSS) if the bytes fail their checksum (the entry
-  /// is dropped).
-  std::optional<Handle> get(const Digest& digest, std::optional<std::span<const int32_t>> token_ids);
+  /// Reads and pins an entry, verifying its checksum (a memory-tier copy outside the store's lock, so that Gets hash
+  /// in parallel). `token_ids` == nullopt skips the id check (administration). Returns nullopt on a miss or an id
+  /// mismatch. A disk hit is promoted to memory when it fits. Throws RpcError(DATA_LOSS) if the bytes fail their
+  /// checksum (the entry is dropped). `verify_memfd` false: a memory-tier copy held in a sealed memfd is handed out
+  /// unverified, for a reader that maps it and verifies it itself (and Deletes it when it fails: nobody can write a
+  /// sealed memfd, so only the hardware could have changed it).
+  std::optional<Handle> get(const Digest& digest, std::optional<std::span<const int32_t>> token_ids,
+                            bool verify_memfd = true);
 
   /// Stores (or replaces) an entry. `checksum` must be XXH3-64 of `bytes` (else DATA_LOSS, nothing
   /// stored). Makes room by evicting least recently used unpinned, unleased entries (memory
@@ -197,6 +200,8 @@ class SegmentStore {
   std::vector<StoreEvent> list_entries_then(const std::function<void()>& then);
 
  private:
+  /// get() less the memory-tier checksum (the rest under the lock: lookup, id check, disk read and promotion, pin).
+  std::optional<Handle> get_unverified(const Digest& digest, std::optional<std::span<const int32_t>> token_ids);
   struct Entry {
     std::vector<int32_t> ids;
     std::string mac;

@@ -157,6 +157,28 @@ TEST_CASE("replacing an entry keeps the bytes a reader holds", "[segment_store]"
   CHECK(old->bytes() == bytes_of(1, 100));
 }
 
+TEST_CASE("a memory copy that changed after its put fails its checksum on get, is dropped, and readers holding it keep "
+          "theirs", "[segment_store]") {
+  SegmentStore st(StoreOptions{.memory_budget_bytes = 1000});
+  put(st, 1, 100);
+  const auto ids = ids_of(1);
+  auto held = st.get(digest_of(1), std::span<const int32_t>(ids));
+  REQUIRE(held);
+  REQUIRE(held->memfd_ref().fd == -1);  // on the heap (below shared_memory_min_bytes): it can be changed in place
+  const_cast<char*>(held->bytes().data())[50] ^= 0x20;  // what a bit flip in the cache's memory does
+  // Verified on every get (outside the store's lock), whatever verify_memfd says for heap bytes.
+  CHECK(code_of([&] { (void)st.get(digest_of(1), std::span<const int32_t>(ids), /*verify_memfd=*/false); }) ==
+        grpc::StatusCode::DATA_LOSS);
+  CHECK_FALSE(present(st, 1));
+  const auto s = st.stats();
+  CHECK(s.corruptions == 1);
+  CHECK(s.hits == 1);  // the first get; the corrupt one counts as a miss
+  CHECK(held->bytes().size() == 100);  // the reader's handle stays valid
+  CHECK_FALSE(st.get(digest_of(1), std::span<const int32_t>(ids)));
+  put(st, 1, 100);  // put again: a new generation, verified and served
+  CHECK(st.get(digest_of(1), std::span<const int32_t>(ids))->bytes() == bytes_of(1, 100));
+}
+
 TEST_CASE("disk tier: spill, promotion, corruption, restart", "[segment_store]") {
   TempDir dir;
   StoreOptions opt{.memory_budget_bytes = 200, .disk_dir = dir.path, .disk_budget_bytes = 250};

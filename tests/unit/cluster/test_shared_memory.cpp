@@ -379,6 +379,12 @@ class FakeCache final : public v1::SegmentCache::Service {
   std::string put_refusal = "unreachable";
   std::atomic<int> put_shared{0}, put_plain{0};
   std::string put_bytes;
+  std::atomic<int> deleted{0};
+  grpc::Status Delete(grpc::ServerContext*, const v1::DeleteRequest*, v1::DeleteResponse* resp) override {
+    ++deleted;
+    resp->set_deleted(true);
+    return grpc::Status::OK;
+  }
   grpc::Status Put(grpc::ServerContext* ctx, grpc::ServerReader<v1::PutRequest>* r, v1::PutResponse*) override {
     v1::PutRequest m;
     if (!r->Read(&m)) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "no header");
@@ -461,7 +467,7 @@ TEST_CASE("segment cache client: a replica whose memfds cannot be opened here is
     CHECK(s.fake.asked_shared == 2);  // asked each time: the creator is reachable
     CHECK(s.fake.asked_plain == 2);
   }
-  SECTION("a mapped answer whose bytes are not the announced ones fails its checksum") {
+  SECTION("a mapped answer whose bytes are not the announced ones fails its checksum, and is deleted from the cache") {
     auto other = sealed(random_bytes(300000, 12));
     s.fake.ref = [&] { return other->memfd_ref(); };
     try {
@@ -469,7 +475,9 @@ TEST_CASE("segment cache client: a replica whose memfds cannot be opened here is
       FAIL("wrong bytes were accepted");
     } catch (const rpc::RpcError& e) {
       CHECK(e.code() == grpc::StatusCode::DATA_LOSS);
+      CHECK_THAT(e.what(), Catch::Contains("failed its integrity check and was dropped from the cache"));
     }
+    CHECK(s.fake.deleted == 1);
   }
 }
 
