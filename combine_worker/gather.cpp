@@ -284,11 +284,11 @@ void CombineService::fetch_warm(const std::shared_ptr<Pending>& p, size_t slot, 
         d.fetch_ms = rpc::ms_between(t0, Clock::now());
         d.fetch_bytes = size;
         spdlog::info("[req {}] segment {} from the segment cache ({}{}): {:.1f} MB in {:.0f} ms (transfer and parse "
-                     "{:.0f}: answer {:.0f}, map {:.0f}, read and parse {:.0f}, checks {:.0f}; verify {:.0f}, device "
-                     "layout and copy {:.0f})",
+                     "{:.0f}: answer {:.0f}, map {:.0f}, read and parse {:.0f}, call's end {:.0f}, checks {:.0f}; "
+                     "verify {:.0f}, device layout and copy {:.0f})",
                      p->id, slot, how.mapped ? "its memfd mapped" : "streamed",
                      got.block ? ", into a pinned block" : "", double(size) / 1e6, d.fetch_ms,
-                     rpc::ms_between(t0, t1), how.answer_ms, how.map_ms, how.read_ms, how.verify_ms,
+                     rpc::ms_between(t0, t1), how.answer_ms, how.map_ms, how.read_ms, how.end_ms, how.verify_ms,
                      rpc::ms_between(t1, t2), rpc::ms_between(t2, Clock::now()));
         count_received("cache", size);
         count_segment(v1::SEGMENT_SOURCE_CACHE);

@@ -201,6 +201,7 @@ std::optional<std::vector<int32_t>> SegmentCacheClient::stream(const rpc::Digest
   // At most two calls: one that accepts shared memory, then, when its memfd could not be opened here, a plain one.
   for (bool accept = shared_allowed(no_shared_memory_until_[replica]);; accept = false) {
     const auto t0 = Clock::now();
+    auto r0_end = t0;  // when the consumer had the last byte
     FetchReport r;
     auto ctx = rpc::make_client_context(parent, transfer_timeout(expected_bytes));
     v1::GetRequest req;
@@ -275,7 +276,8 @@ std::optional<std::vector<int32_t>> SegmentCacheClient::stream(const rpc::Digest
               if (mac_stream) mac_stream->update_borrowed(piece);  // hashed beside the parse
               consume(piece);
             }
-            r.read_ms = rpc::ms_between(r0, Clock::now());
+            r0_end = Clock::now();
+            r.read_ms = rpc::ms_between(r0, r0_end);
           }
         } else {
           if (mapped) throw rpc::RpcError(grpc::StatusCode::DATA_LOSS, what + ": data after a shared memory answer");
@@ -283,7 +285,8 @@ std::optional<std::vector<int32_t>> SegmentCacheClient::stream(const rpc::Digest
           check.append(msg.data());
           consume(msg.data());
           if (mac_stream) mac_stream->update(std::move(*msg.mutable_data()));  // hashed beside the receive
-          r.read_ms += rpc::ms_between(r0, Clock::now());
+          r0_end = Clock::now();
+          r.read_ms += rpc::ms_between(r0, r0_end);
         }
       }
     } catch (...) {  // a bad stream or a consumer that gave up: end the call before leaving
@@ -296,8 +299,9 @@ std::optional<std::vector<int32_t>> SegmentCacheClient::stream(const rpc::Digest
       (void)reader->Finish();
       continue;
     }
-    const auto v0 = Clock::now();
     const grpc::Status st = reader->Finish();
+    const auto v0 = Clock::now();
+    r.end_ms = rpc::ms_between(r0_end, v0);
     if (st.error_code() == grpc::StatusCode::NOT_FOUND) return std::nullopt;
     if (!st.ok()) rpc::throw_status(st, what);
     try {

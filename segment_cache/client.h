@@ -65,7 +65,8 @@ struct FetchReport {
   double answer_ms = 0;   ///< from the call's start to the replica's first message (its EntryInfo)
   double map_ms = 0;      ///< opening and mapping the replica's memfd (PeerMemfd::open), when mapped
   double read_ms = 0;     ///< handing the bytes to the consumer (what it does with them included) and hashing them
-  double verify_ms = 0;   ///< the end of the call, the checksum and MAC verdicts (waiting for the MAC's thread)
+  double end_ms = 0;      ///< from the last byte handed over to the call's status (the replica ending the call)
+  double verify_ms = 0;   ///< the checksum and MAC verdicts (waiting for the MAC's thread)
 };
 
 class SegmentCacheClient {
