@@ -139,8 +139,17 @@ std::shared_ptr<const rpc::SharedBytes> HostCopier::wire_bytes(const Item& item)
       *item.block,
       [&](uint64_t total) {
         std::string why;
-        if (memfd && total >= cache::SegmentCacheClient::kMinSharedPutBytes)
+        if (memfd && total >= cache::SegmentCacheClient::kMinSharedPutBytes) {
           writer = rpc::SealedMemfdWriter::create(total, &why);
+          if (!writer) {
+            static rpc::LogLimit limit;
+            uint64_t unlogged = 0;
+            if (limit.allow(&unlogged))
+              spdlog::info("[req {}] wire form of {} made on the heap, not in a sealed memfd ({}); the cache put "
+                           "copies it into one or streams it{}", item.request_id, rpc::digest_hex(item.digest), why,
+                           unlogged ? fmt::format(" ({} more since the last such line)", unlogged) : std::string());
+          }
+        }
         if (!writer) heap.reserve(total);
       },
       [&](std::string_view piece) {

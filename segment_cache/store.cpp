@@ -393,30 +393,43 @@ SegmentStore::LookupResult SegmentStore::lookup(const Digest& digest, std::span<
 std::optional<SegmentStore::Handle> SegmentStore::get(const Digest& digest,
                                                       std::optional<std::span<const int32_t>> token_ids,
                                                       bool verify_memfd) {
-  std::optional<Handle> h = get_unverified(digest, token_ids);
+  bool pending = false;
+  std::optional<Handle> h = get_unverified(digest, token_ids, verify_memfd, &pending);
   // A memory-tier copy is verified outside the store's lock (a 232 MB entry takes tens of ms to hash; Gets of
   // several entries at once hash them in parallel), unless it is in a sealed memfd that the reader verifies itself.
-  if (!h || h->tier() != Tier::Memory || (!verify_memfd && h->bytes_->shared())) return h;
+  // Its hit (and LRU touch) is counted once it verified, so that the counters only ever grow.
+  if (!pending) return h;
   const uint64_t got = rpc::checksum64(h->bytes());
-  if (got == h->checksum()) return h;
-  const std::shared_ptr<const rpc::SharedBytes> bytes = h->bytes_;
   const uint64_t generation = h->generation_, stored = h->checksum();
+  if (got == stored) {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++counters_.hits;
+    auto it = map_.find(digest);
+    if (it != map_.end() && it->second.generation == generation) touch(it->second, digest);
+    return h;
+  }
+  const std::shared_ptr<const rpc::SharedBytes> bytes = h->bytes_;
   h.reset();  // unpinned
   std::lock_guard<std::mutex> lock(mu_);
-  ++counters_.corruptions;
   ++counters_.misses;
-  --counters_.hits;
+  // Dropped and counted once, by the Get that finds it still in place: not by a second Get that hashed the same copy
+  // meanwhile, nor when a put replaced it meanwhile (the new generation stays).
   auto it = map_.find(digest);
-  if (it != map_.end() && it->second.generation == generation && it->second.bytes == bytes)
+  const bool dropped = it != map_.end() && it->second.generation == generation && it->second.bytes == bytes;
+  if (dropped) {
+    ++counters_.corruptions;
     drop(it, StoreEvent::Kind::Cleared, "corrupt");
+  }
   const std::string why = fmt::format("memory copy: XXH3-64 checksum {:016x} != stored {:016x}", got, stored);
-  spdlog::error("entry {} is corrupt and was dropped: {}", rpc::digest_hex(digest), why);
-  throw rpc::RpcError(grpc::StatusCode::DATA_LOSS, fmt::format("segment entry {} failed its integrity check and was "
-                                                               "dropped: {}", rpc::digest_hex(digest), why));
+  const char* what = dropped ? "was dropped" : "had been dropped or replaced meanwhile";
+  spdlog::error("entry {} is corrupt and {}: {}", rpc::digest_hex(digest), what, why);
+  throw rpc::RpcError(grpc::StatusCode::DATA_LOSS, fmt::format("segment entry {} failed its integrity check and {}: {}",
+                                                               rpc::digest_hex(digest), what, why));
 }
 
 std::optional<SegmentStore::Handle> SegmentStore::get_unverified(const Digest& digest,
-                                                                 std::optional<std::span<const int32_t>> token_ids) {
+                                                                 std::optional<std::span<const int32_t>> token_ids,
+                                                                 bool verify_memfd, bool* pending) {
   std::lock_guard<std::mutex> lock(mu_);
   expire_leases_locked();
   ++counters_.lookups;
@@ -470,8 +483,11 @@ std::optional<SegmentStore::Handle> SegmentStore::get_unverified(const Digest& d
       emit(StoreEvent::Kind::Moved, digest, e.size, Tier::Memory, "", Tier::Disk);
     }
   }
-  touch(e, digest);
-  ++counters_.hits;
+  *pending = read_from == Tier::Memory && (verify_memfd || !bytes->shared());
+  if (!*pending) {  // (else counted by get() once verified)
+    touch(e, digest);
+    ++counters_.hits;
+  }
   ++e.pins;
   return Handle(this, digest, e.generation, std::move(bytes), e.checksum, read_from, e.ids, e.mac);
 }

@@ -201,7 +201,9 @@ class SegmentStore {
 
  private:
   /// get() less the memory-tier checksum (the rest under the lock: lookup, id check, disk read and promotion, pin).
-  std::optional<Handle> get_unverified(const Digest& digest, std::optional<std::span<const int32_t>> token_ids);
+  /// *pending: a memory-tier copy get() still has to verify (its hit and LRU touch not counted yet).
+  std::optional<Handle> get_unverified(const Digest& digest, std::optional<std::span<const int32_t>> token_ids,
+                                       bool verify_memfd, bool* pending);
   struct Entry {
     std::vector<int32_t> ids;
     std::string mac;

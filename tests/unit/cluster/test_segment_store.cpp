@@ -2,6 +2,7 @@
 // restart), integrity checks, token-id verification, concurrency.
 #include <catch2/catch.hpp>
 
+#include <atomic>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -177,6 +178,52 @@ TEST_CASE("a memory copy that changed after its put fails its checksum on get, i
   CHECK_FALSE(st.get(digest_of(1), std::span<const int32_t>(ids)));
   put(st, 1, 100);  // put again: a new generation, verified and served
   CHECK(st.get(digest_of(1), std::span<const int32_t>(ids))->bytes() == bytes_of(1, 100));
+}
+
+TEST_CASE("a corrupt memory copy hashed by several Gets at once is dropped and counted once, and no counter goes "
+          "back", "[segment_store]") {
+  constexpr size_t kSize = size_t{32} << 20;  // long enough to hash that the Gets overlap
+  SegmentStore st(StoreOptions{.memory_budget_bytes = 2 * kSize});
+  put(st, 1, kSize);
+  const auto ids = ids_of(1);
+  {
+    auto held = st.get(digest_of(1), std::span<const int32_t>(ids));
+    REQUIRE(held);
+    const_cast<char*>(held->bytes().data())[kSize - 1] ^= 0x20;
+  }
+  const auto before = st.stats();
+  std::atomic<bool> done{false}, went_back{false};
+  std::thread poll([&] {  // what a metrics scrape sees meanwhile
+    uint64_t hits = before.hits;
+    while (!done) {
+      const uint64_t now = st.stats().hits;
+      if (now < hits) went_back = true;
+      hits = now;
+    }
+  });
+  std::atomic<int> losses{0}, dropped{0};
+  std::vector<std::thread> readers;
+  for (int i = 0; i < 3; ++i) {
+    readers.emplace_back([&] {
+      try {
+        (void)st.get(digest_of(1), std::span<const int32_t>(ids));
+      } catch (const RpcError& e) {
+        if (e.code() == grpc::StatusCode::DATA_LOSS) ++losses;
+        if (std::string_view(e.what()).find("and was dropped") != std::string_view::npos) ++dropped;
+      }
+    });
+  }
+  for (auto& t : readers) t.join();
+  done = true;
+  poll.join();
+  const auto after = st.stats();
+  CHECK(losses >= 1);
+  CHECK(dropped == 1);  // the one that found it in place; the others say it had been dropped meanwhile (or missed)
+  CHECK(after.corruptions - before.corruptions == 1);
+  CHECK(after.misses - before.misses == 3);  // every Get: a corrupt copy or, after the drop, no entry
+  CHECK(after.hits == before.hits);
+  CHECK_FALSE(went_back);
+  CHECK_FALSE(present(st, 1));
 }
 
 TEST_CASE("disk tier: spill, promotion, corruption, restart", "[segment_store]") {
