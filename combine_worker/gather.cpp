@@ -312,7 +312,8 @@ void CombineService::fetch_warm(const std::shared_ptr<Pending>& p, size_t slot, 
     }
   } catch (const rpc::RpcError& e) {
     if (e.code() == grpc::StatusCode::DATA_LOSS) {
-      why += fmt::format("cache entry failed its integrity check and was dropped by the cache ({})", e.what());
+      // (The error says who dropped it: the cache, or this worker's Delete of a mapped entry, and whether that held.)
+      why += fmt::format("cache entry failed its integrity check ({})", e.what());
     } else if (e.code() == grpc::StatusCode::CANCELLED) {
       return;  // the request is going away
     } else {

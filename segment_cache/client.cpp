@@ -557,7 +557,8 @@ void add_cache_client_flags(CLI::App& app, SegmentCacheClient::Options& options)
       ->capture_default_str();
   app.add_option("--cache-shared-memory", options.shared_memory,
                  "map the entries a segment cache replica on this host holds in sealed memfds instead of streaming "
-                 "them (a replica whose memfds cannot be opened from here is streamed from)")
+                 "them, and put entries of 1 MiB and up as sealed memfds it adopts (a replica whose memfds cannot be "
+                 "opened from here is streamed from, one that cannot open ours streamed to)")
       ->capture_default_str();
 }
 
