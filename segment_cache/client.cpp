@@ -304,18 +304,21 @@ std::optional<std::vector<int32_t>> SegmentCacheClient::stream(const rpc::Digest
     r.end_ms = rpc::ms_between(r0_end, v0);
     if (st.error_code() == grpc::StatusCode::NOT_FOUND) return std::nullopt;
     if (!st.ok()) rpc::throw_status(st, what);
+    // Deletes the entry from the cache; says how that went (`done` when it did).
+    auto delete_entry = [&](std::string_view done) -> std::string {
+      try {
+        return erase(digest) ? std::string(done) : "already gone from the cache";
+      } catch (const std::exception& ex) {
+        return fmt::format("could not be deleted from the cache: {}", ex.what());
+      }
+    };
     try {
       check.finish();
     } catch (const rpc::RpcError& e) {
       if (!mapped || e.code() != grpc::StatusCode::DATA_LOSS) throw;
       // The cache hands its memfds out unverified (their reader checks them; nobody can write a sealed memfd): one
       // that fails here is corrupt in the cache's memory, and deleted there as the cache deletes one it finds so.
-      std::string dropped = "dropped from the cache";
-      try {
-        if (!erase(digest)) dropped = "already gone from the cache";
-      } catch (const std::exception& ex) {
-        dropped = fmt::format("could not be deleted from the cache: {}", ex.what());
-      }
+      const std::string dropped = delete_entry("dropped from the cache");
       spdlog::error("{}: its memfd failed its integrity check ({}); {}", what, e.what(), dropped);
       throw rpc::RpcError(grpc::StatusCode::DATA_LOSS,
                           fmt::format("{}: its memfd failed its integrity check and was {} ({})", what, dropped,
@@ -325,12 +328,7 @@ std::optional<std::vector<int32_t>> SegmentCacheClient::stream(const rpc::Digest
       entry_mac_failures_counter().inc();
       static rpc::LogLimit limit;
       uint64_t suppressed = 0;
-      std::string dropped = "deleted from the cache";
-      try {
-        if (!erase(digest)) dropped = "already gone from the cache";
-      } catch (const std::exception& e) {
-        dropped = fmt::format("could not be deleted from the cache: {}", e.what());
-      }
+      const std::string dropped = delete_entry("deleted from the cache");
       const std::string msg = fmt::format("{}: {} (forged, relabelled or corrupt entry, or signed with a key no longer "
                                           "configured): refused, {}",
                                           what, mac.empty() ? "it carries no MAC" : "its MAC does not verify", dropped);
