@@ -57,7 +57,7 @@ double median(std::vector<double> v) {
 
 int main(int argc, char** argv) {
   CLI::App app{"Segment cache fetch throughput by client connections and fetches in flight"};
-  std::string cache, json_out, md_out, key_file;
+  std::string cache, json_out, md_out, key_file, mac_scheme = "gmac";
   double entry_mb = 232;
   int entries = 8, parallel = 8, reps = 3;
   std::vector<int> connections{1, 2, 4, 8};
@@ -82,14 +82,14 @@ int main(int argc, char** argv) {
   app.add_option("--consumer-checksum", consumer_checksum,
                  "the consumer also hashes each piece it copies (XXH3, as the combine worker's entry parse does)")
       ->capture_default_str();
-  hypic::rpc::add_entry_mac_flag(app, key_file);
+  hypic::rpc::add_entry_mac_flag(app, key_file, mac_scheme);
   app.add_option("--json", json_out, "also write the JSON result here");
   app.add_option("--md", md_out, "also write the markdown table here");
   CLI11_PARSE(app, argc, argv);
 
   try {
     spdlog::set_default_logger(spdlog::stderr_color_mt("bench"));  // (stdout carries the JSON alone)
-    hypic::rpc::configure_entry_mac(key_file, "bench");
+    hypic::rpc::configure_entry_mac(key_file, "bench", mac_scheme);
     const auto bytes = uint64_t(entry_mb * 1e6);
     // The entries: random bytes (incompressible; gRPC does not compress here anyway), fresh digests.
     std::mt19937_64 rng(std::random_device{}());

@@ -508,7 +508,12 @@ grpc::Status CombineService::DeliverEntry(grpc::ServerContext* ctx, grpc::Server
     check.begin(h.total_bytes(), h.checksum(), what);
     engine::EntryReceiver parser(backend_, entry_checks(h.total_bytes(), slot.ids, p->entry_seam_width));
     // With entry keys the stream ends with the builder's MAC, checked before the entry is used.
-    rpc::EntryMacCheck mac(rpc::entry_mac_keys(), slot.digest, slot.ids, h.total_bytes());
+    if (!rpc::EntryMacKeys::is_head(h.mac_head())) {
+      throw rpc::invalid_argument("header.mac_head", fmt::format("{} bytes starting with {}: neither empty nor a "
+                                                                 "gmac MAC's head (proto/rpc/entry_mac.h)",
+                                                                 h.mac_head().size(), int(uint8_t(h.mac_head()[0]))));
+    }
+    rpc::EntryMacCheck mac(rpc::entry_mac_keys(), slot.digest, slot.ids, h.total_bytes(), h.mac_head());
     std::optional<std::string> mac_sent;
     std::shared_ptr<const engine::SegmentEntry> entry;
     std::shared_ptr<const engine::ResidentEntry> resident;

@@ -23,8 +23,8 @@ int main(int argc, char** argv) {
   server.listen = "127.0.0.1:50071";
   hypic::rpc::add_server_flags(app, server);
   hypic::rpc::add_service_identity_flag(app, server.service_identities);
-  std::string cache_key_file;
-  hypic::rpc::add_entry_mac_flag(app, cache_key_file);
+  std::string cache_key_file, mac_scheme = "gmac";
+  hypic::rpc::add_entry_mac_flag(app, cache_key_file, mac_scheme);
   std::string model_dir, tokenizer_path;
   std::vector<std::string> caches;
   hypic::rpc::EngineFlags engine;
@@ -117,7 +117,7 @@ int main(int argc, char** argv) {
   try {
     hypic::rpc::init_service("combine", server);
     hypic::rpc::log_caller_policy("combine worker");
-    hypic::rpc::configure_entry_mac(cache_key_file, "combine worker");
+    hypic::rpc::configure_entry_mac(cache_key_file, "combine worker", mac_scheme);
     hypic::transport::disable_nvls();
     opt.gather_timeout = std::chrono::seconds(gather_timeout_s);
     opt.nccl = nccl == "auto";

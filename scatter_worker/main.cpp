@@ -22,8 +22,8 @@ int main(int argc, char** argv) {
   server.listen = "127.0.0.1:50061";
   hypic::rpc::add_server_flags(app, server);
   hypic::rpc::add_service_identity_flag(app, server.service_identities);
-  std::string cache_key_file;
-  hypic::rpc::add_entry_mac_flag(app, cache_key_file);
+  std::string cache_key_file, mac_scheme = "gmac";
+  hypic::rpc::add_entry_mac_flag(app, cache_key_file, mac_scheme);
   std::vector<std::string> combines;
   app.add_option("--combine", combines,
                  "combine worker host:port this worker may deliver entries to, as the router names it (repeat); a "
@@ -72,7 +72,7 @@ int main(int argc, char** argv) {
   try {
     hypic::rpc::init_service("scatter", server);
     hypic::rpc::log_caller_policy("scatter worker");
-    hypic::rpc::configure_entry_mac(cache_key_file, "scatter worker");
+    hypic::rpc::configure_entry_mac(cache_key_file, "scatter worker", mac_scheme);
     hypic::transport::disable_nvls();
     const auto backend = hypic::rpc::make_engine_backend(engine, model_dir);
     if (backend->device_entries()) {

@@ -58,20 +58,24 @@ grpc::Status deliver_entry(v1::CombineWorker::Stub& stub, grpc::ClientContext& c
   v1::EntryChunk head;
   *head.mutable_header() = header;
   if (written) *written = 0;
-  // The MAC is made on another thread while the chunks go (no pass over the bytes before the first one), sent last;
-  // a stream that breaks stops it within a piece (so a refused delivery does not wait for the whole HMAC).
+  // The MAC is made on another thread while the chunks go (no pass over the bytes before the first one), sent last,
+  // its head (scheme and nonce) in the header; a stream that breaks stops it within a piece (so a refused delivery
+  // does not wait for the whole MAC).
   std::atomic<bool> abandoned{false};
   std::future<std::string> mac;
-  if (keys.enabled())
-    mac = std::async(std::launch::async, [&keys, &digest, &abandoned, token_ids, bytes] {
+  if (keys.enabled()) {
+    const std::string mac_head = keys.new_head();
+    head.mutable_header()->set_mac_head(mac_head);
+    mac = std::async(std::launch::async, [&keys, &digest, &abandoned, token_ids, bytes, mac_head] {
       constexpr size_t kPiece = size_t(4) << 20;
-      rpc::EntryMacKeys::Stream s(keys, digest, token_ids, bytes.size());
+      rpc::EntryMacKeys::Stream s(keys, digest, token_ids, bytes.size(), mac_head);
       for (size_t off = 0; off < bytes.size(); off += kPiece) {
         if (abandoned) return std::string();
         s.update(bytes.substr(off, kPiece));
       }
       return s.sign();
     });
+  }
   bool all = false;
   if (writer->Write(head)) {
     all = rpc::write_chunks<v1::EntryChunk>(

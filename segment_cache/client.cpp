@@ -214,6 +214,7 @@ std::optional<std::vector<int32_t>> SegmentCacheClient::stream(const rpc::Digest
     rpc::ChunkVerifier check;
     std::vector<int32_t> stored_ids;
     std::string mac;
+    uint64_t stored_checksum = 0;
     std::unique_ptr<rpc::PeerMemfd> mapped;  // (outlives the MAC check, which reads it in place)
     std::optional<rpc::EntryMacCheck> mac_stream;
     bool ask_again = false;
@@ -263,9 +264,12 @@ std::optional<std::vector<int32_t>> SegmentCacheClient::stream(const rpc::Digest
             }
           }
           check.begin(info.total_bytes(), info.checksum(), what);
+          stored_checksum = info.checksum();
           stored_ids.assign(info.token_ids().begin(), info.token_ids().end());
           mac = info.mac();
-          if (check_mac) mac_stream.emplace(keys, digest, stored_ids, info.total_bytes());
+          if (check_mac) {  // (a MAC of neither form is verified as an HMAC's and fails)
+            mac_stream.emplace(keys, digest, stored_ids, info.total_bytes(), rpc::EntryMacKeys::head_of(mac));
+          }
           begin(info.total_bytes());
           if (mapped) {  // read in place, in pieces, as the stream's chunks would come
             const auto r0 = Clock::now();
@@ -304,10 +308,12 @@ std::optional<std::vector<int32_t>> SegmentCacheClient::stream(const rpc::Digest
     r.end_ms = rpc::ms_between(r0_end, v0);
     if (st.error_code() == grpc::StatusCode::NOT_FOUND) return std::nullopt;
     if (!st.ok()) rpc::throw_status(st, what);
-    // Deletes the entry from the cache; says how that went (`done` when it did).
-    auto delete_entry = [&](std::string_view done) -> std::string {
+    // Deletes the entry read (not one put since) from the cache; says how that went (`done` when it did).
+    auto delete_entry = [&](std::string_view done, bool corrupt) -> std::string {
       try {
-        return erase(digest) ? std::string(done) : "already gone from the cache";
+        return erase_read(digest, stored_checksum, mac, corrupt)
+                   ? std::string(done)
+                   : "already gone from the cache or replaced there";
       } catch (const std::exception& ex) {
         return fmt::format("could not be deleted from the cache: {}", ex.what());
       }
@@ -318,7 +324,7 @@ std::optional<std::vector<int32_t>> SegmentCacheClient::stream(const rpc::Digest
       if (!mapped || e.code() != grpc::StatusCode::DATA_LOSS) throw;
       // The cache hands its memfds out unverified (their reader checks them; nobody can write a sealed memfd): one
       // that fails here is corrupt in the cache's memory, and deleted there as the cache deletes one it finds so.
-      const std::string dropped = delete_entry("dropped from the cache");
+      const std::string dropped = delete_entry("dropped from the cache", true);
       spdlog::error("{}: its memfd failed its integrity check ({}); {}", what, e.what(), dropped);
       throw rpc::RpcError(grpc::StatusCode::DATA_LOSS,
                           fmt::format("{}: its memfd failed its integrity check and was {} ({})", what, dropped,
@@ -328,7 +334,7 @@ std::optional<std::vector<int32_t>> SegmentCacheClient::stream(const rpc::Digest
       entry_mac_failures_counter().inc();
       static rpc::LogLimit limit;
       uint64_t suppressed = 0;
-      const std::string dropped = delete_entry("deleted from the cache");
+      const std::string dropped = delete_entry("deleted from the cache", false);
       const std::string msg = fmt::format("{}: {} (forged, relabelled or corrupt entry, or signed with a key no longer "
                                           "configured): refused, {}",
                                           what, mac.empty() ? "it carries no MAC" : "its MAC does not verify", dropped);
@@ -490,10 +496,24 @@ bool SegmentCacheClient::put_once(const CacheKey& key, std::string_view bytes, c
 }
 
 bool SegmentCacheClient::erase(const rpc::Digest& digest) const {
-  auto& stub = stub_for(digest);
-  auto ctx = rpc::make_client_context(nullptr, opt_.timeout);
   v1::DeleteRequest req;
   req.set_digest(rpc::digest_bytes(digest));
+  return delete_once(digest, req);
+}
+
+bool SegmentCacheClient::erase_read(const rpc::Digest& digest, uint64_t checksum, const std::string& mac,
+                                    bool corrupt) const {
+  v1::DeleteRequest req;
+  req.set_digest(rpc::digest_bytes(digest));
+  req.set_if_checksum(checksum);
+  req.set_if_mac(mac);
+  req.set_corrupt(corrupt);
+  return delete_once(digest, req);
+}
+
+bool SegmentCacheClient::delete_once(const rpc::Digest& digest, const v1::DeleteRequest& req) const {
+  auto& stub = stub_for(digest);
+  auto ctx = rpc::make_client_context(nullptr, opt_.timeout);
   v1::DeleteResponse resp;
   const grpc::Status st = stub.Delete(ctx.get(), req, &resp);
   if (!st.ok()) rpc::throw_status(st, fmt::format("delete {} at {}", rpc::digest_hex(digest), owner(digest)));

@@ -163,11 +163,17 @@ class SegmentCacheClient {
   static constexpr size_t kMinSharedPutBytes = size_t{1} << 20;
   /// Removes an entry; false if the owner did not have it. Throws rpc::RpcError on failure.
   bool erase(const rpc::Digest& digest) const;
+  /// Removes the entry that a read found bad, and only that one: false when the owner holds none or another (put
+  /// since: its checksum or MAC differs from `checksum` / `mac`, EntryInfo's of the read). `corrupt`: its bytes failed
+  /// their checksum (the cache counts it with its corruptions); else its MAC failed. Throws rpc::RpcError on failure.
+  bool erase_read(const rpc::Digest& digest, uint64_t checksum, const std::string& mac, bool corrupt) const;
   /// Stats of one replica. Throws rpc::RpcError on failure.
   hypic::v1::CacheStats stats(size_t replica) const;
 
  private:
   hypic::v1::SegmentCache::Stub& stub_for(const rpc::Digest& digest) const;
+  // One Delete call to the owner of `digest`; throws rpc::RpcError on failure.
+  bool delete_once(const rpc::Digest& digest, const hypic::v1::DeleteRequest& req) const;
   std::optional<std::pair<std::string, std::vector<int32_t>>> fetch(const rpc::Digest& digest,
                                                                      std::span<const int32_t> ids, bool check_ids,
                                                                      const grpc::ServerContextBase* parent,

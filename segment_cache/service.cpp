@@ -506,8 +506,15 @@ grpc::Status SegmentCacheService::Delete(grpc::ServerContext* ctx, const v1::Del
   return rpc::handle_errors([&] {
     auto call = life_.enter();
     const rpc::Digest d = rpc::parse_digest(req->digest(), "digest");
-    resp->set_deleted(store_.erase(d));
-    if (resp->deleted()) spdlog::info("deleted {}", rpc::digest_hex(d));
+    SegmentStore::EraseIf only_if;
+    if (req->has_if_checksum()) only_if.checksum = req->if_checksum();
+    if (req->has_if_mac()) only_if.mac = req->if_mac();
+    resp->set_deleted(store_.erase(d, only_if, req->corrupt()));
+    if (resp->deleted()) {
+      spdlog::info("deleted {}{}", rpc::digest_hex(d), req->corrupt() ? " (its reader found it corrupt)" : "");
+    } else if (only_if.checksum || only_if.mac) {
+      spdlog::info("kept {}: not the entry the delete named (replaced since, or gone)", rpc::digest_hex(d));
+    }
     return grpc::Status::OK;
   });
 }

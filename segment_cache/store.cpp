@@ -598,11 +598,14 @@ bool SegmentStore::put(const Digest& digest, std::vector<int32_t> token_ids,
                                                       fmt_bytes(opt_.disk_budget_bytes))));
 }
 
-bool SegmentStore::erase(const Digest& digest) {
+bool SegmentStore::erase(const Digest& digest, const EraseIf& only_if, bool corrupt) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = map_.find(digest);
   if (it == map_.end()) return false;
-  drop(it, StoreEvent::Kind::Cleared, "deleted");
+  if (only_if.checksum && *only_if.checksum != it->second.checksum) return false;
+  if (only_if.mac && *only_if.mac != it->second.mac) return false;
+  if (corrupt) ++counters_.corruptions;
+  drop(it, StoreEvent::Kind::Cleared, corrupt ? "corrupt" : "deleted");
   return true;
 }
 

@@ -186,8 +186,15 @@ class SegmentStore {
     ++counters_.rejected_puts;
   }
 
-  /// Removes an entry from every tier; false if absent.
-  bool erase(const Digest& digest);
+  /// What a conditional erase must find: the stored entry's checksum (XXH3-64 it was put with) and MAC, where given.
+  struct EraseIf {
+    std::optional<uint64_t> checksum;
+    std::optional<std::string> mac;
+  };
+  /// Removes an entry from every tier; false if absent or, with `only_if`, when the entry held is not the one named
+  /// (replaced since the caller read it). `corrupt`: its reader found it failing its checksum (a memfd handed out
+  /// unverified); counted in corruptions and reported with the reason "corrupt" instead of "deleted".
+  bool erase(const Digest& digest, const EraseIf& only_if = {}, bool corrupt = false);
 
   /// Counters and sizes; also ends the leases that have expired.
   StoreStats stats();

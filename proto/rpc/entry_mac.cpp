@@ -10,6 +10,8 @@
 #include <openssl/core_names.h>
 #include <openssl/crypto.h>
 #include <openssl/evp.h>
+#include <openssl/kdf.h>
+#include <openssl/rand.h>
 #include <spdlog/spdlog.h>
 
 namespace hypic::rpc {
@@ -17,31 +19,51 @@ namespace {
 
 EntryMacKeys g_keys;  // set once by configure_entry_mac
 
-constexpr std::string_view kLabel{"hypic-entry-mac-v1\0", 19};
+constexpr std::string_view kLabelV1{"hypic-entry-mac-v1\0", 19};
+constexpr std::string_view kLabelV2{"hypic-entry-mac-v2\0", 19};
+constexpr std::string_view kGmacInfo{"hypic-entry-gmac-v2"};
+constexpr char kGmacVersion = 0x02;
+constexpr size_t kNonceBytes = 12, kGmacTagBytes = 16;
 
 void put_u64(unsigned char* p, uint64_t v) {
   for (int i = 0; i < 8; ++i) p[i] = static_cast<unsigned char>(v >> (8 * i));
 }
 
-void ok(int r) {
-  if (r != 1) throw std::runtime_error("OpenSSL: HMAC-SHA256 failed");
+void ok(int r, const char* what = "entry MAC") {
+  if (r != 1) throw std::runtime_error(fmt::format("OpenSSL: {} failed", what));
 }
 
-// An HMAC-SHA256 context under `key` that has taken everything the MAC binds before the entry's bytes (file comment).
-EVP_MAC_CTX* begin_hmac(const std::string& key, const Digest& digest, std::span<const int32_t> ids, uint64_t size) {
-  EVP_MAC* mac = EVP_MAC_fetch(nullptr, "HMAC", nullptr);
-  if (!mac) throw std::runtime_error("OpenSSL: HMAC is not available");
+struct CtxFree {  // until a context is handed out
+  EVP_MAC_CTX* c;
+  ~CtxFree() { EVP_MAC_CTX_free(c); }
+};
+
+// A MAC context that has taken everything the MAC binds before the entry's bytes (file comment): HMAC-SHA256 under
+// `key` when `head` is empty, else AES-256-GMAC under `key` (already derived) with the head's nonce.
+EVP_MAC_CTX* begin_mac(const std::string& key, std::string_view head, const Digest& digest,
+                       std::span<const int32_t> ids, uint64_t size) {
+  const bool gmac = !head.empty();
+  EVP_MAC* mac = EVP_MAC_fetch(nullptr, gmac ? "GMAC" : "HMAC", nullptr);
+  if (!mac) throw std::runtime_error(fmt::format("OpenSSL: {} is not available", gmac ? "GMAC" : "HMAC"));
   EVP_MAC_CTX* ctx = EVP_MAC_CTX_new(mac);
   EVP_MAC_free(mac);
-  if (!ctx) throw std::runtime_error("OpenSSL: cannot make an HMAC context");
-  struct Free {  // until the prefix is in
-    EVP_MAC_CTX* c;
-    ~Free() { EVP_MAC_CTX_free(c); }
-  } free_ctx{ctx};
-  char sha256[] = "SHA256";
-  OSSL_PARAM params[] = {OSSL_PARAM_construct_utf8_string(OSSL_MAC_PARAM_DIGEST, sha256, 0), OSSL_PARAM_construct_end()};
+  if (!ctx) throw std::runtime_error("OpenSSL: cannot make a MAC context");
+  CtxFree free_ctx{ctx};
+  char sha256[] = "SHA256", aes[] = "AES-256-GCM";
+  unsigned char nonce[kNonceBytes];
+  OSSL_PARAM params[3];
+  if (gmac) {
+    std::memcpy(nonce, head.data() + 1, kNonceBytes);
+    params[0] = OSSL_PARAM_construct_utf8_string(OSSL_MAC_PARAM_CIPHER, aes, 0);
+    params[1] = OSSL_PARAM_construct_octet_string(OSSL_MAC_PARAM_IV, nonce, kNonceBytes);
+    params[2] = OSSL_PARAM_construct_end();
+  } else {
+    params[0] = OSSL_PARAM_construct_utf8_string(OSSL_MAC_PARAM_DIGEST, sha256, 0);
+    params[1] = OSSL_PARAM_construct_end();
+  }
   ok(EVP_MAC_init(ctx, reinterpret_cast<const unsigned char*>(key.data()), key.size(), params));
-  ok(EVP_MAC_update(ctx, reinterpret_cast<const unsigned char*>(kLabel.data()), kLabel.size()));
+  const std::string_view label = gmac ? kLabelV2 : kLabelV1;
+  ok(EVP_MAC_update(ctx, reinterpret_cast<const unsigned char*>(label.data()), label.size()));
   ok(EVP_MAC_update(ctx, digest.data(), digest.size()));
   unsigned char n[8];
   put_u64(n, ids.size());
@@ -58,26 +80,40 @@ EVP_MAC_CTX* begin_hmac(const std::string& key, const Digest& digest, std::span<
   return ctx;
 }
 
-void update_hmac(EVP_MAC_CTX* ctx, std::string_view bytes) {
+void update_mac(EVP_MAC_CTX* ctx, std::string_view bytes) {
   if (!bytes.empty()) ok(EVP_MAC_update(ctx, reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size()));
 }
 
-std::string final_hmac(EVP_MAC_CTX* ctx) {
-  std::string out(EntryMacKeys::kMacBytes, '\0');
+// The context's tag: 32 bytes (HMAC-SHA256) or 16 (GMAC).
+std::string final_mac(EVP_MAC_CTX* ctx, size_t want) {
+  std::string out(EntryMacKeys::kHmacBytes, '\0');
   size_t len = 0;
   ok(EVP_MAC_final(ctx, reinterpret_cast<unsigned char*>(out.data()), &len, out.size()));
-  if (len != out.size()) throw std::runtime_error("OpenSSL: HMAC-SHA256 gave an unexpected length");
+  if (len != want) {
+    throw std::runtime_error(fmt::format("OpenSSL: a MAC of {} bytes where {} were expected", len, want));
+  }
+  out.resize(len);
   return out;
 }
 
-std::string hmac(const std::string& key, const Digest& digest, std::span<const int32_t> ids, std::string_view bytes) {
-  EVP_MAC_CTX* ctx = begin_hmac(key, digest, ids, bytes.size());
-  struct Free {
-    EVP_MAC_CTX* c;
-    ~Free() { EVP_MAC_CTX_free(c); }
-  } free_ctx{ctx};
-  update_hmac(ctx, bytes);
-  return final_hmac(ctx);
+// HKDF-SHA256 (RFC 5869) of a cluster key, no salt, info kGmacInfo: the AES-256 key of its gmac MACs.
+std::string derive_gmac_key(const std::string& key) {
+  EVP_KDF* kdf = EVP_KDF_fetch(nullptr, "HKDF", nullptr);
+  if (!kdf) throw std::runtime_error("OpenSSL: HKDF is not available");
+  EVP_KDF_CTX* ctx = EVP_KDF_CTX_new(kdf);
+  EVP_KDF_free(kdf);
+  if (!ctx) throw std::runtime_error("OpenSSL: cannot make an HKDF context");
+  char sha256[] = "SHA256";
+  std::string info(kGmacInfo), ikm = key, out(32, '\0');
+  OSSL_PARAM params[] = {
+      OSSL_PARAM_construct_utf8_string(OSSL_KDF_PARAM_DIGEST, sha256, 0),
+      OSSL_PARAM_construct_octet_string(OSSL_KDF_PARAM_KEY, ikm.data(), ikm.size()),
+      OSSL_PARAM_construct_octet_string(OSSL_KDF_PARAM_INFO, info.data(), info.size()), OSSL_PARAM_construct_end()};
+  const int r = EVP_KDF_derive(ctx, reinterpret_cast<unsigned char*>(out.data()), out.size(), params);
+  EVP_KDF_CTX_free(ctx);
+  OPENSSL_cleanse(ikm.data(), ikm.size());
+  ok(r, "HKDF-SHA256");
+  return out;
 }
 
 int hex_value(char c) {
@@ -89,7 +125,17 @@ int hex_value(char c) {
 
 }  // namespace
 
-EntryMacKeys EntryMacKeys::load(const std::string& path, const std::string& flag) {
+EntryMacScheme parse_entry_mac_scheme(std::string_view name, std::string_view flag) {
+  if (name == "gmac") return EntryMacScheme::kGmac;
+  if (name == "hmac-sha256") return EntryMacScheme::kHmacSha256;
+  throw std::invalid_argument(fmt::format("{}: \"{}\" is not a MAC scheme (gmac or hmac-sha256)", flag, name));
+}
+
+std::string_view entry_mac_scheme_name(EntryMacScheme scheme) {
+  return scheme == EntryMacScheme::kGmac ? "gmac" : "hmac-sha256";
+}
+
+EntryMacKeys EntryMacKeys::load(const std::string& path, const std::string& flag, EntryMacScheme scheme) {
   errno = 0;
   std::ifstream in(path, std::ios::binary);
   if (!in) {
@@ -129,29 +175,67 @@ EntryMacKeys EntryMacKeys::load(const std::string& path, const std::string& flag
     keys.push_back(std::move(key));
   }
   if (keys.empty()) throw std::invalid_argument(fmt::format("{}: {} holds no key", flag, path));
-  return of(std::move(keys));
+  return of(std::move(keys), scheme);
 }
 
-EntryMacKeys EntryMacKeys::of(std::vector<std::string> raw_keys) {
+EntryMacKeys EntryMacKeys::of(std::vector<std::string> raw_keys, EntryMacScheme scheme) {
   for (const auto& k : raw_keys) {
     if (k.size() < kMinKeyBytes) {
       throw std::invalid_argument(fmt::format("entry MAC key of {} bytes; at least {}", k.size(), kMinKeyBytes));
     }
   }
   EntryMacKeys out;
+  for (const auto& k : raw_keys) out.gmac_keys_.push_back(derive_gmac_key(k));
   out.keys_ = std::move(raw_keys);
+  out.scheme_ = scheme;
   return out;
+}
+
+std::string EntryMacKeys::new_head() const {
+  if (keys_.empty() || scheme_ != EntryMacScheme::kGmac) return {};
+  std::string head(kMacHeadBytes, kGmacVersion);
+  ok(RAND_bytes(reinterpret_cast<unsigned char*>(head.data() + 1), int(kNonceBytes)), "RAND_bytes (a MAC nonce)");
+  return head;
+}
+
+std::string_view EntryMacKeys::head_of(std::string_view mac) {
+  return mac.size() == kGmacBytes && mac[0] == kGmacVersion ? mac.substr(0, kMacHeadBytes) : std::string_view{};
+}
+
+bool EntryMacKeys::is_head(std::string_view head) {
+  return head.empty() || (head.size() == kMacHeadBytes && head[0] == kGmacVersion);
 }
 
 std::string EntryMacKeys::sign(const Digest& digest, std::span<const int32_t> token_ids, std::string_view bytes) const {
   if (keys_.empty()) return {};
-  return hmac(keys_.front(), digest, token_ids, bytes);
+  Stream s(*this, digest, token_ids, bytes.size(), new_head());
+  s.update(bytes);
+  return s.sign();
+}
+
+bool EntryMacKeys::verify(const Digest& digest, std::span<const int32_t> token_ids, std::string_view bytes,
+                          std::string_view mac) const {
+  if (keys_.empty()) return true;
+  Stream s(*this, digest, token_ids, bytes.size(), head_of(mac));
+  s.update(bytes);
+  return s.verify(mac);
 }
 
 EntryMacKeys::Stream::Stream(const EntryMacKeys& keys, const Digest& digest, std::span<const int32_t> token_ids,
-                             uint64_t total_bytes)
-    : total_(total_bytes) {
-  for (const auto& k : keys.keys_) ctx_.push_back(begin_hmac(k, digest, token_ids, total_bytes));
+                             uint64_t total_bytes, std::string_view head)
+    : head_(head), total_(total_bytes) {
+  if (!is_head(head)) {
+    throw std::invalid_argument(fmt::format("an entry MAC head of {} bytes starting with {}: neither empty "
+                                            "(hmac-sha256) nor {} bytes starting with 2 (gmac)",
+                                            head.size(), int(static_cast<unsigned char>(head[0])), kMacHeadBytes));
+  }
+  try {
+    const auto& ks = head.empty() ? keys.keys_ : keys.gmac_keys_;
+    for (const auto& k : ks) ctx_.push_back(begin_mac(k, head, digest, token_ids, total_bytes));
+  } catch (...) {
+    for (void* c : ctx_) EVP_MAC_CTX_free(static_cast<EVP_MAC_CTX*>(c));
+    throw;
+  }
 }
 
 EntryMacKeys::Stream::~Stream() {
@@ -160,16 +244,19 @@ EntryMacKeys::Stream::~Stream() {
 
 void EntryMacKeys::Stream::update(std::string_view bytes) {
   received_ += bytes.size();
-  for (void* c : ctx_) update_hmac(static_cast<EVP_MAC_CTX*>(c), bytes);
+  for (void* c : ctx_) update_mac(static_cast<EVP_MAC_CTX*>(c), bytes);
 }
 
 bool EntryMacKeys::Stream::verify(std::string_view mac) {
   if (ctx_.empty()) return true;  // MACs off
-  if (received_ != total_ || mac.size() != kMacBytes) return false;
+  const size_t tag_bytes = head_.empty() ? kHmacBytes : kGmacTagBytes;
+  if (received_ != total_ || mac.size() != head_.size() + tag_bytes) return false;
+  if (CRYPTO_memcmp(mac.data(), head_.data(), head_.size()) != 0) return false;  // not the head the bytes were fed with
+  const std::string_view tag = mac.substr(head_.size());
   bool good = false;
   for (void* c : ctx_) {
-    const std::string want = final_hmac(static_cast<EVP_MAC_CTX*>(c));
-    good = good || CRYPTO_memcmp(want.data(), mac.data(), kMacBytes) == 0;
+    const std::string want = final_mac(static_cast<EVP_MAC_CTX*>(c), tag_bytes);
+    good = good || CRYPTO_memcmp(want.data(), tag.data(), tag_bytes) == 0;
   }
   return good;
 }
@@ -179,13 +266,13 @@ std::string EntryMacKeys::Stream::sign() {
   if (received_ != total_)
     throw std::logic_error("EntryMacKeys::Stream::sign: " + std::to_string(received_) + " bytes given of " +
                            std::to_string(total_));
-  return final_hmac(static_cast<EVP_MAC_CTX*>(ctx_.front()));
+  return head_ + final_mac(static_cast<EVP_MAC_CTX*>(ctx_.front()), head_.empty() ? kHmacBytes : kGmacTagBytes);
 }
 
 EntryMacCheck::EntryMacCheck(const EntryMacKeys& keys, const Digest& digest, std::span<const int32_t> token_ids,
-                             uint64_t total_bytes) {
+                             uint64_t total_bytes, std::string_view head) {
   if (!keys.enabled()) return;
-  stream_.emplace(keys, digest, token_ids, total_bytes);
+  stream_.emplace(keys, digest, token_ids, total_bytes, head);
   thread_ = std::thread([this] { run(); });
 }
 
@@ -252,27 +339,22 @@ bool EntryMacCheck::verify(std::string_view mac) {
   return stream_->verify(mac);
 }
 
-bool EntryMacKeys::verify(const Digest& digest, std::span<const int32_t> token_ids, std::string_view bytes,
-                          std::string_view mac) const {
-  if (keys_.empty()) return true;
-  if (mac.size() != kMacBytes) return false;
-  for (const auto& k : keys_) {
-    const std::string want = hmac(k, digest, token_ids, bytes);
-    if (CRYPTO_memcmp(want.data(), mac.data(), kMacBytes) == 0) return true;
-  }
-  return false;
-}
-
-void add_entry_mac_flag(CLI::App& app, std::string& path) {
+void add_entry_mac_flag(CLI::App& app, std::string& path, std::string& scheme) {
   app.add_option("--cache-key-file", path,
                  "file of cluster keys (hex, one a line, the first signs): segment entries put in the cache or delivered "
-                 "to combine workers are signed (HMAC-SHA256) and verified before use; without it entries are "
-                 "unauthenticated (scatter and combine workers must share it)");
+                 "to combine workers are signed and verified before use; without it entries are unauthenticated "
+                 "(scatter and combine workers must share it)");
+  app.add_option("--cache-mac-scheme", scheme,
+                 "how this worker signs entries: gmac (AES-256-GMAC, about 4x faster) or hmac-sha256 (what workers "
+                 "before gmac verify: for a cluster mid-upgrade); both are verified either way")
+      ->check(CLI::IsMember({"gmac", "hmac-sha256"}))
+      ->capture_default_str();
 }
 
 void configure_entry_mac(EntryMacKeys keys) { g_keys = std::move(keys); }
 
-void configure_entry_mac(const std::string& path, const std::string& role) {
+void configure_entry_mac(const std::string& path, const std::string& role, const std::string& scheme) {
+  const EntryMacScheme s = parse_entry_mac_scheme(scheme);
   if (path.empty()) {
     g_keys = EntryMacKeys{};
     spdlog::warn("{}: no --cache-key-file: segment cache entries are NOT authenticated (anyone who can Put to the "
@@ -280,8 +362,9 @@ void configure_entry_mac(const std::string& path, const std::string& role) {
                  role);
     return;
   }
-  g_keys = EntryMacKeys::load(path);
-  spdlog::info("{}: segment cache entries signed and verified with HMAC-SHA256 ({} key{} in {})", role, g_keys.size(),
+  g_keys = EntryMacKeys::load(path, "--cache-key-file", s);
+  spdlog::info("{}: segment cache entries signed with {} and verified ({} key{} in {})", role,
+               s == EntryMacScheme::kGmac ? "AES-256-GMAC" : "HMAC-SHA256", g_keys.size(),
                g_keys.size() == 1 ? "" : "s", path);
 }
 

@@ -59,7 +59,9 @@ class PoisonTest(ClusterTestCase):
             self.assertEqual(got_a.returncode, 0, got_a.stderr)
             self.assertEqual(got_b.returncode, 0, got_b.stderr)
             a, b = json.loads(got_a.stdout), json.loads(got_b.stdout)
-            self.assertEqual(len(a["mac_hex"]), 64)  # every entry carries its HMAC-SHA256
+            # Every entry carries its MAC: AES-256-GMAC by default (29 bytes: version 2, nonce, tag).
+            self.assertEqual(len(a["mac_hex"]), 58)
+            self.assertEqual(a["mac_hex"][:2], "02")
             # The attack: A's bytes and A's MAC relabelled as B (B's digest and token ids; the checksum is recomputed
             # by the put).
             put = run("cache-put", "--cache", cache, "--digest", digest_b, "--token-ids",

@@ -326,6 +326,31 @@ TEST_CASE("a gRPC delivery is used only with its builder's MAC -- a missing, wro
       CHECK(st.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
       CHECK_THAT(st.error_message(), Catch::Contains("must be its last message"));
     }
+    // A header, bytes, a MAC: with a header's mac_head that is none, or that is not the MAC's head.
+    auto raw = [&](const v1::EntryHeader& header, const std::string& mac) {
+      auto ctx = context();
+      v1::DeliverEntryResponse resp;
+      auto writer = c.s.stub->DeliverEntry(ctx.get(), &resp);
+      v1::EntryChunk m;
+      *m.mutable_header() = header;
+      writer->Write(m);
+      m.set_data(bytes);
+      writer->Write(m);
+      m.set_mac(mac);
+      writer->Write(m);
+      writer->WritesDone();
+      return writer->Finish();
+    };
+    v1::EntryHeader odd = h;
+    odd.set_mac_head("xyz");
+    const grpc::Status odd_head = raw(odd, keys.sign(d, seg, bytes));
+    CHECK(odd_head.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+    CHECK_THAT(odd_head.error_message(), Catch::Contains("header.mac_head"));
+    v1::EntryHeader other = h;
+    other.set_mac_head(keys.new_head());  // another nonce than the MAC's
+    const grpc::Status other_head = raw(other, keys.sign(d, seg, bytes));
+    CHECK(other_head.error_code() == grpc::StatusCode::DATA_LOSS);
+    CHECK_THAT(other_head.error_message(), Catch::Contains("MAC does not verify"));
     // The builder's MAC, made as the chunks go: accepted, and the request completes with it.
     const grpc::Status good = deliver(keys);
     INFO(good.error_message());

@@ -201,32 +201,125 @@ TEST_CASE("TLS off: plaintext servers and channels, as before", "[security]") {
   CHECK(probe(server.address()) == 1);
 }
 
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
+
 #include "proto/rpc/entry_mac.h"
 #include "proto/rpc/status.h"
 
 TEST_CASE("entry MACs bind the digest, the token ids and the bytes", "[security][mac]") {
-  const auto keys = EntryMacKeys::of({std::string(32, 'k')});
-  Digest a{}, b{};
-  b[0] = 1;
-  const std::vector<int32_t> ids_a{1, 2, 3}, ids_b{1, 2, 4};
-  const std::string bytes = "entry bytes", other = "entry bytez";
-  const std::string mac = keys.sign(a, ids_a, bytes);
-  CHECK(mac.size() == EntryMacKeys::kMacBytes);
-  CHECK(keys.verify(a, ids_a, bytes, mac));
-  CHECK_FALSE(keys.verify(b, ids_a, bytes, mac));  // relabelled: another digest
-  CHECK_FALSE(keys.verify(a, ids_b, bytes, mac));  // another document's ids
-  CHECK_FALSE(keys.verify(a, ids_a, other, mac));  // other bytes
-  CHECK_FALSE(keys.verify(a, ids_a, bytes, ""));   // unsigned
-  CHECK_FALSE(EntryMacKeys::of({std::string(32, 'x')}).verify(a, ids_a, bytes, mac));  // another key
-  // Rotation: the second key of a file verifies what the first one signed, and the other way round.
-  const auto rotated = EntryMacKeys::of({std::string(32, 'n'), std::string(32, 'k')});
-  CHECK(rotated.verify(a, ids_a, bytes, mac));
-  CHECK(keys.verify(a, ids_a, bytes, EntryMacKeys::of({std::string(32, 'k'), std::string(32, 'n')}).sign(a, ids_a, bytes)));
-  CHECK_FALSE(keys.verify(a, ids_a, bytes, rotated.sign(a, ids_a, bytes)));
-  // Off: nothing signed, everything accepted.
-  CHECK(EntryMacKeys{}.sign(a, ids_a, bytes).empty());
-  CHECK(EntryMacKeys{}.verify(a, ids_a, bytes, ""));
+  for (const EntryMacScheme scheme : {EntryMacScheme::kGmac, EntryMacScheme::kHmacSha256}) {
+    INFO("signed with " << entry_mac_scheme_name(scheme));
+    const auto keys = EntryMacKeys::of({std::string(32, 'k')}, scheme);
+    Digest a{}, b{};
+    b[0] = 1;
+    const std::vector<int32_t> ids_a{1, 2, 3}, ids_b{1, 2, 4};
+    const std::string bytes = "entry bytes", other = "entry bytez";
+    const std::string mac = keys.sign(a, ids_a, bytes);
+    CHECK(mac.size() == (scheme == EntryMacScheme::kGmac ? EntryMacKeys::kGmacBytes : EntryMacKeys::kHmacBytes));
+    CHECK(keys.verify(a, ids_a, bytes, mac));
+    CHECK_FALSE(keys.verify(b, ids_a, bytes, mac));  // relabelled: another digest
+    CHECK_FALSE(keys.verify(a, ids_b, bytes, mac));  // another document's ids
+    CHECK_FALSE(keys.verify(a, ids_a, other, mac));  // other bytes
+    CHECK_FALSE(keys.verify(a, ids_a, bytes, ""));   // unsigned
+    CHECK_FALSE(EntryMacKeys::of({std::string(32, 'x')}).verify(a, ids_a, bytes, mac));  // another key
+    for (size_t i = 0; i < mac.size(); ++i) {  // any changed byte: version, nonce or tag
+      std::string bad = mac;
+      bad[i] ^= 0x10;
+      CHECK_FALSE(keys.verify(a, ids_a, bytes, bad));
+    }
+    CHECK_FALSE(keys.verify(a, ids_a, bytes, mac.substr(0, mac.size() - 1)));  // cut
+    // Verifiers accept either scheme, whichever they sign with.
+    const auto other_scheme = EntryMacKeys::of(
+        {std::string(32, 'k')}, scheme == EntryMacScheme::kGmac ? EntryMacScheme::kHmacSha256 : EntryMacScheme::kGmac);
+    CHECK(other_scheme.verify(a, ids_a, bytes, mac));
+    // Rotation: the second key of a file verifies what the first one signed, and the other way round.
+    const auto rotated = EntryMacKeys::of({std::string(32, 'n'), std::string(32, 'k')}, scheme);
+    CHECK(rotated.verify(a, ids_a, bytes, mac));
+    CHECK(keys.verify(a, ids_a, bytes,
+                      EntryMacKeys::of({std::string(32, 'k'), std::string(32, 'n')}, scheme).sign(a, ids_a, bytes)));
+    CHECK_FALSE(keys.verify(a, ids_a, bytes, rotated.sign(a, ids_a, bytes)));
+    // Off: nothing signed, everything accepted.
+    CHECK(EntryMacKeys{}.sign(a, ids_a, bytes).empty());
+    CHECK(EntryMacKeys{}.verify(a, ids_a, bytes, ""));
+  }
   CHECK_THROWS_AS(EntryMacKeys::of({"short"}), std::invalid_argument);
+  CHECK(parse_entry_mac_scheme("gmac") == EntryMacScheme::kGmac);
+  CHECK(parse_entry_mac_scheme("hmac-sha256") == EntryMacScheme::kHmacSha256);
+  CHECK_THROWS_WITH(parse_entry_mac_scheme("sha1"), Catch::Contains("--cache-mac-scheme") && Catch::Contains("sha1"));
+}
+
+namespace {
+
+// The bytes every entry MAC binds before the entry's (entry_mac.h's file comment), written out here on their own.
+std::string mac_prefix(std::string_view label, const Digest& d, const std::vector<int32_t>& ids, uint64_t size) {
+  std::string p(label);
+  p.push_back('\0');
+  p.append(reinterpret_cast<const char*>(d.data()), d.size());
+  auto u64 = [&](uint64_t v) {
+    for (int i = 0; i < 8; ++i) p.push_back(char(v >> (8 * i)));
+  };
+  u64(ids.size());
+  for (int32_t id : ids)
+    for (int i = 0; i < 4; ++i) p.push_back(char(uint32_t(id) >> (8 * i)));
+  u64(size);
+  return p;
+}
+
+std::string hmac_sha256(std::string_view key, std::string_view msg) {
+  unsigned char out[32];
+  unsigned len = 0;
+  REQUIRE(HMAC(EVP_sha256(), key.data(), int(key.size()), reinterpret_cast<const unsigned char*>(msg.data()),
+               msg.size(), out, &len) != nullptr);
+  return std::string(reinterpret_cast<const char*>(out), len);
+}
+
+}  // namespace
+
+TEST_CASE("entry MACs are the documented constructions: HMAC-SHA256, and AES-256-GCM's tag under an HKDF key",
+          "[security][mac]") {
+  // Independent of entry_mac.cpp: RFC 5869 HKDF written with one-shot HMACs, GCM through the cipher API (empty
+  // plaintext, everything bound as additional data), the prefix laid out by hand.
+  const std::string raw(32, 'k');
+  Digest d{};
+  for (size_t i = 0; i < d.size(); ++i) d[i] = uint8_t(17 * i + 3);
+  const std::vector<int32_t> ids{7, -1, 65536, 151643};
+  std::string bytes(70000, '\0');
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = char((i * 2654435761u) >> 9);
+
+  const auto v1 = EntryMacKeys::of({raw}, EntryMacScheme::kHmacSha256);
+  CHECK(v1.sign(d, ids, bytes) == hmac_sha256(raw, mac_prefix("hypic-entry-mac-v1", d, ids, bytes.size()) + bytes));
+
+  const std::string prk = hmac_sha256(std::string(32, '\0'), raw);  // HKDF-Extract, no salt
+  const std::string gmac_key = hmac_sha256(prk, std::string("hypic-entry-gmac-v2") + '\x01');  // Expand, 32 bytes
+  const auto v2 = EntryMacKeys::of({raw});
+  const std::string mac = v2.sign(d, ids, bytes);
+  REQUIRE(mac.size() == EntryMacKeys::kGmacBytes);
+  CHECK(mac[0] == 2);
+  const std::string aad = mac_prefix("hypic-entry-mac-v2", d, ids, bytes.size()) + bytes;
+  EVP_CIPHER_CTX* c = EVP_CIPHER_CTX_new();
+  REQUIRE(EVP_EncryptInit_ex(c, EVP_aes_256_gcm(), nullptr, nullptr, nullptr) == 1);
+  REQUIRE(EVP_CIPHER_CTX_ctrl(c, EVP_CTRL_GCM_SET_IVLEN, 12, nullptr) == 1);
+  REQUIRE(EVP_EncryptInit_ex(c, nullptr, nullptr, reinterpret_cast<const unsigned char*>(gmac_key.data()),
+                             reinterpret_cast<const unsigned char*>(mac.data() + 1)) == 1);
+  int n = 0;
+  REQUIRE(EVP_EncryptUpdate(c, nullptr, &n, reinterpret_cast<const unsigned char*>(aad.data()), int(aad.size())) == 1);
+  unsigned char fin[16], tag[16];
+  REQUIRE(EVP_EncryptFinal_ex(c, fin, &n) == 1);
+  REQUIRE(EVP_CIPHER_CTX_ctrl(c, EVP_CTRL_GCM_GET_TAG, 16, tag) == 1);
+  EVP_CIPHER_CTX_free(c);
+  CHECK(mac.substr(13) == std::string(reinterpret_cast<const char*>(tag), 16));
+  // A fresh nonce every signature: two MACs of the same entry differ, both verify.
+  const std::string again = v2.sign(d, ids, bytes);
+  CHECK(again.substr(1, 12) != mac.substr(1, 12));
+  CHECK(v2.verify(d, ids, bytes, again));
+  CHECK(EntryMacKeys::head_of(mac) == std::string_view(mac).substr(0, 13));
+  CHECK(EntryMacKeys::head_of(v1.sign(d, ids, bytes)).empty());
+  CHECK(EntryMacKeys::is_head(""));
+  CHECK(EntryMacKeys::is_head(std::string_view(mac).substr(0, 13)));
+  CHECK_FALSE(EntryMacKeys::is_head(std::string_view(mac).substr(0, 12)));
+  CHECK_FALSE(EntryMacKeys::is_head(std::string(13, '\x01')));
+  CHECK_THROWS_WITH(EntryMacKeys::Stream(v2, d, ids, bytes.size(), "xyz"), Catch::Contains("MAC head of 3 bytes"));
 }
 
 TEST_CASE("a streamed MAC check equals verify() for any cut of the bytes", "[security][mac]") {
@@ -240,7 +333,7 @@ TEST_CASE("a streamed MAC check equals verify() for any cut of the bytes", "[sec
   const std::string mac = keys.sign(d, ids, bytes);
   auto streamed = [&](const EntryMacKeys& k, const std::string& b, size_t piece, uint64_t announced,
                       const std::string& m, std::span<const int32_t> i) {
-    EntryMacKeys::Stream s(k, d, i, announced);
+    EntryMacKeys::Stream s(k, d, i, announced, EntryMacKeys::head_of(m));
     for (size_t off = 0; off < b.size(); off += piece) s.update(std::string_view(b).substr(off, piece));
     return s.verify(m);
   };
@@ -259,6 +352,14 @@ TEST_CASE("a streamed MAC check equals verify() for any cut of the bytes", "[sec
   }
   CHECK_FALSE(streamed(keys, bytes, 1000, bytes.size(), mac, ids));  // the MAC of the longer entry
   CHECK(streamed(EntryMacKeys{}, bytes, 1000, bytes.size(), "", ids));  // off: accepted
+  // hmac-sha256 MACs stream the same way; a stream fed under one head refuses a MAC with another.
+  const auto v1 = EntryMacKeys::of({std::string(32, 'k')}, EntryMacScheme::kHmacSha256);
+  const std::string m1 = v1.sign(d, ids, bytes);
+  CHECK(streamed(keys, bytes, 999, bytes.size(), m1, ids));
+  const std::string m2 = keys.sign(d, ids, bytes);
+  EntryMacKeys::Stream fed(keys, d, ids, bytes.size(), keys.new_head());  // another nonce
+  fed.update(bytes);
+  CHECK_FALSE(fed.verify(m2));
 }
 
 TEST_CASE("entry key files: hex keys, comments, errors naming the flag and the line", "[security][mac]") {
@@ -316,32 +417,43 @@ TEST_CASE("a MAC checked on its own thread as pieces arrive equals the one-shot 
   auto pieces = [&](EntryMacCheck& c, size_t step) {
     for (size_t off = 0; off < bytes.size(); off += step) c.update(bytes.substr(off, step));
   };
+  const std::string_view head = EntryMacKeys::head_of(mac);
   for (const size_t step : {size_t(1) << 20, size_t(65536), size_t(7777)}) {
     INFO("pieces of " << step);
-    EntryMacCheck good(keys, d, ids, bytes.size());
+    EntryMacCheck good(keys, d, ids, bytes.size(), head);
     CHECK(good.enabled());
     pieces(good, step);
     CHECK(good.verify(mac));
-    EntryMacCheck wrong(keys, d, ids, bytes.size());
-    pieces(wrong, step);
-    std::string bad = mac;
-    bad[0] ^= 1;
-    CHECK_FALSE(wrong.verify(bad));
+    for (const size_t at : {size_t(0), size_t(5), mac.size() - 1}) {  // version, nonce, tag
+      EntryMacCheck wrong(keys, d, ids, bytes.size(), head);
+      pieces(wrong, step);
+      std::string bad = mac;
+      bad[at] ^= 1;
+      CHECK_FALSE(wrong.verify(bad));
+    }
   }
   // Fewer bytes than announced never verify; a check left unverified ends its thread.
   {
-    EntryMacCheck short_read(keys, d, ids, bytes.size());
+    EntryMacCheck short_read(keys, d, ids, bytes.size(), head);
     short_read.update(bytes.substr(0, 1000));
     CHECK_FALSE(short_read.verify(mac));
-    EntryMacCheck abandoned(keys, d, ids, bytes.size());
+    EntryMacCheck abandoned(keys, d, ids, bytes.size(), head);
     abandoned.update(bytes.substr(0, 1000));
   }
-  // The streamed signer gives what sign() gives.
-  EntryMacKeys::Stream s(keys, d, ids, bytes.size());
+  // The streamed signer gives a MAC led by its head that verify() accepts; under hmac-sha256 what sign() gives.
+  const std::string new_head = keys.new_head();
+  EntryMacKeys::Stream s(keys, d, ids, bytes.size(), new_head);
   s.update(std::string_view(bytes).substr(0, 100));
   CHECK_THROWS_AS(s.sign(), std::logic_error);
   s.update(std::string_view(bytes).substr(100));
-  CHECK(s.sign() == keys.sign(d, ids, bytes));
+  const std::string streamed_mac = s.sign();
+  CHECK(streamed_mac.substr(0, new_head.size()) == new_head);
+  CHECK(keys.verify(d, ids, bytes, streamed_mac));
+  const auto v1 = EntryMacKeys::of({std::string(32, 'n')}, EntryMacScheme::kHmacSha256);
+  CHECK(v1.new_head().empty());
+  EntryMacKeys::Stream s1(v1, d, ids, bytes.size(), v1.new_head());
+  s1.update(bytes);
+  CHECK(s1.sign() == v1.sign(d, ids, bytes));
   // Off: no thread, everything verifies.
   EntryMacCheck off(EntryMacKeys{}, d, ids, bytes.size());
   CHECK_FALSE(off.enabled());

@@ -224,7 +224,7 @@ TEST_CASE("EntryMacCheck: borrowed pieces verify as handed-over ones do", "[shar
   const std::string mac = keys.sign(digest_of(1), ids, bytes);
   for (const bool borrowed : {false, true}) {
     for (const bool right : {true, false}) {
-      rpc::EntryMacCheck check(keys, digest_of(right ? 1 : 2), ids, bytes.size());
+      rpc::EntryMacCheck check(keys, digest_of(right ? 1 : 2), ids, bytes.size(), rpc::EntryMacKeys::head_of(mac));
       for (size_t off = 0; off < bytes.size(); off += 300000) {
         const std::string_view piece = std::string_view(bytes).substr(off, 300000);
         if (borrowed) check.update_borrowed(piece);
@@ -363,6 +363,22 @@ TEST_CASE("segment cache over shared memory: a forged MAC is refused and the ent
     CHECK(std::string(e.what()).find("MAC does not verify") != std::string::npos);
   }
   CHECK_FALSE(cache.store.get(digest_of(2), std::nullopt));  // deleted from the cache
+  // A delete of the entry read keeps one put since (another checksum or MAC): a replacement is not lost.
+  client.put({digest_of(3), ids}, bytes);
+  std::string stored_mac;
+  {
+    const auto held = cache.store.get(digest_of(3), std::nullopt);
+    REQUIRE(held);
+    stored_mac = held->mac();
+  }
+  const uint64_t sum = rpc::checksum64(bytes);
+  CHECK_FALSE(client.erase_read(digest_of(3), sum ^ 1, stored_mac, false));
+  CHECK_FALSE(client.erase_read(digest_of(3), sum, keys.sign(digest_of(3), ids, bytes), false));  // another nonce
+  CHECK(cache.store.get(digest_of(3), std::nullopt));
+  const uint64_t corruptions0 = cache.store.stats().corruptions;
+  CHECK(client.erase_read(digest_of(3), sum, stored_mac, true));
+  CHECK_FALSE(cache.store.get(digest_of(3), std::nullopt));
+  CHECK(cache.store.stats().corruptions == corruptions0 + 1);
 }
 
 namespace {
@@ -380,8 +396,10 @@ class FakeCache final : public v1::SegmentCache::Service {
   std::atomic<int> put_shared{0}, put_plain{0};
   std::string put_bytes;
   std::atomic<int> deleted{0};
-  grpc::Status Delete(grpc::ServerContext*, const v1::DeleteRequest*, v1::DeleteResponse* resp) override {
+  v1::DeleteRequest last_delete;
+  grpc::Status Delete(grpc::ServerContext*, const v1::DeleteRequest* req, v1::DeleteResponse* resp) override {
     ++deleted;
+    last_delete = *req;
     resp->set_deleted(true);
     return grpc::Status::OK;
   }
@@ -478,6 +496,11 @@ TEST_CASE("segment cache client: a replica whose memfds cannot be opened here is
       CHECK_THAT(e.what(), Catch::Contains("failed its integrity check and was dropped from the cache"));
     }
     CHECK(s.fake.deleted == 1);
+    // Only the entry read (its checksum and MAC as answered), reported corrupt.
+    CHECK(s.fake.last_delete.has_if_checksum());
+    CHECK(s.fake.last_delete.if_checksum() == rpc::checksum64(s.fake.bytes));
+    CHECK(s.fake.last_delete.has_if_mac());
+    CHECK(s.fake.last_delete.corrupt());
   }
 }
 
