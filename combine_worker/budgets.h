@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <string>
 
+#include "engine/backend.h"
 #include "engine/segment.h"
 
 namespace hypic::combine {
@@ -41,6 +42,12 @@ struct TierBudgets {
 ///  - put queue = max(1 GiB, 16 wire entries); host-copy queue = max(1 GiB, 16 entries) (a cold 16k-token prompt makes 8
 ///    entries at once, and a cache put over gRPC is slower than a host copy).
 TierBudgets default_tier_budgets(const BudgetInputs& in);
+
+/// Where a device backend's memory is, for logs: "weights 64.6 GiB, KV pool 2.2 GiB (0.3 used), workspace 7.0 GiB,
+/// entries 1.9 GiB (alive, with prefix checkpoints; 0.2 dropped, freed at the next engine call), free 0.2 of 79.2 GiB,
+/// the rest 3.9 GiB (sequence state slots, CUDA context, libraries' workspaces)". "" for a backend without device
+/// memory (device_total 0).
+std::string describe_device_memory(const engine::BackendMemory& m);
 
 /// "31.2 GiB (about 115 entries of 2048 tokens)".
 std::string describe_budget(uint64_t bytes, uint64_t entry_bytes);

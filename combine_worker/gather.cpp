@@ -63,7 +63,7 @@ void CombineService::build_locally(const std::shared_ptr<Pending>& p,
       std::lock_guard<std::mutex> lock(local_mu_);
       // A request that is ending (its cleanup set the flag, then leaves local_builds_ under this lock) starts and
       // joins nothing: a late fetch failure or ComputeLocally would otherwise leave a build nobody waits for.
-      if (p->cancel->load()) continue;
+      if (p->cancel->load() || p->gather_cancel->load()) continue;
       auto it = local_builds_.find(s.digest);
       if (it != local_builds_.end() && it->second.ids == s.ids && it->second.seam_width == p->entry_seam_width) {
         it->second.waiters.emplace_back(p, slot);
@@ -97,7 +97,7 @@ void CombineService::build_locally(const std::shared_ptr<Pending>& p,
       continue;
     }
     if (id == 0) {  // unshared: its own cancel flag is the request's
-      builds.push_back({s.ids, p->entry_seam_width, p->cancel,
+      builds.push_back({s.ids, p->entry_seam_width, p->gather_cancel,
                         [this, p, slot](engine::BuildOutcome r) {
                           if (r.cancelled) return;
                           if (!r.error.empty()) return local_build_failed(p, slot, r);
@@ -432,7 +432,9 @@ void CombineService::gather(const std::shared_ptr<Pending>& p, const v1::Combine
   for (int f = 0; f < nf; ++f) {
     // The threads outlive this call (joined by run_combine's cleanup): by reference only what run_combine owns.
     fetchers.emplace_back([this, p, ctx, next, &warm = fetch.warm] {
-      for (size_t k; (k = next->fetch_add(1)) < warm.size() && !p->cancel->load();) fetch_or_fail(p, warm[k], ctx);
+      for (size_t k; (k = next->fetch_add(1)) < warm.size() && !p->gather_cancel->load();) {
+        fetch_or_fail(p, warm[k], ctx);
+      }
     });
   }
   const auto give_up = Clock::now() + opt_.gather_timeout;

@@ -84,6 +84,10 @@ struct CombineService::Pending {
   std::string failure;  // a local build failed: the request cannot complete
   grpc::StatusCode failure_code = grpc::StatusCode::INTERNAL;  // what the build's error maps to
   std::shared_ptr<std::atomic<bool>> cancel = std::make_shared<std::atomic<bool>>(false);
+  // The request's entries are no longer wanted (it ended, or it is answered by a full prefill instead: in_full): no
+  // build or fetch starts for it, its unshared builds stop, and fill() keeps nothing. The pointer is immutable.
+  std::shared_ptr<std::atomic<bool>> gather_cancel = std::make_shared<std::atomic<bool>>(false);
+  bool in_full = false;  // under mu: answered by a full prefill (CombineService::answer_in_full)
 
   // Fills a slot, and the slots that repeat it with the same entry; false if it was already filled (a duplicate
   // delivery or a late local build). `note` is added to the slot's note.
@@ -94,7 +98,7 @@ struct CombineService::Pending {
     {
       std::lock_guard<std::mutex> lock(mu);
       Slot& s = slots[i];
-      if (s.has_entry()) return false;
+      if (s.has_entry() || in_full) return false;
       s.transport = delivery.transport;
       s.transfer_ms = delivery.transfer_ms;
       s.transfer_bytes = delivery.transfer_bytes;
@@ -136,6 +140,15 @@ inline void count_received(const char* from, size_t bytes) {
   rpc::MetricsRegistry::global()
       .counter("hypic:entry_bytes_received_total", "Segment entry bytes received, by sender", {{"from", from}})
       .inc(double(bytes));
+}
+/// hypic:combine_full_fallbacks_total: requests of an entry mode answered by a full prefill instead, their entries not
+/// fitting in device memory.
+inline rpc::Counter& full_fallbacks_counter() {
+  static auto& c = rpc::MetricsRegistry::global().counter(
+      "hypic:combine_full_fallbacks_total",
+      "Requests of an entry mode (hypic, naive, transition) answered by a full prefill instead because their entries "
+      "did not fit in device memory");
+  return c;
 }
 /// hypic:combine_builds_joined_total: segments that joined a local build of the same segment for another request.
 inline rpc::Counter& builds_joined_counter() {

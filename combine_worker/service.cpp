@@ -1,5 +1,7 @@
 #include "combine_worker/service.h"
 
+#include "combine_worker/budgets.h"
+
 #include "combine_worker/pending.h"
 
 #include "combine_worker/output.h"
@@ -43,6 +45,24 @@ CombineService::CombineService(CombineDeps deps, CombineOptions options)
   cache_hits_rebuilt_counter();
   cache_entries_refused_counter();
   delivery_mac_failures_counter();
+  full_fallbacks_counter();
+  if (backend_.device_entries()) {
+    using Part = size_t engine::BackendMemory::*;
+    auto& backend = backend_;
+    for (const auto& [part, field] : {std::pair<const char*, Part>{"weights", &engine::BackendMemory::weights},
+                                      {"kv_pool", &engine::BackendMemory::kv_budget},
+                                      {"kv_used", &engine::BackendMemory::kv_used},
+                                      {"workspace", &engine::BackendMemory::workspace},
+                                      {"entries", &engine::BackendMemory::entries_used},
+                                      {"freed_pending", &engine::BackendMemory::freed_pending},
+                                      {"free", &engine::BackendMemory::device_free},
+                                      {"total", &engine::BackendMemory::device_total}}) {
+      reg.gauge_fn("hypic:device_memory_bytes",
+                   "The backend's device memory by part (kv_used is part of kv_pool; entries: alive, with prefix "
+                   "checkpoints)",
+                   [&backend, f = field] { return double(backend.memory().*f); }, {{"part", part}});
+    }
+  }
   auto& tier = d_.memory_tier;
   auto& loop = d_.loop;
   reg.gauge_fn("hypic:cache_bytes", "Bytes of segment entries held, by tier", [&tier] { return double(tier.bytes()); },
@@ -204,12 +224,14 @@ engine::SpliceInfo CombineService::splice(const std::shared_ptr<Pending>& p, con
   engine::GenerateJob job;
   job.splice.plan.mode = p->mode;
   job.splice.plan.seam_width = req.seam_width();
-  job.splice.plan.refresh_segments = req.refresh_segments();
-  job.splice.plan.refresh_tail = req.refresh_tail();
+  if (p->mode == engine::SpliceMode::Hypic) {  // (not after answer_in_full)
+    job.splice.plan.refresh_segments = req.refresh_segments();
+    job.splice.plan.refresh_tail = req.refresh_tail();
+  }
   job.splice.plan.query = p->query;
-  for (auto& s : p->slots) {
-    job.splice.plan.segments.push_back({s.ids, s.resident});
-    job.splice.host_entries.push_back(s.entry);
+  for (auto& s : p->slots) {  // (full and prefix modes take the ids alone; a late fill may still touch the entries)
+    job.splice.plan.segments.push_back({s.ids, p->uses_entries ? s.resident : nullptr});
+    job.splice.host_entries.push_back(p->uses_entries ? s.entry : nullptr);
   }
   job.sampling = p->sampling;
   job.max_tokens = req.sampling().max_tokens();
@@ -234,7 +256,7 @@ engine::SpliceInfo CombineService::splice(const std::shared_ptr<Pending>& p, con
   // later requests (device tier, host copy, cache), between this worker's decode steps.
   {
     std::vector<engine::EngineLoop::BuildSubmission> later;
-    for (size_t i = 0; i < p->slots.size(); ++i) {
+    for (size_t i = 0; i < p->slots.size() && p->uses_entries; ++i) {
       if (p->slots[i].planned != v1::PlannedSegment::WHOLE) continue;
       const rpc::Digest digest = p->slots[i].digest;
       const bool put = p->cache_segments;
@@ -277,6 +299,7 @@ v1::CombineEvent CombineService::report(Pending& p, const engine::SpliceInfo& si
         sr->set_source(reused ? v1::SEGMENT_SOURCE_COMBINE_MEMORY : v1::SEGMENT_SOURCE_IN_CONTEXT);
         sr->set_reused(reused);
         if (reused) sr->set_note("restored from a prefix checkpoint");
+        if (p.in_full) sr->set_note(s.note);  // why an entry mode was answered by a full prefill (answer_in_full)
         continue;
       }
       sr->set_source(s.source);
@@ -334,6 +357,7 @@ grpc::Status CombineService::run_combine(grpc::ServerContext* ctx, const v1::Com
       Fetchers& fetch;
       ~Cleanup() {
         p.cancel->store(true);
+        p.gather_cancel->store(true);
         for (auto& t : fetch.threads) t.join();
         svc.leave_local_builds(p);  // (build_locally starts nothing for a cancelled request: p.cancel is set first)
         std::lock_guard<std::mutex> lock(svc.mu_);
@@ -349,14 +373,33 @@ grpc::Status CombineService::run_combine(grpc::ServerContext* ctx, const v1::Com
     send(ev);
     spdlog::info("[req {}] combine: {} segments, {} query tokens, mode {}", p->id, p->slots.size(), p->query.size(),
                  engine::splice_mode_name(p->mode));
-    gather(p, *req, ctx, fetch);
+    // An entry mode whose entries do not fit in device memory (RESOURCE_EXHAUSTED making them resident, here or in
+    // the splice's imports) is answered by a full prefill instead, once: nothing is lost but the time.
+    bool in_full = false;
+    const auto fall_back = [&](const rpc::RpcError& e) {
+      if (in_full || !p->uses_entries || e.code() != grpc::StatusCode::RESOURCE_EXHAUSTED) return false;
+      answer_in_full(*p, fetch, e.what());
+      in_full = true;
+      return true;
+    };
+    try {
+      gather(p, *req, ctx, fetch);
+    } catch (const rpc::RpcError& e) {
+      if (!fall_back(e)) throw;
+    }
     const double gather_ms = rpc::ms_between(t_start, Clock::now());
     ev.mutable_entries_ready();
     send(ev);
     // The loop splices, then samples and decodes this request in one batch with every other request decoding
     // here; its callbacks only queue events for this handler (combine_worker/output.h).
     std::shared_ptr<GenerationEvents> events;
-    const engine::SpliceInfo sinfo = splice(p, *req, ctx, events);
+    engine::SpliceInfo sinfo;
+    try {
+      sinfo = splice(p, *req, ctx, events);
+    } catch (const rpc::RpcError& e) {
+      if (!fall_back(e)) throw;
+      sinfo = splice(p, *req, ctx, events);
+    }
     ev.mutable_splice_done()->set_splice_ms(sinfo.splice_ms);
     ev.mutable_splice_done()->set_queue_ms(sinfo.queue_ms);
     send(ev);
@@ -372,6 +415,34 @@ grpc::Status CombineService::run_combine(grpc::ServerContext* ctx, const v1::Com
                  sinfo.passes_paused + 1, out.decode_ms);
     return grpc::Status::OK;
   });
+}
+
+void CombineService::answer_in_full(Pending& p, Fetchers& fetch, const std::string& why) {
+  p.gather_cancel->store(true);
+  for (auto& t : fetch.threads) t.join();
+  fetch.threads.clear();
+  leave_local_builds(p);
+  size_t let_go = 0, tokens = p.query.size();
+  const std::string note = "its entries did not fit in device memory: answered by a full prefill of the prompt";
+  {
+    std::lock_guard<std::mutex> lock(p.mu);
+    p.in_full = true;
+    p.mode = engine::SpliceMode::Full;
+    p.uses_entries = false;
+    p.failure.clear();
+    for (Slot& s : p.slots) {
+      let_go += s.has_entry() ? 1 : 0;
+      tokens += s.ids.size();
+      s.entry.reset();
+      s.resident.reset();
+      s.note = s.note.empty() ? note : s.note + "; " + note;
+    }
+  }
+  full_fallbacks_counter().inc();
+  const std::string memory = describe_device_memory(backend_.memory());
+  spdlog::warn("[req {}] its entries do not fit in device memory ({}); {} of them let go, answered by a full prefill "
+               "of its {} tokens instead{}",
+               p.id, why, let_go, tokens, memory.empty() ? std::string() : "; device memory: " + memory);
 }
 
 grpc::Status CombineService::OpenPeer(grpc::ServerContext* ctx, const v1::OpenPeerRequest* req,

@@ -158,6 +158,11 @@ class CombineService final : public hypic::v1::CombineWorker::Service {
   /// A request ends: its slots stop waiting for shared local builds; a build nobody waits for any more is cancelled
   /// (dropped while queued, stopped while running) and forgotten.
   void leave_local_builds(const Pending& p);
+  // A request of an entry mode whose entries did not fit in device memory (`why`: the RESOURCE_EXHAUSTED it met in
+  // gather or splice) is answered by a full prefill of its prompt instead: its fetches and builds stop (their threads
+  // in `fetch` joined), its entries are let go, its mode becomes full; logged with where the device memory is, noted
+  // on every segment and counted (hypic:combine_full_fallbacks_total). The answer is full recomputation's.
+  void answer_in_full(Pending& p, Fetchers& fetch, const std::string& why);
   void fetch_warm(const std::shared_ptr<Pending>& p, size_t slot, const grpc::ServerContextBase* ctx);
   /// fetch_warm on a fetch thread: an exception out of it is a local build instead, or the request's failure.
   void fetch_or_fail(const std::shared_ptr<Pending>& p, size_t slot, const grpc::ServerContextBase* ctx);

@@ -192,7 +192,9 @@ struct WireBlock {
 struct BackendMemory {
   size_t weights = 0;
   size_t kv_used = 0, kv_budget = 0;        ///< KV cache pool (pages of all sequences)
-  size_t entries_used = 0;                  ///< resident entries made or imported and still referenced
+  size_t entries_used = 0;                  ///< resident entries made or imported and still referenced (CUDA:
+                                            ///< with prefix mode's checkpoints)
+  size_t freed_pending = 0;                 ///< CUDA: dropped entries' memory not yet freed (at the next engine call)
   size_t workspace = 0;                     ///< scratch of the forward pass
   /// CUDA: device memory free now (cudaMemGetInfo) and in all; 0 on the CPU backend.
   size_t device_free = 0, device_total = 0;

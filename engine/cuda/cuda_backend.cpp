@@ -16,6 +16,7 @@ CudaEntry::CudaEntry(CudaBackend& b, SegmentEntry header, cudaStream_t stream)
   device_ = b.device().index;
   mem_ = DeviceMemory(total, "segment entry (" + std::to_string(n()) + " tokens)", stream,
                       /*stream_ordered=*/stream != nullptr);
+  b.live_entry_bytes += mem_.size();
 }
 
 std::shared_ptr<const SegmentEntry> CudaEntry::host() const {
@@ -26,7 +27,10 @@ std::shared_ptr<const SegmentEntry> CudaEntry::host() const {
 
 CudaSequence::~CudaSequence() { b_->release(slot_, pages_); }
 
-CudaEntry::~CudaEntry() { owner_->defer_free(std::move(mem_)); }
+CudaEntry::~CudaEntry() {
+  owner_->live_entry_bytes -= mem_.size();
+  owner_->defer_free(std::move(mem_));
+}
 
 size_t CudaSequence::bytes() const { return b_->sequence_state_bytes() + pages_.size() * b_->page_bytes(); }
 
@@ -424,7 +428,11 @@ BackendMemory CudaBackend::memory() const {
   m.workspace = act_.size() + dec_act_.size() + moe_ws_.bytes() + dec_moe_ws_.bytes() + ws_a_.bytes() + ws_c_.bytes() + ws_seam_.bytes() + ws_pieces_.bytes() +
                 attn_ws_.bytes() + attn_dec_ws_.bytes() + run_scratch_.size() + tables_dev_.size() + logits_dev_.size() +
                 lin_ws_.size() + mla_ws_.bytes() + mla_dec_ws_.bytes() + mla_x_mem_.size();
-  m.entries_used += prefix_.bytes();
+  m.entries_used = live_entry_bytes.load() + prefix_.bytes();
+  {
+    std::lock_guard lock(free_mu_);
+    m.freed_pending = pending_free_bytes_;
+  }
   size_t free = 0, total = 0;
   if (cudaSetDevice(dev_.index) == cudaSuccess && cudaMemGetInfo(&free, &total) == cudaSuccess) {
     m.device_free = free;

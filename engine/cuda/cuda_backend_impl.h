@@ -311,8 +311,11 @@ class CudaBackend final : public Backend {
   void release(int slot, const std::vector<int>& pages);
   void defer_free(DeviceMemory&& m) {
     std::lock_guard lock(free_mu_);
+    pending_free_bytes_ += m.size();
     pending_free_.push_back(std::move(m));
   }
+  /// Device bytes of the entries alive now (CudaEntry objects; BackendMemory::entries_used).
+  std::atomic<size_t> live_entry_bytes{0};
   ModelState download_state(const CudaSequence& s) const;
   size_t sequence_state_bytes() const { return size_t(n_lin_) * (state_layer_bytes_ + conv_layer_bytes_); }
   size_t page_bytes() const { return size_t(n_attn_) * kPage * (kv_row_ + v_row_); }
@@ -618,14 +621,16 @@ class CudaBackend final : public Backend {
   std::vector<int> free_slots_, free_pages_;  // guarded by pool_mu_ (sequences may be released on any thread)
   mutable std::mutex pool_mu_;
   // Device memory of dropped entries, freed on the engine thread at the next call (drain_frees).
-  std::mutex free_mu_;
+  mutable std::mutex free_mu_;
   std::vector<DeviceMemory> pending_free_;
+  size_t pending_free_bytes_ = 0;  // of pending_free_, guarded by free_mu_
   void drain_frees() {
     if (partition_depth_ > 0) return;  // inside a PartitionScope: at the next top-level call
     std::vector<DeviceMemory> drop;
     {
       std::lock_guard lock(free_mu_);
       drop.swap(pending_free_);
+      pending_free_bytes_ = 0;
     }
     // A stream-ordered free on the prefill partition's stream (memory allocated there) must follow the
     // whole-device stream's later uses of it too.

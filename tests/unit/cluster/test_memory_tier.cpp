@@ -12,6 +12,7 @@
 #include "combine_worker/memory_tier.h"
 #include "engine/checkpoint/config.h"
 #include "proto/rpc/chunks.h"
+#include "proto/rpc/metrics.h"
 #include "segment_cache/service.h"
 #include "segment_cache/store.h"
 #include "tests/unit/cluster/cache_fixture.h"
@@ -116,6 +117,10 @@ class CountingBackend final : public hypic::engine::Backend {
       --fail_builds;
       throw hypic::engine::ResourceExhausted("device memory exhausted (test)");
     }
+    if (fail_other > 0) {
+      --fail_other;
+      throw std::runtime_error("kernel failed (test)");
+    }
     built += int(segments.size());
     std::vector<std::shared_ptr<const hypic::engine::ResidentEntry>> out;
     for (auto& e : b_->build_entries(segments, seam_width, cancelled)) {
@@ -149,6 +154,7 @@ class CountingBackend final : public hypic::engine::Backend {
   hypic::engine::BackendMemory memory() const override { return b_->memory(); }
   std::atomic<int> built{0}, imported{0}, host_calls{0};
   std::atomic<int> fail_builds{0};  ///< the next this many build_entries calls throw ResourceExhausted
+  std::atomic<int> fail_other{0};   ///< then this many throw std::runtime_error
   std::atomic<bool> hold{false};    ///< build_entries waits while set (a build kept running)
   std::atomic<int> entered{0};      ///< build_entries calls begun
   std::vector<int> host_calls_before_splice;  // engine loop thread only
@@ -159,6 +165,10 @@ class CountingBackend final : public hypic::engine::Backend {
 
 namespace v1 = hypic::v1;
 
+double fallbacks() {
+  return hypic::rpc::MetricsRegistry::global().counter("hypic:combine_full_fallbacks_total", "").value();
+}
+
 struct Combined {
   v1::CombineReport report;
   std::vector<int32_t> tokens;
@@ -168,7 +178,7 @@ struct Combined {
 // put in the segment cache; `call`: the client context (else one with a 10 s deadline).
 Combined combine(hypic::test::CombineServer& c, const std::string& id, const std::vector<std::vector<int32_t>>& segs,
                  v1::PlannedSegment::Source source, grpc::Status* status = nullptr, bool cache_segments = false,
-                 grpc::ClientContext* call = nullptr) {
+                 grpc::ClientContext* call = nullptr, const std::string& mode = "hypic") {
   v1::CombineRequest req;
   req.set_request_id(id);
   req.set_cache_segments(cache_segments);
@@ -184,7 +194,7 @@ Combined combine(hypic::test::CombineServer& c, const std::string& id, const std
   for (int32_t t : {5, 6, 7}) req.add_query_ids(t);
   req.mutable_sampling()->set_max_tokens(4);
   req.mutable_sampling()->set_seed(1);
-  req.set_mode("hypic");
+  req.set_mode(mode);
   req.set_seam_width(4);
   auto ctx = hypic::test::context();
   auto reader = c.stub->Combine(call ? call : ctx.get(), req);
@@ -331,12 +341,24 @@ TEST_CASE("combine worker: local builds are spliced resident (no host round trip
   CHECK(sources(retried) == std::vector<v1::SegmentSource>{v1::SEGMENT_SOURCE_COMBINE_COMPUTED});
   CHECK_THAT(retried.report.segments(0).note(), Catch::Contains("device-tier entries evicted and the build retried"));
   CHECK(c.tier.entries() < 4);  // some of the 3 gave way before the new one went in
-  backend.fail_builds = 2;     // failing again after the retry: the request fails, naming the budget
+  // Failing again after the retry: the request's entries do not fit, and it is answered by a full prefill instead,
+  // with full recomputation's tokens, every segment saying so, counted.
+  backend.fail_builds = 2;
   {
-    grpc::Status st;
-    combine(c, "r-fail", {{51, 52, 53, 54, 55}}, v1::PlannedSegment::LOCAL, &st);
-    CHECK(st.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED);
-    CHECK_THAT(st.error_message(), Catch::Contains("device memory exhausted"));
+    const std::vector<std::vector<int32_t>> prompt = {{51, 52, 53, 54, 55}, {56, 57, 58}};
+    const double fallbacks0 = fallbacks();
+    const Combined full = combine(c, "r-fail", prompt, v1::PlannedSegment::LOCAL);
+    CHECK(fallbacks() == fallbacks0 + 1);
+    CHECK(sources(full) == std::vector<v1::SegmentSource>(2, v1::SEGMENT_SOURCE_IN_CONTEXT));
+    for (const auto& seg : full.report.segments()) {
+      CHECK_THAT(seg.note(), Catch::Contains("did not fit in device memory: answered by a full prefill"));
+      CHECK_FALSE(seg.reused());
+    }
+    const Combined reference = combine(c, "r-fail-ref", prompt, v1::PlannedSegment::LOCAL, nullptr, false, nullptr,
+                                       "full");
+    CHECK(full.tokens == reference.tokens);
+    CHECK(full.tokens.size() == 4);
+    CHECK(fallbacks() == fallbacks0 + 1);  // (mode full itself never falls back)
   }
   backend.fail_builds = 0;
 
@@ -392,18 +414,27 @@ TEST_CASE("combine worker: a cache-only segment the fetch policy prefills is fet
   CHECK(backend.built == built_before);  // the one build call (both segments in one batch) threw
   CHECK(backend.fail_builds == 0);
 
-  // Planned warm but gone from the cache (evicted after the router's lookup), and the prefill fails: the request
-  // fails at once with both reasons and the build's code, not at the gather deadline.
+  // Planned warm but gone from the cache (evicted after the router's lookup), and the prefill fails for device
+  // memory: answered at once by a full prefill (not at the gather deadline), the note giving both reasons.
   backend.fail_builds = 1;
-  grpc::Status st;
   const auto t0 = std::chrono::steady_clock::now();
-  combine(c, "r-gone", {{81, 82, 83, 84}}, v1::PlannedSegment::WARM, &st);
+  const Combined gone = combine(c, "r-gone", {{81, 82, 83, 84}}, v1::PlannedSegment::WARM);
   CHECK(std::chrono::steady_clock::now() - t0 < 5s);
-  CHECK(st.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED);
-  CHECK_THAT(st.error_message(), Catch::Contains("prefilling it failed (device memory exhausted (test))"));
+  REQUIRE(gone.report.segments_size() == 1);
+  CHECK(gone.report.segments(0).source() == v1::SEGMENT_SOURCE_IN_CONTEXT);
+  CHECK_THAT(gone.report.segments(0).note(), Catch::Contains("did not fit in device memory"));
+  CHECK(gone.tokens == combine(c, "r-gone-ref", {{81, 82, 83, 84}}, v1::PlannedSegment::WARM, nullptr, false, nullptr,
+                               "full").tokens);
+  // A failure that is not device memory still fails the request, with both reasons and the build's code.
+  backend.fail_builds = 0;
+  backend.fail_other = 1;
+  grpc::Status st;
+  combine(c, "r-gone-2", {{85, 86, 87, 88}}, v1::PlannedSegment::WARM, &st);
+  CHECK(st.error_code() == grpc::StatusCode::INTERNAL);
+  CHECK_THAT(st.error_message(), Catch::Contains("prefilling it failed (kernel failed (test))"));
   CHECK_THAT(st.error_message(), Catch::Contains("not in the segment cache any more"));
   CHECK_THAT(st.error_message(), !Catch::Contains("prefilled by the combine worker"));
-  backend.fail_builds = 0;
+  backend.fail_other = 0;
   cache_srv.server->Shutdown(std::chrono::system_clock::now() + 2s);
 }
 
