@@ -20,6 +20,12 @@ std::string describe_device_memory(const engine::BackendMemory& m) {
                      gib(m.freed_pending), gib(m.device_free), gib(m.device_total), gib(rest));
 }
 
+uint64_t request_entry_room(const BudgetInputs& in, uint64_t device_tier) {
+  if (!in.device_entries) return 0;
+  const uint64_t taken = device_tier + in.prefix_cache_bytes + kRuntimeDeviceReserve;
+  return in.device_free > taken ? in.device_free - taken : 0;
+}
+
 TierBudgets default_tier_budgets(const BudgetInputs& in) {
   constexpr uint64_t GiB = uint64_t{1} << 30;
   TierBudgets b;

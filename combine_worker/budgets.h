@@ -43,6 +43,17 @@ struct TierBudgets {
 ///    entries at once, and a cache put over gRPC is slower than a host copy).
 TierBudgets default_tier_budgets(const BudgetInputs& in);
 
+/// What the CUDA runtime and the libraries (cuBLAS, cuDNN, CUDA graphs) take of device memory after start-up, beyond
+/// what the backend reported free then: about 1 GiB at Qwen3.5-35B-A3B dimensions on an H100
+/// (bench/results/serving_full_h100_fallback.md).
+constexpr uint64_t kRuntimeDeviceReserve = uint64_t{1} << 30;
+
+/// Device memory one request's entries can take beside the device tier (bytes; 0 on a backend without device
+/// entries): what was free after start-up less the device tier, the prefix checkpoints and kRuntimeDeviceReserve.
+/// A request of an entry mode needs all its segments' entries resident at its splice; one needing more is answered
+/// by a full prefill (CombineService::answer_in_full).
+uint64_t request_entry_room(const BudgetInputs& in, uint64_t device_tier);
+
 /// Where a device backend's memory is, for logs: "weights 64.6 GiB, KV pool 2.2 GiB (0.3 used), workspace 7.0 GiB,
 /// entries 1.9 GiB (alive, with prefix checkpoints; 0.2 dropped, freed at the next engine call), free 0.2 of 79.2 GiB,
 /// the rest 3.9 GiB (sequence state slots, CUDA context, libraries' workspaces)". "" for a backend without device

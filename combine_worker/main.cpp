@@ -160,9 +160,22 @@ int main(int argc, char** argv) {
                  in.device_entries ? fmt::format("; {:.1f} GiB of device memory free after weights, KV pool and workspace",
                                                  double(in.device_free) / double(1ull << 30))
                                    : std::string("; host memory"));
-    if (in.device_entries)
+    if (in.device_entries) {
       spdlog::info("host tier {} [{}; pinned host memory]", hc::describe_budget(budgets.host_tier, in.entry_bytes),
                    how(host_tier_flag));
+      // A request's entries are all resident at its splice: one needing more than there is room for is answered by
+      // a full prefill. Said at start-up where that is a prompt of 16 segments of 2048 tokens or fewer.
+      const uint64_t room = hc::request_entry_room(in, budgets.device_tier);
+      const uint64_t fit = in.entry_bytes ? room / in.entry_bytes : 0;
+      if (fit < 16) {
+        spdlog::warn("device memory for one request's entries: about {:.1f} GiB ({} entries of 2048 tokens, {} MB "
+                     "each): a hypic request with more segments than that is answered by a full prefill instead "
+                     "(hypic:combine_full_fallbacks_total); --prefix-cache-bytes (now {} MiB), --kv-pool-bytes, "
+                     "--max-batch-tokens or a smaller --memory-tier-bytes leave more",
+                     double(room) / double(1ull << 30), fit, in.entry_bytes / 1000000,
+                     in.prefix_cache_bytes >> 20);
+      }
+    }
     spdlog::info("cache put queue {} [{}], host-copy queue {} [{}]",
                  hc::describe_budget(budgets.put_queue, in.wire_entry_bytes), how(put_queue_flag),
                  hc::describe_budget(budgets.host_copy_queue, in.entry_bytes), how(copy_queue_flag));

@@ -539,8 +539,14 @@ TEST_CASE("tier budgets: derived from device memory, host memory and the entry s
   }
   CHECK(b.put_queue == 16 * 330'000'000ull);
   CHECK(b.host_copy_queue == 16 * 280'000'000ull);
+  // Room for one request's entries: 40 GiB free - the tier - 1 GiB of prefix checkpoints - 1 GiB of runtime.
+  CHECK(hypic::combine::request_entry_room(in, b.device_tier) == 40 * GiB - b.device_tier - 2 * GiB);
   in.device_free = 5 * GiB;  // less than the reserve: no device tier rather than a negative one
   CHECK(hypic::combine::default_tier_budgets(in).device_tier == 0);
+  CHECK(hypic::combine::request_entry_room(in, 0) == 3 * GiB);
+  in.device_free = GiB;
+  CHECK(hypic::combine::request_entry_room(in, 0) == 0);
+  in.device_free = 5 * GiB;
   in.device_entries = false;  // CPU: the memory tier is host memory; no host tier; queues at least 1 GiB
   in.entry_bytes = in.wire_entry_bytes = 2'000'000;
   const auto cpu = hypic::combine::default_tier_budgets(in);
