@@ -398,6 +398,29 @@ engine::EntryReaderChecks CombineService::entry_checks(uint64_t total_bytes, std
           }};
 }
 
+void CombineService::check_entry_room(const Pending& p) const {
+  if (!backend_.device_entries()) return;
+  uint64_t need = 0;
+  size_t missing = 0;
+  for (const Slot& s : p.slots) {  // (digests, ids and plans are immutable after registration)
+    if (s.repeat_of || s.planned == v1::PlannedSegment::WHOLE || d_.memory_tier.contains(s.digest)) continue;
+    need += backend_.entry_bytes(int64_t(s.ids.size()));
+    ++missing;
+  }
+  if (missing == 0) return;
+  // At most what is free, what waits to be freed and what the device tier could give up (other requests' entries
+  // in use aside): a request needing more fails at its last allocations anyway, after evicting the tier for nothing.
+  const engine::BackendMemory m = backend_.memory();
+  const uint64_t could = m.device_free + m.freed_pending + d_.memory_tier.bytes();
+  if (need <= could) return;
+  throw rpc::RpcError(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                      fmt::format("the {} entries it lacks need {:.2f} GiB of device memory, and at most {:.2f} GiB "
+                                  "could be had ({:.2f} free, {:.2f} in the device tier)",
+                                  missing, double(need) / double(1ull << 30), double(could) / double(1ull << 30),
+                                  double(m.device_free + m.freed_pending) / double(1ull << 30),
+                                  double(d_.memory_tier.bytes()) / double(1ull << 30)));
+}
+
 std::shared_ptr<const engine::ResidentEntry> CombineService::make_resident(
     const rpc::Digest& digest, const engine::EntryReceiver::Received& got) {
   if (!backend_.device_entries()) return nullptr;
@@ -411,6 +434,7 @@ std::shared_ptr<const engine::ResidentEntry> CombineService::make_resident(
 void CombineService::gather(const std::shared_ptr<Pending>& p, const v1::CombineRequest& req,
                             grpc::ServerContext* ctx, Fetchers& fetch) {
   if (!p->uses_entries) return;  // full and prefix modes compute in context
+  check_entry_room(*p);
   std::vector<size_t>& warm = fetch.warm;
   std::vector<std::thread>& fetchers = fetch.threads;
   std::vector<std::pair<size_t, std::string>> local;

@@ -163,6 +163,10 @@ class CombineService final : public hypic::v1::CombineWorker::Service {
   // in `fetch` joined), its entries are let go, its mode becomes full; logged with where the device memory is, noted
   // on every segment and counted (hypic:combine_full_fallbacks_total). The answer is full recomputation's.
   void answer_in_full(Pending& p, Fetchers& fetch, const std::string& why);
+  // Throws RESOURCE_EXHAUSTED (which answer_in_full takes) when the entries a request lacks (not in the device tier,
+  // not repeats or refresh-tail segments) need more device memory than is free, waiting to be freed and held by the
+  // device tier together: a device backend only.
+  void check_entry_room(const Pending& p) const;
   void fetch_warm(const std::shared_ptr<Pending>& p, size_t slot, const grpc::ServerContextBase* ctx);
   /// fetch_warm on a fetch thread: an exception out of it is a local build instead, or the request's failure.
   void fetch_or_fail(const std::shared_ptr<Pending>& p, size_t slot, const grpc::ServerContextBase* ctx);

@@ -151,10 +151,19 @@ class CountingBackend final : public hypic::engine::Backend {
               std::vector<float>& logits) override {
     b_->decode(s, t, logits);
   }
-  hypic::engine::BackendMemory memory() const override { return b_->memory(); }
+  hypic::engine::BackendMemory memory() const override {
+    hypic::engine::BackendMemory m = b_->memory();
+    if (device_like) m.device_free = device_free, m.device_total = device_free + (size_t(1) << 30);
+    return m;
+  }
+  bool device_entries() const override { return device_like; }
   std::atomic<int> built{0}, imported{0}, host_calls{0};
   std::atomic<int> fail_builds{0};  ///< the next this many build_entries calls throw ResourceExhausted
   std::atomic<int> fail_other{0};   ///< then this many throw std::runtime_error
+  /// Reports its entries as device-resident with `device_free` bytes free (CombineService::check_entry_room); only
+  /// for requests whose entries are all built here (nothing imported).
+  std::atomic<bool> device_like{false};
+  std::atomic<size_t> device_free{0};
   std::atomic<bool> hold{false};    ///< build_entries waits while set (a build kept running)
   std::atomic<int> entered{0};      ///< build_entries calls begun
   std::vector<int> host_calls_before_splice;  // engine loop thread only
@@ -359,6 +368,26 @@ TEST_CASE("combine worker: local builds are spliced resident (no host round trip
     CHECK(full.tokens == reference.tokens);
     CHECK(full.tokens.size() == 4);
     CHECK(fallbacks() == fallbacks0 + 1);  // (mode full itself never falls back)
+    // Entries that cannot fit whatever the tier gives up: answered in full at once, before any build is started.
+    v1::ClearTiersRequest clear_all;
+    clear_all.set_device(true);
+    v1::ClearTiersResponse cleared_all;
+    auto cctx = hypic::test::context();
+    REQUIRE(c.stub->ClearTiers(cctx.get(), clear_all, &cleared_all).ok());
+    backend.fail_builds = 0;
+    backend.device_like = true;
+    backend.device_free = 1000;
+    const int entered0 = backend.entered;
+    const Combined early = combine(c, "r-early", prompt, v1::PlannedSegment::LOCAL);
+    CHECK(backend.entered == entered0);
+    CHECK(fallbacks() == fallbacks0 + 2);
+    CHECK(early.tokens == reference.tokens);
+    CHECK_THAT(early.report.segments(1).note(), Catch::Contains("did not fit in device memory"));
+    backend.device_free = size_t(1) << 40;  // room: built as usual
+    const Combined roomy = combine(c, "r-roomy", {{61, 62, 63}}, v1::PlannedSegment::LOCAL);
+    CHECK(sources(roomy) == std::vector<v1::SegmentSource>{v1::SEGMENT_SOURCE_COMBINE_COMPUTED});
+    CHECK(fallbacks() == fallbacks0 + 2);
+    backend.device_like = false;
   }
   backend.fail_builds = 0;
 
