@@ -1048,10 +1048,29 @@ std::pair<std::shared_ptr<const ResidentEntry>, DeviceBlock> CudaBackend::alloca
   // The entry hands its memory back through the (mutex-guarded) deferred frees: const_cast is safe there. Its block
   // is freed stream-ordered on xfer_stream_ too; every engine call ends with its stream synchronized, so no engine
   // work still reads an entry whose last reference went.
-  auto e = std::make_shared<CudaEntry>(const_cast<CudaBackend&>(*this), header_of(header), xfer_stream_);
+  auto e = new_entry_any_thread(header, xfer_stream_);
   check_cuda(cudaStreamSynchronize(xfer_stream_), "entry allocation");  // ready before another stream writes it
   const DeviceBlock block = e->block();
   return {std::move(e), block};
+}
+
+std::shared_ptr<CudaEntry> CudaBackend::new_entry_any_thread(const SegmentEntry& header, cudaStream_t stream) const {
+  auto& self = const_cast<CudaBackend&>(*this);  // the deferred frees are guarded by free_mu_ and capture_mu_
+  try {
+    return std::make_shared<CudaEntry>(self, header_of(header), stream);
+  } catch (const ResourceExhausted&) {
+    {
+      std::lock_guard lock(free_mu_);
+      if (pending_free_bytes_ == 0) throw;
+    }
+  }
+  {
+    std::lock_guard<std::recursive_mutex> no_capture(self.capture_mu_);  // after the loop's running call
+    self.drain_frees();
+    for (cudaStream_t s : {full_stream_, xfer_stream_, h2d_stream_, sms_ ? sms_->prefill_stream() : nullptr})
+      if (s) cudaStreamSynchronize(s);  // (errors surface at the allocation below)
+  }
+  return std::make_shared<CudaEntry>(self, header_of(header), stream);
 }
 
 std::shared_ptr<const ResidentEntry> CudaBackend::import_entry(std::shared_ptr<const SegmentEntry> host) {
@@ -1105,7 +1124,7 @@ std::shared_ptr<const ResidentEntry> CudaBackend::import_block(const HostBlock& 
   check_cuda(cudaSetDevice(dev_.index), "cudaSetDevice");
   // Allocated and filled in order on h2d_stream_ (stream-ordered: no device-wide synchronization), then waited for,
   // so that the engine's stream only ever sees a complete entry. Freed stream-ordered on h2d_stream_ too.
-  auto e = std::make_shared<CudaEntry>(const_cast<CudaBackend&>(*this), header_of(h), h2d_stream_);
+  auto e = new_entry_any_thread(h, h2d_stream_);
   const DeviceBlock dev = e->block();
   size_t off = 0;
   for (const auto& p : block->pieces()) {

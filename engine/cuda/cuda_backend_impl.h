@@ -316,6 +316,11 @@ class CudaBackend final : public Backend {
   }
   /// Device bytes of the entries alive now (CudaEntry objects; BackendMemory::entries_used).
   std::atomic<size_t> live_entry_bytes{0};
+  /// A new entry allocated stream-ordered on `stream` from any thread (import_block, allocate_entry). When the device
+  /// is out of memory while dropped entries wait for the engine loop's next call to free them (deferred frees), it
+  /// frees them now (under capture_mu_, so after the loop's running call and never during a graph capture), waits for
+  /// the streams they were freed on, and tries once more. Throws ResourceExhausted as CudaEntry does.
+  std::shared_ptr<CudaEntry> new_entry_any_thread(const SegmentEntry& header, cudaStream_t stream) const;
   ModelState download_state(const CudaSequence& s) const;
   size_t sequence_state_bytes() const { return size_t(n_lin_) * (state_layer_bytes_ + conv_layer_bytes_); }
   size_t page_bytes() const { return size_t(n_attn_) * kPage * (kv_row_ + v_row_); }
