@@ -11,13 +11,15 @@ namespace hypic::combine {
 std::string describe_device_memory(const engine::BackendMemory& m) {
   if (m.device_total == 0) return {};
   const auto gib = [](uint64_t b) { return double(b) / double(uint64_t{1} << 30); };
-  const uint64_t known = m.weights + m.kv_budget + m.workspace + m.entries_used + m.freed_pending + m.device_free;
+  const uint64_t known = m.weights + m.kv_budget + m.workspace + m.entries_used + m.freed_pending + m.pool_free +
+                         m.device_free;
   const uint64_t rest = m.device_total > known ? m.device_total - known : 0;
   return fmt::format("weights {:.1f} GiB, KV pool {:.1f} GiB ({:.1f} used), workspace {:.1f} GiB, entries {:.1f} GiB "
-                     "(alive, with prefix checkpoints; {:.1f} dropped, freed at the next engine call), free {:.1f} of "
-                     "{:.1f} GiB, the rest {:.1f} GiB (sequence state slots, CUDA context, libraries' workspaces)",
+                     "(alive, with prefix checkpoints; {:.1f} dropped, freed at the next engine call), {:.1f} GiB free "
+                     "in the allocator's pool, free {:.1f} of {:.1f} GiB, the rest {:.1f} GiB (sequence state slots, "
+                     "CUDA context, libraries' workspaces)",
                      gib(m.weights), gib(m.kv_budget), gib(m.kv_used), gib(m.workspace), gib(m.entries_used),
-                     gib(m.freed_pending), gib(m.device_free), gib(m.device_total), gib(rest));
+                     gib(m.freed_pending), gib(m.pool_free), gib(m.device_free), gib(m.device_total), gib(rest));
 }
 
 uint64_t request_entry_room(const BudgetInputs& in, uint64_t device_tier) {

@@ -411,13 +411,14 @@ void CombineService::check_entry_room(const Pending& p) const {
   // At most what is free, what waits to be freed and what the device tier could give up (other requests' entries
   // in use aside): a request needing more fails at its last allocations anyway, after evicting the tier for nothing.
   const engine::BackendMemory m = backend_.memory();
-  const uint64_t could = m.device_free + m.freed_pending + d_.memory_tier.bytes();
+  const uint64_t free = m.device_free + m.pool_free + m.freed_pending;
+  const uint64_t could = free + d_.memory_tier.bytes();
   if (need <= could) return;
   throw rpc::RpcError(grpc::StatusCode::RESOURCE_EXHAUSTED,
                       fmt::format("the {} entries it lacks need {:.2f} GiB of device memory, and at most {:.2f} GiB "
                                   "could be had ({:.2f} free, {:.2f} in the device tier)",
                                   missing, double(need) / double(1ull << 30), double(could) / double(1ull << 30),
-                                  double(m.device_free + m.freed_pending) / double(1ull << 30),
+                                  double(free) / double(1ull << 30),
                                   double(d_.memory_tier.bytes()) / double(1ull << 30)));
 }
 

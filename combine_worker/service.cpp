@@ -55,6 +55,7 @@ CombineService::CombineService(CombineDeps deps, CombineOptions options)
                                       {"workspace", &engine::BackendMemory::workspace},
                                       {"entries", &engine::BackendMemory::entries_used},
                                       {"freed_pending", &engine::BackendMemory::freed_pending},
+                                      {"pool_free", &engine::BackendMemory::pool_free},
                                       {"free", &engine::BackendMemory::device_free},
                                       {"total", &engine::BackendMemory::device_total}}) {
       reg.gauge_fn("hypic:device_memory_bytes",

@@ -195,6 +195,9 @@ struct BackendMemory {
   size_t entries_used = 0;                  ///< resident entries made or imported and still referenced (CUDA:
                                             ///< with prefix mode's checkpoints)
   size_t freed_pending = 0;                 ///< CUDA: dropped entries' memory not yet freed (at the next engine call)
+  /// CUDA: memory the stream-ordered allocator's pool holds free (freed entries and checkpoints it has not handed back
+  /// to the device: reused by the next entries, not counted in device_free).
+  size_t pool_free = 0;
   size_t workspace = 0;                     ///< scratch of the forward pass
   /// CUDA: device memory free now (cudaMemGetInfo) and in all; 0 on the CPU backend.
   size_t device_free = 0, device_total = 0;

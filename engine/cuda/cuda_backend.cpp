@@ -438,6 +438,14 @@ BackendMemory CudaBackend::memory() const {
     m.device_free = free;
     m.device_total = total;
   }
+  cudaMemPool_t pool = nullptr;
+  uint64_t reserved = 0, used = 0;
+  if (cudaDeviceGetDefaultMemPool(&pool, dev_.index) == cudaSuccess &&
+      cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &reserved) == cudaSuccess &&
+      cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &used) == cudaSuccess && reserved > used) {
+    m.pool_free = size_t(reserved - used);
+  }
+  cudaGetLastError();  // (a failed query above leaves nothing to report)
   m.pinned_host = pinned_->bytes_held();
   return m;
 }
