@@ -346,7 +346,7 @@ void add_entry_mac_flag(CLI::App& app, std::string& path, std::string& scheme) {
                  "(scatter and combine workers must share it)");
   app.add_option("--cache-mac-scheme", scheme,
                  "how this worker signs entries: gmac (AES-256-GMAC, about 4x faster) or hmac-sha256 (what workers "
-                 "before gmac verify: for a cluster mid-upgrade); both are verified either way")
+                 "before gmac verify: for a cluster mid-upgrade); combine workers verify both")
       ->check(CLI::IsMember({"gmac", "hmac-sha256"}))
       ->capture_default_str();
 }

@@ -16,7 +16,8 @@
 //   The nonce leads the MAC, so a verifier that reads the bytes as they come must know the MAC's head (its first
 //   kMacHeadBytes bytes) first: the cache gives the MAC with the entry's info, a delivery's header carries the head.
 // - hmac-sha256 (v1, 32 bytes): HMAC-SHA256 under the cluster key itself; for clusters where some combine worker
-//   predates gmac (they refuse a gmac MAC, the entry is then recomputed): upgrade combine workers first.
+//   predates gmac (it refuses a gmac MAC, the entry is then recomputed): run the new scatter and combine workers
+//   with --cache-mac-scheme hmac-sha256 until every combine worker is new, then drop the flag.
 //
 // What a MAC binds, in order: the label ("hypic-entry-mac-v1" or "hypic-entry-mac-v2") and a zero byte, the 16-byte
 // segment digest (itself a hash of the model fingerprint, numerics, entry format, seam width and token ids), the
