@@ -301,8 +301,12 @@ void CombineService::fetch_warm(const std::shared_ptr<Pending>& p, size_t slot, 
       cache_entries_refused_counter().inc();
       why += fmt::format("cache entry corrupt ({}): dropped from the cache", e.what());
       spdlog::error("[req {}] segment {} ({}): {}", p->id, slot, rpc::digest_hex(digest), why);
-      try {
-        d_.cache.erase(digest);
+      try {  // the entry read, not one put since
+        if (how.has_info) {
+          d_.cache.erase_read(digest, how.checksum, how.mac, /*corrupt=*/false);
+        } else {
+          d_.cache.erase(digest);
+        }
       } catch (const std::exception& ex) {
         spdlog::warn("[req {}] could not drop corrupt entry {}: {}", p->id, rpc::digest_hex(digest), ex.what());
       }
@@ -527,6 +531,12 @@ grpc::Status CombineService::DeliverEntry(grpc::ServerContext* ctx, grpc::Server
       throw rpc::invalid_argument("header.transport", fmt::format("unknown transport {}", int(h.transport())));
     }
     auto p = delivery_target(h);
+    if (p->answered_in_full()) {  // its entries are not wanted any more: read and drop, nothing parsed or allocated
+      while (reader->Read(&msg)) {
+      }
+      resp->set_duplicate(true);
+      return grpc::Status::OK;
+    }
     const Slot& slot = p->slots[h.index()];  // digest and ids are immutable after registration
     const std::string what =
         fmt::format("entry of segment {} of request {} from {}", h.index(), p->id, rpc::untrusted(h.built_by()));

@@ -129,6 +129,10 @@ struct CombineService::Pending {
     cv.notify_all();
     return true;
   }
+  bool answered_in_full() {
+    std::lock_guard<std::mutex> lock(mu);
+    return in_full;
+  }
   void add_note(size_t i, const std::string& note) {
     std::lock_guard<std::mutex> lock(mu);
     slots[i].note = slots[i].note.empty() ? note : slots[i].note + "; " + note;

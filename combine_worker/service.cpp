@@ -378,7 +378,12 @@ grpc::Status CombineService::run_combine(grpc::ServerContext* ctx, const v1::Com
     // the splice's imports) is answered by a full prefill instead, once: nothing is lost but the time.
     bool in_full = false;
     const auto fall_back = [&](const rpc::RpcError& e) {
-      if (in_full || !p->uses_entries || e.code() != grpc::StatusCode::RESOURCE_EXHAUSTED) return false;
+      // Device memory only (DeviceMemory's and check_entry_room's errors say so): a full KV pool or every sequence
+      // slot taken would fail a full prefill alike.
+      if (in_full || !p->uses_entries || e.code() != grpc::StatusCode::RESOURCE_EXHAUSTED ||
+          std::string_view(e.what()).find("device memory") == std::string_view::npos) {
+        return false;
+      }
       answer_in_full(*p, fetch, e.what());
       in_full = true;
       return true;

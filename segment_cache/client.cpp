@@ -265,6 +265,8 @@ std::optional<std::vector<int32_t>> SegmentCacheClient::stream(const rpc::Digest
           }
           check.begin(info.total_bytes(), info.checksum(), what);
           stored_checksum = info.checksum();
+          r.has_info = true, r.checksum = info.checksum(), r.mac = info.mac();
+          if (report) report->has_info = true, report->checksum = r.checksum, report->mac = r.mac;
           stored_ids.assign(info.token_ids().begin(), info.token_ids().end());
           mac = info.mac();
           if (check_mac) {  // (a MAC of neither form is verified as an HMAC's and fails)

@@ -67,6 +67,11 @@ struct FetchReport {
   double read_ms = 0;     ///< handing the bytes to the consumer (what it does with them included) and hashing them
   double end_ms = 0;      ///< from the last byte handed over to the call's status (the replica ending the call)
   double verify_ms = 0;   ///< the checksum and MAC verdicts (waiting for the MAC's thread)
+  /// The replica's EntryInfo for the entry read: set as soon as it arrives (also when the read then fails), so that
+  /// a caller that finds the entry bad deletes that one only (erase_read).
+  bool has_info = false;
+  uint64_t checksum = 0;
+  std::string mac;
 };
 
 class SegmentCacheClient {

@@ -121,6 +121,10 @@ class CountingBackend final : public hypic::engine::Backend {
       --fail_other;
       throw std::runtime_error("kernel failed (test)");
     }
+    if (fail_slots > 0) {  // out of something a full prefill needs too
+      --fail_slots;
+      throw hypic::engine::ResourceExhausted("all 64 sequence slots are in use (test)");
+    }
     built += int(segments.size());
     std::vector<std::shared_ptr<const hypic::engine::ResidentEntry>> out;
     for (auto& e : b_->build_entries(segments, seam_width, cancelled)) {
@@ -160,6 +164,7 @@ class CountingBackend final : public hypic::engine::Backend {
   std::atomic<int> built{0}, imported{0}, host_calls{0};
   std::atomic<int> fail_builds{0};  ///< the next this many build_entries calls throw ResourceExhausted
   std::atomic<int> fail_other{0};   ///< then this many throw std::runtime_error
+  std::atomic<int> fail_slots{0};   ///< then this many throw a ResourceExhausted that is not device memory
   /// Reports its entries as device-resident with `device_free` bytes free (CombineService::check_entry_room); only
   /// for requests whose entries are all built here (nothing imported).
   std::atomic<bool> device_like{false};
@@ -388,6 +393,14 @@ TEST_CASE("combine worker: local builds are spliced resident (no host round trip
     CHECK(sources(roomy) == std::vector<v1::SegmentSource>{v1::SEGMENT_SOURCE_COMBINE_COMPUTED});
     CHECK(fallbacks() == fallbacks0 + 2);
     backend.device_like = false;
+    // Out of something else (sequence slots): no full prefill, which would need them too; the request fails.
+    backend.fail_slots = 2;
+    grpc::Status slots_st;
+    combine(c, "r-slots", {{71, 72, 73, 74}}, v1::PlannedSegment::LOCAL, &slots_st);
+    CHECK(slots_st.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED);
+    CHECK_THAT(slots_st.error_message(), Catch::Contains("sequence slots"));
+    CHECK(fallbacks() == fallbacks0 + 2);
+    backend.fail_slots = 0;
   }
   backend.fail_builds = 0;
 
