@@ -53,16 +53,19 @@ grpc::Status deliver_entry(v1::CombineWorker::Stub& stub, grpc::ClientContext& c
                            std::string_view bytes, size_t chunk_bytes, const rpc::EntryMacKeys& keys,
                            const rpc::Digest& digest, std::span<const int32_t> token_ids, bool* duplicate,
                            size_t* written) {
-  v1::DeliverEntryResponse resp;
-  auto writer = stub.DeliverEntry(&ctx, &resp);
   v1::EntryChunk head;
   *head.mutable_header() = header;
   if (written) *written = 0;
   // The MAC is made on another thread while the chunks go (no pass over the bytes before the first one), sent last,
   // its head (scheme and nonce) in the header; a stream that breaks stops it within a piece (so a refused delivery
-  // does not wait for the whole MAC).
+  // does not wait for the whole MAC). Started before the stream opens: what throws here (no thread, no random
+  // nonce) leaves no stream behind.
   std::atomic<bool> abandoned{false};
   std::future<std::string> mac;
+  struct Abandon {  // a MAC thread still running when this returns or throws stops within a piece
+    std::atomic<bool>& flag;
+    ~Abandon() { flag = true; }
+  } abandon_on_exit{abandoned};
   if (keys.enabled()) {
     const std::string mac_head = keys.new_head();
     head.mutable_header()->set_mac_head(mac_head);
@@ -76,6 +79,8 @@ grpc::Status deliver_entry(v1::CombineWorker::Stub& stub, grpc::ClientContext& c
       return s.sign();
     });
   }
+  v1::DeliverEntryResponse resp;
+  auto writer = stub.DeliverEntry(&ctx, &resp);
   bool all = false;
   if (writer->Write(head)) {
     all = rpc::write_chunks<v1::EntryChunk>(
@@ -89,7 +94,13 @@ grpc::Status deliver_entry(v1::CombineWorker::Stub& stub, grpc::ClientContext& c
   if (!all) abandoned = true;
   if (all && mac.valid()) {
     v1::EntryChunk tail;
-    tail.set_mac(mac.get());
+    try {
+      tail.set_mac(mac.get());
+    } catch (const std::exception& e) {  // (OpenSSL failed on the MAC's thread): the delivery ends unsigned, refused
+      ctx.TryCancel();
+      (void)writer->Finish();
+      return grpc::Status(grpc::StatusCode::INTERNAL, fmt::format("the entry's MAC could not be made: {}", e.what()));
+    }
     writer->Write(tail);
   }
   writer->WritesDone();
@@ -370,8 +381,12 @@ bool ScatterService::deliver_one(grpc::ServerContext* ctx, PrefillCall& call, ui
     size_t written = 0;
     auto cctx = rpc::make_client_context(ctx);  // the router's deadline and cancellation propagate
     if (!call.set_delivering(cctx.get())) return false;
-    st = deliver_entry(stub, *cctx, h, *built.bytes, chunk_bytes_, rpc::entry_mac_keys(), call.digests[size_t(i)],
-                       call.ids[size_t(i)], &duplicate, &written);
+    try {
+      st = deliver_entry(stub, *cctx, h, *built.bytes, chunk_bytes_, rpc::entry_mac_keys(), call.digests[size_t(i)],
+                         call.ids[size_t(i)], &duplicate, &written);
+    } catch (const std::exception& e) {  // no MAC thread or nonce to be had: this delivery fails, the worker stays
+      st = grpc::Status(grpc::StatusCode::INTERNAL, fmt::format("could not deliver: {}", e.what()));
+    }
     // Bytes count as sent once the stream took them, whatever the call's end: the router cancels this call
     // when its request is done, which can land after the combine worker used the entry but before its reply.
     static auto& sent = bytes_sent_counter("grpc");
