@@ -369,19 +369,46 @@ void EngineLoop::run_builds(std::vector<BuildJob> batch) {
     } catch (...) {
       failed = std::current_exception();
     }
-    const double batch_ms = ms_between(t0, Clock::now());
+    double batch_ms = ms_between(t0, Clock::now());
+    // Out of memory for the batch together (its partial entries are gone): each segment alone, so that those that
+    // fit are built and one request's segment does not fail another's that shared its batch.
+    std::vector<std::exception_ptr> errors(good.size(), failed);
+    std::vector<int> batch_segments(good.size(), int(good.size()));
+    std::vector<double> compute_ms(good.size(), 0);
+    if (failed && good.size() > 1 && classify_engine_error(failed) == EngineErrorKind::ResourceExhausted) {
+      entries.assign(good.size(), nullptr);
+      for (size_t k = 0; k < good.size(); ++k) {
+        const BuildJob& j = batch[good[k]];
+        const auto t1 = Clock::now();
+        try {
+          auto one = backend_.build_entries(std::span(segs).subspan(k, 1), j.seam_width,
+                                            [&](size_t) { return is_cancelled(j.stop ? j.stop : j.cancel); });
+          if (one.size() != 1) throw std::logic_error("build_entries returned a wrong number of entries");
+          entries[k] = std::move(one[0]);
+          errors[k] = nullptr;
+          batch_segments[k] = 1;
+          build_batches_++;
+        } catch (...) {
+          errors[k] = std::current_exception();
+        }
+        compute_ms[k] = ms_between(t1, Clock::now());
+      }
+      batch_ms = ms_between(t0, Clock::now());
+    } else if (!failed) {
+      for (size_t k = 0; k < good.size(); ++k) compute_ms[k] = batch_ms * double(segs[k].size()) / double(tokens);
+    }
     for (size_t k = 0; k < good.size(); ++k) {
       BuildOutcome& r = out[good[k]];
       r.batch_ms = batch_ms;
-      r.batch_segments = int(good.size());
-      if (failed) {
-        r.error_kind = classify_engine_error(failed);
-        r.error = message_of(failed);
+      r.batch_segments = batch_segments[k];
+      if (errors[k]) {
+        r.error_kind = classify_engine_error(errors[k]);
+        r.error = message_of(errors[k]);
         continue;
       }
       r.entry = std::move(entries[k]);
       r.cancelled = !r.entry;  // stopped part way by its cancel flag
-      r.compute_ms = batch_ms * double(segs[k].size()) / double(tokens);
+      r.compute_ms = compute_ms[k];
       hand_over(good[k]);
     }
   }

@@ -684,8 +684,16 @@ class FaultyBackend final : public Backend {
   const std::string& fingerprint() const override { return inner_.fingerprint(); }
   std::vector<std::shared_ptr<const ResidentEntry>> build_entries(std::span<const std::vector<int32_t>> s, int w,
                                                                   const BuildCancelled& c = {}) override {
+    ++build_calls;
+    if (max_build_segments > 0 && s.size() > max_build_segments) {
+      throw ResourceExhausted("device memory exhausted (injected by the test: " + std::to_string(s.size()) +
+                              " segments at once)");
+    }
     return inner_.build_entries(s, w, c);
   }
+  /// build_entries of more segments than this (0: any) runs out of device memory.
+  std::atomic<size_t> max_build_segments{0};
+  std::atomic<int> build_calls{0};
   std::shared_ptr<const ResidentEntry> import_entry(std::shared_ptr<const SegmentEntry> e) override {
     return inner_.import_entry(std::move(e));
   }
@@ -717,6 +725,42 @@ class FaultyBackend final : public Backend {
 };
 
 }  // namespace
+
+TEST_CASE("engine loop: a build batch out of device memory is built again one segment at a time", "[engine_loop]") {
+  CpuBackend& cpu = fixture_backend();
+  FaultyBackend b(cpu);
+  b.max_build_segments = 1;
+  const int vocab = int(b.config().vocab_size);
+  EngineLoopOptions opt;
+  opt.inject_delay = std::chrono::milliseconds(0);
+  EngineLoop loop(b, opt);
+  std::mutex mu;
+  std::condition_variable cv;
+  std::map<int, BuildOutcome> got;
+  std::vector<std::vector<int32_t>> ids;
+  for (int k = 0; k < 3; ++k) ids.push_back(random_ids(6 + 2 * k, 70 + uint32_t(k), vocab));
+  std::vector<EngineLoop::BuildSubmission> subs;
+  for (int k = 0; k < 3; ++k) {
+    subs.push_back({ids[size_t(k)], 4, nullptr, [&, k](BuildOutcome r) {
+                      std::lock_guard<std::mutex> lock(mu);
+                      got[k] = std::move(r);
+                      cv.notify_all();
+                    }});
+  }
+  loop.submit_builds(std::move(subs));  // one submission: one batch of 3, refused whole
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    REQUIRE(cv.wait_for(lock, std::chrono::seconds(120), [&] { return got.size() == 3; }));
+  }
+  CHECK(b.build_calls == 4);  // the batch, then each alone
+  for (int k = 0; k < 3; ++k) {
+    INFO("build " << k);
+    REQUIRE(got[k].error.empty());
+    REQUIRE(got[k].entry);
+    CHECK(got[k].batch_segments == 1);
+    CHECK(*got[k].bytes == serialize_entry(build_segment_entry(cpu.model(), ids[size_t(k)], 4)));
+  }
+}
 
 TEST_CASE("a decode failure or NaN logits end only the request concerned -- the others finish and the loop serves on",
           "[engine_loop]") {

@@ -357,7 +357,7 @@ TEST_CASE("combine worker: local builds are spliced resident (no host round trip
   CHECK(c.tier.entries() < 4);  // some of the 3 gave way before the new one went in
   // Failing again after the retry: the request's entries do not fit, and it is answered by a full prefill instead,
   // with full recomputation's tokens, every segment saying so, counted.
-  backend.fail_builds = 2;
+  backend.fail_builds = 1000;  // every build attempt (the batch, each alone, the retry after the tier gave way)
   {
     const std::vector<std::vector<int32_t>> prompt = {{51, 52, 53, 54, 55}, {56, 57, 58}};
     const double fallbacks0 = fallbacks();
@@ -441,10 +441,11 @@ TEST_CASE("combine worker: a cache-only segment the fetch policy prefills is fet
   for (int i = 0; i < 200 && cache_srv.store.stats().memory_entries < 2; ++i) std::this_thread::sleep_for(50ms);
   REQUIRE(cache_srv.store.stats().memory_entries == 2);  // the cold entries were put (asynchronously)
 
-  // Planned warm: the policy prefills both here; the first build fails (device memory short, and no tier entries
-  // to give up), so both are fetched from the cache after all: the same tokens, a note saying so, nothing put back.
+  // Planned warm: the policy prefills both here; their builds fail (device memory short: the batch, then each alone,
+  // and no tier entries to give up), so both are fetched from the cache after all: the same tokens, a note saying
+  // so, nothing put back.
   const int built_before = backend.built;
-  backend.fail_builds = 1;
+  backend.fail_builds = 3;
   const Combined warm = combine(c, "r-warm", segs, v1::PlannedSegment::WARM);
   CHECK(sources(warm) == std::vector<v1::SegmentSource>(2, v1::SEGMENT_SOURCE_CACHE));
   for (const auto& s : warm.report.segments()) {
@@ -453,7 +454,14 @@ TEST_CASE("combine worker: a cache-only segment the fetch policy prefills is fet
     CHECK_THAT(s.note(), Catch::Contains("fetched from the segment cache instead"));
   }
   CHECK(warm.tokens == cold.tokens);
-  CHECK(backend.built == built_before);  // the one build call (both segments in one batch) threw
+  CHECK(backend.built == built_before);  // the batch and each segment alone threw
+  CHECK(backend.fail_builds == 0);
+  // Short for the two together only: the batch fails, each segment alone is built (and fetched from nowhere).
+  const std::vector<std::vector<int32_t>> pair = {{91, 92, 93, 94, 95}, {96, 97, 98}};
+  backend.fail_builds = 1;
+  const Combined two = combine(c, "r-pair", pair, v1::PlannedSegment::LOCAL);
+  CHECK(sources(two) == std::vector<v1::SegmentSource>(2, v1::SEGMENT_SOURCE_COMBINE_COMPUTED));
+  CHECK(backend.built == built_before + 2);
   CHECK(backend.fail_builds == 0);
 
   // Planned warm but gone from the cache (evicted after the router's lookup), and the prefill fails for device
