@@ -50,8 +50,9 @@ constexpr uint64_t kRuntimeDeviceReserve = uint64_t{1} << 30;
 
 /// Device memory one request's entries can take beside the device tier (bytes; 0 on a backend without device
 /// entries): what was free after start-up less the device tier, the prefix checkpoints and kRuntimeDeviceReserve.
-/// A request of an entry mode needs all its segments' entries resident at its splice; one needing more is answered
-/// by a full prefill (CombineService::answer_in_full).
+/// A request of an entry mode whose entries need more is staged by its splice from pinned host blocks
+/// (CombineService::plan_entry_room), or answered by a full prefill where not even its largest entry fits
+/// (CombineService::answer_in_full).
 uint64_t request_entry_room(const BudgetInputs& in, uint64_t device_tier);
 
 /// Where a device backend's memory is, for logs: "weights 64.6 GiB, KV pool 2.2 GiB (0.3 used), workspace 7.0 GiB,

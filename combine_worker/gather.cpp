@@ -231,6 +231,12 @@ void CombineService::fetch_warm(const std::shared_ptr<Pending>& p, size_t slot, 
   }
   std::string why;
   if (auto block = d_.host_tier.get(digest, ids)) {
+    if (p->stage_blocks.load()) {  // staged by the splice from the pinned block itself
+      count_segment(v1::SEGMENT_SOURCE_COMBINE_HOST);
+      const size_t bytes = block->bytes();
+      p->fill(slot, nullptr, v1::SEGMENT_SOURCE_COMBINE_HOST, "", 0, bytes, "", nullptr, "", {}, std::move(block));
+      return;
+    }
     // One host-to-device copy of the pinned block on this thread (the engine loop keeps computing meanwhile).
     const auto t0 = Clock::now();
     try {
@@ -278,7 +284,7 @@ void CombineService::fetch_warm(const std::shared_ptr<Pending>& p, size_t slot, 
         engine::EntryReceiver::Received got = receiver->finish();
         rpc::verify_entry(*got.entry, ids, backend_, p->entry_seam_width);
         const auto t2 = Clock::now();
-        auto resident = make_resident(digest, got);
+        Kept kept = keep_received(*p, digest, got);
         std::shared_ptr<const engine::SegmentEntry> entry = std::move(got.entry);
         Delivery d;
         d.fetch_ms = rpc::ms_between(t0, Clock::now());
@@ -293,8 +299,9 @@ void CombineService::fetch_warm(const std::shared_ptr<Pending>& p, size_t slot, 
         count_received("cache", size);
         count_segment(v1::SEGMENT_SOURCE_CACHE);
         fetch_costs_.observe_fetch(size, d.fetch_ms);
-        if (resident) entry.reset();  // spliced resident; the host form is not needed any more
-        p->fill(slot, entry, v1::SEGMENT_SOURCE_CACHE, "", 0, size, "", std::move(resident), "", d);
+        if (kept.any()) entry.reset();  // spliced resident or staged; the host form is not needed any more
+        p->fill(slot, entry, v1::SEGMENT_SOURCE_CACHE, "", 0, size, "", std::move(kept.resident), "", d,
+                std::move(kept.block));
         return;
       }
     } catch (const engine::EntryError& e) {  // while parsing (the stream was cut there), or after
@@ -402,13 +409,15 @@ engine::EntryReaderChecks CombineService::entry_checks(uint64_t total_bytes, std
           }};
 }
 
-void CombineService::check_entry_room(const Pending& p) const {
+void CombineService::plan_entry_room(Pending& p) const {
   if (!backend_.device_entries()) return;
-  uint64_t need = 0;
+  uint64_t need = 0, largest = 0;
   size_t missing = 0;
   for (const Slot& s : p.slots) {  // (digests, ids and plans are immutable after registration)
     if (s.repeat_of || s.planned == v1::PlannedSegment::WHOLE || d_.memory_tier.contains(s.digest)) continue;
-    need += backend_.entry_bytes(int64_t(s.ids.size()));
+    const uint64_t bytes = backend_.entry_bytes(int64_t(s.ids.size()));
+    need += bytes;
+    largest = std::max(largest, bytes);
     ++missing;
   }
   if (missing == 0) return;
@@ -418,28 +427,47 @@ void CombineService::check_entry_room(const Pending& p) const {
   const uint64_t free = m.device_free + m.pool_free + m.freed_pending;
   const uint64_t could = free + d_.memory_tier.bytes();
   if (need <= could) return;
+  const auto gib = [](uint64_t b) { return double(b) / double(1ull << 30); };
+  // Staged by the splice instead: what is free then (less the engine's margin) must hold the largest entry.
+  constexpr uint64_t kStagingMargin = uint64_t(512) << 20;
+  if (free >= largest + kStagingMargin) {
+    p.stage_blocks = true;
+    staged_requests_counter().inc();
+    const std::string note = fmt::format(
+        "the request's {} entries need {:.2f} GiB of device memory and {:.2f} GiB could be had: kept as pinned host "
+        "blocks and staged into device memory by the splice a group at a time", missing, gib(need), gib(could));
+    spdlog::info("[req {}] {}", p.id, note);
+    std::lock_guard<std::mutex> lock(p.mu);
+    for (Slot& s : p.slots)
+      if (!s.repeat_of && s.planned != v1::PlannedSegment::WHOLE) s.note = s.note.empty() ? note : s.note + "; " + note;
+    return;
+  }
   throw rpc::RpcError(grpc::StatusCode::RESOURCE_EXHAUSTED,
                       fmt::format("the {} entries it lacks need {:.2f} GiB of device memory, and at most {:.2f} GiB "
-                                  "could be had ({:.2f} free, {:.2f} in the device tier)",
-                                  missing, double(need) / double(1ull << 30), double(could) / double(1ull << 30),
-                                  double(free) / double(1ull << 30),
-                                  double(d_.memory_tier.bytes()) / double(1ull << 30)));
+                                  "could be had ({:.2f} free, {:.2f} in the device tier); staging them by the splice "
+                                  "needs {:.2f} GiB free",
+                                  missing, gib(need), gib(could), gib(free), gib(d_.memory_tier.bytes()),
+                                  gib(largest + kStagingMargin)));
 }
 
-std::shared_ptr<const engine::ResidentEntry> CombineService::make_resident(
-    const rpc::Digest& digest, const engine::EntryReceiver::Received& got) {
-  if (!backend_.device_entries()) return nullptr;
+CombineService::Kept CombineService::keep_received(const Pending& p, const rpc::Digest& digest,
+                                                   const engine::EntryReceiver::Received& got) {
+  if (!backend_.device_entries()) return {};
   auto block = got.block ? got.block : backend_.block_of_entry(*got.entry);
+  if (p.stage_blocks.load()) {
+    d_.copier.keep_block(digest, block);
+    return {nullptr, std::move(block)};
+  }
   auto resident = backend_.import_block(*block);
   d_.memory_tier.put(digest, resident);
   d_.copier.keep_block(digest, std::move(block));
-  return resident;
+  return {std::move(resident), nullptr};
 }
 
 void CombineService::gather(const std::shared_ptr<Pending>& p, const v1::CombineRequest& req,
                             grpc::ServerContext* ctx, Fetchers& fetch) {
   if (!p->uses_entries) return;  // full and prefix modes compute in context
-  check_entry_room(*p);
+  plan_entry_room(*p);
   std::vector<size_t>& warm = fetch.warm;
   std::vector<std::thread>& fetchers = fetch.threads;
   std::vector<std::pair<size_t, std::string>> local;
@@ -553,7 +581,7 @@ grpc::Status CombineService::DeliverEntry(grpc::ServerContext* ctx, grpc::Server
     rpc::EntryMacCheck mac(rpc::entry_mac_keys(), slot.digest, slot.ids, h.total_bytes(), h.mac_head());
     std::optional<std::string> mac_sent;
     std::shared_ptr<const engine::SegmentEntry> entry;
-    std::shared_ptr<const engine::ResidentEntry> resident;
+    Kept kept;
     try {
       while (reader->Read(&msg)) {
         if (msg.has_header()) throw rpc::invalid_argument("header", "a delivery carries exactly one header");
@@ -576,16 +604,17 @@ grpc::Status CombineService::DeliverEntry(grpc::ServerContext* ctx, grpc::Server
       }
       engine::EntryReceiver::Received got = parser.finish();
       rpc::verify_entry(*got.entry, slot.ids, backend_, p->entry_seam_width);
-      resident = make_resident(slot.digest, got);  // on this thread, not the engine loop's (device backends)
-      if (!resident) entry = std::move(got.entry);
+      kept = keep_received(*p, slot.digest, got);  // on this thread, not the engine loop's (device backends)
+      if (!kept.any()) entry = std::move(got.entry);
     } catch (const engine::EntryError& e) {
       spdlog::error("[req {}] rejected {}: {}", p->id, what, e.what());
       throw rpc::RpcError(grpc::StatusCode::DATA_LOSS, fmt::format("{} rejected by the engine: {}", what, e.what()));
     } catch (const engine::ResourceExhausted& e) {
       throw rpc::RpcError(grpc::StatusCode::RESOURCE_EXHAUSTED, fmt::format("{}: {}", what, e.what()));
     }
-    accept_delivery(*p, h, std::move(entry), std::move(resident), check.total_bytes(),
-                    Delivery{"grpc", rpc::ms_between(t0, Clock::now()), check.total_bytes()}, what, resp);
+    accept_delivery(*p, h, std::move(entry), std::move(kept.resident), check.total_bytes(),
+                    Delivery{"grpc", rpc::ms_between(t0, Clock::now()), check.total_bytes()}, what, resp,
+                    std::move(kept.block));
     return grpc::Status::OK;
   });
 }
@@ -608,7 +637,7 @@ void CombineService::accept_delivery(Pending& p, const v1::EntryHeader& h,
                                      std::shared_ptr<const engine::SegmentEntry> entry,
                                      std::shared_ptr<const engine::ResidentEntry> resident, uint64_t entry_bytes,
                                      const Delivery& delivery, const std::string& what,
-                                     v1::DeliverEntryResponse* resp) {
+                                     v1::DeliverEntryResponse* resp, std::shared_ptr<const engine::HostBlock> block) {
   // A build the scatter worker shared with another request is reported as such.
   const bool shared = !h.shared_from().empty();
   const bool fresh = p.fill(
@@ -617,7 +646,7 @@ void CombineService::accept_delivery(Pending& p, const v1::EntryHeader& h,
       shared ? fmt::format("shared build: started on {} for request {}, joined by this one", h.built_by(),
                            h.shared_from())
              : std::string(),
-      delivery);
+      delivery, std::move(block));
   count_received("scatter", delivery.transfer_bytes);
   if (fresh) count_segment(shared ? v1::SEGMENT_SOURCE_SHARED_BUILD : v1::SEGMENT_SOURCE_SCATTER);
   resp->set_duplicate(!fresh);

@@ -163,15 +163,18 @@ int main(int argc, char** argv) {
     if (in.device_entries) {
       spdlog::info("host tier {} [{}; pinned host memory]", hc::describe_budget(budgets.host_tier, in.entry_bytes),
                    how(host_tier_flag));
-      // A request's entries are all resident at its splice: one needing more than there is room for is answered by
-      // a full prefill. Said at start-up where that is a prompt of 16 segments of 2048 tokens or fewer.
+      // A request whose entries do not all fit at once has them staged by its splice from pinned host blocks (more,
+      // smaller forward passes, and every entry's bytes crossing PCIe on the critical path); one whose largest entry
+      // does not fit either is answered by a full prefill. Said at start-up where a prompt of 16 segments of 2048
+      // tokens or fewer is staged.
       const uint64_t room = hc::request_entry_room(in, budgets.device_tier);
       const uint64_t fit = in.entry_bytes ? room / in.entry_bytes : 0;
       if (fit < 16) {
         spdlog::warn("device memory for one request's entries: about {:.1f} GiB ({} entries of 2048 tokens, {} MB "
-                     "each): a hypic request with more segments than that is answered by a full prefill instead "
-                     "(hypic:combine_full_fallbacks_total); --prefix-cache-bytes (now {} MiB), --kv-pool-bytes, "
-                     "--max-batch-tokens or a smaller --memory-tier-bytes leave more",
+                     "each): a hypic request with more segments than that is staged by its splice from pinned host "
+                     "blocks (hypic:combine_staged_requests_total), or answered by a full prefill where not even its "
+                     "largest entry fits (hypic:combine_full_fallbacks_total); --prefix-cache-bytes (now {} MiB), "
+                     "--kv-pool-bytes, --max-batch-tokens or a smaller --memory-tier-bytes leave more",
                      double(room) / double(1ull << 30), fit, in.entry_bytes / 1000000,
                      in.prefix_cache_bytes >> 20);
       }

@@ -27,12 +27,16 @@ struct Slot {
   std::vector<int32_t> ids;
   v1::PlannedSegment::Source planned = v1::PlannedSegment::WARM;
   std::optional<size_t> repeat_of;  // planned REPEAT: filled with that segment's entry
-  // Set once, at least one of the two: the host form (delivered, fetched) and/or the form resident on the backend
-  // (built here, or a memory-tier hit).
+  // Set once, at least one of the three: the host form (delivered, fetched), the form resident on the backend (built
+  // here, or a memory-tier hit), or, for a request whose entries are staged by its splice (Pending::stage_blocks), the
+  // pinned host block the splice copies in (delivered, fetched, or from the host tier).
   std::shared_ptr<const engine::SegmentEntry> entry;
   std::shared_ptr<const engine::ResidentEntry> resident;
-  bool has_entry() const { return entry || resident; }
-  const engine::SegmentEntry* header() const { return resident ? &resident->header() : entry.get(); }
+  std::shared_ptr<const engine::HostBlock> block;
+  bool has_entry() const { return entry || resident || block; }
+  const engine::SegmentEntry* header() const {
+    return resident ? &resident->header() : entry ? entry.get() : block ? &block->header() : nullptr;
+  }
   v1::SegmentSource source = v1::SEGMENT_SOURCE_UNSPECIFIED;
   std::string built_by, device, note;
   double compute_ms = 0;
@@ -88,13 +92,17 @@ struct CombineService::Pending {
   // build or fetch starts for it, its unshared builds stop, and fill() keeps nothing. The pointer is immutable.
   std::shared_ptr<std::atomic<bool>> gather_cancel = std::make_shared<std::atomic<bool>>(false);
   bool in_full = false;  // under mu: answered by a full prefill (CombineService::answer_in_full)
+  // Its entries do not all fit in device memory at once (CombineService::plan_entry_room, before any fetch or build
+  // starts): those that arrive as bytes (deliveries over gRPC, cache fetches, the host tier) are kept as pinned host
+  // blocks and staged by the splice a group at a time (engine::PlanSegment::block) instead of made resident.
+  std::atomic<bool> stage_blocks{false};
 
   // Fills a slot, and the slots that repeat it with the same entry; false if it was already filled (a duplicate
   // delivery or a late local build). `note` is added to the slot's note.
   bool fill(size_t i, std::shared_ptr<const engine::SegmentEntry> entry, v1::SegmentSource source,
             std::string built_by, double compute_ms, uint64_t bytes, std::string device = {},
             std::shared_ptr<const engine::ResidentEntry> resident = nullptr, const std::string& note = {},
-            const Delivery& delivery = {}) {
+            const Delivery& delivery = {}, std::shared_ptr<const engine::HostBlock> block = nullptr) {
     {
       std::lock_guard<std::mutex> lock(mu);
       Slot& s = slots[i];
@@ -111,6 +119,7 @@ struct CombineService::Pending {
       s.entry_bytes = bytes;
       s.device = std::move(device);
       s.resident = std::move(resident);
+      s.block = std::move(block);
       if (!note.empty()) s.note = s.note.empty() ? note : s.note + "; " + note;
       ++filled;
       for (size_t j : repeats[i]) {
@@ -118,6 +127,7 @@ struct CombineService::Pending {
         if (r.has_entry()) continue;
         r.entry = s.entry;
         r.resident = s.resident;
+        r.block = s.block;
         r.source = v1::SEGMENT_SOURCE_REPEAT;
         r.built_by = s.built_by;
         r.device = s.device;
@@ -152,6 +162,14 @@ inline rpc::Counter& full_fallbacks_counter() {
       "hypic:combine_full_fallbacks_total",
       "Requests of an entry mode (hypic, naive, transition) answered by a full prefill instead because their entries "
       "did not fit in device memory");
+  return c;
+}
+/// hypic:combine_staged_requests_total: requests whose entries were staged by the splice from pinned host blocks.
+inline rpc::Counter& staged_requests_counter() {
+  static auto& c = rpc::MetricsRegistry::global().counter(
+      "hypic:combine_staged_requests_total",
+      "Requests of an entry mode whose entries did not all fit in device memory at once: kept as pinned host blocks "
+      "and staged into device memory by the splice a group at a time");
   return c;
 }
 /// hypic:combine_builds_joined_total: segments that joined a local build of the same segment for another request.

@@ -231,7 +231,8 @@ engine::SpliceInfo CombineService::splice(const std::shared_ptr<Pending>& p, con
   }
   job.splice.plan.query = p->query;
   for (auto& s : p->slots) {  // (full and prefix modes take the ids alone; a late fill may still touch the entries)
-    job.splice.plan.segments.push_back({s.ids, p->uses_entries ? s.resident : nullptr});
+    job.splice.plan.segments.push_back({s.ids, p->uses_entries ? s.resident : nullptr,
+                                        p->uses_entries ? s.block : nullptr});
     job.splice.host_entries.push_back(p->uses_entries ? s.entry : nullptr);
   }
   job.sampling = p->sampling;
@@ -240,6 +241,11 @@ engine::SpliceInfo CombineService::splice(const std::shared_ptr<Pending>& p, con
   events = GenerationEvents::attach(job);
   d_.loop.submit_generate(std::move(job));
   engine::SpliceInfo sinfo = events->wait_spliced(*ctx);
+  if (sinfo.staged_segments > 0)
+    spdlog::info("[req {}] the splice staged {} entries from pinned host blocks in {} groups ({:.2f} GiB of device "
+                 "memory for them), {:.1f} ms",
+                 p->id, sinfo.staged_segments, sinfo.staged_groups, double(sinfo.staging_bytes) / double(1ull << 30),
+                 sinfo.splice_ms);
   // Entries the splice imported (delivered or fetched) stay resident in the memory tier for later requests.
   for (size_t i = 0; i < sinfo.imported.size() && i < p->slots.size(); ++i)
     if (sinfo.imported[i]) d_.memory_tier.put(p->slots[i].digest, sinfo.imported[i]);
@@ -378,7 +384,7 @@ grpc::Status CombineService::run_combine(grpc::ServerContext* ctx, const v1::Com
     // the splice's imports) is answered by a full prefill instead, once: nothing is lost but the time.
     bool in_full = false;
     const auto fall_back = [&](const rpc::RpcError& e) {
-      // Device memory only (DeviceMemory's and check_entry_room's errors say so): a full KV pool or every sequence
+      // Device memory only (DeviceMemory's and plan_entry_room's errors say so): a full KV pool or every sequence
       // slot taken would fail a full prefill alike.
       if (in_full || !p->uses_entries || e.code() != grpc::StatusCode::RESOURCE_EXHAUSTED ||
           std::string_view(e.what()).find("device memory") == std::string_view::npos) {
@@ -441,6 +447,7 @@ void CombineService::answer_in_full(Pending& p, Fetchers& fetch, const std::stri
       tokens += s.ids.size();
       s.entry.reset();
       s.resident.reset();
+      s.block.reset();
       s.note = s.note.empty() ? note : s.note + "; " + note;
     }
   }

@@ -163,10 +163,13 @@ class CombineService final : public hypic::v1::CombineWorker::Service {
   // in `fetch` joined), its entries are let go, its mode becomes full; logged with where the device memory is, noted
   // on every segment and counted (hypic:combine_full_fallbacks_total). The answer is full recomputation's.
   void answer_in_full(Pending& p, Fetchers& fetch, const std::string& why);
-  // Throws RESOURCE_EXHAUSTED (which answer_in_full takes) when the entries a request lacks (not in the device tier,
-  // not repeats or refresh-tail segments) need more device memory than is free, waiting to be freed and held by the
-  // device tier together: a device backend only.
-  void check_entry_room(const Pending& p) const;
+  // Where a request's entries go, decided before any fetch or build starts (a device backend only): when the entries
+  // it lacks (not in the device tier, not repeats or refresh-tail segments) need more device memory than is free,
+  // waiting to be freed and held by the device tier together, they are staged by the splice from pinned host blocks
+  // (Pending::stage_blocks: logged, noted, counted in hypic:combine_staged_requests_total) where that memory holds
+  // the largest of them and a margin (engine::SplicePlan::block_staging_bytes); else throws RESOURCE_EXHAUSTED
+  // (which answer_in_full takes).
+  void plan_entry_room(Pending& p) const;
   void fetch_warm(const std::shared_ptr<Pending>& p, size_t slot, const grpc::ServerContextBase* ctx);
   /// fetch_warm on a fetch thread: an exception out of it is a local build instead, or the request's failure.
   void fetch_or_fail(const std::shared_ptr<Pending>& p, size_t slot, const grpc::ServerContextBase* ctx);
@@ -179,19 +182,26 @@ class CombineService final : public hypic::v1::CombineWorker::Service {
   /// What a received entry's header must satisfy before its tensors are sized (engine::EntryReaderChecks): the stream's
   /// size, this worker's model, numerics and seam width, and the segment's token ids (rpc::verify_entry).
   engine::EntryReaderChecks entry_checks(uint64_t total_bytes, std::span<const int32_t> ids, int seam_width) const;
-  /// Makes an entry received over gRPC or mapped from the cache (engine::EntryReceiver) resident on a device backend
-  /// here, on the calling thread (import_block of its pinned block, made by Backend::block_of_entry where it arrived
-  /// as a host entry: never on the engine loop), puts it in the device tier and keeps its block in the host tier; on
-  /// the CPU backend returns null (the engine imports the host entry, for free).
-  std::shared_ptr<const engine::ResidentEntry> make_resident(const rpc::Digest& digest,
-                                                             const engine::EntryReceiver::Received& got);
+  /// Where an entry received over gRPC or mapped from the cache (engine::EntryReceiver) is kept on a device backend:
+  /// its pinned block (made by Backend::block_of_entry where it arrived as a host entry) goes to the host tier and,
+  /// for a request whose entries are staged (Pending::stage_blocks), to the splice as it is; else it is made resident
+  /// here, on the calling thread (import_block: never on the engine loop), and put in the device tier. On the CPU
+  /// backend both are null (the engine imports the host entry, for free).
+  struct Kept {
+    std::shared_ptr<const engine::ResidentEntry> resident;
+    std::shared_ptr<const engine::HostBlock> block;
+    bool any() const { return resident || block; }
+  };
+  Kept keep_received(const Pending& p, const rpc::Digest& digest, const engine::EntryReceiver::Received& got);
   /// The active request a delivery names, its header's index and digest checked (NOT_FOUND, INVALID_ARGUMENT).
   std::shared_ptr<Pending> delivery_target(const hypic::v1::EntryHeader& h);
-  /// Fills the delivered segment's slot (host entry and/or resident one), counts it, answers duplicate or not.
+  /// Fills the delivered segment's slot (host entry, resident one or pinned host block), counts it, answers duplicate
+  /// or not.
   void accept_delivery(Pending& p, const hypic::v1::EntryHeader& h, std::shared_ptr<const engine::SegmentEntry> entry,
                        std::shared_ptr<const engine::ResidentEntry> resident, uint64_t entry_bytes,
                        const Delivery& delivery, const std::string& what,
-                       hypic::v1::DeliverEntryResponse* resp);
+                       hypic::v1::DeliverEntryResponse* resp,
+                       std::shared_ptr<const engine::HostBlock> block = nullptr);
   /// DeliverEntry with transport NCCL: receives the announced block over communicator h.peer_epoch() (refused, the
   /// block still received and dropped, when anything is wrong with it; `extra_chunks`: the stream carried data).
   void deliver_nccl(grpc::ServerContext* ctx, const hypic::v1::EntryHeader& h, bool extra_chunks,

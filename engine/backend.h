@@ -96,11 +96,18 @@ class ResidentEntry {
   int num_tokens() const { return header().num_tokens(); }
 };
 
+class HostBlock;
+
 /// One segment of a splice plan: its token ids (full and prefix modes compute them), and its entry (required by
-/// naive / transition / hypic; made by this backend or imported into it).
+/// naive / transition / hypic): resident (made by this backend or imported into it), or, on a backend whose entries
+/// live in device memory (Backend::device_entries), a pinned host block of it (Backend::copy_to_host,
+/// block_of_entry, wire_block) that the splice copies in for the passes that fold it and lets go after them
+/// (SplicePlan::block_staging_bytes), so that a prompt's entries need not all fit in device memory at once.
+/// `entry` wins where both are given.
 struct PlanSegment {
   std::vector<int32_t> ids;
   std::shared_ptr<const ResidentEntry> entry;
+  std::shared_ptr<const HostBlock> block;
 };
 
 /// A prompt to assemble (DESIGN.md 3.3-3.4): segments in order, then the query (never cached).
@@ -133,6 +140,14 @@ struct SplicePlan {
   /// the answer's), before it runs: every backend executes the schedules of the one planner (engine/splice_schedule.h),
   /// which a test compares across backends. Optional.
   std::function<void(const SpliceSchedule&)> on_schedule;
+  /// Segments that bring a host block instead of a resident entry (PlanSegment::block; device backends only): the
+  /// device memory the splice may take to stage them, bytes. Their entries are copied in group by group, in the order
+  /// the schedule folds them, while earlier groups' passes run (two halves of the staging area: one group in use, the
+  /// next one arriving; one half alone when the area holds only the largest entry), and a forward pass folds the
+  /// entries of one group only, so a long prompt's splice runs more passes. 0 = auto: every block at once where the
+  /// device has room for them all (one group, the passes as with resident entries), else what is free now less a
+  /// margin of 512 MiB. Throws ResourceExhausted ("device memory") when that cannot hold the largest block's entry.
+  size_t block_staging_bytes = 0;
 };
 
 /// What the splice planner sees of a plan (engine/splice_schedule.h): mode, w, each segment's tokens (its ids, or its
@@ -149,6 +164,11 @@ struct SpliceOutput {
   int prefix_segments_reused = 0;      ///< prefix mode: segments restored from the prefix cache
   std::vector<int> recomputed_segments;  ///< hypic: segments recomputed whole, ascending
   std::vector<std::vector<float>> context_states;  ///< keep_context_state: per linear layer [H_v][d_k][d_v], host
+  /// Host blocks staged (PlanSegment::block): segments brought in as blocks, the groups they were copied in (one per
+  /// execution of the schedule: the refresh's probe and the answer each copy theirs), the staging area's bytes.
+  int staged_segments = 0;
+  int staged_groups = 0;
+  size_t staging_bytes = 0;
 };
 
 /// Backend::build_entries' cancellation test: true when segment i (its index in the call) is no longer wanted.

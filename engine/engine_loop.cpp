@@ -479,6 +479,9 @@ void EngineLoop::run_splice(SpliceTask task) {
   r.info.splice_ms = ms_between(t0, Clock::now());
   r.info.num_tokens = r.output.num_tokens;
   r.info.computed_tokens = r.output.computed_tokens;
+  r.info.staged_segments = r.output.staged_segments;
+  r.info.staged_groups = r.output.staged_groups;
+  r.info.staging_bytes = r.output.staging_bytes;
   r.info.recomputed_segments = r.output.recomputed_segments;
   r.info.prefix_segments_reused = r.output.prefix_segments_reused;
   if (!task.gen) return task.done(std::move(r));

@@ -109,6 +109,10 @@ struct SpliceInfo {
   /// Chunked prefill: pauses between this splice's passes (a decode step of the running sequences in each, if any
   /// and the backend has no concurrent decode; included in splice_ms).
   int passes_paused = 0;
+  /// Segments brought in as pinned host blocks and staged group by group (SpliceOutput::staged_segments,
+  /// staged_groups, staging_bytes).
+  int staged_segments = 0, staged_groups = 0;
+  size_t staging_bytes = 0;
   /// Per plan segment, the entry imported from SpliceJob::host_entries (null where none was): callers may keep
   /// them (resident on the backend) to splice again without another import.
   std::vector<std::shared_ptr<const ResidentEntry>> imported;

@@ -76,8 +76,9 @@ struct SpliceSchedule {
 };
 
 /// The shape of a request of either form (engine/backend.h SplicePlan, engine/cpu/splice.h SpliceRequest: fields
-/// mode, seam_width, query, recompute_segments, refresh_segments, refresh_tail, segments[i].ids / .entry): each
-/// segment's tokens are its ids, or its entry's when the ids are omitted (0 when it has neither).
+/// mode, seam_width, query, recompute_segments, refresh_segments, refresh_tail, segments[i].ids / .entry, and
+/// SplicePlan's segments[i].block, which brings an entry as a host block): each segment's tokens are its ids, or its
+/// entry's (block's) when the ids are omitted (0 when it has neither).
 template <class Request>
 SpliceShape shape_of_request(const Request& r) {
   SpliceShape shape;
@@ -88,9 +89,13 @@ SpliceShape shape_of_request(const Request& r) {
   shape.refresh_segments = r.refresh_segments;
   shape.refresh_tail = r.refresh_tail;
   for (const auto& seg : r.segments) {
-    shape.segment_tokens.push_back(seg.ids.empty() && seg.entry ? int64_t(seg.entry->num_tokens())
-                                                                : int64_t(seg.ids.size()));
-    shape.has_entry.push_back(seg.entry ? 1 : 0);
+    int64_t entry_tokens = seg.entry ? int64_t(seg.entry->num_tokens()) : 0;
+    bool has = bool(seg.entry);
+    if constexpr (requires { seg.block; }) {  // SplicePlan: an entry may come as a pinned host block
+      if (!has && seg.block) entry_tokens = int64_t(seg.block->num_tokens()), has = true;
+    }
+    shape.segment_tokens.push_back(seg.ids.empty() && has ? entry_tokens : int64_t(seg.ids.size()));
+    shape.has_entry.push_back(has ? 1 : 0);
   }
   return shape;
 }

@@ -132,6 +132,9 @@ SpliceOutput CpuBackend::splice(const SplicePlan& plan) {
   req.segments.reserve(plan.segments.size());
   for (size_t i = 0; i < plan.segments.size(); ++i) {
     const PlanSegment& s = plan.segments[i];
+    if (s.block && !s.entry)
+      throw std::invalid_argument("splice: segment " + std::to_string(i) + " brings a host block; the " +
+                                  std::string(numerics()) + " backend keeps entries in host memory (give its entry)");
     std::shared_ptr<const SegmentEntry> host;
     if (s.entry) {
       if (!dynamic_cast<const CpuEntry*>(s.entry.get()))

@@ -16,8 +16,13 @@ CudaEntry::CudaEntry(CudaBackend& b, SegmentEntry header, cudaStream_t stream)
   device_ = b.device().index;
   mem_ = DeviceMemory(total, "segment entry (" + std::to_string(n()) + " tokens)", stream,
                       /*stream_ordered=*/stream != nullptr);
+  base_ = mem_.bytes_ptr();
   b.live_entry_bytes += mem_.size();
 }
+
+CudaEntry::CudaEntry(CudaBackend& b, SegmentEntry header, StagedView)
+    : header_(std::move(header)), owner_(&b), lay_(b.geometry(), n(), header_.seam_tokens() > 0),
+      device_(b.device().index) {}
 
 std::shared_ptr<const SegmentEntry> CudaEntry::host() const {
   std::lock_guard lock(mu_);
@@ -28,6 +33,7 @@ std::shared_ptr<const SegmentEntry> CudaEntry::host() const {
 CudaSequence::~CudaSequence() { b_->release(slot_, pages_); }
 
 CudaEntry::~CudaEntry() {
+  if (!mem_.size()) return;  // a staged view
   owner_->live_entry_bytes -= mem_.size();
   owner_->defer_free(std::move(mem_));
 }
@@ -54,6 +60,7 @@ CudaBackend::CudaBackend(const DeviceSpec& dev, ModelConfig cfg, const ModelWeig
   check_cuda(cudaStreamCreateWithFlags(&xfer_stream_, cudaStreamNonBlocking), "cudaStreamCreate");
   check_cuda(cudaStreamCreateWithFlags(&d2h_stream_, cudaStreamNonBlocking), "cudaStreamCreate");
   check_cuda(cudaStreamCreateWithFlags(&h2d_stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+  check_cuda(cudaStreamCreateWithFlags(&stage_stream_, cudaStreamNonBlocking), "cudaStreamCreate");
   {  // decode steps: the highest priority, so that their blocks go first as a prefill pass's blocks retire
     int least = 0, greatest = 0;
     check_cuda(cudaDeviceGetStreamPriorityRange(&least, &greatest), "cudaDeviceGetStreamPriorityRange");
@@ -173,7 +180,7 @@ CudaBackend::~CudaBackend() {
     cudaStreamDestroy(stream_);
   }
   if (lane_ev_) cudaEventDestroy(lane_ev_);
-  for (cudaStream_t st : {d2h_stream_, h2d_stream_, dec_full_stream_}) {
+  for (cudaStream_t st : {d2h_stream_, h2d_stream_, stage_stream_, dec_full_stream_}) {
     if (!st) continue;
     cudaStreamSynchronize(st);
     cudaStreamDestroy(st);

@@ -180,28 +180,39 @@ class CudaHostBlock final : public HostBlock {
 // A segment entry on the device (EntryLayout): per linear layer S_seam (when the seam is not empty), T_int, S_int
 // (fp32) and the conv tail [K-1][C] bf16; per attention layer K [n][H_kv][hd] and V [n][H_kv][v_dim] bf16 (K rotated
 // at local positions where the family has RoPE).
+/// An entry's header without its tensors (what a CudaEntry keeps on the host).
+SegmentEntry header_of(const SegmentEntry& e);
+
 class CudaEntry final : public ResidentEntry {
  public:
   /// Allocates the block stream-ordered on `stream` (the engine's stream for its own entries; the backend's transfer
   /// stream for Backend::allocate_entry, on any thread), or with plain cudaMalloc when `stream` is null.
   CudaEntry(CudaBackend& b, SegmentEntry header, cudaStream_t stream);
+  /// A view of an entry of `header` whose block the splice's staging area holds (a host block copied in; Stager in
+  /// cuda_splice.cpp): it owns no memory, and its tensors are undefined until bind() gives it its place.
+  struct StagedView {};
+  CudaEntry(CudaBackend& b, SegmentEntry header, StagedView);
+  /// A staged view's place in the staging area (device memory of at least total_bytes()).
+  void bind(char* base) { base_ = base; }
+  /// The block's bytes in this backend's layout (EntryLayout::total).
+  size_t total_bytes() const { return lay_.total; }
   /// The whole block (DeviceBlock; engine/backend.h).
-  DeviceBlock block() const { return {mem_.bytes_ptr(), mem_.size(), device_}; }
+  DeviceBlock block() const { return {base_, lay_.total, device_}; }
   /// Hands the device memory back to the backend, which frees it on its engine thread (entries are dropped on gRPC
   /// threads too, where a free on the engine's stream could meet a CUDA-graph capture).
   ~CudaEntry() override;
   const SegmentEntry& header() const override { return header_; }
   std::shared_ptr<const SegmentEntry> host() const override;
-  size_t resident_bytes() const override { return mem_.size(); }
+  size_t resident_bytes() const override { return mem_.size(); }  // (0 for a staged view)
 
   /// S(seam|0) of linear layer l; null when the seam is empty (w = 0).
   float* S_seam(int l) const { return has_seam() ? f32(lay_.S_seam(l)) : nullptr; }
   float* T_int(int l) const { return f32(lay_.T_int(l)); }
   float* S_int(int l) const { return f32(lay_.S_int(l)); }
-  kc::bf16* conv(int l) const { return reinterpret_cast<kc::bf16*>(mem_.bytes_ptr(lay_.conv_at(l))); }
+  kc::bf16* conv(int l) const { return reinterpret_cast<kc::bf16*>(base_ + lay_.conv_at(l)); }
   bool has_seam() const { return lay_.states == 2; }
-  kc::bf16* K(int a) const { return reinterpret_cast<kc::bf16*>(mem_.bytes_ptr(lay_.K(a))); }
-  kc::bf16* V(int a) const { return reinterpret_cast<kc::bf16*>(mem_.bytes_ptr(lay_.V(a))); }
+  kc::bf16* K(int a) const { return reinterpret_cast<kc::bf16*>(base_ + lay_.K(a)); }
+  kc::bf16* V(int a) const { return reinterpret_cast<kc::bf16*>(base_ + lay_.V(a)); }
   int n() const { return header_.num_tokens(); }
   size_t state_bytes() const { return lay_.state; }
   size_t trans_bytes() const { return lay_.trans; }
@@ -210,12 +221,13 @@ class CudaEntry final : public ResidentEntry {
   bool no_transitions = false;  ///< made with BackendOptions::benchmark_skip_transitions: not spliceable
 
  private:
-  float* f32(size_t off) const { return reinterpret_cast<float*>(mem_.bytes_ptr(off)); }
+  float* f32(size_t off) const { return reinterpret_cast<float*>(base_ + off); }
   SegmentEntry header_;
   CudaBackend* owner_;
   EntryLayout lay_;
   int device_ = 0;
-  DeviceMemory mem_;
+  DeviceMemory mem_;       // empty for a staged view
+  char* base_ = nullptr;   // mem_'s bytes, or a staged view's place
   mutable std::mutex mu_;
   mutable std::shared_ptr<const SegmentEntry> host_;
 };
@@ -241,6 +253,10 @@ struct Fold {
   enum Kind { Install, Transition, Interior, Naive } kind;
   const CudaEntry* e;
   int64_t base;  // real position of the entry's first token
+  // A segment brought as a host block (PlanSegment::block): the block, whose entry `e` (a StagedView) is copied into
+  // the splice's staging area, and its staging group (assigned by the Stager; -1 until then). Null / -1 otherwise.
+  const CudaHostBlock* block = nullptr;
+  int stage = -1;
   int from() const { return kind == Interior ? e->header().seam_tokens() : 0; }
   // Affine steps per layer (fold_steps): an Install of an entry with a seam takes two, every other fold one.
   int steps() const { return kind == Install && e->has_seam() ? 2 : 1; }
@@ -365,6 +381,9 @@ class CudaBackend final : public Backend {
   }
   void check_ids(std::span<const int32_t> ids, const std::string& where) const;
   void check_entry(const PlanSegment& s, size_t i, const SplicePlan& plan) const;
+  // A staged view (CudaEntry::StagedView) of segment i's host block, checked against this model, the plan's w and
+  // the segment's ids. Throws EntryError / std::invalid_argument naming the segment.
+  std::unique_ptr<CudaEntry> staged_view(const PlanSegment& s, size_t i, const SplicePlan& plan);
 
   // Forward passes.
   void apply_folds(CudaSequence& s, const std::vector<Fold>& folds);
@@ -385,7 +404,9 @@ class CudaBackend final : public Backend {
   // The hypic items (DESIGN.md 3.3): seams (or whole segments, where whole[i]) in context, interiors folded.
   // The items of a schedule (engine/splice_schedule.h): its folds on this backend's entries, its spans over `prompt`
   // (every segment's ids, then the query); prefix mode's consecutive segment spans joined into one.
-  std::vector<Item> items_of(const SplicePlan& plan, const SpliceSchedule& sch, std::span<const int32_t> prompt) const;
+  // views: per plan segment, the staged view of its host block (null where it brings a resident entry or none).
+  std::vector<Item> items_of(const SplicePlan& plan, const SpliceSchedule& sch, std::span<const int32_t> prompt,
+                             std::span<const std::unique_ptr<CudaEntry>> views) const;
   // One varlen build pass; `stop` asked before each layer (true: nothing more is launched, null entries).
   void build_batch(std::span<const std::vector<int32_t>> segments, int w,
                    std::vector<std::shared_ptr<CudaEntry>>& out, const std::function<bool()>& stop);
@@ -605,6 +626,14 @@ class CudaBackend final : public Backend {
   // Host blocks: device-to-host and host-to-device copies on streams of their own (any thread), into and out of
   // pinned pieces of pinned_ (shared with the blocks, which may outlive the backend).
   cudaStream_t d2h_stream_ = nullptr, h2d_stream_ = nullptr;
+  // A splice's host blocks copied into its staging area (Stager, cuda_splice.cpp; engine thread only).
+  cudaStream_t stage_stream_ = nullptr;
+  class Stager;
+  struct StageStats {
+    int segments = 0, groups = 0;
+    size_t bytes = 0;
+  };
+  StageStats stage_stats_;  // of the running splice (engine thread only)
   std::shared_ptr<PinnedPool> pinned_;
   /// Waits for the work queued so far on `stream` (an event of the caller's own: other threads' later work on the
   /// same stream is not waited for).

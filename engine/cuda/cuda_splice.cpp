@@ -536,6 +536,133 @@ void CudaBackend::snapshot_linear(const CudaSequence& s, std::vector<std::vector
   check_cuda(cudaStreamSynchronize(stream_), "state snapshot");
 }
 
+// ---- host blocks staged during a splice (PlanSegment::block, SplicePlan::block_staging_bytes) ------------------
+
+// The host blocks of one execution of a schedule, in the order its folds use them, packed greedily into groups that
+// fit half of the staging area (or all of it: one group when every block fits at once, one half alone when the area
+// holds the largest block but not two). Group g lives in half g % halves; its copy (on stage_stream_, pinned host to
+// device at PCIe bandwidth) is issued when group g - 1 becomes current, so it overlaps g - 1's passes, after the
+// engine's stream has finished every pass that read that half (an event); ensure(g) makes the engine's stream wait
+// for it and points the group's staged views there. A forward pass folds one group's entries only (execute cuts
+// passes there); folds applied before a pass (apply_folds) go group by group.
+class CudaBackend::Stager {
+ public:
+  Stager(CudaBackend& b, std::vector<Item>& items, size_t room_bytes) : b_(b) {
+    std::vector<Fold*> staged;
+    for (Item& it : items)
+      for (Fold& f : it.folds)
+        if (f.block) staged.push_back(&f);
+    if (staged.empty()) return;
+    size_t total = 0, largest = 0;
+    for (const Fold* f : staged) {
+      total += aligned(f->e->total_bytes());
+      largest = std::max(largest, aligned(f->e->total_bytes()));
+    }
+    size_t room = room_bytes;
+    if (room == 0) {  // auto: all of them where the device has room, else what is free less a margin
+      const BackendMemory m = b.memory();
+      const size_t avail = m.device_free + m.pool_free;
+      room = avail > kMargin ? std::min(total, avail - kMargin) : 0;
+    }
+    size_t cap = 0;
+    if (room >= total) {
+      halves_ = 1, cap = total;
+    } else if (room >= 2 * largest) {
+      halves_ = 2, cap = room / 2 / kAlign * kAlign;
+    } else if (room >= largest) {
+      halves_ = 1, cap = room;
+    } else {
+      throw ResourceExhausted("splice: staging host blocks needs device memory for at least the largest entry, " +
+                              std::to_string(largest) + " bytes, but " + std::to_string(room) +
+                              " bytes could be had (device memory free less a margin of " +
+                              std::to_string(kMargin >> 20) + " MiB, or SplicePlan::block_staging_bytes)");
+    }
+    size_t used = cap;  // of the current group
+    for (Fold* f : staged) {
+      const size_t bytes = aligned(f->e->total_bytes());
+      if (used + bytes > cap) groups_.emplace_back(), used = 0;
+      f->stage = int(groups_.size()) - 1;
+      groups_.back().folds.push_back(f);
+      groups_.back().offsets.push_back(used);
+      used += bytes;
+    }
+    for (const Group& g : groups_)
+      half_ = std::max(half_, g.offsets.back() + aligned(g.folds.back()->e->total_bytes()));
+    area_ = DeviceMemory(half_ * size_t(halves_), "a splice's staging of " + std::to_string(staged.size()) +
+                                                      " host blocks in " + std::to_string(groups_.size()) + " groups",
+                         b.stream_, true);
+    check_cuda(cudaEventCreateWithFlags(&ev_, cudaEventDisableTiming), "staging event");
+    for (Group& g : groups_) check_cuda(cudaEventCreateWithFlags(&g.copied, cudaEventDisableTiming), "staging event");
+    b.stage_stats_.segments += int(staged.size());
+    b.stage_stats_.groups += int(groups_.size());
+    b.stage_stats_.bytes = std::max(b.stage_stats_.bytes, area_.size());
+  }
+  Stager(const Stager&) = delete;
+  Stager& operator=(const Stager&) = delete;
+  ~Stager() {
+    if (groups_.empty()) return;
+    // A copy issued ahead and never used (a cancelled splice) must end before the area is freed on the engine's
+    // stream.
+    if (cudaEventRecord(ev_, b_.stage_stream_) != cudaSuccess ||
+        cudaStreamWaitEvent(b_.stream_, ev_, 0) != cudaSuccess) {
+      cudaGetLastError();
+      cudaStreamSynchronize(b_.stage_stream_);
+    }
+    area_ = DeviceMemory();
+    cudaEventDestroy(ev_);
+    for (Group& g : groups_) cudaEventDestroy(g.copied);
+  }
+  /// Group g's entries in place for the work queued on the engine's stream from now on; the next group's copy issued.
+  void ensure(int g) {
+    if (g < 0 || g == current_) return;
+    if (g < current_)
+      throw std::logic_error("Stager: group " + std::to_string(g) + " after group " + std::to_string(current_));
+    issue(g);
+    check_cuda(cudaStreamWaitEvent(b_.stream_, groups_[size_t(g)].copied, 0), "staging wait");
+    Group& grp = groups_[size_t(g)];
+    for (size_t k = 0; k < grp.folds.size(); ++k)
+      const_cast<CudaEntry*>(grp.folds[k]->e)->bind(place(g) + grp.offsets[k]);
+    current_ = g;
+    if (halves_ == 2 && size_t(g) + 1 < groups_.size()) issue(g + 1);
+  }
+
+ private:
+  static constexpr size_t kAlign = 256;
+  static constexpr size_t kMargin = size_t(512) << 20;
+  static size_t aligned(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+  char* place(int g) const { return area_.bytes_ptr(size_t(g % halves_) * half_); }
+  void issue(int g) {
+    Group& grp = groups_[size_t(g)];
+    if (grp.issued) return;
+    // Its half was last read by passes already queued on the engine's stream (or is fresh from its allocation there).
+    check_cuda(cudaEventRecord(ev_, b_.stream_), "staging event");
+    check_cuda(cudaStreamWaitEvent(b_.stage_stream_, ev_, 0), "staging wait");
+    for (size_t k = 0; k < grp.folds.size(); ++k) {
+      char* dst = place(g) + grp.offsets[k];
+      for (const auto& piece : grp.folds[k]->block->pieces()) {
+        check_cuda(cudaMemcpyAsync(dst, piece.data, piece.used, cudaMemcpyHostToDevice, b_.stage_stream_),
+                   "staging copy to device");
+        dst += piece.used;
+      }
+    }
+    check_cuda(cudaEventRecord(grp.copied, b_.stage_stream_), "staging event");
+    grp.issued = true;
+  }
+  struct Group {
+    std::vector<Fold*> folds;
+    std::vector<size_t> offsets;  // in its half
+    cudaEvent_t copied = nullptr;
+    bool issued = false;
+  };
+  CudaBackend& b_;
+  std::vector<Group> groups_;
+  int halves_ = 1;
+  size_t half_ = 0;
+  int current_ = -1;
+  DeviceMemory area_;
+  cudaEvent_t ev_ = nullptr;
+};
+
 // Packs items into passes of at most max_batch_tokens tokens and runs them. A span longer than the room left is cut;
 // its rest continues in the next pass from the slot state. Folds before the first span of a pass are applied
 // before it (apply_folds); later folds go between the pass's runs.
@@ -543,6 +670,21 @@ void CudaBackend::execute(CudaSequence& s, const std::vector<Item>& items_in, bo
                           std::vector<float>& logits, bool keep_context, std::vector<std::vector<float>>* context,
                           std::vector<float>* mass, std::span<const CheckpointCut> cuts, const SplicePlan* pacing) {
   std::vector<Item> items = items_in;
+  Stager stager(*this, items, pacing ? pacing->block_staging_bytes : 0);  // (sets the staged folds' groups)
+  int pass_stage = -1;  // the staging group of the folds inside the pass being packed (-1: none)
+  // Folds applied before a pass, group by group: consecutive folds whose staged ones share a group, one call each.
+  auto fold_now = [&](std::vector<Fold>& folds) {
+    for (size_t k = 0; k < folds.size();) {
+      int g = -1;
+      size_t j = k;
+      for (; j < folds.size() && (folds[j].stage < 0 || g < 0 || folds[j].stage == g); ++j)
+        if (folds[j].stage >= 0) g = folds[j].stage;
+      stager.ensure(g);
+      apply_folds(s, std::vector<Fold>(folds.begin() + std::ptrdiff_t(k), folds.begin() + std::ptrdiff_t(j)));
+      k = j;
+    }
+    folds.clear();
+  };
   // Tokens per pass: max_batch_tokens, or the splice's chunk (the query with all_logits still in one pass).
   const int64_t cap = pacing && pacing->max_pass_tokens > 0 ? std::min(Tmax_, pacing->max_pass_tokens) : Tmax_;
   const size_t n = items.size();
@@ -563,6 +705,8 @@ void CudaBackend::execute(CudaSequence& s, const std::vector<Item>& items_in, bo
   size_t next_cut = 0;
   auto flush = [&](bool last) {
     if (runs.empty()) return;
+    stager.ensure(pass_stage);
+    pass_stage = -1;
     std::vector<float> lg = run_pass(s, runs, last, all_logits, last && mass && n_attn_ ? mass_dev_.as<float>() : nullptr,
                                      cut_by_pass ? std::span<const CheckpointCut>() : cuts);
     if (last) logits = std::move(lg);
@@ -576,18 +720,25 @@ void CudaBackend::execute(CudaSequence& s, const std::vector<Item>& items_in, bo
     const int64_t pass_cap = is_last && all_logits ? Tmax_ : cap;
     if (is_last && keep_context) {  // the state after every segment: flush, fold, snapshot, then the query alone
       flush(false);
-      apply_folds(s, it.folds);
-      it.folds.clear();
+      fold_now(it.folds);
       snapshot_linear(s, *context);
+    }
+    // Staged folds: a pass folds one group's entries (an item whose folds span groups folds them before a pass).
+    int item_stage = -1;
+    for (const Fold& f : it.folds)
+      if (f.stage >= 0) item_stage = item_stage < 0 || item_stage == f.stage ? f.stage : -2;
+    if (item_stage == -2) {
+      flush(false);
+      fold_now(it.folds);
+      item_stage = -1;
+    } else if (item_stage >= 0 && pass_stage >= 0 && item_stage != pass_stage) {
+      flush(false);
     }
     while (true) {
       const int64_t len = int64_t(it.span.ids.size());
       // The query's logits (all of them with all_logits) come from one pass: start a new one when it would be cut.
       if (is_last && all_logits && !runs.empty() && len <= Tmax_ && len > Tmax_ - used) flush(false);
-      if (!it.folds.empty() && runs.empty()) {  // folds at the start of a pass: into the slot before it
-        apply_folds(s, it.folds);
-        it.folds.clear();
-      }
+      if (!it.folds.empty() && runs.empty()) fold_now(it.folds);  // folds at the start of a pass: into the slot first
       const int64_t room = std::max<int64_t>(pass_cap - used, 0);
       if (cut_by_pass && next_cut < cuts.size() && cuts[next_cut].at <= it.span.position)
         throw std::logic_error("execute: prefix checkpoint at " + std::to_string(cuts[next_cut].at) +
@@ -605,6 +756,7 @@ void CudaBackend::execute(CudaSequence& s, const std::vector<Item>& items_in, bo
       }
       if (len <= room) {
         if (runs.empty() || !it.folds.empty()) runs.push_back(Run{it.folds, {}});
+        if (!it.folds.empty() && item_stage >= 0) pass_stage = item_stage;
         runs.back().spans.push_back(it.span);
         used += len;
         break;
@@ -703,6 +855,22 @@ void CudaBackend::restore_chain(CudaSequence& s, const std::vector<const Checkpo
 
 // ---- splice ----------------------------------------------------------------------------------------------------
 
+std::unique_ptr<CudaEntry> CudaBackend::staged_view(const PlanSegment& seg, size_t i, const SplicePlan& plan) {
+  const std::string which = "segment " + std::to_string(i);
+  const auto* block = dynamic_cast<const CudaHostBlock*>(seg.block.get());
+  if (!block) throw EntryError("splice: " + which + "'s host block is not one of the CUDA backend's");
+  const SegmentEntry& h = block->header();
+  h.check_compatible(fingerprint_, geom_, entry_seam_width(plan.mode, plan.seam_width), numerics());
+  if (h.num_tokens() < 1) throw EntryError("splice: " + which + "'s host block has no tokens");
+  if (!seg.ids.empty() && seg.ids != h.token_ids)
+    throw std::invalid_argument("splice: " + which + "'s token ids differ from its host block's");
+  auto view = std::make_unique<CudaEntry>(*this, header_of(h), CudaEntry::StagedView{});
+  if (block->bytes() != view->total_bytes())
+    throw EntryError("splice: " + which + "'s host block has " + std::to_string(block->bytes()) + " bytes, its " +
+                     std::to_string(h.num_tokens()) + " tokens take " + std::to_string(view->total_bytes()) + " here");
+  return view;
+}
+
 void CudaBackend::check_entry(const PlanSegment& seg, size_t i, const SplicePlan& plan) const {
   const std::string which = "segment " + std::to_string(i);
   if (!seg.entry)
@@ -721,18 +889,21 @@ void CudaBackend::check_entry(const PlanSegment& seg, size_t i, const SplicePlan
 }
 
 std::vector<Item> CudaBackend::items_of(const SplicePlan& plan, const SpliceSchedule& sch,
-                                        std::span<const int32_t> prompt) const {
+                                        std::span<const int32_t> prompt,
+                                        std::span<const std::unique_ptr<CudaEntry>> views) const {
   using Kind = ScheduledFold::Kind;
   std::vector<Item> items;
   for (const ScheduledStep& step : sch.steps) {
     Item it;
     for (const ScheduledFold& f : step.folds) {
-      const auto* e = static_cast<const CudaEntry*>(plan.segments[size_t(f.segment)].entry.get());
+      const PlanSegment& seg = plan.segments[size_t(f.segment)];
+      const bool staged = !seg.entry && size_t(f.segment) < views.size() && views[size_t(f.segment)];
+      const auto* e = staged ? views[size_t(f.segment)].get() : static_cast<const CudaEntry*>(seg.entry.get());
       const Fold::Kind k = f.kind == Kind::Install  ? Fold::Install
                            : f.kind == Kind::Naive  ? Fold::Naive
                            : f.kind == Kind::Transition ? Fold::Transition
                                                     : Fold::Interior;
-      it.folds.push_back({k, e, f.base});
+      it.folds.push_back({k, e, f.base, staged ? static_cast<const CudaHostBlock*>(seg.block.get()) : nullptr});
       if (it.folds.back().from() != f.from)
         throw std::logic_error("splice: segment " + std::to_string(f.segment) + "'s entry has a seam of " +
                                std::to_string(it.folds.back().from()) + " tokens, the schedule " +
@@ -765,11 +936,17 @@ SpliceOutput CudaBackend::splice(const SplicePlan& plan) {
                       plan.mode == SpliceMode::Hypic;
   check_ids(plan.query, "the query");
   std::vector<int32_t> prompt;  // every segment's ids, then the query: what the schedule's spans index
+  // Segments brought as host blocks: entries staged during the splice (Stager), seen through views.
+  std::vector<std::unique_ptr<CudaEntry>> views(plan.segments.size());
+  stage_stats_ = {};
   for (size_t i = 0; i < plan.segments.size(); ++i) {
     const PlanSegment& seg = plan.segments[i];
     if (cached && seg.entry) check_entry(seg, i, plan);
+    if (cached && !seg.entry && seg.block) views[i] = staged_view(seg, i, plan);
     if (!seg.ids.empty()) check_ids(seg.ids, "segment " + std::to_string(i));
-    const std::vector<int32_t>& ids = seg.ids.empty() ? seg.entry->header().token_ids : seg.ids;
+    const std::vector<int32_t>& ids = !seg.ids.empty() ? seg.ids
+                                      : seg.entry      ? seg.entry->header().token_ids
+                                                       : seg.block->header().token_ids;
     prompt.insert(prompt.end(), ids.begin(), ids.end());
   }
   prompt.insert(prompt.end(), plan.query.begin(), plan.query.end());
@@ -839,7 +1016,7 @@ SpliceOutput CudaBackend::splice(const SplicePlan& plan) {
       // The probe takes the request's one state slot, then gives it back; the query's attention per slot ranks the
       // segments the answer recomputes whole (SpliceRequest::refresh_segments, refresh_tail).
       announce(probe);
-      const std::vector<Item> probe_items = items_of(plan, probe, prompt);
+      const std::vector<Item> probe_items = items_of(plan, probe, prompt, views);
       std::vector<float> probe_logits;
       seq.reset();
       {
@@ -852,8 +1029,11 @@ SpliceOutput CudaBackend::splice(const SplicePlan& plan) {
     sch = schedule_splice(shape, 0, probe, mass);
   }
   announce(sch);
-  execute(*seq, items_of(plan, sch, prompt), plan.all_query_logits, out.logits, plan.keep_context_state,
+  execute(*seq, items_of(plan, sch, prompt, views), plan.all_query_logits, out.logits, plan.keep_context_state,
           &out.context_states, nullptr, cuts, &plan);
+  out.staged_segments = stage_stats_.segments;
+  out.staged_groups = stage_stats_.groups;
+  out.staging_bytes = stage_stats_.bytes;
   for (size_t k = fresh.size(); k-- > 0;) {  // prefix: the chain's shallow checkpoints freshest in the LRU
     const size_t bytes = fresh[k].second->mem.size();
     prefix_.put(fresh[k].first, std::move(fresh[k].second), bytes);

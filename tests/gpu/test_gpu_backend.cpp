@@ -689,6 +689,132 @@ TEST_CASE("cuda backend: host blocks round-trip bit for bit, on other threads wh
   CHECK(f.gpu->memory().device_free > 0);
 }
 
+TEST_CASE("cuda backend: entries brought as host blocks are staged during the splice -- at once bit for bit, "
+          "group by group within the pass-shape tolerance", "[backend][host_block]") {
+  require_gpu();
+  Fixture& f = fixture("qwen3_5_moe_gpu");
+  std::mt19937 rng(23);
+  std::vector<std::vector<int32_t>> segs;
+  for (size_t n : {150, 70, 9, 41, 64, 33}) segs.push_back(random_ids(rng, n, f.cfg.vocab_size));
+  const auto query = random_ids(rng, 12, f.cfg.vocab_size);
+  const size_t V = size_t(f.cfg.vocab_size);
+  std::vector<std::shared_ptr<const eng::HostBlock>> blocks;
+  std::vector<std::shared_ptr<const eng::ResidentEntry>> built, built0;
+  for (int w : {8, 0}) {
+    auto& b = w ? built : built0;
+    b = f.gpu->build_entries(segs, w);
+  }
+  size_t largest = 0;
+  for (const auto& e : built) {
+    blocks.push_back(f.gpu->copy_to_host(*e));
+    largest = std::max(largest, (e->resident_bytes() + 255) / 256 * 256);
+  }
+  struct Run {
+    std::vector<float> logits;
+    std::vector<int32_t> tokens;
+    eng::ModelState state;
+    eng::SpliceOutput out;
+  };
+  // A splice of `mode` whose segments bring resident entries (room 0 and !use_blocks) or host blocks staged in `room`
+  // bytes (0 = auto), then 6 greedy decode steps.
+  auto run = [&](eng::SpliceMode mode, bool use_blocks, size_t room, int refresh = 0) {
+    const bool transition = mode == eng::SpliceMode::Transition;
+    std::vector<std::shared_ptr<const eng::HostBlock>> tblocks;
+    if (transition && use_blocks)
+      for (const auto& e : built0) tblocks.push_back(f.gpu->copy_to_host(*e));
+    eng::SplicePlan p;
+    p.mode = mode;
+    p.seam_width = transition ? 0 : 8;
+    p.query = query;
+    p.refresh_segments = refresh;
+    p.block_staging_bytes = room;
+    for (size_t i = 0; i < segs.size(); ++i) {
+      if (use_blocks) p.segments.push_back({segs[i], nullptr, transition ? tblocks[i] : blocks[i]});
+      else p.segments.push_back({segs[i], transition ? built0[i] : built[i]});
+    }
+    Run r;
+    r.out = f.gpu->splice(p);
+    r.logits = r.out.logits;
+    std::vector<float> lg = r.logits;
+    for (int s = 0; s < 6; ++s) {
+      r.tokens.push_back(argmax(lg.data(), V));
+      eng::Sequence* q[1] = {r.out.sequence.get()};
+      f.gpu->decode(q, std::span<const int32_t>(&r.tokens.back(), 1), lg);
+    }
+    r.state = r.out.sequence->to_host();
+    return r;
+  };
+  auto state_err = [&](const eng::ModelState& a, const eng::ModelState& b) {
+    double e = 0;
+    for (size_t l = 0; l < a.linear.size(); ++l) e = std::max(e, rel(a.linear[l].ssm, b.linear[l].ssm));
+    return e;
+  };
+  const Run ref = run(eng::SpliceMode::Hypic, false, 0);
+  CHECK(ref.out.staged_segments == 0);
+  SECTION("every block at once (auto): one group, the passes of resident entries, bit for bit") {
+    const Run r = run(eng::SpliceMode::Hypic, true, 0);
+    CHECK(r.out.staged_segments == int(segs.size()));
+    CHECK(r.out.staged_groups == 1);
+    CHECK(r.out.staging_bytes >= largest);
+    CHECK(hypic::gputest::same_bits(r.logits, ref.logits));
+    CHECK(r.tokens == ref.tokens);
+    CHECK(state_err(r.state, ref.state) == 0);
+  }
+  SECTION("a room of one entry: one group per entry, the copies waited for; two halves of one: the same groups, "
+          "each copied while the previous group's passes run -- the same bits") {
+    const Run one = run(eng::SpliceMode::Hypic, true, largest);
+    const Run two = run(eng::SpliceMode::Hypic, true, 2 * largest);
+    std::printf("[backend] staged splice: room 1 entry %d groups, 2 entries %d groups (%zu staging bytes)\n",
+                one.out.staged_groups, two.out.staged_groups, two.out.staging_bytes);
+    CHECK(one.out.staged_segments == int(segs.size()));
+    CHECK(one.out.staged_groups == int(segs.size()));  // (the largest entry's room holds no two entries)
+    CHECK(two.out.staged_groups == one.out.staged_groups);
+    CHECK(one.out.staging_bytes <= largest);
+    CHECK(two.out.staging_bytes <= 2 * largest);
+    CHECK(hypic::gputest::same_bits(one.logits, two.logits));
+    CHECK(one.tokens == two.tokens);
+    CHECK(state_err(one.state, two.state) == 0);
+    // Against the resident splice: the same arithmetic in more, smaller passes.
+    const double el = rel(two.logits, ref.logits), es = state_err(two.state, ref.state);
+    std::printf("[backend] staged splice against resident: logits %.3e, states %.3e\n", el, es);
+    CHECK(el <= kPassShapeTol);
+    CHECK(es <= kPassShapeTol);
+    CHECK(two.out.num_tokens == ref.out.num_tokens);
+    CHECK(two.out.computed_tokens == ref.out.computed_tokens);
+  }
+  SECTION("naive and transition folds (all before the query) go group by group, the refresh's probe stages too") {
+    for (const auto mode : {eng::SpliceMode::Naive, eng::SpliceMode::Transition}) {
+      const Run a = run(mode, false, 0), b = run(mode, true, 2 * largest);
+      INFO(eng::splice_mode_name(mode));
+      CHECK(b.out.staged_groups == int(segs.size()));
+      CHECK(rel(b.logits, a.logits) <= kPassShapeTol);
+      CHECK(state_err(b.state, a.state) <= kPassShapeTol);
+    }
+    const Run a = run(eng::SpliceMode::Hypic, false, 0, 2), b = run(eng::SpliceMode::Hypic, true, 2 * largest, 2);
+    CHECK(b.out.recomputed_segments == a.out.recomputed_segments);
+    CHECK(b.out.staged_groups > int(segs.size()));  // the probe's groups, then the answer's
+    CHECK(rel(b.logits, a.logits) <= kPassShapeTol);
+  }
+  SECTION("errors: a room below the largest entry, a block of other ids, blocks on the CPU backend") {
+    try {
+      run(eng::SpliceMode::Hypic, true, largest - 4096);
+      FAIL("a staging room below the largest entry was accepted");
+    } catch (const eng::ResourceExhausted& e) {
+      CHECK_THAT(e.what(), Catch::Contains("largest entry"));
+    }
+    eng::SplicePlan p;
+    p.mode = eng::SpliceMode::Hypic;
+    p.seam_width = 8;
+    p.query = query;
+    p.segments.push_back({segs[0], nullptr, blocks[0]});
+    p.segments.push_back({segs[2], nullptr, blocks[1]});
+    CHECK_THROWS_WITH(f.gpu->splice(p), Catch::Contains("segment 1's token ids differ"));
+    p.seam_width = 4;
+    p.segments[1].block = blocks[2];
+    CHECK_THROWS_AS(f.gpu->splice(p), eng::EntryError);  // entries made with w = 8
+  }
+}
+
 TEST_CASE("cuda backend: prefix mode takes its checkpoints in the same pass and restores chains", "[backend]") {
   require_gpu();
   Fixture& f = fixture("qwen3_next_gpu");

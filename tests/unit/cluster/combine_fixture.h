@@ -34,10 +34,11 @@ struct CombineServer {
   std::unique_ptr<hypic::v1::CombineWorker::Stub> stub;
   int port = 0;
 
-  /// `tier_bytes`: the device tier's budget; `cache_replicas`: segment cache addresses (none: no cache).
+  /// `tier_bytes`: the device tier's budget; `cache_replicas`: segment cache addresses (none: no cache);
+  /// `host_tier_bytes`: the host tier's budget (host blocks: a backend with device entries only).
   CombineServer(engine::Backend& b, combine::CombineOptions opt, size_t tier_bytes = 1 << 20,
-                std::vector<std::string> cache_replicas = {})
-      : backend(b), cache(std::move(cache_replicas)), tier(tier_bytes) {
+                std::vector<std::string> cache_replicas = {}, size_t host_tier_bytes = 0)
+      : backend(b), cache(std::move(cache_replicas)), tier(tier_bytes), host_tier(host_tier_bytes) {
     svc = std::make_unique<combine::CombineService>(
         combine::CombineDeps{tokenizer, cache, putter, loop, tier, host_tier, copier, life}, opt);
     grpc::ServerBuilder sb;

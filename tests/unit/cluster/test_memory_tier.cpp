@@ -147,10 +147,44 @@ class CountingBackend final : public hypic::engine::Backend {
   hypic::engine::SpliceOutput splice(const hypic::engine::SplicePlan& plan) override {
     host_calls_before_splice.push_back(host_calls.load());
     hypic::engine::SplicePlan p = plan;
-    for (auto& s : p.segments)
+    for (auto& s : p.segments) {
       if (auto* w = dynamic_cast<const Entry*>(s.entry.get())) s.entry = w->inner;
+      if (!s.entry && s.block) {  // staged: a CUDA backend copies the block in for the passes that fold it
+        s.entry = b_->import_entry(dynamic_cast<const Block&>(*s.block).e);
+        s.block = nullptr;
+        ++staged_seen;
+      }
+    }
     return b_->splice(p);
   }
+  // Host blocks (with device_like): a block is the entry's host form, `block_bytes` bytes.
+  struct Block final : hypic::engine::HostBlock {
+    std::shared_ptr<const SegmentEntry> e;
+    size_t n = 0;
+    const SegmentEntry& header() const override { return *e; }
+    size_t bytes() const override { return n; }
+  };
+  std::shared_ptr<const hypic::engine::HostBlock> block_of_entry(const SegmentEntry& entry) const override {
+    auto b = std::make_shared<Block>();
+    b->e = std::make_shared<SegmentEntry>(entry);
+    b->n = 4096;
+    return b;
+  }
+  std::shared_ptr<const hypic::engine::HostBlock> copy_to_host(const hypic::engine::ResidentEntry& e) const override {
+    return block_of_entry(*e.host());
+  }
+  std::shared_ptr<const hypic::engine::ResidentEntry> import_block(const hypic::engine::HostBlock& b) const override {
+    ++block_imports;
+    return b_->import_entry(dynamic_cast<const Block&>(b).e);
+  }
+  std::shared_ptr<const SegmentEntry> entry_of_block(const hypic::engine::HostBlock& b) const override {
+    return dynamic_cast<const Block&>(b).e;
+  }
+  size_t entry_bytes(int64_t tokens) const override {
+    return entry_bytes_each ? entry_bytes_each.load() : b_->entry_bytes(tokens);
+  }
+  /// The wrapped CPU backend (entries built on it directly are plain CPU entries).
+  hypic::engine::Backend& inner() { return *b_; }
   void decode(std::span<hypic::engine::Sequence* const> s, std::span<const int32_t> t,
               std::vector<float>& logits) override {
     b_->decode(s, t, logits);
@@ -170,6 +204,9 @@ class CountingBackend final : public hypic::engine::Backend {
   std::atomic<bool> device_like{false};
   std::atomic<size_t> device_free{0};
   std::atomic<bool> hold{false};    ///< build_entries waits while set (a build kept running)
+  std::atomic<size_t> entry_bytes_each{0};  ///< entry_bytes() of every entry (0: the CPU backend's)
+  mutable std::atomic<int> block_imports{0};  ///< import_block calls
+  std::atomic<int> staged_seen{0};  ///< plan segments spliced from host blocks (staged)
   std::atomic<int> entered{0};      ///< build_entries calls begun
   std::vector<int> host_calls_before_splice;  // engine loop thread only
 
@@ -421,6 +458,62 @@ TEST_CASE("combine worker: local builds are spliced resident (no host round trip
   CHECK(info.device_tier_bytes() == c.tier.bytes());
   CHECK(info.device_tier_budget() == size_t(1) << 30);
   CHECK(info.host_tier_budget() == 0);
+}
+
+TEST_CASE("combine worker: entries that do not fit in device memory at once are staged by the splice from pinned "
+          "host blocks -- resident where they fit, a full prefill where not even the largest fits", "[memory_tier]") {
+  CountingBackend backend(hypic::engine::make_backend(hypic::engine::DeviceSpec{}, hypic::test::kCombineModel));
+  // No device tier (a warm plan is the host tier's), a host tier of 1 GiB.
+  hypic::test::CombineServer c(backend, {}, 0, {}, size_t(1) << 30);
+  const std::vector<std::vector<int32_t>> segs = {{11, 12, 13, 14, 15, 16, 17}, {21, 22, 23, 24, 25, 26}, {31, 32}};
+  const Combined reference = combine(c, "s-ref", segs, v1::PlannedSegment::LOCAL);
+  const Combined full_reference =
+      combine(c, "s-full", segs, v1::PlannedSegment::LOCAL, nullptr, false, nullptr, "full");
+  // The host tier holds the entries' blocks (as a device backend's host copies leave them).
+  const auto built = backend.inner().build_entries(segs, 4);
+  for (size_t i = 0; i < segs.size(); ++i) {
+    const auto d = hypic::engine::segment_digest(backend.fingerprint(),
+                                                 hypic::engine::entry_format_version(backend.config()), 4, segs[i]);
+    c.host_tier.put(d, backend.block_of_entry(*built[i]->host()));
+  }
+  REQUIRE(c.host_tier.entries() == 3);
+  const auto GiB = size_t(1) << 30;
+  const double staged0 =
+      hypic::rpc::MetricsRegistry::global().counter("hypic:combine_staged_requests_total", "").value();
+  backend.device_like = true;
+  backend.entry_bytes_each = GiB;  // 3 GiB for the three
+  SECTION("2 GiB free: staged by the splice, nothing imported before it") {
+    backend.device_free = 2 * GiB;
+    const Combined staged = combine(c, "s-staged", segs, v1::PlannedSegment::WARM);
+    CHECK(sources(staged) == std::vector<v1::SegmentSource>(3, v1::SEGMENT_SOURCE_COMBINE_HOST));
+    CHECK(backend.staged_seen == 3);
+    CHECK(backend.block_imports == 0);
+    CHECK(staged.tokens == reference.tokens);
+    for (const auto& seg : staged.report.segments()) {
+      CHECK_THAT(seg.note(), Catch::Contains("staged into device memory by the splice"));
+      CHECK(seg.reused());
+    }
+    CHECK(hypic::rpc::MetricsRegistry::global().counter("hypic:combine_staged_requests_total", "").value() ==
+          staged0 + 1);
+  }
+  SECTION("8 GiB free: made resident from the host tier as they are fetched, not staged") {
+    backend.device_free = 8 * GiB;
+    const Combined roomy = combine(c, "s-roomy", segs, v1::PlannedSegment::WARM);
+    CHECK(sources(roomy) == std::vector<v1::SegmentSource>(3, v1::SEGMENT_SOURCE_COMBINE_HOST));
+    CHECK(backend.staged_seen == 0);
+    CHECK(backend.block_imports == 3);
+    CHECK(roomy.tokens == reference.tokens);
+  }
+  SECTION("1.25 GiB free: not even the largest entry and the staging margin fit, answered by a full prefill") {
+    backend.device_free = GiB + GiB / 4;
+    const double fallbacks0 = fallbacks();
+    const Combined full = combine(c, "s-tight", segs, v1::PlannedSegment::WARM);
+    CHECK(fallbacks() == fallbacks0 + 1);
+    CHECK(backend.staged_seen == 0);
+    CHECK(sources(full) == std::vector<v1::SegmentSource>(3, v1::SEGMENT_SOURCE_IN_CONTEXT));
+    CHECK(full.tokens == full_reference.tokens);
+  }
+  backend.device_like = false;
 }
 
 TEST_CASE("combine worker: a cache-only segment the fetch policy prefills is fetched after all when its prefill fails",
