@@ -425,12 +425,14 @@ void CombineService::plan_entry_room(Pending& p) const {
   // in use aside): a request needing more fails at its last allocations anyway, after evicting the tier for nothing.
   const engine::BackendMemory m = backend_.memory();
   const uint64_t free = m.device_free + m.pool_free + m.freed_pending;
-  const uint64_t could = free + d_.memory_tier.bytes();
+  const uint64_t cap = opt_.request_entry_bytes;  // --request-entry-bytes (0: none)
+  const uint64_t could = cap ? std::min(cap, free + d_.memory_tier.bytes()) : free + d_.memory_tier.bytes();
   if (need <= could) return;
   const auto gib = [](uint64_t b) { return double(b) / double(1ull << 30); };
-  // Staged by the splice instead: what is free then (less the engine's margin) must hold the largest entry.
+  // Staged by the splice instead: what is free then (less the engine's margin) must hold the largest entry, and the
+  // cap too.
   constexpr uint64_t kStagingMargin = uint64_t(512) << 20;
-  if (free >= largest + kStagingMargin) {
+  if (free >= largest + kStagingMargin && (cap == 0 || cap >= largest)) {
     p.stage_blocks = true;
     staged_requests_counter().inc();
     const std::string note = fmt::format(
@@ -444,9 +446,10 @@ void CombineService::plan_entry_room(Pending& p) const {
   }
   throw rpc::RpcError(grpc::StatusCode::RESOURCE_EXHAUSTED,
                       fmt::format("the {} entries it lacks need {:.2f} GiB of device memory, and at most {:.2f} GiB "
-                                  "could be had ({:.2f} free, {:.2f} in the device tier); staging them by the splice "
-                                  "needs {:.2f} GiB free",
+                                  "could be had ({:.2f} free, {:.2f} in the device tier{}); staging them by the "
+                                  "splice needs {:.2f} GiB free",
                                   missing, gib(need), gib(could), gib(free), gib(d_.memory_tier.bytes()),
+                                  cap ? fmt::format(", --request-entry-bytes {:.2f}", gib(cap)) : std::string(),
                                   gib(largest + kStagingMargin)));
 }
 

@@ -52,6 +52,13 @@ int main(int argc, char** argv) {
                  "(0 disables; auto: a quarter of host memory)")
       ->check(hypic::rpc::byte_budget_check())
       ->capture_default_str();
+  std::string request_entry_bytes = "auto";
+  app.add_option("--request-entry-bytes", request_entry_bytes,
+                 "device backends: the most device memory one request's entries take resident at once; a request "
+                 "whose entries need more keeps them as pinned host blocks and its splice stages them in a group at a "
+                 "time within this many bytes (auto: what the device has free)")
+      ->check(hypic::rpc::byte_budget_check())
+      ->capture_default_str();
   app.add_option("--put-queue-bytes", put_queue_bytes,
                  "bytes of cache puts that may wait; more are dropped (auto: the larger of 1 GiB and 16 entries of 2048 tokens)")
       ->check(hypic::rpc::byte_budget_check())
@@ -127,6 +134,8 @@ int main(int argc, char** argv) {
     const auto host_tier_flag = hypic::rpc::parse_byte_budget(host_tier_bytes, "--host-tier-bytes");
     const auto put_queue_flag = hypic::rpc::parse_byte_budget(put_queue_bytes, "--put-queue-bytes");
     const auto copy_queue_flag = hypic::rpc::parse_byte_budget(host_copy_queue_bytes, "--host-copy-queue-bytes");
+    opt.request_entry_bytes =
+        hypic::rpc::parse_byte_budget(request_entry_bytes, "--request-entry-bytes").value_or(uint64_t{0});
     const auto backend = hypic::rpc::make_engine_backend(engine, model_dir);
     const auto tokenizer = hypic::engine::Tokenizer::load(tokenizer_path);
     spdlog::info("tokenizer {}", tokenizer_path);

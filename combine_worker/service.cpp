@@ -230,6 +230,7 @@ engine::SpliceInfo CombineService::splice(const std::shared_ptr<Pending>& p, con
     job.splice.plan.refresh_tail = req.refresh_tail();
   }
   job.splice.plan.query = p->query;
+  job.splice.plan.block_staging_bytes = opt_.request_entry_bytes;  // (0: what the device has free then)
   for (auto& s : p->slots) {  // (full and prefix modes take the ids alone; a late fill may still touch the entries)
     job.splice.plan.segments.push_back({s.ids, p->uses_entries ? s.resident : nullptr,
                                         p->uses_entries ? s.block : nullptr});

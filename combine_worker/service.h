@@ -57,6 +57,11 @@ struct CombineOptions {
   int nccl_max_links = 256;
   /// This worker's own caps on a request (limits.h); checked by Combine before any work.
   RequestLimits limits;
+  /// Device backends: the most device memory one request's entries take resident at once (bytes; 0 = what the
+  /// device has free, waiting to be freed and in the device tier). A request whose entries need more keeps them as
+  /// pinned host blocks, and its splice stages them in a staging area of at most this many bytes (0: what is free
+  /// then, less a margin) a group at a time (engine::SplicePlan::block_staging_bytes; CombineService::plan_entry_room).
+  uint64_t request_entry_bytes = 0;
 };
 
 /// Everything a combine worker serves with; all must outlive the service. Every engine call (local builds,

@@ -471,11 +471,14 @@ TEST_CASE("combine worker: entries that do not fit in device memory at once are 
       combine(c, "s-full", segs, v1::PlannedSegment::LOCAL, nullptr, false, nullptr, "full");
   // The host tier holds the entries' blocks (as a device backend's host copies leave them).
   const auto built = backend.inner().build_entries(segs, 4);
-  for (size_t i = 0; i < segs.size(); ++i) {
-    const auto d = hypic::engine::segment_digest(backend.fingerprint(),
-                                                 hypic::engine::entry_format_version(backend.config()), 4, segs[i]);
-    c.host_tier.put(d, backend.block_of_entry(*built[i]->host()));
-  }
+  const auto fill_host_tier = [&](hypic::test::CombineServer& server) {
+    for (size_t i = 0; i < segs.size(); ++i) {
+      const auto d = hypic::engine::segment_digest(backend.fingerprint(),
+                                                   hypic::engine::entry_format_version(backend.config()), 4, segs[i]);
+      server.host_tier.put(d, backend.block_of_entry(*built[i]->host()));
+    }
+  };
+  fill_host_tier(c);
   REQUIRE(c.host_tier.entries() == 3);
   const auto GiB = size_t(1) << 30;
   const double staged0 =
@@ -503,6 +506,24 @@ TEST_CASE("combine worker: entries that do not fit in device memory at once are 
     CHECK(backend.staged_seen == 0);
     CHECK(backend.block_imports == 3);
     CHECK(roomy.tokens == reference.tokens);
+  }
+  SECTION("8 GiB free but --request-entry-bytes 2 GiB: staged") {
+    backend.device_free = 8 * GiB;
+    hypic::combine::CombineOptions capped;
+    capped.request_entry_bytes = 2 * GiB;
+    hypic::test::CombineServer c2(backend, capped, 0, {}, size_t(1) << 30);
+    fill_host_tier(c2);
+    const Combined staged = combine(c2, "s-capped", segs, v1::PlannedSegment::WARM);
+    CHECK(backend.staged_seen == 3);
+    CHECK(backend.block_imports == 0);
+    CHECK(staged.tokens == reference.tokens);
+    // Under the cap: resident.
+    capped.request_entry_bytes = 4 * GiB;
+    hypic::test::CombineServer c3(backend, capped, 0, {}, size_t(1) << 30);
+    fill_host_tier(c3);
+    CHECK(combine(c3, "s-under", segs, v1::PlannedSegment::WARM).tokens == reference.tokens);
+    CHECK(backend.staged_seen == 3);
+    CHECK(backend.block_imports == 3);
   }
   SECTION("1.25 GiB free: not even the largest entry and the staging margin fit, answered by a full prefill") {
     backend.device_free = GiB + GiB / 4;
