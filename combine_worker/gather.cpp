@@ -173,12 +173,34 @@ void CombineService::fill_local_build(const rpc::Digest& digest,
     put = put || p->cache_segments;
     in_cache = in_cache || p->slots[slot].in_cache;
   }
-  d_.copier.enqueue(digest, r.entry, put && !in_cache, waiters.front().first->id);
+  // A request whose entries are staged by its splice takes the entry's pinned host copy once the copier made it
+  // (its device memory then goes, unless the device tier keeps it): its builds do not pile up in device memory.
+  std::vector<std::pair<std::shared_ptr<Pending>, size_t>> staged;
   const size_t bytes = r.entry->resident_bytes();
   for (const auto& [p, slot] : waiters) {
     count_segment(v1::SEGMENT_SOURCE_COMBINE_COMPUTED);
+    if (p->stage_blocks.load()) {
+      staged.emplace_back(p, slot);
+      continue;
+    }
     p->fill(slot, nullptr, v1::SEGMENT_SOURCE_COMBINE_COMPUTED, address_, r.compute_ms, bytes, device_, r.entry);
   }
+  HostCopier::OnCopied on_copied;
+  if (!staged.empty()) {
+    // (No `this`: the copier may call it while it is destroyed, after the service.)
+    on_copied = [staged, entry = r.entry, bytes, ms = r.compute_ms, addr = address_,
+                 dev = device_](std::shared_ptr<const engine::HostBlock> b) {
+      for (const auto& [p, slot] : staged) {
+        if (b) {
+          p->fill(slot, nullptr, v1::SEGMENT_SOURCE_COMBINE_COMPUTED, addr, ms, bytes, dev, nullptr,
+                  "built here, then copied to a pinned host block for the staged splice", {}, b);
+        } else {  // no host copy (dropped or failed): spliced resident
+          p->fill(slot, nullptr, v1::SEGMENT_SOURCE_COMBINE_COMPUTED, addr, ms, bytes, dev, entry);
+        }
+      }
+    };
+  }
+  d_.copier.enqueue(digest, r.entry, put && !in_cache, waiters.front().first->id, std::move(on_copied));
 }
 
 void CombineService::local_build_failed(const std::shared_ptr<Pending>& p, size_t slot,

@@ -14,17 +14,20 @@ HostCopier::HostCopier(const engine::Backend& backend, HostBlockTier* host_tier,
       thread_([this] { run_copies(); }), wire_thread_([this] { run_wire(); }) {}
 
 HostCopier::~HostCopier() {
+  std::deque<Item> dropped;
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
     counters_.dropped += queue_.size() + wire_.size();
-    queue_.clear();
+    dropped.swap(queue_);
     wire_.clear();
     counters_.queued_bytes = counters_.wire_queued_bytes = 0;
   }
   cv_.notify_all();
   thread_.join();
   wire_thread_.join();
+  for (Item& item : dropped)
+    if (item.on_copied) item.on_copied(nullptr);
 }
 
 void HostCopier::log_drop(const Item& item, const char* what, uint64_t queued, uint64_t limit) {
@@ -38,20 +41,33 @@ void HostCopier::log_drop(const Item& item, const char* what, uint64_t queued, u
 }
 
 bool HostCopier::enqueue(const rpc::Digest& digest, std::shared_ptr<const engine::ResidentEntry> entry, bool put,
-                         std::string request_id) {
+                         std::string request_id, OnCopied on_copied) {
+  if (on_copied && !backend_.device_entries()) {  // no host blocks here
+    on_copied(nullptr);
+    on_copied = nullptr;
+  }
+  const auto refuse = [&] {
+    if (on_copied) on_copied(nullptr);
+    return false;
+  };
   const bool to_host_tier = host_tier_ && host_tier_->budget() > 0 && backend_.device_entries();
   put = put && putter_.enabled();  // no cache: no wire form to make
-  if (!entry || (!to_host_tier && !put)) return false;
-  Item item{digest, std::move(entry), nullptr, put, std::move(request_id), 0};
+  if (!entry || (!to_host_tier && !put && !on_copied)) return refuse();
+  Item item{digest, std::move(entry), nullptr, put, std::move(request_id), 0, std::move(on_copied)};
   item.bytes = item.entry->resident_bytes();
   std::unique_lock<std::mutex> lock(mu_);
-  if (stop_) return false;
+  if (stop_) {
+    lock.unlock();
+    if (item.on_copied) item.on_copied(nullptr);
+    return false;
+  }
   if (!backend_.device_entries()) return push_wire_locked(std::move(item));  // host already: stage 2 only
   if (counters_.queued_bytes + item.bytes > max_bytes_) {
     ++counters_.dropped;
     const uint64_t queued = counters_.queued_bytes;
     lock.unlock();
     log_drop(item, "host copy", queued, max_bytes_);
+    if (item.on_copied) item.on_copied(nullptr);
     return false;
   }
   counters_.queued_bytes += item.bytes;
@@ -91,6 +107,11 @@ HostCopier::Counters HostCopier::counters() const {
 std::optional<HostCopier::Item> HostCopier::copy(Item& item) {
   auto block = backend_.copy_to_host(*item.entry);
   if (host_tier_) host_tier_->put(item.digest, block);  // a host-tier hit from now on
+  if (item.on_copied) {
+    OnCopied done = std::move(item.on_copied);
+    item.on_copied = nullptr;
+    done(block);
+  }
   if (!item.put) return std::nullopt;
   return Item{item.digest, nullptr, std::move(block), true, item.request_id, item.bytes};
 }
@@ -115,6 +136,11 @@ void HostCopier::run_copies() {
       if (limit.allow(&unlogged))
         spdlog::warn("[req {}] host copy of {} failed: {}{}", item.request_id, rpc::digest_hex(item.digest), e.what(),
                      unlogged ? fmt::format(" ({} more failures since the last such line)", unlogged) : std::string());
+    }
+    if (item.on_copied) {  // the copy failed
+      OnCopied done = std::move(item.on_copied);
+      item.on_copied = nullptr;
+      done(nullptr);
     }
     item.entry.reset();  // its device memory may go now
     lock.lock();

@@ -13,6 +13,7 @@
 #pragma once
 #include <condition_variable>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -37,10 +38,16 @@ class HostCopier {
   HostCopier(const HostCopier&) = delete;
   HostCopier& operator=(const HostCopier&) = delete;
 
+  /// What a host copy hands to whoever waits for it (enqueue's `on_copied`): the pinned block, or null when the copy
+  /// failed or was dropped. Runs on the copier's thread (on the caller's when enqueue drops it at once): keep it short.
+  using OnCopied = std::function<void(std::shared_ptr<const engine::HostBlock>)>;
   /// Queues the host copy of a resident entry: into the host tier (if any and the backend has device entries) and,
   /// with `put`, into the segment cache. Never blocks; false when it was dropped (queue full, or nothing to do).
+  /// `on_copied` (device backends), when given, is called exactly once with the block once it is made (the copy is then
+  /// made even without a host tier or a put), or with null (dropped, failed, or the copier stopping); the entry's
+  /// device memory is let go after it returns.
   bool enqueue(const rpc::Digest& digest, std::shared_ptr<const engine::ResidentEntry> entry, bool put,
-               std::string request_id);
+               std::string request_id, OnCopied on_copied = {});
   /// Puts a host block already in hand (made while fetching) into the host tier, no copy.
   void keep_block(const rpc::Digest& digest, std::shared_ptr<const engine::HostBlock> block);
   /// Blocks until the queue is empty and the copy in progress is done (tests).
@@ -64,6 +71,7 @@ class HostCopier {
     bool put;
     std::string request_id;
     size_t bytes = 0;
+    OnCopied on_copied;  ///< stage 1 only
   };
   void run_copies();
   void run_wire();

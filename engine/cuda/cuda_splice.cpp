@@ -558,39 +558,34 @@ class CudaBackend::Stager {
       total += aligned(f->e->total_bytes());
       largest = std::max(largest, aligned(f->e->total_bytes()));
     }
-    size_t room = room_bytes;
-    if (room == 0) {  // auto: all of them where the device has room, else what is free less a margin
-      const BackendMemory m = b.memory();
-      const size_t avail = m.device_free + m.pool_free;
-      room = avail > kMargin ? std::min(total, avail - kMargin) : 0;
+    if (room_bytes && room_bytes < largest)
+      throw ResourceExhausted("splice: a staging room of " + std::to_string(room_bytes) +
+                              " bytes (SplicePlan::block_staging_bytes) is below the largest entry's " +
+                              std::to_string(largest) + " bytes");
+    // Rooms tried in turn: the plan's (or every block at once) within what the device has free less a margin, then
+    // the largest entry alone (the estimate may be short of what the allocator finds).
+    const BackendMemory m = b.memory();
+    const size_t avail = m.device_free + m.pool_free;
+    const size_t have = avail > kMargin ? avail - kMargin : 0;
+    std::vector<size_t> rooms;
+    if (const size_t r = std::min(room_bytes ? room_bytes : total, have); r >= largest) rooms.push_back(r);
+    if (rooms.empty() || rooms.back() > largest) rooms.push_back(largest);
+    std::string why;
+    for (const size_t room : rooms) {
+      layout(staged, room, total, largest);
+      try {
+        area_ = DeviceMemory(half_ * size_t(halves_), "a splice's staging of " + std::to_string(staged.size()) +
+                                                          " host blocks in " + std::to_string(groups_.size()) +
+                                                          " groups",
+                             b.stream_, true);
+        break;
+      } catch (const ResourceExhausted& e) {
+        why = e.what();
+      }
     }
-    size_t cap = 0;
-    if (room >= total) {
-      halves_ = 1, cap = total;
-    } else if (room >= 2 * largest) {
-      halves_ = 2, cap = room / 2 / kAlign * kAlign;
-    } else if (room >= largest) {
-      halves_ = 1, cap = room;
-    } else {
-      throw ResourceExhausted("splice: staging host blocks needs device memory for at least the largest entry, " +
-                              std::to_string(largest) + " bytes, but " + std::to_string(room) +
-                              " bytes could be had (device memory free less a margin of " +
-                              std::to_string(kMargin >> 20) + " MiB, or SplicePlan::block_staging_bytes)");
-    }
-    size_t used = cap;  // of the current group
-    for (Fold* f : staged) {
-      const size_t bytes = aligned(f->e->total_bytes());
-      if (used + bytes > cap) groups_.emplace_back(), used = 0;
-      f->stage = int(groups_.size()) - 1;
-      groups_.back().folds.push_back(f);
-      groups_.back().offsets.push_back(used);
-      used += bytes;
-    }
-    for (const Group& g : groups_)
-      half_ = std::max(half_, g.offsets.back() + aligned(g.folds.back()->e->total_bytes()));
-    area_ = DeviceMemory(half_ * size_t(halves_), "a splice's staging of " + std::to_string(staged.size()) +
-                                                      " host blocks in " + std::to_string(groups_.size()) + " groups",
-                         b.stream_, true);
+    if (!area_.size())
+      throw ResourceExhausted("splice: staging host blocks needs device memory for at least the largest entry (" +
+                              std::to_string(largest) + " bytes): " + why);
     check_cuda(cudaEventCreateWithFlags(&ev_, cudaEventDisableTiming), "staging event");
     for (Group& g : groups_) check_cuda(cudaEventCreateWithFlags(&g.copied, cudaEventDisableTiming), "staging event");
     b.stage_stats_.segments += int(staged.size());
@@ -630,6 +625,31 @@ class CudaBackend::Stager {
   static constexpr size_t kAlign = 256;
   static constexpr size_t kMargin = size_t(512) << 20;
   static size_t aligned(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+  // The groups for a staging area of `room` bytes (>= largest): one group when every block fits, else two halves
+  // where each holds the largest entry, else one.
+  void layout(const std::vector<Fold*>& staged, size_t room, size_t total, size_t largest) {
+    size_t cap = 0;
+    if (room >= total) {
+      halves_ = 1, cap = total;
+    } else if (room >= 2 * largest) {
+      halves_ = 2, cap = room / 2 / kAlign * kAlign;
+    } else {
+      halves_ = 1, cap = room;
+    }
+    groups_.clear();
+    half_ = 0;
+    size_t used = cap;  // of the current group
+    for (Fold* f : staged) {
+      const size_t bytes = aligned(f->e->total_bytes());
+      if (used + bytes > cap) groups_.emplace_back(), used = 0;
+      f->stage = int(groups_.size()) - 1;
+      groups_.back().folds.push_back(f);
+      groups_.back().offsets.push_back(used);
+      used += bytes;
+    }
+    for (const Group& g : groups_)
+      half_ = std::max(half_, g.offsets.back() + aligned(g.folds.back()->e->total_bytes()));
+  }
   char* place(int g) const { return area_.bytes_ptr(size_t(g % halves_) * half_); }
   void issue(int g) {
     Group& grp = groups_[size_t(g)];

@@ -344,6 +344,47 @@ TEST_CASE("host copies: nothing to do without a host tier or a cache -- a full q
   }
 }
 
+TEST_CASE("host copies: a waiter's on_copied is called once -- with the block, or null when dropped or without "
+          "host blocks", "[memory_tier]") {
+  CountingBackend device(hypic::engine::make_backend(hypic::engine::DeviceSpec{}, hypic::test::kCombineModel));
+  const auto entries = device.inner().build_entries(std::vector<std::vector<int32_t>>{{1, 2, 3, 4, 5}}, 2);
+  hypic::cache::SegmentCacheClient none{std::vector<std::string>{}};
+  hypic::cache::AsyncCachePutter putter{none, 1 << 20};
+  std::atomic<int> calls{0}, blocks{0};
+  std::vector<int32_t> ids;
+  std::mutex mu;
+  auto cb = [&](std::shared_ptr<const hypic::engine::HostBlock> b) {
+    ++calls;
+    if (!b) return;
+    ++blocks;
+    std::lock_guard<std::mutex> lock(mu);
+    ids = b->header().token_ids;
+  };
+  {  // entries in host memory: no block, said at once
+    hypic::combine::HostCopier copier(device, nullptr, putter, 1 << 30);
+    CHECK_FALSE(copier.enqueue(digest_of(1), entries[0], false, "r", cb));
+    CHECK(calls == 1);
+    CHECK(blocks == 0);
+  }
+  device.device_like = true;
+  {  // device entries, no host tier and no cache: copied for the waiter alone
+    hypic::combine::HostCopier copier(device, nullptr, putter, 1 << 30);
+    CHECK(copier.enqueue(digest_of(2), entries[0], false, "r", cb));
+    copier.wait_idle();
+    CHECK(calls == 2);
+    CHECK(blocks == 1);
+    CHECK(ids == std::vector<int32_t>{1, 2, 3, 4, 5});
+    CHECK(copier.counters().made == 1);
+  }
+  {  // a queue smaller than the entry: dropped, said at once
+    hypic::combine::HostCopier copier(device, nullptr, putter, entries[0]->resident_bytes() - 1);
+    CHECK_FALSE(copier.enqueue(digest_of(3), entries[0], false, "r", cb));
+    CHECK(calls == 3);
+    CHECK(blocks == 1);
+  }
+  device.device_like = false;
+}
+
 TEST_CASE("combine worker: local builds are spliced resident (no host round trip) -- its tiers are looked up and cleared",
           "[memory_tier]") {
   CountingBackend backend(hypic::engine::make_backend(hypic::engine::DeviceSpec{}, hypic::test::kCombineModel));
@@ -498,6 +539,22 @@ TEST_CASE("combine worker: entries that do not fit in device memory at once are 
     }
     CHECK(hypic::rpc::MetricsRegistry::global().counter("hypic:combine_staged_requests_total", "").value() ==
           staged0 + 1);
+  }
+  SECTION("2 GiB free, cold: built here, each entry's host copy (not the resident entry) goes to the splice") {
+    backend.device_free = 2 * GiB;
+    const std::vector<std::vector<int32_t>> cold = {{81, 82, 83, 84}, {85, 86, 87}, {88, 89}};
+    const int built0 = backend.built;
+    const Combined staged = combine(c, "s-cold", cold, v1::PlannedSegment::LOCAL);
+    CHECK(backend.built == built0 + 3);
+    CHECK(sources(staged) == std::vector<v1::SegmentSource>(3, v1::SEGMENT_SOURCE_COMBINE_COMPUTED));
+    CHECK(backend.staged_seen == 3);
+    for (const auto& seg : staged.report.segments())
+      CHECK_THAT(seg.note(), Catch::Contains("copied to a pinned host block for the staged splice"));
+    // The same prompt built and spliced resident (nothing staged): the same tokens.
+    backend.device_like = false;
+    const Combined resident = combine(c, "s-cold-resident", cold, v1::PlannedSegment::LOCAL);
+    CHECK(backend.staged_seen == 3);
+    CHECK(staged.tokens == resident.tokens);
   }
   SECTION("8 GiB free: made resident from the host tier as they are fetched, not staged") {
     backend.device_free = 8 * GiB;
