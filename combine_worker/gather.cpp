@@ -766,8 +766,20 @@ void CombineService::deliver_nccl(grpc::ServerContext* ctx, const v1::EntryHeade
     }
     throw;
   }
+  // A request whose entries are staged by its splice takes the pinned host copy (made here, on this delivery's
+  // thread), and the received block's device memory goes; where no copy can be had it is spliced resident.
+  std::shared_ptr<const engine::HostBlock> block;
+  if (p->stage_blocks.load()) {
+    try {
+      block = backend_.copy_to_host(*dst.first);
+      d_.copier.keep_block(p->slots[h.index()].digest, block);
+      dst.first.reset();
+    } catch (const std::exception& e) {
+      spdlog::warn("[req {}] {}: no host copy for the staged splice ({}); spliced resident", p->id, what, e.what());
+    }
+  }
   accept_delivery(*p, h, nullptr, dst.first, h.total_bytes(),
-                  Delivery{"nccl", rpc::ms_between(t0, Clock::now()), h.device_bytes()}, what, resp);
+                  Delivery{"nccl", rpc::ms_between(t0, Clock::now()), h.device_bytes()}, what, resp, std::move(block));
 }
 
 }  // namespace hypic::combine
