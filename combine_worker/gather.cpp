@@ -101,7 +101,7 @@ void CombineService::build_locally(const std::shared_ptr<Pending>& p,
                         [this, p, slot](engine::BuildOutcome r) {
                           if (r.cancelled) return;
                           if (!r.error.empty()) return local_build_failed(p, slot, r);
-                          d_.memory_tier.put(p->slots[slot].digest, r.entry);
+                          if (!p->stage_blocks.load()) d_.memory_tier.put(p->slots[slot].digest, r.entry);
                           fill_local_build(p->slots[slot].digest, {{p, slot}}, std::move(r));
                         },
                         engine::BuildHandover::Resident});
@@ -117,14 +117,22 @@ void CombineService::build_locally(const std::shared_ptr<Pending>& p,
 
 void CombineService::on_local_built(const rpc::Digest& digest, uint64_t build, engine::BuildOutcome r) {
   // Into the device tier before the build leaves local_builds_, so that a request arriving in between finds it in one
-  // or the other (build_locally); also when every request waiting for it ended (the next one hits).
-  if (!r.cancelled && r.error.empty() && r.entry) d_.memory_tier.put(digest, r.entry);
+  // or the other (build_locally); also when every request waiting for it ended (the next one hits). Not when every
+  // waiter stages its entries from host blocks (fill_local_build): there its device memory is to go after the copy.
+  const bool built = !r.cancelled && r.error.empty() && r.entry;
   LocalBuild b;
   bool retry = false;
   {
-    std::lock_guard<std::mutex> lock(local_mu_);
+    std::lock_guard<std::mutex> lock(local_mu_);  // (then the tier's: the order build_locally takes them in)
     auto it = local_builds_.find(digest);
-    if (it == local_builds_.end() || it->second.id != build) return;  // every request waiting for it ended
+    if (it == local_builds_.end() || it->second.id != build) {  // every request waiting for it ended
+      if (built) d_.memory_tier.put(digest, r.entry);
+      return;
+    }
+    if (built && !std::all_of(it->second.waiters.begin(), it->second.waiters.end(),
+                              [](const auto& w) { return w.first->stage_blocks.load(); })) {
+      d_.memory_tier.put(digest, r.entry);
+    }
     if (!r.cancelled && r.error_kind == engine::EngineErrorKind::ResourceExhausted && !it->second.retried &&
         d_.memory_tier.entries() > 0) {
       it->second.retried = true;
@@ -769,7 +777,8 @@ void CombineService::deliver_nccl(grpc::ServerContext* ctx, const v1::EntryHeade
   // A request whose entries are staged by its splice takes the pinned host copy (made here, on this delivery's
   // thread), and the received block's device memory goes; where no copy can be had it is spliced resident.
   std::shared_ptr<const engine::HostBlock> block;
-  if (p->stage_blocks.load()) {
+  order.unlock();  // the transfer is over: the link's next one need not wait for the copy below
+  if (p->stage_blocks.load() && !p->answered_in_full()) {
     try {
       block = backend_.copy_to_host(*dst.first);
       d_.copier.keep_block(p->slots[h.index()].digest, block);

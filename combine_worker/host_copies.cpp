@@ -8,6 +8,22 @@
 
 namespace hypic::combine {
 
+namespace {
+// Calls a waiter's on_copied, never letting an exception out (a copier thread, a destructor).
+void notify(HostCopier::OnCopied& on_copied, std::shared_ptr<const engine::HostBlock> block) noexcept {
+  if (!on_copied) return;
+  HostCopier::OnCopied done = std::move(on_copied);
+  on_copied = nullptr;
+  try {
+    done(std::move(block));
+  } catch (const std::exception& e) {
+    spdlog::error("host copy: its waiter failed: {}", e.what());
+  } catch (...) {
+    spdlog::error("host copy: its waiter failed");
+  }
+}
+}  // namespace
+
 HostCopier::HostCopier(const engine::Backend& backend, HostBlockTier* host_tier, cache::AsyncCachePutter& putter,
                        uint64_t max_queued_bytes)
     : backend_(backend), host_tier_(host_tier), putter_(putter), max_bytes_(max_queued_bytes),
@@ -26,8 +42,7 @@ HostCopier::~HostCopier() {
   cv_.notify_all();
   thread_.join();
   wire_thread_.join();
-  for (Item& item : dropped)
-    if (item.on_copied) item.on_copied(nullptr);
+  for (Item& item : dropped) notify(item.on_copied, nullptr);
 }
 
 void HostCopier::log_drop(const Item& item, const char* what, uint64_t queued, uint64_t limit) {
@@ -42,12 +57,9 @@ void HostCopier::log_drop(const Item& item, const char* what, uint64_t queued, u
 
 bool HostCopier::enqueue(const rpc::Digest& digest, std::shared_ptr<const engine::ResidentEntry> entry, bool put,
                          std::string request_id, OnCopied on_copied) {
-  if (on_copied && !backend_.device_entries()) {  // no host blocks here
-    on_copied(nullptr);
-    on_copied = nullptr;
-  }
+  if (!backend_.device_entries()) notify(on_copied, nullptr);  // no host blocks here
   const auto refuse = [&] {
-    if (on_copied) on_copied(nullptr);
+    notify(on_copied, nullptr);
     return false;
   };
   const bool to_host_tier = host_tier_ && host_tier_->budget() > 0 && backend_.device_entries();
@@ -58,7 +70,7 @@ bool HostCopier::enqueue(const rpc::Digest& digest, std::shared_ptr<const engine
   std::unique_lock<std::mutex> lock(mu_);
   if (stop_) {
     lock.unlock();
-    if (item.on_copied) item.on_copied(nullptr);
+    notify(item.on_copied, nullptr);
     return false;
   }
   if (!backend_.device_entries()) return push_wire_locked(std::move(item));  // host already: stage 2 only
@@ -67,7 +79,7 @@ bool HostCopier::enqueue(const rpc::Digest& digest, std::shared_ptr<const engine
     const uint64_t queued = counters_.queued_bytes;
     lock.unlock();
     log_drop(item, "host copy", queued, max_bytes_);
-    if (item.on_copied) item.on_copied(nullptr);
+    notify(item.on_copied, nullptr);
     return false;
   }
   counters_.queued_bytes += item.bytes;
@@ -107,11 +119,7 @@ HostCopier::Counters HostCopier::counters() const {
 std::optional<HostCopier::Item> HostCopier::copy(Item& item) {
   auto block = backend_.copy_to_host(*item.entry);
   if (host_tier_) host_tier_->put(item.digest, block);  // a host-tier hit from now on
-  if (item.on_copied) {
-    OnCopied done = std::move(item.on_copied);
-    item.on_copied = nullptr;
-    done(block);
-  }
+  notify(item.on_copied, block);
   if (!item.put) return std::nullopt;
   return Item{item.digest, nullptr, std::move(block), true, item.request_id, item.bytes};
 }
@@ -137,11 +145,7 @@ void HostCopier::run_copies() {
         spdlog::warn("[req {}] host copy of {} failed: {}{}", item.request_id, rpc::digest_hex(item.digest), e.what(),
                      unlogged ? fmt::format(" ({} more failures since the last such line)", unlogged) : std::string());
     }
-    if (item.on_copied) {  // the copy failed
-      OnCopied done = std::move(item.on_copied);
-      item.on_copied = nullptr;
-      done(nullptr);
-    }
+    notify(item.on_copied, nullptr);  // (the copy failed, if still set)
     item.entry.reset();  // its device memory may go now
     lock.lock();
     counters_.queued_bytes -= std::min<uint64_t>(counters_.queued_bytes, item.bytes);

@@ -553,22 +553,29 @@ class CudaBackend::Stager {
       for (Fold& f : it.folds)
         if (f.block) staged.push_back(&f);
     if (staged.empty()) return;
+    // A fold's cost: its entry's bytes, plus the scratch a pass allocates per fold beside the area (naive folds'
+    // S(C|0) per linear layer; Ring-linear's states rotated to their base, S_seam and S_int per linear layer).
+    const size_t S1 = b.state_layer_bytes_, nl = size_t(b.n_lin_);
+    const bool rotated = b.lin_ == Lin::Lightning && b.cfg_.linear_rope;
+    for (const Fold* f : staged)
+      cost_.push_back(aligned(f->e->total_bytes()) + (f->kind == Fold::Naive ? nl * S1 : 0) +
+                      (rotated ? 2 * nl * S1 : 0));
     size_t total = 0, largest = 0;
-    for (const Fold* f : staged) {
-      total += aligned(f->e->total_bytes());
-      largest = std::max(largest, aligned(f->e->total_bytes()));
-    }
+    for (const size_t c : cost_) total += c, largest = std::max(largest, c);
     if (room_bytes && room_bytes < largest)
       throw ResourceExhausted("splice: a staging room of " + std::to_string(room_bytes) +
-                              " bytes (SplicePlan::block_staging_bytes) is below the largest entry's " +
+                              " bytes of device memory (SplicePlan::block_staging_bytes) is below the largest "
+                              "entry's " +
                               std::to_string(largest) + " bytes");
-    // Rooms tried in turn: the plan's (or every block at once) within what the device has free less a margin, then
-    // the largest entry alone (the estimate may be short of what the allocator finds).
+    // Rooms tried in turn: the plan's (auto: every block at once, or half of what the device has free less a margin,
+    // so that other requests' allocations meanwhile find room), then the largest entry alone (the estimate may be
+    // short of what the allocator finds).
     const BackendMemory m = b.memory();
     const size_t avail = m.device_free + m.pool_free;
     const size_t have = avail > kMargin ? avail - kMargin : 0;
+    const size_t want = room_bytes ? room_bytes : std::min(total, std::max(2 * largest, have / 2));
     std::vector<size_t> rooms;
-    if (const size_t r = std::min(room_bytes ? room_bytes : total, have); r >= largest) rooms.push_back(r);
+    if (const size_t r = std::min(want, have); r >= largest) rooms.push_back(r);
     if (rooms.empty() || rooms.back() > largest) rooms.push_back(largest);
     std::string why;
     for (const size_t room : rooms) {
@@ -625,8 +632,8 @@ class CudaBackend::Stager {
   static constexpr size_t kAlign = 256;
   static constexpr size_t kMargin = size_t(512) << 20;
   static size_t aligned(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
-  // The groups for a staging area of `room` bytes (>= largest): one group when every block fits, else two halves
-  // where each holds the largest entry, else one.
+  // The groups for a staging area of `room` bytes (>= the largest cost): one group when every fold's cost fits, else
+  // two halves where each holds the largest, else one; a group's cost is at most its half.
   void layout(const std::vector<Fold*>& staged, size_t room, size_t total, size_t largest) {
     size_t cap = 0;
     if (room >= total) {
@@ -638,14 +645,15 @@ class CudaBackend::Stager {
     }
     groups_.clear();
     half_ = 0;
-    size_t used = cap;  // of the current group
-    for (Fold* f : staged) {
-      const size_t bytes = aligned(f->e->total_bytes());
-      if (used + bytes > cap) groups_.emplace_back(), used = 0;
+    size_t used = cap, at = 0;  // the current group's cost and entry bytes
+    for (size_t i = 0; i < staged.size(); ++i) {
+      Fold* f = staged[i];
+      if (used + cost_[i] > cap) groups_.emplace_back(), used = 0, at = 0;
       f->stage = int(groups_.size()) - 1;
       groups_.back().folds.push_back(f);
-      groups_.back().offsets.push_back(used);
-      used += bytes;
+      groups_.back().offsets.push_back(at);
+      used += cost_[i];
+      at += aligned(f->e->total_bytes());
     }
     for (const Group& g : groups_)
       half_ = std::max(half_, g.offsets.back() + aligned(g.folds.back()->e->total_bytes()));
@@ -675,6 +683,7 @@ class CudaBackend::Stager {
     bool issued = false;
   };
   CudaBackend& b_;
+  std::vector<size_t> cost_;  // per staged fold: its entry's bytes and its pass scratch
   std::vector<Group> groups_;
   int halves_ = 1;
   size_t half_ = 0;

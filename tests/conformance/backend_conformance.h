@@ -316,6 +316,20 @@ inline void check_backend_conformance(engine::Backend& b, const ConformanceOptio
     eng::SplicePlan no_entry = plan_of(eng::SpliceMode::Hypic, 3, query);
     no_entry.segments[2].entry = nullptr;
     CHECK_THROWS_WITH(b.splice(no_entry), Catch::Contains("segment 2 has no entry (required by mode hypic)"));
+    if (!b.device_entries()) {  // a host block (PlanSegment::block) where entries live in host memory
+      struct HeaderBlock final : eng::HostBlock {
+        eng::SegmentEntry h;
+        const eng::SegmentEntry& header() const override { return h; }
+        size_t bytes() const override { return 1; }
+      };
+      eng::SplicePlan blk = plan_of(eng::SpliceMode::Hypic, 3, query);
+      auto hb = std::make_shared<HeaderBlock>();
+      hb->h = blk.segments[1].entry->header();
+      blk.segments[1].entry = nullptr;
+      blk.segments[1].block = hb;
+      CHECK_THROWS_AS(b.splice(blk), std::invalid_argument);
+      CHECK_THROWS_WITH(b.splice(blk), Catch::Contains("segment 1 brings a host block"));
+    }
     no_entry.recompute_segments = {2};  // recomputed whole: its ids suffice
     CHECK_NOTHROW(b.splice(no_entry));
     eng::SplicePlan wide = plan_of(eng::SpliceMode::Transition, 2, query);

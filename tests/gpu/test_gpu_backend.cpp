@@ -717,7 +717,8 @@ TEST_CASE("cuda backend: entries brought as host blocks are staged during the sp
   };
   // A splice of `mode` whose segments bring resident entries (room 0 and !use_blocks) or host blocks staged in `room`
   // bytes (0 = auto), then 6 greedy decode steps.
-  auto run = [&](eng::SpliceMode mode, bool use_blocks, size_t room, int refresh = 0) {
+  auto run = [&](eng::SpliceMode mode, bool use_blocks, size_t room, int refresh = 0, int64_t max_pass = 0,
+                 bool every_logit = false) {
     const bool transition = mode == eng::SpliceMode::Transition;
     std::vector<std::shared_ptr<const eng::HostBlock>> tblocks;
     if (transition && use_blocks)
@@ -728,6 +729,9 @@ TEST_CASE("cuda backend: entries brought as host blocks are staged during the sp
     p.query = query;
     p.refresh_segments = refresh;
     p.block_staging_bytes = room;
+    p.max_pass_tokens = max_pass;
+    p.all_query_logits = every_logit;
+    p.keep_context_state = every_logit;
     for (size_t i = 0; i < segs.size(); ++i) {
       if (use_blocks) p.segments.push_back({segs[i], nullptr, transition ? tblocks[i] : blocks[i]});
       else p.segments.push_back({segs[i], transition ? built0[i] : built[i]});
@@ -735,7 +739,7 @@ TEST_CASE("cuda backend: entries brought as host blocks are staged during the sp
     Run r;
     r.out = f.gpu->splice(p);
     r.logits = r.out.logits;
-    std::vector<float> lg = r.logits;
+    std::vector<float> lg(r.logits.end() - std::ptrdiff_t(V), r.logits.end());  // (the last query position's)
     for (int s = 0; s < 6; ++s) {
       r.tokens.push_back(argmax(lg.data(), V));
       eng::Sequence* q[1] = {r.out.sequence.get()};
@@ -795,7 +799,20 @@ TEST_CASE("cuda backend: entries brought as host blocks are staged during the sp
     CHECK(b.out.staged_groups > int(segs.size()));  // the probe's groups, then the answer's
     CHECK(rel(b.logits, a.logits) <= kPassShapeTol);
   }
-  SECTION("errors: a room below the largest entry, a block of other ids, blocks on the CPU backend") {
+  SECTION("two entries a group, passes of at most 64 tokens, every query logit and the context states") {
+    const Run a = run(eng::SpliceMode::Hypic, false, 0, 0, 64, true);
+    const Run b = run(eng::SpliceMode::Hypic, true, 5 * largest, 0, 64, true);
+    std::printf("[backend] staged splice, 64-token passes: %d groups\n", b.out.staged_groups);
+    CHECK(b.out.staged_groups >= 2);
+    CHECK(b.out.staged_groups < int(segs.size()));  // (some group holds two entries)
+    REQUIRE(b.logits.size() == query.size() * V);
+    CHECK(rel(b.logits, a.logits) <= kPassShapeTol);
+    REQUIRE(b.out.context_states.size() == a.out.context_states.size());
+    for (size_t l = 0; l < a.out.context_states.size(); ++l)
+      CHECK(rel(b.out.context_states[l], a.out.context_states[l]) <= kPassShapeTol);
+    CHECK(state_err(b.state, a.state) <= kPassShapeTol);
+  }
+  SECTION("errors: a room below the largest entry, a block of other ids or another seam width") {
     try {
       run(eng::SpliceMode::Hypic, true, largest - 4096);
       FAIL("a staging room below the largest entry was accepted");
