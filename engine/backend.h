@@ -144,9 +144,12 @@ struct SplicePlan {
   /// device memory the splice may take to stage them, bytes. Their entries are copied in group by group, in the order
   /// the schedule folds them, while earlier groups' passes run (two halves of the staging area: one group in use, the
   /// next one arriving; one half alone when the area holds only the largest entry), and a forward pass folds the
-  /// entries of one group only, so a long prompt's splice runs more passes. 0 = auto: every block at once where the
-  /// device has room for them all (one group, the passes as with resident entries), else what is free now less a
-  /// margin of 512 MiB. Throws ResourceExhausted ("device memory") when that cannot hold the largest block's entry.
+  /// entries of one group only, so a long prompt's splice runs more passes. A room the device cannot give now (what
+  /// is free less a margin of 512 MiB) shrinks to what it can, down to the largest entry alone (one group per entry,
+  /// each copy waited for). 0 = auto: every block at once where they fit, else half of what is free less the margin
+  /// (room for other requests' allocations meanwhile) but at least four entries. Each entry counts with the scratch
+  /// its fold takes in a pass (naive mode's S(C|0), Ring-linear's rotated states). Throws ResourceExhausted ("device
+  /// memory") when not even the largest entry can be had, or the room given is below it.
   size_t block_staging_bytes = 0;
 };
 

@@ -371,7 +371,9 @@ void EngineLoop::run_builds(std::vector<BuildJob> batch) {
     }
     double batch_ms = ms_between(t0, Clock::now());
     // Out of memory for the batch together (its partial entries are gone): each segment alone, so that those that
-    // fit are built and one request's segment does not fail another's that shared its batch.
+    // fit are built and one request's segment does not fail another's that shared its batch. Each is handed over as
+    // soon as it is built, so that a caller that lets its entry go (a host copy made, then dropped) gives its device
+    // memory back before the next one is built (freed at that build's start).
     std::vector<std::exception_ptr> errors(good.size(), failed);
     std::vector<int> batch_segments(good.size(), int(good.size()));
     std::vector<double> compute_ms(good.size(), 0);
@@ -392,12 +394,22 @@ void EngineLoop::run_builds(std::vector<BuildJob> batch) {
           errors[k] = std::current_exception();
         }
         compute_ms[k] = ms_between(t1, Clock::now());
+        if (!errors[k]) {
+          BuildOutcome& r = out[good[k]];
+          r.batch_ms = ms_between(t0, Clock::now());
+          r.batch_segments = 1;
+          r.entry = std::move(entries[k]);
+          r.cancelled = !r.entry;  // stopped part way by its cancel flag
+          r.compute_ms = compute_ms[k];
+          hand_over(good[k]);
+        }
       }
       batch_ms = ms_between(t0, Clock::now());
     } else if (!failed) {
       for (size_t k = 0; k < good.size(); ++k) compute_ms[k] = batch_ms * double(segs[k].size()) / double(tokens);
     }
     for (size_t k = 0; k < good.size(); ++k) {
+      if (handed[good[k]]) continue;  // (built alone and handed over already)
       BuildOutcome& r = out[good[k]];
       r.batch_ms = batch_ms;
       r.batch_segments = batch_segments[k];

@@ -568,12 +568,12 @@ class CudaBackend::Stager {
                               "entry's " +
                               std::to_string(largest) + " bytes");
     // Rooms tried in turn: the plan's (auto: every block at once, or half of what the device has free less a margin,
-    // so that other requests' allocations meanwhile find room), then the largest entry alone (the estimate may be
-    // short of what the allocator finds).
+    // so that other requests' allocations meanwhile find room, but at least four entries: each group costs a forward
+    // pass), then the largest entry alone (the estimate may be short of what the allocator finds).
     const BackendMemory m = b.memory();
     const size_t avail = m.device_free + m.pool_free;
     const size_t have = avail > kMargin ? avail - kMargin : 0;
-    const size_t want = room_bytes ? room_bytes : std::min(total, std::max(2 * largest, have / 2));
+    const size_t want = room_bytes ? room_bytes : std::min(total, std::max(4 * largest, have / 2));
     std::vector<size_t> rooms;
     if (const size_t r = std::min(want, have); r >= largest) rooms.push_back(r);
     if (rooms.empty() || rooms.back() > largest) rooms.push_back(largest);

@@ -760,6 +760,32 @@ TEST_CASE("engine loop: a build batch out of device memory is built again one se
     CHECK(got[k].batch_segments == 1);
     CHECK(*got[k].bytes == serialize_entry(build_segment_entry(cpu.model(), ids[size_t(k)], 4)));
   }
+  // Resident handover: each entry is handed over (on the loop thread) as soon as it is built alone, before the next
+  // one's build starts, so that a caller that lets it go gives its memory back in time.
+  std::map<int, int> calls_at;
+  got.clear();
+  const int calls0 = b.build_calls;
+  std::vector<EngineLoop::BuildSubmission> resident;
+  for (int k = 0; k < 3; ++k) {
+    resident.push_back({ids[size_t(k)], 4, nullptr,
+                        [&, k](BuildOutcome r) {
+                          std::lock_guard<std::mutex> lock(mu);
+                          calls_at[k] = b.build_calls.load();
+                          got[k] = std::move(r);
+                          cv.notify_all();
+                        },
+                        BuildHandover::Resident});
+  }
+  loop.submit_builds(std::move(resident));
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    REQUIRE(cv.wait_for(lock, std::chrono::seconds(120), [&] { return got.size() == 3; }));
+  }
+  for (int k = 0; k < 3; ++k) {
+    INFO("build " << k);
+    REQUIRE(got[k].entry);
+    CHECK(calls_at[k] == calls0 + 2 + k);  // the batch, then builds 0..k alone
+  }
 }
 
 TEST_CASE("a decode failure or NaN logits end only the request concerned -- the others finish and the loop serves on",
