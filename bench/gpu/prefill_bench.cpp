@@ -20,7 +20,10 @@
 //  - the hypic splice (w = --seam-width) of those cached segments + a --query-tokens query: TTFT (the splice call
 //    returning the first logits) against the full prefill of the same prompt, and with the query-aware refresh of
 //    k segments (--refresh, SplicePlan::refresh_segments: a probe splice, then k segments recomputed whole) and its
-//    tail of t segments (--refresh-tail, SplicePlan::refresh_tail), alone and with each k;
+//    tail of t segments (--refresh-tail, SplicePlan::refresh_tail), alone and with each k; and staged (--staged):
+//    the same splice with every entry brought as a pinned host block (Backend::copy_to_host; PlanSegment::block),
+//    copied in a group at a time within a staging room of N entries (SplicePlan::block_staging_bytes), against the
+//    resident splice in the same run;
 //  - decode inter-token latency (Backend::decode of a batch) at --decode-batches with contexts of
 //    segments x segment-tokens + --decode-query-tokens tokens, each context a hypic splice of the same cached
 //    segments + a distinct query;
@@ -695,6 +698,7 @@ int main(int argc, char** argv) try {
                "any config the backend serves), benchmark-only random weights"};
   std::string config = "bench/gpu/qwen3_5_35b_a3b.json", device = "cuda:0", lengths_s = "4096,16384,32768";
   std::vector<std::string> ab_switches;
+  std::string staged_s = "16,8,4,2";
   std::string json_path, md_path, hf_json, best_json, commit, command, batches_s = "1,16,64", skip_s, refresh_s = "2,4",
               tails_s = "2";
   uint64_t seed = 1;
@@ -723,6 +727,10 @@ int main(int argc, char** argv) try {
   app.add_option("--refresh-tail", tails_s,
                  "refresh tails t timed in the splice section (SplicePlan::refresh_tail), alone and with each "
                  "--refresh k, comma-separated; empty = none")
+      ->capture_default_str();
+  app.add_option("--staged", staged_s,
+                 "staging rooms timed in the splice section, in entries (each entry brought as a pinned host block, "
+                 "copied in a group at a time within that many entries' bytes), comma-separated; empty = none")
       ->capture_default_str();
   app.add_option("--decode-batches", batches_s, "decode batch sizes, comma-separated")->capture_default_str();
   app.add_option("--decode-query-tokens", decode_query, "query tokens of each decode context")->capture_default_str();
@@ -789,6 +797,8 @@ int main(int argc, char** argv) try {
   if (!refresh_s.empty())
     for (int64_t k : parse_list(refresh_s, "--refresh"))  // >= 1 (parse_list); k >= --segments refreshes them all
       refresh_counts.push_back(static_cast<int>(std::min<int64_t>(k, 1 << 20)));
+  std::vector<int64_t> staged_rooms;
+  if (!staged_s.empty()) staged_rooms = parse_list(staged_s, "--staged");  // (>= 1 entry each)
   std::vector<int> refresh_tails;
   if (!tails_s.empty())
     for (int64_t t : parse_list(tails_s, "--refresh-tail"))  // >= 1; t >= --segments recomputes every later one
@@ -1052,6 +1062,34 @@ int main(int argc, char** argv) try {
                       k, t, tr.median, (long long)rc, recomputed, tfull.median / tr.median, tr.median / th.median);
         }
         if (!refresh_rows.empty()) splice["refresh"] = refresh_rows;
+        // Staged: the same splice from pinned host blocks, a group at a time within a room of N entries.
+        if (!staged_rooms.empty() && be->device_entries()) {
+          std::vector<std::shared_ptr<const eng::HostBlock>> blocks;
+          size_t entry_bytes = 0;
+          for (const auto& e : entries) {
+            blocks.push_back(be->copy_to_host(*e));
+            entry_bytes = std::max(entry_bytes, (e->resident_bytes() + 255) / 256 * 256);
+          }
+          json staged_rows = json::array();
+          for (const int64_t n : staged_rooms) {
+            eng::SplicePlan sp = hp;
+            for (size_t i = 0; i < sp.segments.size(); ++i) sp.segments[i] = {segs[i], nullptr, blocks[i]};
+            sp.block_staging_bytes = size_t(n) * entry_bytes;
+            eng::SpliceOutput last;
+            const Stats ts = time_wall([&] { last = be->splice(sp); }, warm, reps);
+            staged_rows.push_back({{"room_entries", n}, {"room_bytes", sp.block_staging_bytes},
+                                   {"ttft_ms", ts.median}, {"stats", ts.to_json()},
+                                   {"groups", last.staged_groups}, {"staging_bytes", last.staging_bytes},
+                                   {"staged_over_resident", ts.median / th.median},
+                                   {"full_over_staged", tfull.median / ts.median}});
+            std::printf("splice staged from host blocks, room %lld entries: TTFT %.1f ms (%d groups, %.2f GiB "
+                        "staging): staged / resident %.2fx, full / staged %.1fx\n",
+                        (long long)n, ts.median, last.staged_groups, double(last.staging_bytes) / double(1ull << 30),
+                        ts.median / th.median, tfull.median / ts.median);
+            last = {};
+          }
+          splice["staged"] = staged_rows;
+        }
       } catch (const std::exception& e) {
         splice["error"] = e.what();
         std::printf("splice: FAILED: %s\n", e.what());
