@@ -55,8 +55,9 @@ int main(int argc, char** argv) {
   std::string request_entry_bytes = "auto";
   app.add_option("--request-entry-bytes", request_entry_bytes,
                  "device backends: the most device memory one request's entries take resident at once; a request "
-                 "whose entries need more keeps them as pinned host blocks and its splice stages them in a group at a "
-                 "time within this many bytes (auto: what the device has free)")
+                 "whose entries need more keeps them as pinned host blocks and its splice copies them in a group at a "
+                 "time within this many bytes (auto or 0: no cap, what the device has free; a staged splice then takes "
+                 "half of what is free less 512 MiB, at least four entries)")
       ->check(hypic::rpc::byte_budget_check())
       ->capture_default_str();
   app.add_option("--put-queue-bytes", put_queue_bytes,
