@@ -146,10 +146,11 @@ struct SplicePlan {
   /// next one arriving; one half alone when the area holds only the largest entry), and a forward pass folds the
   /// entries of one group only, so a long prompt's splice runs more passes. A room the device cannot give now (what
   /// is free less a margin of 512 MiB) shrinks to what it can, down to the largest entry alone (one group per entry,
-  /// each copy waited for). 0 = auto: every block at once where they fit, else half of what is free less the margin
-  /// (room for other requests' allocations meanwhile) but at least four entries. Each entry counts with the scratch
+  /// each copy waited for). 0 = auto: the larger of four entries and half of what is free less the margin (room for
+  /// other requests' allocations meanwhile), or every block where that holds them all. Each entry counts with the scratch
   /// its fold takes in a pass (naive mode's S(C|0), Ring-linear's rotated states). Throws ResourceExhausted ("device
-  /// memory") when not even the largest entry can be had, or the room given is below it.
+  /// memory") when not even the largest entry can be had, or the room given is below it (a room that holds it but
+  /// not its scratch too is taken as both).
   size_t block_staging_bytes = 0;
 };
 

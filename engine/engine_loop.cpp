@@ -2,7 +2,10 @@
 
 #include <optional>
 #include <stdexcept>
+#include <thread>
 #include <utility>
+
+#include <spdlog/spdlog.h>
 
 namespace hypic::engine {
 namespace {
@@ -325,7 +328,11 @@ void EngineLoop::run_builds(std::vector<BuildJob> batch) {
       return;
     }
     queued_tokens_ -= int64_t(batch[i].ids.size());
-    batch[i].done(std::move(out[i]));
+    try {  // (a callback that throws must not end the loop's thread nor skip the batch's other callbacks)
+      batch[i].done(std::move(out[i]));
+    } catch (const std::exception& e) {
+      spdlog::error("engine loop: a build's callback failed: {}", e.what());
+    }
   };
   // Jobs whose ids the backend would refuse fail alone, not their batch.
   std::vector<size_t> good;
@@ -382,16 +389,26 @@ void EngineLoop::run_builds(std::vector<BuildJob> batch) {
       for (size_t k = 0; k < good.size(); ++k) {
         const BuildJob& j = batch[good[k]];
         const auto t1 = Clock::now();
-        try {
-          auto one = backend_.build_entries(std::span(segs).subspan(k, 1), j.seam_width,
-                                            [&](size_t) { return is_cancelled(j.stop ? j.stop : j.cancel); });
-          if (one.size() != 1) throw std::logic_error("build_entries returned a wrong number of entries");
-          entries[k] = std::move(one[0]);
-          errors[k] = nullptr;
-          batch_segments[k] = 1;
-          build_batches_++;
-        } catch (...) {
-          errors[k] = std::current_exception();
+        // Out of memory after earlier ones were handed over: their callers may still be letting them go (a host copy
+        // in progress), so once some memory waits to be freed (at most kWaitForFrees) it is tried again, once.
+        for (int attempt = 0; attempt < 2; ++attempt) {
+          try {
+            auto one = backend_.build_entries(std::span(segs).subspan(k, 1), j.seam_width,
+                                              [&](size_t) { return is_cancelled(j.stop ? j.stop : j.cancel); });
+            if (one.size() != 1) throw std::logic_error("build_entries returned a wrong number of entries");
+            entries[k] = std::move(one[0]);
+            errors[k] = nullptr;
+            batch_segments[k] = 1;
+            build_batches_++;
+            break;
+          } catch (...) {
+            errors[k] = std::current_exception();
+          }
+          if (attempt > 0 || k == 0 || classify_engine_error(errors[k]) != EngineErrorKind::ResourceExhausted) break;
+          constexpr auto kWaitForFrees = std::chrono::milliseconds(250);
+          const auto until = Clock::now() + kWaitForFrees;
+          while (backend_.memory().freed_pending == 0 && Clock::now() < until)
+            std::this_thread::sleep_for(std::chrono::milliseconds(2));
         }
         compute_ms[k] = ms_between(t1, Clock::now());
         if (!errors[k]) {

@@ -560,13 +560,16 @@ class CudaBackend::Stager {
     for (const Fold* f : staged)
       cost_.push_back(aligned(f->e->total_bytes()) + (f->kind == Fold::Naive ? nl * S1 : 0) +
                       (rotated ? 2 * nl * S1 : 0));
-    size_t total = 0, largest = 0;
+    size_t total = 0, largest = 0, largest_entry = 0;
     for (const size_t c : cost_) total += c, largest = std::max(largest, c);
-    if (room_bytes && room_bytes < largest)
+    for (const Fold* f : staged) largest_entry = std::max(largest_entry, aligned(f->e->total_bytes()));
+    if (room_bytes && room_bytes < largest_entry)
       throw ResourceExhausted("splice: a staging room of " + std::to_string(room_bytes) +
                               " bytes of device memory (SplicePlan::block_staging_bytes) is below the largest "
                               "entry's " +
-                              std::to_string(largest) + " bytes");
+                              std::to_string(largest_entry) + " bytes");
+    // (A room that holds the largest entry but not its pass scratch too is taken as that entry and its scratch.)
+    if (room_bytes) room_bytes = std::max(room_bytes, largest);
     // Rooms tried in turn: the plan's (auto: every block at once, or half of what the device has free less a margin,
     // so that other requests' allocations meanwhile find room, but at least four entries: each group costs a forward
     // pass), then the largest entry alone (the estimate may be short of what the allocator finds).

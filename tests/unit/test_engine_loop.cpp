@@ -689,8 +689,17 @@ class FaultyBackend final : public Backend {
       throw ResourceExhausted("device memory exhausted (injected by the test: " + std::to_string(s.size()) +
                               " segments at once)");
     }
+    if (s.size() == 1 && singles_built > 0 && single_failures > 0) {
+      --single_failures;
+      throw ResourceExhausted("device memory exhausted (injected by the test: a single segment)");
+    }
+    if (s.size() == 1) ++singles_built;
     return inner_.build_entries(s, w, c);
   }
+  /// A single-segment build after the first fails this many times (out of device memory).
+  std::atomic<int> single_failures{0}, singles_built{0};
+  /// memory().freed_pending reported (memory waiting to be freed).
+  std::atomic<size_t> freed_pending{0};
   /// build_entries of more segments than this (0: any) runs out of device memory.
   std::atomic<size_t> max_build_segments{0};
   std::atomic<int> build_calls{0};
@@ -716,7 +725,11 @@ class FaultyBackend final : public Backend {
     for (size_t b = 0; b < seqs.size(); ++b)
       if (nan_.count(seqs[b])) std::fill(logits.begin() + ptrdiff_t(b * V), logits.begin() + ptrdiff_t((b + 1) * V), NAN);
   }
-  BackendMemory memory() const override { return inner_.memory(); }
+  BackendMemory memory() const override {
+    BackendMemory m = inner_.memory();
+    m.freed_pending = freed_pending;
+    return m;
+  }
 
  private:
   CpuBackend& inner_;
@@ -786,6 +799,40 @@ TEST_CASE("engine loop: a build batch out of device memory is built again one se
     REQUIRE(got[k].entry);
     CHECK(calls_at[k] == calls0 + 2 + k);  // the batch, then builds 0..k alone
   }
+  // A single build out of memory after earlier ones were handed over is tried again once memory waits to be freed
+  // (their callers letting them go): once is enough; twice fails that segment alone.
+  for (const int failures : {1, 2}) {
+    INFO(failures << " failure(s)");
+    got.clear();
+    b.singles_built = 0;
+    b.single_failures = failures;
+    b.freed_pending = 1;
+    const int before = b.build_calls;
+    std::vector<EngineLoop::BuildSubmission> again;
+    for (int k = 0; k < 3; ++k)
+      again.push_back({ids[size_t(k)], 4, nullptr,
+                       [&, k](BuildOutcome r) {
+                         std::lock_guard<std::mutex> lock(mu);
+                         got[k] = std::move(r);
+                         cv.notify_all();
+                       },
+                       BuildHandover::Resident});
+    loop.submit_builds(std::move(again));
+    {
+      std::unique_lock<std::mutex> lock(mu);
+      REQUIRE(cv.wait_for(lock, std::chrono::seconds(120), [&] { return got.size() == 3; }));
+    }
+    CHECK(b.build_calls == before + 1 + 3 + 1);  // the batch, each alone, one retry
+    CHECK(got[0].entry);
+    CHECK(got[2].entry);
+    if (failures == 1) {
+      CHECK(got[1].entry);
+    } else {
+      CHECK_FALSE(got[1].entry);
+      CHECK(got[1].error_kind == EngineErrorKind::ResourceExhausted);
+    }
+  }
+  b.freed_pending = 0;
 }
 
 TEST_CASE("a decode failure or NaN logits end only the request concerned -- the others finish and the loop serves on",
