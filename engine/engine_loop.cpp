@@ -390,7 +390,7 @@ void EngineLoop::run_builds(std::vector<BuildJob> batch) {
         const BuildJob& j = batch[good[k]];
         const auto t1 = Clock::now();
         // Out of memory after earlier ones were handed over: their callers may still be letting them go (a host copy
-        // in progress), so once some memory waits to be freed (at most kWaitForFrees) it is tried again, once.
+        // in progress), so where some memory comes to wait to be freed within kWaitForFrees it is tried again, once.
         for (int attempt = 0; attempt < 2; ++attempt) {
           try {
             auto one = backend_.build_entries(std::span(segs).subspan(k, 1), j.seam_width,
@@ -407,8 +407,10 @@ void EngineLoop::run_builds(std::vector<BuildJob> batch) {
           if (attempt > 0 || k == 0 || classify_engine_error(errors[k]) != EngineErrorKind::ResourceExhausted) break;
           constexpr auto kWaitForFrees = std::chrono::milliseconds(250);
           const auto until = Clock::now() + kWaitForFrees;
-          while (backend_.memory().freed_pending == 0 && Clock::now() < until)
+          bool freed = false;
+          while (!(freed = backend_.memory().freed_pending > 0) && Clock::now() < until)
             std::this_thread::sleep_for(std::chrono::milliseconds(2));
+          if (!freed) break;  // nothing is coming back: the segment fails
         }
         compute_ms[k] = ms_between(t1, Clock::now());
         if (!errors[k]) {
