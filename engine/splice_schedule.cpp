@@ -212,4 +212,41 @@ SpliceSchedule schedule_splice(const SpliceShape& shape, int prefix_reused, cons
   return s;
 }
 
+StagingLayout layout_staging(std::span<const size_t> entry_bytes, std::span<const size_t> cost, size_t room) {
+  if (entry_bytes.size() != cost.size())
+    throw std::invalid_argument("layout_staging: " + std::to_string(entry_bytes.size()) + " entries but " +
+                                std::to_string(cost.size()) + " costs");
+  size_t total = 0, largest = 0;
+  for (size_t i = 0; i < cost.size(); ++i) {
+    if (cost[i] < entry_bytes[i] || entry_bytes[i] % kStagingAlign)
+      throw std::invalid_argument("layout_staging: fold " + std::to_string(i) + " has " +
+                                  std::to_string(entry_bytes[i]) + " entry bytes and cost " + std::to_string(cost[i]) +
+                                  " (entries are multiples of " + std::to_string(kStagingAlign) +
+                                  " bytes, costs at least their entry)");
+    total += cost[i];
+    largest = std::max(largest, cost[i]);
+  }
+  if (room < largest)
+    throw std::invalid_argument("layout_staging: a room of " + std::to_string(room) + " bytes is below the largest " +
+                                "cost, " + std::to_string(largest));
+  StagingLayout out;
+  size_t cap = room;
+  if (room >= total) {
+    cap = total;
+  } else if (room >= 2 * largest) {
+    out.halves = 2;
+    cap = std::max(largest, room / 2 / kStagingAlign * kStagingAlign);
+  }
+  size_t used = cap, at = 0;  // the current group's cost and entry bytes
+  for (size_t i = 0; i < cost.size(); ++i) {
+    if (used + cost[i] > cap || out.groups == 0) ++out.groups, used = 0, at = 0;
+    out.group.push_back(out.groups - 1);
+    out.offset.push_back(at);
+    used += cost[i];
+    at += entry_bytes[i];
+    out.half_bytes = std::max(out.half_bytes, at);
+  }
+  return out;
+}
+
 }  // namespace hypic::engine

@@ -132,6 +132,26 @@ SpliceSchedule schedule_refresh_probe(const SpliceShape& shape);
 SpliceSchedule schedule_splice(const SpliceShape& shape, int prefix_reused = 0, const SpliceSchedule& probe = {},
                                std::span<const float> probe_mass = {});
 
+/// How a splice's entries brought as host blocks (engine/backend.h PlanSegment::block) lie in a device backend's
+/// staging area (engine/cuda/cuda_splice.cpp Stager), decided from sizes alone. Folds are taken in the order the
+/// schedule applies them; groups are consecutive runs of them, and a forward pass folds one group's entries only.
+struct StagingLayout {
+  int halves = 1;              ///< 1: the groups take turns in one area (each copy waited for); 2: group g in half g % 2
+  size_t half_bytes = 0;       ///< bytes of one half: the largest group's entries
+  int groups = 0;
+  std::vector<int> group;      ///< per fold: its group (non-decreasing, from 0)
+  std::vector<size_t> offset;  ///< per fold: its entry's offset in its half (bytes, each a multiple of kStagingAlign)
+};
+/// Alignment of entries in a staging area (bytes).
+inline constexpr size_t kStagingAlign = 256;
+/// Lays out the staged folds for a room of `room` bytes: `entry_bytes[i]` is fold i's entry (multiples of
+/// kStagingAlign), `cost[i]` >= it that entry plus the scratch its fold takes in a pass beside the area. One group
+/// when every cost fits in the room; else two halves when the room holds two of the largest cost (a group's cost at
+/// most half the room, rounded down to kStagingAlign, and never below the largest cost); else one area of the room.
+/// Throws std::invalid_argument when the spans differ in length, a cost is below its entry's bytes, an entry is not
+/// aligned, or the room is below the largest cost.
+StagingLayout layout_staging(std::span<const size_t> entry_bytes, std::span<const size_t> cost, size_t room);
+
 /// Prefix mode's key of a chain of segments: XXH3-128 over the previous chain's key (all zero before the first
 /// segment) then the segment's token ids (int32, host byte order). Two prompts share the checkpoint after segment i
 /// exactly when their segments 0..i are the same token ids in the same order.

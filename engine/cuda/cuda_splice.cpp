@@ -582,7 +582,7 @@ class CudaBackend::Stager {
     if (rooms.empty() || rooms.back() > largest) rooms.push_back(largest);
     std::string why;
     for (const size_t room : rooms) {
-      layout(staged, room, total, largest);
+      layout(staged, room);
       try {
         area_ = DeviceMemory(half_ * size_t(halves_), "a splice's staging of " + std::to_string(staged.size()) +
                                                           " host blocks in " + std::to_string(groups_.size()) +
@@ -632,34 +632,22 @@ class CudaBackend::Stager {
   }
 
  private:
-  static constexpr size_t kAlign = 256;
+  static constexpr size_t kAlign = kStagingAlign;
   static constexpr size_t kMargin = size_t(512) << 20;
   static size_t aligned(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
-  // The groups for a staging area of `room` bytes (>= the largest cost): one group when every fold's cost fits, else
-  // two halves where each holds the largest, else one; a group's cost is at most its half.
-  void layout(const std::vector<Fold*>& staged, size_t room, size_t total, size_t largest) {
-    size_t cap = 0;
-    if (room >= total) {
-      halves_ = 1, cap = total;
-    } else if (room >= 2 * largest) {
-      halves_ = 2, cap = room / 2 / kAlign * kAlign;
-    } else {
-      halves_ = 1, cap = room;
-    }
-    groups_.clear();
-    half_ = 0;
-    size_t used = cap, at = 0;  // the current group's cost and entry bytes
+  // The groups for a staging area of `room` bytes (>= the largest cost): engine/splice_schedule.h layout_staging.
+  void layout(const std::vector<Fold*>& staged, size_t room) {
+    std::vector<size_t> bytes;
+    for (const Fold* f : staged) bytes.push_back(aligned(f->e->total_bytes()));
+    const StagingLayout lay = layout_staging(bytes, cost_, room);
+    halves_ = lay.halves;
+    half_ = lay.half_bytes;
+    groups_.assign(size_t(lay.groups), Group{});
     for (size_t i = 0; i < staged.size(); ++i) {
-      Fold* f = staged[i];
-      if (used + cost_[i] > cap) groups_.emplace_back(), used = 0, at = 0;
-      f->stage = int(groups_.size()) - 1;
-      groups_.back().folds.push_back(f);
-      groups_.back().offsets.push_back(at);
-      used += cost_[i];
-      at += aligned(f->e->total_bytes());
+      staged[i]->stage = lay.group[i];
+      groups_[size_t(lay.group[i])].folds.push_back(staged[i]);
+      groups_[size_t(lay.group[i])].offsets.push_back(lay.offset[i]);
     }
-    for (const Group& g : groups_)
-      half_ = std::max(half_, g.offsets.back() + aligned(g.folds.back()->e->total_bytes()));
   }
   char* place(int g) const { return area_.bytes_ptr(size_t(g % halves_) * half_); }
   void issue(int g) {

@@ -169,3 +169,85 @@ TEST_CASE("splice schedule: bad shapes are refused, naming what is wrong", "[spl
   bare.has_entry.assign(3, 0);
   CHECK_NOTHROW(check_splice_shape(bare));
 }
+
+TEST_CASE("staging layout: one group when all fit, two halves of the largest, else one area -- greedy and in order",
+          "[splice_schedule]") {
+  using hypic::engine::layout_staging;
+  using hypic::engine::StagingLayout;
+  const std::vector<size_t> six(6, 1024);
+  {  // every cost fits: one group, the entries back to back
+    const StagingLayout l = layout_staging(six, six, 6144);
+    CHECK(l.groups == 1);
+    CHECK(l.halves == 1);
+    CHECK(l.half_bytes == 6144);
+    CHECK(l.offset == std::vector<size_t>{0, 1024, 2048, 3072, 4096, 5120});
+  }
+  {  // room for two halves of two entries
+    const StagingLayout l = layout_staging(six, six, 4096);
+    CHECK(l.halves == 2);
+    CHECK(l.groups == 3);
+    CHECK(l.group == std::vector<int>{0, 0, 1, 1, 2, 2});
+    CHECK(l.offset == std::vector<size_t>{0, 1024, 0, 1024, 0, 1024});
+    CHECK(l.half_bytes == 2048);
+  }
+  {  // half the room (1500) rounds down to 1280: one entry a half
+    const StagingLayout l = layout_staging(six, six, 3000);
+    CHECK(l.halves == 2);
+    CHECK(l.groups == 6);
+    CHECK(l.half_bytes == 1024);
+  }
+  {  // below two of the largest: one area, one entry at a time
+    const StagingLayout l = layout_staging(six, six, 2047);
+    CHECK(l.halves == 1);
+    CHECK(l.groups == 6);
+  }
+  {  // pass scratch counts in a group's cost, not in the area
+    const std::vector<size_t> bytes(4, 1024), cost(4, 1536);
+    const StagingLayout l = layout_staging(bytes, cost, 3072);
+    CHECK(l.halves == 2);
+    CHECK(l.groups == 4);
+    CHECK(l.half_bytes == 1024);
+    CHECK(layout_staging(bytes, cost, 6144).groups == 1);
+  }
+  CHECK_THROWS_WITH(layout_staging(six, six, 1023), Catch::Contains("below the largest cost"));
+  CHECK_THROWS_WITH(layout_staging(std::vector<size_t>{1000}, std::vector<size_t>{1000}, 4096),
+                    Catch::Contains("multiples of 256"));
+  CHECK_THROWS_WITH(layout_staging(std::vector<size_t>{1024}, std::vector<size_t>{512}, 4096),
+                    Catch::Contains("costs at least their entry"));
+  CHECK_THROWS_AS(layout_staging(six, std::vector<size_t>(5, 1024), 8192), std::invalid_argument);
+  // Random sizes and rooms: groups consecutive from 0; each group's cost within its cap and greedy (the next fold
+  // would not have fit); every entry inside its half; the area (halves x half) within the room.
+  std::mt19937 rng(7);
+  for (int trial = 0; trial < 500; ++trial) {
+    const size_t n = 1 + rng() % 12;
+    std::vector<size_t> bytes(n), cost(n);
+    size_t largest = 0, total = 0;
+    for (size_t i = 0; i < n; ++i) {
+      bytes[i] = 256 * (1 + rng() % 40);
+      cost[i] = bytes[i] + 256 * (rng() % 8);
+      largest = std::max(largest, cost[i]);
+      total += cost[i];
+    }
+    const size_t room = largest + rng() % (total + 1);
+    const StagingLayout l = layout_staging(bytes, cost, room);
+    INFO("trial " << trial << ", room " << room << ", total " << total << ", largest " << largest);
+    const size_t cap = room >= total ? total : l.halves == 2 ? std::max(largest, room / 2 / 256 * 256) : room;
+    CHECK(l.halves == (room < total && room >= 2 * largest ? 2 : 1));
+    REQUIRE(l.group.size() == n);
+    CHECK(l.group.front() == 0);
+    CHECK(l.group.back() == l.groups - 1);
+    CHECK(size_t(l.halves) * l.half_bytes <= room);
+    std::vector<size_t> group_cost(size_t(l.groups), 0);
+    for (size_t i = 0; i < n; ++i) {
+      if (i > 0) CHECK((l.group[i] == l.group[i - 1] || l.group[i] == l.group[i - 1] + 1));
+      CHECK(l.offset[i] % 256 == 0);
+      CHECK(l.offset[i] + bytes[i] <= l.half_bytes);
+      if (i > 0 && l.group[i] == l.group[i - 1]) CHECK(l.offset[i] == l.offset[i - 1] + bytes[i - 1]);
+      if (i == 0 || l.group[i] != l.group[i - 1]) CHECK(l.offset[i] == 0);
+      group_cost[size_t(l.group[i])] += cost[i];
+    }
+    for (size_t i = 0; i + 1 < n; ++i)
+      if (l.group[i + 1] != l.group[i]) CHECK(group_cost[size_t(l.group[i])] + cost[i + 1] > cap);
+    for (const size_t c : group_cost) CHECK(c <= cap);
+  }
+}
