@@ -461,7 +461,7 @@ void CombineService::plan_entry_room(Pending& p) const {
   const auto gib = [](uint64_t b) { return double(b) / double(1ull << 30); };
   // Staged by the splice instead: what is free then (less the engine's margin) must hold the largest entry, and the
   // cap too.
-  constexpr uint64_t kStagingMargin = uint64_t(512) << 20;
+  constexpr uint64_t kStagingMargin = engine::kStagingMarginBytes;
   if (free >= largest + kStagingMargin && (cap == 0 || cap >= largest)) {
     p.stage_blocks = true;
     staged_requests_counter().inc();

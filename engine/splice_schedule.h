@@ -144,6 +144,9 @@ struct StagingLayout {
 };
 /// Alignment of entries in a staging area (bytes).
 inline constexpr size_t kStagingAlign = 256;
+/// Device memory a staged splice leaves free beside its staging area (bytes): its passes' other allocations. The
+/// combine worker stages a request only where what is free holds its largest entry and this margin.
+inline constexpr size_t kStagingMarginBytes = size_t(512) << 20;
 /// Lays out the staged folds for a room of `room` bytes: `entry_bytes[i]` is fold i's entry (multiples of
 /// kStagingAlign), `cost[i]` >= it that entry plus the scratch its fold takes in a pass beside the area. One group
 /// when every cost fits in the room; else two halves when the room holds two of the largest cost (a group's cost at

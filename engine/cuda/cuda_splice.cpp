@@ -633,7 +633,7 @@ class CudaBackend::Stager {
 
  private:
   static constexpr size_t kAlign = kStagingAlign;
-  static constexpr size_t kMargin = size_t(512) << 20;
+  static constexpr size_t kMargin = kStagingMarginBytes;
   static size_t aligned(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
   // The groups for a staging area of `room` bytes (>= the largest cost): engine/splice_schedule.h layout_staging.
   void layout(const std::vector<Fold*>& staged, size_t room) {

@@ -775,25 +775,26 @@ TEST_CASE("engine loop: a build batch out of device memory is built again one se
   }
   // Resident handover: each entry is handed over (on the loop thread) as soon as it is built alone, before the next
   // one's build starts, so that a caller that lets it go gives its memory back in time.
-  std::map<int, int> calls_at;
-  got.clear();
-  const int calls0 = b.build_calls;
-  std::vector<EngineLoop::BuildSubmission> resident;
-  for (int k = 0; k < 3; ++k) {
-    resident.push_back({ids[size_t(k)], 4, nullptr,
-                        [&, k](BuildOutcome r) {
-                          std::lock_guard<std::mutex> lock(mu);
-                          calls_at[k] = b.build_calls.load();
-                          got[k] = std::move(r);
-                          cv.notify_all();
-                        },
-                        BuildHandover::Resident});
-  }
-  loop.submit_builds(std::move(resident));
-  {
+  std::map<int, int> calls_at;  // build k's callback: build_entries calls made by then
+  const auto build_three_resident = [&] {  // one submission of the three, Resident handover, waited for
+    got.clear();
+    std::vector<EngineLoop::BuildSubmission> resident;
+    for (int k = 0; k < 3; ++k) {
+      resident.push_back({ids[size_t(k)], 4, nullptr,
+                          [&, k](BuildOutcome r) {
+                            std::lock_guard<std::mutex> lock(mu);
+                            calls_at[k] = b.build_calls.load();
+                            got[k] = std::move(r);
+                            cv.notify_all();
+                          },
+                          BuildHandover::Resident});
+    }
+    loop.submit_builds(std::move(resident));
     std::unique_lock<std::mutex> lock(mu);
     REQUIRE(cv.wait_for(lock, std::chrono::seconds(120), [&] { return got.size() == 3; }));
-  }
+  };
+  const int calls0 = b.build_calls;
+  build_three_resident();
   for (int k = 0; k < 3; ++k) {
     INFO("build " << k);
     REQUIRE(got[k].entry);
@@ -803,25 +804,11 @@ TEST_CASE("engine loop: a build batch out of device memory is built again one se
   // (their callers letting them go): once is enough; twice fails that segment alone.
   for (const int failures : {1, 2}) {
     INFO(failures << " failure(s)");
-    got.clear();
     b.singles_built = 0;
     b.single_failures = failures;
     b.freed_pending = 1;
     const int before = b.build_calls;
-    std::vector<EngineLoop::BuildSubmission> again;
-    for (int k = 0; k < 3; ++k)
-      again.push_back({ids[size_t(k)], 4, nullptr,
-                       [&, k](BuildOutcome r) {
-                         std::lock_guard<std::mutex> lock(mu);
-                         got[k] = std::move(r);
-                         cv.notify_all();
-                       },
-                       BuildHandover::Resident});
-    loop.submit_builds(std::move(again));
-    {
-      std::unique_lock<std::mutex> lock(mu);
-      REQUIRE(cv.wait_for(lock, std::chrono::seconds(120), [&] { return got.size() == 3; }));
-    }
+    build_three_resident();
     CHECK(b.build_calls == before + 1 + 3 + 1);  // the batch, each alone, one retry
     CHECK(got[0].entry);
     CHECK(got[2].entry);
