@@ -19,17 +19,19 @@ FetchCostModel::FetchCostModel(double alpha, double margin, int probe_every)
   if (probe_every < 1) throw std::invalid_argument("FetchCostModel: probe_every must be at least 1");
 }
 
-void FetchCostModel::set_priors(double fetch_mb_per_s, double build_tokens_per_s) {
-  if (!std::isfinite(fetch_mb_per_s) || fetch_mb_per_s < 0 || !std::isfinite(build_tokens_per_s) ||
-      build_tokens_per_s < 0)
-    throw std::invalid_argument("FetchCostModel: prior rates must be finite and non-negative");
+void FetchCostModel::set_priors(double fetch_mb_per_s, double build_tokens_per_s, double staged_gb_per_s) {
+  for (double r : {fetch_mb_per_s, build_tokens_per_s, staged_gb_per_s})
+    if (!std::isfinite(r) || r < 0) throw std::invalid_argument("FetchCostModel: prior rates must be finite and non-negative");
   const double f = fetch_mb_per_s > 0 ? 1e-3 / fetch_mb_per_s : 0;  // 1 MB/s = 10^6 bytes per 1000 ms
   const double b = build_tokens_per_s > 0 ? 1e3 / build_tokens_per_s : 0;
-  if (!std::isfinite(f) || !std::isfinite(b)) throw std::invalid_argument("FetchCostModel: prior rate too small");
+  const double g = staged_gb_per_s > 0 ? 1e-6 / staged_gb_per_s : 0;  // 1 GB/s = 10^9 bytes per 1000 ms
+  if (!std::isfinite(f) || !std::isfinite(b) || !std::isfinite(g))
+    throw std::invalid_argument("FetchCostModel: prior rate too small");
   std::lock_guard<std::mutex> lock(mu_);
-  fetch_ms_per_byte_ = build_ms_per_token_ = std::nullopt;
+  fetch_ms_per_byte_ = build_ms_per_token_ = staged_ms_per_byte_ = std::nullopt;
   if (fetch_mb_per_s > 0) fetch_ms_per_byte_ = f;
   if (build_tokens_per_s > 0) build_ms_per_token_ = b;
+  if (staged_gb_per_s > 0) staged_ms_per_byte_ = g;
   plans_without_fetch_ = 0;
 }
 
@@ -50,6 +52,28 @@ void FetchCostModel::observe_build(int64_t tokens, double ms) {
   if (tokens <= 0 || !(ms > 0)) return;
   std::lock_guard<std::mutex> lock(mu_);
   ewma(build_ms_per_token_, ms / double(tokens), alpha_);
+}
+
+void FetchCostModel::observe_staged_splice(uint64_t bytes, double ms) {
+  if (bytes == 0 || !(ms > 0)) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  ewma(staged_ms_per_byte_, ms / double(bytes), alpha_);
+}
+
+StagedColdPlan FetchCostModel::plan_staged_cold(const StagedColdCase& c) const {
+  StagedColdPlan out;
+  const auto b = build_ms_per_token();
+  const auto s = staged_ms_per_byte();
+  if (!b || !s || c.local_tokens <= 0 || !(c.local_flops > 0)) return out;
+  out.staged_ms = double(c.local_tokens) * *b + double(c.staged_bytes) * *s;
+  out.full_ms = c.full_flops * (*b * double(c.local_tokens) / c.local_flops);
+  out.full = out.full_ms < out.staged_ms;
+  return out;
+}
+
+std::optional<double> FetchCostModel::staged_ms_per_byte() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return staged_ms_per_byte_;
 }
 
 std::optional<double> FetchCostModel::fetch_ms_per_byte() const {

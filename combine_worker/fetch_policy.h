@@ -39,6 +39,23 @@ struct FetchPlan {
   bool probe = false;           ///< one candidate kept fetched only to measure the fetch rate again (FetchCostModel)
 };
 
+/// A request whose entries are staged from host blocks (CombineService::plan_entry_room) and whose cold segments are
+/// prefilled here (LOCAL): the work of either answer. Counted FLOPs from engine::forward_flops.
+struct StagedColdCase {
+  int64_t local_tokens = 0;     ///< tokens of the LOCAL segments
+  double local_flops = 0;       ///< their entry builds, each segment a forward pass of its own
+  double full_flops = 0;        ///< one forward pass of the whole prompt (segments and query)
+  uint64_t staged_bytes = 0;    ///< entry bytes the staged splice would copy in from host blocks (every segment's)
+};
+
+/// Staged splice after local builds, or a full prefill (entries built after the first token): the estimates (ms;
+/// zero when a rate is unknown) and the choice.
+struct StagedColdPlan {
+  bool full = false;        ///< answer by a full prefill of the prompt
+  double staged_ms = 0;     ///< the LOCAL builds plus the staged splice
+  double full_ms = 0;       ///< the full prefill
+};
+
 /// Rates learned from this worker's cache fetches (ms per wire byte, each fetch timed under whatever concurrency it
 /// ran with) and local builds (ms per token: a build's share of its batch), as exponentially weighted means (weight
 /// `alpha` for the newest observation). A plan that would fetch nothing counts towards a probe: the `probe_every`-th
@@ -50,9 +67,10 @@ class FetchCostModel {
   explicit FetchCostModel(double alpha = 0.3, double margin = 1.25, int probe_every = 16);
 
   /// Starting estimates, used until observations move them (each observation is weighted in as above): a fetch rate
-  /// in MB/s (10^6 bytes per second) per entry and a build rate in tokens/s; 0 leaves that rate unknown.
-  /// std::invalid_argument on a negative or non-finite rate, or one so small that its inverse is not finite.
-  void set_priors(double fetch_mb_per_s, double build_tokens_per_s);
+  /// in MB/s (10^6 bytes per second) per entry, a build rate in tokens/s and a staged splice's rate in GB/s (10^9
+  /// bytes of host blocks per second); 0 leaves that rate unknown. std::invalid_argument on a negative or non-finite
+  /// rate, or one so small that its inverse is not finite.
+  void set_priors(double fetch_mb_per_s, double build_tokens_per_s, double staged_gb_per_s = 0);
 
   /// A cache fetch of `bytes` wire bytes that took `ms` (transfer, parse, verify, device copy). Ignored when either
   /// is not positive.
@@ -71,15 +89,27 @@ class FetchCostModel {
   /// fetched. Without both rates, or parallelism < 1: fetch every one.
   FetchPlan plan(std::vector<FetchCandidate> candidates, int64_t local_tokens, int parallelism);
 
+  /// A staged splice (engine::SpliceOutput::staged_segments > 0) that copied `bytes` of host blocks in and took `ms`
+  /// (its passes included). Ignored when either is not positive.
+  void observe_staged_splice(uint64_t bytes, double ms);
+
+  /// Staged splice or full prefill for `c` (--staged-cold-policy auto): with the build rate and the staged splice's
+  /// known, staged_ms = local_tokens x build ms per token + staged_bytes x staged ms per byte, full_ms = full_flops x
+  /// the build rate per FLOP at these segments' lengths (build ms per token x local_tokens / local_flops: the same
+  /// kernels, the full pass's longer attention counted in its FLOPs); full when full_ms < staged_ms. Without either
+  /// rate, or nothing local: staged (its builds and splice measure them).
+  StagedColdPlan plan_staged_cold(const StagedColdCase& c) const;
+
   std::optional<double> fetch_ms_per_byte() const;
   std::optional<double> build_ms_per_token() const;
+  std::optional<double> staged_ms_per_byte() const;
 
  private:
   mutable std::mutex mu_;
   double alpha_, margin_;
   int probe_every_;
   int plans_without_fetch_ = 0;  // plans that fetched nothing since the last fetch observed
-  std::optional<double> fetch_ms_per_byte_, build_ms_per_token_;
+  std::optional<double> fetch_ms_per_byte_, build_ms_per_token_, staged_ms_per_byte_;
 };
 
 }  // namespace hypic::combine

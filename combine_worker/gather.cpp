@@ -504,8 +504,10 @@ void CombineService::gather(const std::shared_ptr<Pending>& p, const v1::Combine
   std::vector<size_t>& warm = fetch.warm;
   std::vector<std::thread>& fetchers = fetch.threads;
   std::vector<std::pair<size_t, std::string>> local;
-  for (size_t i = 0; i < p->slots.size(); ++i) {
+  for (size_t i = 0; i < p->slots.size(); ++i)
     if (p->slots[i].planned == v1::PlannedSegment::LOCAL) local.emplace_back(i, req.segments(int(i)).reason());
+  if (answer_cold_in_full(*p, fetch, local)) return;
+  for (size_t i = 0; i < p->slots.size(); ++i) {
     if (p->slots[i].planned == v1::PlannedSegment::WARM) warm.push_back(i);
     if (p->slots[i].planned == v1::PlannedSegment::WHOLE) {  // recomputed whole from its ids: nothing to wait for
       std::lock_guard<std::mutex> lock(p->mu);

@@ -111,6 +111,18 @@ int main(int argc, char** argv) {
                  "unknown)")
       ->check(rate_check)
       ->capture_default_str();
+  std::string staged_cold = "auto";
+  app.add_option("--staged-cold-policy", staged_cold,
+                 "a request whose entries are staged from host memory and whose cold segments are prefilled here: auto "
+                 "answers it by a full prefill where this worker's measured build and staged-splice rates say that is "
+                 "sooner (its entries are then built after the first token); stage builds them first and stages them")
+      ->check(CLI::IsMember({"auto", "stage"}))
+      ->capture_default_str();
+  app.add_option("--staged-rate-prior-gb-per-s", opt.staged_prior_gb_per_s,
+                 "--staged-cold-policy auto: the staged splice's rate (GB/s of host blocks, passes included) to start "
+                 "from; this worker's staged splices are averaged in (0: unknown, staged until one was seen)")
+      ->check(rate_check)
+      ->capture_default_str();
   std::string nccl = "auto";
   int nccl_join_timeout_ms = 20000;
   app.add_option("--nccl", nccl,
@@ -130,6 +142,7 @@ int main(int argc, char** argv) {
     opt.gather_timeout = std::chrono::seconds(gather_timeout_s);
     opt.nccl = nccl == "auto";
     opt.cache_fetch_policy = hypic::combine::parse_cache_fetch_policy(cache_fetch_policy);
+    opt.staged_cold_in_full = staged_cold == "auto";
     opt.nccl_join_timeout = std::chrono::milliseconds(nccl_join_timeout_ms);
     const auto device_tier_flag = hypic::rpc::parse_byte_budget(memory_tier_bytes, "--memory-tier-bytes");
     const auto host_tier_flag = hypic::rpc::parse_byte_budget(host_tier_bytes, "--host-tier-bytes");

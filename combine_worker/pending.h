@@ -42,6 +42,9 @@ struct Slot {
   double compute_ms = 0;
   uint64_t entry_bytes = 0;
   bool local_started = false;
+  // The request was answered by a full prefill (in_full) and this cold segment's entry is built after the first token
+  // (CombineService::splice), for later requests: --staged-cold-policy auto.
+  bool build_after = false;
   bool in_cache = false;  // prefilled here although the segment cache holds it (--cache-fetch-policy): no put back
   // That prefill failed: the slot is fetched from the cache after all (gather's fallback); why the prefill failed.
   bool fetch_fallback = false;
@@ -165,6 +168,14 @@ inline rpc::Counter& full_fallbacks_counter() {
   return c;
 }
 /// hypic:combine_staged_requests_total: requests whose entries were staged by the splice from pinned host blocks.
+inline rpc::Counter& staged_cold_in_full_counter() {
+  static auto& c = rpc::MetricsRegistry::global().counter(
+      "hypic:combine_staged_cold_in_full_total",
+      "Staged requests with cold segments to prefill here answered by a full prefill instead, where the measured rates "
+      "said that is sooner (--staged-cold-policy auto); their entries were built after the first token");
+  return c;
+}
+
 inline rpc::Counter& staged_requests_counter() {
   static auto& c = rpc::MetricsRegistry::global().counter(
       "hypic:combine_staged_requests_total",

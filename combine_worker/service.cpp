@@ -18,6 +18,7 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
+#include "engine/checkpoint/weights.h"
 #include "engine/sampling.h"
 #include "engine/segment.h"
 #include "proto/engine_rpc/checks.h"
@@ -38,7 +39,7 @@ CombineService::CombineService(CombineDeps deps, CombineOptions options)
       accepts_({backend_.device().index, options.nccl_join_timeout,
                 std::chrono::duration_cast<std::chrono::milliseconds>(options.nccl_idle_timeout),
                 options.nccl_max_links}) {
-  fetch_costs_.set_priors(opt_.fetch_prior_mb_per_s, opt_.build_prior_tokens_per_s);
+  fetch_costs_.set_priors(opt_.fetch_prior_mb_per_s, opt_.build_prior_tokens_per_s, opt_.staged_prior_gb_per_s);
   // Prometheus metrics (proto/rpc/metrics.h), read at each scrape; this service lives until the server stopped.
   auto& reg = rpc::MetricsRegistry::global();
   builds_joined_counter();  // (registered now: scraped as 0 before the first one)
@@ -242,6 +243,15 @@ engine::SpliceInfo CombineService::splice(const std::shared_ptr<Pending>& p, con
   events = GenerationEvents::attach(job);
   d_.loop.submit_generate(std::move(job));
   engine::SpliceInfo sinfo = events->wait_spliced(*ctx);
+  if (sinfo.staged_segments > 0) {
+    uint64_t staged_bytes = 0;
+    {
+      std::lock_guard<std::mutex> lock(p->mu);
+      for (const Slot& s : p->slots)
+        if (s.block && !s.repeat_of) staged_bytes += s.block->bytes();
+    }
+    fetch_costs_.observe_staged_splice(staged_bytes, sinfo.splice_ms);
+  }
   if (sinfo.staged_segments > 0)
     spdlog::info("[req {}] the splice staged {} entries from pinned host blocks in {} groups ({:.2f} GiB of device "
                  "memory for them), {:.1f} ms",
@@ -260,19 +270,23 @@ engine::SpliceInfo CombineService::splice(const std::shared_ptr<Pending>& p, con
         d_.copier.enqueue(s.digest, s.resident, /*put=*/false, p->id);  // the scatter worker puts it in the cache
       }
   }
-  // The refresh's cold tail segments were recomputed whole: their entries are built now, after the splice, for
-  // later requests (device tier, host copy, cache), between this worker's decode steps.
+  // The refresh's cold tail segments were recomputed whole, and a staged request's cold segments were answered by a
+  // full prefill (build_after): their entries are built now, after the splice, for later requests (device tier unless
+  // the request's entries were staged, host copy, cache), between this worker's decode steps.
   {
+    const bool staged = p->stage_blocks.load();
     std::vector<engine::EngineLoop::BuildSubmission> later;
-    for (size_t i = 0; i < p->slots.size() && p->uses_entries; ++i) {
-      if (p->slots[i].planned != v1::PlannedSegment::WHOLE) continue;
-      const rpc::Digest digest = p->slots[i].digest;
+    for (size_t i = 0; i < p->slots.size(); ++i) {
+      const Slot& s = p->slots[i];
+      if (!s.build_after && !(p->uses_entries && s.planned == v1::PlannedSegment::WHOLE)) continue;
+      const rpc::Digest digest = s.digest;
       const bool put = p->cache_segments;
       const std::string rid = p->id;
-      later.push_back({p->slots[i].ids, p->entry_seam_width, nullptr,
-                       [this, digest, put, rid](engine::BuildOutcome r) {
+      later.push_back({s.ids, p->entry_seam_width, nullptr,
+                       [this, digest, put, rid, staged](engine::BuildOutcome r) {
                          if (!r.entry) return;  // failed or the loop stopped: a later request builds it
-                         d_.memory_tier.put(digest, r.entry);
+                         fetch_costs_.observe_build(int64_t(r.entry->header().token_ids.size()), r.compute_ms);
+                         if (!staged) d_.memory_tier.put(digest, r.entry);
                          d_.copier.enqueue(digest, r.entry, put, rid);
                        },
                        engine::BuildHandover::Resident});
@@ -430,33 +444,71 @@ grpc::Status CombineService::run_combine(grpc::ServerContext* ctx, const v1::Com
   });
 }
 
-void CombineService::answer_in_full(Pending& p, Fetchers& fetch, const std::string& why) {
+size_t CombineService::switch_to_full(Pending& p, Fetchers& fetch, const std::string& note) {
   p.gather_cancel->store(true);
   for (auto& t : fetch.threads) t.join();
   fetch.threads.clear();
   leave_local_builds(p);
-  size_t let_go = 0, tokens = p.query.size();
-  const std::string note = "its entries did not fit in device memory: answered by a full prefill of the prompt";
-  {
-    std::lock_guard<std::mutex> lock(p.mu);
-    p.in_full = true;
-    p.mode = engine::SpliceMode::Full;
-    p.uses_entries = false;
-    p.failure.clear();
-    for (Slot& s : p.slots) {
-      let_go += s.has_entry() ? 1 : 0;
-      tokens += s.ids.size();
-      s.entry.reset();
-      s.resident.reset();
-      s.block.reset();
-      s.note = s.note.empty() ? note : s.note + "; " + note;
-    }
+  size_t let_go = 0;
+  std::lock_guard<std::mutex> lock(p.mu);
+  p.in_full = true;
+  p.mode = engine::SpliceMode::Full;
+  p.uses_entries = false;
+  p.failure.clear();
+  for (Slot& s : p.slots) {
+    let_go += s.has_entry() ? 1 : 0;
+    s.entry.reset();
+    s.resident.reset();
+    s.block.reset();
+    s.note = s.note.empty() ? note : s.note + "; " + note;
   }
+  return let_go;
+}
+
+void CombineService::answer_in_full(Pending& p, Fetchers& fetch, const std::string& why) {
+  const size_t let_go =
+      switch_to_full(p, fetch, "its entries did not fit in device memory: answered by a full prefill of the prompt");
+  size_t tokens = p.query.size();
+  for (const Slot& s : p.slots) tokens += s.ids.size();  // (ids are immutable after registration)
   full_fallbacks_counter().inc();
   const std::string memory = describe_device_memory(backend_.memory());
   spdlog::warn("[req {}] its entries do not fit in device memory ({}); {} of them let go, answered by a full prefill "
                "of its {} tokens instead{}",
                p.id, why, let_go, tokens, memory.empty() ? std::string() : "; device memory: " + memory);
+}
+
+bool CombineService::answer_cold_in_full(Pending& p, Fetchers& fetch,
+                                         const std::vector<std::pair<size_t, std::string>>& local) {
+  if (!opt_.staged_cold_in_full || !p.stage_blocks.load() || local.empty()) return false;
+  StagedColdCase c;
+  int64_t prompt_tokens = int64_t(p.query.size());
+  for (const Slot& s : p.slots) {  // (digests, ids and plans are immutable after registration)
+    prompt_tokens += int64_t(s.ids.size());
+    if (!s.repeat_of && s.planned != v1::PlannedSegment::WHOLE && !d_.memory_tier.contains(s.digest))
+      c.staged_bytes += backend_.entry_bytes(int64_t(s.ids.size()));
+  }
+  for (const auto& l : local) {
+    const auto n = int64_t(p.slots[l.first].ids.size());
+    c.local_tokens += n;
+    c.local_flops += engine::forward_flops(backend_.config(), n);
+  }
+  c.full_flops = engine::forward_flops(backend_.config(), prompt_tokens);
+  const StagedColdPlan plan = fetch_costs_.plan_staged_cold(c);
+  if (!plan.full) return false;
+  const std::string note = fmt::format(
+      "{} of its segments were cold, to be prefilled here, and its entries staged: answered by a full prefill of the "
+      "prompt, estimated {:.0f} ms against {:.0f} ms building them and staging {:.2f} GiB (--staged-cold-policy "
+      "auto); cold segments' entries are built after the first token",
+      local.size(), plan.full_ms, plan.staged_ms, double(c.staged_bytes) / double(1ull << 30));
+  switch_to_full(p, fetch, note);
+  {
+    std::lock_guard<std::mutex> lock(p.mu);
+    for (Slot& s : p.slots)
+      s.build_after = !s.repeat_of && (s.planned == v1::PlannedSegment::LOCAL || s.planned == v1::PlannedSegment::WHOLE);
+  }
+  staged_cold_in_full_counter().inc();
+  spdlog::info("[req {}] {}", p.id, note);
+  return true;
 }
 
 grpc::Status CombineService::OpenPeer(grpc::ServerContext* ctx, const v1::OpenPeerRequest* req,

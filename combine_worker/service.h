@@ -44,6 +44,14 @@ struct CombineOptions {
   /// Starting estimates of this worker's cache fetch rate (MB/s per entry) and build rate (tokens/s) for Auto, until
   /// its own fetches and builds move them (FetchCostModel::set_priors); 0: unknown (fetch until both were seen).
   double fetch_prior_mb_per_s = 0, build_prior_tokens_per_s = 0;
+  /// A request whose entries are staged (request_entry_bytes, plan_entry_room) and whose cold segments would be
+  /// prefilled here: true (--staged-cold-policy auto) answers it by a full prefill where the measured rates say that is
+  /// sooner (FetchCostModel::plan_staged_cold), its cold segments' entries built after the first token; false (stage)
+  /// builds them first and stages every entry into its splice.
+  bool staged_cold_in_full = true;
+  /// Starting estimate of a staged splice's rate (GB/s of host blocks copied in, passes included), until staged
+  /// splices here move it; 0: unknown (staged until one was seen).
+  double staged_prior_gb_per_s = 0;
   /// Accept NCCL communicators from scatter workers (OpenPeer) when this build and backend can (CUDA, NCCL); false:
   /// every entry comes over gRPC (--nccl off).
   bool nccl = true;
@@ -168,6 +176,15 @@ class CombineService final : public hypic::v1::CombineWorker::Service {
   // in `fetch` joined), its entries are let go, its mode becomes full; logged with where the device memory is, noted
   // on every segment and counted (hypic:combine_full_fallbacks_total). The answer is full recomputation's.
   void answer_in_full(Pending& p, Fetchers& fetch, const std::string& why);
+  // Stops a request's fetches and builds (their threads in `fetch` joined), lets its entries go and makes its mode full,
+  // `note` added to every segment's note; how many entries were let go.
+  size_t switch_to_full(Pending& p, Fetchers& fetch, const std::string& note);
+  // --staged-cold-policy auto, for a request whose entries are staged (after plan_entry_room) with cold segments to
+  // prefill here (`local`: LOCAL slots): when FetchCostModel::plan_staged_cold says a full prefill of the prompt is
+  // sooner than building them and staging every entry, answers it so (switch_to_full), its LOCAL and WHOLE segments
+  // marked build_after (their entries built after the first token, CombineService::splice); logged, noted, counted
+  // in hypic:combine_staged_cold_in_full_total. True when it did.
+  bool answer_cold_in_full(Pending& p, Fetchers& fetch, const std::vector<std::pair<size_t, std::string>>& local);
   // Where a request's entries go, decided before any fetch or build starts (a device backend only): when the entries
   // it lacks (not in the device tier, not repeats or refresh-tail segments) need more device memory than is free,
   // waiting to be freed and held by the device tier together, they are staged by the splice from pinned host blocks

@@ -182,6 +182,15 @@ ParameterCounts count_parameters(const ModelConfig& c) {
   return n;
 }
 
+double forward_flops(const ModelConfig& c, int64_t tokens) {
+  if (tokens <= 0) return 0;
+  const double T = double(tokens), H = double(c.hidden_size), V = double(c.vocab_size);
+  const double body = double(count_parameters(c).active_per_token) - V * H * (c.tie_word_embeddings ? 1 : 2);
+  const double attn = double(c.num_attention_layers()) * 2.0 * c.num_attention_heads *
+                      double(c.head_dim + c.attn_v_head_dim()) * (T * T / 2);
+  return 2 * T * body + attn;
+}
+
 std::vector<CheckpointTensorSpec> hf_checkpoint_layout(const ModelConfig& c) {
   c.validate();
   return checkpoint_layout_of(c);

@@ -251,4 +251,11 @@ struct ParameterCounts {
 };
 ParameterCounts count_parameters(const ModelConfig& cfg);
 
+/// Counted FLOPs of one causal forward pass of `tokens` new tokens from an empty context, no LM head: 2 per active
+/// body parameter per token (count_parameters less the embedding and LM head) plus causal attention, 2 nh (d_qk +
+/// d_v) per (query, key) pair over tokens^2 / 2 pairs in each full-attention layer (as bench/gpu/prefill_bench.cpp
+/// counts them). The scans' own FLOPs, norms and elementwise work are not counted. A cost estimate for comparing
+/// plans of the same model (the combine worker's staged-cold policy), not a measurement. 0 for tokens <= 0.
+double forward_flops(const ModelConfig& cfg, int64_t tokens);
+
 }  // namespace hypic::engine

@@ -161,6 +161,20 @@ TEST_CASE("Qwen3-Next-80B-A3B architecture numbers", "[config]") {
   CHECK(parse_config(no_hd).head_dim == 256);
 }
 
+TEST_CASE("forward_flops: 2 per active body parameter per token plus causal attention pairs", "[config]") {
+  const ModelConfig c = parse_config(kQwen3Next80B);
+  // Worked by hand from the config: 12 full-attention layers x 2 x 16 heads x (256 + 256) per (query, key) pair,
+  // T^2 / 2 pairs; the body is the active parameters less the untied embedding and LM head (151936 x 2048 each).
+  const double pair = 12.0 * 2 * 16 * (256 + 256);
+  const double body = double(count_parameters(c).active_per_token) - 2.0 * 151936 * 2048;
+  for (int64_t T : {1, 2048, 32768})
+    CHECK(forward_flops(c, T) == Approx(2.0 * double(T) * body + pair * double(T) * double(T) / 2).epsilon(1e-12));
+  // One pass over 2T tokens against two over T each: the cross pairs, T^2 of them.
+  CHECK(forward_flops(c, 8192) - 2 * forward_flops(c, 4096) == Approx(pair * 4096.0 * 4096.0).epsilon(1e-9));
+  CHECK(forward_flops(c, 0) == 0);
+  CHECK(forward_flops(c, -5) == 0);
+}
+
 TEST_CASE("config errors name the file and the field", "[config]") {
   CHECK_THROWS_WITH(
       parse_config(R"({"model_type": "llama", "vocab_size": 10})", "x/config.json"),

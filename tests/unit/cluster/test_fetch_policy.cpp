@@ -184,3 +184,66 @@ TEST_CASE("FetchCostModel::set_priors: a rate whose inverse overflows is refused
   CHECK_THROWS_AS(m.set_priors(0.0, 1e-320), std::invalid_argument);
   CHECK_THROWS_AS(m.set_priors(std::numeric_limits<double>::quiet_NaN(), 0.0), std::invalid_argument);
 }
+
+TEST_CASE("FetchCostModel::plan_staged_cold: a full prefill where it beats building and staging, worked by hand",
+          "[fetch_policy]") {
+  using hypic::combine::StagedColdCase;
+  FetchCostModel m;
+  // 8 cold segments of 2048 tokens, 232 MB entries: builds 16384 tokens, stages 1856 MB.
+  StagedColdCase c;
+  c.local_tokens = 8 * 2048;
+  c.local_flops = 8 * 1.0e13;
+  c.full_flops = 8.8e13;  // the whole prompt in one pass: 10% more (its longer attention)
+  c.staged_bytes = 8 * 232 * MB;
+  // No rates yet: staged (its builds and splice measure them).
+  CHECK_FALSE(m.plan_staged_cold(c).full);
+  m.observe_build(2048, 30.0);  // 30 ms per 2048 tokens
+  CHECK_FALSE(m.plan_staged_cold(c).full);
+  CHECK_FALSE(m.staged_ms_per_byte());
+  m.observe_staged_splice(8 * 232 * MB, 92.8);  // 20 GB/s: 0.05 ms per MB
+  REQUIRE(m.staged_ms_per_byte());
+  CHECK(*m.staged_ms_per_byte() == Approx(92.8 / (8.0 * 232 * MB)));
+  // Staged: 16384 x 30 / 2048 = 240 ms of builds + 92.8 ms staged = 332.8 ms. Full: 8.8e13 FLOPs at the builds'
+  // 240 ms per 8e13 = 264 ms. Full is sooner.
+  auto p = m.plan_staged_cold(c);
+  CHECK(p.full);
+  CHECK(p.staged_ms == Approx(332.8));
+  CHECK(p.full_ms == Approx(264.0));
+  // One cold segment among eight: 30 ms of builds + 92.8 staged = 122.8 against the prompt's 8.8e13 FLOPs at 30 ms
+  // per 1e13 = 264 ms: staged.
+  c.local_tokens = 2048;
+  c.local_flops = 1.0e13;
+  p = m.plan_staged_cold(c);
+  CHECK_FALSE(p.full);
+  CHECK(p.staged_ms == Approx(122.8));
+  CHECK(p.full_ms == Approx(264.0));
+  // A long prompt whose full pass costs far more FLOPs than its segments' builds (quadratic attention): 64 segments
+  // built in 1920 ms (64e13 FLOPs) and staged in 742.4 ms against 128e13 FLOPs for the full pass (3840 ms): staged.
+  c.local_tokens = 64 * 2048;
+  c.local_flops = 64 * 1.0e13;
+  c.full_flops = 128 * 1.0e13;
+  c.staged_bytes = 64 * 232 * MB;
+  p = m.plan_staged_cold(c);
+  CHECK_FALSE(p.full);
+  CHECK(p.staged_ms == Approx(1920.0 + 742.4));
+  CHECK(p.full_ms == Approx(3840.0));
+  // Nothing to build here: staged.
+  c.local_tokens = 0;
+  c.local_flops = 0;
+  CHECK_FALSE(m.plan_staged_cold(c).full);
+  // Ignored observations.
+  m.observe_staged_splice(0, 5.0);
+  m.observe_staged_splice(5, 0.0);
+  CHECK(*m.staged_ms_per_byte() == Approx(92.8 / (8.0 * 232 * MB)));
+}
+
+TEST_CASE("FetchCostModel::set_priors: a staged splice's rate in GB/s", "[fetch_policy]") {
+  FetchCostModel m;
+  m.set_priors(0.0, 0.0, 20.0);
+  REQUIRE(m.staged_ms_per_byte());
+  CHECK(*m.staged_ms_per_byte() == Approx(1e3 / 20e9));
+  m.set_priors(0.0, 0.0);
+  CHECK_FALSE(m.staged_ms_per_byte());
+  CHECK_THROWS_AS(m.set_priors(0.0, 0.0, -1.0), std::invalid_argument);
+  CHECK_THROWS_AS(m.set_priors(0.0, 0.0, 1e-320), std::invalid_argument);
+}

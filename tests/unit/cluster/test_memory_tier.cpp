@@ -556,6 +556,54 @@ TEST_CASE("combine worker: entries that do not fit in device memory at once are 
     CHECK(backend.staged_seen == 3);
     CHECK(staged.tokens == resident.tokens);
   }
+  SECTION("2 GiB free, cold, a staged splice's rate known to make staging slower: answered by a full prefill, the "
+          "entries built after the first token into the host tier") {
+    backend.device_free = 2 * GiB;
+    hypic::combine::CombineOptions slow;
+    slow.staged_prior_gb_per_s = 1e-3;  // 3 GiB staged at 1 MB/s: an hour, against milliseconds of prefill
+    slow.build_prior_tokens_per_s = 1000;
+    hypic::test::CombineServer c2(backend, slow, 0, {}, size_t(1) << 30);
+    const std::vector<std::vector<int32_t>> cold = {{91, 92, 93, 94}, {95, 96, 97}, {98, 99}};
+    const Combined full_ref = combine(c2, "s-cold-full-ref", cold, v1::PlannedSegment::LOCAL, nullptr, false, nullptr,
+                                      "full");
+    const double in_full0 =
+        hypic::rpc::MetricsRegistry::global().counter("hypic:combine_staged_cold_in_full_total", "").value();
+    const int built0 = backend.built;
+    const Combined answered = combine(c2, "s-cold-full", cold, v1::PlannedSegment::LOCAL);
+    CHECK(sources(answered) == std::vector<v1::SegmentSource>(3, v1::SEGMENT_SOURCE_IN_CONTEXT));
+    CHECK(answered.tokens == full_ref.tokens);
+    CHECK(backend.staged_seen == 0);
+    for (const auto& seg : answered.report.segments()) {
+      CHECK_THAT(seg.note(), Catch::Contains("answered by a full prefill of the prompt, estimated"));
+      CHECK_THAT(seg.note(), Catch::Contains("built after the first token"));
+      CHECK_FALSE(seg.reused());
+    }
+    CHECK(hypic::rpc::MetricsRegistry::global().counter("hypic:combine_staged_cold_in_full_total", "").value() ==
+          in_full0 + 1);
+    // Built after the first token, copied to the host tier (no device tier here): the next request is warm.
+    for (int k = 0; k < 500 && lookup(c2, cold) != std::vector<v1::EntryTier>(3, v1::ENTRY_TIER_HOST); ++k)
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    CHECK(lookup(c2, cold) == std::vector<v1::EntryTier>(3, v1::ENTRY_TIER_HOST));
+    CHECK(backend.built == built0 + 3);
+    const Combined warm = combine(c2, "s-cold-warm", cold, v1::PlannedSegment::WARM);
+    CHECK(sources(warm) == std::vector<v1::SegmentSource>(3, v1::SEGMENT_SOURCE_COMBINE_HOST));
+    CHECK(backend.staged_seen == 3);
+    CHECK(backend.built == built0 + 3);
+    backend.device_like = false;
+    const Combined resident = combine(c2, "s-cold-resident", cold, v1::PlannedSegment::LOCAL);
+    CHECK(warm.tokens == resident.tokens);
+    backend.device_like = true;
+    // --staged-cold-policy stage: built first and staged, whatever the rates say.
+    slow.staged_cold_in_full = false;
+    hypic::test::CombineServer c3(backend, slow, 0, {}, size_t(1) << 30);
+    const std::vector<std::vector<int32_t>> cold2 = {{101, 102, 103}, {104, 105}, {106, 107, 108}};
+    const int staged_seen0 = backend.staged_seen;
+    const Combined staged = combine(c3, "s-cold-stage", cold2, v1::PlannedSegment::LOCAL);
+    CHECK(sources(staged) == std::vector<v1::SegmentSource>(3, v1::SEGMENT_SOURCE_COMBINE_COMPUTED));
+    CHECK(backend.staged_seen == staged_seen0 + 3);
+    CHECK(hypic::rpc::MetricsRegistry::global().counter("hypic:combine_staged_cold_in_full_total", "").value() ==
+          in_full0 + 1);
+  }
   SECTION("8 GiB free: made resident from the host tier as they are fetched, not staged") {
     backend.device_free = 8 * GiB;
     const Combined roomy = combine(c, "s-roomy", segs, v1::PlannedSegment::WARM);
