@@ -60,13 +60,25 @@ void FetchCostModel::observe_staged_splice(uint64_t bytes, double ms) {
   ewma(staged_ms_per_byte_, ms / double(bytes), alpha_);
 }
 
+void FetchCostModel::observe_prefill(double flops, double ms) {
+  if (!(flops > 0) || !(ms > 0) || !std::isfinite(flops) || !std::isfinite(ms)) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  ewma(prefill_ms_per_flop_, ms / flops, alpha_);
+}
+
+std::optional<double> FetchCostModel::prefill_ms_per_flop() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return prefill_ms_per_flop_;
+}
+
 StagedColdPlan FetchCostModel::plan_staged_cold(const StagedColdCase& c) const {
   StagedColdPlan out;
   const auto b = build_ms_per_token();
   const auto s = staged_ms_per_byte();
   if (!b || !s || c.local_tokens <= 0 || !(c.local_flops > 0)) return out;
   out.staged_ms = double(c.local_tokens) * *b + double(c.staged_bytes) * *s;
-  out.full_ms = c.full_flops * (*b * double(c.local_tokens) / c.local_flops);
+  const auto pf = prefill_ms_per_flop();
+  out.full_ms = c.full_flops * (pf ? *pf : *b * double(c.local_tokens) / c.local_flops);
   out.full = out.full_ms < out.staged_ms;
   return out;
 }

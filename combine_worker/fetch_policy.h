@@ -93,23 +93,29 @@ class FetchCostModel {
   /// (its passes included). Ignored when either is not positive.
   void observe_staged_splice(uint64_t bytes, double ms);
 
+  /// A full prefill (mode full, or an entry mode answered in full) of `flops` counted FLOPs (engine::forward_flops)
+  /// that took `ms`. Ignored when either is not positive.
+  void observe_prefill(double flops, double ms);
+
   /// Staged splice or full prefill for `c` (--staged-cold-policy auto): with the build rate and the staged splice's
   /// known, staged_ms = local_tokens x build ms per token + staged_bytes x staged ms per byte, full_ms = full_flops x
-  /// the build rate per FLOP at these segments' lengths (build ms per token x local_tokens / local_flops: the same
-  /// kernels, the full pass's longer attention counted in its FLOPs); full when full_ms < staged_ms. Without either
-  /// rate, or nothing local: staged (its builds and splice measure them).
+  /// the full prefills' measured ms per FLOP, or, before one was seen, the builds' at these segments' lengths (build
+  /// ms per token x local_tokens / local_flops: the same kernels, the full pass's longer attention counted in its
+  /// FLOPs); full when full_ms < staged_ms. Without either of the first two rates, or nothing local: staged (its
+  /// builds and splice measure them).
   StagedColdPlan plan_staged_cold(const StagedColdCase& c) const;
 
   std::optional<double> fetch_ms_per_byte() const;
   std::optional<double> build_ms_per_token() const;
   std::optional<double> staged_ms_per_byte() const;
+  std::optional<double> prefill_ms_per_flop() const;
 
  private:
   mutable std::mutex mu_;
   double alpha_, margin_;
   int probe_every_;
   int plans_without_fetch_ = 0;  // plans that fetched nothing since the last fetch observed
-  std::optional<double> fetch_ms_per_byte_, build_ms_per_token_, staged_ms_per_byte_;
+  std::optional<double> fetch_ms_per_byte_, build_ms_per_token_, staged_ms_per_byte_, prefill_ms_per_flop_;
 };
 
 }  // namespace hypic::combine

@@ -129,8 +129,9 @@ void CombineService::on_local_built(const rpc::Digest& digest, uint64_t build, e
       if (built) d_.memory_tier.put(digest, r.entry);
       return;
     }
-    if (built && !std::all_of(it->second.waiters.begin(), it->second.waiters.end(),
-                              [](const auto& w) { return w.first->stage_blocks.load(); })) {
+    if (built && (it->second.device_tier ||
+                  std::any_of(it->second.waiters.begin(), it->second.waiters.end(),
+                              [](const auto& w) { return !w.first->stage_blocks.load(); }))) {
       d_.memory_tier.put(digest, r.entry);
     }
     if (!r.cancelled && r.error_kind == engine::EngineErrorKind::ResourceExhausted && !it->second.retried &&
@@ -162,20 +163,46 @@ void CombineService::on_local_built(const rpc::Digest& digest, uint64_t build, e
     return;
   }
   if (!r.error.empty()) {
+    if (b.after_first_token)
+      spdlog::warn("[req {}] the entry built after its first token failed (a later request builds it): {}",
+                   b.started_for, r.error);
     for (const auto& [p, slot] : b.waiters) local_build_failed(p, slot, r);
     return;
   }
-  fill_local_build(digest, b.waiters, std::move(r));
+  fill_local_build(digest, b.waiters, std::move(r), b.put, b.started_for);
+}
+
+void CombineService::build_after_first_token(const std::shared_ptr<Pending>& p, const std::vector<size_t>& slots) {
+  const bool staged = p->stage_blocks.load();
+  std::vector<engine::EngineLoop::BuildSubmission> builds;
+  for (size_t slot : slots) {
+    const Slot& s = p->slots[slot];  // digest and ids are immutable after registration
+    uint64_t id = 0;
+    auto cancel = std::make_shared<std::atomic<bool>>(false);
+    {
+      std::lock_guard<std::mutex> lock(local_mu_);  // (then the tiers': the order build_locally takes them in)
+      if (local_builds_.contains(s.digest) || d_.memory_tier.contains(s.digest) || d_.host_tier.contains(s.digest))
+        continue;
+      id = next_local_build_++;
+      LocalBuild& b = local_builds_[s.digest];
+      b.id = id, b.ids = s.ids, b.seam_width = p->entry_seam_width, b.started_for = p->id, b.cancel = cancel;
+      b.after_first_token = true, b.put = p->cache_segments, b.device_tier = !staged;
+    }
+    builds.push_back({s.ids, p->entry_seam_width, cancel,
+                      [this, digest = s.digest, id](engine::BuildOutcome r) { on_local_built(digest, id, std::move(r)); },
+                      engine::BuildHandover::Resident});
+  }
+  if (!builds.empty()) d_.loop.submit_builds(std::move(builds));
 }
 
 void CombineService::fill_local_build(const rpc::Digest& digest,
                                       const std::vector<std::pair<std::shared_ptr<Pending>, size_t>>& waiters,
-                                      engine::BuildOutcome r) {
+                                      engine::BuildOutcome r, bool put_anyway, const std::string& request_id) {
   // Spliced as it is (resident, no host round trip; the caller put it in the device tier); its host copy (host tier,
   // cache put) is made afterwards, off the critical path, once. Put in the cache when a waiter asked for that and
   // none rebuilt it from the cache's copy.
   fetch_costs_.observe_build(int64_t(r.entry->header().token_ids.size()), r.compute_ms);
-  bool put = false, in_cache = false;
+  bool put = put_anyway, in_cache = false;
   for (const auto& [p, slot] : waiters) {
     std::lock_guard<std::mutex> lock(p->mu);
     put = put || p->cache_segments;
@@ -208,7 +235,8 @@ void CombineService::fill_local_build(const rpc::Digest& digest,
       }
     };
   }
-  d_.copier.enqueue(digest, r.entry, put && !in_cache, waiters.front().first->id, std::move(on_copied));
+  const std::string rid = !request_id.empty() ? request_id : waiters.empty() ? std::string() : waiters.front().first->id;
+  d_.copier.enqueue(digest, r.entry, put && !in_cache, rid, std::move(on_copied));
 }
 
 void CombineService::local_build_failed(const std::shared_ptr<Pending>& p, size_t slot,
@@ -240,7 +268,7 @@ void CombineService::leave_local_builds(const Pending& p) {
     auto it = local_builds_.find(s.digest);
     if (it == local_builds_.end()) continue;
     std::erase_if(it->second.waiters, [&](const auto& w) { return w.first.get() == &p; });
-    if (it->second.waiters.empty()) {
+    if (it->second.waiters.empty() && !it->second.after_first_token) {
       it->second.cancel->store(true);
       local_builds_.erase(it);
     }

@@ -243,6 +243,8 @@ engine::SpliceInfo CombineService::splice(const std::shared_ptr<Pending>& p, con
   events = GenerationEvents::attach(job);
   d_.loop.submit_generate(std::move(job));
   engine::SpliceInfo sinfo = events->wait_spliced(*ctx);
+  if (p->mode == engine::SpliceMode::Full && sinfo.computed_tokens > 0)  // (prefix mode reuses checkpoints)
+    fetch_costs_.observe_prefill(engine::forward_flops(backend_.config(), sinfo.computed_tokens), sinfo.splice_ms);
   if (sinfo.staged_segments > 0) {
     uint64_t staged_bytes = 0;
     {
@@ -271,27 +273,14 @@ engine::SpliceInfo CombineService::splice(const std::shared_ptr<Pending>& p, con
       }
   }
   // The refresh's cold tail segments were recomputed whole, and a staged request's cold segments were answered by a
-  // full prefill (build_after): their entries are built now, after the splice, for later requests (device tier unless
-  // the request's entries were staged, host copy, cache), between this worker's decode steps.
+  // full prefill (build_after): their entries are built now, after the splice, for later requests, between this
+  // worker's decode steps.
   {
-    const bool staged = p->stage_blocks.load();
-    std::vector<engine::EngineLoop::BuildSubmission> later;
-    for (size_t i = 0; i < p->slots.size(); ++i) {
-      const Slot& s = p->slots[i];
-      if (!s.build_after && !(p->uses_entries && s.planned == v1::PlannedSegment::WHOLE)) continue;
-      const rpc::Digest digest = s.digest;
-      const bool put = p->cache_segments;
-      const std::string rid = p->id;
-      later.push_back({s.ids, p->entry_seam_width, nullptr,
-                       [this, digest, put, rid, staged](engine::BuildOutcome r) {
-                         if (!r.entry) return;  // failed or the loop stopped: a later request builds it
-                         fetch_costs_.observe_build(int64_t(r.entry->header().token_ids.size()), r.compute_ms);
-                         if (!staged) d_.memory_tier.put(digest, r.entry);
-                         d_.copier.enqueue(digest, r.entry, put, rid);
-                       },
-                       engine::BuildHandover::Resident});
-    }
-    if (!later.empty()) d_.loop.submit_builds(std::move(later));
+    std::vector<size_t> later;
+    for (size_t i = 0; i < p->slots.size(); ++i)
+      if (p->slots[i].build_after || (p->uses_entries && p->slots[i].planned == v1::PlannedSegment::WHOLE))
+        later.push_back(i);
+    if (!later.empty()) build_after_first_token(p, later);
   }
   return sinfo;
 }

@@ -156,15 +156,24 @@ class CombineService final : public hypic::v1::CombineWorker::Service {
   /// one whose build finished since (for another request) is taken from the device tier.
   void build_locally(const std::shared_ptr<Pending>& p, const std::vector<std::pair<size_t, std::string>>& slots);
   void build_locally(const std::shared_ptr<Pending>& p, size_t slot, std::string note);
+  /// Entries built after a request's first token, for later requests (the refresh's cold tail, recomputed whole in
+  /// context; a staged request's cold segments answered by a full prefill): each registered as a local build with no
+  /// waiter (local_builds_, LocalBuild::after_first_token) so that a request arriving meanwhile joins it instead of
+  /// building it again, and kept going when nobody waits; into the device tier unless the request's entries were
+  /// staged, its host copy to the host tier and (the request's cache_segments) the cache. Segments already in a tier
+  /// or being built are skipped.
+  void build_after_first_token(const std::shared_ptr<Pending>& p, const std::vector<size_t>& slots);
   /// A local build's outcome (on the engine loop's thread): device memory short with device-tier entries to give up,
   /// retried once after evicting; else into the device tier, its host copy queued once (a cache put when some waiter
   /// asked for one and none was a policy rebuild), every waiting slot filled; or each waiter's failure
   /// (local_build_failed).
   void on_local_built(const rpc::Digest& digest, uint64_t build, engine::BuildOutcome r);
   /// A finished local build (already in the device tier): its host copy queued once, every waiting slot filled.
+  /// `put`: a cache put whatever the waiters ask; `request_id`: the request it is built for (logs), else the first
+  /// waiter's.
   void fill_local_build(const rpc::Digest& digest,
                         const std::vector<std::pair<std::shared_ptr<Pending>, size_t>>& waiters,
-                        engine::BuildOutcome r);
+                        engine::BuildOutcome r, bool put = false, const std::string& request_id = {});
   /// A failed local build, for one waiting slot: a policy rebuild is fetched from the cache instead (gather's wait
   /// starts it), any other fails the request with the build's code.
   void local_build_failed(const std::shared_ptr<Pending>& p, size_t slot, const engine::BuildOutcome& r);
@@ -248,6 +257,9 @@ class CombineService final : public hypic::v1::CombineWorker::Service {
     std::shared_ptr<std::atomic<bool>> cancel;  // the engine's cancel flag: set when no slot waits any more
     std::vector<std::pair<std::shared_ptr<Pending>, size_t>> waiters;
     bool retried = false;  // refused for device memory once, retried after evicting
+    // Built after a request's first token for later requests (build_after_first_token): kept going when no request
+    // waits for it; put in the cache (`put`) and the device tier (`device_tier`) whatever its waiters ask.
+    bool after_first_token = false, put = false, device_tier = false;
   };
   mutable std::mutex local_mu_;  // never held together with a Pending::mu
   std::map<rpc::Digest, LocalBuild> local_builds_;

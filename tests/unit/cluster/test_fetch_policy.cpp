@@ -227,6 +227,22 @@ TEST_CASE("FetchCostModel::plan_staged_cold: a full prefill where it beats build
   CHECK_FALSE(p.full);
   CHECK(p.staged_ms == Approx(1920.0 + 742.4));
   CHECK(p.full_ms == Approx(3840.0));
+  // A full prefill timed: its rate per FLOP replaces the builds'. 8.8e13 FLOPs in 220 ms: 2.5e-12 ms per FLOP.
+  CHECK_FALSE(m.prefill_ms_per_flop());
+  m.observe_prefill(8.8e13, 220.0);
+  m.observe_prefill(0, 5.0);  // ignored
+  m.observe_prefill(1e13, 0.0);
+  REQUIRE(m.prefill_ms_per_flop());
+  CHECK(*m.prefill_ms_per_flop() == Approx(2.5e-12));
+  // The long prompt again: 128e13 FLOPs x 2.5e-12 = 3200 ms against 2662.4: still staged. With 1.0e15 FLOPs for
+  // the full pass: 2500 ms, a full prefill.
+  p = m.plan_staged_cold(c);
+  CHECK(p.full_ms == Approx(3200.0));
+  CHECK_FALSE(p.full);
+  c.full_flops = 1.0e15;
+  p = m.plan_staged_cold(c);
+  CHECK(p.full_ms == Approx(2500.0));
+  CHECK(p.full);
   // Nothing to build here: staged.
   c.local_tokens = 0;
   c.local_flops = 0;

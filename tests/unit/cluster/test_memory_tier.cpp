@@ -280,6 +280,12 @@ std::vector<v1::EntryTier> lookup(hypic::test::CombineServer& c, const std::vect
   return out;
 }
 
+// Polls `done` every 5 ms for up to 5 s; its last value.
+bool wait_for(const std::function<bool()>& done) {
+  for (int i = 0; i < 1000 && !done(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  return done();
+}
+
 std::vector<v1::SegmentSource> sources(const Combined& r) {
   std::vector<v1::SegmentSource> s;
   for (const auto& seg : r.report.segments()) s.push_back(seg.source());
@@ -710,10 +716,6 @@ TEST_CASE("combine worker: a cache-only segment the fetch policy prefills is fet
 TEST_CASE("combine worker: concurrent requests prefilling the same segment share one build", "[memory_tier]") {
   CountingBackend backend(hypic::engine::make_backend(hypic::engine::DeviceSpec{}, hypic::test::kCombineModel));
   hypic::test::CombineServer c(backend, {}, size_t(1) << 30);
-  const auto wait_for = [](const std::function<bool()>& done) {
-    for (int i = 0; i < 1000 && !done(); ++i) std::this_thread::sleep_for(5ms);
-    return done();
-  };
   // B arrives while A's builds run (held in the backend): B's segments join them; one build per segment fills both.
   const std::vector<std::vector<int32_t>> segs = {{91, 92, 93, 94, 95, 96, 97}, {101, 102, 103, 104, 105}};
   backend.hold = true;
@@ -783,6 +785,46 @@ TEST_CASE("combine worker: concurrent requests prefilling the same segment share
   const Combined again = combine(c, "r-again3", segs3, v1::PlannedSegment::LOCAL);
   CHECK(again.tokens.size() == 4);
   CHECK(c.svc->local_build_counts().joined == 4);
+}
+
+TEST_CASE("combine worker: a request arriving while an entry is built after another's first token joins that build",
+          "[memory_tier]") {
+  CountingBackend backend(hypic::engine::make_backend(hypic::engine::DeviceSpec{}, hypic::test::kCombineModel));
+  hypic::combine::CombineOptions slow;
+  slow.staged_prior_gb_per_s = 1e-3;  // staging takes an hour: a staged cold request is answered in full
+  slow.build_prior_tokens_per_s = 1000;
+  hypic::test::CombineServer c(backend, slow, 0, {}, size_t(1) << 30);  // no device tier, a host tier
+  const auto GiB = size_t(1) << 30;
+  backend.device_like = true;
+  backend.entry_bytes_each = GiB;
+  backend.device_free = 2 * GiB;  // three 1 GiB entries: staged
+  const std::vector<std::vector<int32_t>> segs = {{141, 142, 143, 144}, {145, 146, 147}, {148, 149}};
+  const int built0 = backend.built, entered0 = backend.entered;
+  const uint64_t joined0 = c.svc->local_build_counts().joined;
+  backend.hold = true;  // the builds after A's first token start and wait
+  auto a = std::async(std::launch::async, [&] { return combine(c, "after-a", segs, v1::PlannedSegment::LOCAL); });
+  REQUIRE(wait_for([&] { return backend.entered > entered0; }));
+  CHECK(c.svc->local_build_counts().in_flight == 3);
+  // B has room for its entries resident (not staged): it builds them here, joining A's builds.
+  backend.device_free = 8 * GiB;
+  auto b = std::async(std::launch::async, [&] { return combine(c, "after-b", segs, v1::PlannedSegment::LOCAL); });
+  REQUIRE(wait_for([&] { return c.svc->local_build_counts().joined == joined0 + 3; }));
+  backend.hold = false;
+  const Combined ra = a.get(), rb = b.get();
+  CHECK(sources(ra) == std::vector<v1::SegmentSource>(3, v1::SEGMENT_SOURCE_IN_CONTEXT));
+  CHECK(sources(rb) == std::vector<v1::SegmentSource>(3, v1::SEGMENT_SOURCE_COMBINE_COMPUTED));
+  for (const auto& seg : rb.report.segments())
+    CHECK_THAT(seg.note(), Catch::Contains("joined this worker's build of the same segment for request after-a"));
+  CHECK(backend.built == built0 + 3);  // once each
+  // Their host copies reach the host tier (A's entries were staged: no device tier either way here).
+  CHECK(wait_for([&] { return lookup(c, segs) == std::vector<v1::EntryTier>(3, v1::ENTRY_TIER_HOST); }));
+  CHECK(c.svc->local_build_counts().in_flight == 0);
+  // B's tokens are the hypic splice's of these entries: the same as a warm request's from the host tier.
+  const Combined warm = combine(c, "after-warm", segs, v1::PlannedSegment::WARM);
+  CHECK(sources(warm) == std::vector<v1::SegmentSource>(3, v1::SEGMENT_SOURCE_COMBINE_HOST));
+  CHECK(warm.tokens == rb.tokens);
+  CHECK(backend.built == built0 + 3);
+  backend.device_like = false;
 }
 
 TEST_CASE("tier budgets: derived from device memory, host memory and the entry size", "[memory_tier]") {
