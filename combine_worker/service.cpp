@@ -483,7 +483,13 @@ bool CombineService::answer_cold_in_full(Pending& p, Fetchers& fetch,
   }
   c.full_flops = engine::forward_flops(backend_.config(), prompt_tokens);
   const StagedColdPlan plan = fetch_costs_.plan_staged_cold(c);
-  if (!plan.full) return false;
+  if (!plan.full) {
+    if (plan.staged_ms > 0)
+      spdlog::info("[req {}] {} cold segments prefilled here, then staged: estimated {:.0f} ms against {:.0f} ms for a "
+                   "full prefill (--staged-cold-policy auto)",
+                   p.id, local.size(), plan.staged_ms, plan.full_ms);
+    return false;
+  }
   const std::string note = fmt::format(
       "{} of its segments were cold, to be prefilled here, and its entries staged: answered by a full prefill of the "
       "prompt, estimated {:.0f} ms against {:.0f} ms building them and staging {:.2f} GiB (--staged-cold-policy "
