@@ -134,8 +134,9 @@ void CombineService::on_local_built(const rpc::Digest& digest, uint64_t build, e
                               [](const auto& w) { return !w.first->stage_blocks.load(); }))) {
       d_.memory_tier.put(digest, r.entry);
     }
+    // (Not for a build nobody waits for, after a first token: it does not evict other requests' entries.)
     if (!r.cancelled && r.error_kind == engine::EngineErrorKind::ResourceExhausted && !it->second.retried &&
-        d_.memory_tier.entries() > 0) {
+        d_.memory_tier.entries() > 0 && !it->second.waiters.empty()) {
       it->second.retried = true;
       retry = true;
       b.ids = it->second.ids, b.seam_width = it->second.seam_width, b.cancel = it->second.cancel;
@@ -181,8 +182,19 @@ void CombineService::build_after_first_token(const std::shared_ptr<Pending>& p, 
     auto cancel = std::make_shared<std::atomic<bool>>(false);
     {
       std::lock_guard<std::mutex> lock(local_mu_);  // (then the tiers': the order build_locally takes them in)
-      if (local_builds_.contains(s.digest) || d_.memory_tier.contains(s.digest) || d_.host_tier.contains(s.digest))
+      if (auto it = local_builds_.find(s.digest); it != local_builds_.end()) {
+        // Being built for another request: it carries on when that request leaves, and keeps what this one asks.
+        LocalBuild& b = it->second;
+        if (b.ids == s.ids && b.seam_width == p->entry_seam_width) {
+          b.after_first_token = true;
+          b.put = b.put || p->cache_segments;
+          b.device_tier = b.device_tier || !staged;
+        }
         continue;
+      }
+      if (d_.memory_tier.contains(s.digest) || d_.host_tier.contains(s.digest)) continue;
+      // Nothing would keep it: no device tier for a staged request's entries, no host tier, no cache put.
+      if (staged && d_.host_tier.budget() == 0 && !(p->cache_segments && d_.cache.enabled())) continue;
       id = next_local_build_++;
       LocalBuild& b = local_builds_[s.digest];
       b.id = id, b.ids = s.ids, b.seam_width = p->entry_seam_width, b.started_for = p->id, b.cancel = cancel;

@@ -94,7 +94,8 @@ struct CombineService::Pending {
   // The request's entries are no longer wanted (it ended, or it is answered by a full prefill instead: in_full): no
   // build or fetch starts for it, its unshared builds stop, and fill() keeps nothing. The pointer is immutable.
   std::shared_ptr<std::atomic<bool>> gather_cancel = std::make_shared<std::atomic<bool>>(false);
-  bool in_full = false;  // under mu: answered by a full prefill (CombineService::answer_in_full)
+  // Under mu: answered by a full prefill (CombineService::switch_to_full: answer_in_full, answer_cold_in_full).
+  bool in_full = false;
   // Its entries do not all fit in device memory at once (CombineService::plan_entry_room, before any fetch or build
   // starts): those that arrive as bytes (deliveries over gRPC, cache fetches, the host tier) are kept as pinned host
   // blocks and staged by the splice a group at a time (engine::PlanSegment::block) instead of made resident.
@@ -167,20 +168,23 @@ inline rpc::Counter& full_fallbacks_counter() {
       "did not fit in device memory");
   return c;
 }
-/// hypic:combine_staged_requests_total: requests whose entries were staged by the splice from pinned host blocks.
+/// hypic:combine_staged_cold_in_full_total: staged requests answered by a full prefill instead (--staged-cold-policy
+/// auto), a subset of hypic:combine_staged_requests_total.
 inline rpc::Counter& staged_cold_in_full_counter() {
   static auto& c = rpc::MetricsRegistry::global().counter(
       "hypic:combine_staged_cold_in_full_total",
       "Staged requests with cold segments to prefill here answered by a full prefill instead, where the measured rates "
-      "said that is sooner (--staged-cold-policy auto); their entries were built after the first token");
+      "said that is sooner (--staged-cold-policy auto; counted in hypic:combine_staged_requests_total too); their "
+      "entries were built after the first token");
   return c;
 }
-
+/// hypic:combine_staged_requests_total: requests whose entries were to be staged by the splice from pinned host blocks.
 inline rpc::Counter& staged_requests_counter() {
   static auto& c = rpc::MetricsRegistry::global().counter(
       "hypic:combine_staged_requests_total",
       "Requests of an entry mode whose entries did not all fit in device memory at once: kept as pinned host blocks "
-      "and staged into device memory by the splice a group at a time");
+      "and staged into device memory by the splice a group at a time (or answered in full instead: "
+      "hypic:combine_staged_cold_in_full_total)");
   return c;
 }
 /// hypic:combine_builds_joined_total: segments that joined a local build of the same segment for another request.

@@ -47,6 +47,8 @@ CombineService::CombineService(CombineDeps deps, CombineOptions options)
   cache_entries_refused_counter();
   delivery_mac_failures_counter();
   full_fallbacks_counter();
+  staged_requests_counter();
+  staged_cold_in_full_counter();
   if (backend_.device_entries()) {
     using Part = size_t engine::BackendMemory::*;
     auto& backend = backend_;

@@ -115,8 +115,9 @@ class CombineService final : public hypic::v1::CombineWorker::Service {
                           hypic::v1::ClearTiersResponse* resp) override;
   /// NCCL communicators held now (joined or joining), for tests and logs.
   size_t nccl_peers() const;
-  /// This worker's own entry builds shared between requests (build_locally): builds in flight now, and joins of a
-  /// build started for another request since start (also hypic:combine_builds_joined_total).
+  /// This worker's own entry builds shared between requests (build_locally, build_after_first_token): builds in
+  /// flight now, and joins of a build started for another request since start (also
+  /// hypic:combine_builds_joined_total).
   struct LocalBuildCounts {
     size_t in_flight = 0;
     uint64_t joined = 0;
