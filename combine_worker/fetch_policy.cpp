@@ -75,8 +75,8 @@ StagedColdPlan FetchCostModel::plan_staged_cold(const StagedColdCase& c) const {
   StagedColdPlan out;
   const auto b = build_ms_per_token();
   const auto s = staged_ms_per_byte();
-  if (!b || !s || c.local_tokens <= 0 || !(c.local_flops > 0)) return out;
-  out.staged_ms = double(c.local_tokens) * *b + double(c.staged_bytes) * *s;
+  if (!b || c.local_tokens <= 0 || !(c.local_flops > 0)) return out;
+  out.staged_ms = double(c.local_tokens) * *b + (s ? double(c.staged_bytes) * *s : 0.0);
   const auto pf = prefill_ms_per_flop();
   out.full_ms = c.full_flops * (pf ? *pf : *b * double(c.local_tokens) / c.local_flops);
   out.full = out.full_ms < out.staged_ms;

@@ -97,12 +97,12 @@ class FetchCostModel {
   /// that took `ms`. Ignored when either is not positive.
   void observe_prefill(double flops, double ms);
 
-  /// Staged splice or full prefill for `c` (--staged-cold-policy auto): with the build rate and the staged splice's
-  /// known, staged_ms = local_tokens x build ms per token + staged_bytes x staged ms per byte, full_ms = full_flops x
-  /// the full prefills' measured ms per FLOP, or, before one was seen, the builds' at these segments' lengths (build
-  /// ms per token x local_tokens / local_flops: the same kernels, the full pass's longer attention counted in its
-  /// FLOPs); full when full_ms < staged_ms. Without either of the first two rates, or nothing local: staged (its
-  /// builds and splice measure them).
+  /// Staged splice or full prefill for `c` (--staged-cold-policy auto): with the build rate known, staged_ms =
+  /// local_tokens x build ms per token + staged_bytes x staged ms per byte (before a staged splice was timed, the
+  /// builds alone: a lower bound), full_ms = full_flops x the full prefills' measured ms per FLOP, or, before one was
+  /// seen, the builds' at these segments' lengths (build ms per token x local_tokens / local_flops: the same kernels,
+  /// the full pass's longer attention counted in its FLOPs); full when full_ms < staged_ms. Without the build rate,
+  /// or nothing local: staged (its builds and splice measure the rates).
   StagedColdPlan plan_staged_cold(const StagedColdCase& c) const;
 
   std::optional<double> fetch_ms_per_byte() const;

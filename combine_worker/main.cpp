@@ -120,7 +120,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--staged-rate-prior-gb-per-s", opt.staged_prior_gb_per_s,
                  "--staged-cold-policy auto: the staged splice's rate (GB/s of host blocks, passes included) to start "
-                 "from; this worker's staged splices are averaged in (0: unknown, staged until one was seen)")
+                 "from; this worker's staged splices are averaged in (0: unknown, the builds alone counted until one was seen)")
       ->check(rate_check)
       ->capture_default_str();
   std::string nccl = "auto";

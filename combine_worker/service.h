@@ -50,7 +50,7 @@ struct CombineOptions {
   /// builds them first and stages every entry into its splice.
   bool staged_cold_in_full = true;
   /// Starting estimate of a staged splice's rate (GB/s of host blocks copied in, passes included), until staged
-  /// splices here move it; 0: unknown (staged until one was seen).
+  /// splices here move it; 0: unknown (the builds alone counted until one was seen).
   double staged_prior_gb_per_s = 0;
   /// Accept NCCL communicators from scatter workers (OpenPeer) when this build and backend can (CUDA, NCCL); false:
   /// every entry comes over gRPC (--nccl off).

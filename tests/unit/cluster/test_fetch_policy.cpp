@@ -198,8 +198,13 @@ TEST_CASE("FetchCostModel::plan_staged_cold: a full prefill where it beats build
   // No rates yet: staged (its builds and splice measure them).
   CHECK_FALSE(m.plan_staged_cold(c).full);
   m.observe_build(2048, 30.0);  // 30 ms per 2048 tokens
-  CHECK_FALSE(m.plan_staged_cold(c).full);
+  // The builds alone (240 ms) as the staged splice's lower bound, against 8.8e13 FLOPs at the builds' rate (264 ms):
+  // staged.
   CHECK_FALSE(m.staged_ms_per_byte());
+  auto lower = m.plan_staged_cold(c);
+  CHECK_FALSE(lower.full);
+  CHECK(lower.staged_ms == Approx(240.0));
+  CHECK(lower.full_ms == Approx(264.0));
   m.observe_staged_splice(8 * 232 * MB, 92.8);  // 20 GB/s: 0.05 ms per MB
   REQUIRE(m.staged_ms_per_byte());
   CHECK(*m.staged_ms_per_byte() == Approx(92.8 / (8.0 * 232 * MB)));
@@ -262,4 +267,20 @@ TEST_CASE("FetchCostModel::set_priors: a staged splice's rate in GB/s", "[fetch_
   CHECK_FALSE(m.staged_ms_per_byte());
   CHECK_THROWS_AS(m.set_priors(0.0, 0.0, -1.0), std::invalid_argument);
   CHECK_THROWS_AS(m.set_priors(0.0, 0.0, 1e-320), std::invalid_argument);
+}
+
+TEST_CASE("FetchCostModel::plan_staged_cold: before a staged splice was timed, a full prefill that beats the builds "
+          "alone", "[fetch_policy]") {
+  FetchCostModel m;
+  hypic::combine::StagedColdCase c;
+  c.local_tokens = 8 * 2048;
+  c.local_flops = 8e13;
+  c.full_flops = 8.8e13;
+  c.staged_bytes = 8 * 232 * MB;
+  m.observe_build(2048, 30.0);     // the builds: 240 ms
+  m.observe_prefill(8.8e13, 220);  // a full prefill timed: 220 ms for this prompt's FLOPs
+  const auto p = m.plan_staged_cold(c);
+  CHECK(p.full);
+  CHECK(p.staged_ms == Approx(240.0));
+  CHECK(p.full_ms == Approx(220.0));
 }
