@@ -87,17 +87,10 @@ int main(int argc, char** argv) {
   // A rate flag: 0 (unknown) or a finite value in [1e-6, 1e12] (NaN, inf and denormal rates have no usable inverse).
   const CLI::Validator rate_check(
       [](std::string& s) -> std::string {
-        size_t used = 0;
-        double v = 0;
-        try {
-          v = std::stod(s, &used);
-        } catch (const std::out_of_range&) {
-          return "must be 0 or in [1e-6, 1e12], got '" + s + "'";
-        } catch (const std::exception&) {
-          return "not a number: '" + s + "'";
-        }
-        if (used != s.size()) return "not a number: '" + s + "'";
-        if (!(v == 0 || (v >= 1e-6 && v <= 1e12))) return "must be 0 or in [1e-6, 1e12], got '" + s + "'";
+        // Decimal only (hypic::rpc::parse_finite_real: no blanks, hex floats, inf or nan), as the other real flags.
+        const auto v = hypic::rpc::parse_finite_real(s, -1e300, 1e300);
+        if (!v) return "not a decimal number: '" + s + "'";
+        if (!(*v == 0 || (*v >= 1e-6 && *v <= 1e12))) return "must be 0 or in [1e-6, 1e12], got '" + s + "'";
         return "";
       },
       "RATE");

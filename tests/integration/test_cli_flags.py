@@ -104,6 +104,20 @@ class CliNumberFlagsTest(unittest.TestCase):
             for value in BAD_REALS:
                 self.check_refused(binary, before, flag, value, f"a finite number in {rng}")
 
+    def test_combine_worker_rate_priors_refuse_non_decimal_and_out_of_range_values(self) -> None:
+        for flag in ["--fetch-rate-prior-mb-per-s", "--build-rate-prior-tokens-per-s", "--staged-rate-prior-gb-per-s"]:
+            for value, why in [("0x10", "not a decimal number"), (" 1", "not a decimal number"),
+                               ("nan", "not a decimal number"), ("inf", "not a decimal number"),
+                               ("1e-7", "must be 0 or in [1e-6, 1e12]"), ("-1", "must be 0 or in [1e-6, 1e12]"),
+                               ("1e13", "must be 0 or in [1e-6, 1e12]")]:
+                with self.subTest(flag=flag, value=value):
+                    if not (BIN_DIR / "hypic-combine-worker").exists():
+                        self.skipTest("hypic-combine-worker is not built")
+                    p = run("hypic-combine-worker", f"{flag}={value}")
+                    self.assertEqual(p.returncode, VALIDATION_EXIT, p.stderr[-1000:])
+                    self.assertIn(flag, p.stderr)
+                    self.assertIn(why, p.stderr)
+
     def test_model_reads_leading_zeros_in_base_10(self) -> None:
         p = run("hypic-model", "info", "--model", str(FIXTURE), "--segment-tokens", "010", "--json")
         self.assertEqual(p.returncode, 0, p.stderr[-1000:])

@@ -546,11 +546,15 @@ TEST_CASE("combine worker: entries that do not fit in device memory at once are 
     CHECK(hypic::rpc::MetricsRegistry::global().counter("hypic:combine_staged_requests_total", "").value() ==
           staged0 + 1);
   }
-  SECTION("2 GiB free, cold: built here, each entry's host copy (not the resident entry) goes to the splice") {
+  SECTION("2 GiB free, cold, --staged-cold-policy stage: built here, each entry's host copy (not the resident entry) "
+          "goes to the splice") {
     backend.device_free = 2 * GiB;
+    hypic::combine::CombineOptions stage;
+    stage.staged_cold_in_full = false;  // (auto: a full prefill timed above may beat these builds, by the clock)
+    hypic::test::CombineServer cs(backend, stage, 0, {}, size_t(1) << 30);
     const std::vector<std::vector<int32_t>> cold = {{81, 82, 83, 84}, {85, 86, 87}, {88, 89}};
     const int built0 = backend.built;
-    const Combined staged = combine(c, "s-cold", cold, v1::PlannedSegment::LOCAL);
+    const Combined staged = combine(cs, "s-cold", cold, v1::PlannedSegment::LOCAL);
     CHECK(backend.built == built0 + 3);
     CHECK(sources(staged) == std::vector<v1::SegmentSource>(3, v1::SEGMENT_SOURCE_COMBINE_COMPUTED));
     CHECK(backend.staged_seen == 3);
@@ -558,7 +562,7 @@ TEST_CASE("combine worker: entries that do not fit in device memory at once are 
       CHECK_THAT(seg.note(), Catch::Contains("copied to a pinned host block for the staged splice"));
     // The same prompt built and spliced resident (nothing staged): the same tokens.
     backend.device_like = false;
-    const Combined resident = combine(c, "s-cold-resident", cold, v1::PlannedSegment::LOCAL);
+    const Combined resident = combine(cs, "s-cold-resident", cold, v1::PlannedSegment::LOCAL);
     CHECK(backend.staged_seen == 3);
     CHECK(staged.tokens == resident.tokens);
   }
