@@ -100,20 +100,22 @@ int main(int argc, char** argv) {
       ->check(rate_check)
       ->capture_default_str();
   app.add_option("--build-rate-prior-tokens-per-s", opt.build_prior_tokens_per_s,
-                 "auto: the prefill rate (tokens/s) to start from; this worker's timed builds are averaged in (0: "
-                 "unknown)")
+                 "--cache-fetch-policy auto and --staged-cold-policy auto: the entry build rate (tokens/s) to start "
+                 "from; this worker's timed builds are averaged in (0: unknown)")
       ->check(rate_check)
       ->capture_default_str();
   std::string staged_cold = "auto";
   app.add_option("--staged-cold-policy", staged_cold,
-                 "a request whose entries are staged from host memory and whose cold segments are prefilled here: auto "
-                 "answers it by a full prefill where this worker's measured build and staged-splice rates say that is "
-                 "sooner (its entries are then built after the first token); stage builds them first and stages them")
+                 "CUDA: a request whose entries are staged from host memory and whose cold segments were left to this "
+                 "worker (no scatter worker took them): auto answers it by a full prefill where this worker's timed "
+                 "builds, staged splices and full prefills say that is sooner (those entries are then built after the "
+                 "first token); stage builds them first and stages them")
       ->check(CLI::IsMember({"auto", "stage"}))
       ->capture_default_str();
   app.add_option("--staged-rate-prior-gb-per-s", opt.staged_prior_gb_per_s,
-                 "--staged-cold-policy auto: the staged splice's rate (GB/s of host blocks, passes included) to start "
-                 "from; this worker's staged splices are averaged in (0: unknown, the builds alone counted until one was seen)")
+                 "CUDA, --staged-cold-policy auto: the staged splice's rate (GB/s of host blocks, passes included) to "
+                 "start from; this worker's staged splices are averaged in (0: unknown, the builds alone counted until "
+                 "one was timed)")
       ->check(rate_check)
       ->capture_default_str();
   std::string nccl = "auto";
