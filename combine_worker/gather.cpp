@@ -324,6 +324,15 @@ void CombineService::fetch_warm(const std::shared_ptr<Pending>& p, size_t slot, 
       if (dynamic_cast<const engine::EntryError*>(&e)) d_.host_tier.erase(digest);
     }
   }
+  bool building = false;
+  {
+    std::lock_guard<std::mutex> lock(local_mu_);
+    building = local_builds_.contains(digest);
+  }
+  if (building) {  // being built here (the router's lookup saw ENTRY_TIER_BUILDING): joined, not fetched
+    build_locally(p, slot, why + "being built on this worker: joined that build");
+    return;
+  }
   if (!d_.cache.enabled()) {  // it was in this worker's tiers at the router's lookup
     build_locally(p, slot, why + "not in this worker's tiers any more (evicted or cleared after the lookup) and no "
                                  "segment cache is configured" + std::string(kPrefilledHere));

@@ -608,9 +608,14 @@ grpc::Status CombineService::LookupEntries(grpc::ServerContext* ctx, const v1::L
     }
     for (int i = 0; i < req->digests_size(); ++i) {
       const rpc::Digest d = rpc::parse_digest(req->digests(i), fmt::format("digests[{}]", i));
-      resp->add_tiers(d_.memory_tier.contains(d) ? v1::ENTRY_TIER_DEVICE
-                      : d_.host_tier.contains(d) ? v1::ENTRY_TIER_HOST
-                                                 : v1::ENTRY_TIER_NONE);
+      v1::EntryTier tier = d_.memory_tier.contains(d) ? v1::ENTRY_TIER_DEVICE
+                           : d_.host_tier.contains(d)   ? v1::ENTRY_TIER_HOST
+                                                        : v1::ENTRY_TIER_NONE;
+      if (tier == v1::ENTRY_TIER_NONE) {
+        std::lock_guard<std::mutex> lock(local_mu_);
+        if (local_builds_.contains(d)) tier = v1::ENTRY_TIER_BUILDING;
+      }
+      resp->add_tiers(tier);
     }
     return grpc::Status::OK;
   });

@@ -636,7 +636,10 @@ void Bench::count_tiers(Target& t, const RequestResult& ref, json& counts) {
     }
   }
   for (int tier : best) {
-    const char* k = tier == v1::ENTRY_TIER_DEVICE ? "device" : tier == v1::ENTRY_TIER_HOST ? "host" : "none";
+    const char* k = tier == v1::ENTRY_TIER_DEVICE     ? "device"
+                    : tier == v1::ENTRY_TIER_HOST     ? "host"
+                    : tier == v1::ENTRY_TIER_BUILDING ? "building"
+                                                      : "none";
     counts[k] = counts.value(k, 0) + 1;
   }
 }

@@ -809,16 +809,20 @@ TEST_CASE("combine worker: a request arriving while an entry is built after anot
   auto a = std::async(std::launch::async, [&] { return combine(c, "after-a", segs, v1::PlannedSegment::LOCAL); });
   REQUIRE(wait_for([&] { return backend.entered > entered0; }));
   CHECK(c.svc->local_build_counts().in_flight == 3);
-  // B has room for its entries resident (not staged): it builds them here, joining A's builds.
+  // The lookup says so (a router plans such segments warm on this worker).
+  CHECK(lookup(c, segs) == std::vector<v1::EntryTier>(3, v1::ENTRY_TIER_BUILDING));
+  // B, planned warm, has room for its entries resident (not staged): it joins A's builds.
   backend.device_free = 8 * GiB;
-  auto b = std::async(std::launch::async, [&] { return combine(c, "after-b", segs, v1::PlannedSegment::LOCAL); });
+  auto b = std::async(std::launch::async, [&] { return combine(c, "after-b", segs, v1::PlannedSegment::WARM); });
   REQUIRE(wait_for([&] { return c.svc->local_build_counts().joined == joined0 + 3; }));
   backend.hold = false;
   const Combined ra = a.get(), rb = b.get();
   CHECK(sources(ra) == std::vector<v1::SegmentSource>(3, v1::SEGMENT_SOURCE_IN_CONTEXT));
   CHECK(sources(rb) == std::vector<v1::SegmentSource>(3, v1::SEGMENT_SOURCE_COMBINE_COMPUTED));
-  for (const auto& seg : rb.report.segments())
+  for (const auto& seg : rb.report.segments()) {
+    CHECK_THAT(seg.note(), Catch::Contains("being built on this worker: joined that build"));
     CHECK_THAT(seg.note(), Catch::Contains("joined this worker's build of the same segment for request after-a"));
+  }
   CHECK(backend.built == built0 + 3);  // once each
   // Their host copies reach the host tier (A's entries were staged: no device tier either way here).
   CHECK(wait_for([&] { return lookup(c, segs) == std::vector<v1::EntryTier>(3, v1::ENTRY_TIER_HOST); }));
