@@ -513,6 +513,7 @@ void CombineService::plan_entry_room(Pending& p) const {
   constexpr uint64_t kStagingMargin = engine::kStagingMarginBytes;
   if (free >= largest + kStagingMargin && (cap == 0 || cap >= largest)) {
     p.stage_blocks = true;
+    p.staged_entry_bytes = need;
     staged_requests_counter().inc();
     const std::string note = fmt::format(
         "the request's {} entries need {:.2f} GiB of device memory and {:.2f} GiB could be had: kept as pinned host "

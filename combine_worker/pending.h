@@ -100,6 +100,8 @@ struct CombineService::Pending {
   // starts): those that arrive as bytes (deliveries over gRPC, cache fetches, the host tier) are kept as pinned host
   // blocks and staged by the splice a group at a time (engine::PlanSegment::block) instead of made resident.
   std::atomic<bool> stage_blocks{false};
+  // With stage_blocks: the bytes of the entries it lacks (plan_entry_room's count, which answer_cold_in_full reuses).
+  uint64_t staged_entry_bytes = 0;
 
   // Fills a slot, and the slots that repeat it with the same entry; false if it was already filled (a duplicate
   // delivery or a late local build). `note` is added to the slot's note.

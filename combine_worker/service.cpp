@@ -473,11 +473,8 @@ bool CombineService::answer_cold_in_full(Pending& p, Fetchers& fetch,
   if (!opt_.staged_cold_in_full || !p.stage_blocks.load() || local.empty()) return false;
   StagedColdCase c;
   int64_t prompt_tokens = int64_t(p.query.size());
-  for (const Slot& s : p.slots) {  // (digests, ids and plans are immutable after registration)
-    prompt_tokens += int64_t(s.ids.size());
-    if (!s.repeat_of && s.planned != v1::PlannedSegment::WHOLE && !d_.memory_tier.contains(s.digest))
-      c.staged_bytes += backend_.entry_bytes(int64_t(s.ids.size()));
-  }
+  for (const Slot& s : p.slots) prompt_tokens += int64_t(s.ids.size());  // (ids are immutable after registration)
+  c.staged_bytes = p.staged_entry_bytes;
   for (const auto& l : local) {
     const auto n = int64_t(p.slots[l.first].ids.size());
     c.local_tokens += n;
