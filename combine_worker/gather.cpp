@@ -67,6 +67,7 @@ void CombineService::build_locally(const std::shared_ptr<Pending>& p,
       auto it = local_builds_.find(s.digest);
       if (it != local_builds_.end() && it->second.ids == s.ids && it->second.seam_width == p->entry_seam_width) {
         it->second.waiters.emplace_back(p, slot);
+        if (it->second.background) it->second.background->store(false);  // a request waits for it now
         joined_for = it->second.started_for;
         ++local_joined_;
       } else if (it == local_builds_.end() && (held = d_.memory_tier.get(s.digest, s.ids))) {
@@ -121,7 +122,7 @@ void CombineService::on_local_built(const rpc::Digest& digest, uint64_t build, e
   // waiter stages its entries from host blocks (fill_local_build): there its device memory is to go after the copy.
   const bool built = !r.cancelled && r.error.empty() && r.entry;
   LocalBuild b;
-  bool retry = false;
+  bool retry = false, copying = false;
   {
     std::lock_guard<std::mutex> lock(local_mu_);  // (then the tier's: the order build_locally takes them in)
     auto it = local_builds_.find(digest);
@@ -129,11 +130,12 @@ void CombineService::on_local_built(const rpc::Digest& digest, uint64_t build, e
       if (built) d_.memory_tier.put(digest, r.entry);
       return;
     }
-    if (built && (it->second.device_tier ||
-                  std::any_of(it->second.waiters.begin(), it->second.waiters.end(),
-                              [](const auto& w) { return !w.first->stage_blocks.load(); }))) {
-      d_.memory_tier.put(digest, r.entry);
-    }
+    const bool to_device = built && (it->second.device_tier ||
+                                     std::any_of(it->second.waiters.begin(), it->second.waiters.end(),
+                                                 [](const auto& w) { return !w.first->stage_blocks.load(); }));
+    if (to_device) d_.memory_tier.put(digest, r.entry);
+    // Out of the device tier, on its way to the host tier: findable there until its block lands (copying_).
+    copying = built && !to_device && d_.host_tier.budget() > 0;
     // (Not for a build nobody waits for, after a first token: it does not evict other requests' entries.)
     if (!r.cancelled && r.error_kind == engine::EngineErrorKind::ResourceExhausted && !it->second.retried &&
         d_.memory_tier.entries() > 0 && !it->second.waiters.empty()) {
@@ -144,6 +146,10 @@ void CombineService::on_local_built(const rpc::Digest& digest, uint64_t build, e
     } else {
       b = std::move(it->second);
       local_builds_.erase(it);
+      if (copying) {
+        std::lock_guard<std::mutex> copies(copying_->mu);
+        copying_->copies[digest] = {b.ids, b.seam_width, r.entry, r.compute_ms, {}};
+      }
     }
   }
   if (r.cancelled) return;  // the engine loop stopped, or nobody waits any more
@@ -170,7 +176,7 @@ void CombineService::on_local_built(const rpc::Digest& digest, uint64_t build, e
     for (const auto& [p, slot] : b.waiters) local_build_failed(p, slot, r);
     return;
   }
-  fill_local_build(digest, b.waiters, std::move(r), b.put, b.started_for);
+  fill_local_build(digest, b.waiters, std::move(r), b.put, b.started_for, copying);
 }
 
 void CombineService::build_after_first_token(const std::shared_ptr<Pending>& p, const std::vector<size_t>& slots) {
@@ -180,6 +186,7 @@ void CombineService::build_after_first_token(const std::shared_ptr<Pending>& p, 
     const Slot& s = p->slots[slot];  // digest and ids are immutable after registration
     uint64_t id = 0;
     auto cancel = std::make_shared<std::atomic<bool>>(false);
+    std::shared_ptr<std::atomic<bool>> background;
     {
       std::lock_guard<std::mutex> lock(local_mu_);  // (then the tiers': the order build_locally takes them in)
       if (auto it = local_builds_.find(s.digest); it != local_builds_.end()) {
@@ -199,17 +206,19 @@ void CombineService::build_after_first_token(const std::shared_ptr<Pending>& p, 
       LocalBuild& b = local_builds_[s.digest];
       b.id = id, b.ids = s.ids, b.seam_width = p->entry_seam_width, b.started_for = p->id, b.cancel = cancel;
       b.after_first_token = true, b.put = p->cache_segments, b.device_tier = !staged;
+      b.background = background = std::make_shared<std::atomic<bool>>(true);  // nobody waits for it yet
     }
     builds.push_back({s.ids, p->entry_seam_width, cancel,
                       [this, digest = s.digest, id](engine::BuildOutcome r) { on_local_built(digest, id, std::move(r)); },
-                      engine::BuildHandover::Resident});
+                      engine::BuildHandover::Resident, nullptr, background});
   }
   if (!builds.empty()) d_.loop.submit_builds(std::move(builds));
 }
 
 void CombineService::fill_local_build(const rpc::Digest& digest,
                                       const std::vector<std::pair<std::shared_ptr<Pending>, size_t>>& waiters,
-                                      engine::BuildOutcome r, bool put_anyway, const std::string& request_id) {
+                                      engine::BuildOutcome r, bool put_anyway, const std::string& request_id,
+                                      bool copying) {
   // Spliced as it is (resident, no host round trip; the caller put it in the device tier); its host copy (host tier,
   // cache put) is made afterwards, off the critical path, once. Put in the cache when a waiter asked for that and
   // none rebuilt it from the cache's copy.
@@ -233,16 +242,38 @@ void CombineService::fill_local_build(const rpc::Digest& digest,
     p->fill(slot, nullptr, v1::SEGMENT_SOURCE_COMBINE_COMPUTED, address_, r.compute_ms, bytes, device_, r.entry);
   }
   HostCopier::OnCopied on_copied;
-  if (!staged.empty()) {
+  if (!staged.empty() || copying) {
     // (No `this`: the copier may call it while it is destroyed, after the service.)
-    on_copied = [staged, entry = r.entry, bytes, ms = r.compute_ms, addr = address_,
-                 dev = device_](std::shared_ptr<const engine::HostBlock> b) {
+    on_copied = [staged, entry = r.entry, bytes, ms = r.compute_ms, addr = address_, dev = device_, digest,
+                 joins = copying ? copying_ : nullptr](std::shared_ptr<const engine::HostBlock> b) {
       for (const auto& [p, slot] : staged) {
         if (b) {
           p->fill(slot, nullptr, v1::SEGMENT_SOURCE_COMBINE_COMPUTED, addr, ms, bytes, dev, nullptr,
                   "built here, then copied to a pinned host block for the staged splice", {}, b);
         } else {  // no host copy (dropped or failed): spliced resident
           p->fill(slot, nullptr, v1::SEGMENT_SOURCE_COMBINE_COMPUTED, addr, ms, bytes, dev, entry);
+        }
+      }
+      if (!joins) return;
+      // The slots that asked for this copy while it was made (take_host_copy_locked); the block is in the host tier
+      // by now (HostCopier::copy puts it there first), so a lookup from here on finds it there.
+      std::vector<std::pair<std::shared_ptr<Pending>, size_t>> waiters;
+      {
+        std::lock_guard<std::mutex> lock(joins->mu);
+        auto it = joins->copies.find(digest);
+        if (it == joins->copies.end() || it->second.entry != entry) return;
+        waiters = std::move(it->second.waiters);
+        joins->copies.erase(it);
+      }
+      for (const auto& [p, slot] : waiters) {
+        if (b) {
+          count_segment(v1::SEGMENT_SOURCE_COMBINE_HOST);
+          p->fill(slot, nullptr, v1::SEGMENT_SOURCE_COMBINE_HOST, "", 0, b->bytes(), "", nullptr,
+                  "built on this worker for another request: staged from its host copy, made meanwhile", {}, b);
+        } else {  // no host copy (dropped or failed): spliced resident
+          count_segment(v1::SEGMENT_SOURCE_COMBINE_MEMORY);
+          p->fill(slot, nullptr, v1::SEGMENT_SOURCE_COMBINE_MEMORY, "", 0, bytes, "", entry,
+                  "built on this worker for another request; its host copy failed: spliced resident");
         }
       }
     };
@@ -291,9 +322,45 @@ CombineService::LocalBuildCounts CombineService::local_build_counts() const {
   std::lock_guard<std::mutex> lock(local_mu_);
   return {local_builds_.size(), local_joined_};
 }
+bool CombineService::take_host_copy_locked(const std::shared_ptr<Pending>& p, size_t slot,
+                                           std::shared_ptr<const engine::ResidentEntry>& resident) {
+  const Slot& s = p->slots[slot];  // digest and ids are immutable after registration
+  std::lock_guard<std::mutex> lock(copying_->mu);
+  auto it = copying_->copies.find(s.digest);
+  if (it == copying_->copies.end() || it->second.ids != s.ids || it->second.seam_width != p->entry_seam_width)
+    return false;
+  if (p->stage_blocks.load())
+    it->second.waiters.emplace_back(p, slot);
+  else
+    resident = it->second.entry;
+  return true;
+}
+
 void CombineService::fetch_warm(const std::shared_ptr<Pending>& p, size_t slot, const grpc::ServerContextBase* ctx) {
   const rpc::Digest digest = p->slots[slot].digest;
   const std::vector<int32_t>& ids = p->slots[slot].ids;
+  // First what is on its way into the tiers (a build here, then its host copy), then the tiers: an entry moves that
+  // way, never back, so looking in this order cannot miss one in between.
+  bool building = false, copying = false;
+  std::shared_ptr<const engine::ResidentEntry> resident;
+  {
+    std::lock_guard<std::mutex> lock(local_mu_);
+    building = local_builds_.contains(digest);
+    copying = !building && take_host_copy_locked(p, slot, resident);
+  }
+  if (building) {  // being built here (the router's lookup saw ENTRY_TIER_BUILDING): joined, not fetched
+    build_locally(p, slot, "being built on this worker: joined that build");
+    return;
+  }
+  if (copying) {  // built here, its host copy being made (the lookup saw ENTRY_TIER_HOST)
+    if (resident) {
+      count_segment(v1::SEGMENT_SOURCE_COMBINE_MEMORY);
+      const size_t bytes = resident->resident_bytes();
+      p->fill(slot, nullptr, v1::SEGMENT_SOURCE_COMBINE_MEMORY, "", 0, bytes, "", std::move(resident),
+              "built on this worker for another request, its host copy being made: spliced resident");
+    }  // (else staged: the copy's callback fills the slot with the block)
+    return;
+  }
   if (auto e = d_.memory_tier.get(digest, ids)) {
     count_segment(v1::SEGMENT_SOURCE_COMBINE_MEMORY);
     p->fill(slot, nullptr, v1::SEGMENT_SOURCE_COMBINE_MEMORY, "", 0, e->resident_bytes(), "", e);
@@ -323,15 +390,6 @@ void CombineService::fetch_warm(const std::shared_ptr<Pending>& p, size_t slot, 
       spdlog::warn("[req {}] segment {}: {}", p->id, slot, why);
       if (dynamic_cast<const engine::EntryError*>(&e)) d_.host_tier.erase(digest);
     }
-  }
-  bool building = false;
-  {
-    std::lock_guard<std::mutex> lock(local_mu_);
-    building = local_builds_.contains(digest);
-  }
-  if (building) {  // being built here (the router's lookup saw ENTRY_TIER_BUILDING): joined, not fetched
-    build_locally(p, slot, why + "being built on this worker: joined that build");
-    return;
   }
   if (!d_.cache.enabled()) {  // it was in this worker's tiers at the router's lookup
     build_locally(p, slot, why + "not in this worker's tiers any more (evicted or cleared after the lookup) and no "
@@ -556,7 +614,14 @@ void CombineService::gather(const std::shared_ptr<Pending>& p, const v1::Combine
   std::vector<std::pair<size_t, std::string>> local;
   for (size_t i = 0; i < p->slots.size(); ++i)
     if (p->slots[i].planned == v1::PlannedSegment::LOCAL) local.emplace_back(i, req.segments(int(i)).reason());
-  if (answer_cold_in_full(*p, fetch, local)) return;
+  std::vector<size_t> joining;  // WARM slots being built here (ENTRY_TIER_BUILDING): fetch_warm would join the build
+  {
+    std::lock_guard<std::mutex> lock(local_mu_);
+    for (size_t i = 0; i < p->slots.size(); ++i)
+      if (p->slots[i].planned == v1::PlannedSegment::WARM && local_builds_.contains(p->slots[i].digest))
+        joining.push_back(i);
+  }
+  if (answer_cold_in_full(*p, fetch, local, joining)) return;
   for (size_t i = 0; i < p->slots.size(); ++i) {
     if (p->slots[i].planned == v1::PlannedSegment::WARM) warm.push_back(i);
     if (p->slots[i].planned == v1::PlannedSegment::WHOLE) {  // recomputed whole from its ids: nothing to wait for

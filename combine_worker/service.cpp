@@ -469,14 +469,17 @@ void CombineService::answer_in_full(Pending& p, Fetchers& fetch, const std::stri
 }
 
 bool CombineService::answer_cold_in_full(Pending& p, Fetchers& fetch,
-                                         const std::vector<std::pair<size_t, std::string>>& local) {
-  if (!opt_.staged_cold_in_full || !p.stage_blocks.load() || local.empty()) return false;
+                                         const std::vector<std::pair<size_t, std::string>>& local,
+                                         const std::vector<size_t>& joining) {
+  if (!opt_.staged_cold_in_full || !p.stage_blocks.load() || (local.empty() && joining.empty())) return false;
   StagedColdCase c;
   int64_t prompt_tokens = int64_t(p.query.size());
   for (const Slot& s : p.slots) prompt_tokens += int64_t(s.ids.size());  // (ids are immutable after registration)
   c.staged_bytes = p.staged_entry_bytes;
-  for (const auto& l : local) {
-    const auto n = int64_t(p.slots[l.first].ids.size());
+  std::vector<size_t> built(joining);
+  for (const auto& l : local) built.push_back(l.first);
+  for (size_t slot : built) {
+    const auto n = int64_t(p.slots[slot].ids.size());
     c.local_tokens += n;
     c.local_flops += engine::forward_flops(backend_.config(), n);
   }
@@ -484,21 +487,27 @@ bool CombineService::answer_cold_in_full(Pending& p, Fetchers& fetch,
   const StagedColdPlan plan = fetch_costs_.plan_staged_cold(c);
   if (!plan.full) {
     if (plan.staged_ms > 0)
-      spdlog::info("[req {}] {} cold segments prefilled here, then staged: estimated {:.0f} ms against {:.0f} ms for a "
-                   "full prefill (--staged-cold-policy auto)",
-                   p.id, local.size(), plan.staged_ms, plan.full_ms);
+      spdlog::info("[req {}] {} cold segments prefilled here and {} being built here joined, then staged: estimated "
+                   "{:.0f} ms against {:.0f} ms for a full prefill (--staged-cold-policy auto)",
+                   p.id, local.size(), joining.size(), plan.staged_ms, plan.full_ms);
     return false;
   }
+  const std::string what =
+      joining.empty()  ? fmt::format("{} of its segments were cold, to be prefilled here,", local.size())
+      : local.empty()  ? fmt::format("{} of its segments were being built on this worker,", joining.size())
+                       : fmt::format("{} of its segments were cold, to be prefilled here, {} being built here,",
+                                     local.size(), joining.size());
   const std::string note = fmt::format(
-      "{} of its segments were cold, to be prefilled here, and its entries staged: answered by a full prefill of the "
-      "prompt, estimated {:.0f} ms against {:.0f} ms building them and staging {:.2f} GiB (--staged-cold-policy "
-      "auto); cold segments' entries are built after the first token",
-      local.size(), plan.full_ms, plan.staged_ms, double(c.staged_bytes) / double(1ull << 30));
+      "{} and its entries staged: answered by a full prefill of the prompt, estimated {:.0f} ms against {:.0f} ms "
+      "building them and staging {:.2f} GiB (--staged-cold-policy auto); cold segments' entries are built after the "
+      "first token",
+      what, plan.full_ms, plan.staged_ms, double(c.staged_bytes) / double(1ull << 30));
   switch_to_full(p, fetch, note);
   {
     std::lock_guard<std::mutex> lock(p.mu);
     for (Slot& s : p.slots)
       s.build_after = !s.repeat_of && (s.planned == v1::PlannedSegment::LOCAL || s.planned == v1::PlannedSegment::WHOLE);
+    for (size_t slot : joining) p.slots[slot].build_after = !p.slots[slot].repeat_of;
   }
   staged_cold_in_full_counter().inc();
   spdlog::info("[req {}] {}", p.id, note);
@@ -605,12 +614,22 @@ grpc::Status CombineService::LookupEntries(grpc::ServerContext* ctx, const v1::L
     }
     for (int i = 0; i < req->digests_size(); ++i) {
       const rpc::Digest d = rpc::parse_digest(req->digests(i), fmt::format("digests[{}]", i));
-      v1::EntryTier tier = d_.memory_tier.contains(d) ? v1::ENTRY_TIER_DEVICE
-                           : d_.host_tier.contains(d)   ? v1::ENTRY_TIER_HOST
-                                                        : v1::ENTRY_TIER_NONE;
-      if (tier == v1::ENTRY_TIER_NONE) {
+      // What is on its way into the tiers first (a build here, then a host copy of one: fetch_warm's order), then the
+      // tiers, so that an entry moving along is not missed in between.
+      v1::EntryTier tier = v1::ENTRY_TIER_NONE;
+      {
         std::lock_guard<std::mutex> lock(local_mu_);
-        if (local_builds_.contains(d)) tier = v1::ENTRY_TIER_BUILDING;
+        if (local_builds_.contains(d)) {
+          tier = v1::ENTRY_TIER_BUILDING;
+        } else {
+          std::lock_guard<std::mutex> copies(copying_->mu);
+          if (copying_->copies.contains(d)) tier = v1::ENTRY_TIER_HOST;  // its pinned copy is being made
+        }
+      }
+      if (tier == v1::ENTRY_TIER_NONE) {
+        tier = d_.memory_tier.contains(d) ? v1::ENTRY_TIER_DEVICE
+               : d_.host_tier.contains(d) ? v1::ENTRY_TIER_HOST
+                                          : v1::ENTRY_TIER_NONE;
       }
       resp->add_tiers(tier);
     }

@@ -162,19 +162,22 @@ class CombineService final : public hypic::v1::CombineWorker::Service {
   /// waiter (local_builds_, LocalBuild::after_first_token) so that a request arriving meanwhile joins it instead of
   /// building it again, and kept going when nobody waits; into the device tier unless the request's entries were
   /// staged, its host copy to the host tier and (the request's cache_segments) the cache. Segments already in a tier
-  /// or being built are skipped.
+  /// or being built are skipped. Submitted as background builds (EngineLoop::BuildSubmission::background: they wait
+  /// while requests' splices and builds are queued) until a request joins one.
   void build_after_first_token(const std::shared_ptr<Pending>& p, const std::vector<size_t>& slots);
   /// A local build's outcome (on the engine loop's thread): device memory short with device-tier entries to give up,
   /// retried once after evicting; else into the device tier, its host copy queued once (a cache put when some waiter
   /// asked for one and none was a policy rebuild), every waiting slot filled; or each waiter's failure
   /// (local_build_failed).
   void on_local_built(const rpc::Digest& digest, uint64_t build, engine::BuildOutcome r);
-  /// A finished local build (already in the device tier): its host copy queued once, every waiting slot filled.
+  /// A finished local build (in the device tier, or in copying_): its host copy queued once, every waiting slot filled.
   /// `put`: a cache put whatever the waiters ask; `request_id`: the request it is built for (logs), else the first
   /// waiter's.
+  /// `copying`: the build was registered in copying_ (on_local_built), whose slots its copy's callback fills.
   void fill_local_build(const rpc::Digest& digest,
                         const std::vector<std::pair<std::shared_ptr<Pending>, size_t>>& waiters,
-                        engine::BuildOutcome r, bool put = false, const std::string& request_id = {});
+                        engine::BuildOutcome r, bool put = false, const std::string& request_id = {},
+                        bool copying = false);
   /// A failed local build, for one waiting slot: a policy rebuild is fetched from the cache instead (gather's wait
   /// starts it), any other fails the request with the build's code.
   void local_build_failed(const std::shared_ptr<Pending>& p, size_t slot, const engine::BuildOutcome& r);
@@ -190,11 +193,14 @@ class CombineService final : public hypic::v1::CombineWorker::Service {
   // `note` added to every segment's note; how many entries were let go.
   size_t switch_to_full(Pending& p, Fetchers& fetch, const std::string& note);
   // --staged-cold-policy auto, for a request whose entries are staged (after plan_entry_room) with cold segments to
-  // prefill here (`local`: LOCAL slots): when FetchCostModel::plan_staged_cold says a full prefill of the prompt is
-  // sooner than building them and staging every entry, answers it so (switch_to_full), its LOCAL and WHOLE segments
-  // marked build_after (their entries built after the first token, CombineService::splice); logged, noted, counted
-  // in hypic:combine_staged_cold_in_full_total. True when it did.
-  bool answer_cold_in_full(Pending& p, Fetchers& fetch, const std::vector<std::pair<size_t, std::string>>& local);
+  // prefill here (`local`: LOCAL slots) or warm ones whose build here it would join (`joining`: WARM slots being built
+  // on this worker, ENTRY_TIER_BUILDING, counted whole: how far a build got is not known): when
+  // FetchCostModel::plan_staged_cold says a full prefill of the prompt is sooner than building them and staging every
+  // entry, answers it so (switch_to_full), its LOCAL, WHOLE and joined segments marked build_after (their entries built
+  // after the first token, or the builds in flight kept, CombineService::splice); logged, noted, counted in
+  // hypic:combine_staged_cold_in_full_total. True when it did.
+  bool answer_cold_in_full(Pending& p, Fetchers& fetch, const std::vector<std::pair<size_t, std::string>>& local,
+                           const std::vector<size_t>& joining);
   // Where a request's entries go, decided before any fetch or build starts (a device backend only): when the entries
   // it lacks (not in the device tier, not repeats or refresh-tail segments) need more device memory than is free,
   // waiting to be freed and held by the device tier together, they are staged by the splice from pinned host blocks
@@ -261,11 +267,38 @@ class CombineService final : public hypic::v1::CombineWorker::Service {
     // Built after a request's first token for later requests (build_after_first_token): kept going when no request
     // waits for it; put in the cache (`put`) and the device tier (`device_tier`) whatever its waiters ask.
     bool after_first_token = false, put = false, device_tier = false;
+    // The engine loop's background flag of a build started after a first token (EngineLoop::BuildSubmission::
+    // background), cleared when a request joins it; null for the others.
+    std::shared_ptr<std::atomic<bool>> background;
   };
   mutable std::mutex local_mu_;  // never held together with a Pending::mu
   std::map<rpc::Digest, LocalBuild> local_builds_;
   uint64_t next_local_build_ = 1;
   uint64_t local_joined_ = 0;
+  // Finished local builds kept out of the device tier (their requests' entries were staged, or they were built after
+  // a staged request's first token) while the copier makes their host copies: a request arriving before a copy lands
+  // in the host tier takes that copy instead of building the segment again (take_host_copy_locked). A build leaves
+  // local_builds_ and enters here under local_mu_, and leaves here after its block is in the host tier, so a lookup
+  // that looks here before the tiers never misses it. Shared with the copies' callbacks, which may run after the
+  // service is gone (HostCopier::enqueue). Lock order: local_mu_, then `mu`; neither with a Pending::mu.
+  struct HostCopiesInFlight {
+    struct Copy {
+      std::vector<int32_t> ids;
+      int seam_width = 0;
+      std::shared_ptr<const engine::ResidentEntry> entry;  // device memory, until the copy is made
+      double compute_ms = 0;
+      std::vector<std::pair<std::shared_ptr<Pending>, size_t>> waiters;  // staged slots waiting for the block
+    };
+    std::mutex mu;
+    std::map<rpc::Digest, Copy> copies;
+  };
+  std::shared_ptr<HostCopiesInFlight> copying_ = std::make_shared<HostCopiesInFlight>();
+  /// (local_mu_ held) A finished build's host copy in the making for this slot (same digest, token ids and seam
+  /// width): a staged request's slot waits for the pinned block (registered here; the copy's callback fills it with
+  /// the block, or with the resident entry when the copy failed or was dropped) and `resident` stays null; any other
+  /// takes the resident entry at once (`resident`, filled by the caller). False: no such copy in flight.
+  bool take_host_copy_locked(const std::shared_ptr<Pending>& p, size_t slot,
+                             std::shared_ptr<const engine::ResidentEntry>& resident);
 };
 
 }  // namespace hypic::combine

@@ -1,5 +1,6 @@
 #include "engine/engine_loop.h"
 
+#include <algorithm>
 #include <optional>
 #include <stdexcept>
 #include <thread>
@@ -128,7 +129,7 @@ void EngineLoop::submit_builds(std::vector<BuildSubmission> builds) {
       for (auto& b : builds) {
         queued_tokens_ += int64_t(b.ids.size());
         builds_.push_back({std::move(b.ids), b.seam_width, std::move(b.cancel), std::move(b.done), now, b.handover,
-                           std::move(b.stop)});
+                           std::move(b.stop), std::move(b.background)});
       }
       cv_.notify_all();
       return;
@@ -185,18 +186,25 @@ void EngineLoop::run() {
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait(lock, [&] { return stop_ || !builds_.empty() || !splices_.empty() || (!concurrent_ && !active_.empty()); });
       if (stop_) break;
-      // One unit of non-decode work per iteration, alternating between the queues when both wait.
-      const bool take_build = !builds_.empty() && (builds_turn_ || splices_.empty());
-      if (take_build) {
-        // Every queued build of the first one's seam width, FIFO, up to the token budget (the first always goes);
-        // a smaller budget while sequences decode, so that their next step comes sooner.
-        const int w = builds_.front().seam_width;
-        const int64_t budget = !decoding() ? options_.max_build_tokens
-                                           : std::min(options_.max_build_tokens, options_.max_build_tokens_decoding);
+      // One unit of non-decode work per iteration, alternating between the queues when both wait; background builds
+      // only when nothing else waits.
+      const auto first_fg = std::find_if(builds_.begin(), builds_.end(), [](const BuildJob& b) {
+        return !b.in_background();
+      });
+      const bool take_build = first_fg != builds_.end() && (builds_turn_ || splices_.empty());
+      const bool take_background = !take_build && first_fg == builds_.end() && !builds_.empty() && splices_.empty();
+      if (take_build || take_background) {
+        // Every queued build of the first one's kind and seam width, FIFO, up to the token budget (the first always
+        // goes); a smaller budget while sequences decode, so that their next step comes sooner, and for background
+        // builds, so that a request arriving meanwhile starts sooner.
+        const int w = take_build ? first_fg->seam_width : builds_.front().seam_width;
+        const int64_t budget = !decoding() && take_build
+                                   ? options_.max_build_tokens
+                                   : std::min(options_.max_build_tokens, options_.max_build_tokens_decoding);
         int64_t tokens = 0;
         for (auto it = builds_.begin(); it != builds_.end();) {
           const int64_t n = int64_t(it->ids.size());
-          if (it->seam_width != w) {
+          if (it->seam_width != w || it->in_background() == take_build) {
             ++it;
             continue;
           }
@@ -205,7 +213,7 @@ void EngineLoop::run() {
           batch.push_back(std::move(*it));
           it = builds_.erase(it);
         }
-        builds_turn_ = false;
+        if (take_build) builds_turn_ = false;
       } else if (!splices_.empty()) {
         splice = std::move(splices_.front());
         splices_.pop_front();

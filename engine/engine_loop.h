@@ -26,7 +26,8 @@
 // decode starves the other.
 // Either way, while sequences decode a build batch is held to EngineLoopOptions::max_build_tokens_decoding tokens and
 // a splice runs in passes of at most max_pass_tokens_decoding tokens (chunked prefill), with a decode step of the
-// batch between two passes where decoding is not concurrent.
+// batch between two passes where decoding is not concurrent. Background builds (BuildSubmission::background: nobody
+// waits for them yet) run only when no splice and no other build waits, in batches of that smaller size.
 //
 // Callbacks run on the loop thread (those of BuildHandover::Wire builds that were built: on its egress thread; a
 // generation's tokens after its first and its end, with a concurrent decode: on the decode thread): they must be
@@ -213,6 +214,12 @@ class EngineLoop {
     std::function<void(BuildOutcome)> done;
     BuildHandover handover = BuildHandover::Wire;
     CancelFlag stop;  ///< as submit_build's
+    /// Set (true): background work, a build no request waits for yet (a combine worker's entries built after a
+    /// request's first token, for later requests): it waits while any splice or other build is queued, and goes in
+    /// batches of at most max_build_tokens_decoding tokens, so that a request arriving meanwhile waits for one such
+    /// batch at most. Cleared by whoever comes to wait for it (read when the loop picks its next batch). Null: not
+    /// background.
+    CancelFlag background;
   };
   /// Queues several builds at once, so that they go into one batch (up to the token budget) rather than the first
   /// alone when the loop wakes up between two submit_build calls. Each as submit_build.
@@ -242,6 +249,8 @@ class EngineLoop {
     Clock::time_point queued_at;
     BuildHandover handover = BuildHandover::Wire;
     CancelFlag stop;  // stops it while it runs (null: cancel does)
+    CancelFlag background;  // BuildSubmission::background
+    bool in_background() const { return background && background->load(); }
   };
   struct Egress {  // a built Wire job whose wire form is still to be made
     BuildOutcome outcome;

@@ -98,6 +98,29 @@ SpliceJob splice_job(const Prompt& p, SpliceMode mode, int w) {
   return j;
 }
 
+// Holds the engine loop's thread inside the splice callback of a generation of `max_tokens` tokens, from construction
+// until release(): the work queued meanwhile waits, then goes as the loop picks it. release() also waits for that
+// generation's end.
+struct LoopHold {
+  Stream stream;
+  std::promise<void> go;
+  LoopHold(EngineLoop& loop, const CpuBackend& b, int max_tokens) {
+    std::shared_future<void> released = go.get_future().share();
+    GenerateJob hold = stream.job(splice_job(make_prompt(b, 7, 2, 4), SpliceMode::Hypic, 4), {}, max_tokens);
+    std::promise<void> entered;
+    hold.on_spliced = [released, &entered](const SpliceInfo&) {
+      entered.set_value();
+      released.wait();
+    };
+    loop.submit_generate(std::move(hold));
+    entered.get_future().wait();
+  }
+  void release() {
+    go.set_value();
+    stream.wait();
+  }
+};
+
 // What the reference engine generates alone: splice(), then Model::decode, sampled by a Sampler of its own.
 std::vector<int32_t> reference_tokens(const CpuBackend& b, const Prompt& p, SpliceMode mode, int w,
                                       const SamplingConfig& sc, int max_tokens) {
@@ -316,17 +339,7 @@ TEST_CASE("engine loop: builds batch into one call, equal the reference builder,
   std::map<int, BuildOutcome> got;
   std::vector<std::vector<int32_t>> ids;
   // Hold the loop thread inside a splice callback until every build is queued, so they batch together.
-  Stream blocker;
-  std::promise<void> release;
-  std::shared_future<void> released = release.get_future().share();
-  GenerateJob hold = blocker.job(splice_job(make_prompt(b, 7, 2, 4), SpliceMode::Hypic, 4), {}, 3);
-  std::promise<void> entered;
-  hold.on_spliced = [released, &entered](const SpliceInfo&) {
-    entered.set_value();
-    released.wait();
-  };
-  loop.submit_generate(std::move(hold));
-  entered.get_future().wait();
+  LoopHold hold(loop, b, 3);
   for (int k = 0; k < 5; ++k) {
     ids.push_back(random_ids(5 + 3 * k, 50 + uint32_t(k), vocab));
     if (k == 2) ids.back()[1] = vocab + 5;  // out of range: this one fails, the others build
@@ -337,12 +350,11 @@ TEST_CASE("engine loop: builds batch into one call, equal the reference builder,
     });
   }
   CHECK(loop.queued_tokens() > 0);
-  release.set_value();
+  hold.release();
   {
     std::unique_lock<std::mutex> lock(mu);
     REQUIRE(cv.wait_for(lock, std::chrono::seconds(120), [&] { return got.size() == 5; }));
   }
-  blocker.wait();
   CHECK(loop.queued_tokens() == 0);
   for (int k = 0; k < 5; ++k) {
     INFO("build " << k);
@@ -363,6 +375,60 @@ TEST_CASE("engine loop: builds batch into one call, equal the reference builder,
   // The four good builds (queued together behind the splice) ran as one build_entries call.
   CHECK(got[0].batch_segments == 4);
   CHECK(loop.build_batches() == 1);
+}
+
+TEST_CASE("engine loop: background builds wait for queued splices and builds, then go in small batches",
+          "[engine_loop]") {
+  CpuBackend& b = fixture_backend();
+  const int vocab = int(b.config().vocab_size);
+  EngineLoopOptions opt;
+  opt.max_build_tokens_decoding = 6;  // background batches: one 5-token build each
+  EngineLoop loop(b, opt);
+  std::mutex mu;
+  std::vector<std::string> order;  // callbacks as they ran
+  auto note = [&](std::string what) {
+    std::lock_guard<std::mutex> lock(mu);
+    order.push_back(std::move(what));
+  };
+  LoopHold hold(loop, b, 1);  // until everything is queued
+  const auto bg = std::make_shared<std::atomic<bool>>(true), bg2 = std::make_shared<std::atomic<bool>>(true),
+             joined = std::make_shared<std::atomic<bool>>(true);
+  std::vector<EngineLoop::BuildSubmission> subs;
+  auto build = [&](const char* name, uint32_t seed, CancelFlag background) {
+    return EngineLoop::BuildSubmission{random_ids(5, seed, vocab), 4, nullptr,
+                                       [&note, name](BuildOutcome r) {
+                                         CHECK(r.entry);
+                                         note(name);
+                                       },
+                                       BuildHandover::Resident, nullptr, std::move(background)};
+  };
+  subs.push_back(build("background", 61, bg));
+  subs.push_back(build("joined", 62, joined));  // background when queued; a request joins it before it runs
+  subs.push_back(build("background2", 63, bg2));
+  subs.push_back(build("foreground", 64, nullptr));
+  loop.submit_builds(std::move(subs));
+  std::promise<void> spliced;
+  loop.submit_splice(splice_job(make_prompt(b, 9, 2, 4), SpliceMode::Hypic, 4), nullptr, [&](SpliceOutcome r) {
+    CHECK(r.error.empty());
+    note("splice");
+    spliced.set_value();
+  });
+  joined->store(false);
+  const uint64_t batches0 = loop.build_batches();
+  hold.release();
+  spliced.get_future().wait();
+  for (int i = 0; i < 2000; ++i) {  // (up to 20 s)
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (order.size() == 5) break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  std::lock_guard<std::mutex> lock(mu);
+  // The foreground builds first (the joined one with them, in one batch), then the queued splice, then the background
+  // builds one batch each (6-token budget).
+  CHECK(order == std::vector<std::string>{"joined", "foreground", "splice", "background", "background2"});
+  CHECK(loop.build_batches() == batches0 + 3);
 }
 
 TEST_CASE("engine loop: while sequences decode, builds go in smaller batches with decode steps between -- Resident "

@@ -171,6 +171,8 @@ class CountingBackend final : public hypic::engine::Backend {
     return b;
   }
   std::shared_ptr<const hypic::engine::HostBlock> copy_to_host(const hypic::engine::ResidentEntry& e) const override {
+    while (hold_copies) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    ++copies_made;
     return block_of_entry(*e.host());
   }
   std::shared_ptr<const hypic::engine::ResidentEntry> import_block(const hypic::engine::HostBlock& b) const override {
@@ -204,6 +206,8 @@ class CountingBackend final : public hypic::engine::Backend {
   std::atomic<bool> device_like{false};
   std::atomic<size_t> device_free{0};
   std::atomic<bool> hold{false};    ///< build_entries waits while set (a build kept running)
+  std::atomic<bool> hold_copies{false};  ///< copy_to_host waits while set (a host copy kept in the making)
+  mutable std::atomic<int> copies_made{0};  ///< copy_to_host calls returned
   std::atomic<size_t> entry_bytes_each{0};  ///< entry_bytes() of every entry (0: the CPU backend's)
   mutable std::atomic<int> block_imports{0};  ///< import_block calls
   std::atomic<int> staged_seen{0};  ///< plan segments spliced from host blocks (staged)
@@ -218,6 +222,10 @@ namespace v1 = hypic::v1;
 
 double fallbacks() {
   return hypic::rpc::MetricsRegistry::global().counter("hypic:combine_full_fallbacks_total", "").value();
+}
+
+double staged_cold_in_full() {
+  return hypic::rpc::MetricsRegistry::global().counter("hypic:combine_staged_cold_in_full_total", "").value();
 }
 
 struct Combined {
@@ -791,17 +799,33 @@ TEST_CASE("combine worker: concurrent requests prefilling the same segment share
   CHECK(c.svc->local_build_counts().joined == 4);
 }
 
+// A combine worker on a device-like CPU backend whose requests of three 1 GiB entries are staged (2 GiB free), with no
+// device tier, a 1 GiB host tier, and staging priced at 1 MB/s: a staged request with segments to build is answered
+// by a full prefill.
+struct StagedWorker {
+  static constexpr size_t GiB = size_t(1) << 30;
+  static hypic::combine::CombineOptions options() {
+    hypic::combine::CombineOptions o;
+    o.staged_prior_gb_per_s = 1e-3;  // staging takes an hour
+    o.build_prior_tokens_per_s = 1000;
+    return o;
+  }
+  CountingBackend backend{hypic::engine::make_backend(hypic::engine::DeviceSpec{}, hypic::test::kCombineModel)};
+  hypic::test::CombineServer c{backend, options(), 0, {}, GiB};
+  StagedWorker() {
+    backend.device_like = true;
+    backend.entry_bytes_each = GiB;
+    backend.device_free = 2 * GiB;
+  }
+  ~StagedWorker() { backend.device_like = false; }
+};
+
 TEST_CASE("combine worker: a request arriving while an entry is built after another's first token joins that build",
           "[memory_tier]") {
-  CountingBackend backend(hypic::engine::make_backend(hypic::engine::DeviceSpec{}, hypic::test::kCombineModel));
-  hypic::combine::CombineOptions slow;
-  slow.staged_prior_gb_per_s = 1e-3;  // staging takes an hour: a staged cold request is answered in full
-  slow.build_prior_tokens_per_s = 1000;
-  hypic::test::CombineServer c(backend, slow, 0, {}, size_t(1) << 30);  // no device tier, a host tier
-  const auto GiB = size_t(1) << 30;
-  backend.device_like = true;
-  backend.entry_bytes_each = GiB;
-  backend.device_free = 2 * GiB;  // three 1 GiB entries: staged
+  StagedWorker w;
+  CountingBackend& backend = w.backend;
+  hypic::test::CombineServer& c = w.c;
+  const auto GiB = StagedWorker::GiB;
   const std::vector<std::vector<int32_t>> segs = {{141, 142, 143, 144}, {145, 146, 147}, {148, 149}};
   const int built0 = backend.built, entered0 = backend.entered;
   const uint64_t joined0 = c.svc->local_build_counts().joined;
@@ -815,10 +839,22 @@ TEST_CASE("combine worker: a request arriving while an entry is built after anot
   backend.device_free = 8 * GiB;
   auto b = std::async(std::launch::async, [&] { return combine(c, "after-b", segs, v1::PlannedSegment::WARM); });
   REQUIRE(wait_for([&] { return c.svc->local_build_counts().joined == joined0 + 3; }));
+  // C, planned warm too, would stage its entries: joining the builds (counted whole) and staging is estimated slower
+  // than a full prefill here (staging at the prior's 1 MB/s), so C is answered in full and joins nothing.
+  backend.device_free = 2 * GiB;
+  const double in_full0 = staged_cold_in_full();
+  auto cf = std::async(std::launch::async, [&] { return combine(c, "after-c", segs, v1::PlannedSegment::WARM); });
+  REQUIRE(wait_for([&] { return staged_cold_in_full() == in_full0 + 1; }));
   backend.hold = false;
-  const Combined ra = a.get(), rb = b.get();
+  const Combined ra = a.get(), rb = b.get(), rcf = cf.get();
   CHECK(sources(ra) == std::vector<v1::SegmentSource>(3, v1::SEGMENT_SOURCE_IN_CONTEXT));
   CHECK(sources(rb) == std::vector<v1::SegmentSource>(3, v1::SEGMENT_SOURCE_COMBINE_COMPUTED));
+  CHECK(sources(rcf) == std::vector<v1::SegmentSource>(3, v1::SEGMENT_SOURCE_IN_CONTEXT));
+  for (const auto& seg : rcf.report.segments())
+    CHECK_THAT(seg.note(), Catch::Contains("3 of its segments were being built on this worker, and its entries staged: "
+                                           "answered by a full prefill"));
+  CHECK(rcf.tokens == ra.tokens);  // (both full recomputations of the same prompt)
+  CHECK(c.svc->local_build_counts().joined == joined0 + 3);
   for (const auto& seg : rb.report.segments()) {
     CHECK_THAT(seg.note(), Catch::Contains("being built on this worker: joined that build"));
     CHECK_THAT(seg.note(), Catch::Contains("joined this worker's build of the same segment for request after-a"));
@@ -832,7 +868,50 @@ TEST_CASE("combine worker: a request arriving while an entry is built after anot
   CHECK(sources(warm) == std::vector<v1::SegmentSource>(3, v1::SEGMENT_SOURCE_COMBINE_HOST));
   CHECK(warm.tokens == rb.tokens);
   CHECK(backend.built == built0 + 3);
-  backend.device_like = false;
+}
+
+TEST_CASE("combine worker: a request arriving while a built entry's host copy is made takes that copy",
+          "[memory_tier]") {
+  StagedWorker w;
+  CountingBackend& backend = w.backend;
+  hypic::test::CombineServer& c = w.c;
+  const auto GiB = StagedWorker::GiB;
+  const std::vector<std::vector<int32_t>> segs = {{151, 152, 153, 154}, {155, 156, 157}, {158, 159}};
+  const int built0 = backend.built;
+  backend.hold_copies = true;  // the builds after A's first token finish; their host copies wait
+  const Combined ra = combine(c, "copy-a", segs, v1::PlannedSegment::LOCAL);
+  CHECK(sources(ra) == std::vector<v1::SegmentSource>(3, v1::SEGMENT_SOURCE_IN_CONTEXT));
+  REQUIRE(wait_for([&] { return backend.built == built0 + 3 && c.svc->local_build_counts().in_flight == 0; }));
+  // Built, out of the device tier (A was staged), not yet in the host tier: the lookup names the host tier, where it
+  // is going (a router plans the segments warm here, not cold).
+  CHECK(backend.copies_made == 0);
+  CHECK(lookup(c, segs) == std::vector<v1::EntryTier>(3, v1::ENTRY_TIER_HOST));
+  // B is staged too: it waits for the pinned copies (no build), and splices them once made.
+  const int staged0 = backend.staged_seen;
+  auto b = std::async(std::launch::async, [&] { return combine(c, "copy-b", segs, v1::PlannedSegment::WARM); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  CHECK(b.wait_for(std::chrono::seconds(0)) == std::future_status::timeout);  // (still waiting for the copies)
+  // C has room for its entries resident (not staged): it splices the built entries at once, copies or not.
+  backend.device_free = 8 * GiB;
+  const Combined rc = combine(c, "copy-c", segs, v1::PlannedSegment::WARM);
+  CHECK(sources(rc) == std::vector<v1::SegmentSource>(3, v1::SEGMENT_SOURCE_COMBINE_MEMORY));
+  for (const auto& seg : rc.report.segments())
+    CHECK_THAT(seg.note(), Catch::Contains("its host copy being made: spliced resident"));
+  backend.hold_copies = false;
+  const Combined rb = b.get();
+  CHECK(sources(rb) == std::vector<v1::SegmentSource>(3, v1::SEGMENT_SOURCE_COMBINE_HOST));
+  for (const auto& seg : rb.report.segments())
+    CHECK_THAT(seg.note(), Catch::Contains("staged from its host copy, made meanwhile"));
+  CHECK(backend.staged_seen == staged0 + 3);
+  CHECK(backend.built == built0 + 3);  // built once, for A
+  CHECK(backend.copies_made == 3);     // one host copy each
+  CHECK(lookup(c, segs) == std::vector<v1::EntryTier>(3, v1::ENTRY_TIER_HOST));
+  // The same tokens as the resident splice of the same entries, and as a warm request from the host tier.
+  CHECK(rb.tokens == rc.tokens);
+  const Combined warm = combine(c, "copy-warm", segs, v1::PlannedSegment::WARM);
+  CHECK(sources(warm) == std::vector<v1::SegmentSource>(3, v1::SEGMENT_SOURCE_COMBINE_HOST));
+  CHECK(warm.tokens == rb.tokens);
+  CHECK(backend.built == built0 + 3);
 }
 
 TEST_CASE("tier budgets: derived from device memory, host memory and the entry size", "[memory_tier]") {
