@@ -59,6 +59,7 @@ void CombineService::build_locally(const std::shared_ptr<Pending>& p,
     uint64_t id = 0;
     std::shared_ptr<std::atomic<bool>> cancel;
     std::shared_ptr<const engine::ResidentEntry> held;
+    bool copy_joined = false;
     {
       std::lock_guard<std::mutex> lock(local_mu_);
       // A request that is ending (its cleanup set the flag, then leaves local_builds_ under this lock) starts and
@@ -73,6 +74,9 @@ void CombineService::build_locally(const std::shared_ptr<Pending>& p,
       } else if (it == local_builds_.end() && (held = d_.memory_tier.get(s.digest, s.ids))) {
         // Built here for another request since this one was planned (a finished build is in the device tier before
         // it leaves local_builds_, on_local_built): spliced from the tier.
+      } else if (it == local_builds_.end() && (copy_joined = take_host_copy_locked(p, slot, held))) {
+        // Built here since, kept out of the device tier, its host copy in the making: held (resident) or, staged,
+        // the copy's block once made.
       } else if (it == local_builds_.end()) {
         id = next_local_build_++;
         cancel = std::make_shared<std::atomic<bool>>(false);
@@ -86,9 +90,13 @@ void CombineService::build_locally(const std::shared_ptr<Pending>& p,
       count_segment(v1::SEGMENT_SOURCE_COMBINE_MEMORY);
       const size_t bytes = held->resident_bytes();
       p->fill(slot, nullptr, v1::SEGMENT_SOURCE_COMBINE_MEMORY, "", 0, bytes, "", std::move(held),
-              "built on this worker for another request since this request was planned: from its device tier");
+              copy_joined ? "built on this worker for another request since this request was planned, its host copy "
+                            "being made: spliced resident"
+                          : "built on this worker for another request since this request was planned: from its "
+                            "device tier");
       continue;
     }
+    if (copy_joined) continue;  // staged: filled with the host copy's block (fill_local_build's on_copied)
     if (!joined_for.empty()) {
       builds_joined_counter().inc();
       p->add_note(slot, joined_for == p->id ? "joined this request's own build of the same segment"
@@ -120,6 +128,7 @@ void CombineService::on_local_built(const rpc::Digest& digest, uint64_t build, e
   // Into the device tier before the build leaves local_builds_, so that a request arriving in between finds it in one
   // or the other (build_locally); also when every request waiting for it ended (the next one hits). Not when every
   // waiter stages its entries from host blocks (fill_local_build): there its device memory is to go after the copy.
+  // One the tier does not keep goes into copying_ as it leaves local_builds_, until its host copy is made.
   const bool built = !r.cancelled && r.error.empty() && r.entry;
   LocalBuild b;
   bool retry = false, copying = false;
@@ -134,8 +143,9 @@ void CombineService::on_local_built(const rpc::Digest& digest, uint64_t build, e
                                      std::any_of(it->second.waiters.begin(), it->second.waiters.end(),
                                                  [](const auto& w) { return !w.first->stage_blocks.load(); }));
     if (to_device) d_.memory_tier.put(digest, r.entry);
-    // Out of the device tier, on its way to the host tier: findable there until its block lands (copying_).
-    copying = built && !to_device && d_.host_tier.budget() > 0;
+    // Not kept by the device tier (not put, or no room), on its way to the host tier: findable until its block lands
+    // there (copying_).
+    copying = built && d_.host_tier.budget() > 0 && !d_.memory_tier.contains(digest);
     // (Not for a build nobody waits for, after a first token: it does not evict other requests' entries.)
     if (!r.cancelled && r.error_kind == engine::EngineErrorKind::ResourceExhausted && !it->second.retried &&
         d_.memory_tier.entries() > 0 && !it->second.waiters.empty()) {
@@ -146,9 +156,10 @@ void CombineService::on_local_built(const rpc::Digest& digest, uint64_t build, e
     } else {
       b = std::move(it->second);
       local_builds_.erase(it);
-      if (copying) {
+      if (copying) {  // (one copy in flight per digest: a second build of it leaves the first's waiters as they are)
         std::lock_guard<std::mutex> copies(copying_->mu);
-        copying_->copies[digest] = {b.ids, b.seam_width, r.entry, r.compute_ms, {}};
+        copying = copying_->copies.try_emplace(digest, HostCopiesInFlight::Copy{b.ids, b.seam_width, r.entry, {}})
+                      .second;
       }
     }
   }
@@ -199,7 +210,8 @@ void CombineService::build_after_first_token(const std::shared_ptr<Pending>& p, 
         }
         continue;
       }
-      if (d_.memory_tier.contains(s.digest) || d_.host_tier.contains(s.digest)) continue;
+      if (copy_in_flight_locked(s.digest) || d_.memory_tier.contains(s.digest) || d_.host_tier.contains(s.digest))
+        continue;
       // Nothing would keep it: no device tier for a staged request's entries, no host tier, no cache put.
       if (staged && d_.host_tier.budget() == 0 && !(p->cache_segments && d_.cache.enabled())) continue;
       id = next_local_build_++;
@@ -314,14 +326,25 @@ void CombineService::leave_local_builds(const Pending& p) {
     if (it->second.waiters.empty() && !it->second.after_first_token) {
       it->second.cancel->store(true);
       local_builds_.erase(it);
+    } else if (it->second.waiters.empty() && it->second.background) {
+      it->second.background->store(true);  // nobody waits for it any more: background work again
     }
   }
 }
 
 CombineService::LocalBuildCounts CombineService::local_build_counts() const {
   std::lock_guard<std::mutex> lock(local_mu_);
-  return {local_builds_.size(), local_joined_};
+  std::lock_guard<std::mutex> copies(copying_->mu);
+  size_t copy_waiters = 0;
+  for (const auto& [digest, c] : copying_->copies) copy_waiters += c.waiters.size();
+  return {local_builds_.size(), local_joined_, copying_->copies.size(), copy_waiters};
 }
+
+bool CombineService::copy_in_flight_locked(const rpc::Digest& digest) const {
+  std::lock_guard<std::mutex> lock(copying_->mu);
+  return copying_->copies.contains(digest);
+}
+
 bool CombineService::take_host_copy_locked(const std::shared_ptr<Pending>& p, size_t slot,
                                            std::shared_ptr<const engine::ResidentEntry>& resident) {
   const Slot& s = p->slots[slot];  // digest and ids are immutable after registration
@@ -339,8 +362,13 @@ bool CombineService::take_host_copy_locked(const std::shared_ptr<Pending>& p, si
 void CombineService::fetch_warm(const std::shared_ptr<Pending>& p, size_t slot, const grpc::ServerContextBase* ctx) {
   const rpc::Digest digest = p->slots[slot].digest;
   const std::vector<int32_t>& ids = p->slots[slot].ids;
-  // First what is on its way into the tiers (a build here, then its host copy), then the tiers: an entry moves that
-  // way, never back, so looking in this order cannot miss one in between.
+  // The device tier; then what is on its way into the tiers (a build here, then its host copy); then the tiers again:
+  // an entry moves that way, so looking in this order does not miss one in between (build_locally looks again).
+  if (auto e = d_.memory_tier.get(digest, ids)) {
+    count_segment(v1::SEGMENT_SOURCE_COMBINE_MEMORY);
+    p->fill(slot, nullptr, v1::SEGMENT_SOURCE_COMBINE_MEMORY, "", 0, e->resident_bytes(), "", e);
+    return;
+  }
   bool building = false, copying = false;
   std::shared_ptr<const engine::ResidentEntry> resident;
   {
@@ -502,10 +530,14 @@ void CombineService::rebuild_cache_only(const std::shared_ptr<Pending>& p, const
   const size_t tail_from = p->mode == engine::SpliceMode::Hypic && req.refresh_tail() > 0
                                ? std::max<size_t>(1, n - std::min<size_t>(n, size_t(req.refresh_tail())))
                                : n;
-  std::vector<FetchCandidate> candidates;  // WARM slots this worker's tiers do not hold: the cache's alone
+  std::vector<FetchCandidate> candidates;  // WARM slots this worker neither holds nor makes: the cache's alone
   for (size_t i : warm) {
     const Slot& s = p->slots[i];  // digest and ids are immutable after registration
     if (i >= tail_from || d_.memory_tier.contains(s.digest) || d_.host_tier.contains(s.digest)) continue;
+    {
+      std::lock_guard<std::mutex> lock(local_mu_);
+      if (local_builds_.contains(s.digest) || copy_in_flight_locked(s.digest)) continue;
+    }
     const auto tokens = int64_t(s.ids.size());
     candidates.push_back({i, tokens, engine::wire_entry_bytes(backend_.config(), tokens)});
   }

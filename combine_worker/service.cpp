@@ -499,9 +499,10 @@ bool CombineService::answer_cold_in_full(Pending& p, Fetchers& fetch,
                                      local.size(), joining.size());
   const std::string note = fmt::format(
       "{} and its entries staged: answered by a full prefill of the prompt, estimated {:.0f} ms against {:.0f} ms "
-      "building them and staging {:.2f} GiB (--staged-cold-policy auto); cold segments' entries are built after the "
-      "first token",
-      what, plan.full_ms, plan.staged_ms, double(c.staged_bytes) / double(1ull << 30));
+      "building them and staging {:.2f} GiB (--staged-cold-policy auto); {}",
+      what, plan.full_ms, plan.staged_ms, double(c.staged_bytes) / double(1ull << 30),
+      local.empty() ? "the builds in flight go on for later requests"
+                    : "cold segments' entries are built after the first token");
   switch_to_full(p, fetch, note);
   {
     std::lock_guard<std::mutex> lock(p.mu);
@@ -614,10 +615,10 @@ grpc::Status CombineService::LookupEntries(grpc::ServerContext* ctx, const v1::L
     }
     for (int i = 0; i < req->digests_size(); ++i) {
       const rpc::Digest d = rpc::parse_digest(req->digests(i), fmt::format("digests[{}]", i));
-      // What is on its way into the tiers first (a build here, then a host copy of one: fetch_warm's order), then the
-      // tiers, so that an entry moving along is not missed in between.
-      v1::EntryTier tier = v1::ENTRY_TIER_NONE;
-      {
+      // The device tier, then what is on its way into the tiers (a build here, then a host copy of one), then the
+      // tiers again (fetch_warm's order), so that an entry moving along is not missed in between.
+      v1::EntryTier tier = d_.memory_tier.contains(d) ? v1::ENTRY_TIER_DEVICE : v1::ENTRY_TIER_NONE;
+      if (tier == v1::ENTRY_TIER_NONE) {
         std::lock_guard<std::mutex> lock(local_mu_);
         if (local_builds_.contains(d)) {
           tier = v1::ENTRY_TIER_BUILDING;

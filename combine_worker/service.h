@@ -121,6 +121,8 @@ class CombineService final : public hypic::v1::CombineWorker::Service {
   struct LocalBuildCounts {
     size_t in_flight = 0;
     uint64_t joined = 0;
+    size_t copies_in_flight = 0;  ///< finished builds whose host copy is being made (not kept by the device tier)
+    size_t copy_waiters = 0;      ///< staged slots waiting for one of those copies
   };
   LocalBuildCounts local_build_counts() const;
 
@@ -161,16 +163,18 @@ class CombineService final : public hypic::v1::CombineWorker::Service {
   /// context; a staged request's cold segments answered by a full prefill): each registered as a local build with no
   /// waiter (local_builds_, LocalBuild::after_first_token) so that a request arriving meanwhile joins it instead of
   /// building it again, and kept going when nobody waits; into the device tier unless the request's entries were
-  /// staged, its host copy to the host tier and (the request's cache_segments) the cache. Segments already in a tier
-  /// or being built are skipped. Submitted as background builds (EngineLoop::BuildSubmission::background: they wait
+  /// staged, its host copy to the host tier and (the request's cache_segments) the cache. Segments already in a tier,
+  /// being built or having their host copy made are skipped. Submitted as background builds (EngineLoop::BuildSubmission::background: they wait
   /// while requests' splices and builds are queued) until a request joins one.
   void build_after_first_token(const std::shared_ptr<Pending>& p, const std::vector<size_t>& slots);
   /// A local build's outcome (on the engine loop's thread): device memory short with device-tier entries to give up,
-  /// retried once after evicting; else into the device tier, its host copy queued once (a cache put when some waiter
-  /// asked for one and none was a policy rebuild), every waiting slot filled; or each waiter's failure
+  /// retried once after evicting; else into the device tier (unless every waiter stages its entries and the build is
+  /// not for the tier), or into copying_ where the tier does not keep it, its host copy queued once (a cache put when
+  /// some waiter asked for one and none was a policy rebuild), every waiting slot filled; or each waiter's failure
   /// (local_build_failed).
   void on_local_built(const rpc::Digest& digest, uint64_t build, engine::BuildOutcome r);
-  /// A finished local build (in the device tier, or in copying_): its host copy queued once, every waiting slot filled.
+  /// A finished local build (in the device tier, or in copying_): its host copy queued once, every waiting slot filled
+  /// (a staged one with the copy's block).
   /// `put`: a cache put whatever the waiters ask; `request_id`: the request it is built for (logs), else the first
   /// waiter's.
   /// `copying`: the build was registered in copying_ (on_local_built), whose slots its copy's callback fills.
@@ -275,18 +279,19 @@ class CombineService final : public hypic::v1::CombineWorker::Service {
   std::map<rpc::Digest, LocalBuild> local_builds_;
   uint64_t next_local_build_ = 1;
   uint64_t local_joined_ = 0;
-  // Finished local builds kept out of the device tier (their requests' entries were staged, or they were built after
-  // a staged request's first token) while the copier makes their host copies: a request arriving before a copy lands
-  // in the host tier takes that copy instead of building the segment again (take_host_copy_locked). A build leaves
-  // local_builds_ and enters here under local_mu_, and leaves here after its block is in the host tier, so a lookup
-  // that looks here before the tiers never misses it. Shared with the copies' callbacks, which may run after the
-  // service is gone (HostCopier::enqueue). Lock order: local_mu_, then `mu`; neither with a Pending::mu.
+  // Finished local builds the device tier does not keep (their requests' entries were staged, they were built after
+  // a staged request's first token, or the tier had no room) while the copier makes their host copies: a request
+  // arriving before a copy lands in the host tier takes that copy instead of building the segment again
+  // (take_host_copy_locked; build_after_first_token and the cache policy's rebuilds leave them alone). A build leaves
+  // local_builds_ and enters here under local_mu_, and leaves here once its copy was made (its block put in the host
+  // tier first, unless the tier refused it), dropped or failed: its waiters then get the block, or the resident entry.
+  // Shared with the copies' callbacks, which may run after the service is gone (HostCopier::enqueue). Lock order:
+  // local_mu_, then `mu`; neither with a Pending::mu.
   struct HostCopiesInFlight {
     struct Copy {
       std::vector<int32_t> ids;
       int seam_width = 0;
       std::shared_ptr<const engine::ResidentEntry> entry;  // device memory, until the copy is made
-      double compute_ms = 0;
       std::vector<std::pair<std::shared_ptr<Pending>, size_t>> waiters;  // staged slots waiting for the block
     };
     std::mutex mu;
@@ -299,6 +304,8 @@ class CombineService final : public hypic::v1::CombineWorker::Service {
   /// takes the resident entry at once (`resident`, filled by the caller). False: no such copy in flight.
   bool take_host_copy_locked(const std::shared_ptr<Pending>& p, size_t slot,
                              std::shared_ptr<const engine::ResidentEntry>& resident);
+  /// (local_mu_ held) Whether a host copy of this digest's build is in the making (copying_).
+  bool copy_in_flight_locked(const rpc::Digest& digest) const;
 };
 
 }  // namespace hypic::combine

@@ -216,9 +216,9 @@ class EngineLoop {
     CancelFlag stop;  ///< as submit_build's
     /// Set (true): background work, a build no request waits for yet (a combine worker's entries built after a
     /// request's first token, for later requests): it waits while any splice or other build is queued, and goes in
-    /// batches of at most max_build_tokens_decoding tokens, so that a request arriving meanwhile waits for one such
-    /// batch at most. Cleared by whoever comes to wait for it (read when the loop picks its next batch). Null: not
-    /// background.
+    /// batches of at most max_build_tokens_decoding tokens (a longer single build alone), so that a request arriving
+    /// meanwhile waits for one such batch at most. Cleared by whoever comes to wait for it (read when the loop picks
+    /// its next batch). Null: not background.
     CancelFlag background;
   };
   /// Queues several builds at once, so that they go into one batch (up to the token budget) rather than the first

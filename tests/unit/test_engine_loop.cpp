@@ -116,9 +116,14 @@ struct LoopHold {
     entered.get_future().wait();
   }
   void release() {
+    released = true;
     go.set_value();
     stream.wait();
   }
+  ~LoopHold() {  // (after a failed REQUIRE: the loop thread goes on, so the loop can stop)
+    if (!released) go.set_value();
+  }
+  bool released = false;
 };
 
 // What the reference engine generates alone: splice(), then Model::decode, sampled by a Sampler of its own.

@@ -817,7 +817,11 @@ struct StagedWorker {
     backend.entry_bytes_each = GiB;
     backend.device_free = 2 * GiB;
   }
-  ~StagedWorker() { backend.device_like = false; }
+  ~StagedWorker() {  // (also after a failed REQUIRE: nothing left held, so the server stops)
+    backend.hold = false;
+    backend.hold_copies = false;
+    backend.device_like = false;
+  }
 };
 
 TEST_CASE("combine worker: a request arriving while an entry is built after another's first token joins that build",
@@ -886,10 +890,11 @@ TEST_CASE("combine worker: a request arriving while a built entry's host copy is
   // is going (a router plans the segments warm here, not cold).
   CHECK(backend.copies_made == 0);
   CHECK(lookup(c, segs) == std::vector<v1::EntryTier>(3, v1::ENTRY_TIER_HOST));
+  CHECK(c.svc->local_build_counts().copies_in_flight == 3);
   // B is staged too: it waits for the pinned copies (no build), and splices them once made.
   const int staged0 = backend.staged_seen;
   auto b = std::async(std::launch::async, [&] { return combine(c, "copy-b", segs, v1::PlannedSegment::WARM); });
-  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  REQUIRE(wait_for([&] { return c.svc->local_build_counts().copy_waiters == 3; }));
   CHECK(b.wait_for(std::chrono::seconds(0)) == std::future_status::timeout);  // (still waiting for the copies)
   // C has room for its entries resident (not staged): it splices the built entries at once, copies or not.
   backend.device_free = 8 * GiB;
@@ -905,6 +910,7 @@ TEST_CASE("combine worker: a request arriving while a built entry's host copy is
   CHECK(backend.staged_seen == staged0 + 3);
   CHECK(backend.built == built0 + 3);  // built once, for A
   CHECK(backend.copies_made == 3);     // one host copy each
+  CHECK(c.svc->local_build_counts().copies_in_flight == 0);
   CHECK(lookup(c, segs) == std::vector<v1::EntryTier>(3, v1::ENTRY_TIER_HOST));
   // The same tokens as the resident splice of the same entries, and as a warm request from the host tier.
   CHECK(rb.tokens == rc.tokens);
