@@ -156,7 +156,8 @@ class CombineService final : public hypic::v1::CombineWorker::Service {
   /// Queues local builds of the given slots (with a note each) on the engine loop, in one submission; each is spliced
   /// resident as built and its host copy made afterwards (HostCopier). A slot whose digest is being built here for
   /// another active request (same ids and seam width) joins that build instead: one build fills every waiting slot;
-  /// one whose build finished since (for another request) is taken from the device tier.
+  /// one whose build finished since (for another request) is taken from the device tier, or while its host copy is
+  /// made (copying_), resident or, staged, as that copy's block.
   void build_locally(const std::shared_ptr<Pending>& p, const std::vector<std::pair<size_t, std::string>>& slots);
   void build_locally(const std::shared_ptr<Pending>& p, size_t slot, std::string note);
   /// Entries built after a request's first token, for later requests (the refresh's cold tail, recomputed whole in
@@ -164,8 +165,9 @@ class CombineService final : public hypic::v1::CombineWorker::Service {
   /// waiter (local_builds_, LocalBuild::after_first_token) so that a request arriving meanwhile joins it instead of
   /// building it again, and kept going when nobody waits; into the device tier unless the request's entries were
   /// staged, its host copy to the host tier and (the request's cache_segments) the cache. Segments already in a tier,
-  /// being built or having their host copy made are skipped. Submitted as background builds (EngineLoop::BuildSubmission::background: they wait
-  /// while requests' splices and builds are queued) until a request joins one.
+  /// being built or having their host copy made are skipped. Submitted as background builds
+  /// (EngineLoop::BuildSubmission::background: they wait while requests' splices and builds are queued) until a
+  /// request joins one.
   void build_after_first_token(const std::shared_ptr<Pending>& p, const std::vector<size_t>& slots);
   /// A local build's outcome (on the engine loop's thread): device memory short with device-tier entries to give up,
   /// retried once after evicting; else into the device tier (unless every waiter stages its entries and the build is
