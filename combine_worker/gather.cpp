@@ -15,6 +15,7 @@
 #include "proto/engine_rpc/checks.h"
 #include "proto/rpc/chunks.h"
 #include "proto/rpc/entry_mac.h"
+#include "proto/rpc/log_limit.h"
 #include "proto/rpc/status.h"
 
 namespace hypic::combine {
@@ -193,11 +194,15 @@ void CombineService::on_local_built(const rpc::Digest& digest, uint64_t build, e
 void CombineService::build_after_first_token(const std::shared_ptr<Pending>& p, const std::vector<size_t>& slots) {
   const bool staged = p->stage_blocks.load();
   std::vector<engine::EngineLoop::BuildSubmission> builds;
+  // Background builds wait while other work is queued: under sustained load they pile up. Past this many queued
+  // tokens no more are added (a later request builds those entries when it needs them).
+  int64_t background = d_.loop.background_tokens();
+  size_t skipped = 0;
   for (size_t slot : slots) {
     const Slot& s = p->slots[slot];  // digest and ids are immutable after registration
     uint64_t id = 0;
     auto cancel = std::make_shared<std::atomic<bool>>(false);
-    std::shared_ptr<std::atomic<bool>> background;
+    std::shared_ptr<std::atomic<bool>> background_flag;
     {
       std::lock_guard<std::mutex> lock(local_mu_);  // (then the tiers': the order build_locally takes them in)
       if (auto it = local_builds_.find(s.digest); it != local_builds_.end()) {
@@ -214,17 +219,35 @@ void CombineService::build_after_first_token(const std::shared_ptr<Pending>& p, 
         continue;
       // Nothing would keep it: no device tier for a staged request's entries, no host tier, no cache put.
       if (staged && d_.host_tier.budget() == 0 && !(p->cache_segments && d_.cache.enabled())) continue;
+      if (background + int64_t(s.ids.size()) > kMaxBackgroundBuildTokens) {
+        ++skipped;
+        continue;
+      }
+      background += int64_t(s.ids.size());
       id = next_local_build_++;
       LocalBuild& b = local_builds_[s.digest];
       b.id = id, b.ids = s.ids, b.seam_width = p->entry_seam_width, b.started_for = p->id, b.cancel = cancel;
       b.after_first_token = true, b.put = p->cache_segments, b.device_tier = !staged;
-      b.background = background = std::make_shared<std::atomic<bool>>(true);  // nobody waits for it yet
+      b.background = background_flag = std::make_shared<std::atomic<bool>>(true);  // nobody waits for it yet
     }
     builds.push_back({s.ids, p->entry_seam_width, cancel,
                       [this, digest = s.digest, id](engine::BuildOutcome r) { on_local_built(digest, id, std::move(r)); },
-                      engine::BuildHandover::Resident, nullptr, background});
+                      engine::BuildHandover::Resident, nullptr, background_flag});
   }
-  if (!builds.empty()) d_.loop.submit_builds(std::move(builds));
+  if (skipped) {
+    static rpc::LogLimit limit;
+    uint64_t unlogged = 0;
+    if (limit.allow(&unlogged))
+      spdlog::warn("[req {}] {} entries not built after its first token: {} tokens of background builds already wait "
+                   "(at most {}){}",
+                   p->id, skipped, background, kMaxBackgroundBuildTokens,
+                   unlogged ? fmt::format("; {} more such lines since the last", unlogged) : std::string());
+  }
+  if (!builds.empty()) {
+    spdlog::info("[req {}] {} entries to build after its first token, in the background ({} tokens queued so)",
+                 p->id, builds.size(), background);
+    d_.loop.submit_builds(std::move(builds));
+  }
 }
 
 void CombineService::fill_local_build(const rpc::Digest& digest,

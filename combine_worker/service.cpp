@@ -102,6 +102,15 @@ CombineService::CombineService(CombineDeps deps, CombineOptions options)
   }
   reg.gauge_fn("hypic:num_sequences_decoding", "Sequences in this combine worker's decode batch",
                [&loop] { return double(loop.active_sequences()); });
+  reg.gauge_fn("hypic:combine_background_build_tokens",
+               "Tokens of entry builds queued in the background (built after a request's first token, for later "
+               "requests; they wait while other work is queued)",
+               [&loop] { return double(loop.background_tokens()); });
+  reg.gauge_fn("hypic:combine_local_builds", "This worker's own entry builds: in flight, or built with their host "
+               "copy being made", [this] { return double(local_build_counts().in_flight); }, {{"state", "building"}});
+  reg.gauge_fn("hypic:combine_local_builds", "This worker's own entry builds: in flight, or built with their host "
+               "copy being made", [this] { return double(local_build_counts().copies_in_flight); },
+               {{"state", "copying"}});
   reg.counter_fn("hypic:decode_iterations_total", "Batched decode steps run",
                  [&loop] { return double(loop.decode_iterations()); });
   reg.counter_fn("hypic:decode_sequence_steps_total", "Sequence-steps decoded (mean batch = this / iterations)",

@@ -167,7 +167,7 @@ class CombineService final : public hypic::v1::CombineWorker::Service {
   /// staged, its host copy to the host tier and (the request's cache_segments) the cache. Segments already in a tier,
   /// being built or having their host copy made are skipped. Submitted as background builds
   /// (EngineLoop::BuildSubmission::background: they wait while requests' splices and builds are queued) until a
-  /// request joins one.
+  /// request joins one; none past kMaxBackgroundBuildTokens queued (logged).
   void build_after_first_token(const std::shared_ptr<Pending>& p, const std::vector<size_t>& slots);
   /// A local build's outcome (on the engine loop's thread): device memory short with device-tier entries to give up,
   /// retried once after evicting; else into the device tier (unless every waiter stages its entries and the build is
@@ -277,6 +277,8 @@ class CombineService final : public hypic::v1::CombineWorker::Service {
     // background), cleared when a request joins it; null for the others.
     std::shared_ptr<std::atomic<bool>> background;
   };
+  /// Most tokens of background builds (build_after_first_token) queued on the engine loop at once.
+  static constexpr int64_t kMaxBackgroundBuildTokens = int64_t(1) << 18;
   mutable std::mutex local_mu_;  // never held together with a Pending::mu
   std::map<rpc::Digest, LocalBuild> local_builds_;
   uint64_t next_local_build_ = 1;

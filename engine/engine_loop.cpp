@@ -121,6 +121,14 @@ void EngineLoop::submit_build(std::vector<int32_t> ids, int seam_width, CancelFl
   submit_builds(std::move(one));
 }
 
+int64_t EngineLoop::background_tokens() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  int64_t n = 0;
+  for (const BuildJob& b : builds_)
+    if (b.in_background()) n += int64_t(b.ids.size());
+  return n;
+}
+
 void EngineLoop::submit_builds(std::vector<BuildSubmission> builds) {
   {
     std::lock_guard<std::mutex> lock(mu_);

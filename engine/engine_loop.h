@@ -231,6 +231,8 @@ class EngineLoop {
 
   /// Tokens of builds queued or being computed (what a worker reports for LPT scheduling).
   int64_t queued_tokens() const { return queued_tokens_.load(); }
+  /// Tokens of the background builds queued now (BuildSubmission::background set), not yet in a batch.
+  int64_t background_tokens() const;
   /// Sequences decoding now.
   int active_sequences() const { return active_count_.load(); }
   /// Decode iterations run and sequence-steps in them (mean batch = steps / iterations).
@@ -298,7 +300,7 @@ class EngineLoop {
 
   Backend& backend_;
   EngineLoopOptions options_;
-  std::mutex mu_;
+  mutable std::mutex mu_;
   std::condition_variable cv_;
   std::deque<BuildJob> builds_;
   std::deque<SpliceTask> splices_;

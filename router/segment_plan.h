@@ -32,9 +32,12 @@ struct SegmentPlan {
 /// InContext. Otherwise, in prompt order, with tail = the last refresh_tail segments in hypic mode (never segment 0;
 /// none when refresh_tail is 0 or another mode): a digest seen before is a Repeat of its first segment unless that
 /// one is Whole; a cold segment in the tail is Whole (so is a repeat of a Whole one, which lies in the tail too);
-/// another cold first occurrence is Build; the rest are Warm. Throws std::invalid_argument when digests and hits
-/// differ in length or refresh_tail < 0.
+/// another cold first occurrence is Build; the rest are Warm. `building` (empty, or one per segment): the hit is
+/// only a build in flight on the combine worker (ENTRY_TIER_BUILDING, in no cache or tier yet): such a segment counts
+/// as cold in the tail, which recomputes it whole anyway (waiting for that build would only delay the request), and
+/// as a hit elsewhere (the request joins the build). Throws std::invalid_argument when digests, hits and a non-empty
+/// `building` differ in length or refresh_tail < 0.
 SegmentPlan plan_segments(std::span<const rpc::Digest> digests, const std::vector<bool>& hits, engine::SpliceMode mode,
-                          int refresh_tail);
+                          int refresh_tail, const std::vector<bool>& building = {});
 
 }  // namespace hypic::router

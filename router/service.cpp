@@ -741,12 +741,13 @@ std::map<size_t, std::vector<uint32_t>> GenerateCall::plan() {
   const size_t n = segs_.size();
   {
     std::vector<rpc::Digest> digests;
-    std::vector<bool> hits;
+    std::vector<bool> hits, building;
     for (const auto& s : segs_) {
       digests.push_back(s.digest);
       hits.push_back(s.hit);
+      building.push_back(s.hit && !s.cache_hit && s.combine_tier == v1::ENTRY_TIER_BUILDING);
     }
-    const SegmentPlan plan = plan_segments(digests, hits, opts_.mode, opts_.refresh_tail);
+    const SegmentPlan plan = plan_segments(digests, hits, opts_.mode, opts_.refresh_tail, building);
     for (size_t i = 0; i < n; ++i) {
       segs_[i].repeat_of = plan.repeat_of[i];
       segs_[i].whole = plan.roles[i] == SegmentRole::Whole;

@@ -418,7 +418,9 @@ TEST_CASE("engine loop: background builds wait for queued splices and builds, th
     note("splice");
     spliced.set_value();
   });
+  CHECK(loop.background_tokens() == 15);
   joined->store(false);
+  CHECK(loop.background_tokens() == 10);  // (the two still in the background)
   const uint64_t batches0 = loop.build_batches();
   hold.release();
   spliced.get_future().wait();
@@ -434,6 +436,7 @@ TEST_CASE("engine loop: background builds wait for queued splices and builds, th
   // builds one batch each (6-token budget).
   CHECK(order == std::vector<std::string>{"joined", "foreground", "splice", "background", "background2"});
   CHECK(loop.build_batches() == batches0 + 3);
+  CHECK(loop.background_tokens() == 0);
 }
 
 TEST_CASE("engine loop: while sequences decode, builds go in smaller batches with decode steps between -- Resident "

@@ -15,10 +15,11 @@ rpc::Digest d(uint8_t k) {
   return x;
 }
 
-router::SegmentPlan plan(std::vector<uint8_t> keys, std::vector<bool> hits, engine::SpliceMode mode, int tail = 0) {
+router::SegmentPlan plan(std::vector<uint8_t> keys, std::vector<bool> hits, engine::SpliceMode mode, int tail = 0,
+                         std::vector<bool> building = {}) {
   std::vector<rpc::Digest> ds;
   for (uint8_t k : keys) ds.push_back(d(k));
-  return router::plan_segments(ds, hits, mode, tail);
+  return router::plan_segments(ds, hits, mode, tail, building);
 }
 
 }  // namespace
@@ -53,6 +54,20 @@ TEST_CASE("segment plan: the refresh tail's cold segments are whole, never segme
   CHECK(p.roles == std::vector<R>{R::Build, R::Build, R::Build});
 }
 
+TEST_CASE("segment plan: a hit that is only a build in flight is cold in the refresh tail, warm before it",
+          "[router][plan]") {
+  // 4 segments, tail 2; segments 1 and 3 are hits only as builds in flight on the combine worker, 2 a real hit
+  auto p = plan({1, 2, 3, 4}, {false, true, true, true}, engine::SpliceMode::Hypic, 2, {false, true, false, true});
+  CHECK(p.roles == std::vector<R>{R::Build, R::Warm, R::Warm, R::Whole});
+  CHECK(p.builds == std::vector<uint32_t>{0});
+  // a repeat in the tail of a segment built in flight before the tail stays a repeat (of a warm segment)
+  p = plan({1, 2, 2}, {false, true, true}, engine::SpliceMode::Hypic, 1, {false, true, true});
+  CHECK(p.roles == std::vector<R>{R::Build, R::Warm, R::Repeat});
+  // no tail: every such hit is warm (the request joins the build)
+  p = plan({1, 2}, {true, true}, engine::SpliceMode::Hypic, 0, {true, true});
+  CHECK(p.roles == std::vector<R>{R::Warm, R::Warm});
+}
+
 TEST_CASE("segment plan: full and prefix modes splice no entries", "[router][plan]") {
   for (auto mode : {engine::SpliceMode::Full, engine::SpliceMode::Prefix}) {
     const auto p = plan({1, 1, 2}, {false, true, false}, mode, 1);
@@ -65,5 +80,6 @@ TEST_CASE("segment plan: full and prefix modes splice no entries", "[router][pla
 TEST_CASE("segment plan: bad input is refused", "[router][plan]") {
   CHECK_THROWS_AS(plan({1, 2}, {false}, engine::SpliceMode::Hypic), std::invalid_argument);
   CHECK_THROWS_AS(plan({1}, {false}, engine::SpliceMode::Hypic, -1), std::invalid_argument);
+  CHECK_THROWS_AS(plan({1, 2}, {false, true}, engine::SpliceMode::Hypic, 1, {true}), std::invalid_argument);
   CHECK(plan({}, {}, engine::SpliceMode::Hypic, 2).roles.empty());
 }
