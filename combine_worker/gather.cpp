@@ -669,14 +669,7 @@ void CombineService::gather(const std::shared_ptr<Pending>& p, const v1::Combine
   std::vector<std::pair<size_t, std::string>> local;
   for (size_t i = 0; i < p->slots.size(); ++i)
     if (p->slots[i].planned == v1::PlannedSegment::LOCAL) local.emplace_back(i, req.segments(int(i)).reason());
-  std::vector<size_t> joining;  // WARM slots being built here (ENTRY_TIER_BUILDING): fetch_warm would join the build
-  {
-    std::lock_guard<std::mutex> lock(local_mu_);
-    for (size_t i = 0; i < p->slots.size(); ++i)
-      if (p->slots[i].planned == v1::PlannedSegment::WARM && local_builds_.contains(p->slots[i].digest))
-        joining.push_back(i);
-  }
-  if (answer_cold_in_full(*p, fetch, local, joining)) return;
+  if (answer_cold_in_full(*p, fetch, local)) return;
   for (size_t i = 0; i < p->slots.size(); ++i) {
     if (p->slots[i].planned == v1::PlannedSegment::WARM) warm.push_back(i);
     if (p->slots[i].planned == v1::PlannedSegment::WHOLE) {  // recomputed whole from its ids: nothing to wait for

@@ -478,9 +478,16 @@ void CombineService::answer_in_full(Pending& p, Fetchers& fetch, const std::stri
 }
 
 bool CombineService::answer_cold_in_full(Pending& p, Fetchers& fetch,
-                                         const std::vector<std::pair<size_t, std::string>>& local,
-                                         const std::vector<size_t>& joining) {
-  if (!opt_.staged_cold_in_full || !p.stage_blocks.load() || (local.empty() && joining.empty())) return false;
+                                         const std::vector<std::pair<size_t, std::string>>& local) {
+  if (!opt_.staged_cold_in_full || !p.stage_blocks.load()) return false;
+  std::vector<size_t> joining;  // WARM slots being built here (ENTRY_TIER_BUILDING): fetch_warm would join the build
+  {
+    std::lock_guard<std::mutex> lock(local_mu_);
+    for (size_t i = 0; i < p.slots.size(); ++i)
+      if (p.slots[i].planned == v1::PlannedSegment::WARM && local_builds_.contains(p.slots[i].digest))
+        joining.push_back(i);
+  }
+  if (local.empty() && joining.empty()) return false;
   StagedColdCase c;
   int64_t prompt_tokens = int64_t(p.query.size());
   for (const Slot& s : p.slots) prompt_tokens += int64_t(s.ids.size());  // (ids are immutable after registration)

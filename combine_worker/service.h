@@ -199,14 +199,13 @@ class CombineService final : public hypic::v1::CombineWorker::Service {
   // `note` added to every segment's note; how many entries were let go.
   size_t switch_to_full(Pending& p, Fetchers& fetch, const std::string& note);
   // --staged-cold-policy auto, for a request whose entries are staged (after plan_entry_room) with cold segments to
-  // prefill here (`local`: LOCAL slots) or warm ones whose build here it would join (`joining`: WARM slots being built
-  // on this worker, ENTRY_TIER_BUILDING, counted whole: how far a build got is not known): when
+  // prefill here (`local`: LOCAL slots) or warm ones whose build here it would join (WARM slots being built on this
+  // worker, ENTRY_TIER_BUILDING, counted whole: how far a build got is not known): when
   // FetchCostModel::plan_staged_cold says a full prefill of the prompt is sooner than building them and staging every
   // entry, answers it so (switch_to_full), its LOCAL, WHOLE and joined segments marked build_after (their entries built
   // after the first token, or the builds in flight kept, CombineService::splice); logged, noted, counted in
   // hypic:combine_staged_cold_in_full_total. True when it did.
-  bool answer_cold_in_full(Pending& p, Fetchers& fetch, const std::vector<std::pair<size_t, std::string>>& local,
-                           const std::vector<size_t>& joining);
+  bool answer_cold_in_full(Pending& p, Fetchers& fetch, const std::vector<std::pair<size_t, std::string>>& local);
   // Where a request's entries go, decided before any fetch or build starts (a device backend only): when the entries
   // it lacks (not in the device tier, not repeats or refresh-tail segments) need more device memory than is free,
   // waiting to be freed and held by the device tier together, they are staged by the splice from pinned host blocks
