@@ -16,7 +16,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <type_traits>
 
 #include "kernels/cuda/chain_tile.cuh"
 #include "kernels/cuda/chain_wgmma.h"
@@ -37,17 +36,8 @@ constexpr int kLdT = D + 4;           // staging row stride (floats): the fragme
 constexpr int kStageBytes = D * kLdT * 4;
 constexpr int kLdRf = BN + 8;  // low-rank steps: R in fp32 [128][kLdRf] (the tile's float2 stores conflict-free)
 constexpr int kLowRankBytes = (D * kLdRf + kChainLowRankSmemFloats) * 4 + kChainLowRankRawBytes;
-// (LR, HYPIC_CHAIN_LR_FUSE) a low-rank step of at most kFuseMaxLen tokens deferred into the full step after it: W rows
-// as the A operand of Y = W R ([64][128] tf32, 128-byte swizzled, rows >= the step's length unused), K~ hi and lo as
-// the B operand of P = T K~^T ([16][128] each, swizzled as [8][128] when the step has at most 8 tokens), P fp32
-// [128][kLdP], Y - U fp32 [16][32] and the step's gamma (+ padding) for the full step's epilogue.
-constexpr int kFuseMaxLen = 16, kLdP = kFuseMaxLen + 4;
-constexpr int kFuseWBytes = 64 * D * 4, kFuseKBytes = kFuseMaxLen * D * 4;
-constexpr int kFuseBytes = kFuseWBytes + 2 * kFuseKBytes + (D * kLdP + kFuseMaxLen * BN + 4) * 4;
 // Shared memory of the kernel without / with low-rank steps (+ slack for the 1024-byte alignment).
-constexpr int kSmem = 2 * kRBytes + kStageBytes + 1024, kSmemLowRank = kSmem + kFuseBytes + kLowRankBytes;
-static_assert(kSmemLowRank <= 227 * 1024, "affine_chain_wgmma_kernel<true>: shared memory over the SM's 227 KB");
-static_assert((2 * kRBytes + kStageBytes) % 1024 == 0, "the fused step's operands start 1024-byte aligned");
+constexpr int kSmem = 2 * kRBytes + kStageBytes + 1024, kSmemLowRank = kSmem + kLowRankBytes;
 constexpr int KS = D / 8;  // k steps of 8
 
 // Byte offset of the 16-byte unit `unit` (k = 4 unit .. 4 unit + 3) of row `row` in a [ROWS][128] tf32 tile stored as
@@ -71,48 +61,13 @@ __device__ __forceinline__ void wgmma_m64n32k8_tf32_rs(float (&d)[4][4], const u
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
 }
 
-// d (64 x 32 fp32) += A (64 x 8 tf32, K-major in shared memory, descriptor da) * B (8 x 32, descriptor db):
-// wgmma.mma_async m64n32k8, both operands from shared memory. Issued, not waited for.
-__device__ __forceinline__ void wgmma_m64n32k8_tf32_ss(float (&d)[4][4], uint64_t da, uint64_t db) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n32k8.f32.tf32.tf32 "
-      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, p, 1, 1;\n}\n"
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
-        "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
-        "+f"(d[3][2]), "+f"(d[3][3])
-      : "l"(da), "l"(db));
-}
-
-// d (64 x 8 NB fp32, NB = 1 or 2) += A (64 x 8 tf32 in registers, as wgmma_m64n32k8_tf32_rs) * B (8 x 8 NB, K-major in
-// shared memory, descriptor db): wgmma.mma_async m64n8k8 / m64n16k8. Issued, not waited for.
-template <int NB>
-__device__ __forceinline__ void wgmma_m64nk8_tf32_rs(float (&d)[2][4], const uint32_t (&a)[4], uint64_t db) {
-  if constexpr (NB == 1) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n8k8.f32.tf32.tf32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, %8, p, 1, 1;\n}\n"
-        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
-  } else {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n16k8.f32.tf32.tf32 {%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, p, 1, 1;"
-        "\n}\n"
-        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
-          "+f"(d[1][3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
-  }
-}
-
 // LR: the chain has low-rank steps (their shared memory and code; without, a step with lr_len > 0 traps).
 template <bool LR>
 __global__ void __launch_bounds__(256, 1) affine_chain_wgmma_kernel(int steps_per_chain,
                                                                     const AffineStep* __restrict__ steps,
                                                                     const float* const* __restrict__ init,
                                                                     float* const* __restrict__ final_states,
-                                                                    ChainLowRankFactors lr, int lr_prefetch,
-                                                                    int lr_fuse) {
+                                                                    ChainLowRankFactors lr, int lr_prefetch) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int NT = BN / 8;  // accumulator tiles (8 columns) per warp
   extern __shared__ __align__(16) unsigned char chain_raw[];
@@ -120,12 +75,7 @@ __global__ void __launch_bounds__(256, 1) affine_chain_wgmma_kernel(int steps_pe
   unsigned char* sRh = base;  // R^T hi, lo: [32 columns][128 k], swizzled
   unsigned char* sRl = sRh + kRBytes;
   float* sStage = reinterpret_cast<float*>(sRl + kRBytes);  // the next step's T, fp32 [128][kLdT]
-  unsigned char* sWt = reinterpret_cast<unsigned char*>(sStage + D * kLdT);  // (LR) a deferred step's operands
-  unsigned char* sKh = sWt + kFuseWBytes;
-  unsigned char* sKl = sKh + kFuseKBytes;
-  float* sP = reinterpret_cast<float*>(sKl + kFuseKBytes);
-  float* sY = sP + D * kLdP;
-  float* sRf = sY + kFuseMaxLen * BN + 4;  // (LR) low-rank steps: R in fp32, then their staging
+  float* sRf = sStage + D * kLdT;                           // (LR) low-rank steps: R in fp32, then their staging
   float* sLr = sRf + D * kLdRf;
   unsigned char* sRaw = reinterpret_cast<unsigned char*>(sLr + kChainLowRankSmemFloats);  // a prefetched step's factors
   const uint32_t aRh = smem_u32(sRh), aRl = smem_u32(sRl);
@@ -190,19 +140,11 @@ __global__ void __launch_bounds__(256, 1) affine_chain_wgmma_kernel(int steps_pe
   // when the descriptor read at the top is surely in, measured slower: 151.6 against 137.0 us per splice chain, H100.)
   int staged = -1;
   int prefetched = -1;  // (LR) the low-rank step whose first factors sRaw holds (fetched during the step before it)
-  // (LR, lr_fuse) A low-rank step deferred into the full step after it (HYPIC_CHAIN_LR_FUSE): R <- alpha T (gamma R -
-  // K~^T Y) + S = alpha (gamma (T R) - P Y) + S with Y = W R - U and P = T K~^T, both computed in the low-rank step
-  // (on the tensor cores: Y from the R copy the previous step left, P from the next T, staged and landed by then) and
-  // kept in shared memory; the full step then multiplies T R as any other and subtracts P Y in its epilogue.
-  // Deferred: a step of 1 .. kFuseMaxLen tokens with its factors prefetched, no out, followed by a full step with a T.
-  // Chosen when its factors' prefetch is issued (the step before it), where the descriptors are in hand.
-  int defer_at = -2;  // the step to defer (-2: never a step s or s - 1 unless chosen)
   for (int s = 0; s < steps_per_chain; ++s) {
     const AffineStep after = s + 2 < steps_per_chain ? chain[s + 2] : AffineStep{};
     if constexpr (!LR) {
       if (st.lr_len > 0) __trap();  // (a low-rank step in a chain given no factors: affine_chain documents the trap)
     }
-    const bool defer = LR && defer_at == s, fused = LR && defer_at == s - 1;  // (fused: the step after a deferred one)
     if (staged < 0) {  // lands while this step multiplies
       if (nxt.T) {
         stage_T(nxt.T);
@@ -216,104 +158,11 @@ __global__ void __launch_bounds__(256, 1) affine_chain_wgmma_kernel(int steps_pe
     if (LR && lr_prefetch && st.lr_len <= 0 && nxt.lr_len > 0) {
       chain_low_rank_prefetch(sRaw, lr, nxt, c0, h, tid);
       prefetched = s + 1;
-      if (lr_fuse && nxt.lr_len <= kFuseMaxLen && !nxt.out && after.T && after.lr_len <= 0 && staged == s + 2)
-        defer_at = s + 1;
     }
     cp_async_commit();
     tile.load_S(sv_next, nxt.S);
     float acc[NT][4];
-    if (defer) {
-      // Operands from the prefetched factors (landed: the previous step waited for every copy): W rows as tf32 (bf16,
-      // exact), K~ = kf k split; the next T's fragments from the staging buffer (landed the same way).
-      const int len = st.lr_len;
-      const bf16* rw = reinterpret_cast<const bf16*>(sRaw);
-      const bf16* rk = reinterpret_cast<const bf16*>(sRaw + 4096);
-      const float* rkf = reinterpret_cast<const float*>(sRaw + 9216);
-      for (int i = tid; i < len * D; i += 256) {
-        const int tt = i >> 7, k = i & (D - 1);
-        *reinterpret_cast<float*>(sWt + sw128<64>(tt, k >> 2) + (k & 3) * 4) = __bfloat162float(rw[i]);
-        uint32_t hi, lo;
-        split_tf32(rkf[tt] * __bfloat162float(rk[i]), hi, lo);
-        const uint32_t o = (len <= 8 ? sw128<8>(tt, k >> 2) : sw128<16>(tt, k >> 2)) + (k & 3) * 4;
-        *reinterpret_cast<uint32_t*>(sKh + o) = hi;
-        *reinterpret_cast<uint32_t*>(sKl + o) = lo;
-      }
-      if (tid == 0) sY[kFuseMaxLen * BN] = __expf(reinterpret_cast<const float*>(sRaw + 9280)[lr.gamma_at & 3]);
-      if (tid == 0) reinterpret_cast<int*>(sY)[kFuseMaxLen * BN + 1] = len;
-      fence_proxy_async();
-      __syncthreads();  // the operands visible to wgmma
-      const uint32_t aKh = smem_u32(sKh), aKl = smem_u32(sKl), aW = smem_u32(sWt);
-      if (warp < 4) {  // Y = W R_hi + W R_lo (W exact in tf32): warpgroup 0, rows t of its 64 (those < len used)
-        float y[NT][4];
-#pragma unroll
-        for (int n = 0; n < NT; ++n)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) y[n][i] = 0.f;
-        pin<NT>(y);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < KS; ++kk) {
-          const uint32_t kb = (kk >> 2) * (BN * 128) + (kk & 3) * 32;
-          const uint64_t dW = sw128_desc(aW + (kk >> 2) * (64 * 128) + (kk & 3) * 32, 16, 1024);
-          wgmma_m64n32k8_tf32_ss(y, dW, sw128_desc(aRh + kb, 16, 1024));
-          wgmma_m64n32k8_tf32_ss(y, dW, sw128_desc(aRl + kb, 16, 1024));
-        }
-        wgmma_commit();
-        load_frags();  // (while Y multiplies)
-        wgmma_wait<0>();
-        pin<NT>(y);
-        if (warp == 0) {  // Y - U, rows t < len (U^T bf16 [32 columns][16 tokens] in the prefetched factors)
-          const bf16* ru = reinterpret_cast<const bf16*>(sRaw + 8192);
-#pragma unroll
-          for (int n = 0; n < NT; ++n)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              const int tt = g + 8 * (i >> 1), col = 8 * n + 2 * t + (i & 1);
-              if (tt < len) sY[tt * BN + col] = y[n][i] - __bfloat162float(ru[col * kChainLowRankTile + tt]);
-            }
-        }
-      } else {
-        load_frags();
-      }
-      staged = -1;  // (refilled at the next step's top, behind this step's barrier)
-      float p[2][4], pc[2][4];  // P (this warpgroup's 64 rows) = T K~^T in 3xTF32, as the main product
-#pragma unroll
-      for (int j = 0; j < 2; ++j)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) p[j][i] = pc[j][i] = 0.f;
-      pin<2>(p);
-      pin<2>(pc);
-      pin_u<KS>(th);
-      pin_u<KS>(tl);
-      wgmma_fence();
-      auto issue_P = [&](auto nb) {
-        constexpr int NB = decltype(nb)::value;
-#pragma unroll
-        for (int kk = 0; kk < KS; ++kk) {
-          const uint32_t kb = (kk >> 2) * (8 * NB * 128) + (kk & 3) * 32;
-          const uint64_t dKh = sw128_desc(aKh + kb, 16, 1024), dKl = sw128_desc(aKl + kb, 16, 1024);
-          wgmma_m64nk8_tf32_rs<NB>(pc, tl[kk], dKh);
-          wgmma_m64nk8_tf32_rs<NB>(pc, th[kk], dKl);
-          wgmma_m64nk8_tf32_rs<NB>(p, th[kk], dKh);
-        }
-      };
-      if (len <= 8)
-        issue_P(std::integral_constant<int, 1>{});
-      else
-        issue_P(std::integral_constant<int, 2>{});
-      wgmma_commit();
-      wgmma_wait<0>();
-      pin<2>(p);
-      pin<2>(pc);
-      pin_u<KS>(th);
-      pin_u<KS>(tl);
-#pragma unroll
-      for (int j = 0; j < 2; ++j)
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-          if (8 * j < len) sP[(m0 + g + 8 * (i >> 1)) * kLdP + 8 * j + 2 * t + (i & 1)] = p[j][i] + pc[j][i];
-      // (R is unchanged: cur and its split copy stay as the previous step left them)
-    } else if (LR && st.lr_len > 0) {  // a low-rank step on an fp32 copy of the block (behind the last barrier)
+    if (LR && st.lr_len > 0) {  // a low-rank step on an fp32 copy of the block (the previous step's barrier is behind)
       tile.to_smem(cur, sRf, kLdRf);
       chain_low_rank_step(sRf, kLdRf, sLr, c0, h, lr, st, tid, prefetched == s ? sRaw : nullptr);
       tile.from_smem(cur, sRf, kLdRf);
@@ -355,25 +204,6 @@ __global__ void __launch_bounds__(256, 1) affine_chain_wgmma_kernel(int steps_pe
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[n][i] = cur[n][i];
     }
-    if (fused) {  // the full step after a deferred one: acc <- gamma acc - P Y (t ascending)
-      const float* p0 = sP + (m0 + g) * kLdP;
-      const float* p1 = p0 + 8 * kLdP;
-      const float gamma = sY[kFuseMaxLen * BN];
-      const int flen = reinterpret_cast<const int*>(sY)[kFuseMaxLen * BN + 1];
-#pragma unroll
-      for (int n = 0; n < NT; ++n)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[n][i] *= gamma;
-      for (int tt = 0; tt < flen; ++tt) {
-        const float a0 = p0[tt], a1 = p1[tt];
-#pragma unroll
-        for (int n = 0; n < NT; ++n) {
-          const float2 yv = *reinterpret_cast<const float2*>(sY + tt * BN + 8 * n + 2 * t);
-          acc[n][0] = fmaf(-a0, yv.x, acc[n][0]), acc[n][1] = fmaf(-a0, yv.y, acc[n][1]);
-          acc[n][2] = fmaf(-a1, yv.x, acc[n][2]), acc[n][3] = fmaf(-a1, yv.y, acc[n][3]);
-        }
-      }
-    }
     if (!(LR && st.lr_len > 0)) tile.step(cur, acc, sv, st.alpha, st.out);
     if (st.out && nxt.S == st.out)  // the next step adds what this one wrote: read a step early, it was stale
 #pragma unroll
@@ -387,11 +217,9 @@ __global__ void __launch_bounds__(256, 1) affine_chain_wgmma_kernel(int steps_pe
         load_frags();
         staged = -1;
       }
-      if (!defer) {  // (a deferred step changed no R and read its fragments before its own barrier)
-        store_R(cur);
-        fence_proxy_async();
-        __syncthreads();  // the new R copy visible; every thread has read its fragments (the staging buffer is free)
-      }
+      store_R(cur);
+      fence_proxy_async();
+      __syncthreads();  // the new R copy visible; every thread has read its fragments (the staging buffer is free)
     }
     st = nxt;
     nxt = after;
@@ -423,15 +251,12 @@ void launch_affine_chain_wgmma(int num_chains, int heads, int steps_per_chain, c
     return 0;
   });
   const dim3 grid(static_cast<unsigned>(num_chains) * (D / BN), heads);
-  static CandidateSwitch lr_prefetch("HYPIC_CHAIN_LR_PREFETCH"), lr_fuse("HYPIC_CHAIN_LR_FUSE");
-  if (lr.W) {
-    const bool prefetch = lr_prefetch.on();
+  static CandidateSwitch lr_prefetch("HYPIC_CHAIN_LR_PREFETCH");
+  if (lr.W)
     affine_chain_wgmma_kernel<true><<<grid, 256, kSmemLowRank, stream>>>(steps_per_chain, steps, init, final_states, lr,
-                                                                         prefetch ? 1 : 0, prefetch && lr_fuse.on());
-  } else {
-    affine_chain_wgmma_kernel<false><<<grid, 256, kSmem, stream>>>(steps_per_chain, steps, init, final_states, lr,
-                                                                   0, 0);
-  }
+                                                                         lr_prefetch.on() ? 1 : 0);
+  else
+    affine_chain_wgmma_kernel<false><<<grid, 256, kSmem, stream>>>(steps_per_chain, steps, init, final_states, lr, 0);
   check_cuda(cudaGetLastError(), "affine_chain (wgmma) launch");
 }
 

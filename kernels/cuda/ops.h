@@ -110,10 +110,7 @@ struct AffineStep {
 /// ulp): pass nullptr for identity steps, which copy R exactly either way. HYPIC_CHAIN_MATH=fp32 selects fp32 FMA on
 /// the CUDA cores in a fixed k order. Low-rank steps (AffineStep::lr_len > 0) read `low_rank` (HOST pointer to the
 /// description, passed by value to the kernels; it must be given when any step has lr_len > 0: a kernel meeting such
-/// a step without it traps, a CUDA error), the same fp32 code in every arithmetic (except under the candidate
-/// HYPIC_CHAIN_LR_FUSE, where the wgmma chain defers a prefetched low-rank step of at most 16 tokens into the full step
-/// after it: R <- alpha (gamma T R - (T K~^T) Y) + S, the same products in another order, within ~1e-6 relative of the
-/// unfused chain; README "Kernel path switches"). Fewer than 2^29 chains. Throws
+/// a step without it traps, a CUDA error), the same fp32 code in every arithmetic. Fewer than 2^29 chains. Throws
 /// std::invalid_argument on bad sizes or a bad HYPIC_CHAIN_MATH.
 void affine_chain(int num_chains, int heads, int steps_per_chain, const AffineStep* steps, const float* const* init,
                   float* const* final_states, cudaStream_t stream = nullptr,

@@ -364,21 +364,6 @@ TEST_CASE("gdn_prefill with its products on wgmma (HYPIC_GDN_WY_WGMMA / _SCAN_WG
   }
 }
 
-// Random cached folds for the low-rank chain tests, over `hv` heads of 128 x 128 fp32: nf transitions T (0.9 I +
-// N(0, 0.1) entries), nf states S and the chain's initial state R0 (N(0, 0.3) entries), drawn in that order.
-struct RandomFolds {
-  std::vector<float> T, S, R0;
-};
-RandomFolds random_folds(std::mt19937& rng, int nf, int hv) {
-  const size_t mat = size_t(D) * D, per = size_t(hv) * mat;
-  std::normal_distribution<float> nd(0.f, 0.1f);
-  RandomFolds f{std::vector<float>(size_t(nf) * per), std::vector<float>(size_t(nf) * per), std::vector<float>(per)};
-  for (size_t i = 0; i < f.T.size(); ++i) f.T[i] = nd(rng) + ((i % mat) / D == (i % mat) % D ? 0.9f : 0.f);
-  for (auto& x : f.S) x = nd(rng) * 3.f;
-  for (auto& x : f.R0) x = nd(rng) * 3.f;
-  return f;
-}
-
 // A splice pass's Gated DeltaNet as the CUDA backend runs it with its seam windows as low-rank chain steps:
 // gdn_prefill_factors over every run (runs of 8, 1, 64, 0, 37, 5 tokens, then a 100-token query over two chunks), one
 // affine chain per arithmetic that takes each short run as a low-rank step (gdn_low_rank_step: R <- gamma R - K~^T
@@ -401,9 +386,11 @@ TEST_CASE("affine_chain's low-rank steps compose zero-start runs as the recurren
   DeviceBuffer<bf16> dq(qh), dk(kh), dv(vh);
   DeviceBuffer<float> dg(g), db(beta);
   const size_t mat = size_t(D) * D, per = size_t(hv) * mat;
-  const auto [Tf, Sf, R0] = random_folds(rng, nf, hv);
   std::normal_distribution<float> nd(0.f, 0.1f);
-  std::vector<float> init(size_t(n) * per);
+  std::vector<float> Tf(size_t(nf) * per), Sf(size_t(nf) * per), R0(per), init(size_t(n) * per);
+  for (size_t i = 0; i < Tf.size(); ++i) Tf[i] = nd(rng) + ((i % mat) / D == (i % mat) % D ? 0.9f : 0.f);
+  for (auto& x : Sf) x = nd(rng) * 3.f;
+  for (auto& x : R0) x = nd(rng) * 3.f;
   for (auto& x : init) x = nd(rng) * 3.f;
   DeviceBuffer<float> dTf(Tf), dSf(Sf), dR0(R0), dinit(init);
   DeviceBuffer<bf16> out_b(size_t(T) * hv * D), out_c(size_t(T) * hv * D);
@@ -567,119 +554,6 @@ TEST_CASE("affine_chain's low-rank steps compose zero-start runs as the recurren
   gpu::gdn_prefill(seams, ws_b);  // ... and now of the short runs alone
   CHECK_THROWS_AS(gpu::gdn_prefill(reuse, ws_b), std::invalid_argument);
   check_cuda(cudaDeviceSynchronize(), "low-rank steps, refusals");
-}
-
-// HYPIC_CHAIN_LR_FUSE (a candidate): the wgmma chain defers a low-rank step of at most 16 tokens into the full step
-// after it (Y = W R - U and P = T K~^T computed during the low-rank step, then R <- alpha (gamma T R - P Y) + S), a
-// chain in a splice's shape: an identity step writing the first run's state, then per seam run its low-rank step and
-// the cached segment's full step writing the next run's state. Runs of 8 and 16 tokens (one and two 8-token blocks of
-// P), 3, 12, 5 and 9 fused; 17 (over 16), 1 (its full step has no T) and a low-rank step whose factors were not
-// prefetched (after another low-rank step) take the unfused path. Against the unfused chain, which the test above holds
-// to the recurrence: every written state within 1e-5 (the same products summed in another order), and not bit for
-// bit (the fused path ran); both against the recurrence in double.
-TEST_CASE("affine_chain's low-rank steps deferred into the next full step (HYPIC_CHAIN_LR_FUSE) give the unfused "
-          "chain's states", "[gpu][gated_delta]") {
-  require_gpu();
-  cudaDeviceProp prop{};
-  check_cuda(cudaGetDeviceProperties(&prop, 0), "device properties");
-  if (prop.major != 9 || prop.minor != 0) {
-    WARN("not compute capability 9.0: the fused low-rank steps are the wgmma chain's; nothing to test here");
-    return;
-  }
-  std::mt19937 rng(97);
-  const int hk = 2, hv = 4;
-  const std::vector<int> lens = {8, 16, 3, 17, 1, 12, 5, 9, 64};  // (the last: the query, not a step)
-  const int n = int(lens.size()), nf = n - 1;
-  std::vector<int> cu(n + 1, 0);
-  for (int i = 0; i < n; ++i) cu[i + 1] = cu[i] + lens[i];
-  const int T = cu[n];
-  const auto [qf, kf, vf, g, beta, qh, kh, vh] = random_inputs(rng, T, hk, hv);
-  DeviceBuffer<bf16> dq(qh), dk(kh), dv(vh);
-  DeviceBuffer<float> dg(g), db(beta);
-  const size_t mat = size_t(D) * D, per = size_t(hv) * mat;
-  const auto [Tf, Sf, R0] = random_folds(rng, nf, hv);
-  DeviceBuffer<float> dTf(Tf), dSf(Sf), dR0(R0);
-  gpu::GdnPrefillArgs pass = make_args(n, cu.data(), hk, hv, dq.get(), dk.get(), dv.get(), dg.get(), db.get(),
-                                       nullptr, nullptr, nullptr);
-  pass.scale = 1.0f / std::sqrt(float(D));
-  gpu::GdnWorkspace ws;
-  gpu::gdn_prefill_factors(pass, ws);
-  const gpu::ChainLowRankFactors lrf = gpu::gdn_low_rank_factors(pass, ws);
-  // Steps (run i's state written to outs[i]): identity -> outs[0]; per seam run i: its low-rank step, then fold i
-  // (T = nullptr for the 1-token run's fold) -> outs[i + 1]; run 6 (5 tokens) is followed by run 7's low-rank step
-  // with no fold between (the second of two back to back is not prefetched, so not deferred), then fold 7.
-  DeviceBuffer<float> outs(size_t(n) * per);
-  std::vector<gpu::AffineStep> steps;
-  steps.push_back({nullptr, nullptr, outs.get(), 1.f});
-  std::vector<int> out_at;  // the run whose state each written step holds
-  out_at.push_back(0);
-  for (int i = 0; i < nf; ++i) {
-    steps.push_back(gpu::gdn_low_rank_step(pass, i));
-    if (i == 6) continue;
-    steps.push_back({lens[i] == 1 ? nullptr : dTf.get() + i * per, dSf.get() + i * per, outs.get() + (i + 1) * per,
-                     i == 2 ? 0.5f : 1.f});
-    out_at.push_back(i + 1);
-  }
-  const DeviceBuffer<gpu::AffineStep> dsteps(steps);
-  const DeviceBuffer<const float*> dinit_ptr(std::vector<const float*>{dR0.get()});
-  auto run_chain = [&](bool fuse) {  // every run's written state, then the final state
-    ScopedCandidate c("HYPIC_CHAIN_LR_FUSE", fuse);
-    ScopedCandidate p("HYPIC_CHAIN_LR_PREFETCH", true);
-    outs.poison();
-    DeviceBuffer<float> fin(per);
-    fin.poison();
-    const DeviceBuffer<float*> dfin_ptr(std::vector<float*>{fin.get()});
-    gpu::affine_chain(1, hv, int(steps.size()), dsteps.get(), dinit_ptr.get(), dfin_ptr.get(), nullptr,
-                      gpu::ChainMath::Tf32x3, &lrf);
-    check_cuda(cudaDeviceSynchronize(), "affine_chain, fused low-rank steps");
-    std::vector<float> all = outs.download();
-    const std::vector<float> f = fin.download();
-    all.insert(all.end(), f.begin(), f.end());
-    return all;
-  };
-  const std::vector<float> unfused = run_chain(false), fused = run_chain(true);
-  REQUIRE(unfused.size() == fused.size());
-  // The recurrence in double: per seam run its (T_run, S(run|0)) from the CPU, then the fold.
-  std::vector<double> R(R0.begin(), R0.end()), tmp(per);
-  std::vector<std::vector<double>> ref_at(n);
-  ref_at[0] = R;
-  auto apply = [&](const float* Tm, const float* Sm, double alpha, bool identity) {
-    for (int h = 0; h < hv; ++h)
-      for (int d = 0; d < D; ++d)
-        for (int e = 0; e < D; ++e) {
-          double acc = 0.0;
-          for (int m = 0; m < D; ++m)
-            acc += (identity ? (d == m ? 1.0 : 0.0) : double(Tm[h * mat + size_t(d) * D + m])) *
-                   R[h * mat + size_t(m) * D + e];
-          tmp[h * mat + size_t(d) * D + e] = alpha * acc + double(Sm[h * mat + size_t(d) * D + e]);
-        }
-    R.swap(tmp);
-  };
-  for (int i = 0; i < nf; ++i) {
-    std::vector<float> s_run(per, 0.f), t_run(per);
-    cpu_run(qf, kf, vf, g, beta, hk, hv, cu[i], lens[i], pass.scale, s_run.data(), nullptr, t_run.data());
-    apply(t_run.data(), s_run.data(), 1.0, false);
-    if (i == 6) continue;
-    apply(Tf.data() + i * per, Sf.data() + i * per, i == 2 ? 0.5 : 1.0, lens[i] == 1);
-    ref_at[i + 1] = R;
-  }
-  for (size_t w = 0; w < out_at.size() + 1; ++w) {
-    const bool last = w == out_at.size();
-    const size_t off = last ? size_t(n) * per : size_t(out_at[w]) * per;
-    const std::vector<double>& rd = last ? R : ref_at[out_at[w]];
-    const std::vector<float> ref(rd.begin(), rd.end());
-    const double e_fu = rel_err(fused.data() + off, unfused.data() + off, per);
-    const double e_ref = rel_err(fused.data() + off, ref.data(), per);
-    INFO((last ? std::string("final state") : "run " + std::to_string(out_at[w])) << ": fused vs unfused " << e_fu
-         << ", fused vs the recurrence " << e_ref << ", unfused vs the recurrence "
-         << rel_err(unfused.data() + off, ref.data(), per));
-    CHECK(e_fu <= 1e-5);
-    CHECK(e_ref <= 1e-2);  // (bf16 factors, as the test above)
-  }
-  CHECK_FALSE(same_bits(fused, unfused));
-  // The run states before the first deferred step are the same bits (nothing fused yet).
-  CHECK(same_bits(std::vector<float>(fused.begin(), fused.begin() + per),
-                  std::vector<float>(unfused.begin(), unfused.begin() + per)));
 }
 
 TEST_CASE("gdn_prefill keeps its plan across calls of one shape and replays from a CUDA graph",
