@@ -37,7 +37,19 @@ constexpr int kStageBytes = D * kLdT * 4;
 constexpr int kLdRf = BN + 8;  // low-rank steps: R in fp32 [128][kLdRf] (the tile's float2 stores conflict-free)
 constexpr int kLowRankBytes = (D * kLdRf + kChainLowRankSmemFloats) * 4 + kChainLowRankRawBytes;
 // Shared memory of the kernel without / with low-rank steps (+ slack for the 1024-byte alignment).
-constexpr int kSmem = 2 * kRBytes + kStageBytes + 1024, kSmemLowRank = kSmem + kLowRankBytes;
+// The step descriptors two ahead, fetched a step earlier still by cp.async into a ring of 4 (kDescBytes).
+constexpr int kDescBytes = 4 * int(sizeof(AffineStep)) <= 256 ? 256 : -1;
+constexpr int kSmem = 2 * kRBytes + kStageBytes + kDescBytes + 1024, kSmemLowRank = kSmem + kLowRankBytes;
+static_assert(sizeof(AffineStep) % 8 == 0 && alignof(AffineStep) == 8, "descriptors copied 8 bytes at a time");
+
+// The step descriptor d (global memory, 8-byte aligned) into shared memory by 8-byte cp.async (one thread; the caller
+// commits).
+__device__ __forceinline__ void copy_desc_async(AffineStep* dst, const AffineStep* d) {
+#pragma unroll
+  for (int i = 0; i < int(sizeof(AffineStep)) / 8; ++i)
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_u32(reinterpret_cast<char*>(dst) + 8 * i)),
+                 "l"(reinterpret_cast<const char*>(d) + 8 * i));
+}
 constexpr int KS = D / 8;  // k steps of 8
 
 // Byte offset of the 16-byte unit `unit` (k = 4 unit .. 4 unit + 3) of row `row` in a [ROWS][128] tf32 tile stored as
@@ -61,8 +73,10 @@ __device__ __forceinline__ void wgmma_m64n32k8_tf32_rs(float (&d)[4][4], const u
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
 }
 
-// LR: the chain has low-rank steps (their shared memory and code; without, a step with lr_len > 0 traps).
-template <bool LR>
+// LR: the chain has low-rank steps (their shared memory and code; without, a step with lr_len > 0 traps). V2
+// (HYPIC_CHAIN_SMEM_DESC, a candidate): shared memory addressed as such (LDS / STS instead of generic loads and stores)
+// and the step descriptors fetched into shared memory a step earlier; the same arithmetic, the same bits.
+template <bool LR, bool V2>
 __global__ void __launch_bounds__(256, 1) affine_chain_wgmma_kernel(int steps_per_chain,
                                                                     const AffineStep* __restrict__ steps,
                                                                     const float* const* __restrict__ init,
@@ -71,11 +85,17 @@ __global__ void __launch_bounds__(256, 1) affine_chain_wgmma_kernel(int steps_pe
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int NT = BN / 8;  // accumulator tiles (8 columns) per warp
   extern __shared__ __align__(16) unsigned char chain_raw[];
-  unsigned char* base = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(chain_raw) + 1023) & ~uintptr_t(1023));
+  // (offset from the __shared__ array itself, not through an integer: the compiler then knows every pointer below is
+  // shared memory and emits LDS / STS; through uintptr_t they were generic loads and stores, each a long-scoreboard
+  // wait in Nsight Compute's samples of this kernel)
+  unsigned char* base =
+      V2 ? chain_raw + ((1024u - (smem_u32(chain_raw) & 1023u)) & 1023u)
+         : reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(chain_raw) + 1023) & ~uintptr_t(1023));
   unsigned char* sRh = base;  // R^T hi, lo: [32 columns][128 k], swizzled
   unsigned char* sRl = sRh + kRBytes;
   float* sStage = reinterpret_cast<float*>(sRl + kRBytes);  // the next step's T, fp32 [128][kLdT]
-  float* sRf = sStage + D * kLdT;                           // (LR) low-rank steps: R in fp32, then their staging
+  AffineStep* sDesc = reinterpret_cast<AffineStep*>(sStage + D * kLdT);  // step s + 2's descriptor at (s + 2) % 4
+  float* sRf = sStage + D * kLdT + kDescBytes / 4;  // (LR) low-rank steps: R in fp32, then their staging
   float* sLr = sRf + D * kLdRf;
   unsigned char* sRaw = reinterpret_cast<unsigned char*>(sLr + kChainLowRankSmemFloats);  // a prefetched step's factors
   const uint32_t aRh = smem_u32(sRh), aRl = smem_u32(sRl);
@@ -119,9 +139,12 @@ __global__ void __launch_bounds__(256, 1) affine_chain_wgmma_kernel(int steps_pe
   float cur[NT][4];
   tile.load(cur, init ? init[c] : nullptr);
   // Every global read a step depends on is issued a step ahead: the step descriptors two ahead (the next T's address
-  // is then in hand when its copy starts), the next step's T (into the staging buffer) and S (its 32 columns).
+  // is then in hand when its copy starts; fetched into shared memory a step before that, so that reading one is no
+  // L2 round trip at the top of a step: Nsight Compute found the step's first instructions waiting on that load), the
+  // next step's T (into the staging buffer) and S (its 32 columns).
   AffineStep st = steps_per_chain > 0 ? chain[0] : AffineStep{};
   AffineStep nxt = steps_per_chain > 1 ? chain[1] : AffineStep{};
+  if (V2 && tid == 0 && steps_per_chain > 2) copy_desc_async(sDesc + 2, chain + 2);
   float2 sv[NT][2], sv_next[NT][2];
   tile.load_S(sv, st.S);
   if (st.T) {
@@ -132,6 +155,10 @@ __global__ void __launch_bounds__(256, 1) affine_chain_wgmma_kernel(int steps_pe
     load_frags();
   }
   store_R(cur);
+  if constexpr (V2) {
+    cp_async_commit();
+    cp_async_wait<0>();  // (step 2's descriptor)
+  }
   fence_proxy_async();  // the generic-proxy stores above are read by wgmma (async proxy)
   __syncthreads();      // (also: every thread has read its fragments before the staging buffer is refilled)
   // The step whose T sits (or lands) in the staging buffer, not yet in fragments (-1: the buffer is free). When the
@@ -141,7 +168,9 @@ __global__ void __launch_bounds__(256, 1) affine_chain_wgmma_kernel(int steps_pe
   int staged = -1;
   int prefetched = -1;  // (LR) the low-rank step whose first factors sRaw holds (fetched during the step before it)
   for (int s = 0; s < steps_per_chain; ++s) {
-    const AffineStep after = s + 2 < steps_per_chain ? chain[s + 2] : AffineStep{};
+    const AffineStep after = s + 2 >= steps_per_chain ? AffineStep{} : V2 ? sDesc[(s + 2) & 3] : chain[s + 2];
+    // (V2: lands by the end of this step's copies, which the step waits for before the next one reads it)
+    if (V2 && tid == 0 && s + 3 < steps_per_chain) copy_desc_async(sDesc + ((s + 3) & 3), chain + s + 3);
     if constexpr (!LR) {
       if (st.lr_len > 0) __trap();  // (a low-rank step in a chain given no factors: affine_chain documents the trap)
     }
@@ -242,21 +271,23 @@ void launch_affine_chain_wgmma(int num_chains, int heads, int steps_per_chain, c
                                cudaStream_t stream) {
   static DeviceOnce once;
   once.run(current_device(), [](int) {
-    check_cuda(cudaFuncSetAttribute(affine_chain_wgmma_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    kSmem),
-               "affine_chain (wgmma) smem opt-in");
-    check_cuda(cudaFuncSetAttribute(affine_chain_wgmma_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    kSmemLowRank),
-               "affine_chain (wgmma, low-rank steps) smem opt-in");
+    auto allow = [](const void* kernel, int bytes) {
+      check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
+                 "affine_chain (wgmma) smem opt-in");
+    };
+    allow(reinterpret_cast<const void*>(affine_chain_wgmma_kernel<false, false>), kSmem);
+    allow(reinterpret_cast<const void*>(affine_chain_wgmma_kernel<false, true>), kSmem);
+    allow(reinterpret_cast<const void*>(affine_chain_wgmma_kernel<true, false>), kSmemLowRank);
+    allow(reinterpret_cast<const void*>(affine_chain_wgmma_kernel<true, true>), kSmemLowRank);
     return 0;
   });
   const dim3 grid(static_cast<unsigned>(num_chains) * (D / BN), heads);
-  static CandidateSwitch lr_prefetch("HYPIC_CHAIN_LR_PREFETCH");
-  if (lr.W)
-    affine_chain_wgmma_kernel<true><<<grid, 256, kSmemLowRank, stream>>>(steps_per_chain, steps, init, final_states, lr,
-                                                                         lr_prefetch.on() ? 1 : 0);
-  else
-    affine_chain_wgmma_kernel<false><<<grid, 256, kSmem, stream>>>(steps_per_chain, steps, init, final_states, lr, 0);
+  static CandidateSwitch lr_prefetch("HYPIC_CHAIN_LR_PREFETCH"), smem_desc("HYPIC_CHAIN_SMEM_DESC");
+  const bool v2 = smem_desc.on();
+  const int prefetch = lr.W && lr_prefetch.on() ? 1 : 0;
+  auto kernel = lr.W ? (v2 ? affine_chain_wgmma_kernel<true, true> : affine_chain_wgmma_kernel<true, false>)
+                     : (v2 ? affine_chain_wgmma_kernel<false, true> : affine_chain_wgmma_kernel<false, false>);
+  kernel<<<grid, 256, lr.W ? kSmemLowRank : kSmem, stream>>>(steps_per_chain, steps, init, final_states, lr, prefetch);
   check_cuda(cudaGetLastError(), "affine_chain (wgmma) launch");
 }
 

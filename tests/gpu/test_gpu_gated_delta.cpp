@@ -441,11 +441,13 @@ TEST_CASE("affine_chain's low-rank steps compose zero-start runs as the recurren
   CHECK(gpu::affine_chain_low_rank_launches() == launches0 + 3);
   // HYPIC_CHAIN_LR_PREFETCH (a measured default: the wgmma chain fetching a low-rank step's factors during the step
   // before it): the same bits as reading them in the step, either way of the switch.
-  for (const bool prefetch : {false, true}) {
-    ScopedCandidate c("HYPIC_CHAIN_LR_PREFETCH", prefetch);
-    INFO("HYPIC_CHAIN_LR_PREFETCH " << prefetch);
-    CHECK(same_bits(run_chain(dsteps.get(), int(steps.size()), gpu::ChainMath::Tf32x3), finals[0]));
-  }
+  // HYPIC_CHAIN_SMEM_DESC (a candidate: shared memory addressed as such, descriptors fetched a step earlier): the same.
+  for (const bool prefetch : {false, true})
+    for (const bool smem_desc : {false, true}) {
+      ScopedCandidate c("HYPIC_CHAIN_LR_PREFETCH", prefetch), sd("HYPIC_CHAIN_SMEM_DESC", smem_desc);
+      INFO("HYPIC_CHAIN_LR_PREFETCH " << prefetch << ", HYPIC_CHAIN_SMEM_DESC " << smem_desc);
+      CHECK(same_bits(run_chain(dsteps.get(), int(steps.size()), gpu::ChainMath::Tf32x3), finals[0]));
+    }
   // The reference: R <- T_run R + S_run (the CPU recurrence's, from zero), then R <- Tf R + Sf, in double.
   std::vector<double> R(R0.begin(), R0.end()), tmp(per);
   for (int i = 0; i < nf; ++i) {
@@ -512,14 +514,14 @@ TEST_CASE("affine_chain's low-rank steps compose zero-start runs as the recurren
     std::vector<float> wgmma_bits;
     for (const gpu::ChainMath math : {gpu::ChainMath::Tf32x3, gpu::ChainMath::Tf32x3Mma, gpu::ChainMath::Fp32Fma})
       for (const bool prefetch : {false, true}) {
-        ScopedCandidate c("HYPIC_CHAIN_LR_PREFETCH", prefetch);
+        ScopedCandidate c("HYPIC_CHAIN_LR_PREFETCH", prefetch), sd("HYPIC_CHAIN_SMEM_DESC", prefetch);
         const std::vector<float> got = run_chain(dst2.get(), int(st2.size()), math);
         const double e = rel_err(got.data(), ref2.data(), per);
         INFO("back to back, math " << int(math) << ", prefetch " << prefetch << ": rel err " << e);
         CHECK(e <= 1e-2);
         if (math == gpu::ChainMath::Tf32x3) {
           if (wgmma_bits.empty()) wgmma_bits = got;
-          else CHECK(same_bits(got, wgmma_bits));  // (the prefetch gives the same bits)
+          else CHECK(same_bits(got, wgmma_bits));  // (the prefetch, and HYPIC_CHAIN_SMEM_DESC with it: the same bits)
         }
       }
   }

@@ -261,6 +261,21 @@ TEST_CASE("affine_chain folds (T, S) steps like the plain matrix products", "[op
       CHECK(eo <= 1e-5);
     }
   }
+  // HYPIC_CHAIN_SMEM_DESC (a candidate: the wgmma chain's shared memory addressed as such and its step descriptors
+  // fetched into shared memory a step earlier): the default's bits, final states and step-1 outputs.
+  std::vector<std::vector<float>> got[2];
+  for (const bool on : {false, true}) {
+    ScopedCandidate sc("HYPIC_CHAIN_SMEM_DESC", on);
+    for (auto& f : dfin) f.upload(std::vector<float>(M, std::nanf("")));
+    for (auto& o : dout) o.upload(std::vector<float>(M, std::nanf("")));
+    gpu::affine_chain(chains, heads, steps, reinterpret_cast<const gpu::AffineStep*>(dtable.get()), dinitp.get(),
+                      dfinp.get(), nullptr, gpu::ChainMath::Tf32x3);
+    for (int c = 0; c < chains; ++c) {
+      got[on].push_back(dfin[c].download());
+      got[on].push_back(dout[c].download());
+    }
+  }
+  for (size_t i = 0; i < got[0].size(); ++i) CHECK(same_bits(got[0][i], got[1][i]));
 }
 
 TEST_CASE("gather_rows, batched_copy, embed_gather and conversions are exact", "[ops]") {
