@@ -74,8 +74,8 @@ __device__ __forceinline__ void wgmma_m64n32k8_tf32_rs(float (&d)[4][4], const u
 }
 
 // LR: the chain has low-rank steps (their shared memory and code; without, a step with lr_len > 0 traps). V2
-// (HYPIC_CHAIN_SMEM_DESC, a candidate): shared memory addressed as such (LDS / STS instead of generic loads and stores)
-// and the step descriptors fetched into shared memory a step earlier; the same arithmetic, the same bits.
+// (HYPIC_CHAIN_SMEM_DESC, a measured default): shared memory addressed as such (LDS / STS instead of generic loads
+// and stores) and the step descriptors fetched into shared memory a step earlier; the same arithmetic, the same bits.
 template <bool LR, bool V2>
 __global__ void __launch_bounds__(256, 1) affine_chain_wgmma_kernel(int steps_per_chain,
                                                                     const AffineStep* __restrict__ steps,

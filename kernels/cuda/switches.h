@@ -17,8 +17,7 @@ inline constexpr const char* kCandidateSwitches[] = {
     "HYPIC_MOE_TAIL64",     "HYPIC_FUSE_NEXT_NORM",  "HYPIC_MOE_DECODE_DEEP", "HYPIC_ATTN_COMBINE_GROUPS",
     "HYPIC_FUSE_POST_NORM", "HYPIC_GDN_DECODE_NORM", "HYPIC_DECODE_LM_HEAD",  "HYPIC_MOE_PERSISTENT_LONG",
     "HYPIC_MOE_CLUSTER_PAIRS", "HYPIC_ATTN_SPLIT_WG_PLAN", "HYPIC_ATTN_DECODE_L2_AHEAD", "HYPIC_ATTN_DECODE_D_SPLIT",
-    "HYPIC_MLA_SEQ_CHUNKS", "HYPIC_ROUTE_SGATE_EARLY", "HYPIC_MOE_SWAP_AB", "HYPIC_MOE_SWAP_5D",
-    "HYPIC_CHAIN_SMEM_DESC"};
+    "HYPIC_MLA_SEQ_CHUNKS", "HYPIC_ROUTE_SGATE_EARLY", "HYPIC_MOE_SWAP_AB", "HYPIC_MOE_SWAP_5D"};
 /// Former candidates that a GPU session measured faster (H200, 2026-12-05: bench/results/candidates_ab_h200.md, the
 /// first six; bench/results/candidates_ab2_h200.md, the rest but the last three: bench/results/seam_fold_h100.md,
 /// bench/results/chain_lr_prefetch.md, bench/results/moe_warp_specialized.md on an H100, the two after them
@@ -26,10 +25,10 @@ inline constexpr const char* kCandidateSwitches[] = {
 /// an H100 on 2026-12-06 at shorter contexts, the H200 not lent, and the last two, the decode attention's plan, its
 /// third table, an H100 the same day; the last five, bench/results/decode_candidates_h100.md fourth to eighth
 /// tables, an H100 on 2026-12-06; the two after them, bench/results/gdn_scan_tma_h100.md, and the last three,
-/// bench/results/decode_early_ab_h100.md, an H100 on 2026-12-06; the last one, bench/results/gdn_scan_tma_all_h100.md,
-/// an H100 the same day) and made the default: on
-/// unless their variable is "0" /
-/// "off" (the old path, kept for side-by-side runs); HYPIC_CANDIDATES does not touch them.
+/// bench/results/decode_early_ab_h100.md, an H100 on 2026-12-06; the one after them,
+/// bench/results/gdn_scan_tma_all_h100.md, an H100 the same day; the last one, bench/results/chain_smem_desc_h100.md,
+/// an H100 on 2026-12-07) and made the default: on unless their variable is "0" / "off" (the old path, kept for
+/// side-by-side runs); HYPIC_CANDIDATES does not touch them.
 inline constexpr const char* kMeasuredDefaultSwitches[] = {
     "HYPIC_MOE_EPILOGUE_VEC",   "HYPIC_ROPE_TABLE",        "HYPIC_NORM_GATED_VEC", "HYPIC_CONV_NARROW",
     "HYPIC_ATTN_SPLIT_EXACT",   "HYPIC_DEVICE_SAMPLING",   "HYPIC_ATTN_CUDNN_BUCKETS", "HYPIC_ATTN_CUDNN_PREFIX",
@@ -40,7 +39,7 @@ inline constexpr const char* kMeasuredDefaultSwitches[] = {
     "HYPIC_DECODE_PDL_MIXERS",  "HYPIC_ARGMAX_CLUSTER",    "HYPIC_MOE_DOWN_EARLY",
     "HYPIC_GDN_STATE_EARLY",    "HYPIC_CONV_STATE_EARLY",  "HYPIC_GDN_SCAN_NO_L2_PREFETCH",
     "HYPIC_GDN_SCAN_TMA",       "HYPIC_ATTN_DECODE_KV_EARLY", "HYPIC_MOE_SHARED_EARLY",  "HYPIC_COMBINE_EARLY",
-    "HYPIC_GDN_SCAN_TMA_ALL"};
+    "HYPIC_GDN_SCAN_TMA_ALL",   "HYPIC_CHAIN_SMEM_DESC"};
 /// Whether `name` is one of kMeasuredDefaultSwitches (on by default).
 inline bool is_measured_default_switch(const char* name) {
   for (const char* c : kMeasuredDefaultSwitches)

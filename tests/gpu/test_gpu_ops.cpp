@@ -261,8 +261,8 @@ TEST_CASE("affine_chain folds (T, S) steps like the plain matrix products", "[op
       CHECK(eo <= 1e-5);
     }
   }
-  // HYPIC_CHAIN_SMEM_DESC (a candidate: the wgmma chain's shared memory addressed as such and its step descriptors
-  // fetched into shared memory a step earlier): the default's bits, final states and step-1 outputs.
+  // HYPIC_CHAIN_SMEM_DESC (a measured default: the wgmma chain's shared memory addressed as such and its step
+  // descriptors fetched into shared memory a step earlier): the old path's bits, final states and step-1 outputs.
   std::vector<std::vector<float>> got[2];
   for (const bool on : {false, true}) {
     ScopedCandidate sc("HYPIC_CHAIN_SMEM_DESC", on);
