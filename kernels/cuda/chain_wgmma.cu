@@ -282,7 +282,8 @@ void launch_affine_chain_wgmma(int num_chains, int heads, int steps_per_chain, c
     return 0;
   });
   const dim3 grid(static_cast<unsigned>(num_chains) * (D / BN), heads);
-  static CandidateSwitch lr_prefetch("HYPIC_CHAIN_LR_PREFETCH"), smem_desc("HYPIC_CHAIN_SMEM_DESC");
+  static CandidateSwitch lr_prefetch("HYPIC_CHAIN_LR_PREFETCH");
+  static CandidateSwitch smem_desc("HYPIC_CHAIN_SMEM_DESC");
   const bool v2 = smem_desc.on();
   const int prefetch = lr.W && lr_prefetch.on() ? 1 : 0;
   auto kernel = lr.W ? (v2 ? affine_chain_wgmma_kernel<true, true> : affine_chain_wgmma_kernel<true, false>)
