@@ -38,7 +38,8 @@ constexpr int kLdRf = BN + 8;  // low-rank steps: R in fp32 [128][kLdRf] (the ti
 constexpr int kLowRankBytes = (D * kLdRf + kChainLowRankSmemFloats) * 4 + kChainLowRankRawBytes;
 // Shared memory of the kernel without / with low-rank steps (+ slack for the 1024-byte alignment).
 // The step descriptors two ahead, fetched a step earlier still by cp.async into a ring of 4 (kDescBytes).
-constexpr int kDescBytes = 4 * int(sizeof(AffineStep)) <= 256 ? 256 : -1;
+constexpr int kDescBytes = 256;
+static_assert(4 * sizeof(AffineStep) <= kDescBytes, "the descriptor ring fits its bytes");
 constexpr int kSmem = 2 * kRBytes + kStageBytes + kDescBytes + 1024, kSmemLowRank = kSmem + kLowRankBytes;
 static_assert(sizeof(AffineStep) % 8 == 0 && alignof(AffineStep) == 8, "descriptors copied 8 bytes at a time");
 

@@ -441,8 +441,8 @@ TEST_CASE("affine_chain's low-rank steps compose zero-start runs as the recurren
   CHECK(gpu::affine_chain_low_rank_launches() == launches0 + 3);
   // HYPIC_CHAIN_LR_PREFETCH (a measured default: the wgmma chain fetching a low-rank step's factors during the step
   // before it): the same bits as reading them in the step, either way of the switch.
-  // HYPIC_CHAIN_SMEM_DESC (a measured default: shared memory addressed as such, descriptors fetched a step earlier): the
-  // same.
+  // HYPIC_CHAIN_SMEM_DESC (a measured default: shared memory addressed as such, descriptors fetched a step
+  // earlier): the same.
   for (const bool prefetch : {false, true})
     for (const bool smem_desc : {false, true}) {
       ScopedCandidate c("HYPIC_CHAIN_LR_PREFETCH", prefetch), sd("HYPIC_CHAIN_SMEM_DESC", smem_desc);
