@@ -423,9 +423,10 @@ std::vector<float> CudaBackend::run_pass(CudaSequence& s, const std::vector<Run>
   trace.uploaded(stream_);
   check_cuda(cudaMemcpyAsync(pre_.ids, tb.dev<int32_t>(t_ids), size_t(T) * 4, cudaMemcpyDeviceToDevice, stream_), "ids");
 
-  const kc::AttnGroups groups =
+  kc::AttnGroups groups =
       attn_groups(G, tb.dev<int>(t_qs), tb.dev<int>(t_s0), tb.dev<int>(t_bt), max_pages, T, max_q, int(top),
                   q_start.data(), slot0.data());
+  groups.shared_sequence = true;  // every group's row is s.pages_ (above)
   const MlaExpandPass mla_pass = mla_x.on ? mla_expand_pass(mla_x, tb, groups) : MlaExpandPass{};
   const int import_rows = kv.rows();
 

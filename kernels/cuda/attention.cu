@@ -620,9 +620,58 @@ __global__ void __launch_bounds__(kPlanThreads) attn_split_plan_kernel(const Att
         },
         s_w);
   }
+  int pairs = 0;
+  if (sa.pairs) {
+    // The paired kernel's entries (attn_split_pair_kernel): per (chunk c, KV head) the items that have work in chunk
+    // c (split_item true), group by group and row tile by row tile, each joined to the one before it when both
+    // groups' block-table rows name the same pages from the chunk's first slot to the smaller of their last slots
+    // (the tiles both read; the same group always), else entered alone. Chunk-major as `order`. One thread per
+    // (chunk, KV head) walks its items twice: to count its entries, then to write them.
+    auto walk = [&](int seg, int* out) {
+      const int c = seg / p.num_kv_heads, kvh = seg - c * p.num_kv_heads, start = c * sa.chunk_len;
+      int n = 0, pend = -1, pend_g = 0, pend_last = 0;
+      auto emit = [&](int a, int b) {
+        if (out) out[2 * n] = a, out[2 * n + 1] = b;
+        ++n;
+      };
+      auto same_pages = [&](int ga, int gb, int last) {
+        if (ga == gb) return true;
+        const int* ra = p.block_table + static_cast<size_t>(ga) * p.max_pages;
+        const int* rb = p.block_table + static_cast<size_t>(gb) * p.max_pages;
+        for (int pg = start / kBN; pg <= last / kBN; ++pg)
+          if (ra[pg] != rb[pg]) return false;
+        return true;
+      };
+      for (int g = 0; g < G; ++g) {
+        const int len = split_len(g);
+        if (!len || c >= n_chunks(g, len)) continue;
+        const int nc = n_chunks(g, len), nrt = n_rt(len), s0 = p.slot0[g], rows_all = len * p.ratio;
+        const int end = c == nc - 1 ? s0 + len : start + sa.chunk_len;
+        for (int rt = 0; rt < nrt; ++rt) {
+          const int R0 = rt * kSplitBM, tile_lim = s0 + (R0 + min(kSplitBM, rows_all - R0) - 1) / p.ratio;
+          if (start > tile_lim) continue;  // no work in this chunk (as split_item)
+          const int item = sa.item_off[g] + rt + nrt * (kvh + p.num_kv_heads * (nc - 1 - c));
+          const int last = min(end - 1, tile_lim);
+          if (pend >= 0 && same_pages(pend_g, g, min(pend_last, last))) {
+            emit(pend, item);
+            pend = -1;
+          } else {
+            if (pend >= 0) emit(pend, -1);
+            pend = item, pend_g = g, pend_last = last;
+          }
+        }
+      }
+      if (pend >= 0) emit(pend, -1);
+      return n;
+    };
+    pairs = plan_scan(
+        sa.nsplit * p.num_kv_heads, [&](int seg) { return walk(seg, nullptr); },
+        [&](int seg, int, int prefix) { walk(seg, sa.pairs + 2 * prefix); }, s_w);
+  }
   if (threadIdx.x == 0) {
     sa.item_off[G] = items;
     sa.qoff[G] = queries;
+    if (sa.pairs) *sa.num_pairs = pairs;
     *sa.counter = 0;
   }
 }
@@ -983,9 +1032,16 @@ struct SplitPlan {
   long items_bound = 0;  // work items at most
   long q_bound = 0;      // split-path queries at most (combine grid)
   int grid = 0;          // persistent blocks
-  size_t int_bytes = 0;  // item_off, qoff, counter, order (rounded up to 256 bytes)
+  bool pairs = false;    // the paired kernel runs it (split_pairs_wanted): the plan kernel writes sa.pairs
+  size_t int_bytes = 0;  // item_off, qoff, counter, order (+ pairs, num_pairs) (rounded up to 256 bytes)
   size_t bytes = 0;      // whole workspace
 };
+
+// The ints of the plan's tables: item_off and qoff [G + 1] each, counter, order [items], and with pairs the entries
+// [items][2] and their count; rounded up to 256 bytes.
+size_t split_int_bytes(long G, long items, bool pairs) {
+  return (static_cast<size_t>(2 * (G + 1) + 1 + items + (pairs ? 2 * items + 1 : 0)) * sizeof(int) + 255) / 256 * 256;
+}
 
 // A plan of nsplit chunks of chunk_len slots, `items` work items at most, q_bound split-path queries, over G groups
 // (use = false when the sizes overflow the kernels' int indexing).
@@ -999,7 +1055,7 @@ SplitPlan finish_split_plan(long G, long nsplit, long chunk_len, long items, lon
   sp.items_bound = items;
   sp.q_bound = q_bound;
   sp.grid = static_cast<int>(std::max(1L, std::min(items, resident)));
-  sp.int_bytes = (static_cast<size_t>(2 * (G + 1) + 1 + items) * sizeof(int) + 255) / 256 * 256;
+  sp.int_bytes = split_int_bytes(G, items, false);
   sp.bytes = sp.int_bytes + (nsplit > 1 ? static_cast<size_t>(items) * kSplitBM * (head_dim + 2) * sizeof(float) : 0);
   return sp;
 }
@@ -1069,14 +1125,43 @@ bool split_exact_on() {
 // The split plan of one call: exact from the host tables where given, HYPIC_ATTN_SPLIT_EXACT is on (the default) and the stream is not
 // being captured (a graph replays its plan's chunking and workspace with whatever tables its replays hold: only the
 // bound plan holds for all of them), else from bounds.
-SplitPlan plan_split(const char* fn, const AttnGroups& g, int num_heads, int num_kv_heads, int head_dim,
-                     cudaStream_t stream) {
+SplitPlan plan_split_chunks(const char* fn, const AttnGroups& g, int num_heads, int num_kv_heads, int head_dim,
+                            cudaStream_t stream) {
   if (g.q_start_host && g.slot0_host && split_exact_on()) {
     cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
     check_cuda(cudaStreamIsCapturing(stream, &capturing), "cudaStreamIsCapturing");
     if (capturing == cudaStreamCaptureStatusNone) return plan_split_exact(fn, g, num_heads, num_kv_heads, head_dim);
   }
   return plan_split_bound(g, num_heads, num_kv_heads, head_dim);
+}
+
+// Whether the paired split kernel runs the call's split path: HYPIC_ATTN_SPLIT_PAIR (a candidate) on, the caller's
+// groups windows of one sequence (AttnGroups::shared_sequence: the pairs it makes share their K / V tiles; the plan
+// kernel still checks the pages of each pair) and the wgmma split kernel available.
+bool split_pairs_wanted(const AttnGroups& g, int head_dim) {
+#if HYPIC_ATTN_WGMMA_BUILT
+  static CandidateSwitch pair("HYPIC_ATTN_SPLIT_PAIR");
+  return g.shared_sequence && pair.on() && wgmma_split_available(head_dim);
+#else
+  (void)g, (void)head_dim;
+  return false;
+#endif
+}
+
+// sp with the paired kernel's tables when split_pairs_wanted.
+SplitPlan with_pairs(SplitPlan sp, const AttnGroups& g, int head_dim) {
+  if (sp.use && split_pairs_wanted(g, head_dim)) {
+    const size_t ints = split_int_bytes(g.num_groups, sp.items_bound, true);
+    sp.bytes += ints - sp.int_bytes;
+    sp.int_bytes = ints;
+    sp.pairs = true;
+  }
+  return sp;
+}
+
+SplitPlan plan_split(const char* fn, const AttnGroups& g, int num_heads, int num_kv_heads, int head_dim,
+                     cudaStream_t stream) {
+  return with_pairs(plan_split_chunks(fn, g, num_heads, num_kv_heads, head_dim, stream), g, head_dim);
 }
 
 void check_groups(const char* fn, const AttnGroups& g) {
@@ -1152,7 +1237,9 @@ void launch_split(const AttnParams& p, const SplitArgs& sa, const AttnGroups& g,
   attn_split_plan_kernel<<<1, kPlanThreads, 0, stream>>>(p, sa);
   check_cuda(cudaGetLastError(), "attn_split_plan_kernel launch");
 #if HYPIC_ATTN_WGMMA_BUILT
-  if (wgmma_split_available(HD)) {  // Hopper: the wgmma split kernel (attention_wgmma.cu)
+  if (sa.pairs) {  // (split_pairs_wanted) two items per block over shared K / V tiles
+    launch_split_pair(p, sa, HD, sp.items_bound, stream);
+  } else if (wgmma_split_available(HD)) {  // Hopper: the wgmma split kernel (attention_wgmma.cu)
     launch_split_wgmma(p, sa, HD, sp.items_bound, stream);
   } else
 #endif
@@ -1175,6 +1262,10 @@ SplitArgs split_args(const AttnGroups& g, const SplitPlan& sp, unsigned char* ba
   sa.qoff = sa.item_off + (g.num_groups + 1);
   sa.counter = sa.qoff + (g.num_groups + 1);
   sa.order = sa.counter + 1;
+  if (sp.pairs) {
+    sa.pairs = sa.order + sp.items_bound;
+    sa.num_pairs = sa.pairs + 2 * sp.items_bound;
+  }
   if (sp.nsplit > 1) {
     sa.ws_acc = reinterpret_cast<float*>(base + sp.int_bytes);
     sa.ws_ml = sa.ws_acc + static_cast<size_t>(sp.items_bound) * kSplitBM * head_dim;
@@ -1476,13 +1567,21 @@ bool attention_split_wgmma_available(int head_dim) {
 #endif
 }
 
+uint64_t attention_split_pair_launches() {
+#if HYPIC_ATTN_WGMMA_BUILT
+  return detail::split_pair_launches();
+#else
+  return 0;
+#endif
+}
+
 void AttnDecodeWorkspace::reserve_prefill(const AttnGroups& g, int num_heads, int num_kv_heads, int head_dim) {
   const char* fn = "AttnDecodeWorkspace::reserve_prefill";
   check_groups(fn, g);
   check_heads(fn, num_heads, num_kv_heads);
   check_head_dim(fn, head_dim);
   // The bound plan: what a captured call runs (plan_split); eager calls with the exact plan grow the workspace.
-  const SplitPlan sp = plan_split_bound(g, num_heads, num_kv_heads, head_dim);
+  const SplitPlan sp = with_pairs(plan_split_bound(g, num_heads, num_kv_heads, head_dim), g, head_dim);
   if (sp.use) ensure(sp.bytes, nullptr, fn);
 }
 

@@ -58,6 +58,11 @@ struct AttnGroups {
   /// (see there); without them every group takes our kernels.
   const int* q_start_host = nullptr;
   const int* slot0_host = nullptr;
+  /// Host hint: the groups are windows of one sequence (every block-table row lists that sequence's pages: a
+  /// splice's seam windows and query). With HYPIC_ATTN_SPLIT_PAIR on, attention_prefill's split path then runs two
+  /// work items per block over shared K / V tiles (attention_common.cuh, launch_split_pair). Only the speed depends on
+  /// it: the plan kernel pairs two groups' items only where their block-table rows agree.
+  bool shared_sequence = false;
 };
 
 /// Varlen causal attention over the paged pool (FlashAttention-2 style: 128-query tiles of one head
@@ -149,6 +154,11 @@ int attention_decode_splits(int batch, int num_heads, int num_kv_heads, int head
 /// not "0" (tests, benchmarks: where the candidate HYPIC_ATTN_SPLIT_WG_PLAN changes the split plans). Host only; throws
 /// std::runtime_error on CUDA errors.
 bool attention_split_wgmma_available(int head_dim);
+
+/// Launches of the paired split kernel (HYPIC_ATTN_SPLIT_PAIR with AttnGroups::shared_sequence; attention_common.cuh,
+/// launch_split_pair) in this process, counted on the host as each is issued (a CUDA graph counts its launch once, at
+/// capture): lets a test tell which kernel ran. 0 in a build without the sm_90a kernels. Host only.
+uint64_t attention_split_pair_launches();
 
 /// attention_prefill with a workspace: the same result (up to fp32 summation order), faster for short
 /// groups over long contexts (the hypic splice: seam windows of a few tokens and a short query, each

@@ -76,6 +76,10 @@ struct SplitArgs {
   int* order;       // [items]: the k-th item a persistent block takes (attn_split_plan_kernel: chunk-major)
   int chunk_major;  // 0: order[k] = items - 1 - k instead (HYPIC_ATTN_SPLIT_ORDER=group, for comparisons)
   int* counter;     // work-item counter of the persistent split kernel (reset by the plan kernel)
+  // (HYPIC_ATTN_SPLIT_PAIR) [items][2]: entry k = two items of one KV head and chunk whose groups read the same pages
+  // there, or an item and -1 (attn_split_plan_kernel); null: the items one by one. num_pairs: the entry count.
+  int* pairs;
+  int* num_pairs;
   float* ws_acc;    // [item][kSplitBM][HD] partial accumulators
   float* ws_ml;     // [item][kSplitBM][2] partial (m in the log2 domain, l)
 };
@@ -346,6 +350,17 @@ bool wgmma_split_available(int head_dim);
 /// to bf16 against one running max per row where the mma.sync kernel keeps one per 32-slot half).
 /// Host only; requires wgmma_split_available(head_dim).
 void launch_split_wgmma(const AttnParams& p, const SplitArgs& sa, int head_dim, long max_items, cudaStream_t stream);
+
+/// Launches the paired split kernel (HYPIC_ATTN_SPLIT_PAIR, a candidate): min(max_items, resident blocks) persistent
+/// blocks of two warpgroups taking sa.pairs' entries (after attn_split_plan_kernel), each warpgroup one item's 64-row
+/// tile, both over the same 32-slot K / V tiles, loaded once per block (half the L2 -> shared-memory traffic of
+/// launch_split_wgmma when the groups share pages: a splice's seam windows and query), with each tile's S product
+/// issued beside the previous tile's P V (FlashAttention-3 section 3.2). Same items, partials and outputs as
+/// launch_split_wgmma, bit for bit. Host only; requires wgmma_split_available(head_dim) and sa.pairs.
+void launch_split_pair(const AttnParams& p, const SplitArgs& sa, int head_dim, long max_items, cudaStream_t stream);
+
+/// Launches of attn_split_pair_kernel issued in this process (launch_split_pair). Host only.
+uint64_t split_pair_launches();
 
 /// Blocks of the wgmma split kernel resident per SM at this head_dim (cudaOccupancyMaxActiveBlocksPerMultiprocessor
 /// after its shared-memory opt-in, asked once per device; at least 1): 2 at head_dim 256 on an H100 / H200 (97 KB of

@@ -16,6 +16,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <string>
@@ -522,17 +523,17 @@ static_assert(2 * SplitWgCfg<256>::kSmem <= 227 * 1024, "two split blocks per SM
 static_assert(kBN % SplitWgCfg<256>::kBT == 0, "KV tiles within one page");
 
 // K and V of the 32-slot tile `tile` (slots 32 tile .. 32 tile + 31, within page bt[32 tile / 64]) into the swizzled
-// buffers; slots beyond last_slot are zero-filled.
-template <int HD>
+// buffers by NT threads (tid < NT); slots beyond last_slot are zero-filled.
+template <int HD, int NT = SplitWgCfg<HD>::kThreads>
 __device__ __forceinline__ void load_kv32_sw(unsigned char* sK, unsigned char* sV, const AttnParams& p, const int* bt,
                                              int tile, int last_slot, int kvh, int tid) {
   using C = SplitWgCfg<HD>;
   const int slot_base = tile * C::kBT;
   const size_t row0 = static_cast<size_t>(bt[slot_base / kBN]) * kBN + slot_base % kBN;
-  static_assert((C::kBT * C::kUnits) % C::kThreads == 0, "whole passes");
+  static_assert((C::kBT * C::kUnits) % NT == 0, "whole passes");
 #pragma unroll
-  for (int it = 0; it < C::kBT * C::kUnits / C::kThreads; ++it) {
-    const int i = tid + it * C::kThreads, r = i / C::kUnits, u = i % C::kUnits;
+  for (int it = 0; it < C::kBT * C::kUnits / NT; ++it) {
+    const int i = tid + it * NT, r = i / C::kUnits, u = i % C::kUnits;
     const uint32_t so = sw128<C::kBT>(r, u);
     if (slot_base + r <= last_slot) {
       const size_t off = ((row0 + r) * p.num_kv_heads + kvh) * HD + u * 8;
@@ -542,6 +543,54 @@ __device__ __forceinline__ void load_kv32_sw(unsigned char* sK, unsigned char* s
       *reinterpret_cast<uint4*>(sK + so) = make_uint4(0, 0, 0, 0);
       *reinterpret_cast<uint4*>(sV + so) = make_uint4(0, 0, 0, 0);
     }
+  }
+}
+
+// The 64 Q rows of split item w (rows past its valid ones: zeros) into the swizzled buffer sQ by one warpgroup
+// (t = thread in the warpgroup); the caller commits.
+template <int HD>
+__device__ __forceinline__ void load_split_q(unsigned char* sQ, const AttnParams& p, const SplitItem& w, int t) {
+  constexpr int kUnits = HD / 8;
+#pragma unroll 4
+  for (int it = 0; it < kSplitBM * kUnits / 128; ++it) {
+    const int i = t + it * 128, r = i / kUnits, u = i % kUnits;
+    unsigned char* dst = sQ + sw128<kSplitBM>(r, u);
+    if (r < w.nrows) {
+      const int R = w.R0 + r, qi = R / p.ratio, hh = R - qi * p.ratio;
+      cp_async16(dst, p.q + (static_cast<size_t>(w.qs + qi) * p.num_heads + w.h0 + hh) * HD + u * 8);
+    } else {
+      *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
+// s = Q K^T of a 32-slot tile: Q (64 rows) at q_addr, K at k_addr, both swizzled in shared memory; m64n32k16 wgmmas,
+// issued, not committed.
+template <int HD>
+__device__ __forceinline__ void issue_s32(float (&s)[4][4], uint32_t q_addr, uint32_t k_addr) {
+#pragma unroll
+  for (int kk = 0; kk < HD / 16; ++kk) {
+    const uint64_t da = sw128_desc(q_addr + (kk >> 2) * (kSplitBM * 128) + (kk & 3) * 32, 16, 1024);
+    const uint64_t db = sw128_desc(k_addr + (kk >> 2) * (32 * 128) + (kk & 3) * 32, 16, 1024);
+    wgmma_m64n32k16_ss(s, da, db, kk > 0);
+  }
+}
+
+// A warpgroup's 64-row tile of split item `item` (w) from its accumulators: the row sums l reduced over the quad,
+// then each valid row's final output (one chunk) or the chunk's partial (m, l, acc) for the combine kernel.
+template <int HD>
+__device__ __forceinline__ void store_split_tile(const AttnParams& p, const SplitArgs& sa, const float (&o)[HD / 8][4],
+                                                 const float (&m)[2], float (&l)[2], const SplitItem& w, int item,
+                                                 int warp, int g, int c2) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = warp * 16 + g + r * 8;  // tile row
+    if (row < w.nrows) split_store_row<HD>(p, sa, o, r, m[r], l[r], row, w.qs, w.R0, w.h0, w.n_c, item, c2);
   }
 }
 
@@ -568,24 +617,15 @@ __global__ void __launch_bounds__(SplitWgCfg<HD>::kThreads, SplitWgCfg<HD>::kMin
     const int item = sa.order[k];
     SplitItem wi;
     if (!split_item(p, sa, item, wi)) continue;
-    const int qs = wi.qs, s0 = wi.s0, R0 = wi.R0, nrows = wi.nrows, h0 = wi.h0, kvh = wi.kvh;
+    const int s0 = wi.s0, R0 = wi.R0, kvh = wi.kvh;
     const int last_slot = wi.last_slot;
     const int j0 = wi.start / kBT;
     const int n_tiles = last_slot / kBT - j0 + 1;
     const int* bt = wi.bt;
 
     // Q rows (rows past the group: zeros) and KV tile j0: one commit group.
-#pragma unroll 4
-    for (int it = 0; it < kBM * C::kUnits / C::kThreads; ++it) {
-      const int i = tid + it * C::kThreads, r = i / C::kUnits, u = i % C::kUnits;
-      unsigned char* dst = sQ + sw128<kBM>(r, u);
-      if (r < nrows) {
-        const int R = R0 + r, qi = R / p.ratio, hh = R - qi * p.ratio;
-        cp_async16(dst, p.q + (static_cast<size_t>(qs + qi) * p.num_heads + h0 + hh) * HD + u * 8);
-      } else {
-        *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
-      }
-    }
+    static_assert(kBM == kSplitBM && C::kThreads == 128, "one warpgroup's 64-row tile");
+    load_split_q<HD>(sQ, p, wi, tid);
     load_kv32_sw<HD>(sK0, sV0, p, bt, j0, last_slot, kvh, tid);
     cp_async_commit();
 
@@ -613,12 +653,7 @@ __global__ void __launch_bounds__(SplitWgCfg<HD>::kThreads, SplitWgCfg<HD>::kMin
       const uint32_t v_addr = smem_addr(sV0) + buf * C::kTileBytes;
       float s[4][4];
       wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < HD / 16; ++kk) {
-        const uint64_t da = sw128_desc(q_addr + (kk >> 2) * (kBM * 128) + (kk & 3) * 32, 16, 1024);
-        const uint64_t db = sw128_desc(k_addr + (kk >> 2) * (kBT * 128) + (kk & 3) * 32, 16, 1024);
-        wgmma_m64n32k16_ss(s, da, db, kk > 0);
-      }
+      issue_s32<HD>(s, q_addr, k_addr);
       wgmma_commit();
       float alpha[2];
       wgmma_wait<0>();
@@ -638,20 +673,153 @@ __global__ void __launch_bounds__(SplitWgCfg<HD>::kThreads, SplitWgCfg<HD>::kMin
     cp_async_wait<0>();
 
     // The tile's rows: final output (one chunk) or the chunk's partial (m, l, acc) for the combine kernel.
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-      l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = warp * 16 + g + r * 8;  // tile row
-      if (row < nrows) split_store_row<HD>(p, sa, o, r, m[r], l[r], row, qs, R0, h0, wi.n_c, item, c2);
-    }
+    store_split_tile<HD>(p, sa, o, m, l, wi, item, warp, g, c2);
     __syncthreads();  // sQ is overwritten by the next item
   }
 #else
   __trap();  // built for sm_90a only; launch_split_wgmma checks the device
+#endif
+}
+
+// ---- Paired split kernel (HYPIC_ATTN_SPLIT_PAIR) -------------------------------------------------------------------
+// attn_split_wgmma_kernel reads each 32-slot K / V tile once per item: a splice's 15 seam windows and 64-token query
+// over 32k slots move about 1 GB per layer from L2 into shared memory (23 row tiles per KV head, each over its whole
+// context), at 3.5 TB/s the kernel's 284 us on an H100. Here a block of two warpgroups takes an entry of sa.pairs: two
+// items of one KV head and chunk whose groups name the same pages there (attn_split_plan_kernel), warpgroup w the
+// 64-row tile of item w, both multiplying the same K / V tiles, which the block's 256 threads load once by cp.async
+// into rings of kKStages K and kVStages V tiles two tiles ahead (one block barrier per tile). The item with the later
+// last slot leads: its block-table row and last slot name the tiles (slots past it zero-filled); the other warpgroup
+// stops after its own last tile, and the lead's slots past its own last slot lie past every one of its rows' causal
+// limits (masked as the zero-filled ones are). Per tile a warpgroup issues S_j = Q K_j^T and the previous tile's
+// O += P_{j-1} V_{j-1} back to back, runs the softmax of tile j while the product runs, then rescales O
+// (FlashAttention-3 section 3.2's intra-warpgroup overlap): O sees the same products, rescales and order as in
+// attn_split_wgmma_kernel, so both give the same bits; items, partials and outputs are that kernel's.
+template <int HD>
+struct SplitPairCfg {
+  static constexpr int kThreads = 256;       // two warpgroups
+  static constexpr int kBT = 32;             // KV slots per tile
+  static constexpr int kUnits = HD / 8;      // 16-byte units per row
+  static constexpr int kQBytes = kSplitBM * HD * 2;  // one warpgroup's Q
+  static constexpr int kTileBytes = kBT * HD * 2;
+  static constexpr int kKStages = 3;         // K_j read, K_{j+1} landed or landing, K_{j+2} landing
+  static constexpr int kVStages = 4;         // V_{j-1} read, V_j .. V_{j+2}
+  static constexpr int kSmem = 2 * kQBytes + (kKStages + kVStages) * kTileBytes + 1024;
+};
+static_assert(SplitPairCfg<256>::kSmem <= 227 * 1024, "paired split smem");
+static_assert(SplitPairCfg<256>::kBT == SplitWgCfg<256>::kBT && SplitWgCfg<256>::kBT == 32, "issue_s32's tiles");
+
+template <int HD>
+__global__ void __launch_bounds__(SplitPairCfg<HD>::kThreads, 1)
+    attn_split_pair_kernel(const AttnParams p, const SplitArgs sa) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using C = SplitPairCfg<HD>;
+  constexpr int kBT = C::kBT, KS = C::kKStages, VS = C::kVStages;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  unsigned char* sQ0 = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
+  unsigned char* sK0 = sQ0 + 2 * C::kQBytes;         // K ring
+  unsigned char* sV0 = sK0 + KS * C::kTileBytes;     // V ring
+  __shared__ int s_entry;
+  const int tid = threadIdx.x, wg = tid >> 7, wtid = tid & 127, warp = wtid >> 5, lane = tid & 31;
+  const int g = lane >> 2, c2 = (lane & 3) * 2;
+  unsigned char* sQ = sQ0 + wg * C::kQBytes;
+  const uint32_t q_addr = smem_addr(sQ);
+  const int entries = *sa.num_pairs;
+  for (;;) {
+    if (tid == 0) s_entry = atomicAdd(sa.counter, 1);
+    __syncthreads();
+    const int k = s_entry;
+    __syncthreads();  // s_entry is rewritten at the next entry
+    if (k >= entries) break;
+    const int ia = sa.pairs[2 * k], ib = sa.pairs[2 * k + 1];
+    SplitItem a, b;
+    const bool has_a = split_item(p, sa, ia, a);  // (the plan enters only items with work: true)
+    const bool has_b = ib >= 0 && split_item(p, sa, ib, b);
+    if (!has_a) continue;  // (block-uniform)
+    if (!has_b) b = a;
+    const int j0 = a.start / kBT;  // (one chunk: the same first slot)
+    const bool lead_b = has_b && b.last_slot > a.last_slot;
+    const int last_slot = lead_b ? b.last_slot : a.last_slot;
+    const int* bt = lead_b ? b.bt : a.bt;
+    const int n = last_slot / kBT - j0 + 1;  // tiles the block loads
+    const SplitItem w = wg == 0 ? a : b;  // (the same KV head and chunk as the other)
+    const int item = wg == 0 ? ia : ib;
+    const int nw = wg == 0 || has_b ? w.last_slot / kBT - j0 + 1 : 0;  // tiles this warpgroup computes
+
+    // This warpgroup's Q rows (rows past its tile: zeros) and KV tile 0: one commit group; tile 1: the next.
+    if (nw > 0) load_split_q<HD>(sQ, p, w, wtid);
+    load_kv32_sw<HD, C::kThreads>(sK0, sV0, p, bt, j0, last_slot, a.kvh, tid);
+    cp_async_commit();
+    if (n > 1)
+      load_kv32_sw<HD, C::kThreads>(sK0 + C::kTileBytes, sV0 + C::kTileBytes, p, bt, j0 + 1, last_slot, a.kvh, tid);
+    cp_async_commit();
+
+    float o[HD / 8][4];
+#pragma unroll
+    for (int dt = 0; dt < HD / 8; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+    const int Rw = w.R0 + warp * 16;             // group row of the warp's row 0
+    const int wlim_lo = w.s0 + Rw / p.ratio;     // last visible slot of the warp's first row
+    const int lim0 = w.s0 + (Rw + g) / p.ratio, lim1 = w.s0 + (Rw + g + 8) / p.ratio;
+    uint32_t pc[2][4], pp[2][4];  // P of this tile and of the previous one (read by the P V product in flight)
+    // O += P_{t} V_{t} from pp, V of tile t from its ring slot.
+    auto issue_pv = [&](int t) {
+      const uint32_t v_addr = smem_addr(sV0) + (t % VS) * C::kTileBytes;
+#pragma unroll
+      for (int kk = 0; kk < kBT / 16; ++kk)
+        wgmma_pv<HD>(o, pp[kk], sw128_desc(v_addr + kk * 16 * 128, kBT * 128, 1024));
+    };
+
+    for (int j = 0; j <= n; ++j) {
+      cp_async_wait<1>();  // tile j (and at j = 0 the Q rows) landed for this thread
+      fence_proxy_async();
+      __syncthreads();     // ... for every thread; iteration j - 1 done: K_{j-1}'s and V_{j-2}'s slots are free
+      if (j + 2 < n)
+        load_kv32_sw<HD, C::kThreads>(sK0 + ((j + 2) % KS) * C::kTileBytes, sV0 + ((j + 2) % VS) * C::kTileBytes, p,
+                                      bt, j0 + j + 2, last_slot, a.kvh, tid);
+      cp_async_commit();   // possibly empty group
+      if (j < nw) {        // warpgroup-uniform: S_j (+ P_{j-1} V_{j-1}), softmax of tile j, rescale
+        const int n0 = (j0 + j) * kBT;
+        const uint32_t k_addr = smem_addr(sK0) + (j % KS) * C::kTileBytes;
+        float s[4][4];
+        wgmma_fence();
+        issue_s32<HD>(s, q_addr, k_addr);
+        wgmma_commit();
+        if (j > 0) {
+          issue_pv(j - 1);
+          wgmma_commit();
+          wgmma_wait<1>();  // S_j (groups complete in order)
+        } else {
+          wgmma_wait<0>();
+        }
+        pin<4>(s);
+        float alpha[2];
+        // Slots past the lead's last slot (zero-filled) or this item's (the lead's data) lie past every valid row's
+        // limit: masked whenever present.
+        softmax_tile<4>(s, pc, m, l, alpha, p.scale_log2, n0 + kBT - 1 > wlim_lo, n0, c2, lim0, lim1);
+        wgmma_wait<0>();  // P_{j-1} V_{j-1}
+        pin<HD / 8>(o);
+        pin_u<2>(pp);     // read by the product until here: rewritten below
+        rescale_rows<HD / 8>(o, alpha);
+        pin<HD / 8>(o);
+#pragma unroll
+        for (int kk = 0; kk < 2; ++kk)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) pp[kk][e] = pc[kk][e];
+      } else if (j == nw && nw > 0) {  // the last tile's P V
+        wgmma_fence();
+        issue_pv(j - 1);
+        wgmma_commit();
+        wgmma_wait<0>();
+        pin<HD / 8>(o);
+      }
+    }
+    cp_async_wait<0>();
+
+    if (nw > 0) store_split_tile<HD>(p, sa, o, m, l, w, item, warp, g, c2);
+    __syncthreads();  // Q and the rings are overwritten by the next entry
+  }
+#else
+  __trap();  // built for sm_90a only; launch_split_pair checks the device
 #endif
 }
 
@@ -663,29 +831,47 @@ bool split_wgmma_enabled() {
   return on;
 }
 
-template <int HD>
-int split_wgmma_setup() {
-  using C = SplitWgCfg<HD>;
+// Blocks of the persistent split kernel K (shared memory C::kSmem, C::kThreads threads) resident per SM, after its
+// shared-memory opt-in; asked once per device, at least 1.
+template <auto K, class C>
+int split_blocks_setup(const std::string& name) {
   static DeviceOnce once;
-  return once.run(current_device(), [](int) {
-    check_cuda(cudaFuncSetAttribute(attn_split_wgmma_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    C::kSmem),
-               "cudaFuncSetAttribute(attn_split_wgmma_kernel<" + std::to_string(HD) + ">)");
+  return once.run(current_device(), [&name](int) {
+    check_cuda(cudaFuncSetAttribute(K, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem),
+               "cudaFuncSetAttribute(" + name + ")");
     int blocks = 0;
-    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, attn_split_wgmma_kernel<HD>, C::kThreads,
-                                                             C::kSmem),
-               "cudaOccupancyMaxActiveBlocksPerMultiprocessor(attn_split_wgmma_kernel)");
+    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, K, C::kThreads, C::kSmem),
+               "cudaOccupancyMaxActiveBlocksPerMultiprocessor(" + name + ")");
     return std::max(blocks, 1);
   });
 }
 
 template <int HD>
-void launch_split_hd(const AttnParams& p, const SplitArgs& sa, long max_items, cudaStream_t stream) {
-  using C = SplitWgCfg<HD>;
-  const long resident = static_cast<long>(sm_count()) * split_wgmma_setup<HD>();
+int split_wgmma_setup() {
+  return split_blocks_setup<attn_split_wgmma_kernel<HD>, SplitWgCfg<HD>>("attn_split_wgmma_kernel<" +
+                                                                         std::to_string(HD) + ">");
+}
+
+// min(max_items, resident blocks) persistent blocks of K (config C) over sa's items.
+template <auto K, class C>
+void launch_split_persistent(const AttnParams& p, const SplitArgs& sa, long max_items, cudaStream_t stream,
+                             const std::string& name) {
+  const long resident = static_cast<long>(sm_count()) * split_blocks_setup<K, C>(name);
   const int grid = static_cast<int>(std::max(1L, std::min(max_items, resident)));
-  attn_split_wgmma_kernel<HD><<<grid, C::kThreads, C::kSmem, stream>>>(p, sa);
-  check_cuda(cudaGetLastError(), "attn_split_wgmma_kernel<" + std::to_string(HD) + "> launch");
+  K<<<grid, C::kThreads, C::kSmem, stream>>>(p, sa);
+  check_cuda(cudaGetLastError(), name + " launch");
+}
+
+template <int HD>
+void launch_split_hd(const AttnParams& p, const SplitArgs& sa, long max_items, cudaStream_t stream) {
+  launch_split_persistent<attn_split_wgmma_kernel<HD>, SplitWgCfg<HD>>(
+      p, sa, max_items, stream, "attn_split_wgmma_kernel<" + std::to_string(HD) + ">");
+}
+
+template <int HD>
+void launch_split_pair_hd(const AttnParams& p, const SplitArgs& sa, long max_items, cudaStream_t stream) {
+  launch_split_persistent<attn_split_pair_kernel<HD>, SplitPairCfg<HD>>(
+      p, sa, max_items, stream, "attn_split_pair_kernel<" + std::to_string(HD) + ">");
 }
 
 }  // namespace
@@ -713,6 +899,18 @@ void launch_split_wgmma(const AttnParams& p, const SplitArgs& sa, int head_dim, 
     launch_split_hd<256>(p, sa, max_items, stream);
   else
     launch_split_hd<128>(p, sa, max_items, stream);
+}
+
+std::atomic<uint64_t> g_split_pair_launches{0};
+
+uint64_t split_pair_launches() { return g_split_pair_launches.load(std::memory_order_relaxed); }
+
+void launch_split_pair(const AttnParams& p, const SplitArgs& sa, int head_dim, long max_items, cudaStream_t stream) {
+  g_split_pair_launches.fetch_add(1, std::memory_order_relaxed);
+  if (head_dim == 256)
+    launch_split_pair_hd<256>(p, sa, max_items, stream);
+  else
+    launch_split_pair_hd<128>(p, sa, max_items, stream);
 }
 
 int split_wgmma_blocks_per_sm(int head_dim) {

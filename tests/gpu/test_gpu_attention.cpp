@@ -64,6 +64,7 @@ struct AttnCase {
   int max_kv_override = 0;  // decode: the max_kv passed (0: the true bound)
   bool host_tables = false;  // prefill with workspace: also pass host copies of q_start / slot0 (the cuDNN route)
   bool kv_read_early = false;  // decode: attention_decode's kv_read_early promise (nothing writes the pool before it)
+  bool shared_sequence = false;  // prefill: AttnGroups::shared_sequence (the paired split kernel's hint)
 };
 
 // Device copies of one case's inputs.
@@ -137,6 +138,7 @@ void run_attention(const AttnCase& c, AttnSetup& s, gpu::AttnDecodeWorkspace* ws
   gpu::AttnGroups g = s.groups();
   if (c.max_kv_override) g.max_kv = c.max_kv_override;
   if (c.host_tables) g.q_start_host = s.q_start.data(), g.slot0_host = s.slot0.data();
+  g.shared_sequence = c.shared_sequence;
   const float scale = 1.0f / std::sqrt(float(c.hd));
   const bf16* gate = c.gate ? s.dqg->get() + c.hd : nullptr;
   const long gts = long(c.nh) * 2 * c.hd;
@@ -261,6 +263,20 @@ struct Graph {
     if (st) cudaStreamDestroy(st);
   }
 };
+
+// The prefill of `c` captured once into a CUDA graph over workspace ws (reserved), then replayed twice (the second
+// replay shows that the plan kernel resets the work counter); the outputs of both replays, poisoned before each.
+std::pair<std::vector<bf16>, std::vector<bf16>> replay_twice(const AttnCase& c, AttnSetup& s,
+                                                             gpu::AttnDecodeWorkspace& ws) {
+  s.dout->poison();
+  Graph gr;
+  gr.capture([&] { run_attention(c, s, &ws, gr.st); });
+  gr.replay();
+  auto first = s.dout->download();
+  s.dout->poison();
+  gr.replay();
+  return {std::move(first), s.dout->download()};
+}
 
 }  // namespace
 
@@ -661,6 +677,86 @@ TEST_CASE("attention_prefill split path: the splice pattern (16 x 8 seam queries
   }
 }
 
+TEST_CASE("attention_prefill split path: two items per block over shared K / V tiles (HYPIC_ATTN_SPLIT_PAIR), bit "
+          "for bit the one-item kernel",
+          "[gpu][attention]") {
+  require_gpu();
+  // Windows of one 20000-slot sequence at ragged positions and lengths (1 .. 64 queries, rows that are no multiple
+  // of the 64-row tile, windows ending inside a 32-slot tile, one at slot0 0), and a launch mixing windows of three
+  // sequences under the hint (pairs of different sequences' groups must not share tiles: the plan enters them alone).
+  AttnCase ragged{"pair ragged hd256 16/2", 256, 16, 2, {20000}, {}, true};
+  for (const auto& [s0, len] : std::vector<std::pair<int, int>>{
+           {0, 1}, {5, 7}, {2047, 9}, {4100, 63}, {6000, 64}, {9999, 1}, {12001, 33}, {16384, 8}, {19900, 64}})
+    ragged.groups.push_back({0, s0, len});
+  AttnCase mixed{"pair mixed sequences hd128 8/2", 128, 8, 2, {3000, 2900, 130}, {}, true};
+  mixed.groups = {{0, 0, 8}, {1, 0, 8}, {0, 1000, 8}, {1, 1000, 8}, {2, 60, 64}, {0, 2000, 40}, {1, 2100, 9},
+                  {0, 2936, 64}};
+  std::vector<AttnCase> cases = {splice_case("pair splice16 hd256 16/2", 256, 16, 2, false),
+                                 splice_case("pair splice16+long hd128 8/2", 128, 8, 2, true), ragged, mixed};
+  AttnCase exact = splice_case("pair splice16 exact hd256 16/2", 256, 16, 2, false);
+  exact.host_tables = true;
+  cases.push_back(exact);
+  for (size_t i = 0; i < cases.size(); ++i) {
+    AttnCase c = cases[i];
+    c.shared_sequence = true;
+    DYNAMIC_SECTION(c.name) {
+      std::mt19937 rng(1300 + uint32_t(i));
+      std::vector<Seq> seqs;
+      AttnSetup s;
+      build_case(c, rng, seqs, s);
+      auto run = [&](bool pair, size_t& ws_bytes) {
+        ScopedCandidate sw("HYPIC_ATTN_SPLIT_PAIR", pair);
+        gpu::AttnDecodeWorkspace ws;
+        s.dout->poison();
+        run_attention(c, s, &ws);
+        check_cuda(cudaDeviceSynchronize(), c.name);
+        ws_bytes = ws.bytes();
+        return s.dout->download();
+      };
+      size_t bytes_one = 0, bytes_pair = 0;
+      const uint64_t l0 = gpu::attention_split_pair_launches();
+      const auto one = run(false, bytes_one);
+      const uint64_t l1 = gpu::attention_split_pair_launches();
+      const auto pair = run(true, bytes_pair);
+      const uint64_t l2 = gpu::attention_split_pair_launches();
+      const bool paired = gpu::attention_split_wgmma_available(c.hd);  // where the paired kernel can run
+      const bool same = std::memcmp(one.data(), pair.data(), one.size() * sizeof(bf16)) == 0;
+      std::printf("[%s] workspace %zu -> %zu bytes, paired launches %lu (off) / %lu (on; kernel available: %s), "
+                  "bit-identical to the one-item kernel: %d\n",
+                  c.name.c_str(), bytes_one, bytes_pair, (unsigned long)(l1 - l0), (unsigned long)(l2 - l1),
+                  paired ? "yes" : "no", same);
+      CHECK(l1 == l0);
+      CHECK(l2 - l1 == (paired ? 1u : 0u));  // the switch and the hint reached the launch
+      CHECK(same);
+      check_against_cpu(c, seqs, s, pair);
+    }
+  }
+  SECTION("graph replay of the paired kernel (reserved workspace)") {
+    ScopedCandidate sw("HYPIC_ATTN_SPLIT_PAIR", true);
+    AttnCase c = splice_case("pair graph splice16 hd256 16/2", 256, 16, 2, true);
+    c.shared_sequence = true;
+    std::mt19937 rng(1400);
+    std::vector<Seq> seqs;
+    AttnSetup s;
+    build_case(c, rng, seqs, s);
+    gpu::AttnDecodeWorkspace ws;
+    gpu::AttnGroups rg = s.groups();
+    rg.shared_sequence = true;
+    ws.reserve_prefill(rg, c.nh, c.nkv, c.hd);
+    const size_t reserved = ws.bytes();
+    const uint64_t l0 = gpu::attention_split_pair_launches();
+    run_attention(c, s, &ws);
+    check_cuda(cudaDeviceSynchronize(), "eager paired split prefill");
+    CHECK(ws.bytes() == reserved);
+    CHECK(gpu::attention_split_pair_launches() - l0 == (gpu::attention_split_wgmma_available(c.hd) ? 1u : 0u));
+    const auto eager = s.dout->download();
+    const auto [replayed, replayed2] = replay_twice(c, s, ws);
+    CHECK(std::memcmp(eager.data(), replayed.data(), eager.size() * sizeof(bf16)) == 0);
+    CHECK(std::memcmp(eager.data(), replayed2.data(), eager.size() * sizeof(bf16)) == 0);
+    check_against_cpu(c, seqs, s, replayed);
+  }
+}
+
 TEST_CASE("attention_prefill split path replays from a CUDA graph bit for bit (reserved workspace)",
           "[gpu][attention]") {
   require_gpu();
@@ -714,14 +810,7 @@ TEST_CASE("attention_prefill split path replays from a CUDA graph bit for bit (r
       check_cuda(cudaDeviceSynchronize(), "eager split prefill");
       CHECK(ws.bytes() == reserved);  // the reserve sufficed
       const auto eager = s.dout->download();
-      s.dout->poison();
-      Graph gr;
-      gr.capture([&] { run_attention(c, s, &ws, gr.st); });
-      gr.replay();
-      const auto replayed = s.dout->download();
-      s.dout->poison();
-      gr.replay();  // a second replay: the plan kernel resets the work counter
-      const auto replayed2 = s.dout->download();
+      const auto [replayed, replayed2] = replay_twice(c, s, ws);
       const bool same1 = std::memcmp(eager.data(), replayed.data(), eager.size() * sizeof(bf16)) == 0;
       const bool same2 = std::memcmp(eager.data(), replayed2.data(), eager.size() * sizeof(bf16)) == 0;
       std::printf("[%s] replay 1 bit-identical: %d, replay 2 bit-identical: %d\n", c.name.c_str(), same1, same2);
