@@ -38,8 +38,9 @@ constexpr int kLdRf = BN + 8;  // low-rank steps: R in fp32 [128][kLdRf] (the ti
 constexpr int kLowRankBytes = (D * kLdRf + kChainLowRankSmemFloats) * 4 + kChainLowRankRawBytes;
 // Shared memory of the kernel without / with low-rank steps (+ slack for the 1024-byte alignment).
 // The step descriptors two ahead, fetched a step earlier still by cp.async into a ring of 4 (kDescBytes).
+// (B: the last 8 bytes hold the mbarrier the staged T's bulk copies complete on.)
 constexpr int kDescBytes = 256;
-static_assert(4 * sizeof(AffineStep) <= kDescBytes, "the descriptor ring fits its bytes");
+static_assert(4 * sizeof(AffineStep) + 8 <= kDescBytes, "the descriptor ring and the T mbarrier fit their bytes");
 constexpr int kSmem = 2 * kRBytes + kStageBytes + kDescBytes + 1024, kSmemLowRank = kSmem + kLowRankBytes;
 static_assert(sizeof(AffineStep) % 8 == 0 && alignof(AffineStep) == 8, "descriptors copied 8 bytes at a time");
 
@@ -77,7 +78,11 @@ __device__ __forceinline__ void wgmma_m64n32k8_tf32_rs(float (&d)[4][4], const u
 // LR: the chain has low-rank steps (their shared memory and code; without, a step with lr_len > 0 traps). V2
 // (HYPIC_CHAIN_SMEM_DESC, a measured default): shared memory addressed as such (LDS / STS instead of generic loads
 // and stores) and the step descriptors fetched into shared memory a step earlier; the same arithmetic, the same bits.
-template <bool LR, bool V2>
+// B (HYPIC_CHAIN_T_BULK, a candidate; with V2 only): the next T staged by one bulk copy per thread (cp.async.bulk of
+// half a 512-byte row, completing on an mbarrier of 256 arrivals) instead of 16 cp.async per thread (Nsight Compute
+// found the step's cp.async issue waiting on the LSU queue): the same bytes in the same place, the same bits. (One
+// warp issuing all 128 rows measured no better in registers: the divergent issue spilled 48-216 bytes.)
+template <bool LR, bool V2, bool B = false>
 __global__ void __launch_bounds__(256, 1) affine_chain_wgmma_kernel(int steps_per_chain,
                                                                     const AffineStep* __restrict__ steps,
                                                                     const float* const* __restrict__ init,
@@ -99,6 +104,10 @@ __global__ void __launch_bounds__(256, 1) affine_chain_wgmma_kernel(int steps_pe
   float* sRf = sStage + D * kLdT + kDescBytes / 4;  // (LR) low-rank steps: R in fp32, then their staging
   float* sLr = sRf + D * kLdRf;
   unsigned char* sRaw = reinterpret_cast<unsigned char*>(sLr + kChainLowRankSmemFloats);  // a prefetched step's factors
+  // (B) the mbarrier of the T staging (recomputed from sDesc where used: no register kept for it), and the parity of
+  // the staging the next load_frags consumes
+  auto tbar = [&] { return reinterpret_cast<uint64_t*>(reinterpret_cast<unsigned char*>(sDesc) + kDescBytes - 8); };
+  uint32_t tphase = 0;
   const uint32_t aRh = smem_u32(sRh), aRl = smem_u32(sRl);
   // Chain and column block from blockIdx.x (the column blocks of one (chain, head) adjacent: they read the same T at
   // about the same time, from L2), head from blockIdx.y.
@@ -106,15 +115,28 @@ __global__ void __launch_bounds__(256, 1) affine_chain_wgmma_kernel(int steps_pe
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3, m0 = warp * 16;
   const ChainTile<NT> tile(h, c0, warp, lane);
   const AffineStep* chain = steps + size_t(c) * steps_per_chain;
-  auto stage_T = [&](const float* T) {  // T's head h into the staging buffer (cp.async; the caller commits)
+  auto stage_T = [&](const float* T) {  // T's head h into the staging buffer (cp.async: the caller commits; B: bulk)
     T += size_t(h) * D * D;
+    if constexpr (B) {
+      // Every thread half a row (256 bytes): its bytes announced on the mbarrier (one of its 256 arrivals), then copied.
+      const int row = tid >> 1, col = (tid & 1) * (D / 2);
+      mbar_arrive_expect_tx(tbar(), D / 2 * 4);
+      bulk_load(smem_u32(sStage + row * kLdT + col), T + row * D + col, D / 2 * 4, tbar());
+    } else {
 #pragma unroll
-    for (int j = 0; j < D * D / 4 / 256; ++j) {
-      const int i = tid + 256 * j, row = i >> 5, col = (i & 31) * 4;
-      cp_async16(sStage + row * kLdT + col, T + row * D + col);
+      for (int j = 0; j < D * D / 4 / 256; ++j) {
+        const int i = tid + 256 * j, row = i >> 5, col = (i & 31) * 4;
+        cp_async16(sStage + row * kLdT + col, T + row * D + col);
+      }
     }
   };
   uint32_t th[KS][4], tl[KS][4];  // this thread's A fragments of T, hi and lo
+  auto wait_T = [&] {  // (B, before the barrier ahead of load_frags) the bulk copies of the staged T landed
+    if constexpr (B) {
+      mbar_wait(tbar(), tphase);
+      tphase ^= 1;
+    }
+  };
   auto load_frags = [&] {         // from the staging buffer: rows m0 + g (+ 8), k 8 kk + t (+ 4)
 #pragma unroll
     for (int kk = 0; kk < KS; ++kk)
@@ -137,6 +159,13 @@ __global__ void __launch_bounds__(256, 1) affine_chain_wgmma_kernel(int steps_pe
         *reinterpret_cast<uint32_t*>(sRl + o) = lo;
       }
   };
+  if constexpr (B) {
+    if (tid == 0) {
+      mbar_init(tbar(), 256);
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+  }
   float cur[NT][4];
   tile.load(cur, init ? init[c] : nullptr);
   // Every global read a step depends on is issued a step ahead: the step descriptors two ahead (the next T's address
@@ -152,6 +181,7 @@ __global__ void __launch_bounds__(256, 1) affine_chain_wgmma_kernel(int steps_pe
     stage_T(st.T);
     cp_async_commit();
     cp_async_wait<0>();
+    wait_T();
     __syncthreads();
     load_frags();
   }
@@ -242,6 +272,7 @@ __global__ void __launch_bounds__(256, 1) affine_chain_wgmma_kernel(int steps_pe
         for (int half = 0; half < 2; ++half) sv_next[n][half] = make_float2(cur[n][2 * half], cur[n][2 * half + 1]);
     if (s + 1 < steps_per_chain) {
       cp_async_wait<0>();
+      if (staged == s + 1) wait_T();
       __syncthreads();  // the next T staged by every thread; both warpgroups' wgmmas have read this step's R copy
       if (staged == s + 1) {
         load_frags();
@@ -280,15 +311,22 @@ void launch_affine_chain_wgmma(int num_chains, int heads, int steps_per_chain, c
     allow(reinterpret_cast<const void*>(affine_chain_wgmma_kernel<false, true>), kSmem);
     allow(reinterpret_cast<const void*>(affine_chain_wgmma_kernel<true, false>), kSmemLowRank);
     allow(reinterpret_cast<const void*>(affine_chain_wgmma_kernel<true, true>), kSmemLowRank);
+    allow(reinterpret_cast<const void*>(affine_chain_wgmma_kernel<false, true, true>), kSmem);
+    allow(reinterpret_cast<const void*>(affine_chain_wgmma_kernel<true, true, true>), kSmemLowRank);
     return 0;
   });
   const dim3 grid(static_cast<unsigned>(num_chains) * (D / BN), heads);
   static CandidateSwitch lr_prefetch("HYPIC_CHAIN_LR_PREFETCH");
   static CandidateSwitch smem_desc("HYPIC_CHAIN_SMEM_DESC");
-  const bool v2 = smem_desc.on();
+  static CandidateSwitch t_bulk("HYPIC_CHAIN_T_BULK");
+  const bool v2 = smem_desc.on(), bulk = v2 && t_bulk.on();
   const int prefetch = lr.W && lr_prefetch.on() ? 1 : 0;
-  auto kernel = lr.W ? (v2 ? affine_chain_wgmma_kernel<true, true> : affine_chain_wgmma_kernel<true, false>)
-                     : (v2 ? affine_chain_wgmma_kernel<false, true> : affine_chain_wgmma_kernel<false, false>);
+  auto kernel = lr.W ? (bulk ? affine_chain_wgmma_kernel<true, true, true>
+                        : v2 ? affine_chain_wgmma_kernel<true, true>
+                             : affine_chain_wgmma_kernel<true, false>)
+                     : (bulk ? affine_chain_wgmma_kernel<false, true, true>
+                        : v2 ? affine_chain_wgmma_kernel<false, true>
+                             : affine_chain_wgmma_kernel<false, false>);
   kernel<<<grid, 256, lr.W ? kSmemLowRank : kSmem, stream>>>(steps_per_chain, steps, init, final_states, lr, prefetch);
   check_cuda(cudaGetLastError(), "affine_chain (wgmma) launch");
 }

@@ -442,11 +442,13 @@ TEST_CASE("affine_chain's low-rank steps compose zero-start runs as the recurren
   // HYPIC_CHAIN_LR_PREFETCH (a measured default: the wgmma chain fetching a low-rank step's factors during the step
   // before it): the same bits as reading them in the step, either way of the switch.
   // HYPIC_CHAIN_SMEM_DESC (a measured default: shared memory addressed as such, descriptors fetched a step
-  // earlier): the same.
+  // earlier) and with it HYPIC_CHAIN_T_BULK (a candidate: T staged by bulk copies): the same.
   for (const bool prefetch : {false, true})
-    for (const bool smem_desc : {false, true}) {
-      ScopedCandidate c("HYPIC_CHAIN_LR_PREFETCH", prefetch), sd("HYPIC_CHAIN_SMEM_DESC", smem_desc);
-      INFO("HYPIC_CHAIN_LR_PREFETCH " << prefetch << ", HYPIC_CHAIN_SMEM_DESC " << smem_desc);
+    for (const int smem_desc : {0, 1, 2}) {
+      ScopedCandidate c("HYPIC_CHAIN_LR_PREFETCH", prefetch), sd("HYPIC_CHAIN_SMEM_DESC", smem_desc > 0),
+          tb("HYPIC_CHAIN_T_BULK", smem_desc == 2);
+      INFO("HYPIC_CHAIN_LR_PREFETCH " << prefetch << ", HYPIC_CHAIN_SMEM_DESC " << (smem_desc > 0)
+                                      << ", HYPIC_CHAIN_T_BULK " << (smem_desc == 2));
       CHECK(same_bits(run_chain(dsteps.get(), int(steps.size()), gpu::ChainMath::Tf32x3), finals[0]));
     }
   // The reference: R <- T_run R + S_run (the CPU recurrence's, from zero), then R <- Tf R + Sf, in double.

@@ -262,10 +262,11 @@ TEST_CASE("affine_chain folds (T, S) steps like the plain matrix products", "[op
     }
   }
   // HYPIC_CHAIN_SMEM_DESC (a measured default: the wgmma chain's shared memory addressed as such and its step
-  // descriptors fetched into shared memory a step earlier): the old path's bits, final states and step-1 outputs.
-  std::vector<std::vector<float>> got[2];
-  for (const bool on : {false, true}) {
-    ScopedCandidate sc("HYPIC_CHAIN_SMEM_DESC", on);
+  // descriptors fetched into shared memory a step earlier) and with it HYPIC_CHAIN_T_BULK (a candidate: T staged by
+  // bulk copies): the old path's bits, final states and step-1 outputs.
+  std::vector<std::vector<float>> got[3];
+  for (const int on : {0, 1, 2}) {
+    ScopedCandidate sc("HYPIC_CHAIN_SMEM_DESC", on > 0), tb("HYPIC_CHAIN_T_BULK", on == 2);
     for (auto& f : dfin) f.upload(std::vector<float>(M, std::nanf("")));
     for (auto& o : dout) o.upload(std::vector<float>(M, std::nanf("")));
     gpu::affine_chain(chains, heads, steps, reinterpret_cast<const gpu::AffineStep*>(dtable.get()), dinitp.get(),
@@ -275,7 +276,10 @@ TEST_CASE("affine_chain folds (T, S) steps like the plain matrix products", "[op
       got[on].push_back(dout[c].download());
     }
   }
-  for (size_t i = 0; i < got[0].size(); ++i) CHECK(same_bits(got[0][i], got[1][i]));
+  for (size_t i = 0; i < got[0].size(); ++i) {
+    CHECK(same_bits(got[0][i], got[1][i]));
+    CHECK(same_bits(got[0][i], got[2][i]));
+  }
 }
 
 TEST_CASE("gather_rows, batched_copy, embed_gather and conversions are exact", "[ops]") {
