@@ -1272,6 +1272,8 @@ SplitArgs split_args(const AttnGroups& g, const SplitPlan& sp, unsigned char* ba
   }
   sa.split_max_q = kSplitMaxQ;
   sa.chunk_major = split_chunk_major();
+  static CandidateSwitch skip_rescale("HYPIC_ATTN_SKIP_RESCALE");
+  sa.skip_rescale = skip_rescale.on() ? 1 : 0;
   sa.nsplit = sp.nsplit;
   sa.chunk_len = sp.chunk_len;
   sa.num_groups = g.num_groups;

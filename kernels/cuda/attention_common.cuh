@@ -80,6 +80,7 @@ struct SplitArgs {
   // there, or an item and -1 (attn_split_plan_kernel); null: the items one by one. num_pairs: the entry count.
   int* pairs;
   int* num_pairs;
+  int skip_rescale;  // (HYPIC_ATTN_SKIP_RESCALE) the wgmma split kernel skips O's rescale where no row's max moved
   float* ws_acc;    // [item][kSplitBM][HD] partial accumulators
   float* ws_ml;     // [item][kSplitBM][2] partial (m in the log2 domain, l)
 };
@@ -232,6 +233,14 @@ __device__ __forceinline__ void rescale_rows(float (&o)[ND8][4], const float (&a
     o[dt][2] *= alpha[1];
     o[dt][3] *= alpha[1];
   }
+}
+
+// rescale_rows unless every lane of the warp has alpha == 1 exactly for both its rows (no row's running max moved in
+// this tile: o * 1 is o, bit for bit, so skipping changes nothing): once the maxima settle, most tiles of a long
+// context skip the HD / 2 multiplies per thread (HYPIC_ATTN_SKIP_RESCALE). Warp-uniform (all 32 lanes call it).
+template <int ND8>
+__device__ __forceinline__ void rescale_rows_if_moved(float (&o)[ND8][4], const float (&alpha)[2]) {
+  if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) rescale_rows<ND8>(o, alpha);
 }
 
 // online_softmax = softmax_tile (P, m, l and the rescale factor alpha) then rescale_rows(o, alpha).

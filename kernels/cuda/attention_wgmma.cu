@@ -660,7 +660,10 @@ __global__ void __launch_bounds__(SplitWgCfg<HD>::kThreads, SplitWgCfg<HD>::kMin
       pin<4>(s);
       // Slots past last_slot (zero-filled) lie past every valid row's limit: masked whenever present.
       softmax_tile<4>(s, pa, m, l, alpha, p.scale_log2, n0 + kBT - 1 > wlim_lo, n0, c2, lim0, lim1);
-      rescale_rows<HD / 8>(o, alpha);
+      if (sa.skip_rescale)
+        rescale_rows_if_moved<HD / 8>(o, alpha);
+      else
+        rescale_rows<HD / 8>(o, alpha);
       pin<HD / 8>(o);
       wgmma_fence();
 #pragma unroll

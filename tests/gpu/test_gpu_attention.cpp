@@ -677,8 +677,8 @@ TEST_CASE("attention_prefill split path: the splice pattern (16 x 8 seam queries
   }
 }
 
-TEST_CASE("attention_prefill split path: two items per block over shared K / V tiles (HYPIC_ATTN_SPLIT_PAIR), bit "
-          "for bit the one-item kernel",
+TEST_CASE("attention_prefill split path: two items per block over shared K / V tiles (HYPIC_ATTN_SPLIT_PAIR) and "
+          "the rescale skipped where no max moved (HYPIC_ATTN_SKIP_RESCALE), bit for bit the one-item kernel",
           "[gpu][attention]") {
   require_gpu();
   // Windows of one 20000-slot sequence at ragged positions and lengths (1 .. 64 queries, rows that are no multiple
@@ -704,8 +704,8 @@ TEST_CASE("attention_prefill split path: two items per block over shared K / V t
       std::vector<Seq> seqs;
       AttnSetup s;
       build_case(c, rng, seqs, s);
-      auto run = [&](bool pair, size_t& ws_bytes) {
-        ScopedCandidate sw("HYPIC_ATTN_SPLIT_PAIR", pair);
+      auto run = [&](bool pair, size_t& ws_bytes, bool skip = false) {
+        ScopedCandidate sw("HYPIC_ATTN_SPLIT_PAIR", pair), sk("HYPIC_ATTN_SKIP_RESCALE", skip);
         gpu::AttnDecodeWorkspace ws;
         s.dout->poison();
         run_attention(c, s, &ws);
@@ -728,6 +728,11 @@ TEST_CASE("attention_prefill split path: two items per block over shared K / V t
       CHECK(l1 == l0);
       CHECK(l2 - l1 == (paired ? 1u : 0u));  // the switch and the hint reached the launch
       CHECK(same);
+      size_t bytes_skip = 0;
+      const auto skipped = run(false, bytes_skip, true);
+      const bool same_skip = std::memcmp(one.data(), skipped.data(), one.size() * sizeof(bf16)) == 0;
+      std::printf("[%s] rescale skipped where no row's max moved: bit-identical: %d\n", c.name.c_str(), same_skip);
+      CHECK(same_skip);
       check_against_cpu(c, seqs, s, pair);
     }
   }
