@@ -687,9 +687,11 @@ __global__ void __launch_bounds__(SplitWgCfg<HD>::kThreads, SplitWgCfg<HD>::kMin
 // ---- Paired split kernel (HYPIC_ATTN_SPLIT_PAIR) -------------------------------------------------------------------
 // attn_split_wgmma_kernel reads each 32-slot K / V tile once per item: a splice's 15 seam windows and 64-token query
 // over 32k slots move about 1 GB per layer from L2 into shared memory (23 row tiles per KV head, each over its whole
-// context), at 3.5 TB/s the kernel's 284 us on an H100. Here a block of two warpgroups takes an entry of sa.pairs: two
-// items of one KV head and chunk whose groups name the same pages there (attn_split_plan_kernel), warpgroup w the
-// 64-row tile of item w, both multiplying the same K / V tiles, which the block's 256 threads load once by cp.async
+// context; 3.8 TB/s at the kernel's 284 us on an H100). Measured slower (bench/results/split_pair_h100.md: half the
+// traffic, 381 against 347 us; that kernel is latency-bound, not L2-bound), kept as a candidate. Here a block of two
+// warpgroups takes an entry of sa.pairs: two items of one KV head and chunk whose groups name the same pages there
+// (attn_split_plan_kernel), warpgroup w the 64-row tile of item w, both multiplying the same K / V tiles, which the
+// block's 256 threads load once by cp.async
 // into rings of kKStages K and kVStages V tiles two tiles ahead (one block barrier per tile). The item with the later
 // last slot leads: its block-table row and last slot name the tiles (slots past it zero-filled); the other warpgroup
 // stops after its own last tile, and the lead's slots past its own last slot lie past every one of its rows' causal
