@@ -25,8 +25,22 @@
 #                                                  fla) into OUT/fixtures (copy them to tests/fixtures/gpu/)
 #   ... --no-bench                                 run neither benchmark (with --fixtures: the fixtures alone)
 #   ... --commit SHA                               commit recorded in the results (default: git, else DIR/COMMIT)
+#   ... --stage all|library|hypic                  all (the default): everything above in this call; library: the HF
+#                                                  run and the best library kernels alone (OUT/hf_prefill.json,
+#                                                  OUT/best_kernels.json); hypic: hypic's benchmark alone, merging
+#                                                  the library stage's JSON found in OUT or named below. At full size
+#                                                  the two take about 5 + 10 minutes on an H200: two device calls of
+#                                                  at most 10 minutes each, back to back on the same machine
+#   ... --hf-json FILE                             HF results to merge instead of running HF: tools/hf_prefill_bench.py's
+#                                                  JSON, or an earlier prefill_h200.json (its "hf" object; HF's times
+#                                                  do not depend on hypic's code). The report keeps that run's command
+#   ... --best-json FILE                           the best library kernels' JSON of an earlier library stage
+#   ... --bench-timeout S                          limit of hypic's benchmark, seconds (default 590: the full run
+#                                                  takes 9-10 minutes on an H200)
+#   ... --library-timeout S                        limit of each of the HF and library-kernel runs (default 290)
 #   ... -h | --help                                this text
-# Writes into OUT: prefill_h200.json, prefill_h200.md, hf_prefill.json, best_kernels.json, prefill_bench.log,
+# Writes into OUT: prefill_h200.json, prefill_h200.md, hf_prefill.json, best_kernels.json, hf_merged.json (the HF
+# results given to the report), prefill_bench.log,
 # hf_prefill.log, best_kernels.log,
 # gpu_memory.csv (nvidia-smi samples, MiB, every 500 ms). Exit status: non-zero when a benchmark failed.
 # Needs Python 3 with PyTorch and transformers for the HF run; the GPU needs about 125 GB free (hypic's backend
@@ -35,6 +49,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
 BIN="" LIB="" OUT="" FLA_PATH="" QUICK=0 SKIP_HF=0 BENCH_ARGS="" HF_ARGS="" FIXTURES=0 NO_BENCH=0 COMMIT=""
+STAGE=all HF_JSON="" BEST_JSON="" BENCH_TIMEOUT=590 LIBRARY_TIMEOUT=290
 LENGTHS=4096,8192,16384,32768  # full-prefill lengths of both benchmarks (issue 27's targets: 4k, 8k, 32k)
 ARGS_SEEN="$*"
 need_value() { [[ $# -ge 2 && -n "$2" ]] || { echo "bench_gpu.sh: $1 needs a value (see --help)" >&2; exit 2; }; }
@@ -52,19 +67,35 @@ while (($#)); do
     --fixtures) FIXTURES=1; shift ;;
     --no-bench) NO_BENCH=1; shift ;;
     --commit) need_value "$@"; COMMIT="$2"; shift 2 ;;
+    --stage) need_value "$@"; STAGE="$2"; shift 2 ;;
+    --hf-json) need_value "$@"; HF_JSON="$2"; shift 2 ;;
+    --best-json) need_value "$@"; BEST_JSON="$2"; shift 2 ;;
+    --bench-timeout) need_value "$@"; BENCH_TIMEOUT="$2"; shift 2 ;;
+    --library-timeout) need_value "$@"; LIBRARY_TIMEOUT="$2"; shift 2 ;;
     *) echo "bench_gpu.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
 [[ -n "$OUT" ]] || { echo "bench_gpu.sh: --out OUT is required (see --help)" >&2; exit 2; }
-if [[ -z "$BIN" ]]; then
+case "$STAGE" in all|library|hypic) ;; *) echo "bench_gpu.sh: --stage must be all, library or hypic, got '$STAGE'" >&2; exit 2 ;; esac
+for t in "$BENCH_TIMEOUT" "$LIBRARY_TIMEOUT"; do
+  [[ "$t" =~ ^[1-9][0-9]*$ ]] || { echo "bench_gpu.sh: a timeout must be a whole number of seconds, got '$t'" >&2; exit 2; }
+done
+for f in "$HF_JSON" "$BEST_JSON"; do
+  [[ -z "$f" || -s "$f" ]] || { echo "bench_gpu.sh: $f not found or empty" >&2; exit 2; }
+done
+RUN_LIBRARY=1 RUN_HYPIC=1
+[[ "$STAGE" == hypic ]] && RUN_LIBRARY=0
+[[ "$STAGE" == library ]] && RUN_HYPIC=0
+((NO_BENCH)) && RUN_LIBRARY=0 RUN_HYPIC=0
+if [[ -z "$BIN" ]] && ((RUN_HYPIC || FIXTURES)); then
   BUILD_DIR=${BUILD_DIR:-build-gpu-bench}
   cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release -DHYPIC_WITH_CUDA=ON >/dev/null
   cmake --build "$BUILD_DIR" --target hypic-bench-prefill-gpu hypic-model -j "${JOBS:-$(nproc)}"
   BIN="$BUILD_DIR/bin"
 fi
-BIN="$(cd "$BIN" && pwd)"
-((NO_BENCH)) || [[ -x "$BIN/hypic-bench-prefill-gpu" ]] || { echo "bench_gpu.sh: $BIN/hypic-bench-prefill-gpu not found" >&2; exit 2; }
-if [[ -z "$LIB" && -d "$BIN/../lib" ]]; then LIB="$BIN/../lib"; fi
+[[ -z "$BIN" ]] || BIN="$(cd "$BIN" && pwd)"
+((RUN_HYPIC == 0)) || [[ -x "$BIN/hypic-bench-prefill-gpu" ]] || { echo "bench_gpu.sh: $BIN/hypic-bench-prefill-gpu not found" >&2; exit 2; }
+if [[ -z "$LIB" && -n "$BIN" && -d "$BIN/../lib" ]]; then LIB="$BIN/../lib"; fi
 if [[ -n "$LIB" ]]; then
   LIB="$(cd "$LIB" && pwd)"
   export LD_LIBRARY_PATH="$LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
@@ -90,23 +121,45 @@ trap stop_sampler EXIT
 status=0
 quick=()
 ((QUICK)) && quick=(--quick)
-hf=()
-if ((SKIP_HF == 0 && NO_BENCH == 0)); then
-  fla=()
-  [[ -n "$FLA_PATH" ]] && fla=(--fla-path "$FLA_PATH")
-  # shellcheck disable=SC2086
-  PYTHONUNBUFFERED=1 timeout -k 10 300 python3 tools/hf_prefill_bench.py --config bench/gpu/qwen3_5_35b_a3b.json \
-    --out-json "$OUT/hf_prefill.json" "${fla[@]}" "${quick[@]}" $HF_ARGS 2>&1 | tee "$OUT/hf_prefill.log" || status=$?
-  [[ -s "$OUT/hf_prefill.json" ]] && hf=(--hf-json "$OUT/hf_prefill.json")
+fla=()
+[[ -n "$FLA_PATH" ]] && fla=(--fla-path "$FLA_PATH")
+if ((RUN_LIBRARY)); then
+  if ((SKIP_HF == 0)) && [[ -z "$HF_JSON" ]]; then
+    # shellcheck disable=SC2086
+    PYTHONUNBUFFERED=1 timeout -k 10 "$LIBRARY_TIMEOUT" python3 tools/hf_prefill_bench.py \
+      --config bench/gpu/qwen3_5_35b_a3b.json --out-json "$OUT/hf_prefill.json" "${fla[@]}" "${quick[@]}" $HF_ARGS 2>&1 |
+      tee "$OUT/hf_prefill.log" || status=$?
+  fi
   # The best library kernels at our parts' shapes (cuDNN SDPA, a torch grouped_mm MoE block, fla): parts_vs_best.
-  PYTHONUNBUFFERED=1 timeout -k 10 300 python3 tools/best_kernels_bench.py --config bench/gpu/qwen3_5_35b_a3b.json \
-    --lengths "$LENGTHS" --out-json "$OUT/best_kernels.json" "${fla[@]}" 2>&1 | tee "$OUT/best_kernels.log" || status=$?
-  [[ -s "$OUT/best_kernels.json" ]] && hf+=(--best-json "$OUT/best_kernels.json")
+  if [[ -z "$BEST_JSON" ]]; then
+    PYTHONUNBUFFERED=1 timeout -k 10 "$LIBRARY_TIMEOUT" python3 tools/best_kernels_bench.py \
+      --config bench/gpu/qwen3_5_35b_a3b.json --lengths "$LENGTHS" --out-json "$OUT/best_kernels.json" "${fla[@]}" 2>&1 |
+      tee "$OUT/best_kernels.log" || status=$?
+  fi
 fi
-if ((NO_BENCH == 0)); then
+if ((RUN_HYPIC)); then
+  hf=()
+  # HF results: named, else this OUT's library stage; an earlier prefill_h200.json gives its "hf" object.
+  hf_in="$HF_JSON"
+  [[ -z "$hf_in" && $SKIP_HF -eq 0 && -s "$OUT/hf_prefill.json" ]] && hf_in="$OUT/hf_prefill.json"
+  if [[ -n "$hf_in" ]]; then
+    python3 - "$hf_in" "$OUT/hf_merged.json" <<'PY' || { echo "bench_gpu.sh: $hf_in holds no HF results" >&2; exit 2; }
+import json, sys
+d = json.load(open(sys.argv[1]))
+if "lengths" not in d and isinstance(d.get("hf"), dict):
+    d = d["hf"]  # an earlier prefill_h200.json
+if "lengths" not in d:
+    sys.exit(1)
+json.dump(d, open(sys.argv[2], "w"), indent=1)
+PY
+    hf=(--hf-json "$OUT/hf_merged.json")
+  fi
+  best_in="$BEST_JSON"
+  [[ -z "$best_in" && -s "$OUT/best_kernels.json" ]] && best_in="$OUT/best_kernels.json"
+  [[ -n "$best_in" ]] && hf+=(--best-json "$best_in")
   # shellcheck disable=SC2086
-  timeout -k 10 240 "$BIN/hypic-bench-prefill-gpu" --config bench/gpu/qwen3_5_35b_a3b.json --lengths "$LENGTHS" \
-    --json "$OUT/prefill_h200.json" --md "$OUT/prefill_h200.md" "${hf[@]}" "${quick[@]}" \
+  timeout -k 10 "$BENCH_TIMEOUT" "$BIN/hypic-bench-prefill-gpu" --config bench/gpu/qwen3_5_35b_a3b.json \
+    --lengths "$LENGTHS" --json "$OUT/prefill_h200.json" --md "$OUT/prefill_h200.md" "${hf[@]}" "${quick[@]}" \
     --git-commit "$HYPIC_GIT_COMMIT" --command "$COMMAND" $BENCH_ARGS 2>&1 | tee "$OUT/prefill_bench.log" || status=$?
 fi
 
