@@ -195,7 +195,14 @@ int main(int argc, char** argv) try {
   auto* dt_bias = dalloc<float>(HV);
   check_cuda(cudaMemcpy(A_log, A_log_h.data(), HV * sizeof(float), cudaMemcpyHostToDevice), "A_log");
   check_cuda(cudaMemcpy(dt_bias, dt_bias_h.data(), HV * sizeof(float), cudaMemcpyHostToDevice), "dt_bias");
-  gpu::GdnWorkspace ws, ws_gates;
+  // Raw in_proj rows [T][(2 HK + HV) D] and conv weights for the conv side by side (separate launch or fused).
+  constexpr int kConvChannels = (2 * HK + HV) * D, kConvTaps = 4;
+  auto* conv_x = dalloc<bf16>(maxT * kConvChannels);
+  auto* conv_w = dalloc<bf16>(size_t(kConvChannels) * kConvTaps);
+  fill_bf16<<<2048, 256>>>(conv_x, maxT * kConvChannels, 23);
+  fill_bf16<<<2048, 256>>>(conv_w, size_t(kConvChannels) * kConvTaps, 24);
+  auto* cu_dev = dalloc<int>(17);
+  gpu::GdnWorkspace ws, ws_gates, ws_conv;
   std::printf("device %s, %d SMs; measured ceilings: copy %.0f GB/s, bf16 GEMM %.0f TFLOP/s\n\n", prop.name,
               prop.multiProcessorCount, peak_bw, peak_tf);
   std::printf("%-7s %6s %10s %10s %8s %10s %10s %10s %9s %9s %9s\n", "shape", "parts", "no T_C ms", "T_C ms",
@@ -269,6 +276,29 @@ int main(int argc, char** argv) try {
     ag.A_log = A_log;
     ag.dt_bias = dt_bias;
     const double t_gates_fused = time_ms([&] { gpu::gdn_prefill(ag, ws_gates); }, reps);
+    // The conv: conv1d_silu_prefill, then the prefill (gates fused, as the engine runs it), against the conv fused
+    // into the WY kernel (GdnPrefillArgs::conv, the candidate HYPIC_GDN_CONV_FUSED), zero history, in rounds
+    // separate, fused, fused, separate; the mean of each one's two rounds. (The separate conv writes q, k and v: the
+    // later shapes' inputs are its outputs, of the same magnitude.)
+    double t_conv[2] = {0, 0};  // separate, fused
+    {
+      check_cuda(cudaMemcpy(cu_dev, cu.data(), cu.size() * sizeof(int), cudaMemcpyHostToDevice), "cu_seqlens");
+      gpu::GdnPrefillArgs af = ag;
+      af.v = nullptr;
+      af.conv = gpu::GdnConvIn{conv_x, conv_w, nullptr, cu_dev, kConvTaps};
+      for (int round = 0; round < 4; ++round) {
+        const bool fused = round == 1 || round == 2;
+        t_conv[fused] += time_ms(
+                             [&] {
+                               if (!fused)
+                                 gpu::conv1d_silu_prefill(c.nseq, cu_dev, T, kConvChannels, kConvTaps, conv_x, conv_w,
+                                                          nullptr, gpu::ConvQkvOut{in.q, in.k, in.v, HK * D});
+                               gpu::gdn_prefill(fused ? af : ag, ws_conv);
+                             },
+                             reps) /
+                         2;
+      }
+    }
     // Nominal FLOPs per (chunk, v-head), C = 64: K K^T 2C^2D, W and U 4C^2D, scan 4CD^2,
     // output (Q K^T, P V) 4C^2D + Q h 2CD^2; T_C adds 4CD^2 (triangular savings not counted).
     const double chunks = double(T) / gpu::kGdnChunk * HV, Cc = gpu::kGdnChunk;
@@ -283,6 +313,9 @@ int main(int argc, char** argv) try {
                 100.0 * gbps / peak_bw);
     std::printf("        gates: gdn_gates + prefill %.3f ms, fused into the prefill %.3f ms (%.2fx)\n", t_gates_sep,
                 t_gates_fused, t_gates_sep / t_gates_fused);
+    std::printf("        conv: conv1d_silu_prefill + prefill %.3f ms, fused into the WY kernel (HYPIC_GDN_CONV_FUSED) "
+                "%.3f ms (%.3fx)\n",
+                t_conv[0], t_conv[1], t_conv[1] / t_conv[0]);
     std::printf("        on wgmma: scan (HYPIC_GDN_SCAN_WGMMA) %.3f ms, WY (HYPIC_GDN_WY_WGMMA) %.3f ms, both %.3f ms "
                 "against %.3f ms by default (%.3fx / %.3fx / %.3fx)\n",
                 t_mode[1], t_mode[2], t_mode[3], t_mode[0], t_mode[1] / t_mode[0], t_mode[2] / t_mode[0],
@@ -305,6 +338,8 @@ int main(int argc, char** argv) try {
                             {"ms_wy_plus_scan_no_output", t_noout},
                             {"ms_gates_separate_kernel_plus_prefill", t_gates_sep},
                             {"ms_gates_fused", t_gates_fused},
+                            {"ms_conv_then_prefill", t_conv[0]},
+                            {"ms_conv_fused", t_conv[1]},
                             {"ms_default_beside_wgmma", t_mode[0]},
                             {"ms_wgmma_scan", t_mode[1]},
                             {"ms_wgmma_wy", t_mode[2]},
@@ -327,6 +362,9 @@ int main(int argc, char** argv) try {
   cudaFree(out);
   cudaFree(fin);
   cudaFree(tr);
+  cudaFree(conv_x);
+  cudaFree(conv_w);
+  cudaFree(cu_dev);
 
   // ---- composition: 30 layers x 32 heads, fold 16 segments -------------------------------------
   {

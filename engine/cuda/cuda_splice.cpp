@@ -457,11 +457,17 @@ std::vector<float> CudaBackend::run_pass(CudaSequence& s, const std::vector<Run>
       kc::batched_copy(R, tb.dev<kc::CopyDesc>(t_cin) + size_t(l) * R, stream_);
       if (ncut)  // conv tails at the checkpoints, before the conv overwrites the history
         kc::batched_copy(ncut * (K_ - 1), tb.dev<kc::CopyDesc>(t_cconv) + size_t(l) * ncut * (K_ - 1), stream_);
-      kc::conv1d_silu_prefill(R, tb.dev<int>(t_cu), T, C_, K_, pre_.qkv, L.linear.conv1d, conv_states,
-                              kc::ConvQkvOut{pre_.q, pre_.k, pre_.v, qd_}, stream_);
-      kc::batched_copy(1, tb.dev<kc::CopyDesc>(t_cout) + l, stream_);
+      // The conv in its own launch, or (HYPIC_GDN_CONV_FUSED) inside every WY launch below, which read the runs'
+      // histories in conv_states: their tails then replace them after the last of those launches.
+      const bool conv_fused = kc::gdn_conv_fused_active(K_);
+      if (!conv_fused) {
+        kc::conv1d_silu_prefill(R, tb.dev<int>(t_cu), T, C_, K_, pre_.qkv, L.linear.conv1d, conv_states,
+                                kc::ConvQkvOut{pre_.q, pre_.k, pre_.v, qd_}, stream_);
+        kc::batched_copy(1, tb.dev<kc::CopyDesc>(t_cout) + l, stream_);
+      }
       kc::GdnPrefillArgs g;
       g.num_k_heads = nk_, g.num_v_heads = nv_, g.q = pre_.q, g.k = pre_.k, g.v = pre_.v;
+      if (conv_fused) g.conv = kc::GdnConvIn{pre_.qkv, L.linear.conv1d, conv_states, tb.dev<int>(t_cu), K_};
       g.gate_a = pre_.ga, g.gate_b = pre_.gb, g.A_log = L.linear.A_log, g.dt_bias = L.linear.dt_bias;
       g.l2norm_qk = true, g.scale = gdn_scale_;
       g.num_seqs = R, g.cu_seqlens_host = run_cu.data(), g.out = pre_.o;
@@ -493,6 +499,10 @@ std::vector<float> CudaBackend::run_pass(CudaSequence& s, const std::vector<Run>
         g.checkpoint_states = tb.dev<float* const>(t_cst) + size_t(l) * ncut;
       }
       kc::gdn_prefill(g, ws_c_, stream_);
+      if (conv_fused) {
+        kc::conv1d_state_tail(R, tb.dev<int>(t_cu), C_, K_, pre_.qkv, conv_states, stream_);
+        kc::batched_copy(1, tb.dev<kc::CopyDesc>(t_cout) + l, stream_);
+      }
       linear_finish(pre_, L.linear, T);
     } else {
       const int a = cfg_.attention_index(i);

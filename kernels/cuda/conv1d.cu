@@ -13,6 +13,8 @@
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/gated_delta.h"
+#include "kernels/cuda/gated_delta_internal.h"
+#include "kernels/cuda/gates.cuh"
 #include "kernels/cuda/pdl.cuh"
 #include "kernels/cuda/switches.h"
 
@@ -25,9 +27,8 @@ constexpr int kConvRun = 16;       // tokens per thread (one sliding window)
 constexpr int kConvRunShort = 4;   // ... when kConvRun leaves fewer than kConvMinBlocks blocks (a splice's seams)
 constexpr int kConvMinBlocks = 256;
 
-__device__ __forceinline__ float silu(float x) { return x / (1.f + __expf(-x)); }
-// The same with the approximate division (__fdividef: 2 ulp; 0 where 1 + e^-x overflows, silu's limit).
-__device__ __forceinline__ float silu_fast(float x) { return __fdividef(x, 1.f + __expf(-x)); }
+using detail::conv_silu;       // (gates.cuh: shared with the conv fused into the WY kernel)
+using detail::conv_silu_fast;
 
 // CPT bf16 channels as one vector: 8 (16 bytes) or 4 (8 bytes).
 template <int CPT>
@@ -85,7 +86,7 @@ __device__ __forceinline__ typename ChanVec<CPT>::T history(const int* __restric
 // the window of the last K-1 inputs in registers; each input row is read once (plus K-1 rows of history per run) and
 // each output written once. A sequence boundary inside the run restarts the window from that sequence's history.
 // Outputs do not depend on RUN (a run's window starts from the same inputs the previous run slid over) nor on CPT;
-// NARROW (CPT = 4, HYPIC_CONV_NARROW) also takes SiLU's division approximately (silu_fast): half the registers, so
+// NARROW (CPT = 4, HYPIC_CONV_NARROW) also takes SiLU's division approximately (conv_silu_fast): half the registers, so
 // twice the warps per SM to hide the FMA chains and the loads (the 8-channel kernel: 154 registers, 1.8 TB/s).
 template <int K, int RUN, int CPT = 8, bool NARROW = false>
 __global__ void __launch_bounds__(kConvThreads) conv_prefill_kernel(int num_seqs, const int* __restrict__ cu,
@@ -153,7 +154,7 @@ __global__ void __launch_bounds__(kConvThreads) conv_prefill_kernel(int num_seqs
       V o;
       bf16* ov = reinterpret_cast<bf16*>(&o);
 #pragma unroll
-      for (int e = 0; e < CPT; ++e) ov[e] = __float2bfloat16_rn(NARROW ? silu_fast(acc[e]) : silu(acc[e]));
+      for (int e = 0; e < CPT; ++e) ov[e] = __float2bfloat16_rn(NARROW ? conv_silu_fast(acc[e]) : conv_silu(acc[e]));
       __stcs(reinterpret_cast<V*>(dst.at(t, c0)), o);
     }
   }
@@ -202,7 +203,7 @@ __global__ void conv_decode_kernel(int batch, int channels, int K, const bf16* x
   for (int j = 0; j < K; ++j) acc = fmaf(__bfloat162float(w[c * K + j]), z[j], acc);
   for (int j = 0; j + 1 < K - 1; ++j) st[size_t(j) * channels] = st[size_t(j + 1) * channels];
   st[size_t(K - 2) * channels] = xin;
-  *dst.at(b, c) = __float2bfloat16_rn(silu(acc));
+  *dst.at(b, c) = __float2bfloat16_rn(conv_silu(acc));
 }
 
 bool aligned16(std::initializer_list<const void*> ptrs) {
@@ -236,15 +237,22 @@ void launch_conv_prefill_cpt(int num_seqs, const int* cu, int total, int channel
       <<<grid, kConvThreads, 0, stream>>>(num_seqs, cu, total, channels, x, w, state, dst);
 }
 
-// The 8-channel kernel, or with HYPIC_CONV_NARROW (a candidate, switches.h) the 4-channel one.
+// The 8-channel kernel, or with HYPIC_CONV_NARROW (a measured default, switches.h) the 4-channel one.
 template <int K>
 void launch_conv_prefill(int num_seqs, const int* cu, int total, int channels, const bf16* x, const bf16* w,
                          const bf16* state, const ConvDst& dst, cudaStream_t stream) {
-  static CandidateSwitch narrow("HYPIC_CONV_NARROW");
-  if (narrow.on())
+  if (detail::conv_narrow_on())
     launch_conv_prefill_cpt<K, 4, true>(num_seqs, cu, total, channels, x, w, state, dst, stream);
   else
     launch_conv_prefill_cpt<K, 8, false>(num_seqs, cu, total, channels, x, w, state, dst, stream);
+}
+
+void launch_conv_tail(int num_seqs, const int* cu_seqlens, int channels, int kernel, const bf16* x, bf16* conv_state,
+                      cudaStream_t stream) {
+  const long long work = static_cast<long long>(num_seqs) * channels;
+  conv_tail_kernel<<<static_cast<int>((work + 255) / 256), 256, 0, stream>>>(num_seqs, cu_seqlens, channels, kernel, x,
+                                                                            conv_state);
+  check_cuda(cudaGetLastError(), "conv_tail_kernel launch");
 }
 
 void conv_prefill(int num_seqs, const int* cu_seqlens, int total_tokens, int channels, int kernel, const bf16* x,
@@ -272,12 +280,7 @@ void conv_prefill(int num_seqs, const int* cu_seqlens, int total_tokens, int cha
     launch[kernel](num_seqs, cu_seqlens, total_tokens, channels, x, weight, conv_state, dst, stream);
     check_cuda(cudaGetLastError(), "conv_prefill_kernel launch");
   }
-  if (conv_state) {
-    const long long work = static_cast<long long>(num_seqs) * channels;
-    conv_tail_kernel<<<static_cast<int>((work + 255) / 256), 256, 0, stream>>>(num_seqs, cu_seqlens, channels, kernel,
-                                                                              x, conv_state);
-    check_cuda(cudaGetLastError(), "conv_tail_kernel launch");
-  }
+  if (conv_state) launch_conv_tail(num_seqs, cu_seqlens, channels, kernel, x, conv_state, stream);
 }
 
 void conv_decode(int batch, int channels, int kernel, const bf16* x, const bf16* weight, bf16* conv_state,
@@ -295,6 +298,21 @@ void conv_decode(int batch, int channels, int kernel, const bf16* x, const bf16*
 }
 
 }  // namespace
+
+bool detail::conv_narrow_on() {
+  static CandidateSwitch narrow("HYPIC_CONV_NARROW");
+  return narrow.on();
+}
+
+void conv1d_state_tail(int num_seqs, const int* cu_seqlens, int channels, int kernel, const bf16* x, bf16* conv_state,
+                       cudaStream_t stream) {
+  check_conv(channels, kernel, "conv1d_state_tail");
+  if (num_seqs < 1)
+    throw std::invalid_argument("conv1d_state_tail: num_seqs must be >= 1, got " + std::to_string(num_seqs));
+  if (!cu_seqlens || !x || !conv_state)
+    throw std::invalid_argument("conv1d_state_tail: cu_seqlens, x and conv_state must be non-null");
+  launch_conv_tail(num_seqs, cu_seqlens, channels, kernel, x, conv_state, stream);
+}
 
 void conv1d_silu_prefill(int num_seqs, const int* cu_seqlens, int total_tokens, int channels, int kernel,
                          const bf16* x, const bf16* weight, bf16* conv_state, bf16* y, cudaStream_t stream) {

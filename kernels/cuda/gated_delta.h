@@ -37,6 +37,24 @@ inline constexpr int kGdnHeadDim = 128;
 /// Chunk length of the chunked prefill.
 inline constexpr int kGdnChunk = 64;
 
+/// The depthwise causal conv1d + SiLU in front of the prefill (HF Qwen3NextGatedDeltaNet's conv1d over the in_proj
+/// [Q | K | V] channels, conv1d_silu_prefill below), computed inside the prefill's WY kernel from the raw in_proj rows
+/// instead of by a launch of its own (GdnPrefillArgs::conv): the same arithmetic (fp32 multiply-adds of the K taps in
+/// conv1d_silu_prefill's order, SiLU's division approximate where that kernel's is, HYPIC_CONV_NARROW, one rounding to
+/// bf16), so the same bits. Qwen3-Next / Qwen3.5's kernel size 4 only (gdn_conv_fused_supported).
+struct GdnConvIn {
+  const bf16* x = nullptr;       ///< [T][channels] bf16, the raw rows: channels = 2 H_k 128 (Q, K) + H_v 128 (V)
+  const bf16* weight = nullptr;  ///< [channels][kernel] bf16 (the checkpoint's conv1d.weight, squeezed)
+  /// [num_seqs][kernel - 1][channels] bf16: the kernel - 1 inputs before each sequence's conv_start, or nullptr (zero
+  /// history). Read only: the caller updates it after the prefill's last call with conv1d_state_tail.
+  const bf16* state = nullptr;
+  /// DEVICE int32 [num_seqs]: the token where sequence s's conv input begins (at most cu_seqlens_host[s]); rows
+  /// before it belong to another sequence and the history comes from `state` instead. The conv's cu_seqlens when
+  /// its sequences are the prefill's.
+  const int* conv_start = nullptr;
+  int kernel = 0;  ///< taps (4)
+};
+
 /// Inputs and outputs of one chunked prefill launch over `num_seqs` independent sequences
 /// (segments) packed back to back along the token axis ("varlen"); T = cu_seqlens_host[num_seqs].
 struct GdnPrefillArgs {
@@ -97,6 +115,13 @@ struct GdnPrefillArgs {
   /// gdn_prefill throws std::invalid_argument when the workspace's factors are of other arguments (or of none, e.g.
   /// after a call of another shape).
   bool reuse_factors = false;
+  /// The conv fused in (see GdnConvIn; x null: none, q / k / v are the conv's outputs as above). With it q, k and v
+  /// are not read: the WY kernel computes them from conv.x and writes the conv's k (and, with `out`, q) to `k` (and
+  /// `q`), [T][H_k][128] bf16 each, where the scan reads them and where they stay for the caller (a splice's
+  /// low-rank chain steps read k); v is never written (may be null). Sequences are those of cu_seqlens_host, their
+  /// conv inputs starting at conv.conv_start. Throws std::invalid_argument on a kernel size other than 4
+  /// (gdn_conv_fused_supported), a null weight or conv_start, or x, weight or state not 16-byte aligned.
+  GdnConvIn conv;
   /// Diagnostics (gdn_bench --scan-profile): DEVICE int64 [kGdnScanProfileSlots], or null (the default: nothing is
   /// recorded; the serving kernels have no clock reads, a separate instantiation runs when it is set). When set, the
   /// first block (column block 0, value head 0, job 0) of each chunk-scan launch adds to it, per warp w < 12 (its role
@@ -228,14 +253,23 @@ bool gdn_scan_wgmma_active();
 /// compute capability 9.0. Host only; throws std::runtime_error on a CUDA error querying the device.
 bool gdn_wy_wgmma_active();
 
+/// Whether gdn_prefill can take a conv of `kernel` taps fused in (GdnPrefillArgs::conv): kernel 4, the size of every
+/// Qwen3-Next and Qwen3.5 checkpoint. Host only.
+inline bool gdn_conv_fused_supported(int kernel) { return kernel == 4; }
+
+/// Whether a caller should fuse the conv into gdn_prefill now: gdn_conv_fused_supported(kernel) and the switch
+/// HYPIC_GDN_CONV_FUSED (a candidate: kernels/cuda/switches.h) on. Host only.
+bool gdn_conv_fused_active(int kernel);
+
 /// Launches of the wgmma kernels (gdn_scan_kernel<true>, gdn_wy_kernel<true>) that gdn_prefill and
 /// gdn_prefill_factors have issued in this process, counted on the host as each is issued (a launch
 /// captured into a CUDA graph counts once, its replays not at all). Lets a test tell which kernels ran where both
 /// give the same bits (on Hopper the wgmma and mma.sync products add the same k16 dot products in the same order).
 /// scan_tma: those of the wgmma scans that staged their tiles by TMA (HYPIC_GDN_SCAN_TMA; also counted in scan);
 /// scan_tma_all: those of them that staged U^T and the gate scalars by TMA too (HYPIC_GDN_SCAN_TMA_ALL).
+/// wy_conv: WY launches (either kind of products) with the conv fused in (GdnPrefillArgs::conv).
 struct GdnWgmmaLaunches {
-  uint64_t scan = 0, wy = 0, scan_tma = 0, scan_tma_all = 0;
+  uint64_t scan = 0, wy = 0, scan_tma = 0, scan_tma_all = 0, wy_conv = 0;
 };
 GdnWgmmaLaunches gdn_wgmma_launches();
 
@@ -333,6 +367,14 @@ void conv1d_silu_prefill(int num_seqs, const int* cu_seqlens, int total_tokens, 
 void conv1d_silu_prefill(int num_seqs, const int* cu_seqlens, int total_tokens, int channels, int kernel,
                          const bf16* x, const bf16* weight, bf16* conv_state, const ConvQkvOut& out,
                          cudaStream_t stream = nullptr);
+
+/// conv1d_silu_prefill's conv tail alone: conv_state [num_seqs][kernel-1][channels] bf16 in/out becomes the last
+/// kernel - 1 inputs of (state ++ x) of each sequence (x: [T][channels] bf16, cu_seqlens: DEVICE int32 [num_seqs + 1]),
+/// the history the next call of each sequence reads. For a caller whose conv ran fused into gdn_prefill
+/// (GdnPrefillArgs::conv): after the last prefill call that reads the history. Throws std::invalid_argument on bad
+/// sizes or null pointers, std::runtime_error on launch errors.
+void conv1d_state_tail(int num_seqs, const int* cu_seqlens, int channels, int kernel, const bf16* x,
+                       bf16* conv_state, cudaStream_t stream = nullptr);
 
 /// Decode step of the conv: x, y: [batch][channels]; conv_state [batch][kernel-1][channels] in place, or with
 /// state_slots (DEVICE int32 [batch], distinct) request b's state is conv_state[state_slots[b]] of a slot pool.

@@ -63,8 +63,12 @@ int configure() {
   const int dev = current_device();
   static DeviceOnce once;
   return once.run(dev, [](int d) {
-    check_cuda(cudaFuncSetAttribute(gdn_wy_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, kWySmem),
+    check_cuda(cudaFuncSetAttribute(gdn_wy_kernel<false, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    kWySmem),
                "cudaFuncSetAttribute(gdn_wy_kernel)");
+    check_cuda(cudaFuncSetAttribute(gdn_wy_kernel<false, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    kWySmem),
+               "cudaFuncSetAttribute(gdn_wy_kernel<conv>)");
     check_cuda(cudaFuncSetAttribute(gdn_scan_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, kScanSmem),
                "cudaFuncSetAttribute(gdn_scan_kernel)");
     int sms = 0;
@@ -244,12 +248,18 @@ bool wgmma_kernel_runs(bool on) {
 
 namespace {
 std::atomic<uint64_t> g_scan_wgmma_launches{0}, g_wy_wgmma_launches{0}, g_scan_tma_launches{0},
-    g_scan_tma_all_launches{0};  // (gdn_wgmma_launches)
+    g_scan_tma_all_launches{0}, g_wy_conv_launches{0};  // (gdn_wgmma_launches)
 }  // namespace
 
 GdnWgmmaLaunches gdn_wgmma_launches() {
   return GdnWgmmaLaunches{g_scan_wgmma_launches.load(), g_wy_wgmma_launches.load(), g_scan_tma_launches.load(),
-                          g_scan_tma_all_launches.load()};
+                          g_scan_tma_all_launches.load(), g_wy_conv_launches.load()};
+}
+
+bool gdn_conv_fused_active(int kernel) {
+  // HYPIC_GDN_CONV_FUSED (a candidate): the conv in the WY kernel (GdnPrefillArgs::conv) where the callers choose it.
+  static CandidateSwitch fused("HYPIC_GDN_CONV_FUSED");
+  return gdn_conv_fused_supported(kernel) && fused.on();
 }
 
 bool gdn_wgmma_built() {
@@ -281,6 +291,9 @@ std::vector<uintptr_t> factors_key(const GdnPrefillArgs& a, const std::vector<in
                         static_cast<const void*>(a.g), static_cast<const void*>(a.beta),
                         static_cast<const void*>(a.gate_a), static_cast<const void*>(a.gate_b),
                         static_cast<const void*>(a.A_log), static_cast<const void*>(a.dt_bias)})
+    key.push_back(reinterpret_cast<uintptr_t>(p));
+  for (const void* p : {static_cast<const void*>(a.conv.x), static_cast<const void*>(a.conv.weight),
+                        static_cast<const void*>(a.conv.state), static_cast<const void*>(a.conv.conv_start)})
     key.push_back(reinterpret_cast<uintptr_t>(p));
   uint32_t scale_bits = 0;
   std::memcpy(&scale_bits, &a.scale, 4);
@@ -345,8 +358,21 @@ GdnFactors GdnFactorsAccess::prepare(const GdnPrefillArgs& a, GdnWorkspace& ws, 
   const bool fused_gates = a.gate_a || a.gate_b || a.A_log || a.dt_bias;
   if (fused_gates && (a.g || a.beta))
     throw std::invalid_argument(f + ": give either g and beta or the fused gate inputs, not both");
+  const bool conv = a.conv.x != nullptr;
+  if (conv) {
+    if (!gdn_conv_fused_supported(a.conv.kernel))
+      throw std::invalid_argument(f + ": the fused conv takes 4 taps (conv.kernel), got " +
+                                  std::to_string(a.conv.kernel) + ": run conv1d_silu_prefill before instead");
+    if (!a.conv.weight || !a.conv.conv_start)
+      throw std::invalid_argument(f + ": the fused conv needs conv.weight and conv.conv_start");
+    for (const auto& [ptr, name] : {std::pair<const void*, const char*>{a.conv.x, "conv.x"},
+                                    {a.conv.weight, "conv.weight"}, {a.conv.state, "conv.state"}})
+      if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0)
+        throw std::invalid_argument(f + ": " + name + " must be 16-byte aligned");
+  }
   if (total_tokens > 0) {
-    for (const auto& [ptr, name] : {std::pair<const void*, const char*>{a.k, "k"}, {a.v, "v"}})
+    // (with the conv fused, k (and q) are where the conv's rows go, and v is not used)
+    for (const auto& [ptr, name] : {std::pair<const void*, const char*>{a.k, "k"}, {conv ? a.k : a.v, "v"}})
       if (!ptr) throw std::invalid_argument(f + ": " + name + " is null");
     if (fused_gates) {
       for (const auto& [ptr, name] : {std::pair<const void*, const char*>{a.gate_a, "gate_a"}, {a.gate_b, "gate_b"},
@@ -400,19 +426,29 @@ GdnFactors GdnFactorsAccess::prepare(const GdnPrefillArgs& a, GdnWorkspace& ws, 
   if (nchunks > 0) {
     const unsigned blocks = unsigned(nchunks) * unsigned(a.num_v_heads);
     const GateInputs gates{a.gate_a, a.gate_b, a.A_log, a.dt_bias};
+    bf16* const q_out = a.out ? const_cast<bf16*>(a.q) : nullptr;  // (the conv's outputs: GdnPrefillArgs::conv)
+    const ConvView cv{a.conv.x,
+                      a.conv.weight,
+                      a.conv.state,
+                      a.conv.conv_start,
+                      conv ? q_out : nullptr,
+                      conv ? const_cast<bf16*>(a.k) : nullptr,
+                      (2 * a.num_k_heads + a.num_v_heads) * D,
+                      conv && conv_narrow_on()};
 #if HYPIC_GDN_WGMMA_BUILT
     if (gdn_wy_wgmma_active()) {
-      launch_wy_wgmma(blocks, a.out ? a.q : nullptr, a.k, a.v, a.g, a.beta, gates, a.num_k_heads, a.num_v_heads,
-                      a.l2norm_qk, a.scale, v, stream);
+      launch_wy_wgmma(blocks, q_out, a.k, a.v, a.g, a.beta, gates, a.num_k_heads, a.num_v_heads, a.l2norm_qk,
+                      a.scale, v, cv, stream);
       g_wy_wgmma_launches.fetch_add(1);
     } else
 #endif
     {
-      gdn_wy_kernel<false><<<blocks, kWyThreads, kWySmem, stream>>>(a.out ? a.q : nullptr, a.k, a.v, a.g, a.beta,
-                                                                    gates, a.num_k_heads, a.num_v_heads, a.l2norm_qk,
-                                                                    a.scale, v);
+      auto kernel = conv ? gdn_wy_kernel<false, true> : gdn_wy_kernel<false, false>;
+      kernel<<<blocks, kWyThreads, kWySmem, stream>>>(q_out, a.k, a.v, a.g, a.beta, gates, a.num_k_heads,
+                                                      a.num_v_heads, a.l2norm_qk, a.scale, v, cv);
       check_cuda(cudaGetLastError(), "gdn_wy_kernel launch");
     }
+    if (conv) g_wy_conv_launches.fetch_add(1);
   }
   ws.factors_key_ = factors_key(a, pk);
   return out;

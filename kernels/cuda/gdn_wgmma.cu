@@ -119,14 +119,23 @@ bool launch_scan_wgmma(dim3 grid, int threads, const ScanParams& p, long long* p
 
 void launch_wy_wgmma(unsigned blocks, const bf16* q, const bf16* k, const bf16* v, const float* g, const float* beta,
                      const GateInputs& gates, int Hk, int Hv, bool l2norm, float scale, const WsView& ws,
-                     cudaStream_t stream) {
+                     const ConvView& cv, cudaStream_t stream) {
   static DeviceOnce once;
   once.run(current_device(), [](int) {
-    check_cuda(cudaFuncSetAttribute(gdn_wy_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, kWySmemWg),
+    check_cuda(cudaFuncSetAttribute(gdn_wy_kernel<true, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    kWySmemWg),
                "cudaFuncSetAttribute(gdn_wy_kernel<wgmma>)");
+    check_cuda(cudaFuncSetAttribute(gdn_wy_kernel<true, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    kWySmemWg),
+               "cudaFuncSetAttribute(gdn_wy_kernel<wgmma, conv>)");
     return 0;
   });
-  gdn_wy_kernel<true><<<blocks, kWyThreads, kWySmemWg, stream>>>(q, k, v, g, beta, gates, Hk, Hv, l2norm, scale, ws);
+  if (cv.x)
+    gdn_wy_kernel<true, true>
+        <<<blocks, kWyThreads, kWySmemWg, stream>>>(q, k, v, g, beta, gates, Hk, Hv, l2norm, scale, ws, cv);
+  else
+    gdn_wy_kernel<true, false>
+        <<<blocks, kWyThreads, kWySmemWg, stream>>>(q, k, v, g, beta, gates, Hk, Hv, l2norm, scale, ws, cv);
   check_cuda(cudaGetLastError(), "gdn_wy_kernel<wgmma> launch");
 }
 

@@ -36,40 +36,116 @@ __device__ __forceinline__ void load_raw(uint4 (&raw)[8], const bf16* src, size_
   }
 }
 
+// One row of finish_rows: thread piece `piece` (8 elements, raw) of row r.
+template <bool kSw>
+__device__ __forceinline__ void finish_row(bf16* s, uint4 raw, bool norm, float mul, int r, int piece, float* f_out) {
+  float f = mul;
+  if (norm) {
+    const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&raw);
+    float ss = 0.f;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float2 x = __bfloat1622float2(h2[e]);
+      ss += x.x * x.x + x.y * x.y;
+    }
+#pragma unroll
+    for (int o = 1; o < 16; o <<= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    f = mul * rsqrtf(ss + 1e-6f);
+  }
+  uint4 o = raw;
+  if (norm || mul != 1.f) {
+    __nv_bfloat162* h2 = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float2 x = __bfloat1622float2(h2[e]);
+      h2[e] = __floats2bfloat162_rn(x.x * f, x.y * f);
+    }
+  }
+  if constexpr (kSw)
+    *reinterpret_cast<uint4*>(reinterpret_cast<unsigned char*>(s) + sw_off(r, piece)) = o;
+  else
+    *reinterpret_cast<uint4*>(s + r * LD + piece * 8) = o;
+  if (piece == 0) f_out[r] = f;
+}
+
 template <bool kSw = false>
 __device__ __forceinline__ void finish_rows(bf16* s, const uint4 (&raw)[8], bool norm, float mul, int tid,
                                             float* f_out) {
   const int r0 = tid >> 4, piece = tid & 15;
 #pragma unroll
+  for (int i = 0; i < 8; ++i) finish_row<kSw>(s, raw[i], norm, mul, r0 + 8 * i, piece, f_out);
+}
+
+// ---------------------------------------------------------------------------------------------
+// 0. The conv fused in (GdnPrefillArgs::conv, gated_delta.h GdnConvIn): conv1d_silu_prefill's arithmetic (conv1d.cu)
+// on the raw in_proj rows, so the WY kernel reads them instead of the conv's q, k, v.
+constexpr int kConvK = 4;  // taps (gdn_conv_fused_supported)
+
+// What the fused conv reads and writes; x == nullptr: the kernel reads q, k, v as given.
+struct ConvView {
+  const bf16* x;      // [T][channels] raw rows: channels [0, H_k 128) q, [H_k 128, 2 H_k 128) k, then v
+  const bf16* w;      // [channels][kConvK]
+  const bf16* state;  // [num_seqs][kConvK - 1][channels]: the inputs before each sequence's start, or nullptr (zeros)
+  const int* start;   // [num_seqs]: the first token of each sequence's conv input
+  bf16* q_out;        // [T][H_k][128]: the conv's q (by the blocks of each key head's first value head), or null
+  bf16* k_out;        // [T][H_k][128]: the conv's k (by the same blocks)
+  int channels;
+  bool fast;          // SiLU by conv_silu_fast, as conv1d_silu_prefill's 4-channel kernel (HYPIC_CONV_NARROW)
+};
+
+// The conv's input at token t for channels c .. c + 7 of sequence seq (whose input begins at token start >= t - 3):
+// x's row from start on, the sequence's history before it (zeros without a state).
+__device__ __forceinline__ uint4 conv_input(const ConvView& cv, int seq, int start, int t, int c) {
+  if (t >= start) return __ldg(reinterpret_cast<const uint4*>(cv.x + size_t(t) * cv.channels + c));
+  if (cv.state)
+    return __ldg(reinterpret_cast<const uint4*>(
+        cv.state + (size_t(seq) * (kConvK - 1) + (kConvK - 1 + t - start)) * cv.channels + c));
+  return make_uint4(0, 0, 0, 0);
+}
+
+// The conv's output for the 64 rows of a chunk (tokens t0 .. t0 + len - 1 of sequence seq; rows >= len zero) and the
+// 128 channels c0 .. c0 + 127, by 128 threads: thread t the 16-byte piece t % 16 of the 8 consecutive rows
+// 8 (t / 16) .. + 7, all 11 input rows loaded before the first product; emit(r, piece, row) takes each output row as it
+// is done (every lane of the warp calls it for the same i: emit may shuffle within the 16 lanes of a row). Each element
+// as conv_prefill_kernel computes it: a = 0, a = fma(w_j, in_j, a) over the taps in order (the last on the token's own
+// input), then SiLU (conv_silu_fast where cv.fast, else conv_silu) and one rounding to bf16: the same bits.
+template <class Emit>
+__device__ __forceinline__ void conv_rows(const ConvView& cv, int c0, int seq, int start, int t0, int len, int tid,
+                                          Emit&& emit) {
+  constexpr int kIn = 8 + kConvK - 1;
+  const int r0 = (tid >> 4) * 8, piece = tid & 15, c = c0 + piece * 8;
+  uint4 in[kIn];
+#pragma unroll
+  for (int i = 0; i < kIn; ++i) {
+    const int j = r0 - (kConvK - 1) + i;  // the input row, chunk-relative (negative: before the chunk)
+    in[i] = j < len ? conv_input(cv, seq, start, t0 + j, c) : make_uint4(0, 0, 0, 0);
+  }
+  uint4 wraw[kConvK];  // the 8 channels' taps, [channel][tap] bf16: kConvK 16-byte pieces
+#pragma unroll
+  for (int i = 0; i < kConvK; ++i) wraw[i] = __ldg(reinterpret_cast<const uint4*>(cv.w + size_t(c) * kConvK) + i);
+  const bf16* wv = reinterpret_cast<const bf16*>(wraw);
+#pragma unroll
   for (int i = 0; i < 8; ++i) {
-    float f = mul;
-    if (norm) {
-      const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&raw[i]);
-      float ss = 0.f;
+    uint4 o = make_uint4(0, 0, 0, 0);
+    if (r0 + i < len) {
+      __nv_bfloat162* op = reinterpret_cast<__nv_bfloat162*>(&o);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float2 x = __bfloat1622float2(h2[e]);
-        ss += x.x * x.x + x.y * x.y;
-      }
+      for (int e2 = 0; e2 < 4; ++e2) {
+        float y[2];
 #pragma unroll
-      for (int o = 1; o < 16; o <<= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-      f = mul * rsqrtf(ss + 1e-6f);
-    }
-    uint4 o = raw[i];
-    if (norm || mul != 1.f) {
-      __nv_bfloat162* h2 = reinterpret_cast<__nv_bfloat162*>(&o);
+        for (int h = 0; h < 2; ++h) {
+          const int e = 2 * e2 + h;
+          float a = 0.f;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float2 x = __bfloat1622float2(h2[e]);
-        h2[e] = __floats2bfloat162_rn(x.x * f, x.y * f);
+          for (int j = 0; j < kConvK; ++j)
+            a = fmaf(__bfloat162float(wv[e * kConvK + j]),
+                     __bfloat162float(reinterpret_cast<const bf16*>(&in[i + j])[e]), a);
+          y[h] = cv.fast ? conv_silu_fast(a) : conv_silu(a);
+        }
+        op[e2] = __floats2bfloat162_rn(y[0], y[1]);
       }
     }
-    const int r = r0 + 8 * i;
-    if constexpr (kSw)
-      *reinterpret_cast<uint4*>(reinterpret_cast<unsigned char*>(s) + sw_off(r, piece)) = o;
-    else
-      *reinterpret_cast<uint4*>(s + r * LD + piece * 8) = o;
-    if (piece == 0) f_out[r] = f;
+    emit(r0 + i, piece, o);
   }
 }
 
@@ -203,11 +279,21 @@ __device__ __forceinline__ bf16* tile64_at(bf16* s, int row, int col) {
     return s + row * LDP + col;
 }
 
-template <bool kWgmma>
-__global__ void __launch_bounds__(kWyThreads) gdn_wy_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
-                                                            const bf16* __restrict__ v, const float* __restrict__ g,
-                                                            const float* __restrict__ beta, GateInputs gates, int Hk,
-                                                            int Hv, bool l2norm, float scale, WsView ws) {
+// Blocks per SM the WY kernel is compiled for (__launch_bounds__' second argument): without the conv none (0: the
+// compiler's own choice, 120 registers on wgmma, 96 on mma.sync, four blocks per SM by shared memory); with it four
+// on wgmma (127 registers, no spills; unbounded it took 130, three blocks) and three on mma.sync (four spilled).
+template <bool kWgmma, bool kConv>
+constexpr int wy_min_blocks() {
+  return kConv ? (kWgmma ? 4 : 3) : 0;
+}
+
+// kConv: q, k, v from the conv fused in (cv; section 0) instead of the q, k, v pointers (q then only says whether
+// outputs are requested: P and the q factors are computed where it is non-null).
+template <bool kWgmma, bool kConv = false>
+__global__ void __launch_bounds__(kWyThreads, (wy_min_blocks<kWgmma, kConv>()))
+    gdn_wy_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
+                  const float* __restrict__ g, const float* __restrict__ beta, GateInputs gates, int Hk, int Hv,
+                  bool l2norm, float scale, WsView ws, ConvView cv) {
   extern __shared__ __align__(16) unsigned char smem_raw[];  // (kWgmma aligns its base to 1024 below)
   unsigned char* smem = smem_raw;
   if constexpr (kWgmma) smem += (1024u - (smem_addr(smem_raw) & 1023u)) & 1023u;
@@ -233,7 +319,24 @@ __global__ void __launch_bounds__(kWyThreads) gdn_wy_kernel(const bf16* __restri
   const int kh = h / (Hv / Hk);
   const size_t slot = size_t(chunk) * Hv + h;
 
-  {
+  if constexpr (kConv) {
+    // The conv's k (and q) rows; the blocks of each key head's first value head store them for the scan.
+    const int start = cv.start[ci.seq];
+    const bool writer = h % (Hv / Hk) == 0;
+    const size_t row0 = (size_t(ci.t0) * Hk + kh) * D, stride = size_t(Hk) * D;
+    conv_rows(cv, Hk * D + kh * D, ci.seq, start, ci.t0, ci.len, tid, [&](int r, int piece, uint4 o) {
+      if (writer && r < ci.len) *reinterpret_cast<uint4*>(cv.k_out + row0 + r * stride + piece * 8) = o;
+      finish_row<kWgmma>(sK, o, l2norm, 1.f, r, piece, sFk);
+    });
+    if (q) {
+      conv_rows(cv, kh * D, ci.seq, start, ci.t0, ci.len, tid, [&](int r, int piece, uint4 o) {
+        if (writer && r < ci.len) *reinterpret_cast<uint4*>(cv.q_out + row0 + r * stride + piece * 8) = o;
+        finish_row<kWgmma>(sQ, o, l2norm, scale, r, piece, sFq);
+      });
+    } else if (tid < C) {
+      sFq[tid] = 0.f;
+    }
+  } else {
     uint4 rk[8], rq[8];  // both tiles in flight before the first use
     load_raw(rk, k + (size_t(ci.t0) * Hk + kh) * D, size_t(Hk) * D, ci.len, tid);
     load_raw(rq, q ? q + (size_t(ci.t0) * Hk + kh) * D : k, size_t(Hk) * D, q ? ci.len : 0, tid);
@@ -422,12 +525,22 @@ __global__ void __launch_bounds__(kWyThreads) gdn_wy_kernel(const bf16* __restri
   if constexpr (kWgmma) sm90::fence_proxy_async();  // sXb, sXbg read next by wgmma
   __syncthreads();
 
-  // V into region R (X is in sXb / sXbg now), in flight while W = Xbg K is computed and stored.
-  if constexpr (kWgmma)
-    cp_async_rows_sw<D / 8>(region, v + (size_t(ci.t0) * Hv + h) * D, size_t(Hv) * D, ci.len, tid, kWyThreads);
-  else
-    cp_async_rows(sV, v + (size_t(ci.t0) * Hv + h) * D, size_t(Hv) * D, ci.len, tid, kWyThreads);
-  cp_async_commit();
+  // V into region R (X is in sXb / sXbg now), in flight while W = Xbg K is computed and stored (kConv: the conv's v
+  // rows computed and stored here, before W).
+  if constexpr (kConv) {
+    conv_rows(cv, 2 * Hk * D + h * D, ci.seq, cv.start[ci.seq], ci.t0, ci.len, tid, [&](int r, int piece, uint4 o) {
+      if constexpr (kWgmma)
+        *reinterpret_cast<uint4*>(region + sw_off(r, piece)) = o;
+      else
+        *reinterpret_cast<uint4*>(sV + r * LD + piece * 8) = o;
+    });
+  } else {
+    if constexpr (kWgmma)
+      cp_async_rows_sw<D / 8>(region, v + (size_t(ci.t0) * Hv + h) * D, size_t(Hv) * D, ci.len, tid, kWyThreads);
+    else
+      cp_async_rows(sV, v + (size_t(ci.t0) * Hv + h) * D, size_t(Hv) * D, ci.len, tid, kWyThreads);
+    cp_async_commit();
+  }
   // W = Xbg K and U = Xb V (X is lower triangular: k-steps past the warp's rows are zero).
   {
     float acc[16][4] = {};
@@ -448,8 +561,8 @@ __global__ void __launch_bounds__(kWyThreads) gdn_wy_kernel(const bf16* __restri
             pack_bf16(acc[n][2], acc[n][3]);
       }
     }
-    cp_async_wait<0>();
-    if constexpr (kWgmma) sm90::fence_proxy_async();  // V (cp.async) read next by wgmma
+    if constexpr (!kConv) cp_async_wait<0>();
+    if constexpr (kWgmma) sm90::fence_proxy_async();  // V (cp.async, or the conv's stores) read next by wgmma
     __syncthreads();  // W staged, V landed
     store_tile<kWgmma>(ws.W + slot * kWElems, sStage, tid);
   }
@@ -480,12 +593,13 @@ __global__ void __launch_bounds__(kWyThreads) gdn_wy_kernel(const bf16* __restri
   }
 }
 
-/// Launches gdn_wy_kernel<true> (the products on wgmma) on `blocks` blocks (chunks x value heads) of kWyThreads with
-/// kWySmemWg bytes of dynamic shared memory, the attribute set once per device; the arguments as gdn_wy_kernel's.
+/// Launches gdn_wy_kernel<true> (the products on wgmma; with the conv fused in where cv.x is set) on `blocks` blocks
+/// (chunks x value heads) of kWyThreads with kWySmemWg bytes of dynamic shared memory, the attribute set once per
+/// device; the arguments as gdn_wy_kernel's.
 /// Defined in gdn_wgmma.cu, built for sm_90a only (HYPIC_GDN_WGMMA_BUILT): call it on compute capability 9.0 devices
 /// only. Throws std::runtime_error on a CUDA error.
 void launch_wy_wgmma(unsigned blocks, const bf16* q, const bf16* k, const bf16* v, const float* g, const float* beta,
                      const GateInputs& gates, int Hk, int Hv, bool l2norm, float scale, const WsView& ws,
-                     cudaStream_t stream);
+                     const ConvView& cv, cudaStream_t stream);
 
 }  // namespace hypic::kernels::cuda::detail::gdn

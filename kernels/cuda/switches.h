@@ -18,7 +18,7 @@ inline constexpr const char* kCandidateSwitches[] = {
     "HYPIC_FUSE_POST_NORM", "HYPIC_GDN_DECODE_NORM", "HYPIC_DECODE_LM_HEAD",  "HYPIC_MOE_PERSISTENT_LONG",
     "HYPIC_MOE_CLUSTER_PAIRS", "HYPIC_ATTN_SPLIT_WG_PLAN", "HYPIC_ATTN_DECODE_L2_AHEAD", "HYPIC_ATTN_DECODE_D_SPLIT",
     "HYPIC_MLA_SEQ_CHUNKS", "HYPIC_ROUTE_SGATE_EARLY", "HYPIC_MOE_SWAP_AB", "HYPIC_MOE_SWAP_5D",
-    "HYPIC_ATTN_SPLIT_PAIR", "HYPIC_CHAIN_T_BULK", "HYPIC_ATTN_SKIP_RESCALE"};
+    "HYPIC_ATTN_SPLIT_PAIR", "HYPIC_CHAIN_T_BULK", "HYPIC_ATTN_SKIP_RESCALE", "HYPIC_GDN_CONV_FUSED"};
 /// Former candidates that a GPU session measured faster (H200, 2026-12-05: bench/results/candidates_ab_h200.md, the
 /// first six; bench/results/candidates_ab2_h200.md, the rest but the last three: bench/results/seam_fold_h100.md,
 /// bench/results/chain_lr_prefetch.md, bench/results/moe_warp_specialized.md on an H100, the two after them

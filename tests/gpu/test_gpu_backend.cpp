@@ -1000,7 +1000,8 @@ TEST_CASE("cuda backend: decode steps replayed as CUDA graphs equal the eager st
 // The switched kernel paths that keep the arithmetic (kernels/cuda/switches.h, candidates and measured defaults: the
 // next layer's norm in the MoE combine, RoPE angle tables, the MoE wgmma vector epilogue, deep decode MoE rings, each
 // checked bit for bit against the other path in its kernel test; the post-attention norm in decode_linear's last
-// block, the one-token MoE routing) through the whole model: full prefills of 10 prompts (MoE layers of 20 .. 47
+// block, the one-token MoE routing, the conv in the Gated DeltaNet WY kernel with the conv state's tails after the
+// layer: the decode steps read them) through the whole model: full prefills of 10 prompts (MoE layers of 20 .. 47
 // tokens: the wgmma tiles), a hypic splice, then 12 greedy decode steps of the 10 (two token groups per MoE tile ring)
 // and 6 of one, then 6 of the splice's 69-slot sequence beside a 150-token prompt's (contexts past a 64-slot KV page:
 // the decode attention's whole tiles before the last slot, HYPIC_ATTN_DECODE_KV_EARLY's early loads), the CUDA graphs
@@ -1069,7 +1070,7 @@ TEST_CASE("cuda backend: switched kernel paths that keep the arithmetic give the
                          "HYPIC_ATTN_DECODE_D_SPLIT", "HYPIC_DECODE_PDL_MIXERS", "HYPIC_MOE_DOWN_EARLY",
                          "HYPIC_GDN_STATE_EARLY", "HYPIC_ROUTE_SGATE_EARLY",
                          "HYPIC_CONV_STATE_EARLY", "HYPIC_COMBINE_EARLY",
-                         "HYPIC_MOE_SHARED_EARLY", "HYPIC_ATTN_DECODE_KV_EARLY"}) {
+                         "HYPIC_MOE_SHARED_EARLY", "HYPIC_ATTN_DECODE_KV_EARLY", "HYPIC_GDN_CONV_FUSED"}) {
     DYNAMIC_SECTION(sw) {
       std::vector<std::vector<float>> off, on;
       {

@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "kernels/cpu/gated_delta.h"
@@ -1091,6 +1092,169 @@ TEST_CASE("gdn_prefill with the scan's tiles staged by TMA (HYPIC_GDN_SCAN_TMA):
   }
 }
 
+TEST_CASE("gdn_prefill with the conv fused into its WY kernel (HYPIC_GDN_CONV_FUSED): the bits of "
+          "conv1d_silu_prefill then gdn_prefill",
+          "[gpu][gated_delta][conv][candidate]") {
+  require_gpu();
+  std::mt19937 rng(91);
+  constexpr int K = 4;
+  // Lengths: shorter than, equal to and one past K - 1 (histories mixing the state and the sequence's rows), empty,
+  // one chunk, one past it, and a long one (52 chunks: cut into parts where seq_parts asks).
+  const std::vector<int> lens = {1, 2, 0, 3, 64, 65, 130, 3300};
+  std::vector<int> cu = {0};
+  for (int L : lens) cu.push_back(cu.back() + L);
+  const int n = int(lens.size()), T = cu.back();
+  struct Config {
+    int parts;
+    bool out, transition, history, reuse, checkpoints, initial;
+  };
+  const Config configs[] = {
+      {1, true, true, true, false, false, true},    {3, true, true, true, false, false, true},
+      {3, false, true, true, false, false, false},  // no outputs (a splice's first phase): k written, q not
+      {0, true, false, false, false, false, true},  // zero history (no conv state)
+      {1, true, false, true, true, false, true},    // gdn_prefill_factors, then the scan reusing them
+      {1, true, false, true, false, true, true},    // checkpoints (prefix mode's cuts)
+  };
+  for (const int hk : {2, 4}) {
+    const int hv = 4, channels = (2 * hk + hv) * D;
+    std::vector<float> tmp;
+    const auto xh = random_bf16(rng, size_t(T) * channels, 1.f, tmp);
+    const auto wh = random_bf16(rng, size_t(channels) * K, 0.5f, tmp);
+    const auto sh = random_bf16(rng, size_t(n) * (K - 1) * channels, 1.f, tmp);
+    auto g = random_log_decay(rng, size_t(T) * hv);
+    for (auto& x : g) x *= 0.1f;  // slow decay: T_C of the long sequence stays far from zero
+    const auto beta = random_beta(rng, size_t(T) * hv);
+    const size_t se = size_t(hv) * D * D;
+    std::vector<float> init(n * se);
+    std::normal_distribution<float> nd(0.f, 0.3f);
+    for (auto& x : init) x = nd(rng);
+    const std::vector<int> at = {2, 40, 100, 200, 400, T};  // checkpoints: after tokens 1, 39, ...
+    const int ncp = int(at.size());
+    DeviceBuffer<int> dcu(cu);
+    DeviceBuffer<bf16> dx(xh), dw(wh);
+    DeviceBuffer<float> dg(g), db(beta), dinit(init);
+    for (const Config& c : configs) {
+      for (const bool narrow : {true, false}) {
+        for (const bool wy_wgmma : {true, false}) {
+          if (wy_wgmma && !gpu::gdn_wgmma_built()) continue;
+          DYNAMIC_SECTION("H_k " << hk << ", seq_parts " << c.parts << ", outputs " << c.out << ", T_C "
+                                 << c.transition << ", history " << c.history << ", reused factors " << c.reuse
+                                 << ", checkpoints " << c.checkpoints << ", narrow conv " << narrow
+                                 << ", WY on wgmma " << wy_wgmma) {
+            ScopedCandidate sw_narrow("HYPIC_CONV_NARROW", narrow), sw_wy("HYPIC_GDN_WY_WGMMA", wy_wgmma);
+            struct Result {
+              std::vector<bf16> q, k, out, conv_state;
+              std::vector<float> fin, tr, cps;
+            };
+            auto run = [&](bool fused) {
+              DeviceBuffer<bf16> dq(size_t(T) * hk * D), dk(size_t(T) * hk * D), dv(size_t(T) * hv * D),
+                  dout(size_t(T) * hv * D), dstate(sh);
+              DeviceBuffer<float> dfin(n * se), dtr(n * se), dcp(ncp * se);
+              std::vector<float*> cp_ptrs;
+              for (int i = 0; i < ncp; ++i) cp_ptrs.push_back(dcp.get() + size_t(i) * se);
+              DeviceBuffer<float*> dptrs(cp_ptrs);
+              for (auto* b : {&dq, &dk, &dv, &dout}) b->poison();
+              dfin.poison();
+              dtr.poison();
+              dcp.poison();
+              bf16* state = c.history ? dstate.get() : nullptr;
+              if (!fused)
+                gpu::conv1d_silu_prefill(n, dcu.get(), T, channels, K, dx.get(), dw.get(), state,
+                                         gpu::ConvQkvOut{dq.get(), dk.get(), dv.get(), hk * D});
+              gpu::GdnPrefillArgs a = make_args(n, cu.data(), hk, hv, dq.get(), dk.get(), fused ? nullptr : dv.get(),
+                                                dg.get(), db.get(), dfin.get(), c.transition ? dtr.get() : nullptr,
+                                                c.out ? dout.get() : nullptr);
+              a.initial_state = c.initial ? dinit.get() : nullptr;
+              a.seq_parts = c.parts;
+              if (c.checkpoints) {
+                a.num_checkpoints = ncp;
+                a.checkpoint_tokens_host = at.data();
+                a.checkpoint_states = dptrs.get();
+              }
+              if (fused) a.conv = gpu::GdnConvIn{dx.get(), dw.get(), state, dcu.get(), K};
+              gpu::GdnWorkspace ws;
+              const gpu::GdnWgmmaLaunches before = gpu::gdn_wgmma_launches();
+              if (c.reuse) {
+                gpu::gdn_prefill_factors(a, ws);
+                a.reuse_factors = true;
+              }
+              gpu::gdn_prefill(a, ws);
+              if (fused && state) gpu::conv1d_state_tail(n, dcu.get(), channels, K, dx.get(), state);
+              check_cuda(cudaDeviceSynchronize(), fused ? "fused conv prefill" : "conv, then prefill");
+              const gpu::GdnWgmmaLaunches after = gpu::gdn_wgmma_launches();
+              CHECK(after.wy_conv - before.wy_conv == (fused ? 1u : 0u));  // one WY launch, with the conv or not
+              CHECK(after.wy - before.wy == (wy_wgmma && gpu::gdn_wy_wgmma_active() ? 1u : 0u));
+              return Result{dq.download(),   dk.download(),  dout.download(), dstate.download(),
+                            dfin.download(), dtr.download(), dcp.download()};
+            };
+            const Result ref = run(false), got = run(true);
+            CHECK(same_bits(got.k, ref.k));  // the conv's k rows, written for the scan (and a splice's chain)
+            if (c.out) {
+              CHECK(same_bits(got.q, ref.q));
+              CHECK(same_bits(got.out, ref.out));
+            }
+            CHECK(same_bits(got.fin, ref.fin));
+            if (c.transition) CHECK(same_bits(got.tr, ref.tr));
+            if (c.checkpoints) CHECK(same_bits(got.cps, ref.cps));
+            if (c.history) CHECK(same_bits(got.conv_state, ref.conv_state));  // conv1d_state_tail's tails
+            // (not two copies of poison: the reference wrote finite values)
+            CHECK(std::isfinite(ref.fin[se * (n - 1)]));
+            CHECK(std::isfinite(bf16_to_float(ref.k[size_t(T - 1) * hk * D])));
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("gdn_prefill with the conv fused in: a conv sequence starting before its prefill sequence",
+          "[gpu][gated_delta][conv][candidate]") {
+  // GdnConvIn::conv_start below cu_seqlens: a sequence cut into pieces for the scan (a seam and an interior) whose
+  // conv input is the whole sequence's, equal to the conv over the whole sequence, then the prefill over the pieces.
+  require_gpu();
+  std::mt19937 rng(92);
+  constexpr int K = 4;
+  const int hk = 2, hv = 4, channels = (2 * hk + hv) * D;
+  const std::vector<int> conv_cu = {0, 70, 75};        // two conv sequences
+  const std::vector<int> pieces = {0, 8, 70, 72, 75};  // the first cut at 8, the second at 2 (inside its history)
+  const std::vector<int> starts = {0, 0, 70, 70};      // each piece's conv sequence's first token
+  const int T = conv_cu.back(), n = int(pieces.size()) - 1;
+  std::vector<float> tmp;
+  const auto xh = random_bf16(rng, size_t(T) * channels, 1.f, tmp);
+  const auto wh = random_bf16(rng, size_t(channels) * K, 0.5f, tmp);
+  const auto g = random_log_decay(rng, size_t(T) * hv);
+  const auto beta = random_beta(rng, size_t(T) * hv);
+  const size_t se = size_t(hv) * D * D;
+  DeviceBuffer<int> dconv_cu(conv_cu), dstarts(starts);
+  DeviceBuffer<bf16> dx(xh), dw(wh);
+  DeviceBuffer<float> dg(g), db(beta);
+  auto run = [&](bool fused) {
+    DeviceBuffer<bf16> dq(size_t(T) * hk * D), dk(size_t(T) * hk * D), dv(size_t(T) * hv * D),
+        dout(size_t(T) * hv * D);
+    DeviceBuffer<float> dfin(n * se), dtr(n * se);
+    for (auto* b : {&dq, &dk, &dv, &dout}) b->poison();
+    if (!fused)  // zero history: the conv over the two whole sequences
+      gpu::conv1d_silu_prefill(2, dconv_cu.get(), T, channels, K, dx.get(), dw.get(), nullptr,
+                               gpu::ConvQkvOut{dq.get(), dk.get(), dv.get(), hk * D});
+    gpu::GdnPrefillArgs a = make_args(n, pieces.data(), hk, hv, dq.get(), dk.get(), fused ? nullptr : dv.get(),
+                                      dg.get(), db.get(), dfin.get(), dtr.get(), dout.get());
+    if (fused) a.conv = gpu::GdnConvIn{dx.get(), dw.get(), nullptr, dstarts.get(), K};
+    gpu::GdnWorkspace ws;
+    gpu::gdn_prefill(a, ws);
+    check_cuda(cudaDeviceSynchronize(), fused ? "fused conv prefill over pieces" : "conv, then prefill over pieces");
+    return std::make_pair(std::vector<std::vector<bf16>>{dq.download(), dk.download(), dout.download()},
+                          std::vector<std::vector<float>>{dfin.download(), dtr.download()});
+  };
+  const auto ref = run(false), got = run(true);
+  for (int i = 0; i < 3; ++i) {
+    INFO("q, k, out: " << i);
+    CHECK(same_bits(got.first[i], ref.first[i]));
+  }
+  CHECK(same_bits(got.second[0], ref.second[0]));  // final states
+  CHECK(same_bits(got.second[1], ref.second[1]));  // T_C
+  CHECK(std::isfinite(ref.second[0][0]));
+}
+
 TEST_CASE("gdn_prefill splits: running two halves through initial_state equals one pass", "[gpu][gated_delta]") {
   require_gpu();
   // Composition law on the GPU outputs: S(C1 C2 | P) = T_C2 S(C1 | P) + S(C2 | 0), and the two-pass
@@ -1565,6 +1729,24 @@ TEST_CASE("GPU kernels reject bad shapes with invalid_argument", "[gpu][errors]"
   a.v = qkv.get() + 1;  // 2-byte aligned
   CHECK_THROWS_WITH(gpu::gdn_prefill(a, ws), Catch::Contains("v must be 16-byte aligned"));
   a.v = qkv.get();
+  {  // the fused conv's arguments (GdnPrefillArgs::conv), named before anything is launched
+    DeviceBuffer<int> starts(std::vector<int>{0});
+    gpu::GdnPrefillArgs c = a;
+    c.conv = gpu::GdnConvIn{qkv.get(), qkv.get(), nullptr, starts.get(), 3};
+    CHECK_THROWS_WITH(gpu::gdn_prefill(c, ws), Catch::Contains("takes 4 taps"));
+    c.conv.kernel = 4;
+    c.conv.weight = nullptr;
+    CHECK_THROWS_WITH(gpu::gdn_prefill(c, ws), Catch::Contains("needs conv.weight and conv.conv_start"));
+    c.conv.weight = qkv.get();
+    c.conv.x = qkv.get() + 4;  // 8-byte aligned
+    CHECK_THROWS_WITH(gpu::gdn_prefill(c, ws), Catch::Contains("conv.x must be 16-byte aligned"));
+    c.conv.x = qkv.get();
+    c.v = nullptr;  // not read with the conv fused in, but k (the conv's k rows go there) is still required
+    c.k = nullptr;
+    CHECK_THROWS_WITH(gpu::gdn_prefill(c, ws), Catch::Contains("k is null"));
+    CHECK_THROWS_AS(gpu::conv1d_state_tail(1, nullptr, 16, 4, qkv.get(), qkv.get()), std::invalid_argument);
+    CHECK_THROWS_AS(gpu::conv1d_state_tail(0, starts.get(), 16, 4, qkv.get(), qkv.get()), std::invalid_argument);
+  }
   // A new call shape cannot be planned inside a CUDA graph capture.
   cudaStream_t st;
   check_cuda(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "cudaStreamCreate");
