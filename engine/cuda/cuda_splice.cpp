@@ -1159,7 +1159,7 @@ void CudaBackend::build_batch(std::span<const std::vector<int32_t>> segs, int w,
     }
   }
   std::vector<int32_t> ids, pos, rows;
-  std::vector<int> cu{0}, pieces{0}, seam_cu{0}, seam_rows, bt(size_t(N) * max_pages, 0), slot0(N, 0);
+  std::vector<int> cu{0}, pieces{0}, seam_cu{0}, seam_rows, bt(size_t(N) * max_pages, 0), slot0(N, 0), piece_start;
   int max_q = 0, max_kv = 1;
   std::vector<std::shared_ptr<CudaEntry>> entries;
   for (int i = 0; i < N; ++i) {
@@ -1174,6 +1174,7 @@ void CudaBackend::build_batch(std::span<const std::vector<int32_t>> segs, int w,
     cu.push_back(int(ids.size()));
     pieces.push_back(base + sw);
     pieces.push_back(int(ids.size()));
+    piece_start.insert(piece_start.end(), {base, base});  // both pieces' conv input starts at the segment's start
     seam_cu.push_back(int(seam_rows.size()));
     std::copy(pages[i].begin(), pages[i].end(), bt.begin() + size_t(i) * max_pages);
     max_q = std::max(max_q, n);
@@ -1203,6 +1204,10 @@ void CudaBackend::build_batch(std::span<const std::vector<int32_t>> segs, int w,
                o_cs = rl.add(N * conv_layer_bytes_);
   std::vector<size_t> o_seam;
   for (int w : seam_width) o_seam.push_back(rl.add(size_t(S) * w * 2 + 16));
+  // Gated DeltaNet with the conv in the WY kernel (HYPIC_GDN_CONV_FUSED): the seams' raw in_proj rows gathered instead
+  // of their q, k, v.
+  const bool conv_fused = lin_ == Lin::Gdn && kc::gdn_conv_fused_active(K_);
+  const size_t o_seam_raw = conv_fused ? rl.add(size_t(S) * C_ * 2 + 16) : 0;
   if (n_lin_) ensure_capacity(run_scratch_, rl.total(), "per-segment states of an entry build");
   auto rs_f = [&](size_t off, int i) { return reinterpret_cast<float*>(run_scratch_.bytes_ptr(off + i * S1)); };
   auto rs_t = [&](size_t off, int i) { return reinterpret_cast<float*>(run_scratch_.bytes_ptr(off + i * TR)); };
@@ -1234,7 +1239,7 @@ void CudaBackend::build_batch(std::span<const std::vector<int32_t>> segs, int w,
   const size_t t_ids = tb.add(ids), t_pos = tb.add(pos), t_rows = tb.add(rows), t_cu = tb.add(cu), t_bt = tb.add(bt),
                t_s0 = tb.add(slot0), t_sr = tb.add(seam_rows), t_ic = tb.add(init_copy), t_ec = tb.add(entry_copy),
                t_sub = tb.add(sub), t_si = tb.add(sub_init), t_sf = tb.add(sub_fin), t_pc = tb.add(pieces),
-               t_scu = tb.add(seam_cu);
+               t_scu = tb.add(seam_cu), t_pst = tb.add(piece_start);
   const MlaExpandTables mla_x = plan_mla_expand(tb, N, cu.data(), slot0.data(), bt.data(), max_pages);
   tb.upload(tables_dev_, stream_);
   check_cuda(cudaMemcpyAsync(pre_.ids, tb.dev<int32_t>(t_ids), size_t(T) * 4, cudaMemcpyDeviceToDevice, stream_), "ids");
@@ -1287,30 +1292,38 @@ void CudaBackend::build_batch(std::span<const std::vector<int32_t>> segs, int w,
       const int l = cfg_.linear_index(i);
       linear_gemms(pre_, L.linear, T);
       check_cuda(cudaMemsetAsync(conv_states, 0, size_t(N) * conv_layer_bytes_, stream_), "conv zero");
-      kc::conv1d_silu_prefill(N, tb.dev<int>(t_cu), T, C_, K_, pre_.qkv, L.linear.conv1d, conv_states,
-                              kc::ConvQkvOut{pre_.q, pre_.k, pre_.v, qd_}, stream_);
+      // The conv in its own launch, or (conv_fused) inside the seams' and the pieces' WY launches, each from the raw
+      // rows with zero history before its segment (the seams' from their gathered rows); the tails after them.
+      if (!conv_fused)
+        kc::conv1d_silu_prefill(N, tb.dev<int>(t_cu), T, C_, K_, pre_.qkv, L.linear.conv1d, conv_states,
+                                kc::ConvQkvOut{pre_.q, pre_.k, pre_.v, qd_}, stream_);
       kc::GdnPrefillArgs g;
       g.num_k_heads = nk_, g.num_v_heads = nv_;
       g.A_log = L.linear.A_log, g.dt_bias = L.linear.dt_bias, g.l2norm_qk = true, g.scale = gdn_scale_;
       check_cuda(cudaMemsetAsync(rs_f(o_pi, 0), 0, 2 * size_t(N) * S1, stream_), "zero piece states");
       if (S > 0) {  // the seams alone from zero: S(seam|0), the interiors' true initial states
         const kc::bf16* src[5] = {pre_.q, pre_.k, pre_.v, pre_.ga, pre_.gb};
-        for (size_t j = 0; j < seam_width.size(); ++j)
+        for (size_t j = conv_fused ? 3 : 0; j < seam_width.size(); ++j)
           kc::gather_rows(S, seam_width[j], src[j], tb.dev<int>(t_sr), rs_b(o_seam[j]), stream_);
+        if (conv_fused) kc::gather_rows(S, C_, pre_.qkv, tb.dev<int>(t_sr), rs_b(o_seam_raw), stream_);
         kc::GdnPrefillArgs a = g;
         a.num_seqs = N, a.cu_seqlens_host = seam_cu.data();
-        a.q = rs_b(o_seam[0]), a.k = rs_b(o_seam[1]), a.v = rs_b(o_seam[2]), a.gate_a = rs_b(o_seam[3]),
-        a.gate_b = rs_b(o_seam[4]);
+        a.q = rs_b(o_seam[0]), a.k = rs_b(o_seam[1]), a.v = conv_fused ? nullptr : rs_b(o_seam[2]),
+        a.gate_a = rs_b(o_seam[3]), a.gate_b = rs_b(o_seam[4]);
+        if (conv_fused) a.conv = kc::GdnConvIn{rs_b(o_seam_raw), L.linear.conv1d, nullptr, tb.dev<int>(t_scu), K_};
         a.final_state = rs_f(o_sf, 0);
         kc::gdn_prefill(a, ws_seam_, stream_);
         kc::batched_copy(N, tb.dev<kc::CopyDesc>(t_ic) + size_t(l) * N, stream_);
       }
       // Every piece (seam_i from zero, interior_i from S(seam_i|0)): outputs, finals and T of each piece.
       g.num_seqs = 2 * N, g.cu_seqlens_host = pieces.data();
-      g.q = pre_.q, g.k = pre_.k, g.v = pre_.v, g.gate_a = pre_.ga, g.gate_b = pre_.gb;
+      g.q = pre_.q, g.k = pre_.k, g.v = conv_fused ? nullptr : pre_.v, g.gate_a = pre_.ga, g.gate_b = pre_.gb;
+      if (conv_fused) g.conv = kc::GdnConvIn{pre_.qkv, L.linear.conv1d, nullptr, tb.dev<int>(t_pst), K_};
       g.initial_state = rs_f(o_pi, 0), g.final_state = rs_f(o_pf, 0), g.out = pre_.o;
       g.transition = opt_.benchmark_skip_transitions ? nullptr : rs_t(o_pt, 0);
       kc::gdn_prefill(g, ws_pieces_, stream_);
+      if (conv_fused)  // each segment's conv tail (zero history before it), copied into its entry below
+        kc::conv1d_state_tail(N, tb.dev<int>(t_cu), C_, K_, pre_.qkv, conv_states, stream_);
       if (!opt_.benchmark_skip_transitions)
         chain(N, 1, tb.dev<kc::AffineStep>(t_sub) + size_t(l) * N, tb.dev<const float*>(t_si) + size_t(l) * N,
               tb.dev<float*>(t_sf) + size_t(l) * N, stream_);
