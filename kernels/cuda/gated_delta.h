@@ -48,9 +48,10 @@ struct GdnConvIn {
   /// [num_seqs][kernel - 1][channels] bf16: the kernel - 1 inputs before each sequence's conv_start, or nullptr (zero
   /// history). Read only: the caller updates it after the prefill's last call with conv1d_state_tail.
   const bf16* state = nullptr;
-  /// DEVICE int32 [num_seqs]: the token where sequence s's conv input begins (at most cu_seqlens_host[s]); rows
-  /// before it belong to another sequence and the history comes from `state` instead. The conv's cu_seqlens when
-  /// its sequences are the prefill's.
+  /// DEVICE int32 [num_seqs]: the token where sequence s's conv input begins, at most cu_seqlens_host[s] (not
+  /// checked: a later start reads history rows that are not there); rows before it belong to another sequence and
+  /// the history comes from `state` (row s, the prefill's sequence index) instead. The conv's cu_seqlens when its
+  /// sequences are the prefill's; a sequence cut into pieces for the scan gives each piece the whole one's start.
   const int* conv_start = nullptr;
   int kernel = 0;  ///< taps (4)
 };

@@ -295,6 +295,7 @@ std::vector<uintptr_t> factors_key(const GdnPrefillArgs& a, const std::vector<in
   for (const void* p : {static_cast<const void*>(a.conv.x), static_cast<const void*>(a.conv.weight),
                         static_cast<const void*>(a.conv.state), static_cast<const void*>(a.conv.conv_start)})
     key.push_back(reinterpret_cast<uintptr_t>(p));
+  if (a.conv.x) key.insert(key.end(), {uintptr_t(a.conv.kernel), uintptr_t(detail::conv_narrow_on())});  // (its SiLU)
   uint32_t scale_bits = 0;
   std::memcpy(&scale_bits, &a.scale, 4);
   key.push_back(scale_bits);

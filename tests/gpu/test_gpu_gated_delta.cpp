@@ -1100,7 +1100,7 @@ TEST_CASE("gdn_prefill with the conv fused into its WY kernel (HYPIC_GDN_CONV_FU
   constexpr int K = 4;
   // Lengths: shorter than, equal to and one past K - 1 (histories mixing the state and the sequence's rows), empty,
   // one chunk, one past it, and a long one (52 chunks: cut into parts where seq_parts asks).
-  const std::vector<int> lens = {1, 2, 0, 3, 64, 65, 130, 3300};
+  const std::vector<int> lens = {1, 2, 0, 3, 4, 64, 65, 130, 3300};
   std::vector<int> cu = {0};
   for (int L : lens) cu.push_back(cu.back() + L);
   const int n = int(lens.size()), T = cu.back();
